@@ -1,0 +1,22 @@
+"""skpathkernel: a trained neural network as a kernel machine, as scikit-learn estimators.
+
+A network trained by gradient descent is a kernel machine over its training set along its
+optimisation path (Domingos 2020; Guo, He & Morel 2026). skpathkernel trains PyTorch
+networks behind scikit-learn estimators, records that path, and exposes its tangent
+features, tangent and path kernels, and the per-training-point decomposition of every
+prediction.
+"""
+
+from ._machine import PathKernelClassifier, PathKernelMachine
+from ._training import TrainingDivergedError
+from ._trajectory import Trajectory
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "PathKernelClassifier",
+    "PathKernelMachine",
+    "Trajectory",
+    "TrainingDivergedError",
+    "__version__",
+]

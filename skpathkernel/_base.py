@@ -1,0 +1,300 @@
+"""What every network-training estimator shares.
+
+Parameters and their constraints, input validation, building the module, training it
+while recording the path (``fit`` -> ``trajectory_``), predicting in memory-bounded
+blocks, and pickling across devices.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+import warnings
+from abc import ABCMeta, abstractmethod
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator
+from sklearn.utils import check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_tensor
+from ._losses import LOSSES
+from ._training import train
+from ._trajectory import SolverSpec
+
+__all__ = ["BasePathKernelNetwork", "make_mlp"]
+
+ACTIVATIONS = {
+    "relu": torch.nn.ReLU,
+    "tanh": torch.nn.Tanh,
+    "gelu": torch.nn.GELU,
+    "softplus": torch.nn.Softplus,
+    "identity": torch.nn.Identity,
+}
+
+
+def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
+    """The default network: ``Linear -> activation -> ... -> Linear``."""
+    sizes = [n_features, *hidden_layer_sizes]
+    layers: list[torch.nn.Module] = []
+    for d_in, d_out in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(d_in, d_out), ACTIVATIONS[activation]()]
+    layers.append(torch.nn.Linear(sizes[-1], n_outputs))
+    return torch.nn.Sequential(*layers)
+
+
+class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
+    """Base class for estimators that train a network and record its optimisation path.
+
+    Subclasses encode targets (:meth:`_encode_targets`) and choose the loss; this class
+    owns validation, the module, the training loop and the recorded trajectory.
+    """
+
+    _parameter_constraints: dict = {
+        "hidden_layer_sizes": ["array-like", Interval(numbers.Integral, 1, None, closed="left")],
+        "activation": [StrOptions(set(ACTIVATIONS))],
+        "module": [callable, None],
+        "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
+        "learning_rate_init": [Interval(numbers.Real, 0, None, closed="neither")],
+        "momentum": [Interval(numbers.Real, 0, 1, closed="left")],
+        "alpha": [Interval(numbers.Real, 0, None, closed="left")],
+        "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
+        "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
+        "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), None],
+        "max_iter": [Interval(numbers.Integral, 1, None, closed="left")],
+        "shuffle": ["boolean"],
+        "record_every": [Interval(numbers.Integral, 1, None, closed="left")],
+        "device": [StrOptions({"auto", "cpu", "cuda"})],
+        "dtype": [StrOptions({"float32", "float64"})],
+        "memory_budget": [Interval(numbers.Integral, 2**20, None, closed="left")],
+        "random_state": ["random_state"],
+        "verbose": ["verbose"],
+    }
+
+    @abstractmethod
+    def __init__(
+        self,
+        hidden_layer_sizes=(64, 64),
+        *,
+        activation="tanh",
+        module=None,
+        solver="sgd",
+        learning_rate_init=0.01,
+        momentum=0.0,
+        alpha=0.0,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-8,
+        batch_size=None,
+        max_iter=200,
+        shuffle=True,
+        loss="squared_error",
+        record_every=1,
+        device="auto",
+        dtype="float32",
+        memory_budget=2**30,
+        random_state=None,
+        verbose=0,
+    ):
+        self.hidden_layer_sizes = hidden_layer_sizes
+        self.activation = activation
+        self.module = module
+        self.solver = solver
+        self.learning_rate_init = learning_rate_init
+        self.momentum = momentum
+        self.alpha = alpha
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.batch_size = batch_size
+        self.max_iter = max_iter
+        self.shuffle = shuffle
+        self.loss = loss
+        self.record_every = record_every
+        self.device = device
+        self.dtype = dtype
+        self.memory_budget = memory_budget
+        self.random_state = random_state
+        self.verbose = verbose
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def _encode_targets(self, y) -> tuple[np.ndarray, int, dict]:
+        """Return (training targets, number of network outputs, fitted attributes)."""
+
+    def _target_tensor(self, Y: np.ndarray, dtype, device) -> torch.Tensor:
+        return to_tensor(Y, dtype=dtype, device=device)
+
+    def _validate_y(self, X, y):
+        return validate_data(self, X, y, multi_output=True, y_numeric=True,
+                             dtype=[np.float64, np.float32])
+
+    # ------------------------------------------------------------------ fitting
+    def _solver_spec(self) -> SolverSpec:
+        return SolverSpec(
+            name=self.solver,
+            momentum=self.momentum if self.solver == "sgd" else 0.0,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
+            epsilon=self.epsilon,
+            weight_decay=self.alpha,
+        )
+
+    def _build_module(self, n_features: int, n_outputs: int, seed: int,
+                      device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        with seeded_torch(seed, device):
+            if self.module is None:
+                hidden = self.hidden_layer_sizes
+                hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
+                if any(int(h) < 1 for h in hidden):
+                    raise ValueError(
+                        f"hidden_layer_sizes must contain positive integers, got {hidden}."
+                    )
+                module = make_mlp(n_features, n_outputs, [int(h) for h in hidden],
+                                  self.activation)
+            else:
+                module = self.module(n_features, n_outputs)
+                if not isinstance(module, torch.nn.Module):
+                    raise TypeError(
+                        "module must be a callable (n_features_in, n_outputs) -> "
+                        f"torch.nn.Module; it returned {type(module).__name__}."
+                    )
+        module = module.to(device=device, dtype=dtype)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError("The module has no trainable parameters.")
+        return module
+
+    def _fit(self, X, y):
+        """Validate, train, and only then replace the fitted state (never half-fitted)."""
+        X, y = self._validate_y(X, y)
+        Y, n_outputs, attrs = self._encode_targets(y)
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype)
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        module = self._build_module(X.shape[1], n_outputs, seed, device, dtype)
+        generator = torch.Generator().manual_seed(seed)
+        X_t = to_tensor(X, dtype=dtype, device=device)
+        Y_t = self._target_tensor(Y, dtype, device)
+        with _progress(self.verbose, self.max_iter, type(self).__name__) as progress:
+            result = train(
+                module, X_t, Y_t,
+                loss=LOSSES[self.loss](),
+                solver=self._solver_spec(),
+                learning_rate=float(self.learning_rate_init),
+                batch_size=self.batch_size,
+                max_iter=self.max_iter,
+                shuffle=self.shuffle,
+                generator=generator,
+                record_every=self.record_every,
+                progress=progress,
+            )
+        module.eval()
+        attrs.update(
+            module_=module,
+            trajectory_=result.trajectory,
+            loss_curve_=result.loss_curve,
+            n_iter_=result.n_iter,
+            t_=result.n_steps,
+            n_params_=result.trajectory.n_params,
+            n_outputs_=n_outputs,
+            device_=str(device),
+        )
+        for name, value in attrs.items():
+            setattr(self, name, value)
+        return self
+
+    # ------------------------------------------------------------------ inference
+    def _validate_X(self, X):
+        check_is_fitted(self)
+        return validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+
+    def _torch_dtype_device(self):
+        return resolve_dtype(self.dtype), torch.device(self.device_)
+
+    def _forward(self, X) -> np.ndarray:
+        """Network outputs (n_samples, n_outputs) for validated X, in memory-bounded blocks."""
+        X = self._validate_X(X)
+        dtype, device = self._torch_dtype_device()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        # The widest activation bounds a block's memory; keep it well inside the budget.
+        width = max([X.shape[1], self.n_outputs_, *_layer_widths(self.module_)])
+        block = max(1, self.memory_budget // (8 * width * itemsize))
+        outs = []
+        with torch.no_grad():
+            for start in range(0, X.shape[0], block):
+                xb = to_tensor(X[start : start + block], dtype=dtype, device=device)
+                outs.append(to_numpy(self.module_(xb)))
+        return np.concatenate(outs, axis=0)
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self):
+        state = super().__getstate__()
+        if "module_" in state:
+            # Pickle the module on the CPU so that a CUDA-trained estimator loads anywhere.
+            state["module_"] = _module_to_cpu(state["module_"])
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "module_" in state:
+            device = torch.device(state.get("device_", "cpu"))
+            if device.type == "cuda" and not torch.cuda.is_available():
+                warnings.warn(
+                    "This estimator was trained on CUDA, which is not available here; "
+                    "its network was loaded onto the CPU.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self.device_ = "cpu"
+                device = torch.device("cpu")
+            self.module_ = self.module_.to(device)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.non_deterministic = False
+        return tags
+
+
+def _module_to_cpu(module: torch.nn.Module) -> torch.nn.Module:
+    if all(t.device.type == "cpu" for t in [*module.parameters(), *module.buffers()]):
+        return module
+    import copy
+
+    return copy.deepcopy(module).to("cpu")
+
+
+def _layer_widths(module: torch.nn.Module) -> list[int]:
+    return [m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)] or [1]
+
+
+class _progress:
+    """Per-epoch progress: a tqdm bar when tqdm is installed, else a line per epoch."""
+
+    def __init__(self, verbose, total, desc):
+        self.verbose, self.total, self.desc = verbose, total, desc
+        self.bar = None
+
+    def __enter__(self):
+        if not self.verbose:
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return self._print
+        self.bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr)
+        return self._tqdm
+
+    def _tqdm(self, epoch, loss):
+        self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        self.bar.update(1)
+
+    def _print(self, epoch, loss):
+        print(f"{self.desc}: epoch {epoch + 1}/{self.total}, loss = {loss:.6g}")
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        return False

@@ -1,0 +1,50 @@
+"""Device and dtype handling: the one place where NumPy meets torch."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+__all__ = ["resolve_device", "resolve_dtype", "seeded_torch", "to_numpy", "to_tensor"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; ``"cuda"`` without CUDA is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' was requested but no CUDA device is available to torch "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}). "
+            "Use device='auto' or device='cpu'."
+        )
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    return _DTYPES[dtype]
+
+
+def to_tensor(X: np.ndarray, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(X), device=device).to(dtype)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+@contextlib.contextmanager
+def seeded_torch(seed: int, device: torch.device):
+    """Run a block with torch's global RNG seeded, then restore the caller's RNG state.
+
+    Module constructors draw their initial weights from the global generator; forking it
+    gives reproducible initializations without changing the user's global random state.
+    """
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

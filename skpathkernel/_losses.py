@@ -1,0 +1,54 @@
+"""Per-sample training losses.
+
+Every loss is defined per sample, ``l(y_i, f(x_i))``; the training objective is its mean
+over the batch. Keeping the per-sample form lets the decomposition read the residuals
+``r_i = dl/df (y_i, f(x_i))`` that weight each training point.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LOSSES", "Loss"]
+
+
+class Loss:
+    """A per-sample loss ``per_sample(output, target) -> (B,)``; the batch loss is its mean."""
+
+    name: str = ""
+
+    def per_sample(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.per_sample(output, target).mean()
+
+    def residuals(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``dl_i/df_i`` for every sample, shape (B, C)."""
+        output = output.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(self.per_sample(output, target).sum(), output)
+        return grad
+
+
+class SquaredError(Loss):
+    """``l = 1/2 * mean_c (f_c - y_c)^2``: MLPRegressor's "squared_error" convention."""
+
+    name = "squared_error"
+
+    def per_sample(self, output, target):
+        return 0.5 * (output - target).pow(2).mean(dim=1)
+
+
+class LogLoss(Loss):
+    """Logistic loss on a margin (one output) or softmax cross-entropy on logits."""
+
+    name = "log_loss"
+
+    def per_sample(self, output, target):
+        if output.shape[1] == 1:
+            return F.binary_cross_entropy_with_logits(output[:, 0], target, reduction="none")
+        return F.cross_entropy(output, target, reduction="none")
+
+
+LOSSES = {cls.name: cls for cls in (SquaredError, LogLoss)}

@@ -1,0 +1,430 @@
+"""The recorded optimisation path of a trained network.
+
+A :class:`Trajectory` holds everything the kernels and the exact decomposition need to
+replay training without re-running it: the parameters at every recorded point, the step
+sizes, the sample indices of every optimizer step's batch and the optimizer state (Adam /
+RMSprop second moments, momentum buffers) at every recorded step.
+
+Everything lives on the CPU in the parameter dtype, in buffers preallocated at the start
+of training, so that recording a point costs one copy and no allocation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["Trajectory"]
+
+_FORMAT_VERSION = 1
+
+# Optimizer state tensors recorded per solver, named as torch.optim names them.
+SOLVER_STATE_KEYS = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "rmsprop": ("square_avg",),
+}
+
+
+@dataclass(frozen=True)
+class SolverSpec:
+    """The optimizer that produced a trajectory, with torch.optim's hyper-parameters.
+
+    ``weight_decay`` is L2 added to the gradient for sgd/adam/rmsprop and decoupled
+    (``theta <- theta - lr * weight_decay * theta``) for adamw, as in torch.optim.
+    """
+
+    name: str
+    momentum: float = 0.0
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-8
+    rmsprop_alpha: float = 0.99
+    weight_decay: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "momentum": float(self.momentum),
+            "beta_1": float(self.beta_1),
+            "beta_2": float(self.beta_2),
+            "epsilon": float(self.epsilon),
+            "rmsprop_alpha": float(self.rmsprop_alpha),
+            "weight_decay": float(self.weight_decay),
+        }
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        if self.name == "sgd" and self.momentum == 0:
+            return ()
+        return SOLVER_STATE_KEYS[self.name]
+
+
+class Trajectory:
+    """The recorded optimisation path of a network trained by a torch optimizer.
+
+    Point ``k`` (``0 <= k < len(self)``) is the parameter vector after optimizer step
+    ``steps[k]``; point 0 is the initialization and point -1 the end of training. The step
+    from point ``k`` to point ``k + 1`` used the step size ``learning_rates[k]`` and, for
+    solvers with state, the optimizer state ``optimizer_state(k)`` *after* the first
+    optimizer step taken from point ``k`` (the state that scaled that step).
+
+    Trajectories are built by the estimators (``est.trajectory_``); users read them, save
+    them with :meth:`save` and load them with :meth:`load`.
+
+    Attributes
+    ----------
+    steps : ndarray of shape (n_points,)
+        Optimizer step index of each recorded point (0 for the initialization).
+    learning_rates : ndarray of shape (n_points - 1,)
+        Entry ``k``: the step size of the optimizer steps from point ``k`` to ``k + 1``.
+    solver : str
+        ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"rmsprop"``.
+    n_samples : int
+        Number of training samples the batches index into.
+    record_every : int
+        Points are recorded every ``record_every`` optimizer steps (plus the last one).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0).fit(X, y)
+    >>> traj = est.trajectory_
+    >>> len(traj), traj.steps[-1]
+    (6, 5)
+    >>> sorted(traj.state_dict(-1))[:2]
+    ['0.bias', '0.weight']
+    """
+
+    def __init__(
+        self,
+        *,
+        names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        params: torch.Tensor,
+        steps: np.ndarray,
+        learning_rates: np.ndarray,
+        batch_indices: np.ndarray,
+        batch_offsets: np.ndarray,
+        states: dict[str, torch.Tensor],
+        state_steps: np.ndarray,
+        solver: SolverSpec,
+        n_samples: int,
+        record_every: int,
+    ):
+        self._names = tuple(names)
+        self._shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        self._params = params
+        self.steps = np.asarray(steps, dtype=np.int64)
+        self.learning_rates = np.asarray(learning_rates, dtype=np.float64)
+        self._batch_indices = np.asarray(batch_indices, dtype=np.int64)
+        self._batch_offsets = np.asarray(batch_offsets, dtype=np.int64)
+        self._states = dict(states)
+        self._state_steps = np.asarray(state_steps, dtype=np.int64)
+        self.solver_spec = solver
+        self.n_samples = int(n_samples)
+        self.record_every = int(record_every)
+
+    # ------------------------------------------------------------------ reading
+    def __len__(self) -> int:
+        return int(self._params.shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"Trajectory(solver={self.solver!r}, n_points={len(self)}, "
+            f"n_steps={self.n_steps}, n_params={self.n_params}, "
+            f"nbytes={self.nbytes})"
+        )
+
+    @property
+    def solver(self) -> str:
+        return self.solver_spec.name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names, in ``module.named_parameters()`` order."""
+        return self._names
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self._shapes
+
+    @property
+    def n_params(self) -> int:
+        return int(self._params.shape[1])
+
+    @property
+    def n_steps(self) -> int:
+        """Number of optimizer steps taken (recorded or not)."""
+        return len(self._batch_offsets) - 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._params.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the trajectory, in bytes."""
+        tensors = [self._params, *self._states.values()]
+        arrays = [self.steps, self.learning_rates, self._batch_indices, self._batch_offsets]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes for a in arrays)
+
+    @property
+    def batches(self) -> list[np.ndarray]:
+        """Sample indices of the batch of every optimizer step (``n_steps`` arrays)."""
+        idx, off = self._batch_indices, self._batch_offsets
+        return [idx[off[t] : off[t + 1]] for t in range(self.n_steps)]
+
+    def batch(self, step: int) -> np.ndarray:
+        """Sample indices of the batch used by optimizer step ``step``."""
+        step = _check_index(step, self.n_steps, "step")
+        return self._batch_indices[self._batch_offsets[step] : self._batch_offsets[step + 1]]
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return tuple(self._states)
+
+    def _point(self, k: int) -> int:
+        return _check_index(k, len(self), "point")
+
+    def parameters(self, k: int = -1) -> torch.Tensor:
+        """Flat parameter vector (P,) at point ``k`` (a read-only view: clone to modify)."""
+        return self._params[self._point(k)]
+
+    def state_dict(self, k: int = -1) -> OrderedDict[str, torch.Tensor]:
+        """The module's parameters at point ``k``, loadable with ``load_state_dict``.
+
+        Only parameters are included (no buffers), so load with ``strict=False`` for
+        modules that also hold buffers.
+        """
+        return OrderedDict(zip(self._names, self._unflatten(self.parameters(k).clone())))
+
+    def optimizer_state(self, k: int = -1) -> dict[str, torch.Tensor]:
+        """Flat optimizer state tensors (P,) that scaled the step leaving point ``k``.
+
+        Keys follow torch.optim (``exp_avg``, ``exp_avg_sq``, ``square_avg``,
+        ``momentum_buffer``) plus ``"step"``, the optimizer's step count, as a scalar tensor.
+        Valid for ``0 <= k < len(self) - 1``.
+        """
+        k = _check_index(k, len(self) - 1, "step point")
+        out = {key: val[k] for key, val in self._states.items()}
+        out["step"] = torch.tensor(float(self._state_steps[k]), dtype=torch.float64)
+        return out
+
+    def preconditioner(self, k: int = -1) -> torch.Tensor | None:
+        """Diagonal ``D_k`` (P,) of the optimizer at the step leaving point ``k``.
+
+        ``None`` for SGD (the identity). Adam / AdamW: ``1 / (sqrt(v_hat) + eps)`` with
+        torch.optim's bias correction; RMSprop: ``1 / (sqrt(v) + eps)``.
+        """
+        spec = self.solver_spec
+        if spec.name == "sgd":
+            return None
+        state = self.optimizer_state(k)
+        if spec.name in ("adam", "adamw"):
+            bias_correction2 = 1.0 - spec.beta_2 ** float(state["step"])
+            denom = state["exp_avg_sq"].sqrt() / bias_correction2**0.5
+        else:
+            denom = state["square_avg"].sqrt()
+        return 1.0 / (denom + spec.epsilon)
+
+    def unflatten(self, flat: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
+        """Split a flat (..., P) tensor into named parameter-shaped views."""
+        return OrderedDict(zip(self._names, self._unflatten(flat)))
+
+    def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        lead = flat.shape[:-1]
+        sizes = [int(np.prod(s)) for s in self._shapes]
+        parts = torch.split(flat, sizes, dim=-1)
+        return [p.reshape(*lead, *s) for p, s in zip(parts, self._shapes)]
+
+    # --------------------------------------------------------------- persistence
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the trajectory to ``path`` as tensors and plain values only.
+
+        The file is read back with ``torch.load(..., weights_only=True)``, which never
+        executes code from the file (unlike pickle).
+        """
+        payload = {
+            "format": "skpathkernel.Trajectory",
+            "version": _FORMAT_VERSION,
+            "names": list(self._names),
+            "shapes": [list(s) for s in self._shapes],
+            "params": self._params,
+            "steps": torch.from_numpy(self.steps),
+            "learning_rates": torch.from_numpy(self.learning_rates),
+            "batch_indices": torch.from_numpy(self._batch_indices),
+            "batch_offsets": torch.from_numpy(self._batch_offsets),
+            "states": dict(self._states),
+            "state_steps": torch.from_numpy(self._state_steps),
+            "solver": self.solver_spec.to_dict(),
+            "n_samples": self.n_samples,
+            "record_every": self.record_every,
+        }
+        torch.save(payload, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trajectory:
+        """Read a trajectory written by :meth:`save` (safely: ``weights_only=True``)."""
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or payload.get("format") != "skpathkernel.Trajectory":
+            raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory file.")
+        if payload["version"] > _FORMAT_VERSION:
+            raise ValueError(
+                f"Trajectory file format version {payload['version']} is newer than this "
+                f"skpathkernel understands ({_FORMAT_VERSION}); upgrade skpathkernel."
+            )
+        return cls(
+            names=payload["names"],
+            shapes=payload["shapes"],
+            params=payload["params"],
+            steps=payload["steps"].numpy(),
+            learning_rates=payload["learning_rates"].numpy(),
+            batch_indices=payload["batch_indices"].numpy(),
+            batch_offsets=payload["batch_offsets"].numpy(),
+            states=payload["states"],
+            state_steps=payload["state_steps"].numpy(),
+            solver=SolverSpec(**payload["solver"]),
+            n_samples=payload["n_samples"],
+            record_every=payload["record_every"],
+        )
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self):
+        # Tensors pickle fine; keep the state plain so skops and joblib see simple types.
+        return self.__dict__.copy()
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+def _check_index(k: int, n: int, what: str) -> int:
+    k = int(k)
+    if not -n <= k < n:
+        raise IndexError(f"{what} index {k} is out of range for {n} entries.")
+    return k % n
+
+
+class TrajectoryRecorder:
+    """Preallocated buffers that a training loop fills, one copy per recorded point.
+
+    Parameters
+    ----------
+    params : sequence of torch.nn.Parameter
+        The module's parameters, in ``named_parameters`` order.
+    names : sequence of str
+    n_steps : int
+        Optimizer steps the loop will take.
+    record_every : int
+    solver : SolverSpec
+    n_samples, batch_size : int
+        For the batch index buffer (``batch_size`` is the largest batch).
+    dtype : torch.dtype
+    """
+
+    def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
+                 batch_size, dtype):
+        self._params = list(params)
+        self._names = list(names)
+        self._shapes = [tuple(p.shape) for p in self._params]
+        self.n_steps = int(n_steps)
+        self.record_every = int(record_every)
+        self.solver = solver
+        self.n_samples = int(n_samples)
+        n_points = self.n_points_for(n_steps, record_every)
+        n_params = sum(p.numel() for p in self._params)
+        device = self._params[0].device
+        pin = device.type == "cuda"
+        self._buf = torch.empty((n_points, n_params), dtype=dtype, pin_memory=pin)
+        self._states = {
+            key: torch.empty((n_points - 1, n_params), dtype=dtype, pin_memory=pin)
+            for key in solver.state_keys
+        }
+        self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
+        self._steps = np.zeros(n_points, dtype=np.int64)
+        self._lrs = np.zeros(n_points - 1, dtype=np.float64)
+        self._batch_idx = np.empty(n_steps * batch_size, dtype=np.int64)
+        self._batch_off = np.zeros(n_steps + 1, dtype=np.int64)
+        self._k = 0  # next point to write
+        self._n_batch = 0
+        self._non_blocking = pin
+
+    @staticmethod
+    def n_points_for(n_steps: int, record_every: int) -> int:
+        """Points recorded: the initialization, every k-th step, and always the last one."""
+        n = 1 + n_steps // record_every
+        if n_steps % record_every:
+            n += 1
+        return n
+
+    @staticmethod
+    def nbytes_for(n_params, n_steps, record_every, n_state, itemsize) -> int:
+        n_points = TrajectoryRecorder.n_points_for(n_steps, record_every)
+        return (n_points + (n_points - 1) * n_state) * n_params * itemsize
+
+    def _copy_flat(self, tensors, out_row):
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        out_row.copy_(flat, non_blocking=self._non_blocking)
+
+    def record_point(self, step: int) -> None:
+        self._copy_flat(self._params, self._buf[self._k])
+        self._steps[self._k] = step
+        self._k += 1
+
+    def wants_point(self, step: int) -> bool:
+        """Whether the point reached after ``step`` optimizer steps is recorded."""
+        return step % self.record_every == 0 or step == self.n_steps
+
+    def record_batch(self, indices: np.ndarray) -> None:
+        n = len(indices)
+        start = self._batch_off[self._n_batch]
+        self._batch_idx[start : start + n] = indices
+        self._batch_off[self._n_batch + 1] = start + n
+        self._n_batch += 1
+
+    def record_step(self, step: int, lr: float, optimizer: torch.optim.Optimizer) -> None:
+        """Called after optimizer step ``step`` (0-based) has been applied."""
+        if step % self.record_every == 0:
+            k = step // self.record_every  # the point this step leaves
+            self._lrs[k] = lr
+            if self._states:
+                states = [optimizer.state[p] for p in self._params]
+                for key, buf in self._states.items():
+                    self._copy_flat([s[key] for s in states], buf[k])
+                self._state_steps[k] = int(_state_step(states[0], step))
+
+    def finish(self) -> Trajectory:
+        if self._non_blocking:
+            torch.cuda.synchronize()
+        n_points = self._k
+        return Trajectory(
+            names=self._names,
+            shapes=self._shapes,
+            params=self._buf[:n_points],
+            steps=self._steps[:n_points],
+            learning_rates=self._lrs[: n_points - 1],
+            batch_indices=self._batch_idx[: self._batch_off[self._n_batch]],
+            batch_offsets=self._batch_off[: self._n_batch + 1],
+            states={k: v[: n_points - 1] for k, v in self._states.items()},
+            state_steps=self._state_steps[: n_points - 1],
+            solver=self.solver,
+            n_samples=self.n_samples,
+            record_every=self.record_every,
+        )
+
+
+def _state_step(state: dict, step: int) -> float:
+    # Adam keeps its own step count (a tensor); other optimizers count like the loop.
+    s = state.get("step")
+    if s is None:
+        return step + 1
+    return float(s)

@@ -99,7 +99,7 @@ class Trajectory:
     >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
     >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0).fit(X, y)
     >>> traj = est.trajectory_
-    >>> len(traj), traj.steps[-1]
+    >>> len(traj), int(traj.steps[-1])
     (6, 5)
     >>> sorted(traj.state_dict(-1))[:2]
     ['0.bias', '0.weight']

@@ -59,7 +59,7 @@ def make_circle(n_samples=400, *, inner_radius_sq=0.8, random_state=None):
     --------
     >>> from skpathkernel.datasets import make_circle
     >>> X, y = make_circle(n_samples=10, random_state=0)
-    >>> X.shape, sorted(set(y))
+    >>> X.shape, sorted(set(y.tolist()))
     ((10, 2), [-1, 1])
     """
     return _ring_and_disk(n_samples, inner_radius_sq, 1.0, random_state)

@@ -1,0 +1,74 @@
+"""The command line: ``skpathkernel info`` and ``skpathkernel reproduce``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+__all__ = ["main"]
+
+
+def _info(args) -> int:
+    import numpy
+    import scipy
+    import sklearn
+    import torch
+
+    from . import __version__
+
+    cuda = torch.cuda.is_available()
+    lines = [
+        f"skpathkernel {__version__}",
+        f"python       {platform.python_version()} ({platform.machine()})",
+        f"numpy        {numpy.__version__}",
+        f"scipy        {scipy.__version__}",
+        f"scikit-learn {sklearn.__version__}",
+        f"torch        {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})",
+        f"device       {'cuda: ' + torch.cuda.get_device_name(0) if cuda else 'cpu'}"
+        f" (device='auto' trains on {'cuda' if cuda else 'cpu'})",
+        f"threads      torch {torch.get_num_threads()}, cpu cores {os.cpu_count()}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _reproduce(args) -> int:
+    from ._reproduce import run
+
+    figures = None
+    if args.figures:
+        figures = [f.strip() for f in args.figures.split(",") if f.strip()]
+    report = run(out=args.out, quick=args.quick, device=args.device, figures=figures)
+    print(f"Wrote {report}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skpathkernel",
+        description="A trained neural network as a kernel machine.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="print versions, device and threads")
+    info.set_defaults(func=_info)
+    rep = sub.add_parser(
+        "reproduce", help="reproduce the seed paper's experiments on embedded data"
+    )
+    rep.add_argument("--out", default="reproduce_out", help="output folder (default: %(default)s)")
+    rep.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")
+    rep.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    rep.add_argument("--figures", default=None,
+                     help="comma-separated subset of sections to run, e.g. 'training'")
+    rep.set_defaults(func=_reproduce)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ImportError) as exc:
+        print(f"skpathkernel: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,18 @@
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    # Two cores on CI: keep torch from oversubscribing when pytest-xdist runs workers.
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture
+def regression_data():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(24, 3))
+    y = np.sin(X @ np.array([1.0, -2.0, 0.5]))
+    return X, y

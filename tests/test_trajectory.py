@@ -1,0 +1,75 @@
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_array_equal
+
+from skpathkernel import PathKernelMachine, Trajectory
+
+
+@pytest.fixture
+def fitted(regression_data):
+    X, y = regression_data
+    return PathKernelMachine(hidden_layer_sizes=(5,), solver="adam", batch_size=10,
+                             max_iter=3, random_state=0).fit(X, y)
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b) and a.names == b.names and a.shapes == b.shapes
+    assert torch.equal(a._params, b._params)
+    assert_array_equal(a.steps, b.steps)
+    assert_array_equal(a.learning_rates, b.learning_rates)
+    for x, y in zip(a.batches, b.batches):
+        assert_array_equal(x, y)
+    for key in a.state_keys:
+        assert torch.equal(a.optimizer_state(1)[key], b.optimizer_state(1)[key])
+    assert a.solver_spec == b.solver_spec and a.n_samples == b.n_samples
+
+
+def test_save_load_round_trip_is_exact(fitted, tmp_path):
+    path = tmp_path / "path.pt"
+    fitted.trajectory_.save(path)
+    loaded = Trajectory.load(path)
+    _assert_same(fitted.trajectory_, loaded)
+    # The file holds no pickled code: torch's weights-only loader reads it directly.
+    torch.load(path, weights_only=True)
+
+
+def test_load_refuses_other_files(tmp_path):
+    path = tmp_path / "other.pt"
+    torch.save({"a": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="not a skpathkernel trajectory"):
+        Trajectory.load(path)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("executed",))
+
+    evil = tmp_path / "evil.pt"
+    with open(evil, "wb") as fh:
+        pickle.dump(Evil(), fh)
+    with pytest.raises(pickle.UnpicklingError):
+        Trajectory.load(evil)
+
+
+def test_nbytes_counts_parameters_and_state(fitted):
+    traj = fitted.trajectory_
+    P, n = traj.n_params, len(traj)
+    # float32 parameters at every point, plus Adam's two moments at every step point.
+    expected = 4 * P * (n + 2 * (n - 1))
+    assert expected <= traj.nbytes < expected + 8 * (4 * traj.n_steps * 10 + 4 * n)
+
+
+def test_indexing_and_views(fitted):
+    traj = fitted.trajectory_
+    assert torch.equal(traj.parameters(-1), traj.parameters(len(traj) - 1))
+    with pytest.raises(IndexError):
+        traj.parameters(len(traj))
+    with pytest.raises(IndexError):
+        traj.optimizer_state(len(traj) - 1)  # no step leaves the last point
+    sd = traj.state_dict(1)
+    sd["0.weight"].add_(1.0)  # a copy: the trajectory is not modified
+    assert not torch.equal(sd["0.weight"], traj.state_dict(1)["0.weight"])
+    assert [tuple(v.shape) for v in sd.values()] == [tuple(s) for s in traj.shapes]
+    assert np.sum([np.prod(s) for s in traj.shapes]) == traj.n_params == fitted.n_params_

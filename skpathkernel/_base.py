@@ -215,7 +215,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         return resolve_dtype(self.dtype), torch.device(self.device_)
 
     def _forward(self, X) -> np.ndarray:
-        """Network outputs (n_samples, n_outputs) for validated X, in memory-bounded blocks."""
+        """Network outputs (n_samples, n_outputs), float64, in memory-bounded blocks."""
         X = self._validate_X(X)
         dtype, device = self._torch_dtype_device()
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -227,7 +227,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
             for start in range(0, X.shape[0], block):
                 xb = to_tensor(X[start : start + block], dtype=dtype, device=device)
                 outs.append(to_numpy(self.module_(xb)))
-        return np.concatenate(outs, axis=0)
+        return np.concatenate(outs, axis=0).astype(np.float64, copy=False)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):

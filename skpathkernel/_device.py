@@ -30,7 +30,9 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 def to_tensor(X: np.ndarray, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(X), device=device).to(dtype)
+    # torch cannot share read-only memory (e.g. a memmap): np.require copies only then.
+    X = np.require(X, requirements=["C_CONTIGUOUS", "WRITEABLE"])
+    return torch.as_tensor(X, device=device).to(dtype)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

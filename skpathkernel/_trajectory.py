@@ -342,6 +342,11 @@ class TrajectoryRecorder:
         self.n_samples = int(n_samples)
         n_points = self.n_points_for(n_steps, record_every)
         n_params = sum(p.numel() for p in self._params)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        _check_fits_in_memory(
+            self.nbytes_for(n_params, n_steps, record_every, len(solver.state_keys), itemsize),
+            record_every,
+        )
         device = self._params[0].device
         pin = device.type == "cuda"
         self._buf = torch.empty((n_points, n_params), dtype=dtype, pin_memory=pin)
@@ -419,6 +424,25 @@ class TrajectoryRecorder:
             solver=self.solver,
             n_samples=self.n_samples,
             record_every=self.record_every,
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: let the allocator decide
+        return None
+
+
+def _check_fits_in_memory(nbytes: int, record_every: int) -> None:
+    """Refuse, before training starts, a trajectory that cannot fit in host memory."""
+    available = _available_memory()
+    if available is not None and nbytes > 0.9 * available:
+        raise MemoryError(
+            f"Recording this path needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) of host "
+            f"memory but only {available:,} bytes are available. Record fewer points "
+            f"(record_every={record_every} now; a larger value keeps every k-th step), train "
+            "fewer epochs, or use a smaller network."
         )
 
 

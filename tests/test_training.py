@@ -257,7 +257,7 @@ def test_output_shapes_and_probabilities(regression_data):
     Y2 = np.column_stack([y, -y, 2 * y])
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, random_state=0).fit(X, Y2)
     assert reg.predict(X).shape == (len(X), 3) and reg.n_outputs_ == 3
-    assert reg.predict(X).dtype == np.float32
+    assert reg.predict(X).dtype == np.float64
     yc = np.digitize(y, [-0.3, 0.3])
     clf = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, random_state=0).fit(X, yc)
     proba = clf.predict_proba(X)
@@ -279,3 +279,13 @@ def test_one_class_is_rejected(regression_data):
     X, _ = regression_data
     with pytest.raises(ValueError, match="greater than one"):
         PathKernelClassifier(max_iter=1).fit(X, np.zeros(len(X)))
+
+
+def test_float32_predictions_are_batch_invariant_to_round_off():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(300, 5))
+    y = X @ rng.normal(size=5)
+    est = PathKernelMachine(hidden_layer_sizes=(64, 64), max_iter=3, random_state=0).fit(X, y)
+    full = est.predict(X)
+    pieces = np.concatenate([est.predict(X[i : i + 7]) for i in range(0, len(X), 7)])
+    assert_allclose(pieces, full, rtol=1e-5, atol=1e-6)

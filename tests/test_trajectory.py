@@ -73,3 +73,14 @@ def test_indexing_and_views(fitted):
     assert not torch.equal(sd["0.weight"], traj.state_dict(1)["0.weight"])
     assert [tuple(v.shape) for v in sd.values()] == [tuple(s) for s in traj.shapes]
     assert np.sum([np.prod(s) for s in traj.shapes]) == traj.n_params == fitted.n_params_
+
+
+def test_a_path_too_large_for_memory_is_refused_before_training(regression_data, monkeypatch):
+    import skpathkernel._trajectory as trajectory_module
+
+    X, y = regression_data
+    monkeypatch.setattr(trajectory_module, "_available_memory", lambda: 10_000)
+    est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=50, random_state=0)
+    with pytest.raises(MemoryError, match=r"needs [\d,]+ bytes.*record_every=1"):
+        est.fit(X, y)
+    assert not hasattr(est, "module_")

@@ -1,0 +1,30 @@
+"""scikit-learn's own estimator checks on every public estimator."""
+
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+
+# Small, fast settings that still learn sklearn's check data sets (adam converges in a few
+# hundred full-batch steps on them). float64 because sklearn's subset-invariance check
+# compares batched predictions to 1e-7 relative, below float32 GEMM rounding (which depends
+# on the batch size); test_float32_predictions_are_batch_invariant_to_round_off covers
+# float32 at its own precision.
+FAST = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02, max_iter=150,
+            dtype="float64", random_state=0)
+
+ESTIMATORS = [
+    PathKernelMachine(**FAST),
+    PathKernelClassifier(**FAST),
+]
+
+# Each expected failure, with its reason.
+EXPECTED_FAILED_CHECKS = {}
+
+
+def _expected_failed_checks(estimator):
+    return EXPECTED_FAILED_CHECKS.get(type(estimator).__name__, {})
+
+
+@parametrize_with_checks(ESTIMATORS, expected_failed_checks=_expected_failed_checks)
+def test_sklearn_estimator_checks(estimator, check):
+    check(estimator)

@@ -2,7 +2,8 @@
 
 The synthetic tasks of Guo, He & Morel (2026): the circle and ellipse classification tasks
 of figures 1, 3, 9 and 10, the 1-D regressions of figure 2 and the linear extrapolation
-task of figures 7 and 8.
+task of figures 7 and 8, and printed digits and letters rendered from the fonts that ship
+with matplotlib, 8x8 like :func:`sklearn.datasets.load_digits`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 import numpy as np
 from sklearn.utils import check_random_state
 
+from ._glyphs import load_printed_digits, load_printed_letters
+
 __all__ = [
+    "load_printed_digits",
+    "load_printed_letters",
     "make_circle",
     "make_ellipse",
     "make_linear_extrapolation",

@@ -23,11 +23,15 @@ __all__ = ["Trajectory"]
 
 _FORMAT_VERSION = 1
 
-# Optimizer state tensors recorded per solver, named as torch.optim names them.
+# Optimizer state recorded per solver, named as torch.optim names it: the second moments
+# that define the preconditioner D_t. First moments and momentum buffers are not stored:
+# with every step recorded they follow from consecutive points (SGD: buf_t = -(theta_{t+1}
+# - theta_t) / lr), and neither the kernels nor the decomposition need them, so storing
+# them would only double the recording cost.
 SOLVER_STATE_KEYS = {
-    "sgd": ("momentum_buffer",),
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"),
+    "sgd": (),
+    "adam": ("exp_avg_sq",),
+    "adamw": ("exp_avg_sq",),
     "rmsprop": ("square_avg",),
 }
 
@@ -62,8 +66,6 @@ class SolverSpec:
 
     @property
     def state_keys(self) -> tuple[str, ...]:
-        if self.name == "sgd" and self.momentum == 0:
-            return ()
         return SOLVER_STATE_KEYS[self.name]
 
 
@@ -211,8 +213,9 @@ class Trajectory:
     def optimizer_state(self, k: int = -1) -> dict[str, torch.Tensor]:
         """Flat optimizer state tensors (P,) that scaled the step leaving point ``k``.
 
-        Keys follow torch.optim (``exp_avg``, ``exp_avg_sq``, ``square_avg``,
-        ``momentum_buffer``) plus ``"step"``, the optimizer's step count, as a scalar tensor.
+        Keys follow torch.optim: ``exp_avg_sq`` (Adam, AdamW), ``square_avg`` (RMSprop), none
+        for SGD, plus ``"step"``, the optimizer's step count, as a scalar tensor. First
+        moments and momentum buffers are not recorded: they follow from consecutive points.
         Valid for ``0 <= k < len(self) - 1``.
         """
         k = _check_index(k, len(self) - 1, "step point")
@@ -362,6 +365,8 @@ class TrajectoryRecorder:
         self._k = 0  # next point to write
         self._n_batch = 0
         self._non_blocking = pin
+        ends = np.cumsum([p.numel() for p in self._params])
+        self._slices = list(zip(ends - [p.numel() for p in self._params], ends))
 
     @staticmethod
     def n_points_for(n_steps: int, record_every: int) -> int:
@@ -377,8 +382,9 @@ class TrajectoryRecorder:
         return (n_points + (n_points - 1) * n_state) * n_params * itemsize
 
     def _copy_flat(self, tensors, out_row):
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        out_row.copy_(flat, non_blocking=self._non_blocking)
+        # Straight into the row's slices: no concatenated temporary, one pass over memory.
+        for t, (start, end) in zip(tensors, self._slices):
+            out_row[start:end].copy_(t.detach().reshape(-1), non_blocking=self._non_blocking)
 
     def record_point(self, step: int) -> None:
         self._copy_flat(self._params, self._buf[self._k])

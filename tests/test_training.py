@@ -80,30 +80,47 @@ def test_recorded_path_equals_torch_optim_replay(regression_data, params, batch_
         assert_allclose(traj.optimizer_state(-1)[key].numpy(), replayed.numpy(), rtol=1e-12)
 
 
-@pytest.mark.parametrize("solver", ["adam", "rmsprop"])
+@pytest.mark.parametrize("solver", ["adam", "adamw", "rmsprop"])
 def test_preconditioner_reproduces_the_update_rule(regression_data, solver):
-    """Closed form: theta_{k+1} - theta_k = -lr * D_k * (first moment or gradient)."""
+    """Closed form: theta_{k+1} - theta_k = -lr * D_k * direction_k (- lr * wd * theta_k for
+    AdamW), with the direction computed independently: Adam's bias-corrected first moment
+    accumulated by hand from autograd gradients, RMSprop's gradient itself."""
     X, y = regression_data
-    lr = 0.01
+    lr, wd, beta_1 = 0.01, 0.1 if solver == "adamw" else 0.0, 0.8
     est = PathKernelMachine(hidden_layer_sizes=(4,), solver=solver, learning_rate_init=lr,
-                            max_iter=3, dtype="float64", random_state=1).fit(X, y)
+                            alpha=wd, beta_1=beta_1, max_iter=4, dtype="float64",
+                            random_state=1).fit(X, y)
     traj = est.trajectory_
+    m = torch.zeros(traj.n_params, dtype=torch.float64)
     for k in range(len(traj) - 1):
-        step = traj.parameters(k + 1) - traj.parameters(k)
+        module = copy.deepcopy(est.module_)
+        module.load_state_dict(traj.state_dict(k))
+        out = module(torch.as_tensor(X))
+        _squared(out, torch.as_tensor(y).reshape(-1, 1)).mean().backward()
+        grad = _flat_grad(module)
         state = traj.optimizer_state(k)
-        D = traj.preconditioner(k)
-        if solver == "adam":
-            t = float(state["step"])
-            assert t == k + 1
-            direction = state["exp_avg"] / (1 - est.beta_1**t)
+        assert float(state["step"]) == k + 1
+        if solver == "rmsprop":
+            direction = grad
         else:
-            # RMSprop's direction is the gradient itself: recompute it independently.
-            module = copy.deepcopy(est.module_)
-            module.load_state_dict(traj.state_dict(k))
-            out = module(torch.as_tensor(X))
-            _squared(out, torch.as_tensor(y).reshape(-1, 1)).mean().backward()
-            direction = _flat_grad(module)
-        assert_allclose(step.numpy(), (-lr * D * direction).numpy(), rtol=1e-10, atol=1e-15)
+            m = beta_1 * m + (1 - beta_1) * grad
+            direction = m / (1 - beta_1 ** (k + 1))
+        expected = -lr * traj.preconditioner(k) * direction - lr * wd * traj.parameters(k)
+        step = traj.parameters(k + 1) - traj.parameters(k)
+        assert_allclose(step.numpy(), expected.numpy(), rtol=1e-9, atol=1e-15)
+
+
+def test_momentum_buffer_follows_from_consecutive_points(regression_data):
+    X, y = regression_data
+    est = PathKernelMachine(hidden_layer_sizes=(4,), momentum=0.9, learning_rate_init=0.05,
+                            max_iter=3, dtype="float64", random_state=0).fit(X, y)
+    Y = torch.as_tensor(y, dtype=torch.float64).reshape(-1, 1)
+    _, opt = _replay(est, X, Y, _squared)
+    buf = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
+                     for p in opt.param_groups[0]["params"]])
+    traj = est.trajectory_
+    implied = -(traj.parameters(-1) - traj.parameters(-2)) / est.learning_rate_init
+    assert_allclose(implied.numpy(), buf.numpy(), rtol=1e-9, atol=1e-14)
 
 
 def _flat_grad(module):

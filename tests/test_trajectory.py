@@ -56,8 +56,8 @@ def test_load_refuses_other_files(tmp_path):
 def test_nbytes_counts_parameters_and_state(fitted):
     traj = fitted.trajectory_
     P, n = traj.n_params, len(traj)
-    # float32 parameters at every point, plus Adam's two moments at every step point.
-    expected = 4 * P * (n + 2 * (n - 1))
+    # float32 parameters at every point, plus Adam's second moment at every step point.
+    expected = 4 * P * (n + (n - 1))
     assert expected <= traj.nbytes < expected + 8 * (4 * traj.n_steps * 10 + 4 * n)
 
 

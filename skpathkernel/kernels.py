@@ -155,7 +155,9 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None) -> list[tu
     factor ``m = 1 / (1 - momentum)`` for SGD with heavy-ball momentum (its
     continuous-time limit) and ``m = 1`` otherwise. For Adam / AdamW ``m = 1`` because the
     bias-corrected first moment ``m_hat_t = sum_s (1 - b1) b1^(t-s) g_s / (1 - b1^t)`` has
-    weights summing to one: a gradient's total contribution to later steps is itself.
+    weights summing to one, and a gradient's total weight over the later steps,
+    ``sum_(t>=s) (1 - b1) b1^(t-s)``, is one as well (up to the bias correction, which
+    only matters in the first ``~1 / (1 - b1)`` steps).
     Points run over those with a step leaving them (``0 .. len(trajectory) - 2``), with
     Python slice semantics for ``start`` and ``stop``.
     """

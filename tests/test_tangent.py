@@ -8,13 +8,14 @@ from torch import nn
 
 from skpathkernel import _tangent
 from skpathkernel._tangent import (
+    _capture,
+    _gram,
     capture,
     project_tangent_features,
     tangent_features,
     tangent_gram,
     tangent_gram_diag,
 )
-from skpathkernel._tangent import _capture, _gram
 
 RTOL = 1e-10
 

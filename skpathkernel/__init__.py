@@ -10,12 +10,15 @@ prediction.
 from ._machine import PathKernelClassifier, PathKernelMachine
 from ._training import TrainingDivergedError
 from ._trajectory import Trajectory
+from .kernels import PathKernel, TangentKernel
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "PathKernel",
     "PathKernelClassifier",
     "PathKernelMachine",
+    "TangentKernel",
     "Trajectory",
     "TrainingDivergedError",
     "__version__",

@@ -1,0 +1,328 @@
+"""Tangent features and tangent-kernel Gram matrices from the layers' factors.
+
+For a layer with a rule, the per-sample gradient of output ``c`` with respect to a
+parameter is ``delta_c (outer) a`` (see :mod:`._rules`), so the Gram block of two samples is
+``(a . a') (delta_c . delta'_c')``: the whole Gram is ``(A_X A_Y^T) * (Delta_X Delta_Y^T)``
+elementwise, summed over layers, at a cost of ``O(N M sum_l (d_in + C d_out))`` and
+without ever forming the Jacobian. Parameters handled by the generic fallback contribute
+``J_X J_Y^T`` from their dense per-sample Jacobians.
+
+Every function works in row blocks (and column blocks) sized from ``memory_budget``: the
+factors of one block plus the block's intermediates stay under the budget; the factors of
+all of X and Y are kept between blocks only when they fit in half the budget, and are
+recomputed block by block otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from ._capture import Capture, capture, forward
+from ._rules import Term
+
+__all__ = ["tangent_features", "tangent_gram", "tangent_gram_diag"]
+
+DEFAULT_MEMORY_BUDGET = 2**30
+
+
+def _resolve_output(output, n_outputs: int) -> tuple[list[int], str]:
+    """Outputs to differentiate and the contraction mode ("trace" or "full")."""
+    if isinstance(output, str):
+        if output == "trace":
+            return list(range(n_outputs)), "trace"
+        if output == "full":
+            return list(range(n_outputs)), "full"
+        raise ValueError(f"output must be 'trace', 'full' or an int, got {output!r}.")
+    if isinstance(output, bool) or not isinstance(output, int):
+        raise TypeError(f"output must be 'trace', 'full' or an int, got {output!r}.")
+    if not -n_outputs <= output < n_outputs:
+        raise ValueError(f"output={output} is out of range for {n_outputs} network outputs.")
+    # One output is the trace over a single output: no division, one backward pass.
+    return [output % n_outputs], "trace"
+
+
+def _layout(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Start and size of every parameter in the flat (trajectory) order."""
+    layout, start = {}, 0
+    for name, p in params.items():
+        layout[name] = (start, p.numel())
+        start += p.numel()
+    return layout
+
+
+def _kron(delta: torch.Tensor, a: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample gradients ``(n, C, p * q)`` of one parameter from its factors."""
+    if a is None:
+        return delta
+    n, C, p = delta.shape
+    return (delta.unsqueeze(-1) * a.reshape(n, 1, 1, -1)).reshape(n, C, -1)
+
+
+def _contract(U: torch.Tensor, V: torch.Tensor, mode: str) -> torch.Tensor:
+    """``U (n, C, r)`` against ``V (m, C, r)``: (n, m) trace / C or (n, C, m, C) blocks."""
+    n, C, r = U.shape
+    m = V.shape[0]
+    if mode == "full":
+        return (U.reshape(n * C, r) @ V.reshape(m * C, r).T).reshape(n, C, m, C)
+    G = U.reshape(n, C * r) @ V.reshape(m, C * r).T
+    return G / C if C > 1 else G
+
+
+def _term_gram(tx: Term, ty: Term, mode: str, weight, layout) -> torch.Tensor:
+    if weight is None:
+        # sum over the term's parameters of (a . a') times the shared (delta . delta').
+        Ga, ones = None, 0
+        for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
+            if ax is None:
+                ones += 1
+            elif Ga is None:
+                Ga = ax @ ay.T
+            else:
+                Ga.addmm_(ax, ay.T)
+        Gd = _contract(tx.delta, ty.delta, mode)
+        if Ga is None:
+            return Gd * ones if ones != 1 else Gd
+        if ones:
+            Ga += ones
+        return Gd * (Ga[:, None, :, None] if mode == "full" else Ga)
+    # A diagonal D breaks the rank-one structure: (delta (x) a) D (delta' (x) a')^T has no
+    # factorised form, so each parameter's per-sample gradients are materialised for the
+    # block (n x p*q per side, sized into the budget) and multiplied by one GEMM.
+    G = None
+    for (name, ax), (_, ay) in zip(tx.inputs, ty.inputs):
+        start, size = layout[name]
+        gx = _kron(tx.delta, ax) * weight[start : start + size]
+        part = _contract(gx, _kron(ty.delta, ay), mode)
+        G = part if G is None else G.add_(part)
+    return G
+
+
+def _block_size(n_rows: int, budget: int, per_row: int, per_pair: int = 0) -> int:
+    """Largest b with 2 b per_row + b^2 per_pair <= budget (at least 1, at most n_rows)."""
+    per_row = max(per_row, 1)
+    if per_pair <= 0:
+        b = budget // (2 * per_row)
+    else:
+        b = (-2 * per_row + math.sqrt(4 * per_row**2 + 4 * per_pair * budget)) / (2 * per_pair)
+    return int(max(1, min(n_rows, b)))
+
+
+class _Blocks:
+    """The captures of consecutive row blocks of X, kept or recomputed on demand."""
+
+    def __init__(self, module, params, X, size, outputs, budget, keep):
+        self.module, self.params, self.X = module, params, X
+        self.outputs, self.budget, self.keep = outputs, budget, keep
+        self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
+        self._cache: dict[int, Capture] = {}
+
+    def __len__(self):
+        return len(self.slices)
+
+    def __getitem__(self, i: int) -> Capture:
+        if i in self._cache:
+            return self._cache[i]
+        cap = capture(self.module, self.params, self.X[self.slices[i]], self.outputs,
+                      memory_budget=self.budget)
+        if self.keep:
+            self._cache[i] = cap
+        return cap
+
+
+def _prepare(module, params, X, output, memory_budget):
+    params = dict(params)
+    if X.ndim != 2 or X.shape[0] == 0:
+        raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
+    n_outputs = forward(module, params, X[:1]).shape[1]
+    outputs, mode = _resolve_output(output, n_outputs)
+    # One sample's factors give the per-row size of every block's factors.
+    probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget)
+    return params, outputs, mode, probe
+
+
+def _check_weight(diag_weight, params, X):
+    if diag_weight is None:
+        return None
+    n_params = sum(p.numel() for p in params.values())
+    if diag_weight.shape != (n_params,):
+        raise ValueError(
+            f"diag_weight must have shape ({n_params},), got {tuple(diag_weight.shape)}."
+        )
+    return diag_weight.to(device=X.device, dtype=X.dtype)
+
+
+def tangent_gram(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    X: torch.Tensor,
+    Y: torch.Tensor | None = None,
+    *,
+    output: str | int = "trace",
+    diag_weight: torch.Tensor | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> torch.Tensor:
+    """Tangent-kernel Gram matrix ``J(X) D J(Y)^T`` without forming the Jacobian.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        Network without cross-sample state; evaluated with ``functional_call``.
+    params : mapping of str to torch.Tensor
+        The differentiated parameters, in flat (trajectory) order; other parameters and
+        buffers are the module's own.
+    X : torch.Tensor of shape (n_samples_X, n_features)
+    Y : torch.Tensor of shape (n_samples_Y, n_features), default=None
+        ``None`` computes ``K(X, X)``, evaluating only the blocks on and above the
+        diagonal and mirroring them (diagonal blocks are symmetrised exactly).
+    output : "trace", "full" or int, default="trace"
+        "trace": ``trace(J(x) D J(y)^T) / C`` (neural-tangents' trace_axes); int: that
+        output's kernel; "full": the ``C x C`` blocks.
+    diag_weight : torch.Tensor of shape (n_params,), default=None
+        Diagonal preconditioner ``D`` (e.g. Adam's ``1 / (sqrt(v_hat) + eps)``); ``None``
+        is the identity. With ``D``, the per-layer rank-one structure is lost: the
+        per-sample gradients of one parameter are materialised for a row block and a
+        column block, scaled by ``D``, and multiplied by a GEMM (``O(N M P)`` flops, the
+        dense cost, but memory-bounded and never holding more than one parameter's block).
+    memory_budget : int, default=2**30
+        Bytes that one block's factors and intermediates may use (the returned Gram is
+        not counted).
+
+    Returns
+    -------
+    K : torch.Tensor of shape (n_samples_X, n_samples_Y), or (n_X, C, n_Y, C) for "full"
+    """
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget)
+    weight = _check_weight(diag_weight, params, X)
+    symmetric = Y is None
+    Y = X if symmetric else Y
+    if Y.ndim != 2 or Y.shape[1] != X.shape[1]:
+        raise ValueError(f"Y must have shape (n, {X.shape[1]}), got {tuple(Y.shape)}.")
+    n_out = len(outputs)
+    itemsize = X.element_size()
+    layout = _layout(params)
+    per_row = 4 * probe.nbytes()
+    if weight is not None:
+        per_row += 2 * n_out * max(size for _, size in layout.values()) * itemsize
+    per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2)
+    size = _block_size(max(X.shape[0], Y.shape[0]), memory_budget, per_row, per_pair)
+    keep = probe.nbytes() * (X.shape[0] + (0 if symmetric else Y.shape[0])) <= memory_budget // 2
+    bx = _Blocks(module, params, X, size, outputs, memory_budget, keep)
+    by = bx if symmetric else _Blocks(module, params, Y, size, outputs, memory_budget, keep)
+
+    n, m = X.shape[0], Y.shape[0]
+    shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
+    K = torch.empty(shape, dtype=X.dtype, device=X.device)
+    for i in range(len(bx)):
+        cx = bx[i]
+        for j in range(i if symmetric else 0, len(by)):
+            cy = cx if (symmetric and i == j) else by[j]
+            G = None
+            for tx, ty in zip(cx.terms, cy.terms):
+                part = _term_gram(tx, ty, mode, weight, layout)
+                G = part if G is None else G.add_(part)
+            si, sj = bx.slices[i], by.slices[j]
+            if mode == "full":
+                if symmetric and i == j:
+                    G = 0.5 * (G + G.permute(2, 3, 0, 1))
+                K[si, :, sj, :] = G
+                if symmetric and i != j:
+                    K[sj, :, si, :] = G.permute(2, 3, 0, 1)
+            else:
+                if symmetric and i == j:
+                    G = 0.5 * (G + G.T)
+                K[si, sj] = G
+                if symmetric and i != j:
+                    K[sj, si] = G.T
+    return K
+
+
+def tangent_gram_diag(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    X: torch.Tensor,
+    *,
+    output: str | int = "trace",
+    diag_weight: torch.Tensor | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> torch.Tensor:
+    """Diagonal ``K(x, x)`` of :func:`tangent_gram`, without the Gram.
+
+    Unlike the off-diagonal entries, the diagonal keeps its factorised form with ``D``:
+    ``sum_oi delta_o^2 D_oi a_i^2 = delta^2 . (D a^2)``, one small GEMM per layer.
+
+    Returns
+    -------
+    k : torch.Tensor of shape (n_samples,), or (n_samples, C, C) for ``output="full"``
+    """
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget)
+    weight = _check_weight(diag_weight, params, X)
+    layout = _layout(params)
+    n_out = len(outputs)
+    size = _block_size(X.shape[0], memory_budget, 4 * probe.nbytes())
+    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False)
+    shape = (X.shape[0], n_out, n_out) if mode == "full" else (X.shape[0],)
+    out = torch.zeros(shape, dtype=X.dtype, device=X.device)
+    for i in range(len(blocks)):
+        sl = blocks.slices[i]
+        for term in blocks[i].terms:
+            d = term.delta
+            if weight is None:
+                ga = sum((a * a).sum(1) if a is not None else 1.0 for _, a in term.inputs)
+                if mode == "full":
+                    if isinstance(ga, torch.Tensor):
+                        ga = ga.reshape(-1, 1, 1)
+                    out[sl] += torch.einsum("ncp,ndp->ncd", d, d) * ga
+                else:
+                    out[sl] += (d * d).sum((1, 2)) * ga / n_out
+                continue
+            for name, a in term.inputs:
+                start, numel = layout[name]
+                w = weight[start : start + numel].reshape(d.shape[2], -1)
+                s = w[:, 0].expand(d.shape[0], -1) if a is None else (a * a) @ w.T
+                if mode == "full":
+                    out[sl] += torch.einsum("ncp,ndp,np->ncd", d, d, s)
+                else:
+                    out[sl] += (d * d * s.unsqueeze(1)).sum((1, 2)) / n_out
+    return out
+
+
+def tangent_features(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    X: torch.Tensor,
+    *,
+    output: str | int = "trace",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> torch.Tensor:
+    """Dense tangent features (per-sample Jacobians), columns in flat (trajectory) order.
+
+    Returns
+    -------
+    phi : torch.Tensor
+        ``(n_samples, P)`` for one output (``C == 1`` or ``output=int``);
+        ``(n_samples, C * P)`` for ``output="trace"`` with ``C > 1``: the row-major
+        flattened Jacobian divided by ``sqrt(C)``, so that ``phi phi^T`` is the trace
+        kernel; ``(n_samples, C, P)`` for ``output="full"``.
+    """
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget)
+    layout = _layout(params)
+    n_params = sum(size for _, size in layout.values())
+    n_out = len(outputs)
+    per_row = 4 * probe.nbytes() + n_out * n_params * X.element_size()
+    size = _block_size(X.shape[0], memory_budget, per_row)
+    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False)
+    phi = torch.empty((X.shape[0], n_out, n_params), dtype=X.dtype, device=X.device)
+    for i in range(len(blocks)):
+        sl = blocks.slices[i]
+        for term in blocks[i].terms:
+            for name, a in term.inputs:
+                start, numel = layout[name]
+                phi[sl, :, start : start + numel] = _kron(term.delta, a)
+    if mode == "full":
+        return phi
+    if n_out == 1:
+        return phi[:, 0, :]
+    return phi.reshape(X.shape[0], n_out * n_params) / math.sqrt(n_out)

@@ -1,0 +1,401 @@
+"""The tangent kernel and the path kernel of a trained network, as scikit-learn kernels.
+
+:class:`TangentKernel` is the empirical neural tangent kernel ``J_k(x) J_k(x')^T`` at one
+recorded point of the optimisation path; :class:`PathKernel` is Domingos' path kernel, the
+optimizer-weighted sum of step kernels ``sum_k w_k J_k(x) D_k J_k(x')^T`` over the recorded
+steps. Both subclass :class:`sklearn.gaussian_process.kernels.Kernel`, so they plug into
+``SVC(kernel=...)``, ``KernelRidge(kernel=...)`` and ``GaussianProcessRegressor``, and
+combine with other kernels (``PathKernel(est) + WhiteKernel()``).
+
+They are computed by the structured engine of :mod:`skpathkernel._tangent` (no Jacobian
+is formed for ``nn.Linear`` layers), in blocks bounded by the estimator's
+``memory_budget``, on its device and in its dtype; the result is a float64 NumPy array.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+
+import numpy as np
+import torch
+from sklearn.gaussian_process.kernels import Kernel
+from sklearn.utils.validation import check_array, check_is_fitted
+
+from ._device import resolve_dtype, to_numpy, to_tensor
+from ._tangent import tangent_gram, tangent_gram_diag
+
+__all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
+
+
+# --------------------------------------------------------------------------- helpers
+def _context(estimator):
+    check_is_fitted(estimator, "trajectory_")
+    return resolve_dtype(estimator.dtype), torch.device(estimator.device_)
+
+
+def _validate(estimator, X, name="X"):
+    X = check_array(X, dtype=[np.float64, np.float32], ensure_all_finite=True,
+                    input_name=name)
+    n_features = getattr(estimator, "n_features_in_", None)
+    if n_features is not None and X.shape[1] != n_features:
+        raise ValueError(
+            f"{name} has {X.shape[1]} features, but the kernel's estimator is expecting "
+            f"{n_features} features as input."
+        )
+    return X
+
+
+def _params_at(estimator, point: int, device):
+    traj = estimator.trajectory_
+    flat = traj.parameters(point).to(device)
+    return dict(zip(traj.names, traj.unflatten(flat).values()))
+
+
+def _check_output(output):
+    if isinstance(output, str):
+        if output != "trace":
+            raise ValueError(
+                f"output must be 'trace' or an int for a kernel, got {output!r} (the full "
+                "C x C blocks are available from step_kernel(..., output='full'))."
+            )
+    elif isinstance(output, bool) or not isinstance(output, numbers.Integral):
+        raise TypeError(f"output must be 'trace' or an int, got {output!r}.")
+    return output if isinstance(output, str) else int(output)
+
+
+def _tensors(estimator, X, Y):
+    dtype, device = _context(estimator)
+    Xt = None if X is None else to_tensor(X, dtype=dtype, device=device)
+    Yt = None if Y is None else to_tensor(Y, dtype=dtype, device=device)
+    return Xt, Yt
+
+
+def _step_setup(estimator, point, output, preconditioned):
+    """Parameters at one recorded point and the engine's keyword arguments."""
+    dtype, device = _context(estimator)
+    traj = estimator.trajectory_
+    point = int(point)
+    if not -len(traj) <= point < len(traj):
+        raise IndexError(f"step {point} is out of range for {len(traj)} recorded points.")
+    point %= len(traj)
+    params = _params_at(estimator, point, device)
+    weight = None
+    if preconditioned and len(traj) > 1:
+        # The last point has no step leaving it; it takes the last recorded state.
+        D = traj.preconditioner(min(point, len(traj) - 2))
+        weight = None if D is None else D.to(device=device, dtype=dtype)
+    kw = dict(output=output, diag_weight=weight, memory_budget=estimator.memory_budget)
+    return estimator.module_, params, kw
+
+
+def step_kernel(
+    estimator,
+    X,
+    Y=None,
+    *,
+    step: int = -1,
+    output: str | int = "trace",
+    preconditioned: bool = False,
+    normalized: bool = False,
+) -> np.ndarray:
+    """Gram matrix of one step kernel at recorded point ``step``.
+
+    ``preconditioned=False`` gives the tangent kernel ``J_k(X) J_k(Y)^T``; ``True`` the
+    optimizer-weighted step kernel ``J_k(X) D_k J_k(Y)^T`` with the optimizer's diagonal
+    preconditioner at that step (the identity for SGD; the last recorded state for the
+    final point, which no step leaves).
+
+    Parameters
+    ----------
+    estimator : fitted skpathkernel estimator
+    X : array-like of shape (n_samples_X, n_features)
+    Y : array-like of shape (n_samples_Y, n_features), default=None
+        ``None`` means ``Y = X`` (and uses the symmetry).
+    step : int, default=-1
+        Recorded point of ``estimator.trajectory_`` (negative indices count from the end).
+    output : "trace", "full" or int, default="trace"
+        See :class:`TangentKernel`; "full" returns ``(n_X, C, n_Y, C)`` blocks.
+    preconditioned : bool, default=False
+    normalized : bool, default=False
+        Divide by ``sqrt(K(x, x) K(y, y))`` (not available with ``output="full"``).
+
+    Returns
+    -------
+    K : ndarray of float64, shape (n_samples_X, n_samples_Y) or (n_X, C, n_Y, C)
+    """
+    if output != "full":
+        output = _check_output(output)
+    elif normalized:
+        raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int.")
+    X = _validate(estimator, X)
+    Y = None if Y is None else _validate(estimator, Y, "Y")
+    Xt, Yt = _tensors(estimator, X, Y)
+    module, params, kw = _step_setup(estimator, step, output, preconditioned)
+    K = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
+    if normalized:
+        dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
+        dy = dx if Yt is None else tangent_gram_diag(module, params, Yt, **kw).to(
+            torch.float64)
+        K = _normalize(K, dx, dy)
+    return to_numpy(K)
+
+
+def _normalize(K, dx, dy):
+    # Zero-norm features (a dead network at x) have no direction: their rows are 0.
+    sx = torch.where(dx > 0, dx.clamp_min(0).rsqrt(), torch.zeros_like(dx))
+    sy = torch.where(dy > 0, dy.clamp_min(0).rsqrt(), torch.zeros_like(dy))
+    return K * sx[:, None] * sy[None, :]
+
+
+def path_weights(trajectory, start: int = 0, stop: int | None = None) -> list[tuple[int, float]]:
+    """Recorded points ``k`` in ``[start, stop)`` and their path-kernel weights ``w_k``.
+
+    ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with the momentum memory
+    factor ``m = 1 / (1 - momentum)`` for SGD with heavy-ball momentum (its
+    continuous-time limit) and ``m = 1`` otherwise. For Adam / AdamW ``m = 1`` because the
+    bias-corrected first moment ``m_hat_t = sum_s (1 - b1) b1^(t-s) g_s / (1 - b1^t)`` has
+    weights summing to one, and a gradient's total weight over the later steps,
+    ``sum_(t>=s) (1 - b1) b1^(t-s)``, is one as well (up to the bias correction, which
+    only matters in the first ``~1 / (1 - b1)`` steps).
+    Points run over those with a step leaving them (``0 .. len(trajectory) - 2``), with
+    Python slice semantics for ``start`` and ``stop``.
+    """
+    spec = trajectory.solver_spec
+    memory = 1.0 / (1.0 - spec.momentum) if spec.name == "sgd" and spec.momentum else 1.0
+    steps = np.asarray(trajectory.steps)
+    points = range(len(trajectory) - 1)[slice(start, stop)]
+    return [
+        (k, float(trajectory.learning_rates[k]) * float(steps[k + 1] - steps[k]) * memory)
+        for k in points
+    ]
+
+
+def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
+    """Weighted sums over steps of Grams and/or diagonals: memory independent of T."""
+    weights = path_weights(estimator.trajectory_, start, stop)
+    if not weights:
+        raise ValueError(
+            f"The path kernel's range of recorded points [start={start}, stop={stop}) is "
+            f"empty (the trajectory has {len(estimator.trajectory_) - 1} steps to sum)."
+        )
+    Xt, Yt = _tensors(estimator, X, Y)
+    K = dx = dy = None
+    for k, w in weights:
+        module, params, kw = _step_setup(estimator, k, output, True)
+        if gram:
+            part = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
+            K = part.mul_(w) if K is None else K.add_(part, alpha=w)
+        if diag:
+            d = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64).mul_(w)
+            dx = d if dx is None else dx.add_(d)
+            if Yt is not None:
+                d = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64).mul_(w)
+                dy = d if dy is None else dy.add_(d)
+    return K, dx, dx if Yt is None else dy
+
+
+# --------------------------------------------------------------------------- kernels
+class _NetworkKernel(Kernel):
+    """What TangentKernel and PathKernel share: validation, clone, gradient shape."""
+
+    def is_stationary(self) -> bool:
+        """Returns False: the kernel depends on the inputs, not on their difference."""
+        return False
+
+    @property
+    def requires_vector_input(self) -> bool:
+        return True
+
+    def __sklearn_clone__(self):
+        # Cloning must keep the fitted estimator (FrozenEstimator's pattern): the kernel
+        # is a function of the trained network, it has nothing to refit.
+        return copy.copy(self)
+
+    def __repr__(self) -> str:
+        params = ", ".join(
+            f"{k}={v!r}" for k, v in self.get_params().items() if k != "estimator"
+        )
+        return f"{type(self).__name__}({type(self.estimator).__name__}, {params})"
+
+    def __call__(self, X, Y=None, eval_gradient=False):
+        """Return the kernel ``k(X, Y)`` and, optionally, its (empty) gradient.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples_X, n_features)
+        Y : array-like of shape (n_samples_Y, n_features), default=None
+            ``None`` evaluates ``k(X, X)``.
+        eval_gradient : bool, default=False
+            The kernel has no tunable hyperparameter, so the gradient with respect to
+            the (empty) ``theta`` has shape ``(n_samples_X, n_samples_X, 0)``. Only
+            supported when ``Y`` is None.
+
+        Returns
+        -------
+        K : ndarray of shape (n_samples_X, n_samples_Y)
+        K_gradient : ndarray of shape (n_samples_X, n_samples_X, 0), optional
+        """
+        if eval_gradient and Y is not None:
+            raise ValueError("Gradient can only be evaluated when Y is None.")
+        _check_output(self.output)
+        X = _validate(self.estimator, X)
+        Y = None if Y is None else _validate(self.estimator, Y, "Y")
+        K = self._gram(X, Y)
+        if eval_gradient:
+            return K, np.empty((X.shape[0], X.shape[0], 0))
+        return K
+
+    def diag(self, X) -> np.ndarray:
+        """Diagonal ``k(x, x)`` of the kernel, without computing the Gram.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features)
+
+        Returns
+        -------
+        K_diag : ndarray of shape (n_samples,)
+        """
+        _check_output(self.output)
+        X = _validate(self.estimator, X)
+        if self.normalized:
+            return np.ones(X.shape[0])
+        return self._diag(X)
+
+
+class TangentKernel(_NetworkKernel):
+    """Empirical tangent kernel of a trained network at one recorded point.
+
+    ``K(x, x') = J_k(x) J_k(x')^T`` with ``J_k(x) = d f(x; theta_k) / d theta`` the
+    tangent features at point ``step`` of the estimator's recorded trajectory (the
+    learned tangent features at the default ``step=-1``). For a network with ``C > 1``
+    outputs, ``output="trace"`` gives ``trace(J(x) J(x')^T) / C``; an int selects one
+    output's kernel.
+
+    Computed without forming the Jacobian for ``nn.Linear`` layers (other layers go
+    through a chunked ``torch.func`` fallback), in blocks bounded by the estimator's
+    ``memory_budget``, on its device and dtype; returned as float64.
+
+    Parameters
+    ----------
+    estimator : fitted PathKernelMachine or PathKernelClassifier
+        Kept as is (not refitted by ``clone``).
+    step : int, default=-1
+        Recorded point of ``estimator.trajectory_``; negative counts from the end.
+    output : "trace" or int, default="trace"
+        Scalar summary of the ``C x C`` kernel blocks, or the output to use.
+    normalized : bool, default=False
+        Return ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (cosine similarity of tangent
+        features); rows of zero-norm features are 0.
+
+    See Also
+    --------
+    PathKernel : The optimizer-weighted sum of step kernels along the trajectory.
+    step_kernel : One step's Gram, optionally preconditioned.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn.svm import SVR
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.kernels import TangentKernel
+    >>> X = np.linspace(-1, 1, 30).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=20, dtype="float64",
+    ...                         random_state=0).fit(X, y)
+    >>> kernel = TangentKernel(est)
+    >>> K = kernel(X)
+    >>> K.shape, bool(np.allclose(K, K.T))
+    ((30, 30), True)
+    >>> bool(np.allclose(np.diag(K), kernel.diag(X)))
+    True
+    >>> SVR(kernel=kernel).fit(X, y).predict(X[:2]).shape
+    (2,)
+    """
+
+    def __init__(self, estimator, step=-1, output="trace", normalized=False):
+        self.estimator = estimator
+        self.step = step
+        self.output = output
+        self.normalized = normalized
+
+    def _gram(self, X, Y):
+        return step_kernel(self.estimator, X, Y, step=self.step, output=self.output,
+                           normalized=self.normalized)
+
+    def _diag(self, X):
+        Xt, _ = _tensors(self.estimator, X, None)
+        module, params, kw = _step_setup(self.estimator, self.step, self.output, False)
+        return to_numpy(tangent_gram_diag(module, params, Xt, **kw).to(torch.float64))
+
+
+class PathKernel(_NetworkKernel):
+    """Path kernel of a trained network: the optimizer-weighted sum of step kernels.
+
+    ``K(x, x') = sum_k w_k J_k(x) D_k J_k(x')^T`` over the recorded points
+    ``k in [start, stop)`` of the estimator's trajectory (each one a step leaving it),
+    with ``D_k`` the optimizer's diagonal preconditioner at that step (identity for SGD,
+    ``1 / (sqrt(v_hat) + eps)`` for Adam / AdamW, ``1 / (sqrt(v) + eps)`` for RMSprop)
+    and ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m``: the step size, times
+    the number of optimizer steps the point stands for (``record_every``), times the
+    momentum memory factor ``m = 1 / (1 - momentum)`` for SGD with heavy-ball momentum
+    (its continuous-time limit) and ``m = 1`` for plain SGD, RMSprop, Adam and AdamW.
+    For Adam ``m = 1`` because the bias-corrected first-moment weights of a gradient sum
+    to one. With ``record_every > 1`` the skipped steps are represented by the recorded
+    one (Riemann sum).
+
+    The cost is linear in the number of steps and the memory independent of it: step
+    Grams are accumulated one at a time, each in memory-bounded blocks.
+
+    Parameters
+    ----------
+    estimator : fitted PathKernelMachine or PathKernelClassifier
+        Kept as is (not refitted by ``clone``).
+    start, stop : int or None, default=0, None
+        Range of recorded points, with Python slice semantics over the points
+        ``0 .. len(trajectory_) - 2`` (the last point has no step leaving it).
+    output : "trace" or int, default="trace"
+        Scalar summary of the ``C x C`` kernel blocks, or the output to use.
+    normalized : bool, default=False
+        Return ``K(x, x') / sqrt(K(x, x) K(x', x'))``.
+
+    See Also
+    --------
+    TangentKernel : The kernel at one recorded point.
+    path_weights : The weights ``w_k``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn.kernel_ridge import KernelRidge
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.kernels import PathKernel
+    >>> X = np.linspace(-1, 1, 30).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(16,), solver="adam", max_iter=10,
+    ...                         random_state=0).fit(X, y)
+    >>> kernel = PathKernel(est)
+    >>> K = kernel(X)
+    >>> K.shape, bool(np.all(np.linalg.eigvalsh(K) > -1e-6 * K.max()))
+    ((30, 30), True)
+    >>> KernelRidge(kernel=kernel, alpha=1e-3).fit(X, y).predict(X[:2]).shape
+    (2,)
+    """
+
+    def __init__(self, estimator, start=0, stop=None, output="trace", normalized=False):
+        self.estimator = estimator
+        self.start = start
+        self.stop = stop
+        self.output = output
+        self.normalized = normalized
+
+    def _gram(self, X, Y):
+        K, dx, dy = _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
+                              gram=True, diag=self.normalized)
+        if self.normalized:
+            K = _normalize(K, dx, dy)
+        return to_numpy(K)
+
+    def _diag(self, X):
+        _, dx, _ = _path_sum(self.estimator, X, None, self.start, self.stop, self.output,
+                             gram=False, diag=True)
+        return to_numpy(dx)

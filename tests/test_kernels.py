@@ -1,0 +1,233 @@
+"""TangentKernel / PathKernel against explicit sums of per-sample-loop Grams."""
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.gaussian_process import GaussianProcessRegressor
+from sklearn.gaussian_process.kernels import WhiteKernel
+from sklearn.kernel_ridge import KernelRidge
+from sklearn.svm import SVC
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel.kernels import PathKernel, TangentKernel, path_weights, step_kernel
+
+RTOL = 1e-10
+
+
+def _data(n=14, d=2, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.uniform(-1, 1, size=(n, d))
+    y = np.sin(2 * X[:, 0]) + X[:, 1] ** 2
+    return X, y
+
+
+def _fit(solver="sgd", momentum=0.0, record_every=1, multi=False, dtype="float64", **kw):
+    X, y = _data()
+    params = dict(hidden_layer_sizes=(6, 5), solver=solver, momentum=momentum,
+                  learning_rate_init=0.05 if solver == "sgd" else 0.01, max_iter=6,
+                  record_every=record_every, dtype=dtype, device="cpu", random_state=0, **kw)
+    if multi:
+        labels = np.digitize(y, np.quantile(y, [0.33, 0.66]))
+        return PathKernelClassifier(batch_size=5, **params).fit(X, labels), X
+    return PathKernelMachine(**params).fit(X, y), X
+
+
+def _loop_jacobian(est, point, X):
+    """(n, C, P) at recorded point ``point``: autograd.grad of each output, sample by sample."""
+    module = copy.deepcopy(est.module_).to(torch.float64)
+    module.load_state_dict(est.trajectory_.state_dict(point), strict=False)
+    plist = [p for p in module.parameters() if p.requires_grad]
+    rows = []
+    for x in torch.as_tensor(X, dtype=torch.float64):
+        f = module(x.unsqueeze(0)).reshape(-1)
+        rows.append(torch.stack([
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(f[c], plist,
+                                                                   retain_graph=True)])
+            for c in range(f.shape[0])
+        ]))
+    return torch.stack(rows).numpy()
+
+
+def _loop_gram(est, point, X, Y, D=None, output="trace"):
+    JX, JY = _loop_jacobian(est, point, X), _loop_jacobian(est, point, Y)
+    D = np.ones(JX.shape[2]) if D is None else D
+    full = np.einsum("ncp,p,mdp->ncmd", JX, D, JY)
+    if output == "trace":
+        return np.einsum("ncmc->nm", full) / JX.shape[1]
+    return full[:, output, :, output]
+
+
+def _close(a, b, rtol=RTOL):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape
+    err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+    assert err <= rtol, err
+
+
+# ----------------------------------------------------------------------- values
+@pytest.mark.parametrize("step", [0, 3, -1])
+def test_tangent_kernel_matches_loop(step):
+    est, X = _fit()
+    Y = X[:5] + 0.3
+    kernel = TangentKernel(est, step=step)
+    K = kernel(X, Y)
+    assert K.dtype == np.float64
+    _close(K, _loop_gram(est, step, X, Y))
+    _close(kernel(X), _loop_gram(est, step, X, X))
+    _close(kernel.diag(X), np.diag(_loop_gram(est, step, X, X)))
+
+
+def _explicit_path_kernel(est, X, Y, *, memory, start=0, stop=None):
+    traj = est.trajectory_
+    K = 0.0
+    for k in list(range(len(traj) - 1))[start:stop]:
+        D = traj.preconditioner(k)
+        D = None if D is None else D.numpy()
+        w = traj.learning_rates[k] * (traj.steps[k + 1] - traj.steps[k]) * memory
+        K = K + w * _loop_gram(est, k, X, Y, D)
+    return K
+
+
+@pytest.mark.parametrize(
+    "solver, momentum, memory",
+    [("sgd", 0.0, 1.0), ("sgd", 0.5, 2.0), ("adam", 0.0, 1.0), ("adamw", 0.0, 1.0),
+     ("rmsprop", 0.0, 1.0)],
+)
+def test_path_kernel_matches_explicit_sum(solver, momentum, memory):
+    est, X = _fit(solver, momentum, record_every=2)
+    assert np.all(np.diff(est.trajectory_.steps) == 2)  # weights must count the steps
+    Y = X[:4] - 0.2
+    _close(PathKernel(est)(X, Y), _explicit_path_kernel(est, X, Y, memory=memory))
+    _close(PathKernel(est, start=1, stop=-1)(X, Y),
+           _explicit_path_kernel(est, X, Y, memory=memory, start=1, stop=-1))
+    K = PathKernel(est)(X)
+    _close(np.diag(K), PathKernel(est).diag(X))
+    assert np.array_equal(K, K.T)
+    eig = np.linalg.eigvalsh(K)
+    assert eig.min() >= -1e-10 * eig.max()
+
+
+def test_path_weights():
+    est, _ = _fit("sgd", 0.75, record_every=3)
+    traj = est.trajectory_
+    weights = path_weights(traj)
+    assert [k for k, _ in weights] == list(range(len(traj) - 1))
+    lr = est.learning_rate_init
+    expected = [lr * (traj.steps[k + 1] - traj.steps[k]) * 4.0 for k in range(len(traj) - 1)]
+    np.testing.assert_allclose([w for _, w in weights], expected, rtol=1e-15)
+    with pytest.raises(ValueError, match="empty"):
+        PathKernel(est, start=3, stop=3)(np.zeros((2, 2)))
+
+
+def test_multi_output_kernels():
+    est, X = _fit("adam", multi=True)
+    assert est.n_outputs_ == 3
+    Y = X[:3]
+    for output in ("trace", 2):
+        _close(TangentKernel(est, output=output)(X, Y),
+               _loop_gram(est, -1, X, Y, output=output))
+    traj = est.trajectory_
+    full = step_kernel(est, X, Y, step=2, output="full", preconditioned=True)
+    JX, JY = _loop_jacobian(est, 2, X), _loop_jacobian(est, 2, Y)
+    _close(full, np.einsum("ncp,p,mdp->ncmd", JX, traj.preconditioner(2).numpy(), JY))
+
+
+def test_normalized():
+    est, X = _fit("rmsprop")
+    for kernel in (TangentKernel(est, normalized=True), PathKernel(est, normalized=True)):
+        raw = clone(kernel).set_params(normalized=False)
+        K, R = kernel(X), raw(X)
+        d = np.sqrt(np.diag(R))
+        _close(K, R / np.outer(d, d))
+        np.testing.assert_allclose(np.diag(K), 1.0, rtol=1e-12)
+        np.testing.assert_array_equal(kernel.diag(X), np.ones(len(X)))
+        Y = X[:3] * 1.5
+        dy = np.sqrt(raw.diag(Y))
+        _close(kernel(X, Y), raw(X, Y) / np.outer(d, dy))
+
+
+def test_float32_estimator():
+    est32, X = _fit(dtype="float32")
+    K = TangentKernel(est32)(X)
+    assert K.dtype == np.float64
+    _close(K, _loop_gram(est32, -1, X, X), 1e-5)
+
+
+# ----------------------------------------------------------------------- sklearn contract
+def test_kernel_contract():
+    est, X = _fit()
+    kernel = TangentKernel(est)
+    assert not kernel.is_stationary()
+    assert kernel.theta.shape == (0,) and kernel.n_dims == 0
+    assert kernel.hyperparameters == []
+    K, grad = kernel(X, eval_gradient=True)
+    assert grad.shape == (len(X), len(X), 0)
+    with pytest.raises(ValueError, match="Gradient"):
+        kernel(X, X, eval_gradient=True)
+    assert "TangentKernel(PathKernelMachine" in repr(kernel)
+
+
+def test_clone_keeps_fitted_estimator_and_pickles():
+    est, X = _fit("adam")
+    for kernel in (TangentKernel(est, step=2), PathKernel(est, start=1)):
+        K = kernel(X)
+        for other in (clone(kernel), kernel.clone_with_theta(np.array([])),
+                      pickle.loads(pickle.dumps(kernel))):
+            assert type(other) is type(kernel)
+            assert other.get_params(deep=False).keys() == kernel.get_params(deep=False).keys()
+            np.testing.assert_array_equal(other(X), K)
+        assert clone(kernel).estimator is est
+
+
+def test_svc_callable_equals_precomputed():
+    est, X = _fit("sgd", multi=True)
+    _, target = _data()
+    y = np.digitize(target, np.quantile(target, [0.33, 0.66]))
+    kernel = PathKernel(est, normalized=True)
+    Xt = X[:6] + 0.05
+    svc = SVC(kernel=kernel, C=10.0).fit(X, y)
+    pre = SVC(kernel="precomputed", C=10.0).fit(kernel(X), y)
+    np.testing.assert_array_equal(svc.predict(Xt), pre.predict(kernel(Xt, X)))
+    np.testing.assert_allclose(svc.decision_function(Xt),
+                               pre.decision_function(kernel(Xt, X)), rtol=1e-10)
+
+
+def test_kernel_ridge_and_gaussian_process():
+    est, X = _fit()
+    _, y = _data()
+    Xt = X[:4] + 0.1
+    kernel = TangentKernel(est)
+    K, Kt = kernel(X), kernel(Xt, X)
+    ridge = KernelRidge(kernel=kernel, alpha=0.1).fit(X, y)
+    np.testing.assert_allclose(ridge.predict(Xt), Kt @ np.linalg.solve(K + 0.1 * np.eye(len(X)), y),
+                               rtol=1e-8)
+    gpr = GaussianProcessRegressor(kernel=kernel + WhiteKernel(0.1, "fixed"),
+                                   optimizer=None).fit(X, y)
+    # The white noise enters only the training covariance: the posterior mean is ridge's.
+    np.testing.assert_allclose(gpr.predict(Xt), ridge.predict(Xt), rtol=1e-8)
+    mean, std = gpr.predict(Xt, return_std=True)
+    assert np.all(np.isfinite(std)) and std.shape == (4,)
+    # The default optimizer calls the kernel with eval_gradient=True through the Sum.
+    GaussianProcessRegressor(kernel=kernel + WhiteKernel(0.1), random_state=0).fit(X, y)
+
+
+def test_input_validation():
+    est, X = _fit()
+    kernel = PathKernel(est)
+    with pytest.raises(ValueError, match="NaN|infinity"):
+        kernel(np.array([[np.nan, 0.0]]))
+    with pytest.raises(ValueError, match="3 features"):
+        kernel(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="2D"):
+        kernel.diag(np.zeros(3))
+    with pytest.raises(ValueError, match="output"):
+        TangentKernel(est, output="full")(X)
+    with pytest.raises(IndexError, match="step"):
+        TangentKernel(est, step=1000)(X)
+    with pytest.raises(NotFittedError):
+        TangentKernel(PathKernelMachine())(X)

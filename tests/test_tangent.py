@@ -1,0 +1,313 @@
+"""The structured tangent engine against an independent per-sample autograd loop."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from skpathkernel import _tangent
+from skpathkernel._tangent import (
+    _capture,
+    _gram,
+    capture,
+    project_tangent_features,
+    tangent_features,
+    tangent_gram,
+    tangent_gram_diag,
+)
+
+RTOL = 1e-10
+
+
+# ----------------------------------------------------------------------- modules
+def _mlp(n_out):
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh(),
+                         nn.Linear(6, n_out))
+
+
+class _RawParameter(nn.Module):
+    """A hidden layer scaled by a raw nn.Parameter (no rule for this module itself)."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.lin = nn.Linear(3, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, n_out)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x) * self.scale))
+
+
+class _LinearTwice(nn.Module):
+    """One Linear applied twice per forward: its hook cannot tell the calls apart."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.inp = nn.Linear(3, 5)
+        self.shared = nn.Linear(5, 5)
+        self.head = nn.Linear(5, n_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return self.head(h)
+
+
+class _ConvAndSequence(nn.Module):
+    """Conv1d on reshaped input (no rule) and a Linear on 3-D input (rule refuses)."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 2, 2)
+        self.per_position = nn.Linear(2, 3)
+        self.head = nn.Linear(6, n_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x.unsqueeze(1)))  # (n, 2, 2)
+        h = torch.tanh(self.per_position(h.transpose(1, 2)))  # (n, 2, 3): 3-D input
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+MODULES = {"mlp": _mlp, "raw": _RawParameter, "twice": _LinearTwice, "conv": _ConvAndSequence}
+FALLBACK = {
+    "mlp": set(),
+    "raw": {"scale"},
+    "twice": {"shared.weight", "shared.bias"},
+    "conv": {"conv.weight", "conv.bias", "per_position.weight", "per_position.bias"},
+}
+
+
+def _make(kind, n_out, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    module = MODULES[kind](n_out).to(dtype)
+    # Move away from the initialization so that every factor is generic.
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(9, 3, dtype=dtype)
+    Y = torch.randn(5, 3, dtype=dtype)
+    return module, params, X, Y
+
+
+def _loop_jacobian(module, params, X):
+    """(n, C, P): torch.autograd.grad of f(x_i)[c] w.r.t. all parameters, one at a time."""
+    ref = _copy_with(module, params)
+    names = list(params)
+    plist = [dict(ref.named_parameters())[k] for k in names]
+    rows = []
+    for x in X.to(torch.float64):
+        f = ref(x.unsqueeze(0)).reshape(-1)
+        per_output = []
+        for c in range(f.shape[0]):
+            grads = torch.autograd.grad(f[c], plist, retain_graph=True)
+            per_output.append(torch.cat([g.reshape(-1) for g in grads]))
+        rows.append(torch.stack(per_output))
+    return torch.stack(rows)
+
+
+def _copy_with(module, params):
+    import copy
+
+    ref = copy.deepcopy(module).to(torch.float64)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(params[name])
+    return ref
+
+
+def _close(a, b, rtol=RTOL):
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    assert a.shape == b.shape
+    scale = b.abs().max().clamp_min(1e-300)
+    assert float((a - b).abs().max() / scale) <= rtol, float((a - b).abs().max() / scale)
+
+
+# ----------------------------------------------------------------------- features
+@pytest.mark.parametrize("kind", sorted(MODULES))
+@pytest.mark.parametrize("n_out", [1, 3])
+def test_features_match_loop(kind, n_out):
+    module, params, X, _ = _make(kind, n_out)
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_features(module, params, X, output=n_out - 1), J[:, n_out - 1])
+    trace = tangent_features(module, params, X)
+    if n_out == 1:
+        _close(trace, J[:, 0])
+    else:
+        _close(trace, J.reshape(len(X), -1) / math.sqrt(n_out))
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_fallback_routing(kind):
+    module, params, X, _ = _make(kind, 2)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**20)
+    assert set(cap.fallback) == FALLBACK[kind]
+    covered = [name for t in cap.terms for name, _ in t.inputs]
+    assert sorted(covered) == sorted(params)
+
+
+def test_tied_weights_go_to_fallback():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    module = nn.Sequential(nn.Linear(3, 4), a, nn.Tanh(), b, nn.Tanh(), nn.Linear(4, 1)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(6, 3, dtype=torch.float64)
+    cap = capture(module, params, X, [0], memory_budget=2**20)
+    assert "1.weight" in cap.fallback
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
+
+
+# ----------------------------------------------------------------------- Grams
+@pytest.mark.parametrize("kind", sorted(MODULES))
+@pytest.mark.parametrize("n_out", [1, 3])
+def test_gram_matches_loop(kind, n_out):
+    module, params, X, Y = _make(kind, n_out)
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    full = torch.einsum("ncp,mdp->ncmd", JX, JY)
+    _close(tangent_gram(module, params, X, Y, output="full"), full)
+    _close(tangent_gram(module, params, X, Y, output="trace"),
+           torch.einsum("ncmc->nm", full) / n_out)
+    _close(tangent_gram(module, params, X, Y, output=-1), full[:, -1, :, -1])
+    _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", JX, JX) / n_out)
+    _close(tangent_gram_diag(module, params, X),
+           torch.einsum("ncp,ncp->n", JX, JX) / n_out)
+    _close(tangent_gram_diag(module, params, X, output="full"),
+           torch.einsum("ncp,ndp->ncd", JX, JX))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "raw"])
+def test_gram_symmetric_psd(kind):
+    module, params, X, _ = _make(kind, 2)
+    X = torch.cat([X, X[:3] + 1e-3])
+    for output in ("trace", 0):
+        K = tangent_gram(module, params, X, output=output)
+        assert torch.equal(K, K.T)
+        eig = torch.linalg.eigvalsh(K)
+        assert float(eig.min()) >= -1e-10 * float(eig.max())
+    Kf = tangent_gram(module, params, X, output="full").reshape(len(X) * 2, -1)
+    assert torch.equal(Kf, Kf.T)
+    eig = torch.linalg.eigvalsh(Kf)
+    assert float(eig.min()) >= -1e-10 * float(eig.max())
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_chunked_equals_unchunked(kind, weighted, monkeypatch):
+    module, params, X, Y = _make(kind, 2)
+    D = None
+    if weighted:
+        n_params = sum(p.numel() for p in params.values())
+        D = torch.rand(n_params, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    blocks = []
+    real = _gram._Blocks.__init__
+
+    def spy(self, *args, **kw):
+        real(self, *args, **kw)
+        blocks.append(len(self.slices))
+
+    monkeypatch.setattr(_gram._Blocks, "__init__", spy)
+    # The fallback at one row per block is slow: the conv net checks "full" only.
+    for output in ("trace", "full") if kind == "mlp" else ("full",):
+        kw = dict(output=output, diag_weight=D)
+        for Z in (None, Y):
+            big = tangent_gram(module, params, X, Z, **kw)
+            small = tangent_gram(module, params, X, Z, memory_budget=1, **kw)
+            _close(small, big, 1e-13)
+        _close(tangent_gram_diag(module, params, X, memory_budget=1, **kw),
+               tangent_gram_diag(module, params, X, **kw), 1e-13)
+    _close(tangent_features(module, params, X, memory_budget=1),
+           tangent_features(module, params, X), 1e-13)
+    # The tiny budget really split the rows into blocks of one sample.
+    assert max(blocks) == len(X)
+
+
+@pytest.mark.parametrize("solver_like", ["adam", "rmsprop"])
+@pytest.mark.parametrize("kind", ["mlp", "raw"])
+def test_preconditioned_gram(kind, solver_like):
+    module, params, X, Y = _make(kind, 2)
+    # The diagonal preconditioners of Adam / RMSprop: 1 / (sqrt(v) + eps), v > 0.
+    v = {k: torch.rand_like(p) ** 4 for k, p in params.items()}
+    D = torch.cat([1.0 / (v[k].sqrt() + 1e-8).reshape(-1) for k in params])
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JY)
+    _close(tangent_gram(module, params, X, Y, output="full", diag_weight=D), full)
+    _close(tangent_gram(module, params, X, Y, diag_weight=D), torch.einsum("ncmc->nm", full) / 2)
+    _close(tangent_gram(module, params, X, diag_weight=D),
+           torch.einsum("ncp,p,mcp->nm", JX, D, JX) / 2)
+    _close(tangent_gram_diag(module, params, X, output="full", diag_weight=D),
+           torch.einsum("ncp,p,ndp->ncd", JX, D, JX))
+    _close(tangent_gram_diag(module, params, X, output=1, diag_weight=D),
+           torch.einsum("np,p,np->n", JX[:, 1], D, JX[:, 1]))
+
+
+def test_float32_close_to_float64():
+    module, params, X, Y = _make("mlp", 2)
+    K64 = tangent_gram(module, params, X, Y)
+    p32 = {k: v.float() for k, v in params.items()}
+    K32 = tangent_gram(module.float(), p32, X.float(), Y.float())
+    assert K32.dtype == torch.float32
+    _close(K32, K64, 1e-5)
+
+
+def test_bad_arguments():
+    module, params, X, _ = _make("mlp", 2)
+    with pytest.raises(ValueError, match="output"):
+        tangent_gram(module, params, X, output="sum")
+    with pytest.raises(ValueError, match="out of range"):
+        tangent_gram(module, params, X, output=2)
+    with pytest.raises(ValueError, match="diag_weight"):
+        tangent_gram(module, params, X, diag_weight=torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="n_components"):
+        project_tangent_features(module, params, X, 0)
+
+
+# ----------------------------------------------------------------------- projection
+def _relative_error(module, params, X, k, seed, output="trace"):
+    z = project_tangent_features(module, params, X, k, random_state=seed, output=output)
+    if output == "full":
+        est = torch.einsum("nck,mdk->ncmd", z, z)
+    else:
+        est = z @ z.T
+    K = tangent_gram(module, params, X, output=output)
+    return float((est - K).norm() / K.norm())
+
+
+@pytest.mark.parametrize("kind", ["mlp", "raw"])
+@pytest.mark.parametrize("output", ["trace", "full", 1])
+def test_projection_converges(kind, output):
+    module, params, X, _ = _make(kind, 2)
+    errors = {k: sum(_relative_error(module, params, X, k, s, output) for s in range(3)) / 3
+              for k in (16, 4096)}
+    assert errors[4096] < 0.08
+    # Monte-Carlo error decays like 1 / sqrt(k): 16x from k=16 to k=4096, allow 4x.
+    assert errors[4096] < errors[16] / 4
+
+
+def test_projection_is_seeded_and_budget_independent():
+    module, params, X, _ = _make("raw", 2)
+    a = project_tangent_features(module, params, X, 64, random_state=3)
+    b = project_tangent_features(module, params, X, 64, random_state=3, memory_budget=1)
+    c = project_tangent_features(module, params, X, 64, random_state=4)
+    _close(b, a, 1e-13)
+    assert torch.equal(a, project_tangent_features(module, params, X, 64, random_state=3))
+    assert not torch.allclose(a, c)
+
+
+def test_projection_never_forms_jacobian_for_linear_nets(monkeypatch):
+    module, params, X, _ = _make("mlp", 2)
+    expected = project_tangent_features(module, params, X, 32, random_state=0)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("dense per-sample gradients were formed")
+
+    monkeypatch.setattr(_capture, "per_sample_jacobian", boom)
+    monkeypatch.setattr(_gram, "_kron", boom)
+    monkeypatch.setattr(_tangent, "tangent_features", boom)
+    monkeypatch.setattr(_gram, "tangent_features", boom)
+    got = project_tangent_features(module, params, X, 32, random_state=0)
+    assert torch.equal(got, expected)
+    # The same guard does catch the dense route when a layer needs it.
+    module, params, X, _ = _make("raw", 2)
+    with pytest.raises(AssertionError, match="dense"):
+        project_tangent_features(module, params, X, 32, random_state=0)

@@ -193,6 +193,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
             )
         module.eval()
         attrs.update(
+            X_fit_=X,
+            _Y_fit=Y,
             module_=module,
             trajectory_=result.trajectory,
             loss_curve_=result.loss_curve,
@@ -229,6 +231,96 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 outs.append(to_numpy(self.module_(xb)))
         return np.concatenate(outs, axis=0).astype(np.float64, copy=False)
 
+    # ------------------------------------------------------------------ kernels
+    @property
+    def tangent_kernel_(self):
+        """:class:`~skpathkernel.kernels.TangentKernel` at the final parameters."""
+        from .kernels import TangentKernel
+
+        check_is_fitted(self)
+        return TangentKernel(self)
+
+    @property
+    def path_kernel_(self):
+        """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
+        from .kernels import PathKernel
+
+        check_is_fitted(self)
+        return PathKernel(self)
+
+    def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
+        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
+        from ._tangent import tangent_features
+
+        X = self._validate_X(X)
+        dtype, device = self._torch_dtype_device()
+        traj = self.trajectory_
+        params = dict(traj.unflatten(traj.parameters(step).to(device)))
+        phi = tangent_features(self.module_, params, to_tensor(X, dtype=dtype, device=device),
+                               output=output, memory_budget=self.memory_budget)
+        return to_numpy(phi)
+
+    def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
+                   return_distance=True):
+        """Training points nearest to each query under a kernel (seed figure 1).
+
+        Nearness is the distance in the kernel's feature space,
+        ``d(x, x_i)^2 = K(x, x) + K(x_i, x_i) - 2 K(x, x_i)``; with ``normalized=True``
+        (the seeds' normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
+        nearest points are those with the highest normalized kernel.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        n_neighbors : int, default=100
+        kernel : {"tangent", "path"}, default="tangent"
+            The tangent kernel at recorded point ``step``, or the path kernel.
+        step : int, default=-1
+            Recorded point for the tangent kernel (0 is the initialization).
+        normalized : bool, default=True
+        return_distance : bool, default=True
+
+        Returns
+        -------
+        distances : ndarray of shape (n_queries, n_neighbors)
+            Only when ``return_distance=True``; increasing along each row.
+        indices : ndarray of shape (n_queries, n_neighbors)
+            Indices into the training set.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+        >>> dist, ind = est.fit(X, y).kneighbors(X[:2], n_neighbors=3)
+        >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
+        ((2, 3), True)
+        """
+        from .kernels import PathKernel, TangentKernel
+
+        check_is_fitted(self)
+        if kernel not in ("tangent", "path"):
+            raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
+        n_train = self.X_fit_.shape[0]
+        if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= n_train:
+            raise ValueError(
+                f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
+                f"samples), got {n_neighbors!r}."
+            )
+        X = self._validate_X(X)
+        k = (TangentKernel(self, step=step) if kernel == "tangent" else PathKernel(self))
+        K = k(X, self.X_fit_)
+        if normalized:
+            sq = 2.0 - 2.0 * np.clip(_normalize_rows(K, k.diag(X), k.diag(self.X_fit_)), -1, 1)
+        else:
+            sq = k.diag(X)[:, None] + k.diag(self.X_fit_)[None, :] - 2.0 * K
+        dist = np.sqrt(np.maximum(sq, 0.0))
+        ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
+        if not return_distance:
+            return ind
+        return np.take_along_axis(dist, ind, axis=1), ind
+
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
         state = super().__getstate__()
@@ -255,7 +347,28 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.non_deterministic = False
+        if tags.transformer_tags is not None:
+            # Tangent features come out in the network's dtype, whatever X's dtype.
+            tags.transformer_tags.preserves_dtype = [self.dtype]
         return tags
+
+
+def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
+    """``"<parameter>[<index>]"`` for every flat parameter, per output when several."""
+    names = [
+        f"{name}[{i}]"
+        for name, shape in zip(trajectory.names, trajectory.shapes)
+        for i in range(int(np.prod(shape)))
+    ]
+    if n_outputs > 1:
+        names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
+    return np.asarray(names, dtype=object)
+
+
+def _normalize_rows(K, dx, dy):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = K / np.sqrt(np.outer(dx, dy))
+    return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _module_to_cpu(module: torch.nn.Module) -> torch.nn.Module:

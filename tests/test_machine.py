@@ -1,0 +1,85 @@
+"""Estimator-level tangent features, kernels and neighbours against independent loops."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose, assert_array_equal
+from sklearn.exceptions import NotFittedError
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+
+
+def _phi_loop(est, X, k=-1):
+    module = copy.deepcopy(est.module_)
+    module.load_state_dict(est.trajectory_.state_dict(k))
+    rows = []
+    for x in torch.as_tensor(X):
+        out = module(x[None])[0]
+        rows.append(torch.cat([
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+                out[c], list(module.parameters()), retain_graph=True)])
+            for c in range(out.shape[0])
+        ]) / np.sqrt(out.shape[0]))
+    return torch.stack(rows).detach().numpy()
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(25, 3))
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    clf = PathKernelClassifier(hidden_layer_sizes=(7,), solver="adam", max_iter=10,
+                               dtype="float64", random_state=0).fit(X, y)
+    reg = PathKernelMachine(hidden_layer_sizes=(7, 5), max_iter=10, dtype="float64",
+                            random_state=0).fit(X, y.astype(float))
+    return X, clf, reg
+
+
+def test_transform_equals_autograd_loop(fitted):
+    X, clf, reg = fitted
+    assert_allclose(reg.transform(X), _phi_loop(reg, X), rtol=1e-10, atol=1e-12)
+    phi = clf.transform(X)  # 3 classes: the flattened Jacobian / sqrt(3)
+    assert phi.shape == (len(X), 3 * clf.n_params_)
+    assert_allclose(phi, _phi_loop(clf, X), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_kneighbors_equals_brute_force(fitted, normalized):
+    X, _, reg = fitted
+    Q = X[:4] + 0.1
+    pq, pt = _phi_loop(reg, Q), _phi_loop(reg, X)
+    if normalized:
+        pq /= np.linalg.norm(pq, axis=1, keepdims=True)
+        pt /= np.linalg.norm(pt, axis=1, keepdims=True)
+    brute = np.linalg.norm(pq[:, None, :] - pt[None, :, :], axis=2)
+    dist, ind = reg.kneighbors(Q, n_neighbors=6, normalized=normalized)
+    assert_array_equal(ind, np.argsort(brute, axis=1, kind="stable")[:, :6])
+    assert_allclose(dist, np.sort(brute, axis=1)[:, :6], rtol=1e-7, atol=1e-7)
+    assert_array_equal(reg.kneighbors(Q, 6, normalized=normalized, return_distance=False), ind)
+
+
+def test_kneighbors_at_initialization_and_path(fitted):
+    X, _, reg = fitted
+    p0 = _phi_loop(reg, X, k=0)
+    p0 /= np.linalg.norm(p0, axis=1, keepdims=True)
+    _, ind = reg.kneighbors(X[:3], n_neighbors=4, step=0)
+    assert_array_equal(ind, np.argsort(-(p0[:3] @ p0.T), axis=1, kind="stable")[:, :4])
+    _, ind_path = reg.kneighbors(X[:3], n_neighbors=4, kernel="path")
+    assert_array_equal(ind_path[:, 0], [0, 1, 2])  # each point is its own nearest
+    with pytest.raises(ValueError, match="n_neighbors must be an integer in"):
+        reg.kneighbors(X, n_neighbors=len(X) + 1)
+    with pytest.raises(ValueError, match="kernel must be"):
+        reg.kneighbors(X, n_neighbors=2, kernel="rbf")
+
+
+def test_kernel_attributes(fitted):
+    X, clf, _ = fitted
+    K = clf.tangent_kernel_(X)
+    phi = _phi_loop(clf, X)
+    assert_allclose(K, phi @ phi.T, rtol=1e-9, atol=1e-12)
+    unfitted = PathKernelMachine()
+    assert not hasattr(unfitted, "path_kernel_")
+    with pytest.raises(NotFittedError):
+        unfitted.tangent_kernel_  # noqa: B018

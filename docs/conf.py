@@ -1,0 +1,56 @@
+"""Sphinx configuration for the skpathkernel documentation."""
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.abspath(".."))
+os.environ.setdefault("MPLBACKEND", "Agg")
+warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit.script.*")
+
+import skpathkernel  # noqa: E402
+
+project = "skpathkernel"
+author = "skpathkernel developers"
+copyright = "2026, skpathkernel developers"
+release = skpathkernel.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "numpydoc",
+    "sphinx_gallery.gen_gallery",
+]
+
+autosummary_generate = True
+autodoc_default_options = {"members": True, "inherited-members": True}
+numpydoc_show_class_members = False
+numpydoc_class_members_toctree = False
+templates_path = ["_templates"]
+exclude_patterns = ["_build", "auto_examples/*.ipynb", "auto_examples/*.py"]
+
+intersphinx_mapping = {
+    "python": ("https://docs.python.org/3", None),
+    "numpy": ("https://numpy.org/doc/stable", None),
+    "sklearn": ("https://scikit-learn.org/stable", None),
+    "torch": ("https://pytorch.org/docs/stable", None),
+}
+# The build machines may be offline: a missing inventory must not fail the build.
+intersphinx_timeout = 5
+
+sphinx_gallery_conf = {
+    "examples_dirs": "../examples",
+    "gallery_dirs": "auto_examples",
+    "filename_pattern": "/plot_",
+    "download_all_examples": False,
+    "remove_config_comments": True,
+    "reference_url": {"skpathkernel": None},
+}
+
+html_theme = "pydata_sphinx_theme"
+html_title = f"skpathkernel {release}"
+html_theme_options = {"navigation_with_keys": False}

@@ -87,7 +87,7 @@ _FITTED_ATTRS_DOC = """
         The training inputs (the kernel machine's representation is over them).
     n_features_in_ : int
         Number of features seen during fit.
-    feature_names_in_ : ndarray of shape (n_features_in_,)
+    feature_names_in_ : ndarray of shape (`n_features_in_`,)
         Names of features seen during fit, when X has string column names.
 """
 
@@ -182,7 +182,7 @@ class _KernelMachineMixin(TransformerMixin):
 
         Returns
         -------
-        phi : ndarray of shape (n_samples, n_params_) or (n_samples, n_outputs_ * n_params_)
+        phi : ndarray of shape (n_samples, `n_params_`) or (n_samples, `n_outputs_` * `n_params_`)
             One row per sample, columns in ``trajectory_`` flat order, in the network's
             dtype. For several outputs, the flattened Jacobian divided by
             ``sqrt(n_outputs_)``, whose inner products are the trace kernel.

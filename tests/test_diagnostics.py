@@ -119,9 +119,9 @@ def test_matches_exact_hessian_trace(kind, step):
 
 def test_batching_changes_nothing():
     est = _fitted("multiclass")
-    full = hessian_trace(est, n_samples=30, random_state=3)
+    full = hessian_trace(est, n_samples=12, random_state=3)
     for batch_size in (1, 7, 45, 1000):
-        part = hessian_trace(est, n_samples=30, random_state=3, batch_size=batch_size)
+        part = hessian_trace(est, n_samples=12, random_state=3, batch_size=batch_size)
         np.testing.assert_allclose(part.estimates, full.estimates, rtol=1e-10, atol=1e-12)
 
 
@@ -185,6 +185,18 @@ def test_explicit_data_is_encoded_like_fit():
         hessian_trace(est, X[:3], ["a", "b", "z"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_equals_cpu():
+    # Probes are drawn on the CPU: one seed, the same probes, on every device.
+    X, y = _circle(45, 3, 0)
+    kw = dict(hidden_layer_sizes=(12,), max_iter=10, dtype="float64", random_state=0)
+    cpu = PathKernelClassifier(device="cpu", **kw).fit(X, y)
+    gpu = PathKernelClassifier(device="cuda", **kw).fit(X, y)
+    a = hessian_trace(cpu, n_samples=10, random_state=0, step=0)
+    b = hessian_trace(gpu, n_samples=10, random_state=0, step=0)
+    np.testing.assert_allclose(b.estimates, a.estimates, rtol=1e-9, atol=1e-12)
+
+
 def test_float32_estimator():
     X, y = _circle(30, 2, 0)
     est = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, random_state=0).fit(X, y)
@@ -227,3 +239,19 @@ def test_bad_input():
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, random_state=0).fit(X, X)
     with pytest.raises(ValueError, match="outputs"):
         hessian_trace(reg, X, X[:, 0])
+
+
+@pytest.mark.slow
+def test_reproduce_flatness_section(tmp_path):
+    from skpathkernel._reproduce import SECTIONS
+    from skpathkernel._reproduce._report import Context
+
+    threads = torch.get_num_threads()
+    rows = SECTIONS["flatness"](Context(out=str(tmp_path), quick=True, device="cpu"))
+    assert torch.get_num_threads() == threads  # the section restores torch's threads
+    assert [r.claim.rsplit(", ", 1)[1] for r in rows] == ["sgd", "sgd+momentum", "adam",
+                                                          "rmsprop"]
+    for r in rows:
+        assert r.passed is None and "Tr H = " in r.measured and "test acc" in r.measured
+        assert [d["optimizer step"] for d in r.details] == [0, 67, 133, 200]
+        assert all(np.isfinite(float(d["Tr H"])) for d in r.details)

@@ -265,7 +265,9 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
 def _quadratic_forms(module, traj, theta, X, Y, loss, block, seed, n_samples) -> np.ndarray:
     """``v_j^T H v_j`` for every probe, summed over batches of ``block`` samples."""
     n = X.shape[0]
-    out = np.zeros(n_samples, dtype=np.float64)
+    # Accumulated on the device, in float64 whatever the network's dtype: one host sync at
+    # the end rather than one per probe and batch.
+    out = torch.zeros(n_samples, dtype=torch.float64, device=X.device)
     # A fresh leaf: gradients flow to it through the views unflatten makes, and nothing
     # reaches module_ (whose parameters functional_call only replaces for this call).
     theta = theta.detach().clone().requires_grad_(True)
@@ -278,8 +280,8 @@ def _quadratic_forms(module, traj, theta, X, Y, loss, block, seed, n_samples) ->
             (grad,) = torch.autograd.grad(batch_loss, theta, create_graph=True)
             for j, v in enumerate(_rademacher(seed, n_samples, theta)):
                 (hv,) = torch.autograd.grad(grad, theta, grad_outputs=v, retain_graph=True)
-                out[j] += float(torch.dot(v, hv))
-    return out
+                out[j] += torch.dot(v, hv).to(torch.float64)
+    return out.cpu().numpy()
 
 
 def _rademacher(seed: int, n_samples: int, like: torch.Tensor) -> Iterator[torch.Tensor]:

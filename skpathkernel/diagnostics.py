@@ -1,0 +1,341 @@
+"""Diagnostics of a trained network: the flatness of its training loss (seed 004).
+
+Flatness is measured, as in the seed's "flat interpolators generalize" discussion, by the
+trace of the Hessian of the empirical loss with respect to the parameters,
+``Tr H(theta) = Tr d^2/dtheta^2 (1/n) sum_i l(y_i, f(x_i; theta))``.
+
+The trace is estimated by Hutchinson's estimator ``Tr H = E_v[v^T H v]`` with Rademacher
+probes ``v`` (entries +-1). Each ``v^T H v`` costs one Hessian-vector product by double
+backward: no ``P x P`` Hessian is formed, memory stays that of a gradient. The network is
+evaluated at a recorded point of the optimisation path with
+:func:`torch.func.functional_call`, so the fitted estimator is never modified.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.base import is_classifier
+from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils._param_validation import Interval, validate_params
+from sklearn.utils.validation import check_is_fitted, column_or_1d
+from torch.func import functional_call
+
+from ._base import BasePathKernelNetwork, _layer_widths
+from ._device import resolve_dtype, to_tensor
+from ._losses import LOSSES
+
+__all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
+
+
+@dataclass
+class HessianTrace:
+    """Hutchinson estimate of the trace of the training-loss Hessian at one recorded point.
+
+    Attributes
+    ----------
+    trace : float
+        The estimate, the mean of ``estimates``.
+    stderr : float
+        Its standard error: the sample standard deviation (``ddof=1``) of ``estimates``
+        divided by ``sqrt(n_samples)``; NaN for a single probe.
+    estimates : ndarray of shape (n_samples,)
+        ``v^T H v`` for every Rademacher probe ``v``.
+    step : int
+        The recorded point (``0 <= step < len(trajectory_)``; 0 is the initialization).
+    optimizer_step : int
+        The optimizer step after which that point was recorded, ``trajectory_.steps[step]``.
+    """
+
+    trace: float
+    stderr: float
+    estimates: np.ndarray
+    step: int
+    optimizer_step: int
+
+
+@dataclass
+class HessianTracePath:
+    """Hutchinson estimates of the Hessian trace at several recorded points.
+
+    The same probes are used at every point, so differences along the path carry less
+    noise than independent estimates would (common random numbers).
+
+    Attributes
+    ----------
+    trace : ndarray of shape (n_points,)
+    stderr : ndarray of shape (n_points,)
+    estimates : ndarray of shape (n_points, n_samples)
+    steps : ndarray of shape (n_points,)
+        The recorded points, non-negative and in the order asked for.
+    optimizer_steps : ndarray of shape (n_points,)
+        ``trajectory_.steps[steps]``.
+    """
+
+    trace: np.ndarray
+    stderr: np.ndarray
+    estimates: np.ndarray
+    steps: np.ndarray
+    optimizer_steps: np.ndarray
+
+    def __getitem__(self, i: int) -> HessianTrace:
+        """The estimate at the ``i``-th point asked for, as a :class:`HessianTrace`."""
+        return HessianTrace(
+            trace=float(self.trace[i]), stderr=float(self.stderr[i]),
+            estimates=self.estimates[i], step=int(self.steps[i]),
+            optimizer_step=int(self.optimizer_steps[i]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+_COMMON_CONSTRAINTS = {
+    "estimator": [BasePathKernelNetwork],
+    "X": ["array-like", None],
+    "y": ["array-like", None],
+    "n_samples": [Interval(numbers.Integral, 1, None, closed="left")],
+    "random_state": ["random_state"],
+    "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), None],
+}
+
+
+@validate_params(
+    {**_COMMON_CONSTRAINTS, "step": [numbers.Integral]},
+    prefer_skip_nested_validation=True,
+)
+def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None, step=-1,
+                  batch_size=None):
+    """Trace of the Hessian of the training loss at a recorded point, by Hutchinson.
+
+    Estimates ``Tr H`` with ``H = d^2 L / dtheta^2`` and ``L(theta) = (1/n) sum_i
+    l(y_i, f(x_i; theta))`` the mean per-sample loss the estimator trains with
+    (``estimator.loss``), as ``mean_j v_j^T H v_j`` over ``n_samples`` Rademacher probes.
+    The estimate is unbiased; its standard error is reported with it. Each probe costs one
+    Hessian-vector product (double backward) per batch of samples; a ``P x P`` Hessian is
+    never formed.
+
+    The loss is the data term only: L2 weight decay (``alpha``) is *not* included. For the
+    solvers that add it to the gradient (sgd, adam, rmsprop) the regularised objective
+    ``L + alpha / 2 ||theta||^2`` has trace ``Tr H + alpha * n_params_``; for adamw the
+    decay is decoupled and belongs to no loss.
+
+    Parameters
+    ----------
+    estimator : PathKernelMachine or PathKernelClassifier
+        A fitted estimator. Its network is evaluated as it is (``module_`` is in evaluation
+        mode after ``fit``) with the parameters of recorded point ``step``; the estimator
+        is not modified.
+    X : array-like of shape (n_samples_X, n_features), default=None
+        Inputs. ``None``: the training inputs ``X_fit_``.
+    y : array-like of shape (n_samples_X,) or (n_samples_X, n_outputs), default=None
+        Targets, encoded as ``fit`` encodes them (classifiers map labels through
+        ``classes_``; a label not seen in ``fit`` is an error). Required with ``X``;
+        ``None`` with ``X=None``: the training targets.
+    n_samples : int, default=100
+        Number of Rademacher probes.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the probes (drawn from a local :class:`torch.Generator`, on the CPU, so that
+        a seed gives the same probes on every device; torch's global RNG is untouched).
+    step : int, default=-1
+        Recorded point of ``trajectory_``: 0 is the initialization, -1 the end of training.
+    batch_size : int, default=None
+        Samples per Hessian-vector product; the products of the batches are summed with
+        weights ``n_batch / n``, which is exactly the product of the mean loss. ``None``: as
+        many as the estimator's ``memory_budget`` allows (all of them on small data).
+
+    Returns
+    -------
+    result : HessianTrace
+        ``trace``, ``stderr``, ``estimates`` (per probe), ``step``, ``optimizer_step``.
+
+    See Also
+    --------
+    hessian_trace_path : The same estimate at several points of the path.
+
+    Notes
+    -----
+    For a Rademacher probe ``Var(v^T H v) = 2 sum_{i != j} H_ij^2``: the off-diagonal
+    curvature sets the number of probes needed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.diagnostics import hessian_trace
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, dtype="float64",
+    ...                         random_state=0).fit(X, y)
+    >>> res = hessian_trace(est, n_samples=50, random_state=0)
+    >>> res.estimates.shape, res.step, bool(res.trace > 0), bool(res.stderr < res.trace)
+    ((50,), 20, True, True)
+    """
+    path = _hessian_traces(estimator, X, y, [step], n_samples, random_state, batch_size)
+    return path[0]
+
+
+@validate_params(
+    {**_COMMON_CONSTRAINTS, "steps": ["array-like", Interval(numbers.Integral, 1, None,
+                                                              closed="left"), None]},
+    prefer_skip_nested_validation=True,
+)
+def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
+                       random_state=None, batch_size=None):
+    """Trace of the training-loss Hessian along the recorded optimisation path.
+
+    :func:`hessian_trace` at several recorded points, with the same probes at every point
+    (so that the change along the path is estimated with less noise than the traces
+    themselves). Cost: ``len(steps)`` times that of one :func:`hessian_trace`.
+
+    Parameters
+    ----------
+    estimator, X, y, n_samples, random_state, batch_size
+        As in :func:`hessian_trace`.
+    steps : array-like of int, int or None, default=None
+        Recorded points (0 is the initialization, negative indices count from the end).
+        An int ``m``: ``m`` points evenly spaced from the first to the last (duplicates
+        dropped). ``None``: every recorded point.
+
+    Returns
+    -------
+    result : HessianTracePath
+        Arrays ``trace``, ``stderr``, ``steps``, ``optimizer_steps`` (one entry per point)
+        and ``estimates`` (points x probes); ``result[i]`` is point ``i`` as a
+        :class:`HessianTrace`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.diagnostics import hessian_trace_path
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, dtype="float64",
+    ...                         random_state=0).fit(X, y)
+    >>> path = hessian_trace_path(est, steps=3, n_samples=20, random_state=0)
+    >>> path.steps.tolist(), path.optimizer_steps.tolist(), path.trace.shape
+    ([0, 10, 20], [0, 10, 20], (3,))
+    """
+    check_is_fitted(estimator)
+    n_points = len(estimator.trajectory_)
+    if steps is None:
+        steps = np.arange(n_points)
+    elif isinstance(steps, numbers.Integral):
+        steps = np.unique(np.round(np.linspace(0, n_points - 1, int(steps))).astype(np.int64))
+    else:
+        steps = column_or_1d(check_array(steps, ensure_2d=False, dtype=None))
+        if steps.size == 0 or not np.issubdtype(steps.dtype, np.integer):
+            raise ValueError(f"steps must be a non-empty sequence of integers, got {steps!r}.")
+    return _hessian_traces(estimator, X, y, list(steps), n_samples, random_state, batch_size)
+
+
+# --------------------------------------------------------------------------- engine
+def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size):
+    check_is_fitted(estimator)
+    traj = estimator.trajectory_
+    points = []
+    for s in steps:
+        s = int(s)
+        if not -len(traj) <= s < len(traj):
+            raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
+        points.append(s % len(traj))
+    Xt, Yt = _data(estimator, X, y)
+    loss = LOSSES[estimator.loss]()
+    block = batch_size or _default_batch_size(estimator, Xt.shape[0])
+    # One seed, one probe sequence: the same probes at every point and for every batch, so
+    # that batching changes nothing but round-off.
+    seed = int(check_random_state(random_state).randint(np.iinfo(np.int32).max))
+    estimates = np.zeros((len(points), n_samples), dtype=np.float64)
+    for row, k in zip(estimates, points):
+        theta = traj.parameters(k).to(device=Xt.device, dtype=Xt.dtype)
+        row[:] = _quadratic_forms(estimator.module_, traj, theta, Xt, Yt, loss, block,
+                                  seed, n_samples)
+    se = (estimates.std(axis=1, ddof=1) / np.sqrt(n_samples) if n_samples > 1
+          else np.full(len(points), np.nan))
+    points = np.asarray(points, dtype=np.int64)
+    return HessianTracePath(
+        trace=estimates.mean(axis=1), stderr=se, estimates=estimates, steps=points,
+        optimizer_steps=np.asarray(traj.steps)[points],
+    )
+
+
+def _quadratic_forms(module, traj, theta, X, Y, loss, block, seed, n_samples) -> np.ndarray:
+    """``v_j^T H v_j`` for every probe, summed over batches of ``block`` samples."""
+    n = X.shape[0]
+    # Accumulated on the device, in float64 whatever the network's dtype: one host sync at
+    # the end rather than one per probe and batch.
+    out = torch.zeros(n_samples, dtype=torch.float64, device=X.device)
+    # A fresh leaf: gradients flow to it through the views unflatten makes, and nothing
+    # reaches module_ (whose parameters functional_call only replaces for this call).
+    theta = theta.detach().clone().requires_grad_(True)
+    params = dict(traj.unflatten(theta))
+    with torch.enable_grad():
+        for start in range(0, n, block):
+            xb, yb = X[start : start + block], Y[start : start + block]
+            # sum / n, not mean: the batches' Hessians then add up to that of the mean loss.
+            batch_loss = loss.per_sample(functional_call(module, params, (xb,)), yb).sum() / n
+            (grad,) = torch.autograd.grad(batch_loss, theta, create_graph=True)
+            for j, v in enumerate(_rademacher(seed, n_samples, theta)):
+                (hv,) = torch.autograd.grad(grad, theta, grad_outputs=v, retain_graph=True)
+                out[j] += torch.dot(v, hv).to(torch.float64)
+    return out.cpu().numpy()
+
+
+def _rademacher(seed: int, n_samples: int, like: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The probe sequence of ``seed``: drawn on the CPU, one at a time (memory O(P))."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(n_samples):
+        signs = torch.randint(0, 2, like.shape, generator=generator, dtype=torch.int8)
+        yield (2 * signs - 1).to(device=like.device, dtype=like.dtype)
+
+
+def _default_batch_size(estimator, n: int) -> int:
+    # Double backward keeps each layer's activations, their gradients and the second-order
+    # graph over them: budget ~16 values per sample per unit, as _forward budgets 8.
+    itemsize = torch.empty((), dtype=resolve_dtype(estimator.dtype)).element_size()
+    width = estimator.n_features_in_ + sum(_layer_widths(estimator.module_))
+    return int(min(n, max(1, estimator.memory_budget // (16 * width * itemsize))))
+
+
+def _data(estimator, X, y) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and encoded targets as tensors on the estimator's device and dtype."""
+    dtype, device = estimator._torch_dtype_device()
+    if X is None and y is None:
+        X, Y = estimator.X_fit_, estimator._Y_fit
+    elif X is None or y is None:
+        raise ValueError(
+            "Pass both X and y (the Hessian of the loss needs targets), or neither to use "
+            "the training data."
+        )
+    else:
+        X = estimator._validate_X(X)
+        Y = _encode_like_fit(estimator, y)
+        check_consistent_length(X, Y)
+    return to_tensor(X, dtype=dtype, device=device), estimator._target_tensor(Y, dtype, device)
+
+
+def _encode_like_fit(estimator, y) -> np.ndarray:
+    if is_classifier(estimator):
+        y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
+        classes = estimator.classes_
+        unseen = np.setdiff1d(y, classes)
+        if unseen.size:
+            raise ValueError(
+                f"y contains labels not seen in fit: {unseen.tolist()}; the classes are "
+                f"{classes.tolist()}."
+            )
+        # Encoding the classes ahead of y makes the encoder see exactly the fitted classes,
+        # so y gets fit's codes (and one-hot / +-1 layout) whichever labels it contains.
+        Y = estimator._encode_targets(np.concatenate([classes, y]))[0][len(classes) :]
+    else:
+        y = check_array(y, ensure_2d=False, dtype=[np.float64, np.float32])
+        Y = estimator._encode_targets(y)[0]
+        if Y.shape[1] != estimator.n_outputs_:
+            raise ValueError(
+                f"y has {Y.shape[1]} outputs but the network was fitted with "
+                f"{estimator.n_outputs_}."
+            )
+    return Y

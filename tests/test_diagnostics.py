@@ -1,0 +1,257 @@
+"""hessian_trace / hessian_trace_path against exact Hessians of an independent loss."""
+
+import numpy as np
+import pytest
+import torch
+from sklearn.exceptions import NotFittedError
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel.diagnostics import (
+    HessianTrace,
+    _rademacher,
+    hessian_trace,
+    hessian_trace_path,
+)
+
+
+def _exact_loss(estimator, X, Y, step):
+    """theta -> training loss, written out by hand (no functional_call, no _losses).
+
+    Independent of the code under test: the tanh MLP's forward pass from the recorded
+    state_dict's shapes, and each loss from its textbook formula.
+    """
+    sd = estimator.trajectory_.state_dict(step)
+    names, shapes = list(sd), [v.shape for v in sd.values()]
+    sizes = [int(np.prod(s)) for s in shapes]
+    X = torch.as_tensor(X, dtype=torch.float64)
+
+    def loss(theta):
+        parts = dict(zip(names, (p.reshape(s) for p, s in zip(theta.split(sizes), shapes))))
+        n_layers = len(names) // 2
+        h = X
+        for i in range(n_layers):
+            h = h @ parts[f"{2 * i}.weight"].T + parts[f"{2 * i}.bias"]
+            if i < n_layers - 1:
+                h = torch.tanh(h)
+        if estimator.loss == "squared_error":
+            return 0.5 * ((h - torch.as_tensor(Y).reshape(h.shape)) ** 2).mean()
+        if h.shape[1] == 1:  # logistic loss on the margin: softplus(z) - y z
+            z, t = h[:, 0], torch.as_tensor(Y, dtype=torch.float64)
+            return (torch.nn.functional.softplus(z) - t * z).mean()
+        codes = torch.as_tensor(Y)  # softmax cross-entropy: logsumexp(z) - z_y
+        return (torch.logsumexp(h, dim=1) - h[torch.arange(len(h)), codes]).mean()
+
+    theta0 = estimator.trajectory_.parameters(step).to(torch.float64).clone()
+    return loss, theta0
+
+
+def _exact_hessian(estimator, step=-1):
+    loss, theta = _exact_loss(estimator, estimator.X_fit_, estimator._Y_fit, step)
+    return torch.autograd.functional.hessian(loss, theta).numpy()
+
+
+def _probes(random_state, n_samples, n_params):
+    # The probe sequence hessian_trace draws for this random_state (same seed derivation).
+    seed = int(np.random.RandomState(random_state).randint(np.iinfo(np.int32).max))
+    like = torch.empty(n_params, dtype=torch.float64)
+    return torch.stack(list(_rademacher(seed, n_samples, like))).numpy()
+
+
+def _circle(n, n_classes, random_state):
+    rng = np.random.RandomState(random_state)
+    X = rng.normal(size=(n, 2))
+    angle = np.arctan2(X[:, 1], X[:, 0]) + np.pi
+    y = np.floor(angle / (2 * np.pi) * n_classes).astype(int) % n_classes
+    return X, y
+
+
+def _fitted(kind):
+    rng = np.random.RandomState(0)
+    common = dict(max_iter=40, dtype="float64", random_state=0)
+    if kind == "regression":
+        X = rng.uniform(-1, 1, size=(40, 3))
+        y = np.sin(X @ np.array([1.0, -2.0, 0.5]))
+        # alpha > 0 pins down that weight decay is not part of the estimated loss.
+        return PathKernelMachine(hidden_layer_sizes=(10,), learning_rate_init=0.1,
+                                 alpha=1e-2, **common).fit(X, y)  # P = 51
+    if kind == "regression-2out-2layers":
+        X = rng.uniform(-1, 1, size=(30, 2))
+        Y = np.column_stack([np.sin(2 * X[:, 0]), X[:, 0] * X[:, 1]])
+        return PathKernelMachine(hidden_layer_sizes=(8, 8), learning_rate_init=0.1,
+                                 **common).fit(X, Y)  # P = 114
+    if kind == "binary":
+        X, y = _circle(40, 2, 0)
+        return PathKernelClassifier(hidden_layer_sizes=(16,), solver="adam",
+                                    learning_rate_init=0.02, **common).fit(X, y)  # P = 65
+    if kind == "multiclass":
+        X, y = _circle(45, 3, 0)
+        return PathKernelClassifier(hidden_layer_sizes=(20,), solver="adam",
+                                    learning_rate_init=0.02, **common).fit(X, y)  # P = 123
+    if kind == "binary-squared":
+        X, y = _circle(40, 2, 1)
+        return PathKernelClassifier(hidden_layer_sizes=(16,), loss="squared_error",
+                                    learning_rate_init=0.1, **common).fit(X, y)
+    raise ValueError(kind)
+
+
+KINDS = ["regression", "regression-2out-2layers", "binary", "multiclass", "binary-squared"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("step", [0, -1])
+def test_matches_exact_hessian_trace(kind, step):
+    est = _fitted(kind)
+    H = _exact_hessian(est, step)
+    exact = float(np.trace(H))
+    res = hessian_trace(est, n_samples=200, random_state=0, step=step)
+    assert isinstance(res, HessianTrace)
+    assert res.step == step % len(est.trajectory_)
+    assert res.optimizer_step == est.trajectory_.steps[res.step]
+    assert res.stderr > 0
+    # The statistical claim: unbiased, within 4 standard errors.
+    assert abs(res.trace - exact) < 4 * res.stderr, (res.trace, res.stderr, exact)
+    # The deterministic one: every probe's v^T H v is the exact quadratic form.
+    V = _probes(0, 200, est.n_params_)
+    quad = np.einsum("jp,pq,jq->j", V, H, V)
+    np.testing.assert_allclose(res.estimates, quad, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.stderr, quad.std(ddof=1) / np.sqrt(200), rtol=1e-10)
+
+
+def test_batching_changes_nothing():
+    est = _fitted("multiclass")
+    full = hessian_trace(est, n_samples=12, random_state=3)
+    for batch_size in (1, 7, 45, 1000):
+        part = hessian_trace(est, n_samples=12, random_state=3, batch_size=batch_size)
+        np.testing.assert_allclose(part.estimates, full.estimates, rtol=1e-10, atol=1e-12)
+
+
+def test_seeded_determinism():
+    est = _fitted("binary")
+    a = hessian_trace(est, n_samples=20, random_state=5)
+    b = hessian_trace(est, n_samples=20, random_state=np.random.RandomState(5))
+    c = hessian_trace(est, n_samples=20, random_state=6)
+    np.testing.assert_array_equal(a.estimates, b.estimates)
+    assert not np.array_equal(a.estimates, c.estimates)
+
+
+def test_estimator_and_global_rng_unchanged():
+    est = _fitted("regression")
+    before = {k: v.clone() for k, v in est.module_.state_dict().items()}
+    traj_before = est.trajectory_.parameters(-1).clone()
+    grads_before = [None if p.grad is None else p.grad.clone() for p in est.module_.parameters()]
+    rng_before = torch.get_rng_state()
+    hessian_trace(est, n_samples=5, random_state=0, step=0)
+    hessian_trace_path(est, steps=[0, -1], n_samples=5, random_state=0)
+    for k, v in est.module_.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    # Training leaves the last step's .grad behind; the estimate must not add to it.
+    for p, g in zip(est.module_.parameters(), grads_before):
+        assert (p.grad is None) if g is None else torch.equal(p.grad, g)
+    assert not est.module_.training
+    torch.testing.assert_close(est.trajectory_.parameters(-1), traj_before, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_path_equals_pointwise():
+    est = _fitted("regression")
+    path = hessian_trace_path(est, steps=[0, 20, -1], n_samples=10, random_state=1)
+    assert path.steps.tolist() == [0, 20, 40] and len(path) == 3
+    assert path.estimates.shape == (3, 10)
+    for i, s in enumerate([0, 20, -1]):
+        one = hessian_trace(est, n_samples=10, random_state=1, step=s)
+        np.testing.assert_array_equal(path[i].estimates, one.estimates)
+        assert path[i].trace == one.trace and path[i].step == one.step
+    assert hessian_trace_path(est, steps=5, n_samples=2).steps.tolist() == [0, 10, 20, 30, 40]
+    assert len(hessian_trace_path(est, n_samples=2)) == len(est.trajectory_)
+
+
+def test_explicit_data_is_encoded_like_fit():
+    X, y = _circle(45, 3, 0)
+    labels = np.array(["a", "b", "c"])[y]
+    est = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, dtype="float64",
+                               random_state=0).fit(X, labels)
+    default = hessian_trace(est, n_samples=10, random_state=0)
+    explicit = hessian_trace(est, X, labels, n_samples=10, random_state=0)
+    np.testing.assert_array_equal(default.estimates, explicit.estimates)
+    # A subset holding only some classes keeps fit's codes (the Hessian on the subset).
+    mask = labels != "a"
+    loss, theta = _exact_loss(est, X[mask], y[mask], -1)
+    exact = torch.autograd.functional.hessian(loss, theta).numpy()
+    sub = hessian_trace(est, X[mask], labels[mask], n_samples=10, random_state=0)
+    V = _probes(0, 10, est.n_params_)
+    np.testing.assert_allclose(sub.estimates, np.einsum("jp,pq,jq->j", V, exact, V),
+                               rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="not seen in fit"):
+        hessian_trace(est, X[:3], ["a", "b", "z"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_equals_cpu():
+    # Probes are drawn on the CPU: one seed, the same probes, on every device.
+    X, y = _circle(45, 3, 0)
+    kw = dict(hidden_layer_sizes=(12,), max_iter=10, dtype="float64", random_state=0)
+    cpu = PathKernelClassifier(device="cpu", **kw).fit(X, y)
+    gpu = PathKernelClassifier(device="cuda", **kw).fit(X, y)
+    a = hessian_trace(cpu, n_samples=10, random_state=0, step=0)
+    b = hessian_trace(gpu, n_samples=10, random_state=0, step=0)
+    np.testing.assert_allclose(b.estimates, a.estimates, rtol=1e-9, atol=1e-12)
+
+
+def test_float32_estimator():
+    X, y = _circle(30, 2, 0)
+    est = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=10, random_state=0).fit(X, y)
+    res = hessian_trace(est, n_samples=10, random_state=0)
+    exact = np.trace(_exact_hessian(est))
+    assert isinstance(res.trace, float) and res.estimates.dtype == np.float64
+    np.testing.assert_allclose(res.estimates, np.einsum(
+        "jp,pq,jq->j", (V := _probes(0, 10, est.n_params_)), _exact_hessian(est), V),
+        rtol=1e-4, atol=1e-6)
+    assert abs(res.trace - exact) < 4 * res.stderr + 1e-5
+
+
+def test_bad_input():
+    X, y = _circle(20, 2, 0)
+    with pytest.raises(NotFittedError):
+        hessian_trace(PathKernelClassifier())
+    with pytest.raises(NotFittedError):
+        hessian_trace_path(PathKernelMachine())
+    est = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=0).fit(X, y)
+    X_nan = X.copy()
+    X_nan[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        hessian_trace(est, X_nan, y)
+    with pytest.raises(ValueError, match="n_samples"):
+        hessian_trace(est, n_samples=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        hessian_trace(est, batch_size=0)
+    with pytest.raises(ValueError, match="both X and y"):
+        hessian_trace(est, X)
+    with pytest.raises(ValueError, match="features"):
+        hessian_trace(est, X[:, :1], y)
+    with pytest.raises(ValueError, match="inconsistent"):
+        hessian_trace(est, X, y[:-1])
+    with pytest.raises(IndexError, match="out of range"):
+        hessian_trace(est, step=len(est.trajectory_))
+    with pytest.raises(ValueError, match="estimator"):
+        hessian_trace(object())
+    with pytest.raises(ValueError, match="steps"):
+        hessian_trace_path(est, steps=[0.5])
+    reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, random_state=0).fit(X, X)
+    with pytest.raises(ValueError, match="outputs"):
+        hessian_trace(reg, X, X[:, 0])
+
+
+@pytest.mark.slow
+def test_reproduce_flatness_section(tmp_path):
+    from skpathkernel._reproduce import SECTIONS
+    from skpathkernel._reproduce._report import Context
+
+    threads = torch.get_num_threads()
+    rows = SECTIONS["flatness"](Context(out=str(tmp_path), quick=True, device="cpu"))
+    assert torch.get_num_threads() == threads  # the section restores torch's threads
+    assert [r.claim.rsplit(", ", 1)[1] for r in rows] == ["sgd", "sgd+momentum", "adam",
+                                                          "rmsprop"]
+    for r in rows:
+        assert r.passed is None and "Tr H = " in r.measured and "test acc" in r.measured
+        assert [d["optimizer step"] for d in r.details] == [0, 67, 133, 200]
+        assert all(np.isfinite(float(d["Tr H"])) for d in r.details)

@@ -7,7 +7,9 @@ import contextlib
 import numpy as np
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "seeded_torch", "to_numpy", "to_tensor"]
+__all__ = [
+    "resolve_device", "resolve_dtype", "seeded_torch", "to_numpy", "to_tensor", "torch_threads",
+]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -50,3 +52,15 @@ def seeded_torch(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run a block with torch's intra-op thread count set to ``n`` (``None``: unchanged)."""
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -8,10 +8,6 @@ multi-index model, not a threshold this task could pass or fail.
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-
 from ._report import Row
 from ._training import _SOLVERS
 
@@ -32,38 +28,24 @@ def flatness_section(ctx):
     X, y = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=0)
     X_test, y_test = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=1)
     rows = []
-    with _one_thread():
-        for name in _OPTIMIZERS:
-            clf = PathKernelClassifier(
-                hidden_layer_sizes=hidden, max_iter=epochs, device=ctx.device,
-                random_state=0, **_SOLVERS[name],
-            ).fit(X, y)
-            acc = clf.score(X_test, y_test)
-            path = hessian_trace_path(clf, steps=n_points, n_samples=n_probes, random_state=0)
-            end = path[-1]
-            rows.append(Row(
-                figure="9 / seed 004",
-                claim=f"flatness: Tr H of the training loss at the end of training, {name}",
-                measured=(f"Tr H = {end.trace:.4g} +- {end.stderr:.2g}; test acc {acc:.3f}; "
-                          f"train loss {clf.loss_curve_[-1]:.3g}"),
-                passed=None,
-                details=[
-                    {"optimizer": name, "optimizer step": int(s), "Tr H": f"{t:.4g}",
-                     "stderr": f"{se:.2g}"}
-                    for s, t, se in zip(path.optimizer_steps, path.trace, path.stderr)
-                ],
-            ))
+    for name in _OPTIMIZERS:
+        clf = PathKernelClassifier(
+            hidden_layer_sizes=hidden, max_iter=epochs, device=ctx.device,
+            random_state=0, **_SOLVERS[name],
+        ).fit(X, y)
+        acc = clf.score(X_test, y_test)
+        path = hessian_trace_path(clf, steps=n_points, n_samples=n_probes, random_state=0)
+        end = path[-1]
+        rows.append(Row(
+            figure="9 / seed 004",
+            claim=f"flatness: Tr H of the training loss at the end of training, {name}",
+            measured=(f"Tr H = {end.trace:.4g} +- {end.stderr:.2g}; test acc {acc:.3f}; "
+                      f"train loss {clf.loss_curve_[-1]:.3g}"),
+            passed=None,
+            details=[
+                {"optimizer": name, "optimizer step": int(s), "Tr H": f"{t:.4g}",
+                 "stderr": f"{se:.2g}"}
+                for s, t, se in zip(path.optimizer_steps, path.trace, path.stderr)
+            ],
+        ))
     return rows
-
-
-@contextlib.contextmanager
-def _one_thread():
-    # These networks are far too small for intra-op parallelism to pay, and on shared cores
-    # torch's second thread spins: measured on 2 loaded cores, this section took 4.8 s with
-    # one thread and 13-58 s with two.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

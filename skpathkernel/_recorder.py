@@ -166,6 +166,11 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
                       epsilon=_as_float(first["eps"]), weight_decay=wd)
 
 
+def _hyper_parameters(optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}
+            for g in optimizer.param_groups]
+
+
 class PathRecorder:
     """Record the optimisation path of a training loop that you write yourself.
 
@@ -173,7 +178,9 @@ class PathRecorder:
     parameters (every ``record_every`` steps, plus the current ones when the trajectory is
     read), the optimizer's second moments that define the preconditioner, and the step
     size read from ``optimizer.param_groups`` at that step, so learning-rate schedulers
-    are recorded whatever the order of ``scheduler.step()`` in the loop. The initial
+    are recorded whatever the order of ``scheduler.step()`` in the loop (schedulers that
+    also change momentum or betas, such as ``OneCycleLR`` with ``cycle_momentum=True``,
+    are refused at their first step: one set of them is recorded). The initial
     parameters are recorded when the recorder is created, which must be before the first
     ``optimizer.step()``.
 
@@ -287,6 +294,7 @@ class PathRecorder:
         self._pending = None
         self._max_index = -1
         self._error = None
+        self._hyper = _hyper_parameters(optimizer)
         self._handle = optimizer.register_step_post_hook(self._after_step)
 
     # ------------------------------------------------------------------ recording
@@ -324,6 +332,14 @@ class PathRecorder:
         if len(lrs) != 1:
             self._error = (f"at optimizer step {step} the parameter groups had different "
                            f"learning rates {sorted(lrs)}; one step size per step is needed.")
+            raise RuntimeError(f"PathRecorder: {self._error}")
+        if _hyper_parameters(optimizer) != self._hyper:
+            # e.g. OneCycleLR / CyclicLR cycling momentum or betas: the trajectory stores
+            # one set of hyper-parameters, only the step size may vary per step.
+            self._error = (f"at optimizer step {step} a hyper-parameter other than the "
+                           f"learning rate changed: {self._hyper} became "
+                           f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
+                           "use cycle_momentum=False).")
             raise RuntimeError(f"PathRecorder: {self._error}")
         if self.n_samples is not None and self._pending is None:
             self._error = (f"optimizer step {step} had no batch declared: call "

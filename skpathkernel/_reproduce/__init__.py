@@ -11,6 +11,7 @@ import os
 import platform
 import time
 
+from ._generative import generative_section
 from ._report import Context, write_report
 from ._training import training_section
 
@@ -19,6 +20,7 @@ __all__ = ["SECTIONS", "run"]
 # Name -> section. Sections land here as the capability each figure shows exists.
 SECTIONS = {
     "training": training_section,
+    "generative": generative_section,
 }
 
 

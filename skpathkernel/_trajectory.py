@@ -78,7 +78,8 @@ class Trajectory:
     solvers with state, the optimizer state ``optimizer_state(k)`` *after* the first
     optimizer step taken from point ``k`` (the state that scaled that step).
 
-    Trajectories are built by the estimators (``est.trajectory_``); users read them, save
+    Trajectories are built by the estimators (``est.trajectory_``) and by
+    :class:`~skpathkernel.PathRecorder` for your own loop; users read them, save
     them with :meth:`save` and load them with :meth:`load`.
 
     Attributes

@@ -99,8 +99,12 @@ _REFUSED = {
     "RMSprop": {"centered": False, "momentum": 0, "maximize": False,
                 "differentiable": False},
 }
-# Group entries that only choose an implementation, not the mathematics.
-_IMPLEMENTATION_KEYS = {"params", "foreach", "fused", "capturable", "lr", "initial_lr"}
+# Group entries that define the update rule besides the step size. Only these are
+# compared between groups and across steps: schedulers add their own bookkeeping entries
+# (initial_lr, max_lr, base_momentum, ...), and foreach / fused / capturable only choose
+# an implementation.
+_RULE_KEYS = ("momentum", "dampening", "nesterov", "betas", "eps", "alpha", "weight_decay",
+              "amsgrad", "centered", "maximize", "differentiable", "decoupled_weight_decay")
 
 
 def _as_float(v) -> float:
@@ -136,9 +140,9 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
             "The path kernel and the decomposition model those update rules only."
         )
     groups = optimizer.param_groups
-    first = {k: v for k, v in groups[0].items() if k not in _IMPLEMENTATION_KEYS}
+    first = _rule(groups[0])
     for i, g in enumerate(groups[1:], start=1):
-        other = {k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}
+        other = _rule(g)
         if other != first or _as_float(g["lr"]) != _as_float(groups[0]["lr"]):
             raise ValueError(
                 f"Parameter group {i} of the {kind} optimizer has hyper-parameters that "
@@ -166,9 +170,12 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
                       epsilon=_as_float(first["eps"]), weight_decay=wd)
 
 
+def _rule(group: dict) -> dict:
+    return {k: group[k] for k in _RULE_KEYS if k in group}
+
+
 def _hyper_parameters(optimizer) -> list[dict]:
-    return [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS}
-            for g in optimizer.param_groups]
+    return [_rule(g) for g in optimizer.param_groups]
 
 
 class PathRecorder:

@@ -319,3 +319,32 @@ def test_gan_generator_declared_pull_is_exact_and_a_wrong_declaration_shows():
     moved = np.abs(res.prediction - res.initial).max()
     assert_allclose(wrong.error, np.abs(wrong.reconstruction - truth).max())
     assert wrong.error > 0.5 * moved  # declared twice the pull: about one move too far
+
+
+def test_schedulers_created_after_the_recorder_and_agreeing_groups(data):
+    X, y, _ = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(),
+                                 torch.nn.Linear(3, 1)).double()
+    groups = [{"params": module[0].parameters()}, {"params": module[2].parameters()}]
+    opt = torch.optim.SGD(groups, lr=0.1, momentum=0.5)
+    rec = PathRecorder(module, opt)
+    # Created after the recorder, these add bookkeeping entries to the groups.
+    sched = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=0.1, step_size_up=2,
+                                              cycle_momentum=False)
+    used = []
+    for _ in range(5):
+        used.append(sched.get_last_lr()[0])
+        opt.zero_grad()
+        (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+    traj = rec.trajectory
+    assert_allclose(traj.learning_rates, used, rtol=1e-15)
+    assert traj.solver_spec.momentum == 0.5
+    assert traj.names == tuple(n for n, _ in module.named_parameters())
+    groups = [{"params": [module[0].weight]}, {"params": [module[0].bias],
+                                               "weight_decay": 0.1}]
+    with pytest.raises(ValueError, match="group 1"):
+        PathRecorder(module, torch.optim.SGD(groups, lr=0.1))

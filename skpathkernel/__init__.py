@@ -8,6 +8,7 @@ prediction.
 """
 
 from ._machine import PathKernelClassifier, PathKernelMachine
+from ._recorder import PathRecorder, RecordedNetwork
 from ._training import TrainingDivergedError
 from ._trajectory import Trajectory
 from .kernels import PathKernel, TangentKernel
@@ -18,6 +19,8 @@ __all__ = [
     "PathKernel",
     "PathKernelClassifier",
     "PathKernelMachine",
+    "PathRecorder",
+    "RecordedNetwork",
     "TangentKernel",
     "Trajectory",
     "TrainingDivergedError",

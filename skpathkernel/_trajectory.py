@@ -78,7 +78,8 @@ class Trajectory:
     solvers with state, the optimizer state ``optimizer_state(k)`` *after* the first
     optimizer step taken from point ``k`` (the state that scaled that step).
 
-    Trajectories are built by the estimators (``est.trajectory_``); users read them, save
+    Trajectories are built by the estimators (``est.trajectory_``) and by
+    :class:`~skpathkernel.PathRecorder` for your own loop; users read them, save
     them with :meth:`save` and load them with :meth:`load`.
 
     Attributes
@@ -86,7 +87,10 @@ class Trajectory:
     steps : ndarray of shape (n_points,)
         Optimizer step index of each recorded point (0 for the initialization).
     learning_rates : ndarray of shape (n_points - 1,)
-        Entry ``k``: the step size of the optimizer steps from point ``k`` to ``k + 1``.
+        Entry ``k``: the step size of the optimizer steps from point ``k`` to ``k + 1``
+        (their mean when a learning-rate scheduler changed it between two recorded
+        points, so that ``learning_rates[k] * (steps[k + 1] - steps[k])`` is the
+        interval's total step size; with ``record_every=1`` it is each step's own).
     solver : str
         ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"rmsprop"``.
     n_samples : int
@@ -318,55 +322,72 @@ def _check_index(k: int, n: int, what: str) -> int:
 
 
 class TrajectoryRecorder:
-    """Preallocated buffers that a training loop fills, one copy per recorded point.
+    """Buffers that a training loop fills, one copy per recorded point.
+
+    With ``n_steps`` known (the estimators) the buffers are preallocated at their final
+    size, so recording never allocates. With ``n_steps=None`` (a user's own loop, see
+    :class:`~skpathkernel.PathRecorder`) they start small and double when full: amortized
+    one copy per point, and the host-memory check runs at every growth.
 
     Parameters
     ----------
     params : sequence of torch.nn.Parameter
         The module's parameters, in ``named_parameters`` order.
     names : sequence of str
-    n_steps : int
-        Optimizer steps the loop will take.
+    n_steps : int or None
+        Optimizer steps the loop will take; None when unknown (buffers grow).
     record_every : int
     solver : SolverSpec
-    n_samples, batch_size : int
-        For the batch index buffer (``batch_size`` is the largest batch).
+    n_samples : int
+        Number of training samples the batches index into.
+    batch_size : int or None
+        The largest batch (sizes the batch index buffer); None when unknown.
     dtype : torch.dtype
     """
+
+    _INITIAL_STEPS = 64
 
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
                  batch_size, dtype):
         self._params = list(params)
         self._names = list(names)
         self._shapes = [tuple(p.shape) for p in self._params]
-        self.n_steps = int(n_steps)
+        self.n_steps = None if n_steps is None else int(n_steps)
         self.record_every = int(record_every)
         self.solver = solver
         self.n_samples = int(n_samples)
-        n_points = self.n_points_for(n_steps, record_every)
-        n_params = sum(p.numel() for p in self._params)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._dtype = dtype
+        cap_steps = self._INITIAL_STEPS if n_steps is None else int(n_steps)
+        n_points = self.n_points_for(cap_steps, record_every)
+        self._n_params = sum(p.numel() for p in self._params)
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
         _check_fits_in_memory(
-            self.nbytes_for(n_params, n_steps, record_every, len(solver.state_keys), itemsize),
+            self.nbytes_for(self._n_params, cap_steps, record_every, len(solver.state_keys),
+                            self._itemsize),
             record_every,
         )
         device = self._params[0].device
-        pin = device.type == "cuda"
-        self._buf = torch.empty((n_points, n_params), dtype=dtype, pin_memory=pin)
-        self._states = {
-            key: torch.empty((n_points - 1, n_params), dtype=dtype, pin_memory=pin)
-            for key in solver.state_keys
-        }
+        self._pin = device.type == "cuda"
+        self._buf = self._empty(n_points)
+        self._states = {key: self._empty(n_points - 1) for key in solver.state_keys}
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
         self._steps = np.zeros(n_points, dtype=np.int64)
         self._lrs = np.zeros(n_points - 1, dtype=np.float64)
-        self._batch_idx = np.empty(n_steps * batch_size, dtype=np.int64)
-        self._batch_off = np.zeros(n_steps + 1, dtype=np.int64)
+        # Sum of the step sizes over each recorded interval and whether they differed
+        # (a scheduler): the interval's weight in the path kernel is their sum.
+        self._lr_sum = np.zeros(n_points - 1, dtype=np.float64)
+        self._lr_varies = np.zeros(n_points - 1, dtype=bool)
+        batch_cap = cap_steps * (1 if batch_size is None else int(batch_size))
+        self._batch_idx = np.empty(batch_cap, dtype=np.int64)
+        self._batch_off = np.zeros(cap_steps + 1, dtype=np.int64)
         self._k = 0  # next point to write
         self._n_batch = 0
-        self._non_blocking = pin
+        self._non_blocking = self._pin
         ends = np.cumsum([p.numel() for p in self._params])
         self._slices = list(zip(ends - [p.numel() for p in self._params], ends))
+
+    def _empty(self, rows):
+        return torch.empty((rows, self._n_params), dtype=self._dtype, pin_memory=self._pin)
 
     @staticmethod
     def n_points_for(n_steps: int, record_every: int) -> int:
@@ -381,12 +402,42 @@ class TrajectoryRecorder:
         n_points = TrajectoryRecorder.n_points_for(n_steps, record_every)
         return (n_points + (n_points - 1) * n_state) * n_params * itemsize
 
+    # ------------------------------------------------------------------ growth
+    def _grow_points(self, needed: int) -> None:
+        """Make room for ``needed`` points (only when the number of steps is unknown)."""
+        have = self._buf.shape[0]
+        if needed <= have:
+            return
+        rows = max(needed, 2 * have)
+        _check_fits_in_memory(
+            (rows + (rows - 1) * len(self._states)) * self._n_params * self._itemsize,
+            self.record_every,
+        )
+        if self._non_blocking:
+            torch.cuda.synchronize()  # pending copies target the old buffers
+
+        def grown(t, n):
+            out = self._empty(n)
+            out[: t.shape[0]].copy_(t)
+            return out
+
+        self._buf = grown(self._buf, rows)
+        self._states = {key: grown(val, rows - 1) for key, val in self._states.items()}
+        pad = rows - have
+        self._steps = np.concatenate([self._steps, np.zeros(pad, dtype=np.int64)])
+        self._state_steps = np.concatenate([self._state_steps, np.zeros(pad, dtype=np.int64)])
+        self._lrs = np.concatenate([self._lrs, np.zeros(pad)])
+        self._lr_sum = np.concatenate([self._lr_sum, np.zeros(pad)])
+        self._lr_varies = np.concatenate([self._lr_varies, np.zeros(pad, dtype=bool)])
+
     def _copy_flat(self, tensors, out_row):
         # Straight into the row's slices: no concatenated temporary, one pass over memory.
         for t, (start, end) in zip(tensors, self._slices):
             out_row[start:end].copy_(t.detach().reshape(-1), non_blocking=self._non_blocking)
 
+    # ------------------------------------------------------------------ recording
     def record_point(self, step: int) -> None:
+        self._grow_points(self._k + 1)
         self._copy_flat(self._params, self._buf[self._k])
         self._steps[self._k] = step
         self._k += 1
@@ -397,32 +448,71 @@ class TrajectoryRecorder:
 
     def record_batch(self, indices: np.ndarray) -> None:
         n = len(indices)
+        if self._n_batch + 2 > len(self._batch_off):
+            self._batch_off = np.concatenate(
+                [self._batch_off, np.zeros(len(self._batch_off), dtype=np.int64)])
         start = self._batch_off[self._n_batch]
+        if start + n > len(self._batch_idx):
+            size = max(start + n, 2 * len(self._batch_idx))
+            self._batch_idx = np.concatenate(
+                [self._batch_idx, np.empty(size - len(self._batch_idx), dtype=np.int64)])
         self._batch_idx[start : start + n] = indices
         self._batch_off[self._n_batch + 1] = start + n
         self._n_batch += 1
 
     def record_step(self, step: int, lr: float, optimizer: torch.optim.Optimizer) -> None:
-        """Called after optimizer step ``step`` (0-based) has been applied."""
+        """Called after optimizer step ``step`` (0-based) has been applied with step size lr."""
+        k = step // self.record_every  # the point this step leaves
         if step % self.record_every == 0:
-            k = step // self.record_every  # the point this step leaves
+            self._grow_points(k + 2)
             self._lrs[k] = lr
+            self._lr_sum[k] = lr
+            self._lr_varies[k] = False
             if self._states:
                 states = [optimizer.state[p] for p in self._params]
                 for key, buf in self._states.items():
                     self._copy_flat([s[key] for s in states], buf[k])
                 self._state_steps[k] = int(_state_step(states[0], step))
+        else:
+            self._lr_sum[k] += lr
+            self._lr_varies[k] |= lr != self._lrs[k]
+
+    @property
+    def n_recorded_steps(self) -> int:
+        """Optimizer steps recorded so far."""
+        return self._n_batch
 
     def finish(self) -> Trajectory:
+        """The trajectory recorded so far.
+
+        If the last optimizer step did not land on a recorded point (``record_every > 1``
+        and an unknown number of steps), the current parameters are appended as the last
+        point, in a copy: the buffers stay as they are, so recording can go on.
+        """
         if self._non_blocking:
             torch.cuda.synchronize()
         n_points = self._k
+        params, steps = self._buf[:n_points], self._steps[:n_points]
+        if n_points and steps[-1] != self._n_batch:
+            last = self._empty(1)
+            self._copy_flat(self._params, last[0])
+            if self._non_blocking:
+                torch.cuda.synchronize()
+            params = torch.cat([params, last])
+            steps = np.append(steps, self._n_batch)
+            n_points += 1
+        n_steps_per_point = np.diff(steps)
+        lrs = self._lrs[: n_points - 1].copy()
+        varies = self._lr_varies[: n_points - 1]
+        # A scheduler changed the step size inside an interval: its mean, so that
+        # learning_rates[k] * (steps[k + 1] - steps[k]) is the interval's total step size.
+        lrs[varies] = self._lr_sum[: n_points - 1][varies] / n_steps_per_point[varies]
         return Trajectory(
             names=self._names,
             shapes=self._shapes,
-            params=self._buf[:n_points],
-            steps=self._steps[:n_points],
-            learning_rates=self._lrs[: n_points - 1],
+            params=params,
+            steps=steps,
+            learning_rates=lrs,
             batch_indices=self._batch_idx[: self._batch_off[self._n_batch]],
             batch_offsets=self._batch_off[: self._n_batch + 1],
             states={k: v[: n_points - 1] for k, v in self._states.items()},

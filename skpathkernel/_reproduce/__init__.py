@@ -13,6 +13,7 @@ import time
 
 from .._device import torch_threads
 from ._flatness import flatness_section
+from ._generative import generative_section
 from ._report import Context, write_report
 from ._training import training_section
 
@@ -22,6 +23,7 @@ __all__ = ["SECTIONS", "run"]
 SECTIONS = {
     "training": training_section,
     "flatness": flatness_section,
+    "generative": generative_section,
 }
 
 

@@ -1,0 +1,608 @@
+"""Record the optimisation path of your own training loop.
+
+:class:`PathRecorder` attaches to a ``torch.optim`` optimizer and records every
+``optimizer.step()`` into the same :class:`~skpathkernel.Trajectory` that the estimators
+build; :class:`RecordedNetwork` wraps the recorded path so that
+:class:`~skpathkernel.TangentKernel`, :class:`~skpathkernel.PathKernel` and the exact
+per-training-point decomposition work on it as on a fitted estimator.
+
+How recording works
+-------------------
+The recorder registers a step post-hook on the optimizer
+(``optimizer.register_step_post_hook``): the parameters, the optimizer's second moments
+and the step size are copied right after each update, *inside* ``optimizer.step()``. So the
+step size recorded is the one the update used whatever the order of ``scheduler.step()``
+in the loop, a step skipped by ``torch.amp.GradScaler`` is not recorded, and no call can
+be forgotten. The samples of a step, when the decomposition is wanted, are declared with
+:meth:`PathRecorder.set_batch` before ``optimizer.step()``.
+
+Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``weight_decay``), ``Adam``,
+``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``, ``eps``,
+``weight_decay``): the update rules that the kernels' preconditioner and the
+decomposition's adjoint recursion model. Options that change the rule (``nesterov``,
+``dampening``, ``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``,
+``differentiable``) are refused. Several parameter groups are accepted only with the same
+hyper-parameters and the same step size in every group (e.g. groups made only to freeze
+or order parameters): the trajectory has one step size per step.
+
+What is exact, and what it means, for any loss
+----------------------------------------------
+The network's change along the path is always exact: ``f(x; theta_T) - f(x; theta_0)`` is
+the sum over steps of ``J_bar_t(x) dtheta_t`` with the *realized* updates ``dtheta_t``,
+whatever produced them. The per-training-point split is exact under one condition, which
+the library cannot check for you: at every step ``t`` the gradient the optimizer used is
+
+    ``g_t = (1 / |B_t|) sum_{i in B_t} d/dtheta l(f(x_i; theta_t), y_i)  (+ L2 weight decay)``,
+
+the mean over the step's declared batch ``B_t`` of the per-sample loss ``l`` that you give
+to the decomposition, evaluated on the declared training inputs ``x_i`` and targets
+``y_i`` at the recorded parameters. Then every update is linear in the per-sample
+gradients, and sample ``i``'s contribution ``a_i(x)`` is *how much the gradient of sample
+``i``'s loss term, at the steps whose batch held it, moved the prediction at ``x``*,
+carried through the optimizer's momentum / Adam memory; the contributions, the
+initialization and the weight decay term add up to the network to floating-point
+precision.
+
+For a supervised loss, ``x_i`` are the training inputs and the condition holds when the
+batch loss is the mean of ``l`` over the batch. When the loss is not a sum of per-sample
+supervised terms, the "training inputs" are whatever you declare per step:
+
+- Denoising diffusion with random noise levels: declare each *(noisy input, noise level)*
+  pair the step drew as a training input and the noise as its target; every draw is its
+  own training point (``n_samples`` = draws over the whole run). ``a_i(x, sigma)`` is then
+  how much denoising that one noisy draw moved the prediction at ``(x, sigma)``. Summing
+  contributions over draws of the same clean point gives that clean point's share.
+- GAN generator: the generator loss depends on the discriminator, which changes every
+  step, so no fixed ``l(f, y)`` reproduces it. Its gradient does factor through the
+  generator's output: ``d/dtheta l_t(G(z_i)) = J(z_i)^T r_{t,i}`` with
+  ``r_{t,i} = dl_t / dG`` (for the non-saturating loss, ``-grad_x log D_t(x)`` at
+  ``x = G(z_i)``). Recording ``r_{t,i}`` as the target and declaring the linear loss
+  ``l(f, r) = sum_c r_c f_c`` reproduces the gradient exactly, so the split is exact and
+  ``a_i(z)`` is how much the discriminator's pull on generated sample ``z_i`` (at the step
+  that drew it) moved ``G(z)``.
+- If the declared loss does *not* reproduce the optimizer's gradient (a noise level or a
+  discriminator re-drawn differently, a loss not averaged over the batch, dropout, a
+  regularizer left out), the contributions still add up to the change the *declared*
+  gradients would have caused, not to the realized one: ``initial + sum(contributions) +
+  regularization`` no longer equals ``prediction``, and ``Decomposition.error`` measures
+  by how much. A small ``error`` is the check that the declaration is faithful.
+
+The path kernel needs no loss at all: it is a function of the recorded parameters, step
+sizes and optimizer state only, with inputs of the network's own form (for a diffusion
+model, ``(x, sigma)`` rows).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator
+from sklearn.utils.validation import check_array, check_is_fitted
+
+from ._device import to_numpy, to_tensor
+from ._losses import LOSSES, Loss
+from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
+
+__all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
+
+# Options whose non-default values change the update rule away from what the kernels'
+# preconditioner and the decomposition's recursion model, per optimizer class.
+_REFUSED = {
+    "SGD": {"nesterov": False, "dampening": 0, "maximize": False, "differentiable": False},
+    "Adam": {"amsgrad": False, "maximize": False, "differentiable": False},
+    "AdamW": {"amsgrad": False, "maximize": False, "differentiable": False},
+    "RMSprop": {"centered": False, "momentum": 0, "maximize": False,
+                "differentiable": False},
+}
+# Group entries that define the update rule besides the step size. Only these are
+# compared between groups and across steps: schedulers add their own bookkeeping entries
+# (initial_lr, max_lr, base_momentum, ...), and foreach / fused / capturable only choose
+# an implementation.
+_RULE_KEYS = ("momentum", "dampening", "nesterov", "betas", "eps", "alpha", "weight_decay",
+              "amsgrad", "centered", "maximize", "differentiable", "decoupled_weight_decay")
+
+
+def _as_float(v) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+
+
+def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
+    """The :class:`~skpathkernel._trajectory.SolverSpec` of a torch.optim optimizer.
+
+    Reads the hyper-parameters from ``optimizer.param_groups`` and refuses optimizers and
+    options whose update rule the path kernel and the decomposition do not model.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
+
+    Returns
+    -------
+    spec : SolverSpec
+
+    Raises
+    ------
+    TypeError
+        For another optimizer class.
+    ValueError
+        For an unsupported option, or parameter groups with different hyper-parameters.
+    """
+    kind = type(optimizer).__name__
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                               torch.optim.RMSprop):
+        raise TypeError(
+            f"PathRecorder records torch.optim.SGD, Adam, AdamW and RMSprop; got {kind}. "
+            "The path kernel and the decomposition model those update rules only."
+        )
+    groups = optimizer.param_groups
+    first = _rule(groups[0])
+    for i, g in enumerate(groups[1:], start=1):
+        other = _rule(g)
+        if other != first or _as_float(g["lr"]) != _as_float(groups[0]["lr"]):
+            raise ValueError(
+                f"Parameter group {i} of the {kind} optimizer has hyper-parameters that "
+                "differ from group 0; a recorded trajectory has one step size and one set "
+                "of hyper-parameters. Use one parameter group, or groups that agree."
+            )
+    for option, default in _REFUSED[kind].items():
+        value = first.get(option, default)
+        if value != default:
+            raise ValueError(
+                f"PathRecorder does not support torch.optim.{kind} with {option}={value!r}: "
+                "it changes the update rule that the path kernel and the exact "
+                f"decomposition model. Use {option}={default!r}."
+            )
+    wd = _as_float(first.get("weight_decay", 0.0))
+    if kind == "SGD":
+        return SolverSpec(name="sgd", momentum=_as_float(first["momentum"]), weight_decay=wd)
+    if kind == "RMSprop":
+        return SolverSpec(name="rmsprop", epsilon=_as_float(first["eps"]),
+                          rmsprop_alpha=_as_float(first["alpha"]), weight_decay=wd)
+    b1, b2 = (_as_float(b) for b in first["betas"])
+    # torch.optim.Adam(decoupled_weight_decay=True) is AdamW's rule.
+    decoupled = kind == "AdamW" or bool(first.get("decoupled_weight_decay", False))
+    return SolverSpec(name="adamw" if decoupled else "adam", beta_1=b1, beta_2=b2,
+                      epsilon=_as_float(first["eps"]), weight_decay=wd)
+
+
+def _rule(group: dict) -> dict:
+    return {k: group[k] for k in _RULE_KEYS if k in group}
+
+
+def _hyper_parameters(optimizer) -> list[dict]:
+    return [_rule(g) for g in optimizer.param_groups]
+
+
+class PathRecorder:
+    """Record the optimisation path of a training loop that you write yourself.
+
+    Attaches a step post-hook to ``optimizer``: every ``optimizer.step()`` records the
+    parameters (every ``record_every`` steps, plus the current ones when the trajectory is
+    read), the optimizer's second moments that define the preconditioner, and the step
+    size read from ``optimizer.param_groups`` at that step, so learning-rate schedulers
+    are recorded whatever the order of ``scheduler.step()`` in the loop (schedulers that
+    also change momentum or betas, such as ``OneCycleLR`` with ``cycle_momentum=True``,
+    are refused at their first step: one set of them is recorded). The initial
+    parameters are recorded when the recorder is created, which must be before the first
+    ``optimizer.step()``.
+
+    For the per-training-point decomposition, give ``n_samples`` and declare each step's
+    samples with :meth:`set_batch` before ``optimizer.step()``; see the module
+    documentation (``skpathkernel._recorder``) for what the decomposition means, and when
+    it is exact, for losses that are not per-sample supervised (diffusion, GANs).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network, called as ``module(X)`` on a 2-D tensor of inputs. Its parameters
+        that the optimizer updates are recorded (in ``named_parameters`` order); it must
+        have no cross-sample state (no BatchNorm in train mode, no dropout) for the
+        kernels and the decomposition to describe it.
+    optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
+        Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
+        see :func:`solver_spec_from_optimizer` for what is refused.
+    record_every : int, default=1
+        Record the parameters every ``record_every`` steps; 1 is needed by the
+        decomposition. With more, a recorded point stands for the mean step size of its
+        interval in the path kernel.
+    n_samples : int, default=None
+        Size of the training set that :meth:`set_batch` indexes into. When given, every
+        step must declare its batch; when None, batches are not recorded (the kernels
+        work, the decomposition does not).
+
+    Attributes
+    ----------
+    module : torch.nn.Module
+    optimizer : torch.optim.Optimizer
+    solver_spec : SolverSpec
+        The optimizer and hyper-parameters read from it.
+
+    See Also
+    --------
+    RecordedNetwork : The recorded path as an object the kernels accept.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from skpathkernel import PathRecorder
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> X, y = torch.randn(8, 2), torch.randn(8, 1)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    >>> with PathRecorder(net, opt, n_samples=8) as rec:
+    ...     for step in range(4):
+    ...         idx = torch.arange(4) + 4 * (step % 2)
+    ...         opt.zero_grad()
+    ...         (0.5 * (net(X[idx]) - y[idx]) ** 2).mean().backward()
+    ...         rec.set_batch(idx)
+    ...         opt.step()
+    ...         sched.step()
+    >>> traj = rec.trajectory
+    >>> len(traj), traj.learning_rates.tolist()
+    (5, [0.1, 0.1, 0.05, 0.05])
+    >>> net_k = rec.as_estimator(X, y, loss="squared_error")
+    >>> res = net_k.decompose(X[:2])
+    >>> res.contributions.shape, bool(res.error < 1e-5)
+    ((2, 8, 1), True)
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        record_every: int = 1,
+        n_samples: int | None = None,
+    ):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+        if not isinstance(record_every, numbers.Integral) or record_every < 1:
+            raise ValueError(f"record_every must be a positive integer, got {record_every!r}.")
+        if n_samples is not None and (not isinstance(n_samples, numbers.Integral)
+                                      or n_samples < 1):
+            raise ValueError(f"n_samples must be a positive integer or None, got {n_samples!r}.")
+        self.solver_spec = solver_spec_from_optimizer(optimizer)
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
+        if len(named) != len(in_optimizer):
+            raise ValueError(
+                "The optimizer updates tensors that are not parameters of the module; the "
+                "recorder needs every updated tensor to be a named module parameter."
+            )
+        params = [p for _, p in named]
+        if any(optimizer.state.get(p) for p in params):
+            raise ValueError(
+                "The optimizer has already taken steps: create the PathRecorder before the "
+                "first optimizer.step(), so that the path starts where the optimizer state "
+                "does."
+            )
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+            raise ValueError(
+                f"The recorded parameters must all be float32 or all float64, got {dtypes}."
+            )
+        self.module = module
+        self.optimizer = optimizer
+        self.record_every = int(record_every)
+        self.n_samples = None if n_samples is None else int(n_samples)
+        self._recorder = TrajectoryRecorder(
+            params, [n for n, _ in named], n_steps=None, record_every=self.record_every,
+            solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
+            dtype=params[0].dtype,
+        )
+        self._recorder.record_point(0)
+        self._pending = None
+        self._max_index = -1
+        self._error = None
+        self._hyper = _hyper_parameters(optimizer)
+        self._handle = optimizer.register_step_post_hook(self._after_step)
+
+    # ------------------------------------------------------------------ recording
+    def set_batch(self, indices) -> None:
+        """Declare the training samples of the next ``optimizer.step()``.
+
+        Parameters
+        ----------
+        indices : array-like of int, shape (batch_size,)
+            Indices into the ``n_samples`` training inputs that the step's loss averages
+            over (the decomposition credits the step to them with weight
+            ``1 / batch_size``).
+        """
+        if self.n_samples is None:
+            raise ValueError(
+                "set_batch needs the size of the training set: create the recorder with "
+                "PathRecorder(module, optimizer, n_samples=N)."
+            )
+        if isinstance(indices, torch.Tensor):
+            indices = indices.detach().cpu().numpy()
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or not (idx.size == 0 or np.issubdtype(idx.dtype, np.integer)):
+            raise ValueError(f"indices must be a 1-D array of integers, got {idx!r}.")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.n_samples):
+            raise ValueError(
+                f"Batch indices must lie in [0, {self.n_samples}) (n_samples), got "
+                f"[{idx.min()}, {idx.max()}]."
+            )
+        self._pending = idx.astype(np.int64, copy=False)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        rec = self._recorder
+        step = rec.n_recorded_steps
+        lrs = {_as_float(g["lr"]) for g in optimizer.param_groups}
+        if len(lrs) != 1:
+            self._error = (f"at optimizer step {step} the parameter groups had different "
+                           f"learning rates {sorted(lrs)}; one step size per step is needed.")
+            raise RuntimeError(f"PathRecorder: {self._error}")
+        if _hyper_parameters(optimizer) != self._hyper:
+            # e.g. OneCycleLR / CyclicLR cycling momentum or betas: the trajectory stores
+            # one set of hyper-parameters, only the step size may vary per step.
+            self._error = (f"at optimizer step {step} a hyper-parameter other than the "
+                           f"learning rate changed: {self._hyper} became "
+                           f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
+                           "use cycle_momentum=False).")
+            raise RuntimeError(f"PathRecorder: {self._error}")
+        if self.n_samples is not None and self._pending is None:
+            self._error = (f"optimizer step {step} had no batch declared: call "
+                           "recorder.set_batch(indices) before every optimizer.step().")
+            raise RuntimeError(f"PathRecorder: {self._error}")
+        batch = self._pending if self._pending is not None else np.empty(0, dtype=np.int64)
+        self._pending = None
+        rec.record_batch(batch)
+        rec.record_step(step, lrs.pop(), optimizer)
+        if rec.wants_point(step + 1):
+            rec.record_point(step + 1)
+
+    def close(self) -> None:
+        """Stop recording (remove the hook); the trajectory stays readable."""
+        self._handle.remove()
+
+    def __enter__(self) -> PathRecorder:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def n_steps(self) -> int:
+        """Optimizer steps recorded so far."""
+        return self._recorder.n_recorded_steps
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The path recorded so far, as a :class:`~skpathkernel.Trajectory`.
+
+        The current parameters are its last point (recorded now if the last step was not
+        a multiple of ``record_every``); recording can continue afterwards.
+        """
+        if self._error is not None:
+            raise RuntimeError(f"The recording is incomplete: {self._error}")
+        return self._recorder.finish()
+
+    def as_estimator(self, X_train=None, y_train=None, *, loss="squared_error",
+                     memory_budget: int = 2**30) -> RecordedNetwork:
+        """The recorded path as a :class:`RecordedNetwork` (kernels, decomposition).
+
+        Parameters are those of :class:`RecordedNetwork`.
+        """
+        return RecordedNetwork(self.module, self.trajectory, X_train=X_train,
+                               y_train=y_train, loss=loss, memory_budget=memory_budget)
+
+
+class _PerSampleLoss(Loss):
+    """A user's ``per_sample(output, target) -> (B,)`` as a library loss."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "callable")
+
+    def per_sample(self, output, target):
+        return self.fn(output, target)
+
+
+class RecordedNetwork(BaseEstimator):
+    """A recorded path and its network, usable where the library takes a fitted estimator.
+
+    Exposes what :class:`~skpathkernel.TangentKernel` and
+    :class:`~skpathkernel.PathKernel` read (``module_``, ``trajectory_``, ``device_``,
+    ``dtype``, ``memory_budget``), the two kernels as ``tangent_kernel_`` and
+    ``path_kernel_``, and :meth:`decompose`. It is fitted by construction: :meth:`fit`
+    does nothing (as ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an
+    equally fitted copy.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network whose path was recorded; called through ``torch.func.functional_call``
+        with the recorded parameters, so its own current values are not used.
+    trajectory : Trajectory
+    X_train : array-like or tensor of shape (n_samples, n_features), default=None
+        The training inputs the recorded batches index into, in the form the network
+        takes. Needed by :meth:`decompose`; also fixes ``n_features_in_``.
+    y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
+        Their targets, in the form the loss takes (integer class codes for multi-class
+        "log_loss"; a 1-D ``y`` is made a column for "squared_error").
+    loss : "squared_error", "log_loss" or callable, default="squared_error"
+        The per-sample loss whose batch mean each step minimized: the library's names
+        (:class:`~skpathkernel.PathKernelMachine`'s conventions) or
+        ``per_sample(output, target) -> tensor of shape (B,)``.
+    memory_budget : int, default=2**30
+        Bytes one block of a kernel or decomposition computation may use.
+
+    Attributes
+    ----------
+    module_ : torch.nn.Module
+    trajectory_ : Trajectory
+    device_ : str
+    dtype : str
+        "float32" or "float64", the trajectory's dtype.
+    n_params_ : int
+    n_features_in_ : int
+        Only when ``X_train`` is given.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine, RecordedNetwork
+    >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+    ...                         random_state=0).fit(X, y)
+    >>> net = RecordedNetwork(est.module_, est.trajectory_, X_train=X, y_train=y)
+    >>> bool(np.allclose(net.path_kernel_(X), est.path_kernel_(X)))
+    True
+    """
+
+    def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, X_train=None,
+                 y_train=None, loss: str | Callable = "squared_error",
+                 memory_budget: int = 2**30):
+        if trajectory.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"The trajectory's dtype must be float32 or float64, got "
+                             f"{trajectory.dtype}.")
+        if not (isinstance(loss, str) and loss in LOSSES) and not callable(loss):
+            raise ValueError(
+                f"loss must be one of {sorted(LOSSES)} or a callable per_sample(output, "
+                f"target) -> (B,), got {loss!r}."
+            )
+        # Constructor parameters under their own names (get_params / clone), and the
+        # fitted-estimator names that the kernels read.
+        self.module = self.module_ = module
+        self.trajectory = self.trajectory_ = trajectory
+        first = next(iter(module.parameters()), None)
+        self.device_ = str(first.device) if first is not None else "cpu"
+        self.dtype = _DTYPE_NAMES[trajectory.dtype]
+        self.memory_budget = int(memory_budget)
+        self.n_params_ = trajectory.n_params
+        self.loss = loss
+        self.X_train = X_train
+        self.y_train = y_train
+        if X_train is not None:
+            self.n_features_in_ = int(np.shape(X_train)[1])
+
+    def fit(self, X=None, y=None) -> RecordedNetwork:
+        """Do nothing: the network was trained by the recorded loop. Returns self."""
+        return self
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return True
+
+    def _device_dtype(self):
+        return torch.device(self.device_), self.trajectory_.dtype
+
+    def _inputs(self, X, name="X") -> torch.Tensor:
+        device, dtype = self._device_dtype()
+        if isinstance(X, torch.Tensor):
+            X = X.detach().cpu().numpy()
+        X = check_array(X, dtype=[np.float64, np.float32], input_name=name)
+        n_features = getattr(self, "n_features_in_", None)
+        if n_features is not None and X.shape[1] != n_features:
+            raise ValueError(f"{name} has {X.shape[1]} features, but the network was trained "
+                             f"on {n_features}.")
+        return to_tensor(X, dtype=dtype, device=device)
+
+    def _targets(self, n_outputs: int) -> torch.Tensor:
+        device, dtype = self._device_dtype()
+        y = self.y_train
+        y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+        integer = np.issubdtype(y.dtype, np.integer)
+        # Class codes stay integers for softmax cross-entropy (and for a user's loss);
+        # the logistic loss on a single margin takes float 0/1 targets.
+        if integer and self.loss != "squared_error" and not (
+                self.loss == "log_loss" and n_outputs == 1):
+            return torch.as_tensor(y, dtype=torch.long, device=device)
+        if self.loss == "squared_error" and y.ndim == 1:
+            y = y.reshape(-1, 1)
+        return to_tensor(y.astype(np.float64), dtype=dtype, device=device)
+
+    def predict(self, X) -> np.ndarray:
+        """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
+        from torch.func import functional_call
+
+        Xt = self._inputs(X)
+        traj = self.trajectory_
+        params = dict(traj.unflatten(traj.parameters(-1).to(Xt.device)))
+        with torch.no_grad():
+            out = functional_call(self.module_, params, (Xt,))
+        return to_numpy(out.reshape(len(Xt), -1)).astype(np.float64)
+
+    @property
+    def tangent_kernel_(self):
+        """:class:`~skpathkernel.kernels.TangentKernel` at the last recorded point."""
+        from .kernels import TangentKernel
+
+        return TangentKernel(self)
+
+    @property
+    def path_kernel_(self):
+        """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
+        from .kernels import PathKernel
+
+        return PathKernel(self)
+
+    def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
+                  n_nodes: int | None = None):
+        """Decompose ``f(X; theta_T)`` over the declared training inputs.
+
+        Same result as :meth:`PathKernelMachine.decompose
+        <skpathkernel.PathKernelMachine.decompose>`; exact (``error`` at round-off) when
+        the declared loss reproduces the optimizer's gradients, see the module
+        documentation for what the contributions mean otherwise.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        method : {"exact", "first_order", "second_order"}, default="exact"
+        weighting : {"realized", "expected"}, default="realized"
+        n_nodes : int, default=None
+            Gauss-Legendre nodes per step (3 for float32, 5 for float64).
+
+        Returns
+        -------
+        result : Decomposition
+        """
+        from torch.func import functional_call
+
+        from ._interpolation import decompose
+
+        check_is_fitted(self, "trajectory_")
+        if method not in ("exact", "first_order", "second_order"):
+            raise ValueError(f"method must be 'exact', 'first_order' or 'second_order', got "
+                             f"{method!r}.")
+        if weighting not in ("realized", "expected"):
+            raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
+        if self.X_train is None or self.y_train is None:
+            raise ValueError("decompose needs the training inputs and targets: pass X_train "
+                             "and y_train.")
+        traj = self.trajectory_
+        X_train = self._inputs(self.X_train, "X_train")
+        if traj.n_samples != len(X_train):
+            raise ValueError(
+                f"The trajectory's batches index {traj.n_samples} samples but X_train has "
+                f"{len(X_train)}; record with PathRecorder(..., n_samples=len(X_train)) and "
+                "recorder.set_batch(indices) at every step."
+            )
+        params = dict(traj.unflatten(traj.parameters(0).to(X_train.device)))
+        with torch.no_grad():
+            out = functional_call(self.module_, params, (X_train[:2],))
+        Y_train = self._targets(out.shape[1])
+        if len(Y_train) != len(X_train):
+            raise ValueError(f"y_train has {len(Y_train)} rows but X_train has "
+                             f"{len(X_train)}.")
+        loss = LOSSES[self.loss]() if isinstance(self.loss, str) else _PerSampleLoss(self.loss)
+        with torch.no_grad():
+            probe = loss.per_sample(out, Y_train[:2])
+        if probe.shape != (len(X_train[:2]),):
+            raise ValueError(
+                "The loss must return one value per sample, shape (B,); it returned shape "
+                f"{tuple(probe.shape)}."
+            )
+        return decompose(self.module_, traj, X_train, Y_train, loss, self._inputs(X),
+                         method=method, weighting=weighting, n_nodes=n_nodes,
+                         memory_budget=self.memory_budget)

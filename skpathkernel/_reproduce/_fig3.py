@@ -32,7 +32,7 @@ def figure3_section(ctx):
             tick(f"{name} fit")
             # Each sample is represented by phi(x) = d f(x; theta_T) / d theta only.
             tangent_svm = make_pipeline(FunctionTransformer(net.transform),
-                                        LinearSVC(C=1.0)).fit(X, y)
+                                        LinearSVC(C=1.0, max_iter=10000)).fit(X, y)
             rbf = SVC(kernel="rbf", gamma="scale").fit(X, y)
             acc_t = tangent_svm.score(X_test, y_test)
             acc_r = rbf.score(X_test, y_test)

@@ -28,7 +28,7 @@ print("tangent features:", net.transform(X[:2]).shape)
 
 # %%
 # A linear SVM on phi(x), compared with an RBF SVM on the raw inputs
-tangent_svm = make_pipeline(FunctionTransformer(net.transform), LinearSVC(max_iter=10000)).fit(X, y)
+tangent_svm = make_pipeline(FunctionTransformer(net.transform), LinearSVC()).fit(X, y)
 rbf = SVC(kernel="rbf").fit(X, y)
 scores = {"LinearSVC on phi(x)": tangent_svm.score(X_test, y_test),
           "RBF SVC on x": rbf.score(X_test, y_test)}

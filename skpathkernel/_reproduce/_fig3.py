@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 from ._common import decision_regions, progress, save, subplots
 from ._report import Row
 
 
 def figure3_section(ctx):
     """Circle (inner 0.9) and ellipse (100 x1^2 + x2^2): tangent-feature LinearSVC vs RBF."""
+    from sklearn.exceptions import ConvergenceWarning
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import FunctionTransformer
     from sklearn.svm import SVC, LinearSVC
@@ -31,8 +34,12 @@ def figure3_section(ctx):
                                        device=ctx.device, random_state=0).fit(X, y)
             tick(f"{name} fit")
             # Each sample is represented by phi(x) = d f(x; theta_T) / d theta only.
-            tangent_svm = make_pipeline(FunctionTransformer(net.transform),
-                                        LinearSVC(C=1.0, max_iter=10000)).fit(X, y)
+            tangent_svm = make_pipeline(FunctionTransformer(net.transform), LinearSVC(C=1.0))
+            with warnings.catch_warnings():
+                # liblinear stops at max_iter on thousands of unscaled tangent features;
+                # raising it tripled the section's time without changing the accuracy.
+                warnings.simplefilter("ignore", ConvergenceWarning)
+                tangent_svm.fit(X, y)
             rbf = SVC(kernel="rbf", gamma="scale").fit(X, y)
             acc_t = tangent_svm.score(X_test, y_test)
             acc_r = rbf.score(X_test, y_test)

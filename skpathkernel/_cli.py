@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")
     rep.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     rep.add_argument("--figures", default=None,
-                     help="comma-separated subset of sections to run, e.g. 'training'")
+                     help="comma-separated subset of sections: training, 1, 2, 3, 4, 5, 6, 9, 10 "
+                          "(e.g. --figures 1,3,10)")
     rep.set_defaults(func=_reproduce)
     return parser
 

@@ -10,6 +10,9 @@ class Context:
     out: str
     quick: bool
     device: str
+    # Fitted estimators shared between sections (figures 1, 9, 10 and the training section
+    # train the same circle networks; figures 2, 5, 6 the same digits network).
+    cache: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,156 @@
+"""What the figure sections share: progress, saving figures, the shared fitted networks."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+# The seeds' circle task (figures 1, 9, 10): learning rates that train it reliably with each
+# solver, minibatches of CIRCLE_BATCH (the seeds' stochastic setting: with full-batch
+# gradient descent the kernel neighbourhoods of figure 1 barely move in 300 epochs).
+CIRCLE_BATCH = 32
+CIRCLE_SOLVERS = {
+    "sgd": dict(solver="sgd", learning_rate_init=0.5),
+    "sgd+momentum": dict(solver="sgd", learning_rate_init=0.1, momentum=0.9),
+    "adam": dict(solver="adam", learning_rate_init=0.01),
+    "adamw": dict(solver="adamw", learning_rate_init=0.01, alpha=1e-3),
+    "rmsprop": dict(solver="rmsprop", learning_rate_init=0.005),
+}
+
+
+class progress:
+    """One bar per figure: tqdm when installed, else a single line when done."""
+
+    def __init__(self, desc, total):
+        self.desc, self.total, self.n = desc, total, 0
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=True)
+
+    def __enter__(self):
+        return self
+
+    def __call__(self, what=""):
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(1)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        elif exc[0] is None:
+            print(f"{self.desc}: {self.n}/{self.total} done", file=sys.stderr)
+        return False
+
+
+def subplots(*args, **kwargs):
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save(ctx, fig, name) -> str:
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(ctx.out, name)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return name
+
+
+def circle_settings(ctx):
+    """(n_samples, epochs, n_neighbors, mid epoch): the paper's 100 neighbours out of ~1000
+    points and the 200th epoch; quick keeps the 10 % ratios."""
+    return (400, 100, 40, 10) if ctx.quick else (1000, 1000, 100, 200)
+
+
+def steps_per_epoch(ctx):
+    return -(-circle_settings(ctx)[0] // CIRCLE_BATCH)
+
+
+def circle_data(ctx):
+    from ..datasets import make_circle
+
+    n = circle_settings(ctx)[0]
+    X, y = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=0)
+    X_test, y_test = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=1)
+    return X, y, X_test, y_test
+
+
+def circle_fit(ctx, solver):
+    """The 2-64-64-1 tanh network trained on figure 1's circle task with one solver."""
+    key = ("circle", solver)
+    if key not in ctx.cache:
+        from .. import PathKernelClassifier
+
+        X, y, _, _ = circle_data(ctx)
+        epochs = circle_settings(ctx)[1]
+        ctx.cache[key] = PathKernelClassifier(
+            hidden_layer_sizes=(64, 64), max_iter=epochs, batch_size=CIRCLE_BATCH,
+            # Full runs keep one point per epoch (31k steps would be ~2 GiB per solver).
+            record_every=1 if ctx.quick else steps_per_epoch(ctx),
+            device=ctx.device, random_state=0, **CIRCLE_SOLVERS[solver],
+        ).fit(X, y)
+    return ctx.cache[key]
+
+
+def digits_split(ctx):
+    """sklearn's 8x8 digits (standing in for MNIST), ink scaled to [0, 1]: a training set
+    and a held-out display set of 10 images per class ordered by class."""
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    rng = np.random.RandomState(0)
+    perm = rng.permutation(len(y))
+    X, y = X[perm], y[perm]
+    show = np.concatenate([np.flatnonzero(y == c)[:10] for c in range(10)])
+    rest = np.setdiff1d(np.arange(len(y)), show)
+    n_train = 600 if ctx.quick else len(rest)
+    train = rest[:n_train]
+    return X[train], y[train], X[show], y[show]
+
+
+def digits_fit(ctx):
+    """A 64-64-64-10 tanh network trained on digits 0-9 (figures 2e-f, 5, 6)."""
+    if "digits" not in ctx.cache:
+        from .. import PathKernelClassifier
+
+        X, y, _, _ = digits_split(ctx)
+        ctx.cache["digits"] = PathKernelClassifier(
+            hidden_layer_sizes=(64, 64), solver="adam", learning_rate_init=0.003,
+            batch_size=None if ctx.quick else 64, max_iter=100 if ctx.quick else 200,
+            # Minibatch runs take ~27 steps an epoch: keep about one point per epoch.
+            record_every=1 if ctx.quick else 20, device=ctx.device, random_state=0,
+        ).fit(X, y)
+    return ctx.cache["digits"]
+
+
+def scaled_printed(loader, **kw):
+    X, y = loader(return_X_y=True, **kw)
+    return X / 16.0, y
+
+
+def decision_regions(ax, predict, X, y, *, resolution=150, pad=0.15, title=None):
+    """Predicted labels on a grid behind the training points."""
+    lo, hi = X.min(axis=0) - pad * np.ptp(X, axis=0), X.max(axis=0) + pad * np.ptp(X, axis=0)
+    g0, g1 = np.meshgrid(np.linspace(lo[0], hi[0], resolution),
+                         np.linspace(lo[1], hi[1], resolution))
+    Z = predict(np.column_stack([g0.ravel(), g1.ravel()])).reshape(g0.shape)
+    ax.contourf(g0, g1, Z, levels=[-np.inf, 0, np.inf], colors=["#9ecae1", "#fcbba1"],
+                alpha=0.8)
+    ax.scatter(X[:, 0], X[:, 1], c=y, cmap="coolwarm", s=5, linewidths=0)
+    ax.set_aspect("equal", adjustable="datalim")
+    if title:
+        ax.set_title(title, fontsize="small")
+
+
+def purity_table(displays):
+    """Mean neighbour purity of each named KernelNeighborsDisplay."""
+    return {name: float(np.mean(d.purity())) for name, d in displays.items()}

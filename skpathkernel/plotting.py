@@ -1,0 +1,847 @@
+"""Visualizations of the kernel machine inside a trained network.
+
+Every class follows scikit-learn's Display convention
+(:class:`sklearn.metrics.ConfusionMatrixDisplay`): the constructor stores the data to draw,
+``plot(ax=None, ...)`` draws it and sets ``ax_``, ``figure_`` and the artists, and the
+``from_estimator`` class method computes the data from a fitted
+:class:`~skpathkernel.PathKernelMachine` / :class:`~skpathkernel.PathKernelClassifier` and
+plots it. matplotlib is imported only inside ``plot``, so importing this module costs
+nothing without it.
+
+- :class:`KernelMatrixDisplay`: the (normalized) kernel matrix with samples ordered by
+  class (seed figures 2, 5, 6).
+- :class:`KernelNeighborsDisplay`: the training points nearest to anchors under a kernel at
+  a recorded step, or in input space (seed figures 1, 9).
+- :class:`KernelEvolutionDisplay`: ``K_hat_t(x, y_j)`` along the recorded path (figure 10).
+- :class:`RankGapDisplay`: numerical rank of the tangent features of ``X_train`` versus
+  ``[X_train; X_test]`` along the path (figure 7, third column).
+- :class:`TangentEmbeddingDisplay`: a 2-D embedding of tangent features (figure 4).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+from sklearn.utils._optional_dependencies import check_matplotlib_support
+from sklearn.utils.validation import check_array, check_is_fitted
+
+__all__ = [
+    "KernelEvolutionDisplay",
+    "KernelMatrixDisplay",
+    "KernelNeighborsDisplay",
+    "RankGapDisplay",
+    "TangentEmbeddingDisplay",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+def _axes(ax):
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots()
+    return ax, ax.figure
+
+
+def _check_kernel(kernel, allowed=("tangent", "path")):
+    if kernel not in allowed:
+        raise ValueError(f"kernel must be one of {allowed}, got {kernel!r}.")
+
+
+def _gram(estimator, X, *, kernel, step, normalized):
+    """Gram of the tangent kernel at ``step`` or of the path kernel, as float64."""
+    from .kernels import PathKernel, step_kernel
+
+    _check_kernel(kernel)
+    if kernel == "tangent":
+        return step_kernel(estimator, X, step=step, normalized=normalized)
+    return PathKernel(estimator, normalized=normalized)(X)
+
+
+def _recorded_points(estimator, steps):
+    """Recorded-point indices (non-negative): all of them when ``steps`` is None."""
+    n = len(estimator.trajectory_)
+    if steps is None:
+        return np.arange(n)
+    points = np.asarray(steps)
+    if points.ndim != 1 or points.size == 0 or not np.issubdtype(points.dtype, np.integer):
+        raise ValueError("steps must be None or a non-empty 1-D sequence of ints.")
+    if np.any(points < -n) or np.any(points >= n):
+        raise IndexError(f"steps must index the {n} recorded points, got {steps!r}.")
+    return points % n
+
+
+def _kernel_label(kernel, step, normalized, n_points=None):
+    hat = "normalized " if normalized else ""
+    if kernel == "path":
+        return f"{hat}path kernel"
+    if step is not None and n_points is not None:
+        step = step % n_points
+    return f"{hat}tangent kernel at recorded step {step}"
+
+
+def _numerical_rank_from_gram(G, rtol) -> int:
+    """Numerical rank of ``J`` from its Gram ``G = J J^T``: singular values of ``J`` above
+    ``rtol`` times the largest, with ``sigma_i = sqrt(max(eig_i(G), 0))``."""
+    G = np.asarray(G, dtype=np.float64)
+    if G.size == 0:
+        return 0
+    sigma = np.sqrt(np.clip(np.linalg.eigvalsh((G + G.T) / 2), 0.0, None))
+    top = sigma.max()
+    return 0 if top == 0 else int(np.count_nonzero(sigma > rtol * top))
+
+
+# --------------------------------------------------------------------------- kernel matrix
+class KernelMatrixDisplay:
+    """Heat map of a kernel matrix over samples ordered by class, with block boundaries.
+
+    The seeds' figures 2, 5 and 6: with samples sorted by class, a network whose tangent
+    features have learned the task shows bright diagonal blocks (high within-class
+    normalized kernel) on a dark background.
+
+    Create it with :meth:`from_estimator`, or directly from a matrix.
+
+    Parameters
+    ----------
+    kernel_matrix : ndarray of shape (n_samples, n_samples)
+        The matrix to draw, rows and columns in display order.
+    y : array-like of shape (n_samples,), default=None
+        Class of each row, in display order (contiguous runs form the blocks). None draws
+        no boundaries.
+    display_labels : array-like, default=None
+        Tick label of each block, in block order; defaults to the block's class value.
+    title : str, default=None
+
+    Attributes
+    ----------
+    im_ : matplotlib AxesImage
+    boundary_lines_ : list of matplotlib Line2D
+    colorbar_ : matplotlib Colorbar or None
+    ax_ : matplotlib Axes
+    figure_ : matplotlib Figure
+
+    See Also
+    --------
+    skpathkernel.kernels.step_kernel : The Gram at one recorded step.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.plotting import KernelMatrixDisplay
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.uniform(-1, 1, (20, 2)); y = (X[:, 0] > 0).astype(int)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+    >>> disp = KernelMatrixDisplay.from_estimator(clf.fit(X, y), X, y)
+    >>> disp.kernel_matrix.shape, bool(np.allclose(np.diag(disp.kernel_matrix), 1))
+    ((20, 20), True)
+    >>> disp.block_means().shape
+    (2, 2)
+    """
+
+    def __init__(self, kernel_matrix, *, y=None, display_labels=None, title=None):
+        self.kernel_matrix = kernel_matrix
+        self.y = y
+        self.display_labels = display_labels
+        self.title = title
+
+    def _blocks(self):
+        """(class values, start indices, stop indices) of the contiguous runs of y."""
+        y = np.asarray(self.y)
+        starts = np.flatnonzero(np.r_[True, y[1:] != y[:-1]])
+        stops = np.r_[starts[1:], len(y)]
+        return y[starts], starts, stops
+
+    def block_means(self, *, include_diagonal: bool = False) -> np.ndarray:
+        """Mean of the matrix over each pair of class blocks.
+
+        Parameters
+        ----------
+        include_diagonal : bool, default=False
+            The diagonal of a normalized kernel is 1 by construction; leaving it out makes
+            the within-class means measure similarity between *different* samples.
+
+        Returns
+        -------
+        means : ndarray of shape (n_blocks, n_blocks)
+        """
+        if self.y is None:
+            raise ValueError("block_means needs the class of each row (y).")
+        K = np.asarray(self.kernel_matrix, dtype=np.float64)
+        mask = np.ones(K.shape, dtype=bool)
+        if not include_diagonal:
+            np.fill_diagonal(mask, False)
+        _, starts, stops = self._blocks()
+        out = np.empty((len(starts), len(starts)))
+        for a, (i0, i1) in enumerate(zip(starts, stops)):
+            for b, (j0, j1) in enumerate(zip(starts, stops)):
+                m = mask[i0:i1, j0:j1]
+                out[a, b] = K[i0:i1, j0:j1][m].mean() if m.any() else np.nan
+        return out
+
+    def plot(self, *, ax=None, cmap: str = "viridis", vmin=None, vmax=None,
+             colorbar: bool = True, boundary_kw: dict | None = None):
+        """Draw the heat map.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, default=None
+            Axes to draw on; a new figure is created when None.
+        cmap : str or Colormap, default="viridis"
+        vmin, vmax : float, default=None
+            Colour limits (default: the data's range).
+        colorbar : bool, default=True
+        boundary_kw : dict, default=None
+            Keyword arguments of the block-boundary lines (``ax.axhline``).
+
+        Returns
+        -------
+        display : KernelMatrixDisplay
+        """
+        check_matplotlib_support("KernelMatrixDisplay.plot")
+        ax, fig = _axes(ax)
+        K = np.asarray(self.kernel_matrix)
+        self.im_ = ax.imshow(K, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+        self.boundary_lines_ = []
+        if self.y is not None:
+            values, starts, stops = self._blocks()
+            kw = {"color": "white", "linestyle": "--", "linewidth": 0.8, **(boundary_kw or {})}
+            for s in starts[1:]:
+                self.boundary_lines_.append(ax.axhline(s - 0.5, **kw))
+                self.boundary_lines_.append(ax.axvline(s - 0.5, **kw))
+            labels = values if self.display_labels is None else self.display_labels
+            centres = (starts + stops - 1) / 2
+            ax.set_xticks(centres, [str(v) for v in labels], fontsize="small")
+            ax.set_yticks(centres, [str(v) for v in labels], fontsize="small")
+        self.colorbar_ = fig.colorbar(self.im_, ax=ax) if colorbar else None
+        if self.title is not None:
+            ax.set_title(self.title)
+        self.ax_, self.figure_ = ax, fig
+        return self
+
+    @classmethod
+    def from_estimator(cls, estimator, X, y=None, *, kernel: str = "tangent", step: int = -1,
+                       normalized: bool = True, display_labels=None, ax=None,
+                       cmap: str = "viridis", colorbar: bool = True):
+        """Compute the kernel matrix of ``X`` under a fitted network and plot it.
+
+        Parameters
+        ----------
+        estimator : fitted PathKernelMachine or PathKernelClassifier
+        X : array-like of shape (n_samples, n_features)
+        y : array-like of shape (n_samples,), default=None
+            Class of each sample: samples are reordered by class (stably) and the class
+            blocks are outlined. None keeps the order of ``X``.
+        kernel : {"tangent", "path"}, default="tangent"
+            The tangent kernel at recorded point ``step`` or the path kernel (which ignores
+            ``step``).
+        step : int, default=-1
+            Recorded point of ``estimator.trajectory_`` (0: initialization).
+        normalized : bool, default=True
+            Plot ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (the seeds' ``K_hat``).
+        display_labels, ax, cmap, colorbar
+            See :meth:`plot`.
+
+        Returns
+        -------
+        display : KernelMatrixDisplay
+            ``display.order`` holds the indices into ``X`` of the displayed rows.
+        """
+        check_is_fitted(estimator, "trajectory_")
+        X = check_array(X, dtype=[np.float64, np.float32])
+        order = np.arange(X.shape[0])
+        if y is not None:
+            y = np.asarray(y)
+            if y.shape != (X.shape[0],):
+                raise ValueError(f"y must have shape ({X.shape[0]},), got {y.shape}.")
+            order = np.argsort(y, kind="stable")
+            y = y[order]
+        K = _gram(estimator, X[order], kernel=kernel, step=step, normalized=normalized)
+        title = _kernel_label(kernel, step, normalized, len(estimator.trajectory_))
+        disp = cls(K, y=y, display_labels=display_labels, title=title)
+        disp.order = order
+        return disp.plot(ax=ax, cmap=cmap, colorbar=colorbar)
+
+
+# --------------------------------------------------------------------------- neighbours
+class KernelNeighborsDisplay:
+    """Training points nearest to anchor inputs, on a scatter plot of the training set.
+
+    The seeds' figure 1: the training set coloured by label, anchors as black crosses, and
+    for each anchor its ``n_neighbors`` nearest training points (under the normalized
+    kernel at a recorded step, or Euclidean in input space) drawn larger and outlined.
+    Training sharpens kernel neighbourhoods into label-homogeneous sets, which
+    :meth:`purity` measures. Inputs must be 2-D.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n_train, 2)
+        The training inputs.
+    y : ndarray of shape (n_train,)
+        Their labels.
+    anchors : ndarray of shape (n_anchors, 2)
+    neighbors : ndarray of int of shape (n_anchors, n_neighbors)
+        Indices into ``X`` of each anchor's neighbours.
+    title : str, default=None
+
+    Attributes
+    ----------
+    scatter_ : matplotlib PathCollection
+        The training set.
+    neighbor_scatters_ : list of matplotlib PathCollection
+        One per anchor.
+    anchor_scatter_ : matplotlib PathCollection
+    ax_ : matplotlib Axes
+    figure_ : matplotlib Figure
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.plotting import KernelNeighborsDisplay
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.uniform(-1, 1, (30, 2)); y = (X[:, 0] > 0).astype(int)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+    >>> disp = KernelNeighborsDisplay.from_estimator(clf.fit(X, y), [[0.5, 0.0]],
+    ...                                              n_neighbors=5, y=y, kernel="euclidean")
+    >>> disp.neighbors.shape, float(disp.purity()[0])
+    ((1, 5), 1.0)
+    """
+
+    def __init__(self, X, y, anchors, neighbors, *, title=None):
+        self.X = X
+        self.y = y
+        self.anchors = anchors
+        self.neighbors = neighbors
+        self.title = title
+
+    def purity(self) -> np.ndarray:
+        """Fraction of each anchor's neighbours that carry their most common label.
+
+        1 means a label-homogeneous neighbourhood; ``1 / n_classes`` a fully mixed one.
+
+        Returns
+        -------
+        purity : ndarray of shape (n_anchors,)
+        """
+        labels = np.asarray(self.y)[np.asarray(self.neighbors)]
+        out = np.empty(labels.shape[0])
+        for a, row in enumerate(labels):
+            _, counts = np.unique(row, return_counts=True)
+            out[a] = counts.max() / row.size
+        return out
+
+    def plot(self, *, ax=None, cmap: str = "coolwarm", legend: bool = True):
+        """Draw the training set, the anchors and their neighbourhoods.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, default=None
+        cmap : str or Colormap, default="coolwarm"
+            Colours of the labels.
+        legend : bool, default=True
+            Name each anchor by its coordinates.
+
+        Returns
+        -------
+        display : KernelNeighborsDisplay
+        """
+        check_matplotlib_support("KernelNeighborsDisplay.plot")
+        ax, fig = _axes(ax)
+        X, y = np.asarray(self.X), np.asarray(self.y)
+        classes, codes = np.unique(y, return_inverse=True)
+        vmax = max(len(classes) - 1, 1)
+        # The whole set faint, so that the highlighted neighbourhoods stand out.
+        self.scatter_ = ax.scatter(X[:, 0], X[:, 1], c=codes, cmap=cmap, vmin=0, vmax=vmax,
+                                   s=6, alpha=0.25, linewidths=0)
+        self.neighbor_scatters_ = []
+        markers = ["o", "s", "^", "D", "v", "P"]
+        for a, idx in enumerate(np.asarray(self.neighbors)):
+            self.neighbor_scatters_.append(ax.scatter(
+                X[idx, 0], X[idx, 1], c=codes[idx], cmap=cmap, vmin=0, vmax=vmax, s=22,
+                marker=markers[a % len(markers)], edgecolors="black", linewidths=0.4,
+            ))
+        A = np.asarray(self.anchors)
+        self.anchor_scatter_ = ax.scatter(A[:, 0], A[:, 1], marker="x", c="black", s=80,
+                                          linewidths=2.5, zorder=5)
+        if legend:
+            handles = [
+                ax.scatter([], [], marker=markers[a % len(markers)], facecolors="none",
+                           edgecolors="black", label=f"({p[0]:.2g}, {p[1]:.2g})")
+                for a, p in enumerate(A)
+            ]
+            ax.legend(handles=handles, fontsize="x-small", loc="upper right",
+                      title="anchors", title_fontsize="x-small")
+        ax.set_aspect("equal", adjustable="datalim")
+        if self.title is not None:
+            ax.set_title(self.title, fontsize="small")
+        self.ax_, self.figure_ = ax, fig
+        return self
+
+    @classmethod
+    def from_estimator(cls, estimator, anchors, n_neighbors: int = 100, *, y=None,
+                       step: int = -1, kernel: str = "tangent", normalized: bool = True,
+                       ax=None, cmap: str = "coolwarm", legend: bool = True):
+        """Find each anchor's nearest training points and plot them.
+
+        Parameters
+        ----------
+        estimator : fitted PathKernelMachine or PathKernelClassifier on 2-D inputs
+            Its training inputs ``X_fit_`` are the candidates.
+        anchors : array-like of shape (n_anchors, 2)
+        n_neighbors : int, default=100
+        y : array-like of shape (n_train,), default=None
+            Labels of the training set, in fit order. None colours the points by the
+            network's prediction instead (the estimator does not keep ``y``).
+        step : int, default=-1
+            Recorded point of the tangent kernel (0: initialization).
+        kernel : {"tangent", "path", "euclidean"}, default="tangent"
+            Kernel neighbours (see :meth:`PathKernelMachine.kneighbors`) or, for
+            comparison, Euclidean neighbours in input space.
+        normalized : bool, default=True
+            Rank by the normalized kernel ``K_hat`` (the seeds' choice).
+        ax, cmap, legend
+            See :meth:`plot`.
+
+        Returns
+        -------
+        display : KernelNeighborsDisplay
+        """
+        check_is_fitted(estimator, "trajectory_")
+        _check_kernel(kernel, ("tangent", "path", "euclidean"))
+        X = estimator.X_fit_
+        if X.shape[1] != 2:
+            raise ValueError(
+                f"KernelNeighborsDisplay draws 2-D inputs; the estimator has {X.shape[1]} "
+                "features."
+            )
+        anchors = check_array(anchors, dtype=np.float64)
+        y = estimator.predict(X) if y is None else np.asarray(y)
+        if y.shape != (X.shape[0],):
+            raise ValueError(f"y must have shape ({X.shape[0]},) like X_fit_, got {y.shape}.")
+        if kernel == "euclidean":
+            if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= len(X):
+                raise ValueError(f"n_neighbors must be an integer in [1, {len(X)}].")
+            d = ((anchors[:, None, :] - X[None, :, :]) ** 2).sum(-1)
+            neighbors = np.argsort(d, axis=1, kind="stable")[:, :n_neighbors]
+            title = f"{n_neighbors} nearest training points, Euclidean"
+        else:
+            neighbors = estimator.kneighbors(anchors, n_neighbors, kernel=kernel, step=step,
+                                             normalized=normalized, return_distance=False)
+            title = (f"{n_neighbors} nearest under the "
+                     f"{_kernel_label(kernel, step, normalized, len(estimator.trajectory_))}")
+        disp = cls(X, y, anchors, neighbors, title=title)
+        return disp.plot(ax=ax, cmap=cmap, legend=legend)
+
+
+# --------------------------------------------------------------------------- evolution
+class KernelEvolutionDisplay:
+    """The (normalized) kernel between a fixed ``x`` and several ``y_j`` over training.
+
+    The seeds' figure 10: same-label pairs keep a normalized tangent kernel near 1 while
+    opposite-label pairs decay towards 0 or below.
+
+    Parameters
+    ----------
+    steps : ndarray of shape (n_points,)
+        Optimizer step index of each recorded point shown (``trajectory_.steps``).
+    kernel_values : ndarray of shape (n_points, n_Y)
+        ``K_t(x, y_j)`` at each of them.
+    x : ndarray of shape (n_features,)
+    Y : ndarray of shape (n_Y, n_features)
+    labels : list of str, default=None
+        Legend entry of each ``y_j`` (default: its coordinates).
+    ylabel : str, default="normalized tangent kernel"
+
+    Attributes
+    ----------
+    lines_ : list of matplotlib Line2D
+    ax_ : matplotlib Axes
+    figure_ : matplotlib Figure
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.plotting import KernelEvolutionDisplay
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.uniform(-1, 1, (20, 2)); y = (X[:, 0] > 0).astype(int)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=4, random_state=0)
+    >>> disp = KernelEvolutionDisplay.from_estimator(clf.fit(X, y), [0, 0], [[0, 0], [1, 0]])
+    >>> disp.kernel_values.shape, bool(np.allclose(disp.kernel_values[:, 0], 1))
+    ((5, 2), True)
+    """
+
+    def __init__(self, steps, kernel_values, *, x, Y, labels=None,
+                 ylabel="normalized tangent kernel"):
+        self.steps = steps
+        self.kernel_values = kernel_values
+        self.x = x
+        self.Y = Y
+        self.labels = labels
+        self.ylabel = ylabel
+
+    def plot(self, *, ax=None, legend: bool = True, **line_kw):
+        """Draw one line per ``y_j``.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, default=None
+        legend : bool, default=True
+        **line_kw : dict
+            Passed to ``ax.plot``.
+
+        Returns
+        -------
+        display : KernelEvolutionDisplay
+        """
+        check_matplotlib_support("KernelEvolutionDisplay.plot")
+        ax, fig = _axes(ax)
+        labels = self.labels
+        if labels is None:
+            labels = ["y=(" + ", ".join(f"{v:.3g}" for v in yj) + ")" for yj in self.Y]
+        values = np.asarray(self.kernel_values)
+        self.lines_ = [
+            ax.plot(self.steps, values[:, j], label=labels[j], **line_kw)[0]
+            for j in range(values.shape[1])
+        ]
+        ax.set_xlabel("optimizer step")
+        x = ", ".join(f"{v:.3g}" for v in np.asarray(self.x).ravel())
+        ax.set_ylabel(f"{self.ylabel} with x=({x})")
+        if legend:
+            ax.legend(fontsize="small")
+        self.ax_, self.figure_ = ax, fig
+        return self
+
+    @classmethod
+    def from_estimator(cls, estimator, x, Y, *, steps=None, normalized: bool = True,
+                       preconditioned: bool = False, labels=None, ax=None, **line_kw):
+        """Evaluate the step kernel between ``x`` and each row of ``Y`` along the path.
+
+        Parameters
+        ----------
+        estimator : fitted PathKernelMachine or PathKernelClassifier
+        x : array-like of shape (n_features,)
+        Y : array-like of shape (n_Y, n_features)
+        steps : sequence of int, default=None
+            Recorded points to evaluate (indices into ``trajectory_``; negative count from
+            the end); None: all of them.
+        normalized : bool, default=True
+            ``K_hat_t(x, y) = K_t(x, y) / sqrt(K_t(x, x) K_t(y, y))``.
+        preconditioned : bool, default=False
+            Use the optimizer-weighted step kernel ``J_t D_t J_t^T`` instead of the tangent
+            kernel (see :func:`skpathkernel.kernels.step_kernel`).
+        labels, ax, **line_kw
+            See :meth:`plot` and the class parameters.
+
+        Returns
+        -------
+        display : KernelEvolutionDisplay
+        """
+        from .kernels import step_kernel
+
+        check_is_fitted(estimator, "trajectory_")
+        x = check_array(np.asarray(x, dtype=np.float64).reshape(1, -1))
+        Y = check_array(Y, dtype=np.float64)
+        points = _recorded_points(estimator, steps)
+        values = np.vstack([
+            step_kernel(estimator, x, Y, step=int(k), normalized=normalized,
+                        preconditioned=preconditioned)[0]
+            for k in points
+        ])
+        ylabel = ("normalized " if normalized else "") + (
+            "step kernel" if preconditioned else "tangent kernel")
+        disp = cls(np.asarray(estimator.trajectory_.steps)[points], values, x=x[0], Y=Y,
+                   labels=labels, ylabel=ylabel)
+        return disp.plot(ax=ax, **line_kw)
+
+
+# --------------------------------------------------------------------------- rank gap
+class RankGapDisplay:
+    """Numerical rank of the tangent features of ``X_train`` and of ``[X_train; X_test]``.
+
+    The seeds' figure 7 (third column): when the network extrapolates badly on
+    ``X_test``, ``rank(J([X_train; X_test])) > rank(J(X_train))``: test gradients have a
+    component outside the span of the stored training features.
+
+    Ranks are computed from the tangent Gram ``G = J J^T`` (never forming ``J``): the
+    singular values of ``J`` are ``sqrt(eig(G))``, and the rank counts those above
+    ``rtol`` times the largest.
+
+    Parameters
+    ----------
+    steps : ndarray of shape (n_points,)
+        Optimizer step index of each recorded point shown.
+    rank_train : ndarray of int of shape (n_points,)
+    rank_joint : ndarray of int of shape (n_points,)
+    rtol : float
+        The relative tolerance the ranks were computed with.
+
+    Attributes
+    ----------
+    lines_ : list of two matplotlib Line2D
+    ax_ : matplotlib Axes
+    figure_ : matplotlib Figure
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.plotting import RankGapDisplay
+    >>> X = np.linspace(0, 1, 10).reshape(-1, 1)
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), activation="relu", max_iter=3,
+    ...                         random_state=0).fit(X, 2 * X.ravel())
+    >>> disp = RankGapDisplay.from_estimator(est, X, 3 + X)
+    >>> disp.rank_train.shape, bool(np.all(disp.rank_joint >= disp.rank_train))
+    ((4,), True)
+    """
+
+    def __init__(self, steps, rank_train, rank_joint, *, rtol):
+        self.steps = steps
+        self.rank_train = rank_train
+        self.rank_joint = rank_joint
+        self.rtol = rtol
+
+    @property
+    def rank_gap(self) -> np.ndarray:
+        """``rank_joint - rank_train`` at each step shown."""
+        return np.asarray(self.rank_joint) - np.asarray(self.rank_train)
+
+    def plot(self, *, ax=None, legend: bool = True):
+        """Draw both ranks against the optimizer step.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, default=None
+        legend : bool, default=True
+
+        Returns
+        -------
+        display : RankGapDisplay
+        """
+        check_matplotlib_support("RankGapDisplay.plot")
+        ax, fig = _axes(ax)
+        self.lines_ = [
+            ax.step(self.steps, self.rank_train, where="post", color="tab:blue",
+                    label="rank J(X_train)")[0],
+            ax.step(self.steps, self.rank_joint, where="post", color="tab:red",
+                    linestyle="--", label="rank J([X_train; X_test])")[0],
+        ]
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"numerical rank (rtol={self.rtol:.2g})")
+        if legend:
+            ax.legend(fontsize="small")
+        self.ax_, self.figure_ = ax, fig
+        return self
+
+    @classmethod
+    def from_estimator(cls, estimator, X_train, X_test, *, steps=None, rtol=None, ax=None):
+        """Compute both ranks at recorded points of the path and plot them.
+
+        Parameters
+        ----------
+        estimator : fitted PathKernelMachine or PathKernelClassifier
+        X_train : array-like of shape (n_train, n_features)
+        X_test : array-like of shape (n_test, n_features)
+        steps : sequence of int, default=None
+            Recorded points (None: all).
+        rtol : float, default=None
+            Relative tolerance on the singular values of ``J``: ``sigma_i`` counts when
+            ``sigma_i > rtol * sigma_max``. None uses ``sqrt(n * eps)`` with ``n`` the
+            number of rows and ``eps`` the machine epsilon of the estimator's dtype: the
+            Gram's eigenvalues carry an absolute error of about ``n * eps * sigma_max^2``,
+            so singular values below ``sqrt(n * eps) * sigma_max`` cannot be told from 0
+            (3.4e-3 for 100 rows in float32, 1.5e-7 in float64).
+        ax : matplotlib Axes, default=None
+
+        Returns
+        -------
+        display : RankGapDisplay
+        """
+        from .kernels import step_kernel
+
+        check_is_fitted(estimator, "trajectory_")
+        X_train = check_array(X_train, dtype=np.float64)
+        X_test = check_array(X_test, dtype=np.float64)
+        X = np.vstack([X_train, X_test])
+        if rtol is None:
+            rtol = float(np.sqrt(X.shape[0] * np.finfo(estimator.dtype).eps))
+        elif not np.isfinite(rtol) or not 0 <= rtol < 1:
+            raise ValueError(f"rtol must be in [0, 1), got {rtol!r}.")
+        points = _recorded_points(estimator, steps)
+        n = X_train.shape[0]
+        rank_train, rank_joint = [], []
+        for k in points:
+            # One Gram per step: the training block is its top-left corner.
+            G = step_kernel(estimator, X, step=int(k))
+            rank_train.append(_numerical_rank_from_gram(G[:n, :n], rtol))
+            rank_joint.append(_numerical_rank_from_gram(G, rtol))
+        disp = cls(np.asarray(estimator.trajectory_.steps)[points], np.asarray(rank_train),
+                   np.asarray(rank_joint), rtol=rtol)
+        return disp.plot(ax=ax)
+
+
+# --------------------------------------------------------------------------- embedding
+def _resolve_method(method):
+    if method not in ("auto", "umap", "tsne", "pca"):
+        raise ValueError(f"method must be 'auto', 'umap', 'tsne' or 'pca', got {method!r}.")
+    if method in ("auto", "umap"):
+        try:
+            import umap  # noqa: F401
+        except ImportError:
+            if method == "umap":
+                raise ImportError(
+                    "method='umap' needs umap-learn: pip install umap-learn"
+                ) from None
+            return "tsne"
+        return "umap"
+    return method
+
+
+_METHOD_NAMES = {"umap": "UMAP", "tsne": "t-SNE", "pca": "kernel PCA"}
+
+
+class TangentEmbeddingDisplay:
+    """2-D embedding of tangent features at a recorded step, coloured by label.
+
+    The seeds' figure 4 (a UMAP of MNIST tangent features). The embedding works on the
+    geometry of the *normalized* tangent features (cosine similarity ``K_hat``, distance
+    ``sqrt(2 - 2 K_hat)``), computed from the tangent Gram alone, so the number of
+    parameters does not matter: UMAP when ``umap-learn`` is importable, else t-SNE
+    (``method="auto"``), both on the precomputed distances; ``method="pca"`` is kernel PCA
+    of ``K_hat`` (deterministic and fast). The method is named in the title.
+
+    Parameters
+    ----------
+    embedding : ndarray of shape (n_samples, 2)
+    y : array-like of shape (n_samples,), default=None
+    method : str, default=None
+        Name of the embedding method, for the title.
+    title : str, default=None
+
+    Attributes
+    ----------
+    scatter_ : matplotlib PathCollection
+    ax_ : matplotlib Axes
+    figure_ : matplotlib Figure
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.plotting import TangentEmbeddingDisplay
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.uniform(-1, 1, (20, 2)); y = (X[:, 0] > 0).astype(int)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=4, random_state=0)
+    >>> disp = TangentEmbeddingDisplay.from_estimator(clf.fit(X, y), X, y, method="pca")
+    >>> disp.embedding.shape, disp.method
+    ((20, 2), 'kernel PCA')
+    """
+
+    def __init__(self, embedding, y=None, *, method=None, title=None):
+        self.embedding = embedding
+        self.y = y
+        self.method = method
+        self.title = title
+
+    def plot(self, *, ax=None, cmap: str = "tab10", legend: bool = True, **scatter_kw):
+        """Scatter the embedding, one colour per class.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, default=None
+        cmap : str or Colormap, default="tab10"
+        legend : bool, default=True
+        **scatter_kw : dict
+            Passed to ``ax.scatter``.
+
+        Returns
+        -------
+        display : TangentEmbeddingDisplay
+        """
+        check_matplotlib_support("TangentEmbeddingDisplay.plot")
+        import matplotlib as mpl
+
+        ax, fig = _axes(ax)
+        E = np.asarray(self.embedding)
+        kw = {"s": 10, **scatter_kw}
+        if self.y is None:
+            self.scatter_ = ax.scatter(E[:, 0], E[:, 1], **kw)
+        else:
+            classes, codes = np.unique(np.asarray(self.y), return_inverse=True)
+            cm = mpl.colormaps[cmap] if isinstance(cmap, str) else cmap
+            # Qualitative maps (tab10, ...) have few entries: index them; spread others.
+            colors = np.array([cm(i) if cm.N < 256 else cm(i / max(len(classes) - 1, 1))
+                               for i in range(len(classes))])
+            self.scatter_ = ax.scatter(E[:, 0], E[:, 1], c=colors[codes], **kw)
+            if legend:
+                handles = [
+                    ax.scatter([], [], color=colors[i], s=kw["s"], label=str(c))
+                    for i, c in enumerate(classes)
+                ]
+                ax.legend(handles=handles, fontsize="x-small", markerscale=1.5,
+                          loc="best", ncol=2 if len(classes) > 5 else 1)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        title = self.title
+        if title is None and self.method is not None:
+            title = f"tangent features ({self.method})"
+        if title is not None:
+            ax.set_title(title, fontsize="small")
+        self.ax_, self.figure_ = ax, fig
+        return self
+
+    @classmethod
+    def from_estimator(cls, estimator, X, y=None, *, step: int = -1, method: str = "auto",
+                       random_state=0, ax=None, cmap: str = "tab10", legend: bool = True,
+                       **scatter_kw):
+        """Embed the tangent features of ``X`` at recorded point ``step`` and plot them.
+
+        Parameters
+        ----------
+        estimator : fitted PathKernelMachine or PathKernelClassifier
+        X : array-like of shape (n_samples, n_features)
+        y : array-like of shape (n_samples,), default=None
+            Colours.
+        step : int, default=-1
+            Recorded point (0: initialization).
+        method : {"auto", "umap", "tsne", "pca"}, default="auto"
+            "auto": UMAP if ``umap-learn`` is importable, else t-SNE.
+        random_state : int, RandomState instance or None, default=0
+            Seeds UMAP / t-SNE.
+        ax, cmap, legend, **scatter_kw
+            See :meth:`plot`.
+
+        Returns
+        -------
+        display : TangentEmbeddingDisplay
+        """
+        from .kernels import step_kernel
+
+        check_is_fitted(estimator, "trajectory_")
+        X = check_array(X, dtype=np.float64)
+        resolved = _resolve_method(method)
+        K = step_kernel(estimator, X, step=step, normalized=True)
+        if resolved == "pca":
+            from sklearn.decomposition import KernelPCA
+
+            E = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)
+        else:
+            D = np.sqrt(np.clip(2.0 - 2.0 * K, 0.0, None))
+            np.fill_diagonal(D, 0.0)
+            if resolved == "umap":
+                import umap
+
+                E = umap.UMAP(metric="precomputed", random_state=random_state).fit_transform(D)
+            else:
+                from sklearn.manifold import TSNE
+
+                perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
+                E = TSNE(n_components=2, metric="precomputed", init="random",
+                         perplexity=perplexity, random_state=random_state).fit_transform(D)
+        name = _METHOD_NAMES[resolved]
+        step_shown = step % len(estimator.trajectory_)
+        title = f"tangent features at recorded step {step_shown} ({name})"
+        disp = cls(E, y=y, method=name, title=title)
+        return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)

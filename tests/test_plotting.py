@@ -1,0 +1,271 @@
+"""Displays: their data against independent computations, and the Display contract."""
+
+import copy
+import subprocess
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+from sklearn.decomposition import KernelPCA
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel.plotting import (
+    KernelEvolutionDisplay,
+    KernelMatrixDisplay,
+    KernelNeighborsDisplay,
+    RankGapDisplay,
+    TangentEmbeddingDisplay,
+)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def _loop_jacobian(est, point, X):
+    """(n, C, P): torch.autograd.grad of each output, one sample at a time."""
+    module = copy.deepcopy(est.module_).to(torch.float64)
+    module.load_state_dict(est.trajectory_.state_dict(point), strict=False)
+    plist = [p for p in module.parameters() if p.requires_grad]
+    rows = []
+    for x in torch.as_tensor(np.asarray(X), dtype=torch.float64):
+        f = module(x.unsqueeze(0)).reshape(-1)
+        rows.append(torch.stack([
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(f[c], plist,
+                                                                   retain_graph=True)])
+            for c in range(f.shape[0])
+        ]))
+    return torch.stack(rows).numpy()
+
+
+def _loop_gram(est, point, X, Y=None, normalized=True):
+    JX = _loop_jacobian(est, point, X)
+    JY = JX if Y is None else _loop_jacobian(est, point, Y)
+    C = JX.shape[1]
+    K = np.einsum("ncp,mcp->nm", JX, JY) / C
+    if normalized:
+        dx = np.einsum("ncp,ncp->n", JX, JX) / C
+        dy = np.einsum("ncp,ncp->n", JY, JY) / C
+        K = K / np.sqrt(np.outer(dx, dy))
+    return K
+
+
+@pytest.fixture(scope="module")
+def circle():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(40, 2))
+    y = np.where((X**2).sum(1) > 0.5, 1, -1)
+    clf = PathKernelClassifier(hidden_layer_sizes=(7, 5), max_iter=8, learning_rate_init=0.3,
+                               dtype="float64", device="cpu", random_state=0).fit(X, y)
+    return clf, X, y
+
+
+@pytest.fixture(scope="module")
+def multiclass():
+    rng = np.random.RandomState(1)
+    X = rng.normal(size=(18, 3))
+    y = np.repeat([2, 0, 1], 6)
+    clf = PathKernelClassifier(hidden_layer_sizes=(6,), max_iter=5, solver="adam",
+                               learning_rate_init=0.05, dtype="float64", device="cpu",
+                               random_state=0).fit(X, y)
+    return clf, X, y
+
+
+# --------------------------------------------------------------------------- contract
+def test_import_does_not_import_pyplot():
+    code = ("import sys, skpathkernel.plotting; "
+            "print('matplotlib.pyplot' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("make", [
+    lambda c: KernelMatrixDisplay.from_estimator(c[0], c[1], c[2], ax=c[3]),
+    lambda c: KernelNeighborsDisplay.from_estimator(c[0], [[0.5, 0.5]], 5, y=c[2], ax=c[3]),
+    lambda c: KernelEvolutionDisplay.from_estimator(c[0], [0, 0], c[1][:2], ax=c[3]),
+    lambda c: RankGapDisplay.from_estimator(c[0], c[1][:10], c[1][10:15], ax=c[3]),
+    lambda c: TangentEmbeddingDisplay.from_estimator(c[0], c[1], c[2], method="pca",
+                                                     ax=c[3]),
+])
+def test_ax_honoured_and_attributes_set(circle, make):
+    clf, X, y = circle
+    fig, axes = plt.subplots(1, 2)
+    disp = make((clf, X, y, axes[1]))
+    assert disp.ax_ is axes[1]
+    assert disp.figure_ is fig
+    assert axes[1].has_data() and not axes[0].has_data()
+    # ax=None makes a new figure.
+    disp.plot()
+    assert disp.figure_ is not fig
+
+
+# --------------------------------------------------------------------------- matrix
+@pytest.mark.parametrize("step", [0, 3, -1])
+def test_kernel_matrix_equals_loop_gram_ordered_by_class(circle, step):
+    clf, X, y = circle
+    disp = KernelMatrixDisplay.from_estimator(clf, X, y, step=step)
+    order = np.argsort(y, kind="stable")
+    np.testing.assert_array_equal(disp.order, order)
+    np.testing.assert_array_equal(disp.y, y[order])
+    expected = _loop_gram(clf, step, X[order])
+    np.testing.assert_allclose(disp.kernel_matrix, expected, rtol=1e-9, atol=1e-12)
+    # One boundary between the two classes, drawn horizontally and vertically.
+    n_neg = int((y == -1).sum())
+    assert len(disp.boundary_lines_) == 2
+    assert disp.boundary_lines_[0].get_ydata()[0] == pytest.approx(n_neg - 0.5)
+    assert disp.im_.get_array().shape == (40, 40)
+
+
+def test_kernel_matrix_block_means_multiclass(multiclass):
+    clf, X, y = multiclass
+    disp = KernelMatrixDisplay.from_estimator(clf, X, y, display_labels=["a", "b", "c"])
+    K = _loop_gram(clf, -1, X)
+    expected = np.empty((3, 3))
+    for a in range(3):
+        for b in range(3):
+            block = K[np.ix_(y == a, y == b)]
+            if a == b:  # off-diagonal entries only
+                block = block[~np.eye(len(block), dtype=bool)]
+            expected[a, b] = block.mean()
+    np.testing.assert_allclose(disp.block_means(), expected, rtol=1e-9)
+    assert [t.get_text() for t in disp.ax_.get_xticklabels()] == ["a", "b", "c"]
+
+
+def test_kernel_matrix_path_kernel_unnormalized(circle):
+    from skpathkernel.kernels import path_weights
+
+    clf, X, _ = circle
+    disp = KernelMatrixDisplay.from_estimator(clf, X[:12], kernel="path", normalized=False)
+    expected = sum(w * _loop_gram(clf, k, X[:12], normalized=False)
+                   for k, w in path_weights(clf.trajectory_))
+    np.testing.assert_allclose(disp.kernel_matrix, expected, rtol=1e-9)
+    assert disp.boundary_lines_ == []
+
+
+# --------------------------------------------------------------------------- neighbours
+@pytest.mark.parametrize("step", [0, -1])
+def test_neighbors_equal_brute_force(circle, step):
+    clf, X, y = circle
+    anchors = np.array([[0.7, 0.0], [-0.2, 0.3]])
+    disp = KernelNeighborsDisplay.from_estimator(clf, anchors, 7, y=y, step=step)
+    K = _loop_gram(clf, step, anchors, X)
+    expected = np.argsort(-K, axis=1, kind="stable")[:, :7]
+    # Compare as sets: ties at the cut would be ordered arbitrarily.
+    for got, exp in zip(disp.neighbors, expected):
+        assert set(got.tolist()) == set(exp.tolist())
+    labels = y[expected]
+    purity = np.array([max((r == 1).mean(), (r == -1).mean()) for r in labels])
+    np.testing.assert_allclose(disp.purity(), purity)
+    assert len(disp.neighbor_scatters_) == 2
+
+
+def test_neighbors_euclidean_and_default_labels(circle):
+    clf, X, y = circle
+    anchor = np.array([[0.1, -0.4]])
+    disp = KernelNeighborsDisplay.from_estimator(clf, anchor, 6, kernel="euclidean")
+    d = np.linalg.norm(X - anchor, axis=1)
+    assert set(disp.neighbors[0].tolist()) == set(np.argsort(d)[:6].tolist())
+    np.testing.assert_array_equal(disp.y, clf.predict(X))
+
+
+def test_neighbors_rejects_bad_input(circle, multiclass):
+    clf, X, y = circle
+    with pytest.raises(ValueError, match="kernel must be"):
+        KernelNeighborsDisplay.from_estimator(clf, [[0, 0]], 3, kernel="rbf")
+    with pytest.raises(ValueError, match="2-D inputs"):
+        KernelNeighborsDisplay.from_estimator(multiclass[0], [[0, 0, 0]], 3)
+    with pytest.raises(ValueError, match="shape"):
+        KernelNeighborsDisplay.from_estimator(clf, [[0, 0]], 3, y=y[:5])
+
+
+# --------------------------------------------------------------------------- evolution
+def test_kernel_evolution_equals_loop(circle):
+    clf, X, _ = circle
+    x = np.array([0.0, 0.0])
+    Y = np.array([[0.0, 0.0], [0.5, 0.0], [1.0, 0.0], [1.2, 0.0]])
+    disp = KernelEvolutionDisplay.from_estimator(clf, x, Y, steps=[0, 2, -1])
+    expected = np.vstack([_loop_gram(clf, k, x[None], Y)[0] for k in (0, 2, -1)])
+    np.testing.assert_allclose(disp.kernel_values, expected, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(disp.kernel_values[:, 0], 1.0)
+    traj_steps = np.asarray(clf.trajectory_.steps)
+    np.testing.assert_array_equal(disp.steps, traj_steps[[0, 2, len(traj_steps) - 1]])
+    assert len(disp.lines_) == 4
+    np.testing.assert_allclose(disp.lines_[2].get_ydata(), expected[:, 2])
+
+
+def test_kernel_evolution_all_steps_default(circle):
+    clf, X, _ = circle
+    disp = KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3])
+    assert disp.kernel_values.shape == (len(clf.trajectory_), 2)
+    with pytest.raises(IndexError):
+        KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], steps=[100])
+
+
+# --------------------------------------------------------------------------- rank gap
+def test_rank_gap_equals_svd_rank():
+    # ReLU units whose kink lies right of the training range are dead there and come
+    # alive on the test range: the seeds' figure 7 mechanism, exactly.
+    X_train = np.linspace(0, 1, 12).reshape(-1, 1)
+    X_test = np.linspace(2, 4, 6).reshape(-1, 1)
+    est = PathKernelMachine(hidden_layer_sizes=(6,), activation="relu", max_iter=4,
+                            learning_rate_init=0.01, dtype="float64", device="cpu",
+                            random_state=3).fit(X_train, 2 * X_train.ravel() + 1)
+    # Above the Gram route's floor sqrt(n * eps) ~ 6e-8, far below the smallest
+    # genuine singular value (~1e-2 relative).
+    rtol = 1e-5
+    disp = RankGapDisplay.from_estimator(est, X_train, X_test, rtol=rtol)
+    for i, k in enumerate(range(len(est.trajectory_))):
+        for X, got in ((X_train, disp.rank_train[i]),
+                       (np.vstack([X_train, X_test]), disp.rank_joint[i])):
+            J = _loop_jacobian(est, k, X)[:, 0, :]
+            s = np.linalg.svd(J, compute_uv=False)
+            assert got == int((s > rtol * s.max()).sum())
+    np.testing.assert_array_equal(disp.rank_gap, disp.rank_joint - disp.rank_train)
+    assert disp.rank_gap.max() > 0  # the setting shows a gap, so the check has teeth
+    assert disp.rtol == rtol and len(disp.lines_) == 2
+
+
+def test_rank_gap_default_rtol(circle):
+    clf, X, _ = circle
+    disp = RankGapDisplay.from_estimator(clf, X[:10], X[10:20], steps=[-1])
+    assert disp.rtol == pytest.approx(np.sqrt(20 * np.finfo(np.float64).eps))
+    with pytest.raises(ValueError, match="rtol"):
+        RankGapDisplay.from_estimator(clf, X[:10], X[10:20], rtol=2.0)
+
+
+# --------------------------------------------------------------------------- embedding
+def test_tangent_embedding_pca_equals_kernel_pca_of_loop_gram(circle):
+    clf, X, y = circle
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X, y, step=0, method="pca")
+    expected = KernelPCA(n_components=2, kernel="precomputed").fit_transform(
+        _loop_gram(clf, 0, X))
+    # Kernel PCA components are defined up to sign.
+    for j in range(2):
+        sign = np.sign(disp.embedding[:, j] @ expected[:, j])
+        np.testing.assert_allclose(sign * disp.embedding[:, j], expected[:, j], atol=1e-7)
+    assert "kernel PCA" in disp.ax_.get_title()
+    assert "step 0" in disp.ax_.get_title()
+
+
+def test_tangent_embedding_auto_names_its_method(circle):
+    clf, X, y = circle
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X[:20], y[:20], method="auto")
+    try:
+        import umap  # noqa: F401
+
+        name = "UMAP"
+    except ImportError:
+        name = "t-SNE"
+    assert disp.method == name and name in disp.ax_.get_title()
+    assert disp.embedding.shape == (20, 2)
+    with pytest.raises(ValueError, match="method"):
+        TangentEmbeddingDisplay.from_estimator(clf, X, method="mds")

@@ -8,31 +8,21 @@ multi-index model, not a threshold this task could pass or fail.
 
 from __future__ import annotations
 
+from ._common import circle_data, circle_fit
 from ._report import Row
-from ._training import _SOLVERS
 
 _OPTIMIZERS = ("sgd", "sgd+momentum", "adam", "rmsprop")
 
 
 def flatness_section(ctx):
-    """Fit PathKernelClassifier on the circle task per optimizer; Tr H along its path."""
-    from .. import PathKernelClassifier
-    from ..datasets import make_circle
+    """Tr H along the path of figure 9's circle-task networks (shared with figures 1, 9, 10)."""
     from ..diagnostics import hessian_trace_path
 
-    # Quick mode must stay under 20 s on 2 CPU cores, training included.
-    if ctx.quick:
-        n, epochs, hidden, n_points, n_probes = 200, 200, (32, 32), 4, 50
-    else:
-        n, epochs, hidden, n_points, n_probes = 1000, 2000, (64, 64), 6, 200
-    X, y = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=0)
-    X_test, y_test = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=1)
+    n_points, n_probes = (4, 50) if ctx.quick else (6, 200)
+    _, _, X_test, y_test = circle_data(ctx)
     rows = []
     for name in _OPTIMIZERS:
-        clf = PathKernelClassifier(
-            hidden_layer_sizes=hidden, max_iter=epochs, device=ctx.device,
-            random_state=0, **_SOLVERS[name],
-        ).fit(X, y)
+        clf = circle_fit(ctx, name)
         acc = clf.score(X_test, y_test)
         path = hessian_trace_path(clf, steps=n_points, n_samples=n_probes, random_state=0)
         end = path[-1]

@@ -191,6 +191,30 @@ def test_gram_symmetric_psd(kind):
     assert float(eig.min()) >= -1e-10 * float(eig.max())
 
 
+def test_blocks_kept_between_column_blocks(monkeypatch):
+    # A budget that holds all factors but not one block of everything: several row
+    # blocks, captured once each and reused for every column block.
+    module, params, X, _ = _make("mlp", 2)
+    X = torch.cat([X] * 4)
+    per_row = capture(module, params, X[:1], [0, 1], memory_budget=2**20).nbytes()
+    calls, blocks = [], []
+    real, real_init = _gram.capture, _gram._Blocks.__init__
+
+    def spy_init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        blocks.append(len(self.slices))
+
+    monkeypatch.setattr(_gram, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(_gram._Blocks, "__init__", spy_init)
+    K = tangent_gram(module, params, X, memory_budget=2 * per_row * len(X) + 64)
+    assert blocks[0] > 2
+    # Recomputing would capture n + n (n - 1) / 2 blocks; keeping captures each once.
+    assert len(calls) - 1 == blocks[0]
+    calls.clear()
+    _close(K, tangent_gram(module, params, X), 1e-13)
+    assert len(calls) == 2  # probe + one block
+
+
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_chunked_equals_unchunked(kind, weighted, monkeypatch):

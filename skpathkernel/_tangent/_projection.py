@@ -81,6 +81,12 @@ def project_tangent_features(
         ``z_c(x) . z_c'(x')`` estimates the ``(c, c')`` kernel block). For "trace" the
         direction also draws a Gaussian weight per output, and ``z`` is divided by
         ``sqrt(C)``, so that ``z . z'`` estimates ``trace(J J'^T) / C``.
+
+    Notes
+    -----
+    The structured directions ``U (k, C p)`` and ``V (k, q)`` of every rule layer are
+    drawn once and kept across row blocks: ``k * sum_l (C d_out + d_in)`` numbers, on top
+    of the blocks' budget (16 MiB per 512 x 512 layer at ``k = 4096`` in float32).
     """
     k = int(n_components)
     if k < 1:

@@ -231,3 +231,15 @@ def test_input_validation():
         TangentKernel(est, step=1000)(X)
     with pytest.raises(NotFittedError):
         TangentKernel(PathKernelMachine())(X)
+
+
+def test_grid_search_clones_the_kernel_with_its_estimator():
+    from sklearn.model_selection import GridSearchCV
+
+    est, X = _fit("sgd", multi=True)
+    _, target = _data()
+    y = np.digitize(target, np.quantile(target, [0.5]))
+    search = GridSearchCV(SVC(kernel=TangentKernel(est, normalized=True)), {"C": [0.1, 10.0]},
+                          cv=2).fit(X, y)
+    assert search.best_estimator_.kernel.estimator is est
+    assert search.predict(X).shape == (len(X),)

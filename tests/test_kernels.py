@@ -19,6 +19,15 @@ from skpathkernel.kernels import PathKernel, TangentKernel, path_weights, step_k
 RTOL = 1e-10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The networks are tiny: on shared cores, parallel regions only add stalls.
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n_threads)
+
+
 def _data(n=14, d=2, seed=0):
     rng = np.random.RandomState(seed)
     X = rng.uniform(-1, 1, size=(n, d))

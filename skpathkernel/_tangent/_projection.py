@@ -100,7 +100,8 @@ def project_tangent_features(
     itemsize = X.element_size()
     per_row = 4 * probe.nbytes() + 2 * n_out * k * itemsize
     size = _block_size(X.shape[0], memory_budget, per_row)
-    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False)
+    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
+                     exclude=probe.exclude)
     # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
     width = 1 if mode == "full" else n_out
     z = torch.zeros((X.shape[0], n_out if mode == "full" else 1, k),

@@ -186,6 +186,18 @@ def test_tied_weights_go_to_fallback():
     _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
 
 
+def test_inplace_activation_after_linear():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(8, 3, dtype=torch.float64)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**20)
+    assert cap.fallback == ()
+    assert not misfit_parameters(module, params, X[:1], cap, [0, 1])
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
 # ----------------------------------------------------------------------- Grams
 @pytest.mark.parametrize("kind", sorted(MODULES))
 @pytest.mark.parametrize("n_out", [1, 3])

@@ -108,6 +108,9 @@ def capture(
 
     def hook(layer, args, output):
         seen[id(layer)].append((args[0] if args else None, output))
+        # The layer hands on a copy: a later in-place op (ReLU(inplace=True)) then
+        # rewrites the copy, and d f / d output stays the backprop of the layer's own z.
+        return output.clone() if isinstance(output, torch.Tensor) else None
 
     handles = [layer.register_forward_hook(hook) for layer, _, _ in layers]
     # Parameters that require grad give every layer output a graph back to f; only the

@@ -134,9 +134,11 @@ def step_kernel(
     module, params, kw = _step_setup(estimator, step, output, preconditioned)
     K = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
     if normalized:
-        dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
-        dy = dx if Yt is None else tangent_gram_diag(module, params, Yt, **kw).to(
-            torch.float64)
+        if Yt is None:
+            dx = dy = K.diagonal().clone()
+        else:
+            dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
+            dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
         K = _normalize(K, dx, dy)
     return to_numpy(K)
 
@@ -181,17 +183,21 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
         )
     Xt, Yt = _tensors(estimator, X, Y)
     K = dx = dy = None
+    # K(X, X) holds its own diagonal: no separate diagonal pass is needed.
+    diag_from_gram = gram and diag and Yt is None
     for k, w in weights:
         module, params, kw = _step_setup(estimator, k, output, True)
         if gram:
             part = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
             K = part.mul_(w) if K is None else K.add_(part, alpha=w)
-        if diag:
+        if diag and not diag_from_gram:
             d = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64).mul_(w)
             dx = d if dx is None else dx.add_(d)
             if Yt is not None:
                 d = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64).mul_(w)
                 dy = d if dy is None else dy.add_(d)
+    if diag_from_gram:
+        dx = K.diagonal().clone()
     return K, dx, dx if Yt is None else dy
 
 

@@ -19,6 +19,15 @@ from skpathkernel.kernels import PathKernel, TangentKernel, path_weights, step_k
 RTOL = 1e-10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The networks are tiny: on shared cores, parallel regions only add stalls.
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n_threads)
+
+
 def _data(n=14, d=2, seed=0):
     rng = np.random.RandomState(seed)
     X = rng.uniform(-1, 1, size=(n, d))
@@ -231,3 +240,15 @@ def test_input_validation():
         TangentKernel(est, step=1000)(X)
     with pytest.raises(NotFittedError):
         TangentKernel(PathKernelMachine())(X)
+
+
+def test_grid_search_clones_the_kernel_with_its_estimator():
+    from sklearn.model_selection import GridSearchCV
+
+    est, X = _fit("sgd", multi=True)
+    _, target = _data()
+    y = np.digitize(target, np.quantile(target, [0.5]))
+    search = GridSearchCV(SVC(kernel=TangentKernel(est, normalized=True)), {"C": [0.1, 10.0]},
+                          cv=2).fit(X, y)
+    assert search.best_estimator_.kernel.estimator is est
+    assert search.predict(X).shape == (len(X),)

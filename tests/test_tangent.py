@@ -11,6 +11,7 @@ from skpathkernel._tangent import (
     _capture,
     _gram,
     capture,
+    misfit_parameters,
     project_tangent_features,
     tangent_features,
     tangent_gram,
@@ -18,6 +19,15 @@ from skpathkernel._tangent import (
 )
 
 RTOL = 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The networks are tiny: on shared cores, parallel regions only add stalls.
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n_threads)
 
 
 # ----------------------------------------------------------------------- modules
@@ -69,12 +79,26 @@ class _ConvAndSequence(nn.Module):
         return self.head(h.reshape(x.shape[0], -1))
 
 
-MODULES = {"mlp": _mlp, "raw": _RawParameter, "twice": _LinearTwice, "conv": _ConvAndSequence}
+class _WeightReadOutside(nn.Module):
+    """A Linear whose weight is also read by the parent's forward: invisible to hooks."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.head = nn.Linear(3, n_out)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x) + 0.5 * x @ self.lin.weight))
+
+
+MODULES = {"mlp": _mlp, "raw": _RawParameter, "twice": _LinearTwice,
+           "conv": _ConvAndSequence, "outside": _WeightReadOutside}
 FALLBACK = {
     "mlp": set(),
     "raw": {"scale"},
     "twice": {"shared.weight", "shared.bias"},
     "conv": {"conv.weight", "conv.bias", "per_position.weight", "per_position.bias"},
+    "outside": {"lin.weight", "lin.bias"},
 }
 
 
@@ -140,6 +164,10 @@ def test_features_match_loop(kind, n_out):
 def test_fallback_routing(kind):
     module, params, X, _ = _make(kind, 2)
     cap = capture(module, params, X, [0, 1], memory_budget=2**20)
+    exclude = misfit_parameters(module, params, X[:1], cap, [0, 1])
+    # Only the parameter that is read outside its layer shows up in the autograd check.
+    assert exclude == ({"lin.weight"} if kind == "outside" else set())
+    cap = capture(module, params, X, [0, 1], memory_budget=2**20, exclude=exclude)
     assert set(cap.fallback) == FALLBACK[kind]
     covered = [name for t in cap.terms for name, _ in t.inputs]
     assert sorted(covered) == sorted(params)
@@ -156,6 +184,18 @@ def test_tied_weights_go_to_fallback():
     assert "1.weight" in cap.fallback
     J = _loop_jacobian(module, params, X)
     _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
+
+
+def test_inplace_activation_after_linear():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(8, 3, dtype=torch.float64)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**20)
+    assert cap.fallback == ()
+    assert not misfit_parameters(module, params, X[:1], cap, [0, 1])
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
 # ----------------------------------------------------------------------- Grams
@@ -189,6 +229,30 @@ def test_gram_symmetric_psd(kind):
     assert torch.equal(Kf, Kf.T)
     eig = torch.linalg.eigvalsh(Kf)
     assert float(eig.min()) >= -1e-10 * float(eig.max())
+
+
+def test_blocks_kept_between_column_blocks(monkeypatch):
+    # A budget that holds all factors but not one block of everything: several row
+    # blocks, captured once each and reused for every column block.
+    module, params, X, _ = _make("mlp", 2)
+    X = torch.cat([X] * 4)
+    per_row = capture(module, params, X[:1], [0, 1], memory_budget=2**20).nbytes()
+    calls, blocks = [], []
+    real, real_init = _gram.capture, _gram._Blocks.__init__
+
+    def spy_init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        blocks.append(len(self.slices))
+
+    monkeypatch.setattr(_gram, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(_gram._Blocks, "__init__", spy_init)
+    K = tangent_gram(module, params, X, memory_budget=2 * per_row * len(X) + 64)
+    assert blocks[0] > 2
+    # Recomputing would capture n + n (n - 1) / 2 blocks; keeping captures each once.
+    assert len(calls) - 1 == blocks[0]
+    calls.clear()
+    _close(K, tangent_gram(module, params, X), 1e-13)
+    assert len(calls) == 2  # probe + one block
 
 
 @pytest.mark.parametrize("kind", ["mlp", "conv"])

@@ -24,7 +24,7 @@ from torch.func import functional_call
 from ._generic import per_sample_jacobian
 from ._rules import RULES, Term
 
-__all__ = ["Capture", "capture", "forward"]
+__all__ = ["Capture", "capture", "forward", "misfit_parameters"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Capture:
 
     terms: list[Term]
     fallback: tuple[str, ...]
+    exclude: frozenset[str] = frozenset()
 
     def nbytes(self) -> int:
         size = 0
@@ -54,8 +55,11 @@ def forward(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
     return out.reshape(X.shape[0], -1)
 
 
-def _rule_layers(module, params):
-    """Layers with a rule, their rule, and their differentiated parameters' names."""
+def _rule_layers(module, params, exclude=frozenset()):
+    """Layers with a rule, their rule, and their differentiated parameters' names.
+
+    Layers holding a parameter named in ``exclude`` are left to the fallback.
+    """
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     layers = []
     for prefix, layer in module.named_modules():
@@ -69,7 +73,7 @@ def _rule_layers(module, params):
             shared |= uses[id(p)] > 1
             if full in params:
                 names[local] = full
-        if names and not shared:
+        if names and not shared and not exclude.intersection(names.values()):
             layers.append((layer, rule, names))
     return layers
 
@@ -81,6 +85,7 @@ def capture(
     outputs: Sequence[int],
     *,
     memory_budget: int,
+    exclude: frozenset[str] = frozenset(),
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -95,12 +100,17 @@ def capture(
         columns in this order.
     memory_budget : int
         Bytes for the fallback's Jacobian chunks.
+    exclude : frozenset of str, default=frozenset()
+        Parameters whose layers must use the fallback (see :func:`misfit_parameters`).
     """
-    layers = _rule_layers(module, params)
+    layers = _rule_layers(module, params, exclude)
     seen: dict[int, list] = {id(layer): [] for layer, _, _ in layers}
 
     def hook(layer, args, output):
         seen[id(layer)].append((args[0] if args else None, output))
+        # The layer hands on a copy: a later in-place op (ReLU(inplace=True)) then
+        # rewrites the copy, and d f / d output stays the backprop of the layer's own z.
+        return output.clone() if isinstance(output, torch.Tensor) else None
 
     handles = [layer.register_forward_hook(hook) for layer, _, _ in layers]
     # Parameters that require grad give every layer output a graph back to f; only the
@@ -145,4 +155,43 @@ def capture(
     # Flat (trajectory) order of the terms' first parameters keeps every output stable.
     order = {name: i for i, name in enumerate(params)}
     terms = sorted(terms_by_name.values(), key=lambda t: order[t.inputs[0][0]])
-    return Capture(terms=terms, fallback=fallback)
+    return Capture(terms=terms, fallback=fallback, exclude=exclude)
+
+
+def misfit_parameters(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    cap: Capture,
+    outputs: Sequence[int],
+) -> frozenset[str]:
+    """Rule-covered parameters whose factors disagree with autograd on one sample.
+
+    A rule only sees its layer's call. If a parameter is also read elsewhere (e.g.
+    ``x @ self.lin.weight.T`` in a parent's ``forward``), the factors miss that part of
+    the gradient, and nothing in the module structure says so. One backward pass per
+    output on a single sample ``x`` (shape (1, n_features)) catches it: the parameters
+    returned here must go to the fallback.
+    """
+    covered = [name for term in cap.terms for name, _ in term.inputs
+               if name not in cap.fallback]
+    if not covered:
+        return frozenset()
+    factors = {name: (term.delta, a) for term in cap.terms for name, a in term.inputs}
+    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    with torch.enable_grad():
+        f = functional_call(module, live, (x,)).reshape(1, -1)
+    tol = 10 * torch.finfo(x.dtype).eps ** 0.5
+    bad = set()
+    for i, c in enumerate(outputs):
+        grads = torch.autograd.grad(f[0, c], [live[n] for n in covered],
+                                    retain_graph=i < len(outputs) - 1, allow_unused=True)
+        scale = max(float(g.abs().max()) for g in grads if g is not None) if any(
+            g is not None for g in grads) else 0.0
+        for name, g in zip(covered, grads):
+            delta, a = factors[name]
+            rule = delta[0, i] if a is None else torch.outer(delta[0, i], a[0])
+            g = torch.zeros_like(rule) if g is None else g.reshape(rule.shape)
+            if float((g - rule).abs().max()) > tol * max(scale, 1e-30):
+                bad.add(name)
+    return frozenset(bad)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._capture import Capture, capture, forward
+from ._capture import Capture, capture, forward, misfit_parameters
 from ._rules import Term
 
 __all__ = ["tangent_features", "tangent_gram", "tangent_gram_diag"]
@@ -113,8 +113,8 @@ def _block_size(n_rows: int, budget: int, per_row: int, per_pair: int = 0) -> in
 class _Blocks:
     """The captures of consecutive row blocks of X, kept or recomputed on demand."""
 
-    def __init__(self, module, params, X, size, outputs, budget, keep):
-        self.module, self.params, self.X = module, params, X
+    def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset()):
+        self.module, self.params, self.X, self.exclude = module, params, X, exclude
         self.outputs, self.budget, self.keep = outputs, budget, keep
         self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
         self._cache: dict[int, Capture] = {}
@@ -126,7 +126,7 @@ class _Blocks:
         if i in self._cache:
             return self._cache[i]
         cap = capture(self.module, self.params, self.X[self.slices[i]], self.outputs,
-                      memory_budget=self.budget)
+                      memory_budget=self.budget, exclude=self.exclude)
         if self.keep:
             self._cache[i] = cap
         return cap
@@ -138,8 +138,13 @@ def _prepare(module, params, X, output, memory_budget):
         raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
     n_outputs = forward(module, params, X[:1]).shape[1]
     outputs, mode = _resolve_output(output, n_outputs)
-    # One sample's factors give the per-row size of every block's factors.
+    # One sample's factors give the per-row size of every block's factors, and a check
+    # against autograd on that sample routes misused rule layers to the fallback.
     probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget)
+    exclude = misfit_parameters(module, params, X[:1], probe, outputs)
+    if exclude:
+        probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
+                        exclude=exclude)
     return params, outputs, mode, probe
 
 
@@ -209,8 +214,9 @@ def tangent_gram(
     per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2)
     size = _block_size(max(X.shape[0], Y.shape[0]), memory_budget, per_row, per_pair)
     keep = probe.nbytes() * (X.shape[0] + (0 if symmetric else Y.shape[0])) <= memory_budget // 2
-    bx = _Blocks(module, params, X, size, outputs, memory_budget, keep)
-    by = bx if symmetric else _Blocks(module, params, Y, size, outputs, memory_budget, keep)
+    bx = _Blocks(module, params, X, size, outputs, memory_budget, keep, probe.exclude)
+    by = bx if symmetric else _Blocks(module, params, Y, size, outputs, memory_budget, keep,
+                                      probe.exclude)
 
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
@@ -262,7 +268,8 @@ def tangent_gram_diag(
     layout = _layout(params)
     n_out = len(outputs)
     size = _block_size(X.shape[0], memory_budget, 4 * probe.nbytes())
-    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False)
+    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
+                     exclude=probe.exclude)
     shape = (X.shape[0], n_out, n_out) if mode == "full" else (X.shape[0],)
     out = torch.zeros(shape, dtype=X.dtype, device=X.device)
     for i in range(len(blocks)):
@@ -313,7 +320,8 @@ def tangent_features(
     n_out = len(outputs)
     per_row = 4 * probe.nbytes() + n_out * n_params * X.element_size()
     size = _block_size(X.shape[0], memory_budget, per_row)
-    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False)
+    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
+                     exclude=probe.exclude)
     phi = torch.empty((X.shape[0], n_out, n_params), dtype=X.dtype, device=X.device)
     for i in range(len(blocks)):
         sl = blocks.slices[i]

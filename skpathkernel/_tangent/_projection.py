@@ -81,6 +81,12 @@ def project_tangent_features(
         ``z_c(x) . z_c'(x')`` estimates the ``(c, c')`` kernel block). For "trace" the
         direction also draws a Gaussian weight per output, and ``z`` is divided by
         ``sqrt(C)``, so that ``z . z'`` estimates ``trace(J J'^T) / C``.
+
+    Notes
+    -----
+    The structured directions ``U (k, C p)`` and ``V (k, q)`` of every rule layer are
+    drawn once and kept across row blocks: ``k * sum_l (C d_out + d_in)`` numbers, on top
+    of the blocks' budget (16 MiB per 512 x 512 layer at ``k = 4096`` in float32).
     """
     k = int(n_components)
     if k < 1:
@@ -94,7 +100,8 @@ def project_tangent_features(
     itemsize = X.element_size()
     per_row = 4 * probe.nbytes() + 2 * n_out * k * itemsize
     size = _block_size(X.shape[0], memory_budget, per_row)
-    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False)
+    blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
+                     exclude=probe.exclude)
     # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
     width = 1 if mode == "full" else n_out
     z = torch.zeros((X.shape[0], n_out if mode == "full" else 1, k),

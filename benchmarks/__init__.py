@@ -1,0 +1,1 @@
+"""Benchmarks of skpathkernel against its peers: ``python -m benchmarks [--quick]``."""

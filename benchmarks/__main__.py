@@ -21,6 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+# Table groups: a module with ``run(quick) -> list[dict]`` (one row each, ratios measured in
+# the same run) and the title of its section in results.md.
+TABLES = {
+    "training": ("benchmarks.bench_training",
+                 "Training with path recording versus the same plain torch loop"),
+    "decomposition": ("benchmarks.bench_interpolation",
+                      "Exact decomposition of 100 queries versus the training time"),
+}
+
 BIG = [64, 512, 512, 1]
 SMALL = [2, 64, 64, 1]
 
@@ -148,6 +157,12 @@ def _report(results, machine, quick, elapsed, load, command):
         lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {s['T']} | {_fmt_t(r['times'])} | "
                      f"{med / s['T'] * 1e3:.2f} ms | {_mib(r['peak_bytes'])} | "
                      f"{_mib(r['trajectory_bytes'])} |")
+    for name, rows in results.get("tables", {}).items():
+        lines += ["", f"## {TABLES[name][1]}", "", f"From `benchmarks/{name}`.", ""]
+        if rows:
+            keys = list(rows[0])
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
     lines += ["", "## Pending peers", "",
               "JAX / neural-tangents (`empirical_ntk_fn` with its structured implementation) "
               "is not installed in this environment; it is the next peer to add.", ""]
@@ -159,15 +174,17 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     parser.add_argument("--out", default=str(Path(__file__).parent),
                         help="folder for results.md and results.json")
-    parser.add_argument("--only", choices=["gram", "path"], help="run one group only")
+    parser.add_argument("--only", choices=["gram", "path", *TABLES], help="run one group only")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per case (default: torch's own choice); 1 keeps "
                              "cores shared with other processes from stalling parallel ops")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
     plan = _plan(args.quick)
+    tables = list(TABLES)
     if args.only:
-        plan = {args.only: plan[args.only]}
+        plan = {args.only: plan[args.only]} if args.only in plan else {}
+        tables = [args.only] if args.only in TABLES else []
     load = [os.getloadavg()[0]]
     start = time.perf_counter()
     results = {"gram": [], "path": []}
@@ -178,6 +195,16 @@ def main(argv=None):
                   f"{'T=' + str(spec['T']) if 'T' in spec else ''}: "
                   f"{_stats(r['times'])[0]:.4g} s, {_mib(r['peak_bytes'])}", flush=True)
             results[group].append(r)
+    results["tables"] = {}
+    for name in tables:
+        import importlib
+
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        results["tables"][name] = importlib.import_module(TABLES[name][0]).run(quick=args.quick)
+        print(f"{name}: {len(results['tables'][name])} rows", flush=True)
     elapsed = time.perf_counter() - start
     load.append(os.getloadavg()[0])
     machine = _machine(args.threads)

@@ -8,6 +8,7 @@ prediction.
 """
 
 from ._machine import PathKernelClassifier, PathKernelMachine
+from ._svm import TangentFeatures, TangentFeatureSVM
 from ._training import TrainingDivergedError
 from ._trajectory import Trajectory
 from .kernels import PathKernel, TangentKernel
@@ -18,6 +19,8 @@ __all__ = [
     "PathKernel",
     "PathKernelClassifier",
     "PathKernelMachine",
+    "TangentFeatureSVM",
+    "TangentFeatures",
     "TangentKernel",
     "Trajectory",
     "TrainingDivergedError",

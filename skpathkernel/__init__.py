@@ -9,6 +9,7 @@ prediction.
 
 from ._machine import PathKernelClassifier, PathKernelMachine
 from ._recorder import PathRecorder, RecordedNetwork
+from ._svm import TangentFeatures, TangentFeatureSVM
 from ._training import TrainingDivergedError
 from ._trajectory import Trajectory
 from .kernels import PathKernel, TangentKernel
@@ -21,6 +22,8 @@ __all__ = [
     "PathKernelMachine",
     "PathRecorder",
     "RecordedNetwork",
+    "TangentFeatureSVM",
+    "TangentFeatures",
     "TangentKernel",
     "Trajectory",
     "TrainingDivergedError",

@@ -45,6 +45,31 @@ def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: st
     return torch.nn.Sequential(*layers)
 
 
+def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
+                  device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    with seeded_torch(seed, device):
+        if spec["module"] is None:
+            hidden = spec["hidden_layer_sizes"]
+            hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
+            if any(int(h) < 1 for h in hidden):
+                raise ValueError(
+                    f"hidden_layer_sizes must contain positive integers, got {hidden}."
+                )
+            module = make_mlp(n_features, n_outputs, [int(h) for h in hidden],
+                              spec["activation"])
+        else:
+            module = spec["module"](n_features, n_outputs)
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(
+                    "module must be a callable (n_features_in, n_outputs) -> "
+                    f"torch.nn.Module; it returned {type(module).__name__}."
+                )
+    module = module.to(device=device, dtype=dtype)
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError("The module has no trainable parameters.")
+    return module
+
+
 class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
 
@@ -143,45 +168,37 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
             weight_decay=self.alpha,
         )
 
+    def _module_spec(self) -> dict:
+        """What builds the network: stored at fit, so that unpickling rebuilds *that* one."""
+        hidden = self.hidden_layer_sizes
+        hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
+        # Plain ints keep the spec readable by skops without trusting NumPy scalar types.
+        hidden = [int(h) if isinstance(h, numbers.Integral) else h for h in hidden]
+        return {"module": self.module, "hidden_layer_sizes": hidden,
+                "activation": self.activation}
+
     def _build_module(self, n_features: int, n_outputs: int, seed: int,
                       device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-        with seeded_torch(seed, device):
-            if self.module is None:
-                hidden = self.hidden_layer_sizes
-                hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
-                if any(int(h) < 1 for h in hidden):
-                    raise ValueError(
-                        f"hidden_layer_sizes must contain positive integers, got {hidden}."
-                    )
-                module = make_mlp(n_features, n_outputs, [int(h) for h in hidden],
-                                  self.activation)
-            else:
-                module = self.module(n_features, n_outputs)
-                if not isinstance(module, torch.nn.Module):
-                    raise TypeError(
-                        "module must be a callable (n_features_in, n_outputs) -> "
-                        f"torch.nn.Module; it returned {type(module).__name__}."
-                    )
-        module = module.to(device=device, dtype=dtype)
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError("The module has no trainable parameters.")
-        return module
+        return _build_module(self._module_spec(), n_features, n_outputs, seed, device, dtype)
 
     def _fit(self, X, y):
         """Validate, train, and only then replace the fitted state (never half-fitted)."""
         X, y = self._validate_y(X, y)
         Y, n_outputs, attrs = self._encode_targets(y)
+        # A subclass may resolve the loss from the data (TangentFeatures' loss="auto").
+        loss_name = attrs.setdefault("_loss_name", self.loss)
+        spec = self._module_spec()
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype)
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        module = self._build_module(X.shape[1], n_outputs, seed, device, dtype)
+        module = _build_module(spec, X.shape[1], n_outputs, seed, device, dtype)
         generator = torch.Generator().manual_seed(seed)
         X_t = to_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
         with _progress(self.verbose, self.max_iter, type(self).__name__) as progress:
             result = train(
                 module, X_t, Y_t,
-                loss=LOSSES[self.loss](),
+                loss=LOSSES[loss_name](),
                 solver=self._solver_spec(),
                 learning_rate=float(self.learning_rate_init),
                 batch_size=self.batch_size,
@@ -203,6 +220,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
             n_params_=result.trajectory.n_params,
             n_outputs_=n_outputs,
             device_=str(device),
+            _network_spec=spec,
         )
         for name, value in attrs.items():
             setattr(self, name, value)
@@ -252,13 +270,18 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
         from ._tangent import tangent_features
 
+        module, params, X_t = self._engine_inputs(X, step)
+        phi = tangent_features(module, params, X_t, output=output,
+                               memory_budget=self.memory_budget)
+        return to_numpy(phi)
+
+    def _engine_inputs(self, X, step=-1):
+        """(module, parameters at recorded point ``step``, validated X as a tensor)."""
         X = self._validate_X(X)
         dtype, device = self._torch_dtype_device()
         traj = self.trajectory_
         params = dict(traj.unflatten(traj.parameters(step).to(device)))
-        phi = tangent_features(self.module_, params, to_tensor(X, dtype=dtype, device=device),
-                               output=output, memory_budget=self.memory_budget)
-        return to_numpy(phi)
+        return self.module_, params, to_tensor(X, dtype=dtype, device=device)
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -323,26 +346,42 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
-        state = super().__getstate__()
-        if "module_" in state:
-            # Pickle the module on the CPU so that a CUDA-trained estimator loads anywhere.
-            state["module_"] = _module_to_cpu(state["module_"])
+        # The network travels as NumPy arrays plus the spec that built it, never as torch
+        # objects: a CUDA-trained estimator then loads anywhere, and skops can persist it
+        # while trusting only skpathkernel's own types (it cannot read torch tensors).
+        # A copy: object.__getstate__ returns the live __dict__, which must keep module_.
+        state = dict(super().__getstate__())
+        module = state.pop("module_", None)
+        if module is not None:
+            state["_module_state"] = {
+                name: t.detach().cpu().numpy() for name, t in module.state_dict().items()
+            }
         return state
 
     def __setstate__(self, state):
+        state = dict(state)
+        module_state = state.pop("_module_state", None)
         super().__setstate__(state)
-        if "module_" in state:
-            device = torch.device(state.get("device_", "cpu"))
-            if device.type == "cuda" and not torch.cuda.is_available():
-                warnings.warn(
-                    "This estimator was trained on CUDA, which is not available here; "
-                    "its network was loaded onto the CPU.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                self.device_ = "cpu"
-                device = torch.device("cpu")
-            self.module_ = self.module_.to(device)
+        if module_state is None:
+            return
+        device = torch.device(state.get("device_", "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "This estimator was trained on CUDA, which is not available here; "
+                "its network was loaded onto the CPU.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self.device_ = "cpu"
+            device = torch.device("cpu")
+        dtype = resolve_dtype(state["dtype"])
+        n_features = state["n_features_in_"]
+        # The seed is irrelevant: every parameter and buffer is overwritten just below.
+        module = _build_module(state["_network_spec"], n_features, state["n_outputs_"], 0,
+                               device, dtype)
+        module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
+                                module_state.items()})
+        self.module_ = module.eval()
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -369,14 +408,6 @@ def _normalize_rows(K, dx, dy):
     with np.errstate(divide="ignore", invalid="ignore"):
         out = K / np.sqrt(np.outer(dx, dy))
     return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _module_to_cpu(module: torch.nn.Module) -> torch.nn.Module:
-    if all(t.device.type == "cpu" for t in [*module.parameters(), *module.buffers()]):
-        return module
-    import copy
-
-    return copy.deepcopy(module).to("cpu")
 
 
 def _layer_widths(module: torch.nn.Module) -> list[int]:

@@ -228,6 +228,57 @@ class _KernelMachineMixin(TransformerMixin):
         return order, np.take_along_axis(res.contributions, order[:, :, None], axis=1)
 
 
+def _encode_labels(y, loss: str) -> tuple[np.ndarray, int, dict]:
+    """Class labels -> network targets: a margin for two classes, logits for more."""
+    encoder = LabelEncoder().fit(y)
+    classes = encoder.classes_
+    if len(classes) < 2:
+        raise ValueError(
+            "The number of classes has to be greater than one; got "
+            f"{len(classes)} class ({classes[0]!r}). A classifier needs at least two."
+        )
+    codes = encoder.transform(y)
+    n_outputs = 1 if len(classes) == 2 else len(classes)
+    if loss == "log_loss":
+        Y = codes.astype(np.float64) if n_outputs == 1 else codes.astype(np.int64)
+    elif n_outputs == 1:
+        Y = (2.0 * codes - 1.0).reshape(-1, 1)
+    else:
+        Y = np.eye(len(classes))[codes]
+    return Y, n_outputs, {"classes_": classes}
+
+
+def _check_labels(estimator, y):
+    check_classification_targets(y)
+    kind = type_of_target(y)
+    if kind not in ("binary", "multiclass"):
+        raise ValueError(
+            f"{type(estimator).__name__} supports binary and multi-class targets, got {kind}."
+        )
+
+
+def _label_tensor(Y, dtype, device):
+    # Softmax cross-entropy takes class indices, which must stay integers.
+    if Y.dtype == np.int64:
+        return torch.as_tensor(Y, device=device)
+    return to_tensor(Y, dtype=dtype, device=device)
+
+
+class _LabelTargetsMixin:
+    """Validation and encoding of class labels, for every network trained as a classifier."""
+
+    def _validate_y(self, X, y):
+        X, y = validate_data(self, X, y, dtype=[np.float64, np.float32])
+        _check_labels(self, y)
+        return X, y
+
+    def _encode_targets(self, y):
+        return _encode_labels(y, self.loss)
+
+    def _target_tensor(self, Y, dtype, device):
+        return _label_tensor(Y, dtype, device)
+
+
 def _doc(cls):
     cls.__doc__ = cls.__doc__.format(shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC)
     return cls
@@ -342,7 +393,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
 
 
 @_doc
-class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelNetwork):
+class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMixin,
+                           BasePathKernelNetwork):
     """Classifier that trains a network and records its optimisation path.
 
     Binary problems use one output (a margin); ``K`` classes use ``K`` logits.
@@ -412,39 +464,6 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, random_state=random_state, verbose=verbose,
         )
-
-    def _validate_y(self, X, y):
-        X, y = validate_data(self, X, y, dtype=[np.float64, np.float32])
-        check_classification_targets(y)
-        kind = type_of_target(y)
-        if kind not in ("binary", "multiclass"):
-            raise ValueError(
-                f"{type(self).__name__} supports binary and multi-class targets, got {kind}."
-            )
-        return X, y
-
-    def _encode_targets(self, y):
-        encoder = LabelEncoder().fit(y)
-        classes = encoder.classes_
-        if len(classes) < 2:
-            raise ValueError(
-                "The number of classes has to be greater than one; got "
-                f"{len(classes)} class ({classes[0]!r}). A classifier needs at least two."
-            )
-        codes = encoder.transform(y)
-        n_outputs = 1 if len(classes) == 2 else len(classes)
-        if self.loss == "log_loss":
-            Y = codes.astype(np.float64) if n_outputs == 1 else codes.astype(np.int64)
-        elif n_outputs == 1:
-            Y = (2.0 * codes - 1.0).reshape(-1, 1)
-        else:
-            Y = np.eye(len(classes))[codes]
-        return Y, n_outputs, {"classes_": classes}
-
-    def _target_tensor(self, Y, dtype, device):
-        if Y.dtype == np.int64:
-            return torch.as_tensor(Y, device=device)
-        return to_tensor(Y, dtype=dtype, device=device)
 
     def fit(self, X, y):
         """Train the network on (X, y), recording its path.

@@ -307,11 +307,27 @@ class Trajectory:
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
-        # Tensors pickle fine; keep the state plain so skops and joblib see simple types.
-        return self.__dict__.copy()
+        # Tensors as NumPy arrays (exact, on the CPU): skops cannot read torch tensors, and
+        # a trajectory recorded next to a GPU must load without one.
+        state = self.__dict__.copy()
+        state["_params"] = _to_numpy(self._params)
+        state["_states"] = {k: _to_numpy(v) for k, v in self._states.items()}
+        return state
 
     def __setstate__(self, state):
+        state = dict(state)
+        state["_params"] = _to_tensor(state["_params"])
+        state["_states"] = {k: _to_tensor(v) for k, v in state["_states"].items()}
         self.__dict__.update(state)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _to_tensor(a) -> torch.Tensor:
+    # Loaders may hand back read-only arrays, which torch cannot share: copy those.
+    return torch.from_numpy(np.require(a, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
 
 def _check_index(k: int, n: int, what: str) -> int:

@@ -2,7 +2,12 @@
 
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel import (
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+)
 
 # Small, fast settings that still learn sklearn's check data sets (adam converges in a few
 # hundred full-batch steps on them). float64 because sklearn's subset-invariance check
@@ -15,6 +20,9 @@ FAST = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02, ma
 ESTIMATORS = [
     PathKernelMachine(**FAST),
     PathKernelClassifier(**FAST),
+    TangentFeatures(**FAST),
+    TangentFeatures(**FAST, n_components=8, normalize=True),
+    TangentFeatureSVM(**FAST),
 ]
 
 # Each expected failure, with its reason.

@@ -8,6 +8,7 @@ prediction.
 """
 
 from ._machine import PathKernelClassifier, PathKernelMachine
+from ._ood import OODRankDetector
 from ._training import TrainingDivergedError
 from ._trajectory import Trajectory
 from .kernels import PathKernel, TangentKernel
@@ -15,6 +16,7 @@ from .kernels import PathKernel, TangentKernel
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "OODRankDetector",
     "PathKernel",
     "PathKernelClassifier",
     "PathKernelMachine",

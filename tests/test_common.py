@@ -2,7 +2,7 @@
 
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
 
 # Small, fast settings that still learn sklearn's check data sets (adam converges in a few
 # hundred full-batch steps on them). float64 because sklearn's subset-invariance check
@@ -15,6 +15,7 @@ FAST = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02, ma
 ESTIMATORS = [
     PathKernelMachine(**FAST),
     PathKernelClassifier(**FAST),
+    OODRankDetector(**FAST),
 ]
 
 # Each expected failure, with its reason.

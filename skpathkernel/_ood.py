@@ -89,8 +89,9 @@ def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
     """Greedy block pivoted Cholesky ``Theta ~= G G^T`` of a PSD matrix given by columns.
 
     ``column(idx)`` returns ``Theta[:, idx]`` (N x b). Each pass computes the columns of the
-    ``b`` points with the largest residual diagonal, then eliminates them one at a time
-    (largest remaining residual first), skipping those the earlier ones already explain.
+    ``b`` points with the largest residual diagonal, pivots among them on their own
+    ``b x b`` residual block (largest remaining residual first, skipping those the earlier
+    ones already explain), then forms the new factor columns by one triangular solve.
     Stops when every residual diagonal ``||phi_i - P_L phi_i||^2`` is at most ``tol`` or at
     ``max_rank`` pivots. Returns the factor ``G`` (N x r) and the pivots (r,).
     """
@@ -110,22 +111,37 @@ def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
         C = column(cand)
         if k:
             C -= G[:, :k] @ G[cand, :k].T
-        local = C[cand, torch.arange(len(cand))].clone()
+        # Pivot inside the block on its b x b residual S only (cheap rank-one updates),
+        # then form the new factor columns for all N rows at once (BLAS-3):
+        # G_new = C[:, J] L^{-T} with S[J, J] = L L^T.
+        S = C[cand].clone()
+        order: list[int] = []
+        L_cols = []
+        local = S.diagonal().clone()
         done = torch.zeros(len(cand), dtype=torch.bool, device=diag.device)
-        while k < max_rank:
+        while k + len(order) < max_rank:
             j = int(torch.argmax(torch.where(done, -math.inf, local)))
             if done[j] or local[j] <= tol:
                 break
-            g = C[:, j] / torch.sqrt(local[j])
-            if k == G.shape[1]:
-                G = torch.cat([G, G.new_zeros((n, min(max_rank, 2 * k) - k))], dim=1)
-            G[:, k] = g
-            k += 1
-            pivots.append(int(cand[j]))
+            col = S[:, j] / torch.sqrt(local[j])
+            S -= torch.outer(col, col)
+            local = S.diagonal().clone()
             done[j] = True
-            C -= torch.outer(g, g[cand])
-            local = C[cand, torch.arange(len(cand))]
-            res -= g * g
+            order.append(j)
+            L_cols.append(col)
+        if not order:
+            break
+        J = torch.as_tensor(order, device=diag.device)
+        L = torch.stack(L_cols, dim=1)[J]  # lower triangular in pivot order
+        new = torch.linalg.solve_triangular(L, C[:, J].T, upper=False).T
+        m = len(order)
+        if k + m > G.shape[1]:
+            grow = min(max_rank, max(2 * G.shape[1], k + m)) - G.shape[1]
+            G = torch.cat([G, G.new_zeros((n, grow))], dim=1)
+        G[:, k : k + m] = new
+        k += m
+        pivots.extend(int(cand[j]) for j in order)
+        res -= (new * new).sum(1)
         res.clamp_(min=0.0)
     return G[:, :k], torch.as_tensor(pivots, dtype=torch.long)
 

@@ -8,6 +8,7 @@ prediction.
 """
 
 from ._machine import PathKernelClassifier, PathKernelMachine
+from ._ood import OODRankDetector
 from ._recorder import PathRecorder, RecordedNetwork
 from ._svm import TangentFeatures, TangentFeatureSVM
 from ._training import TrainingDivergedError
@@ -17,6 +18,7 @@ from .kernels import PathKernel, TangentKernel
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "OODRankDetector",
     "PathKernel",
     "PathKernelClassifier",
     "PathKernelMachine",

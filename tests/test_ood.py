@@ -1,0 +1,255 @@
+"""OODRankDetector against dense-Jacobian references (per-sample autograd + NumPy)."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
+
+from skpathkernel import OODRankDetector, PathKernelClassifier
+from skpathkernel._ood import _pivoted_cholesky
+from skpathkernel.datasets import make_linear_extrapolation
+
+SMALL = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.01, max_iter=60,
+             dtype="float64", random_state=0)
+
+
+def dense_features(det, X):
+    """phi(x) by a per-sample autograd loop: rows of the flattened Jacobian / sqrt(C)."""
+    module = det.estimator_.module_
+    params = [p for p in module.parameters() if p.requires_grad]
+    rows = []
+    for x in torch.as_tensor(np.asarray(X), dtype=torch.float64):
+        out = module(x[None])[0]
+        grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params,
+                                                                       retain_graph=True)])
+                 for o in out]
+        rows.append(torch.cat(grads) / np.sqrt(len(out)))
+    return torch.stack(rows).detach().numpy()
+
+
+def lstsq_residual(Phi_train, Phi):
+    """Relative residual of each row of Phi outside the row span of Phi_train."""
+    coef, *_ = np.linalg.lstsq(Phi_train.T, Phi.T, rcond=None)
+    res = Phi.T - Phi_train.T @ coef
+    return np.linalg.norm(res, axis=0) / np.linalg.norm(Phi, axis=1)
+
+
+def task_data(task, rng):
+    X = rng.normal(size=(20, 5))
+    if task == "regression":
+        return X, np.sin(X @ rng.normal(size=5))
+    if task == "classification":
+        return X, np.arange(20) % 3
+    return X, None
+
+
+@pytest.mark.parametrize("task", ["regression", "classification", "reconstruction"])
+def test_residual_score_matches_dense_lstsq(task):
+    rng = np.random.RandomState(0)
+    X, y = task_data(task, rng)
+    det = OODRankDetector(**SMALL).fit(X, y)
+    assert det.task_ == task
+    Xq = np.vstack([rng.normal(size=(6, 5)), 3 * rng.normal(size=(4, 5))])
+    ref = lstsq_residual(dense_features(det, X), dense_features(det, Xq))
+    # 20 generic features in >= 113 dimensions: full rank, every point is a pivot.
+    assert det.rank_ == 20
+    assert ref.min() > 0.05  # the check could fail: new points leave a 20-dim span
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-6)
+    np.testing.assert_allclose(det.score_samples(X), 0.0, atol=1e-4)
+
+
+def test_alignment_score_matches_dense_cosines():
+    rng = np.random.RandomState(1)
+    X, y = task_data("classification", rng)
+    det = OODRankDetector(**SMALL, score="alignment").fit(X, y)
+    Xq = rng.normal(size=(7, 5))
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    cos = (Q @ P.T) / np.outer(np.linalg.norm(Q, axis=1), np.linalg.norm(P, axis=1))
+    np.testing.assert_allclose(det.score_samples(Xq), cos.max(axis=1), atol=1e-10)
+    np.testing.assert_allclose(det.score_samples(X), 1.0, atol=1e-10)
+
+
+@pytest.mark.parametrize("score", ["residual", "alignment"])
+def test_contamination_is_a_quantile_of_leave_one_out_scores(score):
+    rng = np.random.RandomState(2)
+    X, y = task_data("regression", rng)
+    det = OODRankDetector(**SMALL, score=score, contamination=0.25).fit(X, y)
+    P = dense_features(det, X)
+    if score == "residual":
+        loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
+                        for i in range(len(X))])
+    else:
+        cos = (P @ P.T) / np.outer(np.linalg.norm(P, axis=1), np.linalg.norm(P, axis=1))
+        np.fill_diagonal(cos, -np.inf)
+        loo = cos.max(axis=1)
+    assert np.ptp(loo) > 0.05
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=1e-6)
+    # The offset is the false-positive rate of the leave-one-out scores: 25% of them.
+    assert np.mean(loo < det.offset_ - 1e-9) == pytest.approx(0.25, abs=0.051)
+
+
+def test_auto_offset_decision_and_predict():
+    rng = np.random.RandomState(3)
+    X, y = task_data("regression", rng)
+    for score, offset in [("residual", -0.5), ("alignment", np.sqrt(3) / 2)]:
+        det = OODRankDetector(**SMALL, score=score).fit(X, y)
+        assert det.offset_ == pytest.approx(offset)
+        Xq = np.vstack([X[:3], 4 * rng.normal(size=(40, 5))])
+        s, d, p = det.score_samples(Xq), det.decision_function(Xq), det.predict(Xq)
+        np.testing.assert_allclose(d, s - offset)
+        np.testing.assert_array_equal(p, np.where(d >= 0, 1, -1))
+        assert p.dtype.kind == "i" and set(np.unique(p)) == {-1, 1}
+        assert np.all(p[:3] == 1)  # training points lie in their own span
+    assert not hasattr(det, "fit_predict")
+
+
+@pytest.mark.parametrize("kind", ["tanh_wide", "tanh_saturated"])
+def test_rank_gap_matches_numpy_matrix_rank(kind):
+    rng = np.random.RandomState(4)
+    if kind == "tanh_wide":  # N < P: full rank, queries add directions
+        X, y = rng.normal(size=(12, 3)), rng.normal(size=12)
+        hidden = (8,)
+    else:  # N > P: the training features already span everything they can
+        X, y = rng.normal(size=(80, 2)), rng.normal(size=80)
+        hidden = (4,)
+    det = OODRankDetector(**{**SMALL, "hidden_layer_sizes": hidden}).fit(X, y)
+    Xq = rng.normal(size=(5, X.shape[1]))
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+
+    def rank(A):
+        sv = np.linalg.svd(A, compute_uv=False)
+        # the reference must not sit on the threshold (else round-off decides it)
+        assert not np.any(np.isclose(sv, det.rtol * sv[0], rtol=1e-2))
+        return np.linalg.matrix_rank(A, tol=det.rtol * sv[0])
+
+    rt, rj = det.rank_gap(Xq)
+    assert (rt, rj) == (rank(P), rank(np.vstack([P, Q])))
+    if kind == "tanh_wide":
+        assert rj == rt + 5
+    else:
+        assert rj == rt == det.n_params_
+
+
+def _relu_factory(kinks, out_weight=0.2):
+    """1-6-1 ReLU net, first-layer weights +1, unit i switching on at x = kinks[i]."""
+
+    def factory(n_in, n_out):
+        net = torch.nn.Sequential(torch.nn.Linear(1, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+        with torch.no_grad():
+            net[0].weight.fill_(1.0)
+            net[0].bias.copy_(-torch.as_tensor(kinks))
+            net[2].weight.fill_(out_weight)
+            net[2].bias.zero_()
+        return net
+
+    return factory
+
+
+def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
+    X, y, Xt, yt = make_linear_extrapolation(n_train=50, n_test=25)
+    # A small initial output slope (6 x 0.2 < 2) lets training raise it without pushing
+    # kinks out of the domain (with 6 x 0.5 the last kinks drift to its right edge).
+    params = dict(solver="adam", learning_rate_init=0.003, max_iter=1000, dtype="float64",
+                  random_state=0)
+    results = {}
+    for name, kinks in [("inside", [0.1, 0.4, 0.7, 1.0, 1.3, 1.6]),
+                        ("outside", [0.1, 0.4, 0.7, 1.0, 1.3, 2.0])]:
+        det = OODRankDetector(module=_relu_factory(kinks), **params).fit(X, y)
+        first = det.estimator_.module_[0]
+        w, b = first.weight.detach().numpy()[:, 0], first.bias.detach().numpy()
+        test_loss = 0.5 * np.mean((det.estimator_.predict(Xt) - yt) ** 2)
+        rt, rj = det.rank_gap(Xt)
+        results[name] = dict(kinks=-b / w, w=w, loss=test_loss, gap=rj - rt,
+                             score=det.score_samples(Xt), rank=det.rank_, n=len(X))
+    inside, outside = results["inside"], results["outside"]
+    # Figure 8, left: every unit is active on part of the training domain after training.
+    assert np.all(inside["w"] > 0) and np.all(inside["kinks"] < X.max())
+    assert inside["gap"] == 0
+    assert np.all(inside["score"] > -1e-3)
+    # Figure 8, right: unit 6 never saw a training point, so it never moved ...
+    assert outside["kinks"][5] == pytest.approx(2.0, abs=1e-12)
+    assert outside["w"][5] == pytest.approx(1.0, abs=1e-12)
+    # ... and turns on at test time: new tangent directions, a larger test loss.
+    assert outside["gap"] >= 1
+    assert outside["score"][1:].max() < -0.05
+    assert outside["loss"] > 10 * inside["loss"]
+    # The span saturates: far fewer pivots than training points (the low-rank path).
+    assert inside["rank"] < inside["n"] // 2
+
+
+def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
+    X, y, Xt, _ = make_linear_extrapolation(n_train=50, n_test=25)
+    det = OODRankDetector(module=_relu_factory([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
+                          solver="adam", learning_rate_init=0.01, max_iter=300,
+                          dtype="float64", random_state=0).fit(X, y)
+    assert det.rank_ < 20
+    ref = lstsq_residual(dense_features(det, X), dense_features(det, Xt[1:]))
+    np.testing.assert_allclose(-det.score_samples(Xt[1:]), ref, atol=1e-5)
+
+
+def test_pivoted_cholesky_recovers_a_low_rank_psd_matrix_over_several_blocks():
+    rng = np.random.RandomState(5)
+    F = rng.normal(size=(60, 9)) * np.logspace(0, -2, 9)
+    A = torch.as_tensor(F @ F.T)
+    G, piv = _pivoted_cholesky(lambda idx: A[:, idx], A.diagonal().clone(), 1e-12 * A.max(),
+                               max_rank=60, block=4)
+    assert len(piv) == 9 and len(set(piv.tolist())) == 9
+    np.testing.assert_allclose((G @ G.T).numpy(), A.numpy(), atol=1e-9)
+
+
+def test_max_rank_truncation_warns():
+    rng = np.random.RandomState(6)
+    X, y = task_data("regression", rng)
+    with pytest.warns(UserWarning, match="max_rank=5"):
+        det = OODRankDetector(**SMALL, max_rank=5).fit(X, y)
+    assert det.rank_ == 5 and len(det.pivots_) == 5
+
+
+def test_prefitted_estimator_is_not_retrained_and_survives_clone():
+    rng = np.random.RandomState(7)
+    X, y = task_data("classification", rng)
+    clf = PathKernelClassifier(**SMALL).fit(X, y)
+    traj, curve = clf.trajectory_, list(clf.loss_curve_)
+    det = OODRankDetector(estimator=clf).fit(X)
+    assert det.estimator_ is clf and clf.trajectory_ is traj and clf.loss_curve_ == curve
+    own = OODRankDetector(**SMALL).fit(X, y)  # same settings: the same network
+    Xq = rng.normal(size=(5, 5))
+    np.testing.assert_allclose(det.score_samples(Xq), own.score_samples(Xq), atol=1e-10)
+    frozen = clone(OODRankDetector(estimator=FrozenEstimator(clf)))
+    np.testing.assert_allclose(frozen.fit(X).score_samples(Xq), det.score_samples(Xq))
+    with pytest.raises(NotFittedError):
+        OODRankDetector(estimator=PathKernelClassifier()).fit(X)
+
+
+def test_float32_network_scores_like_its_float64_evaluation():
+    rng = np.random.RandomState(8)
+    X, y = task_data("regression", rng)
+    det = OODRankDetector(**{**SMALL, "dtype": "float32"}).fit(X, y)
+    Xq = rng.normal(size=(5, 5))
+    module = det.estimator_.module_
+    det.estimator_.module_ = module.double()  # the reference: the same weights in float64
+    ref = lstsq_residual(dense_features(det, X), dense_features(det, Xq))
+    det.estimator_.module_ = module.float()
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-6)
+
+
+def test_errors():
+    rng = np.random.RandomState(9)
+    X, y = task_data("regression", rng)
+    with pytest.raises(NotFittedError):
+        OODRankDetector().score_samples(X)
+    det = OODRankDetector(**SMALL).fit(X, y)
+    with pytest.raises(ValueError, match="features"):
+        det.score_samples(X[:, :3])
+    with pytest.raises(ValueError, match="log_loss"):
+        OODRankDetector(**SMALL, loss="log_loss", task="regression").fit(X, y)
+    with pytest.raises(ValueError, match="memory_budget"):
+        OODRankDetector(**SMALL, memory_budget=2**20).fit(X, y).rank_gap(
+            rng.normal(size=(200, 5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        det.fit(X, y)  # refits cleanly

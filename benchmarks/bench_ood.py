@@ -87,10 +87,10 @@ def run(quick: bool = False) -> list[dict]:
     start = time.perf_counter()
     clf = PathKernelClassifier(**NETWORK, max_iter=EPOCHS[quick]).fit(X_tr, y_tr)
     train_s = time.perf_counter() - start
-    for score, rtol in [("residual", 1e-6), ("residual", 1e-1), ("alignment", 1e-6)]:
+    for method, rtol in [("residual", 1e-6), ("residual", 1e-1), ("alignment", 1e-6)]:
         start = time.perf_counter()
-        det = OODRankDetector(estimator=clf, score=score, rtol=rtol).fit(X_tr)
-        add(f"OODRankDetector score={score} rtol={rtol:g} (rank {det.rank_})",
+        det = OODRankDetector(estimator=clf, method=method, rtol=rtol).fit(X_tr)
+        add(f"OODRankDetector method={method} rtol={rtol:g} (rank {det.rank_})",
             det.score_samples, train_s + time.perf_counter() - start)
     add("max-softmax (same network)", lambda X: clf.predict_proba(X).max(1), train_s)
     add("GradNorm, last layer, L1 (same network)", lambda X: _gradnorm(clf, X), train_s)

@@ -5,10 +5,10 @@ outside ``span{phi(x_i)}`` (seed figures 7-8: a ReLU unit never active on the tr
 domain turns on at test time). The detector scores that component from tangent-kernel Gram
 matrices alone (the Jacobian is never formed):
 
-* ``score="residual"``: the relative residual
+* ``method="residual"``: the relative residual
   ``s(x)^2 = 1 - k(x)^T (Theta + lam I)^{-1} k(x) / Theta(x, x)``, the noise-free Gaussian
   process posterior variance under the tangent kernel, normalised;
-* ``score="alignment"``: ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and a
+* ``method="alignment"``: ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and a
   stored training feature (the seeds' "feature memory" view).
 
 Scale: the ``N x N`` training Gram is never held. A greedy block pivoted Cholesky picks the
@@ -208,7 +208,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         that integer-valued regression targets count as "multiclass"), regression
         otherwise. Without ``y`` the network is trained self-supervised, to reconstruct
         its input (``n_features_in_`` outputs, squared error on ``X`` itself).
-    score : {{"residual", "alignment"}}, default="residual"
+    method : {{"residual", "alignment"}}, default="residual"
         "residual": ``score_samples(x) = -s(x)`` with the relative residual
         ``s(x)^2 = 1 - k(x)^T (Theta + lam I)^{{-1}} k(x) / Theta(x, x)``, where
         ``Theta`` is the tangent Gram (trace over outputs) at the final parameters,
@@ -297,7 +297,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         "loss": [StrOptions({"auto", "squared_error", "log_loss"})],
         "estimator": [HasMethods(["fit"]), None],
         "task": [StrOptions({"auto", "regression", "classification"})],
-        "score": [StrOptions({"residual", "alignment"})],
+        "method": [StrOptions({"residual", "alignment"})],
         "rtol": [Interval(numbers.Real, 0, 1, closed="neither")],
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
         "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
@@ -328,7 +328,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         verbose=0,
         estimator=None,
         task="auto",
-        score="residual",
+        method="residual",
         rtol=1e-6,
         contamination="auto",
         max_rank=None,
@@ -343,7 +343,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         )
         self.estimator = estimator
         self.task = task
-        self.score = score
+        self.method = method
         self.rtol = rtol
         self.contamination = contamination
         self.max_rank = max_rank
@@ -444,9 +444,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                      _chol=chol, _train_diag=to_numpy(diag))
         state.update({name: getattr(est, name) for name in _MIRRORED})
         if self.contamination == "auto":
-            offset = _AUTO_OFFSET[self.score]
+            offset = _AUTO_OFFSET[self.method]
         else:
-            if self.score == "residual":
+            if self.method == "residual":
                 loo = -to_numpy(_loo_relative_residuals(G, diag, max(lam, 1e-300)))
             else:
                 loo = self._alignment(gram, X, X, to_numpy(diag), exclude_self=True)
@@ -504,7 +504,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         """
         X = self._validate_X(X)
         gram = _Gram64(self.estimator_)
-        if self.score == "residual":
+        if self.method == "residual":
             return -self._relative_residuals(gram, X)
         return self._alignment(gram, X, self.X_fit_, self._train_diag)
 

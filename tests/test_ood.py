@@ -65,7 +65,7 @@ def test_residual_score_matches_dense_lstsq(task):
 def test_alignment_score_matches_dense_cosines():
     rng = np.random.RandomState(1)
     X, y = task_data("classification", rng)
-    det = OODRankDetector(**SMALL, score="alignment").fit(X, y)
+    det = OODRankDetector(**SMALL, method="alignment").fit(X, y)
     Xq = rng.normal(size=(7, 5))
     P, Q = dense_features(det, X), dense_features(det, Xq)
     cos = (Q @ P.T) / np.outer(np.linalg.norm(Q, axis=1), np.linalg.norm(P, axis=1))
@@ -73,13 +73,13 @@ def test_alignment_score_matches_dense_cosines():
     np.testing.assert_allclose(det.score_samples(X), 1.0, atol=1e-10)
 
 
-@pytest.mark.parametrize("score", ["residual", "alignment"])
-def test_contamination_is_a_quantile_of_leave_one_out_scores(score):
+@pytest.mark.parametrize("method", ["residual", "alignment"])
+def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     rng = np.random.RandomState(2)
     X, y = task_data("regression", rng)
-    det = OODRankDetector(**SMALL, score=score, contamination=0.25).fit(X, y)
+    det = OODRankDetector(**SMALL, method=method, contamination=0.25).fit(X, y)
     P = dense_features(det, X)
-    if score == "residual":
+    if method == "residual":
         loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
                         for i in range(len(X))])
     else:
@@ -95,8 +95,8 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(score):
 def test_auto_offset_decision_and_predict():
     rng = np.random.RandomState(3)
     X, y = task_data("regression", rng)
-    for score, offset in [("residual", -0.5), ("alignment", np.sqrt(3) / 2)]:
-        det = OODRankDetector(**SMALL, score=score).fit(X, y)
+    for method, offset in [("residual", -0.5), ("alignment", np.sqrt(3) / 2)]:
+        det = OODRankDetector(**SMALL, method=method).fit(X, y)
         assert det.offset_ == pytest.approx(offset)
         Xq = np.vstack([X[:3], 4 * rng.normal(size=(40, 5))])
         s, d, p = det.score_samples(Xq), det.decision_function(Xq), det.predict(Xq)

@@ -22,6 +22,13 @@ Sample ``i``'s contribution is ``a_i(x) = sum_{s: i in B_s} lambda_s(x) . J_s(x_
 Cost per step (Q queries, C outputs, P parameters, B batch): ``n_nodes`` Jacobians of the
 Q queries, the per-sample loss gradients of the batch, and one (Q C) x P x B product; memory
 O(Q C P + B P) in blocks under the memory budget.
+
+Plain SGD (no momentum, D = I: Domingos' setting and the estimators' default) has a
+structured fast path: with no memory, ``lambda_t = -lr_t rho_t(x)``, so sample i's share of
+step t is ``-lr_t / |B_t| sum_k w_k J(x; theta_t^k) J(x_i; theta_t)^T r_{t,i}``: a
+cross-parameter tangent Gram between the queries at the quadrature nodes and the batch at
+``theta_t``, computed from the layers' factors (O(Q B sum_l (d_in + C d_out)) per node for
+nn.Linear) without forming any Jacobian; L2 weight decay is one Jacobian-vector product.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 from torch.func import functional_call, jacrev, jvp, vmap
 
 from ._losses import Loss
-from ._tangent import tangent_features
+from ._tangent import tangent_features, tangent_gram
 from ._trajectory import Trajectory
 
 __all__ = ["Decomposition", "decompose"]
@@ -131,13 +138,13 @@ def _rows(module, traj, theta, delta, X, method, nodes, budget) -> torch.Tensor:
 
     if method == "exact":
         s, w = nodes
-        rho = w[0] * jac(theta + s[0] * delta)
+        rho = jac(theta + float(s[0]) * delta).mul_(float(w[0]))
         for sk, wk in zip(s[1:], w[1:]):
-            rho += wk * jac(theta + sk * delta)
+            rho.add_(jac(theta + float(sk) * delta), alpha=float(wk))
         return rho
     rho = jac(theta)
     if method == "second_order":
-        rho += 0.5 * _hvp_rows(module, traj, theta, delta, X)
+        rho.add_(_hvp_rows(module, traj, theta, delta, X), alpha=0.5)
     return rho
 
 
@@ -149,6 +156,51 @@ def _loss_gradients(module, traj, theta, X, Y, loss: Loss, budget) -> torch.Tens
     r = loss.residuals(out, Y)
     J = tangent_features(module, params, X, output="full", memory_budget=budget)
     return torch.einsum("bcp,bc->bp", J, r.to(J.dtype))
+
+
+def _structured(traj: Trajectory, method: str) -> bool:
+    """Whether the factor-Gram fast path applies: plain SGD, first-order or exact rows."""
+    spec = traj.solver_spec
+    return spec.name == "sgd" and spec.momentum == 0 and method != "second_order"
+
+
+def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting, nodes,
+                   memory_budget):
+    """Contributions (Q, N, C) and regularization (Q, C) for plain SGD, step by step."""
+    device = X.device
+    N = X_train.shape[0]
+    wd = traj.solver_spec.weight_decay
+    s_nodes, w_nodes = nodes if method == "exact" else ((0.0,), (1.0,))
+    contrib = reg = None
+    batches = traj.batches
+    for t in range(traj.n_steps):
+        theta = traj.parameters(t).to(device)
+        delta = traj.parameters(t + 1).to(device) - theta
+        lr = float(traj.learning_rates[t])
+        idx = (torch.as_tensor(batches[t], device=device) if weighting == "realized"
+               else torch.arange(N, device=device))
+        params_t = _params(traj, theta)
+        with torch.no_grad():
+            out = functional_call(module, params_t, (X_train[idx],))
+        r = loss.residuals(out, Y_train[idx])
+        decay = _params(traj, wd * theta) if wd else None
+        for sk, wk in zip(s_nodes, w_nodes):
+            params_k = _params(traj, theta + float(sk) * delta)
+            G = tangent_gram(module, params_k, X, X_train[idx], output="full",
+                             params_y=params_t, memory_budget=memory_budget)
+            share = torch.einsum("qcbd,bd->qbc", G, r.to(G.dtype))
+            share = share.double().mul_(-lr * float(wk) / len(idx))
+            if contrib is None:
+                n_out = share.shape[2]
+                contrib = torch.zeros((X.shape[0], N, n_out), dtype=torch.float64,
+                                      device=device)
+                reg = torch.zeros((X.shape[0], n_out), dtype=torch.float64, device=device)
+            contrib.index_add_(1, idx, share)
+            if decay is not None:
+                # L2's share of the step, -lr * wd * theta_t, seen through J(x; theta_t^k).
+                _, jv = jvp(lambda p: functional_call(module, p, (X,)), (params_k,), (decay,))
+                reg -= lr * float(wk) * jv.double()
+    return contrib.cpu().numpy(), reg.cpu().numpy()
 
 
 def decompose(
@@ -185,6 +237,11 @@ def decompose(
     q_block = max(1, int(memory_budget // (4 * n_out * P * itemsize)))
     # A batch's per-sample Jacobians (B x C x P) and loss gradients (B x P).
     b_block = max(1, int(memory_budget // (2 * (n_out + 1) * P * itemsize)))
+    if _structured(traj, method):
+        contributions, regularization = _decompose_sgd(
+            module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
+            nodes=nodes, memory_budget=memory_budget)
+        return _result(initial, prediction, contributions, regularization, method, weighting)
     contributions = np.zeros((n_q, N, n_out))
     regularization = np.zeros((n_q, n_out))
     spec = traj.solver_spec
@@ -203,8 +260,13 @@ def decompose(
             rho = _rows(module, traj, theta, delta, Xq, method, nodes, memory_budget)
             scale, memory = _solver_coefficients(traj, t)
             D = traj.preconditioner(t)
-            nu = scale * rho if D is None else scale * rho * D.to(device)
-            lam = nu + memory * lam if memory else nu
+            # lambda_t = scale * D * rho_t + memory * lambda_{t+1}, in place: the (Q, C, P)
+            # buffers dominate the cost, so every avoided pass over them counts.
+            lam.mul_(memory)
+            if D is None:
+                lam.add_(rho, alpha=scale)
+            else:
+                lam.addcmul_(rho, D.to(device), value=scale)
             if spec.weight_decay:
                 if decoupled:
                     decay = -float(traj.learning_rates[t]) * spec.weight_decay * theta
@@ -221,6 +283,10 @@ def decompose(
                 contrib.index_add_(1, sub, share)
         contributions[q0 : q0 + q_block] = contrib.cpu().numpy()
         regularization[q0 : q0 + q_block] = reg.cpu().numpy()
+    return _result(initial, prediction, contributions, regularization, method, weighting)
+
+
+def _result(initial, prediction, contributions, regularization, method, weighting):
     initial = initial.double().cpu().numpy()
     prediction = prediction.double().cpu().numpy()
     recon = initial + contributions.sum(axis=1) + regularization
@@ -229,7 +295,7 @@ def decompose(
         contributions=contributions,
         regularization=regularization,
         prediction=prediction,
-        error=float(np.max(np.abs(recon - prediction))) if n_q else 0.0,
+        error=float(np.max(np.abs(recon - prediction))) if len(prediction) else 0.0,
         method=method,
         weighting=weighting,
     )

@@ -210,3 +210,34 @@ def test_needs_every_step_recorded(data):
         est.decompose(X)
     with pytest.raises(ValueError, match="method must be"):
         est.decompose(X, method="zeroth")
+
+
+@pytest.mark.parametrize("method", ["exact", "first_order"])
+@pytest.mark.parametrize("batch_size", [None, 5])
+def test_sgd_fast_path_equals_the_dense_adjoint(data, method, batch_size, monkeypatch):
+    """Plain SGD's factor-Gram path against the general adjoint path (checked above by
+    brute force for every solver), on a module with a fallback layer too."""
+    import skpathkernel._interpolation as interpolation
+
+    class WithRaw(torch.nn.Module):  # a raw parameter: no rule, goes to the fallback
+        def __init__(self, n_in, n_out):
+            super().__init__()
+            self.lin = torch.nn.Linear(n_in, 6)
+            self.scale = torch.nn.Parameter(torch.ones(6))
+            self.out = torch.nn.Linear(6, n_out)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.lin(x)) * self.scale)
+
+    X_train, y, X = data
+    est = PathKernelMachine(module=WithRaw, max_iter=6, batch_size=batch_size, alpha=0.05,
+                            learning_rate_init=0.1, dtype="float64", random_state=0)
+    est.fit(X_train, y)
+    assert interpolation._structured(est.trajectory_, method)
+    fast = est.decompose(X, method=method)
+    monkeypatch.setattr(interpolation, "_structured", lambda traj, method: False)
+    dense = est.decompose(X, method=method)
+    assert_allclose(fast.contributions, dense.contributions, rtol=1e-10, atol=1e-13)
+    assert_allclose(fast.regularization, dense.regularization, rtol=1e-10, atol=1e-13)
+    assert np.abs(fast.regularization).max() > 1e-4
+    assert fast.error == pytest.approx(dense.error, abs=1e-12)

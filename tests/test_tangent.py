@@ -216,6 +216,20 @@ def test_gram_matches_loop(kind, n_out):
            torch.einsum("ncp,ndp->ncd", JX, JX))
 
 
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_cross_parameter_gram_matches_loop(kind):
+    """J(X; theta) J(Y; theta')^T with the two sides at different parameters."""
+    module, params, X, Y = _make(kind, 2)
+    other = {k: v + 0.2 * torch.randn_like(v) for k, v in params.items()}
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, other, Y)
+    full = torch.einsum("ncp,mdp->ncmd", JX, JY)
+    _close(tangent_gram(module, params, X, Y, output="full", params_y=other), full)
+    # Y omitted: X against itself at the other parameters, not the symmetric shortcut.
+    JXo = _loop_jacobian(module, other, X)
+    _close(tangent_gram(module, params, X, output="trace", params_y=other),
+           torch.einsum("ncp,mcp->nm", JX, JXo) / 2)
+
+
 @pytest.mark.parametrize("kind", ["mlp", "raw"])
 def test_gram_symmetric_psd(kind):
     module, params, X, _ = _make(kind, 2)

@@ -168,6 +168,7 @@ def tangent_gram(
     output: str | int = "trace",
     diag_weight: torch.Tensor | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    params_y: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Tangent-kernel Gram matrix ``J(X) D J(Y)^T`` without forming the Jacobian.
 
@@ -194,6 +195,11 @@ def tangent_gram(
     memory_budget : int, default=2**30
         Bytes that one block's factors and intermediates may use (the returned Gram is
         not counted).
+    params_y : mapping of str to torch.Tensor, default=None
+        Evaluate the ``Y`` side at these parameters instead: the cross-parameter Gram
+        ``J(X; params) D J(Y; params_y)^T`` (the exact decomposition pairs queries on a
+        step's segment with the batch at the step's start). Same names and shapes as
+        ``params``.
 
     Returns
     -------
@@ -201,8 +207,9 @@ def tangent_gram(
     """
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget)
     weight = _check_weight(diag_weight, params, X)
-    symmetric = Y is None
-    Y = X if symmetric else Y
+    symmetric = Y is None and params_y is None
+    Y = X if Y is None else Y
+    params_y = params if params_y is None else dict(params_y)
     if Y.ndim != 2 or Y.shape[1] != X.shape[1]:
         raise ValueError(f"Y must have shape (n, {X.shape[1]}), got {tuple(Y.shape)}.")
     n_out = len(outputs)
@@ -215,7 +222,7 @@ def tangent_gram(
     size = _block_size(max(X.shape[0], Y.shape[0]), memory_budget, per_row, per_pair)
     keep = probe.nbytes() * (X.shape[0] + (0 if symmetric else Y.shape[0])) <= memory_budget // 2
     bx = _Blocks(module, params, X, size, outputs, memory_budget, keep, probe.exclude)
-    by = bx if symmetric else _Blocks(module, params, Y, size, outputs, memory_budget, keep,
+    by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget, keep,
                                       probe.exclude)
 
     n, m = X.shape[0], Y.shape[0]

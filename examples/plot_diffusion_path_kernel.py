@@ -119,8 +119,8 @@ print(f"share of |K_hat| mass within |dlog sigma| < 0.5: path kernel {path_in:.3
       f"initial tangent kernel {init_in:.3f}, sigma-blind {pairs_in:.3f}")
 
 # %%
-# Mean |K_hat| between noise levels, and the mass within a band
-# -------------------------------------------------------------
+# Mean absolute normalized kernel between noise levels
+# ----------------------------------------------------
 # The block average over the 8 x 8 query pairs of each pair of levels shows the band
 # along the diagonal: a query at one noise level is similar, under the kernel that
 # training built, to queries at nearby noise levels only.

@@ -1,7 +1,7 @@
 """
-=====================================
+=======================================
 How the tangent kernel evolves (fig 10)
-=====================================
+=======================================
 
 :class:`~skpathkernel.plotting.KernelEvolutionDisplay` follows the normalized tangent
 kernel ``K_hat_t(x, y)`` along the recorded path: on the circle task, points of the

@@ -252,7 +252,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         The jitter ``lam``.
     rank_ : int
         Rank ``r`` of the factorisation: the number of pivots.
-    pivots_ : ndarray of shape (rank_,)
+    pivots_ : ndarray of shape (`rank_`,)
         Indices into ``X_fit_`` of the pivots, whose features span the others to within
         the tolerance, in the order they were chosen.{fitted}
     See Also

@@ -411,7 +411,7 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
 
         Returns
         -------
-        phi : ndarray of shape (n_samples, n_params_) or (n_samples, n_outputs_ * n_params_)
+        phi : ndarray of shape (n_samples, `n_params_`) or (n_samples, `n_outputs_` * `n_params_`)
         """
         return self._tangent_features(X)
 

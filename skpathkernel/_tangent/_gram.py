@@ -16,6 +16,7 @@ recomputed block by block otherwise.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -26,6 +27,9 @@ from ._rules import Term
 __all__ = ["tangent_features", "tangent_gram", "tangent_gram_diag"]
 
 DEFAULT_MEMORY_BUDGET = 2**30
+
+# module -> {(parameter names, outputs, dtype, device): parameters routed to the fallback}
+_MISFITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _resolve_output(output, n_outputs: int) -> tuple[list[int], str]:
@@ -141,7 +145,14 @@ def _prepare(module, params, X, output, memory_budget):
     # One sample's factors give the per-row size of every block's factors, and a check
     # against autograd on that sample routes misused rule layers to the fallback.
     probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget)
-    exclude = misfit_parameters(module, params, X[:1], probe, outputs)
+    key = (tuple(params), tuple(outputs), X.dtype, X.device)
+    known = _MISFITS.setdefault(module, {})
+    if key not in known:
+        # The check is structural (which parameters are read outside their layer's call),
+        # so it runs once per module: callers such as the path kernel and the
+        # decomposition evaluate the same module at hundreds of parameter points.
+        known[key] = misfit_parameters(module, params, X[:1], probe, outputs)
+    exclude = known[key]
     if exclude:
         probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                         exclude=exclude)

@@ -291,11 +291,23 @@ class _NetworkKernel(Kernel):
 
 # joblib tasks (module level, so that they pickle to workers by reference)
 def _raw_gram_rows(X_rows, kernel, Y):
-    return kernel._raw_gram(X_rows, Y)
+    return _own_module(kernel)._raw_gram(X_rows, Y)
 
 
 def _diag_rows(X_rows, kernel):
-    return kernel._diag(X_rows)
+    return _own_module(kernel)._diag(X_rows)
+
+
+def _own_module(kernel):
+    # Concurrent tasks can share one estimator (threads, a Dask worker's thread pool) and
+    # the engine hooks the module it runs: each task gets its own copy of the module.
+    est = kernel.estimator
+    own = type(est).__new__(type(est))
+    own.__dict__.update(est.__dict__)
+    own.module_ = copy.deepcopy(est.module_)
+    kernel = copy.copy(kernel)
+    kernel.estimator = own
+    return kernel
 
 
 class TangentKernel(_NetworkKernel):

@@ -45,7 +45,13 @@ def _run_block(func, n_tasks, X_block, args):
 
 
 def n_row_blocks(n_jobs, X) -> int:
-    """Number of row blocks of ``X`` for ``n_jobs``: one per joblib worker, at most one per row."""
+    """Number of row blocks of ``X``: one per joblib worker, at most one per row.
+
+    One inside a Dask task (a ``GridSearchCV`` fit on the cluster, say): the cluster
+    already runs a task per slot, and a nested fan-out would oversubscribe its cores.
+    """
+    if dask_worker_threads() is not None:
+        return 1
     return max(1, min(effective_n_jobs(n_jobs), X.shape[0]))
 
 

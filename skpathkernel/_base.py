@@ -21,6 +21,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_tensor
 from ._losses import LOSSES
+from ._parallel import dask_worker_threads, limit_torch_threads
 from ._training import train
 from ._trajectory import SolverSpec
 
@@ -195,7 +196,10 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         generator = torch.Generator().manual_seed(seed)
         X_t = to_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
-        with _progress(self.verbose, self.max_iter, type(self).__name__) as progress:
+        # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
+        # shared by its task slots: keep torch's threads within them.
+        with _progress(self.verbose, self.max_iter, type(self).__name__) as progress, \
+                limit_torch_threads(dask_worker_threads()):
             result = train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

@@ -35,6 +35,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from ._base import BasePathKernelNetwork, _normalize_rows
 from ._device import resolve_dtype, to_numpy, to_tensor
 from ._machine import _FITTED_ATTRS_DOC, _SHARED_PARAMS_DOC, PathKernelClassifier, PathKernelMachine
+from ._parallel import map_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
 
 __all__ = ["OODRankDetector"]
@@ -239,6 +240,14 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         allows in half of ``memory_budget`` (and at most N). When it is reached before
         the tolerance, a warning says so and the span is that of the ``r`` most
         independent training features.
+    n_jobs : int, default=None
+        Number of joblib workers for scoring (``score_samples``, ``decision_function``,
+        ``predict``): the queries are split into one row block per worker and scored
+        with ``Parallel(n_jobs)``, on loky processes or, under
+        ``joblib.parallel_config(backend="dask")``, on a Dask cluster; each task runs
+        torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial ones.
+        ``None`` means 1 unless in a joblib context; ``-1`` all workers. ``fit`` is
+        serial.
 
     Attributes
     ----------
@@ -301,6 +310,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         "rtol": [Interval(numbers.Real, 0, 1, closed="neither")],
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
         "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
+        "n_jobs": [numbers.Integral, None],
     }
 
     def __init__(
@@ -332,6 +342,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         rtol=1e-6,
         contamination="auto",
         max_rank=None,
+        n_jobs=None,
     ):
         super().__init__(
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
@@ -347,6 +358,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         self.rtol = rtol
         self.contamination = contamination
         self.max_rank = max_rank
+        self.n_jobs = n_jobs
 
     def _encode_targets(self, y):
         # Training is delegated to a PathKernelMachine / PathKernelClassifier (_train).
@@ -503,10 +515,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         scores : ndarray of shape (n_samples,)
         """
         X = self._validate_X(X)
-        gram = _Gram64(self.estimator_)
-        if self.method == "residual":
-            return -self._relative_residuals(gram, X)
-        return self._alignment(gram, X, self.X_fit_, self._train_diag)
+        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self))
 
     def decision_function(self, X):
         """``score_samples(X) - offset_``: negative for outliers.
@@ -608,10 +617,29 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         return view.kneighbors(X, n_neighbors, kernel=kernel, step=step,
                                normalized=normalized, return_distance=return_distance)
 
+    def __getstate__(self):
+        # The mirrored network travels once, inside estimator_ (whose dtype it keeps).
+        state = super().__getstate__()
+        state.pop("_module_state", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "estimator_" in state:
+            self.module_ = self.estimator_.module_
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = False
         return tags
+
+
+def _score_rows(X, detector):
+    # One joblib task: score_samples of a row block (or of all of X when serial).
+    gram = _Gram64(detector.estimator_)
+    if detector.method == "residual":
+        return -detector._relative_residuals(gram, X)
+    return detector._alignment(gram, X, detector.X_fit_, detector._train_diag)
 
 
 def _numerical_rank(K: np.ndarray, rtol: float) -> int:

@@ -23,6 +23,7 @@ from sklearn.gaussian_process.kernels import Kernel
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._device import resolve_dtype, to_numpy, to_tensor
+from ._parallel import map_row_blocks, n_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
 
 __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
@@ -247,7 +248,7 @@ class _NetworkKernel(Kernel):
         _check_output(self.output)
         X = _validate(self.estimator, X)
         Y = None if Y is None else _validate(self.estimator, Y, "Y")
-        K = self._gram(X, Y)
+        K = self._gram_blocks(X, Y)
         if eval_gradient:
             return K, np.empty((X.shape[0], X.shape[0], 0))
         return K
@@ -267,7 +268,46 @@ class _NetworkKernel(Kernel):
         X = _validate(self.estimator, X)
         if self.normalized:
             return np.ones(X.shape[0])
-        return self._diag(X)
+        return self._diag_blocks(X)
+
+    def _gram_blocks(self, X, Y):
+        if n_row_blocks(self.n_jobs, X) == 1:
+            return self._gram(X, Y)
+        # Rows of the raw Gram through joblib (K(X, X) gives up its symmetry), then the
+        # normalisation here, with the same diagonals as the serial path.
+        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self,
+                                     X if Y is None else Y))
+        if self.normalized:
+            if Y is None:
+                dx = dy = K.diagonal().copy()
+            else:
+                dx, dy = self._diag_blocks(X), self._diag_blocks(Y)
+            K = to_numpy(_normalize(*map(torch.from_numpy, (K, dx, dy))))
+        return K
+
+    def _diag_blocks(self, X):
+        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs, self))
+
+
+# joblib tasks (module level, so that they pickle to workers by reference)
+def _raw_gram_rows(X_rows, kernel, Y):
+    return _own_module(kernel)._raw_gram(X_rows, Y)
+
+
+def _diag_rows(X_rows, kernel):
+    return _own_module(kernel)._diag(X_rows)
+
+
+def _own_module(kernel):
+    # Concurrent tasks can share one estimator (threads, a Dask worker's thread pool) and
+    # the engine hooks the module it runs: each task gets its own copy of the module.
+    est = kernel.estimator
+    own = type(est).__new__(type(est))
+    own.__dict__.update(est.__dict__)
+    own.module_ = copy.deepcopy(est.module_)
+    kernel = copy.copy(kernel)
+    kernel.estimator = own
+    return kernel
 
 
 class TangentKernel(_NetworkKernel):
@@ -294,6 +334,14 @@ class TangentKernel(_NetworkKernel):
     normalized : bool, default=False
         Return ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (cosine similarity of tangent
         features); rows of zero-norm features are 0.
+    n_jobs : int, default=None
+        Number of joblib workers for Grams and diagonals: the rows of ``X`` are split
+        into one block per worker, run with ``Parallel(n_jobs)``, so the same call fans
+        out to loky processes or, under ``joblib.parallel_config(backend="dask")``, to a
+        Dask cluster. ``None`` means 1 unless in a joblib context; ``-1`` all workers.
+        Each task runs torch with ``max(1, cpu_count // n_jobs)`` threads. The result
+        equals the serial one up to round-off (the blocks of ``K(X, X)`` do not use its
+        symmetry). Not a hyperparameter: it does not appear in ``theta``.
 
     See Also
     --------
@@ -319,15 +367,19 @@ class TangentKernel(_NetworkKernel):
     (2,)
     """
 
-    def __init__(self, estimator, step=-1, output="trace", normalized=False):
+    def __init__(self, estimator, step=-1, output="trace", normalized=False, n_jobs=None):
         self.estimator = estimator
         self.step = step
         self.output = output
         self.normalized = normalized
+        self.n_jobs = n_jobs
 
     def _gram(self, X, Y):
         return step_kernel(self.estimator, X, Y, step=self.step, output=self.output,
                            normalized=self.normalized)
+
+    def _raw_gram(self, X, Y):
+        return step_kernel(self.estimator, X, Y, step=self.step, output=self.output)
 
     def _diag(self, X):
         Xt, _ = _tensors(self.estimator, X, None)
@@ -364,6 +416,14 @@ class PathKernel(_NetworkKernel):
         Scalar summary of the ``C x C`` kernel blocks, or the output to use.
     normalized : bool, default=False
         Return ``K(x, x') / sqrt(K(x, x) K(x', x'))``.
+    n_jobs : int, default=None
+        Number of joblib workers for Grams and diagonals: the rows of ``X`` are split
+        into one block per worker, run with ``Parallel(n_jobs)``, so the same call fans
+        out to loky processes or, under ``joblib.parallel_config(backend="dask")``, to a
+        Dask cluster. ``None`` means 1 unless in a joblib context; ``-1`` all workers.
+        Each task runs torch with ``max(1, cpu_count // n_jobs)`` threads. The result
+        equals the serial one up to round-off (the blocks of ``K(X, X)`` do not use its
+        symmetry). Not a hyperparameter: it does not appear in ``theta``.
 
     See Also
     --------
@@ -387,12 +447,14 @@ class PathKernel(_NetworkKernel):
     (2,)
     """
 
-    def __init__(self, estimator, start=0, stop=None, output="trace", normalized=False):
+    def __init__(self, estimator, start=0, stop=None, output="trace", normalized=False,
+                 n_jobs=None):
         self.estimator = estimator
         self.start = start
         self.stop = stop
         self.output = output
         self.normalized = normalized
+        self.n_jobs = n_jobs
 
     def _gram(self, X, Y):
         K, dx, dy = _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
@@ -400,6 +462,10 @@ class PathKernel(_NetworkKernel):
         if self.normalized:
             K = _normalize(K, dx, dy)
         return to_numpy(K)
+
+    def _raw_gram(self, X, Y):
+        return to_numpy(_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
+                                  gram=True, diag=False)[0])
 
     def _diag(self, X):
         _, dx, _ = _path_sum(self.estimator, X, None, self.start, self.stop, self.output,

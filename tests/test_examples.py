@@ -17,7 +17,12 @@ def test_examples_found():
     assert len(EXAMPLES) >= 5
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    # Examples that start a Dask cluster are deselected with the dask tests.
+    [pytest.param(p, marks=pytest.mark.dask) if "dask" in p.name else p for p in EXAMPLES],
+    ids=lambda p: p.name,
+)
 def test_example_runs(path):
     plt.close("all")
     runpy.run_path(str(path), run_name="__main__")

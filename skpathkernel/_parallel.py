@@ -1,0 +1,92 @@
+"""Row blocks through joblib, with torch threads that fit the cores.
+
+Large Grams and detector scores split their rows into one block per joblib worker and
+run them with ``Parallel(n_jobs)(delayed(...))``: the same code runs serially, on loky
+processes, on threads, or on a Dask cluster under ``joblib.parallel_config(backend="dask")``.
+
+The thread rule: ``n_jobs`` tasks times torch's intra-op threads per task stay within the
+cores. Each block task sets ``torch.set_num_threads(max(1, cpu_count() // n_jobs))`` (with
+``cpu_count`` read on the worker) and restores the previous value when it ends; torch keeps
+that setting per calling thread, so concurrent tasks on threads do not disturb each other.
+Training inside a Dask worker (``GridSearchCV`` under the dask backend) follows the same rule
+through :func:`dask_worker_threads`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+import torch
+from joblib import Parallel, cpu_count, delayed, effective_n_jobs
+
+__all__ = ["dask_worker_threads", "limit_torch_threads", "map_row_blocks", "n_row_blocks"]
+
+
+@contextlib.contextmanager
+def limit_torch_threads(n: int | None):
+    """Run a block with at most ``n`` torch intra-op threads, then restore the count."""
+    previous = torch.get_num_threads()
+    lower = n is not None and n < previous
+    if lower:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if lower:
+            torch.set_num_threads(previous)
+
+
+def _run_block(func, n_tasks, X_block, args):
+    # Evaluated on the worker: its own cores, shared by the n_tasks concurrent blocks.
+    with limit_torch_threads(max(1, cpu_count() // n_tasks)):
+        return func(X_block, *args)
+
+
+def n_row_blocks(n_jobs, X) -> int:
+    """Number of row blocks of ``X``: one per joblib worker, at most one per row.
+
+    One inside a Dask task (a ``GridSearchCV`` fit on the cluster, say): the cluster
+    already runs a task per slot, and a nested fan-out would oversubscribe its cores.
+    """
+    if dask_worker_threads() is not None:
+        return 1
+    return max(1, min(effective_n_jobs(n_jobs), X.shape[0]))
+
+
+def map_row_blocks(func, X, n_jobs, *args) -> list:
+    """``[func(X[rows], *args) for rows in blocks]`` through joblib, in row order.
+
+    One contiguous block per joblib worker (``effective_n_jobs(n_jobs)``, at most one per
+    row). With a single worker ``func(X, *args)`` runs here, unchanged.
+    """
+    n_tasks = n_row_blocks(n_jobs, X)
+    if n_tasks == 1:
+        return [func(X, *args)]
+    bounds = np.linspace(0, X.shape[0], n_tasks + 1).astype(int)
+    return Parallel(n_jobs=n_jobs)(
+        delayed(_run_block)(func, n_tasks, X[start:stop], args)
+        for start, stop in zip(bounds[:-1], bounds[1:])
+    )
+
+
+def dask_worker_threads() -> int | None:
+    """Torch threads for a task running on a Dask worker; None outside one.
+
+    The worker process's cores shared by the task slots of every Dask worker in it
+    (``LocalCluster(processes=False)`` runs several in one process), and never more
+    than torch already uses: Dask's nanny starts worker processes with
+    ``OMP_NUM_THREADS=1``, which torch reads at import.
+    """
+    if "distributed" not in sys.modules:  # no worker here, and no import cost
+        return None
+    from distributed import Worker, get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        return None
+    instances = getattr(Worker, "_instances", None) or [worker]
+    slots = sum(getattr(getattr(w, "state", None), "nthreads", 0) for w in instances) or 1
+    return max(1, min(torch.get_num_threads(), cpu_count() // slots))

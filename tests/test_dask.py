@@ -1,0 +1,157 @@
+"""Every estimator and kernel on a dask.distributed cluster, through joblib's dask backend:
+the same cv_results_, Grams and scores as serially, and torch threads within the cores.
+
+Deselect with ``-m "not dask"`` (needs ``dask[distributed]``, in the ``test`` extra).
+"""
+
+import threading
+
+import joblib
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+from sklearn.base import clone
+from sklearn.kernel_ridge import KernelRidge
+from sklearn.linear_model import Ridge
+from sklearn.model_selection import GridSearchCV
+from sklearn.pipeline import make_pipeline
+
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+)
+from skpathkernel._parallel import map_row_blocks, n_row_blocks
+from skpathkernel.kernels import PathKernel, TangentKernel
+
+pytestmark = pytest.mark.dask
+
+NET = dict(hidden_layer_sizes=(6,), max_iter=8, dtype="float64", device="cpu",
+           random_state=0)
+
+
+@pytest.fixture(scope="module")
+def client():
+    # Imported here, so that `-m "not dask"` collects this file without dask installed.
+    from dask.distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(36, 2))
+    y = np.sin(2 * X[:, 0]) + X[:, 1]
+    return X, y, (y > np.median(y)).astype(int)
+
+
+def _mean_square_score(est, X, y=None):
+    # The residual score is the square root of a GP variance ratio: round-off of order
+    # 1e-16 in the ratio shows as ~1e-10 in a score of ~1e-6, not in its square.
+    return float(np.mean(est.score_samples(X) ** 2))
+
+
+def _searches(X, y, labels):
+    fitted = PathKernelMachine(**NET).fit(X, y)
+    return {
+        "PathKernelMachine": (PathKernelMachine(**NET),
+                              {"learning_rate_init": [0.01, 0.05]}, y, None),
+        "PathKernelClassifier": (PathKernelClassifier(**NET),
+                                 {"solver": ["sgd", "adam"]}, labels, None),
+        "TangentFeatures": (make_pipeline(TangentFeatures(**NET), Ridge()),
+                            {"ridge__alpha": [0.1, 1.0]}, y, None),
+        "TangentFeatureSVM": (TangentFeatureSVM(svm_kernel="path", **NET),
+                              {"C": [0.5, 2.0]}, labels, None),
+        "OODRankDetector": (OODRankDetector(**NET), {"method": ["residual", "alignment"]},
+                            None, _mean_square_score),
+        "TangentKernel": (KernelRidge(kernel=TangentKernel(fitted, normalized=True)),
+                          {"alpha": [1e-2, 1.0]}, y, None),
+        # n_jobs inside a cluster task: serial there (no nested fan-out).
+        "PathKernel": (KernelRidge(kernel=PathKernel(fitted, n_jobs=2)),
+                       {"alpha": [1e-2, 1.0]}, y, None),
+    }
+
+
+@pytest.mark.parametrize("name", ["PathKernelMachine", "PathKernelClassifier",
+                                  "TangentFeatures", "TangentFeatureSVM", "OODRankDetector",
+                                  "TangentKernel", "PathKernel"])
+def test_grid_search_on_the_cluster_matches_serial(client, data, name):
+    X, y, labels = data
+    est, grid, target, scoring = _searches(X, y, labels)[name]
+    reference = clone(est)
+    if name == "PathKernel":  # truly serial: its kernel's n_jobs=2 would start loky here
+        reference.set_params(kernel__n_jobs=None)
+    serial = GridSearchCV(reference, grid, cv=3, n_jobs=1, scoring=scoring).fit(X, target)
+    with joblib.parallel_config(backend="dask"):
+        search = GridSearchCV(est, grid, cv=3, n_jobs=-1, scoring=scoring).fit(X, target)
+    for key in ("mean_test_score", "std_test_score", "split0_test_score",
+                "split2_test_score"):
+        assert_allclose(search.cv_results_[key], serial.cv_results_[key], rtol=1e-12,
+                        atol=1e-14, err_msg=key)
+    np.testing.assert_array_equal(search.cv_results_["rank_test_score"],
+                                  serial.cv_results_["rank_test_score"])
+
+
+def test_grams_and_scores_fan_out_to_the_cluster(client, data):
+    X, y, _ = data
+    est = PathKernelMachine(solver="adam", **NET).fit(X, y)
+    Y = X[:7] + 0.1
+    det = OODRankDetector(estimator=est).fit(X)
+    # Residual scores compared squared (see _mean_square_score).
+    serial = [TangentKernel(est)(X), PathKernel(est, normalized=True)(X, Y),
+              PathKernel(est).diag(X), det.score_samples(Y) ** 2]
+    det.set_params(n_jobs=-1)
+    with joblib.parallel_config(backend="dask"):
+        assert joblib.effective_n_jobs(-1) == 2
+        blocks = [TangentKernel(est, n_jobs=-1)(X),
+                  PathKernel(est, normalized=True, n_jobs=-1)(X, Y),
+                  PathKernel(est, n_jobs=-1).diag(X), det.score_samples(Y) ** 2]
+    for got, want in zip(blocks, serial):
+        assert_allclose(got, want, rtol=1e-12, atol=1e-12 * max(np.abs(want).max(), 1e-3))
+
+
+def _threads(X_rows):
+    return np.full((len(X_rows), 1), torch.get_num_threads())
+
+
+def _fit_and_record_threads(X, y):
+    # Runs on a worker: the threads torch uses while the network trains there.
+    seen = []
+
+    def module(n_in, n_out):
+        net = torch.nn.Sequential(torch.nn.Linear(n_in, 4), torch.nn.Tanh(),
+                                  torch.nn.Linear(4, n_out))
+        net.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+        return net
+
+    PathKernelMachine(module=module, max_iter=3, device="cpu", random_state=0).fit(X, y)
+    return sorted(set(seen)), threading.current_thread().name
+
+
+def test_torch_threads_fit_the_cores_on_workers(client, data):
+    from dask.distributed import Client, LocalCluster
+
+    X, y, _ = data
+    cores = joblib.cpu_count()
+    with joblib.parallel_config(backend="dask"):
+        out = np.vstack(map_row_blocks(_threads, X, -1))
+    assert 2 * out.max() <= max(cores, 2)
+    seen, _ = client.submit(_fit_and_record_threads, X, y, pure=False).result()
+    # Blocks do not fan out again from inside a cluster task.
+    assert client.submit(n_row_blocks, -1, X, pure=False).result() == 1
+    assert seen and 2 * max(seen) <= max(cores, 2)
+    # Workers as threads of this process: torch's default there is every core, per
+    # thread; training and the blocks lower it to the share of each task slot.
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as local:
+        seen, name = local.submit(_fit_and_record_threads, X, y, pure=False).result()
+        assert "Dask" in name and 2 * max(seen) <= max(cores, 2)
+        with joblib.parallel_config(backend="dask", client=local):
+            out = np.vstack(map_row_blocks(_threads, X, -1))
+        assert 2 * out.max() <= max(cores, 2)

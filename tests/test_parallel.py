@@ -1,0 +1,142 @@
+"""n_jobs: Grams and detector scores in joblib row blocks equal the serial ones, and torch
+threads per task stay within the cores (the Dask cluster runs are in test_dask.py)."""
+
+import os
+import pickle
+
+import joblib
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+from sklearn.base import clone
+from sklearn.gaussian_process import GaussianProcessRegressor
+
+from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
+from skpathkernel._parallel import limit_torch_threads, map_row_blocks
+from skpathkernel.kernels import PathKernel, TangentKernel
+
+SMALL = dict(hidden_layer_sizes=(6, 5), max_iter=6, dtype="float64", device="cpu",
+             random_state=0)
+
+
+def _data(n=23, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.uniform(-1, 1, size=(n, 3))
+    return X, np.sin(2 * X[:, 0]) + X[:, 1] ** 2
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    X, y = _data()
+    reg = PathKernelMachine(solver="adam", learning_rate_init=0.01, **SMALL).fit(X, y)
+    labels = np.digitize(y, np.quantile(y, [0.33, 0.66]))
+    clf = PathKernelClassifier(learning_rate_init=0.05, batch_size=8, **SMALL).fit(X, labels)
+    return reg, clf
+
+
+def _assert_same(K_parallel, K_serial):
+    # float64 round-off only: the blocks reorder some sums.
+    assert K_parallel.shape == K_serial.shape
+    assert_allclose(K_parallel, K_serial, rtol=1e-12, atol=1e-12 * np.abs(K_serial).max())
+
+
+@pytest.mark.parametrize("kind", ["tangent", "path"])
+@pytest.mark.parametrize("normalized", [False, True])
+@pytest.mark.parametrize("which", [0, 1])
+def test_kernel_row_blocks_equal_serial(fitted, kind, normalized, which):
+    est = fitted[which]
+    X, _ = _data()
+    Y, _ = _data(n=9, seed=1)
+    kernel = (TangentKernel(est, step=2, normalized=normalized) if kind == "tangent"
+              else PathKernel(est, start=1, normalized=normalized))
+    parallel = clone(kernel).set_params(n_jobs=3)
+    with joblib.parallel_config(backend="threading"):
+        _assert_same(parallel(X), kernel(X))
+        _assert_same(parallel(X, Y), kernel(X, Y))
+        _assert_same(parallel.diag(X), kernel.diag(X))
+        # More workers than rows: one row per block.
+        _assert_same(clone(kernel).set_params(n_jobs=4)(X[:2], Y), kernel(X[:2], Y))
+
+
+def test_kernel_n_jobs_on_loky_processes(fitted):
+    X, _ = _data()
+    kernel = PathKernel(fitted[0])
+    _assert_same(PathKernel(fitted[0], n_jobs=2)(X), kernel(X))
+
+
+def test_n_jobs_is_not_a_hyperparameter(fitted):
+    kernel = TangentKernel(fitted[0], n_jobs=2)
+    assert kernel.get_params()["n_jobs"] == 2
+    assert kernel.hyperparameters == [] and kernel.theta.shape == (0,)
+    assert kernel.n_dims == 0 and kernel.bounds.size == 0
+    cloned = clone(kernel)
+    assert cloned.estimator is fitted[0] and cloned.n_jobs == 2 and cloned == kernel
+    assert kernel.clone_with_theta(kernel.theta).n_jobs == 2
+    X, y = _data()
+    # The optimizer sees no hyperparameter; the kernel stays the one given.
+    gp = GaussianProcessRegressor(kernel=PathKernel(fitted[0], n_jobs=2), alpha=1e-2)
+    gp.fit(X, y)
+    assert gp.kernel_.n_jobs == 2
+    ref = GaussianProcessRegressor(kernel=PathKernel(fitted[0]), alpha=1e-2).fit(X, y)
+    assert_allclose(gp.predict(X), ref.predict(X), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["residual", "alignment"])
+def test_detector_scores_in_row_blocks_equal_serial(method):
+    X, _ = _data(n=30)
+    Q, _ = _data(n=11, seed=2)
+    det = OODRankDetector(method=method, **SMALL).fit(X)
+    parallel = clone(det).set_params(n_jobs=2).fit(X)
+    with joblib.parallel_config(backend="threading"):
+        # Scores in [-1, 1]; the residual's 1 - explained / diag cancels, so the block
+        # shapes' round-off shows at ~1e-13 absolute.
+        assert_allclose(parallel.score_samples(Q), det.score_samples(Q), rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(parallel.predict(Q), det.predict(Q))
+
+
+def test_tasks_share_the_cores():
+    # torch's thread count recorded inside each task: n_jobs x threads <= cores.
+    def threads(X_rows):
+        return np.array([[torch.get_num_threads(), os.getpid()]] * len(X_rows))
+
+    cores = joblib.cpu_count()
+    X = np.zeros((8, 1))
+    before = torch.get_num_threads()
+    for backend, n_jobs in [("threading", 2), ("threading", 4), ("loky", 2)]:
+        with joblib.parallel_config(backend=backend):
+            out = np.vstack(map_row_blocks(threads, X, n_jobs))
+        n_tasks = min(n_jobs, len(X))
+        assert np.all(out[:, 0] <= max(1, cores // n_tasks)), (backend, n_jobs)
+        assert n_tasks * out[:, 0].max() <= max(cores, n_tasks)
+    assert torch.get_num_threads() == before
+    # Serial: nothing changes.
+    assert np.all(map_row_blocks(threads, X, None)[0][:, 0] == before)
+
+
+def test_limit_torch_threads_restores_and_never_raises():
+    before = torch.get_num_threads()
+    with limit_torch_threads(before + 4):
+        assert torch.get_num_threads() == before
+    torch.set_num_threads(2)
+    try:
+        with limit_torch_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("prefitted", [False, True])
+def test_detector_pickles_with_its_network(prefitted):
+    # Workers receive the detector pickled: its mirrored network travels inside estimator_.
+    X, y = _data(n=20)
+    if prefitted:
+        net = PathKernelMachine(**SMALL).fit(X, y)
+        det = OODRankDetector(estimator=net, dtype="float32").fit(X)
+    else:
+        det = OODRankDetector(**SMALL).fit(X)
+    back = pickle.loads(pickle.dumps(det))
+    assert back.module_ is back.estimator_.module_
+    assert next(back.module_.parameters()).dtype == torch.float64
+    np.testing.assert_array_equal(back.score_samples(X[:5]), det.score_samples(X[:5]))

@@ -60,7 +60,8 @@ def _probe(device):
     return PeakRSS()
 
 
-def run(quick: bool = False, repeats: int = 5, device: str = "cpu") -> list[dict]:
+def run(quick: bool = False, repeats: int | None = None, device: str = "cpu") -> list[dict]:
+    repeats = repeats or (3 if quick else 5)
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []

@@ -29,12 +29,12 @@ CASES = [
     ("64-512-512-1 batch 128 adam", 64, [512, 512], 1024, 128, "adam", 1e-3, (4, 1)),
 ]
 
-NOTES = ("skorch uses `torch.nn.MSELoss` (mean squared error; the others minimise half of "
-         "it: same minimiser, gradients twice as large) and its default callbacks (epoch "
-         "timer, loss logging). MLPRegressor trains in float64-free float32 numpy with "
-         "its own Glorot initialisation. Peak memory: extra resident memory of the first "
-         "(warm-up) call, sampled every millisecond; in-process rows reuse memory already "
-         "held by the process, so they are lower bounds.")
+NOTES = ('skorch uses `torch.nn.MSELoss` (mean squared error; the others minimise half of it: '
+         'same minimiser, gradients twice as large) and its default callbacks (epoch timer, '
+         'loss logging). MLPRegressor trains in float32 numpy (BLAS limited to the same '
+         'threads) with its own Glorot initialisation. Peak memory: extra resident memory of '
+         'the first (warm-up) call, sampled every millisecond; in-process rows reuse memory '
+         'already held by the process, so they are lower bounds.')
 
 
 def training_problem(case):

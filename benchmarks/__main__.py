@@ -1,72 +1,174 @@
-"""``python -m benchmarks [--quick] [--out DIR] [--only NAME]``: Gram, path kernel, roofline.
+"""``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]``.
 
-Every case runs in its own process (:mod:`benchmarks._worker`) and reports the median,
-min and max of its repeats and its peak extra resident memory. Results go to
-``DIR/results.md`` (tables, with the machine line) and ``DIR/results.json`` (raw numbers).
+The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
+training with recording against plain torch / skorch / MLPRegressor, decomposition
+against training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
 
-Peers: (a) the PyTorch tutorial recipe, ``torch.func.vmap(grad)`` per-sample gradients
-then ``J J^T``; (b) a per-sample autograd loop (small N only: nothing is extrapolated).
-JAX / neural-tangents is a pending peer (not installed in this environment).
+Gram and path-kernel cases run in their own processes (servers, :mod:`benchmarks._serve`)
+and the repeats of all methods of one problem are interleaved, so that each ratio is
+measured under the same background load. Every row reports the median, min and max of
+its repeats and its peak memory. Results go to ``DIR/<stem>.md`` (tables, with the
+machine line) and ``DIR/<stem>.json`` (raw numbers).
+
+Gram peers: (a) the PyTorch tutorial recipe, ``torch.func.vmap(grad)`` per-sample
+gradients then ``J J^T``; (b) a per-sample autograd loop (small N only: nothing is
+extrapolated); (c) neural-tangents ``empirical_ntk_fn`` (STRUCTURED_DERIVATIVES,
+jit-compiled) in the peers virtualenv made by ``benchmarks/setup_peers.sh``: it needs a
+JAX and a NumPy that must not enter the main environment. Without that venv the peer
+rows say "skipped".
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks._serve import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+
 # Table groups: a module with ``run(quick) -> list[dict]`` (one row each, ratios measured in
-# the same run) and the title of its section in results.md.
+# the same run; ``device=`` passed when its run accepts it) and its section title.
 TABLES = {
     "training": ("benchmarks.bench_training",
                  "Training with path recording versus the same plain torch loop"),
+    "peers_training": ("benchmarks.bench_peers_training",
+                       "Training: skpathkernel versus plain torch, skorch and MLPRegressor"),
     "decomposition": ("benchmarks.bench_interpolation",
                       "Exact decomposition of 100 queries versus the training time"),
+    "svm": ("benchmarks.bench_svm",
+            "Tangent-feature SVM versus RBF SVC and MLPClassifier"),
+    "ood": ("benchmarks.bench_ood",
+            "OOD AUROC: trained on sklearn digits 0-4, in-distribution = held-out 0-4"),
 }
+GROUPS = ["gram", "path", *TABLES]
 
-BIG = [64, 512, 512, 1]
 SMALL = [2, 64, 64, 1]
+BIG = [64, 512, 512, 1]
+DEEP = [64, 512, 512, 512, 1]
+# The issue's goal: >= 1.5x faster than neural-tangents at N = 2048 on 64-512x3-1.
+GOAL = (DEEP, 2048, 1.5)
 
 
-def _plan(quick: bool):
+def peers_python() -> str | None:
+    """The interpreter of the peers venv (JAX, neural-tangents, skorch), if there is one."""
+    exe = os.environ.get("SKPATHKERNEL_PEERS_PYTHON") or str(ROOT / ".venv-peers/bin/python")
+    return exe if Path(exe).exists() else None
+
+
+def _plan(quick: bool, device: str):
+    """Gram problems (each a list of interleaved specs) and path-kernel cases."""
     reps = 3 if quick else 5
     peer_reps = 2 if quick else 3
+    if quick:
+        problems = [
+            (SMALL, 1024, ("vmap_grad", "neural_tangents")),
+            (BIG, 512, ("vmap_grad",)),
+            (BIG, 1024, ("neural_tangents",)),
+            (DEEP, 2048, ("neural_tangents",)),  # the goal row
+        ]
+    else:
+        problems = []
+        for sizes in (SMALL, BIG, DEEP):
+            for n in (512, 1024, 2048, 4096):
+                # vmap's J is N x P floats (2.4 GB at N = 2048 on 64-512-512-1) and takes
+                # 15-30 s per call on one core there: measured up to N = 1024 only.
+                vmap = sizes == SMALL or n <= 1024
+                problems.append((sizes, n, ("vmap_grad",) * vmap + ("neural_tangents",)))
     gram = []
-    sizes_n = [(SMALL, 1024), (BIG, 1024)] + ([] if quick else [(BIG, 256), (BIG, 2048)])
-    for sizes, n in sizes_n:
-        gram.append(dict(kind="gram", method="skpathkernel", sizes=sizes, n=n, dtype="float32",
-                         repeats=reps, roofline=sizes == BIG))
-        gram.append(dict(kind="gram", method="vmap_grad", sizes=sizes, n=n, dtype="float32",
-                         repeats=peer_reps))
+    for sizes, n, peers in problems:
+        group = [dict(kind="gram", method="skpathkernel", sizes=sizes, n=n, dtype="float32",
+                      repeats=reps, roofline=sizes != SMALL)]
+        for peer in peers:
+            kind = "nt_gram" if peer == "neural_tangents" else "gram"
+            group.append(dict(kind=kind, method=peer, sizes=sizes, n=n, dtype="float32",
+                              repeats=peer_reps))
+        gram.append(group)
     for sizes in (SMALL, BIG):
-        for method in ("skpathkernel", "autograd_loop"):
-            gram.append(dict(kind="gram", method=method, sizes=sizes, n=128, dtype="float32",
-                             repeats=peer_reps if method != "skpathkernel" else reps))
-    path = [dict(kind="path", sizes=[2, 64, 64, 1], n=256, T=T, dtype="float32",
-                 repeats=1 if T == 1000 else (2 if quick else 3))
+        gram.append([dict(kind="gram", method=m, sizes=sizes, n=128, dtype="float32",
+                          repeats=reps if m == "skpathkernel" else peer_reps)
+                     for m in ("skpathkernel", "autograd_loop")])
+    path = [[dict(kind="path", sizes=SMALL, n=256, T=T, dtype="float32",
+                  repeats=1 if T == 1000 else (2 if quick else 3))]
             for T in (10, 100, 1000)]
+    for groups in (gram, path):
+        for group in groups:
+            for spec in group:
+                spec["device"] = device
     return {"gram": gram, "path": path}
 
 
-def _run(spec, root, threads):
-    cmd = [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)]
+def _skip_reason(spec):
+    if spec["kind"] == "nt_gram":
+        if spec["device"] != "cpu":
+            return ("the peers venv holds a CPU-only jaxlib; neural-tangents is measured on "
+                    "the CPU run")
+        if peers_python() is None:
+            return "no peers venv (run `bash benchmarks/setup_peers.sh`)"
+    return None
+
+
+def _env(threads):
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False,
-                          env=env)
-    if proc.returncode:
-        raise RuntimeError(f"benchmark case {spec} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return env
 
 
-def _machine(threads):
+def start_server(spec, threads):
+    """One case process: torch cases under this interpreter, peers under the venv's."""
+    spec = {**spec, "threads": threads}
+    if spec["kind"] in ("nt_gram", "skorch_training"):
+        cmd = [peers_python(), "-m", "benchmarks._peers_worker", json.dumps(spec)]
+    else:
+        cmd = [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)]
+    return Server(cmd, cwd=ROOT, env=_env(threads))
+
+
+def _run_group(specs, threads):
+    """Set up every case of one problem, then alternate their timed calls."""
+    results, servers = [], []
+    try:
+        for spec in specs:
+            reason = _skip_reason(spec)
+            if reason:
+                results.append({"spec": spec, "skipped": reason})
+                continue
+            try:
+                # Started one at a time: a JIT compilation is timed, and must not share
+                # the cores with another case's imports.
+                server = start_server(spec, threads)
+            except RuntimeError as exc:
+                if spec["method"] == "skpathkernel":
+                    raise
+                results.append({"spec": spec, "skipped": f"failed: {str(exc)[-500:]}"})
+                continue
+            res = {"spec": spec, **server.info, "times": []}
+            res.pop("ready")
+            res["peak_bytes"] = server.ask("mem")["peak_bytes"]
+            results.append(res)
+            servers.append((server, res))
+        for rnd in range(max(s["repeats"] for s in specs)):
+            for server, res in servers:
+                if rnd < res["spec"]["repeats"]:
+                    res["times"].append(server.ask("time")["t"])
+        for server, res in servers:
+            res.update(server.close())
+    finally:
+        for server, _ in servers:
+            server.kill()
+    return results
+
+
+def _machine(threads, device):
     import numpy
     import sklearn
     import torch
@@ -78,7 +180,10 @@ def _machine(threads):
                        if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} "
+    gpu = ""
+    if device.startswith("cuda"):
+        gpu = f", GPU {torch.cuda.get_device_name(torch.device(device))}"
+    return (f"{cpu}, {os.cpu_count()} logical cores{gpu}, torch {torch.__version__} "
             f"({threads or torch.get_num_threads()} threads), numpy {numpy.__version__}, "
             f"scikit-learn {sklearn.__version__}, Python {platform.python_version()}")
 
@@ -100,36 +205,58 @@ def _arch(sizes):
     return "-".join(map(str, sizes)) + " tanh"
 
 
-def _report(results, machine, quick, elapsed, load, command):
-    note = (" With `--threads 1` every method runs on one core: on cores shared with other "
-            "processes, torch's OpenMP threads stall whenever the other core is busy, which "
-            "made two-thread medians vary 5-10x between runs of the same case."
-            if "--threads 1" in command else "")
-    lines = ["# skpathkernel benchmarks", "", f"Command: `{command}`.{note}", "",
-             f"Machine: {machine}. Load average (1 min) before / after the run: "
-             f"{load[0]:.2f} / {load[1]:.2f} (the cores are shared: other processes add "
-             "noise; the min column is the least disturbed run).", "",
-             f"Mode: {'--quick' if quick else 'full'}; wall time {elapsed:.0f} s. Times are "
-             "the median (min-max, number of repeats) of separate calls, after a first call "
-             "that measures the peak memory (and warms up): the peak extra resident memory "
-             "of that call, sampled every millisecond, in a fresh process per case. Relative "
-             "difference: max |K - K_skpathkernel| / max |K_skpathkernel|, both float32.", "",
-             "## Tangent-kernel Gram K(X, X), float32, CPU", "",
+def _table(rows):
+    if not rows:
+        return ["(no rows)"]
+    keys = list(rows[0])
+    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
+
+
+def _gram_lines(results, device):
+    lines = [f"## Tangent-kernel Gram K(X, X), float32, {device}", "",
+             "Speedup of skpathkernel = the peer's median / skpathkernel's median, both "
+             "measured interleaved in this run. neural-tangents: the jit compilation (one "
+             "per shape) is reported separately and excluded from its time; the last "
+             "column adds it back.", "",
              "| network | N | P | method | time | peak memory | speedup of skpathkernel | "
-             "rel. diff |", "|---|---|---|---|---|---|---|---|"]
-    ours = {}
-    for r in results["gram"]:
-        s = r["spec"]
-        if s["method"] == "skpathkernel":
-            ours[(tuple(s["sizes"]), s["n"])] = r
-    for r in results["gram"]:
-        s = r["spec"]
-        mine = ours[(tuple(s["sizes"]), s["n"])]
-        speed = ("1 (itself)" if s["method"] == "skpathkernel" else
-                 f"{_stats(r['times'])[0] / _stats(mine['times'])[0]:.1f}x")
-        diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r else "-"
-        lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {r['n_params']} | {s['method']} | "
-                     f"{_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | {speed} | {diff} |")
+             "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
+    goal = None
+    versions = None
+    for group in results["gram"]:
+        mine = group[0]
+        assert mine["spec"]["method"] == "skpathkernel"
+        ours = _stats(mine["times"])[0]
+        for r in group:
+            s = r["spec"]
+            head = f"| {_arch(s['sizes'])} | {s['n']} | {r.get('n_params', '-')} | {s['method']}"
+            if "skipped" in r:
+                lines.append(f"{head} | skipped: {r['skipped']} | | | | |")
+                continue
+            med = _stats(r["times"])[0]
+            speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x"
+            diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r \
+                else "-"
+            method = head
+            incl = "-"
+            if "compile_s" in r:
+                method += f" (compile {r['compile_s']:.2f} s)"
+                incl = f"{(med + r['compile_s']) / ours:.2f}x"
+                versions = r.get("versions")
+                if s["sizes"] == GOAL[0] and s["n"] == GOAL[1]:
+                    goal = (med / ours, _stats(r["times"]), _stats(mine["times"]))
+            lines.append(f"{method} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
+                         f"{speed} | {diff} | {incl} |")
+    if versions:
+        lines += ["", f"Peer versions (peers venv): {versions}, XLA on the CPU with the same "
+                  "thread limit as torch."]
+    if goal:
+        ratio, (nm, nlo, nhi), (om, olo, ohi) = goal
+        met = "met" if ratio >= GOAL[2] else "NOT met"
+        lines += ["", f"**Goal** (>= {GOAL[2]}x faster than neural-tangents at N = {GOAL[1]} "
+                  f"on {_arch(GOAL[0])}): {ratio:.2f}x, {met}. neural-tangents "
+                  f"{nm:.3f} s ({nlo:.3f}-{nhi:.3f}), skpathkernel {om:.3f} s "
+                  f"({olo:.3f}-{ohi:.3f}); ratio of the best runs {nlo / olo:.2f}x."]
     lines += ["", "## GEMM roofline of the structured Gram", "",
               "FLOPs of the factor products (A A^T and Delta Delta^T per Linear layer, plus "
               "the Hadamard products) divided by the measured torch.matmul rate on an "
@@ -138,86 +265,142 @@ def _report(results, machine, quick, elapsed, load, command):
               "backward passes that produce the factors are not in the bound).", "",
               "| network | N | GFLOP | matmul rate | GEMM-bound time | measured | ratio |",
               "|---|---|---|---|---|---|---|"]
-    for r in results["gram"]:
-        if "roofline" in r:
-            rf, s = r["roofline"], r["spec"]
+    for group in results["gram"]:
+        for r in group:
+            if "roofline" in r:
+                rf, s = r["roofline"], r["spec"]
+                med = _stats(r["times"])[0]
+                lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {rf['flops'] / 1e9:.3f} | "
+                             f"{rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s | "
+                             f"{rf['gemm_bound_s']:.4f} s | {med:.4f} s | "
+                             f"{rf['gemm_bound_s'] / med:.2f} |")
+    return lines
+
+
+def _report(results, machine, args, elapsed, load, command):
+    note = (" With `--threads 1` every method runs on one core: on cores shared with other "
+            "processes, torch's OpenMP threads stall whenever the other core is busy, which "
+            "made two-thread medians vary 5-10x between runs of the same case."
+            if args.threads == 1 else "")
+    probe = ("torch.cuda.max_memory_allocated above the allocation at entry" if
+             args.device != "cpu" else "the peak extra resident memory of that call, "
+             "sampled every millisecond, in a fresh process per case")
+    lines = ["# skpathkernel benchmarks", "", f"Command: `{command}`.{note}", "",
+             f"Machine: {machine}. Load average (1 min) before / after the run: "
+             f"{load[0]:.2f} / {load[1]:.2f} (the cores are shared: other processes add "
+             "noise; the min column is the least disturbed run).", "",
+             f"Mode: {'--quick' if args.quick else 'full'}; wall time {elapsed:.0f} s. Times "
+             "are the median (min-max, number of repeats) of separate calls, after a first "
+             f"call that measures the peak memory (and warms up): {probe}. Relative "
+             "difference: max |K - K_skpathkernel| / max |K_skpathkernel|, both float32.",
+             ""]
+    if results.get("gram"):
+        lines += _gram_lines(results, args.device)
+    if results.get("path"):
+        lines += ["", f"## Path kernel K(X, X) over T recorded steps (SGD, full batch), "
+                  f"float32, {args.device}", "",
+                  "Memory must not grow with T: step Grams are accumulated one at a time "
+                  "(the trajectory itself, stored before the call, is listed separately).", "",
+                  "| network | N | T | time | time / step | peak memory of the call | "
+                  "trajectory size |", "|---|---|---|---|---|---|---|"]
+        for (r,) in results["path"]:
+            s = r["spec"]
             med = _stats(r["times"])[0]
-            lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {rf['flops'] / 1e9:.3f} | "
-                         f"{rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s | "
-                         f"{rf['gemm_bound_s']:.4f} s | {med:.4f} s | "
-                         f"{rf['gemm_bound_s'] / med:.2f} |")
-    lines += ["", "## Path kernel K(X, X) over T recorded steps (SGD, full batch), float32",
-              "", "Memory must not grow with T: step Grams are accumulated one at a time "
-              "(the trajectory itself, stored before the call, is listed separately).", "",
-              "| network | N | T | time | time / step | peak memory of the call | "
-              "trajectory size |", "|---|---|---|---|---|---|---|"]
-    for r in results["path"]:
-        s = r["spec"]
-        med = _stats(r["times"])[0]
-        lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {s['T']} | {_fmt_t(r['times'])} | "
-                     f"{med / s['T'] * 1e3:.2f} ms | {_mib(r['peak_bytes'])} | "
-                     f"{_mib(r['trajectory_bytes'])} |")
+            lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {s['T']} | "
+                         f"{_fmt_t(r['times'])} | {med / s['T'] * 1e3:.2f} ms | "
+                         f"{_mib(r['peak_bytes'])} | {_mib(r['trajectory_bytes'])} |")
     for name, rows in results.get("tables", {}).items():
-        lines += ["", f"## {TABLES[name][1]}", "", f"From `benchmarks/{name}`.", ""]
-        if rows:
-            keys = list(rows[0])
-            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    lines += ["", "## Pending peers", "",
-              "JAX / neural-tangents (`empirical_ntk_fn` with its structured implementation) "
-              "is not installed in this environment; it is the next peer to add.", ""]
-    return "\n".join(lines)
+        module = importlib.import_module(TABLES[name][0])
+        lines += ["", f"## {TABLES[name][1]}", "",
+                  f"From `{TABLES[name][0].replace('.', '/')}.py`. "
+                  + " ".join((module.__doc__ or "").split("\n\n")[0].split()), ""]
+        lines += _table(rows)
+        if getattr(module, "NOTES", None):
+            lines += ["", module.NOTES]
+    return "\n".join(lines) + "\n"
+
+
+def _groups(text):
+    names = [g.strip() for g in text.split(",") if g.strip()]
+    unknown = sorted(set(names) - set(GROUPS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown group(s) {unknown}; choose from {GROUPS}")
+    return names
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     parser.add_argument("--out", default=str(Path(__file__).parent),
-                        help="folder for results.md and results.json")
-    parser.add_argument("--only", choices=["gram", "path", *TABLES], help="run one group only")
+                        help="folder for the results files")
+    parser.add_argument("--stem", default="results",
+                        help="file name of the results, without .md / .json")
+    parser.add_argument("--only", type=_groups, default=None,
+                        help=f"comma-separated groups to run, of {', '.join(GROUPS)}")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per case (default: torch's own choice); 1 keeps "
-                             "cores shared with other processes from stalling parallel ops")
+                        help="torch / XLA threads per case (default: the libraries' own "
+                             "choice); 1 keeps cores shared with other processes from "
+                             "stalling parallel ops")
+    parser.add_argument("--device", default=os.environ.get("SKPATHKERNEL_BENCH_DEVICE", "cpu"),
+                        help="torch device of the skpathkernel / torch cases: cpu or cuda "
+                             "(peers that cannot run there are skipped and say so)")
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parent.parent
-    plan = _plan(args.quick)
-    tables = list(TABLES)
-    if args.only:
-        plan = {args.only: plan[args.only]} if args.only in plan else {}
-        tables = [args.only] if args.only in TABLES else []
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+    groups = args.only or GROUPS
+    plan = _plan(args.quick, args.device)
     load = [os.getloadavg()[0]]
     start = time.perf_counter()
-    results = {"gram": [], "path": []}
-    for group, specs in plan.items():
-        for spec in specs:
-            r = _run(spec, root, args.threads)
-            print(f"{group}: {spec.get('method', '')} {spec['sizes']} n={spec['n']} "
-                  f"{'T=' + str(spec['T']) if 'T' in spec else ''}: "
-                  f"{_stats(r['times'])[0]:.4g} s, {_mib(r['peak_bytes'])}", flush=True)
-            results[group].append(r)
-    results["tables"] = {}
-    for name in tables:
-        import importlib
-
+    results = {"gram": [], "path": [], "tables": {}}
+    for group in ("gram", "path"):
+        if group not in groups:
+            continue
+        for specs in plan[group]:
+            rows = _run_group(specs, args.threads)
+            for r in rows:
+                s = r["spec"]
+                what = (f"skipped ({r['skipped'][:80]})" if "skipped" in r else
+                        f"{_stats(r['times'])[0]:.4g} s, {_mib(r['peak_bytes'])}")
+                print(f"{group}: {s.get('method', '')} {s['sizes']} n={s['n']} "
+                      f"{'T=' + str(s['T']) if 'T' in s else ''}: {what}", flush=True)
+            results[group].append(rows)
+    for name in TABLES:
+        if name not in groups:
+            continue
         import torch
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        results["tables"][name] = importlib.import_module(TABLES[name][0]).run(quick=args.quick)
-        print(f"{name}: {len(results['tables'][name])} rows", flush=True)
+        t0 = time.perf_counter()
+        run = importlib.import_module(TABLES[name][0]).run
+        kwargs = {"quick": args.quick}
+        if "device" in inspect.signature(run).parameters:
+            kwargs["device"] = args.device
+        if "threads" in inspect.signature(run).parameters:
+            kwargs["threads"] = args.threads
+        from threadpoolctl import threadpool_limits
+
+        # numpy's BLAS pool too (MLPRegressor, SVC): the same stalls as torch's threads.
+        with threadpool_limits(args.threads):
+            results["tables"][name] = run(**kwargs)
+        print(f"{name}: {len(results['tables'][name])} rows in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
     elapsed = time.perf_counter() - start
     load.append(os.getloadavg()[0])
-    machine = _machine(args.threads)
+    machine = _machine(args.threads, args.device)
     command = " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(
-        {"machine": machine, "quick": args.quick, "elapsed_s": elapsed, "loadavg": load,
-         "command": command,
-         **results}, indent=1))
-    (out / "results.md").write_text(_report(results, machine, args.quick, elapsed, load,
-                                                  command))
-    print(f"wrote {out / 'results.md'} in {elapsed:.0f} s")
+    (out / f"{args.stem}.json").write_text(json.dumps(
+        {"machine": machine, "quick": args.quick, "device": args.device,
+         "elapsed_s": elapsed, "loadavg": load, "command": command, **results}, indent=1))
+    (out / f"{args.stem}.md").write_text(_report(results, machine, args, elapsed, load,
+                                                 command))
+    print(f"wrote {out / (args.stem + '.md')} in {elapsed:.0f} s")
 
 
 if __name__ == "__main__":

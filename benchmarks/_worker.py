@@ -1,55 +1,49 @@
-"""One benchmark case in a fresh process: time (median of repeats) and peak memory.
+"""One torch benchmark case in a fresh process, served by :func:`benchmarks._serve.serve`.
 
-Run by ``python -m benchmarks`` as ``python -m benchmarks._worker '<json spec>'``; prints
-one JSON line. A fresh process per case keeps one method's allocator cache from hiding
-another's memory. Peak memory is the peak resident set size sampled every millisecond
-during the runs, minus the resident size just before them (after the setup).
+Run by ``python -m benchmarks`` as ``python -m benchmarks._worker '<json spec>'``. A fresh
+process per case keeps one method's allocator cache from hiding another's memory. Peak
+memory: on the CPU the peak resident set size above the level after setup, sampled every
+millisecond; on CUDA ``torch.cuda.max_memory_allocated`` above the allocation at entry.
+``spec["device"]`` ("cpu" by default, or "cuda") places the module and the data.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from benchmarks._serve import PeakRSS, serve
 from skpathkernel._tangent import tangent_gram
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
+class CudaPeak:
+    """Peak CUDA allocation above the allocation at entry (the caching allocator's view)."""
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
+    def __init__(self, device):
+        self.device = device
 
-
-class _PeakRSS:
     def __enter__(self):
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
         return self
 
-    def _sample(self):
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
-
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
+        torch.cuda.synchronize(self.device)
+        self.delta = torch.cuda.max_memory_allocated(self.device) - self.base
         return False
 
-    @property
-    def delta(self) -> int:
-        return self.peak - self.base
+
+def _device_tools(device):
+    if device.type == "cuda":
+        return (lambda: CudaPeak(device)), (lambda: torch.cuda.synchronize(device))
+    return PeakRSS, (lambda: None)
 
 
 def _mlp(sizes, activation=nn.Tanh):
@@ -58,6 +52,17 @@ def _mlp(sizes, activation=nn.Tanh):
         layers += [nn.Linear(d_in, d_out), activation()]
     layers.append(nn.Linear(sizes[-2], sizes[-1]))
     return nn.Sequential(*layers)
+
+
+def gram_problem(spec, device="cpu"):
+    """The module, its parameters and X of a Gram case; the JAX peer rebuilds the same."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, spec["dtype"])
+    module = _mlp(spec["sizes"]).to(dtype)
+    X = torch.randn(spec["n"], spec["sizes"][0], dtype=dtype)
+    module, X = module.to(device), X.to(device)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    return module, params, X
 
 
 def _vmap_recipe(module, params, X):
@@ -90,41 +95,26 @@ METHODS = {
 }
 
 
-def _measure(fn, repeats):
-    """Peak memory of one call under the RSS sampler, then the median of untimed-sampler runs.
-
-    The sampler thread competes for the 1-ms GIL slots with Python-heavy code, so the
-    timed calls run without it; the memory call doubles as the warm-up.
-    """
-    with _PeakRSS() as mem:
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, times, mem.delta
-
-
 def gram_case(spec):
-    torch.manual_seed(0)
-    dtype = getattr(torch, spec["dtype"])
-    module = _mlp(spec["sizes"]).to(dtype)
-    params = {k: v.detach() for k, v in module.named_parameters()}
-    X = torch.randn(spec["n"], spec["sizes"][0], dtype=dtype)
+    device = torch.device(spec.get("device", "cpu"))
+    module, params, X = gram_problem(spec, device)
     method = METHODS[spec["method"]]
-    K, times, peak = _measure(lambda: method(module, params, X), spec["repeats"])
-    result = {"times": times, "peak_bytes": peak,
-              "n_params": sum(p.numel() for p in params.values())}
-    if spec["method"] != "skpathkernel":
-        ref = tangent_gram(module, params, X)
-        result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
-    if spec.get("roofline"):
-        result["roofline"] = _roofline(spec, module, X, dtype)
-    return result
+    peak, sync = _device_tools(device)
+
+    def finish(K):
+        result = {}
+        if spec["method"] != "skpathkernel":
+            ref = tangent_gram(module, params, X)
+            result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
+        if spec.get("roofline"):
+            result["roofline"] = _roofline(spec, module, X, sync)
+        return result
+
+    serve(lambda: method(module, params, X),
+          {"n_params": sum(p.numel() for p in params.values())}, finish, peak, sync)
 
 
-def _roofline(spec, module, X, dtype):
+def _roofline(spec, module, X, sync):
     """FLOPs of the factor products against the measured torch.matmul rate."""
     n = X.shape[0]
     flops = 0
@@ -133,8 +123,16 @@ def _roofline(spec, module, X, dtype):
             # A A^T (2 n^2 d_in), Delta Delta^T (2 n^2 d_out), Hadamard and sum (3 n^2).
             flops += 2 * n * n * (layer.in_features + layer.out_features) + 3 * n * n
     width = max(spec["sizes"])
-    a, b = torch.randn(n, width, dtype=dtype), torch.randn(width, n, dtype=dtype)
-    _, times, _ = _measure(lambda: a @ b, 5)
+    a = torch.randn(n, width, dtype=X.dtype, device=X.device)
+    b = torch.randn(width, n, dtype=X.dtype, device=X.device)
+    a @ b
+    times = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - t0)
     rate = 2 * n * n * width / statistics.median(times)
     return {"flops": flops, "matmul_flops_per_s": rate, "gemm_bound_s": flops / rate}
 
@@ -145,19 +143,23 @@ def path_case(spec):
     from skpathkernel import PathKernelMachine
     from skpathkernel.kernels import PathKernel
 
+    device = torch.device(spec.get("device", "cpu"))
     rng = np.random.RandomState(0)
     X = rng.uniform(-1, 1, size=(spec["n"], spec["sizes"][0]))
     y = np.sin(3 * X[:, 0])
     est = PathKernelMachine(hidden_layer_sizes=tuple(spec["sizes"][1:-1]), max_iter=spec["T"],
-                            learning_rate_init=0.05, device="cpu", dtype=spec["dtype"],
+                            learning_rate_init=0.05, device=str(device), dtype=spec["dtype"],
                             random_state=0).fit(X, y)
     kernel = PathKernel(est)
-    _, times, peak = _measure(lambda: kernel(X), spec["repeats"])
-    return {"times": times, "peak_bytes": peak, "n_points": len(est.trajectory_),
-            "trajectory_bytes": est.trajectory_.nbytes, "n_params": est.n_params_}
+    peak, sync = _device_tools(device)
+    serve(lambda: kernel(X), {"n_points": len(est.trajectory_),
+                              "trajectory_bytes": est.trajectory_.nbytes,
+                              "n_params": est.n_params_},
+          lambda K: {}, peak, sync)
 
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    result = {"gram": gram_case, "path": path_case}[spec["kind"]](spec)
-    print(json.dumps({"spec": spec, **result}))
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    {"gram": gram_case, "path": path_case}[spec["kind"]](spec)

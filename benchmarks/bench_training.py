@@ -7,6 +7,7 @@ ratio recorded / plain, measured interleaved in one run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -48,7 +49,21 @@ def _recorded_loop(module, X, Y, solver, lr, batch_size, epochs, generator):
           record_every=1)
 
 
-def run(quick: bool = False, repeats: int = 5) -> list[dict]:
+def _probe(device):
+    """Peak-memory probe of the device: RSS sampler on the CPU, CUDA allocator stats."""
+    if device.type == "cuda":
+        from benchmarks._worker import CudaPeak
+
+        return CudaPeak(device)
+    from benchmarks._serve import PeakRSS
+
+    return PeakRSS()
+
+
+def run(quick: bool = False, repeats: int | None = None, device: str = "cpu") -> list[dict]:
+    repeats = repeats or (3 if quick else 5)
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for name, (d_in, hidden, d_out), n, batch, solver_name, epochs in CASES:
         epochs = epochs[1] if quick else epochs[0]
@@ -56,15 +71,24 @@ def run(quick: bool = False, repeats: int = 5) -> list[dict]:
         base = make_mlp(d_in, d_out, hidden, "tanh")
         X = torch.randn(n, d_in)
         Y = torch.randn(n, d_out)
+        base, X, Y = base.to(device), X.to(device), Y.to(device)
+        peaks = {}
         solver = SolverSpec(name=solver_name)
         times = {"plain": [], "recorded": []}
-        for _ in range(repeats):
+        for rep in range(repeats):
             for label, loop in (("plain", _plain_loop), ("recorded", _recorded_loop)):
                 module = copy.deepcopy(base)
                 gen = torch.Generator().manual_seed(0)
-                start = time.perf_counter()
-                loop(module, X, Y, solver, 1e-3, batch, epochs, gen)
-                times[label].append(time.perf_counter() - start)
+                # The first repeat also measures the peak memory (the sampler's overhead
+                # lands in one repeat of each method, alike).
+                with _probe(device) if rep == 0 else contextlib.nullcontext() as mem:
+                    sync()
+                    start = time.perf_counter()
+                    loop(module, X, Y, solver, 1e-3, batch, epochs, gen)
+                    sync()
+                    times[label].append(time.perf_counter() - start)
+                if rep == 0:
+                    peaks[label] = mem.delta
         plain, rec = np.median(times["plain"]), np.median(times["recorded"])
         rows.append({
             "case": name,
@@ -72,6 +96,8 @@ def run(quick: bool = False, repeats: int = 5) -> list[dict]:
             "plain s (median, min-max)": _fmt(times["plain"]),
             "recorded s (median, min-max)": _fmt(times["recorded"]),
             "recorded / plain": round(float(rec / plain), 3),
+            "peak memory plain / recorded": f"{peaks['plain'] / 2**20:.1f} / "
+                                            f"{peaks['recorded'] / 2**20:.1f} MiB",
         })
     return rows
 

@@ -246,10 +246,14 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def _validate_y(self, X, y):
         return self._validate_fit_data(X, y, multi_output=True, y_numeric=True)
 
-    def _validate_fit_data(self, X, y=None, **kwargs):
-        """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``)."""
+    def _validate_fit_data(self, X, y="no_validation", **kwargs):
+        """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``).
+
+        ``y="no_validation"`` (validate_data's convention) validates X alone; ``y=None``
+        is a supervised fit without targets, refused with scikit-learn's message.
+        """
         dtype = resolve_dtype(self.dtype)
-        if y is None:
+        if isinstance(y, str) and y == "no_validation":
             X = validate_data(self, X, **FIT_CHECKS, **kwargs)
             check_representable(X, dtype)
             return X

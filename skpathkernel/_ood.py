@@ -624,6 +624,22 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         return view.kneighbors(X, n_neighbors, kernel=kernel, step=step,
                                normalized=normalized, return_distance=return_distance)
 
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self):
+        # module_ mirrors estimator_.module_, which pickles itself (as NumPy arrays); the
+        # base class would store it a second time without the spec that rebuilds it.
+        state = dict(super(BasePathKernelNetwork, self).__getstate__())
+        state.pop("module_", None)
+        return state
+
+    def __setstate__(self, state):
+        super(BasePathKernelNetwork, self).__setstate__(dict(state))
+        est = self.__dict__.get("estimator_")
+        if est is not None:
+            # The same objects as the network's own, and its device after loading (the
+            # CPU when CUDA is missing here).
+            self.module_, self.device_ = est.module_, est.device_
+
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = False

@@ -296,9 +296,12 @@ class _NetworkKernel(Kernel):
         """
         self._check_params()
         X = _validate(self.estimator, X)
+        d = self._diag(X)
         if self.normalized:
-            return np.ones(X.shape[0])
-        return self._diag(X)
+            # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
+            # dead network at x), so that diag(X) equals the diagonal of k(X).
+            return (d > 0).astype(np.float64)
+        return d
 
 
 class TangentKernel(_NetworkKernel):

@@ -443,7 +443,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         if kernel not in ("tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
         n_train = self.X_fit_.shape[0]
-        if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= n_train:
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or not 0 < n_neighbors <= n_train):
             raise ValueError(
                 f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
                 f"samples), got {n_neighbors!r}."

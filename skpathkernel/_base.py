@@ -2,7 +2,8 @@
 
 Parameters and their constraints, input validation, building the module, training it
 while recording the path (``fit`` -> ``trajectory_``), predicting in memory-bounded
-blocks, and pickling across devices.
+blocks, and pickling across devices (pickle runs code when loading: load only files you
+trust, or use skops, see ``__getstate__``).
 """
 
 from __future__ import annotations
@@ -464,6 +465,14 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
+        """State for pickle, joblib and skops: NumPy arrays and plain values only.
+
+        Loading a pickle executes code from the file: only unpickle estimators you
+        trust. To share a model, save it with ``skops.io.dump`` and load it with
+        ``skops.io.load(..., trusted=...)``, which trusts only the types you list (here
+        only ``skpathkernel.*``) and never runs the file's code (see the user guide,
+        "Saving and loading").
+        """
         # The network travels as NumPy arrays plus the spec that built it, never as torch
         # objects: a CUDA-trained estimator then loads anywhere, and skops can persist it
         # while trusting only skpathkernel's own types (it cannot read torch tensors).

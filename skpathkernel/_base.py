@@ -2,17 +2,20 @@
 
 Parameters and their constraints, input validation, building the module, training it
 while recording the path (``fit`` -> ``trajectory_``), predicting in memory-bounded
-blocks, and pickling across devices.
+blocks, and pickling across devices (pickle runs code when loading: load only files you
+trust, or use skops, see ``__getstate__``).
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
 import warnings
 from abc import ABCMeta, abstractmethod
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state
@@ -26,6 +29,11 @@ from ._training import train
 from ._trajectory import SolverSpec
 
 __all__ = ["BasePathKernelNetwork", "make_mlp"]
+
+# Every fit validates X (and y) with these: float arrays, finite, at least two samples (a
+# kernel machine over a single training point has nothing to compare; sklearn's own
+# message, "Found array with 1 sample(s) ... a minimum of 2", names the problem).
+FIT_CHECKS = dict(dtype=[np.float64, np.float32], ensure_min_samples=2)
 
 ACTIVATIONS = {
     "relu": torch.nn.ReLU,
@@ -52,7 +60,9 @@ def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
         if spec["module"] is None:
             hidden = spec["hidden_layer_sizes"]
             hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
-            if any(int(h) < 1 for h in hidden):
+            # int(2.5) would silently build a width-2 layer: only true integers pass.
+            if any(isinstance(h, bool) or not isinstance(h, numbers.Integral) or h < 1
+                   for h in hidden):
                 raise ValueError(
                     f"hidden_layer_sizes must contain positive integers, got {hidden}."
                 )
@@ -69,6 +79,87 @@ def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("The module has no trainable parameters.")
     return module
+
+
+def keep_previous_fit_on_error(fit):
+    """Decorate a ``fit``: when it raises, the estimator is left exactly as it was.
+
+    Validation itself writes to the estimator (``validate_data(reset=True)`` sets
+    ``n_features_in_`` and ``feature_names_in_`` before training starts), so a fit that
+    fails later (one class, divergence, a bad module) would otherwise leave a previous
+    fit with the new data's number of features.
+    """
+
+    @functools.wraps(fit)
+    def wrapper(self, *args, **kwargs):
+        previous = self.__dict__.copy()
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(previous)
+            raise
+
+    return wrapper
+
+
+def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X") -> None:
+    """Refuse finite float64 values that overflow the network's float32 dtype.
+
+    ``check_array`` checks finiteness in float64; converted to float32, values beyond
+    3.4e38 would become inf inside the network and silently give NaN outputs.
+    """
+    if dtype != torch.float32 or X.dtype != np.float64 or X.size == 0:
+        return
+    largest = float(np.max(np.abs(X)))
+    limit = float(np.finfo(np.float32).max)
+    if largest > limit:
+        raise ValueError(
+            f"Input {input_name} contains values too large for the network's dtype float32 "
+            f"(largest magnitude {largest:.3g}, float32 holds up to {limit:.3g}); rescale "
+            f"{input_name} or use dtype='float64'."
+        )
+
+
+def reject_sparse_y(y) -> None:
+    """``validate_data(multi_output=True)`` accepts a sparse y; no estimator here does."""
+    if sp.issparse(y):
+        raise TypeError(
+            "Sparse data was passed for y, but dense data is required. Use '.toarray()' "
+            "to convert to a dense numpy array."
+        )
+
+
+def rows_per_block(memory_budget: int, row_bytes: int, what: str) -> int:
+    """Rows of a block that take at most ``memory_budget`` bytes at ``row_bytes`` each.
+
+    Refuses, before any work starts, a computation whose single row does not fit: the
+    error names the bytes one row needs.
+    """
+    row_bytes = max(int(row_bytes), 1)
+    if row_bytes > memory_budget:
+        raise ValueError(
+            f"{what} needs {row_bytes:,} bytes for a single sample, more than "
+            f"memory_budget={int(memory_budget):,} bytes. Raise memory_budget to at least "
+            f"{row_bytes:,}."
+        )
+    return max(1, int(memory_budget) // row_bytes)
+
+
+def check_decompose_args(method, weighting, n_nodes) -> None:
+    """The arguments of every ``decompose``, checked before any work."""
+    if method not in ("exact", "first_order", "second_order"):
+        raise ValueError(
+            f"method must be 'exact', 'first_order' or 'second_order', got {method!r}."
+        )
+    if weighting not in ("realized", "expected"):
+        raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
+    if n_nodes is not None and (isinstance(n_nodes, bool)
+                                or not isinstance(n_nodes, numbers.Integral) or n_nodes < 1):
+        raise ValueError(
+            f"n_nodes must be a positive integer (Gauss-Legendre nodes per step) or None, "
+            f"got {n_nodes!r}."
+        )
 
 
 class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
@@ -155,8 +246,25 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         return to_tensor(Y, dtype=dtype, device=device)
 
     def _validate_y(self, X, y):
-        return validate_data(self, X, y, multi_output=True, y_numeric=True,
-                             dtype=[np.float64, np.float32])
+        return self._validate_fit_data(X, y, multi_output=True, y_numeric=True)
+
+    def _validate_fit_data(self, X, y="no_validation", **kwargs):
+        """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``).
+
+        ``y="no_validation"`` (validate_data's convention) validates X alone; ``y=None``
+        is a supervised fit without targets, refused with scikit-learn's message.
+        """
+        dtype = resolve_dtype(self.dtype)
+        if isinstance(y, str) and y == "no_validation":
+            X = validate_data(self, X, **FIT_CHECKS, **kwargs)
+            check_representable(X, dtype)
+            return X
+        reject_sparse_y(y)
+        X, y = validate_data(self, X, y, **FIT_CHECKS, **kwargs)
+        check_representable(X, dtype)
+        if kwargs.get("y_numeric"):
+            check_representable(np.asarray(y), dtype, "y")
+        return X, y
 
     # ------------------------------------------------------------------ fitting
     def _solver_spec(self) -> SolverSpec:
@@ -233,7 +341,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     # ------------------------------------------------------------------ inference
     def _validate_X(self, X):
         check_is_fitted(self)
-        return validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        check_representable(X, self._torch_dtype_device()[0])
+        return X
 
     def _torch_dtype_device(self):
         return resolve_dtype(self.dtype), torch.device(self.device_)
@@ -245,7 +355,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         itemsize = torch.empty((), dtype=dtype).element_size()
         # The widest activation bounds a block's memory; keep it well inside the budget.
         width = max([X.shape[1], self.n_outputs_, *_layer_widths(self.module_)])
-        block = max(1, self.memory_budget // (8 * width * itemsize))
+        block = rows_per_block(self.memory_budget, 8 * width * itemsize, "Prediction")
         outs = []
         with torch.no_grad():
             for start in range(0, X.shape[0], block):
@@ -275,9 +385,17 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         from ._tangent import tangent_features
 
         module, params, X_t = self._engine_inputs(X, step)
+        self._check_feature_row_fits("Dense tangent features")
         phi = tangent_features(module, params, X_t, output=output,
                                memory_budget=self.memory_budget)
         return to_numpy(phi)
+
+    def _check_feature_row_fits(self, what):
+        """One sample's dense tangent features (C x P values) must fit the budget."""
+        n_out = self.n_outputs_
+        itemsize = torch.empty((), dtype=self._torch_dtype_device()[0]).element_size()
+        rows_per_block(self.memory_budget, n_out * self.n_params_ * itemsize,
+                       f"{what} ({n_out} x {self.n_params_} values per sample)")
 
     def _engine_inputs(self, X, step=-1):
         """(module, parameters at recorded point ``step``, validated X as a tensor)."""
@@ -330,7 +448,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         if kernel not in ("tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
         n_train = self.X_fit_.shape[0]
-        if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= n_train:
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or not 0 < n_neighbors <= n_train):
             raise ValueError(
                 f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
                 f"samples), got {n_neighbors!r}."
@@ -350,6 +469,14 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
+        """State for pickle, joblib and skops: NumPy arrays and plain values only.
+
+        Loading a pickle executes code from the file: only unpickle estimators you
+        trust. To share a model, save it with ``skops.io.dump`` and load it with
+        ``skops.io.load(..., trusted=...)``, which trusts only the types you list (here
+        only ``skpathkernel.*``) and never runs the file's code (see the user guide,
+        "Saving and loading").
+        """
         # The network travels as NumPy arrays plus the spec that built it, never as torch
         # objects: a CUDA-trained estimator then loads anywhere, and skops can persist it
         # while trusting only skpathkernel's own types (it cannot read torch tensors).

@@ -12,9 +12,14 @@ from sklearn.preprocessing import LabelEncoder
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
-from ._base import BasePathKernelNetwork, tangent_feature_names
+from ._base import (
+    BasePathKernelNetwork,
+    check_decompose_args,
+    keep_previous_fit_on_error,
+    tangent_feature_names,
+)
 from ._device import to_tensor
 from ._losses import LOSSES
 
@@ -158,20 +163,18 @@ class _KernelMachineMixin(TransformerMixin):
         """
         from ._interpolation import decompose
 
-        if method not in ("exact", "first_order", "second_order"):
-            raise ValueError(
-                "method must be 'exact', 'first_order' or 'second_order', got "
-                f"{method!r}."
-            )
-        if weighting not in ("realized", "expected"):
-            raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
+        check_decompose_args(method, weighting, n_nodes)
         X = self._validate_X(X)
+        # Every step needs the queries' Jacobians: one query's must fit the budget.
+        self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
         return decompose(
             self.module_, self.trajectory_,
             to_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
-            LOSSES[self.loss](),
+            # The loss the network was trained with: set_params(loss=...) after fit must
+            # not change what the fitted path is decomposed with.
+            LOSSES[self._loss_name](),
             to_tensor(X, dtype=dtype, device=device),
             method=method, weighting=weighting, n_nodes=n_nodes,
             memory_budget=self.memory_budget,
@@ -219,7 +222,8 @@ class _KernelMachineMixin(TransformerMixin):
         ((2, 3), (2, 3, 1))
         """
         n_train = self.X_fit_.shape[0] if hasattr(self, "X_fit_") else None
-        if not isinstance(n_neighbors, numbers.Integral) or n_neighbors < 1:
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or n_neighbors < 1):
             raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
         res = self.decompose(X, method=method)
         k = min(int(n_neighbors), n_train)
@@ -268,7 +272,7 @@ class _LabelTargetsMixin:
     """Validation and encoding of class labels, for every network trained as a classifier."""
 
     def _validate_y(self, X, y):
-        X, y = validate_data(self, X, y, dtype=[np.float64, np.float32])
+        X, y = self._validate_fit_data(X, y)
         _check_labels(self, y)
         return X, y
 
@@ -359,6 +363,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         Y = y.reshape(len(y), -1)
         return Y, Y.shape[1], {"_y_2d": self_y_2d}
 
+    @keep_previous_fit_on_error
     def fit(self, X, y):
         """Train the network on (X, y), recording its path.
 
@@ -465,6 +470,7 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             memory_budget=memory_budget, random_state=random_state, verbose=verbose,
         )
 
+    @keep_previous_fit_on_error
     def fit(self, X, y):
         """Train the network on (X, y), recording its path.
 

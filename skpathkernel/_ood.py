@@ -32,7 +32,14 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ._base import BasePathKernelNetwork, _normalize_rows
+from ._base import (
+    FIT_CHECKS,
+    BasePathKernelNetwork,
+    _normalize_rows,
+    check_representable,
+    keep_previous_fit_on_error,
+    rows_per_block,
+)
 from ._device import resolve_dtype, to_numpy, to_tensor
 from ._machine import _FITTED_ATTRS_DOC, _SHARED_PARAMS_DOC, PathKernelClassifier, PathKernelMachine
 from ._parallel import map_row_blocks
@@ -81,9 +88,9 @@ class _Gram64:
     def diag(self, X) -> torch.Tensor:
         return tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)
 
-    def rows_per_block(self, n_cols: int) -> int:
+    def rows_per_block(self, n_cols: int, what: str) -> int:
         # A block of Gram rows against n_cols columns, plus its temporaries.
-        return max(1, self.budget // (4 * 8 * max(n_cols, 1)))
+        return rows_per_block(self.budget, 4 * 8 * max(n_cols, 1), what)
 
 
 def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
@@ -370,10 +377,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         if y is None:
             if self.loss == "log_loss":
                 raise ValueError("loss='log_loss' needs class labels y; got y=None.")
-            X = validate_data(self, X, dtype=[np.float64, np.float32])
+            X = self._validate_fit_data(X)
             est = PathKernelMachine(**net, loss="squared_error")
             return est.fit(X, X), "reconstruction"
-        X, y = validate_data(self, X, y, multi_output=True, dtype=[np.float64, np.float32])
+        X, y = self._validate_fit_data(X, y, multi_output=True)
         task = self.task
         if task == "auto":
             kind = type_of_target(y, input_name="y")
@@ -393,7 +400,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 f"(optionally in a FrozenEstimator), got {type(est).__name__}."
             )
         check_is_fitted(est, "trajectory_")
-        X = validate_data(self, X, dtype=[np.float64, np.float32])
+        X = validate_data(self, X, **FIT_CHECKS)
+        check_representable(X, resolve_dtype(est.dtype))
         if X.shape[1] != est.n_features_in_:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the estimator's network is expecting "
@@ -402,6 +410,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         task = "classification" if isinstance(est, PathKernelClassifier) else "regression"
         return X, est, task
 
+    @keep_previous_fit_on_error
     def fit(self, X, y=None):
         """Train the network (unless prefitted) and factorise the span of phi(X).
 
@@ -425,17 +434,20 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         else:
             X, est, task = self._prefitted(X)
         gram = _Gram64(est)
+        n = X.shape[0]
+        # A pass of the factorisation holds Gram columns (N values each, with their
+        # temporaries) against all N points; refuse before any Gram when one does not fit.
+        block = min(_BLOCK, gram.rows_per_block(n, f"fit ({n} training points)"))
         Xt = gram.tensor(X)
         diag = gram.diag(Xt).to(torch.float64)
         lam = float(self.rtol) ** 2 * float(diag.max())
-        n = X.shape[0]
         max_rank = self.max_rank
         if max_rank is None:
             max_rank = max(1, gram.budget // (2 * 8 * n))
         max_rank = min(int(max_rank), n)
         if float(diag.max()) > 0:
             G, pivots = _pivoted_cholesky(lambda idx: gram.gram(Xt, Xt[idx]), diag,
-                                          max(lam, 0.0), max_rank)
+                                          max(lam, 0.0), max_rank, block=block)
         else:  # every feature is zero (a dead network): the span is {0}
             G, pivots = diag.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
         if len(pivots) == max_rank < n and float((diag - (G * G).sum(1)).max()) > lam:
@@ -477,7 +489,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         span = gram.tensor(self._X_span)
         chol = torch.as_tensor(self._chol, device=gram.device)
         explained = torch.empty_like(diag)
-        step = gram.rows_per_block(self.rank_)
+        step = gram.rows_per_block(self.rank_, "score_samples")
         for start in range(0, X.shape[0], step):
             K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
             q = torch.linalg.solve_triangular(chol, K, upper=False)
@@ -489,7 +501,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         dx = to_numpy(gram.diag(Xt).to(torch.float64))
         dr = np.asarray(ref_diag)
         out = np.empty(X.shape[0])
-        step = gram.rows_per_block(X_ref.shape[0])
+        step = gram.rows_per_block(X_ref.shape[0], "The alignment score")
         for start in range(0, X.shape[0], step):
             stop = min(start + step, X.shape[0])
             K = to_numpy(gram.gram(Xt[start:stop], Rt).to(torch.float64))
@@ -574,11 +586,13 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         gram = _Gram64(self.estimator_)
         n_train = self.X_fit_.shape[0]
         total = n_train + X.shape[0]
-        if 8 * total**2 > gram.budget // 4:
+        nbytes = 8 * total**2
+        if nbytes > gram.budget // 4:
             raise ValueError(
-                f"rank_gap needs the {total} x {total} Gram of the training and query "
-                f"points ({8 * total**2 / 2**30:.2f} GiB), more than a quarter of "
-                "memory_budget; pass fewer points or raise memory_budget."
+                f"rank_gap needs the {total} x {total} float64 Gram of the training and "
+                f"query points, {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB), more than a "
+                f"quarter of memory_budget={gram.budget:,} bytes; pass fewer points or "
+                f"raise memory_budget to at least {4 * nbytes:,}."
             )
         K = to_numpy(gram.gram(gram.tensor(np.vstack([self.X_fit_, X]))).to(torch.float64))
         return _numerical_rank(K[:n_train, :n_train], self.rtol), _numerical_rank(K, self.rtol)
@@ -611,22 +625,29 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         See :meth:`PathKernelMachine.kneighbors`; the neighbours are taken among the
         detector's ``X_fit_`` (the span's points, also with a prefitted ``estimator``).
         """
-        check_is_fitted(self)
+        # Validated here, so that errors name this detector and its feature names.
+        X = self._validate_X(X)
         view = copy.copy(self.estimator_)
         view.X_fit_ = self.X_fit_
+        view.__dict__.pop("feature_names_in_", None)
         return view.kneighbors(X, n_neighbors, kernel=kernel, step=step,
                                normalized=normalized, return_distance=return_distance)
 
+    # ------------------------------------------------------------------ pickling
     def __getstate__(self):
-        # The mirrored network travels once, inside estimator_ (whose dtype it keeps).
-        state = super().__getstate__()
-        state.pop("_module_state", None)
+        # module_ mirrors estimator_.module_, which pickles itself (as NumPy arrays); the
+        # base class would store it a second time without the spec that rebuilds it.
+        state = dict(super(BasePathKernelNetwork, self).__getstate__())
+        state.pop("module_", None)
         return state
 
     def __setstate__(self, state):
-        super().__setstate__(state)
-        if "estimator_" in state:
-            self.module_ = self.estimator_.module_
+        super(BasePathKernelNetwork, self).__setstate__(dict(state))
+        est = self.__dict__.get("estimator_")
+        if est is not None:
+            # The same objects as the network's own, and its device after loading (the
+            # CPU when CUDA is missing here).
+            self.module_, self.device_ = est.module_, est.device_
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

@@ -82,6 +82,7 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_array, check_is_fitted
 
+from ._base import check_decompose_args
 from ._device import to_numpy, to_tensor
 from ._losses import LOSSES, Loss
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
@@ -572,11 +573,7 @@ class RecordedNetwork(BaseEstimator):
         from ._interpolation import decompose
 
         check_is_fitted(self, "trajectory_")
-        if method not in ("exact", "first_order", "second_order"):
-            raise ValueError(f"method must be 'exact', 'first_order' or 'second_order', got "
-                             f"{method!r}.")
-        if weighting not in ("realized", "expected"):
-            raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
+        check_decompose_args(method, weighting, n_nodes)
         if self.X_train is None or self.y_train is None:
             raise ValueError("decompose needs the training inputs and targets: pass X_train "
                              "and y_train.")

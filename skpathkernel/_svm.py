@@ -15,9 +15,9 @@ from sklearn.svm import SVC
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
+from sklearn.utils.validation import check_is_fitted, column_or_1d
 
-from ._base import BasePathKernelNetwork, tangent_feature_names
+from ._base import BasePathKernelNetwork, keep_previous_fit_on_error, tangent_feature_names
 from ._device import to_numpy
 from ._machine import (
     _check_labels,
@@ -150,7 +150,7 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
 
     def _validate_y(self, X, y):
         # No y_numeric: class labels may be strings; regression checks numbers below.
-        return validate_data(self, X, y, multi_output=True, dtype=[np.float64, np.float32])
+        return self._validate_fit_data(X, y, multi_output=True)
 
     def _encode_targets(self, y):
         task = self.task
@@ -181,6 +181,7 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
     def _target_tensor(self, Y, dtype, device):
         return _label_tensor(Y, dtype, device)
 
+    @keep_previous_fit_on_error
     def fit(self, X, y):
         """Train the network on (X, y), recording its path.
 
@@ -356,6 +357,7 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
         X = self._validate_X(X)
         return self._kernel()(X, self.X_fit_)
 
+    @keep_previous_fit_on_error
     def fit(self, X, y):
         """Train the network on (X, y), then the SVM on its tangent features or kernel.
 
@@ -370,24 +372,19 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
         self : TangentFeatureSVM
         """
         self._validate_params()
-        previous = self.__dict__.copy()
-        try:
-            self._fit(X, y)
-            # The kernel choice is part of the fitted state: set_params must not change
-            # what an already fitted svm_ reads.
-            self._svm_kernel = self.svm_kernel
-            labels = column_or_1d(y, warn=False)  # _fit has validated y; no second warning
-            # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
-            # tens, where liblinear (which also penalizes the intercept) needs 10^4+
-            # iterations on seed figure 3's data and libsvm converges in milliseconds.
-            kernel = "linear" if self.svm_kernel == "linear" else "precomputed"
-            svm = SVC(kernel=kernel, C=self.C)  # deterministic: no probability, no RNG
-            svm.fit(self._svm_input(self.X_fit_), labels)
-        except BaseException:
-            # Never half-fitted: a failure keeps the previous fit whole.
-            self.__dict__.clear()
-            self.__dict__.update(previous)
-            raise
+        # Never half-fitted: keep_previous_fit_on_error restores the previous fit whole
+        # when the network or the SVM fails.
+        self._fit(X, y)
+        # The kernel choice is part of the fitted state: set_params must not change
+        # what an already fitted svm_ reads.
+        self._svm_kernel = self.svm_kernel
+        labels = column_or_1d(y, warn=False)  # _fit has validated y; no second warning
+        # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
+        # tens, where liblinear (which also penalizes the intercept) needs 10^4+
+        # iterations on seed figure 3's data and libsvm converges in milliseconds.
+        kernel = "linear" if self.svm_kernel == "linear" else "precomputed"
+        svm = SVC(kernel=kernel, C=self.C)  # deterministic: no probability, no RNG
+        svm.fit(self._svm_input(self.X_fit_), labels)
         self.svm_ = svm
         return self
 

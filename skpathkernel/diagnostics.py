@@ -19,13 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.base import is_classifier
 from sklearn.utils import check_array, check_consistent_length, check_random_state
 from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import BasePathKernelNetwork, _layer_widths
+from ._base import BasePathKernelNetwork, _layer_widths, rows_per_block
 from ._device import resolve_dtype, to_tensor
 from ._losses import LOSSES
 
@@ -126,10 +125,11 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
 
     Parameters
     ----------
-    estimator : PathKernelMachine or PathKernelClassifier
-        A fitted estimator. Its network is evaluated as it is (``module_`` is in evaluation
-        mode after ``fit``) with the parameters of recorded point ``step``; the estimator
-        is not modified.
+    estimator : fitted skpathkernel estimator
+        PathKernelMachine, PathKernelClassifier, TangentFeatures or TangentFeatureSVM (its
+        network and training loss); an OODRankDetector stands for its ``estimator_``. Its
+        network is evaluated as it is (``module_`` is in evaluation mode after ``fit``)
+        with the parameters of recorded point ``step``; the estimator is not modified.
     X : array-like of shape (n_samples_X, n_features), default=None
         Inputs. ``None``: the training inputs ``X_fit_``.
     y : array-like of shape (n_samples_X,) or (n_samples_X, n_outputs), default=None
@@ -235,6 +235,7 @@ def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
 # --------------------------------------------------------------------------- engine
 def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size):
     check_is_fitted(estimator)
+    estimator = _network(estimator)
     traj = estimator.trajectory_
     points = []
     for s in steps:
@@ -243,7 +244,9 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
             raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
         points.append(s % len(traj))
     Xt, Yt = _data(estimator, X, y)
-    loss = LOSSES[estimator.loss]()
+    # The loss fit resolved (TangentFeatures' and OODRankDetector's "auto"), not the
+    # current parameter, which set_params may have changed since.
+    loss = LOSSES[estimator._loss_name]()
     block = batch_size or _default_batch_size(estimator, Xt.shape[0])
     # One seed, one probe sequence: the same probes at every point and for every batch, so
     # that batching changes nothing but round-off.
@@ -297,7 +300,14 @@ def _default_batch_size(estimator, n: int) -> int:
     # graph over them: budget ~16 values per sample per unit, as _forward budgets 8.
     itemsize = torch.empty((), dtype=resolve_dtype(estimator.dtype)).element_size()
     width = estimator.n_features_in_ + sum(_layer_widths(estimator.module_))
-    return int(min(n, max(1, estimator.memory_budget // (16 * width * itemsize))))
+    return int(min(n, rows_per_block(estimator.memory_budget, 16 * width * itemsize,
+                                     "hessian_trace")))
+
+
+def _network(estimator):
+    """The estimator that trained the network: an OODRankDetector's ``estimator_``."""
+    inner = getattr(estimator, "estimator_", None)
+    return inner if isinstance(inner, BasePathKernelNetwork) else estimator
 
 
 def _data(estimator, X, y) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +328,8 @@ def _data(estimator, X, y) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _encode_like_fit(estimator, y) -> np.ndarray:
-    if is_classifier(estimator):
+    # Trained on class labels (classifiers, TangentFeatures with task_="classification").
+    if hasattr(estimator, "classes_"):
         y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
         classes = estimator.classes_
         unseen = np.setdiff1d(y, classes)

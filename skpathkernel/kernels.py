@@ -22,6 +22,7 @@ import torch
 from sklearn.gaussian_process.kernels import Kernel
 from sklearn.utils.validation import check_array, check_is_fitted
 
+from ._base import check_representable
 from ._device import resolve_dtype, to_numpy, to_tensor
 from ._parallel import map_row_blocks, n_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
@@ -36,8 +37,12 @@ def _context(estimator):
 
 
 def _validate(estimator, X, name="X"):
+    # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
+    # whatever X is.
+    dtype, _ = _context(estimator)
     X = check_array(X, dtype=[np.float64, np.float32], ensure_all_finite=True,
                     input_name=name)
+    check_representable(X, dtype, name)
     n_features = getattr(estimator, "n_features_in_", None)
     if n_features is not None and X.shape[1] != n_features:
         raise ValueError(
@@ -51,6 +56,19 @@ def _params_at(estimator, point: int, device):
     traj = estimator.trajectory_
     flat = traj.parameters(point).to(device)
     return dict(zip(traj.names, traj.unflatten(flat).values()))
+
+
+def _check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}.")
+
+
+def _check_index(value, name, *, allow_none=False):
+    if allow_none and value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {kind}, got {value!r}.")
 
 
 def _check_output(output):
@@ -76,6 +94,7 @@ def _step_setup(estimator, point, output, preconditioned):
     """Parameters at one recorded point and the engine's keyword arguments."""
     dtype, device = _context(estimator)
     traj = estimator.trajectory_
+    _check_index(point, "step")
     point = int(point)
     if not -len(traj) <= point < len(traj):
         raise IndexError(f"step {point} is out of range for {len(traj)} recorded points.")
@@ -125,6 +144,9 @@ def step_kernel(
     -------
     K : ndarray of float64, shape (n_samples_X, n_samples_Y) or (n_X, C, n_Y, C)
     """
+    _check_flag(preconditioned, "preconditioned")
+    _check_flag(normalized, "normalized")
+    _check_index(step, "step")
     if output != "full":
         output = _check_output(output)
     elif normalized:
@@ -176,6 +198,8 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None) -> list[tu
 
 def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
     """Weighted sums over steps of Grams and/or diagonals: memory independent of T."""
+    _check_index(start, "start", allow_none=True)
+    _check_index(stop, "stop", allow_none=True)
     weights = path_weights(estimator.trajectory_, start, stop)
     if not weights:
         raise ValueError(
@@ -225,6 +249,13 @@ class _NetworkKernel(Kernel):
         )
         return f"{type(self).__name__}({type(self.estimator).__name__}, {params})"
 
+    def _check_params(self):
+        _check_output(self.output)
+        _check_flag(self.normalized, "normalized")
+        for name in ("step", "start", "stop"):
+            if hasattr(self, name):
+                _check_index(getattr(self, name), name, allow_none=name == "stop")
+
     def __call__(self, X, Y=None, eval_gradient=False):
         """Return the kernel ``k(X, Y)`` and, optionally, its (empty) gradient.
 
@@ -245,7 +276,7 @@ class _NetworkKernel(Kernel):
         """
         if eval_gradient and Y is not None:
             raise ValueError("Gradient can only be evaluated when Y is None.")
-        _check_output(self.output)
+        self._check_params()
         X = _validate(self.estimator, X)
         Y = None if Y is None else _validate(self.estimator, Y, "Y")
         K = self._gram_blocks(X, Y)
@@ -264,11 +295,14 @@ class _NetworkKernel(Kernel):
         -------
         K_diag : ndarray of shape (n_samples,)
         """
-        _check_output(self.output)
+        self._check_params()
         X = _validate(self.estimator, X)
+        d = self._diag_blocks(X)
         if self.normalized:
-            return np.ones(X.shape[0])
-        return self._diag_blocks(X)
+            # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
+            # dead network at x), so that diag(X) equals the diagonal of k(X).
+            return (d > 0).astype(np.float64)
+        return d
 
     def _gram_blocks(self, X, Y):
         if n_row_blocks(self.n_jobs, X) == 1:

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +17,10 @@ def regression_data():
     X = rng.uniform(-1, 1, size=(24, 3))
     y = np.sin(X @ np.array([1.0, -2.0, 0.5]))
     return X, y
+
+
+# One deterministic hypothesis profile for every run (local and CI): the same examples
+# each time, no per-example deadline (first calls compile torch kernels), few examples.
+settings.register_profile("skpathkernel", derandomize=True, deadline=None, max_examples=10,
+                          print_blob=True)
+settings.load_profile("skpathkernel")

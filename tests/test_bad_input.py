@@ -1,0 +1,377 @@
+"""Bad input, for every public estimator, method and kernel (API.md, "Errors and bad input").
+
+One table of bad inputs against one table of estimators and their methods: each call
+must raise the right exception with a message naming the problem, and must leave a fitted
+estimator exactly as it was (same attributes, same network, same predictions), failed
+refits included.
+"""
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+from numpy.testing import assert_array_equal
+from sklearn.exceptions import NotFittedError
+from sklearn.utils._param_validation import InvalidParameterError
+
+from skpathkernel import (
+    OODRankDetector,
+    PathKernel,
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+    TangentKernel,
+)
+from skpathkernel.diagnostics import hessian_trace
+from skpathkernel.kernels import step_kernel
+
+# The string DataFrame case also warns that the estimators were fitted without names.
+pytestmark = pytest.mark.filterwarnings("ignore:X has feature names:UserWarning")
+
+SMALL = dict(hidden_layer_sizes=(4,), max_iter=3, random_state=0)  # float32: the default
+RNG = np.random.RandomState(0)
+X = RNG.normal(size=(12, 2))
+Y_REG = X[:, 0] - X[:, 1]
+Y_CLF = np.array(["a", "b", "c"] * 4)
+
+# name -> (factory, training targets, trained on class labels)
+ESTIMATORS = {
+    "PathKernelMachine": (PathKernelMachine, Y_REG, False),
+    "PathKernelClassifier": (PathKernelClassifier, Y_CLF, True),
+    "TangentFeatures": (TangentFeatures, Y_CLF, True),
+    "TangentFeatureSVM": (TangentFeatureSVM, Y_CLF, True),
+    "OODRankDetector": (OODRankDetector, Y_CLF, True),
+}
+
+
+def _network(est):
+    return getattr(est, "estimator_", est)
+
+
+def _y_for(est, n):
+    y = ESTIMATORS[type(est).__name__][1]
+    return np.resize(y, n)
+
+
+# name -> call(estimator, X); only where the estimator has the method.
+METHODS = {
+    "predict": lambda e, A: e.predict(A),
+    "predict_proba": lambda e, A: e.predict_proba(A),
+    "decision_function": lambda e, A: e.decision_function(A),
+    "transform": lambda e, A: e.transform(A),
+    "score_samples": lambda e, A: e.score_samples(A),
+    "decompose": lambda e, A: e.decompose(A),
+    "explain": lambda e, A: e.explain(A, n_neighbors=2),
+    "kneighbors": lambda e, A: e.kneighbors(A, n_neighbors=2),
+    "rank_gap": lambda e, A: e.rank_gap(A),
+    "TangentKernel": lambda e, A: TangentKernel(_network(e))(A),
+    "TangentKernel(X, Y)": lambda e, A: TangentKernel(_network(e))(X[:2], A),
+    "TangentKernel.diag": lambda e, A: TangentKernel(_network(e)).diag(A),
+    "PathKernel": lambda e, A: PathKernel(_network(e))(A),
+    "PathKernel.diag": lambda e, A: PathKernel(_network(e)).diag(A),
+    "step_kernel": lambda e, A: step_kernel(_network(e), A),
+    "hessian_trace": lambda e, A: hessian_trace(e, A, _y_for(e, np.shape(A)[0]), n_samples=2),
+}
+_OWN = {"predict", "predict_proba", "decision_function", "transform", "score_samples",
+        "decompose", "explain", "kneighbors", "rank_gap"}
+
+# name -> (X, exception, message)
+BAD_X = {
+    "NaN": (np.array([[np.nan, 0.0], [0.0, 1.0]]), ValueError, "NaN"),
+    "inf": (np.array([[np.inf, 0.0], [0.0, 1.0]]), ValueError, "infinity"),
+    "sparse": (sp.csr_matrix(np.ones((2, 2))), TypeError, "[Ss]parse"),
+    "object column": (np.array([["a", 1.0], ["b", 2.0]], dtype=object), ValueError,
+                      "could not convert string to float"),
+    "string DataFrame": (pd.DataFrame({"a": ["x", "y"], "b": [1.0, 2.0]}), ValueError,
+                         "could not convert string to float"),
+    "1-D": (np.zeros(2), ValueError, "Expected 2D array"),
+    "3-D": (np.zeros((2, 2, 1)), ValueError, "dim 3"),
+    "0 samples": (np.zeros((0, 2)), ValueError, "0 sample"),
+    "0 features": (np.zeros((2, 0)), ValueError, "0 feature"),
+    "wrong n_features": (np.zeros((2, 3)), ValueError, "3 features.*expecting 2"),
+    "complex": (np.zeros((2, 2), dtype=complex), ValueError, "[Cc]omplex"),
+    "float32 overflow": (np.array([[1e300, 0.0], [0.0, 1.0]]), ValueError,
+                         "too large for the network's dtype float32"),
+}
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    with torch.random.fork_rng():
+        return {name: make(**SMALL).fit(X, y) for name, (make, y, _) in ESTIMATORS.items()}
+
+
+def _fresh(fitted, name):
+    # A private copy per test: a failing call that did change something must not leak.
+    import copy
+
+    return copy.deepcopy(fitted[name])
+
+
+def snapshot(est):
+    """What a failing call must leave as it was: every attribute, the network, the outputs."""
+    net = _network(est)
+    probe = X[:5]
+    if hasattr(est, "score_samples"):
+        out = est.score_samples(probe)
+    elif hasattr(est, "predict"):
+        out = est.predict(probe)
+    else:
+        out = est.transform(probe)
+    return {
+        "keys": sorted(vars(est)),
+        # Fitted state by identity (a failing call may not replace any of it); parameters,
+        # which the tests set and restore, by value.
+        "ids": {k: id(v) for k, v in vars(est).items() if k not in est.get_params()},
+        "n_features_in_": est.n_features_in_,
+        "names": getattr(est, "feature_names_in_", None),
+        "params": est.get_params(deep=False),
+        "module": {k: v.clone() for k, v in net.module_.state_dict().items()},
+        "trajectory": net.trajectory_.parameters(-1).clone(),
+        "out": out,
+    }
+
+
+def assert_unchanged(est, before):
+    after = snapshot(est)
+    assert after["keys"] == before["keys"]
+    assert after["ids"] == before["ids"]
+    assert after["n_features_in_"] == before["n_features_in_"]
+    assert_array_equal(after["names"], before["names"])
+    assert after["params"] == before["params"]
+    for k, v in before["module"].items():
+        assert torch.equal(after["module"][k], v), k
+    assert torch.equal(after["trajectory"], before["trajectory"])
+    assert_array_equal(after["out"], before["out"])
+
+
+def _cases(names):
+    return [(e, m) for e in ESTIMATORS for m in names
+            if m not in _OWN or hasattr(ESTIMATORS[e][0](**SMALL), m)
+            # decompose/explain: the kernel machines; not an attribute of the others.
+            ]
+
+
+CALLS = [(e, m) for e, m in _cases(METHODS)
+         if not (m in ("decompose", "explain") and e not in ("PathKernelMachine",
+                                                            "PathKernelClassifier"))
+         and not (m == "predict_proba" and e not in ("PathKernelClassifier",))]
+
+
+@pytest.mark.parametrize("case", list(BAD_X))
+@pytest.mark.parametrize(("name", "method"), CALLS)
+def test_bad_X_is_refused_and_changes_nothing(fitted, name, method, case):
+    est = _fresh(fitted, name)
+    A, error, match = BAD_X[case]
+    before = snapshot(est)
+    with pytest.raises(error, match=match):
+        METHODS[method](est, A)
+    assert_unchanged(est, before)
+
+
+@pytest.mark.parametrize(("name", "method"), CALLS)
+def test_unfitted_is_not_fitted_error(name, method):
+    est = ESTIMATORS[name][0](**SMALL)
+    with pytest.raises(NotFittedError, match="not fitted"):
+        METHODS[method](est, X)
+
+
+def _one_class(name):
+    return (X, np.zeros(len(X)), ValueError, "greater than one")
+
+
+# name -> (X, y, exception, message); y=None: the estimator's own targets.
+BAD_FIT = {
+    "X NaN": (BAD_X["NaN"][0], None, ValueError, "NaN"),
+    "X inf": (BAD_X["inf"][0], None, ValueError, "infinity"),
+    "X sparse": (sp.csr_matrix(X), None, TypeError, "Sparse data was passed for X"),
+    "X object column": (np.column_stack([X[:, 0].astype(object), ["a"] * 12]), None,
+                        ValueError, "could not convert string to float"),
+    "X 1-D": (X[:, 0], None, ValueError, "Expected 2D array"),
+    "X 3-D": (X[:, :, None], None, ValueError, "dim 3"),
+    "0 samples": (X[:0], "empty", ValueError, "0 sample"),
+    "0 features": (X[:, :0], None, ValueError, "0 feature"),
+    "1 sample": (X[:1], "first", ValueError, "1 sample"),
+    "X float32 overflow": (X * 1e300, None, ValueError, "too large for the network's dtype"),
+    "y NaN": (X, "nan", ValueError, "y contains NaN"),
+    "y inf": (X, "inf", ValueError, "y contains infinity"),
+    "y sparse": (X, "sparse", TypeError, "Sparse data was passed for y"),
+    "y wrong length": (X, "short", ValueError, "inconsistent numbers of samples"),
+    "y 3-D": (X, "3d", ValueError, "dim 3"),
+    "y None": (X, "none", ValueError, "requires y to be passed"),
+    # One class, and new features: the failed refit must not keep n_features_in_=3.
+    "1 class": (np.hstack([X, X[:, :1]]), "one class", ValueError, "greater than one"),
+}
+_NO_Y_FIT = {"OODRankDetector"}  # y=None is its self-supervised fit
+
+
+def _y(kind, y):
+    if kind is None:
+        return y
+    return {
+        "empty": y[:0], "first": y[:1], "short": y[:5], "none": None,
+        "nan": np.where(np.arange(len(y)) == 0, np.nan, np.arange(len(y)) % 2),
+        "inf": np.where(np.arange(len(y)) == 0, np.inf, np.arange(len(y)) % 2),
+        "sparse": sp.csr_matrix(np.arange(len(y), dtype=float).reshape(-1, 1)),
+        "3d": np.zeros((len(y), 1, 1)),
+        "one class": np.resize(y[:1], len(y)),
+    }[kind]
+
+
+FIT_CASES = [(e, c) for e in ESTIMATORS for c in BAD_FIT
+             if not (c == "1 class" and not ESTIMATORS[e][2])
+             and not (c == "y None" and e in _NO_Y_FIT)]
+
+
+@pytest.mark.parametrize(("name", "case"), FIT_CASES)
+def test_bad_fit_data_is_refused_and_the_previous_fit_kept(fitted, name, case):
+    est = _fresh(fitted, name)
+    A, kind, error, match = BAD_FIT[case]
+    before = snapshot(est)
+    with pytest.raises(error, match=match):
+        est.fit(A, _y(kind, ESTIMATORS[name][1]))
+    assert_unchanged(est, before)
+
+
+def test_a_failed_refit_keeps_the_previous_feature_names():
+    # validate_data(reset=True) renames the features before training; a fit that then
+    # fails must give the old names back.
+    df = pd.DataFrame(X, columns=["u", "v"])
+    est = PathKernelClassifier(**SMALL).fit(df, Y_CLF)
+    with pytest.raises(ValueError, match="greater than one"):
+        est.fit(pd.DataFrame(X, columns=["p", "q"]), np.zeros(len(X)))
+    assert_array_equal(est.feature_names_in_, ["u", "v"])
+    est.predict(df)
+
+
+# Parameters -> (estimators it applies to, message); InvalidParameterError is both a
+# ValueError and a TypeError, as scikit-learn's.
+ALL = tuple(ESTIMATORS)
+BAD_PARAMS = [
+    (dict(solver="lbfgs"), ALL, "'solver' parameter"),
+    (dict(learning_rate_init=-1), ALL, "'learning_rate_init' parameter"),
+    (dict(learning_rate_init=np.nan), ALL, "'learning_rate_init' parameter"),
+    (dict(batch_size=0), ALL, "'batch_size' parameter"),
+    (dict(max_iter=0), ALL, "'max_iter' parameter"),
+    (dict(momentum=1.0), ALL, "'momentum' parameter"),
+    (dict(alpha=-1.0), ALL, "'alpha' parameter"),
+    (dict(activation="sigmoid"), ALL, "'activation' parameter"),
+    (dict(device="tpu"), ALL, "'device' parameter"),
+    (dict(dtype="float16"), ALL, "'dtype' parameter"),
+    (dict(memory_budget=10), ALL, "'memory_budget' parameter"),
+    (dict(record_every=0), ALL, "'record_every' parameter"),
+    (dict(loss="hinge"), ALL, "'loss' parameter"),
+    (dict(module=3), ALL, "'module' parameter"),
+    (dict(hidden_layer_sizes="wide"), ALL, "'hidden_layer_sizes' parameter"),
+    (dict(hidden_layer_sizes=(0,)), ALL, r"hidden_layer_sizes must contain positive integers"),
+    (dict(hidden_layer_sizes=(2.5,)), ALL, r"hidden_layer_sizes must contain positive integers"),
+    (dict(method="x"), ("OODRankDetector",), "'method' parameter"),
+    (dict(rtol=0.0), ("OODRankDetector",), "'rtol' parameter"),
+    (dict(contamination=0.9), ("OODRankDetector",), "'contamination' parameter"),
+    (dict(max_rank=0), ("OODRankDetector",), "'max_rank' parameter"),
+    (dict(estimator="net"), ("OODRankDetector",), "'estimator' parameter"),
+    (dict(task="x"), ("OODRankDetector", "TangentFeatures"), "'task' parameter"),
+    (dict(n_components=0), ("TangentFeatures",), "'n_components' parameter"),
+    (dict(svm_kernel="rbf"), ("TangentFeatureSVM",), "'svm_kernel' parameter"),
+    (dict(C=0.0), ("TangentFeatureSVM",), "'C' parameter"),
+]
+
+
+def _not_a_module(n_in, n_out):
+    return "not a module"
+
+
+@pytest.mark.parametrize(("name", "params", "match"), [
+    (name, params, match) for params, names, match in BAD_PARAMS for name in names
+] + [(name, dict(module=_not_a_module), "module must be a callable.*returned str")
+     for name in ALL], ids=str)
+def test_bad_parameters_are_refused_and_the_previous_fit_kept(fitted, name, params, match):
+    est = _fresh(fitted, name)
+    before = snapshot(est)
+    old = est.get_params(deep=False)
+    est.set_params(**params)
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        est.fit(X, ESTIMATORS[name][1])
+    if "parameter" in match:
+        assert isinstance(info.value, InvalidParameterError)
+    est.set_params(**{k: old[k] for k in params})
+    assert_unchanged(est, before)
+
+
+# Bad arguments of the methods: (estimators, call, exception, message).
+KM = ("PathKernelMachine", "PathKernelClassifier")
+BAD_ARGS = {
+    "decompose(method)": (KM, lambda e: e.decompose(X[:2], method="x"), ValueError,
+                          "method must be 'exact'"),
+    "decompose(weighting)": (KM, lambda e: e.decompose(X[:2], weighting="x"), ValueError,
+                             "weighting must be"),
+    "decompose(n_nodes=0)": (KM, lambda e: e.decompose(X[:2], n_nodes=0), ValueError,
+                             "n_nodes must be a positive integer"),
+    "decompose(n_nodes=2.5)": (KM, lambda e: e.decompose(X[:2], n_nodes=2.5), ValueError,
+                               "n_nodes must be a positive integer"),
+    "explain(n_neighbors=0)": (KM, lambda e: e.explain(X[:2], n_neighbors=0), ValueError,
+                               "n_neighbors must be a positive integer"),
+    "explain(method)": (KM, lambda e: e.explain(X[:2], method="x"), ValueError,
+                        "method must be"),
+    "kneighbors(n_neighbors=0)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=0),
+                                  ValueError, r"n_neighbors must be an integer in \[1, 12\]"),
+    "kneighbors(n_neighbors=True)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=True),
+                                     ValueError, "n_neighbors must be an integer"),
+    "kneighbors(n_neighbors > n)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=13),
+                                    ValueError, "n_neighbors must be an integer"),
+    "kneighbors(kernel)": (ALL, lambda e: e.kneighbors(X[:2], 2, kernel="rbf"), ValueError,
+                           "kernel must be 'tangent' or 'path'"),
+    "kneighbors(step=1.5)": (ALL, lambda e: e.kneighbors(X[:2], 2, step=1.5), TypeError,
+                             "step must be an int"),
+    "kneighbors(step out of range)": (ALL, lambda e: e.kneighbors(X[:2], 2, step=99),
+                                      IndexError, "step 99 is out of range"),
+    "TangentKernel(step=1.5)": (ALL, lambda e: TangentKernel(_network(e), step=1.5)(X),
+                                TypeError, "step must be an int"),
+    "TangentKernel(output=7)": (ALL, lambda e: TangentKernel(_network(e), output=7)(X),
+                                ValueError, "output=7 is out of range"),
+    "TangentKernel(normalized='yes')": (
+        ALL, lambda e: TangentKernel(_network(e), normalized="yes").diag(X), TypeError,
+        "normalized must be a bool"),
+    "PathKernel(start=1.5)": (ALL, lambda e: PathKernel(_network(e), start=1.5)(X),
+                              TypeError, "start must be an int"),
+    "PathKernel(empty range)": (ALL, lambda e: PathKernel(_network(e), start=50)(X),
+                                ValueError, "range of recorded points.*is empty"),
+    "kernel gradient with Y": (ALL, lambda e: TangentKernel(_network(e))(X, X, True),
+                               ValueError, "Gradient can only be evaluated when Y is None"),
+    "step_kernel(preconditioned='x')": (
+        ALL, lambda e: step_kernel(_network(e), X, preconditioned="x"), TypeError,
+        "preconditioned must be a bool"),
+    "hessian_trace(n_samples=0)": (ALL, lambda e: hessian_trace(e, n_samples=0),
+                                   InvalidParameterError, "'n_samples' parameter"),
+    "hessian_trace(step out of range)": (ALL, lambda e: hessian_trace(e, step=99, n_samples=2),
+                                         IndexError, "step 99 is out of range"),
+    "hessian_trace(X without y)": (ALL, lambda e: hessian_trace(e, X, n_samples=2), ValueError,
+                                   "Pass both X and y"),
+    "hessian_trace(y NaN)": (ALL, lambda e: hessian_trace(
+        e, X, np.full(len(X), np.nan), n_samples=2), ValueError, "NaN"),
+    "hessian_trace(unseen label)": (
+        ("PathKernelClassifier", "TangentFeatureSVM"),
+        lambda e: hessian_trace(e, X, np.resize(["a", "z"], len(X)), n_samples=2), ValueError,
+        "labels not seen in fit"),
+}
+
+
+@pytest.mark.parametrize(("name", "case"), [
+    (name, case) for case, (names, *_) in BAD_ARGS.items() for name in names
+])
+def test_bad_method_arguments_are_refused_and_change_nothing(fitted, name, case):
+    est = _fresh(fitted, name)
+    _, call, error, match = BAD_ARGS[case]
+    before = snapshot(est)
+    with pytest.raises(error, match=match):
+        call(est)
+    assert_unchanged(est, before)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_hessian_trace_runs_for_every_estimator(fitted, name):
+    # TangentFeatures' loss="auto" and an OODRankDetector (its estimator_) included.
+    res = hessian_trace(fitted[name], n_samples=3, random_state=0)
+    assert np.isfinite(res.trace)

@@ -286,7 +286,8 @@ def _not_a_module(n_in, n_out):
 @pytest.mark.parametrize(("name", "params", "match"), [
     (name, params, match) for params, names, match in BAD_PARAMS for name in names
 ] + [(name, dict(module=_not_a_module), "module must be a callable.*returned str")
-     for name in ALL], ids=str)
+     for name in ALL], ids=lambda v: v.__name__ if callable(v) else str(
+         {k: getattr(x, "__name__", x) for k, x in v.items()} if isinstance(v, dict) else v))
 def test_bad_parameters_are_refused_and_the_previous_fit_kept(fitted, name, params, match):
     est = _fresh(fitted, name)
     before = snapshot(est)

@@ -24,6 +24,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_tensor
 from ._losses import LOSSES
+from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
 from ._training import train
 from ._trajectory import SolverSpec
@@ -128,22 +129,6 @@ def reject_sparse_y(y) -> None:
             "Sparse data was passed for y, but dense data is required. Use '.toarray()' "
             "to convert to a dense numpy array."
         )
-
-
-def rows_per_block(memory_budget: int, row_bytes: int, what: str) -> int:
-    """Rows of a block that take at most ``memory_budget`` bytes at ``row_bytes`` each.
-
-    Refuses, before any work starts, a computation whose single row does not fit: the
-    error names the bytes one row needs.
-    """
-    row_bytes = max(int(row_bytes), 1)
-    if row_bytes > memory_budget:
-        raise ValueError(
-            f"{what} needs {row_bytes:,} bytes for a single sample, more than "
-            f"memory_budget={int(memory_budget):,} bytes. Raise memory_budget to at least "
-            f"{row_bytes:,}."
-        )
-    return max(1, int(memory_budget) // row_bytes)
 
 
 def check_decompose_args(method, weighting, n_nodes) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch.func import functional_call, jacrev, jvp, vmap
 
 from ._losses import Loss
+from ._memory import rows_per_block
 from ._tangent import tangent_features, tangent_gram
 from ._trajectory import Trajectory
 
@@ -234,9 +235,11 @@ def decompose(
     nodes = ((g_s + 1.0) / 2.0, g_w / 2.0)
     itemsize = torch.empty((), dtype=dtype).element_size()
     # lambda, rho and the quadrature temporaries: ~4 (Q x C x P) buffers per query block.
-    q_block = max(1, int(memory_budget // (4 * n_out * P * itemsize)))
+    q_block = rows_per_block(memory_budget, 4 * n_out * P * itemsize,
+                             "The decomposition's adjoint buffers")
     # A batch's per-sample Jacobians (B x C x P) and loss gradients (B x P).
-    b_block = max(1, int(memory_budget // (2 * (n_out + 1) * P * itemsize)))
+    b_block = rows_per_block(memory_budget, 2 * (n_out + 1) * P * itemsize,
+                             "The decomposition's per-sample loss gradients")
     if _structured(traj, method):
         contributions, regularization = _decompose_sgd(
             module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,

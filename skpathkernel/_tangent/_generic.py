@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.func import functional_call, jacrev, vmap
 
+from .._memory import rows_per_block
+
 __all__ = ["per_sample_jacobian"]
 
 
@@ -41,7 +43,7 @@ def per_sample_jacobian(
     jac = vmap(jacrev(f_single), in_dims=(None, 0))
     n_free = sum(v.numel() for v in free.values())
     row_bytes = 4 * len(index) * n_free * X.element_size() + 1
-    chunk = max(1, int(memory_budget // row_bytes))
+    chunk = rows_per_block(memory_budget, row_bytes, "A per-sample Jacobian of the fallback layers")
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     for start in range(0, X.shape[0], chunk):
         xb = X[start : start + chunk]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .._memory import rows_per_block
 from ._capture import Capture, capture, forward, misfit_parameters
 from ._rules import Term
 
@@ -104,9 +105,14 @@ def _term_gram(tx: Term, ty: Term, mode: str, weight, layout) -> torch.Tensor:
     return G
 
 
-def _block_size(n_rows: int, budget: int, per_row: int, per_pair: int = 0) -> int:
-    """Largest b with 2 b per_row + b^2 per_pair <= budget (at least 1, at most n_rows)."""
+def _block_size(n_rows: int, budget: int, per_row: int, per_pair: int = 0,
+                what: str = "A tangent-kernel block") -> int:
+    """Largest b with 2 b per_row + b^2 per_pair <= budget (at most n_rows).
+
+    A budget too small for a single row is refused before any work, naming the bytes.
+    """
     per_row = max(per_row, 1)
+    rows_per_block(budget, 2 * per_row + per_pair, what)
     if per_pair <= 0:
         b = budget // (2 * per_row)
     else:

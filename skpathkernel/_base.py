@@ -317,6 +317,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
             n_params_=result.trajectory.n_params,
             n_outputs_=n_outputs,
             device_=str(device),
+            dtype_=self.dtype,
             _network_spec=spec,
         )
         for name, value in attrs.items():
@@ -331,7 +332,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         return X
 
     def _torch_dtype_device(self):
-        return resolve_dtype(self.dtype), torch.device(self.device_)
+        # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
+        return resolve_dtype(self.dtype_), torch.device(self.device_)
 
     def _forward(self, X) -> np.ndarray:
         """Network outputs (n_samples, n_outputs), float64, in memory-bounded blocks."""
@@ -490,7 +492,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
             )
             self.device_ = "cpu"
             device = torch.device("cpu")
-        dtype = resolve_dtype(state["dtype"])
+        dtype = resolve_dtype(state.get("dtype_", state["dtype"]))
         n_features = state["n_features_in_"]
         # The seed is irrelevant: every parameter and buffer is overwritten just below.
         module = _build_module(state["_network_spec"], n_features, state["n_outputs_"], 0,

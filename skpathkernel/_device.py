@@ -8,7 +8,13 @@ import numpy as np
 import torch
 
 __all__ = [
-    "resolve_device", "resolve_dtype", "seeded_torch", "to_numpy", "to_tensor", "torch_threads",
+    "fitted_dtype",
+    "resolve_device",
+    "resolve_dtype",
+    "seeded_torch",
+    "to_numpy",
+    "to_tensor",
+    "torch_threads",
 ]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -25,6 +31,12 @@ def resolve_device(device: str) -> torch.device:
             "Use device='auto' or device='cpu'."
         )
     return torch.device(device)
+
+
+def fitted_dtype(estimator) -> str:
+    """The dtype a fitted network lives in (``dtype_``), not the ``dtype`` parameter,
+    which ``set_params`` may have changed for the next fit."""
+    return getattr(estimator, "dtype_", None) or estimator.dtype
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

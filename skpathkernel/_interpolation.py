@@ -83,7 +83,7 @@ class Decomposition:
         return self.initial + self.contributions.sum(axis=1) + self.regularization
 
 
-def default_n_nodes(dtype: torch.dtype) -> int:
+def default_n_nodes(dtype: torch.dtype, solver: str = "sgd") -> int:
     """Gauss-Legendre nodes per step that reach the dtype's round-off (measured).
 
     The quadrature error falls like ``|dtheta|^(2 n)``. Measured max error on a
@@ -92,7 +92,9 @@ def default_n_nodes(dtype: torch.dtype) -> int:
     steps are ~10 lr, the second moment starting at 0) 7e-3, 4e-5, 2e-7, 6e-10, 2e-12, 4e-15.
     float32 reaches its round-off (~1e-7) at n = 3 for all three.
     """
-    return 3 if dtype == torch.float32 else 5
+    if dtype == torch.float32:
+        return 3
+    return 6 if solver == "rmsprop" else 5
 
 
 def _solver_coefficients(traj: Trajectory, t: int) -> tuple[float, float]:
@@ -230,9 +232,22 @@ def decompose(
     prediction = _outputs(module, traj, theta_T, X)
     n_q, n_out = prediction.shape
     P, N = traj.n_params, X_train.shape[0]
-    n_nodes = default_n_nodes(dtype) if n_nodes is None else n_nodes
+    n_nodes = default_n_nodes(dtype, traj.solver) if n_nodes is None else n_nodes
     g_s, g_w = np.polynomial.legendre.leggauss(n_nodes)
     nodes = ((g_s + 1.0) / 2.0, g_w / 2.0)
+    if _structured(traj, method):
+        # Per query row: its (C x B x C) Gram block and share, float64, B <= N.
+        q_rows = rows_per_block(memory_budget, 4 * n_out * n_out * N * 8,
+                                "The decomposition's query-by-batch Gram")
+        parts = [
+            _decompose_sgd(module, traj, X_train, Y_train, loss, X[q0 : q0 + q_rows],
+                           method=method, weighting=weighting, nodes=nodes,
+                           memory_budget=memory_budget)
+            for q0 in range(0, n_q, q_rows)
+        ]
+        contributions = np.concatenate([c for c, _ in parts])
+        regularization = np.concatenate([r for _, r in parts])
+        return _result(initial, prediction, contributions, regularization, method, weighting)
     itemsize = torch.empty((), dtype=dtype).element_size()
     # lambda, rho and the quadrature temporaries: ~4 (Q x C x P) buffers per query block.
     q_block = rows_per_block(memory_budget, 4 * n_out * P * itemsize,
@@ -240,11 +255,6 @@ def decompose(
     # A batch's per-sample Jacobians (B x C x P) and loss gradients (B x P).
     b_block = rows_per_block(memory_budget, 2 * (n_out + 1) * P * itemsize,
                              "The decomposition's per-sample loss gradients")
-    if _structured(traj, method):
-        contributions, regularization = _decompose_sgd(
-            module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
-            nodes=nodes, memory_budget=memory_budget)
-        return _result(initial, prediction, contributions, regularization, method, weighting)
     contributions = np.zeros((n_q, N, n_out))
     regularization = np.zeros((n_q, n_out))
     spec = traj.solver_spec

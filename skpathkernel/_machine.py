@@ -130,8 +130,9 @@ class _KernelMachineMixin(TransformerMixin):
             expected representation: equal for full-batch training, approximate (with
             its measured ``error``) for minibatches.
         n_nodes : int, default=None
-            Quadrature nodes per step for "exact": 3 for float32, 5 for float64 (the
-            counts that reached each dtype's round-off for sgd, adam and rmsprop).
+            Quadrature nodes per step for "exact": 3 for float32; 5 for float64 (6 for
+            rmsprop, whose first steps are the largest): the counts that reached each
+            dtype's round-off.
 
         Returns
         -------

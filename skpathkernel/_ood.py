@@ -40,7 +40,7 @@ from ._base import (
     keep_previous_fit_on_error,
     rows_per_block,
 )
-from ._device import resolve_dtype, to_numpy, to_tensor
+from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
 from ._machine import _FITTED_ATTRS_DOC, _SHARED_PARAMS_DOC, PathKernelClassifier, PathKernelMachine
 from ._parallel import map_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
@@ -600,7 +600,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     # ------------------------------------------------------------------ network views
     def _torch_dtype_device(self):
         # A prefitted network keeps its own dtype, whatever this detector's dtype says.
-        return resolve_dtype(self.estimator_.dtype), torch.device(self.estimator_.device_)
+        return resolve_dtype(fitted_dtype(self.estimator_)), torch.device(self.estimator_.device_)
 
     @property
     def tangent_kernel_(self):

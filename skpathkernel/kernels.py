@@ -23,7 +23,7 @@ from sklearn.gaussian_process.kernels import Kernel
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._base import check_representable
-from ._device import resolve_dtype, to_numpy, to_tensor
+from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
 from ._parallel import map_row_blocks, n_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
 
@@ -33,7 +33,7 @@ __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
 # --------------------------------------------------------------------------- helpers
 def _context(estimator):
     check_is_fitted(estimator, "trajectory_")
-    return resolve_dtype(estimator.dtype), torch.device(estimator.device_)
+    return resolve_dtype(fitted_dtype(estimator)), torch.device(estimator.device_)
 
 
 def _validate(estimator, X, name="X"):

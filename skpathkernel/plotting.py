@@ -26,6 +26,8 @@ import numpy as np
 from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.validation import check_array, check_is_fitted
 
+from ._device import fitted_dtype
+
 __all__ = [
     "KernelEvolutionDisplay",
     "KernelMatrixDisplay",
@@ -666,7 +668,7 @@ class RankGapDisplay:
         X_test = check_array(X_test, dtype=np.float64)
         X = np.vstack([X_train, X_test])
         if rtol is None:
-            rtol = float(np.sqrt(X.shape[0] * np.finfo(estimator.dtype).eps))
+            rtol = float(np.sqrt(X.shape[0] * np.finfo(fitted_dtype(estimator)).eps))
         elif not np.isfinite(rtol) or not 0 <= rtol < 1:
             raise ValueError(f"rtol must be in [0, 1), got {rtol!r}.")
         points = _recorded_points(estimator, steps)

@@ -83,3 +83,22 @@ def test_kernel_attributes(fitted):
     assert not hasattr(unfitted, "path_kernel_")
     with pytest.raises(NotFittedError):
         unfitted.tangent_kernel_  # noqa: B018
+
+
+def test_set_params_dtype_after_fit_keeps_the_fitted_network_usable(fitted):
+    """dtype is a parameter of the next fit; the fitted network keeps its own (dtype_)."""
+    import pickle
+
+    X, _, _ = fitted
+    rng = np.random.RandomState(1)
+    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=3, random_state=0)
+    est.fit(X, rng.normal(size=len(X)))
+    before = (est.predict(X), est.tangent_kernel_(X[:4]), est.decompose(X[:2]).prediction)
+    est.set_params(dtype="float64")
+    assert est.dtype_ == "float32"
+    after = (est.predict(X), est.tangent_kernel_(X[:4]), est.decompose(X[:2]).prediction)
+    for a, b in zip(before, after):
+        assert_array_equal(a, b)
+    loaded = pickle.loads(pickle.dumps(est))
+    assert next(loaded.module_.parameters()).dtype == torch.float32
+    assert_array_equal(loaded.predict(X), before[0])

@@ -259,15 +259,17 @@ def test_blocks_kept_between_column_blocks(monkeypatch):
         real_init(self, *args, **kw)
         blocks.append(len(self.slices))
 
-    monkeypatch.setattr(_gram, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # Count block captures only (the one-sample probes of the misfit check are not blocks).
+    monkeypatch.setattr(_gram, "capture",
+                        lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     monkeypatch.setattr(_gram._Blocks, "__init__", spy_init)
     K = tangent_gram(module, params, X, memory_budget=2 * per_row * len(X) + 64)
     assert blocks[0] > 2
     # Recomputing would capture n + n (n - 1) / 2 blocks; keeping captures each once.
-    assert len(calls) - 1 == blocks[0]
+    assert sum(rows > 1 for rows in calls) == blocks[0]
     calls.clear()
     _close(K, tangent_gram(module, params, X), 1e-13)
-    assert len(calls) == 2  # probe + one block
+    assert sum(rows > 1 for rows in calls) == 1  # one block
 
 
 def _at_smallest_budget(fn, *args, **kw):
@@ -409,3 +411,68 @@ def test_projection_never_forms_jacobian_for_linear_nets(monkeypatch):
     module, params, X, _ = _make("raw", 2)
     with pytest.raises(AssertionError, match="dense"):
         project_tangent_features(module, params, X, 32, random_state=0)
+
+
+class _SwitchableReuse(torch.nn.Module):
+    """A weight read outside its layer's call, only once ``reuse`` is switched on."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(3, 5)
+        self.l2 = torch.nn.Linear(5, 1)
+        self.reuse = False
+
+    def forward(self, x):
+        out = self.l2(torch.tanh(self.l1(x)))
+        if self.reuse:
+            out = out + (x @ self.l1.weight.T).sum(1, keepdim=True)
+        return out
+
+
+def test_misfit_check_sees_a_module_changed_between_calls():
+    torch.manual_seed(0)
+    module = _SwitchableReuse().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(6, 3, dtype=torch.float64)
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
+    module.reuse = True  # same names and shapes, different use of l1.weight
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
+
+
+class _ReuseOnPositiveInputs(torch.nn.Module):
+    """The extra use of l1.weight has zero gradient on samples with x[0] < 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(3, 5)
+        self.l2 = torch.nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x))) + torch.relu(x[:, :1]) * self.l1.weight.sum()
+
+
+def test_misfit_check_is_not_fooled_by_the_first_sample():
+    torch.manual_seed(0)
+    module = _ReuseOnPositiveInputs().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(7, 3, dtype=torch.float64)
+    X[0, 0] = -1.0  # the first sample hides the extra use
+    X[-1, 0] = 1.0
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
+    Y = torch.randn(4, 3, dtype=torch.float64)
+    Y[:, 0] = -Y[:, 0].abs()  # all of Y hides it too; X's rows reveal it
+    JY = _loop_jacobian(module, params, Y)
+    _close(tangent_gram(module, params, Y, X), JY[:, 0] @ J[:, 0].T)
+
+
+def test_params_y_is_matched_by_name():
+    module, params, X, Y = _make("mlp", 1)
+    other = {k: v + 0.1 for k, v in params.items()}
+    shuffled = dict(reversed(list(other.items())))
+    _close(tangent_gram(module, params, X, Y, params_y=shuffled),
+           tangent_gram(module, params, X, Y, params_y=other))
+    with pytest.raises(ValueError, match="same parameters"):
+        tangent_gram(module, params, X, Y, params_y=dict(list(other.items())[:-1]))

@@ -16,7 +16,6 @@ recomputed block by block otherwise.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 
 import torch
@@ -29,8 +28,6 @@ __all__ = ["tangent_features", "tangent_gram", "tangent_gram_diag"]
 
 DEFAULT_MEMORY_BUDGET = 2**30
 
-# module -> {(parameter names, outputs, dtype, device): parameters routed to the fallback}
-_MISFITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _resolve_output(output, n_outputs: int) -> tuple[list[int], str]:
@@ -142,27 +139,50 @@ class _Blocks:
         return cap
 
 
-def _prepare(module, params, X, output, memory_budget):
+def _probe_rows(X: torch.Tensor) -> list[torch.Tensor]:
+    """First, middle and last samples: where a misused parameter shows in the gradient."""
+    n = X.shape[0]
+    return [X[i : i + 1] for i in sorted({0, n // 2, n - 1})]
+
+
+def _prepare(module, params, X, output, memory_budget, Y=None, params_y=None):
     params = dict(params)
     if X.ndim != 2 or X.shape[0] == 0:
         raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
     n_outputs = forward(module, params, X[:1]).shape[1]
     outputs, mode = _resolve_output(output, n_outputs)
-    # One sample's factors give the per-row size of every block's factors, and a check
-    # against autograd on that sample routes misused rule layers to the fallback.
+    # One sample's factors give the per-row size of every block's factors. A check against
+    # autograd routes misused rule layers (a weight also read outside its layer's call) to
+    # the fallback. It runs on every call, at the call's own parameters and on a few rows of
+    # each side: a use that vanishes on one sample, or at one point of the path, must not
+    # hide (a result cached across calls would go stale if the module changes).
     probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget)
-    key = (tuple(params), tuple(outputs), X.dtype, X.device)
-    known = _MISFITS.setdefault(module, {})
-    if key not in known:
-        # The check is structural (which parameters are read outside their layer's call),
-        # so it runs once per module: callers such as the path kernel and the
-        # decomposition evaluate the same module at hundreds of parameter points.
-        known[key] = misfit_parameters(module, params, X[:1], probe, outputs)
-    exclude = known[key]
+    exclude = misfit_parameters(module, params, X[:1], probe, outputs)
+    sides = [(params, _probe_rows(X)[1:])]
+    if Y is not None:
+        sides.append((params if params_y is None else dict(params_y), _probe_rows(Y)))
+    for side_params, rows in sides:
+        for x in rows:
+            cap = capture(module, side_params, x, outputs, memory_budget=memory_budget)
+            exclude |= misfit_parameters(module, side_params, x, cap, outputs)
     if exclude:
         probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                         exclude=exclude)
     return params, outputs, mode, probe
+
+
+def _matching(params, params_y) -> dict[str, torch.Tensor]:
+    """params_y in params' order (the two sides' terms are paired by position)."""
+    params_y = dict(params_y)
+    if set(params_y) != set(params):
+        raise ValueError(
+            "params_y must name the same parameters as params; missing "
+            f"{sorted(set(params) - set(params_y))}, extra {sorted(set(params_y) - set(params))}."
+        )
+    bad = [k for k, v in params.items() if params_y[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"params_y has shapes that differ from params for {bad}.")
+    return {k: params_y[k] for k in params}
 
 
 def _check_weight(diag_weight, params, X):
@@ -222,11 +242,15 @@ def tangent_gram(
     -------
     K : torch.Tensor of shape (n_samples_X, n_samples_Y), or (n_X, C, n_Y, C) for "full"
     """
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget)
+    if params_y is not None:
+        params_y = _matching(params, params_y)
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget,
+                                            Y=Y if Y is not None or params_y is None else X,
+                                            params_y=params_y)
     weight = _check_weight(diag_weight, params, X)
     symmetric = Y is None and params_y is None
     Y = X if Y is None else Y
-    params_y = params if params_y is None else dict(params_y)
+    params_y = params if params_y is None else params_y
     if Y.ndim != 2 or Y.shape[1] != X.shape[1]:
         raise ValueError(f"Y must have shape (n, {X.shape[1]}), got {tuple(Y.shape)}.")
     n_out = len(outputs)

@@ -41,7 +41,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 
 from ._losses import Loss
 from ._memory import rows_per_block
-from ._tangent import tangent_features, tangent_gram
+from ._tangent import forward, tangent_features, tangent_gram
 from ._trajectory import Trajectory
 
 __all__ = ["Decomposition", "decompose"]
@@ -113,11 +113,6 @@ def _params(traj: Trajectory, flat: torch.Tensor):
     return dict(traj.unflatten(flat))
 
 
-def _outputs(module, traj, flat, X):
-    with torch.no_grad():
-        return functional_call(module, _params(traj, flat), (X,))
-
-
 def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P)."""
     params, tangent = _params(traj, theta), _params(traj, delta)
@@ -154,9 +149,7 @@ def _rows(module, traj, theta, delta, X, method, nodes, budget) -> torch.Tensor:
 def _loss_gradients(module, traj, theta, X, Y, loss: Loss, budget) -> torch.Tensor:
     """Per-sample loss gradients J(x_i)^T r_i at theta, shape (B, P)."""
     params = _params(traj, theta)
-    with torch.no_grad():
-        out = functional_call(module, params, (X,))
-    r = loss.residuals(out, Y)
+    r = loss.residuals(forward(module, params, X), Y)
     J = tangent_features(module, params, X, output="full", memory_budget=budget)
     return torch.einsum("bcp,bc->bp", J, r.to(J.dtype))
 
@@ -183,9 +176,7 @@ def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting
         idx = (torch.as_tensor(batches[t], device=device) if weighting == "realized"
                else torch.arange(N, device=device))
         params_t = _params(traj, theta)
-        with torch.no_grad():
-            out = functional_call(module, params_t, (X_train[idx],))
-        r = loss.residuals(out, Y_train[idx])
+        r = loss.residuals(forward(module, params_t, X_train[idx]), Y_train[idx])
         decay = _params(traj, wd * theta) if wd else None
         for sk, wk in zip(s_nodes, w_nodes):
             params_k = _params(traj, theta + float(sk) * delta)
@@ -228,8 +219,8 @@ def decompose(
     device, dtype = X.device, traj.dtype
     theta_0 = traj.parameters(0).to(device)
     theta_T = traj.parameters(-1).to(device)
-    initial = _outputs(module, traj, theta_0, X)
-    prediction = _outputs(module, traj, theta_T, X)
+    initial = forward(module, _params(traj, theta_0), X)
+    prediction = forward(module, _params(traj, theta_T), X)
     n_q, n_out = prediction.shape
     P, N = traj.n_params, X_train.shape[0]
     n_nodes = default_n_nodes(dtype, traj.solver) if n_nodes is None else n_nodes
@@ -300,15 +291,15 @@ def decompose(
 
 
 def _result(initial, prediction, contributions, regularization, method, weighting):
-    initial = initial.double().cpu().numpy()
-    prediction = prediction.double().cpu().numpy()
-    recon = initial + contributions.sum(axis=1) + regularization
-    return Decomposition(
-        initial=initial,
+    result = Decomposition(
+        initial=initial.double().cpu().numpy(),
         contributions=contributions,
         regularization=regularization,
-        prediction=prediction,
-        error=float(np.max(np.abs(recon - prediction))) if len(prediction) else 0.0,
+        prediction=prediction.double().cpu().numpy(),
+        error=0.0,
         method=method,
         weighting=weighting,
     )
+    if len(result.prediction):
+        result.error = float(np.max(np.abs(result.reconstruction - result.prediction)))
+    return result

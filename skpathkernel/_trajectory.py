@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,7 +51,6 @@ class SolverSpec:
     epsilon: float = 1e-8
     rmsprop_alpha: float = 0.99
     weight_decay: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {

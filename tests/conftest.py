@@ -6,9 +6,12 @@ from hypothesis import settings
 
 @pytest.fixture(autouse=True)
 def _few_threads():
-    # Two cores on CI: keep torch from oversubscribing when pytest-xdist runs workers.
+    # Two cores on CI: keep torch from oversubscribing when pytest-xdist runs workers, and
+    # the tests' tiny networks gain nothing from intra-op threads. Restored after each test.
+    n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads(n_threads)
 
 
 @pytest.fixture

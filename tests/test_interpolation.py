@@ -10,6 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -31,22 +32,12 @@ def data():
 
 
 def _module_at(est, k):
-    module = copy.deepcopy(est.module_)
-    module.load_state_dict(est.trajectory_.state_dict(k))
-    return module
+    return module_at(est, k)
 
 
 def _jacobian_loop(module, X):
     """(n, C, P) Jacobian by one autograd call per sample and output."""
-    rows = []
-    for x in torch.as_tensor(X):
-        out = module(x[None])[0]
-        rows.append(torch.stack([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-                out[c], list(module.parameters()), retain_graph=True)])
-            for c in range(out.shape[0])
-        ]))
-    return torch.stack(rows).detach()
+    return jacobian_loop(module, X)
 
 
 def _brute_force(est, X_train, Y_train, per_sample_loss, X, n_nodes=6):

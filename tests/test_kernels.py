@@ -1,11 +1,10 @@
 """TangentKernel / PathKernel against explicit sums of per-sample-loop Grams."""
 
-import copy
 import pickle
 
 import numpy as np
 import pytest
-import torch
+from _reference import jacobian_loop, module_at
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.gaussian_process import GaussianProcessRegressor
@@ -17,15 +16,6 @@ from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel.kernels import PathKernel, TangentKernel, path_weights, step_kernel
 
 RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # The networks are tiny: on shared cores, parallel regions only add stalls.
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
 
 
 def _data(n=14, d=2, seed=0):
@@ -47,19 +37,8 @@ def _fit(solver="sgd", momentum=0.0, record_every=1, multi=False, dtype="float64
 
 
 def _loop_jacobian(est, point, X):
-    """(n, C, P) at recorded point ``point``: autograd.grad of each output, sample by sample."""
-    module = copy.deepcopy(est.module_).to(torch.float64)
-    module.load_state_dict(est.trajectory_.state_dict(point), strict=False)
-    plist = [p for p in module.parameters() if p.requires_grad]
-    rows = []
-    for x in torch.as_tensor(X, dtype=torch.float64):
-        f = module(x.unsqueeze(0)).reshape(-1)
-        rows.append(torch.stack([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(f[c], plist,
-                                                                   retain_graph=True)])
-            for c in range(f.shape[0])
-        ]))
-    return torch.stack(rows).numpy()
+    """(n, C, P) at recorded point ``point``: the autograd loop of tests/_reference.py."""
+    return jacobian_loop(module_at(est, point), X).numpy()
 
 
 def _loop_gram(est, point, X, Y, D=None, output="trace"):

@@ -1,10 +1,10 @@
 """Estimator-level tangent features, kernels and neighbours against independent loops."""
 
-import copy
 
 import numpy as np
 import pytest
 import torch
+from _reference import features_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import NotFittedError
 
@@ -12,17 +12,7 @@ from skpathkernel import PathKernelClassifier, PathKernelMachine
 
 
 def _phi_loop(est, X, k=-1):
-    module = copy.deepcopy(est.module_)
-    module.load_state_dict(est.trajectory_.state_dict(k))
-    rows = []
-    for x in torch.as_tensor(X):
-        out = module(x[None])[0]
-        rows.append(torch.cat([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-                out[c], list(module.parameters()), retain_graph=True)])
-            for c in range(out.shape[0])
-        ]) / np.sqrt(out.shape[0]))
-    return torch.stack(rows).detach().numpy()
+    return features_loop(module_at(est, k), X)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _reference import features_loop
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
@@ -19,16 +20,7 @@ SMALL = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.01, m
 
 def dense_features(det, X):
     """phi(x) by a per-sample autograd loop: rows of the flattened Jacobian / sqrt(C)."""
-    module = det.estimator_.module_
-    params = [p for p in module.parameters() if p.requires_grad]
-    rows = []
-    for x in torch.as_tensor(np.asarray(X), dtype=torch.float64):
-        out = module(x[None])[0]
-        grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params,
-                                                                       retain_graph=True)])
-                 for o in out]
-        rows.append(torch.cat(grads) / np.sqrt(len(out)))
-    return torch.stack(rows).detach().numpy()
+    return features_loop(det.estimator_.module_, X)
 
 
 def lstsq_residual(Phi_train, Phi):

@@ -1,6 +1,5 @@
 """Displays: their data against independent computations, and the Display contract."""
 
-import copy
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-import torch
+from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -31,19 +30,8 @@ def _close_figures():
 
 
 def _loop_jacobian(est, point, X):
-    """(n, C, P): torch.autograd.grad of each output, one sample at a time."""
-    module = copy.deepcopy(est.module_).to(torch.float64)
-    module.load_state_dict(est.trajectory_.state_dict(point), strict=False)
-    plist = [p for p in module.parameters() if p.requires_grad]
-    rows = []
-    for x in torch.as_tensor(np.asarray(X), dtype=torch.float64):
-        f = module(x.unsqueeze(0)).reshape(-1)
-        rows.append(torch.stack([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(f[c], plist,
-                                                                   retain_graph=True)])
-            for c in range(f.shape[0])
-        ]))
-    return torch.stack(rows).numpy()
+    """(n, C, P) at recorded point ``point``: the autograd loop of tests/_reference.py."""
+    return jacobian_loop(module_at(est, point), X).numpy()
 
 
 def _loop_gram(est, point, X, Y=None, normalized=True):

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from _reference import jacobian_loop
 from torch import nn
 
 from skpathkernel import _tangent
@@ -20,15 +21,6 @@ from skpathkernel._tangent import (
 )
 
 RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # The networks are tiny: on shared cores, parallel regions only add stalls.
-    n_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n_threads)
 
 
 # ----------------------------------------------------------------------- modules
@@ -114,19 +106,8 @@ def _make(kind, n_out, dtype=torch.float64, seed=0):
 
 
 def _loop_jacobian(module, params, X):
-    """(n, C, P): torch.autograd.grad of f(x_i)[c] w.r.t. all parameters, one at a time."""
-    ref = _copy_with(module, params)
-    names = list(params)
-    plist = [dict(ref.named_parameters())[k] for k in names]
-    rows = []
-    for x in X.to(torch.float64):
-        f = ref(x.unsqueeze(0)).reshape(-1)
-        per_output = []
-        for c in range(f.shape[0]):
-            grads = torch.autograd.grad(f[c], plist, retain_graph=True)
-            per_output.append(torch.cat([g.reshape(-1) for g in grads]))
-        rows.append(torch.stack(per_output))
-    return torch.stack(rows)
+    """(n, C, P): the autograd loop of tests/_reference.py on a float64 copy at params."""
+    return jacobian_loop(_copy_with(module, params), X)
 
 
 def _copy_with(module, params):

@@ -13,7 +13,6 @@ from skpathkernel._tangent import (
     _capture,
     _gram,
     capture,
-    misfit_parameters,
     project_tangent_features,
     tangent_features,
     tangent_gram,
@@ -146,10 +145,8 @@ def test_features_match_loop(kind, n_out):
 def test_fallback_routing(kind):
     module, params, X, _ = _make(kind, 2)
     cap = capture(module, params, X, [0, 1], memory_budget=2**20)
-    exclude = misfit_parameters(module, params, X[:1], cap, [0, 1])
-    # Only the parameter that is read outside its layer shows up in the autograd check.
-    assert exclude == ({"lin.weight"} if kind == "outside" else set())
-    cap = capture(module, params, X, [0, 1], memory_budget=2**20, exclude=exclude)
+    # Only the parameter that is read outside its layer is found by the use watch.
+    assert cap.exclude == ({"lin.weight"} if kind == "outside" else set())
     assert set(cap.fallback) == FALLBACK[kind]
     covered = [name for t in cap.terms for name, _ in t.inputs]
     assert sorted(covered) == sorted(params)
@@ -175,7 +172,7 @@ def test_inplace_activation_after_linear():
     X = torch.randn(8, 3, dtype=torch.float64)
     cap = capture(module, params, X, [0, 1], memory_budget=2**20)
     assert cap.fallback == ()
-    assert not misfit_parameters(module, params, X[:1], cap, [0, 1])
+    assert not cap.exclude
     J = _loop_jacobian(module, params, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
@@ -457,3 +454,116 @@ def test_params_y_is_matched_by_name():
            tangent_gram(module, params, X, Y, params_y=other))
     with pytest.raises(ValueError, match="same parameters"):
         tangent_gram(module, params, X, Y, params_y=dict(list(other.items())[:-1]))
+
+
+# ------------------------------------------------------------ symmetric panels
+@pytest.mark.parametrize("kind", ["mlp", "raw", "conv"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_symmetric_panels_match_loop(kind, weighted, monkeypatch):
+    # Panels of 2 rows on 9 samples: 5 panels, the last one a single row.
+    module, params, X, _ = _make(kind, 2)
+    JX = _loop_jacobian(module, params, X)
+    D = torch.ones(JX.shape[2], dtype=JX.dtype)
+    if weighted:
+        D = torch.rand(JX.shape[2], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JX)
+    shapes = []
+    real = _gram._gram_into
+    monkeypatch.setattr(_gram, "_panel_rows", lambda device: 2)
+    monkeypatch.setattr(_gram, "_gram_into",
+                        lambda out, *a: shapes.append(tuple(out.shape)) or real(out, *a))
+    for output in ("trace", "full", 1):
+        shapes.clear()
+        K = tangent_gram(module, params, X, output=output, diag_weight=D if weighted else None)
+        ref = (full if output == "full" else full[:, 1, :, 1] if output == 1
+               else torch.einsum("ncmc->nm", full) / 2)
+        _close(K, ref)
+        # Each panel starts at the diagonal: the blocks below it are never computed.
+        rows = [(min(2, 9 - s), 9 - s) for s in range(0, 9, 2)]
+        assert [(sh[0], sh[2] if output == "full" else sh[1]) for sh in shapes] == rows
+        flat = K.reshape(len(X) * (2 if output == "full" else 1), -1)
+        assert torch.equal(flat, flat.T)
+
+
+def test_symmetric_gram_over_many_real_panels():
+    # More rows than one CPU panel: the default panels, against the loop.
+    torch.manual_seed(0)
+    module = _mlp(1).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(600, 3, dtype=torch.float64)
+    J = _loop_jacobian(module, params, X)[:, 0]
+    K = tangent_gram(module, params, X)
+    _close(K, J @ J.T)
+    assert torch.equal(K, K.T)
+
+
+# ------------------------------------------------------------------- use watch
+class _Square(torch.autograd.Function):
+    generate_vmap_rule = True  # the fallback differentiates it under vmap
+
+    @staticmethod
+    def forward(w):
+        return (w * w).sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return 2 * w * grad
+
+
+class _ReadThrough(nn.Module):
+    """l1.weight read outside l1 in one of several ways; "meta" reads only metadata."""
+
+    def __init__(self, how, read_from_call=0):
+        super().__init__()
+        self.l1, self.l2, self.how = nn.Linear(3, 5), nn.Linear(5, 1), how
+        self.calls, self.read_from_call = 0, read_from_call
+
+    def forward(self, x):
+        out = self.l2(torch.tanh(self.l1(x)))
+        w = self.l1.weight
+        if self.how == "property":
+            return out + (x @ w.T[:, :1])
+        if self.how == "function":  # a custom autograd.Function: forward runs without grad
+            return out + _Square.apply(w) * x[:, :1]
+        if self.how == "late":  # from the read_from_call-th forward on
+            self.calls += 1
+            return out + (x[:, :1] * w.sum() if self.calls > self.read_from_call else 0.0)
+        assert w.shape == (5, 3) and w.size(0) == 5 and w.detach().dtype == x.dtype
+        return out
+
+
+@pytest.mark.parametrize("how", ["property", "function", "meta"])
+def test_use_watch_routes_outside_reads_to_fallback(how):
+    torch.manual_seed(0)
+    module = _ReadThrough(how).double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(7, 3, dtype=torch.float64)
+    cap = capture(module, params, X, [0], memory_budget=2**20)
+    # Metadata reads leave the layer on its rule; any other read sends it to the fallback.
+    assert cap.exclude == (set() if how == "meta" else {"l1.weight"})
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(tangent_gram(module, params, X), J @ J.T)
+    _close(tangent_features(module, params, X), J)
+
+
+def test_misfit_found_in_a_later_block_reroutes_every_block(monkeypatch):
+    # The read outside l1 starts at the 4th forward: the 1-row forward, the probe and
+    # block 0 see none, block 1 does (as a use that depends on the data would).
+    torch.manual_seed(0)
+    module = _ReadThrough("late", read_from_call=3).double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(2, 3, dtype=torch.float64)
+    always = _ReadThrough("late").double()
+    J = _loop_jacobian(always, params, X)[:, 0]
+    starts = []
+    real = _gram._prepare
+    monkeypatch.setattr(_gram, "_prepare", lambda *a: starts.append(a[5]) or real(*a))
+    K = tangent_gram(module, params, X, memory_budget=1800)  # blocks of one row
+    _close(K, J @ J.T)
+    # The first pass routed l1 to its rule, met the read in block 1, started over.
+    assert starts == [frozenset(), frozenset({"l1.weight"})]

@@ -6,7 +6,7 @@ today) contribute Kronecker factors and never materialise their per-sample gradi
 everything else goes through a chunked ``torch.func`` fallback (:mod:`._generic`).
 """
 
-from ._capture import capture, forward, misfit_parameters
+from ._capture import capture, forward
 from ._generic import per_sample_jacobian
 from ._gram import tangent_features, tangent_gram, tangent_gram_diag
 from ._projection import project_tangent_features
@@ -18,7 +18,6 @@ __all__ = [
     "Term",
     "capture",
     "forward",
-    "misfit_parameters",
     "per_sample_jacobian",
     "project_tangent_features",
     "register_rule",

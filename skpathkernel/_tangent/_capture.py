@@ -9,7 +9,8 @@ no cross-sample state), so the gradient of the sum is the per-sample gradient.
 A layer goes to the generic fallback instead (:mod:`._generic`) when its rule does not
 accept its input (e.g. a Linear on a 3-D input), when it runs more than once per forward
 (its output hook would see only one of the calls), or when one of its parameters is shared
-with another module (tied weights: the rule would see one use only).
+with another module (tied weights: the rule would see one use only), or when one of its
+parameters is read outside the layer's own call (see :class:`_UseWatch`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from ._generic import per_sample_jacobian
 from ._rules import RULES, Term
 
-__all__ = ["Capture", "capture", "forward", "misfit_parameters"]
+__all__ = ["Capture", "capture", "forward"]
 
 
 @dataclass
@@ -32,7 +34,9 @@ class Capture:
     """Factors of the per-sample gradients of a block of samples.
 
     ``terms`` cover every parameter of ``params`` exactly once; ``fallback`` names the
-    parameters whose terms are dense Jacobians from the generic fallback.
+    parameters whose terms are dense Jacobians from the generic fallback; ``exclude``
+    names the parameters whose layers were sent to the fallback because a parameter of
+    theirs is read outside the layer (given by the caller or found by this capture).
     """
 
     terms: list[Term]
@@ -78,6 +82,52 @@ def _rule_layers(module, params, exclude=frozenset()):
     return layers
 
 
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+class _UseWatch(TorchFunctionMode):
+    """Names the rule-layer parameters that a forward pass reads outside their layer.
+
+    A rule only sees its layer's call: if a weight is also read elsewhere (e.g.
+    ``x @ self.lin.weight.T`` in a parent's ``forward``), the factors miss that part of
+    the gradient. Every torch function called during the forward passes through here;
+    a call that takes one of the watched parameters while the innermost running rule
+    layer is not its owner, and that returns a tensor gradients can flow through, marks
+    the parameter. This is structural, so it holds for every sample and every value of
+    the parameters (a numerical probe on a few samples can miss a use whose gradient
+    vanishes there). A call under disabled grad (a custom ``autograd.Function``'s
+    ``forward``) is marked too: its backward may route a gradient to the parameter.
+    Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. Code that
+    torch functions do not see (TorchScript functions, C++ extensions) is not watched.
+    """
+
+    def __init__(self, owners: dict[int, tuple[int, str]]):
+        super().__init__()
+        self.owners = owners
+        self.running: list[int] = []
+        self.misfits: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in _tensors((args, kwargs)):
+            owner = self.owners.get(id(t))
+            if owner is None or (self.running and self.running[-1] == owner[0]):
+                continue
+            grad_off = not torch.is_grad_enabled()
+            if any(grad_off or o.requires_grad for o in _tensors(out)):
+                self.misfits.add(owner[1])
+        return out
+
+
 def capture(
     module: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -101,27 +151,39 @@ def capture(
     memory_budget : int
         Bytes for the fallback's Jacobian chunks.
     exclude : frozenset of str, default=frozenset()
-        Parameters whose layers must use the fallback (see :func:`misfit_parameters`).
+        Parameters whose layers must use the fallback, on top of those this capture finds
+        read outside their layer (the returned ``Capture.exclude`` holds both).
     """
     layers = _rule_layers(module, params, exclude)
     seen: dict[int, list] = {id(layer): [] for layer, _, _ in layers}
+    # Parameters that require grad give every layer output a graph back to f; only the
+    # layer outputs are differentiated, so no parameter gradient is ever computed.
+    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    watch = _UseWatch({id(live[full]): (id(layer), full)
+                       for layer, _, names in layers for full in names.values()})
+
+    def pre_hook(layer, args):
+        watch.running.append(id(layer))
 
     def hook(layer, args, output):
+        watch.running.pop()
         seen[id(layer)].append((args[0] if args else None, output))
         # The layer hands on a copy: a later in-place op (ReLU(inplace=True)) then
         # rewrites the copy, and d f / d output stays the backprop of the layer's own z.
         return output.clone() if isinstance(output, torch.Tensor) else None
 
-    handles = [layer.register_forward_hook(hook) for layer, _, _ in layers]
-    # Parameters that require grad give every layer output a graph back to f; only the
-    # layer outputs are differentiated, so no parameter gradient is ever computed.
-    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    handles = [h for layer, _, _ in layers for h in (layer.register_forward_pre_hook(pre_hook),
+                                                      layer.register_forward_hook(hook))]
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), watch:
             f = functional_call(module, live, (X,)).reshape(X.shape[0], -1)
     finally:
         for h in handles:
             h.remove()
+    if watch.misfits:
+        # Every parameter of a layer with a misread parameter goes to the fallback.
+        return capture(module, params, X, outputs, memory_budget=memory_budget,
+                       exclude=exclude | frozenset(watch.misfits))
 
     accepted = []
     for layer, rule, names in layers:
@@ -141,7 +203,8 @@ def capture(
                                     allow_unused=True)
             grads.append([torch.zeros_like(z) if gz is None else gz for z, gz in zip(zs, g)])
         for j, (layer, rule, names, a, _) in enumerate(accepted):
-            delta = torch.stack([g[j] for g in grads], dim=1).detach()
+            delta = (grads[0][j].unsqueeze(1) if len(grads) == 1
+                     else torch.stack([g[j] for g in grads], dim=1)).detach()
             for term in rule.factors(layer, a, delta, names):
                 terms_by_name[term.inputs[0][0]] = term
     del f, live
@@ -156,42 +219,3 @@ def capture(
     order = {name: i for i, name in enumerate(params)}
     terms = sorted(terms_by_name.values(), key=lambda t: order[t.inputs[0][0]])
     return Capture(terms=terms, fallback=fallback, exclude=exclude)
-
-
-def misfit_parameters(
-    module: torch.nn.Module,
-    params: Mapping[str, torch.Tensor],
-    x: torch.Tensor,
-    cap: Capture,
-    outputs: Sequence[int],
-) -> frozenset[str]:
-    """Rule-covered parameters whose factors disagree with autograd on one sample.
-
-    A rule only sees its layer's call. If a parameter is also read elsewhere (e.g.
-    ``x @ self.lin.weight.T`` in a parent's ``forward``), the factors miss that part of
-    the gradient, and nothing in the module structure says so. One backward pass per
-    output on a single sample ``x`` (shape (1, n_features)) catches it: the parameters
-    returned here must go to the fallback.
-    """
-    covered = [name for term in cap.terms for name, _ in term.inputs
-               if name not in cap.fallback]
-    if not covered:
-        return frozenset()
-    factors = {name: (term.delta, a) for term in cap.terms for name, a in term.inputs}
-    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-    with torch.enable_grad():
-        f = functional_call(module, live, (x,)).reshape(1, -1)
-    tol = 10 * torch.finfo(x.dtype).eps ** 0.5
-    bad = set()
-    for i, c in enumerate(outputs):
-        grads = torch.autograd.grad(f[0, c], [live[n] for n in covered],
-                                    retain_graph=i < len(outputs) - 1, allow_unused=True)
-        scale = max(float(g.abs().max()) for g in grads if g is not None) if any(
-            g is not None for g in grads) else 0.0
-        for name, g in zip(covered, grads):
-            delta, a = factors[name]
-            rule = delta[0, i] if a is None else torch.outer(delta[0, i], a[0])
-            g = torch.zeros_like(rule) if g is None else g.reshape(rule.shape)
-            if float((g - rule).abs().max()) > tol * max(scale, 1e-30):
-                bad.add(name)
-    return frozenset(bad)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._gram import DEFAULT_MEMORY_BUDGET, _block_size, _Blocks, _prepare
+from ._gram import DEFAULT_MEMORY_BUDGET, _block_size, _Blocks, _consistent_routing, _prepare
 
 __all__ = ["project_tangent_features"]
 
@@ -53,6 +53,7 @@ def _dense_project(U: torch.Tensor, seed: int, key: tuple[int, ...], k: int) -> 
     return out
 
 
+@_consistent_routing
 def project_tangent_features(
     module: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -62,6 +63,7 @@ def project_tangent_features(
     random_state: int | None = None,
     output: str | int = "trace",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    exclude: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Random projection ``z`` of the tangent features with ``E[z(x) . z(x')] = K(x, x')``.
 
@@ -73,6 +75,9 @@ def project_tangent_features(
         Number of random components ``k``.
     random_state : int or None, default=None
         Seed of the random directions; ``None`` draws a fresh seed from torch's global RNG.
+    exclude : frozenset of str, default=frozenset()
+        Parameters whose layers must use the generic fallback. Layers with a parameter
+        read outside their own call are found by every capture and added to these.
 
     Returns
     -------
@@ -94,7 +99,7 @@ def project_tangent_features(
     if random_state is None:
         random_state = int(torch.randint(0, 2**62, (1,)).item())
     seed = int(random_state)
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget)
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude)
     index = {name: i for i, name in enumerate(params)}
     n_out = len(outputs)
     itemsize = X.element_size()

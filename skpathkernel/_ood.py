@@ -105,7 +105,10 @@ def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
     """
     n = diag.shape[0]
     res = diag.clone()
-    G = diag.new_zeros((n, min(max_rank, 2 * block)))
+    # G is held transposed, (max_rank, N) row-major and never zeroed: its memory is only
+    # faulted in as pivots fill its rows, so resident memory follows the rank reached,
+    # with no growth copy (a column of a row-major (N, max_rank) G would touch every page).
+    G = diag.new_empty((max_rank, n)).T
     pivots: list[int] = []
     k = 0
     while k < max_rank:
@@ -143,9 +146,6 @@ def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
         L = torch.stack(L_cols, dim=1)[J]  # lower triangular in pivot order
         new = torch.linalg.solve_triangular(L, C[:, J].T, upper=False).T
         m = len(order)
-        if k + m > G.shape[1]:
-            grow = min(max_rank, max(2 * G.shape[1], k + m)) - G.shape[1]
-            G = torch.cat([G, G.new_zeros((n, grow))], dim=1)
         G[:, k : k + m] = new
         k += m
         pivots.extend(int(cand[j]) for j in order)
@@ -171,6 +171,11 @@ def _loo_relative_residuals(G, diag, lam):
     inv_diag += (1.0 - (Q * Q).sum(1)).clamp(min=0) / lam
     var = (1.0 / inv_diag - lam).clamp(min=0)
     return _relative(var, diag)
+
+
+def _row_norms2(G):
+    # Not (G * G).sum(1): that is an N x r temporary, the size of G itself.
+    return torch.linalg.vector_norm(G, dim=1).square()
 
 
 def _relative(var, diag):
@@ -450,7 +455,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                                           max(lam, 0.0), max_rank, block=block)
         else:  # every feature is zero (a dead network): the span is {0}
             G, pivots = diag.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
-        if len(pivots) == max_rank < n and float((diag - (G * G).sum(1)).max()) > lam:
+        if len(pivots) == max_rank < n and float((diag - _row_norms2(G)).max()) > lam:
             warnings.warn(
                 f"The factorisation of the training span stopped at max_rank={max_rank} "
                 "pivots before reaching the rank tolerance; residuals are relative to the "
@@ -458,11 +463,17 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 UserWarning, stacklevel=2,
             )
         X_span = X[to_numpy(pivots)]
+        loo = None
+        if self.contamination != "auto" and self.method == "residual":
+            loo = -to_numpy(_loo_relative_residuals(G, diag, max(lam, 1e-300)))
+        # The N x r factor is half the budget: freed before the r x r Gram of the span.
+        del G
         chol = None
         if len(pivots):
             W = gram.gram(gram.tensor(X_span)).to(torch.float64)
             W.diagonal().add_(lam)
             chol = to_numpy(torch.linalg.cholesky(W))
+            del W
         state = dict(estimator_=est, task_=task, lambda_=lam, rank_=int(len(pivots)),
                      pivots_=to_numpy(pivots).astype(np.intp), X_fit_=X, _X_span=X_span,
                      _chol=chol, _train_diag=to_numpy(diag))
@@ -470,9 +481,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         if self.contamination == "auto":
             offset = _AUTO_OFFSET[self.method]
         else:
-            if self.method == "residual":
-                loo = -to_numpy(_loo_relative_residuals(G, diag, max(lam, 1e-300)))
-            else:
+            if loo is None:
                 loo = self._alignment(gram, X, X, to_numpy(diag), exclude_self=True)
             offset = float(np.percentile(loo, 100.0 * self.contamination))
         state["offset_"] = offset

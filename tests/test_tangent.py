@@ -233,9 +233,12 @@ def test_blocks_kept_between_column_blocks(monkeypatch):
     calls, blocks = [], []
     real, real_init = _gram.capture, _gram._Blocks.__init__
 
+    instances = []
+
     def spy_init(self, *args, **kw):
         real_init(self, *args, **kw)
         blocks.append(len(self.slices))
+        instances.append(self)
 
     # Count block captures only (the one-sample probes of the misfit check are not blocks).
     monkeypatch.setattr(_gram, "capture",
@@ -248,6 +251,15 @@ def test_blocks_kept_between_column_blocks(monkeypatch):
     calls.clear()
     _close(K, tangent_gram(module, params, X), 1e-13)
     assert sum(rows > 1 for rows in calls) == 1  # one block
+    # A cross Gram keeps the column blocks (visited once per row block), not the rows.
+    calls.clear()
+    Y = X[:24] + 0.5
+    K = tangent_gram(module, params, X, Y, memory_budget=2 * per_row * (len(X) + len(Y)) + 64)
+    n_rows, n_cols = blocks[-2], blocks[-1]
+    assert n_rows > 2 and n_cols > 1
+    assert sum(rows > 1 for rows in calls) == n_rows + n_cols
+    assert len(instances[-2]._cache) == 0 and len(instances[-1]._cache) == n_cols
+    _close(K, tangent_gram(module, params, X, Y), 1e-13)
 
 
 def _at_smallest_budget(fn, *args, **kw):
@@ -567,3 +579,17 @@ def test_misfit_found_in_a_later_block_reroutes_every_block(monkeypatch):
     _close(K, J @ J.T)
     # The first pass routed l1 to its rule, met the read in block 1, started over.
     assert starts == [frozenset(), frozenset({"l1.weight"})]
+
+
+def test_features_into_a_reused_buffer():
+    module, params, X, _ = _make("mlp", 2)
+    J = _loop_jacobian(module, params, X)
+    buf = torch.full_like(J, float("nan"))  # every entry must be overwritten
+    out = tangent_features(module, params, X, output="full", out=buf)
+    assert out is buf
+    _close(buf, J)
+    _close(tangent_features(module, params, X, output=1, out=buf[:, :1]), J[:, 1])
+    with pytest.raises(ValueError, match="out must be"):
+        tangent_features(module, params, X, output="full", out=buf[:, :1])
+    with pytest.raises(ValueError, match="out must be"):
+        tangent_features(module, params, X, output="full", out=buf.float())

@@ -56,12 +56,20 @@ def _layout(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
     return layout
 
 
-def _kron(delta: torch.Tensor, a: torch.Tensor | None) -> torch.Tensor:
-    """Per-sample gradients ``(n, C, p * q)`` of one parameter from its factors."""
-    if a is None:
-        return delta
+def _kron(delta: torch.Tensor, a: torch.Tensor | None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample gradients ``(n, C, p * q)`` of one parameter from its factors.
+
+    ``out`` (a possibly strided ``(n, C, p * q)`` view) receives them without a
+    temporary: a fresh tensor of this size costs a page fault per 4 KiB on first touch.
+    """
     n, C, p = delta.shape
-    return (delta.unsqueeze(-1) * a.reshape(n, 1, 1, -1)).reshape(n, C, -1)
+    if a is None:
+        return delta if out is None else out.copy_(delta)
+    if out is None:
+        return (delta.unsqueeze(-1) * a.reshape(n, 1, 1, -1)).reshape(n, C, -1)
+    torch.mul(delta.unsqueeze(-1), a.reshape(n, 1, 1, -1), out=out.unflatten(2, (p, -1)))
+    return out
 
 
 def _contract(U: torch.Tensor, V: torch.Tensor, mode: str) -> torch.Tensor:
@@ -101,7 +109,9 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
     # block (n x p*q per side, sized into the budget) and multiplied by one GEMM.
     for (name, ax), (_, ay) in zip(tx.inputs, ty.inputs):
         start, size = layout[name]
-        gx = _kron(tx.delta, ax) * weight[start : start + size]
+        w = weight[start : start + size]
+        # A bias's "kron" is its delta itself: scale a copy, never the capture's tensor.
+        gx = tx.delta * w if ax is None else _kron(tx.delta, ax).mul_(w)
         out.add_(_contract(gx, _kron(ty.delta, ay), mode))
 
 
@@ -333,10 +343,15 @@ def tangent_gram(
         per_row += 2 * n_out * max(size for _, size in layout.values()) * itemsize
     per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2)
     size = _block_size(max(X.shape[0], Y.shape[0]), memory_budget, per_row, per_pair)
-    keep = probe.nbytes() * (X.shape[0] + (0 if symmetric else Y.shape[0])) <= memory_budget // 2
-    bx = _Blocks(module, params, X, size, outputs, memory_budget, keep, probe.exclude)
-    by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget, keep,
-                                      probe.exclude)
+    # Captures are kept only where a block is visited again: the column blocks, once per
+    # row block. A row block of a cross Gram is used once, keeping it would only hold
+    # memory (N x r OOD passes: 140 MB of factors for nothing at N = 20000).
+    fits = probe.nbytes() * (X.shape[0] + (0 if symmetric else Y.shape[0])) <= memory_budget // 2
+    n_row_blocks = -(-X.shape[0] // size)
+    bx = _Blocks(module, params, X, size, outputs, memory_budget,
+                 fits and symmetric and n_row_blocks > 1, probe.exclude)
+    by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget,
+                                      fits and n_row_blocks > 1, probe.exclude)
 
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
@@ -424,11 +439,16 @@ def tangent_features(
     output: str | int = "trace",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     exclude: frozenset[str] = frozenset(),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense tangent features (per-sample Jacobians), columns in flat (trajectory) order.
     exclude : frozenset of str, default=frozenset()
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
+    out : torch.Tensor of shape (n_samples, n_outputs_used, P), default=None
+        Buffer for the ``(n, C, P)`` Jacobian (``C`` the outputs used): callers that need
+        features at many points reuse one buffer instead of faulting in fresh memory.
+        The returned tensor is ``out`` itself (``"full"``) or a view of it.
 
     Returns
     -------
@@ -446,13 +466,20 @@ def tangent_features(
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
-    phi = torch.empty((X.shape[0], n_out, n_params), dtype=X.dtype, device=X.device)
+    shape = (X.shape[0], n_out, n_params)
+    if out is None:
+        phi = torch.empty(shape, dtype=X.dtype, device=X.device)
+    elif out.shape != shape or out.dtype != X.dtype or out.device != X.device:
+        raise ValueError(f"out must be a {X.dtype} tensor of shape {shape} on {X.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}.")
+    else:
+        phi = out
     for i in range(len(blocks)):
         sl = blocks.slices[i]
         for term in blocks[i].terms:
             for name, a in term.inputs:
                 start, numel = layout[name]
-                phi[sl, :, start : start + numel] = _kron(term.delta, a)
+                _kron(term.delta, a, out=phi[sl, :, start : start + numel])
     if mode == "full":
         return phi
     if n_out == 1:

@@ -93,6 +93,11 @@ class _Gram64:
         return rows_per_block(self.budget, 4 * 8 * max(n_cols, 1), what)
 
 
+def _lazy_pages(device: torch.device) -> bool:
+    """Whether an untouched allocation costs no resident memory (the CPU's virtual memory)."""
+    return device.type == "cpu"
+
+
 def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
     """Greedy block pivoted Cholesky ``Theta ~= G G^T`` of a PSD matrix given by columns.
 
@@ -105,10 +110,12 @@ def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
     """
     n = diag.shape[0]
     res = diag.clone()
-    # G is held transposed, (max_rank, N) row-major and never zeroed: its memory is only
-    # faulted in as pivots fill its rows, so resident memory follows the rank reached,
-    # with no growth copy (a column of a row-major (N, max_rank) G would touch every page).
-    G = diag.new_empty((max_rank, n)).T
+    # G is held transposed, (max_rank, N) row-major and never zeroed: on a CPU its memory
+    # is only faulted in as pivots fill its rows, so resident memory follows the rank
+    # reached, with no growth copy (a column of a row-major (N, max_rank) G would touch
+    # every page). A GPU allocates eagerly: there it grows by doubling.
+    capacity = max_rank if _lazy_pages(diag.device) else min(max_rank, 2 * block)
+    G = diag.new_empty((capacity, n)).T
     pivots: list[int] = []
     k = 0
     while k < max_rank:
@@ -146,6 +153,10 @@ def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
         L = torch.stack(L_cols, dim=1)[J]  # lower triangular in pivot order
         new = torch.linalg.solve_triangular(L, C[:, J].T, upper=False).T
         m = len(order)
+        if k + m > G.shape[1]:
+            grown = diag.new_empty((min(max_rank, max(2 * G.shape[1], k + m)), n))
+            grown[:k] = G[:, :k].T
+            G = grown.T
         G[:, k : k + m] = new
         k += m
         pivots.extend(int(cand[j]) for j in order)

@@ -10,7 +10,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 
-from skpathkernel import OODRankDetector, PathKernelClassifier
+from skpathkernel import OODRankDetector, PathKernelClassifier, _ood
 from skpathkernel._ood import _pivoted_cholesky
 from skpathkernel.datasets import make_linear_extrapolation
 
@@ -183,7 +183,11 @@ def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
     np.testing.assert_allclose(-det.score_samples(Xt[1:]), ref, atol=1e-5)
 
 
-def test_pivoted_cholesky_recovers_a_low_rank_psd_matrix_over_several_blocks():
+@pytest.mark.parametrize("lazy", [True, False])
+def test_pivoted_cholesky_recovers_a_low_rank_psd_matrix_over_several_blocks(lazy,
+                                                                             monkeypatch):
+    # lazy=False is the GPU's factor, grown by doubling from 2 blocks (8 columns) to 9.
+    monkeypatch.setattr(_ood, "_lazy_pages", lambda device: lazy)
     rng = np.random.RandomState(5)
     F = rng.normal(size=(60, 9)) * np.logspace(0, -2, 9)
     A = torch.as_tensor(F @ F.T)

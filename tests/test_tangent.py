@@ -2,11 +2,14 @@
 
 import math
 import re
+import threading
+import types
 
 import pytest
 import torch
 from _reference import jacobian_loop
 from torch import nn
+from torch.nn import functional as F
 
 from skpathkernel import _tangent
 from skpathkernel._tangent import (
@@ -593,3 +596,107 @@ def test_features_into_a_reused_buffer():
         tangent_features(module, params, X, output="full", out=buf[:, :1])
     with pytest.raises(ValueError, match="out must be"):
         tangent_features(module, params, X, output="full", out=buf.float())
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+class _RaisesInsideLayer(_TwoLayers):
+    """l1 raises once (its pre-hook ran, its forward hook only with always_call)."""
+
+    def forward(self, x):
+        try:
+            self.l1(x[:, :2])
+        except RuntimeError:
+            pass
+        # The parent's own F.linear with l1's weight: after a stale l1 frame, it would
+        # pass for l1's call.
+        return super().forward(x) + F.linear(x, self.l1.weight)[:, :2]
+
+
+@torch.jit.script
+def _scripted_product(x, w):
+    return x @ w.t()
+
+
+class _ScriptedRead(_TwoLayers):
+    """A read of l1.weight that torch functions do not see: the autograd check's case."""
+
+    def forward(self, x):
+        return super().forward(x) + _scripted_product(x, self.l1.weight)[:, :2]
+
+
+def _hooked_read():
+    module = _TwoLayers()
+    module.l1.register_forward_hook(lambda m, args, out: out + args[0].square() @ m.weight.T)
+    return module
+
+
+def _hooked_scale():
+    # An output transform by a forward hook, and an extra parameter on the rule layer.
+    module = _TwoLayers()
+    module.l1.register_parameter("scale", nn.Parameter(torch.linspace(0.5, 2.0, 4)))
+    module.l1.register_forward_hook(lambda m, args, out: out * m.scale)
+    return module
+
+
+def _patched_forward():
+    module = _TwoLayers()
+    # Bound to the layer, so that the reference's deep copy rebinds it to its copy.
+    module.l1.forward = types.MethodType(
+        lambda self, x: F.linear(x, self.weight * self.weight, self.bias), module.l1)
+    return module
+
+
+def _patched_input():
+    # The layer's own F.linear on a transformed input: still the rule, with that input.
+    module = _TwoLayers()
+    module.l1.forward = types.MethodType(
+        lambda self, x: F.linear(2.0 * x + 1.0, self.weight, self.bias), module.l1)
+    return module
+
+
+_READS = [(_hooked_read, False), (_hooked_scale, False), (_patched_forward, False),
+          (_patched_input, True), (_RaisesInsideLayer, False), (_ScriptedRead, False)]
+
+
+# Every case with both checks; without the autograd check, the use watch alone must see
+# every read except the one hidden from torch functions.
+@pytest.mark.parametrize("make, rule_kept, numerical_check",
+                         [(m, k, True) for m, k in _READS]
+                         + [(m, k, False) for m, k in _READS if m is not _ScriptedRead])
+def test_reads_in_hooks_patches_and_hidden_code(make, rule_kept, numerical_check, monkeypatch):
+    if not numerical_check:
+        monkeypatch.setattr(_gram, "_numerical_misfits", lambda *a: frozenset())
+    torch.manual_seed(0)
+    module = make().double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(6, 3, dtype=torch.float64)
+    J = torch.cat([_loop_jacobian(module, params, x[None]) for x in X])
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    phi = tangent_features(module, params, X, output="full")
+    _close(phi, J)
+    cap = _gram._prepare(module, params, X, "full", 2**20)[3]
+    assert ("l1.weight" in cap.fallback) != rule_kept
+
+
+def test_use_watch_ignores_hooks_fired_by_other_threads():
+    layer = nn.Linear(2, 2)
+    watch = _capture._UseWatch({}, {id(layer): (F.linear,)})
+    other = threading.Thread(target=watch.enter, args=(layer,))
+    other.start()
+    other.join()
+    assert watch.frames == []
+    watch.enter(layer)
+    other = threading.Thread(target=watch.leave, args=(layer,))
+    other.start()
+    other.join()
+    assert len(watch.frames) == 1
+    watch.leave(layer)
+    assert watch.frames == [] and watch.factors[id(layer)] == [None]

@@ -15,6 +15,7 @@ parameters is read outside the layer's own call (see :class:`_UseWatch`).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -93,38 +94,76 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
-class _UseWatch(TorchFunctionMode):
-    """Names the rule-layer parameters that a forward pass reads outside their layer.
+class _Frame:
+    """One running call of a rule layer: its own parameter read, once, gives the factors."""
 
-    A rule only sees its layer's call: if a weight is also read elsewhere (e.g.
-    ``x @ self.lin.weight.T`` in a parent's ``forward``), the factors miss that part of
-    the gradient. Every torch function called during the forward passes through here;
-    a call that takes one of the watched parameters while the innermost running rule
-    layer is not its owner, and that returns a tensor gradients can flow through, marks
-    the parameter. This is structural, so it holds for every sample and every value of
-    the parameters (a numerical probe on a few samples can miss a use whose gradient
-    vanishes there). A call under disabled grad (a custom ``autograd.Function``'s
-    ``forward``) is marked too: its backward may route a gradient to the parameter.
-    Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. Code that
-    torch functions do not see (TorchScript functions, C++ extensions) is not watched.
+    __slots__ = ("layer", "factors")
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.factors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class _UseWatch(TorchFunctionMode):
+    """Sees how a forward pass reads the rule layers' parameters, and takes the factors.
+
+    A rule only knows its layer's own operation (``F.linear(a, W, b)`` for nn.Linear):
+    if a parameter is read any other way (``x @ self.lin.weight.T`` in a parent, a
+    forward hook, a patched ``forward``, ``W * W`` inside the layer, a second
+    ``F.linear`` with the same weight), the factors miss part of the gradient. Every
+    torch function called during the forward passes through here. Exactly one call of
+    one of the rule's ``ops`` by the innermost running rule layer, on that layer's own
+    parameters, is the layer's use: its input ``a`` and output ``z`` are the factors
+    (``z`` is handed on as a copy, so an in-place op downstream cannot rewrite it). Any
+    other call that takes a watched parameter and returns a tensor gradients can flow
+    through marks the parameter; so does any call under disabled grad (a custom
+    ``autograd.Function``'s ``forward``, whose backward may route a gradient to it).
+    Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. This is
+    structural: it holds on every sample, whatever the parameter values. Code that torch
+    functions do not see (TorchScript, C++ extensions, ``DisableTorchFunction``) is not
+    watched here: :func:`_numerical_misfits` checks one sample for it.
+
+    The mode is thread-local; the hooks that maintain ``frames`` live on the module and
+    fire in every thread, so they ignore calls from other threads.
     """
 
-    def __init__(self, owners: dict[int, tuple[int, str]]):
+    def __init__(self, owners: dict[int, tuple[int, str]], ops: dict[int, tuple]):
         super().__init__()
-        self.owners = owners
-        self.running: list[int] = []
+        self.owners, self.ops = owners, ops
+        self.thread = threading.get_ident()
+        self.frames: list[_Frame] = []
+        self.factors: dict[int, list] = {layer: [] for layer in ops}
         self.misfits: set[str] = set()
+
+    def enter(self, layer) -> None:
+        if threading.get_ident() == self.thread:
+            self.frames.append(_Frame(id(layer)))
+
+    def leave(self, layer) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        # Runs even when the layer raised (always_call): no frame outlives its call.
+        while self.frames:
+            frame = self.frames.pop()
+            if frame.layer == id(layer):
+                self.factors[frame.layer].append(frame.factors)
+                return
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for t in _tensors((args, kwargs)):
-            owner = self.owners.get(id(t))
-            if owner is None or (self.running and self.running[-1] == owner[0]):
-                continue
-            grad_off = not torch.is_grad_enabled()
-            if any(grad_off or o.requires_grad for o in _tensors(out)):
-                self.misfits.add(owner[1])
+        owned = {self.owners[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.owners}
+        if not owned:
+            return out
+        top = self.frames[-1] if self.frames else None
+        if (top is not None and top.factors is None and func in self.ops[top.layer]
+                and all(layer == top.layer for layer, _ in owned)
+                and args and isinstance(args[0], torch.Tensor)
+                and isinstance(out, torch.Tensor) and out.requires_grad):
+            top.factors = (args[0], out)
+            return out.clone()
+        if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
+            self.misfits.update(name for _, name in owned)
         return out
 
 
@@ -155,25 +194,17 @@ def capture(
         read outside their layer (the returned ``Capture.exclude`` holds both).
     """
     layers = _rule_layers(module, params, exclude)
-    seen: dict[int, list] = {id(layer): [] for layer, _, _ in layers}
     # Parameters that require grad give every layer output a graph back to f; only the
     # layer outputs are differentiated, so no parameter gradient is ever computed.
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     watch = _UseWatch({id(live[full]): (id(layer), full)
-                       for layer, _, names in layers for full in names.values()})
-
-    def pre_hook(layer, args):
-        watch.running.append(id(layer))
-
-    def hook(layer, args, output):
-        watch.running.pop()
-        seen[id(layer)].append((args[0] if args else None, output))
-        # The layer hands on a copy: a later in-place op (ReLU(inplace=True)) then
-        # rewrites the copy, and d f / d output stays the backprop of the layer's own z.
-        return output.clone() if isinstance(output, torch.Tensor) else None
-
-    handles = [h for layer, _, _ in layers for h in (layer.register_forward_pre_hook(pre_hook),
-                                                      layer.register_forward_hook(hook))]
+                       for layer, _, names in layers for full in names.values()},
+                      {id(layer): rule.ops for layer, rule, _ in layers})
+    handles = []
+    for layer, _, _ in layers:
+        handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
+        handles.append(layer.register_forward_hook(lambda lay, args, out: watch.leave(lay),
+                                                   always_call=True))
     try:
         with torch.enable_grad(), watch:
             f = functional_call(module, live, (X,)).reshape(X.shape[0], -1)
@@ -187,12 +218,11 @@ def capture(
 
     accepted = []
     for layer, rule, names in layers:
-        calls = seen[id(layer)]
-        if (len(calls) == 1 and isinstance(calls[0][0], torch.Tensor)
-                and isinstance(calls[0][1], torch.Tensor) and calls[0][1].requires_grad
-                and rule.accepts(layer, calls[0][0])):
+        calls = watch.factors[id(layer)]
+        # One call that read its parameters once through the rule's op; a layer called
+        # twice (its factors would need a sum) or that never read them goes to the fallback.
+        if len(calls) == 1 and calls[0] is not None and rule.accepts(layer, calls[0][0]):
             accepted.append((layer, rule, names, calls[0][0].detach(), calls[0][1]))
-    covered = {name for *_, names, _, _ in accepted for name in names.values()}
 
     terms_by_name: dict[str, Term] = {}
     if accepted:
@@ -206,10 +236,13 @@ def capture(
             delta = (grads[0][j].unsqueeze(1) if len(grads) == 1
                      else torch.stack([g[j] for g in grads], dim=1)).detach()
             for term in rule.factors(layer, a, delta, names):
-                terms_by_name[term.inputs[0][0]] = term
+                for name, _ in term.inputs:
+                    terms_by_name[name] = term
     del f, live
 
-    fallback = tuple(name for name in params if name not in covered)
+    # A rule layer's parameter that its rule leaves without a term (an extra parameter
+    # registered on an nn.Linear) is covered by the fallback like any other.
+    fallback = tuple(name for name in params if name not in terms_by_name)
     if fallback:
         jac = per_sample_jacobian(module, params, X, fallback, outputs,
                                   memory_budget=memory_budget)
@@ -217,5 +250,58 @@ def capture(
             terms_by_name[name] = Term(delta=jac[name], inputs=[(name, None)])
     # Flat (trajectory) order of the terms' first parameters keeps every output stable.
     order = {name: i for i, name in enumerate(params)}
-    terms = sorted(terms_by_name.values(), key=lambda t: order[t.inputs[0][0]])
+    unique = {id(t): t for t in terms_by_name.values()}.values()
+    terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
     return Capture(terms=terms, fallback=fallback, exclude=exclude)
+
+
+def _numerical_misfits(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    cap: Capture,
+    outputs: Sequence[int],
+) -> frozenset[str]:
+    """Rule-covered parameters whose factors disagree with autograd on one sample.
+
+    The second line behind :class:`_UseWatch`, for reads of a parameter that torch
+    functions do not see (a TorchScript function or a C++ extension taking
+    ``self.lin.weight`` in a parent's ``forward``). One backward pass per output on a
+    single sample ``x`` (shape (1, n_features)) catches such a read unless its gradient
+    vanishes on that sample; the parameters returned here must go to the fallback.
+    """
+    covered = [name for term in cap.terms for name, _ in term.inputs
+               if name not in cap.fallback]
+    if not covered:
+        return frozenset()
+    factors = {name: (term.delta, a) for term in cap.terms for name, a in term.inputs}
+    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    with torch.enable_grad():
+        f = functional_call(module, live, (x,)).reshape(1, -1)
+    # A weight's gradient g (p x q) is compared through a random direction v: g v against
+    # delta (a . v). A read the factors miss adds E != 0 to g, and E v != 0 for almost
+    # every v: one pass over g instead of forming the outer product and the difference.
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    probes = {name: torch.randn(a.shape[1], 1, generator=gen, device=x.device, dtype=x.dtype)
+              for name, (_, a) in factors.items() if a is not None}
+    tol = 10 * torch.finfo(x.dtype).eps ** 0.5
+    bad = set()
+    for i, c in enumerate(outputs):
+        grads = torch.autograd.grad(f[0, c], [live[n] for n in covered],
+                                    retain_graph=i < len(outputs) - 1, allow_unused=True)
+        errors, scales = [], []
+        for name, g in zip(covered, grads):
+            delta, a = factors[name]
+            if a is None:
+                rule, seen = delta[0, i], g
+            else:
+                rule = delta[0, i] * (a[0] @ probes[name])
+                seen = None if g is None else (g.reshape(len(rule), -1) @ probes[name])[:, 0]
+            seen = torch.zeros_like(rule) if seen is None else seen.reshape(rule.shape)
+            errors.append((seen - rule).abs().max())
+            scales.append(torch.maximum(seen.abs().max(), rule.abs().max()))
+        scale = float(torch.stack(scales).max())
+        for name, err in zip(covered, torch.stack(errors).tolist()):
+            if err > tol * max(scale, 1e-30):
+                bad.add(name)
+    return frozenset(bad)

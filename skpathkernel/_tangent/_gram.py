@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from .._memory import rows_per_block
-from ._capture import Capture, capture, forward
+from ._capture import Capture, _numerical_misfits, capture, forward
 from ._rules import Term
 
 __all__ = ["tangent_features", "tangent_gram", "tangent_gram_diag"]
@@ -244,9 +244,14 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset()):
     outputs, mode = _resolve_output(output, n_outputs)
     # One sample's factors give the per-row size of every block's factors, and its
     # capture finds the parameters read outside their layer (every block's capture
-    # checks again, see _consistent_routing).
+    # checks again, see _consistent_routing); the autograd check on the same sample
+    # covers reads that torch functions do not see.
     probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                     exclude=exclude)
+    hidden = _numerical_misfits(module, params, X[:1], probe, outputs)
+    if hidden:
+        probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
+                        exclude=probe.exclude | hidden)
     return params, outputs, mode, probe
 
 
@@ -448,7 +453,9 @@ def tangent_features(
     out : torch.Tensor of shape (n_samples, n_outputs_used, P), default=None
         Buffer for the ``(n, C, P)`` Jacobian (``C`` the outputs used): callers that need
         features at many points reuse one buffer instead of faulting in fresh memory.
-        The returned tensor is ``out`` itself (``"full"``) or a view of it.
+        The returned tensor is ``out`` itself (``"full"``), a view of it (one output),
+        or, for ``"trace"`` with ``C > 1``, a new tensor scaled by ``1 / sqrt(C)`` (``out``
+        then holds the unscaled Jacobian).
 
     Returns
     -------

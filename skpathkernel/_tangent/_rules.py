@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["RULES", "Rule", "Term", "register_rule"]
 
@@ -46,14 +47,20 @@ class Term:
 class Rule:
     """A registered per-layer rule.
 
-    ``accepts(layer, a)`` says whether one call's input can use the rule (else the layer
-    goes to the fallback); ``factors(layer, a, delta, names)`` returns the terms, where
-    ``names`` maps the layer's local parameter names (``"weight"``) to the keys of the
-    ``params`` mapping, for the parameters that are differentiated.
+    ``ops`` are the torch functions through which the layer's own call reads its
+    parameters (``F.linear`` for nn.Linear): the capture takes ``a`` and ``z`` from the
+    first argument and the result of that one call, and sends the layer to the fallback
+    if its parameters are read in any other way. ``accepts(layer, a)`` says whether one
+    call's input can use the rule (else the layer goes to the fallback);
+    ``factors(layer, a, delta, names)`` returns the terms, where ``names`` maps the
+    layer's local parameter names (``"weight"``) to the keys of the ``params`` mapping,
+    for the parameters that are differentiated. Parameters of the layer left without a
+    term go to the fallback.
     """
 
     accepts: Callable[[nn.Module, torch.Tensor], bool]
     factors: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, str]], list[Term]]
+    ops: tuple[Callable, ...] = ()
 
 
 RULES: dict[type, Rule] = {}
@@ -80,4 +87,5 @@ def _linear_factors(layer, a, delta, names):
     return [Term(delta=delta, inputs=inputs)]
 
 
-register_rule(nn.Linear, Rule(accepts=_linear_accepts, factors=_linear_factors))
+register_rule(nn.Linear, Rule(accepts=_linear_accepts, factors=_linear_factors,
+                              ops=(F.linear,)))

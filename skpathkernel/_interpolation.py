@@ -41,7 +41,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 
 from ._losses import Loss
 from ._memory import rows_per_block
-from ._tangent import forward, tangent_features, tangent_gram
+from ._tangent import forward, hidden_reads, tangent_features, tangent_gram
 from ._trajectory import Trajectory
 
 __all__ = ["Decomposition", "decompose"]
@@ -127,7 +127,7 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     return torch.cat([out[name].flatten(start_dim=2) for name in traj.names], dim=2)
 
 
-def _rows(module, traj, theta, delta, X, method, nodes, budget, buffers) -> torch.Tensor:
+def _rows(module, traj, theta, delta, X, method, nodes, budget, buffers, checked) -> torch.Tensor:
     """The per-step row vectors rho_t(x), shape (Q, C, P), in ``buffers["rho"]``.
 
     The (Q, C, P) buffers are reused across steps: fresh ones of this size would fault
@@ -137,7 +137,7 @@ def _rows(module, traj, theta, delta, X, method, nodes, budget, buffers) -> torc
 
     def jac(flat, out):
         return tangent_features(module, _params(traj, flat), X, output="full",
-                                memory_budget=budget, out=out)
+                                memory_budget=budget, out=out, **checked)
 
     if method == "exact":
         s, w = nodes
@@ -151,7 +151,7 @@ def _rows(module, traj, theta, delta, X, method, nodes, budget, buffers) -> torc
     return rho
 
 
-def _loss_gradients(module, traj, theta, X, Y, loss: Loss, budget, J) -> torch.Tensor:
+def _loss_gradients(module, traj, theta, X, Y, loss: Loss, budget, J, checked) -> torch.Tensor:
     """Per-sample loss gradients J(x_i)^T r_i at theta, shape (B, P), built in ``J``.
 
     ``J`` is a reused (B, C, P) buffer; the result is a view of it (C = 1) or a sum over
@@ -159,7 +159,7 @@ def _loss_gradients(module, traj, theta, X, Y, loss: Loss, budget, J) -> torch.T
     """
     params = _params(traj, theta)
     r = loss.residuals(forward(module, params, X), Y)
-    tangent_features(module, params, X, output="full", memory_budget=budget, out=J)
+    tangent_features(module, params, X, output="full", memory_budget=budget, out=J, **checked)
     J.mul_(r.to(J.dtype).unsqueeze(-1))
     return J[:, 0] if J.shape[1] == 1 else J.sum(1)
 
@@ -171,7 +171,7 @@ def _structured(traj: Trajectory, method: str) -> bool:
 
 
 def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting, nodes,
-                   memory_budget):
+                   memory_budget, checked):
     """Contributions (Q, N, C) and regularization (Q, C) for plain SGD, step by step."""
     device = X.device
     N = X_train.shape[0]
@@ -191,7 +191,7 @@ def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting
         for sk, wk in zip(s_nodes, w_nodes):
             params_k = _params(traj, theta + float(sk) * delta)
             G = tangent_gram(module, params_k, X, X_train[idx], output="full",
-                             params_y=params_t, memory_budget=memory_budget)
+                             params_y=params_t, memory_budget=memory_budget, **checked)
             share = torch.einsum("qcbd,bd->qbc", G, r.to(G.dtype))
             share = share.double().mul_(-lr * float(wk) / len(idx))
             if contrib is None:
@@ -236,6 +236,12 @@ def decompose(
     n_nodes = default_n_nodes(dtype, traj.solver) if n_nodes is None else n_nodes
     g_s, g_w = np.polynomial.legendre.leggauss(n_nodes)
     nodes = ((g_s + 1.0) / 2.0, g_w / 2.0)
+    # The engine's autograd check for hidden reads runs once, at the path's first, middle
+    # and last points, instead of in each of the (n_nodes + 1) x T engine calls.
+    middle = traj.parameters(len(traj) // 2).to(device)
+    checked = dict(check_hidden=False, exclude=hidden_reads(
+        module, [_params(traj, t) for t in (theta_0, middle, theta_T)], [X, X_train],
+        output="full", memory_budget=memory_budget))
     if _structured(traj, method):
         # Per query row: its (C x B x C) Gram block and share, float64, B <= N.
         q_rows = rows_per_block(memory_budget, 4 * n_out * n_out * N * 8,
@@ -243,7 +249,7 @@ def decompose(
         parts = [
             _decompose_sgd(module, traj, X_train, Y_train, loss, X[q0 : q0 + q_rows],
                            method=method, weighting=weighting, nodes=nodes,
-                           memory_budget=memory_budget)
+                           memory_budget=memory_budget, checked=checked)
             for q0 in range(0, n_q, q_rows)
         ]
         contributions = np.concatenate([c for c, _ in parts])
@@ -274,7 +280,8 @@ def decompose(
             theta = traj.parameters(t).to(device)
             delta = nxt - theta
             nxt = theta
-            rho = _rows(module, traj, theta, delta, Xq, method, nodes, memory_budget, buffers)
+            rho = _rows(module, traj, theta, delta, Xq, method, nodes, memory_budget, buffers,
+                        checked)
             scale, memory = _solver_coefficients(traj, t)
             D = traj.preconditioner(t)
             # lambda_t = scale * D * rho_t + memory * lambda_{t+1}, in place: the (Q, C, P)
@@ -295,7 +302,7 @@ def decompose(
             for b0 in range(0, len(idx), b_block):
                 sub = idx[b0 : b0 + b_block]
                 G = _loss_gradients(module, traj, theta, X_train[sub], Y_train[sub], loss,
-                                    memory_budget, J[: len(sub)])
+                                    memory_budget, J[: len(sub)], checked)
                 share = (lam.flatten(0, 1) @ G.T).unflatten(0, lam.shape[:2])
                 share = share.transpose(1, 2).double() / len(idx)
                 contrib.index_add_(1, sub, share)

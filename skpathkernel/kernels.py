@@ -25,7 +25,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 from ._base import check_representable
 from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
 from ._parallel import map_row_blocks, n_row_blocks
-from ._tangent import tangent_gram, tangent_gram_diag
+from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 
 __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
 
@@ -210,8 +210,16 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
     K = dx = dy = None
     # K(X, X) holds its own diagonal: no separate diagonal pass is needed.
     diag_from_gram = gram and diag and Yt is None
+    # The autograd check for hidden reads runs once, at the path's first, middle and last
+    # points, not at every step (the use watch still runs in every capture).
+    picks = sorted({weights[0][0], weights[len(weights) // 2][0], weights[-1][0]})
+    exclude = hidden_reads(estimator.module_,
+                           [_step_setup(estimator, k, output, False)[1] for k in picks],
+                           [Xt] if Yt is None else [Xt, Yt], output=output,
+                           memory_budget=estimator.memory_budget)
     for k, w in weights:
         module, params, kw = _step_setup(estimator, k, output, True)
+        kw.update(exclude=exclude, check_hidden=False)
         if gram:
             part = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
             K = part.mul_(w) if K is None else K.add_(part, alpha=w)

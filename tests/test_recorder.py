@@ -348,3 +348,52 @@ def test_schedulers_created_after_the_recorder_and_agreeing_groups(data):
                                                "weight_decay": 0.1}]
     with pytest.raises(ValueError, match="group 1"):
         PathRecorder(module, torch.optim.SGD(groups, lr=0.1))
+
+
+@torch.jit.script
+def _scripted_product(x, w):
+    return x @ w.t()
+
+
+class _ScriptedRead(torch.nn.Module):
+    """A weight read hidden from torch functions: only the autograd check sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(2, 5), torch.nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x))) + 0.3 * _scripted_product(x, self.l1.weight)[:, :1]
+
+
+def test_path_kernel_and_decomposition_see_a_hidden_read_checked_once(data):
+    # The path kernel and the decomposition run the autograd check once per call (first,
+    # middle and last points), then trust its routing at every step.
+    from skpathkernel.kernels import path_weights
+
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    torch.manual_seed(0)
+    module = _ScriptedRead().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(8):
+            opt.zero_grad()
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            rec.set_batch(np.arange(len(X)))
+            opt.step()
+    traj = rec.trajectory
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y)
+    assert net.decompose(Xq).error < 1e-10
+
+    def jac(k, Z):
+        ref = copy.deepcopy(module)
+        ref.load_state_dict(traj.state_dict(k))
+        rows = []
+        for z in torch.as_tensor(Z):
+            grads = torch.autograd.grad(ref(z[None])[0, 0], list(ref.parameters()))
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+        return torch.stack(rows)
+
+    expected = sum(w * (jac(k, Xq) @ jac(k, X).T).numpy() for k, w in path_weights(traj))
+    assert_allclose(PathKernel(net)(Xq, X), expected, rtol=1e-10)

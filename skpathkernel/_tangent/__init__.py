@@ -8,7 +8,7 @@ everything else goes through a chunked ``torch.func`` fallback (:mod:`._generic`
 
 from ._capture import capture, forward
 from ._generic import per_sample_jacobian
-from ._gram import tangent_features, tangent_gram, tangent_gram_diag
+from ._gram import hidden_reads, tangent_features, tangent_gram, tangent_gram_diag
 from ._projection import project_tangent_features
 from ._rules import RULES, Rule, Term, register_rule
 
@@ -18,6 +18,7 @@ __all__ = [
     "Term",
     "capture",
     "forward",
+    "hidden_reads",
     "per_sample_jacobian",
     "project_tangent_features",
     "register_rule",

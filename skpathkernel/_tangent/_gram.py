@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from .._memory import rows_per_block
 from ._capture import Capture, _numerical_misfits, capture, forward
 from ._rules import Term
 
-__all__ = ["tangent_features", "tangent_gram", "tangent_gram_diag"]
+__all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
 
 DEFAULT_MEMORY_BUDGET = 2**30
 
@@ -236,7 +236,7 @@ class _Blocks:
         return cap
 
 
-def _prepare(module, params, X, output, memory_budget, exclude=frozenset()):
+def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True):
     params = dict(params)
     if X.ndim != 2 or X.shape[0] == 0:
         raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
@@ -248,11 +248,35 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset()):
     # covers reads that torch functions do not see.
     probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                     exclude=exclude)
-    hidden = _numerical_misfits(module, params, X[:1], probe, outputs)
+    hidden = _numerical_misfits(module, params, X[:1], probe, outputs) if check_hidden \
+        else frozenset()
     if hidden:
         probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                         exclude=probe.exclude | hidden)
     return params, outputs, mode, probe
+
+
+def hidden_reads(
+    module: torch.nn.Module,
+    points: Sequence[Mapping[str, torch.Tensor]],
+    rows: Sequence[torch.Tensor],
+    *,
+    output: str | int = "trace",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> frozenset[str]:
+    """Parameters to route to the fallback, checked at several points and samples.
+
+    Runs the use watch and the one-sample autograd check (see :func:`tangent_gram`'s
+    ``check_hidden``) at every parameter point in ``points`` for the first row of each
+    tensor in ``rows``. A path kernel or a decomposition checks the first, middle and
+    last points of its path once, then calls the engine with ``exclude=`` this set and
+    ``check_hidden=False`` at every step; the use watch still runs in every capture.
+    """
+    exclude: frozenset[str] = frozenset()
+    for params in points:
+        for X in rows:
+            exclude = _prepare(module, params, X, output, memory_budget, exclude)[3].exclude
+    return exclude
 
 
 def _matching(params, params_y) -> dict[str, torch.Tensor]:
@@ -292,6 +316,7 @@ def tangent_gram(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     params_y: Mapping[str, torch.Tensor] | None = None,
     exclude: frozenset[str] = frozenset(),
+    check_hidden: bool = True,
 ) -> torch.Tensor:
     """Tangent-kernel Gram matrix ``J(X) D J(Y)^T`` without forming the Jacobian.
 
@@ -326,6 +351,10 @@ def tangent_gram(
     exclude : frozenset of str, default=frozenset()
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
+    check_hidden : bool, default=True
+        Run the one-sample autograd check for reads that torch functions do not see
+        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
+        it once with :func:`hidden_reads` and passes the result as ``exclude``.
 
     Returns
     -------
@@ -333,7 +362,8 @@ def tangent_gram(
     """
     if params_y is not None:
         params_y = _matching(params, params_y)
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude)
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
+                                            check_hidden)
     weight = _check_weight(diag_weight, params, X)
     symmetric = Y is None and params_y is None
     Y = X if Y is None else Y
@@ -389,6 +419,7 @@ def tangent_gram_diag(
     diag_weight: torch.Tensor | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     exclude: frozenset[str] = frozenset(),
+    check_hidden: bool = True,
 ) -> torch.Tensor:
     """Diagonal ``K(x, x)`` of :func:`tangent_gram`, without the Gram.
 
@@ -397,12 +428,17 @@ def tangent_gram_diag(
     exclude : frozenset of str, default=frozenset()
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
+    check_hidden : bool, default=True
+        Run the one-sample autograd check for reads that torch functions do not see
+        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
+        it once with :func:`hidden_reads` and passes the result as ``exclude``.
 
     Returns
     -------
     k : torch.Tensor of shape (n_samples,), or (n_samples, C, C) for ``output="full"``
     """
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude)
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
+                                            check_hidden)
     weight = _check_weight(diag_weight, params, X)
     layout = _layout(params)
     n_out = len(outputs)
@@ -444,12 +480,17 @@ def tangent_features(
     output: str | int = "trace",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     exclude: frozenset[str] = frozenset(),
+    check_hidden: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense tangent features (per-sample Jacobians), columns in flat (trajectory) order.
     exclude : frozenset of str, default=frozenset()
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
+    check_hidden : bool, default=True
+        Run the one-sample autograd check for reads that torch functions do not see
+        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
+        it once with :func:`hidden_reads` and passes the result as ``exclude``.
     out : torch.Tensor of shape (n_samples, n_outputs_used, P), default=None
         Buffer for the ``(n, C, P)`` Jacobian (``C`` the outputs used): callers that need
         features at many points reuse one buffer instead of faulting in fresh memory.
@@ -465,7 +506,8 @@ def tangent_features(
         flattened Jacobian divided by ``sqrt(C)``, so that ``phi phi^T`` is the trace
         kernel; ``(n_samples, C, P)`` for ``output="full"``.
     """
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude)
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
+                                            check_hidden)
     layout = _layout(params)
     n_params = sum(size for _, size in layout.values())
     n_out = len(outputs)

@@ -64,6 +64,7 @@ def project_tangent_features(
     output: str | int = "trace",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     exclude: frozenset[str] = frozenset(),
+    check_hidden: bool = True,
 ) -> torch.Tensor:
     """Random projection ``z`` of the tangent features with ``E[z(x) . z(x')] = K(x, x')``.
 
@@ -78,6 +79,10 @@ def project_tangent_features(
     exclude : frozenset of str, default=frozenset()
         Parameters whose layers must use the generic fallback. Layers with a parameter
         read outside their own call are found by every capture and added to these.
+    check_hidden : bool, default=True
+        Run the one-sample autograd check for reads that torch functions do not see
+        (TorchScript, C++ extensions). A caller evaluating many points of one path runs
+        it once with :func:`~._gram.hidden_reads` and passes the result as ``exclude``.
 
     Returns
     -------
@@ -99,7 +104,8 @@ def project_tangent_features(
     if random_state is None:
         random_state = int(torch.randint(0, 2**62, (1,)).item())
     seed = int(random_state)
-    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude)
+    params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
+                                            check_hidden)
     index = {name: i for i, name in enumerate(params)}
     n_out = len(outputs)
     itemsize = X.element_size()

@@ -1,16 +1,19 @@
-"""One forward pass with hooks, one backward pass per output: the layers' factors.
+"""One watched forward pass, one backward pass per output: the layers' factors.
 
-The capture runs ``functional_call(module, params, (X,))`` with forward hooks on the
-layers that have a rule (:mod:`._rules`), keeping each layer's input ``a`` and output
-``z``; then, for every requested output ``c``, ``grad(f[:, c].sum(), z)`` gives the
-backprops ``delta_c`` of all the layers at once. Samples are independent (the modules have
-no cross-sample state), so the gradient of the sum is the per-sample gradient.
+The capture runs ``functional_call(module, params, (X,))`` under a torch-function mode
+(:class:`_UseWatch`) that takes, for every layer with a rule (:mod:`._rules`), the input
+``a`` and output ``z`` of the layer's own operation (``F.linear`` for nn.Linear); then, for
+every requested output ``c``, ``grad(f[:, c].sum(), z)`` gives the backprops ``delta_c``
+of all the layers at once. Samples are independent (the modules have no cross-sample
+state), so the gradient of the sum is the per-sample gradient.
 
 A layer goes to the generic fallback instead (:mod:`._generic`) when its rule does not
 accept its input (e.g. a Linear on a 3-D input), when it runs more than once per forward
-(its output hook would see only one of the calls), or when one of its parameters is shared
-with another module (tied weights: the rule would see one use only), or when one of its
-parameters is read outside the layer's own call (see :class:`_UseWatch`).
+(its factors would need a sum over the calls), when one of its parameters is shared with
+another module (tied weights: the rule would see one use only), or when one of its
+parameters is read in any other way than the layer's own operation (a parent's
+``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see
+:class:`_UseWatch`, and :func:`_numerical_misfits` for reads torch functions do not see).
 """
 
 from __future__ import annotations

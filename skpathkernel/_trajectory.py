@@ -251,7 +251,8 @@ class Trajectory:
         lead = flat.shape[:-1]
         sizes = [int(np.prod(s)) for s in self._shapes]
         parts = torch.split(flat, sizes, dim=-1)
-        return [p.reshape(*lead, *s) for p, s in zip(parts, self._shapes)]
+        # A tuple, not unpacked: 0-d parameters (a scalar gain) have empty shapes.
+        return [p.reshape((*lead, *s)) for p, s in zip(parts, self._shapes)]
 
     # --------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike) -> None:

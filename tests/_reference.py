@@ -25,8 +25,10 @@ def jacobian_loop(module, X):
     for x in torch.as_tensor(np.asarray(X)).to(dtype):
         out = module(x[None]).reshape(-1)
         rows.append(torch.stack([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[c], params,
-                                                                   retain_graph=True)])
+            # An unused parameter (a bias a patched forward leaves out) has zero gradient.
+            torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                       for p, g in zip(params, torch.autograd.grad(
+                           out[c], params, retain_graph=True, allow_unused=True))])
             for c in range(out.shape[0])
         ]))
     return torch.stack(rows).detach()

@@ -247,17 +247,20 @@ def test_blocks_kept_between_column_blocks(monkeypatch):
     monkeypatch.setattr(_gram, "capture",
                         lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     monkeypatch.setattr(_gram._Blocks, "__init__", spy_init)
-    K = tangent_gram(module, params, X, memory_budget=2 * per_row * len(X) + 64)
+    # check_hidden=False: the autograd check's own two-row capture is not a block.
+    K = tangent_gram(module, params, X, memory_budget=2 * per_row * len(X) + 64,
+                     check_hidden=False)
     assert blocks[0] > 2
     # Recomputing would capture n + n (n - 1) / 2 blocks; keeping captures each once.
     assert sum(rows > 1 for rows in calls) == blocks[0]
     calls.clear()
-    _close(K, tangent_gram(module, params, X), 1e-13)
+    _close(K, tangent_gram(module, params, X, check_hidden=False), 1e-13)
     assert sum(rows > 1 for rows in calls) == 1  # one block
     # A cross Gram keeps the column blocks (visited once per row block), not the rows.
     calls.clear()
     Y = X[:24] + 0.5
-    K = tangent_gram(module, params, X, Y, memory_budget=2 * per_row * (len(X) + len(Y)) + 64)
+    K = tangent_gram(module, params, X, Y, memory_budget=2 * per_row * (len(X) + len(Y)) + 64,
+                     check_hidden=False)
     n_rows, n_cols = blocks[-2], blocks[-1]
     assert n_rows > 2 and n_cols > 1
     assert sum(rows > 1 for rows in calls) == n_rows + n_cols
@@ -700,3 +703,58 @@ def test_use_watch_ignores_hooks_fired_by_other_threads():
     assert len(watch.frames) == 1
     watch.leave(layer)
     assert watch.frames == [] and watch.factors[id(layer)] == [None]
+
+
+class _ConstantInput(_TwoLayers):
+    """A Linear on a buffer (a FiLM-style shift): its rows are not the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("code", torch.ones(1, 5))
+        self.film = nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x) + self.film(self.code)))
+
+
+class _Flipped(_TwoLayers):
+    """Rows reversed before l1 and restored after: per sample the same function."""
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x.flip(0)).flip(0)))
+
+
+def _bias_left_out():
+    module = _TwoLayers()
+    module.l1.forward = types.MethodType(lambda self, x: F.linear(x, self.weight), module.l1)
+    return module
+
+
+@pytest.mark.parametrize("make, routed, numerical_check", [
+    (_ConstantInput, "film.weight", False),  # the watch's row check alone
+    (_Flipped, "l1.weight", True),  # only the two-row autograd check sees a swap
+    (_bias_left_out, "l1.weight", False),  # the own call must take every parameter
+])
+def test_rows_that_are_not_the_samples_and_partial_own_calls(make, routed, numerical_check,
+                                                             monkeypatch):
+    if not numerical_check:
+        monkeypatch.setattr(_gram, "_numerical_misfits", lambda *a: frozenset())
+    torch.manual_seed(0)
+    module = make().double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(7, 3, dtype=torch.float64)
+    J = torch.cat([_loop_jacobian(module, params, x[None]) for x in X])
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(tangent_features(module, params, X, output="full"), J)
+    assert routed in _gram._prepare(module, params, X, "full", 2**20)[3].fallback
+
+
+def test_lending_dtype_and_device_is_not_a_read():
+    class Cast(_TwoLayers):
+        def forward(self, x):
+            return self.l2(torch.tanh(self.l1(x)).to(self.l2.weight).type_as(self.l2.weight))
+
+    module = Cast().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    cap = capture(module, params, torch.randn(4, 3, dtype=torch.float64), [0], memory_budget=2**20)
+    assert cap.fallback == () and not cap.exclude

@@ -84,3 +84,29 @@ def test_a_path_too_large_for_memory_is_refused_before_training(regression_data,
     with pytest.raises(MemoryError, match=r"needs [\d,]+ bytes.*record_every=1"):
         est.fit(X, y)
     assert not hasattr(est, "module_")
+
+
+def test_scalar_parameters_round_trip():
+    # A 0-d parameter (a scalar gain) has an empty shape: unflattening must keep it 0-d.
+    class Gain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+            self.gain = torch.nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.gain * self.lin(x)
+
+    from skpathkernel import PathRecorder
+
+    module = Gain().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    X = torch.randn(4, 2, dtype=torch.float64)
+    with PathRecorder(module, opt, n_samples=4) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            module(X).square().mean().backward()
+            rec.set_batch(range(4))
+            opt.step()
+    state = rec.trajectory.state_dict(-1)
+    assert state["gain"].shape == () and float(state["gain"]) == float(module.gain)

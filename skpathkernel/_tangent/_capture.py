@@ -97,6 +97,9 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
+_LIKE = frozenset({torch.Tensor.to, torch.Tensor.type_as})
+
+
 class _Frame:
     """One running call of a rule layer: its own parameter read, once, gives the factors."""
 
@@ -133,6 +136,11 @@ class _UseWatch(TorchFunctionMode):
     def __init__(self, owners: dict[int, tuple[int, str]], ops: dict[int, tuple]):
         super().__init__()
         self.owners, self.ops = owners, ops
+        # The own call must take every differentiated parameter of its layer: the rule
+        # gives each of them a term.
+        self.expected: dict[int, set[str]] = {}
+        for layer, name in owners.values():
+            self.expected.setdefault(layer, set()).add(name)
         self.thread = threading.get_ident()
         self.frames: list[_Frame] = []
         self.factors: dict[int, list] = {layer: [] for layer in ops}
@@ -160,11 +168,14 @@ class _UseWatch(TorchFunctionMode):
             return out
         top = self.frames[-1] if self.frames else None
         if (top is not None and top.factors is None and func in self.ops[top.layer]
+                and {name for _, name in owned} == self.expected[top.layer]
                 and all(layer == top.layer for layer, _ in owned)
                 and args and isinstance(args[0], torch.Tensor)
                 and isinstance(out, torch.Tensor) and out.requires_grad):
             top.factors = (args[0], out)
             return out.clone()
+        if func in _LIKE and not (args and id(args[0]) in self.owners):
+            return out  # h.to(W), h.type_as(W): W only lends its dtype and device
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
             self.misfits.update(name for _, name in owned)
         return out
@@ -219,13 +230,23 @@ def capture(
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits))
 
-    accepted = []
+    accepted, unaligned = [], set()
     for layer, rule, names in layers:
         calls = watch.factors[id(layer)]
         # One call that read its parameters once through the rule's op; a layer called
         # twice (its factors would need a sum) or that never read them goes to the fallback.
-        if len(calls) == 1 and calls[0] is not None and rule.accepts(layer, calls[0][0]):
-            accepted.append((layer, rule, names, calls[0][0].detach(), calls[0][1]))
+        if len(calls) != 1 or calls[0] is None or not rule.accepts(layer, calls[0][0]):
+            continue
+        a, z = calls[0]
+        if a.shape[0] != X.shape[0] or z.shape[0] != X.shape[0]:
+            # Rows that are not the samples (a constant input, a subset of the rows): the
+            # factors cannot be per-sample. Marked, so that every block routes it alike.
+            unaligned.update(names.values())
+            continue
+        accepted.append((layer, rule, names, a.detach(), z))
+    if unaligned:
+        return capture(module, params, X, outputs, memory_budget=memory_budget,
+                       exclude=exclude | frozenset(unaligned))
 
     terms_by_name: dict[str, Term] = {}
     if accepted:
@@ -265,13 +286,15 @@ def _numerical_misfits(
     cap: Capture,
     outputs: Sequence[int],
 ) -> frozenset[str]:
-    """Rule-covered parameters whose factors disagree with autograd on one sample.
+    """Rule-covered parameters whose factors disagree with autograd on a few samples.
 
-    The second line behind :class:`_UseWatch`, for reads of a parameter that torch
-    functions do not see (a TorchScript function or a C++ extension taking
-    ``self.lin.weight`` in a parent's ``forward``). One backward pass per output on a
-    single sample ``x`` (shape (1, n_features)) catches such a read unless its gradient
-    vanishes on that sample; the parameters returned here must go to the fallback.
+    The second line behind :class:`_UseWatch`, for what it cannot see: reads of a
+    parameter hidden from torch functions (a TorchScript function or a C++ extension
+    taking ``self.lin.weight`` in a parent's ``forward``), and rows reordered before a
+    layer (``x.flip(0)``), which break the row-per-sample alignment of the factors. One
+    backward pass per output over the rows of ``x`` (two where there are two, so that
+    a swap shows; ``cap`` is their capture) catches these unless their gradient
+    vanishes there; the parameters returned here must go to the fallback.
     """
     covered = [name for term in cap.terms for name, _ in term.inputs
                if name not in cap.fallback]
@@ -280,25 +303,28 @@ def _numerical_misfits(
     factors = {name: (term.delta, a) for term in cap.terms for name, a in term.inputs}
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     with torch.enable_grad():
-        f = functional_call(module, live, (x,)).reshape(1, -1)
+        f = functional_call(module, live, (x,)).reshape(x.shape[0], -1)
     # A weight's gradient g (p x q) is compared through a random direction v: g v against
     # delta (a . v). A read the factors miss adds E != 0 to g, and E v != 0 for almost
     # every v: one pass over g instead of forming the outer product and the difference.
     gen = torch.Generator(device=x.device).manual_seed(0)
     probes = {name: torch.randn(a.shape[1], 1, generator=gen, device=x.device, dtype=x.dtype)
               for name, (_, a) in factors.items() if a is not None}
+    # The rows are weighted 1, 2, ... in one backward pass per output: a swap of rows
+    # changes the weighted sum the factors predict, not the one autograd computes.
+    w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=x.dtype)
     tol = 10 * torch.finfo(x.dtype).eps ** 0.5
     bad = set()
     for i, c in enumerate(outputs):
-        grads = torch.autograd.grad(f[0, c], [live[n] for n in covered],
+        grads = torch.autograd.grad(f[:, c] @ w, [live[n] for n in covered],
                                     retain_graph=i < len(outputs) - 1, allow_unused=True)
         errors, scales = [], []
         for name, g in zip(covered, grads):
             delta, a = factors[name]
             if a is None:
-                rule, seen = delta[0, i], g
+                rule, seen = w @ delta[:, i], g
             else:
-                rule = delta[0, i] * (a[0] @ probes[name])
+                rule = (w * (a @ probes[name])[:, 0]) @ delta[:, i]
                 seen = None if g is None else (g.reshape(len(rule), -1) @ probes[name])[:, 0]
             seen = torch.zeros_like(rule) if seen is None else seen.reshape(rule.shape)
             errors.append((seen - rule).abs().max())

@@ -242,17 +242,21 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
         raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
     n_outputs = forward(module, params, X[:1]).shape[1]
     outputs, mode = _resolve_output(output, n_outputs)
-    # One sample's factors give the per-row size of every block's factors, and its
+    # The first sample's factors give the per-row size of every block's factors, and the
     # capture finds the parameters read outside their layer (every block's capture
-    # checks again, see _consistent_routing); the autograd check on the same sample
-    # covers reads that torch functions do not see.
-    probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
+    # checks again, see _consistent_routing); the autograd check on the first two
+    # samples covers reads that torch functions do not see, and reordered rows.
+    rows = X[:2] if check_hidden else X[:1]
+    probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                     exclude=exclude)
-    hidden = _numerical_misfits(module, params, X[:1], probe, outputs) if check_hidden \
+    hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
         else frozenset()
     if hidden:
         probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                         exclude=probe.exclude | hidden)
+    # The probe's first row sizes the blocks.
+    probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,
+                    exclude=probe.exclude)
     return params, outputs, mode, probe
 
 

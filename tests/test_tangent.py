@@ -675,18 +675,25 @@ _READS = [(_hooked_read, False), (_hooked_scale, False), (_patched_forward, Fals
                          [(m, k, True) for m, k in _READS]
                          + [(m, k, False) for m, k in _READS if m is not _ScriptedRead])
 def test_reads_in_hooks_patches_and_hidden_code(make, rule_kept, numerical_check, monkeypatch):
+    fallback = _routing_against_loop(make, numerical_check, monkeypatch)
+    assert ("l1.weight" in fallback) != rule_kept
+
+
+def _routing_against_loop(make, numerical_check, monkeypatch):
+    """Gram and features of make() against the loop; the parameters sent to the fallback.
+
+    ``numerical_check=False`` leaves the use watch alone (no autograd check).
+    """
     if not numerical_check:
         monkeypatch.setattr(_gram, "_numerical_misfits", lambda *a: frozenset())
     torch.manual_seed(0)
     module = make().double()
     params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
-    X = torch.randn(6, 3, dtype=torch.float64)
+    X = torch.randn(7, 3, dtype=torch.float64)
     J = torch.cat([_loop_jacobian(module, params, x[None]) for x in X])
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
-    phi = tangent_features(module, params, X, output="full")
-    _close(phi, J)
-    cap = _gram._prepare(module, params, X, "full", 2**20)[3]
-    assert ("l1.weight" in cap.fallback) != rule_kept
+    _close(tangent_features(module, params, X, output="full"), J)
+    return _gram._prepare(module, params, X, "full", 2**20)[3].fallback
 
 
 def test_use_watch_ignores_hooks_fired_by_other_threads():
@@ -737,16 +744,7 @@ def _bias_left_out():
 ])
 def test_rows_that_are_not_the_samples_and_partial_own_calls(make, routed, numerical_check,
                                                              monkeypatch):
-    if not numerical_check:
-        monkeypatch.setattr(_gram, "_numerical_misfits", lambda *a: frozenset())
-    torch.manual_seed(0)
-    module = make().double()
-    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
-    X = torch.randn(7, 3, dtype=torch.float64)
-    J = torch.cat([_loop_jacobian(module, params, x[None]) for x in X])
-    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
-    _close(tangent_features(module, params, X, output="full"), J)
-    assert routed in _gram._prepare(module, params, X, "full", 2**20)[3].fallback
+    assert routed in _routing_against_loop(make, numerical_check, monkeypatch)
 
 
 def test_lending_dtype_and_device_is_not_a_read():

@@ -127,8 +127,12 @@ def _roofline(spec, module, X, sync):
     # What the engine performs: the products of the panels on and above the diagonal
     # (K(X, X) is symmetric), plus the forward pass and the backward pass to the layer
     # outputs that produce the factors.
-    size = _panel_rows(X.device)
-    pairs = sum(min(size, n - s) * (n - s) for s in range(0, n, size))
+    outer, inner = _panel_rows(X.device)
+    pairs = 0
+    for s in range(0, n, outer):
+        e = min(s + outer, n)
+        pairs += (e - s) * (n - e)  # right of the outer panel's square
+        pairs += sum(min(inner, e - t) * (e - t) for t in range(s, e, inner))  # the square
     performed = sum(2 * pairs * (lay.in_features + lay.out_features) + 3 * pairs
                     for lay in linear)
     performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear)

@@ -478,7 +478,7 @@ def test_params_y_is_matched_by_name():
 @pytest.mark.parametrize("kind", ["mlp", "raw", "conv"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_symmetric_panels_match_loop(kind, weighted, monkeypatch):
-    # Panels of 2 rows on 9 samples: 5 panels, the last one a single row.
+    # Outer panels of 4 rows and inner ones of 2 on 9 samples: the last panel one row.
     module, params, X, _ = _make(kind, 2)
     JX = _loop_jacobian(module, params, X)
     D = torch.ones(JX.shape[2], dtype=JX.dtype)
@@ -487,7 +487,7 @@ def test_symmetric_panels_match_loop(kind, weighted, monkeypatch):
     full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JX)
     shapes = []
     real = _gram._gram_into
-    monkeypatch.setattr(_gram, "_panel_rows", lambda device: 2)
+    monkeypatch.setattr(_gram, "_panel_rows", lambda device: (4, 2))
     monkeypatch.setattr(_gram, "_gram_into",
                         lambda out, *a: shapes.append(tuple(out.shape)) or real(out, *a))
     for output in ("trace", "full", 1):
@@ -496,8 +496,9 @@ def test_symmetric_panels_match_loop(kind, weighted, monkeypatch):
         ref = (full if output == "full" else full[:, 1, :, 1] if output == 1
                else torch.einsum("ncmc->nm", full) / 2)
         _close(K, ref)
-        # Each panel starts at the diagonal: the blocks below it are never computed.
-        rows = [(min(2, 9 - s), 9 - s) for s in range(0, 9, 2)]
+        # Right of each outer panel's square, then the square by inner panels, each
+        # from the diagonal: nothing below the diagonal is computed.
+        rows = [(4, 5), (2, 4), (2, 2), (4, 1), (2, 4), (2, 2), (1, 1)]
         assert [(sh[0], sh[2] if output == "full" else sh[1]) for sh in shapes] == rows
         flat = K.reshape(len(X) * (2 if output == "full" else 1), -1)
         assert torch.equal(flat, flat.T)

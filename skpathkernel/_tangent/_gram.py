@@ -9,8 +9,9 @@ without ever forming the Jacobian. Parameters handled by the generic fallback co
 
 Every function works in row blocks (and column blocks) sized from ``memory_budget``: the
 factors of one block plus the block's intermediates stay under the budget; the factors of
-all of X and Y are kept between blocks only when they fit in half the budget, and are
-recomputed block by block otherwise.
+the column blocks are kept between row blocks only when all factors fit in half the
+budget, and are recomputed block by block otherwise. A symmetric ``K(X, X)`` computes the
+panels on and right of its diagonal only and mirrors them (:func:`_symmetric_block`).
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def _consistent_routing(fn):
     """Rerun ``fn`` with the larger exclusion set when a block finds a new misfit.
 
     The two sides' terms are paired by position, so every block of one call must route
-    the same parameters to the fallback. Usually the one-row probe finds every misfit; a
+    the same parameters to the fallback. Usually the probe rows find every misfit; a
     use that depends on the data (Python control flow on tensor values) can show up in a
     later block only, and then the call starts over (at most once per such parameter).
     """

@@ -12,6 +12,7 @@ from sklearn.frozen import FrozenEstimator
 
 from skpathkernel import OODRankDetector, PathKernelClassifier, _ood
 from skpathkernel._ood import _pivoted_cholesky
+from skpathkernel._reproduce._fig7 import _relu_network
 from skpathkernel.datasets import make_linear_extrapolation
 
 SMALL = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.01, max_iter=60,
@@ -126,21 +127,6 @@ def test_rank_gap_matches_numpy_matrix_rank(kind):
         assert rj == rt == det.n_params_
 
 
-def _relu_factory(kinks, out_weight=0.2):
-    """1-6-1 ReLU net, first-layer weights +1, unit i switching on at x = kinks[i]."""
-
-    def factory(n_in, n_out):
-        net = torch.nn.Sequential(torch.nn.Linear(1, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
-        with torch.no_grad():
-            net[0].weight.fill_(1.0)
-            net[0].bias.copy_(-torch.as_tensor(kinks))
-            net[2].weight.fill_(out_weight)
-            net[2].bias.zero_()
-        return net
-
-    return factory
-
-
 def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
     X, y, Xt, yt = make_linear_extrapolation(n_train=50, n_test=25)
     # A small initial output slope (6 x 0.2 < 2) lets training raise it without pushing
@@ -150,7 +136,7 @@ def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
     results = {}
     for name, kinks in [("inside", [0.1, 0.4, 0.7, 1.0, 1.3, 1.6]),
                         ("outside", [0.1, 0.4, 0.7, 1.0, 1.3, 2.0])]:
-        det = OODRankDetector(module=_relu_factory(kinks), **params).fit(X, y)
+        det = OODRankDetector(module=_relu_network(kinks), **params).fit(X, y)
         first = det.estimator_.module_[0]
         w, b = first.weight.detach().numpy()[:, 0], first.bias.detach().numpy()
         test_loss = 0.5 * np.mean((det.estimator_.predict(Xt) - yt) ** 2)
@@ -175,7 +161,7 @@ def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
 
 def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
     X, y, Xt, _ = make_linear_extrapolation(n_train=50, n_test=25)
-    det = OODRankDetector(module=_relu_factory([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
+    det = OODRankDetector(module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
                           solver="adam", learning_rate_init=0.01, max_iter=300,
                           dtype="float64", random_state=0).fit(X, y)
     assert det.rank_ < 20

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Make .venv-peers: JAX / neural-tangents / skorch for the benchmark peers, kept out of
-# the main environment (they need numpy < 2; see requirements-peers.txt). The venv sees
-# the main environment's torch through --system-site-packages, so no other torch build
-# (in particular no CUDA wheel) is downloaded.
+# the main environment (they need numpy < 2; see requirements-peers.txt). torch is the same
+# 2.13.0 CPU build as the main environment's, installed from the file on this machine's disk
+# first, so that no other torch build (in particular no multi-GB CUDA wheel) is downloaded
+# and the venv works whether or not the interpreter that made it has torch
+# (--system-site-packages sees only the base interpreter's packages, not another venv's).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${1:-$root/.venv-peers}"
 python -m venv --system-site-packages "$venv"
+"$venv/bin/pip" install "torch==2.13.0"
 "$venv/bin/pip" install -r "$root/benchmarks/requirements-peers.txt"
 "$venv/bin/python" -c "import jax, neural_tangents, skorch, torch; print('peers venv:', \
 'jax', jax.__version__, 'neural-tangents', neural_tangents.__version__, \

@@ -159,10 +159,13 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         jitter hides the small new directions of an extrapolating ReLU unit.
     contamination : "auto" or float in (0, 0.5], default="auto"
         Sets ``offset_`` (IsolationForest's convention) from the *leave-one-out*
-        training scores: each training point scored against the others (against all
-        other training points with "residual"; the others of an evenly spaced subset of
-        at most 2000 with "local" and "alignment"), the scores new data from the
-        training distribution gets. "auto": Tukey's fence ``Q1 - 1.5 IQR`` of those
+        training scores: each training point scored against the others, the scores new
+        data from the training distribution gets. "local" and "alignment" score an
+        evenly spaced subset of at most 2000 training points; "residual" all of them,
+        exactly, when the budget holds a second ``N x r`` array beside the factor, and
+        otherwise the same subset against the pivots' span (within the tolerance of the
+        exact value; an upper bound for the pivots themselves). "auto": Tukey's fence
+        ``Q1 - 1.5 IQR`` of those
         scores, but never a point with less than 1% of ``||phi(x)||`` outside the span
         (``offset_ <= -0.01``; ``sqrt(1 - 0.01**2)`` for "alignment"): that floor decides
         when the training features span each other exactly and their leave-one-out
@@ -396,8 +399,12 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
                          _X_span=span.X_span, _chol=span.chol)
-        if self.method == "residual":
+        if self.method == "residual" and loo is not None:
             scores = -loo
+        elif self.method == "residual":
+            # The exact pass would hold a second N x r array: the pivots' bound instead.
+            sub = _loo_subset(n)
+            scores = -span.pivot_loo_residuals(gram, sub, pivots)
         else:
             # Each training point of an evenly spaced subset scored against all the others.
             sub = _loo_subset(n)

@@ -35,6 +35,12 @@ from ._tangent import tangent_gram, tangent_gram_diag
 __all__ = ["NetworkGram", "TangentSpan", "numerical_rank", "pivoted_cholesky"]
 
 BLOCK = 256  # pivots per Gram pass of the pivoted Cholesky
+# A group of queries shares the Gram of the union of its neighbours, at most this many
+# times n_neighbors points: large enough that a call's fixed cost (~10 ms: a capture of
+# the network) is shared by many queries when their neighbours overlap, small enough that
+# queries with disjoint neighbours do not pay for a large union Gram (measured at
+# N = 20000: 8 and 32 were slower than 16).
+UNION_NEIGHBOURS = 16
 
 
 def numerical_rank(gram, rtol: float) -> int:
@@ -260,7 +266,9 @@ class TangentSpan:
 
         Returns ``(span, pivots, complete, loo)``: ``complete`` says whether the pivots
         reach the tolerance ``lam`` (False: stopped at ``max_rank``), ``loo`` the
-        leave-one-out relative residuals (None unless asked).
+        leave-one-out relative residuals of all N points, exact, from a thin QR of the
+        factor (None unless asked, or when that QR's second ``N x r`` array would not fit
+        in the budget beside the factor: then see :meth:`pivot_loo_residuals`).
         """
         Xt = gram.tensor(X)
         diag_t = torch.as_tensor(diag, device=gram.device)
@@ -272,7 +280,10 @@ class TangentSpan:
             G, pivots = diag_t.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
         complete = not (len(pivots) == max_rank < n
                         and float((diag_t - row_norms2(G)).max()) > lam)
-        residuals = to_numpy(loo_relative_residuals(G, diag_t, max(lam, 1e-300))) if loo else None
+        residuals = None
+        r = G.shape[1]
+        if loo and 8 * (2 * n * r + 2 * r * r) <= gram.budget:
+            residuals = to_numpy(loo_relative_residuals(G, diag_t, max(lam, 1e-300)))
         # The N x r factor can be half the budget: freed before the r x r Gram of the span.
         del G
         X_span, chol = X[to_numpy(pivots)], None
@@ -282,6 +293,29 @@ class TangentSpan:
             chol = to_numpy(torch.linalg.cholesky(W))
             del W
         return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals
+
+    def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots) -> np.ndarray:
+        """Leave-one-out relative residuals of training points ``idx`` from the pivots.
+
+        Without the ``N x r`` factor: a point that is not a pivot is scored against the
+        span of the pivots (which holds every training feature to within the tolerance,
+        so the others' span to within it too); a pivot against the other pivots,
+        ``1 / [(Theta_LL + lam I)^{-1}]_jj - lam``, an upper bound of its residual
+        against all the others (exact when every point is a pivot).
+        """
+        idx = np.asarray(idx)
+        position = {int(p): j for j, p in enumerate(pivots)}
+        mask = np.array([int(i) in position for i in idx], dtype=bool)
+        out = np.empty(len(idx))
+        if (~mask).any():
+            out[~mask] = self.residuals(gram, self.X[idx[~mask]])
+        if mask.any():
+            chol = torch.as_tensor(self.chol)
+            inv_diag = torch.cholesky_inverse(chol).diagonal()
+            j = torch.as_tensor([position[int(i)] for i in idx[mask]])
+            var = (1.0 / inv_diag[j] - self.lam).clamp(min=0)
+            out[mask] = to_numpy(_relative(var, torch.as_tensor(self.diag[idx[mask]])))
+        return out
 
     # ------------------------------------------------------------------ global span
     def residuals(self, gram: NetworkGram, X) -> np.ndarray:
@@ -317,7 +351,9 @@ class TangentSpan:
         idx = torch.empty((n, k), dtype=torch.long, device=gram.device)
         kvals = torch.empty((n, k), dtype=torch.float64, device=gram.device)
         best = torch.empty(n, dtype=torch.float64, device=gram.device)
-        step = gram.rows_per_block(N, what)
+        # A block of rows (K, its cosines, topk's copy and a temporary) in half of the
+        # budget: the engine's own blocks (captures, products) come on top of its output.
+        step = rows_per_block(gram.budget // 2, 4 * 8 * N, what)
         for start in range(0, n, step):
             stop = min(start + step, n)
             K = gram.gram(Xt[start:stop], Rt).to(torch.float64)
@@ -343,24 +379,23 @@ class TangentSpan:
 
         ``sqrt(1 - k_S(x)^T (Theta_SS + lam I)^{-1} k_S(x) / Theta(x, x))`` with ``S`` the
         neighbours: the global residual with the span restricted to them. The neighbours'
-        Gram ``Theta_SS`` is taken from the Gram of the union of the neighbours of a
-        group of queries; queries are grouped by their best neighbour, so that a group
-        shares most of its neighbours, and a group's union is capped so that its Gram
-        stays under a quarter of the budget.
+        Gram ``Theta_SS`` is read from the Gram of the union of the neighbours of a group
+        of queries: queries are grouped by their best neighbour, so that a group shares
+        most of its neighbours, and a union holds at most ``UNION_NEIGHBOURS *
+        n_neighbors`` points. When the whole training Gram costs less than those unions
+        together and fits in a quarter of the budget, it is computed once instead.
         """
         idx, kvals, _, dq = self._neighbours(gram, X, n_neighbors, exclude,
                                              "The local residual score")
         if self.lam <= 0:  # every training feature is zero: the span is {0}
             return to_numpy(_relative(dq, dq))
         n, k = idx.shape
-        explained = torch.empty(n, dtype=torch.float64, device=gram.device)
-        # A group's union Gram in a quarter of the budget; each query of it holds its
-        # k x k system, its factor and a temporary.
-        cap = max(k, math.isqrt(gram.budget // (4 * 8)))
+        N = self.X.shape[0]
+        # Each query of a group holds its k x k system, its factor and a temporary.
         rows = rows_per_block(gram.budget, 8 * 3 * k * k, "The local residual score")
+        cap = max(k, min(math.isqrt(gram.budget // (4 * 8)), UNION_NEIGHBOURS * k))
         order = torch.argsort(idx[:, 0], stable=True)
-        start = 0
-        Rt = gram.tensor(self.X)
+        groups, start = [], 0
         while start < n:
             # Grow the group while the union of its neighbours stays under the cap.
             stop, union = start, torch.empty(0, dtype=torch.long, device=gram.device)
@@ -369,11 +404,20 @@ class TangentSpan:
                 if len(grown) > cap and stop > start:
                     break
                 union, stop = grown, stop + 1
-            group = order[start:stop]
-            KU = gram.gram(Rt[union]).to(torch.float64)
-            local = torch.searchsorted(union, idx[group])  # positions in the union
+            groups.append((order[start:stop], union))
+            start = stop
+        Rt = gram.tensor(self.X)
+        full = None
+        if N * N <= sum(len(u) ** 2 for _, u in groups) and 8 * N * N <= gram.budget // 4:
+            full = gram.gram(Rt).to(torch.float64)
+        explained = torch.empty(n, dtype=torch.float64, device=gram.device)
+        for group, union in groups:
+            if full is None:
+                KU, local = gram.gram(Rt[union]).to(torch.float64), torch.searchsorted(
+                    union, idx[group])  # positions in the union
+            else:
+                KU, local = full, idx[group]
             A = KU[local.unsqueeze(2), local.unsqueeze(1)]  # (g, k, k)
             A.diagonal(dim1=1, dim2=2).add_(self.lam)
             explained[group] = _explained(A, kvals[group])
-            start = stop
         return to_numpy(_relative(dq - explained, dq))

@@ -1,5 +1,6 @@
 """OODRankDetector against dense-Jacobian references (per-sample autograd + NumPy)."""
 
+import copy
 import warnings
 
 import numpy as np
@@ -10,7 +11,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 
-from skpathkernel import OODRankDetector, PathKernelClassifier, _ood, _span
+from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine, _ood, _span
 from skpathkernel._reproduce._fig7 import _relu_network
 from skpathkernel._span import pivoted_cholesky
 from skpathkernel.datasets import make_linear_extrapolation
@@ -331,3 +332,26 @@ def test_a_pickle_from_before_n_neighbors_loads_and_scores_the_same():
     assert old.get_params()["n_neighbors"] == 20
     Xq = rng.normal(size=(4, 5))
     np.testing.assert_array_equal(old.score_samples(Xq), det.score_samples(Xq))
+
+
+def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypatch):
+    # 20 generic features, full rank: every point is a pivot, and the pivots' bound
+    # is the exact leave-one-out residual.
+    rng = np.random.RandomState(13)
+    X, y = task_data("regression", rng)
+    net = PathKernelMachine(**SMALL).fit(X, y)
+    big = OODRankDetector(estimator=net, method="residual", contamination=0.25).fit(X)
+    # Room for the 20 x 20 factor, not for the QR's second array beside it (12,800
+    # bytes); the budget is set on a copy, below the 1 MiB that validation allows.
+    small_net = copy.copy(net)
+    small_net.memory_budget = 10_000
+    with monkeypatch.context() as m:
+        m.setattr(_span, "loo_relative_residuals", None)  # the QR pass must not run
+        small = OODRankDetector(estimator=small_net, method="residual",
+                                contamination=0.25).fit(X)
+    assert small.rank_ == big.rank_ == 20
+    P = dense_features(big, X)
+    loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
+                    for i in range(len(X))])
+    np.testing.assert_allclose(small.offset_, np.percentile(loo, 25), atol=1e-6)
+    np.testing.assert_allclose(small.offset_, big.offset_, atol=1e-6)

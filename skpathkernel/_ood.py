@@ -211,18 +211,39 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
     Notes
     -----
-    **Factorisation.** ``Theta = Theta(X_fit_, X_fit_)`` is never formed (at N = 20000 it
-    would take 3.2 GB). A greedy block pivoted Cholesky (Nystrom with adaptively chosen
-    landmarks) computes ``Theta[:, B]`` for blocks ``B`` of the 256 points with the largest
-    residual diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``.
-    The score uses ``Theta_LL`` (r x r, Cholesky of ``Theta_LL + lam I``) and
+    ``Theta = Theta(X_fit_, X_fit_)`` is never formed (at N = 20000 it would take
+    3.2 GB).
+
+    **Local spans** ("local", "alignment"). A query's row ``Theta(x, X_fit_)`` (row
+    blocks in half of ``memory_budget``) gives its best-aligned training features; the
+    Gram of those neighbours comes from the Gram of the union of the neighbours of a
+    group of queries (at most 16 ``n_neighbors`` points), or from the whole training
+    Gram, computed once, when that is cheaper and fits in a quarter of the budget.
+    Cost: ``O(n N)`` kernel entries for ``n`` queries, memory ``O(b N)`` for row blocks
+    of ``b`` queries, and the same again for the leave-one-out scores of ``fit``.
+    Measured on 2 loaded CPU cores (64-unit tanh network, 1 GiB budget): N = 20000 fits
+    in 34 s with a peak of 0.74 GiB above the start of fit, and scores 1857 queries in
+    40 s (benchmarks/results_ood.md).
+
+    **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
+    block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes
+    ``Theta[:, B]`` for blocks ``B`` of the 256 points with the largest residual
+    diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``. The score
+    uses ``Theta_LL`` (r x r, Cholesky of ``Theta_LL + lam I``) and
     ``k(x) = Theta(X_L, x)``: identical to the formula above with all N points when
     ``r = N`` (full numerical rank), and otherwise the span of features that contains
     every training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
     ``O(N r sum_l (d_in + C d_out) + N r b)``, memory ``O(N r)``; scoring ``O(n r)``.
-    Measured on 2 CPU cores (64-64-10 tanh network, 1 GiB budget): N = 2000, r = 2000 in
-    0.7 s; N = 5000, r = 4225 in 4 s; N = 20000 stops at max_rank = 3355 in 9 s, its peak
-    0.8 GiB above the start of fit (benchmarks/results_ood.md).
+    At N = 20000 the same network's span needs 4226 pivots; the 1 GiB budget holds
+    3355, and the truncated span's AUROCs are within +0.007 / +0.009 of the exact one's
+    (not lower) on the benchmark's splits.
+
+    **Multi-output networks.** Every Gram is the trace kernel: the span of
+    ``vec J(x) / sqrt(C)``, in which a point is inside when its whole Jacobian is one
+    combination of the training ones. The span of the ``N C`` per-output rows
+    ``J_c(x_i)`` is larger; measured on three digits networks it separates 0.01-0.02
+    AUROC worse with the global span and equally with local spans, at ``C**2`` times the
+    cost, so it is not used.
 
     **Precision.** Grams come from a float64 copy of the network (same parameter values)
     on its device: float32 rounding would put noise eigenvalues at ~1e-7 of the largest,
@@ -351,7 +372,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
     @keep_previous_fit_on_error
     def fit(self, X, y=None):
-        """Train the network (unless prefitted) and factorise the span of phi(X).
+        """Train the network (unless prefitted) and set up the span of phi(X).
+
+        Computes the training features' norms, the factorisation of their span
+        ("residual", "alignment") and the leave-one-out scores that set ``offset_``.
 
         Parameters
         ----------
@@ -415,6 +439,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             offset = float(np.percentile(scores, 100.0 * self.contamination))
         state["offset_"] = offset
         state.update({name: getattr(est, name) for name in _MIRRORED})
+        if self.method == "local":  # a previous fit's factorisation describes nothing now
+            for name in ("rank_", "pivots_", "_X_span", "_chol"):
+                self.__dict__.pop(name, None)
         for name, value in state.items():
             setattr(self, name, value)
         return self

@@ -150,6 +150,9 @@ def test_auto_offset_is_tukeys_fence_of_leave_one_out_scores(method):
     assert p.dtype.kind == "i" and set(np.unique(p)) == {-1, 1}
     assert np.all(p[:3] == 1)  # training points lie in their own span
     assert not hasattr(det, "fit_predict")
+    # A refit with the local method drops the factorisation it does not compute.
+    assert hasattr(det.set_params(method="residual").fit(X, y), "rank_")
+    assert not hasattr(det.set_params(method="local").fit(X, y), "rank_")
 
 
 def test_leave_one_out_uses_an_evenly_spaced_subset_of_large_training_sets(monkeypatch):

@@ -515,10 +515,8 @@ def run_scale(quick, threads):
                "peak RSS of fit above its start, MiB": f"{r['fit_peak'] / 2**20:.0f}"}
         for name, value in r["aurocs"].items():
             row[name] = f"{value:.4f} ({value - exact['aurocs'][name]:+.4f})"
-        if what == "residual":
-            dev = max(np.abs(np.subtract(r["scores"][k], exact["scores"][k])).max()
-                      for k in sets)
-            row["max score deviation from exact"] = f"{dev:.3f}"
+        dev = max(np.abs(np.subtract(r["scores"][k], exact["scores"][k])).max() for k in sets)
+        row["max score deviation from exact"] = f"{dev:.3f}" if what == "residual" else "-"
         rows.append(row)
     return rows
 

@@ -222,8 +222,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     Cost: ``O(n N)`` kernel entries for ``n`` queries, memory ``O(b N)`` for row blocks
     of ``b`` queries, and the same again for the leave-one-out scores of ``fit``.
     Measured on 2 loaded CPU cores (64-unit tanh network, 1 GiB budget): N = 20000 fits
-    in 34 s with a peak of 0.74 GiB above the start of fit, and scores 1857 queries in
-    40 s (benchmarks/results_ood.md).
+    in 52 s with a peak of 0.70 GiB above the start of fit, and scores 1857 queries in
+    62 s (benchmarks/results_ood.md).
 
     **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
     block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes

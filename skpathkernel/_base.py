@@ -26,6 +26,7 @@ from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_t
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
+from ._tangent import warn_on_fallback
 from ._training import train
 from ._trajectory import SolverSpec
 
@@ -306,6 +307,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 progress=progress,
             )
         module.eval()
+        if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
+            warn_on_fallback(module, X_t)
         attrs.update(
             X_fit_=X,
             _Y_fit=Y,

@@ -8,6 +8,7 @@ and the seeded projection, to 1e-10 relative; both exact contractions of a term 
 positions (gradient blocks and position pairs) are forced in turn.
 """
 
+import copy
 import math
 
 import pytest
@@ -38,8 +39,6 @@ def _close(a, b, rtol=RTOL):
 
 def _loop(module, params, X):
     """(n, C, P) by the autograd loop on a copy of ``module`` holding ``params``."""
-    import copy
-
     ref = copy.deepcopy(module)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -409,3 +408,36 @@ def test_misuse_of_the_new_layers_goes_to_the_fallback():
                                  "norm.weight", "norm.bias"}
     J = _loop(module, params, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rules_on_cuda_match_the_cpu(case):
+    # The rules and contractions use the device of the tensors they are given: the same
+    # float64 numbers on a GPU (the projection's directions are drawn on the CPU), and
+    # float32 there within 1e-5 of them.
+    module, params, X, Y = _make(case, 2)
+    cuda = torch.device("cuda")
+    on = {k: v.to(cuda) for k, v in params.items()}
+    gpu = copy.deepcopy(module).to(cuda)
+    gen = torch.Generator().manual_seed(2)
+    D = torch.rand(sum(p.numel() for p in params.values()), generator=gen,
+                   dtype=torch.float64) + 0.5
+    calls = [
+        lambda m, p, x, y, d: tangent_gram(m, p, x, y, output="full"),
+        lambda m, p, x, y, d: tangent_gram(m, p, x),
+        lambda m, p, x, y, d: tangent_gram(m, p, x, y, diag_weight=d),
+        lambda m, p, x, y, d: tangent_gram_diag(m, p, x, output="full"),
+        lambda m, p, x, y, d: tangent_features(m, p, x),
+        lambda m, p, x, y, d: project_tangent_features(m, p, x, 8, random_state=0),
+    ]
+    for call in calls:
+        ref = call(module, params, X, Y, D)
+        got = call(gpu, on, X.to(cuda), Y.to(cuda), D.to(cuda))
+        assert got.device.type == "cuda"
+        _close(got.cpu(), ref)
+        single = {k: v.float() for k, v in on.items()}
+        x32, y32 = ((t.to(cuda).float() if t.is_floating_point() else t.to(cuda))
+                    for t in (X, Y))
+        _close(call(copy.deepcopy(gpu).float(), single, x32, y32, D.to(cuda)).cpu(), ref, 1e-5)

@@ -1,6 +1,8 @@
 """The public extension point: a user's rule for a custom layer, routes, the warning."""
 
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,3 +182,14 @@ def test_one_warning_per_fit_when_fallback_layers_hold_much(slow):
         # 72 of 113 parameters: the share, the layer and the reason are named.
         assert "64%" in str(fallback[0].message) and "slow (_MyLinear, 72" in str(
             fallback[0].message)
+
+
+def test_the_user_guide_code_runs(registered):
+    guide = Path(__file__).resolve().parent.parent / "docs/user_guide/custom_layers.rst"
+    blocks = re.findall(r"\.\. code-block:: python\n\n(.*?)(?=\n\S)", guide.read_text(),
+                        flags=re.S)
+    assert len(blocks) == 3
+    namespace = {}
+    for block in blocks:
+        exec(compile(re.sub(r"^    ", "", block, flags=re.M), str(guide), "exec"), namespace)
+    assert namespace["error"] < 1e-10

@@ -100,8 +100,15 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
         if not rank_one(tx):
             out.add_(pair_gram(tx, ty, mode))
             return
+        dx, dy = tx.delta[:, :, 0], ty.delta[:, :, 0]
+        if mode != "full" and all(a is None for _, a in tx.inputs):
+            # Dense rows (gradient blocks, the fallback's Jacobians): one GEMM into out.
+            n, C, r = dx.shape
+            out.addmm_(dx.reshape(n, C * r), dy.reshape(-1, C * r).T,
+                       alpha=len(tx.inputs) / C)
+            return
         # sum over the term's parameters of (a . a') times the shared (delta . delta').
-        Gd = _contract(tx.delta[:, :, 0], ty.delta[:, :, 0], mode)
+        Gd = _contract(dx, dy, mode)
         Ga, ones = None, 0
         for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
             if ax is None:

@@ -123,8 +123,9 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
         for n in (256,) if quick and arch != "cnn8" else (256, 1024):
             group = [dict(kind="gram", method="skpathkernel", arch=arch, n=n, dtype="float32",
                           repeats=reps, roofline=True)]
+            # Two timed calls per peer: neural-tangents takes minutes per call at N = 1024.
             group += [dict(kind="nt_gram" if peer == "neural_tangents" else "gram",
-                           method=peer, arch=arch, n=n, dtype="float32", repeats=peer_reps)
+                           method=peer, arch=arch, n=n, dtype="float32", repeats=2)
                       for peer in ("vmap_grad", "neural_tangents")]
             nets.append(group)
     # The memory goal on (a): its intermediates stay under the budget at N = 20000 (one
@@ -266,43 +267,58 @@ def _table(rows):
             + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
 
 
+_GRAM_HEADER = ["| network | N | P | method | time | peak memory | speedup of skpathkernel | "
+                "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
+
+
+def _group_rows(group):
+    """Table rows of one interleaved Gram problem: skpathkernel first, then the others."""
+    mine = group[0]
+    assert mine["spec"]["method"] == "skpathkernel"
+    ours = _stats(mine["times"])[0]
+    lines = []
+    for r in group:
+        s = r["spec"]
+        head = f"| {_label(s)} | {s['n']} | {r.get('n_params', '-')} | {_method(s)}"
+        if "skipped" in r:
+            lines.append(f"{head} | skipped: {r['skipped']} | | | | |")
+            continue
+        med = _stats(r["times"])[0]
+        speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x"
+        diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r \
+            else "-"
+        incl = "-"
+        if "compile_s" in r:
+            head += f" (compile {r['compile_s']:.2f} s)"
+            incl = f"{(med + r['compile_s']) / ours:.2f}x"
+        lines.append(f"{head} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
+                     f"{speed} | {diff} | {incl} |")
+    return lines
+
+
 def _gram_lines(results, device):
     lines = [f"## Tangent-kernel Gram K(X, X), float32, {device}", "",
              "Speedup of skpathkernel = the peer's median / skpathkernel's median, both "
              "measured interleaved in this run. neural-tangents: the jit compilation (one "
              "per shape) is reported separately and excluded from its time; the last "
              "column adds it back.", "",
-             "| network | N | P | method | time | peak memory | speedup of skpathkernel | "
-             "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
+             *_GRAM_HEADER]
     goal = None
     versions = None
     large = [g[0] for g in results["gram"] if g[0]["spec"].get("large")]
     for group in results["gram"]:
         mine = group[0]
-        assert mine["spec"]["method"] == "skpathkernel"
         if mine["spec"].get("large"):
             continue
-        ours = _stats(mine["times"])[0]
-        for r in group:
+        lines += _group_rows(group)
+        for r in group[1:]:
             s = r["spec"]
-            head = f"| {_arch(s['sizes'])} | {s['n']} | {r.get('n_params', '-')} | {_method(s)}"
-            if "skipped" in r:
-                lines.append(f"{head} | skipped: {r['skipped']} | | | | |")
-                continue
-            med = _stats(r["times"])[0]
-            speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x"
-            diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r \
-                else "-"
-            method = head
-            incl = "-"
-            if "compile_s" in r:
-                method += f" (compile {r['compile_s']:.2f} s)"
-                incl = f"{(med + r['compile_s']) / ours:.2f}x"
+            if "compile_s" in r and "times" in r:
                 versions = r.get("versions")
                 if s["sizes"] == GOAL[0] and s["n"] == GOAL[1]:
-                    goal = (med / ours, _stats(r["times"]), _stats(mine["times"]))
-            lines.append(f"{method} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
-                         f"{speed} | {diff} | {incl} |")
+                    med = _stats(r["times"])[0]
+                    goal = (med / _stats(mine["times"])[0], _stats(r["times"]),
+                            _stats(mine["times"]))
     if versions:
         lines += ["", f"Peer versions (peers venv): {versions}, XLA on the CPU with the same "
                   "thread limit as torch."]
@@ -360,31 +376,18 @@ def _nets_lines(groups, device):
              "torch.func: the tutorial recipes, vmap(jacrev) per-sample Jacobians (vmap(grad) "
              "for one output) then J J^T. neural-tangents: empirical_ntk_fn with "
              "STRUCTURED_DERIVATIVES on the same network written in jax.numpy / lax, the "
-             "torch weights copied in; its compilation excluded from its time.", "",
-             "| network | N | P | method | time | peak memory | speedup of skpathkernel | "
-             "rel. diff |", "|---|---|---|---|---|---|---|---|"]
+             "torch weights copied in.", "", *_GRAM_HEADER]
     goals, roof, large = [], [], []
     for group in groups:
         mine = group[0]
         if mine["spec"].get("large"):
             large.append(mine)
             continue
+        lines += _group_rows(group)
         ours = _stats(mine["times"])[0]
-        ratios = {}
-        for r in group:
-            s = r["spec"]
-            head = f"| {s['arch']} | {s['n']} | {r.get('n_params', '-')} | {s['method']}"
-            if "skipped" in r:
-                lines.append(f"{head} | skipped: {r['skipped']} | | | |")
-                continue
-            med = _stats(r["times"])[0]
-            diff = r.get("rel_diff_vs_skpathkernel")
-            if r is not mine:
-                ratios[s["method"]] = (med / ours, diff, r["peak_bytes"])
-            comp = f" (compile {r['compile_s']:.2f} s)" if "compile_s" in r else ""
-            lines.append(f"{head}{comp} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
-                         f"{'1 (itself)' if r is mine else f'{med / ours:.2f}x'} | "
-                         f"{'-' if diff is None else f'{diff:.1e}'} |")
+        ratios = {r["spec"]["method"]: (_stats(r["times"])[0] / ours,
+                                        r.get("rel_diff_vs_skpathkernel"), r["peak_bytes"])
+                  for r in group[1:] if "times" in r}
         if "roofline" in mine:
             rf = mine["roofline"]
             roof.append(f"| {mine['spec']['arch']} | {mine['spec']['n']} | "
@@ -518,6 +521,9 @@ def main(argv=None):
                         help="torch / XLA threads per case (default: the libraries' own "
                              "choice); 1 keeps cores shared with other processes from "
                              "stalling parallel ops")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="Gram groups without their peers: skpathkernel (and --baseline) "
+                             "only")
     parser.add_argument("--baseline", default=None,
                         help="a source tree of skpathkernel (e.g. a checkout of main) whose "
                              "engine also runs the MLP Gram rows, interleaved: a regression "
@@ -533,6 +539,10 @@ def main(argv=None):
             parser.error("--device cuda: torch sees no CUDA device here")
     groups = args.only or GROUPS
     plan = _plan(args.quick, args.device, args.baseline)
+    if args.no_peers:
+        for name in ("gram", "gram_nets"):
+            plan[name] = [[s for s in group if s["method"] == "skpathkernel"]
+                          for group in plan[name]]
     load = [os.getloadavg()[0]]
     start = time.perf_counter()
     results = {"gram": [], "gram_nets": [], "path": [], "tables": {}}

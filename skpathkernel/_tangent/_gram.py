@@ -496,8 +496,10 @@ def tangent_gram(
     params : mapping of str to torch.Tensor
         The differentiated parameters, in flat (trajectory) order; other parameters and
         buffers are the module's own.
-    X : torch.Tensor of shape (n_samples_X, n_features)
-    Y : torch.Tensor of shape (n_samples_Y, n_features), default=None
+    X : torch.Tensor of shape (n_samples_X, ...)
+        Inputs as the module takes them: features, images, sequences, or int64 token ids.
+    Y : torch.Tensor of shape (n_samples_Y, ...), default=None
+        Same trailing shape and dtype as ``X``.
         ``None`` computes ``K(X, X)``, evaluating only the blocks on and above the
         diagonal and mirroring them (diagonal blocks are symmetrised exactly).
     output : "trace", "full" or int, default="trace"

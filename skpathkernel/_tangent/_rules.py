@@ -99,10 +99,6 @@ class Term:
         if self.transposed and self.groups != 1:
             raise ValueError("A transposed term cannot have groups.")
 
-    @property
-    def n_positions(self) -> int:
-        return self.delta.shape[2]
-
 
 @dataclass(frozen=True)
 class Use:

@@ -351,6 +351,18 @@ def test_preconditioned_gram(kind, solver_like):
            torch.einsum("np,p,np->n", JX[:, 1], D, JX[:, 1]))
 
 
+@pytest.mark.parametrize("kind", ["mlp", "conv", "norule"])
+def test_preconditioned_gram_with_negative_weights(kind):
+    # No square root of D: the blocks are scaled at every product instead of once.
+    module, params, X, Y = _make(kind, 2)
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    D = torch.randn(JX.shape[2], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _close(tangent_gram(module, params, X, Y, output="full", diag_weight=D),
+           torch.einsum("ncp,p,mdp->ncmd", JX, D, JY))
+    _close(tangent_gram(module, params, X, diag_weight=D),
+           torch.einsum("ncp,p,mcp->nm", JX, D, JX) / 2)
+
+
 def test_float32_close_to_float64():
     module, params, X, Y = _make("mlp", 2)
     K64 = tangent_gram(module, params, X, Y)

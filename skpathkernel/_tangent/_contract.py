@@ -111,8 +111,11 @@ def dense_grad(term: Term, a: torch.Tensor | None,
 
 
 def densify(term: Term) -> list[Term]:
-    """The term as dense per-sample gradients: one ``None``-input term per parameter."""
-    return [Term(delta=dense_grad(term, a).unsqueeze(2), inputs=[(name, None)])
+    """The term as dense per-sample gradients: one ``None``-input term per parameter,
+    each owning its tensor (constant inputs sharing ``delta`` get copies)."""
+    shared = len(term.inputs) > 1
+    return [Term(delta=(dense_grad(term, a).clone() if a is None and shared
+                        else dense_grad(term, a)).unsqueeze(2), inputs=[(name, None)])
             for name, a in term.inputs]
 
 

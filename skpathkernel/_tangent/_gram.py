@@ -132,10 +132,36 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
     # with several positions arrive here already as gradient blocks (constant inputs).
     for (name, ax), (_, ay) in zip(tx.inputs, ty.inputs):
         start, size = layout[name]
-        w = weight[start : start + size]
-        # A bias's "kron" is its delta itself: scale a copy, never the capture's tensor.
-        gx = dense_grad(tx, None) * w if ax is None else dense_grad(tx, ax).mul_(w)
-        out.add_(_contract(gx, dense_grad(ty, ay), mode))
+        w = weight.values[start : start + size]
+        n, C = tx.delta.shape[:2]
+        # Into the call's scratch (a fresh tensor of this size faults in every page), and
+        # never into the capture's own tensors (a bias's "kron" is its delta itself).
+        gx = weight.scratch(0, (n, C, size), tx.delta)
+        torch.mul(dense_grad(tx, None), w, out=gx) if ax is None else \
+            dense_grad(tx, ax, out=gx).mul_(w)
+        gy = dense_grad(ty, ay) if ay is None else \
+            dense_grad(ty, ay, out=weight.scratch(1, (ty.delta.shape[0], C, size), ty.delta))
+        out.add_(_contract(gx, gy, mode))
+
+
+class _Weighted:
+    """A diagonal preconditioner and two scratch buffers for the blocks it scales.
+
+    The per-sample gradients of one parameter are formed for a panel of rows and one of
+    columns at every product; reusing two buffers (grown on demand, one per side) keeps
+    their pages faulted in across the panels and terms of one Gram.
+    """
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def scratch(self, side: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers[side]
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[side] = like.new_empty(numel)
+        return buf[:numel].view(shape)
 
 
 def _rows(terms: list[Term], rows: slice) -> list[Term]:
@@ -266,10 +292,10 @@ class _Blocks:
     """
 
     def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset(),
-                 dense=frozenset(), chunk=None):
+                 dense=frozenset(), chunk=None, scale=None):
         self.module, self.params, self.X, self.exclude = module, params, X, exclude
         self.outputs, self.budget, self.keep = outputs, budget, keep
-        self.dense, self.chunk = dense, chunk
+        self.dense, self.chunk, self.scale = dense, chunk, scale
         self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
         self._cache: dict[int, Capture] = {}
         self._held: tuple[int, Capture] | None = None
@@ -303,6 +329,8 @@ class _Blocks:
                     cap, terms = part, _formed_empty(part.terms, self.dense, n)
                 _formed(part.terms, self.dense, terms, s - sl.start)
             cap.terms = terms
+        if self.scale is not None:
+            _scale(cap.terms, *self.scale)
         if self.keep:
             self._cache[i] = cap
         return cap
@@ -339,6 +367,16 @@ def _formed(terms: list[Term], dense: frozenset[str], into: list[Term] | None = 
             if a is not None:
                 a[rows] = b
     return into
+
+
+def _scale(terms: list[Term], root: torch.Tensor, layout) -> None:
+    """Multiply formed (constant-input) terms by ``sqrt(D)`` over their parameter, in
+    place: the block owns them (formed here, or a capture's own sums and Jacobians)."""
+    for term in terms:
+        ((name, a),) = term.inputs
+        assert a is None, "only formed terms are scaled"
+        start, size = layout[name]
+        term.delta.mul_(root[start : start + size])
 
 
 def _formed_empty(terms: list[Term], dense: frozenset[str], n: int) -> list[Term]:
@@ -446,13 +484,24 @@ def _check_weight(diag_weight, params, dtype, device):
     return diag_weight.to(device=device, dtype=dtype)
 
 
-def _gram_plan(probe, n_x, n_y, mode, weighted, symmetric, budget, itemsize):
+def _gram_plan(probe, n_x, n_y, mode, weighted, symmetric, budget, itemsize, scalable=True):
     """Routes of a Gram's terms and the bytes that size its blocks.
 
-    Returns ``(dense, kept, pair)``: the terms contracted as gradient blocks (by first
-    parameter), the bytes per sample a block keeps (factors, or formed blocks), and the
-    bytes per pair of samples of the position-pair intermediates.
+    Returns ``(dense, kept, pair, scaled)``: the terms contracted as gradient blocks (by
+    first parameter), the bytes per sample a block keeps (factors, or formed blocks), the
+    bytes per pair of samples of the position-pair intermediates, and whether every term
+    is formed and scaled by ``sqrt(D)`` in its block (a preconditioned Gram whose blocks
+    all fit: ``J D J'^T = (J sqrt(D)) (J' sqrt(D))^T``, then plain GEMMs, each block
+    formed once instead of every rank-one term at every panel).
     """
+    n_kept = n_x + (0 if symmetric else n_y)
+    if weighted and scalable:
+        formed = sum(_dense_bytes(t, itemsize) for t in probe.terms)
+        if formed * n_kept <= budget * 7 // 8:
+            # Each formed term then holds one parameter (the scaling is per parameter).
+            shared = {t.inputs[0][0] for t in probe.terms
+                      if len(t.inputs) > 1 or t.inputs[0][1] is not None}
+            return frozenset(shared), formed, 0, True
     dense, kept, pair = set(), 0, 0
     for term in probe.terms:
         route = gram_route(term, n_x, n_y, mode, weighted, symmetric, budget // 8, itemsize)
@@ -463,7 +512,7 @@ def _gram_plan(probe, n_x, n_y, mode, weighted, symmetric, budget, itemsize):
         kept += _term_bytes(term)
         if route == "pair":
             pair += pair_bytes(term, mode, itemsize)
-    return frozenset(dense), kept, pair
+    return frozenset(dense), kept, pair, False
 
 
 def _check_y(X, Y):
@@ -537,6 +586,7 @@ def tangent_gram(
                                             check_hidden)
     dtype = float_dtype(params, X)
     weight = _check_weight(diag_weight, params, dtype, X.device)
+    weight = None if weight is None else _Weighted(weight)
     symmetric = Y is None and params_y is None
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
@@ -544,8 +594,16 @@ def tangent_gram(
     n_out = len(outputs)
     itemsize = dtype.itemsize
     layout = _layout(params)
-    dense, kept, pair = _gram_plan(probe, X.shape[0], Y.shape[0], mode, weight is not None,
-                                   symmetric, memory_budget, itemsize)
+    # A D with negative entries has no square root: the panels then scale the blocks.
+    dense, kept, pair, scaled = _gram_plan(
+        probe, X.shape[0], Y.shape[0], mode, weight is not None, symmetric, memory_budget,
+        itemsize, scalable=weight is not None and bool((weight.values >= 0).all()))
+    scale = None
+    if scaled:
+        # Every block is formed and scaled by sqrt(D) as it is captured; the products
+        # are then those of an unweighted Gram.
+        scale = (weight.values.sqrt(), layout)
+        weight = None
     per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2) + pair
     lazy = 0
     if weight is not None:
@@ -564,8 +622,10 @@ def tangent_gram(
         chunk = rows_per_block(memory_budget, 8 * (4 * probe.nbytes() + kept),
                                "A capture of per-sample gradient blocks")
         fits = kept * n_kept <= memory_budget * 7 // 8
-        if fits and symmetric:
-            size = n_max  # every block is kept anyway: one block, the largest products
+        if fits and symmetric and not lazy:
+            # Every block is kept anyway: one block, the largest products. (Lazily formed
+            # rank-one blocks of a preconditioned Gram grow with the block: not then.)
+            size = n_max
     else:
         size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
         # Captures are kept only where a block is visited again: the column blocks, once
@@ -574,9 +634,10 @@ def tangent_gram(
         fits = kept * n_kept <= memory_budget // 2
     n_row_blocks = -(-X.shape[0] // size)
     bx = _Blocks(module, params, X, size, outputs, memory_budget,
-                 fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk)
+                 fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale)
     by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget,
-                                      fits and n_row_blocks > 1, probe.exclude, dense, chunk)
+                                      fits and n_row_blocks > 1, probe.exclude, dense, chunk,
+                                      scale)
 
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)

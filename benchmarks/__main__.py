@@ -1,8 +1,9 @@
 """``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]``.
 
 The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
-training with recording against plain torch / skorch / MLPRegressor, decomposition
-against training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
+every estimator at its defaults against MLPClassifier / MLPRegressor at theirs, training
+with recording against plain torch / skorch / MLPRegressor, decomposition against
+training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
 
 Gram and path-kernel cases run in their own processes (servers, :mod:`benchmarks._serve`)
 and the repeats of all methods of one problem are interleaved, so that each ratio is
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Table groups: a module with ``run(quick) -> list[dict]`` (one row each, ratios measured in
 # the same run; ``device=`` passed when its run accepts it) and its section title.
 TABLES = {
+    "defaults": ("benchmarks.bench_defaults",
+                 "Defaults against MLPClassifier() / MLPRegressor() on scikit-learn's data sets"),
     "training": ("benchmarks.bench_training",
                  "Training with path recording versus the same plain torch loop"),
     "peers_training": ("benchmarks.bench_peers_training",

@@ -163,9 +163,11 @@ def path_case(spec):
     rng = np.random.RandomState(0)
     X = rng.uniform(-1, 1, size=(spec["n"], spec["sizes"][0]))
     y = np.sin(3 * X[:, 0])
+    # T full-batch SGD steps, every one recorded (the table's setting, pinned).
     est = PathKernelMachine(hidden_layer_sizes=tuple(spec["sizes"][1:-1]), max_iter=spec["T"],
-                            learning_rate_init=0.05, device=str(device), dtype=spec["dtype"],
-                            random_state=0).fit(X, y)
+                            solver="sgd", learning_rate_init=0.05, batch_size=None, tol=None,
+                            record_every=1, activation="tanh", normalize_y=False,
+                            device=str(device), dtype=spec["dtype"], random_state=0).fit(X, y)
     kernel = PathKernel(est)
     peak, sync = _device_tools(device)
     serve(lambda: kernel(X), {"n_points": len(est.trajectory_),

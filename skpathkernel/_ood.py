@@ -41,7 +41,13 @@ from ._base import (
     rows_per_block,
 )
 from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
-from ._machine import _FITTED_ATTRS_DOC, _SHARED_PARAMS_DOC, PathKernelClassifier, PathKernelMachine
+from ._machine import (
+    _FITTED_ATTRS_DOC,
+    _NORMALIZE_Y_DOC,
+    _SHARED_PARAMS_DOC,
+    PathKernelClassifier,
+    PathKernelMachine,
+)
 from ._parallel import map_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
 
@@ -49,12 +55,13 @@ __all__ = ["OODRankDetector"]
 
 _NETWORK_PARAMS = (
     "hidden_layer_sizes", "activation", "module", "solver", "learning_rate_init", "momentum",
-    "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "shuffle",
+    "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "tol",
+    "n_iter_no_change", "early_stopping", "validation_fraction", "shuffle",
     "record_every", "device", "dtype", "memory_budget", "random_state", "verbose",
 )
 # Fitted attributes of the network that the detector exposes as its own.
-_MIRRORED = ("module_", "trajectory_", "loss_curve_", "n_iter_", "t_", "n_params_",
-             "n_outputs_", "device_")
+_MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
+             "best_validation_score_", "n_iter_", "t_", "n_params_", "n_outputs_", "device_")
 # contamination="auto": a point is an outlier when more than half of the norm of phi(x)
 # lies outside the training span (residual), or equivalently outside the direction of its
 # best-aligned training feature (alignment: sqrt(1 - a^2) > 1/2 <=> a < sqrt(3)/2).
@@ -276,7 +283,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         ``joblib.parallel_config(backend="dask")``, on a Dask cluster; each task runs
         torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial ones.
         ``None`` means 1 unless in a joblib context; ``-1`` all workers. ``fit`` is
-        serial.
+        serial.{normalize_y}
 
     Attributes
     ----------
@@ -340,26 +347,31 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
         "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
         "n_jobs": [numbers.Integral, None],
+        "normalize_y": ["boolean"],
     }
 
     def __init__(
         self,
         hidden_layer_sizes=(64, 64),
         *,
-        activation="tanh",
+        activation="gelu",
         module=None,
-        solver="sgd",
-        learning_rate_init=0.01,
+        solver="adam",
+        learning_rate_init=1e-3,
         momentum=0.0,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
         epsilon=1e-8,
-        batch_size=None,
+        batch_size="auto",
         max_iter=200,
+        tol=1e-4,
+        n_iter_no_change=10,
+        early_stopping=False,
+        validation_fraction=0.1,
         shuffle=True,
         loss="auto",
-        record_every=1,
+        record_every="auto",
         device="auto",
         dtype="float32",
         memory_budget=2**30,
@@ -372,12 +384,15 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         contamination="auto",
         max_rank=None,
         n_jobs=None,
+        normalize_y=True,
     ):
         super().__init__(
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
             solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
             alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            batch_size=batch_size, max_iter=max_iter, shuffle=shuffle, loss=loss,
+            batch_size=batch_size, max_iter=max_iter, tol=tol,
+            n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
+            validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, random_state=random_state, verbose=verbose,
         )
@@ -388,6 +403,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         self.contamination = contamination
         self.max_rank = max_rank
         self.n_jobs = n_jobs
+        self.normalize_y = normalize_y
 
     def _encode_targets(self, y):
         # Training is delegated to a PathKernelMachine / PathKernelClassifier (_train).
@@ -400,7 +416,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             if self.loss == "log_loss":
                 raise ValueError("loss='log_loss' needs class labels y; got y=None.")
             X = self._validate_fit_data(X)
-            est = PathKernelMachine(**net, loss="squared_error")
+            est = PathKernelMachine(**net, loss="squared_error", normalize_y=self.normalize_y)
             return est.fit(X, X), "reconstruction"
         X, y = self._validate_fit_data(X, y, multi_output=True)
         task = self.task
@@ -412,7 +428,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             return PathKernelClassifier(**net, loss=loss).fit(X, y), task
         if self.loss == "log_loss":
             raise ValueError("loss='log_loss' is for classification; this task is regression.")
-        return PathKernelMachine(**net, loss="squared_error").fit(X, y), task
+        return PathKernelMachine(**net, loss="squared_error",
+                                 normalize_y=self.normalize_y).fit(X, y), task
 
     def _prefitted(self, X):
         est = _unwrap(self.estimator)
@@ -696,5 +713,5 @@ def _numerical_rank(K: np.ndarray, rtol: float) -> int:
 
 
 OODRankDetector.__doc__ = OODRankDetector.__doc__.format(
-    shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC
+    shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC, normalize_y=_NORMALIZE_Y_DOC
 )

@@ -349,4 +349,6 @@ def _encode_like_fit(estimator, y) -> np.ndarray:
                 f"y has {Y.shape[1]} outputs but the network was fitted with "
                 f"{estimator.n_outputs_}."
             )
+        # In the units the network was trained in (standardized with normalize_y).
+        Y = estimator._network_targets(Y)
     return Y

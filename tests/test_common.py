@@ -1,4 +1,8 @@
-"""scikit-learn's own estimator checks on every public estimator."""
+"""scikit-learn's own estimator checks on every public estimator.
+
+Twice: constructed with their defaults (what a new user gets: float32, Adam, minibatches,
+the stopping rule), and with small float64 settings (the exactness configuration).
+"""
 
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
@@ -10,20 +14,26 @@ from skpathkernel import (
     TangentFeatureSVM,
 )
 
-# Small, fast settings that still learn sklearn's check data sets (adam converges in a few
-# hundred full-batch steps on them). float64 because sklearn's subset-invariance check
-# compares batched predictions to 1e-7 relative, below float32 GEMM rounding (which depends
-# on the batch size); test_float32_predictions_are_batch_invariant_to_round_off covers
-# float32 at its own precision.
+DEFAULTS = [
+    PathKernelMachine(),
+    PathKernelClassifier(),
+    TangentFeatures(),
+    TangentFeatureSVM(),
+    OODRankDetector(),
+]
+
+# Small, fast float64 settings that still learn sklearn's check data sets.
 FAST = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02, max_iter=150,
             dtype="float64", random_state=0)
 
 ESTIMATORS = [
+    *DEFAULTS,
     PathKernelMachine(**FAST),
     PathKernelClassifier(**FAST),
     TangentFeatures(**FAST),
     TangentFeatures(**FAST, n_components=8, normalize=True),
     TangentFeatureSVM(**FAST),
+    TangentFeatureSVM(**FAST, svm_kernel="linear"),
     OODRankDetector(**FAST),
 ]
 

@@ -94,8 +94,8 @@ def circle_fit(ctx, solver):
         ctx.cache[key] = PathKernelClassifier(
             hidden_layer_sizes=(64, 64), max_iter=epochs, batch_size=CIRCLE_BATCH,
             # Full runs keep one point per epoch (31k steps would be ~2 GiB per solver).
-            record_every=1 if ctx.quick else steps_per_epoch(ctx),
-            device=ctx.device, random_state=0, **CIRCLE_SOLVERS[solver],
+            record_every=1 if ctx.quick else steps_per_epoch(ctx), activation="tanh",
+            tol=None, device=ctx.device, random_state=0, **CIRCLE_SOLVERS[solver],
         ).fit(X, y)
     return ctx.cache[key]
 
@@ -127,7 +127,8 @@ def digits_fit(ctx):
             hidden_layer_sizes=(64, 64), solver="adam", learning_rate_init=0.003,
             batch_size=None if ctx.quick else 64, max_iter=100 if ctx.quick else 200,
             # Minibatch runs take ~27 steps an epoch: keep about one point per epoch.
-            record_every=1 if ctx.quick else 20, device=ctx.device, random_state=0,
+            record_every=1 if ctx.quick else 20, activation="tanh", tol=None,
+            device=ctx.device, random_state=0,
         ).fit(X, y)
     return ctx.cache["digits"]
 

@@ -29,8 +29,11 @@ def figure2_section(ctx):
             [("sin x", make_sine, 0.05), ("square wave", make_square_wave, 0.3)]
         ):
             X, y = maker(n_samples=100)
+            # The seeds' setting, pinned: full batch, exactly `steps` steps, tanh, raw y.
             est = PathKernelMachine(hidden_layer_sizes=(64, 64), solver="adam",
                                     learning_rate_init=0.01, max_iter=steps,
+                                    activation="tanh", batch_size=None, tol=None,
+                                    record_every=1, normalize_y=False,
                                     device=ctx.device, random_state=0).fit(X, y)
             rmse = float(np.sqrt(np.mean((est.predict(X) - y) ** 2)))
             ax = axes[0, col]

@@ -31,7 +31,9 @@ def figure3_section(ctx):
             X_test, y_test = make(1)
             net = PathKernelClassifier(hidden_layer_sizes=(64, 64), solver="adam",
                                        learning_rate_init=0.01, max_iter=epochs,
-                                       device=ctx.device, random_state=0).fit(X, y)
+                                       activation="tanh", batch_size=None, tol=None,
+                                       record_every=1, device=ctx.device,
+                                       random_state=0).fit(X, y)
             tick(f"{name} fit")
             # Each sample is represented by phi(x) = d f(x; theta_T) / d theta only.
             tangent_svm = make_pipeline(FunctionTransformer(net.transform), LinearSVC(C=1.0))

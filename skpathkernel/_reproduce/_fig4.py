@@ -46,6 +46,7 @@ def figure4_section(ctx):
                                    learning_rate_init=0.003, max_iter=100 if ctx.quick else 200,
                                    batch_size=None if ctx.quick else 64,
                                    record_every=1 if ctx.quick else 20,
+                                   activation="tanh", tol=None,
                                    device=ctx.device, random_state=0).fit(X[train], y[train])
         tick("fit")
         fig, axes = subplots(1, 3, figsize=(16, 5))

@@ -71,7 +71,9 @@ def figure7_section(ctx):
         for row, (name, kinks) in enumerate(SETTINGS.items()):
             det = OODRankDetector(module=_relu_network(kinks), solver="adam",
                                   learning_rate_init=0.003, max_iter=epochs, dtype="float64",
-                                  device=ctx.device, random_state=0).fit(X, y)
+                                  batch_size=None, tol=None, record_every=1,
+                                  normalize_y=False, device=ctx.device,
+                                  random_state=0).fit(X, y)
             net = det.estimator_
             traj = net.trajectory_
             ax = axes7[row]

@@ -24,6 +24,7 @@ from ._fig10 import figure10_section
 from ._flatness import flatness_section
 from ._generative import generative_section
 from ._report import Context, write_report
+from ._stochastic import stochastic_section
 from ._training import training_section
 
 __all__ = ["SECTIONS", "run"]
@@ -41,6 +42,7 @@ SECTIONS = {
     "7": figure7_section,
     "9": figure9_section,
     "10": figure10_section,
+    "stochastic": stochastic_section,
     "flatness": flatness_section,
     "generative": generative_section,
 }

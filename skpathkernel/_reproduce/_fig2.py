@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import digits_fit, digits_split, progress, save, subplots
+from ._common import digits_fit, digits_split, progress, save, subplots, training
 from ._report import Row
 
 
@@ -29,9 +29,10 @@ def figure2_section(ctx):
             [("sin x", make_sine, 0.05), ("square wave", make_square_wave, 0.3)]
         ):
             X, y = maker(n_samples=100)
-            est = PathKernelMachine(hidden_layer_sizes=(64, 64), solver="adam",
-                                    learning_rate_init=0.01, max_iter=steps,
-                                    device=ctx.device, random_state=0).fit(X, y)
+            est = PathKernelMachine(
+                hidden_layer_sizes=(64, 64), loss="squared_error",
+                **training(ctx, solver="adam", learning_rate_init=0.01, batch_size=None,
+                           max_iter=steps)).fit(X, y)
             rmse = float(np.sqrt(np.mean((est.predict(X) - y) ** 2)))
             ax = axes[0, col]
             ax.plot(X[:, 0], y, "k-", label="ground truth")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import progress, save, subplots
+from ._common import progress, save, subplots, training
 from ._report import Row
 
 
@@ -42,11 +42,11 @@ def figure4_section(ctx):
     # mode, which is deterministic and takes no time.
     method = "pca" if ctx.quick else "auto"
     with progress("figure 4", 4) as tick:
-        est = PathKernelClassifier(hidden_layer_sizes=(64, 64), solver="adam",
-                                   learning_rate_init=0.003, max_iter=100 if ctx.quick else 200,
-                                   batch_size=None if ctx.quick else 64,
-                                   record_every=1 if ctx.quick else 20,
-                                   device=ctx.device, random_state=0).fit(X[train], y[train])
+        est = PathKernelClassifier(
+            hidden_layer_sizes=(64, 64), loss="log_loss", **training(
+                ctx, solver="adam", learning_rate_init=0.003,
+                max_iter=100 if ctx.quick else 200, batch_size=None if ctx.quick else 64,
+                record_every=1 if ctx.quick else 20)).fit(X[train], y[train])
         tick("fit")
         fig, axes = subplots(1, 3, figsize=(16, 5))
         panels = [("initialization, digits 0-4", 0, is_seen),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import progress, save, subplots
+from ._common import progress, save, subplots, training
 from ._report import Row
 
 SETTINGS = {
@@ -69,9 +69,10 @@ def figure7_section(ctx):
     rows, results = [], {}
     with progress("figures 7-8", len(SETTINGS)) as tick:
         for row, (name, kinks) in enumerate(SETTINGS.items()):
-            det = OODRankDetector(module=_relu_network(kinks), solver="adam",
-                                  learning_rate_init=0.003, max_iter=epochs, dtype="float64",
-                                  device=ctx.device, random_state=0).fit(X, y)
+            det = OODRankDetector(
+                module=_relu_network(kinks), loss="squared_error",
+                **training(ctx, solver="adam", learning_rate_init=0.003, batch_size=None,
+                           max_iter=epochs, dtype="float64")).fit(X, y)
             net = det.estimator_
             traj = net.trajectory_
             ax = axes7[row]

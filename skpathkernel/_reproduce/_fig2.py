@@ -15,6 +15,25 @@ def _within_between(disp):
     return float(np.mean(np.diag(B))), float(B[off].mean())
 
 
+def _class_blocks(ctx, est, X_show, y_show, panels, what, png, tick):
+    """Plot K_hat of the shown images at init and trained; returns the (within, between)
+    pairs, the PNG name and the row's measured text."""
+    from ..plotting import KernelMatrixDisplay
+
+    fig, axes = subplots(1, 2, figsize=(12, 5.2))
+    gaps = []
+    for ax, label, step in zip(axes, panels, (0, -1)):
+        disp = KernelMatrixDisplay.from_estimator(est, X_show, y_show, step=step, ax=ax)
+        ax.set_title(f"{label}: {what}, 10 per class", fontsize="small")
+        gaps.append(_within_between(disp))
+        tick(label)
+    png = save(ctx, fig, png)
+    (w0, b0), (w1, b1) = gaps
+    text = (f"within/between: init {w0:.3f}/{b0:.3f} (gap {w0 - b0:.3f}), trained "
+            f"{w1:.3f}/{b1:.3f} (gap {w1 - b1:.3f})")
+    return gaps, png, text
+
+
 def blocks_form(init, trained) -> bool:
     """The claim of panels e-h: from ``(within, between)`` at init and trained, the
     within-minus-between gap grows and ends positive."""
@@ -57,22 +76,15 @@ def figure2_section(ctx):
         est = digits_fit(ctx)
         _, _, X_show, y_show = digits_split(ctx)
         tick("digits fit")
-        fig, axes = subplots(1, 2, figsize=(12, 5.2))
-        gaps = {}
-        for ax, (label, step) in zip(axes, [("(e) initialization", 0), ("(f) trained", -1)]):
-            disp = KernelMatrixDisplay.from_estimator(est, X_show, y_show, step=step, ax=ax)
-            ax.set_title(f"{label}: digits, 10 per class", fontsize="small")
-            gaps[label] = _within_between(disp)
-            tick(label)
-        pngs.append(save(ctx, fig, "fig2_digits_kernel.png"))
-    (w0, b0), (w1, b1) = gaps.values()
+        gaps, png, text = _class_blocks(ctx, est, X_show, y_show,
+                                        ("(e) initialization", "(f) trained"), "digits",
+                                        "fig2_digits_kernel.png", tick)
+        pngs.append(png)
     rows.append(Row(
         "2e-f",
         "training makes digit classes blocks of the normalized kernel: within-class minus "
         "between-class mean K_hat grows (load_digits stands in for MNIST)",
-        f"within/between: init {w0:.3f}/{b0:.3f} (gap {w0 - b0:.3f}), trained "
-        f"{w1:.3f}/{b1:.3f} (gap {w1 - b1:.3f}) [{', '.join(pngs)}]",
-        blocks_form((w0, b0), (w1, b1)),
+        f"{text} [{', '.join(pngs)}]", blocks_form(*gaps),
     ))
     rows += cifar_panels(ctx)
     return rows
@@ -104,7 +116,6 @@ def cifar_panels(ctx):
     10 test images per class; only when CIFAR-10's python batches are on disk."""
     from .. import PathKernelClassifier
     from ..datasets import _cifar10_folder, load_cifar10
-    from ..plotting import KernelMatrixDisplay
 
     claim = ("CIFAR-10 (small CNN): training makes classes blocks of the normalized kernel "
              "(within-class minus between-class mean K_hat grows)")
@@ -127,20 +138,12 @@ def cifar_panels(ctx):
                 ctx, solver="adam", learning_rate_init=1e-3, batch_size=64,
                 max_iter=epochs, record_every=steps_per_epoch)).fit(X, y)
         tick("fit")
-        fig, axes = subplots(1, 2, figsize=(12, 5.2))
-        gaps = {}
-        for ax, (label, step) in zip(axes, [("(g) initialization", 0), ("(h) trained", -1)]):
-            disp = KernelMatrixDisplay.from_estimator(est, X_show, y_show, step=step, ax=ax)
-            ax.set_title(f"{label}: CIFAR-10 test images, 10 per class", fontsize="small")
-            gaps[label] = _within_between(disp)
-            tick(label)
-        png = save(ctx, fig, "fig2_cifar10_kernel.png")
-    (w0, b0), (w1, b1) = gaps.values()
+        gaps, png, text = _class_blocks(ctx, est, X_show, y_show,
+                                        ("(g) initialization", "(h) trained"),
+                                        "CIFAR-10 test images", "fig2_cifar10_kernel.png", tick)
     acc = est.score(X_show, y_show)
     return [Row(
         "2g-h", claim,
-        f"within/between: init {w0:.3f}/{b0:.3f} (gap {w0 - b0:.3f}), trained "
-        f"{w1:.3f}/{b1:.3f} (gap {w1 - b1:.3f}); {len(y)} training images, {epochs} epochs, "
-        f"test accuracy on the 100 shown {acc:.2f} [{png}]",
-        blocks_form((w0, b0), (w1, b1)),
+        f"{text}; {len(y)} training images, {epochs} epochs, test accuracy on the 100 shown "
+        f"{acc:.2f} [{png}]", blocks_form(*gaps),
     )]

@@ -173,7 +173,7 @@ def settings(ctx):
     """Seeds, (lrs at the middle batch, batches at the middle lr) of the gap sweeps, lrs of
     the order sweep, and whether the estimators' reshuffled batches are measured too."""
     if ctx.quick:
-        return dict(seeds=8, lrs=(0.2, 0.1, 0.05), batches=(4, 8, 16),
+        return dict(seeds=4, lrs=(0.2, 0.1, 0.05), batches=(4, 8, 16),
                     order_lrs=(0.1, 0.05, 0.025), reshuffled=False)
     return dict(seeds=40, lrs=(0.2, 0.1, 0.05, 0.025), batches=(2, 4, 8, 16),
                 order_lrs=(0.1, 0.05, 0.025, 0.0125), reshuffled=True)
@@ -231,7 +231,7 @@ def stochastic_section(ctx):
     tasks = ("regression", "classification")
     rows, details = [], []
     with progress("stochastic formula", (3 if cfg["reshuffled"] else 2) * len(tasks)) as tick:
-        fig, axes = subplots(2, 3, figsize=(16, 9))
+        fig, axes = subplots(2, 3, figsize=(16, 9), layout="constrained")
         for r, task in enumerate(tasks):
             sq, b_mid, lr_mid = gap_sweep(iid_sgd_path, task, lrs, batches, cfg["seeds"])
             row, rms, fits, pred = _gap_rows(task, lrs, batches, sq, b_mid, lr_mid,

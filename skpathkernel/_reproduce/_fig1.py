@@ -61,7 +61,7 @@ def figure1_section(ctx):
         ck_epochs = [int(round(f * epochs)) for f in CHECKPOINTS]
         points = [min(int(np.searchsorted(steps, e * spe)), len(steps) - 1) for e in ck_epochs]
         mid_point = points[ck_epochs.index(mid)]
-        fig, axes = subplots(2, 4, figsize=(17, 8.8))
+        fig, axes = subplots(2, 4, figsize=(17, 8.8), layout="constrained")
         ax = axes[0, 0]
         ax.scatter(X[:, 0], X[:, 1], c=y, cmap="coolwarm", s=5)
         ax.set_aspect("equal", adjustable="datalim")
@@ -79,7 +79,7 @@ def figure1_section(ctx):
         for ax, (name, kw), letter in zip(axes.ravel()[2:], panels.items(), "cdef"):
             displays[name] = KernelNeighborsDisplay.from_estimator(
                 est, ANCHORS, n_neighbors, y=y, ax=ax, **kw)
-            ax.set_title(f"({letter}) {name}: " + displays[name].title, fontsize="x-small")
+            ax.set_title(f"({letter}) {name}:\n" + displays[name].title, fontsize="x-small")
             tick(name)
         purities = checkpoint_purities(est, y, n_neighbors, points)
         eucl = purity_table(displays)["Euclidean"]

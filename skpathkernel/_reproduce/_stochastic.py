@@ -105,7 +105,11 @@ def _network(n_in, seed):
 
 def iid_sgd_path(task, lr, batch, seed):
     """Plain SGD with a batch of ``batch`` drawn afresh at every step (the seeds' model),
-    for ``TRAINING_TIME / lr`` steps, recorded: a :class:`RecordedNetwork`."""
+    for ``TRAINING_TIME / lr`` steps, recorded: a :class:`RecordedNetwork` (float64, CPU).
+
+    The estimators cannot draw batches this way (they reshuffle once per epoch), so the
+    loop is ours, recorded by :class:`~skpathkernel.PathRecorder` with each step's batch
+    declared: its realized decomposition is exact (tested)."""
     import torch
 
     from .. import PathRecorder
@@ -129,34 +133,32 @@ def iid_sgd_path(task, lr, batch, seed):
     return rec.as_estimator(X, y, loss=loss_name)
 
 
-def reshuffled_sgd_path(task, lr, batch, seed):
-    """The estimators' minibatch SGD (epoch reshuffles), every parameter explicit."""
+def _plain_sgd(task, lr, batch_size, max_iter, seed):
+    """The estimators' plain SGD on a task, every training parameter explicit, float64 on
+    the CPU (networks of ~300 parameters: a device would only add transfers)."""
     from .. import PathKernelClassifier, PathKernelMachine
 
     X, y, _, loss_name = _task(task)
-    n_steps = int(round(TRAINING_TIME / lr))
-    epochs, rest = divmod(n_steps * batch, N_TRAIN)
-    if rest or not epochs:
-        raise ValueError(f"lr={lr}, B={batch}: {n_steps} steps are not whole epochs.")
     cls = PathKernelMachine if task == "regression" else PathKernelClassifier
     return cls(hidden_layer_sizes=(WIDTH, WIDTH), activation="tanh", solver="sgd",
-               learning_rate_init=lr, momentum=0.0, alpha=0.0, batch_size=batch,
-               max_iter=epochs, shuffle=True, loss=loss_name, record_every=1,
+               learning_rate_init=lr, momentum=0.0, alpha=0.0, batch_size=batch_size,
+               max_iter=max_iter, shuffle=True, loss=loss_name, record_every=1,
                dtype="float64", device="cpu", random_state=seed,
                ).fit(X, y.ravel() if task == "regression" else y)
 
 
+def reshuffled_sgd_path(task, lr, batch, seed):
+    """The estimators' minibatch SGD (epoch reshuffles) for ``TRAINING_TIME / lr`` steps."""
+    n_steps = int(round(TRAINING_TIME / lr))
+    epochs, rest = divmod(n_steps * batch, N_TRAIN)
+    if rest or not epochs:
+        raise ValueError(f"lr={lr}, B={batch}: {n_steps} steps are not whole epochs.")
+    return _plain_sgd(task, lr, batch, epochs, seed)
+
+
 def gd_fit(task, lr):
     """Full-batch gradient descent for ``TRAINING_TIME / lr`` steps with the estimators."""
-    from .. import PathKernelClassifier, PathKernelMachine
-
-    X, y, _, loss_name = _task(task)
-    cls = PathKernelMachine if task == "regression" else PathKernelClassifier
-    return cls(hidden_layer_sizes=(WIDTH, WIDTH), activation="tanh", solver="sgd",
-               learning_rate_init=lr, momentum=0.0, alpha=0.0, batch_size=None,
-               max_iter=int(round(TRAINING_TIME / lr)), shuffle=True, loss=loss_name,
-               record_every=1, dtype="float64", device="cpu", random_state=0,
-               ).fit(X, y.ravel() if task == "regression" else y)
+    return _plain_sgd(task, lr, None, int(round(TRAINING_TIME / lr)), 0)
 
 
 def ms_gap(net, Xq, *, method="exact", weighting="realized"):

@@ -169,6 +169,26 @@ def test_expected_equals_realized_for_full_batches_and_the_iid_path_is_faithful(
     assert st.ms_gap(small, Xc, weighting="expected") > 1e-4
 
 
+def test_gap_part_measures_both_samplings(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = dict(seeds=3, lrs=(0.2, 0.1), batches=(8, 16), order_lrs=())
+    fig, axes = plt.subplots(1, 2)
+    details = []
+    iid_row, shuffled_row = st._gap_part("regression", cfg, axes, details, lambda what: None)
+    plt.close(fig)
+    assert "predicted 0.50" in iid_row.measured and shuffled_row.passed is None
+    gaps = {(d["sampling"], d["varied"]): [float(v) for v in d["RMS gap"].split(", ")]
+            for d in details}
+    # Epoch reshuffles use every sample once per epoch: their noise largely cancels.
+    for key in ("lr", "batch"):
+        iid, shuffled = gaps["i.i.d. batches", key], gaps["epoch reshuffles (estimators)", key]
+        assert all(s < i for s, i in zip(shuffled, iid))
+
+
 def test_formula_orders_have_their_rates_and_exact_has_none():
     lrs = np.array([0.1, 0.05])
     Xq = st._task("regression")[2][:4]

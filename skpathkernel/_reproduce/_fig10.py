@@ -28,7 +28,8 @@ def same_high_opposite_low(K_end) -> bool:
 
 
 def figure10_section(ctx):
-    """K_hat_t(x, y) for x = (0, 0) and four y, ~200 recorded steps, four optimizers."""
+    """K_hat_t(x, y) for x = (0, 0) and four y, four optimizers, at ~200 recorded points
+    (60 in quick mode)."""
     from ..plotting import KernelEvolutionDisplay
 
     details, ok, ends = [], [], []
@@ -38,7 +39,7 @@ def figure10_section(ctx):
             est = circle_fit(ctx, name)
             n_points = len(est.trajectory_)
             # Evenly spread recorded points draw the curves; every one costs a Gram.
-            n_show = 100 if ctx.quick else 200
+            n_show = 60 if ctx.quick else 200
             steps = np.unique(np.linspace(0, n_points - 1, min(n_points, n_show)).astype(int))
             weighted = est.trajectory_.solver_spec.name != "sgd"
             K = KernelEvolutionDisplay.from_estimator(

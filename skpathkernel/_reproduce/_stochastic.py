@@ -173,12 +173,13 @@ def ms_gap(net, Xq, *, method="exact", weighting="realized"):
 
 def settings(ctx):
     """Seeds, (lrs at the middle batch, batches at the middle lr) of the gap sweeps, lrs of
-    the order sweep, and whether the estimators' reshuffled batches are measured too."""
+    the order sweep. Quick mode measures the orders only: a gap's rate needs tens of seeds
+    per point (the gap of one run is heavy-tailed: one seed carries ~1 degree of freedom),
+    minutes that a smoke test should not spend on a row it could not decide."""
     if ctx.quick:
-        return dict(seeds=4, lrs=(0.2, 0.1, 0.05), batches=(4, 8, 16),
-                    order_lrs=(0.1, 0.05, 0.025), reshuffled=False)
+        return dict(seeds=0, lrs=(), batches=(), order_lrs=(0.1, 0.05, 0.025))
     return dict(seeds=40, lrs=(0.2, 0.1, 0.05, 0.025), batches=(2, 4, 8, 16),
-                order_lrs=(0.1, 0.05, 0.025, 0.0125), reshuffled=True)
+                order_lrs=(0.1, 0.05, 0.025, 0.0125))
 
 
 def gap_sweep(path, task, lrs, batches, seeds):
@@ -202,96 +203,101 @@ def _fmt(a):
     return ", ".join(f"{v:.2g}" for v in a)
 
 
-def _gap_rows(task, lrs, batches, sq, b_mid, lr_mid, n_seeds):
-    """The i.i.d. gap's claim row and its fitted rates, for the plot."""
+def _gap_part(task, cfg, axes, details, tick):
+    """The i.i.d. gap's claim and the reshuffled gap's reading, drawn on two axes."""
+    lrs, batches = np.array(cfg["lrs"]), np.array(cfg["batches"])
+    claim = (f"{task}: the realized minibatch output departs from the expected (1/N) "
+             "representation by the minibatch noise, O(sqrt(lr (1/B - 1/N))) at a fixed "
+             f"training time lr T = {TRAINING_TIME:g} (i.i.d. batches; fitted rates within "
+             f"two standard errors, at least {RATE_TOL}, of the predicted ones)")
+    if not cfg["seeds"]:
+        for ax in axes:
+            ax.text(0.5, 0.5, "expected vs realized gap:\nfull run only", ha="center",
+                    va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+        return [Row(f"stoch-{task[:5]}", claim, "not measured in --quick: a rate needs ~40 "
+                    "seeds per point; run without --quick", None)]
     grids = {"lr": lrs, "batch": batches}
+    sq, b_mid, lr_mid = gap_sweep(iid_sgd_path, task, lrs, batches, cfg["seeds"])
     pred = {"lr": fit_rate(lrs, noise_scale(lrs, b_mid, N_TRAIN)),
             "batch": fit_rate(batches, noise_scale(lr_mid, batches, N_TRAIN))}
-    fits = {k: fit_rate_se(grids[k], sq[k]) for k in grids}
-    verdicts = [rate_verdict(fits[k][0], pred[k], fits[k][1]) for k in grids]
+    curves = {"i.i.d. batches": sq}
+    tick(f"{task} i.i.d.")
+    sq_s, _, _ = gap_sweep(reshuffled_sgd_path, task, lrs, batches, cfg["seeds"])
+    curves["epoch reshuffles (estimators)"] = sq_s
+    tick(f"{task} reshuffled")
+    rms = {name: {k: np.sqrt(c[k].mean(axis=1)) for k in grids} for name, c in curves.items()}
+    fits = {name: {k: fit_rate_se(grids[k], c[k]) for k in grids}
+            for name, c in curves.items()}
+    iid, shuf = rms["i.i.d. batches"], rms["epoch reshuffles (estimators)"]
+    f_iid, f_shuf = fits["i.i.d. batches"], fits["epoch reshuffles (estimators)"]
+    verdicts = [rate_verdict(f_iid[k][0], pred[k], f_iid[k][1]) for k in grids]
     passed = False if False in verdicts else (None if None in verdicts else True)
-    rms = {k: np.sqrt(sq[k].mean(axis=1)) for k in grids}
     text = "; ".join(
-        f"vs {'lr' if k == 'lr' else 'B'} {_fmt(grids[k])}: {_fmt(rms[k])}, rate "
-        f"{fits[k][0]:.2f} +- {fits[k][1]:.2f} (predicted {pred[k]:.2f})" for k in grids)
+        f"vs {'lr' if k == 'lr' else 'B'} {_fmt(grids[k])}: {_fmt(iid[k])}, rate "
+        f"{f_iid[k][0]:.2f} +- {f_iid[k][1]:.2f} (predicted {pred[k]:.2f})" for k in grids)
     if passed is None:
-        text += f"; inconclusive: a standard error above {MAX_SE} (more seeds: the full run)"
-    row = Row(
-        f"stoch-{task[:5]}",
-        f"{task}: the realized minibatch output departs from the expected (1/N) "
-        "representation by the minibatch noise, O(sqrt(lr (1/B - 1/N))) at a fixed "
-        f"training time lr T = {TRAINING_TIME:g} (i.i.d. batches; fitted rates within two "
-        f"standard errors, at least {RATE_TOL}, of the predicted ones)",
-        f"RMS gap {text}; {n_seeds} seeds", passed)
-    return row, rms, fits, pred
+        text += f"; inconclusive: a standard error above {MAX_SE} (more seeds needed)"
+    for ax, (key, label, fixed) in zip(axes, [("lr", "step size lr", f"B = {b_mid}"),
+                                             ("batch", "batch size B", f"lr = {lr_mid:g}")]):
+        grid = grids[key]
+        for (name, g), mark in zip(rms.items(), ("o-", "s--")):
+            f = fits[name][key]
+            ax.loglog(grid, g[key], mark, label=f"{name}: rate {f[0]:.2f}")
+            details.append({"task": task, "sampling": name, "varied": key,
+                            "values": _fmt(grid), "RMS gap": _fmt(g[key]),
+                            "rate": f"{f[0]:.2f} +- {f[1]:.2f}"})
+        ref = (noise_scale(grid, b_mid, N_TRAIN) if key == "lr"
+               else noise_scale(lr_mid, grid, N_TRAIN))
+        ax.loglog(grid, ref * iid[key][0] / ref[0], "k:", lw=1,
+                  label=f"sqrt(lr (1/B - 1/N)): rate {pred[key]:.2f}")
+        ax.set(xlabel=label, ylabel="RMS |expected - realized|",
+               title=f"{task}: {fixed}, N = {N_TRAIN}, lr T = {TRAINING_TIME:g}")
+        ax.legend(fontsize="x-small")
+    return [
+        Row(f"stoch-{task[:5]}", claim, f"RMS gap {text}; {cfg['seeds']} seeds", passed),
+        Row(f"stoch-{task[:5]}",
+            f"{task}: the same gap with the estimators' epoch-reshuffled minibatches (a "
+            "reading: the seeds' diffusion model assumes independent batches)",
+            f"RMS gap vs lr {_fmt(shuf['lr'])}, rate {f_shuf['lr'][0]:.2f} +- "
+            f"{f_shuf['lr'][1]:.2f}; vs B {_fmt(shuf['batch'])}, rate "
+            f"{f_shuf['batch'][0]:.2f} +- {f_shuf['batch'][1]:.2f}", None),
+    ]
+
+
+def _order_part(task, order_lrs, ax):
+    """The first- and second-order formulas' errors against lr, with their rates."""
+    Xq = _task(task)[2]
+    orders = {m: np.sqrt([ms_gap(gd_fit(task, lr), Xq, method=m) for lr in order_lrs])
+              for m in ("first_order", "second_order")}
+    rate = {m: fit_rate(order_lrs, e) for m, e in orders.items()}
+    for (m, e), mark in zip(orders.items(), "o^"):
+        ax.loglog(order_lrs, e, mark + "-", label=f"{m}: rate {rate[m]:.2f}")
+    ax.set(xlabel="step size lr", ylabel="RMS formula error",
+           title=f"{task}: full-batch GD, lr T = {TRAINING_TIME:g}")
+    ax.legend(fontsize="x-small")
+    return Row(
+        f"order-{task[:5]}",
+        f"{task}: the first-order formula's error is O(lr) and the second-order one's "
+        f"O(lr^2) at a fixed training time (fitted rates within {RATE_TOL} of 1 and 2; "
+        "full-batch gradient descent)",
+        f"RMS error vs lr {_fmt(order_lrs)}: first order {_fmt(orders['first_order'])} "
+        f"(rate {rate['first_order']:.2f}), second order {_fmt(orders['second_order'])} "
+        f"(rate {rate['second_order']:.2f})",
+        bool(rate_verdict(rate["first_order"], 1.0) and rate_verdict(rate["second_order"], 2.0)),
+    )
 
 
 def stochastic_section(ctx):
     """Expected-vs-realized gaps (i.i.d. and reshuffled batches) and the formulas' orders."""
     cfg = settings(ctx)
-    lrs, batches, order_lrs = (np.array(cfg[k]) for k in ("lrs", "batches", "order_lrs"))
     tasks = ("regression", "classification")
     rows, details = [], []
-    with progress("stochastic formula", (3 if cfg["reshuffled"] else 2) * len(tasks)) as tick:
+    with progress("stochastic formula", (3 if cfg["seeds"] else 1) * len(tasks)) as tick:
         fig, axes = subplots(2, 3, figsize=(16, 9), layout="constrained")
         for r, task in enumerate(tasks):
-            sq, b_mid, lr_mid = gap_sweep(iid_sgd_path, task, lrs, batches, cfg["seeds"])
-            row, rms, fits, pred = _gap_rows(task, lrs, batches, sq, b_mid, lr_mid,
-                                             cfg["seeds"])
-            rows.append(row)
-            tick(f"{task} i.i.d.")
-            curves = {"i.i.d. batches": (rms, fits)}
-            if cfg["reshuffled"]:
-                sq_s, _, _ = gap_sweep(reshuffled_sgd_path, task, lrs, batches, cfg["seeds"])
-                grids = {"lr": lrs, "batch": batches}
-                fits_s = {k: fit_rate_se(grids[k], sq_s[k]) for k in grids}
-                rms_s = {k: np.sqrt(sq_s[k].mean(axis=1)) for k in grids}
-                curves["epoch reshuffles (estimators)"] = (rms_s, fits_s)
-                rows.append(Row(
-                    f"stoch-{task[:5]}",
-                    f"{task}: the same gap with the estimators' epoch-reshuffled minibatches "
-                    "(a reading: the seeds' diffusion model assumes independent batches)",
-                    f"RMS gap vs lr {_fmt(rms_s['lr'])}, rate {fits_s['lr'][0]:.2f} +- "
-                    f"{fits_s['lr'][1]:.2f}; vs B {_fmt(rms_s['batch'])}, rate "
-                    f"{fits_s['batch'][0]:.2f} +- {fits_s['batch'][1]:.2f}", None))
-                tick(f"{task} reshuffled")
-            for col, (key, grid, label, fixed) in enumerate(
-                    [("lr", lrs, "step size lr", f"B = {b_mid}"),
-                     ("batch", batches, "batch size B", f"lr = {lr_mid:g}")]):
-                ax = axes[r, col]
-                for (name, (g, f)), mark in zip(curves.items(), ("o-", "s--")):
-                    ax.loglog(grid, g[key], mark, label=f"{name}: rate {f[key][0]:.2f}")
-                    details.append({"task": task, "sampling": name, "varied": key,
-                                    "values": _fmt(grid), "RMS gap": _fmt(g[key]),
-                                    "rate": f"{f[key][0]:.2f} +- {f[key][1]:.2f}"})
-                ref = (noise_scale(grid, b_mid, N_TRAIN) if key == "lr"
-                       else noise_scale(lr_mid, grid, N_TRAIN))
-                ax.loglog(grid, ref * rms[key][0] / ref[0], "k:", lw=1,
-                          label=f"sqrt(lr (1/B - 1/N)): rate {pred[key]:.2f}")
-                ax.set(xlabel=label, ylabel="RMS |expected - realized|",
-                       title=f"{task}: {fixed}, N = {N_TRAIN}, lr T = {TRAINING_TIME:g}")
-                ax.legend(fontsize="x-small")
-            Xq = _task(task)[2]
-            orders = {m: np.sqrt([ms_gap(gd_fit(task, lr), Xq, method=m) for lr in order_lrs])
-                      for m in ("first_order", "second_order")}
-            rate = {m: fit_rate(order_lrs, e) for m, e in orders.items()}
-            ax = axes[r, 2]
-            for (m, e), mark in zip(orders.items(), "o^"):
-                ax.loglog(order_lrs, e, mark + "-", label=f"{m}: rate {rate[m]:.2f}")
-            ax.set(xlabel="step size lr", ylabel="RMS formula error",
-                   title=f"{task}: full-batch GD, lr T = {TRAINING_TIME:g}")
-            ax.legend(fontsize="x-small")
-            rows.append(Row(
-                f"order-{task[:5]}",
-                f"{task}: the first-order formula's error is O(lr) and the second-order "
-                f"one's O(lr^2) at a fixed training time (fitted rates within {RATE_TOL} of "
-                "1 and 2; full-batch gradient descent)",
-                f"RMS error vs lr {_fmt(order_lrs)}: first order "
-                f"{_fmt(orders['first_order'])} (rate {rate['first_order']:.2f}), second "
-                f"order {_fmt(orders['second_order'])} (rate {rate['second_order']:.2f})",
-                bool(rate_verdict(rate["first_order"], 1.0)
-                     and rate_verdict(rate["second_order"], 2.0)),
-            ))
+            rows += _gap_part(task, cfg, axes[r, :2], details, tick)
+            rows.append(_order_part(task, np.array(cfg["order_lrs"]), axes[r, 2]))
             tick(f"{task} orders")
         png = save(ctx, fig, "stochastic_formula.png")
     rows[0].measured += f" [{png}]"

@@ -199,6 +199,15 @@ def gap_sweep(path, task, lrs, batches, seeds):
             "batch": np.array([gaps(lr_mid, b) for b in batches])}, b_mid, lr_mid
 
 
+def _label(ax, **kw):
+    """Axis labels and title, legend; no minor tick labels (they collide on log axes)."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set(**kw)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.legend(fontsize="x-small")
+
+
 def _fmt(a):
     return ", ".join(f"{v:.2g}" for v in a)
 
@@ -251,9 +260,8 @@ def _gap_part(task, cfg, axes, details, tick):
                else noise_scale(lr_mid, grid, N_TRAIN))
         ax.loglog(grid, ref * iid[key][0] / ref[0], "k:", lw=1,
                   label=f"sqrt(lr (1/B - 1/N)): rate {pred[key]:.2f}")
-        ax.set(xlabel=label, ylabel="RMS |expected - realized|",
+        _label(ax, xlabel=label, ylabel="RMS |expected - realized|",
                title=f"{task}: {fixed}, N = {N_TRAIN}, lr T = {TRAINING_TIME:g}")
-        ax.legend(fontsize="x-small")
     return [
         Row(f"stoch-{task[:5]}", claim, f"RMS gap {text}; {cfg['seeds']} seeds", passed),
         Row(f"stoch-{task[:5]}",
@@ -273,9 +281,8 @@ def _order_part(task, order_lrs, ax):
     rate = {m: fit_rate(order_lrs, e) for m, e in orders.items()}
     for (m, e), mark in zip(orders.items(), "o^"):
         ax.loglog(order_lrs, e, mark + "-", label=f"{m}: rate {rate[m]:.2f}")
-    ax.set(xlabel="step size lr", ylabel="RMS formula error",
+    _label(ax, xlabel="step size lr", ylabel="RMS formula error",
            title=f"{task}: full-batch GD, lr T = {TRAINING_TIME:g}")
-    ax.legend(fontsize="x-small")
     return Row(
         f"order-{task[:5]}",
         f"{task}: the first-order formula's error is O(lr) and the second-order one's "

@@ -30,7 +30,7 @@ from ._device import (
     to_numpy,
     to_tensor,
 )
-from ._inputs import probe_module, validate_input
+from ._inputs import FEATURES, activation_widths, fitted_input, probe_module, validate_input
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
@@ -347,6 +347,15 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         check_representable(X, self._torch_dtype_device()[0])
         return X
 
+    def _activation_widths(self) -> list[int]:
+        """Values per sample of the network's activations, which bound a block's memory."""
+        if fitted_input(self)[1] == FEATURES:
+            return _layer_widths(self.module_)
+        # A user's network (convolutions, attention): measured on one training sample.
+        dtype, device = self._torch_dtype_device()
+        return activation_widths(self.module_,
+                                 to_input_tensor(self.X_fit_[:1], dtype=dtype, device=device))
+
     def _torch_dtype_device(self):
         # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
         return resolve_dtype(self.dtype_), torch.device(self.device_)
@@ -357,7 +366,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         dtype, device = self._torch_dtype_device()
         itemsize = torch.empty((), dtype=dtype).element_size()
         # The widest activation bounds a block's memory; keep it well inside the budget.
-        width = max([X[0].size, self.n_outputs_, *_layer_widths(self.module_)])
+        width = max([X[0].size, self.n_outputs_, *self._activation_widths()])
         block = rows_per_block(self.memory_budget, 8 * width * itemsize, "Prediction")
         outs = []
         with torch.no_grad():

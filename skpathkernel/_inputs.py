@@ -32,6 +32,7 @@ __all__ = [
     "FEATURES",
     "FLOAT",
     "TOKENS",
+    "activation_widths",
     "check_input",
     "fitted_input",
     "probe_module",
@@ -234,6 +235,28 @@ def _run(module: torch.nn.Module, x: torch.Tensor):
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def activation_widths(module: torch.nn.Module, x: torch.Tensor) -> list[int]:
+    """Values per sample of every module's output, on one forward pass of the rows ``x``.
+
+    What bounds a block's memory for any network: a convolution's feature maps or a
+    sequence's hidden states outgrow the input, where the default MLP's widest activation
+    is its widest ``nn.Linear``.
+    """
+    sizes: list[int] = []
+
+    def hook(layer, args, out):
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        sizes.extend(t.numel() // len(x) for t in outs if isinstance(t, torch.Tensor))
+
+    handles = [m.register_forward_hook(hook) for m in module.modules()]
+    try:
+        _run(module, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return sizes or [1]
 
 
 def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,

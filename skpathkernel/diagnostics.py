@@ -24,7 +24,7 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import BasePathKernelNetwork, _layer_widths, rows_per_block
+from ._base import BasePathKernelNetwork, rows_per_block
 from ._device import resolve_dtype, to_input_tensor
 from ._losses import LOSSES
 
@@ -302,7 +302,7 @@ def _default_batch_size(estimator, n: int) -> int:
     # Double backward keeps each layer's activations, their gradients and the second-order
     # graph over them: budget ~16 values per sample per unit, as _forward budgets 8.
     itemsize = torch.empty((), dtype=resolve_dtype(estimator.dtype)).element_size()
-    width = estimator.n_features_in_ + sum(_layer_widths(estimator.module_))
+    width = estimator.n_features_in_ + sum(estimator._activation_widths())
     return int(min(n, rows_per_block(estimator.memory_budget, 16 * width * itemsize,
                                      "hessian_trace")))
 

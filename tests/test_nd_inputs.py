@@ -318,3 +318,34 @@ def test_a_recorded_loop_on_token_ids():
     assert res.error < 1e-10
     phi = jacobian_loop(copy.deepcopy(net), TOKENS[:3])[:, 0].numpy()
     assert_allclose(recorded.tangent_kernel_(TOKENS[:3]), phi @ phi.T, rtol=1e-10)
+
+
+class _Rows(nn.Module):
+    """Records the number of rows of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x):
+        self.calls.append(len(x))
+        return x
+
+
+def wide_cnn(n_features_in, n_outputs):
+    # 64 values per image in, 32 x 8 x 8 = 2048 per image after the first convolution.
+    return nn.Sequential(_Rows(), nn.Conv2d(1, 32, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(2048, n_outputs))
+
+
+def test_prediction_blocks_are_sized_by_the_widest_activation():
+    est = PathKernelMachine(module=wide_cnn, max_iter=1, memory_budget=2**20, random_state=0)
+    est.fit(IMAGES, Y_IMAGES.astype(float))
+    rows = est.module_[0].calls
+    rows.clear()
+    est.predict(IMAGES)
+    # float32: 8 x 2048 values x 4 bytes a row fit 32 rows in 1 MiB (the input, 64
+    # values, would have allowed 512: all 30 images at once). The first call is the
+    # one-sample pass that measures the activations.
+    assert rows[0] == 1
+    assert max(rows[1:]) == 2**20 // (8 * 2048 * 4) and sum(rows[1:]) == len(IMAGES)

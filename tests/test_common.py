@@ -21,14 +21,20 @@ FAST = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02, ma
 
 
 
-def _mlp(n_features_in, n_outputs):
-    return torch.nn.Sequential(torch.nn.Linear(n_features_in, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, n_outputs))
+class _MLP:
+    """A module factory whose repr (the test id) is the same in every xdist worker."""
+
+    def __call__(self, n_features_in, n_outputs):
+        return torch.nn.Sequential(torch.nn.Linear(n_features_in, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, n_outputs))
+
+    def __repr__(self):
+        return "mlp"
 
 
 # A user's module on 2-D X: n_features_in_, feature names and the rest of the checks hold
 # as for the default network, except integer X, which is token ids with a module.
-WITH_MODULE = PathKernelClassifier(**{**FAST, "module": _mlp})
+WITH_MODULE = PathKernelClassifier(**{**FAST, "module": _MLP()})
 
 ESTIMATORS = [
     WITH_MODULE,

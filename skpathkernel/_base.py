@@ -301,7 +301,10 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
         if spec["module"] is not None:
-            probe_module(module, X, dtype=dtype, device=device)
+            # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its initial
+            # weights in this first forward pass.
+            with seeded_torch(seed, device):
+                probe_module(module, X, dtype=dtype, device=device)
         generator = torch.Generator().manual_seed(seed)
         X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)

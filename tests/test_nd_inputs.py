@@ -349,3 +349,21 @@ def test_prediction_blocks_are_sized_by_the_widest_activation():
     # one-sample pass that measures the activations.
     assert rows[0] == 1
     assert max(rows[1:]) == 2**20 // (8 * 2048 * 4) and sum(rows[1:]) == len(IMAGES)
+
+
+def lazy_cnn(n_features_in, n_outputs):
+    # nn.LazyLinear: the flattened size is read from the first forward pass.
+    return nn.Sequential(nn.Conv2d(1, 2, 3, stride=2), nn.Tanh(), nn.Flatten(),
+                         nn.LazyLinear(n_outputs))
+
+
+def test_lazy_layers_are_initialized_reproducibly_without_touching_the_global_rng():
+    state = torch.get_rng_state()
+    fits = [PathKernelClassifier(module=lazy_cnn, max_iter=3, **F64).fit(IMAGES, Y_IMAGES)
+            for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert fits[0].n_params_ == (2 * 9 + 2) + (18 * 3 + 3)
+    assert_array_equal(fits[0].trajectory_.parameters(0), fits[1].trajectory_.parameters(0))
+    loaded = pickle.loads(pickle.dumps(fits[0]))
+    assert_array_equal(loaded.predict_proba(IMAGES), fits[0].predict_proba(IMAGES))
+    assert fits[0].decompose(IMAGES[:2]).error < 1e-10

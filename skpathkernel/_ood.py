@@ -41,7 +41,7 @@ from ._base import (
     rows_per_block,
 )
 from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
-from ._inputs import FEATURES, fitted_input, validate_input
+from ._inputs import FEATURES, TOKENS, fitted_input, validate_input
 from ._machine import _FITTED_ATTRS_DOC, _SHARED_PARAMS_DOC, PathKernelClassifier, PathKernelMachine
 from ._parallel import map_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
@@ -437,7 +437,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         if (self.input_shape_, self._input_kind) != (shape, kind):
             raise ValueError(
                 f"X has shape {X.shape} and dtype {X.dtype}, but the estimator's network "
-                f"takes {'integer token ids' if kind == 'int64' else 'float X'} of shape "
+                f"takes {'integer token ids' if kind == TOKENS else 'float X'} of shape "
                 f"(n_samples, {', '.join(map(str, shape))})."
             )
         task = "classification" if isinstance(est, PathKernelClassifier) else "regression"

@@ -62,11 +62,6 @@ def _gram(estimator, X, *, kernel, step, normalized):
     return PathKernel(estimator, normalized=normalized)(X)
 
 
-def _inputs(estimator, X, name="X"):
-    """X in the form of the estimator's training inputs: 2-D features, or (n, ...)."""
-    return check_input(estimator, X, name)
-
-
 # Inputs with more values than this are named by their index in legends, not spelled out.
 _SPELLED_OUT = 4
 
@@ -262,7 +257,7 @@ class KernelMatrixDisplay:
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
         check_is_fitted(estimator, "trajectory_")
-        X = _inputs(estimator, X)
+        X = check_input(estimator, X)
         order = np.arange(X.shape[0])
         if y is not None:
             y = np.asarray(y)
@@ -570,10 +565,10 @@ class KernelEvolutionDisplay:
         else:
             x = np.asarray(x)
             # One input (image, token ids) gets its sample axis.
-            x = _inputs(estimator, x[None] if x.shape == shape else x, "x")
+            x = check_input(estimator, x[None] if x.shape == shape else x, "x")
             if x.shape[0] != 1:
                 raise ValueError(f"x must be one input, got {x.shape[0]} of them.")
-            Y = _inputs(estimator, Y, "Y")
+            Y = check_input(estimator, Y, "Y")
         points = _recorded_points(estimator, steps)
         values = np.vstack([
             step_kernel(estimator, x, Y, step=int(k), normalized=normalized,
@@ -692,8 +687,8 @@ class RankGapDisplay:
         from .kernels import step_kernel
 
         check_is_fitted(estimator, "trajectory_")
-        X_train = _inputs(estimator, X_train, "X_train")
-        X_test = _inputs(estimator, X_test, "X_test")
+        X_train = check_input(estimator, X_train, "X_train")
+        X_test = check_input(estimator, X_test, "X_test")
         X = np.concatenate([X_train, X_test])
         if rtol is None:
             rtol = float(np.sqrt(X.shape[0] * np.finfo(fitted_dtype(estimator)).eps))
@@ -850,7 +845,7 @@ class TangentEmbeddingDisplay:
         from .kernels import step_kernel
 
         check_is_fitted(estimator, "trajectory_")
-        X = _inputs(estimator, X)
+        X = check_input(estimator, X)
         resolved = _resolve_method(method)
         K = step_kernel(estimator, X, step=step, normalized=True)
         if resolved == "pca":

@@ -38,7 +38,7 @@ from skpathkernel.plotting import KernelMatrixDisplay
 digits = load_digits()
 images = (digits.images / 16.0).reshape(-1, 1, 8, 8)  # (n, channels, height, width)
 X_train, X_test, y_train, y_test = train_test_split(
-    images, digits.target, train_size=400, test_size=300, stratify=digits.target,
+    images, digits.target, train_size=300, test_size=300, stratify=digits.target,
     random_state=0)
 
 

@@ -110,9 +110,8 @@ ax.set_title(f"held-out {query[0, :LENGTH].tolist()}, predicted {clf.classes_[la
 fig.tight_layout()
 
 # %%
-# The training sequences that moved this prediction the most (``explain``: largest
-# contribution summed over the logits), with their share of the predicted logit:
-idx, contrib = clf.explain(query, n_neighbors=6)
-for i, c in zip(idx[0], contrib[0]):
-    print(f"  {X_train[i, :LENGTH].tolist()} (answer {y_train[i]}): {c[label]:+.3f}")
+# The training sequences with the largest contributions to the predicted logit:
+top = np.argsort(-np.abs(share))[:6]
+for i in top:
+    print(f"  {X_train[i, :LENGTH].tolist()} (answer {y_train[i]}): {share[i]:+.3f}")
 plt.show()

@@ -20,9 +20,17 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
-from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_tensor
+from ._device import (
+    resolve_device,
+    resolve_dtype,
+    seeded_torch,
+    to_input_tensor,
+    to_numpy,
+    to_tensor,
+)
+from ._inputs import FEATURES, activation_widths, fitted_input, probe_module, validate_input
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
@@ -236,16 +244,22 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def _validate_fit_data(self, X, y="no_validation", **kwargs):
         """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``).
 
-        ``y="no_validation"`` (validate_data's convention) validates X alone; ``y=None``
-        is a supervised fit without targets, refused with scikit-learn's message.
+        X comes back as the network takes it (:func:`._inputs.validate_input`): 2-D
+        floats for the default MLP; with ``module``, floats or int64 token ids of shape
+        ``(n_samples, ...)``. ``y="no_validation"`` (validate_data's convention)
+        validates X alone; ``y=None`` is a supervised fit without targets, refused with
+        scikit-learn's message.
         """
         dtype = resolve_dtype(self.dtype)
+        # A user's module may take (n, ...) arrays and integer token ids (see _inputs).
+        checks = dict(reset=True, flexible=self.module is not None,
+                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
         if isinstance(y, str) and y == "no_validation":
-            X = validate_data(self, X, **FIT_CHECKS, **kwargs)
+            X = validate_input(self, X, **checks, **kwargs)
             check_representable(X, dtype)
             return X
         reject_sparse_y(y)
-        X, y = validate_data(self, X, y, **FIT_CHECKS, **kwargs)
+        X, y = validate_input(self, X, y, **checks, **kwargs)
         check_representable(X, dtype)
         if kwargs.get("y_numeric"):
             check_representable(np.asarray(y), dtype, "y")
@@ -285,9 +299,14 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype)
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        module = _build_module(spec, X.shape[1], n_outputs, seed, device, dtype)
+        module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
+        if spec["module"] is not None:
+            # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its initial
+            # weights in this first forward pass.
+            with seeded_torch(seed, device):
+                probe_module(module, X, dtype=dtype, device=device)
         generator = torch.Generator().manual_seed(seed)
-        X_t = to_tensor(X, dtype=dtype, device=device)
+        X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
         # shared by its task slots: keep torch's threads within them.
@@ -327,9 +346,18 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     # ------------------------------------------------------------------ inference
     def _validate_X(self, X):
         check_is_fitted(self)
-        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        X = validate_input(self, X, reset=False)
         check_representable(X, self._torch_dtype_device()[0])
         return X
+
+    def _activation_widths(self) -> list[int]:
+        """Values per sample of the network's activations, which bound a block's memory."""
+        if fitted_input(self)[1] == FEATURES:
+            return _layer_widths(self.module_)
+        # A user's network (convolutions, attention): measured on one training sample.
+        dtype, device = self._torch_dtype_device()
+        return activation_widths(self.module_,
+                                 to_input_tensor(self.X_fit_[:1], dtype=dtype, device=device))
 
     def _torch_dtype_device(self):
         # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
@@ -341,12 +369,12 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         dtype, device = self._torch_dtype_device()
         itemsize = torch.empty((), dtype=dtype).element_size()
         # The widest activation bounds a block's memory; keep it well inside the budget.
-        width = max([X.shape[1], self.n_outputs_, *_layer_widths(self.module_)])
+        width = max([X[0].size, self.n_outputs_, *self._activation_widths()])
         block = rows_per_block(self.memory_budget, 8 * width * itemsize, "Prediction")
         outs = []
         with torch.no_grad():
             for start in range(0, X.shape[0], block):
-                xb = to_tensor(X[start : start + block], dtype=dtype, device=device)
+                xb = to_input_tensor(X[start : start + block], dtype=dtype, device=device)
                 outs.append(to_numpy(self.module_(xb)))
         return np.concatenate(outs, axis=0).astype(np.float64, copy=False)
 
@@ -390,7 +418,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         dtype, device = self._torch_dtype_device()
         traj = self.trajectory_
         params = dict(traj.unflatten(traj.parameters(step).to(device)))
-        return self.module_, params, to_tensor(X, dtype=dtype, device=device)
+        return self.module_, params, to_input_tensor(X, dtype=dtype, device=device)
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -403,7 +431,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            The form of the training inputs (``input_shape_``).
         n_neighbors : int, default=100
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step``, or the path kernel.
@@ -504,6 +533,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.non_deterministic = False
+        # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
+        tags.input_tags.three_d_array = self.module is not None
         if tags.transformer_tags is not None:
             # Tangent features come out in the network's dtype, whatever X's dtype.
             tags.transformer_tags.preserves_dtype = [self.dtype]

@@ -24,9 +24,17 @@ from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
-from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_tensor
+from ._device import (
+    resolve_device,
+    resolve_dtype,
+    seeded_torch,
+    to_input_tensor,
+    to_numpy,
+    to_tensor,
+)
+from ._inputs import FEATURES, activation_widths, fitted_input, probe_module, validate_input
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
@@ -262,16 +270,22 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def _validate_fit_data(self, X, y="no_validation", **kwargs):
         """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``).
 
-        ``y="no_validation"`` (validate_data's convention) validates X alone; ``y=None``
-        is a supervised fit without targets, refused with scikit-learn's message.
+        X comes back as the network takes it (:func:`._inputs.validate_input`): 2-D
+        floats for the default MLP; with ``module``, floats or int64 token ids of shape
+        ``(n_samples, ...)``. ``y="no_validation"`` (validate_data's convention)
+        validates X alone; ``y=None`` is a supervised fit without targets, refused with
+        scikit-learn's message.
         """
         dtype = resolve_dtype(self.dtype)
+        # A user's module may take (n, ...) arrays and integer token ids (see _inputs).
+        checks = dict(reset=True, flexible=self.module is not None,
+                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
         if isinstance(y, str) and y == "no_validation":
-            X = validate_data(self, X, **FIT_CHECKS, **kwargs)
+            X = validate_input(self, X, **checks, **kwargs)
             check_representable(X, dtype)
             return X
         reject_sparse_y(y)
-        X, y = validate_data(self, X, y, **FIT_CHECKS, **kwargs)
+        X, y = validate_input(self, X, y, **checks, **kwargs)
         check_representable(X, dtype)
         if kwargs.get("y_numeric"):
             check_representable(np.asarray(y), dtype, "y")
@@ -313,6 +327,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         seed, split_seed = (int(s) for s in rng.randint(np.iinfo(np.int32).max, size=2))
         validation = None
         attrs["_train_rows"] = None
+        X_all = X
         if self.early_stopping:
             # Held out before any work: the network never trains on these rows, so they
             # are not training points of the kernel machine (X_fit_ holds the others).
@@ -335,12 +350,19 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         spec = self._module_spec()
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype)
-        module = _build_module(spec, X.shape[1], n_outputs, seed, device, dtype)
+        module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
+        if spec["module"] is not None:
+            # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its initial
+            # weights in this first forward pass. On all of X: the held-out rows too.
+            with seeded_torch(seed, device):
+                probe_module(module, X_all, dtype=dtype, device=device)
         if self.early_stopping:
-            validation = _validation_scorer(X_val, y_val, attrs.get("classes_"), dtype,
-                                            device, self.memory_budget)
+            validation = _validation_scorer(
+                X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,
+                [X_val[0].size, n_outputs,
+                 *_widths(module, spec["module"] is None, X_val[:1], dtype, device)])
         generator = torch.Generator().manual_seed(seed)
-        X_t = to_tensor(X, dtype=dtype, device=device)
+        X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
         # shared by its task slots: keep torch's threads within them.
@@ -387,9 +409,15 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     # ------------------------------------------------------------------ inference
     def _validate_X(self, X):
         check_is_fitted(self)
-        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        X = validate_input(self, X, reset=False)
         check_representable(X, self._torch_dtype_device()[0])
         return X
+
+    def _activation_widths(self) -> list[int]:
+        """Values per sample of the network's activations, which bound a block's memory."""
+        dtype, device = self._torch_dtype_device()
+        return _widths(self.module_, fitted_input(self)[1] == FEATURES, self.X_fit_[:1],
+                       dtype, device)
 
     def _torch_dtype_device(self):
         # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
@@ -399,8 +427,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         """Network outputs (n_samples, n_outputs), float64, in fixed-size blocks."""
         X = self._validate_X(X)
         dtype, device = self._torch_dtype_device()
+        width = [X[0].size, self.n_outputs_, *self._activation_widths()]
         return network_outputs(self.module_, X, dtype, device, self.memory_budget,
-                               fixed=True, n_outputs=self.n_outputs_)
+                               fixed=True, widths=width)
 
     # ------------------------------------------------------------------ kernels
     @property
@@ -449,7 +478,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         dtype, device = self._torch_dtype_device()
         traj = self.trajectory_
         params = dict(traj.unflatten(traj.parameters(step).to(device)))
-        return self.module_, params, to_tensor(X, dtype=dtype, device=device)
+        return self.module_, params, to_input_tensor(X, dtype=dtype, device=device)
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -462,7 +491,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            The form of the training inputs (``input_shape_``).
         n_neighbors : int, default=100
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step``, or the path kernel.
@@ -563,6 +593,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.non_deterministic = False
+        # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
+        tags.input_tags.three_d_array = self.module is not None
         return tags
 
 
@@ -658,20 +690,33 @@ def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
 
 
 def network_outputs(module, X: np.ndarray, dtype, device, memory_budget: int, *,
-                    fixed: bool, n_outputs: int = 1) -> np.ndarray:
-    """``module(X)`` as float64 NumPy, in blocks under the budget (of a fixed size if asked)."""
+                    fixed: bool, widths) -> np.ndarray:
+    """``module(X)`` as float64 NumPy, in blocks under the budget (of a fixed size if asked).
+
+    ``widths``: values per sample of the input, the outputs and every activation; the
+    widest bounds a block's memory, kept well inside the budget.
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # The widest activation bounds a block's memory; keep it well inside the budget.
-    width = max([X.shape[1], n_outputs, *_layer_widths(module)])
-    row = 8 * width * itemsize
+    row = 8 * max(widths) * itemsize
     block = feature_block_rows(memory_budget, row, "Prediction") if fixed else \
         rows_per_block(memory_budget, row, "Prediction")
-    X_t = to_tensor(X, dtype=dtype, device=device)
+    X_t = to_input_tensor(X, dtype=dtype, device=device)
     with torch.no_grad():
         out = map_fixed_blocks(lambda xb: to_numpy(module(xb)), X_t, block) if fixed else \
             np.concatenate([to_numpy(module(X_t[i : i + block]))
                             for i in range(0, X.shape[0], block)])
     return out.astype(np.float64, copy=False)
+
+
+def _widths(module, default_mlp: bool, X_row, dtype, device) -> list[int]:
+    """Values per sample of a network's activations, which bound a block's memory.
+
+    The default MLP's layer widths; a user's network (convolutions, attention) measured
+    on one sample ``X_row``.
+    """
+    if default_mlp:
+        return _layer_widths(module)
+    return activation_widths(module, to_input_tensor(X_row, dtype=dtype, device=device))
 
 
 def _holdout(y, classes, fraction: float, seed: int):
@@ -701,7 +746,7 @@ def _holdout(y, classes, fraction: float, seed: int):
     return np.sort(train_idx), val_idx
 
 
-def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget):
+def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widths):
     """``score(module)``: what ``est.score(X_val, y_val)`` gives for the module's outputs.
 
     Accuracy of the decoded labels (a margin's sign for two classes, the argmax of the
@@ -709,7 +754,8 @@ def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget):
     """
 
     def score(module):
-        out = network_outputs(module, X_val, dtype, device, memory_budget, fixed=False)
+        out = network_outputs(module, X_val, dtype, device, memory_budget, fixed=False,
+                              widths=widths)
         if classes is not None:
             codes = (out[:, 0] > 0).astype(np.intp) if out.shape[1] == 1 else out.argmax(1)
             return float(np.mean(classes[codes] == y_val))

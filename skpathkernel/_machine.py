@@ -22,7 +22,7 @@ from ._base import (
     keep_previous_fit_on_error,
     tangent_feature_names,
 )
-from ._device import to_tensor
+from ._device import to_input_tensor, to_tensor
 from ._losses import LOSSES
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -38,6 +38,10 @@ _SHARED_PARAMS_DOC = """
         ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
         Any module without cross-sample state (no BatchNorm in train mode) works. It is
         called with torch's global RNG seeded from ``random_state`` (and restored after).
+        With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
+        ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer
+        token ids ``(n, S)`` as int64 (``n_features_in`` is then the number of values
+        per sample); see the user guide, "Images, sequences and token ids".
     solver : {"sgd", "adam", "adamw", "rmsprop"}, default="adam"
         The torch.optim optimizer whose path is recorded. Adam (MLPClassifier's default)
         learns at one step size whatever the scale of X; SGD keeps each step of the path
@@ -137,11 +141,16 @@ _FITTED_ATTRS_DOC = """
         Network outputs C.
     device_ : str
         Device the network lives on.
-    X_fit_ : ndarray of shape (n_samples_trained, n_features)
+    X_fit_ : ndarray of shape (n_samples_trained, n_features) or (n_samples_trained, ...)
         The samples trained on, in the order of X (all of X unless ``early_stopping``
-        held some out): the kernel machine's representation is over them.
+        held some out), as the network takes them (floats, or int64 token ids): the
+        kernel machine's representation is over them.
     n_features_in_ : int
-        Number of features seen during fit.
+        Number of features seen during fit: for ``(n_samples, ...)`` inputs, the number
+        of values per sample, ``prod(input_shape_)``.
+    input_shape_ : tuple of int
+        Trailing shape of ``X`` at fit (``(n_features,)`` for 2-D ``X``); every method
+        that takes ``X`` expects this shape.
     feature_names_in_ : ndarray of shape (`n_features_in_`,)
         Names of features seen during fit, when X has string column names.
 """
@@ -170,7 +179,8 @@ class _KernelMachineMixin(TransformerMixin):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            In the form of the training inputs (``input_shape_``).
         method : {"exact", "first_order", "second_order"}, default="exact"
             "exact" integrates each step's Jacobian over the segment by Gauss-Legendre
             quadrature and reproduces the network to floating-point precision for every
@@ -224,12 +234,12 @@ class _KernelMachineMixin(TransformerMixin):
         dtype, device = self._torch_dtype_device()
         result = decompose(
             self.module_, self.trajectory_,
-            to_tensor(self.X_fit_, dtype=dtype, device=device),
+            to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
             # The loss the network was trained with: set_params(loss=...) after fit must
             # not change what the fitted path is decomposed with.
             LOSSES[self._loss_name](),
-            to_tensor(X, dtype=dtype, device=device),
+            to_input_tensor(X, dtype=dtype, device=device),
             method=method, weighting=weighting, n_nodes=n_nodes,
             memory_budget=self.memory_budget,
         )
@@ -256,7 +266,7 @@ class _KernelMachineMixin(TransformerMixin):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
         n_neighbors : int, default=10
         method : {"exact", "first_order", "second_order"}, default="exact"
 
@@ -436,7 +446,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
 
         Returns
@@ -549,7 +561,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids.
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
 

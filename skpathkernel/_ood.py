@@ -30,7 +30,7 @@ from sklearn.base import OutlierMixin
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
 from ._base import (
     FIT_CHECKS,
@@ -40,7 +40,8 @@ from ._base import (
     keep_previous_fit_on_error,
     rows_per_block,
 )
-from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
+from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
+from ._inputs import FEATURES, TOKENS, fitted_input, validate_input
 from ._machine import (
     _FITTED_ATTRS_DOC,
     _NORMALIZE_Y_DOC,
@@ -87,7 +88,8 @@ class _Gram64:
         self.budget = int(est.memory_budget)
 
     def tensor(self, X) -> torch.Tensor:
-        return to_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
+        # Token ids stay int64; float inputs follow the float64 copy of the network.
+        return to_input_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
 
     def gram(self, X, Y=None) -> torch.Tensor:
         return tangent_gram(self.module, self.params, X, Y, memory_budget=self.budget)
@@ -417,7 +419,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 raise ValueError("loss='log_loss' needs class labels y; got y=None.")
             X = self._validate_fit_data(X)
             est = PathKernelMachine(**net, loss="squared_error", normalize_y=self.normalize_y)
-            return est.fit(X, X), "reconstruction"
+            # Every value of a sample is a target (its flat view for (n, ...) inputs).
+            return est.fit(X, X.reshape(len(X), -1).astype(np.float64)), "reconstruction"
         X, y = self._validate_fit_data(X, y, multi_output=True)
         task = self.task
         if task == "auto":
@@ -439,12 +442,20 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 f"(optionally in a FrozenEstimator), got {type(est).__name__}."
             )
         check_is_fitted(est, "trajectory_")
-        X = validate_data(self, X, **FIT_CHECKS)
+        shape, kind = fitted_input(est)
+        X = validate_input(self, X, reset=True, flexible=kind != FEATURES,
+                           ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
         check_representable(X, resolve_dtype(est.dtype))
-        if X.shape[1] != est.n_features_in_:
+        if kind == FEATURES and X.shape[1] != est.n_features_in_:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the estimator's network is expecting "
                 f"{est.n_features_in_} features as input."
+            )
+        if (self.input_shape_, self._input_kind) != (shape, kind):
+            raise ValueError(
+                f"X has shape {X.shape} and dtype {X.dtype}, but the estimator's network "
+                f"takes {'integer token ids' if kind == TOKENS else 'float X'} of shape "
+                f"(n_samples, {', '.join(map(str, shape))})."
             )
         task = "classification" if isinstance(est, PathKernelClassifier) else "regression"
         return X, est, task
@@ -455,9 +466,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
-            Training inputs; with ``estimator``, the inputs whose features define the
-            span (usually ``estimator.X_fit_``).
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            Training inputs (with ``module``, any ``(n_samples, ...)`` array: floats, or
+            integer token ids); with ``estimator``, the inputs whose features define the
+            span (usually ``estimator.X_fit_``), in the form its network takes.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
             Targets of the task (see ``task``); None trains the network to reconstruct X.
             Ignored with ``estimator``.
@@ -563,7 +575,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -577,7 +589,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -590,7 +602,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -616,7 +628,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -637,7 +649,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 f"quarter of memory_budget={gram.budget:,} bytes; pass fewer points or "
                 f"raise memory_budget to at least {4 * nbytes:,}."
             )
-        K = to_numpy(gram.gram(gram.tensor(np.vstack([self.X_fit_, X]))).to(torch.float64))
+        K = to_numpy(gram.gram(gram.tensor(np.concatenate([self.X_fit_, X]))).to(torch.float64))
         return _numerical_rank(K[:n_train, :n_train], self.rtol), _numerical_rank(K, self.rtol)
 
     # ------------------------------------------------------------------ network views

@@ -203,7 +203,9 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
             Regression targets or class labels (see ``task``).
 
@@ -223,7 +225,8 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
 
         Returns
         -------
@@ -397,7 +400,9 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids.
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
 

@@ -22,7 +22,9 @@ def jacobian_loop(module, X):
     params = [p for p in module.parameters() if p.requires_grad]
     dtype = params[0].dtype
     rows = []
-    for x in torch.as_tensor(np.asarray(X)).to(dtype):
+    X = torch.as_tensor(np.asarray(X))
+    # Token ids stay integers (an embedding reads them); every other input takes the dtype.
+    for x in (X if not X.is_floating_point() else X.to(dtype)):
         out = module(x[None]).reshape(-1)
         rows.append(torch.stack([
             # An unused parameter (a bias a patched forward leaves out) has zero gradient.

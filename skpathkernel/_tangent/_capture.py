@@ -30,7 +30,15 @@ from torch.overrides import TorchFunctionMode
 from ._generic import per_sample_jacobian
 from ._rules import RULES, Term
 
-__all__ = ["Capture", "capture", "forward"]
+__all__ = ["Capture", "capture", "forward", "value_dtype"]
+
+
+def value_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dtype:
+    """The dtype of the engine's results: X's, or the parameters' for integer X (token
+    ids, which an embedding maps into the parameters' dtype)."""
+    if X.is_floating_point() or X.is_complex():
+        return X.dtype
+    return next(iter(params.values())).dtype
 
 
 @dataclass
@@ -308,12 +316,13 @@ def _numerical_misfits(
     # delta (a . v). A read the factors miss adds E != 0 to g, and E v != 0 for almost
     # every v: one pass over g instead of forming the outer product and the difference.
     gen = torch.Generator(device=x.device).manual_seed(0)
-    probes = {name: torch.randn(a.shape[1], 1, generator=gen, device=x.device, dtype=x.dtype)
+    dtype = value_dtype(params, x)
+    probes = {name: torch.randn(a.shape[1], 1, generator=gen, device=x.device, dtype=dtype)
               for name, (_, a) in factors.items() if a is not None}
     # The rows are weighted 1, 2, ... in one backward pass per output: a swap of rows
     # changes the weighted sum the factors predict, not the one autograd computes.
-    w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=x.dtype)
-    tol = 10 * torch.finfo(x.dtype).eps ** 0.5
+    w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=dtype)
+    tol = 10 * torch.finfo(dtype).eps ** 0.5
     bad = set()
     for i, c in enumerate(outputs):
         grads = torch.autograd.grad(f[:, c] @ w, [live[n] for n in covered],

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._memory import rows_per_block
-from ._capture import Capture, _numerical_misfits, capture, forward
+from ._capture import Capture, _numerical_misfits, capture, forward, value_dtype
 from ._rules import Term
 
 __all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
@@ -254,8 +254,9 @@ class _Blocks:
 
 def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True):
     params = dict(params)
-    if X.ndim != 2 or X.shape[0] == 0:
-        raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
+    if X.ndim < 2 or X.shape[0] == 0:
+        raise ValueError(f"X must be a non-empty tensor of shape (n_samples, ...), got shape "
+                         f"{tuple(X.shape)}.")
     n_outputs = forward(module, params, X[:1]).shape[1]
     outputs, mode = _resolve_output(output, n_outputs)
     # The first sample's factors give the per-row size of every block's factors, and the
@@ -321,7 +322,7 @@ def _check_weight(diag_weight, params, X):
         raise ValueError(
             f"diag_weight must have shape ({n_params},), got {tuple(diag_weight.shape)}."
         )
-    return diag_weight.to(device=X.device, dtype=X.dtype)
+    return diag_weight.to(device=X.device, dtype=value_dtype(params, X))
 
 
 @_consistent_routing
@@ -388,10 +389,12 @@ def tangent_gram(
     symmetric = Y is None and params_y is None
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
-    if Y.ndim != 2 or Y.shape[1] != X.shape[1]:
-        raise ValueError(f"Y must have shape (n, {X.shape[1]}), got {tuple(Y.shape)}.")
+    if Y.shape[1:] != X.shape[1:]:
+        raise ValueError(f"Y must have shape (n, {', '.join(map(str, X.shape[1:]))}), got "
+                         f"{tuple(Y.shape)}.")
     n_out = len(outputs)
-    itemsize = X.element_size()
+    dtype = value_dtype(params, X)
+    itemsize = dtype.itemsize
     layout = _layout(params)
     per_row = 4 * probe.nbytes()
     if weight is not None:
@@ -410,7 +413,7 @@ def tangent_gram(
 
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
-    K = torch.empty(shape, dtype=X.dtype, device=X.device)
+    K = torch.empty(shape, dtype=dtype, device=X.device)
     full = mode == "full"
     for i in range(len(bx)):
         cx = bx[i]
@@ -466,7 +469,7 @@ def tangent_gram_diag(
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
     shape = (X.shape[0], n_out, n_out) if mode == "full" else (X.shape[0],)
-    out = torch.zeros(shape, dtype=X.dtype, device=X.device)
+    out = torch.zeros(shape, dtype=value_dtype(params, X), device=X.device)
     for i in range(len(blocks)):
         sl = blocks.slices[i]
         for term in blocks[i].terms:
@@ -531,15 +534,16 @@ def tangent_features(
     layout = _layout(params)
     n_params = sum(size for _, size in layout.values())
     n_out = len(outputs)
-    per_row = 4 * probe.nbytes() + n_out * n_params * X.element_size()
+    dtype = value_dtype(params, X)
+    per_row = 4 * probe.nbytes() + n_out * n_params * dtype.itemsize
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
     shape = (X.shape[0], n_out, n_params)
     if out is None:
-        phi = torch.empty(shape, dtype=X.dtype, device=X.device)
-    elif out.shape != shape or out.dtype != X.dtype or out.device != X.device:
-        raise ValueError(f"out must be a {X.dtype} tensor of shape {shape} on {X.device}, "
+        phi = torch.empty(shape, dtype=dtype, device=X.device)
+    elif out.shape != shape or out.dtype != dtype or out.device != X.device:
+        raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {X.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}.")
     else:
         phi = out

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ._capture import value_dtype
 from ._gram import DEFAULT_MEMORY_BUDGET, _block_size, _Blocks, _consistent_routing, _prepare
 
 __all__ = ["project_tangent_features"]
@@ -108,7 +109,8 @@ def project_tangent_features(
                                             check_hidden)
     index = {name: i for i, name in enumerate(params)}
     n_out = len(outputs)
-    itemsize = X.element_size()
+    dtype = value_dtype(params, X)
+    itemsize = dtype.itemsize
     per_row = 4 * probe.nbytes() + 2 * n_out * k * itemsize
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
@@ -116,7 +118,7 @@ def project_tangent_features(
     # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
     width = 1 if mode == "full" else n_out
     z = torch.zeros((X.shape[0], n_out if mode == "full" else 1, k),
-                    dtype=X.dtype, device=X.device)
+                    dtype=dtype, device=X.device)
     directions: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for i in range(len(blocks)):
         sl = blocks.slices[i]

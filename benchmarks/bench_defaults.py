@@ -124,8 +124,9 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 "data set": name,
                 "n train / test": f"{len(X_tr)} / {len(X_te)}",
                 "estimator": label,
-                "score (mean, min)": f"{np.mean(rec['score']):.3f}, {min(rec['score']):.3f}",
-                f"sklearn's {sk_name}": f"{np.mean(ref['score']):.3f}, {min(ref['score']):.3f}",
+                "ours: mean (min)": f"{np.mean(rec['score']):.3f} ({min(rec['score']):.3f})",
+                "sklearn's: mean (min)": f"{sk_name} {np.mean(ref['score']):.3f} "
+                                         f"({min(ref['score']):.3f})",
                 "ours - sklearn's (+- 2 SE)": f"{mean_diff:+.3f} (+-{2 * se:.3f})",
                 "verdict": verdict,
                 "fit s ours / sklearn's": f"{statistics.median(rec['fit']):.2f} / "

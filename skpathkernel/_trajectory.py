@@ -550,8 +550,6 @@ class TrajectoryRecorder:
             params = torch.cat([params, tail])
             steps = np.append(steps, n_done)
             n_points += 1
-        elif n_steps is not None and n_points < self._buf.shape[0]:
-            params = params.clone()
         n_steps_per_point = np.diff(steps)
         lrs = self._lrs[: n_points - 1].copy()
         varies = self._lr_varies[: n_points - 1]
@@ -559,21 +557,26 @@ class TrajectoryRecorder:
         # learning_rates[k] * (steps[k + 1] - steps[k]) is the interval's total step size.
         lrs[varies] = self._lr_sum[: n_points - 1][varies] / n_steps_per_point[varies]
         states = {k: v[: n_points - 1] for k, v in self._states.items()}
-        if n_steps is not None:
-            states = {k: v.clone() for k, v in states.items()}
         n_indices = self._batch_off[n_done]
+        batch_idx, batch_off = self._batch_idx[:n_indices], self._batch_off[: n_done + 1]
+        state_steps = self._state_steps[: n_points - 1]
+        if n_steps is not None and self.n_steps is not None and n_done < self.n_steps:
+            # A run that stopped early: copies, so that the buffers (sized for max_iter
+            # epochs) are released with the recorder.
+            params = params if params.data_ptr() != self._buf.data_ptr() else params.clone()
+            states = {k: v.clone() for k, v in states.items()}
+            steps, batch_idx = steps.copy(), batch_idx.copy()
+            batch_off, state_steps = batch_off.copy(), state_steps.copy()
         return Trajectory(
             names=self._names,
             shapes=self._shapes,
             params=params,
-            steps=steps.copy() if n_steps is not None else steps,
+            steps=steps,
             learning_rates=lrs,
-            batch_indices=self._batch_idx[:n_indices].copy() if n_steps is not None
-            else self._batch_idx[:n_indices],
-            batch_offsets=self._batch_off[: n_done + 1].copy() if n_steps is not None
-            else self._batch_off[: n_done + 1],
+            batch_indices=batch_idx,
+            batch_offsets=batch_off,
             states=states,
-            state_steps=self._state_steps[: n_points - 1],
+            state_steps=state_steps,
             solver=self.solver,
             n_samples=self.n_samples,
             record_every=self.record_every,

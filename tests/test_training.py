@@ -363,6 +363,11 @@ def test_training_stops_where_the_loss_rule_says(regression_data, batch_size, re
     assert torch.equal(traj.parameters(-1), _flat_params(est.module_))
     if record_every == 1:
         assert_array_equal(traj.steps, np.arange(est.t_ + 1))
+    # Stopped early: the path holds its own memory, not views of buffers sized for
+    # max_iter epochs.
+    assert traj._params.untyped_storage().nbytes() == traj._params.numel() * 4
+    assert traj._batch_indices.base is None and len(traj._batch_indices) == sum(
+        len(b) for b in traj.batches)
 
 
 def test_max_iter_without_convergence_warns_and_tol_none_runs_every_epoch(regression_data):

@@ -1,8 +1,9 @@
 """``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]``.
 
 The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
-training with recording against plain torch / skorch / MLPRegressor, decomposition
-against training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
+every estimator at its defaults against MLPClassifier / MLPRegressor at theirs, training
+with recording against plain torch / skorch / MLPRegressor, decomposition against
+training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
 
 Gram and path-kernel cases run in their own processes (servers, :mod:`benchmarks._serve`)
 and the repeats of all methods of one problem are interleaved, so that each ratio is
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Table groups: a module with ``run(quick) -> list[dict]`` (one row each, ratios measured in
 # the same run; ``device=`` passed when its run accepts it) and its section title.
 TABLES = {
+    "defaults": ("benchmarks.bench_defaults",
+                 "Defaults against MLPClassifier() / MLPRegressor() on scikit-learn's data sets"),
     "training": ("benchmarks.bench_training",
                  "Training with path recording versus the same plain torch loop"),
     "peers_training": ("benchmarks.bench_peers_training",
@@ -476,7 +479,7 @@ def _report(results, machine, args, elapsed, load, command):
         lines += ["", f"## Path kernel K(X, X) over T recorded steps (full batch), "
                   f"float32, {args.device}", "",
                   "SGD unless the network names its solver; the CNN is (a) of the image "
-                  "Gram section, 10 outputs (trace), fed flattened inputs it unflattens.", "",
+                  "Gram section, 10 outputs (trace), on (n, 1, 8, 8) inputs.", "",
                   "Memory must not grow with T: step Grams are accumulated one at a time "
                   "(the trajectory itself, stored before the call, is listed separately).", "",
                   "| network | N | T | time | time / step | peak memory of the call | "

@@ -226,8 +226,8 @@ def _structured_roofline(module, params, X, sync):
 
 def path_case(spec):
     """PathKernel(X, X) over the recorded path: an MLP (``sizes``) on a sine, or a network
-    of :mod:`benchmarks._nets` (``arch``, fed flattened inputs it unflattens) on random
-    targets, trained by ``spec["solver"]`` (Adam weights every step kernel by D)."""
+    of :mod:`benchmarks._nets` (``arch``, on its image inputs) on random targets, trained
+    by ``spec["solver"]`` (Adam weights every step kernel by D)."""
     import numpy as np
 
     from skpathkernel import PathKernelMachine
@@ -235,22 +235,21 @@ def path_case(spec):
 
     device = torch.device(spec.get("device", "cpu"))
     rng = np.random.RandomState(0)
+    # T full-batch steps, every one recorded (the table's setting, pinned).
     common = dict(max_iter=spec["T"], device=str(device), dtype=spec["dtype"],
-                  solver=spec.get("solver", "sgd"), random_state=0)
+                  solver=spec.get("solver", "sgd"), batch_size=None, tol=None, record_every=1,
+                  normalize_y=False, random_state=0)
     if spec.get("arch"):
         shape = _nets.ARCHS[spec["arch"]]["shape"]
-        X = rng.standard_normal((spec["n"], int(np.prod(shape))))
+        X = rng.standard_normal((spec["n"], *shape)).astype(spec["dtype"])
         y = rng.standard_normal((spec["n"], _nets.ARCHS[spec["arch"]]["outputs"]))
-
-        def build(n_in, n_out):
-            return nn.Sequential(nn.Unflatten(1, shape), *_nets.build(spec["arch"]))
-
-        est = PathKernelMachine(module=build, learning_rate_init=0.01, **common).fit(X, y)
+        est = PathKernelMachine(module=lambda n_in, n_out: _nets.build(spec["arch"]),
+                                learning_rate_init=0.01, **common).fit(X, y)
     else:
         X = rng.uniform(-1, 1, size=(spec["n"], spec["sizes"][0]))
         y = np.sin(3 * X[:, 0])
         est = PathKernelMachine(hidden_layer_sizes=tuple(spec["sizes"][1:-1]),
-                                learning_rate_init=0.05, **common).fit(X, y)
+                                learning_rate_init=0.05, activation="tanh", **common).fit(X, y)
     kernel = PathKernel(est)
     peak, sync = _device_tools(device)
     serve(lambda: kernel(X), {"n_points": len(est.trajectory_),

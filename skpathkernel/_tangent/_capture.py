@@ -36,7 +36,7 @@ from ._contract import grad_times, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian
 from ._rules import RULES, Rule, Term, Use
 
-__all__ = ["Capture", "capture", "check_per_sample", "float_dtype", "forward"]
+__all__ = ["Capture", "capture", "check_per_sample", "value_dtype", "forward"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
@@ -70,9 +70,10 @@ class Capture:
         return size
 
 
-def float_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dtype:
-    """The dtype of gradients and kernels: X's if it is floating (token ids are not)."""
-    if X.is_floating_point():
+def value_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dtype:
+    """The dtype of the engine's results: X's, or the parameters' for integer X (token
+    ids, which an embedding maps into the parameters' dtype)."""
+    if X.is_floating_point() or X.is_complex():
         return X.dtype
     for p in params.values():
         return p.dtype
@@ -434,7 +435,7 @@ def _numerical_misfits(
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     with torch.enable_grad():
         f = functional_call(module, live, (x,)).reshape(x.shape[0], -1)
-    dtype = float_dtype(params, x)
+    dtype = value_dtype(params, x)
     # A weight's gradient g (rows x cols) is compared through a random direction v: g v
     # against the factors' G v (a sum over positions of delta (a . v)). A read the
     # factors miss adds E != 0 to g, and E v != 0 for almost every v: one pass over g

@@ -37,8 +37,8 @@ from ._capture import (
     _numerical_misfits,
     capture,
     check_per_sample,
-    float_dtype,
     forward,
+    value_dtype,
 )
 from ._contract import (
     dense_grad,
@@ -584,7 +584,7 @@ def tangent_gram(
         params_y = _matching(params, params_y)
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
                                             check_hidden)
-    dtype = float_dtype(params, X)
+    dtype = value_dtype(params, X)
     weight = _check_weight(diag_weight, params, dtype, X.device)
     weight = None if weight is None else _Weighted(weight)
     symmetric = Y is None and params_y is None
@@ -693,7 +693,7 @@ def tangent_gram_diag(
     """
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
                                             check_hidden)
-    dtype = float_dtype(params, X)
+    dtype = value_dtype(params, X)
     weight = _check_weight(diag_weight, params, dtype, X.device)
     layout = _layout(params)
     n_out = len(outputs)
@@ -809,7 +809,7 @@ def tangent_features(
     layout = _layout(params)
     n_params = sum(size for _, size in layout.values())
     n_out = len(outputs)
-    dtype = float_dtype(params, X)
+    dtype = value_dtype(params, X)
     # A term with positions forms its blocks before they are copied into phi.
     formed = max([_dense_bytes(t, dtype.itemsize) for t in probe.terms if not rank_one(t)
                   or t.transposed], default=0)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._capture import float_dtype
+from ._capture import value_dtype
 from ._contract import project_bytes, project_term
 from ._gram import DEFAULT_MEMORY_BUDGET, _block_size, _Blocks, _consistent_routing, _prepare
 
@@ -114,7 +114,7 @@ def project_tangent_features(
                                             check_hidden)
     index = {name: i for i, name in enumerate(params)}
     n_out = len(outputs)
-    dtype = float_dtype(params, X)
+    dtype = value_dtype(params, X)
     itemsize = dtype.itemsize
     # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
     width = 1 if mode == "full" else n_out

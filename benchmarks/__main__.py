@@ -524,9 +524,10 @@ def main(argv=None):
                         help="torch / XLA threads per case (default: the libraries' own "
                              "choice); 1 keeps cores shared with other processes from "
                              "stalling parallel ops")
-    parser.add_argument("--no-peers", action="store_true",
-                        help="Gram groups without their peers: skpathkernel (and --baseline) "
-                             "only")
+    parser.add_argument("--peers", default=None,
+                        help="comma-separated peers the Gram groups keep (vmap_grad, "
+                             "neural_tangents, autograd_loop), or 'none': skpathkernel (and "
+                             "--baseline) only; default: all")
     parser.add_argument("--baseline", default=None,
                         help="a source tree of skpathkernel (e.g. a checkout of main) whose "
                              "engine also runs the MLP Gram rows, interleaved: a regression "
@@ -542,10 +543,10 @@ def main(argv=None):
             parser.error("--device cuda: torch sees no CUDA device here")
     groups = args.only or GROUPS
     plan = _plan(args.quick, args.device, args.baseline)
-    if args.no_peers:
+    if args.peers is not None:
+        keep = {"skpathkernel", *args.peers.split(",")}
         for name in ("gram", "gram_nets"):
-            plan[name] = [[s for s in group if s["method"] == "skpathkernel"]
-                          for group in plan[name]]
+            plan[name] = [[s for s in group if s["method"] in keep] for group in plan[name]]
     load = [os.getloadavg()[0]]
     start = time.perf_counter()
     results = {"gram": [], "gram_nets": [], "path": [], "tables": {}}

@@ -20,7 +20,9 @@ takes the cheaper form by the counts above (:func:`gram_route`), and the dense f
 single sample's blocks do not fit the memory budget's share. A convolution over many
 positions (``S^2 (q + C p) >> C p q``) takes the dense form; a wide Linear on a few tokens
 takes the pair form. A diagonal preconditioner (Adam, RMSprop) breaks the product
-structure of the pair form: weighted Grams take the dense form for ``S > 1``. The
+structure of the pair form: weighted Grams take the dense form for ``S > 1``, and when
+every term's blocks fit the budget they are all formed once, scaled by ``sqrt(D)``
+(``J D J'^T = (J sqrt(D)) (J' sqrt(D))^T``), and multiplied as an unweighted Gram. The
 random projection never forms ``G``: ``sum_s (delta[s] . u) (a[s] . v)`` costs
 ``S k (C p + q)`` per sample.
 """

@@ -52,7 +52,7 @@ from skpathkernel.datasets import load_printed_letters, make_linear_extrapolatio
 
 ROOT = Path(__file__).resolve().parents[1]
 NETWORK = dict(hidden_layer_sizes=(64,), activation="tanh", solver="adam",
-               learning_rate_init=1e-3, batch_size=64, random_state=0)
+               learning_rate_init=1e-3, batch_size=64, tol=None, random_state=0)
 EPOCHS = {False: 100, True: 20}
 LOOKALIKE = "OIZSGTBq"  # 0 1 2 5 6 7 8 9
 DIGIT_CASES = {"digits 0-4": lambda c: c < 5, "digits 5-9": lambda c: c >= 5,

@@ -28,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from ._device import to_numpy, to_tensor
+from ._device import to_input_tensor, to_numpy
 from ._memory import rows_per_block
 from ._tangent import tangent_gram, tangent_gram_diag
 
@@ -76,7 +76,8 @@ class NetworkGram:
         self.budget = int(estimator.memory_budget)
 
     def tensor(self, X) -> torch.Tensor:
-        return to_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
+        # Token ids stay int64; float inputs follow the float64 copy of the network.
+        return to_input_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
 
     def gram(self, X, Y=None) -> torch.Tensor:
         return tangent_gram(self.module, self.params, X, Y, memory_budget=self.budget)
@@ -228,8 +229,8 @@ class TangentSpan:
 
     Parameters
     ----------
-    X : ndarray of shape (N, n_features)
-        The training points.
+    X : ndarray of shape (N, n_features) or (N, ...)
+        The training points, in the form the network takes.
     diag : ndarray of shape (N,)
         ``Theta(x_i, x_i)``.
     lam : float

@@ -360,3 +360,40 @@ def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypa
                     for i in range(len(X))])
     np.testing.assert_allclose(small.offset_, np.percentile(loo, 25), atol=1e-6)
     np.testing.assert_allclose(small.offset_, big.offset_, atol=1e-6)
+
+
+def _token_net(n_features_in, n_outputs):
+    return torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * n_features_in, n_outputs))
+
+
+def _sequence_net(n_features_in, n_outputs):
+    # A Linear on (n, 4, 3), shared over the 4 positions.
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(20, n_outputs))
+
+
+@pytest.mark.parametrize("kind", ["tokens", "sequences"])
+@pytest.mark.parametrize("method", ["local", "residual"])
+def test_token_ids_and_sequences_score_like_the_dense_reference(kind, method):
+    """With ``module=``, X of shape (n, ...): token ids reach the embedding as integers,
+    sequences keep their axes, and the scores are the dense residuals of their features."""
+    rng = np.random.RandomState(14)
+    if kind == "tokens":
+        # Token 5 never occurs in training: its embedding row is a direction no training
+        # feature has (the features are sums over positions, so the others' are spanned).
+        X, Xq, module = rng.randint(0, 5, size=(24, 3)), rng.randint(0, 6, size=(8, 3)), _token_net
+        Xq[::2, 0] = 5
+    else:
+        X, Xq, module = rng.normal(size=(24, 4, 3)), 2 * rng.normal(size=(8, 4, 3)), _sequence_net
+    y = np.arange(24) % 2
+    params = {k: v for k, v in SMALL.items() if k not in ("hidden_layer_sizes", "normalize_y")}
+    det = OODRankDetector(module=module, **params, method=method, n_neighbors=4).fit(X, y)
+    assert det.input_shape_ == X.shape[1:]
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    ref = local_residual(P, Q, 4) if method == "local" else lstsq_residual(P, Q)
+    assert ref.max() > 0.05  # the check could fail: some queries leave the span
+    # Queries inside the span score O(rtol) = 1e-6, not 0: the jitter lam (rtol=1e-6).
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="features|shape"):  # another trailing shape
+        det.score_samples(Xq[:, :2])

@@ -203,32 +203,43 @@ def test_needs_every_step_recorded(data):
         est.decompose(X, method="zeroth")
 
 
+class _WithRaw(torch.nn.Module):
+    """A raw parameter (no rule: the fallback's dense terms) next to two Linear layers."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, 6)
+        self.scale = torch.nn.Parameter(torch.ones(6))
+        self.out = torch.nn.Linear(6, n_out)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x)) * self.scale)
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "adam-l2", "adamw", "rmsprop-l2"])
 @pytest.mark.parametrize("method", ["exact", "first_order"])
 @pytest.mark.parametrize("batch_size", [None, 5])
-def test_sgd_fast_path_equals_the_dense_adjoint(data, method, batch_size, monkeypatch):
-    """Plain SGD's factor-Gram path against the general adjoint path (checked above by
-    brute force for every solver), on a module with a fallback layer too."""
+def test_routes_agree(data, name, method, batch_size, monkeypatch):
+    """The factor-Gram route (plain SGD), the pair engine's adjoint and the dense route
+    give the same decomposition (the dense one is checked above by brute force), on a
+    module with a fallback layer too, at the same nodes."""
     import skpathkernel._interpolation as interpolation
 
-    class WithRaw(torch.nn.Module):  # a raw parameter: no rule, goes to the fallback
-        def __init__(self, n_in, n_out):
-            super().__init__()
-            self.lin = torch.nn.Linear(n_in, 6)
-            self.scale = torch.nn.Parameter(torch.ones(6))
-            self.out = torch.nn.Linear(6, n_out)
-
-        def forward(self, x):
-            return self.out(torch.tanh(self.lin(x)) * self.scale)
-
     X_train, y, X = data
-    est = PathKernelMachine(module=WithRaw, max_iter=6, batch_size=batch_size, alpha=0.05,
-                            learning_rate_init=0.1, dtype="float64", random_state=0)
+    est = PathKernelMachine(module=_WithRaw, max_iter=6, batch_size=batch_size,
+                            dtype="float64", random_state=0, **SOLVERS[name])
     est.fit(X_train, y)
-    assert interpolation._structured(est.trajectory_, method)
-    fast = est.decompose(X, method=method)
-    monkeypatch.setattr(interpolation, "_structured", lambda traj, method: False)
-    dense = est.decompose(X, method=method)
-    assert_allclose(fast.contributions, dense.contributions, rtol=1e-10, atol=1e-13)
-    assert_allclose(fast.regularization, dense.regularization, rtol=1e-10, atol=1e-13)
-    assert np.abs(fast.regularization).max() > 1e-4
-    assert fast.error == pytest.approx(dense.error, abs=1e-12)
+    default = "factor" if name == "sgd" else "adjoint"
+    assert interpolation._route(est.trajectory_, method) == default
+    routes = ["adjoint", "dense"] + (["factor"] if name == "sgd" else [])
+    results = {}
+    for route in routes:
+        monkeypatch.setattr(interpolation, "_route", lambda traj, method, r=route: r)
+        results[route] = est.decompose(X, method=method, n_nodes=4)
+    ref = results.pop("dense")
+    for res in results.values():
+        assert_allclose(res.contributions, ref.contributions, rtol=1e-10, atol=1e-13)
+        assert_allclose(res.regularization, ref.regularization, rtol=1e-10, atol=1e-13)
+        assert res.error == pytest.approx(ref.error, abs=1e-12)
+    if est.alpha:
+        assert np.abs(ref.regularization).max() > 1e-4

@@ -1,0 +1,285 @@
+"""Query-by-sample products of the decomposition, from the layers' factors.
+
+Private engine behind :mod:`skpathkernel._interpolation`. One step ``t`` of the exact
+decomposition pairs the queries' segment-averaged Jacobian
+``rho_t(x) = sum_k w_k J(x; theta_t + s_k dtheta_t)`` (quadrature nodes ``k``) with the
+per-sample loss gradients ``g_i = J(x_i; theta_t)^T r_i`` of the step's batch. For a
+parameter with a rule (:mod:`._rules`) both sides are factored: node ``k`` gives
+``delta_k(x) (outer) a_k(x)`` per output, sample ``i`` gives ``dhat_i (outer) a_i`` with
+``dhat_i = sum_c r_ic delta_ic``. So:
+
+- plain SGD (no memory, ``D = I``): the pair term is
+  ``sum_k w_k (delta_k(x) . dhat_i) (a_k(x) . a_i)``, two small GEMMs per layer
+  (:func:`factor_shares`), the same cost as a tangent Gram;
+- a diagonal preconditioner ``D`` and / or a momentum memory: the pair term
+  ``(delta_x * dhat_i)^T D (a_x * a_i)`` has no rank-one form, and with memory the
+  queries' side is the adjoint ``lambda_t = sum_{u>=t} m^(u-t) coef_u D_u rho_u``, a
+  full ``(queries x outputs) x P`` buffer (:class:`Adjoint`). It is updated per layer
+  by one batched GEMM over the nodes (``sum_k w_k delta_k a_k^T``, never a Jacobian
+  per node) fused with ``D`` and then contracted with the batch as
+  ``(lambda a_i) . dhat_i``: one GEMM over the layer's input dimension, the sum over its
+  output dimension in float64. Both passes run in chunks of rows that stay in cache, so
+  the buffer is read and written once per step. The memory factor is kept out of the
+  buffer (``lambda = z S``, :class:`Adjoint`), which saves the pass that would scale it.
+
+Layers without a rule come as dense terms (``a = None``, ``delta`` their per-sample
+Jacobian) and go through the same code as a bias. Terms of any other layout (a rule
+whose factors carry extra axes) are reported by :func:`factored` so that the caller can
+use the dense route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ._rules import Term
+
+__all__ = ["Adjoint", "directional", "factor_shares", "factored", "sample_factors"]
+
+# Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
+# while it is still in cache. On a CPU with 2 MiB of L2 per core, 1-4 MiB chunks were
+# within a few percent of each other (2-W-W-2 MLPs, W = 256, 512) and 256 KiB chunks 20%
+# slower (Python overhead per chunk); a GPU takes the whole buffer at once.
+CHUNK_BYTES = 2**21
+
+
+def factored(terms: Sequence[Term]) -> bool:
+    """Whether every term has the layout this module contracts: ``delta (n, C, p)`` and
+    inputs ``a (n, q)`` or ``None``."""
+    return all(t.delta.ndim == 3 and all(a is None or a.ndim == 2 for _, a in t.inputs)
+               for t in terms)
+
+
+def sample_factors(terms: Sequence[Term], r: torch.Tensor) -> list[torch.Tensor]:
+    """Per term, ``dhat_i = sum_c r_ic delta_ic`` (n, p): the loss-gradient backprops."""
+    r = r.to(terms[0].delta.dtype)
+    return [torch.einsum("ncp,nc->np", t.delta, r) for t in terms]
+
+
+def directional(terms: Sequence[Term],
+                *vectors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``J(x) . v`` (n, C) in float64 from the factors, for each direction ``v``.
+
+    ``v[name]`` is the parameter-shaped direction in float64; the factors are promoted
+    once for all directions, so that the products add no round-off of the factors'
+    dtype to the factors' own.
+    """
+    n, C = terms[0].delta.shape[:2]
+    k = len(vectors)
+    out = torch.zeros((k, n, C), dtype=torch.float64, device=terms[0].delta.device)
+    for term in terms:
+        d = term.delta.to(torch.float64)
+        p = d.shape[2]
+        for name, a in term.inputs:
+            v = torch.stack([vec[name].reshape(p, -1) for vec in vectors])  # (k, p, q)
+            if a is None:
+                out += torch.einsum("ncp,kp->knc", d, v[:, :, 0])
+            else:
+                av = (a.to(torch.float64) @ v.reshape(k * p, -1).T).reshape(n, k, p)
+                out += torch.einsum("ncp,nkp->knc", d, av)
+    return list(out)
+
+
+def factor_shares(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
+                  batch: Sequence[Term], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_k w_k J(x; node k) J(x_i)^T r_i`` for every query and sample: (n, C, m).
+
+    Plain SGD's pair term, ``D = I``: per term ``(delta_k(x) . dhat_i)`` times the sum
+    over its inputs of ``(a_k(x) . a_i)`` (1 for a bias), in float64.
+    """
+    out = None
+    for node, w in zip(nodes, weights):
+        for tx, ty, dh in zip(node, batch, dhat):
+            n, C, p = tx.delta.shape
+            Gd = (tx.delta.reshape(n * C, p) @ dh.T).reshape(n, C, -1).to(torch.float64)
+            Ga, ones = None, 0
+            for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
+                if ax is None:
+                    ones += 1
+                elif Ga is None:
+                    Ga = ax @ ay.T
+                else:
+                    Ga.addmm_(ax, ay.T)
+            if Ga is None:
+                Gd.mul_(ones * w)
+            else:
+                Gd.mul_(Ga.to(torch.float64).add_(ones).mul_(w).unsqueeze(1))
+            out = Gd if out is None else out.add_(Gd)
+    return out
+
+
+class Adjoint:
+    """The adjoint ``lambda = z S`` of a block of queries, stored per parameter.
+
+    ``S[name]`` has shape ``(n * C, p, q)`` (a weight-like parameter with factors) or
+    ``(n * C, p)`` (a bias, or a dense fallback term), rows ordered ``(query, output)``;
+    ``z`` is a float. One step (:meth:`step`) sets ``lambda_t = m lambda_{t+1} + coef D
+    rho_t``: ``z <- m z`` and ``S += (coef / z) D rho_t``, so that the memory costs no
+    pass over the buffer (``S`` is rescaled when ``z`` gets small). Without memory
+    (``m = 0``) ``S = D rho_t`` and ``z = coef``.
+
+    Parameters
+    ----------
+    like : list of Term
+        Terms of a capture of the queries (only their shapes are used).
+    memory : float
+        The first-moment memory ``m`` (0 for RMSprop).
+    """
+
+    def __init__(self, like: Sequence[Term], memory: float):
+        self.memory = float(memory)
+        self.z = None
+        self.S: dict[str, torch.Tensor] = {}
+        n, C = like[0].delta.shape[:2]
+        self.rows = n * C
+        delta = like[0].delta
+        for term in like:
+            p = term.delta.shape[2]
+            for name, a in term.inputs:
+                shape = (self.rows, p) if a is None else (self.rows, p, a.shape[1])
+                self.S[name] = torch.zeros(shape, dtype=delta.dtype, device=delta.device)
+        self.cpu = delta.device.type == "cpu"
+
+    def _chunks(self, S: torch.Tensor):
+        """Row slices of ``S`` of about CHUNK_BYTES (all rows off the CPU)."""
+        per_row = S[0].numel() * S.element_size()
+        size = max(1, CHUNK_BYTES // per_row) if self.cpu else self.rows
+        return [slice(i, min(i + size, self.rows)) for i in range(0, self.rows, size)]
+
+    def step(self, nodes: Sequence[Sequence[Term]], weights: Sequence[float], coef: float,
+             D: Mapping[str, torch.Tensor] | None, batch: Sequence[Term],
+             dhat: Sequence[torch.Tensor], decay: Mapping[str, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Update to step t's adjoint and contract it with (a block of) the batch.
+
+        Parameters
+        ----------
+        nodes : list over nodes of list of Term
+            The queries' factors at the quadrature nodes of step t.
+        weights : list of float
+            The nodes' weights.
+        coef : float
+            The step's scale, ``-lr_t`` times Adam's bias correction.
+        D : mapping of str to tensor or None
+            The preconditioner per parameter (parameter-shaped), None for the identity.
+        batch, dhat : list of Term, list of tensor, or None
+            The batch's factors at ``theta_t`` and its :func:`sample_factors`; None for
+            a step without samples (the update alone).
+        decay : mapping of str to tensor, optional
+            L2 weight decay ``wd theta_t`` per parameter: ``lambda_t . decay`` is
+            returned too.
+
+        Returns
+        -------
+        shares : tensor of float64, shape (n * C, m), or None
+            ``lambda_t . g_i`` for the m samples of the batch (None without a batch).
+        reg : tensor of float64, shape (n * C,), or None
+            ``lambda_t . decay``.
+        """
+        if self.memory:
+            self.z = 1.0 if self.z is None else self.z * self.memory
+            if self.z < 1e-6:
+                # S alone would grow as m^-t: fold z in before it leaves the dtype's range.
+                for S in self.S.values():
+                    S.mul_(self.z)
+                self.z = 1.0
+            alpha = coef / self.z
+        else:
+            self.z, alpha = coef, 1.0
+        return self._pass(nodes, weights, alpha, D, batch, dhat, decay)
+
+    def contract(self, batch: Sequence[Term], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``lambda_t . g_i`` for another block of the step's batch, (n * C, m) float64."""
+        return self._pass(None, None, None, None, batch, dhat, None)[0]
+
+    def _pass(self, nodes, weights, alpha, D, batch, dhat, decay):
+        """Update (``nodes`` given) and / or contract (``batch`` given), term by term."""
+        shares = None
+        device = next(iter(self.S.values())).device
+        reg = None if decay is None else torch.zeros(self.rows, dtype=torch.float64,
+                                                     device=device)
+        for j, term in enumerate(nodes[0] if nodes is not None else batch):
+            U = None
+            if nodes is not None:
+                C = term.delta.shape[1]
+                # The nodes' weighted backprops, rows (query, output): (n C, p, n_nodes).
+                U = torch.stack([w * node[j].delta for node, w in zip(nodes, weights)], dim=-1)
+                U = U.reshape(self.rows, U.shape[2], len(nodes))
+            for i, (name, _) in enumerate(term.inputs):
+                S = self.S[name]
+                d = None if D is None else D[name].reshape(S.shape[1:])
+                v = None if decay is None else decay[name].reshape(S.shape[1:])
+                a_b = None if batch is None else batch[j].inputs[i][1]
+                part = None
+                if S.ndim == 2:
+                    if U is not None:
+                        self._update_bias(S, U, d, alpha)
+                    if batch is not None:
+                        part = S @ dhat[j].T
+                    if v is not None:
+                        reg += (S @ v).to(torch.float64)
+                else:
+                    V = None
+                    if U is not None:
+                        V = torch.stack([node[j].inputs[i][1] for node in nodes], dim=1)
+                        # One row of V per query, shared by its C outputs.
+                        V = V.repeat_interleave(C, dim=0) if C > 1 else V
+                    part = self._weight(S, U, V, d, alpha, a_b,
+                                        None if batch is None else dhat[j], v, reg)
+                if part is not None:
+                    part = part.to(torch.float64)
+                    shares = part if shares is None else shares.add_(part)
+        if shares is not None:
+            shares.mul_(self.z)
+        return shares, None if reg is None else reg.mul_(self.z)
+
+    def _update_bias(self, S, U, d, alpha):
+        rho = U.sum(-1)
+        if not self.memory:
+            S.copy_(rho if d is None else rho.mul_(d))
+        elif d is None:
+            S.add_(rho, alpha=alpha)
+        else:
+            S.addcmul_(rho, d, value=alpha)
+
+    def _weight(self, S, U, V, d, alpha, a_b, dhat_b, v, reg):
+        """Chunk by chunk: ``S += alpha d * (U @ V)`` (when U is given), then
+        ``(S a_i) . dhat_i`` and ``S . v`` while the chunk is in cache."""
+        rows, p, q = S.shape
+        m = 0 if a_b is None else a_b.shape[0]
+        T1 = None if a_b is None else torch.empty((rows, p, m), dtype=S.dtype,
+                                                  device=S.device)
+        chunks = self._chunks(S)
+        scratch = None
+        if U is not None and self.memory and d is not None:
+            scratch = torch.empty_like(S[chunks[0]])
+        if v is not None:
+            Sv = torch.empty((rows, p), dtype=S.dtype, device=S.device)
+        for sl in chunks:
+            Sc = S[sl]
+            if U is None:
+                pass
+            elif not self.memory:
+                torch.bmm(U[sl], V[sl], out=Sc)
+                if d is not None:
+                    Sc.mul_(d)
+            elif d is None:
+                Sc.baddbmm_(U[sl], V[sl], alpha=alpha)
+            else:
+                tmp = scratch[: sl.stop - sl.start]
+                torch.bmm(U[sl], V[sl], out=tmp)
+                Sc.addcmul_(tmp, d, value=alpha)
+            if T1 is not None:
+                # (S a_i) for every sample: a GEMM over the layer's inputs q.
+                torch.matmul(Sc.view(-1, q), a_b.T, out=T1[sl].view(-1, m))
+            if v is not None:
+                torch.sum(Sc * v, dim=-1, out=Sv[sl])
+        if v is not None:
+            reg += Sv.to(torch.float64).sum(-1)
+        if T1 is None:
+            return None
+        # The sum over the layer's outputs p: (rows, p, m) . (m, p). In float64 it gave
+        # the same error (2-W-W-2, W = 512, float32) for twice the time of this step.
+        return T1.mul_(dhat_b.T).sum(1)

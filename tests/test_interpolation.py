@@ -5,12 +5,11 @@ sample's own share of the momentum / Adam buffer, with Jacobians from a plain pe
 autograd loop; the library runs a backward adjoint recursion on structured Jacobians.
 """
 
-import copy
 
 import numpy as np
 import pytest
 import torch
-from _reference import jacobian_loop, module_at
+from _reference import forward_recursion, gauss_nodes, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -35,57 +34,10 @@ def _module_at(est, k):
     return module_at(est, k)
 
 
-def _jacobian_loop(module, X):
-    """(n, C, P) Jacobian by one autograd call per sample and output."""
-    return jacobian_loop(module, X)
-
-
 def _brute_force(est, X_train, Y_train, per_sample_loss, X, n_nodes=6):
     """Contributions (n, N, C) and regularization (n, C) by the forward per-sample recursion."""
-    traj, spec = est.trajectory_, est.trajectory_.solver_spec
-    N, P = len(X_train), traj.n_params
-    s, w = np.polynomial.legendre.leggauss(n_nodes)
-    s, w = (s + 1) / 2, w / 2
-    shares = torch.zeros(N, P, dtype=torch.float64)  # each sample's part of the buffer
-    reg_buf = torch.zeros(P, dtype=torch.float64)
-    memory = {"sgd": spec.momentum, "adam": spec.beta_1, "adamw": spec.beta_1}.get(spec.name, 0.0)
-    n_out = est.n_outputs_
-    contrib = np.zeros((len(X), N, n_out))
-    reg = np.zeros((len(X), n_out))
-    for t, batch in enumerate(traj.batches):
-        theta, nxt = traj.parameters(t).double(), traj.parameters(t + 1).double()
-        module = _module_at(est, t)
-        adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
-        for i in batch:
-            out = module(torch.as_tensor(X_train[i : i + 1]))
-            loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
-            grads = torch.autograd.grad(loss, list(module.parameters()))
-            g = torch.cat([p.reshape(-1) for p in grads])
-            shares[i] += g.detach() / len(batch) * adam_factor
-        if spec.name != "adamw":  # AdamW's decay is decoupled: added to the step below
-            reg_buf += spec.weight_decay * theta * adam_factor
-        lr = traj.learning_rates[t]
-        scale = lr / (1 - spec.beta_1 ** (t + 1)) if spec.name in ("adam", "adamw") else lr
-        D = traj.preconditioner(t)
-        D = torch.ones(P, dtype=torch.float64) if D is None else D.double()
-        step_i = -scale * D * shares  # (N, P): sample i's part of this step
-        step_reg = -scale * D * reg_buf
-        if spec.name == "adamw":
-            step_reg = step_reg - lr * spec.weight_decay * theta
-        # Segment-averaged Jacobian of the queries by plain autograd at each node.
-        Jbar = sum(wk * _jacobian_loop(_module_with(est, theta + sk * (nxt - theta)), X)
-                   for sk, wk in zip(s, w))
-        contrib += torch.einsum("qcp,np->qnc", Jbar, step_i).numpy()
-        reg += torch.einsum("qcp,p->qc", Jbar, step_reg).numpy()
-        shares *= memory
-        reg_buf *= memory
-    return contrib, reg
-
-
-def _module_with(est, flat):
-    module = copy.deepcopy(est.module_)
-    module.load_state_dict(est.trajectory_.unflatten(flat))
-    return module
+    return forward_recursion(est, X_train, Y_train, per_sample_loss, X,
+                             nodes=gauss_nodes(n_nodes))
 
 
 def _squared(out, y):

@@ -415,16 +415,16 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
             def evaluate(n, theta=theta, delta=delta, dirs=dirs):
                 s, w = _gauss(n)
                 nodes = [ctx.capture(theta + float(sk) * delta, Xq) for sk in s]
-                q = sum(float(wk) * torch.stack(directional(terms, *dirs))
-                        for terms, wk in zip(nodes, w))
-                return q[0], (nodes, [float(wk) for wk in w], q[1] if len(q) > 1 else None)
+                w = [float(wk) for wk in w]
+                q = directional(nodes, w, *dirs)
+                return q[0], (nodes, w, q[1] if len(q) > 1 else None)
 
             nodes, weights, rho_theta = quad.choose(t, evaluate, f_next - f_t,
                                                     ctx.ref.noise(f_t, f_next))
             f_next = f_t
         else:
             nodes, weights = [ctx.capture(theta, Xq)], [1.0]
-            rho_theta = directional(nodes[0], theta64)[0] if along else None
+            rho_theta = directional(nodes, weights, theta64)[0] if along else None
         nxt = theta
         if along:
             reg += factor * rho_theta

@@ -58,28 +58,32 @@ def sample_factors(terms: Sequence[Term], r: torch.Tensor) -> list[torch.Tensor]
     return [torch.einsum("ncp,nc->np", t.delta, r) for t in terms]
 
 
-def directional(terms: Sequence[Term],
-                *vectors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """``J(x) . v`` (n, C) in float64 from the factors, for each direction ``v``.
+def directional(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
+                *vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``sum_k w_k J(x; node k) . v`` (n, C) in float64 from the factors, per ``v``.
 
-    ``v[name]`` is the parameter-shaped direction in float64; the factors are promoted
-    once for all directions, so that the products add no round-off of the factors'
-    dtype to the factors' own.
+    ``v[name]`` is a parameter-shaped direction in float64. The factors are promoted to
+    float64 so that the products add no round-off of the factors' dtype to their own;
+    the nodes go through one GEMM per parameter. Returns ``(len(vectors), n, C)``.
     """
-    n, C = terms[0].delta.shape[:2]
-    k = len(vectors)
-    out = torch.zeros((k, n, C), dtype=torch.float64, device=terms[0].delta.device)
-    for term in terms:
-        d = term.delta.to(torch.float64)
-        p = d.shape[2]
-        for name, a in term.inputs:
+    n, C = nodes[0][0].delta.shape[:2]
+    k, m = len(vectors), len(nodes)
+    w = torch.as_tensor(weights, dtype=torch.float64, device=nodes[0][0].delta.device)
+    out = torch.zeros((k, n, C), dtype=torch.float64, device=w.device)
+    for j, term in enumerate(nodes[0]):
+        # All nodes' backprops, weighted: (m, n, C, p).
+        d = torch.stack([node[j].delta for node in nodes]).to(torch.float64)
+        d *= w.view(m, 1, 1, 1)
+        p = d.shape[-1]
+        for i, (name, a) in enumerate(term.inputs):
             v = torch.stack([vec[name].reshape(p, -1) for vec in vectors])  # (k, p, q)
             if a is None:
-                out += torch.einsum("ncp,kp->knc", d, v[:, :, 0])
+                out += torch.einsum("mncp,kp->knc", d, v[:, :, 0])
             else:
-                av = (a.to(torch.float64) @ v.reshape(k * p, -1).T).reshape(n, k, p)
-                out += torch.einsum("ncp,nkp->knc", d, av)
-    return list(out)
+                A = torch.cat([node[j].inputs[i][1] for node in nodes]).to(torch.float64)
+                av = (A @ v.reshape(k * p, -1).T).reshape(m, n, k, p)
+                out += torch.einsum("mncp,mnkp->knc", d, av)
+    return out
 
 
 def factor_shares(nodes: Sequence[Sequence[Term]], weights: Sequence[float],

@@ -344,7 +344,7 @@ def _path_outputs(module, traj, X, ref: _Reference):
 
 def _batch_index(traj, t, weighting, N, device):
     if weighting == "realized":
-        return torch.as_tensor(traj.batches[t], device=device)
+        return torch.as_tensor(traj.batch(t), device=device)
     return torch.arange(N, device=device)
 
 
@@ -461,7 +461,7 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
 
 
 def _batch_size(traj, t, weighting, N):
-    return len(traj.batches[t]) if weighting == "realized" else N
+    return len(traj.batch(t)) if weighting == "realized" else N
 
 
 # --------------------------------------------------------------------------- dense

@@ -244,14 +244,20 @@ class Trajectory:
         return 1.0 / (denom + spec.epsilon)
 
     def step_coefficients(self) -> tuple[np.ndarray, float]:
-        """The solver's first-moment recursion: ``(coef, memory)`` over the optimizer steps.
+        """The solver's first-moment recursion over the optimizer steps.
 
-        Every solver's update is ``dtheta_t = -coef_t D_t sum_{s<=t} memory^(t-s) g_s``
-        (plus decoupled weight decay) with ``coef_t = lr_t`` and ``memory`` = heavy-ball
-        momentum for SGD, ``coef_t = lr_t (1 - beta_1) / (1 - beta_1^count_t)`` and
-        ``memory = beta_1`` for Adam / AdamW, ``memory = 0`` for RMSprop. ``coef`` has
-        one entry per optimizer step (``n_steps``); a step that was not recorded
-        (``record_every > 1``) takes its interval's mean step size.
+        Every supported solver's update is
+        ``dtheta_t = -coef_t D_t sum_{s<=t} memory^(t-s) g_s`` (plus decoupled weight
+        decay), ``g_s`` the step's gradient and ``D_t`` the :meth:`preconditioner`.
+
+        Returns
+        -------
+        coef : ndarray of shape (n_steps,)
+            ``lr_t`` for SGD and RMSprop; ``lr_t (1 - beta_1) / (1 - beta_1^count_t)``
+            (the bias-corrected first moment) for Adam / AdamW. A step that was not
+            recorded (``record_every > 1``) takes its interval's mean step size.
+        memory : float
+            Heavy-ball momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
         """
         spec = self.solver_spec
         steps = self.steps

@@ -92,7 +92,7 @@ def _serve(call, info, finish):
     """One call per "run" line, timed and under the peak-memory probe; "done" ends."""
     from benchmarks._serve import PeakRSS
 
-    out, sys.stdout = sys.stdout, sys.stderr  # the peers print: keep the replies clean
+    out = _REPLIES
 
     def reply(obj):
         out.write(json.dumps(obj) + "\n")
@@ -350,7 +350,12 @@ def _summarize(rows):
             r.setdefault(k, "-")
 
 
+# The workers' replies go to the real stdout; everything the libraries print (ExPLAIND
+# prints at every step) goes to stderr.
+_REPLIES = sys.stdout
+
 if __name__ == "__main__":
+    sys.stdout = sys.stderr
     if os.environ.get("SKPATHKERNEL_BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["SKPATHKERNEL_BENCH_THREADS"]))
     kind = sys.argv[1] if len(sys.argv) > 1 else ""
@@ -362,4 +367,4 @@ if __name__ == "__main__":
         explaind_worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))
     else:
         for row in run(quick="--quick" in sys.argv):
-            print(row)
+            _REPLIES.write(f"{row}\n")

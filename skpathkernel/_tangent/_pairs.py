@@ -98,18 +98,10 @@ def factor_shares(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
         for tx, ty, dh in zip(node, batch, dhat):
             n, C, p = tx.delta.shape
             Gd = (tx.delta.reshape(n * C, p) @ dh.T).reshape(n, C, -1).to(torch.float64)
-            Ga, ones = None, 0
-            for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
-                if ax is None:
-                    ones += 1
-                elif Ga is None:
-                    Ga = ax @ ay.T
-                else:
-                    Ga.addmm_(ax, ay.T)
-            if Ga is None:
-                Gd.mul_(ones * w)
-            else:
-                Gd.mul_(Ga.to(torch.float64).add_(ones).mul_(w).unsqueeze(1))
+            # The inputs' Gram, summed over the term's parameters (a bias's input is 1).
+            Ga = sum(1.0 if ax is None else (ax @ ay.T).to(torch.float64)
+                     for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs))
+            Gd.mul_(Ga.unsqueeze(1) * w if isinstance(Ga, torch.Tensor) else Ga * w)
             out = Gd if out is None else out.add_(Gd)
     return out
 

@@ -195,3 +195,20 @@ def test_routes_agree(data, name, method, batch_size, monkeypatch):
         assert res.error == pytest.approx(ref.error, abs=1e-12)
     if est.alpha:
         assert np.abs(ref.regularization).max() > 1e-4
+
+
+def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
+    """The adjoint buffer stores lambda / m^k and folds the factor in when it would leave
+    the dtype's range (every 20 steps at m = 0.5): 45 steps against the dense route."""
+    import skpathkernel._interpolation as interpolation
+
+    X_train, y, X = data
+    est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
+                            learning_rate_init=0.05, max_iter=45, dtype="float64",
+                            random_state=0).fit(X_train, y)
+    adjoint = est.decompose(X, n_nodes=1)
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    dense = est.decompose(X, n_nodes=1)
+    assert_allclose(adjoint.contributions, dense.contributions, rtol=1e-10,
+                    atol=1e-13 * np.abs(dense.contributions).max())
+    assert adjoint.error == pytest.approx(dense.error, rel=1e-6, abs=1e-14)

@@ -48,10 +48,13 @@ NOTES = ("ExPLAIND 0.1.0 fails at its first step unless `keep_param_wise_kernel=
          "does (no per-parameter-entry kernels). It is otherwise run as released: "
          "`pip install --no-deps --ignore-requires-python explaind==0.1.0` on Python 3.11 "
          "(it declares >= 3.12), torch and tqdm being its only run-time needs here. The "
-         "float32 floor: the same float32 path decomposed in float64 arithmetic "
-         "(`float64 floor` column, skpathkernel at n_nodes=16) shows the error that no "
-         "decomposition of the recorded float32 updates can go below: the optimizer's own "
-         "float32 round-off, which Adam's normalisation amplifies on near-zero gradients.")
+         "float32 floor (`float64 floor` row): the same float32 path decomposed in float64 "
+         "arithmetic by skpathkernel at n_nodes=16. Its error is the recorded float32 "
+         "updates' own round-off (the optimizer's float32 arithmetic, which Adam's "
+         "normalisation amplifies on near-zero gradients): no decomposition of that path "
+         "removes it, and a float32 decomposition's error is of that size (its own "
+         "round-off can fall on either side of it). The goal's error bound is the larger of "
+         "1e-5 and this floor.")
 
 
 # --------------------------------------------------------------------------- the task

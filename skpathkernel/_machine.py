@@ -139,7 +139,7 @@ class _KernelMachineMixin(TransformerMixin):
             queries and outputs, is held under its share of ``tol * S`` (``S`` the
             largest ``|f|`` along the path; shares proportional to the steps' changes
             of f), so that the quadrature errors add up to at most ``tol * S``. None:
-            1e-12 in float64, 1e-7 in float32 (below each dtype's round-off floor, so
+            1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
             that ``error`` sits at that floor). A step that cannot meet it within 64
             nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
             naming the step; ``error`` is always the achieved one. Ignored by the other

@@ -564,7 +564,7 @@ class RecordedNetwork(BaseEstimator):
         n_nodes : int, default=None
             Fixed Gauss-Legendre nodes per step; None chooses them per step for ``tol``.
         tol : float, default=None
-            Relative quadrature tolerance of "exact" (1e-12 in float64, 1e-7 in
+            Relative quadrature tolerance of "exact" (1e-12 in float64, 1e-6 in
             float32 when None); see :meth:`PathKernelMachine.decompose
             <skpathkernel.PathKernelMachine.decompose>`.
 

@@ -65,31 +65,45 @@ def sample_factors(terms: Sequence[Term], r: torch.Tensor) -> list[torch.Tensor]
 
 
 def directional(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
-                *vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                *vectors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_k w_k J(x; node k) . v`` (n, C) in float64 from the factors, per ``v``.
 
     ``v[name]`` is a parameter-shaped direction in float64. The factors are promoted to
     float64 so that the products add no round-off of the factors' dtype to their own;
-    the nodes go through one GEMM per parameter. Returns ``(len(vectors), n, C)``.
+    the nodes go through one GEMM per parameter.
+
+    Returns
+    -------
+    out : tensor of float64, shape (len(vectors), n, C)
+    spread : tensor of float64, shape (n, C)
+        The 2-norm of the terms of the first product,
+        ``sqrt(sum_k w_k^2 sum_p (J_kp v_p)^2)``: the factors' relative round-off
+        ``eps`` moves the product by about ``eps * spread``.
     """
     n, C = nodes[0][0].delta.shape[:2]
     k, m = len(vectors), len(nodes)
     w = torch.as_tensor(weights, dtype=torch.float64, device=nodes[0][0].delta.device)
     out = torch.zeros((k, n, C), dtype=torch.float64, device=w.device)
+    spread = torch.zeros((n, C), dtype=torch.float64, device=w.device)
     for j, term in enumerate(nodes[0]):
         # All nodes' backprops, weighted: (m, n, C, p).
         d = torch.stack([node[j].delta for node in nodes]).to(torch.float64)
         d *= w.view(m, 1, 1, 1)
         p = d.shape[-1]
+        d2 = d * d
         for i, (name, a) in enumerate(term.inputs):
             v = torch.stack([vec[name].reshape(p, -1) for vec in vectors])  # (k, p, q)
             if a is None:
                 out += torch.einsum("mncp,kp->knc", d, v[:, :, 0])
+                spread += torch.einsum("mncp,p->nc", d2, v[0, :, 0] ** 2)
             else:
                 A = torch.cat([node[j].inputs[i][1] for node in nodes]).to(torch.float64)
                 av = (A @ v.reshape(k * p, -1).T).reshape(m, n, k, p)
                 out += torch.einsum("mncp,mnkp->knc", d, av)
-    return out
+                # sum_oj (delta_o v_oj a_j)^2 = (delta^2)^T (v^2) (a^2), one more GEMM.
+                av2 = ((A * A) @ (v[0] ** 2).T).reshape(m, n, p)
+                spread += torch.einsum("mncp,mnp->nc", d2, av2)
+    return out, spread.sqrt_()
 
 
 def factor_shares(nodes: Sequence[Sequence[Term]], weights: Sequence[float],

@@ -24,7 +24,7 @@ Sample ``i``'s contribution is ``a_i(x) = sum_{s: i in B_s} lambda_s(x) . J_s(x_
 Routes. The layers' factors (:mod:`._tangent`) are used on both sides of every product,
 so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
 
-- plain SGD (no memory, ``D = I``: Domingos' setting and the estimators' default):
+- plain SGD (no memory, ``D = I``: Domingos' setting):
   with no memory, ``lambda_t = -lr_t rho_t(x)``, and sample i's share of step t is
   ``-lr_t / |B_t| sum_k w_k J(x; theta_t^k) J(x_i; theta_t)^T r_{t,i}``, a
   cross-parameter tangent Gram between the queries at the quadrature nodes and the
@@ -65,7 +65,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from ._losses import Loss
 from ._memory import rows_per_block
 from ._tangent import capture, forward, hidden_reads, tangent_features
-from ._tangent._pairs import Adjoint, directional, factor_shares, factored, sample_factors
+from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms, sample_factors
 from ._trajectory import Trajectory
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
@@ -112,7 +112,8 @@ class Decomposition:
     step_errors : ndarray of shape (n_steps,) or None
         ``method="exact"``: each step's measured quadrature residual, the largest over
         queries and outputs of ``|rho_t(x) . dtheta_t - (f(x; theta_{t+1}) -
-        f(x; theta_t))|`` (round-off of the two forward passes included).
+        f(x; theta_t))|`` (round-off of the two forward passes included); with
+        ``normalize_y``, times the largest target scale (a bound in the units of y).
     tol : float or None
         The relative tolerance the exact method worked to (None with a fixed
         ``n_nodes`` or another method).
@@ -380,7 +381,7 @@ class _Context:
                       memory_budget=self.budget, exclude=self.exclude)
         if cap.exclude != self.exclude:
             raise _Reroute(cap.exclude)
-        return cap.terms
+        return pair_terms(cap.terms)
 
     def batches(self, t, theta):
         """The step's batch in blocks: (indices, factors, dhat) at theta_t."""
@@ -453,10 +454,10 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
         if adjoint is None:
             adjoint = Adjoint(nodes[0], memory)
         D = traj.preconditioner(t)
-        D = None if D is None else dict(traj.unflatten(D.to(device=device, dtype=Xq.dtype)))
+        D = None if D is None else dict(traj.unflatten(D.to(device=device, dtype=traj.dtype)))
         decay = None
         if wd and not decoupled:
-            decay = {k: wd * v.to(Xq.dtype) for k, v in theta64.items()}
+            decay = {k: wd * v.to(traj.dtype) for k, v in theta64.items()}
         n_batch = _batch_size(traj, t, ctx.weighting, N)
         updated = False
         for sub, terms, dhat in ctx.batches(t, theta):
@@ -487,7 +488,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     traj, device, module = ctx.traj, ctx.device, ctx.module
     spec = traj.solver_spec
     coefs, memory = traj.step_coefficients()
-    dtype = Xq.dtype
+    dtype = traj.dtype  # not the queries' (token ids are int64)
     n_q, N = Xq.shape[0], len(ctx.X_train)
     n_out, P = len(ctx.outputs), traj.n_params
     decoupled = spec.name == "adamw"
@@ -614,13 +615,13 @@ def decompose(
     probe = capture(module, _params(traj, theta_0), X_train[:1], outputs,
                     memory_budget=memory_budget, exclude=exclude)
     exclude = probe.exclude
-    if route != "dense" and not factored(probe.terms):
-        route = "dense"
-    # One sample's factors (the captures keep them with their graph: x 4), and the widest
+    terms = pair_terms(probe.terms)
+    # One sample's factors (the captures keep them with their graph: x 4) and their pair
+    # layout (per-sample gradients of the layers over several positions), and the widest
     # layer output, which sizes the pair engine's per-sample intermediates.
-    row = 4 * sum(t.delta[:1].numel() * itemsize + sum(
-        a[:1].numel() * itemsize for _, a in t.inputs if a is not None) for t in probe.terms)
-    width = max(t.delta.shape[2] for t in probe.terms)
+    row = 4 * probe.nbytes() + sum(t.delta.numel() * itemsize + sum(
+        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms)
+    width = max(t.delta.shape[2] for t in terms)
     while True:
         try:
             quad = _Quadrature(traj.n_steps, tol=tol or 0.0, n_nodes=n_nodes,

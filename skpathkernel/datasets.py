@@ -3,17 +3,22 @@
 The synthetic tasks of Guo, He & Morel (2026): the circle and ellipse classification tasks
 of figures 1, 3, 9 and 10, the 1-D regressions of figure 2 and the linear extrapolation
 task of figures 7 and 8, and printed digits and letters rendered from the fonts that ship
-with matplotlib, 8x8 like :func:`sklearn.datasets.load_digits`.
+with matplotlib, 8x8 like :func:`sklearn.datasets.load_digits`. CIFAR-10 (figure 2 g-h)
+is read from a copy the user already has on disk: nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+
 import numpy as np
-from sklearn.utils import check_random_state
+from sklearn.utils import Bunch, check_random_state
 
 from ._glyphs import load_printed_digits, load_printed_letters
 
 __all__ = [
+    "load_cifar10",
     "load_printed_digits",
     "load_printed_letters",
     "make_circle",
@@ -149,3 +154,129 @@ def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
     X_test = np.linspace(*test_range, n_test).reshape(-1, 1)
     f = lambda x: slope * x[:, 0] + intercept  # noqa: E731
     return X_train, f(X_train), X_test, f(X_test)
+
+
+_CIFAR_FOLDER = "cifar-10-batches-py"
+_CIFAR_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+_CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, strings, bytes and NumPy arrays, nothing else: a batch file
+    cannot run code while it loads."""
+
+    _ALLOWED = {
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        # Protocol-2 pickles written by Python 3 spell bytes as _codecs.encode(str).
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not allowed in a CIFAR-10 batch file.")
+
+
+def _read_batch(path):
+    with open(path, "rb") as fh:
+        batch = _ArrayUnpickler(fh, encoding="bytes").load()
+    # Python 2 pickles: byte-string keys.
+    return {(k.decode("latin1") if isinstance(k, bytes) else k): v for k, v in batch.items()}
+
+
+def _cifar10_folder(data_home=None):
+    """The ``cifar-10-batches-py`` folder under ``data_home`` (or ``data_home`` itself
+    when it is that folder); ``data_home=None`` is scikit-learn's data home
+    (``$SCIKIT_LEARN_DATA``, else ``~/scikit_learn_data``), not created."""
+    if data_home is None:
+        data_home = os.environ.get("SCIKIT_LEARN_DATA",
+                                   os.path.join("~", "scikit_learn_data"))
+    data_home = os.path.expanduser(os.fspath(data_home))
+    if os.path.basename(os.path.normpath(data_home)) == _CIFAR_FOLDER:
+        return data_home
+    return os.path.join(data_home, _CIFAR_FOLDER)
+
+
+def load_cifar10(*, data_home=None, subset="train", n_per_class=None, return_X_y=False):
+    """CIFAR-10 from its python batches on disk (figure 2 g-h's data), never downloaded.
+
+    Reads the ``cifar-10-batches-py`` folder of the official python version (the one
+    ``torchvision.datasets.CIFAR10(root=data_home, download=True)`` leaves under
+    ``data_home``). The batch files are pickles: they are read by an unpickler that
+    accepts only arrays, dicts and strings.
+
+    Parameters
+    ----------
+    data_home : str or path-like, default=None
+        Folder holding ``cifar-10-batches-py/`` (or that folder itself). None:
+        scikit-learn's data home, ``$SCIKIT_LEARN_DATA`` or ``~/scikit_learn_data``.
+    subset : {"train", "test"}, default="train"
+        ``data_batch_1`` to ``data_batch_5`` (50000 images) or ``test_batch`` (10000).
+    n_per_class : int, default=None
+        Keep the first ``n_per_class`` images of each class, in file order, ordered by
+        class. None keeps every image in file order.
+    return_X_y : bool, default=False
+        Return ``(data, target)`` instead of a Bunch.
+
+    Returns
+    -------
+    data : Bunch
+        ``data`` float64 of shape (n, 3072) in [0, 1], each row the red, green and blue
+        32x32 planes (``data.reshape(-1, 3, 32, 32)`` is NCHW); ``target`` int64 in 0..9;
+        ``target_names`` the ten class names.
+
+    Raises
+    ------
+    FileNotFoundError
+        When a batch file is missing; the message says where it was looked for and how
+        to get it.
+
+    Examples
+    --------
+    >>> from skpathkernel.datasets import load_cifar10
+    >>> load_cifar10(data_home="/nonexistent")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: CIFAR-10 not found: /nonexistent/cifar-10-batches-py/data_batch_1 ...
+    """
+    if subset not in _CIFAR_FILES:
+        raise ValueError(f"subset must be 'train' or 'test', got {subset!r}.")
+    if n_per_class is not None and (isinstance(n_per_class, bool)
+                                    or not isinstance(n_per_class, (int, np.integer))
+                                    or n_per_class < 1):
+        raise ValueError(f"n_per_class must be a positive int or None, got {n_per_class!r}.")
+    folder = _cifar10_folder(data_home)
+    X, y = [], []
+    for name in _CIFAR_FILES[subset]:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"CIFAR-10 not found: {path} does not exist. Download the python version "
+                f"({_CIFAR_URL}) and extract it into the data home (it makes "
+                f"{_CIFAR_FOLDER}/), or run torchvision.datasets.CIFAR10(root=DATA_HOME, "
+                "download=True); then pass data_home (skpathkernel reproduce --data-home) "
+                "or set SCIKIT_LEARN_DATA.")
+        batch = _read_batch(path)
+        data = np.asarray(batch["data"], dtype=np.uint8)
+        if data.ndim != 2 or data.shape[1] != 3072:
+            raise ValueError(f"{path}: 'data' must be (n, 3072) uint8, got {data.shape}.")
+        X.append(data)
+        y.append(np.asarray(batch["labels"], dtype=np.int64))
+        if n_per_class is not None and np.all(
+                np.bincount(np.concatenate(y), minlength=10)[:10] >= n_per_class):
+            break  # the later batches are not needed
+    X, y = np.concatenate(X), np.concatenate(y)
+    if n_per_class is not None:
+        keep = np.concatenate([np.flatnonzero(y == c)[:n_per_class] for c in range(10)])
+        X, y = X[keep], y[keep]
+    X = X.astype(np.float64) / 255.0
+    if return_X_y:
+        return X, y
+    meta = os.path.join(folder, "batches.meta")
+    names = ([n.decode() if isinstance(n, bytes) else str(n)
+              for n in _read_batch(meta)["label_names"]] if os.path.exists(meta)
+             else [str(c) for c in range(10)])
+    return Bunch(data=X, target=y, target_names=np.array(names))

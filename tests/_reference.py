@@ -22,7 +22,9 @@ def jacobian_loop(module, X):
     params = [p for p in module.parameters() if p.requires_grad]
     dtype = params[0].dtype
     rows = []
-    for x in torch.as_tensor(np.asarray(X)).to(dtype):
+    X = torch.as_tensor(np.asarray(X))
+    # Integer token ids stay integers (an embedding indexes with them).
+    for x in X.to(dtype) if X.is_floating_point() else X:
         out = module(x[None]).reshape(-1)
         rows.append(torch.stack([
             # An unused parameter (a bias a patched forward leaves out) has zero gradient.
@@ -48,6 +50,12 @@ def gauss_nodes(n, panels=1):
             np.concatenate([w / panels] * panels))
 
 
+def _as_input(X):
+    """Rows as the float64 module takes them: token ids stay integers."""
+    X = torch.as_tensor(np.asarray(X))
+    return X.double() if X.is_floating_point() else X
+
+
 def _module_with(est, flat):
     module = copy.deepcopy(est.module_).to(torch.float64)
     module.load_state_dict(est.trajectory_.unflatten(flat.double()), strict=False)
@@ -69,7 +77,7 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
     reg_buf = torch.zeros(P, dtype=torch.float64)
     memory = {"sgd": spec.momentum, "adam": spec.beta_1, "adamw": spec.beta_1}.get(spec.name, 0.0)
     with torch.no_grad():
-        n_out = _module_with(est, traj.parameters(0))(torch.as_tensor(X[:1]).double()).shape[1]
+        n_out = _module_with(est, traj.parameters(0))(_as_input(X[:1])).shape[1]
     contrib = np.zeros((len(X), N, n_out))
     reg = np.zeros((len(X), n_out))
     for t, batch in enumerate(traj.batches):
@@ -77,7 +85,7 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
         module = _module_with(est, theta)
         adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
         for i in batch:
-            out = module(torch.as_tensor(X_train[i : i + 1]).double())
+            out = module(_as_input(X_train[i : i + 1]))
             loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
             grads = torch.autograd.grad(loss, list(module.parameters()))
             g = torch.cat([p.reshape(-1) for p in grads])

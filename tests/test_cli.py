@@ -32,13 +32,22 @@ def test_reproduce_writes_report_and_figures(tmp_path, capsys):
     report = (out / "report.md").read_text()
     rows = [line for line in report.splitlines() if line.startswith("| 7-8 ")
             or line.startswith("| 3")]
-    assert len(rows) == 4  # two claims each for figures 7-8 and 3
-    assert all(line.rstrip().endswith("| pass |") for line in rows), report
+    # Two claims each for figures 7-8 and 3, plus the detector's own decision, whose
+    # verdict is the detector's (the claim itself is tested in test_reproduce_claims).
+    assert len(rows) == 5
+    decision = [line for line in rows if "default predict" in line]
+    assert len(decision) == 1
+    assert all(line.rstrip().endswith("| pass |") for line in rows if line not in decision), \
+        report
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert {"fig7_rank_gap.png", "fig8_relu_regimes.png", "fig3_tangent_svm.png"} <= set(pngs)
-    # Every PNG the report names exists.
-    for name in re.findall(r"\[([\w.-]+\.png)", report):
+    # Every PNG the report names exists, and report.html embeds each one next to its row.
+    named = set(re.findall(r"\[([\w.-]+\.png)", report))
+    for name in named:
         assert os.path.exists(out / name)
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(named) == 3
+    assert "Wrote" in capsys.readouterr().out
 
 
 def test_reproduce_rejects_unknown_sections(tmp_path, capsys):

@@ -14,6 +14,11 @@ from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 
+# The old defaults, pinned: the targets as given, exactly max_iter epochs (the references
+# replay that path), tanh; OLD adds the old solver for the calls that name none.
+RAW = dict(normalize_y=False, tol=None, activation="tanh")
+OLD = dict(RAW, solver="sgd")
+
 SOLVERS = {
     "sgd": dict(solver="sgd", learning_rate_init=0.1),
     "sgd-momentum-l2": dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, alpha=0.01),
@@ -48,7 +53,7 @@ def _squared(out, y):
 @pytest.mark.parametrize("batch_size", [None, 5])
 def test_exact_contributions_equal_brute_force(data, name, batch_size):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(6,), max_iter=3, batch_size=batch_size,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6,), max_iter=3, batch_size=batch_size,
                             dtype="float64", random_state=0, **SOLVERS[name]).fit(X_train, y)
     res = est.decompose(X)
     Y = torch.as_tensor(y).reshape(-1, 1)
@@ -68,7 +73,7 @@ def test_exact_contributions_equal_brute_force(data, name, batch_size):
 @pytest.mark.parametrize("batch_size", [None, 7])
 def test_exact_reproduces_the_network_regression(data, name, batch_size):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(16, 16), max_iter=15, batch_size=batch_size,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(16, 16), max_iter=15, batch_size=batch_size,
                             dtype="float64", random_state=0, **SOLVERS[name]).fit(X_train, y)
     res = est.decompose(X)
     recon = res.initial + res.contributions.sum(axis=1) + res.regularization
@@ -98,7 +103,7 @@ def test_first_and_second_order_converge_at_their_orders(data):
     X_train, y, X = data
     errors = {"first_order": [], "second_order": []}
     for lr, steps in [(0.2, 20), (0.1, 40), (0.05, 80)]:
-        est = PathKernelMachine(hidden_layer_sizes=(8,), learning_rate_init=lr,
+        est = PathKernelMachine(**OLD, hidden_layer_sizes=(8,), learning_rate_init=lr,
                                 max_iter=steps, dtype="float64", random_state=0)
         est.fit(X_train, y)
         for method in errors:
@@ -111,7 +116,7 @@ def test_first_and_second_order_converge_at_their_orders(data):
 
 def test_expected_weighting(data):
     X_train, y, X = data
-    full = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=10, learning_rate_init=0.1,
+    full = PathKernelMachine(**OLD, hidden_layer_sizes=(8,), max_iter=10, learning_rate_init=0.1,
                              dtype="float64", random_state=0).fit(X_train, y)
     assert_allclose(full.decompose(X, weighting="expected").contributions,
                     full.decompose(X).contributions, rtol=1e-12, atol=1e-15)
@@ -124,8 +129,8 @@ def test_expected_weighting(data):
 
 def test_explain_agrees_with_sorted_contributions(data):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, dtype="float64",
-                            random_state=0).fit(X_train, y)
+    est = PathKernelMachine(**OLD, hidden_layer_sizes=(8,), max_iter=5, dtype="float64",
+                            learning_rate_init=0.01, random_state=0).fit(X_train, y)
     idx, contrib = est.explain(X, n_neighbors=4)
     full = est.decompose(X).contributions[:, :, 0]
     for q in range(len(X)):
@@ -137,7 +142,7 @@ def test_explain_agrees_with_sorted_contributions(data):
 
 def test_float32_error_is_at_round_off(data):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(32, 32), solver="adam", max_iter=30,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(32, 32), solver="adam", max_iter=30,
                             learning_rate_init=0.01, random_state=0).fit(X_train, y)
     res = est.decompose(X)
     change = np.abs(res.prediction - res.initial).max()
@@ -147,8 +152,8 @@ def test_float32_error_is_at_round_off(data):
 
 def test_needs_every_step_recorded(data):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=4, record_every=2,
-                            random_state=0).fit(X_train, y)
+    est = PathKernelMachine(**OLD, hidden_layer_sizes=(4,), max_iter=4, record_every=2,
+                            learning_rate_init=0.01, random_state=0).fit(X_train, y)
     with pytest.raises(ValueError, match="record_every=1"):
         est.decompose(X)
     with pytest.raises(ValueError, match="method must be"):
@@ -178,7 +183,7 @@ def test_routes_agree(data, name, method, batch_size, monkeypatch):
     import skpathkernel._interpolation as interpolation
 
     X_train, y, X = data
-    est = PathKernelMachine(module=_WithRaw, max_iter=6, batch_size=batch_size,
+    est = PathKernelMachine(**RAW, module=_WithRaw, max_iter=6, batch_size=batch_size,
                             dtype="float64", random_state=0, **SOLVERS[name])
     est.fit(X_train, y)
     default = "factor" if name == "sgd" else "adjoint"
@@ -203,7 +208,7 @@ def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
     import skpathkernel._interpolation as interpolation
 
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
                             learning_rate_init=0.05, max_iter=45, dtype="float64",
                             random_state=0).fit(X_train, y)
     adjoint = est.decompose(X, n_nodes=1)
@@ -212,3 +217,60 @@ def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
     assert_allclose(adjoint.contributions, dense.contributions, rtol=1e-10,
                     atol=1e-13 * np.abs(dense.contributions).max())
     assert adjoint.error == pytest.approx(dense.error, rel=1e-6, abs=1e-14)
+
+
+class _Attention(torch.nn.Module):
+    """Token ids through an embedding, a LayerNorm and self-attention: every term of
+    these rules carries a position axis (and the embedding's is transposed)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+        self.out = torch.nn.Linear(4 * n_in, n_out)
+
+    def forward(self, x):
+        h = self.norm(self.embed(x))
+        return self.out(torch.tanh(self.attn(h, h, h, need_weights=False)[0]).flatten(1))
+
+
+def _cnn(n_in, n_out):
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Tanh(),
+                               torch.nn.Conv2d(4, 4, 3, groups=2), torch.nn.Tanh(),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 3, n_out))
+
+
+@pytest.mark.parametrize("solver", [dict(solver="sgd", learning_rate_init=0.1),
+                                    dict(solver="adam", learning_rate_init=0.02, alpha=0.01)])
+@pytest.mark.parametrize("kind", ["cnn", "tokens"])
+def test_layers_with_positions_decompose_like_the_brute_force(kind, solver, monkeypatch):
+    """Rules with a position axis (convolutions, grouped ones, an embedding, LayerNorm,
+    attention) in the factor-Gram, adjoint and dense routes, against the forward
+    per-sample recursion with plain autograd Jacobians, at the same nodes."""
+    import skpathkernel._interpolation as interpolation
+    from skpathkernel.rules import layer_routes
+
+    rng = np.random.RandomState(0)
+    if kind == "cnn":
+        module, X_train = _cnn, rng.uniform(-1, 1, size=(10, 1, 5, 5))
+    else:
+        module, X_train = _Attention, rng.randint(0, 5, size=(10, 3))
+    y = rng.uniform(-1, 1, size=10)
+    est = PathKernelMachine(**RAW, module=module, max_iter=3, batch_size=4,
+                            dtype="float64", random_state=0, **solver).fit(X_train, y)
+    routes = layer_routes(est.module_, X_train[:2])
+    assert routes and all(r.route == "rule" for r in routes)
+    Xq = X_train[:3]
+    res = est.decompose(Xq, n_nodes=3)
+    contrib, reg = forward_recursion(est, X_train, torch.as_tensor(y).reshape(-1, 1),
+                                     _squared, Xq, nodes=gauss_nodes(3))
+    scale = np.abs(res.contributions).max()
+    assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+    # Error control on the same path: floating-point precision.
+    exact = est.decompose(Xq)
+    assert exact.error <= 1e-10 * np.abs(exact.prediction).max()
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    dense = est.decompose(Xq, n_nodes=3)
+    assert_allclose(dense.contributions, contrib, rtol=0, atol=1e-10 * scale)

@@ -122,8 +122,9 @@ def test_first_order_decomposition_speaks_of_the_discrete_path_kernel():
     X = rng.uniform(-1, 1, size=(10, 3))
     y = X @ np.array([1.0, -2.0, 0.5]) + 0.3
     est = PathKernelMachine(module=lambda n_in, n_out: torch.nn.Linear(n_in, n_out),
-                            solver="sgd", momentum=0.9, learning_rate_init=0.05,
-                            max_iter=12, dtype="float64", random_state=0).fit(X, y)
+                            normalize_y=False, tol=None, solver="sgd", momentum=0.9,
+                            learning_rate_init=0.05, max_iter=12, dtype="float64",
+                            random_state=0).fit(X, y)
     traj = est.trajectory_
     Xq = X[:3] + 0.1
     first, exact = est.decompose(Xq, method="first_order"), est.decompose(Xq)

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import warnings
 
-from ._common import decision_regions, progress, save, subplots
+from ._common import decision_regions, progress, save, subplots, training
 from ._report import Row
+
+# The ellipse's point is a contrast: RBF on raw inputs fails where tangent features
+# succeed. "Fails" is read as at least CONTRAST more test errors per point.
+CONTRAST = 0.10
+
+
+def solves_as_well(acc_tangent, acc_rbf) -> bool:
+    """The circle's claim: the tangent-feature SVM solves it, as well as the RBF SVM."""
+    return acc_tangent >= 0.95 and acc_tangent >= acc_rbf - 0.02
+
+
+def beats_rbf(acc_tangent, acc_rbf) -> bool:
+    """The ellipse's claim: the tangent-feature SVM solves it and the RBF SVM does not."""
+    return acc_tangent >= 0.95 and acc_tangent - acc_rbf >= CONTRAST
 
 
 def figure3_section(ctx):
@@ -29,9 +43,10 @@ def figure3_section(ctx):
         for col, (name, make) in enumerate(tasks.items()):
             X, y = make(0)
             X_test, y_test = make(1)
-            net = PathKernelClassifier(hidden_layer_sizes=(64, 64), solver="adam",
-                                       learning_rate_init=0.01, max_iter=epochs,
-                                       device=ctx.device, random_state=0).fit(X, y)
+            net = PathKernelClassifier(
+                hidden_layer_sizes=(64, 64), loss="log_loss",
+                **training(ctx, solver="adam", learning_rate_init=0.01, batch_size=None,
+                           max_iter=epochs)).fit(X, y)
             tick(f"{name} fit")
             # Each sample is represented by phi(x) = d f(x; theta_T) / d theta only.
             tangent_svm = make_pipeline(FunctionTransformer(net.transform), LinearSVC(C=1.0))
@@ -55,13 +70,19 @@ def figure3_section(ctx):
             details.append({"task": name, "tangent LinearSVC": f"{acc_t:.3f}",
                             "RBF SVC": f"{acc_r:.3f}",
                             "network": f"{net.score(X_test, y_test):.3f}"})
-            rows.append(Row(
-                "3" + "ab"[col],
-                f"a linear SVM on learned tangent features solves the {name} task as well as an "
-                "RBF SVM on inputs (>= 0.95 and within 0.02)",
-                f"test accuracy: tangent LinearSVC {acc_t:.3f}, RBF SVC {acc_r:.3f}",
-                acc_t >= 0.95 and acc_t >= acc_r - 0.02,
-            ))
+            if name == "circle":
+                rows.append(Row(
+                    "3a", "on the isotropic circle a linear SVM on learned tangent features "
+                    "solves the task as well as an RBF SVM on inputs (>= 0.95 and within 0.02)",
+                    f"test accuracy: tangent LinearSVC {acc_t:.3f}, RBF SVC {acc_r:.3f}",
+                    solves_as_well(acc_t, acc_r)))
+            else:
+                rows.append(Row(
+                    "3b", "on the anisotropic ellipse the tangent-feature SVM succeeds where "
+                    "the RBF SVM on inputs fails (tangent >= 0.95 and at least "
+                    f"{CONTRAST:.2f} above RBF)",
+                    f"test accuracy: tangent LinearSVC {acc_t:.3f}, RBF SVC {acc_r:.3f} "
+                    f"(margin {acc_t - acc_r:.3f})", beats_rbf(acc_t, acc_r)))
             tick(f"{name} svm")
         png = save(ctx, fig, "fig3_tangent_svm.png")
     rows[-1].measured += f" [{png}]"

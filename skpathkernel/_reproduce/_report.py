@@ -1,8 +1,21 @@
-"""The report writer shared by the reproduce sections."""
+"""The report writers shared by the reproduce sections: ``report.md`` and ``report.html``.
+
+``report.md`` is the table of claims (figure, claim, measured, verdict) and each section's
+details; ``report.html`` is the same in one self-contained page, every figure embedded
+(base64 PNG) under the first row that names it.
+"""
 
 from __future__ import annotations
 
+import base64
+import html
+import os
+import re
 from dataclasses import dataclass, field
+
+# A row names its figures as "[name.png]" or "[a.png, b.png]" in its measured text.
+_PNG = re.compile(r"[\w.-]+\.png")
+_BRACKETS = re.compile(r"\[([^\]]*\.png[^\]]*)\]")
 
 
 @dataclass
@@ -10,6 +23,8 @@ class Context:
     out: str
     quick: bool
     device: str
+    # Where optional data sets lie (CIFAR-10); None: scikit-learn's data home.
+    data_home: str | None = None
     # Fitted estimators shared between sections (figures 1, 9, 10 and the training section
     # train the same circle networks; figures 2, 5, 6 the same digits network).
     cache: dict = field(default_factory=dict)
@@ -30,16 +45,40 @@ def _verdict(passed):
     return "-" if passed is None else ("pass" if passed else "FAIL")
 
 
-def write_report(path, header, sections) -> str:
+def summary(sections) -> dict:
+    """Counts of rows that pass, fail and only report."""
+    verdicts = [_verdict(r.passed) for _, rows, _ in sections for r in rows]
+    return {v: verdicts.count(v) for v in ("pass", "FAIL", "-")}
+
+
+def _summary_line(counts):
+    return (f"{counts['pass']} claims pass, {counts['FAIL']} fail, {counts['-']} rows "
+            "report a number only.")
+
+
+def _figures(measured):
+    names = []
+    for group in _BRACKETS.findall(measured):
+        names += _PNG.findall(group)
+    return names
+
+
+def _header_line(header):
     import torch
 
     from .. import __version__
 
+    return (f"skpathkernel {__version__}, torch {torch.__version__}, python "
+            f"{header['python']}; mode: {header['mode']}; device: {header['device']}.")
+
+
+def write_report(path, header, sections) -> str:
     lines = [
         "# skpathkernel reproduce",
         "",
-        f"skpathkernel {__version__}, torch {torch.__version__}, python {header['python']}; "
-        f"mode: {header['mode']}; device: {header['device']}.",
+        _header_line(header),
+        "",
+        _summary_line(summary(sections)),
         "",
         "| figure | claim | measured | verdict |",
         "|---|---|---|---|",
@@ -54,8 +93,65 @@ def write_report(path, header, sections) -> str:
                 keys = list(r.details[0])
                 lines.append("| " + " | ".join(keys) + " |")
                 lines.append("|" + "---|" * len(keys))
-                lines += ["| " + " | ".join(str(d[k]) for k in keys) + " |" for d in r.details]
+                lines += ["| " + " | ".join(str(d.get(k, "")) for k in keys) + " |"
+                          for d in r.details]
                 lines.append("")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
+    return path
+
+
+_STYLE = """
+body { font-family: sans-serif; margin: 2em; max-width: 1400px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
+th { background: #f0f0f0; }
+td.pass { background: #dff0d8; } td.FAIL { background: #f2dede; font-weight: bold; }
+tr.figure td { border-top: none; text-align: center; }
+tr.figure img { max-width: 100%; }
+"""
+
+
+def _html_table(keys, rows):
+    out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
+           + "</tr>"]
+    out += ["<tr>" + "".join(f"<td>{html.escape(str(d.get(k, '')))}</td>" for k in keys)
+            + "</tr>" for d in rows]
+    return out + ["</table>"]
+
+
+def write_html(path, header, sections) -> str:
+    """``report.html``: the claims table with each figure embedded under its first row."""
+    out_dir = os.path.dirname(path)
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             "<title>skpathkernel reproduce</title>", f"<style>{_STYLE}</style></head><body>",
+             "<h1>skpathkernel reproduce</h1>", f"<p>{html.escape(_header_line(header))}</p>",
+             f"<p>{html.escape(_summary_line(summary(sections)))}</p>", "<table>",
+             "<tr><th>figure</th><th>claim</th><th>measured</th><th>verdict</th></tr>"]
+    shown = set()
+    for _, rows, _ in sections:
+        for r in rows:
+            verdict = _verdict(r.passed)
+            parts.append(
+                f"<tr><td>{html.escape(r.figure)}</td><td>{html.escape(r.claim)}</td>"
+                f"<td>{html.escape(r.measured)}</td>"
+                f'<td class="{verdict}">{verdict}</td></tr>')
+            for name in _figures(r.measured):
+                file = os.path.join(out_dir, name)
+                if name in shown or not os.path.exists(file):
+                    continue
+                shown.add(name)
+                with open(file, "rb") as fh:
+                    data = base64.b64encode(fh.read()).decode("ascii")
+                parts.append(f'<tr class="figure"><td colspan="4"><img alt="{name}" '
+                             f'src="data:image/png;base64,{data}"></td></tr>')
+    parts.append("</table>")
+    for name, rows, seconds in sections:
+        parts.append(f"<h2>{html.escape(name)} ({seconds:.1f} s)</h2>")
+        for r in rows:
+            if r.details:
+                parts += _html_table(list(r.details[0]), r.details)
+    parts.append("</body></html>")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(parts) + "\n")
     return path

@@ -24,20 +24,26 @@ parameter with a rule (:mod:`._rules`) both sides are factored: node ``k`` gives
   would scale it.
 
 Layers without a rule come as dense terms (``a = None``, ``delta`` their per-sample
-Jacobian) and go through the same code as a bias. Terms of any other layout (a rule
-whose factors carry extra axes) are reported by :func:`factored` so that the caller can
-use the dense route.
+Jacobian) and go through the same code as a bias. :func:`pair_terms` brings a capture's
+terms to this layout: one position and one group (nn.Linear on ``(n, d)``) keeps its
+factors; a term over several positions (convolutions, sequences), a grouped or a
+transposed one (an embedding) is formed as per-sample gradients first
+(:func:`._contract.densify`), which is the cheaper form here: the adjoint is a dense
+``(queries x outputs) x P`` buffer anyway, and contracting it with ``S`` positions of
+a sample's factors costs ``S`` times the product with the sample's formed gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ._contract import densify, rank_one, split_constant_inputs
 from ._rules import Term
 
-__all__ = ["Adjoint", "directional", "factor_shares", "factored", "sample_factors"]
+__all__ = ["Adjoint", "Flat", "directional", "factor_shares", "pair_terms", "sample_factors"]
 
 # Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
 # while it is still in cache. On a CPU with 2 MiB of L2 per core, 1-4 MiB chunks were
@@ -51,20 +57,42 @@ CHUNK_BYTES = 2**21
 ACCUMULATE = torch.float64
 
 
-def factored(terms: Sequence[Term]) -> bool:
-    """Whether every term has the layout this module contracts: ``delta (n, C, p)`` and
-    inputs ``a (n, q)`` or ``None``."""
-    return all(t.delta.ndim == 3 and all(a is None or a.ndim == 2 for _, a in t.inputs)
-               for t in terms)
+@dataclass
+class Flat:
+    """A term in the layout this module contracts: ``delta (n, C, p)``, inputs
+    ``(name, a)`` with ``a (n, q)`` (parameter ``(p, q)``) or ``None`` (``p`` entries)."""
+
+    delta: torch.Tensor
+    inputs: list[tuple[str, torch.Tensor | None]]
 
 
-def sample_factors(terms: Sequence[Term], r: torch.Tensor) -> list[torch.Tensor]:
+def pair_terms(terms: Sequence[Term]) -> list[Flat]:
+    """A capture's terms in :class:`Flat` layout, in a fixed order for a fixed network.
+
+    Rank-one terms keep their factors; the others (several positions, groups, a
+    transposed parameter) become per-sample gradients, and a bias over several positions
+    its summed ``delta``.
+    """
+    out = []
+    for term in terms:
+        for part in split_constant_inputs(term):
+            if not (rank_one(part) and not part.transposed):
+                part_terms = densify(part)
+            else:
+                part_terms = [part]
+            out.extend(Flat(t.delta[:, :, 0], [(name, None if a is None else a[:, 0])
+                                               for name, a in t.inputs])
+                       for t in part_terms)
+    return out
+
+
+def sample_factors(terms: Sequence[Flat], r: torch.Tensor) -> list[torch.Tensor]:
     """Per term, ``dhat_i = sum_c r_ic delta_ic`` (n, p): the loss-gradient backprops."""
     r = r.to(terms[0].delta.dtype)
     return [torch.einsum("ncp,nc->np", t.delta, r) for t in terms]
 
 
-def directional(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
+def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
                 *vectors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_k w_k J(x; node k) . v`` (n, C) in float64 from the factors, per ``v``.
 
@@ -106,8 +134,8 @@ def directional(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
     return out, spread.sqrt_()
 
 
-def factor_shares(nodes: Sequence[Sequence[Term]], weights: Sequence[float],
-                  batch: Sequence[Term], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
+def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
+                  batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_k w_k J(x; node k) J(x_i)^T r_i`` for every query and sample: (n, C, m).
 
     Plain SGD's pair term, ``D = I``: per term ``(delta_k(x) . dhat_i)`` times the sum
@@ -138,13 +166,13 @@ class Adjoint:
 
     Parameters
     ----------
-    like : list of Term
+    like : list of Flat
         Terms of a capture of the queries (only their shapes are used).
     memory : float
         The first-moment memory ``m`` (0 for RMSprop).
     """
 
-    def __init__(self, like: Sequence[Term], memory: float):
+    def __init__(self, like: Sequence[Flat], memory: float):
         self.memory = float(memory)
         self.z = None
         self.S: dict[str, torch.Tensor] = {}
@@ -164,15 +192,15 @@ class Adjoint:
         size = max(1, CHUNK_BYTES // per_row) if self.cpu else self.rows
         return [slice(i, min(i + size, self.rows)) for i in range(0, self.rows, size)]
 
-    def step(self, nodes: Sequence[Sequence[Term]], weights: Sequence[float], coef: float,
-             D: Mapping[str, torch.Tensor] | None, batch: Sequence[Term],
+    def step(self, nodes: Sequence[Sequence[Flat]], weights: Sequence[float], coef: float,
+             D: Mapping[str, torch.Tensor] | None, batch: Sequence[Flat],
              dhat: Sequence[torch.Tensor], decay: Mapping[str, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Update to step t's adjoint and contract it with (a block of) the batch.
 
         Parameters
         ----------
-        nodes : list over nodes of list of Term
+        nodes : list over nodes of list of Flat
             The queries' factors at the quadrature nodes of step t.
         weights : list of float
             The nodes' weights.
@@ -180,7 +208,7 @@ class Adjoint:
             The step's scale, ``-lr_t`` times Adam's bias correction.
         D : mapping of str to tensor or None
             The preconditioner per parameter (parameter-shaped), None for the identity.
-        batch, dhat : list of Term, list of tensor, or None
+        batch, dhat : list of Flat, list of tensor, or None
             The batch's factors at ``theta_t`` and its :func:`sample_factors`; None for
             a step without samples (the update alone).
         decay : mapping of str to tensor, optional
@@ -206,7 +234,7 @@ class Adjoint:
             self.z, alpha = coef, 1.0
         return self._pass(nodes, weights, alpha, D, batch, dhat, decay)
 
-    def contract(self, batch: Sequence[Term], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
+    def contract(self, batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
         """``lambda_t . g_i`` for another block of the step's batch, (n * C, m) float64."""
         return self._pass(None, None, None, None, batch, dhat, None)[0]
 

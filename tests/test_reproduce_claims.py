@@ -1,0 +1,317 @@
+"""The reproduce sections' claim computations: each can fail, on a case where it must.
+
+A row of ``skpathkernel reproduce`` passes only if the paper's claim holds in what was
+measured; here every claim is fed a case where it does not hold (a network that did not
+train, numbers on the wrong side of the bar) and must say FAIL, and the measurements
+behind the claims are checked against independent references.
+"""
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from _reference import jacobian_loop, module_at
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._reproduce import (
+    SECTIONS,
+    _fig1,
+    _fig2,
+    _fig3,
+    _fig5,
+    _fig6,
+    _fig9,
+    _fig10,
+    run_sections,
+)
+from skpathkernel._reproduce import _stochastic as st
+from skpathkernel._reproduce._report import Context, Row, write_html, write_report
+from skpathkernel.datasets import load_cifar10, make_circle
+
+
+def _frozen(X, y, *, solver="sgd", lr=1e-9, epochs=3, **kw):
+    """A classifier whose parameters barely move: its kernel cannot sharpen."""
+    return PathKernelClassifier(hidden_layer_sizes=(16, 16), solver=solver,
+                                learning_rate_init=lr, batch_size=None, max_iter=epochs,
+                                random_state=0, **kw).fit(X, y)
+
+
+# --------------------------------------------------------------------------- figure 1
+def test_fig1_claim_fails_without_progressive_sharpening():
+    n = 40
+    assert _fig1.sharpens_progressively([0.6, 0.65, 0.7, 0.75, 0.8, 0.9], 0.6, n)
+    # A dip of more than one neighbour per anchor between checkpoints is not "progressive".
+    assert not _fig1.sharpens_progressively([0.67, 0.62, 0.7, 0.75, 0.8, 0.9], 0.6, n)
+    assert not _fig1.sharpens_progressively([0.7] * 6, 0.6, n)  # no sharpening
+    assert not _fig1.sharpens_progressively([0.5, 0.55, 0.6, 0.6, 0.6, 0.62], 0.65, n)
+
+
+def test_fig1_a_network_that_does_not_train_fails():
+    X, y = make_circle(n_samples=120, random_state=0)
+    est = _frozen(X, y)
+    purities = _fig1.checkpoint_purities(est, y, 12, [0, 1, 2, 3])
+    assert np.ptp(purities) == 0.0  # the kernel did not move
+    assert not _fig1.sharpens_progressively(purities, 0.0, 12)
+
+
+# --------------------------------------------------------------------------- figures 2-6
+def test_fig2_blocks_claim_fails_when_the_gap_does_not_grow():
+    assert _fig2.blocks_form((0.9, 0.8), (0.7, 0.3))
+    assert not _fig2.blocks_form((0.9, 0.8), (0.9, 0.8))
+    assert not _fig2.blocks_form((0.5, 0.6), (0.4, 0.45))  # grew but within < between
+
+
+def test_fig3_ellipse_needs_a_contrast():
+    assert _fig3.beats_rbf(0.997, 0.66)
+    assert not _fig3.beats_rbf(0.99, 0.95)  # RBF does not fail: no contrast
+    assert not _fig3.beats_rbf(0.90, 0.50)  # the tangent SVM does not solve it
+    assert _fig3.solves_as_well(0.99, 1.0) and not _fig3.solves_as_well(0.96, 0.99)
+
+
+def test_fig7_detector_claim_needs_flags_beyond_and_none_inside():
+    from skpathkernel._reproduce import _fig7
+
+    assert not _fig7.flags_extrapolation(0.0, 0.0)  # flags nothing: the failure is missed
+    assert not _fig7.flags_extrapolation(1.0, 0.5)  # flags everything
+    assert _fig7.flags_extrapolation(0.8, 0.04)
+
+
+def test_fig5_transfer_bar_is_the_baseline():
+    assert not _fig5.transfers(0.71, 0.78)
+    assert _fig5.transfers(0.80, 0.78)
+
+
+def test_fig6_alignment_against_a_dense_reference_and_no_training_fails(rng=None):
+    rng = np.random.RandomState(0)
+    X = rng.uniform(0, 1, (30, 6))
+    y = (X[:, 0] > 0.5).astype(int)
+    est = _frozen(X, y, epochs=2)
+    Q = rng.uniform(0, 1, (5, 6))
+    J = torch.cat([jacobian_loop(module_at(est, -1), A)[:, 0] for A in (Q, X)]).numpy()
+    Jn = J / np.linalg.norm(J, axis=1, keepdims=True)
+    ref = (Jn[:5] @ Jn[5:].T).max(axis=1)
+    np.testing.assert_allclose(_fig6.memory_alignment(est, Q, X, -1), ref, atol=1e-5)
+    a0 = _fig6.memory_alignment(est, Q, X, 0).mean()
+    a1 = _fig6.memory_alignment(est, Q, X, -1).mean()
+    # Nothing trained: no change from initialization, so no training effect.
+    assert not _fig6.training_separates(a0, a0, a1, a1)
+    assert _fig6.training_separates(0.97, 0.84, 0.93, 0.70)
+    assert not _fig6.training_separates(0.97, 0.84, 0.60, 0.50)  # the gap shrank
+
+
+# --------------------------------------------------------------------------- figures 9-10
+def test_fig9_neighbours_use_the_optimizers_weighted_kernel():
+    X, y = make_circle(n_samples=60, random_state=0)
+    est = PathKernelClassifier(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=0.05,
+                               batch_size=None, max_iter=5, dtype="float64",
+                               random_state=0).fit(X, y)
+    anchors = _fig1.ANCHORS
+    J = torch.cat([jacobian_loop(module_at(est, -1), A)[:, 0] for A in (anchors, X)]).numpy()
+    D = est.trajectory_.preconditioner(len(est.trajectory_) - 2).numpy()
+    K = (J[:3] * D) @ J[3:].T
+    K /= np.sqrt(((J[:3] ** 2) @ D)[:, None] * ((J[3:] ** 2) @ D)[None, :])
+    expected = np.argsort(-K, axis=1, kind="stable")[:, :10]
+    got = _fig9.kernel_neighbors(est, anchors, 10)
+    assert all(set(g) == set(e) for g, e in zip(got, expected))
+    plain = _fig9.kernel_neighbors(est, anchors, 10, preconditioned=False)
+    assert any(set(g) != set(p) for g, p in zip(got, plain))  # D_t matters for Adam
+    assert not _fig9.purer_than_euclidean([0.95, 0.99], [0.8, 0.6], [0.6, 0.6])
+    assert not _fig9.purer_than_euclidean([0.85, 0.99], [0.8, 0.7], [0.6, 0.6])
+
+
+def test_fig10_opposite_pairs_must_reach_zero():
+    assert _fig10.same_high_opposite_low([1.0, 0.95, 0.05, -0.2])
+    # Fell from init but stayed far from 0: the caption's claim does not hold.
+    assert not _fig10.same_high_opposite_low([1.0, 0.93, 0.35, 0.35])
+    assert not _fig10.same_high_opposite_low([1.0, 0.6, 0.0, 0.0])  # same pair not near 1
+    from skpathkernel.plotting import KernelEvolutionDisplay
+
+    X, y = make_circle(n_samples=80, random_state=0)
+    est = _frozen(X, y)
+    K = KernelEvolutionDisplay.from_estimator(est, _fig10.X0, _fig10.YS,
+                                              preconditioned=True).kernel_values
+    assert not _fig10.same_high_opposite_low(K[-1])
+
+
+# --------------------------------------------------------------------------- stochastic
+def test_fit_rate_on_power_laws():
+    x = np.array([0.2, 0.1, 0.05, 0.025])
+    assert st.fit_rate(x, 3.0 * x**1.5) == pytest.approx(1.5)
+    assert np.isnan(st.fit_rate(x, np.zeros(4)))  # round-off level errors have no rate
+    rng = np.random.RandomState(0)
+    sq = (np.sqrt(x)[:, None] * rng.standard_normal((4, 400))) ** 2
+    rate, se = st.fit_rate_se(x, sq)
+    assert rate == pytest.approx(0.5, abs=3 * se) and 0 < se < 0.1
+
+
+def test_rate_verdicts_fail_on_the_wrong_rate():
+    assert st.rate_verdict(0.52, 0.5, 0.05)
+    assert not st.rate_verdict(1.0, 0.5, 0.05)  # O(lr), not O(sqrt(lr))
+    assert not st.rate_verdict(0.0, 0.5, 0.05)  # no dependence at all
+    assert st.rate_verdict(0.5, 0.5, 0.5) is None  # too noisy to decide either way
+    assert not st.rate_verdict(float("nan"), 1.0)
+    assert not st.rate_verdict(1.0, 2.0)  # a first-order error where O(lr^2) is claimed
+
+
+def test_expected_equals_realized_for_full_batches_and_the_iid_path_is_faithful():
+    # With B = N every step holds every sample: the expected representation is the
+    # realized one, and the predicted noise scale is 0.
+    net = st.iid_sgd_path("regression", 0.2, st.N_TRAIN, seed=0)
+    Xq = st._task("regression")[2]
+    assert st.ms_gap(net, Xq, weighting="expected") < 1e-8
+    assert st.noise_scale(0.1, st.N_TRAIN, st.N_TRAIN) == 0.0
+    # The loop declares its batches faithfully: the realized split is exact.
+    small = st.iid_sgd_path("classification", 0.2, 8, seed=1)
+    Xc = st._task("classification")[2]
+    assert small.decompose(Xc[:4], n_nodes=5).error < 1e-10
+    assert st.ms_gap(small, Xc, weighting="expected") > 1e-4
+
+
+def test_gap_part_measures_both_samplings(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = dict(seeds=3, lrs=(0.2, 0.1), batches=(8, 16), order_lrs=())
+    fig, axes = plt.subplots(1, 2)
+    details = []
+    iid_row, shuffled_row = st._gap_part("regression", cfg, axes, details, lambda what: None)
+    plt.close(fig)
+    assert "predicted 0.50" in iid_row.measured and shuffled_row.passed is None
+    gaps = {(d["sampling"], d["varied"]): [float(v) for v in d["RMS gap"].split(", ")]
+            for d in details}
+    # Epoch reshuffles use every sample once per epoch: their noise largely cancels.
+    for key in ("lr", "batch"):
+        iid, shuffled = gaps["i.i.d. batches", key], gaps["epoch reshuffles (estimators)", key]
+        assert all(s < i for s, i in zip(shuffled, iid))
+
+
+def test_formula_orders_have_their_rates_and_exact_has_none():
+    lrs = np.array([0.1, 0.05])
+    Xq = st._task("regression")[2][:4]
+    fits = [st.gd_fit("regression", lr) for lr in lrs]
+    first = [st.ms_gap(f, Xq, method="first_order") for f in fits]
+    exact = [st.ms_gap(f, Xq, method="exact") for f in fits]
+    assert st.rate_verdict(st.fit_rate(lrs, np.sqrt(first)), 1.0)
+    # The exact representation has no step-size error to fit: claiming O(lr^2) for it
+    # must fail (its "error" is round-off, or an O(lr^2) midpoint error claimed as O(lr)).
+    assert not st.rate_verdict(st.fit_rate(lrs, np.sqrt(exact)), 1.0)
+
+
+# --------------------------------------------------------------------------- report
+def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    fig.savefig(tmp_path / "a.png")
+    plt.close(fig)
+    rows = [Row("1", "a <claim>", "x 1 [a.png]", True), Row("2", "b", "y [a.png]", False),
+            Row("3", "c", "z", None, details=[{"k": "v<"}])]
+    sections = [("s", rows, 0.5)]
+    header = {"mode": "quick", "device": "cpu", "python": "3"}
+    page = open(write_html(str(tmp_path / "r.html"), header, sections)).read()
+    assert page.count("data:image/png;base64,") == 1
+    assert "a &lt;claim&gt;" in page and 'class="FAIL"' in page and "v&lt;" in page
+    md = open(write_report(str(tmp_path / "r.md"), header, sections)).read()
+    assert "| 2 | b | y [a.png] | FAIL |" in md
+    assert "1 claims pass, 1 fail, 1 rows report a number only." in md
+
+
+def test_failed_claims_keep_exit_status_zero(tmp_path, monkeypatch, capsys):
+    from skpathkernel._cli import main
+
+    monkeypatch.setitem(SECTIONS, "fake", lambda ctx: [Row("f", "c", "m", False)])
+    assert main(["reproduce", "--out", str(tmp_path), "--figures", "fake"]) == 0
+    assert "0 claims pass, 1 fail" in capsys.readouterr().out
+    assert (tmp_path / "report.html").exists()
+
+
+# --------------------------------------------------------------------------- CIFAR-10
+def _write_cifar(root, n_per_class_train=2, n_per_class_test=10):
+    """CIFAR-10's python layout: protocol-2 pickles with byte-string keys."""
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder)
+    rng = np.random.RandomState(0)
+    written = {}
+    for name, n in [(f"data_batch_{i}", n_per_class_train) for i in range(1, 6)] + [
+            ("test_batch", n_per_class_test)]:
+        labels = rng.permutation(np.repeat(np.arange(10), n))
+        data = (rng.randint(0, 100, (len(labels), 3072)) + 15 * labels[:, None]).astype(
+            np.uint8)
+        with open(os.path.join(folder, name), "wb") as fh:
+            pickle.dump({b"batch_label": name.encode(), b"labels": labels.tolist(),
+                         b"data": data, b"filenames": [b"f"] * len(labels)}, fh, protocol=2)
+        written[name] = (data, labels)
+    with open(os.path.join(folder, "batches.meta"), "wb") as fh:
+        pickle.dump({b"label_names": [f"class{i}".encode() for i in range(10)]}, fh,
+                    protocol=2)
+    return written
+
+
+def test_load_cifar10_reads_the_python_batches(tmp_path):
+    written = _write_cifar(tmp_path)
+    data = load_cifar10(data_home=tmp_path)
+    X_ref = np.concatenate([written[f"data_batch_{i}"][0] for i in range(1, 6)]) / 255.0
+    y_ref = np.concatenate([written[f"data_batch_{i}"][1] for i in range(1, 6)])
+    np.testing.assert_array_equal(data.data, X_ref)
+    np.testing.assert_array_equal(data.target, y_ref)
+    assert data.target_names[3] == "class3"
+    # The folder itself is accepted too; n_per_class keeps the first ones, by class.
+    X, y = load_cifar10(data_home=tmp_path / "cifar-10-batches-py", subset="test",
+                        n_per_class=3, return_X_y=True)
+    data_t, labels_t = written["test_batch"]
+    keep = np.concatenate([np.flatnonzero(labels_t == c)[:3] for c in range(10)])
+    np.testing.assert_array_equal(X, data_t[keep] / 255.0)
+    np.testing.assert_array_equal(y, np.repeat(np.arange(10), 3))
+
+
+def test_load_cifar10_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="cifar-10-batches-py.*--data-home"):
+        load_cifar10(data_home=tmp_path)
+    monkeypatch.setenv("SCIKIT_LEARN_DATA", str(tmp_path / "home"))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "home")):
+        load_cifar10()
+    with pytest.raises(ValueError, match="subset"):
+        load_cifar10(data_home=tmp_path, subset="valid")
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with open(folder / "data_batch_1", "wb") as fh:
+        pickle.dump({b"data": Evil()}, fh, protocol=2)
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        load_cifar10(data_home=tmp_path)
+
+
+def test_cifar_panels_run_on_data_on_disk_and_explain_without(tmp_path, monkeypatch):
+    monkeypatch.setattr(_fig2, "cifar_settings", lambda ctx: (2, 2))
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu", data_home=str(tmp_path / "d"))
+    (row,) = _fig2.cifar_panels(ctx)
+    assert row.passed is None and "--data-home" in row.measured
+    _write_cifar(tmp_path / "d")
+    (row,) = _fig2.cifar_panels(ctx)
+    assert row.passed is not None and "20 training images, 2 epochs" in row.measured
+    assert (tmp_path / "fig2_cifar10_kernel.png").exists()
+
+
+def test_every_estimator_in_reproduce_passes_its_training_parameters(monkeypatch, tmp_path):
+    # The figures must not move when the estimators' defaults do: with defaults that no
+    # fit accepts, a section that leaves a training parameter to its default errors out.
+    bogus = dict(solver="bogus", learning_rate_init=-1.0, batch_size=-1, max_iter=-1)
+    for cls in (PathKernelClassifier, PathKernelMachine):
+        monkeypatch.setattr(cls.__init__, "__kwdefaults__",
+                            {**cls.__init__.__kwdefaults__, **bogus})
+    with pytest.raises(ValueError, match="parameter of PathKernelClassifier"):
+        PathKernelClassifier().fit(*make_circle(n_samples=10, random_state=0))
+    rows, _ = run_sections(out=str(tmp_path), quick=True, device="cpu", figures=["3"])
+    assert os.path.exists(rows)

@@ -89,7 +89,8 @@ _SHARED_PARAMS_DOC = """
         "auto": every step when the points of ``max_iter`` epochs fit in
         ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
         the user guide, "Training"). Every step (1) keeps the per-training-point
-        decomposition exact; with k > 1 it refuses, and the path kernel is a Riemann sum.
+        decomposition exact; with k > 1 it is approximate (it warns and reports its true
+        ``error``), and the path kernel is a Riemann sum.
     device : {"auto", "cpu", "cuda"}, default="auto"
         "auto" trains on CUDA when available, else on the CPU.
     dtype : {"float32", "float64"}, default="float32"
@@ -223,7 +224,9 @@ class _KernelMachineMixin(TransformerMixin):
         momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
         n C P values that carries the optimizer's memory backwards over the steps, so
         memory does not grow with the number of steps; blocks under ``memory_budget``.
-        Requires ``record_every=1``.
+        Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
+        recorded points take their batches' gradients at the first of them, and the
+        result warns and reports the reconstruction error this leaves.
 
         Examples
         --------
@@ -246,7 +249,7 @@ class _KernelMachineMixin(TransformerMixin):
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
-        result = decompose(
+        return decompose(
             self.module_, self.trajectory_,
             to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
@@ -256,9 +259,9 @@ class _KernelMachineMixin(TransformerMixin):
             to_input_tensor(X, dtype=dtype, device=device),
             method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
             memory_budget=self.memory_budget,
+            units=lambda res: in_target_units(res, getattr(self, "_y_mean", None),
+                                              getattr(self, "_y_scale", None)),
         )
-        return in_target_units(result, getattr(self, "_y_mean", None),
-                               getattr(self, "_y_scale", None))
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.

@@ -56,7 +56,7 @@ def _as_input(X):
     return X.double() if X.is_floating_point() else X
 
 
-def _module_with(est, flat):
+def module_with(est, flat):
     module = copy.deepcopy(est.module_).to(torch.float64)
     module.load_state_dict(est.trajectory_.unflatten(flat.double()), strict=False)
     return module
@@ -77,12 +77,12 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
     reg_buf = torch.zeros(P, dtype=torch.float64)
     memory = {"sgd": spec.momentum, "adam": spec.beta_1, "adamw": spec.beta_1}.get(spec.name, 0.0)
     with torch.no_grad():
-        n_out = _module_with(est, traj.parameters(0))(_as_input(X[:1])).shape[1]
+        n_out = module_with(est, traj.parameters(0))(_as_input(X[:1])).shape[1]
     contrib = np.zeros((len(X), N, n_out))
     reg = np.zeros((len(X), n_out))
     for t, batch in enumerate(traj.batches):
         theta, nxt = traj.parameters(t).double(), traj.parameters(t + 1).double()
-        module = _module_with(est, theta)
+        module = module_with(est, theta)
         adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
         for i in batch:
             out = module(_as_input(X_train[i : i + 1]))
@@ -100,7 +100,7 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
         step_reg = -scale * D * reg_buf
         if spec.name == "adamw":
             step_reg = step_reg - lr * spec.weight_decay * theta
-        Jbar = sum(wk * jacobian_loop(_module_with(est, theta + sk * (nxt - theta)), X)
+        Jbar = sum(wk * jacobian_loop(module_with(est, theta + sk * (nxt - theta)), X)
                    for sk, wk in zip(s, w))
         contrib += torch.einsum("qcp,np->qnc", Jbar, step_i).numpy()
         reg += torch.einsum("qcp,p->qc", Jbar, step_reg).numpy()

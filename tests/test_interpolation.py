@@ -9,7 +9,7 @@ autograd loop; the library runs a backward adjoint recursion on structured Jacob
 import numpy as np
 import pytest
 import torch
-from _reference import forward_recursion, gauss_nodes, module_at
+from _reference import forward_recursion, gauss_nodes, jacobian_loop, module_at, module_with
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -150,12 +150,66 @@ def test_float32_error_is_at_round_off(data):
     assert res.error < 1e-5 * max(1.0, np.abs(res.prediction).max())
 
 
-def test_needs_every_step_recorded(data):
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "adam-l2", "adamw"])
+@pytest.mark.parametrize("normalize_y", [False, True])
+def test_thinned_path_reports_its_true_error(data, name, normalize_y, monkeypatch):
+    """record_every > 1: the steps between recorded points are attributed with their
+    batches' gradients at the interval's first point. Not exact: the result says so (a
+    warning) and its error is the true one, measured here from plain forward passes at
+    the recorded end points (in the units of y with normalize_y)."""
+    import skpathkernel._interpolation as interpolation
+
     X_train, y, X = data
-    est = PathKernelMachine(**OLD, hidden_layer_sizes=(4,), max_iter=4, record_every=2,
-                            learning_rate_init=0.01, random_state=0).fit(X_train, y)
-    with pytest.raises(ValueError, match="record_every=1"):
-        est.decompose(X)
+    est = PathKernelMachine(**{**RAW, "normalize_y": normalize_y}, hidden_layer_sizes=(6,),
+                            max_iter=12, batch_size=4, record_every=3, dtype="float64",
+                            random_state=0, **SOLVERS[name]).fit(X_train, y)
+    traj = est.trajectory_
+    assert traj.record_every == 3 and len(traj) - 1 < traj.n_steps
+    with torch.no_grad():
+        X_t = torch.as_tensor(X)
+        moved = module_at(est, -1)(X_t).numpy() - module_at(est, 0)(X_t).numpy()
+    if normalize_y:
+        moved = moved * est._y_scale
+    results = {}
+    for method in ("exact", "first_order"):
+        with pytest.warns(UserWarning, match="recorded every 3 optimizer steps") as record:
+            res = results[method] = est.decompose(X, method=method)
+        true = np.abs(moved - res.contributions.sum(axis=1) - res.regularization).max()
+        assert res.error == pytest.approx(true, rel=1e-9)
+        assert true > 1e-4 * np.abs(moved).max()  # the model's error, not round-off
+        assert f"{res.error:.3g}" in str(record[-1].message)
+    # The steps' segment is still integrated to tol: a step's residual is round-off.
+    assert results["exact"].step_errors.shape == (len(traj) - 1,)
+    assert results["exact"].step_errors.max() < 1e-11 * np.abs(moved).max() + 1e-12
+    # The dense route takes the same intervals.
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    with pytest.warns(UserWarning, match="recorded every 3"):
+        dense = est.decompose(X, method="exact", n_nodes=4)
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="recorded every 3"):
+        fixed = est.decompose(X, method="exact", n_nodes=4)
+    assert_allclose(fixed.contributions, dense.contributions, rtol=1e-10,
+                    atol=1e-13 * np.abs(dense.contributions).max())
+    assert_allclose(fixed.regularization, dense.regularization, rtol=1e-10, atol=1e-14)
+    if name == "sgd" and not normalize_y:
+        # The attribution itself, by a plain loop: step u of interval j gives sample i
+        # of its batch -lr_j / |B_u| J_bar_j(x) g_i(theta_j), J_bar_j at the same nodes.
+        s, w = gauss_nodes(4)
+        expected = np.zeros_like(fixed.contributions)
+        for j in range(len(traj) - 1):
+            theta, step = traj.parameters(j), traj.parameters(j + 1) - traj.parameters(j)
+            J_bar = sum(wk * jacobian_loop(module_with(est, theta + sk * step), X)
+                        for sk, wk in zip(s, w))[:, 0].numpy()
+            at_j = module_at(est, j)
+            with torch.no_grad():
+                r = at_j(torch.as_tensor(X_train))[:, 0].numpy() - y
+            g = jacobian_loop(at_j, X_train)[:, 0].numpy() * r[:, None]
+            for u in range(traj.steps[j], traj.steps[j + 1]):
+                batch = traj.batch(u)
+                expected[:, batch, 0] -= (traj.learning_rates[j] / len(batch)
+                                          * J_bar @ g[batch].T)
+        assert_allclose(fixed.contributions, expected, rtol=0,
+                        atol=1e-10 * np.abs(expected).max())
     with pytest.raises(ValueError, match="method must be"):
         est.decompose(X, method="zeroth")
 

@@ -635,11 +635,11 @@ def decompose(
                     memory_budget=memory_budget, exclude=exclude)
     exclude = probe.exclude
     terms = pair_terms(probe.terms)
-    # One sample's factors (the captures keep them with their graph: x 4) and their pair
-    # layout (per-sample gradients of the layers over several positions), and the widest
-    # layer output, which sizes the pair engine's per-sample intermediates.
-    row = 4 * probe.nbytes() + sum(t.delta.numel() * itemsize + sum(
-        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms)
+    # One sample's factors (the captures keep them with their graph: x 4), or their pair
+    # layout where it is larger (per-sample gradients of layers over many positions), and
+    # the widest layer output, which sizes the pair engine's per-sample intermediates.
+    row = 4 * max(probe.nbytes(), sum(t.delta.numel() * itemsize + sum(
+        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms))
     width = max(t.delta.shape[2] for t in terms)
     while True:
         try:

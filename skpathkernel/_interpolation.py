@@ -170,9 +170,57 @@ def _structured(traj: Trajectory, method: str) -> bool:
     return spec.name == "sgd" and spec.momentum == 0 and method != "second_order"
 
 
-def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting, nodes,
-                   memory_budget, checked):
-    """Contributions (Q, N, C) and regularization (Q, C) for plain SGD, step by step."""
+class _Contracted(torch.nn.Module):
+    """``w . f(x)``: the outputs contracted with per-row weights carried in the input row.
+
+    A row ``[vec(x), w]`` gives ``w . f(x)``, whose per-sample gradient is ``J(x)^T w``:
+    one scalar output explained costs the engine a single-output Gram instead of the
+    ``C x C`` blocks of every output pair.
+    """
+
+    def __init__(self, module: torch.nn.Module, sample_shape: tuple[int, ...]):
+        super().__init__()
+        self.inner = module
+        self.sample_shape = tuple(sample_shape)
+        self.n_features = int(np.prod(self.sample_shape, dtype=np.int64))
+
+    def forward(self, z):
+        x = z[:, : self.n_features].reshape(z.shape[0], *self.sample_shape)
+        f = self.inner(x).reshape(z.shape[0], -1)
+        return (f * z[:, self.n_features :]).sum(1, keepdim=True)
+
+
+def _step_shares(module, params_k, params_t, X, Xb, r, weights, budget, checked):
+    """``J(x; params_k) J(x_b; params_t)^T r_b`` for every query and batch row, (Q, B, C).
+
+    With ``weights`` (Q, C) the shares of the contracted output ``w_q . f``, (Q, B, 1),
+    through :class:`_Contracted` on both sides (the batch rows carry their residuals).
+    """
+    if weights is None or not X.is_floating_point():
+        # Integer inputs (token ids) cannot ride in a float row with their weights.
+        G = tangent_gram(module, params_k, X, Xb, output="full", params_y=params_t,
+                         memory_budget=budget, **checked)
+        share = torch.einsum("qcbd,bd->qbc", G, r.to(G.dtype))
+        if weights is not None:
+            share = torch.einsum("qbc,qc->qb", share, weights.to(G.dtype)).unsqueeze(-1)
+        return share
+    wrapped = _Contracted(module, X.shape[1:])
+    G = tangent_gram(
+        wrapped, {f"inner.{k}": v for k, v in params_k.items()},
+        torch.cat([X.flatten(1), weights.to(X.dtype)], 1),
+        torch.cat([Xb.flatten(1), r.to(X.dtype)], 1), output=0,
+        params_y={f"inner.{k}": v for k, v in params_t.items()}, memory_budget=budget,
+        check_hidden=False, exclude=frozenset(f"inner.{k}" for k in checked["exclude"]),
+    )
+    return G.unsqueeze(-1)
+
+
+def _decompose_sgd(module, traj, X_train, Y_train, loss, X, weights, *, method, weighting,
+                   nodes, memory_budget, checked):
+    """Contributions (Q, N, C) and regularization (Q, C) for plain SGD, step by step.
+
+    With ``weights`` (Q, C), those of the contracted output ``w_q . f``: C = 1.
+    """
     device = X.device
     N = X_train.shape[0]
     wd = traj.solver_spec.weight_decay
@@ -190,9 +238,8 @@ def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting
         decay = _params(traj, wd * theta) if wd else None
         for sk, wk in zip(s_nodes, w_nodes):
             params_k = _params(traj, theta + float(sk) * delta)
-            G = tangent_gram(module, params_k, X, X_train[idx], output="full",
-                             params_y=params_t, memory_budget=memory_budget, **checked)
-            share = torch.einsum("qcbd,bd->qbc", G, r.to(G.dtype))
+            share = _step_shares(module, params_k, params_t, X, X_train[idx], r, weights,
+                                 memory_budget, checked)
             share = share.double().mul_(-lr * float(wk) / len(idx))
             if contrib is None:
                 n_out = share.shape[2]
@@ -203,7 +250,10 @@ def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting
             if decay is not None:
                 # L2's share of the step, -lr * wd * theta_t, seen through J(x; theta_t^k).
                 _, jv = jvp(lambda p: functional_call(module, p, (X,)), (params_k,), (decay,))
-                reg -= lr * float(wk) * jv.double()
+                jv = jv.reshape(X.shape[0], -1).double()
+                if weights is not None:
+                    jv = (jv * weights.double()).sum(1, keepdim=True)
+                reg -= lr * float(wk) * jv
     return contrib.cpu().numpy(), reg.cpu().numpy()
 
 
@@ -219,8 +269,14 @@ def decompose(
     weighting: str = "realized",
     n_nodes: int | None = None,
     memory_budget: int = 2**30,
+    weights: torch.Tensor | None = None,
 ) -> Decomposition:
-    """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc)."""
+    """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc).
+
+    ``weights`` (n_queries, C) decomposes the scalar output ``w_q . f(x_q)`` of each query
+    instead (the result has one output): exactly the outputs' decomposition contracted
+    with the weights, at a fraction of its cost (no ``C x C`` blocks).
+    """
     if traj.record_every != 1:
         raise ValueError(
             "The per-training-point decomposition needs every optimizer step recorded "
@@ -232,6 +288,15 @@ def decompose(
     initial = forward(module, _params(traj, theta_0), X)
     prediction = forward(module, _params(traj, theta_T), X)
     n_q, n_out = prediction.shape
+    if weights is not None:
+        if weights.shape != (n_q, n_out):
+            raise ValueError(f"weights must have shape ({n_q}, {n_out}), got "
+                             f"{tuple(weights.shape)}.")
+        weights = weights.to(device=device, dtype=dtype)
+        initial = (initial * weights).sum(1, keepdim=True)
+        prediction = (prediction * weights).sum(1, keepdim=True)
+    # Outputs of the result: the network's, or the one contracted output.
+    n_res = 1 if weights is not None else n_out
     P, N = traj.n_params, X_train.shape[0]
     n_nodes = default_n_nodes(dtype, traj.solver) if n_nodes is None else n_nodes
     g_s, g_w = np.polynomial.legendre.leggauss(n_nodes)
@@ -244,10 +309,11 @@ def decompose(
         output="full", memory_budget=memory_budget))
     if _structured(traj, method):
         # Per query row: its (C x B x C) Gram block and share, float64, B <= N.
-        q_rows = rows_per_block(memory_budget, 4 * n_out * n_out * N * 8,
+        q_rows = rows_per_block(memory_budget, 4 * n_out * n_res * N * 8,
                                 "The decomposition's query-by-batch Gram")
         parts = [
             _decompose_sgd(module, traj, X_train, Y_train, loss, X[q0 : q0 + q_rows],
+                           None if weights is None else weights[q0 : q0 + q_rows],
                            method=method, weighting=weighting, nodes=nodes,
                            memory_budget=memory_budget, checked=checked)
             for q0 in range(0, n_q, q_rows)
@@ -262,19 +328,20 @@ def decompose(
     # A batch's per-sample Jacobians (B x C x P) and loss gradients (B x P).
     b_block = rows_per_block(memory_budget, 2 * (n_out + 1) * P * itemsize,
                              "The decomposition's per-sample loss gradients")
-    contributions = np.zeros((n_q, N, n_out))
-    regularization = np.zeros((n_q, n_out))
+    contributions = np.zeros((n_q, N, n_res))
+    regularization = np.zeros((n_q, n_res))
     spec = traj.solver_spec
     decoupled = spec.name == "adamw"
     batches = traj.batches
     for q0 in range(0, n_q, q_block):
         Xq = X[q0 : q0 + q_block]
-        lam = torch.zeros((Xq.shape[0], n_out, P), dtype=dtype, device=device)
-        buffers = {name: torch.empty_like(lam) for name in
-                   (("rho", "node") if method == "exact" else ("rho",))}
+        Wq = None if weights is None else weights[q0 : q0 + q_block]
+        lam = torch.zeros((Xq.shape[0], n_res, P), dtype=dtype, device=device)
+        buffers = {name: torch.empty((Xq.shape[0], n_out, P), dtype=dtype, device=device)
+                   for name in (("rho", "node") if method == "exact" else ("rho",))}
         J = torch.empty((min(b_block, N), n_out, P), dtype=dtype, device=device)
-        contrib = torch.zeros((Xq.shape[0], N, n_out), dtype=torch.float64, device=device)
-        reg = torch.zeros((Xq.shape[0], n_out), dtype=torch.float64, device=device)
+        contrib = torch.zeros((Xq.shape[0], N, n_res), dtype=torch.float64, device=device)
+        reg = torch.zeros((Xq.shape[0], n_res), dtype=torch.float64, device=device)
         nxt = traj.parameters(len(traj) - 1).to(device)
         for t in reversed(range(traj.n_steps)):
             theta = traj.parameters(t).to(device)
@@ -282,6 +349,8 @@ def decompose(
             nxt = theta
             rho = _rows(module, traj, theta, delta, Xq, method, nodes, memory_budget, buffers,
                         checked)
+            if Wq is not None:
+                rho = torch.einsum("qcp,qc->qp", rho, Wq).unsqueeze(1)
             scale, memory = _solver_coefficients(traj, t)
             D = traj.preconditioner(t)
             # lambda_t = scale * D * rho_t + memory * lambda_{t+1}, in place: the (Q, C, P)

@@ -162,10 +162,13 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(res.error < 1e-10)
         True
         """
+        check_decompose_args(method, weighting, n_nodes)
+        return self._decompose(self._validate_X(X), method, weighting, n_nodes)
+
+    def _decompose(self, X, method, weighting, n_nodes, weights=None):
+        """decompose on validated X; ``weights`` (n, C) contracts the outputs (attribute)."""
         from ._interpolation import decompose
 
-        check_decompose_args(method, weighting, n_nodes)
-        X = self._validate_X(X)
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
@@ -179,6 +182,7 @@ class _KernelMachineMixin(TransformerMixin):
             to_tensor(X, dtype=dtype, device=device),
             method=method, weighting=weighting, n_nodes=n_nodes,
             memory_budget=self.memory_budget,
+            weights=None if weights is None else torch.as_tensor(weights),
         )
 
     def transform(self, X):
@@ -192,6 +196,103 @@ class _KernelMachineMixin(TransformerMixin):
             ``sqrt(n_outputs_)``, whose inner products are the trace kernel.
         """
         return self._tangent_features(X)
+
+    def attribute(self, X, y=None, *, method="exact", weighting="realized", output=None,
+                  n_nodes=None):
+        """Training-data attribution scores: how much each training point moved each output.
+
+        A score matrix of the shape the attribution literature uses (TRAK, TracIn,
+        influence functions): ``scores[q, i]`` is training point ``i``'s share of the
+        scalar output ``m`` at query ``q``, read from :meth:`decompose`:
+        ``scores[q, i] = w_q . a_i(x_q)`` with ``w_q`` the weights of the explained output.
+        Positive: the point pushed the output up. Summed over a subset of the training
+        set, the scores predict the output of the network retrained on it; the linear
+        datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
+        measures how well.
+
+        Which of the decomposition's quantities serve as scores:
+
+        - ``method="exact", weighting="realized"`` (default): the exact split of the
+          realized path. ``initial + scores.sum(1) + regularization`` is the output
+          of the trained network to floating-point precision.
+        - ``weighting="expected"``: every point credited at every step with weight
+          ``1/N`` (the seeds' expected representation); the same as realized for
+          full-batch training.
+        - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
+          kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
+          step, with the optimizer's preconditioner.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        y : array-like of shape (n_queries,), default=None
+            Classifiers: the queries' labels, whose margin is explained; None explains
+            the margin of the predicted class. Regressors: ignored.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+            See :meth:`decompose`.
+        weighting : {"realized", "expected"}, default="realized"
+            See :meth:`decompose`.
+        output : "margin" or int, default=None
+            The scalar output explained. "margin" (the classifiers' default) is TRAK's
+            ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
+            classifiers (the margin is the network's output up to its sign); for several
+            classes the exact split of its linear part at the final logits,
+            ``f_y - sum_{k != y} q_k f_k`` with ``q`` the softmax over the other classes,
+            which is how much each point moved the margin to first order in the logits.
+            An int ``k`` explains output column ``k`` (logit ``k``; the regressors'
+            default is 0, required for several outputs).
+        n_nodes : int, default=None
+            Quadrature nodes per step for "exact", see :meth:`decompose`.
+
+        Returns
+        -------
+        scores : ndarray of shape (n_queries, n_train)
+            Float64.
+
+        See Also
+        --------
+        skpathkernel.metrics.linear_datamodeling_score : Scores against retraining.
+        skpathkernel.metrics.retrain_on_subsets : The retrained models it needs.
+
+        Examples
+        --------
+        >>> from sklearn.datasets import make_classification
+        >>> from skpathkernel import PathKernelClassifier
+        >>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
+        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), learning_rate_init=0.5,
+        ...                            max_iter=30, dtype="float64", random_state=0)
+        >>> scores = clf.fit(X, y).attribute(X[:3], y[:3])
+        >>> scores.shape
+        (3, 40)
+        >>> margin = clf.decision_function(X[:3]) * (2 * y[:3] - 1)
+        >>> res = clf.decompose(X[:3])
+        >>> initial = res.initial[:, 0] * (2 * y[:3] - 1)
+        >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
+        True
+        """
+        from ._attribution import check_output, label_codes, output_weights
+
+        check_is_fitted(self)
+        check_decompose_args(method, weighting, n_nodes)
+        output = check_output(output, self.n_outputs_,
+                              "default" if isinstance(self, ClassifierMixin) else "no")
+        X = self._validate_X(X)
+        prediction = self._forward(X)
+        codes = None
+        if output == "margin":
+            if y is None:
+                # The predicted class: the largest logit, or a positive margin.
+                codes = ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
+                         else np.argmax(prediction, axis=1))
+            else:
+                y = np.asarray(y)
+                if y.shape != (len(X),):
+                    raise ValueError(f"y must hold one label per query, shape ({len(X)},), "
+                                     f"got {y.shape}.")
+                codes = label_codes(self.classes_, y)
+        weights = output_weights(output, prediction, codes)
+        res = self._decompose(X, method, weighting, n_nodes, weights=weights)
+        return res.contributions[:, :, 0]
 
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.

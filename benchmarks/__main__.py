@@ -48,6 +48,9 @@ TABLES = {
             "Tangent-feature SVM versus RBF SVC and MLPClassifier"),
     "ood": ("benchmarks.bench_ood",
             "OOD AUROC: trained on sklearn digits 0-4, in-distribution = held-out 0-4"),
+    "attribution": ("benchmarks.bench_attribution",
+                    "Training-data attribution: LDS against TracIn, TRAK and influence "
+                    "functions"),
 }
 GROUPS = ["gram", "path", *TABLES]
 

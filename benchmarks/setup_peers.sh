@@ -11,7 +11,8 @@ venv="${1:-$root/.venv-peers}"
 python -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install "torch==2.13.0"
 "$venv/bin/pip" install -r "$root/benchmarks/requirements-peers.txt"
-"$venv/bin/python" -c "import jax, neural_tangents, skorch, torch, dattri.algorithm; \
+"$venv/bin/python" -c "import jax, neural_tangents, skorch, torch, dattri.algorithm, trak; \
 from importlib.metadata import version; print('peers venv:', \
 'jax', jax.__version__, 'neural-tangents', neural_tangents.__version__, \
-'skorch', skorch.__version__, 'dattri', version('dattri'), 'torch', torch.__version__)"
+'skorch', skorch.__version__, 'dattri', version('dattri'), 'traker', version('traker'), \
+'torch', torch.__version__)"

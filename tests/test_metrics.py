@@ -417,3 +417,21 @@ def test_attribute_bad_input(classifiers, kwargs, match):
     with pytest.raises(ValueError, match=match):
         sgd.attribute(X[:3], **kwargs)
     assert torch.equal(sgd.trajectory_.parameters(-1), before)
+
+
+def test_recorded_network_attribute_equals_the_estimators(classifiers):
+    from skpathkernel import RecordedNetwork
+
+    X, y, sgd, _, _ = classifiers
+    net = RecordedNetwork(sgd.module_, sgd.trajectory_, X_train=X, y_train=y, loss="log_loss")
+    labels = np.array([2, 0, 1, 1])
+    assert_allclose(net.attribute(X[:4], labels, output="margin"),
+                    sgd.attribute(X[:4], labels), rtol=1e-10, atol=1e-14)
+    assert_allclose(net.attribute(X[:4], output="margin"), sgd.attribute(X[:4]), rtol=1e-10,
+                    atol=1e-14)
+    assert_allclose(net.attribute(X[:4], output=1), sgd.attribute(X[:4], output=1),
+                    rtol=1e-10, atol=1e-14)
+    with pytest.raises(ValueError, match="3 outputs"):
+        net.attribute(X[:4])
+    with pytest.raises(ValueError, match="class index"):
+        net.attribute(X[:4], np.array([0, 1, 2, 3]), output="margin")

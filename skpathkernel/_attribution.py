@@ -20,7 +20,8 @@ import numbers
 import numpy as np
 from scipy.special import logsumexp, softmax
 
-__all__ = ["check_output", "label_codes", "margin", "margin_weights", "output_weights"]
+__all__ = ["check_output", "class_indices", "label_codes", "margin", "margin_weights",
+           "output_weights", "query_codes"]
 
 
 def label_codes(classes: np.ndarray, y) -> np.ndarray:
@@ -37,6 +38,30 @@ def label_codes(classes: np.ndarray, y) -> np.ndarray:
             f"{sorted(set(y[unknown].tolist()))[:5]}; its classes are {classes.tolist()}."
         )
     return codes
+
+
+def class_indices(y: np.ndarray, n_classes: int) -> np.ndarray:
+    """``y`` checked as class indices in ``[0, n_classes)`` (a network without labels)."""
+    if (not np.issubdtype(y.dtype, np.integer) or y.size and (y.min() < 0
+                                                              or y.max() >= n_classes)):
+        raise ValueError(f"y must hold class indices in [0, {n_classes}), got {y[:5]}.")
+    return y
+
+
+def query_codes(prediction: np.ndarray, y, encode) -> np.ndarray:
+    """Class positions of the queries whose margin is explained.
+
+    ``encode(y)`` for given labels (one per query), else the predicted class: the largest
+    output, or a positive single output.
+    """
+    if y is None:
+        return ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
+                else np.argmax(prediction, axis=1))
+    y = np.asarray(y)
+    if y.shape != (len(prediction),):
+        raise ValueError(f"y must hold one label per query, shape ({len(prediction)},), "
+                         f"got {y.shape}.")
+    return encode(y)
 
 
 def margin(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:

@@ -270,7 +270,7 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
         True
         """
-        from ._attribution import check_output, label_codes, output_weights
+        from ._attribution import check_output, label_codes, output_weights, query_codes
 
         check_is_fitted(self)
         check_decompose_args(method, weighting, n_nodes)
@@ -278,18 +278,8 @@ class _KernelMachineMixin(TransformerMixin):
                               "default" if isinstance(self, ClassifierMixin) else "no")
         X = self._validate_X(X)
         prediction = self._forward(X)
-        codes = None
-        if output == "margin":
-            if y is None:
-                # The predicted class: the largest logit, or a positive margin.
-                codes = ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
-                         else np.argmax(prediction, axis=1))
-            else:
-                y = np.asarray(y)
-                if y.shape != (len(X),):
-                    raise ValueError(f"y must hold one label per query, shape ({len(X)},), "
-                                     f"got {y.shape}.")
-                codes = label_codes(self.classes_, y)
+        codes = (query_codes(prediction, y, lambda y: label_codes(self.classes_, y))
+                 if output == "margin" else None)
         weights = output_weights(output, prediction, codes)
         res = self._decompose(X, method, weighting, n_nodes, weights=weights)
         return res.contributions[:, :, 0]

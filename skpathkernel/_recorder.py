@@ -599,25 +599,16 @@ class RecordedNetwork(BaseEstimator):
         -------
         scores : ndarray of shape (n_queries, n_train)
         """
-        from ._attribution import check_output, output_weights
+        from ._attribution import check_output, class_indices, output_weights, query_codes
 
         check_is_fitted(self, "trajectory_")
         check_decompose_args(method, weighting, n_nodes)
         Xt = self._inputs(X)
         prediction = self.predict(X)
         output = check_output(output, prediction.shape[1], "allowed")
-        codes = None
-        if output == "margin":
-            if y is None:
-                codes = ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
-                         else np.argmax(prediction, axis=1))
-            else:
-                codes = np.asarray(y)
-                n_classes = max(prediction.shape[1], 2)
-                if (codes.shape != (len(Xt),) or not np.issubdtype(codes.dtype, np.integer)
-                        or codes.min() < 0 or codes.max() >= n_classes):
-                    raise ValueError(f"y must hold one class index in [0, {n_classes}) per "
-                                     f"query, shape ({len(Xt)},).")
+        n_classes = max(prediction.shape[1], 2)
+        codes = (query_codes(prediction, y, lambda y: class_indices(y, n_classes))
+                 if output == "margin" else None)
         weights = output_weights(output, prediction, codes)
         res = self._decompose(Xt, method, weighting, n_nodes, weights=weights)
         return res.contributions[:, :, 0]

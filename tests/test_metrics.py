@@ -433,5 +433,5 @@ def test_recorded_network_attribute_equals_the_estimators(classifiers):
                     rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError, match="3 outputs"):
         net.attribute(X[:4])
-    with pytest.raises(ValueError, match="class index"):
+    with pytest.raises(ValueError, match="class indices"):
         net.attribute(X[:4], np.array([0, 1, 2, 3]), output="margin")

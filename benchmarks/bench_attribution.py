@@ -270,11 +270,14 @@ def peer_case(spec: dict) -> dict:
             with torch.no_grad():
                 return -attributor.attribute(loader(train, 250), loader(query, 250))
     elif method == "if_ekfac":
-        task = AttributionTask(loss_func=loss, target_func=margin, model=model,
-                               checkpoints=final)
-        attributor = IFAttributorEKFAC(task, damping=1e-3)
-
         def call():
+            # Built afresh per call: a second cache() on the same attributor fails (its
+            # hooks find parameters left without requires_grad).
+            fresh = build_module(spec["model"]).eval()
+            fresh_margin, fresh_loss, _ = _margin_functions(fresh)
+            task = AttributionTask(loss_func=fresh_loss, target_func=fresh_margin,
+                                   model=fresh, checkpoints=final)
+            attributor = IFAttributorEKFAC(task, damping=1e-3)
             attributor.cache(loader(train, 64))
             with torch.no_grad():
                 return -attributor.attribute(loader(train, 250), loader(query, 250))

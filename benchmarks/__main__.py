@@ -1,8 +1,9 @@
 """``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]``.
 
 The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
-training with recording against plain torch / skorch / MLPRegressor, decomposition
-against training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
+every estimator at its defaults against MLPClassifier / MLPRegressor at theirs, training
+with recording against plain torch / skorch / MLPRegressor, decomposition against
+training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
 
 Gram and path-kernel cases run in their own processes (servers, :mod:`benchmarks._serve`)
 and the repeats of all methods of one problem are interleaved, so that each ratio is
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Table groups: a module with ``run(quick) -> list[dict]`` (one row each, ratios measured in
 # the same run; ``device=`` passed when its run accepts it) and its section title.
 TABLES = {
+    "defaults": ("benchmarks.bench_defaults",
+                 "Defaults against MLPClassifier() / MLPRegressor() on scikit-learn's data sets"),
     "training": ("benchmarks.bench_training",
                  "Training with path recording versus the same plain torch loop"),
     "peers_training": ("benchmarks.bench_peers_training",
@@ -52,7 +55,7 @@ TABLES = {
                     "Training-data attribution: LDS against TracIn, TRAK and influence "
                     "functions"),
 }
-GROUPS = ["gram", "path", *TABLES]
+GROUPS = ["gram", "gram_nets", "path", *TABLES]
 
 SMALL = [2, 64, 64, 1]
 BIG = [64, 512, 512, 1]
@@ -61,6 +64,16 @@ DEEP = [64, 512, 512, 512, 1]
 GOAL = (DEEP, 2048, 1.5)
 LARGE_N = 20000
 BUDGET = 2**30  # tangent_gram's default memory_budget
+# Issue 18's image and token networks (benchmarks/_nets.py), and its goals at N = 1024:
+# speedup over neural-tangents and over the torch.func recipe, float32 agreement, and the
+# share of the roofline (full products at GEMM speed over the measured time).
+NETS = ("cnn8", "cifar", "transformer")
+NET_LABELS = {"cnn8": "(a) CNN conv32-conv64-Linear10 on (n, 1, 8, 8)",
+              "cifar": "(b) CNN conv32-pool-conv64-pool-Linear10 on (n, 3, 32, 32)",
+              "transformer": "(c) transformer, 2 layers, d 64, on (n, 16) token ids"}
+NET_GOALS = {"cnn8": dict(nt=1.5, vmap=4.0, rtol=1e-5, roofline=1 / 1.3),
+             "cifar": dict(nt=1.5, vmap=4.0, rtol=1e-5, roofline=1 / 1.3),
+             "transformer": dict(vmap=1.0, rtol=1e-5)}
 
 
 def peers_python() -> str | None:
@@ -69,8 +82,12 @@ def peers_python() -> str | None:
     return exe if Path(exe).exists() else None
 
 
-def _plan(quick: bool, device: str):
-    """Gram problems (each a list of interleaved specs) and path-kernel cases."""
+def _plan(quick: bool, device: str, baseline: str | None = None):
+    """Gram problems (each a list of interleaved specs) and path-kernel cases.
+
+    ``baseline``: a source tree of skpathkernel whose engine runs the MLP Gram rows
+    too, interleaved with this one (a regression check across versions).
+    """
     reps = 3 if quick else 5
     peer_reps = 2 if quick else 3
     if quick:
@@ -92,6 +109,9 @@ def _plan(quick: bool, device: str):
     for sizes, n, peers in problems:
         group = [dict(kind="gram", method="skpathkernel", sizes=sizes, n=n, dtype="float32",
                       repeats=reps, roofline=sizes != SMALL)]
+        if baseline:
+            group.append(dict(kind="gram", method="skpathkernel", sizes=sizes, n=n,
+                              dtype="float32", repeats=reps, baseline=baseline))
         for peer in peers:
             kind = "nt_gram" if peer == "neural_tangents" else "gram"
             group.append(dict(kind=kind, method=peer, sizes=sizes, n=n, dtype="float32",
@@ -104,14 +124,31 @@ def _plan(quick: bool, device: str):
     # The memory goal: a Gram on N = 20000 keeps its intermediates under the budget.
     gram.append([dict(kind="gram", method="skpathkernel", sizes=SMALL if quick else BIG,
                       n=LARGE_N, dtype="float32", repeats=1, large=True)])
+    nets = []
+    for arch in NETS:
+        for n in (256,) if quick and arch != "cnn8" else (256, 1024):
+            group = [dict(kind="gram", method="skpathkernel", arch=arch, n=n, dtype="float32",
+                          repeats=reps, roofline=True)]
+            # Two timed calls per peer: neural-tangents takes minutes per call at N = 1024.
+            group += [dict(kind="nt_gram" if peer == "neural_tangents" else "gram",
+                           method=peer, arch=arch, n=n, dtype="float32", repeats=2)
+                      for peer in ("vmap_grad", "neural_tangents")]
+            nets.append(group)
+    # The memory goal on (a): its intermediates stay under the budget at N = 20000 (one
+    # output: the ten-output trace takes ~10x the time for the same blocks' structure).
+    nets.append([dict(kind="gram", method="skpathkernel", arch="cnn8", n=LARGE_N,
+                      dtype="float32", repeats=1, large=True, output=0)])
     path = [[dict(kind="path", sizes=SMALL, n=256, T=T, dtype="float32",
                   repeats=1 if T == 1000 else (2 if quick else 3))]
             for T in (10, 100, 1000)]
-    for groups in (gram, path):
+    # The path kernel of the CNN (a): SGD, and Adam's D on every step kernel.
+    path += [[dict(kind="path", arch="cnn8", n=256, T=10, solver=solver, dtype="float32",
+                   repeats=2 if quick else 3)] for solver in ("sgd", "adam")]
+    for groups in (gram, nets, path):
         for group in groups:
             for spec in group:
                 spec["device"] = device
-    return {"gram": gram, "path": path}
+    return {"gram": gram, "gram_nets": nets, "path": path}
 
 
 def _skip_reason(spec):
@@ -136,6 +173,11 @@ def start_server(spec, threads):
     spec = {**spec, "threads": threads}
     if spec["kind"] in ("nt_gram", "skorch_training"):
         cmd = [peers_python(), "-m", "benchmarks._peers_worker", json.dumps(spec)]
+    elif spec.get("baseline"):
+        # The baseline tree's own worker and package, first on the path.
+        cmd = [sys.executable, "-c", "import runpy, sys; sys.path.insert(0, sys.argv[2]); "
+               "runpy.run_module('benchmarks._worker', run_name='__main__')",
+               json.dumps(spec), spec["baseline"]]
     else:
         cmd = [sys.executable, "-m", "benchmarks._worker", json.dumps(spec)]
     return Server(cmd, cwd=ROOT, env=_env(threads))
@@ -213,6 +255,16 @@ def _arch(sizes):
     return "-".join(map(str, sizes)) + " tanh"
 
 
+def _label(spec):
+    """The network of a case: an MLP's sizes, or the image / token network's name."""
+    return spec["arch"] if spec.get("arch") else _arch(spec["sizes"])
+
+
+def _method(spec):
+    return spec["method"] + (" (baseline " + spec["baseline"] + ")" if spec.get("baseline")
+                             else "")
+
+
 def _table(rows):
     if not rows:
         return ["(no rows)"]
@@ -221,43 +273,58 @@ def _table(rows):
             + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
 
 
+_GRAM_HEADER = ["| network | N | P | method | time | peak memory | speedup of skpathkernel | "
+                "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
+
+
+def _group_rows(group):
+    """Table rows of one interleaved Gram problem: skpathkernel first, then the others."""
+    mine = group[0]
+    assert mine["spec"]["method"] == "skpathkernel"
+    ours = _stats(mine["times"])[0]
+    lines = []
+    for r in group:
+        s = r["spec"]
+        head = f"| {_label(s)} | {s['n']} | {r.get('n_params', '-')} | {_method(s)}"
+        if "skipped" in r:
+            lines.append(f"{head} | skipped: {r['skipped']} | | | | |")
+            continue
+        med = _stats(r["times"])[0]
+        speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x"
+        diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r \
+            else "-"
+        incl = "-"
+        if "compile_s" in r:
+            head += f" (compile {r['compile_s']:.2f} s)"
+            incl = f"{(med + r['compile_s']) / ours:.2f}x"
+        lines.append(f"{head} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
+                     f"{speed} | {diff} | {incl} |")
+    return lines
+
+
 def _gram_lines(results, device):
     lines = [f"## Tangent-kernel Gram K(X, X), float32, {device}", "",
              "Speedup of skpathkernel = the peer's median / skpathkernel's median, both "
              "measured interleaved in this run. neural-tangents: the jit compilation (one "
              "per shape) is reported separately and excluded from its time; the last "
              "column adds it back.", "",
-             "| network | N | P | method | time | peak memory | speedup of skpathkernel | "
-             "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
+             *_GRAM_HEADER]
     goal = None
     versions = None
     large = [g[0] for g in results["gram"] if g[0]["spec"].get("large")]
     for group in results["gram"]:
         mine = group[0]
-        assert mine["spec"]["method"] == "skpathkernel"
         if mine["spec"].get("large"):
             continue
-        ours = _stats(mine["times"])[0]
-        for r in group:
+        lines += _group_rows(group)
+        for r in group[1:]:
             s = r["spec"]
-            head = f"| {_arch(s['sizes'])} | {s['n']} | {r.get('n_params', '-')} | {s['method']}"
-            if "skipped" in r:
-                lines.append(f"{head} | skipped: {r['skipped']} | | | | |")
-                continue
-            med = _stats(r["times"])[0]
-            speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x"
-            diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r \
-                else "-"
-            method = head
-            incl = "-"
-            if "compile_s" in r:
-                method += f" (compile {r['compile_s']:.2f} s)"
-                incl = f"{(med + r['compile_s']) / ours:.2f}x"
+            if "compile_s" in r and "times" in r:
                 versions = r.get("versions")
                 if s["sizes"] == GOAL[0] and s["n"] == GOAL[1]:
-                    goal = (med / ours, _stats(r["times"]), _stats(mine["times"]))
-            lines.append(f"{method} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
-                         f"{speed} | {diff} | {incl} |")
+                    med = _stats(r["times"])[0]
+                    goal = (med / _stats(mine["times"])[0], _stats(r["times"]),
+                            _stats(mine["times"]))
     if versions:
         lines += ["", f"Peer versions (peers venv): {versions}, XLA on the CPU with the same "
                   "thread limit as torch."]
@@ -306,6 +373,90 @@ def _gram_lines(results, device):
     return lines
 
 
+def _nets_lines(groups, device):
+    """The image / token Gram rows: peers, goals, roofline, and the large-N memory row."""
+    lines = ["", f"## Tangent-kernel Gram on image and token networks, float32, {device}", "",
+             "The networks of issue 18 (benchmarks/_nets.py): "
+             + "; ".join(f"{k}: {v}" for k, v in NET_LABELS.items())
+             + ". Trace over the outputs (divided by C, as neural-tangents' trace_axes). "
+             "torch.func: the tutorial recipes, vmap(jacrev) per-sample Jacobians (vmap(grad) "
+             "for one output) then J J^T. neural-tangents: empirical_ntk_fn with "
+             "STRUCTURED_DERIVATIVES on the same network written in jax.numpy / lax, the "
+             "torch weights copied in.", "", *_GRAM_HEADER]
+    goals, roof, large = [], [], []
+    for group in groups:
+        mine = group[0]
+        if mine["spec"].get("large"):
+            large.append(mine)
+            continue
+        lines += _group_rows(group)
+        ours = _stats(mine["times"])[0]
+        ratios = {r["spec"]["method"]: (_stats(r["times"])[0] / ours,
+                                        r.get("rel_diff_vs_skpathkernel"), r["peak_bytes"])
+                  for r in group[1:] if "times" in r}
+        if "roofline" in mine:
+            rf = mine["roofline"]
+            roof.append(f"| {mine['spec']['arch']} | {mine['spec']['n']} | "
+                        f"{rf['flops'] / 1e9:.2f} | {rf['performed_flops'] / 1e9:.2f} | "
+                        f"{rf['width']} | {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s | "
+                        f"{ours:.3f} s | {rf['gemm_bound_s'] / ours:.2f} | "
+                        f"{rf['performed_bound_s'] / ours:.2f} |")
+        arch, n = mine["spec"]["arch"], mine["spec"]["n"]
+        if n == 1024 and arch in NET_GOALS:
+            goals.append(_net_goal(arch, NET_GOALS[arch], ratios, mine))
+    lines += ["", "**Goals** at N = 1024 (issue 18):", ""] + goals
+    lines += ["", "### GEMM roofline of the structured Gram on these networks", "",
+              "Full products: every term's Gram products in full, the issue's floor "
+              "(gradient blocks 2 N^2 C p q for a convolution, rank-one 2 N^2 (q + C p) for "
+              "the dense head); performed: the share of them the symmetric panels compute "
+              "plus forming the blocks (2 N S C p q), forward and backward passes not "
+              "counted. Rate: torch.matmul on N x width x N, width the widest block row "
+              "(capped at 65536). Ratio = bound / measured (1 = at roofline; > 1: faster "
+              "than full products, by the symmetry).", "",
+              "| network | N | GFLOP full products | GFLOP performed | width | matmul rate | "
+              "measured | ratio (full products) | ratio (performed) |",
+              "|---|---|---|---|---|---|---|---|---|"] + roof
+    if large:
+        lines += ["", f"### Memory of a Gram on N = {LARGE_N}", "",
+                  "The returned K (N^2 float32) is the caller's; the budget bounds the rest.",
+                  "", "| network | N | output | time | peak memory of the call | K itself | "
+                  "peak - K | budget | under budget |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in large:
+            s = r["spec"]
+            extra = r["peak_bytes"] - 4 * s["n"] ** 2
+            lines.append(f"| {s['arch']} | {s['n']} | {s.get('output', 'trace')} | "
+                         f"{_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
+                         f"{_mib(4 * s['n'] ** 2)} | {_mib(extra)} | {_mib(BUDGET)} | "
+                         f"{'yes' if extra <= BUDGET else 'NO'} |")
+    return lines
+
+
+def _net_goal(arch, goal, ratios, mine):
+    """One goal line: each target with its measured value, met or NOT met."""
+    parts = []
+    for peer, key in (("neural_tangents", "nt"), ("vmap_grad", "vmap")):
+        if key in goal:
+            if peer not in ratios:
+                parts.append(f"{peer}: not measured")
+                continue
+            ratio = ratios[peer][0]
+            parts.append(f">= {goal[key]}x faster than {peer}: {ratio:.2f}x, "
+                         f"{'met' if ratio >= goal[key] else 'NOT met'}")
+    diffs = [d for _, d, _ in ratios.values() if d is not None]
+    if diffs:
+        worst = max(diffs)
+        parts.append(f"agreement <= {goal['rtol']:.0e}: {worst:.1e}, "
+                     f"{'met' if worst <= goal['rtol'] else 'NOT met'}")
+    if "roofline" in goal and "roofline" in mine:
+        share = mine["roofline"]["gemm_bound_s"] / _stats(mine["times"])[0]
+        parts.append(f"within 1.3x of the roofline (ratio >= {goal['roofline']:.2f}): "
+                     f"{share:.2f}, {'met' if share >= goal['roofline'] else 'NOT met'}")
+    if "vmap_grad" in ratios:
+        parts.append(f"peak memory {_mib(mine['peak_bytes'])} against torch.func's "
+                     f"{_mib(ratios['vmap_grad'][2])}")
+    return f"- {arch}: " + "; ".join(parts) + "."
+
+
 def _report(results, machine, args, elapsed, load, command):
     note = (" With `--threads 1` every method runs on one core: on cores shared with other "
             "processes, torch's OpenMP threads stall whenever the other core is busy, which "
@@ -325,9 +476,13 @@ def _report(results, machine, args, elapsed, load, command):
              ""]
     if results.get("gram"):
         lines += _gram_lines(results, args.device)
+    if results.get("gram_nets"):
+        lines += _nets_lines(results["gram_nets"], args.device)
     if results.get("path"):
-        lines += ["", f"## Path kernel K(X, X) over T recorded steps (SGD, full batch), "
+        lines += ["", f"## Path kernel K(X, X) over T recorded steps (full batch), "
                   f"float32, {args.device}", "",
+                  "SGD unless the network names its solver; the CNN is (a) of the image "
+                  "Gram section, 10 outputs (trace), on (n, 1, 8, 8) inputs.", "",
                   "Memory must not grow with T: step Grams are accumulated one at a time "
                   "(the trajectory itself, stored before the call, is listed separately).", "",
                   "| network | N | T | time | time / step | peak memory of the call | "
@@ -335,7 +490,8 @@ def _report(results, machine, args, elapsed, load, command):
         for (r,) in results["path"]:
             s = r["spec"]
             med = _stats(r["times"])[0]
-            lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {s['T']} | "
+            net = _label(s) + (f", {s['solver']}" if s.get("solver") else "")
+            lines.append(f"| {net} | {s['n']} | {s['T']} | "
                          f"{_fmt_t(r['times'])} | {med / s['T'] * 1e3:.2f} ms | "
                          f"{_mib(r['peak_bytes'])} | {_mib(r['trajectory_bytes'])} |")
     for name, rows in results.get("tables", {}).items():
@@ -371,6 +527,14 @@ def main(argv=None):
                         help="torch / XLA threads per case (default: the libraries' own "
                              "choice); 1 keeps cores shared with other processes from "
                              "stalling parallel ops")
+    parser.add_argument("--peers", default=None,
+                        help="comma-separated peers the Gram groups keep (vmap_grad, "
+                             "neural_tangents, autograd_loop), or 'none': skpathkernel (and "
+                             "--baseline) only; default: all")
+    parser.add_argument("--baseline", default=None,
+                        help="a source tree of skpathkernel (e.g. a checkout of main) whose "
+                             "engine also runs the MLP Gram rows, interleaved: a regression "
+                             "check")
     parser.add_argument("--device", default=os.environ.get("SKPATHKERNEL_BENCH_DEVICE", "cpu"),
                         help="torch device of the skpathkernel / torch cases: cpu or cuda "
                              "(peers that cannot run there are skipped and say so)")
@@ -381,11 +545,15 @@ def main(argv=None):
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device here")
     groups = args.only or GROUPS
-    plan = _plan(args.quick, args.device)
+    plan = _plan(args.quick, args.device, args.baseline)
+    if args.peers is not None:
+        keep = {"skpathkernel", *args.peers.split(",")}
+        for name in ("gram", "gram_nets"):
+            plan[name] = [[s for s in group if s["method"] in keep] for group in plan[name]]
     load = [os.getloadavg()[0]]
     start = time.perf_counter()
-    results = {"gram": [], "path": [], "tables": {}}
-    for group in ("gram", "path"):
+    results = {"gram": [], "gram_nets": [], "path": [], "tables": {}}
+    for group in ("gram", "gram_nets", "path"):
         if group not in groups:
             continue
         for specs in plan[group]:
@@ -394,7 +562,7 @@ def main(argv=None):
                 s = r["spec"]
                 what = (f"skipped ({r['skipped'][:80]})" if "skipped" in r else
                         f"{_stats(r['times'])[0]:.4g} s, {_mib(r['peak_bytes'])}")
-                print(f"{group}: {s.get('method', '')} {s['sizes']} n={s['n']} "
+                print(f"{group}: {_method(s) if 'method' in s else ''} {_label(s)} n={s['n']} "
                       f"{'T=' + str(s['T']) if 'T' in s else ''}: {what}", flush=True)
             results[group].append(rows)
     for name in TABLES:

@@ -16,10 +16,13 @@ import time
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 
+from benchmarks import _nets
 from benchmarks._serve import PeakRSS, serve
 from skpathkernel._tangent import tangent_gram
+
+BUDGET = 2**30  # tangent_gram's default memory_budget
 
 
 class CudaPeak:
@@ -55,25 +58,38 @@ def _mlp(sizes, activation=nn.Tanh):
 
 
 def gram_problem(spec, device="cpu"):
-    """The module, its parameters and X of a Gram case; the JAX peer rebuilds the same."""
+    """The module, its parameters and X of a Gram case; the JAX peer rebuilds the same.
+
+    ``spec["arch"]`` names an image / token network of :mod:`benchmarks._nets`; without
+    it, ``spec["sizes"]`` is a tanh MLP.
+    """
     torch.manual_seed(0)
     dtype = getattr(torch, spec["dtype"])
-    module = _mlp(spec["sizes"]).to(dtype)
-    X = torch.randn(spec["n"], spec["sizes"][0], dtype=dtype)
+    if spec.get("arch"):
+        module = _nets.build(spec["arch"]).to(dtype)
+        X = _nets.inputs(spec["arch"], spec["n"], dtype)
+    else:
+        module = _mlp(spec["sizes"]).to(dtype)
+        X = torch.randn(spec["n"], spec["sizes"][0], dtype=dtype)
     module, X = module.to(device), X.to(device)
     params = {k: v.detach() for k, v in module.named_parameters()}
     return module, params, X
 
 
 def _vmap_recipe(module, params, X):
-    """The PyTorch tutorial recipe: per-sample gradients by vmap(grad), then J J^T."""
+    """The PyTorch tutorial recipes: per-sample gradients by vmap(grad) (one output) or
+    Jacobians by vmap(jacrev) (several, the NTK tutorial's), then the trace J J^T / C."""
 
     def f(p, x):
-        return functional_call(module, p, (x.unsqueeze(0),)).squeeze()
+        return functional_call(module, p, (x.unsqueeze(0),)).reshape(-1)
 
-    grads = vmap(grad(f), in_dims=(None, 0))(params, X)
+    n_out = f(params, X[0]).shape[0]
+    if n_out == 1:
+        grads = vmap(grad(lambda p, x: f(p, x)[0]), in_dims=(None, 0))(params, X)
+    else:
+        grads = vmap(jacrev(f), in_dims=(None, 0))(params, X)
     J = torch.cat([g.reshape(X.shape[0], -1) for g in grads.values()], dim=1)
-    return J @ J.T
+    return J @ J.T / n_out
 
 
 def _loop(module, params, X):
@@ -99,6 +115,9 @@ def gram_case(spec):
     device = torch.device(spec.get("device", "cpu"))
     module, params, X = gram_problem(spec, device)
     method = METHODS[spec["method"]]
+    if spec["method"] == "skpathkernel" and "output" in spec:
+        def method(m, p, X):
+            return tangent_gram(m, p, X, output=spec["output"])
     peak, sync = _device_tools(device)
 
     def finish(K):
@@ -107,7 +126,8 @@ def gram_case(spec):
             ref = tangent_gram(module, params, X)
             result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
         if spec.get("roofline"):
-            result["roofline"] = _roofline(spec, module, X, sync)
+            result["roofline"] = (_structured_roofline(module, params, X, sync)
+                                  if spec.get("arch") else _roofline(spec, module, X, sync))
         return result
 
     serve(lambda: method(module, params, X),
@@ -127,19 +147,31 @@ def _roofline(spec, module, X, sync):
     # What the engine performs: the products of the panels on and above the diagonal
     # (K(X, X) is symmetric), plus the forward pass and the backward pass to the layer
     # outputs that produce the factors.
-    outer, inner = _panel_rows(X.device)
+    pairs = _panel_pairs(n, *_panel_rows(X.device))
+    performed = sum(2 * pairs * (lay.in_features + lay.out_features) + 3 * pairs
+                    for lay in linear)
+    performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear)
+    performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear[1:])
+    rate = _matmul_rate(n, max(spec["sizes"]), X, sync)
+    return {"flops": flops, "matmul_flops_per_s": rate, "gemm_bound_s": flops / rate,
+            "performed_flops": performed, "performed_bound_s": performed / rate}
+
+
+def _panel_pairs(n, outer, inner):
+    """Pairs of samples the symmetric panels of K(X, X) compute (one block of n rows)."""
     pairs = 0
     for s in range(0, n, outer):
         e = min(s + outer, n)
         pairs += (e - s) * (n - e)  # right of the outer panel's square
         pairs += sum(min(inner, e - t) * (e - t) for t in range(s, e, inner))  # the square
-    performed = sum(2 * pairs * (lay.in_features + lay.out_features) + 3 * pairs
-                    for lay in linear)
-    performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear)
-    performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear[1:])
-    width = max(spec["sizes"])
-    a = torch.randn(n, width, dtype=X.dtype, device=X.device)
-    b = torch.randn(width, n, dtype=X.dtype, device=X.device)
+    return pairs
+
+
+def _matmul_rate(n, width, X, sync):
+    """torch.matmul FLOP/s on an n x width x n product (the Gram's GEMM shape)."""
+    a = torch.randn(n, width, dtype=X.dtype if X.is_floating_point() else torch.float32,
+                    device=X.device)
+    b = torch.randn(width, n, dtype=a.dtype, device=X.device)
     a @ b
     times = []
     for _ in range(5):
@@ -148,12 +180,54 @@ def _roofline(spec, module, X, sync):
         a @ b
         sync()
         times.append(time.perf_counter() - t0)
-    rate = 2 * n * n * width / statistics.median(times)
-    return {"flops": flops, "matmul_flops_per_s": rate, "gemm_bound_s": flops / rate,
-            "performed_flops": performed, "performed_bound_s": performed / rate}
+    return 2 * n * n * width / statistics.median(times)
+
+
+def _structured_roofline(module, params, X, sync):
+    """The floor of the exact contraction the engine chose, per term, at GEMM speed.
+
+    *Full products*, the issue's definition: every term's Gram products in full, for
+    N x N: gradient blocks ``2 N^2 C p q`` (a convolution's floor), rank-one terms
+    ``2 N^2 (q + C p)`` (a dense head), position pairs ``2 N^2 S^2 (q + C p)``.
+    *Performed*: the share of those the symmetric panels compute, plus forming the
+    gradient blocks (``2 N S C p q``); the forward and backward passes are not counted.
+    The rate is torch.matmul's on an N x width x N product, width the widest block row
+    (at most 2^16, to bound the probe's memory).
+    """
+    from skpathkernel._tangent import _gram
+    from skpathkernel._tangent._contract import param_numel
+
+    n = X.shape[0]
+    params, outputs, mode, probe = _gram._prepare(module, params, X, "trace", BUDGET)
+    C = len(outputs)
+    itemsize = probe.terms[0].delta.element_size()
+    full = forming = 0
+    widest = 1
+    for t in probe.terms:
+        factored = [a for _, a in t.inputs if a is not None]
+        S, p = t.delta.shape[2], t.delta.shape[3]
+        route = _gram.gram_route(t, n, n, mode, False, True, BUDGET // 8, itemsize)
+        if not factored or route == "dense":
+            numel = sum(param_numel(t, a) for _, a in t.inputs)
+            full += 2 * n * n * C * numel
+            forming += 2 * n * S * C * numel if factored else 0
+            widest = max(widest, C * numel)
+        elif route == "rank1":
+            full += 2 * n * n * (sum(a.shape[2] for a in factored) + C * p) + 3 * n * n
+        else:
+            full += 2 * n * n * S * S * (sum(a.shape[2] for a in factored) + C * p)
+    pairs = _panel_pairs(n, *_gram._panel_rows(X.device, widest))
+    performed = full * pairs / (n * n) + forming
+    rate = _matmul_rate(n, min(widest, 2**16), X, sync)
+    return {"flops": full, "matmul_flops_per_s": rate, "gemm_bound_s": full / rate,
+            "performed_flops": performed, "performed_bound_s": performed / rate,
+            "width": widest}
 
 
 def path_case(spec):
+    """PathKernel(X, X) over the recorded path: an MLP (``sizes``) on a sine, or a network
+    of :mod:`benchmarks._nets` (``arch``, on its image inputs) on random targets, trained
+    by ``spec["solver"]`` (Adam weights every step kernel by D)."""
     import numpy as np
 
     from skpathkernel import PathKernelMachine
@@ -161,11 +235,21 @@ def path_case(spec):
 
     device = torch.device(spec.get("device", "cpu"))
     rng = np.random.RandomState(0)
-    X = rng.uniform(-1, 1, size=(spec["n"], spec["sizes"][0]))
-    y = np.sin(3 * X[:, 0])
-    est = PathKernelMachine(hidden_layer_sizes=tuple(spec["sizes"][1:-1]), max_iter=spec["T"],
-                            learning_rate_init=0.05, device=str(device), dtype=spec["dtype"],
-                            random_state=0).fit(X, y)
+    # T full-batch steps, every one recorded (the table's setting, pinned).
+    common = dict(max_iter=spec["T"], device=str(device), dtype=spec["dtype"],
+                  solver=spec.get("solver", "sgd"), batch_size=None, tol=None, record_every=1,
+                  normalize_y=False, random_state=0)
+    if spec.get("arch"):
+        shape = _nets.ARCHS[spec["arch"]]["shape"]
+        X = rng.standard_normal((spec["n"], *shape)).astype(spec["dtype"])
+        y = rng.standard_normal((spec["n"], _nets.ARCHS[spec["arch"]]["outputs"]))
+        est = PathKernelMachine(module=lambda n_in, n_out: _nets.build(spec["arch"]),
+                                learning_rate_init=0.01, **common).fit(X, y)
+    else:
+        X = rng.uniform(-1, 1, size=(spec["n"], spec["sizes"][0]))
+        y = np.sin(3 * X[:, 0])
+        est = PathKernelMachine(hidden_layer_sizes=tuple(spec["sizes"][1:-1]),
+                                learning_rate_init=0.05, activation="tanh", **common).fit(X, y)
     kernel = PathKernel(est)
     peak, sync = _device_tools(device)
     serve(lambda: kernel(X), {"n_points": len(est.trajectory_),

@@ -54,8 +54,8 @@ SEED = 0
 # Every training parameter explicit: the estimators' defaults may change.
 # One recipe for both networks, chosen for test accuracy (about 0.9 on both) at few steps.
 TRAINING = dict(solver="sgd", learning_rate_init=0.5, momentum=0.0, alpha=0.0,
-                batch_size=128, shuffle=True, loss="log_loss", record_every=1, device="cpu",
-                dtype="float32", memory_budget=2**30, verbose=0)
+                batch_size=128, shuffle=True, loss="log_loss", record_every=1, tol=None,
+                device="cpu", dtype="float32", memory_budget=2**30, verbose=0)
 EPOCHS = {False: 10, True: 4}
 MODELS = {
     "mlp": dict(title="MLP 64-64-64-10 tanh", hidden_layer_sizes=(64, 64),

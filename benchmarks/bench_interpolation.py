@@ -31,7 +31,7 @@ def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     # A throwaway fit and decomposition first: the first call in a process pays one-time
     # costs (thread pools, lazy imports) that belong to neither column.
-    warm = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=2, random_state=0)
+    warm = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=2, tol=None, random_state=0)
     warm.fit(np.zeros((4, 2)), np.zeros(4)).decompose(np.zeros((1, 2)))
     rows = []
     for name, hidden, n, batch, solver, momentum, epochs in CASES:
@@ -42,7 +42,8 @@ def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,
         y = np.tanh(X[:, 0]) + 0.1 * X[:, 1]
         est = PathKernelMachine(hidden_layer_sizes=hidden, solver=solver, momentum=momentum,
                                 learning_rate_init=1e-3, batch_size=batch, max_iter=epochs,
-                                device=device, random_state=0)
+                                activation="tanh", tol=None, record_every=1,
+                                normalize_y=False, device=device, random_state=0)
         t_train, t_dec, errors = [], [], []
         for rep in range(1 if quick else repeats):
             start = time.perf_counter()

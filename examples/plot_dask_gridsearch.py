@@ -42,7 +42,8 @@ client = Client(cluster)
 
 X, y = make_circle(n_samples=100, random_state=0)
 svm = TangentFeatureSVM(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02,
-                        max_iter=30, device="cpu", dtype="float64", random_state=0)
+                        max_iter=30, activation="tanh", batch_size=None, tol=None,
+                        svm_kernel="linear", device="cpu", dtype="float64", random_state=0)
 grid = {"C": [0.1, 10.0], "learning_rate_init": [0.01, 0.05]}
 
 # %%

@@ -21,7 +21,8 @@ from skpathkernel.datasets import make_sine
 
 X, y = make_sine(n_samples=40)
 est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="adam", learning_rate_init=0.02,
-                        max_iter=150, random_state=0).fit(X, y)
+                        max_iter=150, activation="tanh", batch_size=None, tol=None,
+                        normalize_y=False, random_state=0).fit(X, y)
 
 # %%
 # The exact decomposition

@@ -20,8 +20,9 @@ from skpathkernel.datasets import make_circle
 from skpathkernel.plotting import KernelEvolutionDisplay, KernelMatrixDisplay
 
 X, y = make_circle(n_samples=200, random_state=0)
-clf = PathKernelClassifier(hidden_layer_sizes=(32, 32), learning_rate_init=0.5, batch_size=32,
-                           max_iter=40, random_state=0).fit(X, y)
+clf = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="sgd", learning_rate_init=0.5,
+                           batch_size=32, max_iter=40, activation="tanh", tol=None,
+                           random_state=0).fit(X, y)
 
 # %%
 # x = (0, 0) is inside the disk (-1); (0.5, 0) too; (1, 0) and (1.2, 0) are outside (+1).

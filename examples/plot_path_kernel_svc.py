@@ -25,7 +25,8 @@ X_test, y_test = make_ellipse(n_samples=200, random_state=1)
 # record_every=10 keeps every 10th point: the path kernel becomes a Riemann sum over 30
 # points instead of 300, ten times cheaper to evaluate.
 net = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="adam", learning_rate_init=0.01,
-                           max_iter=300, record_every=10, random_state=0).fit(X, y)
+                           max_iter=300, record_every=10, activation="tanh", batch_size=None,
+                           tol=None, random_state=0).fit(X, y)
 
 # %%
 # The path kernel as an SVC kernel

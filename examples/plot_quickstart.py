@@ -22,8 +22,9 @@ from skpathkernel.datasets import make_circle
 
 X, y = make_circle(n_samples=200, random_state=0)
 X_test, y_test = make_circle(n_samples=200, random_state=1)
-clf = PathKernelClassifier(hidden_layer_sizes=(32, 32), learning_rate_init=0.5, batch_size=32,
-                           max_iter=60, random_state=0).fit(X, y)
+clf = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="sgd", learning_rate_init=0.5,
+                           batch_size=32, max_iter=60, activation="tanh", tol=None,
+                           random_state=0).fit(X, y)
 print(f"test accuracy: {clf.score(X_test, y_test):.3f}")
 
 # %%

@@ -23,7 +23,8 @@ from skpathkernel.datasets import make_ellipse
 X, y = make_ellipse(n_samples=300, random_state=0)
 X_test, y_test = make_ellipse(n_samples=300, random_state=1)
 net = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="adam", learning_rate_init=0.01,
-                           max_iter=150, random_state=0).fit(X, y)
+                           max_iter=150, activation="tanh", batch_size=None, tol=None,
+                           random_state=0).fit(X, y)
 print("tangent features:", net.transform(X[:2]).shape)
 
 # %%

@@ -38,7 +38,9 @@ for name, (X, y) in tasks.items():
         X, y, test_size=0.5, random_state=0, stratify=y
     )
     tangent = TangentFeatureSVM(hidden_layer_sizes=(32, 32), solver="adam",
-                                learning_rate_init=0.01, max_iter=300, random_state=0)
+                                learning_rate_init=0.01, max_iter=300, activation="tanh",
+                                batch_size=None, tol=None, svm_kernel="linear",
+                                random_state=0)
     tangent.fit(X_train, y_train)
     rbf = SVC(kernel="rbf").fit(X_train, y_train)
     models[name] = (tangent, rbf, X_test, y_test)

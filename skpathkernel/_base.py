@@ -8,7 +8,9 @@ trust, or use skops, see ``__getstate__``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import numbers
 import sys
 import warnings
@@ -18,14 +20,25 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from sklearn.base import BaseEstimator
+from sklearn.metrics import r2_score
+from sklearn.model_selection import train_test_split
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
-from ._device import resolve_device, resolve_dtype, seeded_torch, to_numpy, to_tensor
+from ._device import (
+    resolve_device,
+    resolve_dtype,
+    seeded_torch,
+    to_input_tensor,
+    to_numpy,
+    to_tensor,
+)
+from ._inputs import FEATURES, activation_widths, fitted_input, probe_module, validate_input
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
+from ._tangent import warn_on_fallback
 from ._training import train
 from ._trajectory import SolverSpec
 
@@ -165,10 +178,16 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
         "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
         "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
-        "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), None],
+        "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), StrOptions({"auto"}),
+                       None],
         "max_iter": [Interval(numbers.Integral, 1, None, closed="left")],
+        "tol": [Interval(numbers.Real, 0, None, closed="left"), None],
+        "n_iter_no_change": [Interval(numbers.Integral, 1, None, closed="left")],
+        "early_stopping": ["boolean"],
+        "validation_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
         "shuffle": ["boolean"],
-        "record_every": [Interval(numbers.Integral, 1, None, closed="left")],
+        "record_every": [Interval(numbers.Integral, 1, None, closed="left"),
+                         StrOptions({"auto"})],
         "device": [StrOptions({"auto", "cpu", "cuda"})],
         "dtype": [StrOptions({"float32", "float64"})],
         "memory_budget": [Interval(numbers.Integral, 2**20, None, closed="left")],
@@ -181,20 +200,24 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         self,
         hidden_layer_sizes=(64, 64),
         *,
-        activation="tanh",
+        activation="gelu",
         module=None,
-        solver="sgd",
-        learning_rate_init=0.01,
+        solver="adam",
+        learning_rate_init=1e-3,
         momentum=0.0,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
         epsilon=1e-8,
-        batch_size=None,
+        batch_size="auto",
         max_iter=200,
+        tol=1e-4,
+        n_iter_no_change=10,
+        early_stopping=False,
+        validation_fraction=0.1,
         shuffle=True,
         loss="squared_error",
-        record_every=1,
+        record_every="auto",
         device="auto",
         dtype="float32",
         memory_budget=2**30,
@@ -213,6 +236,10 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         self.epsilon = epsilon
         self.batch_size = batch_size
         self.max_iter = max_iter
+        self.tol = tol
+        self.n_iter_no_change = n_iter_no_change
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
         self.shuffle = shuffle
         self.loss = loss
         self.record_every = record_every
@@ -230,22 +257,36 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def _target_tensor(self, Y: np.ndarray, dtype, device) -> torch.Tensor:
         return to_tensor(Y, dtype=dtype, device=device)
 
+    def _network_targets(self, Y: np.ndarray) -> np.ndarray:
+        """Encoded regression targets in the network's units: standardized with normalize_y.
+
+        The fitted mean and scale, so that a loss on new targets is the training loss's.
+        """
+        scale = getattr(self, "_y_scale", None)
+        return Y if scale is None else (np.asarray(Y, dtype=np.float64) - self._y_mean) / scale
+
     def _validate_y(self, X, y):
         return self._validate_fit_data(X, y, multi_output=True, y_numeric=True)
 
     def _validate_fit_data(self, X, y="no_validation", **kwargs):
         """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``).
 
-        ``y="no_validation"`` (validate_data's convention) validates X alone; ``y=None``
-        is a supervised fit without targets, refused with scikit-learn's message.
+        X comes back as the network takes it (:func:`._inputs.validate_input`): 2-D
+        floats for the default MLP; with ``module``, floats or int64 token ids of shape
+        ``(n_samples, ...)``. ``y="no_validation"`` (validate_data's convention)
+        validates X alone; ``y=None`` is a supervised fit without targets, refused with
+        scikit-learn's message.
         """
         dtype = resolve_dtype(self.dtype)
+        # A user's module may take (n, ...) arrays and integer token ids (see _inputs).
+        checks = dict(reset=True, flexible=self.module is not None,
+                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
         if isinstance(y, str) and y == "no_validation":
-            X = validate_data(self, X, **FIT_CHECKS, **kwargs)
+            X = validate_input(self, X, **checks, **kwargs)
             check_representable(X, dtype)
             return X
         reject_sparse_y(y)
-        X, y = validate_data(self, X, y, **FIT_CHECKS, **kwargs)
+        X, y = validate_input(self, X, y, **checks, **kwargs)
         check_representable(X, dtype)
         if kwargs.get("y_numeric"):
             check_representable(np.asarray(y), dtype, "y")
@@ -279,15 +320,50 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         """Validate, train, and only then replace the fitted state (never half-fitted)."""
         X, y = self._validate_y(X, y)
         Y, n_outputs, attrs = self._encode_targets(y)
+        if "classes_" not in attrs:
+            Y = np.asarray(Y, dtype=np.float64)
         # A subclass may resolve the loss from the data (TangentFeatures' loss="auto").
         loss_name = attrs.setdefault("_loss_name", self.loss)
+        rng = check_random_state(self.random_state)
+        seed, split_seed = (int(s) for s in rng.randint(np.iinfo(np.int32).max, size=2))
+        validation = None
+        attrs["_train_rows"] = None
+        X_all = X
+        if self.early_stopping:
+            # Held out before any work: the network never trains on these rows, so they
+            # are not training points of the kernel machine (X_fit_ holds the others).
+            train_idx, val_idx = _holdout(y, attrs.get("classes_"),
+                                          self.validation_fraction, split_seed)
+            X_val, y_val = X[val_idx], y[val_idx]
+            X, Y = X[train_idx], Y[train_idx]
+            attrs["_train_rows"] = train_idx
+        attrs["_y_mean"] = attrs["_y_scale"] = None
+        if "classes_" not in attrs and getattr(self, "normalize_y", False):
+            # From the rows trained on only (no leak of the held-out ones); the network
+            # learns the standardized targets, predict maps its outputs back.
+            mean, scale = Y.mean(axis=0), Y.std(axis=0)
+            scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's rule)
+            Y = (Y - mean) / scale
+            attrs["_y_mean"], attrs["_y_scale"] = mean, scale
+            if self.early_stopping:
+                # R^2 is unchanged by mapping both sides with the same affine map.
+                y_val = ((y_val.reshape(len(y_val), -1) - mean) / scale).reshape(y_val.shape)
         spec = self._module_spec()
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype)
-        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        module = _build_module(spec, X.shape[1], n_outputs, seed, device, dtype)
+        module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
+        if spec["module"] is not None:
+            # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its initial
+            # weights in this first forward pass. On all of X: the held-out rows too.
+            with seeded_torch(seed, device):
+                probe_module(module, X_all, dtype=dtype, device=device)
+        if self.early_stopping:
+            validation = _validation_scorer(
+                X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,
+                [X_val[0].size, n_outputs,
+                 *_widths(module, spec["module"] is None, X_val[:1], dtype, device)])
         generator = torch.Generator().manual_seed(seed)
-        X_t = to_tensor(X, dtype=dtype, device=device)
+        X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
         # shared by its task slots: keep torch's threads within them.
@@ -303,15 +379,24 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 shuffle=self.shuffle,
                 generator=generator,
                 record_every=self.record_every,
+                tol=None if self.tol is None else float(self.tol),
+                n_iter_no_change=int(self.n_iter_no_change),
+                validation=validation,
+                record_budget=int(self.memory_budget),
                 progress=progress,
             )
         module.eval()
+        if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
+            warn_on_fallback(module, X_t)
         attrs.update(
             X_fit_=X,
             _Y_fit=Y,
             module_=module,
             trajectory_=result.trajectory,
             loss_curve_=result.loss_curve,
+            best_loss_=result.best_loss,
+            validation_scores_=result.validation_scores,
+            best_validation_score_=result.best_validation_score,
             n_iter_=result.n_iter,
             t_=result.n_steps,
             n_params_=result.trajectory.n_params,
@@ -327,28 +412,27 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     # ------------------------------------------------------------------ inference
     def _validate_X(self, X):
         check_is_fitted(self)
-        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        X = validate_input(self, X, reset=False)
         check_representable(X, self._torch_dtype_device()[0])
         return X
+
+    def _activation_widths(self) -> list[int]:
+        """Values per sample of the network's activations, which bound a block's memory."""
+        dtype, device = self._torch_dtype_device()
+        return _widths(self.module_, fitted_input(self)[1] == FEATURES, self.X_fit_[:1],
+                       dtype, device)
 
     def _torch_dtype_device(self):
         # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
         return resolve_dtype(self.dtype_), torch.device(self.device_)
 
     def _forward(self, X) -> np.ndarray:
-        """Network outputs (n_samples, n_outputs), float64, in memory-bounded blocks."""
+        """Network outputs (n_samples, n_outputs), float64, in fixed-size blocks."""
         X = self._validate_X(X)
         dtype, device = self._torch_dtype_device()
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        # The widest activation bounds a block's memory; keep it well inside the budget.
-        width = max([X.shape[1], self.n_outputs_, *_layer_widths(self.module_)])
-        block = rows_per_block(self.memory_budget, 8 * width * itemsize, "Prediction")
-        outs = []
-        with torch.no_grad():
-            for start in range(0, X.shape[0], block):
-                xb = to_tensor(X[start : start + block], dtype=dtype, device=device)
-                outs.append(to_numpy(self.module_(xb)))
-        return np.concatenate(outs, axis=0).astype(np.float64, copy=False)
+        width = [X[0].size, self.n_outputs_, *self._activation_widths()]
+        return network_outputs(self.module_, X, dtype, device, self.memory_budget,
+                               fixed=True, widths=width)
 
     # ------------------------------------------------------------------ kernels
     @property
@@ -369,20 +453,27 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
-        from ._tangent import tangent_features
+        from ._tangent import hidden_reads, tangent_features
 
         module, params, X_t = self._engine_inputs(X, step)
-        self._check_feature_row_fits("Dense tangent features")
-        phi = tangent_features(module, params, X_t, output=output,
+        row = self._check_feature_row_fits("Dense tangent features")
+        # The engine's check for hidden parameter reads runs once, not in every block.
+        exclude = hidden_reads(module, [params], [X_t], output=output,
                                memory_budget=self.memory_budget)
-        return to_numpy(phi)
+        return map_fixed_blocks(
+            lambda xb: to_numpy(tangent_features(module, params, xb, output=output,
+                                                 memory_budget=self.memory_budget,
+                                                 exclude=exclude, check_hidden=False)),
+            X_t, feature_block_rows(self.memory_budget, row, "Dense tangent features"))
 
     def _check_feature_row_fits(self, what):
         """One sample's dense tangent features (C x P values) must fit the budget."""
         n_out = self.n_outputs_
         itemsize = torch.empty((), dtype=self._torch_dtype_device()[0]).element_size()
-        rows_per_block(self.memory_budget, n_out * self.n_params_ * itemsize,
+        row = n_out * self.n_params_ * itemsize
+        rows_per_block(self.memory_budget, row,
                        f"{what} ({n_out} x {self.n_params_} values per sample)")
+        return row
 
     def _engine_inputs(self, X, step=-1):
         """(module, parameters at recorded point ``step``, validated X as a tensor)."""
@@ -390,7 +481,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         dtype, device = self._torch_dtype_device()
         traj = self.trajectory_
         params = dict(traj.unflatten(traj.parameters(step).to(device)))
-        return self.module_, params, to_tensor(X, dtype=dtype, device=device)
+        return self.module_, params, to_input_tensor(X, dtype=dtype, device=device)
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -403,7 +494,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            The form of the training inputs (``input_shape_``).
         n_neighbors : int, default=100
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step``, or the path kernel.
@@ -504,10 +596,20 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         tags.non_deterministic = False
-        if tags.transformer_tags is not None:
-            # Tangent features come out in the network's dtype, whatever X's dtype.
-            tags.transformer_tags.preserves_dtype = [self.dtype]
+        # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
+        tags.input_tags.three_d_array = self.module is not None
         return tags
+
+
+def declare_feature_dtype(tags, estimator):
+    """Transformer tags: tangent features come out in the network's dtype, whatever X's.
+
+    Called by every transformer's ``__sklearn_tags__`` after ``TransformerMixin``'s, which
+    sets ``preserves_dtype=["float64"]`` and would otherwise overwrite it: a float32
+    network preserves float32 only (float64 in, float32 out), a float64 network float64.
+    """
+    tags.transformer_tags.preserves_dtype = [estimator.dtype]
+    return tags
 
 
 def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
@@ -560,3 +662,131 @@ class _progress:
         if self.bar is not None:
             self.bar.close()
         return False
+
+
+# Rows of one block of a prediction or of tangent features. Every block is this size (the
+# last one padded by repeating its first row), so a row's float32 result never depends on
+# which other rows were passed with it: GEMM kernels round differently for different row
+# counts, and scikit-learn expects predict(X[i:i+1]) == predict(X)[i] (1e-7 absolute).
+FIXED_BLOCK = 256
+
+
+def feature_block_rows(memory_budget: int, row_bytes: int, what: str) -> int:
+    """Rows of a fixed-size block: ``FIXED_BLOCK``, fewer when the budget needs it."""
+    return min(FIXED_BLOCK, rows_per_block(memory_budget, row_bytes, what))
+
+
+def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
+    """``fn`` over row blocks of exactly ``block`` rows, concatenated (padding removed).
+
+    ``X`` is a tensor or an array; ``fn`` returns an array with one row per input row.
+    """
+    cat = torch.cat if isinstance(X, torch.Tensor) else np.concatenate
+    outs = []
+    for start in range(0, X.shape[0], block):
+        xb = X[start : start + block]
+        n = xb.shape[0]
+        if n < block:
+            xb = cat([xb, xb[[0] * (block - n)]])
+        outs.append(fn(xb)[:n])
+    return np.concatenate(outs, axis=0)
+
+
+def network_outputs(module, X: np.ndarray, dtype, device, memory_budget: int, *,
+                    fixed: bool, widths) -> np.ndarray:
+    """``module(X)`` as float64 NumPy, in blocks under the budget (of a fixed size if asked).
+
+    ``widths``: values per sample of the input, the outputs and every activation; the
+    widest bounds a block's memory, kept well inside the budget.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row = 8 * max(widths) * itemsize
+    block = feature_block_rows(memory_budget, row, "Prediction") if fixed else \
+        rows_per_block(memory_budget, row, "Prediction")
+    X_t = to_input_tensor(X, dtype=dtype, device=device)
+    with torch.no_grad():
+        out = map_fixed_blocks(lambda xb: to_numpy(module(xb)), X_t, block) if fixed else \
+            np.concatenate([to_numpy(module(X_t[i : i + block]))
+                            for i in range(0, X.shape[0], block)])
+    return out.astype(np.float64, copy=False)
+
+
+def _widths(module, default_mlp: bool, X_row, dtype, device) -> list[int]:
+    """Values per sample of a network's activations, which bound a block's memory.
+
+    The default MLP's layer widths; a user's network (convolutions, attention) measured
+    on one sample ``X_row``.
+    """
+    if default_mlp:
+        return _layer_widths(module)
+    return activation_widths(module, to_input_tensor(X_row, dtype=dtype, device=device))
+
+
+def _holdout(y, classes, fraction: float, seed: int):
+    """Training and validation row indices for early stopping (MLPClassifier's split).
+
+    Stratified for classification. Refused before any work when the validation part
+    cannot hold two samples (a score needs them) and, for classes, one sample per class.
+    """
+    n = len(y)
+    n_val = math.ceil(fraction * n)  # train_test_split's rounding
+    n_train = n - n_val
+    need = 2 if classes is None else max(2, len(classes))
+    what = "2 samples" if classes is None else (
+        f"2 samples and one sample of each of the {len(classes)} classes")
+    if n_val < need or n_train < need:
+        part, size = ("validation", n_val) if n_val < need else ("training", n_train)
+        raise ValueError(
+            f"early_stopping with validation_fraction={fraction} leaves {size} of the "
+            f"{n} samples for {part}; it needs at least {what}. "
+            + ("Raise validation_fraction or pass more samples." if part == "validation"
+               else "Lower validation_fraction or pass more samples.")
+        )
+    train_idx, val_idx = train_test_split(
+        np.arange(n), test_size=fraction, random_state=seed,
+        stratify=y if classes is not None else None)
+    # Sorted: X_fit_ keeps the order of X.
+    return np.sort(train_idx), val_idx
+
+
+def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widths):
+    """``score(module)``: what ``est.score(X_val, y_val)`` gives for the module's outputs.
+
+    Accuracy of the decoded labels (a margin's sign for two classes, the argmax of the
+    logits otherwise) for classifiers, R^2 (averaged over outputs) for regressors.
+    """
+
+    def score(module):
+        out = network_outputs(module, X_val, dtype, device, memory_budget, fixed=False,
+                              widths=widths)
+        if classes is not None:
+            codes = (out[:, 0] > 0).astype(np.intp) if out.shape[1] == 1 else out.argmax(1)
+            return float(np.mean(classes[codes] == y_val))
+        return float(r2_score(y_val, out.reshape(y_val.shape)))
+
+    return score
+
+
+def in_target_units(result, mean, scale):
+    """Network outputs, or a decomposition of them, in the units of ``y``.
+
+    With ``normalize_y`` the network learns ``(y - mean) / scale``: its outputs map back
+    by ``mean + scale * f``, and its decomposition by the same affine map (the initial
+    prediction takes the mean, every contribution and the error only the scale), which
+    keeps it exact (its ``error`` is measured again in the units of ``y``). Without
+    normalization (``scale is None``) nothing changes.
+    """
+    if scale is None:
+        return result
+    if isinstance(result, np.ndarray):
+        return result * scale + mean
+    mapped = dataclasses.replace(
+        result,
+        initial=result.initial * scale + mean,
+        contributions=result.contributions * scale,
+        regularization=result.regularization * scale,
+        prediction=result.prediction * scale + mean,
+    )
+    if len(mapped.prediction):  # the error measured again, in the units of y
+        mapped.error = float(np.max(np.abs(mapped.reconstruction - mapped.prediction)))
+    return mapped

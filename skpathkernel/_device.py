@@ -12,6 +12,7 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "seeded_torch",
+    "to_input_tensor",
     "to_numpy",
     "to_tensor",
     "torch_threads",
@@ -47,6 +48,14 @@ def to_tensor(X: np.ndarray, *, dtype: torch.dtype, device: torch.device) -> tor
     # torch cannot share read-only memory (e.g. a memmap): np.require copies only then.
     X = np.require(X, requirements=["C_CONTIGUOUS", "WRITEABLE"])
     return torch.as_tensor(X, device=device).to(dtype)
+
+
+def to_input_tensor(X: np.ndarray, *, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """A network's input: validated integer X (token ids) as int64, float X in ``dtype``."""
+    if X.dtype.kind in "iu":
+        return to_tensor(X, dtype=torch.int64, device=device)
+    return to_tensor(X, dtype=dtype, device=device)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -23,7 +23,7 @@ Cost per step (Q queries, C outputs, P parameters, B batch): ``n_nodes`` Jacobia
 Q queries, the per-sample loss gradients of the batch, and one (Q C) x P x B product; memory
 O(Q C P + B P) in blocks under the memory budget.
 
-Plain SGD (no momentum, D = I: Domingos' setting and the estimators' default) has a
+Plain SGD (no momentum, D = I: Domingos' setting) has a
 structured fast path: with no memory, ``lambda_t = -lr_t rho_t(x)``, so sample i's share of
 step t is ``-lr_t / |B_t| sum_k w_k J(x; theta_t^k) J(x_i; theta_t)^T r_{t,i}``: a
 cross-parameter tangent Gram between the queries at the quadrature nodes and the batch at

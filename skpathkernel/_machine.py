@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import numpy as np
@@ -17,10 +18,12 @@ from sklearn.utils.validation import check_is_fitted
 from ._base import (
     BasePathKernelNetwork,
     check_decompose_args,
+    declare_feature_dtype,
+    in_target_units,
     keep_previous_fit_on_error,
     tangent_feature_names,
 )
-from ._device import to_tensor
+from ._device import to_input_tensor, to_tensor
 from ._losses import LOSSES
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -28,16 +31,25 @@ __all__ = ["PathKernelClassifier", "PathKernelMachine"]
 _SHARED_PARAMS_DOC = """
     hidden_layer_sizes : array-like of int, default=(64, 64)
         Widths of the hidden layers of the default MLP (ignored when ``module`` is given).
-    activation : {"relu", "tanh", "gelu", "softplus", "identity"}, default="tanh"
-        Activation of the default MLP.
+    activation : {"relu", "tanh", "gelu", "softplus", "identity"}, default="gelu"
+        Activation of the default MLP. The default is smooth, which keeps the exact
+        decomposition exact: "relu"'s kinks cost it about 1e-4 (see the user guide,
+        "Training"), and "tanh" is what the seed papers used.
     module : callable, default=None
         ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
         Any module without cross-sample state (no BatchNorm in train mode) works. It is
         called with torch's global RNG seeded from ``random_state`` (and restored after).
-    solver : {"sgd", "adam", "adamw", "rmsprop"}, default="sgd"
-        The torch.optim optimizer whose path is recorded.
-    learning_rate_init : float, default=0.01
-        Step size.
+        With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
+        ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer
+        token ids ``(n, S)`` as int64 (``n_features_in`` is then the number of values
+        per sample); see the user guide, "Images, sequences and token ids".
+    solver : {"sgd", "adam", "adamw", "rmsprop"}, default="adam"
+        The torch.optim optimizer whose path is recorded. Adam (MLPClassifier's default)
+        learns at one step size whatever the scale of X; SGD keeps each step of the path
+        kernel a structured Gram (Adam's preconditioner makes it a dense product, 20-50
+        times slower) and is Domingos' setting (see ``batch_size``).
+    learning_rate_init : float, default=0.001
+        Step size (MLPClassifier's; plain SGD wants a larger one, e.g. 0.1).
     momentum : float, default=0.0
         Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
     alpha : float, default=0.0
@@ -47,51 +59,99 @@ _SHARED_PARAMS_DOC = """
     beta_1, beta_2, epsilon : float, default=0.9, 0.999, 1e-8
         Adam / AdamW moment decays and the denominator's epsilon (epsilon is RMSprop's too;
         RMSprop's smoothing constant is torch's default, 0.99).
-    batch_size : int, default=None
-        ``None`` trains by full-batch gradient descent (Domingos' setting); an int trains
-        by minibatch steps (the seeds' stochastic setting).
+    batch_size : int, "auto" or None, default="auto"
+        Samples per optimizer step. "auto" is ``min(200, n_samples)`` (MLPClassifier's);
+        ``None`` trains on the whole training set at every step; with ``solver="sgd"``
+        (no momentum) that is Domingos' full-batch gradient descent.
     max_iter : int, default=200
-        Number of epochs. Training always runs all of them: the recorded path is the
-        object of study, so there is no early stopping.
+        Most epochs (passes over the training set).
+    tol : float or None, default=1e-4
+        Stopping tolerance, with MLPClassifier's meaning: training stops when for more
+        than ``n_iter_no_change`` consecutive epochs the training loss has not gone below
+        its best value minus ``tol`` (with ``early_stopping``: the validation score has
+        not gone above its best value plus ``tol``). A ``ConvergenceWarning`` says when
+        ``max_iter`` epochs end without that. ``None`` (SGDClassifier's convention) trains
+        exactly ``max_iter`` epochs, with no warning: a path of fixed length.
+    n_iter_no_change : int, default=10
+        Epochs without improvement by ``tol`` tolerated before stopping (one more stops).
+    early_stopping : bool, default=False
+        Hold out ``validation_fraction`` of the training set (stratified for classes),
+        score the network on it after every epoch (accuracy, or R^2) and stop on that
+        score; the fitted network is then the one of the best-scoring epoch, as in
+        MLPClassifier, and ``trajectory_`` ends at it. The held-out samples are not
+        training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
+    validation_fraction : float in (0, 1), default=0.1
+        Fraction of the training set held out by ``early_stopping``; it must leave at
+        least two samples, and one of each class, on both sides.
     shuffle : bool, default=True
         Reshuffle the samples every epoch (minibatch training only).
-    record_every : int, default=1
+    record_every : int or "auto", default="auto"
         Record the parameters every ``record_every`` optimizer steps (and at the end).
-        1 keeps the per-training-point decomposition exact.
+        "auto": every step when the points of ``max_iter`` epochs fit in
+        ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
+        the user guide, "Training"). Every step (1) keeps the per-training-point
+        decomposition exact; with k > 1 it refuses, and the path kernel is a Riemann sum.
     device : {"auto", "cpu", "cuda"}, default="auto"
         "auto" trains on CUDA when available, else on the CPU.
     dtype : {"float32", "float64"}, default="float32"
         Parameter dtype; float64 is for exactness checks.
     memory_budget : int, default=2**30
-        Bytes that one block of a computation (prediction, kernels) may use.
+        Bytes that one block of a computation (prediction, kernels) may use, and the
+        most that the recorded points may take with ``record_every="auto"``.
     random_state : int, RandomState instance or None, default=None
-        Seeds the initialization and the batch order: the same seed on the same device gives
-        bit-identical results. A local generator is used; torch's global seed is untouched.
+        Seeds the initialization, the batch order and the early-stopping split: the same
+        seed on the same device gives bit-identical results. A local generator is used;
+        torch's global seed is untouched.
     verbose : int, default=0
         Show a progress bar (tqdm, when installed) with the training loss.
 """
+
+_NORMALIZE_Y_DOC = """
+    normalize_y : bool, default=True
+        For regression targets: train the network on ``(y - mean) / scale`` (mean and
+        standard deviation of the samples trained on, per output; a constant target is
+        only centered), so that one step size suits targets of any scale. Predictions are
+        ``mean + scale * f(x)`` and :meth:`decompose`'s terms are mapped back to the units
+        of ``y`` exactly; ``loss_curve_``, the kernels and the tangent features are those
+        of the network ``f`` itself. ``False`` trains on ``y`` as given (MLPRegressor's
+        behaviour). Ignored for class labels."""
 
 _FITTED_ATTRS_DOC = """
     module_ : torch.nn.Module
         The trained network (on ``device_``).
     trajectory_ : Trajectory
-        The recorded optimisation path.
+        The recorded optimisation path. It ends at the last step taken, or with
+        ``early_stopping`` at the best-scoring epoch: the network ``module_`` is.
     loss_curve_ : list of float
-        Mean training loss of each epoch.
+        Mean training loss of each epoch run.
+    best_loss_ : float or None
+        The lowest of ``loss_curve_``; None with ``early_stopping``.
+    validation_scores_ : list of float or None
+        With ``early_stopping``, the score of the network on the held-out samples after
+        each epoch (accuracy for classifiers, R^2 otherwise); None without.
+    best_validation_score_ : float or None
+        The best of ``validation_scores_``, the model kept; None without early stopping.
     n_iter_ : int
         Epochs run.
     t_ : int
-        Optimizer steps taken.
+        Optimizer steps taken (``trajectory_.n_steps`` is fewer when early stopping
+        kept an earlier epoch).
     n_params_ : int
         Number of trainable parameters P.
     n_outputs_ : int
         Network outputs C.
     device_ : str
         Device the network lives on.
-    X_fit_ : ndarray of shape (n_samples, n_features)
-        The training inputs (the kernel machine's representation is over them).
+    X_fit_ : ndarray of shape (n_samples_trained, n_features) or (n_samples_trained, ...)
+        The samples trained on, in the order of X (all of X unless ``early_stopping``
+        held some out), as the network takes them (floats, or int64 token ids): the
+        kernel machine's representation is over them.
     n_features_in_ : int
-        Number of features seen during fit.
+        Number of features seen during fit: for ``(n_samples, ...)`` inputs, the number
+        of values per sample, ``prod(input_shape_)``.
+    input_shape_ : tuple of int
+        Trailing shape of ``X`` at fit (``(n_features,)`` for 2-D ``X``); every method
+        that takes ``X`` expects this shape.
     feature_names_in_ : ndarray of shape (`n_features_in_`,)
         Names of features seen during fit, when X has string column names.
 """
@@ -99,6 +159,9 @@ _FITTED_ATTRS_DOC = """
 
 class _KernelMachineMixin(TransformerMixin):
     """transform / decompose / explain: the trained network as a kernel machine."""
+
+    def __sklearn_tags__(self):
+        return declare_feature_dtype(super().__sklearn_tags__(), self)
 
     def get_feature_names_out(self, input_features=None):
         """Names of the tangent features: ``"<parameter>[<index>]"``, e.g. ``"0.weight[3]"``.
@@ -117,7 +180,8 @@ class _KernelMachineMixin(TransformerMixin):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            In the form of the training inputs (``input_shape_``).
         method : {"exact", "first_order", "second_order"}, default="exact"
             "exact" integrates each step's Jacobian over the segment by Gauss-Legendre
             quadrature and reproduces the network to floating-point precision for every
@@ -172,18 +236,29 @@ class _KernelMachineMixin(TransformerMixin):
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
-        return decompose(
+        mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
+        if weights is not None and scale is not None:
+            # With normalize_y the explained output w . (mean + scale * f) is the network's
+            # (w * scale) . f plus the constant w . mean (per query), the initial term's.
+            weights = np.asarray(weights, dtype=np.float64)
+            mean, scale = (weights @ mean)[:, None], None
+            weights = weights * self._y_scale
+        result = decompose(
             self.module_, self.trajectory_,
-            to_tensor(self.X_fit_, dtype=dtype, device=device),
+            to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
             # The loss the network was trained with: set_params(loss=...) after fit must
             # not change what the fitted path is decomposed with.
             LOSSES[self._loss_name](),
-            to_tensor(X, dtype=dtype, device=device),
+            to_input_tensor(X, dtype=dtype, device=device),
             method=method, weighting=weighting, n_nodes=n_nodes,
             memory_budget=self.memory_budget,
             weights=None if weights is None else torch.as_tensor(weights),
         )
+        if scale is None and mean is not None:
+            return dataclasses.replace(result, initial=result.initial + mean,
+                                       prediction=result.prediction + mean)
+        return in_target_units(result, mean, scale)
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.
@@ -292,7 +367,7 @@ class _KernelMachineMixin(TransformerMixin):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
         n_neighbors : int, default=10
         method : {"exact", "first_order", "second_order"}, default="exact"
 
@@ -376,7 +451,8 @@ class _LabelTargetsMixin:
 
 
 def _doc(cls):
-    cls.__doc__ = cls.__doc__.format(shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC)
+    cls.__doc__ = cls.__doc__.format(shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC,
+                                     normalize_y=_NORMALIZE_Y_DOC)
     return cls
 
 
@@ -390,7 +466,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
     Parameters
     ----------{shared}
     loss : {{"squared_error"}}, default="squared_error"
-        ``1/2 * mean squared error`` over samples and outputs (MLPRegressor's convention).
+        ``1/2 * mean squared error`` over samples and outputs (MLPRegressor's
+        convention).{normalize_y}
 
     Attributes
     ----------{fitted}
@@ -404,51 +481,60 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
     >>> from skpathkernel import PathKernelMachine
     >>> X = np.linspace(-2, 2, 40).reshape(-1, 1)
     >>> y = np.sin(X).ravel()
-    >>> est = PathKernelMachine(hidden_layer_sizes=(32,), learning_rate_init=0.1,
-    ...                         max_iter=300, random_state=0).fit(X, y)
+    >>> est = PathKernelMachine(random_state=0).fit(X, y)
     >>> est.score(X, y) > 0.9
     True
-    >>> len(est.trajectory_)  # initialization + one point per full-batch step
-    301
+    >>> # Stopped by tol: one point per step taken (40 samples: one step an epoch).
+    >>> est.n_iter_ < 200, len(est.trajectory_) == est.n_iter_ + 1
+    (True, True)
     """
 
     _parameter_constraints = {
         **BasePathKernelNetwork._parameter_constraints,
         "loss": [StrOptions({"squared_error"})],
+        "normalize_y": ["boolean"],
     }
 
     def __init__(
         self,
         hidden_layer_sizes=(64, 64),
         *,
-        activation="tanh",
+        activation="gelu",
         module=None,
-        solver="sgd",
-        learning_rate_init=0.01,
+        solver="adam",
+        learning_rate_init=1e-3,
         momentum=0.0,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
         epsilon=1e-8,
-        batch_size=None,
+        batch_size="auto",
         max_iter=200,
+        tol=1e-4,
+        n_iter_no_change=10,
+        early_stopping=False,
+        validation_fraction=0.1,
         shuffle=True,
         loss="squared_error",
-        record_every=1,
+        record_every="auto",
         device="auto",
         dtype="float32",
         memory_budget=2**30,
         random_state=None,
         verbose=0,
+        normalize_y=True,
     ):
         super().__init__(
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
             solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
             alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            batch_size=batch_size, max_iter=max_iter, shuffle=shuffle, loss=loss,
+            batch_size=batch_size, max_iter=max_iter, tol=tol,
+            n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
+            validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, random_state=random_state, verbose=verbose,
         )
+        self.normalize_y = normalize_y
 
     def _encode_targets(self, y):
         self_y_2d = y.ndim == 2
@@ -461,7 +547,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
 
         Returns
@@ -479,7 +567,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         y_pred : ndarray of shape (n_samples,) or (n_samples, n_outputs)
             Two-dimensional when ``y`` was two-dimensional at fit time.
         """
-        out = self._forward(X)
+        out = in_target_units(self._forward(X), self._y_mean, self._y_scale)
         return out if self._y_2d else out[:, 0]
 
     def __sklearn_tags__(self):
@@ -533,20 +621,24 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
         self,
         hidden_layer_sizes=(64, 64),
         *,
-        activation="tanh",
+        activation="gelu",
         module=None,
-        solver="sgd",
-        learning_rate_init=0.01,
+        solver="adam",
+        learning_rate_init=1e-3,
         momentum=0.0,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
         epsilon=1e-8,
-        batch_size=None,
+        batch_size="auto",
         max_iter=200,
+        tol=1e-4,
+        n_iter_no_change=10,
+        early_stopping=False,
+        validation_fraction=0.1,
         shuffle=True,
         loss="log_loss",
-        record_every=1,
+        record_every="auto",
         device="auto",
         dtype="float32",
         memory_budget=2**30,
@@ -557,7 +649,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
             solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
             alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            batch_size=batch_size, max_iter=max_iter, shuffle=shuffle, loss=loss,
+            batch_size=batch_size, max_iter=max_iter, tol=tol,
+            n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
+            validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, random_state=random_state, verbose=verbose,
         )
@@ -568,7 +662,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids.
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
 

@@ -30,7 +30,7 @@ from sklearn.base import OutlierMixin
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted
 
 from ._base import (
     FIT_CHECKS,
@@ -40,8 +40,15 @@ from ._base import (
     keep_previous_fit_on_error,
     rows_per_block,
 )
-from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
-from ._machine import _FITTED_ATTRS_DOC, _SHARED_PARAMS_DOC, PathKernelClassifier, PathKernelMachine
+from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
+from ._inputs import FEATURES, TOKENS, fitted_input, validate_input
+from ._machine import (
+    _FITTED_ATTRS_DOC,
+    _NORMALIZE_Y_DOC,
+    _SHARED_PARAMS_DOC,
+    PathKernelClassifier,
+    PathKernelMachine,
+)
 from ._parallel import map_row_blocks
 from ._tangent import tangent_gram, tangent_gram_diag
 
@@ -49,12 +56,13 @@ __all__ = ["OODRankDetector"]
 
 _NETWORK_PARAMS = (
     "hidden_layer_sizes", "activation", "module", "solver", "learning_rate_init", "momentum",
-    "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "shuffle",
+    "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "tol",
+    "n_iter_no_change", "early_stopping", "validation_fraction", "shuffle",
     "record_every", "device", "dtype", "memory_budget", "random_state", "verbose",
 )
 # Fitted attributes of the network that the detector exposes as its own.
-_MIRRORED = ("module_", "trajectory_", "loss_curve_", "n_iter_", "t_", "n_params_",
-             "n_outputs_", "device_")
+_MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
+             "best_validation_score_", "n_iter_", "t_", "n_params_", "n_outputs_", "device_")
 # contamination="auto": a point is an outlier when more than half of the norm of phi(x)
 # lies outside the training span (residual), or equivalently outside the direction of its
 # best-aligned training feature (alignment: sqrt(1 - a^2) > 1/2 <=> a < sqrt(3)/2).
@@ -80,7 +88,8 @@ class _Gram64:
         self.budget = int(est.memory_budget)
 
     def tensor(self, X) -> torch.Tensor:
-        return to_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
+        # Token ids stay int64; float inputs follow the float64 copy of the network.
+        return to_input_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
 
     def gram(self, X, Y=None) -> torch.Tensor:
         return tangent_gram(self.module, self.params, X, Y, memory_budget=self.budget)
@@ -276,7 +285,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         ``joblib.parallel_config(backend="dask")``, on a Dask cluster; each task runs
         torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial ones.
         ``None`` means 1 unless in a joblib context; ``-1`` all workers. ``fit`` is
-        serial.
+        serial.{normalize_y}
 
     Attributes
     ----------
@@ -340,26 +349,31 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
         "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
         "n_jobs": [numbers.Integral, None],
+        "normalize_y": ["boolean"],
     }
 
     def __init__(
         self,
         hidden_layer_sizes=(64, 64),
         *,
-        activation="tanh",
+        activation="gelu",
         module=None,
-        solver="sgd",
-        learning_rate_init=0.01,
+        solver="adam",
+        learning_rate_init=1e-3,
         momentum=0.0,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
         epsilon=1e-8,
-        batch_size=None,
+        batch_size="auto",
         max_iter=200,
+        tol=1e-4,
+        n_iter_no_change=10,
+        early_stopping=False,
+        validation_fraction=0.1,
         shuffle=True,
         loss="auto",
-        record_every=1,
+        record_every="auto",
         device="auto",
         dtype="float32",
         memory_budget=2**30,
@@ -372,12 +386,15 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         contamination="auto",
         max_rank=None,
         n_jobs=None,
+        normalize_y=True,
     ):
         super().__init__(
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
             solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
             alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            batch_size=batch_size, max_iter=max_iter, shuffle=shuffle, loss=loss,
+            batch_size=batch_size, max_iter=max_iter, tol=tol,
+            n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
+            validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, random_state=random_state, verbose=verbose,
         )
@@ -388,6 +405,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         self.contamination = contamination
         self.max_rank = max_rank
         self.n_jobs = n_jobs
+        self.normalize_y = normalize_y
 
     def _encode_targets(self, y):
         # Training is delegated to a PathKernelMachine / PathKernelClassifier (_train).
@@ -400,8 +418,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             if self.loss == "log_loss":
                 raise ValueError("loss='log_loss' needs class labels y; got y=None.")
             X = self._validate_fit_data(X)
-            est = PathKernelMachine(**net, loss="squared_error")
-            return est.fit(X, X), "reconstruction"
+            est = PathKernelMachine(**net, loss="squared_error", normalize_y=self.normalize_y)
+            # Every value of a sample is a target (its flat view for (n, ...) inputs).
+            return est.fit(X, X.reshape(len(X), -1).astype(np.float64)), "reconstruction"
         X, y = self._validate_fit_data(X, y, multi_output=True)
         task = self.task
         if task == "auto":
@@ -412,7 +431,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             return PathKernelClassifier(**net, loss=loss).fit(X, y), task
         if self.loss == "log_loss":
             raise ValueError("loss='log_loss' is for classification; this task is regression.")
-        return PathKernelMachine(**net, loss="squared_error").fit(X, y), task
+        return PathKernelMachine(**net, loss="squared_error",
+                                 normalize_y=self.normalize_y).fit(X, y), task
 
     def _prefitted(self, X):
         est = _unwrap(self.estimator)
@@ -422,12 +442,20 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 f"(optionally in a FrozenEstimator), got {type(est).__name__}."
             )
         check_is_fitted(est, "trajectory_")
-        X = validate_data(self, X, **FIT_CHECKS)
+        shape, kind = fitted_input(est)
+        X = validate_input(self, X, reset=True, flexible=kind != FEATURES,
+                           ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
         check_representable(X, resolve_dtype(est.dtype))
-        if X.shape[1] != est.n_features_in_:
+        if kind == FEATURES and X.shape[1] != est.n_features_in_:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the estimator's network is expecting "
                 f"{est.n_features_in_} features as input."
+            )
+        if (self.input_shape_, self._input_kind) != (shape, kind):
+            raise ValueError(
+                f"X has shape {X.shape} and dtype {X.dtype}, but the estimator's network "
+                f"takes {'integer token ids' if kind == TOKENS else 'float X'} of shape "
+                f"(n_samples, {', '.join(map(str, shape))})."
             )
         task = "classification" if isinstance(est, PathKernelClassifier) else "regression"
         return X, est, task
@@ -438,9 +466,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
-            Training inputs; with ``estimator``, the inputs whose features define the
-            span (usually ``estimator.X_fit_``).
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            Training inputs (with ``module``, any ``(n_samples, ...)`` array: floats, or
+            integer token ids); with ``estimator``, the inputs whose features define the
+            span (usually ``estimator.X_fit_``), in the form its network takes.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
             Targets of the task (see ``task``); None trains the network to reconstruct X.
             Ignored with ``estimator``.
@@ -546,7 +575,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -560,7 +589,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -573,7 +602,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -599,7 +628,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------
@@ -620,7 +649,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 f"quarter of memory_budget={gram.budget:,} bytes; pass fewer points or "
                 f"raise memory_budget to at least {4 * nbytes:,}."
             )
-        K = to_numpy(gram.gram(gram.tensor(np.vstack([self.X_fit_, X]))).to(torch.float64))
+        K = to_numpy(gram.gram(gram.tensor(np.concatenate([self.X_fit_, X]))).to(torch.float64))
         return _numerical_rank(K[:n_train, :n_train], self.rtol), _numerical_rank(K, self.rtol)
 
     # ------------------------------------------------------------------ network views
@@ -696,5 +725,5 @@ def _numerical_rank(K: np.ndarray, rtol: float) -> int:
 
 
 OODRankDetector.__doc__ = OODRankDetector.__doc__.format(
-    shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC
+    shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC, normalize_y=_NORMALIZE_Y_DOC
 )

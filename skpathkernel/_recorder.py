@@ -80,10 +80,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
-from sklearn.utils.validation import check_array, check_is_fitted
+from sklearn.utils.validation import check_is_fitted
 
 from ._base import check_decompose_args
-from ._device import to_numpy, to_tensor
+from ._device import to_input_tensor, to_numpy, to_tensor
+from ._inputs import FEATURES, FLOAT, TOKENS, check_input
 from ._losses import LOSSES, Loss
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 
@@ -200,7 +201,8 @@ class PathRecorder:
     Parameters
     ----------
     module : torch.nn.Module
-        The network, called as ``module(X)`` on a 2-D tensor of inputs. Its parameters
+        The network, called as ``module(X)`` on a tensor of inputs of shape
+        ``(n_samples, ...)`` (floats, or int64 token ids). Its parameters
         that the optimizer updates are recorded (in ``named_parameters`` order); it must
         have no cross-sample state (no BatchNorm in train mode, no dropout) for the
         kernels and the decomposition to describe it.
@@ -425,9 +427,12 @@ class RecordedNetwork(BaseEstimator):
         The network whose path was recorded; called through ``torch.func.functional_call``
         with the recorded parameters, so its own current values are not used.
     trajectory : Trajectory
-    X_train : array-like or tensor of shape (n_samples, n_features), default=None
+    X_train : array-like or tensor of shape (n_samples, n_features) or (n_samples, ...)
         The training inputs the recorded batches index into, in the form the network
-        takes. Needed by :meth:`decompose`; also fixes ``n_features_in_``.
+        takes: floats (2-D features, images, sequences) or integer token ids (handed to
+        the network as int64). Needed by :meth:`decompose`; also fixes ``n_features_in_``
+        and ``input_shape_``, the form every later ``X`` must have. Without it, any
+        ``(n, ...)`` array is taken as it is.
     y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
         Their targets, in the form the loss takes (integer class codes for multi-class
         "log_loss"; a 1-D ``y`` is made a column for "squared_error").
@@ -447,7 +452,10 @@ class RecordedNetwork(BaseEstimator):
         "float32" or "float64", the trajectory's dtype.
     n_params_ : int
     n_features_in_ : int
-        Only when ``X_train`` is given.
+        Values per sample, ``prod(input_shape_)``; only when ``X_train`` is given.
+    input_shape_ : tuple of int
+        The trailing shape of ``X_train`` (``(n_features,)`` for 2-D inputs); only when
+        ``X_train`` is given.
 
     Examples
     --------
@@ -485,7 +493,13 @@ class RecordedNetwork(BaseEstimator):
         self.X_train = X_train
         self.y_train = y_train
         if X_train is not None:
-            self.n_features_in_ = int(np.shape(X_train)[1])
+            shape = tuple(int(d) for d in np.shape(X_train)[1:])
+            self.n_features_in_ = int(np.prod(shape))
+            self.input_shape_ = shape
+            # 2-D floats keep the strict features checks; integers are token ids.
+            integer = (not X_train.is_floating_point() if isinstance(X_train, torch.Tensor)
+                       else np.asarray(X_train).dtype.kind in "iu")
+            self._input_kind = TOKENS if integer else FEATURES if len(shape) == 1 else FLOAT
 
     def fit(self, X=None, y=None) -> RecordedNetwork:
         """Do nothing: the network was trained by the recorded loop. Returns self."""
@@ -501,12 +515,7 @@ class RecordedNetwork(BaseEstimator):
         device, dtype = self._device_dtype()
         if isinstance(X, torch.Tensor):
             X = X.detach().cpu().numpy()
-        X = check_array(X, dtype=[np.float64, np.float32], input_name=name)
-        n_features = getattr(self, "n_features_in_", None)
-        if n_features is not None and X.shape[1] != n_features:
-            raise ValueError(f"{name} has {X.shape[1]} features, but the network was trained "
-                             f"on {n_features}.")
-        return to_tensor(X, dtype=dtype, device=device)
+        return to_input_tensor(check_input(self, X, name), dtype=dtype, device=device)
 
     def _targets(self, n_outputs: int) -> torch.Tensor:
         device, dtype = self._device_dtype()
@@ -558,7 +567,8 @@ class RecordedNetwork(BaseEstimator):
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features)
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            In the form of ``X_train``.
         method : {"exact", "first_order", "second_order"}, default="exact"
         weighting : {"realized", "expected"}, default="realized"
         n_nodes : int, default=None

@@ -8,14 +8,17 @@ optimizer state into preallocated CPU buffers.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from sklearn.exceptions import ConvergenceWarning
 
 from ._losses import Loss
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 
-__all__ = ["TrainingDivergedError", "make_optimizer", "train"]
+__all__ = ["TrainingDivergedError", "make_optimizer", "resolve_batch_size", "train"]
 
 
 class TrainingDivergedError(ValueError):
@@ -44,8 +47,51 @@ def make_optimizer(params, spec: SolverSpec, lr: float) -> torch.optim.Optimizer
 class TrainResult:
     trajectory: Trajectory
     loss_curve: list[float]
-    n_iter: int
-    n_steps: int
+    n_iter: int  # epochs run
+    n_steps: int  # optimizer steps taken (the trajectory may end earlier: early stopping)
+    best_loss: float | None
+    validation_scores: list[float] | None
+    best_validation_score: float | None
+
+
+def resolve_batch_size(batch_size, n_samples: int) -> int:
+    """``None``: full batch; ``"auto"``: ``min(200, n_samples)`` (MLPClassifier's)."""
+    if batch_size is None:
+        return n_samples
+    if isinstance(batch_size, str):
+        return min(200, n_samples)
+    return min(int(batch_size), n_samples)
+
+
+class _StoppingRule:
+    """MLPClassifier's convergence test, epoch by epoch (``_update_no_improvement_count``).
+
+    Without validation: an epoch counts as "no improvement" when its training loss is not
+    below the best loss so far minus ``tol``. With validation: when its score is not above
+    the best score so far plus ``tol``. Training stops when more than ``n_iter_no_change``
+    consecutive epochs did not improve; ``tol=None`` never stops.
+    """
+
+    def __init__(self, tol, n_iter_no_change, validating):
+        self.tol, self.patience, self.validating = tol, n_iter_no_change, validating
+        self.count = 0
+        self.best_loss = math.inf
+        self.best_score = -math.inf
+
+    def update(self, loss: float, score: float | None) -> tuple[bool, bool]:
+        """(whether this epoch is the best so far, whether training should stop now)."""
+        tol = 0.0 if self.tol is None else self.tol
+        if self.validating:
+            # A NaN score compares False both ways: it never improves, never is the best.
+            self.count = self.count + 1 if not score >= self.best_score + tol else 0
+            best = score > self.best_score
+            if best:
+                self.best_score = score
+        else:
+            self.count = self.count + 1 if not loss <= self.best_loss - tol else 0
+            best = loss < self.best_loss
+        self.best_loss = min(self.best_loss, loss)
+        return best, self.tol is not None and self.count > self.patience
 
 
 def train(
@@ -56,26 +102,44 @@ def train(
     loss: Loss,
     solver: SolverSpec,
     learning_rate: float,
-    batch_size: int | None,
+    batch_size: int | str | None,
     max_iter: int,
     shuffle: bool,
     generator: torch.Generator,
-    record_every: int,
+    record_every: int | str,
+    tol: float | None = None,
+    n_iter_no_change: int = 10,
+    validation: Callable[[torch.nn.Module], float] | None = None,
+    record_budget: int = 2**30,
     progress=None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
-    ``batch_size=None`` is full-batch gradient descent. Batches are drawn on the CPU from
-    ``generator`` so that a seed gives the same batches on every device.
-    ``progress`` is an optional callable ``(epoch, loss)`` called after each epoch.
+    ``batch_size=None`` is full-batch gradient descent, ``"auto"`` ``min(200, n)``.
+    Batches are drawn on the CPU from ``generator`` so that a seed gives the same batches
+    on every device. ``progress`` is an optional callable ``(epoch, loss)`` called after
+    each epoch.
+
+    Stopping follows MLPClassifier (see :class:`_StoppingRule`): with ``validation`` (a
+    callable scoring the module on held-out data, higher is better) the score decides,
+    and the module and the path end at the epoch with the best score; otherwise the
+    training loss decides, and the path ends at the last step taken. A
+    :class:`~sklearn.exceptions.ConvergenceWarning` says when ``max_iter`` epochs ran
+    without meeting the rule (never with ``tol=None``, which runs all ``max_iter``).
+    ``record_every="auto"`` records every step when the points of ``max_iter`` epochs fit
+    in ``record_budget`` bytes, else every k-th step with the smallest k that fits.
     """
     n = X.shape[0]
-    B = n if batch_size is None else min(int(batch_size), n)
+    B = resolve_batch_size(batch_size, n)
     steps_per_epoch = math.ceil(n / B)
     n_steps = max_iter * steps_per_epoch
     params = [p for p in module.parameters() if p.requires_grad]
     names = [name for name, p in module.named_parameters() if p.requires_grad]
     optimizer = make_optimizer(params, solver, learning_rate)
+    if isinstance(record_every, str):
+        record_every = TrajectoryRecorder.auto_record_every(
+            sum(p.numel() for p in params), n_steps, len(solver.state_keys),
+            params[0].element_size(), record_budget)
     recorder = TrajectoryRecorder(
         params, names, n_steps=n_steps, record_every=record_every, solver=solver,
         n_samples=n, batch_size=B, dtype=params[0].dtype,
@@ -83,7 +147,11 @@ def train(
     full_batch = B == n
     recorder.record_point(0)
     loss_curve: list[float] = []
+    scores: list[float] | None = None if validation is None else []
+    rule = _StoppingRule(tol, n_iter_no_change, validation is not None)
+    best_step, best_params = n_steps, None
     step = 0
+    stopped = False
     for epoch in range(max_iter):
         if shuffle and not full_batch:
             order = torch.randperm(n, generator=generator)
@@ -115,12 +183,46 @@ def train(
             _raise_diverged(epoch * steps_per_epoch + bad, epoch, learning_rate)
         epoch_loss = float(batch_losses.sum()) / n
         loss_curve.append(epoch_loss)
+        score = None
+        if validation is not None:
+            with torch.no_grad():
+                score = float(validation(module))
+            scores.append(score)
+        best, stop = rule.update(epoch_loss, score)
+        if best and validation is not None:
+            # The model is the best-scoring epoch's (MLPClassifier restores it too): keep
+            # its parameters, the path will end there.
+            best_step = step
+            best_params = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
         if progress is not None:
             progress(epoch, epoch_loss)
-    trajectory = recorder.finish()
+        if stop:
+            stopped = True
+            break
+    n_iter = len(loss_curve)
+    if not stopped and tol is not None:
+        warnings.warn(
+            f"Maximum iterations ({max_iter}) reached and the optimization hasn't converged "
+            f"yet: the {'validation score' if validation is not None else 'training loss'} "
+            f"still improved by more than tol={tol:g} within the last "
+            f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
+            "exactly max_iter epochs.",
+            ConvergenceWarning,
+            stacklevel=4,
+        )
+    if best_params is None:  # no validation, or no finite score: the last step is the model
+        best_step = step
+    else:
+        torch.nn.utils.vector_to_parameters(best_params.to(params[0].device), params)
+    trajectory = recorder.finish(best_step, best_params)
     if not bool(torch.isfinite(trajectory.parameters(-1)).all()):
-        _raise_diverged(n_steps - 1, max_iter - 1, learning_rate)
-    return TrainResult(trajectory, loss_curve, max_iter, n_steps)
+        _raise_diverged(best_step - 1, n_iter - 1, learning_rate)
+    return TrainResult(
+        trajectory, loss_curve, n_iter, step,
+        best_loss=None if validation is not None else min(loss_curve),
+        validation_scores=scores,
+        best_validation_score=None if validation is None else rule.best_score,
+    )
 
 
 def _raise_diverged(step: int, epoch: int, lr: float):

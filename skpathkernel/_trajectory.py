@@ -418,6 +418,23 @@ class TrajectoryRecorder:
         n_points = TrajectoryRecorder.n_points_for(n_steps, record_every)
         return (n_points + (n_points - 1) * n_state) * n_params * itemsize
 
+    @staticmethod
+    def auto_record_every(n_params, n_steps, n_state, itemsize, max_bytes) -> int:
+        """The smallest ``record_every`` whose points fit in ``max_bytes`` (1 when all do).
+
+        The points are the parameters (``n_params`` values each) plus ``n_state`` optimizer
+        state vectors per step point. At least the initialization and the last point are
+        kept, so a path whose two end points alone exceed ``max_bytes`` keeps only those.
+        """
+        n_steps = max(int(n_steps), 1)
+        per_point = n_params * itemsize
+        # (m + (m - 1) n_state) * per_point <= max_bytes for m points.
+        max_points = (max_bytes // per_point + n_state) // (1 + n_state)
+        if max_points < 2:
+            return n_steps
+        every = -(-n_steps // (max_points - 1))
+        return int(min(max(every, 1), n_steps))
+
     # ------------------------------------------------------------------ growth
     def _grow_points(self, needed: int) -> None:
         """Make room for ``needed`` points (only when the number of steps is unknown)."""
@@ -498,24 +515,40 @@ class TrajectoryRecorder:
         """Optimizer steps recorded so far."""
         return self._n_batch
 
-    def finish(self) -> Trajectory:
-        """The trajectory recorded so far.
+    def finish(self, n_steps: int | None = None, last: torch.Tensor | None = None
+               ) -> Trajectory:
+        """The trajectory recorded so far, or its first ``n_steps`` optimizer steps.
 
-        If the last optimizer step did not land on a recorded point (``record_every > 1``
-        and an unknown number of steps), the current parameters are appended as the last
-        point, in a copy: the buffers stay as they are, so recording can go on.
+        If the last step kept did not land on a recorded point (``record_every > 1``, a run
+        stopped early, or a truncation), the parameters after it are appended as the last
+        point: ``last`` (a flat vector) when given, else the current parameters, in a
+        copy. Without ``n_steps`` the buffers stay as they are, so recording can go on (a
+        user's loop); with it (the estimators' end of training) the kept part is copied out
+        of buffers preallocated for a longer run, so that their memory is released.
+        Truncation assumes a step size that is constant within the last kept interval
+        (the estimators' loop, whose step size never changes).
         """
         if self._non_blocking:
             torch.cuda.synchronize()
-        n_points = self._k
+        n_done = self._n_batch if n_steps is None else int(n_steps)
+        if not 0 <= n_done <= self._n_batch:
+            raise ValueError(f"n_steps={n_steps} is outside [0, {self._n_batch}] (the steps "
+                             "recorded).")
+        n_points = int(np.searchsorted(self._steps[: self._k], n_done, side="right"))
         params, steps = self._buf[:n_points], self._steps[:n_points]
-        if n_points and steps[-1] != self._n_batch:
-            last = self._empty(1)
-            self._copy_flat(self._params, last[0])
+        if n_points and steps[-1] != n_done:
+            tail = self._empty(1)
+            if last is None:
+                if n_done != self._n_batch:
+                    raise ValueError("Truncating between recorded points needs `last`, the "
+                                     "parameters after the last step kept.")
+                self._copy_flat(self._params, tail[0])
+            else:
+                tail[0].copy_(last.reshape(-1))
             if self._non_blocking:
                 torch.cuda.synchronize()
-            params = torch.cat([params, last])
-            steps = np.append(steps, self._n_batch)
+            params = torch.cat([params, tail])
+            steps = np.append(steps, n_done)
             n_points += 1
         n_steps_per_point = np.diff(steps)
         lrs = self._lrs[: n_points - 1].copy()
@@ -523,16 +556,27 @@ class TrajectoryRecorder:
         # A scheduler changed the step size inside an interval: its mean, so that
         # learning_rates[k] * (steps[k + 1] - steps[k]) is the interval's total step size.
         lrs[varies] = self._lr_sum[: n_points - 1][varies] / n_steps_per_point[varies]
+        states = {k: v[: n_points - 1] for k, v in self._states.items()}
+        n_indices = self._batch_off[n_done]
+        batch_idx, batch_off = self._batch_idx[:n_indices], self._batch_off[: n_done + 1]
+        state_steps = self._state_steps[: n_points - 1]
+        if n_steps is not None and self.n_steps is not None and n_done < self.n_steps:
+            # A run that stopped early: copies, so that the buffers (sized for max_iter
+            # epochs) are released with the recorder.
+            params = params if params.data_ptr() != self._buf.data_ptr() else params.clone()
+            states = {k: v.clone() for k, v in states.items()}
+            steps, batch_idx = steps.copy(), batch_idx.copy()
+            batch_off, state_steps = batch_off.copy(), state_steps.copy()
         return Trajectory(
             names=self._names,
             shapes=self._shapes,
             params=params,
             steps=steps,
             learning_rates=lrs,
-            batch_indices=self._batch_idx[: self._batch_off[self._n_batch]],
-            batch_offsets=self._batch_off[: self._n_batch + 1],
-            states={k: v[: n_points - 1] for k, v in self._states.items()},
-            state_steps=self._state_steps[: n_points - 1],
+            batch_indices=batch_idx,
+            batch_offsets=batch_off,
+            states=states,
+            state_steps=state_steps,
             solver=self.solver,
             n_samples=self.n_samples,
             record_every=self.record_every,

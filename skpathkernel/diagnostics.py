@@ -24,8 +24,8 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import BasePathKernelNetwork, _layer_widths, rows_per_block
-from ._device import resolve_dtype, to_tensor
+from ._base import BasePathKernelNetwork, rows_per_block
+from ._device import resolve_dtype, to_input_tensor
 from ._losses import LOSSES
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
@@ -130,8 +130,9 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
         network and training loss); an OODRankDetector stands for its ``estimator_``. Its
         network is evaluated as it is (``module_`` is in evaluation mode after ``fit``)
         with the parameters of recorded point ``step``; the estimator is not modified.
-    X : array-like of shape (n_samples_X, n_features), default=None
-        Inputs. ``None``: the training inputs ``X_fit_``.
+    X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
+        Inputs, in the form of the training inputs (``input_shape_``). ``None``: the
+        training inputs ``X_fit_``.
     y : array-like of shape (n_samples_X,) or (n_samples_X, n_outputs), default=None
         Targets, encoded as ``fit`` encodes them (classifiers map labels through
         ``classes_``; a label not seen in ``fit`` is an error). Required with ``X``;
@@ -252,8 +253,10 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
     # that batching changes nothing but round-off.
     seed = int(check_random_state(random_state).randint(np.iinfo(np.int32).max))
     estimates = np.zeros((len(points), n_samples), dtype=np.float64)
+    # The network's dtype, not X's: token ids are int64.
+    dtype = estimator._torch_dtype_device()[0]
     for row, k in zip(estimates, points):
-        theta = traj.parameters(k).to(device=Xt.device, dtype=Xt.dtype)
+        theta = traj.parameters(k).to(device=Xt.device, dtype=dtype)
         row[:] = _quadratic_forms(estimator.module_, traj, theta, Xt, Yt, loss, block,
                                   seed, n_samples)
     se = (estimates.std(axis=1, ddof=1) / np.sqrt(n_samples) if n_samples > 1
@@ -299,7 +302,7 @@ def _default_batch_size(estimator, n: int) -> int:
     # Double backward keeps each layer's activations, their gradients and the second-order
     # graph over them: budget ~16 values per sample per unit, as _forward budgets 8.
     itemsize = torch.empty((), dtype=resolve_dtype(estimator.dtype)).element_size()
-    width = estimator.n_features_in_ + sum(_layer_widths(estimator.module_))
+    width = estimator.n_features_in_ + sum(estimator._activation_widths())
     return int(min(n, rows_per_block(estimator.memory_budget, 16 * width * itemsize,
                                      "hessian_trace")))
 
@@ -324,7 +327,8 @@ def _data(estimator, X, y) -> tuple[torch.Tensor, torch.Tensor]:
         X = estimator._validate_X(X)
         Y = _encode_like_fit(estimator, y)
         check_consistent_length(X, Y)
-    return to_tensor(X, dtype=dtype, device=device), estimator._target_tensor(Y, dtype, device)
+    return (to_input_tensor(X, dtype=dtype, device=device),
+            estimator._target_tensor(Y, dtype, device))
 
 
 def _encode_like_fit(estimator, y) -> np.ndarray:
@@ -349,4 +353,6 @@ def _encode_like_fit(estimator, y) -> np.ndarray:
                 f"y has {Y.shape[1]} outputs but the network was fitted with "
                 f"{estimator.n_outputs_}."
             )
+        # In the units the network was trained in (standardized with normalize_y).
+        Y = estimator._network_targets(Y)
     return Y

@@ -7,6 +7,12 @@ steps. Both subclass :class:`sklearn.gaussian_process.kernels.Kernel`, so they p
 ``SVC(kernel=...)``, ``KernelRidge(kernel=...)`` and ``GaussianProcessRegressor``, and
 combine with other kernels (``PathKernel(est) + WhiteKernel()``).
 
+Inputs have the form of the estimator's training inputs: 2-D features, or, for a network
+given as ``module``, ``(n, ...)`` arrays (images, sequences) and integer token ids. As
+scikit-learn's kernel consumers (``GaussianProcessRegressor``, ``KernelRidge``) only pass
+2-D arrays, the kernels also take such inputs as flat rows, ``X.reshape(n, -1)``, and
+restore ``input_shape_``; ``SVC(kernel=...)`` passes ``X`` through as it is.
+
 They are computed by the structured engine of :mod:`skpathkernel._tangent` (no Jacobian
 is formed for ``nn.Linear`` layers), in blocks bounded by the estimator's
 ``memory_budget``, on its device and in its dtype; the result is a float64 NumPy array.
@@ -20,10 +26,11 @@ import numbers
 import numpy as np
 import torch
 from sklearn.gaussian_process.kernels import Kernel
-from sklearn.utils.validation import check_array, check_is_fitted
+from sklearn.utils.validation import check_is_fitted
 
 from ._base import check_representable
-from ._device import fitted_dtype, resolve_dtype, to_numpy, to_tensor
+from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
+from ._inputs import check_input
 from ._parallel import map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 
@@ -40,15 +47,11 @@ def _validate(estimator, X, name="X"):
     # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
     # whatever X is.
     dtype, _ = _context(estimator)
-    X = check_array(X, dtype=[np.float64, np.float32], ensure_all_finite=True,
-                    input_name=name)
+    # The estimator's input form: 2-D features, or (n, ...) arrays and token ids, which
+    # also come as flat rows of n_features_in_ values (GaussianProcessRegressor and
+    # KernelRidge only pass 2-D arrays).
+    X = check_input(estimator, X, name, allow_flat=True)
     check_representable(X, dtype, name)
-    n_features = getattr(estimator, "n_features_in_", None)
-    if n_features is not None and X.shape[1] != n_features:
-        raise ValueError(
-            f"{name} has {X.shape[1]} features, but the kernel's estimator is expecting "
-            f"{n_features} features as input."
-        )
     return X
 
 
@@ -85,8 +88,8 @@ def _check_output(output):
 
 def _tensors(estimator, X, Y):
     dtype, device = _context(estimator)
-    Xt = None if X is None else to_tensor(X, dtype=dtype, device=device)
-    Yt = None if Y is None else to_tensor(Y, dtype=dtype, device=device)
+    Xt = None if X is None else to_input_tensor(X, dtype=dtype, device=device)
+    Yt = None if Y is None else to_input_tensor(Y, dtype=dtype, device=device)
     return Xt, Yt
 
 
@@ -129,8 +132,10 @@ def step_kernel(
     Parameters
     ----------
     estimator : fitted skpathkernel estimator
-    X : array-like of shape (n_samples_X, n_features)
-    Y : array-like of shape (n_samples_Y, n_features), default=None
+    X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...)
+        In the form of the estimator's training inputs, or flat rows of
+        ``n_features_in_`` values each.
+    Y : array-like of shape (n_samples_Y, n_features) or (n_samples_Y, ...), default=None
         ``None`` means ``Y = X`` (and uses the symmetry).
     step : int, default=-1
         Recorded point of ``estimator.trajectory_`` (negative indices count from the end).
@@ -269,8 +274,10 @@ class _NetworkKernel(Kernel):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples_X, n_features)
-        Y : array-like of shape (n_samples_Y, n_features), default=None
+        X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...)
+            In the form of the estimator's training inputs (``input_shape_``), or flat
+            rows of ``n_features_in_`` values each.
+        Y : array-like of shape (n_samples_Y, n_features) or (n_samples_Y, ...), default=None
             ``None`` evaluates ``k(X, X)``.
         eval_gradient : bool, default=False
             The kernel has no tunable hyperparameter, so the gradient with respect to
@@ -297,7 +304,7 @@ class _NetworkKernel(Kernel):
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
 
         Returns
         -------

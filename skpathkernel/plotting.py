@@ -27,6 +27,7 @@ from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._device import fitted_dtype
+from ._inputs import FEATURES, check_input, fitted_input
 
 __all__ = [
     "KernelEvolutionDisplay",
@@ -59,6 +60,10 @@ def _gram(estimator, X, *, kernel, step, normalized):
     if kernel == "tangent":
         return step_kernel(estimator, X, step=step, normalized=normalized)
     return PathKernel(estimator, normalized=normalized)(X)
+
+
+# Inputs with more values than this are named by their index in legends, not spelled out.
+_SPELLED_OUT = 4
 
 
 def _recorded_points(estimator, steps):
@@ -231,7 +236,8 @@ class KernelMatrixDisplay:
         Parameters
         ----------
         estimator : fitted PathKernelMachine or PathKernelClassifier
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
             Class of each sample: samples are reordered by class (stably) and the class
             blocks are outlined. None keeps the order of ``X``.
@@ -251,7 +257,7 @@ class KernelMatrixDisplay:
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
         check_is_fitted(estimator, "trajectory_")
-        X = check_array(X, dtype=[np.float64, np.float32])
+        X = check_input(estimator, X)
         order = np.arange(X.shape[0])
         if y is not None:
             y = np.asarray(y)
@@ -413,10 +419,10 @@ class KernelNeighborsDisplay:
         check_is_fitted(estimator, "trajectory_")
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
         X = estimator.X_fit_
-        if X.shape[1] != 2:
+        if X.ndim != 2 or X.shape[1] != 2:
             raise ValueError(
-                f"KernelNeighborsDisplay draws 2-D inputs; the estimator has {X.shape[1]} "
-                "features."
+                "KernelNeighborsDisplay draws 2-D inputs; the estimator's inputs have shape "
+                f"(n_samples, {', '.join(map(str, X.shape[1:]))})."
             )
         anchors = check_array(anchors, dtype=np.float64)
         y = estimator.predict(X) if y is None else np.asarray(y)
@@ -450,10 +456,11 @@ class KernelEvolutionDisplay:
         Optimizer step index of each recorded point shown (``trajectory_.steps``).
     kernel_values : ndarray of shape (n_points, n_Y)
         ``K_t(x, y_j)`` at each of them.
-    x : ndarray of shape (n_features,)
-    Y : ndarray of shape (n_Y, n_features)
+    x : ndarray of shape (n_features,) or the estimator's ``input_shape_``
+    Y : ndarray of shape (n_Y, n_features) or (n_Y, ...)
     labels : list of str, default=None
-        Legend entry of each ``y_j`` (default: its coordinates).
+        Legend entry of each ``y_j`` (default: its coordinates, or ``y_j`` for inputs of
+        more than 4 values, such as images).
     ylabel : str, default="normalized tangent kernel"
 
     Attributes
@@ -501,16 +508,22 @@ class KernelEvolutionDisplay:
         check_matplotlib_support("KernelEvolutionDisplay.plot")
         ax, fig = _axes(ax)
         labels = self.labels
-        if labels is None:
+        spelled = np.asarray(self.x).size <= _SPELLED_OUT
+        if labels is None and spelled:
             labels = ["y=(" + ", ".join(f"{v:.3g}" for v in yj) + ")" for yj in self.Y]
+        elif labels is None:
+            labels = [f"y_{j}" for j in range(len(self.Y))]
         values = np.asarray(self.kernel_values)
         self.lines_ = [
             ax.plot(self.steps, values[:, j], label=labels[j], **line_kw)[0]
             for j in range(values.shape[1])
         ]
         ax.set_xlabel("optimizer step")
-        x = ", ".join(f"{v:.3g}" for v in np.asarray(self.x).ravel())
-        ax.set_ylabel(f"{self.ylabel} with x=({x})")
+        if spelled:
+            x = ", ".join(f"{v:.3g}" for v in np.asarray(self.x).ravel())
+            ax.set_ylabel(f"{self.ylabel} with x=({x})")
+        else:
+            ax.set_ylabel(f"{self.ylabel} with x")
         if legend:
             ax.legend(fontsize="small")
         self.ax_, self.figure_ = ax, fig
@@ -524,8 +537,9 @@ class KernelEvolutionDisplay:
         Parameters
         ----------
         estimator : fitted PathKernelMachine or PathKernelClassifier
-        x : array-like of shape (n_features,)
-        Y : array-like of shape (n_Y, n_features)
+        x : array-like of shape (n_features,) or the estimator's ``input_shape_``
+            One input, without the sample axis.
+        Y : array-like of shape (n_Y, n_features) or (n_Y, ...)
         steps : sequence of int, default=None
             Recorded points to evaluate (indices into ``trajectory_``; negative count from
             the end); None: all of them.
@@ -544,8 +558,17 @@ class KernelEvolutionDisplay:
         from .kernels import step_kernel
 
         check_is_fitted(estimator, "trajectory_")
-        x = check_array(np.asarray(x, dtype=np.float64).reshape(1, -1))
-        Y = check_array(Y, dtype=np.float64)
+        shape, kind = fitted_input(estimator)
+        if kind == FEATURES:
+            x = check_array(np.asarray(x, dtype=np.float64).reshape(1, -1))
+            Y = check_array(Y, dtype=np.float64)
+        else:
+            x = np.asarray(x)
+            # One input (image, token ids) gets its sample axis.
+            x = check_input(estimator, x[None] if x.shape == shape else x, "x")
+            if x.shape[0] != 1:
+                raise ValueError(f"x must be one input, got {x.shape[0]} of them.")
+            Y = check_input(estimator, Y, "Y")
         points = _recorded_points(estimator, steps)
         values = np.vstack([
             step_kernel(estimator, x, Y, step=int(k), normalized=normalized,
@@ -644,8 +667,8 @@ class RankGapDisplay:
         Parameters
         ----------
         estimator : fitted PathKernelMachine or PathKernelClassifier
-        X_train : array-like of shape (n_train, n_features)
-        X_test : array-like of shape (n_test, n_features)
+        X_train : array-like of shape (n_train, n_features) or (n_train, ...)
+        X_test : array-like of shape (n_test, n_features) or (n_test, ...)
         steps : sequence of int, default=None
             Recorded points (None: all).
         rtol : float, default=None
@@ -664,9 +687,9 @@ class RankGapDisplay:
         from .kernels import step_kernel
 
         check_is_fitted(estimator, "trajectory_")
-        X_train = check_array(X_train, dtype=np.float64)
-        X_test = check_array(X_test, dtype=np.float64)
-        X = np.vstack([X_train, X_test])
+        X_train = check_input(estimator, X_train, "X_train")
+        X_test = check_input(estimator, X_test, "X_test")
+        X = np.concatenate([X_train, X_test])
         if rtol is None:
             rtol = float(np.sqrt(X.shape[0] * np.finfo(fitted_dtype(estimator)).eps))
         elif not np.isfinite(rtol) or not 0 <= rtol < 1:
@@ -803,7 +826,7 @@ class TangentEmbeddingDisplay:
         Parameters
         ----------
         estimator : fitted PathKernelMachine or PathKernelClassifier
-        X : array-like of shape (n_samples, n_features)
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
         y : array-like of shape (n_samples,), default=None
             Colours.
         step : int, default=-1
@@ -822,7 +845,7 @@ class TangentEmbeddingDisplay:
         from .kernels import step_kernel
 
         check_is_fitted(estimator, "trajectory_")
-        X = check_array(X, dtype=np.float64)
+        X = check_input(estimator, X)
         resolved = _resolve_method(method)
         K = step_kernel(estimator, X, step=step, normalized=True)
         if resolved == "pca":

@@ -22,7 +22,9 @@ def jacobian_loop(module, X):
     params = [p for p in module.parameters() if p.requires_grad]
     dtype = params[0].dtype
     rows = []
-    for x in torch.as_tensor(np.asarray(X)).to(dtype):
+    X = torch.as_tensor(np.asarray(X))
+    # Integer token ids stay integers (an embedding indexes with them).
+    for x in X.to(dtype) if X.is_floating_point() else X:
         out = module(x[None]).reshape(-1)
         rows.append(torch.stack([
             # An unused parameter (a bias a patched forward leaves out) has zero gradient.

@@ -6,6 +6,8 @@ estimator exactly as it was (same attributes, same network, same predictions), f
 refits included.
 """
 
+import copy
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -113,7 +115,7 @@ def _fresh(fitted, name):
 def snapshot(est):
     """What a failing call must leave as it was: every attribute, the network, the outputs."""
     net = _network(est)
-    probe = X[:5]
+    probe = est.X_fit_[:5]  # the estimator's own input form: features, images, token ids
     if hasattr(est, "score_samples"):
         out = est.score_samples(probe)
     elif hasattr(est, "predict"):
@@ -376,3 +378,148 @@ def test_hessian_trace_runs_for_every_estimator(fitted, name):
     # TangentFeatures' loss="auto" and an OODRankDetector (its estimator_) included.
     res = hessian_trace(fitted[name], n_samples=3, random_state=0)
     assert np.isfinite(res.trace)
+
+
+# --------------------------------------------------------------------------- (n, ...) inputs
+# With a module, X may be images or token ids: every method checks the shape and dtype fit
+# saw, names what it expects, and leaves the estimator as it was.
+def _cnn(n_features_in, n_outputs):
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, stride=2), torch.nn.Tanh(),
+                               torch.nn.Flatten(), torch.nn.Linear(18, n_outputs))
+
+
+def _token_net(n_features_in, n_outputs):
+    return torch.nn.Sequential(torch.nn.Embedding(6, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(3 * n_features_in, n_outputs))
+
+
+IMAGES = RNG.uniform(size=(12, 1, 8, 8))
+TOKEN_IDS = RNG.randint(0, 6, size=(12, 3))
+ND = {"images": (_cnn, IMAGES), "tokens": (_token_net, TOKEN_IDS)}
+
+
+def _with(A, index, value):
+    A = A.copy()
+    A[index] = value
+    return A
+
+
+# kind -> case -> (X, exception, message)
+BAD_ND_X = {
+    "images": {
+        "NaN": (_with(IMAGES[:2], (0, 0, 3, 3), np.nan), ValueError, "NaN"),
+        "inf": (_with(IMAGES[:2], (1, 0, 0, 0), np.inf), ValueError, "infinity"),
+        "wrong trailing shape": (np.zeros((2, 1, 8, 7)), ValueError,
+                                 r"shape \(2, 1, 8, 7\).*of shape \(n_samples, 1, 8, 8\)"),
+        "flat rows": (np.zeros((2, 64)), ValueError, r"of shape \(n_samples, 1, 8, 8\)"),
+        "integers": (np.ones((2, 1, 8, 8), dtype=np.uint8), ValueError,
+                     "integer dtype uint8.*fitted on float inputs"),
+        "1-D": (np.zeros(2), ValueError, r"shape \(2,\)"),
+        "sparse": (sp.csr_matrix(np.ones((2, 64))), TypeError, "[Ss]parse"),
+        "0 features": (np.zeros((2, 1, 0, 8)), ValueError, "0 feature"),
+        "complex": (np.zeros((2, 1, 8, 8), dtype=complex), ValueError, "[Cc]omplex"),
+        "float32 overflow": (_with(IMAGES[:2], (0, 0, 0, 0), 1e300), ValueError,
+                             "too large for the network's dtype float32"),
+    },
+    "tokens": {
+        "float ids": (TOKEN_IDS[:2].astype(float), ValueError,
+                      "fitted on integer token ids.*int64"),
+        "NaN": (np.array([[np.nan, 1.0, 2.0]]), ValueError, "NaN"),
+        "negative id": (_with(TOKEN_IDS[:2], (0, 1), -1), ValueError, "non-negative"),
+        "id beyond the embedding": (_with(TOKEN_IDS[:2], (1, 2), 99), ValueError,
+                                    r"token id 99, out of range.*\[6\] rows"),
+        "wrong length": (np.zeros((2, 4), dtype=int), ValueError,
+                         r"4 features.*expecting 3|shape \(2, 4\).*\(n_samples, 3\)"),
+        "3-D ids": (np.zeros((2, 3, 1), dtype=int), ValueError,
+                    r"shape \(2, 3, 1\).*of shape \(n_samples, 3\)"),
+        "sparse": (sp.csr_matrix(np.ones((2, 3), dtype=int)), TypeError, "[Ss]parse"),
+    },
+}
+# The kernels also take flat rows of n_features_in_ values (GaussianProcessRegressor and
+# KernelRidge pass 2-D arrays only): "flat rows" are good input there.
+_KERNELS = {"TangentKernel", "TangentKernel(X, Y)", "TangentKernel.diag", "PathKernel",
+            "PathKernel.diag", "step_kernel"}
+ND_METHODS = {**METHODS, "TangentKernel(X, Y)":
+              lambda e, A: TangentKernel(_network(e))(e.X_fit_[:2], A)}
+
+
+@pytest.fixture(scope="module")
+def fitted_nd():
+    with torch.random.fork_rng():
+        return {(name, kind): make(**SMALL, module=module).fit(Xk, y)
+                for name, (make, y, _) in ESTIMATORS.items()
+                for kind, (module, Xk) in ND.items()}
+
+
+# The kernels validate X from the fitted form alone, whatever the estimator: two of them
+# stand for all five there (the estimators' own methods are all checked).
+_KERNEL_ESTIMATORS = ("PathKernelClassifier", "OODRankDetector")
+
+
+@pytest.mark.parametrize(("name", "method", "kind", "case"), [
+    (name, method, kind, case) for name, method in CALLS for kind in BAD_ND_X
+    for case in BAD_ND_X[kind]
+    if not (case == "flat rows" and method in _KERNELS)
+    and (method not in _KERNELS or name in _KERNEL_ESTIMATORS)
+])
+def test_bad_nd_X_is_refused_and_changes_nothing(fitted_nd, name, method, kind, case):
+    est = copy.deepcopy(fitted_nd[name, kind])
+    A, error, match = BAD_ND_X[kind][case]
+    before = snapshot(est)
+    with pytest.raises(error, match=match):
+        ND_METHODS[method](est, A)
+    assert_unchanged(est, before)
+
+
+# kind -> case -> (X, exception, message): refits of a fitted estimator, which must keep it.
+BAD_ND_FIT = {
+    "images": {
+        # With a module, integer X is token ids: a network without an embedding cannot
+        # take them, and says so before any training.
+        "integers for a float network": (
+            (IMAGES * 255).astype(np.uint8), ValueError,
+            r"could not take X of shape \(12, 1, 8, 8\), handed to it as torch.int64.*"
+            r"nn.Embedding"),
+        # 6 x 6 images leave the CNN 8 values to flatten where its head takes 18.
+        "wrong trailing shape": (IMAGES[:, :, :6, :6], ValueError,
+                                 r"could not take X of shape \(12, 1, 6, 6\)"),
+        "NaN": (_with(IMAGES, (3, 0, 1, 1), np.nan), ValueError, "NaN"),
+        "0 features": (IMAGES[:, :, :0], ValueError, "0 feature"),
+        "1 sample": (IMAGES[:1], ValueError, "1 sample"),
+    },
+    "tokens": {
+        "float ids": (TOKEN_IDS.astype(float), ValueError,
+                      "could not take X.*torch.float32.*must be integers"),
+        "ids beyond the embedding": (TOKEN_IDS + 10, ValueError,
+                                     r"largest token id is 15.*embeddings have \[6\] rows"),
+        "negative ids": (TOKEN_IDS - 1, ValueError, "non-negative"),
+    },
+}
+
+
+@pytest.mark.parametrize(("kind", "case"), [(k, c) for k in BAD_ND_FIT for c in BAD_ND_FIT[k]])
+@pytest.mark.parametrize("name", ALL)
+def test_bad_nd_fit_data_is_refused_and_the_previous_fit_kept(fitted_nd, name, kind, case):
+    est = copy.deepcopy(fitted_nd[name, kind])
+    A, error, match = BAD_ND_FIT[kind][case]
+    before = snapshot(est)
+    with pytest.raises(error, match=match):
+        est.fit(A, _y_for(est, len(A)))
+    assert_unchanged(est, before)
+
+
+def test_a_prefitted_detector_refuses_inputs_of_another_form(fitted_nd):
+    net = fitted_nd["PathKernelClassifier", "images"]
+    with pytest.raises(ValueError, match=r"takes float X of shape \(n_samples, 1, 8, 8\)"):
+        OODRankDetector(estimator=net).fit(IMAGES.reshape(12, -1))
+    tokens = fitted_nd["PathKernelClassifier", "tokens"]
+    with pytest.raises(ValueError, match="takes integer token ids"):
+        OODRankDetector(estimator=tokens).fit(TOKEN_IDS.astype(float))
+
+
+def test_the_default_network_keeps_two_dimensional_features():
+    # Without a module, X stays 2-D features; integer features are converted to floats.
+    with pytest.raises(ValueError, match="dim 4"):
+        PathKernelMachine(**SMALL).fit(IMAGES, Y_REG)
+    est = PathKernelMachine(**SMALL).fit(TOKEN_IDS, Y_REG)
+    assert est.X_fit_.dtype == np.float64 and est.input_shape_ == (3,)

@@ -1,5 +1,10 @@
-"""scikit-learn's own estimator checks on every public estimator."""
+"""scikit-learn's own estimator checks on every public estimator.
 
+Twice: constructed with their defaults (what a new user gets: float32, Adam, minibatches,
+the stopping rule), and with small float64 settings (the exactness configuration).
+"""
+
+import torch
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from skpathkernel import (
@@ -10,20 +15,43 @@ from skpathkernel import (
     TangentFeatureSVM,
 )
 
-# Small, fast settings that still learn sklearn's check data sets (adam converges in a few
-# hundred full-batch steps on them). float64 because sklearn's subset-invariance check
-# compares batched predictions to 1e-7 relative, below float32 GEMM rounding (which depends
-# on the batch size); test_float32_predictions_are_batch_invariant_to_round_off covers
-# float32 at its own precision.
+DEFAULTS = [
+    PathKernelMachine(),
+    PathKernelClassifier(),
+    TangentFeatures(),
+    TangentFeatureSVM(),
+    OODRankDetector(),
+]
+
+# Small, fast float64 settings that still learn sklearn's check data sets.
 FAST = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02, max_iter=150,
             dtype="float64", random_state=0)
 
+
+class _MLP:
+    """A module factory whose repr (the test id) is the same in every xdist worker."""
+
+    def __call__(self, n_features_in, n_outputs):
+        return torch.nn.Sequential(torch.nn.Linear(n_features_in, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, n_outputs))
+
+    def __repr__(self):
+        return "mlp"
+
+
+# A user's module on 2-D X: n_features_in_, feature names and the rest of the checks hold
+# as for the default network, except integer X, which is token ids with a module.
+WITH_MODULE = PathKernelClassifier(**{**FAST, "module": _MLP()})
+
 ESTIMATORS = [
+    *DEFAULTS,
+    WITH_MODULE,
     PathKernelMachine(**FAST),
     PathKernelClassifier(**FAST),
     TangentFeatures(**FAST),
     TangentFeatures(**FAST, n_components=8, normalize=True),
     TangentFeatureSVM(**FAST),
+    TangentFeatureSVM(**FAST, svm_kernel="linear"),
     OODRankDetector(**FAST),
 ]
 
@@ -31,6 +59,8 @@ ESTIMATORS = [
 _IN_SPAN = ("every training feature lies in its own tangent span, so no training point can be "
             "an outlier (like LocalOutlierFactor(novelty=True)); offset_ for a float "
             "contamination is a quantile of leave-one-out scores instead")
+_TOKEN_IDS = ("with a module, integer X is token ids handed to it as int64, which this MLP "
+              "(no embedding) refuses with a clear error; the default network converts them")
 EXPECTED_FAILED_CHECKS = {
     "OODRankDetector": {
         "check_outliers_train": _IN_SPAN,
@@ -40,6 +70,9 @@ EXPECTED_FAILED_CHECKS = {
 
 
 def _expected_failed_checks(estimator):
+    if estimator is WITH_MODULE:
+        return {"check_estimators_dtypes": _TOKEN_IDS,
+                "check_classifier_data_not_an_array": _TOKEN_IDS}
     return EXPECTED_FAILED_CHECKS.get(type(estimator).__name__, {})
 
 

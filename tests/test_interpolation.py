@@ -15,6 +15,11 @@ from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 
+# The old defaults, pinned: the targets as given, exactly max_iter epochs (the references
+# replay that path), tanh; OLD adds the old solver for the calls that name none.
+RAW = dict(normalize_y=False, tol=None, activation="tanh")
+OLD = dict(RAW, solver="sgd")
+
 SOLVERS = {
     "sgd": dict(solver="sgd", learning_rate_init=0.1),
     "sgd-momentum-l2": dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, alpha=0.01),
@@ -96,7 +101,7 @@ def _squared(out, y):
 @pytest.mark.parametrize("batch_size", [None, 5])
 def test_exact_contributions_equal_brute_force(data, name, batch_size):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(6,), max_iter=3, batch_size=batch_size,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6,), max_iter=3, batch_size=batch_size,
                             dtype="float64", random_state=0, **SOLVERS[name]).fit(X_train, y)
     res = est.decompose(X)
     Y = torch.as_tensor(y).reshape(-1, 1)
@@ -116,7 +121,7 @@ def test_exact_contributions_equal_brute_force(data, name, batch_size):
 @pytest.mark.parametrize("batch_size", [None, 7])
 def test_exact_reproduces_the_network_regression(data, name, batch_size):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(16, 16), max_iter=15, batch_size=batch_size,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(16, 16), max_iter=15, batch_size=batch_size,
                             dtype="float64", random_state=0, **SOLVERS[name]).fit(X_train, y)
     res = est.decompose(X)
     recon = res.initial + res.contributions.sum(axis=1) + res.regularization
@@ -146,7 +151,7 @@ def test_first_and_second_order_converge_at_their_orders(data):
     X_train, y, X = data
     errors = {"first_order": [], "second_order": []}
     for lr, steps in [(0.2, 20), (0.1, 40), (0.05, 80)]:
-        est = PathKernelMachine(hidden_layer_sizes=(8,), learning_rate_init=lr,
+        est = PathKernelMachine(**OLD, hidden_layer_sizes=(8,), learning_rate_init=lr,
                                 max_iter=steps, dtype="float64", random_state=0)
         est.fit(X_train, y)
         for method in errors:
@@ -159,7 +164,7 @@ def test_first_and_second_order_converge_at_their_orders(data):
 
 def test_expected_weighting(data):
     X_train, y, X = data
-    full = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=10, learning_rate_init=0.1,
+    full = PathKernelMachine(**OLD, hidden_layer_sizes=(8,), max_iter=10, learning_rate_init=0.1,
                              dtype="float64", random_state=0).fit(X_train, y)
     assert_allclose(full.decompose(X, weighting="expected").contributions,
                     full.decompose(X).contributions, rtol=1e-12, atol=1e-15)
@@ -172,8 +177,8 @@ def test_expected_weighting(data):
 
 def test_explain_agrees_with_sorted_contributions(data):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, dtype="float64",
-                            random_state=0).fit(X_train, y)
+    est = PathKernelMachine(**OLD, hidden_layer_sizes=(8,), max_iter=5, dtype="float64",
+                            learning_rate_init=0.01, random_state=0).fit(X_train, y)
     idx, contrib = est.explain(X, n_neighbors=4)
     full = est.decompose(X).contributions[:, :, 0]
     for q in range(len(X)):
@@ -185,7 +190,7 @@ def test_explain_agrees_with_sorted_contributions(data):
 
 def test_float32_error_is_at_round_off(data):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(32, 32), solver="adam", max_iter=30,
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(32, 32), solver="adam", max_iter=30,
                             learning_rate_init=0.01, random_state=0).fit(X_train, y)
     res = est.decompose(X)
     change = np.abs(res.prediction - res.initial).max()
@@ -195,8 +200,8 @@ def test_float32_error_is_at_round_off(data):
 
 def test_needs_every_step_recorded(data):
     X_train, y, X = data
-    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=4, record_every=2,
-                            random_state=0).fit(X_train, y)
+    est = PathKernelMachine(**OLD, hidden_layer_sizes=(4,), max_iter=4, record_every=2,
+                            learning_rate_init=0.01, random_state=0).fit(X_train, y)
     with pytest.raises(ValueError, match="record_every=1"):
         est.decompose(X)
     with pytest.raises(ValueError, match="method must be"):
@@ -221,7 +226,7 @@ def test_sgd_fast_path_equals_the_dense_adjoint(data, method, batch_size, monkey
             return self.out(torch.tanh(self.lin(x)) * self.scale)
 
     X_train, y, X = data
-    est = PathKernelMachine(module=WithRaw, max_iter=6, batch_size=batch_size, alpha=0.05,
+    est = PathKernelMachine(**OLD, module=WithRaw, max_iter=6, batch_size=batch_size, alpha=0.05,
                             learning_rate_init=0.1, dtype="float64", random_state=0)
     est.fit(X_train, y)
     assert interpolation._structured(est.trajectory_, method)

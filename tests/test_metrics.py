@@ -140,7 +140,8 @@ def test_retraining_and_lds_of_one_gradient_step_closed_form():
     lr = 0.1
     est = PathKernelMachine(module=_zero_linear, solver="sgd", learning_rate_init=lr,
                             momentum=0.0, alpha=0.0, batch_size=None, max_iter=1,
-                            shuffle=True, dtype="float64", random_state=0)
+                            shuffle=True, dtype="float64", random_state=0,
+                            normalize_y=False, tol=None)
     res = retrain_on_subsets(est, X, y, Z, n_subsets=12, random_state=0)
     assert res.subsets.shape == (12, 30) and (res.subsets.sum(1) == 15).all()
     closed = np.array([(lr / 15) * (y[s] @ X[s]) @ Z.T for s in res.subsets])
@@ -175,7 +176,7 @@ def test_retraining_equals_a_loop_of_fits(protocol):
     X, y = rng.normal(size=(24, 3)), rng.normal(size=24)
     est = PathKernelMachine(hidden_layer_sizes=(5,), solver="sgd", learning_rate_init=0.05,
                             momentum=0.0, alpha=0.0, batch_size=8, max_iter=3, shuffle=True,
-                            dtype="float64", random_state=7)
+                            dtype="float64", random_state=7, tol=None)
     res = retrain_on_subsets(est, X, y, X[:4], n_subsets=3, protocol=protocol, n_repeats=2,
                              random_state=0)
     expected = _brute_force_outputs(est, X, y, X[:4], res, lambda m, Z: m.predict(Z))
@@ -234,7 +235,7 @@ def test_replay_equals_a_hand_written_sgd_loop_over_the_recorded_batches():
     est = PathKernelClassifier(hidden_layer_sizes=(5,), solver="sgd", learning_rate_init=0.3,
                                momentum=0.0, alpha=0.0, batch_size=6, max_iter=3,
                                shuffle=True, loss="log_loss", dtype="float64",
-                               random_state=0).fit(X, y)
+                               random_state=0, tol=None).fit(X, y)
     res = retrain_on_subsets(est, X, y, X[:7], y[:7], n_subsets=4, protocol="replay",
                              subset_fraction=0.3, random_state=0, n_jobs=2)
     assert res.seeds is None and res.protocol == "replay"
@@ -307,7 +308,7 @@ def classifiers():
     X = rng.normal(size=(30, 3))
     y3 = np.digitize(X[:, 0], [-0.5, 0.5])
     common = dict(hidden_layer_sizes=(6,), activation="tanh", momentum=0.0, alpha=0.0,
-                  shuffle=True, loss="log_loss", dtype="float64", random_state=0)
+                  shuffle=True, loss="log_loss", dtype="float64", random_state=0, tol=None)
     sgd = PathKernelClassifier(solver="sgd", learning_rate_init=0.5, batch_size=10,
                                max_iter=3, **common).fit(X, y3)
     adam = PathKernelClassifier(solver="adam", learning_rate_init=0.05, batch_size=None,
@@ -387,18 +388,23 @@ def test_attribute_outputs_and_regressors(classifiers):
     res = sgd.decompose(X[:4])
     assert_allclose(sgd.attribute(X[:4], output=2), res.contributions[:, :, 2], rtol=1e-10,
                     atol=1e-14)
+    # normalize_y: the scores in the units of y, like decompose's (each output its scale).
     reg = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.1,
                             momentum=0.0, alpha=0.01, batch_size=None, max_iter=3,
-                            dtype="float64", random_state=0)
-    multi = clone(reg).fit(X, np.c_[X[:, 0], X[:, 1]])
+                            dtype="float64", random_state=0, tol=None, normalize_y=True)
+    multi = clone(reg).fit(X, np.c_[X[:, 0], 5 * X[:, 1]])
     res = multi.decompose(X[:3])
     assert_allclose(multi.attribute(X[:3], output=1), res.contributions[:, :, 1],
                     rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError, match="2 outputs"):
         multi.attribute(X[:3])
     single = clone(reg).fit(X, X[:, 0])
-    assert_allclose(single.attribute(X[:3]), single.decompose(X[:3]).contributions[:, :, 0],
-                    rtol=1e-10, atol=1e-14)
+    res = single.decompose(X[:3])
+    scores = single.attribute(X[:3])
+    assert_allclose(scores, res.contributions[:, :, 0], rtol=1e-10, atol=1e-14)
+    # The scores add up to the prediction in the units of y.
+    assert_allclose(res.initial[:, 0] + scores.sum(1) + res.regularization[:, 0],
+                    single.predict(X[:3]), atol=1e-10)
     with pytest.raises(ValueError, match="for classifiers"):
         single.attribute(X[:3], output="margin")
 

@@ -15,8 +15,9 @@ from skpathkernel._ood import _pivoted_cholesky
 from skpathkernel._reproduce._fig7 import _relu_network
 from skpathkernel.datasets import make_linear_extrapolation
 
+# The old defaults, pinned: tanh, a fixed number of epochs, raw regression targets.
 SMALL = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.01, max_iter=60,
-             dtype="float64", random_state=0)
+             activation="tanh", tol=None, normalize_y=False, dtype="float64", random_state=0)
 
 
 def dense_features(det, X):
@@ -194,7 +195,8 @@ def test_max_rank_truncation_warns():
 def test_prefitted_estimator_is_not_retrained_and_survives_clone():
     rng = np.random.RandomState(7)
     X, y = task_data("classification", rng)
-    clf = PathKernelClassifier(**SMALL).fit(X, y)
+    clf = PathKernelClassifier(**{k: v for k, v in SMALL.items() if k != "normalize_y"})
+    clf.fit(X, y)
     traj, curve = clf.trajectory_, list(clf.loss_curve_)
     det = OODRankDetector(estimator=clf).fit(X)
     assert det.estimator_ is clf and clf.trajectory_ is traj and clf.loss_curve_ == curve

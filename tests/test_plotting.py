@@ -51,8 +51,10 @@ def circle():
     rng = np.random.RandomState(0)
     X = rng.uniform(-1, 1, size=(40, 2))
     y = np.where((X**2).sum(1) > 0.5, 1, -1)
+    # SGD (the old default, pinned): the path-kernel reference below is unpreconditioned.
     clf = PathKernelClassifier(hidden_layer_sizes=(7, 5), max_iter=8, learning_rate_init=0.3,
-                               dtype="float64", device="cpu", random_state=0).fit(X, y)
+                               solver="sgd", dtype="float64", device="cpu",
+                               random_state=0).fit(X, y)
     return clf, X, y
 
 

@@ -86,7 +86,7 @@ def test_recorded_loop_equals_the_estimator(data, solver):
     fit = dict(batch_size=None, max_iter=70) if solver.startswith("sgd") else dict(
         batch_size=3, max_iter=6)
     est = PathKernelMachine(hidden_layer_sizes=(5,), dtype="float64", random_state=0,
-                            **params, **fit).fit(X, y)
+                            normalize_y=False, tol=None, **params, **fit).fit(X, y)
     Y = torch.as_tensor(y.reshape(-1, 1))
     module, rec = _replay(est, make_opt, Y, LOSSES["squared_error"]())
     _assert_same_path(rec.trajectory, est.trajectory_)

@@ -141,7 +141,7 @@ def test_path_svm_equals_svc_on_explicit_path_sum(circle):
 def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data):
     X, y = regression_data
     labels = np.array(["a", "b", "c"])[np.digitize(y, np.quantile(y, [0.33, 0.66]))]
-    est = TangentFeatureSVM(**SMALL, C=10.0).fit(X, labels)
+    est = TangentFeatureSVM(**SMALL, C=10.0, svm_kernel="linear").fit(X, labels)
     assert est.classes_.tolist() == ["a", "b", "c"] and est.n_outputs_ == 3
     assert est.decision_function(X).shape == (len(X), 3)
     assert set(est.predict(X)) <= {"a", "b", "c"}

@@ -60,7 +60,7 @@ class _LinearTwice(nn.Module):
 
 
 class _ConvAndSequence(nn.Module):
-    """Conv1d on reshaped input (no rule) and a Linear on 3-D input (rule refuses)."""
+    """Conv1d on reshaped input and a Linear on 3-D input: rules with positions."""
 
     def __init__(self, n_out):
         super().__init__()
@@ -72,6 +72,19 @@ class _ConvAndSequence(nn.Module):
         h = torch.tanh(self.conv(x.unsqueeze(1)))  # (n, 2, 2)
         h = torch.tanh(self.per_position(h.transpose(1, 2)))  # (n, 2, 3): 3-D input
         return self.head(h.reshape(x.shape[0], -1))
+
+
+class _NoRule(nn.Module):
+    """A layer without a rule (ConvTranspose1d): the generic fallback."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.up = nn.ConvTranspose1d(1, 2, 2)
+        self.head = nn.Linear(8, n_out)
+
+    def forward(self, x):
+        h = self.up(x.unsqueeze(1))  # (n, 2, 4)
+        return self.head(torch.tanh(h).reshape(x.shape[0], -1))
 
 
 class _WeightReadOutside(nn.Module):
@@ -87,12 +100,13 @@ class _WeightReadOutside(nn.Module):
 
 
 MODULES = {"mlp": _mlp, "raw": _RawParameter, "twice": _LinearTwice,
-           "conv": _ConvAndSequence, "outside": _WeightReadOutside}
+           "conv": _ConvAndSequence, "norule": _NoRule, "outside": _WeightReadOutside}
 FALLBACK = {
     "mlp": set(),
     "raw": {"scale"},
     "twice": {"shared.weight", "shared.bias"},
-    "conv": {"conv.weight", "conv.bias", "per_position.weight", "per_position.bias"},
+    "conv": set(),
+    "norule": {"up.weight", "up.bias"},
     "outside": {"lin.weight", "lin.bias"},
 }
 
@@ -287,7 +301,7 @@ def _at_smallest_budget(fn, *args, **kw):
             budget = need
 
 
-@pytest.mark.parametrize("kind", ["mlp", "conv"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "norule"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_chunked_equals_unchunked(kind, weighted, monkeypatch):
     module, params, X, Y = _make(kind, 2)
@@ -303,8 +317,8 @@ def test_chunked_equals_unchunked(kind, weighted, monkeypatch):
         blocks.append(len(self.slices))
 
     monkeypatch.setattr(_gram._Blocks, "__init__", spy)
-    # The fallback at one row per block is slow: the conv net checks "full" only.
-    for output in ("trace", "full") if kind == "mlp" else ("full",):
+    # The fallback at one row per block is slow: it checks "full" only.
+    for output in ("trace", "full") if kind != "norule" else ("full",):
         kw = dict(output=output, diag_weight=D)
         for Z in (None, Y):
             big = tangent_gram(module, params, X, Z, **kw)
@@ -335,6 +349,18 @@ def test_preconditioned_gram(kind, solver_like):
            torch.einsum("ncp,p,ndp->ncd", JX, D, JX))
     _close(tangent_gram_diag(module, params, X, output=1, diag_weight=D),
            torch.einsum("np,p,np->n", JX[:, 1], D, JX[:, 1]))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "norule"])
+def test_preconditioned_gram_with_negative_weights(kind):
+    # No square root of D: the blocks are scaled at every product instead of once.
+    module, params, X, Y = _make(kind, 2)
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    D = torch.randn(JX.shape[2], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _close(tangent_gram(module, params, X, Y, output="full", diag_weight=D),
+           torch.einsum("ncp,p,mdp->ncmd", JX, D, JY))
+    _close(tangent_gram(module, params, X, diag_weight=D),
+           torch.einsum("ncp,p,mcp->nm", JX, D, JX) / 2)
 
 
 def test_float32_close_to_float64():
@@ -398,7 +424,7 @@ def test_projection_never_forms_jacobian_for_linear_nets(monkeypatch):
         raise AssertionError("dense per-sample gradients were formed")
 
     monkeypatch.setattr(_capture, "per_sample_jacobian", boom)
-    monkeypatch.setattr(_gram, "_kron", boom)
+    monkeypatch.setattr(_gram, "dense_grad", boom)
     monkeypatch.setattr(_tangent, "tangent_features", boom)
     monkeypatch.setattr(_gram, "tangent_features", boom)
     got = project_tangent_features(module, params, X, 32, random_state=0)
@@ -475,7 +501,7 @@ def test_params_y_is_matched_by_name():
 
 
 # ------------------------------------------------------------ symmetric panels
-@pytest.mark.parametrize("kind", ["mlp", "raw", "conv"])
+@pytest.mark.parametrize("kind", ["mlp", "raw", "conv", "norule"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_symmetric_panels_match_loop(kind, weighted, monkeypatch):
     # Outer panels of 4 rows and inner ones of 2 on 9 samples: the last panel one row.
@@ -487,7 +513,7 @@ def test_symmetric_panels_match_loop(kind, weighted, monkeypatch):
     full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JX)
     shapes = []
     real = _gram._gram_into
-    monkeypatch.setattr(_gram, "_panel_rows", lambda device: (4, 2))
+    monkeypatch.setattr(_gram, "_panel_rows", lambda device, width=0: (4, 2))
     monkeypatch.setattr(_gram, "_gram_into",
                         lambda out, *a: shapes.append(tuple(out.shape)) or real(out, *a))
     for output in ("trace", "full", 1):

@@ -2,14 +2,24 @@
 recorded batches, closed-form update rules, and losses recomputed with NumPy / sklearn."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
-from sklearn.metrics import log_loss
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.metrics import accuracy_score, log_loss
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, TrainingDivergedError
+from skpathkernel import (
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+    TrainingDivergedError,
+)
+from skpathkernel.diagnostics import hessian_trace
 
 SOLVERS = [
     dict(solver="sgd", learning_rate_init=0.1),
@@ -66,7 +76,8 @@ def _squared(out, y):
 def test_recorded_path_equals_torch_optim_replay(regression_data, params, batch_size):
     X, y = regression_data
     est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, batch_size=batch_size,
-                            dtype="float64", random_state=0, **params).fit(X, y)
+                            normalize_y=False, dtype="float64", random_state=0,
+                            **params).fit(X, y)
     Y = torch.as_tensor(y, dtype=torch.float64).reshape(-1, 1)
     points, opt = _replay(est, X, Y, _squared)
     traj = est.trajectory_
@@ -89,7 +100,7 @@ def test_preconditioner_reproduces_the_update_rule(regression_data, solver):
     lr, wd, beta_1 = 0.01, 0.1 if solver == "adamw" else 0.0, 0.8
     est = PathKernelMachine(hidden_layer_sizes=(4,), solver=solver, learning_rate_init=lr,
                             alpha=wd, beta_1=beta_1, max_iter=4, dtype="float64",
-                            random_state=1).fit(X, y)
+                            normalize_y=False, random_state=1).fit(X, y)
     traj = est.trajectory_
     m = torch.zeros(traj.n_params, dtype=torch.float64)
     for k in range(len(traj) - 1):
@@ -112,8 +123,9 @@ def test_preconditioner_reproduces_the_update_rule(regression_data, solver):
 
 def test_momentum_buffer_follows_from_consecutive_points(regression_data):
     X, y = regression_data
-    est = PathKernelMachine(hidden_layer_sizes=(4,), momentum=0.9, learning_rate_init=0.05,
-                            max_iter=3, dtype="float64", random_state=0).fit(X, y)
+    est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", momentum=0.9,
+                            learning_rate_init=0.05, max_iter=3, dtype="float64",
+                            normalize_y=False, random_state=0).fit(X, y)
     Y = torch.as_tensor(y, dtype=torch.float64).reshape(-1, 1)
     _, opt = _replay(est, X, Y, _squared)
     buf = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
@@ -154,7 +166,7 @@ def test_state_dict_endpoints(regression_data):
         return module
 
     est = PathKernelMachine(module=factory, max_iter=5, learning_rate_init=0.1,
-                            random_state=3).fit(X, y)
+                            normalize_y=False, random_state=3).fit(X, y)
     traj = est.trajectory_
     for name, value in created[0].items():
         assert torch.equal(traj.state_dict(0)[name], value.to(traj.dtype))
@@ -189,7 +201,7 @@ def test_batches_cover_every_sample_once_per_epoch(regression_data):
 def test_loss_curve_matches_numpy_and_sklearn(regression_data):
     X, y = regression_data
     est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=3, learning_rate_init=0.1,
-                            dtype="float64", random_state=0).fit(X, y)
+                            dtype="float64", normalize_y=False, random_state=0).fit(X, y)
     for epoch in range(3):  # full batch: epoch e's loss is the loss at point e
         module = copy.deepcopy(est.module_)
         module.load_state_dict(est.trajectory_.state_dict(epoch))
@@ -250,7 +262,7 @@ def test_global_torch_rng_untouched(regression_data):
 def test_divergence_names_step_and_keeps_previous_fit(regression_data):
     X, y = regression_data
     est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, learning_rate_init=0.05,
-                            random_state=0).fit(X, y)
+                            solver="sgd", activation="tanh", random_state=0).fit(X, y)
     before = est.predict(X)
     traj = est.trajectory_
     est.set_params(learning_rate_init=1e6, activation="identity", max_iter=50)
@@ -306,3 +318,269 @@ def test_float32_predictions_are_batch_invariant_to_round_off():
     full = est.predict(X)
     pieces = np.concatenate([est.predict(X[i : i + 7]) for i in range(0, len(X), 7)])
     assert_allclose(pieces, full, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- stopping rules
+def _stopping_epoch(curve, tol, patience, *, higher_is_better):
+    """Epochs run by MLPClassifier's rule on ``curve`` (its ``_update_no_improvement_count``
+    followed by ``if count > n_iter_no_change: break``), or None if it never stops."""
+    best, count = (-np.inf if higher_is_better else np.inf), 0
+    for epoch, value in enumerate(curve):
+        if higher_is_better:
+            count = count + 1 if value < best + tol else 0
+            best = max(best, value)
+        else:
+            count = count + 1 if value > best - tol else 0
+            best = min(best, value)
+        if count > patience:
+            return epoch + 1
+    return None
+
+
+def _flat_params(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+@pytest.mark.parametrize("batch_size, record_every", [(None, 1), (7, 1), (7, 3)])
+def test_training_stops_where_the_loss_rule_says(regression_data, batch_size, record_every):
+    X, y = regression_data
+    est = PathKernelMachine(hidden_layer_sizes=(8,), learning_rate_init=0.1, tol=1e-3,
+                            n_iter_no_change=4, max_iter=500, batch_size=batch_size,
+                            record_every=record_every, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)  # it converges: no warning
+        est.fit(X, y)
+    expected = _stopping_epoch(est.loss_curve_, 1e-3, 4, higher_is_better=False)
+    assert expected is not None and expected < 500
+    assert est.n_iter_ == len(est.loss_curve_) == expected
+    assert est.best_loss_ == min(est.loss_curve_)
+    assert est.validation_scores_ is None and est.best_validation_score_ is None
+    # The path ends at the last step taken, and that is the fitted network.
+    steps_per_epoch = 1 if batch_size is None else int(np.ceil(len(X) / batch_size))
+    traj = est.trajectory_
+    assert est.t_ == traj.n_steps == expected * steps_per_epoch == traj.steps[-1]
+    assert len(traj.batches) == est.t_
+    assert torch.equal(traj.parameters(-1), _flat_params(est.module_))
+    if record_every == 1:
+        assert_array_equal(traj.steps, np.arange(est.t_ + 1))
+    # Stopped early: the path holds its own memory, not views of buffers sized for
+    # max_iter epochs.
+    assert traj._params.untyped_storage().nbytes() == traj._params.numel() * 4
+    assert traj._batch_indices.base is None and len(traj._batch_indices) == sum(
+        len(b) for b in traj.batches)
+
+
+def test_max_iter_without_convergence_warns_and_tol_none_runs_every_epoch(regression_data):
+    X, y = regression_data
+    kw = dict(hidden_layer_sizes=(8,), learning_rate_init=0.01, max_iter=15, random_state=0)
+    with pytest.warns(ConvergenceWarning, match=r"Maximum iterations \(15\) reached"):
+        est = PathKernelMachine(**kw).fit(X, y)
+    assert est.n_iter_ == 15 and len(est.trajectory_) == 16
+    assert _stopping_epoch(est.loss_curve_, 1e-4, 10, higher_is_better=False) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        # tol=None: exactly max_iter epochs even when the loss stops improving at once.
+        flat = PathKernelMachine(**{**kw, "learning_rate_init": 1e-9, "max_iter": 30},
+                                 tol=None).fit(X, y)
+    assert flat.n_iter_ == 30 and len(flat.trajectory_) == 31
+    # A flat curve: epoch 1 sets the best, epochs 2..12 are the 11 > n_iter_no_change.
+    assert _stopping_epoch(flat.loss_curve_, 1e-4, 10, higher_is_better=False) == 12
+
+
+def _classes_data(n=90, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.normal(size=(n, 2))
+    y = np.array(["a", "b", "c"])[(X[:, 0] > 0).astype(int) + (X[:, 1] > 0.5)]
+    return X, y
+
+
+def test_early_stopping_scores_the_held_out_rows_and_keeps_the_best_epoch():
+    X, y = _classes_data()
+    clf = PathKernelClassifier(hidden_layer_sizes=(8,), early_stopping=True,
+                               validation_fraction=0.2, tol=1e-3, n_iter_no_change=4,
+                               max_iter=300, batch_size=20, dtype="float64",
+                               random_state=0).fit(X, y)
+    train_rows = clf._train_rows
+    held_out = np.setdiff1d(np.arange(len(X)), train_rows)
+    assert len(held_out) == 18 and set(y[held_out]) == {"a", "b", "c"}  # stratified
+    assert_array_equal(clf.X_fit_, X[train_rows])
+    scores = clf.validation_scores_
+    assert clf.n_iter_ == len(scores) == len(clf.loss_curve_)
+    assert clf.n_iter_ == _stopping_epoch(scores, 1e-3, 4, higher_is_better=True) < 300
+    best = int(np.argmax(scores))  # the first best epoch: later ties are no improvement
+    assert clf.best_validation_score_ == scores[best] == clf.score(X[held_out], y[held_out])
+    assert clf.best_loss_ is None
+    # Every epoch's score, recomputed from the recorded path with sklearn's accuracy.
+    traj, per_epoch = clf.trajectory_, int(np.ceil(len(train_rows) / 20))
+    assert traj.steps[-1] == traj.n_steps == (best + 1) * per_epoch < clf.t_
+    for epoch in range(best + 1):
+        module = copy.deepcopy(clf.module_)
+        module.load_state_dict(traj.state_dict((epoch + 1) * per_epoch))
+        with torch.no_grad():
+            codes = module(torch.as_tensor(X[held_out])).argmax(1).numpy()
+        assert scores[epoch] == accuracy_score(y[held_out], clf.classes_[codes])
+    assert torch.equal(traj.parameters(-1), _flat_params(clf.module_))
+    # Batches index the training rows only.
+    assert traj.n_samples == len(train_rows)
+    assert np.concatenate(traj.batches).max() < len(train_rows)
+
+
+def test_decomposition_after_early_stopping_is_exact_over_the_trained_rows():
+    """Plain SGD (Domingos' rule): sample i's share of step t is
+    -lr / |B_t| * Jbar_t(x) J_t(x_i)^T r_i, with Jbar_t the segment-averaged Jacobian, by
+    per-sample autograd loops; it must sum, with f(x; theta_0), to the early-stopped
+    network, and the held-out rows must own nothing."""
+    rng = np.random.RandomState(1)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    y = 3 * np.sin(2 * X[:, 0]) + X[:, 1] + 5 + rng.normal(size=20)  # noisy: it overfits
+    est = PathKernelMachine(hidden_layer_sizes=(5,), solver="sgd", learning_rate_init=0.1,
+                            early_stopping=True, validation_fraction=0.25, batch_size=6,
+                            max_iter=40, tol=0.0, n_iter_no_change=2, dtype="float64",
+                            random_state=0).fit(X, y)
+    assert est.trajectory_.n_steps < est.t_  # it kept an earlier epoch than the last
+    queries = rng.uniform(-1, 1, size=(3, 2))
+    res = est.decompose(queries)
+    n_train = len(est.X_fit_)
+    assert n_train == 15 and res.contributions.shape == (3, n_train, 1)
+    assert_allclose(res.reconstruction[:, 0], est.predict(queries), rtol=1e-10, atol=1e-10)
+    assert res.error < 1e-10 * np.abs(res.prediction).max()
+    # The independent reference, in the network's (standardized) units, mapped to y's.
+    traj, scale = est.trajectory_, est._y_scale[0]
+    Y = torch.as_tensor(est._Y_fit)
+    s, w = np.polynomial.legendre.leggauss(5)
+    contrib = np.zeros((3, n_train))
+    for t, batch in enumerate(traj.batches):
+        theta, nxt = traj.parameters(t), traj.parameters(t + 1)
+        at = module_at(est, t)
+        Jbar = sum(wk / 2 * jacobian_loop(_module_with(est, theta + (sk + 1) / 2 * (nxt - theta)),
+                                          queries) for sk, wk in zip(s, w))[:, 0]
+        J_batch = jacobian_loop(at, est.X_fit_[batch])[:, 0]
+        with torch.no_grad():
+            r = (at(torch.as_tensor(est.X_fit_[batch])) - Y[batch]).numpy()[:, 0]
+        share = -traj.learning_rates[t] / len(batch) * (Jbar @ J_batch.T).numpy() * r
+        np.add.at(contrib, (slice(None), batch), share)
+    assert_allclose(res.contributions[:, :, 0], scale * contrib, rtol=1e-8,
+                    atol=1e-10 * np.abs(res.contributions).max())
+
+
+def _module_with(est, flat):
+    module = copy.deepcopy(est.module_)
+    module.load_state_dict(est.trajectory_.unflatten(flat))
+    return module
+
+
+# ------------------------------------------------------------ recorded path's size
+def test_auto_record_every_keeps_the_path_under_memory_budget(regression_data):
+    X, y = regression_data
+    kw = dict(hidden_layer_sizes=(64, 64), solver="adam", learning_rate_init=1e-3,
+              max_iter=120, tol=None, random_state=0)
+    budget = 2**20
+    est = PathKernelMachine(**kw, memory_budget=budget).fit(X, y)
+    traj = est.trajectory_
+    n_params, steps = traj.n_params, 120
+
+    def points_bytes(k):  # parameters at every point, Adam's second moment per step point
+        n_points = 1 + int(np.ceil(steps / k))
+        return (2 * n_points - 1) * n_params * 4
+
+    k = traj.record_every
+    assert points_bytes(1) > budget  # the case needs thinning
+    assert points_bytes(k) <= budget < points_bytes(k - 1)  # the smallest k that fits
+    held = traj._params.numel() * 4 + sum(v.numel() * 4 for v in traj._states.values())
+    assert held == points_bytes(k) <= budget
+    assert_array_equal(traj.steps, [*range(0, steps, k), steps])
+    # The recorded points are the steps of the full path (every step recorded).
+    full = PathKernelMachine(**kw).fit(X, y)
+    assert full.trajectory_.record_every == 1
+    for i, step in enumerate(traj.steps):
+        assert torch.equal(traj.parameters(i), full.trajectory_.parameters(int(step)))
+    # Points that are not consecutive steps: the exact decomposition refuses.
+    with pytest.raises(ValueError, match="every optimizer step recorded"):
+        est.decompose(X[:2])
+    # The kernels still work on the thinned path (a Riemann sum).
+    assert est.path_kernel_(X[:3]).shape == (3, 3)
+
+
+# ---------------------------------------------------------------- bad parameters
+@pytest.mark.parametrize("params, match", [
+    (dict(tol=-1e-3), "'tol' parameter"),
+    (dict(n_iter_no_change=0), "'n_iter_no_change' parameter"),
+    (dict(validation_fraction=0.0), "'validation_fraction' parameter"),
+    (dict(validation_fraction=1.0), "'validation_fraction' parameter"),
+    (dict(early_stopping="yes"), "'early_stopping' parameter"),
+    (dict(batch_size="big"), "'batch_size' parameter"),
+    (dict(record_every="sometimes"), "'record_every' parameter"),
+    (dict(early_stopping=True, validation_fraction=0.02),
+     r"validation_fraction=0.02 leaves 2 of the 90 samples for validation; it needs at "
+     r"least 2 samples and one sample of each of the 3 classes"),
+    (dict(early_stopping=True, validation_fraction=0.98),
+     r"leaves 1 of the 90 samples for training"),
+])
+def test_bad_stopping_parameters_are_refused_before_any_work(params, match, monkeypatch):
+    X, y = _classes_data()
+    clf = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, tol=None,
+                               random_state=0).fit(X, y)
+    before = clf.predict_proba(X)
+    import skpathkernel._base as base
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(base, "_build_module", no_work)
+    clf.set_params(**params)
+    with pytest.raises(ValueError, match=match):
+        clf.fit(X, y)
+    assert_array_equal(clf.predict_proba(X), before)
+
+
+# ------------------------------------------------------------------ normalize_y
+def test_normalize_y_trains_on_standardized_targets(regression_data):
+    X, y = regression_data
+    y = 200 * y + 1000  # far from the network's initial outputs
+    kw = dict(hidden_layer_sizes=(8,), learning_rate_init=0.01, max_iter=30, tol=None,
+              dtype="float64", random_state=0)
+    est = PathKernelMachine(**kw).fit(X, y)
+    with torch.no_grad():
+        f = est.module_(torch.as_tensor(X))[:, 0].numpy()
+    assert_allclose(est.predict(X), y.mean() + y.std() * f, rtol=1e-12)
+    Y = torch.as_tensor((y - y.mean()) / y.std()).reshape(-1, 1)
+    points, _ = _replay(est, X, Y, _squared)  # the path is Adam on the standardized targets
+    assert_allclose(est.trajectory_._params.numpy(), points.numpy(), rtol=1e-12, atol=1e-14)
+    res = est.decompose(X[:4])
+    with torch.no_grad():
+        f0 = module_at(est, 0)(torch.as_tensor(X[:4]))[:, 0].numpy()
+    assert_allclose(res.initial[:, 0], y.mean() + y.std() * f0, rtol=1e-12)
+    assert_allclose(res.reconstruction[:, 0], est.predict(X[:4]), rtol=1e-10)
+    # The same 30 steps on the raw targets barely move the network towards y's mean.
+    assert est.score(X, y) > 0.5 > PathKernelMachine(**kw, normalize_y=False).fit(X, y).score(X, y)
+    # Targets given to hessian_trace are standardized like fit's: the training loss's.
+    assert_array_equal(hessian_trace(est, X, y, n_samples=3, random_state=0).estimates,
+                       hessian_trace(est, n_samples=3, random_state=0).estimates)
+    raw = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=3, tol=None, dtype="float64",
+                            normalize_y=False, random_state=0).fit(X, y)
+    with torch.no_grad():
+        assert_allclose(raw.predict(X), raw.module_(torch.as_tensor(X))[:, 0].numpy())
+
+
+def test_float32_predictions_are_bitwise_invariant_to_the_rows_passed():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(300, 5))
+    y = (X @ rng.normal(size=5) > 0).astype(int)
+    clf = PathKernelClassifier(max_iter=3, tol=None, random_state=0).fit(X, y)
+    for method in (clf.decision_function, clf.predict_proba, clf.transform):
+        full = method(X)
+        rows = np.concatenate([method(X[i : i + 1]) for i in range(0, 40)])
+        assert_array_equal(rows, full[:40])
+        perm = rng.permutation(len(X))
+        assert_array_equal(method(X[perm]), full[perm])
+
+
+def test_transformers_declare_the_dtype_they_return():
+    X, y = _classes_data(30)
+    for dtype in ("float32", "float64"):
+        for est in (PathKernelClassifier(dtype=dtype), TangentFeatures(dtype=dtype),
+                    TangentFeatureSVM(dtype=dtype)):
+            assert est.__sklearn_tags__().transformer_tags.preserves_dtype == [dtype]
+            est.set_params(hidden_layer_sizes=(3,), max_iter=2, tol=None, random_state=0)
+            for X_dtype in (np.float32, np.float64):
+                assert est.fit(X.astype(X_dtype), y).transform(X[:2]).dtype == dtype

@@ -56,7 +56,7 @@ def figure2_section(ctx):
         ):
             X, y = maker(n_samples=100)
             est = PathKernelMachine(
-                hidden_layer_sizes=(64, 64), loss="squared_error",
+                hidden_layer_sizes=(64, 64), loss="squared_error", normalize_y=False,
                 **training(ctx, solver="adam", learning_rate_init=0.01, batch_size=None,
                            max_iter=steps)).fit(X, y)
             rmse = float(np.sqrt(np.mean((est.predict(X) - y) ** 2)))

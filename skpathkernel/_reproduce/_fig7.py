@@ -79,7 +79,7 @@ def figure7_section(ctx):
     with progress("figures 7-8", len(SETTINGS)) as tick:
         for row, (name, kinks) in enumerate(SETTINGS.items()):
             det = OODRankDetector(
-                module=_relu_network(kinks), loss="squared_error",
+                module=_relu_network(kinks), loss="squared_error", normalize_y=False,
                 **training(ctx, solver="adam", learning_rate_init=0.003, batch_size=None,
                            max_iter=epochs, dtype="float64")).fit(X, y)
             net = det.estimator_

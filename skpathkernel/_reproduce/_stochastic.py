@@ -146,8 +146,9 @@ def _plain_sgd(task, lr, batch_size, max_iter, seed):
     cls = PathKernelMachine if task == "regression" else PathKernelClassifier
     return cls(hidden_layer_sizes=(WIDTH, WIDTH), activation="tanh", solver="sgd",
                learning_rate_init=lr, momentum=0.0, alpha=0.0, batch_size=batch_size,
-               max_iter=max_iter, shuffle=True, loss=loss_name, record_every=1,
+               max_iter=max_iter, tol=None, shuffle=True, loss=loss_name, record_every=1,
                dtype="float64", device="cpu", random_state=seed,
+               **({"normalize_y": False} if task == "regression" else {}),
                ).fit(X, y.ravel() if task == "regression" else y)
 
 

@@ -1,28 +1,40 @@
 """Per-sample gradients of a network, as factors, and the kernels they define.
 
-Private engine behind :mod:`skpathkernel.kernels` and the tangent-feature estimators:
-torch in, torch out (no NumPy). Layers with a registered rule (:mod:`._rules`, nn.Linear
-today) contribute Kronecker factors and never materialise their per-sample gradients;
-everything else goes through a chunked ``torch.func`` fallback (:mod:`._generic`).
+Private engine behind :mod:`skpathkernel.kernels`, the tangent-feature estimators and the
+decomposition: torch in, torch out (no NumPy). Layers with a registered rule
+(:mod:`._rules` states the contract, :mod:`._layers` holds the built-in rules: Linear,
+Conv1d/2d, Embedding, LayerNorm, GroupNorm, BatchNorm in eval mode, MultiheadAttention)
+contribute Kronecker factors with a position axis, contracted by the cheaper exact form
+(:mod:`._contract`); everything else goes through a chunked ``torch.func`` fallback
+(:mod:`._generic`). The public face of the rules is :mod:`skpathkernel.rules`.
 """
 
-from ._capture import capture, forward
+from ._capture import Capture, capture, forward
 from ._generic import per_sample_jacobian
 from ._gram import hidden_reads, tangent_features, tangent_gram, tangent_gram_diag
 from ._projection import project_tangent_features
-from ._rules import RULES, Rule, Term, register_rule
+from ._routes import FallbackWarning, LayerRoute, check_rule, layer_routes, warn_on_fallback
+from ._rules import RULES, Rule, Term, Use, get_rule, register_rule
 
 __all__ = [
     "RULES",
+    "Capture",
+    "FallbackWarning",
+    "LayerRoute",
     "Rule",
     "Term",
+    "Use",
     "capture",
+    "check_rule",
     "forward",
+    "get_rule",
     "hidden_reads",
+    "layer_routes",
     "per_sample_jacobian",
     "project_tangent_features",
     "register_rule",
     "tangent_features",
     "tangent_gram",
     "tangent_gram_diag",
+    "warn_on_fallback",
 ]

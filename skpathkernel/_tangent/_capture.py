@@ -2,18 +2,21 @@
 
 The capture runs ``functional_call(module, params, (X,))`` under a torch-function mode
 (:class:`_UseWatch`) that takes, for every layer with a rule (:mod:`._rules`), the input
-``a`` and output ``z`` of the layer's own operation (``F.linear`` for nn.Linear); then, for
-every requested output ``c``, ``grad(f[:, c].sum(), z)`` gives the backprops ``delta_c``
-of all the layers at once. Samples are independent (the modules have no cross-sample
-state), so the gradient of the sum is the per-sample gradient.
+``a`` and output ``z`` of each site of the layer's own operation (``F.linear`` for
+nn.Linear; attention's projections for nn.MultiheadAttention); then, for every requested
+output ``c``, ``grad(f[:, c].sum(), z)`` gives the backprops ``delta_c`` of all the sites at
+once. Samples are independent (the modules have no cross-sample state; a BatchNorm that
+normalises with batch statistics is refused, :func:`check_per_sample`), so the gradient of
+the sum is the per-sample gradient.
 
 A layer goes to the generic fallback instead (:mod:`._generic`) when its rule does not
-accept its input (e.g. a Linear on a 3-D input), when it runs more than once per forward
-(its factors would need a sum over the calls), when one of its parameters is shared with
-another module (tied weights: the rule would see one use only), or when one of its
-parameters is read in any other way than the layer's own operation (a parent's
-``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see
-:class:`_UseWatch`, and :func:`_numerical_misfits` for reads torch functions do not see).
+accept its call, when it runs more than once per forward (its factors would need a sum
+over the calls), when one of its parameters is shared with another module (tied weights:
+the rule would see one use only), when the rows of its input are not the samples, or when
+one of its parameters is read in any other way than the layer's own operation (a parent's
+``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see :class:`_UseWatch`,
+and :func:`_numerical_misfits` for reads torch functions do not see). The reason is kept
+per parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from . import _layers  # noqa: F401  (registers the built-in rules)
+from ._contract import grad_times, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian
-from ._rules import RULES, Term
+from ._rules import RULES, Rule, Term, Use
 
-__all__ = ["Capture", "capture", "forward"]
+__all__ = ["Capture", "capture", "check_per_sample", "value_dtype", "forward"]
+
+# Why a rule layer's parameters went to the fallback (reported by layer_routes).
+READ_OUTSIDE = "a parameter is read outside the layer's own call"
+TIED = "a parameter is shared with another module (tied weights)"
 
 
 @dataclass
@@ -40,12 +50,17 @@ class Capture:
     ``terms`` cover every parameter of ``params`` exactly once; ``fallback`` names the
     parameters whose terms are dense Jacobians from the generic fallback; ``exclude``
     names the parameters whose layers were sent to the fallback because a parameter of
-    theirs is read outside the layer (given by the caller or found by this capture).
+    theirs is read outside the layer (given by the caller or found by this capture);
+    ``declined`` those of rule layers sent there for another reason (called twice, an
+    input the rule does not accept, rows that are not the samples), which every block of
+    one call must route alike; ``reasons`` says why, per parameter of a rule layer.
     """
 
     terms: list[Term]
     fallback: tuple[str, ...]
     exclude: frozenset[str] = frozenset()
+    declined: frozenset[str] = frozenset()
+    reasons: dict[str, str] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         size = 0
@@ -53,6 +68,16 @@ class Capture:
             size += term.delta.numel() * term.delta.element_size()
             size += sum(a.numel() * a.element_size() for _, a in term.inputs if a is not None)
         return size
+
+
+def value_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dtype:
+    """The dtype of the engine's results: X's, or the parameters' for integer X (token
+    ids, which an embedding maps into the parameters' dtype)."""
+    if X.is_floating_point() or X.is_complex():
+        return X.dtype
+    for p in params.values():
+        return p.dtype
+    return torch.get_default_dtype()
 
 
 def forward(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
@@ -63,27 +88,59 @@ def forward(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
     return out.reshape(X.shape[0], -1)
 
 
+def check_per_sample(module: torch.nn.Module) -> None:
+    """Refuse a module whose layers mix the samples of a batch, naming the layer.
+
+    BatchNorm normalises with the batch's own statistics in training mode (and without
+    running statistics in any mode): a sample's output then depends on the other samples,
+    and no per-sample gradient describes the network.
+    """
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (
+                layer.training or layer.running_mean is None or layer.running_var is None):
+            why = ("is in training mode" if layer.training else "keeps no running statistics")
+            raise ValueError(
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) {why}: it "
+                "normalises with the statistics of the batch, which mixes the samples, so "
+                "per-sample gradients do not describe the network. Call module.eval() (with "
+                "track_running_stats=True) before computing kernels or features.")
+
+
+def _inside(prefix: str, outer: str) -> bool:
+    return outer == "" or prefix.startswith(outer + ".")
+
+
 def _rule_layers(module, params, exclude=frozenset()):
     """Layers with a rule, their rule, and their differentiated parameters' names.
 
-    Layers holding a parameter named in ``exclude`` are left to the fallback.
+    A rule layer owns every parameter of its subtree (nn.MultiheadAttention reads its
+    ``out_proj``'s): layers inside a rule layer are not rule layers themselves. Layers
+    holding a parameter named in ``exclude`` or shared with another module are left to the
+    fallback; ``reasons`` says so for their parameters.
     """
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    layers = []
+    layers, taken, reasons = [], [], {}
     for prefix, layer in module.named_modules():
+        if any(_inside(prefix, outer) for outer in taken):
+            continue
         rule = RULES.get(type(layer))
         if rule is None:
             continue
+        taken.append(prefix)
         names = {}
         shared = False
-        for local, p in layer.named_parameters(recurse=False):
+        for local, p in layer.named_parameters(remove_duplicate=False):
             full = f"{prefix}.{local}" if prefix else local
             shared |= uses[id(p)] > 1
             if full in params:
                 names[local] = full
-        if names and not shared and not exclude.intersection(names.values()):
-            layers.append((layer, rule, names))
-    return layers
+        if not names:
+            continue
+        if shared or exclude.intersection(names.values()):
+            reasons.update(dict.fromkeys(names.values(), TIED if shared else READ_OUTSIDE))
+            continue
+        layers.append((layer, rule, names))
+    return layers, reasons
 
 
 def _tensors(obj):
@@ -98,16 +155,17 @@ def _tensors(obj):
 
 
 _LIKE = frozenset({torch.Tensor.to, torch.Tensor.type_as})
+_DECLINED = object()  # the own call ran, but not as the rule's sites
 
 
 class _Frame:
     """One running call of a rule layer: its own parameter read, once, gives the factors."""
 
-    __slots__ = ("layer", "factors")
+    __slots__ = ("layer", "use")
 
     def __init__(self, layer: int):
         self.layer = layer
-        self.factors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.use = None  # (Use, site outputs z), or _DECLINED
 
 
 class _UseWatch(TorchFunctionMode):
@@ -119,10 +177,11 @@ class _UseWatch(TorchFunctionMode):
     ``F.linear`` with the same weight), the factors miss part of the gradient. Every
     torch function called during the forward passes through here. Exactly one call of
     one of the rule's ``ops`` by the innermost running rule layer, on that layer's own
-    parameters, is the layer's use: its input ``a`` and output ``z`` are the factors
-    (``z`` is handed on as a copy, so an in-place op downstream cannot rewrite it). Any
-    other call that takes a watched parameter and returns a tensor gradients can flow
-    through marks the parameter; so does any call under disabled grad (a custom
+    parameters, is the layer's use: it runs as the rule's sites (``(args[0], result)``,
+    or the rule's ``expand``), whose inputs ``a`` and outputs ``z`` are the factors (the
+    result is handed on as a copy, so an in-place op downstream cannot rewrite ``z``).
+    Any other call that takes a watched parameter and returns a tensor gradients can
+    flow through marks the parameter; so does any call under disabled grad (a custom
     ``autograd.Function``'s ``forward``, whose backward may route a gradient to it).
     Metadata reads (``.shape``, ``.size()``) return no tensor and are ignored. This is
     structural: it holds on every sample, whatever the parameter values. Code that torch
@@ -133,9 +192,10 @@ class _UseWatch(TorchFunctionMode):
     fire in every thread, so they ignore calls from other threads.
     """
 
-    def __init__(self, owners: dict[int, tuple[int, str]], ops: dict[int, tuple]):
+    def __init__(self, owners: dict[int, tuple[int, str]], ops: dict[int, tuple],
+                 layers: dict[int, tuple[nn.Module, Rule]] | None = None):
         super().__init__()
-        self.owners, self.ops = owners, ops
+        self.owners, self.ops, self.layers = owners, ops, layers or {}
         # The own call must take every differentiated parameter of its layer: the rule
         # gives each of them a term.
         self.expected: dict[int, set[str]] = {}
@@ -157,28 +217,79 @@ class _UseWatch(TorchFunctionMode):
         while self.frames:
             frame = self.frames.pop()
             if frame.layer == id(layer):
-                self.factors[frame.layer].append(frame.factors)
+                self.factors[frame.layer].append(frame.use)
                 return
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         owned = {self.owners[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.owners}
         if not owned:
-            return out
+            return func(*args, **kwargs)
         top = self.frames[-1] if self.frames else None
-        if (top is not None and top.factors is None and func in self.ops[top.layer]
+        if (top is not None and top.use is None and func in self.ops[top.layer]
                 and {name for _, name in owned} == self.expected[top.layer]
                 and all(layer == top.layer for layer, _ in owned)
-                and args and isinstance(args[0], torch.Tensor)
-                and isinstance(out, torch.Tensor) and out.requires_grad):
-            top.factors = (args[0], out)
-            return out.clone()
+                and args and isinstance(args[0], torch.Tensor)):
+            return self._own_call(top, func, args, kwargs)
+        out = func(*args, **kwargs)
         if func in _LIKE and not (args and id(args[0]) in self.owners):
             return out  # h.to(W), h.type_as(W): W only lends its dtype and device
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
             self.misfits.update(name for _, name in owned)
         return out
+
+    def _own_call(self, top: _Frame, func, args, kwargs):
+        layer, rule = self.layers[top.layer]
+        top.use = _DECLINED
+        if rule.expand is None:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                top.use = (Use(func, args, kwargs, (args[0],)), (out,))
+                return out.clone()
+            return out
+        expanded = rule.expand(layer, func, args, kwargs)
+        if expanded is None:
+            return func(*args, **kwargs)
+        out, sites = expanded
+        if sites and all(isinstance(z, torch.Tensor) and z.requires_grad for _, z in sites):
+            top.use = (Use(func, args, kwargs, tuple(a for a, _ in sites)),
+                       tuple(z for _, z in sites))
+        return out
+
+
+def _why_declined(calls, rule, layer) -> str | None:
+    """Why one capture cannot use a rule layer's recorded calls (None: it can)."""
+    if not calls:
+        return "the layer is not called by the forward pass"
+    if len(calls) > 1:
+        return f"the layer is called {len(calls)} times per forward pass"
+    if calls[0] is None:
+        return "the layer's call does not read its parameters through its rule's operation"
+    if calls[0] is _DECLINED:
+        return "its rule declines this call (see the rule's expand)"
+    use = calls[0][0]
+    if rule.accepts is not None and not rule.accepts(layer, use):
+        return "its rule does not accept this call's input"
+    return None
+
+
+def _checked_terms(terms, layer, names, params) -> list[Term]:
+    """A rule's terms, normalised, with every parameter's size checked (rule bugs)."""
+    own = set(names.values())
+    out = []
+    for term in terms:
+        for name, a in term.inputs:
+            if name not in own:
+                raise ValueError(f"The rule for {type(layer).__name__} returned a term for "
+                                 f"{name!r}, which is not one of its layer's parameters "
+                                 f"{sorted(own)}.")
+            if param_numel(term, a) != params[name].numel():
+                raise ValueError(
+                    f"The rule for {type(layer).__name__} gives {name!r} "
+                    f"{param_numel(term, a)} gradient entries per output, but the parameter "
+                    f"has {params[name].numel()}.")
+        out.extend(split_constant_inputs(term))
+    return out
 
 
 def capture(
@@ -189,6 +300,7 @@ def capture(
     *,
     memory_budget: int,
     exclude: frozenset[str] = frozenset(),
+    dense_fallback: bool = True,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -197,7 +309,8 @@ def capture(
     module : torch.nn.Module
     params : mapping of str to torch.Tensor
         The differentiated parameters (the others are the module's own, held fixed).
-    X : torch.Tensor of shape (n_samples, n_features)
+    X : torch.Tensor of shape (n_samples, ...)
+        Inputs as the module takes them (token ids as int64).
     outputs : sequence of int
         The outputs ``c`` whose gradients are wanted; ``delta`` has ``len(outputs)``
         columns in this order.
@@ -206,14 +319,19 @@ def capture(
     exclude : frozenset of str, default=frozenset()
         Parameters whose layers must use the fallback, on top of those this capture finds
         read outside their layer (the returned ``Capture.exclude`` holds both).
+    dense_fallback : bool, default=True
+        Compute the fallback's dense Jacobians; ``False`` leaves the fallback parameters
+        without terms (to learn the routes only).
     """
-    layers = _rule_layers(module, params, exclude)
+    check_per_sample(module)
+    layers, reasons = _rule_layers(module, params, exclude)
     # Parameters that require grad give every layer output a graph back to f; only the
     # layer outputs are differentiated, so no parameter gradient is ever computed.
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     watch = _UseWatch({id(live[full]): (id(layer), full)
                        for layer, _, names in layers for full in names.values()},
-                      {id(layer): rule.ops for layer, rule, _ in layers})
+                      {id(layer): rule.ops for layer, rule, _ in layers},
+                      {id(layer): (layer, rule) for layer, rule, _ in layers})
     handles = []
     for layer, _, _ in layers:
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
@@ -228,46 +346,58 @@ def capture(
     if watch.misfits:
         # Every parameter of a layer with a misread parameter goes to the fallback.
         return capture(module, params, X, outputs, memory_budget=memory_budget,
-                       exclude=exclude | frozenset(watch.misfits))
+                       exclude=exclude | frozenset(watch.misfits),
+                       dense_fallback=dense_fallback)
 
-    accepted, unaligned = [], set()
+    accepted, declined = [], set()
     for layer, rule, names in layers:
         calls = watch.factors[id(layer)]
         # One call that read its parameters once through the rule's op; a layer called
         # twice (its factors would need a sum) or that never read them goes to the fallback.
-        if len(calls) != 1 or calls[0] is None or not rule.accepts(layer, calls[0][0]):
+        why = _why_declined(calls, rule, layer)
+        if why is None:
+            use, zs = calls[0]
+            if any(t.shape[0] != X.shape[0] for t in (*use.inputs, *zs)):
+                # Rows that are not the samples (a constant input, a subset of the rows,
+                # a batch that is not the first axis): the factors cannot be per-sample.
+                why = "the rows of its input are not the samples"
+        if why is not None:
+            declined.update(names.values())
+            reasons.update(dict.fromkeys(names.values(), why))
             continue
-        a, z = calls[0]
-        if a.shape[0] != X.shape[0] or z.shape[0] != X.shape[0]:
-            # Rows that are not the samples (a constant input, a subset of the rows): the
-            # factors cannot be per-sample. Marked, so that every block routes it alike.
-            unaligned.update(names.values())
-            continue
-        accepted.append((layer, rule, names, a.detach(), z))
-    if unaligned:
-        return capture(module, params, X, outputs, memory_budget=memory_budget,
-                       exclude=exclude | frozenset(unaligned))
+        accepted.append((layer, rule, names, *calls[0]))
 
     terms_by_name: dict[str, Term] = {}
     if accepted:
-        zs = [z for *_, z in accepted]
-        grads = []
+        zs = [z for *_, sites in accepted for z in sites]
+        n_out = len(outputs)
+        grads = [[] for _ in zs]
         for i, c in enumerate(outputs):
-            g = torch.autograd.grad(f[:, c].sum(), zs, retain_graph=i < len(outputs) - 1,
+            g = torch.autograd.grad(f[:, c].sum(), zs, retain_graph=i < n_out - 1,
                                     allow_unused=True)
-            grads.append([torch.zeros_like(z) if gz is None else gz for z, gz in zip(zs, g)])
-        for j, (layer, rule, names, a, _) in enumerate(accepted):
-            delta = (grads[0][j].unsqueeze(1) if len(grads) == 1
-                     else torch.stack([g[j] for g in grads], dim=1)).detach()
-            for term in rule.factors(layer, a, delta, names):
+            for j, (z, gz) in enumerate(zip(zs, g)):
+                grads[j].append(torch.zeros_like(z) if gz is None else gz)
+        deltas = iter([(gs[0].unsqueeze(1) if n_out == 1 else torch.stack(gs, dim=1)).detach()
+                       for gs in grads])
+        del grads
+        for layer, rule, names, use, sites in accepted:
+            layer_deltas = tuple(next(deltas) for _ in sites)
+            use = Use(use.func, use.args, use.kwargs, tuple(
+                a.detach() if isinstance(a, torch.Tensor) else a for a in use.inputs))
+            with torch.no_grad():
+                terms = rule.factors(layer, use, layer_deltas, names)
+            for term in _checked_terms(terms, layer, names, params):
                 for name, _ in term.inputs:
                     terms_by_name[name] = term
+            for name in names.values():
+                if name not in terms_by_name:
+                    reasons[name] = "its rule gives this parameter no term"
     del f, live
 
     # A rule layer's parameter that its rule leaves without a term (an extra parameter
     # registered on an nn.Linear) is covered by the fallback like any other.
     fallback = tuple(name for name in params if name not in terms_by_name)
-    if fallback:
+    if fallback and dense_fallback:
         jac = per_sample_jacobian(module, params, X, fallback, outputs,
                                   memory_budget=memory_budget)
         for name in fallback:
@@ -276,7 +406,8 @@ def capture(
     order = {name: i for i, name in enumerate(params)}
     unique = {id(t): t for t in terms_by_name.values()}.values()
     terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
-    return Capture(terms=terms, fallback=fallback, exclude=exclude)
+    return Capture(terms=terms, fallback=fallback, exclude=exclude,
+                   declined=frozenset(declined), reasons=reasons)
 
 
 def _numerical_misfits(
@@ -300,33 +431,40 @@ def _numerical_misfits(
                if name not in cap.fallback]
     if not covered:
         return frozenset()
-    factors = {name: (term.delta, a) for term in cap.terms for name, a in term.inputs}
+    factors = {name: (term, a) for term in cap.terms for name, a in term.inputs}
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     with torch.enable_grad():
         f = functional_call(module, live, (x,)).reshape(x.shape[0], -1)
-    # A weight's gradient g (p x q) is compared through a random direction v: g v against
-    # delta (a . v). A read the factors miss adds E != 0 to g, and E v != 0 for almost
-    # every v: one pass over g instead of forming the outer product and the difference.
+    dtype = value_dtype(params, x)
+    # A weight's gradient g (rows x cols) is compared through a random direction v: g v
+    # against the factors' G v (a sum over positions of delta (a . v)). A read the
+    # factors miss adds E != 0 to g, and E v != 0 for almost every v: one pass over g
+    # instead of forming the outer products and the difference.
     gen = torch.Generator(device=x.device).manual_seed(0)
-    probes = {name: torch.randn(a.shape[1], 1, generator=gen, device=x.device, dtype=x.dtype)
-              for name, (_, a) in factors.items() if a is not None}
+    probes = {}
+    for name, (term, a) in factors.items():
+        if a is not None:
+            cols = term.delta.shape[3] if term.transposed else a.shape[2] // term.groups
+            probes[name] = torch.randn(cols, generator=gen, device=x.device, dtype=dtype)
     # The rows are weighted 1, 2, ... in one backward pass per output: a swap of rows
     # changes the weighted sum the factors predict, not the one autograd computes.
-    w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=x.dtype)
-    tol = 10 * torch.finfo(x.dtype).eps ** 0.5
+    w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=dtype)
+    tol = 10 * torch.finfo(dtype).eps ** 0.5
     bad = set()
     for i, c in enumerate(outputs):
         grads = torch.autograd.grad(f[:, c] @ w, [live[n] for n in covered],
                                     retain_graph=i < len(outputs) - 1, allow_unused=True)
         errors, scales = [], []
         for name, g in zip(covered, grads):
-            delta, a = factors[name]
-            if a is None:
-                rule, seen = w @ delta[:, i], g
+            term, a = factors[name]
+            v = probes.get(name)
+            rule = torch.einsum("n,nr->r", w, grad_times(term, a, v if a is not None else
+                                                          torch.ones((), dtype=dtype,
+                                                                     device=x.device))[:, i])
+            if g is None:
+                seen = torch.zeros_like(rule)
             else:
-                rule = (w * (a @ probes[name])[:, 0]) @ delta[:, i]
-                seen = None if g is None else (g.reshape(len(rule), -1) @ probes[name])[:, 0]
-            seen = torch.zeros_like(rule) if seen is None else seen.reshape(rule.shape)
+                seen = g.reshape(-1) if a is None else g.reshape(len(rule), -1) @ v
             errors.append((seen - rule).abs().max())
             scales.append(torch.maximum(seen.abs().max(), rule.abs().max()))
         scale = float(torch.stack(scales).max())

@@ -1,21 +1,30 @@
 """Tangent features and tangent-kernel Gram matrices from the layers' factors.
 
 For a layer with a rule, the per-sample gradient of output ``c`` with respect to a
-parameter is ``delta_c (outer) a`` (see :mod:`._rules`), so the Gram block of two samples is
+parameter is ``sum_s delta_cs (outer) a_s`` over the positions ``s`` where it is applied
+(see :mod:`._rules`). With one position the Gram block of two samples is
 ``(a . a') (delta_c . delta'_c')``: the whole Gram is ``(A_X A_Y^T) * (Delta_X Delta_Y^T)``
 elementwise, summed over layers, at a cost of ``O(N M sum_l (d_in + C d_out))`` and
-without ever forming the Jacobian. Parameters handled by the generic fallback contribute
-``J_X J_Y^T`` from their dense per-sample Jacobians.
+without ever forming the Jacobian. With many positions (convolutions, sequences) each term
+is contracted by the cheaper exact form, per-sample gradient blocks or position pairs,
+under the memory budget (the cost model is in :mod:`._contract`). Parameters handled by
+the generic fallback contribute ``J_X J_Y^T`` from their dense per-sample Jacobians.
 
 Every function works in row blocks (and column blocks) sized from ``memory_budget``: the
 factors of one block plus the block's intermediates stay under the budget; the factors of
 the column blocks are kept between row blocks only when all factors fit in half the
-budget, and are recomputed block by block otherwise. A symmetric ``K(X, X)`` computes the
+budget, and are recomputed block by block otherwise. A block whose terms are kept as
+gradient blocks is captured in chunks of rows, so that the positions' factors of one
+chunk, not of the whole block, are alive at once. A symmetric ``K(X, X)`` computes the
 panels on and right of its diagonal only and mirrors them (:func:`_symmetric_block`).
+
+``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
+or integer token ids; kernels and features have the parameters' dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -23,7 +32,25 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._memory import rows_per_block
-from ._capture import Capture, _numerical_misfits, capture, forward
+from ._capture import (
+    Capture,
+    _numerical_misfits,
+    capture,
+    check_per_sample,
+    forward,
+    value_dtype,
+)
+from ._contract import (
+    dense_grad,
+    densify,
+    gram_route,
+    pair_bytes,
+    pair_diag,
+    pair_diag_bytes,
+    pair_gram,
+    param_numel,
+    rank_one,
+)
 from ._rules import Term
 
 __all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
@@ -57,22 +84,6 @@ def _layout(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
     return layout
 
 
-def _kron(delta: torch.Tensor, a: torch.Tensor | None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-sample gradients ``(n, C, p * q)`` of one parameter from its factors.
-
-    ``out`` (a possibly strided ``(n, C, p * q)`` view) receives them without a
-    temporary: a fresh tensor of this size costs a page fault per 4 KiB on first touch.
-    """
-    n, C, p = delta.shape
-    if a is None:
-        return delta if out is None else out.copy_(delta)
-    if out is None:
-        return (delta.unsqueeze(-1) * a.reshape(n, 1, 1, -1)).reshape(n, C, -1)
-    torch.mul(delta.unsqueeze(-1), a.reshape(n, 1, 1, -1), out=out.unflatten(2, (p, -1)))
-    return out
-
-
 def _contract(U: torch.Tensor, V: torch.Tensor, mode: str) -> torch.Tensor:
     """``U (n, C, r)`` against ``V (m, C, r)``: (n, m) trace / C or (n, C, m, C) blocks."""
     n, C, r = U.shape
@@ -86,16 +97,26 @@ def _contract(U: torch.Tensor, V: torch.Tensor, mode: str) -> torch.Tensor:
 def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout) -> None:
     """Add one term's Gram block ``J_term(x) D J_term(y)^T`` to ``out`` in place."""
     if weight is None:
+        if not rank_one(tx):
+            out.add_(pair_gram(tx, ty, mode))
+            return
+        dx, dy = tx.delta[:, :, 0], ty.delta[:, :, 0]
+        if mode != "full" and all(a is None for _, a in tx.inputs):
+            # Dense rows (gradient blocks, the fallback's Jacobians): one GEMM into out.
+            n, C, r = dx.shape
+            out.addmm_(dx.reshape(n, C * r), dy.reshape(-1, C * r).T,
+                       alpha=len(tx.inputs) / C)
+            return
         # sum over the term's parameters of (a . a') times the shared (delta . delta').
-        Gd = _contract(tx.delta, ty.delta, mode)
+        Gd = _contract(dx, dy, mode)
         Ga, ones = None, 0
         for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
             if ax is None:
                 ones += 1
             elif Ga is None:
-                Ga = ax @ ay.T
+                Ga = ax[:, 0] @ ay[:, 0].T
             else:
-                Ga.addmm_(ax, ay.T)
+                Ga.addmm_(ax[:, 0], ay[:, 0].T)
         if Ga is None:
             out.add_(Gd, alpha=ones)
             return
@@ -107,19 +128,47 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
         return
     # A diagonal D breaks the rank-one structure: (delta (x) a) D (delta' (x) a')^T has no
     # factorised form, so each parameter's per-sample gradients are materialised for the
-    # block (n x p*q per side, sized into the budget) and multiplied by one GEMM.
+    # block (n x p*q per side, sized into the budget) and multiplied by one GEMM. Terms
+    # with several positions arrive here already as gradient blocks (constant inputs).
     for (name, ax), (_, ay) in zip(tx.inputs, ty.inputs):
         start, size = layout[name]
-        w = weight[start : start + size]
-        # A bias's "kron" is its delta itself: scale a copy, never the capture's tensor.
-        gx = tx.delta * w if ax is None else _kron(tx.delta, ax).mul_(w)
-        out.add_(_contract(gx, _kron(ty.delta, ay), mode))
+        w = weight.values[start : start + size]
+        n, C = tx.delta.shape[:2]
+        # Into the call's scratch (a fresh tensor of this size faults in every page), and
+        # never into the capture's own tensors (a bias's "kron" is its delta itself).
+        gx = weight.scratch(0, (n, C, size), tx.delta)
+        torch.mul(dense_grad(tx, None), w, out=gx) if ax is None else \
+            dense_grad(tx, ax, out=gx).mul_(w)
+        gy = dense_grad(ty, ay) if ay is None else \
+            dense_grad(ty, ay, out=weight.scratch(1, (ty.delta.shape[0], C, size), ty.delta))
+        out.add_(_contract(gx, gy, mode))
+
+
+class _Weighted:
+    """A diagonal preconditioner and two scratch buffers for the blocks it scales.
+
+    The per-sample gradients of one parameter are formed for a panel of rows and one of
+    columns at every product; reusing two buffers (grown on demand, one per side) keeps
+    their pages faulted in across the panels and terms of one Gram.
+    """
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def scratch(self, side: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers[side]
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[side] = like.new_empty(numel)
+        return buf[:numel].view(shape)
 
 
 def _rows(terms: list[Term], rows: slice) -> list[Term]:
     """The terms restricted to a slice of their samples (views, no copy)."""
-    return [Term(delta=t.delta[rows], inputs=[(name, None if a is None else a[rows])
-                                              for name, a in t.inputs]) for t in terms]
+    return [dataclasses.replace(t, delta=t.delta[rows],
+                                inputs=[(name, None if a is None else a[rows])
+                                        for name, a in t.inputs]) for t in terms]
 
 
 def _gram_into(out: torch.Tensor, tx: list[Term], ty: list[Term], mode: str, weight,
@@ -133,7 +182,7 @@ def _gram_into(out: torch.Tensor, tx: list[Term], ty: list[Term], mode: str, wei
         _accumulate(out, a, b, mode, weight, layout)
 
 
-def _panel_rows(device: torch.device) -> tuple[int, int]:
+def _panel_rows(device: torch.device, width: int = 0) -> tuple[int, int]:
     """Rows of the outer and inner panels of a symmetric block.
 
     A symmetric block is computed one outer panel of rows at a time, from the diagonal
@@ -141,10 +190,14 @@ def _panel_rows(device: torch.device) -> tuple[int, int]:
     panel's diagonal square in one product per factor, the square itself by inner panels
     (their own squares are computed in full and symmetrised). On a CPU, 512 / 128 measured
     fastest on 64-512x3-1 at N = 1024 and 2048 (about 0.53 of the full GEMM FLOPs; 5%
-    faster than 128-row panels alone, 1024 / 128 no better). A GPU wants large GEMMs:
-    2048 / 2048, so only large blocks are split.
+    faster than 128-row panels alone, 1024 / 128 no better). Rows of formed gradient
+    blocks (``width``, the widest row, of 2^14 numbers or more: a convolution's C p q)
+    make each product stream a long row: 1024 / 256 measured 20% faster there (N = 1024,
+    184320 per row). A GPU wants large GEMMs: 2048 / 2048, so only large blocks are split.
     """
-    return (512, 128) if device.type == "cpu" else (2048, 2048)
+    if device.type != "cpu":
+        return 2048, 2048
+    return (1024, 256) if width >= 2**14 else (512, 128)
 
 
 def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor) -> None:
@@ -155,7 +208,8 @@ def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Te
     bitwise symmetric).
     """
     n = terms[0].delta.shape[0]
-    outer, inner = _panel_rows(terms[0].delta.device)
+    width = max(t.delta.shape[1] * t.delta.shape[3] for t in terms)
+    outer, inner = _panel_rows(terms[0].delta.device, width)
     for s in range(0, n, outer):
         e = min(s + outer, n)
         if e < n:
@@ -229,33 +283,138 @@ def _consistent_routing(fn):
 
 
 class _Blocks:
-    """The captures of consecutive row blocks of X, kept or recomputed on demand."""
+    """The captures of consecutive row blocks of X, kept or recomputed on demand.
 
-    def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset()):
+    ``dense`` names the terms (by their first parameter) that the call contracts as
+    per-sample gradient blocks: each block's capture hands them on formed. With ``chunk``
+    a block is captured ``chunk`` rows at a time, each chunk's blocks formed in place in
+    the block's buffers. Without ``keep``, :meth:`hold` keeps one block for its next use.
+    """
+
+    def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset(),
+                 dense=frozenset(), chunk=None, scale=None):
         self.module, self.params, self.X, self.exclude = module, params, X, exclude
         self.outputs, self.budget, self.keep = outputs, budget, keep
+        self.dense, self.chunk, self.scale = dense, chunk, scale
         self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
         self._cache: dict[int, Capture] = {}
+        self._held: tuple[int, Capture] | None = None
 
     def __len__(self):
         return len(self.slices)
 
+    def _capture(self, rows: slice) -> Capture:
+        cap = capture(self.module, self.params, self.X[rows], self.outputs,
+                      memory_budget=self.budget, exclude=self.exclude)
+        routed = cap.exclude | cap.declined
+        if routed != self.exclude:
+            raise _NewMisfit(self.exclude | routed)
+        return cap
+
     def __getitem__(self, i: int) -> Capture:
         if i in self._cache:
             return self._cache[i]
-        cap = capture(self.module, self.params, self.X[self.slices[i]], self.outputs,
-                      memory_budget=self.budget, exclude=self.exclude)
-        if cap.exclude != self.exclude:
-            raise _NewMisfit(cap.exclude)
+        if self._held is not None and self._held[0] == i:
+            return self._held[1]
+        sl = self.slices[i]
+        n = sl.stop - sl.start
+        if self.chunk is None or self.chunk >= n:
+            cap = self._capture(sl)
+            cap.terms = _formed(cap.terms, self.dense)
+        else:
+            cap, terms = None, None
+            for s in range(sl.start, sl.stop, self.chunk):
+                part = self._capture(slice(s, min(s + self.chunk, sl.stop)))
+                if terms is None:
+                    cap, terms = part, _formed_empty(part.terms, self.dense, n)
+                _formed(part.terms, self.dense, terms, s - sl.start)
+            cap.terms = terms
+        if self.scale is not None:
+            _scale(cap.terms, *self.scale)
         if self.keep:
             self._cache[i] = cap
         return cap
 
+    def hold(self, i: int) -> Capture:
+        """Block ``i``, kept until another block is held (the next row block of a
+        symmetric Gram is the first column block of the current row)."""
+        cap = self[i]
+        self._held = (i, cap)
+        return cap
+
+
+def _formed(terms: list[Term], dense: frozenset[str], into: list[Term] | None = None,
+            start: int = 0) -> list[Term]:
+    """The terms with those named in ``dense`` as gradient blocks (one term per parameter).
+
+    ``into`` (from :func:`_formed_empty`) receives them at rows ``start:``, in place.
+    """
+    if into is None:
+        out = []
+        for term in terms:
+            out.extend(densify(term) if term.inputs[0][0] in dense else [term])
+        return out
+    slots = iter(into)
+    for term in terms:
+        rows = slice(start, start + term.delta.shape[0])
+        if term.inputs[0][0] in dense:
+            for _, a in term.inputs:
+                dense_grad(term, a, out=next(slots).delta[rows, :, 0])
+            continue
+        whole = next(slots)
+        whole.delta[rows] = term.delta
+        for (_, a), (_, b) in zip(whole.inputs, term.inputs):
+            if a is not None:
+                a[rows] = b
+    return into
+
+
+def _scale(terms: list[Term], root: torch.Tensor, layout) -> None:
+    """Multiply formed (constant-input) terms by ``sqrt(D)`` over their parameter, in
+    place: the block owns them (formed here, or a capture's own sums and Jacobians)."""
+    for term in terms:
+        ((name, a),) = term.inputs
+        assert a is None, "only formed terms are scaled"
+        start, size = layout[name]
+        term.delta.mul_(root[start : start + size])
+
+
+def _formed_empty(terms: list[Term], dense: frozenset[str], n: int) -> list[Term]:
+    """Uninitialised terms of ``n`` rows laid out as :func:`_formed` returns them."""
+    def new(t, *shape):
+        return None if t is None else t.new_empty((n, *(shape or t.shape[1:])))
+
+    out = []
+    for t in terms:
+        if t.inputs[0][0] in dense:
+            C = t.delta.shape[1]
+            out.extend(Term(delta=new(t.delta, C, 1, param_numel(t, a)), inputs=[(name, None)])
+                       for name, a in t.inputs)
+        else:
+            out.append(dataclasses.replace(t, delta=new(t.delta),
+                                           inputs=[(name, new(a)) for name, a in t.inputs]))
+    return out
+
+
+def _term_bytes(term: Term) -> int:
+    size = term.delta.numel() * term.delta.element_size()
+    return size + sum(a.numel() * a.element_size() for _, a in term.inputs if a is not None)
+
+
+def _dense_bytes(term: Term, itemsize: int) -> int:
+    """Bytes per sample of the term's per-sample gradient blocks."""
+    C = term.delta.shape[1]
+    return itemsize * C * sum(param_numel(term, a) for _, a in term.inputs)
+
 
 def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), check_hidden=True):
     params = dict(params)
-    if X.ndim != 2 or X.shape[0] == 0:
-        raise ValueError(f"X must be a non-empty 2-D tensor, got shape {tuple(X.shape)}.")
+    if X.ndim < 1 or X.shape[0] == 0:
+        raise ValueError("X must be a non-empty tensor of shape (n_samples, ...), got shape "
+                         f"{tuple(X.shape)}.")
+    if X.is_complex() or X.dtype == torch.bool:
+        raise TypeError(f"X must hold real numbers or integer token ids, got {X.dtype}.")
+    check_per_sample(module)
     n_outputs = forward(module, params, X[:1]).shape[1]
     outputs, mode = _resolve_output(output, n_outputs)
     # The first sample's factors give the per-row size of every block's factors, and the
@@ -270,9 +429,10 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     if hidden:
         probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
                         exclude=probe.exclude | hidden)
-    # The probe's first row sizes the blocks.
+    # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
+    # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,
-                    exclude=probe.exclude)
+                    exclude=probe.exclude | probe.declined)
     return params, outputs, mode, probe
 
 
@@ -313,7 +473,7 @@ def _matching(params, params_y) -> dict[str, torch.Tensor]:
     return {k: params_y[k] for k in params}
 
 
-def _check_weight(diag_weight, params, X):
+def _check_weight(diag_weight, params, dtype, device):
     if diag_weight is None:
         return None
     n_params = sum(p.numel() for p in params.values())
@@ -321,7 +481,45 @@ def _check_weight(diag_weight, params, X):
         raise ValueError(
             f"diag_weight must have shape ({n_params},), got {tuple(diag_weight.shape)}."
         )
-    return diag_weight.to(device=X.device, dtype=X.dtype)
+    return diag_weight.to(device=device, dtype=dtype)
+
+
+def _gram_plan(probe, n_x, n_y, mode, weighted, symmetric, budget, itemsize, scalable=True):
+    """Routes of a Gram's terms and the bytes that size its blocks.
+
+    Returns ``(dense, kept, pair, scaled)``: the terms contracted as gradient blocks (by
+    first parameter), the bytes per sample a block keeps (factors, or formed blocks), the
+    bytes per pair of samples of the position-pair intermediates, and whether every term
+    is formed and scaled by ``sqrt(D)`` in its block (a preconditioned Gram whose blocks
+    all fit: ``J D J'^T = (J sqrt(D)) (J' sqrt(D))^T``, then plain GEMMs, each block
+    formed once instead of every rank-one term at every panel).
+    """
+    n_kept = n_x + (0 if symmetric else n_y)
+    if weighted and scalable:
+        formed = sum(_dense_bytes(t, itemsize) for t in probe.terms)
+        if formed * n_kept <= budget * 7 // 8:
+            # Each formed term then holds one parameter (the scaling is per parameter).
+            shared = {t.inputs[0][0] for t in probe.terms
+                      if len(t.inputs) > 1 or t.inputs[0][1] is not None}
+            return frozenset(shared), formed, 0, True
+    dense, kept, pair = set(), 0, 0
+    for term in probe.terms:
+        route = gram_route(term, n_x, n_y, mode, weighted, symmetric, budget // 8, itemsize)
+        if route == "dense" and any(a is not None for _, a in term.inputs):
+            dense.add(term.inputs[0][0])
+            kept += _dense_bytes(term, itemsize)
+            continue
+        kept += _term_bytes(term)
+        if route == "pair":
+            pair += pair_bytes(term, mode, itemsize)
+    return frozenset(dense), kept, pair, False
+
+
+def _check_y(X, Y):
+    if Y.shape[1:] != X.shape[1:] or Y.dtype != X.dtype:
+        shape = ", ".join(["n", *(str(d) for d in X.shape[1:])])
+        raise ValueError(f"Y must be a {X.dtype} tensor of shape ({shape}) like X, "
+                         f"got {Y.dtype} of shape {tuple(Y.shape)}.")
 
 
 @_consistent_routing
@@ -347,8 +545,10 @@ def tangent_gram(
     params : mapping of str to torch.Tensor
         The differentiated parameters, in flat (trajectory) order; other parameters and
         buffers are the module's own.
-    X : torch.Tensor of shape (n_samples_X, n_features)
-    Y : torch.Tensor of shape (n_samples_Y, n_features), default=None
+    X : torch.Tensor of shape (n_samples_X, ...)
+        Inputs as the module takes them: features, images, sequences, or int64 token ids.
+    Y : torch.Tensor of shape (n_samples_Y, ...), default=None
+        Same trailing shape and dtype as ``X``.
         ``None`` computes ``K(X, X)``, evaluating only the blocks on and above the
         diagonal and mirroring them (diagonal blocks are symmetrised exactly).
     output : "trace", "full" or int, default="trace"
@@ -384,33 +584,64 @@ def tangent_gram(
         params_y = _matching(params, params_y)
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
                                             check_hidden)
-    weight = _check_weight(diag_weight, params, X)
+    dtype = value_dtype(params, X)
+    weight = _check_weight(diag_weight, params, dtype, X.device)
+    weight = None if weight is None else _Weighted(weight)
     symmetric = Y is None and params_y is None
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
-    if Y.ndim != 2 or Y.shape[1] != X.shape[1]:
-        raise ValueError(f"Y must have shape (n, {X.shape[1]}), got {tuple(Y.shape)}.")
+    _check_y(X, Y)
     n_out = len(outputs)
-    itemsize = X.element_size()
+    itemsize = dtype.itemsize
     layout = _layout(params)
-    per_row = 4 * probe.nbytes()
+    # A D with negative entries has no square root: the panels then scale the blocks.
+    dense, kept, pair, scaled = _gram_plan(
+        probe, X.shape[0], Y.shape[0], mode, weight is not None, symmetric, memory_budget,
+        itemsize, scalable=weight is not None and bool((weight.values >= 0).all()))
+    scale = None
+    if scaled:
+        # Every block is formed and scaled by sqrt(D) as it is captured; the products
+        # are then those of an unweighted Gram.
+        scale = (weight.values.sqrt(), layout)
+        weight = None
+    per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2) + pair
+    lazy = 0
     if weight is not None:
-        per_row += 2 * n_out * max(size for _, size in layout.values()) * itemsize
-    per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2)
-    size = _block_size(max(X.shape[0], Y.shape[0]), memory_budget, per_row, per_pair)
-    # Captures are kept only where a block is visited again: the column blocks, once per
-    # row block. A row block of a cross Gram is used once, keeping it would only hold
-    # memory (N x r OOD passes: 140 MB of factors for nothing at N = 20000).
-    fits = probe.nbytes() * (X.shape[0] + (0 if symmetric else Y.shape[0])) <= memory_budget // 2
+        # The rank-one terms' blocks, formed one parameter at a time per panel.
+        lazy = 2 * n_out * max(size for _, size in layout.values()) * itemsize
+    n_max = max(X.shape[0], Y.shape[0])
+    n_kept = X.shape[0] + (0 if symmetric else Y.shape[0])
+    chunk = None
+    if dense:
+        # Formed gradient blocks: the kept blocks (a row block, a column block and the
+        # next row block) take 7/8 of the budget; a block is captured in chunks whose
+        # factors, graph and forming take the rest. (Shares of the budget are passed as
+        # larger per-row needs, so that a refusal names the bytes of the whole budget.)
+        size = _block_size(n_max, memory_budget, -(-12 * (kept + lazy) // 7),
+                           -(-8 * per_pair // 7))
+        chunk = rows_per_block(memory_budget, 8 * (4 * probe.nbytes() + kept),
+                               "A capture of per-sample gradient blocks")
+        fits = kept * n_kept <= memory_budget * 7 // 8
+        if fits and symmetric and not lazy:
+            # Every block is kept anyway: one block, the largest products. (Lazily formed
+            # rank-one blocks of a preconditioned Gram grow with the block: not then.)
+            size = n_max
+    else:
+        size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
+        # Captures are kept only where a block is visited again: the column blocks, once
+        # per row block. A row block of a cross Gram is used once, keeping it would only
+        # hold memory (N x r OOD passes: 140 MB of factors for nothing at N = 20000).
+        fits = kept * n_kept <= memory_budget // 2
     n_row_blocks = -(-X.shape[0] // size)
     bx = _Blocks(module, params, X, size, outputs, memory_budget,
-                 fits and symmetric and n_row_blocks > 1, probe.exclude)
+                 fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale)
     by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget,
-                                      fits and n_row_blocks > 1, probe.exclude)
+                                      fits and n_row_blocks > 1, probe.exclude, dense, chunk,
+                                      scale)
 
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
-    K = torch.empty(shape, dtype=X.dtype, device=X.device)
+    K = torch.empty(shape, dtype=dtype, device=X.device)
     full = mode == "full"
     for i in range(len(bx)):
         cx = bx[i]
@@ -420,7 +651,10 @@ def tangent_gram(
             if symmetric and i == j:
                 _symmetric_block(cx.terms, mode, weight, layout, block)
                 continue
-            _gram_into(block, cx.terms, by[j].terms, mode, weight, layout)
+            # Formed blocks are costly to recompute: the next row block is held from its
+            # first use as a column block.
+            cy = by.hold(j) if symmetric and dense and j == i + 1 else by[j]
+            _gram_into(block, cx.terms, cy.terms, mode, weight, layout)
             if symmetric:
                 if full:
                     K[sj, :, si, :] = block.permute(2, 3, 0, 1)
@@ -459,36 +693,80 @@ def tangent_gram_diag(
     """
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
                                             check_hidden)
-    weight = _check_weight(diag_weight, params, X)
+    dtype = value_dtype(params, X)
+    weight = _check_weight(diag_weight, params, dtype, X.device)
     layout = _layout(params)
     n_out = len(outputs)
-    size = _block_size(X.shape[0], memory_budget, 4 * probe.nbytes())
+    itemsize = dtype.itemsize
+    routes = {t.inputs[0][0]: _diag_route(t, mode, weight is not None) for t in probe.terms}
+    extra = max([_dense_bytes(t, itemsize) * 2 if routes[t.inputs[0][0]] == "dense"
+                 else pair_diag_bytes(t, itemsize) if routes[t.inputs[0][0]] == "pair" else 0
+                 for t in probe.terms], default=0)
+    size = _block_size(X.shape[0], memory_budget, 4 * probe.nbytes() + extra)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
     shape = (X.shape[0], n_out, n_out) if mode == "full" else (X.shape[0],)
-    out = torch.zeros(shape, dtype=X.dtype, device=X.device)
+    out = torch.zeros(shape, dtype=dtype, device=X.device)
     for i in range(len(blocks)):
         sl = blocks.slices[i]
         for term in blocks[i].terms:
-            d = term.delta
-            if weight is None:
-                ga = sum((a * a).sum(1) if a is not None else 1.0 for _, a in term.inputs)
-                if mode == "full":
-                    if isinstance(ga, torch.Tensor):
-                        ga = ga.reshape(-1, 1, 1)
-                    out[sl] += torch.einsum("ncp,ndp->ncd", d, d) * ga
-                else:
-                    out[sl] += (d * d).sum((1, 2)) * ga / n_out
-                continue
-            for name, a in term.inputs:
-                start, numel = layout[name]
-                w = weight[start : start + numel].reshape(d.shape[2], -1)
-                s = w[:, 0].expand(d.shape[0], -1) if a is None else (a * a) @ w.T
-                if mode == "full":
-                    out[sl] += torch.einsum("ncp,ndp,np->ncd", d, d, s)
-                else:
-                    out[sl] += (d * d * s.unsqueeze(1)).sum((1, 2)) / n_out
+            route = routes[term.inputs[0][0]]
+            if route == "pair":
+                out[sl] += pair_diag(term, mode)
+            elif route == "dense":
+                for name, a in term.inputs:
+                    g = dense_grad(term, a)
+                    gw = g if weight is None else g * weight[slice(*_span(layout[name]))]
+                    out[sl] += (torch.einsum("ncr,ndr->ncd", gw, g) if mode == "full"
+                                else (gw * g).sum((1, 2)) / n_out)
+            else:
+                _rank_one_diag(out[sl], term, mode, weight, layout, n_out)
     return out
+
+
+def _span(start_size):
+    start, size = start_size
+    return start, start + size
+
+
+def _diag_route(term: Term, mode: str, weighted: bool) -> str:
+    """"rank1" (the factorised diagonal), "pair" or "dense" for one term's K(x, x)."""
+    factored = [a for _, a in term.inputs if a is not None]
+    if not factored or rank_one(term) and not (weighted and term.transposed):
+        return "rank1"
+    if weighted:
+        return "dense"
+    _, C, S, p = term.delta.shape
+    numel = sum(param_numel(term, a) for a in factored)
+    c2 = C * C if mode == "full" else C
+    # pair: A = a a^T (S^2 q), E = A delta (S^2 C p), then delta . E (c2 S p / C);
+    # dense: the blocks (S C numel), then their squares (c2 numel).
+    q = sum(a.shape[2] for a in factored)
+    pair = S * S * (q + C * p) + c2 * S * p
+    dense = S * C * numel + c2 * numel
+    return "dense" if dense < pair else "pair"
+
+
+def _rank_one_diag(out, term, mode, weight, layout, n_out) -> None:
+    """One position: ``sum_oi delta_o^2 D_oi a_i^2 = delta^2 . (D a^2)``, added to ``out``."""
+    d = term.delta[:, :, 0]
+    if weight is None:
+        ga = sum((a[:, 0] * a[:, 0]).sum(1) if a is not None else 1.0 for _, a in term.inputs)
+        if mode == "full":
+            if isinstance(ga, torch.Tensor):
+                ga = ga.reshape(-1, 1, 1)
+            out += torch.einsum("ncp,ndp->ncd", d, d) * ga
+        else:
+            out += (d * d).sum((1, 2)) * ga / n_out
+        return
+    for name, a in term.inputs:
+        start, numel = layout[name]
+        w = weight[start : start + numel].reshape(d.shape[2], -1)
+        s = w[:, 0].expand(d.shape[0], -1) if a is None else (a[:, 0] * a[:, 0]) @ w.T
+        if mode == "full":
+            out += torch.einsum("ncp,ndp,np->ncd", d, d, s)
+        else:
+            out += (d * d * s.unsqueeze(1)).sum((1, 2)) / n_out
 
 
 @_consistent_routing
@@ -531,15 +809,19 @@ def tangent_features(
     layout = _layout(params)
     n_params = sum(size for _, size in layout.values())
     n_out = len(outputs)
-    per_row = 4 * probe.nbytes() + n_out * n_params * X.element_size()
+    dtype = value_dtype(params, X)
+    # A term with positions forms its blocks before they are copied into phi.
+    formed = max([_dense_bytes(t, dtype.itemsize) for t in probe.terms if not rank_one(t)
+                  or t.transposed], default=0)
+    per_row = 4 * probe.nbytes() + n_out * n_params * dtype.itemsize + formed
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
     shape = (X.shape[0], n_out, n_params)
     if out is None:
-        phi = torch.empty(shape, dtype=X.dtype, device=X.device)
-    elif out.shape != shape or out.dtype != X.dtype or out.device != X.device:
-        raise ValueError(f"out must be a {X.dtype} tensor of shape {shape} on {X.device}, "
+        phi = torch.empty(shape, dtype=dtype, device=X.device)
+    elif out.shape != shape or out.dtype != dtype or out.device != X.device:
+        raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {X.device}, "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}.")
     else:
         phi = out
@@ -548,7 +830,7 @@ def tangent_features(
         for term in blocks[i].terms:
             for name, a in term.inputs:
                 start, numel = layout[name]
-                _kron(term.delta, a, out=phi[sl, :, start : start + numel])
+                dense_grad(term, a, out=phi[sl, :, start : start + numel])
     if mode == "full":
         return phi
     if n_out == 1:

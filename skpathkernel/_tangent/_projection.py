@@ -8,7 +8,11 @@ Gaussian direction ``u (x) v`` (``u ~ N(0, I_p)``, ``v ~ N(0, I_q)``, independen
     z_k(x) = (delta(x) . u_k) (a(x) . v_k) / sqrt(k),
 
 and ``E[(u (x) v)(u (x) v)^T] = I``, so ``E[z(x) . z(x')] = K(x, x')`` exactly (the variance
-is somewhat larger than a dense Gaussian's; it still decays as ``1 / k``). Parameters with
+is somewhat larger than a dense Gaussian's; it still decays as ``1 / k``). A weight applied
+at ``S`` positions (convolutions, sequences) projects each position's outer product and
+sums, ``z_k(x) = sum_s (delta_s . u_k) (a_s . v_k)``: ``O(S (p + q))`` instead of forming
+the ``p x q`` block; groups (block-diagonal weights) draw ``u`` over all of ``p`` and share
+``v`` between them, which keeps ``E[(u (x) v)(u (x) v)^T] = I`` on the blocks. Parameters with
 no factor structure (a bias, the generic fallback) are projected by dense Gaussian
 matrices drawn in fixed-size column chunks, so memory stays bounded and the numbers do not
 depend on the memory budget.
@@ -24,6 +28,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ._capture import value_dtype
+from ._contract import project_bytes, project_term
 from ._gram import DEFAULT_MEMORY_BUDGET, _block_size, _Blocks, _consistent_routing, _prepare
 
 __all__ = ["project_tangent_features"]
@@ -108,32 +114,36 @@ def project_tangent_features(
                                             check_hidden)
     index = {name: i for i, name in enumerate(params)}
     n_out = len(outputs)
-    itemsize = X.element_size()
-    per_row = 4 * probe.nbytes() + 2 * n_out * k * itemsize
+    dtype = value_dtype(params, X)
+    itemsize = dtype.itemsize
+    # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
+    width = 1 if mode == "full" else n_out
+    per_row = 4 * probe.nbytes() + 2 * n_out * k * itemsize + max(
+        [project_bytes(t, k, width, itemsize) for t in probe.terms], default=0)
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
-    # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
-    width = 1 if mode == "full" else n_out
     z = torch.zeros((X.shape[0], n_out if mode == "full" else 1, k),
-                    dtype=X.dtype, device=X.device)
+                    dtype=dtype, device=X.device)
     directions: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for i in range(len(blocks)):
         sl = blocks.slices[i]
         for term in blocks[i].terms:
-            n, C, p = term.delta.shape
-            delta = term.delta.reshape(n * C // width, width * p)
+            n, C, _, p = term.delta.shape
             for name, a in term.inputs:
                 key = (index[name],)
                 if a is None:
+                    # Constant inputs have one position (the capture sums the others).
+                    delta = term.delta[:, :, 0].reshape(n * C // width, width * p)
                     proj = _dense_project(delta, seed, key, k)
                 else:
                     if name not in directions:
+                        groups = 1 if term.transposed else term.groups
                         gen = _generator(seed, *key)
                         directions[name] = (_gaussian(gen, (k, width * p), a),
-                                            _gaussian(gen, (k, a.shape[1]), a))
+                                            _gaussian(gen, (k, a.shape[2] // groups), a))
                     U, V = directions[name]
-                    proj = (delta @ U.T).reshape(n, -1, k) * (a @ V.T).unsqueeze(1)
+                    proj = project_term(term, a, U, V, width)
                 z[sl] += proj.reshape(n, -1, k)
     z /= math.sqrt(k * (n_out if mode == "trace" else 1))
     return z if mode == "full" else z[:, 0, :]

@@ -1,91 +1,202 @@
-"""Per-layer rules: per-sample gradients of a layer as Kronecker factors.
+"""The rule contract: per-sample gradients of a layer as Kronecker factors with positions.
 
-A rule turns what a forward hook saw (the layer's input activations ``a``) and what the
-per-output backward passes gave (the backprops ``delta = d f_c / d z`` for the layer's
-output ``z``) into :class:`Term` objects. A term says: for every parameter it names, the
-per-sample gradient of output ``c`` is ``delta[:, c, :] (outer) A`` flattened row-major,
-or ``delta[:, c, :]`` alone when ``A`` is ``None``. The kernel engine contracts these
-factors directly, so the per-sample gradients (the Jacobian) are never formed.
+A layer with a rule reads its parameters through one call of its own operation (``ops``:
+``F.linear`` for nn.Linear, ``F.conv2d`` for nn.Conv2d, ...). The capture
+(:mod:`._capture`) records that call, a :class:`Use`: the operation's input ``a`` and output
+``z`` (one such pair, a *site*, per operation; a rule may run its call as several sites,
+see :attr:`Rule.expand`), then computes the backprops ``delta = d f_c / d z`` for every
+requested output ``c``. The rule turns them into :class:`Term` objects.
+
+A term covers one or more parameters that share a backprop. With positions (a weight
+applied at many places of one sample: a convolution's patches, a Linear on ``(n, S, d)``
+tokens, attention projections), the per-sample gradient of output ``c`` is a sum of outer
+products over the positions ``s``::
+
+    d f_c / d W = sum_s delta[c, s] (outer) a[s]        (p x q, row-major)
+
+and ``delta[c, s]`` alone, summed over ``s``, when the input is ``None`` (a bias). The
+engine contracts these factors directly, choosing per term and call between forming the
+``p x q`` blocks and contracting position pairs (see :mod:`._contract`), so the Jacobian
+of a rule layer is formed only where that is the cheaper exact contraction.
 
 Rules are registered by exact module type (as opacus' grad_sample does): a subclass may
 override ``forward`` and silently break the rule, so it goes to the generic fallback
-unless it is registered itself. Register Conv / Embedding / LayerNorm rules here with
-:func:`register_rule`.
+unless it is registered itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-__all__ = ["RULES", "Rule", "Term", "register_rule"]
+__all__ = ["RULES", "Rule", "Term", "Use", "get_rule", "register_rule"]
 
 
 @dataclass
 class Term:
     """Kronecker factors of the per-sample gradients of one or more parameters.
 
-    Attributes
+    Parameters
     ----------
-    delta : torch.Tensor of shape (n_samples, n_outputs, p)
-        Backprop factor, shared by every parameter of the term.
-    inputs : list of (str, torch.Tensor of shape (n_samples, q) or None)
-        Parameter name (a key of the ``params`` mapping) and its activation factor;
-        ``None`` means the factor is the constant 1 (``q = 1``), as for a bias. The
-        parameter has ``p * q`` entries, ordered ``(p, q)`` row-major.
+    delta : torch.Tensor of shape (n_samples, n_outputs, n_positions, p)
+        Backprop factor, shared by every parameter of the term. A 3-D
+        ``(n_samples, n_outputs, p)`` tensor is read as one position.
+    inputs : list of (str, torch.Tensor of shape (n_samples, n_positions, q) or None)
+        Parameter name (a key of the ``params`` mapping) and its activation factor; a
+        2-D ``(n_samples, q)`` factor is read as one position. ``None`` means the factor
+        is the constant 1: the parameter has ``p`` entries and its gradient is ``delta``
+        summed over the positions (a bias, an elementwise scale folded into ``delta``).
+    groups : int, default=1
+        Block-diagonal weights (grouped convolutions, packed attention projections of
+        different inputs): ``p`` and ``q`` split into ``groups`` equal parts, part ``j`` of
+        ``delta`` pairs with part ``j`` of ``a`` only, and the parameter has
+        ``p * q / groups`` entries, ordered ``(groups, p / groups, q / groups)``
+        row-major. ``None`` inputs ignore it.
+    transposed : bool, default=False
+        The parameter's entries are ordered ``(q, p)`` instead of ``(p, q)``: its
+        gradient is ``sum_s a[s] (outer) delta[c, s]`` (an embedding table, whose rows are
+        indexed by the one-hot ``a``). Not combined with ``groups``.
+
+    Notes
+    -----
+    Every parameter of the network is covered by exactly one term (the capture gives the
+    parameters that no rule covers dense-Jacobian terms from the fallback: a ``None``
+    input with ``delta`` the per-sample gradient itself).
     """
 
     delta: torch.Tensor
     inputs: list[tuple[str, torch.Tensor | None]]
+    groups: int = 1
+    transposed: bool = False
+
+    def __post_init__(self):
+        if self.delta.ndim == 3:
+            self.delta = self.delta.unsqueeze(2)
+        if self.delta.ndim != 4:
+            raise ValueError("Term.delta must have shape (n_samples, n_outputs, n_positions, "
+                             f"p), got {tuple(self.delta.shape)}.")
+        n, _, S, p = self.delta.shape
+        inputs = []
+        for name, a in self.inputs:
+            if a is not None:
+                if a.ndim == 2:
+                    a = a.unsqueeze(1)
+                if a.ndim != 3 or a.shape[:2] != (n, S):
+                    raise ValueError(
+                        f"The factor of {name!r} must have shape ({n}, {S}, q) to match "
+                        f"delta {tuple(self.delta.shape)}, got {tuple(a.shape)}.")
+                if a.shape[2] % self.groups:
+                    raise ValueError(f"The factor of {name!r} has {a.shape[2]} columns, not "
+                                     f"a multiple of groups={self.groups}.")
+            inputs.append((name, a))
+        self.inputs = inputs
+        if p % self.groups:
+            raise ValueError(f"delta has {p} columns, not a multiple of groups={self.groups}.")
+        if self.transposed and self.groups != 1:
+            raise ValueError("A transposed term cannot have groups.")
 
 
 @dataclass(frozen=True)
-class Rule:
-    """A registered per-layer rule.
+class Use:
+    """One call of a rule layer's own operation, as the capture saw it.
 
-    ``ops`` are the torch functions through which the layer's own call reads its
-    parameters (``F.linear`` for nn.Linear): the capture takes ``a`` and ``z`` from the
-    first argument and the result of that one call, and sends the layer to the fallback
-    if its parameters are read in any other way. ``accepts(layer, a)`` says whether one
-    call's input can use the rule (else the layer goes to the fallback);
-    ``factors(layer, a, delta, names)`` returns the terms, where ``names`` maps the
-    layer's local parameter names (``"weight"``) to the keys of the ``params`` mapping,
-    for the parameters that are differentiated. Parameters of the layer left without a
-    term go to the fallback.
+    Attributes
+    ----------
+    func : callable
+        The operation called (one of the rule's ``ops``).
+    args, kwargs : tuple, dict
+        Its arguments, with the layer's parameters in them (stride, padding, eps, ... are
+        read from here, so that the rule follows the call actually made).
+    inputs : tuple of torch.Tensor
+        The input ``a`` of each site, samples first: ``args[0]`` for a rule without
+        ``expand``.
     """
 
-    accepts: Callable[[nn.Module, torch.Tensor], bool]
-    factors: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, str]], list[Term]]
-    ops: tuple[Callable, ...] = ()
+    func: Callable
+    args: tuple
+    kwargs: dict
+    inputs: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """A per-layer rule: how a layer's parameters are read, and their Kronecker factors.
+
+    Parameters
+    ----------
+    ops : tuple of callable
+        The torch functions through which the layer's own call reads its parameters
+        (``(F.linear,)`` for nn.Linear). Exactly one call of one of them, by the layer
+        itself and taking every differentiated parameter of the layer (and of its
+        children: a rule layer owns its whole subtree), is the layer's use; the layer
+        goes to the fallback when a parameter of it is read in any other way.
+    factors : callable ``(layer, use, deltas, names) -> list of Term``
+        ``use`` is the :class:`Use`; ``deltas[i]`` is the backprop of site ``i``'s output
+        ``z_i``, of shape ``(n_samples, n_outputs, *z_i.shape[1:])``; ``names`` maps the
+        layer's local parameter names (``"weight"``, ``"out_proj.bias"``) to the keys of
+        the ``params`` mapping, for the parameters that are differentiated. A parameter
+        left without a term goes to the fallback.
+    accepts : callable ``(layer, use) -> bool``, default=None
+        Whether this call can use the rule (``None``: always); else the layer goes to the
+        fallback.
+    expand : callable ``(layer, func, args, kwargs) -> (out, sites) or None``, default=None
+        Runs the layer's own call as several sites, for an operation whose parameters act
+        on intermediate tensors (attention's projections): returns the call's result and
+        a list of ``(a, z)`` pairs, samples first, where ``z`` is computed from ``a`` and the
+        parameters by differentiable torch operations and the result from the ``z``.
+        ``None`` declines (the call runs as is and the layer goes to the fallback). Without
+        ``expand`` the call is one site, ``(args[0], result)``.
+    """
+
+    ops: tuple[Callable, ...]
+    factors: Callable[[nn.Module, Use, tuple[torch.Tensor, ...], dict[str, str]], list[Term]]
+    accepts: Callable[[nn.Module, Use], bool] | None = None
+    expand: Callable[[nn.Module, Callable, tuple, dict],
+                     tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None] | None = None
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register_rule(module_type: type, rule: Rule) -> None:
-    """Register ``rule`` for modules whose type is exactly ``module_type``."""
+    """Register ``rule`` for the modules whose type is exactly ``module_type``.
+
+    A rule registered for a type replaces the one registered before it (the built-in
+    rules included). Subclasses are not covered: register them explicitly once their
+    ``forward`` is known to make the same call.
+
+    Parameters
+    ----------
+    module_type : type
+        A subclass of ``torch.nn.Module``.
+    rule : Rule
+        Its rule.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be a torch.nn.Module subclass, got {module_type!r}.")
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a Rule, got {type(rule).__name__}.")
+    if not rule.ops:
+        raise ValueError("rule.ops must name at least one torch function.")
     RULES[module_type] = rule
 
 
-def _linear_accepts(layer: nn.Module, a: torch.Tensor) -> bool:
-    # Leading batch dimensions other than the sample one (sequences) would need a sum
-    # over positions, which the rank-one factorisation below does not represent.
-    return a.ndim == 2
+def get_rule(module_type: type) -> Rule | None:
+    """The rule registered for exactly ``module_type``, or ``None``.
 
+    Parameters
+    ----------
+    module_type : type
+        A subclass of ``torch.nn.Module``.
 
-def _linear_factors(layer, a, delta, names):
-    # z = a W^T + b: d f_c / d W = delta_c (outer) a, d f_c / d b = delta_c.
-    inputs = []
-    if "weight" in names:
-        inputs.append((names["weight"], a))
-    if "bias" in names:
-        inputs.append((names["bias"], None))
-    return [Term(delta=delta, inputs=inputs)]
-
-
-register_rule(nn.Linear, Rule(accepts=_linear_accepts, factors=_linear_factors,
-                              ops=(F.linear,)))
+    Returns
+    -------
+    rule : Rule or None
+        Reuse it for a subclass whose ``forward`` makes the same call:
+        ``register_rule(MyLinear, get_rule(nn.Linear))``.
+    """
+    return RULES.get(module_type)

@@ -1,0 +1,147 @@
+"""Every estimator at its defaults against MLPClassifier() / MLPRegressor() at theirs.
+
+Each data set is split 75/25 (``train_test_split(random_state=s)``) for seeds ``s = 0 ..
+R-1``; every estimator is ``make_pipeline(StandardScaler(), Est(random_state=s))`` with
+nothing else set, and MLPClassifier / MLPRegressor get the same split, seed and scaler.
+Ours and sklearn's fits alternate (interleaved), so both see the same background load.
+Scores are test accuracy (classifiers) or R^2 (regressors): the mean over the R splits,
+and the paired difference ours - sklearn's with twice its standard error (a difference
+inside +- 2 SE is not distinguishable from zero). Fit times are medians over the splits.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import numpy as np
+
+NOTES = (
+    "Data sets: scikit-learn's bundled `load_iris`, `load_wine`, `load_breast_cancer`, "
+    "`load_digits`, `load_diabetes`, and `make_classification(random_state=0)`, "
+    "`make_moons(noise=0.3, random_state=0)` (scikit-learn's classifier-comparison "
+    "example), `make_friedman1(random_state=0)`, `make_regression(random_state=0)` at "
+    "their default sizes. Targets are not scaled (the pipelines scale X only). "
+    "TangentFeatures (a transformer) and OODRankDetector (an outlier detector) have no "
+    "test score to compare with an MLP; both train the same network as the rows above. "
+    "*epochs*: median epochs run (both stop by tol / n_iter_no_change or at max_iter = "
+    "200). *path*: median size of our recorded trajectory (every step kept, "
+    "`record_every='auto'` under the 1 GiB `memory_budget`).")
+
+SPLITS = {False: 10, True: 3}
+
+
+def _datasets(quick: bool):
+    from sklearn.datasets import (
+        load_breast_cancer,
+        load_diabetes,
+        load_digits,
+        load_iris,
+        load_wine,
+        make_classification,
+        make_friedman1,
+        make_moons,
+        make_regression,
+    )
+
+    sets = {
+        "iris": (*load_iris(return_X_y=True), "clf"),
+        "wine": (*load_wine(return_X_y=True), "clf"),
+        "breast_cancer": (*load_breast_cancer(return_X_y=True), "clf"),
+        "digits": (*load_digits(return_X_y=True), "clf"),
+        "make_classification": (*make_classification(random_state=0), "clf"),
+        "make_moons(noise=0.3)": (*make_moons(noise=0.3, random_state=0), "clf"),
+        "diabetes": (*load_diabetes(return_X_y=True), "reg"),
+        "make_friedman1": (*make_friedman1(random_state=0), "reg"),
+        "make_regression": (*make_regression(random_state=0), "reg"),
+    }
+    if quick:
+        sets = {k: sets[k] for k in ("iris", "digits", "diabetes")}
+    return sets
+
+
+def _estimators(kind, seed, device):
+    from sklearn.neural_network import MLPClassifier, MLPRegressor
+
+    from skpathkernel import PathKernelClassifier, PathKernelMachine, TangentFeatureSVM
+
+    if kind == "clf":
+        return {
+            "PathKernelClassifier()": PathKernelClassifier(random_state=seed, device=device),
+            "TangentFeatureSVM()": TangentFeatureSVM(random_state=seed, device=device),
+        }, MLPClassifier(random_state=seed)
+    return {"PathKernelMachine()": PathKernelMachine(random_state=seed, device=device)}, \
+        MLPRegressor(random_state=seed)
+
+
+def _fit_score(est, X_tr, y_tr, X_te, y_te):
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    pipe = make_pipeline(StandardScaler(), est)
+    with warnings.catch_warnings():
+        # Both libraries warn when max_iter ends a fit; the epochs column shows it.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        t0 = time.perf_counter()
+        pipe.fit(X_tr, y_tr)
+        fit_s = time.perf_counter() - t0
+    return pipe.score(X_te, y_te), fit_s
+
+
+def run(quick: bool = False, device: str = "cpu") -> list[dict]:
+    from sklearn.model_selection import train_test_split
+
+    rows = []
+    for name, (X, y, kind) in _datasets(quick).items():
+        ours: dict[str, dict[str, list]] = {}
+        ref = {"score": [], "fit": [], "epochs": []}
+        for seed in range(SPLITS[quick]):
+            X_tr, X_te, y_tr, y_te = train_test_split(X, y, random_state=seed)
+            mine, mlp = _estimators(kind, seed, device)
+            jobs = [(label, est) for label, est in mine.items()] + [("mlp", mlp)]
+            if seed % 2:  # alternate who goes first: neither always runs on a cold cache
+                jobs.reverse()
+            for label, est in jobs:
+                score, fit_s = _fit_score(est, X_tr, y_tr, X_te, y_te)
+                rec = ref if label == "mlp" else ours.setdefault(
+                    label, {"score": [], "fit": [], "epochs": [], "path": []})
+                rec["score"].append(score)
+                rec["fit"].append(fit_s)
+                rec["epochs"].append(est.n_iter_)
+                if label != "mlp":
+                    rec["path"].append(est.trajectory_.nbytes / 2**20)
+        for label, rec in ours.items():
+            diff = np.asarray(rec["score"]) - np.asarray(ref["score"])
+            se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
+            mean_diff = float(diff.mean())
+            verdict = ("at least" if mean_diff >= 0 else
+                       "below, within noise" if mean_diff >= -2 * se else "BELOW")
+            sk_name = "MLPClassifier()" if kind == "clf" else "MLPRegressor()"
+            ratio = statistics.median(rec["fit"]) / statistics.median(ref["fit"])
+            rows.append({
+                "data set": name,
+                "n train / test": f"{len(X_tr)} / {len(X_te)}",
+                "estimator": label,
+                "ours: mean (min)": f"{np.mean(rec['score']):.3f} ({min(rec['score']):.3f})",
+                "sklearn's: mean (min)": f"{sk_name} {np.mean(ref['score']):.3f} "
+                                         f"({min(ref['score']):.3f})",
+                "ours - sklearn's (+- 2 SE)": f"{mean_diff:+.3f} (+-{2 * se:.3f})",
+                "verdict": verdict,
+                "fit s ours / sklearn's": f"{statistics.median(rec['fit']):.2f} / "
+                                          f"{statistics.median(ref['fit']):.2f}",
+                "time ratio": f"{ratio:.1f}x",
+                "epochs ours / sklearn's": f"{statistics.median(rec['epochs']):.0f} / "
+                                           f"{statistics.median(ref['epochs']):.0f}",
+                "path": f"{statistics.median(rec['path']):.1f} MiB",
+                "splits": len(diff),
+            })
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    for row in run(quick="--quick" in sys.argv):
+        print(row)

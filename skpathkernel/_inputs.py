@@ -1,0 +1,301 @@
+"""What ``X`` may be: 2-D features for the default MLP, ``(n, ...)`` arrays with ``module``.
+
+Every estimator records at fit the form its network takes, ``input_shape_`` (the trailing
+shape of ``X``) and a kind, and checks every later ``X`` against both:
+
+- ``"features"``: the default MLP. ``X`` is 2-D and converted to float by scikit-learn's
+  ``validate_data``, exactly as scikit-learn's own estimators do.
+- ``"float"``: a user's ``module`` fitted on float ``X`` of shape ``(n_samples, ...)``:
+  2-D features, images ``(n, C, H, W)``, sequences ``(n, S, d)``; handed to the network
+  in its dtype.
+- ``"int64"``: a user's ``module`` fitted on integer ``X``: token ids ``(n, S)`` (any
+  trailing shape), handed to the network as int64.
+
+With ``module``, the dtype of ``X`` decides: integer ``X`` is token ids, any other numeric
+``X`` is floats. ``n_features_in_`` is the number of values per sample,
+``prod(input_shape_)``. At fit the new network is run on the first sample (and, for token
+ids, on the sample holding the largest id), so that a module that cannot take ``X`` (a
+float network given token ids, an ``nn.Embedding`` given floats, a wrong trailing shape, an
+id beyond the embedding) is refused with a message naming the shape and dtype, before any
+training.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from sklearn.utils.validation import check_array, validate_data
+
+__all__ = [
+    "FEATURES",
+    "FLOAT",
+    "TOKENS",
+    "activation_widths",
+    "check_input",
+    "fitted_input",
+    "probe_module",
+    "validate_input",
+]
+
+FEATURES, FLOAT, TOKENS = "features", "float", "int64"
+_FLOATS = [np.float64, np.float32]
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def fitted_input(estimator) -> tuple[tuple[int, ...] | None, str | None]:
+    """``(input_shape_, kind)`` recorded at fit; ``(None, None)`` when nothing was recorded.
+
+    Estimators pickled before inputs were recorded were fitted on 2-D features.
+    """
+    kind = getattr(estimator, "_input_kind", None)
+    if kind is not None:
+        return tuple(estimator.input_shape_), kind
+    n_features = getattr(estimator, "n_features_in_", None)
+    if n_features is None:
+        return None, None
+    return (int(n_features),), FEATURES
+
+
+def _ndim(X) -> int:
+    try:
+        return int(np.ndim(X))
+    except Exception:  # an unusual container: check_array judges it
+        return 2
+
+
+def _shape_text(shape) -> str:
+    return "(n_samples, " + ", ".join(str(int(d)) for d in shape) + ")"
+
+
+def _network_form(X: np.ndarray, name: str) -> tuple[np.ndarray, str]:
+    """A validated numeric array as the network takes it, and its kind."""
+    if X.dtype.kind in "iu":
+        if X.size and X.min() < 0:
+            raise ValueError(
+                f"{name} holds integer token ids, which must be non-negative; found "
+                f"{int(X.min())}. Pass float {name} for numeric features."
+            )
+        if X.dtype == np.uint64 and X.size and X.max() > _INT64_MAX:
+            raise ValueError(f"{name} holds token ids beyond int64: {int(X.max())}.")
+        return X.astype(np.int64, copy=False), TOKENS
+    if X.dtype not in _FLOATS:
+        X = X.astype(np.float64)
+    return X, FLOAT
+
+
+def _check_values_per_sample(X: np.ndarray) -> None:
+    if X.ndim > 2 and math.prod(X.shape[1:]) == 0:
+        raise ValueError(
+            f"Found array with 0 feature(s) (shape={X.shape}) while a minimum of 1 is "
+            "required."
+        )
+
+
+def _check_like_fit(estimator, X, dtype, kind, shape, fitted_kind, name, what) -> None:
+    """``X`` (network form, original ``dtype``) against the form recorded at fit."""
+    if fitted_kind == TOKENS and kind != TOKENS:
+        raise ValueError(
+            f"{name} has dtype {dtype}, but {what} was fitted on integer token ids, handed "
+            f"to the module as int64: pass integer {name} (e.g. {name}.astype(np.int64)) "
+            f"of shape {_shape_text(shape)}."
+        )
+    if fitted_kind == FLOAT and kind == TOKENS:
+        raise ValueError(
+            f"{name} has integer dtype {dtype}, but {what} was fitted on float inputs: "
+            f"with a module, integer {name} is token ids, which this network does not take. "
+            f"Pass floats (e.g. {name}.astype(np.float32)) of shape {_shape_text(shape)}."
+        )
+    if X.shape[1:] != tuple(shape):
+        raise ValueError(
+            f"{name} has shape {X.shape}, but {what} is expecting {name} of shape "
+            f"{_shape_text(shape)}, as at fit."
+        )
+
+
+def _record(estimator, X, kind) -> None:
+    estimator.n_features_in_ = int(math.prod(X.shape[1:]))
+    estimator.input_shape_ = tuple(int(d) for d in X.shape[1:])
+    estimator._input_kind = kind
+
+
+def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bool = False,
+                   **check_params):
+    """``validate_data`` for the network's input: returns ``X`` (or ``X, y``) as it takes it.
+
+    Parameters
+    ----------
+    estimator : estimator
+        Receives ``n_features_in_``, ``feature_names_in_``, ``input_shape_`` and the kind
+        when ``reset``; checked against them otherwise.
+    X, y : array-like
+        As :func:`sklearn.utils.validation.validate_data`.
+    reset : bool
+        True in ``fit``.
+    flexible : bool, default=False
+        Only with ``reset``: whether ``X`` may be ``(n, ...)`` and token ids (a user's
+        ``module``), or must be 2-D features (the default MLP).
+    **check_params
+        Passed to ``validate_data`` (``ensure_min_samples``, ``multi_output``, ...).
+    """
+    with_y = not (isinstance(y, str) and y == "no_validation")
+    if reset:
+        kind = FLOAT if flexible else FEATURES
+        shape = None
+    else:
+        shape, kind = fitted_input(estimator)
+    if kind == FEATURES:
+        out = validate_data(estimator, X, y, reset=reset, dtype=_FLOATS, **check_params)
+        if reset:
+            _record(estimator, out[0] if with_y else out, FEATURES)
+        return out
+    # Trailing shapes are checked here, not by validate_data's n_features (which reads
+    # shape[1] only): then the message can name the whole expected shape.
+    nd = _ndim(X) >= 3 or (shape is not None and len(shape) > 1)
+    if nd:
+        check_params.update(allow_nd=True, ensure_2d=False)
+    out = validate_data(estimator, X, y, reset=reset, dtype="numeric", **check_params)
+    X, y = out if with_y else (out, None)
+    if X.ndim < 2:  # only reachable with ensure_2d=False, i.e. an (n, ...) fit
+        raise ValueError(
+            f"Expected an array of shape {_shape_text(shape)}, got {X.ndim}-D shape "
+            f"{X.shape}; one row per sample."
+        )
+    _check_values_per_sample(X)
+    dtype = X.dtype
+    X, kind = _network_form(X, "X")
+    if reset:
+        _record(estimator, X, kind)
+    else:
+        _check_like_fit(estimator, X, dtype, kind, shape, fitted_input(estimator)[1], "X",
+                        type(estimator).__name__)
+        if kind == TOKENS:
+            _check_ids(getattr(estimator, "module_", None), X, "X")
+    return (X, y) if with_y else X
+
+
+def check_input(estimator, X, name: str = "X", *, allow_flat: bool = False) -> np.ndarray:
+    """``check_array`` against the form a fitted estimator's network takes (no names).
+
+    For kernels and helpers that take arrays from anywhere. ``allow_flat``: also accept
+    rows of ``n_features_in_`` values for an estimator fitted on ``(n, ...)`` arrays, and
+    reshape them to ``input_shape_`` (scikit-learn's kernel consumers, e.g.
+    ``GaussianProcessRegressor``, only pass 2-D arrays). An estimator that recorded no
+    input (a ``RecordedNetwork`` without ``X_train``) takes any ``(n, ...)`` array.
+    """
+    shape, fitted_kind = fitted_input(estimator)
+    what = "the kernel's estimator"
+    if fitted_kind == FEATURES:
+        X = check_array(X, dtype=_FLOATS, ensure_all_finite=True, input_name=name)
+        if X.shape[1] != shape[0]:
+            raise ValueError(
+                f"{name} has {X.shape[1]} features, but {what} is expecting {shape[0]} "
+                "features as input."
+            )
+        return X
+    nd = _ndim(X) >= 3 or (shape is not None and len(shape) > 1)
+    X = check_array(X, dtype="numeric", ensure_all_finite=True, allow_nd=nd,
+                    ensure_2d=not nd, input_name=name)
+    if X.ndim < 2:
+        raise ValueError(f"Expected {name} of shape (n_samples, ...), got shape {X.shape}.")
+    if (allow_flat and shape is not None and len(shape) > 1 and X.ndim == 2
+            and X.shape[1] == math.prod(shape)):
+        X = X.reshape(X.shape[0], *shape)
+    _check_values_per_sample(X)
+    dtype = X.dtype
+    X, kind = _network_form(X, name)
+    if shape is not None:
+        _check_like_fit(estimator, X, dtype, kind, shape, fitted_kind, name, what)
+    if kind == TOKENS:
+        _check_ids(getattr(estimator, "module_", None), X, name)
+    return X
+
+
+def _probe_rows(X: np.ndarray) -> np.ndarray:
+    """The first sample, and for token ids the one holding the largest id."""
+    rows = [0]
+    if X.dtype == np.int64 and X.size:
+        rows.append(int(np.unravel_index(np.argmax(X), X.shape)[0]))
+    return np.unique(rows)
+
+
+def _embedding_sizes(module) -> list[int]:
+    return [m.num_embeddings for m in module.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+
+
+def _run(module: torch.nn.Module, x: torch.Tensor):
+    """One forward pass in eval mode (no dropout draw, no BatchNorm statistics update)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            module(x)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def activation_widths(module: torch.nn.Module, x: torch.Tensor) -> list[int]:
+    """Values per sample of every module's output, on one forward pass of the rows ``x``.
+
+    What bounds a block's memory for any network: a convolution's feature maps or a
+    sequence's hidden states outgrow the input, where the default MLP's widest activation
+    is its widest ``nn.Linear``.
+    """
+    sizes: list[int] = []
+
+    def hook(layer, args, out):
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        sizes.extend(t.numel() // len(x) for t in outs if isinstance(t, torch.Tensor))
+
+    handles = [m.register_forward_hook(hook) for m in module.modules()]
+    try:
+        _run(module, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return sizes or [1]
+
+
+def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Refuse, with a message naming X's shape and dtype, a module that cannot take X."""
+    from ._device import to_input_tensor
+
+    x = to_input_tensor(X[_probe_rows(X)], dtype=dtype, device=device)
+    try:
+        _run(module, x)
+    except (RuntimeError, IndexError, TypeError, ValueError) as e:
+        given = f"X of shape {X.shape}, handed to it as {x.dtype}"
+        if X.dtype == np.int64:
+            sizes = _embedding_sizes(module)
+            hint = ("integer X is token ids: the module needs an nn.Embedding (or its own "
+                    "lookup) to read them; pass float X (X.astype(np.float32)) for numeric "
+                    "features")
+            if isinstance(e, IndexError) and sizes:
+                hint = (f"the largest token id is {int(X.max())}, and the module's "
+                        f"embeddings have {sizes} rows")
+        else:
+            hint = ("float X is handed to the module in the network's dtype: token ids "
+                    "must be integers (X.astype(np.int64)), and images or sequences must "
+                    "have the trailing shape the module's first layer expects")
+        raise ValueError(
+            f"The module could not take {given} ({type(e).__name__}: {e}). Note: {hint}."
+        ) from e
+
+
+def _check_ids(module, X: np.ndarray, name: str) -> None:
+    """Token ids beyond the embedding would fail deep inside torch: refuse them here."""
+    if module is None or not X.size:
+        return
+    first = next(module.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    try:
+        _run(module, torch.as_tensor(X[_probe_rows(X)], device=device))
+    except IndexError as e:
+        raise ValueError(
+            f"{name} holds token id {int(X.max())}, out of range for the network's "
+            f"embeddings ({_embedding_sizes(module)} rows): {e}."
+        ) from e

@@ -1,0 +1,262 @@
+"""Contractions of one term's factors, and the cost model that picks one per term and call.
+
+A term (:class:`._rules.Term`) of a rule layer gives, for every sample, output ``c`` and
+parameter, the per-sample gradient ``G_c = sum_s delta[c, s] (outer) a[s]`` over the ``S``
+positions where the weight is applied (``p x q``, block-diagonal in ``g`` groups). Two
+contractions give the same Gram entries ``sum_c <G_c(x), G_c(x')>`` exactly:
+
+* per-sample gradient blocks ("dense"): form ``G`` for every sample, ``N S C p q / g``
+  multiply-adds (``M S C p q / g`` more for a second set ``Y``), then one GEMM of the
+  blocks, ``N M C p q / g`` (``N M C^2 p q / g`` for the ``C x C`` blocks of "full"; half
+  for a symmetric ``K(X, X)``). Memory: ``C p q / g`` numbers per sample of a block.
+* position pairs ("pair"): ``sum_{s, s'} (a[s] . a'[s']) (delta[s] . delta'[s'])`` per
+  group, ``N M S_x S_y (q + C p)`` multiply-adds (``q + C^2 p`` for "full"), never forming
+  ``G``. Memory: ``S_x S_y (g + 2)`` numbers per pair of samples of two blocks (times
+  ``C^2`` for "full").
+
+One position (``S = 1``, ``g = 1``: nn.Linear on ``(n, d)``) is the rank-one case,
+``(a . a') (delta . delta')`` at ``N M (q + C p)``: kept as it is. For ``S > 1`` the engine
+takes the cheaper form by the counts above (:func:`gram_route`), and the dense form when a
+single sample's blocks do not fit the memory budget's share. A convolution over many
+positions (``S^2 (q + C p) >> C p q``) takes the dense form; a wide Linear on a few tokens
+takes the pair form. A diagonal preconditioner (Adam, RMSprop) breaks the product
+structure of the pair form: weighted Grams take the dense form for ``S > 1``, and when
+every term's blocks fit the budget they are all formed once, scaled by ``sqrt(D)``
+(``J D J'^T = (J sqrt(D)) (J' sqrt(D))^T``), and multiplied as an unweighted Gram. The
+random projection never forms ``G``: ``sum_s (delta[s] . u) (a[s] . v)`` costs
+``S k (C p + q)`` per sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._rules import Term
+
+__all__ = ["dense_grad", "densify", "gram_route", "grad_times", "pair_diag", "pair_gram",
+           "param_numel", "project_term", "rank_one", "split_constant_inputs"]
+
+
+def rank_one(term: Term) -> bool:
+    """One position, one group: the Gram's ``(a . a') (delta . delta')`` form applies."""
+    return term.delta.shape[2] == 1 and term.groups == 1
+
+
+def param_numel(term: Term, a: torch.Tensor | None) -> int:
+    """Entries of the parameter that ``a`` (one of ``term.inputs``) stands for."""
+    p = term.delta.shape[3]
+    return p if a is None else p * a.shape[2] // term.groups
+
+
+def split_constant_inputs(term: Term) -> list[Term]:
+    """Normalise a term: constant (``None``) inputs get their own one-position term.
+
+    A bias's gradient is ``delta`` summed over the positions: summed once here, it is a
+    small dense term. Only a rank-one, untransposed term keeps a weight and its bias
+    together (the Gram's ``(a . a' + 1)`` shortcut).
+    """
+    constant = [(name, a) for name, a in term.inputs if a is None]
+    factored = [(name, a) for name, a in term.inputs if a is not None]
+    if not constant or factored and rank_one(term) and not term.transposed:
+        return [term]
+    delta = term.delta if term.delta.shape[2] == 1 else term.delta.sum(2, keepdim=True)
+    summed = Term(delta=delta, inputs=constant)
+    if not factored:
+        return [summed]
+    return [dataclasses.replace(term, inputs=factored), summed]
+
+
+def _grouped(term: Term, a: torch.Tensor):
+    """``delta`` as ``(n, C, S, g, p / g)`` and ``a`` as ``(n, S, g, q / g)``."""
+    n, C, S, p = term.delta.shape
+    g = term.groups
+    return term.delta.reshape(n, C, S, g, p // g), a.reshape(n, S, g, a.shape[2] // g)
+
+
+def dense_grad(term: Term, a: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample gradients ``(n, C, numel)`` of one parameter of ``term``, flat order.
+
+    ``out`` (a possibly strided ``(n, C, numel)`` view) receives them: for the rank-one
+    case without a temporary (a fresh tensor of this size costs a page fault per 4 KiB on
+    first touch).
+    """
+    delta = term.delta
+    n, C, S, p = delta.shape
+    if a is None:
+        g = delta[:, :, 0] if S == 1 else delta.sum(2)
+        return g if out is None else out.copy_(g)
+    if S == 1 and term.groups == 1 and not term.transposed:
+        d = delta[:, :, 0]
+        if out is None:
+            return (d.unsqueeze(-1) * a.reshape(n, 1, 1, -1)).reshape(n, C, -1)
+        torch.mul(d.unsqueeze(-1), a.reshape(n, 1, 1, -1), out=out.unflatten(2, (p, -1)))
+        return out
+    if term.transposed:
+        G = torch.einsum("ncsp,nsq->ncqp", delta, a)
+    elif term.groups == 1:
+        # One GEMM per sample, (C p x S) @ (S x q): a convolution's delta arrives
+        # position-last in memory, so the transpose is free.
+        dT = delta.transpose(2, 3).reshape(n, C * p, S)
+        q = a.shape[2]
+        if out is not None and out.is_contiguous():
+            torch.bmm(dT, a, out=out.view(n, C * p, q))
+            return out
+        G = torch.bmm(dT, a)
+    else:
+        dg, ag = _grouped(term, a)
+        G = torch.einsum("ncsgi,nsgj->ncgij", dg, ag)
+    G = G.reshape(n, C, -1)
+    return G if out is None else out.copy_(G)
+
+
+def densify(term: Term) -> list[Term]:
+    """The term as dense per-sample gradients: one ``None``-input term per parameter,
+    each owning its tensor (constant inputs sharing ``delta`` get copies)."""
+    shared = len(term.inputs) > 1
+    return [Term(delta=(dense_grad(term, a).clone() if a is None and shared
+                        else dense_grad(term, a)).unsqueeze(2), inputs=[(name, None)])
+            for name, a in term.inputs]
+
+
+def _input_products(tx: Term, ty: Term) -> torch.Tensor:
+    """``sum_inputs a a'^T`` per group: ``(g, n S_x, m S_y)``; a constant input adds 1."""
+    n, _, S, _ = tx.delta.shape
+    m, _, T, _ = ty.delta.shape
+    g = tx.groups
+    A, ones = None, 0
+    for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
+        if ax is None:
+            ones += 1
+            continue
+        qg = ax.shape[2] // g
+        xa = ax.reshape(n * S, g, qg).transpose(0, 1)
+        ya = ay.reshape(m * T, g, qg).transpose(0, 1)
+        prod = torch.bmm(xa, ya.transpose(1, 2))
+        A = prod if A is None else A.add_(prod)
+    if ones:
+        A += ones
+    return A
+
+
+def pair_gram(tx: Term, ty: Term, mode: str) -> torch.Tensor:
+    """Gram block of one term from position pairs: ``(n, m)`` trace or ``(n, C, m, C)``."""
+    n, C, S, p = tx.delta.shape
+    m, _, T, _ = ty.delta.shape
+    g = tx.groups
+    pg = p // g
+    A = _input_products(tx, ty)
+    if mode == "full":
+        dx = tx.delta.reshape(n, C, S, g, pg).permute(3, 0, 2, 1, 4).reshape(g, n * S * C, pg)
+        dy = ty.delta.reshape(m, C, T, g, pg).permute(3, 0, 2, 1, 4).reshape(g, m * T * C, pg)
+        D = torch.bmm(dx, dy.transpose(1, 2)).reshape(g, n, S, C, m, T, C)
+        return D.mul_(A.reshape(g, n, S, 1, m, T, 1)).sum((0, 2, 5))
+    dx = tx.delta.reshape(n, C, S, g, pg).permute(3, 0, 2, 1, 4).reshape(g, n * S, C * pg)
+    dy = ty.delta.reshape(m, C, T, g, pg).permute(3, 0, 2, 1, 4).reshape(g, m * T, C * pg)
+    H = torch.bmm(dx, dy.transpose(1, 2)).mul_(A).sum(0).reshape(n, S, m, T).sum((1, 3))
+    return H / C if C > 1 else H
+
+
+def pair_diag(term: Term, mode: str) -> torch.Tensor:
+    """``K(x, x)`` of one term from position pairs: ``(n,)`` trace or ``(n, C, C)``."""
+    n, C, S, p = term.delta.shape
+    g = term.groups
+    A = 0
+    for _, a in term.inputs:
+        if a is None:
+            A = A + 1
+            continue
+        ag = a.reshape(n, S, g, -1)
+        A = A + torch.einsum("nsgj,ntgj->ngst", ag, ag)
+    delta = term.delta.reshape(n, C, S, g, p // g)
+    E = torch.einsum("ngst,nctgi->ncsgi", A, delta)
+    if mode == "full":
+        return torch.einsum("ncsgi,ndsgi->ncd", delta, E)
+    return (delta * E).sum((1, 2, 3, 4)) / C
+
+
+def pair_diag_bytes(term: Term, itemsize: int) -> int:
+    """Bytes of :func:`pair_diag`'s intermediates per sample."""
+    _, C, S, p = term.delta.shape
+    return itemsize * (term.groups * S * S + 2 * C * S * p)
+
+
+def grad_times(term: Term, a: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    """``G v`` per sample and output: the parameter as a matrix ``(rows, cols)`` in flat
+    order (``(p, q / g)``, or ``(q, p)`` when transposed) times ``v`` of size ``cols``.
+
+    A constant input is a ``(p, 1)`` matrix. Returns ``(n, C, rows)``; used by the
+    autograd check, which compares gradients through a random ``v`` without forming them.
+    """
+    n, C, S, p = term.delta.shape
+    if a is None:
+        return term.delta.sum(2) * v
+    if term.transposed:
+        return torch.einsum("nsq,ncsp,p->ncq", a, term.delta, v)
+    dg, ag = _grouped(term, a)
+    return torch.einsum("ncsgi,nsg->ncgi", dg, ag @ v).reshape(n, C, p)
+
+
+def project_term(term: Term, a: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
+                 width: int) -> torch.Tensor:
+    """``sum_s (delta[s] . u_k) (a[s] . v_k)`` per sample: ``(n, C / width, k)``.
+
+    ``U (k, width * p)``: a direction over ``width`` outputs (all of them for "trace",
+    one for "full") and ``p``; ``V (k, q / g)``, shared by the groups (each group's block
+    of ``U`` is independent, so ``E[(U (x) V)(U (x) V)^T] = I`` over the block-diagonal).
+    """
+    n, C, S, p = term.delta.shape
+    k = U.shape[0]
+    if S == 1 and term.groups == 1:
+        delta = term.delta.reshape(n * C // width, width * p)
+        return (delta @ U.T).reshape(n, -1, k) * (a[:, 0] @ V.T).unsqueeze(1)
+    g = 1 if term.transposed else term.groups
+    pg = p // g
+    d = term.delta.reshape(n, C // width, width, S, g, pg)
+    Dp = torch.einsum("ncwsgi,kwgi->ncsgk", d, U.reshape(k, width, g, pg))
+    Ap = a.reshape(n, S, g, -1) @ V.T  # (n, S, g, k)
+    return torch.einsum("ncsgk,nsgk->nck", Dp, Ap)
+
+
+def project_bytes(term: Term, k: int, width: int, itemsize: int) -> int:
+    """Bytes of :func:`project_term`'s intermediates per sample."""
+    _, C, S, _ = term.delta.shape
+    g = 1 if term.transposed else term.groups
+    return itemsize * S * g * k * (C // width + 1)
+
+
+def gram_route(term: Term, n_x: int, n_y: int, mode: str, weighted: bool, symmetric: bool,
+               row_limit: int, itemsize: int) -> str:
+    """How a Gram contracts ``term``: "rank1", "pair" or "dense" (see the module docs).
+
+    ``term`` is a one-sample probe; ``row_limit`` is the bytes one sample's kept factors
+    may take. Terms without factored inputs are already dense.
+    """
+    factored = [a for _, a in term.inputs if a is not None]
+    if not factored:
+        return "dense"
+    if weighted:
+        # No factorised form with D: rank-one terms form their blocks lazily per panel
+        # (small next to the GEMM), the others once per row block.
+        return "rank1" if rank_one(term) and not term.transposed else "dense"
+    if rank_one(term):
+        return "rank1"
+    _, C, S, p = term.delta.shape
+    numel = sum(param_numel(term, a) for a in factored)
+    q = sum(a.shape[2] for a in factored)
+    c2 = C * C if mode == "full" else C
+    pairs = n_x * n_y / (2 if symmetric else 1)
+    dense = pairs * c2 * numel + (n_x + (0 if symmetric else n_y)) * S * C * numel
+    pair = pairs * S * S * (q + c2 * p)
+    if C * numel * itemsize > row_limit:
+        return "pair"
+    return "dense" if dense <= pair else "pair"
+
+
+def pair_bytes(term: Term, mode: str, itemsize: int) -> int:
+    """Bytes per pair of samples of :func:`pair_gram`'s intermediates."""
+    _, C, S, _ = term.delta.shape
+    c2 = C * C if mode == "full" else 1
+    return itemsize * S * S * (term.groups * (1 + 2 * c2))

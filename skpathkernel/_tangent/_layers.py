@@ -1,0 +1,294 @@
+"""The built-in rules: Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, BatchNorm (eval),
+MultiheadAttention.
+
+Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
+backprops to :class:`._rules.Term` objects, registered by exact type. Every number a rule
+needs (stride, padding, eps, running statistics, attention masks) is read from the call
+the layer actually made, so a rule follows its layer's ``forward`` rather than its
+attributes. Parameter-free layers (activations, pooling, flatten, residual adds, dropout
+with p = 0) need no rule: the backprops flow through them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ._rules import Rule, Term, Use, register_rule
+
+__all__: list[str] = []
+
+
+def _arg(use: Use, index: int, name: str, default=None):
+    """Argument ``name`` of the call, positional at ``index`` or by keyword."""
+    if len(use.args) > index:
+        return use.args[index]
+    return use.kwargs.get(name, default)
+
+
+def _batched(ndim: int):
+    return lambda layer, use: use.inputs[0].ndim >= ndim
+
+
+# ----------------------------------------------------------------------------- Linear
+def _linear_factors(layer, use, deltas, names):
+    # z = a W^T + b at every position: d f_c / d W = sum_s delta_cs (outer) a_s.
+    (a,), (delta,) = use.inputs, deltas
+    n, C = delta.shape[:2]
+    delta = delta.reshape(n, C, -1, delta.shape[-1])
+    inputs = []
+    if "weight" in names:
+        inputs.append((names["weight"], a.reshape(n, -1, a.shape[-1])))
+    if "bias" in names:
+        inputs.append((names["bias"], None))
+    return [Term(delta=delta, inputs=inputs)]
+
+
+LINEAR = Rule(ops=(F.linear,), factors=_linear_factors, accepts=_batched(2))
+
+
+# ------------------------------------------------------------------------ convolution
+def _conv_padding(padding, kernel, dilation, dims):
+    """``(left, right)`` zero padding per spatial dimension, as F.conv*d applies it."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [(0, 0)] * dims
+        # "same": total dilation (k - 1), the odd one on the right (torch's convention).
+        return [(d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2)
+                for k, d in zip(kernel, dilation)]
+    return [(p, p) for p in padding]
+
+
+def _tuple(value, dims):
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+
+
+def _conv_factors(layer, use, deltas, names):
+    (a,), (delta,) = use.inputs, deltas
+    weight = _arg(use, 1, "weight")
+    dims = weight.ndim - 2
+    kernel = tuple(weight.shape[2:])
+    stride = _tuple(_arg(use, 3, "stride", 1), dims)
+    dilation = _tuple(_arg(use, 5, "dilation", 1), dims)
+    groups = int(_arg(use, 6, "groups", 1))
+    padding = _arg(use, 4, "padding", 0)
+    if not isinstance(padding, str):
+        padding = _tuple(padding, dims)
+    pads = _conv_padding(padding, kernel, dilation, dims)
+    # F.pad lists the last dimension first.
+    x = F.pad(a, [p for pair in reversed(pads) for p in pair])
+    if dims == 1:
+        x, kernel, stride, dilation = x.unsqueeze(2), (1, *kernel), (1, *stride), (1, *dilation)
+    # Patches (n, L, c_in k_h k_w), channel-major as the weight's (c_out, c_in / g, k_h, k_w).
+    patches = F.unfold(x, kernel, dilation=dilation, stride=stride).transpose(1, 2)
+    n, C, c_out = delta.shape[:3]
+    d = delta.reshape(n, C, c_out, -1).transpose(2, 3)
+    inputs = []
+    if "weight" in names:
+        inputs.append((names["weight"], patches))
+    if "bias" in names:
+        inputs.append((names["bias"], None))
+    return [Term(delta=d, inputs=inputs, groups=groups)]
+
+
+def _conv_accepts(dims):
+    return lambda layer, use: use.inputs[0].ndim == dims + 2
+
+
+CONV1D = Rule(ops=(F.conv1d,), factors=_conv_factors, accepts=_conv_accepts(1))
+CONV2D = Rule(ops=(F.conv2d,), factors=_conv_factors, accepts=_conv_accepts(2))
+
+
+# -------------------------------------------------------------------------- Embedding
+def _embedding_accepts(layer, use):
+    # max_norm renormalises the table in place; scale_grad_by_freq scales a gradient by
+    # the counts of the whole batch: neither is a per-sample function of the weights.
+    return (use.inputs[0].ndim >= 1 and _arg(use, 3, "max_norm") is None
+            and not _arg(use, 5, "scale_grad_by_freq", False))
+
+
+def _embedding_factors(layer, use, deltas, names):
+    # z_s = W[i_s]: d f_c / d W = sum_s onehot(i_s) (outer) delta_cs, rows of the table
+    # first, hence the transposed term.
+    (index,), (delta,) = use.inputs, deltas
+    weight = _arg(use, 1, "weight")
+    n_rows = weight.shape[0]
+    n, C = delta.shape[:2]
+    onehot = F.one_hot(index.reshape(n, -1), n_rows).to(weight.dtype)
+    padding_idx = _arg(use, 2, "padding_idx")
+    if padding_idx is not None:
+        onehot[..., padding_idx % n_rows] = 0  # F.embedding gives that row no gradient
+    d = delta.reshape(n, C, -1, delta.shape[-1])
+    return [Term(delta=d, inputs=[(names["weight"], onehot)], transposed=True)]
+
+
+EMBEDDING = Rule(ops=(F.embedding,), factors=_embedding_factors, accepts=_embedding_accepts)
+
+
+# ----------------------------------------------------------------------- normalisation
+def _affine_terms(delta, xhat, names):
+    """``z = xhat * w + b`` per channel: ``d f / d w = sum_s delta_s * xhat_s`` and
+    ``d f / d b = sum_s delta_s``, both constant-input terms.
+
+    ``delta`` is ``(n, C, S, channels)`` and ``xhat`` ``(n, S, channels)``.
+    """
+    terms = []
+    if "weight" in names:
+        terms.append(Term(delta=delta * xhat.unsqueeze(1), inputs=[(names["weight"], None)]))
+    if "bias" in names:
+        terms.append(Term(delta=delta, inputs=[(names["bias"], None)]))
+    return terms
+
+
+def _channels_last(delta, xhat):
+    """Channel-first ``(n, C, ch, *sp)``, ``(n, ch, *sp)`` as ``(n, C, S, ch)``, ``(n, S, ch)``."""
+    n, C, ch = delta.shape[:3]
+    return (delta.reshape(n, C, ch, -1).transpose(2, 3),
+            xhat.reshape(n, ch, -1).transpose(1, 2))
+
+
+def _layer_norm_factors(layer, use, deltas, names):
+    (a,), (delta,) = use.inputs, deltas
+    shape = tuple(_arg(use, 1, "normalized_shape"))
+    xhat = F.layer_norm(a, shape, None, None, _arg(use, 4, "eps", 1e-5))
+    n, C = delta.shape[:2]
+    width = math.prod(shape)
+    return _affine_terms(delta.reshape(n, C, -1, width), xhat.reshape(n, -1, width), names)
+
+
+def _layer_norm_accepts(layer, use):
+    # The normalised dimensions must leave the samples' axis alone.
+    return use.inputs[0].ndim > len(tuple(_arg(use, 1, "normalized_shape")))
+
+
+LAYER_NORM = Rule(ops=(F.layer_norm,), factors=_layer_norm_factors, accepts=_layer_norm_accepts)
+
+
+def _group_norm_factors(layer, use, deltas, names):
+    (a,), (delta,) = use.inputs, deltas
+    xhat = F.group_norm(a, _arg(use, 1, "num_groups"), None, None, _arg(use, 4, "eps", 1e-5))
+    return _affine_terms(*_channels_last(delta, xhat), names)
+
+
+GROUP_NORM = Rule(ops=(F.group_norm,), factors=_group_norm_factors, accepts=_batched(2))
+
+
+def _batch_norm_accepts(layer, use):
+    # Eval mode with running statistics only: otherwise the statistics of the batch mix
+    # the samples (the capture refuses such a module before this is asked).
+    return (use.inputs[0].ndim >= 2 and not _arg(use, 5, "training", False)
+            and _arg(use, 1, "running_mean") is not None
+            and _arg(use, 2, "running_var") is not None)
+
+
+def _batch_norm_factors(layer, use, deltas, names):
+    (a,), (delta,) = use.inputs, deltas
+    xhat = F.batch_norm(a, _arg(use, 1, "running_mean"), _arg(use, 2, "running_var"),
+                        None, None, False, 0.0, _arg(use, 7, "eps", 1e-5))
+    return _affine_terms(*_channels_last(delta, xhat), names)
+
+
+BATCH_NORM = Rule(ops=(F.batch_norm,), factors=_batch_norm_factors, accepts=_batch_norm_accepts)
+
+
+# ------------------------------------------------------------------ MultiheadAttention
+_MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight",
+             "in_proj_bias", "bias_k", "bias_v", "add_zero_attn", "dropout_p",
+             "out_proj_weight", "out_proj_bias")
+
+
+def _mha_bind(args, kwargs) -> dict:
+    bound = dict(zip(_MHA_ARGS, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _mha_expand(layer, func, args, kwargs):
+    """F.multi_head_attention_forward as three sites: in-projection(s), core, out-projection.
+
+    The projections are computed here, samples first; the attention core (masks, scaling,
+    softmax, dropout, weights) is torch's own call, given the projected q, k, v with
+    identity projections (exact: each output is ``x * 1`` plus zeros).
+    """
+    b = _mha_bind(args, kwargs)
+    query, key, value = b["query"], b["key"], b["value"]
+    if (query.ndim != 3 or b.get("bias_k") is not None or b.get("bias_v") is not None
+            or (b.get("training", True) and b.get("dropout_p", 0.0) > 0)):
+        return None  # unbatched, learned key/value biases, active dropout: the fallback
+    E = int(b["embed_dim_to_check"])
+    bias = b.get("in_proj_bias")
+    separate = b.get("use_separate_proj_weight", False)
+    if not separate and query is key and key is value:
+        xb = query.transpose(0, 1)
+        z = F.linear(xb, b["in_proj_weight"], bias)
+        sites = [(xb, z)]
+        q, k, v = z.transpose(0, 1).chunk(3, dim=-1)
+    else:
+        weights = ((b["q_proj_weight"], b["k_proj_weight"], b["v_proj_weight"]) if separate
+                   else b["in_proj_weight"].chunk(3))
+        biases = (None,) * 3 if bias is None else bias.chunk(3)
+        sites = []
+        for x, w, bb in zip((query, key, value), weights, biases):
+            xb = x.transpose(0, 1)
+            sites.append((xb, F.linear(xb, w, bb)))
+        q, k, v = (z.transpose(0, 1) for _, z in sites)
+    eye = torch.eye(E, dtype=q.dtype, device=q.device)
+    inner = {**b, "query": q, "key": k, "value": v, "in_proj_weight": None,
+             "in_proj_bias": None, "use_separate_proj_weight": True, "q_proj_weight": eye,
+             "k_proj_weight": eye, "v_proj_weight": eye, "out_proj_weight": eye,
+             "out_proj_bias": None}
+    core, attn = func(**inner)
+    cb = core.transpose(0, 1)
+    z_out = F.linear(cb, b["out_proj_weight"], b.get("out_proj_bias"))
+    sites.append((cb, z_out))
+    # A copy: an in-place operation downstream must not rewrite the site's output.
+    return (z_out.transpose(0, 1).clone(), attn), sites
+
+
+def _mha_factors(layer, use, deltas, names):
+    b = _mha_bind(use.args, use.kwargs)
+    *ins, out = use.inputs
+    *d_ins, d_out = deltas
+    terms = []
+    if len(ins) == 1:  # self-attention, packed: one (3E x E) Kronecker factor
+        inputs = [(names[k], a) for k, a in (("in_proj_weight", ins[0]), ("in_proj_bias", None))
+                  if k in names]
+        if inputs:
+            terms.append(Term(delta=d_ins[0], inputs=inputs))
+    else:
+        # q, k, v from different inputs (lengths may differ: zero positions pad them).
+        S = max(a.shape[1] for a in ins)
+        pad = [(F.pad(a, (0, 0, 0, S - a.shape[1])), F.pad(d, (0, 0, 0, S - d.shape[2])))
+               for a, d in zip(ins, d_ins)]
+        if b.get("use_separate_proj_weight", False):
+            for key, (a, d) in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), pad):
+                if key in names:
+                    terms.append(Term(delta=d, inputs=[(names[key], a)]))
+        elif "in_proj_weight" in names:
+            terms.append(Term(delta=torch.cat([d for _, d in pad], dim=3),
+                              inputs=[(names["in_proj_weight"],
+                                       torch.cat([a for a, _ in pad], dim=2))], groups=3))
+        if "in_proj_bias" in names:
+            terms.append(Term(delta=torch.cat([d.sum(2, keepdim=True) for d in d_ins], dim=3),
+                              inputs=[(names["in_proj_bias"], None)]))
+    inputs = [(names[k], a) for k, a in (("out_proj.weight", out), ("out_proj.bias", None))
+              if k in names]
+    if inputs:
+        terms.append(Term(delta=d_out, inputs=inputs))
+    return terms
+
+
+MULTIHEAD_ATTENTION = Rule(ops=(F.multi_head_attention_forward,), factors=_mha_factors,
+                           expand=_mha_expand)
+
+
+for _type, _rule in [(nn.Linear, LINEAR), (nn.Conv1d, CONV1D), (nn.Conv2d, CONV2D),
+                     (nn.Embedding, EMBEDDING), (nn.LayerNorm, LAYER_NORM),
+                     (nn.GroupNorm, GROUP_NORM), (nn.BatchNorm1d, BATCH_NORM),
+                     (nn.BatchNorm2d, BATCH_NORM), (nn.MultiheadAttention, MULTIHEAD_ATTENTION),
+                     # MultiheadAttention's out_proj type, whose forward is nn.Linear's own.
+                     (nn.modules.linear.NonDynamicallyQuantizableLinear, LINEAR)]:
+    register_rule(_type, _rule)

@@ -1,0 +1,256 @@
+"""Which layers of a network use a rule, which the fallback, and a rule's own check.
+
+:func:`layer_routes` runs the same capture as every kernel computation on two samples and
+reports each layer that holds parameters: its route, its parameter count, and why it falls
+back. :func:`warn_on_fallback` turns a large fallback share into one warning (the
+estimators call it once per fit). :func:`check_rule` compares the engine against
+``torch.func`` per-sample Jacobians, for a user who has just written a rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from ._capture import _numerical_misfits, capture, check_per_sample
+from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
+from ._rules import RULES
+
+__all__ = ["FallbackWarning", "LayerRoute", "check_rule", "layer_routes", "warn_on_fallback"]
+
+#: Fallback share of the parameters from which :func:`warn_on_fallback` warns.
+FALLBACK_SHARE = 0.1
+DISAGREE = ("its factors disagree with autograd on the first samples (a wrong rule, or a "
+            "parameter read where torch functions do not see it)")
+
+
+class FallbackWarning(UserWarning):
+    """Layers holding a large share of a network's parameters use the generic fallback.
+
+    The fallback forms per-sample Jacobians with ``torch.func`` (exact, but slower and
+    larger than the per-layer rules). See :func:`skpathkernel.rules.layer_routes` for the
+    layers and the reasons, and :func:`skpathkernel.rules.register_rule` to add a rule.
+    """
+
+
+class LayerRoute(NamedTuple):
+    """One layer of a network and how the engine differentiates its parameters.
+
+    Attributes
+    ----------
+    name : str
+        The layer's path in ``module.named_modules()`` (``""`` for the module itself).
+    type : str
+        Its class name.
+    route : str
+        ``"rule"`` (structured factors) or ``"fallback"`` (``torch.func`` Jacobians).
+    n_params : int
+        Differentiated parameters it holds (a rule layer counts its whole subtree, as
+        nn.MultiheadAttention holds its ``out_proj``).
+    reason : str
+        Why it falls back; empty on its rule.
+    """
+
+    name: str
+    type: str
+    route: str
+    n_params: int
+    reason: str
+
+
+def _as_input(module: nn.Module, X) -> torch.Tensor:
+    """X as the module takes it: float in the parameters' dtype, integers as int64."""
+    ref = next(module.parameters(), None)
+    dtype = ref.dtype if ref is not None else torch.get_default_dtype()
+    device = ref.device if ref is not None else torch.device("cpu")
+    X = X if isinstance(X, torch.Tensor) else torch.as_tensor(np.asarray(X))
+    if X.is_floating_point():
+        return X.to(device=device, dtype=dtype)
+    return X.to(device=device, dtype=torch.int64)
+
+
+def _no_rule_reason(layer: nn.Module) -> str:
+    kind = type(layer)
+    base = next((t for t in RULES if isinstance(layer, t)), None)
+    if base is not None:
+        return (f"no rule for {kind.__name__}: rules match exact types, and {base.__name__}'s "
+                f"does not cover its subclass (register_rule({kind.__name__}, "
+                f"get_rule({base.__name__})) if its forward makes the same call)")
+    if next(layer.children(), None) is not None:
+        return (f"parameters held by {kind.__name__} itself, which has no rule (a raw "
+                "nn.Parameter used in its forward)")
+    return f"no rule registered for {kind.__name__}"
+
+
+def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | None = None,
+                 output: str | int = "trace") -> list[LayerRoute]:
+    """List each layer holding parameters with its route (rule or fallback) and size.
+
+    Runs the capture of the structured engine (and its autograd check for reads that torch
+    functions do not see) on the first two samples of ``X``, so the routes are those every
+    kernel, feature and decomposition computation on such inputs takes.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network (in eval mode if it holds BatchNorm layers).
+    X : array-like or torch.Tensor of shape (n_samples, ...)
+        Inputs as the module takes them; integer arrays are token ids (int64).
+    params : mapping of str to torch.Tensor, default=None
+        The differentiated parameters; ``None`` takes the module's own that require grad.
+    output : "trace", "full" or int, default="trace"
+        The outputs differentiated (as in the kernels).
+
+    Returns
+    -------
+    routes : list of LayerRoute
+        In ``named_modules`` order; parameter-free layers (activations, pooling) are not
+        listed, they need no rule.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from skpathkernel.rules import layer_routes
+    >>> net = nn.Sequential(nn.Conv1d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(24, 2),
+    ...                     nn.PReLU())
+    >>> for route in layer_routes(net, torch.randn(5, 1, 8)):
+    ...     print(route.name, route.type, route.route, route.n_params)
+    0 Conv1d rule 16
+    3 Linear rule 50
+    4 PReLU fallback 1
+    """
+    if params is None:
+        params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
+    params = dict(params)
+    X = _as_input(module, X)[:2]
+    check_per_sample(module)
+    with torch.no_grad():
+        n_outputs = functional_call(module, params, (X[:1],)).reshape(1, -1).shape[1]
+    outputs, _ = _resolve_output(output, n_outputs)
+    cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
+                  dense_fallback=False)
+    reasons = dict(cap.reasons)
+    hidden = _numerical_misfits(module, params, X, cap, outputs)
+    if hidden:
+        cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
+                      exclude=cap.exclude | hidden, dense_fallback=False)
+        reasons.update(cap.reasons)
+        reasons.update(dict.fromkeys(hidden, DISAGREE))
+    fallback = set(cap.fallback)
+    routes = []
+    taken: list[str] = []  # rule layers own their subtrees (as in the capture)
+    for prefix, layer in module.named_modules():
+        if any(prefix.startswith(t + ".") or t == "" for t in taken):
+            continue
+        if type(layer) in RULES:
+            taken.append(prefix)
+            named = layer.named_parameters()
+        else:
+            named = layer.named_parameters(recurse=False)
+        names = [f"{prefix}.{local}" if prefix else local for local, _ in named]
+        names = [n for n in names if n in params]
+        if not names:
+            continue
+        size = sum(params[n].numel() for n in names)
+        falls = [n for n in names if n in fallback]
+        if not falls:
+            routes.append(LayerRoute(prefix, type(layer).__name__, "rule", size, ""))
+            continue
+        why = next((reasons[n] for n in falls if n in reasons), None)
+        if why is None:
+            why = (_no_rule_reason(layer) if type(layer) not in RULES
+                   else "its rule gives a parameter no term")
+        routes.append(LayerRoute(prefix, type(layer).__name__, "fallback", size, why))
+    return routes
+
+
+def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> None:
+    """One :class:`FallbackWarning` when fallback layers hold ``share`` of the parameters.
+
+    Called once per fit by the estimators, on their training inputs. It never makes a fit
+    fail: a network the capture cannot run on is left for the kernel computations to
+    refuse with their own errors.
+    """
+    try:
+        routes = layer_routes(module, X)
+    except Exception:  # a diagnostic must not break a fit that trained
+        return
+    total = sum(r.n_params for r in routes)
+    slow = [r for r in routes if r.route == "fallback"]
+    held = sum(r.n_params for r in slow)
+    if not total or held < share * total:
+        return
+    listed = ", ".join(f"{r.name or '(module)'} ({r.type}, {r.n_params:,}: {r.reason})"
+                       for r in sorted(slow, key=lambda r: -r.n_params)[:3])
+    more = f" and {len(slow) - 3} more" if len(slow) > 3 else ""
+    warnings.warn(
+        f"Layers holding {held / total:.0%} of the network's parameters use the torch.func "
+        f"fallback, which forms per-sample Jacobians: {listed}{more}. Kernels, tangent "
+        "features and the decomposition stay exact but are slower and use more memory. See "
+        "skpathkernel.rules.layer_routes for every layer, and register_rule to add a rule.",
+        FallbackWarning, stacklevel=3)
+
+
+def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
+    """Check the engine's tangent features and Gram of ``module`` against ``torch.func``.
+
+    The reference is the per-sample Jacobian by ``vmap(jacrev)`` of the whole network in
+    float64, which no rule touches. Use it after :func:`register_rule`: the layers with
+    rules are then computed from their factors, and must agree.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network; a float64 copy is checked.
+    X : array-like or torch.Tensor of shape (n_samples, ...)
+        A few inputs (the check forms their dense Jacobians).
+    rtol : float, default=1e-8
+        Largest relative difference accepted, ``max |A - B| / max |B|``.
+
+    Returns
+    -------
+    error : float
+        The largest relative difference of the features and the Gram.
+
+    Raises
+    ------
+    AssertionError
+        If the difference exceeds ``rtol`` (the message names the layers on their rules),
+        or if the engine's own autograd check rejected a rule's factors (the layer then
+        falls back: the results stay exact, the rule is wrong).
+    """
+    ref = copy.deepcopy(module).to(torch.float64)
+    X = _as_input(ref, X)
+    params = {k: v.detach() for k, v in ref.named_parameters() if v.requires_grad}
+    routes = layer_routes(ref, X, params=params)
+    rejected = [f"{r.name or '(module)'} ({r.type})" for r in routes if r.reason == DISAGREE]
+    if rejected:
+        why = DISAGREE.removeprefix("its factors ")
+        raise AssertionError(f"The factors of {', '.join(rejected)} {why}: the engine sends "
+                             "these layers to the fallback.")
+
+    def f(p, x):
+        return functional_call(ref, p, (x.unsqueeze(0),)).reshape(-1)
+
+    jac = vmap(jacrev(f), in_dims=(None, 0))(params, X)
+    J = torch.cat([jac[k].reshape(X.shape[0], jac[k].shape[1], -1) for k in params], dim=2)
+    phi = tangent_features(ref, params, X, output="full")
+    K = tangent_gram(ref, params, X, output="full")
+    errors = [float((phi - J).abs().max() / J.abs().max().clamp_min(1e-300)),
+              float((K - torch.einsum("ncp,mdp->ncmd", J, J)).abs().max()
+                    / K.abs().max().clamp_min(1e-300))]
+    error = max(errors)
+    if not error <= rtol:
+        ruled = [f"{r.name} ({r.type})" for r in routes if r.route == "rule"]
+        raise AssertionError(
+            f"The engine differs from torch.func by {error:.3g} (relative), more than "
+            f"rtol={rtol:g}. Layers on their rules: {', '.join(ruled) or 'none'}.")
+    return error

@@ -1,0 +1,33 @@
+"""Per-layer gradient rules of the structured engine, and what falls back.
+
+skpathkernel computes tangent features, tangent and path kernels, and the exact
+decomposition from per-layer *rules*: for a layer whose weight ``W`` is applied at
+positions ``s`` (one for a Linear on vectors, the patches of a convolution, the tokens of
+a sequence), the per-sample gradient of output ``c`` is
+``sum_s delta[c, s] (outer) a[s]``, where ``a`` is what the layer's own operation reads
+and ``delta`` its backprop. The engine contracts these factors directly and never forms
+the Jacobian where that is cheaper. Built-in rules cover ``nn.Linear`` (inputs of any
+rank), ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``,
+``nn.GroupNorm``, ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode and
+``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` is structured end to end).
+Any other layer with parameters uses an exact ``torch.func`` fallback, which forms
+per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimators warn
+(:class:`FallbackWarning`) when fallback layers hold a large share of the parameters, and
+:func:`register_rule` adds a rule for your own layer (see the user guide, "Custom
+layers"; :func:`check_rule` checks it against ``torch.func``).
+"""
+
+from ._tangent._routes import FallbackWarning, LayerRoute, check_rule, layer_routes
+from ._tangent._rules import Rule, Term, Use, get_rule, register_rule
+
+__all__ = [
+    "FallbackWarning",
+    "LayerRoute",
+    "Rule",
+    "Term",
+    "Use",
+    "check_rule",
+    "get_rule",
+    "layer_routes",
+    "register_rule",
+]

@@ -1,0 +1,443 @@
+"""The built-in per-layer rules against an independent per-sample autograd loop (float64).
+
+Every rule (Conv1d, Conv2d, Linear on N-D inputs, Embedding, LayerNorm, GroupNorm,
+BatchNorm in eval mode, MultiheadAttention, and TransformerEncoderLayer built from them) is
+checked for the Gram (trace, full, one output, cross, symmetric, at two parameter points),
+its diagonal, the features, the preconditioned (Adam / RMSprop) Gram of the path kernel,
+and the seeded projection, to 1e-10 relative; both exact contractions of a term with
+positions (gradient blocks and position pairs) are forced in turn.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from _reference import jacobian_loop
+from torch import nn
+
+from skpathkernel._tangent import (
+    _gram,
+    _projection,
+    capture,
+    hidden_reads,
+    project_tangent_features,
+    tangent_features,
+    tangent_gram,
+    tangent_gram_diag,
+)
+
+RTOL = 1e-10
+
+
+def _close(a, b, rtol=RTOL):
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    scale = b.abs().max().clamp_min(1e-300)
+    assert float((a - b).abs().max() / scale) <= rtol, float((a - b).abs().max() / scale)
+
+
+def _loop(module, params, X):
+    """(n, C, P) by the autograd loop on a copy of ``module`` holding ``params``."""
+    ref = copy.deepcopy(module)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(params[name])
+    return jacobian_loop(ref, X)
+
+
+# ------------------------------------------------------------------------- networks
+class _Head(nn.Module):
+    """``body`` then flatten and a Linear to ``n_out`` outputs (tanh between)."""
+
+    def __init__(self, body, width, n_out):
+        super().__init__()
+        self.body, self.head = body, nn.Linear(width, n_out)
+
+    def forward(self, x):
+        h = self.body(x)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(torch.tanh(h).reshape(h.shape[0], -1))
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, mha, **kw):
+        super().__init__()
+        self.mha, self.kw = mha, kw
+
+    def forward(self, x):
+        return self.mha(x, x, x, **self.kw)[0]
+
+
+class _CrossAttention(nn.Module):
+    """Queries from the first 3 positions, keys / values from all (other lengths)."""
+
+    def __init__(self, mha):
+        super().__init__()
+        self.mha = mha
+        self.proj = nn.Linear(4, mha.kdim)
+
+    def forward(self, x):
+        kv = self.proj(x)
+        return self.mha(x[:, :3], kv, kv, need_weights=True)[0]
+
+
+class _Tokens(nn.Module):
+    """Token and position embeddings, an encoder, mean pooling, a head."""
+
+    def __init__(self, n_out, vocab=7, d=8, layers=2, norm_first=False, S=5):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d, padding_idx=0)
+        self.pos = nn.Embedding(S, d)
+        layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=12, dropout=0.0,
+                                           batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        h = self.encoder(self.tok(ids) + self.pos(positions))
+        return self.head(h.mean(1))
+
+
+def _bn_eval(bn):
+    """BatchNorm with random running statistics, in eval mode."""
+    with torch.no_grad():
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    return bn.eval()
+
+
+def _image(shape):
+    return lambda n, g: torch.randn(n, *shape, generator=g, dtype=torch.float64)
+
+
+def _ids(S, vocab=7):
+    return lambda n, g: torch.randint(0, vocab, (n, S), generator=g)
+
+
+# name -> (factory(n_out) -> module, input maker)
+CASES = {
+    "conv2d": (lambda c: _Head(nn.Conv2d(2, 4, 3, padding=1), 4 * 25, c), _image((2, 5, 5))),
+    "conv2d_stride_dilation_nobias": (
+        lambda c: _Head(nn.Conv2d(2, 4, 3, stride=2, padding=2, dilation=2, bias=False),
+                        4 * 9, c), _image((2, 5, 6))),
+    "conv2d_groups": (lambda c: _Head(nn.Conv2d(4, 6, (2, 3), stride=(1, 2), groups=2),
+                                      6 * 4 * 2, c), _image((4, 5, 5))),
+    "conv2d_same_even_kernel": (lambda c: _Head(nn.Conv2d(2, 3, 4, padding="same"), 3 * 25, c),
+                                _image((2, 5, 5))),
+    "conv2d_reflect": (lambda c: _Head(nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
+                                       3 * 16, c), _image((2, 4, 4))),
+    "conv1d": (lambda c: _Head(nn.Conv1d(3, 4, 3, stride=2, padding=1, dilation=1, groups=1),
+                               4 * 4, c), _image((3, 7))),
+    "conv1d_groups_dilation": (lambda c: _Head(nn.Conv1d(4, 4, 2, dilation=2, groups=4),
+                                               4 * 5, c), _image((4, 7))),
+    "linear_sequence": (lambda c: _Head(nn.Linear(3, 4), 5 * 4, c), _image((5, 3))),
+    "linear_two_leading_dims": (lambda c: _Head(nn.Linear(3, 2), 2 * 3 * 2, c),
+                                _image((2, 3, 3))),
+    "embedding": (lambda c: _Head(nn.Embedding(6, 3, padding_idx=2), 4 * 3, c), _ids(4, 6)),
+    "layer_norm": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), 5 * 4, c),
+                   _image((5, 3))),
+    "layer_norm_2d_nobias": (lambda c: _Head(nn.LayerNorm((3, 4), bias=False), 12, c),
+                             _image((3, 4))),
+    "group_norm": (lambda c: _Head(nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4)),
+                                   4 * 9, c), _image((2, 5, 5))),
+    "batch_norm1d": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), _bn_eval(nn.BatchNorm1d(4))),
+                                     4, c), _image((3,))),
+    "batch_norm1d_sequence": (lambda c: _Head(_bn_eval(nn.BatchNorm1d(3)), 15, c),
+                              _image((3, 5))),
+    "batch_norm2d": (lambda c: _Head(nn.Sequential(nn.Conv2d(2, 3, 3),
+                                                   _bn_eval(nn.BatchNorm2d(3))), 27, c),
+                     _image((2, 5, 5))),
+    "mha_self": (lambda c: _Head(_SelfAttention(nn.MultiheadAttention(4, 2, batch_first=True)),
+                                 5 * 4, c), _image((5, 4))),
+    "mha_seq_first_masked": (
+        lambda c: _Head(nn.Sequential(_Transpose(), _SelfAttention(
+            nn.MultiheadAttention(4, 2), attn_mask=torch.triu(torch.ones(5, 5, dtype=torch.bool),
+                                                              1)), _Transpose()), 5 * 4, c),
+        _image((5, 4))),
+    "mha_cross_kdim": (lambda c: _Head(_CrossAttention(
+        nn.MultiheadAttention(4, 2, kdim=3, vdim=3, batch_first=True)), 3 * 4, c),
+        _image((5, 4))),
+    "transformer": (lambda c: _Tokens(c), _ids(5)),
+    "transformer_norm_first": (lambda c: _Tokens(c, layers=1, norm_first=True), _ids(5)),
+}
+
+
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(0, 1)
+
+
+def _make(case, n_out, seed=0):
+    torch.manual_seed(seed)
+    factory, inputs = CASES[case]
+    module = factory(n_out).double().eval()
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: v.detach() + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+              for k, v in module.named_parameters()}
+    return module, params, inputs(7, gen), inputs(4, gen)
+
+
+def _forced(monkeypatch, route):
+    """Force every term with positions through one of the two exact contractions."""
+    if route is None:
+        return
+    real, real_diag = _gram.gram_route, _gram._diag_route
+
+    # With a preconditioner only the gradient blocks are exact: left alone.
+    def gram_route(term, n_x, n_y, mode, weighted, *args):
+        chosen = real(term, n_x, n_y, mode, weighted, *args)
+        return route if chosen in ("pair", "dense") and not weighted else chosen
+
+    def diag_route(term, mode, weighted):
+        chosen = real_diag(term, mode, weighted)
+        return route if chosen in ("pair", "dense") and not weighted else chosen
+
+    monkeypatch.setattr(_gram, "gram_route", gram_route)
+    monkeypatch.setattr(_gram, "_diag_route", diag_route)
+
+
+# ---------------------------------------------------------------- structured end to end
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_parameter_is_on_a_rule(case):
+    module, params, X, _ = _make(case, 2)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**24)
+    assert cap.fallback == ()
+    assert not cap.exclude and not cap.declined
+
+
+# ------------------------------------------------------------------------- the loop
+@pytest.mark.parametrize("route", [None, "pair", "dense"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gram_and_diagonal_match_loop(case, route, monkeypatch):
+    _forced(monkeypatch, route)
+    module, params, X, Y = _make(case, 3)
+    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    full = torch.einsum("ncp,mdp->ncmd", JX, JY)
+    _close(tangent_gram(module, params, X, Y, output="full"), full)
+    _close(tangent_gram(module, params, X, Y), torch.einsum("ncmc->nm", full) / 3)
+    _close(tangent_gram(module, params, X, Y, output=1), full[:, 1, :, 1])
+    K = tangent_gram(module, params, X)
+    _close(K, torch.einsum("ncp,mcp->nm", JX, JX) / 3)
+    assert torch.equal(K, K.T)
+    _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", JX, JX) / 3)
+    _close(tangent_gram_diag(module, params, X, output="full"),
+           torch.einsum("ncp,ndp->ncd", JX, JX))
+
+
+@pytest.mark.parametrize("route", [None, "pair", "dense"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_preconditioned_and_cross_parameter_grams_match_loop(case, route, monkeypatch):
+    # The path kernel's step Grams J D J^T with Adam / RMSprop's diagonal D, and the
+    # decomposition's J(X; theta) J(Y; theta')^T.
+    _forced(monkeypatch, route)
+    module, params, X, Y = _make(case, 2)
+    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    gen = torch.Generator().manual_seed(1)
+    D = 1.0 / (torch.rand(JX.shape[2], generator=gen, dtype=torch.float64) ** 2 + 1e-8).sqrt()
+    full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JY)
+    _close(tangent_gram(module, params, X, Y, output="full", diag_weight=D), full)
+    _close(tangent_gram(module, params, X, diag_weight=D),
+           torch.einsum("ncp,p,mcp->nm", JX, D, JX) / 2)
+    _close(tangent_gram_diag(module, params, X, output="full", diag_weight=D),
+           torch.einsum("ncp,p,ndp->ncd", JX, D, JX))
+    other = {k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+             for k, v in params.items()}
+    JYo = _loop(module, other, Y)
+    _close(tangent_gram(module, params, X, Y, output="full", params_y=other),
+           torch.einsum("ncp,mdp->ncmd", JX, JYo))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_features_match_loop(case):
+    module, params, X, _ = _make(case, 3)
+    J = _loop(module, params, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_features(module, params, X), J.reshape(len(J), -1) / math.sqrt(3))
+    _close(tangent_features(module, params, X, output=2), J[:, 2])
+
+
+def _projection_reference(module, params, X, J, k, seed, output):
+    """``J R^T`` with the documented directions: ``u (x) v`` for a factored parameter
+    (``u`` over (outputs, p), block-diagonal over groups, ``v`` over q / groups), dense
+    Gaussian column chunks for the others."""
+    n, C, _ = J.shape
+    width = 1 if output == "full" else C
+    cap = capture(module, params, X[:1], list(range(C)), memory_budget=2**24)
+    kinds = {name: (t, a) for t in cap.terms for name, a in t.inputs}
+    z = torch.zeros(n, C // width, k, dtype=J.dtype)
+    start = 0
+    for index, (name, p) in enumerate(params.items()):
+        Jp = J[:, :, start : start + p.numel()]
+        start += p.numel()
+        term, a = kinds[name]
+        rows = Jp.reshape(n, C // width, width * p.numel())
+        if a is None:
+            cols = width * term.delta.shape[3]
+            G = torch.cat([_projection._gaussian(_projection._generator(seed, index, c),
+                                                 (k, min(_projection._DENSE_CHUNK, cols - s)),
+                                                 J)
+                           for c, s in enumerate(range(0, cols, _projection._DENSE_CHUNK))],
+                          dim=1)
+            z += rows @ G.T
+            continue
+        gen = _projection._generator(seed, index)
+        q_dim, pdim = a.shape[2], term.delta.shape[3]
+        groups = 1 if term.transposed else term.groups
+        U = _projection._gaussian(gen, (k, width * pdim), J)
+        V = _projection._gaussian(gen, (k, q_dim // groups), J)
+        Ug = U.reshape(k, width, groups, pdim // groups)
+        if term.transposed:  # entries (q, p)
+            R = torch.einsum("kwi,kl->kwli", Ug[:, :, 0], V)
+        else:  # entries (g, p / g, q / g)
+            R = torch.einsum("kwgi,kl->kwgil", Ug, V)
+        z += rows @ R.reshape(k, -1).T
+    z /= math.sqrt(k * (C if output == "trace" else 1))
+    return z if output == "full" else z[:, 0]
+
+
+@pytest.mark.parametrize("output", ["trace", "full", 0])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_projection_matches_its_definition(case, output):
+    module, params, X, _ = _make(case, 2)
+    J = _loop(module, params, X)
+    if isinstance(output, int):
+        J = J[:, output : output + 1]
+    got = project_tangent_features(module, params, X, 16, random_state=5, output=output)
+    _close(got, _projection_reference(module, params, X, J, 16, 5, output))
+
+
+@pytest.mark.parametrize("case", ["conv2d_groups", "transformer", "embedding"])
+def test_projection_estimates_the_gram(case):
+    module, params, X, _ = _make(case, 2)
+    K = tangent_gram(module, params, X)
+    errors = []
+    for k in (16, 4096):
+        z = project_tangent_features(module, params, X, k, random_state=0)
+        errors.append(float((z @ z.T - K).norm() / K.norm()))
+    assert errors[1] < 0.1 and errors[1] < errors[0] / 4
+
+
+# ------------------------------------------------------------- inputs, blocks, budget
+@pytest.mark.parametrize("case", ["transformer", "conv2d_groups", "mha_cross_kdim"])
+def test_small_budgets_split_rows_and_agree(case, monkeypatch):
+    module, params, X, Y = _make(case, 2)
+    sizes = []
+    real = _gram._Blocks.__init__
+
+    def spy(self, *args, **kw):
+        real(self, *args, **kw)
+        sizes.append((len(self.slices), self.chunk))
+
+    monkeypatch.setattr(_gram._Blocks, "__init__", spy)
+    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    # The smallest budget of the form 2^k that a Gram accepts: blocks of one or two rows.
+    budget = 2**12
+    while True:
+        try:
+            tangent_gram(module, params, X, Y, memory_budget=budget)
+            break
+        except ValueError as exc:
+            assert "for a single sample" in str(exc)
+            budget *= 2
+    _close(tangent_gram(module, params, X, Y, output="full", memory_budget=budget),
+           torch.einsum("ncp,mdp->ncmd", JX, JY))
+    _close(tangent_gram(module, params, X, memory_budget=budget),
+           torch.einsum("ncp,mcp->nm", JX, JX) / 2)
+    _close(tangent_gram_diag(module, params, X, memory_budget=budget),
+           torch.einsum("ncp,ncp->n", JX, JX) / 2)
+    _close(tangent_features(module, params, X, output="full", memory_budget=budget), JX)
+    z = project_tangent_features(module, params, X, 8, random_state=1, memory_budget=budget)
+    _close(z, project_tangent_features(module, params, X, 8, random_state=1))
+    assert max(n for n, _ in sizes) > 1  # the rows really were split
+
+
+def test_token_ids_through_every_entry_point():
+    module, params, X, _ = _make("transformer", 2)
+    assert X.dtype == torch.int64
+    assert hidden_reads(module, [params], [X]) == frozenset()
+    K = tangent_gram(module, params, X)
+    assert K.dtype == torch.float64
+    with pytest.raises(ValueError, match="Y must be a torch.int64 tensor of shape"):
+        tangent_gram(module, params, X, X.double())
+    with pytest.raises(ValueError, match=r"shape \(n, 5\)"):
+        tangent_gram(module, params, X, X[:, :4])
+
+
+# ------------------------------------------------------------------- the refusals
+def test_train_mode_batch_norm_is_refused_naming_the_layer():
+    module, params, X, _ = _make("batch_norm2d", 2)
+    module.body[1].train()
+    for call in (lambda: tangent_gram(module, params, X),
+                 lambda: tangent_features(module, params, X),
+                 lambda: tangent_gram_diag(module, params, X),
+                 lambda: project_tangent_features(module, params, X, 4, random_state=0)):
+        with pytest.raises(ValueError, match=r"'body\.1' \(BatchNorm2d\) is in training mode"):
+            call()
+    module.body[1].eval()
+    module.body[1].running_mean = module.body[1].running_var = None  # batch statistics
+    with pytest.raises(ValueError, match="keeps no running statistics"):
+        tangent_gram(module, params, X)
+
+
+class _ConvReadOutside(nn.Module):
+    """A convolution whose weight is also read by the parent, and one used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.twice = nn.Conv2d(2, 2, 3, padding=1)
+        self.norm = nn.LayerNorm(2)
+        self.head = nn.Linear(2 * 16, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x)) + self.conv.weight.sum()
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        h = self.norm(h.transpose(1, 3)) * self.norm.weight  # LayerNorm weight read again
+        return self.head(h.reshape(len(h), -1))
+
+
+def test_misuse_of_the_new_layers_goes_to_the_fallback():
+    torch.manual_seed(0)
+    module = _ConvReadOutside().double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    cap = _gram._prepare(module, params, X, "full", 2**24)[3]
+    assert set(cap.fallback) == {"conv.weight", "conv.bias", "twice.weight", "twice.bias",
+                                 "norm.weight", "norm.bias"}
+    J = _loop(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rules_on_cuda_match_the_cpu(case):
+    # The rules and contractions use the device of the tensors they are given: the same
+    # float64 numbers on a GPU (the projection's directions are drawn on the CPU), and
+    # float32 there within 1e-5 of them.
+    module, params, X, Y = _make(case, 2)
+    cuda = torch.device("cuda")
+    on = {k: v.to(cuda) for k, v in params.items()}
+    gpu = copy.deepcopy(module).to(cuda)
+    gen = torch.Generator().manual_seed(2)
+    D = torch.rand(sum(p.numel() for p in params.values()), generator=gen,
+                   dtype=torch.float64) + 0.5
+    calls = [
+        lambda m, p, x, y, d: tangent_gram(m, p, x, y, output="full"),
+        lambda m, p, x, y, d: tangent_gram(m, p, x),
+        lambda m, p, x, y, d: tangent_gram(m, p, x, y, diag_weight=d),
+        lambda m, p, x, y, d: tangent_gram_diag(m, p, x, output="full"),
+        lambda m, p, x, y, d: tangent_features(m, p, x),
+        lambda m, p, x, y, d: project_tangent_features(m, p, x, 8, random_state=0),
+    ]
+    for call in calls:
+        ref = call(module, params, X, Y, D)
+        got = call(gpu, on, X.to(cuda), Y.to(cuda), D.to(cuda))
+        assert got.device.type == "cuda"
+        _close(got.cpu(), ref)
+        single = {k: v.float() for k, v in on.items()}
+        x32, y32 = ((t.to(cuda).float() if t.is_floating_point() else t.to(cuda))
+                    for t in (X, Y))
+        _close(call(copy.deepcopy(gpu).float(), single, x32, y32, D.to(cuda)).cpu(), ref, 1e-5)

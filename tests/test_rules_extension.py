@@ -1,0 +1,195 @@
+"""The public extension point: a user's rule for a custom layer, routes, the warning."""
+
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _reference import jacobian_loop
+from torch import nn
+
+from skpathkernel import PathKernelMachine
+from skpathkernel._tangent import RULES, capture, tangent_features, tangent_gram
+from skpathkernel.rules import (
+    FallbackWarning,
+    Rule,
+    Term,
+    check_rule,
+    get_rule,
+    layer_routes,
+    register_rule,
+)
+
+
+class LayerScale(nn.Module):
+    """A learned per-channel gain (as in CaiT / ConvNeXt): ``x * gamma``."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+def _layer_scale_factors(layer, use, deltas, names):
+    # z = x * gamma at every position s: d f_c / d gamma = sum_s delta_cs * x_s, a
+    # constant-input term whose delta carries x.
+    (x,), (delta,) = use.inputs, deltas
+    n, C, d = delta.shape[0], delta.shape[1], delta.shape[-1]
+    return [Term(delta=(delta * x.unsqueeze(1)).reshape(n, C, -1, d),
+                 inputs=[(names["gamma"], None)])]
+
+
+LAYER_SCALE = Rule(ops=(torch.Tensor.mul,), factors=_layer_scale_factors)
+
+
+def _network():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), LayerScale(4), nn.Tanh(),
+                         nn.Linear(4, 4), LayerScale(4), nn.Linear(4, 2)).double()
+
+
+@pytest.fixture
+def registered():
+    """register_rule, undone after the test (the table is global)."""
+    saved = dict(RULES)
+    yield register_rule
+    RULES.clear()
+    RULES.update(saved)
+
+
+def test_a_registered_rule_is_used_and_matches_the_loop(registered):
+    module = _network()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(6, 3, dtype=torch.float64)
+    routes = layer_routes(module, X)
+    assert [(r.name, r.route) for r in routes] == [
+        ("0", "rule"), ("1", "fallback"), ("3", "rule"), ("4", "fallback"), ("5", "rule")]
+    assert routes[1].reason == "no rule registered for LayerScale" and routes[1].n_params == 4
+
+    registered(LayerScale, LAYER_SCALE)
+    assert get_rule(LayerScale) is LAYER_SCALE
+    assert all(r.route == "rule" for r in layer_routes(module, X))
+    assert capture(module, params, X, [0, 1], memory_budget=2**20).fallback == ()
+    ref = module
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(params[name])
+    J = jacobian_loop(ref, X)
+    K = tangent_gram(module, params, X, output="full")
+    assert float((K - torch.einsum("ncp,mdp->ncmd", J, J)).abs().max() / K.abs().max()) < 1e-10
+    phi = tangent_features(module, params, X, output="full")
+    assert float((phi - J).abs().max() / J.abs().max()) < 1e-10
+    assert check_rule(module, X, rtol=1e-10) < 1e-10
+
+
+def test_check_rule_catches_a_wrong_rule(registered):
+    def forgets_x(layer, use, deltas, names):
+        (delta,) = deltas
+        n, C, d = delta.shape[0], delta.shape[1], delta.shape[-1]
+        return [Term(delta=delta.reshape(n, C, -1, d), inputs=[(names["gamma"], None)])]
+
+    registered(LayerScale, Rule(ops=(torch.Tensor.mul,), factors=forgets_x))
+    module, X = _network(), torch.randn(4, 3)
+    # The engine's autograd check rejects the factors (results stay exact, by the
+    # fallback); check_rule says so.
+    assert {r.route for r in layer_routes(module, X) if r.type == "LayerScale"} == {"fallback"}
+    with pytest.raises(AssertionError, match="1 .LayerScale., 4 .LayerScale. disagree with"):
+        check_rule(module, X)
+
+
+def test_a_rule_with_wrong_sizes_is_named(registered):
+    def too_wide(layer, use, deltas, names):
+        (x,), (delta,) = use.inputs, deltas
+        return [Term(delta=delta.reshape(len(x), delta.shape[1], -1)[:, :, None],
+                     inputs=[(names["gamma"], x.reshape(len(x), 1, -1))])]
+
+    registered(LayerScale, Rule(ops=(torch.Tensor.mul,), factors=too_wide))
+    module = _network()
+    with pytest.raises(ValueError, match="rule for LayerScale gives '1.gamma' 16 gradient"):
+        tangent_gram(module, dict(module.named_parameters()), torch.randn(3, 3,
+                                                                         dtype=torch.float64))
+
+
+def test_bad_registrations():
+    with pytest.raises(TypeError, match="torch.nn.Module subclass"):
+        register_rule(int, LAYER_SCALE)
+    with pytest.raises(TypeError, match="must be a Rule"):
+        register_rule(LayerScale, _layer_scale_factors)
+    with pytest.raises(ValueError, match="ops"):
+        register_rule(LayerScale, Rule(ops=(), factors=_layer_scale_factors))
+
+
+class _MyLinear(nn.Linear):
+    """A subclass: not covered by nn.Linear's rule until registered."""
+
+
+def test_a_subclass_falls_back_until_registered(registered):
+    module = nn.Sequential(_MyLinear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    route = layer_routes(module, X)[0]
+    assert route.route == "fallback"
+    assert "get_rule(Linear)" in route.reason
+    registered(_MyLinear, get_rule(nn.Linear))
+    assert layer_routes(module, X)[0].route == "rule"
+
+
+def test_routes_say_why_a_layer_falls_back():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+            self.emb = nn.Embedding(5, 3)
+
+        def forward(self, x):
+            h = self.a(torch.tanh(self.a(x))) + self.emb(torch.arange(3))[0]
+            return self.b(h) + self.a.weight.sum()
+
+    routes = {r.name: r for r in layer_routes(Twice().double(),
+                                              torch.randn(4, 3, dtype=torch.float64))}
+    assert routes["a"].reason == "a parameter is read outside the layer's own call"
+    assert routes["emb"].reason == "the rows of its input are not the samples"
+    assert routes["b"].route == "rule"
+
+
+# ---------------------------------------------------------------------- the warning
+class _Fallback(nn.Module):
+    def __init__(self, n_in, n_out, slow):
+        super().__init__()
+        self.fast = nn.Linear(n_in, 8)
+        self.slow = (_MyLinear if slow else nn.Linear)(8, 8)
+        self.head = nn.Linear(8, n_out)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.slow(torch.tanh(self.fast(x)))))
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_one_warning_per_fit_when_fallback_layers_hold_much(slow):
+    X = np.random.RandomState(0).uniform(-1, 1, size=(12, 3))
+    y = X[:, 0]
+    est = PathKernelMachine(module=lambda n_in, n_out: _Fallback(n_in, n_out, slow),
+                            max_iter=2, random_state=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        est.fit(X, y)
+    fallback = [w for w in seen if issubclass(w.category, FallbackWarning)]
+    assert len(fallback) == (1 if slow else 0)
+    if slow:
+        # 72 of 113 parameters: the share, the layer and the reason are named.
+        assert "64%" in str(fallback[0].message) and "slow (_MyLinear, 72" in str(
+            fallback[0].message)
+
+
+def test_the_user_guide_code_runs(registered):
+    guide = Path(__file__).resolve().parent.parent / "docs/user_guide/custom_layers.rst"
+    blocks = re.findall(r"\.\. code-block:: python\n\n(.*?)(?=\n\S)", guide.read_text(),
+                        flags=re.S)
+    assert len(blocks) == 3
+    namespace = {}
+    for block in blocks:
+        exec(compile(re.sub(r"^    ", "", block, flags=re.M), str(guide), "exec"), namespace)
+    assert namespace["error"] < 1e-10

@@ -334,8 +334,9 @@ class _KernelMachineMixin(TransformerMixin):
         >>> from sklearn.datasets import make_classification
         >>> from skpathkernel import PathKernelClassifier
         >>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
-        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), learning_rate_init=0.5,
-        ...                            max_iter=30, dtype="float64", random_state=0)
+        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), solver="sgd",
+        ...                            learning_rate_init=0.5, max_iter=30, tol=None,
+        ...                            dtype="float64", random_state=0)
         >>> scores = clf.fit(X, y).attribute(X[:3], y[:3])
         >>> scores.shape
         (3, 40)

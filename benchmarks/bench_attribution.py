@@ -249,7 +249,7 @@ def peer_case(spec: dict) -> dict:
 
         def call():
             return -attributor.attribute(loader(train, 250), loader(query, 250))
-    elif method.startswith("trak"):
+    elif method in ("trak_final", "trak_k"):  # not startswith("trak"): traker's too
         task = AttributionTask(loss_func=margin, model=model,
                                checkpoints=final if method == "trak_final" else several)
         attributor = TRAKAttributor(task, correct_probability_func=probability,
@@ -424,7 +424,8 @@ def _model_rows(name, quick, threads, work, data, retrain_log):
     return rows, fit_s
 
 
-def run(quick: bool = False, threads: int | None = None) -> list[dict]:
+def run(quick: bool = False, threads: int | None = None,
+        models: list[str] | None = None) -> list[dict]:
     """One row per (model, method); the retraining times go to :data:`RUN_NOTES`."""
     global RUN_NOTES, NOTES
     torch.set_num_threads(threads or 2)
@@ -433,7 +434,7 @@ def run(quick: bool = False, threads: int | None = None) -> list[dict]:
     start = time.perf_counter()
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="skpk_attribution_") as tmp:
-        for name in MODELS:
+        for name in models or MODELS:
             model_rows, fit_s = _model_rows(name, quick, threads, Path(tmp), data, retrain_log)
             rows += model_rows
             fits.append((name, fit_s))
@@ -512,6 +513,8 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of every method's process (default: 2 here, "
                              "the libraries' own choice in the cases)")
+    parser.add_argument("--models", type=lambda s: s.split(","), default=None,
+                        help=f"comma-separated subset of {','.join(MODELS)} (default: all)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
@@ -519,7 +522,9 @@ def main(argv=None):
         result = (ours_case if spec["kind"] == "ours" else peer_case)(spec)
         print(json.dumps(result))
         return
-    rows = run(args.quick, args.threads)
+    if args.models and not set(args.models) <= set(MODELS):
+        parser.error(f"--models takes names from {sorted(MODELS)}, got {args.models}")
+    rows = run(args.quick, args.threads, args.models)
     from benchmarks.__main__ import _table
 
     print("\n".join(_table(rows)))

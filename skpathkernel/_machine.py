@@ -289,7 +289,9 @@ class _KernelMachineMixin(TransformerMixin):
 
         - ``method="exact", weighting="realized"`` (default): the exact split of the
           realized path. ``initial + scores.sum(1) + regularization`` is the output
-          of the trained network to floating-point precision.
+          of the trained network up to the quadrature error that :meth:`decompose`
+          reports as ``error`` (floating-point level for small steps; large Adam steps
+          need more ``n_nodes``).
         - ``weighting="expected"``: every point credited at every step with weight
           ``1/N`` (the seeds' expected representation); the same as realized for
           full-batch training.

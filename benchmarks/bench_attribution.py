@@ -290,7 +290,7 @@ def peer_case(spec: dict) -> dict:
             # A fresh store per call: traker refuses to featurize a registered model id.
             traker = TRAKer(model=model, task="image_classification", train_set_size=n,
                             save_dir=tempfile.mkdtemp(prefix="traker_", dir=work),
-                            load_from_save_dir=False, device="cpu",
+                            device="cpu",
                             proj_dim=PROJ_DIM[spec["quick"]],
                             use_half_precision=False, logging_level=logging.ERROR)
             for model_id, ckpt in enumerate(ckpts):

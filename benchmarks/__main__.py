@@ -54,6 +54,9 @@ TABLES = {
             "Tangent-feature SVM versus RBF SVC and MLPClassifier"),
     "ood": ("benchmarks.bench_ood",
             "OOD detection at the defaults against the best peer, every split"),
+    "attribution": ("benchmarks.bench_attribution",
+                    "Training-data attribution: LDS against TracIn, TRAK and influence "
+                    "functions"),
 }
 GROUPS = ["gram", "gram_nets", "path", *TABLES]
 

@@ -52,7 +52,6 @@ takes one node more and stops. A step that reaches neither within ``MAX_NODES`` 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import numbers
 import warnings
@@ -66,10 +65,10 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from ._losses import Loss
 from ._memory import rows_per_block
 from ._tangent import capture, forward, hidden_reads, tangent_features
-from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms, sample_factors
+from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._trajectory import Trajectory
 
-__all__ = ["Decomposition", "check_tol", "contract_outputs", "decompose", "default_tol"]
+__all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -135,32 +134,6 @@ class Decomposition:
     def reconstruction(self) -> np.ndarray:
         """``initial + contributions.sum(axis=1) + regularization``."""
         return self.initial + self.contributions.sum(axis=1) + self.regularization
-
-
-def contract_outputs(result: Decomposition, weights) -> Decomposition:
-    """The decomposition of the scalar output ``w_q . f(x_q)`` of each query, one output.
-
-    A linear map of an exact decomposition is exact: every term is contracted with its
-    query's weights ``(n_queries, C)``, the ``error`` measured again on the contracted
-    terms, and ``step_errors`` (maxima over the outputs) bounded by the largest
-    ``sum_c |w_qc|``.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != result.prediction.shape:
-        raise ValueError(f"weights must have shape {result.prediction.shape}, got {w.shape}.")
-    contracted = dataclasses.replace(
-        result,
-        initial=np.einsum("qc,qc->q", result.initial, w)[:, None],
-        contributions=np.einsum("qnc,qc->qn", result.contributions, w)[:, :, None],
-        regularization=np.einsum("qc,qc->q", result.regularization, w)[:, None],
-        prediction=np.einsum("qc,qc->q", result.prediction, w)[:, None],
-    )
-    if contracted.step_errors is not None and len(w):
-        contracted.step_errors = contracted.step_errors * float(np.abs(w).sum(1).max())
-    if len(w):
-        contracted.error = float(np.max(np.abs(contracted.reconstruction
-                                               - contracted.prediction)))
-    return contracted
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -300,10 +273,14 @@ class _Reference:
     error float32 factors allow). A float64 copy of the module evaluates the recorded
     (float32) parameters without it; a module that does not run in float64 keeps its
     own dtype, with a correspondingly higher floor.
+
+    With ``weights`` (n, C), :meth:`out` contracts f to the scalar output ``w_q . f``
+    whose decomposition is asked for, and :meth:`noise` bounds the contraction's
+    round-off by ``sum_c |w_qc| |f_c|`` (the terms of a margin cancel).
     """
 
-    def __init__(self, module, traj, X):
-        self.traj, self.module, self.X = traj, module, X
+    def __init__(self, module, traj, X, weights=None):
+        self.traj, self.module, self.X, self.weights = traj, module, X, weights
         self.dtype = traj.dtype
         if self.dtype != torch.float64:
             try:
@@ -321,10 +298,23 @@ class _Reference:
         flat = self.traj.parameters(t).to(device=self.X.device, dtype=self.dtype)
         return forward(self.module, _params(self.traj, flat), self.X[rows]).double()
 
-    def noise(self, f_t, f_next) -> float:
-        """The round-off of ``f(theta_{t+1}) - f(theta_t)`` for a block of rows."""
-        size = float((f_t.abs() + f_next.abs()).max()) if f_t.numel() else 0.0
+    def out(self, f, rows=slice(None)) -> torch.Tensor:
+        """The decomposed output(s) of f (rows, C): f itself, or ``w_q . f`` (rows, 1)."""
+        return f if self.weights is None else _contract(f, self.weights[rows])
+
+    def noise(self, f_t, f_next, rows=slice(None)) -> float:
+        """The round-off of the decomposed output's change ``out(f_{t+1} - f_t)`` for a
+        block of rows (``f`` of all outputs)."""
+        size = f_t.abs() + f_next.abs()
+        if self.weights is not None:
+            size = _contract(size, self.weights[rows].abs())
+        size = float(size.max()) if size.numel() else 0.0
         return NOISE * float(torch.finfo(self.dtype).eps) * size
+
+
+def _contract(f: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``w_q . f_q`` per row, (rows, 1)."""
+    return (f * weights.to(f.dtype)).sum(1, keepdim=True)
 
 
 def _stalled(seen) -> bool:
@@ -369,21 +359,18 @@ def _route(traj: Trajectory, method: str) -> str:
     return "adjoint"
 
 
-def _path_outputs(module, traj, X, ref: _Reference):
-    """f at the first and last points, and each step's largest |change| and the largest
-    |f| along the path (of the reference)."""
-    device = X.device
-    initial = forward(module, _params(traj, traj.parameters(0).to(device)), X).double()
-    prediction = forward(module, _params(traj, traj.parameters(-1).to(device)), X).double()
+def _path_changes(traj, ref: _Reference):
+    """Each step's largest |change| and the largest |f| along the path (of the
+    reference's decomposed output)."""
     changes = np.zeros(len(traj) - 1)
-    prev = ref(0)
+    prev = ref.out(ref(0))
     scale = float(prev.abs().max()) if prev.numel() else 0.0
     for t in range(len(traj) - 1):
-        cur = ref(t + 1)
+        cur = ref.out(ref(t + 1))
         changes[t] = float((cur - prev).abs().max()) if cur.numel() else 0.0
         scale = max(scale, float(cur.abs().max()) if cur.numel() else 0.0)
         prev = cur
-    return initial, prediction, changes, scale
+    return changes, scale
 
 
 def _batch_index(traj, t, weighting, N, device):
@@ -396,16 +383,20 @@ class _Context:
     """What every step of one query block reads: the path, the batches, the routing."""
 
     def __init__(self, module, traj, X_train, Y_train, loss, *, weighting, budget, exclude,
-                 outputs, b_block, ref):
+                 outputs, b_block, ref, weights):
         self.module, self.traj, self.loss, self.ref = module, traj, loss, ref
         self.X_train, self.Y_train = X_train, Y_train
         self.weighting, self.budget, self.exclude = weighting, budget, exclude
         self.outputs, self.b_block = outputs, b_block
+        # The queries' side: all outputs, or one (the outputs contracted with weights).
+        self.weights = weights
+        self.n_res = len(outputs) if weights is None else 1
         self.device = X_train.device
 
-    def capture(self, flat, X):
+    def capture(self, flat, X, weights=None):
+        """Factors of the rows X, of every output or of ``w_n . f(x_n)`` (``weights``)."""
         cap = capture(self.module, _params(self.traj, flat), X, self.outputs,
-                      memory_budget=self.budget, exclude=self.exclude)
+                      memory_budget=self.budget, exclude=self.exclude, weights=weights)
         if cap.exclude != self.exclude:
             raise _Reroute(cap.exclude)
         return pair_terms(cap.terms)
@@ -418,8 +409,10 @@ class _Context:
             sub = idx[b0 : b0 + self.b_block]
             Xb = self.X_train[sub]
             r = self.loss.residuals(forward(self.module, params, Xb), self.Y_train[sub])
-            terms = self.capture(theta, Xb)
-            yield sub, terms, sample_factors(terms, r)
+            # The batch's factors enter only through their inputs and the loss-gradient
+            # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
+            terms = self.capture(theta, Xb, r)
+            yield sub, terms, [t.delta[:, 0] for t in terms]
 
 
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
@@ -435,10 +428,11 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
     wd = spec.weight_decay
     decoupled = spec.name == "adamw"
     n_q, N = Xq.shape[0], len(ctx.X_train)
-    n_out = len(ctx.outputs)
+    n_out = ctx.n_res
     contrib = torch.zeros((n_q, N, n_out), dtype=torch.float64, device=device)
     reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
     adjoint = None
+    Wq = None if ctx.weights is None else ctx.weights[rows]
     nxt = traj.parameters(len(traj) - 1).to(device)
     f_next = ctx.ref(len(traj) - 1, rows) if method == "exact" else None
     for j, steps in _intervals(traj):
@@ -456,16 +450,17 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
 
             def evaluate(n, theta=theta, delta=delta, dirs=dirs):
                 s, w = _gauss(n)
-                nodes = [ctx.capture(theta + float(sk) * delta, Xq) for sk in s]
+                nodes = [ctx.capture(theta + float(sk) * delta, Xq, Wq) for sk in s]
                 w = [float(wk) for wk in w]
                 q, spread = directional(nodes, w, *dirs)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
 
-            nodes, weights, rho_theta = quad.choose(j, evaluate, f_next - f_t,
-                                                    ctx.ref.noise(f_t, f_next))
+            df = ctx.ref.out(f_next - f_t, rows)
+            nodes, weights, rho_theta = quad.choose(j, evaluate, df,
+                                                    ctx.ref.noise(f_t, f_next, rows))
             f_next = f_t
         else:
-            nodes, weights = [ctx.capture(theta, Xq)], [1.0]
+            nodes, weights = [ctx.capture(theta, Xq, Wq)], [1.0]
             rho_theta = directional(nodes, weights, theta64)[0][0] if along else None
         nxt = theta
         D = None
@@ -532,19 +527,26 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     coefs, memory = traj.step_coefficients()
     dtype = traj.dtype  # not the queries' (token ids are int64)
     n_q, N = Xq.shape[0], len(ctx.X_train)
-    n_out, P = len(ctx.outputs), traj.n_params
+    n_out, n_res, P = len(ctx.outputs), ctx.n_res, traj.n_params
     decoupled = spec.name == "adamw"
     checked = dict(check_hidden=False, exclude=ctx.exclude)
-    lam = torch.zeros((n_q, n_out, P), dtype=dtype, device=device)
+    lam = torch.zeros((n_q, n_res, P), dtype=dtype, device=device)
     rho = torch.empty_like(lam)
     node = torch.empty_like(lam) if method == "exact" else None
     J = torch.empty((min(ctx.b_block, N), n_out, P), dtype=dtype, device=device)
-    contrib = torch.zeros((n_q, N, n_out), dtype=torch.float64, device=device)
-    reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
+    contrib = torch.zeros((n_q, N, n_res), dtype=torch.float64, device=device)
+    reg = torch.zeros((n_q, n_res), dtype=torch.float64, device=device)
+    # The queries' weights as (Q, 1, C): one batched product contracts a Jacobian.
+    Wq = None if ctx.weights is None else ctx.weights[rows].to(dtype).unsqueeze(1)
+    full = None if Wq is None else torch.empty((n_q, n_out, P), dtype=dtype, device=device)
 
     def jac(flat, out):
-        return tangent_features(module, _params(traj, flat), Xq, output="full",
-                                memory_budget=ctx.budget, out=out, **checked)
+        if Wq is None:
+            return tangent_features(module, _params(traj, flat), Xq, output="full",
+                                    memory_budget=ctx.budget, out=out, **checked)
+        tangent_features(module, _params(traj, flat), Xq, output="full",
+                         memory_budget=ctx.budget, out=full, **checked)
+        return torch.bmm(Wq, full, out=out)
 
     nxt = traj.parameters(len(traj) - 1).to(device)
     f_next = ctx.ref(len(traj) - 1, rows) if method == "exact" else None
@@ -569,12 +571,14 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                         rho.add_(Jk.to(rho.dtype), alpha=float(wk))
                 return q, spread.sqrt(), None
 
-            quad.choose(j, evaluate, f_next - f_t, ctx.ref.noise(f_t, f_next))
+            quad.choose(j, evaluate, ctx.ref.out(f_next - f_t, rows),
+                        ctx.ref.noise(f_t, f_next, rows))
             f_next = f_t
         else:
             jac(theta, rho)
             if method == "second_order":
-                rho.add_(_hvp_rows(module, traj, theta, delta, Xq), alpha=0.5)
+                hvp = _hvp_rows(module, traj, theta, delta, Xq)
+                rho.add_(hvp if Wq is None else torch.bmm(Wq, hvp), alpha=0.5)
         nxt = theta
         D = traj.preconditioner(j)
         D = None if D is None else D.to(device)
@@ -623,6 +627,7 @@ def decompose(
     tol: float | None = None,
     memory_budget: int = 2**30,
     units=None,
+    weights=None,
 ) -> Decomposition:
     """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc).
 
@@ -630,6 +635,15 @@ def decompose(
     nodes of each step are chosen for the relative tolerance ``tol`` (``default_tol`` of
     the dtype when None). ``units`` maps the result to the units the caller reports
     (``normalize_y``'s targets) before the warnings quote its error.
+
+    ``weights`` (n_queries, C) decomposes instead the scalar output ``w_q . f(x_q)`` of
+    each query (the result has one output): the queries' backprops are linear in the
+    output's seed, so each capture of the queries backpropagates the contracted output
+    once, and every query-side product (the adjoint, the Gram of factors, the dense
+    Jacobians) has one row per query instead of C. The reference f and so the residuals,
+    ``tol``, ``step_errors`` and ``error`` are those of the contracted output. (The
+    batch side is captured the same way with or without weights: one backward pass of
+    ``r_i . f(x_i)``, its loss residuals as the seed.)
     """
     # A thinned path (record_every > 1) has no parameters between its recorded points:
     # each of an interval's steps takes the interval's segment (its f-change is still
@@ -638,13 +652,17 @@ def decompose(
     thinned = bool(np.any(np.diff(traj.steps) != 1))
     device, dtype = X.device, traj.dtype
     exact = method == "exact"
-    ref = _Reference(module, traj, X) if exact else None
-    initial, prediction, changes, scale = (
-        _path_outputs(module, traj, X, ref) if exact else (
-            forward(module, _params(traj, traj.parameters(0).to(device)), X).double(),
-            forward(module, _params(traj, traj.parameters(-1).to(device)), X).double(),
-            None, None))
+    initial = forward(module, _params(traj, traj.parameters(0).to(device)), X).double()
+    prediction = forward(module, _params(traj, traj.parameters(-1).to(device)), X).double()
     n_q, n_out = prediction.shape
+    if weights is not None:
+        weights = torch.as_tensor(np.asarray(weights, dtype=np.float64), device=device)
+        if weights.shape != prediction.shape:
+            raise ValueError(f"weights must have shape {tuple(prediction.shape)} (queries, "
+                             f"outputs), got {tuple(weights.shape)}.")
+        initial, prediction = _contract(initial, weights), _contract(prediction, weights)
+    ref = _Reference(module, traj, X, weights) if exact else None
+    changes, scale = _path_changes(traj, ref) if exact else (None, None)
     P, N = traj.n_params, X_train.shape[0]
     tol = (default_tol(dtype) if tol is None else float(tol)) if exact and n_nodes is None \
         else None
@@ -675,7 +693,8 @@ def decompose(
             contributions, regularization = _run(
                 module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
                 route=route, quad=quad, memory_budget=memory_budget, exclude=exclude,
-                outputs=outputs, row=row, width=width, itemsize=itemsize, P=P, N=N, ref=ref)
+                outputs=outputs, row=row, width=width, itemsize=itemsize, P=P, N=N, ref=ref,
+                weights=weights)
             break
         except _Reroute as new:
             exclude = new.exclude
@@ -715,30 +734,33 @@ def decompose(
 
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quad,
-         memory_budget, exclude, outputs, row, width, itemsize, P, N, ref):
+         memory_budget, exclude, outputs, row, width, itemsize, P, N, ref, weights):
+    # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
+    n_res = n_out if weights is None else 1
     if route == "dense":
-        # lambda, rho and the node buffer (Q x C x P each) per query block, and a batch's
-        # per-sample Jacobians (B x C x P) and loss gradients (B x P).
-        q_bytes = 4 * n_out * P * itemsize
+        # lambda, rho and the node buffer (Q x n_res x P each) per query block (and the
+        # Jacobian before its contraction, Q x C x P), and a batch's per-sample Jacobians
+        # (B x C x P) and loss gradients (B x P).
+        q_bytes = (4 * n_res + (0 if weights is None else n_out)) * P * itemsize
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         b_bytes = 2 * (n_out + 1) * P * itemsize
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
         # small next to the adjoint, and only one step's nodes are alive at a time).
-        q_bytes = (n_out * P * itemsize * (route == "adjoint") + 8 * n_out * N + 4 * row)
+        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         # A batch row: its capture and its column of the pair products of a query block
         # ((Q C) x widest layer output).
-        b_bytes = row + min(q_block, n_q) * n_out * width * itemsize
+        b_bytes = row + min(q_block, n_q) * n_res * width * itemsize
     b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
-                   ref=ref)
-    contributions = np.zeros((n_q, N, n_out))
-    regularization = np.zeros((n_q, n_out))
+                   ref=ref, weights=weights)
+    contributions = np.zeros((n_q, N, n_res))
+    regularization = np.zeros((n_q, n_res))
     for q0 in range(0, n_q, q_block):
         rows = slice(q0, q0 + q_block)
         if route == "dense":

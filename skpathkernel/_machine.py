@@ -248,12 +248,19 @@ class _KernelMachineMixin(TransformerMixin):
         return self._decompose(self._validate_X(X), method, weighting, n_nodes, tol)
 
     def _decompose(self, X, method, weighting, n_nodes, tol, weights=None):
-        """decompose on validated X; ``weights`` (n, C) contracts the outputs in y's units."""
-        from ._interpolation import contract_outputs, decompose
+        """decompose on validated X; ``weights`` (n, C) decomposes ``w_q . y(x_q)``, the
+        outputs contracted in y's units (one output)."""
+        from ._interpolation import decompose
 
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
+        mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
+        if weights is not None and scale is not None:
+            # y = mean + scale * f: w . y = w . mean + (w * scale) . f, so the network's
+            # output is contracted with w * scale and the result takes w . mean.
+            mean = (weights @ np.asarray(mean, dtype=np.float64).reshape(-1))[:, None]
+            weights, scale = weights * np.asarray(scale, dtype=np.float64).reshape(-1), 1.0
         result = decompose(
             self.module_, self.trajectory_,
             to_input_tensor(self.X_fit_, dtype=dtype, device=device),
@@ -263,11 +270,10 @@ class _KernelMachineMixin(TransformerMixin):
             LOSSES[self._loss_name](),
             to_input_tensor(X, dtype=dtype, device=device),
             method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
-            memory_budget=self.memory_budget,
-            units=lambda res: in_target_units(res, getattr(self, "_y_mean", None),
-                                              getattr(self, "_y_scale", None)),
+            memory_budget=self.memory_budget, weights=weights,
+            units=lambda res: in_target_units(res, mean, scale),
         )
-        return result if weights is None else contract_outputs(result, weights)
+        return result
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.

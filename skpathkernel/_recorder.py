@@ -639,7 +639,7 @@ class RecordedNetwork(BaseEstimator):
     def _decompose(self, Xq, method, weighting, n_nodes, tol, weights=None):
         from torch.func import functional_call
 
-        from ._interpolation import contract_outputs, decompose
+        from ._interpolation import decompose
 
         if self.X_train is None or self.y_train is None:
             raise ValueError("decompose needs the training inputs and targets: pass X_train "
@@ -669,5 +669,5 @@ class RecordedNetwork(BaseEstimator):
             )
         result = decompose(self.module_, traj, X_train, Y_train, loss, Xq, method=method,
                            weighting=weighting, n_nodes=n_nodes, tol=tol,
-                           memory_budget=self.memory_budget)
-        return result if weights is None else contract_outputs(result, weights)
+                           memory_budget=self.memory_budget, weights=weights)
+        return result

@@ -256,6 +256,27 @@ def test_routes_agree(data, name, method, batch_size, monkeypatch):
         assert np.abs(ref.regularization).max() > 1e-4
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam-l2"])
+@pytest.mark.parametrize("route", ["default", "dense"])
+def test_weights_contract_the_fallback_and_first_order(data, name, route, monkeypatch):
+    """A parameter without a rule (the fallback's contracted Jacobian) and the methods
+    with one capture per step: the full decomposition contracted."""
+    import skpathkernel._interpolation as interpolation
+
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
+    est = PathKernelMachine(**RAW, module=_WithRaw, max_iter=3, batch_size=5,
+                            dtype="float64", random_state=0, **SOLVERS[name]).fit(X_train, Y)
+    if route == "dense":
+        monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    W = np.random.RandomState(2).normal(size=(len(X), 2))
+    methods = ["exact", "first_order"] + (["second_order"] if route == "dense" else [])
+    for method in methods:
+        n_nodes = 3 if method == "exact" else None
+        _assert_contracts(_contracted(est, X, W, n_nodes, method),
+                          est.decompose(X, method=method, n_nodes=n_nodes), W)
+
+
 def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
     """The adjoint buffer stores lambda / m^k and folds the factor in when it would leave
     the dtype's range (every 20 steps at m = 0.5): 45 steps against the dense route."""
@@ -295,6 +316,73 @@ def _cnn(n_in, n_out):
                                torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 3, n_out))
 
 
+def _contracted(est, X, W, n_nodes=None, method="exact"):
+    """The weights= route: the decomposition of ``w_q . f(x_q)``, one output."""
+    return est._decompose(est._validate_X(X), method, "realized", n_nodes, None, weights=W)
+
+
+def _assert_contracts(part, full, W, rel=1e-10):
+    """``part`` is ``full`` with every term contracted with the queries' weights."""
+    def contract(a):
+        return np.einsum("qc,qc->q", a, W)[:, None]
+    scale = np.abs(full.contributions).max() * np.abs(W).sum(1).max()
+    assert part.contributions.shape == full.contributions.shape[:2] + (1,)
+    assert_allclose(part.contributions[:, :, 0],
+                    np.einsum("qnc,qc->qn", full.contributions, W), rtol=0, atol=rel * scale)
+    assert_allclose(part.regularization, contract(full.regularization), rtol=0,
+                    atol=rel * max(scale, 1e-3))
+    assert_allclose(part.initial, contract(full.initial), rtol=1e-13, atol=1e-14)
+    assert_allclose(part.prediction, contract(full.prediction), rtol=1e-13, atol=1e-14)
+
+
+# Every solver on its route, a thinned path, normalize_y's units, and the dense route.
+CONTRACTED = {**{name: (name, {}, False) for name in SOLVERS},
+              "sgd-thinned": ("sgd", dict(max_iter=6, record_every=3), False),
+              "adam-thinned": ("adam-l2", dict(max_iter=6, record_every=3), False),
+              "adam-normalize_y": ("adam-l2", dict(normalize_y=True), False),
+              "momentum-dense": ("sgd-momentum-l2", {}, True),
+              "rmsprop-dense": ("rmsprop-l2", {}, True)}
+
+
+@pytest.mark.parametrize("case", list(CONTRACTED))
+def test_weights_decompose_the_contracted_output(data, case, monkeypatch):
+    """decompose(weights=W) is the full decomposition contracted with W, every term, on
+    every route and solver (the contracted captures against the full ones contracted
+    after the split), and its own error control holds on the contracted output."""
+    import warnings
+
+    import skpathkernel._interpolation as interpolation
+
+    X_train, y, X = data
+    name, extra, dense = CONTRACTED[case]
+    if dense:
+        monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    Y = np.c_[y, 3 * X_train[:, 0] - 1, X_train[:, 1] ** 2]
+    est = PathKernelMachine(**{**RAW, "hidden_layer_sizes": (5,), "max_iter": 3,
+                               "batch_size": 5, "dtype": "float64", "random_state": 0,
+                               **SOLVERS[name], **extra}).fit(X_train, Y)
+    thinned = "record_every" in extra
+    W = np.random.RandomState(1).normal(size=(len(X), 3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "decompose.*recorded every", UserWarning)
+        # The same nodes: the two agree to round-off.
+        _assert_contracts(_contracted(est, X, W, n_nodes=3), est.decompose(X, n_nodes=3), W)
+        # Error control on the contracted output: each its own nodes, both to tol.
+        part, full = _contracted(est, X, W), est.decompose(X)
+    _assert_contracts(part, full, W)
+    assert part.tol == full.tol == 1e-12
+    assert part.step_errors.shape == (len(est.trajectory_) - 1,)
+    if not thinned:
+        assert part.error <= 1e-10 * np.abs(part.prediction).max()
+        assert part.step_errors.max() <= 1e-10 * np.abs(part.prediction).max()
+    if extra.get("normalize_y"):  # in the units of y: the prediction is w . predict(X)
+        assert_allclose(part.prediction[:, 0], np.einsum("qc,qc->q", est.predict(X), W),
+                        rtol=1e-12)
+    else:  # (normalize_y maps the weights first: the estimators pass the right shape)
+        with pytest.raises(ValueError, match=r"weights must have shape \(3, 3\)"):
+            _contracted(est, X, W[:, :2])
+
+
 @pytest.mark.parametrize("solver", [dict(solver="sgd", learning_rate_init=0.1),
                                     dict(solver="adam", learning_rate_init=0.02, alpha=0.01)])
 @pytest.mark.parametrize("kind", ["cnn", "tokens"])
@@ -328,3 +416,26 @@ def test_layers_with_positions_decompose_like_the_brute_force(kind, solver, monk
     monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
     dense = est.decompose(Xq, n_nodes=3)
     assert_allclose(dense.contributions, contrib, rtol=0, atol=1e-10 * scale)
+
+
+@pytest.mark.parametrize("solver", [dict(solver="sgd", learning_rate_init=0.1),
+                                    dict(solver="adam", learning_rate_init=0.02, alpha=0.01)])
+@pytest.mark.parametrize("kind", ["cnn", "tokens"])
+def test_weights_contract_layers_with_positions(kind, solver, monkeypatch):
+    """The contracted captures of convolutions and of a token model (integer inputs,
+    module=) on the factor / adjoint and dense routes: the full decomposition contracted."""
+    import skpathkernel._interpolation as interpolation
+
+    rng = np.random.RandomState(0)
+    if kind == "cnn":
+        module, X_train = _cnn, rng.uniform(-1, 1, size=(10, 1, 5, 5))
+    else:
+        module, X_train = _Attention, rng.randint(0, 5, size=(10, 3))
+    est = PathKernelMachine(**RAW, module=module, max_iter=3, batch_size=4, dtype="float64",
+                            random_state=0, **solver).fit(X_train, rng.uniform(-1, 1, (10, 3)))
+    Xq, W = X_train[:3], rng.normal(size=(3, 3))
+    _assert_contracts(_contracted(est, Xq, W, n_nodes=3), est.decompose(Xq, n_nodes=3), W)
+    part = _contracted(est, Xq, W)
+    assert part.error <= 1e-10 * np.abs(part.prediction).max()
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    _assert_contracts(_contracted(est, Xq, W, n_nodes=3), est.decompose(Xq, n_nodes=3), W)

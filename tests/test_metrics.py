@@ -347,6 +347,23 @@ def test_attribute_is_the_margin_weighted_decomposition(classifiers, which):
     assert_allclose(total, np.einsum("qc,qc->q", res.prediction, W), atol=1e-10)
 
 
+@pytest.mark.parametrize("which", ["sgd", "adam"])
+def test_attribute_scores_add_up_to_the_forward_margin(classifiers, which):
+    """No decomposition in the reference: the margin's linear part at the final logits
+    (decision_function, autograd weights) minus the same at the initial network (a forward
+    pass of the recorded first point) is what the contracted scores sum to."""
+    X, y, sgd, adam, _ = classifiers
+    clf = {"sgd": sgd, "adam": adam}[which]
+    Xq, yq = X[:6], y[[1, 0, 2, 2, 1, 0]]
+    logits = clf.decision_function(Xq)
+    W = _margin_weights_autograd(logits, yq)
+    with torch.no_grad():
+        initial = module_at(clf, 0)(torch.as_tensor(Xq)).numpy()
+    scores = clf.attribute(Xq, yq)
+    assert_allclose(np.einsum("qc,qc->q", initial, W) + scores.sum(1),
+                    np.einsum("qc,qc->q", logits, W), rtol=0, atol=1e-10)
+
+
 def test_attribute_binary_margin_is_exact_and_default_label_is_the_prediction(classifiers):
     X, y, sgd, _, binary = classifiers
     labels = y[:6] > 0

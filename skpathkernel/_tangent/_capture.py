@@ -301,6 +301,7 @@ def capture(
     memory_budget: int,
     exclude: frozenset[str] = frozenset(),
     dense_fallback: bool = True,
+    weights: torch.Tensor | None = None,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -322,6 +323,10 @@ def capture(
     dense_fallback : bool, default=True
         Compute the fallback's dense Jacobians; ``False`` leaves the fallback parameters
         without terms (to learn the routes only).
+    weights : torch.Tensor of shape (n_samples, len(outputs)), default=None
+        Contract the outputs per row: ``delta`` has one column, the gradient of
+        ``sum_c w_nc f_c(x_n)`` (one backward pass instead of one per output; the rows are
+        independent samples, so row ``n``'s weights reach only its own factors).
     """
     check_per_sample(module)
     layers, reasons = _rule_layers(module, params, exclude)
@@ -347,7 +352,7 @@ def capture(
         # Every parameter of a layer with a misread parameter goes to the fallback.
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
-                       dense_fallback=dense_fallback)
+                       dense_fallback=dense_fallback, weights=weights)
 
     accepted, declined = [], set()
     for layer, rule, names in layers:
@@ -370,10 +375,14 @@ def capture(
     terms_by_name: dict[str, Term] = {}
     if accepted:
         zs = [z for *_, sites in accepted for z in sites]
-        n_out = len(outputs)
+        # The scalars whose gradients are the factors' columns: the outputs, or their
+        # per-row contraction (the backprops are linear in the output's seed).
+        seeds = ([f[:, c].sum() for c in outputs] if weights is None
+                 else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
+        n_out = len(seeds)
         grads = [[] for _ in zs]
-        for i, c in enumerate(outputs):
-            g = torch.autograd.grad(f[:, c].sum(), zs, retain_graph=i < n_out - 1,
+        for i, seed in enumerate(seeds):
+            g = torch.autograd.grad(seed, zs, retain_graph=i < n_out - 1,
                                     allow_unused=True)
             for j, (z, gz) in enumerate(zip(zs, g)):
                 grads[j].append(torch.zeros_like(z) if gz is None else gz)
@@ -401,7 +410,11 @@ def capture(
         jac = per_sample_jacobian(module, params, X, fallback, outputs,
                                   memory_budget=memory_budget)
         for name in fallback:
-            terms_by_name[name] = Term(delta=jac[name], inputs=[(name, None)])
+            delta = jac[name]
+            if weights is not None:
+                delta = torch.einsum("nc...,nc->n...", delta,
+                                     weights.to(delta.dtype)).unsqueeze(1)
+            terms_by_name[name] = Term(delta=delta, inputs=[(name, None)])
     # Flat (trajectory) order of the terms' first parameters keeps every output stable.
     order = {name: i for i, name in enumerate(params)}
     unique = {id(t): t for t in terms_by_name.values()}.values()

@@ -43,7 +43,7 @@ import torch
 from ._contract import densify, rank_one, split_constant_inputs
 from ._rules import Term
 
-__all__ = ["Adjoint", "Flat", "directional", "factor_shares", "pair_terms", "sample_factors"]
+__all__ = ["Adjoint", "Flat", "directional", "factor_shares", "pair_terms"]
 
 # Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
 # while it is still in cache. On a CPU with 2 MiB of L2 per core, 1-4 MiB chunks were
@@ -84,12 +84,6 @@ def pair_terms(terms: Sequence[Term]) -> list[Flat]:
                                                for name, a in t.inputs])
                        for t in part_terms)
     return out
-
-
-def sample_factors(terms: Sequence[Flat], r: torch.Tensor) -> list[torch.Tensor]:
-    """Per term, ``dhat_i = sum_c r_ic delta_ic`` (n, p): the loss-gradient backprops."""
-    r = r.to(terms[0].delta.dtype)
-    return [torch.einsum("ncp,nc->np", t.delta, r) for t in terms]
 
 
 def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
@@ -209,7 +203,8 @@ class Adjoint:
         D : mapping of str to tensor or None
             The preconditioner per parameter (parameter-shaped), None for the identity.
         batch, dhat : list of Flat, list of tensor, or None
-            The batch's factors at ``theta_t`` and its :func:`sample_factors`; None for
+            The batch's factors at ``theta_t`` and, per term, its loss-gradient
+            backprops ``dhat_i = sum_c r_ic delta_ic`` (m, p); None for
             a step without samples (the update alone).
         decay : mapping of str to tensor, optional
             L2 weight decay ``wd theta_t`` per parameter: ``lambda_t . decay`` is

@@ -1,0 +1,147 @@
+"""What ``attribute`` costs next to ``decompose`` on a 10-class network (issue 24).
+
+``attribute`` decomposes one scalar output per query, ``w_q . f(x_q)``; ``decompose``
+all C = 10 outputs. The contracted route (``_interpolation.decompose(weights=...)``)
+backpropagates the contracted output once per query capture and keeps one row per query
+on the query side of every product, so it should cost about a single-output
+decomposition. Measured on sklearn's digits with bench_attribution's MLP (64-64-10 tanh,
+float32, the exact method to the default ``tol``), per solver: plain SGD (the factor
+route), SGD with momentum and Adam (the adjoint route), and the dense route (forced, as
+``second_order`` takes it). The reference for "a single-output decomposition" is the same
+MLP with one output (trained on y / 9 with the squared loss, same solver and steps),
+decomposed by ``decompose``. The three calls alternate in every repeat (the first call of
+each is a warm-up, not counted), so load changes hit both alike; the ratio per repeat is
+reported as median / min / max, with the load average before and after.
+
+``python -m benchmarks.bench_attribute_cost [--quick]`` prints the table and writes
+benchmarks/results_attribute_cost.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {False: dict(n_train=1000, n_query=100, epochs=10, repeats=3),
+         True: dict(n_train=200, n_query=20, epochs=2, repeats=3)}
+SOLVERS = {
+    "sgd (factor route)": dict(solver="sgd", learning_rate_init=0.5, momentum=0.0),
+    "sgd momentum 0.9 (adjoint route)": dict(solver="sgd", learning_rate_init=0.1,
+                                             momentum=0.9),
+    "adam (adjoint route)": dict(solver="adam", learning_rate_init=0.005),
+    "sgd (dense route, forced)": dict(solver="sgd", learning_rate_init=0.5, momentum=0.0),
+}
+
+
+def _load():
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
+
+
+def run(quick: bool = False) -> dict:
+    from sklearn.datasets import load_digits
+
+    import skpathkernel._interpolation as interpolation
+    from skpathkernel import PathKernelClassifier, PathKernelMachine
+
+    size = SIZES[quick]
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    rng = np.random.RandomState(0)
+    order = rng.permutation(len(X))
+    train, query = order[: size["n_train"]], order[-size["n_query"]:]
+    rows = []
+    for label, solver in SOLVERS.items():
+        clf = PathKernelClassifier(
+            hidden_layer_sizes=(64, 64), activation="tanh", alpha=0.0, batch_size=128,
+            shuffle=True, loss="log_loss", tol=None, dtype="float32", random_state=0,
+            max_iter=size["epochs"], **solver).fit(X[train], y[train])
+        single = PathKernelMachine(
+            hidden_layer_sizes=(64, 64), activation="tanh", alpha=0.0, batch_size=128,
+            shuffle=True, normalize_y=False, tol=None, dtype="float32", random_state=0,
+            max_iter=size["epochs"], **solver).fit(X[train], y[train] / 9.0)
+        dense = "dense" in label
+        original = interpolation._route
+        if dense:
+            interpolation._route = lambda traj, method: "dense"
+        try:
+            Xq, yq = X[query], y[query]
+            calls = {"decompose": lambda clf=clf, Xq=Xq: clf.decompose(Xq),
+                     "attribute": lambda clf=clf, Xq=Xq, yq=yq: clf.attribute(Xq, yq),
+                     "single": lambda single=single, Xq=Xq: single.decompose(Xq)}
+            times = {k: [] for k in calls}
+            load_before = _load()
+            for rep in range(size["repeats"] + 1):
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    if rep:  # the first of each is a warm-up
+                        times[name].append(time.perf_counter() - start)
+            load_after = _load()
+        finally:
+            interpolation._route = original
+        ratio = np.array(times["decompose"]) / np.array(times["attribute"])
+        rows.append(dict(
+            solver=label, n_steps=len(clf.trajectory_) - 1,
+            decompose_s=float(np.median(times["decompose"])),
+            attribute_s=float(np.median(times["attribute"])),
+            single_s=float(np.median(times["single"])),
+            vs_single_median=float(np.median(np.array(times["attribute"])
+                                             / np.array(times["single"]))),
+            ratio_median=float(np.median(ratio)), ratio_min=float(ratio.min()),
+            ratio_max=float(ratio.max()), load=f"{load_before} -> {load_after}",
+            times=times))
+        print(f"{label}: decompose {rows[-1]['decompose_s']:.2f} s, attribute "
+              f"{rows[-1]['attribute_s']:.2f} s, ratio {rows[-1]['ratio_median']:.1f} "
+              f"({rows[-1]['ratio_min']:.1f}-{rows[-1]['ratio_max']:.1f}), single-output "
+              f"decompose {rows[-1]['single_s']:.2f} s, load "
+              f"{rows[-1]['load']}", flush=True)
+    return dict(quick=quick, sizes=size, rows=rows, threads=torch.get_num_threads(),
+                machine=f"{platform.processor() or platform.machine()}, "
+                        f"{os.cpu_count()} logical cores, torch {torch.__version__}")
+
+
+def write(result: dict) -> None:
+    size = result["sizes"]
+    lines = [
+        "# attribute vs decompose on a 10-class digits MLP",
+        "",
+        f"{size['n_train']} training digits, {size['n_query']} queries, {size['epochs']} "
+        f"epochs of batch 128, MLP 64-64-10 tanh in float32, method='exact' to the default "
+        f"tol; {size['repeats']} interleaved repeats after a warm-up; "
+        f"{result['threads']} torch threads; {result['machine']}. "
+        "Ratio = decompose time / attribute time per repeat: median (min-max); the last "
+        "time columns: decompose of the same MLP with one output, and attribute's time over "
+        "it (median of the per-repeat ratios).",
+        "",
+        "| solver | steps | decompose (10 outputs) | attribute | decompose / attribute | "
+        "decompose (1 output) | attribute / 1-output | load before -> after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {r['solver']} | {r['n_steps']} | {r['decompose_s']:.2f} s | "
+                     f"{r['attribute_s']:.2f} s | {r['ratio_median']:.1f} "
+                     f"({r['ratio_min']:.1f}-{r['ratio_max']:.1f}) | {r['single_s']:.2f} s | "
+                     f"{r['vs_single_median']:.2f} | {r['load']} |")
+    stem = "results_attribute_cost" + ("_quick" if result["quick"] else "")
+    (ROOT / "benchmarks" / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (ROOT / "benchmarks" / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    write(run(args.quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,11 @@ so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
 - the dense route (``second_order``, and terms of a layout the pair engine does not
   contract) forms each node's Jacobian and the batch's per-sample loss gradients.
 
+A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
+with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
+linear in the output's seed; the dense route contracts its Jacobians), so every
+query-side product above costs what it costs for a single-output network.
+
 Error control (``method="exact"``). The quadrature error of step t is measured, not
 guessed: with ``q_t(x) = rho_t(x) . dtheta_t`` computed from the same factors (in
 float64), ``|q_t(x) - (f(x; theta_{t+1}) - f(x; theta_t))|`` is that step's error, since

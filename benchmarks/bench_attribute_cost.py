@@ -46,7 +46,7 @@ def _load():
         return f.read().split()[0]
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, only: str | None = None) -> dict:
     from sklearn.datasets import load_digits
 
     import skpathkernel._interpolation as interpolation
@@ -60,6 +60,8 @@ def run(quick: bool = False) -> dict:
     train, query = order[: size["n_train"]], order[-size["n_query"]:]
     rows = []
     for label, solver in SOLVERS.items():
+        if only is not None and only not in label:
+            continue
         clf = PathKernelClassifier(
             hidden_layer_sizes=(64, 64), activation="tanh", alpha=0.0, batch_size=128,
             shuffle=True, loss="log_loss", tol=None, dtype="float32", random_state=0,
@@ -139,8 +141,11 @@ def write(result: dict) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", help="the solver rows whose label contains this")
     args = parser.parse_args(argv)
-    write(run(args.quick))
+    result = run(args.quick, args.only)
+    if args.only is None:
+        write(result)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from ._losses import Loss
 from ._memory import rows_per_block
 from ._tangent import capture, forward, hidden_reads, tangent_features
+from ._tangent._contract import dense_grad
 from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._trajectory import Trajectory
 
@@ -397,14 +398,29 @@ class _Context:
         self.weights = weights
         self.n_res = len(outputs) if weights is None else 1
         self.device = X_train.device
+        sizes = [v.numel() for v in traj.unflatten(traj.parameters(0)).values()]
+        self.layout = dict(zip(traj.names, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)))
 
     def capture(self, flat, X, weights=None):
         """Factors of the rows X, of every output or of ``w_n . f(x_n)`` (``weights``)."""
-        cap = capture(self.module, _params(self.traj, flat), X, self.outputs,
-                      memory_budget=self.budget, exclude=self.exclude, weights=weights)
+        return pair_terms(self._terms(_params(self.traj, flat), X, weights))
+
+    def _terms(self, params, X, weights):
+        cap = capture(self.module, params, X, self.outputs, memory_budget=self.budget,
+                      exclude=self.exclude, weights=weights)
         if cap.exclude != self.exclude:
             raise _Reroute(cap.exclude)
-        return pair_terms(cap.terms)
+        return cap.terms
+
+    def seeded_rows(self, params, X, weights, out):
+        """``d (w_n . f(x_n)) / d theta`` (n, 1, P) into ``out``, from one capture whose
+        backward pass is seeded with the weights (the dense route's contracted Jacobians
+        and per-sample loss gradients, ``weights`` the loss residuals)."""
+        for term in self._terms(params, X, weights):
+            for name, a in term.inputs:
+                start, numel = self.layout[name]
+                dense_grad(term, a, out=out[:, :, start : start + numel])
+        return out
 
     def batches(self, t, theta):
         """The step's batch in blocks: (indices, factors, dhat) at theta_t."""
@@ -532,26 +548,23 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     coefs, memory = traj.step_coefficients()
     dtype = traj.dtype  # not the queries' (token ids are int64)
     n_q, N = Xq.shape[0], len(ctx.X_train)
-    n_out, n_res, P = len(ctx.outputs), ctx.n_res, traj.n_params
+    n_res, P = ctx.n_res, traj.n_params
     decoupled = spec.name == "adamw"
     checked = dict(check_hidden=False, exclude=ctx.exclude)
     lam = torch.zeros((n_q, n_res, P), dtype=dtype, device=device)
     rho = torch.empty_like(lam)
     node = torch.empty_like(lam) if method == "exact" else None
-    J = torch.empty((min(ctx.b_block, N), n_out, P), dtype=dtype, device=device)
+    G = torch.empty((min(ctx.b_block, N), 1, P), dtype=dtype, device=device)
     contrib = torch.zeros((n_q, N, n_res), dtype=torch.float64, device=device)
     reg = torch.zeros((n_q, n_res), dtype=torch.float64, device=device)
     # The queries' weights as (Q, 1, C): one batched product contracts a Jacobian.
-    Wq = None if ctx.weights is None else ctx.weights[rows].to(dtype).unsqueeze(1)
-    full = None if Wq is None else torch.empty((n_q, n_out, P), dtype=dtype, device=device)
+    Wq = None if ctx.weights is None else ctx.weights[rows]
 
     def jac(flat, out):
         if Wq is None:
             return tangent_features(module, _params(traj, flat), Xq, output="full",
                                     memory_budget=ctx.budget, out=out, **checked)
-        tangent_features(module, _params(traj, flat), Xq, output="full",
-                         memory_budget=ctx.budget, out=full, **checked)
-        return torch.bmm(Wq, full, out=out)
+        return ctx.seeded_rows(_params(traj, flat), Xq, Wq, out)
 
     nxt = traj.parameters(len(traj) - 1).to(device)
     f_next = ctx.ref(len(traj) - 1, rows) if method == "exact" else None
@@ -583,7 +596,8 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
             jac(theta, rho)
             if method == "second_order":
                 hvp = _hvp_rows(module, traj, theta, delta, Xq)
-                rho.add_(hvp if Wq is None else torch.bmm(Wq, hvp), alpha=0.5)
+                rho.add_(hvp if Wq is None else torch.bmm(Wq.to(dtype).unsqueeze(1), hvp),
+                         alpha=0.5)
         nxt = theta
         D = traj.preconditioner(j)
         D = None if D is None else D.to(device)
@@ -607,12 +621,9 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                 sub = idx[b0 : b0 + ctx.b_block]
                 r = ctx.loss.residuals(forward(module, params, ctx.X_train[sub]),
                                        ctx.Y_train[sub])
-                Jb = J[: len(sub)]
-                tangent_features(module, params, ctx.X_train[sub], output="full",
-                                 memory_budget=ctx.budget, out=Jb, **checked)
-                Jb.mul_(r.to(dtype).unsqueeze(-1))
-                G = Jb[:, 0] if n_out == 1 else Jb.sum(1)
-                share = (lam.flatten(0, 1) @ G.T).unflatten(0, lam.shape[:2])
+                # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
+                g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
+                share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
                 contrib.index_add_(1, sub, share.transpose(1, 2).double() / len(idx))
     return contrib, reg
 
@@ -744,12 +755,12 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
     if route == "dense":
-        # lambda, rho and the node buffer (Q x n_res x P each) per query block (and the
-        # Jacobian before its contraction, Q x C x P), and a batch's per-sample Jacobians
-        # (B x C x P) and loss gradients (B x P).
-        q_bytes = (4 * n_res + (0 if weights is None else n_out)) * P * itemsize
+        # lambda, rho and the node buffer (Q x n_res x P each) and a Jacobian's formation
+        # per query block, and a batch's per-sample loss gradients (B x P, formed from
+        # one seeded capture: a row's factors).
+        q_bytes = 4 * n_res * P * itemsize
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
-        b_bytes = 2 * (n_out + 1) * P * itemsize
+        b_bytes = 2 * P * itemsize + row
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are

@@ -38,8 +38,10 @@ so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
-linear in the output's seed; the dense route contracts its Jacobians), so every
-query-side product above costs what it costs for a single-output network.
+linear in the output's seed; the dense route forms ``d(w_q . f) / dtheta`` from them), so
+every query-side product above costs what it costs for a single-output network. The
+batch enters only through its loss gradients, captured the same way with the loss
+residuals as the seed.
 
 Error control (``method="exact"``). The quadrature error of step t is measured, not
 guessed: with ``q_t(x) = rho_t(x) . dtheta_t`` computed from the same factors (in

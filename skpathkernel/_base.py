@@ -34,13 +34,21 @@ from ._device import (
     to_numpy,
     to_tensor,
 )
-from ._inputs import FEATURES, activation_widths, fitted_input, probe_module, validate_input
+from ._inputs import (
+    FEATURES,
+    activation_widths,
+    check_representable,
+    fitted_input,
+    probe_module,
+    validate_input,
+)
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
-from ._tangent import warn_on_fallback
+from ._tangent import hidden_reads, tangent_features, warn_on_fallback
 from ._training import train
 from ._trajectory import SolverSpec
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["BasePathKernelNetwork", "make_mlp"]
 
@@ -115,24 +123,6 @@ def keep_previous_fit_on_error(fit):
             raise
 
     return wrapper
-
-
-def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X") -> None:
-    """Refuse finite float64 values that overflow the network's float32 dtype.
-
-    ``check_array`` checks finiteness in float64; converted to float32, values beyond
-    3.4e38 would become inf inside the network and silently give NaN outputs.
-    """
-    if dtype != torch.float32 or X.dtype != np.float64 or X.size == 0:
-        return
-    largest = float(np.max(np.abs(X)))
-    limit = float(np.finfo(np.float32).max)
-    if largest > limit:
-        raise ValueError(
-            f"Input {input_name} contains values too large for the network's dtype float32 "
-            f"(largest magnitude {largest:.3g}, float32 holds up to {limit:.3g}); rescale "
-            f"{input_name} or use dtype='float64'."
-        )
 
 
 def reject_sparse_y(y) -> None:
@@ -438,23 +428,17 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     @property
     def tangent_kernel_(self):
         """:class:`~skpathkernel.kernels.TangentKernel` at the final parameters."""
-        from .kernels import TangentKernel
-
         check_is_fitted(self)
         return TangentKernel(self)
 
     @property
     def path_kernel_(self):
         """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        from .kernels import PathKernel
-
         check_is_fitted(self)
         return PathKernel(self)
 
     def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
-        from ._tangent import hidden_reads, tangent_features
-
         module, params, X_t = self._engine_inputs(X, step)
         row = self._check_feature_row_fits("Dense tangent features")
         # The engine's check for hidden parameter reads runs once, not in every block.
@@ -521,8 +505,6 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
         ((2, 3), True)
         """
-        from .kernels import PathKernel, TangentKernel
-
         check_is_fitted(self)
         if kernel not in ("tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")

@@ -37,11 +37,10 @@ from sklearn.utils.validation import check_is_fitted
 from ._base import (
     FIT_CHECKS,
     BasePathKernelNetwork,
-    check_representable,
     keep_previous_fit_on_error,
 )
 from ._device import fitted_dtype, resolve_dtype, to_numpy
-from ._inputs import FEATURES, TOKENS, fitted_input, validate_input
+from ._inputs import FEATURES, TOKENS, check_representable, fitted_input, validate_input
 from ._machine import (
     _FITTED_ATTRS_DOC,
     _NORMALIZE_Y_DOC,

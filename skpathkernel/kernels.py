@@ -28,9 +28,8 @@ import torch
 from sklearn.gaussian_process.kernels import Kernel
 from sklearn.utils.validation import check_is_fitted
 
-from ._base import check_representable
 from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
-from ._inputs import check_input
+from ._inputs import check_input, check_representable
 from ._parallel import map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 

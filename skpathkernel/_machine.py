@@ -23,6 +23,7 @@ from ._base import (
     tangent_feature_names,
 )
 from ._device import to_input_tensor, to_tensor
+from ._interpolation import decompose
 from ._losses import LOSSES
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -225,8 +226,6 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(res.error < 1e-10)
         True
         """
-        from ._interpolation import decompose
-
         check_decompose_args(method, weighting, n_nodes)
         X = self._validate_X(X)
         # Every step needs the queries' Jacobians: one query's must fit the budget.

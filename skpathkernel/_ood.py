@@ -50,6 +50,7 @@ from ._machine import (
 )
 from ._parallel import map_row_blocks
 from ._span import BLOCK, NetworkGram, TangentSpan
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["OODRankDetector"]
 
@@ -572,16 +573,12 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     @property
     def tangent_kernel_(self):
         """:class:`~skpathkernel.kernels.TangentKernel` of the network at its final step."""
-        from .kernels import TangentKernel
-
         check_is_fitted(self)
         return TangentKernel(self.estimator_)
 
     @property
     def path_kernel_(self):
         """:class:`~skpathkernel.kernels.PathKernel` of the network's recorded path."""
-        from .kernels import PathKernel
-
         check_is_fitted(self)
         return PathKernel(self.estimator_)
 

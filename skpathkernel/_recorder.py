@@ -81,12 +81,15 @@ import numpy as np
 import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted
+from torch.func import functional_call
 
 from ._base import check_decompose_args
 from ._device import to_input_tensor, to_numpy, to_tensor
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
+from ._interpolation import decompose
 from ._losses import LOSSES, Loss
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 
@@ -533,8 +536,6 @@ class RecordedNetwork(BaseEstimator):
 
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
-        from torch.func import functional_call
-
         Xt = self._inputs(X)
         traj = self.trajectory_
         params = dict(traj.unflatten(traj.parameters(-1).to(Xt.device)))
@@ -545,15 +546,11 @@ class RecordedNetwork(BaseEstimator):
     @property
     def tangent_kernel_(self):
         """:class:`~skpathkernel.kernels.TangentKernel` at the last recorded point."""
-        from .kernels import TangentKernel
-
         return TangentKernel(self)
 
     @property
     def path_kernel_(self):
         """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        from .kernels import PathKernel
-
         return PathKernel(self)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
@@ -578,10 +575,6 @@ class RecordedNetwork(BaseEstimator):
         -------
         result : Decomposition
         """
-        from torch.func import functional_call
-
-        from ._interpolation import decompose
-
         check_is_fitted(self, "trajectory_")
         check_decompose_args(method, weighting, n_nodes)
         if self.X_train is None or self.y_train is None:

@@ -33,6 +33,8 @@ from ._machine import (
     _label_tensor,
     _LabelTargetsMixin,
 )
+from ._tangent import hidden_reads, project_tangent_features
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["TangentFeatureSVM", "TangentFeatures"]
 
@@ -237,8 +239,6 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
         if self.n_components is None:
             phi = self._tangent_features(X)
         else:
-            from ._tangent import hidden_reads, project_tangent_features
-
             module, params, X_t = self._engine_inputs(X)
             exclude = hidden_reads(module, [params], [X_t], output="trace",
                                    memory_budget=self.memory_budget)
@@ -380,8 +380,6 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
         self.svm_kernel = svm_kernel
 
     def _kernel(self):
-        from .kernels import PathKernel, TangentKernel
-
         return (TangentKernel if self._svm_kernel == "tangent" else PathKernel)(self)
 
     def _svm_input(self, X):

@@ -23,12 +23,15 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+from sklearn.decomposition import KernelPCA
+from sklearn.manifold import TSNE
 from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._device import fitted_dtype
 from ._inputs import FEATURES, check_input, fitted_input
 from ._span import TangentSpan
+from .kernels import PathKernel, step_kernel
 
 __all__ = [
     "KernelEvolutionDisplay",
@@ -55,8 +58,6 @@ def _check_kernel(kernel, allowed=("tangent", "path")):
 
 def _gram(estimator, X, *, kernel, step, normalized):
     """Gram of the tangent kernel at ``step`` or of the path kernel, as float64."""
-    from .kernels import PathKernel, step_kernel
-
     _check_kernel(kernel)
     if kernel == "tangent":
         return step_kernel(estimator, X, step=step, normalized=normalized)
@@ -545,8 +546,6 @@ class KernelEvolutionDisplay:
         -------
         display : KernelEvolutionDisplay
         """
-        from .kernels import step_kernel
-
         check_is_fitted(estimator, "trajectory_")
         shape, kind = fitted_input(estimator)
         if kind == FEATURES:
@@ -674,8 +673,6 @@ class RankGapDisplay:
         -------
         display : RankGapDisplay
         """
-        from .kernels import step_kernel
-
         check_is_fitted(estimator, "trajectory_")
         X_train = check_input(estimator, X_train, "X_train")
         X_test = check_input(estimator, X_test, "X_test")
@@ -832,15 +829,11 @@ class TangentEmbeddingDisplay:
         -------
         display : TangentEmbeddingDisplay
         """
-        from .kernels import step_kernel
-
         check_is_fitted(estimator, "trajectory_")
         X = check_input(estimator, X)
         resolved = _resolve_method(method)
         K = step_kernel(estimator, X, step=step, normalized=True)
         if resolved == "pca":
-            from sklearn.decomposition import KernelPCA
-
             E = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)
         else:
             D = np.sqrt(np.clip(2.0 - 2.0 * K, 0.0, None))
@@ -850,8 +843,6 @@ class TangentEmbeddingDisplay:
 
                 E = umap.UMAP(metric="precomputed", random_state=random_state).fit_transform(D)
             else:
-                from sklearn.manifold import TSNE
-
                 perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
                 E = TSNE(n_components=2, metric="precomputed", init="random",
                          perplexity=perplexity, random_state=random_state).fit_transform(D)

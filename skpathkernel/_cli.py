@@ -7,17 +7,18 @@ import os
 import platform
 import sys
 
+import numpy
+import scipy
+import sklearn
+import torch
+
+from . import __version__
+from ._reproduce import run_sections
+
 __all__ = ["main"]
 
 
 def _info(args) -> int:
-    import numpy
-    import scipy
-    import sklearn
-    import torch
-
-    from . import __version__
-
     cuda = torch.cuda.is_available()
     lines = [
         f"skpathkernel {__version__}",
@@ -35,8 +36,6 @@ def _info(args) -> int:
 
 
 def _reproduce(args) -> int:
-    from ._reproduce import run_sections
-
     figures = None
     if args.figures:
         figures = [f.strip() for f in args.figures.split(",") if f.strip()]

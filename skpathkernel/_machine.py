@@ -14,6 +14,7 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted
 
+from . import _interpolation
 from ._base import (
     BasePathKernelNetwork,
     check_decompose_args,
@@ -23,7 +24,6 @@ from ._base import (
     tangent_feature_names,
 )
 from ._device import to_input_tensor, to_tensor
-from ._interpolation import decompose
 from ._losses import LOSSES
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -231,7 +231,7 @@ class _KernelMachineMixin(TransformerMixin):
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
-        result = decompose(
+        result = _interpolation.decompose(
             self.module_, self.trajectory_,
             to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),

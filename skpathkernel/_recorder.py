@@ -83,10 +83,10 @@ from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
+from . import _interpolation
 from ._base import check_decompose_args
 from ._device import to_input_tensor, to_numpy, to_tensor
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
-from ._interpolation import decompose
 from ._losses import LOSSES, Loss
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 from .kernels import PathKernel, TangentKernel
@@ -603,6 +603,6 @@ class RecordedNetwork(BaseEstimator):
                 "The loss must return one value per sample, shape (B,); it returned shape "
                 f"{tuple(probe.shape)}."
             )
-        return decompose(self.module_, traj, X_train, Y_train, loss, self._inputs(X),
-                         method=method, weighting=weighting, n_nodes=n_nodes,
-                         memory_budget=self.memory_budget)
+        return _interpolation.decompose(
+            self.module_, traj, X_train, Y_train, loss, self._inputs(X), method=method,
+            weighting=weighting, n_nodes=n_nodes, memory_budget=self.memory_budget)

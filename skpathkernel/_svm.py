@@ -17,6 +17,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
+from . import _tangent
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -33,7 +34,6 @@ from ._machine import (
     _label_tensor,
     _LabelTargetsMixin,
 )
-from ._tangent import hidden_reads, project_tangent_features
 from .kernels import PathKernel, TangentKernel
 
 __all__ = ["TangentFeatureSVM", "TangentFeatures"]
@@ -240,12 +240,12 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
             phi = self._tangent_features(X)
         else:
             module, params, X_t = self._engine_inputs(X)
-            exclude = hidden_reads(module, [params], [X_t], output="trace",
-                                   memory_budget=self.memory_budget)
+            exclude = _tangent.hidden_reads(module, [params], [X_t], output="trace",
+                                            memory_budget=self.memory_budget)
             itemsize = X_t.element_size()
             # Fixed-size blocks: a row's float32 features do not depend on the others.
             phi = map_fixed_blocks(
-                lambda xb: to_numpy(project_tangent_features(
+                lambda xb: to_numpy(_tangent.project_tangent_features(
                     module, params, xb, self.n_components,
                     random_state=self._projection_seed, output="trace",
                     memory_budget=self.memory_budget, exclude=exclude, check_hidden=False)),

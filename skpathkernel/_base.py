@@ -23,7 +23,6 @@ from sklearn.base import BaseEstimator
 from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_random_state
-from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted
 
 # The engine is called as _tangent.<function>, looked up at call time (as the in-function
@@ -48,6 +47,7 @@ from ._inputs import (
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
+from ._params import ACTIVATIONS, network_constraints
 from ._tangent import warn_on_fallback
 from ._training import train
 from ._trajectory import SolverSpec
@@ -59,14 +59,6 @@ __all__ = ["BasePathKernelNetwork", "make_mlp"]
 # kernel machine over a single training point has nothing to compare; sklearn's own
 # message, "Found array with 1 sample(s) ... a minimum of 2", names the problem).
 FIT_CHECKS = dict(dtype=[np.float64, np.float32], ensure_min_samples=2)
-
-ACTIVATIONS = {
-    "relu": torch.nn.ReLU,
-    "tanh": torch.nn.Tanh,
-    "gelu": torch.nn.GELU,
-    "softplus": torch.nn.Softplus,
-    "identity": torch.nn.Identity,
-}
 
 
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
@@ -160,33 +152,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     owns validation, the module, the training loop and the recorded trajectory.
     """
 
-    _parameter_constraints: dict = {
-        "hidden_layer_sizes": ["array-like", Interval(numbers.Integral, 1, None, closed="left")],
-        "activation": [StrOptions(set(ACTIVATIONS))],
-        "module": [callable, None],
-        "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
-        "learning_rate_init": [Interval(numbers.Real, 0, None, closed="neither")],
-        "momentum": [Interval(numbers.Real, 0, 1, closed="left")],
-        "alpha": [Interval(numbers.Real, 0, None, closed="left")],
-        "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
-        "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
-        "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
-        "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), StrOptions({"auto"}),
-                       None],
-        "max_iter": [Interval(numbers.Integral, 1, None, closed="left")],
-        "tol": [Interval(numbers.Real, 0, None, closed="left"), None],
-        "n_iter_no_change": [Interval(numbers.Integral, 1, None, closed="left")],
-        "early_stopping": ["boolean"],
-        "validation_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
-        "shuffle": ["boolean"],
-        "record_every": [Interval(numbers.Integral, 1, None, closed="left"),
-                         StrOptions({"auto"})],
-        "device": [StrOptions({"auto", "cpu", "cuda"})],
-        "dtype": [StrOptions({"float32", "float64"})],
-        "memory_budget": [Interval(numbers.Integral, 2**20, None, closed="left")],
-        "random_state": ["random_state"],
-        "verbose": ["verbose"],
-    }
+    _parameter_constraints: dict = network_constraints()
 
     @abstractmethod
     def __init__(

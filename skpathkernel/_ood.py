@@ -49,17 +49,13 @@ from ._machine import (
     PathKernelMachine,
 )
 from ._parallel import map_row_blocks
+from ._params import network_parameter_names
 from ._span import BLOCK, NetworkGram, TangentSpan
 from .kernels import PathKernel, TangentKernel
 
 __all__ = ["OODRankDetector"]
 
-_NETWORK_PARAMS = (
-    "hidden_layer_sizes", "activation", "module", "solver", "learning_rate_init", "momentum",
-    "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "tol",
-    "n_iter_no_change", "early_stopping", "validation_fraction", "shuffle",
-    "record_every", "device", "dtype", "memory_budget", "random_state", "verbose",
-)
+_NETWORK_PARAMS = network_parameter_names()
 # Fitted attributes of the network that the detector exposes as its own.
 _MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
              "best_validation_score_", "n_iter_", "t_", "n_params_", "n_outputs_", "device_")

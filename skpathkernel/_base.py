@@ -438,11 +438,11 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
-        """Training points nearest to each query under a kernel (seed figure 1).
+        """Training points nearest to each query under a kernel (Guo, He & Morel 2026, figure 1).
 
         Nearness is the distance in the kernel's feature space,
         ``d(x, x_i)^2 = K(x, x) + K(x_i, x_i) - 2 K(x, x_i)``; with ``normalized=True``
-        (the seeds' normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
+        (Guo, He & Morel's normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
         nearest points are those with the highest normalized kernel.
 
         Parameters

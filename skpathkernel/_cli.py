@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print versions, device and threads")
     info.set_defaults(func=_info)
     rep = sub.add_parser(
-        "reproduce", help="reproduce the seed paper's experiments on embedded data"
+        "reproduce", help="reproduce the experiments of Guo, He & Morel (2026) on embedded data"
     )
     rep.add_argument("--out", default="reproduce_out", help="output folder (default: %(default)s)")
     rep.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")

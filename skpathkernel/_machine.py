@@ -115,9 +115,9 @@ class _KernelMachineMixin(TransformerMixin):
             products (error O(lr^2)). Both report their true ``error``.
         weighting : {"realized", "expected"}, default="realized"
             "realized" credits each step to the samples of its batch (weight 1/B);
-            "expected" credits every sample at every step (weight 1/N), the seeds'
-            expected representation: equal for full-batch training, approximate (with
-            its measured ``error``) for minibatches.
+            "expected" credits every sample at every step (weight 1/N), the expected
+            representation of Guo, He & Morel (2026): equal for full-batch training,
+            approximate (with its measured ``error``) for minibatches.
         n_nodes : int, default=None
             Quadrature nodes per step for "exact": 3 for float32; 5 for float64 (6 for
             rmsprop, whose first steps are the largest): the counts that reached each
@@ -185,8 +185,9 @@ class _KernelMachineMixin(TransformerMixin):
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.
 
-        The seeds' "retrieval from the feature memory": for each query, the training
-        points with the largest ``|a_i(x)|`` (summed over outputs) in the decomposition.
+        Guo, He & Morel's "retrieval from the feature memory" (2026): for each query, the
+        training points with the largest ``|a_i(x)|`` (summed over outputs) in the
+        decomposition.
 
         Parameters
         ----------

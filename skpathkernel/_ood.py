@@ -104,8 +104,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
     Trains a network (or takes a prefitted one) and flags inputs whose tangent feature
     ``phi(x) = d f(x; theta_T) / d theta`` is not explained by the training features: the
-    rank gap of seed figures 7-8, scored per point from tangent-kernel Gram matrices
-    alone (the Jacobian is never formed).
+    rank gap of figures 7-8 of Guo, He & Morel (2026), scored per point from tangent-kernel
+    Gram matrices alone (the Jacobian is never formed).
 
     Parameters
     ----------{shared}
@@ -529,8 +529,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         ``rank_tau(J)`` counts the singular values of the stacked tangent features above
         ``rtol`` times the largest, computed as the eigenvalues of the float64 Gram
         ``J J^T`` (``numpy.linalg.eigvalsh``) above ``rtol**2`` times the largest
-        (singular values are their square roots). ``rank_joint > rank_train`` is the
-        seeds' sign of extrapolation: some ``phi(x)`` leaves the training span.
+        (singular values are their square roots). ``rank_joint > rank_train`` is
+        Guo, He & Morel's sign of extrapolation: some ``phi(x)`` leaves the training span.
 
         Holds the ``(N + n)^2`` Gram (N training points, n queries): it must fit in a
         quarter of ``memory_budget`` (about 5000 points in all at the default 1 GiB).

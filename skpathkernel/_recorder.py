@@ -25,51 +25,9 @@ decomposition's adjoint recursion model. Options that change the rule (``nestero
 hyper-parameters and the same step size in every group (e.g. groups made only to freeze
 or order parameters): the trajectory has one step size per step.
 
-What is exact, and what it means, for any loss
-----------------------------------------------
-The network's change along the path is always exact: ``f(x; theta_T) - f(x; theta_0)`` is
-the sum over steps of ``J_bar_t(x) dtheta_t`` with the *realized* updates ``dtheta_t``,
-whatever produced them. The per-training-point split is exact under one condition, which
-the library cannot check for you: at every step ``t`` the gradient the optimizer used is
-
-    ``g_t = (1 / |B_t|) sum_{i in B_t} d/dtheta l(f(x_i; theta_t), y_i)  (+ L2 weight decay)``,
-
-the mean over the step's declared batch ``B_t`` of the per-sample loss ``l`` that you give
-to the decomposition, evaluated on the declared training inputs ``x_i`` and targets
-``y_i`` at the recorded parameters. Then every update is linear in the per-sample
-gradients, and sample ``i``'s contribution ``a_i(x)`` is *how much the gradient of sample
-``i``'s loss term, at the steps whose batch held it, moved the prediction at ``x``*,
-carried through the optimizer's momentum / Adam memory; the contributions, the
-initialization and the weight decay term add up to the network to floating-point
-precision.
-
-For a supervised loss, ``x_i`` are the training inputs and the condition holds when the
-batch loss is the mean of ``l`` over the batch. When the loss is not a sum of per-sample
-supervised terms, the "training inputs" are whatever you declare per step:
-
-- Denoising diffusion with random noise levels: declare each *(noisy input, noise level)*
-  pair the step drew as a training input and the noise as its target; every draw is its
-  own training point (``n_samples`` = draws over the whole run). ``a_i(x, sigma)`` is then
-  how much denoising that one noisy draw moved the prediction at ``(x, sigma)``. Summing
-  contributions over draws of the same clean point gives that clean point's share.
-- GAN generator: the generator loss depends on the discriminator, which changes every
-  step, so no fixed ``l(f, y)`` reproduces it. Its gradient does factor through the
-  generator's output: ``d/dtheta l_t(G(z_i)) = J(z_i)^T r_{t,i}`` with
-  ``r_{t,i} = dl_t / dG`` (for the non-saturating loss, ``-grad_x log D_t(x)`` at
-  ``x = G(z_i)``). Recording ``r_{t,i}`` as the target and declaring the linear loss
-  ``l(f, r) = sum_c r_c f_c`` reproduces the gradient exactly, so the split is exact and
-  ``a_i(z)`` is how much the discriminator's pull on generated sample ``z_i`` (at the step
-  that drew it) moved ``G(z)``.
-- If the declared loss does *not* reproduce the optimizer's gradient (a noise level or a
-  discriminator re-drawn differently, a loss not averaged over the batch, dropout, a
-  regularizer left out), the contributions still add up to the change the *declared*
-  gradients would have caused, not to the realized one: ``initial + sum(contributions) +
-  regularization`` no longer equals ``prediction``, and ``Decomposition.error`` measures
-  by how much. A small ``error`` is the check that the declaration is faithful.
-
-The path kernel needs no loss at all: it is a function of the recorded parameters, step
-sizes and optimizer state only, with inputs of the network's own form (for a diffusion
-model, ``(x, sigma)`` rows).
+What the decomposition means, and when it is exact, for losses that are not per-sample
+supervised (diffusion, GANs) is in the user guide: "Theory", section "What is exact, and
+what it means, for any loss".
 """
 
 from __future__ import annotations
@@ -197,9 +155,9 @@ class PathRecorder:
     ``optimizer.step()``.
 
     For the per-training-point decomposition, give ``n_samples`` and declare each step's
-    samples with :meth:`set_batch` before ``optimizer.step()``; see the module
-    documentation (``skpathkernel._recorder``) for what the decomposition means, and when
-    it is exact, for losses that are not per-sample supervised (diffusion, GANs).
+    samples with :meth:`set_batch` before ``optimizer.step()``; what the decomposition
+    means, and when it is exact, for losses that are not per-sample supervised (diffusion,
+    GANs) is in the user guide (:ref:`theory-any-loss`).
 
     Parameters
     ----------
@@ -559,8 +517,8 @@ class RecordedNetwork(BaseEstimator):
 
         Same result as :meth:`PathKernelMachine.decompose
         <skpathkernel.PathKernelMachine.decompose>`; exact (``error`` at round-off) when
-        the declared loss reproduces the optimizer's gradients, see the module
-        documentation for what the contributions mean otherwise.
+        the declared loss reproduces the optimizer's gradients; see the user guide
+        (:ref:`theory-any-loss`) for what the contributions mean otherwise.
 
         Parameters
         ----------

@@ -2,7 +2,7 @@
 
 A trained network's tangent features ``phi(x) = d f(x; theta_T) / d theta`` are a learned
 feature map; a linear model on them (or an SVC on the tangent / path kernel they define)
-is the seeds' figure 3.
+is figure 3 of Guo, He & Morel (2026).
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
 @_doc
 class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
                         BasePathKernelNetwork):
-    """Support vector classifier on a trained network's tangent features (seed figure 3).
+    """Support vector classifier on a network's tangent features (Guo, He & Morel, fig. 3).
 
     ``fit`` trains the network as a classifier on (X, y), then an SVM on what it learned:
     a linear SVM on the tangent features ``phi(x)``, or an SVC on the tangent or path
@@ -421,7 +421,7 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
             labels = labels[self._train_rows]
         # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
         # tens, where liblinear (which also penalizes the intercept) needs 10^4+
-        # iterations on seed figure 3's data and libsvm converges in milliseconds.
+        # iterations on the data of figure 3 and libsvm converges in milliseconds.
         kernel = "linear" if self.svm_kernel == "linear" else "precomputed"
         svm = SVC(kernel=kernel, C=self.C)  # deterministic: no probability, no RNG
         # The training Gram is symmetric: computed as K(X, X), its upper blocks only.

@@ -285,7 +285,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
     """Regressor that trains a network and records its optimisation path.
 
     The trained network is, exactly, a kernel machine over its training set along the
-    recorded path (Domingos 2020; Guo, He & Morel 2026).
+    recorded path: Domingos (2020), "Every Model Learned by Gradient Descent Is
+    Approximately a Kernel Machine"; Guo, He & Morel (2026), "On Interpolation Formulas
+    Describing Neural Network Generalization". The user guide's "Theory" page states what
+    is computed.
 
     Parameters
     ----------{shared}

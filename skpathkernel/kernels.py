@@ -478,6 +478,18 @@ class PathKernel(_NetworkKernel):
     TangentKernel : The kernel at one recorded point.
     path_weights : The weights ``w_k``.
 
+    Notes
+    -----
+    Domingos' path kernel [1]_, with the optimizer's weighting of Guo, He & Morel [2]_;
+    the user guide's "Theory" page derives both.
+
+    References
+    ----------
+    .. [1] P. Domingos, "Every Model Learned by Gradient Descent Is Approximately a Kernel
+       Machine", arXiv:2012.00152, 2020.
+    .. [2] J. Guo, R. Y. He and J.-M. Morel, "On Interpolation Formulas Describing Neural
+       Network Generalization", 2026.
+
     Examples
     --------
     >>> import numpy as np

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make .venv-peers: JAX / neural-tangents / skorch for the benchmark peers, kept out of
+# Make .venv-peers: JAX / neural-tangents / skorch / dattri for the benchmark peers, kept out of
 # the main environment (they need numpy < 2; see requirements-peers.txt). torch is the same
 # 2.13.0 CPU build as the main environment's, installed from the file on this machine's disk
 # first, so that no other torch build (in particular no multi-GB CUDA wheel) is downloaded
@@ -11,6 +11,12 @@ venv="${1:-$root/.venv-peers}"
 python -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install "torch==2.13.0"
 "$venv/bin/pip" install -r "$root/benchmarks/requirements-peers.txt"
-"$venv/bin/python" -c "import jax, neural_tangents, skorch, torch; print('peers venv:', \
+# ExPLAIND (bench_explaind.py): its 0.1.0 wheel is pure Python and declares Python >= 3.12
+# and heavy extras (plotly, tensorboard, umap, pandas pins), but runs on 3.11 with only
+# torch and tqdm at run time: installed without its declared dependencies.
+"$venv/bin/pip" install --no-deps --ignore-requires-python explaind==0.1.0
+"$venv/bin/python" -c "import jax, neural_tangents, skorch, torch, explaind.epk_model, \
+dattri.algorithm, trak; from importlib.metadata import version; print('peers venv:', \
 'jax', jax.__version__, 'neural-tangents', neural_tangents.__version__, \
-'skorch', skorch.__version__, 'torch', torch.__version__)"
+'skorch', skorch.__version__, 'dattri', version('dattri'), 'traker', version('traker'), \
+'explaind 0.1.0', 'torch', torch.__version__)"

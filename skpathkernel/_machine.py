@@ -15,6 +15,7 @@ from sklearn.utils.multiclass import check_classification_targets, type_of_targe
 from sklearn.utils.validation import check_is_fitted
 
 from . import _interpolation
+from ._attribution import check_output, label_codes, output_weights, query_codes
 from ._base import (
     BasePathKernelNetwork,
     check_decompose_args,
@@ -24,6 +25,7 @@ from ._base import (
     tangent_feature_names,
 )
 from ._device import to_input_tensor, to_tensor
+from ._interpolation import check_tol
 from ._losses import LOSSES
 from ._params import network_params_doc
 
@@ -96,7 +98,7 @@ class _KernelMachineMixin(TransformerMixin):
         check_is_fitted(self)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
 
-    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None):
+    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None):
         """Decompose every prediction over the training points.
 
         ``f(x; theta_T) = f(x; theta_0) + sum_i a_i(x) + a_reg(x)``, where ``a_i(x)`` is
@@ -109,7 +111,8 @@ class _KernelMachineMixin(TransformerMixin):
             In the form of the training inputs (``input_shape_``).
         method : {"exact", "first_order", "second_order"}, default="exact"
             "exact" integrates each step's Jacobian over the segment by Gauss-Legendre
-            quadrature and reproduces the network to floating-point precision for every
+            quadrature, with nodes added per step until its measured error is under
+            ``tol``, and reproduces the network to floating-point precision for every
             solver. "first_order" is Domingos' formula with the optimizer's weighting
             (error O(lr)); "second_order" adds the curvature term by Hessian-vector
             products (error O(lr^2)). Both report their true ``error``.
@@ -119,24 +122,38 @@ class _KernelMachineMixin(TransformerMixin):
             representation of Guo, He & Morel (2026): equal for full-batch training,
             approximate (with its measured ``error``) for minibatches.
         n_nodes : int, default=None
-            Quadrature nodes per step for "exact": 3 for float32; 5 for float64 (6 for
-            rmsprop, whose first steps are the largest): the counts that reached each
-            dtype's round-off.
+            A fixed number of Gauss-Legendre nodes for every step of "exact", without
+            error control. None (default) chooses them per step for ``tol``.
+        tol : float, default=None
+            Relative tolerance of "exact": each step's quadrature error, measured as
+            ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the
+            queries and outputs, is held under its share of ``tol * S`` (``S`` the
+            largest ``|f|`` along the path; shares proportional to the steps' changes
+            of f), so that the quadrature errors add up to at most ``tol * S``. None:
+            1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
+            that ``error`` sits at that floor). A step that cannot meet it within 64
+            nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
+            naming the step; ``error`` is always the achieved one. Ignored by the other
+            methods.
 
         Returns
         -------
         result : Decomposition
             ``initial`` (n, C), ``contributions`` (n, n_train, C), ``regularization``
             (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
-            (logits for multi-class classifiers, the margin for binary ones).
+            (logits for multi-class classifiers, the margin for binary ones); for
+            "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``.
 
         Notes
         -----
-        Cost: per recorded step, ``n_nodes`` Jacobians of the queries, the per-sample loss
-        gradients of the step's batch and one (n C) x P x B product; memory O(n C P + B P)
-        in blocks under ``memory_budget``, independent of the number of steps (a backward
-        adjoint recursion carries the optimizer's momentum memory). Requires
-        ``record_every=1``.
+        Cost: per recorded step, the layers' factors of the queries at each node and of
+        the step's batch; plain SGD then needs a Gram of factors (as a tangent kernel),
+        momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
+        n C P values that carries the optimizer's memory backwards over the steps, so
+        memory does not grow with the number of steps; blocks under ``memory_budget``.
+        Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
+        recorded points take their batches' gradients at the first of them, and the
+        result warns and reports the reconstruction error this leaves.
 
         Examples
         --------
@@ -152,7 +169,11 @@ class _KernelMachineMixin(TransformerMixin):
         True
         """
         check_decompose_args(method, weighting, n_nodes)
-        X = self._validate_X(X)
+        check_tol(tol)
+        return self._decompose(self._validate_X(X), method, weighting, n_nodes, tol)
+
+    def _decompose(self, X, method, weighting, n_nodes, tol, weights=None):
+        """decompose on validated X; ``weights`` (n, C) contracts the outputs in y's units."""
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
@@ -164,11 +185,12 @@ class _KernelMachineMixin(TransformerMixin):
             # not change what the fitted path is decomposed with.
             LOSSES[self._loss_name](),
             to_input_tensor(X, dtype=dtype, device=device),
-            method=method, weighting=weighting, n_nodes=n_nodes,
+            method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
             memory_budget=self.memory_budget,
+            units=lambda res: in_target_units(res, getattr(self, "_y_mean", None),
+                                              getattr(self, "_y_scale", None)),
         )
-        return in_target_units(result, getattr(self, "_y_mean", None),
-                               getattr(self, "_y_scale", None))
+        return result if weights is None else _interpolation.contract_outputs(result, weights)
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.
@@ -181,6 +203,97 @@ class _KernelMachineMixin(TransformerMixin):
             ``sqrt(n_outputs_)``, whose inner products are the trace kernel.
         """
         return self._tangent_features(X)
+
+    def attribute(self, X, y=None, *, method="exact", weighting="realized", output=None,
+                  n_nodes=None, tol=None):
+        """Training-data attribution scores: how much each training point moved each output.
+
+        A score matrix of the shape the attribution literature uses (TRAK, TracIn,
+        influence functions): ``scores[q, i]`` is training point ``i``'s share of the
+        scalar output ``m`` at query ``q``, read from :meth:`decompose`:
+        ``scores[q, i] = w_q . a_i(x_q)`` with ``w_q`` the weights of the explained output.
+        Positive: the point pushed the output up. Summed over a subset of the training
+        set, the scores predict the output of the network retrained on it; the linear
+        datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
+        measures how well.
+
+        Which of the decomposition's quantities serve as scores:
+
+        - ``method="exact", weighting="realized"`` (default): the exact split of the
+          realized path. ``initial + scores.sum(1) + regularization`` is the output
+          of the trained network up to the quadrature error that :meth:`decompose`
+          reports as ``error`` (floating-point level for small steps; large Adam steps
+          need more ``n_nodes``).
+        - ``weighting="expected"``: every point credited at every step with weight
+          ``1/N`` (Guo, He & Morel's expected representation); the same as realized for
+          full-batch training.
+        - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
+          kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
+          step, with the optimizer's preconditioner.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        y : array-like of shape (n_queries,), default=None
+            Classifiers: the queries' labels, whose margin is explained; None explains
+            the margin of the predicted class. Regressors: ignored.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+            See :meth:`decompose`.
+        weighting : {"realized", "expected"}, default="realized"
+            See :meth:`decompose`.
+        output : "margin" or int, default=None
+            The scalar output explained. "margin" (the classifiers' default) is TRAK's
+            ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
+            classifiers (the margin is the network's output up to its sign); for several
+            classes the exact split of its linear part at the final logits,
+            ``f_y - sum_{k != y} q_k f_k`` with ``q`` the softmax over the other classes,
+            which is how much each point moved the margin to first order in the logits.
+            An int ``k`` explains output column ``k`` (logit ``k``; the regressors'
+            default is 0, required for several outputs).
+        n_nodes : int, default=None
+            Quadrature nodes per step for "exact", see :meth:`decompose`.
+        tol : float, default=None
+            Relative quadrature tolerance of "exact", see :meth:`decompose`.
+
+        Returns
+        -------
+        scores : ndarray of shape (n_queries, n_train)
+            Float64.
+
+        See Also
+        --------
+        skpathkernel.metrics.linear_datamodeling_score : Scores against retraining.
+        skpathkernel.metrics.retrain_on_subsets : The retrained models it needs.
+
+        Examples
+        --------
+        >>> from sklearn.datasets import make_classification
+        >>> from skpathkernel import PathKernelClassifier
+        >>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
+        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), solver="sgd",
+        ...                            learning_rate_init=0.5, max_iter=30, tol=None,
+        ...                            dtype="float64", random_state=0)
+        >>> scores = clf.fit(X, y).attribute(X[:3], y[:3])
+        >>> scores.shape
+        (3, 40)
+        >>> margin = clf.decision_function(X[:3]) * (2 * y[:3] - 1)
+        >>> res = clf.decompose(X[:3])
+        >>> initial = res.initial[:, 0] * (2 * y[:3] - 1)
+        >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
+        True
+        """
+        check_is_fitted(self)
+        check_decompose_args(method, weighting, n_nodes)
+        check_tol(tol)
+        output = check_output(output, self.n_outputs_,
+                              "default" if isinstance(self, ClassifierMixin) else "no")
+        X = self._validate_X(X)
+        prediction = self._forward(X)
+        codes = (query_codes(prediction, y, lambda y: label_codes(self.classes_, y))
+                 if output == "margin" else None)
+        weights = output_weights(output, prediction, codes)
+        res = self._decompose(X, method, weighting, n_nodes, tol, weights=weights)
+        return res.contributions[:, :, 0]
 
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.

@@ -196,7 +196,8 @@ NETWORK_PARAMETERS: tuple[NetworkParameter, ...] = (
         "auto": every step when the points of ``max_iter`` epochs fit in
         ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
         the user guide, "Training"). Every step (1) keeps the per-training-point
-        decomposition exact; with k > 1 it refuses, and the path kernel is a Riemann sum.
+        decomposition exact; with k > 1 it is approximate (it warns and reports its true
+        ``error``), and the path kernel is a Riemann sum.
         """),
     NetworkParameter(
         "device", "auto", (StrOptions({"auto", "cpu", "cuda"}),), '{"auto", "cpu", "cuda"}',

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 import sys
 import warnings
 from abc import ABCMeta, abstractmethod
@@ -191,6 +192,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         "device": [StrOptions({"auto", "cpu", "cuda"})],
         "dtype": [StrOptions({"float32", "float64"})],
         "memory_budget": [Interval(numbers.Integral, 2**20, None, closed="left")],
+        "trajectory_storage": [StrOptions({"memory", "disk", "auto"})],
+        "trajectory_dir": [str, os.PathLike, None],
         "random_state": ["random_state"],
         "verbose": ["verbose"],
     }
@@ -221,6 +224,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
         random_state=None,
         verbose=0,
     ):
@@ -246,6 +251,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         self.device = device
         self.dtype = dtype
         self.memory_budget = memory_budget
+        self.trajectory_storage = trajectory_storage
+        self.trajectory_dir = trajectory_dir
         self.random_state = random_state
         self.verbose = verbose
 
@@ -384,6 +391,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 validation=validation,
                 record_budget=int(self.memory_budget),
                 progress=progress,
+                storage=self.trajectory_storage,
+                directory=self.trajectory_dir,
             )
         module.eval()
         if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back

@@ -96,7 +96,23 @@ _SHARED_PARAMS_DOC = """
         Parameter dtype; float64 is for exactness checks.
     memory_budget : int, default=2**30
         Bytes that one block of a computation (prediction, kernels) may use, and the
-        most that the recorded points may take with ``record_every="auto"``.
+        most that the recorded points may take in memory with ``record_every="auto"``.
+    trajectory_storage : {"memory", "disk", "auto"}, default="memory"
+        Where ``trajectory_`` keeps its points. "memory": CPU buffers. "disk": chunk
+        files in a fresh temporary directory under ``trajectory_dir``, written while
+        training and read lazily, a chunk at a time (at most 1/32 of ``memory_budget``
+        each), so the kernels and :meth:`decompose` run in memory independent of the
+        number of steps; ``record_every="auto"`` then keeps every step that fits in 90%
+        of the free disk space. "auto": disk when the points of ``max_iter`` epochs
+        (every step, or every ``record_every``-th) exceed ``memory_budget`` bytes,
+        else memory. The directory is deleted with the estimator's trajectory unless
+        moved with ``trajectory_.save(path)`` (a rename) or pickled (a pickle references
+        the directory, which is then kept). A full disk during training keeps the
+        rest of the path in memory with a warning naming the file and the step (see
+        the user guide, "Scaling").
+    trajectory_dir : str, path-like or None, default=None
+        Where ``trajectory_storage="disk"`` creates its directories; None is the
+        system's temporary directory (``tempfile.gettempdir()``, ``TMPDIR``).
     random_state : int, RandomState instance or None, default=None
         Seeds the initialization, the batch order and the early-stopping split: the same
         seed on the same device gives bit-identical results. A local generator is used;
@@ -419,6 +435,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
         random_state=None,
         verbose=0,
         normalize_y=True,
@@ -431,7 +449,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
         )
         self.normalize_y = normalize_y
 
@@ -541,6 +560,8 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
         random_state=None,
         verbose=0,
     ):
@@ -552,7 +573,8 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
         )
 
     @keep_previous_fit_on_error

@@ -58,7 +58,8 @@ _NETWORK_PARAMS = (
     "hidden_layer_sizes", "activation", "module", "solver", "learning_rate_init", "momentum",
     "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "tol",
     "n_iter_no_change", "early_stopping", "validation_fraction", "shuffle",
-    "record_every", "device", "dtype", "memory_budget", "random_state", "verbose",
+    "record_every", "device", "dtype", "memory_budget", "trajectory_storage",
+    "trajectory_dir", "random_state", "verbose",
 )
 # Fitted attributes of the network that the detector exposes as its own.
 _MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
@@ -377,6 +378,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
         random_state=None,
         verbose=0,
         estimator=None,
@@ -396,7 +399,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
         )
         self.estimator = estimator
         self.task = task

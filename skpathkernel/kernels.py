@@ -21,6 +21,7 @@ is formed for ``nn.Linear`` layers), in blocks bounded by the estimator's
 from __future__ import annotations
 
 import copy
+import functools
 import numbers
 
 import numpy as np
@@ -31,7 +32,7 @@ from sklearn.utils.validation import check_is_fitted
 from ._base import check_representable
 from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
 from ._inputs import check_input
-from ._parallel import map_row_blocks, n_row_blocks
+from ._parallel import map_ranges, map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 
 __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
@@ -237,6 +238,45 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
     if diag_from_gram:
         dx = K.diagonal().clone()
     return K, dx, dx if Yt is None else dy
+
+
+def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag):
+    """``_path_sum`` with the steps cut into one contiguous range per joblib worker.
+
+    Each task sums its range's step kernels (reading only its points: on disk, its own
+    chunk files) and the partial sums add up here; equal to the serial sum up to the
+    order of the additions.
+    """
+    _check_index(start, "start", allow_none=True)
+    _check_index(stop, "stop", allow_none=True)
+    points = [k for k, _ in path_weights(estimator.trajectory_, start, stop)]
+    if not points:  # the serial sum says what is wrong
+        return _path_sum(estimator, X, Y, start, stop, output, gram=gram, diag=diag)
+    reader = _reading_copy(estimator)
+    parts = map_ranges(_range_sum, len(points), n_jobs, points, reader, X, Y, output,
+                       gram, diag)
+    # K, dx, dy: each the sum of the tasks' parts (None where not computed).
+    return tuple(None if terms[0] is None else functools.reduce(torch.add, terms)
+                 for terms in zip(*parts))
+
+
+def _range_sum(first, last, points, estimator, X, Y, output, gram, diag):
+    # A joblib task: its own copy of the module (concurrent tasks on threads would share
+    # the estimator's, which the engine hooks).
+    own = type(estimator).__new__(type(estimator))
+    own.__dict__.update(estimator.__dict__)
+    own.module_ = copy.deepcopy(estimator.module_)
+    return _path_sum(own, X, Y, points[first], points[last - 1] + 1, output, gram=gram,
+                     diag=diag)
+
+
+def _reading_copy(estimator):
+    """The estimator with its trajectory referenced for other processes (see _reader)."""
+    traj = estimator.trajectory_
+    reader = traj._reader()
+    own = type(estimator).__new__(type(estimator))
+    own.__dict__.update({k: reader if v is traj else v for k, v in estimator.__dict__.items()})
+    return own
 
 
 # --------------------------------------------------------------------------- kernels
@@ -473,6 +513,14 @@ class PathKernel(_NetworkKernel):
         Each task runs torch with ``max(1, cpu_count // n_jobs)`` threads. The result
         equals the serial one up to round-off (the blocks of ``K(X, X)`` do not use its
         symmetry). Not a hyperparameter: it does not appear in ``theta``.
+    split : {"rows", "steps"}, default="rows"
+        What ``n_jobs`` splits. "rows": the rows of ``X``, each task summing every
+        step (for many rows). "steps": the recorded points, cut into one contiguous
+        range per worker, each task summing its range's step kernels over all of ``X``
+        (reading only its own chunk files of an on-disk trajectory, which workers on
+        other machines must reach at the same path) and the partial sums added here
+        (for long paths). Both equal the serial sum up to round-off; the user guide's
+        "Scaling" page says when each pays.
 
     See Also
     --------
@@ -497,26 +545,42 @@ class PathKernel(_NetworkKernel):
     """
 
     def __init__(self, estimator, start=0, stop=None, output="trace", normalized=False,
-                 n_jobs=None):
+                 n_jobs=None, split="rows"):
         self.estimator = estimator
         self.start = start
         self.stop = stop
         self.output = output
         self.normalized = normalized
         self.n_jobs = n_jobs
+        self.split = split
+
+    def _check_params(self):
+        super()._check_params()
+        if self.split not in ("rows", "steps"):
+            raise ValueError(f"split must be 'rows' or 'steps', got {self.split!r}.")
+
+    def _sum(self, X, Y, *, gram, diag):
+        if self.split == "steps":
+            return _split_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
+                                   self.n_jobs, gram=gram, diag=diag)
+        return _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
+                         gram=gram, diag=diag)
+
+    def _gram_blocks(self, X, Y):
+        return self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)
+
+    def _diag_blocks(self, X):
+        return self._diag(X) if self.split == "steps" else super()._diag_blocks(X)
 
     def _gram(self, X, Y):
-        K, dx, dy = _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
-                              gram=True, diag=self.normalized)
+        K, dx, dy = self._sum(X, Y, gram=True, diag=self.normalized)
         if self.normalized:
             K = _normalize(K, dx, dy)
         return to_numpy(K)
 
     def _raw_gram(self, X, Y):
-        return to_numpy(_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
-                                  gram=True, diag=False)[0])
+        return to_numpy(self._sum(X, Y, gram=True, diag=False)[0])
 
     def _diag(self, X):
-        _, dx, _ = _path_sum(self.estimator, X, None, self.start, self.stop, self.output,
-                             gram=False, diag=True)
+        _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)

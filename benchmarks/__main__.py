@@ -51,6 +51,8 @@ TABLES = {
             "Tangent-feature SVM versus RBF SVC and MLPClassifier"),
     "ood": ("benchmarks.bench_ood",
             "OOD AUROC: trained on sklearn digits 0-4, in-distribution = held-out 0-4"),
+    "long_path": ("benchmarks.bench_long_path",
+                  "Long paths: an on-disk trajectory versus the in-memory one"),
 }
 GROUPS = ["gram", "gram_nets", "path", *TABLES]
 

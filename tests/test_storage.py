@@ -19,8 +19,14 @@ import torch
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.utils._param_validation import InvalidParameterError
 
-from skpathkernel import PathKernelMachine, PathRecorder, RecordedNetwork, Trajectory
-from skpathkernel import _storage, _trajectory
+from skpathkernel import (
+    PathKernelMachine,
+    PathRecorder,
+    RecordedNetwork,
+    Trajectory,
+    _storage,
+    _trajectory,
+)
 from skpathkernel._storage import TrajectoryFileError
 from skpathkernel.kernels import PathKernel
 

@@ -194,6 +194,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         "memory_budget": [Interval(numbers.Integral, 2**20, None, closed="left")],
         "trajectory_storage": [StrOptions({"memory", "disk", "auto"})],
         "trajectory_dir": [str, os.PathLike, None],
+        "trajectory_compression": [StrOptions({"float16", "bfloat16"}), None],
         "random_state": ["random_state"],
         "verbose": ["verbose"],
     }
@@ -226,6 +227,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         memory_budget=2**30,
         trajectory_storage="memory",
         trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
     ):
@@ -253,6 +255,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         self.memory_budget = memory_budget
         self.trajectory_storage = trajectory_storage
         self.trajectory_dir = trajectory_dir
+        self.trajectory_compression = trajectory_compression
         self.random_state = random_state
         self.verbose = verbose
 
@@ -325,6 +328,11 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     def _fit(self, X, y):
         """Validate, train, and only then replace the fitted state (never half-fitted)."""
+        if self.trajectory_compression is not None and self.trajectory_storage == "memory":
+            raise ValueError(
+                f"trajectory_compression={self.trajectory_compression!r} compresses an "
+                "on-disk trajectory: use trajectory_storage='disk' (or 'auto')."
+            )
         X, y = self._validate_y(X, y)
         Y, n_outputs, attrs = self._encode_targets(y)
         if "classes_" not in attrs:
@@ -393,6 +401,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 progress=progress,
                 storage=self.trajectory_storage,
                 directory=self.trajectory_dir,
+                compression=self.trajectory_compression,
             )
         module.eval()
         if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back

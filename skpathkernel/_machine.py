@@ -113,6 +113,16 @@ _SHARED_PARAMS_DOC = """
     trajectory_dir : str, path-like or None, default=None
         Where ``trajectory_storage="disk"`` creates its directories; None is the
         system's temporary directory (``tempfile.gettempdir()``, ``TMPDIR``).
+    trajectory_compression : {None, "float16", "bfloat16"}, default=None
+        With the trajectory on disk, store each recorded point's parameters as its
+        difference from the previous stored point in this dtype (the first point of
+        each chunk file in full precision): about half the disk of float32 parameters
+        (optimizer states stay in full precision). Lossy: each stored point is within
+        one rounding of its step of the trained one, and the kernels and
+        :meth:`decompose` read the stored path, so ``decompose(...).error`` reports
+        what it costs (the contributions follow the stored points' gradients, the
+        reconstruction the stored steps). ``trajectory_.parameters(-1)`` is the stored
+        last point; ``module_`` keeps the trained one.
     random_state : int, RandomState instance or None, default=None
         Seeds the initialization, the batch order and the early-stopping split: the same
         seed on the same device gives bit-identical results. A local generator is used;
@@ -437,6 +447,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         memory_budget=2**30,
         trajectory_storage="memory",
         trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         normalize_y=True,
@@ -450,7 +461,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
-            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.normalize_y = normalize_y
 
@@ -562,6 +574,7 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
         memory_budget=2**30,
         trajectory_storage="memory",
         trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
     ):
@@ -574,7 +587,8 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
-            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
 
     @keep_previous_fit_on_error

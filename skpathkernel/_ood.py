@@ -59,7 +59,7 @@ _NETWORK_PARAMS = (
     "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "tol",
     "n_iter_no_change", "early_stopping", "validation_fraction", "shuffle",
     "record_every", "device", "dtype", "memory_budget", "trajectory_storage",
-    "trajectory_dir", "random_state", "verbose",
+    "trajectory_dir", "trajectory_compression", "random_state", "verbose",
 )
 # Fitted attributes of the network that the detector exposes as its own.
 _MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
@@ -380,6 +380,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         memory_budget=2**30,
         trajectory_storage="memory",
         trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         estimator=None,
@@ -400,7 +401,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
-            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.estimator = estimator
         self.task = task

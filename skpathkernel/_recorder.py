@@ -232,6 +232,10 @@ class PathRecorder:
         directory.
     memory_budget : int, default=2**30
         The size bound of ``storage="auto"``; chunk files hold at most 1/32 of it.
+    compression : {None, "float16", "bfloat16"}, default=None
+        On disk, store each point's parameters as its difference from the previous
+        stored point in this dtype (lossy: see the estimators'
+        ``trajectory_compression``; the decomposition's ``error`` reports the cost).
 
     Attributes
     ----------
@@ -281,6 +285,7 @@ class PathRecorder:
         storage: str = "memory",
         directory: str | os.PathLike | None = None,
         memory_budget: int = 2**30,
+        compression: str | None = None,
     ):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -293,6 +298,11 @@ class PathRecorder:
             raise ValueError(f"storage must be 'memory', 'disk' or 'auto', got {storage!r}.")
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or None, got {directory!r}.")
+        if compression not in (None, "float16", "bfloat16") or (
+                compression is not None and storage == "memory"):
+            raise ValueError(f"compression must be None, 'float16' or 'bfloat16', with "
+                             f"storage 'disk' or 'auto'; got {compression!r} with "
+                             f"storage={storage!r}.")
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) \
                 or memory_budget < 2**20:
             raise ValueError(f"memory_budget must be an int >= 2**20, got {memory_budget!r}.")
@@ -323,11 +333,12 @@ class PathRecorder:
         self.storage = storage
         self.directory = directory
         self.memory_budget = int(memory_budget)
+        self.compression = compression
         self._recorder = TrajectoryRecorder(
             params, [n for n, _ in named], n_steps=None, record_every=self.record_every,
             solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
             dtype=params[0].dtype, storage=storage, directory=directory,
-            memory_budget=self.memory_budget,
+            memory_budget=self.memory_budget, compression=compression,
         )
         self._recorder.record_point(0)
         self._pending = None

@@ -60,6 +60,10 @@ def chunk_rows_for(n_params: int, itemsize: int, memory_budget: int) -> int:
     return max(1, target // max(1, n_params * itemsize))
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def free_disk(parent) -> int:
     """Free bytes where a trajectory directory under ``parent`` would go."""
     parent = tempfile.gettempdir() if parent is None else os.fspath(parent)
@@ -127,8 +131,9 @@ class ChunkStore:
             self._finalizer.detach()
         self._finalizer = None
 
-    def add_series(self, name: str, n_params: int, dtype: torch.dtype) -> Series:
-        series = Series(self, name, n_params, dtype)
+    def add_series(self, name: str, n_params: int, dtype: torch.dtype,
+                   delta_dtype: torch.dtype | None = None) -> Series:
+        series = Series(self, name, n_params, dtype, delta_dtype=delta_dtype)
         os.makedirs(os.path.join(self.directory, name), exist_ok=True)
         self.series[name] = series
         return series
@@ -200,20 +205,30 @@ class ChunkStore:
 
 
 class Series:
-    """One chunked series of P-vectors: append while recording, read any row lazily."""
+    """One chunked series of P-vectors: append while recording, read any row lazily.
+
+    With ``delta_dtype`` (float16 or bfloat16) a chunk file holds its first vector in
+    full precision and every later one as its difference from the previous *stored*
+    vector, rounded to ``delta_dtype`` (error feedback: the rounding does not accumulate
+    along the chunk, each stored vector is within one rounding of the recorded one).
+    Readers get the stored path, ``first + d_1 + ... + d_j`` summed in the full dtype,
+    bit for bit what the writer kept.
+    """
 
     def __init__(self, store: ChunkStore, name: str, n_params: int, dtype: torch.dtype,
-                 n_rows: int = 0):
+                 n_rows: int = 0, delta_dtype: torch.dtype | None = None):
         self.store = store
         self.name = name
         self.n_params = int(n_params)
         self.dtype = dtype
+        self.delta_dtype = delta_dtype
         self.n_rows = int(n_rows)
         self._init_runtime()
-        self._memory: dict[int, torch.Tensor] = {}  # chunks whose write failed
+        self._memory: dict[int, np.ndarray] = {}  # encoded chunks whose write failed
 
     def _init_runtime(self):
         self._buffer: torch.Tensor | None = None
+        self._deltas: torch.Tensor | None = None
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -232,10 +247,19 @@ class Series:
                                f"{self.n_rows}, got {k}.")
         if self._buffer is None:
             self._buffer = torch.empty((self.chunk_rows, self.n_params), dtype=self.dtype)
+            if self.delta_dtype is not None:
+                self._deltas = torch.empty((self.chunk_rows, self.n_params),
+                                           dtype=self.delta_dtype)
         return self._buffer[k % self.chunk_rows]
 
     def commit(self, k: int, step: int) -> None:
         """Vector ``k`` (recorded at optimizer ``step``) is in its slot: write a full chunk."""
+        i = k % self.chunk_rows
+        if self.delta_dtype is not None and i:
+            # The buffer keeps the stored path: what readers will reconstruct.
+            d = self._deltas[i]
+            d.copy_(self._buffer[i] - self._buffer[i - 1])
+            torch.add(self._buffer[i - 1], d.to(self.dtype), out=self._buffer[i])
         self.n_rows = k + 1
         if self.n_rows % self.chunk_rows == 0:
             self._flush(k // self.chunk_rows, self.chunk_rows, step)
@@ -245,13 +269,43 @@ class Series:
         if rows and self._buffer is not None:
             self._flush(self.n_rows // self.chunk_rows, rows, None)
 
-    def _flush(self, chunk: int, rows: int, step: int | None) -> None:
+    def _encode(self, rows: int) -> np.ndarray:
         data = self._buffer[:rows]
+        if self.delta_dtype is None:
+            return data.numpy()
+        # As 16-bit words: the first vector's bytes, then the rounded differences.
+        first = data[0].numpy().view(np.uint16).reshape(-1, self.n_params)
+        deltas = self._deltas[1:rows].view(torch.int16).numpy().view(np.uint16)
+        return np.concatenate([first, deltas])
+
+    def _decode(self, array: np.ndarray, rows: int) -> torch.Tensor:
+        if self.delta_dtype is None:
+            return torch.from_numpy(np.require(array[:rows], requirements=["WRITEABLE"]))
+        head = self._head_rows
+        out = torch.empty((rows, self.n_params), dtype=self.dtype)
+        out[0] = torch.from_numpy(np.ascontiguousarray(array[:head]).reshape(-1).view(
+            _NUMPY_DTYPES[self.dtype]))
+        deltas = torch.from_numpy(np.ascontiguousarray(array[head:head + rows - 1]).view(
+            np.int16)).view(self.delta_dtype)
+        for j in range(1, rows):  # the writer's additions, in its order
+            torch.add(out[j - 1], deltas[j - 1].to(self.dtype), out=out[j])
+        return out
+
+    @property
+    def _head_rows(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size() // 2
+
+    def _file_shape(self, rows: int) -> tuple[int, int]:
+        extra = 0 if self.delta_dtype is None else self._head_rows - 1
+        return (rows + extra, self.n_params)
+
+    def _flush(self, chunk: int, rows: int, step: int | None) -> None:
+        data = self._encode(rows)
         self._cache.pop(chunk, None)
         if self.store.failure is None:
             path = self.path(chunk)
             try:
-                _write_chunk(path, data.numpy())
+                _write_chunk(path, data)
                 self._memory.pop(chunk, None)
                 return
             except OSError as exc:
@@ -265,11 +319,11 @@ class Series:
                     "this and every later chunk in memory; nothing recorded is lost. Free "
                     "space and move the trajectory with trajectory.save(path), which "
                     "writes them.", UserWarning, stacklevel=2)
-        self._memory[chunk] = data.clone()
+        self._memory[chunk] = data.copy()
 
     def write_memory_chunks(self) -> None:
         for chunk in sorted(self._memory):
-            _write_chunk(self.path(chunk), self._memory[chunk].numpy())
+            _write_chunk(self.path(chunk), self._memory[chunk])
         self._memory.clear()
 
     # -------------------------------------------------------------- reading
@@ -280,15 +334,19 @@ class Series:
             return self._buffer[i].clone()  # recording goes on into this buffer
         return self.chunk(chunk)[i]
 
+    def _rows_in(self, chunk: int) -> int:
+        return min(self.chunk_rows, self.n_rows - chunk * self.chunk_rows)
+
     def chunk(self, chunk: int) -> torch.Tensor:
         with self._lock:
-            if chunk in self._memory:
-                return self._memory[chunk]
             data = self._cache.get(chunk)
             if data is not None:
                 self._cache.move_to_end(chunk)
                 return data
-        data = self._load(chunk)
+        if chunk in self._memory:
+            data = self._decode(self._memory[chunk], self._rows_in(chunk))
+        else:
+            data = self._load(chunk)
         with self._lock:
             self._cache[chunk] = data
             while len(self._cache) > _CACHED_CHUNKS:
@@ -298,7 +356,7 @@ class Series:
     def _load(self, chunk: int) -> torch.Tensor:
         path = self.path(chunk)
         first = chunk * self.chunk_rows
-        rows = min(self.chunk_rows, self.n_rows - first)
+        rows = self._rows_in(chunk)
         where = f"{path!r} (vectors {first}..{first + rows - 1} of {self.name!r})"
         try:
             array = _read_chunk(path)
@@ -307,29 +365,30 @@ class Series:
         except (OSError, ValueError, EOFError) as exc:
             raise TrajectoryFileError(
                 f"Trajectory chunk file {where} is truncated or corrupt: {exc}") from None
-        want = _NUMPY_DTYPES[self.dtype]
-        if array.ndim != 2 or array.shape[0] < rows or array.shape[1] != self.n_params \
+        want = _NUMPY_DTYPES[self.dtype] if self.delta_dtype is None else np.uint16
+        shape = self._file_shape(rows)
+        if array.ndim != 2 or array.shape[0] < shape[0] or array.shape[1] != shape[1] \
                 or array.dtype != want:
             raise TrajectoryFileError(
                 f"Trajectory chunk file {where} holds an array of shape {array.shape} and "
-                f"dtype {array.dtype}, not {rows} vectors of {self.n_params} "
-                f"{np.dtype(want).name} values: it is truncated or belongs to another "
-                "network's trajectory."
+                f"dtype {array.dtype}, not {shape} {np.dtype(want).name} values: it is "
+                "truncated or belongs to another network's trajectory."
             )
-        return torch.from_numpy(np.require(array[:rows], requirements=["WRITEABLE"]))
+        return self._decode(array, rows)
 
     def __getstate__(self):
         return {"store": self.store, "name": self.name, "n_params": self.n_params,
-                "dtype": str(self.dtype).removeprefix("torch."), "n_rows": self.n_rows,
-                "memory": {c: t.numpy() for c, t in self._memory.items()}}
+                "dtype": dtype_name(self.dtype), "delta_dtype": dtype_name(self.delta_dtype),
+                "n_rows": self.n_rows, "memory": dict(self._memory)}
 
     def __setstate__(self, state):
         self.store = state["store"]
         self.name = state["name"]
         self.n_params = state["n_params"]
         self.dtype = getattr(torch, state["dtype"])
+        self.delta_dtype = state["delta_dtype"] and getattr(torch, state["delta_dtype"])
         self.n_rows = state["n_rows"]
-        self._memory = {c: torch.from_numpy(np.array(a)) for c, a in state["memory"].items()}
+        self._memory = dict(state["memory"])
         self._init_runtime()
 
 
@@ -358,7 +417,9 @@ class DiskRows:
         return self.series.dtype
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        """Bytes per stored value (2 for a series of float16 / bfloat16 differences)."""
+        dtype = self.series.delta_dtype or self.dtype
+        return torch.empty((), dtype=dtype).element_size()
 
     def numel(self) -> int:
         return len(self) * self.series.n_params

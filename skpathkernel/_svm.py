@@ -144,6 +144,7 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
         memory_budget=2**30,
         trajectory_storage="memory",
         trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         task="auto",
@@ -160,7 +161,8 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
-            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.task = task
         self.n_components = n_components
@@ -366,6 +368,7 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
         memory_budget=2**30,
         trajectory_storage="memory",
         trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         C=1.0,
@@ -380,7 +383,8 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
-            trajectory_dir=trajectory_dir, random_state=random_state, verbose=verbose,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.C = C
         self.svm_kernel = svm_kernel

@@ -115,6 +115,7 @@ def train(
     progress=None,
     storage: str = "memory",
     directory=None,
+    compression: str | None = None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
@@ -157,7 +158,7 @@ def train(
     recorder = TrajectoryRecorder(
         params, names, n_steps=n_steps, record_every=record_every, solver=solver,
         n_samples=n, batch_size=B, dtype=params[0].dtype, storage=storage,
-        directory=directory, memory_budget=record_budget,
+        directory=directory, memory_budget=record_budget, compression=compression,
     )
     full_batch = B == n
     recorder.record_point(0)

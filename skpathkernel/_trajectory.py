@@ -28,6 +28,7 @@ from ._storage import (
     Series,
     TrajectoryFileError,
     chunk_rows_for,
+    dtype_name,
 )
 
 __all__ = ["Trajectory"]
@@ -343,6 +344,7 @@ class Trajectory:
                 "chunk_rows": self._store.chunk_rows,
                 "n_params": self.n_params,
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "compression": dtype_name(self._params.series.delta_dtype),
                 "rows": {"params": self._params.n,
                          **{key: rows.n for key, rows in self._states.items()}},
                 "tail": self._params.tail,
@@ -415,7 +417,8 @@ class Trajectory:
 
         def view(rows):
             series = Series(reader, rows.series.name, rows.series.n_params,
-                            rows.series.dtype, rows.series.n_rows)
+                            rows.series.dtype, rows.series.n_rows,
+                            delta_dtype=rows.series.delta_dtype)
             series._memory = rows.series._memory
             return DiskRows(series, rows.n, rows.tail)
 
@@ -454,8 +457,10 @@ def _open_series(directory: str, payload: dict):
         raise ValueError(f"{os.path.join(directory, META_FILE)!r} describes {n_params} "
                          f"parameters but parameter shapes totalling {expected}.")
     rows = {}
+    compression = spec.get("compression")
     for name, n in spec["rows"].items():
-        series = Series(store, name, n_params, dtype, n)
+        series = Series(store, name, n_params, dtype, n, delta_dtype=(
+            getattr(torch, compression) if compression and name == "params" else None))
         store.series[name] = series
         for chunk in range(-(-int(n) // store.chunk_rows)):
             if not os.path.exists(series.path(chunk)):
@@ -516,13 +521,16 @@ class TrajectoryRecorder:
         Parent of the on-disk trajectory's directory; None is the system's temp dir.
     memory_budget : int, default=2**30
         Sizes the chunk files (at most 1/32 of it each) and bounds "auto".
+    compression : {None, "float16", "bfloat16"}, default=None
+        On disk, store each recorded point's parameters as its difference from the
+        previous stored point in this dtype (see ``_storage.Series``).
     """
 
     _INITIAL_STEPS = 64
 
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
                  batch_size, dtype, storage="memory", directory=None,
-                 memory_budget=2**30):
+                 memory_budget=2**30, compression=None):
         self._params = list(params)
         self._names = list(names)
         self._shapes = [tuple(p.shape) for p in self._params]
@@ -537,6 +545,7 @@ class TrajectoryRecorder:
         self._itemsize = torch.empty((), dtype=dtype).element_size()
         self._directory = directory
         self._memory_budget = int(memory_budget)
+        self._compression = None if compression is None else getattr(torch, compression)
         self._auto = storage == "auto"
         device = self._params[0].device
         self._pin = device.type == "cuda" and storage == "memory"
@@ -578,7 +587,8 @@ class TrajectoryRecorder:
         store = ChunkStore.create(self._directory, chunk_rows=chunk_rows_for(
             self._n_params, self._itemsize, self._memory_budget))
         old_buf, old_states = getattr(self, "_buf", None), getattr(self, "_states", {})
-        self._buf = store.add_series("params", self._n_params, self._dtype)
+        self._buf = store.add_series("params", self._n_params, self._dtype,
+                                     delta_dtype=self._compression)
         self._states = {key: store.add_series(key, self._n_params, self._dtype)
                         for key in self.solver.state_keys}
         self._pin = self._non_blocking = False

@@ -285,8 +285,9 @@ def _record(storage, n_steps=11, **kw):
         (0.5 * (net(X[idx]) - y[idx]) ** 2).mean().backward()
         rec.set_batch(idx)
         opt.step()
-        if step == 4:
-            mid = rec.trajectory  # read while recording goes on
+        if step == 4:  # read while recording goes on (the last chunk from its buffer)
+            mid = rec.trajectory
+            mid = (mid, [mid.parameters(k).clone() for k in range(len(mid))])
     rec.close()
     return rec, mid, X, y
 
@@ -299,7 +300,9 @@ def test_path_recorder_on_disk(storage, kw, monkeypatch):
     mem, mem_mid, X, y = _record("memory", n_steps)
     disk, disk_mid, _, _ = _record(storage, n_steps, **kw)
     assert disk.trajectory.storage == "disk"
-    _assert_same_path(mem_mid, disk_mid)
+    _assert_same_path(mem_mid[0], disk_mid[0])
+    for a, b in zip(mem_mid[1], disk_mid[1]):
+        assert torch.equal(a, b)
     _assert_same_path(mem.trajectory, disk.trajectory)
     if storage == "disk":
         a = mem.as_estimator(X, y).decompose(X[:2])
@@ -335,3 +338,51 @@ def test_path_kernel_split_over_steps_equals_serial(data, backend, storage):
     assert est.trajectory_._store is None or est.trajectory_._store.owned
     with pytest.raises(ValueError, match="split"):
         PathKernel(est, split="columns")(X)
+
+
+@pytest.mark.parametrize("compression, unit", [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
+def test_compressed_steps_stay_within_one_rounding(data, compression, unit):
+    # Reference: the same fit in memory, full precision. Each stored point is the
+    # previous stored point plus the rounded step to the recorded one (error feedback):
+    # within one rounding of that step, however long the chunk.
+    X, y = data
+    mem = _fit(X, y, solver="adam", learning_rate_init=0.05)
+    low = _fit(X, y, "disk", solver="adam", learning_rate_init=0.05,
+               trajectory_compression=compression)
+    a, b = mem.trajectory_, low.trajectory_
+    assert torch.equal(a.parameters(0), b.parameters(0))
+    worst = 0.0
+    for k in range(1, len(a)):
+        step = (a.parameters(k) - b.parameters(k - 1)).abs()
+        err = (b.parameters(k) - a.parameters(k)).abs()
+        assert bool((err <= unit * step + 1e-15).all()), k
+        worst = max(worst, float(err.max()))
+    assert worst > 0  # it is lossy
+    # Optimizer states are kept in full precision.
+    assert torch.equal(a.preconditioner(5), b.preconditioner(5))
+    assert b.nbytes < a.nbytes
+    # The cost shows in the decomposition's error, not hidden: far above the exact
+    # path's round-off, and of the order of the stored path's deviation.
+    exact, lossy = mem.decompose(X[:4]), low.decompose(X[:4])
+    assert exact.error < 1e-12 < 1e-8 < lossy.error < 1e-2
+    K = PathKernel(mem)(X)
+    assert_allclose(PathKernel(low)(X), K, rtol=0, atol=1e-3 * np.abs(K).max())
+
+
+def test_compressed_reads_are_what_the_writer_kept(tmp_path):
+    rec, mid, _, _ = _record("disk", compression="bfloat16")
+    final = rec.trajectory  # chunks decoded from the files now
+    for k, theta in enumerate(mid[1]):  # read mid-recording, partly from the write buffer
+        assert torch.equal(theta, final.parameters(k)), k
+    final.save(tmp_path / "t")
+    loaded = Trajectory.load(tmp_path / "t")
+    _assert_same_path(final, loaded)
+    with pytest.raises(ValueError, match="compression"):
+        PathRecorder(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(),
+                                                             lr=0.1), compression="int8")
+
+
+def test_compression_needs_the_disk(data):
+    X, y = data
+    with pytest.raises(ValueError, match="trajectory_storage='disk'"):
+        _fit(X, y, trajectory_compression="float16")

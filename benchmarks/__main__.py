@@ -267,7 +267,9 @@ def _method(spec):
 def _table(rows):
     if not rows:
         return ["(no rows)"]
-    keys = list(rows[0])
+    # Every row's columns, in first-seen order: rows of one table may measure different
+    # things (cells a row lacks stay empty).
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
 

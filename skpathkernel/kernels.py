@@ -364,7 +364,7 @@ class _NetworkKernel(Kernel):
             return self._gram(X, Y)
         # Rows of the raw Gram through joblib (K(X, X) gives up its symmetry), then the
         # normalisation here, with the same diagonals as the serial path.
-        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self,
+        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self._for_workers(),
                                      X if Y is None else Y))
         if self.normalized:
             if Y is None:
@@ -375,7 +375,15 @@ class _NetworkKernel(Kernel):
         return K
 
     def _diag_blocks(self, X):
-        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs, self))
+        kernel = self if n_row_blocks(self.n_jobs, X) == 1 else self._for_workers()
+        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs, kernel))
+
+    def _for_workers(self):
+        # Tasks get the on-disk trajectory by reference, leaving this one's directory
+        # temporary (pickling the estimator itself would keep it, see _storage).
+        kernel = copy.copy(self)
+        kernel.estimator = _reading_copy(self.estimator)
+        return kernel
 
 
 # joblib tasks (module level, so that they pickle to workers by reference)

@@ -386,3 +386,40 @@ def test_compression_needs_the_disk(data):
     X, y = data
     with pytest.raises(ValueError, match="trajectory_storage='disk'"):
         _fit(X, y, trajectory_compression="float16")
+
+
+def test_row_blocks_read_the_disk_path_by_reference(data):
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam")
+    serial = [PathKernel(est)(X), PathKernel(est).diag(X)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pickling of the owned directory
+        with joblib.parallel_config(backend="loky", n_jobs=2):
+            rows = [PathKernel(est)(X), PathKernel(est).diag(X)]
+    for got, want in zip(rows, serial):
+        assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert est.trajectory_._store.owned
+
+
+def test_other_consumers_over_steps_read_the_disk_path(data):
+    # explain, kneighbors under the path kernel, a Display along the path and the Hessian
+    # trace along the path read points through the same accessors: same numbers.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from skpathkernel.diagnostics import hessian_trace_path
+    from skpathkernel.plotting import KernelEvolutionDisplay
+
+    X, y = data
+    mem, disk = _fit(X, y, solver="adam"), _fit(X, y, "disk", solver="adam")
+    for a, b in zip(mem.explain(X[:3], n_neighbors=4), disk.explain(X[:3], n_neighbors=4)):
+        assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    for a, b in zip(mem.kneighbors(X[:3], 5, kernel="path"),
+                    disk.kneighbors(X[:3], 5, kernel="path")):
+        assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    a = KernelEvolutionDisplay.from_estimator(mem, X[0], X[1:4]).kernel_values
+    b = KernelEvolutionDisplay.from_estimator(disk, X[0], X[1:4]).kernel_values
+    assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    a = hessian_trace_path(mem, X, y, steps=[0, 5, -1], n_samples=4, random_state=0)
+    b = hessian_trace_path(disk, X, y, steps=[0, 5, -1], n_samples=4, random_state=0)
+    assert_allclose(b.trace, a.trace, rtol=1e-12)

@@ -6,7 +6,9 @@ sizes, the sample indices of every optimizer step's batch and the optimizer stat
 RMSprop second moments, momentum buffers) at every recorded step.
 
 Everything lives on the CPU in the parameter dtype, in buffers preallocated at the start
-of training, so that recording a point costs one copy and no allocation.
+of training, so that recording a point costs one copy and no allocation; or, for paths
+longer than memory allows, the per-point vectors live in chunk files on disk, read
+lazily behind the same accessors (:mod:`skpathkernel._storage`).
 """
 
 from __future__ import annotations
@@ -343,7 +345,7 @@ class Trajectory:
             payload["storage"] = {
                 "chunk_rows": self._store.chunk_rows,
                 "n_params": self.n_params,
-                "dtype": str(self.dtype).removeprefix("torch."),
+                "dtype": dtype_name(self.dtype),
                 "compression": dtype_name(self._params.series.delta_dtype),
                 "rows": {"params": self._params.n,
                          **{key: rows.n for key, rows in self._states.items()}},

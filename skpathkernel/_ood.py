@@ -1,20 +1,22 @@
 """OODRankDetector: flag inputs whose tangent feature leaves the span of the training ones.
 
 A trained network extrapolates badly where its tangent feature ``phi(x)`` has a component
-outside ``span{phi(x_i)}`` (seed figures 7-8: a ReLU unit never active on the training
-domain turns on at test time). The detector scores that component from tangent-kernel Gram
-matrices alone (the Jacobian is never formed):
+outside ``span{phi(x_i)}`` (the extrapolation-failure figures of Domingos-style kernel
+analyses: a ReLU unit never active on the training domain turns on at test time). The
+detector scores that component from tangent-kernel Gram matrices alone, with the span
+numerics of :mod:`._span`:
 
-* ``method="residual"``: the relative residual
+* ``method="local"`` (default): the relative residual of ``phi(x)`` outside the span of
+  its ``n_neighbors`` best-aligned training features;
+* ``method="residual"``: the relative residual outside the span of all training features,
   ``s(x)^2 = 1 - k(x)^T (Theta + lam I)^{-1} k(x) / Theta(x, x)``, the noise-free Gaussian
   process posterior variance under the tangent kernel, normalised;
-* ``method="alignment"``: ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and a
-  stored training feature (the seeds' "feature memory" view).
+* ``method="alignment"``: ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and
+  a stored training feature (the "feature memory" view).
 
-Scale: the ``N x N`` training Gram is never held. A greedy block pivoted Cholesky picks the
-training points whose features span all the others to within the rank tolerance (columns
-of the Gram are computed a block at a time, the ``N x r`` factor is the only large array),
-so scoring a query costs one ``1 x r`` Gram row.
+``contamination="auto"`` places ``offset_`` at Tukey's upper fence of the leave-one-out
+training residuals (each training point scored against the others), never below 1% of
+the feature's norm.
 """
 
 from __future__ import annotations
@@ -35,12 +37,10 @@ from sklearn.utils.validation import check_is_fitted
 from ._base import (
     FIT_CHECKS,
     BasePathKernelNetwork,
-    _normalize_rows,
     check_representable,
     keep_previous_fit_on_error,
-    rows_per_block,
 )
-from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
+from ._device import fitted_dtype, resolve_dtype, to_numpy
 from ._inputs import FEATURES, TOKENS, fitted_input, validate_input
 from ._machine import (
     _FITTED_ATTRS_DOC,
@@ -50,7 +50,7 @@ from ._machine import (
     PathKernelMachine,
 )
 from ._parallel import map_row_blocks
-from ._tangent import tangent_gram, tangent_gram_diag
+from ._span import BLOCK, NetworkGram, TangentSpan
 
 __all__ = ["OODRankDetector"]
 
@@ -64,151 +64,32 @@ _NETWORK_PARAMS = (
 # Fitted attributes of the network that the detector exposes as its own.
 _MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
              "best_validation_score_", "n_iter_", "t_", "n_params_", "n_outputs_", "device_")
-# contamination="auto": a point is an outlier when more than half of the norm of phi(x)
-# lies outside the training span (residual), or equivalently outside the direction of its
-# best-aligned training feature (alignment: sqrt(1 - a^2) > 1/2 <=> a < sqrt(3)/2).
-_AUTO_OFFSET = {"residual": -0.5, "alignment": math.sqrt(3.0) / 2.0}
-_BLOCK = 256  # pivots per Gram pass of the pivoted Cholesky
+# contamination="auto": never flag a point with less than this fraction of ||phi(x)||
+# outside the span (for "alignment": outside the direction of its best-aligned training
+# feature, cos > sqrt(1 - 0.01^2)). It matters where the leave-one-out residuals collapse
+# to round-off (training features that span each other exactly, as a piecewise-linear
+# ReLU network on 1-D inputs), so that the fence does not sit at round-off level.
+_MIN_RESIDUAL = 0.01
+_AUTO_CEILING = {"local": -_MIN_RESIDUAL, "residual": -_MIN_RESIDUAL,
+                 "alignment": math.sqrt(1.0 - _MIN_RESIDUAL**2)}
+# Leave-one-out scores of at most this many training points (evenly spaced in X_fit_) set
+# offset_ for "local" and "alignment": each costs a Gram row against all N training
+# points, and a quantile or a fence of 2000 values is already precise.
+_LOO_POINTS = 2000
 
 
-class _Gram64:
-    """Tangent-kernel Grams (trace over outputs) of a fitted network, in float64.
+def _auto_offset(loo_scores, method) -> float:
+    """Tukey's fence below the leave-one-out scores, capped at the residual floor.
 
-    A float64 copy of the network at its final recorded parameters: the rank tolerance
-    speaks of singular values down to ``rtol`` times the largest, below what a float32
-    Gram resolves (its eigenvalues carry errors of ~1e-7 of the largest), so the detector
-    works in float64 whatever the training dtype.
+    ``Q1 - 1.5 IQR`` of the scores (higher = more normal): the textbook boundary of
+    outliers of a sample, here the training points each scored against the others.
     """
-
-    def __init__(self, est):
-        self.device = torch.device(est.device_)
-        self.module = copy.deepcopy(est.module_).to(dtype=torch.float64)
-        traj = est.trajectory_
-        flat = traj.parameters(-1).to(device=self.device, dtype=torch.float64)
-        self.params = dict(traj.unflatten(flat))
-        self.budget = int(est.memory_budget)
-
-    def tensor(self, X) -> torch.Tensor:
-        # Token ids stay int64; float inputs follow the float64 copy of the network.
-        return to_input_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
-
-    def gram(self, X, Y=None) -> torch.Tensor:
-        return tangent_gram(self.module, self.params, X, Y, memory_budget=self.budget)
-
-    def diag(self, X) -> torch.Tensor:
-        return tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)
-
-    def rows_per_block(self, n_cols: int, what: str) -> int:
-        # A block of Gram rows against n_cols columns, plus its temporaries.
-        return rows_per_block(self.budget, 4 * 8 * max(n_cols, 1), what)
+    q1, q3 = np.percentile(loo_scores, [25, 75])
+    return float(min(q1 - 1.5 * (q3 - q1), _AUTO_CEILING[method]))
 
 
-def _lazy_pages(device: torch.device) -> bool:
-    """Whether an untouched allocation costs no resident memory (the CPU's virtual memory)."""
-    return device.type == "cpu"
-
-
-def _pivoted_cholesky(column, diag, tol, max_rank, block=_BLOCK):
-    """Greedy block pivoted Cholesky ``Theta ~= G G^T`` of a PSD matrix given by columns.
-
-    ``column(idx)`` returns ``Theta[:, idx]`` (N x b). Each pass computes the columns of the
-    ``b`` points with the largest residual diagonal, pivots among them on their own
-    ``b x b`` residual block (largest remaining residual first, skipping those the earlier
-    ones already explain), then forms the new factor columns by one triangular solve.
-    Stops when every residual diagonal ``||phi_i - P_L phi_i||^2`` is at most ``tol`` or at
-    ``max_rank`` pivots. Returns the factor ``G`` (N x r) and the pivots (r,).
-    """
-    n = diag.shape[0]
-    res = diag.clone()
-    # G is held transposed, (max_rank, N) row-major and never zeroed: on a CPU its memory
-    # is only faulted in as pivots fill its rows, so resident memory follows the rank
-    # reached, with no growth copy (a column of a row-major (N, max_rank) G would touch
-    # every page). A GPU allocates eagerly: there it grows by doubling.
-    capacity = max_rank if _lazy_pages(diag.device) else min(max_rank, 2 * block)
-    G = diag.new_empty((capacity, n)).T
-    pivots: list[int] = []
-    k = 0
-    while k < max_rank:
-        masked = res.clone()
-        if pivots:
-            masked[pivots] = -math.inf
-        vals, cand = torch.topk(masked, min(block, max_rank - k, n - k))
-        cand = cand[vals > tol]
-        if cand.numel() == 0:
-            break
-        C = column(cand)
-        if k:
-            C -= G[:, :k] @ G[cand, :k].T
-        # Pivot inside the block on its b x b residual S only (cheap rank-one updates),
-        # then form the new factor columns for all N rows at once (BLAS-3):
-        # G_new = C[:, J] L^{-T} with S[J, J] = L L^T.
-        S = C[cand].clone()
-        order: list[int] = []
-        L_cols = []
-        local = S.diagonal().clone()
-        done = torch.zeros(len(cand), dtype=torch.bool, device=diag.device)
-        while k + len(order) < max_rank:
-            j = int(torch.argmax(torch.where(done, -math.inf, local)))
-            if done[j] or local[j] <= tol:
-                break
-            col = S[:, j] / torch.sqrt(local[j])
-            S -= torch.outer(col, col)
-            local = S.diagonal().clone()
-            done[j] = True
-            order.append(j)
-            L_cols.append(col)
-        if not order:
-            break
-        J = torch.as_tensor(order, device=diag.device)
-        L = torch.stack(L_cols, dim=1)[J]  # lower triangular in pivot order
-        new = torch.linalg.solve_triangular(L, C[:, J].T, upper=False).T
-        m = len(order)
-        if k + m > G.shape[1]:
-            grown = diag.new_empty((min(max_rank, max(2 * G.shape[1], k + m)), n))
-            grown[:k] = G[:, :k].T
-            G = grown.T
-        G[:, k : k + m] = new
-        k += m
-        pivots.extend(int(cand[j]) for j in order)
-        res -= (new * new).sum(1)
-        res.clamp_(min=0.0)
-    return G[:, :k], torch.as_tensor(pivots, dtype=torch.long)
-
-
-def _loo_relative_residuals(G, diag, lam):
-    """Leave-one-out relative residuals of the training features, from ``Theta ~= G G^T``.
-
-    The posterior variance of point ``i`` given all the others under ``G G^T + lam I`` is
-    ``1 / [(G G^T + lam I)^{-1}]_ii - lam``. With the thin QR ``G = Q R`` and
-    ``R R^T = V S V^T``, ``U = Q V`` is orthonormal to machine precision and
-    ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 - ||U_i||^2) / lam``.
-    """
-    if G.shape[1] == 0:
-        return torch.ones_like(diag)
-    Q, R = torch.linalg.qr(G)
-    S, V = torch.linalg.eigh(R @ R.T)
-    weight = 1.0 / (S.clamp(min=0) + lam)
-    inv_diag = torch.empty_like(diag)
-    # Row blocks: U = Q V and the squares are N x r each, as large as G itself.
-    step = max(1, 2**22 // max(G.shape[1], 1))
-    for start in range(0, G.shape[0], step):
-        Qb = Q[start : start + step]
-        U = Qb @ V
-        inv_diag[start : start + step] = ((U * U * weight).sum(1)
-                                          + (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam)
-    var = (1.0 / inv_diag - lam).clamp(min=0)
-    return _relative(var, diag)
-
-
-def _row_norms2(G):
-    # Not (G * G).sum(1): that is an N x r temporary, the size of G itself.
-    return torch.linalg.vector_norm(G, dim=1).square()
-
-
-def _relative(var, diag):
-    # A zero tangent feature lies in every span: its relative residual is 0.
-    safe = torch.where(diag > 0, diag, torch.ones_like(diag))
-    return torch.where(diag > 0, (var / safe).clamp(0, 1), torch.zeros_like(var)).sqrt()
+def _loo_subset(n: int) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, min(n, _LOO_POINTS)).round().astype(np.intp))
 
 
 def _unwrap(estimator):
@@ -248,13 +129,32 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         that integer-valued regression targets count as "multiclass"), regression
         otherwise. Without ``y`` the network is trained self-supervised, to reconstruct
         its input (``n_features_in_`` outputs, squared error on ``X`` itself).
-    method : {{"residual", "alignment"}}, default="residual"
-        "residual": ``score_samples(x) = -s(x)`` with the relative residual
-        ``s(x)^2 = 1 - k(x)^T (Theta + lam I)^{{-1}} k(x) / Theta(x, x)``, where
-        ``Theta`` is the tangent Gram (trace over outputs) at the final parameters,
-        ``k(x) = Theta(X_span, x)``; ``s`` lies in [0, 1]: 0 inside the span, 1
-        orthogonal to it. "alignment": ``score_samples(x) = max_i K_hat(x, x_i)`` over
-        the training points, the normalised tangent kernel (cosine of the features).
+    method : {{"local", "residual", "alignment"}}, default="local"
+        What ``score_samples`` measures (higher = more normal). With
+        ``Theta`` the tangent Gram (trace over outputs) at the final parameters:
+
+        - "local": ``-s_S(x)``, the relative residual of ``phi(x)`` outside the span of
+          its ``n_neighbors`` best-aligned training features ``S`` (largest cosine
+          ``K_hat(x, x_i)``), ``s_S(x)^2 = 1 - k_S(x)^T (Theta_SS + lam I)^{{-1}}
+          k_S(x) / Theta(x, x)``; in [-1, 0].
+        - "residual": the same outside the span of all training features, ``k(x) =
+          Theta(X_span, x)`` over the pivots of the factorisation (see Notes): 0 inside
+          the span, -1 orthogonal to it.
+        - "alignment": ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and a
+          training feature; in [-1, 1].
+
+        "local" interpolates between the other two: with ``n_neighbors=1`` its residual
+        is ``sqrt(1 - a^2)`` for the best cosine ``a``, with ``n_neighbors >= N`` it is
+        "residual". It is the default because it led on every near-OOD split measured
+        (held-out digit classes and letters that look like digits; see the user guide),
+        where a high-dimensional global span also contains new classes; "residual" is
+        better on smooth low-dimensional tabular data, and is the one ``rank_`` and
+        ``pivots_`` describe.
+    n_neighbors : int, default=20
+        Training features whose span scores a query with ``method="local"`` (at most
+        N; N - 1 for the leave-one-out scores). 20, as
+        :class:`~sklearn.neighbors.LocalOutlierFactor`: fewer track the nearest feature
+        (closer to "alignment"), more the global span.
     rtol : float, default=1e-6
         Rank tolerance, relative to singular values: a direction counts when its singular
         value exceeds ``rtol`` times the largest, i.e. its Gram eigenvalue exceeds
@@ -263,22 +163,31 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         factorisation keeps pivots until every training feature is within
         ``sqrt(lam) = rtol * max_i ||phi(x_i)||`` of their span. Grams are computed in
         float64 (see Notes), so one default serves float32 and float64 networks; below
-        ~1e-7 the tolerance reaches float64's round-off on Gram eigenvalues.
+        ~1e-7 the tolerance reaches float64's round-off on Gram eigenvalues. Scores
+        barely move between 1e-6 and 1e-2 (measured in the user guide); above, the
+        jitter hides the small new directions of an extrapolating ReLU unit.
     contamination : "auto" or float in (0, 0.5], default="auto"
-        Sets ``offset_`` (IsolationForest's convention). "auto": a fixed offset, -0.5 for
-        "residual" (an outlier has more than half of ``||phi(x)||`` outside the training
-        span) and ``sqrt(3)/2`` for "alignment" (the same statement for the best-aligned
-        training feature alone). A float: the ``contamination`` quantile of the
-        *leave-one-out* training scores (each training point scored against the span of
-        all the others), the false-positive rate this offset gives on new data from the
-        training distribution. In-sample training scores are not used: every training
-        feature lies in its own span, so they are ~0 (as ``LocalOutlierFactor`` with
+        Sets ``offset_`` (IsolationForest's convention) from the *leave-one-out*
+        training scores: each training point scored against the others, the scores new
+        data from the training distribution gets. "local" and "alignment" score an
+        evenly spaced subset of at most 2000 training points; "residual" all of them,
+        exactly, when the budget holds a second ``N x r`` array beside the factor, and
+        otherwise the same subset against the pivots' span (within the tolerance of the
+        exact value; an upper bound for the pivots themselves). "auto": Tukey's fence
+        ``Q1 - 1.5 IQR`` of those
+        scores, but never a point with less than 1% of ``||phi(x)||`` outside the span
+        (``offset_ <= -0.01``; ``sqrt(1 - 0.01**2)`` for "alignment"): that floor decides
+        when the training features span each other exactly and their leave-one-out
+        residuals are round-off. A float: the ``contamination`` quantile of those
+        scores, the false-positive rate the offset gives on new data from the training
+        distribution. In-sample training scores are not used: every training feature
+        lies in its own span, so they are ~0 (as ``LocalOutlierFactor`` with
         ``novelty=True``, predicting on the training set is not meaningful).
     max_rank : int, default=None
-        Most pivots of the factorisation; None: as many as the ``N x r`` float64 factor
-        allows in half of ``memory_budget`` (and at most N). When it is reached before
-        the tolerance, a warning says so and the span is that of the ``r`` most
-        independent training features.
+        Most pivots of the factorisation ("residual" and "alignment"); None: as many as
+        the ``N x r`` float64 factor allows in half of ``memory_budget`` (and at most N).
+        When it is reached before the tolerance, a warning says so and the span is that
+        of the ``r`` most independent training features.
     n_jobs : int, default=None
         Number of joblib workers for scoring (``score_samples``, ``decision_function``,
         ``predict``): the queries are split into one row block per worker and scored
@@ -299,10 +208,11 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     lambda_ : float
         The jitter ``lam``.
     rank_ : int
-        Rank ``r`` of the factorisation: the number of pivots.
+        Rank ``r`` of the factorisation: the number of pivots. Only with
+        ``method="residual"`` or ``"alignment"`` ("local" factorises nothing).
     pivots_ : ndarray of shape (`rank_`,)
         Indices into ``X_fit_`` of the pivots, whose features span the others to within
-        the tolerance, in the order they were chosen.{fitted}
+        the tolerance, in the order they were chosen. As ``rank_``.{fitted}
     See Also
     --------
     sklearn.ensemble.IsolationForest : The offset convention followed here.
@@ -310,18 +220,39 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
     Notes
     -----
-    **Factorisation.** ``Theta = Theta(X_fit_, X_fit_)`` is never formed (at N = 20000 it
-    would take 3.2 GB). A greedy block pivoted Cholesky (Nystrom with adaptively chosen
-    landmarks) computes ``Theta[:, B]`` for blocks ``B`` of the 256 points with the largest
-    residual diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``.
-    The score uses ``Theta_LL`` (r x r, Cholesky of ``Theta_LL + lam I``) and
+    ``Theta = Theta(X_fit_, X_fit_)`` is never formed (at N = 20000 it would take
+    3.2 GB).
+
+    **Local spans** ("local", "alignment"). A query's row ``Theta(x, X_fit_)`` (row
+    blocks in half of ``memory_budget``) gives its best-aligned training features; the
+    Gram of those neighbours comes from the Gram of the union of the neighbours of a
+    group of queries (at most 16 ``n_neighbors`` points), or from the whole training
+    Gram, computed once, when that is cheaper and fits in a quarter of the budget.
+    Cost: ``O(n N)`` kernel entries for ``n`` queries, memory ``O(b N)`` for row blocks
+    of ``b`` queries, and the same again for the leave-one-out scores of ``fit``.
+    Measured on 2 loaded CPU cores (64-unit tanh network, 1 GiB budget): N = 20000 fits
+    in 52 s with a peak of 0.70 GiB above the start of fit, and scores 1857 queries in
+    62 s (benchmarks/results_ood.md).
+
+    **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
+    block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes
+    ``Theta[:, B]`` for blocks ``B`` of the 256 points with the largest residual
+    diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``. The score
+    uses ``Theta_LL`` (r x r, Cholesky of ``Theta_LL + lam I``) and
     ``k(x) = Theta(X_L, x)``: identical to the formula above with all N points when
     ``r = N`` (full numerical rank), and otherwise the span of features that contains
     every training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
     ``O(N r sum_l (d_in + C d_out) + N r b)``, memory ``O(N r)``; scoring ``O(n r)``.
-    Measured on 2 CPU cores (64-64-10 tanh network, 1 GiB budget): N = 2000, r = 2000 in
-    0.7 s; N = 5000, r = 4225 in 4 s; N = 20000 stops at max_rank = 3355 in 9 s, its peak
-    0.8 GiB above the start of fit (benchmarks/results_ood.md).
+    At N = 20000 the same network's span needs 4226 pivots; the 1 GiB budget holds
+    3355, and the truncated span's AUROCs are within +0.007 / +0.009 of the exact one's
+    (not lower) on the benchmark's splits.
+
+    **Multi-output networks.** Every Gram is the trace kernel: the span of
+    ``vec J(x) / sqrt(C)``, in which a point is inside when its whole Jacobian is one
+    combination of the training ones. The span of the ``N C`` per-output rows
+    ``J_c(x_i)`` is larger; measured on three digits networks it separates 0.01-0.02
+    AUROC worse with the global span and equally with local spans, at ``C**2`` times the
+    cost, so it is not used.
 
     **Precision.** Grams come from a float64 copy of the network (same parameter values)
     on its device: float32 rounding would put noise eigenvalues at ~1e-7 of the largest,
@@ -336,8 +267,11 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     >>> det = OODRankDetector(hidden_layer_sizes=(8,), max_iter=20, random_state=0).fit(X)
     >>> det.predict(X[:3]).tolist()
     [1, 1, 1]
-    >>> det.score_samples(X[:3]).shape, det.rank_ <= 40
+    >>> det.score_samples(X[:3]).shape, bool(det.offset_ <= -0.01)
     ((3,), True)
+    >>> glob = OODRankDetector(estimator=det.estimator_, method="residual").fit(X)
+    >>> glob.rank_ <= 40
+    True
     """
 
     _parameter_constraints = {
@@ -345,7 +279,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         "loss": [StrOptions({"auto", "squared_error", "log_loss"})],
         "estimator": [HasMethods(["fit"]), None],
         "task": [StrOptions({"auto", "regression", "classification"})],
-        "method": [StrOptions({"residual", "alignment"})],
+        "method": [StrOptions({"local", "residual", "alignment"})],
+        "n_neighbors": [Interval(numbers.Integral, 1, None, closed="left")],
         "rtol": [Interval(numbers.Real, 0, 1, closed="neither")],
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
         "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
@@ -385,7 +320,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         verbose=0,
         estimator=None,
         task="auto",
-        method="residual",
+        method="local",
+        n_neighbors=20,
         rtol=1e-6,
         contamination="auto",
         max_rank=None,
@@ -407,6 +343,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         self.estimator = estimator
         self.task = task
         self.method = method
+        self.n_neighbors = n_neighbors
         self.rtol = rtol
         self.contamination = contamination
         self.max_rank = max_rank
@@ -468,7 +405,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
     @keep_previous_fit_on_error
     def fit(self, X, y=None):
-        """Train the network (unless prefitted) and factorise the span of phi(X).
+        """Train the network (unless prefitted) and set up the span of phi(X).
+
+        Computes the training features' norms, the factorisation of their span
+        ("residual", "alignment") and the leave-one-out scores that set ``offset_``.
 
         Parameters
         ----------
@@ -490,87 +430,60 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             X = est.X_fit_
         else:
             X, est, task = self._prefitted(X)
-        gram = _Gram64(est)
+        gram = NetworkGram(est)
         n = X.shape[0]
-        # A pass of the factorisation holds Gram columns (N values each, with their
-        # temporaries) against all N points; refuse before any Gram when one does not fit.
-        block = min(_BLOCK, gram.rows_per_block(n, f"fit ({n} training points)"))
-        Xt = gram.tensor(X)
-        diag = gram.diag(Xt).to(torch.float64)
-        lam = float(self.rtol) ** 2 * float(diag.max())
-        max_rank = self.max_rank
-        if max_rank is None:
-            max_rank = max(1, gram.budget // (2 * 8 * n))
-        max_rank = min(int(max_rank), n)
-        if float(diag.max()) > 0:
-            G, pivots = _pivoted_cholesky(lambda idx: gram.gram(Xt, Xt[idx]), diag,
-                                          max(lam, 0.0), max_rank, block=block)
-        else:  # every feature is zero (a dead network): the span is {0}
-            G, pivots = diag.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
-        if len(pivots) == max_rank < n and float((diag - _row_norms2(G)).max()) > lam:
-            warnings.warn(
-                f"The factorisation of the training span stopped at max_rank={max_rank} "
-                "pivots before reaching the rank tolerance; residuals are relative to the "
-                "span of those pivots. Raise max_rank or memory_budget, or rtol.",
-                UserWarning, stacklevel=2,
-            )
-        X_span = X[to_numpy(pivots)]
-        loo = None
-        if self.contamination != "auto" and self.method == "residual":
-            loo = -to_numpy(_loo_relative_residuals(G, diag, max(lam, 1e-300)))
-        # The N x r factor is half the budget: freed before the r x r Gram of the span.
-        del G
-        chol = None
-        if len(pivots):
-            W = gram.gram(gram.tensor(X_span)).to(torch.float64)
-            W.diagonal().add_(lam)
-            chol = to_numpy(torch.linalg.cholesky(W))
-            del W
-        state = dict(estimator_=est, task_=task, lambda_=lam, rank_=int(len(pivots)),
-                     pivots_=to_numpy(pivots).astype(np.intp), X_fit_=X, _X_span=X_span,
-                     _chol=chol, _train_diag=to_numpy(diag))
-        state.update({name: getattr(est, name) for name in _MIRRORED})
-        if self.contamination == "auto":
-            offset = _AUTO_OFFSET[self.method]
+        # Every method holds blocks of Gram rows (N values each, with their temporaries)
+        # against all N points; refuse before any Gram when one does not fit.
+        block = min(BLOCK, gram.rows_per_block(n, f"fit ({n} training points)"))
+        diag = to_numpy(gram.diag(gram.tensor(X)).to(torch.float64))
+        lam = TangentSpan.jitter(diag, self.rtol)
+        state = dict(estimator_=est, task_=task, lambda_=lam, X_fit_=X, _train_diag=diag)
+        if self.method == "local":
+            span = TangentSpan(X, diag, lam)
         else:
-            if loo is None:
-                loo = self._alignment(gram, X, X, to_numpy(diag), exclude_self=True)
-            offset = float(np.percentile(loo, 100.0 * self.contamination))
+            max_rank = self.max_rank
+            if max_rank is None:
+                max_rank = max(1, gram.budget // (2 * 8 * n))
+            max_rank = min(int(max_rank), n)
+            span, pivots, complete, loo = TangentSpan.factorize(
+                gram, X, diag, lam, max_rank, block=block, loo=self.method == "residual")
+            if not complete:
+                warnings.warn(
+                    f"The factorisation of the training span stopped at max_rank={max_rank} "
+                    "pivots before reaching the rank tolerance; residuals are relative to "
+                    "the span of those pivots. Raise max_rank or memory_budget, or rtol; "
+                    "method='local' needs no factorisation.",
+                    UserWarning, stacklevel=2,
+                )
+            state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
+                         _X_span=span.X_span, _chol=span.chol)
+        if self.method == "residual" and loo is not None:
+            scores = -loo
+        elif self.method == "residual":
+            # The exact pass would hold a second N x r array: the pivots' bound instead.
+            sub = _loo_subset(n)
+            scores = -span.pivot_loo_residuals(gram, sub, pivots)
+        else:
+            # Each training point of an evenly spaced subset scored against all the others.
+            sub = _loo_subset(n)
+            scores = _scores(self.method, self.n_neighbors, span, gram, X[sub], exclude=sub)
+        if self.contamination == "auto":
+            offset = _auto_offset(scores, self.method)
+        else:
+            offset = float(np.percentile(scores, 100.0 * self.contamination))
         state["offset_"] = offset
+        state.update({name: getattr(est, name) for name in _MIRRORED})
+        if self.method == "local":  # a previous fit's factorisation describes nothing now
+            for name in ("rank_", "pivots_", "_X_span", "_chol"):
+                self.__dict__.pop(name, None)
         for name, value in state.items():
             setattr(self, name, value)
         return self
 
     # ------------------------------------------------------------------ scores
-    def _relative_residuals(self, gram, X) -> np.ndarray:
-        Xt = gram.tensor(X)
-        diag = gram.diag(Xt).to(torch.float64)
-        if self.rank_ == 0:
-            return to_numpy(_relative(diag, diag))
-        span = gram.tensor(self._X_span)
-        chol = torch.as_tensor(self._chol, device=gram.device)
-        explained = torch.empty_like(diag)
-        step = gram.rows_per_block(self.rank_, "score_samples")
-        for start in range(0, X.shape[0], step):
-            K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
-            q = torch.linalg.solve_triangular(chol, K, upper=False)
-            explained[start : start + step] = (q * q).sum(0)
-        return to_numpy(_relative(diag - explained, diag))
-
-    def _alignment(self, gram, X, X_ref, ref_diag, *, exclude_self=False) -> np.ndarray:
-        Xt, Rt = gram.tensor(X), gram.tensor(X_ref)
-        dx = to_numpy(gram.diag(Xt).to(torch.float64))
-        dr = np.asarray(ref_diag)
-        out = np.empty(X.shape[0])
-        step = gram.rows_per_block(X_ref.shape[0], "The alignment score")
-        for start in range(0, X.shape[0], step):
-            stop = min(start + step, X.shape[0])
-            K = to_numpy(gram.gram(Xt[start:stop], Rt).to(torch.float64))
-            K = _normalize_rows(K, dx[start:stop], dr)
-            if exclude_self:
-                K[np.arange(stop - start), np.arange(start, stop)] = -np.inf
-            out[start:stop] = K.max(axis=1)
-        return out
+    def _span(self) -> TangentSpan:
+        return TangentSpan(self.X_fit_, self._train_diag, self.lambda_,
+                           getattr(self, "_X_span", None), getattr(self, "_chol", None))
 
     def score_samples(self, X):
         """Normality of each sample: higher is more normal.
@@ -644,7 +557,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             ``rank_tau(J([X_fit_; X]))``.
         """
         X = self._validate_X(X)
-        gram = _Gram64(self.estimator_)
+        gram = NetworkGram(self.estimator_)
         n_train = self.X_fit_.shape[0]
         total = n_train + X.shape[0]
         nbytes = 8 * total**2
@@ -656,7 +569,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                 f"raise memory_budget to at least {4 * nbytes:,}."
             )
         K = to_numpy(gram.gram(gram.tensor(np.concatenate([self.X_fit_, X]))).to(torch.float64))
-        return _numerical_rank(K[:n_train, :n_train], self.rtol), _numerical_rank(K, self.rtol)
+        return TangentSpan.rank_gap(K, n_train, self.rtol)
 
     # ------------------------------------------------------------------ network views
     def _torch_dtype_device(self):
@@ -703,7 +616,11 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         return state
 
     def __setstate__(self, state):
-        super(BasePathKernelNetwork, self).__setstate__(dict(state))
+        state = dict(state)
+        # Pickled before n_neighbors existed: the default, which such a detector's method
+        # ("residual" or "alignment", stored with it) never reads.
+        state.setdefault("n_neighbors", 20)
+        super(BasePathKernelNetwork, self).__setstate__(state)
         est = self.__dict__.get("estimator_")
         if est is not None:
             # The same objects as the network's own, and its device after loading (the
@@ -716,18 +633,19 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         return tags
 
 
+def _scores(method, n_neighbors, span, gram, X, exclude=None):
+    """score_samples of ``X`` (higher = more normal); ``exclude``: leave-one-out."""
+    if method == "local":
+        return -span.local_residuals(gram, X, n_neighbors, exclude=exclude)
+    if method == "alignment":
+        return span.alignment(gram, X, exclude=exclude)
+    return -span.residuals(gram, X)
+
+
 def _score_rows(X, detector):
     # One joblib task: score_samples of a row block (or of all of X when serial).
-    gram = _Gram64(detector.estimator_)
-    if detector.method == "residual":
-        return -detector._relative_residuals(gram, X)
-    return detector._alignment(gram, X, detector.X_fit_, detector._train_diag)
-
-
-def _numerical_rank(K: np.ndarray, rtol: float) -> int:
-    ev = np.linalg.eigvalsh(K)
-    top = ev.max(initial=0.0)
-    return int(np.sum(ev > rtol**2 * top)) if top > 0 else 0
+    return _scores(detector.method, detector.n_neighbors, detector._span(),
+                   NetworkGram(detector.estimator_), X)
 
 
 OODRankDetector.__doc__ = OODRankDetector.__doc__.format(

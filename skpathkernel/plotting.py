@@ -28,6 +28,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._device import fitted_dtype
 from ._inputs import FEATURES, check_input, fitted_input
+from ._span import TangentSpan
 
 __all__ = [
     "KernelEvolutionDisplay",
@@ -86,17 +87,6 @@ def _kernel_label(kernel, step, normalized, n_points=None):
     if step is not None and n_points is not None:
         step = step % n_points
     return f"{hat}tangent kernel at recorded step {step}"
-
-
-def _numerical_rank_from_gram(G, rtol) -> int:
-    """Numerical rank of ``J`` from its Gram ``G = J J^T``: singular values of ``J`` above
-    ``rtol`` times the largest, with ``sigma_i = sqrt(max(eig_i(G), 0))``."""
-    G = np.asarray(G, dtype=np.float64)
-    if G.size == 0:
-        return 0
-    sigma = np.sqrt(np.clip(np.linalg.eigvalsh((G + G.T) / 2), 0.0, None))
-    top = sigma.max()
-    return 0 if top == 0 else int(np.count_nonzero(sigma > rtol * top))
 
 
 # --------------------------------------------------------------------------- kernel matrix
@@ -699,9 +689,9 @@ class RankGapDisplay:
         rank_train, rank_joint = [], []
         for k in points:
             # One Gram per step: the training block is its top-left corner.
-            G = step_kernel(estimator, X, step=int(k))
-            rank_train.append(_numerical_rank_from_gram(G[:n, :n], rtol))
-            rank_joint.append(_numerical_rank_from_gram(G, rtol))
+            train, joint = TangentSpan.rank_gap(step_kernel(estimator, X, step=int(k)), n, rtol)
+            rank_train.append(train)
+            rank_joint.append(joint)
         disp = cls(np.asarray(estimator.trajectory_.steps)[points], np.asarray(rank_train),
                    np.asarray(rank_joint), rtol=rtol)
         return disp.plot(ax=ax)

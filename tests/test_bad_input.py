@@ -271,6 +271,7 @@ BAD_PARAMS = [
     (dict(hidden_layer_sizes=(2.5,)), ALL, r"hidden_layer_sizes must contain positive integers"),
     (dict(method="x"), ("OODRankDetector",), "'method' parameter"),
     (dict(rtol=0.0), ("OODRankDetector",), "'rtol' parameter"),
+    (dict(n_neighbors=0), ("OODRankDetector",), "'n_neighbors' parameter"),
     (dict(contamination=0.9), ("OODRankDetector",), "'contamination' parameter"),
     (dict(max_rank=0), ("OODRankDetector",), "'max_rank' parameter"),
     (dict(estimator="net"), ("OODRankDetector",), "'estimator' parameter"),

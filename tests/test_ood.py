@@ -1,5 +1,6 @@
 """OODRankDetector against dense-Jacobian references (per-sample autograd + NumPy)."""
 
+import copy
 import warnings
 
 import numpy as np
@@ -10,9 +11,9 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 
-from skpathkernel import OODRankDetector, PathKernelClassifier, _ood
-from skpathkernel._ood import _pivoted_cholesky
+from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine, _ood, _span
 from skpathkernel._reproduce._fig7 import _relu_network
+from skpathkernel._span import pivoted_cholesky
 from skpathkernel.datasets import make_linear_extrapolation
 
 # The old defaults, pinned: tanh, a fixed number of epochs, raw regression targets.
@@ -45,7 +46,7 @@ def task_data(task, rng):
 def test_residual_score_matches_dense_lstsq(task):
     rng = np.random.RandomState(0)
     X, y = task_data(task, rng)
-    det = OODRankDetector(**SMALL).fit(X, y)
+    det = OODRankDetector(**SMALL, method="residual").fit(X, y)
     assert det.task_ == task
     Xq = np.vstack([rng.normal(size=(6, 5)), 3 * rng.normal(size=(4, 5))])
     ref = lstsq_residual(dense_features(det, X), dense_features(det, Xq))
@@ -86,19 +87,105 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     assert np.mean(loo < det.offset_ - 1e-9) == pytest.approx(0.25, abs=0.051)
 
 
-def test_auto_offset_decision_and_predict():
+def local_residual(Phi_train, Phi, k, exclude=None):
+    """Relative residual of each row of Phi outside the span of its k best-aligned rows of
+    Phi_train (by cosine; ``exclude[i]``: a row of Phi_train left out for row i), lstsq."""
+    cos = (Phi @ Phi_train.T) / np.outer(np.linalg.norm(Phi, axis=1),
+                                         np.linalg.norm(Phi_train, axis=1))
+    if exclude is not None:
+        cos[np.arange(len(Phi)), exclude] = -np.inf
+    out = []
+    for i, row in enumerate(cos):
+        nb = np.argsort(-row, kind="stable")[:k]
+        out.append(lstsq_residual(Phi_train[nb], Phi[i : i + 1])[0])
+    return np.array(out)
+
+
+def tukey_offset(loo, ceiling):
+    q1, q3 = np.percentile(loo, [25, 75])
+    return min(q1 - 1.5 * (q3 - q1), ceiling)
+
+
+@pytest.mark.parametrize("task", ["regression", "classification", "reconstruction"])
+@pytest.mark.parametrize("k", [1, 4, 25])
+def test_local_residual_matches_dense_lstsq_on_best_aligned_neighbours(task, k):
+    rng = np.random.RandomState(10)
+    X, y = task_data(task, rng)
+    det = OODRankDetector(**SMALL, method="local", n_neighbors=k).fit(X, y)
+    Xq = np.vstack([rng.normal(size=(6, 5)), 3 * rng.normal(size=(4, 5))])
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    ref = local_residual(P, Q, min(k, len(X)))
+    assert ref.min() > 0.05  # the check could fail: new points leave every local span
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-6)
+    if k >= len(X):  # every training point is a neighbour: the global span
+        np.testing.assert_allclose(ref, lstsq_residual(P, Q), atol=1e-10)
+    if k == 1:  # one neighbour: the sine of the angle to the best-aligned feature
+        cos = (Q @ P.T) / np.outer(np.linalg.norm(Q, axis=1), np.linalg.norm(P, axis=1))
+        np.testing.assert_allclose(ref, np.sqrt(1 - cos.max(1) ** 2), atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["local", "residual", "alignment"])
+def test_auto_offset_is_tukeys_fence_of_leave_one_out_scores(method):
     rng = np.random.RandomState(3)
     X, y = task_data("regression", rng)
-    for method, offset in [("residual", -0.5), ("alignment", np.sqrt(3) / 2)]:
-        det = OODRankDetector(**SMALL, method=method).fit(X, y)
-        assert det.offset_ == pytest.approx(offset)
-        Xq = np.vstack([X[:3], 4 * rng.normal(size=(40, 5))])
-        s, d, p = det.score_samples(Xq), det.decision_function(Xq), det.predict(Xq)
-        np.testing.assert_allclose(d, s - offset)
-        np.testing.assert_array_equal(p, np.where(d >= 0, 1, -1))
-        assert p.dtype.kind == "i" and set(np.unique(p)) == {-1, 1}
-        assert np.all(p[:3] == 1)  # training points lie in their own span
+    det = OODRankDetector(**SMALL, method=method, n_neighbors=4).fit(X, y)
+    P = dense_features(det, X)
+    rows = np.arange(len(X))
+    if method == "local":
+        loo = -local_residual(P, P, 4, exclude=rows)
+    elif method == "residual":
+        loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0] for i in rows])
+    else:
+        cos = (P @ P.T) / np.outer(np.linalg.norm(P, axis=1), np.linalg.norm(P, axis=1))
+        np.fill_diagonal(cos, -np.inf)
+        loo = cos.max(axis=1)
+    ceiling = np.sqrt(1 - 1e-4) if method == "alignment" else -0.01
+    assert np.ptp(loo) > 0.05  # a spread fence, not the floor
+    # The fence weighs two quantiles by 2.5 and 1.5: the jitter's ~1e-6 on each residual
+    # adds up to a few 1e-6 on it.
+    np.testing.assert_allclose(det.offset_, tukey_offset(loo, ceiling), atol=1e-5)
+    Xq = np.vstack([X[:3], 4 * rng.normal(size=(40, 5))])
+    s, d, p = det.score_samples(Xq), det.decision_function(Xq), det.predict(Xq)
+    np.testing.assert_allclose(d, s - det.offset_)
+    np.testing.assert_array_equal(p, np.where(d >= 0, 1, -1))
+    assert p.dtype.kind == "i" and set(np.unique(p)) == {-1, 1}
+    assert np.all(p[:3] == 1)  # training points lie in their own span
     assert not hasattr(det, "fit_predict")
+    # A refit with the local method drops the factorisation it does not compute.
+    assert hasattr(det.set_params(method="residual").fit(X, y), "rank_")
+    assert not hasattr(det.set_params(method="local").fit(X, y), "rank_")
+
+
+def test_leave_one_out_uses_an_evenly_spaced_subset_of_large_training_sets(monkeypatch):
+    rng = np.random.RandomState(11)
+    X, y = task_data("classification", rng)
+    monkeypatch.setattr(_ood, "_LOO_POINTS", 7)
+    det = OODRankDetector(**SMALL, n_neighbors=3, contamination=0.3).fit(X, y)
+    sub = np.unique(np.linspace(0, len(X) - 1, 7).round().astype(int))
+    assert len(sub) == 7
+    P = dense_features(det, X)
+    loo = -local_residual(P, P[sub], 3, exclude=sub)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 30), atol=1e-6)
+
+
+def test_default_decision_flags_the_extrapolation_beyond_a_relu_kink():
+    """The seeds' figures 7-8: a unit with its kink at the training domain's edge is never
+    active in training; beyond it the default decision flags the test points, inside the
+    domain none."""
+    X, y, _, _ = make_linear_extrapolation(n_train=50, n_test=25)
+    det = OODRankDetector(module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
+                          solver="adam", learning_rate_init=0.003, max_iter=1000,
+                          dtype="float64", random_state=0).fit(X, y)
+    # The leave-one-out residuals are round-off (each training feature is in the span of
+    # its neighbours on the same linear piece), so the floor sets the offset.
+    assert det.offset_ == -0.01
+    beyond = np.linspace(2, 4, 26)[1:, None]
+    inside = np.random.RandomState(0).uniform(0, 2, size=(100, 1))
+    P = dense_features(det, X)
+    ref = local_residual(P, dense_features(det, beyond), 20)
+    assert ref.min() > 0.05  # the reference itself: unit 6 adds a direction
+    np.testing.assert_array_equal(det.predict(beyond), -1)
+    np.testing.assert_array_equal(det.predict(inside), 1)
 
 
 @pytest.mark.parametrize("kind", ["tanh_wide", "tanh_saturated"])
@@ -137,7 +224,7 @@ def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
     results = {}
     for name, kinks in [("inside", [0.1, 0.4, 0.7, 1.0, 1.3, 1.6]),
                         ("outside", [0.1, 0.4, 0.7, 1.0, 1.3, 2.0])]:
-        det = OODRankDetector(module=_relu_network(kinks), **params).fit(X, y)
+        det = OODRankDetector(module=_relu_network(kinks), method="residual", **params).fit(X, y)
         first = det.estimator_.module_[0]
         w, b = first.weight.detach().numpy()[:, 0], first.bias.detach().numpy()
         test_loss = 0.5 * np.mean((det.estimator_.predict(Xt) - yt) ** 2)
@@ -163,7 +250,7 @@ def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
 def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
     X, y, Xt, _ = make_linear_extrapolation(n_train=50, n_test=25)
     det = OODRankDetector(module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
-                          solver="adam", learning_rate_init=0.01, max_iter=300,
+                          method="residual", solver="adam", learning_rate_init=0.01, max_iter=300,
                           dtype="float64", random_state=0).fit(X, y)
     assert det.rank_ < 20
     ref = lstsq_residual(dense_features(det, X), dense_features(det, Xt[1:]))
@@ -174,11 +261,11 @@ def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
 def test_pivoted_cholesky_recovers_a_low_rank_psd_matrix_over_several_blocks(lazy,
                                                                              monkeypatch):
     # lazy=False is the GPU's factor, grown by doubling from 2 blocks (8 columns) to 9.
-    monkeypatch.setattr(_ood, "_lazy_pages", lambda device: lazy)
+    monkeypatch.setattr(_span, "_lazy_pages", lambda device: lazy)
     rng = np.random.RandomState(5)
     F = rng.normal(size=(60, 9)) * np.logspace(0, -2, 9)
     A = torch.as_tensor(F @ F.T)
-    G, piv = _pivoted_cholesky(lambda idx: A[:, idx], A.diagonal().clone(), 1e-12 * A.max(),
+    G, piv = pivoted_cholesky(lambda idx: A[:, idx], A.diagonal().clone(), 1e-12 * A.max(),
                                max_rank=60, block=4)
     assert len(piv) == 9 and len(set(piv.tolist())) == 9
     np.testing.assert_allclose((G @ G.T).numpy(), A.numpy(), atol=1e-9)
@@ -188,7 +275,7 @@ def test_max_rank_truncation_warns():
     rng = np.random.RandomState(6)
     X, y = task_data("regression", rng)
     with pytest.warns(UserWarning, match="max_rank=5"):
-        det = OODRankDetector(**SMALL, max_rank=5).fit(X, y)
+        det = OODRankDetector(**SMALL, method="residual", max_rank=5).fit(X, y)
     assert det.rank_ == 5 and len(det.pivots_) == 5
 
 
@@ -212,7 +299,7 @@ def test_prefitted_estimator_is_not_retrained_and_survives_clone():
 def test_float32_network_scores_like_its_float64_evaluation():
     rng = np.random.RandomState(8)
     X, y = task_data("regression", rng)
-    det = OODRankDetector(**{**SMALL, "dtype": "float32"}).fit(X, y)
+    det = OODRankDetector(**{**SMALL, "dtype": "float32"}, method="residual").fit(X, y)
     Xq = rng.normal(size=(5, 5))
     module = det.estimator_.module_
     det.estimator_.module_ = module.double()  # the reference: the same weights in float64
@@ -237,3 +324,76 @@ def test_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         det.fit(X, y)  # refits cleanly
+
+
+def test_a_pickle_from_before_n_neighbors_loads_and_scores_the_same():
+    rng = np.random.RandomState(12)
+    X, y = task_data("regression", rng)
+    det = OODRankDetector(**SMALL, method="residual").fit(X, y)
+    state = det.__getstate__()
+    del state["n_neighbors"]  # what a detector pickled by an earlier release holds
+    old = OODRankDetector.__new__(OODRankDetector)
+    old.__setstate__(state)
+    assert old.get_params()["n_neighbors"] == 20
+    Xq = rng.normal(size=(4, 5))
+    np.testing.assert_array_equal(old.score_samples(Xq), det.score_samples(Xq))
+
+
+def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypatch):
+    # 20 generic features, full rank: every point is a pivot, and the pivots' bound
+    # is the exact leave-one-out residual.
+    rng = np.random.RandomState(13)
+    X, y = task_data("regression", rng)
+    net = PathKernelMachine(**SMALL).fit(X, y)
+    big = OODRankDetector(estimator=net, method="residual", contamination=0.25).fit(X)
+    # Room for the 20 x 20 factor, not for the QR's second array beside it (12,800
+    # bytes); the budget is set on a copy, below the 1 MiB that validation allows.
+    small_net = copy.copy(net)
+    small_net.memory_budget = 10_000
+    with monkeypatch.context() as m:
+        m.setattr(_span, "loo_relative_residuals", None)  # the QR pass must not run
+        small = OODRankDetector(estimator=small_net, method="residual",
+                                contamination=0.25).fit(X)
+    assert small.rank_ == big.rank_ == 20
+    P = dense_features(big, X)
+    loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
+                    for i in range(len(X))])
+    np.testing.assert_allclose(small.offset_, np.percentile(loo, 25), atol=1e-6)
+    np.testing.assert_allclose(small.offset_, big.offset_, atol=1e-6)
+
+
+def _token_net(n_features_in, n_outputs):
+    return torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * n_features_in, n_outputs))
+
+
+def _sequence_net(n_features_in, n_outputs):
+    # A Linear on (n, 4, 3), shared over the 4 positions.
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(20, n_outputs))
+
+
+@pytest.mark.parametrize("kind", ["tokens", "sequences"])
+@pytest.mark.parametrize("method", ["local", "residual"])
+def test_token_ids_and_sequences_score_like_the_dense_reference(kind, method):
+    """With ``module=``, X of shape (n, ...): token ids reach the embedding as integers,
+    sequences keep their axes, and the scores are the dense residuals of their features."""
+    rng = np.random.RandomState(14)
+    if kind == "tokens":
+        # Token 5 never occurs in training: its embedding row is a direction no training
+        # feature has (the features are sums over positions, so the others' are spanned).
+        X, Xq, module = rng.randint(0, 5, size=(24, 3)), rng.randint(0, 6, size=(8, 3)), _token_net
+        Xq[::2, 0] = 5
+    else:
+        X, Xq, module = rng.normal(size=(24, 4, 3)), 2 * rng.normal(size=(8, 4, 3)), _sequence_net
+    y = np.arange(24) % 2
+    params = {k: v for k, v in SMALL.items() if k not in ("hidden_layer_sizes", "normalize_y")}
+    det = OODRankDetector(module=module, **params, method=method, n_neighbors=4).fit(X, y)
+    assert det.input_shape_ == X.shape[1:]
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    ref = local_residual(P, Q, 4) if method == "local" else lstsq_residual(P, Q)
+    assert ref.max() > 0.05  # the check could fail: some queries leave the span
+    # Queries inside the span score O(rtol) = 1e-6, not 0: the jitter lam (rtol=1e-6).
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="features|shape"):  # another trailing shape
+        det.score_samples(Xq[:, :2])

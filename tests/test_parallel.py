@@ -86,7 +86,7 @@ def test_n_jobs_is_not_a_hyperparameter(fitted):
     assert_allclose(gp.predict(X), ref.predict(X), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("method", ["residual", "alignment"])
+@pytest.mark.parametrize("method", ["residual", "alignment", "local"])
 def test_detector_scores_in_row_blocks_equal_serial(method):
     X, _ = _data(n=30)
     Q, _ = _data(n=11, seed=2)

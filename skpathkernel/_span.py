@@ -1,0 +1,424 @@
+"""The span of a network's tangent features, from tangent-kernel Gram matrices alone.
+
+A point's tangent feature ``phi(x) = d f(x; theta) / d theta`` lies in the span of the
+training features when the network's behaviour at ``x`` is determined by what training
+moved (Domingos' kernel-machine view; the rank gap of the extrapolation-failure figures).
+Everything here works from Grams ``Theta(x, x') = <phi(x), phi(x')>`` (trace over the
+outputs, the kernel of ``vec J(x) / sqrt(C)``), never from the Jacobian:
+
+* :func:`numerical_rank`: the numerical rank of stacked features from their Gram, and
+  :meth:`TangentSpan.rank_gap`, those of training and training + query features;
+* :func:`pivoted_cholesky`: a greedy block pivoted Cholesky ``Theta ~= G G^T`` that keeps
+  the training points whose features span all the others to within a tolerance (the
+  ``N x N`` Gram is never held: columns are computed a block at a time);
+* :class:`TangentSpan`: the training span of a fitted network and the relative residual
+  of a query's feature outside it, outside the span of its best-aligned training features
+  only (a local span), or its best cosine with one of them; each also leave-one-out, for
+  training points scored against the others.
+
+Used by :class:`~skpathkernel.OODRankDetector` and
+:class:`~skpathkernel.plotting.RankGapDisplay`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+
+from ._device import to_input_tensor, to_numpy
+from ._memory import rows_per_block
+from ._tangent import tangent_gram, tangent_gram_diag
+
+__all__ = ["NetworkGram", "TangentSpan", "numerical_rank", "pivoted_cholesky"]
+
+BLOCK = 256  # pivots per Gram pass of the pivoted Cholesky
+# A group of queries shares the Gram of the union of its neighbours, at most this many
+# times n_neighbors points: large enough that a call's fixed cost (~10 ms: a capture of
+# the network) is shared by many queries when their neighbours overlap, small enough that
+# queries with disjoint neighbours do not pay for a large union Gram (measured at
+# N = 20000: 8 and 32 were slower than 16).
+UNION_NEIGHBOURS = 16
+
+
+def numerical_rank(gram, rtol: float) -> int:
+    """Numerical rank of ``J`` from its Gram ``G = J J^T``.
+
+    Counts the singular values of ``J`` above ``rtol`` times the largest, with
+    ``sigma_i = sqrt(max(eig_i(G), 0))`` (the Gram symmetrised first, so that its
+    round-off cannot make eigenvalues complex).
+    """
+    G = np.asarray(gram, dtype=np.float64)
+    if G.size == 0:
+        return 0
+    sigma = np.sqrt(np.clip(np.linalg.eigvalsh((G + G.T) / 2), 0.0, None))
+    top = sigma.max()
+    return 0 if top == 0 else int(np.count_nonzero(sigma > rtol * top))
+
+
+class NetworkGram:
+    """Tangent-kernel Grams (trace over outputs) of a fitted network, in float64.
+
+    A float64 copy of the network at its final recorded parameters: the rank tolerance
+    speaks of singular values down to ``rtol`` times the largest, below what a float32
+    Gram resolves (its eigenvalues carry errors of ~1e-7 of the largest), so spans are
+    computed in float64 whatever the training dtype.
+    """
+
+    def __init__(self, estimator):
+        self.device = torch.device(estimator.device_)
+        self.module = copy.deepcopy(estimator.module_).to(dtype=torch.float64)
+        traj = estimator.trajectory_
+        flat = traj.parameters(-1).to(device=self.device, dtype=torch.float64)
+        self.params = dict(traj.unflatten(flat))
+        self.budget = int(estimator.memory_budget)
+
+    def tensor(self, X) -> torch.Tensor:
+        # Token ids stay int64; float inputs follow the float64 copy of the network.
+        return to_input_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
+
+    def gram(self, X, Y=None) -> torch.Tensor:
+        return tangent_gram(self.module, self.params, X, Y, memory_budget=self.budget)
+
+    def diag(self, X) -> torch.Tensor:
+        return tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)
+
+    def rows_per_block(self, n_cols: int, what: str) -> int:
+        """Rows of a block of Gram rows against ``n_cols`` columns, with temporaries."""
+        return rows_per_block(self.budget, 4 * 8 * max(n_cols, 1), what)
+
+
+def _lazy_pages(device: torch.device) -> bool:
+    """Whether an untouched allocation costs no resident memory (the CPU's virtual memory)."""
+    return device.type == "cpu"
+
+
+def pivoted_cholesky(column, diag, tol, max_rank, block=BLOCK):
+    """Greedy block pivoted Cholesky ``Theta ~= G G^T`` of a PSD matrix given by columns.
+
+    ``column(idx)`` returns ``Theta[:, idx]`` (N x b). Each pass computes the columns of the
+    ``b`` points with the largest residual diagonal, pivots among them on their own
+    ``b x b`` residual block (largest remaining residual first, skipping those the earlier
+    ones already explain), then forms the new factor columns by one triangular solve.
+    Stops when every residual diagonal ``||phi_i - P_L phi_i||^2`` is at most ``tol`` or at
+    ``max_rank`` pivots. Returns the factor ``G`` (N x r) and the pivots (r,).
+    """
+    n = diag.shape[0]
+    res = diag.clone()
+    # G is held transposed, (max_rank, N) row-major and never zeroed: on a CPU its memory
+    # is only faulted in as pivots fill its rows, so resident memory follows the rank
+    # reached, with no growth copy (a column of a row-major (N, max_rank) G would touch
+    # every page). A GPU allocates eagerly: there it grows by doubling.
+    capacity = max_rank if _lazy_pages(diag.device) else min(max_rank, 2 * block)
+    G = diag.new_empty((capacity, n)).T
+    pivots: list[int] = []
+    k = 0
+    while k < max_rank:
+        masked = res.clone()
+        if pivots:
+            masked[pivots] = -math.inf
+        vals, cand = torch.topk(masked, min(block, max_rank - k, n - k))
+        cand = cand[vals > tol]
+        if cand.numel() == 0:
+            break
+        C = column(cand)
+        if k:
+            C -= G[:, :k] @ G[cand, :k].T
+        # Pivot inside the block on its b x b residual S only (cheap rank-one updates),
+        # then form the new factor columns for all N rows at once (BLAS-3):
+        # G_new = C[:, J] L^{-T} with S[J, J] = L L^T.
+        S = C[cand].clone()
+        order: list[int] = []
+        L_cols = []
+        local = S.diagonal().clone()
+        done = torch.zeros(len(cand), dtype=torch.bool, device=diag.device)
+        while k + len(order) < max_rank:
+            j = int(torch.argmax(torch.where(done, -math.inf, local)))
+            if done[j] or local[j] <= tol:
+                break
+            col = S[:, j] / torch.sqrt(local[j])
+            S -= torch.outer(col, col)
+            local = S.diagonal().clone()
+            done[j] = True
+            order.append(j)
+            L_cols.append(col)
+        if not order:
+            break
+        J = torch.as_tensor(order, device=diag.device)
+        L = torch.stack(L_cols, dim=1)[J]  # lower triangular in pivot order
+        new = torch.linalg.solve_triangular(L, C[:, J].T, upper=False).T
+        m = len(order)
+        if k + m > G.shape[1]:
+            grown = diag.new_empty((min(max_rank, max(2 * G.shape[1], k + m)), n))
+            grown[:k] = G[:, :k].T
+            G = grown.T
+        G[:, k : k + m] = new
+        k += m
+        pivots.extend(int(cand[j]) for j in order)
+        res -= (new * new).sum(1)
+        res.clamp_(min=0.0)
+    return G[:, :k], torch.as_tensor(pivots, dtype=torch.long)
+
+
+def loo_relative_residuals(G, diag, lam):
+    """Leave-one-out relative residuals of the training features, from ``Theta ~= G G^T``.
+
+    The posterior variance of point ``i`` given all the others under ``G G^T + lam I`` is
+    ``1 / [(G G^T + lam I)^{-1}]_ii - lam``. With the thin QR ``G = Q R`` and
+    ``R R^T = V S V^T``, ``U = Q V`` is orthonormal to machine precision and
+    ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 - ||U_i||^2) / lam``.
+    """
+    if G.shape[1] == 0:
+        return torch.ones_like(diag)
+    Q, R = torch.linalg.qr(G)
+    S, V = torch.linalg.eigh(R @ R.T)
+    weight = 1.0 / (S.clamp(min=0) + lam)
+    inv_diag = torch.empty_like(diag)
+    # Row blocks: U = Q V and the squares are N x r each, as large as G itself.
+    step = max(1, 2**22 // max(G.shape[1], 1))
+    for start in range(0, G.shape[0], step):
+        Qb = Q[start : start + step]
+        U = Qb @ V
+        inv_diag[start : start + step] = ((U * U * weight).sum(1)
+                                          + (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam)
+    var = (1.0 / inv_diag - lam).clamp(min=0)
+    return _relative(var, diag)
+
+
+def row_norms2(G):
+    # Not (G * G).sum(1): that is an N x r temporary, the size of G itself.
+    return torch.linalg.vector_norm(G, dim=1).square()
+
+
+def _relative(var, diag):
+    # A zero tangent feature lies in every span: its relative residual is 0.
+    safe = torch.where(diag > 0, diag, torch.ones_like(diag))
+    return torch.where(diag > 0, (var / safe).clamp(0, 1), torch.zeros_like(var)).sqrt()
+
+
+def _explained(A, b):
+    """``b_i^T A_i^{-1} b_i`` for a batch of SPD systems ``A`` (g, k, k) and ``b`` (g, k).
+
+    Cholesky first; a system it rejects (a jitter below the Gram's round-off, for a tiny
+    ``rtol``) falls back to the pseudo-inverse, which drops the directions round-off
+    cannot resolve.
+    """
+    L, info = torch.linalg.cholesky_ex(A)
+    q = torch.linalg.solve_triangular(L, b.unsqueeze(2), upper=False)
+    out = q.square().sum((1, 2))
+    bad = info > 0
+    if bool(bad.any()):
+        pinv = torch.linalg.pinv(A[bad], hermitian=True)
+        out[bad] = torch.einsum("gi,gij,gj->g", b[bad], pinv, b[bad])
+    return out
+
+
+def _cosines(K, dx, dy):
+    # A zero feature has no direction: its cosines are 0.
+    scale = torch.sqrt(torch.outer(dx, dy))
+    return torch.where(scale > 0, K / torch.where(scale > 0, scale, 1.0), 0.0)
+
+
+class TangentSpan:
+    """The span of the tangent features of training points ``X``, and residuals outside it.
+
+    Holds NumPy arrays only (the detector pickles them); every method takes the
+    :class:`NetworkGram` of the network, built where it runs.
+
+    Parameters
+    ----------
+    X : ndarray of shape (N, n_features) or (N, ...)
+        The training points, in the form the network takes.
+    diag : ndarray of shape (N,)
+        ``Theta(x_i, x_i)``.
+    lam : float
+        The jitter added to every Gram of training features before it is factorised.
+    X_span, chol : ndarray, default=None
+        The pivots' inputs and the Cholesky factor of their Gram plus ``lam I`` (from
+        :meth:`factorize`): the global span, used by :meth:`residuals`.
+    """
+
+    def __init__(self, X, diag, lam, X_span=None, chol=None):
+        self.X = X
+        self.diag = np.asarray(diag, dtype=np.float64)
+        self.lam = float(lam)
+        self.X_span = X_span
+        self.chol = chol
+
+    @staticmethod
+    def rank_gap(gram, n_train: int, rtol: float) -> tuple[int, int]:
+        """Numerical ranks of the first ``n_train`` features and of all of them, from the
+        Gram of training and query points stacked (:func:`numerical_rank` of each)."""
+        G = np.asarray(gram, dtype=np.float64)
+        return numerical_rank(G[:n_train, :n_train], rtol), numerical_rank(G, rtol)
+
+    @classmethod
+    def jitter(cls, diag, rtol) -> float:
+        """``lam = rtol**2 * max_i Theta(x_i, x_i)``: directions whose singular value is
+        below ``rtol`` times the largest feature norm count as inside the span."""
+        return float(rtol) ** 2 * float(np.max(diag, initial=0.0))
+
+    @classmethod
+    def factorize(cls, gram: NetworkGram, X, diag, lam, max_rank, *, block=BLOCK,
+                  loo=False):
+        """Pivoted Cholesky of the training Gram: the span, and leave-one-out residuals.
+
+        Returns ``(span, pivots, complete, loo)``: ``complete`` says whether the pivots
+        reach the tolerance ``lam`` (False: stopped at ``max_rank``), ``loo`` the
+        leave-one-out relative residuals of all N points, exact, from a thin QR of the
+        factor (None unless asked, or when that QR's second ``N x r`` array would not fit
+        in the budget beside the factor: then see :meth:`pivot_loo_residuals`).
+        """
+        Xt = gram.tensor(X)
+        diag_t = torch.as_tensor(diag, device=gram.device)
+        n = X.shape[0]
+        if float(diag_t.max()) > 0:
+            G, pivots = pivoted_cholesky(lambda idx: gram.gram(Xt, Xt[idx]), diag_t,
+                                         max(lam, 0.0), max_rank, block=block)
+        else:  # every feature is zero (a dead network): the span is {0}
+            G, pivots = diag_t.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
+        complete = not (len(pivots) == max_rank < n
+                        and float((diag_t - row_norms2(G)).max()) > lam)
+        residuals = None
+        r = G.shape[1]
+        if loo and 8 * (2 * n * r + 2 * r * r) <= gram.budget:
+            residuals = to_numpy(loo_relative_residuals(G, diag_t, max(lam, 1e-300)))
+        # The N x r factor can be half the budget: freed before the r x r Gram of the span.
+        del G
+        X_span, chol = X[to_numpy(pivots)], None
+        if len(pivots):
+            W = gram.gram(gram.tensor(X_span)).to(torch.float64)
+            W.diagonal().add_(lam)
+            chol = to_numpy(torch.linalg.cholesky(W))
+            del W
+        return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals
+
+    def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots) -> np.ndarray:
+        """Leave-one-out relative residuals of training points ``idx`` from the pivots.
+
+        Without the ``N x r`` factor: a point that is not a pivot is scored against the
+        span of the pivots (which holds every training feature to within the tolerance,
+        so the others' span to within it too); a pivot against the other pivots,
+        ``1 / [(Theta_LL + lam I)^{-1}]_jj - lam``, an upper bound of its residual
+        against all the others (exact when every point is a pivot).
+        """
+        idx = np.asarray(idx)
+        position = {int(p): j for j, p in enumerate(pivots)}
+        mask = np.array([int(i) in position for i in idx], dtype=bool)
+        out = np.empty(len(idx))
+        if (~mask).any():
+            out[~mask] = self.residuals(gram, self.X[idx[~mask]])
+        if mask.any():
+            chol = torch.as_tensor(self.chol)
+            inv_diag = torch.cholesky_inverse(chol).diagonal()
+            j = torch.as_tensor([position[int(i)] for i in idx[mask]])
+            var = (1.0 / inv_diag[j] - self.lam).clamp(min=0)
+            out[mask] = to_numpy(_relative(var, torch.as_tensor(self.diag[idx[mask]])))
+        return out
+
+    # ------------------------------------------------------------------ global span
+    def residuals(self, gram: NetworkGram, X) -> np.ndarray:
+        """Relative residual of each ``phi(x)`` outside the (factorised) training span:
+        ``sqrt(1 - k(x)^T (Theta_LL + lam I)^{-1} k(x) / Theta(x, x))``."""
+        Xt = gram.tensor(X)
+        diag = gram.diag(Xt).to(torch.float64)
+        if self.chol is None:
+            return to_numpy(_relative(diag, diag))
+        span = gram.tensor(self.X_span)
+        chol = torch.as_tensor(self.chol, device=gram.device)
+        explained = torch.empty_like(diag)
+        step = gram.rows_per_block(len(self.X_span), "score_samples")
+        for start in range(0, X.shape[0], step):
+            K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
+            q = torch.linalg.solve_triangular(chol, K, upper=False)
+            explained[start : start + step] = (q * q).sum(0)
+        return to_numpy(_relative(diag - explained, diag))
+
+    # ------------------------------------------------------------------ neighbours
+    def _neighbours(self, gram, X, n_neighbors, exclude, what):
+        """Best-aligned training features of each query: indices, Gram values, cosines.
+
+        Row blocks of ``Theta(X, X_train)``; ``exclude[i]`` (a training index) is left
+        out of row ``i``'s candidates (leave-one-out). Returns ``idx`` (n, k), ``kvals``
+        (n, k), ``best`` (n,) cosine of the best-aligned one and ``dq`` (n,).
+        """
+        Xt, Rt = gram.tensor(X), gram.tensor(self.X)
+        dq = gram.diag(Xt).to(torch.float64)
+        dr = torch.as_tensor(self.diag, device=gram.device)
+        n, N = X.shape[0], self.X.shape[0]
+        k = max(1, min(n_neighbors, N - (exclude is not None)))
+        idx = torch.empty((n, k), dtype=torch.long, device=gram.device)
+        kvals = torch.empty((n, k), dtype=torch.float64, device=gram.device)
+        best = torch.empty(n, dtype=torch.float64, device=gram.device)
+        # A block of rows (K, its cosines, topk's copy and a temporary) in half of the
+        # budget: the engine's own blocks (captures, products) come on top of its output.
+        step = rows_per_block(gram.budget // 2, 4 * 8 * N, what)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            K = gram.gram(Xt[start:stop], Rt).to(torch.float64)
+            cos = _cosines(K, dq[start:stop], dr)
+            if exclude is not None:
+                rows = torch.arange(stop - start, device=gram.device)
+                cos[rows, torch.as_tensor(exclude[start:stop], device=gram.device)] = -math.inf
+            top, nb = torch.topk(cos, k, dim=1)
+            idx[start:stop], best[start:stop] = nb, top[:, 0]
+            kvals[start:stop] = K.gather(1, nb)
+        return idx, kvals, best, dq
+
+    def alignment(self, gram: NetworkGram, X, *, exclude=None) -> np.ndarray:
+        """``max_i K_hat(x, x_i)``: the best cosine between ``phi(x)`` and a training
+        feature (``exclude[j]``: a training index left out for query ``j``)."""
+        _, _, best, _ = self._neighbours(gram, X, 1, exclude, "The alignment score")
+        return to_numpy(best)
+
+    def local_residuals(self, gram: NetworkGram, X, n_neighbors: int, *,
+                        exclude=None) -> np.ndarray:
+        """Relative residual of ``phi(x)`` outside the span of its ``n_neighbors``
+        best-aligned training features (``exclude[j]``: left out for query ``j``).
+
+        ``sqrt(1 - k_S(x)^T (Theta_SS + lam I)^{-1} k_S(x) / Theta(x, x))`` with ``S`` the
+        neighbours: the global residual with the span restricted to them. The neighbours'
+        Gram ``Theta_SS`` is read from the Gram of the union of the neighbours of a group
+        of queries: queries are grouped by their best neighbour, so that a group shares
+        most of its neighbours, and a union holds at most ``UNION_NEIGHBOURS *
+        n_neighbors`` points. When the whole training Gram costs less than those unions
+        together and fits in a quarter of the budget, it is computed once instead.
+        """
+        idx, kvals, _, dq = self._neighbours(gram, X, n_neighbors, exclude,
+                                             "The local residual score")
+        if self.lam <= 0:  # every training feature is zero: the span is {0}
+            return to_numpy(_relative(dq, dq))
+        n, k = idx.shape
+        N = self.X.shape[0]
+        # Each query of a group holds its k x k system, its factor and a temporary.
+        rows = rows_per_block(gram.budget, 8 * 3 * k * k, "The local residual score")
+        cap = max(k, min(math.isqrt(gram.budget // (4 * 8)), UNION_NEIGHBOURS * k))
+        order = torch.argsort(idx[:, 0], stable=True)
+        groups, start = [], 0
+        while start < n:
+            # Grow the group while the union of its neighbours stays under the cap.
+            stop, union = start, torch.empty(0, dtype=torch.long, device=gram.device)
+            while stop < n and stop - start < rows:
+                grown = torch.unique(torch.cat([union, idx[order[stop]]]))
+                if len(grown) > cap and stop > start:
+                    break
+                union, stop = grown, stop + 1
+            groups.append((order[start:stop], union))
+            start = stop
+        Rt = gram.tensor(self.X)
+        full = None
+        if N * N <= sum(len(u) ** 2 for _, u in groups) and 8 * N * N <= gram.budget // 4:
+            full = gram.gram(Rt).to(torch.float64)
+        explained = torch.empty(n, dtype=torch.float64, device=gram.device)
+        for group, union in groups:
+            if full is None:
+                KU, local = gram.gram(Rt[union]).to(torch.float64), torch.searchsorted(
+                    union, idx[group])  # positions in the union
+            else:
+                KU, local = full, idx[group]
+            A = KU[local.unsqueeze(2), local.unsqueeze(1)]  # (g, k, k)
+            A.diagonal(dim1=1, dim2=2).add_(self.lam)
+            explained[group] = _explained(A, kvals[group])
+        return to_numpy(_relative(dq - explained, dq))

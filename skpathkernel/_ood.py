@@ -49,7 +49,7 @@ from ._machine import (
     PathKernelClassifier,
     PathKernelMachine,
 )
-from ._parallel import map_row_blocks
+from ._parallel import map_row_blocks, n_row_blocks
 from ._span import BLOCK, NetworkGram, TangentSpan
 
 __all__ = ["OODRankDetector"]
@@ -501,7 +501,11 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         scores : ndarray of shape (n_samples,)
         """
         X = self._validate_X(X)
-        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self))
+        from .kernels import reading_copy
+
+        # Workers get an on-disk trajectory by reference (see kernels.reading_copy).
+        detector = self if n_row_blocks(self.n_jobs, X) == 1 else reading_copy(self)
+        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, detector))
 
     def decision_function(self, X):
         """``score_samples(X) - offset_``: negative for outliers.

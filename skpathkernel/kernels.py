@@ -252,7 +252,7 @@ def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag)
     points = [k for k, _ in path_weights(estimator.trajectory_, start, stop)]
     if not points:  # the serial sum says what is wrong
         return _path_sum(estimator, X, Y, start, stop, output, gram=gram, diag=diag)
-    reader = _reading_copy(estimator)
+    reader = reading_copy(estimator)
     parts = map_ranges(_range_sum, len(points), n_jobs, points, reader, X, Y, output,
                        gram, diag)
     # K, dx, dy: each the sum of the tasks' parts (None where not computed).
@@ -270,12 +270,23 @@ def _range_sum(first, last, points, estimator, X, Y, output, gram, diag):
                      diag=diag)
 
 
-def _reading_copy(estimator):
-    """The estimator with its trajectory referenced for other processes (see _reader)."""
+def reading_copy(estimator, reader=None):
+    """A shallow copy whose on-disk trajectory is referenced for workers (see ``_reader``).
+
+    Tasks pickled to joblib / Dask workers get this copy: pickling the estimator itself
+    would make its temporary trajectory directory permanent (``ChunkStore.__getstate__``).
+    Attributes holding the trajectory, or an estimator that holds it (a detector's
+    ``estimator_``), are replaced; a trajectory in memory is shared as it is.
+    """
     traj = estimator.trajectory_
-    reader = traj._reader()
+    reader = traj._reader() if reader is None else reader
     own = type(estimator).__new__(type(estimator))
-    own.__dict__.update({k: reader if v is traj else v for k, v in estimator.__dict__.items()})
+    for key, value in estimator.__dict__.items():
+        if value is traj:
+            value = reader
+        elif value is not estimator and getattr(value, "__dict__", {}).get("trajectory_") is traj:
+            value = reading_copy(value, reader)
+        own.__dict__[key] = value
     return own
 
 
@@ -382,7 +393,7 @@ class _NetworkKernel(Kernel):
         # Tasks get the on-disk trajectory by reference, leaving this one's directory
         # temporary (pickling the estimator itself would keep it, see _storage).
         kernel = copy.copy(self)
-        kernel.estimator = _reading_copy(self.estimator)
+        kernel.estimator = reading_copy(self.estimator)
         return kernel
 
 

@@ -423,3 +423,20 @@ def test_other_consumers_over_steps_read_the_disk_path(data):
     a = hessian_trace_path(mem, X, y, steps=[0, 5, -1], n_samples=4, random_state=0)
     b = hessian_trace_path(disk, X, y, steps=[0, 5, -1], n_samples=4, random_state=0)
     assert_allclose(b.trace, a.trace, rtol=1e-12)
+
+
+def test_detector_scores_on_workers_read_the_disk_path_by_reference(data):
+    from skpathkernel import OODRankDetector
+
+    X, y = data
+    det = OODRankDetector(**NET, trajectory_storage="disk").fit(X, y)
+    Y = X[:6] + 0.3
+    serial = det.score_samples(Y)
+    det.set_params(n_jobs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with joblib.parallel_config(backend="loky"):
+            blocks = det.score_samples(Y)
+    # Row blocks change sums' order; scores near 0 show it (as in test_parallel.py).
+    assert_allclose(blocks, serial, rtol=0, atol=1e-10)
+    assert det.trajectory_._store.owned

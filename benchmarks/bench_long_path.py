@@ -32,13 +32,13 @@ from skpathkernel.kernels import PathKernel
 NOTES = (
     "Sizes: the issue asks for P = 300k and T = 5000 (6 GB on disk). Here P = 295,937 "
     "and T = 40 to 400: on this shared 2-core machine one step kernel at N = 64 takes "
-    "10-15 ms (SGD) and 0.2 s (Adam), so T = 5000 would take 1 to 17 minutes per call, "
+    "5 ms (SGD) and 86 ms (Adam), so T = 5000 would take 0.5 to 7 minutes per call, "
     "times the interleaved repeats and both storages, and write 6-12 GB per fit; the "
     "peak-memory rows show the claim that depends on T (flat on disk, while the "
     "in-memory path grows). The chunk files were just written, so reads come from the "
     "page cache: a cold read adds the path's size over the disk's bandwidth once per "
-    "sweep. The split row ran with no idle core (load 11 on 2 cores): see the user "
-    "guide's scaling page for when splitting pays."
+    "sweep. The machine's load average was about 2.4 on 2 cores (other jobs), so the "
+    "split row's two workers did not have two idle cores."
 )
 
 N_TRAIN, BATCH, D_IN, HIDDEN = 1024, 128, 64, (512, 512)

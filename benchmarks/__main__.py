@@ -3,7 +3,8 @@
 The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
 every estimator at its defaults against MLPClassifier / MLPRegressor at theirs, training
 with recording against plain torch / skorch / MLPRegressor, decomposition against
-training, tangent-feature SVMs against RBF SVC / MLPClassifier, OOD AUROC.
+training and its FLOP floor, decomposition against ExPLAIND, tangent-feature SVMs against
+RBF SVC / MLPClassifier, OOD AUROC.
 
 Gram and path-kernel cases run in their own processes (servers, :mod:`benchmarks._serve`)
 and the repeats of all methods of one problem are interleaved, so that each ratio is
@@ -47,6 +48,8 @@ TABLES = {
                        "Training: skpathkernel versus plain torch, skorch and MLPRegressor"),
     "decomposition": ("benchmarks.bench_interpolation",
                       "Exact decomposition of 100 queries versus the training time"),
+    "explaind": ("benchmarks.bench_explaind",
+                 "Exact decomposition: skpathkernel versus ExPLAIND on its circle task"),
     "svm": ("benchmarks.bench_svm",
             "Tangent-feature SVM versus RBF SVC and MLPClassifier"),
     "ood": ("benchmarks.bench_ood",

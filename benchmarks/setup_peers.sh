@@ -11,6 +11,10 @@ venv="${1:-$root/.venv-peers}"
 python -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install "torch==2.13.0"
 "$venv/bin/pip" install -r "$root/benchmarks/requirements-peers.txt"
-"$venv/bin/python" -c "import jax, neural_tangents, skorch, torch; print('peers venv:', \
-'jax', jax.__version__, 'neural-tangents', neural_tangents.__version__, \
-'skorch', skorch.__version__, 'torch', torch.__version__)"
+# ExPLAIND (bench_explaind.py): its 0.1.0 wheel is pure Python and declares Python >= 3.12
+# and heavy extras (plotly, tensorboard, umap, pandas pins), but runs on 3.11 with only
+# torch and tqdm at run time: installed without its declared dependencies.
+"$venv/bin/pip" install --no-deps --ignore-requires-python explaind==0.1.0
+"$venv/bin/python" -c "import jax, neural_tangents, skorch, torch, explaind.epk_model; \
+print('peers venv:', 'jax', jax.__version__, 'neural-tangents', neural_tangents.__version__, \
+'skorch', skorch.__version__, 'torch', torch.__version__, 'explaind 0.1.0')"

@@ -4,47 +4,86 @@ For every recorded step, ``f(x; theta_{t+1}) - f(x; theta_t) = rho_t(x) . dtheta
 the row vector ``rho_t(x)`` is
 
 - ``exact``: the segment-averaged Jacobian ``int_0^1 J(x; theta_t + s dtheta_t) ds`` by
-  Gauss-Legendre quadrature (exact up to quadrature and floating-point error);
+  Gauss-Legendre quadrature, with nodes added per step until its error is under the
+  tolerance (see *Error control* below);
 - ``first_order``: ``J_t(x)`` (Domingos' formula, error O(lr));
 - ``second_order``: ``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` (adds the curvature term, O(lr^2)).
 
 Every solver's step is linear in the per-step loss gradients ``d_s``:
-``dtheta_t = -lr_t c_t D_t sum_{s<=t} w^{t-s} d_s (+ decoupled weight decay)`` with memory
-``w`` = momentum (SGD), beta_1 (Adam / AdamW) or 0 (plain SGD, RMSprop), ``c_t`` = 1 or
-Adam's ``(1 - beta_1) / (1 - beta_1^t)``, and ``D_t`` the recorded diagonal preconditioner.
+``dtheta_t = -coef_t D_t sum_{s<=t} m^{t-s} d_s (+ decoupled weight decay)`` with memory
+``m`` = momentum (SGD), beta_1 (Adam / AdamW) or 0 (plain SGD, RMSprop), ``coef_t`` = lr_t
+or Adam's ``lr_t (1 - beta_1) / (1 - beta_1^t)`` (``Trajectory.step_coefficients``), and
+``D_t`` the recorded diagonal preconditioner.
 ``d_s = (1/|B_s|) sum_{i in B_s} J_s(x_i)^T r_{s,i} + wd * theta_s`` (L2 solvers).
 So ``f(x; theta_T) - f(x; theta_0) = sum_s lambda_s(x) . d_s`` with the adjoint
-``lambda_s = nu_s + w lambda_{s+1}``, ``nu_t = -lr_t c_t D_t rho_t(x)``, computed backwards
+``lambda_s = nu_s + m lambda_{s+1}``, ``nu_t = -coef_t D_t rho_t(x)``, computed backwards
 over the steps with ONE (queries x outputs x P) buffer: no N x P x T tensor is formed.
 Sample ``i``'s contribution is ``a_i(x) = sum_{s: i in B_s} lambda_s(x) . J_s(x_i)^T r_{s,i}
 / |B_s|``; weight decay goes to ``regularization``.
 
-Cost per step (Q queries, C outputs, P parameters, B batch): ``n_nodes`` Jacobians of the
-Q queries, the per-sample loss gradients of the batch, and one (Q C) x P x B product; memory
-O(Q C P + B P) in blocks under the memory budget.
+Routes. The layers' factors (:mod:`._tangent`) are used on both sides of every product,
+so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
 
-Plain SGD (no momentum, D = I: Domingos' setting) has a
-structured fast path: with no memory, ``lambda_t = -lr_t rho_t(x)``, so sample i's share of
-step t is ``-lr_t / |B_t| sum_k w_k J(x; theta_t^k) J(x_i; theta_t)^T r_{t,i}``: a
-cross-parameter tangent Gram between the queries at the quadrature nodes and the batch at
-``theta_t``, computed from the layers' factors (O(Q B sum_l (d_in + C d_out)) per node for
-nn.Linear) without forming any Jacobian; L2 weight decay is one Jacobian-vector product.
+- plain SGD (no memory, ``D = I``: Domingos' setting):
+  with no memory, ``lambda_t = -lr_t rho_t(x)``, and sample i's share of step t is
+  ``-lr_t / |B_t| sum_k w_k J(x; theta_t^k) J(x_i; theta_t)^T r_{t,i}``, a
+  cross-parameter tangent Gram between the queries at the quadrature nodes and the
+  batch at ``theta_t``: O(Q B sum_l (d_in + C d_out)) per node for nn.Linear;
+- momentum, Adam, AdamW, RMSprop: the adjoint buffer is updated per layer by one batched
+  GEMM over the quadrature nodes (``sum_k w_k delta_k a_k^T``) and contracted with the
+  batch's factors as ``(lambda a_i) . dhat_i``: 2 Q C P B FLOPs per step, the floor of
+  any method that forms the per-step pair terms;
+- the dense route (``second_order``, and terms of a layout the pair engine does not
+  contract) forms each node's Jacobian and the batch's per-sample loss gradients.
+
+Error control (``method="exact"``). The quadrature error of step t is measured, not
+guessed: with ``q_t(x) = rho_t(x) . dtheta_t`` computed from the same factors (in
+float64), ``|q_t(x) - (f(x; theta_{t+1}) - f(x; theta_t))|`` is that step's error, since
+everything else in the decomposition is linear algebra on the recorded path. Nodes are
+added until the largest residual over the queries and outputs is under the step's share
+of the tolerance, ``tol * S * |df_t| / sum_s |df_s|`` (``S`` the largest |f| along the
+path, ``|df_t|`` the step's largest change), so that the steps' errors add up to at most
+``tol * S``. Below the round-off of the two forward passes (a few ``eps |f|``) the
+residual cannot resolve the quadrature error: a step whose residual reaches that floor
+takes one node more and stops. A step that reaches neither within ``MAX_NODES`` nodes
+(or stops converging: a non-smooth activation) is reported in a ConvergenceWarning.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import math
+import numbers
+import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from sklearn.exceptions import ConvergenceWarning
 from torch.func import functional_call, jacrev, jvp, vmap
 
 from ._losses import Loss
 from ._memory import rows_per_block
-from ._tangent import forward, hidden_reads, tangent_features, tangent_gram
+from ._tangent import capture, forward, hidden_reads, tangent_features
+from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms, sample_factors
 from ._trajectory import Trajectory
 
-__all__ = ["Decomposition", "decompose"]
+__all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
+
+# Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
+# reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
+MAX_NODES = 64
+# Nodes per step once the steps stop converging (non-smooth activations): the count
+# from which _stalled judges.
+NONSMOOTH = 8
+# A residual under NOISE * eps * (|f(theta_t)| + |f(theta_{t+1})|) is at the round-off of
+# the forward passes that define it (measured floors: 1-6 eps |f| in float64 and float32),
+# plus FACTORS * eps * spread, the factors' own (see _pairs.directional).
+NOISE = 16
+FACTORS = 4
+# A residual that stops falling below FLOOR_MAX * eps * spread is round-off, not a kink
+# (relu kinks leave residuals orders of magnitude above it).
+FLOOR_MAX = 100
 
 
 @dataclass
@@ -67,6 +106,17 @@ class Decomposition:
     error : float
         max |initial + sum(contributions) + regularization - prediction|.
     method, weighting : str
+    n_nodes : ndarray of int of shape (n_steps,) or None
+        ``method="exact"``: the Gauss-Legendre nodes each step used (the largest over
+        the query blocks). None for the other methods.
+    step_errors : ndarray of shape (n_steps,) or None
+        ``method="exact"``: each step's measured quadrature residual, the largest over
+        queries and outputs of ``|rho_t(x) . dtheta_t - (f(x; theta_{t+1}) -
+        f(x; theta_t))|`` (round-off of the two forward passes included); with
+        ``normalize_y``, times the largest target scale (a bound in the units of y).
+    tol : float or None
+        The relative tolerance the exact method worked to (None with a fixed
+        ``n_nodes`` or another method).
     """
 
     initial: np.ndarray
@@ -76,6 +126,9 @@ class Decomposition:
     error: float
     method: str
     weighting: str
+    n_nodes: np.ndarray | None = field(default=None)
+    step_errors: np.ndarray | None = field(default=None)
+    tol: float | None = None
 
     @property
     def reconstruction(self) -> np.ndarray:
@@ -83,36 +136,187 @@ class Decomposition:
         return self.initial + self.contributions.sum(axis=1) + self.regularization
 
 
-def default_n_nodes(dtype: torch.dtype, solver: str = "sgd") -> int:
-    """Gauss-Legendre nodes per step that reach the dtype's round-off (measured).
+def default_tol(dtype: torch.dtype) -> float:
+    """The relative quadrature tolerance of ``method="exact"`` (``tol=None``).
 
-    The quadrature error falls like ``|dtheta|^(2 n)``. Measured max error on a
-    2-16-16-1 tanh MLP, 15 full-batch steps, by nodes n = 1..6 (float64):
-    sgd 1e-5, 3e-10, 1e-14, 4e-16; adam 2e-4, 4e-8, 7e-12, 9e-16; rmsprop (whose early
-    steps are ~10 lr, the second moment starting at 0) 7e-3, 4e-5, 2e-7, 6e-10, 2e-12, 4e-15.
-    float32 reaches its round-off (~1e-7) at n = 3 for all three.
+    Below the dtype's round-off floor of the whole decomposition, so that the result sits
+    at that floor: 1e-12 in float64 (measured results 1e-14 to 1e-12 relative), 1e-6 in
+    float32, whose floor, the round-off that the recorded float32 updates carry, is about
+    2e-7 to 1e-5 relative depending on the width, the solver and the size of the steps.
     """
-    if dtype == torch.float32:
-        return 3
-    return 6 if solver == "rmsprop" else 5
+    return 1e-6 if dtype == torch.float32 else 1e-12
 
 
-def _solver_coefficients(traj: Trajectory, t: int) -> tuple[float, float]:
-    """(step scale ``-lr_t c_t``, memory ``w``) of the solver at step t."""
-    spec = traj.solver_spec
-    lr = float(traj.learning_rates[t])
-    if spec.name in ("adam", "adamw"):
-        step = float(traj.optimizer_state(t)["step"])
-        return -lr * (1.0 - spec.beta_1) / (1.0 - spec.beta_1**step), spec.beta_1
-    if spec.name == "sgd":
-        return -lr, spec.momentum
-    return -lr, 0.0
+def check_tol(tol) -> None:
+    """``tol`` of every ``decompose``: None or a positive finite real."""
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, numbers.Real)
+                            or not math.isfinite(tol) or tol <= 0):
+        raise ValueError(
+            f"tol must be a positive number (the relative quadrature tolerance) or None, "
+            f"got {tol!r}."
+        )
+
+
+def _gauss(n: int) -> tuple[np.ndarray, np.ndarray]:
+    s, w = np.polynomial.legendre.leggauss(n)
+    return (s + 1.0) / 2.0, w / 2.0
 
 
 def _params(traj: Trajectory, flat: torch.Tensor):
     return dict(traj.unflatten(flat))
 
 
+class _Reroute(Exception):
+    """A capture found a parameter read outside its layer that the path check did not:
+    the decomposition starts again with every capture routing it to the fallback."""
+
+    def __init__(self, exclude: frozenset[str]):
+        super().__init__(sorted(exclude))
+        self.exclude = exclude
+
+
+# --------------------------------------------------------------------------- nodes
+class _Quadrature:
+    """Chooses the Gauss-Legendre nodes of every step and keeps what they achieved."""
+
+    def __init__(self, n_steps, *, tol, n_nodes, changes, scale, dtype):
+        self.fixed = n_nodes
+        self.eps = float(torch.finfo(dtype).eps)
+        self.tol = tol
+        total = float(changes.sum())
+        self.budgets = (tol * scale * changes / total if total > 0
+                        else np.zeros(n_steps))
+        self.n_used = np.zeros(n_steps, dtype=np.int64)
+        self.errors = np.zeros(n_steps)
+        self.failed: dict[int, float] = {}
+        self._n = None  # the node count of the step done before
+        self._room = False  # whether that step had room for one node less
+        self._since_lower = 0
+        self._stalls = 0  # steps that stopped converging
+        self._floor = FACTORS  # the factors' round-off, in eps * spread
+        self._ratio = 0.1  # error reduction per added node, from the residuals seen
+
+    def choose(self, t, evaluate, df, noise):
+        """The nodes of step t; returns the accepted evaluation's payload.
+
+        ``evaluate(n) -> (q, spread, payload)``: the quadrature ``q`` (rows, C) of
+        ``J_bar_t . dtheta_t``, the 2-norm of its terms (see ``_pairs.directional``),
+        and what the caller keeps. ``df`` (rows, C) is the step's change of f (the
+        reference), ``noise`` the round-off of that difference.
+        """
+        if self.fixed is not None:
+            q, _, payload = evaluate(self.fixed)
+            self._record(t, self.fixed, _residual(q, df))
+            return payload
+        budget = self.budgets[t]
+        # Steps that stopped converging (a non-smooth activation: kinks on the segment)
+        # cap the others at NONSMOOTH nodes: more would buy little. Steps without a kink
+        # still converge within it, and every step that fails is reported.
+        cap = NONSMOOTH if self._stalls >= 2 else MAX_NODES
+        n = 3 if self._n is None else min(self._n, cap)
+        # Consecutive steps have similar sizes: start where the last one ended, and try
+        # one node less when it had room, or every few steps.
+        if self._n is not None and n > 1 and (self._room or self._since_lower >= 4):
+            n -= 1
+            self._since_lower = 0
+        else:
+            self._since_lower += 1
+        seen, stalled = [], False
+        while True:
+            q, spread, payload = evaluate(n)
+            r = _residual(q, df)
+            # The residual's floor: the forward passes' round-off and the factors' own,
+            # a multiple of their dtype's eps times the 2-norm of the product's terms
+            # (measured 0.02-16x; learnt from the steps that reached it).
+            spread = self.eps * float(spread.max()) if spread.numel() else 0.0
+            floor = noise + self._floor * spread
+            goal = max(budget, floor)
+            if seen and seen[-1][1] > floor and r > floor:
+                (n0, r0) = seen[-1]
+                self._ratio = min(max((r / r0) ** (1.0 / (n - n0)), 1e-3), 0.9)
+            seen.append((n, r))
+            if r <= goal:
+                break
+            stalled = _stalled(seen)
+            if stalled and r <= noise + FLOOR_MAX * spread:
+                # Not a kink: the residual sits at the factors' round-off, higher than
+                # the floor assumed so far. Later steps assume this one.
+                self._floor = min(FLOOR_MAX, 2 * (r - noise) / max(spread, 1e-300))
+                stalled = False
+                break
+            if n >= cap or stalled:
+                self.failed[t] = r
+                break
+            # Geometric convergence: the nodes that bring r under the goal (at most 1.5x
+            # the nodes per try, the ratio is a guess until two residuals are seen).
+            need = math.log(r / goal) / -math.log(self._ratio)
+            n = min(cap, n + min(max(4, n // 2), max(1, math.ceil(need))))
+        if t not in self.failed:
+            # A failed step's count says nothing about the next: it starts from the last
+            # count that worked.
+            self._n, self._room = n, r <= goal * self._ratio
+        self._stalls += bool(stalled)
+        self._record(t, n, r)
+        return payload
+
+    def _record(self, t, n, r):
+        self.n_used[t] = max(self.n_used[t], n)
+        self.errors[t] = max(self.errors[t], r)
+
+
+class _Reference:
+    """f along the path, in float64 where the module runs in float64.
+
+    The residual of a step compares the quadrature, computed in float64 from the
+    factors, with ``f(theta_{t+1}) - f(theta_t)``: in float32 that difference carries
+    the round-off of two float32 forward passes (a few eps32 |f|, 10-100x the quadrature
+    error float32 factors allow). A float64 copy of the module evaluates the recorded
+    (float32) parameters without it; a module that does not run in float64 keeps its
+    own dtype, with a correspondingly higher floor.
+    """
+
+    def __init__(self, module, traj, X):
+        self.traj, self.module, self.X = traj, module, X
+        self.dtype = traj.dtype
+        if self.dtype != torch.float64:
+            try:
+                wide = copy.deepcopy(module).to(torch.float64)
+                Xw = X.to(torch.float64) if X.is_floating_point() else X
+                flat = traj.parameters(0).to(device=X.device, dtype=torch.float64)
+                out = forward(wide, _params(traj, flat), Xw[:1])
+                if out.dtype == torch.float64:
+                    self.module, self.X, self.dtype = wide, Xw, torch.float64
+            except Exception:  # any failure: keep the module's own dtype
+                pass
+        self.upcast = self.dtype != traj.dtype
+
+    def __call__(self, t: int, rows=slice(None)) -> torch.Tensor:
+        flat = self.traj.parameters(t).to(device=self.X.device, dtype=self.dtype)
+        return forward(self.module, _params(self.traj, flat), self.X[rows]).double()
+
+    def noise(self, f_t, f_next) -> float:
+        """The round-off of ``f(theta_{t+1}) - f(theta_t)`` for a block of rows."""
+        size = float((f_t.abs() + f_next.abs()).max()) if f_t.numel() else 0.0
+        return NOISE * float(torch.finfo(self.dtype).eps) * size
+
+
+def _stalled(seen) -> bool:
+    """Whether doubling the nodes (from 8 on) gained less than 10x: the integrand is not
+    smooth (a relu network's kinks), more nodes would only cost time.
+
+    A smooth integrand gains far more (measured: 20-300x per doubling in the first,
+    largest RMSprop steps, whose convergence is the slowest seen).
+    """
+    n, r = seen[-1]
+    return any(n0 >= 8 and n >= 2 * n0 and min(rr for nn, rr in seen if nn > n0) > r0 / 10
+               for n0, r0 in seen[:-1])
+
+
+def _residual(q: torch.Tensor, df: torch.Tensor) -> float:
+    return float((q - df).abs().max()) if q.numel() else 0.0
+
+
+# --------------------------------------------------------------------------- helpers
 def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P)."""
     params, tangent = _params(traj, theta), _params(traj, delta)
@@ -127,86 +331,257 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     return torch.cat([out[name].flatten(start_dim=2) for name in traj.names], dim=2)
 
 
-def _rows(module, traj, theta, delta, X, method, nodes, budget, buffers, checked) -> torch.Tensor:
-    """The per-step row vectors rho_t(x), shape (Q, C, P), in ``buffers["rho"]``.
+def _route(traj: Trajectory, method: str) -> str:
+    """"factor" (plain SGD's Gram of factors), "adjoint" (the pair engine's buffer) or
+    "dense" (Jacobians; the only route of the second-order term)."""
+    if method == "second_order":
+        return "dense"
+    spec = traj.solver_spec
+    if spec.name == "sgd" and spec.momentum == 0:
+        return "factor"
+    return "adjoint"
 
-    The (Q, C, P) buffers are reused across steps: fresh ones of this size would fault
-    in their pages on every step (about 0.4 ms per MB on a CPU, the dominant cost).
+
+def _path_outputs(module, traj, X, ref: _Reference):
+    """f at the first and last points, and each step's largest |change| and the largest
+    |f| along the path (of the reference)."""
+    device = X.device
+    initial = forward(module, _params(traj, traj.parameters(0).to(device)), X).double()
+    prediction = forward(module, _params(traj, traj.parameters(-1).to(device)), X).double()
+    changes = np.zeros(len(traj) - 1)
+    prev = ref(0)
+    scale = float(prev.abs().max()) if prev.numel() else 0.0
+    for t in range(len(traj) - 1):
+        cur = ref(t + 1)
+        changes[t] = float((cur - prev).abs().max()) if cur.numel() else 0.0
+        scale = max(scale, float(cur.abs().max()) if cur.numel() else 0.0)
+        prev = cur
+    return initial, prediction, changes, scale
+
+
+def _batch_index(traj, t, weighting, N, device):
+    if weighting == "realized":
+        return torch.as_tensor(traj.batch(t), device=device)
+    return torch.arange(N, device=device)
+
+
+class _Context:
+    """What every step of one query block reads: the path, the batches, the routing."""
+
+    def __init__(self, module, traj, X_train, Y_train, loss, *, weighting, budget, exclude,
+                 outputs, b_block, ref):
+        self.module, self.traj, self.loss, self.ref = module, traj, loss, ref
+        self.X_train, self.Y_train = X_train, Y_train
+        self.weighting, self.budget, self.exclude = weighting, budget, exclude
+        self.outputs, self.b_block = outputs, b_block
+        self.device = X_train.device
+
+    def capture(self, flat, X):
+        cap = capture(self.module, _params(self.traj, flat), X, self.outputs,
+                      memory_budget=self.budget, exclude=self.exclude)
+        if cap.exclude != self.exclude:
+            raise _Reroute(cap.exclude)
+        return pair_terms(cap.terms)
+
+    def batches(self, t, theta):
+        """The step's batch in blocks: (indices, factors, dhat) at theta_t."""
+        idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
+        params = _params(self.traj, theta)
+        for b0 in range(0, len(idx), self.b_block):
+            sub = idx[b0 : b0 + self.b_block]
+            Xb = self.X_train[sub]
+            r = self.loss.residuals(forward(self.module, params, Xb), self.Y_train[sub])
+            terms = self.capture(theta, Xb)
+            yield sub, terms, sample_factors(terms, r)
+
+
+def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.float64) for k, v in traj.unflatten(flat).items()}
+
+
+# --------------------------------------------------------------------------- factored
+def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route):
+    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block."""
+    traj, device = ctx.traj, ctx.device
+    spec = traj.solver_spec
+    coefs, memory = traj.step_coefficients()
+    wd = spec.weight_decay
+    decoupled = spec.name == "adamw"
+    n_q, N = Xq.shape[0], len(ctx.X_train)
+    n_out = len(ctx.outputs)
+    contrib = torch.zeros((n_q, N, n_out), dtype=torch.float64, device=device)
+    reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
+    adjoint = None
+    nxt = traj.parameters(len(traj) - 1).to(device)
+    f_next = ctx.ref(len(traj) - 1, rows) if method == "exact" else None
+    for j, steps in _intervals(traj):
+        theta = traj.parameters(j).to(device)
+        delta = nxt - theta
+        theta64 = _as_float64(traj, theta.to(torch.float64)) if wd else None
+        # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
+        # Plain SGD's L2 share is lambda_t . wd theta_t = -lr_t rho_t . wd theta_t.
+        along = wd and (decoupled or route == "factor")
+        if method == "exact":
+            f_t = ctx.ref(j, rows)
+            # The exact difference of the two recorded points (exact in float64).
+            d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
+            dirs = (d64, theta64) if along else (d64,)
+
+            def evaluate(n, theta=theta, delta=delta, dirs=dirs):
+                s, w = _gauss(n)
+                nodes = [ctx.capture(theta + float(sk) * delta, Xq) for sk in s]
+                w = [float(wk) for wk in w]
+                q, spread = directional(nodes, w, *dirs)
+                return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
+
+            nodes, weights, rho_theta = quad.choose(j, evaluate, f_next - f_t,
+                                                    ctx.ref.noise(f_t, f_next))
+            f_next = f_t
+        else:
+            nodes, weights = [ctx.capture(theta, Xq)], [1.0]
+            rho_theta = directional(nodes, weights, theta64)[0][0] if along else None
+        nxt = theta
+        D = None
+        if route != "factor":
+            if adjoint is None:
+                adjoint = Adjoint(nodes[0], memory)
+            D = traj.preconditioner(j)
+            D = None if D is None else dict(traj.unflatten(D.to(device=device,
+                                                                dtype=traj.dtype)))
+        decay = None
+        if wd and not decoupled and route != "factor":
+            decay = {k: wd * v.to(traj.dtype) for k, v in theta64.items()}
+        # The steps of the interval, last first (one step unless the path is thinned:
+        # then each takes the interval's segment and its batch's gradients at theta_j).
+        for t in steps:
+            coef = -float(coefs[t])
+            if along:
+                reg += (-float(traj.learning_rates[j]) * wd if decoupled
+                        else coef * wd) * rho_theta
+            n_batch = _batch_size(traj, t, ctx.weighting, N)
+            if route == "factor":
+                for sub, terms, dhat in ctx.batches(t, theta):
+                    share = factor_shares(nodes, weights, terms, dhat)
+                    contrib.index_add_(1, sub, share.mul_(coef / n_batch).transpose(1, 2))
+                continue
+            updated = False
+            for sub, terms, dhat in ctx.batches(t, theta):
+                if not updated:
+                    share, part = adjoint.step(nodes, weights, coef, D, terms, dhat, decay)
+                    updated = True
+                else:
+                    share, part = adjoint.contract(terms, dhat), None
+                if part is not None:
+                    reg += part.view(n_q, n_out)
+                share = share.view(n_q, n_out, -1).div_(n_batch)
+                contrib.index_add_(1, sub, share.transpose(1, 2))
+            if not updated:  # a step without samples: the momentum still moves the parameters
+                _, part = adjoint.step(nodes, weights, coef, D, None, None, decay)
+                if part is not None:
+                    reg += part.view(n_q, n_out)
+    return contrib, reg
+
+
+def _intervals(traj):
+    """The recorded intervals, last first: ``(j, its optimizer steps, last first)``.
+
+    With ``record_every=1`` interval ``j`` is step ``j``; a thinned path's interval holds
+    the ``steps[j + 1] - steps[j]`` steps between two recorded points.
     """
-    rho = buffers["rho"]
+    for j in reversed(range(len(traj) - 1)):
+        yield j, range(int(traj.steps[j + 1]) - 1, int(traj.steps[j]) - 1, -1)
+
+
+def _batch_size(traj, t, weighting, N):
+    return len(traj.batch(t)) if weighting == "realized" else N
+
+
+# --------------------------------------------------------------------------- dense
+def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
+    """The dense route for one query block: Jacobians at the nodes, per-sample loss
+    gradients of the batch, one (Q C) x P x B product per step."""
+    traj, device, module = ctx.traj, ctx.device, ctx.module
+    spec = traj.solver_spec
+    coefs, memory = traj.step_coefficients()
+    dtype = traj.dtype  # not the queries' (token ids are int64)
+    n_q, N = Xq.shape[0], len(ctx.X_train)
+    n_out, P = len(ctx.outputs), traj.n_params
+    decoupled = spec.name == "adamw"
+    checked = dict(check_hidden=False, exclude=ctx.exclude)
+    lam = torch.zeros((n_q, n_out, P), dtype=dtype, device=device)
+    rho = torch.empty_like(lam)
+    node = torch.empty_like(lam) if method == "exact" else None
+    J = torch.empty((min(ctx.b_block, N), n_out, P), dtype=dtype, device=device)
+    contrib = torch.zeros((n_q, N, n_out), dtype=torch.float64, device=device)
+    reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
 
     def jac(flat, out):
-        return tangent_features(module, _params(traj, flat), X, output="full",
-                                memory_budget=budget, out=out, **checked)
+        return tangent_features(module, _params(traj, flat), Xq, output="full",
+                                memory_budget=ctx.budget, out=out, **checked)
 
-    if method == "exact":
-        s, w = nodes
-        jac(theta + float(s[0]) * delta, rho).mul_(float(w[0]))
-        for sk, wk in zip(s[1:], w[1:]):
-            rho.add_(jac(theta + float(sk) * delta, buffers["node"]), alpha=float(wk))
-        return rho
-    jac(theta, rho)
-    if method == "second_order":
-        rho.add_(_hvp_rows(module, traj, theta, delta, X), alpha=0.5)
-    return rho
+    nxt = traj.parameters(len(traj) - 1).to(device)
+    f_next = ctx.ref(len(traj) - 1, rows) if method == "exact" else None
+    for j, steps in _intervals(traj):
+        theta = traj.parameters(j).to(device)
+        delta = nxt - theta
+        if method == "exact":
+            f_t = ctx.ref(j, rows)
+            d64 = (nxt.to(torch.float64) - theta.to(torch.float64))
 
+            def evaluate(n, theta=theta, delta=delta, d64=d64):
+                s, w = _gauss(n)
+                q = spread = 0.0
+                for k, (sk, wk) in enumerate(zip(s, w)):
+                    Jk = jac(theta + float(sk) * delta, rho if k == 0 else node).to(
+                        torch.float64)
+                    q = q + float(wk) * (Jk @ d64)
+                    spread = spread + float(wk) ** 2 * (Jk * Jk) @ (d64 * d64)
+                    if k == 0:
+                        rho.mul_(float(wk))
+                    else:
+                        rho.add_(Jk.to(rho.dtype), alpha=float(wk))
+                return q, spread.sqrt(), None
 
-def _loss_gradients(module, traj, theta, X, Y, loss: Loss, budget, J, checked) -> torch.Tensor:
-    """Per-sample loss gradients J(x_i)^T r_i at theta, shape (B, P), built in ``J``.
-
-    ``J`` is a reused (B, C, P) buffer; the result is a view of it (C = 1) or a sum over
-    its outputs.
-    """
-    params = _params(traj, theta)
-    r = loss.residuals(forward(module, params, X), Y)
-    tangent_features(module, params, X, output="full", memory_budget=budget, out=J, **checked)
-    J.mul_(r.to(J.dtype).unsqueeze(-1))
-    return J[:, 0] if J.shape[1] == 1 else J.sum(1)
-
-
-def _structured(traj: Trajectory, method: str) -> bool:
-    """Whether the factor-Gram fast path applies: plain SGD, first-order or exact rows."""
-    spec = traj.solver_spec
-    return spec.name == "sgd" and spec.momentum == 0 and method != "second_order"
-
-
-def _decompose_sgd(module, traj, X_train, Y_train, loss, X, *, method, weighting, nodes,
-                   memory_budget, checked):
-    """Contributions (Q, N, C) and regularization (Q, C) for plain SGD, step by step."""
-    device = X.device
-    N = X_train.shape[0]
-    wd = traj.solver_spec.weight_decay
-    s_nodes, w_nodes = nodes if method == "exact" else ((0.0,), (1.0,))
-    contrib = reg = None
-    batches = traj.batches
-    for t in range(traj.n_steps):
-        theta = traj.parameters(t).to(device)
-        delta = traj.parameters(t + 1).to(device) - theta
-        lr = float(traj.learning_rates[t])
-        idx = (torch.as_tensor(batches[t], device=device) if weighting == "realized"
-               else torch.arange(N, device=device))
-        params_t = _params(traj, theta)
-        r = loss.residuals(forward(module, params_t, X_train[idx]), Y_train[idx])
-        decay = _params(traj, wd * theta) if wd else None
-        for sk, wk in zip(s_nodes, w_nodes):
-            params_k = _params(traj, theta + float(sk) * delta)
-            G = tangent_gram(module, params_k, X, X_train[idx], output="full",
-                             params_y=params_t, memory_budget=memory_budget, **checked)
-            share = torch.einsum("qcbd,bd->qbc", G, r.to(G.dtype))
-            share = share.double().mul_(-lr * float(wk) / len(idx))
-            if contrib is None:
-                n_out = share.shape[2]
-                contrib = torch.zeros((X.shape[0], N, n_out), dtype=torch.float64,
-                                      device=device)
-                reg = torch.zeros((X.shape[0], n_out), dtype=torch.float64, device=device)
-            contrib.index_add_(1, idx, share)
-            if decay is not None:
-                # L2's share of the step, -lr * wd * theta_t, seen through J(x; theta_t^k).
-                _, jv = jvp(lambda p: functional_call(module, p, (X,)), (params_k,), (decay,))
-                reg -= lr * float(wk) * jv.double()
-    return contrib.cpu().numpy(), reg.cpu().numpy()
+            quad.choose(j, evaluate, f_next - f_t, ctx.ref.noise(f_t, f_next))
+            f_next = f_t
+        else:
+            jac(theta, rho)
+            if method == "second_order":
+                rho.add_(_hvp_rows(module, traj, theta, delta, Xq), alpha=0.5)
+        nxt = theta
+        D = traj.preconditioner(j)
+        D = None if D is None else D.to(device)
+        params = _params(traj, theta)
+        for t in steps:
+            scale = -float(coefs[t])
+            # lambda_t = scale * D * rho_t + memory * lambda_{t+1}, in place.
+            lam.mul_(memory)
+            if D is None:
+                lam.add_(rho, alpha=scale)
+            else:
+                lam.addcmul_(rho, D, value=scale)
+            if spec.weight_decay:
+                if decoupled:
+                    decay = -float(traj.learning_rates[j]) * spec.weight_decay * theta
+                    reg += (rho @ decay).double()
+                else:
+                    reg += (lam @ (spec.weight_decay * theta)).double()
+            idx = _batch_index(traj, t, ctx.weighting, N, device)
+            for b0 in range(0, len(idx), ctx.b_block):
+                sub = idx[b0 : b0 + ctx.b_block]
+                r = ctx.loss.residuals(forward(module, params, ctx.X_train[sub]),
+                                       ctx.Y_train[sub])
+                Jb = J[: len(sub)]
+                tangent_features(module, params, ctx.X_train[sub], output="full",
+                                 memory_budget=ctx.budget, out=Jb, **checked)
+                Jb.mul_(r.to(dtype).unsqueeze(-1))
+                G = Jb[:, 0] if n_out == 1 else Jb.sum(1)
+                share = (lam.flatten(0, 1) @ G.T).unflatten(0, lam.shape[:2])
+                contrib.index_add_(1, sub, share.transpose(1, 2).double() / len(idx))
+    return contrib, reg
 
 
+# --------------------------------------------------------------------------- entry
 def decompose(
     module: torch.nn.Module,
     traj: Trajectory,
@@ -218,105 +593,142 @@ def decompose(
     method: str = "exact",
     weighting: str = "realized",
     n_nodes: int | None = None,
+    tol: float | None = None,
     memory_budget: int = 2**30,
+    units=None,
 ) -> Decomposition:
-    """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc)."""
-    if traj.record_every != 1:
-        raise ValueError(
-            "The per-training-point decomposition needs every optimizer step recorded "
-            f"(record_every=1); this path was recorded with record_every={traj.record_every}."
-        )
+    """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc).
+
+    ``n_nodes`` fixes the Gauss-Legendre nodes of every step (no error control); else the
+    nodes of each step are chosen for the relative tolerance ``tol`` (``default_tol`` of
+    the dtype when None). ``units`` maps the result to the units the caller reports
+    (``normalize_y``'s targets) before the warnings quote its error.
+    """
+    # A thinned path (record_every > 1) has no parameters between its recorded points:
+    # each of an interval's steps takes the interval's segment (its f-change is still
+    # integrated exactly) and its batch's gradients at the interval's first point, which
+    # is not the path the optimizer took. The error says by how much.
+    thinned = bool(np.any(np.diff(traj.steps) != 1))
     device, dtype = X.device, traj.dtype
-    theta_0 = traj.parameters(0).to(device)
-    theta_T = traj.parameters(-1).to(device)
-    initial = forward(module, _params(traj, theta_0), X)
-    prediction = forward(module, _params(traj, theta_T), X)
+    exact = method == "exact"
+    ref = _Reference(module, traj, X) if exact else None
+    initial, prediction, changes, scale = (
+        _path_outputs(module, traj, X, ref) if exact else (
+            forward(module, _params(traj, traj.parameters(0).to(device)), X).double(),
+            forward(module, _params(traj, traj.parameters(-1).to(device)), X).double(),
+            None, None))
     n_q, n_out = prediction.shape
     P, N = traj.n_params, X_train.shape[0]
-    n_nodes = default_n_nodes(dtype, traj.solver) if n_nodes is None else n_nodes
-    g_s, g_w = np.polynomial.legendre.leggauss(n_nodes)
-    nodes = ((g_s + 1.0) / 2.0, g_w / 2.0)
-    # The engine's autograd check for hidden reads runs once, at the path's first, middle
-    # and last points, instead of in each of the (n_nodes + 1) x T engine calls.
-    middle = traj.parameters(len(traj) // 2).to(device)
-    checked = dict(check_hidden=False, exclude=hidden_reads(
-        module, [_params(traj, t) for t in (theta_0, middle, theta_T)], [X, X_train],
-        output="full", memory_budget=memory_budget))
-    if _structured(traj, method):
-        # Per query row: its (C x B x C) Gram block and share, float64, B <= N.
-        q_rows = rows_per_block(memory_budget, 4 * n_out * n_out * N * 8,
-                                "The decomposition's query-by-batch Gram")
-        parts = [
-            _decompose_sgd(module, traj, X_train, Y_train, loss, X[q0 : q0 + q_rows],
-                           method=method, weighting=weighting, nodes=nodes,
-                           memory_budget=memory_budget, checked=checked)
-            for q0 in range(0, n_q, q_rows)
-        ]
-        contributions = np.concatenate([c for c, _ in parts])
-        regularization = np.concatenate([r for _, r in parts])
-        return _result(initial, prediction, contributions, regularization, method, weighting)
+    tol = (default_tol(dtype) if tol is None else float(tol)) if exact and n_nodes is None \
+        else None
+    route = _route(traj, method)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # lambda, rho and the quadrature temporaries: ~4 (Q x C x P) buffers per query block.
-    q_block = rows_per_block(memory_budget, 4 * n_out * P * itemsize,
-                             "The decomposition's adjoint buffers")
-    # A batch's per-sample Jacobians (B x C x P) and loss gradients (B x P).
-    b_block = rows_per_block(memory_budget, 2 * (n_out + 1) * P * itemsize,
+    # The engine's autograd check for hidden reads runs once, at the path's first, middle
+    # and last points, instead of at each of the (n_nodes + 1) x T captures.
+    theta_0, theta_T = traj.parameters(0).to(device), traj.parameters(-1).to(device)
+    middle = traj.parameters(len(traj) // 2).to(device)
+    exclude = hidden_reads(
+        module, [_params(traj, t) for t in (theta_0, middle, theta_T)], [X, X_train],
+        output="full", memory_budget=memory_budget)
+    outputs = list(range(n_out))
+    probe = capture(module, _params(traj, theta_0), X_train[:1], outputs,
+                    memory_budget=memory_budget, exclude=exclude)
+    exclude = probe.exclude
+    terms = pair_terms(probe.terms)
+    # One sample's factors (the captures keep them with their graph: x 4), or their pair
+    # layout where it is larger (per-sample gradients of layers over many positions), and
+    # the widest layer output, which sizes the pair engine's per-sample intermediates.
+    row = 4 * max(probe.nbytes(), sum(t.delta.numel() * itemsize + sum(
+        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms))
+    width = max(t.delta.shape[2] for t in terms)
+    while True:
+        try:
+            quad = _Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
+                               changes=changes, scale=scale, dtype=dtype) if exact else None
+            contributions, regularization = _run(
+                module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
+                route=route, quad=quad, memory_budget=memory_budget, exclude=exclude,
+                outputs=outputs, row=row, width=width, itemsize=itemsize, P=P, N=N, ref=ref)
+            break
+        except _Reroute as new:
+            exclude = new.exclude
+    result = _result(initial, prediction, contributions, regularization, method, weighting)
+    if exact:
+        result.n_nodes, result.step_errors, result.tol = quad.n_used, quad.errors, tol
+    if units is not None:
+        result = units(result)
+    if exact:
+        if quad.failed:
+            steps = sorted(quad.failed)
+            listed = ", ".join(f"{t} (residual {quad.failed[t]:.1e})" for t in steps[:5])
+            more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+            warnings.warn(
+                f"decompose(method='exact'): the quadrature of {len(steps)} of "
+                f"{len(traj) - 1} steps did not reach tol={tol:g} (relative to the largest "
+                f"|f| along the path, {scale:.3g}) within {MAX_NODES} Gauss-Legendre nodes "
+                f"or stopped converging: steps {listed}{more}. The achieved error is "
+                f"{result.error:.3g} (Decomposition.error; per step: step_errors). A "
+                "non-smooth activation (relu) or very large steps make the integrand hard "
+                "to integrate; a smaller learning rate or a smooth activation helps.",
+                ConvergenceWarning, stacklevel=3,
+            )
+    if thinned:
+        size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
+        warnings.warn(
+            f"decompose(method={method!r}): the path was recorded every "
+            f"{traj.record_every} optimizer steps, so the steps between two recorded points "
+            "are attributed with their batches' gradients at the interval's first point. "
+            f"The reconstruction error is {result.error:.3g} "
+            f"({result.error / max(size, 1e-300):.2g} "
+            f"relative; Decomposition.error), not round-off. Refit with record_every=1 "
+            "(and a larger memory_budget if the path needs it) for the exact decomposition.",
+            UserWarning, stacklevel=3,
+        )
+    return result
+
+
+def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quad,
+         memory_budget, exclude, outputs, row, width, itemsize, P, N, ref):
+    n_q, n_out = X.shape[0], len(outputs)
+    if route == "dense":
+        # lambda, rho and the node buffer (Q x C x P each) per query block, and a batch's
+        # per-sample Jacobians (B x C x P) and loss gradients (B x P).
+        q_bytes = 4 * n_out * P * itemsize
+        q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
+        b_bytes = 2 * (n_out + 1) * P * itemsize
+    else:
+        # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
+        # contributions (N x C) and its captures (a few nodes' worth: the factors are
+        # small next to the adjoint, and only one step's nodes are alive at a time).
+        q_bytes = (n_out * P * itemsize * (route == "adjoint") + 8 * n_out * N + 4 * row)
+        q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
+        # A batch row: its capture and its column of the pair products of a query block
+        # ((Q C) x widest layer output).
+        b_bytes = row + min(q_block, n_q) * n_out * width * itemsize
+    b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")
+    ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
+                   budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
+                   ref=ref)
     contributions = np.zeros((n_q, N, n_out))
     regularization = np.zeros((n_q, n_out))
-    spec = traj.solver_spec
-    decoupled = spec.name == "adamw"
-    batches = traj.batches
     for q0 in range(0, n_q, q_block):
-        Xq = X[q0 : q0 + q_block]
-        lam = torch.zeros((Xq.shape[0], n_out, P), dtype=dtype, device=device)
-        buffers = {name: torch.empty_like(lam) for name in
-                   (("rho", "node") if method == "exact" else ("rho",))}
-        J = torch.empty((min(b_block, N), n_out, P), dtype=dtype, device=device)
-        contrib = torch.zeros((Xq.shape[0], N, n_out), dtype=torch.float64, device=device)
-        reg = torch.zeros((Xq.shape[0], n_out), dtype=torch.float64, device=device)
-        nxt = traj.parameters(len(traj) - 1).to(device)
-        for t in reversed(range(traj.n_steps)):
-            theta = traj.parameters(t).to(device)
-            delta = nxt - theta
-            nxt = theta
-            rho = _rows(module, traj, theta, delta, Xq, method, nodes, memory_budget, buffers,
-                        checked)
-            scale, memory = _solver_coefficients(traj, t)
-            D = traj.preconditioner(t)
-            # lambda_t = scale * D * rho_t + memory * lambda_{t+1}, in place: the (Q, C, P)
-            # buffers dominate the cost, so every avoided pass over them counts.
-            lam.mul_(memory)
-            if D is None:
-                lam.add_(rho, alpha=scale)
-            else:
-                lam.addcmul_(rho, D.to(device), value=scale)
-            if spec.weight_decay:
-                if decoupled:
-                    decay = -float(traj.learning_rates[t]) * spec.weight_decay * theta
-                    reg += (rho @ decay).double()
-                else:
-                    reg += (lam @ (spec.weight_decay * theta)).double()
-            idx = (torch.as_tensor(batches[t], device=device) if weighting == "realized"
-                   else torch.arange(N, device=device))
-            for b0 in range(0, len(idx), b_block):
-                sub = idx[b0 : b0 + b_block]
-                G = _loss_gradients(module, traj, theta, X_train[sub], Y_train[sub], loss,
-                                    memory_budget, J[: len(sub)], checked)
-                share = (lam.flatten(0, 1) @ G.T).unflatten(0, lam.shape[:2])
-                share = share.transpose(1, 2).double() / len(idx)
-                contrib.index_add_(1, sub, share)
-        contributions[q0 : q0 + q_block] = contrib.cpu().numpy()
-        regularization[q0 : q0 + q_block] = reg.cpu().numpy()
-    return _result(initial, prediction, contributions, regularization, method, weighting)
+        rows = slice(q0, q0 + q_block)
+        if route == "dense":
+            c, r = _dense_block(ctx, X[rows], rows, quad, method=method)
+        else:
+            c, r = _factored_block(ctx, X[rows], rows, quad, method=method, route=route)
+        contributions[q0 : q0 + q_block] = c.cpu().numpy()
+        regularization[q0 : q0 + q_block] = r.cpu().numpy()
+    return contributions, regularization
 
 
 def _result(initial, prediction, contributions, regularization, method, weighting):
     result = Decomposition(
-        initial=initial.double().cpu().numpy(),
+        initial=initial.cpu().numpy(),
         contributions=contributions,
         regularization=regularization,
-        prediction=prediction.double().cpu().numpy(),
+        prediction=prediction.cpu().numpy(),
         error=0.0,
         method=method,
         weighting=weighting,

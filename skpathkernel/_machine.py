@@ -89,7 +89,8 @@ _SHARED_PARAMS_DOC = """
         "auto": every step when the points of ``max_iter`` epochs fit in
         ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
         the user guide, "Training"). Every step (1) keeps the per-training-point
-        decomposition exact; with k > 1 it refuses, and the path kernel is a Riemann sum.
+        decomposition exact; with k > 1 it is approximate (it warns and reports its true
+        ``error``), and the path kernel is a Riemann sum.
     device : {"auto", "cpu", "cuda"}, default="auto"
         "auto" trains on CUDA when available, else on the CPU.
     dtype : {"float32", "float64"}, default="float32"
@@ -196,7 +197,7 @@ class _KernelMachineMixin(TransformerMixin):
         check_is_fitted(self)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
 
-    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None):
+    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None):
         """Decompose every prediction over the training points.
 
         ``f(x; theta_T) = f(x; theta_0) + sum_i a_i(x) + a_reg(x)``, where ``a_i(x)`` is
@@ -209,7 +210,8 @@ class _KernelMachineMixin(TransformerMixin):
             In the form of the training inputs (``input_shape_``).
         method : {"exact", "first_order", "second_order"}, default="exact"
             "exact" integrates each step's Jacobian over the segment by Gauss-Legendre
-            quadrature and reproduces the network to floating-point precision for every
+            quadrature, with nodes added per step until its measured error is under
+            ``tol``, and reproduces the network to floating-point precision for every
             solver. "first_order" is Domingos' formula with the optimizer's weighting
             (error O(lr)); "second_order" adds the curvature term by Hessian-vector
             products (error O(lr^2)). Both report their true ``error``.
@@ -219,24 +221,38 @@ class _KernelMachineMixin(TransformerMixin):
             expected representation: equal for full-batch training, approximate (with
             its measured ``error``) for minibatches.
         n_nodes : int, default=None
-            Quadrature nodes per step for "exact": 3 for float32; 5 for float64 (6 for
-            rmsprop, whose first steps are the largest): the counts that reached each
-            dtype's round-off.
+            A fixed number of Gauss-Legendre nodes for every step of "exact", without
+            error control. None (default) chooses them per step for ``tol``.
+        tol : float, default=None
+            Relative tolerance of "exact": each step's quadrature error, measured as
+            ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the
+            queries and outputs, is held under its share of ``tol * S`` (``S`` the
+            largest ``|f|`` along the path; shares proportional to the steps' changes
+            of f), so that the quadrature errors add up to at most ``tol * S``. None:
+            1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
+            that ``error`` sits at that floor). A step that cannot meet it within 64
+            nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
+            naming the step; ``error`` is always the achieved one. Ignored by the other
+            methods.
 
         Returns
         -------
         result : Decomposition
             ``initial`` (n, C), ``contributions`` (n, n_train, C), ``regularization``
             (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
-            (logits for multi-class classifiers, the margin for binary ones).
+            (logits for multi-class classifiers, the margin for binary ones); for
+            "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``.
 
         Notes
         -----
-        Cost: per recorded step, ``n_nodes`` Jacobians of the queries, the per-sample loss
-        gradients of the step's batch and one (n C) x P x B product; memory O(n C P + B P)
-        in blocks under ``memory_budget``, independent of the number of steps (a backward
-        adjoint recursion carries the optimizer's momentum memory). Requires
-        ``record_every=1``.
+        Cost: per recorded step, the layers' factors of the queries at each node and of
+        the step's batch; plain SGD then needs a Gram of factors (as a tangent kernel),
+        momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
+        n C P values that carries the optimizer's memory backwards over the steps, so
+        memory does not grow with the number of steps; blocks under ``memory_budget``.
+        Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
+        recorded points take their batches' gradients at the first of them, and the
+        result warns and reports the reconstruction error this leaves.
 
         Examples
         --------
@@ -251,14 +267,15 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(res.error < 1e-10)
         True
         """
-        from ._interpolation import decompose
+        from ._interpolation import check_tol, decompose
 
         check_decompose_args(method, weighting, n_nodes)
+        check_tol(tol)
         X = self._validate_X(X)
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
-        result = decompose(
+        return decompose(
             self.module_, self.trajectory_,
             to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
@@ -266,11 +283,11 @@ class _KernelMachineMixin(TransformerMixin):
             # not change what the fitted path is decomposed with.
             LOSSES[self._loss_name](),
             to_input_tensor(X, dtype=dtype, device=device),
-            method=method, weighting=weighting, n_nodes=n_nodes,
+            method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
             memory_budget=self.memory_budget,
+            units=lambda res: in_target_units(res, getattr(self, "_y_mean", None),
+                                              getattr(self, "_y_scale", None)),
         )
-        return in_target_units(result, getattr(self, "_y_mean", None),
-                               getattr(self, "_y_scale", None))
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.

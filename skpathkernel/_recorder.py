@@ -612,7 +612,7 @@ class RecordedNetwork(BaseEstimator):
         return PathKernel(self)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
-                  n_nodes: int | None = None):
+                  n_nodes: int | None = None, tol: float | None = None):
         """Decompose ``f(X; theta_T)`` over the declared training inputs.
 
         Same result as :meth:`PathKernelMachine.decompose
@@ -627,7 +627,11 @@ class RecordedNetwork(BaseEstimator):
         method : {"exact", "first_order", "second_order"}, default="exact"
         weighting : {"realized", "expected"}, default="realized"
         n_nodes : int, default=None
-            Gauss-Legendre nodes per step (3 for float32, 5 for float64).
+            Fixed Gauss-Legendre nodes per step; None chooses them per step for ``tol``.
+        tol : float, default=None
+            Relative quadrature tolerance of "exact" (1e-12 in float64, 1e-6 in
+            float32 when None); see :meth:`PathKernelMachine.decompose
+            <skpathkernel.PathKernelMachine.decompose>`.
 
         Returns
         -------
@@ -635,10 +639,11 @@ class RecordedNetwork(BaseEstimator):
         """
         from torch.func import functional_call
 
-        from ._interpolation import decompose
+        from ._interpolation import check_tol, decompose
 
         check_is_fitted(self, "trajectory_")
         check_decompose_args(method, weighting, n_nodes)
+        check_tol(tol)
         if self.X_train is None or self.y_train is None:
             raise ValueError("decompose needs the training inputs and targets: pass X_train "
                              "and y_train.")
@@ -666,5 +671,5 @@ class RecordedNetwork(BaseEstimator):
                 f"{tuple(probe.shape)}."
             )
         return decompose(self.module_, traj, X_train, Y_train, loss, self._inputs(X),
-                         method=method, weighting=weighting, n_nodes=n_nodes,
+                         method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                          memory_budget=self.memory_budget)

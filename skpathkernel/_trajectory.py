@@ -287,6 +287,34 @@ class Trajectory:
             denom = state["square_avg"].sqrt()
         return 1.0 / (denom + spec.epsilon)
 
+    def step_coefficients(self) -> tuple[np.ndarray, float]:
+        """The solver's first-moment recursion over the optimizer steps.
+
+        Every supported solver's update is
+        ``dtheta_t = -coef_t D_t sum_{s<=t} memory^(t-s) g_s`` (plus decoupled weight
+        decay), ``g_s`` the step's gradient and ``D_t`` the :meth:`preconditioner`.
+
+        Returns
+        -------
+        coef : ndarray of shape (n_steps,)
+            ``lr_t`` for SGD and RMSprop; ``lr_t (1 - beta_1) / (1 - beta_1^count_t)``
+            (the bias-corrected first moment) for Adam / AdamW. A step that was not
+            recorded (``record_every > 1``) takes its interval's mean step size.
+        memory : float
+            Heavy-ball momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
+        """
+        spec = self.solver_spec
+        steps = self.steps
+        index = np.arange(self.n_steps)
+        point = np.searchsorted(steps, index, side="right") - 1
+        coef = self.learning_rates[point].astype(np.float64)
+        if spec.name in ("adam", "adamw"):
+            # Adam's own step count: the recorded one of the interval's first step.
+            count = (self._state_steps[point] + index - steps[point]).astype(np.float64)
+            coef = coef * (1.0 - spec.beta_1) / (1.0 - spec.beta_1**count)
+            return coef, float(spec.beta_1)
+        return coef, float(spec.momentum) if spec.name == "sgd" else 0.0
+
     def unflatten(self, flat: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         """Split a flat (..., P) tensor into named parameter-shaped views."""
         return OrderedDict(zip(self._names, self._unflatten(flat)))

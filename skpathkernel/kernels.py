@@ -26,6 +26,7 @@ import numbers
 
 import numpy as np
 import torch
+from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
 from sklearn.utils.validation import check_is_fitted
 
@@ -179,34 +180,83 @@ def _normalize(K, dx, dy):
     return K * sx[:, None] * sy[None, :]
 
 
-def path_weights(trajectory, start: int = 0, stop: int | None = None) -> list[tuple[int, float]]:
+_MEMORY = ("discrete", "continuous")
+
+
+def _check_memory(memory):
+    if not isinstance(memory, str) or memory not in _MEMORY:
+        raise ValueError(f"memory must be 'discrete' or 'continuous', got {memory!r}.")
+
+
+def _step_memory_weights(trajectory, begin: int = 0, end: int | None = None) -> np.ndarray:
+    """Total weight of each optimizer step's gradient in the updates of steps ``< end``.
+
+    Entry ``s - begin`` is ``W_s = sum_{t=s}^{end-1} coef_t m^(t-s)`` for
+    ``begin <= s < end`` (``end=None``: the last step): how much the gradient taken at
+    optimizer step ``s`` has moved the parameters by step ``end`` through the optimizer's
+    first-moment memory ``m`` (``Trajectory.step_coefficients``), the memory that the
+    decomposition's adjoint recursion carries. The preconditioner ``D_t`` and weight
+    decay are not part of it.
+    """
+    coef, memory = trajectory.step_coefficients()
+    coef = coef[begin : trajectory.n_steps if end is None else end]
+    if not memory:
+        return coef
+    # W_s = coef_s + m W_{s+1}: a first-order recursion, run backwards over the steps.
+    return lfilter([1.0], [1.0, -memory], coef[::-1])[::-1]
+
+
+def path_weights(trajectory, start: int = 0, stop: int | None = None,
+                 memory: str = "discrete") -> list[tuple[int, float]]:
     """Recorded points ``k`` in ``[start, stop)`` and their path-kernel weights ``w_k``.
 
-    ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with the momentum memory
-    factor ``m = 1 / (1 - momentum)`` for SGD with heavy-ball momentum (its
-    continuous-time limit) and ``m = 1`` otherwise. For Adam / AdamW ``m = 1`` because the
-    bias-corrected first moment ``m_hat_t = sum_s (1 - b1) b1^(t-s) g_s / (1 - b1^t)`` has
-    weights summing to one, and a gradient's total weight over the later steps,
-    ``sum_(t>=s) (1 - b1) b1^(t-s)``, is one as well (up to the bias correction, which
-    only matters in the first ``~1 / (1 - b1)`` steps).
+    ``memory="discrete"`` (the default): ``w_k`` is the total weight that the gradients of
+    the optimizer steps leaving point ``k`` receive in the parameters at the end of the
+    range, through the optimizer's first-moment memory, exactly as the optimizer applied
+    it: for SGD with heavy-ball momentum ``mu``,
+    ``sum_{t>=s} lr_t mu^(t-s)`` up to the range's last step; for Adam / AdamW the
+    bias-corrected ``sum_{t>=s} lr_t (1 - b1) b1^(t-s) / (1 - b1^(t+1))``, which gives
+    the first gradients a total weight up to about 3 ``lr``; plain SGD and RMSprop
+    ``lr_s``. This is the weighting of the decomposition's ``first_order`` formula and
+    of its exact adjoint recursion, so that the path kernel, the first-order formula and
+    the exact decomposition describe one object.
+
+    ``memory="continuous"``: Domingos' continuous-time limit,
+    ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with
+    ``m = 1 / (1 - momentum)`` for heavy-ball SGD and ``m = 1`` otherwise (Adam's
+    first-moment weights sum to one far from the first and last steps). It ignores the
+    bias correction and the end of training, where the last gradients had no time to act.
+
     Points run over those with a step leaving them (``0 .. len(trajectory) - 2``), with
-    Python slice semantics for ``start`` and ``stop``.
+    Python slice semantics for ``start`` and ``stop``; a point with ``record_every > 1``
+    stands for the steps of its interval.
     """
-    spec = trajectory.solver_spec
-    memory = 1.0 / (1.0 - spec.momentum) if spec.name == "sgd" and spec.momentum else 1.0
+    _check_memory(memory)
     steps = np.asarray(trajectory.steps)
     points = range(len(trajectory) - 1)[slice(start, stop)]
-    return [
-        (k, float(trajectory.learning_rates[k]) * float(steps[k + 1] - steps[k]) * memory)
-        for k in points
-    ]
+    if not points:
+        return []
+    if memory == "continuous":
+        spec = trajectory.solver_spec
+        m = 1.0 / (1.0 - spec.momentum) if spec.name == "sgd" and spec.momentum else 1.0
+        return [(k, float(trajectory.learning_rates[k]) * float(steps[k + 1] - steps[k]) * m)
+                for k in points]
+    begin, end = int(steps[points[0]]), int(steps[points[-1] + 1])
+    W = _step_memory_weights(trajectory, begin, end)
+    return [(k, float(W[steps[k] - begin : steps[k + 1] - begin].sum())) for k in points]
 
 
-def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
-    """Weighted sums over steps of Grams and/or diagonals: memory independent of T."""
-    _check_index(start, "start", allow_none=True)
-    _check_index(stop, "stop", allow_none=True)
-    weights = path_weights(estimator.trajectory_, start, stop)
+def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discrete",
+              weights=None):
+    """Weighted sums over steps of Grams and/or diagonals: memory independent of T.
+
+    ``weights``: the ``(point, w_k)`` pairs to sum when the caller has them (a range of a
+    longer path, whose "discrete" weights depend on where the whole path ends).
+    """
+    if weights is None:
+        _check_index(start, "start", allow_none=True)
+        _check_index(stop, "stop", allow_none=True)
+        weights = path_weights(estimator.trajectory_, start, stop, memory)
     if not weights:
         raise ValueError(
             f"The path kernel's range of recorded points [start={start}, stop={stop}) is "
@@ -240,34 +290,35 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag):
     return K, dx, dx if Yt is None else dy
 
 
-def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag):
+def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag, memory):
     """``_path_sum`` with the steps cut into one contiguous range per joblib worker.
 
-    Each task sums its range's step kernels (reading only its points: on disk, its own
-    chunk files) and the partial sums add up here; equal to the serial sum up to the
-    order of the additions.
+    The weights are those of the whole range (with ``memory="discrete"`` they depend on
+    its end); each task sums its points' weighted step kernels (reading only those
+    points: on disk, its own chunk files) and the partial sums add up here, equal to the
+    serial sum up to the order of the additions.
     """
     _check_index(start, "start", allow_none=True)
     _check_index(stop, "stop", allow_none=True)
-    points = [k for k, _ in path_weights(estimator.trajectory_, start, stop)]
-    if not points:  # the serial sum says what is wrong
+    weights = path_weights(estimator.trajectory_, start, stop, memory)
+    if not weights:  # the serial sum says what is wrong
         return _path_sum(estimator, X, Y, start, stop, output, gram=gram, diag=diag)
     reader = reading_copy(estimator)
-    parts = map_ranges(_range_sum, len(points), n_jobs, points, reader, X, Y, output,
+    parts = map_ranges(_range_sum, len(weights), n_jobs, weights, reader, X, Y, output,
                        gram, diag)
     # K, dx, dy: each the sum of the tasks' parts (None where not computed).
     return tuple(None if terms[0] is None else functools.reduce(torch.add, terms)
                  for terms in zip(*parts))
 
 
-def _range_sum(first, last, points, estimator, X, Y, output, gram, diag):
+def _range_sum(first, last, weights, estimator, X, Y, output, gram, diag):
     # A joblib task: its own copy of the module (concurrent tasks on threads would share
     # the estimator's, which the engine hooks).
     own = type(estimator).__new__(type(estimator))
     own.__dict__.update(estimator.__dict__)
     own.module_ = copy.deepcopy(estimator.module_)
-    return _path_sum(own, X, Y, points[first], points[last - 1] + 1, output, gram=gram,
-                     diag=diag)
+    return _path_sum(own, X, Y, None, None, output, gram=gram, diag=diag,
+                     weights=weights[first:last])
 
 
 def reading_copy(estimator, reader=None):
@@ -502,13 +553,15 @@ class PathKernel(_NetworkKernel):
     ``k in [start, stop)`` of the estimator's trajectory (each one a step leaving it),
     with ``D_k`` the optimizer's diagonal preconditioner at that step (identity for SGD,
     ``1 / (sqrt(v_hat) + eps)`` for Adam / AdamW, ``1 / (sqrt(v) + eps)`` for RMSprop)
-    and ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m``: the step size, times
-    the number of optimizer steps the point stands for (``record_every``), times the
-    momentum memory factor ``m = 1 / (1 - momentum)`` for SGD with heavy-ball momentum
-    (its continuous-time limit) and ``m = 1`` for plain SGD, RMSprop, Adam and AdamW.
-    For Adam ``m = 1`` because the bias-corrected first-moment weights of a gradient sum
-    to one. With ``record_every > 1`` the skipped steps are represented by the recorded
-    one (Riemann sum).
+    and ``w_k`` the step's weight (:func:`path_weights`): with ``memory="discrete"``
+    (default) the total weight that the optimizer gave the step's gradient up to the end
+    of the range, through its momentum / first-moment memory, as the decomposition's
+    ``first_order`` and ``exact`` methods weight it (for SGD with heavy-ball momentum
+    ``mu`` that is ``sum_{t>=k} lr_t mu^(t-k)``; for Adam the bias-corrected first-moment
+    weights, up to about 3 ``lr`` for the first steps); with ``memory="continuous"``
+    Domingos' continuous-time limit ``lr_k m``, ``m = 1 / (1 - mu)`` for heavy-ball SGD
+    and 1 otherwise. The two agree for plain SGD and RMSprop. With ``record_every > 1``
+    each recorded point stands for the steps of its interval (Riemann sum).
 
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.
@@ -540,6 +593,12 @@ class PathKernel(_NetworkKernel):
         other machines must reach at the same path) and the partial sums added here
         (for long paths). Both equal the serial sum up to round-off; the user guide's
         "Scaling" page says when each pays.
+    memory : {"discrete", "continuous"}, default="discrete"
+        How a step's gradient is weighted through the optimizer's memory (see above and
+        :func:`path_weights`). "discrete" is the default because it is the weighting the
+        recorded run actually applied, so the kernel is the one of the decomposition's
+        ``first_order`` formula; "continuous" is the gradient-flow limit of the seeds'
+        formulas.
 
     See Also
     --------
@@ -564,7 +623,7 @@ class PathKernel(_NetworkKernel):
     """
 
     def __init__(self, estimator, start=0, stop=None, output="trace", normalized=False,
-                 n_jobs=None, split="rows"):
+                 n_jobs=None, split="rows", memory="discrete"):
         self.estimator = estimator
         self.start = start
         self.stop = stop
@@ -572,18 +631,20 @@ class PathKernel(_NetworkKernel):
         self.normalized = normalized
         self.n_jobs = n_jobs
         self.split = split
+        self.memory = memory
 
     def _check_params(self):
         super()._check_params()
+        _check_memory(self.memory)
         if self.split not in ("rows", "steps"):
             raise ValueError(f"split must be 'rows' or 'steps', got {self.split!r}.")
 
     def _sum(self, X, Y, *, gram, diag):
         if self.split == "steps":
             return _split_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
-                                   self.n_jobs, gram=gram, diag=diag)
+                                   self.n_jobs, gram=gram, diag=diag, memory=self.memory)
         return _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
-                         gram=gram, diag=diag)
+                         gram=gram, diag=diag, memory=self.memory)
 
     def _gram_blocks(self, X, Y):
         return self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)

@@ -40,3 +40,70 @@ def features_loop(module, X):
     """phi(x) as ``transform`` defines it: the flattened Jacobian / sqrt(C), NumPy."""
     J = jacobian_loop(module, X)
     return (J.reshape(J.shape[0], -1) / np.sqrt(J.shape[1])).numpy()
+
+
+def gauss_nodes(n, panels=1):
+    """Composite Gauss-Legendre nodes and weights on [0, 1]: ``panels`` x ``n`` nodes."""
+    s, w = np.polynomial.legendre.leggauss(n)
+    s, w = (s + 1) / 2, w / 2
+    return (np.concatenate([(j + s) / panels for j in range(panels)]),
+            np.concatenate([w / panels] * panels))
+
+
+def _as_input(X):
+    """Rows as the float64 module takes them: token ids stay integers."""
+    X = torch.as_tensor(np.asarray(X))
+    return X.double() if X.is_floating_point() else X
+
+
+def module_with(est, flat):
+    module = copy.deepcopy(est.module_).to(torch.float64)
+    module.load_state_dict(est.trajectory_.unflatten(flat.double()), strict=False)
+    return module
+
+
+def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
+    """Contributions (n, N, C) and regularization (n, C) of the exact decomposition.
+
+    The optimizer's recursion run FORWARD, keeping every training sample's own share of
+    the momentum / Adam buffer, with per-sample loss gradients from one autograd call per
+    sample and the segment-averaged Jacobian of the queries from the plain autograd loop
+    at the quadrature ``nodes`` (``(s, w)`` on [0, 1], e.g. :func:`gauss_nodes`); float64.
+    """
+    traj, spec = est.trajectory_, est.trajectory_.solver_spec
+    N, P = len(X_train), traj.n_params
+    s, w = nodes
+    shares = torch.zeros(N, P, dtype=torch.float64)  # each sample's part of the buffer
+    reg_buf = torch.zeros(P, dtype=torch.float64)
+    memory = {"sgd": spec.momentum, "adam": spec.beta_1, "adamw": spec.beta_1}.get(spec.name, 0.0)
+    with torch.no_grad():
+        n_out = module_with(est, traj.parameters(0))(_as_input(X[:1])).shape[1]
+    contrib = np.zeros((len(X), N, n_out))
+    reg = np.zeros((len(X), n_out))
+    for t, batch in enumerate(traj.batches):
+        theta, nxt = traj.parameters(t).double(), traj.parameters(t + 1).double()
+        module = module_with(est, theta)
+        adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
+        for i in batch:
+            out = module(_as_input(X_train[i : i + 1]))
+            loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
+            grads = torch.autograd.grad(loss, list(module.parameters()))
+            g = torch.cat([p.reshape(-1) for p in grads])
+            shares[i] += g.detach() / len(batch) * adam_factor
+        if spec.name != "adamw":  # AdamW's decay is decoupled: added to the step below
+            reg_buf += spec.weight_decay * theta * adam_factor
+        lr = traj.learning_rates[t]
+        scale = lr / (1 - spec.beta_1 ** (t + 1)) if spec.name in ("adam", "adamw") else lr
+        D = traj.preconditioner(t)
+        D = torch.ones(P, dtype=torch.float64) if D is None else D.double()
+        step_i = -scale * D * shares  # (N, P): sample i's part of this step
+        step_reg = -scale * D * reg_buf
+        if spec.name == "adamw":
+            step_reg = step_reg - lr * spec.weight_decay * theta
+        Jbar = sum(wk * jacobian_loop(module_with(est, theta + sk * (nxt - theta)), X)
+                   for sk, wk in zip(s, w))
+        contrib += torch.einsum("qcp,np->qnc", Jbar, step_i).numpy()
+        reg += torch.einsum("qcp,p->qc", Jbar, step_reg).numpy()
+        shares *= memory
+        reg_buf *= memory
+    return contrib, reg

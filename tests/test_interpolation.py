@@ -5,12 +5,11 @@ sample's own share of the momentum / Adam buffer, with Jacobians from a plain pe
 autograd loop; the library runs a backward adjoint recursion on structured Jacobians.
 """
 
-import copy
 
 import numpy as np
 import pytest
 import torch
-from _reference import jacobian_loop, module_at
+from _reference import forward_recursion, gauss_nodes, jacobian_loop, module_at, module_with
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -40,57 +39,10 @@ def _module_at(est, k):
     return module_at(est, k)
 
 
-def _jacobian_loop(module, X):
-    """(n, C, P) Jacobian by one autograd call per sample and output."""
-    return jacobian_loop(module, X)
-
-
 def _brute_force(est, X_train, Y_train, per_sample_loss, X, n_nodes=6):
     """Contributions (n, N, C) and regularization (n, C) by the forward per-sample recursion."""
-    traj, spec = est.trajectory_, est.trajectory_.solver_spec
-    N, P = len(X_train), traj.n_params
-    s, w = np.polynomial.legendre.leggauss(n_nodes)
-    s, w = (s + 1) / 2, w / 2
-    shares = torch.zeros(N, P, dtype=torch.float64)  # each sample's part of the buffer
-    reg_buf = torch.zeros(P, dtype=torch.float64)
-    memory = {"sgd": spec.momentum, "adam": spec.beta_1, "adamw": spec.beta_1}.get(spec.name, 0.0)
-    n_out = est.n_outputs_
-    contrib = np.zeros((len(X), N, n_out))
-    reg = np.zeros((len(X), n_out))
-    for t, batch in enumerate(traj.batches):
-        theta, nxt = traj.parameters(t).double(), traj.parameters(t + 1).double()
-        module = _module_at(est, t)
-        adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
-        for i in batch:
-            out = module(torch.as_tensor(X_train[i : i + 1]))
-            loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
-            grads = torch.autograd.grad(loss, list(module.parameters()))
-            g = torch.cat([p.reshape(-1) for p in grads])
-            shares[i] += g.detach() / len(batch) * adam_factor
-        if spec.name != "adamw":  # AdamW's decay is decoupled: added to the step below
-            reg_buf += spec.weight_decay * theta * adam_factor
-        lr = traj.learning_rates[t]
-        scale = lr / (1 - spec.beta_1 ** (t + 1)) if spec.name in ("adam", "adamw") else lr
-        D = traj.preconditioner(t)
-        D = torch.ones(P, dtype=torch.float64) if D is None else D.double()
-        step_i = -scale * D * shares  # (N, P): sample i's part of this step
-        step_reg = -scale * D * reg_buf
-        if spec.name == "adamw":
-            step_reg = step_reg - lr * spec.weight_decay * theta
-        # Segment-averaged Jacobian of the queries by plain autograd at each node.
-        Jbar = sum(wk * _jacobian_loop(_module_with(est, theta + sk * (nxt - theta)), X)
-                   for sk, wk in zip(s, w))
-        contrib += torch.einsum("qcp,np->qnc", Jbar, step_i).numpy()
-        reg += torch.einsum("qcp,p->qc", Jbar, step_reg).numpy()
-        shares *= memory
-        reg_buf *= memory
-    return contrib, reg
-
-
-def _module_with(est, flat):
-    module = copy.deepcopy(est.module_)
-    module.load_state_dict(est.trajectory_.unflatten(flat))
-    return module
+    return forward_recursion(est, X_train, Y_train, per_sample_loss, X,
+                             nodes=gauss_nodes(n_nodes))
 
 
 def _squared(out, y):
@@ -198,42 +150,181 @@ def test_float32_error_is_at_round_off(data):
     assert res.error < 1e-5 * max(1.0, np.abs(res.prediction).max())
 
 
-def test_needs_every_step_recorded(data):
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "adam-l2", "adamw"])
+@pytest.mark.parametrize("normalize_y", [False, True])
+def test_thinned_path_reports_its_true_error(data, name, normalize_y, monkeypatch):
+    """record_every > 1: the steps between recorded points are attributed with their
+    batches' gradients at the interval's first point. Not exact: the result says so (a
+    warning) and its error is the true one, measured here from plain forward passes at
+    the recorded end points (in the units of y with normalize_y)."""
+    import skpathkernel._interpolation as interpolation
+
     X_train, y, X = data
-    est = PathKernelMachine(**OLD, hidden_layer_sizes=(4,), max_iter=4, record_every=2,
-                            learning_rate_init=0.01, random_state=0).fit(X_train, y)
-    with pytest.raises(ValueError, match="record_every=1"):
-        est.decompose(X)
+    est = PathKernelMachine(**{**RAW, "normalize_y": normalize_y}, hidden_layer_sizes=(6,),
+                            max_iter=12, batch_size=4, record_every=3, dtype="float64",
+                            random_state=0, **SOLVERS[name]).fit(X_train, y)
+    traj = est.trajectory_
+    assert traj.record_every == 3 and len(traj) - 1 < traj.n_steps
+    with torch.no_grad():
+        X_t = torch.as_tensor(X)
+        moved = module_at(est, -1)(X_t).numpy() - module_at(est, 0)(X_t).numpy()
+    if normalize_y:
+        moved = moved * est._y_scale
+    results = {}
+    for method in ("exact", "first_order"):
+        with pytest.warns(UserWarning, match="recorded every 3 optimizer steps") as record:
+            res = results[method] = est.decompose(X, method=method)
+        true = np.abs(moved - res.contributions.sum(axis=1) - res.regularization).max()
+        assert res.error == pytest.approx(true, rel=1e-9)
+        assert true > 1e-4 * np.abs(moved).max()  # the model's error, not round-off
+        assert f"{res.error:.3g}" in str(record[-1].message)
+    # The steps' segment is still integrated to tol: a step's residual is round-off.
+    assert results["exact"].step_errors.shape == (len(traj) - 1,)
+    assert results["exact"].step_errors.max() < 1e-11 * np.abs(moved).max() + 1e-12
+    # The dense route takes the same intervals.
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    with pytest.warns(UserWarning, match="recorded every 3"):
+        dense = est.decompose(X, method="exact", n_nodes=4)
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="recorded every 3"):
+        fixed = est.decompose(X, method="exact", n_nodes=4)
+    assert_allclose(fixed.contributions, dense.contributions, rtol=1e-10,
+                    atol=1e-13 * np.abs(dense.contributions).max())
+    assert_allclose(fixed.regularization, dense.regularization, rtol=1e-10, atol=1e-14)
+    if name == "sgd" and not normalize_y:
+        # The attribution itself, by a plain loop: step u of interval j gives sample i
+        # of its batch -lr_j / |B_u| J_bar_j(x) g_i(theta_j), J_bar_j at the same nodes.
+        s, w = gauss_nodes(4)
+        expected = np.zeros_like(fixed.contributions)
+        for j in range(len(traj) - 1):
+            theta, step = traj.parameters(j), traj.parameters(j + 1) - traj.parameters(j)
+            J_bar = sum(wk * jacobian_loop(module_with(est, theta + sk * step), X)
+                        for sk, wk in zip(s, w))[:, 0].numpy()
+            at_j = module_at(est, j)
+            with torch.no_grad():
+                r = at_j(torch.as_tensor(X_train))[:, 0].numpy() - y
+            g = jacobian_loop(at_j, X_train)[:, 0].numpy() * r[:, None]
+            for u in range(traj.steps[j], traj.steps[j + 1]):
+                batch = traj.batch(u)
+                expected[:, batch, 0] -= (traj.learning_rates[j] / len(batch)
+                                          * J_bar @ g[batch].T)
+        assert_allclose(fixed.contributions, expected, rtol=0,
+                        atol=1e-10 * np.abs(expected).max())
     with pytest.raises(ValueError, match="method must be"):
         est.decompose(X, method="zeroth")
 
 
+class _WithRaw(torch.nn.Module):
+    """A raw parameter (no rule: the fallback's dense terms) next to two Linear layers."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, 6)
+        self.scale = torch.nn.Parameter(torch.ones(6))
+        self.out = torch.nn.Linear(6, n_out)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x)) * self.scale)
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "adam-l2", "adamw", "rmsprop-l2"])
 @pytest.mark.parametrize("method", ["exact", "first_order"])
 @pytest.mark.parametrize("batch_size", [None, 5])
-def test_sgd_fast_path_equals_the_dense_adjoint(data, method, batch_size, monkeypatch):
-    """Plain SGD's factor-Gram path against the general adjoint path (checked above by
-    brute force for every solver), on a module with a fallback layer too."""
+def test_routes_agree(data, name, method, batch_size, monkeypatch):
+    """The factor-Gram route (plain SGD), the pair engine's adjoint and the dense route
+    give the same decomposition (the dense one is checked above by brute force), on a
+    module with a fallback layer too, at the same nodes."""
     import skpathkernel._interpolation as interpolation
 
-    class WithRaw(torch.nn.Module):  # a raw parameter: no rule, goes to the fallback
-        def __init__(self, n_in, n_out):
-            super().__init__()
-            self.lin = torch.nn.Linear(n_in, 6)
-            self.scale = torch.nn.Parameter(torch.ones(6))
-            self.out = torch.nn.Linear(6, n_out)
+    X_train, y, X = data
+    est = PathKernelMachine(**RAW, module=_WithRaw, max_iter=6, batch_size=batch_size,
+                            dtype="float64", random_state=0, **SOLVERS[name])
+    est.fit(X_train, y)
+    default = "factor" if name == "sgd" else "adjoint"
+    assert interpolation._route(est.trajectory_, method) == default
+    routes = ["adjoint", "dense"] + (["factor"] if name == "sgd" else [])
+    results = {}
+    for route in routes:
+        monkeypatch.setattr(interpolation, "_route", lambda traj, method, r=route: r)
+        results[route] = est.decompose(X, method=method, n_nodes=4)
+    ref = results.pop("dense")
+    for res in results.values():
+        assert_allclose(res.contributions, ref.contributions, rtol=1e-10, atol=1e-13)
+        assert_allclose(res.regularization, ref.regularization, rtol=1e-10, atol=1e-13)
+        assert res.error == pytest.approx(ref.error, abs=1e-12)
+    if est.alpha:
+        assert np.abs(ref.regularization).max() > 1e-4
 
-        def forward(self, x):
-            return self.out(torch.tanh(self.lin(x)) * self.scale)
+
+def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
+    """The adjoint buffer stores lambda / m^k and folds the factor in when it would leave
+    the dtype's range (every 20 steps at m = 0.5): 45 steps against the dense route."""
+    import skpathkernel._interpolation as interpolation
 
     X_train, y, X = data
-    est = PathKernelMachine(**OLD, module=WithRaw, max_iter=6, batch_size=batch_size, alpha=0.05,
-                            learning_rate_init=0.1, dtype="float64", random_state=0)
-    est.fit(X_train, y)
-    assert interpolation._structured(est.trajectory_, method)
-    fast = est.decompose(X, method=method)
-    monkeypatch.setattr(interpolation, "_structured", lambda traj, method: False)
-    dense = est.decompose(X, method=method)
-    assert_allclose(fast.contributions, dense.contributions, rtol=1e-10, atol=1e-13)
-    assert_allclose(fast.regularization, dense.regularization, rtol=1e-10, atol=1e-13)
-    assert np.abs(fast.regularization).max() > 1e-4
-    assert fast.error == pytest.approx(dense.error, abs=1e-12)
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
+                            learning_rate_init=0.05, max_iter=45, dtype="float64",
+                            random_state=0).fit(X_train, y)
+    adjoint = est.decompose(X, n_nodes=1)
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    dense = est.decompose(X, n_nodes=1)
+    assert_allclose(adjoint.contributions, dense.contributions, rtol=1e-10,
+                    atol=1e-13 * np.abs(dense.contributions).max())
+    assert adjoint.error == pytest.approx(dense.error, rel=1e-6, abs=1e-14)
+
+
+class _Attention(torch.nn.Module):
+    """Token ids through an embedding, a LayerNorm and self-attention: every term of
+    these rules carries a position axis (and the embedding's is transposed)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+        self.out = torch.nn.Linear(4 * n_in, n_out)
+
+    def forward(self, x):
+        h = self.norm(self.embed(x))
+        return self.out(torch.tanh(self.attn(h, h, h, need_weights=False)[0]).flatten(1))
+
+
+def _cnn(n_in, n_out):
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Tanh(),
+                               torch.nn.Conv2d(4, 4, 3, groups=2), torch.nn.Tanh(),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 3, n_out))
+
+
+@pytest.mark.parametrize("solver", [dict(solver="sgd", learning_rate_init=0.1),
+                                    dict(solver="adam", learning_rate_init=0.02, alpha=0.01)])
+@pytest.mark.parametrize("kind", ["cnn", "tokens"])
+def test_layers_with_positions_decompose_like_the_brute_force(kind, solver, monkeypatch):
+    """Rules with a position axis (convolutions, grouped ones, an embedding, LayerNorm,
+    attention) in the factor-Gram, adjoint and dense routes, against the forward
+    per-sample recursion with plain autograd Jacobians, at the same nodes."""
+    import skpathkernel._interpolation as interpolation
+    from skpathkernel.rules import layer_routes
+
+    rng = np.random.RandomState(0)
+    if kind == "cnn":
+        module, X_train = _cnn, rng.uniform(-1, 1, size=(10, 1, 5, 5))
+    else:
+        module, X_train = _Attention, rng.randint(0, 5, size=(10, 3))
+    y = rng.uniform(-1, 1, size=10)
+    est = PathKernelMachine(**RAW, module=module, max_iter=3, batch_size=4,
+                            dtype="float64", random_state=0, **solver).fit(X_train, y)
+    routes = layer_routes(est.module_, X_train[:2])
+    assert routes and all(r.route == "rule" for r in routes)
+    Xq = X_train[:3]
+    res = est.decompose(Xq, n_nodes=3)
+    contrib, reg = forward_recursion(est, X_train, torch.as_tensor(y).reshape(-1, 1),
+                                     _squared, Xq, nodes=gauss_nodes(3))
+    scale = np.abs(res.contributions).max()
+    assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+    # Error control on the same path: floating-point precision.
+    exact = est.decompose(Xq)
+    assert exact.error <= 1e-10 * np.abs(exact.prediction).max()
+    monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
+    dense = est.decompose(Xq, n_nodes=3)
+    assert_allclose(dense.contributions, contrib, rtol=0, atol=1e-10 * scale)

@@ -87,11 +87,14 @@ def _explicit_path_kernel(est, X, Y, *, memory, start=0, stop=None):
      ("rmsprop", 0.0, 1.0)],
 )
 def test_path_kernel_matches_explicit_sum(solver, momentum, memory):
+    # The continuous-time weighting (memory factor 1 / (1 - momentum)); the default,
+    # discrete one is checked against a replay of the optimizer in test_weighting.py.
     est, X = _fit(solver, momentum, record_every=2)
     assert np.all(np.diff(est.trajectory_.steps) == 2)  # weights must count the steps
     Y = X[:4] - 0.2
-    _close(PathKernel(est)(X, Y), _explicit_path_kernel(est, X, Y, memory=memory))
-    _close(PathKernel(est, start=1, stop=-1)(X, Y),
+    _close(PathKernel(est, memory="continuous")(X, Y),
+           _explicit_path_kernel(est, X, Y, memory=memory))
+    _close(PathKernel(est, start=1, stop=-1, memory="continuous")(X, Y),
            _explicit_path_kernel(est, X, Y, memory=memory, start=1, stop=-1))
     K = PathKernel(est)(X)
     _close(np.diag(K), PathKernel(est).diag(X))
@@ -103,7 +106,7 @@ def test_path_kernel_matches_explicit_sum(solver, momentum, memory):
 def test_path_weights():
     est, _ = _fit("sgd", 0.75, record_every=3)
     traj = est.trajectory_
-    weights = path_weights(traj)
+    weights = path_weights(traj, memory="continuous")
     assert [k for k, _ in weights] == list(range(len(traj) - 1))
     lr = est.learning_rate_init
     expected = [lr * (traj.steps[k + 1] - traj.steps[k]) * 4.0 for k in range(len(traj) - 1)]

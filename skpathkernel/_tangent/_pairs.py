@@ -1,0 +1,335 @@
+"""Query-by-sample products of the decomposition, from the layers' factors.
+
+Private engine behind :mod:`skpathkernel._interpolation`. One step ``t`` of the exact
+decomposition pairs the queries' segment-averaged Jacobian
+``rho_t(x) = sum_k w_k J(x; theta_t + s_k dtheta_t)`` (quadrature nodes ``k``) with the
+per-sample loss gradients ``g_i = J(x_i; theta_t)^T r_i`` of the step's batch. For a
+parameter with a rule (:mod:`._rules`) both sides are factored: node ``k`` gives
+``delta_k(x) (outer) a_k(x)`` per output, sample ``i`` gives ``dhat_i (outer) a_i`` with
+``dhat_i = sum_c r_ic delta_ic``. So:
+
+- plain SGD (no memory, ``D = I``): the pair term is
+  ``sum_k w_k (delta_k(x) . dhat_i) (a_k(x) . a_i)``, two small GEMMs per layer
+  (:func:`factor_shares`), the same cost as a tangent Gram;
+- a diagonal preconditioner ``D`` and / or a momentum memory: the pair term
+  ``(delta_x * dhat_i)^T D (a_x * a_i)`` has no rank-one form, and with memory the
+  queries' side is the adjoint ``lambda_t = sum_{u>=t} m^(u-t) coef_u D_u rho_u``, a
+  full ``(queries x outputs) x P`` buffer (:class:`Adjoint`). It is updated per layer
+  by one batched GEMM over the nodes (``sum_k w_k delta_k a_k^T``, never a Jacobian
+  per node) fused with ``D`` and then contracted with the batch as
+  ``(lambda a_i) . dhat_i``: one GEMM over the layer's input dimension, the sum over its
+  output dimension, both accumulated in float64. Both passes run in chunks of rows that
+  stay in cache, so the buffer is read and written once per step. The memory factor is
+  kept out of the buffer (``lambda = z S``, :class:`Adjoint`), which saves the pass that
+  would scale it.
+
+Layers without a rule come as dense terms (``a = None``, ``delta`` their per-sample
+Jacobian) and go through the same code as a bias. :func:`pair_terms` brings a capture's
+terms to this layout: one position and one group (nn.Linear on ``(n, d)``) keeps its
+factors; a term over several positions (convolutions, sequences), a grouped or a
+transposed one (an embedding) is formed as per-sample gradients first
+(:func:`._contract.densify`), which is the cheaper form here: the adjoint is a dense
+``(queries x outputs) x P`` buffer anyway, and contracting it with ``S`` positions of
+a sample's factors costs ``S`` times the product with the sample's formed gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._contract import densify, rank_one, split_constant_inputs
+from ._rules import Term
+
+__all__ = ["Adjoint", "Flat", "directional", "factor_shares", "pair_terms", "sample_factors"]
+
+# Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
+# while it is still in cache. On a CPU with 2 MiB of L2 per core, 1-4 MiB chunks were
+# within a few percent of each other (2-W-W-2 MLPs, W = 256, 512) and 256 KiB chunks 20%
+# slower (Python overhead per chunk); a GPU takes the whole buffer at once.
+CHUNK_BYTES = 2**21
+# The contraction with the batch sums terms that cancel (Adam's preconditioner spans many
+# decades): in float32 its round-off was 1.8e-5 relative on 2-256-256-2 (AdamW, 40 steps),
+# 4x the 4.6e-6 of float64 accumulation, which costs 1.35x the time (a float64 copy of
+# each cached chunk, then a float64 GEMM). The buffer itself stays in the path's dtype.
+ACCUMULATE = torch.float64
+
+
+@dataclass
+class Flat:
+    """A term in the layout this module contracts: ``delta (n, C, p)``, inputs
+    ``(name, a)`` with ``a (n, q)`` (parameter ``(p, q)``) or ``None`` (``p`` entries)."""
+
+    delta: torch.Tensor
+    inputs: list[tuple[str, torch.Tensor | None]]
+
+
+def pair_terms(terms: Sequence[Term]) -> list[Flat]:
+    """A capture's terms in :class:`Flat` layout, in a fixed order for a fixed network.
+
+    Rank-one terms keep their factors; the others (several positions, groups, a
+    transposed parameter) become per-sample gradients, and a bias over several positions
+    its summed ``delta``.
+    """
+    out = []
+    for term in terms:
+        for part in split_constant_inputs(term):
+            if not (rank_one(part) and not part.transposed):
+                part_terms = densify(part)
+            else:
+                part_terms = [part]
+            out.extend(Flat(t.delta[:, :, 0], [(name, None if a is None else a[:, 0])
+                                               for name, a in t.inputs])
+                       for t in part_terms)
+    return out
+
+
+def sample_factors(terms: Sequence[Flat], r: torch.Tensor) -> list[torch.Tensor]:
+    """Per term, ``dhat_i = sum_c r_ic delta_ic`` (n, p): the loss-gradient backprops."""
+    r = r.to(terms[0].delta.dtype)
+    return [torch.einsum("ncp,nc->np", t.delta, r) for t in terms]
+
+
+def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
+                *vectors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_k w_k J(x; node k) . v`` (n, C) in float64 from the factors, per ``v``.
+
+    ``v[name]`` is a parameter-shaped direction in float64. The factors are promoted to
+    float64 so that the products add no round-off of the factors' dtype to their own;
+    the nodes go through one GEMM per parameter.
+
+    Returns
+    -------
+    out : tensor of float64, shape (len(vectors), n, C)
+    spread : tensor of float64, shape (n, C)
+        The 2-norm of the terms of the first product,
+        ``sqrt(sum_k w_k^2 sum_p (J_kp v_p)^2)``: the factors' relative round-off
+        ``eps`` moves the product by about ``eps * spread``.
+    """
+    n, C = nodes[0][0].delta.shape[:2]
+    k, m = len(vectors), len(nodes)
+    w = torch.as_tensor(weights, dtype=torch.float64, device=nodes[0][0].delta.device)
+    out = torch.zeros((k, n, C), dtype=torch.float64, device=w.device)
+    spread = torch.zeros((n, C), dtype=torch.float64, device=w.device)
+    for j, term in enumerate(nodes[0]):
+        # All nodes' backprops, weighted: (m, n, C, p).
+        d = torch.stack([node[j].delta for node in nodes]).to(torch.float64)
+        d *= w.view(m, 1, 1, 1)
+        p = d.shape[-1]
+        d2 = d * d
+        for i, (name, a) in enumerate(term.inputs):
+            v = torch.stack([vec[name].reshape(p, -1) for vec in vectors])  # (k, p, q)
+            if a is None:
+                out += torch.einsum("mncp,kp->knc", d, v[:, :, 0])
+                spread += torch.einsum("mncp,p->nc", d2, v[0, :, 0] ** 2)
+            else:
+                A = torch.cat([node[j].inputs[i][1] for node in nodes]).to(torch.float64)
+                av = (A @ v.reshape(k * p, -1).T).reshape(m, n, k, p)
+                out += torch.einsum("mncp,mnkp->knc", d, av)
+                # sum_oj (delta_o v_oj a_j)^2 = (delta^2)^T (v^2) (a^2), one more GEMM.
+                av2 = ((A * A) @ (v[0] ** 2).T).reshape(m, n, p)
+                spread += torch.einsum("mncp,mnp->nc", d2, av2)
+    return out, spread.sqrt_()
+
+
+def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
+                  batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_k w_k J(x; node k) J(x_i)^T r_i`` for every query and sample: (n, C, m).
+
+    Plain SGD's pair term, ``D = I``: per term ``(delta_k(x) . dhat_i)`` times the sum
+    over its inputs of ``(a_k(x) . a_i)`` (1 for a bias), in float64.
+    """
+    out = None
+    for node, w in zip(nodes, weights):
+        for tx, ty, dh in zip(node, batch, dhat):
+            n, C, p = tx.delta.shape
+            Gd = (tx.delta.reshape(n * C, p) @ dh.T).reshape(n, C, -1).to(torch.float64)
+            # The inputs' Gram, summed over the term's parameters (a bias's input is 1).
+            Ga = sum(1.0 if ax is None else (ax @ ay.T).to(torch.float64)
+                     for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs))
+            Gd.mul_(Ga.unsqueeze(1) * w if isinstance(Ga, torch.Tensor) else Ga * w)
+            out = Gd if out is None else out.add_(Gd)
+    return out
+
+
+class Adjoint:
+    """The adjoint ``lambda = z S`` of a block of queries, stored per parameter.
+
+    ``S[name]`` has shape ``(n * C, p, q)`` (a weight-like parameter with factors) or
+    ``(n * C, p)`` (a bias, or a dense fallback term), rows ordered ``(query, output)``;
+    ``z`` is a float. One step (:meth:`step`) sets ``lambda_t = m lambda_{t+1} + coef D
+    rho_t``: ``z <- m z`` and ``S += (coef / z) D rho_t``, so that the memory costs no
+    pass over the buffer (``S`` is rescaled when ``z`` gets small). Without memory
+    (``m = 0``) ``S = D rho_t`` and ``z = coef``.
+
+    Parameters
+    ----------
+    like : list of Flat
+        Terms of a capture of the queries (only their shapes are used).
+    memory : float
+        The first-moment memory ``m`` (0 for RMSprop).
+    """
+
+    def __init__(self, like: Sequence[Flat], memory: float):
+        self.memory = float(memory)
+        self.z = None
+        self.S: dict[str, torch.Tensor] = {}
+        n, C = like[0].delta.shape[:2]
+        self.rows = n * C
+        delta = like[0].delta
+        for term in like:
+            p = term.delta.shape[2]
+            for name, a in term.inputs:
+                shape = (self.rows, p) if a is None else (self.rows, p, a.shape[1])
+                self.S[name] = torch.zeros(shape, dtype=delta.dtype, device=delta.device)
+        self.cpu = delta.device.type == "cpu"
+
+    def _chunks(self, S: torch.Tensor):
+        """Row slices of ``S`` of about CHUNK_BYTES (all rows off the CPU)."""
+        per_row = S[0].numel() * S.element_size()
+        size = max(1, CHUNK_BYTES // per_row) if self.cpu else self.rows
+        return [slice(i, min(i + size, self.rows)) for i in range(0, self.rows, size)]
+
+    def step(self, nodes: Sequence[Sequence[Flat]], weights: Sequence[float], coef: float,
+             D: Mapping[str, torch.Tensor] | None, batch: Sequence[Flat],
+             dhat: Sequence[torch.Tensor], decay: Mapping[str, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Update to step t's adjoint and contract it with (a block of) the batch.
+
+        Parameters
+        ----------
+        nodes : list over nodes of list of Flat
+            The queries' factors at the quadrature nodes of step t.
+        weights : list of float
+            The nodes' weights.
+        coef : float
+            The step's scale, ``-lr_t`` times Adam's bias correction.
+        D : mapping of str to tensor or None
+            The preconditioner per parameter (parameter-shaped), None for the identity.
+        batch, dhat : list of Flat, list of tensor, or None
+            The batch's factors at ``theta_t`` and its :func:`sample_factors`; None for
+            a step without samples (the update alone).
+        decay : mapping of str to tensor, optional
+            L2 weight decay ``wd theta_t`` per parameter: ``lambda_t . decay`` is
+            returned too.
+
+        Returns
+        -------
+        shares : tensor of float64, shape (n * C, m), or None
+            ``lambda_t . g_i`` for the m samples of the batch (None without a batch).
+        reg : tensor of float64, shape (n * C,), or None
+            ``lambda_t . decay``.
+        """
+        if self.memory:
+            self.z = 1.0 if self.z is None else self.z * self.memory
+            if self.z < 1e-6:
+                # S alone would grow as m^-t: fold z in before it leaves the dtype's range.
+                for S in self.S.values():
+                    S.mul_(self.z)
+                self.z = 1.0
+            alpha = coef / self.z
+        else:
+            self.z, alpha = coef, 1.0
+        return self._pass(nodes, weights, alpha, D, batch, dhat, decay)
+
+    def contract(self, batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``lambda_t . g_i`` for another block of the step's batch, (n * C, m) float64."""
+        return self._pass(None, None, None, None, batch, dhat, None)[0]
+
+    def _pass(self, nodes, weights, alpha, D, batch, dhat, decay):
+        """Update (``nodes`` given) and / or contract (``batch`` given), term by term."""
+        shares = None
+        device = next(iter(self.S.values())).device
+        reg = None if decay is None else torch.zeros(self.rows, dtype=torch.float64,
+                                                     device=device)
+        for j, term in enumerate(nodes[0] if nodes is not None else batch):
+            U = None
+            if nodes is not None:
+                C = term.delta.shape[1]
+                # The nodes' weighted backprops, rows (query, output): (n C, p, n_nodes).
+                U = torch.stack([w * node[j].delta for node, w in zip(nodes, weights)], dim=-1)
+                U = U.reshape(self.rows, U.shape[2], len(nodes))
+            for i, (name, _) in enumerate(term.inputs):
+                S = self.S[name]
+                d = None if D is None else D[name].reshape(S.shape[1:])
+                v = None if decay is None else decay[name].reshape(S.shape[1:])
+                a_b = None if batch is None else batch[j].inputs[i][1]
+                part = None
+                if S.ndim == 2:
+                    if U is not None:
+                        self._update_bias(S, U, d, alpha)
+                    if batch is not None:
+                        part = S.to(ACCUMULATE) @ dhat[j].T.to(ACCUMULATE)
+                    if v is not None:
+                        reg += (S.to(ACCUMULATE) @ v.to(ACCUMULATE)).to(torch.float64)
+                else:
+                    V = None
+                    if U is not None:
+                        V = torch.stack([node[j].inputs[i][1] for node in nodes], dim=1)
+                        # One row of V per query, shared by its C outputs.
+                        V = V.repeat_interleave(C, dim=0) if C > 1 else V
+                    part = self._weight(S, U, V, d, alpha, a_b,
+                                        None if batch is None else dhat[j], v, reg)
+                if part is not None:
+                    part = part.to(torch.float64)
+                    shares = part if shares is None else shares.add_(part)
+        if shares is not None:
+            shares.mul_(self.z)
+        return shares, None if reg is None else reg.mul_(self.z)
+
+    def _update_bias(self, S, U, d, alpha):
+        rho = U.sum(-1)
+        if not self.memory:
+            S.copy_(rho if d is None else rho.mul_(d))
+        elif d is None:
+            S.add_(rho, alpha=alpha)
+        else:
+            S.addcmul_(rho, d, value=alpha)
+
+    def _weight(self, S, U, V, d, alpha, a_b, dhat_b, v, reg):
+        """Chunk by chunk: ``S += alpha d * (U @ V)`` (when U is given), then
+        ``(S a_i) . dhat_i`` and ``S . v`` while the chunk is in cache."""
+        rows, p, q = S.shape
+        m = 0 if a_b is None else a_b.shape[0]
+        T1 = None if a_b is None else torch.empty((rows, p, m), dtype=ACCUMULATE,
+                                                  device=S.device)
+        A = None if a_b is None else a_b.to(ACCUMULATE)
+        chunks = self._chunks(S)
+        scratch = wide = None
+        if U is not None and self.memory and d is not None:
+            scratch = torch.empty_like(S[chunks[0]])
+        if S.dtype != ACCUMULATE and (T1 is not None or v is not None):
+            wide = torch.empty(S[chunks[0]].shape, dtype=ACCUMULATE, device=S.device)
+        if v is not None:
+            Sv = torch.empty((rows, p), dtype=ACCUMULATE, device=S.device)
+            v = v.to(ACCUMULATE)
+        for sl in chunks:
+            Sc = S[sl]
+            if U is None:
+                pass
+            elif not self.memory:
+                torch.bmm(U[sl], V[sl], out=Sc)
+                if d is not None:
+                    Sc.mul_(d)
+            elif d is None:
+                Sc.baddbmm_(U[sl], V[sl], alpha=alpha)
+            else:
+                tmp = scratch[: sl.stop - sl.start]
+                torch.bmm(U[sl], V[sl], out=tmp)
+                Sc.addcmul_(tmp, d, value=alpha)
+            if T1 is None and v is None:
+                continue
+            Sw = Sc if wide is None else wide[: sl.stop - sl.start].copy_(Sc)
+            if T1 is not None:
+                # (S a_i) for every sample: a GEMM over the layer's inputs q.
+                torch.matmul(Sw.view(-1, q), A.T, out=T1[sl].view(-1, m))
+            if v is not None:
+                torch.sum(Sw * v, dim=-1, out=Sv[sl])
+        if v is not None:
+            reg += Sv.to(torch.float64).sum(-1)
+        if T1 is None:
+            return None
+        # The sum over the layer's outputs p: (rows, p, m) . (m, p).
+        return T1.mul_(dhat_b.T.to(ACCUMULATE)).sum(1)

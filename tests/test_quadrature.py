@@ -1,0 +1,192 @@
+"""Error control of the exact decomposition: nodes per step, the tolerance, the warning.
+
+The reference is the forward per-sample recursion of tests/_reference.py with a
+high-order composite Gauss-Legendre rule (4 panels of 16 nodes), independent of the
+library's adjoint recursion, its factors and its node selection.
+"""
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _reference import forward_recursion, gauss_nodes, module_at
+from numpy.testing import assert_allclose
+from sklearn.exceptions import ConvergenceWarning
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+
+REFERENCE = gauss_nodes(16, panels=4)
+# The estimators' defaults before issue 20, pinned where a test was built on them: tanh,
+# exactly max_iter epochs, and (regression) the targets as given, which the references use.
+OLD = dict(tol=None, activation="tanh")
+RAW = dict(OLD, normalize_y=False)
+
+
+def _cross_entropy(out, y):
+    return torch.nn.functional.cross_entropy(out, y.reshape(-1), reduction="none")
+
+
+def _squared(out, y):
+    return 0.5 * (out - y).pow(2).mean(dim=1)
+
+
+@pytest.fixture(scope="module")
+def circle():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(24, 2))
+    labels = (X ** 2).sum(1) > 0.5
+    return X, labels.astype(int), rng.uniform(-1.2, 1.2, size=(3, 2))
+
+
+def _large_steps(name, circle):
+    """Steps far from the small-step regime: every parameter moves by up to 0.01 (AdamW,
+    a wide net) or 0.2 (RMSprop's first steps at lr 0.02, its second moment starts at 0)."""
+    X, labels, Xq = circle
+    if name == "adamw-wide":
+        est = PathKernelClassifier(**OLD, hidden_layer_sizes=(256, 256), solver="adamw",
+                                   learning_rate_init=1e-2, alpha=0.01, batch_size=8,
+                                   max_iter=2, dtype="float64", random_state=0)
+        est.fit(X, np.where(labels, 2, X[:, 0] > 0))  # three classes: logits, C = 3
+        Y = torch.as_tensor(est._Y_fit, dtype=torch.long)
+        return est, X, Y, _cross_entropy, Xq
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(24, 24), solver="rmsprop",
+                            learning_rate_init=0.02, batch_size=8, max_iter=2,
+                            dtype="float64", random_state=0)
+    y = np.sin(3 * X[:, 0]) + X[:, 1]
+    est.fit(X, y)
+    return est, X, torch.as_tensor(y).reshape(-1, 1), _squared, Xq
+
+
+@pytest.mark.parametrize("name", ["adamw-wide", "rmsprop"])
+def test_adaptive_nodes_reach_tol_on_large_steps(name, circle):
+    est, X, Y, loss, Xq = _large_steps(name, circle)
+    contrib, reg = forward_recursion(est, X, Y, loss, Xq, nodes=REFERENCE)
+    res = est.decompose(Xq)
+    scale = np.abs(res.prediction).max()
+    # The old fixed 5 nodes are far from it: these steps need error control.
+    fixed = est.decompose(Xq, n_nodes=5)
+    assert fixed.error > 1e-8 * scale
+    assert res.error <= 1e-10 * scale
+    assert_allclose(res.contributions, contrib, rtol=0,
+                    atol=1e-10 * np.abs(contrib).max())
+    assert_allclose(res.regularization, reg, rtol=0, atol=1e-10 * max(np.abs(reg).max(), 1))
+    # The result says what it used: more nodes where the steps are large.
+    assert res.tol == 1e-12 and res.n_nodes.shape == (est.trajectory_.n_steps,)
+    assert res.n_nodes.max() > 5 and res.n_nodes.min() >= 1
+    assert res.step_errors.shape == res.n_nodes.shape
+    assert res.step_errors.sum() <= 1e-10 * scale
+    assert fixed.tol is None and np.all(fixed.n_nodes == 5)
+
+
+def test_tol_trades_nodes_for_error(circle):
+    est, X, Y, loss, Xq = _large_steps("rmsprop", circle)
+    loose, tight = est.decompose(Xq, tol=1e-5), est.decompose(Xq, tol=1e-11)
+    scale = np.abs(tight.prediction).max()
+    assert loose.n_nodes.sum() < tight.n_nodes.sum()
+    assert loose.error <= 1e-5 * scale < 1e-3 * scale
+    assert tight.error <= 1e-11 * scale < loose.error
+    assert loose.tol == 1e-5
+    assert est.decompose(Xq, method="first_order").n_nodes is None
+
+
+def test_warning_names_the_steps_at_the_cap(circle, monkeypatch):
+    import skpathkernel._interpolation as interpolation
+
+    est, X, Y, loss, Xq = _large_steps("rmsprop", circle)
+    monkeypatch.setattr(interpolation, "MAX_NODES", 4)
+    with pytest.warns(ConvergenceWarning, match=r"did not reach tol=1e-12") as record:
+        res = est.decompose(Xq)
+    message = str(record[0].message)
+    steps = [int(s) for s in re.findall(r"(\d+) \(residual", message)]
+    assert steps and all(res.n_nodes[s] == 4 for s in steps)
+    # The first RMSprop steps are the largest: they are among those named.
+    assert 0 in steps
+    assert f"achieved error is {res.error:.3g}" in message
+    for s in steps:
+        assert res.step_errors[s] > res.tol * np.abs(res.prediction).max() / len(res.n_nodes)
+
+
+def test_warning_for_a_nonsmooth_activation():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(32, 2))
+    est = PathKernelMachine(hidden_layer_sizes=(16, 16), activation="relu", solver="adam",
+                            learning_rate_init=0.02, max_iter=6, batch_size=8,
+                            dtype="float64", random_state=0).fit(X, np.sin(3 * X[:, 0]))
+    with pytest.warns(ConvergenceWarning, match="stopped converging"):
+        res = est.decompose(X[:4])
+    # Kinks cap the nodes instead of running every step to MAX_NODES.
+    assert res.n_nodes.mean() < 16
+    assert res.error == pytest.approx(np.abs(res.reconstruction - res.prediction).max())
+
+
+def test_no_warning_and_round_off_on_small_steps():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(16,), solver="adam", max_iter=10,
+                            batch_size=5, dtype="float64", random_state=0)
+    est.fit(X, np.sin(3 * X[:, 0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        res = est.decompose(X[:3])
+    assert res.error <= 1e-12 * np.abs(res.prediction).max()
+    assert res.n_nodes.max() <= 6  # small steps need few nodes
+
+
+@pytest.mark.parametrize("solver", [dict(solver="adam", alpha=0.01),
+                                    dict(solver="sgd", momentum=0.9),
+                                    dict(solver="sgd")])
+def test_results_do_not_depend_on_block_sizes(solver, monkeypatch):
+    """Query blocks, batch blocks and the adjoint's cache chunks of a few rows give the
+    decomposition of one block, with the expected weighting's batch of every sample."""
+    import skpathkernel._tangent._pairs as pairs
+
+    rng = np.random.RandomState(3)
+    X = rng.uniform(-1, 1, size=(18, 3))
+    est = PathKernelClassifier(**OLD, hidden_layer_sizes=(7, 5), max_iter=3, batch_size=6,
+                               learning_rate_init=0.05, dtype="float64", random_state=0,
+                               **solver).fit(X, (X[:, 0] > 0) + (X[:, 1] > 0))
+    Xq = X[:5] + 0.1
+    big = {w: est.decompose(Xq, weighting=w) for w in ("realized", "expected")}
+    small = est.set_params(memory_budget=8192)
+    monkeypatch.setattr(pairs, "CHUNK_BYTES", 64)
+    for weighting, ref in big.items():
+        res = small.decompose(Xq, weighting=weighting)
+        assert_allclose(res.contributions, ref.contributions, rtol=1e-10,
+                        atol=1e-13 * np.abs(ref.contributions).max())
+        assert_allclose(res.regularization, ref.regularization, rtol=1e-10, atol=1e-14)
+        np.testing.assert_array_equal(res.prediction, ref.prediction)
+
+
+def test_float32_path_with_a_module_that_refuses_float64():
+    """The residual's float64 reference needs a float64 copy of the module; a module
+    that only runs in its own dtype keeps that dtype (a higher floor), and works."""
+
+    class Float32Only(torch.nn.Module):
+        def __init__(self, n_in, n_out):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(n_in, 8), torch.nn.Linear(8, n_out)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x.to(torch.float32))))
+
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    est = PathKernelMachine(**RAW, module=Float32Only, solver="adam", learning_rate_init=0.01,
+                            max_iter=5, batch_size=5, random_state=0)
+    res = est.fit(X, np.sin(3 * X[:, 0])).decompose(X[:3])
+    assert res.error < 1e-5 * np.abs(res.prediction).max()
+    with torch.no_grad():
+        expected = module_at(est, -1, dtype=torch.float32)(torch.as_tensor(X[:3]).float())
+    assert_allclose(res.prediction, expected.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("tol", [0, -1e-3, float("nan"), float("inf"), "1e-6", True])
+def test_bad_tol_is_refused(tol):
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(8, 2))
+    est = PathKernelMachine(hidden_layer_sizes=(3,), max_iter=1, random_state=0)
+    est.fit(X, X[:, 0])
+    with pytest.raises(ValueError, match="tol must be a positive number"):
+        est.decompose(X[:2], tol=tol)

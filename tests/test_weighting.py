@@ -1,0 +1,150 @@
+"""The path kernel's memory weighting against a replay of the optimizer itself.
+
+The reference weights come from torch.optim, not from the library: one scalar parameter,
+the optimizer class and hyper-parameters of the trajectory, its recorded step sizes, and a
+unit gradient at one step (zero elsewhere). The parameter's total displacement is the
+weight that step's gradient received. Adam and RMSprop get ``eps = 1e30``, which makes
+their update linear in the gradient (``lr m_hat / eps``) without changing the first-moment
+recursion or its bias correction.
+"""
+
+import numpy as np
+import pytest
+import torch
+from _reference import jacobian_loop, module_at
+
+from skpathkernel import PathKernelMachine
+from skpathkernel.kernels import PathKernel, path_weights
+
+EPS = 1e30
+
+
+def _replayed(traj, end=None, impulses=None):
+    """W_s for the optimizer steps s < end (or those in ``impulses``), by torch.optim on
+    an impulse gradient at step s, run to step ``end``."""
+    spec = traj.solver_spec
+    end = traj.n_steps if end is None else end
+    point = np.searchsorted(traj.steps, np.arange(traj.n_steps), side="right") - 1
+    lrs = traj.learning_rates[point]
+    weights = []
+    for s in range(end) if impulses is None else impulses:
+        p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        if spec.name == "sgd":
+            opt, scale = torch.optim.SGD([p], lr=1.0, momentum=spec.momentum), 1.0
+        elif spec.name in ("adam", "adamw"):
+            opt = torch.optim.Adam([p], lr=1.0, betas=(spec.beta_1, spec.beta_2), eps=EPS)
+            scale = EPS
+        else:
+            opt = torch.optim.RMSprop([p], lr=1.0, alpha=spec.rmsprop_alpha, eps=EPS)
+            scale = EPS
+        for t in range(end):
+            opt.param_groups[0]["lr"] = float(lrs[t])
+            p.grad = torch.tensor([1.0 if t == s else 0.0], dtype=torch.float64)
+            opt.step()
+        weights.append(-float(p.detach()) * scale)
+    return np.array(weights)
+
+
+SOLVERS = {
+    "sgd-momentum": dict(solver="sgd", momentum=0.8, learning_rate_init=0.05),
+    "adam": dict(solver="adam", learning_rate_init=0.01),
+    "adamw": dict(solver="adamw", learning_rate_init=0.01, alpha=0.1),
+    "rmsprop": dict(solver="rmsprop", learning_rate_init=0.005),
+}
+
+
+def _fit(name, record_every=1):
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(12, 2))
+    y = np.sin(2 * X[:, 0]) + X[:, 1]
+    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, batch_size=4,
+                            record_every=record_every, dtype="float64", random_state=0,
+                            **SOLVERS[name]).fit(X, y)
+    return est, X
+
+
+@pytest.mark.parametrize("record_every", [1, 2])
+@pytest.mark.parametrize("name", list(SOLVERS))
+def test_discrete_path_kernel_equals_the_replayed_sum(name, record_every):
+    est, X = _fit(name, record_every)
+    traj = est.trajectory_
+    Y = X[:4] - 0.3
+    for start, stop in [(0, None), (1, -1)]:
+        points = list(range(len(traj) - 1))[slice(start, stop)]
+        end = int(traj.steps[points[-1] + 1])
+        W = _replayed(traj, end)
+        expected = 0.0
+        for k in points:
+            w = W[traj.steps[k] : traj.steps[k + 1]].sum()
+            D = traj.preconditioner(k)
+            D = np.ones(traj.n_params) if D is None else D.numpy()
+            JX = jacobian_loop(module_at(est, k), X)[:, 0].numpy()
+            JY = jacobian_loop(module_at(est, k), Y)[:, 0].numpy()
+            expected = expected + w * (JX * D) @ JY.T
+        K = PathKernel(est, start=start, stop=stop)(X, Y)
+        np.testing.assert_allclose(K, expected, rtol=1e-12)
+    discrete = np.array([w for _, w in path_weights(traj)])
+    continuous = np.array([w for _, w in path_weights(traj, memory="continuous")])
+    if name == "rmsprop":
+        np.testing.assert_array_equal(discrete, continuous)  # no memory: one weighting
+    else:
+        # The two differ where it matters: the last gradients had no time to act, and
+        # Adam's bias correction gives the first ones up to ~3 lr.
+        assert discrete[-1] < 0.9 * continuous[-1]
+        if name != "sgd-momentum":
+            assert discrete[0] > 1.5 * continuous[0]
+
+
+@pytest.mark.parametrize("name", list(SOLVERS))
+def test_continuous_weights_are_the_replayed_long_run_limit(name):
+    """memory="continuous" is the weight of a gradient far from both ends of a long run:
+    the replay of 600 steps at the recorded step size, impulse at step 300."""
+    est, _ = _fit(name)
+    traj = est.trajectory_
+    lr = float(traj.learning_rates[0])
+
+    class Long:  # a constant-step trajectory of 400 steps, for the replay only
+        solver_spec = traj.solver_spec
+        n_steps = 600
+        steps = np.arange(601)
+        learning_rates = np.full(600, lr)
+
+    limit = _replayed(Long, impulses=[300])[0] / lr
+    continuous = [w for _, w in path_weights(traj, memory="continuous")]
+    np.testing.assert_allclose(continuous, lr * limit, rtol=1e-10)
+
+
+def test_first_order_decomposition_speaks_of_the_discrete_path_kernel():
+    """On a network linear in its parameters (J constant, D = I), the first-order and the
+    exact decompositions are sum_s W_s K(x, x_i) r_{s,i} / N with the discrete weights
+    W_s of the path kernel, and not with the continuous ones."""
+    rng = np.random.RandomState(1)
+    X = rng.uniform(-1, 1, size=(10, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + 0.3
+    est = PathKernelMachine(module=lambda n_in, n_out: torch.nn.Linear(n_in, n_out),
+                            normalize_y=False, tol=None, solver="sgd", momentum=0.9,
+                            learning_rate_init=0.05, max_iter=12, dtype="float64",
+                            random_state=0).fit(X, y)
+    traj = est.trajectory_
+    Xq = X[:3] + 0.1
+    first, exact = est.decompose(Xq, method="first_order"), est.decompose(Xq)
+    np.testing.assert_allclose(first.contributions, exact.contributions, rtol=1e-10)
+    # Residuals of squared_error (1/2 mean): f - y at every step, from a plain forward.
+    r = np.stack([module_at(est, t)(torch.as_tensor(X)).detach().numpy()[:, 0] - y
+                  for t in range(traj.n_steps)])
+    J = np.hstack([X, np.ones((len(X), 1))])
+    Jq = np.hstack([Xq, np.ones((len(Xq), 1))])
+    K = Jq @ J.T  # the tangent kernel, the same at every step
+    for memory in ("discrete", "continuous"):
+        W = np.array([w for _, w in path_weights(traj, memory=memory)])
+        formula = -(K[:, :, None] * (W[:, None] * r).sum(0)[None, :, None]) / len(X)
+        gap = np.abs(formula - exact.contributions).max() / np.abs(exact.contributions).max()
+        assert (gap < 1e-10) if memory == "discrete" else (gap > 1e-2)
+
+
+def test_memory_is_validated():
+    est, X = _fit("adam")
+    with pytest.raises(ValueError, match="memory must be 'discrete' or 'continuous'"):
+        PathKernel(est, memory="exact")(X)
+    with pytest.raises(ValueError, match="memory must be"):
+        path_weights(est.trajectory_, memory=None)

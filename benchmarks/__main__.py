@@ -56,6 +56,9 @@ TABLES = {
             "OOD detection at the defaults against the best peer, every split"),
     "long_path": ("benchmarks.bench_long_path",
                   "Long paths: an on-disk trajectory versus the in-memory one"),
+    "attribution": ("benchmarks.bench_attribution",
+                    "Training-data attribution: LDS against TracIn, TRAK and influence "
+                    "functions"),
 }
 GROUPS = ["gram", "gram_nets", "path", *TABLES]
 

@@ -267,15 +267,20 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(res.error < 1e-10)
         True
         """
-        from ._interpolation import check_tol, decompose
+        from ._interpolation import check_tol
 
         check_decompose_args(method, weighting, n_nodes)
         check_tol(tol)
-        X = self._validate_X(X)
+        return self._decompose(self._validate_X(X), method, weighting, n_nodes, tol)
+
+    def _decompose(self, X, method, weighting, n_nodes, tol, weights=None):
+        """decompose on validated X; ``weights`` (n, C) contracts the outputs in y's units."""
+        from ._interpolation import contract_outputs, decompose
+
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
-        return decompose(
+        result = decompose(
             self.module_, self.trajectory_,
             to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
@@ -288,6 +293,7 @@ class _KernelMachineMixin(TransformerMixin):
             units=lambda res: in_target_units(res, getattr(self, "_y_mean", None),
                                               getattr(self, "_y_scale", None)),
         )
+        return result if weights is None else contract_outputs(result, weights)
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.
@@ -300,6 +306,100 @@ class _KernelMachineMixin(TransformerMixin):
             ``sqrt(n_outputs_)``, whose inner products are the trace kernel.
         """
         return self._tangent_features(X)
+
+    def attribute(self, X, y=None, *, method="exact", weighting="realized", output=None,
+                  n_nodes=None, tol=None):
+        """Training-data attribution scores: how much each training point moved each output.
+
+        A score matrix of the shape the attribution literature uses (TRAK, TracIn,
+        influence functions): ``scores[q, i]`` is training point ``i``'s share of the
+        scalar output ``m`` at query ``q``, read from :meth:`decompose`:
+        ``scores[q, i] = w_q . a_i(x_q)`` with ``w_q`` the weights of the explained output.
+        Positive: the point pushed the output up. Summed over a subset of the training
+        set, the scores predict the output of the network retrained on it; the linear
+        datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
+        measures how well.
+
+        Which of the decomposition's quantities serve as scores:
+
+        - ``method="exact", weighting="realized"`` (default): the exact split of the
+          realized path. ``initial + scores.sum(1) + regularization`` is the output
+          of the trained network up to the quadrature error that :meth:`decompose`
+          reports as ``error`` (floating-point level for small steps; large Adam steps
+          need more ``n_nodes``).
+        - ``weighting="expected"``: every point credited at every step with weight
+          ``1/N`` (the seeds' expected representation); the same as realized for
+          full-batch training.
+        - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
+          kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
+          step, with the optimizer's preconditioner.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        y : array-like of shape (n_queries,), default=None
+            Classifiers: the queries' labels, whose margin is explained; None explains
+            the margin of the predicted class. Regressors: ignored.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+            See :meth:`decompose`.
+        weighting : {"realized", "expected"}, default="realized"
+            See :meth:`decompose`.
+        output : "margin" or int, default=None
+            The scalar output explained. "margin" (the classifiers' default) is TRAK's
+            ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
+            classifiers (the margin is the network's output up to its sign); for several
+            classes the exact split of its linear part at the final logits,
+            ``f_y - sum_{k != y} q_k f_k`` with ``q`` the softmax over the other classes,
+            which is how much each point moved the margin to first order in the logits.
+            An int ``k`` explains output column ``k`` (logit ``k``; the regressors'
+            default is 0, required for several outputs).
+        n_nodes : int, default=None
+            Quadrature nodes per step for "exact", see :meth:`decompose`.
+        tol : float, default=None
+            Relative quadrature tolerance of "exact", see :meth:`decompose`.
+
+        Returns
+        -------
+        scores : ndarray of shape (n_queries, n_train)
+            Float64.
+
+        See Also
+        --------
+        skpathkernel.metrics.linear_datamodeling_score : Scores against retraining.
+        skpathkernel.metrics.retrain_on_subsets : The retrained models it needs.
+
+        Examples
+        --------
+        >>> from sklearn.datasets import make_classification
+        >>> from skpathkernel import PathKernelClassifier
+        >>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
+        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), solver="sgd",
+        ...                            learning_rate_init=0.5, max_iter=30, tol=None,
+        ...                            dtype="float64", random_state=0)
+        >>> scores = clf.fit(X, y).attribute(X[:3], y[:3])
+        >>> scores.shape
+        (3, 40)
+        >>> margin = clf.decision_function(X[:3]) * (2 * y[:3] - 1)
+        >>> res = clf.decompose(X[:3])
+        >>> initial = res.initial[:, 0] * (2 * y[:3] - 1)
+        >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
+        True
+        """
+        from ._attribution import check_output, label_codes, output_weights, query_codes
+        from ._interpolation import check_tol
+
+        check_is_fitted(self)
+        check_decompose_args(method, weighting, n_nodes)
+        check_tol(tol)
+        output = check_output(output, self.n_outputs_,
+                              "default" if isinstance(self, ClassifierMixin) else "no")
+        X = self._validate_X(X)
+        prediction = self._forward(X)
+        codes = (query_codes(prediction, y, lambda y: label_codes(self.classes_, y))
+                 if output == "margin" else None)
+        weights = output_weights(output, prediction, codes)
+        res = self._decompose(X, method, weighting, n_nodes, tol, weights=weights)
+        return res.contributions[:, :, 0]
 
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.

@@ -637,13 +637,65 @@ class RecordedNetwork(BaseEstimator):
         -------
         result : Decomposition
         """
-        from torch.func import functional_call
-
-        from ._interpolation import check_tol, decompose
+        from ._interpolation import check_tol
 
         check_is_fitted(self, "trajectory_")
         check_decompose_args(method, weighting, n_nodes)
         check_tol(tol)
+        return self._decompose(self._inputs(X), method, weighting, n_nodes, tol)
+
+    def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
+                  output=None, n_nodes: int | None = None,
+                  tol: float | None = None) -> np.ndarray:
+        """Training-data attribution scores over the declared training inputs.
+
+        The score matrix of :meth:`PathKernelClassifier.attribute
+        <skpathkernel.PathKernelClassifier.attribute>`: ``scores[q, i]`` is training
+        point ``i``'s share of one scalar output at query ``q``, from the decomposition.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features)
+        y : array-like of int of shape (n_queries,), default=None
+            With ``output="margin"``: the queries' classes as output columns; None takes
+            the largest output (or a positive single output) as the class.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+        weighting : {"realized", "expected"}, default="realized"
+        output : "margin" or int, default=None
+            "margin": the log-odds of the class, ``f_y - logsumexp_{k != y} f_k`` (``+-f``
+            for one output), split exactly in its linear part at the final outputs; an int
+            ``k``: output ``k``. None: output 0 of a single-output network (several
+            outputs need a choice).
+        n_nodes : int, default=None
+            Quadrature nodes per step for "exact", see :meth:`decompose`.
+        tol : float, default=None
+            Relative quadrature tolerance of "exact", see :meth:`decompose`.
+
+        Returns
+        -------
+        scores : ndarray of shape (n_queries, n_train)
+        """
+        from ._attribution import check_output, class_indices, output_weights, query_codes
+        from ._interpolation import check_tol
+
+        check_is_fitted(self, "trajectory_")
+        check_decompose_args(method, weighting, n_nodes)
+        check_tol(tol)
+        Xt = self._inputs(X)
+        prediction = self.predict(X)
+        output = check_output(output, prediction.shape[1], "allowed")
+        n_classes = max(prediction.shape[1], 2)
+        codes = (query_codes(prediction, y, lambda y: class_indices(y, n_classes))
+                 if output == "margin" else None)
+        weights = output_weights(output, prediction, codes)
+        res = self._decompose(Xt, method, weighting, n_nodes, tol, weights=weights)
+        return res.contributions[:, :, 0]
+
+    def _decompose(self, Xq, method, weighting, n_nodes, tol, weights=None):
+        from torch.func import functional_call
+
+        from ._interpolation import contract_outputs, decompose
+
         if self.X_train is None or self.y_train is None:
             raise ValueError("decompose needs the training inputs and targets: pass X_train "
                              "and y_train.")
@@ -670,6 +722,7 @@ class RecordedNetwork(BaseEstimator):
                 "The loss must return one value per sample, shape (B,); it returned shape "
                 f"{tuple(probe.shape)}."
             )
-        return decompose(self.module_, traj, X_train, Y_train, loss, self._inputs(X),
-                         method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
-                         memory_budget=self.memory_budget)
+        result = decompose(self.module_, traj, X_train, Y_train, loss, Xq, method=method,
+                           weighting=weighting, n_nodes=n_nodes, tol=tol,
+                           memory_budget=self.memory_budget)
+        return result if weights is None else contract_outputs(result, weights)

@@ -1,0 +1,131 @@
+"""Attribution scores from the decomposition, and the model output they explain.
+
+The output function of training-data attribution for classifiers is the *margin* (TRAK,
+Park et al. 2023): ``m(x, y) = log(p_y / (1 - p_y))`` with ``p`` the softmax of the logits,
+that is ``f_y - logsumexp_{k != y} f_k``; for a binary network with one output ``f`` (the
+logit of the second class) it is ``+f`` for the second class and ``-f`` for the first.
+
+The decomposition splits the network's *outputs* exactly over the training points. The
+binary margin is one of them (up to its sign), so its split is exact. The multi-class margin
+is not linear in the logits: its attribution is the exact split of its linear part at the
+final logits, ``w . f`` with ``w = grad_f m(f(x; theta_T))`` (``w_y = 1``, ``w_k = -q_k``,
+``q`` the softmax over the other classes), which is how much removing a training point moves
+the margin to first order in the outputs.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+from scipy.special import logsumexp, softmax
+
+__all__ = ["check_output", "class_indices", "label_codes", "margin", "margin_weights",
+           "output_weights", "query_codes"]
+
+
+def label_codes(classes: np.ndarray, y) -> np.ndarray:
+    """Positions of the labels ``y`` in ``classes`` (sorted, as LabelEncoder keeps them)."""
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise ValueError(f"y must be one label per query (1-D), got shape {y.shape}.")
+    codes = np.searchsorted(classes, y)
+    codes = np.clip(codes, 0, len(classes) - 1)
+    unknown = classes[codes] != y
+    if np.any(unknown):
+        raise ValueError(
+            f"y contains labels the classifier was not trained on: "
+            f"{sorted(set(y[unknown].tolist()))[:5]}; its classes are {classes.tolist()}."
+        )
+    return codes
+
+
+def class_indices(y: np.ndarray, n_classes: int) -> np.ndarray:
+    """``y`` checked as class indices in ``[0, n_classes)`` (a network without labels)."""
+    if (not np.issubdtype(y.dtype, np.integer) or y.size and (y.min() < 0
+                                                              or y.max() >= n_classes)):
+        raise ValueError(f"y must hold class indices in [0, {n_classes}), got {y[:5]}.")
+    return y
+
+
+def query_codes(prediction: np.ndarray, y, encode) -> np.ndarray:
+    """Class positions of the queries whose margin is explained.
+
+    ``encode(y)`` for given labels (one per query), else the predicted class: the largest
+    output, or a positive single output.
+    """
+    if y is None:
+        return ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
+                else np.argmax(prediction, axis=1))
+    y = np.asarray(y)
+    if y.shape != (len(prediction),):
+        raise ValueError(f"y must hold one label per query, shape ({len(prediction)},), "
+                         f"got {y.shape}.")
+    return encode(y)
+
+
+def margin(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """The margin of the true class, per query, from network outputs (n, C)."""
+    outputs = np.asarray(outputs, dtype=np.float64)
+    if outputs.ndim == 1:
+        outputs = outputs[:, None]
+    n, C = outputs.shape
+    if C == 1:
+        return np.where(codes == 1, 1.0, -1.0) * outputs[:, 0]
+    others = outputs.copy()
+    others[np.arange(n), codes] = -np.inf
+    return outputs[np.arange(n), codes] - logsumexp(others, axis=1)
+
+
+def margin_weights(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """``grad_f m`` at the outputs (n, C): the margin's linear part (see module doc)."""
+    outputs = np.asarray(outputs, dtype=np.float64)
+    n, C = outputs.shape
+    rows = np.arange(n)
+    if C == 1:
+        return np.where(codes == 1, 1.0, -1.0)[:, None]
+    others = outputs.copy()
+    others[rows, codes] = -np.inf
+    weights = -softmax(others, axis=1)
+    weights[rows, codes] = 1.0
+    return weights
+
+
+def check_output(output, n_outputs: int, margin: str):
+    """The explained output, checked: "margin" or an output column index.
+
+    ``margin`` says what the margin is to this network: "default" (a classifier: None
+    means "margin"), "allowed" (None means column 0 of a single output) or "no" (a
+    regressor).
+    """
+    if output is None:
+        if margin == "default":
+            return "margin"
+        if n_outputs > 1:
+            raise ValueError(f"The network has {n_outputs} outputs: pass output=<index> to "
+                             "choose the one to explain.")
+        return 0
+    if isinstance(output, str) and output == "margin":
+        if margin == "no":
+            raise ValueError("output='margin' needs class labels: it is for classifiers; "
+                             "pass an output index.")
+        return output
+    if (isinstance(output, bool) or not isinstance(output, numbers.Integral)
+            or not 0 <= output < n_outputs):
+        allowed = "" if margin == "no" else "'margin' or "
+        raise ValueError(f"output must be {allowed}an output index in [0, {n_outputs}), "
+                         f"got {output!r}.")
+    return int(output)
+
+
+def output_weights(output, prediction: np.ndarray, codes) -> np.ndarray:
+    """Weights (n, C) of the scalar output an attribution explains (a checked ``output``).
+
+    "margin": the margin's linear part at ``prediction`` for labels ``codes``; an int
+    ``k``: output column ``k``.
+    """
+    if output == "margin":
+        return margin_weights(prediction, codes)
+    weights = np.zeros(prediction.shape)
+    weights[:, output] = 1.0
+    return weights

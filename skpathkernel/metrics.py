@@ -1,0 +1,551 @@
+"""How well training-data attributions predict retraining: the linear datamodeling score.
+
+The linear datamodeling score (LDS; Park et al. 2023, "TRAK: Attributing Model Behavior at
+Scale", section 2.2) is the field's standard measure of an attribution method. Draw
+``n_subsets`` random subsets ``S_j`` of the training set (each a fraction ``alpha``, 0.5
+by default), retrain the model on each, and record its output ``f(x; S_j)`` at every query
+``x`` (for classifiers, the margin ``log(p_y / (1 - p_y))`` of the query's label). An
+attribution matrix ``tau`` (queries x training points) predicts that output by the sum of
+the scores of the points the subset holds, ``g(x; S_j) = sum_{i in S_j} tau(x)_i``. The LDS
+of a query is the Spearman rank correlation, over the subsets, between ``g(x; S_j)`` and
+``f(x; S_j)``; the LDS of the method is its mean over the queries. 1 means the
+attributions order the retrained models' outputs perfectly; 0, not at all.
+
+:func:`retrain_on_subsets` runs the retraining for any scikit-learn estimator (``clone``
+and ``fit`` on each subset, in parallel with joblib), :func:`linear_datamodeling_score`
+computes the score from any attribution matrix, and :func:`linear_datamodeling_interval`
+gives its bootstrap confidence interval over the subset draws. The attributions of a
+fitted :class:`~skpathkernel.PathKernelClassifier` or
+:class:`~skpathkernel.PathKernelMachine` come from its ``attribute`` method.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from joblib import Parallel, cpu_count, delayed, effective_n_jobs
+from scipy.stats import rankdata
+from sklearn.base import clone, is_classifier
+from sklearn.utils import check_array, check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions, validate_params
+
+from ._attribution import label_codes, margin
+from ._parallel import limit_torch_threads
+
+__all__ = [
+    "SubsetRetraining",
+    "linear_datamodeling_interval",
+    "linear_datamodeling_score",
+    "retrain_on_subsets",
+]
+
+
+# --------------------------------------------------------------------------- the score
+def _check_lds_inputs(attributions, subsets, outputs):
+    """(masks (m, N) float, attributions (Q, N), outputs (m, Q)), checked against each other."""
+    attributions = check_array(attributions, dtype=np.float64, input_name="attributions")
+    n_queries, n_train = attributions.shape
+    subsets = np.asarray(subsets)
+    if subsets.ndim != 2:
+        raise ValueError("subsets must be 2-D: boolean masks (n_subsets, n_train) or "
+                         f"training indices (n_subsets, subset_size), got shape "
+                         f"{subsets.shape}.")
+    if subsets.dtype == bool:
+        if subsets.shape[1] != n_train:
+            raise ValueError(f"subsets are masks over {subsets.shape[1]} training points, "
+                             f"but attributions score {n_train}.")
+        masks = subsets.astype(np.float64)
+    elif np.issubdtype(subsets.dtype, np.integer):
+        if subsets.size and (subsets.min() < 0 or subsets.max() >= n_train):
+            raise ValueError(f"subsets hold training indices outside [0, {n_train}).")
+        masks = np.zeros((len(subsets), n_train))
+        np.put_along_axis(masks, subsets, 1.0, axis=1)
+    else:
+        raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
+                        f"{subsets.dtype}.")
+    outputs = check_array(outputs, dtype=np.float64, input_name="outputs")
+    if outputs.shape != (len(masks), n_queries):
+        raise ValueError(f"outputs must have shape (n_subsets, n_queries) = "
+                         f"({len(masks)}, {n_queries}), got {outputs.shape}.")
+    if len(masks) < 2:
+        raise ValueError(f"A rank correlation needs at least 2 subsets, got {len(masks)}.")
+    return masks, attributions, outputs
+
+
+def _spearman_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spearman correlation of every column of ``a`` with the same column of ``b``.
+
+    Average ranks for ties (scipy.stats.spearmanr's convention); NaN where a column is
+    constant.
+    """
+    ra = rankdata(a, axis=0)
+    rb = rankdata(b, axis=0)
+    ra -= ra.mean(axis=0)
+    rb -= rb.mean(axis=0)
+    denom = np.sqrt((ra * ra).sum(axis=0) * (rb * rb).sum(axis=0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rho = (ra * rb).sum(axis=0) / denom
+    rho[denom == 0] = np.nan
+    return np.clip(rho, -1.0, 1.0)
+
+
+_LDS_PARAMS = {
+    "attributions": ["array-like"],
+    "subsets": ["array-like"],
+    "outputs": ["array-like"],
+}
+
+
+@validate_params(
+    {**_LDS_PARAMS, "multioutput": [StrOptions({"uniform_average", "raw_values"})]},
+    prefer_skip_nested_validation=True,
+)
+def linear_datamodeling_score(attributions, subsets, outputs, *,
+                              multioutput: str = "uniform_average"):
+    """Linear datamodeling score (LDS) of an attribution matrix against retrained models.
+
+    For every query ``q``, the Spearman rank correlation over the subsets ``j`` between the
+    attribution's prediction ``sum_{i in S_j} attributions[q, i]`` and the retrained
+    model's output ``outputs[j, q]``; then the mean over the queries (TRAK's protocol).
+
+    Parameters
+    ----------
+    attributions : array-like of shape (n_queries, n_train)
+        Scores of every training point for every query, larger = pushes the output up
+        (e.g. :meth:`PathKernelClassifier.attribute
+        <skpathkernel.PathKernelClassifier.attribute>`). A method whose scores have the
+        opposite sign convention gets the opposite LDS.
+    subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
+        The training subsets: boolean masks, or the training indices of each subset.
+    outputs : array-like of shape (n_subsets, n_queries)
+        The output of the model retrained on each subset at each query
+        (:attr:`SubsetRetraining.outputs`).
+    multioutput : {"uniform_average", "raw_values"}, default="uniform_average"
+        "raw_values" returns the LDS of every query.
+
+    Returns
+    -------
+    score : float or ndarray of shape (n_queries,)
+        The mean LDS over the queries, or each query's. A query whose prediction or
+        output is the same on every subset has no rank correlation: it is NaN in the
+        raw values and left out of the mean, with a warning.
+
+    See Also
+    --------
+    retrain_on_subsets : Retrains an estimator on random subsets.
+    linear_datamodeling_interval : Bootstrap confidence interval over the subsets.
+
+    Examples
+    --------
+    A model whose output is a sum over its training points is its own perfect datamodel:
+
+    >>> import numpy as np
+    >>> from skpathkernel.metrics import linear_datamodeling_score
+    >>> rng = np.random.RandomState(0)
+    >>> weights = rng.normal(size=(3, 20))            # 3 queries, 20 training points
+    >>> masks = rng.rand(30, 20) < 0.5                # 30 random subsets
+    >>> outputs = masks @ weights.T                   # the "retrained" outputs
+    >>> float(linear_datamodeling_score(weights, masks, outputs))
+    1.0
+    >>> float(linear_datamodeling_score(-weights, masks, outputs))
+    -1.0
+    """
+    masks, attributions, outputs = _check_lds_inputs(attributions, subsets, outputs)
+    per_query = _spearman_columns(masks @ attributions.T, outputs)
+    if multioutput == "raw_values":
+        return per_query
+    undefined = int(np.isnan(per_query).sum())
+    if undefined:
+        warnings.warn(
+            f"{undefined} of {len(per_query)} queries have a constant prediction or output "
+            "over the subsets (no rank correlation); they are left out of the mean.",
+            RuntimeWarning, stacklevel=2,
+        )
+    if undefined == len(per_query):
+        return float("nan")
+    return float(np.nanmean(per_query))
+
+
+@validate_params(
+    {**_LDS_PARAMS,
+     "confidence_level": [Interval(numbers.Real, 0, 1, closed="neither")],
+     "n_resamples": [Interval(numbers.Integral, 1, None, closed="left")],
+     "random_state": ["random_state"]},
+    prefer_skip_nested_validation=True,
+)
+def linear_datamodeling_interval(attributions, subsets, outputs, *,
+                                 confidence_level: float = 0.95, n_resamples: int = 1000,
+                                 random_state=None) -> tuple[float, float]:
+    """Bootstrap confidence interval of the LDS over the subset draws.
+
+    The subsets are resampled with replacement ``n_resamples`` times and the mean LDS is
+    recomputed on each resample; the interval is the percentile interval of those
+    values (queries with no rank correlation in a resample are left out of its mean).
+    It measures how much the score depends on which subsets were drawn, the dominant
+    noise of an LDS estimate with tens of subsets; the retrained models are not refitted.
+
+    Parameters
+    ----------
+    attributions : array-like of shape (n_queries, n_train)
+    subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
+    outputs : array-like of shape (n_subsets, n_queries)
+        As in :func:`linear_datamodeling_score`.
+    confidence_level : float, default=0.95
+    n_resamples : int, default=1000
+    random_state : int, RandomState instance or None, default=None
+        Seeds the resampling.
+
+    Returns
+    -------
+    low, high : float
+        The interval's bounds.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel.metrics import linear_datamodeling_interval
+    >>> rng = np.random.RandomState(0)
+    >>> weights = rng.normal(size=(5, 40))
+    >>> masks = rng.rand(50, 40) < 0.5
+    >>> outputs = masks @ weights.T + rng.normal(scale=2.0, size=(50, 5))
+    >>> low, high = linear_datamodeling_interval(weights, masks, outputs, random_state=0)
+    >>> bool(0 < low < high < 1)
+    True
+    """
+    masks, attributions, outputs = _check_lds_inputs(attributions, subsets, outputs)
+    predictions = masks @ attributions.T
+    rng = check_random_state(random_state)
+    m = len(masks)
+    values = np.empty(n_resamples)
+    for b in range(n_resamples):
+        rows = rng.randint(m, size=m)
+        per_query = _spearman_columns(predictions[rows], outputs[rows])
+        values[b] = np.nanmean(per_query) if np.isfinite(per_query).any() else np.nan
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return float("nan"), float("nan")
+    tail = (1.0 - confidence_level) / 2.0
+    low, high = np.quantile(values, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
+# --------------------------------------------------------------------------- retraining
+@dataclass
+class SubsetRetraining:
+    """Models retrained on random training subsets, and their outputs at the queries.
+
+    Attributes
+    ----------
+    subsets : ndarray of shape (n_subsets, n_train), dtype bool
+        Which training points each subset holds.
+    outputs : ndarray of shape (n_subsets, n_queries)
+        The retrained models' output at every query, averaged over the ``n_repeats``
+        models of each subset: the ``outputs`` argument of
+        :func:`linear_datamodeling_score`.
+    all_outputs : ndarray of shape (n_subsets, n_repeats, n_queries)
+        Every model's outputs.
+    seeds : ndarray of shape (n_subsets, n_repeats) or None
+        The ``random_state`` each model was fitted with (``protocol="independent"``);
+        None for the other protocols.
+    output : str
+        The output function: "margin", "decision_function", "predict" or the callable's
+        name.
+    protocol : str
+        "independent", "same_seed" or "replay".
+    """
+
+    subsets: np.ndarray
+    outputs: np.ndarray
+    all_outputs: np.ndarray
+    seeds: np.ndarray | None
+    output: str
+    protocol: str
+
+
+def _query_outputs(estimator, X_query, output, codes) -> np.ndarray:
+    """The output function at the queries, one float per query."""
+    if callable(output):
+        values = output(estimator, X_query)
+    elif output == "margin":
+        values = margin(estimator.decision_function(X_query), codes)
+    else:
+        values = getattr(estimator, output)(X_query)
+    values = np.asarray(values, dtype=np.float64)
+    if values.shape != (len(X_query),):
+        raise ValueError(
+            f"The output function must give one value per query, shape ({len(X_query)},); "
+            f"it gave {values.shape}. For several outputs pass a callable "
+            "output(estimator, X_query) that selects one."
+        )
+    return values
+
+
+def _replay(estimator, keep: np.ndarray):
+    """The fitted network retrained along its own recorded path on the kept points only.
+
+    Same initialization, same optimizer and step sizes, and every step's recorded batch
+    with the left-out points removed (its loss the mean over the points that remain; a
+    step whose batch lost every point is skipped). Returns a shallow copy of the
+    estimator holding the retrained network, for the output functions.
+    """
+    import copy
+
+    import torch
+
+    from ._device import to_tensor
+    from ._losses import LOSSES
+    from ._training import make_optimizer
+
+    traj = estimator.trajectory_
+    module = copy.deepcopy(estimator.module_)
+    module.load_state_dict(traj.state_dict(0), strict=False)
+    dtype, device = estimator._torch_dtype_device()
+    X = to_tensor(estimator.X_fit_, dtype=dtype, device=device)
+    Y = estimator._target_tensor(estimator._Y_fit, dtype, device)
+    loss = LOSSES[estimator._loss_name]()
+    optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad],
+                               traj.solver_spec, float(traj.learning_rates[0]))
+    for t, batch in enumerate(traj.batches):
+        kept = batch[keep[batch]]
+        if not len(kept):
+            continue
+        for group in optimizer.param_groups:
+            group["lr"] = float(traj.learning_rates[t])
+        optimizer.zero_grad(set_to_none=True)
+        rows = torch.as_tensor(kept, device=device)
+        loss(module(X[rows]), Y[rows]).backward()
+        optimizer.step()
+    model = copy.copy(estimator)
+    model.module_ = module.eval()
+    return model
+
+
+def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=None):
+    """Fit one model on a subset (on a joblib worker) and return its outputs.
+
+    With ``keep`` (a mask over the fitted estimator's training set) the model is the
+    replay of the estimator's path on the kept points instead.
+    """
+    # The worker's cores are shared by the concurrent fits.
+    with limit_torch_threads(max(1, cpu_count() // n_tasks)):
+        if keep is not None:
+            return _query_outputs(_replay(estimator, keep), X_query, output, codes)
+        estimator.fit(X, y)
+        if classes is not None and not np.array_equal(estimator.classes_, classes):
+            missing = sorted(set(classes.tolist()) - set(estimator.classes_.tolist()))
+            raise ValueError(
+                f"A training subset holds no sample of class(es) {missing[:5]}, so its "
+                "model has no margin for them; use a larger subset_fraction."
+            )
+        return _query_outputs(estimator, X_query, output, codes)
+
+
+def _progress(iterable, total, verbose):
+    """A tqdm bar over the finished fits when verbose (a line per fit without tqdm)."""
+    if not verbose:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        def lines():
+            for k, item in enumerate(iterable, 1):
+                print(f"retrain_on_subsets: {k}/{total} models fitted", file=sys.stderr)
+                yield item
+        return lines()
+    return tqdm(iterable, total=total, desc="retrain_on_subsets", file=sys.stderr)
+
+
+@validate_params(
+    {
+        "estimator": [object],
+        "X": ["array-like"],
+        "y": ["array-like"],
+        "X_query": ["array-like"],
+        "y_query": ["array-like", None],
+        "n_subsets": [Interval(numbers.Integral, 2, None, closed="left")],
+        "subset_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
+        "output": [StrOptions({"auto", "margin", "decision_function", "predict"}),
+                   callable],
+        "protocol": [StrOptions({"independent", "same_seed", "replay"})],
+        "n_repeats": [Interval(numbers.Integral, 1, None, closed="left")],
+        "random_state": ["random_state"],
+        "n_jobs": [numbers.Integral, None],
+        "verbose": ["verbose"],
+    },
+    prefer_skip_nested_validation=True,
+)
+def retrain_on_subsets(
+    estimator,
+    X,
+    y,
+    X_query,
+    y_query=None,
+    *,
+    n_subsets: int = 50,
+    subset_fraction: float = 0.5,
+    output: str | Callable = "auto",
+    protocol: str = "independent",
+    n_repeats: int = 1,
+    random_state=None,
+    n_jobs: int | None = None,
+    verbose: int = 0,
+) -> SubsetRetraining:
+    """Retrain an estimator on random training subsets; record its outputs at the queries.
+
+    The ground truth of the linear datamodeling score (TRAK's protocol): ``n_subsets``
+    subsets, each ``round(subset_fraction * n_train)`` training points drawn uniformly
+    without replacement; on each, ``n_repeats`` clones of ``estimator``
+    (``sklearn.base.clone``: same parameters, unfitted) are fitted and their outputs at
+    ``X_query`` averaged.
+
+    Parameters
+    ----------
+    estimator : estimator object
+        Any scikit-learn estimator; it is cloned, never fitted itself.
+    X : array-like of shape (n_train, ...)
+        The full training set; indexed along its first axis.
+    y : array-like of shape (n_train,) or (n_train, n_targets)
+    X_query : array-like of shape (n_queries, ...)
+    y_query : array-like of shape (n_queries,), default=None
+        The queries' labels, needed by ``output="margin"``.
+    n_subsets : int, default=50
+    subset_fraction : float, default=0.5
+        TRAK's ``alpha``.
+    output : {"auto", "margin", "decision_function", "predict"} or callable, default="auto"
+        What is recorded per query. "margin" (the "auto" choice for classifiers) is
+        ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k`` from
+        ``decision_function``, ``p`` the softmax (sigmoid for one output) of its logits:
+        TRAK's output function. "auto" records ``predict`` for regressors. A callable is
+        called as ``output(fitted_estimator, X_query)`` and returns one value per query.
+    protocol : {"independent", "same_seed", "replay"}, default="independent"
+        How each model is retrained.
+
+        - "independent" (TRAK's protocol): each model is fitted with its own
+          ``random_state`` drawn from ``random_state``: new initialization and
+          minibatch order.
+        - "same_seed": every model is fitted with the estimator's own ``random_state``
+          (which must be set): the same initialization and random stream. Full-batch
+          training then differs only by the data; minibatches are drawn from the same
+          stream over a smaller set, so they differ.
+        - "replay" (skpathkernel estimators, fitted on ``X, y``): the estimator's own
+          recorded path replayed without the left-out points: its initialization, its
+          optimizer and step sizes, and every step's recorded minibatch minus the
+          left-out points (the loss averaged over the points that remain; a step left
+          empty is skipped). The counterfactual that the realized decomposition
+          describes to first order.
+    n_repeats : int, default=1
+        Models per subset; their outputs are averaged (only "independent" gives
+        different models).
+    random_state : int, RandomState instance or None, default=None
+        Seeds the subsets and, with ``protocol="independent"``, the models' seeds.
+    n_jobs : int, default=None
+        Fits run in parallel by joblib (``-1``: every core); each fit limits torch to its
+        share of the cores. ``None`` means 1 unless in a ``joblib.parallel_config``
+        context.
+    verbose : int, default=0
+        A progress bar over the fits (tqdm when installed).
+
+    Returns
+    -------
+    result : SubsetRetraining
+        ``subsets`` (masks) and ``outputs``: the arguments of
+        :func:`linear_datamodeling_score`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn.linear_model import Ridge
+    >>> from skpathkernel.metrics import retrain_on_subsets
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.normal(size=(30, 3)); y = X @ [1.0, -2.0, 0.5]
+    >>> res = retrain_on_subsets(Ridge(), X, y, X[:4], n_subsets=5, random_state=0)
+    >>> res.subsets.shape, res.outputs.shape
+    ((5, 30), (5, 4))
+    >>> int(res.subsets.sum(axis=1)[0])
+    15
+    """
+    n_train = len(X)
+    if len(y) != n_train:
+        raise ValueError(f"X has {n_train} samples but y has {len(y)}.")
+    size = int(round(subset_fraction * n_train))
+    if not 1 <= size < n_train:
+        raise ValueError(f"subset_fraction={subset_fraction} gives subsets of {size} of "
+                         f"{n_train} training points; it must leave at least one in and out.")
+    classifier = is_classifier(estimator)
+    if output == "auto":
+        output = "margin" if classifier else "predict"
+    codes = classes = None
+    if output == "margin":
+        if not classifier:
+            raise ValueError("output='margin' is for classifiers; use 'predict' or a "
+                             "callable.")
+        if y_query is None:
+            raise ValueError("output='margin' needs the queries' labels: pass y_query.")
+        y_query = np.asarray(y_query)
+        if len(y_query) != len(X_query):
+            raise ValueError(f"X_query has {len(X_query)} rows but y_query has "
+                             f"{len(y_query)}.")
+        classes = np.unique(np.asarray(y))
+        codes = label_codes(classes, y_query)
+    if protocol == "same_seed" and estimator.get_params().get("random_state") is None:
+        raise ValueError("protocol='same_seed' retrains every model with the estimator's "
+                         "own random_state, which is None (a fresh seed each fit): set it "
+                         "to an int.")
+    if protocol == "replay":
+        _check_replayable(estimator, X)
+    rng = check_random_state(random_state)
+    masks = np.zeros((n_subsets, n_train), dtype=bool)
+    for j in range(n_subsets):
+        masks[j, rng.choice(n_train, size, replace=False)] = True
+    seeds = (rng.randint(np.iinfo(np.int32).max, size=(n_subsets, n_repeats))
+             if protocol == "independent" else None)
+    X_arr = X if hasattr(X, "iloc") else np.asarray(X)
+    y_arr = y if hasattr(y, "iloc") else np.asarray(y)
+
+    def take(a, rows):
+        return a.iloc[rows] if hasattr(a, "iloc") else a[rows]
+
+    def model(j, r):
+        est = clone(estimator)
+        if seeds is not None:
+            est.set_params(random_state=int(seeds[j, r]))
+        return est
+
+    n_tasks = max(1, min(effective_n_jobs(n_jobs), n_subsets * n_repeats))
+    jobs = [(j, r) for j in range(n_subsets) for r in range(n_repeats)]
+    if protocol == "replay":
+        tasks = (delayed(_fit_one)(estimator, None, None, X_query, output, codes, None,
+                                   n_tasks, keep=masks[j]) for j, _ in jobs)
+    else:
+        tasks = (delayed(_fit_one)(model(j, r), take(X_arr, masks[j]), take(y_arr, masks[j]),
+                                   X_query, output, codes, classes, n_tasks)
+                 for j, r in jobs)
+    results = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
+    all_outputs = np.empty((n_subsets, n_repeats, len(X_query)))
+    # The generator runs to its end, so that a progress bar closes.
+    for k, values in enumerate(_progress(results, len(jobs), verbose)):
+        all_outputs[jobs[k]] = values
+    name = output if isinstance(output, str) else getattr(output, "__name__", "callable")
+    return SubsetRetraining(subsets=masks, outputs=all_outputs.mean(axis=1),
+                            all_outputs=all_outputs, seeds=seeds, output=name,
+                            protocol=protocol)
+
+
+def _check_replayable(estimator, X) -> None:
+    """The replay protocol needs a fitted skpathkernel estimator trained on X itself."""
+    from ._base import BasePathKernelNetwork
+
+    if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
+                                                                       "trajectory_"):
+        raise ValueError("protocol='replay' replays the recorded path of a fitted "
+                         "skpathkernel estimator; fit it on X, y first.")
+    X_fit = estimator.X_fit_
+    if np.shape(X) != X_fit.shape or not np.array_equal(np.asarray(X, dtype=X_fit.dtype),
+                                                         X_fit):
+        raise ValueError("protocol='replay' needs X to be the estimator's training set "
+                         "(its recorded batches index it).")

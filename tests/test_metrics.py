@@ -1,0 +1,443 @@
+"""The linear datamodeling score, the retraining helper and ``attribute``, against closed
+forms and brute force."""
+
+import numpy as np
+import pytest
+import torch
+from _reference import jacobian_loop, module_at
+from numpy.testing import assert_allclose, assert_array_equal
+from scipy.special import logsumexp
+from scipy.stats import bootstrap, spearmanr
+from sklearn.base import clone
+from sklearn.linear_model import LogisticRegression, Ridge
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel.metrics import (
+    linear_datamodeling_interval,
+    linear_datamodeling_score,
+    retrain_on_subsets,
+)
+
+
+# --------------------------------------------------------------------------- the score
+def _lds_brute_force(A, subsets, outputs):
+    """Per query: Python sums over each subset's indices, then scipy's spearmanr."""
+    values = []
+    for q in range(A.shape[0]):
+        predicted = [sum(A[q, i] for i in subset) for subset in subsets]
+        values.append(spearmanr(predicted, outputs[:, q]).statistic)
+    return np.array(values)
+
+
+def test_lds_of_an_exact_datamodel_is_one_and_its_negation_minus_one():
+    rng = np.random.RandomState(0)
+    W = rng.normal(size=(4, 30))
+    masks = rng.rand(25, 30) < 0.5
+    outputs = masks @ W.T
+    assert linear_datamodeling_score(W, masks, outputs) == pytest.approx(1.0)
+    assert linear_datamodeling_score(-W, masks, outputs) == pytest.approx(-1.0)
+    # Ranks only: any increasing transform of the outputs scores the same.
+    assert linear_datamodeling_score(W, masks, np.exp(outputs / 10)) == pytest.approx(1.0)
+    # A scale per query changes nothing either.
+    assert linear_datamodeling_score(W * rng.uniform(1, 5, size=(4, 1)), masks,
+                                     outputs) == pytest.approx(1.0)
+
+
+def test_lds_equals_brute_force_with_ties_and_index_subsets():
+    rng = np.random.RandomState(1)
+    n_train, n_queries, m, size = 40, 6, 20, 20
+    A = rng.normal(size=(n_queries, n_train))
+    subsets = np.array([rng.choice(n_train, size, replace=False) for _ in range(m)])
+    # Rounded outputs: ties, which Spearman ranks by their average.
+    outputs = np.round(rng.normal(size=(m, n_queries)) + 0.3 * (
+        np.array([A[:, s].sum(1) for s in subsets])), 0)
+    expected = _lds_brute_force(A, subsets, outputs)
+    raw = linear_datamodeling_score(A, subsets, outputs, multioutput="raw_values")
+    assert_allclose(raw, expected, atol=1e-12)
+    masks = np.zeros((m, n_train), dtype=bool)
+    for j, s in enumerate(subsets):
+        masks[j, s] = True
+    assert_allclose(linear_datamodeling_score(A, masks, outputs, multioutput="raw_values"),
+                    expected, atol=1e-12)
+    assert linear_datamodeling_score(A, subsets, outputs) == pytest.approx(expected.mean())
+
+
+def test_lds_leaves_out_queries_without_rank_correlation():
+    rng = np.random.RandomState(2)
+    A = rng.normal(size=(3, 10))
+    A[1] = 0.0  # every subset predicts 0: no ranks
+    masks = rng.rand(12, 10) < 0.5
+    outputs = rng.normal(size=(12, 3))
+    raw = linear_datamodeling_score(A, masks, outputs, multioutput="raw_values")
+    assert np.isnan(raw[1]) and np.isfinite(raw[[0, 2]]).all()
+    with pytest.warns(RuntimeWarning, match="1 of 3 queries"):
+        mean = linear_datamodeling_score(A, masks, outputs)
+    assert mean == pytest.approx(raw[[0, 2]].mean())
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(subsets=np.ones((5, 9), dtype=bool)), "masks over 9"),
+    (dict(subsets=np.full((5, 3), 10)), "outside"),
+    (dict(subsets=np.ones((5, 10))), "boolean masks or integer"),
+    (dict(subsets=np.ones(10, dtype=bool)), "2-D"),
+    (dict(outputs=np.zeros((5, 4))), r"\(5, 3\)"),
+    (dict(subsets=np.ones((1, 10), dtype=bool), outputs=np.zeros((1, 3))), "at least 2"),
+    (dict(attributions=np.full((3, 10), np.nan)), "NaN"),
+])
+def test_lds_bad_input(bad, match):
+    args = dict(attributions=np.zeros((3, 10)), subsets=np.ones((5, 10), dtype=bool),
+                outputs=np.zeros((5, 3)))
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        linear_datamodeling_score(**args)
+
+
+def test_interval_matches_scipy_bootstrap_and_collapses_on_an_exact_datamodel():
+    rng = np.random.RandomState(3)
+    W = rng.normal(size=(8, 40))
+    masks = rng.rand(30, 40) < 0.5
+    outputs = masks @ W.T + rng.normal(scale=2.0, size=(30, 8))
+    low, high = linear_datamodeling_interval(W, masks, outputs, n_resamples=3000,
+                                             random_state=0)
+    reference = bootstrap(
+        (np.arange(30),), lambda rows: linear_datamodeling_score(W, masks[rows], outputs[rows]),
+        vectorized=False, n_resamples=3000, method="percentile", random_state=0,
+    ).confidence_interval
+    # Two independent Monte Carlo estimates of the same percentiles.
+    assert low == pytest.approx(reference.low, abs=0.03)
+    assert high == pytest.approx(reference.high, abs=0.03)
+    assert low < linear_datamodeling_score(W, masks, outputs) < high
+    assert linear_datamodeling_interval(W, masks, masks @ W.T, n_resamples=50) == \
+        pytest.approx((1.0, 1.0))
+    narrow = linear_datamodeling_interval(W, masks, outputs, confidence_level=0.5,
+                                          n_resamples=3000, random_state=0)
+    assert low < narrow[0] < narrow[1] < high
+
+
+# --------------------------------------------------------------------------- retraining
+class _ZeroLinear(torch.nn.Module):
+    """f(x) = w . x, w = 0 at initialization: one gradient step has a closed form."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.linear = torch.nn.Linear(n_features, n_outputs, bias=False)
+        torch.nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _zero_linear(n_features, n_outputs):
+    return _ZeroLinear(n_features, n_outputs)
+
+
+def test_retraining_and_lds_of_one_gradient_step_closed_form():
+    """From w = 0, one full-batch step of 1/2 MSE gives w = lr / |S| sum_S y_i x_i: the
+    retrained output is a sum over the subset, and the decomposition's contributions
+    (lr / N) y_i x_i . z are that datamodel up to a constant: LDS = 1."""
+    rng = np.random.RandomState(0)
+    X, y, Z = rng.normal(size=(30, 4)), rng.normal(size=30), rng.normal(size=(6, 4))
+    lr = 0.1
+    est = PathKernelMachine(module=_zero_linear, solver="sgd", learning_rate_init=lr,
+                            momentum=0.0, alpha=0.0, batch_size=None, max_iter=1,
+                            shuffle=True, dtype="float64", random_state=0,
+                            normalize_y=False, tol=None)
+    res = retrain_on_subsets(est, X, y, Z, n_subsets=12, random_state=0)
+    assert res.subsets.shape == (12, 30) and (res.subsets.sum(1) == 15).all()
+    closed = np.array([(lr / 15) * (y[s] @ X[s]) @ Z.T for s in res.subsets])
+    assert_allclose(res.outputs, closed, rtol=1e-12, atol=1e-14)
+    assert res.output == "predict" and res.protocol == "independent"
+    assert res.seeds.shape == (12, 1)
+    scores = est.fit(X, y).attribute(Z)
+    assert_allclose(scores, (lr / 30) * (Z @ X.T) * y, rtol=1e-12, atol=1e-14)
+    assert linear_datamodeling_score(scores, res.subsets, res.outputs) == pytest.approx(1.0)
+    # Full batch: the replay of the one recorded step on a subset is the same model.
+    replay = retrain_on_subsets(est, X, y, Z, n_subsets=12, protocol="replay",
+                                random_state=0)
+    assert_array_equal(replay.subsets, res.subsets)
+    assert_allclose(replay.outputs, closed, rtol=1e-12, atol=1e-14)
+
+
+def _brute_force_outputs(est, X, y, Z, res, output):
+    """Each model refitted here, in order, with the seed the helper reports."""
+    out = np.empty_like(res.all_outputs)
+    for j, mask in enumerate(res.subsets):
+        for r in range(res.all_outputs.shape[1]):
+            model = clone(est)
+            if res.seeds is not None:
+                model.set_params(random_state=int(res.seeds[j, r]))
+            out[j, r] = output(model.fit(X[mask], y[mask]), Z)
+    return out
+
+
+@pytest.mark.parametrize("protocol", ["same_seed", "independent"])
+def test_retraining_equals_a_loop_of_fits(protocol):
+    rng = np.random.RandomState(1)
+    X, y = rng.normal(size=(24, 3)), rng.normal(size=24)
+    est = PathKernelMachine(hidden_layer_sizes=(5,), solver="sgd", learning_rate_init=0.05,
+                            momentum=0.0, alpha=0.0, batch_size=8, max_iter=3, shuffle=True,
+                            dtype="float64", random_state=7, tol=None)
+    res = retrain_on_subsets(est, X, y, X[:4], n_subsets=3, protocol=protocol, n_repeats=2,
+                             random_state=0)
+    expected = _brute_force_outputs(est, X, y, X[:4], res, lambda m, Z: m.predict(Z))
+    assert_allclose(res.all_outputs, expected, rtol=1e-12)
+    assert_allclose(res.outputs, expected.mean(1), rtol=1e-12)
+    if protocol == "same_seed":
+        assert res.seeds is None
+        # One seed: the repeats are the same model.
+        assert_array_equal(res.all_outputs[:, 0], res.all_outputs[:, 1])
+    else:
+        assert len(np.unique(res.seeds)) == res.seeds.size
+
+
+def _softmax_margin(proba, y):
+    p = proba[np.arange(len(y)), y]
+    return np.log(p) - np.log1p(-p)
+
+
+@pytest.mark.parametrize("n_classes", [2, 3])
+def test_retraining_margin_is_log_odds_of_the_label(n_classes):
+    rng = np.random.RandomState(2)
+    X = rng.normal(size=(60, 3))
+    y = np.digitize(X[:, 0], [-0.4, 0.4][: n_classes - 1])
+    est = LogisticRegression()
+    res = retrain_on_subsets(est, X, y, X[:10], y[:10], n_subsets=4, random_state=0,
+                             n_jobs=2)
+    assert res.output == "margin"
+    # log(p_y / (1 - p_y)) from predict_proba: independent of the decision_function route.
+    expected = _brute_force_outputs(est, X, y, X[:10], res,
+                                    lambda m, Z: _softmax_margin(m.predict_proba(Z), y[:10]))
+    assert_allclose(res.all_outputs, expected, rtol=1e-9, atol=1e-9)
+
+
+def _replay_loop(est, keep, Z):
+    """Plain SGD by hand from the recorded initialization over the recorded batches."""
+    module = module_at(est, 0)
+    X = torch.as_tensor(est.X_fit_)
+    y = torch.as_tensor(est._Y_fit)
+    for t, batch in enumerate(est.trajectory_.batches):
+        kept = torch.as_tensor(batch[keep[batch]])
+        if len(kept) == 0:
+            continue
+        loss = torch.nn.functional.cross_entropy(module(X[kept]), y[kept])
+        grads = torch.autograd.grad(loss, list(module.parameters()))
+        with torch.no_grad():
+            for p, g in zip(module.parameters(), grads):
+                p -= float(est.trajectory_.learning_rates[t]) * g
+    with torch.no_grad():
+        return module(torch.as_tensor(Z)).numpy()
+
+
+def test_replay_equals_a_hand_written_sgd_loop_over_the_recorded_batches():
+    rng = np.random.RandomState(6)
+    X = rng.normal(size=(40, 3))
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    est = PathKernelClassifier(hidden_layer_sizes=(5,), solver="sgd", learning_rate_init=0.3,
+                               momentum=0.0, alpha=0.0, batch_size=6, max_iter=3,
+                               shuffle=True, loss="log_loss", dtype="float64",
+                               random_state=0, tol=None).fit(X, y)
+    res = retrain_on_subsets(est, X, y, X[:7], y[:7], n_subsets=4, protocol="replay",
+                             subset_fraction=0.3, random_state=0, n_jobs=2)
+    assert res.seeds is None and res.protocol == "replay"
+    for mask, outputs in zip(res.subsets, res.outputs):
+        logits = _replay_loop(est, mask, X[:7])
+        assert_allclose(outputs, logits[np.arange(7), y[:7]] - logsumexp(
+            np.where(np.eye(3)[y[:7]] > 0, -np.inf, logits), axis=1), rtol=1e-10)
+    with pytest.raises(ValueError, match="training set"):
+        retrain_on_subsets(est, X + 1, y, X[:7], y[:7], n_subsets=2, protocol="replay")
+
+
+def test_retraining_parallel_equals_serial_and_accepts_a_callable():
+    rng = np.random.RandomState(3)
+    X, y = rng.normal(size=(40, 3)), rng.normal(size=40)
+
+    def first_coef(model, Z):
+        return np.full(len(Z), model.coef_[0])
+
+    serial = retrain_on_subsets(Ridge(), X, y, X[:3], n_subsets=5, random_state=0,
+                                output=first_coef)
+    parallel = retrain_on_subsets(Ridge(), X, y, X[:3], n_subsets=5, random_state=0,
+                                  output=first_coef, n_jobs=2)
+    assert_array_equal(serial.subsets, parallel.subsets)
+    assert_allclose(serial.outputs, parallel.outputs, rtol=1e-12)
+    assert serial.output == "first_coef"
+    coef = [Ridge().fit(X[m], y[m]).coef_[0] for m in serial.subsets]
+    assert_allclose(serial.outputs[:, 0], coef, rtol=1e-12)
+
+
+def test_retraining_progress(capsys):
+    pytest.importorskip("tqdm")
+    rng = np.random.RandomState(4)
+    X, y = rng.normal(size=(20, 2)), rng.normal(size=20)
+    retrain_on_subsets(Ridge(), X, y, X[:2], n_subsets=3, random_state=0, verbose=1)
+    assert "3/3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(estimator=Ridge(), output="margin"), "for classifiers"),
+    (dict(estimator=LogisticRegression()), "y_query"),
+    (dict(estimator=PathKernelMachine(random_state=None), protocol="same_seed"),
+     "random_state"),
+    (dict(estimator=PathKernelMachine(random_state=0), protocol="replay"), "fit it"),
+    (dict(subset_fraction=0.01), "at least one"),
+    (dict(output=lambda m, Z: np.zeros((len(Z), 2))), "one value per query"),
+    (dict(n_subsets=1), "n_subsets"),
+    (dict(protocol="other"), "protocol"),
+])
+def test_retraining_bad_input(kwargs, match):
+    rng = np.random.RandomState(5)
+    X, y = rng.normal(size=(20, 2)), np.arange(20) % 2
+    args = dict(estimator=Ridge(), X=X, y=y, X_query=X[:3], n_subsets=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        retrain_on_subsets(**args)
+
+
+def test_retraining_subset_without_a_class_is_a_clear_error():
+    X = np.arange(20.0).reshape(-1, 1)
+    y = np.r_[np.zeros(10, int), np.ones(9, int), 2]  # class 2 holds one sample
+    with pytest.raises(ValueError, match="holds no sample of class"):
+        retrain_on_subsets(LogisticRegression(), X, y, X[:2], y[:2], n_subsets=6,
+                           random_state=0)
+
+
+# --------------------------------------------------------------------------- attribute
+@pytest.fixture(scope="module")
+def classifiers():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(30, 3))
+    y3 = np.digitize(X[:, 0], [-0.5, 0.5])
+    common = dict(hidden_layer_sizes=(6,), activation="tanh", momentum=0.0, alpha=0.0,
+                  shuffle=True, loss="log_loss", dtype="float64", random_state=0, tol=None)
+    sgd = PathKernelClassifier(solver="sgd", learning_rate_init=0.5, batch_size=10,
+                               max_iter=3, **common).fit(X, y3)
+    adam = PathKernelClassifier(solver="adam", learning_rate_init=0.05, batch_size=None,
+                                max_iter=4, **common).fit(X, y3)
+    binary = PathKernelClassifier(solver="sgd", learning_rate_init=0.5, batch_size=None,
+                                  max_iter=5, **common).fit(X, y3 > 0)
+    return X, y3, sgd, adam, binary
+
+
+def _margin_weights_autograd(logits, labels):
+    """d/df (f_y - logsumexp_{k != y} f_k) at the final logits, by autograd."""
+    f = torch.tensor(logits, requires_grad=True)
+    y = torch.as_tensor(labels)
+    others = f.masked_fill(torch.nn.functional.one_hot(y, f.shape[1]).bool(), -torch.inf)
+    margin = f.gather(1, y[:, None])[:, 0] - torch.logsumexp(others, dim=1)
+    margin.sum().backward()
+    return f.grad.numpy()
+
+
+@pytest.mark.parametrize("which", ["sgd", "adam"])
+def test_attribute_is_the_margin_weighted_decomposition(classifiers, which):
+    X, y, sgd, adam, _ = classifiers
+    clf = {"sgd": sgd, "adam": adam}[which]
+    Xq, yq = X[:5], y[[1, 0, 2, 2, 1]]  # labels that are not all the predicted ones
+    for method, weighting in [("exact", "realized"), ("first_order", "expected")]:
+        res = clf.decompose(Xq, method=method, weighting=weighting)
+        W = _margin_weights_autograd(res.prediction, yq)
+        expected = np.einsum("qnc,qc->qn", res.contributions, W)
+        scores = clf.attribute(Xq, yq, method=method, weighting=weighting)
+        assert scores.shape == (5, len(X)) and scores.dtype == np.float64
+        assert_allclose(scores, expected, rtol=1e-9, atol=1e-12)
+    # Exact: the linear part of the margin is reproduced to round-off.
+    res = clf.decompose(Xq)
+    W = _margin_weights_autograd(res.prediction, yq)
+    total = np.einsum("qc,qc->q", res.initial, W) + clf.attribute(Xq, yq).sum(1)
+    assert_allclose(total, np.einsum("qc,qc->q", res.prediction, W), atol=1e-10)
+
+
+def test_attribute_binary_margin_is_exact_and_default_label_is_the_prediction(classifiers):
+    X, y, sgd, _, binary = classifiers
+    labels = y[:6] > 0
+    sign = np.where(labels, 1.0, -1.0)
+    scores = binary.attribute(X[:6], labels)
+    res = binary.decompose(X[:6])
+    assert_allclose(scores, sign[:, None] * res.contributions[:, :, 0], rtol=1e-12)
+    margin = sign * binary.decision_function(X[:6])
+    assert_allclose(sign * res.initial[:, 0] + scores.sum(1), margin, atol=1e-10)
+    assert_allclose(binary.attribute(X[:6]), binary.attribute(X[:6], binary.predict(X[:6])))
+    assert_allclose(sgd.attribute(X[:4]), sgd.attribute(X[:4], sgd.predict(X[:4])))
+
+
+def test_attribute_first_order_expected_is_tracin_over_every_step(classifiers):
+    """Domingos' path-kernel form: sum_t lr / N w . J_t(x) J_t(x_i)^T (-r_{t,i}), by a
+    per-sample autograd loop at every recorded point."""
+    X, y, sgd, _, _ = classifiers
+    Xq, yq = X[:3], y[:3]
+    traj = sgd.trajectory_
+    logits = sgd.decision_function(Xq)
+    W = _margin_weights_autograd(logits, yq)
+    expected = np.zeros((3, len(X)))
+    for t in range(traj.n_steps):
+        module = module_at(sgd, t)
+        Jq = jacobian_loop(module, Xq).numpy()  # (Q, C, P)
+        Jx = jacobian_loop(module, X).numpy()   # (N, C, P)
+        with torch.no_grad():
+            p = torch.softmax(module(torch.as_tensor(X)), dim=1).numpy()
+        residual = p - np.eye(3)[y]  # d loss / d f for softmax cross-entropy
+        grads = np.einsum("nc,ncp->np", residual, Jx)
+        expected -= float(traj.learning_rates[t]) / len(X) * np.einsum(
+            "qc,qcp,np->qn", W, Jq, grads)
+    scores = sgd.attribute(Xq, yq, method="first_order", weighting="expected")
+    assert_allclose(scores, expected, rtol=1e-8, atol=1e-12)
+
+
+def test_attribute_outputs_and_regressors(classifiers):
+    X, y, sgd, _, _ = classifiers
+    res = sgd.decompose(X[:4])
+    assert_allclose(sgd.attribute(X[:4], output=2), res.contributions[:, :, 2], rtol=1e-10,
+                    atol=1e-14)
+    # normalize_y: the scores in the units of y, like decompose's (each output its scale).
+    reg = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.1,
+                            momentum=0.0, alpha=0.01, batch_size=None, max_iter=3,
+                            dtype="float64", random_state=0, tol=None, normalize_y=True)
+    multi = clone(reg).fit(X, np.c_[X[:, 0], 5 * X[:, 1]])
+    res = multi.decompose(X[:3])
+    assert_allclose(multi.attribute(X[:3], output=1), res.contributions[:, :, 1],
+                    rtol=1e-10, atol=1e-14)
+    with pytest.raises(ValueError, match="2 outputs"):
+        multi.attribute(X[:3])
+    single = clone(reg).fit(X, X[:, 0])
+    res = single.decompose(X[:3])
+    scores = single.attribute(X[:3])
+    assert_allclose(scores, res.contributions[:, :, 0], rtol=1e-10, atol=1e-14)
+    # The scores add up to the prediction in the units of y.
+    assert_allclose(res.initial[:, 0] + scores.sum(1) + res.regularization[:, 0],
+                    single.predict(X[:3]), atol=1e-10)
+    with pytest.raises(ValueError, match="for classifiers"):
+        single.attribute(X[:3], output="margin")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(y=np.array([0, 1])), "one label per query"),
+    (dict(y=np.array([0, 1, 7])), "not trained on"),
+    (dict(output=3), "output index"),
+    (dict(output="logit"), "output"),
+    (dict(method="exactly"), "method"),
+    (dict(weighting="both"), "weighting"),
+])
+def test_attribute_bad_input(classifiers, kwargs, match):
+    X, _, sgd, _, _ = classifiers
+    before = sgd.trajectory_.parameters(-1).clone()
+    with pytest.raises(ValueError, match=match):
+        sgd.attribute(X[:3], **kwargs)
+    assert torch.equal(sgd.trajectory_.parameters(-1), before)
+
+
+def test_recorded_network_attribute_equals_the_estimators(classifiers):
+    from skpathkernel import RecordedNetwork
+
+    X, y, sgd, _, _ = classifiers
+    net = RecordedNetwork(sgd.module_, sgd.trajectory_, X_train=X, y_train=y, loss="log_loss")
+    labels = np.array([2, 0, 1, 1])
+    assert_allclose(net.attribute(X[:4], labels, output="margin"),
+                    sgd.attribute(X[:4], labels), rtol=1e-10, atol=1e-14)
+    assert_allclose(net.attribute(X[:4], output="margin"), sgd.attribute(X[:4]), rtol=1e-10,
+                    atol=1e-14)
+    assert_allclose(net.attribute(X[:4], output=1), sgd.attribute(X[:4], output=1),
+                    rtol=1e-10, atol=1e-14)
+    with pytest.raises(ValueError, match="3 outputs"):
+        net.attribute(X[:4])
+    with pytest.raises(ValueError, match="class indices"):
+        net.attribute(X[:4], np.array([0, 1, 2, 3]), output="margin")

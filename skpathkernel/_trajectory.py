@@ -623,17 +623,19 @@ class TrajectoryRecorder:
                         for key in self.solver.state_keys}
         self._pin = self._non_blocking = False
         for k in range(n_points):
-            self._write_row(self._buf, k, [old_buf[k]], int(self._steps[k]))
+            self._write_row(self._buf, k, [old_buf[k]], int(self._steps[k]), whole=True)
         for key, series in self._states.items():
             for k in range(max(n_points - 1, 0)):
-                self._write_row(series, k, [old_states[key][k]], k * self.record_every)
+                self._write_row(series, k, [old_states[key][k]], k * self.record_every,
+                                whole=True)
 
-    def _write_row(self, target, k: int, tensors, step: int) -> None:
+    def _write_row(self, target, k: int, tensors, step: int, whole: bool = False) -> None:
+        """Row ``k`` of ``target``: the parameter-shaped ``tensors``, or one flat vector."""
         if isinstance(target, Series):
-            self._copy_flat(tensors, target.slot(k), whole=len(tensors) == 1)
+            self._copy_flat(tensors, target.slot(k), whole)
             target.commit(k, step)
         else:
-            self._copy_flat(tensors, target[k], whole=len(tensors) == 1)
+            self._copy_flat(tensors, target[k], whole)
 
     @staticmethod
     def n_points_for(n_steps: int, record_every: int) -> int:

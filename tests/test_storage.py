@@ -444,3 +444,23 @@ def test_detector_scores_on_workers_read_the_disk_path_by_reference(data):
     # Row blocks change sums' order; scores near 0 show it (as in test_parallel.py).
     assert_allclose(blocks, serial, rtol=0, atol=1e-10)
     assert det.trajectory_._store.owned
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk", "auto"])
+def test_a_module_with_one_parameter_tensor(storage, monkeypatch):
+    # One parameter tensor (no bias), shaped (1, 4): recorded flat like any module.
+    monkeypatch.setattr(_trajectory, "chunk_rows_for", lambda *a: 2)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1, bias=False).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    X = torch.randn(6, 4, dtype=torch.float64)
+    thetas = [net.weight.detach().reshape(-1).clone()]
+    with PathRecorder(net, opt, storage=storage, memory_budget=2**20) as rec:
+        for _ in range(5):
+            opt.zero_grad()
+            net(X).pow(2).mean().backward()
+            opt.step()
+            thetas.append(net.weight.detach().reshape(-1).clone())
+    traj = rec.trajectory
+    for k, theta in enumerate(thetas):
+        assert torch.equal(traj.parameters(k), theta)

@@ -180,6 +180,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
     ):
@@ -205,6 +208,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         self.device = device
         self.dtype = dtype
         self.memory_budget = memory_budget
+        self.trajectory_storage = trajectory_storage
+        self.trajectory_dir = trajectory_dir
+        self.trajectory_compression = trajectory_compression
         self.random_state = random_state
         self.verbose = verbose
 
@@ -277,6 +283,11 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     def _fit(self, X, y):
         """Validate, train, and only then replace the fitted state (never half-fitted)."""
+        if self.trajectory_compression is not None and self.trajectory_storage == "memory":
+            raise ValueError(
+                f"trajectory_compression={self.trajectory_compression!r} compresses an "
+                "on-disk trajectory: use trajectory_storage='disk' (or 'auto')."
+            )
         X, y = self._validate_y(X, y)
         Y, n_outputs, attrs = self._encode_targets(y)
         if "classes_" not in attrs:
@@ -343,6 +354,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 validation=validation,
                 record_budget=int(self.memory_budget),
                 progress=progress,
+                storage=self.trajectory_storage,
+                directory=self.trajectory_dir,
+                compression=self.trajectory_compression,
             )
         module.eval()
         if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back

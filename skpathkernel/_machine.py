@@ -460,6 +460,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         normalize_y=True,
@@ -472,7 +475,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.normalize_y = normalize_y
 
@@ -582,6 +587,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
     ):
@@ -593,7 +601,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
 
     @keep_previous_fit_on_error

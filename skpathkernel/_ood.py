@@ -48,10 +48,10 @@ from ._machine import (
     PathKernelClassifier,
     PathKernelMachine,
 )
-from ._parallel import map_row_blocks
+from ._parallel import map_row_blocks, n_row_blocks
 from ._params import network_parameter_names
 from ._span import BLOCK, NetworkGram, TangentSpan
-from .kernels import PathKernel, TangentKernel
+from .kernels import PathKernel, TangentKernel, reading_copy
 
 __all__ = ["OODRankDetector"]
 
@@ -308,6 +308,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         estimator=None,
@@ -328,7 +331,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.estimator = estimator
         self.task = task
@@ -491,7 +496,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         scores : ndarray of shape (n_samples,)
         """
         X = self._validate_X(X)
-        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self))
+        # Workers get an on-disk trajectory by reference (see kernels.reading_copy).
+        detector = self if n_row_blocks(self.n_jobs, X) == 1 else reading_copy(self)
+        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, detector))
 
     def decision_function(self, X):
         """``score_samples(X) - offset_``: negative for outliers.

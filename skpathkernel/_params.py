@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import textwrap
 
 import torch
@@ -213,8 +214,45 @@ NETWORK_PARAMETERS: tuple[NetworkParameter, ...] = (
         "memory_budget", 2**30, (_positive_int(2**20),), "int",
         """
         Bytes that one block of a computation (prediction, kernels) may use, and the
-        most that the recorded points may take with ``record_every="auto"``.
+        most that the recorded points may take in memory with ``record_every="auto"``.
         """, default_doc="2**30"),
+    NetworkParameter(
+        "trajectory_storage", "memory", (StrOptions({"memory", "disk", "auto"}),),
+        '{"memory", "disk", "auto"}',
+        """
+        Where ``trajectory_`` keeps its points. "memory": CPU buffers. "disk": chunk
+        files in a fresh temporary directory under ``trajectory_dir``, written while
+        training and read lazily, a chunk at a time (at most 1/32 of ``memory_budget``
+        each), so the kernels and :meth:`decompose` run in memory independent of the
+        number of steps; ``record_every="auto"`` then keeps every step that fits in 90%
+        of the free disk space. "auto": disk when the points of ``max_iter`` epochs
+        (every step, or every ``record_every``-th) exceed ``memory_budget`` bytes,
+        else memory. The directory is deleted with the estimator's trajectory unless
+        moved with ``trajectory_.save(path)`` (a rename) or pickled (a pickle references
+        the directory, which is then kept). A full disk during training keeps the
+        rest of the path in memory with a warning naming the file and the step (see
+        the user guide, "Scaling").
+        """),
+    NetworkParameter(
+        "trajectory_dir", None, (str, os.PathLike, None), "str, path-like or None",
+        """
+        Where ``trajectory_storage="disk"`` creates its directories; None is the
+        system's temporary directory (``tempfile.gettempdir()``, ``TMPDIR``).
+        """),
+    NetworkParameter(
+        "trajectory_compression", None, (StrOptions({"float16", "bfloat16"}), None),
+        '{None, "float16", "bfloat16"}',
+        """
+        With the trajectory on disk, store each recorded point's parameters as its
+        difference from the previous stored point in this dtype (the first point of
+        each chunk file in full precision): about half the disk of float32 parameters
+        (optimizer states stay in full precision). Lossy: each stored point is within
+        one rounding of its step of the trained one, and the kernels and
+        :meth:`decompose` read the stored path, so ``decompose(...).error`` reports
+        what it costs (the contributions follow the stored points' gradients, the
+        reconstruction the stored steps). ``trajectory_.parameters(-1)`` is the stored
+        last point; ``module_`` keeps the trained one.
+        """),
     NetworkParameter(
         "random_state", None, ("random_state",), "int, RandomState instance or None",
         """

@@ -33,6 +33,7 @@ what it means, for any loss".
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -180,6 +181,24 @@ class PathRecorder:
         Size of the training set that :meth:`set_batch` indexes into. When given, every
         step must declare its batch; when None, batches are not recorded (the kernels
         work, the decomposition does not).
+    storage : {"memory", "disk", "auto"}, default="memory"
+        Where the recorded vectors go: memory buffers that double when full, or chunk
+        files in a fresh temporary directory under ``directory``, written as recording
+        goes and read lazily (see the estimators' ``trajectory_storage``). "auto"
+        records in memory and moves what it holds to disk when the vectors pass
+        ``memory_budget`` bytes. ``trajectory.save(path)`` moves the directory (a
+        rename) and keeps it; otherwise it is deleted with the last trajectory using
+        it. A full disk keeps the rest in memory, with a warning naming the file and
+        the step.
+    directory : str, path-like or None, default=None
+        Parent of the on-disk trajectory's directory; None is the system's temporary
+        directory.
+    memory_budget : int, default=2**30
+        The size bound of ``storage="auto"``; chunk files hold at most 1/32 of it.
+    compression : {None, "float16", "bfloat16"}, default=None
+        On disk, store each point's parameters as its difference from the previous
+        stored point in this dtype (lossy: see the estimators'
+        ``trajectory_compression``; the decomposition's ``error`` reports the cost).
 
     Attributes
     ----------
@@ -226,6 +245,10 @@ class PathRecorder:
         *,
         record_every: int = 1,
         n_samples: int | None = None,
+        storage: str = "memory",
+        directory: str | os.PathLike | None = None,
+        memory_budget: int = 2**30,
+        compression: str | None = None,
     ):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -234,6 +257,18 @@ class PathRecorder:
         if n_samples is not None and (not isinstance(n_samples, numbers.Integral)
                                       or n_samples < 1):
             raise ValueError(f"n_samples must be a positive integer or None, got {n_samples!r}.")
+        if storage not in ("memory", "disk", "auto"):
+            raise ValueError(f"storage must be 'memory', 'disk' or 'auto', got {storage!r}.")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path or None, got {directory!r}.")
+        if compression not in (None, "float16", "bfloat16") or (
+                compression is not None and storage == "memory"):
+            raise ValueError(f"compression must be None, 'float16' or 'bfloat16', with "
+                             f"storage 'disk' or 'auto'; got {compression!r} with "
+                             f"storage={storage!r}.")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) \
+                or memory_budget < 2**20:
+            raise ValueError(f"memory_budget must be an int >= 2**20, got {memory_budget!r}.")
         self.solver_spec = solver_spec_from_optimizer(optimizer)
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
@@ -258,10 +293,15 @@ class PathRecorder:
         self.optimizer = optimizer
         self.record_every = int(record_every)
         self.n_samples = None if n_samples is None else int(n_samples)
+        self.storage = storage
+        self.directory = directory
+        self.memory_budget = int(memory_budget)
+        self.compression = compression
         self._recorder = TrajectoryRecorder(
             params, [n for n, _ in named], n_steps=None, record_every=self.record_every,
             solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
-            dtype=params[0].dtype,
+            dtype=params[0].dtype, storage=storage, directory=directory,
+            memory_budget=self.memory_budget, compression=compression,
         )
         self._recorder.record_point(0)
         self._pending = None
@@ -363,6 +403,20 @@ class PathRecorder:
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
 
+def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:
+    """Refuse a trajectory recorded from another network (e.g. a directory of another run)."""
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    for name, shape in zip(trajectory.names, trajectory.shapes):
+        if shapes.get(name) != tuple(shape):
+            where = ("" if trajectory.directory is None
+                     else f" (on disk in {trajectory.directory!r})")
+            have = "missing" if name not in shapes else f"of shape {shapes[name]}"
+            raise ValueError(
+                f"The trajectory{where} was recorded from another network: its parameter "
+                f"{name!r} has shape {tuple(shape)}, the module's is {have}."
+            )
+
+
 class _PerSampleLoss(Loss):
     """A user's ``per_sample(output, target) -> (B,)`` as a library loss."""
 
@@ -443,6 +497,7 @@ class RecordedNetwork(BaseEstimator):
                 f"loss must be one of {sorted(LOSSES)} or a callable per_sample(output, "
                 f"target) -> (B,), got {loss!r}."
             )
+        _check_module_matches(module, trajectory)
         # Constructor parameters under their own names (get_params / clone), and the
         # fitted-estimator names that the kernels read.
         self.module = self.module_ = module

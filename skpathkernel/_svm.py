@@ -144,6 +144,9 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         task="auto",
@@ -159,7 +162,9 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.task = task
         self.n_components = n_components
@@ -361,6 +366,9 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         C=1.0,
@@ -374,7 +382,9 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.C = C
         self.svm_kernel = svm_kernel

@@ -26,8 +26,8 @@ OPTIONAL = {
 ALLOWED_INTERNAL: dict[tuple[str, str], str] = {}
 
 # The engine: tensors in, tensors out. It must never import what sits above it.
-ENGINE = ("_device", "_inputs", "_losses", "_memory", "_parallel", "_span", "_tangent",
-          "_training", "_trajectory")
+ENGINE = ("_device", "_inputs", "_losses", "_memory", "_parallel", "_span", "_storage",
+          "_tangent", "_training", "_trajectory")
 
 
 def _modules():

@@ -54,6 +54,8 @@ TABLES = {
             "Tangent-feature SVM versus RBF SVC and MLPClassifier"),
     "ood": ("benchmarks.bench_ood",
             "OOD detection at the defaults against the best peer, every split"),
+    "long_path": ("benchmarks.bench_long_path",
+                  "Long paths: an on-disk trajectory versus the in-memory one"),
     "attribution": ("benchmarks.bench_attribution",
                     "Training-data attribution: LDS against TracIn, TRAK and influence "
                     "functions"),
@@ -271,7 +273,9 @@ def _method(spec):
 def _table(rows):
     if not rows:
         return ["(no rows)"]
-    keys = list(rows[0])
+    # Every row's columns, in first-seen order: rows of one table may measure different
+    # things (cells a row lacks stay empty).
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
 

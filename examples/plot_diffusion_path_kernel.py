@@ -8,7 +8,7 @@ draws clean points, random noise levels ``sigma`` and noises, and regresses the 
 from ``(x_noisy, sigma)``. :class:`~skpathkernel.PathRecorder` records that loop, and the
 path kernel of the trained denoiser is then a kernel between *(x, sigma) pairs*.
 
-The seed paper reads diffusion through this kernel: training induces "stage-wise,
+Guo, He & Morel (2026) read diffusion through this kernel: training induces "stage-wise,
 noise-localized corrections". We measure it: the share of the normalized path-kernel mass
 between queries whose noise levels are close (``|log sigma - log sigma'| < 0.5``),
 against the share of such pairs (what a kernel blind to ``sigma`` would give) and against

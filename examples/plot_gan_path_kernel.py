@@ -3,7 +3,7 @@
 A GAN generator's path kernel follows the discriminator
 =============================================================
 
-The seed paper reads GANs through the generator's path kernel: training induces
+Guo, He & Morel (2026) read GANs through the generator's path kernel: training induces
 "distribution-guided corrections shaped by discriminator geometry". Here a tiny GAN is
 trained on 2-D data by an ordinary alternating loop; the *generator*'s path is recorded
 with :class:`~skpathkernel.PathRecorder`.

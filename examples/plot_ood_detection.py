@@ -4,12 +4,12 @@ Out-of-distribution detection by the tangent-feature residual
 
 A trained network extrapolates where a test point's tangent feature
 :math:`\\phi(x) = \\nabla_\\theta f(x)` leaves the span of the training features
-(seed figures 7-8). :class:`~skpathkernel.OODRankDetector` scores that: by default the
-relative residual of :math:`\\phi(x)` outside the span of its 20 best-aligned training
-features (``method="local"``), computed from tangent Gram matrices only; the span of all
-training features (``method="residual"``) and the best cosine (``method="alignment"``)
-are the other views. Here the network learns digits 0-4 and the detector flags digits 5-9
-and printed letters it never saw.
+(figures 7-8 of Guo, He & Morel 2026). :class:`~skpathkernel.OODRankDetector` scores that:
+by default the relative residual of :math:`\\phi(x)` outside the span of its 20 best-aligned
+training features (``method="local"``), computed from tangent Gram matrices only; the span
+of all training features (``method="residual"``) and the best cosine
+(``method="alignment"``) are the other views. Here the network learns digits 0-4 and the
+detector flags digits 5-9 and printed letters it never saw.
 """
 
 # %%

@@ -10,7 +10,8 @@ its recorded optimisation path and use its tangent kernel like any scikit-learn 
 # %%
 # Fit and predict
 # ---------------
-# The seeds' circle task: +1 on the unit circle, -1 inside a disk of radius^2 0.8.
+# The circle task of Guo, He & Morel (2026): +1 on the unit circle, -1 inside a disk of
+# radius^2 0.8.
 import matplotlib
 
 matplotlib.use("Agg")

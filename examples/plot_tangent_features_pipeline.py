@@ -5,7 +5,7 @@ Tangent features in a scikit-learn Pipeline
 
 ``transform`` returns the learned tangent features ``phi(x) = d f(x; theta_T) / d theta``.
 Here a network trained on one task hands its features to a linear SVM inside a
-:class:`~sklearn.pipeline.Pipeline` (seed figure 3).
+:class:`~sklearn.pipeline.Pipeline` (Guo, He & Morel 2026, figure 3).
 """
 
 # %%

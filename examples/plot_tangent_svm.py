@@ -3,9 +3,10 @@
 SVM on learned tangent features versus an RBF kernel
 =====================================================
 
-Seed figure 3: a linear SVM whose inputs are a trained network's tangent features
-``phi(x) = d f(x; theta_T) / d theta`` (each sample is represented by ``phi(x)``, not by its
-coordinates), against an SVC with a Gaussian RBF kernel on the raw inputs.
+Figure 3 of Guo, He & Morel (2026): a linear SVM whose inputs are a trained network's
+tangent features ``phi(x) = d f(x; theta_T) / d theta`` (each sample is represented by
+``phi(x)``, not by its coordinates), against an SVC with a Gaussian RBF kernel on the raw
+inputs.
 
 Two tasks: the isotropic circle (``x1^2 + x2^2 <= 0.9`` versus the unit circle) and the
 anisotropic ellipse (``100 x1^2 + x2^2 <= 0.9`` versus ``= 1``). The RBF kernel measures

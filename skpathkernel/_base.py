@@ -23,9 +23,11 @@ from sklearn.base import BaseEstimator
 from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_random_state
-from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted
 
+# The engine is called as _tangent.<function>, looked up at call time (as the in-function
+# imports it replaces did), so a test that stubs an engine function out reaches every call.
+from . import _tangent
 from ._device import (
     resolve_device,
     resolve_dtype,
@@ -34,13 +36,22 @@ from ._device import (
     to_numpy,
     to_tensor,
 )
-from ._inputs import FEATURES, activation_widths, fitted_input, probe_module, validate_input
+from ._inputs import (
+    FEATURES,
+    activation_widths,
+    check_representable,
+    fitted_input,
+    probe_module,
+    validate_input,
+)
 from ._losses import LOSSES
 from ._memory import rows_per_block
 from ._parallel import dask_worker_threads, limit_torch_threads
+from ._params import ACTIVATIONS, network_constraints
 from ._tangent import warn_on_fallback
 from ._training import train
 from ._trajectory import SolverSpec
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["BasePathKernelNetwork", "make_mlp"]
 
@@ -48,14 +59,6 @@ __all__ = ["BasePathKernelNetwork", "make_mlp"]
 # kernel machine over a single training point has nothing to compare; sklearn's own
 # message, "Found array with 1 sample(s) ... a minimum of 2", names the problem).
 FIT_CHECKS = dict(dtype=[np.float64, np.float32], ensure_min_samples=2)
-
-ACTIVATIONS = {
-    "relu": torch.nn.ReLU,
-    "tanh": torch.nn.Tanh,
-    "gelu": torch.nn.GELU,
-    "softplus": torch.nn.Softplus,
-    "identity": torch.nn.Identity,
-}
 
 
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
@@ -117,24 +120,6 @@ def keep_previous_fit_on_error(fit):
     return wrapper
 
 
-def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X") -> None:
-    """Refuse finite float64 values that overflow the network's float32 dtype.
-
-    ``check_array`` checks finiteness in float64; converted to float32, values beyond
-    3.4e38 would become inf inside the network and silently give NaN outputs.
-    """
-    if dtype != torch.float32 or X.dtype != np.float64 or X.size == 0:
-        return
-    largest = float(np.max(np.abs(X)))
-    limit = float(np.finfo(np.float32).max)
-    if largest > limit:
-        raise ValueError(
-            f"Input {input_name} contains values too large for the network's dtype float32 "
-            f"(largest magnitude {largest:.3g}, float32 holds up to {limit:.3g}); rescale "
-            f"{input_name} or use dtype='float64'."
-        )
-
-
 def reject_sparse_y(y) -> None:
     """``validate_data(multi_output=True)`` accepts a sparse y; no estimator here does."""
     if sp.issparse(y):
@@ -167,33 +152,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     owns validation, the module, the training loop and the recorded trajectory.
     """
 
-    _parameter_constraints: dict = {
-        "hidden_layer_sizes": ["array-like", Interval(numbers.Integral, 1, None, closed="left")],
-        "activation": [StrOptions(set(ACTIVATIONS))],
-        "module": [callable, None],
-        "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
-        "learning_rate_init": [Interval(numbers.Real, 0, None, closed="neither")],
-        "momentum": [Interval(numbers.Real, 0, 1, closed="left")],
-        "alpha": [Interval(numbers.Real, 0, None, closed="left")],
-        "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
-        "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
-        "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
-        "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), StrOptions({"auto"}),
-                       None],
-        "max_iter": [Interval(numbers.Integral, 1, None, closed="left")],
-        "tol": [Interval(numbers.Real, 0, None, closed="left"), None],
-        "n_iter_no_change": [Interval(numbers.Integral, 1, None, closed="left")],
-        "early_stopping": ["boolean"],
-        "validation_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
-        "shuffle": ["boolean"],
-        "record_every": [Interval(numbers.Integral, 1, None, closed="left"),
-                         StrOptions({"auto"})],
-        "device": [StrOptions({"auto", "cpu", "cuda"})],
-        "dtype": [StrOptions({"float32", "float64"})],
-        "memory_budget": [Interval(numbers.Integral, 2**20, None, closed="left")],
-        "random_state": ["random_state"],
-        "verbose": ["verbose"],
-    }
+    _parameter_constraints: dict = network_constraints()
 
     @abstractmethod
     def __init__(
@@ -221,6 +180,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
     ):
@@ -246,6 +208,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         self.device = device
         self.dtype = dtype
         self.memory_budget = memory_budget
+        self.trajectory_storage = trajectory_storage
+        self.trajectory_dir = trajectory_dir
+        self.trajectory_compression = trajectory_compression
         self.random_state = random_state
         self.verbose = verbose
 
@@ -318,6 +283,11 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     def _fit(self, X, y):
         """Validate, train, and only then replace the fitted state (never half-fitted)."""
+        if self.trajectory_compression is not None and self.trajectory_storage == "memory":
+            raise ValueError(
+                f"trajectory_compression={self.trajectory_compression!r} compresses an "
+                "on-disk trajectory: use trajectory_storage='disk' (or 'auto')."
+            )
         X, y = self._validate_y(X, y)
         Y, n_outputs, attrs = self._encode_targets(y)
         if "classes_" not in attrs:
@@ -384,6 +354,9 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 validation=validation,
                 record_budget=int(self.memory_budget),
                 progress=progress,
+                storage=self.trajectory_storage,
+                directory=self.trajectory_dir,
+                compression=self.trajectory_compression,
             )
         module.eval()
         if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
@@ -438,32 +411,26 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     @property
     def tangent_kernel_(self):
         """:class:`~skpathkernel.kernels.TangentKernel` at the final parameters."""
-        from .kernels import TangentKernel
-
         check_is_fitted(self)
         return TangentKernel(self)
 
     @property
     def path_kernel_(self):
         """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        from .kernels import PathKernel
-
         check_is_fitted(self)
         return PathKernel(self)
 
     def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
-        from ._tangent import hidden_reads, tangent_features
-
         module, params, X_t = self._engine_inputs(X, step)
         row = self._check_feature_row_fits("Dense tangent features")
         # The engine's check for hidden parameter reads runs once, not in every block.
-        exclude = hidden_reads(module, [params], [X_t], output=output,
-                               memory_budget=self.memory_budget)
+        exclude = _tangent.hidden_reads(module, [params], [X_t], output=output,
+                                        memory_budget=self.memory_budget)
         return map_fixed_blocks(
-            lambda xb: to_numpy(tangent_features(module, params, xb, output=output,
-                                                 memory_budget=self.memory_budget,
-                                                 exclude=exclude, check_hidden=False)),
+            lambda xb: to_numpy(_tangent.tangent_features(
+                module, params, xb, output=output, memory_budget=self.memory_budget,
+                exclude=exclude, check_hidden=False)),
             X_t, feature_block_rows(self.memory_budget, row, "Dense tangent features"))
 
     def _check_feature_row_fits(self, what):
@@ -485,11 +452,11 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
-        """Training points nearest to each query under a kernel (seed figure 1).
+        """Training points nearest to each query under a kernel (Guo, He & Morel 2026, figure 1).
 
         Nearness is the distance in the kernel's feature space,
         ``d(x, x_i)^2 = K(x, x) + K(x_i, x_i) - 2 K(x, x_i)``; with ``normalized=True``
-        (the seeds' normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
+        (Guo, He & Morel's normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
         nearest points are those with the highest normalized kernel.
 
         Parameters
@@ -521,8 +488,6 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
         ((2, 3), True)
         """
-        from .kernels import PathKernel, TangentKernel
-
         check_is_fitted(self)
         if kernel not in ("tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")

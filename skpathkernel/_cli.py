@@ -7,17 +7,18 @@ import os
 import platform
 import sys
 
+import numpy
+import scipy
+import sklearn
+import torch
+
+from . import __version__
+from ._reproduce import run_sections
+
 __all__ = ["main"]
 
 
 def _info(args) -> int:
-    import numpy
-    import scipy
-    import sklearn
-    import torch
-
-    from . import __version__
-
     cuda = torch.cuda.is_available()
     lines = [
         f"skpathkernel {__version__}",
@@ -35,8 +36,6 @@ def _info(args) -> int:
 
 
 def _reproduce(args) -> int:
-    from ._reproduce import run_sections
-
     figures = None
     if args.figures:
         figures = [f.strip() for f in args.figures.split(",") if f.strip()]
@@ -58,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print versions, device and threads")
     info.set_defaults(func=_info)
     rep = sub.add_parser(
-        "reproduce", help="reproduce the seed paper's experiments on embedded data"
+        "reproduce", help="reproduce the experiments of Guo, He & Morel (2026) on embedded data"
     )
     rep.add_argument("--out", default="reproduce_out", help="output folder (default: %(default)s)")
     rep.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")

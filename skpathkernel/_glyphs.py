@@ -18,6 +18,7 @@ import functools
 import os
 
 import numpy as np
+from scipy.ndimage import affine_transform
 from sklearn.utils import Bunch, check_random_state
 
 __all__ = ["load_printed_digits", "load_printed_letters"]
@@ -128,8 +129,6 @@ def _render_glyph(path, char):
 
 def _jittered_image(path, char, rng):
     """One 8x8 image (values 0..16) of ``char``: rotate, normalise, scale, shift, count."""
-    from scipy.ndimage import affine_transform
-
     coverage, ink = _render_glyph(path, char)
     angle = np.deg2rad(rng.uniform(-_MAX_ROTATION_DEG, _MAX_ROTATION_DEG))
     scale = rng.uniform(*_SCALE_RANGE)

@@ -28,12 +28,15 @@ import numpy as np
 import torch
 from sklearn.utils.validation import check_array, validate_data
 
+from ._device import to_input_tensor
+
 __all__ = [
     "FEATURES",
     "FLOAT",
     "TOKENS",
     "activation_widths",
     "check_input",
+    "check_representable",
     "fitted_input",
     "probe_module",
     "validate_input",
@@ -212,6 +215,24 @@ def check_input(estimator, X, name: str = "X", *, allow_flat: bool = False) -> n
     return X
 
 
+def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X") -> None:
+    """Refuse finite float64 values that overflow the network's float32 dtype.
+
+    ``check_array`` checks finiteness in float64; converted to float32, values beyond
+    3.4e38 would become inf inside the network and silently give NaN outputs.
+    """
+    if dtype != torch.float32 or X.dtype != np.float64 or X.size == 0:
+        return
+    largest = float(np.max(np.abs(X)))
+    limit = float(np.finfo(np.float32).max)
+    if largest > limit:
+        raise ValueError(
+            f"Input {input_name} contains values too large for the network's dtype float32 "
+            f"(largest magnitude {largest:.3g}, float32 holds up to {limit:.3g}); rescale "
+            f"{input_name} or use dtype='float64'."
+        )
+
+
 def _probe_rows(X: np.ndarray) -> np.ndarray:
     """The first sample, and for token ids the one holding the largest id."""
     rows = [0]
@@ -262,8 +283,6 @@ def activation_widths(module: torch.nn.Module, x: torch.Tensor) -> list[int]:
 def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
                  device: torch.device) -> None:
     """Refuse, with a message naming X's shape and dtype, a module that cannot take X."""
-    from ._device import to_input_tensor
-
     x = to_input_tensor(X[_probe_rows(X)], dtype=dtype, device=device)
     try:
         _run(module, x)

@@ -14,6 +14,8 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted
 
+from . import _interpolation
+from ._attribution import check_output, label_codes, output_weights, query_codes
 from ._base import (
     BasePathKernelNetwork,
     check_decompose_args,
@@ -23,88 +25,13 @@ from ._base import (
     tangent_feature_names,
 )
 from ._device import to_input_tensor, to_tensor
+from ._interpolation import check_tol
 from ._losses import LOSSES
+from ._params import network_params_doc
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
 
-_SHARED_PARAMS_DOC = """
-    hidden_layer_sizes : array-like of int, default=(64, 64)
-        Widths of the hidden layers of the default MLP (ignored when ``module`` is given).
-    activation : {"relu", "tanh", "gelu", "softplus", "identity"}, default="gelu"
-        Activation of the default MLP. The default is smooth, which keeps the exact
-        decomposition exact: "relu"'s kinks cost it about 1e-4 (see the user guide,
-        "Training"), and "tanh" is what the seed papers used.
-    module : callable, default=None
-        ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
-        Any module without cross-sample state (no BatchNorm in train mode) works. It is
-        called with torch's global RNG seeded from ``random_state`` (and restored after).
-        With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
-        ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer
-        token ids ``(n, S)`` as int64 (``n_features_in`` is then the number of values
-        per sample); see the user guide, "Images, sequences and token ids".
-    solver : {"sgd", "adam", "adamw", "rmsprop"}, default="adam"
-        The torch.optim optimizer whose path is recorded. Adam (MLPClassifier's default)
-        learns at one step size whatever the scale of X; SGD keeps each step of the path
-        kernel a structured Gram (Adam's preconditioner makes it a dense product, 20-50
-        times slower) and is Domingos' setting (see ``batch_size``).
-    learning_rate_init : float, default=0.001
-        Step size (MLPClassifier's; plain SGD wants a larger one, e.g. 0.1).
-    momentum : float, default=0.0
-        Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
-    alpha : float, default=0.0
-        Weight decay: L2 added to the gradient (``grad + alpha * theta``, all parameters)
-        for sgd, adam and rmsprop; decoupled weight decay for adamw. Unlike MLPRegressor it
-        is not divided by the number of samples and applies to biases too.
-    beta_1, beta_2, epsilon : float, default=0.9, 0.999, 1e-8
-        Adam / AdamW moment decays and the denominator's epsilon (epsilon is RMSprop's too;
-        RMSprop's smoothing constant is torch's default, 0.99).
-    batch_size : int, "auto" or None, default="auto"
-        Samples per optimizer step. "auto" is ``min(200, n_samples)`` (MLPClassifier's);
-        ``None`` trains on the whole training set at every step; with ``solver="sgd"``
-        (no momentum) that is Domingos' full-batch gradient descent.
-    max_iter : int, default=200
-        Most epochs (passes over the training set).
-    tol : float or None, default=1e-4
-        Stopping tolerance, with MLPClassifier's meaning: training stops when for more
-        than ``n_iter_no_change`` consecutive epochs the training loss has not gone below
-        its best value minus ``tol`` (with ``early_stopping``: the validation score has
-        not gone above its best value plus ``tol``). A ``ConvergenceWarning`` says when
-        ``max_iter`` epochs end without that. ``None`` (SGDClassifier's convention) trains
-        exactly ``max_iter`` epochs, with no warning: a path of fixed length.
-    n_iter_no_change : int, default=10
-        Epochs without improvement by ``tol`` tolerated before stopping (one more stops).
-    early_stopping : bool, default=False
-        Hold out ``validation_fraction`` of the training set (stratified for classes),
-        score the network on it after every epoch (accuracy, or R^2) and stop on that
-        score; the fitted network is then the one of the best-scoring epoch, as in
-        MLPClassifier, and ``trajectory_`` ends at it. The held-out samples are not
-        training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
-    validation_fraction : float in (0, 1), default=0.1
-        Fraction of the training set held out by ``early_stopping``; it must leave at
-        least two samples, and one of each class, on both sides.
-    shuffle : bool, default=True
-        Reshuffle the samples every epoch (minibatch training only).
-    record_every : int or "auto", default="auto"
-        Record the parameters every ``record_every`` optimizer steps (and at the end).
-        "auto": every step when the points of ``max_iter`` epochs fit in
-        ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
-        the user guide, "Training"). Every step (1) keeps the per-training-point
-        decomposition exact; with k > 1 it is approximate (it warns and reports its true
-        ``error``), and the path kernel is a Riemann sum.
-    device : {"auto", "cpu", "cuda"}, default="auto"
-        "auto" trains on CUDA when available, else on the CPU.
-    dtype : {"float32", "float64"}, default="float32"
-        Parameter dtype; float64 is for exactness checks.
-    memory_budget : int, default=2**30
-        Bytes that one block of a computation (prediction, kernels) may use, and the
-        most that the recorded points may take with ``record_every="auto"``.
-    random_state : int, RandomState instance or None, default=None
-        Seeds the initialization, the batch order and the early-stopping split: the same
-        seed on the same device gives bit-identical results. A local generator is used;
-        torch's global seed is untouched.
-    verbose : int, default=0
-        Show a progress bar (tqdm, when installed) with the training loss.
-"""
+_SHARED_PARAMS_DOC = network_params_doc()
 
 _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True
@@ -191,9 +118,9 @@ class _KernelMachineMixin(TransformerMixin):
             products (error O(lr^2)). Both report their true ``error``.
         weighting : {"realized", "expected"}, default="realized"
             "realized" credits each step to the samples of its batch (weight 1/B);
-            "expected" credits every sample at every step (weight 1/N), the seeds'
-            expected representation: equal for full-batch training, approximate (with
-            its measured ``error``) for minibatches.
+            "expected" credits every sample at every step (weight 1/N), the expected
+            representation of Guo, He & Morel (2026): equal for full-batch training,
+            approximate (with its measured ``error``) for minibatches.
         n_nodes : int, default=None
             A fixed number of Gauss-Legendre nodes for every step of "exact", without
             error control. None (default) chooses them per step for ``tol``.
@@ -241,8 +168,6 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(res.error < 1e-10)
         True
         """
-        from ._interpolation import check_tol
-
         check_decompose_args(method, weighting, n_nodes)
         check_tol(tol)
         return self._decompose(self._validate_X(X), method, weighting, n_nodes, tol)
@@ -250,8 +175,6 @@ class _KernelMachineMixin(TransformerMixin):
     def _decompose(self, X, method, weighting, n_nodes, tol, weights=None):
         """decompose on validated X; ``weights`` (n, C) decomposes ``w_q . y(x_q)``, the
         outputs contracted in y's units (one output)."""
-        from ._interpolation import decompose
-
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         dtype, device = self._torch_dtype_device()
@@ -261,7 +184,7 @@ class _KernelMachineMixin(TransformerMixin):
             # output is contracted with w * scale and the result takes w . mean.
             mean = (weights @ np.asarray(mean, dtype=np.float64).reshape(-1))[:, None]
             weights, scale = weights * np.asarray(scale, dtype=np.float64).reshape(-1), 1.0
-        result = decompose(
+        result = _interpolation.decompose(
             self.module_, self.trajectory_,
             to_input_tensor(self.X_fit_, dtype=dtype, device=device),
             self._target_tensor(self._Y_fit, dtype, device),
@@ -308,7 +231,7 @@ class _KernelMachineMixin(TransformerMixin):
           reports as ``error`` (floating-point level for small steps; large Adam steps
           need more ``n_nodes``).
         - ``weighting="expected"``: every point credited at every step with weight
-          ``1/N`` (the seeds' expected representation); the same as realized for
+          ``1/N`` (Guo, He & Morel's expected representation); the same as realized for
           full-batch training.
         - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
           kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
@@ -365,9 +288,6 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
         True
         """
-        from ._attribution import check_output, label_codes, output_weights, query_codes
-        from ._interpolation import check_tol
-
         check_is_fitted(self)
         check_decompose_args(method, weighting, n_nodes)
         check_tol(tol)
@@ -384,8 +304,9 @@ class _KernelMachineMixin(TransformerMixin):
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.
 
-        The seeds' "retrieval from the feature memory": for each query, the training
-        points with the largest ``|a_i(x)|`` (summed over outputs) in the decomposition.
+        Guo, He & Morel's "retrieval from the feature memory" (2026): for each query, the
+        training points with the largest ``|a_i(x)|`` (summed over outputs) in the
+        decomposition.
 
         Parameters
         ----------
@@ -483,7 +404,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
     """Regressor that trains a network and records its optimisation path.
 
     The trained network is, exactly, a kernel machine over its training set along the
-    recorded path (Domingos 2020; Guo, He & Morel 2026).
+    recorded path: Domingos (2020), "Every Model Learned by Gradient Descent Is
+    Approximately a Kernel Machine"; Guo, He & Morel (2026), "On Interpolation Formulas
+    Describing Neural Network Generalization". The user guide's "Theory" page states what
+    is computed.
 
     Parameters
     ----------{shared}
@@ -542,6 +466,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         normalize_y=True,
@@ -554,7 +481,9 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.normalize_y = normalize_y
 
@@ -664,6 +593,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
     ):
@@ -675,7 +607,9 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
 
     @keep_previous_fit_on_error

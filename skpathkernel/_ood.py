@@ -37,11 +37,10 @@ from sklearn.utils.validation import check_is_fitted
 from ._base import (
     FIT_CHECKS,
     BasePathKernelNetwork,
-    check_representable,
     keep_previous_fit_on_error,
 )
 from ._device import fitted_dtype, resolve_dtype, to_numpy
-from ._inputs import FEATURES, TOKENS, fitted_input, validate_input
+from ._inputs import FEATURES, TOKENS, check_representable, fitted_input, validate_input
 from ._machine import (
     _FITTED_ATTRS_DOC,
     _NORMALIZE_Y_DOC,
@@ -49,17 +48,14 @@ from ._machine import (
     PathKernelClassifier,
     PathKernelMachine,
 )
-from ._parallel import map_row_blocks
+from ._parallel import map_row_blocks, n_row_blocks
+from ._params import network_parameter_names
 from ._span import BLOCK, NetworkGram, TangentSpan
+from .kernels import PathKernel, TangentKernel, reading_copy
 
 __all__ = ["OODRankDetector"]
 
-_NETWORK_PARAMS = (
-    "hidden_layer_sizes", "activation", "module", "solver", "learning_rate_init", "momentum",
-    "alpha", "beta_1", "beta_2", "epsilon", "batch_size", "max_iter", "tol",
-    "n_iter_no_change", "early_stopping", "validation_fraction", "shuffle",
-    "record_every", "device", "dtype", "memory_budget", "random_state", "verbose",
-)
+_NETWORK_PARAMS = network_parameter_names()
 # Fitted attributes of the network that the detector exposes as its own.
 _MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
              "best_validation_score_", "n_iter_", "t_", "n_params_", "n_outputs_", "device_")
@@ -108,8 +104,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
 
     Trains a network (or takes a prefitted one) and flags inputs whose tangent feature
     ``phi(x) = d f(x; theta_T) / d theta`` is not explained by the training features: the
-    rank gap of seed figures 7-8, scored per point from tangent-kernel Gram matrices
-    alone (the Jacobian is never formed).
+    rank gap of figures 7-8 of Guo, He & Morel (2026), scored per point from tangent-kernel
+    Gram matrices alone (the Jacobian is never formed).
 
     Parameters
     ----------{shared}
@@ -312,6 +308,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         estimator=None,
@@ -332,7 +331,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.estimator = estimator
         self.task = task
@@ -495,7 +496,9 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         scores : ndarray of shape (n_samples,)
         """
         X = self._validate_X(X)
-        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self))
+        # Workers get an on-disk trajectory by reference (see kernels.reading_copy).
+        detector = self if n_row_blocks(self.n_jobs, X) == 1 else reading_copy(self)
+        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, detector))
 
     def decision_function(self, X):
         """``score_samples(X) - offset_``: negative for outliers.
@@ -533,8 +536,8 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         ``rank_tau(J)`` counts the singular values of the stacked tangent features above
         ``rtol`` times the largest, computed as the eigenvalues of the float64 Gram
         ``J J^T`` (``numpy.linalg.eigvalsh``) above ``rtol**2`` times the largest
-        (singular values are their square roots). ``rank_joint > rank_train`` is the
-        seeds' sign of extrapolation: some ``phi(x)`` leaves the training span.
+        (singular values are their square roots). ``rank_joint > rank_train`` is
+        Guo, He & Morel's sign of extrapolation: some ``phi(x)`` leaves the training span.
 
         Holds the ``(N + n)^2`` Gram (N training points, n queries): it must fit in a
         quarter of ``memory_budget`` (about 5000 points in all at the default 1 GiB).
@@ -573,16 +576,12 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     @property
     def tangent_kernel_(self):
         """:class:`~skpathkernel.kernels.TangentKernel` of the network at its final step."""
-        from .kernels import TangentKernel
-
         check_is_fitted(self)
         return TangentKernel(self.estimator_)
 
     @property
     def path_kernel_(self):
         """:class:`~skpathkernel.kernels.PathKernel` of the network's recorded path."""
-        from .kernels import PathKernel
-
         check_is_fitted(self)
         return PathKernel(self.estimator_)
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 
-__all__ = ["dask_worker_threads", "limit_torch_threads", "map_row_blocks", "n_row_blocks"]
+__all__ = ["dask_worker_threads", "limit_torch_threads", "map_ranges", "map_row_blocks",
+           "n_row_blocks"]
 
 
 @contextlib.contextmanager
@@ -50,9 +51,35 @@ def n_row_blocks(n_jobs, X) -> int:
     One inside a Dask task (a ``GridSearchCV`` fit on the cluster, say): the cluster
     already runs a task per slot, and a nested fan-out would oversubscribe its cores.
     """
+    return _n_tasks(n_jobs, X.shape[0])
+
+
+def _n_tasks(n_jobs, n_items: int) -> int:
     if dask_worker_threads() is not None:
         return 1
-    return max(1, min(effective_n_jobs(n_jobs), X.shape[0]))
+    return max(1, min(effective_n_jobs(n_jobs), n_items))
+
+
+def map_ranges(func, n_items: int, n_jobs, *args) -> list:
+    """``[func(start, stop, *args) for each range]`` through joblib, in order.
+
+    ``range(n_items)`` cut into one contiguous range per joblib worker (the same rule
+    as :func:`map_row_blocks`): the path kernel's sum over steps split into step ranges.
+    With a single worker ``func(0, n_items, *args)`` runs here.
+    """
+    n_tasks = _n_tasks(n_jobs, n_items)
+    if n_tasks == 1:
+        return [func(0, n_items, *args)]
+    bounds = np.linspace(0, n_items, n_tasks + 1).astype(int)
+    return Parallel(n_jobs=n_jobs)(
+        delayed(_run_range)(func, n_tasks, int(start), int(stop), args)
+        for start, stop in zip(bounds[:-1], bounds[1:])
+    )
+
+
+def _run_range(func, n_tasks, start, stop, args):
+    with limit_torch_threads(max(1, cpu_count() // n_tasks)):
+        return func(start, stop, *args)
 
 
 def map_row_blocks(func, X, n_jobs, *args) -> list:

@@ -25,68 +25,32 @@ decomposition's adjoint recursion model. Options that change the rule (``nestero
 hyper-parameters and the same step size in every group (e.g. groups made only to freeze
 or order parameters): the trajectory has one step size per step.
 
-What is exact, and what it means, for any loss
-----------------------------------------------
-The network's change along the path is always exact: ``f(x; theta_T) - f(x; theta_0)`` is
-the sum over steps of ``J_bar_t(x) dtheta_t`` with the *realized* updates ``dtheta_t``,
-whatever produced them. The per-training-point split is exact under one condition, which
-the library cannot check for you: at every step ``t`` the gradient the optimizer used is
-
-    ``g_t = (1 / |B_t|) sum_{i in B_t} d/dtheta l(f(x_i; theta_t), y_i)  (+ L2 weight decay)``,
-
-the mean over the step's declared batch ``B_t`` of the per-sample loss ``l`` that you give
-to the decomposition, evaluated on the declared training inputs ``x_i`` and targets
-``y_i`` at the recorded parameters. Then every update is linear in the per-sample
-gradients, and sample ``i``'s contribution ``a_i(x)`` is *how much the gradient of sample
-``i``'s loss term, at the steps whose batch held it, moved the prediction at ``x``*,
-carried through the optimizer's momentum / Adam memory; the contributions, the
-initialization and the weight decay term add up to the network to floating-point
-precision.
-
-For a supervised loss, ``x_i`` are the training inputs and the condition holds when the
-batch loss is the mean of ``l`` over the batch. When the loss is not a sum of per-sample
-supervised terms, the "training inputs" are whatever you declare per step:
-
-- Denoising diffusion with random noise levels: declare each *(noisy input, noise level)*
-  pair the step drew as a training input and the noise as its target; every draw is its
-  own training point (``n_samples`` = draws over the whole run). ``a_i(x, sigma)`` is then
-  how much denoising that one noisy draw moved the prediction at ``(x, sigma)``. Summing
-  contributions over draws of the same clean point gives that clean point's share.
-- GAN generator: the generator loss depends on the discriminator, which changes every
-  step, so no fixed ``l(f, y)`` reproduces it. Its gradient does factor through the
-  generator's output: ``d/dtheta l_t(G(z_i)) = J(z_i)^T r_{t,i}`` with
-  ``r_{t,i} = dl_t / dG`` (for the non-saturating loss, ``-grad_x log D_t(x)`` at
-  ``x = G(z_i)``). Recording ``r_{t,i}`` as the target and declaring the linear loss
-  ``l(f, r) = sum_c r_c f_c`` reproduces the gradient exactly, so the split is exact and
-  ``a_i(z)`` is how much the discriminator's pull on generated sample ``z_i`` (at the step
-  that drew it) moved ``G(z)``.
-- If the declared loss does *not* reproduce the optimizer's gradient (a noise level or a
-  discriminator re-drawn differently, a loss not averaged over the batch, dropout, a
-  regularizer left out), the contributions still add up to the change the *declared*
-  gradients would have caused, not to the realized one: ``initial + sum(contributions) +
-  regularization`` no longer equals ``prediction``, and ``Decomposition.error`` measures
-  by how much. A small ``error`` is the check that the declaration is faithful.
-
-The path kernel needs no loss at all: it is a function of the recorded parameters, step
-sizes and optimizer state only, with inputs of the network's own form (for a diffusion
-model, ``(x, sigma)`` rows).
+What the decomposition means, and when it is exact, for losses that are not per-sample
+supervised (diffusion, GANs) is in the user guide: "Theory", section "What is exact, and
+what it means, for any loss".
 """
 
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted
+from torch.func import functional_call
 
+from . import _interpolation
+from ._attribution import check_output, class_indices, output_weights, query_codes
 from ._base import check_decompose_args
 from ._device import to_input_tensor, to_numpy, to_tensor
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
+from ._interpolation import check_tol
 from ._losses import LOSSES, Loss
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 
@@ -194,9 +158,9 @@ class PathRecorder:
     ``optimizer.step()``.
 
     For the per-training-point decomposition, give ``n_samples`` and declare each step's
-    samples with :meth:`set_batch` before ``optimizer.step()``; see the module
-    documentation (``skpathkernel._recorder``) for what the decomposition means, and when
-    it is exact, for losses that are not per-sample supervised (diffusion, GANs).
+    samples with :meth:`set_batch` before ``optimizer.step()``; what the decomposition
+    means, and when it is exact, for losses that are not per-sample supervised (diffusion,
+    GANs) is in the user guide (:ref:`theory-any-loss`).
 
     Parameters
     ----------
@@ -217,6 +181,24 @@ class PathRecorder:
         Size of the training set that :meth:`set_batch` indexes into. When given, every
         step must declare its batch; when None, batches are not recorded (the kernels
         work, the decomposition does not).
+    storage : {"memory", "disk", "auto"}, default="memory"
+        Where the recorded vectors go: memory buffers that double when full, or chunk
+        files in a fresh temporary directory under ``directory``, written as recording
+        goes and read lazily (see the estimators' ``trajectory_storage``). "auto"
+        records in memory and moves what it holds to disk when the vectors pass
+        ``memory_budget`` bytes. ``trajectory.save(path)`` moves the directory (a
+        rename) and keeps it; otherwise it is deleted with the last trajectory using
+        it. A full disk keeps the rest in memory, with a warning naming the file and
+        the step.
+    directory : str, path-like or None, default=None
+        Parent of the on-disk trajectory's directory; None is the system's temporary
+        directory.
+    memory_budget : int, default=2**30
+        The size bound of ``storage="auto"``; chunk files hold at most 1/32 of it.
+    compression : {None, "float16", "bfloat16"}, default=None
+        On disk, store each point's parameters as its difference from the previous
+        stored point in this dtype (lossy: see the estimators'
+        ``trajectory_compression``; the decomposition's ``error`` reports the cost).
 
     Attributes
     ----------
@@ -263,6 +245,10 @@ class PathRecorder:
         *,
         record_every: int = 1,
         n_samples: int | None = None,
+        storage: str = "memory",
+        directory: str | os.PathLike | None = None,
+        memory_budget: int = 2**30,
+        compression: str | None = None,
     ):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -271,6 +257,18 @@ class PathRecorder:
         if n_samples is not None and (not isinstance(n_samples, numbers.Integral)
                                       or n_samples < 1):
             raise ValueError(f"n_samples must be a positive integer or None, got {n_samples!r}.")
+        if storage not in ("memory", "disk", "auto"):
+            raise ValueError(f"storage must be 'memory', 'disk' or 'auto', got {storage!r}.")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path or None, got {directory!r}.")
+        if compression not in (None, "float16", "bfloat16") or (
+                compression is not None and storage == "memory"):
+            raise ValueError(f"compression must be None, 'float16' or 'bfloat16', with "
+                             f"storage 'disk' or 'auto'; got {compression!r} with "
+                             f"storage={storage!r}.")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) \
+                or memory_budget < 2**20:
+            raise ValueError(f"memory_budget must be an int >= 2**20, got {memory_budget!r}.")
         self.solver_spec = solver_spec_from_optimizer(optimizer)
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
@@ -295,10 +293,15 @@ class PathRecorder:
         self.optimizer = optimizer
         self.record_every = int(record_every)
         self.n_samples = None if n_samples is None else int(n_samples)
+        self.storage = storage
+        self.directory = directory
+        self.memory_budget = int(memory_budget)
+        self.compression = compression
         self._recorder = TrajectoryRecorder(
             params, [n for n, _ in named], n_steps=None, record_every=self.record_every,
             solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
-            dtype=params[0].dtype,
+            dtype=params[0].dtype, storage=storage, directory=directory,
+            memory_budget=self.memory_budget, compression=compression,
         )
         self._recorder.record_point(0)
         self._pending = None
@@ -400,6 +403,20 @@ class PathRecorder:
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
 
+def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:
+    """Refuse a trajectory recorded from another network (e.g. a directory of another run)."""
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    for name, shape in zip(trajectory.names, trajectory.shapes):
+        if shapes.get(name) != tuple(shape):
+            where = ("" if trajectory.directory is None
+                     else f" (on disk in {trajectory.directory!r})")
+            have = "missing" if name not in shapes else f"of shape {shapes[name]}"
+            raise ValueError(
+                f"The trajectory{where} was recorded from another network: its parameter "
+                f"{name!r} has shape {tuple(shape)}, the module's is {have}."
+            )
+
+
 class _PerSampleLoss(Loss):
     """A user's ``per_sample(output, target) -> (B,)`` as a library loss."""
 
@@ -480,6 +497,7 @@ class RecordedNetwork(BaseEstimator):
                 f"loss must be one of {sorted(LOSSES)} or a callable per_sample(output, "
                 f"target) -> (B,), got {loss!r}."
             )
+        _check_module_matches(module, trajectory)
         # Constructor parameters under their own names (get_params / clone), and the
         # fitted-estimator names that the kernels read.
         self.module = self.module_ = module
@@ -533,8 +551,6 @@ class RecordedNetwork(BaseEstimator):
 
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
-        from torch.func import functional_call
-
         Xt = self._inputs(X)
         traj = self.trajectory_
         params = dict(traj.unflatten(traj.parameters(-1).to(Xt.device)))
@@ -545,15 +561,11 @@ class RecordedNetwork(BaseEstimator):
     @property
     def tangent_kernel_(self):
         """:class:`~skpathkernel.kernels.TangentKernel` at the last recorded point."""
-        from .kernels import TangentKernel
-
         return TangentKernel(self)
 
     @property
     def path_kernel_(self):
         """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        from .kernels import PathKernel
-
         return PathKernel(self)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
@@ -562,8 +574,8 @@ class RecordedNetwork(BaseEstimator):
 
         Same result as :meth:`PathKernelMachine.decompose
         <skpathkernel.PathKernelMachine.decompose>`; exact (``error`` at round-off) when
-        the declared loss reproduces the optimizer's gradients, see the module
-        documentation for what the contributions mean otherwise.
+        the declared loss reproduces the optimizer's gradients; see the user guide
+        (:ref:`theory-any-loss`) for what the contributions mean otherwise.
 
         Parameters
         ----------
@@ -582,8 +594,6 @@ class RecordedNetwork(BaseEstimator):
         -------
         result : Decomposition
         """
-        from ._interpolation import check_tol
-
         check_is_fitted(self, "trajectory_")
         check_decompose_args(method, weighting, n_nodes)
         check_tol(tol)
@@ -620,9 +630,6 @@ class RecordedNetwork(BaseEstimator):
         -------
         scores : ndarray of shape (n_queries, n_train)
         """
-        from ._attribution import check_output, class_indices, output_weights, query_codes
-        from ._interpolation import check_tol
-
         check_is_fitted(self, "trajectory_")
         check_decompose_args(method, weighting, n_nodes)
         check_tol(tol)
@@ -637,10 +644,6 @@ class RecordedNetwork(BaseEstimator):
         return res.contributions[:, :, 0]
 
     def _decompose(self, Xq, method, weighting, n_nodes, tol, weights=None):
-        from torch.func import functional_call
-
-        from ._interpolation import decompose
-
         if self.X_train is None or self.y_train is None:
             raise ValueError("decompose needs the training inputs and targets: pass X_train "
                              "and y_train.")
@@ -667,7 +670,6 @@ class RecordedNetwork(BaseEstimator):
                 "The loss must return one value per sample, shape (B,); it returned shape "
                 f"{tuple(probe.shape)}."
             )
-        result = decompose(self.module_, traj, X_train, Y_train, loss, Xq, method=method,
-                           weighting=weighting, n_nodes=n_nodes, tol=tol,
-                           memory_budget=self.memory_budget, weights=weights)
-        return result
+        return _interpolation.decompose(
+            self.module_, traj, X_train, Y_train, loss, Xq, method=method, weighting=weighting,
+            n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget, weights=weights)

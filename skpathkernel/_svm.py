@@ -2,7 +2,7 @@
 
 A trained network's tangent features ``phi(x) = d f(x; theta_T) / d theta`` are a learned
 feature map; a linear model on them (or an SVC on the tangent / path kernel they define)
-is the seeds' figure 3.
+is figure 3 of Guo, He & Morel (2026).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
+from . import _tangent
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -33,6 +34,7 @@ from ._machine import (
     _label_tensor,
     _LabelTargetsMixin,
 )
+from .kernels import PathKernel, TangentKernel
 
 __all__ = ["TangentFeatureSVM", "TangentFeatures"]
 
@@ -142,6 +144,9 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         task="auto",
@@ -157,7 +162,9 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.task = task
         self.n_components = n_components
@@ -237,15 +244,13 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
         if self.n_components is None:
             phi = self._tangent_features(X)
         else:
-            from ._tangent import hidden_reads, project_tangent_features
-
             module, params, X_t = self._engine_inputs(X)
-            exclude = hidden_reads(module, [params], [X_t], output="trace",
-                                   memory_budget=self.memory_budget)
+            exclude = _tangent.hidden_reads(module, [params], [X_t], output="trace",
+                                            memory_budget=self.memory_budget)
             itemsize = X_t.element_size()
             # Fixed-size blocks: a row's float32 features do not depend on the others.
             phi = map_fixed_blocks(
-                lambda xb: to_numpy(project_tangent_features(
+                lambda xb: to_numpy(_tangent.project_tangent_features(
                     module, params, xb, self.n_components,
                     random_state=self._projection_seed, output="trace",
                     memory_budget=self.memory_budget, exclude=exclude, check_hidden=False)),
@@ -283,7 +288,7 @@ class TangentFeatures(TransformerMixin, BasePathKernelNetwork):
 @_doc
 class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
                         BasePathKernelNetwork):
-    """Support vector classifier on a trained network's tangent features (seed figure 3).
+    """Support vector classifier on a network's tangent features (Guo, He & Morel, fig. 3).
 
     ``fit`` trains the network as a classifier on (X, y), then an SVM on what it learned:
     a linear SVM on the tangent features ``phi(x)``, or an SVC on the tangent or path
@@ -361,6 +366,9 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
         device="auto",
         dtype="float32",
         memory_budget=2**30,
+        trajectory_storage="memory",
+        trajectory_dir=None,
+        trajectory_compression=None,
         random_state=None,
         verbose=0,
         C=1.0,
@@ -374,14 +382,14 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, random_state=random_state, verbose=verbose,
+            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
+            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
+            random_state=random_state, verbose=verbose,
         )
         self.C = C
         self.svm_kernel = svm_kernel
 
     def _kernel(self):
-        from .kernels import PathKernel, TangentKernel
-
         return (TangentKernel if self._svm_kernel == "tangent" else PathKernel)(self)
 
     def _svm_input(self, X):
@@ -423,7 +431,7 @@ class TangentFeatureSVM(_LabelTargetsMixin, ClassifierMixin, TransformerMixin,
             labels = labels[self._train_rows]
         # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
         # tens, where liblinear (which also penalizes the intercept) needs 10^4+
-        # iterations on seed figure 3's data and libsvm converges in milliseconds.
+        # iterations on the data of figure 3 and libsvm converges in milliseconds.
         kernel = "linear" if self.svm_kernel == "linear" else "precomputed"
         svm = SVC(kernel=kernel, C=self.C)  # deterministic: no probability, no RNG
         # The training Gram is symmetric: computed as K(X, X), its upper blocks only.

@@ -16,6 +16,7 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from ._losses import Loss
+from ._storage import free_disk
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 
 __all__ = ["TrainingDivergedError", "make_optimizer", "resolve_batch_size", "train"]
@@ -112,6 +113,9 @@ def train(
     validation: Callable[[torch.nn.Module], float] | None = None,
     record_budget: int = 2**30,
     progress=None,
+    storage: str = "memory",
+    directory=None,
+    compression: str | None = None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
@@ -128,6 +132,11 @@ def train(
     without meeting the rule (never with ``tol=None``, which runs all ``max_iter``).
     ``record_every="auto"`` records every step when the points of ``max_iter`` epochs fit
     in ``record_budget`` bytes, else every k-th step with the smallest k that fits.
+
+    ``storage`` ("memory", "disk" or "auto": disk when the points of ``max_iter`` epochs
+    exceed ``record_budget`` bytes) says where the points go; on disk, in a fresh
+    temporary directory under ``directory``, and ``record_every="auto"`` keeps every
+    step that fits in 90% of the disk's free space.
     """
     n = X.shape[0]
     B = resolve_batch_size(batch_size, n)
@@ -136,13 +145,20 @@ def train(
     params = [p for p in module.parameters() if p.requires_grad]
     names = [name for name, p in module.named_parameters() if p.requires_grad]
     optimizer = make_optimizer(params, solver, learning_rate)
+    n_params, n_state = sum(p.numel() for p in params), len(solver.state_keys)
+    itemsize = params[0].element_size()
+    if storage == "auto":
+        every = 1 if isinstance(record_every, str) else record_every
+        nbytes = TrajectoryRecorder.nbytes_for(n_params, n_steps, every, n_state, itemsize)
+        storage = "disk" if nbytes > record_budget else "memory"
     if isinstance(record_every, str):
+        budget = record_budget if storage == "memory" else int(0.9 * free_disk(directory))
         record_every = TrajectoryRecorder.auto_record_every(
-            sum(p.numel() for p in params), n_steps, len(solver.state_keys),
-            params[0].element_size(), record_budget)
+            n_params, n_steps, n_state, itemsize, budget)
     recorder = TrajectoryRecorder(
         params, names, n_steps=n_steps, record_every=record_every, solver=solver,
-        n_samples=n, batch_size=B, dtype=params[0].dtype,
+        n_samples=n, batch_size=B, dtype=params[0].dtype, storage=storage,
+        directory=directory, memory_budget=record_budget, compression=compression,
     )
     full_batch = B == n
     recorder.record_point(0)

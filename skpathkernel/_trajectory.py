@@ -6,18 +6,32 @@ sizes, the sample indices of every optimizer step's batch and the optimizer stat
 RMSprop second moments, momentum buffers) at every recorded step.
 
 Everything lives on the CPU in the parameter dtype, in buffers preallocated at the start
-of training, so that recording a point costs one copy and no allocation.
+of training, so that recording a point costs one copy and no allocation; or, for paths
+longer than memory allows, the per-point vectors live in chunk files on disk, read
+lazily behind the same accessors (:mod:`skpathkernel._storage`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ._storage import (
+    META_FILE,
+    ChunkStore,
+    DiskRows,
+    Series,
+    TrajectoryFileError,
+    chunk_rows_for,
+    dtype_name,
+)
 
 __all__ = ["Trajectory"]
 
@@ -139,15 +153,45 @@ class Trajectory:
         self.n_samples = int(n_samples)
         self.record_every = int(record_every)
 
+    # ------------------------------------------------------------------ storage
+    @property
+    def storage(self) -> str:
+        """``"memory"``, or ``"disk"`` for a trajectory read lazily from chunk files."""
+        return "disk" if isinstance(self._params, DiskRows) else "memory"
+
+    @property
+    def directory(self) -> str | None:
+        """The directory of an on-disk trajectory (None in memory).
+
+        A temporary directory (the estimators' and :class:`~skpathkernel.PathRecorder`'s
+        own, under ``trajectory_dir`` / ``directory``) is deleted with the last object
+        using it; :meth:`save` moves it elsewhere and keeps it.
+        """
+        return self._params.series.store.directory if self.storage == "disk" else None
+
+    @property
+    def _store(self):
+        return self._params.series.store if self.storage == "disk" else None
+
+    def _read(self, rows, k: int, what: str) -> torch.Tensor:
+        try:
+            return rows[k]
+        except TrajectoryFileError as exc:
+            step = int(self.steps[k]) if k < len(self.steps) else k
+            raise TrajectoryFileError(
+                f"Cannot read the {what} at recorded point {k} (optimizer step {step}): "
+                f"{exc}") from None
+
     # ------------------------------------------------------------------ reading
     def __len__(self) -> int:
         return int(self._params.shape[0])
 
     def __repr__(self) -> str:
+        where = "" if self.directory is None else f", directory={self.directory!r}"
         return (
             f"Trajectory(solver={self.solver!r}, n_points={len(self)}, "
             f"n_steps={self.n_steps}, n_params={self.n_params}, "
-            f"nbytes={self.nbytes})"
+            f"nbytes={self.nbytes}{where})"
         )
 
     @property
@@ -178,7 +222,7 @@ class Trajectory:
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the trajectory, in bytes."""
+        """Bytes of the recorded path, in memory or on disk (see :attr:`storage`)."""
         tensors = [self._params, *self._states.values()]
         arrays = [self.steps, self.learning_rates, self._batch_indices, self._batch_offsets]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes for a in arrays)
@@ -203,7 +247,7 @@ class Trajectory:
 
     def parameters(self, k: int = -1) -> torch.Tensor:
         """Flat parameter vector (P,) at point ``k`` (a read-only view: clone to modify)."""
-        return self._params[self._point(k)]
+        return self._read(self._params, self._point(k), "parameters")
 
     def state_dict(self, k: int = -1) -> OrderedDict[str, torch.Tensor]:
         """The module's parameters at point ``k``, loadable with ``load_state_dict``.
@@ -222,7 +266,7 @@ class Trajectory:
         Valid for ``0 <= k < len(self) - 1``.
         """
         k = _check_index(k, len(self) - 1, "step point")
-        out = {key: val[k] for key, val in self._states.items()}
+        out = {key: self._read(val, k, key) for key, val in self._states.items()}
         out["step"] = torch.tensor(float(self._state_steps[k]), dtype=torch.float64)
         return out
 
@@ -286,9 +330,24 @@ class Trajectory:
     def save(self, path: str | os.PathLike) -> None:
         """Write the trajectory to ``path`` as tensors and plain values only.
 
-        The file is read back with ``torch.load(..., weights_only=True)``, which never
-        executes code from the file (unlike pickle).
+        In memory, ``path`` is one file, read back with ``torch.load(...,
+        weights_only=True)``, which never executes code from the file (unlike pickle).
+
+        On disk (:attr:`storage` ``"disk"``) saving is a rename, not a copy: the
+        trajectory's directory becomes ``path`` (which must not exist, or be an empty
+        directory), with its description in ``path/trajectory.pt``; it is no longer
+        temporary, and this object reads from its new place. Chunks that a full disk
+        kept in memory during recording are written there now.
         """
+        store = self._store
+        if store is None:
+            torch.save(self._payload(), path)
+            return
+        store.flush()
+        store.move(path)
+        store.write_meta(self._payload())
+
+    def _payload(self) -> dict:
         payload = {
             "format": "skpathkernel.Trajectory",
             "version": _FORMAT_VERSION,
@@ -305,12 +364,38 @@ class Trajectory:
             "n_samples": self.n_samples,
             "record_every": self.record_every,
         }
-        torch.save(payload, path)
+        if self.storage == "disk":
+            # The vectors stay in the chunk files: the description says how many of each
+            # series this path uses (a run stopped early uses a prefix) and its last point
+            # when that one is held in memory.
+            payload["params"] = None
+            payload["states"] = {key: None for key in self._states}
+            payload["storage"] = {
+                "chunk_rows": self._store.chunk_rows,
+                "n_params": self.n_params,
+                "dtype": dtype_name(self.dtype),
+                "compression": dtype_name(self._params.series.delta_dtype),
+                "rows": {"params": self._params.n,
+                         **{key: rows.n for key, rows in self._states.items()}},
+                "tail": self._params.tail,
+            }
+        return payload
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trajectory:
-        """Read a trajectory written by :meth:`save` (safely: ``weights_only=True``)."""
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        """Read a trajectory written by :meth:`save` (safely: ``weights_only=True``).
+
+        A directory (an on-disk trajectory) is opened lazily: its chunk files are read
+        when points are, and only their headers are checked now.
+        """
+        directory = os.fspath(path) if os.path.isdir(path) else None
+        meta = os.path.join(directory, META_FILE) if directory else path
+        try:
+            payload = torch.load(meta, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
+                "skpathkernel trajectory.") from None
         if not isinstance(payload, dict) or payload.get("format") != "skpathkernel.Trajectory":
             raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory file.")
         if payload["version"] > _FORMAT_VERSION:
@@ -318,35 +403,104 @@ class Trajectory:
                 f"Trajectory file format version {payload['version']} is newer than this "
                 f"skpathkernel understands ({_FORMAT_VERSION}); upgrade skpathkernel."
             )
+        params, states = payload["params"], payload["states"]
+        if directory is not None:
+            params, states = _open_series(directory, payload)
         return cls(
             names=payload["names"],
             shapes=payload["shapes"],
-            params=payload["params"],
+            params=params,
             steps=payload["steps"].numpy(),
             learning_rates=payload["learning_rates"].numpy(),
             batch_indices=payload["batch_indices"].numpy(),
             batch_offsets=payload["batch_offsets"].numpy(),
-            states=payload["states"],
+            states=states,
             state_steps=payload["state_steps"].numpy(),
             solver=SolverSpec(**payload["solver"]),
             n_samples=payload["n_samples"],
             record_every=payload["record_every"],
         )
 
+    def _write_meta(self) -> None:
+        """Describe an on-disk path in its directory (a warning when the disk refuses)."""
+        try:
+            self._store.write_meta(self._payload())
+        except OSError as exc:
+            warnings.warn(f"Could not describe the on-disk trajectory in "
+                          f"{self.directory!r}: {exc}. It stays readable here; "
+                          "trajectory.save(path) writes the description.", UserWarning,
+                          stacklevel=3)
+
+    def _reader(self) -> Trajectory:
+        """This path over a store that does not own the directory: for pickling to workers.
+
+        Tasks that read an on-disk trajectory elsewhere (a joblib or Dask worker) get
+        this copy, which references the directory without the pickling side effect of
+        the original (see ``ChunkStore.__getstate__``). The caller keeps the original
+        alive while the tasks run.
+        """
+        store = self._store
+        if store is None:
+            return self
+        store.flush()
+        reader = ChunkStore(store.directory, chunk_rows=store.chunk_rows, owned=False)
+
+        def view(rows):
+            series = Series(reader, rows.series.name, rows.series.n_params,
+                            rows.series.dtype, rows.series.n_rows,
+                            delta_dtype=rows.series.delta_dtype)
+            series._memory = rows.series._memory
+            return DiskRows(series, rows.n, rows.tail)
+
+        out = copy.copy(self)
+        out._params = view(self._params)
+        out._states = {key: view(rows) for key, rows in self._states.items()}
+        return out
+
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
         # Tensors as NumPy arrays (exact, on the CPU): skops cannot read torch tensors, and
-        # a trajectory recorded next to a GPU must load without one.
+        # a trajectory recorded next to a GPU must load without one. An on-disk
+        # trajectory pickles a reference to its directory (see ChunkStore.__getstate__).
         state = self.__dict__.copy()
-        state["_params"] = _to_numpy(self._params)
-        state["_states"] = {k: _to_numpy(v) for k, v in self._states.items()}
+        if self.storage == "memory":
+            state["_params"] = _to_numpy(self._params)
+            state["_states"] = {k: _to_numpy(v) for k, v in self._states.items()}
         return state
 
     def __setstate__(self, state):
         state = dict(state)
-        state["_params"] = _to_tensor(state["_params"])
-        state["_states"] = {k: _to_tensor(v) for k, v in state["_states"].items()}
+        if not isinstance(state["_params"], DiskRows):
+            state["_params"] = _to_tensor(state["_params"])
+            state["_states"] = {k: _to_tensor(v) for k, v in state["_states"].items()}
         self.__dict__.update(state)
+
+
+def _open_series(directory: str, payload: dict):
+    """The saved series of an on-disk trajectory, checking that its chunk files exist."""
+    spec = payload["storage"]
+    store = ChunkStore(directory, chunk_rows=spec["chunk_rows"], owned=False)
+    dtype = getattr(torch, spec["dtype"])
+    n_params = int(spec["n_params"])
+    expected = sum(int(np.prod(s)) for s in payload["shapes"])
+    if n_params != expected:
+        raise ValueError(f"{os.path.join(directory, META_FILE)!r} describes {n_params} "
+                         f"parameters but parameter shapes totalling {expected}.")
+    rows = {}
+    compression = spec.get("compression")
+    for name, n in spec["rows"].items():
+        series = Series(store, name, n_params, dtype, n, delta_dtype=(
+            getattr(torch, compression) if compression and name == "params" else None))
+        store.series[name] = series
+        for chunk in range(-(-int(n) // store.chunk_rows)):
+            if not os.path.exists(series.path(chunk)):
+                first = chunk * store.chunk_rows
+                raise TrajectoryFileError(
+                    f"Trajectory chunk file {series.path(chunk)!r} (vectors {first}.."
+                    f"{min(first + store.chunk_rows, n) - 1} of {name!r}, recorded points "
+                    f"from {first}) is missing.")
+        rows[name] = DiskRows(series, n, spec["tail"] if name == "params" else None)
+    return rows.pop("params"), rows
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -387,12 +541,26 @@ class TrajectoryRecorder:
     batch_size : int or None
         The largest batch (sizes the batch index buffer); None when unknown.
     dtype : torch.dtype
+    storage : {"memory", "disk", "auto"}, default="memory"
+        Where the parameter and optimizer-state vectors go: preallocated buffers in
+        memory, or chunk files in a fresh temporary directory under ``directory`` (see
+        :mod:`skpathkernel._storage`). "auto" records in memory and moves to disk when
+        the vectors grow past ``memory_budget`` bytes (with ``n_steps`` known, the caller
+        decides up front).
+    directory : path-like or None, default=None
+        Parent of the on-disk trajectory's directory; None is the system's temp dir.
+    memory_budget : int, default=2**30
+        Sizes the chunk files (at most 1/32 of it each) and bounds "auto".
+    compression : {None, "float16", "bfloat16"}, default=None
+        On disk, store each recorded point's parameters as its difference from the
+        previous stored point in this dtype (see ``_storage.Series``).
     """
 
     _INITIAL_STEPS = 64
 
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
-                 batch_size, dtype):
+                 batch_size, dtype, storage="memory", directory=None,
+                 memory_budget=2**30, compression=None):
         self._params = list(params)
         self._names = list(names)
         self._shapes = [tuple(p.shape) for p in self._params]
@@ -405,15 +573,22 @@ class TrajectoryRecorder:
         n_points = self.n_points_for(cap_steps, record_every)
         self._n_params = sum(p.numel() for p in self._params)
         self._itemsize = torch.empty((), dtype=dtype).element_size()
-        _check_fits_in_memory(
-            self.nbytes_for(self._n_params, cap_steps, record_every, len(solver.state_keys),
-                            self._itemsize),
-            record_every,
-        )
+        self._directory = directory
+        self._memory_budget = int(memory_budget)
+        self._compression = None if compression is None else getattr(torch, compression)
+        self._auto = storage == "auto"
         device = self._params[0].device
-        self._pin = device.type == "cuda"
-        self._buf = self._empty(n_points)
-        self._states = {key: self._empty(n_points - 1) for key in solver.state_keys}
+        self._pin = device.type == "cuda" and storage == "memory"
+        if storage == "disk":
+            self._to_disk(0)
+        else:
+            _check_fits_in_memory(
+                self.nbytes_for(self._n_params, cap_steps, record_every,
+                                len(solver.state_keys), self._itemsize),
+                record_every,
+            )
+            self._buf = self._empty(n_points)
+            self._states = {key: self._empty(n_points - 1) for key in solver.state_keys}
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
         self._steps = np.zeros(n_points, dtype=np.int64)
         self._lrs = np.zeros(n_points - 1, dtype=np.float64)
@@ -432,6 +607,35 @@ class TrajectoryRecorder:
 
     def _empty(self, rows):
         return torch.empty((rows, self._n_params), dtype=self._dtype, pin_memory=self._pin)
+
+    @property
+    def on_disk(self) -> bool:
+        return isinstance(self._buf, Series)
+
+    def _to_disk(self, n_points: int) -> None:
+        """Record to chunk files from now on, writing the ``n_points`` points so far."""
+        store = ChunkStore.create(self._directory, chunk_rows=chunk_rows_for(
+            self._n_params, self._itemsize, self._memory_budget))
+        old_buf, old_states = getattr(self, "_buf", None), getattr(self, "_states", {})
+        self._buf = store.add_series("params", self._n_params, self._dtype,
+                                     delta_dtype=self._compression)
+        self._states = {key: store.add_series(key, self._n_params, self._dtype)
+                        for key in self.solver.state_keys}
+        self._pin = self._non_blocking = False
+        for k in range(n_points):
+            self._write_row(self._buf, k, [old_buf[k]], int(self._steps[k]), whole=True)
+        for key, series in self._states.items():
+            for k in range(max(n_points - 1, 0)):
+                self._write_row(series, k, [old_states[key][k]], k * self.record_every,
+                                whole=True)
+
+    def _write_row(self, target, k: int, tensors, step: int, whole: bool = False) -> None:
+        """Row ``k`` of ``target``: the parameter-shaped ``tensors``, or one flat vector."""
+        if isinstance(target, Series):
+            self._copy_flat(tensors, target.slot(k), whole)
+            target.commit(k, step)
+        else:
+            self._copy_flat(tensors, target[k], whole)
 
     @staticmethod
     def n_points_for(n_steps: int, record_every: int) -> int:
@@ -466,10 +670,18 @@ class TrajectoryRecorder:
     # ------------------------------------------------------------------ growth
     def _grow_points(self, needed: int) -> None:
         """Make room for ``needed`` points (only when the number of steps is unknown)."""
-        have = self._buf.shape[0]
+        have = len(self._steps)
         if needed <= have:
             return
         rows = max(needed, 2 * have)
+        n_state = len(self.solver.state_keys)
+        if self._auto and not self.on_disk and (
+                (rows + (rows - 1) * n_state) * self._n_params * self._itemsize
+                > self._memory_budget):
+            self._to_disk(self._k)
+        if self.on_disk:
+            self._grow_small(rows, have)
+            return
         _check_fits_in_memory(
             (rows + (rows - 1) * len(self._states)) * self._n_params * self._itemsize,
             self.record_every,
@@ -484,6 +696,9 @@ class TrajectoryRecorder:
 
         self._buf = grown(self._buf, rows)
         self._states = {key: grown(val, rows - 1) for key, val in self._states.items()}
+        self._grow_small(rows, have)
+
+    def _grow_small(self, rows: int, have: int) -> None:
         pad = rows - have
         self._steps = np.concatenate([self._steps, np.zeros(pad, dtype=np.int64)])
         self._state_steps = np.concatenate([self._state_steps, np.zeros(pad, dtype=np.int64)])
@@ -491,7 +706,10 @@ class TrajectoryRecorder:
         self._lr_sum = np.concatenate([self._lr_sum, np.zeros(pad)])
         self._lr_varies = np.concatenate([self._lr_varies, np.zeros(pad, dtype=bool)])
 
-    def _copy_flat(self, tensors, out_row):
+    def _copy_flat(self, tensors, out_row, whole=False):
+        if whole:  # one flat vector (moving recorded points to disk)
+            out_row.copy_(tensors[0])
+            return
         # Straight into the row's slices: no concatenated temporary, one pass over memory.
         for t, (start, end) in zip(tensors, self._slices):
             out_row[start:end].copy_(t.detach().reshape(-1), non_blocking=self._non_blocking)
@@ -499,8 +717,8 @@ class TrajectoryRecorder:
     # ------------------------------------------------------------------ recording
     def record_point(self, step: int) -> None:
         self._grow_points(self._k + 1)
-        self._copy_flat(self._params, self._buf[self._k])
         self._steps[self._k] = step
+        self._write_row(self._buf, self._k, self._params, step)
         self._k += 1
 
     def wants_point(self, step: int) -> bool:
@@ -532,7 +750,7 @@ class TrajectoryRecorder:
             if self._states:
                 states = [optimizer.state[p] for p in self._params]
                 for key, buf in self._states.items():
-                    self._copy_flat([s[key] for s in states], buf[k])
+                    self._write_row(buf, k, [s[key] for s in states], step)
                 self._state_steps[k] = int(_state_step(states[0], step))
         else:
             self._lr_sum[k] += lr
@@ -563,7 +781,9 @@ class TrajectoryRecorder:
             raise ValueError(f"n_steps={n_steps} is outside [0, {self._n_batch}] (the steps "
                              "recorded).")
         n_points = int(np.searchsorted(self._steps[: self._k], n_done, side="right"))
-        params, steps = self._buf[:n_points], self._steps[:n_points]
+        disk = self.on_disk
+        params = DiskRows(self._buf, n_points) if disk else self._buf[:n_points]
+        steps = self._steps[:n_points]
         if n_points and steps[-1] != n_done:
             tail = self._empty(1)
             if last is None:
@@ -575,7 +795,8 @@ class TrajectoryRecorder:
                 tail[0].copy_(last.reshape(-1))
             if self._non_blocking:
                 torch.cuda.synchronize()
-            params = torch.cat([params, tail])
+            params = DiskRows(self._buf, n_points, tail[0]) if disk else \
+                torch.cat([params, tail])
             steps = np.append(steps, n_done)
             n_points += 1
         n_steps_per_point = np.diff(steps)
@@ -584,18 +805,23 @@ class TrajectoryRecorder:
         # A scheduler changed the step size inside an interval: its mean, so that
         # learning_rates[k] * (steps[k + 1] - steps[k]) is the interval's total step size.
         lrs[varies] = self._lr_sum[: n_points - 1][varies] / n_steps_per_point[varies]
-        states = {k: v[: n_points - 1] for k, v in self._states.items()}
+        states = {k: DiskRows(v, n_points - 1) if disk else v[: n_points - 1]
+                  for k, v in self._states.items()}
         n_indices = self._batch_off[n_done]
         batch_idx, batch_off = self._batch_idx[:n_indices], self._batch_off[: n_done + 1]
         state_steps = self._state_steps[: n_points - 1]
-        if n_steps is not None and self.n_steps is not None and n_done < self.n_steps:
+        if n_steps is not None and disk:
+            # The end of training: the files then hold every point (the buffers go with
+            # the recorder), and the directory describes the path, ready to move.
+            self._buf.store.flush(release=True)
+        elif n_steps is not None and self.n_steps is not None and n_done < self.n_steps:
             # A run that stopped early: copies, so that the buffers (sized for max_iter
             # epochs) are released with the recorder.
             params = params if params.data_ptr() != self._buf.data_ptr() else params.clone()
             states = {k: v.clone() for k, v in states.items()}
             steps, batch_idx = steps.copy(), batch_idx.copy()
             batch_off, state_steps = batch_off.copy(), state_steps.copy()
-        return Trajectory(
+        trajectory = Trajectory(
             names=self._names,
             shapes=self._shapes,
             params=params,
@@ -609,6 +835,9 @@ class TrajectoryRecorder:
             n_samples=self.n_samples,
             record_every=self.record_every,
         )
+        if n_steps is not None and disk:
+            trajectory._write_meta()
+        return trajectory
 
 
 def _available_memory() -> int | None:

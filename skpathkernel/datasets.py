@@ -1,4 +1,4 @@
-"""The seeds' data sets, generated offline and deterministic with ``random_state``.
+"""Guo, He & Morel's (2026) data sets, generated offline, deterministic with ``random_state``.
 
 The synthetic tasks of Guo, He & Morel (2026): the circle and ellipse classification tasks
 of figures 1, 3, 9 and 10, the 1-D regressions of figure 2 and the linear extrapolation
@@ -47,7 +47,7 @@ def _ring_and_disk(n_samples, inner_radius_sq, scale_x1, random_state):
 
 
 def make_circle(n_samples=400, *, inner_radius_sq=0.8, random_state=None):
-    """The seeds' circle task: +1 on the unit circle, -1 inside a smaller disk.
+    """The circle task of Guo, He & Morel (2026): +1 on the unit circle, -1 inside a smaller disk.
 
     Class +1 lies on ``x1^2 + x2^2 = 1``; class -1 is uniform in the disk
     ``x1^2 + x2^2 <= inner_radius_sq`` (0.8 in figure 1, 0.9 in figure 3).

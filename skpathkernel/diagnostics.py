@@ -1,6 +1,7 @@
-"""Diagnostics of a trained network: the flatness of its training loss (seed 004).
+"""Diagnostics of a trained network: the flatness of its training loss.
 
-Flatness is measured, as in the seed's "flat interpolators generalize" discussion, by the
+Flatness is measured, as in the "flat interpolators generalize" literature (Hochreiter &
+Schmidhuber; Keskar et al. 2017), by the
 trace of the Hessian of the empirical loss with respect to the parameters,
 ``Tr H(theta) = Tr d^2/dtheta^2 (1/n) sum_i l(y_i, f(x_i; theta))``.
 

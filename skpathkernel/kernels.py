@@ -21,6 +21,7 @@ is formed for ``nn.Linear`` layers), in blocks bounded by the estimator's
 from __future__ import annotations
 
 import copy
+import functools
 import numbers
 
 import numpy as np
@@ -29,10 +30,9 @@ from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
 from sklearn.utils.validation import check_is_fitted
 
-from ._base import check_representable
 from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
-from ._inputs import check_input
-from ._parallel import map_row_blocks, n_row_blocks
+from ._inputs import check_input, check_representable
+from ._parallel import map_ranges, map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 
 __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
@@ -245,11 +245,17 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     return [(k, float(W[steps[k] - begin : steps[k + 1] - begin].sum())) for k in points]
 
 
-def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discrete"):
-    """Weighted sums over steps of Grams and/or diagonals: memory independent of T."""
-    _check_index(start, "start", allow_none=True)
-    _check_index(stop, "stop", allow_none=True)
-    weights = path_weights(estimator.trajectory_, start, stop, memory)
+def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discrete",
+              weights=None):
+    """Weighted sums over steps of Grams and/or diagonals: memory independent of T.
+
+    ``weights``: the ``(point, w_k)`` pairs to sum when the caller has them (a range of a
+    longer path, whose "discrete" weights depend on where the whole path ends).
+    """
+    if weights is None:
+        _check_index(start, "start", allow_none=True)
+        _check_index(stop, "stop", allow_none=True)
+        weights = path_weights(estimator.trajectory_, start, stop, memory)
     if not weights:
         raise ValueError(
             f"The path kernel's range of recorded points [start={start}, stop={stop}) is "
@@ -281,6 +287,57 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discr
     if diag_from_gram:
         dx = K.diagonal().clone()
     return K, dx, dx if Yt is None else dy
+
+
+def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag, memory):
+    """``_path_sum`` with the steps cut into one contiguous range per joblib worker.
+
+    The weights are those of the whole range (with ``memory="discrete"`` they depend on
+    its end); each task sums its points' weighted step kernels (reading only those
+    points: on disk, its own chunk files) and the partial sums add up here, equal to the
+    serial sum up to the order of the additions.
+    """
+    _check_index(start, "start", allow_none=True)
+    _check_index(stop, "stop", allow_none=True)
+    weights = path_weights(estimator.trajectory_, start, stop, memory)
+    if not weights:  # the serial sum says what is wrong
+        return _path_sum(estimator, X, Y, start, stop, output, gram=gram, diag=diag)
+    reader = reading_copy(estimator)
+    parts = map_ranges(_range_sum, len(weights), n_jobs, weights, reader, X, Y, output,
+                       gram, diag)
+    # K, dx, dy: each the sum of the tasks' parts (None where not computed).
+    return tuple(None if terms[0] is None else functools.reduce(torch.add, terms)
+                 for terms in zip(*parts))
+
+
+def _range_sum(first, last, weights, estimator, X, Y, output, gram, diag):
+    # A joblib task: its own copy of the module (concurrent tasks on threads would share
+    # the estimator's, which the engine hooks).
+    own = type(estimator).__new__(type(estimator))
+    own.__dict__.update(estimator.__dict__)
+    own.module_ = copy.deepcopy(estimator.module_)
+    return _path_sum(own, X, Y, None, None, output, gram=gram, diag=diag,
+                     weights=weights[first:last])
+
+
+def reading_copy(estimator, reader=None):
+    """A shallow copy whose on-disk trajectory is referenced for workers (see ``_reader``).
+
+    Tasks pickled to joblib / Dask workers get this copy: pickling the estimator itself
+    would make its temporary trajectory directory permanent (``ChunkStore.__getstate__``).
+    Attributes holding the trajectory, or an estimator that holds it (a detector's
+    ``estimator_``), are replaced; a trajectory in memory is shared as it is.
+    """
+    traj = estimator.trajectory_
+    reader = traj._reader() if reader is None else reader
+    own = type(estimator).__new__(type(estimator))
+    for key, value in estimator.__dict__.items():
+        if value is traj:
+            value = reader
+        elif value is not estimator and getattr(value, "__dict__", {}).get("trajectory_") is traj:
+            value = reading_copy(value, reader)
+        own.__dict__[key] = value
+    return own
 
 
 # --------------------------------------------------------------------------- kernels
@@ -368,7 +425,7 @@ class _NetworkKernel(Kernel):
             return self._gram(X, Y)
         # Rows of the raw Gram through joblib (K(X, X) gives up its symmetry), then the
         # normalisation here, with the same diagonals as the serial path.
-        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self,
+        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self._for_workers(),
                                      X if Y is None else Y))
         if self.normalized:
             if Y is None:
@@ -379,7 +436,15 @@ class _NetworkKernel(Kernel):
         return K
 
     def _diag_blocks(self, X):
-        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs, self))
+        kernel = self if n_row_blocks(self.n_jobs, X) == 1 else self._for_workers()
+        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs, kernel))
+
+    def _for_workers(self):
+        # Tasks get the on-disk trajectory by reference, leaving this one's directory
+        # temporary (pickling the estimator itself would keep it, see _storage).
+        kernel = copy.copy(self)
+        kernel.estimator = reading_copy(self.estimator)
+        return kernel
 
 
 # joblib tasks (module level, so that they pickle to workers by reference)
@@ -519,17 +584,37 @@ class PathKernel(_NetworkKernel):
         Each task runs torch with ``max(1, cpu_count // n_jobs)`` threads. The result
         equals the serial one up to round-off (the blocks of ``K(X, X)`` do not use its
         symmetry). Not a hyperparameter: it does not appear in ``theta``.
+    split : {"rows", "steps"}, default="rows"
+        What ``n_jobs`` splits. "rows": the rows of ``X``, each task summing every
+        step (for many rows). "steps": the recorded points, cut into one contiguous
+        range per worker, each task summing its range's step kernels over all of ``X``
+        (reading only its own chunk files of an on-disk trajectory, which workers on
+        other machines must reach at the same path) and the partial sums added here
+        (for long paths). Both equal the serial sum up to round-off; the user guide's
+        "Scaling" page says when each pays.
     memory : {"discrete", "continuous"}, default="discrete"
         How a step's gradient is weighted through the optimizer's memory (see above and
         :func:`path_weights`). "discrete" is the default because it is the weighting the
         recorded run actually applied, so the kernel is the one of the decomposition's
-        ``first_order`` formula; "continuous" is the gradient-flow limit of the seeds'
-        formulas.
+        ``first_order`` formula; "continuous" is the gradient-flow limit of the formulas
+        of Domingos (2020) and Guo, He & Morel (2026).
 
     See Also
     --------
     TangentKernel : The kernel at one recorded point.
     path_weights : The weights ``w_k``.
+
+    Notes
+    -----
+    Domingos' path kernel [1]_, with the optimizer's weighting of Guo, He & Morel [2]_;
+    the user guide's "Theory" page derives both.
+
+    References
+    ----------
+    .. [1] P. Domingos, "Every Model Learned by Gradient Descent Is Approximately a Kernel
+       Machine", arXiv:2012.00152, 2020.
+    .. [2] J. Guo, R. Y. He and J.-M. Morel, "On Interpolation Formulas Describing Neural
+       Network Generalization", 2026.
 
     Examples
     --------
@@ -549,31 +634,44 @@ class PathKernel(_NetworkKernel):
     """
 
     def __init__(self, estimator, start=0, stop=None, output="trace", normalized=False,
-                 n_jobs=None, memory="discrete"):
+                 n_jobs=None, split="rows", memory="discrete"):
         self.estimator = estimator
         self.start = start
         self.stop = stop
         self.output = output
         self.normalized = normalized
         self.n_jobs = n_jobs
+        self.split = split
         self.memory = memory
 
     def _check_params(self):
         super()._check_params()
         _check_memory(self.memory)
+        if self.split not in ("rows", "steps"):
+            raise ValueError(f"split must be 'rows' or 'steps', got {self.split!r}.")
+
+    def _sum(self, X, Y, *, gram, diag):
+        if self.split == "steps":
+            return _split_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
+                                   self.n_jobs, gram=gram, diag=diag, memory=self.memory)
+        return _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
+                         gram=gram, diag=diag, memory=self.memory)
+
+    def _gram_blocks(self, X, Y):
+        return self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)
+
+    def _diag_blocks(self, X):
+        return self._diag(X) if self.split == "steps" else super()._diag_blocks(X)
 
     def _gram(self, X, Y):
-        K, dx, dy = _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
-                              gram=True, diag=self.normalized, memory=self.memory)
+        K, dx, dy = self._sum(X, Y, gram=True, diag=self.normalized)
         if self.normalized:
             K = _normalize(K, dx, dy)
         return to_numpy(K)
 
     def _raw_gram(self, X, Y):
-        return to_numpy(_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
-                                  gram=True, diag=False, memory=self.memory)[0])
+        return to_numpy(self._sum(X, Y, gram=True, diag=False)[0])
 
     def _diag(self, X):
-        _, dx, _ = _path_sum(self.estimator, X, None, self.start, self.stop, self.output,
-                             gram=False, diag=True, memory=self.memory)
+        _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)

@@ -21,6 +21,7 @@ fitted :class:`~skpathkernel.PathKernelClassifier` or
 
 from __future__ import annotations
 
+import copy
 import numbers
 import sys
 import warnings
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 from scipy.stats import rankdata
 from sklearn.base import clone, is_classifier
@@ -35,7 +37,11 @@ from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions, validate_params
 
 from ._attribution import label_codes, margin
+from ._base import BasePathKernelNetwork
+from ._device import to_tensor
+from ._losses import LOSSES
 from ._parallel import limit_torch_threads
+from ._training import make_optimizer
 
 __all__ = [
     "SubsetRetraining",
@@ -293,14 +299,6 @@ def _replay(estimator, keep: np.ndarray):
     step whose batch lost every point is skipped). Returns a shallow copy of the
     estimator holding the retrained network, for the output functions.
     """
-    import copy
-
-    import torch
-
-    from ._device import to_tensor
-    from ._losses import LOSSES
-    from ._training import make_optimizer
-
     traj = estimator.trajectory_
     module = copy.deepcopy(estimator.module_)
     module.load_state_dict(traj.state_dict(0), strict=False)
@@ -538,8 +536,6 @@ def retrain_on_subsets(
 
 def _check_replayable(estimator, X) -> None:
     """The replay protocol needs a fitted skpathkernel estimator trained on X itself."""
-    from ._base import BasePathKernelNetwork
-
     if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
                                                                        "trajectory_"):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "

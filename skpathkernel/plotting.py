@@ -9,9 +9,9 @@ plots it. matplotlib is imported only inside ``plot``, so importing this module 
 nothing without it.
 
 - :class:`KernelMatrixDisplay`: the (normalized) kernel matrix with samples ordered by
-  class (seed figures 2, 5, 6).
+  class (Guo, He & Morel 2026, figures 2, 5, 6).
 - :class:`KernelNeighborsDisplay`: the training points nearest to anchors under a kernel at
-  a recorded step, or in input space (seed figures 1, 9).
+  a recorded step, or in input space (figures 1, 9).
 - :class:`KernelEvolutionDisplay`: ``K_hat_t(x, y_j)`` along the recorded path (figure 10).
 - :class:`RankGapDisplay`: numerical rank of the tangent features of ``X_train`` versus
   ``[X_train; X_test]`` along the path (figure 7, third column).
@@ -23,12 +23,15 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+from sklearn.decomposition import KernelPCA
+from sklearn.manifold import TSNE
 from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._device import fitted_dtype
 from ._inputs import FEATURES, check_input, fitted_input
 from ._span import TangentSpan
+from .kernels import PathKernel, step_kernel
 
 __all__ = [
     "KernelEvolutionDisplay",
@@ -55,8 +58,6 @@ def _check_kernel(kernel, allowed=("tangent", "path")):
 
 def _gram(estimator, X, *, kernel, step, normalized):
     """Gram of the tangent kernel at ``step`` or of the path kernel, as float64."""
-    from .kernels import PathKernel, step_kernel
-
     _check_kernel(kernel)
     if kernel == "tangent":
         return step_kernel(estimator, X, step=step, normalized=normalized)
@@ -93,9 +94,9 @@ def _kernel_label(kernel, step, normalized, n_points=None):
 class KernelMatrixDisplay:
     """Heat map of a kernel matrix over samples ordered by class, with block boundaries.
 
-    The seeds' figures 2, 5 and 6: with samples sorted by class, a network whose tangent
-    features have learned the task shows bright diagonal blocks (high within-class
-    normalized kernel) on a dark background.
+    Figures 2, 5 and 6 of Guo, He & Morel (2026): with samples sorted by class, a network
+    whose tangent features have learned the task shows bright diagonal blocks (high
+    within-class normalized kernel) on a dark background.
 
     Create it with :meth:`from_estimator`, or directly from a matrix.
 
@@ -237,7 +238,7 @@ class KernelMatrixDisplay:
         step : int, default=-1
             Recorded point of ``estimator.trajectory_`` (0: initialization).
         normalized : bool, default=True
-            Plot ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (the seeds' ``K_hat``).
+            Plot ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (Guo, He & Morel's ``K_hat``).
         display_labels, ax, cmap, colorbar
             See :meth:`plot`.
 
@@ -266,10 +267,10 @@ class KernelMatrixDisplay:
 class KernelNeighborsDisplay:
     """Training points nearest to anchor inputs, on a scatter plot of the training set.
 
-    The seeds' figure 1: the training set coloured by label, anchors as black crosses, and
-    for each anchor its ``n_neighbors`` nearest training points (under the normalized
-    kernel at a recorded step, or Euclidean in input space) drawn larger and outlined.
-    Training sharpens kernel neighbourhoods into label-homogeneous sets, which
+    Figure 1 of Guo, He & Morel (2026): the training set coloured by label, anchors as black
+    crosses, and for each anchor its ``n_neighbors`` nearest training points (under the
+    normalized kernel at a recorded step, or Euclidean in input space) drawn larger and
+    outlined. Training sharpens kernel neighbourhoods into label-homogeneous sets, which
     :meth:`purity` measures. Inputs must be 2-D.
 
     Parameters
@@ -398,7 +399,7 @@ class KernelNeighborsDisplay:
             Kernel neighbours (see :meth:`PathKernelMachine.kneighbors`) or, for
             comparison, Euclidean neighbours in input space.
         normalized : bool, default=True
-            Rank by the normalized kernel ``K_hat`` (the seeds' choice).
+            Rank by the normalized kernel ``K_hat`` (Guo, He & Morel's choice).
         ax, cmap, legend
             See :meth:`plot`.
 
@@ -437,8 +438,8 @@ class KernelNeighborsDisplay:
 class KernelEvolutionDisplay:
     """The (normalized) kernel between a fixed ``x`` and several ``y_j`` over training.
 
-    The seeds' figure 10: same-label pairs keep a normalized tangent kernel near 1 while
-    opposite-label pairs decay towards 0 or below.
+    Figure 10 of Guo, He & Morel (2026): same-label pairs keep a normalized tangent kernel
+    near 1 while opposite-label pairs decay towards 0 or below.
 
     Parameters
     ----------
@@ -545,8 +546,6 @@ class KernelEvolutionDisplay:
         -------
         display : KernelEvolutionDisplay
         """
-        from .kernels import step_kernel
-
         check_is_fitted(estimator, "trajectory_")
         shape, kind = fitted_input(estimator)
         if kind == FEATURES:
@@ -576,7 +575,7 @@ class KernelEvolutionDisplay:
 class RankGapDisplay:
     """Numerical rank of the tangent features of ``X_train`` and of ``[X_train; X_test]``.
 
-    The seeds' figure 7 (third column): when the network extrapolates badly on
+    Figure 7 of Guo, He & Morel (2026), third column: when the network extrapolates badly on
     ``X_test``, ``rank(J([X_train; X_test])) > rank(J(X_train))``: test gradients have a
     component outside the span of the stored training features.
 
@@ -674,8 +673,6 @@ class RankGapDisplay:
         -------
         display : RankGapDisplay
         """
-        from .kernels import step_kernel
-
         check_is_fitted(estimator, "trajectory_")
         X_train = check_input(estimator, X_train, "X_train")
         X_test = check_input(estimator, X_test, "X_test")
@@ -720,9 +717,9 @@ _METHOD_NAMES = {"umap": "UMAP", "tsne": "t-SNE", "pca": "kernel PCA"}
 class TangentEmbeddingDisplay:
     """2-D embedding of tangent features at a recorded step, coloured by label.
 
-    The seeds' figure 4 (a UMAP of MNIST tangent features). The embedding works on the
-    geometry of the *normalized* tangent features (cosine similarity ``K_hat``, distance
-    ``sqrt(2 - 2 K_hat)``), computed from the tangent Gram alone, so the number of
+    Figure 4 of Guo, He & Morel (2026) (a UMAP of MNIST tangent features). The embedding
+    works on the geometry of the *normalized* tangent features (cosine similarity ``K_hat``,
+    distance ``sqrt(2 - 2 K_hat)``), computed from the tangent Gram alone, so the number of
     parameters does not matter: UMAP when ``umap-learn`` is importable, else t-SNE
     (``method="auto"``), both on the precomputed distances; ``method="pca"`` is kernel PCA
     of ``K_hat`` (deterministic and fast). The method is named in the title.
@@ -832,15 +829,11 @@ class TangentEmbeddingDisplay:
         -------
         display : TangentEmbeddingDisplay
         """
-        from .kernels import step_kernel
-
         check_is_fitted(estimator, "trajectory_")
         X = check_input(estimator, X)
         resolved = _resolve_method(method)
         K = step_kernel(estimator, X, step=step, normalized=True)
         if resolved == "pca":
-            from sklearn.decomposition import KernelPCA
-
             E = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)
         else:
             D = np.sqrt(np.clip(2.0 - 2.0 * K, 0.0, None))
@@ -850,8 +843,6 @@ class TangentEmbeddingDisplay:
 
                 E = umap.UMAP(metric="precomputed", random_state=random_state).fit_transform(D)
             else:
-                from sklearn.manifold import TSNE
-
                 perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
                 E = TSNE(n_components=2, metric="precomputed", init="random",
                          perplexity=perplexity, random_state=random_state).fit_transform(D)

@@ -155,3 +155,22 @@ def test_torch_threads_fit_the_cores_on_workers(client, data):
         with joblib.parallel_config(backend="dask", client=local):
             out = np.vstack(map_row_blocks(_threads, X, -1))
         assert 2 * out.max() <= max(cores, 2)
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_path_kernel_split_over_steps_on_the_cluster(client, data, storage):
+    # Each worker process sums its range of steps, reading its own chunk files of the
+    # shared on-disk trajectory; the partial sums add up to the serial kernel.
+    X, y, _ = data
+    est = PathKernelMachine(solver="adam", trajectory_storage=storage, **NET).fit(X, y)
+    Y = X[:7] + 0.1
+    serial = [PathKernel(est)(X, Y), PathKernel(est, normalized=True)(X),
+              PathKernel(est).diag(X)]
+    with joblib.parallel_config(backend="dask"):
+        split = [PathKernel(est, n_jobs=-1, split="steps")(X, Y),
+                 PathKernel(est, n_jobs=-1, normalized=True, split="steps")(X),
+                 PathKernel(est, n_jobs=-1, split="steps").diag(X)]
+    for got, want in zip(split, serial):
+        assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    if storage == "disk":  # the workers only referenced it: still this estimator's own
+        assert est.trajectory_._store.owned

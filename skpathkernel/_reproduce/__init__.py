@@ -15,7 +15,7 @@ import os
 import platform
 import time
 
-from .._device import torch_threads
+from .._device import resolve_device, torch_threads
 from ._fig1 import figure1_section
 from ._fig2 import figure2_section
 from ._fig3 import figure3_section
@@ -71,8 +71,6 @@ def run(*, out, quick=False, device="auto", figures=None, data_home=None) -> str
 
 def run_sections(*, out, quick=False, device="auto", figures=None, data_home=None):
     """:func:`run`, also returning the verdict counts ``{"pass", "FAIL", "-"}``."""
-    from .._device import resolve_device
-
     resolve_device(device)  # a clear error for device="cuda" without CUDA, before any work
     names = list(SECTIONS) if figures is None else [_section_name(f) for f in figures]
     unknown = [n for n in names if n not in SECTIONS]

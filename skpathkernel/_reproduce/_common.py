@@ -6,6 +6,10 @@ import os
 import sys
 
 import numpy as np
+from sklearn.datasets import load_digits
+
+from .. import PathKernelClassifier
+from ..datasets import make_circle
 
 # The seeds' circle task (figures 1, 9, 10): learning rates that train it reliably with each
 # solver, minibatches of CIRCLE_BATCH (the seeds' stochastic setting: with full-batch
@@ -89,8 +93,6 @@ def steps_per_epoch(ctx):
 
 
 def circle_data(ctx):
-    from ..datasets import make_circle
-
     n = circle_settings(ctx)[0]
     X, y = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=0)
     X_test, y_test = make_circle(n_samples=n, inner_radius_sq=0.8, random_state=1)
@@ -101,8 +103,6 @@ def circle_fit(ctx, solver):
     """The 2-64-64-1 tanh network trained on figure 1's circle task with one solver."""
     key = ("circle", solver)
     if key not in ctx.cache:
-        from .. import PathKernelClassifier
-
         X, y, _, _ = circle_data(ctx)
         epochs = circle_settings(ctx)[1]
         ctx.cache[key] = PathKernelClassifier(
@@ -118,8 +118,6 @@ def circle_fit(ctx, solver):
 def digits_split(ctx):
     """sklearn's 8x8 digits (standing in for MNIST), ink scaled to [0, 1]: a training set
     and a held-out display set of 10 images per class ordered by class."""
-    from sklearn.datasets import load_digits
-
     X, y = load_digits(return_X_y=True)
     X = X / 16.0
     rng = np.random.RandomState(0)
@@ -135,8 +133,6 @@ def digits_split(ctx):
 def digits_fit(ctx):
     """A 64-64-64-10 tanh network trained on digits 0-9 (figures 2e-f, 5, 6)."""
     if "digits" not in ctx.cache:
-        from .. import PathKernelClassifier
-
         X, y, _, _ = digits_split(ctx)
         ctx.cache["digits"] = PathKernelClassifier(
             hidden_layer_sizes=(64, 64), loss="log_loss", **training(

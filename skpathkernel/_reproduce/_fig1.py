@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plotting import KernelNeighborsDisplay
 from ._common import (
     circle_data,
     circle_fit,
@@ -37,8 +38,6 @@ def sharpens_progressively(purities, euclidean, n_neighbors) -> bool:
 
 def checkpoint_purities(est, y, n_neighbors, points):
     """Mean neighbour purity of the anchors under K_hat at each recorded point."""
-    from ..plotting import KernelNeighborsDisplay
-
     X = est.X_fit_
     out = []
     for k in points:
@@ -49,8 +48,6 @@ def checkpoint_purities(est, y, n_neighbors, points):
 
 def figure1_section(ctx):
     """Neighbour purity under K_hat_t at six checkpoints versus Euclidean neighbourhoods."""
-    from ..plotting import KernelNeighborsDisplay
-
     _, epochs, n_neighbors, mid = circle_settings(ctx)
     X, y, X_test, y_test = circle_data(ctx)
     with progress("figure 1", 7) as tick:

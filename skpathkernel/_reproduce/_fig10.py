@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plotting import KernelEvolutionDisplay
 from ._common import circle_fit, progress, save, subplots
 from ._fig9 import OPTIMIZERS
 from ._report import Row
@@ -30,8 +31,6 @@ def same_high_opposite_low(K_end) -> bool:
 def figure10_section(ctx):
     """K_hat_t(x, y) for x = (0, 0) and four y, four optimizers, at ~200 recorded points
     (60 in quick mode)."""
-    from ..plotting import KernelEvolutionDisplay
-
     details, ok, ends = [], [], []
     with progress("figure 10", len(OPTIMIZERS)) as tick:
         fig, axes = subplots(1, 4, figsize=(20, 4.6), sharey=True)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+from torch import nn
 
+from .. import PathKernelClassifier, PathKernelMachine
+from ..datasets import _cifar10_folder, load_cifar10, make_sine, make_square_wave
+from ..plotting import KernelMatrixDisplay
 from ._common import digits_fit, digits_split, progress, save, subplots, training
 from ._report import Row
 
@@ -18,8 +22,6 @@ def _within_between(disp):
 def _class_blocks(ctx, est, X_show, y_show, panels, what, png, tick):
     """Plot K_hat of the shown images at init and trained; returns the (within, between)
     pairs, the PNG name and the row's measured text."""
-    from ..plotting import KernelMatrixDisplay
-
     fig, axes = subplots(1, 2, figsize=(12, 5.2))
     gaps = []
     for ax, label, step in zip(axes, panels, (0, -1)):
@@ -43,10 +45,6 @@ def blocks_form(init, trained) -> bool:
 
 def figure2_section(ctx):
     """Regression fits (a, c), their final kernels (b, d), digits kernels at init/end (e, f)."""
-    from .. import PathKernelMachine
-    from ..datasets import make_sine, make_square_wave
-    from ..plotting import KernelMatrixDisplay
-
     steps = 300 if ctx.quick else 1000  # the caption's 1000 full-batch steps
     rows, pngs = [], []
     with progress("figure 2", 5) as tick:
@@ -93,8 +91,6 @@ def figure2_section(ctx):
 def small_cnn(n_features, n_outputs):
     """A ``module=`` factory: 3072-vectors unflattened to 3x32x32, two strided tanh
     convolutions, 4x4 average pooling and a linear head (~19k parameters)."""
-    from torch import nn
-
     if n_features != 3 * 32 * 32:
         raise ValueError(f"small_cnn takes CIFAR-10's 3072 features, got {n_features}.")
     # The estimators hand the module 2-D X: it unflattens the rows itself.
@@ -114,9 +110,6 @@ def cifar_settings(ctx):
 def cifar_panels(ctx):
     """Figure 2 g-h: the normalized kernel of a small CNN on CIFAR-10 at init and trained,
     10 test images per class; only when CIFAR-10's python batches are on disk."""
-    from .. import PathKernelClassifier
-    from ..datasets import _cifar10_folder, load_cifar10
-
     claim = ("CIFAR-10 (small CNN): training makes classes blocks of the normalized kernel "
              "(within-class minus between-class mean K_hat grows)")
     try:

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import warnings
 
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import FunctionTransformer
+from sklearn.svm import SVC, LinearSVC
+
+from .. import PathKernelClassifier
+from ..datasets import make_circle, make_ellipse
 from ._common import decision_regions, progress, save, subplots, training
 from ._report import Row
 
@@ -24,14 +31,6 @@ def beats_rbf(acc_tangent, acc_rbf) -> bool:
 
 def figure3_section(ctx):
     """Circle (inner 0.9) and ellipse (100 x1^2 + x2^2): tangent-feature LinearSVC vs RBF."""
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import FunctionTransformer
-    from sklearn.svm import SVC, LinearSVC
-
-    from .. import PathKernelClassifier
-    from ..datasets import make_circle, make_ellipse
-
     n, epochs = (300, 300) if ctx.quick else (1000, 1000)
     tasks = {
         "circle": lambda s: make_circle(n_samples=n, inner_radius_sq=0.9, random_state=s),

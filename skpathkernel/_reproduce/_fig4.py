@@ -5,17 +5,18 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.metrics import silhouette_score
 
+from .. import PathKernelClassifier
+from ..kernels import step_kernel
+from ..plotting import TangentEmbeddingDisplay
 from ._common import progress, save, subplots, training
 from ._report import Row
 
 
 def _silhouette(est, X, y, step):
     """Silhouette of the classes under the tangent features' cosine distance at ``step``."""
-    from sklearn.metrics import silhouette_score
-
-    from ..kernels import step_kernel
-
     K = step_kernel(est, X, step=step, normalized=True)
     D = np.sqrt(np.clip(2.0 - 2.0 * K, 0.0, None))
     np.fill_diagonal(D, 0.0)
@@ -32,11 +33,6 @@ def _why(method, ran):
 
 def figure4_section(ctx):
     """Train on digits 0-4; embed held-out digits 0-9 in tangent space at init and end."""
-    from sklearn.datasets import load_digits
-
-    from .. import PathKernelClassifier
-    from ..plotting import TangentEmbeddingDisplay
-
     X, y = load_digits(return_X_y=True)
     X = X / 16.0
     perm = np.random.RandomState(1).permutation(len(y))

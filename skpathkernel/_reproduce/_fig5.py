@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import ConfusionMatrixDisplay
+from sklearn.neighbors import KNeighborsClassifier
+from sklearn.svm import SVC
 
+from ..datasets import load_printed_digits
+from ..plotting import KernelMatrixDisplay
 from ._common import digits_fit, digits_split, progress, save, scaled_printed, subplots
 from ._report import Row
 
@@ -18,10 +24,6 @@ def _cross_domain(B):
 
 def baselines(X, y, X_test, y_test):
     """Printed-digit accuracy of input-space classifiers trained on the same digits."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neighbors import KNeighborsClassifier
-    from sklearn.svm import SVC
-
     models = {"RBF SVC": SVC(kernel="rbf", C=1.0, gamma="scale"),
               "1-NN": KNeighborsClassifier(n_neighbors=1),
               "logistic regression": LogisticRegression(C=1.0, max_iter=2000)}
@@ -37,11 +39,6 @@ def transfers(acc_network, acc_baseline) -> bool:
 
 def figure5_section(ctx):
     """Interleaved blocks [handwritten k; printed k], at init and trained; confusion matrix."""
-    from sklearn.metrics import ConfusionMatrixDisplay
-
-    from ..datasets import load_printed_digits
-    from ..plotting import KernelMatrixDisplay
-
     with progress("figure 5", 4) as tick:
         est = digits_fit(ctx)
         X_train, y_train, X_hand, y_hand = digits_split(ctx)

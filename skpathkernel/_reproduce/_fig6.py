@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..datasets import load_printed_letters
+from ..kernels import step_kernel
+from ..plotting import KernelMatrixDisplay
 from ._common import digits_fit, digits_split, progress, save, scaled_printed, subplots
 from ._report import Row
 
@@ -13,8 +16,6 @@ LETTERS = ("M", "N", "U", "V", "A")
 def memory_alignment(est, X, X_memory, step):
     """THEORY.md's alignment score ``max_i K_hat(x, x_i)`` over the stored training
     inputs, at one recorded point, for every row of ``X``."""
-    from ..kernels import step_kernel
-
     return step_kernel(est, X, X_memory, step=step, normalized=True).max(axis=1)
 
 
@@ -26,9 +27,6 @@ def training_separates(digits0, letters0, digits1, letters1) -> bool:
 
 def figure6_section(ctx):
     """Digits (10 per class) then letters M, N, U, V, A (10 each), at init and trained."""
-    from ..datasets import load_printed_letters
-    from ..plotting import KernelMatrixDisplay
-
     with progress("figure 6", 3) as tick:
         est = digits_fit(ctx)
         X_mem, _, X_dig, y_dig = digits_split(ctx)

@@ -9,8 +9,14 @@ time: a rank gap and a larger test loss (the seeds' extrapolation failure).
 
 from __future__ import annotations
 
-import numpy as np
+import copy
 
+import numpy as np
+import torch
+
+from .. import OODRankDetector
+from ..datasets import make_linear_extrapolation
+from ..plotting import RankGapDisplay
 from ._common import progress, save, subplots, training
 from ._report import Row
 
@@ -22,8 +28,6 @@ SETTINGS = {
 
 def _relu_network(kinks, out_weight=0.2):
     """A factory for ``module=``: unit i of the 1-6-1 ReLU net switches on at kinks[i]."""
-    import torch
-
     def factory(n_in, n_out):
         net = torch.nn.Sequential(torch.nn.Linear(n_in, 6), torch.nn.ReLU(),
                                   torch.nn.Linear(6, n_out))
@@ -48,10 +52,6 @@ def flags_extrapolation(out_flagged, in_flagged) -> bool:
 
 def _test_losses(net, points, X_test, y_test):
     """Test loss at recorded points, from a copy of the network loaded with each point."""
-    import copy
-
-    import torch
-
     module = copy.deepcopy(net.module_).cpu()
     X_t = torch.as_tensor(X_test, dtype=next(module.parameters()).dtype)
     losses = []
@@ -64,10 +64,6 @@ def _test_losses(net, points, X_test, y_test):
 
 def figure7_section(ctx):
     """Rank of training vs training+test tangent features, kinks and test loss (figs 7-8)."""
-    from .. import OODRankDetector
-    from ..datasets import make_linear_extrapolation
-    from ..plotting import RankGapDisplay
-
     epochs = 600 if ctx.quick else 2000
     X, y, X_test, y_test = make_linear_extrapolation(n_train=50, n_test=25)
     grid = np.linspace(0.0, 4.0, 200).reshape(-1, 1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import step_kernel
+from ..plotting import KernelNeighborsDisplay
 from ._common import (
     circle_data,
     circle_fit,
@@ -27,8 +29,6 @@ OPTIMIZERS = ("sgd", "sgd+momentum", "adam", "rmsprop")
 
 def kernel_neighbors(est, anchors, n_neighbors, *, step=-1, preconditioned=True):
     """Indices of each anchor's nearest training points under the normalized step kernel."""
-    from ..kernels import step_kernel
-
     K = step_kernel(est, anchors, est.X_fit_, step=step, preconditioned=preconditioned,
                     normalized=True)
     return np.argsort(-K, axis=1, kind="stable")[:, :n_neighbors]
@@ -42,8 +42,6 @@ def purer_than_euclidean(accuracies, purities, euclidean) -> bool:
 
 def figure9_section(ctx):
     """Decision regions (a-d) and final-step K_t neighbours (e-h) per optimizer."""
-    from ..plotting import KernelNeighborsDisplay
-
     _, _, n_neighbors, _ = circle_settings(ctx)
     X, y, X_test, y_test = circle_data(ctx)
     details, accs, purities, eucls = [], [], [], []

@@ -8,6 +8,7 @@ multi-index model, not a threshold this task could pass or fail.
 
 from __future__ import annotations
 
+from ..diagnostics import hessian_trace_path
 from ._common import circle_data, circle_fit
 from ._report import Row
 
@@ -16,8 +17,6 @@ _OPTIMIZERS = ("sgd", "sgd+momentum", "adam", "rmsprop")
 
 def flatness_section(ctx):
     """Tr H along the path of figure 9's circle-task networks (shared with figures 1, 9, 10)."""
-    from ..diagnostics import hessian_trace_path
-
     n_points, n_probes = (4, 50) if ctx.quick else (6, 200)
     _, _, X_test, y_test = circle_data(ctx)
     rows = []

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import PathRecorder
+from ..kernels import PathKernel, TangentKernel, step_kernel
 from ._report import Row
 
 _DTYPE = torch.float64
@@ -72,8 +74,6 @@ def train_diffusion(n_steps=400, batch=64, width=64, lr=3e-3, seed=0, record_eve
     is declared as its own training input (n_samples = n_steps * batch) with the noise
     as target. Returns (RecordedNetwork, losses).
     """
-    from .. import PathRecorder
-
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -147,8 +147,6 @@ def train_gan(n_steps=300, batch=64, width=32, lr=2e-3, seed=0, keep_every=10):
     loss, so the decomposition over the declared (z_i, r_i) is exact. Returns
     (RecordedNetwork, generator, {step: discriminator copy} every ``keep_every`` steps).
     """
-    from .. import PathRecorder
-
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -195,8 +193,6 @@ def kernel_update_alignment(net, G, D_t, t, z_query):
     (a kernel that ignores geometry moves every sample the same way and scores 0).
     Returns (correlation, u, pull, G_t(z)).
     """
-    from ..kernels import step_kernel
-
     traj = net.trajectory_
     b = traj.batch(t)
     Z, R = np.asarray(net.X_train), np.asarray(net.y_train)
@@ -211,8 +207,6 @@ def kernel_update_alignment(net, G, D_t, t, z_query):
 
 def generative_section(ctx):
     """Rows for the diffusion and GAN readings of the path kernel (seed 000)."""
-    from ..kernels import PathKernel, TangentKernel
-
     quick = ctx.quick
     rows = []
     # ---------------------------------------------------------------- diffusion

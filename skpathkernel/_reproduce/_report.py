@@ -13,6 +13,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import torch
+
+from .. import __version__
+
 # A row names its figures as "[name.png]" or "[a.png, b.png]" in its measured text.
 _PNG = re.compile(r"[\w.-]+\.png")
 _BRACKETS = re.compile(r"\[([^\]]*\.png[^\]]*)\]")
@@ -64,10 +68,6 @@ def _figures(measured):
 
 
 def _header_line(header):
-    import torch
-
-    from .. import __version__
-
     return (f"skpathkernel {__version__}, torch {torch.__version__}, python "
             f"{header['python']}; mode: {header['mode']}; device: {header['device']}.")
 

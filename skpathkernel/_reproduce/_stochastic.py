@@ -27,7 +27,11 @@ in float64 so that the measured gaps are far above round-off.
 from __future__ import annotations
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
+from .. import PathKernelClassifier, PathKernelMachine, PathRecorder
+from ..datasets import make_circle, make_sine
 from ._common import progress, save, subplots
 from ._report import Row
 
@@ -82,8 +86,6 @@ def noise_scale(lr, batch, n):
 
 def _task(name):
     """(X, y, queries, loss name) of the two tasks; classes of the circle as 0 / 1."""
-    from ..datasets import make_circle, make_sine
-
     if name == "regression":
         X, y = make_sine(n_samples=N_TRAIN)
         Xq = np.linspace(-np.pi, np.pi, 16).reshape(-1, 1) * 0.97
@@ -94,8 +96,6 @@ def _task(name):
 
 
 def _network(n_in, seed):
-    import torch
-
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(n_in, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH),
@@ -110,11 +110,6 @@ def iid_sgd_path(task, lr, batch, seed):
     The estimators cannot draw batches this way (they reshuffle once per epoch), so the
     loop is ours, recorded by :class:`~skpathkernel.PathRecorder` with each step's batch
     declared: its realized decomposition is exact (tested)."""
-    import torch
-    import torch.nn.functional as F
-
-    from .. import PathRecorder
-
     X, y, _, loss_name = _task(task)
     Xt = torch.as_tensor(X, dtype=torch.float64)
     yt = torch.as_tensor(y, dtype=torch.float64)
@@ -140,8 +135,6 @@ def iid_sgd_path(task, lr, batch, seed):
 def _plain_sgd(task, lr, batch_size, max_iter, seed):
     """The estimators' plain SGD on a task, every training parameter explicit, float64 on
     the CPU (networks of ~300 parameters: a device would only add transfers)."""
-    from .. import PathKernelClassifier, PathKernelMachine
-
     X, y, _, loss_name = _task(task)
     cls = PathKernelMachine if task == "regression" else PathKernelClassifier
     return cls(hidden_layer_sizes=(WIDTH, WIDTH), activation="tanh", solver="sgd",

@@ -1,0 +1,431 @@
+"""A trajectory's per-point vectors on disk: chunk files written while training, read lazily.
+
+A recorded path is a few long series of P-vectors (the parameters at every point, Adam's
+or RMSprop's second moments at every step). On disk each series is a folder of chunk
+files, ``<directory>/<series>/<chunk:06d>.npy``, each holding ``chunk_rows`` consecutive
+vectors as a plain ``.npy`` array: written with ``numpy.save`` and read with
+``numpy.load(allow_pickle=False)``, so reading a trajectory never runs code from a file.
+The rest (step indices, step sizes, batches, solver) is small and lives in memory, and in
+``<directory>/trajectory.pt`` (``torch.load(weights_only=True)``) once synced.
+
+Writing fills a one-chunk buffer and writes it when full, to a temporary name renamed over
+the chunk's (so a chunk file is either complete or absent). Reading keeps the last two
+chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
+the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
+series whatever the number of points.
+
+Faults
+------
+- A write that fails (``OSError``: a full disk, a quota) keeps that chunk, and every later
+  one, in memory, with a warning naming the file and the optimizer step: recording goes on
+  and nothing recorded is lost; :meth:`Trajectory.save <skpathkernel.Trajectory.save>`
+  later writes those chunks where the directory is moved.
+- A chunk file that is missing, truncated, or holds vectors of another length or dtype (a
+  file from another network's directory) raises :class:`TrajectoryFileError` (an
+  ``OSError``) naming the file and the recorded points it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+__all__ = ["CHUNK_BYTES", "ChunkStore", "DiskRows", "TrajectoryFileError", "chunk_rows_for",
+           "free_disk"]
+
+# Target size of one chunk file: large enough that file overhead is negligible, small
+# enough that two chunks per series stay far below any memory_budget (at most 1/32 of it).
+CHUNK_BYTES = 32 * 2**20
+_CACHED_CHUNKS = 2
+META_FILE = "trajectory.pt"
+
+
+class TrajectoryFileError(OSError):
+    """A chunk file of an on-disk trajectory is missing, truncated or not this path's."""
+
+
+def chunk_rows_for(n_params: int, itemsize: int, memory_budget: int) -> int:
+    """Vectors per chunk file: ``min(CHUNK_BYTES, memory_budget / 32)`` bytes, at least one."""
+    target = min(CHUNK_BYTES, int(memory_budget) // 32)
+    return max(1, target // max(1, n_params * itemsize))
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def free_disk(parent) -> int:
+    """Free bytes where a trajectory directory under ``parent`` would go."""
+    parent = tempfile.gettempdir() if parent is None else os.fspath(parent)
+    while not os.path.exists(parent):  # created at recording time
+        parent = os.path.dirname(os.path.abspath(parent))
+    return shutil.disk_usage(parent).free
+
+
+def _write_chunk(path: str, array: np.ndarray) -> None:
+    """Write ``array`` to ``path`` atomically: a failed write leaves no partial file."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _read_chunk(path: str) -> np.ndarray:
+    return np.load(path, allow_pickle=False)
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+class ChunkStore:
+    """A directory of chunked series; owned (temporary) stores delete it when collected.
+
+    Parameters
+    ----------
+    directory : str
+    chunk_rows : int
+        Vectors per chunk file.
+    owned : bool
+        Delete the directory when this object is garbage collected (a temporary
+        recording); :meth:`move` and pickling give that up.
+    """
+
+    def __init__(self, directory, *, chunk_rows: int, owned: bool):
+        self.directory = os.fspath(directory)
+        self.chunk_rows = int(chunk_rows)
+        self.series: dict[str, Series] = {}
+        self.failure: str | None = None  # the first failed write, when one failed
+        self._finalizer = (weakref.finalize(self, shutil.rmtree, self.directory, True)
+                           if owned else None)
+
+    @classmethod
+    def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
+        """A fresh temporary directory under ``parent`` (the system's temp dir if None)."""
+        parent = tempfile.gettempdir() if parent is None else os.fspath(parent)
+        os.makedirs(parent, exist_ok=True)
+        directory = tempfile.mkdtemp(prefix="skpathkernel-trajectory-", dir=parent)
+        return cls(directory, chunk_rows=chunk_rows, owned=True)
+
+    @property
+    def owned(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
+
+    def disown(self) -> None:
+        """Keep the directory when this object goes (it is referenced elsewhere)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._finalizer = None
+
+    def add_series(self, name: str, n_params: int, dtype: torch.dtype,
+                   delta_dtype: torch.dtype | None = None) -> Series:
+        series = Series(self, name, n_params, dtype, delta_dtype=delta_dtype)
+        os.makedirs(os.path.join(self.directory, name), exist_ok=True)
+        self.series[name] = series
+        return series
+
+    def flush(self, release: bool = False) -> None:
+        """Write every series' partly filled chunk, so that the files hold every vector.
+
+        ``release`` ends the recording: the write buffers are freed.
+        """
+        for series in self.series.values():
+            series.flush_partial()
+            if release:
+                series._buffer = None
+
+    def write_meta(self, payload: dict) -> None:
+        path = os.path.join(self.directory, META_FILE)
+        tmp = path + ".tmp"
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+
+    def move(self, path) -> None:
+        """Rename the directory to ``path`` (which must not exist, or be an empty folder).
+
+        A rename, not a copy: on another file system (where a rename cannot work)
+        ``shutil.move`` copies and removes. Chunks kept in memory after a failed write
+        are written to the new place. The directory is no longer temporary.
+        """
+        path = os.fspath(path)
+        if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
+            raise FileExistsError(
+                f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
+                "directory (an on-disk trajectory is saved by renaming its directory)."
+            )
+        try:
+            os.replace(self.directory, path)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            if os.path.isdir(path):
+                os.rmdir(path)
+            shutil.move(self.directory, path)
+        self.disown()
+        self.directory = path
+        self.failure = None
+        for series in self.series.values():
+            series.write_memory_chunks()
+
+    def __getstate__(self):
+        # Pickles reference the directory, not its data: the directory must outlive this
+        # process's copy, so a temporary one is kept from now on (and said so).
+        if self.owned:
+            warnings.warn(
+                f"Pickling references the on-disk trajectory in {self.directory!r}, which is "
+                "now kept when the estimator is deleted (it was temporary). Move it where "
+                "you want it first with trajectory_.save(path); delete it when done.",
+                UserWarning, stacklevel=2,
+            )
+            self.disown()
+        self.flush()
+        return {"directory": self.directory, "chunk_rows": self.chunk_rows,
+                "series": self.series, "failure": self.failure}
+
+    def __setstate__(self, state):
+        self.directory = state["directory"]
+        self.chunk_rows = state["chunk_rows"]
+        self.series = state["series"]
+        self.failure = state["failure"]
+        self._finalizer = None
+
+
+class Series:
+    """One chunked series of P-vectors: append while recording, read any row lazily.
+
+    With ``delta_dtype`` (float16 or bfloat16) a chunk file holds its first vector in
+    full precision and every later one as its difference from the previous *stored*
+    vector, rounded to ``delta_dtype`` (error feedback: the rounding does not accumulate
+    along the chunk, each stored vector is within one rounding of the recorded one).
+    Readers get the stored path, ``first + d_1 + ... + d_j`` summed in the full dtype,
+    bit for bit what the writer kept.
+    """
+
+    def __init__(self, store: ChunkStore, name: str, n_params: int, dtype: torch.dtype,
+                 n_rows: int = 0, delta_dtype: torch.dtype | None = None):
+        self.store = store
+        self.name = name
+        self.n_params = int(n_params)
+        self.dtype = dtype
+        self.delta_dtype = delta_dtype
+        self.n_rows = int(n_rows)
+        self._init_runtime()
+        self._memory: dict[int, np.ndarray] = {}  # encoded chunks whose write failed
+
+    def _init_runtime(self):
+        self._buffer: torch.Tensor | None = None
+        self._deltas: torch.Tensor | None = None
+        self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.store.chunk_rows
+
+    def path(self, chunk: int) -> str:
+        return os.path.join(self.store.directory, self.name, f"{chunk:06d}.npy")
+
+    # -------------------------------------------------------------- writing
+    def slot(self, k: int) -> torch.Tensor:
+        """The buffer row that vector ``k`` (the next one) is copied into."""
+        if k != self.n_rows:
+            raise RuntimeError(f"Series {self.name!r} is written in order: expected vector "
+                               f"{self.n_rows}, got {k}.")
+        if self._buffer is None:
+            self._buffer = torch.empty((self.chunk_rows, self.n_params), dtype=self.dtype)
+            if self.delta_dtype is not None:
+                self._deltas = torch.empty((self.chunk_rows, self.n_params),
+                                           dtype=self.delta_dtype)
+        return self._buffer[k % self.chunk_rows]
+
+    def commit(self, k: int, step: int) -> None:
+        """Vector ``k`` (recorded at optimizer ``step``) is in its slot: write a full chunk."""
+        i = k % self.chunk_rows
+        if self.delta_dtype is not None and i:
+            # The buffer keeps the stored path: what readers will reconstruct.
+            d = self._deltas[i]
+            d.copy_(self._buffer[i] - self._buffer[i - 1])
+            torch.add(self._buffer[i - 1], d.to(self.dtype), out=self._buffer[i])
+        self.n_rows = k + 1
+        if self.n_rows % self.chunk_rows == 0:
+            self._flush(k // self.chunk_rows, self.chunk_rows, step)
+
+    def flush_partial(self) -> None:
+        rows = self.n_rows % self.chunk_rows
+        if rows and self._buffer is not None:
+            self._flush(self.n_rows // self.chunk_rows, rows, None)
+
+    def _encode(self, rows: int) -> np.ndarray:
+        data = self._buffer[:rows]
+        if self.delta_dtype is None:
+            return data.numpy()
+        # As 16-bit words: the first vector's bytes, then the rounded differences.
+        first = data[0].numpy().view(np.uint16).reshape(-1, self.n_params)
+        deltas = self._deltas[1:rows].view(torch.int16).numpy().view(np.uint16)
+        return np.concatenate([first, deltas])
+
+    def _decode(self, array: np.ndarray, rows: int) -> torch.Tensor:
+        if self.delta_dtype is None:
+            return torch.from_numpy(np.require(array[:rows], requirements=["WRITEABLE"]))
+        head = self._head_rows
+        out = torch.empty((rows, self.n_params), dtype=self.dtype)
+        out[0] = torch.from_numpy(np.ascontiguousarray(array[:head]).reshape(-1).view(
+            _NUMPY_DTYPES[self.dtype]))
+        deltas = torch.from_numpy(np.ascontiguousarray(array[head:head + rows - 1]).view(
+            np.int16)).view(self.delta_dtype)
+        for j in range(1, rows):  # the writer's additions, in its order
+            torch.add(out[j - 1], deltas[j - 1].to(self.dtype), out=out[j])
+        return out
+
+    @property
+    def _head_rows(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size() // 2
+
+    def _file_shape(self, rows: int) -> tuple[int, int]:
+        extra = 0 if self.delta_dtype is None else self._head_rows - 1
+        return (rows + extra, self.n_params)
+
+    def _flush(self, chunk: int, rows: int, step: int | None) -> None:
+        data = self._encode(rows)
+        self._cache.pop(chunk, None)
+        if self.store.failure is None:
+            path = self.path(chunk)
+            try:
+                _write_chunk(path, data)
+                self._memory.pop(chunk, None)
+                return
+            except OSError as exc:
+                first = chunk * self.chunk_rows
+                at = "" if step is None else f", optimizer step {step}"
+                self.store.failure = (
+                    f"writing {path!r} (vectors {first}..{first + rows - 1} of "
+                    f"{self.name!r}{at}) failed: {exc}")
+                warnings.warn(
+                    f"On-disk trajectory: {self.store.failure}. Recording continues with "
+                    "this and every later chunk in memory; nothing recorded is lost. Free "
+                    "space and move the trajectory with trajectory.save(path), which "
+                    "writes them.", UserWarning, stacklevel=2)
+        self._memory[chunk] = data.copy()
+
+    def write_memory_chunks(self) -> None:
+        for chunk in sorted(self._memory):
+            _write_chunk(self.path(chunk), self._memory[chunk])
+        self._memory.clear()
+
+    # -------------------------------------------------------------- reading
+    def row(self, k: int) -> torch.Tensor:
+        chunk, i = divmod(int(k), self.chunk_rows)
+        live = self.n_rows // self.chunk_rows
+        if self._buffer is not None and chunk == live and k < self.n_rows:
+            return self._buffer[i].clone()  # recording goes on into this buffer
+        return self.chunk(chunk)[i]
+
+    def _rows_in(self, chunk: int) -> int:
+        return min(self.chunk_rows, self.n_rows - chunk * self.chunk_rows)
+
+    def chunk(self, chunk: int) -> torch.Tensor:
+        with self._lock:
+            data = self._cache.get(chunk)
+            if data is not None:
+                self._cache.move_to_end(chunk)
+                return data
+        if chunk in self._memory:
+            data = self._decode(self._memory[chunk], self._rows_in(chunk))
+        else:
+            data = self._load(chunk)
+        with self._lock:
+            self._cache[chunk] = data
+            while len(self._cache) > _CACHED_CHUNKS:
+                self._cache.popitem(last=False)
+        return data
+
+    def _load(self, chunk: int) -> torch.Tensor:
+        path = self.path(chunk)
+        first = chunk * self.chunk_rows
+        rows = self._rows_in(chunk)
+        where = f"{path!r} (vectors {first}..{first + rows - 1} of {self.name!r})"
+        try:
+            array = _read_chunk(path)
+        except FileNotFoundError:
+            raise TrajectoryFileError(f"Trajectory chunk file {where} is missing.") from None
+        except (OSError, ValueError, EOFError) as exc:
+            raise TrajectoryFileError(
+                f"Trajectory chunk file {where} is truncated or corrupt: {exc}") from None
+        want = _NUMPY_DTYPES[self.dtype] if self.delta_dtype is None else np.uint16
+        shape = self._file_shape(rows)
+        if array.ndim != 2 or array.shape[0] < shape[0] or array.shape[1] != shape[1] \
+                or array.dtype != want:
+            raise TrajectoryFileError(
+                f"Trajectory chunk file {where} holds an array of shape {array.shape} and "
+                f"dtype {array.dtype}, not {shape} {np.dtype(want).name} values: it is "
+                "truncated or belongs to another network's trajectory."
+            )
+        return self._decode(array, rows)
+
+    def __getstate__(self):
+        return {"store": self.store, "name": self.name, "n_params": self.n_params,
+                "dtype": dtype_name(self.dtype), "delta_dtype": dtype_name(self.delta_dtype),
+                "n_rows": self.n_rows, "memory": dict(self._memory)}
+
+    def __setstate__(self, state):
+        self.store = state["store"]
+        self.name = state["name"]
+        self.n_params = state["n_params"]
+        self.dtype = getattr(torch, state["dtype"])
+        self.delta_dtype = state["delta_dtype"] and getattr(torch, state["delta_dtype"])
+        self.n_rows = state["n_rows"]
+        self._memory = dict(state["memory"])
+        self._init_runtime()
+
+
+class DiskRows:
+    """The first ``n`` vectors of a series (plus an optional last one held in memory).
+
+    Quacks like the ``(n_points, P)`` tensor that an in-memory trajectory holds, for what
+    :class:`~skpathkernel.Trajectory` reads of it: ``len``, ``shape``, ``dtype`` and
+    ``rows[k]`` for an int ``k``.
+    """
+
+    def __init__(self, series: Series, n: int, tail: torch.Tensor | None = None):
+        self.series = series
+        self.n = int(n)
+        self.tail = tail
+
+    def __len__(self) -> int:
+        return self.n + (self.tail is not None)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.series.n_params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.series.dtype
+
+    def element_size(self) -> int:
+        """Bytes per stored value (2 for a series of float16 / bfloat16 differences)."""
+        dtype = self.series.delta_dtype or self.dtype
+        return torch.empty((), dtype=dtype).element_size()
+
+    def numel(self) -> int:
+        return len(self) * self.series.n_params
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        k = int(k)
+        if self.tail is not None and k == self.n:
+            return self.tail
+        return self.series.row(k)

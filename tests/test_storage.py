@@ -1,0 +1,466 @@
+"""On-disk trajectories: the same path as in memory, chunk by chunk, and every fault named.
+
+The reference for every number is the in-memory trajectory of the same seeded fit (or the
+same user loop): recording is deterministic, so the points must be bit-identical and the
+kernels and decompositions equal to round-off.
+"""
+
+import errno
+import gc
+import os
+import pickle
+import shutil
+import warnings
+
+import joblib
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose, assert_array_equal
+from sklearn.utils._param_validation import InvalidParameterError
+
+from skpathkernel import (
+    PathKernelMachine,
+    PathRecorder,
+    RecordedNetwork,
+    Trajectory,
+    _storage,
+    _trajectory,
+)
+from skpathkernel._storage import TrajectoryFileError
+from skpathkernel.kernels import PathKernel
+
+CHUNK = 3  # vectors per chunk file in these tests: many files, and partial last ones
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(_trajectory, "chunk_rows_for", lambda *args: CHUNK)
+
+
+@pytest.fixture
+def data():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(16, 2))
+    return X, np.sin(2 * X[:, 0]) - X[:, 1]
+
+
+NET = dict(hidden_layer_sizes=(7,), max_iter=4, batch_size=5, dtype="float64", tol=None,
+           random_state=0)
+
+
+def _fit(X, y, storage="memory", **kw):
+    return PathKernelMachine(**{**NET, **kw}, trajectory_storage=storage).fit(X, y)
+
+
+def _assert_same_path(a: Trajectory, b: Trajectory):
+    assert len(a) == len(b) and a.names == b.names and a.shapes == b.shapes
+    assert_array_equal(a.steps, b.steps)
+    assert_array_equal(a.learning_rates, b.learning_rates)
+    assert a.n_steps == b.n_steps
+    for x, y in zip(a.batches, b.batches):
+        assert_array_equal(x, y)
+    for k in range(len(a)):
+        assert torch.equal(a.parameters(k), b.parameters(k)), k
+    for k in range(len(a) - 1):
+        Da, Db = a.preconditioner(k), b.preconditioner(k)
+        assert (Da is None and Db is None) or torch.equal(Da, Db), k
+
+
+def _chunk_files(traj, series="params"):
+    return sorted(os.listdir(os.path.join(traj.directory, series)))
+
+
+@pytest.mark.parametrize("solver, extra", [("sgd", {}), ("sgd", {"momentum": 0.5}),
+                                           ("adam", {"alpha": 1e-3}), ("rmsprop", {})])
+def test_disk_path_equals_memory_path(data, solver, extra):
+    X, y = data
+    mem = _fit(X, y, solver=solver, learning_rate_init=0.05, **extra)
+    disk = _fit(X, y, "disk", solver=solver, learning_rate_init=0.05, **extra)
+    traj = disk.trajectory_
+    assert traj.storage == "disk" and mem.trajectory_.storage == "memory"
+    assert traj.directory in repr(traj)
+    # 17 points in chunks of 3: six files, the last one partial.
+    assert _chunk_files(traj) == [f"{i:06d}.npy" for i in range(6)]
+    _assert_same_path(mem.trajectory_, traj)
+    assert_allclose(disk.predict(X), mem.predict(X), rtol=0, atol=0)
+    K_mem = PathKernel(mem)(X, X[:5])
+    assert_allclose(PathKernel(disk)(X, X[:5]), K_mem, rtol=1e-13, atol=1e-15)
+    # The sweep over the path keeps at most two chunks per series in memory.
+    assert len(traj._params.series._cache) <= 2
+    d_mem, d_disk = mem.decompose(X[:3]), disk.decompose(X[:3])
+    assert_allclose(d_disk.contributions, d_mem.contributions, rtol=1e-12, atol=1e-15)
+    assert d_disk.error < 1e-10
+
+
+STOPPED = dict(max_iter=30, early_stopping=True, n_iter_no_change=2, tol=0.0)
+
+
+@pytest.mark.parametrize("kw, tail", [({"record_every": 3}, False),
+                                      ({**STOPPED, "learning_rate_init": 0.03}, False),
+                                      ({**STOPPED, "learning_rate_init": 0.01,
+                                        "record_every": 2}, True)])
+def test_disk_path_thinned_or_stopped_early(data, kw, tail):
+    # An early stop that kept an earlier epoch uses fewer points than the files hold;
+    # with record_every=2 that epoch ends between recorded points, so the path's last
+    # point is held in memory (and saved with the description).
+    X, y = data
+    mem, disk = _fit(X, y, **kw), _fit(X, y, "disk", **kw)
+    rows = disk.trajectory_._params
+    assert (rows.tail is not None) == tail
+    assert (rows.series.n_rows > rows.n) == ("early_stopping" in kw)
+    _assert_same_path(mem.trajectory_, disk.trajectory_)
+    assert_allclose(PathKernel(disk)(X), PathKernel(mem)(X), rtol=1e-13, atol=1e-15)
+
+
+def test_save_is_a_rename_and_load_is_lazy(data, tmp_path):
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam")
+    traj = est.trajectory_
+    old = traj.directory
+    inode = os.stat(os.path.join(old, "params", "000000.npy")).st_ino
+    target = tmp_path / "saved"
+    traj.save(target)
+    assert not os.path.exists(old) and traj.directory == os.fspath(target)
+    # The same file, renamed: no copy was made.
+    assert os.stat(target / "params" / "000000.npy").st_ino == inode
+    loaded = Trajectory.load(target)
+    assert loaded.storage == "disk" and len(loaded._params.series._cache) == 0
+    _assert_same_path(traj, loaded)
+    net = RecordedNetwork(est.module_, loaded)
+    assert_allclose(net.path_kernel_(X), PathKernel(est)(X), rtol=1e-13, atol=1e-15)
+    # Saved means kept: deleting every object leaves the directory.
+    del est, traj, loaded, net
+    gc.collect()
+    assert (target / "trajectory.pt").exists()
+
+
+def test_save_refuses_a_non_empty_target(data, tmp_path):
+    X, y = data
+    traj = _fit(X, y, "disk").trajectory_
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="busy"):
+        traj.save(tmp_path / "busy")
+    assert os.path.isdir(traj.directory)
+
+
+def test_temporary_directory_goes_with_the_trajectory(data, tmp_path):
+    X, y = data
+    est = PathKernelMachine(**NET, trajectory_storage="disk", trajectory_dir=tmp_path / "t")
+    est.fit(X, y)
+    first = est.trajectory_.directory
+    assert os.path.dirname(first) == os.fspath(tmp_path / "t")
+    est.fit(X, y)  # a refit replaces the path: the old directory is deleted
+    gc.collect()
+    assert not os.path.exists(first) and os.path.isdir(est.trajectory_.directory)
+    second = est.trajectory_.directory
+    del est
+    gc.collect()
+    assert not os.path.exists(second)
+
+
+def test_pickle_references_the_directory_and_keeps_it(data):
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam")
+    directory = est.trajectory_.directory
+    K = PathKernel(est)(X)
+    with pytest.warns(UserWarning, match="Pickling references the on-disk trajectory"):
+        blob = pickle.dumps(est)
+    assert directory.encode() in blob and len(blob) < est.trajectory_.nbytes
+    del est
+    gc.collect()
+    assert os.path.isdir(directory)
+    back = pickle.loads(blob)
+    assert back.trajectory_.directory == directory
+    assert_allclose(PathKernel(back)(X), K, rtol=1e-13, atol=1e-15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # already kept: no second warning
+        pickle.dumps(back)
+    shutil.rmtree(directory)
+
+
+def test_missing_chunk_is_named_with_file_and_step(data, tmp_path):
+    X, y = data
+    est = _fit(X, y, "disk")
+    est.trajectory_.save(tmp_path / "t")
+    victim = tmp_path / "t" / "params" / "000002.npy"
+    os.remove(victim)
+    with pytest.raises(TrajectoryFileError, match=r"000002\.npy.*missing"):
+        Trajectory.load(tmp_path / "t")
+    # Removed after loading: named when read, with the recorded point and its step.
+    with pytest.raises(TrajectoryFileError,
+                       match=r"point ([6-8]) \(optimizer step \1\).*000002\.npy.*missing"):
+        PathKernel(est)(X)
+    assert isinstance(TrajectoryFileError("x"), OSError)
+
+
+def test_truncated_or_foreign_chunk_is_named(data, tmp_path):
+    X, y = data
+    est = _fit(X, y, "disk")
+    traj = est.trajectory_
+    traj.save(tmp_path / "t")
+    chunk = tmp_path / "t" / "params" / "000001.npy"
+    data_bytes = chunk.read_bytes()
+    chunk.write_bytes(data_bytes[: len(data_bytes) // 2])
+    traj._params.series._cache.clear()
+    with pytest.raises(TrajectoryFileError, match=r"point 3 .*000001\.npy.*truncated"):
+        traj.parameters(3)
+    # A chunk file from another network's directory (other P): named, not misread.
+    other = PathKernelMachine(**{**NET, "hidden_layer_sizes": (4,)},
+                              trajectory_storage="disk").fit(X, y)
+    shutil.copy(os.path.join(other.trajectory_.directory, "params", "000001.npy"), chunk)
+    with pytest.raises(TrajectoryFileError, match=r"000001\.npy.*another network"):
+        traj.parameters(4)
+    # And a whole directory of another network, handed with this module: refused.
+    other.trajectory_.save(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"other.*recorded from another network"):
+        RecordedNetwork(est.module_, Trajectory.load(tmp_path / "other"))
+
+
+def test_full_disk_keeps_recording_in_memory(data, monkeypatch, tmp_path):
+    X, y = data
+    mem = _fit(X, y, solver="adam")
+    real = _storage._write_chunk
+    calls = []
+
+    def fill_up(path, array):
+        calls.append(path)
+        if len(calls) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real(path, array)
+
+    monkeypatch.setattr(_storage, "_write_chunk", fill_up)
+    with pytest.warns(UserWarning, match=r"\.npy.*optimizer step \d+.*No space left.*"
+                                         "nothing recorded is lost"):
+        disk = _fit(X, y, "disk", solver="adam")
+    traj = disk.trajectory_
+    # Nothing lost: every point and moment as recorded in memory.
+    _assert_same_path(mem.trajectory_, traj)
+    assert_allclose(PathKernel(disk)(X), PathKernel(mem)(X), rtol=1e-13, atol=1e-15)
+    # Space is back: saving writes the chunks that were kept in memory.
+    monkeypatch.setattr(_storage, "_write_chunk", real)
+    traj.save(tmp_path / "t")
+    assert len(_chunk_files(traj)) == 6 and len(_chunk_files(traj, "exp_avg_sq")) == 6
+    _assert_same_path(mem.trajectory_, Trajectory.load(tmp_path / "t"))
+
+
+def test_failed_fit_leaves_the_estimator_and_its_directory(data, tmp_path):
+    X, y = data
+    est = _fit(X, y, "disk")
+    directory = est.trajectory_.directory
+    with pytest.raises(ValueError):
+        est.fit(X, np.full(len(X), np.inf))
+    assert est.trajectory_.directory == directory and os.path.isdir(directory)
+
+
+def test_auto_storage_chooses_by_size(data):
+    X, y = data
+    small = _fit(X, y, "auto", memory_budget=2**20)
+    assert small.trajectory_.storage == "memory"
+    # 20 epochs of 4 steps of a 2-300-1 network: 81 points x 1201 floats > 2**20 bytes.
+    big = _fit(X, y, "auto", memory_budget=2**20, hidden_layer_sizes=(300,), max_iter=20)
+    assert big.trajectory_.storage == "disk" and big.trajectory_.record_every == 1
+
+
+def test_storage_parameters_are_validated(data):
+    X, y = data
+    with pytest.raises(InvalidParameterError, match="trajectory_storage"):
+        _fit(X, y, "cloud")
+    with pytest.raises(InvalidParameterError, match="trajectory_dir"):
+        PathKernelMachine(trajectory_dir=3).fit(X, y)
+
+
+def _record(storage, n_steps=11, **kw):
+    torch.manual_seed(0)
+    X, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 40), torch.nn.Tanh(),
+                              torch.nn.Linear(40, 1)).double()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    rec = PathRecorder(net, opt, n_samples=12, storage=storage, **kw)
+    mid = None
+    for step in range(n_steps):
+        idx = torch.arange(4) + 4 * (step % 3)
+        opt.zero_grad()
+        (0.5 * (net(X[idx]) - y[idx]) ** 2).mean().backward()
+        rec.set_batch(idx)
+        opt.step()
+        if step == 4:  # read while recording goes on (the last chunk from its buffer)
+            mid = rec.trajectory
+            mid = (mid, [mid.parameters(k).clone() for k in range(len(mid))])
+    rec.close()
+    return rec, mid, X, y
+
+
+@pytest.mark.parametrize("storage, kw", [("disk", {}), ("auto", {"memory_budget": 2**20})])
+def test_path_recorder_on_disk(storage, kw, monkeypatch):
+    if storage == "auto":  # 1/32 of the budget per chunk: 5 vectors of 201 float64
+        monkeypatch.setattr(_trajectory, "chunk_rows_for", lambda *a: 5)
+    n_steps = 700 if storage == "auto" else 11  # "auto" moves to disk past 2**20 bytes
+    mem, mem_mid, X, y = _record("memory", n_steps)
+    disk, disk_mid, _, _ = _record(storage, n_steps, **kw)
+    assert disk.trajectory.storage == "disk"
+    _assert_same_path(mem_mid[0], disk_mid[0])
+    for a, b in zip(mem_mid[1], disk_mid[1]):
+        assert torch.equal(a, b)
+    _assert_same_path(mem.trajectory, disk.trajectory)
+    if storage == "disk":
+        a = mem.as_estimator(X, y).decompose(X[:2])
+        b = disk.as_estimator(X, y).decompose(X[:2])
+        assert_allclose(b.contributions, a.contributions, rtol=1e-12, atol=1e-15)
+
+
+def test_path_recorder_refuses_bad_storage():
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="storage"):
+        PathRecorder(net, opt, storage="tape")
+    with pytest.raises(TypeError, match="directory"):
+        PathRecorder(net, opt, storage="disk", directory=3)
+
+
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_path_kernel_split_over_steps_equals_serial(data, backend, storage):
+    X, y = data
+    est = _fit(X, y, storage, solver="adam")
+    Y = X[:5] + 0.1
+    # Adam's "discrete" weights depend on where the summed range ends: the tasks' ranges
+    # must take the whole range's weights.
+    serial = [PathKernel(est)(X, Y), PathKernel(est, normalized=True)(X),
+              PathKernel(est, start=3, stop=-2).diag(X),
+              PathKernel(est, memory="continuous")(X)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # workers get a reference, the estimator keeps its
+        with joblib.parallel_config(backend=backend, n_jobs=2):
+            split = [PathKernel(est, split="steps")(X, Y),
+                     PathKernel(est, normalized=True, split="steps")(X),
+                     PathKernel(est, start=3, stop=-2, split="steps").diag(X),
+                     PathKernel(est, memory="continuous", split="steps")(X)]
+    for got, want in zip(split, serial):
+        assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert est.trajectory_._store is None or est.trajectory_._store.owned
+    with pytest.raises(ValueError, match="split"):
+        PathKernel(est, split="columns")(X)
+
+
+@pytest.mark.parametrize("compression, unit", [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
+def test_compressed_steps_stay_within_one_rounding(data, compression, unit):
+    # Reference: the same fit in memory, full precision. Each stored point is the
+    # previous stored point plus the rounded step to the recorded one (error feedback):
+    # within one rounding of that step, however long the chunk.
+    X, y = data
+    mem = _fit(X, y, solver="adam", learning_rate_init=0.05)
+    low = _fit(X, y, "disk", solver="adam", learning_rate_init=0.05,
+               trajectory_compression=compression)
+    a, b = mem.trajectory_, low.trajectory_
+    assert torch.equal(a.parameters(0), b.parameters(0))
+    worst = 0.0
+    for k in range(1, len(a)):
+        step = (a.parameters(k) - b.parameters(k - 1)).abs()
+        err = (b.parameters(k) - a.parameters(k)).abs()
+        assert bool((err <= unit * step + 1e-15).all()), k
+        worst = max(worst, float(err.max()))
+    assert worst > 0  # it is lossy
+    # Optimizer states are kept in full precision.
+    assert torch.equal(a.preconditioner(5), b.preconditioner(5))
+    assert b.nbytes < a.nbytes
+    # The cost shows in the decomposition's error, not hidden: far above the exact
+    # path's round-off, and of the order of the stored path's deviation.
+    exact, lossy = mem.decompose(X[:4]), low.decompose(X[:4])
+    assert exact.error < 1e-12 < 1e-8 < lossy.error < 1e-2
+    K = PathKernel(mem)(X)
+    assert_allclose(PathKernel(low)(X), K, rtol=0, atol=1e-3 * np.abs(K).max())
+
+
+def test_compressed_reads_are_what_the_writer_kept(tmp_path):
+    rec, mid, _, _ = _record("disk", compression="bfloat16")
+    final = rec.trajectory  # chunks decoded from the files now
+    for k, theta in enumerate(mid[1]):  # read mid-recording, partly from the write buffer
+        assert torch.equal(theta, final.parameters(k)), k
+    final.save(tmp_path / "t")
+    loaded = Trajectory.load(tmp_path / "t")
+    _assert_same_path(final, loaded)
+    with pytest.raises(ValueError, match="compression"):
+        PathRecorder(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(),
+                                                             lr=0.1), compression="int8")
+
+
+def test_compression_needs_the_disk(data):
+    X, y = data
+    with pytest.raises(ValueError, match="trajectory_storage='disk'"):
+        _fit(X, y, trajectory_compression="float16")
+
+
+def test_row_blocks_read_the_disk_path_by_reference(data):
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam")
+    serial = [PathKernel(est)(X), PathKernel(est).diag(X)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pickling of the owned directory
+        with joblib.parallel_config(backend="loky", n_jobs=2):
+            rows = [PathKernel(est)(X), PathKernel(est).diag(X)]
+    for got, want in zip(rows, serial):
+        assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert est.trajectory_._store.owned
+
+
+def test_other_consumers_over_steps_read_the_disk_path(data):
+    # explain, kneighbors under the path kernel, a Display along the path and the Hessian
+    # trace along the path read points through the same accessors: same numbers.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from skpathkernel.diagnostics import hessian_trace_path
+    from skpathkernel.plotting import KernelEvolutionDisplay
+
+    X, y = data
+    mem, disk = _fit(X, y, solver="adam"), _fit(X, y, "disk", solver="adam")
+    for a, b in zip(mem.explain(X[:3], n_neighbors=4), disk.explain(X[:3], n_neighbors=4)):
+        assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    for a, b in zip(mem.kneighbors(X[:3], 5, kernel="path"),
+                    disk.kneighbors(X[:3], 5, kernel="path")):
+        assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    a = KernelEvolutionDisplay.from_estimator(mem, X[0], X[1:4]).kernel_values
+    b = KernelEvolutionDisplay.from_estimator(disk, X[0], X[1:4]).kernel_values
+    assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+    a = hessian_trace_path(mem, X, y, steps=[0, 5, -1], n_samples=4, random_state=0)
+    b = hessian_trace_path(disk, X, y, steps=[0, 5, -1], n_samples=4, random_state=0)
+    assert_allclose(b.trace, a.trace, rtol=1e-12)
+
+
+def test_detector_scores_on_workers_read_the_disk_path_by_reference(data):
+    from skpathkernel import OODRankDetector
+
+    X, y = data
+    det = OODRankDetector(**NET, trajectory_storage="disk").fit(X, y)
+    Y = X[:6] + 0.3
+    serial = det.score_samples(Y)
+    det.set_params(n_jobs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with joblib.parallel_config(backend="loky"):
+            blocks = det.score_samples(Y)
+    # Row blocks change sums' order; scores near 0 show it (as in test_parallel.py).
+    assert_allclose(blocks, serial, rtol=0, atol=1e-10)
+    assert det.trajectory_._store.owned
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk", "auto"])
+def test_a_module_with_one_parameter_tensor(storage, monkeypatch):
+    # One parameter tensor (no bias), shaped (1, 4): recorded flat like any module.
+    monkeypatch.setattr(_trajectory, "chunk_rows_for", lambda *a: 2)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1, bias=False).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    X = torch.randn(6, 4, dtype=torch.float64)
+    thetas = [net.weight.detach().reshape(-1).clone()]
+    with PathRecorder(net, opt, storage=storage, memory_budget=2**20) as rec:
+        for _ in range(5):
+            opt.zero_grad()
+            net(X).pow(2).mean().backward()
+            opt.step()
+            thetas.append(net.weight.detach().reshape(-1).clone())
+    traj = rec.trajectory
+    for k, theta in enumerate(thetas):
+        assert torch.equal(traj.parameters(k), theta)

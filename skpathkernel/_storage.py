@@ -8,8 +8,10 @@ vectors as a plain ``.npy`` array: written with ``numpy.save`` and read with
 The rest (step indices, step sizes, batches, solver) is small and lives in memory, and in
 ``<directory>/trajectory.pt`` (``torch.load(weights_only=True)``) once synced.
 
-Writing fills a one-chunk buffer and writes it when full, to a temporary name renamed over
-the chunk's (so a chunk file is either complete or absent). Reading keeps the last two
+Writing fills a one-chunk buffer and, when full, hands it to a writer thread and fills a
+second one meanwhile: the file write (page-cache copy, and the kernel's throttling of dirty
+pages) overlaps training instead of stalling it. Each file goes to a temporary name renamed
+over the chunk's (so a chunk file is either complete or absent). Reading keeps the last two
 chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
 the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
 series whatever the number of points.
@@ -17,8 +19,9 @@ series whatever the number of points.
 Faults
 ------
 - A write that fails (``OSError``: a full disk, a quota) keeps that chunk, and every later
-  one, in memory, with a warning naming the file and the optimizer step: recording goes on
-  and nothing recorded is lost; :meth:`Trajectory.save <skpathkernel.Trajectory.save>`
+  one, in memory (noticed when the next chunk is full, or at the end of recording), with
+  a warning naming the file and the optimizer step: recording goes on and nothing
+  recorded is lost; :meth:`Trajectory.save <skpathkernel.Trajectory.save>`
   later writes those chunks where the directory is moved.
 - A chunk file that is missing, truncated, or holds vectors of another length or dtype (a
   file from another network's directory) raises :class:`TrajectoryFileError` (an
@@ -36,6 +39,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -85,6 +89,26 @@ def _write_chunk(path: str, array: np.ndarray) -> None:
         raise
 
 
+_writer: ThreadPoolExecutor | None = None
+_writer_lock = threading.Lock()
+
+
+def _submit_write(path: str, array: np.ndarray) -> Future:
+    """Write a chunk on the one writer thread (in order, one file at a time)."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = ThreadPoolExecutor(1, thread_name_prefix="skpathkernel-chunk-writer")
+    # The module attribute at call time: tests replace _write_chunk to simulate a full disk.
+    return _writer.submit(lambda: _write_chunk(path, array))
+
+
+def _remove_directory(directory: str, pending: list) -> None:
+    for future in pending:  # a write still going would recreate files in it
+        future.exception()
+    shutil.rmtree(directory, True)
+
+
 def _read_chunk(path: str) -> np.ndarray:
     return np.load(path, allow_pickle=False)
 
@@ -110,8 +134,9 @@ class ChunkStore:
         self.chunk_rows = int(chunk_rows)
         self.series: dict[str, Series] = {}
         self.failure: str | None = None  # the first failed write, when one failed
-        self._finalizer = (weakref.finalize(self, shutil.rmtree, self.directory, True)
-                           if owned else None)
+        self._pending: list[Future] = []  # writes in flight, awaited before deleting
+        self._finalizer = (weakref.finalize(self, _remove_directory, self.directory,
+                                            self._pending) if owned else None)
 
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
@@ -146,7 +171,7 @@ class ChunkStore:
         for series in self.series.values():
             series.flush_partial()
             if release:
-                series._buffer = None
+                series._buffer = series._spare = None
 
     def write_meta(self, payload: dict) -> None:
         path = os.path.join(self.directory, META_FILE)
@@ -202,6 +227,7 @@ class ChunkStore:
         self.series = state["series"]
         self.failure = state["failure"]
         self._finalizer = None
+        self._pending = []
 
 
 class Series:
@@ -228,6 +254,8 @@ class Series:
 
     def _init_runtime(self):
         self._buffer: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # the buffer being written, then free
+        self._writing: tuple[Future, int, int, np.ndarray, int | None] | None = None
         self._deltas: torch.Tensor | None = None
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
@@ -265,9 +293,10 @@ class Series:
             self._flush(k // self.chunk_rows, self.chunk_rows, step)
 
     def flush_partial(self) -> None:
+        self._settle()
         rows = self.n_rows % self.chunk_rows
         if rows and self._buffer is not None:
-            self._flush(self.n_rows // self.chunk_rows, rows, None)
+            self._flush(self.n_rows // self.chunk_rows, rows, None, wait=True)
 
     def _encode(self, rows: int) -> np.ndarray:
         data = self._buffer[:rows]
@@ -299,29 +328,53 @@ class Series:
         extra = 0 if self.delta_dtype is None else self._head_rows - 1
         return (rows + extra, self.n_params)
 
-    def _flush(self, chunk: int, rows: int, step: int | None) -> None:
+    def _flush(self, chunk: int, rows: int, step: int | None, wait: bool = False) -> None:
+        self._settle()  # the previous chunk's write: its buffer is the next one
         data = self._encode(rows)
         self._cache.pop(chunk, None)
+        if self.store.failure is not None:
+            self._memory[chunk] = data.copy()
+            return
+        future = _submit_write(self.path(chunk), data)
+        self.store._pending[:] = [f for f in self.store._pending if not f.done()] + [future]
+        with self._lock:
+            self._writing = (future, chunk, rows, data, step)
+        if wait:  # a partly filled chunk: recording may go on into this buffer
+            self._settle()
+        elif self.delta_dtype is None:  # data is a view of the buffer: fill the other one
+            self._buffer, self._spare = (
+                self._spare if self._spare is not None else torch.empty_like(self._buffer),
+                self._buffer)
+
+    def _settle(self) -> None:
+        """Wait for the chunk write in flight, if any; keep it in memory if it failed."""
+        with self._lock:
+            writing, self._writing = self._writing, None
+            if writing is None:
+                return
+            future, chunk, rows, data, step = writing
+            exc = future.exception()
+        if exc is None:
+            self._memory.pop(chunk, None)
+            return
+        if not isinstance(exc, OSError):
+            raise exc
         if self.store.failure is None:
             path = self.path(chunk)
-            try:
-                _write_chunk(path, data)
-                self._memory.pop(chunk, None)
-                return
-            except OSError as exc:
-                first = chunk * self.chunk_rows
-                at = "" if step is None else f", optimizer step {step}"
-                self.store.failure = (
-                    f"writing {path!r} (vectors {first}..{first + rows - 1} of "
-                    f"{self.name!r}{at}) failed: {exc}")
-                warnings.warn(
-                    f"On-disk trajectory: {self.store.failure}. Recording continues with "
-                    "this and every later chunk in memory; nothing recorded is lost. Free "
-                    "space and move the trajectory with trajectory.save(path), which "
-                    "writes them.", UserWarning, stacklevel=2)
+            first = chunk * self.chunk_rows
+            at = "" if step is None else f", optimizer step {step}"
+            self.store.failure = (
+                f"writing {path!r} (vectors {first}..{first + rows - 1} of "
+                f"{self.name!r}{at}) failed: {exc}")
+            warnings.warn(
+                f"On-disk trajectory: {self.store.failure}. Recording continues with "
+                "this and every later chunk in memory; nothing recorded is lost. Free "
+                "space and move the trajectory with trajectory.save(path), which "
+                "writes them.", UserWarning, stacklevel=3)
         self._memory[chunk] = data.copy()
 
     def write_memory_chunks(self) -> None:
+        self._settle()
         for chunk in sorted(self._memory):
             _write_chunk(self.path(chunk), self._memory[chunk])
         self._memory.clear()
@@ -343,6 +396,7 @@ class Series:
             if data is not None:
                 self._cache.move_to_end(chunk)
                 return data
+        self._settle()  # the chunk may be the one being written
         if chunk in self._memory:
             data = self._decode(self._memory[chunk], self._rows_in(chunk))
         else:
@@ -377,6 +431,7 @@ class Series:
         return self._decode(array, rows)
 
     def __getstate__(self):
+        self._settle()
         return {"store": self.store, "name": self.name, "n_params": self.n_params,
                 "dtype": dtype_name(self.dtype), "delta_dtype": dtype_name(self.delta_dtype),
                 "n_rows": self.n_rows, "memory": dict(self._memory)}

@@ -10,6 +10,7 @@ import gc
 import os
 import pickle
 import shutil
+import time
 import warnings
 
 import joblib
@@ -464,3 +465,35 @@ def test_a_module_with_one_parameter_tensor(storage, monkeypatch):
     traj = rec.trajectory
     for k, theta in enumerate(thetas):
         assert torch.equal(traj.parameters(k), theta)
+
+
+def test_chunks_written_in_the_background_are_read_back_whole(monkeypatch, tmp_path):
+    # A slow disk: each chunk's write is still going when the next vectors are recorded
+    # and when a reader asks for it. Reference: the vectors handed to the series.
+    real = _storage._write_chunk
+    started = []
+
+    def slow(path, array):
+        started.append(path)
+        time.sleep(0.2)
+        real(path, array)
+
+    monkeypatch.setattr(_storage, "_write_chunk", slow)
+    store = _storage.ChunkStore.create(tmp_path, chunk_rows=2)
+    series = store.add_series("params", 5, torch.float64)
+    vectors = torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for k in range(3):
+        series.slot(k).copy_(vectors[k])
+        series.commit(k, step=k)
+        if k == 2:  # chunk 0 is being written, not yet on disk: reading waits for it
+            assert started and not os.path.exists(series.path(0))
+            assert_array_equal(series.row(0), vectors[0])
+    for k in range(3, 5):  # chunk 1 fills a second buffer while chunk 0's is written
+        series.slot(k).copy_(vectors[k])
+        series.commit(k, step=k)
+    store.flush()
+    for k in range(5):
+        assert_array_equal(series.row(k), vectors[k])
+    assert_array_equal(np.load(series.path(0)), vectors[:2].numpy())
+    assert_array_equal(np.load(series.path(1)), vectors[2:4].numpy())
+    assert_array_equal(np.load(series.path(2)), vectors[4:].numpy())

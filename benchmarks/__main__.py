@@ -63,6 +63,8 @@ TABLES = {
     "attribution": ("benchmarks.bench_attribution",
                     "Training-data attribution: LDS against TracIn, TRAK and influence "
                     "functions"),
+    "attribute_cost": ("benchmarks.bench_attribute_cost",
+                       "attribute against decompose on a 10-class network"),
 }
 GROUPS = ["gram", "gram_nets", "path", *TABLES]
 
@@ -290,8 +292,9 @@ def _table(rows):
     if not rows:
         return ["(no rows)"]
     # Every row's columns, in first-seen order: rows of one table may measure different
-    # things (cells a row lacks stay empty).
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    # things (cells a row lacks stay empty). Keys starting with "_" (raw numbers) go to
+    # the .json only.
+    keys = list(dict.fromkeys(k for r in rows for k in r if not k.startswith("_")))
     return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
 

@@ -470,22 +470,39 @@ def _nets_lines(groups, device):
     return lines
 
 
+def _ratio_cell(a, b):
+    """Per-round ratios of two interleaved rows' times: median (min-max)."""
+    ratios = [x / y for x, y in zip(a["times"], b["times"])]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def _overhead_lines(groups):
-    """What the public call costs over the engine, from their interleaved repeats."""
-    lines = ["", "### Public call over the engine", "",
-             "Time of `TangentKernel(net)(X)` (NumPy in, float64 NumPy out) over the private "
-             "`tangent_gram` (float32 tensors in and out) it calls, per round of the "
-             "interleaved repeats: median (min-max). 1.00 = no overhead.", "",
-             "| network | N | public / engine |", "|---|---|---|"]
+    """What the public call costs over the engine (and over a --baseline tree's call),
+    from their interleaved repeats."""
+    rows = []
     for group in groups:
         by = {r["spec"]["method"]: r for r in group
               if "times" in r and not r["spec"].get("baseline")}
-        if not set(OURS) <= set(by):
-            continue
-        ratios = [a / b for a, b in zip(by[OURS[0]]["times"], by[OURS[1]]["times"])]
-        s = by[OURS[0]]["spec"]
-        lines.append(f"| {_label(s)} | {s['n']} | {statistics.median(ratios):.2f} "
-                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+        base = next((r for r in group if "times" in r and r["spec"].get("baseline")), None)
+        if set(OURS) <= set(by):
+            rows.append((by[OURS[0]], by[OURS[1]], base))
+    with_base = any(base for *_, base in rows)
+    lines = ["", "### Public call over the engine", "",
+             "Time of `TangentKernel(net)(X)` (NumPy in, float64 NumPy out) over the private "
+             "`tangent_gram` (float32 tensors in and out) it calls, per round of the "
+             "interleaved repeats: median (min-max). 1.00 = no overhead."
+             + (" The baseline columns divide by the time of the --baseline tree's call, "
+                "interleaved in the same rounds." if with_base else ""), "",
+             "| network | N | public / engine |" + (" public / baseline | engine / baseline |"
+                                                   if with_base else ""),
+             "|---|---|---|" + ("---|---|" if with_base else "")]
+    for public, engine, base in rows:
+        s = public["spec"]
+        cells = [_label(s), str(s["n"]), _ratio_cell(public, engine)]
+        if with_base:
+            cells += ([_ratio_cell(public, base), _ratio_cell(engine, base)] if base
+                      else ["-", "-"])
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -39,22 +39,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
-from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
-from . import _interpolation
-from ._attribution import check_output, class_indices, output_weights, query_codes
-from ._base import check_decompose_args
-from ._device import to_input_tensor, to_numpy, to_tensor
-from ._inputs import FEATURES, FLOAT, TOKENS, check_input
-from ._interpolation import check_tol
-from ._losses import LOSSES, Loss
+from ._attribution import attribution_scores, check_output, class_indices
+from ._base import NetworkAttributesMixin
+from ._device import to_numpy
+from ._network import TrainedNetwork, check_decompose_args, network_of
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
-from .kernels import PathKernel, TangentKernel
+from .kernels import NetworkKernelsMixin
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 
 # Options whose non-default values change the update rule away from what the kernels'
 # preconditioner and the decomposition's recursion model, per optimizer class.
@@ -285,7 +279,7 @@ class PathRecorder:
                 "does."
             )
         dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise ValueError(
                 f"The recorded parameters must all be float32 or all float64, got {dtypes}."
             )
@@ -403,40 +397,15 @@ class PathRecorder:
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
 
-def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:
-    """Refuse a trajectory recorded from another network (e.g. a directory of another run)."""
-    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    for name, shape in zip(trajectory.names, trajectory.shapes):
-        if shapes.get(name) != tuple(shape):
-            where = ("" if trajectory.directory is None
-                     else f" (on disk in {trajectory.directory!r})")
-            have = "missing" if name not in shapes else f"of shape {shapes[name]}"
-            raise ValueError(
-                f"The trajectory{where} was recorded from another network: its parameter "
-                f"{name!r} has shape {tuple(shape)}, the module's is {have}."
-            )
-
-
-class _PerSampleLoss(Loss):
-    """A user's ``per_sample(output, target) -> (B,)`` as a library loss."""
-
-    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.fn = fn
-        self.name = getattr(fn, "__name__", "callable")
-
-    def per_sample(self, output, target):
-        return self.fn(output, target)
-
-
-class RecordedNetwork(BaseEstimator):
+class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator):
     """A recorded path and its network, usable where the library takes a fitted estimator.
 
-    Exposes what :class:`~skpathkernel.TangentKernel` and
-    :class:`~skpathkernel.PathKernel` read (``module_``, ``trajectory_``, ``device_``,
-    ``dtype``, ``memory_budget``), the two kernels as ``tangent_kernel_`` and
-    ``path_kernel_``, and :meth:`decompose`. It is fitted by construction: :meth:`fit`
-    does nothing (as ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an
-    equally fitted copy.
+    Exposes the recorded network as a :class:`~skpathkernel.TrainedNetwork`
+    (``network_``, built from the current parameters), which
+    :class:`~skpathkernel.TangentKernel` and :class:`~skpathkernel.PathKernel` read, the
+    two kernels as ``tangent_kernel_`` and ``path_kernel_``, and :meth:`decompose`. It
+    is fitted by construction: :meth:`fit` does nothing (as
+    ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an equally fitted copy.
 
     Parameters
     ----------
@@ -462,6 +431,8 @@ class RecordedNetwork(BaseEstimator):
 
     Attributes
     ----------
+    network_ : TrainedNetwork
+        The network built from the current parameters (again after ``set_params``).
     module_ : torch.nn.Module
     trajectory_ : Trajectory
     device_ : str
@@ -489,35 +460,59 @@ class RecordedNetwork(BaseEstimator):
     def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, X_train=None,
                  y_train=None, loss: str | Callable = "squared_error",
                  memory_budget: int = 2**30):
-        if trajectory.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"The trajectory's dtype must be float32 or float64, got "
-                             f"{trajectory.dtype}.")
-        if not (isinstance(loss, str) and loss in LOSSES) and not callable(loss):
-            raise ValueError(
-                f"loss must be one of {sorted(LOSSES)} or a callable per_sample(output, "
-                f"target) -> (B,), got {loss!r}."
-            )
-        _check_module_matches(module, trajectory)
-        # Constructor parameters under their own names (get_params / clone), and the
-        # fitted-estimator names that the kernels read.
-        self.module = self.module_ = module
-        self.trajectory = self.trajectory_ = trajectory
-        first = next(iter(module.parameters()), None)
-        self.device_ = str(first.device) if first is not None else "cpu"
-        self.dtype = _DTYPE_NAMES[trajectory.dtype]
-        self.memory_budget = int(memory_budget)
-        self.n_params_ = trajectory.n_params
-        self.loss = loss
+        self.module = module
+        self.trajectory = trajectory
         self.X_train = X_train
         self.y_train = y_train
-        if X_train is not None:
-            shape = tuple(int(d) for d in np.shape(X_train)[1:])
-            self.n_features_in_ = int(np.prod(shape))
-            self.input_shape_ = shape
-            # 2-D floats keep the strict features checks; integers are token ids.
-            integer = (not X_train.is_floating_point() if isinstance(X_train, torch.Tensor)
-                       else np.asarray(X_train).dtype.kind in "iu")
-            self._input_kind = TOKENS if integer else FEATURES if len(shape) == 1 else FLOAT
+        self.loss = loss
+        self.memory_budget = memory_budget
+        # Refused now, as a constructor of a network that is fitted by construction: a
+        # trajectory of another network, another dtype, an unknown loss. The network is
+        # built again from the parameters whenever they change (set_params).
+        self._network()
+
+    def _network(self) -> TrainedNetwork:
+        """The network of the current parameters, rebuilt when one of them changed."""
+        key = tuple(id(getattr(self, name)) for name in
+                    ("module", "trajectory", "X_train", "y_train", "loss", "memory_budget"))
+        cached = self.__dict__.get("_cache")
+        if cached is None or cached[0] != key:
+            net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
+                                 X_fit=self.X_train, y_fit=self.y_train,
+                                 memory_budget=self.memory_budget)
+            # The key holds the parameter objects' ids: the objects themselves are kept
+            # alive by the parameters, so an id cannot be reused while the key is current.
+            cached = self.__dict__["_cache"] = (key, net)
+        return cached[1]
+
+    @property
+    def network_(self) -> TrainedNetwork:
+        """The recorded network as a :class:`~skpathkernel.TrainedNetwork`."""
+        return self._network()
+
+    @property
+    def dtype(self) -> str:
+        """"float32" or "float64", the trajectory's dtype."""
+        return self._network().dtype
+
+    @property
+    def n_features_in_(self) -> int:
+        shape = self._network().input_shape
+        if shape is None:
+            raise AttributeError("n_features_in_ is only set when X_train is given.")
+        return int(np.prod(shape))
+
+    @property
+    def input_shape_(self) -> tuple[int, ...]:
+        shape = self._network().input_shape
+        if shape is None:
+            raise AttributeError("input_shape_ is only set when X_train is given.")
+        return shape
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_cache", None)  # rebuilt from the parameters
+        return state
 
     def fit(self, X=None, y=None) -> RecordedNetwork:
         """Do nothing: the network was trained by the recorded loop. Returns self."""
@@ -526,47 +521,17 @@ class RecordedNetwork(BaseEstimator):
     def __sklearn_is_fitted__(self) -> bool:
         return True
 
-    def _device_dtype(self):
-        return torch.device(self.device_), self.trajectory_.dtype
-
     def _inputs(self, X, name="X") -> torch.Tensor:
-        device, dtype = self._device_dtype()
-        if isinstance(X, torch.Tensor):
-            X = X.detach().cpu().numpy()
-        return to_input_tensor(check_input(self, X, name), dtype=dtype, device=device)
-
-    def _targets(self, n_outputs: int) -> torch.Tensor:
-        device, dtype = self._device_dtype()
-        y = self.y_train
-        y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
-        integer = np.issubdtype(y.dtype, np.integer)
-        # Class codes stay integers for softmax cross-entropy (and for a user's loss);
-        # the logistic loss on a single margin takes float 0/1 targets.
-        if integer and self.loss != "squared_error" and not (
-                self.loss == "log_loss" and n_outputs == 1):
-            return torch.as_tensor(y, dtype=torch.long, device=device)
-        if self.loss == "squared_error" and y.ndim == 1:
-            y = y.reshape(-1, 1)
-        return to_tensor(y.astype(np.float64), dtype=dtype, device=device)
+        net = self._network()
+        return net.tensor(net.check(X, name))
 
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
+        net = self._network()
         Xt = self._inputs(X)
-        traj = self.trajectory_
-        params = dict(traj.unflatten(traj.parameters(-1).to(Xt.device)))
         with torch.no_grad():
-            out = functional_call(self.module_, params, (Xt,))
+            out = functional_call(net.module, net.params_at(-1), (Xt,))
         return to_numpy(out.reshape(len(Xt), -1)).astype(np.float64)
-
-    @property
-    def tangent_kernel_(self):
-        """:class:`~skpathkernel.kernels.TangentKernel` at the last recorded point."""
-        return TangentKernel(self)
-
-    @property
-    def path_kernel_(self):
-        """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        return PathKernel(self)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None):
@@ -594,9 +559,7 @@ class RecordedNetwork(BaseEstimator):
         -------
         result : Decomposition
         """
-        check_is_fitted(self, "trajectory_")
-        check_decompose_args(method, weighting, n_nodes)
-        check_tol(tol)
+        check_decompose_args(method, weighting, n_nodes, tol)
         return self._decompose(self._inputs(X), method, weighting, n_nodes, tol)
 
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
@@ -630,46 +593,41 @@ class RecordedNetwork(BaseEstimator):
         -------
         scores : ndarray of shape (n_queries, n_train)
         """
-        check_is_fitted(self, "trajectory_")
-        check_decompose_args(method, weighting, n_nodes)
-        check_tol(tol)
+        check_decompose_args(method, weighting, n_nodes, tol)
         Xt = self._inputs(X)
         prediction = self.predict(X)
         output = check_output(output, prediction.shape[1], "allowed")
         n_classes = max(prediction.shape[1], 2)
-        codes = (query_codes(prediction, y, lambda y: class_indices(y, n_classes))
-                 if output == "margin" else None)
-        weights = output_weights(output, prediction, codes)
-        res = self._decompose(Xt, method, weighting, n_nodes, tol, weights=weights)
-        return res.contributions[:, :, 0]
+        return attribution_scores(
+            prediction, y, output, lambda y: class_indices(y, n_classes),
+            lambda weights: self._decompose(Xt, method, weighting, n_nodes, tol,
+                                            weights=weights))
 
     def _decompose(self, Xq, method, weighting, n_nodes, tol, weights=None):
         if self.X_train is None or self.y_train is None:
             raise ValueError("decompose needs the training inputs and targets: pass X_train "
                              "and y_train.")
-        traj = self.trajectory_
-        X_train = self._inputs(self.X_train, "X_train")
+        net = network_of(self)
+        traj = net.trajectory
+        X_train = net.check(net.X_fit, "X_train")
         if traj.n_samples != len(X_train):
             raise ValueError(
                 f"The trajectory's batches index {traj.n_samples} samples but X_train has "
                 f"{len(X_train)}; record with PathRecorder(..., n_samples=len(X_train)) and "
                 "recorder.set_batch(indices) at every step."
             )
-        params = dict(traj.unflatten(traj.parameters(0).to(X_train.device)))
-        with torch.no_grad():
-            out = functional_call(self.module_, params, (X_train[:2],))
-        Y_train = self._targets(out.shape[1])
+        net = net.replace(X_fit=X_train)
+        Y_train = net.targets()
         if len(Y_train) != len(X_train):
             raise ValueError(f"y_train has {len(Y_train)} rows but X_train has "
                              f"{len(X_train)}.")
-        loss = LOSSES[self.loss]() if isinstance(self.loss, str) else _PerSampleLoss(self.loss)
         with torch.no_grad():
-            probe = loss.per_sample(out, Y_train[:2])
+            out = functional_call(net.module, net.params_at(0), (net.tensor(X_train[:2]),))
+            probe = net.loss.per_sample(out, Y_train[:2])
         if probe.shape != (len(X_train[:2]),):
             raise ValueError(
                 "The loss must return one value per sample, shape (B,); it returned shape "
                 f"{tuple(probe.shape)}."
             )
-        return _interpolation.decompose(
-            self.module_, traj, X_train, Y_train, loss, Xq, method=method, weighting=weighting,
-            n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget, weights=weights)
+        return net.decompose(Xq, method=method, weighting=weighting, n_nodes=n_nodes,
+                             tol=tol, weights=weights)

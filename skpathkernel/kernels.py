@@ -361,7 +361,7 @@ class _NetworkKernel(Kernel):
         net = network_of(self.estimator)
         X = _validate(net, X)
         Y = None if Y is None else _validate(net, Y, "Y")
-        K = self._gram_blocks(net, X, Y)
+        K = self._bind(net)._gram_blocks(X, Y)
         if eval_gradient:
             return K, np.empty((X.shape[0], X.shape[0], 0))
         return K
@@ -380,52 +380,59 @@ class _NetworkKernel(Kernel):
         self._check_params()
         net = network_of(self.estimator)
         X = _validate(net, X)
-        d = self._diag_blocks(net, X)
+        d = self._bind(net)._diag_blocks(X)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
             # dead network at x), so that diag(X) equals the diagonal of k(X).
             return (d > 0).astype(np.float64)
         return d
 
-    def _gram_blocks(self, net, X, Y):
+    def _bind(self, net: TrainedNetwork):
+        # A copy that computes with the network itself: resolved once per call, and what
+        # tasks on workers get instead of the estimator around it.
+        kernel = copy.copy(self)
+        kernel.estimator = net
+        return kernel
+
+    # The methods below run on a bound kernel: self.estimator is a TrainedNetwork.
+    def _gram_blocks(self, X, Y):
         if n_row_blocks(self.n_jobs, X) == 1:
-            return self._gram(net, X, Y)
+            return self._gram(X, Y)
         # Rows of the raw Gram through joblib (K(X, X) gives up its symmetry), then the
         # normalisation here, with the same diagonals as the serial path.
-        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self._for_workers(net),
+        K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self._for_workers(),
                                      X if Y is None else Y))
         if self.normalized:
             if Y is None:
                 dx = dy = K.diagonal().copy()
             else:
-                dx, dy = self._diag_blocks(net, X), self._diag_blocks(net, Y)
+                dx, dy = self._diag_blocks(X), self._diag_blocks(Y)
             K = to_numpy(_normalize(*map(torch.from_numpy, (K, dx, dy))))
         return K
 
-    def _diag_blocks(self, net, X):
-        if n_row_blocks(self.n_jobs, X) == 1:
-            return self._diag(net, X)
-        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs,
-                                             self._for_workers(net)))
+    def _diag_blocks(self, X):
+        kernel = self if n_row_blocks(self.n_jobs, X) == 1 else self._for_workers()
+        return np.concatenate(map_row_blocks(_diag_rows, X, self.n_jobs, kernel))
 
-    def _for_workers(self, net):
-        # Tasks get the network alone, its on-disk trajectory by reference, leaving this
-        # one's directory temporary (pickling the trajectory itself would keep it, see
-        # _storage), and not the estimator around it.
-        kernel = copy.copy(self)
-        kernel.estimator = net.for_workers()
-        return kernel
+    def _for_workers(self):
+        # Tasks get the on-disk trajectory by reference, leaving this one's directory
+        # temporary (pickling the trajectory itself would keep it, see _storage).
+        return self._bind(self.estimator.for_workers())
 
 
-# joblib tasks (module level, so that they pickle to workers by reference). Concurrent
-# tasks can share one network (threads, a Dask worker's thread pool) and the engine hooks
-# the module it runs: each task computes with its own copy of the module.
+# joblib tasks (module level, so that they pickle to workers by reference)
 def _raw_gram_rows(X_rows, kernel, Y):
-    return kernel._raw_gram(kernel.estimator.with_own_module(), X_rows, Y)
+    return _own_module(kernel)._raw_gram(X_rows, Y)
 
 
 def _diag_rows(X_rows, kernel):
-    return kernel._diag(kernel.estimator.with_own_module(), X_rows)
+    return _own_module(kernel)._diag(X_rows)
+
+
+def _own_module(kernel):
+    # Concurrent tasks can share one network (threads, a Dask worker's thread pool) and
+    # the engine hooks the module it runs: each task gets its own copy of the module.
+    return kernel._bind(kernel.estimator.with_own_module())
 
 
 class TangentKernel(_NetworkKernel):
@@ -492,16 +499,16 @@ class TangentKernel(_NetworkKernel):
         self.normalized = normalized
         self.n_jobs = n_jobs
 
-    def _gram(self, net, X, Y):
-        return step_kernel(net, X, Y, step=self.step, output=self.output,
+    def _gram(self, X, Y):
+        return step_kernel(self.estimator, X, Y, step=self.step, output=self.output,
                            normalized=self.normalized)
 
-    def _raw_gram(self, net, X, Y):
-        return step_kernel(net, X, Y, step=self.step, output=self.output)
+    def _raw_gram(self, X, Y):
+        return step_kernel(self.estimator, X, Y, step=self.step, output=self.output)
 
-    def _diag(self, net, X):
-        Xt, _ = _tensors(net, X, None)
-        module, params, kw = _step_setup(net, self.step, self.output, False)
+    def _diag(self, X):
+        Xt, _ = _tensors(self.estimator, X, None)
+        module, params, kw = _step_setup(self.estimator, self.step, self.output, False)
         return to_numpy(tangent_gram_diag(module, params, Xt, **kw).to(torch.float64))
 
 
@@ -610,32 +617,30 @@ class PathKernel(_NetworkKernel):
         if self.split not in ("rows", "steps"):
             raise ValueError(f"split must be 'rows' or 'steps', got {self.split!r}.")
 
-    def _sum(self, net, X, Y, *, gram, diag):
+    def _sum(self, X, Y, *, gram, diag):
         if self.split == "steps":
-            return _split_path_sum(net, X, Y, self.start, self.stop, self.output,
+            return _split_path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
                                    self.n_jobs, gram=gram, diag=diag, memory=self.memory)
-        return _path_sum(net, X, Y, self.start, self.stop, self.output,
+        return _path_sum(self.estimator, X, Y, self.start, self.stop, self.output,
                          gram=gram, diag=diag, memory=self.memory)
 
-    def _gram_blocks(self, net, X, Y):
-        if self.split == "steps":
-            return self._gram(net, X, Y)
-        return super()._gram_blocks(net, X, Y)
+    def _gram_blocks(self, X, Y):
+        return self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)
 
-    def _diag_blocks(self, net, X):
-        return self._diag(net, X) if self.split == "steps" else super()._diag_blocks(net, X)
+    def _diag_blocks(self, X):
+        return self._diag(X) if self.split == "steps" else super()._diag_blocks(X)
 
-    def _gram(self, net, X, Y):
-        K, dx, dy = self._sum(net, X, Y, gram=True, diag=self.normalized)
+    def _gram(self, X, Y):
+        K, dx, dy = self._sum(X, Y, gram=True, diag=self.normalized)
         if self.normalized:
             K = _normalize(K, dx, dy)
         return to_numpy(K)
 
-    def _raw_gram(self, net, X, Y):
-        return to_numpy(self._sum(net, X, Y, gram=True, diag=False)[0])
+    def _raw_gram(self, X, Y):
+        return to_numpy(self._sum(X, Y, gram=True, diag=False)[0])
 
-    def _diag(self, net, X):
-        _, dx, _ = self._sum(net, X, None, gram=False, diag=True)
+    def _diag(self, X):
+        _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)
 
 

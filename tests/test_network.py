@@ -1,0 +1,217 @@
+"""TrainedNetwork: the one fitted-network object under every estimator (issue 17).
+
+Every consumer reads a fitted network through ``network_of``: these tests check that the
+object holds what fit trained (against independent references), that each producer
+(estimators, RecordedNetwork, the OOD detector, FrozenEstimator) exposes the same one, and
+that pickles in the format written before ``network_`` existed still load.
+"""
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from _reference import features_loop, jacobian_loop, module_at
+from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
+from sklearn.linear_model import Ridge
+
+from skpathkernel import (
+    OODRankDetector,
+    PathKernel,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+    RecordedNetwork,
+    TangentKernel,
+    TrainedNetwork,
+)
+from skpathkernel._network import network_of
+
+SMALL = dict(hidden_layer_sizes=(6,), solver="adam", learning_rate_init=0.05, max_iter=6,
+             tol=None, activation="tanh", dtype="float64", random_state=0)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(24, 3))
+    return X, (X[:, 0] + X[:, 1] * X[:, 2] > 0).astype(int)
+
+
+@pytest.fixture(scope="module")
+def clf(data):
+    return PathKernelClassifier(**SMALL).fit(*data)
+
+
+def test_network_holds_what_fit_trained(clf, data):
+    X, y = data
+    net = clf.network_
+    assert isinstance(net, TrainedNetwork)
+    assert net.module is clf.module_ and net.trajectory is clf.trajectory_
+    assert (net.dtype, net.device, net.n_params) == ("float64", "cpu", clf.n_params_)
+    assert net.loss.name == "log_loss" and net.input_kind == "features"
+    np.testing.assert_array_equal(net.X_fit, X)
+    # Binary log loss: the targets are the 0/1 codes of the labels.
+    np.testing.assert_array_equal(net.targets().numpy(), (y == clf.classes_[1]).astype(float))
+    # The parameters at a recorded point are the trajectory's, by name.
+    theta = net.params_at(0)
+    first = module_at(clf, 0)
+    for name, p in first.named_parameters():
+        np.testing.assert_array_equal(theta[name].numpy(), p.detach().numpy())
+
+
+def test_tangent_kernel_of_the_network_is_the_jacobian_gram(clf, data):
+    X, _ = data
+    J = jacobian_loop(module_at(clf), X[:7]).reshape(7, -1).numpy()
+    for source in (clf, clf.network_, FrozenEstimator(clf)):
+        np.testing.assert_allclose(TangentKernel(source)(X[:7]), J @ J.T, rtol=1e-10,
+                                   atol=1e-12)
+    np.testing.assert_allclose(PathKernel(clf.network_)(X[:5]), PathKernel(clf)(X[:5]),
+                               rtol=1e-12)
+
+
+def test_network_of_every_producer(clf, data):
+    X, _ = data
+    assert network_of(clf) is clf.network_
+    assert network_of(clf.network_) is clf.network_
+    # FrozenEstimator forwards attribute access: no class-name check is needed.
+    assert network_of(FrozenEstimator(clf)) is clf.network_
+    det = OODRankDetector(estimator=clf).fit(X)
+    # The detector composes its estimator's network; it keeps no copies of it.
+    assert det.network_ is clf.network_ and det.module_ is clf.module_
+    assert not {"module_", "trajectory_", "device_", "n_params_"} & set(vars(det))
+    rec = RecordedNetwork(clf.module_, clf.trajectory_, X_train=X)
+    assert network_of(rec).trajectory is clf.trajectory_
+    with pytest.raises(NotFittedError):
+        network_of(PathKernelMachine())
+    with pytest.raises(TypeError, match="not an estimator"):
+        network_of(object())
+    with pytest.raises(NotFittedError):
+        network_of(Ridge())
+
+
+def test_memory_budget_is_read_from_the_estimator_at_each_call(data):
+    X, y = data
+    est = PathKernelMachine(**SMALL).fit(X, y.astype(float))
+    assert network_of(est).memory_budget == 2**30
+    est.set_params(memory_budget=2**20)
+    assert network_of(est).memory_budget == 2**20
+    assert est.network_.memory_budget == 2**30  # the fitted object is not modified
+
+
+def test_setting_an_attribute_on_a_copy_leaves_the_original(clf):
+    view = copy.copy(clf)
+    other = copy.deepcopy(clf.module_)
+    view.module_ = other
+    assert view.module_ is other and view.network_.module is other
+    assert clf.module_ is not other and clf.network_.module is not other
+    with pytest.raises(AttributeError, match="read from network_"):
+        view.trajectory_ = clf.trajectory_
+
+
+def test_unfitted_attributes_are_missing():
+    est = PathKernelMachine()
+    for name in ("module_", "trajectory_", "X_fit_", "network_", "device_"):
+        assert not hasattr(est, name)
+    det = OODRankDetector()
+    for name in ("network_", "module_", "loss_curve_", "X_fit_"):
+        assert not hasattr(det, name)
+
+
+def test_trained_network_pickles(clf, data):
+    X, _ = data
+    net = pickle.loads(pickle.dumps(clf.network_))
+    np.testing.assert_allclose(TangentKernel(net)(X[:4]), TangentKernel(clf)(X[:4]),
+                               rtol=1e-12)
+    assert repr(net).startswith("TrainedNetwork(Sequential, 7 recorded points")
+
+
+def test_trained_network_refuses_a_trajectory_of_another_network(clf):
+    other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    with pytest.raises(ValueError, match="recorded from another network"):
+        TrainedNetwork(other.double(), clf.trajectory_)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        TrainedNetwork(clf.module_, clf.trajectory_, loss="hinge")
+
+
+def _recorded(n=12, steps=5, seed=0):
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, 2, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=n) as rec:
+        for _ in range(steps):
+            rec.set_batch(np.arange(n))
+            opt.zero_grad()
+            (0.5 * (module(X)[:, 0] - y).pow(2).mean()).backward()
+            opt.step()
+    return module, rec.trajectory, X.numpy(), y.numpy()
+
+
+def test_recorded_network_init_only_stores_and_set_params_is_honoured():
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y)
+    # Parameters (and the private cache of the network built from them) only.
+    assert set(vars(net)) == {"module", "trajectory", "X_train", "y_train", "loss",
+                              "memory_budget", "_cache"}
+    res = net.decompose(X[:3])
+    np.testing.assert_allclose(res.reconstruction, net.predict(X[:3]), atol=1e-10)
+    # Another recorded run: the network is rebuilt from the new parameters.
+    module2, traj2, X2, y2 = _recorded(seed=1)
+    net.set_params(module=module2, trajectory=traj2, X_train=X2, y_train=y2)
+    assert net.trajectory_ is traj2 and net.module_ is module2
+    J = jacobian_loop(module_at(net), X2[:4]).reshape(4, -1).numpy()
+    np.testing.assert_allclose(net.tangent_kernel_(X2[:4]), J @ J.T, rtol=1e-10)
+    np.testing.assert_allclose(net.decompose(X2[:3]).reconstruction, net.predict(X2[:3]),
+                               atol=1e-10)
+    net.set_params(memory_budget=2**20)
+    assert net.network_.memory_budget == 2**20
+
+
+# --------------------------------------------------------------------------- old pickles
+def _old_state(est):
+    """What ``__getstate__`` wrote before network_ existed: the fitted attributes, the
+    module as NumPy arrays (``_module_state``), and no ``network_``."""
+    state = {k: v for k, v in vars(est).items() if k != "network_"}
+    state.update(
+        _module_state={k: v.detach().cpu().numpy() for k, v in est.module_.state_dict().items()},
+        trajectory_=est.trajectory_, X_fit_=est.X_fit_, _Y_fit=est._Y_fit,
+        device_=est.device_, dtype_=est.dtype, n_params_=est.trajectory_.n_params,
+    )
+    return state
+
+
+@pytest.mark.parametrize("cls", [PathKernelClassifier, PathKernelMachine])
+def test_pickle_state_written_before_network_loads_identically(cls, data):
+    X, y = data
+    est = cls(**SMALL).fit(X, y if cls is PathKernelClassifier else y.astype(float))
+    state = _old_state(est)
+    loaded = cls.__new__(cls)
+    loaded.__setstate__(copy.deepcopy(state))
+    assert isinstance(loaded.network_, TrainedNetwork)
+    assert not {"module_", "trajectory_", "X_fit_", "device_"} & set(vars(loaded))
+    np.testing.assert_array_equal(loaded.predict(X), est.predict(X))
+    np.testing.assert_array_equal(loaded.transform(X[:5]), est.transform(X[:5]))
+    np.testing.assert_allclose(loaded.transform(X[:5]), features_loop(module_at(est), X[:5]),
+                               rtol=1e-10, atol=1e-12)
+    a, b = loaded.decompose(X[:3]), est.decompose(X[:3])
+    np.testing.assert_array_equal(a.contributions, b.contributions)
+    # And the state written now is that same format.
+    assert set(est.__getstate__()) == set(state)
+
+
+def test_old_detector_pickle_with_mirrored_attributes_loads(clf, data):
+    X, _ = data
+    det = OODRankDetector(estimator=clf, method="residual").fit(X)
+    state = dict(det.__getstate__())
+    # Detectors pickled before network_ existed carried copies of the network's attributes.
+    state.update(module_=clf.module_, trajectory_=clf.trajectory_, device_="cpu",
+                 n_params_=clf.n_params_, loss_curve_=[0.0], n_iter_=0, t_=0)
+    loaded = pickle.loads(pickle.dumps(det))
+    loaded.__setstate__(state)
+    assert loaded.network_ is loaded.estimator_.network_
+    assert loaded.loss_curve_ == clf.loss_curve_  # read from the network's estimator
+    np.testing.assert_array_equal(loaded.score_samples(X[:4]), det.score_samples(X[:4]))

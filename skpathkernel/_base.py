@@ -54,7 +54,7 @@ from ._training import train
 from ._trajectory import SolverSpec
 from .kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 
-__all__ = ["BasePathKernelNetwork", "NetworkAttributesMixin", "make_mlp"]
+__all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "make_mlp"]
 
 # Every fit validates X (and y) with these: float arrays, finite, at least two samples (a
 # kernel machine over a single training point has nothing to compare; sklearn's own
@@ -130,34 +130,44 @@ def reject_sparse_y(y) -> None:
         )
 
 
-class _FromNetwork:
-    """A fitted attribute read from ``network_`` (``name`` of the TrainedNetwork).
+class FittedAttribute:
+    """A fitted attribute that is read from where it lives, not copied there.
 
-    ``writable``: assigning replaces ``network_`` by a copy with the new value, so that a
-    shallow copy of the estimator (``copy.copy``) never changes the original's network.
+    ``source``: the attribute holding it (``"network_"``, the TrainedNetwork, or
+    ``"estimator_"``), read as its ``name`` (default: the same name); None: stored on the
+    instance itself (a subclass's own value where its base reads the network's).
+    ``writable`` (with ``"network_"``): assigning replaces ``network_`` by a copy with the
+    new value, so that a shallow copy of the estimator never changes the original's
+    network.
     """
 
-    def __init__(self, name: str, writable: bool = False):
-        self.name, self.writable = name, writable
+    def __init__(self, source: str | None = None, name: str | None = None,
+                 writable: bool = False):
+        self.source, self.name, self.writable = source, name, writable
 
     def __set_name__(self, owner, attr):
         self.attr = attr
+        self.name = self.name or attr
 
     def __get__(self, obj, owner=None):
         if obj is None:
             return self
         try:
-            net = obj.network_
-        except AttributeError:
+            if self.source is None:
+                return obj.__dict__[self.name]
+            return getattr(getattr(obj, self.source), self.name)
+        except (AttributeError, KeyError):
             raise AttributeError(
                 f"{type(obj).__name__!r} object has no attribute {self.attr!r} (not fitted)"
             ) from None
-        return getattr(net, self.name)
 
     def __set__(self, obj, value):
-        if not self.writable:
-            raise AttributeError(f"{self.attr} is read from network_; it cannot be set.")
-        obj.network_ = obj.network_.replace(**{self.name: value})
+        if self.source is None:
+            obj.__dict__[self.name] = value
+        elif self.writable:
+            obj.network_ = obj.network_.replace(**{self.name: value})
+        else:
+            raise AttributeError(f"{self.attr} is read from {self.source}; it cannot be set.")
 
 
 class NetworkAttributesMixin:
@@ -167,13 +177,13 @@ class NetworkAttributesMixin:
     ``n_params_``, ``X_fit_`` (and the encoded targets) are those of ``network_``.
     """
 
-    module_ = _FromNetwork("module", writable=True)
-    trajectory_ = _FromNetwork("trajectory")
-    device_ = _FromNetwork("device", writable=True)
-    dtype_ = _FromNetwork("dtype")
-    n_params_ = _FromNetwork("n_params")
-    X_fit_ = _FromNetwork("X_fit", writable=True)
-    _Y_fit = _FromNetwork("y_fit")
+    module_ = FittedAttribute("network_", "module", writable=True)
+    trajectory_ = FittedAttribute("network_", "trajectory")
+    device_ = FittedAttribute("network_", "device", writable=True)
+    dtype_ = FittedAttribute("network_", "dtype")
+    n_params_ = FittedAttribute("network_", "n_params")
+    X_fit_ = FittedAttribute("network_", "X_fit", writable=True)
+    _Y_fit = FittedAttribute("network_", "y_fit")
 
 
 class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator,

@@ -41,6 +41,11 @@ _NORMALIZE_Y_DOC = """
         behaviour). Ignored for class labels."""
 
 _FITTED_ATTRS_DOC = """
+    network_ : TrainedNetwork
+        The trained network and its recorded path (module, trajectory, loss, dtype,
+        device, training inputs and targets), which the kernels, the decomposition and
+        the displays read; ``module_``, ``trajectory_``, ``device_``, ``n_params_`` and
+        ``X_fit_`` are its attributes.
     module_ : torch.nn.Module
         The trained network (on ``device_``).
     trajectory_ : Trajectory

@@ -37,6 +37,7 @@ from sklearn.utils.multiclass import type_of_target
 from ._base import (
     FIT_CHECKS,
     BasePathKernelNetwork,
+    FittedAttribute,
     keep_previous_fit_on_error,
 )
 from ._device import to_numpy
@@ -56,12 +57,11 @@ from ._span import BLOCK, NetworkGram, TangentSpan
 __all__ = ["OODRankDetector"]
 
 _NETWORK_PARAMS = network_parameter_names()
-# What training left on the inner estimator, which the detector exposes (read from it).
-_TRAINING_ATTRS = ("loss_curve_", "best_loss_", "validation_scores_",
-                   "best_validation_score_", "n_iter_", "t_", "n_outputs_")
 # What detectors pickled before network_ existed stored as copies of the inner estimator's
 # attributes; read from estimator_ now, so dropped when such a pickle loads.
-_OLD_COPIES = (*_TRAINING_ATTRS, "module_", "trajectory_", "n_params_", "device_")
+_OLD_COPIES = ("loss_curve_", "best_loss_", "validation_scores_", "best_validation_score_",
+               "n_iter_", "t_", "n_outputs_", "module_", "trajectory_", "n_params_",
+               "device_")
 # contamination="auto": never flag a point with less than this fraction of ||phi(x)||
 # outside the span (for "alignment": outside the direction of its best-aligned training
 # feature, cos > sqrt(1 - 0.01^2)). It matters where the leave-one-out residuals collapse
@@ -92,43 +92,6 @@ def _loo_subset(n: int) -> np.ndarray:
 
 def _never(self):
     return False
-
-
-class _FromEstimator:
-    """A fitted attribute of the inner estimator, read from ``estimator_``."""
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        try:
-            est = obj.__dict__["estimator_"]
-        except KeyError:
-            raise AttributeError(
-                f"{type(obj).__name__!r} object has no attribute {self.name!r} (not fitted)"
-            ) from None
-        return getattr(est, self.name)
-
-
-class _OwnAttribute:
-    """An attribute the detector stores itself, not its network's (the span's points)."""
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        try:
-            return obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(
-                f"{type(obj).__name__!r} object has no attribute {self.name!r}") from None
-
-    def __set__(self, obj, value):
-        obj.__dict__[self.name] = value
 
 
 class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
@@ -607,25 +570,15 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     # ------------------------------------------------------------------ network views
     # The network is the inner estimator's (a prefitted one keeps its own dtype and
     # device, whatever this detector's parameters say); X_fit_ is the span's points.
-    @property
-    def network_(self):
-        """The :class:`~skpathkernel.TrainedNetwork` of ``estimator_``."""
-        try:
-            est = self.__dict__["estimator_"]
-        except KeyError:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute 'network_' (not fitted)"
-            ) from None
-        return est.network_
-
-    X_fit_ = _OwnAttribute()
-    loss_curve_ = _FromEstimator()
-    best_loss_ = _FromEstimator()
-    validation_scores_ = _FromEstimator()
-    best_validation_score_ = _FromEstimator()
-    n_iter_ = _FromEstimator()
-    t_ = _FromEstimator()
-    n_outputs_ = _FromEstimator()
+    network_ = FittedAttribute("estimator_")
+    X_fit_ = FittedAttribute()
+    loss_curve_ = FittedAttribute("estimator_")
+    best_loss_ = FittedAttribute("estimator_")
+    validation_scores_ = FittedAttribute("estimator_")
+    best_validation_score_ = FittedAttribute("estimator_")
+    n_iter_ = FittedAttribute("estimator_")
+    t_ = FittedAttribute("estimator_")
+    n_outputs_ = FittedAttribute("estimator_")
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):

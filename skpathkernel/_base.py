@@ -22,8 +22,8 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
-from sklearn.utils import check_random_state
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils.validation import check_is_fitted, column_or_1d
 
 # The engine is called as _tangent.<function>, looked up at call time (as the in-function
 # imports it replaces did), so a test that stubs an engine function out reaches every call.
@@ -54,7 +54,8 @@ from ._training import train
 from ._trajectory import SolverSpec
 from .kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 
-__all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "make_mlp"]
+__all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
+           "make_mlp"]
 
 # Every fit validates X (and y) with these: float arrays, finite, at least two samples (a
 # kernel machine over a single training point has nothing to compare; sklearn's own
@@ -597,6 +598,48 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
         # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
         tags.input_tags.three_d_array = self.module is not None
         return tags
+
+
+def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
+    """New ``(X, y)`` validated and encoded as ``fit`` did the network's training data.
+
+    By the estimator that trained ``net`` (an OODRankDetector's ``estimator_``): its
+    input checks, its label encoding (``classes_``) and target scaling (``normalize_y``).
+    """
+    inner = getattr(estimator, "estimator_", None)
+    estimator = inner if isinstance(inner, BasePathKernelNetwork) else estimator
+    X = estimator._validate_X(X)
+    Y = _encode_like_fit(estimator, y)
+    check_consistent_length(X, Y)
+    return X, Y
+
+
+def _encode_like_fit(estimator, y) -> np.ndarray:
+    """``y`` encoded as ``fit`` encoded the training targets."""
+    # Trained on class labels (classifiers, TangentFeatures with task_="classification").
+    if hasattr(estimator, "classes_"):
+        y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
+        classes = estimator.classes_
+        unseen = np.setdiff1d(y, classes)
+        if unseen.size:
+            raise ValueError(
+                f"y contains labels not seen in fit: {unseen.tolist()}; the classes are "
+                f"{classes.tolist()}."
+            )
+        # Encoding the classes ahead of y makes the encoder see exactly the fitted classes,
+        # so y gets fit's codes (and one-hot / +-1 layout) whichever labels it contains.
+        Y = estimator._encode_targets(np.concatenate([classes, y]))[0][len(classes) :]
+    else:
+        y = check_array(y, ensure_2d=False, dtype=[np.float64, np.float32])
+        Y = estimator._encode_targets(y)[0]
+        if Y.shape[1] != estimator.n_outputs_:
+            raise ValueError(
+                f"y has {Y.shape[1]} outputs but the network was fitted with "
+                f"{estimator.n_outputs_}."
+            )
+        # In the units the network was trained in (standardized with normalize_y).
+        Y = estimator._network_targets(Y)
+    return Y
 
 
 def declare_feature_dtype(tags, estimator):

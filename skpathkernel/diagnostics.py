@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import BasePathKernelNetwork, activation_widths_of, rows_per_block
+from ._base import BasePathKernelNetwork, activation_widths_of, data_like_fit, rows_per_block
 from ._network import network_of
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
@@ -307,12 +307,6 @@ def _default_batch_size(net, n: int) -> int:
                                      "hessian_trace")))
 
 
-def _network(estimator):
-    """The estimator that trained the network: an OODRankDetector's ``estimator_``."""
-    inner = getattr(estimator, "estimator_", None)
-    return inner if isinstance(inner, BasePathKernelNetwork) else estimator
-
-
 def _data(estimator, net, X, y) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and encoded targets as tensors on the network's device and dtype."""
     if X is None and y is None:
@@ -322,36 +316,5 @@ def _data(estimator, net, X, y) -> tuple[torch.Tensor, torch.Tensor]:
             "Pass both X and y (the Hessian of the loss needs targets), or neither to use "
             "the training data."
         )
-    # New data is validated and encoded as the estimator that trained the network does.
-    estimator = _network(estimator)
-    X = estimator._validate_X(X)
-    Y = _encode_like_fit(estimator, y)
-    check_consistent_length(X, Y)
+    X, Y = data_like_fit(estimator, X, y)
     return net.tensor(X), net.replace(y_fit=Y).targets()
-
-
-def _encode_like_fit(estimator, y) -> np.ndarray:
-    # Trained on class labels (classifiers, TangentFeatures with task_="classification").
-    if hasattr(estimator, "classes_"):
-        y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
-        classes = estimator.classes_
-        unseen = np.setdiff1d(y, classes)
-        if unseen.size:
-            raise ValueError(
-                f"y contains labels not seen in fit: {unseen.tolist()}; the classes are "
-                f"{classes.tolist()}."
-            )
-        # Encoding the classes ahead of y makes the encoder see exactly the fitted classes,
-        # so y gets fit's codes (and one-hot / +-1 layout) whichever labels it contains.
-        Y = estimator._encode_targets(np.concatenate([classes, y]))[0][len(classes) :]
-    else:
-        y = check_array(y, ensure_2d=False, dtype=[np.float64, np.float32])
-        Y = estimator._encode_targets(y)[0]
-        if Y.shape[1] != estimator.n_outputs_:
-            raise ValueError(
-                f"y has {Y.shape[1]} outputs but the network was fitted with "
-                f"{estimator.n_outputs_}."
-            )
-        # In the units the network was trained in (standardized with normalize_y).
-        Y = estimator._network_targets(Y)
-    return Y

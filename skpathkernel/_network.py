@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from sklearn.utils.validation import check_is_fitted
+from torch.func import functional_call
 
 from . import _interpolation
 from ._device import resolve_dtype, to_input_tensor, to_tensor
@@ -229,6 +230,25 @@ class TrainedNetwork:
         """The parameters at recorded point ``step``, by name, on the network's device."""
         traj = self.trajectory
         return dict(traj.unflatten(traj.parameters(step).to(self.torch_device)))
+
+    def outputs(self, X, step: int = -1) -> np.ndarray:
+        """Network outputs ``f(X; theta_step)`` at a recorded point, float64 (n, C).
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_samples, ...)
+            In the network's input form.
+        step : int, default=-1
+            Recorded point (negative counts from the end).
+
+        Returns
+        -------
+        outputs : ndarray of shape (n_samples, n_outputs)
+        """
+        Xt = self.tensor(self.check(X))
+        with torch.no_grad():
+            out = functional_call(self.module, self.params_at(step), (Xt,))
+        return out.reshape(len(Xt), -1).detach().cpu().numpy().astype(np.float64)
 
     def targets(self) -> torch.Tensor:
         """``y_fit`` as the loss takes it: class codes as int64, anything else in dtype."""

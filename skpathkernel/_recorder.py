@@ -43,7 +43,6 @@ from torch.func import functional_call
 
 from ._attribution import attribution_scores, check_output, class_indices
 from ._base import NetworkAttributesMixin
-from ._device import to_numpy
 from ._network import TrainedNetwork, check_decompose_args, network_of
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 from .kernels import NetworkKernelsMixin
@@ -527,11 +526,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
-        net = self._network()
-        Xt = self._inputs(X)
-        with torch.no_grad():
-            out = functional_call(net.module, net.params_at(-1), (Xt,))
-        return to_numpy(out.reshape(len(Xt), -1)).astype(np.float64)
+        return self._network().outputs(X)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None):

@@ -215,3 +215,12 @@ def test_old_detector_pickle_with_mirrored_attributes_loads(clf, data):
     assert loaded.network_ is loaded.estimator_.network_
     assert loaded.loss_curve_ == clf.loss_curve_  # read from the network's estimator
     np.testing.assert_array_equal(loaded.score_samples(X[:4]), det.score_samples(X[:4]))
+
+
+def test_outputs_at_a_recorded_point_are_the_module_there(clf, data):
+    X, _ = data
+    for step in (0, 3, -1):
+        ref = module_at(clf, step)(torch.as_tensor(X[:5])).detach().numpy()
+        np.testing.assert_allclose(clf.network_.outputs(X[:5], step=step), ref, rtol=1e-12)
+    with pytest.raises(ValueError, match="expecting 3 features"):
+        clf.network_.outputs(X[:5, :2])

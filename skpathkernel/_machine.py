@@ -23,7 +23,7 @@ from ._base import (
     tangent_feature_names,
 )
 from ._device import to_tensor
-from ._network import check_decompose_args
+from ._network import check_decompose_args, network_of
 from ._params import network_params_doc
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -186,10 +186,9 @@ class _KernelMachineMixin(TransformerMixin):
             weights, scale = weights * np.asarray(scale, dtype=np.float64).reshape(-1), 1.0
         # The network's loss is the one it was trained with: set_params(loss=...) after
         # fit must not change what the fitted path is decomposed with.
-        net = self.network_.replace(memory_budget=self.memory_budget)
-        return net.decompose(net.tensor(X), method=method, weighting=weighting,
-                             n_nodes=n_nodes, tol=tol, weights=weights,
-                             units=lambda res: in_target_units(res, mean, scale))
+        return network_of(self).decompose(
+            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol, weights=weights,
+            units=lambda res: in_target_units(res, mean, scale))
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.

@@ -262,24 +262,75 @@ class TrainedNetwork:
                          device=self.torch_device)
 
     # ------------------------------------------------------------------ decomposition
-    def decompose(self, X: torch.Tensor, *, method: str = "exact",
-                  weighting: str = "realized", n_nodes: int | None = None,
-                  tol: float | None = None, weights=None, units=None):
-        """Decompose ``f(X; theta_T)`` over the training inputs (``X`` a checked tensor).
+    def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
+                  n_nodes: int | None = None, tol: float | None = None, weights=None,
+                  units=None):
+        """Decompose ``f(X; theta_T)`` over the training inputs.
 
         The computation of :meth:`PathKernelMachine.decompose
-        <skpathkernel.PathKernelMachine.decompose>`, whose parameters these are;
-        ``weights`` (n, C) decomposes the contracted output ``w_q . f(x_q)`` and
-        ``units`` maps the result into the target's units.
+        <skpathkernel.PathKernelMachine.decompose>`, whose parameters these are, on the
+        network's own outputs (the estimators map it into the target's units).
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_queries, ...)
+            Queries in the network's input form.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+        weighting : {"realized", "expected"}, default="realized"
+        n_nodes : int or None, default=None
+        tol : float or None, default=None
+        weights : ndarray of shape (n_queries, n_outputs) or None, default=None
+            Decompose the contracted output ``w_q . f(x_q)`` instead of every output.
+        units : callable or None, default=None
+            Maps the result into other units (the estimators' target scaling).
 
         Returns
         -------
         result : Decomposition
+
+        Raises
+        ------
+        ValueError
+            Without training inputs, targets or loss, or when they do not match the
+            recorded batches.
         """
+        check_decompose_args(method, weighting, n_nodes, tol)
+        Xq = self.tensor(self.check(X))
+        X_fit, Y_fit = self._training_data()
         return _interpolation.decompose(
-            self.module, self.trajectory, self.tensor(self.X_fit), self.targets(),
-            self.loss, X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
-            memory_budget=self.memory_budget, weights=weights, units=units)
+            self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
+            weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
+            weights=weights, units=units)
+
+    def _training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training inputs and targets as tensors, checked against the recorded batches."""
+        if self.X_fit is None or self.y_fit is None or self.loss is None:
+            raise ValueError("decompose needs the training inputs, their targets and the "
+                             "loss: pass X_train, y_train (X_fit, y_fit) and loss.")
+        n_samples, n = self.trajectory.n_samples, len(self.X_fit)
+        if n_samples != n:
+            raise ValueError(
+                f"The trajectory's batches index {n_samples} samples but X_train has {n}; "
+                "record with PathRecorder(..., n_samples=len(X_train)) and "
+                "recorder.set_batch(indices) at every step."
+            )
+        # Checked here, not when the network is built: a RecordedNetwork with inputs the
+        # decomposition refuses still has its kernels.
+        X_fit, Y_fit = self.tensor(self.check(self.X_fit, "X_train")), self.targets()
+        if len(Y_fit) != n:
+            raise ValueError(f"y_train has {len(Y_fit)} rows but X_train has {n}.")
+        if isinstance(self.loss, _PerSampleLoss):
+            # A user's loss: one value per sample, checked before the long computation
+            # (the library's losses are).
+            with torch.no_grad():
+                out = functional_call(self.module, self.params_at(0), (X_fit[:2],))
+                probe = self.loss.per_sample(out, Y_fit[:2])
+            if probe.shape != (len(X_fit[:2]),):
+                raise ValueError(
+                    "The loss must return one value per sample, shape (B,); it returned "
+                    f"shape {tuple(probe.shape)}."
+                )
+        return X_fit, Y_fit
 
     # ------------------------------------------------------------------ workers
     def with_own_module(self) -> TrainedNetwork:

@@ -39,11 +39,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
-from torch.func import functional_call
 
 from ._attribution import attribution_scores, check_output, class_indices
 from ._base import NetworkAttributesMixin
-from ._network import TrainedNetwork, check_decompose_args, network_of
+from ._network import TrainedNetwork, check_decompose_args
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 from .kernels import NetworkKernelsMixin
 
@@ -395,6 +394,61 @@ class PathRecorder:
         return RecordedNetwork(self.module, self.trajectory, X_train=X_train,
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
+    def as_network(self, X_train=None, y_train=None, *, loss="squared_error",
+                   memory_budget: int = 2**30) -> TrainedNetwork:
+        """The recorded path as a :class:`~skpathkernel.TrainedNetwork`.
+
+        The network of :meth:`as_estimator` (its ``network_``) without the estimator
+        around it: what :class:`~skpathkernel.TangentKernel`,
+        :class:`~skpathkernel.PathKernel`, the displays and the decomposition
+        (:meth:`TrainedNetwork.decompose <skpathkernel.TrainedNetwork.decompose>`) take.
+
+        Parameters
+        ----------
+        X_train : array-like or tensor of shape (n_samples, ...), default=None
+            The training inputs the recorded batches index into, as for
+            :class:`RecordedNetwork`.
+        y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets), \
+default=None
+            Their targets, in the form the loss takes.
+        loss : "squared_error", "log_loss" or callable, default="squared_error"
+            The per-sample loss whose batch mean each step minimized.
+        memory_budget : int, default=2**30
+            Bytes one block of a kernel or decomposition computation may use.
+
+        Returns
+        -------
+        network : TrainedNetwork
+
+        Examples
+        --------
+        >>> import numpy as np, torch
+        >>> from skpathkernel import PathRecorder, TangentKernel
+        >>> X, y = torch.randn(8, 2), torch.randn(8)
+        >>> module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+        ...                              torch.nn.Linear(4, 1))
+        >>> opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        >>> with PathRecorder(module, opt, n_samples=8) as rec:
+        ...     for _ in range(3):
+        ...         rec.set_batch(np.arange(8))
+        ...         opt.zero_grad()
+        ...         (0.5 * (module(X)[:, 0] - y) ** 2).mean().backward()
+        ...         opt.step()
+        >>> net = rec.as_network(X, y)
+        >>> TangentKernel(net)(X.numpy()).shape
+        (8, 8)
+        >>> res = net.decompose(X[:2].numpy())
+        >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
+        True
+        """
+        return TrainedNetwork(self.module, self.trajectory, loss=loss, X_fit=X_train,
+                              y_fit=y_train, memory_budget=memory_budget)
+
+
+# What RecordedNetwork.__init__ set besides its parameters before network_ existed.
+_OLD_COPIES = ("module_", "trajectory_", "device_", "dtype", "n_params_", "n_features_in_",
+               "input_shape_", "_input_kind")
+
 
 class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator):
     """A recorded path and its network, usable where the library takes a fitted estimator.
@@ -476,6 +530,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
                     ("module", "trajectory", "X_train", "y_train", "loss", "memory_budget"))
         cached = self.__dict__.get("_cache")
         if cached is None or cached[0] != key:
+            # As PathRecorder.as_network builds it from the same arguments.
             net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
                                  X_fit=self.X_train, y_fit=self.y_train,
                                  memory_budget=self.memory_budget)
@@ -513,16 +568,19 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         state.pop("_cache", None)  # rebuilt from the parameters
         return state
 
+    def __setstate__(self, state):
+        # Pickled before network_ existed (0.1.0.dev0 before issue 17), a RecordedNetwork
+        # also held copies of its network's attributes: read from network_ now, dropped
+        # so that they neither hide a later set_params nor pickle the module twice.
+        state = {name: value for name, value in state.items() if name not in _OLD_COPIES}
+        super().__setstate__(state)
+
     def fit(self, X=None, y=None) -> RecordedNetwork:
         """Do nothing: the network was trained by the recorded loop. Returns self."""
         return self
 
     def __sklearn_is_fitted__(self) -> bool:
         return True
-
-    def _inputs(self, X, name="X") -> torch.Tensor:
-        net = self._network()
-        return net.tensor(net.check(X, name))
 
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
@@ -554,8 +612,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         -------
         result : Decomposition
         """
-        check_decompose_args(method, weighting, n_nodes, tol)
-        return self._decompose(self._inputs(X), method, weighting, n_nodes, tol)
+        return self._network().decompose(X, method=method, weighting=weighting,
+                                         n_nodes=n_nodes, tol=tol)
 
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None,
@@ -589,40 +647,11 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         scores : ndarray of shape (n_queries, n_train)
         """
         check_decompose_args(method, weighting, n_nodes, tol)
-        Xt = self._inputs(X)
-        prediction = self.predict(X)
+        net = self._network()
+        prediction = net.outputs(X)
         output = check_output(output, prediction.shape[1], "allowed")
         n_classes = max(prediction.shape[1], 2)
         return attribution_scores(
             prediction, y, output, lambda y: class_indices(y, n_classes),
-            lambda weights: self._decompose(Xt, method, weighting, n_nodes, tol,
-                                            weights=weights))
-
-    def _decompose(self, Xq, method, weighting, n_nodes, tol, weights=None):
-        if self.X_train is None or self.y_train is None:
-            raise ValueError("decompose needs the training inputs and targets: pass X_train "
-                             "and y_train.")
-        net = network_of(self)
-        traj = net.trajectory
-        X_train = net.check(net.X_fit, "X_train")
-        if traj.n_samples != len(X_train):
-            raise ValueError(
-                f"The trajectory's batches index {traj.n_samples} samples but X_train has "
-                f"{len(X_train)}; record with PathRecorder(..., n_samples=len(X_train)) and "
-                "recorder.set_batch(indices) at every step."
-            )
-        net = net.replace(X_fit=X_train)
-        Y_train = net.targets()
-        if len(Y_train) != len(X_train):
-            raise ValueError(f"y_train has {len(Y_train)} rows but X_train has "
-                             f"{len(X_train)}.")
-        with torch.no_grad():
-            out = functional_call(net.module, net.params_at(0), (net.tensor(X_train[:2]),))
-            probe = net.loss.per_sample(out, Y_train[:2])
-        if probe.shape != (len(X_train[:2]),):
-            raise ValueError(
-                "The loss must return one value per sample, shape (B,); it returned shape "
-                f"{tuple(probe.shape)}."
-            )
-        return net.decompose(Xq, method=method, weighting=weighting, n_nodes=n_nodes,
-                             tol=tol, weights=weights)
+            lambda weights: net.decompose(X, method=method, weighting=weighting,
+                                          n_nodes=n_nodes, tol=tol, weights=weights))

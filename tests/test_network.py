@@ -8,11 +8,12 @@ that pickles in the format written before ``network_`` existed still load.
 
 import copy
 import pickle
+import types
 
 import numpy as np
 import pytest
 import torch
-from _reference import features_loop, jacobian_loop, module_at
+from _reference import features_loop, forward_recursion, gauss_nodes, jacobian_loop, module_at
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import Ridge
@@ -224,3 +225,81 @@ def test_outputs_at_a_recorded_point_are_the_module_there(clf, data):
         np.testing.assert_allclose(clf.network_.outputs(X[:5], step=step), ref, rtol=1e-12)
     with pytest.raises(ValueError, match="expecting 3 features"):
         clf.network_.outputs(X[:5, :2])
+
+
+# --------------------------------------------------------------------------- PathRecorder
+def _squared(out, y):
+    return 0.5 * (out - y).pow(2).mean(dim=1)
+
+
+def test_path_recorder_produces_the_network_of_its_estimator():
+    module, traj, X, y = _recorded()
+    ref = types.SimpleNamespace(module_=module, trajectory_=traj)  # for the references
+    # The same recording as both: PathRecorder.as_network is as_estimator(...).network_.
+    rec = types.SimpleNamespace(module=module, trajectory=traj)
+    net = PathRecorder.as_network(rec, X, y)
+    est_net = PathRecorder.as_estimator(rec, X, y).network_
+    assert isinstance(net, TrainedNetwork) and network_of(net) is net
+    assert net.module is est_net.module and net.trajectory is est_net.trajectory
+    assert (net.dtype, net.input_shape, net.input_kind) == ("float64", (2,), "features")
+    np.testing.assert_array_equal(net.X_fit, est_net.X_fit)
+    # Independent references: the module at the last recorded point, its Jacobian Gram,
+    # and the per-sample forward recursion of the decomposition.
+    with torch.no_grad():
+        out = module_at(ref)(torch.as_tensor(X[:4])).numpy()
+    np.testing.assert_allclose(net.outputs(X[:4]), out, rtol=1e-12)
+    J = jacobian_loop(module_at(ref), X[:4]).reshape(4, -1).numpy()
+    np.testing.assert_allclose(TangentKernel(net)(X[:4]), J @ J.T, rtol=1e-10)
+    res = net.decompose(X[:3], n_nodes=3)
+    contrib, _ = forward_recursion(ref, X, torch.as_tensor(y).reshape(-1, 1), _squared,
+                                   X[:3], nodes=gauss_nodes(3))
+    scale = np.abs(contrib).max()
+    np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    # A tensor query is the array query.
+    np.testing.assert_array_equal(net.decompose(torch.as_tensor(X[:3]), n_nodes=3)
+                                  .contributions, res.contributions)
+
+
+def test_network_decompose_refuses_what_it_cannot_decompose():
+    module, traj, X, y = _recorded()
+    with pytest.raises(ValueError, match="needs the training inputs"):
+        TrainedNetwork(module, traj).decompose(X[:2])
+    with pytest.raises(ValueError, match="batches index 12 samples but X_train has 6"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X[:6], y_fit=y[:6]
+                       ).decompose(X[:2])
+    with pytest.raises(ValueError, match="y_train has 5 rows but X_train has 12"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X, y_fit=y[:5]
+                       ).decompose(X[:2])
+    X_nan = X.copy()
+    X_nan[3, 0] = np.nan
+    with pytest.raises(ValueError, match="X_train contains NaN"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X_nan, y_fit=y
+                       ).decompose(X[:2])
+    whole = TrainedNetwork(module, traj, loss=lambda out, t: (out - t[:, None]) ** 2,
+                           X_fit=X, y_fit=y)
+    with pytest.raises(ValueError, match=r"one value per sample, shape \(B,\)"):
+        whole.decompose(X[:2])
+    with pytest.raises(ValueError, match="method must be"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X, y_fit=y
+                       ).decompose(X[:2], method="third_order")
+
+
+def test_old_recorded_network_pickle_drops_its_copies():
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y)
+    # What RecordedNetwork.__init__ stored before network_ existed, besides its parameters.
+    old = dict(net.__getstate__(), module_=module, trajectory_=traj, device_="cpu",
+               dtype="float64", n_params_=traj.n_params, n_features_in_=2,
+               input_shape_=(2,), _input_kind="features")
+    loaded = RecordedNetwork.__new__(RecordedNetwork)
+    loaded.__setstate__(old)
+    assert set(vars(loaded)) == {"module", "trajectory", "X_train", "y_train", "loss",
+                                 "memory_budget"}
+    np.testing.assert_array_equal(loaded.predict(X), net.predict(X))
+    # The parameters rule: another run set after loading is the one computed with.
+    module2, traj2, X2, y2 = _recorded(seed=1)
+    loaded.set_params(module=module2, trajectory=traj2, X_train=X2, y_train=y2)
+    assert loaded.module_ is module2 and loaded.trajectory_ is traj2
+    with torch.no_grad():
+        ref = module2(torch.as_tensor(X2[:3])).numpy()
+    np.testing.assert_allclose(loaded.predict(X2[:3]), ref, rtol=1e-12)

@@ -423,6 +423,11 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
         return self
 
     # ------------------------------------------------------------------ inference
+    def _trained_by(self) -> BasePathKernelNetwork:
+        """The estimator whose fit trained ``network_`` and encoded its targets: itself,
+        or the one a subclass composes (an OODRankDetector's ``estimator_``)."""
+        return self
+
     def _validate_X(self, X):
         check_is_fitted(self)
         X = validate_input(self, X, reset=False)
@@ -519,10 +524,12 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
                 f"samples), got {n_neighbors!r}."
             )
         X = self._validate_X(X)
-        k = (TangentKernel(self, step=step) if kernel == "tangent" else PathKernel(self))
+        # The kernels' own normalisation (cosine; 0 against a zero feature).
+        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
+             else PathKernel(self, normalized=normalized))
         K = k(X, self.X_fit_)
         if normalized:
-            sq = 2.0 - 2.0 * np.clip(_normalize_rows(K, k.diag(X), k.diag(self.X_fit_)), -1, 1)
+            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
         else:
             sq = k.diag(X)[:, None] + k.diag(self.X_fit_)[None, :] - 2.0 * K
         dist = np.sqrt(np.maximum(sq, 0.0))
@@ -603,11 +610,11 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
 def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
     """New ``(X, y)`` validated and encoded as ``fit`` did the network's training data.
 
-    By the estimator that trained ``net`` (an OODRankDetector's ``estimator_``): its
-    input checks, its label encoding (``classes_``) and target scaling (``normalize_y``).
+    By the estimator whose fit trained the network (``_trained_by``: an OODRankDetector's
+    ``estimator_``): its input checks, its label encoding (``classes_``) and target
+    scaling (``normalize_y``).
     """
-    inner = getattr(estimator, "estimator_", None)
-    estimator = inner if isinstance(inner, BasePathKernelNetwork) else estimator
+    estimator = estimator._trained_by()
     X = estimator._validate_X(X)
     Y = _encode_like_fit(estimator, y)
     check_consistent_length(X, Y)
@@ -663,12 +670,6 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     if n_outputs > 1:
         names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
     return np.asarray(names, dtype=object)
-
-
-def _normalize_rows(K, dx, dy):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = K / np.sqrt(np.outer(dx, dy))
-    return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _layer_widths(module: torch.nn.Module) -> list[int]:

@@ -21,7 +21,6 @@ the feature's norm.
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 import warnings
@@ -571,6 +570,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     # The network is the inner estimator's (a prefitted one keeps its own dtype and
     # device, whatever this detector's parameters say); X_fit_ is the span's points.
     network_ = FittedAttribute("estimator_")
+
+    def _trained_by(self) -> BasePathKernelNetwork:
+        return self.estimator_
+
     X_fit_ = FittedAttribute()
     loss_curve_ = FittedAttribute("estimator_")
     best_loss_ = FittedAttribute("estimator_")
@@ -587,13 +590,10 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         See :meth:`PathKernelMachine.kneighbors`; the neighbours are taken among the
         detector's ``X_fit_`` (the span's points, also with a prefitted ``estimator``).
         """
-        # Validated here, so that errors name this detector and its feature names.
-        X = self._validate_X(X)
-        view = copy.copy(self.estimator_)
-        view.X_fit_ = self.X_fit_
-        view.__dict__.pop("feature_names_in_", None)
-        return view.kneighbors(X, n_neighbors, kernel=kernel, step=step,
-                               normalized=normalized, return_distance=return_distance)
+        # The base class's, on this detector: its X_fit_, its input checks (errors name
+        # it and its feature names) and the inner estimator's network (network_).
+        return super().kneighbors(X, n_neighbors, kernel=kernel, step=step,
+                                  normalized=normalized, return_distance=return_distance)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):

@@ -226,7 +226,7 @@ class KernelMatrixDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
@@ -527,7 +527,7 @@ class KernelEvolutionDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         x : array-like of shape (n_features,) or the estimator's ``input_shape_``
             One input, without the sample axis.
         Y : array-like of shape (n_Y, n_features) or (n_Y, ...)
@@ -655,7 +655,7 @@ class RankGapDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         X_train : array-like of shape (n_train, n_features) or (n_train, ...)
         X_test : array-like of shape (n_test, n_features) or (n_test, ...)
         steps : sequence of int, default=None
@@ -812,7 +812,7 @@ class TangentEmbeddingDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
         y : array-like of shape (n_samples,), default=None
             Colours.

@@ -69,7 +69,9 @@ class NetworkGram:
 
     def __init__(self, network):
         # A TrainedNetwork (skpathkernel._network), or a fitted estimator exposing one as
-        # network_: the engine reads its attributes and does not import the accessor.
+        # network_ (benchmarks/bench_ood.py passes the estimator). Not network_of: the
+        # engine sits below _network in the import graph (tests/test_imports.py), and the
+        # detector, its one caller in the package, resolves the network with it first.
         network = getattr(network, "network_", network)
         self.device = torch.device(network.device)
         self.module = copy.deepcopy(network.module).to(dtype=torch.float64)

@@ -526,17 +526,17 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     def _network(self) -> TrainedNetwork:
         """The network of the current parameters, rebuilt when one of them changed."""
-        key = tuple(id(getattr(self, name)) for name in
-                    ("module", "trajectory", "X_train", "y_train", "loss", "memory_budget"))
+        params = tuple(getattr(self, name) for name in
+                       ("module", "trajectory", "X_train", "y_train", "loss", "memory_budget"))
         cached = self.__dict__.get("_cache")
-        if cached is None or cached[0] != key:
+        # By identity, holding the objects: an id alone would be reused by a new object
+        # once the old parameter is freed (set_params(y_train=None), then a new list).
+        if cached is None or not all(a is b for a, b in zip(cached[0], params)):
             # As PathRecorder.as_network builds it from the same arguments.
             net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
                                  X_fit=self.X_train, y_fit=self.y_train,
                                  memory_budget=self.memory_budget)
-            # The key holds the parameter objects' ids: the objects themselves are kept
-            # alive by the parameters, so an id cannot be reused while the key is current.
-            cached = self.__dict__["_cache"] = (key, net)
+            cached = self.__dict__["_cache"] = (params, net)
         return cached[1]
 
     @property

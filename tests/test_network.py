@@ -172,6 +172,19 @@ def test_recorded_network_init_only_stores_and_set_params_is_honoured():
     assert net.network_.memory_budget == 2**20
 
 
+def test_recorded_network_rebuilds_for_a_new_object_at_a_freed_address():
+    # A parameter replaced by None and then by a new object that CPython may place at
+    # the freed address of the old one: the network is still rebuilt from the new one.
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y.tolist())
+    for shift in range(1, 6):
+        assert net.network_.y_fit is not None
+        net.set_params(y_train=None)
+        net.set_params(y_train=(y + shift).tolist())
+        np.testing.assert_array_equal(net.network_.y_fit, y + shift)
+        np.testing.assert_allclose(net.network_.targets().numpy()[:, 0], y + shift)
+
+
 # --------------------------------------------------------------------------- old pickles
 def _old_state(est):
     """What ``__getstate__`` wrote before network_ existed: the fitted attributes, the

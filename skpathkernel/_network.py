@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
@@ -383,11 +384,22 @@ def network_of(obj) -> TrainedNetwork:
     NotFittedError
         For an estimator that is not fitted.
     TypeError
-        For an object that is neither an estimator nor a TrainedNetwork.
+        For an object that is neither an estimator nor a TrainedNetwork, or a fitted
+        estimator without a network.
     """
     if isinstance(obj, TrainedNetwork):
         return obj
-    check_is_fitted(obj, "network_")
+    try:
+        check_is_fitted(obj, "network_")
+    except NotFittedError:
+        if not _fitted(obj):
+            raise
+        # A fitted estimator of another library (Ridge, a Pipeline): not fitting it again
+        # is not what would help.
+        raise TypeError(
+            f"{type(obj).__name__} exposes no fitted network (network_): pass a fitted "
+            "skpathkernel estimator, a RecordedNetwork or a TrainedNetwork."
+        ) from None
     net = obj.network_
     if not isinstance(net, TrainedNetwork):
         raise TypeError(f"{type(obj).__name__}.network_ is not a TrainedNetwork.")
@@ -397,3 +409,11 @@ def network_of(obj) -> TrainedNetwork:
     if budget is not None and int(budget) != net.memory_budget:
         net = net.replace(memory_budget=int(budget))
     return net
+
+
+def _fitted(estimator) -> bool:
+    try:
+        check_is_fitted(estimator)
+    except NotFittedError:
+        return False
+    return True

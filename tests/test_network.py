@@ -91,6 +91,13 @@ def test_network_of_every_producer(clf, data):
         network_of(object())
     with pytest.raises(NotFittedError):
         network_of(Ridge())
+    # Fitted, but with no network: refitting would not help, so not NotFittedError.
+    ridge = Ridge().fit(X, X[:, 0])
+    for obj in (ridge, FrozenEstimator(ridge)):
+        with pytest.raises(TypeError, match="exposes no fitted network"):
+            network_of(obj)
+    with pytest.raises(TypeError, match="exposes no fitted network"):
+        TangentKernel(ridge)(X)
 
 
 def test_memory_budget_is_read_from_the_estimator_at_each_call(data):

@@ -163,26 +163,32 @@ class TrainedNetwork:
     # ------------------------------------------------------------------ description
     @property
     def dtype(self) -> str:
+        """"float32" or "float64", the trajectory's."""
         return _DTYPE_NAMES[self.trajectory.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """:attr:`dtype` as a ``torch.dtype``."""
         return resolve_dtype(self.dtype)
 
     @property
     def torch_device(self) -> torch.device:
+        """:attr:`device` as a ``torch.device``."""
         return torch.device(self.device)
 
     @property
     def n_params(self) -> int:
+        """Trainable parameters recorded."""
         return self.trajectory.n_params
 
     @property
     def input_shape(self) -> tuple[int, ...] | None:
+        """The trailing shape of ``X_fit`` (None without it)."""
         return None if self.X_fit is None else tuple(int(d) for d in self.X_fit.shape[1:])
 
     @property
     def n_features_in(self) -> int | None:
+        """Values per input, ``prod(input_shape)`` (None without ``X_fit``)."""
         shape = self.input_shape
         return None if shape is None else int(math.prod(shape))
 

@@ -29,6 +29,7 @@ from skpathkernel import (
     TrainedNetwork,
 )
 from skpathkernel._network import network_of
+from skpathkernel.diagnostics import hessian_trace
 
 SMALL = dict(hidden_layer_sizes=(6,), solver="adam", learning_rate_init=0.05, max_iter=6,
              tol=None, activation="tanh", dtype="float64", random_state=0)
@@ -328,8 +329,6 @@ def test_old_recorded_network_pickle_drops_its_copies():
 def test_detector_diagnostics_on_new_data_stand_for_its_estimator(clf, data):
     # New (X, y) are encoded by the estimator that trained the network (its classes_),
     # not by the detector around it.
-    from skpathkernel.diagnostics import hessian_trace
-
     X, y = data
     det = OODRankDetector(estimator=clf, method="residual").fit(X)
     Xn, yn = X[::2] + 0.1, y[::2]

@@ -8,6 +8,7 @@ prediction.
 """
 
 from ._machine import PathKernelClassifier, PathKernelMachine
+from ._network import TrainedNetwork
 from ._ood import OODRankDetector
 from ._recorder import PathRecorder, RecordedNetwork
 from ._svm import TangentFeatures, TangentFeatureSVM
@@ -27,6 +28,7 @@ __all__ = [
     "TangentFeatureSVM",
     "TangentFeatures",
     "TangentKernel",
+    "TrainedNetwork",
     "Trajectory",
     "TrainingDivergedError",
     "__version__",

@@ -22,8 +22,8 @@ import torch
 from sklearn.base import BaseEstimator
 from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
-from sklearn.utils import check_random_state
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils.validation import check_is_fitted, column_or_1d
 
 # The engine is called as _tangent.<function>, looked up at call time (as the in-function
 # imports it replaces did), so a test that stubs an engine function out reaches every call.
@@ -46,14 +46,16 @@ from ._inputs import (
 )
 from ._losses import LOSSES
 from ._memory import rows_per_block
+from ._network import TrainedNetwork
 from ._parallel import dask_worker_threads, limit_torch_threads
 from ._params import ACTIVATIONS, network_constraints
 from ._tangent import warn_on_fallback
 from ._training import train
 from ._trajectory import SolverSpec
-from .kernels import PathKernel, TangentKernel
+from .kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 
-__all__ = ["BasePathKernelNetwork", "make_mlp"]
+__all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
+           "make_mlp"]
 
 # Every fit validates X (and y) with these: float arrays, finite, at least two samples (a
 # kernel machine over a single training point has nothing to compare; sklearn's own
@@ -129,23 +131,64 @@ def reject_sparse_y(y) -> None:
         )
 
 
-def check_decompose_args(method, weighting, n_nodes) -> None:
-    """The arguments of every ``decompose``, checked before any work."""
-    if method not in ("exact", "first_order", "second_order"):
-        raise ValueError(
-            f"method must be 'exact', 'first_order' or 'second_order', got {method!r}."
-        )
-    if weighting not in ("realized", "expected"):
-        raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
-    if n_nodes is not None and (isinstance(n_nodes, bool)
-                                or not isinstance(n_nodes, numbers.Integral) or n_nodes < 1):
-        raise ValueError(
-            f"n_nodes must be a positive integer (Gauss-Legendre nodes per step) or None, "
-            f"got {n_nodes!r}."
-        )
+class FittedAttribute:
+    """A fitted attribute that is read from where it lives, not copied there.
+
+    ``source``: the attribute holding it (``"network_"``, the TrainedNetwork, or
+    ``"estimator_"``), read as its ``name`` (default: the same name); None: stored on the
+    instance itself (a subclass's own value where its base reads the network's).
+    ``writable`` (with ``"network_"``): assigning replaces ``network_`` by a copy with the
+    new value, so that a shallow copy of the estimator never changes the original's
+    network.
+    """
+
+    def __init__(self, source: str | None = None, name: str | None = None,
+                 writable: bool = False):
+        self.source, self.name, self.writable = source, name, writable
+
+    def __set_name__(self, owner, attr):
+        self.attr = attr
+        self.name = self.name or attr
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            if self.source is None:
+                return obj.__dict__[self.name]
+            return getattr(getattr(obj, self.source), self.name)
+        except (AttributeError, KeyError):
+            raise AttributeError(
+                f"{type(obj).__name__!r} object has no attribute {self.attr!r} (not fitted)"
+            ) from None
+
+    def __set__(self, obj, value):
+        if self.source is None:
+            obj.__dict__[self.name] = value
+        elif self.writable:
+            obj.network_ = obj.network_.replace(**{self.name: value})
+        else:
+            raise AttributeError(f"{self.attr} is read from {self.source}; it cannot be set.")
 
 
-class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
+class NetworkAttributesMixin:
+    """The fitted network's attributes under the estimators' names, read from ``network_``.
+
+    One source of truth: ``module_``, ``trajectory_``, ``device_``, ``dtype_``,
+    ``n_params_``, ``X_fit_`` (and the encoded targets) are those of ``network_``.
+    """
+
+    module_ = FittedAttribute("network_", "module", writable=True)
+    trajectory_ = FittedAttribute("network_", "trajectory")
+    device_ = FittedAttribute("network_", "device", writable=True)
+    dtype_ = FittedAttribute("network_", "dtype")
+    n_params_ = FittedAttribute("network_", "n_params")
+    X_fit_ = FittedAttribute("network_", "X_fit", writable=True)
+    _Y_fit = FittedAttribute("network_", "y_fit")
+
+
+class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator,
+                            metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
 
     Subclasses encode targets (:meth:`_encode_targets`) and choose the loss; this class
@@ -362,20 +405,17 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
             warn_on_fallback(module, X_t)
         attrs.update(
-            X_fit_=X,
-            _Y_fit=Y,
-            module_=module,
-            trajectory_=result.trajectory,
+            network_=TrainedNetwork(
+                module, result.trajectory, loss=LOSSES[loss_name](), X_fit=X, y_fit=Y,
+                input_kind=self._input_kind, device=str(device),
+                memory_budget=self.memory_budget),
             loss_curve_=result.loss_curve,
             best_loss_=result.best_loss,
             validation_scores_=result.validation_scores,
             best_validation_score_=result.best_validation_score,
             n_iter_=result.n_iter,
             t_=result.n_steps,
-            n_params_=result.trajectory.n_params,
             n_outputs_=n_outputs,
-            device_=str(device),
-            dtype_=self.dtype,
             _network_spec=spec,
         )
         for name, value in attrs.items():
@@ -383,42 +423,29 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         return self
 
     # ------------------------------------------------------------------ inference
+    def _trained_by(self) -> BasePathKernelNetwork:
+        """The estimator whose fit trained ``network_`` and encoded its targets: itself,
+        or the one a subclass composes (an OODRankDetector's ``estimator_``)."""
+        return self
+
     def _validate_X(self, X):
         check_is_fitted(self)
         X = validate_input(self, X, reset=False)
-        check_representable(X, self._torch_dtype_device()[0])
+        # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
+        check_representable(X, self.network_.torch_dtype)
         return X
 
     def _activation_widths(self) -> list[int]:
         """Values per sample of the network's activations, which bound a block's memory."""
-        dtype, device = self._torch_dtype_device()
-        return _widths(self.module_, fitted_input(self)[1] == FEATURES, self.X_fit_[:1],
-                       dtype, device)
-
-    def _torch_dtype_device(self):
-        # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
-        return resolve_dtype(self.dtype_), torch.device(self.device_)
+        return activation_widths_of(self.network_)
 
     def _forward(self, X) -> np.ndarray:
         """Network outputs (n_samples, n_outputs), float64, in fixed-size blocks."""
         X = self._validate_X(X)
-        dtype, device = self._torch_dtype_device()
+        net = self.network_
         width = [X[0].size, self.n_outputs_, *self._activation_widths()]
-        return network_outputs(self.module_, X, dtype, device, self.memory_budget,
-                               fixed=True, widths=width)
-
-    # ------------------------------------------------------------------ kernels
-    @property
-    def tangent_kernel_(self):
-        """:class:`~skpathkernel.kernels.TangentKernel` at the final parameters."""
-        check_is_fitted(self)
-        return TangentKernel(self)
-
-    @property
-    def path_kernel_(self):
-        """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        check_is_fitted(self)
-        return PathKernel(self)
+        return network_outputs(net.module, X, net.torch_dtype, net.torch_device,
+                               self.memory_budget, fixed=True, widths=width)
 
     def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
@@ -436,7 +463,7 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def _check_feature_row_fits(self, what):
         """One sample's dense tangent features (C x P values) must fit the budget."""
         n_out = self.n_outputs_
-        itemsize = torch.empty((), dtype=self._torch_dtype_device()[0]).element_size()
+        itemsize = torch.empty((), dtype=self.network_.torch_dtype).element_size()
         row = n_out * self.n_params_ * itemsize
         rows_per_block(self.memory_budget, row,
                        f"{what} ({n_out} x {self.n_params_} values per sample)")
@@ -445,10 +472,8 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
     def _engine_inputs(self, X, step=-1):
         """(module, parameters at recorded point ``step``, validated X as a tensor)."""
         X = self._validate_X(X)
-        dtype, device = self._torch_dtype_device()
-        traj = self.trajectory_
-        params = dict(traj.unflatten(traj.parameters(step).to(device)))
-        return self.module_, params, to_input_tensor(X, dtype=dtype, device=device)
+        net = self.network_
+        return net.module, net.params_at(step), net.tensor(X)
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -499,10 +524,12 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 f"samples), got {n_neighbors!r}."
             )
         X = self._validate_X(X)
-        k = (TangentKernel(self, step=step) if kernel == "tangent" else PathKernel(self))
+        # The kernels' own normalisation (cosine; 0 against a zero feature).
+        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
+             else PathKernel(self, normalized=normalized))
         K = k(X, self.X_fit_)
         if normalized:
-            sq = 2.0 - 2.0 * np.clip(_normalize_rows(K, k.diag(X), k.diag(self.X_fit_)), -1, 1)
+            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
         else:
             sq = k.diag(X)[:, None] + k.diag(self.X_fit_)[None, :] - 2.0 * K
         dist = np.sqrt(np.maximum(sq, 0.0))
@@ -524,22 +551,33 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         # The network travels as NumPy arrays plus the spec that built it, never as torch
         # objects: a CUDA-trained estimator then loads anywhere, and skops can persist it
         # while trusting only skpathkernel's own types (it cannot read torch tensors).
-        # A copy: object.__getstate__ returns the live __dict__, which must keep module_.
+        # A copy: object.__getstate__ returns the live __dict__, which must keep network_.
+        # The network is stored under the attributes that estimators pickled before
+        # network_ existed (0.1.0.dev0 before issue 17), so that pickles, joblib and skops
+        # files of both load alike.
         state = dict(super().__getstate__())
-        module = state.pop("module_", None)
-        if module is not None:
-            state["_module_state"] = {
-                name: t.detach().cpu().numpy() for name, t in module.state_dict().items()
-            }
+        net = state.pop("network_", None)
+        if net is not None:
+            state.update(
+                _module_state={name: t.detach().cpu().numpy()
+                               for name, t in net.module.state_dict().items()},
+                trajectory_=net.trajectory, X_fit_=net.X_fit, _Y_fit=net.y_fit,
+                device_=net.device, dtype_=net.dtype, n_params_=net.n_params,
+            )
         return state
 
     def __setstate__(self, state):
         state = dict(state)
         module_state = state.pop("_module_state", None)
+        # The network's parts, as __getstate__ stores them (and as estimators pickled
+        # before network_ existed kept them): network_ is rebuilt from them below.
+        parts = {name: state.pop(name, None) for name in
+                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_",
+                  "module_")}
         super().__setstate__(state)
         if module_state is None:
             return
-        device = torch.device(state.get("device_", "cpu"))
+        device = torch.device(parts["device_"] or "cpu")
         if device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn(
                 "This estimator was trained on CUDA, which is not available here; "
@@ -547,16 +585,19 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
                 UserWarning,
                 stacklevel=2,
             )
-            self.device_ = "cpu"
             device = torch.device("cpu")
-        dtype = resolve_dtype(state.get("dtype_", state["dtype"]))
+        dtype = resolve_dtype(parts["dtype_"] or state["dtype"])
         n_features = state["n_features_in_"]
         # The seed is irrelevant: every parameter and buffer is overwritten just below.
         module = _build_module(state["_network_spec"], n_features, state["n_outputs_"], 0,
                                device, dtype)
         module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
                                 module_state.items()})
-        self.module_ = module.eval()
+        self.network_ = TrainedNetwork(
+            module.eval(), parts["trajectory_"],
+            loss=LOSSES[state.get("_loss_name", state.get("loss"))](),
+            X_fit=parts["X_fit_"], y_fit=parts["_Y_fit"], input_kind=fitted_input(self)[1],
+            device=str(device), memory_budget=state["memory_budget"])
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -564,6 +605,48 @@ class BasePathKernelNetwork(BaseEstimator, metaclass=ABCMeta):
         # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
         tags.input_tags.three_d_array = self.module is not None
         return tags
+
+
+def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
+    """New ``(X, y)`` validated and encoded as ``fit`` did the network's training data.
+
+    By the estimator whose fit trained the network (``_trained_by``: an OODRankDetector's
+    ``estimator_``): its input checks, its label encoding (``classes_``) and target
+    scaling (``normalize_y``).
+    """
+    estimator = estimator._trained_by()
+    X = estimator._validate_X(X)
+    Y = _encode_like_fit(estimator, y)
+    check_consistent_length(X, Y)
+    return X, Y
+
+
+def _encode_like_fit(estimator, y) -> np.ndarray:
+    """``y`` encoded as ``fit`` encoded the training targets."""
+    # Trained on class labels (classifiers, TangentFeatures with task_="classification").
+    if hasattr(estimator, "classes_"):
+        y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
+        classes = estimator.classes_
+        unseen = np.setdiff1d(y, classes)
+        if unseen.size:
+            raise ValueError(
+                f"y contains labels not seen in fit: {unseen.tolist()}; the classes are "
+                f"{classes.tolist()}."
+            )
+        # Encoding the classes ahead of y makes the encoder see exactly the fitted classes,
+        # so y gets fit's codes (and one-hot / +-1 layout) whichever labels it contains.
+        Y = estimator._encode_targets(np.concatenate([classes, y]))[0][len(classes) :]
+    else:
+        y = check_array(y, ensure_2d=False, dtype=[np.float64, np.float32])
+        Y = estimator._encode_targets(y)[0]
+        if Y.shape[1] != estimator.n_outputs_:
+            raise ValueError(
+                f"y has {Y.shape[1]} outputs but the network was fitted with "
+                f"{estimator.n_outputs_}."
+            )
+        # In the units the network was trained in (standardized with normalize_y).
+        Y = estimator._network_targets(Y)
+    return Y
 
 
 def declare_feature_dtype(tags, estimator):
@@ -587,12 +670,6 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     if n_outputs > 1:
         names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
     return np.asarray(names, dtype=object)
-
-
-def _normalize_rows(K, dx, dy):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = K / np.sqrt(np.outer(dx, dy))
-    return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _layer_widths(module: torch.nn.Module) -> list[int]:
@@ -674,6 +751,12 @@ def network_outputs(module, X: np.ndarray, dtype, device, memory_budget: int, *,
             np.concatenate([to_numpy(module(X_t[i : i + block]))
                             for i in range(0, X.shape[0], block)])
     return out.astype(np.float64, copy=False)
+
+
+def activation_widths_of(net: TrainedNetwork) -> list[int]:
+    """Values per sample of a fitted network's activations, which bound a block's memory."""
+    return _widths(net.module, net.input_kind == FEATURES, net.X_fit[:1], net.torch_dtype,
+                   net.torch_device)
 
 
 def _widths(module, default_mlp: bool, X_row, dtype, device) -> list[int]:

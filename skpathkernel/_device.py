@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "fitted_dtype",
     "resolve_device",
     "resolve_dtype",
     "seeded_torch",
@@ -32,12 +31,6 @@ def resolve_device(device: str) -> torch.device:
             "Use device='auto' or device='cpu'."
         )
     return torch.device(device)
-
-
-def fitted_dtype(estimator) -> str:
-    """The dtype a fitted network lives in (``dtype_``), not the ``dtype`` parameter,
-    which ``set_params`` may have changed for the next fit."""
-    return getattr(estimator, "dtype_", None) or estimator.dtype
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

@@ -96,7 +96,7 @@ def _check_values_per_sample(X: np.ndarray) -> None:
         )
 
 
-def _check_like_fit(estimator, X, dtype, kind, shape, fitted_kind, name, what) -> None:
+def _check_like_fit(X, dtype, kind, shape, fitted_kind, name, what) -> None:
     """``X`` (network form, original ``dtype``) against the form recorded at fit."""
     if fitted_kind == TOKENS and kind != TOKENS:
         raise ValueError(
@@ -171,23 +171,24 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
     if reset:
         _record(estimator, X, kind)
     else:
-        _check_like_fit(estimator, X, dtype, kind, shape, fitted_input(estimator)[1], "X",
+        _check_like_fit(X, dtype, kind, shape, fitted_input(estimator)[1], "X",
                         type(estimator).__name__)
         if kind == TOKENS:
             _check_ids(getattr(estimator, "module_", None), X, "X")
     return (X, y) if with_y else X
 
 
-def check_input(estimator, X, name: str = "X", *, allow_flat: bool = False) -> np.ndarray:
-    """``check_array`` against the form a fitted estimator's network takes (no names).
+def check_input(shape, fitted_kind, module, X, name: str = "X", *,
+                allow_flat: bool = False) -> np.ndarray:
+    """``check_array`` against the form a fitted network takes (no feature names).
 
-    For kernels and helpers that take arrays from anywhere. ``allow_flat``: also accept
-    rows of ``n_features_in_`` values for an estimator fitted on ``(n, ...)`` arrays, and
-    reshape them to ``input_shape_`` (scikit-learn's kernel consumers, e.g.
-    ``GaussianProcessRegressor``, only pass 2-D arrays). An estimator that recorded no
-    input (a ``RecordedNetwork`` without ``X_train``) takes any ``(n, ...)`` array.
+    For kernels and helpers that take arrays from anywhere: ``shape`` and ``fitted_kind``
+    are the network's recorded input form (``None, None``: any ``(n, ...)`` array, as a
+    ``RecordedNetwork`` without ``X_train``); ``module`` checks token ids against its
+    embeddings. ``allow_flat``: also accept rows of ``prod(shape)`` values for a network
+    fitted on ``(n, ...)`` arrays, and reshape them to ``shape`` (scikit-learn's kernel
+    consumers, e.g. ``GaussianProcessRegressor``, only pass 2-D arrays).
     """
-    shape, fitted_kind = fitted_input(estimator)
     what = "the kernel's estimator"
     if fitted_kind == FEATURES:
         X = check_array(X, dtype=_FLOATS, ensure_all_finite=True, input_name=name)
@@ -209,9 +210,9 @@ def check_input(estimator, X, name: str = "X", *, allow_flat: bool = False) -> n
     dtype = X.dtype
     X, kind = _network_form(X, name)
     if shape is not None:
-        _check_like_fit(estimator, X, dtype, kind, shape, fitted_kind, name, what)
+        _check_like_fit(X, dtype, kind, shape, fitted_kind, name, what)
     if kind == TOKENS:
-        _check_ids(getattr(estimator, "module_", None), X, name)
+        _check_ids(module, X, name)
     return X
 
 

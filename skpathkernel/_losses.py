@@ -47,7 +47,9 @@ class LogLoss(Loss):
 
     def per_sample(self, output, target):
         if output.shape[1] == 1:
-            return F.binary_cross_entropy_with_logits(output[:, 0], target, reduction="none")
+            # 0/1 targets, also given as integer class codes.
+            return F.binary_cross_entropy_with_logits(output[:, 0], target.to(output.dtype),
+                                                      reduction="none")
         return F.cross_entropy(output, target, reduction="none")
 
 

@@ -14,19 +14,16 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted
 
-from . import _interpolation
-from ._attribution import check_output, label_codes, output_weights, query_codes
+from ._attribution import attribution_scores, check_output, label_codes
 from ._base import (
     BasePathKernelNetwork,
-    check_decompose_args,
     declare_feature_dtype,
     in_target_units,
     keep_previous_fit_on_error,
     tangent_feature_names,
 )
-from ._device import to_input_tensor, to_tensor
-from ._interpolation import check_tol
-from ._losses import LOSSES
+from ._device import to_tensor
+from ._network import check_decompose_args, network_of
 from ._params import network_params_doc
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -44,6 +41,11 @@ _NORMALIZE_Y_DOC = """
         behaviour). Ignored for class labels."""
 
 _FITTED_ATTRS_DOC = """
+    network_ : TrainedNetwork
+        The trained network and its recorded path (module, trajectory, loss, dtype,
+        device, training inputs and targets), which the kernels, the decomposition and
+        the displays read; ``module_``, ``trajectory_``, ``device_``, ``n_params_`` and
+        ``X_fit_`` are its attributes.
     module_ : torch.nn.Module
         The trained network (on ``device_``).
     trajectory_ : Trajectory
@@ -168,8 +170,7 @@ class _KernelMachineMixin(TransformerMixin):
         >>> bool(res.error < 1e-10)
         True
         """
-        check_decompose_args(method, weighting, n_nodes)
-        check_tol(tol)
+        check_decompose_args(method, weighting, n_nodes, tol)
         return self._decompose(self._validate_X(X), method, weighting, n_nodes, tol)
 
     def _decompose(self, X, method, weighting, n_nodes, tol, weights=None):
@@ -177,26 +178,17 @@ class _KernelMachineMixin(TransformerMixin):
         outputs contracted in y's units (one output)."""
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
-        dtype, device = self._torch_dtype_device()
         mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
         if weights is not None and scale is not None:
             # y = mean + scale * f: w . y = w . mean + (w * scale) . f, so the network's
             # output is contracted with w * scale and the result takes w . mean.
             mean = (weights @ np.asarray(mean, dtype=np.float64).reshape(-1))[:, None]
             weights, scale = weights * np.asarray(scale, dtype=np.float64).reshape(-1), 1.0
-        result = _interpolation.decompose(
-            self.module_, self.trajectory_,
-            to_input_tensor(self.X_fit_, dtype=dtype, device=device),
-            self._target_tensor(self._Y_fit, dtype, device),
-            # The loss the network was trained with: set_params(loss=...) after fit must
-            # not change what the fitted path is decomposed with.
-            LOSSES[self._loss_name](),
-            to_input_tensor(X, dtype=dtype, device=device),
-            method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
-            memory_budget=self.memory_budget, weights=weights,
-            units=lambda res: in_target_units(res, mean, scale),
-        )
-        return result
+        # The network's loss is the one it was trained with: set_params(loss=...) after
+        # fit must not change what the fitted path is decomposed with.
+        return network_of(self).decompose(
+            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol, weights=weights,
+            units=lambda res: in_target_units(res, mean, scale))
 
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.
@@ -289,17 +281,14 @@ class _KernelMachineMixin(TransformerMixin):
         True
         """
         check_is_fitted(self)
-        check_decompose_args(method, weighting, n_nodes)
-        check_tol(tol)
+        check_decompose_args(method, weighting, n_nodes, tol)
         output = check_output(output, self.n_outputs_,
                               "default" if isinstance(self, ClassifierMixin) else "no")
         X = self._validate_X(X)
-        prediction = self._forward(X)
-        codes = (query_codes(prediction, y, lambda y: label_codes(self.classes_, y))
-                 if output == "margin" else None)
-        weights = output_weights(output, prediction, codes)
-        res = self._decompose(X, method, weighting, n_nodes, tol, weights=weights)
-        return res.contributions[:, :, 0]
+        return attribution_scores(
+            self._forward(X), y, output, lambda y: label_codes(self.classes_, y),
+            lambda weights: self._decompose(X, method, weighting, n_nodes, tol,
+                                            weights=weights))
 
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.

@@ -21,7 +21,6 @@ the feature's norm.
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 import warnings
@@ -29,18 +28,19 @@ import warnings
 import numpy as np
 import torch
 from sklearn.base import OutlierMixin
+from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_is_fitted
 
 from ._base import (
     FIT_CHECKS,
     BasePathKernelNetwork,
+    FittedAttribute,
     keep_previous_fit_on_error,
 )
-from ._device import fitted_dtype, resolve_dtype, to_numpy
-from ._inputs import FEATURES, TOKENS, check_representable, fitted_input, validate_input
+from ._device import to_numpy
+from ._inputs import FEATURES, TOKENS, check_representable, validate_input
 from ._machine import (
     _FITTED_ATTRS_DOC,
     _NORMALIZE_Y_DOC,
@@ -48,17 +48,19 @@ from ._machine import (
     PathKernelClassifier,
     PathKernelMachine,
 )
+from ._network import network_of
 from ._parallel import map_row_blocks, n_row_blocks
 from ._params import network_parameter_names
 from ._span import BLOCK, NetworkGram, TangentSpan
-from .kernels import PathKernel, TangentKernel, reading_copy
 
 __all__ = ["OODRankDetector"]
 
 _NETWORK_PARAMS = network_parameter_names()
-# Fitted attributes of the network that the detector exposes as its own.
-_MIRRORED = ("module_", "trajectory_", "loss_curve_", "best_loss_", "validation_scores_",
-             "best_validation_score_", "n_iter_", "t_", "n_params_", "n_outputs_", "device_")
+# What detectors pickled before network_ existed stored as copies of the inner estimator's
+# attributes; read from estimator_ now, so dropped when such a pickle loads.
+_OLD_COPIES = ("loss_curve_", "best_loss_", "validation_scores_", "best_validation_score_",
+               "n_iter_", "t_", "n_outputs_", "module_", "trajectory_", "n_params_",
+               "device_")
 # contamination="auto": never flag a point with less than this fraction of ||phi(x)||
 # outside the span (for "alignment": outside the direction of its best-aligned training
 # feature, cos > sqrt(1 - 0.01^2)). It matters where the leave-one-out residuals collapse
@@ -85,14 +87,6 @@ def _auto_offset(loo_scores, method) -> float:
 
 def _loo_subset(n: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, min(n, _LOO_POINTS)).round().astype(np.intp))
-
-
-def _unwrap(estimator):
-    # FrozenEstimator keeps a prefitted network across clone(); read the network inside.
-    inner = getattr(estimator, "estimator", None)
-    if type(estimator).__name__ == "FrozenEstimator" and inner is not None:
-        return inner
-    return estimator
 
 
 def _never(self):
@@ -227,7 +221,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     of ``b`` queries, and the same again for the leave-one-out scores of ``fit``.
     Measured on 2 loaded CPU cores (64-unit tanh network, 1 GiB budget): N = 20000 fits
     in 52 s with a peak of 0.70 GiB above the start of fit, and scores 1857 queries in
-    62 s (benchmarks/results_ood.md).
+    62 s (benchmarks/results/ood.md).
 
     **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
     block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes
@@ -373,21 +367,23 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
                                  normalize_y=self.normalize_y).fit(X, y), task
 
     def _prefitted(self, X):
-        est = _unwrap(self.estimator)
+        # FrozenEstimator keeps a prefitted network across clone(); the network inside.
+        est = self.estimator
+        est = est.estimator if isinstance(est, FrozenEstimator) else est
         if not isinstance(est, BasePathKernelNetwork):
             raise TypeError(
                 "estimator must be a fitted PathKernelMachine or PathKernelClassifier "
                 f"(optionally in a FrozenEstimator), got {type(est).__name__}."
             )
-        check_is_fitted(est, "trajectory_")
-        shape, kind = fitted_input(est)
+        net = network_of(est)
+        shape, kind = net.input_shape, net.input_kind
         X = validate_input(self, X, reset=True, flexible=kind != FEATURES,
                            ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
-        check_representable(X, resolve_dtype(est.dtype))
-        if kind == FEATURES and X.shape[1] != est.n_features_in_:
+        check_representable(X, net.torch_dtype)
+        if kind == FEATURES and X.shape[1] != net.n_features_in:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the estimator's network is expecting "
-                f"{est.n_features_in_} features as input."
+                f"{net.n_features_in} features as input."
             )
         if (self.input_shape_, self._input_kind) != (shape, kind):
             raise ValueError(
@@ -425,7 +421,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             X = est.X_fit_
         else:
             X, est, task = self._prefitted(X)
-        gram = NetworkGram(est)
+        gram = NetworkGram(network_of(est))
         n = X.shape[0]
         # Every method holds blocks of Gram rows (N values each, with their temporaries)
         # against all N points; refuse before any Gram when one does not fit.
@@ -467,7 +463,6 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         else:
             offset = float(np.percentile(scores, 100.0 * self.contamination))
         state["offset_"] = offset
-        state.update({name: getattr(est, name) for name in _MIRRORED})
         if self.method == "local":  # a previous fit's factorisation describes nothing now
             for name in ("rank_", "pivots_", "_X_span", "_chol"):
                 self.__dict__.pop(name, None)
@@ -496,9 +491,12 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         scores : ndarray of shape (n_samples,)
         """
         X = self._validate_X(X)
-        # Workers get an on-disk trajectory by reference (see kernels.reading_copy).
-        detector = self if n_row_blocks(self.n_jobs, X) == 1 else reading_copy(self)
-        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, detector))
+        net = network_of(self.estimator_)
+        if n_row_blocks(self.n_jobs, X) > 1:
+            # Workers get an on-disk trajectory by reference (TrainedNetwork.for_workers).
+            net = net.for_workers()
+        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self.method,
+                                             self.n_neighbors, self._span(), net))
 
     def decision_function(self, X):
         """``score_samples(X) - offset_``: negative for outliers.
@@ -554,7 +552,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
             ``rank_tau(J([X_fit_; X]))``.
         """
         X = self._validate_X(X)
-        gram = NetworkGram(self.estimator_)
+        gram = NetworkGram(network_of(self.estimator_))
         n_train = self.X_fit_.shape[0]
         total = n_train + X.shape[0]
         nbytes = 8 * total**2
@@ -569,21 +567,21 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         return TangentSpan.rank_gap(K, n_train, self.rtol)
 
     # ------------------------------------------------------------------ network views
-    def _torch_dtype_device(self):
-        # A prefitted network keeps its own dtype, whatever this detector's dtype says.
-        return resolve_dtype(fitted_dtype(self.estimator_)), torch.device(self.estimator_.device_)
+    # The network is the inner estimator's (a prefitted one keeps its own dtype and
+    # device, whatever this detector's parameters say); X_fit_ is the span's points.
+    network_ = FittedAttribute("estimator_")
 
-    @property
-    def tangent_kernel_(self):
-        """:class:`~skpathkernel.kernels.TangentKernel` of the network at its final step."""
-        check_is_fitted(self)
-        return TangentKernel(self.estimator_)
+    def _trained_by(self) -> BasePathKernelNetwork:
+        return self.estimator_
 
-    @property
-    def path_kernel_(self):
-        """:class:`~skpathkernel.kernels.PathKernel` of the network's recorded path."""
-        check_is_fitted(self)
-        return PathKernel(self.estimator_)
+    X_fit_ = FittedAttribute()
+    loss_curve_ = FittedAttribute("estimator_")
+    best_loss_ = FittedAttribute("estimator_")
+    validation_scores_ = FittedAttribute("estimator_")
+    best_validation_score_ = FittedAttribute("estimator_")
+    n_iter_ = FittedAttribute("estimator_")
+    t_ = FittedAttribute("estimator_")
+    n_outputs_ = FittedAttribute("estimator_")
 
     def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -592,33 +590,24 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         See :meth:`PathKernelMachine.kneighbors`; the neighbours are taken among the
         detector's ``X_fit_`` (the span's points, also with a prefitted ``estimator``).
         """
-        # Validated here, so that errors name this detector and its feature names.
-        X = self._validate_X(X)
-        view = copy.copy(self.estimator_)
-        view.X_fit_ = self.X_fit_
-        view.__dict__.pop("feature_names_in_", None)
-        return view.kneighbors(X, n_neighbors, kernel=kernel, step=step,
-                               normalized=normalized, return_distance=return_distance)
+        # The base class's, on this detector: its X_fit_, its input checks (errors name
+        # it and its feature names) and the inner estimator's network (network_).
+        return super().kneighbors(X, n_neighbors, kernel=kernel, step=step,
+                                  normalized=normalized, return_distance=return_distance)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
-        # module_ mirrors estimator_.module_, which pickles itself (as NumPy arrays); the
-        # base class would store it a second time without the spec that rebuilds it.
-        state = dict(super(BasePathKernelNetwork, self).__getstate__())
-        state.pop("module_", None)
-        return state
+        # The network is estimator_'s, which pickles itself (as NumPy arrays).
+        return dict(super(BasePathKernelNetwork, self).__getstate__())
 
     def __setstate__(self, state):
         state = dict(state)
         # Pickled before n_neighbors existed: the default, which such a detector's method
         # ("residual" or "alignment", stored with it) never reads.
         state.setdefault("n_neighbors", 20)
+        for name in _OLD_COPIES:
+            state.pop(name, None)
         super(BasePathKernelNetwork, self).__setstate__(state)
-        est = self.__dict__.get("estimator_")
-        if est is not None:
-            # The same objects as the network's own, and its device after loading (the
-            # CPU when CUDA is missing here).
-            self.module_, self.device_ = est.module_, est.device_
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -635,10 +624,9 @@ def _scores(method, n_neighbors, span, gram, X, exclude=None):
     return -span.residuals(gram, X)
 
 
-def _score_rows(X, detector):
+def _score_rows(X, method, n_neighbors, span, net):
     # One joblib task: score_samples of a row block (or of all of X when serial).
-    return _scores(detector.method, detector.n_neighbors, detector._span(),
-                   NetworkGram(detector.estimator_), X)
+    return _scores(method, n_neighbors, span, NetworkGram(net), X)
 
 
 OODRankDetector.__doc__ = OODRankDetector.__doc__.format(

@@ -39,22 +39,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
-from sklearn.utils.validation import check_is_fitted
-from torch.func import functional_call
 
-from . import _interpolation
-from ._attribution import check_output, class_indices, output_weights, query_codes
-from ._base import check_decompose_args
-from ._device import to_input_tensor, to_numpy, to_tensor
-from ._inputs import FEATURES, FLOAT, TOKENS, check_input
-from ._interpolation import check_tol
-from ._losses import LOSSES, Loss
+from ._attribution import attribution_scores, check_output, class_indices
+from ._base import NetworkAttributesMixin
+from ._network import TrainedNetwork, check_decompose_args
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
-from .kernels import PathKernel, TangentKernel
+from .kernels import NetworkKernelsMixin
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 
 # Options whose non-default values change the update rule away from what the kernels'
 # preconditioner and the decomposition's recursion model, per optimizer class.
@@ -285,7 +277,7 @@ class PathRecorder:
                 "does."
             )
         dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise ValueError(
                 f"The recorded parameters must all be float32 or all float64, got {dtypes}."
             )
@@ -402,41 +394,71 @@ class PathRecorder:
         return RecordedNetwork(self.module, self.trajectory, X_train=X_train,
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
+    def as_network(self, X_train=None, y_train=None, *, loss="squared_error",
+                   memory_budget: int = 2**30) -> TrainedNetwork:
+        """The recorded path as a :class:`~skpathkernel.TrainedNetwork`.
 
-def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:
-    """Refuse a trajectory recorded from another network (e.g. a directory of another run)."""
-    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    for name, shape in zip(trajectory.names, trajectory.shapes):
-        if shapes.get(name) != tuple(shape):
-            where = ("" if trajectory.directory is None
-                     else f" (on disk in {trajectory.directory!r})")
-            have = "missing" if name not in shapes else f"of shape {shapes[name]}"
-            raise ValueError(
-                f"The trajectory{where} was recorded from another network: its parameter "
-                f"{name!r} has shape {tuple(shape)}, the module's is {have}."
-            )
+        The network of :meth:`as_estimator` (its ``network_``) without the estimator
+        around it: what :class:`~skpathkernel.TangentKernel`,
+        :class:`~skpathkernel.PathKernel`, the displays and the decomposition
+        (:meth:`TrainedNetwork.decompose <skpathkernel.TrainedNetwork.decompose>`) take.
+
+        Parameters
+        ----------
+        X_train : array-like or tensor of shape (n_samples, ...), default=None
+            The training inputs the recorded batches index into, as for
+            :class:`RecordedNetwork`.
+        y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets), \
+default=None
+            Their targets, in the form the loss takes.
+        loss : "squared_error", "log_loss" or callable, default="squared_error"
+            The per-sample loss whose batch mean each step minimized.
+        memory_budget : int, default=2**30
+            Bytes one block of a kernel or decomposition computation may use.
+
+        Returns
+        -------
+        network : TrainedNetwork
+
+        Examples
+        --------
+        >>> import numpy as np, torch
+        >>> from skpathkernel import PathRecorder, TangentKernel
+        >>> X, y = torch.randn(8, 2), torch.randn(8)
+        >>> module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+        ...                              torch.nn.Linear(4, 1))
+        >>> opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        >>> with PathRecorder(module, opt, n_samples=8) as rec:
+        ...     for _ in range(3):
+        ...         rec.set_batch(np.arange(8))
+        ...         opt.zero_grad()
+        ...         (0.5 * (module(X)[:, 0] - y) ** 2).mean().backward()
+        ...         opt.step()
+        >>> net = rec.as_network(X, y)
+        >>> TangentKernel(net)(X.numpy()).shape
+        (8, 8)
+        >>> res = net.decompose(X[:2].numpy())
+        >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
+        True
+        """
+        return TrainedNetwork(self.module, self.trajectory, loss=loss, X_fit=X_train,
+                              y_fit=y_train, memory_budget=memory_budget)
 
 
-class _PerSampleLoss(Loss):
-    """A user's ``per_sample(output, target) -> (B,)`` as a library loss."""
-
-    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.fn = fn
-        self.name = getattr(fn, "__name__", "callable")
-
-    def per_sample(self, output, target):
-        return self.fn(output, target)
+# What RecordedNetwork.__init__ set besides its parameters before network_ existed.
+_OLD_COPIES = ("module_", "trajectory_", "device_", "dtype", "n_params_", "n_features_in_",
+               "input_shape_", "_input_kind")
 
 
-class RecordedNetwork(BaseEstimator):
+class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator):
     """A recorded path and its network, usable where the library takes a fitted estimator.
 
-    Exposes what :class:`~skpathkernel.TangentKernel` and
-    :class:`~skpathkernel.PathKernel` read (``module_``, ``trajectory_``, ``device_``,
-    ``dtype``, ``memory_budget``), the two kernels as ``tangent_kernel_`` and
-    ``path_kernel_``, and :meth:`decompose`. It is fitted by construction: :meth:`fit`
-    does nothing (as ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an
-    equally fitted copy.
+    Exposes the recorded network as a :class:`~skpathkernel.TrainedNetwork`
+    (``network_``, built from the current parameters), which
+    :class:`~skpathkernel.TangentKernel` and :class:`~skpathkernel.PathKernel` read, the
+    two kernels as ``tangent_kernel_`` and ``path_kernel_``, and :meth:`decompose`. It
+    is fitted by construction: :meth:`fit` does nothing (as
+    ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an equally fitted copy.
 
     Parameters
     ----------
@@ -462,6 +484,8 @@ class RecordedNetwork(BaseEstimator):
 
     Attributes
     ----------
+    network_ : TrainedNetwork
+        The network built from the current parameters (again after ``set_params``).
     module_ : torch.nn.Module
     trajectory_ : Trajectory
     device_ : str
@@ -489,35 +513,67 @@ class RecordedNetwork(BaseEstimator):
     def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, X_train=None,
                  y_train=None, loss: str | Callable = "squared_error",
                  memory_budget: int = 2**30):
-        if trajectory.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"The trajectory's dtype must be float32 or float64, got "
-                             f"{trajectory.dtype}.")
-        if not (isinstance(loss, str) and loss in LOSSES) and not callable(loss):
-            raise ValueError(
-                f"loss must be one of {sorted(LOSSES)} or a callable per_sample(output, "
-                f"target) -> (B,), got {loss!r}."
-            )
-        _check_module_matches(module, trajectory)
-        # Constructor parameters under their own names (get_params / clone), and the
-        # fitted-estimator names that the kernels read.
-        self.module = self.module_ = module
-        self.trajectory = self.trajectory_ = trajectory
-        first = next(iter(module.parameters()), None)
-        self.device_ = str(first.device) if first is not None else "cpu"
-        self.dtype = _DTYPE_NAMES[trajectory.dtype]
-        self.memory_budget = int(memory_budget)
-        self.n_params_ = trajectory.n_params
-        self.loss = loss
+        self.module = module
+        self.trajectory = trajectory
         self.X_train = X_train
         self.y_train = y_train
-        if X_train is not None:
-            shape = tuple(int(d) for d in np.shape(X_train)[1:])
-            self.n_features_in_ = int(np.prod(shape))
-            self.input_shape_ = shape
-            # 2-D floats keep the strict features checks; integers are token ids.
-            integer = (not X_train.is_floating_point() if isinstance(X_train, torch.Tensor)
-                       else np.asarray(X_train).dtype.kind in "iu")
-            self._input_kind = TOKENS if integer else FEATURES if len(shape) == 1 else FLOAT
+        self.loss = loss
+        self.memory_budget = memory_budget
+        # Refused now, as a constructor of a network that is fitted by construction: a
+        # trajectory of another network, another dtype, an unknown loss. The network is
+        # built again from the parameters whenever they change (set_params).
+        self._network()
+
+    def _network(self) -> TrainedNetwork:
+        """The network of the current parameters, rebuilt when one of them changed."""
+        params = tuple(getattr(self, name) for name in
+                       ("module", "trajectory", "X_train", "y_train", "loss", "memory_budget"))
+        cached = self.__dict__.get("_cache")
+        # By identity, holding the objects: an id alone would be reused by a new object
+        # once the old parameter is freed (set_params(y_train=None), then a new list).
+        if cached is None or not all(a is b for a, b in zip(cached[0], params)):
+            # As PathRecorder.as_network builds it from the same arguments.
+            net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
+                                 X_fit=self.X_train, y_fit=self.y_train,
+                                 memory_budget=self.memory_budget)
+            cached = self.__dict__["_cache"] = (params, net)
+        return cached[1]
+
+    @property
+    def network_(self) -> TrainedNetwork:
+        """The recorded network as a :class:`~skpathkernel.TrainedNetwork`."""
+        return self._network()
+
+    @property
+    def dtype(self) -> str:
+        """"float32" or "float64", the trajectory's dtype."""
+        return self._network().dtype
+
+    @property
+    def n_features_in_(self) -> int:
+        shape = self._network().input_shape
+        if shape is None:
+            raise AttributeError("n_features_in_ is only set when X_train is given.")
+        return int(np.prod(shape))
+
+    @property
+    def input_shape_(self) -> tuple[int, ...]:
+        shape = self._network().input_shape
+        if shape is None:
+            raise AttributeError("input_shape_ is only set when X_train is given.")
+        return shape
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_cache", None)  # rebuilt from the parameters
+        return state
+
+    def __setstate__(self, state):
+        # Pickled before network_ existed (0.1.0.dev0 before issue 17), a RecordedNetwork
+        # also held copies of its network's attributes: read from network_ now, dropped
+        # so that they neither hide a later set_params nor pickle the module twice.
+        state = {name: value for name, value in state.items() if name not in _OLD_COPIES}
+        super().__setstate__(state)
 
     def fit(self, X=None, y=None) -> RecordedNetwork:
         """Do nothing: the network was trained by the recorded loop. Returns self."""
@@ -526,47 +582,9 @@ class RecordedNetwork(BaseEstimator):
     def __sklearn_is_fitted__(self) -> bool:
         return True
 
-    def _device_dtype(self):
-        return torch.device(self.device_), self.trajectory_.dtype
-
-    def _inputs(self, X, name="X") -> torch.Tensor:
-        device, dtype = self._device_dtype()
-        if isinstance(X, torch.Tensor):
-            X = X.detach().cpu().numpy()
-        return to_input_tensor(check_input(self, X, name), dtype=dtype, device=device)
-
-    def _targets(self, n_outputs: int) -> torch.Tensor:
-        device, dtype = self._device_dtype()
-        y = self.y_train
-        y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
-        integer = np.issubdtype(y.dtype, np.integer)
-        # Class codes stay integers for softmax cross-entropy (and for a user's loss);
-        # the logistic loss on a single margin takes float 0/1 targets.
-        if integer and self.loss != "squared_error" and not (
-                self.loss == "log_loss" and n_outputs == 1):
-            return torch.as_tensor(y, dtype=torch.long, device=device)
-        if self.loss == "squared_error" and y.ndim == 1:
-            y = y.reshape(-1, 1)
-        return to_tensor(y.astype(np.float64), dtype=dtype, device=device)
-
     def predict(self, X) -> np.ndarray:
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
-        Xt = self._inputs(X)
-        traj = self.trajectory_
-        params = dict(traj.unflatten(traj.parameters(-1).to(Xt.device)))
-        with torch.no_grad():
-            out = functional_call(self.module_, params, (Xt,))
-        return to_numpy(out.reshape(len(Xt), -1)).astype(np.float64)
-
-    @property
-    def tangent_kernel_(self):
-        """:class:`~skpathkernel.kernels.TangentKernel` at the last recorded point."""
-        return TangentKernel(self)
-
-    @property
-    def path_kernel_(self):
-        """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
-        return PathKernel(self)
+        return self._network().outputs(X)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None):
@@ -594,10 +612,8 @@ class RecordedNetwork(BaseEstimator):
         -------
         result : Decomposition
         """
-        check_is_fitted(self, "trajectory_")
-        check_decompose_args(method, weighting, n_nodes)
-        check_tol(tol)
-        return self._decompose(self._inputs(X), method, weighting, n_nodes, tol)
+        return self._network().decompose(X, method=method, weighting=weighting,
+                                         n_nodes=n_nodes, tol=tol)
 
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None,
@@ -630,46 +646,12 @@ class RecordedNetwork(BaseEstimator):
         -------
         scores : ndarray of shape (n_queries, n_train)
         """
-        check_is_fitted(self, "trajectory_")
-        check_decompose_args(method, weighting, n_nodes)
-        check_tol(tol)
-        Xt = self._inputs(X)
-        prediction = self.predict(X)
+        check_decompose_args(method, weighting, n_nodes, tol)
+        net = self._network()
+        prediction = net.outputs(X)
         output = check_output(output, prediction.shape[1], "allowed")
         n_classes = max(prediction.shape[1], 2)
-        codes = (query_codes(prediction, y, lambda y: class_indices(y, n_classes))
-                 if output == "margin" else None)
-        weights = output_weights(output, prediction, codes)
-        res = self._decompose(Xt, method, weighting, n_nodes, tol, weights=weights)
-        return res.contributions[:, :, 0]
-
-    def _decompose(self, Xq, method, weighting, n_nodes, tol, weights=None):
-        if self.X_train is None or self.y_train is None:
-            raise ValueError("decompose needs the training inputs and targets: pass X_train "
-                             "and y_train.")
-        traj = self.trajectory_
-        X_train = self._inputs(self.X_train, "X_train")
-        if traj.n_samples != len(X_train):
-            raise ValueError(
-                f"The trajectory's batches index {traj.n_samples} samples but X_train has "
-                f"{len(X_train)}; record with PathRecorder(..., n_samples=len(X_train)) and "
-                "recorder.set_batch(indices) at every step."
-            )
-        params = dict(traj.unflatten(traj.parameters(0).to(X_train.device)))
-        with torch.no_grad():
-            out = functional_call(self.module_, params, (X_train[:2],))
-        Y_train = self._targets(out.shape[1])
-        if len(Y_train) != len(X_train):
-            raise ValueError(f"y_train has {len(Y_train)} rows but X_train has "
-                             f"{len(X_train)}.")
-        loss = LOSSES[self.loss]() if isinstance(self.loss, str) else _PerSampleLoss(self.loss)
-        with torch.no_grad():
-            probe = loss.per_sample(out, Y_train[:2])
-        if probe.shape != (len(X_train[:2]),):
-            raise ValueError(
-                "The loss must return one value per sample, shape (B,); it returned shape "
-                f"{tuple(probe.shape)}."
-            )
-        return _interpolation.decompose(
-            self.module_, traj, X_train, Y_train, loss, Xq, method=method, weighting=weighting,
-            n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget, weights=weights)
+        return attribution_scores(
+            prediction, y, output, lambda y: class_indices(y, n_classes),
+            lambda weights: net.decompose(X, method=method, weighting=weighting,
+                                          n_nodes=n_nodes, tol=tol, weights=weights))

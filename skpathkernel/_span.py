@@ -67,13 +67,18 @@ class NetworkGram:
     computed in float64 whatever the training dtype.
     """
 
-    def __init__(self, estimator):
-        self.device = torch.device(estimator.device_)
-        self.module = copy.deepcopy(estimator.module_).to(dtype=torch.float64)
-        traj = estimator.trajectory_
+    def __init__(self, network):
+        # A TrainedNetwork (skpathkernel._network), or a fitted estimator exposing one as
+        # network_ (benchmarks/bench_ood.py passes the estimator). Not network_of: the
+        # engine sits below _network in the import graph (tests/test_imports.py), and the
+        # detector, its one caller in the package, resolves the network with it first.
+        network = getattr(network, "network_", network)
+        self.device = torch.device(network.device)
+        self.module = copy.deepcopy(network.module).to(dtype=torch.float64)
+        traj = network.trajectory
         flat = traj.parameters(-1).to(device=self.device, dtype=torch.float64)
         self.params = dict(traj.unflatten(flat))
-        self.budget = int(estimator.memory_budget)
+        self.budget = int(network.memory_budget)
 
     def tensor(self, X) -> torch.Tensor:
         # Token ids stay int64; float inputs follow the float64 copy of the network.

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import BasePathKernelNetwork, rows_per_block
-from ._device import resolve_dtype, to_input_tensor
-from ._losses import LOSSES
+from ._base import BasePathKernelNetwork, activation_widths_of, data_like_fit, rows_per_block
+from ._network import network_of
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -222,7 +221,7 @@ def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
     ([0, 10, 20], [0, 10, 20], (3,))
     """
     check_is_fitted(estimator)
-    n_points = len(estimator.trajectory_)
+    n_points = len(network_of(estimator).trajectory)
     if steps is None:
         steps = np.arange(n_points)
     elif isinstance(steps, numbers.Integral):
@@ -237,28 +236,27 @@ def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
 # --------------------------------------------------------------------------- engine
 def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size):
     check_is_fitted(estimator)
-    estimator = _network(estimator)
-    traj = estimator.trajectory_
+    net = network_of(estimator)
+    traj = net.trajectory
     points = []
     for s in steps:
         s = int(s)
         if not -len(traj) <= s < len(traj):
             raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
         points.append(s % len(traj))
-    Xt, Yt = _data(estimator, X, y)
-    # The loss fit resolved (TangentFeatures' and OODRankDetector's "auto"), not the
-    # current parameter, which set_params may have changed since.
-    loss = LOSSES[estimator._loss_name]()
-    block = batch_size or _default_batch_size(estimator, Xt.shape[0])
+    Xt, Yt = _data(estimator, net, X, y)
+    # The network's loss is the one fit resolved (TangentFeatures' and OODRankDetector's
+    # "auto"), not the current parameter, which set_params may have changed since.
+    loss = net.loss
+    block = batch_size or _default_batch_size(net, Xt.shape[0])
     # One seed, one probe sequence: the same probes at every point and for every batch, so
     # that batching changes nothing but round-off.
     seed = int(check_random_state(random_state).randint(np.iinfo(np.int32).max))
     estimates = np.zeros((len(points), n_samples), dtype=np.float64)
     # The network's dtype, not X's: token ids are int64.
-    dtype = estimator._torch_dtype_device()[0]
     for row, k in zip(estimates, points):
-        theta = traj.parameters(k).to(device=Xt.device, dtype=dtype)
-        row[:] = _quadratic_forms(estimator.module_, traj, theta, Xt, Yt, loss, block,
+        theta = traj.parameters(k).to(device=Xt.device, dtype=net.torch_dtype)
+        row[:] = _quadratic_forms(net.module, traj, theta, Xt, Yt, loss, block,
                                   seed, n_samples)
     se = (estimates.std(axis=1, ddof=1) / np.sqrt(n_samples) if n_samples > 1
           else np.full(len(points), np.nan))
@@ -299,61 +297,24 @@ def _rademacher(seed: int, n_samples: int, like: torch.Tensor) -> Iterator[torch
         yield (2 * signs - 1).to(device=like.device, dtype=like.dtype)
 
 
-def _default_batch_size(estimator, n: int) -> int:
+def _default_batch_size(net, n: int) -> int:
     # Double backward keeps each layer's activations, their gradients and the second-order
-    # graph over them: budget ~16 values per sample per unit, as _forward budgets 8.
-    itemsize = torch.empty((), dtype=resolve_dtype(estimator.dtype)).element_size()
-    width = estimator.n_features_in_ + sum(estimator._activation_widths())
-    return int(min(n, rows_per_block(estimator.memory_budget, 16 * width * itemsize,
+    # graph over them: budget ~16 values per sample per unit, as _forward budgets 8. In
+    # the network's dtype (the fitted one, not the dtype parameter of a next fit).
+    itemsize = torch.empty((), dtype=net.torch_dtype).element_size()
+    width = net.n_features_in + sum(activation_widths_of(net))
+    return int(min(n, rows_per_block(net.memory_budget, 16 * width * itemsize,
                                      "hessian_trace")))
 
 
-def _network(estimator):
-    """The estimator that trained the network: an OODRankDetector's ``estimator_``."""
-    inner = getattr(estimator, "estimator_", None)
-    return inner if isinstance(inner, BasePathKernelNetwork) else estimator
-
-
-def _data(estimator, X, y) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and encoded targets as tensors on the estimator's device and dtype."""
-    dtype, device = estimator._torch_dtype_device()
+def _data(estimator, net, X, y) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and encoded targets as tensors on the network's device and dtype."""
     if X is None and y is None:
-        X, Y = estimator.X_fit_, estimator._Y_fit
-    elif X is None or y is None:
+        return net.tensor(net.X_fit), net.targets()
+    if X is None or y is None:
         raise ValueError(
             "Pass both X and y (the Hessian of the loss needs targets), or neither to use "
             "the training data."
         )
-    else:
-        X = estimator._validate_X(X)
-        Y = _encode_like_fit(estimator, y)
-        check_consistent_length(X, Y)
-    return (to_input_tensor(X, dtype=dtype, device=device),
-            estimator._target_tensor(Y, dtype, device))
-
-
-def _encode_like_fit(estimator, y) -> np.ndarray:
-    # Trained on class labels (classifiers, TangentFeatures with task_="classification").
-    if hasattr(estimator, "classes_"):
-        y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
-        classes = estimator.classes_
-        unseen = np.setdiff1d(y, classes)
-        if unseen.size:
-            raise ValueError(
-                f"y contains labels not seen in fit: {unseen.tolist()}; the classes are "
-                f"{classes.tolist()}."
-            )
-        # Encoding the classes ahead of y makes the encoder see exactly the fitted classes,
-        # so y gets fit's codes (and one-hot / +-1 layout) whichever labels it contains.
-        Y = estimator._encode_targets(np.concatenate([classes, y]))[0][len(classes) :]
-    else:
-        y = check_array(y, ensure_2d=False, dtype=[np.float64, np.float32])
-        Y = estimator._encode_targets(y)[0]
-        if Y.shape[1] != estimator.n_outputs_:
-            raise ValueError(
-                f"y has {Y.shape[1]} outputs but the network was fitted with "
-                f"{estimator.n_outputs_}."
-            )
-        # In the units the network was trained in (standardized with normalize_y).
-        Y = estimator._network_targets(Y)
-    return Y
+    X, Y = data_like_fit(estimator, X, y)
+    return net.tensor(X), net.replace(y_fit=Y).targets()

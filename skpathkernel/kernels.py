@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
-from sklearn.utils.validation import check_is_fitted
 
-from ._device import fitted_dtype, resolve_dtype, to_input_tensor, to_numpy
-from ._inputs import check_input, check_representable
+from ._device import to_numpy
+from ._inputs import check_representable
+from ._network import TrainedNetwork, network_of
 from ._parallel import map_ranges, map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 
@@ -39,27 +39,15 @@ __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
 
 
 # --------------------------------------------------------------------------- helpers
-def _context(estimator):
-    check_is_fitted(estimator, "trajectory_")
-    return resolve_dtype(fitted_dtype(estimator)), torch.device(estimator.device_)
-
-
-def _validate(estimator, X, name="X"):
-    # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
-    # whatever X is.
-    dtype, _ = _context(estimator)
-    # The estimator's input form: 2-D features, or (n, ...) arrays and token ids, which
+# Every function below takes the fitted network (a TrainedNetwork, from network_of): the
+# public functions and the kernels' __call__ resolve it once per call.
+def _validate(net: TrainedNetwork, X, name="X"):
+    # The network's input form: 2-D features, or (n, ...) arrays and token ids, which
     # also come as flat rows of n_features_in_ values (GaussianProcessRegressor and
     # KernelRidge only pass 2-D arrays).
-    X = check_input(estimator, X, name, allow_flat=True)
-    check_representable(X, dtype, name)
+    X = net.check(X, name, allow_flat=True)
+    check_representable(X, net.torch_dtype, name)
     return X
-
-
-def _params_at(estimator, point: int, device):
-    traj = estimator.trajectory_
-    flat = traj.parameters(point).to(device)
-    return dict(zip(traj.names, traj.unflatten(flat).values()))
 
 
 def _check_flag(value, name):
@@ -87,30 +75,28 @@ def _check_output(output):
     return output if isinstance(output, str) else int(output)
 
 
-def _tensors(estimator, X, Y):
-    dtype, device = _context(estimator)
-    Xt = None if X is None else to_input_tensor(X, dtype=dtype, device=device)
-    Yt = None if Y is None else to_input_tensor(Y, dtype=dtype, device=device)
+def _tensors(net: TrainedNetwork, X, Y):
+    Xt = None if X is None else net.tensor(X)
+    Yt = None if Y is None else net.tensor(Y)
     return Xt, Yt
 
 
-def _step_setup(estimator, point, output, preconditioned):
+def _step_setup(net: TrainedNetwork, point, output, preconditioned):
     """Parameters at one recorded point and the engine's keyword arguments."""
-    dtype, device = _context(estimator)
-    traj = estimator.trajectory_
+    traj = net.trajectory
     _check_index(point, "step")
     point = int(point)
     if not -len(traj) <= point < len(traj):
         raise IndexError(f"step {point} is out of range for {len(traj)} recorded points.")
     point %= len(traj)
-    params = _params_at(estimator, point, device)
+    params = net.params_at(point)
     weight = None
     if preconditioned and len(traj) > 1:
         # The last point has no step leaving it; it takes the last recorded state.
         D = traj.preconditioner(min(point, len(traj) - 2))
-        weight = None if D is None else D.to(device=device, dtype=dtype)
-    kw = dict(output=output, diag_weight=weight, memory_budget=estimator.memory_budget)
-    return estimator.module_, params, kw
+        weight = None if D is None else D.to(device=net.torch_device, dtype=net.torch_dtype)
+    kw = dict(output=output, diag_weight=weight, memory_budget=net.memory_budget)
+    return net.module, params, kw
 
 
 def step_kernel(
@@ -132,7 +118,7 @@ def step_kernel(
 
     Parameters
     ----------
-    estimator : fitted skpathkernel estimator
+    estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...)
         In the form of the estimator's training inputs, or flat rows of
         ``n_features_in_`` values each.
@@ -157,10 +143,13 @@ def step_kernel(
         output = _check_output(output)
     elif normalized:
         raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int.")
-    X = _validate(estimator, X)
-    Y = None if Y is None else _validate(estimator, Y, "Y")
-    Xt, Yt = _tensors(estimator, X, Y)
-    module, params, kw = _step_setup(estimator, step, output, preconditioned)
+    # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
+    # whatever X is.
+    net = network_of(estimator)
+    X = _validate(net, X)
+    Y = None if Y is None else _validate(net, Y, "Y")
+    Xt, Yt = _tensors(net, X, Y)
+    module, params, kw = _step_setup(net, step, output, preconditioned)
     K = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
     if normalized:
         if Yt is None:
@@ -245,7 +234,7 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     return [(k, float(W[steps[k] - begin : steps[k + 1] - begin].sum())) for k in points]
 
 
-def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discrete",
+def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
               weights=None):
     """Weighted sums over steps of Grams and/or diagonals: memory independent of T.
 
@@ -255,25 +244,25 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discr
     if weights is None:
         _check_index(start, "start", allow_none=True)
         _check_index(stop, "stop", allow_none=True)
-        weights = path_weights(estimator.trajectory_, start, stop, memory)
+        weights = path_weights(net.trajectory, start, stop, memory)
     if not weights:
         raise ValueError(
             f"The path kernel's range of recorded points [start={start}, stop={stop}) is "
-            f"empty (the trajectory has {len(estimator.trajectory_) - 1} steps to sum)."
+            f"empty (the trajectory has {len(net.trajectory) - 1} steps to sum)."
         )
-    Xt, Yt = _tensors(estimator, X, Y)
+    Xt, Yt = _tensors(net, X, Y)
     K = dx = dy = None
     # K(X, X) holds its own diagonal: no separate diagonal pass is needed.
     diag_from_gram = gram and diag and Yt is None
     # The autograd check for hidden reads runs once, at the path's first, middle and last
     # points, not at every step (the use watch still runs in every capture).
     picks = sorted({weights[0][0], weights[len(weights) // 2][0], weights[-1][0]})
-    exclude = hidden_reads(estimator.module_,
-                           [_step_setup(estimator, k, output, False)[1] for k in picks],
+    exclude = hidden_reads(net.module,
+                           [_step_setup(net, k, output, False)[1] for k in picks],
                            [Xt] if Yt is None else [Xt, Yt], output=output,
-                           memory_budget=estimator.memory_budget)
+                           memory_budget=net.memory_budget)
     for k, w in weights:
-        module, params, kw = _step_setup(estimator, k, output, True)
+        module, params, kw = _step_setup(net, k, output, True)
         kw.update(exclude=exclude, check_hidden=False)
         if gram:
             part = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
@@ -289,7 +278,7 @@ def _path_sum(estimator, X, Y, start, stop, output, *, gram, diag, memory="discr
     return K, dx, dx if Yt is None else dy
 
 
-def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag, memory):
+def _split_path_sum(net, X, Y, start, stop, output, n_jobs, *, gram, diag, memory):
     """``_path_sum`` with the steps cut into one contiguous range per joblib worker.
 
     The weights are those of the whole range (with ``memory="discrete"`` they depend on
@@ -299,45 +288,21 @@ def _split_path_sum(estimator, X, Y, start, stop, output, n_jobs, *, gram, diag,
     """
     _check_index(start, "start", allow_none=True)
     _check_index(stop, "stop", allow_none=True)
-    weights = path_weights(estimator.trajectory_, start, stop, memory)
+    weights = path_weights(net.trajectory, start, stop, memory)
     if not weights:  # the serial sum says what is wrong
-        return _path_sum(estimator, X, Y, start, stop, output, gram=gram, diag=diag)
-    reader = reading_copy(estimator)
-    parts = map_ranges(_range_sum, len(weights), n_jobs, weights, reader, X, Y, output,
-                       gram, diag)
+        return _path_sum(net, X, Y, start, stop, output, gram=gram, diag=diag)
+    parts = map_ranges(_range_sum, len(weights), n_jobs, weights, net.for_workers(), X, Y,
+                       output, gram, diag)
     # K, dx, dy: each the sum of the tasks' parts (None where not computed).
     return tuple(None if terms[0] is None else functools.reduce(torch.add, terms)
                  for terms in zip(*parts))
 
 
-def _range_sum(first, last, weights, estimator, X, Y, output, gram, diag):
+def _range_sum(first, last, weights, net, X, Y, output, gram, diag):
     # A joblib task: its own copy of the module (concurrent tasks on threads would share
-    # the estimator's, which the engine hooks).
-    own = type(estimator).__new__(type(estimator))
-    own.__dict__.update(estimator.__dict__)
-    own.module_ = copy.deepcopy(estimator.module_)
-    return _path_sum(own, X, Y, None, None, output, gram=gram, diag=diag,
+    # the network's, which the engine hooks).
+    return _path_sum(net.with_own_module(), X, Y, None, None, output, gram=gram, diag=diag,
                      weights=weights[first:last])
-
-
-def reading_copy(estimator, reader=None):
-    """A shallow copy whose on-disk trajectory is referenced for workers (see ``_reader``).
-
-    Tasks pickled to joblib / Dask workers get this copy: pickling the estimator itself
-    would make its temporary trajectory directory permanent (``ChunkStore.__getstate__``).
-    Attributes holding the trajectory, or an estimator that holds it (a detector's
-    ``estimator_``), are replaced; a trajectory in memory is shared as it is.
-    """
-    traj = estimator.trajectory_
-    reader = traj._reader() if reader is None else reader
-    own = type(estimator).__new__(type(estimator))
-    for key, value in estimator.__dict__.items():
-        if value is traj:
-            value = reader
-        elif value is not estimator and getattr(value, "__dict__", {}).get("trajectory_") is traj:
-            value = reading_copy(value, reader)
-        own.__dict__[key] = value
-    return own
 
 
 # --------------------------------------------------------------------------- kernels
@@ -393,9 +358,10 @@ class _NetworkKernel(Kernel):
         if eval_gradient and Y is not None:
             raise ValueError("Gradient can only be evaluated when Y is None.")
         self._check_params()
-        X = _validate(self.estimator, X)
-        Y = None if Y is None else _validate(self.estimator, Y, "Y")
-        K = self._gram_blocks(X, Y)
+        net = network_of(self.estimator)
+        X = _validate(net, X)
+        Y = None if Y is None else _validate(net, Y, "Y")
+        K = self._bind(net)._gram_blocks(X, Y)
         if eval_gradient:
             return K, np.empty((X.shape[0], X.shape[0], 0))
         return K
@@ -412,14 +378,23 @@ class _NetworkKernel(Kernel):
         K_diag : ndarray of shape (n_samples,)
         """
         self._check_params()
-        X = _validate(self.estimator, X)
-        d = self._diag_blocks(X)
+        net = network_of(self.estimator)
+        X = _validate(net, X)
+        d = self._bind(net)._diag_blocks(X)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
             # dead network at x), so that diag(X) equals the diagonal of k(X).
             return (d > 0).astype(np.float64)
         return d
 
+    def _bind(self, net: TrainedNetwork):
+        # A copy that computes with the network itself: resolved once per call, and what
+        # tasks on workers get instead of the estimator around it.
+        kernel = copy.copy(self)
+        kernel.estimator = net
+        return kernel
+
+    # The methods below run on a bound kernel: self.estimator is a TrainedNetwork.
     def _gram_blocks(self, X, Y):
         if n_row_blocks(self.n_jobs, X) == 1:
             return self._gram(X, Y)
@@ -441,10 +416,8 @@ class _NetworkKernel(Kernel):
 
     def _for_workers(self):
         # Tasks get the on-disk trajectory by reference, leaving this one's directory
-        # temporary (pickling the estimator itself would keep it, see _storage).
-        kernel = copy.copy(self)
-        kernel.estimator = reading_copy(self.estimator)
-        return kernel
+        # temporary (pickling the trajectory itself would keep it, see _storage).
+        return self._bind(self.estimator.for_workers())
 
 
 # joblib tasks (module level, so that they pickle to workers by reference)
@@ -457,15 +430,9 @@ def _diag_rows(X_rows, kernel):
 
 
 def _own_module(kernel):
-    # Concurrent tasks can share one estimator (threads, a Dask worker's thread pool) and
+    # Concurrent tasks can share one network (threads, a Dask worker's thread pool) and
     # the engine hooks the module it runs: each task gets its own copy of the module.
-    est = kernel.estimator
-    own = type(est).__new__(type(est))
-    own.__dict__.update(est.__dict__)
-    own.module_ = copy.deepcopy(est.module_)
-    kernel = copy.copy(kernel)
-    kernel.estimator = own
-    return kernel
+    return kernel._bind(kernel.estimator.with_own_module())
 
 
 class TangentKernel(_NetworkKernel):
@@ -483,8 +450,8 @@ class TangentKernel(_NetworkKernel):
 
     Parameters
     ----------
-    estimator : fitted PathKernelMachine or PathKernelClassifier
-        Kept as is (not refitted by ``clone``).
+    estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+        Kept as is (not refitted by ``clone``); its ``network_`` is read at every call.
     step : int, default=-1
         Recorded point of ``estimator.trajectory_``; negative counts from the end.
     output : "trace" or int, default="trace"
@@ -567,8 +534,8 @@ class PathKernel(_NetworkKernel):
 
     Parameters
     ----------
-    estimator : fitted PathKernelMachine or PathKernelClassifier
-        Kept as is (not refitted by ``clone``).
+    estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+        Kept as is (not refitted by ``clone``); its ``network_`` is read at every call.
     start, stop : int or None, default=0, None
         Range of recorded points, with Python slice semantics over the points
         ``0 .. len(trajectory_) - 2`` (the last point has no step leaving it).
@@ -675,3 +642,19 @@ class PathKernel(_NetworkKernel):
     def _diag(self, X):
         _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)
+
+
+class NetworkKernelsMixin:
+    """``tangent_kernel_`` and ``path_kernel_`` of anything that exposes ``network_``."""
+
+    @property
+    def tangent_kernel_(self) -> TangentKernel:
+        """:class:`~skpathkernel.kernels.TangentKernel` at the final parameters."""
+        network_of(self)  # fitted, as check_is_fitted says otherwise
+        return TangentKernel(self)
+
+    @property
+    def path_kernel_(self) -> PathKernel:
+        """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
+        network_of(self)
+        return PathKernel(self)

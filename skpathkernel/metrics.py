@@ -38,8 +38,7 @@ from sklearn.utils._param_validation import Interval, StrOptions, validate_param
 
 from ._attribution import label_codes, margin
 from ._base import BasePathKernelNetwork
-from ._device import to_tensor
-from ._losses import LOSSES
+from ._network import network_of
 from ._parallel import limit_torch_threads
 from ._training import make_optimizer
 
@@ -299,13 +298,12 @@ def _replay(estimator, keep: np.ndarray):
     step whose batch lost every point is skipped). Returns a shallow copy of the
     estimator holding the retrained network, for the output functions.
     """
-    traj = estimator.trajectory_
-    module = copy.deepcopy(estimator.module_)
+    net = network_of(estimator)
+    traj = net.trajectory
+    module = copy.deepcopy(net.module)
     module.load_state_dict(traj.state_dict(0), strict=False)
-    dtype, device = estimator._torch_dtype_device()
-    X = to_tensor(estimator.X_fit_, dtype=dtype, device=device)
-    Y = estimator._target_tensor(estimator._Y_fit, dtype, device)
-    loss = LOSSES[estimator._loss_name]()
+    device = net.torch_device
+    X, Y, loss = net.tensor(net.X_fit), net.targets(), net.loss
     optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad],
                                traj.solver_spec, float(traj.learning_rates[0]))
     for t, batch in enumerate(traj.batches):

@@ -26,10 +26,10 @@ import numpy as np
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.utils._optional_dependencies import check_matplotlib_support
-from sklearn.utils.validation import check_array, check_is_fitted
+from sklearn.utils.validation import check_array
 
-from ._device import fitted_dtype
-from ._inputs import FEATURES, check_input, fitted_input
+from ._inputs import FEATURES
+from ._network import network_of
 from ._span import TangentSpan
 from .kernels import PathKernel, step_kernel
 
@@ -68,9 +68,9 @@ def _gram(estimator, X, *, kernel, step, normalized):
 _SPELLED_OUT = 4
 
 
-def _recorded_points(estimator, steps):
+def _recorded_points(net, steps):
     """Recorded-point indices (non-negative): all of them when ``steps`` is None."""
-    n = len(estimator.trajectory_)
+    n = len(net.trajectory)
     if steps is None:
         return np.arange(n)
     points = np.asarray(steps)
@@ -226,7 +226,7 @@ class KernelMatrixDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
@@ -247,8 +247,8 @@ class KernelMatrixDisplay:
         display : KernelMatrixDisplay
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
-        check_is_fitted(estimator, "trajectory_")
-        X = check_input(estimator, X)
+        net = network_of(estimator)
+        X = net.check(X)
         order = np.arange(X.shape[0])
         if y is not None:
             y = np.asarray(y)
@@ -256,8 +256,8 @@ class KernelMatrixDisplay:
                 raise ValueError(f"y must have shape ({X.shape[0]},), got {y.shape}.")
             order = np.argsort(y, kind="stable")
             y = y[order]
-        K = _gram(estimator, X[order], kernel=kernel, step=step, normalized=normalized)
-        title = _kernel_label(kernel, step, normalized, len(estimator.trajectory_))
+        K = _gram(net, X[order], kernel=kernel, step=step, normalized=normalized)
+        title = _kernel_label(kernel, step, normalized, len(net.trajectory))
         disp = cls(K, y=y, display_labels=display_labels, title=title)
         disp.order = order
         return disp.plot(ax=ax, cmap=cmap, colorbar=colorbar)
@@ -407,9 +407,9 @@ class KernelNeighborsDisplay:
         -------
         display : KernelNeighborsDisplay
         """
-        check_is_fitted(estimator, "trajectory_")
+        net = network_of(estimator)
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
-        X = estimator.X_fit_
+        X = net.X_fit
         if X.ndim != 2 or X.shape[1] != 2:
             raise ValueError(
                 "KernelNeighborsDisplay draws 2-D inputs; the estimator's inputs have shape "
@@ -429,7 +429,7 @@ class KernelNeighborsDisplay:
             neighbors = estimator.kneighbors(anchors, n_neighbors, kernel=kernel, step=step,
                                              normalized=normalized, return_distance=False)
             title = (f"{n_neighbors} nearest under the "
-                     f"{_kernel_label(kernel, step, normalized, len(estimator.trajectory_))}")
+                     f"{_kernel_label(kernel, step, normalized, len(net.trajectory))}")
         disp = cls(X, y, anchors, neighbors, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend)
 
@@ -527,7 +527,7 @@ class KernelEvolutionDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         x : array-like of shape (n_features,) or the estimator's ``input_shape_``
             One input, without the sample axis.
         Y : array-like of shape (n_Y, n_features) or (n_Y, ...)
@@ -546,27 +546,27 @@ class KernelEvolutionDisplay:
         -------
         display : KernelEvolutionDisplay
         """
-        check_is_fitted(estimator, "trajectory_")
-        shape, kind = fitted_input(estimator)
+        net = network_of(estimator)
+        shape, kind = net.input_shape, net.input_kind
         if kind == FEATURES:
             x = check_array(np.asarray(x, dtype=np.float64).reshape(1, -1))
             Y = check_array(Y, dtype=np.float64)
         else:
             x = np.asarray(x)
             # One input (image, token ids) gets its sample axis.
-            x = check_input(estimator, x[None] if x.shape == shape else x, "x")
+            x = net.check(x[None] if x.shape == shape else x, "x")
             if x.shape[0] != 1:
                 raise ValueError(f"x must be one input, got {x.shape[0]} of them.")
-            Y = check_input(estimator, Y, "Y")
-        points = _recorded_points(estimator, steps)
+            Y = net.check(Y, "Y")
+        points = _recorded_points(net, steps)
         values = np.vstack([
-            step_kernel(estimator, x, Y, step=int(k), normalized=normalized,
+            step_kernel(net, x, Y, step=int(k), normalized=normalized,
                         preconditioned=preconditioned)[0]
             for k in points
         ])
         ylabel = ("normalized " if normalized else "") + (
             "step kernel" if preconditioned else "tangent kernel")
-        disp = cls(np.asarray(estimator.trajectory_.steps)[points], values, x=x[0], Y=Y,
+        disp = cls(np.asarray(net.trajectory.steps)[points], values, x=x[0], Y=Y,
                    labels=labels, ylabel=ylabel)
         return disp.plot(ax=ax, **line_kw)
 
@@ -655,7 +655,7 @@ class RankGapDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         X_train : array-like of shape (n_train, n_features) or (n_train, ...)
         X_test : array-like of shape (n_test, n_features) or (n_test, ...)
         steps : sequence of int, default=None
@@ -673,23 +673,23 @@ class RankGapDisplay:
         -------
         display : RankGapDisplay
         """
-        check_is_fitted(estimator, "trajectory_")
-        X_train = check_input(estimator, X_train, "X_train")
-        X_test = check_input(estimator, X_test, "X_test")
+        net = network_of(estimator)
+        X_train = net.check(X_train, "X_train")
+        X_test = net.check(X_test, "X_test")
         X = np.concatenate([X_train, X_test])
         if rtol is None:
-            rtol = float(np.sqrt(X.shape[0] * np.finfo(fitted_dtype(estimator)).eps))
+            rtol = float(np.sqrt(X.shape[0] * np.finfo(net.dtype).eps))
         elif not np.isfinite(rtol) or not 0 <= rtol < 1:
             raise ValueError(f"rtol must be in [0, 1), got {rtol!r}.")
-        points = _recorded_points(estimator, steps)
+        points = _recorded_points(net, steps)
         n = X_train.shape[0]
         rank_train, rank_joint = [], []
         for k in points:
             # One Gram per step: the training block is its top-left corner.
-            train, joint = TangentSpan.rank_gap(step_kernel(estimator, X, step=int(k)), n, rtol)
+            train, joint = TangentSpan.rank_gap(step_kernel(net, X, step=int(k)), n, rtol)
             rank_train.append(train)
             rank_joint.append(joint)
-        disp = cls(np.asarray(estimator.trajectory_.steps)[points], np.asarray(rank_train),
+        disp = cls(np.asarray(net.trajectory.steps)[points], np.asarray(rank_train),
                    np.asarray(rank_joint), rtol=rtol)
         return disp.plot(ax=ax)
 
@@ -812,7 +812,7 @@ class TangentEmbeddingDisplay:
 
         Parameters
         ----------
-        estimator : fitted PathKernelMachine or PathKernelClassifier
+        estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
         y : array-like of shape (n_samples,), default=None
             Colours.
@@ -829,10 +829,10 @@ class TangentEmbeddingDisplay:
         -------
         display : TangentEmbeddingDisplay
         """
-        check_is_fitted(estimator, "trajectory_")
-        X = check_input(estimator, X)
+        net = network_of(estimator)
+        X = net.check(X)
         resolved = _resolve_method(method)
-        K = step_kernel(estimator, X, step=step, normalized=True)
+        K = step_kernel(net, X, step=step, normalized=True)
         if resolved == "pca":
             E = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)
         else:
@@ -847,7 +847,7 @@ class TangentEmbeddingDisplay:
                 E = TSNE(n_components=2, metric="precomputed", init="random",
                          perplexity=perplexity, random_state=random_state).fit_transform(D)
         name = _METHOD_NAMES[resolved]
-        step_shown = step % len(estimator.trajectory_)
+        step_shown = step % len(net.trajectory)
         title = f"tangent features at recorded step {step_shown} ({name})"
         disp = cls(E, y=y, method=name, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)

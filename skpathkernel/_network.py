@@ -1,0 +1,425 @@
+"""A trained network and its recorded path: what every consumer of a fitted network reads.
+
+:class:`TrainedNetwork` holds the module, the :class:`~skpathkernel.Trajectory`, the loss
+it was trained with, its dtype and device, and the training inputs and targets that the
+recorded batches index. The estimators build one in ``fit`` (``network_``),
+:class:`~skpathkernel.RecordedNetwork` builds one from its parameters, and the OOD
+detector exposes its inner estimator's. The kernels, the decomposition, the plotting
+displays and the diagnostics take it, or anything that exposes it, through
+:func:`network_of`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from sklearn.exceptions import NotFittedError
+from sklearn.utils.validation import check_is_fitted
+from torch.func import functional_call
+
+from . import _interpolation
+from ._device import resolve_dtype, to_input_tensor, to_tensor
+from ._inputs import FEATURES, FLOAT, TOKENS, check_input
+from ._losses import LOSSES, Loss
+from ._trajectory import Trajectory
+
+__all__ = ["TrainedNetwork", "as_loss", "check_decompose_args", "network_of"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+class _PerSampleLoss(Loss):
+    """A user's ``per_sample(output, target) -> (B,)`` as a library loss."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "callable")
+
+    def per_sample(self, output, target):
+        return self.fn(output, target)
+
+
+def as_loss(loss) -> Loss:
+    """A :class:`~._losses.Loss` from a library name, a Loss, or a per-sample callable."""
+    if isinstance(loss, Loss):
+        return loss
+    if isinstance(loss, str) and loss in LOSSES:
+        return LOSSES[loss]()
+    if callable(loss) and not isinstance(loss, str):
+        return _PerSampleLoss(loss)
+    raise ValueError(
+        f"loss must be one of {sorted(LOSSES)} or a callable per_sample(output, "
+        f"target) -> (B,), got {loss!r}."
+    )
+
+
+def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
+    """The arguments of every ``decompose`` and ``attribute``, checked before any work."""
+    if method not in ("exact", "first_order", "second_order"):
+        raise ValueError(
+            f"method must be 'exact', 'first_order' or 'second_order', got {method!r}."
+        )
+    if weighting not in ("realized", "expected"):
+        raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
+    if n_nodes is not None and (isinstance(n_nodes, bool)
+                                or not isinstance(n_nodes, numbers.Integral) or n_nodes < 1):
+        raise ValueError(
+            f"n_nodes must be a positive integer (Gauss-Legendre nodes per step) or None, "
+            f"got {n_nodes!r}."
+        )
+    _interpolation.check_tol(tol)
+
+
+class TrainedNetwork:
+    """A trained network and its recorded optimisation path.
+
+    What the kernels, the decomposition, the plotting displays and the diagnostics read
+    from a fitted estimator, as one object: the fitted estimators expose theirs as
+    ``network_``, :class:`~skpathkernel.RecordedNetwork` as ``network_`` too, and
+    :class:`~skpathkernel.TangentKernel`, :class:`~skpathkernel.PathKernel` and the
+    displays accept it wherever they accept a fitted estimator. It is a plain object, not
+    an estimator: nothing in it is refitted, and it pickles with its module and its
+    trajectory (an on-disk trajectory pickles as :class:`~skpathkernel.Trajectory` does).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The network, called as ``module(X)`` (through ``torch.func.functional_call`` with
+        a recorded point's parameters) on a tensor of shape ``(n_samples, ...)``.
+    trajectory : Trajectory
+        Its recorded path; its parameter names and shapes must be the module's.
+    loss : "squared_error", "log_loss", callable or None, default=None
+        The per-sample loss whose batch mean each step minimized (a callable
+        ``per_sample(output, target) -> (B,)``). Needed by the decomposition only.
+    X_fit : ndarray of shape (n_samples, ...) or None, default=None
+        The training inputs that the recorded batches index, in the form the network
+        takes (floats, or integer token ids). Needed by the decomposition; also fixes
+        the form every later ``X`` must have.
+    y_fit : ndarray of shape (n_samples,) or (n_samples, n_targets) or None, default=None
+        Their targets in the form the loss takes: integer class codes stay integers
+        (except for "squared_error"), anything else is cast to the network's dtype.
+    input_kind : {"features", "float", "int64"} or None, default=None
+        How later inputs are checked: "features" (2-D floats), "float" (floats of the
+        shape of ``X_fit``), "int64" (token ids). None: read from ``X_fit``.
+    device : str or None, default=None
+        Where the module lives; None reads it from the module's parameters.
+    memory_budget : int, default=2**30
+        Bytes one block of a kernel or decomposition computation may use.
+
+    Attributes
+    ----------
+    dtype : str
+        "float32" or "float64", the trajectory's.
+    n_params : int
+        Trainable parameters recorded.
+    input_shape : tuple of int or None
+        The trailing shape of ``X_fit`` (None without it).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine, TangentKernel, TrainedNetwork
+    >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+    ...                         random_state=0).fit(X, y)
+    >>> net = est.network_
+    >>> isinstance(net, TrainedNetwork), net.dtype, net.n_params == est.n_params_
+    (True, 'float64', True)
+    >>> bool(np.allclose(TangentKernel(net)(X), TangentKernel(est)(X)))
+    True
+    """
+
+    def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, loss=None,
+                 X_fit=None, y_fit=None, input_kind: str | None = None,
+                 device: str | None = None, memory_budget: int = 2**30):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+        if trajectory.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"The trajectory's dtype must be float32 or float64, got "
+                             f"{trajectory.dtype}.")
+        _check_module_matches(module, trajectory)
+        self.module = module
+        self.trajectory = trajectory
+        self.loss = None if loss is None else as_loss(loss)
+        if X_fit is not None:
+            X_fit = _as_array(X_fit)
+            if input_kind is None:
+                integer = X_fit.dtype.kind in "iu"
+                input_kind = TOKENS if integer else FEATURES if X_fit.ndim == 2 else FLOAT
+        self.X_fit = X_fit
+        self.y_fit = None if y_fit is None else _as_array(y_fit)
+        self.input_kind = input_kind
+        if device is None:
+            first = next(iter(module.parameters()), None)
+            device = str(first.device) if first is not None else "cpu"
+        self.device = str(device)
+        self.memory_budget = int(memory_budget)
+
+    # ------------------------------------------------------------------ description
+    @property
+    def dtype(self) -> str:
+        """"float32" or "float64", the trajectory's."""
+        return _DTYPE_NAMES[self.trajectory.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """:attr:`dtype` as a ``torch.dtype``."""
+        return resolve_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """:attr:`device` as a ``torch.device``."""
+        return torch.device(self.device)
+
+    @property
+    def n_params(self) -> int:
+        """Trainable parameters recorded."""
+        return self.trajectory.n_params
+
+    @property
+    def input_shape(self) -> tuple[int, ...] | None:
+        """The trailing shape of ``X_fit`` (None without it)."""
+        return None if self.X_fit is None else tuple(int(d) for d in self.X_fit.shape[1:])
+
+    @property
+    def n_features_in(self) -> int | None:
+        """Values per input, ``prod(input_shape)`` (None without ``X_fit``)."""
+        shape = self.input_shape
+        return None if shape is None else int(math.prod(shape))
+
+    def __repr__(self) -> str:
+        n = "no training inputs" if self.X_fit is None else f"{len(self.X_fit)} training inputs"
+        return (f"{type(self).__name__}({type(self.module).__name__}, {len(self.trajectory)} "
+                f"recorded points, {self.n_params} parameters, {self.dtype} on {self.device}, "
+                f"{n})")
+
+    def replace(self, **changes) -> TrainedNetwork:
+        """A shallow copy with some attributes replaced (``module``, ``device``, ...)."""
+        new = copy.copy(self)
+        for name, value in changes.items():
+            if name not in new.__dict__:
+                raise TypeError(f"TrainedNetwork has no attribute {name!r} to replace.")
+            setattr(new, name, value)
+        return new
+
+    # ------------------------------------------------------------------ inputs
+    def check(self, X, name: str = "X", *, allow_flat: bool = False) -> np.ndarray:
+        """``X`` checked against the network's input form, as a NumPy array it takes.
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_samples, ...)
+        name : str, default="X"
+            How errors name it.
+        allow_flat : bool, default=False
+            Also accept flat rows of ``n_features_in`` values for inputs of shape
+            ``(n, ...)`` (scikit-learn's kernel consumers pass 2-D arrays).
+
+        Returns
+        -------
+        X : ndarray
+        """
+        if isinstance(X, torch.Tensor):
+            X = X.detach().cpu().numpy()
+        return check_input(self.input_shape, self.input_kind, self.module, X, name,
+                           allow_flat=allow_flat)
+
+    def tensor(self, X: np.ndarray) -> torch.Tensor:
+        """A checked ``X`` as the network's input tensor (token ids as int64)."""
+        return to_input_tensor(X, dtype=self.torch_dtype, device=self.torch_device)
+
+    def params_at(self, step: int) -> dict[str, torch.Tensor]:
+        """The parameters at recorded point ``step``, by name, on the network's device."""
+        traj = self.trajectory
+        return dict(traj.unflatten(traj.parameters(step).to(self.torch_device)))
+
+    def outputs(self, X, step: int = -1) -> np.ndarray:
+        """Network outputs ``f(X; theta_step)`` at a recorded point, float64 (n, C).
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_samples, ...)
+            In the network's input form.
+        step : int, default=-1
+            Recorded point (negative counts from the end).
+
+        Returns
+        -------
+        outputs : ndarray of shape (n_samples, n_outputs)
+        """
+        Xt = self.tensor(self.check(X))
+        with torch.no_grad():
+            out = functional_call(self.module, self.params_at(step), (Xt,))
+        return out.reshape(len(Xt), -1).detach().cpu().numpy().astype(np.float64)
+
+    def targets(self) -> torch.Tensor:
+        """``y_fit`` as the loss takes it: class codes as int64, anything else in dtype."""
+        y = self.y_fit
+        squared = self.loss is not None and self.loss.name == "squared_error"
+        if np.issubdtype(y.dtype, np.integer) and not squared:
+            return torch.as_tensor(y, dtype=torch.long, device=self.torch_device)
+        if squared and y.ndim == 1:
+            y = y.reshape(-1, 1)
+        return to_tensor(np.asarray(y, dtype=np.float64), dtype=self.torch_dtype,
+                         device=self.torch_device)
+
+    # ------------------------------------------------------------------ decomposition
+    def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
+                  n_nodes: int | None = None, tol: float | None = None, weights=None,
+                  units=None):
+        """Decompose ``f(X; theta_T)`` over the training inputs.
+
+        The computation of :meth:`PathKernelMachine.decompose
+        <skpathkernel.PathKernelMachine.decompose>`, whose parameters these are, on the
+        network's own outputs (the estimators map it into the target's units).
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_queries, ...)
+            Queries in the network's input form.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+        weighting : {"realized", "expected"}, default="realized"
+        n_nodes : int or None, default=None
+        tol : float or None, default=None
+        weights : ndarray of shape (n_queries, n_outputs) or None, default=None
+            Decompose the contracted output ``w_q . f(x_q)`` instead of every output.
+        units : callable or None, default=None
+            Maps the result into other units (the estimators' target scaling).
+
+        Returns
+        -------
+        result : Decomposition
+
+        Raises
+        ------
+        ValueError
+            Without training inputs, targets or loss, or when they do not match the
+            recorded batches.
+        """
+        check_decompose_args(method, weighting, n_nodes, tol)
+        Xq = self.tensor(self.check(X))
+        X_fit, Y_fit = self._training_data()
+        return _interpolation.decompose(
+            self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
+            weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
+            weights=weights, units=units)
+
+    def _training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training inputs and targets as tensors, checked against the recorded batches."""
+        if self.X_fit is None or self.y_fit is None or self.loss is None:
+            raise ValueError("decompose needs the training inputs, their targets and the "
+                             "loss: pass X_train, y_train (X_fit, y_fit) and loss.")
+        n_samples, n = self.trajectory.n_samples, len(self.X_fit)
+        if n_samples != n:
+            raise ValueError(
+                f"The trajectory's batches index {n_samples} samples but X_train has {n}; "
+                "record with PathRecorder(..., n_samples=len(X_train)) and "
+                "recorder.set_batch(indices) at every step."
+            )
+        # Checked here, not when the network is built: a RecordedNetwork with inputs the
+        # decomposition refuses still has its kernels.
+        X_fit, Y_fit = self.tensor(self.check(self.X_fit, "X_train")), self.targets()
+        if len(Y_fit) != n:
+            raise ValueError(f"y_train has {len(Y_fit)} rows but X_train has {n}.")
+        if isinstance(self.loss, _PerSampleLoss):
+            # A user's loss: one value per sample, checked before the long computation
+            # (the library's losses are).
+            with torch.no_grad():
+                out = functional_call(self.module, self.params_at(0), (X_fit[:2],))
+                probe = self.loss.per_sample(out, Y_fit[:2])
+            if probe.shape != (len(X_fit[:2]),):
+                raise ValueError(
+                    "The loss must return one value per sample, shape (B,); it returned "
+                    f"shape {tuple(probe.shape)}."
+                )
+        return X_fit, Y_fit
+
+    # ------------------------------------------------------------------ workers
+    def with_own_module(self) -> TrainedNetwork:
+        """A copy with its own copy of the module, for a concurrent task.
+
+        Concurrent tasks can share one network (threads, a Dask worker's thread pool)
+        and the engine hooks the module it runs.
+        """
+        return self.replace(module=copy.deepcopy(self.module))
+
+    def for_workers(self) -> TrainedNetwork:
+        """A copy whose on-disk trajectory is referenced, for tasks pickled to workers.
+
+        Pickling the trajectory itself would make its temporary directory permanent
+        (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared.
+        """
+        return self.replace(trajectory=self.trajectory._reader())
+
+
+def _as_array(values) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy()
+    return np.asarray(values)
+
+
+def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:
+    """Refuse a trajectory recorded from another network (e.g. a directory of another run)."""
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    for name, shape in zip(trajectory.names, trajectory.shapes):
+        if shapes.get(name) != tuple(shape):
+            where = ("" if trajectory.directory is None
+                     else f" (on disk in {trajectory.directory!r})")
+            have = "missing" if name not in shapes else f"of shape {shapes[name]}"
+            raise ValueError(
+                f"The trajectory{where} was recorded from another network: its parameter "
+                f"{name!r} has shape {tuple(shape)}, the module's is {have}."
+            )
+
+
+def network_of(obj) -> TrainedNetwork:
+    """The :class:`TrainedNetwork` of a fitted estimator, a RecordedNetwork or itself.
+
+    Every consumer of a fitted network (kernels, decomposition, displays, diagnostics)
+    reads it through this accessor: a fitted skpathkernel estimator's ``network_`` (also
+    through :class:`sklearn.frozen.FrozenEstimator`, which forwards attributes), with the
+    estimator's current ``memory_budget``.
+
+    Raises
+    ------
+    NotFittedError
+        For an estimator that is not fitted.
+    TypeError
+        For an object that is neither an estimator nor a TrainedNetwork, or a fitted
+        estimator without a network.
+    """
+    if isinstance(obj, TrainedNetwork):
+        return obj
+    try:
+        check_is_fitted(obj, "network_")
+    except NotFittedError:
+        if not _fitted(obj):
+            raise
+        # A fitted estimator of another library (Ridge, a Pipeline): not fitting it again
+        # is not what would help.
+        raise TypeError(
+            f"{type(obj).__name__} exposes no fitted network (network_): pass a fitted "
+            "skpathkernel estimator, a RecordedNetwork or a TrainedNetwork."
+        ) from None
+    net = obj.network_
+    if not isinstance(net, TrainedNetwork):
+        raise TypeError(f"{type(obj).__name__}.network_ is not a TrainedNetwork.")
+    # The budget is a parameter of the estimator: set_params(memory_budget=...) after fit
+    # changes how the fitted network is computed with, not the network.
+    budget = getattr(obj, "memory_budget", None)
+    if budget is not None and int(budget) != net.memory_budget:
+        net = net.replace(memory_budget=int(budget))
+    return net
+
+
+def _fitted(estimator) -> bool:
+    try:
+        check_is_fitted(estimator)
+    except NotFittedError:
+        return False
+    return True

@@ -1,0 +1,353 @@
+"""TrainedNetwork: the one fitted-network object under every estimator (issue 17).
+
+Every consumer reads a fitted network through ``network_of``: these tests check that the
+object holds what fit trained (against independent references), that each producer
+(estimators, RecordedNetwork, the OOD detector, FrozenEstimator) exposes the same one, and
+that pickles in the format written before ``network_`` existed still load.
+"""
+
+import copy
+import pickle
+import types
+
+import numpy as np
+import pytest
+import torch
+from _reference import features_loop, forward_recursion, gauss_nodes, jacobian_loop, module_at
+from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
+from sklearn.linear_model import Ridge
+
+from skpathkernel import (
+    OODRankDetector,
+    PathKernel,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+    RecordedNetwork,
+    TangentKernel,
+    TrainedNetwork,
+)
+from skpathkernel._network import network_of
+from skpathkernel.diagnostics import hessian_trace
+
+SMALL = dict(hidden_layer_sizes=(6,), solver="adam", learning_rate_init=0.05, max_iter=6,
+             tol=None, activation="tanh", dtype="float64", random_state=0)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(24, 3))
+    return X, (X[:, 0] + X[:, 1] * X[:, 2] > 0).astype(int)
+
+
+@pytest.fixture(scope="module")
+def clf(data):
+    return PathKernelClassifier(**SMALL).fit(*data)
+
+
+def test_network_holds_what_fit_trained(clf, data):
+    X, y = data
+    net = clf.network_
+    assert isinstance(net, TrainedNetwork)
+    assert net.module is clf.module_ and net.trajectory is clf.trajectory_
+    assert (net.dtype, net.device, net.n_params) == ("float64", "cpu", clf.n_params_)
+    assert net.loss.name == "log_loss" and net.input_kind == "features"
+    np.testing.assert_array_equal(net.X_fit, X)
+    # Binary log loss: the targets are the 0/1 codes of the labels.
+    np.testing.assert_array_equal(net.targets().numpy(), (y == clf.classes_[1]).astype(float))
+    # The parameters at a recorded point are the trajectory's, by name.
+    theta = net.params_at(0)
+    first = module_at(clf, 0)
+    for name, p in first.named_parameters():
+        np.testing.assert_array_equal(theta[name].numpy(), p.detach().numpy())
+
+
+def test_tangent_kernel_of_the_network_is_the_jacobian_gram(clf, data):
+    X, _ = data
+    J = jacobian_loop(module_at(clf), X[:7]).reshape(7, -1).numpy()
+    for source in (clf, clf.network_, FrozenEstimator(clf)):
+        np.testing.assert_allclose(TangentKernel(source)(X[:7]), J @ J.T, rtol=1e-10,
+                                   atol=1e-12)
+    np.testing.assert_allclose(PathKernel(clf.network_)(X[:5]), PathKernel(clf)(X[:5]),
+                               rtol=1e-12)
+
+
+def test_network_of_every_producer(clf, data):
+    X, _ = data
+    assert network_of(clf) is clf.network_
+    assert network_of(clf.network_) is clf.network_
+    # FrozenEstimator forwards attribute access: no class-name check is needed.
+    assert network_of(FrozenEstimator(clf)) is clf.network_
+    det = OODRankDetector(estimator=clf).fit(X)
+    # The detector composes its estimator's network; it keeps no copies of it.
+    assert det.network_ is clf.network_ and det.module_ is clf.module_
+    assert not {"module_", "trajectory_", "device_", "n_params_"} & set(vars(det))
+    rec = RecordedNetwork(clf.module_, clf.trajectory_, X_train=X)
+    assert network_of(rec).trajectory is clf.trajectory_
+    with pytest.raises(NotFittedError):
+        network_of(PathKernelMachine())
+    with pytest.raises(TypeError, match="not an estimator"):
+        network_of(object())
+    with pytest.raises(NotFittedError):
+        network_of(Ridge())
+    # Fitted, but with no network: refitting would not help, so not NotFittedError.
+    ridge = Ridge().fit(X, X[:, 0])
+    for obj in (ridge, FrozenEstimator(ridge)):
+        with pytest.raises(TypeError, match="exposes no fitted network"):
+            network_of(obj)
+    with pytest.raises(TypeError, match="exposes no fitted network"):
+        TangentKernel(ridge)(X)
+
+
+def test_memory_budget_is_read_from_the_estimator_at_each_call(data):
+    X, y = data
+    est = PathKernelMachine(**SMALL).fit(X, y.astype(float))
+    assert network_of(est).memory_budget == 2**30
+    est.set_params(memory_budget=2**20)
+    assert network_of(est).memory_budget == 2**20
+    assert est.network_.memory_budget == 2**30  # the fitted object is not modified
+
+
+def test_setting_an_attribute_on_a_copy_leaves_the_original(clf):
+    view = copy.copy(clf)
+    other = copy.deepcopy(clf.module_)
+    view.module_ = other
+    assert view.module_ is other and view.network_.module is other
+    assert clf.module_ is not other and clf.network_.module is not other
+    with pytest.raises(AttributeError, match="read from network_"):
+        view.trajectory_ = clf.trajectory_
+
+
+def test_unfitted_attributes_are_missing():
+    est = PathKernelMachine()
+    for name in ("module_", "trajectory_", "X_fit_", "network_", "device_"):
+        assert not hasattr(est, name)
+    det = OODRankDetector()
+    for name in ("network_", "module_", "loss_curve_", "X_fit_"):
+        assert not hasattr(det, name)
+
+
+def test_trained_network_pickles(clf, data):
+    X, _ = data
+    net = pickle.loads(pickle.dumps(clf.network_))
+    np.testing.assert_allclose(TangentKernel(net)(X[:4]), TangentKernel(clf)(X[:4]),
+                               rtol=1e-12)
+    assert repr(net).startswith("TrainedNetwork(Sequential, 7 recorded points")
+
+
+def test_trained_network_refuses_a_trajectory_of_another_network(clf):
+    other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    with pytest.raises(ValueError, match="recorded from another network"):
+        TrainedNetwork(other.double(), clf.trajectory_)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        TrainedNetwork(clf.module_, clf.trajectory_, loss="hinge")
+
+
+def _recorded(n=12, steps=5, seed=0):
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, 2, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=n) as rec:
+        for _ in range(steps):
+            rec.set_batch(np.arange(n))
+            opt.zero_grad()
+            (0.5 * (module(X)[:, 0] - y).pow(2).mean()).backward()
+            opt.step()
+    return module, rec.trajectory, X.numpy(), y.numpy()
+
+
+def test_recorded_network_init_only_stores_and_set_params_is_honoured():
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y)
+    # Parameters (and the private cache of the network built from them) only.
+    assert set(vars(net)) == {"module", "trajectory", "X_train", "y_train", "loss",
+                              "memory_budget", "_cache"}
+    res = net.decompose(X[:3])
+    np.testing.assert_allclose(res.reconstruction, net.predict(X[:3]), atol=1e-10)
+    # Another recorded run: the network is rebuilt from the new parameters.
+    module2, traj2, X2, y2 = _recorded(seed=1)
+    net.set_params(module=module2, trajectory=traj2, X_train=X2, y_train=y2)
+    assert net.trajectory_ is traj2 and net.module_ is module2
+    J = jacobian_loop(module_at(net), X2[:4]).reshape(4, -1).numpy()
+    np.testing.assert_allclose(net.tangent_kernel_(X2[:4]), J @ J.T, rtol=1e-10)
+    np.testing.assert_allclose(net.decompose(X2[:3]).reconstruction, net.predict(X2[:3]),
+                               atol=1e-10)
+    net.set_params(memory_budget=2**20)
+    assert net.network_.memory_budget == 2**20
+
+
+def test_recorded_network_rebuilds_for_a_new_object_at_a_freed_address():
+    # A parameter replaced by None and then by a new object that CPython may place at
+    # the freed address of the old one: the network is still rebuilt from the new one.
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y.tolist())
+    for shift in range(1, 6):
+        assert net.network_.y_fit is not None
+        net.set_params(y_train=None)
+        net.set_params(y_train=(y + shift).tolist())
+        np.testing.assert_array_equal(net.network_.y_fit, y + shift)
+        np.testing.assert_allclose(net.network_.targets().numpy()[:, 0], y + shift)
+
+
+# --------------------------------------------------------------------------- old pickles
+def _old_state(est):
+    """What ``__getstate__`` wrote before network_ existed: the fitted attributes, the
+    module as NumPy arrays (``_module_state``), and no ``network_``."""
+    state = {k: v for k, v in vars(est).items() if k != "network_"}
+    state.update(
+        _module_state={k: v.detach().cpu().numpy() for k, v in est.module_.state_dict().items()},
+        trajectory_=est.trajectory_, X_fit_=est.X_fit_, _Y_fit=est._Y_fit,
+        device_=est.device_, dtype_=est.dtype, n_params_=est.trajectory_.n_params,
+    )
+    return state
+
+
+@pytest.mark.parametrize("cls", [PathKernelClassifier, PathKernelMachine])
+def test_pickle_state_written_before_network_loads_identically(cls, data):
+    X, y = data
+    est = cls(**SMALL).fit(X, y if cls is PathKernelClassifier else y.astype(float))
+    state = _old_state(est)
+    loaded = cls.__new__(cls)
+    loaded.__setstate__(copy.deepcopy(state))
+    assert isinstance(loaded.network_, TrainedNetwork)
+    assert not {"module_", "trajectory_", "X_fit_", "device_"} & set(vars(loaded))
+    np.testing.assert_array_equal(loaded.predict(X), est.predict(X))
+    np.testing.assert_array_equal(loaded.transform(X[:5]), est.transform(X[:5]))
+    np.testing.assert_allclose(loaded.transform(X[:5]), features_loop(module_at(est), X[:5]),
+                               rtol=1e-10, atol=1e-12)
+    a, b = loaded.decompose(X[:3]), est.decompose(X[:3])
+    np.testing.assert_array_equal(a.contributions, b.contributions)
+    # And the state written now is that same format.
+    assert set(est.__getstate__()) == set(state)
+
+
+def test_old_detector_pickle_with_mirrored_attributes_loads(clf, data):
+    X, _ = data
+    det = OODRankDetector(estimator=clf, method="residual").fit(X)
+    state = dict(det.__getstate__())
+    # Detectors pickled before network_ existed carried copies of the network's attributes.
+    state.update(module_=clf.module_, trajectory_=clf.trajectory_, device_="cpu",
+                 n_params_=clf.n_params_, loss_curve_=[0.0], n_iter_=0, t_=0)
+    loaded = pickle.loads(pickle.dumps(det))
+    loaded.__setstate__(state)
+    assert loaded.network_ is loaded.estimator_.network_
+    assert loaded.loss_curve_ == clf.loss_curve_  # read from the network's estimator
+    np.testing.assert_array_equal(loaded.score_samples(X[:4]), det.score_samples(X[:4]))
+
+
+def test_outputs_at_a_recorded_point_are_the_module_there(clf, data):
+    X, _ = data
+    for step in (0, 3, -1):
+        ref = module_at(clf, step)(torch.as_tensor(X[:5])).detach().numpy()
+        np.testing.assert_allclose(clf.network_.outputs(X[:5], step=step), ref, rtol=1e-12)
+    with pytest.raises(ValueError, match="expecting 3 features"):
+        clf.network_.outputs(X[:5, :2])
+
+
+# --------------------------------------------------------------------------- PathRecorder
+def _squared(out, y):
+    return 0.5 * (out - y).pow(2).mean(dim=1)
+
+
+def test_path_recorder_produces_the_network_of_its_estimator():
+    module, traj, X, y = _recorded()
+    ref = types.SimpleNamespace(module_=module, trajectory_=traj)  # for the references
+    # The same recording as both: PathRecorder.as_network is as_estimator(...).network_.
+    rec = types.SimpleNamespace(module=module, trajectory=traj)
+    net = PathRecorder.as_network(rec, X, y)
+    est_net = PathRecorder.as_estimator(rec, X, y).network_
+    assert isinstance(net, TrainedNetwork) and network_of(net) is net
+    assert net.module is est_net.module and net.trajectory is est_net.trajectory
+    assert (net.dtype, net.input_shape, net.input_kind) == ("float64", (2,), "features")
+    np.testing.assert_array_equal(net.X_fit, est_net.X_fit)
+    # Independent references: the module at the last recorded point, its Jacobian Gram,
+    # and the per-sample forward recursion of the decomposition.
+    with torch.no_grad():
+        out = module_at(ref)(torch.as_tensor(X[:4])).numpy()
+    np.testing.assert_allclose(net.outputs(X[:4]), out, rtol=1e-12)
+    J = jacobian_loop(module_at(ref), X[:4]).reshape(4, -1).numpy()
+    np.testing.assert_allclose(TangentKernel(net)(X[:4]), J @ J.T, rtol=1e-10)
+    res = net.decompose(X[:3], n_nodes=3)
+    contrib, _ = forward_recursion(ref, X, torch.as_tensor(y).reshape(-1, 1), _squared,
+                                   X[:3], nodes=gauss_nodes(3))
+    scale = np.abs(contrib).max()
+    np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    # A tensor query is the array query.
+    np.testing.assert_array_equal(net.decompose(torch.as_tensor(X[:3]), n_nodes=3)
+                                  .contributions, res.contributions)
+
+
+def test_network_decompose_refuses_what_it_cannot_decompose():
+    module, traj, X, y = _recorded()
+    with pytest.raises(ValueError, match="needs the training inputs"):
+        TrainedNetwork(module, traj).decompose(X[:2])
+    with pytest.raises(ValueError, match="batches index 12 samples but X_train has 6"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X[:6], y_fit=y[:6]
+                       ).decompose(X[:2])
+    with pytest.raises(ValueError, match="y_train has 5 rows but X_train has 12"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X, y_fit=y[:5]
+                       ).decompose(X[:2])
+    X_nan = X.copy()
+    X_nan[3, 0] = np.nan
+    with pytest.raises(ValueError, match="X_train contains NaN"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X_nan, y_fit=y
+                       ).decompose(X[:2])
+    whole = TrainedNetwork(module, traj, loss=lambda out, t: (out - t[:, None]) ** 2,
+                           X_fit=X, y_fit=y)
+    with pytest.raises(ValueError, match=r"one value per sample, shape \(B,\)"):
+        whole.decompose(X[:2])
+    with pytest.raises(ValueError, match="method must be"):
+        TrainedNetwork(module, traj, loss="squared_error", X_fit=X, y_fit=y
+                       ).decompose(X[:2], method="third_order")
+
+
+def test_old_recorded_network_pickle_drops_its_copies():
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y)
+    # What RecordedNetwork.__init__ stored before network_ existed, besides its parameters.
+    old = dict(net.__getstate__(), module_=module, trajectory_=traj, device_="cpu",
+               dtype="float64", n_params_=traj.n_params, n_features_in_=2,
+               input_shape_=(2,), _input_kind="features")
+    loaded = RecordedNetwork.__new__(RecordedNetwork)
+    loaded.__setstate__(old)
+    assert set(vars(loaded)) == {"module", "trajectory", "X_train", "y_train", "loss",
+                                 "memory_budget"}
+    np.testing.assert_array_equal(loaded.predict(X), net.predict(X))
+    # The parameters rule: another run set after loading is the one computed with.
+    module2, traj2, X2, y2 = _recorded(seed=1)
+    loaded.set_params(module=module2, trajectory=traj2, X_train=X2, y_train=y2)
+    assert loaded.module_ is module2 and loaded.trajectory_ is traj2
+    with torch.no_grad():
+        ref = module2(torch.as_tensor(X2[:3])).numpy()
+    np.testing.assert_allclose(loaded.predict(X2[:3]), ref, rtol=1e-12)
+
+
+def test_detector_diagnostics_on_new_data_stand_for_its_estimator(clf, data):
+    # New (X, y) are encoded by the estimator that trained the network (its classes_),
+    # not by the detector around it.
+    X, y = data
+    det = OODRankDetector(estimator=clf, method="residual").fit(X)
+    Xn, yn = X[::2] + 0.1, y[::2]
+    a = hessian_trace(det, Xn, yn, n_samples=64, random_state=0)
+    b = hessian_trace(clf, Xn, yn, n_samples=64, random_state=0)
+    np.testing.assert_array_equal(a.estimates, b.estimates)
+    # Against the exact trace of the loss's Hessian on (Xn, yn): Hutchinson's estimate
+    # is unbiased (64 Rademacher probes; within 5 standard errors).
+    module = module_at(clf)
+    names = [n for n, p in module.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    sizes = [p.numel() for p in module.parameters()]
+    shapes = [p.shape for p in module.parameters()]
+
+    def loss(theta):
+        params = {n: t.reshape(s) for n, t, s in zip(names, theta.split(sizes), shapes)}
+        out = torch.func.functional_call(module, params, (torch.as_tensor(Xn),))[:, 0]
+        return torch.nn.functional.binary_cross_entropy_with_logits(
+            out, torch.as_tensor(yn, dtype=out.dtype))
+
+    exact = float(torch.autograd.functional.hessian(loss, flat).diagonal().sum())
+    assert abs(b.trace - exact) <= 5 * b.stderr + 1e-12

@@ -497,3 +497,69 @@ def test_chunks_written_in_the_background_are_read_back_whole(monkeypatch, tmp_p
     assert_array_equal(np.load(series.path(0)), vectors[:2].numpy())
     assert_array_equal(np.load(series.path(1)), vectors[2:4].numpy())
     assert_array_equal(np.load(series.path(2)), vectors[4:].numpy())
+
+
+def _direct_io_works(directory) -> bool:
+    if not _storage._O_DIRECT:
+        return False
+    try:
+        os.close(os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT
+                         | _storage._O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_chunks_written_past_the_page_cache_read_back_bit_for_bit(
+        data, monkeypatch, tmp_path, direct):
+    # Every chunk through the O_DIRECT writer (page-aligned buffers, a 4096-byte header,
+    # the last partial sector written normally), or every one through np.save: the same
+    # vectors as the in-memory recording, and np.load reads the files.
+    X, y = data
+    monkeypatch.setattr(_storage, "_DIRECT_MIN_BYTES", 0)
+    if not direct:
+        monkeypatch.setattr(_storage, "_O_DIRECT", 0)
+    mem = _fit(X, y, solver="adam")
+    disk = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    _assert_same_path(mem.trajectory_, disk.trajectory_)
+    directory = disk.trajectory_.directory
+    files = [os.path.join(directory, series, name) for series in ("params", "exp_avg_sq")
+             for name in _chunk_files(disk.trajectory_, series)]
+    header = 4096 if direct and _direct_io_works(tmp_path) else 128
+    for path in files:
+        array = np.load(path, allow_pickle=False)
+        assert os.path.getsize(path) == header + array.nbytes
+    traj = mem.trajectory_
+    assert_array_equal(np.load(files[0], allow_pickle=False),
+                       torch.stack([traj.parameters(k) for k in range(CHUNK)]))
+    n = len(traj) - 1  # the moments' vectors; the last file holds those from `last` on
+    last = (n - 1) // CHUNK * CHUNK
+    assert_array_equal(np.load(files[-1], allow_pickle=False),
+                       torch.stack([traj.optimizer_state(k)["exp_avg_sq"]
+                                    for k in range(last, n)]))
+
+
+def test_a_full_disk_in_the_direct_writer_keeps_the_chunk(data, monkeypatch, tmp_path):
+    # The disk fills during a real (O_DIRECT or not) chunk write: no partial file is left,
+    # the chunk stays in memory, and the path is the in-memory one.
+    X, y = data
+    monkeypatch.setattr(_storage, "_DIRECT_MIN_BYTES", 0)
+    mem = _fit(X, y, solver="adam")
+    real_open = os.open
+    calls = []
+
+    def refusing_open(path, flags, *args):
+        if str(path).endswith(".tmp"):
+            calls.append(path)
+            if len(calls) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_storage.os, "open", refusing_open)
+    with pytest.warns(UserWarning, match="No space left"):
+        disk = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    monkeypatch.setattr(_storage.os, "open", real_open)
+    assert not [p for p in os.listdir(disk.trajectory_.directory + "/params")
+                if p.endswith(".tmp")]
+    _assert_same_path(mem.trajectory_, disk.trajectory_)

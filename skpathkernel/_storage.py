@@ -17,7 +17,9 @@ cores that train. Each file goes to a temporary name renamed over the chunk's (s
 file is either complete or absent). Reading keeps the last two
 chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
 the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
-series whatever the number of points.
+series whatever the number of points. A sweep that moves to the next chunk (or the
+previous one, backwards) starts reading the one after on a reader thread while it uses
+this one: at most three chunks per series, at most 3/32 of ``memory_budget``.
 
 Faults
 ------
@@ -161,6 +163,20 @@ def _submit_write(path: str, array: np.ndarray) -> Future:
     """Write a chunk on the writer thread."""
     # The module attribute at call time: tests replace _write_chunk to simulate a full disk.
     return _background(lambda: _write_chunk(path, array))
+
+
+# Read the next chunk of a sweep while the current one is used (see Series.chunk).
+PREFETCH = True
+_reader: ThreadPoolExecutor | None = None
+
+
+def _read_in_background(task) -> Future:
+    """Run ``task`` on the one reader thread (kept apart from the writer's queue)."""
+    global _reader
+    with _writer_lock:
+        if _reader is None:
+            _reader = ThreadPoolExecutor(1, thread_name_prefix="skpathkernel-chunk-reader")
+    return _reader.submit(task)
 
 
 def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor:
@@ -324,6 +340,8 @@ class Series:
         self._writing: tuple[Future, int, int, np.ndarray, int | None] | None = None
         self._deltas: torch.Tensor | None = None
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._ahead: tuple[int, Future] | None = None  # the chunk being read ahead
+        self._last: int | None = None  # the chunk read last: the sweep's direction
         self._lock = threading.Lock()
 
     @property
@@ -469,17 +487,51 @@ class Series:
             data = self._cache.get(chunk)
             if data is not None:
                 self._cache.move_to_end(chunk)
-                return data
-        self._settle()  # the chunk may be the one being written
-        if chunk in self._memory:
-            data = self._decode(self._memory[chunk], self._rows_in(chunk))
-        else:
-            data = self._load(chunk)
-        with self._lock:
-            self._cache[chunk] = data
-            while len(self._cache) > _CACHED_CHUNKS:
-                self._cache.popitem(last=False)
+            ahead = self._ahead if self._ahead and self._ahead[0] == chunk else None
+            if ahead is not None:
+                self._ahead = None
+        if data is None:
+            if ahead is not None:
+                data = ahead[1].result()  # a failed read raises here, as a direct one would
+            else:
+                self._settle()  # the chunk may be the one being written
+                if chunk in self._memory:
+                    data = self._decode(self._memory[chunk], self._rows_in(chunk))
+                else:
+                    data = self._load(chunk)
+            with self._lock:
+                self._cache[chunk] = data
+                while len(self._cache) > _CACHED_CHUNKS:
+                    self._cache.popitem(last=False)
+        if chunk != self._last:
+            if self._last is not None:
+                self._read_ahead(chunk, chunk - self._last)
+            self._last = chunk
         return data
+
+    def _read_ahead(self, chunk: int, step: int) -> None:
+        """Start reading the next chunk of a sweep (forward or backward) in the background.
+
+        Only when the sweep moved by one chunk, and only a complete file of a chunk that
+        is not cached: memory holds at most the two cached chunks plus this one.
+        """
+        nxt = chunk + step
+        if (not PREFETCH or abs(step) != 1 or not 0 <= nxt * self.chunk_rows < self.n_rows
+                or self._writing is not None or nxt in self._memory):
+            return
+        if self._buffer is not None and nxt >= self.n_rows // self.chunk_rows:
+            return  # still being recorded
+        with self._lock:
+            if nxt in self._cache or (self._ahead and self._ahead[0] == nxt):
+                return
+            self._ahead = (nxt, _read_in_background(lambda: self._load(nxt)))
+
+    def forget(self) -> None:
+        """Drop the chunks read so far (cached, or read ahead)."""
+        with self._lock:
+            self._cache.clear()
+            self._ahead = None
+            self._last = None
 
     def _load(self, chunk: int) -> torch.Tensor:
         path = self.path(chunk)

@@ -10,6 +10,7 @@ import gc
 import os
 import pickle
 import shutil
+import threading
 import time
 import warnings
 
@@ -563,3 +564,49 @@ def test_a_full_disk_in_the_direct_writer_keeps_the_chunk(data, monkeypatch, tmp
     assert not [p for p in os.listdir(disk.trajectory_.directory + "/params")
                 if p.endswith(".tmp")]
     _assert_same_path(mem.trajectory_, disk.trajectory_)
+
+
+def test_read_ahead_gives_the_same_results_and_the_same_errors(data, monkeypatch):
+    # The sweeps read the next chunk (the previous one for the decomposition's backward
+    # adjoint) on a reader thread; with or without that, the kernels and decompositions
+    # equal the in-memory ones, and a missing or truncated chunk raises the same error.
+    X, y = data
+    mem = _fit(X, y, solver="adam")
+    K_mem, d_mem = PathKernel(mem)(X, X[:5]), mem.decompose(X[:3])
+    real = _storage._read_chunk
+    readers = []
+
+    def spy(path):
+        readers.append(threading.current_thread().name)
+        return real(path)
+
+    monkeypatch.setattr(_storage, "_read_chunk", spy)
+    errors = {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(_storage, "PREFETCH", prefetch)
+        disk = _fit(X, y, "disk", solver="adam")
+        readers.clear()
+        assert_allclose(PathKernel(disk)(X, X[:5]), K_mem, rtol=1e-13, atol=1e-15)
+        d_disk = disk.decompose(X[:3])
+        assert_allclose(d_disk.contributions, d_mem.contributions, rtol=1e-12, atol=1e-15)
+        read_ahead = sum("chunk-reader" in name for name in readers)
+        assert (read_ahead >= len(_chunk_files(disk.trajectory_)) - 2) if prefetch \
+            else read_ahead == 0
+        series = disk.trajectory_._params.series
+        assert len(series._cache) + (series._ahead is not None) <= 3
+        os.rename(series.path(2), series.path(2) + ".away")
+        for s in disk.trajectory_._store.series.values():
+            s.forget()
+        with pytest.raises(TrajectoryFileError, match=r"000002\.npy.*missing") as missing:
+            PathKernel(disk)(X)
+        os.rename(series.path(2) + ".away", series.path(2))
+        path = series.path(3)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        for s in disk.trajectory_._store.series.values():
+            s.forget()
+        with pytest.raises(TrajectoryFileError, match=r"000003\.npy.*truncated") as cut:
+            disk.decompose(X[:3])
+        errors[prefetch] = (str(missing.value).replace(disk.trajectory_.directory, ""),
+                            str(cut.value).replace(disk.trajectory_.directory, ""))
+    assert errors[True] == errors[False]

@@ -487,6 +487,9 @@ def test_chunks_written_in_the_background_are_read_back_whole(monkeypatch, tmp_p
         series.slot(k).copy_(vectors[k])
         series.commit(k, step=k)
         if k == 2:  # chunk 0 is being written, not yet on disk: reading waits for it
+            deadline = time.monotonic() + 5  # the writer thread may not have run yet
+            while not started and time.monotonic() < deadline:
+                time.sleep(0.001)
             assert started and not os.path.exists(series.path(0))
             assert_array_equal(series.row(0), vectors[0])
     for k in range(3, 5):  # chunk 1 fills a second buffer while chunk 0's is written

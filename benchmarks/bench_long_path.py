@@ -17,6 +17,9 @@ import copy
 import ctypes
 import gc
 import math
+import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -242,6 +245,77 @@ def split_rows(solver, epochs, n_queries, repeats):
     }]
 
 
+def long_rows(solver, epochs, n_queries, decompose_queries, repeats):
+    """The issue's row: T = 5000 recorded steps on disk (6 GB for SGD), against plain torch.
+
+    In memory the same path would be 5.5 GiB resident, more than one process should take
+    on this shared 24 GiB machine, so recording is compared with the plain loop only.
+    Each recording's directory is deleted before the next one is written.
+    """
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    need = 2.5 * epochs * STEPS_PER_EPOCH * 295_937 * 4
+    if free < need:
+        return [{"row": f"long path, {solver}: skipped, {free / 2**30:.0f} GiB free on the "
+                        f"temporary disk, {need / 2**30:.0f} GiB needed"}]
+    X, y = _data()
+    Xt, Yt = torch.from_numpy(X), torch.from_numpy(y.astype(np.float32)).reshape(-1, 1)
+    torch.manual_seed(0)
+    base = make_mlp(D_IN, 1, HIDDEN, "tanh")
+    spec = SolverSpec(name=solver)
+    loops = {"plain": _plain, "disk": _recorded("disk")}
+    times, peaks = {k: [] for k in loops}, {}
+    for loop in loops.values():  # one-time costs (thread pools, lazy imports) first
+        loop(copy.deepcopy(base), Xt, Yt, spec, 1, torch.Generator().manual_seed(0))
+    for rep in range(repeats):
+        for label, loop in loops.items():
+            module = copy.deepcopy(base)
+            gen = torch.Generator().manual_seed(0)
+            with _probe() if rep == 0 else contextlib.nullcontext() as mem:
+                start = time.perf_counter()
+                out = loop(module, Xt, Yt, spec, epochs, gen)
+                times[label].append(time.perf_counter() - start)
+            if rep == 0:
+                peaks[label] = mem.delta
+            directory = getattr(out, "directory", None)
+            del out
+            gc.collect()
+            assert directory is None or not os.path.exists(directory)
+    T = epochs * STEPS_PER_EPOCH
+    rows = [{
+        "row": f"long path: recording, {solver}, {T} steps (in memory: not run, "
+               f"{T * 295_937 * 4 / 2**30:.1f} GiB)",
+        "plain torch s": _fmt(times["plain"]),
+        "disk s": _fmt(times["disk"]),
+        "disk / plain": round(float(np.median(times["disk"]) / np.median(times["plain"])), 3),
+        "peak MiB plain / memory / disk": f"{peaks['plain'] / 2**20:.0f} / - / "
+                                          f"{peaks['disk'] / 2**20:.0f}",
+    }]
+    disk, X = _fit(solver, epochs, "disk")
+    directory = disk.trajectory_.directory
+    size = disk.trajectory_.nbytes
+    calls = {f"path kernel, N = {n_queries}": lambda e=disk: PathKernel(e)(X[:n_queries]),
+             f"decomposition, {decompose_queries} queries":
+                 lambda e=disk: e.decompose(X[:decompose_queries])}
+    for label, call in calls.items():
+        for series in disk.trajectory_._store.series.values():
+            series.forget()
+        with _probe() as mem:
+            start = time.perf_counter()
+            call()
+            elapsed = time.perf_counter() - start
+        rows.append({
+            "row": f"long path: {label}, {solver}, T = {T}, on disk (budget 1024 MiB)",
+            "disk s/step": f"{elapsed / T * 1e3:.1f} ms",
+            "peak MiB of the call memory / disk": f"- / {mem.delta / 2**20:.0f}",
+            "trajectory MiB (resident in memory)": f"{size / 2**20:.0f}",
+            "T": T,
+        })
+    del disk, calls, call, series
+    gc.collect()
+    assert not os.path.exists(directory)
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     reps = 2 if quick else 3
@@ -251,6 +325,8 @@ def run(quick: bool = False) -> list[dict]:
     rows += kernel_rows("adam", 2 if quick else 6, 64, reps, decompose_queries=0)
     rows += peak_rows("sgd", (2, 10) if quick else (5, 25, 50), 64)  # T = 40 .. 400
     rows += split_rows("sgd", ep, 256, reps)
+    if not quick:  # the issue's size: P = 296k, T = 5000 steps, 5.5 GiB on disk
+        rows += long_rows("sgd", 625, 64, 4, 2)
     return rows
 
 

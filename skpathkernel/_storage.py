@@ -299,13 +299,15 @@ class ChunkStore:
             )
             self.disown()
         self.flush()
+        # Not the series: they reference this store and register themselves when
+        # unpickled (skops refuses reference cycles).
         return {"directory": self.directory, "chunk_rows": self.chunk_rows,
-                "series": self.series, "failure": self.failure}
+                "failure": self.failure}
 
     def __setstate__(self, state):
         self.directory = state["directory"]
         self.chunk_rows = state["chunk_rows"]
-        self.series = state["series"]
+        self.series = {}
         self.failure = state["failure"]
         self._finalizer = None
         self._pending = []
@@ -569,8 +571,9 @@ class Series:
         self.dtype = getattr(torch, state["dtype"])
         self.delta_dtype = state["delta_dtype"] and getattr(torch, state["delta_dtype"])
         self.n_rows = state["n_rows"]
-        self._memory = dict(state["memory"])
+        self._memory = {int(chunk): data for chunk, data in state["memory"].items()}
         self._init_runtime()
+        self.store.series[self.name] = self
 
 
 class DiskRows:
@@ -604,6 +607,17 @@ class DiskRows:
 
     def numel(self) -> int:
         return len(self) * self.series.n_params
+
+    def __getstate__(self):
+        # The last point as a NumPy array: skops reads no torch tensors.
+        return {"series": self.series, "n": self.n,
+                "tail": None if self.tail is None else self.tail.numpy()}
+
+    def __setstate__(self, state):
+        self.series, self.n = state["series"], state["n"]
+        tail = state["tail"]
+        self.tail = None if tail is None else torch.from_numpy(
+            np.require(tail, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
     def __getitem__(self, k: int) -> torch.Tensor:
         k = int(k)

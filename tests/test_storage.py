@@ -613,3 +613,37 @@ def test_read_ahead_gives_the_same_results_and_the_same_errors(data, monkeypatch
         errors[prefetch] = (str(missing.value).replace(disk.trajectory_.directory, ""),
                             str(cut.value).replace(disk.trajectory_.directory, ""))
     assert errors[True] == errors[False]
+
+
+TAIL = {**STOPPED, "learning_rate_init": 0.01, "record_every": 2}  # ends between points
+
+
+def test_skops_round_trip_of_an_on_disk_estimator(data, monkeypatch):
+    # skops persists what pickle does (a reference to the directory, a last point held in
+    # memory, chunks a full disk kept in memory), trusting only skpathkernel's types; the
+    # loaded estimator's kernel is the in-memory fit's.
+    sio = pytest.importorskip("skops.io")
+    X, y = data
+    real = _storage._write_chunk
+
+    def fill_up(path, array):
+        if path.endswith("000002.npy"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real(path, array)
+
+    monkeypatch.setattr(_storage, "_write_chunk", fill_up)
+    with pytest.warns(UserWarning, match="No space left"):
+        est = _fit(X, y, "disk", **TAIL)
+    monkeypatch.setattr(_storage, "_write_chunk", real)
+    mem = _fit(X, y, **TAIL)
+    traj = est.trajectory_
+    assert traj._params.tail is not None and traj._params.series._memory
+    with pytest.warns(UserWarning, match="Pickling references the on-disk trajectory"):
+        blob = sio.dumps(est)
+    untrusted = sio.get_untrusted_types(data=blob)
+    assert all(t.startswith("skpathkernel.") for t in untrusted), untrusted
+    back = sio.loads(blob, trusted=untrusted)
+    assert back.trajectory_.directory == traj.directory
+    _assert_same_path(mem.trajectory_, back.trajectory_)
+    assert_allclose(PathKernel(back)(X), PathKernel(mem)(X), rtol=1e-13, atol=1e-15)
+    shutil.rmtree(traj.directory)

@@ -146,37 +146,33 @@ def _write_chunk(path: str, array: np.ndarray) -> None:
         raise
 
 
-_writer: ThreadPoolExecutor | None = None
-_writer_lock = threading.Lock()
+# One writer thread (chunk files in order, and buffers' pages) and one reader thread (the
+# next chunk of a sweep, see Series.chunk), started when first used.
+_threads: dict[str, ThreadPoolExecutor] = {}
+_threads_lock = threading.Lock()
 
 
-def _background(task) -> Future:
-    """Run ``task`` on the one writer thread (in order, one at a time)."""
-    global _writer
-    with _writer_lock:
-        if _writer is None:
-            _writer = ThreadPoolExecutor(1, thread_name_prefix="skpathkernel-chunk-writer")
-    return _writer.submit(task)
+def _on(name: str, task) -> Future:
+    """Run ``task`` on the background thread ``name`` ("writer" or "reader"), in order."""
+    with _threads_lock:
+        if name not in _threads:
+            _threads[name] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"skpathkernel-chunk-{name}")
+        return _threads[name].submit(task)
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_threads.clear)
 
 
 def _submit_write(path: str, array: np.ndarray) -> Future:
     """Write a chunk on the writer thread."""
     # The module attribute at call time: tests replace _write_chunk to simulate a full disk.
-    return _background(lambda: _write_chunk(path, array))
+    return _on("writer", lambda: _write_chunk(path, array))
 
 
 # Read the next chunk of a sweep while the current one is used (see Series.chunk).
 PREFETCH = True
-_reader: ThreadPoolExecutor | None = None
-
-
-def _read_in_background(task) -> Future:
-    """Run ``task`` on the one reader thread (kept apart from the writer's queue)."""
-    global _reader
-    with _writer_lock:
-        if _reader is None:
-            _reader = ThreadPoolExecutor(1, thread_name_prefix="skpathkernel-chunk-reader")
-    return _reader.submit(task)
 
 
 def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor:
@@ -364,7 +360,7 @@ class Series:
             if self.delta_dtype is None and self._spare is None:
                 # The second buffer's pages are mapped on the writer thread, idle until the
                 # first chunk is full, instead of by the copies on the training thread.
-                self._spare = _background(lambda: _touched_empty(
+                self._spare = _on("writer", lambda: _touched_empty(
                     self.chunk_rows, self.n_params, self.dtype))
             if self.delta_dtype is not None:
                 self._deltas = torch.empty((self.chunk_rows, self.n_params),
@@ -526,7 +522,7 @@ class Series:
         with self._lock:
             if nxt in self._cache or (self._ahead and self._ahead[0] == nxt):
                 return
-            self._ahead = (nxt, _read_in_background(lambda: self._load(nxt)))
+            self._ahead = (nxt, _on("reader", lambda: self._load(nxt)))
 
     def forget(self) -> None:
         """Drop the chunks read so far (cached, or read ahead)."""

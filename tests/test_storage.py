@@ -647,3 +647,30 @@ def test_skops_round_trip_of_an_on_disk_estimator(data, monkeypatch):
     _assert_same_path(mem.trajectory_, back.trajectory_)
     assert_allclose(PathKernel(back)(X), PathKernel(mem)(X), rtol=1e-13, atol=1e-15)
     shutil.rmtree(traj.directory)
+
+
+def _record_and_read_in_child(X, y, queue):
+    est = _fit(X, y, "disk", solver="adam")  # the writer thread, in this process
+    queue.put(PathKernel(est)(X[:4]))  # the reader thread
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_gets_its_own_background_threads(data):
+    # The parent's writer and reader threads do not exist in a forked child (a joblib or
+    # multiprocessing "fork" worker): it starts its own instead of queueing work forever.
+    import multiprocessing
+
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam")
+    K = PathKernel(est)(X[:4])  # both threads now run in this process
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_record_and_read_in_child, args=(X, y, queue))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    assert_allclose(queue.get(timeout=5), K, rtol=1e-13, atol=1e-15)

@@ -92,6 +92,29 @@ def _recorded(storage):
     return loop
 
 
+def _interleaved(loops, base, Xt, Yt, solver, epochs, repeats):
+    """Times of each training loop, repeats interleaved, and each one's peak memory."""
+    times, peaks = {k: [] for k in loops}, {}
+    for loop in loops.values():  # one-time costs (thread pools, lazy imports) first
+        loop(copy.deepcopy(base), Xt, Yt, solver, 1, torch.Generator().manual_seed(0))
+    for rep in range(repeats):
+        for label, loop in loops.items():
+            module = copy.deepcopy(base)
+            gen = torch.Generator().manual_seed(0)
+            with _probe() if rep == 0 else contextlib.nullcontext() as mem:
+                start = time.perf_counter()
+                out = loop(module, Xt, Yt, solver, epochs, gen)
+                times[label].append(time.perf_counter() - start)
+            if rep == 0:
+                peaks[label] = mem.delta
+            directory = getattr(out, "directory", None)
+            del out
+            gc.collect()
+            # A recording's files go with it: the next one never finds the disk fuller.
+            assert directory is None or not os.path.exists(directory)
+    return times, peaks
+
+
 def recording_rows(epochs, repeats):
     rows = []
     X, y = _data()
@@ -101,22 +124,7 @@ def recording_rows(epochs, repeats):
         base = make_mlp(D_IN, 1, HIDDEN, "tanh")
         solver = SolverSpec(name=solver_name)
         loops = {"plain": _plain, "memory": _recorded("memory"), "disk": _recorded("disk")}
-        times = {k: [] for k in loops}
-        peaks = {}
-        for loop in loops.values():  # one-time costs (thread pools, lazy imports) first
-            loop(copy.deepcopy(base), Xt, Yt, solver, 1, torch.Generator().manual_seed(0))
-        for rep in range(repeats):
-            for label, loop in loops.items():
-                module = copy.deepcopy(base)
-                gen = torch.Generator().manual_seed(0)
-                with _probe() if rep == 0 else contextlib.nullcontext() as mem:
-                    start = time.perf_counter()
-                    out = loop(module, Xt, Yt, solver, epochs, gen)
-                    times[label].append(time.perf_counter() - start)
-                if rep == 0:
-                    peaks[label] = mem.delta
-                del out
-                gc.collect()
+        times, peaks = _interleaved(loops, base, Xt, Yt, solver, epochs, repeats)
         plain = np.median(times["plain"])
         rows.append({
             "row": f"recording, {solver_name}, {epochs * STEPS_PER_EPOCH} steps",
@@ -265,23 +273,7 @@ def long_rows(solver, epochs, n_queries, decompose_queries, repeats):
     base = make_mlp(D_IN, 1, HIDDEN, "tanh")
     spec = SolverSpec(name=solver)
     loops = {"plain": _plain, "disk": _recorded("disk")}
-    times, peaks = {k: [] for k in loops}, {}
-    for loop in loops.values():  # one-time costs (thread pools, lazy imports) first
-        loop(copy.deepcopy(base), Xt, Yt, spec, 1, torch.Generator().manual_seed(0))
-    for rep in range(repeats):
-        for label, loop in loops.items():
-            module = copy.deepcopy(base)
-            gen = torch.Generator().manual_seed(0)
-            with _probe() if rep == 0 else contextlib.nullcontext() as mem:
-                start = time.perf_counter()
-                out = loop(module, Xt, Yt, spec, epochs, gen)
-                times[label].append(time.perf_counter() - start)
-            if rep == 0:
-                peaks[label] = mem.delta
-            directory = getattr(out, "directory", None)
-            del out
-            gc.collect()
-            assert directory is None or not os.path.exists(directory)
+    times, peaks = _interleaved(loops, base, Xt, Yt, spec, epochs, repeats)
     T = epochs * STEPS_PER_EPOCH
     rows = [{
         "row": f"long path: recording, {solver}, {T} steps (in memory: not run, "

@@ -108,11 +108,12 @@ def aligned_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _write_direct(tmp: str, array: np.ndarray) -> bool:
     """Write ``array`` as an ``.npy`` file bypassing the page cache; False if refused."""
-    data = memoryview(array.reshape(-1).view(np.uint8))
-    direct = len(data) - len(data) % 512  # O_DIRECT: whole sectors from aligned memory
-    if (not _O_DIRECT or len(data) < _DIRECT_MIN_BYTES or not array.flags.c_contiguous
+    if (not _O_DIRECT or array.nbytes < _DIRECT_MIN_BYTES or not array.flags.c_contiguous
             or array.ctypes.data % _ALIGN):
         return False
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    # O_DIRECT: whole blocks (4096 bytes covers 512-byte and 4K sectors) from aligned memory.
+    direct = len(data) - len(data) % _ALIGN
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
     except OSError as exc:
@@ -123,6 +124,10 @@ def _write_direct(tmp: str, array: np.ndarray) -> bool:
         done = 0
         while done < direct:
             done += os.pwrite(fd, data[done:direct], _ALIGN + done)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # alignment this file system does not take
+            return False
+        raise
     finally:
         os.close(fd)
     with open(tmp, "r+b") as f:  # the header and the last partial sector: ordinary writes

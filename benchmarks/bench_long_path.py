@@ -332,7 +332,7 @@ def run(quick: bool = False) -> list[dict]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     reps = 2 if quick else 3
     ep = 5 if quick else 25  # 40 or 200 steps
-    rows = recording_rows(ep, reps)
+    rows = recording_rows(ep, reps + 2)  # short calls: more repeats against the noise
     rows += kernel_rows("sgd", ep, 64, reps, decompose_queries=4)
     rows += kernel_rows("adam", 2 if quick else 6, 64, reps, decompose_queries=0)
     rows += peak_rows("sgd", (2, 10) if quick else (5, 25, 50), 64)  # T = 40 .. 400

@@ -652,6 +652,8 @@ def test_skops_round_trip_of_an_on_disk_estimator(data, monkeypatch):
 def _record_and_read_in_child(X, y, queue):
     est = _fit(X, y, "disk", solver="adam")  # the writer thread, in this process
     queue.put(PathKernel(est)(X[:4]))  # the reader thread
+    del est  # a child process exits without running finalizers: delete its directory
+    gc.collect()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")

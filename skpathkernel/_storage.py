@@ -9,12 +9,17 @@ The rest (step indices, step sizes, batches, solver) is small and lives in memor
 ``<directory>/trajectory.pt`` (``torch.load(weights_only=True)``) once synced.
 
 Writing fills a one-chunk buffer and, when full, hands it to a writer thread and fills a
-second one meanwhile: the file write (page-cache copy, and the kernel's throttling of dirty
-pages) overlaps training instead of stalling it. Each file goes to a temporary name renamed
-over the chunk's (so a chunk file is either complete or absent). Reading keeps the last two
+second one meanwhile: the file write overlaps training instead of stalling it. Buffers are
+page-aligned and chunk files of a MiB or more are written with ``O_DIRECT`` where the file
+system allows (the ``.npy`` header padded to 4096 bytes, still a plain ``.npy`` file): the
+disk reads the buffer itself, so neither the page-cache copy nor the write-back takes the
+cores that train. Each file goes to a temporary name renamed over the chunk's (so a chunk
+file is either complete or absent). Reading keeps the last two
 chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
 the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
-series whatever the number of points.
+series whatever the number of points. A sweep that moves to the next chunk (or the
+previous one, backwards) starts reading the one after on a reader thread while it uses
+this one: at most three chunks per series, at most 3/32 of ``memory_budget``.
 
 Faults
 ------
@@ -76,12 +81,69 @@ def free_disk(parent) -> int:
     return shutil.disk_usage(parent).free
 
 
+# Chunk files whose data starts at this offset (the .npy header padded to it), written
+# from page-aligned buffers with O_DIRECT where the file system allows: the disk's DMA
+# reads the buffer, so the write costs no page-cache copy and no write-back work on the
+# cores that train (on a 2-core machine this was most of the recording's overhead).
+_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_DIRECT_MIN_BYTES = 2**20  # smaller chunks: one ordinary write is cheaper
+
+
+def _npy_header(array: np.ndarray) -> bytes:
+    """An ``.npy`` (format 1.0) header for ``array``, padded to ``_ALIGN`` bytes."""
+    fields = (f"{{'descr': {np.lib.format.dtype_to_descr(array.dtype)!r}, "
+              f"'fortran_order': False, 'shape': {tuple(array.shape)!r}, }}")
+    body = fields.encode("latin1").ljust(_ALIGN - 10 - 1) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body
+
+
+def aligned_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised ``(rows, n_params)`` buffer whose data starts on a page boundary."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(rows * n_params * itemsize + _ALIGN, dtype=torch.uint8)
+    offset = -raw.data_ptr() % _ALIGN
+    return raw[offset : offset + rows * n_params * itemsize].view(dtype).view(rows, n_params)
+
+
+def _write_direct(tmp: str, array: np.ndarray) -> bool:
+    """Write ``array`` as an ``.npy`` file bypassing the page cache; False if refused."""
+    if (not _O_DIRECT or array.nbytes < _DIRECT_MIN_BYTES or not array.flags.c_contiguous
+            or array.ctypes.data % _ALIGN):
+        return False
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    # O_DIRECT: whole blocks (4096 bytes covers 512-byte and 4K sectors) from aligned memory.
+    direct = len(data) - len(data) % _ALIGN
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # a file system without O_DIRECT (tmpfs)
+            return False
+        raise
+    try:
+        done = 0
+        while done < direct:
+            done += os.pwrite(fd, data[done:direct], _ALIGN + done)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # alignment this file system does not take
+            return False
+        raise
+    finally:
+        os.close(fd)
+    with open(tmp, "r+b") as f:  # the header and the last partial sector: ordinary writes
+        f.write(_npy_header(array))
+        f.seek(_ALIGN + direct)
+        f.write(data[direct:])
+    return True
+
+
 def _write_chunk(path: str, array: np.ndarray) -> None:
     """Write ``array`` to ``path`` atomically: a failed write leaves no partial file."""
     tmp = path + ".tmp"
     try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
+        if not _write_direct(tmp, array):
+            with open(tmp, "wb") as f:
+                np.save(f, array, allow_pickle=False)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -89,18 +151,38 @@ def _write_chunk(path: str, array: np.ndarray) -> None:
         raise
 
 
-_writer: ThreadPoolExecutor | None = None
-_writer_lock = threading.Lock()
+# One writer thread (chunk files in order, and buffers' pages) and one reader thread (the
+# next chunk of a sweep, see Series.chunk), started when first used.
+_threads: dict[str, ThreadPoolExecutor] = {}
+_threads_lock = threading.Lock()
+
+
+def _on(name: str, task) -> Future:
+    """Run ``task`` on the background thread ``name`` ("writer" or "reader"), in order."""
+    with _threads_lock:
+        if name not in _threads:
+            _threads[name] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"skpathkernel-chunk-{name}")
+        return _threads[name].submit(task)
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_threads.clear)
 
 
 def _submit_write(path: str, array: np.ndarray) -> Future:
-    """Write a chunk on the one writer thread (in order, one file at a time)."""
-    global _writer
-    with _writer_lock:
-        if _writer is None:
-            _writer = ThreadPoolExecutor(1, thread_name_prefix="skpathkernel-chunk-writer")
+    """Write a chunk on the writer thread."""
     # The module attribute at call time: tests replace _write_chunk to simulate a full disk.
-    return _writer.submit(lambda: _write_chunk(path, array))
+    return _on("writer", lambda: _write_chunk(path, array))
+
+
+# Read the next chunk of a sweep while the current one is used (see Series.chunk).
+PREFETCH = True
+
+
+def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`aligned_empty` with its pages mapped (the page faults paid here, not later)."""
+    return aligned_empty(rows, n_params, dtype).zero_()
 
 
 def _remove_directory(directory: str, pending: list) -> None:
@@ -218,13 +300,15 @@ class ChunkStore:
             )
             self.disown()
         self.flush()
+        # Not the series: they reference this store and register themselves when
+        # unpickled (skops refuses reference cycles).
         return {"directory": self.directory, "chunk_rows": self.chunk_rows,
-                "series": self.series, "failure": self.failure}
+                "failure": self.failure}
 
     def __setstate__(self, state):
         self.directory = state["directory"]
         self.chunk_rows = state["chunk_rows"]
-        self.series = state["series"]
+        self.series = {}
         self.failure = state["failure"]
         self._finalizer = None
         self._pending = []
@@ -254,10 +338,13 @@ class Series:
 
     def _init_runtime(self):
         self._buffer: torch.Tensor | None = None
-        self._spare: torch.Tensor | None = None  # the buffer being written, then free
+        # The buffer being written, then free (at first, its allocation in the background).
+        self._spare: torch.Tensor | Future | None = None
         self._writing: tuple[Future, int, int, np.ndarray, int | None] | None = None
         self._deltas: torch.Tensor | None = None
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._ahead: tuple[int, Future] | None = None  # the chunk being read ahead
+        self._last: int | None = None  # the chunk read last: the sweep's direction
         self._lock = threading.Lock()
 
     @property
@@ -274,7 +361,12 @@ class Series:
             raise RuntimeError(f"Series {self.name!r} is written in order: expected vector "
                                f"{self.n_rows}, got {k}.")
         if self._buffer is None:
-            self._buffer = torch.empty((self.chunk_rows, self.n_params), dtype=self.dtype)
+            self._buffer = aligned_empty(self.chunk_rows, self.n_params, self.dtype)
+            if self.delta_dtype is None and self._spare is None:
+                # The second buffer's pages are mapped on the writer thread, idle until the
+                # first chunk is full, instead of by the copies on the training thread.
+                self._spare = _on("writer", lambda: _touched_empty(
+                    self.chunk_rows, self.n_params, self.dtype))
             if self.delta_dtype is not None:
                 self._deltas = torch.empty((self.chunk_rows, self.n_params),
                                            dtype=self.delta_dtype)
@@ -330,6 +422,8 @@ class Series:
 
     def _flush(self, chunk: int, rows: int, step: int | None, wait: bool = False) -> None:
         self._settle()  # the previous chunk's write: its buffer is the next one
+        if isinstance(self._spare, Future):
+            self._spare = self._spare.result()
         data = self._encode(rows)
         self._cache.pop(chunk, None)
         if self.store.failure is not None:
@@ -343,7 +437,8 @@ class Series:
             self._settle()
         elif self.delta_dtype is None:  # data is a view of the buffer: fill the other one
             self._buffer, self._spare = (
-                self._spare if self._spare is not None else torch.empty_like(self._buffer),
+                self._spare if self._spare is not None
+                else aligned_empty(self.chunk_rows, self.n_params, self.dtype),
                 self._buffer)
 
     def _settle(self) -> None:
@@ -395,17 +490,51 @@ class Series:
             data = self._cache.get(chunk)
             if data is not None:
                 self._cache.move_to_end(chunk)
-                return data
-        self._settle()  # the chunk may be the one being written
-        if chunk in self._memory:
-            data = self._decode(self._memory[chunk], self._rows_in(chunk))
-        else:
-            data = self._load(chunk)
-        with self._lock:
-            self._cache[chunk] = data
-            while len(self._cache) > _CACHED_CHUNKS:
-                self._cache.popitem(last=False)
+            ahead = self._ahead if self._ahead and self._ahead[0] == chunk else None
+            if ahead is not None:
+                self._ahead = None
+        if data is None:
+            if ahead is not None:
+                data = ahead[1].result()  # a failed read raises here, as a direct one would
+            else:
+                self._settle()  # the chunk may be the one being written
+                if chunk in self._memory:
+                    data = self._decode(self._memory[chunk], self._rows_in(chunk))
+                else:
+                    data = self._load(chunk)
+            with self._lock:
+                self._cache[chunk] = data
+                while len(self._cache) > _CACHED_CHUNKS:
+                    self._cache.popitem(last=False)
+        if chunk != self._last:
+            if self._last is not None:
+                self._read_ahead(chunk, chunk - self._last)
+            self._last = chunk
         return data
+
+    def _read_ahead(self, chunk: int, step: int) -> None:
+        """Start reading the next chunk of a sweep (forward or backward) in the background.
+
+        Only when the sweep moved by one chunk, and only a complete file of a chunk that
+        is not cached: memory holds at most the two cached chunks plus this one.
+        """
+        nxt = chunk + step
+        if (not PREFETCH or abs(step) != 1 or not 0 <= nxt * self.chunk_rows < self.n_rows
+                or self._writing is not None or nxt in self._memory):
+            return
+        if self._buffer is not None and nxt >= self.n_rows // self.chunk_rows:
+            return  # still being recorded
+        with self._lock:
+            if nxt in self._cache or (self._ahead and self._ahead[0] == nxt):
+                return
+            self._ahead = (nxt, _on("reader", lambda: self._load(nxt)))
+
+    def forget(self) -> None:
+        """Drop the chunks read so far (cached, or read ahead)."""
+        with self._lock:
+            self._cache.clear()
+            self._ahead = None
+            self._last = None
 
     def _load(self, chunk: int) -> torch.Tensor:
         path = self.path(chunk)
@@ -443,8 +572,9 @@ class Series:
         self.dtype = getattr(torch, state["dtype"])
         self.delta_dtype = state["delta_dtype"] and getattr(torch, state["delta_dtype"])
         self.n_rows = state["n_rows"]
-        self._memory = dict(state["memory"])
+        self._memory = {int(chunk): data for chunk, data in state["memory"].items()}
         self._init_runtime()
+        self.store.series[self.name] = self
 
 
 class DiskRows:
@@ -478,6 +608,17 @@ class DiskRows:
 
     def numel(self) -> int:
         return len(self) * self.series.n_params
+
+    def __getstate__(self):
+        # The last point as a NumPy array: skops reads no torch tensors.
+        return {"series": self.series, "n": self.n,
+                "tail": None if self.tail is None else self.tail.numpy()}
+
+    def __setstate__(self, state):
+        self.series, self.n = state["series"], state["n"]
+        tail = state["tail"]
+        self.tail = None if tail is None else torch.from_numpy(
+            np.require(tail, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
     def __getitem__(self, k: int) -> torch.Tensor:
         k = int(k)

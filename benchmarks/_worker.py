@@ -1,6 +1,8 @@
 """One torch benchmark case in a fresh process, served by :func:`benchmarks._serve.serve`.
 
-Run by ``python -m benchmarks`` as ``python -m benchmarks._worker '<json spec>'``. A fresh
+Run by ``python -m benchmarks`` as ``python -m benchmarks._worker '<json spec>'``. Gram
+methods: ``skpathkernel`` times the public ``TangentKernel(net)(X)``,
+``skpathkernel_engine`` the private ``tangent_gram`` under it, the others the peers. A fresh
 process per case keeps one method's allocator cache from hiding another's memory. Peak
 memory: on the CPU the peak resident set size above the level after setup, sampled every
 millisecond; on CUDA ``torch.cuda.max_memory_allocated`` above the allocation at entry.
@@ -20,6 +22,7 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 from benchmarks import _nets
 from benchmarks._serve import PeakRSS, serve
+from skpathkernel import PathRecorder, TangentKernel
 from skpathkernel._tangent import tangent_gram
 
 BUDGET = 2**30  # tangent_gram's default memory_budget
@@ -104,34 +107,51 @@ def _loop(module, params, X):
     return J @ J.T
 
 
-METHODS = {
-    "skpathkernel": lambda m, p, X: tangent_gram(m, p, X),
-    "vmap_grad": _vmap_recipe,
-    "autograd_loop": _loop,
-}
+PEERS = {"vmap_grad": _vmap_recipe, "autograd_loop": _loop}
+
+
+def _gram_call(spec, module, params, X):
+    """The timed call of a Gram case (``spec["output"]``: "trace" unless one is named).
+
+    ``skpathkernel``, the headline row, is the call users make, ``TangentKernel(net)(X)``
+    on NumPy inputs, with ``net`` the module at its current parameters as a one-point
+    recorded path (:class:`~skpathkernel.PathRecorder` before any step: the public route
+    for a network trained elsewhere, no training and nothing private). Its time includes
+    what the public path adds to the engine: validating ``X`` and moving it to the
+    network's device and dtype, and returning K as a float64 NumPy array.
+    ``skpathkernel_engine`` is the private engine under it (float32 K on the device).
+    """
+    output = spec.get("output", "trace")
+    if spec["method"] == "skpathkernel":
+        net = PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator()
+        X_user = X.cpu().numpy()
+        return lambda: TangentKernel(net, output=output)(X_user)
+    if spec["method"] == "skpathkernel_engine":
+        return lambda: tangent_gram(module, params, X, output=output)
+    peer = PEERS[spec["method"]]
+    return lambda: peer(module, params, X)
 
 
 def gram_case(spec):
     device = torch.device(spec.get("device", "cpu"))
     module, params, X = gram_problem(spec, device)
-    method = METHODS[spec["method"]]
-    if spec["method"] == "skpathkernel" and "output" in spec:
-        def method(m, p, X):
-            return tangent_gram(m, p, X, output=spec["output"])
+    call = _gram_call(spec, module, params, X)
     peak, sync = _device_tools(device)
 
     def finish(K):
         result = {}
-        if spec["method"] != "skpathkernel":
-            ref = tangent_gram(module, params, X)
+        if spec["method"] != "skpathkernel_engine":
+            # Every other row against the engine's float32 K, compared in float64.
+            ref = tangent_gram(module, params, X, output=spec.get("output", "trace"))
+            K = torch.as_tensor(K, device=ref.device, dtype=torch.float64)
+            ref = ref.to(torch.float64)
             result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
         if spec.get("roofline"):
             result["roofline"] = (_structured_roofline(module, params, X, sync)
                                   if spec.get("arch") else _roofline(spec, module, X, sync))
         return result
 
-    serve(lambda: method(module, params, X),
-          {"n_params": sum(p.numel() for p in params.values())}, finish, peak, sync)
+    serve(call, {"n_params": sum(p.numel() for p in params.values())}, finish, peak, sync)
 
 
 def _roofline(spec, module, X, sync):

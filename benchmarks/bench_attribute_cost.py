@@ -13,23 +13,15 @@ decomposed by ``decompose``. The three calls alternate in every repeat (the firs
 each is a warm-up, not counted), so load changes hit both alike; the ratio per repeat is
 reported as median / min / max, with the load average before and after.
 
-``python -m benchmarks.bench_attribute_cost [--quick]`` prints the table and writes
-benchmarks/results_attribute_cost.md and .json.
+Run by ``python -m benchmarks --only attribute_cost [--quick]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
-import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZES = {False: dict(n_train=1000, n_query=100, epochs=10, repeats=3),
          True: dict(n_train=200, n_query=20, epochs=2, repeats=3)}
 SOLVERS = {
@@ -46,7 +38,9 @@ def _load():
         return f.read().split()[0]
 
 
-def run(quick: bool = False, only: str | None = None) -> dict:
+def run(quick: bool = False, only: str | None = None) -> list[dict]:
+    """One row per solver (``only``: the solvers whose label contains it)."""
+    global NOTES
     from sklearn.datasets import load_digits
 
     import skpathkernel._interpolation as interpolation
@@ -91,62 +85,28 @@ def run(quick: bool = False, only: str | None = None) -> dict:
         finally:
             interpolation._route = original
         ratio = np.array(times["decompose"]) / np.array(times["attribute"])
-        rows.append(dict(
-            solver=label, n_steps=len(clf.trajectory_) - 1,
-            decompose_s=float(np.median(times["decompose"])),
-            attribute_s=float(np.median(times["attribute"])),
-            single_s=float(np.median(times["single"])),
-            vs_single_median=float(np.median(np.array(times["attribute"])
-                                             / np.array(times["single"]))),
-            ratio_median=float(np.median(ratio)), ratio_min=float(ratio.min()),
-            ratio_max=float(ratio.max()), load=f"{load_before} -> {load_after}",
-            times=times))
-        print(f"{label}: decompose {rows[-1]['decompose_s']:.2f} s, attribute "
-              f"{rows[-1]['attribute_s']:.2f} s, ratio {rows[-1]['ratio_median']:.1f} "
-              f"({rows[-1]['ratio_min']:.1f}-{rows[-1]['ratio_max']:.1f}), single-output "
-              f"decompose {rows[-1]['single_s']:.2f} s, load "
-              f"{rows[-1]['load']}", flush=True)
-    return dict(quick=quick, sizes=size, rows=rows, threads=torch.get_num_threads(),
-                machine=f"{platform.processor() or platform.machine()}, "
-                        f"{os.cpu_count()} logical cores, torch {torch.__version__}")
+        vs_single = np.median(np.array(times["attribute"]) / np.array(times["single"]))
+        rows.append({
+            "solver": label, "steps": len(clf.trajectory_) - 1,
+            "decompose (10 outputs)": f"{np.median(times['decompose']):.2f} s",
+            "attribute": f"{np.median(times['attribute']):.2f} s",
+            "decompose / attribute": f"{np.median(ratio):.1f} ({ratio.min():.1f}-"
+                                     f"{ratio.max():.1f})",
+            "decompose (1 output)": f"{np.median(times['single']):.2f} s",
+            "attribute / 1-output": f"{vs_single:.2f}",
+            "load before -> after": f"{load_before} -> {load_after}",
+            "_times": times})
+        print(f"attribute_cost: {label}: " + ", ".join(
+            f"{k} {v}" for k, v in rows[-1].items() if k not in ("solver", "_times")),
+            flush=True)
+    NOTES = (f"{size['n_train']} training digits, {size['n_query']} queries, "
+             f"{size['epochs']} epochs of batch 128, MLP 64-64-10 tanh in float32, "
+             "method='exact' to the default tol; "
+             f"{size['repeats']} interleaved repeats after a warm-up. Ratio = decompose time "
+             "/ attribute time per repeat: median (min-max); decompose (1 output): the same "
+             "MLP with one output, and attribute's time over it (median of the per-repeat "
+             "ratios).")
+    return rows
 
 
-def write(result: dict) -> None:
-    size = result["sizes"]
-    lines = [
-        "# attribute vs decompose on a 10-class digits MLP",
-        "",
-        f"{size['n_train']} training digits, {size['n_query']} queries, {size['epochs']} "
-        f"epochs of batch 128, MLP 64-64-10 tanh in float32, method='exact' to the default "
-        f"tol; {size['repeats']} interleaved repeats after a warm-up; "
-        f"{result['threads']} torch threads; {result['machine']}. "
-        "Ratio = decompose time / attribute time per repeat: median (min-max); the last "
-        "time columns: decompose of the same MLP with one output, and attribute's time over "
-        "it (median of the per-repeat ratios).",
-        "",
-        "| solver | steps | decompose (10 outputs) | attribute | decompose / attribute | "
-        "decompose (1 output) | attribute / 1-output | load before -> after |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(f"| {r['solver']} | {r['n_steps']} | {r['decompose_s']:.2f} s | "
-                     f"{r['attribute_s']:.2f} s | {r['ratio_median']:.1f} "
-                     f"({r['ratio_min']:.1f}-{r['ratio_max']:.1f}) | {r['single_s']:.2f} s | "
-                     f"{r['vs_single_median']:.2f} | {r['load']} |")
-    stem = "results_attribute_cost" + ("_quick" if result["quick"] else "")
-    (ROOT / "benchmarks" / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (ROOT / "benchmarks" / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", help="the solver rows whose label contains this")
-    args = parser.parse_args(argv)
-    result = run(args.quick, args.only)
-    if args.only is None:
-        write(result)
-
-
-if __name__ == "__main__":
-    main()
+NOTES = ""

@@ -19,9 +19,8 @@ interpreter, the peers in the peers venv of ``benchmarks/setup_peers.sh``): time
 is the faster of two calls after the imports and the data loading (both listed); peak
 memory is the extra resident memory during the first call, sampled every millisecond.
 
-``python -m benchmarks.bench_attribution [--quick]`` prints the table and writes
-benchmarks/results_attribution.md and .json; ``python -m benchmarks --only attribution``
-runs it inside the main harness.
+Run by ``python -m benchmarks --only attribution [--quick]``; each method's case process
+is ``python -m benchmarks.bench_attribution --case '<json spec>'``.
 """
 
 from __future__ import annotations
@@ -494,44 +493,15 @@ def _run_notes(rows, retrain_log, fits, total, load, quick):
     return "\n".join(lines)
 
 
-def _write(rows, quick, threads, command, out: Path):
-    from benchmarks.__main__ import _machine, _table
-
-    machine = _machine(threads, "cpu")
-    summary = " ".join(__doc__.split("\n\n")[0].split())
-    lines = ["# Training-data attribution: linear datamodeling score", "",
-             f"`{command}`. Machine: {machine}.", "", summary, "", *_table(rows), "", NOTES]
-    (out / "results_attribution.md").write_text("\n".join(lines) + "\n")
-    (out / "results_attribution.json").write_text(json.dumps(
-        {"machine": machine, "quick": quick, "rows": rows, "notes": RUN_NOTES}, indent=1))
-
-
 def main(argv=None):
+    """One method's case, in its own process: ``--case '<json spec>'``, the reply on stdout."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_attribution")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(Path(__file__).parent))
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of every method's process (default: 2 here, "
-                             "the libraries' own choice in the cases)")
-    parser.add_argument("--models", type=lambda s: s.split(","), default=None,
-                        help=f"comma-separated subset of {','.join(MODELS)} (default: all)")
-    parser.add_argument("--case", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.case:
-        spec = json.loads(args.case)
-        result = (ours_case if spec["kind"] == "ours" else peer_case)(spec)
-        print(json.dumps(result))
-        return
-    if args.models and not set(args.models) <= set(MODELS):
-        parser.error(f"--models takes names from {sorted(MODELS)}, got {args.models}")
-    rows = run(args.quick, args.threads, args.models)
-    from benchmarks.__main__ import _table
-
-    print("\n".join(_table(rows)))
-    print(RUN_NOTES)
-    command = " ".join(["python -m benchmarks.bench_attribution",
-                        *(argv if argv is not None else sys.argv[1:])])
-    _write(rows, args.quick, args.threads, command, Path(args.out))
+    parser.add_argument("--case", required=True,
+                        help="the JSON spec of one case (run by `python -m benchmarks "
+                             "--only attribution`)")
+    spec = json.loads(parser.parse_args(argv).case)
+    result = (ours_case if spec["kind"] == "ours" else peer_case)(spec)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

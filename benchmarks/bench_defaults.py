@@ -139,9 +139,3 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
             })
     return rows
 
-
-if __name__ == "__main__":
-    import sys
-
-    for row in run(quick="--quick" in sys.argv):
-        print(row)

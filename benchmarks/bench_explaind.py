@@ -369,5 +369,5 @@ if __name__ == "__main__":
     elif kind == "explaind":
         explaind_worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))
     else:
-        for row in run(quick="--quick" in sys.argv):
-            _REPLIES.write(f"{row}\n")
+        sys.exit("the workers of `python -m benchmarks --only explaind`: "
+                 "skpathkernel, skpathkernel-f64 or explaind")

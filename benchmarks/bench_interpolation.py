@@ -140,9 +140,3 @@ def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,
         })
     return rows
 
-
-if __name__ == "__main__":
-    import sys
-
-    for row in run(quick="--quick" in sys.argv):
-        print(row)

@@ -252,9 +252,3 @@ def run(quick: bool = False) -> list[dict]:
     rows += split_rows("sgd", ep, 256, reps)
     return rows
 
-
-if __name__ == "__main__":
-    import sys
-
-    for row in run(quick="--quick" in sys.argv):
-        print(row)

@@ -20,7 +20,8 @@ scoring at or above the 5th percentile of the in-distribution scores (the OOD po
 threshold keeping 95% of in-distribution points lets through). Methods of one case run
 in a rotating order over the repeats (interleaved); their times are medians.
 
-``python -m benchmarks.bench_ood [--quick]`` writes benchmarks/results_ood.md.
+Run by ``python -m benchmarks --only ood [--quick]``: the goals are the table, the
+other sections go to :data:`NOTES`.
 """
 
 from __future__ import annotations
@@ -525,7 +526,7 @@ def run_scale(quick, threads):
 
 
 # --------------------------------------------------------------------------- runner
-NOTES = """\
+_METHOD_NOTES = """\
 Every network-based detector scores with the same trained network. pytorch-ood runs in
 its own venv (torch 2.14.1 + torchvision 0.29.1, which pytorch-ood imports; the main
 environment's torch 2.13.0+cpu cannot load PyPI's torchvision) on the network's last
@@ -542,28 +543,14 @@ of the interleaved repeats and include fitting each detector (not training the n
 
 
 def run(quick: bool = False, threads: int | None = None) -> list[dict]:
-    """Per split: the defaults' AUROC / FPR@95 against the best peer (the goals)."""
-    return goal_rows(_measure(quick, threads)[0])
-
-
-def _measure(quick, threads):
-    torch.set_num_threads(threads or 2)
-    all_cases = cases(quick)
-    version = None
-    for case in all_cases:
-        version = score_case(case, REPEATS[quick], threads or 2) or version
-        print(f"bench_ood: {case.name} scored", file=sys.stderr, flush=True)
-    return all_cases, version
-
-
-def main(quick: bool = False, threads: int | None = None) -> str:
-    load = [os.getloadavg()[0]]
-    start = time.perf_counter()
+    """Per split: the defaults' AUROC / FPR@95 against the best peer (the goals); every
+    other section of the report goes to :data:`NOTES`."""
+    global NOTES
     all_cases, version = _measure(quick, threads)
     sections = [
-        "## Goals: the defaults against the best peer on every split\n\n"
-        + _markdown(goal_rows(all_cases)),
-    ]
+        f"Threads: {threads or 2} (torch, here and in the children); "
+        f"{version or 'pytorch-ood: -'}; {REPEATS[quick]} interleaved repeats.\n\n"
+        + _METHOD_NOTES]
     for case in all_cases:
         sections.append(
             f"## {case.name}: AUROC / FPR@95 (network trained in {case.train_s:.1f} s)\n\n"
@@ -584,18 +571,18 @@ def main(quick: bool = False, threads: int | None = None) -> str:
         f"## Scale: N = {SCALE_N[quick]} noisy digits 0-4 (64 tanh units, 2 epochs), "
         "memory_budget 1 GiB; AUROC (difference to the exact span)\n\n"
         + _markdown(run_scale(quick, threads or 2)))
-    load.append(os.getloadavg()[0])
-    head = (f"# OODRankDetector against the field's OOD detectors\n\n"
-            f"`python -m benchmarks.bench_ood{' --quick' if quick else ''}`: CPU, "
-            f"{threads or 2} threads, torch {torch.__version__}; {version or 'pytorch-ood: -'}"
-            f"; {REPEATS[quick]} interleaved repeats; load average {load[0]:.1f} at the "
-            f"start, {load[1]:.1f} at the end; {time.perf_counter() - start:.0f} s.\n\n"
-            + NOTES)
-    return head + "\n" + "\n\n".join(sections) + "\n"
+    NOTES = "\n\n".join(sections)
+    return goal_rows(all_cases)
 
 
-if __name__ == "__main__":
-    quick = "--quick" in sys.argv
-    text = main(quick)
-    print(text)
-    Path(__file__).with_name("results_ood.md").write_text(text)
+NOTES = _METHOD_NOTES
+
+
+def _measure(quick, threads):
+    torch.set_num_threads(threads or 2)
+    all_cases = cases(quick)
+    version = None
+    for case in all_cases:
+        version = score_case(case, REPEATS[quick], threads or 2) or version
+        print(f"bench_ood: {case.name} scored", file=sys.stderr, flush=True)
+    return all_cases, version

@@ -131,9 +131,3 @@ def run(quick: bool = False, threads: int | None = None) -> list[dict]:
             rows.append(row)
     return rows
 
-
-if __name__ == "__main__":
-    import sys
-
-    for row in run(quick="--quick" in sys.argv):
-        print(row)

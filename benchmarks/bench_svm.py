@@ -101,9 +101,3 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                          "peak memory": f"{mem.delta / 2**20:.1f} MiB"})
     return rows
 
-
-if __name__ == "__main__":
-    import sys
-
-    for row in run(quick="--quick" in sys.argv):
-        print(row)

@@ -105,9 +105,3 @@ def run(quick: bool = False, repeats: int | None = None, device: str = "cpu") ->
 def _fmt(ts):
     return f"{np.median(ts):.3f} ({min(ts):.3f}-{max(ts):.3f})"
 
-
-if __name__ == "__main__":
-    import sys
-
-    for row in run(quick="--quick" in sys.argv):
-        print(row)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Rows 1-4 of the benchmark (tangent Gram with its peers and roofline, the image and
 # token networks' Gram rows and the CNN's path kernel, training with recording,
-# decomposition) on a CUDA device, written to
-# benchmarks/results_gpu.md / .json. Peers that cannot use the GPU are listed as skipped
+# decomposition) on a CUDA device, written per group to
+# benchmarks/results/<group>[-quick]-cuda.md / .json. Peers that cannot use the GPU are listed as skipped
 # (neural-tangents: the peers venv holds a CPU-only jaxlib; skorch and MLPRegressor are in
 # the CPU-only peers_training table, not run here). The full plan takes minutes on the
 # CPU of a 2-core machine; on a GPU its cost is mostly the ~45 case processes' start-up
@@ -15,5 +15,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
 'gpu.sh: torch sees no CUDA device')"
-python -m benchmarks --device cuda --only gram,gram_nets,path,training,decomposition \
-    --stem results_gpu "$@"
+python -m benchmarks --device cuda --only gram,gram_nets,path,training,decomposition "$@"

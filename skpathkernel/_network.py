@@ -227,9 +227,29 @@ class TrainedNetwork:
         return to_input_tensor(X, dtype=self.torch_dtype, device=self.torch_device)
 
     def params_at(self, step: int) -> dict[str, torch.Tensor]:
-        """The parameters at recorded point ``step``, by name, on the network's device."""
+        """The parameters at recorded point ``step``, by name, on the network's device.
+
+        The last point read is kept (one point: a path kernel's walk replaces it at every
+        step), so that repeated kernel calls at one point neither read an on-disk chunk
+        nor move it to the device again. A trajectory's recorded points never change, so
+        the trajectory object, the point and the device identify it; the kept point is
+        not pickled.
+        """
         traj = self.trajectory
-        return dict(traj.unflatten(traj.parameters(step).to(self.torch_device)))
+        k = step % len(traj) if -len(traj) <= step < len(traj) else step
+        key = (traj, k, self.device)
+        # One read and one write of a tuple: concurrent threads see a whole entry.
+        kept = self.__dict__.get("_kept_point")
+        if kept is not None and kept[0] is traj and kept[1:3] == key[1:]:
+            return dict(kept[3])
+        params = dict(traj.unflatten(traj.parameters(k).to(self.torch_device)))
+        self.__dict__["_kept_point"] = (*key, params)
+        return dict(params)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_kept_point", None)
+        return state
 
     def outputs(self, X, step: int = -1) -> np.ndarray:
         """Network outputs ``f(X; theta_step)`` at a recorded point, float64 (n, C).

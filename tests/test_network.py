@@ -303,3 +303,46 @@ def test_old_recorded_network_pickle_drops_its_copies():
     with torch.no_grad():
         ref = module2(torch.as_tensor(X2[:3])).numpy()
     np.testing.assert_allclose(loaded.predict(X2[:3]), ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_params_at_keeps_one_point_and_never_pickles_it(storage, data, tmp_path):
+    X, y = data
+    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, dtype="float64",
+                            random_state=0, trajectory_storage=storage,
+                            trajectory_dir=tmp_path / "t" if storage == "disk" else None,
+                            ).fit(X, y)
+    net, traj = est.network_, est.trajectory_
+    reads = []
+    real = type(traj).parameters
+    traj.parameters = lambda k=-1: reads.append(k) or real(traj, k)
+
+    def expected(k):
+        return dict(zip(traj.names, traj._unflatten(real(traj, k))))
+
+    # Every point, read back as recorded; a repeated point (also spelled negatively) is
+    # not read again, another one is.
+    for k, read in [(0, True), (0, False), (len(traj) - 1, True), (-1, False), (2, True)]:
+        n_reads = len(reads)
+        got = net.params_at(k)
+        assert (len(reads) > n_reads) == read
+        want = expected(k)
+        assert list(got) == list(want)
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    # A caller's changes to the dict it got do not reach the kept point.
+    net.params_at(2).clear()
+    assert list(net.params_at(2)) == list(traj.names)
+    # Another trajectory (a copy of the network with it) is read, not the kept point.
+    del traj.parameters
+    other = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, dtype="float64",
+                              random_state=1).fit(X, y).trajectory_
+    theirs = net.replace(trajectory=other).params_at(2)
+    assert torch.equal(theirs[traj.names[0]], other.unflatten(other.parameters(2))[
+        traj.names[0]])
+    assert not torch.equal(theirs[traj.names[0]], net.params_at(2)[traj.names[0]])
+    # The kept point is not part of the pickle (of a saved on-disk trajectory: a temporary
+    # one would warn that pickling keeps its directory).
+    if storage == "disk":
+        traj.save(tmp_path / "saved")
+    assert "_kept_point" in vars(net)
+    assert "_kept_point" not in vars(pickle.loads(pickle.dumps(net)))

@@ -29,7 +29,6 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from .._memory import rows_per_block
@@ -258,21 +257,6 @@ def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout, panels) -
         out[below, :, rows, :] = mirror
     else:
         out[below, rows] = mirror
-
-
-def _empty_gram(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-    """An uninitialised Gram; on the CPU in NumPy's memory, which is faulted in faster.
-
-    NumPy advises the kernel to back large arrays with huge pages (``madvise``), torch's
-    allocator does not: faulting in a fresh 4096^2 float64 Gram took 31 ms instead of
-    64 ms, on a call of 140 ms.
-    """
-    if device.type == "cpu" and dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[dtype]))
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 class _Panels:
@@ -702,7 +686,7 @@ def tangent_gram(
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
     out_dtype = dtype if out_dtype is None else out_dtype
-    K = _empty_gram(shape, out_dtype, X.device)
+    K = torch.empty(shape, dtype=out_dtype, device=X.device)
     panels = None if out_dtype == dtype else _Panels(dtype, X.device)
     full = mode == "full"
     for i in range(len(bx)):

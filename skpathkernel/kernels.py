@@ -272,7 +272,7 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
         module, params, kw = _step_setup(net, k, output, True)
         kw.update(exclude=exclude, check_hidden=False)
         if gram:
-            part = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
+            part = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, **kw)
             K = part.mul_(w) if K is None else K.add_(part, alpha=w)
         if diag and not diag_from_gram:
             d = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64).mul_(w)

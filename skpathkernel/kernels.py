@@ -148,9 +148,16 @@ def step_kernel(
     net = network_of(estimator)
     X = _validate(net, X)
     Y = None if Y is None else _validate(net, Y, "Y")
+    return _step_gram(net, X, Y, step, output, preconditioned, normalized)
+
+
+def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized):
+    """:func:`step_kernel` on arguments already checked (the kernels' call checks them)."""
     Xt, Yt = _tensors(net, X, Y)
     module, params, kw = _step_setup(net, step, output, preconditioned)
-    K = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
+    # K in float64 from the start: a float32 network's Gram is widened panel by panel,
+    # never held twice (the float64 copy of a 4096^2 Gram cost a third of the call).
+    K = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, **kw)
     if normalized:
         if Yt is None:
             dx = dy = K.diagonal().clone()
@@ -265,7 +272,7 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
         module, params, kw = _step_setup(net, k, output, True)
         kw.update(exclude=exclude, check_hidden=False)
         if gram:
-            part = tangent_gram(module, params, Xt, Yt, **kw).to(torch.float64)
+            part = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, **kw)
             K = part.mul_(w) if K is None else K.add_(part, alpha=w)
         if diag and not diag_from_gram:
             d = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64).mul_(w)
@@ -499,12 +506,14 @@ class TangentKernel(_NetworkKernel):
         self.normalized = normalized
         self.n_jobs = n_jobs
 
+    # X and Y come checked by __call__ (on workers, rows of the checked X).
     def _gram(self, X, Y):
-        return step_kernel(self.estimator, X, Y, step=self.step, output=self.output,
-                           normalized=self.normalized)
+        return _step_gram(self.estimator, X, Y, self.step, _check_output(self.output),
+                          False, self.normalized)
 
     def _raw_gram(self, X, Y):
-        return step_kernel(self.estimator, X, Y, step=self.step, output=self.output)
+        return _step_gram(self.estimator, X, Y, self.step, _check_output(self.output),
+                          False, False)
 
     def _diag(self, X):
         Xt, _ = _tensors(self.estimator, X, None)

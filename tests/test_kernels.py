@@ -149,6 +149,45 @@ def test_float32_estimator():
     _close(K, _loop_gram(est32, -1, X, X), 1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_public_calls_return_the_engines_gram_exactly(dtype):
+    # The kernels widen a float32 Gram to float64 as they write it and check their inputs
+    # once: the result is the engine's Gram, converted, bit for bit, for every form of
+    # the call (cross, one output, preconditioned).
+    from skpathkernel._tangent import tangent_gram
+
+    est, X = _fit("adam", multi=True, dtype=dtype)
+    net, Y = est.network_, X[:5] * 1.5
+    tol = 1e-5 if dtype == "float32" else RTOL
+    Xt, Yt = net.tensor(X), net.tensor(Y)
+
+    def engine(Z=None, step=-1, output="trace", D=None):
+        K = tangent_gram(net.module, net.trajectory.unflatten(net.trajectory.parameters(step)),
+                         Xt, Z, output=output, diag_weight=D)
+        assert K.dtype == net.torch_dtype
+        return K.double().numpy()
+
+    for output in ("trace", 1):
+        kernel = TangentKernel(est, output=output)
+        for Z, Zt in ((None, None), (Y, Yt)):
+            K = kernel(X, Z)
+            assert K.dtype == np.float64
+            np.testing.assert_array_equal(K, engine(Zt, output=output))
+        # Row blocks give up the symmetry: equal up to round-off.
+        _close(TangentKernel(est, output=output, n_jobs=2)(X), engine(output=output), tol)
+    R = engine()
+    d = np.sqrt(np.diag(R))
+    # (normalized: the division rounds differently from the kernel's rsqrt products)
+    _close(TangentKernel(est, normalized=True)(X), R / np.outer(d, d), 1e-15)
+    D = net.trajectory.preconditioner(2)
+    np.testing.assert_array_equal(step_kernel(est, X, Y, step=2, preconditioned=True),
+                                  engine(Yt, step=2, D=D))
+    full = step_kernel(est, X, step=3, output="full")
+    np.testing.assert_array_equal(full, engine(step=3, output="full"))
+    # And the engine is the loop's Gram.
+    _close(full[:, 1, :, 1], _loop_gram(est, 3, X, X, output=1), tol)
+
+
 # ----------------------------------------------------------------------- sklearn contract
 def test_kernel_contract():
     est, X = _fit()

@@ -351,3 +351,88 @@ def test_detector_diagnostics_on_new_data_stand_for_its_estimator(clf, data):
 
     exact = float(torch.autograd.functional.hessian(loss, flat).diagonal().sum())
     assert abs(b.trace - exact) <= 5 * b.stderr + 1e-12
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_params_at_keeps_one_point_and_never_pickles_it(storage, data, tmp_path):
+    X, y = data
+    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, dtype="float64",
+                            random_state=0, trajectory_storage=storage,
+                            trajectory_dir=tmp_path / "t" if storage == "disk" else None,
+                            ).fit(X, y)
+    net, traj = est.network_, est.trajectory_
+    reads = []
+    real = type(traj).parameters
+    traj.parameters = lambda k=-1: reads.append(k) or real(traj, k)
+
+    def expected(k):
+        return dict(zip(traj.names, traj._unflatten(real(traj, k))))
+
+    # Every point, read back as recorded; a repeated point (also spelled negatively) is
+    # not read again, another one is.
+    for k, read in [(0, True), (0, False), (len(traj) - 1, True), (-1, False), (2, True)]:
+        n_reads = len(reads)
+        got = net.params_at(k)
+        assert (len(reads) > n_reads) == read
+        want = expected(k)
+        assert list(got) == list(want)
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    # A caller's changes to the dict it got do not reach the kept point.
+    net.params_at(2).clear()
+    assert list(net.params_at(2)) == list(traj.names)
+    # Another trajectory (a copy of the network with it) is read, not the kept point.
+    del traj.parameters
+    other = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, dtype="float64",
+                              random_state=1).fit(X, y).trajectory_
+    theirs = net.replace(trajectory=other).params_at(2)
+    assert torch.equal(theirs[traj.names[0]], other.unflatten(other.parameters(2))[
+        traj.names[0]])
+    assert not torch.equal(theirs[traj.names[0]], net.params_at(2)[traj.names[0]])
+    # The kept point is not part of the pickle (of a saved on-disk trajectory: a temporary
+    # one would warn that pickling keeps its directory).
+    if storage == "disk":
+        traj.save(tmp_path / "saved")
+    assert "_kept_point" in vars(net)
+    assert "_kept_point" not in vars(pickle.loads(pickle.dumps(net)))
+
+
+def test_check_takes_a_clean_float_array_as_check_input_does(clf, data):
+    # The shortcut for plain finite float arrays returns what check_input returns, and
+    # everything else (errors included) is check_input's.
+    from skpathkernel._inputs import check_input
+
+    X, _ = data
+    module, traj = clf.network_.module, clf.network_.trajectory
+    image = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 1)).double()
+    nets = {
+        "features": clf.network_,
+        "no inputs": TrainedNetwork(module, traj),
+        "images": TrainedNetwork(image, PathRecorder(image, torch.optim.SGD(
+            image.parameters(), lr=0.1)).trajectory, X_fit=np.zeros((2, 2, 3))),
+    }
+    rng = np.random.RandomState(0)
+    for label, net in nets.items():
+        shape = (4, *(net.input_shape or (X.shape[1],)))
+        good = rng.randn(*shape)
+        candidates = [good, good.astype(np.float32), np.asfortranarray(good),
+                      good.astype(np.float16), good.astype(np.int64), good.tolist(),
+                      good.reshape(4, -1), good[:0], np.where(good > 1, np.nan, good),
+                      np.where(good > 1, np.inf, good), rng.randn(4, 7), good[:, None],
+                      np.full(shape, 3e38, dtype=np.float32), np.ma.masked_array(good)]
+        for Z in candidates:
+            for allow_flat in (False, True):
+                try:
+                    want = check_input(net.input_shape, net.input_kind, net.module, Z,
+                                       allow_flat=allow_flat)
+                except ValueError as exc:
+                    with pytest.raises(ValueError) as got:
+                        net.check(Z, allow_flat=allow_flat)
+                    assert str(got.value) == str(exc), label
+                    continue
+                got = net.check(Z, allow_flat=allow_flat)
+                assert type(got) is type(want) and got.dtype == want.dtype, label
+                np.testing.assert_array_equal(got, want)
+                assert got.shape == want.shape
+    # A clean array is taken as it is: no copy.
+    Xc = np.ascontiguousarray(X, dtype=np.float32)
+    assert clf.network_.check(Xc) is Xc

@@ -783,3 +783,36 @@ def test_lending_dtype_and_device_is_not_a_read():
     params = {k: v.detach() for k, v in module.named_parameters()}
     cap = capture(module, params, torch.randn(4, 3, dtype=torch.float64), [0], memory_budget=2**20)
     assert cap.fallback == () and not cap.exclude
+
+
+# ------------------------------------------------------------ wider output dtype
+@pytest.mark.parametrize("kind", ["mlp", "conv", "norule"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_float64_output_of_a_float32_gram_is_the_converted_gram(kind, weighted, monkeypatch):
+    # A float32 network's K written as float64 panel by panel is, bit for bit, its float32
+    # Gram converted afterwards: one block and panels of 4 and 2 rows, many blocks at the
+    # smallest budget, symmetric and cross, every output form.
+    module, params, X, Y = _make(kind, 2, dtype=torch.float32)
+    D = None
+    if weighted:
+        n_params = sum(p.numel() for p in params.values())
+        D = torch.rand(n_params, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(_gram, "_panel_rows", lambda device, width=0: (4, 2))
+    # The fallback at one row per block is slow: it checks "full" only.
+    for output in ("trace", 1, "full") if kind != "norule" else ("full",):
+        for Z in (None, Y):
+            kw = dict(output=output, diag_weight=D)
+            ref = tangent_gram(module, params, X, Z, **kw)
+            assert ref.dtype == torch.float32
+            K = tangent_gram(module, params, X, Z, out_dtype=torch.float64, **kw)
+            assert K.dtype == torch.float64 and torch.equal(K, ref.to(torch.float64))
+            small = _at_smallest_budget(tangent_gram, module, params, X, Z, **kw)
+            wide = _at_smallest_budget(tangent_gram, module, params, X, Z,
+                                       out_dtype=torch.float64, **kw)
+            assert torch.equal(wide, small.to(torch.float64))
+    # And against the float64 autograd loop, to float32 round-off.
+    J = _loop_jacobian(module, params, X)
+    weight = torch.ones(J.shape[2], dtype=torch.float64) if D is None else D.double()
+    full = torch.einsum("ncp,p,mdp->ncmd", J, weight, J)
+    _close(tangent_gram(module, params, X, output="full", diag_weight=D,
+                        out_dtype=torch.float64), full, 1e-5)

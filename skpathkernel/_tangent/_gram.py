@@ -144,24 +144,36 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
         out.add_(_contract(gx, gy, mode))
 
 
+class _Scratch:
+    """One buffer, grown on demand and reused as any shape that fits.
+
+    Reusing it keeps its pages faulted in across the panels and terms of one Gram.
+    """
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffer
+        if buf is None or buf.numel() < numel:
+            buf = self._buffer = like.new_empty(numel)
+        return buf[:numel].view(shape)
+
+
 class _Weighted:
     """A diagonal preconditioner and two scratch buffers for the blocks it scales.
 
     The per-sample gradients of one parameter are formed for a panel of rows and one of
-    columns at every product; reusing two buffers (grown on demand, one per side) keeps
-    their pages faulted in across the panels and terms of one Gram.
+    columns at every product, each side in its own :class:`_Scratch`.
     """
 
     def __init__(self, values: torch.Tensor):
         self.values = values
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._buffers = (_Scratch(), _Scratch())
 
     def scratch(self, side: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = math.prod(shape)
-        buf = self._buffers[side]
-        if buf is None or buf.numel() < numel:
-            buf = self._buffers[side] = like.new_empty(numel)
-        return buf[:numel].view(shape)
+        return self._buffers[side].get(shape, like)
 
 
 def _rows(terms: list[Term], rows: slice) -> list[Term]:
@@ -200,12 +212,14 @@ def _panel_rows(device: torch.device, width: int = 0) -> tuple[int, int]:
     return (1024, 256) if width >= 2**14 else (512, 128)
 
 
-def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor) -> None:
+def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
+                     panels: _Panels | None = None) -> None:
     """Write ``K(X_b, X_b)`` of one row block into ``out``, from its upper panels.
 
     Every computed block right of the diagonal is written twice (mirrored); the squares on
     the diagonal of the inner panels are symmetrised exactly (a GEMM ``A A^T`` is not
-    bitwise symmetric).
+    bitwise symmetric). ``panels``: compute each panel there, in the computation's dtype,
+    when ``out`` has another one (see :class:`_Panels`).
     """
     n = terms[0].delta.shape[0]
     width = max(t.delta.shape[1] * t.delta.shape[3] for t in terms)
@@ -213,16 +227,17 @@ def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Te
     for s in range(0, n, outer):
         e = min(s + outer, n)
         if e < n:
-            _upper(out, terms, slice(s, e), slice(e, n), mode, weight, layout)
+            _upper(out, terms, slice(s, e), slice(e, n), mode, weight, layout, panels)
         for t in range(s, e, inner):
             u = min(t + inner, e)
-            _upper(out, terms, slice(t, u), slice(t, e), mode, weight, layout)
+            _upper(out, terms, slice(t, u), slice(t, e), mode, weight, layout, panels)
 
 
-def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout) -> None:
+def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout, panels) -> None:
     """``out[rows, cols]`` and its mirror, for ``cols`` starting at or after ``rows``."""
     full = mode == "full"
-    block = out[rows, :, cols, :] if full else out[rows, cols]
+    target = out[rows, :, cols, :] if full else out[rows, cols]
+    block = target if panels is None else panels.get(target.shape)
     _gram_into(block, _rows(terms, rows), _rows(terms, cols), mode, weight, layout)
     square = rows.stop - cols.start if cols.start == rows.start else 0
     below = slice(cols.start + square, cols.stop)
@@ -230,12 +245,35 @@ def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout) -> None:
         if square:
             diag = block[:, :, :square, :]
             diag.copy_(0.5 * (diag + diag.permute(2, 3, 0, 1)))
-        out[below, :, rows, :] = block[:, :, square:, :].permute(2, 3, 0, 1)
+        mirror = block[:, :, square:, :].permute(2, 3, 0, 1)
     else:
         if square:
             diag = block[:, :square]
             diag.copy_(0.5 * (diag + diag.T))
-        out[below, rows] = block[:, square:].T
+        mirror = block[:, square:].T
+    if block is not target:
+        target.copy_(block)
+    if full:
+        out[below, :, rows, :] = mirror
+    else:
+        out[below, rows] = mirror
+
+
+class _Panels:
+    """Where a Gram's panels are computed when the result has a wider dtype.
+
+    A float32 network's K returned as float64: each panel is computed in float32 here
+    and widened as it is written (exactly: every float32 is a float64), so that K is
+    never held twice, in float32 and again in float64, and K equals the float32 Gram
+    converted afterwards bit for bit.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self._scratch = _Scratch()
+        self._like = torch.empty(0, dtype=dtype, device=device)
+
+    def get(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._scratch.get(shape, self._like)
 
 
 def _block_size(n_rows: int, budget: int, per_row: int, per_pair: int = 0,
@@ -535,6 +573,7 @@ def tangent_gram(
     params_y: Mapping[str, torch.Tensor] | None = None,
     exclude: frozenset[str] = frozenset(),
     check_hidden: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Tangent-kernel Gram matrix ``J(X) D J(Y)^T`` without forming the Jacobian.
 
@@ -575,6 +614,11 @@ def tangent_gram(
         Run the one-sample autograd check for reads that torch functions do not see
         (TorchScript, C++ extensions). A caller evaluating many points of one path runs
         it once with :func:`hidden_reads` and passes the result as ``exclude``.
+    out_dtype : torch.dtype, default=None
+        The dtype of the returned Gram; ``None``: the computation's. A wider one (float64
+        for a float32 network) equals the Gram converted afterwards, bit for bit, without
+        holding it twice: every panel is computed in a reused buffer of the
+        computation's dtype and widened as it is written.
 
     Returns
     -------
@@ -641,20 +685,25 @@ def tangent_gram(
 
     n, m = X.shape[0], Y.shape[0]
     shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
-    K = torch.empty(shape, dtype=dtype, device=X.device)
+    out_dtype = dtype if out_dtype is None else out_dtype
+    K = torch.empty(shape, dtype=out_dtype, device=X.device)
+    panels = None if out_dtype == dtype else _Panels(dtype, X.device)
     full = mode == "full"
     for i in range(len(bx)):
         cx = bx[i]
         for j in range(i if symmetric else 0, len(by)):
             si, sj = bx.slices[i], by.slices[j]
-            block = K[si, :, sj, :] if full else K[si, sj]
+            target = K[si, :, sj, :] if full else K[si, sj]
             if symmetric and i == j:
-                _symmetric_block(cx.terms, mode, weight, layout, block)
+                _symmetric_block(cx.terms, mode, weight, layout, target, panels)
                 continue
             # Formed blocks are costly to recompute: the next row block is held from its
             # first use as a column block.
             cy = by.hold(j) if symmetric and dense and j == i + 1 else by[j]
+            block = target if panels is None else panels.get(target.shape)
             _gram_into(block, cx.terms, cy.terms, mode, weight, layout)
+            if block is not target:
+                target.copy_(block)
             if symmetric:
                 if full:
                     K[sj, :, si, :] = block.permute(2, 3, 0, 1)

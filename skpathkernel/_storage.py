@@ -163,11 +163,26 @@ def _on(name: str, task) -> Future:
         if name not in _threads:
             _threads[name] = ThreadPoolExecutor(
                 1, thread_name_prefix=f"skpathkernel-chunk-{name}")
-        return _threads[name].submit(task)
+        future = _threads[name].submit(task)
+    future.skpathkernel_pid = os.getpid()
+    return future
 
 
-if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
-    os.register_at_fork(after_in_child=_threads.clear)
+def _orphaned(future: Future) -> bool:
+    """A task still pending when this process was forked: the child never runs it."""
+    return not future.done() and future.skpathkernel_pid != os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's threads, and the lock may have been held
+    # by one of them (another thread was starting a thread) at the fork.
+    global _threads_lock
+    _threads.clear()
+    _threads_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _submit_write(path: str, array: np.ndarray) -> Future:
@@ -185,7 +200,9 @@ def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor
     return aligned_empty(rows, n_params, dtype).zero_()
 
 
-def _remove_directory(directory: str, pending: list) -> None:
+def _remove_directory(directory: str, pending: list, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child's copy: the directory is the parent's
+        return
     for future in pending:  # a write still going would recreate files in it
         future.exception()
     shutil.rmtree(directory, True)
@@ -218,7 +235,7 @@ class ChunkStore:
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
         self._finalizer = (weakref.finalize(self, _remove_directory, self.directory,
-                                            self._pending) if owned else None)
+                                            self._pending, os.getpid()) if owned else None)
 
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
@@ -423,7 +440,7 @@ class Series:
     def _flush(self, chunk: int, rows: int, step: int | None, wait: bool = False) -> None:
         self._settle()  # the previous chunk's write: its buffer is the next one
         if isinstance(self._spare, Future):
-            self._spare = self._spare.result()
+            self._spare = None if _orphaned(self._spare) else self._spare.result()
         data = self._encode(rows)
         self._cache.pop(chunk, None)
         if self.store.failure is not None:
@@ -448,6 +465,9 @@ class Series:
             if writing is None:
                 return
             future, chunk, rows, data, step = writing
+            if _orphaned(future):  # the parent's writer thread writes it: read from memory
+                self._memory[chunk] = data.copy()
+                return
             exc = future.exception()
         if exc is None:
             self._memory.pop(chunk, None)
@@ -493,6 +513,8 @@ class Series:
             ahead = self._ahead if self._ahead and self._ahead[0] == chunk else None
             if ahead is not None:
                 self._ahead = None
+                if _orphaned(ahead[1]):  # queued in the parent before a fork: read here
+                    ahead = None
         if data is None:
             if ahead is not None:
                 data = ahead[1].result()  # a failed read raises here, as a direct one would

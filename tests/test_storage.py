@@ -693,3 +693,90 @@ def test_a_file_system_refusing_direct_writes_gets_ordinary_ones(monkeypatch, tm
     _storage._write_chunk(path, buffer.numpy())
     assert_array_equal(np.load(path, allow_pickle=False), buffer.numpy())
     assert os.listdir(tmp_path) == ["000000.npy"]
+
+
+def _in_child(check) -> int:
+    """Fork; the child runs ``check()`` (True: exit 0) and is killed if it hangs 20 s."""
+    import signal
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:  # never return into pytest from the child
+        code = 3
+        try:
+            signal.alarm(20)
+            code = 0 if check() else 1
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_dropping_its_copy_keeps_the_parents_directory(data):
+    # A forked child holds a copy of the estimator, temporary trajectory included: when
+    # that copy is collected there, the directory (the parent's) must stay.
+    X, y = data
+    est = _fit(X, y, "disk")
+    K = PathKernel(_fit(X, y))(X[:4])  # reference: the in-memory fit
+    directory = est.trajectory_.directory
+
+    def drop():
+        nonlocal est
+        est = None
+        gc.collect()
+        return True
+
+    assert _in_child(drop) == 0
+    assert os.path.isdir(directory)
+    assert_allclose(PathKernel(est)(X[:4]), K, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_reads_a_chunk_the_parent_was_reading_ahead(data):
+    # The parent's reader thread is busy when the process forks with a chunk queued to be
+    # read ahead: that read never happens in the child, which reads the chunk itself
+    # (reference: the file, read with plain numpy) instead of waiting forever.
+    X, y = data
+    est = _fit(X, y, "disk")
+    series = est.trajectory_._params.series
+    gate = threading.Event()
+    _storage._on("reader", gate.wait)
+    try:
+        series.chunk(0)
+        series.chunk(1)  # a forward sweep: chunk 2 is queued
+        assert series._ahead[0] == 2 and not series._ahead[1].done()
+        code = _in_child(lambda: np.array_equal(series.chunk(2).numpy(),
+                                                np.load(series.path(2))))
+    finally:
+        gate.set()
+    assert code == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_reads_a_chunk_the_parent_was_writing(monkeypatch, tmp_path):
+    # The same with a chunk the parent's writer thread has not written yet, and with the
+    # threads' lock held at the fork (another thread was starting a thread).
+    store = _storage.ChunkStore.create(tmp_path, chunk_rows=2)
+    series = store.add_series("params", 5, torch.float64)
+    vectors = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gate = threading.Event()
+    try:
+        for k in range(3):
+            series.slot(k).copy_(vectors[k])
+            if k == 1:
+                _storage._on("writer", gate.wait)
+            series.commit(k, step=k)
+        assert not series._writing[0].done()
+
+        def read():
+            with_lock = _storage._on("writer", lambda: 1).result() == 1
+            return with_lock and all(torch.equal(series.row(k), vectors[k]) for k in range(3))
+
+        with _storage._threads_lock:
+            code = _in_child(read)
+    finally:
+        gate.set()
+    assert code == 0
+    store.flush()
+    assert_array_equal(np.load(series.path(0)), vectors[:2].numpy())

@@ -291,6 +291,8 @@ class ChunkStore:
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
                 "directory (an on-disk trajectory is saved by renaming its directory)."
             )
+        for series in self.series.values():  # a read ahead may look in the old place
+            series.forget()
         try:
             os.replace(self.directory, path)
         except OSError as exc:

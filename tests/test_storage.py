@@ -780,3 +780,32 @@ def test_a_forked_child_reads_a_chunk_the_parent_was_writing(monkeypatch, tmp_pa
     assert code == 0
     store.flush()
     assert_array_equal(np.load(series.path(0)), vectors[:2].numpy())
+
+
+def test_saving_while_a_chunk_is_read_ahead(data, monkeypatch, tmp_path):
+    # save() renames the directory while the reader thread is about to read a chunk ahead,
+    # which it then does between the rename and the store learning its new place: the
+    # chunk is read from the new place, not reported missing.
+    X, y = data
+    mem, disk = _fit(X, y), _fit(X, y, "disk")
+    series = disk.trajectory_._params.series
+    gate = threading.Event()
+    _storage._on("reader", gate.wait)
+    real = os.replace
+
+    def rename_then_read(src, dst):
+        real(src, dst)
+        if src == disk.trajectory_.directory:
+            gate.set()
+            reading.exception()  # the read ahead, done now
+
+    try:
+        series.chunk(0)
+        series.chunk(1)  # chunk 2 is queued to be read ahead
+        reading = series._ahead[1]
+        monkeypatch.setattr(_storage.os, "replace", rename_then_read)
+        disk.trajectory_.save(tmp_path / "saved")
+    finally:
+        gate.set()
+    monkeypatch.setattr(_storage.os, "replace", real)
+    _assert_same_path(mem.trajectory_, disk.trajectory_)

@@ -270,7 +270,7 @@ class ChunkStore:
         for series in self.series.values():
             series.flush_partial()
             if release:
-                series._buffer = series._spare = None
+                series._buffer = series._spare = series._deltas = None
 
     def write_meta(self, payload: dict) -> None:
         path = os.path.join(self.directory, META_FILE)

@@ -809,3 +809,12 @@ def test_saving_while_a_chunk_is_read_ahead(data, monkeypatch, tmp_path):
         gate.set()
     monkeypatch.setattr(_storage.os, "replace", real)
     _assert_same_path(mem.trajectory_, disk.trajectory_)
+
+
+def test_recording_releases_its_buffers(data):
+    # After the fit only the chunks read are in memory: no write buffer, and no buffer of
+    # rounded differences (compressed storage), is kept for the estimator's lifetime.
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_compression="bfloat16")
+    for series in est.trajectory_._store.series.values():
+        assert series._buffer is None and series._spare is None and series._deltas is None

@@ -168,6 +168,14 @@ def _on(name: str, task) -> Future:
     return future
 
 
+def _drain(name: str) -> None:
+    """Wait for the tasks queued so far on the background thread ``name``, if started."""
+    with _threads_lock:
+        executor = _threads.get(name)
+    if executor is not None:
+        executor.submit(lambda: None).result()
+
+
 def _orphaned(future: Future) -> bool:
     """A task still pending when this process was forked: the child never runs it."""
     return not future.done() and future.skpathkernel_pid != os.getpid()
@@ -291,8 +299,9 @@ class ChunkStore:
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
                 "directory (an on-disk trajectory is saved by renaming its directory)."
             )
-        for series in self.series.values():  # a read ahead may look in the old place
-            series.forget()
+        # A read ahead queued or running would look in the old place, or (Windows) hold
+        # a file open there, which stops the rename: let it finish first.
+        _drain("reader")
         try:
             os.replace(self.directory, path)
         except OSError as exc:

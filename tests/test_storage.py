@@ -783,9 +783,9 @@ def test_a_forked_child_reads_a_chunk_the_parent_was_writing(monkeypatch, tmp_pa
 
 
 def test_saving_while_a_chunk_is_read_ahead(data, monkeypatch, tmp_path):
-    # save() renames the directory while the reader thread is about to read a chunk ahead,
-    # which it then does between the rename and the store learning its new place: the
-    # chunk is read from the new place, not reported missing.
+    # save() renames the directory while the reader thread is about to read a chunk ahead;
+    # were the read to run between the rename and the store learning its new place, it
+    # would look in the old one. The chunk is read, not reported missing.
     X, y = data
     mem, disk = _fit(X, y), _fit(X, y, "disk")
     series = disk.trajectory_._params.series
@@ -804,6 +804,7 @@ def test_saving_while_a_chunk_is_read_ahead(data, monkeypatch, tmp_path):
         series.chunk(1)  # chunk 2 is queued to be read ahead
         reading = series._ahead[1]
         monkeypatch.setattr(_storage.os, "replace", rename_then_read)
+        threading.Timer(0.2, gate.set).start()  # the reader is busy a while longer
         disk.trajectory_.save(tmp_path / "saved")
     finally:
         gate.set()

@@ -407,6 +407,16 @@ class Series:
             # The buffer keeps the stored path: what readers will reconstruct.
             d = self._deltas[i]
             d.copy_(self._buffer[i] - self._buffer[i - 1])
+            # A finite step past the dtype's range (65504 in float16) would store inf, then
+            # nan, for a finite path; a vector that is itself not finite is a diverging
+            # run, recorded as it is for the trainer to report.
+            if not bool(torch.isfinite(d).all()) and bool(torch.isfinite(self._buffer[i]).all()):
+                raise ValueError(
+                    f"Cannot store vector {k} of {self.name!r} (optimizer step {step}): "
+                    f"its difference from the previous point, up to "
+                    f"{float((self._buffer[i] - self._buffer[i - 1]).abs().max()):.3g}, "
+                    f"overflows {dtype_name(self.delta_dtype)}. Use compression 'bfloat16' "
+                    "(float32's range) or none.")
             torch.add(self._buffer[i - 1], d.to(self.dtype), out=self._buffer[i])
         self.n_rows = k + 1
         if self.n_rows % self.chunk_rows == 0:

@@ -819,3 +819,23 @@ def test_recording_releases_its_buffers(data):
     est = _fit(X, y, "disk", solver="adam", trajectory_compression="bfloat16")
     for series in est.trajectory_._store.series.values():
         assert series._buffer is None and series._spare is None and series._deltas is None
+
+
+def test_a_step_float16_cannot_hold_is_refused(tmp_path):
+    # float16 differences overflow past 65504: the stored path would turn to inf, then nan,
+    # from a finite recorded one. That is refused, naming the vector, the step and a dtype
+    # that holds it; a vector that is itself not finite (a diverging run) is recorded as
+    # it is, for the trainer to report.
+    store = _storage.ChunkStore.create(tmp_path, chunk_rows=4)
+    series = store.add_series("params", 3, torch.float32, delta_dtype=torch.float16)
+    for k, vector in enumerate([[0.0, 1.0, 2.0], [0.5, 1.0, 2.0]]):
+        series.slot(k).copy_(torch.tensor(vector))
+        series.commit(k, step=10 * k)
+    series.slot(2).copy_(torch.tensor([0.5, 1e5, 2.0]))
+    with pytest.raises(ValueError, match=r"vector 2 .*optimizer step 20.*float16.*bfloat16"):
+        series.commit(2, step=20)
+    assert series.n_rows == 2
+    series.slot(2).copy_(torch.tensor([0.5, float("inf"), 2.0]))
+    series.commit(2, step=20)
+    assert series.n_rows == 3 and torch.isinf(series.row(2)[1])
+    assert torch.equal(series.row(1), torch.tensor([0.5, 1.0, 2.0]))

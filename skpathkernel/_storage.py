@@ -373,6 +373,7 @@ class Series:
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._ahead: tuple[int, Future] | None = None  # the chunk being read ahead
         self._last: int | None = None  # the chunk read last: the sweep's direction
+        self.overflow: str | None = None  # a step the compression could not hold
         self._lock = threading.Lock()
 
     @property
@@ -407,16 +408,18 @@ class Series:
             # The buffer keeps the stored path: what readers will reconstruct.
             d = self._deltas[i]
             d.copy_(self._buffer[i] - self._buffer[i - 1])
-            # A finite step past the dtype's range (65504 in float16) would store inf, then
-            # nan, for a finite path; a vector that is itself not finite is a diverging
-            # run, recorded as it is for the trainer to report.
-            if not bool(torch.isfinite(d).all()) and bool(torch.isfinite(self._buffer[i]).all()):
-                raise ValueError(
-                    f"Cannot store vector {k} of {self.name!r} (optimizer step {step}): "
-                    f"its difference from the previous point, up to "
+            # A finite step past the dtype's range (65504 in float16) stores inf, then nan,
+            # for a finite path: noted, for finish() to refuse the path (a vector that is
+            # itself not finite is a diverging run, which the trainer reports).
+            if (self.overflow is None and not bool(torch.isfinite(d).all())
+                    and bool(torch.isfinite(self._buffer[i]).all())):
+                self.overflow = (
+                    f"vector {k} of {self.name!r} (optimizer step {step}) differs from the "
+                    f"previous point by up to "
                     f"{float((self._buffer[i] - self._buffer[i - 1]).abs().max()):.3g}, "
-                    f"overflows {dtype_name(self.delta_dtype)}. Use compression 'bfloat16' "
-                    "(float32's range) or none.")
+                    f"past {dtype_name(self.delta_dtype)}'s range: the stored path is not "
+                    "finite from there. Use compression 'bfloat16' (float32's range) or "
+                    "none.")
             torch.add(self._buffer[i - 1], d.to(self.dtype), out=self._buffer[i])
         self.n_rows = k + 1
         if self.n_rows % self.chunk_rows == 0:

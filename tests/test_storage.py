@@ -25,6 +25,7 @@ from skpathkernel import (
     PathKernelMachine,
     PathRecorder,
     RecordedNetwork,
+    TrainingDivergedError,
     Trajectory,
     _storage,
     _trajectory,
@@ -821,21 +822,26 @@ def test_recording_releases_its_buffers(data):
         assert series._buffer is None and series._spare is None and series._deltas is None
 
 
-def test_a_step_float16_cannot_hold_is_refused(tmp_path):
+def test_a_step_float16_cannot_hold_is_refused(data):
     # float16 differences overflow past 65504: the stored path would turn to inf, then nan,
-    # from a finite recorded one. That is refused, naming the vector, the step and a dtype
-    # that holds it; a vector that is itself not finite (a diverging run) is recorded as
-    # it is, for the trainer to report.
-    store = _storage.ChunkStore.create(tmp_path, chunk_rows=4)
-    series = store.add_series("params", 3, torch.float32, delta_dtype=torch.float16)
-    for k, vector in enumerate([[0.0, 1.0, 2.0], [0.5, 1.0, 2.0]]):
-        series.slot(k).copy_(torch.tensor(vector))
-        series.commit(k, step=10 * k)
-    series.slot(2).copy_(torch.tensor([0.5, 1e5, 2.0]))
-    with pytest.raises(ValueError, match=r"vector 2 .*optimizer step 20.*float16.*bfloat16"):
-        series.commit(2, step=20)
-    assert series.n_rows == 2
-    series.slot(2).copy_(torch.tensor([0.5, float("inf"), 2.0]))
-    series.commit(2, step=20)
-    assert series.n_rows == 3 and torch.isinf(series.row(2)[1])
-    assert torch.equal(series.row(1), torch.tensor([0.5, 1.0, 2.0]))
+    # from a finite recorded one (the loop's parameters stay finite). The path is refused,
+    # naming the vector, the step and a dtype that holds it; a run that diverges is still
+    # reported as diverging.
+    net = torch.nn.Linear(2, 1).double()
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    rec = PathRecorder(net, opt, n_samples=4, storage="disk", compression="float16")
+    for step in range(4):
+        net.weight.grad = torch.full_like(net.weight, -1e5 if step == 1 else 0.1)
+        net.bias.grad = torch.zeros_like(net.bias)
+        rec.set_batch(torch.arange(4))
+        opt.step()
+    theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    assert bool(torch.isfinite(theta).all()) and float(theta.abs().max()) > 65504
+    with pytest.raises(ValueError, match=r"vector 2 .*optimizer step 2\).*1e\+05.*float16"
+                                         r".*bfloat16"):
+        _ = rec.trajectory
+    rec.close()
+    X, y = data
+    with pytest.raises(TrainingDivergedError):
+        _fit(X, 1e4 * y, "disk", solver="sgd", learning_rate_init=30.0,
+             trajectory_compression="float16")

@@ -163,7 +163,16 @@ def _on(name: str, task) -> Future:
         if name not in _threads:
             _threads[name] = ThreadPoolExecutor(
                 1, thread_name_prefix=f"skpathkernel-chunk-{name}")
-        future = _threads[name].submit(task)
+        try:
+            future = _threads[name].submit(task)
+        except RuntimeError:  # the interpreter is exiting (an atexit handler): no threads
+            future = None
+    if future is None:  # then in this thread
+        future = Future()
+        try:
+            future.set_result(task())
+        except Exception as exc:
+            future.set_exception(exc)
     future.skpathkernel_pid = os.getpid()
     return future
 
@@ -171,9 +180,9 @@ def _on(name: str, task) -> Future:
 def _drain(name: str) -> None:
     """Wait for the tasks queued so far on the background thread ``name``, if started."""
     with _threads_lock:
-        executor = _threads.get(name)
-    if executor is not None:
-        executor.submit(lambda: None).result()
+        started = name in _threads
+    if started:
+        _on(name, lambda: None).result()
 
 
 def _orphaned(future: Future) -> bool:

@@ -845,3 +845,41 @@ def test_a_step_float16_cannot_hold_is_refused(data):
     with pytest.raises(TrainingDivergedError):
         _fit(X, 1e4 * y, "disk", solver="sgd", learning_rate_init=30.0,
              trajectory_compression="float16")
+
+
+_AT_EXIT = """
+import atexit, os, sys
+import numpy as np
+from skpathkernel import PathKernelMachine, Trajectory, _trajectory
+from skpathkernel.kernels import PathKernel
+_trajectory.chunk_rows_for = lambda *args: 3
+rng = np.random.RandomState(0)
+X = rng.uniform(-1, 1, size=(16, 2))
+y = np.sin(2 * X[:, 0]) - X[:, 1]
+kw = dict(hidden_layer_sizes=(7,), max_iter=4, batch_size=5, dtype="float64", tol=None,
+          random_state=0)
+mem = PathKernelMachine(**kw).fit(X, y)
+disk = PathKernelMachine(**kw, trajectory_storage="disk").fit(X, y)
+
+def at_exit():  # the background threads are shut down by now
+    np.testing.assert_allclose(PathKernel(disk)(X), PathKernel(mem)(X), rtol=1e-13)
+    disk.trajectory_.save(sys.argv[1])
+    print("saved", len(Trajectory.load(sys.argv[1])) == len(mem.trajectory_))
+
+atexit.register(at_exit)
+"""
+
+
+def test_an_on_disk_trajectory_is_read_and_saved_at_interpreter_exit(tmp_path):
+    # An atexit handler runs after the interpreter has stopped the background threads: a
+    # sweep's read ahead and save() still work there (in the calling thread).
+    import subprocess
+    import sys
+
+    script = tmp_path / "at_exit.py"
+    script.write_text(_AT_EXIT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "saved")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "saved True" in done.stdout, done.stderr[-2000:]
+    assert _chunk_files(Trajectory.load(tmp_path / "saved"))

@@ -154,6 +154,7 @@ def _write_chunk(path: str, array: np.ndarray) -> None:
 # One writer thread (chunk files in order, and buffers' pages) and one reader thread (the
 # next chunk of a sweep, see Series.chunk), started when first used.
 _threads: dict[str, ThreadPoolExecutor] = {}
+_THREAD_PREFIX = "skpathkernel-chunk-"
 _threads_lock = threading.Lock()
 
 
@@ -162,7 +163,7 @@ def _on(name: str, task) -> Future:
     with _threads_lock:
         if name not in _threads:
             _threads[name] = ThreadPoolExecutor(
-                1, thread_name_prefix=f"skpathkernel-chunk-{name}")
+                1, thread_name_prefix=_THREAD_PREFIX + name)
         try:
             future = _threads[name].submit(task)
         except RuntimeError:  # the interpreter is exiting (an atexit handler): no threads
@@ -220,9 +221,15 @@ def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor
 def _remove_directory(directory: str, pending: list, owner: int) -> None:
     if os.getpid() != owner:  # a forked child's copy: the directory is the parent's
         return
-    for future in pending:  # a write still going would recreate files in it
-        future.exception()
-    shutil.rmtree(directory, True)
+    if all(future.done() for future in pending):
+        shutil.rmtree(directory, True)
+        return
+    # After the writes still queued (a write going on would recreate files in it): as a
+    # task on the writer thread, which runs them in order. Not by waiting for them: the
+    # garbage collector may run this on the writer thread itself.
+    removal = _on("writer", lambda: shutil.rmtree(directory, True))
+    if not threading.current_thread().name.startswith(_THREAD_PREFIX + "writer"):
+        removal.result()
 
 
 def _read_chunk(path: str) -> np.ndarray:

@@ -883,3 +883,39 @@ def test_an_on_disk_trajectory_is_read_and_saved_at_interpreter_exit(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "saved True" in done.stdout, done.stderr[-2000:]
     assert _chunk_files(Trajectory.load(tmp_path / "saved"))
+
+
+_ON_THE_WRITER = """
+import sys, threading
+import numpy as np, torch
+from skpathkernel import _storage
+store = _storage.ChunkStore.create(sys.argv[1], chunk_rows=2)
+series = store.add_series("params", 5, torch.float64)
+gate = threading.Event()
+_storage._on("writer", gate.wait)
+# The garbage collector may run the store's finalizer on any thread, the writer's too,
+# while a write of the store is queued behind it.
+finalizing = _storage._on("writer", store._finalizer)
+store._pending.append(_storage._submit_write(series.path(0), np.zeros((2, 5))))
+gate.set()
+finalizing.result(timeout=20)
+_storage._on("writer", lambda: None).result(timeout=20)
+print("removed" if not __import__("os").path.exists(store.directory) else "kept")
+"""
+
+
+def test_a_store_finalized_on_the_writer_thread_does_not_stop_it(tmp_path):
+    # Waiting there for the store's queued writes would wait for the writer itself: every
+    # later write, and the interpreter's exit, would hang. The directory goes after them.
+    import subprocess
+    import sys
+
+    script = tmp_path / "on_the_writer.py"
+    script.write_text(_ON_THE_WRITER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the writer thread hung")
+    assert done.returncode == 0 and "removed" in done.stdout, done.stderr[-2000:]

@@ -14,7 +14,8 @@ page-aligned and chunk files of a MiB or more are written with ``O_DIRECT`` wher
 system allows (the ``.npy`` header padded to 4096 bytes, still a plain ``.npy`` file): the
 disk reads the buffer itself, so neither the page-cache copy nor the write-back takes the
 cores that train. Each file goes to a temporary name renamed over the chunk's (so a chunk
-file is either complete or absent). Reading keeps the last two
+file is either complete or absent, whenever the process stops; files are not fsynced, so
+after a power failure that is up to the file system). Reading keeps the last two
 chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
 the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
 series whatever the number of points. A sweep that moves to the next chunk (or the

@@ -847,6 +847,21 @@ def test_a_step_float16_cannot_hold_is_refused(data):
              trajectory_compression="float16")
 
 
+def _python(tmp_path, source: str, argument):
+    """Run ``source`` in a fresh interpreter (killed, and the test failed, after 90 s)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.run([sys.executable, str(script), str(argument)], env=env,
+                              capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the script hung")
+
+
 _AT_EXIT = """
 import atexit, os, sys
 import numpy as np
@@ -873,14 +888,7 @@ atexit.register(at_exit)
 def test_an_on_disk_trajectory_is_read_and_saved_at_interpreter_exit(tmp_path):
     # An atexit handler runs after the interpreter has stopped the background threads: a
     # sweep's read ahead and save() still work there (in the calling thread).
-    import subprocess
-    import sys
-
-    script = tmp_path / "at_exit.py"
-    script.write_text(_AT_EXIT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "saved")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = _python(tmp_path, _AT_EXIT, tmp_path / "saved")
     assert done.returncode == 0 and "saved True" in done.stdout, done.stderr[-2000:]
     assert _chunk_files(Trajectory.load(tmp_path / "saved"))
 
@@ -907,15 +915,5 @@ print("removed" if not __import__("os").path.exists(store.directory) else "kept"
 def test_a_store_finalized_on_the_writer_thread_does_not_stop_it(tmp_path):
     # Waiting there for the store's queued writes would wait for the writer itself: every
     # later write, and the interpreter's exit, would hang. The directory goes after them.
-    import subprocess
-    import sys
-
-    script = tmp_path / "on_the_writer.py"
-    script.write_text(_ON_THE_WRITER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
-                              capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the writer thread hung")
+    done = _python(tmp_path, _ON_THE_WRITER, tmp_path)
     assert done.returncode == 0 and "removed" in done.stdout, done.stderr[-2000:]

@@ -14,7 +14,8 @@ page-aligned and chunk files of a MiB or more are written with ``O_DIRECT`` wher
 system allows (the ``.npy`` header padded to 4096 bytes, still a plain ``.npy`` file): the
 disk reads the buffer itself, so neither the page-cache copy nor the write-back takes the
 cores that train. Each file goes to a temporary name renamed over the chunk's (so a chunk
-file is either complete or absent). Reading keeps the last two
+file is either complete or absent, whenever the process stops; files are not fsynced, so
+after a power failure that is up to the file system). Reading keeps the last two
 chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
 the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
 series whatever the number of points. A sweep that moves to the next chunk (or the
@@ -154,6 +155,7 @@ def _write_chunk(path: str, array: np.ndarray) -> None:
 # One writer thread (chunk files in order, and buffers' pages) and one reader thread (the
 # next chunk of a sweep, see Series.chunk), started when first used.
 _threads: dict[str, ThreadPoolExecutor] = {}
+_THREAD_PREFIX = "skpathkernel-chunk-"
 _threads_lock = threading.Lock()
 
 
@@ -162,12 +164,44 @@ def _on(name: str, task) -> Future:
     with _threads_lock:
         if name not in _threads:
             _threads[name] = ThreadPoolExecutor(
-                1, thread_name_prefix=f"skpathkernel-chunk-{name}")
-        return _threads[name].submit(task)
+                1, thread_name_prefix=_THREAD_PREFIX + name)
+        try:
+            future = _threads[name].submit(task)
+        except RuntimeError:  # the interpreter is exiting (an atexit handler): no threads
+            future = None
+    if future is None:  # then in this thread
+        future = Future()
+        try:
+            future.set_result(task())
+        except Exception as exc:
+            future.set_exception(exc)
+    future.skpathkernel_pid = os.getpid()
+    return future
 
 
-if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
-    os.register_at_fork(after_in_child=_threads.clear)
+def _drain(name: str) -> None:
+    """Wait for the tasks queued so far on the background thread ``name``, if started."""
+    with _threads_lock:
+        started = name in _threads
+    if started:
+        _on(name, lambda: None).result()
+
+
+def _orphaned(future: Future) -> bool:
+    """A task still pending when this process was forked: the child never runs it."""
+    return not future.done() and future.skpathkernel_pid != os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's threads, and the lock may have been held
+    # by one of them (another thread was starting a thread) at the fork.
+    global _threads_lock
+    _threads.clear()
+    _threads_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _submit_write(path: str, array: np.ndarray) -> Future:
@@ -185,10 +219,18 @@ def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor
     return aligned_empty(rows, n_params, dtype).zero_()
 
 
-def _remove_directory(directory: str, pending: list) -> None:
-    for future in pending:  # a write still going would recreate files in it
-        future.exception()
-    shutil.rmtree(directory, True)
+def _remove_directory(directory: str, pending: list, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child's copy: the directory is the parent's
+        return
+    if all(future.done() for future in pending):
+        shutil.rmtree(directory, True)
+        return
+    # After the writes still queued (a write going on would recreate files in it): as a
+    # task on the writer thread, which runs them in order. Not by waiting for them: the
+    # garbage collector may run this on the writer thread itself.
+    removal = _on("writer", lambda: shutil.rmtree(directory, True))
+    if not threading.current_thread().name.startswith(_THREAD_PREFIX + "writer"):
+        removal.result()
 
 
 def _read_chunk(path: str) -> np.ndarray:
@@ -218,7 +260,7 @@ class ChunkStore:
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
         self._finalizer = (weakref.finalize(self, _remove_directory, self.directory,
-                                            self._pending) if owned else None)
+                                            self._pending, os.getpid()) if owned else None)
 
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
@@ -253,7 +295,7 @@ class ChunkStore:
         for series in self.series.values():
             series.flush_partial()
             if release:
-                series._buffer = series._spare = None
+                series._buffer = series._spare = series._deltas = None
 
     def write_meta(self, payload: dict) -> None:
         path = os.path.join(self.directory, META_FILE)
@@ -274,6 +316,9 @@ class ChunkStore:
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
                 "directory (an on-disk trajectory is saved by renaming its directory)."
             )
+        # A read ahead queued or running would look in the old place, or (Windows) hold
+        # a file open there, which stops the rename: let it finish first.
+        _drain("reader")
         try:
             os.replace(self.directory, path)
         except OSError as exc:
@@ -345,6 +390,7 @@ class Series:
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._ahead: tuple[int, Future] | None = None  # the chunk being read ahead
         self._last: int | None = None  # the chunk read last: the sweep's direction
+        self.overflow: str | None = None  # a step the compression could not hold
         self._lock = threading.Lock()
 
     @property
@@ -379,6 +425,18 @@ class Series:
             # The buffer keeps the stored path: what readers will reconstruct.
             d = self._deltas[i]
             d.copy_(self._buffer[i] - self._buffer[i - 1])
+            # A finite step past the dtype's range (65504 in float16) stores inf, then nan,
+            # for a finite path: noted, for finish() to refuse the path (a vector that is
+            # itself not finite is a diverging run, which the trainer reports).
+            if (self.overflow is None and not bool(torch.isfinite(d).all())
+                    and bool(torch.isfinite(self._buffer[i]).all())):
+                self.overflow = (
+                    f"vector {k} of {self.name!r} (optimizer step {step}) differs from the "
+                    f"previous point by up to "
+                    f"{float((self._buffer[i] - self._buffer[i - 1]).abs().max()):.3g}, "
+                    f"past {dtype_name(self.delta_dtype)}'s range: the stored path is not "
+                    "finite from there. Use compression 'bfloat16' (float32's range) or "
+                    "none.")
             torch.add(self._buffer[i - 1], d.to(self.dtype), out=self._buffer[i])
         self.n_rows = k + 1
         if self.n_rows % self.chunk_rows == 0:
@@ -423,7 +481,7 @@ class Series:
     def _flush(self, chunk: int, rows: int, step: int | None, wait: bool = False) -> None:
         self._settle()  # the previous chunk's write: its buffer is the next one
         if isinstance(self._spare, Future):
-            self._spare = self._spare.result()
+            self._spare = None if _orphaned(self._spare) else self._spare.result()
         data = self._encode(rows)
         self._cache.pop(chunk, None)
         if self.store.failure is not None:
@@ -448,6 +506,9 @@ class Series:
             if writing is None:
                 return
             future, chunk, rows, data, step = writing
+            if _orphaned(future):  # the parent's writer thread writes it: read from memory
+                self._memory[chunk] = data.copy()
+                return
             exc = future.exception()
         if exc is None:
             self._memory.pop(chunk, None)
@@ -493,6 +554,8 @@ class Series:
             ahead = self._ahead if self._ahead and self._ahead[0] == chunk else None
             if ahead is not None:
                 self._ahead = None
+                if _orphaned(ahead[1]):  # queued in the parent before a fork: read here
+                    ahead = None
         if data is None:
             if ahead is not None:
                 data = ahead[1].result()  # a failed read raises here, as a direct one would

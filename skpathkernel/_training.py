@@ -230,10 +230,11 @@ def train(
         best_step = step
     else:
         torch.nn.utils.vector_to_parameters(best_params.to(params[0].device), params)
-    trajectory = recorder.finish(best_step, best_params)
-    # The module holds the path's last point: checked there, not read back from a file.
+    # The module holds the path's last point: checked there, not read back from a file,
+    # and before finish(), which refuses a path that compression could not store.
     if not all(bool(torch.isfinite(p).all()) for p in params):
         _raise_diverged(best_step - 1, n_iter - 1, learning_rate)
+    trajectory = recorder.finish(best_step, best_params)
     return TrainResult(
         trajectory, loss_curve, n_iter, step,
         best_loss=None if validation is not None else min(loss_curve),

@@ -782,6 +782,8 @@ class TrajectoryRecorder:
         """
         if self._non_blocking:
             torch.cuda.synchronize()
+        if self.on_disk and self._buf.overflow is not None:
+            raise ValueError(f"Cannot store the recorded path: {self._buf.overflow}")
         n_done = self._n_batch if n_steps is None else int(n_steps)
         if not 0 <= n_done <= self._n_batch:
             raise ValueError(f"n_steps={n_steps} is outside [0, {self._n_batch}] (the steps "

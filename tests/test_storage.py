@@ -25,6 +25,7 @@ from skpathkernel import (
     PathKernelMachine,
     PathRecorder,
     RecordedNetwork,
+    TrainingDivergedError,
     Trajectory,
     _storage,
     _trajectory,
@@ -693,3 +694,226 @@ def test_a_file_system_refusing_direct_writes_gets_ordinary_ones(monkeypatch, tm
     _storage._write_chunk(path, buffer.numpy())
     assert_array_equal(np.load(path, allow_pickle=False), buffer.numpy())
     assert os.listdir(tmp_path) == ["000000.npy"]
+
+
+def _in_child(check) -> int:
+    """Fork; the child runs ``check()`` (True: exit 0) and is killed if it hangs 20 s."""
+    import signal
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:  # never return into pytest from the child
+        code = 3
+        try:
+            signal.alarm(20)
+            code = 0 if check() else 1
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_dropping_its_copy_keeps_the_parents_directory(data):
+    # A forked child holds a copy of the estimator, temporary trajectory included: when
+    # that copy is collected there, the directory (the parent's) must stay.
+    X, y = data
+    est = _fit(X, y, "disk")
+    K = PathKernel(_fit(X, y))(X[:4])  # reference: the in-memory fit
+    directory = est.trajectory_.directory
+
+    def drop():
+        nonlocal est
+        est = None
+        gc.collect()
+        return True
+
+    assert _in_child(drop) == 0
+    assert os.path.isdir(directory)
+    assert_allclose(PathKernel(est)(X[:4]), K, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_reads_a_chunk_the_parent_was_reading_ahead(data):
+    # The parent's reader thread is busy when the process forks with a chunk queued to be
+    # read ahead: that read never happens in the child, which reads the chunk itself
+    # (reference: the file, read with plain numpy) instead of waiting forever.
+    X, y = data
+    est = _fit(X, y, "disk")
+    series = est.trajectory_._params.series
+    gate = threading.Event()
+    _storage._on("reader", gate.wait)
+    try:
+        series.chunk(0)
+        series.chunk(1)  # a forward sweep: chunk 2 is queued
+        assert series._ahead[0] == 2 and not series._ahead[1].done()
+        code = _in_child(lambda: np.array_equal(series.chunk(2).numpy(),
+                                                np.load(series.path(2))))
+    finally:
+        gate.set()
+    assert code == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_reads_a_chunk_the_parent_was_writing(monkeypatch, tmp_path):
+    # The same with a chunk the parent's writer thread has not written yet, and with the
+    # threads' lock held at the fork (another thread was starting a thread).
+    store = _storage.ChunkStore.create(tmp_path, chunk_rows=2)
+    series = store.add_series("params", 5, torch.float64)
+    vectors = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gate = threading.Event()
+    try:
+        for k in range(3):
+            series.slot(k).copy_(vectors[k])
+            if k == 1:
+                _storage._on("writer", gate.wait)
+            series.commit(k, step=k)
+        assert not series._writing[0].done()
+
+        def read():
+            with_lock = _storage._on("writer", lambda: 1).result() == 1
+            return with_lock and all(torch.equal(series.row(k), vectors[k]) for k in range(3))
+
+        with _storage._threads_lock:
+            code = _in_child(read)
+    finally:
+        gate.set()
+    assert code == 0
+    store.flush()
+    assert_array_equal(np.load(series.path(0)), vectors[:2].numpy())
+
+
+def test_saving_while_a_chunk_is_read_ahead(data, monkeypatch, tmp_path):
+    # save() renames the directory while the reader thread is about to read a chunk ahead;
+    # were the read to run between the rename and the store learning its new place, it
+    # would look in the old one. The chunk is read, not reported missing.
+    X, y = data
+    mem, disk = _fit(X, y), _fit(X, y, "disk")
+    series = disk.trajectory_._params.series
+    gate = threading.Event()
+    _storage._on("reader", gate.wait)
+    real = os.replace
+
+    def rename_then_read(src, dst):
+        real(src, dst)
+        if src == disk.trajectory_.directory:
+            gate.set()
+            reading.exception()  # the read ahead, done now
+
+    try:
+        series.chunk(0)
+        series.chunk(1)  # chunk 2 is queued to be read ahead
+        reading = series._ahead[1]
+        monkeypatch.setattr(_storage.os, "replace", rename_then_read)
+        threading.Timer(0.2, gate.set).start()  # the reader is busy a while longer
+        disk.trajectory_.save(tmp_path / "saved")
+    finally:
+        gate.set()
+    monkeypatch.setattr(_storage.os, "replace", real)
+    _assert_same_path(mem.trajectory_, disk.trajectory_)
+
+
+def test_recording_releases_its_buffers(data):
+    # After the fit only the chunks read are in memory: no write buffer, and no buffer of
+    # rounded differences (compressed storage), is kept for the estimator's lifetime.
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_compression="bfloat16")
+    for series in est.trajectory_._store.series.values():
+        assert series._buffer is None and series._spare is None and series._deltas is None
+
+
+def test_a_step_float16_cannot_hold_is_refused(data):
+    # float16 differences overflow past 65504: the stored path would turn to inf, then nan,
+    # from a finite recorded one (the loop's parameters stay finite). The path is refused,
+    # naming the vector, the step and a dtype that holds it; a run that diverges is still
+    # reported as diverging.
+    net = torch.nn.Linear(2, 1).double()
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    rec = PathRecorder(net, opt, n_samples=4, storage="disk", compression="float16")
+    for step in range(4):
+        net.weight.grad = torch.full_like(net.weight, -1e5 if step == 1 else 0.1)
+        net.bias.grad = torch.zeros_like(net.bias)
+        rec.set_batch(torch.arange(4))
+        opt.step()
+    theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    assert bool(torch.isfinite(theta).all()) and float(theta.abs().max()) > 65504
+    with pytest.raises(ValueError, match=r"vector 2 .*optimizer step 2\).*1e\+05.*float16"
+                                         r".*bfloat16"):
+        _ = rec.trajectory
+    rec.close()
+    X, y = data
+    with pytest.raises(TrainingDivergedError):
+        _fit(X, 1e4 * y, "disk", solver="sgd", learning_rate_init=30.0,
+             trajectory_compression="float16")
+
+
+def _python(tmp_path, source: str, argument):
+    """Run ``source`` in a fresh interpreter (killed, and the test failed, after 90 s)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.run([sys.executable, str(script), str(argument)], env=env,
+                              capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the script hung")
+
+
+_AT_EXIT = """
+import atexit, os, sys
+import numpy as np
+from skpathkernel import PathKernelMachine, Trajectory, _trajectory
+from skpathkernel.kernels import PathKernel
+_trajectory.chunk_rows_for = lambda *args: 3
+rng = np.random.RandomState(0)
+X = rng.uniform(-1, 1, size=(16, 2))
+y = np.sin(2 * X[:, 0]) - X[:, 1]
+kw = dict(hidden_layer_sizes=(7,), max_iter=4, batch_size=5, dtype="float64", tol=None,
+          random_state=0)
+mem = PathKernelMachine(**kw).fit(X, y)
+disk = PathKernelMachine(**kw, trajectory_storage="disk").fit(X, y)
+
+def at_exit():  # the background threads are shut down by now
+    np.testing.assert_allclose(PathKernel(disk)(X), PathKernel(mem)(X), rtol=1e-13)
+    disk.trajectory_.save(sys.argv[1])
+    print("saved", len(Trajectory.load(sys.argv[1])) == len(mem.trajectory_))
+
+atexit.register(at_exit)
+"""
+
+
+def test_an_on_disk_trajectory_is_read_and_saved_at_interpreter_exit(tmp_path):
+    # An atexit handler runs after the interpreter has stopped the background threads: a
+    # sweep's read ahead and save() still work there (in the calling thread).
+    done = _python(tmp_path, _AT_EXIT, tmp_path / "saved")
+    assert done.returncode == 0 and "saved True" in done.stdout, done.stderr[-2000:]
+    assert _chunk_files(Trajectory.load(tmp_path / "saved"))
+
+
+_ON_THE_WRITER = """
+import sys, threading
+import numpy as np, torch
+from skpathkernel import _storage
+store = _storage.ChunkStore.create(sys.argv[1], chunk_rows=2)
+series = store.add_series("params", 5, torch.float64)
+gate = threading.Event()
+_storage._on("writer", gate.wait)
+# The garbage collector may run the store's finalizer on any thread, the writer's too,
+# while a write of the store is queued behind it.
+finalizing = _storage._on("writer", store._finalizer)
+store._pending.append(_storage._submit_write(series.path(0), np.zeros((2, 5))))
+gate.set()
+finalizing.result(timeout=20)
+_storage._on("writer", lambda: None).result(timeout=20)
+print("removed" if not __import__("os").path.exists(store.directory) else "kept")
+"""
+
+
+def test_a_store_finalized_on_the_writer_thread_does_not_stop_it(tmp_path):
+    # Waiting there for the store's queued writes would wait for the writer itself: every
+    # later write, and the interpreter's exit, would hang. The directory goes after them.
+    done = _python(tmp_path, _ON_THE_WRITER, tmp_path)
+    assert done.returncode == 0 and "removed" in done.stdout, done.stderr[-2000:]

@@ -605,6 +605,9 @@ class TrajectoryRecorder:
         self._non_blocking = self._pin
         ends = np.cumsum([p.numel() for p in self._params])
         self._slices = list(zip(ends - [p.numel() for p in self._params], ends))
+        # Flat views of the recorded sets of tensors (the parameters, each state key),
+        # keyed by their first tensor's address.
+        self._views: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
 
     def _empty(self, rows):
         return torch.empty((rows, self._n_params), dtype=self._dtype, pin_memory=self._pin)
@@ -707,18 +710,38 @@ class TrajectoryRecorder:
         self._lr_sum = np.concatenate([self._lr_sum, np.zeros(pad)])
         self._lr_varies = np.concatenate([self._lr_varies, np.zeros(pad, dtype=bool)])
 
+    def _flat_views(self, tensors) -> list[torch.Tensor]:
+        """Detached flat views of ``tensors``, made once per set of storages.
+
+        The optimizer updates the parameters and its state in place, so the views made at
+        the first copy stay valid; a tensor given new storage (``p.data = ...``, a loaded
+        optimizer state) has a new address, and its views are made again. A view keeps its
+        storage alive, so an old address cannot come back for another tensor. Saves a
+        ``detach`` and a ``reshape`` per tensor per copy on the training thread.
+        """
+        ptrs = [t.data_ptr() for t in tensors]
+        cached = self._views.get(ptrs[0])
+        if cached is not None and cached[0] == ptrs:
+            return cached[1]
+        views = [t.detach().reshape(-1) for t in tensors]
+        if [v.data_ptr() for v in views] == ptrs:  # views, not copies (contiguous tensors)
+            if len(self._views) > len(self.solver.state_keys):  # stale sets: let them go
+                self._views.clear()
+            self._views[ptrs[0]] = (ptrs, views)
+        return views
+
     def _copy_flat(self, tensors, out_row, whole=False):
         if whole:  # one flat vector (moving recorded points to disk)
             out_row.copy_(tensors[0])
             return
+        flat = self._flat_views(tensors)
         if not self._cpu:  # from the GPU: a copy per tensor (asynchronous into pinned memory)
-            for t, (start, end) in zip(tensors, self._slices):
-                out_row[start:end].copy_(t.detach().reshape(-1),
-                                         non_blocking=self._non_blocking)
+            for t, (start, end) in zip(flat, self._slices):
+                out_row[start:end].copy_(t, non_blocking=self._non_blocking)
             return
         # One concatenation straight into the row: no temporary, one kernel (measured
         # 20-25% faster than a copy per parameter at P = 300k).
-        torch.cat([t.detach().reshape(-1) for t in tensors], out=out_row)
+        torch.cat(flat, out=out_row)
 
     # ------------------------------------------------------------------ recording
     def record_point(self, step: int) -> None:

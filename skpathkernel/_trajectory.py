@@ -15,22 +15,28 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from ._storage import (
+    CHUNK_BYTES,
     META_FILE,
     ChunkStore,
     DiskRows,
     Series,
     TrajectoryFileError,
+    _on,
     chunk_rows_for,
     dtype_name,
+    populate,
 )
 
 __all__ = ["Trajectory"]
@@ -580,6 +586,7 @@ class TrajectoryRecorder:
         device = self._params[0].device
         self._pin = device.type == "cuda" and storage == "memory"
         self._cpu = device.type == "cpu"
+        self._written: list[int] | None = None  # points written, for the page mapping
         if storage == "disk":
             self._to_disk(0)
         else:
@@ -590,6 +597,18 @@ class TrajectoryRecorder:
             )
             self._buf = self._empty(n_points)
             self._states = {key: self._empty(n_points - 1) for key in solver.state_keys}
+            if self._cpu and n_steps is not None:
+                # The preallocated buffers' pages mapped on a background thread, up to 64
+                # MiB ahead of the copies (a copy into unmapped pages cost three times one
+                # into mapped ones); stopped when the recorder finishes or is dropped.
+                stop = threading.Event()
+                weakref.finalize(self, stop.set)
+                self._stop_populating, self._written = stop, [0]
+                row = self._n_params * self._itemsize
+                ahead = partial(lambda written: (written[0] + 1) * row + 2 * CHUNK_BYTES,
+                                self._written)
+                _on("pages", partial(populate, [self._buf, *self._states.values()], stop,
+                                     ahead))
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
         self._steps = np.zeros(n_points, dtype=np.int64)
         self._lrs = np.zeros(n_points - 1, dtype=np.float64)
@@ -749,6 +768,8 @@ class TrajectoryRecorder:
         self._steps[self._k] = step
         self._write_row(self._buf, self._k, self._params, step)
         self._k += 1
+        if self._written is not None:
+            self._written[0] = self._k  # how far the background mapping may go
 
     def wants_point(self, step: int) -> bool:
         """Whether the point reached after ``step`` optimizer steps is recorded."""
@@ -805,6 +826,8 @@ class TrajectoryRecorder:
         """
         if self._non_blocking:
             torch.cuda.synchronize()
+        if n_steps is not None and hasattr(self, "_stop_populating"):
+            self._stop_populating.set()  # the end of training: no more rows to map
         if self.on_disk and self._buf.overflow is not None:
             raise ValueError(f"Cannot store the recorded path: {self._buf.overflow}")
         n_done = self._n_batch if n_steps is None else int(n_steps)

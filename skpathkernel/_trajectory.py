@@ -33,7 +33,6 @@ from ._storage import (
     DiskRows,
     Series,
     TrajectoryFileError,
-    _on,
     chunk_rows_for,
     dtype_name,
     populate,
@@ -607,8 +606,11 @@ class TrajectoryRecorder:
                 row = self._n_params * self._itemsize
                 ahead = partial(lambda written: (written[0] + 1) * row + 2 * CHUNK_BYTES,
                                 self._written)
-                _on("pages", partial(populate, [self._buf, *self._states.values()], stop,
-                                     ahead))
+                # Its own thread: one recorder kept alive past its run (a traceback) never
+                # holds up the next one's mapping.
+                threading.Thread(target=populate, args=(
+                    [self._buf, *self._states.values()], stop, ahead), daemon=True,
+                    name="skpathkernel-pages").start()
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
         self._steps = np.zeros(n_points, dtype=np.int64)
         self._lrs = np.zeros(n_points - 1, dtype=np.float64)

@@ -198,13 +198,18 @@ def test_record_every_keeps_the_total_step_size_and_the_last_point(data):
     assert_allclose(PathKernel(RecordedNetwork(full_module, traj))(Xq), expected, rtol=1e-12)
 
 
-def test_reading_the_trajectory_midway_does_not_disturb_recording(data):
+def _small_adam(data):
+    """Tensors of ``data``, a small seeded network in float64 and an Adam on it."""
     X, y, _ = data
-    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(),
                                  torch.nn.Linear(3, 1)).double()
-    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    return (torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1)), module,
+            torch.optim.Adam(module.parameters(), lr=0.01))
+
+
+def test_reading_the_trajectory_midway_does_not_disturb_recording(data):
+    Xt, Yt, module, opt = _small_adam(data)
     rec = PathRecorder(module, opt, record_every=3)
     snapshots = []
     for t in range(7):
@@ -227,12 +232,7 @@ def test_parameters_and_state_given_new_storage_midway_are_recorded(data):
     # The recorder copies through flat views made once; a parameter given new storage
     # (p.data = ...) or an optimizer state replaced (new tensors) must be what is recorded
     # from then on, not the old storage the views were made of.
-    X, y, _ = data
-    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(),
-                                 torch.nn.Linear(3, 1)).double()
-    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    Xt, Yt, module, opt = _small_adam(data)
     points, states = [], []
     with PathRecorder(module, opt) as rec:
         for t in range(6):

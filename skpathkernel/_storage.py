@@ -37,15 +37,19 @@ Faults
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import mmap
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import warnings
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -214,9 +218,70 @@ def _submit_write(path: str, array: np.ndarray) -> Future:
 PREFETCH = True
 
 
+def _madvise():
+    # madvise(MADV_POPULATE_WRITE), Linux 5.14 and later; None elsewhere.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _madvise()
+_MADV_POPULATE_WRITE = 23
+
+
+def populate(tensors, stop: threading.Event | None = None, ahead=None) -> bool:
+    """Map the pages of ``tensors``' memory now, on this thread, without writing to them.
+
+    A buffer's first write to each page is a page fault (the kernel zeroes the page): in a
+    recording buffer, that first touch made a copy of a point cost three times a copy into
+    mapped memory. ``MADV_POPULATE_WRITE`` maps the pages as a write would and leaves their
+    contents alone, so it can run on a background thread while the training thread writes
+    the same buffers: whichever comes first maps a page, nothing is overwritten. The
+    tensors are taken ``CHUNK_BYTES`` at a time, all of them abreast (their rows fill at
+    the same pace), until ``stop`` is set; with ``ahead`` (a callable: the byte offset into
+    each tensor below which pages are wanted now) no further than that, waiting for the
+    writes to move on, so that a run which stops early never maps its unused rows. False
+    where the kernel cannot (not Linux, before 5.14): the pages are then mapped by the
+    writes, as without this.
+    """
+    if _MADVISE is None:
+        return False
+    page = mmap.PAGESIZE
+    spans = []
+    for t in tensors:
+        start = t.data_ptr()
+        spans.append((-(-start // page) * page,
+                      (start + t.numel() * t.element_size()) // page * page))
+    offset = 0
+    while stop is None or not stop.is_set():
+        if ahead is not None and offset >= ahead():
+            stop.wait(0.005)  # 64 MiB ahead are many steps: no need to poll faster
+            continue
+        left = False
+        for start, end in spans:
+            if start + offset < end:
+                left = True
+                if _MADVISE(start + offset, min(CHUNK_BYTES, end - start - offset),
+                            _MADV_POPULATE_WRITE):
+                    return False
+        if not left:
+            return True
+        offset += CHUNK_BYTES
+    return True
+
+
 def _touched_empty(rows: int, n_params: int, dtype: torch.dtype) -> torch.Tensor:
     """:func:`aligned_empty` with its pages mapped (the page faults paid here, not later)."""
-    return aligned_empty(rows, n_params, dtype).zero_()
+    buffer = aligned_empty(rows, n_params, dtype)
+    if not populate([buffer]):
+        buffer.zero_()
+    return buffer
 
 
 def _remove_directory(directory: str, pending: list, owner: int) -> None:
@@ -408,6 +473,8 @@ class Series:
                                f"{self.n_rows}, got {k}.")
         if self._buffer is None:
             self._buffer = aligned_empty(self.chunk_rows, self.n_params, self.dtype)
+            # Its pages mapped on the writer thread, ahead of the copies into its rows.
+            _on("writer", partial(populate, [self._buffer]))
             if self.delta_dtype is None and self._spare is None:
                 # The second buffer's pages are mapped on the writer thread, idle until the
                 # first chunk is full, instead of by the copies on the training thread.

@@ -161,6 +161,8 @@ def train(
         directory=directory, memory_budget=record_budget, compression=compression,
     )
     full_batch = B == n
+    sizes = torch.tensor([min(B, n - b * B) for b in range(steps_per_epoch)],
+                         dtype=params[0].dtype, device=X.device)
     recorder.record_point(0)
     loss_curve: list[float] = []
     scores: list[float] | None = None if validation is None else []
@@ -175,7 +177,7 @@ def train(
             order = torch.arange(n)
         order_np = order.numpy()
         order_dev = order.to(X.device)
-        batch_losses = torch.empty(steps_per_epoch, dtype=torch.float64, device=X.device)
+        batch_losses = []
         for b in range(steps_per_epoch):
             if full_batch:
                 xb, yb = X, Y
@@ -191,8 +193,12 @@ def train(
             step += 1
             if recorder.wants_point(step):
                 recorder.record_point(step)
-            # Weighted by batch size so that the epoch loss is the mean over samples.
-            batch_losses[b] = batch_loss.detach() * xb.shape[0]
+            batch_losses.append(batch_loss.detach())
+        # Weighted by batch size so that the epoch loss is the mean over samples; one
+        # multiplication an epoch, not a product and a store per step (the same values:
+        # each loss times its batch size in the loss's dtype, summed in float64).
+        batch_losses = torch.stack(batch_losses)
+        batch_losses = (batch_losses * sizes.to(batch_losses.dtype)).double()
         finite = torch.isfinite(batch_losses)
         if not bool(finite.all()):
             bad = int(torch.nonzero(~finite)[0, 0])

@@ -198,13 +198,18 @@ def test_record_every_keeps_the_total_step_size_and_the_last_point(data):
     assert_allclose(PathKernel(RecordedNetwork(full_module, traj))(Xq), expected, rtol=1e-12)
 
 
-def test_reading_the_trajectory_midway_does_not_disturb_recording(data):
+def _small_adam(data):
+    """Tensors of ``data``, a small seeded network in float64 and an Adam on it."""
     X, y, _ = data
-    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(),
                                  torch.nn.Linear(3, 1)).double()
-    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    return (torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1)), module,
+            torch.optim.Adam(module.parameters(), lr=0.01))
+
+
+def test_reading_the_trajectory_midway_does_not_disturb_recording(data):
+    Xt, Yt, module, opt = _small_adam(data)
     rec = PathRecorder(module, opt, record_every=3)
     snapshots = []
     for t in range(7):
@@ -221,6 +226,36 @@ def test_reading_the_trajectory_midway_does_not_disturb_recording(data):
     assert torch.equal(traj.parameters(-1), torch.cat(
         [p.detach().reshape(-1) for p in module.parameters()]))
     assert traj.n_samples == 0 and traj.n_steps == 7
+
+
+def test_parameters_and_state_given_new_storage_midway_are_recorded(data):
+    # The recorder copies through flat views made once; a parameter given new storage
+    # (p.data = ...) or an optimizer state replaced (new tensors) must be what is recorded
+    # from then on, not the old storage the views were made of.
+    Xt, Yt, module, opt = _small_adam(data)
+    points, states = [], []
+    with PathRecorder(module, opt) as rec:
+        for t in range(6):
+            if t == 2:
+                first = next(module.parameters())
+                first.data = first.data.clone() + 0.25  # new storage, new values
+            if t == 4:
+                for s in opt.state.values():  # the state: new tensors, new values
+                    s["exp_avg_sq"] = s["exp_avg_sq"] * 2.0
+            points.append(torch.cat([p.detach().reshape(-1).clone()
+                                     for p in module.parameters()]))
+            opt.zero_grad()
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            opt.step()
+            states.append(torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1).clone()
+                                     for p in module.parameters()]))
+        points.append(torch.cat([p.detach().reshape(-1).clone()
+                                 for p in module.parameters()]))
+    traj = rec.trajectory
+    for k in (1, 3, 5):  # before and after each change (point 2 predates the first one)
+        assert torch.equal(traj.optimizer_state(k)["exp_avg_sq"], states[k])
+    for k in (1, 3, 5, 6):
+        assert torch.equal(traj.parameters(k), points[k])
 
 
 @pytest.mark.parametrize("make_opt, match", [

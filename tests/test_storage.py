@@ -917,3 +917,29 @@ def test_a_store_finalized_on_the_writer_thread_does_not_stop_it(tmp_path):
     # later write, and the interpreter's exit, would hang. The directory goes after them.
     done = _python(tmp_path, _ON_THE_WRITER, tmp_path)
     assert done.returncode == 0 and "removed" in done.stdout, done.stderr[-2000:]
+
+
+def test_mapping_pages_ahead_leaves_contents_and_stops_when_told():
+    # The recorder maps a buffer's pages on a background thread while the training thread
+    # copies points into it: the mapping must never change what was written, and a run
+    # that ends must stop it even where it waits for the writes to move on.
+    from skpathkernel._storage import aligned_empty, populate
+
+    buf = aligned_empty(8, 300_000, torch.float32)  # fresh memory, 9.6 MB
+    values = torch.randn(3, 300_000, generator=torch.Generator().manual_seed(0))
+    buf[:3] = values
+    done = populate([buf[3:], buf[:5]])  # overlapping, unaligned ends: page rounding
+    assert done == (os.uname().sysname == "Linux")
+    assert torch.equal(buf[:3], values)
+    buf[3:] = 1.0  # the mapped rows take writes as before
+    assert torch.equal(buf[3:], torch.ones(5, 300_000))
+
+    stop, finished = threading.Event(), []
+    thread = threading.Thread(target=lambda: finished.append(
+        populate([aligned_empty(8, 300_000, torch.float32)], stop, ahead=lambda: 0)))
+    thread.start()
+    time.sleep(0.05)
+    assert not finished  # waiting: no write has moved on, nothing may be mapped
+    stop.set()
+    thread.join(timeout=5)
+    assert finished and not thread.is_alive()

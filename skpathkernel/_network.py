@@ -402,7 +402,7 @@ class TrainedNetwork:
         Pickling the trajectory itself would make its temporary directory permanent
         (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared.
         """
-        return self.replace(trajectory=self.trajectory._reader())
+        return self.replace(trajectory=self.trajectory.for_workers())
 
 
 def _as_array(values) -> np.ndarray:

@@ -436,13 +436,19 @@ class Trajectory:
                           "trajectory.save(path) writes the description.", UserWarning,
                           stacklevel=3)
 
-    def _reader(self) -> Trajectory:
-        """This path over a store that does not own the directory: for pickling to workers.
+    def for_workers(self) -> Trajectory:
+        """This path as a reference to its directory, for tasks pickled to workers.
 
-        Tasks that read an on-disk trajectory elsewhere (a joblib or Dask worker) get
-        this copy, which references the directory without the pickling side effect of
-        the original (see ``ChunkStore.__getstate__``). The caller keeps the original
-        alive while the tasks run.
+        Pickling an on-disk trajectory itself keeps its temporary directory for good (the
+        user guide's persistence page); tasks that read it in another process (a joblib or Dask
+        worker) get this copy instead, which pickles as a reference to the directory and
+        never removes it. Keep the original alive while the tasks run: its directory is
+        removed with it. A trajectory in memory is returned as it is.
+
+        Returns
+        -------
+        trajectory : Trajectory
+            ``self`` in memory; on disk, a copy reading the same chunk files.
         """
         store = self._store
         if store is None:

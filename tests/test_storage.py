@@ -183,6 +183,24 @@ def test_pickle_references_the_directory_and_keeps_it(data):
     shutil.rmtree(directory)
 
 
+def test_for_workers_pickles_a_reference_and_leaves_the_directory_temporary(data, tmp_path):
+    X, y = data
+    mem = _fit(X, y, "memory", solver="adam")
+    assert mem.trajectory_.for_workers() is mem.trajectory_
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    traj = est.trajectory_
+    directory = traj.directory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # unlike pickling the trajectory: nothing kept
+        blob = pickle.dumps(traj.for_workers())
+    assert directory.encode() in blob and len(blob) < traj.nbytes
+    back = pickle.loads(blob)
+    _assert_same_path(back, mem.trajectory_)
+    del back, est, traj
+    gc.collect()
+    assert not os.path.exists(directory)  # still the original's, removed with it
+
+
 def test_missing_chunk_is_named_with_file_and_step(data, tmp_path):
     X, y = data
     est = _fit(X, y, "disk")

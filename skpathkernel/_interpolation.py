@@ -33,8 +33,10 @@ so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
   GEMM over the quadrature nodes (``sum_k w_k delta_k a_k^T``) and contracted with the
   batch's factors as ``(lambda a_i) . dhat_i``: 2 Q C P B FLOPs per step, the floor of
   any method that forms the per-step pair terms;
-- the dense route (``second_order``, and terms of a layout the pair engine does not
-  contract) forms each node's Jacobian and the batch's per-sample loss gradients.
+- the dense route (``second_order`` only) forms each node's Jacobian and the batch's
+  per-sample loss gradients. Terms of a layout the pair engine does not keep factored
+  stay on the routes above, as per-sample gradients (``_pairs.pair_terms``); the dense
+  route's ``method="exact"`` branch is what the tests check the other routes against.
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are

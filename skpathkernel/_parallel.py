@@ -39,10 +39,23 @@ def limit_torch_threads(n: int | None):
             torch.set_num_threads(previous)
 
 
-def _run_block(func, n_tasks, X_block, args):
-    # Evaluated on the worker: its own cores, shared by the n_tasks concurrent blocks.
+def _run(func, n_tasks, call):
+    # Evaluated on the worker: its own cores, shared by the n_tasks concurrent calls.
     with limit_torch_threads(max(1, cpu_count() // n_tasks)):
-        return func(X_block, *args)
+        return func(*call)
+
+
+def _fan_out(func, n_jobs, calls: list) -> list:
+    """``[func(*call) for call in calls]``: here for one call, else through joblib."""
+    if len(calls) == 1:
+        return [func(*calls[0])]
+    return Parallel(n_jobs=n_jobs)(delayed(_run)(func, len(calls), call) for call in calls)
+
+
+def _ranges(n_tasks: int, n_items: int) -> list[tuple[int, int]]:
+    """``range(n_items)`` cut into ``n_tasks`` contiguous ``(start, stop)`` ranges."""
+    bounds = np.linspace(0, n_items, n_tasks + 1).astype(int)
+    return [(int(start), int(stop)) for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
 def n_row_blocks(n_jobs, X) -> int:
@@ -67,19 +80,8 @@ def map_ranges(func, n_items: int, n_jobs, *args) -> list:
     as :func:`map_row_blocks`): the path kernel's sum over steps split into step ranges.
     With a single worker ``func(0, n_items, *args)`` runs here.
     """
-    n_tasks = _n_tasks(n_jobs, n_items)
-    if n_tasks == 1:
-        return [func(0, n_items, *args)]
-    bounds = np.linspace(0, n_items, n_tasks + 1).astype(int)
-    return Parallel(n_jobs=n_jobs)(
-        delayed(_run_range)(func, n_tasks, int(start), int(stop), args)
-        for start, stop in zip(bounds[:-1], bounds[1:])
-    )
-
-
-def _run_range(func, n_tasks, start, stop, args):
-    with limit_torch_threads(max(1, cpu_count() // n_tasks)):
-        return func(start, stop, *args)
+    return _fan_out(func, n_jobs, [(start, stop, *args) for start, stop
+                                   in _ranges(_n_tasks(n_jobs, n_items), n_items)])
 
 
 def map_row_blocks(func, X, n_jobs, *args) -> list:
@@ -89,13 +91,10 @@ def map_row_blocks(func, X, n_jobs, *args) -> list:
     row). With a single worker ``func(X, *args)`` runs here, unchanged.
     """
     n_tasks = n_row_blocks(n_jobs, X)
-    if n_tasks == 1:
-        return [func(X, *args)]
-    bounds = np.linspace(0, X.shape[0], n_tasks + 1).astype(int)
-    return Parallel(n_jobs=n_jobs)(
-        delayed(_run_block)(func, n_tasks, X[start:stop], args)
-        for start, stop in zip(bounds[:-1], bounds[1:])
-    )
+    # The blocks are sliced here: each task pickles its own rows, not the whole X.
+    calls = ([(X, *args)] if n_tasks == 1 else
+             [(X[start:stop], *args) for start, stop in _ranges(n_tasks, X.shape[0])])
+    return _fan_out(func, n_jobs, calls)
 
 
 def dask_worker_threads() -> int | None:

@@ -23,7 +23,7 @@ from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
 from . import _interpolation
-from ._device import resolve_dtype, to_input_tensor, to_tensor
+from ._device import to_input_tensor, to_tensor
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
 from ._losses import LOSSES, Loss
 from ._trajectory import Trajectory
@@ -169,8 +169,8 @@ class TrainedNetwork:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """:attr:`dtype` as a ``torch.dtype``."""
-        return resolve_dtype(self.dtype)
+        """:attr:`dtype` as a ``torch.dtype``: the trajectory's, checked when built."""
+        return self.trajectory.dtype
 
     @property
     def torch_device(self) -> torch.device:

@@ -551,10 +551,10 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     @property
     def n_features_in_(self) -> int:
-        shape = self._network().input_shape
-        if shape is None:
+        n = self._network().n_features_in
+        if n is None:
             raise AttributeError("n_features_in_ is only set when X_train is given.")
-        return int(np.prod(shape))
+        return n
 
     @property
     def input_shape_(self) -> tuple[int, ...]:

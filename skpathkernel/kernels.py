@@ -264,8 +264,7 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
     # The autograd check for hidden reads runs once, at the path's first, middle and last
     # points, not at every step (the use watch still runs in every capture).
     picks = sorted({weights[0][0], weights[len(weights) // 2][0], weights[-1][0]})
-    exclude = hidden_reads(net.module,
-                           [_step_setup(net, k, output, False)[1] for k in picks],
+    exclude = hidden_reads(net.module, [net.params_at(k) for k in picks],
                            [Xt] if Yt is None else [Xt, Yt], output=output,
                            memory_budget=net.memory_budget)
     for k, w in weights:

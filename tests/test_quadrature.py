@@ -87,6 +87,9 @@ def test_tol_trades_nodes_for_error(circle):
     assert loose.n_nodes.sum() < tight.n_nodes.sum()
     assert loose.error <= 1e-5 * scale < 1e-3 * scale
     assert tight.error <= 1e-11 * scale < loose.error
+    for res in (loose, tight):  # the true errors, against the network's forward pass
+        true = np.abs(res.reconstruction[:, 0] - est.predict(Xq)).max()
+        assert res.error == pytest.approx(true, rel=1e-3, abs=1e-15 * scale)
     assert loose.tol == 1e-5
     assert est.decompose(Xq, method="first_order").n_nodes is None
 

@@ -318,7 +318,6 @@ def long_rows(solver, epochs, n_queries, decompose_queries, repeats):
 
 
 def run(quick: bool = False) -> list[dict]:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     reps = 2 if quick else 3
     ep = 5 if quick else 25  # 40 or 200 steps
     rows = recording_rows(ep, reps + 2)  # short calls: more repeats against the noise

@@ -10,7 +10,9 @@ timings. Pure Python on purpose: the JAX worker imports this module too.
 Protocol, one JSON line per reply on stdout: after setup the server prints its ``info``
 (``{"ready": true, ...}``); then for each command line on stdin -- ``mem``: one call
 under the peak-memory probe, ``{"peak_bytes": int}``; ``time``: one timed call,
-``{"t": seconds}``; ``done``: ``{...final results}`` and exit.
+``{"t": seconds}``; ``run``: one call both timed and under the probe (for calls too slow
+to repeat), ``{"t": seconds, "peak_bytes": int}``; ``done``: ``{...final results}`` and
+exit.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ class PeakRSS:
 
 def serve(call, info, finish, peak=PeakRSS, sync=lambda: None):
     """Run the protocol above; ``call()`` must return only once its work is finished."""
-    out = sys.stdout
-    # Anything the case prints (JAX / TensorFlow banners) must not corrupt the replies.
+    # Anything the case prints (JAX / TensorFlow banners, a peer's progress during its
+    # setup) must not corrupt the replies: they go to the process's own stdout, whatever
+    # sys.stdout was redirected to.
+    out = sys.__stdout__
     sys.stdout = sys.stderr
     last = None
 
@@ -82,6 +86,14 @@ def serve(call, info, finish, peak=PeakRSS, sync=lambda: None):
             last = call()
             sync()
             reply({"t": time.perf_counter() - t0})
+        elif cmd == "run":
+            with peak() as mem:
+                sync()
+                t0 = time.perf_counter()
+                last = call()
+                sync()
+                t = time.perf_counter() - t0
+            reply({"t": t, "peak_bytes": mem.delta})
         elif cmd == "done":
             reply(finish(last))
             return

@@ -20,15 +20,15 @@ call (sampled every millisecond, largest over the calls).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks._serve import serve
 
 WIDTHS = (64, 256, 512)
 N_TRAIN, N_QUERIES, BATCH, STEPS, LR, WD = 320, 100, 32, 40, 1e-2, 0.01
@@ -91,30 +91,6 @@ def _load(path):
 
 
 # --------------------------------------------------------------------------- workers
-def _serve(call, info, finish):
-    """One call per "run" line, timed and under the peak-memory probe; "done" ends."""
-    from benchmarks._serve import PeakRSS
-
-    out = _REPLIES
-
-    def reply(obj):
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
-
-    reply({"ready": True, **info})
-    last = None
-    for line in sys.stdin:
-        if line.strip() == "run":
-            with PeakRSS() as mem:
-                t0 = time.perf_counter()
-                last = call()
-                t = time.perf_counter() - t0
-            reply({"t": t, "peak_bytes": mem.delta})
-        else:
-            reply(finish(last))
-            return
-
-
 def skpathkernel_worker(path, tol=None, n_nodes=None, float64=False):
     """Train with PathRecorder, decompose the queries at the defaults."""
     import warnings
@@ -152,7 +128,7 @@ def skpathkernel_worker(path, tol=None, n_nodes=None, float64=False):
                 "nodes_mean": float(res.n_nodes.mean()), "nodes_max": int(res.n_nodes.max()),
                 "final_params": traj.parameters(-1).double().numpy().tolist()[:8]}
 
-    _serve(call, {"n_params": traj.n_params}, finish)
+    serve(call, {"n_params": traj.n_params}, finish)
 
 
 def _as_float64(traj):
@@ -235,7 +211,7 @@ def explaind_worker(path, integral_eps, early_eps):
 
     import explaind  # noqa: F401 - version below
 
-    _serve(call, {"versions": "explaind 0.1.0"}, finish)
+    serve(call, {"versions": "explaind 0.1.0"}, finish)
 
 
 # --------------------------------------------------------------------------- harness
@@ -353,11 +329,9 @@ def _summarize(rows):
             r.setdefault(k, "-")
 
 
-# The workers' replies go to the real stdout; everything the libraries print (ExPLAIND
-# prints at every step) goes to stderr.
-_REPLIES = sys.stdout
-
 if __name__ == "__main__":
+    # The workers' replies go to the real stdout (serve writes to it); everything the
+    # libraries print (ExPLAIND prints at every step) goes to stderr.
     sys.stdout = sys.stderr
     if os.environ.get("SKPATHKERNEL_BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["SKPATHKERNEL_BENCH_THREADS"]))

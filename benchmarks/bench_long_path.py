@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.bench_training import _fmt, _plain_loop
 from skpathkernel import PathKernelMachine
 from skpathkernel._base import make_mlp
 from skpathkernel._losses import SquaredError
@@ -67,21 +68,9 @@ def _probe():
     return PeakRSS()
 
 
-def _fmt(ts):
-    return f"{np.median(ts):.3f} ({min(ts):.3f}-{max(ts):.3f})"
-
-
 def _plain(module, X, Y, solver, epochs, gen):
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3) if solver.name == "sgd" else \
-        torch.optim.Adam(module.parameters(), lr=1e-3)
-    loss = SquaredError()
-    for _ in range(epochs):
-        order = torch.randperm(N_TRAIN, generator=gen)
-        for b in range(STEPS_PER_EPOCH):
-            idx = order[b * BATCH : (b + 1) * BATCH]
-            opt.zero_grad(set_to_none=True)
-            loss(module(X[idx]), Y[idx]).backward()
-            opt.step()
+    # The baseline of the training benchmark: the same optimizer as the recorded loop.
+    _plain_loop(module, X, Y, solver, 1e-3, BATCH, epochs, gen)
 
 
 def _recorded(storage):
@@ -329,7 +318,6 @@ def long_rows(solver, epochs, n_queries, decompose_queries, repeats):
 
 
 def run(quick: bool = False) -> list[dict]:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     reps = 2 if quick else 3
     ep = 5 if quick else 25  # 40 or 200 steps
     rows = recording_rows(ep, reps + 2)  # short calls: more repeats against the noise

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from benchmarks._serve import PeakRSS
-from benchmarks.bench_training import _plain_loop, _recorded_loop
+from benchmarks.bench_training import _fmt, _plain_loop, _recorded_loop
 from skpathkernel._base import make_mlp
 from skpathkernel._trajectory import SolverSpec
 
@@ -44,10 +44,6 @@ def training_problem(case):
     X = torch.randn(case["n"], case["d_in"])
     Y = torch.randn(case["n"], 1)
     return base, X, Y
-
-
-def _fmt(ts):
-    return f"{np.median(ts):.3f} ({min(ts):.3f}-{max(ts):.3f})"
 
 
 def _calls(case):

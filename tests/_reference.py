@@ -13,7 +13,14 @@ import torch
 def module_at(est, point=-1, dtype=torch.float64):
     """A copy of ``est.module_`` holding the parameters of recorded point ``point``."""
     module = copy.deepcopy(est.module_).to(dtype)
-    module.load_state_dict(est.trajectory_.state_dict(point), strict=False)
+    return _loaded(module, est.trajectory_.state_dict(point))
+
+
+def _loaded(module, state):
+    """``module`` holding ``state``: every recorded entry must land in it (buffers and
+    unrecorded parameters may stay as they are; a name it lacks would be silently lost)."""
+    result = module.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
     return module
 
 
@@ -58,8 +65,7 @@ def _as_input(X):
 
 def module_with(est, flat):
     module = copy.deepcopy(est.module_).to(torch.float64)
-    module.load_state_dict(est.trajectory_.unflatten(flat.double()), strict=False)
-    return module
+    return _loaded(module, est.trajectory_.unflatten(flat.double()))
 
 
 def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):

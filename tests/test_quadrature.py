@@ -87,6 +87,9 @@ def test_tol_trades_nodes_for_error(circle):
     assert loose.n_nodes.sum() < tight.n_nodes.sum()
     assert loose.error <= 1e-5 * scale < 1e-3 * scale
     assert tight.error <= 1e-11 * scale < loose.error
+    for res in (loose, tight):  # the true errors, against the network's forward pass
+        true = np.abs(res.reconstruction[:, 0] - est.predict(Xq)).max()
+        assert res.error == pytest.approx(true, rel=1e-3, abs=1e-15 * scale)
     assert loose.tol == 1e-5
     assert est.decompose(Xq, method="first_order").n_nodes is None
 
@@ -118,7 +121,9 @@ def test_warning_for_a_nonsmooth_activation():
         res = est.decompose(X[:4])
     # Kinks cap the nodes instead of running every step to MAX_NODES.
     assert res.n_nodes.mean() < 16
-    assert res.error == pytest.approx(np.abs(res.reconstruction - res.prediction).max())
+    # The reported error is the true one: against the fitted network's own predictions.
+    assert_allclose(res.prediction[:, 0], est.predict(X[:4]), rtol=1e-12)
+    assert res.error == pytest.approx(np.abs(res.reconstruction[:, 0] - est.predict(X[:4])).max())
 
 
 def test_no_warning_and_round_off_on_small_steps():
@@ -131,6 +136,9 @@ def test_no_warning_and_round_off_on_small_steps():
         warnings.simplefilter("error", ConvergenceWarning)
         res = est.decompose(X[:3])
     assert res.error <= 1e-12 * np.abs(res.prediction).max()
+    # (an error that is not merely reported small: the reconstruction is the prediction)
+    assert_allclose(res.reconstruction[:, 0], est.predict(X[:3]), rtol=0,
+                    atol=1e-12 * np.abs(res.prediction).max())
     assert res.n_nodes.max() <= 6  # small steps need few nodes
 
 

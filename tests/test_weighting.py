@@ -103,7 +103,7 @@ def test_continuous_weights_are_the_replayed_long_run_limit(name):
     traj = est.trajectory_
     lr = float(traj.learning_rates[0])
 
-    class Long:  # a constant-step trajectory of 400 steps, for the replay only
+    class Long:  # a constant-step trajectory of 600 steps, for the replay only
         solver_spec = traj.solver_spec
         n_steps = 600
         steps = np.arange(601)

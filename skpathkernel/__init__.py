@@ -14,11 +14,13 @@ from ._recorder import PathRecorder, RecordedNetwork
 from ._svm import TangentFeatures, TangentFeatureSVM
 from ._training import TrainingDivergedError
 from ._trajectory import Trajectory
+from ._unrolled import AttributionScores, UnstablePathWarning
 from .kernels import PathKernel, TangentKernel
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AttributionScores",
     "OODRankDetector",
     "PathKernel",
     "PathKernelClassifier",
@@ -31,5 +33,6 @@ __all__ = [
     "TrainedNetwork",
     "Trajectory",
     "TrainingDivergedError",
+    "UnstablePathWarning",
     "__version__",
 ]

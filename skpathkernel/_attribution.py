@@ -20,7 +20,7 @@ import numbers
 import numpy as np
 from scipy.special import logsumexp, softmax
 
-__all__ = ["attribution_scores", "check_output", "class_indices", "label_codes", "margin",
+__all__ = ["check_output", "class_indices", "label_codes", "margin",
            "margin_weights", "output_weights", "query_codes"]
 
 
@@ -129,16 +129,3 @@ def output_weights(output, prediction: np.ndarray, codes) -> np.ndarray:
     weights = np.zeros(prediction.shape)
     weights[:, output] = 1.0
     return weights
-
-
-def attribution_scores(prediction: np.ndarray, y, output, encode, decompose) -> np.ndarray:
-    """``attribute``'s score matrix (n_queries, n_train), for every estimator.
-
-    ``prediction``: the network's outputs at the queries; ``output``: checked by
-    :func:`check_output`; ``encode(y)``: the queries' labels as output columns (for
-    "margin"); ``decompose(weights)``: the decomposition of the contracted output
-    ``w_q . f(x_q)``, whose contributions are the scores.
-    """
-    codes = query_codes(prediction, y, encode) if output == "margin" else None
-    weights = output_weights(output, prediction, codes)
-    return decompose(weights).contributions[:, :, 0]

@@ -14,7 +14,7 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted
 
-from ._attribution import attribution_scores, check_output, label_codes
+from ._attribution import label_codes
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -203,7 +203,7 @@ class _KernelMachineMixin(TransformerMixin):
         return self._tangent_features(X)
 
     def attribute(self, X, y=None, *, method="exact", weighting="realized", output=None,
-                  n_nodes=None, tol=None):
+                  n_nodes=None, tol=None, n_jobs=None):
         """Training-data attribution scores: how much each training point moved each output.
 
         A score matrix of the shape the attribution literature uses (TRAK, TracIn,
@@ -215,7 +215,26 @@ class _KernelMachineMixin(TransformerMixin):
         datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
         measures how well.
 
-        Which of the decomposition's quantities serve as scores:
+        Two questions, two kinds of score:
+
+        - ``method="unrolled"``: the counterfactual. ``scores[q, i]`` is the derivative
+          ``d m(x_q; theta_T) / d w_i`` at ``w = 1`` of the trained output with respect
+          to the weight ``w_i`` of point ``i`` in the loss of every step whose batch
+          holds it (each step's loss the weighted mean over its batch), taken exactly
+          through every recorded step of the training that happened (unrolled
+          differentiation: the optimizer's whole state, Hessian-vector products of
+          every step). Summed over a subset, it predicts to first order the output of
+          the network retrained on that subset along the same path
+          (:func:`~skpathkernel.metrics.retrain_on_subsets` with ``protocol="replay"``).
+          The result is an :class:`~skpathkernel.AttributionScores` whose ``growth``
+          measures how far the path amplifies perturbations; when that is large
+          (training at or past the edge of stability) an
+          :class:`~skpathkernel.UnstablePathWarning` says that no first-order score
+          predicts retraining there. Cost per step: one forward-backward of the batch
+          and about one Hessian-vector product per query; memory does not grow with
+          the number of steps.
+
+        The other methods describe the realized path, from the decomposition:
 
         - ``method="exact", weighting="realized"`` (default): the exact split of the
           realized path. ``initial + scores.sum(1) + regularization`` is the output
@@ -235,10 +254,11 @@ class _KernelMachineMixin(TransformerMixin):
         y : array-like of shape (n_queries,), default=None
             Classifiers: the queries' labels, whose margin is explained; None explains
             the margin of the predicted class. Regressors: ignored.
-        method : {"exact", "first_order", "second_order"}, default="exact"
-            See :meth:`decompose`.
+        method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
+            "unrolled": the counterfactual derivative (above); the others: see
+            :meth:`decompose`.
         weighting : {"realized", "expected"}, default="realized"
-            See :meth:`decompose`.
+            See :meth:`decompose`; "unrolled" takes the realized batches.
         output : "margin" or int, default=None
             The scalar output explained. "margin" (the classifiers' default) is TRAK's
             ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
@@ -252,16 +272,21 @@ class _KernelMachineMixin(TransformerMixin):
             Quadrature nodes per step for "exact", see :meth:`decompose`.
         tol : float, default=None
             Relative quadrature tolerance of "exact", see :meth:`decompose`.
+        n_jobs : int, default=None
+            ``method="unrolled"``: query blocks (each within ``memory_budget``) on joblib
+            workers; the same scores as serial. ``None`` means 1 unless in a
+            ``joblib.parallel_config`` context.
 
         Returns
         -------
         scores : ndarray of shape (n_queries, n_train)
-            Float64.
+            Float64 (an :class:`~skpathkernel.AttributionScores` for "unrolled").
 
         See Also
         --------
         skpathkernel.metrics.linear_datamodeling_score : Scores against retraining.
         skpathkernel.metrics.retrain_on_subsets : The retrained models it needs.
+        self_influence : Each training point's unrolled score for its own output.
 
         Examples
         --------
@@ -279,16 +304,66 @@ class _KernelMachineMixin(TransformerMixin):
         >>> initial = res.initial[:, 0] * (2 * y[:3] - 1)
         >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
         True
+
+        The counterfactual derivative, on a path that does not amplify perturbations:
+
+        >>> cf = clf.attribute(X[:3], y[:3], method="unrolled")
+        >>> cf.shape, bool(cf.growth.max() < 100)
+        ((3, 40), True)
         """
         check_is_fitted(self)
-        check_decompose_args(method, weighting, n_nodes, tol)
-        output = check_output(output, self.n_outputs_,
-                              "default" if isinstance(self, ClassifierMixin) else "no")
+        classifier = isinstance(self, ClassifierMixin)
         X = self._validate_X(X)
-        return attribution_scores(
-            self._forward(X), y, output, lambda y: label_codes(self.classes_, y),
-            lambda weights: self._decompose(X, method, weighting, n_nodes, tol,
-                                            weights=weights))
+        if method != "unrolled":
+            # Every step needs the queries' Jacobians: one query's must fit the budget.
+            self._check_feature_row_fits("decompose")
+        return network_of(self)._attribute(
+            X, y, method=method, weighting=weighting, output=output, n_nodes=n_nodes,
+            tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
+            encode=lambda y: label_codes(self.classes_, y) if classifier else None,
+            scale=getattr(self, "_y_scale", None))
+
+    def self_influence(self, *, output=None, n_jobs=None):
+        """Each training point's counterfactual score for its own output.
+
+        ``d m(x_i; theta_T) / d w_i`` for every training point ``i``: the diagonal of
+        ``attribute(X_fit_, y_train, method="unrolled")``, how much down-weighting the
+        point in training would move its own output (classifiers: the margin of its own
+        training label). Points the network fits only by memorising them, mislabeled
+        ones first, have the largest self-influence: inspect them first when cleaning
+        data.
+
+        Parameters
+        ----------
+        output : "margin" or int, default=None
+            As in :meth:`attribute`.
+        n_jobs : int, default=None
+            Query blocks on joblib workers.
+
+        Returns
+        -------
+        self_influence : AttributionScores of shape (n_train,)
+            Float64, in the order of ``X_fit_``; ``growth`` as in :meth:`attribute`.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from sklearn.datasets import make_classification
+        >>> from skpathkernel import PathKernelClassifier
+        >>> X, y = make_classification(n_samples=60, n_features=4, random_state=0)
+        >>> y_noisy = y.copy(); y_noisy[:6] = 1 - y_noisy[:6]     # 6 flipped labels
+        >>> clf = PathKernelClassifier(hidden_layer_sizes=(16,), solver="sgd",
+        ...                            learning_rate_init=0.5, max_iter=100, tol=None,
+        ...                            random_state=0).fit(X, y_noisy)
+        >>> influence = clf.self_influence()
+        >>> influence.shape
+        (60,)
+        """
+        check_is_fitted(self)
+        classifier = isinstance(self, ClassifierMixin)
+        return network_of(self)._self_influence(
+            output=output, n_jobs=n_jobs, margin="default" if classifier else "no",
+            scale=getattr(self, "_y_scale", None))
 
     def explain(self, X, n_neighbors=10, *, method="exact"):
         """The training points that moved each prediction the most.

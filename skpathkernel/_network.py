@@ -23,12 +23,15 @@ from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
 from . import _interpolation
+from ._attribution import check_output, class_indices, output_weights, query_codes
 from ._device import to_input_tensor, to_tensor
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
 from ._losses import LOSSES, Loss
 from ._trajectory import Trajectory
+from ._unrolled import AttributionScores, unrolled_scores
 
-__all__ = ["TrainedNetwork", "as_loss", "check_decompose_args", "network_of"]
+__all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
+           "network_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -74,6 +77,30 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
             f"got {n_nodes!r}."
         )
     _interpolation.check_tol(tol)
+
+
+def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
+    """The arguments of every ``attribute``, checked before any work."""
+    if method == "unrolled":
+        if weighting != "realized":
+            raise ValueError("method='unrolled' differentiates the realized path (each "
+                             "step's own batch): weighting must be 'realized', got "
+                             f"{weighting!r}.")
+        return
+    if method not in ("exact", "first_order", "second_order"):
+        raise ValueError("method must be 'unrolled', 'exact', 'first_order' or "
+                         f"'second_order', got {method!r}.")
+    check_decompose_args(method, weighting, n_nodes, tol)
+
+
+def _target_codes(y: np.ndarray) -> np.ndarray:
+    """The class of every training target: codes as they are, else the positive or
+    largest target column (+-1 or one-hot targets of a squared-error classifier)."""
+    y = np.asarray(y)
+    if np.issubdtype(y.dtype, np.integer):
+        return y.reshape(-1)
+    y = y.reshape(len(y), -1)
+    return (y[:, 0] > 0).astype(np.intp) if y.shape[1] == 1 else np.argmax(y, axis=1)
 
 
 class TrainedNetwork:
@@ -356,6 +383,104 @@ class TrainedNetwork:
             self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
             weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
             weights=weights, units=units)
+
+    # ------------------------------------------------------------------ attribution
+    def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
+                  output=None, n_nodes: int | None = None, tol: float | None = None,
+                  n_jobs: int | None = None) -> np.ndarray:
+        """Training-data attribution scores ``(n_queries, n_train)`` of one scalar output.
+
+        The computation of :meth:`PathKernelClassifier.attribute
+        <skpathkernel.PathKernelClassifier.attribute>`, whose parameters these are, on
+        the network's own outputs: ``y`` holds output columns (class indices), not labels.
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_queries, ...)
+        y : array-like of int of shape (n_queries,), default=None
+            With ``output="margin"``: each query's class as an output column; None takes
+            the largest output (or a positive single output) as the class.
+        method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
+        weighting : {"realized", "expected"}, default="realized"
+        output : "margin" or int, default=None
+            None: output 0 of a single-output network (several outputs need a choice).
+        n_nodes : int, default=None
+        tol : float, default=None
+        n_jobs : int, default=None
+            ``method="unrolled"``: query blocks on joblib workers.
+
+        Returns
+        -------
+        scores : ndarray of shape (n_queries, n_train)
+            Float64; with ``method="unrolled"`` an :class:`AttributionScores` carrying
+            the path's measured stability.
+        """
+        return self._attribute(X, y, method=method, weighting=weighting, output=output,
+                               n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
+
+    def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
+                   margin: str = "allowed", encode=None, scale=None) -> np.ndarray:
+        """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
+        maps the callers' labels to output columns; ``scale`` (C,): the explained
+        output is ``scale * f`` (a regressor's target units)."""
+        check_attribute_args(method, weighting, n_nodes, tol)
+        X = self.check(X)
+        prediction = self.outputs(X)
+        n_outputs = prediction.shape[1]
+        output = check_output(output, n_outputs, margin)
+        if encode is None:
+            def encode(y):
+                return class_indices(y, max(n_outputs, 2))
+        codes = query_codes(prediction, y, encode) if output == "margin" else None
+        weights = output_weights(output, prediction, codes)
+        if scale is not None:
+            weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
+        if method == "unrolled":
+            X_fit, Y_fit = self._training_data()
+            return unrolled_scores(self, X_fit, Y_fit, self.tensor(X), weights,
+                                   n_jobs=n_jobs)
+        return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
+                              tol=tol, weights=weights).contributions[:, :, 0]
+
+    def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
+        """Each training point's counterfactual score for its own output.
+
+        ``d m(x_i; theta_T) / d w_i`` for every training point ``i``: how much
+        down-weighting the point in training would move its own output (with
+        ``output="margin"``, the margin of its own training label). Mislabeled and
+        atypical points stand out by a large self-influence: the network only fits them
+        by memorising them.
+
+        Parameters
+        ----------
+        output : "margin" or int, default=None
+            As in :meth:`attribute`; "margin" uses each point's training target as its
+            label.
+        n_jobs : int, default=None
+            Query blocks on joblib workers.
+
+        Returns
+        -------
+        self_influence : AttributionScores of shape (n_train,)
+            Float64.
+        """
+        return self._self_influence(output=output, n_jobs=n_jobs)
+
+    def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
+                        scale=None) -> np.ndarray:
+        X_fit, Y_fit = self._training_data()
+        prediction = self.outputs(X_fit)
+        output = check_output(output, prediction.shape[1], margin)
+        codes = _target_codes(self.y_fit) if output == "margin" else None
+        weights = output_weights(output, prediction, codes)
+        if scale is not None:
+            weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
+        scores = unrolled_scores(self, X_fit, Y_fit, X_fit, weights, n_jobs=n_jobs,
+                                 diagonal=True)
+        result = np.asarray(scores)[:, 0].view(AttributionScores)
+        result.growth, result.amplification, result.replay_error = (
+            scores.growth, scores.amplification, scores.replay_error)
+        return result
 
     def _training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Training inputs and targets as tensors, checked against the recorded batches."""

@@ -40,9 +40,8 @@ import numpy as np
 import torch
 from sklearn.base import BaseEstimator
 
-from ._attribution import attribution_scores, check_output, class_indices
 from ._base import NetworkAttributesMixin
-from ._network import TrainedNetwork, check_decompose_args
+from ._network import TrainedNetwork
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 from .kernels import NetworkKernelsMixin
 
@@ -616,13 +615,15 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
                                          n_nodes=n_nodes, tol=tol)
 
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
-                  output=None, n_nodes: int | None = None,
-                  tol: float | None = None) -> np.ndarray:
+                  output=None, n_nodes: int | None = None, tol: float | None = None,
+                  n_jobs: int | None = None) -> np.ndarray:
         """Training-data attribution scores over the declared training inputs.
 
         The score matrix of :meth:`PathKernelClassifier.attribute
         <skpathkernel.PathKernelClassifier.attribute>`: ``scores[q, i]`` is training
-        point ``i``'s share of one scalar output at query ``q``, from the decomposition.
+        point ``i``'s share of one scalar output at query ``q`` (from the decomposition),
+        or with ``method="unrolled"`` the derivative of that output with respect to the
+        point's weight in training, through the recorded path.
 
         Parameters
         ----------
@@ -630,7 +631,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         y : array-like of int of shape (n_queries,), default=None
             With ``output="margin"``: the queries' classes as output columns; None takes
             the largest output (or a positive single output) as the class.
-        method : {"exact", "first_order", "second_order"}, default="exact"
+        method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
         weighting : {"realized", "expected"}, default="realized"
         output : "margin" or int, default=None
             "margin": the log-odds of the class, ``f_y - logsumexp_{k != y} f_k`` (``+-f``
@@ -641,17 +642,32 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
             Quadrature nodes per step for "exact", see :meth:`decompose`.
         tol : float, default=None
             Relative quadrature tolerance of "exact", see :meth:`decompose`.
+        n_jobs : int, default=None
+            ``method="unrolled"``: query blocks on joblib workers.
 
         Returns
         -------
         scores : ndarray of shape (n_queries, n_train)
         """
-        check_decompose_args(method, weighting, n_nodes, tol)
-        net = self._network()
-        prediction = net.outputs(X)
-        output = check_output(output, prediction.shape[1], "allowed")
-        n_classes = max(prediction.shape[1], 2)
-        return attribution_scores(
-            prediction, y, output, lambda y: class_indices(y, n_classes),
-            lambda weights: net.decompose(X, method=method, weighting=weighting,
-                                          n_nodes=n_nodes, tol=tol, weights=weights))
+        return self._network().attribute(X, y, method=method, weighting=weighting,
+                                          output=output, n_nodes=n_nodes, tol=tol,
+                                          n_jobs=n_jobs)
+
+    def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
+        """Each declared training point's unrolled score for its own output.
+
+        See :meth:`PathKernelClassifier.self_influence
+        <skpathkernel.PathKernelClassifier.self_influence>`; with ``output="margin"``
+        each point's label is its declared target (class codes, or the positive or
+        largest target column).
+
+        Parameters
+        ----------
+        output : "margin" or int, default=None
+        n_jobs : int, default=None
+
+        Returns
+        -------
+        self_influence : AttributionScores of shape (n_train,)
+        """
+        return self._network().self_influence(output=output, n_jobs=n_jobs)

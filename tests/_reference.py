@@ -113,3 +113,65 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
         shares *= memory
         reg_buf *= memory
     return contrib, reg
+
+
+def unrolled_replay(net, weights=None):
+    """The recorded training replayed as one differentiable float64 graph.
+
+    Every step's loss is the weighted mean over its batch, ``sum w_i l_i / sum w_i``, with
+    the per-point weights ``weights`` (a leaf tensor (N,); ones when None), and the
+    optimizer's update written out from torch.optim's documented algorithms (SGD with
+    momentum and L2, Adam, AdamW, RMSprop), so that autograd differentiates through it.
+    Returns the final parameters as a name -> tensor dict. Every step must be recorded.
+    """
+    traj, spec, loss = net.trajectory, net.trajectory.solver_spec, net.loss
+    X = _as_input(net.X_fit)
+    Y = net.targets()
+    Y = Y.double() if Y.is_floating_point() else Y
+    N = len(X)
+    w = torch.ones(N, dtype=torch.float64) if weights is None else weights
+    module = copy.deepcopy(net.module).to(torch.float64)
+    names = list(traj.names)
+    theta = [p.double().requires_grad_(True) for p in traj.state_dict(0).values()]
+    m = [torch.zeros_like(p) for p in theta]
+    v = [torch.zeros_like(p) for p in theta]
+    wd = spec.weight_decay
+    for t, batch in enumerate(traj.batches):
+        lr = float(traj.learning_rates[t])
+        rows = torch.as_tensor(batch)
+        out = torch.func.functional_call(module, dict(zip(names, theta)), (X[rows],))
+        per = loss.per_sample(out.reshape(len(rows), -1), Y[rows])
+        L = (w[rows] * per).sum() / w[rows].sum()
+        grads = torch.autograd.grad(L, theta, create_graph=True)
+        new = []
+        for k, (p, g) in enumerate(zip(theta, grads)):
+            if spec.name != "adamw":
+                g = g + wd * p
+            if spec.name == "sgd":
+                m[k] = g if t == 0 else spec.momentum * m[k] + g
+                new.append(p - lr * m[k])
+            elif spec.name in ("adam", "adamw"):
+                if spec.name == "adamw":
+                    p = p * (1 - lr * wd)
+                m[k] = spec.beta_1 * m[k] + (1 - spec.beta_1) * g
+                v[k] = spec.beta_2 * v[k] + (1 - spec.beta_2) * g * g
+                c = t + 1
+                den = (v[k] / (1 - spec.beta_2**c)).sqrt() + spec.epsilon
+                new.append(p - lr * (m[k] / (1 - spec.beta_1**c)) / den)
+            else:  # rmsprop
+                v[k] = spec.rmsprop_alpha * v[k] + (1 - spec.rmsprop_alpha) * g * g
+                new.append(p - lr * g / (v[k].sqrt() + spec.epsilon))
+        theta = new
+    return dict(zip(names, theta))
+
+
+def unrolled_reference(net, Xq, Wq):
+    """d (Wq[q] . f(Xq[q]; theta_T(w))) / d w at w = 1, (Q, N): autograd through
+    :func:`unrolled_replay` with the weights as leaf tensors, one backward per query."""
+    w = torch.ones(len(net.X_fit), dtype=torch.float64, requires_grad=True)
+    params = unrolled_replay(net, w)
+    module = copy.deepcopy(net.module).to(torch.float64)
+    out = torch.func.functional_call(module, params, (_as_input(Xq),)).reshape(len(Xq), -1)
+    m = (out * torch.as_tensor(np.asarray(Wq, dtype=np.float64))).sum(1)
+    return np.stack([torch.autograd.grad(m[q], w, retain_graph=True)[0].numpy()
+                     for q in range(len(Xq))])

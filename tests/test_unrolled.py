@@ -1,0 +1,341 @@
+"""attribute(method="unrolled"): the derivative of the trained output with respect to each
+training point's weight, checked against autograd through an unrolled replay
+(tests/_reference.py), finite differences of torch.optim's own weighted replay, and
+retraining without points."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _reference import unrolled_reference, unrolled_replay
+from sklearn.datasets import make_classification
+
+from skpathkernel import (
+    AttributionScores,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+    RecordedNetwork,
+    UnstablePathWarning,
+)
+from skpathkernel._attribution import label_codes, margin
+from skpathkernel._training import make_optimizer
+from skpathkernel.metrics import retrain_on_subsets
+
+
+def _regression(n=24, d=3, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.normal(size=(n, d))
+    return X, np.sin(X[:, 0]) + X[:, 1] - 0.5 * X[:, 2] ** 2
+
+
+SOLVERS = {
+    "sgd": dict(solver="sgd", learning_rate_init=0.05),
+    "sgd-momentum-l2": dict(solver="sgd", momentum=0.9, alpha=0.01, learning_rate_init=0.02),
+    "adam-l2": dict(solver="adam", alpha=0.01, learning_rate_init=0.01),
+    "adamw": dict(solver="adamw", alpha=0.1, learning_rate_init=0.01),
+    "rmsprop-l2": dict(solver="rmsprop", alpha=0.01, learning_rate_init=0.005),
+}
+
+
+def _fit(kind="regressor", *, hidden=(8, 8), max_iter=4, batch_size=8, **params):
+    params = {**dict(tol=None, dtype="float64", random_state=0), **params}
+    if kind == "regressor":
+        X, y = _regression()
+        est = PathKernelMachine(hidden_layer_sizes=hidden, max_iter=max_iter,
+                                batch_size=batch_size, **params)
+    else:
+        X, y = make_classification(n_samples=30, n_features=4, n_informative=3,
+                                   n_redundant=0, n_classes=3, n_clusters_per_class=1,
+                                   random_state=0)
+        est = PathKernelClassifier(hidden_layer_sizes=hidden, max_iter=max_iter,
+                                   batch_size=batch_size, **params)
+    return est.fit(X, y), X, y
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("solver", list(SOLVERS))
+def test_reference_replay_reproduces_the_recorded_path(solver):
+    """The reference's own update rules are torch.optim's: at w = 1 it lands on theta_T."""
+    est, _, _ = _fit(**SOLVERS[solver])
+    final = torch.cat([p.detach().reshape(-1) for p in unrolled_replay(est.network_).values()])
+    np.testing.assert_allclose(final.numpy(), est.trajectory_.parameters(-1).numpy(),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("solver", list(SOLVERS))
+def test_unrolled_equals_autograd_through_the_replay_every_solver(solver):
+    est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
+    scores = est.attribute(X[:4], method="unrolled")
+    ref = unrolled_reference(est.network_, X[:4], np.ones((4, 1)))
+    assert isinstance(scores, AttributionScores) and scores.shape == (4, len(X))
+    assert _rel(scores, ref) < 1e-8
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam-l2"])
+def test_unrolled_margin_of_a_multiclass_classifier(solver):
+    est, X, y = _fit("classifier", **SOLVERS[solver])
+    scores = est.attribute(X[:5], y[:5], method="unrolled")
+    # The margin's derivative: its gradient in the logits at theta_T contracts the
+    # logits' derivatives, each of which the reference gives for one output.
+    logits = est.decision_function(X[:5])
+    codes = label_codes(est.classes_, y[:5])
+    ref = np.zeros_like(scores)
+    for c in range(logits.shape[1]):
+        W = np.zeros_like(logits)
+        W[:, c] = 1.0
+        h = 1e-6  # d margin / d logit_c by central differences of the closed form
+        up, down = logits.copy(), logits.copy()
+        up[:, c] += h
+        down[:, c] -= h
+        dm = (margin(up, codes) - margin(down, codes)) / (2 * h)
+        ref += dm[:, None] * unrolled_reference(est.network_, X[:5], W)
+    assert _rel(scores, ref) < 1e-7
+
+
+def test_normalize_y_scores_are_in_the_targets_units():
+    est, X, _ = _fit(**SOLVERS["sgd"], normalize_y=True)
+    scores = est.attribute(X[:3], method="unrolled")
+    ref = unrolled_reference(est.network_, X[:3], np.ones((3, 1)))
+    assert _rel(scores, float(np.ravel(est._y_scale)[0]) * ref) < 1e-8
+
+
+def test_early_stopping_differentiates_the_steps_kept():
+    est, X, _ = _fit(**SOLVERS["adam-l2"], early_stopping=True, validation_fraction=0.25,
+                     max_iter=6, n_iter_no_change=1, tol=1e-12, normalize_y=False)
+    assert est.trajectory_.n_steps < est.t_ or len(est.X_fit_) < len(X)
+    scores = est.attribute(X[:3], method="unrolled")
+    assert scores.shape == (3, len(est.X_fit_))
+    assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
+
+
+def _weighted_torch_replay(net, weights):
+    """The recorded training rerun by torch.optim itself with per-point weights in every
+    step's loss (weighted mean over the batch); returns the final parameters."""
+    traj = net.trajectory
+    module = copy.deepcopy(net.module).double()
+    module.load_state_dict(traj.state_dict(0), strict=False)
+    X, Y = torch.as_tensor(np.asarray(net.X_fit, dtype=np.float64)), net.targets()
+    w = torch.as_tensor(weights)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
+    for t, batch in enumerate(traj.batches):
+        for group in opt.param_groups:
+            group["lr"] = float(traj.learning_rates[t])
+        opt.zero_grad()
+        rows = torch.as_tensor(batch)
+        per = net.loss.per_sample(module(X[rows]), Y[rows])
+        ((w[rows] * per).sum() / w[rows].sum()).backward()
+        opt.step()
+    return module
+
+
+@pytest.mark.parametrize("solver", ["sgd-momentum-l2", "adam-l2"])
+def test_unrolled_equals_finite_differences_of_torch_optim(solver):
+    est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
+    net = est.network_
+    scores = est.attribute(X[:2], method="unrolled")
+    h = 1e-5
+    for i in (0, 7, 13):
+        outs = []
+        for sign in (1, -1):
+            w = np.ones(len(X))
+            w[i] += sign * h
+            module = _weighted_torch_replay(net, w)
+            with torch.no_grad():
+                outs.append(module(torch.as_tensor(X[:2])).numpy()[:, 0])
+        fd = (outs[0] - outs[1]) / (2 * h)
+        np.testing.assert_allclose(scores[:, i], fd, rtol=1e-5, atol=1e-9)
+
+
+def test_removing_a_point_moves_the_replayed_output_by_minus_its_score():
+    """The counterfactual itself: retraining along the path without one point (the replay
+    protocol) moves each output by -score, to first order, at a small step size."""
+    X, y = make_classification(n_samples=200, n_features=4, random_state=1)
+    clf = PathKernelClassifier(hidden_layer_sizes=(16,), solver="sgd", learning_rate_init=0.1,
+                               batch_size=50, max_iter=20, tol=None, dtype="float64",
+                               random_state=0).fit(X, y)
+    scores = clf.attribute(X[:6], y[:6], method="unrolled")
+    res = retrain_on_subsets(clf, X, y, X[:6], y[:6], n_subsets=6,
+                             subset_fraction=199 / 200, protocol="replay", random_state=0)
+    full = margin(clf.decision_function(X[:6]), label_codes(clf.classes_, y[:6]))
+    removed = np.argmax(~res.subsets, axis=1)
+    predicted = full[None] - scores[:, removed].T
+    change, predicted_change = res.outputs - full[None], predicted - full[None]
+    assert np.abs(change).max() > 1e-4  # each removal does move the outputs
+    # First order: removing one of a batch's 50 points is a 2% change of its loss.
+    np.testing.assert_allclose(predicted_change, change, rtol=0.05,
+                               atol=0.02 * np.abs(change).max())
+
+
+def test_float32_path_agrees_with_the_float64_reference():
+    est, X, _ = _fit(**SOLVERS["adam-l2"], dtype="float32", normalize_y=False)
+    scores = est.attribute(X[:3], method="unrolled")
+    assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-3
+
+
+def test_image_inputs_with_module():
+    def cnn(n_features, n_outputs):
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.Tanh(),
+                                   torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, n_outputs))
+
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(20, 1, 6, 6))
+    y = X[:, 0, 2:4, 2:4].sum(axis=(1, 2))
+    est = PathKernelMachine(module=cnn, solver="adam", learning_rate_init=0.01, batch_size=5,
+                            max_iter=3, tol=None, dtype="float64", normalize_y=False,
+                            random_state=0).fit(X, y)
+    scores = est.attribute(X[:3], method="unrolled")
+    assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
+
+
+def test_token_inputs_with_module():
+    class Bag(torch.nn.Module):
+        def __init__(self, n_outputs):
+            super().__init__()
+            self.emb = torch.nn.Embedding(7, 4)
+            self.out = torch.nn.Linear(4, n_outputs)
+
+        def forward(self, ids):
+            return self.out(torch.tanh(self.emb(ids)).mean(dim=1))
+
+    rng = np.random.RandomState(0)
+    X = rng.randint(0, 7, size=(24, 5))
+    y = (X.sum(axis=1) % 2).astype(int)
+    clf = PathKernelClassifier(module=lambda d, c: Bag(c), solver="sgd",
+                               learning_rate_init=0.5, batch_size=6, max_iter=3, tol=None,
+                               dtype="float64", random_state=0).fit(X, y)
+    scores = clf.attribute(X[:3], y[:3], method="unrolled")
+    sign = np.where(y[:3] == 1, 1.0, -1.0)[:, None]  # the binary margin is +-f
+    ref = sign * unrolled_reference(clf.network_, X[:3], np.ones((3, 1)))
+    assert _rel(scores, ref) < 1e-8
+
+
+def test_recorder_path_with_a_learning_rate_schedule():
+    X, y = _regression(n=16)
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)[:, None]
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(),
+                                 torch.nn.Linear(6, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5, weight_decay=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    gen = torch.Generator().manual_seed(0)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(10):
+            batch = torch.randperm(len(X), generator=gen)[:4]
+            rec.set_batch(batch.numpy())
+            opt.zero_grad()
+            (0.5 * (module(Xt[batch]) - yt[batch]).pow(2).mean()).backward()
+            opt.step()
+            sched.step()
+    assert len(set(rec.trajectory.learning_rates.tolist())) > 1
+    net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+    scores = net.attribute(X[:3], method="unrolled")
+    ref = unrolled_reference(net.network_, X[:3], np.ones((3, 1)))
+    assert _rel(scores, ref) < 1e-8
+
+
+@pytest.mark.parametrize("solver", ["sgd", "sgd-momentum-l2", "adam-l2", "rmsprop-l2"])
+def test_thinned_path_is_replayed_between_recorded_points(solver):
+    est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
+    thin, _, _ = _fit(**SOLVERS[solver], normalize_y=False, record_every=3)
+    assert len(thin.trajectory_) < len(est.trajectory_)
+    full = est.attribute(X[:3], method="unrolled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an exact replay warns about nothing
+        scores = thin.attribute(X[:3], method="unrolled")
+    assert scores.replay_error < 1e-10
+    assert _rel(scores, full) < 1e-8
+
+
+def test_thinned_replay_mismatch_is_reported():
+    est, X, _ = _fit(**SOLVERS["sgd"], normalize_y=False, record_every=3)
+    traj = est.trajectory_
+    # A recorded point that the training did not reach (as if a step had used
+    # randomness the record does not hold).
+    traj._params[2] += 0.05
+    with pytest.warns(UserWarning, match="replaying the unrecorded steps misses"):
+        scores = est.attribute(X[:2], method="unrolled")
+    assert scores.replay_error > 1e-3
+
+
+def test_disk_trajectory_equals_memory(tmp_path):
+    est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
+    disk, _, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False, trajectory_storage="disk",
+                      trajectory_dir=str(tmp_path))
+    np.testing.assert_array_equal(disk.attribute(X[:3], method="unrolled"),
+                                  est.attribute(X[:3], method="unrolled"))
+
+
+def test_query_blocks_and_workers_equal_one_block():
+    est, X, _ = _fit(**SOLVERS["sgd-momentum-l2"], normalize_y=False)
+    one = est.attribute(X[:6], method="unrolled")
+    est.set_params(memory_budget=30_000)  # a few queries per block
+    np.testing.assert_allclose(est.attribute(X[:6], method="unrolled"), one, rtol=1e-12,
+                               atol=0)
+    np.testing.assert_allclose(est.attribute(X[:6], method="unrolled", n_jobs=2), one,
+                               rtol=1e-12, atol=0)
+
+
+def test_self_influence_is_the_diagonal_of_attribute():
+    est, X, y = _fit("classifier", **SOLVERS["sgd"])
+    influence = est.self_influence()
+    full = est.attribute(est.X_fit_, y, method="unrolled")
+    np.testing.assert_allclose(influence, np.diag(full), rtol=1e-10, atol=1e-14)
+    assert influence.shape == (len(X),) and influence.growth.shape == (len(X),)
+
+
+def test_self_influence_finds_flipped_labels():
+    X, y = make_classification(n_samples=80, n_features=4, n_informative=3, n_redundant=0,
+                               class_sep=2.0, random_state=0)
+    flipped = np.arange(8)
+    y_noisy = y.copy()
+    y_noisy[flipped] = 1 - y_noisy[flipped]
+    clf = PathKernelClassifier(hidden_layer_sizes=(16,), solver="sgd", learning_rate_init=0.3,
+                               batch_size=16, max_iter=60, tol=None, random_state=0)
+    influence = clf.fit(X, y_noisy).self_influence()
+    order = np.argsort(-influence)
+    assert len(np.intersect1d(order[:16], flipped)) >= 6
+
+
+def test_unstable_path_warns_and_a_stable_one_does_not():
+    X, y = _regression(n=32, seed=1)
+    common = dict(hidden_layer_sizes=(32, 32), solver="sgd", batch_size=8, max_iter=30,
+                  tol=None, dtype="float64", random_state=0)
+    stable = PathKernelMachine(learning_rate_init=0.3, **common).fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnstablePathWarning)
+        scores = stable.attribute(X[:4], method="unrolled")
+    assert scores.growth.max() < 10
+    chaotic = PathKernelMachine(learning_rate_init=1.0, **common).fit(X, y)
+    with pytest.warns(UnstablePathWarning, match="edge of stability"):
+        scores = chaotic.attribute(X[:4], method="unrolled")
+    assert scores.growth.max() > 10
+    assert np.nanmax(scores.amplification) > 1
+
+
+def test_bad_input_is_refused_before_any_work_and_changes_nothing():
+    est, X, _ = _fit(**SOLVERS["adam-l2"])
+    before = est.trajectory_.parameters(-1).clone()
+    with pytest.raises(ValueError, match="weighting must be 'realized'"):
+        est.attribute(X[:2], method="unrolled", weighting="expected")
+    with pytest.raises(ValueError, match="method must be"):
+        est.attribute(X[:2], method="unroled")
+    assert torch.equal(est.trajectory_.parameters(-1), before)
+    # A recorded path whose batches were never declared.
+    module = copy.deepcopy(est.module_)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    Xt = torch.as_tensor(X)
+    with PathRecorder(module, opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            module(Xt).pow(2).mean().backward()
+            opt.step()
+    net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=np.zeros(len(X)))
+    with pytest.raises(ValueError, match="set_batch"):
+        net.attribute(X[:2], method="unrolled")

@@ -211,8 +211,15 @@ def _first_moment(spec) -> bool:
 
 
 # --------------------------------------------------------------------------- checks
-def check_unrollable(traj: Trajectory, n_samples: int) -> None:
+def check_unrollable(traj: Trajectory, n_samples: int, module: torch.nn.Module) -> None:
     """Refuse, before any work, a path the unrolled derivative cannot be taken along."""
+    random = [name or "(the module)" for name, layer in module.named_modules()
+              if isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0]
+    if random:
+        raise ValueError(
+            f"method='unrolled' replays every training step, but the layer(s) {random[:3]} "
+            "(dropout) made each step depend on random masks that the recorded path does "
+            "not hold. Train without dropout (p=0) for counterfactual scores.")
     spec = traj.solver_spec
     if spec.name not in _SOLVERS:
         raise ValueError(f"method='unrolled' supports the solvers {sorted(_SOLVERS)}; the "
@@ -448,7 +455,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     its own score (self-influence, shape (N, 1)).
     """
     traj = net.trajectory
-    check_unrollable(traj, len(X))
+    check_unrollable(traj, len(X), net.module)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     block = rows_per_block(net.memory_budget,
                            _row_bytes(net.module, traj, X, traj.dtype.itemsize),

@@ -339,3 +339,35 @@ def test_bad_input_is_refused_before_any_work_and_changes_nothing():
     net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=np.zeros(len(X)))
     with pytest.raises(ValueError, match="set_batch"):
         net.attribute(X[:2], method="unrolled")
+
+
+def test_dropout_is_refused_naming_the_layer():
+    def with_dropout(n_features, n_outputs):
+        return torch.nn.Sequential(torch.nn.Linear(n_features, 8), torch.nn.Tanh(),
+                                   torch.nn.Dropout(0.2), torch.nn.Linear(8, n_outputs))
+
+    X, y = _regression()
+    est = PathKernelMachine(module=with_dropout, max_iter=2, batch_size=8, tol=None,
+                            random_state=0).fit(X, y)
+    with pytest.raises(ValueError, match=r"\['2'\].*dropout"):
+        est.attribute(X[:2], method="unrolled")
+
+
+def test_scores_pickle_with_their_measurements():
+    import pickle
+
+    est, X, _ = _fit(**SOLVERS["sgd"])
+    scores = est.attribute(X[:3], method="unrolled")
+    back = pickle.loads(pickle.dumps(scores))
+    np.testing.assert_array_equal(back, scores)
+    np.testing.assert_array_equal(back.growth, scores.growth)
+    np.testing.assert_array_equal(back.amplification, scores.amplification)
+    assert back.replay_error == scores.replay_error == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_equals_cpu():
+    est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
+    gpu, _, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False, device="cuda")
+    np.testing.assert_allclose(gpu.attribute(X[:3], method="unrolled"),
+                               est.attribute(X[:3], method="unrolled"), rtol=1e-6)

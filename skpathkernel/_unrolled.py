@@ -37,7 +37,8 @@ Thinned paths (``record_every > 1``): the steps between two recorded points are 
 forward from the first (batches and step sizes are recorded) and kept for the interval
 only; the replay's mismatch with the next recorded point is reported. Solvers whose first
 moment is not recorded (SGD with momentum, Adam, AdamW) are first replayed from the
-initialization to recover it at each recorded point.
+initialization to recover it at each recorded point (one more (P,) vector per recorded
+point in memory: about half the recorded path of Adam).
 
 Stability. The adjoint's growth along the path measures how far training amplifies a
 perturbation of the parameters. A path past the edge of stability (lr x sharpness > 2)
@@ -253,15 +254,17 @@ class _Path:
     not recorded, from a forward replay of the whole path).
     """
 
-    def __init__(self, module, traj, X, Y, loss, device):
+    def __init__(self, module, traj, X, Y, loss, device, moments=None):
         self.module, self.traj, self.X, self.Y, self.loss = module, traj, X, Y, loss
         self.device = device
         self.spec = traj.solver_spec
-        self.thinned = bool(np.any(np.diff(traj.steps) != 1))
         self.replay_error = 0.0
-        self._moments = None
-        if self.thinned and _first_moment(self.spec):
-            self._moments = self._replay_moments()
+        self._moments = moments
+
+    @property
+    def needs_moments(self) -> bool:
+        """A thinned path of a solver whose first moment is not recorded."""
+        return bool(np.any(np.diff(self.traj.steps) != 1)) and _first_moment(self.spec)
 
     def params(self, k: int) -> torch.Tensor:
         return self.traj.parameters(k).to(self.device)
@@ -324,8 +327,9 @@ class _Path:
         self.replay_error = max(self.replay_error, float((theta - end).norm()) / scale)
         return out
 
-    def _replay_moments(self) -> list[torch.Tensor]:
-        """First moments at every recorded point, from a forward replay of the path."""
+    def replay_moments(self) -> list[torch.Tensor]:
+        """First moments at every recorded point, from a forward replay of the path
+        (one (P,) vector a recorded point, kept in memory)."""
         traj, spec = self.traj, self.spec
         step_fn = _SOLVERS[spec.name][0]
         theta = self.params(0)
@@ -387,12 +391,12 @@ def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
         return torch.stack(rows)
 
 
-def _block(module, traj, X, Y, loss, Xq, Wq, device):
+def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     """Scores (Qb, N) float64, adjoint norms (n_steps + 1, Qb) and the replay error."""
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
     wd = _coupled_decay(spec)
-    path = _Path(module, traj, X, Y, loss, device)
+    path = _Path(module, traj, X, Y, loss, device, moments)
     theta_T = path.params(len(traj) - 1)
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
     N = traj.n_samples
@@ -430,14 +434,15 @@ def _row_bytes(module, traj, X, itemsize) -> int:
     return 6 * traj.n_params * itemsize + 6 * batch * sum(sizes) * itemsize + 8 * traj.n_samples
 
 
-def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal):
+def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
     module, traj = net.module, net.trajectory
     device = net.torch_device
     rows = np.asarray(rows)
     parts = []
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
-        scores, norms, error = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device)
+        scores, norms, error = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device,
+                                      moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             scores = scores[np.arange(len(r)), r][:, None]
         parts.append((scores, norms, error))
@@ -460,9 +465,11 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     block = rows_per_block(net.memory_budget,
                            _row_bytes(net.module, traj, X, traj.dtype.itemsize),
                            "The unrolled attribution's adjoint")
+    path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
+    moments = path.replay_moments() if path.needs_moments else None
     parts = [p for blocks in map_row_blocks(_run_rows, np.arange(len(Xq)), n_jobs,
                                             net.for_workers(), X, Y, Xq, Wq, block,
-                                            diagonal)
+                                            diagonal, moments)
              for p in blocks]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
@@ -491,12 +498,12 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
         lr = float(np.max(traj.learning_rates)) if len(traj.learning_rates) else float("nan")
         warnings.warn(
             f"attribute(method='unrolled'): the recorded path amplifies perturbations of "
-            f"the parameters by up to {growth:.3g}x (AttributionScores.growth), so removing "
-            "a training point changes the trained network by more than any first-order "
-            "derivative predicts: training ran at or past the edge of stability. The steps "
-            f"that amplify most: {steps or 'none alone'}. The scores describe an "
-            f"infinitesimal change only; train with a smaller learning rate (the largest "
-            f"was {lr:g}) for counterfactual scores that predict retraining.",
+            f"the parameters by up to {growth:.3g}x (AttributionScores.growth): training ran "
+            "at or past the edge of stability, where removing training points changes the "
+            "trained network non-linearly, so these exact derivatives predict retraining "
+            "for the smallest removals at best. The steps that amplify most: "
+            f"{steps or 'none alone'}. Train with a smaller learning rate (the largest was "
+            f"{lr:g}) for scores that predict retraining.",
             UnstablePathWarning, stacklevel=4,
         )
     if result.replay_error and result.replay_error > 1e-3:

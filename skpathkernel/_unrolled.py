@@ -79,8 +79,10 @@ class UnstablePathWarning(UserWarning):
 class AttributionScores(np.ndarray):
     """Attribution scores ``(n_queries, n_train)`` with what the unrolled method measured.
 
-    An ``ndarray`` (float64) in every respect; ``method="unrolled"`` sets the attributes
-    below (None for the other methods).
+    An ``ndarray`` (float64) in every respect, returned by ``method="unrolled"`` (the other
+    methods return a plain ndarray) with what the call measured. ``growth`` is per query:
+    an array derived from the scores keeps it only while it has the same number of rows
+    (a slice of the queries drops it); the other two describe the whole path.
 
     Attributes
     ----------
@@ -104,7 +106,9 @@ class AttributionScores(np.ndarray):
     def __array_finalize__(self, obj):
         if obj is None:
             return
-        self.growth = getattr(obj, "growth", None)
+        growth = getattr(obj, "growth", None)
+        rows = self.shape[0] if self.ndim else 0
+        self.growth = growth if growth is not None and len(growth) == rows else None
         self.amplification = getattr(obj, "amplification", None)
         self.replay_error = getattr(obj, "replay_error", None)
 
@@ -490,9 +494,12 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
 
 
 def _warn(result: AttributionScores, traj: Trajectory) -> None:
-    growth = float(np.nanmax(result.growth)) if np.isfinite(result.growth).any() else 0.0
-    if growth > GROWTH_LIMIT:
-        amp = np.nan_to_num(result.amplification, nan=0.0)
+    # NaN: a query whose output does not depend on the parameters; inf: an adjoint that
+    # overflowed, which is growth beyond any limit.
+    growth = result.growth[~np.isnan(result.growth)]
+    growth = float(growth.max()) if growth.size else 0.0
+    if growth > GROWTH_LIMIT or not np.isfinite(np.asarray(result)).all():
+        amp = np.nan_to_num(result.amplification, nan=0.0, posinf=np.inf)
         worst = np.argsort(-amp, kind="stable")[:5]
         steps = ", ".join(f"{int(t)} (x{amp[t]:.2f})" for t in sorted(worst) if amp[t] > 1)
         lr = float(np.max(traj.learning_rates)) if len(traj.learning_rates) else float("nan")

@@ -306,12 +306,14 @@ def _replay(estimator, keep: np.ndarray):
     X, Y, loss = net.tensor(net.X_fit), net.targets(), net.loss
     optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad],
                                traj.solver_spec, float(traj.learning_rates[0]))
+    # learning_rates has one entry per recorded interval: step t takes its interval's.
+    interval = np.searchsorted(traj.steps, np.arange(traj.n_steps), side="right") - 1
     for t, batch in enumerate(traj.batches):
         kept = batch[keep[batch]]
         if not len(kept):
             continue
         for group in optimizer.param_groups:
-            group["lr"] = float(traj.learning_rates[t])
+            group["lr"] = float(traj.learning_rates[interval[t]])
         optimizer.zero_grad(set_to_none=True)
         rows = torch.as_tensor(kept, device=device)
         loss(module(X[rows]), Y[rows]).backward()
@@ -432,8 +434,8 @@ def retrain_on_subsets(
           recorded path replayed without the left-out points: its initialization, its
           optimizer and step sizes, and every step's recorded minibatch minus the
           left-out points (the loss averaged over the points that remain; a step left
-          empty is skipped). The counterfactual that the realized decomposition
-          describes to first order.
+          empty is skipped). The counterfactual whose first-order prediction is
+          ``attribute(..., method="unrolled")`` summed over the kept points.
     n_repeats : int, default=1
         Models per subset; their outputs are averaged (only "independent" gives
         different models).

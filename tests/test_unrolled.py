@@ -371,3 +371,29 @@ def test_cuda_equals_cpu():
     gpu, _, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False, device="cuda")
     np.testing.assert_allclose(gpu.attribute(X[:3], method="unrolled"),
                                est.attribute(X[:3], method="unrolled"), rtol=1e-6)
+
+
+def test_replay_retraining_of_a_thinned_path_equals_the_full_record():
+    est, X, y = _fit(**SOLVERS["adam-l2"], normalize_y=False)
+    thin, _, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False, record_every=3)
+    runs = [retrain_on_subsets(e, X, y, X[:3], n_subsets=3, subset_fraction=0.8,
+                               protocol="replay", random_state=0) for e in (est, thin)]
+    np.testing.assert_allclose(runs[1].outputs, runs[0].outputs, rtol=1e-12, atol=1e-14)
+
+
+def test_overflowed_growth_warns():
+    from skpathkernel._unrolled import _warn
+
+    est, _, _ = _fit(**SOLVERS["sgd"])
+    scores = np.full((2, 3), 1e18).view(AttributionScores)
+    scores.growth = np.array([np.inf, np.inf])
+    scores.amplification = np.full(est.trajectory_.n_steps, np.inf)
+    with pytest.warns(UnstablePathWarning, match="up to infx"):
+        _warn(scores, est.trajectory_)
+
+
+def test_a_slice_of_the_queries_drops_their_growth():
+    est, X, _ = _fit(**SOLVERS["sgd"])
+    scores = est.attribute(X[:3], method="unrolled")
+    assert scores[:2].growth is None and (scores * 2).growth is scores.growth
+    assert scores[:2].amplification is scores.amplification

@@ -211,19 +211,11 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         return _unit_rows(phi) if self.normalize else phi
 
     def get_feature_names_out(self, input_features=None):
-        """Output feature names.
+        """Output feature names: the tangent features', or ``"tangentfeatures<k>"``.
 
         ``"<parameter>[<index>]"`` for the exact features (``"out<c>:..."`` per output
-        when there are several), ``"tangentfeatures<k>"`` for a projection.
-
-        Parameters
-        ----------
-        input_features : array-like of str or None, default=None
-            Ignored; the names come from the network's parameters.
-
-        Returns
-        -------
-        feature_names_out : ndarray of str objects
+        when there are several), ``"tangentfeatures<k>"`` for a projection;
+        ``input_features`` is ignored.
         """
         check_is_fitted(self)
         if self.n_components is None:

@@ -13,7 +13,7 @@ reaches the network's parameters as ``estimator__hidden_layer_sizes``.
 from __future__ import annotations
 
 import numpy as np
-from sklearn.base import BaseEstimator, clone
+from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.multiclass import type_of_target
@@ -79,7 +79,8 @@ def trainer_for(y, random_state):
     return cls(random_state=random_state)
 
 
-class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, BaseEstimator):
+class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimatorMixin,
+                           BaseEstimator):
     """Base of the meta-estimators: fit a trainer, read its network.
 
     Subclasses say which trainers they take (``_trainers``) and how the default one is

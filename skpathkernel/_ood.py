@@ -78,9 +78,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
 
     Fits a network trainer (or reads a fitted one in a ``FrozenEstimator``) and flags
     inputs whose tangent feature ``phi(x) = d f(x; theta_T) / d theta`` is not explained
-    by the training features: the
-    rank gap of figures 7-8 of Guo, He & Morel (2026), scored per point from tangent-kernel
-    Gram matrices alone (the Jacobian is never formed).
+    by the training features: the rank gap of figures 7-8 of Guo, He & Morel (2026),
+    scored per point from tangent-kernel Gram matrices alone (the Jacobian is never
+    formed).
 
     Parameters
     ----------{estimator}
@@ -227,11 +227,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     Examples
     --------
     >>> import numpy as np
-    >>> from skpathkernel import OODRankDetector
-    >>> rng = np.random.RandomState(0)
-    >>> X = rng.normal(size=(40, 2))
     >>> from sklearn.frozen import FrozenEstimator
-    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel import OODRankDetector, PathKernelMachine
     >>> rng = np.random.RandomState(0)
     >>> X = rng.normal(size=(40, 2))
     >>> net = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, random_state=0)
@@ -284,8 +281,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "wrap a fitted classifier in sklearn.frozen.FrozenEstimator to read its "
                 "network as it is."
             )
-        X, _, frozen = self._fit_trainer(X, None if frozen else y,
-                                         target=flat_targets if reconstruct else None)
+        self._fit_trainer(X, None if frozen else y,
+                          target=flat_targets if reconstruct else None)
         est = self.estimator_
         if isinstance(est, PathKernelClassifier):
             task = "classification"

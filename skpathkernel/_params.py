@@ -30,7 +30,6 @@ __all__ = [
     "NETWORK_PARAMETERS",
     "NetworkParameter",
     "network_constraints",
-    "network_parameter_names",
     "network_params_doc",
     "signature_names",
 ]
@@ -272,14 +271,9 @@ NETWORK_PARAMETERS: tuple[NetworkParameter, ...] = (
 LOSS_AFTER = "shuffle"
 
 
-def network_parameter_names() -> tuple[str, ...]:
-    """The shared parameters (``loss`` excluded), in signature order."""
-    return tuple(p.name for p in NETWORK_PARAMETERS)
-
-
 def signature_names() -> tuple[str, ...]:
-    """The first parameters of every network-training estimator's ``__init__``, in order."""
-    names = list(network_parameter_names())
+    """The first parameters of both trainers' ``__init__``, in order."""
+    names = [p.name for p in NETWORK_PARAMETERS]
     names.insert(names.index(LOSS_AFTER) + 1, "loss")
     return tuple(names)
 

@@ -69,7 +69,8 @@ def _estimators(kind, seed, device):
     if kind == "clf":
         return {
             "PathKernelClassifier()": PathKernelClassifier(random_state=seed, device=device),
-            "TangentFeatureSVM()": TangentFeatureSVM(random_state=seed, device=device),
+            "TangentFeatureSVM()": TangentFeatureSVM(
+                PathKernelClassifier(random_state=seed, device=device)),
         }, MLPClassifier(random_state=seed)
     return {"PathKernelMachine()": PathKernelMachine(random_state=seed, device=device)}, \
         MLPRegressor(random_state=seed)

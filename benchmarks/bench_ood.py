@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.ensemble import IsolationForest
+from sklearn.frozen import FrozenEstimator
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import train_test_split
 from sklearn.neighbors import LocalOutlierFactor
@@ -216,7 +217,7 @@ def _methods(case):
     net = case.net
 
     def ours(params):
-        return lambda Q: OODRankDetector(estimator=net, **params).fit(
+        return lambda Q: OODRankDetector(FrozenEstimator(net), **params).fit(
             case.X_train).score_samples(Q)
 
     def on_inputs(make):
@@ -319,7 +320,7 @@ def sweep_rows(all_cases):
         for case in all_cases:
             names = list(case.ood)
             queries = np.vstack([case.X_in] + [case.ood[n][0] for n in names])
-            s = OODRankDetector(estimator=case.net, **params).fit(
+            s = OODRankDetector(FrozenEstimator(case.net), **params).fit(
                 case.X_train).score_samples(queries)
             parts = np.split(s, np.cumsum([len(case.X_in)]
                                           + [len(case.ood[n][0]) for n in names])[:-1])
@@ -355,7 +356,7 @@ def decision_rows(all_cases):
             ("defaults (local, Tukey fence of leave-one-out residuals)", {}, None),
             ("previous defaults (residual, fixed offset -0.5)", dict(method="residual"), -0.5),
         ]:
-            det = OODRankDetector(estimator=case.net, **params).fit(case.X_train)
+            det = OODRankDetector(FrozenEstimator(case.net), **params).fit(case.X_train)
             offset = det.offset_ if fixed is None else fixed
 
             def flagged(X, det=det, offset=offset):
@@ -411,7 +412,7 @@ def multioutput_rows(all_cases):
         queries = np.vstack([case.X_in] + [case.ood[n][0] for n in names])
         cuts = np.cumsum([len(case.X_in)] + [len(case.ood[n][0]) for n in names])[:-1]
         for span, k in [("global", None), ("local, 20 neighbours", 20)]:
-            trace = OODRankDetector(estimator=case.net, method="residual" if k is None
+            trace = OODRankDetector(FrozenEstimator(case.net), method="residual" if k is None
                                     else "local").fit(case.X_train).score_samples(queries)
             stacked = -_stacked_residuals(case.net, case.X_train, queries, k)
             for label, s in [("trace Gram (the code)", trace),
@@ -428,6 +429,7 @@ SCALE_N = {False: 20000, True: 2000}
 _SCALE_CHILD = r"""
 import json, pickle, sys, time, warnings
 import numpy as np, torch
+from sklearn.frozen import FrozenEstimator
 from sklearn.metrics import roc_auc_score
 from benchmarks._serve import PeakRSS
 from skpathkernel import OODRankDetector
@@ -448,7 +450,7 @@ with warnings.catch_warnings(record=True) as caught, PeakRSS() as fit_peak:
         rank = len(piv)
         score = lambda A: -span.residuals(gram, A)
     else:
-        det = OODRankDetector(estimator=net, method=what).fit(X)
+        det = OODRankDetector(FrozenEstimator(net), method=what).fit(X)
         rank = getattr(det, "rank_", None)
         score = det.score_samples
     fit_s = time.perf_counter() - start

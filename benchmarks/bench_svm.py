@@ -60,7 +60,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     from sklearn.svm import SVC
 
     from benchmarks._serve import PeakRSS
-    from skpathkernel import TangentFeatureSVM
+    from skpathkernel import PathKernelClassifier, TangentFeatureSVM
 
     rows = []
     for task, (X, y, X_test, y_test, net) in _tasks(quick).items():
@@ -73,10 +73,11 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
             # The same SVM as svm_kernel="linear" (the tangent kernel is phi's linear
             # kernel); on digits "tangent" avoids SVC's 24100-wide dense features.
             linear_name: lambda net=net, kind=linear_kind: TangentFeatureSVM(
-                **net, **PINNED, svm_kernel=kind, device=device, random_state=0),
+                PathKernelClassifier(**net, **PINNED, device=device, random_state=0),
+                svm_kernel=kind),
             "TangentFeatureSVM path": lambda net=net, k=record_every: TangentFeatureSVM(
-                **net, **PINNED, svm_kernel="path", record_every=k, device=device,
-                random_state=0),
+                PathKernelClassifier(**net, **PINNED, record_every=k, device=device,
+                                     random_state=0), svm_kernel="path"),
             "SVC rbf gamma=scale (inputs)": lambda: SVC(kernel="rbf", gamma="scale"),
             "MLPClassifier": lambda net=net, n=n_train: MLPClassifier(
                 **net, activation="tanh", momentum=0.0, nesterovs_momentum=False,

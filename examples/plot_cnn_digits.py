@@ -29,6 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from sklearn.datasets import load_digits
+from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import train_test_split
 from torch import nn
 
@@ -60,10 +61,11 @@ print(f"CNN held-out accuracy: {clf.score(X_test, y_test):.3f}")
 # %%
 # Tangent features into an SVM
 # ----------------------------
-# :class:`~skpathkernel.TangentFeatureSVM` trains the same CNN, then a linear SVM whose
+# :class:`~skpathkernel.TangentFeatureSVM` reads the same CNN (a ``FrozenEstimator`` is
+# used as it is, not retrained), then trains a linear SVM whose
 # input is ``phi(x)``, one row of ``n_params_ x 10`` features per image (the network has
 # ten outputs; the rows' inner products are the trace tangent kernel).
-svm = TangentFeatureSVM(**params, svm_kernel="linear").fit(X_train, y_train)
+svm = TangentFeatureSVM(FrozenEstimator(clf), svm_kernel="linear").fit(X_train, y_train)
 print(f"linear SVM on the CNN's tangent features: {svm.score(X_test, y_test):.3f}")
 
 # %%

@@ -32,7 +32,7 @@ import numpy as np
 from dask.distributed import Client, LocalCluster
 from sklearn.model_selection import GridSearchCV
 
-from skpathkernel import TangentFeatureSVM
+from skpathkernel import PathKernelClassifier, TangentFeatureSVM
 from skpathkernel.datasets import make_circle
 from skpathkernel.kernels import TangentKernel
 
@@ -41,10 +41,12 @@ cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
 client = Client(cluster)
 
 X, y = make_circle(n_samples=100, random_state=0)
-svm = TangentFeatureSVM(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.02,
-                        max_iter=30, activation="tanh", batch_size=None, tol=None,
-                        svm_kernel="linear", device="cpu", dtype="float64", random_state=0)
-grid = {"C": [0.1, 10.0], "learning_rate_init": [0.01, 0.05]}
+network = PathKernelClassifier(hidden_layer_sizes=(16,), solver="adam",
+                               learning_rate_init=0.02,
+                               max_iter=30, activation="tanh", batch_size=None, tol=None,
+                               device="cpu", dtype="float64", random_state=0)
+svm = TangentFeatureSVM(network, svm_kernel="linear")
+grid = {"C": [0.1, 10.0], "estimator__learning_rate_init": [0.01, 0.05]}
 
 # %%
 # The same grid search, serially and on the cluster
@@ -85,7 +87,8 @@ cluster.close()
 # %%
 # The grid's scores, serial and on the cluster
 # --------------------------------------------
-params = [f"C={p['C']}\nlr={p['learning_rate_init']}" for p in serial.cv_results_["params"]]
+params = [f"C={p['C']}\nlr={p['estimator__learning_rate_init']}"
+          for p in serial.cv_results_["params"]]
 pos = np.arange(len(params))
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.bar(pos - 0.2, serial.cv_results_["mean_test_score"], width=0.4, label="n_jobs=1")

@@ -18,6 +18,7 @@ detector flags digits 5-9 and printed letters it never saw.
 import matplotlib.pyplot as plt
 import numpy as np
 from sklearn.datasets import load_digits
+from sklearn.frozen import FrozenEstimator
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import train_test_split
 
@@ -39,11 +40,11 @@ print(f"accuracy on held-out digits 0-4: {clf.score(X_in, y_in):.3f}")
 # %%
 # Score with the local and global span residuals and the alignment score
 # ----------------------------------------------------------------------
-# The detector wraps the fitted network (it is not retrained). ``predict`` flags points
-# beyond Tukey's fence of the training points' leave-one-out scores.
+# The detector reads the fitted network, frozen (it is not retrained). ``predict`` flags
+# points beyond Tukey's fence of the training points' leave-one-out scores.
 results = {}
 for method in ("local", "residual", "alignment"):
-    det = OODRankDetector(estimator=clf, method=method).fit(X_tr)
+    det = OODRankDetector(FrozenEstimator(clf), method=method).fit(X_tr)
     s_in = det.score_samples(X_in)
     for name, X_out in [("digits 5-9", X_unseen), ("printed letters", X_letters)]:
         s_out = det.score_samples(X_out)

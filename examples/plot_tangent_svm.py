@@ -25,7 +25,7 @@ import numpy as np
 from sklearn.model_selection import train_test_split
 from sklearn.svm import SVC
 
-from skpathkernel import TangentFeatureSVM
+from skpathkernel import PathKernelClassifier, TangentFeatureSVM
 from skpathkernel.datasets import make_circle, make_ellipse
 
 tasks = {
@@ -38,10 +38,10 @@ for name, (X, y) in tasks.items():
     X_train, X_test, y_train, y_test = train_test_split(
         X, y, test_size=0.5, random_state=0, stratify=y
     )
-    tangent = TangentFeatureSVM(hidden_layer_sizes=(32, 32), solver="adam",
-                                learning_rate_init=0.01, max_iter=300, activation="tanh",
-                                batch_size=None, tol=None, svm_kernel="linear",
-                                random_state=0)
+    network = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="adam",
+                                   learning_rate_init=0.01, max_iter=300, activation="tanh",
+                                   batch_size=None, tol=None, random_state=0)
+    tangent = TangentFeatureSVM(network, svm_kernel="linear")
     tangent.fit(X_train, y_train)
     rbf = SVC(kernel="rbf").fit(X_train, y_train)
     models[name] = (tangent, rbf, X_test, y_test)

@@ -46,7 +46,7 @@ from ._inputs import (
 )
 from ._losses import LOSSES
 from ._memory import rows_per_block
-from ._network import TrainedNetwork
+from ._network import TrainedNetwork, network_of
 from ._parallel import dask_worker_threads, limit_torch_threads
 from ._params import ACTIVATIONS, network_constraints
 from ._tangent import warn_on_fallback
@@ -187,8 +187,128 @@ class NetworkAttributesMixin:
     _Y_fit = FittedAttribute("network_", "y_fit")
 
 
-class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator,
-                            metaclass=ABCMeta):
+class FittedNetworkMixin:
+    """Reading a fitted ``network_``: input checks, tangent features, kernel neighbours.
+
+    Shared by the estimators that train the network (:class:`BasePathKernelNetwork`) and
+    the meta-estimators that read the network of their ``estimator_``.
+    """
+
+    def _budget(self) -> int:
+        """Bytes a block may use: the estimator's current ``memory_budget``."""
+        return network_of(self).memory_budget
+
+    def _trained_by(self) -> BasePathKernelNetwork:
+        """The estimator whose fit trained ``network_`` and encoded its targets: itself,
+        or the one a subclass composes (an OODRankDetector's ``estimator_``)."""
+        return self
+
+    def _validate_X(self, X):
+        check_is_fitted(self)
+        X = validate_input(self, X, reset=False)
+        # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
+        check_representable(X, self.network_.torch_dtype)
+        return X
+
+    def _activation_widths(self) -> list[int]:
+        """Values per sample of the network's activations, which bound a block's memory."""
+        return activation_widths_of(self.network_)
+
+    def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
+        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
+        module, params, X_t = self._engine_inputs(X, step)
+        row = self._check_feature_row_fits("Dense tangent features")
+        budget = self._budget()
+        # The engine's check for hidden parameter reads runs once, not in every block.
+        exclude = _tangent.hidden_reads(module, [params], [X_t], output=output,
+                                        memory_budget=budget)
+        return map_fixed_blocks(
+            lambda xb: to_numpy(_tangent.tangent_features(
+                module, params, xb, output=output, memory_budget=budget,
+                exclude=exclude, check_hidden=False)),
+            X_t, feature_block_rows(budget, row, "Dense tangent features"))
+
+    def _check_feature_row_fits(self, what):
+        """One sample's dense tangent features (C x P values) must fit the budget."""
+        n_out = self.n_outputs_
+        itemsize = torch.empty((), dtype=self.network_.torch_dtype).element_size()
+        row = n_out * self.n_params_ * itemsize
+        rows_per_block(self._budget(), row,
+                       f"{what} ({n_out} x {self.n_params_} values per sample)")
+        return row
+
+    def _engine_inputs(self, X, step=-1):
+        """(module, parameters at recorded point ``step``, validated X as a tensor)."""
+        X = self._validate_X(X)
+        net = self.network_
+        return net.module, net.params_at(step), net.tensor(X)
+
+    def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
+                   return_distance=True):
+        """Training points nearest to each query under a kernel (Guo, He & Morel 2026, figure 1).
+
+        Nearness is the distance in the kernel's feature space,
+        ``d(x, x_i)^2 = K(x, x) + K(x_i, x_i) - 2 K(x, x_i)``; with ``normalized=True``
+        (Guo, He & Morel's normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
+        nearest points are those with the highest normalized kernel.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            The form of the training inputs (``input_shape_``).
+        n_neighbors : int, default=100
+        kernel : {"tangent", "path"}, default="tangent"
+            The tangent kernel at recorded point ``step``, or the path kernel.
+        step : int, default=-1
+            Recorded point for the tangent kernel (0 is the initialization).
+        normalized : bool, default=True
+        return_distance : bool, default=True
+
+        Returns
+        -------
+        distances : ndarray of shape (n_queries, n_neighbors)
+            Only when ``return_distance=True``; increasing along each row.
+        indices : ndarray of shape (n_queries, n_neighbors)
+            Indices into the training set.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+        >>> dist, ind = est.fit(X, y).kneighbors(X[:2], n_neighbors=3)
+        >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
+        ((2, 3), True)
+        """
+        check_is_fitted(self)
+        if kernel not in ("tangent", "path"):
+            raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
+        n_train = self.X_fit_.shape[0]
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or not 0 < n_neighbors <= n_train):
+            raise ValueError(
+                f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
+                f"samples), got {n_neighbors!r}."
+            )
+        X = self._validate_X(X)
+        # The kernels' own normalisation (cosine; 0 against a zero feature).
+        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
+             else PathKernel(self, normalized=normalized))
+        K = k(X, self.X_fit_)
+        if normalized:
+            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
+        else:
+            sq = k.diag(X)[:, None] + k.diag(self.X_fit_)[None, :] - 2.0 * K
+        dist = np.sqrt(np.maximum(sq, 0.0))
+        ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
+        if not return_distance:
+            return ind
+        return np.take_along_axis(dist, ind, axis=1), ind
+
+
+class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
+                            BaseEstimator,                            metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
 
     Subclasses encode targets (:meth:`_encode_targets`) and choose the loss; this class
@@ -335,8 +455,8 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
         Y, n_outputs, attrs = self._encode_targets(y)
         if "classes_" not in attrs:
             Y = np.asarray(Y, dtype=np.float64)
-        # A subclass may resolve the loss from the data (TangentFeatures' loss="auto").
-        loss_name = attrs.setdefault("_loss_name", self.loss)
+        # Stored: set_params(loss=...) after fit must not change the fitted network's loss.
+        loss_name = attrs["_loss_name"] = self.loss
         rng = check_random_state(self.random_state)
         seed, split_seed = (int(s) for s in rng.randint(np.iinfo(np.int32).max, size=2))
         validation = None
@@ -423,22 +543,6 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
         return self
 
     # ------------------------------------------------------------------ inference
-    def _trained_by(self) -> BasePathKernelNetwork:
-        """The estimator whose fit trained ``network_`` and encoded its targets: itself,
-        or the one a subclass composes (an OODRankDetector's ``estimator_``)."""
-        return self
-
-    def _validate_X(self, X):
-        check_is_fitted(self)
-        X = validate_input(self, X, reset=False)
-        # The dtype the network was fitted in: set_params(dtype=...) affects the next fit.
-        check_representable(X, self.network_.torch_dtype)
-        return X
-
-    def _activation_widths(self) -> list[int]:
-        """Values per sample of the network's activations, which bound a block's memory."""
-        return activation_widths_of(self.network_)
-
     def _forward(self, X) -> np.ndarray:
         """Network outputs (n_samples, n_outputs), float64, in fixed-size blocks."""
         X = self._validate_X(X)
@@ -446,97 +550,6 @@ class BasePathKernelNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEst
         width = [X[0].size, self.n_outputs_, *self._activation_widths()]
         return network_outputs(net.module, X, net.torch_dtype, net.torch_device,
                                self.memory_budget, fixed=True, widths=width)
-
-    def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
-        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
-        module, params, X_t = self._engine_inputs(X, step)
-        row = self._check_feature_row_fits("Dense tangent features")
-        # The engine's check for hidden parameter reads runs once, not in every block.
-        exclude = _tangent.hidden_reads(module, [params], [X_t], output=output,
-                                        memory_budget=self.memory_budget)
-        return map_fixed_blocks(
-            lambda xb: to_numpy(_tangent.tangent_features(
-                module, params, xb, output=output, memory_budget=self.memory_budget,
-                exclude=exclude, check_hidden=False)),
-            X_t, feature_block_rows(self.memory_budget, row, "Dense tangent features"))
-
-    def _check_feature_row_fits(self, what):
-        """One sample's dense tangent features (C x P values) must fit the budget."""
-        n_out = self.n_outputs_
-        itemsize = torch.empty((), dtype=self.network_.torch_dtype).element_size()
-        row = n_out * self.n_params_ * itemsize
-        rows_per_block(self.memory_budget, row,
-                       f"{what} ({n_out} x {self.n_params_} values per sample)")
-        return row
-
-    def _engine_inputs(self, X, step=-1):
-        """(module, parameters at recorded point ``step``, validated X as a tensor)."""
-        X = self._validate_X(X)
-        net = self.network_
-        return net.module, net.params_at(step), net.tensor(X)
-
-    def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
-                   return_distance=True):
-        """Training points nearest to each query under a kernel (Guo, He & Morel 2026, figure 1).
-
-        Nearness is the distance in the kernel's feature space,
-        ``d(x, x_i)^2 = K(x, x) + K(x_i, x_i) - 2 K(x, x_i)``; with ``normalized=True``
-        (Guo, He & Morel's normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
-        nearest points are those with the highest normalized kernel.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
-            The form of the training inputs (``input_shape_``).
-        n_neighbors : int, default=100
-        kernel : {"tangent", "path"}, default="tangent"
-            The tangent kernel at recorded point ``step``, or the path kernel.
-        step : int, default=-1
-            Recorded point for the tangent kernel (0 is the initialization).
-        normalized : bool, default=True
-        return_distance : bool, default=True
-
-        Returns
-        -------
-        distances : ndarray of shape (n_queries, n_neighbors)
-            Only when ``return_distance=True``; increasing along each row.
-        indices : ndarray of shape (n_queries, n_neighbors)
-            Indices into the training set.
-
-        Examples
-        --------
-        >>> import numpy as np
-        >>> from skpathkernel import PathKernelMachine
-        >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
-        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
-        >>> dist, ind = est.fit(X, y).kneighbors(X[:2], n_neighbors=3)
-        >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
-        ((2, 3), True)
-        """
-        check_is_fitted(self)
-        if kernel not in ("tangent", "path"):
-            raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
-        n_train = self.X_fit_.shape[0]
-        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
-                or not 0 < n_neighbors <= n_train):
-            raise ValueError(
-                f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
-                f"samples), got {n_neighbors!r}."
-            )
-        X = self._validate_X(X)
-        # The kernels' own normalisation (cosine; 0 against a zero feature).
-        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
-             else PathKernel(self, normalized=normalized))
-        K = k(X, self.X_fit_)
-        if normalized:
-            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
-        else:
-            sq = k.diag(X)[:, None] + k.diag(self.X_fit_)[None, :] - 2.0 * K
-        dist = np.sqrt(np.maximum(sq, 0.0))
-        ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
-        if not return_distance:
-            return ind
-        return np.take_along_axis(dist, ind, axis=1), ind
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
@@ -623,7 +636,7 @@ def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
 
 def _encode_like_fit(estimator, y) -> np.ndarray:
     """``y`` encoded as ``fit`` encoded the training targets."""
-    # Trained on class labels (classifiers, TangentFeatures with task_="classification").
+    # Trained on class labels (a PathKernelClassifier).
     if hasattr(estimator, "classes_"):
         y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
         classes = estimator.classes_

@@ -442,21 +442,6 @@ def _label_tensor(Y, dtype, device):
     return to_tensor(Y, dtype=dtype, device=device)
 
 
-class _LabelTargetsMixin:
-    """Validation and encoding of class labels, for every network trained as a classifier."""
-
-    def _validate_y(self, X, y):
-        X, y = self._validate_fit_data(X, y)
-        _check_labels(self, y)
-        return X, y
-
-    def _encode_targets(self, y):
-        return _encode_labels(y, self.loss)
-
-    def _target_tensor(self, Y, dtype, device):
-        return _label_tensor(Y, dtype, device)
-
-
 def _doc(cls):
     cls.__doc__ = cls.__doc__.format(shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC,
                                      normalize_y=_NORMALIZE_Y_DOC)
@@ -593,8 +578,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
 
 
 @_doc
-class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMixin,
-                           BasePathKernelNetwork):
+class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelNetwork):
     """Classifier that trains a network and records its optimisation path.
 
     Binary problems use one output (a margin); ``K`` classes use ``K`` logits.
@@ -675,6 +659,17 @@ class PathKernelClassifier(_KernelMachineMixin, _LabelTargetsMixin, ClassifierMi
             trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
             random_state=random_state, verbose=verbose,
         )
+
+    def _validate_y(self, X, y):
+        X, y = self._validate_fit_data(X, y)
+        _check_labels(self, y)
+        return X, y
+
+    def _encode_targets(self, y):
+        return _encode_labels(y, self.loss)
+
+    def _target_tensor(self, Y, dtype, device):
+        return _label_tensor(Y, dtype, device)
 
     @keep_previous_fit_on_error
     def fit(self, X, y):

@@ -28,39 +28,19 @@ import warnings
 import numpy as np
 import torch
 from sklearn.base import OutlierMixin
-from sklearn.frozen import FrozenEstimator
-from sklearn.utils._param_validation import HasMethods, Interval, StrOptions
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
-from sklearn.utils.multiclass import type_of_target
 
-from ._base import (
-    FIT_CHECKS,
-    BasePathKernelNetwork,
-    FittedAttribute,
-    keep_previous_fit_on_error,
-)
+from ._base import keep_previous_fit_on_error
 from ._device import to_numpy
-from ._inputs import FEATURES, TOKENS, check_representable, validate_input
-from ._machine import (
-    _FITTED_ATTRS_DOC,
-    _NORMALIZE_Y_DOC,
-    _SHARED_PARAMS_DOC,
-    PathKernelClassifier,
-    PathKernelMachine,
-)
+from ._machine import PathKernelClassifier, PathKernelMachine
+from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, flat_targets, trainer_for
 from ._network import network_of
 from ._parallel import map_row_blocks, n_row_blocks
-from ._params import network_parameter_names
 from ._span import BLOCK, NetworkGram, TangentSpan
 
 __all__ = ["OODRankDetector"]
 
-_NETWORK_PARAMS = network_parameter_names()
-# What detectors pickled before network_ existed stored as copies of the inner estimator's
-# attributes; read from estimator_ now, so dropped when such a pickle loads.
-_OLD_COPIES = ("loss_curve_", "best_loss_", "validation_scores_", "best_validation_score_",
-               "n_iter_", "t_", "n_outputs_", "module_", "trajectory_", "n_params_",
-               "device_")
 # contamination="auto": never flag a point with less than this fraction of ||phi(x)||
 # outside the span (for "alignment": outside the direction of its best-aligned training
 # feature, cos > sqrt(1 - 0.01^2)). It matters where the leave-one-out residuals collapse
@@ -93,31 +73,27 @@ def _never(self):
     return False
 
 
-class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
+class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     """Out-of-distribution detector: the part of phi(x) outside span{{phi(x_i)}}.
 
-    Trains a network (or takes a prefitted one) and flags inputs whose tangent feature
-    ``phi(x) = d f(x; theta_T) / d theta`` is not explained by the training features: the
-    rank gap of figures 7-8 of Guo, He & Morel (2026), scored per point from tangent-kernel
-    Gram matrices alone (the Jacobian is never formed).
+    Fits a network trainer (or reads a fitted one in a ``FrozenEstimator``) and flags
+    inputs whose tangent feature ``phi(x) = d f(x; theta_T) / d theta`` is not explained
+    by the training features: the rank gap of figures 7-8 of Guo, He & Morel (2026),
+    scored per point from tangent-kernel Gram matrices alone (the Jacobian is never
+    formed).
 
     Parameters
-    ----------{shared}
-    loss : {{"auto", "squared_error", "log_loss"}}, default="auto"
-        "auto": "log_loss" for classification, "squared_error" otherwise (see ``task``).
-    estimator : PathKernelMachine or PathKernelClassifier, default=None
-        A fitted network to use instead of training one: ``fit(X)`` then only computes
-        the factorisation of the span of ``phi(X)`` (pass ``estimator.X_fit_`` for the
-        training span); the estimator is never retrained and ``y`` is ignored. The
-        network parameters above are then unused. ``clone`` (and so ``GridSearchCV``)
-        would return an unfitted copy of it: wrap it in
-        :class:`sklearn.frozen.FrozenEstimator` to keep it fitted.
-    task : {{"auto", "regression", "classification"}}, default="auto"
-        What ``fit(X, y)`` trains on. "auto": classification when
-        :func:`~sklearn.utils.multiclass.type_of_target` is "binary" or "multiclass" (note
-        that integer-valued regression targets count as "multiclass"), regression
-        otherwise. Without ``y`` the network is trained self-supervised, to reconstruct
-        its input (``n_features_in_`` outputs, squared error on ``X`` itself).
+    ----------{estimator}
+        None: a default-constructed trainer chosen by ``fit``'s targets. Without ``y``
+        the network is trained self-supervised, to reconstruct its input
+        (``n_features_in_`` outputs, squared error on ``X`` itself): a
+        :class:`PathKernelMachine`, which a given trainer must then be. With ``y``: a
+        :class:`PathKernelClassifier` when
+        :func:`~sklearn.utils.multiclass.type_of_target` is "binary" or "multiclass"
+        (note that integer-valued regression targets count as "multiclass"), a
+        :class:`PathKernelMachine` otherwise. With a ``FrozenEstimator``, ``fit(X)``
+        only computes the factorisation of the span of ``phi(X)`` (pass
+        ``estimator.X_fit_`` for the training span) and ``y`` is ignored.
     method : {{"local", "residual", "alignment"}}, default="local"
         What ``score_samples`` measures (higher = more normal). With
         ``Theta`` the tangent Gram (trace over outputs) at the final parameters:
@@ -184,12 +160,13 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         ``joblib.parallel_config(backend="dask")``, on a Dask cluster; each task runs
         torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial ones.
         ``None`` means 1 unless in a joblib context; ``-1`` all workers. ``fit`` is
-        serial.{normalize_y}
+        serial.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the default trainer (``estimator=None``); a given trainer keeps its own.
+        Scoring is deterministic.
 
     Attributes
     ----------
-    estimator_ : PathKernelMachine or PathKernelClassifier
-        The fitted network (the given ``estimator`` itself when prefitted).
     task_ : {{"regression", "classification", "reconstruction"}}
         What the network was trained on.
     offset_ : float
@@ -205,7 +182,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     See Also
     --------
     sklearn.ensemble.IsolationForest : The offset convention followed here.
-    PathKernelClassifier : The network a prefitted detector can wrap.
+    PathKernelClassifier : A trainer; fitted, in a ``FrozenEstimator``, its network is read.
 
     Notes
     -----
@@ -250,153 +227,74 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
     Examples
     --------
     >>> import numpy as np
-    >>> from skpathkernel import OODRankDetector
+    >>> from sklearn.frozen import FrozenEstimator
+    >>> from skpathkernel import OODRankDetector, PathKernelMachine
     >>> rng = np.random.RandomState(0)
     >>> X = rng.normal(size=(40, 2))
-    >>> det = OODRankDetector(hidden_layer_sizes=(8,), max_iter=20, random_state=0).fit(X)
-    >>> det.predict(X[:3]).tolist()
-    [1, 1, 1]
+    >>> net = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, random_state=0)
+    >>> det = OODRankDetector(net).fit(X)  # trained to reconstruct X
+    >>> det.task_, det.predict(X[:3]).tolist()
+    ('reconstruction', [1, 1, 1])
     >>> det.score_samples(X[:3]).shape, bool(det.offset_ <= -0.01)
     ((3,), True)
-    >>> glob = OODRankDetector(estimator=det.estimator_, method="residual").fit(X)
-    >>> glob.rank_ <= 40
-    True
+    >>> frozen = FrozenEstimator(det.estimator_)  # the same network, not retrained
+    >>> glob = OODRankDetector(frozen, method="residual").fit(X)
+    >>> glob.estimator_ is det.estimator_, glob.rank_ <= 40
+    (True, True)
     """
 
     _parameter_constraints = {
-        **BasePathKernelNetwork._parameter_constraints,
-        "loss": [StrOptions({"auto", "squared_error", "log_loss"})],
-        "estimator": [HasMethods(["fit"]), None],
-        "task": [StrOptions({"auto", "regression", "classification"})],
+        **NetworkMetaEstimator._parameter_constraints,
         "method": [StrOptions({"local", "residual", "alignment"})],
         "n_neighbors": [Interval(numbers.Integral, 1, None, closed="left")],
         "rtol": [Interval(numbers.Real, 0, 1, closed="neither")],
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
         "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
         "n_jobs": [numbers.Integral, None],
-        "normalize_y": ["boolean"],
     }
 
-    def __init__(
-        self,
-        hidden_layer_sizes=(64, 64),
-        *,
-        activation="gelu",
-        module=None,
-        solver="adam",
-        learning_rate_init=1e-3,
-        momentum=0.0,
-        alpha=0.0,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-8,
-        batch_size="auto",
-        max_iter=200,
-        tol=1e-4,
-        n_iter_no_change=10,
-        early_stopping=False,
-        validation_fraction=0.1,
-        shuffle=True,
-        loss="auto",
-        record_every="auto",
-        device="auto",
-        dtype="float32",
-        memory_budget=2**30,
-        trajectory_storage="memory",
-        trajectory_dir=None,
-        trajectory_compression=None,
-        random_state=None,
-        verbose=0,
-        estimator=None,
-        task="auto",
-        method="local",
-        n_neighbors=20,
-        rtol=1e-6,
-        contamination="auto",
-        max_rank=None,
-        n_jobs=None,
-        normalize_y=True,
-    ):
-        super().__init__(
-            hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
-            solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
-            alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
-            batch_size=batch_size, max_iter=max_iter, tol=tol,
-            n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
-            validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
-            record_every=record_every, device=device, dtype=dtype,
-            memory_budget=memory_budget, trajectory_storage=trajectory_storage,
-            trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
-            random_state=random_state, verbose=verbose,
-        )
+    def __init__(self, estimator=None, *, method="local", n_neighbors=20, rtol=1e-6,
+                 contamination="auto", max_rank=None, n_jobs=None, random_state=None):
         self.estimator = estimator
-        self.task = task
         self.method = method
         self.n_neighbors = n_neighbors
         self.rtol = rtol
         self.contamination = contamination
         self.max_rank = max_rank
         self.n_jobs = n_jobs
-        self.normalize_y = normalize_y
-
-    def _encode_targets(self, y):
-        # Training is delegated to a PathKernelMachine / PathKernelClassifier (_train).
-        raise NotImplementedError
+        self.random_state = random_state
 
     # ------------------------------------------------------------------ fitting
-    def _train(self, X, y):
-        net = {name: getattr(self, name) for name in _NETWORK_PARAMS}
+    def _default_trainer(self, y):
         if y is None:
-            if self.loss == "log_loss":
-                raise ValueError("loss='log_loss' needs class labels y; got y=None.")
-            X = self._validate_fit_data(X)
-            est = PathKernelMachine(**net, loss="squared_error", normalize_y=self.normalize_y)
-            # Every value of a sample is a target (its flat view for (n, ...) inputs).
-            return est.fit(X, X.reshape(len(X), -1).astype(np.float64)), "reconstruction"
-        X, y = self._validate_fit_data(X, y, multi_output=True)
-        task = self.task
-        if task == "auto":
-            kind = type_of_target(y, input_name="y")
-            task = "classification" if kind in ("binary", "multiclass") else "regression"
-        if task == "classification":
-            loss = "log_loss" if self.loss == "auto" else self.loss
-            return PathKernelClassifier(**net, loss=loss).fit(X, y), task
-        if self.loss == "log_loss":
-            raise ValueError("loss='log_loss' is for classification; this task is regression.")
-        return PathKernelMachine(**net, loss="squared_error",
-                                 normalize_y=self.normalize_y).fit(X, y), task
+            return PathKernelMachine(random_state=self.random_state)
+        return trainer_for(y, self.random_state)
 
-    def _prefitted(self, X):
-        # FrozenEstimator keeps a prefitted network across clone(); the network inside.
-        est = self.estimator
-        est = est.estimator if isinstance(est, FrozenEstimator) else est
-        if not isinstance(est, BasePathKernelNetwork):
-            raise TypeError(
-                "estimator must be a fitted PathKernelMachine or PathKernelClassifier "
-                f"(optionally in a FrozenEstimator), got {type(est).__name__}."
-            )
-        net = network_of(est)
-        shape, kind = net.input_shape, net.input_kind
-        X = validate_input(self, X, reset=True, flexible=kind != FEATURES,
-                           ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
-        check_representable(X, net.torch_dtype)
-        if kind == FEATURES and X.shape[1] != net.n_features_in:
+    def _fit_network(self, X, y):
+        """Fit the trainer (or read a frozen one): ``(span points, task)``."""
+        reconstruct = y is None
+        inner, frozen = self._trainer()
+        if reconstruct and not frozen and isinstance(inner, PathKernelClassifier):
             raise ValueError(
-                f"X has {X.shape[1]} features, but the estimator's network is expecting "
-                f"{net.n_features_in} features as input."
+                "fit(X) without y trains the network to reconstruct X, which needs a "
+                "PathKernelMachine, not a PathKernelClassifier; pass class labels y, or "
+                "wrap a fitted classifier in sklearn.frozen.FrozenEstimator to read its "
+                "network as it is."
             )
-        if (self.input_shape_, self._input_kind) != (shape, kind):
-            raise ValueError(
-                f"X has shape {X.shape} and dtype {X.dtype}, but the estimator's network "
-                f"takes {'integer token ids' if kind == TOKENS else 'float X'} of shape "
-                f"(n_samples, {', '.join(map(str, shape))})."
-            )
-        task = "classification" if isinstance(est, PathKernelClassifier) else "regression"
-        return X, est, task
+        self._fit_trainer(X, None if frozen else y,
+                          target=flat_targets if reconstruct else None)
+        est = self.estimator_
+        if isinstance(est, PathKernelClassifier):
+            task = "classification"
+        else:
+            task = "reconstruction" if reconstruct and not frozen else "regression"
+        # The span's points: those trained on (not the early-stopping hold-out), or the
+        # X given with a frozen trainer.
+        return self.X_fit_, task
 
     @keep_previous_fit_on_error
     def fit(self, X, y=None):
-        """Train the network (unless prefitted) and set up the span of phi(X).
+        """Fit the network trainer (unless frozen) and set up the span of phi(X).
 
         Computes the training features' norms, the factorisation of their span
         ("residual", "alignment") and the leave-one-out scores that set ``offset_``.
@@ -404,23 +302,21 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
-            Training inputs (with ``module``, any ``(n_samples, ...)`` array: floats, or
-            integer token ids); with ``estimator``, the inputs whose features define the
-            span (usually ``estimator.X_fit_``), in the form its network takes.
+            Training inputs (with a trainer's ``module``, any ``(n_samples, ...)`` array:
+            floats, or integer token ids); with a ``FrozenEstimator``, the inputs whose
+            features define the span (usually its ``X_fit_``), in the form its network
+            takes.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
-            Targets of the task (see ``task``); None trains the network to reconstruct X.
-            Ignored with ``estimator``.
+            Targets of the task (see ``estimator``); None trains the network to
+            reconstruct X. Ignored with a ``FrozenEstimator``.
 
         Returns
         -------
         self : OODRankDetector
         """
         self._validate_params()
-        if self.estimator is None:
-            est, task = self._train(X, y)
-            X = est.X_fit_
-        else:
-            X, est, task = self._prefitted(X)
+        X, task = self._fit_network(X, y)
+        est = self.estimator_
         gram = NetworkGram(network_of(est))
         n = X.shape[0]
         # Every method holds blocks of Gram rows (N values each, with their temporaries)
@@ -428,7 +324,7 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         block = min(BLOCK, gram.rows_per_block(n, f"fit ({n} training points)"))
         diag = to_numpy(gram.diag(gram.tensor(X)).to(torch.float64))
         lam = TangentSpan.jitter(diag, self.rtol)
-        state = dict(estimator_=est, task_=task, lambda_=lam, X_fit_=X, _train_diag=diag)
+        state = dict(task_=task, lambda_=lam, _train_diag=diag)
         if self.method == "local":
             span = TangentSpan(X, diag, lam)
         else:
@@ -566,54 +462,6 @@ class OODRankDetector(OutlierMixin, BasePathKernelNetwork):
         K = to_numpy(gram.gram(gram.tensor(np.concatenate([self.X_fit_, X]))).to(torch.float64))
         return TangentSpan.rank_gap(K, n_train, self.rtol)
 
-    # ------------------------------------------------------------------ network views
-    # The network is the inner estimator's (a prefitted one keeps its own dtype and
-    # device, whatever this detector's parameters say); X_fit_ is the span's points.
-    network_ = FittedAttribute("estimator_")
-
-    def _trained_by(self) -> BasePathKernelNetwork:
-        return self.estimator_
-
-    X_fit_ = FittedAttribute()
-    loss_curve_ = FittedAttribute("estimator_")
-    best_loss_ = FittedAttribute("estimator_")
-    validation_scores_ = FittedAttribute("estimator_")
-    best_validation_score_ = FittedAttribute("estimator_")
-    n_iter_ = FittedAttribute("estimator_")
-    t_ = FittedAttribute("estimator_")
-    n_outputs_ = FittedAttribute("estimator_")
-
-    def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
-                   return_distance=True):
-        """Points of ``X_fit_`` nearest to each query under the network's kernel.
-
-        See :meth:`PathKernelMachine.kneighbors`; the neighbours are taken among the
-        detector's ``X_fit_`` (the span's points, also with a prefitted ``estimator``).
-        """
-        # The base class's, on this detector: its X_fit_, its input checks (errors name
-        # it and its feature names) and the inner estimator's network (network_).
-        return super().kneighbors(X, n_neighbors, kernel=kernel, step=step,
-                                  normalized=normalized, return_distance=return_distance)
-
-    # ------------------------------------------------------------------ pickling
-    def __getstate__(self):
-        # The network is estimator_'s, which pickles itself (as NumPy arrays).
-        return dict(super(BasePathKernelNetwork, self).__getstate__())
-
-    def __setstate__(self, state):
-        state = dict(state)
-        # Pickled before n_neighbors existed: the default, which such a detector's method
-        # ("residual" or "alignment", stored with it) never reads.
-        state.setdefault("n_neighbors", 20)
-        for name in _OLD_COPIES:
-            state.pop(name, None)
-        super(BasePathKernelNetwork, self).__setstate__(state)
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.input_tags.allow_nan = False
-        return tags
-
 
 def _scores(method, n_neighbors, span, gram, X, exclude=None):
     """score_samples of ``X`` (higher = more normal); ``exclude``: leave-one-out."""
@@ -629,6 +477,5 @@ def _score_rows(X, method, n_neighbors, span, net):
     return _scores(method, n_neighbors, span, NetworkGram(net), X)
 
 
-OODRankDetector.__doc__ = OODRankDetector.__doc__.format(
-    shared=_SHARED_PARAMS_DOC, fitted=_FITTED_ATTRS_DOC, normalize_y=_NORMALIZE_Y_DOC
-)
+OODRankDetector.__doc__ = OODRankDetector.__doc__.format(estimator=ESTIMATOR_DOC,
+                                                          fitted=FITTED_DOC)

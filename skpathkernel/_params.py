@@ -1,16 +1,17 @@
-"""The parameters every network-training estimator shares, declared once.
+"""The training parameters of the network trainers, declared once.
 
 Each :class:`NetworkParameter` holds a parameter's name, default, scikit-learn constraints
-and documentation. From this table come ``BasePathKernelNetwork._parameter_constraints``,
-the shared "Parameters" entries of every estimator's docstring and the parameters that
-``OODRankDetector`` hands to the network it trains. The ``__init__`` signatures stay written
-out (scikit-learn reads parameters from the signature, and a written signature is what users
-and their tools see); ``tests/test_params.py`` checks each of them, each estimator's
-constraints and each docstring against this table, and names what disagrees. Adding a
-parameter: one entry here, then the signatures and ``super().__init__`` calls the test lists.
+and documentation. From this table come ``BasePathKernelNetwork._parameter_constraints``
+and the shared "Parameters" entries of the trainers' docstrings (:class:`PathKernelMachine`,
+:class:`PathKernelClassifier`; the meta-estimators take a trainer as ``estimator=`` and
+own none of these). The ``__init__`` signatures stay written out (scikit-learn reads
+parameters from the signature, and a written signature is what users and their tools
+see); ``tests/test_params.py`` checks each of them, each trainer's constraints and each
+docstring against this table, and names what disagrees. Adding a parameter: one entry
+here, then the two signatures and the base's ``__init__``.
 
 ``loss`` is shared by name and position (after ``shuffle``) but not by meaning: its default,
-options and documentation are each estimator's own.
+options and documentation are each trainer's own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ __all__ = [
     "NETWORK_PARAMETERS",
     "NetworkParameter",
     "network_constraints",
-    "network_parameter_names",
     "network_params_doc",
     "signature_names",
 ]
@@ -271,14 +271,9 @@ NETWORK_PARAMETERS: tuple[NetworkParameter, ...] = (
 LOSS_AFTER = "shuffle"
 
 
-def network_parameter_names() -> tuple[str, ...]:
-    """The shared parameters (``loss`` excluded), in signature order."""
-    return tuple(p.name for p in NETWORK_PARAMETERS)
-
-
 def signature_names() -> tuple[str, ...]:
-    """The first parameters of every network-training estimator's ``__init__``, in order."""
-    names = list(network_parameter_names())
+    """The first parameters of both trainers' ``__init__``, in order."""
+    names = [p.name for p in NETWORK_PARAMETERS]
     names.insert(names.index(LOSS_AFTER) + 1, "loss")
     return tuple(names)
 

@@ -25,7 +25,7 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import BasePathKernelNetwork, activation_widths_of, data_like_fit, rows_per_block
+from ._base import FittedNetworkMixin, activation_widths_of, data_like_fit, rows_per_block
 from ._network import network_of
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
@@ -94,7 +94,7 @@ class HessianTracePath:
 
 
 _COMMON_CONSTRAINTS = {
-    "estimator": [BasePathKernelNetwork],
+    "estimator": [FittedNetworkMixin],
     "X": ["array-like", None],
     "y": ["array-like", None],
     "n_samples": [Interval(numbers.Integral, 1, None, closed="left")],
@@ -126,10 +126,11 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
     Parameters
     ----------
     estimator : fitted skpathkernel estimator
-        PathKernelMachine, PathKernelClassifier, TangentFeatures or TangentFeatureSVM (its
-        network and training loss); an OODRankDetector stands for its ``estimator_``. Its
-        network is evaluated as it is (``module_`` is in evaluation mode after ``fit``)
-        with the parameters of recorded point ``step``; the estimator is not modified.
+        PathKernelMachine or PathKernelClassifier (its network and training loss); a
+        meta-estimator (TangentFeatures, TangentFeatureSVM, OODRankDetector) stands for
+        its ``estimator_``. Its network is evaluated as it is (``module_`` is in
+        evaluation mode after ``fit``) with the parameters of recorded point ``step``; the
+        estimator is not modified.
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
         Inputs, in the form of the training inputs (``input_shape_``). ``None``: the
         training inputs ``X_fit_``.
@@ -245,8 +246,8 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
             raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
         points.append(s % len(traj))
     Xt, Yt = _data(estimator, net, X, y)
-    # The network's loss is the one fit resolved (TangentFeatures' and OODRankDetector's
-    # "auto"), not the current parameter, which set_params may have changed since.
+    # The network's loss is the one it was fitted with, not the current parameter, which
+    # set_params may have changed since.
     loss = net.loss
     block = batch_size or _default_batch_size(net, Xt.shape[0])
     # One seed, one probe sequence: the same probes at every point and for every batch, so

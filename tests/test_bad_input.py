@@ -15,6 +15,7 @@ import scipy.sparse as sp
 import torch
 from numpy.testing import assert_array_equal
 from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import InvalidParameterError
 
 from skpathkernel import (
@@ -38,13 +39,20 @@ X = RNG.normal(size=(12, 2))
 Y_REG = X[:, 0] - X[:, 1]
 Y_CLF = np.array(["a", "b", "c"] * 4)
 
-# name -> (factory, training targets, trained on class labels)
+def _meta(cls):
+    """A factory of ``cls`` around a classifier trained with the given parameters."""
+    def make(**params):
+        return cls(PathKernelClassifier(**params))
+    return make
+
+
+# name -> (factory of training parameters, training targets, trained on class labels)
 ESTIMATORS = {
     "PathKernelMachine": (PathKernelMachine, Y_REG, False),
     "PathKernelClassifier": (PathKernelClassifier, Y_CLF, True),
-    "TangentFeatures": (TangentFeatures, Y_CLF, True),
-    "TangentFeatureSVM": (TangentFeatureSVM, Y_CLF, True),
-    "OODRankDetector": (OODRankDetector, Y_CLF, True),
+    "TangentFeatures": (_meta(TangentFeatures), Y_CLF, True),
+    "TangentFeatureSVM": (_meta(TangentFeatureSVM), Y_CLF, True),
+    "OODRankDetector": (_meta(OODRankDetector), Y_CLF, True),
 }
 
 
@@ -274,8 +282,8 @@ BAD_PARAMS = [
     (dict(n_neighbors=0), ("OODRankDetector",), "'n_neighbors' parameter"),
     (dict(contamination=0.9), ("OODRankDetector",), "'contamination' parameter"),
     (dict(max_rank=0), ("OODRankDetector",), "'max_rank' parameter"),
-    (dict(estimator="net"), ("OODRankDetector",), "'estimator' parameter"),
-    (dict(task="x"), ("OODRankDetector", "TangentFeatures"), "'task' parameter"),
+    (dict(estimator="net"), ("OODRankDetector", "TangentFeatures", "TangentFeatureSVM"),
+     "'estimator' parameter"),
     (dict(n_components=0), ("TangentFeatures",), "'n_components' parameter"),
     (dict(svm_kernel="rbf"), ("TangentFeatureSVM",), "'svm_kernel' parameter"),
     (dict(C=0.0), ("TangentFeatureSVM",), "'C' parameter"),
@@ -294,7 +302,10 @@ def _not_a_module(n_in, n_out):
 def test_bad_parameters_are_refused_and_the_previous_fit_kept(fitted, name, params, match):
     est = _fresh(fitted, name)
     before = snapshot(est)
-    old = est.get_params(deep=False)
+    # A meta-estimator's training parameters are its trainer's: estimator__<name>.
+    own = est.get_params(deep=False)
+    params = {k if k in own else f"estimator__{k}": v for k, v in params.items()}
+    old = est.get_params()
     est.set_params(**params)
     with pytest.raises((ValueError, TypeError), match=match) as info:
         est.fit(X, ESTIMATORS[name][1])
@@ -376,7 +387,7 @@ def test_bad_method_arguments_are_refused_and_change_nothing(fitted, name, case)
 
 @pytest.mark.parametrize("name", ALL)
 def test_hessian_trace_runs_for_every_estimator(fitted, name):
-    # TangentFeatures' loss="auto" and an OODRankDetector (its estimator_) included.
+    # The meta-estimators' networks (their estimator_) included.
     res = hessian_trace(fitted[name], n_samples=3, random_state=0)
     assert np.isfinite(res.trace)
 
@@ -509,13 +520,14 @@ def test_bad_nd_fit_data_is_refused_and_the_previous_fit_kept(fitted_nd, name, k
     assert_unchanged(est, before)
 
 
-def test_a_prefitted_detector_refuses_inputs_of_another_form(fitted_nd):
+@pytest.mark.parametrize("cls", [TangentFeatures, TangentFeatureSVM, OODRankDetector])
+def test_a_frozen_trainer_refuses_inputs_of_another_form(fitted_nd, cls):
     net = fitted_nd["PathKernelClassifier", "images"]
     with pytest.raises(ValueError, match=r"takes float X of shape \(n_samples, 1, 8, 8\)"):
-        OODRankDetector(estimator=net).fit(IMAGES.reshape(12, -1))
+        cls(FrozenEstimator(net)).fit(IMAGES.reshape(12, -1), Y_CLF)
     tokens = fitted_nd["PathKernelClassifier", "tokens"]
     with pytest.raises(ValueError, match="takes integer token ids"):
-        OODRankDetector(estimator=tokens).fit(TOKEN_IDS.astype(float))
+        cls(FrozenEstimator(tokens)).fit(TOKEN_IDS.astype(float), Y_CLF)
 
 
 def test_the_default_network_keeps_two_dimensional_features():

@@ -48,11 +48,12 @@ ESTIMATORS = [
     WITH_MODULE,
     PathKernelMachine(**FAST),
     PathKernelClassifier(**FAST),
-    TangentFeatures(**FAST),
-    TangentFeatures(**FAST, n_components=8, normalize=True),
-    TangentFeatureSVM(**FAST),
-    TangentFeatureSVM(**FAST, svm_kernel="linear"),
-    OODRankDetector(**FAST),
+    TangentFeatures(PathKernelClassifier(**FAST)),
+    TangentFeatures(PathKernelMachine(**FAST), n_components=8, normalize=True,
+                    random_state=0),
+    TangentFeatureSVM(PathKernelClassifier(**FAST)),
+    TangentFeatureSVM(PathKernelClassifier(**FAST), svm_kernel="linear"),
+    OODRankDetector(PathKernelMachine(**FAST)),
 ]
 
 # Each expected failure, with its reason.

@@ -12,6 +12,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 from sklearn.base import clone
+from sklearn.frozen import FrozenEstimator
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import GridSearchCV
@@ -64,12 +65,12 @@ def _searches(X, y, labels):
                               {"learning_rate_init": [0.01, 0.05]}, y, None),
         "PathKernelClassifier": (PathKernelClassifier(**NET),
                                  {"solver": ["sgd", "adam"]}, labels, None),
-        "TangentFeatures": (make_pipeline(TangentFeatures(**NET), Ridge()),
+        "TangentFeatures": (make_pipeline(TangentFeatures(PathKernelMachine(**NET)), Ridge()),
                             {"ridge__alpha": [0.1, 1.0]}, y, None),
-        "TangentFeatureSVM": (TangentFeatureSVM(svm_kernel="path", **NET),
+        "TangentFeatureSVM": (TangentFeatureSVM(PathKernelClassifier(**NET), svm_kernel="path"),
                               {"C": [0.5, 2.0]}, labels, None),
-        "OODRankDetector": (OODRankDetector(**NET), {"method": ["residual", "alignment"]},
-                            None, _mean_square_score),
+        "OODRankDetector": (OODRankDetector(PathKernelMachine(**NET)),
+                            {"method": ["residual", "alignment"]}, None, _mean_square_score),
         "TangentKernel": (KernelRidge(kernel=TangentKernel(fitted, normalized=True)),
                           {"alpha": [1e-2, 1.0]}, y, None),
         # n_jobs inside a cluster task: serial there (no nested fan-out).
@@ -102,7 +103,7 @@ def test_grams_and_scores_fan_out_to_the_cluster(client, data):
     X, y, _ = data
     est = PathKernelMachine(solver="adam", **NET).fit(X, y)
     Y = X[:7] + 0.1
-    det = OODRankDetector(estimator=est).fit(X)
+    det = OODRankDetector(FrozenEstimator(est)).fit(X)
     # Residual scores compared squared (see _mean_square_score).
     serial = [TangentKernel(est)(X), PathKernel(est, normalized=True)(X, Y),
               PathKernel(est).diag(X), det.score_samples(Y) ** 2]

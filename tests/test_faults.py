@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from numpy.testing import assert_allclose
+from sklearn.frozen import FrozenEstimator
 from test_bad_input import ESTIMATORS, X, assert_unchanged, snapshot
 
 import skpathkernel._interpolation as interpolation_module
@@ -40,6 +41,11 @@ def _fit(name, **params):
     return make(**{**SMALL, **params}).fit(X, y)
 
 
+def _trainer(est):
+    """Where the training parameters are set: the trainer, or a meta-estimator's."""
+    return getattr(est, "estimator", None) or est
+
+
 class _NaNAfter(torch.nn.Module):
     """A small MLP whose output turns NaN at its ``k``-th training forward pass."""
 
@@ -64,13 +70,13 @@ def test_divergence_at_any_step_names_it_and_keeps_the_previous_fit(name, k):
     est = _fit(name)
     before = snapshot(est)
     # 12 samples in batches of 5: three steps per epoch, so step k is in epoch k // 3.
-    est.set_params(module=lambda n_in, n_out: _NaNAfter(n_in, n_out, k), batch_size=5,
-                   max_iter=4)
+    _trainer(est).set_params(module=lambda n_in, n_out: _NaNAfter(n_in, n_out, k),
+                             batch_size=5, max_iter=4)
     with pytest.raises(TrainingDivergedError,
                        match=rf"optimizer step {k} \(epoch {k // 3}\).*smaller learning_rate_init"):
         # New data with another number of features: nothing of it may stay either.
         est.fit(np.hstack([X, X]), ESTIMATORS[name][1])
-    est.set_params(module=None, batch_size=None, max_iter=SMALL["max_iter"])
+    _trainer(est).set_params(module=None, batch_size=None, max_iter=SMALL["max_iter"])
     assert_unchanged(est, before)
 
 
@@ -78,14 +84,15 @@ def test_divergence_at_any_step_names_it_and_keeps_the_previous_fit(name, k):
 def test_a_huge_learning_rate_diverges_with_a_clear_error(name):
     est = _fit(name)
     before = snapshot(est)
+    loss = _trainer(est).loss
     # Squared error: its gradient grows with the output, so the parameters blow up
     # (the log-loss gradient is bounded and would only drift).
-    est.set_params(learning_rate_init=1e8, activation="identity", max_iter=30,
-                   loss="squared_error")
+    _trainer(est).set_params(learning_rate_init=1e8, activation="identity", max_iter=30,
+                             loss="squared_error")
     with pytest.raises(TrainingDivergedError, match="smaller learning_rate_init.*1e\\+08"):
         est.fit(X * 1e3, ESTIMATORS[name][1])
-    est.set_params(learning_rate_init=0.01, activation="tanh", max_iter=SMALL["max_iter"],
-                   loss=before["params"]["loss"])
+    _trainer(est).set_params(learning_rate_init=0.01, activation="tanh",
+                             max_iter=SMALL["max_iter"], loss=loss)
     assert_unchanged(est, before)
 
 
@@ -94,10 +101,10 @@ def test_cuda_without_cuda_is_a_clear_error_for_every_estimator(name, monkeypatc
     est = _fit(name, device="cpu")
     before = snapshot(est)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    est.set_params(device="cuda")
+    _trainer(est).set_params(device="cuda")
     with pytest.raises(ValueError, match="device='cuda' was requested.*no CUDA device"):
         est.fit(X, ESTIMATORS[name][1])
-    est.set_params(device="cpu")
+    _trainer(est).set_params(device="cpu")
     assert_unchanged(est, before)
 
 
@@ -160,8 +167,8 @@ def test_tiny_budget_gives_the_same_ood_scores(method):
     Xq = rng.normal(size=(9, 2)) * 3
     # local: 5 neighbours, so that groups of queries share a union of at most 11 points.
     kw = dict(method=method, contamination=0.2, max_rank=25, n_neighbors=5)
-    big = OODRankDetector(estimator=net, **kw).fit(Xo)
-    tiny = OODRankDetector(estimator=small, **kw).fit(Xo)
+    big = OODRankDetector(FrozenEstimator(net), **kw).fit(Xo)
+    tiny = OODRankDetector(FrozenEstimator(small), **kw).fit(Xo)
     if method != "local":  # the only one without a factorisation
         assert tiny.rank_ == big.rank_
     assert_allclose(tiny.score_samples(Xq), big.score_samples(Xq), atol=1e-7)
@@ -198,13 +205,14 @@ def test_ood_that_cannot_fit_the_budget_says_so_with_bytes(monkeypatch):
     Xo = rng.normal(size=(40, 2))
     net = PathKernelMachine(hidden_layer_sizes=(3,), max_iter=2, dtype="float64",
                             random_state=0).fit(Xo, Xo[:, 0])
-    det = OODRankDetector(estimator=net).fit(Xo)
+    det = OODRankDetector(FrozenEstimator(net)).fit(Xo)
     with monkeypatch.context() as m:
         m.setattr(span_module, "tangent_gram_diag", _boom)
         with pytest.raises(ValueError, match=r"fit \(40 training points\) needs 1,280 bytes"):
-            OODRankDetector(estimator=_with_budget(net, 1000)).fit(Xo)
+            OODRankDetector(FrozenEstimator(_with_budget(net, 1000))).fit(Xo)
     with pytest.raises(ValueError, match=r"rank_gap needs .* 29,768 bytes .*memory_budget="):
-        OODRankDetector(estimator=_with_budget(net, 2**16)).fit(Xo[:30]).rank_gap(Xo[:31])
+        OODRankDetector(FrozenEstimator(_with_budget(net, 2**16))).fit(Xo[:30]).rank_gap(
+            Xo[:31])
     before = det.score_samples(Xo[:3])
     det.estimator_.memory_budget = 8
     with pytest.raises(ValueError, match="bytes for a single sample"):
@@ -213,7 +221,11 @@ def test_ood_that_cannot_fit_the_budget_says_so_with_bytes(monkeypatch):
     assert_allclose(det.score_samples(Xo[:3]), before)
 
 
-@pytest.mark.parametrize("make", [PathKernelClassifier, TangentFeatures, TangentFeatureSVM])
+@pytest.mark.parametrize("make", [
+    PathKernelClassifier,
+    lambda **kw: TangentFeatures(PathKernelClassifier(**kw)),
+    lambda **kw: TangentFeatureSVM(PathKernelClassifier(**kw)),
+])
 def test_float32_overflowing_training_data_is_refused_not_diverged(make):
     y = np.resize([0, 1], len(X))
     with pytest.raises(ValueError, match="too large for the network's dtype float32"):

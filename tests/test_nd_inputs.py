@@ -16,6 +16,7 @@ import torch
 from _reference import features_loop, jacobian_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.datasets import load_digits
+from sklearn.frozen import FrozenEstimator
 from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import LogisticRegression
@@ -145,7 +146,9 @@ def test_features_and_kernels_match_a_per_sample_loop(kind):
     # scikit-learn's kernel consumers pass 2-D arrays: flat rows are the same inputs.
     assert_array_equal(est.tangent_kernel_(A.reshape(5, -1), B), est.tangent_kernel_(A, B))
     # The seeded projection estimates the same kernel: E[z z'^T] = K, here on 4000 draws.
-    tf = TangentFeatures(module=KINDS[kind][0], max_iter=2, n_components=4000, **F64)
+    net = (PathKernelMachine if kind == "sequences" else PathKernelClassifier)(
+        module=KINDS[kind][0], max_iter=2, **F64)
+    tf = TangentFeatures(net, n_components=4000, random_state=0)
     Z = tf.fit(X, KINDS[kind][2]).transform(A)
     K = features_loop(module_at(tf), A) @ features_loop(module_at(tf), A).T
     assert np.abs(Z @ Z.T - K).max() < 0.1 * np.abs(K).max()
@@ -172,8 +175,8 @@ def test_an_image_network_equals_its_flattened_twin():
     h = hessian_trace(nd, Q, Y_IMAGES[:4], n_samples=5, random_state=0)
     h_ref = hessian_trace(tw, Qf, Y_IMAGES[:4], n_samples=5, random_state=0)
     assert_allclose(h.estimates, h_ref.estimates, rtol=1e-9)
-    ood = OODRankDetector(estimator=nd).fit(IMAGES)
-    ood_ref = OODRankDetector(estimator=tw).fit(flat)
+    ood = OODRankDetector(FrozenEstimator(nd)).fit(IMAGES)
+    ood_ref = OODRankDetector(FrozenEstimator(tw)).fit(flat)
     outside = IMAGES[::-1, :, ::-1].copy()  # flipped digits
     assert_allclose(ood.score_samples(outside), ood_ref.score_samples(outside.reshape(30, -1)),
                     rtol=1e-7, atol=1e-10)
@@ -192,20 +195,22 @@ def test_token_ids_decompose_exactly(solver):
 
 
 def test_every_estimator_trains_and_scores_on_images():
-    svm = TangentFeatureSVM(module=cnn, svm_kernel="path", max_iter=3, **F64)
-    tf = TangentFeatures(module=cnn, max_iter=3, **F64).fit(IMAGES, Y_IMAGES)
+    svm = TangentFeatureSVM(PathKernelClassifier(module=cnn, max_iter=3, **F64),
+                            svm_kernel="path")
+    tf = TangentFeatures(PathKernelClassifier(module=cnn, max_iter=3, **F64)).fit(IMAGES,
+                                                                                 Y_IMAGES)
     # The SVM on the path kernel is SVC on the path-kernel Gram of the training images.
     K = svm.fit(IMAGES, Y_IMAGES).path_kernel_(IMAGES)
     ref = SVC(kernel="precomputed").fit(K, Y_IMAGES)
     assert_array_equal(svm.predict(IMAGES[:6]), ref.predict(K[:6]))
     assert tf.transform(IMAGES[:2]).shape == (2, 3 * tf.n_params_)
-    det = OODRankDetector(module=cnn, max_iter=3, **F64).fit(IMAGES)  # reconstruction
+    det = OODRankDetector(PathKernelMachine(module=cnn, max_iter=3, **F64)).fit(IMAGES)
     assert det.n_outputs_ == 64 and det.task_ == "reconstruction"
     assert det.predict(IMAGES[:3]).shape == (3,)
 
 
 def test_pipelines_grid_search_cross_validation_and_pickles_take_nd_inputs(tmp_path):
-    pipe = make_pipeline(TangentFeatures(module=cnn, max_iter=3, **F64),
+    pipe = make_pipeline(TangentFeatures(PathKernelClassifier(module=cnn, max_iter=3, **F64)),
                          LogisticRegression(max_iter=500))
     assert pipe.fit(IMAGES, Y_IMAGES).score(IMAGES, Y_IMAGES) > 0.5
     base = PathKernelClassifier(module=token_net, solver="adam", **F64)

@@ -80,7 +80,7 @@ def test_network_of_every_producer(clf, data):
     assert network_of(clf.network_) is clf.network_
     # FrozenEstimator forwards attribute access: no class-name check is needed.
     assert network_of(FrozenEstimator(clf)) is clf.network_
-    det = OODRankDetector(estimator=clf).fit(X)
+    det = OODRankDetector(FrozenEstimator(clf)).fit(X)
     # The detector composes its estimator's network; it keeps no copies of it.
     assert det.network_ is clf.network_ and det.module_ is clf.module_
     assert not {"module_", "trajectory_", "device_", "n_params_"} & set(vars(det))
@@ -227,7 +227,7 @@ def test_pickle_state_written_before_network_loads_identically(cls, data):
 
 def test_old_detector_pickle_with_mirrored_attributes_loads(clf, data):
     X, _ = data
-    det = OODRankDetector(estimator=clf, method="residual").fit(X)
+    det = OODRankDetector(FrozenEstimator(clf), method="residual").fit(X)
     state = dict(det.__getstate__())
     # Detectors pickled before network_ existed carried copies of the network's attributes.
     state.update(module_=clf.module_, trajectory_=clf.trajectory_, device_="cpu",
@@ -330,7 +330,7 @@ def test_detector_diagnostics_on_new_data_stand_for_its_estimator(clf, data):
     # New (X, y) are encoded by the estimator that trained the network (its classes_),
     # not by the detector around it.
     X, y = data
-    det = OODRankDetector(estimator=clf, method="residual").fit(X)
+    det = OODRankDetector(FrozenEstimator(clf), method="residual").fit(X)
     Xn, yn = X[::2] + 0.1, y[::2]
     a = hessian_trace(det, Xn, yn, n_samples=64, random_state=0)
     b = hessian_trace(clf, Xn, yn, n_samples=64, random_state=0)

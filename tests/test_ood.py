@@ -10,6 +10,7 @@ from _reference import features_loop
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
+from sklearn.utils.multiclass import type_of_target
 
 from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine, _ood, _span
 from skpathkernel._reproduce._fig7 import _relu_network
@@ -19,6 +20,16 @@ from skpathkernel.datasets import make_linear_extrapolation
 # The old defaults, pinned: tanh, a fixed number of epochs, raw regression targets.
 SMALL = dict(hidden_layer_sizes=(16,), solver="adam", learning_rate_init=0.01, max_iter=60,
              activation="tanh", tol=None, normalize_y=False, dtype="float64", random_state=0)
+
+
+NET = {k: v for k, v in SMALL.items() if k != "normalize_y"}
+
+
+def trainer(y, **params):
+    """The trainer OODRankDetector's default picks for y, with the small settings."""
+    if y is not None and type_of_target(y) in ("binary", "multiclass"):
+        return PathKernelClassifier(**{**NET, **params})
+    return PathKernelMachine(**{**SMALL, **params})
 
 
 def dense_features(det, X):
@@ -46,7 +57,7 @@ def task_data(task, rng):
 def test_residual_score_matches_dense_lstsq(task):
     rng = np.random.RandomState(0)
     X, y = task_data(task, rng)
-    det = OODRankDetector(**SMALL, method="residual").fit(X, y)
+    det = OODRankDetector(trainer(y), method="residual").fit(X, y)
     assert det.task_ == task
     Xq = np.vstack([rng.normal(size=(6, 5)), 3 * rng.normal(size=(4, 5))])
     ref = lstsq_residual(dense_features(det, X), dense_features(det, Xq))
@@ -60,7 +71,7 @@ def test_residual_score_matches_dense_lstsq(task):
 def test_alignment_score_matches_dense_cosines():
     rng = np.random.RandomState(1)
     X, y = task_data("classification", rng)
-    det = OODRankDetector(**SMALL, method="alignment").fit(X, y)
+    det = OODRankDetector(trainer(y), method="alignment").fit(X, y)
     Xq = rng.normal(size=(7, 5))
     P, Q = dense_features(det, X), dense_features(det, Xq)
     cos = (Q @ P.T) / np.outer(np.linalg.norm(Q, axis=1), np.linalg.norm(P, axis=1))
@@ -72,7 +83,7 @@ def test_alignment_score_matches_dense_cosines():
 def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     rng = np.random.RandomState(2)
     X, y = task_data("regression", rng)
-    det = OODRankDetector(**SMALL, method=method, contamination=0.25).fit(X, y)
+    det = OODRankDetector(trainer(y), method=method, contamination=0.25).fit(X, y)
     P = dense_features(det, X)
     if method == "residual":
         loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
@@ -111,7 +122,7 @@ def tukey_offset(loo, ceiling):
 def test_local_residual_matches_dense_lstsq_on_best_aligned_neighbours(task, k):
     rng = np.random.RandomState(10)
     X, y = task_data(task, rng)
-    det = OODRankDetector(**SMALL, method="local", n_neighbors=k).fit(X, y)
+    det = OODRankDetector(trainer(y), method="local", n_neighbors=k).fit(X, y)
     Xq = np.vstack([rng.normal(size=(6, 5)), 3 * rng.normal(size=(4, 5))])
     P, Q = dense_features(det, X), dense_features(det, Xq)
     ref = local_residual(P, Q, min(k, len(X)))
@@ -128,7 +139,7 @@ def test_local_residual_matches_dense_lstsq_on_best_aligned_neighbours(task, k):
 def test_auto_offset_is_tukeys_fence_of_leave_one_out_scores(method):
     rng = np.random.RandomState(3)
     X, y = task_data("regression", rng)
-    det = OODRankDetector(**SMALL, method=method, n_neighbors=4).fit(X, y)
+    det = OODRankDetector(trainer(y), method=method, n_neighbors=4).fit(X, y)
     P = dense_features(det, X)
     rows = np.arange(len(X))
     if method == "local":
@@ -160,7 +171,7 @@ def test_leave_one_out_uses_an_evenly_spaced_subset_of_large_training_sets(monke
     rng = np.random.RandomState(11)
     X, y = task_data("classification", rng)
     monkeypatch.setattr(_ood, "_LOO_POINTS", 7)
-    det = OODRankDetector(**SMALL, n_neighbors=3, contamination=0.3).fit(X, y)
+    det = OODRankDetector(trainer(y), n_neighbors=3, contamination=0.3).fit(X, y)
     sub = np.unique(np.linspace(0, len(X) - 1, 7).round().astype(int))
     assert len(sub) == 7
     P = dense_features(det, X)
@@ -173,9 +184,9 @@ def test_default_decision_flags_the_extrapolation_beyond_a_relu_kink():
     active in training; beyond it the default decision flags the test points, inside the
     domain none."""
     X, y, _, _ = make_linear_extrapolation(n_train=50, n_test=25)
-    det = OODRankDetector(module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
-                          solver="adam", learning_rate_init=0.003, max_iter=1000,
-                          dtype="float64", random_state=0).fit(X, y)
+    det = OODRankDetector(PathKernelMachine(
+        module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]), solver="adam",
+        learning_rate_init=0.003, max_iter=1000, dtype="float64", random_state=0)).fit(X, y)
     # The leave-one-out residuals are round-off (each training feature is in the span of
     # its neighbours on the same linear piece), so the floor sets the offset.
     assert det.offset_ == -0.01
@@ -197,7 +208,7 @@ def test_rank_gap_matches_numpy_matrix_rank(kind):
     else:  # N > P: the training features already span everything they can
         X, y = rng.normal(size=(80, 2)), rng.normal(size=80)
         hidden = (4,)
-    det = OODRankDetector(**{**SMALL, "hidden_layer_sizes": hidden}).fit(X, y)
+    det = OODRankDetector(trainer(y, hidden_layer_sizes=hidden)).fit(X, y)
     Xq = rng.normal(size=(5, X.shape[1]))
     P, Q = dense_features(det, X), dense_features(det, Xq)
 
@@ -224,7 +235,8 @@ def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
     results = {}
     for name, kinks in [("inside", [0.1, 0.4, 0.7, 1.0, 1.3, 1.6]),
                         ("outside", [0.1, 0.4, 0.7, 1.0, 1.3, 2.0])]:
-        det = OODRankDetector(module=_relu_network(kinks), method="residual", **params).fit(X, y)
+        det = OODRankDetector(PathKernelMachine(module=_relu_network(kinks), **params),
+                              method="residual").fit(X, y)
         first = det.estimator_.module_[0]
         w, b = first.weight.detach().numpy()[:, 0], first.bias.detach().numpy()
         test_loss = 0.5 * np.mean((det.estimator_.predict(Xt) - yt) ** 2)
@@ -249,9 +261,10 @@ def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
 
 def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
     X, y, Xt, _ = make_linear_extrapolation(n_train=50, n_test=25)
-    det = OODRankDetector(module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]),
-                          method="residual", solver="adam", learning_rate_init=0.01, max_iter=300,
-                          dtype="float64", random_state=0).fit(X, y)
+    net = PathKernelMachine(module=_relu_network([0.1, 0.4, 0.7, 1.0, 1.3, 2.0]), solver="adam",
+                            learning_rate_init=0.01, max_iter=300, dtype="float64",
+                            random_state=0)
+    det = OODRankDetector(net, method="residual").fit(X, y)
     assert det.rank_ < 20
     ref = lstsq_residual(dense_features(det, X), dense_features(det, Xt[1:]))
     np.testing.assert_allclose(-det.score_samples(Xt[1:]), ref, atol=1e-5)
@@ -275,31 +288,37 @@ def test_max_rank_truncation_warns():
     rng = np.random.RandomState(6)
     X, y = task_data("regression", rng)
     with pytest.warns(UserWarning, match="max_rank=5"):
-        det = OODRankDetector(**SMALL, method="residual", max_rank=5).fit(X, y)
+        det = OODRankDetector(trainer(y), method="residual", max_rank=5).fit(X, y)
     assert det.rank_ == 5 and len(det.pivots_) == 5
 
 
-def test_prefitted_estimator_is_not_retrained_and_survives_clone():
+def test_frozen_estimator_is_not_retrained_and_survives_clone():
     rng = np.random.RandomState(7)
     X, y = task_data("classification", rng)
-    clf = PathKernelClassifier(**{k: v for k, v in SMALL.items() if k != "normalize_y"})
-    clf.fit(X, y)
-    traj, curve = clf.trajectory_, list(clf.loss_curve_)
-    det = OODRankDetector(estimator=clf).fit(X)
+    clf = PathKernelClassifier(**NET).fit(X, y)
+    traj, curve, net = clf.trajectory_, list(clf.loss_curve_), clf.network_
+    det = OODRankDetector(FrozenEstimator(clf)).fit(X)
     assert det.estimator_ is clf and clf.trajectory_ is traj and clf.loss_curve_ == curve
-    own = OODRankDetector(**SMALL).fit(X, y)  # same settings: the same network
+    assert clf.network_ is net and det.trajectory_ is traj and det.task_ == "classification"
+    own = OODRankDetector(trainer(y)).fit(X, y)  # same settings: the same network
     Xq = rng.normal(size=(5, 5))
     np.testing.assert_allclose(det.score_samples(Xq), own.score_samples(Xq), atol=1e-10)
-    frozen = clone(OODRankDetector(estimator=FrozenEstimator(clf)))
+    frozen = clone(OODRankDetector(FrozenEstimator(clf)))
     np.testing.assert_allclose(frozen.fit(X).score_samples(Xq), det.score_samples(Xq))
+    assert frozen.estimator_ is clf
     with pytest.raises(NotFittedError):
-        OODRankDetector(estimator=PathKernelClassifier()).fit(X)
+        OODRankDetector(FrozenEstimator(PathKernelClassifier())).fit(X)
+    # Unfrozen, a trainer is cloned and fitted: a classifier cannot learn X without y.
+    with pytest.raises(ValueError, match="reconstruct X.*FrozenEstimator"):
+        OODRankDetector(clf).fit(X)
+    refit = OODRankDetector(clf).fit(X, y)
+    assert refit.estimator_ is not clf and clf.trajectory_ is traj
 
 
 def test_float32_network_scores_like_its_float64_evaluation():
     rng = np.random.RandomState(8)
     X, y = task_data("regression", rng)
-    det = OODRankDetector(**{**SMALL, "dtype": "float32"}, method="residual").fit(X, y)
+    det = OODRankDetector(trainer(y, dtype="float32"), method="residual").fit(X, y)
     Xq = rng.normal(size=(5, 5))
     module = det.estimator_.module_
     det.estimator_.module_ = module.double()  # the reference: the same weights in float64
@@ -313,30 +332,15 @@ def test_errors():
     X, y = task_data("regression", rng)
     with pytest.raises(NotFittedError):
         OODRankDetector().score_samples(X)
-    det = OODRankDetector(**SMALL).fit(X, y)
+    det = OODRankDetector(trainer(y)).fit(X, y)
     with pytest.raises(ValueError, match="features"):
         det.score_samples(X[:, :3])
-    with pytest.raises(ValueError, match="log_loss"):
-        OODRankDetector(**SMALL, loss="log_loss", task="regression").fit(X, y)
     with pytest.raises(ValueError, match="memory_budget"):
-        OODRankDetector(**SMALL, memory_budget=2**20).fit(X, y).rank_gap(
+        OODRankDetector(trainer(y, memory_budget=2**20)).fit(X, y).rank_gap(
             rng.normal(size=(200, 5)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         det.fit(X, y)  # refits cleanly
-
-
-def test_a_pickle_from_before_n_neighbors_loads_and_scores_the_same():
-    rng = np.random.RandomState(12)
-    X, y = task_data("regression", rng)
-    det = OODRankDetector(**SMALL, method="residual").fit(X, y)
-    state = det.__getstate__()
-    del state["n_neighbors"]  # what a detector pickled by an earlier release holds
-    old = OODRankDetector.__new__(OODRankDetector)
-    old.__setstate__(state)
-    assert old.get_params()["n_neighbors"] == 20
-    Xq = rng.normal(size=(4, 5))
-    np.testing.assert_array_equal(old.score_samples(Xq), det.score_samples(Xq))
 
 
 def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypatch):
@@ -345,14 +349,14 @@ def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypa
     rng = np.random.RandomState(13)
     X, y = task_data("regression", rng)
     net = PathKernelMachine(**SMALL).fit(X, y)
-    big = OODRankDetector(estimator=net, method="residual", contamination=0.25).fit(X)
+    big = OODRankDetector(FrozenEstimator(net), method="residual", contamination=0.25).fit(X)
     # Room for the 20 x 20 factor, not for the QR's second array beside it (12,800
     # bytes); the budget is set on a copy, below the 1 MiB that validation allows.
     small_net = copy.copy(net)
     small_net.memory_budget = 10_000
     with monkeypatch.context() as m:
         m.setattr(_span, "loo_relative_residuals", None)  # the QR pass must not run
-        small = OODRankDetector(estimator=small_net, method="residual",
+        small = OODRankDetector(FrozenEstimator(small_net), method="residual",
                                 contamination=0.25).fit(X)
     assert small.rank_ == big.rank_ == 20
     P = dense_features(big, X)
@@ -388,7 +392,8 @@ def test_token_ids_and_sequences_score_like_the_dense_reference(kind, method):
         X, Xq, module = rng.normal(size=(24, 4, 3)), 2 * rng.normal(size=(8, 4, 3)), _sequence_net
     y = np.arange(24) % 2
     params = {k: v for k, v in SMALL.items() if k not in ("hidden_layer_sizes", "normalize_y")}
-    det = OODRankDetector(module=module, **params, method=method, n_neighbors=4).fit(X, y)
+    det = OODRankDetector(PathKernelClassifier(module=module, **params), method=method,
+                          n_neighbors=4).fit(X, y)
     assert det.input_shape_ == X.shape[1:]
     P, Q = dense_features(det, X), dense_features(det, Xq)
     ref = local_residual(P, Q, 4) if method == "local" else lstsq_residual(P, Q)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 from sklearn.base import clone
+from sklearn.frozen import FrozenEstimator
 from sklearn.gaussian_process import GaussianProcessRegressor
 
 from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
@@ -90,7 +91,8 @@ def test_n_jobs_is_not_a_hyperparameter(fitted):
 def test_detector_scores_in_row_blocks_equal_serial(method):
     X, _ = _data(n=30)
     Q, _ = _data(n=11, seed=2)
-    det = OODRankDetector(method=method, normalize_y=False, **OLD, **SMALL).fit(X)
+    det = OODRankDetector(PathKernelMachine(normalize_y=False, **OLD, **SMALL),
+                          method=method).fit(X)
     parallel = clone(det).set_params(n_jobs=2).fit(X)
     with joblib.parallel_config(backend="threading"):
         # Scores in [-1, 1]; the residual's 1 - explained / diag cancels (explained /
@@ -139,9 +141,9 @@ def test_detector_pickles_with_its_network(prefitted):
     X, y = _data(n=20)
     if prefitted:
         net = PathKernelMachine(**SMALL).fit(X, y)
-        det = OODRankDetector(estimator=net, dtype="float32").fit(X)
+        det = OODRankDetector(FrozenEstimator(net)).fit(X)
     else:
-        det = OODRankDetector(**SMALL).fit(X)
+        det = OODRankDetector(PathKernelMachine(**SMALL)).fit(X)
     back = pickle.loads(pickle.dumps(det))
     assert back.module_ is back.estimator_.module_
     assert next(back.module_.parameters()).dtype == torch.float64

@@ -22,6 +22,7 @@ from sklearn.svm import SVC, LinearSVC
 
 import skpathkernel
 from skpathkernel import (
+    OODRankDetector,
     PathKernelClassifier,
     PathKernelMachine,
     TangentFeatures,
@@ -108,8 +109,10 @@ def test_clone_of_svc_and_grid_search_keep_the_fitted_kernel(fitted, circle):
 # ----------------------------------------------------------------------------- pipelines
 def test_pipeline_cross_val_score_and_clone(circle):
     X, y = circle
-    params = dict(SMALL, hidden_layer_sizes=(16,), max_iter=150, normalize=True)
-    pipe = make_pipeline(StandardScaler(), TangentFeatures(**params), LinearSVC())
+    params = dict(SMALL, hidden_layer_sizes=(16,), max_iter=150)
+    pipe = make_pipeline(StandardScaler(),
+                         TangentFeatures(PathKernelClassifier(**params), normalize=True),
+                         LinearSVC())
     with warnings.catch_warnings():
         # Unit-norm tangent features keep liblinear well conditioned: it must converge.
         warnings.simplefilter("error")
@@ -166,8 +169,10 @@ def _estimators(circle):
     X, y = circle
     return [
         PathKernelClassifier(**SMALL).fit(X, y),
-        TangentFeatures(**SMALL, n_components=16).fit(X, y),
-        TangentFeatureSVM(**SMALL, svm_kernel="path").fit(X, y),
+        TangentFeatures(PathKernelClassifier(**SMALL), n_components=16,
+                        random_state=0).fit(X, y),
+        TangentFeatureSVM(PathKernelClassifier(**SMALL), svm_kernel="path").fit(X, y),
+        OODRankDetector(PathKernelMachine(**SMALL)).fit(X),
     ]
 
 

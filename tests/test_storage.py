@@ -454,7 +454,7 @@ def test_detector_scores_on_workers_read_the_disk_path_by_reference(data):
     from skpathkernel import OODRankDetector
 
     X, y = data
-    det = OODRankDetector(**NET, trajectory_storage="disk").fit(X, y)
+    det = OODRankDetector(PathKernelMachine(**NET, trajectory_storage="disk")).fit(X, y)
     Y = X[:6] + 0.3
     serial = det.score_samples(Y)
     det.set_params(n_jobs=2)

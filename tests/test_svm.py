@@ -6,7 +6,12 @@ from _reference import features_loop
 from sklearn.model_selection import train_test_split
 from sklearn.svm import SVC
 
-from skpathkernel import PathKernelMachine, TangentFeatures, TangentFeatureSVM
+from skpathkernel import (
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+)
 from skpathkernel.datasets import make_circle, make_ellipse
 
 SMALL = dict(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=0.02, max_iter=30,
@@ -24,33 +29,37 @@ def circle():
 
 
 # ----------------------------------------------------------------------------- TangentFeatures
-def test_task_auto_follows_type_of_target(circle, regression_data):
+def test_default_trainer_follows_type_of_target(circle, regression_data):
     X, y = circle
-    clf = TangentFeatures(**SMALL).fit(X, np.where(y > 0, "ring", "disk"))
+    clf = TangentFeatures(random_state=0).fit(X, np.where(y > 0, "ring", "disk"))
+    assert isinstance(clf.estimator_, PathKernelClassifier)
     assert clf.task_ == "classification" and clf.n_outputs_ == 1
     assert clf.classes_.tolist() == ["disk", "ring"]
+    # The default trainer is the default classifier, seeded with random_state.
+    ref = PathKernelClassifier(random_state=0).fit(X, np.where(y > 0, "ring", "disk"))
+    np.testing.assert_array_equal(clf.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
     Xr, yr = regression_data
-    reg = TangentFeatures(**SMALL).fit(Xr, yr)
+    reg = TangentFeatures(random_state=0).fit(Xr, yr)
+    assert isinstance(reg.estimator_, PathKernelMachine)
     assert reg.task_ == "regression" and not hasattr(reg, "classes_")
-    # Integer-valued targets are classes to type_of_target; task="regression" overrides.
+    # Integer-valued targets are classes to type_of_target; a PathKernelMachine regresses.
     ints = np.arange(len(Xr)) % 3
-    assert TangentFeatures(**SMALL).fit(Xr, ints).n_outputs_ == 3
-    forced = TangentFeatures(**SMALL, task="regression").fit(Xr, ints)
+    assert TangentFeatures(PathKernelClassifier(**SMALL)).fit(Xr, ints).n_outputs_ == 3
+    forced = TangentFeatures(PathKernelMachine(**SMALL)).fit(Xr, ints)
     assert forced.task_ == "regression" and forced.n_outputs_ == 1
-    # Regression trains the same network as the regressor.
+    # The trainer's network, trained as the trainer alone trains it.
+    reg = TangentFeatures(PathKernelMachine(**SMALL)).fit(Xr, yr)
     ref = PathKernelMachine(**SMALL).fit(Xr, yr)
     np.testing.assert_array_equal(reg.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
-    with pytest.raises(ValueError, match="log_loss"):
-        TangentFeatures(**SMALL, loss="log_loss").fit(Xr, yr)
-    with pytest.raises(ValueError, match="numeric"):
-        TangentFeatures(**SMALL, task="regression").fit(X, np.where(y > 0, "a", "b"))
+    with pytest.raises(ValueError):
+        TangentFeatures(PathKernelMachine(**SMALL)).fit(X, np.where(y > 0, "a", "b"))
 
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_transform_matches_per_sample_autograd(regression_data, multi):
     X, y = regression_data
     y = np.column_stack([y, y**2]) if multi else y
-    est = TangentFeatures(**SMALL).fit(X, y)
+    est = TangentFeatures(PathKernelMachine(**SMALL)).fit(X, y)
     phi = est.transform(X[:7])
     assert phi.shape == (7, est.n_params_ * (2 if multi else 1))
     np.testing.assert_allclose(phi, _loop_features(est, X[:7]), rtol=1e-12, atol=1e-14)
@@ -64,8 +73,8 @@ def test_transform_matches_per_sample_autograd(regression_data, multi):
 
 def test_normalize_gives_unit_rows_along_phi(circle):
     X, y = circle
-    phi = TangentFeatures(**SMALL).fit(X, y).transform(X)
-    unit = TangentFeatures(**SMALL, normalize=True).fit(X, y).transform(X)
+    phi = TangentFeatures(PathKernelClassifier(**SMALL)).fit(X, y).transform(X)
+    unit = TangentFeatures(PathKernelClassifier(**SMALL), normalize=True).fit(X, y).transform(X)
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-12)
     np.testing.assert_allclose(unit * np.linalg.norm(phi, axis=1, keepdims=True), phi,
                                rtol=1e-10, atol=1e-12)
@@ -73,18 +82,21 @@ def test_normalize_gives_unit_rows_along_phi(circle):
 
 def test_projection_is_seeded_and_preserves_the_kernel(circle, monkeypatch):
     X, y = circle
-    exact = TangentFeatures(**SMALL).fit(X, y)
+    exact = TangentFeatures(PathKernelClassifier(**SMALL)).fit(X, y)
     K = exact.transform(X[:10]) @ exact.transform(X[:10]).T
-    proj = TangentFeatures(**SMALL, n_components=4000).fit(X, y)
+    proj = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
+                           random_state=0).fit(X, y)
     # The projection must not go through the dense features.
     monkeypatch.setattr(TangentFeatures, "_tangent_features", None)
     Z = proj.transform(X[:10])
     assert Z.shape == (10, 4000)
     # E[Z Z^T] = K; with 4000 components the relative error is a few percent.
     assert np.linalg.norm(Z @ Z.T - K) / np.linalg.norm(K) < 0.1
-    again = TangentFeatures(**SMALL, n_components=4000).fit(X, y).transform(X[:10])
+    again = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
+                            random_state=0).fit(X, y).transform(X[:10])
     np.testing.assert_array_equal(again, Z)
-    other = TangentFeatures(**{**SMALL, "random_state": 1}, n_components=4000).fit(X, y)
+    other = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
+                            random_state=1).fit(X, y)
     assert not np.allclose(other.transform(X[:10]), Z)
     names = proj.get_feature_names_out()
     assert names[0] == "tangentfeatures0" and names[-1] == "tangentfeatures3999"
@@ -94,7 +106,8 @@ def test_pandas_in_and_out(circle):
     import pandas as pd
     X, y = circle
     df = pd.DataFrame(X, columns=["x1", "x2"])
-    est = TangentFeatures(**SMALL).set_output(transform="pandas").fit(df, y)
+    est = TangentFeatures(PathKernelClassifier(**SMALL)).set_output(transform="pandas")
+    est.fit(df, y)
     assert est.feature_names_in_.tolist() == ["x1", "x2"]
     out = est.transform(df.iloc[:5])
     assert isinstance(out, pd.DataFrame)
@@ -106,8 +119,8 @@ def test_pandas_in_and_out(circle):
 def test_linear_svm_equals_precomputed_tangent_kernel(circle):
     X, y = circle
     Xt = X[:9] * 0.9
-    lin = TangentFeatureSVM(**SMALL, C=3.0).fit(X, y)
-    tan = TangentFeatureSVM(**SMALL, C=3.0, svm_kernel="tangent").fit(X, y)
+    lin = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=3.0, svm_kernel="linear").fit(X, y)
+    tan = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=3.0, svm_kernel="tangent").fit(X, y)
     # The same SVM, reached through phi (libsvm's linear kernel) and through the
     # structured Gram that never forms phi.
     np.testing.assert_allclose(lin.decision_function(Xt), tan.decision_function(Xt),
@@ -123,9 +136,9 @@ def test_linear_svm_equals_precomputed_tangent_kernel(circle):
 def test_path_svm_equals_svc_on_explicit_path_sum(circle):
     X, y = circle
     params = dict(SMALL, solver="sgd", learning_rate_init=0.1, max_iter=6)
-    est = TangentFeatureSVM(**params, svm_kernel="path").fit(X, y)
+    est = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel="path").fit(X, y)
     # Full-batch SGD: K = sum_k lr * phi_k(x) . phi_k(x') over the points that a step leaves.
-    probe = TangentFeatureSVM(**params).fit(X, y)
+    probe = TangentFeatureSVM(PathKernelClassifier(**params)).fit(X, y)
     K_train = np.zeros((len(X), len(X)))
     K_test = np.zeros((9, len(X)))
     for k in range(len(est.trajectory_) - 1):
@@ -141,7 +154,8 @@ def test_path_svm_equals_svc_on_explicit_path_sum(circle):
 def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data):
     X, y = regression_data
     labels = np.array(["a", "b", "c"])[np.digitize(y, np.quantile(y, [0.33, 0.66]))]
-    est = TangentFeatureSVM(**SMALL, C=10.0, svm_kernel="linear").fit(X, labels)
+    est = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=10.0, svm_kernel="linear")
+    est.fit(X, labels)
     assert est.classes_.tolist() == ["a", "b", "c"] and est.n_outputs_ == 3
     assert est.decision_function(X).shape == (len(X), 3)
     assert set(est.predict(X)) <= {"a", "b", "c"}
@@ -171,7 +185,7 @@ def test_seed_figure_3_tangent_svm_beats_rbf(task):
             "ellipse": lambda: make_ellipse(400, random_state=0)}[task]
     X, y = make()
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.5, random_state=0, stratify=y)
-    tangent = TangentFeatureSVM(**FIG3).fit(Xtr, ytr).score(Xte, yte)
+    tangent = TangentFeatureSVM(PathKernelClassifier(**FIG3)).fit(Xtr, ytr).score(Xte, yte)
     rbf = SVC(kernel="rbf").fit(Xtr, ytr).score(Xte, yte)
     assert tangent >= 0.95, (tangent, rbf)
     assert tangent > rbf, (tangent, rbf)

@@ -584,9 +584,11 @@ def test_float32_predictions_are_bitwise_invariant_to_the_rows_passed():
 def test_transformers_declare_the_dtype_they_return():
     X, y = _classes_data(30)
     for dtype in ("float32", "float64"):
-        for est in (PathKernelClassifier(dtype=dtype), TangentFeatures(dtype=dtype),
-                    TangentFeatureSVM(dtype=dtype)):
+        for est in (PathKernelClassifier(dtype=dtype),
+                    TangentFeatures(PathKernelClassifier(dtype=dtype)),
+                    TangentFeatureSVM(PathKernelClassifier(dtype=dtype))):
             assert est.__sklearn_tags__().transformer_tags.preserves_dtype == [dtype]
-            est.set_params(hidden_layer_sizes=(3,), max_iter=2, tol=None, random_state=0)
+            net = est if isinstance(est, PathKernelClassifier) else est.estimator
+            net.set_params(hidden_layer_sizes=(3,), max_iter=2, tol=None, random_state=0)
             for X_dtype in (np.float32, np.float64):
                 assert est.fit(X.astype(X_dtype), y).transform(X[:2]).dtype == dtype

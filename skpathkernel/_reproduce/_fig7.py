@@ -14,7 +14,7 @@ import copy
 import numpy as np
 import torch
 
-from .. import OODRankDetector
+from .. import OODRankDetector, PathKernelMachine
 from ..datasets import make_linear_extrapolation
 from ..plotting import RankGapDisplay
 from ._common import progress, save, subplots, training
@@ -74,10 +74,10 @@ def figure7_section(ctx):
     rows, results = [], {}
     with progress("figures 7-8", len(SETTINGS)) as tick:
         for row, (name, kinks) in enumerate(SETTINGS.items()):
-            det = OODRankDetector(
-                module=_relu_network(kinks), loss="squared_error", normalize_y=False,
+            det = OODRankDetector(PathKernelMachine(
+                module=_relu_network(kinks), normalize_y=False,
                 **training(ctx, solver="adam", learning_rate_init=0.003, batch_size=None,
-                           max_iter=epochs, dtype="float64")).fit(X, y)
+                           max_iter=epochs, dtype="float64"))).fit(X, y)
             net = det.estimator_
             traj = net.trajectory_
             ax = axes7[row]

@@ -1,0 +1,214 @@
+"""What the meta-estimators share: a network trainer passed as ``estimator=``.
+
+:class:`~skpathkernel.TangentFeatures`, :class:`~skpathkernel.TangentFeatureSVM` and
+:class:`~skpathkernel.OODRankDetector` own no training parameter. Each takes a trainer,
+:class:`~skpathkernel.PathKernelMachine` or :class:`~skpathkernel.PathKernelClassifier`,
+as scikit-learn's meta-estimators take theirs (``SelectFromModel``,
+``CalibratedClassifierCV``): ``fit`` clones and fits it (``estimator_``), and the
+meta-estimator reads the network it trained (``estimator_.network_``). A trainer wrapped
+in :class:`sklearn.frozen.FrozenEstimator` is used as it is, never refitted; a search
+reaches the network's parameters as ``estimator__hidden_layer_sizes``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
+from sklearn.frozen import FrozenEstimator
+from sklearn.utils._param_validation import HasMethods
+from sklearn.utils.multiclass import type_of_target
+
+from ._base import (
+    FIT_CHECKS,
+    FittedAttribute,
+    FittedNetworkMixin,
+    reject_sparse_y,
+)
+from ._inputs import FEATURES, TOKENS, check_representable, validate_input
+from ._machine import PathKernelClassifier, PathKernelMachine
+from ._network import network_of
+from .kernels import NetworkKernelsMixin
+
+__all__ = ["NetworkMetaEstimator", "trainer_for"]
+
+_CLASS_TARGETS = ("binary", "multiclass")
+
+ESTIMATOR_DOC = """
+    estimator : PathKernelMachine or PathKernelClassifier, default=None
+        The network trainer, which owns every training parameter (architecture or
+        ``module``, solver, epochs, ``dtype``, ``memory_budget``, storage of the path).
+        ``fit`` fits a clone of it (``estimator_``); set its parameters through this
+        estimator as ``estimator__<name>``, e.g. in ``GridSearchCV``. A fitted trainer
+        wrapped in :class:`sklearn.frozen.FrozenEstimator` is used as it is: ``fit``
+        trains nothing, and reads its network on the ``X`` it is given."""
+
+FITTED_DOC = """
+    estimator_ : PathKernelMachine or PathKernelClassifier
+        The fitted trainer: a clone of ``estimator`` (or the default one) fitted here, or
+        the trainer inside a ``FrozenEstimator``, itself.
+    network_ : TrainedNetwork
+        ``estimator_``'s network and its recorded path, which the kernels
+        (``tangent_kernel_``, ``path_kernel_``) and the displays read. ``module_``,
+        ``trajectory_``, ``n_params_``, ``n_outputs_``, ``device_``, ``dtype_``,
+        ``loss_curve_``, ``best_loss_``, ``validation_scores_``,
+        ``best_validation_score_``, ``n_iter_`` and ``t_`` are ``estimator_``'s, read
+        from it.
+    X_fit_ : ndarray of shape (n_samples_fit, n_features) or (n_samples_fit, ...)
+        The training points of the kernel rows: the samples ``estimator_`` trained on
+        (all of ``X`` unless ``early_stopping`` held some out), or with a
+        ``FrozenEstimator`` the ``X`` given to ``fit``; as the network takes them.
+    n_features_in_ : int
+        Number of features seen during fit (values per sample for ``(n, ...)`` inputs).
+    input_shape_ : tuple of int
+        Trailing shape of ``X`` at fit; every method that takes ``X`` expects it.
+    feature_names_in_ : ndarray of shape (`n_features_in_`,)
+        Names of features seen during fit, when X has string column names.
+"""
+
+
+def trainer_for(y, random_state):
+    """The default trainer for targets ``y``, as scikit-learn chooses a stratified split.
+
+    :func:`~sklearn.utils.multiclass.type_of_target` "binary" or "multiclass" (labels,
+    and integer-valued targets with few distinct values) is class labels: a
+    :class:`PathKernelClassifier`; anything else (continuous, multi-output) a
+    :class:`PathKernelMachine`.
+    """
+    kind = type_of_target(y, input_name="y", raise_unknown=True)
+    cls = PathKernelClassifier if kind in _CLASS_TARGETS else PathKernelMachine
+    return cls(random_state=random_state)
+
+
+class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimatorMixin,
+                           BaseEstimator):
+    """Base of the meta-estimators: fit a trainer, read its network.
+
+    Subclasses say which trainers they take (``_trainers``) and how the default one is
+    chosen (``_default_trainer``).
+    """
+
+    _parameter_constraints: dict = {
+        "estimator": [HasMethods(["fit"]), None],
+        "random_state": ["random_state"],
+    }
+    _trainers: tuple = (PathKernelMachine, PathKernelClassifier)
+
+    # Read from the fitted trainer: one source of truth.
+    module_ = FittedAttribute("estimator_")
+    trajectory_ = FittedAttribute("estimator_")
+    device_ = FittedAttribute("estimator_")
+    dtype_ = FittedAttribute("estimator_")
+    n_params_ = FittedAttribute("estimator_")
+    n_outputs_ = FittedAttribute("estimator_")
+    loss_curve_ = FittedAttribute("estimator_")
+    best_loss_ = FittedAttribute("estimator_")
+    validation_scores_ = FittedAttribute("estimator_")
+    best_validation_score_ = FittedAttribute("estimator_")
+    n_iter_ = FittedAttribute("estimator_")
+    t_ = FittedAttribute("estimator_")
+    # The meta-estimator's own: the points its kernel rows and spans are against.
+    X_fit_ = FittedAttribute()
+
+    @property
+    def network_(self):
+        """The fitted trainer's network (see :class:`~skpathkernel.TrainedNetwork`)."""
+        if "estimator_" not in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute 'network_' (not fitted)")
+        return network_of(self.estimator_)
+
+    def _trained_by(self):
+        return self.estimator_
+
+    # ------------------------------------------------------------------ the trainer
+    def _trainer(self):
+        """``(trainer or None, frozen)``: the ``estimator`` parameter, unwrapped."""
+        est = self.estimator
+        frozen = isinstance(est, FrozenEstimator)
+        inner = est.estimator if frozen else est
+        if inner is not None and not isinstance(inner, self._trainers):
+            kinds = " or ".join(cls.__name__ for cls in self._trainers)
+            raise TypeError(
+                f"{type(self).__name__} takes a skpathkernel trainer as estimator, a "
+                f"{kinds} (fitted and wrapped in sklearn.frozen.FrozenEstimator to use "
+                f"its network as it is); got {type(inner).__name__}."
+            )
+        return inner, frozen
+
+    def _default_trainer(self, y):
+        return trainer_for(y, self.random_state)
+
+    def _check_targets(self, y) -> None:
+        """Refuse targets before any training (the trainer checks them otherwise)."""
+
+    def _fit_trainer(self, X, y, *, target=None):
+        """Validate ``X`` (and ``y``) here, then fit a clone of the trainer on them.
+
+        ``target``: what the trainer is fitted on instead of ``y`` (the detector's
+        reconstruction). Sets ``estimator_`` and ``X_fit_``; returns the validated
+        ``(X, y)`` and whether the trainer was frozen (then nothing was trained, and
+        ``X`` was checked against its network).
+        """
+        inner, frozen = self._trainer()
+        if frozen:
+            net = network_of(inner)  # NotFittedError for a frozen unfitted trainer
+            X, y = self._validate_like_network(X, y, net)
+            self._check_targets(y)
+            self.estimator_, self.X_fit_ = inner, X
+            return X, y, True
+        X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
+        self._check_targets(y)
+        if inner is None:
+            trainer = self._default_trainer(y)
+        else:
+            trainer = clone(inner)
+        trainer.fit(X, y if target is None else target(X))
+        self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
+        return X, y, False
+
+    def _validate_fit_data(self, X, y, *, flexible):
+        checks = dict(reset=True, flexible=flexible,
+                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
+        if y is None and not self.__sklearn_tags__().target_tags.required:
+            return validate_input(self, X, **checks), None
+        reject_sparse_y(y)
+        return validate_input(self, X, y, multi_output=True, **checks)
+
+    def _validate_like_network(self, X, y, net):
+        """``X`` (and ``y``) validated for a fitted network: its input form, its dtype."""
+        shape, kind = net.input_shape, net.input_kind
+        X, y = self._validate_fit_data(X, y, flexible=kind != FEATURES)
+        check_representable(X, net.torch_dtype)
+        if kind == FEATURES and X.shape[1] != net.n_features_in:
+            raise ValueError(
+                f"X has {X.shape[1]} features, but the estimator's network is expecting "
+                f"{net.n_features_in} features as input."
+            )
+        if (self.input_shape_, self._input_kind) != (shape, kind):
+            raise ValueError(
+                f"X has shape {X.shape} and dtype {X.dtype}, but the estimator's network "
+                f"takes {'integer token ids' if kind == TOKENS else 'float X'} of shape "
+                f"(n_samples, {', '.join(map(str, shape))})."
+            )
+        return X, y
+
+    def _trainer_param(self, name, default):
+        """A parameter of the trainer that ``fit`` will use (tags read it before fit)."""
+        try:
+            inner = self._trainer()[0]
+        except TypeError:  # a wrong estimator: fit says so
+            inner = None
+        return default if inner is None else getattr(inner, name, default)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.non_deterministic = False
+        tags.input_tags.allow_nan = False
+        # With a module, X may be (n, ...): images, sequences, token ids (see _inputs).
+        tags.input_tags.three_d_array = self._trainer_param("module", None) is not None
+        return tags
+
+
+def flat_targets(X: np.ndarray) -> np.ndarray:
+    """Every value of a sample as a target (its flat view for ``(n, ...)`` inputs)."""
+    return X.reshape(len(X), -1).astype(np.float64)

@@ -1,0 +1,158 @@
+"""The meta-estimators take their network trainer as ``estimator=`` (issue 29).
+
+TangentFeatures, TangentFeatureSVM and OODRankDetector own no training parameter: the
+trainer's parameters reach the network, a FrozenEstimator's network is read without a
+refit, GridSearchCV reaches the network as ``estimator__<name>``, and anything but a
+skpathkernel trainer is refused with a message naming it.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.frozen import FrozenEstimator
+from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.model_selection import GridSearchCV
+from sklearn.pipeline import make_pipeline
+
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+)
+from skpathkernel.datasets import make_circle
+
+SMALL = dict(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=0.02, max_iter=20,
+             tol=None, dtype="float64", random_state=0)
+META = (TangentFeatures, TangentFeatureSVM, OODRankDetector)
+
+
+@pytest.fixture(scope="module")
+def circle():
+    return make_circle(n_samples=60, random_state=0)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_at_most_ten_parameters_and_init_only_stores(cls):
+    params = inspect.signature(cls.__init__).parameters
+    assert len(params) - 1 <= 10
+    assert list(params)[1] == "estimator" and params["estimator"].default is None
+    est = cls(estimator="anything")  # validated at fit, as scikit-learn does
+    assert est.get_params(deep=False)["estimator"] == "anything"
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_trainer_parameters_reach_the_network(cls, circle):
+    X, y = circle
+    net = PathKernelClassifier(**{**SMALL, "hidden_layer_sizes": (5, 3)}, activation="tanh")
+    est = cls(net).fit(X, y)
+    assert est.estimator_ is not net and not hasattr(net, "network_")  # a clone was fitted
+    assert est.estimator_.get_params() == net.get_params()
+    linear = [m for m in est.module_.modules() if isinstance(m, torch.nn.Linear)]
+    assert [m.out_features for m in linear] == [5, 3, 1]
+    assert any(isinstance(m, torch.nn.Tanh) for m in est.module_.modules())
+    assert est.dtype_ == "float64" and est.n_params_ == 2 * 5 + 5 + 5 * 3 + 3 + 3 + 1
+    assert len(est.loss_curve_) == SMALL["max_iter"]
+    # The network is the trainer's own, trained as the trainer alone trains it.
+    ref = clone(net).fit(X, y)
+    np.testing.assert_array_equal(est.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    assert est.network_.trajectory is est.estimator_.trajectory_
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_a_frozen_trainer_is_read_as_it_is(cls, circle):
+    X, y = circle
+    clf = PathKernelClassifier(**SMALL).fit(X, y)
+    net, traj, module = clf.network_, clf.trajectory_, clf.module_
+    est = cls(FrozenEstimator(clf)).fit(X, y)
+    # Not refitted: the same network object, trajectory and module.
+    assert est.estimator_ is clf and clf.network_ is net
+    assert est.trajectory_ is traj and est.module_ is module
+    # clone (and so GridSearchCV) keeps the frozen trainer fitted.
+    again = clone(est).fit(X, y)
+    assert again.estimator_ is clf and clf.trajectory_ is traj
+    # The same results as the meta-estimator that trains the same network itself.
+    own = cls(PathKernelClassifier(**SMALL)).fit(X, y)
+    Xq = X[:7] * 1.3
+    method = {TangentFeatures: "transform", TangentFeatureSVM: "decision_function",
+              OODRankDetector: "score_samples"}[cls]
+    np.testing.assert_allclose(getattr(est, method)(Xq), getattr(own, method)(Xq),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_a_frozen_trainer_reads_the_x_it_is_given(circle):
+    X, y = circle
+    clf = PathKernelClassifier(**SMALL).fit(X[:40], y[:40])
+    svm = TangentFeatureSVM(FrozenEstimator(clf), svm_kernel="linear").fit(X[40:], y[40:])
+    np.testing.assert_array_equal(svm.X_fit_, X[40:])
+    np.testing.assert_array_equal(svm.svm_.support_vectors_,
+                                  clf.transform(X[40:])[svm.svm_.support_])
+    with pytest.raises(ValueError, match="features"):
+        TangentFeatures(FrozenEstimator(clf)).fit(X[:, :1], y)
+    with pytest.raises(NotFittedError):
+        TangentFeatureSVM(FrozenEstimator(PathKernelClassifier())).fit(X, y)
+
+
+def test_grid_search_reaches_the_network_through_estimator(circle):
+    X, y = circle
+    grid = {"estimator__hidden_layer_sizes": [(2,), (12,)], "C": [1.0, 10.0]}
+    search = GridSearchCV(TangentFeatureSVM(PathKernelClassifier(**SMALL)), grid, cv=2)
+    search.fit(X, y)
+    assert len(search.cv_results_["params"]) == 4
+    best = search.best_estimator_
+    width = best.estimator_.module_[0].out_features
+    assert (width,) == search.best_params_["estimator__hidden_layer_sizes"]
+    assert best.estimator_.hidden_layer_sizes == (width,)
+    # Each candidate trained its own network: the widths give different fold scores.
+    scores = search.cv_results_["mean_test_score"]
+    assert len(set(np.round(scores, 12))) > 1
+    # In a pipeline, the network is two levels down.
+    pipe = make_pipeline(TangentFeatures(PathKernelClassifier(**SMALL), normalize=True),
+                         LogisticRegression())
+    search = GridSearchCV(
+        pipe, {"tangentfeatures__estimator__hidden_layer_sizes": [(3,), (6,)]}, cv=2)
+    best = search.fit(X, y).best_estimator_[0]
+    assert best.n_params_ in (2 * 3 + 3 + 3 + 1, 2 * 6 + 6 + 6 + 1)
+    # A detector's network too (scored by its mean score_samples).
+    det = GridSearchCV(OODRankDetector(PathKernelMachine(**SMALL)),
+                       {"estimator__hidden_layer_sizes": [(3,), (6,)]}, cv=2,
+                       scoring=lambda est, X, y=None: float(np.mean(est.score_samples(X))))
+    assert det.fit(X).best_estimator_.estimator_.hidden_layer_sizes in ((3,), (6,))
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("bad", [Ridge(), FrozenEstimator(Ridge()), "net"],
+                         ids=["Ridge", "frozen Ridge", "str"])
+def test_a_non_trainer_estimator_is_refused_and_the_previous_fit_kept(cls, bad, circle):
+    X, y = circle
+    est = cls(PathKernelClassifier(**SMALL)).fit(X, y)
+    traj = est.trajectory_
+    error = (ValueError, TypeError)
+    with pytest.raises(error, match="estimator") as info:
+        est.set_params(estimator=bad).fit(X, y)
+    if not isinstance(bad, str):
+        assert "skpathkernel trainer" in str(info.value) and "Ridge" in str(info.value)
+    assert est.trajectory_ is traj
+
+
+def test_tangent_feature_svm_takes_a_classifier_only(circle):
+    X, y = circle
+    with pytest.raises(TypeError, match="PathKernelClassifier.*got PathKernelMachine"):
+        TangentFeatureSVM(PathKernelMachine(**SMALL)).fit(X, y)
+    with pytest.raises(ValueError, match="Unknown label type: continuous"):
+        TangentFeatureSVM(PathKernelClassifier(**SMALL)).fit(X, X[:, 0])
+
+
+def test_the_default_trainer_is_seeded_by_random_state(circle):
+    X, y = circle
+    a = TangentFeatureSVM(random_state=3).fit(X, y)
+    b = TangentFeatureSVM(random_state=3).fit(X, y)
+    assert a.estimator_.random_state == 3 and a.estimator is None
+    np.testing.assert_array_equal(a.trajectory_.parameters(-1), b.trajectory_.parameters(-1))
+    ref = PathKernelClassifier(random_state=3).fit(X, y)
+    np.testing.assert_array_equal(a.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))

@@ -92,8 +92,9 @@ class AttributionScores(np.ndarray):
         made at that step, for each query's output: about 1 to 2 on stable paths, tens
         and more on chaotic ones (a warning fires above 10).
     amplification : ndarray of shape (n_steps,) or None
-        Each step's one-step amplification of the adjoint, ``|a_t| / |a_{t+1}|`` (median
-        over the queries); above 1 where the step amplifies perturbations.
+        Each step's one-step amplification of the adjoint, ``|a_t| / |a_{t+1}|``
+        (geometric mean over the queries, NaN where no query's adjoint is nonzero);
+        above 1 where the step amplifies perturbations.
     replay_error : float or None
         Thinned paths: the largest relative mismatch between the replayed parameters and
         the next recorded point (0 when every step is recorded).
@@ -396,7 +397,12 @@ def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
 
 
 def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
-    """Scores (Qb, N) float64, adjoint norms (n_steps + 1, Qb) and the replay error."""
+    """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
+    one-step amplification and their counts (n_steps,), and the replay error.
+
+    The stability measures are accumulated along the sweep: nothing of size
+    ``(n_steps, Qb)`` is kept.
+    """
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
     wd = _coupled_decay(spec)
@@ -405,8 +411,12 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
     N = traj.n_samples
     scores = torch.zeros((len(Xq), N), dtype=torch.float64, device=device)
-    norms = [a["theta"].norm(dim=1).double()]
-    for step in path.steps():
+    prev = a["theta"].norm(dim=1).double()
+    final = torch.where(prev > 0, prev, torch.nan)  # NaN: an output without parameters
+    growth = prev / final
+    log_sum = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
+    count = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
+    for back, step in enumerate(path.steps()):
         d, products = _batch_graph(path, step)
         u, a = adjoint_fn(spec, step, a, d)
         D, HU = products(u)
@@ -415,9 +425,16 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
         scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
         a["theta"] = (a["theta"] + HU + wd * u if wd else a["theta"] + HU).detach()
         a = {key: value.detach() for key, value in a.items()}
-        norms.append(a["theta"].norm(dim=1).double())
-    return (scores.cpu().numpy(), torch.stack(norms[::-1]).cpu().numpy(),
-            path.replay_error)
+        norm = a["theta"].norm(dim=1).double()
+        growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
+        ratio = norm / prev  # |a_t| / |a_{t+1}|
+        ok = (prev > 0) & (ratio > 0)
+        t = traj.n_steps - 1 - back
+        log_sum[t] = torch.where(ok, ratio.log(), 0.0).sum()
+        count[t] = ok.sum()
+        prev = norm
+    return (scores.cpu().numpy(), growth.cpu().numpy(), log_sum.cpu().numpy(),
+            count.cpu().numpy(), path.replay_error)
 
 
 def _row_bytes(module, traj, X, itemsize) -> int:
@@ -439,18 +456,28 @@ def _row_bytes(module, traj, X, itemsize) -> int:
 
 
 def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
+    """One task's query blocks: scores, growth, the summed per-step log amplification and
+    counts (one (n_steps,) pair a task, whatever the number of blocks), replay error."""
     module, traj = net.module, net.trajectory
     device = net.torch_device
     rows = np.asarray(rows)
-    parts = []
+    scores, growth = [], []
+    log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
+    error = 0.0
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
-        scores, norms, error = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device,
-                                      moments)
+        s, g, logs, n, e = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device,
+                                  moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
-            scores = scores[np.arange(len(r)), r][:, None]
-        parts.append((scores, norms, error))
-    return parts
+            s = s[np.arange(len(r)), r][:, None]
+        scores.append(s)
+        growth.append(g)
+        log_sum += logs
+        count += n
+        error = max(error, e)
+    if not scores:
+        return None
+    return np.concatenate(scores), np.concatenate(growth), log_sum, count, error
 
 
 def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
@@ -471,24 +498,25 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     moments = path.replay_moments() if path.needs_moments else None
-    parts = [p for blocks in map_row_blocks(_run_rows, np.arange(len(Xq)), n_jobs,
-                                            net.for_workers(), X, Y, Xq, Wq, block,
-                                            diagonal, moments)
-             for p in blocks]
+    parts = [p for p in map_row_blocks(_run_rows, np.arange(len(Xq)), n_jobs,
+                                        net.for_workers(), X, Y, Xq, Wq, block, diagonal,
+                                        moments) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
-        norms = np.concatenate([p[1] for p in parts], axis=1)
+        growth = np.concatenate([p[1] for p in parts])
+        log_sum = np.sum([p[2] for p in parts], axis=0)
+        count = np.sum([p[3] for p in parts], axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            amplification = np.where(count > 0, np.exp(log_sum / np.maximum(count, 1)),
+                                     np.nan)
     else:
         scores = np.zeros((0, 1 if diagonal else traj.n_samples))
-        norms = np.zeros((traj.n_steps + 1, 0))
+        growth = np.zeros(0)
+        amplification = np.ones(traj.n_steps)
     result = scores.view(AttributionScores)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        final = np.where(norms[-1] > 0, norms[-1], np.nan)
-        result.growth = np.nanmax(norms / final, axis=0) if norms.size else np.zeros(0)
-        ratio = norms[:-1] / np.where(norms[1:] > 0, norms[1:], np.nan)
-        result.amplification = (np.nanmedian(ratio, axis=1) if norms.shape[1]
-                                else np.ones(len(ratio)))
-    result.replay_error = max((p[2] for p in parts), default=0.0)
+    result.growth = growth
+    result.amplification = amplification
+    result.replay_error = max((p[4] for p in parts), default=0.0)
     _warn(result, traj)
     return result
 

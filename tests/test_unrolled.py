@@ -397,3 +397,27 @@ def test_a_slice_of_the_queries_drops_their_growth():
     scores = est.attribute(X[:3], method="unrolled")
     assert scores[:2].growth is None and (scores * 2).growth is scores.growth
     assert scores[:2].amplification is scores.amplification
+
+
+def test_memory_does_not_grow_with_steps_times_queries():
+    """The stability measures are accumulated along the sweep: nothing of size
+    (n_steps, n_queries) is held (self_influence has as many queries as training points)."""
+    import tracemalloc
+
+    X, y = _regression(n=80)
+    peaks = []
+    for max_iter in (6, 60):
+        est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.01,
+                                batch_size=8, max_iter=max_iter, tol=None, dtype="float64",
+                                normalize_y=False, random_state=0).fit(X, y)
+        est.self_influence()  # torch's first-call caches out of the measurement
+        tracemalloc.start()
+        influence = est.self_influence()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert influence.growth.shape == (80,)
+        assert influence.amplification.shape == (est.trajectory_.n_steps,)
+    # 540 more steps: (n_steps,) vectors (batch offsets, the amplification), not arrays of
+    # (n_steps, 80) float64 (346 kB each).
+    assert peaks[1] - peaks[0] < 20 * 540 * 8, peaks
+

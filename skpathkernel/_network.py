@@ -86,6 +86,8 @@ def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
             raise ValueError("method='unrolled' differentiates the realized path (each "
                              "step's own batch): weighting must be 'realized', got "
                              f"{weighting!r}.")
+        # Unused by the unrolled derivative, but refused when invalid, as for every method.
+        check_decompose_args("exact", weighting, n_nodes, tol)
         return
     if method not in ("exact", "first_order", "second_order"):
         raise ValueError("method must be 'unrolled', 'exact', 'first_order' or "

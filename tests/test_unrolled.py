@@ -421,3 +421,11 @@ def test_memory_does_not_grow_with_steps_times_queries():
     # (n_steps, 80) float64 (346 kB each).
     assert peaks[1] - peaks[0] < 20 * 540 * 8, peaks
 
+
+def test_unrolled_validates_n_nodes_and_tol_like_the_other_methods():
+    est, X, _ = _fit(**SOLVERS["sgd"])
+    with pytest.raises(ValueError, match="n_nodes"):
+        est.attribute(X[:2], method="unrolled", n_nodes=-5)
+    with pytest.raises(ValueError, match="tol"):
+        est.attribute(X[:2], method="unrolled", tol="bad")
+

@@ -49,6 +49,8 @@ more than any first-order derivative predicts, and a warning says so.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -521,6 +523,16 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     return result
 
 
+def _caller_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside skpathkernel, for a warning issued by the
+    caller of this function: the user's line, whichever public method they called."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn(result: AttributionScores, traj: Trajectory) -> None:
     # NaN: a query whose output does not depend on the parameters; inf: an adjoint that
     # overflowed, which is growth beyond any limit.
@@ -539,7 +551,7 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             "for the smallest removals at best. The steps that amplify most: "
             f"{steps or 'none alone'}. Train with a smaller learning rate (the largest was "
             f"{lr:g}) for scores that predict retraining.",
-            UnstablePathWarning, stacklevel=4,
+            UnstablePathWarning, stacklevel=_caller_stacklevel(),
         )
     if result.replay_error and result.replay_error > 1e-3:
         warnings.warn(
@@ -549,5 +561,5 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             "(AttributionScores.replay_error); the training step depends on something the "
             "record does not hold (a learning-rate schedule inside an interval, dropout, "
             "other randomness). Record every step for exact scores.",
-            UserWarning, stacklevel=4,
+            UserWarning, stacklevel=_caller_stacklevel(),
         )

@@ -429,3 +429,17 @@ def test_unrolled_validates_n_nodes_and_tol_like_the_other_methods():
     with pytest.raises(ValueError, match="tol"):
         est.attribute(X[:2], method="unrolled", tol="bad")
 
+
+def test_unstable_path_warning_points_at_the_callers_line():
+    X, y = _regression(n=32, seed=1)
+    chaotic = PathKernelMachine(hidden_layer_sizes=(32, 32), solver="sgd", batch_size=8,
+                                max_iter=30, tol=None, dtype="float64", random_state=0,
+                                learning_rate_init=1.0).fit(X, y)
+    net = RecordedNetwork(chaotic.module_, chaotic.trajectory_, X_train=X, y_train=y)
+    for call in (lambda: chaotic.attribute(X[:2], method="unrolled"),
+                 lambda: chaotic.network_.attribute(X[:2], method="unrolled"),
+                 lambda: net.attribute(X[:2], method="unrolled"),
+                 lambda: chaotic.self_influence()):
+        with pytest.warns(UnstablePathWarning) as record:
+            call()
+        assert {w.filename for w in record} == {__file__}

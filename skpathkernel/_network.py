@@ -99,9 +99,9 @@ def _target_codes(y: np.ndarray) -> np.ndarray:
     """The class of every training target: codes as they are, else the positive or
     largest target column (+-1 or one-hot targets of a squared-error classifier)."""
     y = np.asarray(y)
-    if np.issubdtype(y.dtype, np.integer):
-        return y.reshape(-1)
-    y = y.reshape(len(y), -1)
+    if np.issubdtype(y.dtype, np.integer) and y.ndim == 1:
+        return y
+    y = y.reshape(len(y), -1)  # a target column per output, floats or integers
     return (y[:, 0] > 0).astype(np.intp) if y.shape[1] == 1 else np.argmax(y, axis=1)
 
 

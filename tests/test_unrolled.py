@@ -443,3 +443,28 @@ def test_unstable_path_warning_points_at_the_callers_line():
         with pytest.warns(UnstablePathWarning) as record:
             call()
         assert {w.filename for w in record} == {__file__}
+
+
+def test_self_influence_margin_of_integer_one_hot_targets():
+    """A squared-error network trained on integer one-hot targets (torch's F.one_hot):
+    each point's label is its largest target column, as for float one-hot targets."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(12, 3))
+    labels = rng.randint(0, 3, size=12)
+    Y = np.eye(3, dtype=np.int64)[labels]
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(),
+                                 torch.nn.Linear(5, 3)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(Y, dtype=torch.float64)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for t in range(4):
+            batch = np.arange(len(X))[t % 2::2]
+            rec.set_batch(batch)
+            opt.zero_grad()
+            (0.5 * (module(Xt[batch]) - Yt[batch]).pow(2).mean(1)).mean().backward()
+            opt.step()
+    net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=Y)
+    full = net.attribute(X, labels, method="unrolled", output="margin")
+    np.testing.assert_allclose(net.self_influence(output="margin"), np.diag(full),
+                               rtol=1e-12, atol=1e-15)

@@ -34,11 +34,13 @@ Cost per step: one forward-backward of the batch, then per query one double back
 whatever the number of steps; the path is read backwards, chunk by chunk from disk.
 
 Thinned paths (``record_every > 1``): the steps between two recorded points are replayed
-forward from the first (batches and step sizes are recorded) and kept for the interval
-only; the replay's mismatch with the next recorded point is reported. Solvers whose first
-moment is not recorded (SGD with momentum, Adam, AdamW) are first replayed from the
-initialization to recover it at each recorded point (one more (P,) vector per recorded
-point in memory: about half the recorded path of Adam).
+forward from the first (batches and each interval's step size are recorded) and kept for
+the interval only; the replay's mismatch with the next recorded point is reported. Solvers
+whose first moment is not recorded (SGD with momentum, Adam, AdamW) are first replayed from
+the initialization to recover it at each recorded point, checkpointed: the replay's state
+is kept at every ``sqrt(n_points)``-th point and the moments of one segment at a time are
+replayed again from its checkpoint (about ``2 sqrt(n_points)`` (P,) vectors in memory, and
+one more forward replay of the path per query block).
 
 Stability. The adjoint's growth along the path measures how far training amplifies a
 perturbation of the parameters. A path past the edge of stability (lr x sharpness > 2)
@@ -266,7 +268,8 @@ class _Path:
         self.device = device
         self.spec = traj.solver_spec
         self.replay_error = 0.0
-        self._moments = moments
+        self._moments = moments  # replay_moments' checkpoints
+        self._segment: dict[int, torch.Tensor | None] = {}
 
     @property
     def needs_moments(self) -> bool:
@@ -314,7 +317,7 @@ class _Path:
         """An interval's steps replayed forward from its first point (kept in memory)."""
         step_fn = _SOLVERS[self.spec.name][0]
         first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
-        state = {} if self._moments is None else {"m": self._moments[j]}
+        state = {} if self._moments is None else {"m": self._moment(j)}
         if v is not None:
             # The recorded second moment is the one after the interval's first step:
             # undo that step's update so that the replay makes it again.
@@ -334,25 +337,50 @@ class _Path:
         self.replay_error = max(self.replay_error, float((theta - end).norm()) / scale)
         return out
 
-    def replay_moments(self) -> list[torch.Tensor]:
-        """First moments at every recorded point, from a forward replay of the path
-        (one (P,) vector a recorded point, kept in memory)."""
+    def _advance(self, j: int, state: dict) -> dict:
+        """The optimizer state at point ``j + 1``: interval ``j`` replayed forward from
+        recorded point ``j`` with the state ``state``."""
         traj, spec = self.traj, self.spec
         step_fn = _SOLVERS[spec.name][0]
-        theta = self.params(0)
+        theta = self.params(j)
+        first, last = int(traj.steps[j]), int(traj.steps[j + 1])
+        lr = float(traj.learning_rates[j])
+        count = self._state(j)[1] if spec.state_keys else float(first + 1)
+        for t in range(first, last):
+            theta, state = step_fn(spec, theta, state, self.gradient(theta, traj.batch(t)),
+                                   lr, count + (t - first))
+        return state
+
+    def replay_moments(self) -> tuple[int, dict[int, dict]]:
+        """Checkpoints of the forward replay that recovers the first moments: the replay's
+        optimizer state at every ``every``-th recorded point, ``every`` about the square
+        root of the number of intervals. The moments in between are replayed again from
+        the checkpoint before them, one segment at a time (:meth:`_moment`), so that about
+        ``2 sqrt(n_points)`` (P,) vectors are held, not one a recorded point."""
+        n = len(self.traj) - 1
+        every = math.isqrt(max(n - 1, 0)) + 1  # ceil(sqrt(n))
         state: dict = {}
-        moments = []
-        for j in range(len(traj) - 1):
-            moments.append(state.get("m"))
-            first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-            lr = float(traj.learning_rates[j])
-            count = self._state(j)[1] if spec.state_keys else float(first + 1)
-            for t in range(first, last):
-                theta, state = step_fn(spec, theta, state,
-                                       self.gradient(theta, traj.batch(t)), lr,
-                                       count + (t - first))
-            theta = self.params(j + 1)  # restart each interval on the recorded point
-        return moments
+        checkpoints = {0: state}
+        for j in range(every * ((n - 1) // every)):
+            state = self._advance(j, state)  # each interval restarts on its recorded point
+            if (j + 1) % every == 0:
+                checkpoints[j + 1] = state
+        return every, checkpoints
+
+    def _moment(self, j: int) -> torch.Tensor | None:
+        """The replay's first moment at recorded point ``j`` (None: no step taken yet).
+        The sweep asks for the points last first: a segment is replayed from its
+        checkpoint when its last point is asked for, and kept until the sweep leaves it."""
+        if j not in self._segment:
+            every, checkpoints = self._moments
+            start = j - j % every
+            state = checkpoints[start]
+            self._segment = {}
+            for i in range(start, j + 1):
+                self._segment[i] = state.get("m")
+                if i < j:
+                    state = self._advance(i, state)
+        return self._segment[j]
 
 
 def _batch_graph(path: _Path, step: _Step):

@@ -4,6 +4,7 @@ training point's weight, checked against autograd through an unrolled replay
 retraining without points."""
 
 import copy
+import math
 import warnings
 
 import numpy as np
@@ -468,3 +469,36 @@ def test_self_influence_margin_of_integer_one_hot_targets():
     full = net.attribute(X, labels, method="unrolled", output="margin")
     np.testing.assert_allclose(net.self_influence(output="margin"), np.diag(full),
                                rtol=1e-12, atol=1e-15)
+
+
+def _tensors_in(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(_tensors_in(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensors_in(v) for v in obj)
+    return 0
+
+
+@pytest.mark.parametrize("solver", ["sgd-momentum-l2", "adamw"])
+def test_thinned_first_moments_are_checkpointed_not_kept_per_point(solver, monkeypatch):
+    """The first moments of a thinned path (not recorded) are replayed from about
+    sqrt(n_points) checkpoints: the (P,) vectors held do not grow with the path."""
+    from skpathkernel import _unrolled
+
+    est, X, _ = _fit(**SOLVERS[solver], normalize_y=False, max_iter=24)
+    thin, _, _ = _fit(**SOLVERS[solver], normalize_y=False, max_iter=24, record_every=2)
+    n_points = len(thin.trajectory_)  # 37: 36 intervals of 2 steps
+    held = []
+    block = _unrolled._block
+
+    def counting(*args):
+        held.append(_tensors_in(args[-1]))  # the moments handed to every query block
+        return block(*args)
+
+    monkeypatch.setattr(_unrolled, "_block", counting)
+    scores = thin.attribute(X[:3], method="unrolled")
+    assert _rel(scores, est.attribute(X[:3], method="unrolled")) < 1e-8
+    # m (and v for Adam) at ceil(sqrt(36)) = 6 checkpoints, not m at each of 36 points.
+    assert 0 < max(held) <= 2 * (math.isqrt(n_points) + 1), held

@@ -86,6 +86,8 @@ def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
             raise ValueError("method='unrolled' differentiates the realized path (each "
                              "step's own batch): weighting must be 'realized', got "
                              f"{weighting!r}.")
+        # Unused by the unrolled derivative, but refused when invalid, as for every method.
+        check_decompose_args("exact", weighting, n_nodes, tol)
         return
     if method not in ("exact", "first_order", "second_order"):
         raise ValueError("method must be 'unrolled', 'exact', 'first_order' or "
@@ -97,9 +99,9 @@ def _target_codes(y: np.ndarray) -> np.ndarray:
     """The class of every training target: codes as they are, else the positive or
     largest target column (+-1 or one-hot targets of a squared-error classifier)."""
     y = np.asarray(y)
-    if np.issubdtype(y.dtype, np.integer):
-        return y.reshape(-1)
-    y = y.reshape(len(y), -1)
+    if np.issubdtype(y.dtype, np.integer) and y.ndim == 1:
+        return y
+    y = y.reshape(len(y), -1)  # a target column per output, floats or integers
     return (y[:, 0] > 0).astype(np.intp) if y.shape[1] == 1 else np.argmax(y, axis=1)
 
 

@@ -34,11 +34,13 @@ Cost per step: one forward-backward of the batch, then per query one double back
 whatever the number of steps; the path is read backwards, chunk by chunk from disk.
 
 Thinned paths (``record_every > 1``): the steps between two recorded points are replayed
-forward from the first (batches and step sizes are recorded) and kept for the interval
-only; the replay's mismatch with the next recorded point is reported. Solvers whose first
-moment is not recorded (SGD with momentum, Adam, AdamW) are first replayed from the
-initialization to recover it at each recorded point (one more (P,) vector per recorded
-point in memory: about half the recorded path of Adam).
+forward from the first (batches and each interval's step size are recorded) and kept for
+the interval only; the replay's mismatch with the next recorded point is reported. Solvers
+whose first moment is not recorded (SGD with momentum, Adam, AdamW) are first replayed from
+the initialization to recover it at each recorded point, checkpointed: the replay's state
+is kept at every ``sqrt(n_points)``-th point and the moments of one segment at a time are
+replayed again from its checkpoint (about ``2 sqrt(n_points)`` (P,) vectors in memory, and
+one more forward replay of the path per query block).
 
 Stability. The adjoint's growth along the path measures how far training amplifies a
 perturbation of the parameters. A path past the edge of stability (lr x sharpness > 2)
@@ -49,6 +51,8 @@ more than any first-order derivative predicts, and a warning says so.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -92,8 +96,9 @@ class AttributionScores(np.ndarray):
         made at that step, for each query's output: about 1 to 2 on stable paths, tens
         and more on chaotic ones (a warning fires above 10).
     amplification : ndarray of shape (n_steps,) or None
-        Each step's one-step amplification of the adjoint, ``|a_t| / |a_{t+1}|`` (median
-        over the queries); above 1 where the step amplifies perturbations.
+        Each step's one-step amplification of the adjoint, ``|a_t| / |a_{t+1}|``
+        (geometric mean over the queries, NaN where no query's adjoint is nonzero);
+        above 1 where the step amplifies perturbations.
     replay_error : float or None
         Thinned paths: the largest relative mismatch between the replayed parameters and
         the next recorded point (0 when every step is recorded).
@@ -263,7 +268,8 @@ class _Path:
         self.device = device
         self.spec = traj.solver_spec
         self.replay_error = 0.0
-        self._moments = moments
+        self._moments = moments  # replay_moments' checkpoints
+        self._segment: dict[int, torch.Tensor | None] = {}
 
     @property
     def needs_moments(self) -> bool:
@@ -311,7 +317,7 @@ class _Path:
         """An interval's steps replayed forward from its first point (kept in memory)."""
         step_fn = _SOLVERS[self.spec.name][0]
         first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
-        state = {} if self._moments is None else {"m": self._moments[j]}
+        state = {} if self._moments is None else {"m": self._moment(j)}
         if v is not None:
             # The recorded second moment is the one after the interval's first step:
             # undo that step's update so that the replay makes it again.
@@ -331,25 +337,50 @@ class _Path:
         self.replay_error = max(self.replay_error, float((theta - end).norm()) / scale)
         return out
 
-    def replay_moments(self) -> list[torch.Tensor]:
-        """First moments at every recorded point, from a forward replay of the path
-        (one (P,) vector a recorded point, kept in memory)."""
+    def _advance(self, j: int, state: dict) -> dict:
+        """The optimizer state at point ``j + 1``: interval ``j`` replayed forward from
+        recorded point ``j`` with the state ``state``."""
         traj, spec = self.traj, self.spec
         step_fn = _SOLVERS[spec.name][0]
-        theta = self.params(0)
+        theta = self.params(j)
+        first, last = int(traj.steps[j]), int(traj.steps[j + 1])
+        lr = float(traj.learning_rates[j])
+        count = self._state(j)[1] if spec.state_keys else float(first + 1)
+        for t in range(first, last):
+            theta, state = step_fn(spec, theta, state, self.gradient(theta, traj.batch(t)),
+                                   lr, count + (t - first))
+        return state
+
+    def replay_moments(self) -> tuple[int, dict[int, dict]]:
+        """Checkpoints of the forward replay that recovers the first moments: the replay's
+        optimizer state at every ``every``-th recorded point, ``every`` about the square
+        root of the number of intervals. The moments in between are replayed again from
+        the checkpoint before them, one segment at a time (:meth:`_moment`), so that about
+        ``2 sqrt(n_points)`` (P,) vectors are held, not one a recorded point."""
+        n = len(self.traj) - 1
+        every = math.isqrt(max(n - 1, 0)) + 1  # ceil(sqrt(n))
         state: dict = {}
-        moments = []
-        for j in range(len(traj) - 1):
-            moments.append(state.get("m"))
-            first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-            lr = float(traj.learning_rates[j])
-            count = self._state(j)[1] if spec.state_keys else float(first + 1)
-            for t in range(first, last):
-                theta, state = step_fn(spec, theta, state,
-                                       self.gradient(theta, traj.batch(t)), lr,
-                                       count + (t - first))
-            theta = self.params(j + 1)  # restart each interval on the recorded point
-        return moments
+        checkpoints = {0: state}
+        for j in range(every * ((n - 1) // every)):
+            state = self._advance(j, state)  # each interval restarts on its recorded point
+            if (j + 1) % every == 0:
+                checkpoints[j + 1] = state
+        return every, checkpoints
+
+    def _moment(self, j: int) -> torch.Tensor | None:
+        """The replay's first moment at recorded point ``j`` (None: no step taken yet).
+        The sweep asks for the points last first: a segment is replayed from its
+        checkpoint when its last point is asked for, and kept until the sweep leaves it."""
+        if j not in self._segment:
+            every, checkpoints = self._moments
+            start = j - j % every
+            state = checkpoints[start]
+            self._segment = {}
+            for i in range(start, j + 1):
+                self._segment[i] = state.get("m")
+                if i < j:
+                    state = self._advance(i, state)
+        return self._segment[j]
 
 
 def _batch_graph(path: _Path, step: _Step):
@@ -396,7 +427,12 @@ def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
 
 
 def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
-    """Scores (Qb, N) float64, adjoint norms (n_steps + 1, Qb) and the replay error."""
+    """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
+    one-step amplification and their counts (n_steps,), and the replay error.
+
+    The stability measures are accumulated along the sweep: nothing of size
+    ``(n_steps, Qb)`` is kept.
+    """
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
     wd = _coupled_decay(spec)
@@ -405,8 +441,12 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
     N = traj.n_samples
     scores = torch.zeros((len(Xq), N), dtype=torch.float64, device=device)
-    norms = [a["theta"].norm(dim=1).double()]
-    for step in path.steps():
+    prev = a["theta"].norm(dim=1).double()
+    final = torch.where(prev > 0, prev, torch.nan)  # NaN: an output without parameters
+    growth = prev / final
+    log_sum = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
+    count = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
+    for back, step in enumerate(path.steps()):
         d, products = _batch_graph(path, step)
         u, a = adjoint_fn(spec, step, a, d)
         D, HU = products(u)
@@ -415,9 +455,16 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
         scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
         a["theta"] = (a["theta"] + HU + wd * u if wd else a["theta"] + HU).detach()
         a = {key: value.detach() for key, value in a.items()}
-        norms.append(a["theta"].norm(dim=1).double())
-    return (scores.cpu().numpy(), torch.stack(norms[::-1]).cpu().numpy(),
-            path.replay_error)
+        norm = a["theta"].norm(dim=1).double()
+        growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
+        ratio = norm / prev  # |a_t| / |a_{t+1}|
+        ok = (prev > 0) & (ratio > 0)
+        t = traj.n_steps - 1 - back
+        log_sum[t] = torch.where(ok, ratio.log(), 0.0).sum()
+        count[t] = ok.sum()
+        prev = norm
+    return (scores.cpu().numpy(), growth.cpu().numpy(), log_sum.cpu().numpy(),
+            count.cpu().numpy(), path.replay_error)
 
 
 def _row_bytes(module, traj, X, itemsize) -> int:
@@ -439,18 +486,28 @@ def _row_bytes(module, traj, X, itemsize) -> int:
 
 
 def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
+    """One task's query blocks: scores, growth, the summed per-step log amplification and
+    counts (one (n_steps,) pair a task, whatever the number of blocks), replay error."""
     module, traj = net.module, net.trajectory
     device = net.torch_device
     rows = np.asarray(rows)
-    parts = []
+    scores, growth = [], []
+    log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
+    error = 0.0
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
-        scores, norms, error = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device,
-                                      moments)
+        s, g, logs, n, e = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device,
+                                  moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
-            scores = scores[np.arange(len(r)), r][:, None]
-        parts.append((scores, norms, error))
-    return parts
+            s = s[np.arange(len(r)), r][:, None]
+        scores.append(s)
+        growth.append(g)
+        log_sum += logs
+        count += n
+        error = max(error, e)
+    if not scores:
+        return None
+    return np.concatenate(scores), np.concatenate(growth), log_sum, count, error
 
 
 def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
@@ -471,26 +528,37 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     moments = path.replay_moments() if path.needs_moments else None
-    parts = [p for blocks in map_row_blocks(_run_rows, np.arange(len(Xq)), n_jobs,
-                                            net.for_workers(), X, Y, Xq, Wq, block,
-                                            diagonal, moments)
-             for p in blocks]
+    parts = [p for p in map_row_blocks(_run_rows, np.arange(len(Xq)), n_jobs,
+                                        net.for_workers(), X, Y, Xq, Wq, block, diagonal,
+                                        moments) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
-        norms = np.concatenate([p[1] for p in parts], axis=1)
+        growth = np.concatenate([p[1] for p in parts])
+        log_sum = np.sum([p[2] for p in parts], axis=0)
+        count = np.sum([p[3] for p in parts], axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            amplification = np.where(count > 0, np.exp(log_sum / np.maximum(count, 1)),
+                                     np.nan)
     else:
         scores = np.zeros((0, 1 if diagonal else traj.n_samples))
-        norms = np.zeros((traj.n_steps + 1, 0))
+        growth = np.zeros(0)
+        amplification = np.ones(traj.n_steps)
     result = scores.view(AttributionScores)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        final = np.where(norms[-1] > 0, norms[-1], np.nan)
-        result.growth = np.nanmax(norms / final, axis=0) if norms.size else np.zeros(0)
-        ratio = norms[:-1] / np.where(norms[1:] > 0, norms[1:], np.nan)
-        result.amplification = (np.nanmedian(ratio, axis=1) if norms.shape[1]
-                                else np.ones(len(ratio)))
-    result.replay_error = max((p[2] for p in parts), default=0.0)
+    result.growth = growth
+    result.amplification = amplification
+    result.replay_error = max((p[4] for p in parts), default=0.0)
     _warn(result, traj)
     return result
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside skpathkernel, for a warning issued by the
+    caller of this function: the user's line, whichever public method they called."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _warn(result: AttributionScores, traj: Trajectory) -> None:
@@ -511,7 +579,7 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             "for the smallest removals at best. The steps that amplify most: "
             f"{steps or 'none alone'}. Train with a smaller learning rate (the largest was "
             f"{lr:g}) for scores that predict retraining.",
-            UnstablePathWarning, stacklevel=4,
+            UnstablePathWarning, stacklevel=_caller_stacklevel(),
         )
     if result.replay_error and result.replay_error > 1e-3:
         warnings.warn(
@@ -521,5 +589,5 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             "(AttributionScores.replay_error); the training step depends on something the "
             "record does not hold (a learning-rate schedule inside an interval, dropout, "
             "other randomness). Record every step for exact scores.",
-            UserWarning, stacklevel=4,
+            UserWarning, stacklevel=_caller_stacklevel(),
         )

@@ -4,6 +4,7 @@ training point's weight, checked against autograd through an unrolled replay
 retraining without points."""
 
 import copy
+import math
 import warnings
 
 import numpy as np
@@ -397,3 +398,107 @@ def test_a_slice_of_the_queries_drops_their_growth():
     scores = est.attribute(X[:3], method="unrolled")
     assert scores[:2].growth is None and (scores * 2).growth is scores.growth
     assert scores[:2].amplification is scores.amplification
+
+
+def test_memory_does_not_grow_with_steps_times_queries():
+    """The stability measures are accumulated along the sweep: nothing of size
+    (n_steps, n_queries) is held (self_influence has as many queries as training points)."""
+    import tracemalloc
+
+    X, y = _regression(n=80)
+    peaks = []
+    for max_iter in (6, 60):
+        est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.01,
+                                batch_size=8, max_iter=max_iter, tol=None, dtype="float64",
+                                normalize_y=False, random_state=0).fit(X, y)
+        est.self_influence()  # torch's first-call caches out of the measurement
+        tracemalloc.start()
+        influence = est.self_influence()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert influence.growth.shape == (80,)
+        assert influence.amplification.shape == (est.trajectory_.n_steps,)
+    # 540 more steps: (n_steps,) vectors (batch offsets, the amplification), not arrays of
+    # (n_steps, 80) float64 (346 kB each).
+    assert peaks[1] - peaks[0] < 20 * 540 * 8, peaks
+
+
+def test_unrolled_validates_n_nodes_and_tol_like_the_other_methods():
+    est, X, _ = _fit(**SOLVERS["sgd"])
+    with pytest.raises(ValueError, match="n_nodes"):
+        est.attribute(X[:2], method="unrolled", n_nodes=-5)
+    with pytest.raises(ValueError, match="tol"):
+        est.attribute(X[:2], method="unrolled", tol="bad")
+
+
+def test_unstable_path_warning_points_at_the_callers_line():
+    X, y = _regression(n=32, seed=1)
+    chaotic = PathKernelMachine(hidden_layer_sizes=(32, 32), solver="sgd", batch_size=8,
+                                max_iter=30, tol=None, dtype="float64", random_state=0,
+                                learning_rate_init=1.0).fit(X, y)
+    net = RecordedNetwork(chaotic.module_, chaotic.trajectory_, X_train=X, y_train=y)
+    for call in (lambda: chaotic.attribute(X[:2], method="unrolled"),
+                 lambda: chaotic.network_.attribute(X[:2], method="unrolled"),
+                 lambda: net.attribute(X[:2], method="unrolled"),
+                 lambda: chaotic.self_influence()):
+        with pytest.warns(UnstablePathWarning) as record:
+            call()
+        assert {w.filename for w in record} == {__file__}
+
+
+def test_self_influence_margin_of_integer_one_hot_targets():
+    """A squared-error network trained on integer one-hot targets (torch's F.one_hot):
+    each point's label is its largest target column, as for float one-hot targets."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(12, 3))
+    labels = rng.randint(0, 3, size=12)
+    Y = np.eye(3, dtype=np.int64)[labels]
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(),
+                                 torch.nn.Linear(5, 3)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(Y, dtype=torch.float64)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for t in range(4):
+            batch = np.arange(len(X))[t % 2::2]
+            rec.set_batch(batch)
+            opt.zero_grad()
+            (0.5 * (module(Xt[batch]) - Yt[batch]).pow(2).mean(1)).mean().backward()
+            opt.step()
+    net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=Y)
+    full = net.attribute(X, labels, method="unrolled", output="margin")
+    np.testing.assert_allclose(net.self_influence(output="margin"), np.diag(full),
+                               rtol=1e-12, atol=1e-15)
+
+
+def _tensors_in(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(_tensors_in(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensors_in(v) for v in obj)
+    return 0
+
+
+@pytest.mark.parametrize("solver", ["sgd-momentum-l2", "adamw"])
+def test_thinned_first_moments_are_checkpointed_not_kept_per_point(solver, monkeypatch):
+    """The first moments of a thinned path (not recorded) are replayed from about
+    sqrt(n_points) checkpoints: the (P,) vectors held do not grow with the path."""
+    from skpathkernel import _unrolled
+
+    est, X, _ = _fit(**SOLVERS[solver], normalize_y=False, max_iter=24)
+    thin, _, _ = _fit(**SOLVERS[solver], normalize_y=False, max_iter=24, record_every=2)
+    n_points = len(thin.trajectory_)  # 37: 36 intervals of 2 steps
+    held = []
+    block = _unrolled._block
+
+    def counting(*args):
+        held.append(_tensors_in(args[-1]))  # the moments handed to every query block
+        return block(*args)
+
+    monkeypatch.setattr(_unrolled, "_block", counting)
+    scores = thin.attribute(X[:3], method="unrolled")
+    assert _rel(scores, est.attribute(X[:3], method="unrolled")) < 1e-8
+    # m (and v for Adam) at ceil(sqrt(36)) = 6 checkpoints, not m at each of 36 points.
+    assert 0 < max(held) <= 2 * (math.isqrt(n_points) + 1), held

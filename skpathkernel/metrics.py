@@ -16,7 +16,9 @@ and ``fit`` on each subset, in parallel with joblib), :func:`linear_datamodeling
 computes the score from any attribution matrix, and :func:`linear_datamodeling_interval`
 gives its bootstrap confidence interval over the subset draws. The attributions of a
 fitted :class:`~skpathkernel.PathKernelClassifier` or
-:class:`~skpathkernel.PathKernelMachine` come from its ``attribute`` method.
+:class:`~skpathkernel.PathKernelMachine` come from its ``attribute`` method;
+:func:`ensemble_attribution` averages them over several independently seeded fits
+(TRAK's ensembling).
 """
 
 from __future__ import annotations
@@ -34,16 +36,18 @@ from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 from scipy.stats import rankdata
 from sklearn.base import clone, is_classifier
 from sklearn.utils import check_array, check_random_state
-from sklearn.utils._param_validation import Interval, StrOptions, validate_params
+from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, validate_params
 
 from ._attribution import label_codes, margin
 from ._base import BasePathKernelNetwork
 from ._network import network_of
 from ._parallel import limit_torch_threads
 from ._training import make_optimizer
+from ._unrolled import AttributionScores
 
 __all__ = [
     "SubsetRetraining",
+    "ensemble_attribution",
     "linear_datamodeling_interval",
     "linear_datamodeling_score",
     "retrain_on_subsets",
@@ -545,3 +549,136 @@ def _check_replayable(estimator, X) -> None:
                                                          X_fit):
         raise ValueError("protocol='replay' needs X to be the estimator's training set "
                          "(its recorded batches index it).")
+
+
+# --------------------------------------------------------------------------- ensembles
+def _attribute_one(estimator, X, y, X_query, y_query, attribute_params, n_tasks):
+    """Fit one seeded clone (on a joblib worker); its scores and the warnings it raised.
+
+    The warnings travel back with the scores, since a process worker's would be lost.
+    """
+    with limit_torch_threads(max(1, cpu_count() // n_tasks)), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = estimator.fit(X, y).attribute(X_query, y_query, **attribute_params)
+    return scores, [(w.message, w.category) for w in caught]
+
+
+@validate_params(
+    {
+        "estimator": [HasMethods(["fit", "attribute", "get_params", "set_params"])],
+        "X": ["array-like"],
+        "y": ["array-like"],
+        "X_query": ["array-like"],
+        "y_query": ["array-like", None],
+        "n_models": [Interval(numbers.Integral, 1, None, closed="left")],
+        "random_state": ["random_state"],
+        "n_jobs": [numbers.Integral, None],
+    },
+    prefer_skip_nested_validation=True,
+)
+def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: int = 5,
+                         random_state=None, n_jobs: int | None = None,
+                         **attribute_params) -> np.ndarray:
+    """Attribution scores averaged over independently seeded fits of an estimator.
+
+    ``n_models`` clones of ``estimator`` (``sklearn.base.clone``: same parameters,
+    unfitted), each with its own ``random_state`` drawn from ``random_state`` (new
+    initialization and minibatch order), are fitted on ``X, y``; each attributes the
+    queries with ``attribute(X_query, y_query, **attribute_params)`` and the scores are
+    averaged. The ensemble's mean predicts the output averaged over retrainings from
+    fresh seeds, which a single model's scores predict only up to the model's own
+    randomness: TRAK's ensembling (Park et al. 2023, section 3.2), whose linear
+    datamodeling score under ``retrain_on_subsets(protocol="independent")`` rises with
+    the number of models.
+
+    Parameters
+    ----------
+    estimator : skpathkernel estimator
+        A :class:`~skpathkernel.PathKernelClassifier` or
+        :class:`~skpathkernel.PathKernelMachine` (any estimator with ``fit``,
+        ``attribute`` and a ``random_state`` parameter), fitted or not: it is cloned,
+        never fitted itself.
+    X : array-like of shape (n_train, n_features)
+    y : array-like of shape (n_train,) or (n_train, n_targets)
+    X_query : array-like of shape (n_queries, n_features)
+    y_query : array-like of shape (n_queries,), default=None
+        Passed to ``attribute``: classifiers explain the margin of these labels (None:
+        each model's predicted class).
+    n_models : int, default=5
+        Number of models fitted and averaged.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the models' seeds: model ``k`` is fitted with
+        ``random_state=RandomState(random_state).randint(2**31 - 1, size=n_models)[k]``.
+    n_jobs : int, default=None
+        Models fitted and attributed in parallel by joblib (``-1``: every core); each
+        limits torch to its share of the cores. ``None`` means 1 unless in a
+        ``joblib.parallel_config`` context.
+    **attribute_params
+        Keyword arguments of ``attribute``: ``method``, ``weighting``, ``output``,
+        ``n_nodes``, ``tol``, ``n_jobs`` (of each model's own query blocks).
+
+    Returns
+    -------
+    scores : ndarray of shape (n_queries, n_train)
+        Float64, the mean of the models' scores. With ``method="unrolled"`` an
+        :class:`~skpathkernel.AttributionScores` whose ``growth`` is, per query, the
+        largest of the models' (the ensemble is as trustworthy as its least stable
+        member) and whose ``replay_error`` is the largest; ``amplification`` is None.
+        Warnings the models raised (such as
+        :class:`~skpathkernel.UnstablePathWarning`) are raised again here.
+
+    See Also
+    --------
+    retrain_on_subsets : The retrained models (``protocol="independent"``) to score it
+        against.
+    linear_datamodeling_score : The score.
+
+    Examples
+    --------
+    >>> from sklearn.datasets import make_classification
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.metrics import ensemble_attribution
+    >>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), solver="sgd",
+    ...                            learning_rate_init=0.1, max_iter=20, tol=None)
+    >>> scores = ensemble_attribution(clf, X, y, X[:3], y[:3], n_models=3,
+    ...                               random_state=0, method="unrolled")
+    >>> scores.shape
+    (3, 40)
+    """
+    if "random_state" not in estimator.get_params(deep=False):
+        raise ValueError(f"{type(estimator).__name__} has no random_state parameter: "
+                         "the ensemble's models need their own seeds.")
+    X_arr = X if hasattr(X, "iloc") else np.asarray(X)
+    y_arr = y if hasattr(y, "iloc") else np.asarray(y)
+    if len(y_arr) != len(X_arr):
+        raise ValueError(f"X has {len(X_arr)} samples but y has {len(y_arr)}.")
+    rng = check_random_state(random_state)
+    seeds = rng.randint(np.iinfo(np.int32).max, size=n_models)
+
+    def model(seed):
+        est = clone(estimator)
+        est.set_params(random_state=int(seed))
+        return est
+
+    n_tasks = max(1, min(effective_n_jobs(n_jobs), n_models))
+    results = Parallel(n_jobs=n_jobs)(
+        delayed(_attribute_one)(model(seed), X_arr, y_arr, X_query, y_query,
+                                attribute_params, n_tasks) for seed in seeds)
+    seen = set()
+    for _, caught in results:
+        for message, category in caught:
+            key = (str(message), category)
+            if key not in seen:
+                seen.add(key)
+                warnings.warn(message, category, stacklevel=2)
+    members = [scores for scores, _ in results]
+    mean = np.mean([np.asarray(s, dtype=np.float64) for s in members], axis=0)
+    growths = [getattr(s, "growth", None) for s in members]
+    if all(g is not None for g in growths):
+        mean = mean.view(AttributionScores)
+        mean.growth = np.max(growths, axis=0)
+        errors = [s.replay_error for s in members if s.replay_error is not None]
+        mean.replay_error = max(errors) if errors else None
+    return mean

@@ -1,6 +1,8 @@
 """The linear datamodeling score, the retraining helper and ``attribute``, against closed
 forms and brute force."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -8,11 +10,12 @@ from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 from scipy.special import logsumexp
 from scipy.stats import bootstrap, spearmanr
-from sklearn.base import clone
+from sklearn.base import BaseEstimator, clone
 from sklearn.linear_model import LogisticRegression, Ridge
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel import AttributionScores, PathKernelClassifier, PathKernelMachine
 from skpathkernel.metrics import (
+    ensemble_attribution,
     linear_datamodeling_interval,
     linear_datamodeling_score,
     retrain_on_subsets,
@@ -458,3 +461,124 @@ def test_recorded_network_attribute_equals_the_estimators(classifiers):
         net.attribute(X[:4])
     with pytest.raises(ValueError, match="class indices"):
         net.attribute(X[:4], np.array([0, 1, 2, 3]), output="margin")
+
+
+# --------------------------------------------------------------------------- ensembles
+def _drawn_seeds(random_state, n_models):
+    """The seeds ensemble_attribution documents: randint(2**31 - 1) from random_state."""
+    return np.random.RandomState(random_state).randint(2**31 - 1, size=n_models)
+
+
+@pytest.fixture(scope="module")
+def ensemble_setup():
+    rng = np.random.RandomState(8)
+    X = rng.normal(size=(24, 3))
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    est = PathKernelClassifier(hidden_layer_sizes=(5,), activation="tanh", solver="sgd",
+                               learning_rate_init=0.1, momentum=0.0, alpha=0.0,
+                               batch_size=8, max_iter=3, shuffle=True, loss="log_loss",
+                               dtype="float64", tol=None)
+    return X, y, est
+
+
+@pytest.mark.parametrize("method", ["unrolled", "exact"])
+def test_ensemble_is_the_mean_of_fits_with_the_drawn_seeds(ensemble_setup, method):
+    X, y, est = ensemble_setup
+    Z, labels = X[:4], y[:4]
+    members = [clone(est).set_params(random_state=int(seed)).fit(X, y).attribute(
+        Z, labels, method=method) for seed in _drawn_seeds(3, 3)]
+    scores = ensemble_attribution(est, X, y, Z, labels, n_models=3, random_state=3,
+                                  method=method)
+    assert scores.shape == (4, 24) and scores.dtype == np.float64
+    assert_allclose(scores, np.mean(members, axis=0), rtol=1e-12, atol=1e-15)
+    # Three different models, not one three times.
+    assert not np.allclose(members[0], members[1])
+    if method == "unrolled":
+        assert isinstance(scores, AttributionScores)
+        assert_array_equal(scores.growth, np.max([m.growth for m in members], axis=0))
+    else:
+        assert getattr(scores, "growth", None) is None
+    # Processes: the same scores; a fitted estimator is cloned, not refitted or reused.
+    fitted = clone(est).set_params(random_state=0).fit(X, y)
+    before = fitted.trajectory_.parameters(-1).clone()
+    parallel = ensemble_attribution(fitted, X, y, Z, labels, n_models=3, random_state=3,
+                                    n_jobs=2, method=method)
+    assert_allclose(parallel, scores, rtol=1e-12, atol=1e-15)
+    assert torch.equal(fitted.trajectory_.parameters(-1), before)
+
+
+def test_ensemble_of_one_model_is_a_single_fit(ensemble_setup):
+    X, y, est = ensemble_setup
+    seed = int(_drawn_seeds(11, 1)[0])
+    single = clone(est).set_params(random_state=seed).fit(X, y).attribute(X[:3], y[:3])
+    assert_array_equal(ensemble_attribution(est, X, y, X[:3], y[:3], n_models=1,
+                                            random_state=11), single)
+
+
+class _NoisyAttributor(BaseEstimator):
+    """Scores drawn from its own seed; warns on odd seeds (a stand-in for an unstable path)."""
+
+    def __init__(self, random_state=None):
+        self.random_state = random_state
+
+    def fit(self, X, y):
+        self.n_train_ = len(X)
+        return self
+
+    def attribute(self, X_query, y_query=None, scale=1.0):
+        if self.random_state % 2:
+            warnings.warn("odd seed", UserWarning, stacklevel=2)
+        rng = np.random.RandomState(self.random_state)
+        return scale * rng.normal(size=(len(X_query), self.n_train_))
+
+
+@pytest.mark.parametrize("n_jobs", [None, 2])
+def test_ensemble_forwards_attribute_params_and_warnings(n_jobs):
+    X, y = np.zeros((7, 2)), np.zeros(7)
+    seeds = _drawn_seeds(5, 6)
+    assert (seeds % 2).any()
+    expected = np.mean([2.0 * np.random.RandomState(s).normal(size=(3, 7)) for s in seeds],
+                       axis=0)
+    with pytest.warns(UserWarning, match="odd seed") as record:
+        scores = ensemble_attribution(_NoisyAttributor(), X, y, X[:3], n_models=6,
+                                      random_state=5, n_jobs=n_jobs, scale=2.0)
+    # Raised again here, from process workers too, once per distinct warning.
+    assert len([w for w in record if "odd seed" in str(w.message)]) == 1
+    assert_allclose(scores, expected, rtol=1e-12)
+
+
+class _NoSeed(BaseEstimator):
+    def fit(self, X, y):
+        return self
+
+    def attribute(self, X_query, y_query=None):
+        return np.zeros((len(X_query), 1))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_models=0), "n_models"),
+    (dict(n_models=2.5), "n_models"),
+    (dict(estimator=Ridge()), "estimator"),
+    (dict(estimator=_NoSeed()), "random_state"),
+    (dict(y=np.arange(5)), "samples"),
+    (dict(random_state="seed"), "random_state"),
+])
+def test_ensemble_bad_input(ensemble_setup, kwargs, match):
+    X, y, est = ensemble_setup
+    args = dict(estimator=est, X=X, y=y, X_query=X[:2], n_models=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        ensemble_attribution(**args)
+
+
+def test_ensemble_docstring_example_runs():
+    import doctest
+
+    from skpathkernel import metrics
+
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    (test,) = finder.find(metrics.ensemble_attribution, "ensemble_attribution",
+                          globs={})
+    result = runner.run(test)
+    assert result.attempted > 0 and result.failed == 0

@@ -171,23 +171,14 @@ class _KernelMachineMixin(TransformerMixin):
         True
         """
         check_decompose_args(method, weighting, n_nodes, tol)
-        return self._decompose(self._validate_X(X), method, weighting, n_nodes, tol)
-
-    def _decompose(self, X, method, weighting, n_nodes, tol, weights=None):
-        """decompose on validated X; ``weights`` (n, C) decomposes ``w_q . y(x_q)``, the
-        outputs contracted in y's units (one output)."""
+        X = self._validate_X(X)
         # Every step needs the queries' Jacobians: one query's must fit the budget.
         self._check_feature_row_fits("decompose")
         mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
-        if weights is not None and scale is not None:
-            # y = mean + scale * f: w . y = w . mean + (w * scale) . f, so the network's
-            # output is contracted with w * scale and the result takes w . mean.
-            mean = (weights @ np.asarray(mean, dtype=np.float64).reshape(-1))[:, None]
-            weights, scale = weights * np.asarray(scale, dtype=np.float64).reshape(-1), 1.0
         # The network's loss is the one it was trained with: set_params(loss=...) after
         # fit must not change what the fitted path is decomposed with.
         return network_of(self).decompose(
-            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol, weights=weights,
+            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
             units=lambda res: in_target_units(res, mean, scale))
 
     def transform(self, X):

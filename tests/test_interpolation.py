@@ -317,8 +317,17 @@ def _cnn(n_in, n_out):
 
 
 def _contracted(est, X, W, n_nodes=None, method="exact"):
-    """The weights= route: the decomposition of ``w_q . f(x_q)``, one output."""
-    return est._decompose(est._validate_X(X), method, "realized", n_nodes, None, weights=W)
+    """The weights= route: the decomposition of ``w_q . y(x_q)``, one output, in the units
+    of y: with normalize_y, ``w . y = w . mean + (w * scale) . f``."""
+    mean, scale = est._y_mean, est._y_scale
+    if scale is None:
+        return est.network_.decompose(est._validate_X(X), method=method, n_nodes=n_nodes,
+                                      weights=W)
+    res = est.network_.decompose(est._validate_X(X), method=method, n_nodes=n_nodes,
+                                 weights=W * np.ravel(scale))
+    shift = (W @ np.ravel(mean))[:, None]
+    res.initial, res.prediction = res.initial + shift, res.prediction + shift
+    return res
 
 
 def _assert_contracts(part, full, W, rel=1e-10):

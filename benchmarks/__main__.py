@@ -546,7 +546,8 @@ def results_stem(group: str, quick: bool, device: str) -> str:
 
 
 ENV_READ = ("SKPATHKERNEL_PEERS_PYTHON", "SKPATHKERNEL_OOD_PEERS_PYTHON",
-            "SKPATHKERNEL_BENCH_DEVICE", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+            "SKPATHKERNEL_BENCH_DEVICE", "SKPATHKERNEL_BENCH_ATTRIBUTION", "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS")
 
 
 def _git(*cmd):
@@ -630,6 +631,9 @@ def _report(group, result, args, prov):
         lines += [f"From `{TABLES[group][0].replace('.', '/')}.py`. "
                   + " ".join((module.__doc__ or "").split("\n\n")[0].split()), ""]
         lines += _table(result)
+        # Further tables of the same run (a module's EXTRA_TABLES: title, text, rows).
+        for title, text, rows in getattr(module, "EXTRA_TABLES", []):
+            lines += ["", f"## {title}", "", text, "", *_table(rows)]
         if getattr(module, "NOTES", None):
             lines += ["", module.NOTES]
     return "\n".join(lines) + "\n"
@@ -730,10 +734,17 @@ def main(argv=None):
         # Each group's file is written as soon as it is measured: a later group that
         # fails leaves the earlier ones' files in place.
         prov_group = {**prov, "date": date, "elapsed_s": elapsed, "loadavg": load}
-        stem = out / results_stem(group, args.quick, args.device)
+        module = importlib.import_module(TABLES[group][0]) if group in TABLES else None
+        # A table module may name its run's file apart (a run on part of its cases).
+        suffix = module.results_suffix(args.quick) if hasattr(module, "results_suffix") \
+            else ""
+        stem = out / (results_stem(group, args.quick, args.device) + suffix)
+        extra = [{"title": title, "text": text, "rows": rows}
+                 for title, text, rows in getattr(module, "EXTRA_TABLES", [])]
         stem.with_suffix(".json").write_text(json.dumps(
             {"group": group, "provenance": prov_group, "quick": args.quick,
-             "device": args.device, "results": result}, indent=1) + "\n")
+             "device": args.device, "results": result,
+             **({"extra_tables": extra} if extra else {})}, indent=1) + "\n")
         stem.with_suffix(".md").write_text(_report(group, result, args, prov_group))
         print(f"wrote {stem}.md", flush=True)
 

@@ -925,11 +925,15 @@ def run(quick: bool = False, threads: int | None = None,
 
 
 def _extra_tables(state, quick):
+    # Here, not at the top: the peers' case processes run this module without skpathkernel.
+    from skpathkernel._unrolled import GROWTH_LIMIT
+
     return [
         ("Unrolled scores: stability and cost against the FLOP floor",
          "The unrolled row of each (model, training) of the main table. Growth: "
          "`AttributionScores.growth` (how far the path amplifies a perturbation of the "
-         "parameters, per query); the warning fires above 100. FLOP floor: per step one "
+         f"parameters, per query); the warning fires above {GROWTH_LIMIT:g}. FLOP floor: "
+         "per step one "
          "forward-backward of the batch plus one Hessian-vector product (double backward) "
          "of the batch loss per query, matmul and convolution FLOPs counted by "
          "torch.utils.flop_counter.FlopCounterMode on the same architecture, summed over "

@@ -74,6 +74,10 @@ __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unro
 # (64, 64, 64) at lr 0.5 for 10 epochs (single removals: LDS 0.12, each moving a margin by
 # 0.07 where the derivative says 0.10) grows by 29 (median over the queries) to 73.
 GROWTH_LIMIT = 10.0
+# Relative mismatch between the modelled and the recorded training steps above which the
+# scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
+# relative in float32, see replay_error).
+REPLAY_LIMIT = 1e-3
 
 
 class UnstablePathWarning(UserWarning):
@@ -100,8 +104,13 @@ class AttributionScores(np.ndarray):
         (geometric mean over the queries, NaN where no query's adjoint is nonzero);
         above 1 where the step amplifies perturbations.
     replay_error : float or None
-        Thinned paths: the largest relative mismatch between the replayed parameters and
-        the next recorded point (0 when every step is recorded).
+        How far the training that the scores differentiate (each step's loss gradient
+        recomputed from the declared loss, inputs and targets, and the optimizer's rule)
+        misses the recorded path, relative: the recorded moves against the modelled
+        updates (root of the summed squares over the steps, relative to the moves'); on a
+        thinned path also each replayed interval against its next recorded point.
+        Round-off level (1e-6 to 1e-4 in float32) when the record is complete; a
+        warning fires above 1e-3.
     """
 
     growth: np.ndarray | None = None
@@ -203,6 +212,22 @@ def _rmsprop_adjoint(spec, step: _Step, a, d):
     return u, {"theta": a["theta"], "v": alpha * a_v}
 
 
+def _implied(spec, step: _Step) -> tuple[torch.Tensor, float, float]:
+    """What the recorded move says the optimizer's averaged direction was, and how the
+    model builds it: ``direction_t = memory * direction_{t-1} + gain * d_t`` (the SGD
+    buffer, Adam's first moment, RMSprop's gradient itself)."""
+    if spec.name == "sgd":
+        return (step.theta - step.nxt) / step.lr, float(spec.momentum), 1.0
+    root = step.v.sqrt()
+    if spec.name == "rmsprop":
+        return (step.theta - step.nxt) * (root + spec.epsilon) / step.lr, 0.0, 1.0
+    decay = 1.0 - step.lr * spec.weight_decay if spec.name == "adamw" else 1.0
+    den = root / math.sqrt(1.0 - spec.beta_2**step.count) + spec.epsilon
+    bc1 = 1.0 - spec.beta_1**step.count
+    return ((decay * step.theta - step.nxt) * den * bc1 / step.lr, float(spec.beta_1),
+            1.0 - spec.beta_1)
+
+
 _SOLVERS = {
     "sgd": (_sgd_step, _sgd_adjoint),
     "adam": (_adam_step, _adam_adjoint),
@@ -221,7 +246,11 @@ def _first_moment(spec) -> bool:
 
 
 # --------------------------------------------------------------------------- checks
-def check_unrollable(traj: Trajectory, n_samples: int, module: torch.nn.Module) -> None:
+def _batch_sizes(traj: Trajectory) -> np.ndarray:
+    return np.array([len(batch) for batch in traj.batches])
+
+
+def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
     """Refuse, before any work, a path the unrolled derivative cannot be taken along."""
     random = [name or "(the module)" for name, layer in module.named_modules()
               if isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0]
@@ -241,17 +270,13 @@ def check_unrollable(traj: Trajectory, n_samples: int, module: torch.nn.Module) 
                          "does not record it.")
     if traj.n_steps == 0:
         raise ValueError("method='unrolled' needs a path with at least one optimizer step.")
-    offsets = traj._batch_offsets
-    empty = np.flatnonzero(np.diff(offsets) == 0)
+    empty = np.flatnonzero(_batch_sizes(traj) == 0)
     if len(empty):
         raise ValueError(
             f"method='unrolled' replays every step's batch, but {len(empty)} of "
             f"{traj.n_steps} steps declare none (first: step {int(empty[0])}); record "
             "with PathRecorder(..., n_samples=len(X_train)) and recorder.set_batch(indices) "
             "at every step.")
-    if traj.n_samples != n_samples:
-        raise ValueError(f"The path's batches index {traj.n_samples} samples but the "
-                         f"training set has {n_samples}.")
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -446,15 +471,24 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     growth = prev / final
     log_sum = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
     count = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
+    # The recorded moves against the modelled update, one step behind (the sweep runs
+    # backwards and step t's check needs step t-1's direction).
+    # Summed over the steps, so that the round-off of the tiny steps of a converged run
+    # does not count for more than their share.
+    pending, off, size = None, 0.0, 0.0
     for back, step in enumerate(path.steps()):
         d, products = _batch_graph(path, step)
+        direction, memory, gain = _implied(spec, step)
+        if pending is not None:
+            off += float((pending[0] - memory * direction - pending[1]).norm()) ** 2
+            size += float(pending[0].norm()) ** 2
+        pending = (direction, gain * d)
         u, a = adjoint_fn(spec, step, a, d)
         D, HU = products(u)
         D = D.double()
         share = (D - D.mean(dim=1, keepdim=True)) / len(step.batch)
         scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
-        a["theta"] = (a["theta"] + HU + wd * u if wd else a["theta"] + HU).detach()
-        a = {key: value.detach() for key, value in a.items()}
+        a["theta"] = a["theta"] + HU + wd * u if wd else a["theta"] + HU
         norm = a["theta"].norm(dim=1).double()
         growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
         ratio = norm / prev  # |a_t| / |a_{t+1}|
@@ -463,8 +497,12 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
         log_sum[t] = torch.where(ok, ratio.log(), 0.0).sum()
         count[t] = ok.sum()
         prev = norm
+    if pending is not None:  # the first step: no direction before it
+        off += float((pending[0] - pending[1]).norm()) ** 2
+        size += float(pending[0].norm()) ** 2
+    mismatch = math.sqrt(off / size) if size > 0 else 0.0
     return (scores.cpu().numpy(), growth.cpu().numpy(), log_sum.cpu().numpy(),
-            count.cpu().numpy(), path.replay_error)
+            count.cpu().numpy(), max(path.replay_error, mismatch))
 
 
 def _row_bytes(module, traj, X, itemsize) -> int:
@@ -479,7 +517,7 @@ def _row_bytes(module, traj, X, itemsize) -> int:
     finally:
         for h in hooks:
             h.remove()
-    batch = int(np.diff(traj._batch_offsets).max())
+    batch = int(_batch_sizes(traj).max())
     # Six (P,) buffers (adjoint, moments, gradient adjoint, products) and the batched
     # double backward's intermediates (a few per activation and batch sample).
     return 6 * traj.n_params * itemsize + 6 * batch * sum(sizes) * itemsize + 8 * traj.n_samples
@@ -521,7 +559,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     its own score (self-influence, shape (N, 1)).
     """
     traj = net.trajectory
-    check_unrollable(traj, len(X), net.module)
+    check_unrollable(traj, net.module)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     block = rows_per_block(net.memory_budget,
                            _row_bytes(net.module, traj, X, traj.dtype.itemsize),
@@ -581,13 +619,18 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             f"{lr:g}) for scores that predict retraining.",
             UnstablePathWarning, stacklevel=_caller_stacklevel(),
         )
-    if result.replay_error and result.replay_error > 1e-3:
+    if result.replay_error and result.replay_error > REPLAY_LIMIT:
+        thinned = (f" (recorded every {traj.record_every} steps, so also replaying the "
+                   "unrecorded steps between recorded points)" if traj.record_every > 1
+                   else "")
         warnings.warn(
-            f"attribute(method='unrolled'): the path was recorded every "
-            f"{traj.record_every} steps, and replaying the unrecorded steps misses the next "
-            f"recorded point by {result.replay_error:.2g} relative "
-            "(AttributionScores.replay_error); the training step depends on something the "
-            "record does not hold (a learning-rate schedule inside an interval, dropout, "
-            "other randomness). Record every step for exact scores.",
+            f"attribute(method='unrolled'): the training steps as the scores model them "
+            f"miss the recorded path by {result.replay_error:.2g} relative "
+            f"(AttributionScores.replay_error){thinned}: the training step depended on "
+            "something the record does not hold (gradient clipping, a loss, inputs or "
+            "targets other than the declared ones, a learning-rate schedule inside an "
+            "interval, randomness), so the scores differentiate another training than "
+            "the one that happened. Declare the loss and data the optimizer saw, and "
+            "record every step.",
             UserWarning, stacklevel=_caller_stacklevel(),
         )

@@ -25,8 +25,13 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import FittedNetworkMixin, activation_widths_of, data_like_fit, rows_per_block
-from ._network import network_of
+from ._estimators._base import (
+    FittedNetworkMixin,
+    activation_widths_of,
+    data_like_fit,
+    rows_per_block,
+)
+from ._network._trained import network_of
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 

@@ -30,8 +30,8 @@ from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
 
 from ._device import to_numpy
-from ._inputs import check_representable
-from ._network import TrainedNetwork, network_of
+from ._network._inputs import check_representable
+from ._network._trained import TrainedNetwork, network_of
 from ._parallel import map_ranges, map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
 

@@ -38,12 +38,12 @@ from sklearn.base import clone, is_classifier
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, validate_params
 
-from ._attribution import label_codes, margin
-from ._base import BasePathKernelNetwork
-from ._network import network_of
+from ._analysis._attribution import label_codes, margin
+from ._analysis._unrolled import AttributionScores
+from ._estimators._base import BasePathKernelNetwork
+from ._network._trained import network_of
 from ._parallel import limit_torch_threads
-from ._training import make_optimizer
-from ._unrolled import AttributionScores
+from ._path._training import make_optimizer
 
 __all__ = [
     "SubsetRetraining",

@@ -15,8 +15,8 @@ from numpy.testing import assert_allclose
 from sklearn.frozen import FrozenEstimator
 from test_bad_input import ESTIMATORS, X, assert_unchanged, snapshot
 
-import skpathkernel._interpolation as interpolation_module
-import skpathkernel._span as span_module
+import skpathkernel._analysis._decomposition as interpolation_module
+import skpathkernel._analysis._rank_gap as span_module
 import skpathkernel._tangent as tangent_module
 from skpathkernel import (
     OODRankDetector,
@@ -27,7 +27,7 @@ from skpathkernel import (
     TangentFeatureSVM,
     TangentKernel,
 )
-from skpathkernel._training import TrainingDivergedError
+from skpathkernel._path._training import TrainingDivergedError
 from skpathkernel.diagnostics import hessian_trace
 
 # The old defaults, pinned: the tests below restore them after provoking a fault.

@@ -28,7 +28,7 @@ from skpathkernel import (
     TangentKernel,
     TrainedNetwork,
 )
-from skpathkernel._network import network_of
+from skpathkernel._network._trained import network_of
 from skpathkernel.diagnostics import hessian_trace
 
 SMALL = dict(hidden_layer_sizes=(6,), solver="adam", learning_rate_init=0.05, max_iter=6,
@@ -399,7 +399,7 @@ def test_params_at_keeps_one_point_and_never_pickles_it(storage, data, tmp_path)
 def test_check_takes_a_clean_float_array_as_check_input_does(clf, data):
     # The shortcut for plain finite float arrays returns what check_input returns, and
     # everything else (errors included) is check_input's.
-    from skpathkernel._inputs import check_input
+    from skpathkernel._network._inputs import check_input
 
     X, _ = data
     module, traj = clf.network_.module, clf.network_.trajectory

@@ -1,6 +1,6 @@
 """Both network trainers agree with the one declaration of the shared parameters.
 
-``skpathkernel._params.NETWORK_PARAMETERS`` declares each shared parameter once: name,
+``skpathkernel._estimators._params.NETWORK_PARAMETERS`` declares each shared parameter once: name,
 default, constraints, documentation. The signatures are written out in both trainers
 (PathKernelMachine, PathKernelClassifier) and their base; this checks them,
 ``_parameter_constraints`` and the "Parameters" section of each docstring against the
@@ -16,8 +16,8 @@ import pytest
 from sklearn.utils._param_validation import Interval, StrOptions
 
 import skpathkernel
-from skpathkernel._base import BasePathKernelNetwork
-from skpathkernel._params import NETWORK_PARAMETERS, network_params_doc, signature_names
+from skpathkernel._estimators._base import BasePathKernelNetwork
+from skpathkernel._estimators._params import NETWORK_PARAMETERS, network_params_doc, signature_names
 
 ESTIMATORS = [getattr(skpathkernel, name) for name in skpathkernel.__all__
               if isinstance(getattr(skpathkernel, name), type)

@@ -527,7 +527,7 @@ def test_bad_stopping_parameters_are_refused_before_any_work(params, match, monk
     clf = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, tol=None,
                                random_state=0).fit(X, y)
     before = clf.predict_proba(X)
-    import skpathkernel._base as base
+    import skpathkernel._estimators._base as base
 
     def no_work(*args, **kwargs):
         raise AssertionError("training started")

@@ -11,7 +11,7 @@ our own, recorded with :class:`~skpathkernel.PathRecorder`, and measured:
 - GAN: the correlation between the generator's kernel-weighted update direction
   ``u_t(z) = -sum_i K_t(z, z_i) r_{t,i} / B`` and the discriminator's own pull at
   ``G_t(z)``, and the exactness of the generator's decomposition over the generated
-  samples with the declared linear loss (see ``skpathkernel._recorder``).
+  samples with the declared linear loss (see ``skpathkernel._path._recorder``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted
 
-from ._attribution import label_codes
+from .._analysis._attribution import label_codes
+from .._device import to_tensor
+from .._network._trained import check_decompose_args, network_of
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -22,8 +24,6 @@ from ._base import (
     keep_previous_fit_on_error,
     tangent_feature_names,
 )
-from ._device import to_tensor
-from ._network import check_decompose_args, network_of
 from ._params import network_params_doc
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]

@@ -22,13 +22,13 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
-from . import _interpolation
-from ._attribution import check_output, class_indices, output_weights, query_codes
-from ._device import to_input_tensor, to_tensor
+from .._analysis import _decomposition
+from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
+from .._analysis._unrolled import AttributionScores, unrolled_scores
+from .._device import to_input_tensor, to_tensor
+from .._path._losses import LOSSES, Loss
+from .._path._trajectory import Trajectory
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
-from ._losses import LOSSES, Loss
-from ._trajectory import Trajectory
-from ._unrolled import AttributionScores, unrolled_scores
 
 __all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
            "network_of"]
@@ -76,7 +76,7 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
             f"n_nodes must be a positive integer (Gauss-Legendre nodes per step) or None, "
             f"got {n_nodes!r}."
         )
-    _interpolation.check_tol(tol)
+    _decomposition.check_tol(tol)
 
 
 def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
@@ -381,7 +381,7 @@ class TrainedNetwork:
         check_decompose_args(method, weighting, n_nodes, tol)
         Xq = self.tensor(self.check(X))
         X_fit, Y_fit = self._training_data()
-        return _interpolation.decompose(
+        return _decomposition.decompose(
             self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
             weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
             weights=weights, units=units)

@@ -17,7 +17,9 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
-from . import _tangent
+from .. import _tangent
+from .._device import to_numpy
+from ..kernels import PathKernel, TangentKernel
 from ._base import (
     FittedAttribute,
     feature_block_rows,
@@ -25,10 +27,8 @@ from ._base import (
     map_fixed_blocks,
     tangent_feature_names,
 )
-from ._device import to_numpy
 from ._machine import PathKernelClassifier, _check_labels
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
-from .kernels import PathKernel, TangentKernel
 
 __all__ = ["TangentFeatureSVM", "TangentFeatures"]
 

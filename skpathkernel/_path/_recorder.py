@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from sklearn.base import BaseEstimator
 
-from ._base import NetworkAttributesMixin
-from ._network import TrainedNetwork
+from .._estimators._base import NetworkAttributesMixin
+from .._network._trained import TrainedNetwork
+from ..kernels import NetworkKernelsMixin
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
-from .kernels import NetworkKernelsMixin
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 
@@ -69,7 +69,7 @@ def _as_float(v) -> float:
 
 
 def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
-    """The :class:`~skpathkernel._trajectory.SolverSpec` of a torch.optim optimizer.
+    """The :class:`~skpathkernel._path._trajectory.SolverSpec` of a torch.optim optimizer.
 
     Reads the hyper-parameters from ``optimizer.param_groups`` and refuses optimizers and
     options whose update rule the path kernel and the decomposition do not model.

@@ -60,9 +60,9 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from ._memory import rows_per_block
-from ._parallel import map_row_blocks
-from ._trajectory import Trajectory
+from .._memory import rows_per_block
+from .._parallel import map_row_blocks
+from .._path._trajectory import Trajectory
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
 

@@ -27,8 +27,8 @@ from sklearn.utils.validation import check_is_fitted, column_or_1d
 
 # The engine is called as _tangent.<function>, looked up at call time (as the in-function
 # imports it replaces did), so a test that stubs an engine function out reaches every call.
-from . import _tangent
-from ._device import (
+from .. import _tangent
+from .._device import (
     resolve_device,
     resolve_dtype,
     seeded_torch,
@@ -36,7 +36,8 @@ from ._device import (
     to_numpy,
     to_tensor,
 )
-from ._inputs import (
+from .._memory import rows_per_block
+from .._network._inputs import (
     FEATURES,
     activation_widths,
     check_representable,
@@ -44,15 +45,14 @@ from ._inputs import (
     probe_module,
     validate_input,
 )
-from ._losses import LOSSES
-from ._memory import rows_per_block
-from ._network import TrainedNetwork, network_of
-from ._parallel import dask_worker_threads, limit_torch_threads
+from .._network._trained import TrainedNetwork, network_of
+from .._parallel import dask_worker_threads, limit_torch_threads
+from .._path._losses import LOSSES
+from .._path._training import train
+from .._path._trajectory import SolverSpec
+from .._tangent import warn_on_fallback
+from ..kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 from ._params import ACTIVATIONS, network_constraints
-from ._tangent import warn_on_fallback
-from ._training import train
-from ._trajectory import SolverSpec
-from .kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 
 __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
            "make_mlp"]

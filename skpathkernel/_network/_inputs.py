@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from sklearn.utils.validation import check_array, validate_data
 
-from ._device import to_input_tensor
+from .._device import to_input_tensor
 
 __all__ = [
     "FEATURES",

@@ -8,7 +8,7 @@ RMSprop second moments, momentum buffers) at every recorded step.
 Everything lives on the CPU in the parameter dtype, in buffers preallocated at the start
 of training, so that recording a point costs one copy and no allocation; or, for paths
 longer than memory allows, the per-point vectors live in chunk files on disk, read
-lazily behind the same accessors (:mod:`skpathkernel._storage`).
+lazily behind the same accessors (:mod:`skpathkernel._path._storage`).
 """
 
 from __future__ import annotations
@@ -555,7 +555,7 @@ class TrajectoryRecorder:
     storage : {"memory", "disk", "auto"}, default="memory"
         Where the parameter and optimizer-state vectors go: preallocated buffers in
         memory, or chunk files in a fresh temporary directory under ``directory`` (see
-        :mod:`skpathkernel._storage`). "auto" records in memory and moves to disk when
+        :mod:`skpathkernel._path._storage`). "auto" records in memory and moves to disk when
         the vectors grow past ``memory_budget`` bytes (with ``n_steps`` known, the caller
         decides up front).
     directory : path-like or None, default=None

@@ -35,6 +35,7 @@ __all__ = [
     "FLOAT",
     "TOKENS",
     "activation_widths",
+    "block_widths",
     "check_input",
     "check_representable",
     "fitted_input",
@@ -279,6 +280,19 @@ def activation_widths(module: torch.nn.Module, x: torch.Tensor) -> list[int]:
         for h in handles:
             h.remove()
     return sizes or [1]
+
+
+def block_widths(module: torch.nn.Module, x: torch.Tensor | None, *,
+                 linear_only: bool) -> list[int]:
+    """Values per sample of a network's activations, which bound a block's memory.
+
+    ``linear_only``: the default MLP, whose widest activation is its widest
+    ``nn.Linear`` (``x`` unused); otherwise measured on one forward pass of ``x``.
+    """
+    if linear_only:
+        return [m.out_features for m in module.modules()
+                if isinstance(m, torch.nn.Linear)] or [1]
+    return activation_widths(module, x)
 
 
 def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,

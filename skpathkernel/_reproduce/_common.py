@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 from sklearn.datasets import load_digits
 
 from .. import PathKernelClassifier
+from .._progress import Progress
 from ..datasets import make_circle
 
 # The seeds' circle task (figures 1, 9, 10): learning rates that train it reliably with each
@@ -38,33 +38,9 @@ def training(ctx, *, solver, learning_rate_init, batch_size, max_iter, random_st
     return params
 
 
-class progress:
-    """One bar per figure: tqdm when installed, else a single line when done."""
-
-    def __init__(self, desc, total):
-        self.desc, self.total, self.n = desc, total, 0
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=True)
-
-    def __enter__(self):
-        return self
-
-    def __call__(self, what=""):
-        self.n += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(what, refresh=False)
-            self.bar.update(1)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-        elif exc[0] is None:
-            print(f"{self.desc}: {self.n}/{self.total} done", file=sys.stderr)
-        return False
+def progress(desc: str, total: int) -> Progress:
+    """One bar per figure; without tqdm, a single line when the figure is done."""
+    return Progress(desc, total, end="{desc}: {n}/{total} done")
 
 
 def subplots(*args, **kwargs):

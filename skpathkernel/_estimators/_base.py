@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 import warnings
 from abc import ABCMeta, abstractmethod
 
@@ -22,10 +23,11 @@ from sklearn.base import BaseEstimator
 from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
-# The engine is called as _tangent.<function>, looked up at call time (as the in-function
-# imports it replaces did), so a test that stubs an engine function out reaches every call.
+# The engine is called as _tangent.<function>, looked up at call time, so that a test
+# stubbing an engine function out reaches every call.
 from .. import _tangent
 from .._device import (
     resolve_device,
@@ -51,7 +53,6 @@ from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
 from ..kernels import NetworkKernelsMixin, PathKernel, TangentKernel
-from ._params import ACTIVATIONS, network_constraints
 
 __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
            "make_mlp"]
@@ -60,6 +61,20 @@ __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin",
 # kernel machine over a single training point has nothing to compare; sklearn's own
 # message, "Found array with 1 sample(s) ... a minimum of 2", names the problem).
 FIT_CHECKS = dict(dtype=[np.float64, np.float32], ensure_min_samples=2)
+
+
+# The default MLP's activations, by the name ``activation`` takes.
+ACTIVATIONS = {
+    "relu": torch.nn.ReLU,
+    "tanh": torch.nn.Tanh,
+    "gelu": torch.nn.GELU,
+    "softplus": torch.nn.Softplus,
+    "identity": torch.nn.Identity,
+}
+
+
+def _positive_int(low=1):
+    return Interval(numbers.Integral, low, None, closed="left")
 
 
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
@@ -303,14 +318,43 @@ class FittedNetworkMixin:
 
 
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
-                            BaseEstimator,                            metaclass=ABCMeta):
+                            BaseEstimator, metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
 
     Subclasses encode targets (:meth:`_encode_targets`) and choose the loss; this class
     owns validation, the module, the training loop and the recorded trajectory.
     """
 
-    _parameter_constraints: dict = network_constraints()
+    # The training parameters, which only the two trainers own (the meta-estimators take
+    # a trainer as estimator=); tests/test_params.py checks them against the signatures.
+    _parameter_constraints: dict = {
+        "hidden_layer_sizes": ["array-like", _positive_int()],
+        "activation": [StrOptions(set(ACTIVATIONS))],
+        "module": [callable, None],
+        "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
+        "learning_rate_init": [Interval(numbers.Real, 0, None, closed="neither")],
+        "momentum": [Interval(numbers.Real, 0, 1, closed="left")],
+        "alpha": [Interval(numbers.Real, 0, None, closed="left")],
+        "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
+        "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
+        "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
+        "batch_size": [_positive_int(), StrOptions({"auto"}), None],
+        "max_iter": [_positive_int()],
+        "tol": [Interval(numbers.Real, 0, None, closed="left"), None],
+        "n_iter_no_change": [_positive_int()],
+        "early_stopping": ["boolean"],
+        "validation_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
+        "shuffle": ["boolean"],
+        "record_every": [_positive_int(), StrOptions({"auto"})],
+        "device": [StrOptions({"auto", "cpu", "cuda"})],
+        "dtype": [StrOptions({"float32", "float64"})],
+        "memory_budget": [_positive_int(2**20)],
+        "trajectory_storage": [StrOptions({"memory", "disk", "auto"})],
+        "trajectory_dir": [str, os.PathLike, None],
+        "trajectory_compression": [StrOptions({"float16", "bfloat16"}), None],
+        "random_state": ["random_state"],
+        "verbose": ["verbose"],
+    }
 
     @abstractmethod
     def __init__(

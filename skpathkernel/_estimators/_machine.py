@@ -25,11 +25,116 @@ from ._base import (
     keep_previous_fit_on_error,
     tangent_feature_names,
 )
-from ._params import network_params_doc
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
 
-_SHARED_PARAMS_DOC = network_params_doc()
+_SHARED_PARAMS_DOC = """
+    hidden_layer_sizes : array-like of int, default=(64, 64)
+        Widths of the hidden layers of the default MLP (ignored when ``module`` is given).
+    activation : {"relu", "tanh", "gelu", "softplus", "identity"}, default="gelu"
+        Activation of the default MLP. The default is smooth, which keeps the exact
+        decomposition exact: "relu"'s kinks cost it about 1e-4 (see the user guide,
+        "Training"), and "tanh" is what Guo, He & Morel (2026) used.
+    module : callable, default=None
+        ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
+        Any module without cross-sample state (no BatchNorm in train mode) works. It is
+        called with torch's global RNG seeded from ``random_state`` (and restored after).
+        With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
+        ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer
+        token ids ``(n, S)`` as int64 (``n_features_in`` is then the number of values
+        per sample); see the user guide, "Images, sequences and token ids".
+    solver : {"sgd", "adam", "adamw", "rmsprop"}, default="adam"
+        The torch.optim optimizer whose path is recorded. Adam (MLPClassifier's default)
+        learns at one step size whatever the scale of X; SGD keeps each step of the path
+        kernel a structured Gram (Adam's preconditioner makes it a dense product, 20-50
+        times slower) and is Domingos' setting (see ``batch_size``).
+    learning_rate_init : float, default=0.001
+        Step size (MLPClassifier's; plain SGD wants a larger one, e.g. 0.1).
+    momentum : float, default=0.0
+        Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
+    alpha : float, default=0.0
+        Weight decay: L2 added to the gradient (``grad + alpha * theta``, all parameters)
+        for sgd, adam and rmsprop; decoupled weight decay for adamw. Unlike MLPRegressor it
+        is not divided by the number of samples and applies to biases too.
+    beta_1 : float, default=0.9
+        Adam / AdamW decay of the first moment (the running mean of the gradient).
+    beta_2 : float, default=0.999
+        Adam / AdamW decay of the second moment (RMSprop's smoothing constant is torch's
+        default, 0.99).
+    epsilon : float, default=1e-8
+        The epsilon of Adam's, AdamW's and RMSprop's denominator.
+    batch_size : int, "auto" or None, default="auto"
+        Samples per optimizer step. "auto" is ``min(200, n_samples)`` (MLPClassifier's);
+        ``None`` trains on the whole training set at every step; with ``solver="sgd"``
+        (no momentum) that is Domingos' full-batch gradient descent.
+    max_iter : int, default=200
+        Most epochs (passes over the training set).
+    tol : float or None, default=1e-4
+        Stopping tolerance, with MLPClassifier's meaning: training stops when for more
+        than ``n_iter_no_change`` consecutive epochs the training loss has not gone below
+        its best value minus ``tol`` (with ``early_stopping``: the validation score has
+        not gone above its best value plus ``tol``). A ``ConvergenceWarning`` says when
+        ``max_iter`` epochs end without that. ``None`` (SGDClassifier's convention) trains
+        exactly ``max_iter`` epochs, with no warning: a path of fixed length.
+    n_iter_no_change : int, default=10
+        Epochs without improvement by ``tol`` tolerated before stopping (one more stops).
+    early_stopping : bool, default=False
+        Hold out ``validation_fraction`` of the training set (stratified for classes),
+        score the network on it after every epoch (accuracy, or R^2) and stop on that
+        score; the fitted network is then the one of the best-scoring epoch, as in
+        MLPClassifier, and ``trajectory_`` ends at it. The held-out samples are not
+        training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
+    validation_fraction : float in (0, 1), default=0.1
+        Fraction of the training set held out by ``early_stopping``; it must leave at
+        least two samples, and one of each class, on both sides.
+    shuffle : bool, default=True
+        Reshuffle the samples every epoch (minibatch training only).
+    record_every : int or "auto", default="auto"
+        Record the parameters every ``record_every`` optimizer steps (and at the end).
+        "auto": every step when the points of ``max_iter`` epochs fit in
+        ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
+        the user guide, "Training"). Every step (1) keeps the per-training-point
+        decomposition exact; with k > 1 it is approximate (it warns and reports its true
+        ``error``), and the path kernel is a Riemann sum.
+    device : {"auto", "cpu", "cuda"}, default="auto"
+        "auto" trains on CUDA when available, else on the CPU.
+    dtype : {"float32", "float64"}, default="float32"
+        Parameter dtype; float64 is for exactness checks.
+    memory_budget : int, default=2**30
+        Bytes that one block of a computation (prediction, kernels) may use, and the
+        most that the recorded points may take in memory with ``record_every="auto"``.
+    trajectory_storage : {"memory", "disk", "auto"}, default="memory"
+        Where ``trajectory_`` keeps its points. "memory": CPU buffers. "disk": chunk
+        files in a fresh temporary directory under ``trajectory_dir``, written while
+        training and read lazily, a chunk at a time (at most 1/32 of ``memory_budget``
+        each), so the kernels and :meth:`decompose` run in memory independent of the
+        number of steps; ``record_every="auto"`` then keeps every step that fits in 90%
+        of the free disk space. "auto": disk when the points of ``max_iter`` epochs
+        (every step, or every ``record_every``-th) exceed ``memory_budget`` bytes,
+        else memory. The directory is deleted with the estimator's trajectory unless
+        moved with ``trajectory_.save(path)`` (a rename) or pickled (a pickle references
+        the directory, which is then kept). A full disk during training keeps the
+        rest of the path in memory with a warning naming the file and the step (see
+        the user guide, "Scaling").
+    trajectory_dir : str, path-like or None, default=None
+        Where ``trajectory_storage="disk"`` creates its directories; None is the
+        system's temporary directory (``tempfile.gettempdir()``, ``TMPDIR``).
+    trajectory_compression : {None, "float16", "bfloat16"}, default=None
+        With the trajectory on disk, store each recorded point's parameters as its
+        difference from the previous stored point in this dtype (the first point of
+        each chunk file in full precision): about half the disk of float32 parameters
+        (optimizer states stay in full precision). Lossy: each stored point is within
+        one rounding of its step of the trained one, and the kernels and
+        :meth:`decompose` read the stored path, so ``decompose(...).error`` reports
+        what it costs (the contributions follow the stored points' gradients, the
+        reconstruction the stored steps). ``trajectory_.parameters(-1)`` is the stored
+        last point; ``module_`` keeps the trained one.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the initialization, the batch order and the early-stopping split: the same
+        seed on the same device gives bit-identical results. A local generator is used;
+        torch's global seed is untouched.
+    verbose : int, default=0
+        Show a progress bar (tqdm, when installed) with the training loss."""
 
 _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True

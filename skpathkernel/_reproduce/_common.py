@@ -11,8 +11,8 @@ from .. import PathKernelClassifier
 from .._progress import Progress
 from ..datasets import make_circle
 
-# The seeds' circle task (figures 1, 9, 10): learning rates that train it reliably with each
-# solver, minibatches of CIRCLE_BATCH (the seeds' stochastic setting: with full-batch
+# Guo, He & Morel's circle task (figures 1, 9, 10): learning rates that train it reliably with each
+# solver, minibatches of CIRCLE_BATCH (the papers' stochastic setting: with full-batch
 # gradient descent the kernel neighbourhoods of figure 1 barely move in 300 epochs).
 CIRCLE_BATCH = 32
 CIRCLE_SOLVERS = {
@@ -28,7 +28,7 @@ def training(ctx, *, solver, learning_rate_init, batch_size, max_iter, random_st
              **kw):
     """Every training parameter of an estimator, explicit: the figures must not move when
     the estimators' defaults do. ``kw`` overrides the fixed ones (momentum, alpha, ...)."""
-    # tol=None: exactly max_iter epochs, the seeds' fixed-length paths (no stopping rule).
+    # tol=None: exactly max_iter epochs, the papers' fixed-length paths (no stopping rule).
     params = dict(activation="tanh", solver=solver, learning_rate_init=learning_rate_init,
                   momentum=0.0, alpha=0.0, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
                   batch_size=batch_size, max_iter=max_iter, tol=None, shuffle=True,

@@ -51,7 +51,8 @@ _INT64_MAX = np.iinfo(np.int64).max
 def fitted_input(estimator) -> tuple[tuple[int, ...] | None, str | None]:
     """``(input_shape_, kind)`` recorded at fit; ``(None, None)`` when nothing was recorded.
 
-    Estimators pickled before inputs were recorded were fitted on 2-D features.
+    Without a recorded form, an estimator that counts ``n_features_in_`` takes 2-D
+    features.
     """
     kind = getattr(estimator, "_input_kind", None)
     if kind is not None:

@@ -592,7 +592,8 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
 def _caller_stacklevel() -> int:
     """``stacklevel`` of the first frame outside skpathkernel, for a warning issued by the
     caller of this function: the user's line, whichever public method they called."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    # skpathkernel/, the package this module's folder (_analysis/) sits in.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1

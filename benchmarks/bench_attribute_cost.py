@@ -1,7 +1,7 @@
 """What ``attribute`` costs next to ``decompose`` on a 10-class network (issue 24).
 
 ``attribute`` decomposes one scalar output per query, ``w_q . f(x_q)``; ``decompose``
-all C = 10 outputs. The contracted route (``_interpolation.decompose(weights=...)``)
+all C = 10 outputs. The contracted route (``_decomposition.decompose(weights=...)``)
 backpropagates the contracted output once per query capture and keeps one row per query
 on the query side of every product, so it should cost about a single-output
 decomposition. Measured on sklearn's digits with bench_attribution's MLP (64-64-10 tanh,
@@ -43,7 +43,7 @@ def run(quick: bool = False, only: str | None = None) -> list[dict]:
     global NOTES
     from sklearn.datasets import load_digits
 
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
     from skpathkernel import PathKernelClassifier, PathKernelMachine
 
     size = SIZES[quick]

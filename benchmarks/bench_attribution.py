@@ -164,7 +164,7 @@ def digits_cnn(n_features: int, n_outputs: int) -> nn.Module:
 
 def build_module(name: str) -> nn.Module:
     """The same architecture outside the estimator (the peers rebuild it from this)."""
-    from skpathkernel._base import make_mlp
+    from skpathkernel._estimators._base import make_mlp
 
     spec = MODELS[name]
     if spec.get("module") == "cnn":
@@ -926,7 +926,7 @@ def run(quick: bool = False, threads: int | None = None,
 
 def _extra_tables(state, quick):
     # Here, not at the top: the peers' case processes run this module without skpathkernel.
-    from skpathkernel._unrolled import GROWTH_LIMIT
+    from skpathkernel._analysis._unrolled import GROWTH_LIMIT
 
     return [
         ("Unrolled scores: stability and cost against the FLOP floor",

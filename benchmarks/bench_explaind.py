@@ -132,7 +132,7 @@ def skpathkernel_worker(path, tol=None, n_nodes=None, float64=False):
 
 
 def _as_float64(traj):
-    from skpathkernel._trajectory import Trajectory
+    from skpathkernel._path._trajectory import Trajectory
 
     return Trajectory(names=traj.names, shapes=traj.shapes, params=traj._params.double(),
                       steps=traj.steps, learning_rates=traj.learning_rates,

@@ -27,10 +27,10 @@ import torch
 
 from benchmarks.bench_training import _fmt, _plain_loop
 from skpathkernel import PathKernelMachine
-from skpathkernel._base import make_mlp
-from skpathkernel._losses import SquaredError
-from skpathkernel._training import train
-from skpathkernel._trajectory import SolverSpec
+from skpathkernel._estimators._base import make_mlp
+from skpathkernel._path._losses import SquaredError
+from skpathkernel._path._training import train
+from skpathkernel._path._trajectory import SolverSpec
 from skpathkernel.kernels import PathKernel
 
 NOTES = (

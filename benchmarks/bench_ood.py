@@ -433,7 +433,7 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.metrics import roc_auc_score
 from benchmarks._serve import PeakRSS
 from skpathkernel import OODRankDetector
-from skpathkernel._span import NetworkGram, TangentSpan
+from skpathkernel._analysis._rank_gap import NetworkGram, TangentSpan
 torch.set_num_threads(int(sys.argv[3]))
 with open(sys.argv[1], "rb") as f:
     net, X, sets = pickle.load(f)

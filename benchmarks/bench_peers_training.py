@@ -19,8 +19,8 @@ import torch
 
 from benchmarks._serve import PeakRSS
 from benchmarks.bench_training import _fmt, _plain_loop, _recorded_loop
-from skpathkernel._base import make_mlp
-from skpathkernel._trajectory import SolverSpec
+from skpathkernel._estimators._base import make_mlp
+from skpathkernel._path._trajectory import SolverSpec
 
 CASES = [
     # name, d_in, hidden, n, batch (None = full batch), solver, lr, epochs (full, quick)

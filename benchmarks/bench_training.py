@@ -15,10 +15,10 @@ import time
 import numpy as np
 import torch
 
-from skpathkernel._base import make_mlp
-from skpathkernel._losses import SquaredError
-from skpathkernel._training import make_optimizer, train
-from skpathkernel._trajectory import SolverSpec
+from skpathkernel._estimators._base import make_mlp
+from skpathkernel._path._losses import SquaredError
+from skpathkernel._path._training import make_optimizer, train
+from skpathkernel._path._trajectory import SolverSpec
 
 CASES = [
     # name, layer sizes, n_samples, batch_size, solver, epochs (full, quick)

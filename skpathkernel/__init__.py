@@ -7,14 +7,14 @@ features, tangent and path kernels, and the per-training-point decomposition of 
 prediction.
 """
 
-from ._machine import PathKernelClassifier, PathKernelMachine
-from ._network import TrainedNetwork
-from ._ood import OODRankDetector
-from ._recorder import PathRecorder, RecordedNetwork
-from ._svm import TangentFeatures, TangentFeatureSVM
-from ._training import TrainingDivergedError
-from ._trajectory import Trajectory
-from ._unrolled import AttributionScores, UnstablePathWarning
+from ._analysis._unrolled import AttributionScores, UnstablePathWarning
+from ._estimators._features import TangentFeatures, TangentFeatureSVM
+from ._estimators._machine import PathKernelClassifier, PathKernelMachine
+from ._estimators._ood import OODRankDetector
+from ._network._trained import TrainedNetwork
+from ._path._recorder import PathRecorder, RecordedNetwork
+from ._path._training import TrainingDivergedError
+from ._path._trajectory import Trajectory
 from .kernels import PathKernel, TangentKernel
 
 __version__ = "0.1.0.dev0"

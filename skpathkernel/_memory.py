@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["rows_per_block"]
+import numpy as np
+import torch
+
+__all__ = ["FIXED_BLOCK", "feature_block_rows", "map_fixed_blocks", "rows_per_block"]
 
 
 def rows_per_block(memory_budget: int, row_bytes: int, what: str) -> int:
@@ -19,3 +22,31 @@ def rows_per_block(memory_budget: int, row_bytes: int, what: str) -> int:
             f"{row_bytes:,}."
         )
     return max(1, int(memory_budget) // row_bytes)
+
+
+# Rows of one block of a prediction or of tangent features. Every block is this size (the
+# last one padded by repeating its first row), so a row's float32 result never depends on
+# which other rows were passed with it: GEMM kernels round differently for different row
+# counts, and scikit-learn expects predict(X[i:i+1]) == predict(X)[i] (1e-7 absolute).
+FIXED_BLOCK = 256
+
+
+def feature_block_rows(memory_budget: int, row_bytes: int, what: str) -> int:
+    """Rows of a fixed-size block: ``FIXED_BLOCK``, fewer when the budget needs it."""
+    return min(FIXED_BLOCK, rows_per_block(memory_budget, row_bytes, what))
+
+
+def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
+    """``fn`` over row blocks of exactly ``block`` rows, concatenated (padding removed).
+
+    ``X`` is a tensor or an array; ``fn`` returns an array with one row per input row.
+    """
+    cat = torch.cat if isinstance(X, torch.Tensor) else np.concatenate
+    outs = []
+    for start in range(0, X.shape[0], block):
+        xb = X[start : start + block]
+        n = xb.shape[0]
+        if n < block:
+            xb = cat([xb, xb[[0] * (block - n)]])
+        outs.append(fn(xb)[:n])
+    return np.concatenate(outs, axis=0)

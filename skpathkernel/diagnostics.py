@@ -25,8 +25,9 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._base import FittedNetworkMixin, activation_widths_of, data_like_fit, rows_per_block
-from ._network import network_of
+from ._estimators._base import FittedNetworkMixin, data_like_fit
+from ._memory import rows_per_block
+from ._network._trained import network_of
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -303,7 +304,7 @@ def _default_batch_size(net, n: int) -> int:
     # graph over them: budget ~16 values per sample per unit, as _forward budgets 8. In
     # the network's dtype (the fitted one, not the dtype parameter of a next fit).
     itemsize = torch.empty((), dtype=net.torch_dtype).element_size()
-    width = net.n_features_in + sum(activation_widths_of(net))
+    width = net.n_features_in + sum(net.activation_widths())
     return int(min(n, rows_per_block(net.memory_budget, 16 * width * itemsize,
                                      "hessian_trace")))
 

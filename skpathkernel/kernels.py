@@ -30,10 +30,11 @@ from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
 
 from ._device import to_numpy
-from ._inputs import check_representable
-from ._network import TrainedNetwork, network_of
+from ._network._inputs import check_representable
+from ._network._trained import TrainedNetwork, network_of
 from ._parallel import map_ranges, map_row_blocks, n_row_blocks
 from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
+from ._validation import check_index
 
 __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
 
@@ -53,14 +54,6 @@ def _validate(net: TrainedNetwork, X, name="X"):
 def _check_flag(value, name):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}.")
-
-
-def _check_index(value, name, *, allow_none=False):
-    if allow_none and value is None:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        kind = "an int or None" if allow_none else "an int"
-        raise TypeError(f"{name} must be {kind}, got {value!r}.")
 
 
 def _check_output(output):
@@ -84,7 +77,7 @@ def _tensors(net: TrainedNetwork, X, Y):
 def _step_setup(net: TrainedNetwork, point, output, preconditioned):
     """Parameters at one recorded point and the engine's keyword arguments."""
     traj = net.trajectory
-    _check_index(point, "step")
+    check_index(point, "step")
     point = int(point)
     if not -len(traj) <= point < len(traj):
         raise IndexError(f"step {point} is out of range for {len(traj)} recorded points.")
@@ -138,7 +131,7 @@ def step_kernel(
     """
     _check_flag(preconditioned, "preconditioned")
     _check_flag(normalized, "normalized")
-    _check_index(step, "step")
+    check_index(step, "step")
     if output != "full":
         output = _check_output(output)
     elif normalized:
@@ -249,8 +242,8 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
     longer path, whose "discrete" weights depend on where the whole path ends).
     """
     if weights is None:
-        _check_index(start, "start", allow_none=True)
-        _check_index(stop, "stop", allow_none=True)
+        check_index(start, "start", allow_none=True)
+        check_index(stop, "stop", allow_none=True)
         weights = path_weights(net.trajectory, start, stop, memory)
     if not weights:
         raise ValueError(
@@ -292,8 +285,8 @@ def _split_path_sum(net, X, Y, start, stop, output, n_jobs, *, gram, diag, memor
     points: on disk, its own chunk files) and the partial sums add up here, equal to the
     serial sum up to the order of the additions.
     """
-    _check_index(start, "start", allow_none=True)
-    _check_index(stop, "stop", allow_none=True)
+    check_index(start, "start", allow_none=True)
+    check_index(stop, "stop", allow_none=True)
     weights = path_weights(net.trajectory, start, stop, memory)
     if not weights:  # the serial sum says what is wrong
         return _path_sum(net, X, Y, start, stop, output, gram=gram, diag=diag)
@@ -339,7 +332,7 @@ class _NetworkKernel(Kernel):
         _check_flag(self.normalized, "normalized")
         for name in ("step", "start", "stop"):
             if hasattr(self, name):
-                _check_index(getattr(self, name), name, allow_none=name == "stop")
+                check_index(getattr(self, name), name, allow_none=name == "stop")
 
     def __call__(self, X, Y=None, eval_gradient=False):
         """Return the kernel ``k(X, Y)`` and, optionally, its (empty) gradient.

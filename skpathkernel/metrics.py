@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,12 +37,13 @@ from sklearn.base import clone, is_classifier
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, validate_params
 
-from ._attribution import label_codes, margin
-from ._base import BasePathKernelNetwork
-from ._network import network_of
+from ._analysis._attribution import label_codes, margin
+from ._analysis._unrolled import AttributionScores
+from ._estimators._base import BasePathKernelNetwork
+from ._network._trained import network_of
 from ._parallel import limit_torch_threads
-from ._training import make_optimizer
-from ._unrolled import AttributionScores
+from ._path._training import make_optimizer
+from ._progress import Progress
 
 __all__ = [
     "SubsetRetraining",
@@ -347,21 +347,6 @@ def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=Non
         return _query_outputs(estimator, X_query, output, codes)
 
 
-def _progress(iterable, total, verbose):
-    """A tqdm bar over the finished fits when verbose (a line per fit without tqdm)."""
-    if not verbose:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        def lines():
-            for k, item in enumerate(iterable, 1):
-                print(f"retrain_on_subsets: {k}/{total} models fitted", file=sys.stderr)
-                yield item
-        return lines()
-    return tqdm(iterable, total=total, desc="retrain_on_subsets", file=sys.stderr)
-
-
 @validate_params(
     {
         "estimator": [object],
@@ -530,7 +515,9 @@ def retrain_on_subsets(
     results = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
     all_outputs = np.empty((n_subsets, n_repeats, len(X_query)))
     # The generator runs to its end, so that a progress bar closes.
-    for k, values in enumerate(_progress(results, len(jobs), verbose)):
+    bar = Progress("retrain_on_subsets", len(jobs), enabled=bool(verbose),
+                   each="{desc}: {n}/{total} models fitted")
+    for k, values in enumerate(bar.iterate(results)):
         all_outputs[jobs[k]] = values
     name = output if isinstance(output, str) else getattr(output, "__name__", "callable")
     return SubsetRetraining(subsets=masks, outputs=all_outputs.mean(axis=1),

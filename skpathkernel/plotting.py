@@ -28,9 +28,9 @@ from sklearn.manifold import TSNE
 from sklearn.utils._optional_dependencies import check_matplotlib_support
 from sklearn.utils.validation import check_array
 
-from ._inputs import FEATURES
-from ._network import network_of
-from ._span import TangentSpan
+from ._analysis._rank_gap import TangentSpan
+from ._network._inputs import FEATURES
+from ._network._trained import network_of
 from .kernels import PathKernel, step_kernel
 
 __all__ = [

@@ -17,8 +17,17 @@ per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimat
 layers"; :func:`check_rule` checks it against ``torch.func``).
 """
 
-from ._tangent._routes import FallbackWarning, LayerRoute, check_rule, layer_routes
-from ._tangent._rules import Rule, Term, Use, get_rule, register_rule
+from ._tangent import (
+    FallbackWarning,
+    LayerRoute,
+    Rule,
+    Term,
+    Use,
+    check_rule,
+    get_rule,
+    layer_routes,
+    register_rule,
+)
 
 __all__ = [
     "FallbackWarning",

@@ -157,7 +157,7 @@ def test_thinned_path_reports_its_true_error(data, name, normalize_y, monkeypatc
     batches' gradients at the interval's first point. Not exact: the result says so (a
     warning) and its error is the true one, measured here from plain forward passes at
     the recorded end points (in the units of y with normalize_y)."""
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
     est = PathKernelMachine(**{**RAW, "normalize_y": normalize_y}, hidden_layer_sizes=(6,),
@@ -234,7 +234,7 @@ def test_routes_agree(data, name, method, batch_size, monkeypatch):
     """The factor-Gram route (plain SGD), the pair engine's adjoint and the dense route
     give the same decomposition (the dense one is checked above by brute force), on a
     module with a fallback layer too, at the same nodes."""
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
     est = PathKernelMachine(**RAW, module=_WithRaw, max_iter=6, batch_size=batch_size,
@@ -261,7 +261,7 @@ def test_routes_agree(data, name, method, batch_size, monkeypatch):
 def test_weights_contract_the_fallback_and_first_order(data, name, route, monkeypatch):
     """A parameter without a rule (the fallback's contracted Jacobian) and the methods
     with one capture per step: the full decomposition contracted."""
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
     Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
@@ -280,7 +280,7 @@ def test_weights_contract_the_fallback_and_first_order(data, name, route, monkey
 def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
     """The adjoint buffer stores lambda / m^k and folds the factor in when it would leave
     the dtype's range (every 20 steps at m = 0.5): 45 steps against the dense route."""
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
     est = PathKernelMachine(**RAW, hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
@@ -360,7 +360,7 @@ def test_weights_decompose_the_contracted_output(data, case, monkeypatch):
     after the split), and its own error control holds on the contracted output."""
     import warnings
 
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
     name, extra, dense = CONTRACTED[case]
@@ -399,7 +399,7 @@ def test_layers_with_positions_decompose_like_the_brute_force(kind, solver, monk
     """Rules with a position axis (convolutions, grouped ones, an embedding, LayerNorm,
     attention) in the factor-Gram, adjoint and dense routes, against the forward
     per-sample recursion with plain autograd Jacobians, at the same nodes."""
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
     from skpathkernel.rules import layer_routes
 
     rng = np.random.RandomState(0)
@@ -433,7 +433,7 @@ def test_layers_with_positions_decompose_like_the_brute_force(kind, solver, monk
 def test_weights_contract_layers_with_positions(kind, solver, monkeypatch):
     """The contracted captures of convolutions and of a token model (integer inputs,
     module=) on the factor / adjoint and dense routes: the full decomposition contracted."""
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     rng = np.random.RandomState(0)
     if kind == "cnn":

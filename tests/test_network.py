@@ -7,6 +7,7 @@ that pickles in the format written before ``network_`` existed still load.
 """
 
 import copy
+import inspect
 import pickle
 import types
 
@@ -28,7 +29,7 @@ from skpathkernel import (
     TangentKernel,
     TrainedNetwork,
 )
-from skpathkernel._network import network_of
+from skpathkernel._network._trained import network_of
 from skpathkernel.diagnostics import hessian_trace
 
 SMALL = dict(hidden_layer_sizes=(6,), solver="adam", learning_rate_init=0.05, max_iter=6,
@@ -193,24 +194,15 @@ def test_recorded_network_rebuilds_for_a_new_object_at_a_freed_address():
         np.testing.assert_allclose(net.network_.targets().numpy()[:, 0], y + shift)
 
 
-# --------------------------------------------------------------------------- old pickles
-def _old_state(est):
-    """What ``__getstate__`` wrote before network_ existed: the fitted attributes, the
-    module as NumPy arrays (``_module_state``), and no ``network_``."""
-    state = {k: v for k, v in vars(est).items() if k != "network_"}
-    state.update(
-        _module_state={k: v.detach().cpu().numpy() for k, v in est.module_.state_dict().items()},
-        trajectory_=est.trajectory_, X_fit_=est.X_fit_, _Y_fit=est._Y_fit,
-        device_=est.device_, dtype_=est.dtype, n_params_=est.trajectory_.n_params,
-    )
-    return state
-
-
+# --------------------------------------------------------------------------- pickling
 @pytest.mark.parametrize("cls", [PathKernelClassifier, PathKernelMachine])
-def test_pickle_state_written_before_network_loads_identically(cls, data):
+def test_pickled_state_holds_no_torch_objects_and_loads_identically(cls, data):
     X, y = data
     est = cls(**SMALL).fit(X, y if cls is PathKernelClassifier else y.astype(float))
-    state = _old_state(est)
+    state = est.__getstate__()
+    # NumPy and plain values only: a CUDA-trained estimator loads anywhere, skops reads it.
+    assert "network_" not in state
+    assert not [k for k, v in state.items() if isinstance(v, (torch.Tensor, torch.nn.Module))]
     loaded = cls.__new__(cls)
     loaded.__setstate__(copy.deepcopy(state))
     assert isinstance(loaded.network_, TrainedNetwork)
@@ -221,22 +213,6 @@ def test_pickle_state_written_before_network_loads_identically(cls, data):
                                rtol=1e-10, atol=1e-12)
     a, b = loaded.decompose(X[:3]), est.decompose(X[:3])
     np.testing.assert_array_equal(a.contributions, b.contributions)
-    # And the state written now is that same format.
-    assert set(est.__getstate__()) == set(state)
-
-
-def test_old_detector_pickle_with_mirrored_attributes_loads(clf, data):
-    X, _ = data
-    det = OODRankDetector(FrozenEstimator(clf), method="residual").fit(X)
-    state = dict(det.__getstate__())
-    # Detectors pickled before network_ existed carried copies of the network's attributes.
-    state.update(module_=clf.module_, trajectory_=clf.trajectory_, device_="cpu",
-                 n_params_=clf.n_params_, loss_curve_=[0.0], n_iter_=0, t_=0)
-    loaded = pickle.loads(pickle.dumps(det))
-    loaded.__setstate__(state)
-    assert loaded.network_ is loaded.estimator_.network_
-    assert loaded.loss_curve_ == clf.loss_curve_  # read from the network's estimator
-    np.testing.assert_array_equal(loaded.score_samples(X[:4]), det.score_samples(X[:4]))
 
 
 def test_outputs_at_a_recorded_point_are_the_module_there(clf, data):
@@ -246,6 +222,70 @@ def test_outputs_at_a_recorded_point_are_the_module_there(clf, data):
         np.testing.assert_allclose(clf.network_.outputs(X[:5], step=step), ref, rtol=1e-12)
     with pytest.raises(ValueError, match="expecting 3 features"):
         clf.network_.outputs(X[:5, :2])
+
+
+def _wide_recorded(width=512, n=8, seed=0):
+    """A recorded network whose float64 activations need 8 * width * 8 bytes per row."""
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 1, dtype=torch.float64)
+    module = torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Tanh(),
+                                 torch.nn.Linear(width, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    with PathRecorder(module, opt, n_samples=n) as rec:
+        for _ in range(3):
+            rec.set_batch(np.arange(n))
+            opt.zero_grad()
+            (0.5 * (module(X) - y).pow(2).mean()).backward()
+            opt.step()
+    return module, rec.trajectory, X.numpy()
+
+
+@pytest.mark.parametrize("budget, rows", [(2**20, 2**20 // (8 * 512 * 8)), (2**30, 256)])
+def test_recorded_network_predicts_in_blocks_under_its_memory_budget(budget, rows):
+    module, traj, X = _wide_recorded()
+    Xq = np.random.RandomState(1).randn(100, 3)
+    net = RecordedNetwork(module, traj, X_train=X, memory_budget=budget)
+    seen = []
+    hook = module.register_forward_pre_hook(lambda m, args: seen.append(len(args[0])))
+    try:
+        out = net.predict(Xq)
+    finally:
+        hook.remove()
+    # Every block the same size (the last one padded), none above what the budget allows.
+    assert set(seen) == {min(rows, 256)} and len(seen) == -(-100 // min(rows, 256))
+    ref = module_at(types.SimpleNamespace(module_=module, trajectory_=traj), -1)
+    np.testing.assert_allclose(out, ref(torch.as_tensor(Xq)).detach().numpy(), rtol=1e-12)
+    # A row's output does not depend on the rows passed with it.
+    np.testing.assert_array_equal(net.predict(Xq[7:8]), out[7:8])
+
+
+def test_estimator_predicts_with_the_network_forward_pass(clf, data):
+    X, _ = data
+    # The fitted module's own parameters are the last recorded point's.
+    np.testing.assert_allclose(clf.network_.outputs(X, step=None), clf.network_.outputs(X),
+                               rtol=1e-12, atol=1e-14)
+    ref = module_at(clf, -1)(torch.as_tensor(X)).detach().numpy()
+    np.testing.assert_allclose(clf.decision_function(X), ref[:, 0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("verb", ["decompose", "attribute", "self_influence"])
+def test_read_only_verbs_share_one_docstring(verb):
+    docscrape = pytest.importorskip("numpydoc.docscrape")
+    owners = [TrainedNetwork, RecordedNetwork, PathKernelMachine, PathKernelClassifier]
+    docs = [docscrape.FunctionDoc(getattr(cls, verb)) for cls in owners]
+    # The same parameters, described in the same words, wherever the verb is.
+    for doc in docs[1:]:
+        # X, y and output's default are each owner's own.
+        shared = {p.name: p.desc for p in doc["Parameters"]
+                  if p.name not in ("X", "y", "output")}
+        first = {p.name: p.desc for p in docs[0]["Parameters"] if p.name in shared}
+        assert first == {k: v for k, v in shared.items() if k in first}
+        assert doc["Returns"][0].type == docs[0]["Returns"][0].type
+    # Their signatures agree with their documented parameters.
+    for cls, doc in zip(owners, docs):
+        documented = [p.name for p in doc["Parameters"]]
+        params = [n for n in inspect.signature(getattr(cls, verb)).parameters if n != "self"]
+        assert documented == params, cls
 
 
 # --------------------------------------------------------------------------- PathRecorder
@@ -303,27 +343,6 @@ def test_network_decompose_refuses_what_it_cannot_decompose():
     with pytest.raises(ValueError, match="method must be"):
         TrainedNetwork(module, traj, loss="squared_error", X_fit=X, y_fit=y
                        ).decompose(X[:2], method="third_order")
-
-
-def test_old_recorded_network_pickle_drops_its_copies():
-    module, traj, X, y = _recorded()
-    net = RecordedNetwork(module, traj, X_train=X, y_train=y)
-    # What RecordedNetwork.__init__ stored before network_ existed, besides its parameters.
-    old = dict(net.__getstate__(), module_=module, trajectory_=traj, device_="cpu",
-               dtype="float64", n_params_=traj.n_params, n_features_in_=2,
-               input_shape_=(2,), _input_kind="features")
-    loaded = RecordedNetwork.__new__(RecordedNetwork)
-    loaded.__setstate__(old)
-    assert set(vars(loaded)) == {"module", "trajectory", "X_train", "y_train", "loss",
-                                 "memory_budget"}
-    np.testing.assert_array_equal(loaded.predict(X), net.predict(X))
-    # The parameters rule: another run set after loading is the one computed with.
-    module2, traj2, X2, y2 = _recorded(seed=1)
-    loaded.set_params(module=module2, trajectory=traj2, X_train=X2, y_train=y2)
-    assert loaded.module_ is module2 and loaded.trajectory_ is traj2
-    with torch.no_grad():
-        ref = module2(torch.as_tensor(X2[:3])).numpy()
-    np.testing.assert_allclose(loaded.predict(X2[:3]), ref, rtol=1e-12)
 
 
 def test_detector_diagnostics_on_new_data_stand_for_its_estimator(clf, data):
@@ -399,7 +418,7 @@ def test_params_at_keeps_one_point_and_never_pickles_it(storage, data, tmp_path)
 def test_check_takes_a_clean_float_array_as_check_input_does(clf, data):
     # The shortcut for plain finite float arrays returns what check_input returns, and
     # everything else (errors included) is check_input's.
-    from skpathkernel._inputs import check_input
+    from skpathkernel._network._inputs import check_input
 
     X, _ = data
     module, traj = clf.network_.module, clf.network_.trajectory

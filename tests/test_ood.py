@@ -12,9 +12,11 @@ from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.utils.multiclass import type_of_target
 
-from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine, _ood, _span
+from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
+from skpathkernel._analysis import _rank_gap
+from skpathkernel._analysis._rank_gap import pivoted_cholesky
+from skpathkernel._estimators import _ood
 from skpathkernel._reproduce._fig7 import _relu_network
-from skpathkernel._span import pivoted_cholesky
 from skpathkernel.datasets import make_linear_extrapolation
 
 # The old defaults, pinned: tanh, a fixed number of epochs, raw regression targets.
@@ -274,7 +276,7 @@ def test_low_rank_factor_matches_dense_lstsq_when_span_saturates():
 def test_pivoted_cholesky_recovers_a_low_rank_psd_matrix_over_several_blocks(lazy,
                                                                              monkeypatch):
     # lazy=False is the GPU's factor, grown by doubling from 2 blocks (8 columns) to 9.
-    monkeypatch.setattr(_span, "_lazy_pages", lambda device: lazy)
+    monkeypatch.setattr(_rank_gap, "_lazy_pages", lambda device: lazy)
     rng = np.random.RandomState(5)
     F = rng.normal(size=(60, 9)) * np.logspace(0, -2, 9)
     A = torch.as_tensor(F @ F.T)
@@ -355,7 +357,7 @@ def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypa
     small_net = copy.copy(net)
     small_net.memory_budget = 10_000
     with monkeypatch.context() as m:
-        m.setattr(_span, "loo_relative_residuals", None)  # the QR pass must not run
+        m.setattr(_rank_gap, "loo_relative_residuals", None)  # the QR pass must not run
         small = OODRankDetector(FrozenEstimator(small_net), method="residual",
                                 contamination=0.25).fit(X)
     assert small.rank_ == big.rank_ == 20

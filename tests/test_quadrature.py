@@ -95,7 +95,7 @@ def test_tol_trades_nodes_for_error(circle):
 
 
 def test_warning_names_the_steps_at_the_cap(circle, monkeypatch):
-    import skpathkernel._interpolation as interpolation
+    import skpathkernel._analysis._decomposition as interpolation
 
     est, X, Y, loss, Xq = _large_steps("rmsprop", circle)
     monkeypatch.setattr(interpolation, "MAX_NODES", 4)

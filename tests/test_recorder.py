@@ -23,7 +23,7 @@ from skpathkernel import (
     RecordedNetwork,
     TangentKernel,
 )
-from skpathkernel._losses import LOSSES
+from skpathkernel._path._losses import LOSSES
 
 SOLVERS = {
     "sgd-momentum-l2": (dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, alpha=0.01),
@@ -331,7 +331,7 @@ def test_recorded_network_is_an_estimator_for_sklearn(data):
 def test_docstring_examples_run():
     import doctest
 
-    from skpathkernel import _recorder
+    from skpathkernel._path import _recorder
 
     result = doctest.testmod(_recorder, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.attempted > 0 and result.failed == 0

@@ -27,10 +27,9 @@ from skpathkernel import (
     RecordedNetwork,
     TrainingDivergedError,
     Trajectory,
-    _storage,
-    _trajectory,
 )
-from skpathkernel._storage import TrajectoryFileError
+from skpathkernel._path import _storage, _trajectory
+from skpathkernel._path._storage import TrajectoryFileError
 from skpathkernel.kernels import PathKernel
 
 CHUNK = 3  # vectors per chunk file in these tests: many files, and partial last ones
@@ -883,7 +882,8 @@ def _python(tmp_path, source: str, argument):
 _AT_EXIT = """
 import atexit, os, sys
 import numpy as np
-from skpathkernel import PathKernelMachine, Trajectory, _trajectory
+from skpathkernel import PathKernelMachine, Trajectory
+from skpathkernel._path import _trajectory
 from skpathkernel.kernels import PathKernel
 _trajectory.chunk_rows_for = lambda *args: 3
 rng = np.random.RandomState(0)
@@ -914,7 +914,7 @@ def test_an_on_disk_trajectory_is_read_and_saved_at_interpreter_exit(tmp_path):
 _ON_THE_WRITER = """
 import sys, threading
 import numpy as np, torch
-from skpathkernel import _storage
+from skpathkernel._path import _storage
 store = _storage.ChunkStore.create(sys.argv[1], chunk_rows=2)
 series = store.add_series("params", 5, torch.float64)
 gate = threading.Event()
@@ -941,7 +941,7 @@ def test_mapping_pages_ahead_leaves_contents_and_stops_when_told():
     # The recorder maps a buffer's pages on a background thread while the training thread
     # copies points into it: the mapping must never change what was written, and a run
     # that ends must stop it even where it waits for the writes to move on.
-    from skpathkernel._storage import aligned_empty, populate
+    from skpathkernel._path._storage import aligned_empty, populate
 
     buf = aligned_empty(8, 300_000, torch.float32)  # fresh memory, 9.6 MB
     values = torch.randn(3, 300_000, generator=torch.Generator().manual_seed(0))

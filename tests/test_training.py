@@ -522,18 +522,17 @@ def test_auto_record_every_keeps_the_path_under_memory_budget(regression_data):
     (dict(early_stopping=True, validation_fraction=0.98),
      r"leaves 1 of the 90 samples for training"),
 ])
-def test_bad_stopping_parameters_are_refused_before_any_work(params, match, monkeypatch):
+def test_bad_stopping_parameters_are_refused_before_any_work(params, match):
     X, y = _classes_data()
     clf = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, tol=None,
                                random_state=0).fit(X, y)
     before = clf.predict_proba(X)
-    import skpathkernel._base as base
 
     def no_work(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(base, "_build_module", no_work)
-    clf.set_params(**params)
+    # Building the network is the first work of a fit: its factory is never called.
+    clf.set_params(module=no_work, **params)
     with pytest.raises(ValueError, match=match):
         clf.fit(X, y)
     assert_array_equal(clf.predict_proba(X), before)

@@ -76,7 +76,7 @@ def test_indexing_and_views(fitted):
 
 
 def test_a_path_too_large_for_memory_is_refused_before_training(regression_data, monkeypatch):
-    import skpathkernel._trajectory as trajectory_module
+    import skpathkernel._path._trajectory as trajectory_module
 
     X, y = regression_data
     monkeypatch.setattr(trajectory_module, "_available_memory", lambda: 10_000)

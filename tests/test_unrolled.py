@@ -21,8 +21,8 @@ from skpathkernel import (
     RecordedNetwork,
     UnstablePathWarning,
 )
-from skpathkernel._attribution import label_codes, margin
-from skpathkernel._training import make_optimizer
+from skpathkernel._analysis._attribution import label_codes, margin
+from skpathkernel._path._training import make_optimizer
 from skpathkernel.metrics import retrain_on_subsets
 
 
@@ -383,7 +383,7 @@ def test_replay_retraining_of_a_thinned_path_equals_the_full_record():
 
 
 def test_overflowed_growth_warns():
-    from skpathkernel._unrolled import _warn
+    from skpathkernel._analysis._unrolled import _warn
 
     est, _, _ = _fit(**SOLVERS["sgd"])
     scores = np.full((2, 3), 1e18).view(AttributionScores)
@@ -485,7 +485,7 @@ def _tensors_in(obj) -> int:
 def test_thinned_first_moments_are_checkpointed_not_kept_per_point(solver, monkeypatch):
     """The first moments of a thinned path (not recorded) are replayed from about
     sqrt(n_points) checkpoints: the (P,) vectors held do not grow with the path."""
-    from skpathkernel import _unrolled
+    from skpathkernel._analysis import _unrolled
 
     est, X, _ = _fit(**SOLVERS[solver], normalize_y=False, max_iter=24)
     thin, _, _ = _fit(**SOLVERS[solver], normalize_y=False, max_iter=24, record_every=2)

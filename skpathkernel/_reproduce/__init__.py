@@ -1,4 +1,4 @@
-"""``skpathkernel reproduce``: the seed paper's experiments, one module per section.
+"""``skpathkernel reproduce``: the experiments of Guo, He & Morel (2026), one module per section.
 
 Each section is a function ``(context) -> list[Row]`` registered in :data:`SECTIONS`; it
 uses only the public API, writes its figures into ``context.out`` and returns the claims
@@ -83,7 +83,7 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
     matplotlib.use("Agg")
     ctx = Context(out=out, quick=quick, device=device, data_home=data_home)
     sections = []
-    # The seeds' networks are a few thousand parameters: intra-op threads cost more in
+    # The papers' networks are a few thousand parameters: intra-op threads cost more in
     # synchronisation than they save (measured on 2 cores: a small fit 10-40x slower with
     # two threads than with one, the flatness section 4.8 s vs 13-58 s). Restored after.
     with torch_threads(1):

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 from sklearn.datasets import load_digits
 
 from .. import PathKernelClassifier
+from .._progress import Progress
 from ..datasets import make_circle
 
-# The seeds' circle task (figures 1, 9, 10): learning rates that train it reliably with each
-# solver, minibatches of CIRCLE_BATCH (the seeds' stochastic setting: with full-batch
+# Guo, He & Morel's circle task (figures 1, 9, 10): learning rates that train it reliably with each
+# solver, minibatches of CIRCLE_BATCH (the papers' stochastic setting: with full-batch
 # gradient descent the kernel neighbourhoods of figure 1 barely move in 300 epochs).
 CIRCLE_BATCH = 32
 CIRCLE_SOLVERS = {
@@ -28,7 +28,7 @@ def training(ctx, *, solver, learning_rate_init, batch_size, max_iter, random_st
              **kw):
     """Every training parameter of an estimator, explicit: the figures must not move when
     the estimators' defaults do. ``kw`` overrides the fixed ones (momentum, alpha, ...)."""
-    # tol=None: exactly max_iter epochs, the seeds' fixed-length paths (no stopping rule).
+    # tol=None: exactly max_iter epochs, the papers' fixed-length paths (no stopping rule).
     params = dict(activation="tanh", solver=solver, learning_rate_init=learning_rate_init,
                   momentum=0.0, alpha=0.0, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
                   batch_size=batch_size, max_iter=max_iter, tol=None, shuffle=True,
@@ -38,33 +38,9 @@ def training(ctx, *, solver, learning_rate_init, batch_size, max_iter, random_st
     return params
 
 
-class progress:
-    """One bar per figure: tqdm when installed, else a single line when done."""
-
-    def __init__(self, desc, total):
-        self.desc, self.total, self.n = desc, total, 0
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=True)
-
-    def __enter__(self):
-        return self
-
-    def __call__(self, what=""):
-        self.n += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(what, refresh=False)
-            self.bar.update(1)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-        elif exc[0] is None:
-            print(f"{self.desc}: {self.n}/{self.total} done", file=sys.stderr)
-        return False
+def progress(desc: str, total: int) -> Progress:
+    """One bar per figure; without tqdm, a single line when the figure is done."""
+    return Progress(desc, total, end="{desc}: {n}/{total} done")
 
 
 def subplots(*args, **kwargs):

@@ -6,7 +6,7 @@ import numpy as np
 from torch import nn
 
 from .. import PathKernelClassifier, PathKernelMachine
-from ..datasets import _cifar10_folder, load_cifar10, make_sine, make_square_wave
+from ..datasets import load_cifar10, make_sine, make_square_wave
 from ..plotting import KernelMatrixDisplay
 from ._common import digits_fit, digits_split, progress, save, subplots, training
 from ._report import Row
@@ -118,12 +118,9 @@ def cifar_panels(ctx):
                             n_per_class=n_per_class, return_X_y=True)
         X_show, y_show = load_cifar10(data_home=ctx.data_home, subset="test", n_per_class=10,
                                       return_X_y=True)
-    except FileNotFoundError:
-        return [Row("2g-h", claim,
-                    f"not run: CIFAR-10 not found in {_cifar10_folder(ctx.data_home)}. To "
-                    "enable: extract the python version (cifar-10-python.tar.gz) there, or "
-                    "torchvision.datasets.CIFAR10(root=DIR, download=True), and run with "
-                    "--data-home DIR (or set SCIKIT_LEARN_DATA)", None)]
+    except FileNotFoundError as e:
+        # load_cifar10's message names the missing file and how to provide it.
+        return [Row("2g-h", claim, f"not run: {e}", None)]
     with progress("figure 2 g-h", 3) as tick:
         steps_per_epoch = -(-len(y) // 64)
         est = PathKernelClassifier(

@@ -4,7 +4,7 @@ The 1-D regression y = 2x + 1 trained on [0, 2) with a 1-6-1 ReLU network whose 
 units switch on at chosen kinks. With every kink inside the training domain the test
 points' tangent features stay in the span of the training ones (no rank gap); with one
 kink at 2.0 that unit never sees a training point, never moves, and switches on at test
-time: a rank gap and a larger test loss (the seeds' extrapolation failure).
+time: a rank gap and a larger test loss (Guo, He & Morel's extrapolation failure).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Flatness (seed 004) of the circle task's solutions, by optimizer (figure 9's four).
+"""Flatness of the circle task's solutions, by optimizer (figure 9's four).
 
 Reports the Hutchinson trace of the training-loss Hessian at the end of training and at a
 few points along the path, next to the test accuracy. The rows only report numbers: the
-seed's claim (the flattest interpolators generalize) is about interpolators of a
+flatness paper's claim (the flattest interpolators generalize) is about interpolators of a
 multi-index model, not a threshold this task could pass or fail.
 """
 

@@ -1,6 +1,6 @@
-"""Diffusion and GAN training recorded with PathRecorder: the seed's generative reading.
+"""Diffusion and GAN training recorded with PathRecorder: Guo, He & Morel's generative reading.
 
-The seed (000) reads generative models through the path kernel: "diffusion induces
+Guo, He & Morel (2026) read generative models through the path kernel: "diffusion induces
 stage-wise, noise-localized corrections, whereas GANs induce distribution-guided
 corrections shaped by discriminator geometry". Both models here are trained by a loop of
 our own, recorded with :class:`~skpathkernel.PathRecorder`, and measured:
@@ -11,7 +11,7 @@ our own, recorded with :class:`~skpathkernel.PathRecorder`, and measured:
 - GAN: the correlation between the generator's kernel-weighted update direction
   ``u_t(z) = -sum_i K_t(z, z_i) r_{t,i} / B`` and the discriminator's own pull at
   ``G_t(z)``, and the exactness of the generator's decomposition over the generated
-  samples with the declared linear loss (see ``skpathkernel._recorder``).
+  samples with the declared linear loss (see ``skpathkernel._path._recorder``).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def kernel_update_alignment(net, G, D_t, t, z_query):
 
 
 def generative_section(ctx):
-    """Rows for the diffusion and GAN readings of the path kernel (seed 000)."""
+    """Rows for the diffusion and GAN readings of the path kernel (Guo, He & Morel 2026)."""
     quick = ctx.quick
     rows = []
     # ---------------------------------------------------------------- diffusion

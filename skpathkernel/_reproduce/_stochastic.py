@@ -1,11 +1,11 @@
-"""The stochastic Domingos formula (seed 000/001's central result) and the formulas' orders.
+"""The stochastic Domingos formula (Guo, He & Morel's central result) and the formulas' orders.
 
 **Expected versus realized.** Minibatch SGD with step size ``lr`` and batch ``B`` of ``N``
 moves the prediction at ``x`` by ``sum_t lr J_bar_t(x) (1/B) sum_{i in B_t} g_{t,i}``
-(the realized representation, exact: ``decompose(weighting="realized")``). The seeds'
+(the realized representation, exact: ``decompose(weighting="realized")``). Guo, He & Morel's
 expected representation credits every sample at every step with weight ``1/N``
 (``decompose(weighting="expected")``). Their difference along one path is a sum of
-zero-mean minibatch noises: with batches drawn independently at every step (the seeds'
+zero-mean minibatch noises: with batches drawn independently at every step (Guo, He & Morel's
 diffusion approximation, ``dtheta = -grad L dt + sqrt(lr Sigma / B) dW``) its size at a
 fixed training time ``lr * T`` is ``O(sqrt(lr (1/B - 1/N)))`` (the finite-population
 variance of a batch mean). The section trains such paths with a loop of its own recorded
@@ -38,7 +38,7 @@ from ._report import Row
 TRAINING_TIME = 1.6  # lr * number of steps: a whole number of epochs for every (lr, B)
 N_TRAIN = 64
 WIDTH = 16
-# A fitted rate passes when it is within two standard errors (bootstrap over the seeds) of
+# A fitted rate passes when it is within two standard errors (bootstrap over the random seeds) of
 # the predicted one, and never closer than RATE_TOL is asked: the predictions are
 # asymptotic (lr -> 0). A stochastic rate whose standard error exceeds MAX_SE cannot tell
 # sqrt(lr) from lr or from no dependence at all: the row says it is inconclusive.
@@ -55,7 +55,7 @@ def fit_rate(x, err):
 
 
 def fit_rate_se(x, sq_gaps, *, n_boot=400, seed=0):
-    """Fitted rate of the RMS gap and its bootstrap standard error over the seeds.
+    """Fitted rate of the RMS gap and its bootstrap standard error over the random seeds.
 
     ``sq_gaps[k, s]`` is seed ``s``'s mean-square gap at ``x[k]``; each point's seeds are
     resampled independently (the runs are).
@@ -104,7 +104,7 @@ def _network(n_in, seed):
 
 
 def iid_sgd_path(task, lr, batch, seed):
-    """Plain SGD with a batch of ``batch`` drawn afresh at every step (the seeds' model),
+    """Plain SGD with a batch of ``batch`` drawn afresh at every step (Guo, He & Morel's model),
     for ``TRAINING_TIME / lr`` steps, recorded: a :class:`RecordedNetwork` (float64, CPU).
 
     The estimators cannot draw batches this way (they reshuffle once per epoch), so the
@@ -264,7 +264,7 @@ def _gap_part(task, cfg, axes, details, tick):
         Row(f"stoch-{task[:5]}", claim, f"RMS gap {text}; {cfg['seeds']} seeds", passed),
         Row(f"stoch-{task[:5]}",
             f"{task}: the same gap with the estimators' epoch-reshuffled minibatches (a "
-            "reading: the seeds' diffusion model assumes independent batches)",
+            "reading: Guo, He & Morel's diffusion model assumes independent batches)",
             f"RMS gap vs lr {_fmt(shuf['lr'])}, rate {f_shuf['lr'][0]:.2f} +- "
             f"{f_shuf['lr'][1]:.2f}; vs B {_fmt(shuf['batch'])}, rate "
             f"{f_shuf['batch'][0]:.2f} +- {f_shuf['batch'][1]:.2f}", None),

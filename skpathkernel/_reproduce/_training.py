@@ -1,4 +1,4 @@
-"""Training on the seeds' circle task with each solver: the recorded path, measured."""
+"""Training on Guo, He & Morel's circle task with each solver: the recorded path, measured."""
 
 from __future__ import annotations
 

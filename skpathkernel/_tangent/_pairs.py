@@ -1,6 +1,6 @@
 """Query-by-sample products of the decomposition, from the layers' factors.
 
-Private engine behind :mod:`skpathkernel._interpolation`. One step ``t`` of the exact
+Private engine behind :mod:`skpathkernel._analysis._decomposition`. One step ``t`` of the exact
 decomposition pairs the queries' segment-averaged Jacobian
 ``rho_t(x) = sum_k w_k J(x; theta_t + s_k dtheta_t)`` (quadrature nodes ``k``) with the
 per-sample loss gradients ``g_i = J(x_i; theta_t)^T r_i`` of the step's batch. For a

@@ -4,7 +4,7 @@ A trained network extrapolates badly where its tangent feature ``phi(x)`` has a 
 outside ``span{phi(x_i)}`` (the extrapolation-failure figures of Domingos-style kernel
 analyses: a ReLU unit never active on the training domain turns on at test time). The
 detector scores that component from tangent-kernel Gram matrices alone, with the span
-numerics of :mod:`._span`:
+numerics of :mod:`skpathkernel._analysis._rank_gap`:
 
 * ``method="local"`` (default): the relative residual of ``phi(x)`` outside the span of
   its ``n_neighbors`` best-aligned training features;
@@ -31,13 +31,13 @@ from sklearn.base import OutlierMixin
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 
+from .._analysis._rank_gap import BLOCK, NetworkGram, TangentSpan
+from .._device import to_numpy
+from .._network._trained import network_of
+from .._parallel import map_row_blocks, n_row_blocks
 from ._base import keep_previous_fit_on_error
-from ._device import to_numpy
 from ._machine import PathKernelClassifier, PathKernelMachine
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, flat_targets, trainer_for
-from ._network import network_of
-from ._parallel import map_row_blocks, n_row_blocks
-from ._span import BLOCK, NetworkGram, TangentSpan
 
 __all__ = ["OODRankDetector"]
 

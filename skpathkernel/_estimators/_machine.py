@@ -14,7 +14,10 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted
 
-from ._attribution import label_codes
+from .._analysis._attribution import label_codes
+from .._device import to_tensor
+from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
+from .._network._trained import check_decompose_args, network_of
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -22,13 +25,116 @@ from ._base import (
     keep_previous_fit_on_error,
     tangent_feature_names,
 )
-from ._device import to_tensor
-from ._network import check_decompose_args, network_of
-from ._params import network_params_doc
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
 
-_SHARED_PARAMS_DOC = network_params_doc()
+_SHARED_PARAMS_DOC = """
+    hidden_layer_sizes : array-like of int, default=(64, 64)
+        Widths of the hidden layers of the default MLP (ignored when ``module`` is given).
+    activation : {"relu", "tanh", "gelu", "softplus", "identity"}, default="gelu"
+        Activation of the default MLP. The default is smooth, which keeps the exact
+        decomposition exact: "relu"'s kinks cost it about 1e-4 (see the user guide,
+        "Training"), and "tanh" is what Guo, He & Morel (2026) used.
+    module : callable, default=None
+        ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
+        Any module without cross-sample state (no BatchNorm in train mode) works. It is
+        called with torch's global RNG seeded from ``random_state`` (and restored after).
+        With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
+        ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer
+        token ids ``(n, S)`` as int64 (``n_features_in`` is then the number of values
+        per sample); see the user guide, "Images, sequences and token ids".
+    solver : {"sgd", "adam", "adamw", "rmsprop"}, default="adam"
+        The torch.optim optimizer whose path is recorded. Adam (MLPClassifier's default)
+        learns at one step size whatever the scale of X; SGD keeps each step of the path
+        kernel a structured Gram (Adam's preconditioner makes it a dense product, 20-50
+        times slower) and is Domingos' setting (see ``batch_size``).
+    learning_rate_init : float, default=0.001
+        Step size (MLPClassifier's; plain SGD wants a larger one, e.g. 0.1).
+    momentum : float, default=0.0
+        Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
+    alpha : float, default=0.0
+        Weight decay: L2 added to the gradient (``grad + alpha * theta``, all parameters)
+        for sgd, adam and rmsprop; decoupled weight decay for adamw. Unlike MLPRegressor it
+        is not divided by the number of samples and applies to biases too.
+    beta_1 : float, default=0.9
+        Adam / AdamW decay of the first moment (the running mean of the gradient).
+    beta_2 : float, default=0.999
+        Adam / AdamW decay of the second moment (RMSprop's smoothing constant is torch's
+        default, 0.99).
+    epsilon : float, default=1e-8
+        The epsilon of Adam's, AdamW's and RMSprop's denominator.
+    batch_size : int, "auto" or None, default="auto"
+        Samples per optimizer step. "auto" is ``min(200, n_samples)`` (MLPClassifier's);
+        ``None`` trains on the whole training set at every step; with ``solver="sgd"``
+        (no momentum) that is Domingos' full-batch gradient descent.
+    max_iter : int, default=200
+        Most epochs (passes over the training set).
+    tol : float or None, default=1e-4
+        Stopping tolerance, with MLPClassifier's meaning: training stops when for more
+        than ``n_iter_no_change`` consecutive epochs the training loss has not gone below
+        its best value minus ``tol`` (with ``early_stopping``: the validation score has
+        not gone above its best value plus ``tol``). A ``ConvergenceWarning`` says when
+        ``max_iter`` epochs end without that. ``None`` (SGDClassifier's convention) trains
+        exactly ``max_iter`` epochs, with no warning: a path of fixed length.
+    n_iter_no_change : int, default=10
+        Epochs without improvement by ``tol`` tolerated before stopping (one more stops).
+    early_stopping : bool, default=False
+        Hold out ``validation_fraction`` of the training set (stratified for classes),
+        score the network on it after every epoch (accuracy, or R^2) and stop on that
+        score; the fitted network is then the one of the best-scoring epoch, as in
+        MLPClassifier, and ``trajectory_`` ends at it. The held-out samples are not
+        training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
+    validation_fraction : float in (0, 1), default=0.1
+        Fraction of the training set held out by ``early_stopping``; it must leave at
+        least two samples, and one of each class, on both sides.
+    shuffle : bool, default=True
+        Reshuffle the samples every epoch (minibatch training only).
+    record_every : int or "auto", default="auto"
+        Record the parameters every ``record_every`` optimizer steps (and at the end).
+        "auto": every step when the points of ``max_iter`` epochs fit in
+        ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
+        the user guide, "Training"). Every step (1) keeps the per-training-point
+        decomposition exact; with k > 1 it is approximate (it warns and reports its true
+        ``error``), and the path kernel is a Riemann sum.
+    device : {"auto", "cpu", "cuda"}, default="auto"
+        "auto" trains on CUDA when available, else on the CPU.
+    dtype : {"float32", "float64"}, default="float32"
+        Parameter dtype; float64 is for exactness checks.
+    memory_budget : int, default=2**30
+        Bytes that one block of a computation (prediction, kernels) may use, and the
+        most that the recorded points may take in memory with ``record_every="auto"``.
+    trajectory_storage : {"memory", "disk", "auto"}, default="memory"
+        Where ``trajectory_`` keeps its points. "memory": CPU buffers. "disk": chunk
+        files in a fresh temporary directory under ``trajectory_dir``, written while
+        training and read lazily, a chunk at a time (at most 1/32 of ``memory_budget``
+        each), so the kernels and :meth:`decompose` run in memory independent of the
+        number of steps; ``record_every="auto"`` then keeps every step that fits in 90%
+        of the free disk space. "auto": disk when the points of ``max_iter`` epochs
+        (every step, or every ``record_every``-th) exceed ``memory_budget`` bytes,
+        else memory. The directory is deleted with the estimator's trajectory unless
+        moved with ``trajectory_.save(path)`` (a rename) or pickled (a pickle references
+        the directory, which is then kept). A full disk during training keeps the
+        rest of the path in memory with a warning naming the file and the step (see
+        the user guide, "Scaling").
+    trajectory_dir : str, path-like or None, default=None
+        Where ``trajectory_storage="disk"`` creates its directories; None is the
+        system's temporary directory (``tempfile.gettempdir()``, ``TMPDIR``).
+    trajectory_compression : {None, "float16", "bfloat16"}, default=None
+        With the trajectory on disk, store each recorded point's parameters as its
+        difference from the previous stored point in this dtype (the first point of
+        each chunk file in full precision): about half the disk of float32 parameters
+        (optimizer states stay in full precision). Lossy: each stored point is within
+        one rounding of its step of the trained one, and the kernels and
+        :meth:`decompose` read the stored path, so ``decompose(...).error`` reports
+        what it costs (the contributions follow the stored points' gradients, the
+        reconstruction the stored steps). ``trajectory_.parameters(-1)`` is the stored
+        last point; ``module_`` keeps the trained one.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the initialization, the batch order and the early-stopping split: the same
+        seed on the same device gives bit-identical results. A local generator is used;
+        torch's global seed is untouched.
+    verbose : int, default=0
+        Show a progress bar (tqdm, when installed) with the training loss."""
 
 _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True
@@ -86,6 +192,66 @@ _FITTED_ATTRS_DOC = """
 """
 
 
+_DECOMPOSE_EXAMPLES = """
+
+Examples
+--------
+>>> import numpy as np
+>>> from skpathkernel import PathKernelMachine
+>>> X = np.linspace(-1, 1, 12).reshape(-1, 1); y = X.ravel() ** 2
+>>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", max_iter=20,
+...                         dtype="float64", random_state=0).fit(X, y)
+>>> res = est.decompose(X[:3])
+>>> res.contributions.shape
+(3, 12, 1)
+>>> bool(res.error < 1e-10)
+True
+"""
+
+_ATTRIBUTE_EXAMPLES = """
+
+Examples
+--------
+>>> from sklearn.datasets import make_classification
+>>> from skpathkernel import PathKernelClassifier
+>>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
+>>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), solver="sgd",
+...                            learning_rate_init=0.5, max_iter=30, tol=None,
+...                            dtype="float64", random_state=0)
+>>> scores = clf.fit(X, y).attribute(X[:3], y[:3])
+>>> scores.shape
+(3, 40)
+>>> margin = clf.decision_function(X[:3]) * (2 * y[:3] - 1)
+>>> res = clf.decompose(X[:3])
+>>> initial = res.initial[:, 0] * (2 * y[:3] - 1)
+>>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
+True
+
+The counterfactual derivative, on a path that does not amplify perturbations:
+
+>>> cf = clf.attribute(X[:3], y[:3], method="unrolled")
+>>> cf.shape, bool(cf.growth.max() < 100)
+((3, 40), True)
+"""
+
+_SELF_INFLUENCE_EXAMPLES = """
+
+Examples
+--------
+>>> import numpy as np
+>>> from sklearn.datasets import make_classification
+>>> from skpathkernel import PathKernelClassifier
+>>> X, y = make_classification(n_samples=60, n_features=4, random_state=0)
+>>> y_noisy = y.copy(); y_noisy[:6] = 1 - y_noisy[:6]     # 6 flipped labels
+>>> clf = PathKernelClassifier(hidden_layer_sizes=(16,), solver="sgd",
+...                            learning_rate_init=0.5, max_iter=100, tol=None,
+...                            random_state=0).fit(X, y_noisy)
+>>> influence = clf.self_influence()
+>>> influence.shape
+(60,)
+"""
+
+
 class _KernelMachineMixin(TransformerMixin):
     """transform / decompose / explain: the trained network as a kernel machine."""
 
@@ -100,76 +266,11 @@ class _KernelMachineMixin(TransformerMixin):
         check_is_fitted(self)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
 
+    @shared_doc(DECOMPOSE, note="", extra_params="", raises="",
+                X="array-like of shape (n_queries, n_features) or (n_queries, ...)\n"
+                  "    In the form of the training inputs (``input_shape_``).",
+                examples=_DECOMPOSE_EXAMPLES)
     def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None):
-        """Decompose every prediction over the training points.
-
-        ``f(x; theta_T) = f(x; theta_0) + sum_i a_i(x) + a_reg(x)``, where ``a_i(x)`` is
-        how much training point ``i`` moved the prediction at ``x`` along the recorded path
-        and ``a_reg(x)`` is what no training point owns (weight decay).
-
-        Parameters
-        ----------
-        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
-            In the form of the training inputs (``input_shape_``).
-        method : {"exact", "first_order", "second_order"}, default="exact"
-            "exact" integrates each step's Jacobian over the segment by Gauss-Legendre
-            quadrature, with nodes added per step until its measured error is under
-            ``tol``, and reproduces the network to floating-point precision for every
-            solver. "first_order" is Domingos' formula with the optimizer's weighting
-            (error O(lr)); "second_order" adds the curvature term by Hessian-vector
-            products (error O(lr^2)). Both report their true ``error``.
-        weighting : {"realized", "expected"}, default="realized"
-            "realized" credits each step to the samples of its batch (weight 1/B);
-            "expected" credits every sample at every step (weight 1/N), the expected
-            representation of Guo, He & Morel (2026): equal for full-batch training,
-            approximate (with its measured ``error``) for minibatches.
-        n_nodes : int, default=None
-            A fixed number of Gauss-Legendre nodes for every step of "exact", without
-            error control. None (default) chooses them per step for ``tol``.
-        tol : float, default=None
-            Relative tolerance of "exact": each step's quadrature error, measured as
-            ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the
-            queries and outputs, is held under its share of ``tol * S`` (``S`` the
-            largest ``|f|`` along the path; shares proportional to the steps' changes
-            of f), so that the quadrature errors add up to at most ``tol * S``. None:
-            1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
-            that ``error`` sits at that floor). A step that cannot meet it within 64
-            nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
-            naming the step; ``error`` is always the achieved one. Ignored by the other
-            methods.
-
-        Returns
-        -------
-        result : Decomposition
-            ``initial`` (n, C), ``contributions`` (n, n_train, C), ``regularization``
-            (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
-            (logits for multi-class classifiers, the margin for binary ones); for
-            "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``.
-
-        Notes
-        -----
-        Cost: per recorded step, the layers' factors of the queries at each node and of
-        the step's batch; plain SGD then needs a Gram of factors (as a tangent kernel),
-        momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
-        n C P values that carries the optimizer's memory backwards over the steps, so
-        memory does not grow with the number of steps; blocks under ``memory_budget``.
-        Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
-        recorded points take their batches' gradients at the first of them, and the
-        result warns and reports the reconstruction error this leaves.
-
-        Examples
-        --------
-        >>> import numpy as np
-        >>> from skpathkernel import PathKernelMachine
-        >>> X = np.linspace(-1, 1, 12).reshape(-1, 1); y = X.ravel() ** 2
-        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", max_iter=20,
-        ...                         dtype="float64", random_state=0).fit(X, y)
-        >>> res = est.decompose(X[:3])
-        >>> res.contributions.shape
-        (3, 12, 1)
-        >>> bool(res.error < 1e-10)
-        True
-        """
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self._validate_X(X)
         # Every step needs the queries' Jacobians: one query's must fit the budget.
@@ -193,115 +294,16 @@ class _KernelMachineMixin(TransformerMixin):
         """
         return self._tangent_features(X)
 
+    @shared_doc(ATTRIBUTE, note="",
+                X="array-like of shape (n_queries, n_features) or (n_queries, ...)",
+                y="array-like of shape (n_queries,), default=None\n    Classifiers: the "
+                  "queries' labels, whose margin is explained; None explains\n    the margin "
+                  "of the predicted class. Regressors: ignored.",
+                output_default="Default: \"margin\" for the classifiers, 0 for the "
+                               "regressors (required for several outputs).",
+                examples=_ATTRIBUTE_EXAMPLES)
     def attribute(self, X, y=None, *, method="exact", weighting="realized", output=None,
                   n_nodes=None, tol=None, n_jobs=None):
-        """Training-data attribution scores: how much each training point moved each output.
-
-        A score matrix of the shape the attribution literature uses (TRAK, TracIn,
-        influence functions): ``scores[q, i]`` is training point ``i``'s share of the
-        scalar output ``m`` at query ``q``, read from :meth:`decompose`:
-        ``scores[q, i] = w_q . a_i(x_q)`` with ``w_q`` the weights of the explained output.
-        Positive: the point pushed the output up. Summed over a subset of the training
-        set, the scores predict the output of the network retrained on it; the linear
-        datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
-        measures how well.
-
-        Two questions, two kinds of score:
-
-        - ``method="unrolled"``: the counterfactual. ``scores[q, i]`` is the derivative
-          ``d m(x_q; theta_T) / d w_i`` at ``w = 1`` of the trained output with respect
-          to the weight ``w_i`` of point ``i`` in the loss of every step whose batch
-          holds it (each step's loss the weighted mean over its batch), taken exactly
-          through every recorded step of the training that happened (unrolled
-          differentiation: the optimizer's whole state, Hessian-vector products of
-          every step). Summed over a subset, it predicts to first order the output of
-          the network retrained on that subset along the same path
-          (:func:`~skpathkernel.metrics.retrain_on_subsets` with ``protocol="replay"``).
-          The result is an :class:`~skpathkernel.AttributionScores` whose ``growth``
-          measures how far the path amplifies perturbations; when that is large
-          (training at or past the edge of stability) an
-          :class:`~skpathkernel.UnstablePathWarning` says that no first-order score
-          predicts retraining there. Cost per step: one forward-backward of the batch
-          and about one Hessian-vector product per query; memory does not grow with
-          the number of steps.
-
-        The other methods describe the realized path, from the decomposition:
-
-        - ``method="exact", weighting="realized"`` (default): the exact split of the
-          realized path. ``initial + scores.sum(1) + regularization`` is the output
-          of the trained network up to the quadrature error that :meth:`decompose`
-          reports as ``error`` (floating-point level for small steps; large Adam steps
-          need more ``n_nodes``).
-        - ``weighting="expected"``: every point credited at every step with weight
-          ``1/N`` (Guo, He & Morel's expected representation); the same as realized for
-          full-batch training.
-        - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
-          kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
-          step, with the optimizer's preconditioner.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_queries, n_features)
-        y : array-like of shape (n_queries,), default=None
-            Classifiers: the queries' labels, whose margin is explained; None explains
-            the margin of the predicted class. Regressors: ignored.
-        method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
-            "unrolled": the counterfactual derivative (above); the others: see
-            :meth:`decompose`.
-        weighting : {"realized", "expected"}, default="realized"
-            See :meth:`decompose`; "unrolled" takes the realized batches.
-        output : "margin" or int, default=None
-            The scalar output explained. "margin" (the classifiers' default) is TRAK's
-            ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
-            classifiers (the margin is the network's output up to its sign); for several
-            classes the exact split of its linear part at the final logits,
-            ``f_y - sum_{k != y} q_k f_k`` with ``q`` the softmax over the other classes,
-            which is how much each point moved the margin to first order in the logits.
-            An int ``k`` explains output column ``k`` (logit ``k``; the regressors'
-            default is 0, required for several outputs).
-        n_nodes : int, default=None
-            Quadrature nodes per step for "exact", see :meth:`decompose`.
-        tol : float, default=None
-            Relative quadrature tolerance of "exact", see :meth:`decompose`.
-        n_jobs : int, default=None
-            ``method="unrolled"``: query blocks (each within ``memory_budget``) on joblib
-            workers; the same scores as serial. ``None`` means 1 unless in a
-            ``joblib.parallel_config`` context.
-
-        Returns
-        -------
-        scores : ndarray of shape (n_queries, n_train)
-            Float64 (an :class:`~skpathkernel.AttributionScores` for "unrolled").
-
-        See Also
-        --------
-        skpathkernel.metrics.linear_datamodeling_score : Scores against retraining.
-        skpathkernel.metrics.retrain_on_subsets : The retrained models it needs.
-        self_influence : Each training point's unrolled score for its own output.
-
-        Examples
-        --------
-        >>> from sklearn.datasets import make_classification
-        >>> from skpathkernel import PathKernelClassifier
-        >>> X, y = make_classification(n_samples=40, n_features=4, random_state=0)
-        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), solver="sgd",
-        ...                            learning_rate_init=0.5, max_iter=30, tol=None,
-        ...                            dtype="float64", random_state=0)
-        >>> scores = clf.fit(X, y).attribute(X[:3], y[:3])
-        >>> scores.shape
-        (3, 40)
-        >>> margin = clf.decision_function(X[:3]) * (2 * y[:3] - 1)
-        >>> res = clf.decompose(X[:3])
-        >>> initial = res.initial[:, 0] * (2 * y[:3] - 1)
-        >>> bool(abs(initial + scores.sum(1) - margin).max() < 1e-10)
-        True
-
-        The counterfactual derivative, on a path that does not amplify perturbations:
-
-        >>> cf = clf.attribute(X[:3], y[:3], method="unrolled")
-        >>> cf.shape, bool(cf.growth.max() < 100)
-        ((3, 40), True)
-        """
         check_is_fitted(self)
         classifier = isinstance(self, ClassifierMixin)
         X = self._validate_X(X)
@@ -314,42 +316,9 @@ class _KernelMachineMixin(TransformerMixin):
             encode=lambda y: label_codes(self.classes_, y) if classifier else None,
             scale=getattr(self, "_y_scale", None))
 
+    @shared_doc(SELF_INFLUENCE, label="classifiers: the margin of its own training label",
+                examples=_SELF_INFLUENCE_EXAMPLES)
     def self_influence(self, *, output=None, n_jobs=None):
-        """Each training point's counterfactual score for its own output.
-
-        ``d m(x_i; theta_T) / d w_i`` for every training point ``i``: the diagonal of
-        ``attribute(X_fit_, y_train, method="unrolled")``, how much down-weighting the
-        point in training would move its own output (classifiers: the margin of its own
-        training label). Points the network fits only by memorising them, mislabeled
-        ones first, have the largest self-influence: inspect them first when cleaning
-        data.
-
-        Parameters
-        ----------
-        output : "margin" or int, default=None
-            As in :meth:`attribute`.
-        n_jobs : int, default=None
-            Query blocks on joblib workers.
-
-        Returns
-        -------
-        self_influence : AttributionScores of shape (n_train,)
-            Float64, in the order of ``X_fit_``; ``growth`` as in :meth:`attribute`.
-
-        Examples
-        --------
-        >>> import numpy as np
-        >>> from sklearn.datasets import make_classification
-        >>> from skpathkernel import PathKernelClassifier
-        >>> X, y = make_classification(n_samples=60, n_features=4, random_state=0)
-        >>> y_noisy = y.copy(); y_noisy[:6] = 1 - y_noisy[:6]     # 6 flipped labels
-        >>> clf = PathKernelClassifier(hidden_layer_sizes=(16,), solver="sgd",
-        ...                            learning_rate_init=0.5, max_iter=100, tol=None,
-        ...                            random_state=0).fit(X, y_noisy)
-        >>> influence = clf.self_influence()
-        >>> influence.shape
-        (60,)
-        """
         check_is_fitted(self)
         classifier = isinstance(self, ClassifierMixin)
         return network_of(self)._self_influence(
@@ -417,7 +386,7 @@ def _encode_labels(y, loss: str) -> tuple[np.ndarray, int, dict]:
     return Y, n_outputs, {"classes_": classes}
 
 
-def _check_labels(estimator, y):
+def check_labels(estimator, y):
     check_classification_targets(y)
     kind = type_of_target(y)
     if kind not in ("binary", "multiclass"):
@@ -653,7 +622,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
 
     def _validate_y(self, X, y):
         X, y = self._validate_fit_data(X, y)
-        _check_labels(self, y)
+        check_labels(self, y)
         return X, y
 
     def _encode_targets(self, y):

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import numbers
-import sys
+import os
 import warnings
 from abc import ABCMeta, abstractmethod
 
@@ -23,12 +23,13 @@ from sklearn.base import BaseEstimator
 from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_array, check_consistent_length, check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
-# The engine is called as _tangent.<function>, looked up at call time (as the in-function
-# imports it replaces did), so a test that stubs an engine function out reaches every call.
-from . import _tangent
-from ._device import (
+# The engine is called as _tangent.<function>, looked up at call time, so that a test
+# stubbing an engine function out reaches every call.
+from .. import _tangent
+from .._device import (
     resolve_device,
     resolve_dtype,
     seeded_torch,
@@ -36,23 +37,22 @@ from ._device import (
     to_numpy,
     to_tensor,
 )
-from ._inputs import (
-    FEATURES,
-    activation_widths,
+from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
+from .._network._inputs import (
+    block_widths,
     check_representable,
     fitted_input,
     probe_module,
     validate_input,
 )
-from ._losses import LOSSES
-from ._memory import rows_per_block
-from ._network import TrainedNetwork, network_of
-from ._parallel import dask_worker_threads, limit_torch_threads
-from ._params import ACTIVATIONS, network_constraints
-from ._tangent import warn_on_fallback
-from ._training import train
-from ._trajectory import SolverSpec
-from .kernels import NetworkKernelsMixin, PathKernel, TangentKernel
+from .._network._trained import TrainedNetwork, module_outputs, network_of, output_block_rows
+from .._parallel import dask_worker_threads, limit_torch_threads
+from .._path._losses import LOSSES
+from .._path._training import train
+from .._path._trajectory import SolverSpec
+from .._progress import Progress
+from .._tangent import warn_on_fallback
+from ..kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 
 __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
            "make_mlp"]
@@ -61,6 +61,20 @@ __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin",
 # kernel machine over a single training point has nothing to compare; sklearn's own
 # message, "Found array with 1 sample(s) ... a minimum of 2", names the problem).
 FIT_CHECKS = dict(dtype=[np.float64, np.float32], ensure_min_samples=2)
+
+
+# The default MLP's activations, by the name ``activation`` takes.
+ACTIVATIONS = {
+    "relu": torch.nn.ReLU,
+    "tanh": torch.nn.Tanh,
+    "gelu": torch.nn.GELU,
+    "softplus": torch.nn.Softplus,
+    "identity": torch.nn.Identity,
+}
+
+
+def _positive_int(low=1):
+    return Interval(numbers.Integral, low, None, closed="left")
 
 
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
@@ -210,10 +224,6 @@ class FittedNetworkMixin:
         check_representable(X, self.network_.torch_dtype)
         return X
 
-    def _activation_widths(self) -> list[int]:
-        """Values per sample of the network's activations, which bound a block's memory."""
-        return activation_widths_of(self.network_)
-
     def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
         module, params, X_t = self._engine_inputs(X, step)
@@ -308,14 +318,43 @@ class FittedNetworkMixin:
 
 
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
-                            BaseEstimator,                            metaclass=ABCMeta):
+                            BaseEstimator, metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
 
     Subclasses encode targets (:meth:`_encode_targets`) and choose the loss; this class
     owns validation, the module, the training loop and the recorded trajectory.
     """
 
-    _parameter_constraints: dict = network_constraints()
+    # The training parameters, which only the two trainers own (the meta-estimators take
+    # a trainer as estimator=); tests/test_params.py checks them against the signatures.
+    _parameter_constraints: dict = {
+        "hidden_layer_sizes": ["array-like", _positive_int()],
+        "activation": [StrOptions(set(ACTIVATIONS))],
+        "module": [callable, None],
+        "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
+        "learning_rate_init": [Interval(numbers.Real, 0, None, closed="neither")],
+        "momentum": [Interval(numbers.Real, 0, 1, closed="left")],
+        "alpha": [Interval(numbers.Real, 0, None, closed="left")],
+        "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
+        "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
+        "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
+        "batch_size": [_positive_int(), StrOptions({"auto"}), None],
+        "max_iter": [_positive_int()],
+        "tol": [Interval(numbers.Real, 0, None, closed="left"), None],
+        "n_iter_no_change": [_positive_int()],
+        "early_stopping": ["boolean"],
+        "validation_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
+        "shuffle": ["boolean"],
+        "record_every": [_positive_int(), StrOptions({"auto"})],
+        "device": [StrOptions({"auto", "cpu", "cuda"})],
+        "dtype": [StrOptions({"float32", "float64"})],
+        "memory_budget": [_positive_int(2**20)],
+        "trajectory_storage": [StrOptions({"memory", "disk", "auto"})],
+        "trajectory_dir": [str, os.PathLike, None],
+        "trajectory_compression": [StrOptions({"float16", "bfloat16"}), None],
+        "random_state": ["random_state"],
+        "verbose": ["verbose"],
+    }
 
     @abstractmethod
     def __init__(
@@ -494,14 +533,16 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             validation = _validation_scorer(
                 X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,
                 [X_val[0].size, n_outputs,
-                 *_widths(module, spec["module"] is None, X_val[:1], dtype, device)])
+                 *block_widths(module, to_input_tensor(X_val[:1], dtype=dtype, device=device),
+                               linear_only=spec["module"] is None)])
         generator = torch.Generator().manual_seed(seed)
         X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
         # shared by its task slots: keep torch's threads within them.
-        with _progress(self.verbose, self.max_iter, type(self).__name__) as progress, \
-                limit_torch_threads(dask_worker_threads()):
+        bar = Progress(type(self).__name__, self.max_iter, enabled=bool(self.verbose),
+                       each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
+        with bar as tick, limit_torch_threads(dask_worker_threads()):
             result = train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),
@@ -516,7 +557,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 n_iter_no_change=int(self.n_iter_no_change),
                 validation=validation,
                 record_budget=int(self.memory_budget),
-                progress=progress,
+                progress=None if tick is None else lambda epoch, loss: tick(loss=loss),
                 storage=self.trajectory_storage,
                 directory=self.trajectory_dir,
                 compression=self.trajectory_compression,
@@ -545,11 +586,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
     # ------------------------------------------------------------------ inference
     def _forward(self, X) -> np.ndarray:
         """Network outputs (n_samples, n_outputs), float64, in fixed-size blocks."""
-        X = self._validate_X(X)
-        net = self.network_
-        width = [X[0].size, self.n_outputs_, *self._activation_widths()]
-        return network_outputs(net.module, X, net.torch_dtype, net.torch_device,
-                               self.memory_budget, fixed=True, widths=width)
+        return network_of(self).outputs(self._validate_X(X), step=None)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):
@@ -565,9 +602,6 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         # objects: a CUDA-trained estimator then loads anywhere, and skops can persist it
         # while trusting only skpathkernel's own types (it cannot read torch tensors).
         # A copy: object.__getstate__ returns the live __dict__, which must keep network_.
-        # The network is stored under the attributes that estimators pickled before
-        # network_ existed (0.1.0.dev0 before issue 17), so that pickles, joblib and skops
-        # files of both load alike.
         state = dict(super().__getstate__())
         net = state.pop("network_", None)
         if net is not None:
@@ -582,11 +616,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
     def __setstate__(self, state):
         state = dict(state)
         module_state = state.pop("_module_state", None)
-        # The network's parts, as __getstate__ stores them (and as estimators pickled
-        # before network_ existed kept them): network_ is rebuilt from them below.
+        # The network's parts, as __getstate__ stores them: network_ is rebuilt from them.
         parts = {name: state.pop(name, None) for name in
-                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_",
-                  "module_")}
+                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_")}
         super().__setstate__(state)
         if module_state is None:
             return
@@ -599,7 +631,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 stacklevel=2,
             )
             device = torch.device("cpu")
-        dtype = resolve_dtype(parts["dtype_"] or state["dtype"])
+        dtype = resolve_dtype(parts["dtype_"])
         n_features = state["n_features_in_"]
         # The seed is irrelevant: every parameter and buffer is overwritten just below.
         module = _build_module(state["_network_spec"], n_features, state["n_outputs_"], 0,
@@ -608,7 +640,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                                 module_state.items()})
         self.network_ = TrainedNetwork(
             module.eval(), parts["trajectory_"],
-            loss=LOSSES[state.get("_loss_name", state.get("loss"))](),
+            loss=LOSSES[state["_loss_name"]](),
             X_fit=parts["X_fit_"], y_fit=parts["_Y_fit"], input_kind=fitted_input(self)[1],
             device=str(device), memory_budget=state["memory_budget"])
 
@@ -685,104 +717,6 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     return np.asarray(names, dtype=object)
 
 
-def _layer_widths(module: torch.nn.Module) -> list[int]:
-    return [m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)] or [1]
-
-
-class _progress:
-    """Per-epoch progress: a tqdm bar when tqdm is installed, else a line per epoch."""
-
-    def __init__(self, verbose, total, desc):
-        self.verbose, self.total, self.desc = verbose, total, desc
-        self.bar = None
-
-    def __enter__(self):
-        if not self.verbose:
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            return self._print
-        self.bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr)
-        return self._tqdm
-
-    def _tqdm(self, epoch, loss):
-        self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-        self.bar.update(1)
-
-    def _print(self, epoch, loss):
-        print(f"{self.desc}: epoch {epoch + 1}/{self.total}, loss = {loss:.6g}")
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-        return False
-
-
-# Rows of one block of a prediction or of tangent features. Every block is this size (the
-# last one padded by repeating its first row), so a row's float32 result never depends on
-# which other rows were passed with it: GEMM kernels round differently for different row
-# counts, and scikit-learn expects predict(X[i:i+1]) == predict(X)[i] (1e-7 absolute).
-FIXED_BLOCK = 256
-
-
-def feature_block_rows(memory_budget: int, row_bytes: int, what: str) -> int:
-    """Rows of a fixed-size block: ``FIXED_BLOCK``, fewer when the budget needs it."""
-    return min(FIXED_BLOCK, rows_per_block(memory_budget, row_bytes, what))
-
-
-def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
-    """``fn`` over row blocks of exactly ``block`` rows, concatenated (padding removed).
-
-    ``X`` is a tensor or an array; ``fn`` returns an array with one row per input row.
-    """
-    cat = torch.cat if isinstance(X, torch.Tensor) else np.concatenate
-    outs = []
-    for start in range(0, X.shape[0], block):
-        xb = X[start : start + block]
-        n = xb.shape[0]
-        if n < block:
-            xb = cat([xb, xb[[0] * (block - n)]])
-        outs.append(fn(xb)[:n])
-    return np.concatenate(outs, axis=0)
-
-
-def network_outputs(module, X: np.ndarray, dtype, device, memory_budget: int, *,
-                    fixed: bool, widths) -> np.ndarray:
-    """``module(X)`` as float64 NumPy, in blocks under the budget (of a fixed size if asked).
-
-    ``widths``: values per sample of the input, the outputs and every activation; the
-    widest bounds a block's memory, kept well inside the budget.
-    """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    row = 8 * max(widths) * itemsize
-    block = feature_block_rows(memory_budget, row, "Prediction") if fixed else \
-        rows_per_block(memory_budget, row, "Prediction")
-    X_t = to_input_tensor(X, dtype=dtype, device=device)
-    with torch.no_grad():
-        out = map_fixed_blocks(lambda xb: to_numpy(module(xb)), X_t, block) if fixed else \
-            np.concatenate([to_numpy(module(X_t[i : i + block]))
-                            for i in range(0, X.shape[0], block)])
-    return out.astype(np.float64, copy=False)
-
-
-def activation_widths_of(net: TrainedNetwork) -> list[int]:
-    """Values per sample of a fitted network's activations, which bound a block's memory."""
-    return _widths(net.module, net.input_kind == FEATURES, net.X_fit[:1], net.torch_dtype,
-                   net.torch_device)
-
-
-def _widths(module, default_mlp: bool, X_row, dtype, device) -> list[int]:
-    """Values per sample of a network's activations, which bound a block's memory.
-
-    The default MLP's layer widths; a user's network (convolutions, attention) measured
-    on one sample ``X_row``.
-    """
-    if default_mlp:
-        return _layer_widths(module)
-    return activation_widths(module, to_input_tensor(X_row, dtype=dtype, device=device))
-
-
 def _holdout(y, classes, fraction: float, seed: int):
     """Training and validation row indices for early stopping (MLPClassifier's split).
 
@@ -817,9 +751,11 @@ def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widt
     logits otherwise) for classifiers, R^2 (averaged over outputs) for regressors.
     """
 
+    block = output_block_rows(memory_budget, widths, dtype, fixed=False)
+    X_t = to_input_tensor(X_val, dtype=dtype, device=device)
+
     def score(module):
-        out = network_outputs(module, X_val, dtype, device, memory_budget, fixed=False,
-                              widths=widths)
+        out = module_outputs(module, X_t, block, fixed=False)
         if classes is not None:
             codes = (out[:, 0] > 0).astype(np.intp) if out.shape[1] == 1 else out.argmax(1)
             return float(np.mean(classes[codes] == y_val))

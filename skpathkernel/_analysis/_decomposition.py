@@ -71,12 +71,12 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 from torch.func import functional_call, jacrev, jvp, vmap
 
-from ._losses import Loss
-from ._memory import rows_per_block
-from ._tangent import capture, forward, hidden_reads, tangent_features
-from ._tangent._contract import dense_grad
-from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
-from ._trajectory import Trajectory
+from .._memory import rows_per_block
+from .._path._losses import Loss
+from .._path._trajectory import Trajectory
+from .._tangent import capture, forward, hidden_reads, tangent_features
+from .._tangent._contract import dense_grad
+from .._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
 

@@ -40,10 +40,11 @@ import numpy as np
 import torch
 from sklearn.base import BaseEstimator
 
-from ._base import NetworkAttributesMixin
-from ._network import TrainedNetwork
+from .._estimators._base import NetworkAttributesMixin
+from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
+from .._network._trained import TrainedNetwork
+from ..kernels import NetworkKernelsMixin
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
-from .kernels import NetworkKernelsMixin
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 
@@ -69,7 +70,7 @@ def _as_float(v) -> float:
 
 
 def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
-    """The :class:`~skpathkernel._trajectory.SolverSpec` of a torch.optim optimizer.
+    """The :class:`~skpathkernel._path._trajectory.SolverSpec` of a torch.optim optimizer.
 
     Reads the hyper-parameters from ``optimizer.param_groups`` and refuses optimizers and
     options whose update rule the path kernel and the decomposition do not model.
@@ -444,9 +445,12 @@ default=None
                               y_fit=y_train, memory_budget=memory_budget)
 
 
-# What RecordedNetwork.__init__ set besides its parameters before network_ existed.
-_OLD_COPIES = ("module_", "trajectory_", "device_", "dtype", "n_params_", "n_features_in_",
-               "input_shape_", "_input_kind")
+_DECLARED = ("\n\nOver the declared training inputs, with the declared loss: exact "
+             "(``error`` at round-off) when that loss reproduces the optimizer's "
+             "gradients; see the user guide (:ref:`theory-any-loss`) for what the "
+             "contributions mean otherwise.")
+_X_TRAIN_FORM = ("array-like of shape (n_queries, n_features) or (n_queries, ...)\n"
+                 "    In the form of ``X_train``.")
 
 
 class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator):
@@ -567,13 +571,6 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         state.pop("_cache", None)  # rebuilt from the parameters
         return state
 
-    def __setstate__(self, state):
-        # Pickled before network_ existed (0.1.0.dev0 before issue 17), a RecordedNetwork
-        # also held copies of its network's attributes: read from network_ now, dropped
-        # so that they neither hide a later set_params nor pickle the module twice.
-        state = {name: value for name, value in state.items() if name not in _OLD_COPIES}
-        super().__setstate__(state)
-
     def fit(self, X=None, y=None) -> RecordedNetwork:
         """Do nothing: the network was trained by the recorded loop. Returns self."""
         return self
@@ -585,89 +582,29 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
         return self._network().outputs(X)
 
+    @shared_doc(DECOMPOSE, note=_DECLARED, X=_X_TRAIN_FORM, extra_params="", raises="",
+                examples="")
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None):
-        """Decompose ``f(X; theta_T)`` over the declared training inputs.
-
-        Same result as :meth:`PathKernelMachine.decompose
-        <skpathkernel.PathKernelMachine.decompose>`; exact (``error`` at round-off) when
-        the declared loss reproduces the optimizer's gradients; see the user guide
-        (:ref:`theory-any-loss`) for what the contributions mean otherwise.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
-            In the form of ``X_train``.
-        method : {"exact", "first_order", "second_order"}, default="exact"
-        weighting : {"realized", "expected"}, default="realized"
-        n_nodes : int, default=None
-            Fixed Gauss-Legendre nodes per step; None chooses them per step for ``tol``.
-        tol : float, default=None
-            Relative quadrature tolerance of "exact" (1e-12 in float64, 1e-6 in
-            float32 when None); see :meth:`PathKernelMachine.decompose
-            <skpathkernel.PathKernelMachine.decompose>`.
-
-        Returns
-        -------
-        result : Decomposition
-        """
         return self._network().decompose(X, method=method, weighting=weighting,
                                          n_nodes=n_nodes, tol=tol)
 
+    @shared_doc(ATTRIBUTE, note=_DECLARED, X=_X_TRAIN_FORM,
+                y="array-like of int of shape (n_queries,), default=None\n    With "
+                  "``output=\"margin\"``: the queries' classes as output columns; None "
+                  "takes\n    the largest output (or a positive single output) as the class.",
+                output_default="None: output 0 of a single-output network (several outputs "
+                               "need a choice).",
+                examples="")
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None) -> np.ndarray:
-        """Training-data attribution scores over the declared training inputs.
-
-        The score matrix of :meth:`PathKernelClassifier.attribute
-        <skpathkernel.PathKernelClassifier.attribute>`: ``scores[q, i]`` is training
-        point ``i``'s share of one scalar output at query ``q`` (from the decomposition),
-        or with ``method="unrolled"`` the derivative of that output with respect to the
-        point's weight in training, through the recorded path.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_queries, n_features)
-        y : array-like of int of shape (n_queries,), default=None
-            With ``output="margin"``: the queries' classes as output columns; None takes
-            the largest output (or a positive single output) as the class.
-        method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
-        weighting : {"realized", "expected"}, default="realized"
-        output : "margin" or int, default=None
-            "margin": the log-odds of the class, ``f_y - logsumexp_{k != y} f_k`` (``+-f``
-            for one output), split exactly in its linear part at the final outputs; an int
-            ``k``: output ``k``. None: output 0 of a single-output network (several
-            outputs need a choice).
-        n_nodes : int, default=None
-            Quadrature nodes per step for "exact", see :meth:`decompose`.
-        tol : float, default=None
-            Relative quadrature tolerance of "exact", see :meth:`decompose`.
-        n_jobs : int, default=None
-            ``method="unrolled"``: query blocks on joblib workers.
-
-        Returns
-        -------
-        scores : ndarray of shape (n_queries, n_train)
-        """
         return self._network().attribute(X, y, method=method, weighting=weighting,
                                           output=output, n_nodes=n_nodes, tol=tol,
                                           n_jobs=n_jobs)
 
+    @shared_doc(SELF_INFLUENCE, examples="",
+                label='with ``output="margin"``, the margin of its declared target: its '
+                      "class code, or the positive or largest target column")
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
-        """Each declared training point's unrolled score for its own output.
-
-        See :meth:`PathKernelClassifier.self_influence
-        <skpathkernel.PathKernelClassifier.self_influence>`; with ``output="margin"``
-        each point's label is its declared target (class codes, or the positive or
-        largest target column).
-
-        Parameters
-        ----------
-        output : "margin" or int, default=None
-        n_jobs : int, default=None
-
-        Returns
-        -------
-        self_influence : AttributionScores of shape (n_train,)
-        """
         return self._network().self_influence(output=output, n_jobs=n_jobs)

@@ -28,13 +28,14 @@ import numpy as np
 import torch
 from sklearn.utils.validation import check_array, validate_data
 
-from ._device import to_input_tensor
+from .._device import to_input_tensor
 
 __all__ = [
     "FEATURES",
     "FLOAT",
     "TOKENS",
     "activation_widths",
+    "block_widths",
     "check_input",
     "check_representable",
     "fitted_input",
@@ -50,7 +51,8 @@ _INT64_MAX = np.iinfo(np.int64).max
 def fitted_input(estimator) -> tuple[tuple[int, ...] | None, str | None]:
     """``(input_shape_, kind)`` recorded at fit; ``(None, None)`` when nothing was recorded.
 
-    Estimators pickled before inputs were recorded were fitted on 2-D features.
+    Without a recorded form, an estimator that counts ``n_features_in_`` takes 2-D
+    features.
     """
     kind = getattr(estimator, "_input_kind", None)
     if kind is not None:
@@ -279,6 +281,19 @@ def activation_widths(module: torch.nn.Module, x: torch.Tensor) -> list[int]:
         for h in handles:
             h.remove()
     return sizes or [1]
+
+
+def block_widths(module: torch.nn.Module, x: torch.Tensor | None, *,
+                 linear_only: bool) -> list[int]:
+    """Values per sample of a network's activations, which bound a block's memory.
+
+    ``linear_only``: the default MLP, whose widest activation is its widest
+    ``nn.Linear`` (``x`` unused); otherwise measured on one forward pass of ``x``.
+    """
+    if linear_only:
+        return [m.out_features for m in module.modules()
+                if isinstance(m, torch.nn.Linear)] or [1]
+    return activation_widths(module, x)
 
 
 def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,

@@ -17,18 +17,13 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
-from . import _tangent
-from ._base import (
-    FittedAttribute,
-    feature_block_rows,
-    keep_previous_fit_on_error,
-    map_fixed_blocks,
-    tangent_feature_names,
-)
-from ._device import to_numpy
-from ._machine import PathKernelClassifier, _check_labels
+from .. import _tangent
+from .._device import to_numpy
+from .._memory import feature_block_rows, map_fixed_blocks
+from ..kernels import PathKernel, TangentKernel
+from ._base import FittedAttribute, keep_previous_fit_on_error, tangent_feature_names
+from ._machine import PathKernelClassifier, check_labels
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
-from .kernels import PathKernel, TangentKernel
 
 __all__ = ["TangentFeatureSVM", "TangentFeatures"]
 
@@ -300,7 +295,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         return PathKernelClassifier(random_state=self.random_state)
 
     def _check_targets(self, y):
-        _check_labels(self, y)
+        check_labels(self, y)
 
     def _kernel(self):
         return (TangentKernel if self._svm_kernel == "tangent" else PathKernel)(self)

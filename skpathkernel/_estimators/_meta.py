@@ -18,16 +18,16 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.multiclass import type_of_target
 
+from .._network._inputs import FEATURES, TOKENS, check_representable, validate_input
+from .._network._trained import network_of
+from ..kernels import NetworkKernelsMixin
 from ._base import (
     FIT_CHECKS,
     FittedAttribute,
     FittedNetworkMixin,
     reject_sparse_y,
 )
-from ._inputs import FEATURES, TOKENS, check_representable, validate_input
 from ._machine import PathKernelClassifier, PathKernelMachine
-from ._network import network_of
-from .kernels import NetworkKernelsMixin
 
 __all__ = ["NetworkMetaEstimator", "trainer_for"]
 

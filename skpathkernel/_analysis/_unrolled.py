@@ -60,9 +60,9 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from ._memory import rows_per_block
-from ._parallel import map_row_blocks
-from ._trajectory import Trajectory
+from .._memory import rows_per_block
+from .._parallel import map_row_blocks
+from .._path._trajectory import Trajectory
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
 
@@ -592,7 +592,8 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
 def _caller_stacklevel() -> int:
     """``stacklevel`` of the first frame outside skpathkernel, for a warning issued by the
     caller of this function: the user's line, whichever public method they called."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    # skpathkernel/, the package this module's folder (_analysis/) sits in.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1

@@ -28,9 +28,9 @@ import math
 import numpy as np
 import torch
 
-from ._device import to_input_tensor, to_numpy
-from ._memory import rows_per_block
-from ._tangent import tangent_gram, tangent_gram_diag
+from .._device import to_input_tensor, to_numpy
+from .._memory import rows_per_block
+from .._tangent import tangent_gram, tangent_gram_diag
 
 __all__ = ["NetworkGram", "TangentSpan", "numerical_rank", "pivoted_cholesky"]
 
@@ -68,7 +68,7 @@ class NetworkGram:
     """
 
     def __init__(self, network):
-        # A TrainedNetwork (skpathkernel._network), or a fitted estimator exposing one as
+        # A TrainedNetwork (skpathkernel._network._trained), or a fitted estimator exposing one as
         # network_ (benchmarks/bench_ood.py passes the estimator). Not network_of: the
         # engine sits below _network in the import graph (tests/test_imports.py), and the
         # detector, its one caller in the package, resolves the network with it first.

@@ -22,13 +22,15 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
-from . import _interpolation
-from ._attribution import check_output, class_indices, output_weights, query_codes
-from ._device import to_input_tensor, to_tensor
-from ._inputs import FEATURES, FLOAT, TOKENS, check_input
-from ._losses import LOSSES, Loss
-from ._trajectory import Trajectory
-from ._unrolled import AttributionScores, unrolled_scores
+from .._analysis import _decomposition
+from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
+from .._analysis._unrolled import AttributionScores, unrolled_scores
+from .._device import to_input_tensor, to_numpy, to_tensor
+from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
+from .._path._losses import LOSSES, Loss
+from .._path._trajectory import Trajectory
+from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
+from ._inputs import FEATURES, FLOAT, TOKENS, block_widths, check_input
 
 __all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
            "network_of"]
@@ -76,7 +78,7 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
             f"n_nodes must be a positive integer (Gauss-Legendre nodes per step) or None, "
             f"got {n_nodes!r}."
         )
-    _interpolation.check_tol(tol)
+    _decomposition.check_tol(tol)
 
 
 def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
@@ -231,6 +233,8 @@ class TrainedNetwork:
     def replace(self, **changes) -> TrainedNetwork:
         """A shallow copy with some attributes replaced (``module``, ``device``, ...)."""
         new = copy.copy(self)
+        if "module" in changes:
+            new.__dict__.pop("_widths", None)  # measured on the module replaced
         for name, value in changes.items():
             if name not in new.__dict__:
                 raise TypeError(f"TrainedNetwork has no attribute {name!r} to replace.")
@@ -313,26 +317,50 @@ class TrainedNetwork:
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_kept_point", None)
+        state.pop("_widths", None)
         return state
 
-    def outputs(self, X, step: int = -1) -> np.ndarray:
-        """Network outputs ``f(X; theta_step)`` at a recorded point, float64 (n, C).
+    def activation_widths(self, X=None) -> list[int]:
+        """Values per sample of the module's activations, which bound a block's memory.
+
+        The default MLP's ``nn.Linear`` widths for 2-D features; for any other network
+        measured on one forward pass of the first training input (kept), or without
+        training inputs of the first row of ``X`` (a checked array).
+        """
+        kept = self.__dict__.get("_widths")
+        if kept is not None:
+            return kept
+        row = self.X_fit[:1] if self.X_fit is not None else X[:1]
+        linear_only = self.input_kind == FEATURES
+        widths = block_widths(self.module, None if linear_only else self.tensor(row),
+                              linear_only=linear_only)
+        if self.X_fit is not None or linear_only:
+            self.__dict__["_widths"] = widths
+        return widths
+
+    def outputs(self, X, step: int | None = -1) -> np.ndarray:
+        """Network outputs ``f(X; theta_step)``, float64 (n, C), in blocks under the budget.
+
+        Every block has the same number of rows (the last one padded), so that a row's
+        output never depends on the rows passed with it.
 
         Parameters
         ----------
         X : array-like or tensor of shape (n_samples, ...)
             In the network's input form.
-        step : int, default=-1
-            Recorded point (negative counts from the end).
+        step : int or None, default=-1
+            Recorded point (negative counts from the end); None: the module's own
+            parameters (the fitted network, what the estimators predict with).
 
         Returns
         -------
         outputs : ndarray of shape (n_samples, n_outputs)
         """
-        Xt = self.tensor(self.check(X))
-        with torch.no_grad():
-            out = functional_call(self.module, self.params_at(step), (Xt,))
-        return out.reshape(len(Xt), -1).detach().cpu().numpy().astype(np.float64)
+        X = self.check(X)
+        widths = [X[0].size, *self.activation_widths(X)] if len(X) else [1]
+        block = output_block_rows(self.memory_budget, widths, self.torch_dtype, fixed=True)
+        params = None if step is None else self.params_at(step)
+        return module_outputs(self.module, self.tensor(X), block, params=params)
 
     def targets(self) -> torch.Tensor:
         """``y_fit`` as the loss takes it: class codes as int64, anything else in dtype."""
@@ -346,77 +374,53 @@ class TrainedNetwork:
                          device=self.torch_device)
 
     # ------------------------------------------------------------------ decomposition
+    @shared_doc(
+        DECOMPOSE,
+        note="\n\nOn the network's own outputs: the estimators map the result into the "
+             "units of their targets.",
+        X="array-like or tensor of shape (n_queries, ...)\n    Queries in the network's "
+          "input form.",
+        extra_params="""
+weights : ndarray of shape (n_queries, n_outputs) or None, default=None
+    Decompose the contracted output ``w_q . f(x_q)`` instead of every output.
+units : callable or None, default=None
+    Maps the result into other units (the estimators' target scaling).""",
+        raises="""
+
+Raises
+------
+ValueError
+    Without training inputs, targets or loss, or when they do not match the
+    recorded batches.""",
+        examples="",
+    )
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None, weights=None,
                   units=None):
-        """Decompose ``f(X; theta_T)`` over the training inputs.
-
-        The computation of :meth:`PathKernelMachine.decompose
-        <skpathkernel.PathKernelMachine.decompose>`, whose parameters these are, on the
-        network's own outputs (the estimators map it into the target's units).
-
-        Parameters
-        ----------
-        X : array-like or tensor of shape (n_queries, ...)
-            Queries in the network's input form.
-        method : {"exact", "first_order", "second_order"}, default="exact"
-        weighting : {"realized", "expected"}, default="realized"
-        n_nodes : int or None, default=None
-        tol : float or None, default=None
-        weights : ndarray of shape (n_queries, n_outputs) or None, default=None
-            Decompose the contracted output ``w_q . f(x_q)`` instead of every output.
-        units : callable or None, default=None
-            Maps the result into other units (the estimators' target scaling).
-
-        Returns
-        -------
-        result : Decomposition
-
-        Raises
-        ------
-        ValueError
-            Without training inputs, targets or loss, or when they do not match the
-            recorded batches.
-        """
         check_decompose_args(method, weighting, n_nodes, tol)
         Xq = self.tensor(self.check(X))
         X_fit, Y_fit = self._training_data()
-        return _interpolation.decompose(
+        return _decomposition.decompose(
             self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
             weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
             weights=weights, units=units)
 
     # ------------------------------------------------------------------ attribution
+    @shared_doc(
+        ATTRIBUTE,
+        note="\n\nOn the network's own outputs: ``y`` holds output columns (class "
+             "indices), not labels.",
+        X="array-like or tensor of shape (n_queries, ...)",
+        y="array-like of int of shape (n_queries,), default=None\n    With "
+          "``output=\"margin\"``: each query's class as an output column; None takes\n"
+          "    the largest output (or a positive single output) as the class.",
+        output_default="None: output 0 of a single-output network (several outputs need "
+                       "a choice).",
+        examples="",
+    )
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None) -> np.ndarray:
-        """Training-data attribution scores ``(n_queries, n_train)`` of one scalar output.
-
-        The computation of :meth:`PathKernelClassifier.attribute
-        <skpathkernel.PathKernelClassifier.attribute>`, whose parameters these are, on
-        the network's own outputs: ``y`` holds output columns (class indices), not labels.
-
-        Parameters
-        ----------
-        X : array-like or tensor of shape (n_queries, ...)
-        y : array-like of int of shape (n_queries,), default=None
-            With ``output="margin"``: each query's class as an output column; None takes
-            the largest output (or a positive single output) as the class.
-        method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
-        weighting : {"realized", "expected"}, default="realized"
-        output : "margin" or int, default=None
-            None: output 0 of a single-output network (several outputs need a choice).
-        n_nodes : int, default=None
-        tol : float, default=None
-        n_jobs : int, default=None
-            ``method="unrolled"``: query blocks on joblib workers.
-
-        Returns
-        -------
-        scores : ndarray of shape (n_queries, n_train)
-            Float64; with ``method="unrolled"`` an :class:`AttributionScores` carrying
-            the path's measured stability.
-        """
         return self._attribute(X, y, method=method, weighting=weighting, output=output,
                                n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
@@ -444,28 +448,10 @@ class TrainedNetwork:
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
                               tol=tol, weights=weights).contributions[:, :, 0]
 
+    @shared_doc(SELF_INFLUENCE, examples="",
+                label='with ``output="margin"``, the margin of its training target: its '
+                      "class code, or the positive or largest target column")
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
-        """Each training point's counterfactual score for its own output.
-
-        ``d m(x_i; theta_T) / d w_i`` for every training point ``i``: how much
-        down-weighting the point in training would move its own output (with
-        ``output="margin"``, the margin of its own training label). Mislabeled and
-        atypical points stand out by a large self-influence: the network only fits them
-        by memorising them.
-
-        Parameters
-        ----------
-        output : "margin" or int, default=None
-            As in :meth:`attribute`; "margin" uses each point's training target as its
-            label.
-        n_jobs : int, default=None
-            Query blocks on joblib workers.
-
-        Returns
-        -------
-        self_influence : AttributionScores of shape (n_train,)
-            Float64.
-        """
         return self._self_influence(output=output, n_jobs=n_jobs)
 
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
@@ -530,6 +516,42 @@ class TrainedNetwork:
         (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared.
         """
         return self.replace(trajectory=self.trajectory.for_workers())
+
+
+def output_block_rows(memory_budget: int, widths, dtype: torch.dtype, *,
+                      fixed: bool) -> int:
+    """Rows of a block of network outputs under ``memory_budget``.
+
+    ``widths``: values per sample of the input, the outputs and every activation; the
+    widest bounds a block's memory (8 of it per row: autograd-free, but a layer's input,
+    output and temporaries coexist). ``fixed``: at most ``FIXED_BLOCK`` rows, the size
+    every block of :func:`map_fixed_blocks` has.
+    """
+    row = 8 * max(widths) * torch.empty((), dtype=dtype).element_size()
+    return (feature_block_rows if fixed else rows_per_block)(memory_budget, row, "Prediction")
+
+
+def module_outputs(module: torch.nn.Module, X: torch.Tensor, block: int, *, params=None,
+                   fixed: bool = True) -> np.ndarray:
+    """``module(X)`` as float64 NumPy of shape (n, C), in blocks of ``block`` rows.
+
+    ``params``: parameters by name to call the module with (``functional_call``), None
+    for its own. ``fixed``: every block exactly ``block`` rows (see
+    :func:`map_fixed_blocks`); otherwise the last one is shorter.
+    """
+
+    def run(xb):
+        with torch.no_grad():
+            out = module(xb) if params is None else functional_call(module, params, (xb,))
+        return to_numpy(out.reshape(len(xb), -1))
+
+    if not len(X):
+        out = run(X)
+    elif fixed:
+        out = map_fixed_blocks(run, X, block)
+    else:
+        out = np.concatenate([run(X[i : i + block]) for i in range(0, len(X), block)])
+    return out.astype(np.float64, copy=False)
 
 
 def _as_array(values) -> np.ndarray:

@@ -8,7 +8,7 @@ RMSprop second moments, momentum buffers) at every recorded step.
 Everything lives on the CPU in the parameter dtype, in buffers preallocated at the start
 of training, so that recording a point costs one copy and no allocation; or, for paths
 longer than memory allows, the per-point vectors live in chunk files on disk, read
-lazily behind the same accessors (:mod:`skpathkernel._storage`).
+lazily behind the same accessors (:mod:`skpathkernel._path._storage`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from .._validation import check_index
 from ._storage import (
     CHUNK_BYTES,
     META_FILE,
@@ -240,7 +241,7 @@ class Trajectory:
 
     def batch(self, step: int) -> np.ndarray:
         """Sample indices of the batch used by optimizer step ``step``."""
-        step = _check_index(step, self.n_steps, "step")
+        step = check_index(step, "step", n=self.n_steps)
         return self._batch_indices[self._batch_offsets[step] : self._batch_offsets[step + 1]]
 
     @property
@@ -248,7 +249,7 @@ class Trajectory:
         return tuple(self._states)
 
     def _point(self, k: int) -> int:
-        return _check_index(k, len(self), "point")
+        return check_index(k, "point", n=len(self))
 
     def parameters(self, k: int = -1) -> torch.Tensor:
         """Flat parameter vector (P,) at point ``k`` (a read-only view: clone to modify)."""
@@ -270,7 +271,7 @@ class Trajectory:
         moments and momentum buffers are not recorded: they follow from consecutive points.
         Valid for ``0 <= k < len(self) - 1``.
         """
-        k = _check_index(k, len(self) - 1, "step point")
+        k = check_index(k, "step point", n=len(self) - 1)
         out = {key: self._read(val, k, key) for key, val in self._states.items()}
         out["step"] = torch.tensor(float(self._state_steps[k]), dtype=torch.float64)
         return out
@@ -523,13 +524,6 @@ def _to_tensor(a) -> torch.Tensor:
     return torch.from_numpy(np.require(a, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
 
-def _check_index(k: int, n: int, what: str) -> int:
-    k = int(k)
-    if not -n <= k < n:
-        raise IndexError(f"{what} index {k} is out of range for {n} entries.")
-    return k % n
-
-
 class TrajectoryRecorder:
     """Buffers that a training loop fills, one copy per recorded point.
 
@@ -555,7 +549,7 @@ class TrajectoryRecorder:
     storage : {"memory", "disk", "auto"}, default="memory"
         Where the parameter and optimizer-state vectors go: preallocated buffers in
         memory, or chunk files in a fresh temporary directory under ``directory`` (see
-        :mod:`skpathkernel._storage`). "auto" records in memory and moves to disk when
+        :mod:`skpathkernel._path._storage`). "auto" records in memory and moves to disk when
         the vectors grow past ``memory_budget`` bytes (with ``n_steps`` known, the caller
         decides up front).
     directory : path-like or None, default=None

@@ -1,0 +1,190 @@
+"""The numpydoc of the read-only verbs, written once.
+
+:class:`~skpathkernel.TrainedNetwork`, the estimators and
+:class:`~skpathkernel.RecordedNetwork` document ``decompose``, ``attribute`` and
+``self_influence`` with the same text: each fills in how it takes ``X`` and ``y``, what
+it adds, and its examples. The text is set as the method's ``__doc__`` when the class is
+defined, so that ``help``, numpydoc and sphinx render it as written there.
+"""
+
+from __future__ import annotations
+
+from string import Template
+
+__all__ = ["ATTRIBUTE", "DECOMPOSE", "SELF_INFLUENCE", "shared_doc"]
+
+
+def shared_doc(template: str, **fields: str):
+    """Decorator: the method's docstring is ``template`` with ``${name}`` filled in.
+
+    Every field the template names must be given (an empty string leaves nothing), so
+    that a template and its users cannot drift apart silently.
+    """
+    text = Template(template).substitute(**fields)
+
+    def decorate(method):
+        method.__doc__ = text
+        return method
+
+    return decorate
+
+
+DECOMPOSE = """Decompose every prediction over the training points.
+
+``f(x; theta_T) = f(x; theta_0) + sum_i a_i(x) + a_reg(x)``, where ``a_i(x)`` is
+how much training point ``i`` moved the prediction at ``x`` along the recorded path
+and ``a_reg(x)`` is what no training point owns (weight decay).${note}
+
+Parameters
+----------
+X : ${X}
+method : {"exact", "first_order", "second_order"}, default="exact"
+    "exact" integrates each step's Jacobian over the segment by Gauss-Legendre
+    quadrature, with nodes added per step until its measured error is under
+    ``tol``, and reproduces the network to floating-point precision for every
+    solver. "first_order" is Domingos' formula with the optimizer's weighting
+    (error O(lr)); "second_order" adds the curvature term by Hessian-vector
+    products (error O(lr^2)). Both report their true ``error``.
+weighting : {"realized", "expected"}, default="realized"
+    "realized" credits each step to the samples of its batch (weight 1/B);
+    "expected" credits every sample at every step (weight 1/N), the expected
+    representation of Guo, He & Morel (2026): equal for full-batch training,
+    approximate (with its measured ``error``) for minibatches.
+n_nodes : int, default=None
+    A fixed number of Gauss-Legendre nodes for every step of "exact", without
+    error control. None (default) chooses them per step for ``tol``.
+tol : float, default=None
+    Relative tolerance of "exact": each step's quadrature error, measured as
+    ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the
+    queries and outputs, is held under its share of ``tol * S`` (``S`` the
+    largest ``|f|`` along the path; shares proportional to the steps' changes
+    of f), so that the quadrature errors add up to at most ``tol * S``. None:
+    1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
+    that ``error`` sits at that floor). A step that cannot meet it within 64
+    nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
+    naming the step; ``error`` is always the achieved one. Ignored by the other
+    methods.${extra_params}
+
+Returns
+-------
+result : Decomposition
+    ``initial`` (n, C), ``contributions`` (n, n_train, C), ``regularization``
+    (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
+    (logits for multi-class classifiers, the margin for binary ones); for
+    "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``.${raises}
+
+Notes
+-----
+Cost: per recorded step, the layers' factors of the queries at each node and of
+the step's batch; plain SGD then needs a Gram of factors (as a tangent kernel),
+momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
+n C P values that carries the optimizer's memory backwards over the steps, so
+memory does not grow with the number of steps; blocks under ``memory_budget``.
+Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
+recorded points take their batches' gradients at the first of them, and the
+result warns and reports the reconstruction error this leaves.${examples}
+"""
+
+ATTRIBUTE = """Training-data attribution scores: how much each training point moved each output.
+
+A score matrix of the shape the attribution literature uses (TRAK, TracIn,
+influence functions): ``scores[q, i]`` is training point ``i``'s share of the
+scalar output ``m`` at query ``q``, read from :meth:`decompose`:
+``scores[q, i] = w_q . a_i(x_q)`` with ``w_q`` the weights of the explained output.
+Positive: the point pushed the output up. Summed over a subset of the training
+set, the scores predict the output of the network retrained on it; the linear
+datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
+measures how well.${note}
+
+Two questions, two kinds of score:
+
+- ``method="unrolled"``: the counterfactual. ``scores[q, i]`` is the derivative
+  ``d m(x_q; theta_T) / d w_i`` at ``w = 1`` of the trained output with respect
+  to the weight ``w_i`` of point ``i`` in the loss of every step whose batch
+  holds it (each step's loss the weighted mean over its batch), taken exactly
+  through every recorded step of the training that happened (unrolled
+  differentiation: the optimizer's whole state, Hessian-vector products of
+  every step). Summed over a subset, it predicts to first order the output of
+  the network retrained on that subset along the same path
+  (:func:`~skpathkernel.metrics.retrain_on_subsets` with ``protocol="replay"``).
+  The result is an :class:`~skpathkernel.AttributionScores` whose ``growth``
+  measures how far the path amplifies perturbations; when that is large
+  (training at or past the edge of stability) an
+  :class:`~skpathkernel.UnstablePathWarning` says that no first-order score
+  predicts retraining there. Cost per step: one forward-backward of the batch
+  and about one Hessian-vector product per query; memory does not grow with
+  the number of steps.
+
+The other methods describe the realized path, from the decomposition:
+
+- ``method="exact", weighting="realized"`` (default): the exact split of the
+  realized path. ``initial + scores.sum(1) + regularization`` is the output
+  of the trained network up to the quadrature error that :meth:`decompose`
+  reports as ``error`` (floating-point level for small steps; large Adam steps
+  need more ``n_nodes``).
+- ``weighting="expected"``: every point credited at every step with weight
+  ``1/N`` (Guo, He & Morel's expected representation); the same as realized for
+  full-batch training.
+- ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
+  kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
+  step, with the optimizer's preconditioner.
+
+Parameters
+----------
+X : ${X}
+y : ${y}
+method : {"exact", "first_order", "second_order", "unrolled"}, default="exact"
+    "unrolled": the counterfactual derivative (above); the others: see
+    :meth:`decompose`.
+weighting : {"realized", "expected"}, default="realized"
+    See :meth:`decompose`; "unrolled" takes the realized batches.
+output : "margin" or int, default=None
+    The scalar output explained. "margin" is TRAK's
+    ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k``: exact for binary
+    classifiers (the margin is the network's output up to its sign); for several
+    classes the exact split of its linear part at the final logits,
+    ``f_y - sum_{k != y} q_k f_k`` with ``q`` the softmax over the other classes,
+    which is how much each point moved the margin to first order in the logits.
+    An int ``k`` explains output column ``k`` (logit ``k``). ${output_default}
+n_nodes : int, default=None
+    Quadrature nodes per step for "exact", see :meth:`decompose`.
+tol : float, default=None
+    Relative quadrature tolerance of "exact", see :meth:`decompose`.
+n_jobs : int, default=None
+    ``method="unrolled"``: query blocks (each within ``memory_budget``) on joblib
+    workers; the same scores as serial. ``None`` means 1 unless in a
+    ``joblib.parallel_config`` context.
+
+Returns
+-------
+scores : ndarray of shape (n_queries, n_train)
+    Float64 (an :class:`~skpathkernel.AttributionScores` for "unrolled").
+
+See Also
+--------
+skpathkernel.metrics.linear_datamodeling_score : Scores against retraining.
+skpathkernel.metrics.retrain_on_subsets : The retrained models it needs.
+self_influence : Each training point's unrolled score for its own output.${examples}
+"""
+
+SELF_INFLUENCE = """Each training point's counterfactual score for its own output.
+
+``d m(x_i; theta_T) / d w_i`` for every training point ``i``: the diagonal of
+``attribute(X_train, y_train, method="unrolled")``, how much down-weighting the
+point in training would move its own output (${label}). Points the network fits
+only by memorising them, mislabeled ones first, have the largest self-influence:
+inspect them first when cleaning data.
+
+Parameters
+----------
+output : "margin" or int, default=None
+    As in :meth:`attribute`.
+n_jobs : int, default=None
+    Query blocks on joblib workers.
+
+Returns
+-------
+self_influence : AttributionScores of shape (n_train,)
+    Float64, in the order of the training inputs; ``growth`` as in
+    :meth:`attribute`.${examples}
+"""

@@ -114,9 +114,36 @@ NETWORK_PARAMETERS: tuple[NetworkParameter, ...] = (
         Step size (MLPClassifier's; plain SGD wants a larger one, e.g. 0.1).
         """),
     NetworkParameter(
+        "learning_rate", "constant", (StrOptions({"constant", "invscaling", "adaptive"}),),
+        '{"constant", "invscaling", "adaptive"}',
+        """
+        Step-size schedule of ``solver="sgd"`` (MLPClassifier's; the other solvers keep
+        ``learning_rate_init``). "constant": ``learning_rate_init`` throughout.
+        "invscaling": an epoch that starts after ``t`` samples were seen (``t`` counts
+        across ``warm_start`` fits and ``partial_fit`` calls) steps with
+        ``learning_rate_init / (t + 1) ** power_t``. "adaptive": the step size is divided
+        by 5 whenever more than ``n_iter_no_change`` consecutive epochs fail to improve
+        by ``tol`` (the stopping rule), and training stops when it is at most 1e-6. The
+        recorded path holds every step's size (``trajectory_.learning_rates``), so the
+        kernels and the decomposition follow the schedule exactly.
+        """),
+    NetworkParameter(
+        "power_t", 0.5, (Interval(numbers.Real, 0, None, closed="left"),), "float",
+        """
+        Exponent of ``learning_rate="invscaling"`` (sgd only).
+        """),
+    NetworkParameter(
         "momentum", 0.0, (Interval(numbers.Real, 0, 1, closed="left"),), "float",
         """
         Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
+        """),
+    NetworkParameter(
+        "nesterovs_momentum", False, ("boolean",), "bool",
+        """
+        Nesterov's momentum instead of heavy-ball (``solver="sgd"`` with ``momentum > 0``
+        only; torch.optim.SGD's ``nesterov``). Off by default, unlike MLPClassifier: the
+        path kernel, :meth:`decompose` and :meth:`attribute` model heavy-ball momentum
+        and refuse a Nesterov path with a clear error.
         """),
     NetworkParameter(
         "alpha", 0.0, (Interval(numbers.Real, 0, None, closed="left"),), "float",
@@ -264,6 +291,19 @@ NETWORK_PARAMETERS: tuple[NetworkParameter, ...] = (
         "verbose", 0, ("verbose",), "int",
         """
         Show a progress bar (tqdm, when installed) with the training loss.
+        """),
+    NetworkParameter(
+        "warm_start", False, ("boolean",), "bool",
+        """
+        ``fit`` continues from the fitted network and its optimizer's state (moments,
+        step count, the schedule's step size) instead of a new initialization, and
+        extends ``trajectory_``: one path from the first initialization to the last
+        step, over which the kernels and :meth:`decompose` stay exact. On the same
+        training data the batches index it as before; on other data the training set
+        becomes the concatenation of both (as with ``partial_fit``). The network
+        (``hidden_layer_sizes``, ``activation``, ``module``), the optimizer's rule
+        (``solver``, ``momentum``, ``beta_1``, ...), ``dtype`` and the targets' encoding
+        must be the previous fit's; the trajectory must be in memory.
         """),
 )
 

@@ -41,9 +41,10 @@ __all__ = [
 # magnitude, far beyond the noise of minibatches (whose epoch losses on the defaults
 # benchmark never rose above the first). The parameter norm of a trained MLP stays
 # within a small factor of its initialization's (at most 1.4x over the defaults
-# benchmark); 1000x is a network that left the region training is about, whatever loss
-# it reaches. Both are checked on values the loop has anyway (the epoch losses, one norm
-# an epoch), so a healthy fit pays nothing.
+# benchmark); 1000x, with a last epoch loss above the first one, is a network that left
+# the region training is about (parameters that grow while the loss falls can be
+# training at work: a linear layer on features in tiny units). Both are checked on
+# values the loop has anyway (the epoch losses, one norm an epoch).
 DIVERGENCE_LOSS_RATIO = 100.0
 DIVERGENCE_NORM_RATIO = 1000.0
 
@@ -419,7 +420,7 @@ def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
         f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
         "exactly max_iter epochs.",
         ConvergenceWarning,
-        stacklevel=5,
+        stacklevel=7,
     )
 
 
@@ -432,7 +433,9 @@ def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
     """
     limit = DIVERGENCE_LOSS_RATIO * first_loss
     norm_up = [e for e, v in enumerate(norms[1:]) if v > DIVERGENCE_NORM_RATIO * norms[0]]
-    if norm_up:
+    # Grown parameters alone may be training at work (a linear layer on features in
+    # tiny units): they count when the loss did not come down either.
+    if norm_up and loss_curve[-1] > first_loss:
         e = norm_up[0]
         what = (f"the parameters' norm reached {norms[e + 1]:.3g}, more than "
                 f"{DIVERGENCE_NORM_RATIO:g} times its initial {norms[0]:.3g}")
@@ -447,7 +450,7 @@ def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
         f"epoch's loss is {loss_curve[-1]:.3g}. The fitted network is not a trained one: "
         f"try a smaller learning_rate_init (it was {lr:g}).",
         DivergenceWarning,
-        stacklevel=5,
+        stacklevel=7,
     )
 
 
@@ -457,17 +460,15 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
 
     ``second``'s batches index its own training set, which starts at row ``offset`` of the
     combined one (``n_samples`` rows): 0 when it trained on the same data. The optimizer's
-    state continued across the join (its step count too), so the combined path is one
-    path, from the first initialization to the last step.
+    state continued across the join (its step count too, which the recorded state steps
+    are), so the combined path is one path, from the first initialization to the last
+    step.
     """
     if first.storage != "memory" or second.storage != "memory":
         raise ValueError("Continuing a fit extends its recorded path, which must be kept in "
                          "memory: use trajectory_storage='memory' with warm_start and "
                          "partial_fit.")
     n_first = first.n_steps
-    state_steps = second._state_steps
-    if not second.state_keys:  # no optimizer step count: the loop's, which restarted
-        state_steps = state_steps + n_first
     return Trajectory(
         names=first.names, shapes=first.shapes,
         params=torch.cat([first._params, second._params[1:]]),
@@ -477,7 +478,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         batch_offsets=np.concatenate([first._batch_offsets,
                                       second._batch_offsets[1:] + first._batch_offsets[-1]]),
         states={k: torch.cat([v, second._states[k]]) for k, v in first._states.items()},
-        state_steps=np.concatenate([first._state_steps, state_steps]),
+        state_steps=np.concatenate([first._state_steps, second._state_steps]),
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),
     )

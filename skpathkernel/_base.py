@@ -51,7 +51,7 @@ from ._network import TrainedNetwork, network_of
 from ._parallel import dask_worker_threads, limit_torch_threads
 from ._params import ACTIVATIONS, network_constraints
 from ._tangent import warn_on_fallback
-from ._training import extend_trajectory, train
+from ._training import extend_trajectory, resolve_batch_size, train, training_threads
 from ._trajectory import SolverSpec
 from .kernels import NetworkKernelsMixin, PathKernel, TangentKernel
 
@@ -600,9 +600,13 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         generator = torch.Generator().manual_seed(seed)
         max_iter = 1 if incremental else self.max_iter
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
-        # shared by its task slots: keep torch's threads within them.
+        # shared by its task slots: keep torch's threads within them; a small network
+        # trains on one (see training_threads).
+        n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        threads = training_threads(resolve_batch_size(self.batch_size, len(X_t)), n_params,
+                                   dask_worker_threads())
         with _progress(self.verbose, max_iter, type(self).__name__) as progress, \
-                limit_torch_threads(dask_worker_threads()):
+                limit_torch_threads(threads):
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

@@ -34,6 +34,7 @@ __all__ = [
     "resolve_batch_size",
     "train",
     "training_step",
+    "training_threads",
 ]
 
 # Thresholds of the divergence warning. A descent method lowers the training loss: an
@@ -59,23 +60,51 @@ class DivergenceWarning(ConvergenceWarning):
 
 
 def make_optimizer(params, spec: SolverSpec, lr: float) -> torch.optim.Optimizer:
-    """The torch.optim optimizer that ``spec`` names, with its hyper-parameters."""
+    """The torch.optim optimizer that ``spec`` names, with its hyper-parameters.
+
+    Fused (one kernel for every parameter's update) where torch has it for these
+    parameters: the same update rule, at about half the cost per step of a small network
+    (measured 3.5 -> 1.9 ms an Adam step on iris' default MLP); RMSprop has no fused
+    kernel and takes the multi-tensor one.
+    """
+    params = list(params)
     betas = (spec.beta_1, spec.beta_2)
     if spec.name == "sgd":
         # torch refuses Nesterov without momentum; with none, both are plain SGD.
-        return torch.optim.SGD(params, lr=lr, momentum=spec.momentum,
-                               nesterov=spec.nesterov and spec.momentum > 0,
-                               weight_decay=spec.weight_decay)
+        return _fused(torch.optim.SGD, params, lr=lr, momentum=spec.momentum,
+                      nesterov=spec.nesterov and spec.momentum > 0,
+                      weight_decay=spec.weight_decay)
     if spec.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=betas, eps=spec.epsilon,
-                                weight_decay=spec.weight_decay)
+        return _fused(torch.optim.Adam, params, lr=lr, betas=betas, eps=spec.epsilon,
+                      weight_decay=spec.weight_decay)
     if spec.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=spec.epsilon,
-                                 weight_decay=spec.weight_decay)
+        return _fused(torch.optim.AdamW, params, lr=lr, betas=betas, eps=spec.epsilon,
+                      weight_decay=spec.weight_decay)
     if spec.name == "rmsprop":
         return torch.optim.RMSprop(params, lr=lr, alpha=spec.rmsprop_alpha, eps=spec.epsilon,
-                                   weight_decay=spec.weight_decay)
+                                   weight_decay=spec.weight_decay, foreach=True)
     raise ValueError(f"Unknown solver {spec.name!r}.")
+
+
+def _fused(cls, params, **kwargs):
+    try:
+        return cls(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError, TypeError):  # no fused kernel for these parameters
+        return cls(params, **kwargs)
+
+
+# A step that multiplies fewer values than this (batch rows x parameters) runs on one
+# thread: torch's OpenMP threads cost more to wake than such a step takes, and on cores
+# that other processes share they stall (iris' default fit: 76 s on two busy threads,
+# 1.1 s on one).
+SINGLE_THREAD_WORK = 2**23
+
+
+def training_threads(batch_rows: int, n_params: int, limit: int | None) -> int | None:
+    """Torch threads for training: 1 for a small step, else ``limit`` (None: torch's)."""
+    if batch_rows * n_params < SINGLE_THREAD_WORK:
+        return 1
+    return limit
 
 
 def training_step(module, optimizer, loss: Loss, xb, yb) -> torch.Tensor:

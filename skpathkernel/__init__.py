@@ -12,7 +12,7 @@ from ._network import TrainedNetwork
 from ._ood import OODRankDetector
 from ._recorder import PathRecorder, RecordedNetwork
 from ._svm import TangentFeatures, TangentFeatureSVM
-from ._training import TrainingDivergedError
+from ._training import DivergenceWarning, TrainingDivergedError
 from ._trajectory import Trajectory
 from ._unrolled import AttributionScores, UnstablePathWarning
 from .kernels import PathKernel, TangentKernel
@@ -21,6 +21,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AttributionScores",
+    "DivergenceWarning",
     "OODRankDetector",
     "PathKernel",
     "PathKernelClassifier",

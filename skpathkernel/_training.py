@@ -32,6 +32,7 @@ __all__ = [
     "extend_trajectory",
     "make_optimizer",
     "resolve_batch_size",
+    "set_learning_rate",
     "train",
     "training_step",
     "training_threads",
@@ -246,7 +247,15 @@ class _StoppingRule:
 
 def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storage,
                    record_budget, directory, compression) -> TrajectoryRecorder:
-    """The recorder of one fit: storage and ``record_every`` resolved for ``n_steps``."""
+    """The recorder of one fit: storage and ``record_every`` resolved for ``n_steps``.
+
+    ``record_every="auto"`` records every step when the points of ``n_steps`` steps fit
+    in ``record_budget`` bytes, else every k-th step with the smallest k that fits.
+    ``storage`` ("memory", "disk" or "auto": disk when those points exceed
+    ``record_budget`` bytes) says where the points go; on disk, in a fresh temporary
+    directory under ``directory``, and ``record_every="auto"`` keeps every step that
+    fits in 90% of the disk's free space.
+    """
     n_params, n_state = sum(p.numel() for p in params), len(solver.state_keys)
     itemsize = params[0].element_size()
     if storage == "auto":
@@ -348,14 +357,7 @@ def train(
     :class:`~sklearn.exceptions.ConvergenceWarning` says when ``max_iter`` epochs ran
     without meeting the rule (never with ``tol=None``, which runs all ``max_iter``), a
     :class:`DivergenceWarning` when the loss or the parameters ran away (see
-    ``DIVERGENCE_LOSS_RATIO``). ``record_every="auto"`` records every step when the
-    points of ``max_iter`` epochs fit in ``record_budget`` bytes, else every k-th step
-    with the smallest k that fits.
-
-    ``storage`` ("memory", "disk" or "auto": disk when the points of ``max_iter`` epochs
-    exceed ``record_budget`` bytes) says where the points go; on disk, in a fresh
-    temporary directory under ``directory``, and ``record_every="auto"`` keeps every
-    step that fits in 90% of the disk's free space.
+    ``DIVERGENCE_LOSS_RATIO``). ``record_every``, ``storage``: see :func:`_make_recorder`.
     """
     n = X.shape[0]
     B = resolve_batch_size(batch_size, n)
@@ -386,7 +388,6 @@ def train(
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
                               initial_norm=norms[0])
-
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     step, stopped = 0, False
     for epoch in range(max_iter):
@@ -418,27 +419,32 @@ def train(
             progress(epoch, epoch_loss)
         if stopped or single_epoch:
             break
-    n_iter = len(loss_curve)
     if not stopped and not single_epoch and tol is not None:
         _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None)
     first_loss = loss_curve[0] if resume is None else resume.first_loss
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())
-    else:
-        torch.nn.utils.vector_to_parameters(best[1].to(params[0].device), params)
-    # The module holds the path's last point: checked there, not read back from a file,
-    # and before finish(), which refuses a path that compression could not store.
-    if not all(bool(torch.isfinite(p).all()) for p in params):
-        _raise_diverged(best[0] - 1, n_iter - 1, learning_rate)
-    trajectory = recorder.finish(best[0], best[1])
+    trajectory = _finish(recorder, params, best, len(loss_curve), learning_rate)
     return TrainResult(
-        trajectory, loss_curve, n_iter, step,
+        trajectory, loss_curve, len(loss_curve), step,
         best_loss=None if validation is not None else min(loss_curve),
         validation_scores=scores,
         best_validation_score=None if validation is None else rule.best_score,
         resume=best[2],
     )
+
+
+def _finish(recorder, params, best, n_iter, lr) -> Trajectory:
+    """The recorded path up to the model's step ``best[0]``, the module set to its point."""
+    step, flat, _ = best
+    if flat is not None:  # the best-scoring epoch's parameters
+        torch.nn.utils.vector_to_parameters(flat.to(params[0].device), params)
+    # The module holds the path's last point: checked there, not read back from a file,
+    # and before finish(), which refuses a path that compression could not store.
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        _raise_diverged(step - 1, n_iter - 1, lr)
+    return recorder.finish(step, flat)
 
 
 def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):

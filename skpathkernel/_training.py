@@ -65,8 +65,8 @@ def make_optimizer(params, spec: SolverSpec, lr: float) -> torch.optim.Optimizer
 
     Fused (one kernel for every parameter's update) where torch has it for these
     parameters: the same update rule, at about half the cost per step of a small network
-    (measured 3.5 -> 1.9 ms an Adam step on iris' default MLP); RMSprop has no fused
-    kernel and takes the multi-tensor one.
+    (3.5 -> 1.9 ms an Adam step of iris' default MLP, measured on a loaded machine);
+    RMSprop has no fused kernel and takes the multi-tensor one.
     """
     params = list(params)
     betas = (spec.beta_1, spec.beta_2)
@@ -96,8 +96,8 @@ def _fused(cls, params, **kwargs):
 
 # A step that multiplies fewer values than this (batch rows x parameters) runs on one
 # thread: torch's OpenMP threads cost more to wake than such a step takes, and on cores
-# that other processes share they stall (iris' default fit: 76 s on two busy threads,
-# 1.1 s on one).
+# that other processes share they stall (iris' default fit on a loaded 2-core machine:
+# 76 s on two threads, 1.1 s on one).
 SINGLE_THREAD_WORK = 2**23
 
 

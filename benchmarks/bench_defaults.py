@@ -27,7 +27,11 @@ NOTES = (
     "test score to compare with an MLP; both train the same network as the rows above. "
     "*epochs*: median epochs run (both stop by tol / n_iter_no_change or at max_iter = "
     "200). *path*: median size of our recorded trajectory (every step kept, "
-    "`record_every='auto'` under the 1 GiB `memory_budget`).")
+    "`record_every='auto'` under the 1 GiB `memory_budget`). *loss / norm growth*: the "
+    "largest last / first epoch loss and final / initial parameter norm over the splits, "
+    "which the divergence warning compares with 100 and 1000; *divergence warnings*: "
+    "DivergenceWarnings raised (none expected). The last row sums the per-data-set median "
+    "fit times.")
 
 SPLITS = {False: 10, True: 3}
 
@@ -81,20 +85,35 @@ def _fit_score(est, X_tr, y_tr, X_te, y_te):
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
+    from skpathkernel import DivergenceWarning
+
     pipe = make_pipeline(StandardScaler(), est)
-    with warnings.catch_warnings():
-        # Both libraries warn when max_iter ends a fit; the epochs column shows it.
+    with warnings.catch_warnings(record=True) as caught:
+        # Both libraries warn when max_iter ends a fit; the epochs column shows it. The
+        # divergence warning (a ConvergenceWarning) is counted: none is expected here.
         warnings.simplefilter("ignore", ConvergenceWarning)
+        warnings.simplefilter("always", DivergenceWarning)
         t0 = time.perf_counter()
         pipe.fit(X_tr, y_tr)
         fit_s = time.perf_counter() - t0
-    return pipe.score(X_te, y_te), fit_s
+    diverged = sum(issubclass(w.category, DivergenceWarning) for w in caught)
+    return pipe.score(X_te, y_te), fit_s, diverged
+
+
+def _growth(est):
+    """(last / first epoch loss, final / initial parameter norm) of our fitted network:
+    what the divergence warning compares with its thresholds (100 and 1000)."""
+    traj = est.trajectory_
+    return (est.loss_curve_[-1] / est.loss_curve_[0],
+            float(traj.parameters(-1).norm() / traj.parameters(0).norm()))
 
 
 def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     from sklearn.model_selection import train_test_split
 
     rows = []
+    ours_fit: dict[str, list] = {}  # median fit times, ours and sklearn's, per estimator
+    ref_fit: dict[str, list] = {}
     for name, (X, y, kind) in _datasets(quick).items():
         ours: dict[str, dict[str, list]] = {}
         ref = {"score": [], "fit": [], "epochs": []}
@@ -105,14 +124,18 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
             if seed % 2:  # alternate who goes first: neither always runs on a cold cache
                 jobs.reverse()
             for label, est in jobs:
-                score, fit_s = _fit_score(est, X_tr, y_tr, X_te, y_te)
+                score, fit_s, diverged = _fit_score(est, X_tr, y_tr, X_te, y_te)
                 rec = ref if label == "mlp" else ours.setdefault(
-                    label, {"score": [], "fit": [], "epochs": [], "path": []})
+                    label, {"score": [], "fit": [], "epochs": [], "path": [], "growth": [],
+                            "diverged": 0})
                 rec["score"].append(score)
                 rec["fit"].append(fit_s)
                 rec["epochs"].append(est.n_iter_)
                 if label != "mlp":
+                    net = est.estimator_ if hasattr(est, "estimator_") else est
                     rec["path"].append(est.trajectory_.nbytes / 2**20)
+                    rec["growth"].append(_growth(net))
+                    rec["diverged"] += diverged
         for label, rec in ours.items():
             diff = np.asarray(rec["score"]) - np.asarray(ref["score"])
             se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
@@ -121,6 +144,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                        "below, within noise" if mean_diff >= -2 * se else "BELOW")
             sk_name = "MLPClassifier()" if kind == "clf" else "MLPRegressor()"
             ratio = statistics.median(rec["fit"]) / statistics.median(ref["fit"])
+            ours_fit.setdefault(label, []).append(statistics.median(rec["fit"]))
+            ref_fit.setdefault(label, []).append(statistics.median(ref["fit"]))
             rows.append({
                 "data set": name,
                 "n train / test": f"{len(X_tr)} / {len(X_te)}",
@@ -136,7 +161,22 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 "epochs ours / sklearn's": f"{statistics.median(rec['epochs']):.0f} / "
                                            f"{statistics.median(ref['epochs']):.0f}",
                 "path": f"{statistics.median(rec['path']):.1f} MiB",
+                "loss / norm growth (max)": f"{max(g[0] for g in rec['growth']):.2f} / "
+                                            f"{max(g[1] for g in rec['growth']):.2f}",
+                "divergence warnings": rec["diverged"],
                 "splits": len(diff),
             })
+    rows.append(_total(ours_fit, ref_fit))
     return rows
+
+
+def _total(ours_fit: dict, ref_fit: dict) -> dict:
+    """The sum over the data sets of the median fit times, per estimator of ours."""
+    row = {"data set": "total (sum of medians)"}
+    parts = []
+    for label, times in ours_fit.items():
+        total, ref = sum(times), sum(ref_fit[label])
+        parts.append(f"{label} {total:.2f} / {ref:.2f} s = {total / ref:.2f}x")
+    row["fit s ours / sklearn's"] = "; ".join(parts)
+    return row
 

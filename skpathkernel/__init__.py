@@ -13,7 +13,7 @@ from ._estimators._machine import PathKernelClassifier, PathKernelMachine
 from ._estimators._ood import OODRankDetector
 from ._network._trained import TrainedNetwork
 from ._path._recorder import PathRecorder, RecordedNetwork
-from ._path._training import TrainingDivergedError
+from ._path._training import DivergenceWarning, TrainingDivergedError
 from ._path._trajectory import Trajectory
 from .kernels import PathKernel, TangentKernel
 
@@ -21,6 +21,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AttributionScores",
+    "DivergenceWarning",
     "OODRankDetector",
     "PathKernel",
     "PathKernelClassifier",

@@ -42,7 +42,7 @@ from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
-from ._path._training import make_optimizer
+from ._path._training import make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
 
 __all__ = [
@@ -316,12 +316,9 @@ def _replay(estimator, keep: np.ndarray):
         kept = batch[keep[batch]]
         if not len(kept):
             continue
-        for group in optimizer.param_groups:
-            group["lr"] = float(traj.learning_rates[interval[t]])
-        optimizer.zero_grad(set_to_none=True)
+        set_learning_rate(optimizer, float(traj.learning_rates[interval[t]]))
         rows = torch.as_tensor(kept, device=device)
-        loss(module(X[rows]), Y[rows]).backward()
-        optimizer.step()
+        training_step(module, optimizer, loss, X[rows], Y[rows])
     model = copy.copy(estimator)
     model.module_ = module.eval()
     return model
@@ -463,34 +460,45 @@ def retrain_on_subsets(
     if not 1 <= size < n_train:
         raise ValueError(f"subset_fraction={subset_fraction} gives subsets of {size} of "
                          f"{n_train} training points; it must leave at least one in and out.")
-    classifier = is_classifier(estimator)
-    if output == "auto":
-        output = "margin" if classifier else "predict"
-    codes = classes = None
-    if output == "margin":
-        if not classifier:
-            raise ValueError("output='margin' is for classifiers; use 'predict' or a "
-                             "callable.")
-        if y_query is None:
-            raise ValueError("output='margin' needs the queries' labels: pass y_query.")
-        y_query = np.asarray(y_query)
-        if len(y_query) != len(X_query):
-            raise ValueError(f"X_query has {len(X_query)} rows but y_query has "
-                             f"{len(y_query)}.")
-        classes = np.unique(np.asarray(y))
-        codes = label_codes(classes, y_query)
-    if protocol == "same_seed" and estimator.get_params().get("random_state") is None:
-        raise ValueError("protocol='same_seed' retrains every model with the estimator's "
-                         "own random_state, which is None (a fresh seed each fit): set it "
-                         "to an int.")
+    output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query)
+    _check_protocol(protocol, estimator, X)
+    masks, seeds = _draw_subsets(check_random_state(random_state), n_subsets, n_train, size,
+                                 n_repeats if protocol == "independent" else None)
+    n_tasks = max(1, min(effective_n_jobs(n_jobs), n_subsets * n_repeats))
+    jobs = [(j, r) for j in range(n_subsets) for r in range(n_repeats)]
     if protocol == "replay":
-        _check_replayable(estimator, X)
-    rng = check_random_state(random_state)
+        tasks = (delayed(_fit_one)(estimator, None, None, X_query, output, codes, None,
+                                   n_tasks, keep=masks[j]) for j, _ in jobs)
+    else:
+        tasks = _subset_fits(estimator, X, y, masks, seeds, jobs, X_query, output, codes,
+                             classes, n_tasks)
+    results = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
+    all_outputs = np.empty((n_subsets, n_repeats, len(X_query)))
+    # The generator runs to its end, so that a progress bar closes.
+    bar = Progress("retrain_on_subsets", len(jobs), enabled=bool(verbose),
+                   each="{desc}: {n}/{total} models fitted")
+    for k, values in enumerate(bar.iterate(results)):
+        all_outputs[jobs[k]] = values
+    name = output if isinstance(output, str) else getattr(output, "__name__", "callable")
+    return SubsetRetraining(subsets=masks, outputs=all_outputs.mean(axis=1),
+                            all_outputs=all_outputs, seeds=seeds, output=name,
+                            protocol=protocol)
+
+
+def _draw_subsets(rng, n_subsets, n_train, size, n_repeats):
+    """Masks (n_subsets, n_train) of ``size`` points each; with ``n_repeats``, a seed per
+    model (n_subsets, n_repeats), else None."""
     masks = np.zeros((n_subsets, n_train), dtype=bool)
     for j in range(n_subsets):
         masks[j, rng.choice(n_train, size, replace=False)] = True
-    seeds = (rng.randint(np.iinfo(np.int32).max, size=(n_subsets, n_repeats))
-             if protocol == "independent" else None)
+    seeds = (None if n_repeats is None
+             else rng.randint(np.iinfo(np.int32).max, size=(n_subsets, n_repeats)))
+    return masks, seeds
+
+
+def _subset_fits(estimator, X, y, masks, seeds, jobs, X_query, output, codes, classes,
+                 n_tasks):
+    """The joblib tasks fitting a clone of ``estimator`` on each job's subset."""
     X_arr = X if hasattr(X, "iloc") else np.asarray(X)
     y_arr = y if hasattr(y, "iloc") else np.asarray(y)
 
@@ -503,26 +511,36 @@ def retrain_on_subsets(
             est.set_params(random_state=int(seeds[j, r]))
         return est
 
-    n_tasks = max(1, min(effective_n_jobs(n_jobs), n_subsets * n_repeats))
-    jobs = [(j, r) for j in range(n_subsets) for r in range(n_repeats)]
+    return (delayed(_fit_one)(model(j, r), take(X_arr, masks[j]), take(y_arr, masks[j]),
+                              X_query, output, codes, classes, n_tasks)
+            for j, r in jobs)
+
+
+def _resolve_output(estimator, output, y, X_query, y_query):
+    """(output, the queries' label codes, the classes): the last two for "margin" only."""
+    classifier = is_classifier(estimator)
+    if output == "auto":
+        output = "margin" if classifier else "predict"
+    if output != "margin":
+        return output, None, None
+    if not classifier:
+        raise ValueError("output='margin' is for classifiers; use 'predict' or a callable.")
+    if y_query is None:
+        raise ValueError("output='margin' needs the queries' labels: pass y_query.")
+    y_query = np.asarray(y_query)
+    if len(y_query) != len(X_query):
+        raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
+    classes = np.unique(np.asarray(y))
+    return output, label_codes(classes, y_query), classes
+
+
+def _check_protocol(protocol, estimator, X) -> None:
+    if protocol == "same_seed" and estimator.get_params().get("random_state") is None:
+        raise ValueError("protocol='same_seed' retrains every model with the estimator's "
+                         "own random_state, which is None (a fresh seed each fit): set it "
+                         "to an int.")
     if protocol == "replay":
-        tasks = (delayed(_fit_one)(estimator, None, None, X_query, output, codes, None,
-                                   n_tasks, keep=masks[j]) for j, _ in jobs)
-    else:
-        tasks = (delayed(_fit_one)(model(j, r), take(X_arr, masks[j]), take(y_arr, masks[j]),
-                                   X_query, output, codes, classes, n_tasks)
-                 for j, r in jobs)
-    results = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
-    all_outputs = np.empty((n_subsets, n_repeats, len(X_query)))
-    # The generator runs to its end, so that a progress bar closes.
-    bar = Progress("retrain_on_subsets", len(jobs), enabled=bool(verbose),
-                   each="{desc}: {n}/{total} models fitted")
-    for k, values in enumerate(bar.iterate(results)):
-        all_outputs[jobs[k]] = values
-    name = output if isinstance(output, str) else getattr(output, "__name__", "callable")
-    return SubsetRetraining(subsets=masks, outputs=all_outputs.mean(axis=1),
-                            all_outputs=all_outputs, seeds=seeds, output=name,
-                            protocol=protocol)
+        _check_replayable(estimator, X)
 
 
 def _check_replayable(estimator, X) -> None:

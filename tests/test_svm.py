@@ -146,7 +146,7 @@ def test_path_svm_equals_svc_on_explicit_path_sum(circle):
         F, Ft = _loop_features(probe, X), _loop_features(probe, X[:9] * 0.9)
         K_train += est.trajectory_.learning_rates[k] * F @ F.T
         K_test += est.trajectory_.learning_rates[k] * Ft @ F.T
-    ref = SVC(kernel="precomputed").fit(K_train, y)
+    ref = SVC(kernel="precomputed", C=est.C_).fit(K_train, y)
     np.testing.assert_allclose(est.decision_function(X[:9] * 0.9), ref.decision_function(K_test),
                                rtol=1e-7, atol=1e-9)
 

@@ -263,6 +263,9 @@ def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
     if spec.name not in _SOLVERS:
         raise ValueError(f"method='unrolled' supports the solvers {sorted(_SOLVERS)}; the "
                          f"path was recorded with {spec.name!r}.")
+    if spec.nesterov and spec.momentum:
+        raise ValueError("method='unrolled' replays heavy-ball momentum; the path was "
+                         "trained with Nesterov momentum (nesterovs_momentum=True).")
     missing = [key for key in spec.state_keys if key not in traj.state_keys]
     if missing:
         raise ValueError(f"method='unrolled' needs the optimizer state {missing} at every "

@@ -8,6 +8,7 @@ trust, or use skops, see ``__getstate__``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -48,7 +49,7 @@ from .._network._inputs import (
 from .._network._trained import TrainedNetwork, module_outputs, network_of, output_block_rows
 from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._losses import LOSSES
-from .._path._training import train
+from .._path._training import extend_trajectory, resolve_batch_size, train, training_threads
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
@@ -333,7 +334,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         "module": [callable, None],
         "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
         "learning_rate_init": [Interval(numbers.Real, 0, None, closed="neither")],
+        "learning_rate": [StrOptions({"constant", "invscaling", "adaptive"})],
+        "power_t": [Interval(numbers.Real, 0, None, closed="left")],
         "momentum": [Interval(numbers.Real, 0, 1, closed="left")],
+        "nesterovs_momentum": ["boolean"],
         "alpha": [Interval(numbers.Real, 0, None, closed="left")],
         "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
         "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
@@ -354,6 +358,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         "trajectory_compression": [StrOptions({"float16", "bfloat16"}), None],
         "random_state": ["random_state"],
         "verbose": ["verbose"],
+        "warm_start": ["boolean"],
     }
 
     @abstractmethod
@@ -365,7 +370,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         module=None,
         solver="adam",
         learning_rate_init=1e-3,
+        learning_rate="constant",
+        power_t=0.5,
         momentum=0.0,
+        nesterovs_momentum=False,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
@@ -387,13 +395,17 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         trajectory_compression=None,
         random_state=None,
         verbose=0,
+        warm_start=False,
     ):
         self.hidden_layer_sizes = hidden_layer_sizes
         self.activation = activation
         self.module = module
         self.solver = solver
         self.learning_rate_init = learning_rate_init
+        self.learning_rate = learning_rate
+        self.power_t = power_t
         self.momentum = momentum
+        self.nesterovs_momentum = nesterovs_momentum
         self.alpha = alpha
         self.beta_1 = beta_1
         self.beta_2 = beta_2
@@ -415,11 +427,16 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         self.trajectory_compression = trajectory_compression
         self.random_state = random_state
         self.verbose = verbose
+        self.warm_start = warm_start
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
-    def _encode_targets(self, y) -> tuple[np.ndarray, int, dict]:
-        """Return (training targets, number of network outputs, fitted attributes)."""
+    def _encode_targets(self, y, classes=None) -> tuple[np.ndarray, int, dict]:
+        """Return (training targets, number of network outputs, fitted attributes).
+
+        ``classes``: the labels to encode against (``partial_fit``'s, or a fitted
+        network's being continued) instead of those found in ``y``.
+        """
 
     def _target_tensor(self, Y: np.ndarray, dtype, device) -> torch.Tensor:
         return to_tensor(Y, dtype=dtype, device=device)
@@ -432,8 +449,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         scale = getattr(self, "_y_scale", None)
         return Y if scale is None else (np.asarray(Y, dtype=np.float64) - self._y_mean) / scale
 
-    def _validate_y(self, X, y):
-        return self._validate_fit_data(X, y, multi_output=True, y_numeric=True)
+    def _validate_y(self, X, y, **kwargs):
+        return self._validate_fit_data(X, y, multi_output=True, y_numeric=True, **kwargs)
 
     def _validate_fit_data(self, X, y="no_validation", **kwargs):
         """``validate_data`` with the checks every fit shares (see ``FIT_CHECKS``).
@@ -446,8 +463,11 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         """
         dtype = resolve_dtype(self.dtype)
         # A user's module may take (n, ...) arrays and integer token ids (see _inputs).
-        checks = dict(reset=True, flexible=self.module is not None,
-                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
+        # A fit that continues another (reset=False) checks X against it and may add a
+        # single sample (partial_fit on a stream).
+        reset = kwargs.pop("reset", True)
+        checks = dict(reset=reset, flexible=self.module is not None,
+                      ensure_min_samples=FIT_CHECKS["ensure_min_samples"] if reset else 1)
         if isinstance(y, str) and y == "no_validation":
             X = validate_input(self, X, **checks, **kwargs)
             check_representable(X, dtype)
@@ -464,6 +484,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         return SolverSpec(
             name=self.solver,
             momentum=self.momentum if self.solver == "sgd" else 0.0,
+            nesterov=bool(self.nesterovs_momentum) and self.solver == "sgd"
+            and self.momentum > 0,
             beta_1=self.beta_1,
             beta_2=self.beta_2,
             epsilon=self.epsilon,
@@ -483,17 +505,33 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                       device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         return _build_module(self._module_spec(), n_features, n_outputs, seed, device, dtype)
 
-    def _fit(self, X, y):
-        """Validate, train, and only then replace the fitted state (never half-fitted)."""
+    def _fit(self, X, y, *, incremental=False, classes=None):
+        """Validate, train, and only then replace the fitted state (never half-fitted).
+
+        ``incremental`` (``partial_fit``): one epoch, continuing the fitted network when
+        there is one; ``warm_start`` continues it for a whole fit.
+        """
         if self.trajectory_compression is not None and self.trajectory_storage == "memory":
             raise ValueError(
                 f"trajectory_compression={self.trajectory_compression!r} compresses an "
                 "on-disk trajectory: use trajectory_storage='disk' (or 'auto')."
             )
-        X, y = self._validate_y(X, y)
-        Y, n_outputs, attrs = self._encode_targets(y)
+        if incremental and self.early_stopping:
+            raise ValueError("partial_fit does not support early_stopping=True: one pass "
+                             "over each call's data leaves no epoch to score.")
+        previous = self.network_ if (incremental or self.warm_start) and \
+            hasattr(self, "network_") else None
+        if previous is not None or incremental:
+            self._check_continuable(previous)
+        X, y = self._validate_y(X, y, reset=previous is None)
+        if previous is not None:
+            classes = getattr(self, "classes_", None)
+        Y, n_outputs, attrs = self._encode_targets(y, classes)
         if "classes_" not in attrs:
             Y = np.asarray(Y, dtype=np.float64)
+        if previous is not None and n_outputs != self.n_outputs_:
+            raise ValueError(f"y has {n_outputs} outputs but the network being continued "
+                             f"was fitted with {self.n_outputs_}.")
         # Stored: set_params(loss=...) after fit must not change the fitted network's loss.
         loss_name = attrs["_loss_name"] = self.loss
         rng = check_random_state(self.random_state)
@@ -509,47 +547,118 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             X_val, y_val = X[val_idx], y[val_idx]
             X, Y = X[train_idx], Y[train_idx]
             attrs["_train_rows"] = train_idx
-        attrs["_y_mean"] = attrs["_y_scale"] = None
-        if "classes_" not in attrs and getattr(self, "normalize_y", False):
-            # From the rows trained on only (no leak of the held-out ones); the network
-            # learns the standardized targets, predict maps its outputs back.
-            mean, scale = Y.mean(axis=0), Y.std(axis=0)
-            scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's rule)
-            Y = (Y - mean) / scale
-            attrs["_y_mean"], attrs["_y_scale"] = mean, scale
-            if self.early_stopping:
-                # R^2 is unchanged by mapping both sides with the same affine map.
-                y_val = ((y_val.reshape(len(y_val), -1) - mean) / scale).reshape(y_val.shape)
+        Y, y_val = self._scale_targets(Y, y_val if self.early_stopping else None, attrs,
+                                       previous)
         spec = self._module_spec()
-        device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype)
-        module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
-        if spec["module"] is not None:
-            # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its initial
-            # weights in this first forward pass. On all of X: the held-out rows too.
-            with seeded_torch(seed, device):
-                probe_module(module, X_all, dtype=dtype, device=device)
+        if previous is None:
+            device, dtype = resolve_device(self.device), resolve_dtype(self.dtype)
+            module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
+            if spec["module"] is not None:
+                # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its
+                # initial weights in this first forward pass. On all of X: the held-out
+                # rows too.
+                with seeded_torch(seed, device):
+                    probe_module(module, X_all, dtype=dtype, device=device)
+        else:
+            device, dtype = previous.torch_device, previous.torch_dtype
+            # A copy: a fit that fails leaves the fitted network as it was.
+            module = copy.deepcopy(previous.module).train()
         if self.early_stopping:
             validation = _validation_scorer(
                 X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,
                 [X_val[0].size, n_outputs,
                  *block_widths(module, to_input_tensor(X_val[:1], dtype=dtype, device=device),
                                linear_only=spec["module"] is None)])
-        generator = torch.Generator().manual_seed(seed)
         X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
+        result = self._train(module, X_t, Y_t, loss_name, validation, seed, previous,
+                             incremental)
+        module.eval()
+        if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
+            warn_on_fallback(module, X_t)
+        trajectory, X_fit, Y_fit = result.trajectory, X, Y
+        if previous is not None:
+            trajectory, X_fit, Y_fit = _continued_path(previous, trajectory, X, Y,
+                                                       same_data_allowed=not incremental)
+            attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
+        attrs.update(
+            network_=TrainedNetwork(
+                module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
+                input_kind=self._input_kind, device=str(device),
+                memory_budget=self.memory_budget),
+            _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
+            **self._curves(result, previous is not None),
+        )
+        for name, value in attrs.items():
+            setattr(self, name, value)
+        return self
+
+    def _check_continuable(self, previous) -> None:
+        """Refuse, before any work, a fit that cannot extend the recorded path."""
+        if self.trajectory_storage != "memory" or (
+                previous is not None and previous.trajectory.storage != "memory"):
+            raise ValueError(
+                "warm_start and partial_fit extend the recorded path, which must be kept "
+                "in memory: use trajectory_storage='memory'.")
+        if previous is None:
+            return
+        if self._module_spec() != self._network_spec:
+            raise ValueError(
+                f"warm_start and partial_fit continue the fitted network, built with "
+                f"{self._network_spec}; the estimator now asks for {self._module_spec()}. "
+                "Set warm_start=False (or call fit) to train a new network.")
+        before, now = previous.trajectory.solver_spec, self._solver_spec()
+        if before != now:
+            raise ValueError(
+                f"warm_start and partial_fit continue the recorded path, whose optimizer "
+                f"was {before}; the estimator now asks for {now}. A path has one "
+                "optimizer: set these parameters back, or fit a new network.")
+        if resolve_dtype(self.dtype) != previous.torch_dtype:
+            raise ValueError(f"The fitted network is {previous.dtype}; dtype={self.dtype!r} "
+                             "cannot continue it.")
+        if self.loss != self._loss_name:
+            raise ValueError(f"The fitted network was trained with loss={self._loss_name!r}; "
+                             f"loss={self.loss!r} cannot continue its path.")
+
+    def _scale_targets(self, Y, y_val, attrs, previous):
+        """Regression targets in the network's units (``normalize_y``): standardized with
+        the mean and scale of the first fit's training rows, kept by fits that continue it.
+        """
+        if "classes_" in attrs or not getattr(self, "normalize_y", False):
+            attrs["_y_mean"] = attrs["_y_scale"] = None
+            return Y, y_val
+        if previous is None:
+            # From the rows trained on only (no leak of the held-out ones); the network
+            # learns the standardized targets, predict maps its outputs back.
+            mean, scale = Y.mean(axis=0), Y.std(axis=0)
+            scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's)
+        else:
+            mean, scale = self._y_mean, self._y_scale
+        attrs["_y_mean"], attrs["_y_scale"] = mean, scale
+        if y_val is not None:
+            # R^2 is unchanged by mapping both sides with the same affine map.
+            y_val = ((y_val.reshape(len(y_val), -1) - mean) / scale).reshape(y_val.shape)
+        return (Y - mean) / scale, y_val
+
+    def _train(self, module, X_t, Y_t, loss_name, validation, seed, previous, incremental):
+        generator = torch.Generator().manual_seed(seed)
+        max_iter = 1 if incremental else self.max_iter
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
-        # shared by its task slots: keep torch's threads within them.
-        bar = Progress(type(self).__name__, self.max_iter, enabled=bool(self.verbose),
+        # shared by its task slots: keep torch's threads within them; a small network
+        # trains on one (see training_threads).
+        n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        threads = training_threads(resolve_batch_size(self.batch_size, len(X_t)), n_params,
+                                   dask_worker_threads())
+        bar = Progress(type(self).__name__, max_iter, enabled=bool(self.verbose),
                        each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
-        with bar as tick, limit_torch_threads(dask_worker_threads()):
-            result = train(
+        with bar as tick, limit_torch_threads(threads):
+            return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),
                 solver=self._solver_spec(),
                 learning_rate=float(self.learning_rate_init),
                 batch_size=self.batch_size,
-                max_iter=self.max_iter,
+                max_iter=max_iter,
                 shuffle=self.shuffle,
                 generator=generator,
                 record_every=self.record_every,
@@ -561,27 +670,33 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 storage=self.trajectory_storage,
                 directory=self.trajectory_dir,
                 compression=self.trajectory_compression,
+                schedule=self.learning_rate,
+                power_t=float(self.power_t),
+                resume=None if previous is None else self._resume,
+                single_epoch=incremental,
+                first_epoch=0 if previous is None else self.n_iter_,
             )
-        module.eval()
-        if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
-            warn_on_fallback(module, X_t)
-        attrs.update(
-            network_=TrainedNetwork(
-                module, result.trajectory, loss=LOSSES[loss_name](), X_fit=X, y_fit=Y,
-                input_kind=self._input_kind, device=str(device),
-                memory_budget=self.memory_budget),
+
+    def _curves(self, result, continued: bool) -> dict:
+        """The fitted training curves: this fit's, after the previous fit's when continued."""
+        curves = dict(
             loss_curve_=result.loss_curve,
             best_loss_=result.best_loss,
             validation_scores_=result.validation_scores,
             best_validation_score_=result.best_validation_score,
             n_iter_=result.n_iter,
             t_=result.n_steps,
-            n_outputs_=n_outputs,
-            _network_spec=spec,
         )
-        for name, value in attrs.items():
-            setattr(self, name, value)
-        return self
+        if not continued:
+            return curves
+        curves["loss_curve_"] = self.loss_curve_ + result.loss_curve
+        curves["n_iter_"] += self.n_iter_
+        curves["t_"] += self.t_
+        if result.best_loss is not None and self.best_loss_ is not None:
+            curves["best_loss_"] = min(self.best_loss_, result.best_loss)
+        if result.validation_scores is not None and self.validation_scores_ is not None:
+            curves["validation_scores_"] = self.validation_scores_ + result.validation_scores
+        return curves
 
     # ------------------------------------------------------------------ inference
     def _forward(self, X) -> np.ndarray:
@@ -715,6 +830,26 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     if n_outputs > 1:
         names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
     return np.asarray(names, dtype=object)
+
+
+def _continued_path(previous: TrainedNetwork, segment, X, Y, *, same_data_allowed: bool):
+    """(trajectory, X_fit, y_fit) of a fit that continued ``previous`` with ``segment``.
+
+    On the previous training data (a warm start on the same X and y) the new batches
+    index it as before; otherwise (``partial_fit``, or a warm start on other data) the
+    training set becomes the previous one followed by the new rows, which the new
+    batches index from there, so that the decomposition names every step's points.
+    """
+    same = (same_data_allowed and X.shape == previous.X_fit.shape
+            and Y.shape == previous.y_fit.shape and np.array_equal(X, previous.X_fit)
+            and np.array_equal(Y, previous.y_fit))
+    if same:
+        return extend_trajectory(previous.trajectory, segment, 0, len(X)), previous.X_fit, \
+            previous.y_fit
+    n_prev = len(previous.X_fit)
+    X_fit = np.concatenate([previous.X_fit, X])
+    Y_fit = np.concatenate([previous.y_fit, Y])
+    return extend_trajectory(previous.trajectory, segment, n_prev, len(X_fit)), X_fit, Y_fit
 
 
 def _holdout(y, classes, fraction: float, seed: int):

@@ -50,8 +50,25 @@ _SHARED_PARAMS_DOC = """
         times slower) and is Domingos' setting (see ``batch_size``).
     learning_rate_init : float, default=0.001
         Step size (MLPClassifier's; plain SGD wants a larger one, e.g. 0.1).
+    learning_rate : {"constant", "invscaling", "adaptive"}, default="constant"
+        Step-size schedule of ``solver="sgd"`` (MLPClassifier's; the other solvers keep
+        ``learning_rate_init``). "constant": ``learning_rate_init`` throughout.
+        "invscaling": an epoch that starts after ``t`` samples were seen (``t`` counts
+        across ``warm_start`` fits and ``partial_fit`` calls) steps with
+        ``learning_rate_init / (t + 1) ** power_t``. "adaptive": the step size is divided
+        by 5 whenever more than ``n_iter_no_change`` consecutive epochs fail to improve
+        by ``tol`` (the stopping rule), and training stops when it is at most 1e-6. The
+        recorded path holds every step's size (``trajectory_.learning_rates``), so the
+        kernels and the decomposition follow the schedule exactly.
+    power_t : float, default=0.5
+        Exponent of ``learning_rate="invscaling"`` (sgd only).
     momentum : float, default=0.0
         Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
+    nesterovs_momentum : bool, default=False
+        Nesterov's momentum instead of heavy-ball (``solver="sgd"`` with ``momentum > 0``
+        only; torch.optim.SGD's ``nesterov``). Off by default, unlike MLPClassifier: the
+        path kernel, :meth:`decompose` and :meth:`attribute` model heavy-ball momentum
+        and refuse a Nesterov path with a clear error.
     alpha : float, default=0.0
         Weight decay: L2 added to the gradient (``grad + alpha * theta``, all parameters)
         for sgd, adam and rmsprop; decoupled weight decay for adamw. Unlike MLPRegressor it
@@ -134,7 +151,17 @@ _SHARED_PARAMS_DOC = """
         seed on the same device gives bit-identical results. A local generator is used;
         torch's global seed is untouched.
     verbose : int, default=0
-        Show a progress bar (tqdm, when installed) with the training loss."""
+        Show a progress bar (tqdm, when installed) with the training loss.
+    warm_start : bool, default=False
+        ``fit`` continues from the fitted network and its optimizer's state (moments,
+        step count, the schedule's step size) instead of a new initialization, and
+        extends ``trajectory_``: one path from the first initialization to the last
+        step, over which the kernels and :meth:`decompose` stay exact. On the same
+        training data the batches index it as before; on other data the training set
+        becomes the concatenation of both (as with ``partial_fit``). The network
+        (``hidden_layer_sizes``, ``activation``, ``module``), the optimizer's rule
+        (``solver``, ``momentum``, ``beta_1``, ...), ``dtype`` and the targets' encoding
+        must be the previous fit's; the trajectory must be in memory."""
 
 _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True
@@ -366,9 +393,22 @@ class _KernelMachineMixin(TransformerMixin):
         return order, np.take_along_axis(res.contributions, order[:, :, None], axis=1)
 
 
-def _encode_labels(y, loss: str) -> tuple[np.ndarray, int, dict]:
-    """Class labels -> network targets: a margin for two classes, logits for more."""
-    encoder = LabelEncoder().fit(y)
+def _encode_labels(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:
+    """Class labels -> network targets: a margin for two classes, logits for more.
+
+    ``classes``: every label the network will see (``partial_fit``'s); ``y`` may hold
+    some of them only.
+    """
+    encoder = LabelEncoder().fit(y if classes is None else classes)
+    if classes is not None:
+        unseen = np.setdiff1d(y, encoder.classes_)
+        if unseen.size:
+            raise ValueError(
+                f"y has classes not in classes_ {encoder.classes_.tolist()}: "
+                f"{unseen.tolist()}. partial_fit and warm_start continue a network whose "
+                "outputs are those classes: pass every class to the first partial_fit "
+                "call (classes=...), or call fit."
+            )
     classes = encoder.classes_
     if len(classes) < 2:
         raise ValueError(
@@ -458,7 +498,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         module=None,
         solver="adam",
         learning_rate_init=1e-3,
+        learning_rate="constant",
+        power_t=0.5,
         momentum=0.0,
+        nesterovs_momentum=False,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
@@ -480,23 +523,26 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         trajectory_compression=None,
         random_state=None,
         verbose=0,
+        warm_start=False,
         normalize_y=True,
     ):
         super().__init__(
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
-            solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
-            alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
+            solver=solver, learning_rate_init=learning_rate_init,
+            learning_rate=learning_rate, power_t=power_t, momentum=momentum,
+            nesterovs_momentum=nesterovs_momentum, alpha=alpha, beta_1=beta_1,
+            beta_2=beta_2, epsilon=epsilon,
             batch_size=batch_size, max_iter=max_iter, tol=tol,
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
             trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
-            random_state=random_state, verbose=verbose,
+            random_state=random_state, verbose=verbose, warm_start=warm_start,
         )
         self.normalize_y = normalize_y
 
-    def _encode_targets(self, y):
+    def _encode_targets(self, y, classes=None):
         self_y_2d = y.ndim == 2
         Y = y.reshape(len(y), -1)
         return Y, Y.shape[1], {"_y_2d": self_y_2d}
@@ -518,6 +564,40 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         """
         self._validate_params()
         return self._fit(X, y)
+
+    @keep_previous_fit_on_error
+    def partial_fit(self, X, y):
+        """Train one more epoch, on (X, y), continuing the fitted network and its path.
+
+        MLPRegressor's out-of-core entry point: the first call starts a network (as
+        ``fit`` would), every later one continues its optimizer, schedule and stopping
+        rule for one pass over the given data. The training set of the kernel machine
+        (``X_fit_``) is the concatenation of what the calls received, in order, and the
+        trajectory's batches index into it, so that the kernels, :meth:`decompose` and
+        :meth:`attribute` cover every call. The path is kept in memory.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+
+        Returns
+        -------
+        self : PathKernelMachine
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.linspace(-1, 1, 40).reshape(-1, 1); y = np.sin(3 * X).ravel()
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), random_state=0)
+        >>> for chunk in np.array_split(np.arange(40), 4):
+        ...     est = est.partial_fit(X[chunk], y[chunk])
+        >>> est.n_iter_, est.X_fit_.shape[0], est.trajectory_.n_samples
+        (4, 40, 40)
+        """
+        self._validate_params()
+        return self._fit(X, y, incremental=True)
 
     def predict(self, X):
         """Network outputs f(X; theta_T).
@@ -584,7 +664,10 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         module=None,
         solver="adam",
         learning_rate_init=1e-3,
+        learning_rate="constant",
+        power_t=0.5,
         momentum=0.0,
+        nesterovs_momentum=False,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
@@ -606,27 +689,30 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         trajectory_compression=None,
         random_state=None,
         verbose=0,
+        warm_start=False,
     ):
         super().__init__(
             hidden_layer_sizes=hidden_layer_sizes, activation=activation, module=module,
-            solver=solver, learning_rate_init=learning_rate_init, momentum=momentum,
-            alpha=alpha, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon,
+            solver=solver, learning_rate_init=learning_rate_init,
+            learning_rate=learning_rate, power_t=power_t, momentum=momentum,
+            nesterovs_momentum=nesterovs_momentum, alpha=alpha, beta_1=beta_1,
+            beta_2=beta_2, epsilon=epsilon,
             batch_size=batch_size, max_iter=max_iter, tol=tol,
             n_iter_no_change=n_iter_no_change, early_stopping=early_stopping,
             validation_fraction=validation_fraction, shuffle=shuffle, loss=loss,
             record_every=record_every, device=device, dtype=dtype,
             memory_budget=memory_budget, trajectory_storage=trajectory_storage,
             trajectory_dir=trajectory_dir, trajectory_compression=trajectory_compression,
-            random_state=random_state, verbose=verbose,
+            random_state=random_state, verbose=verbose, warm_start=warm_start,
         )
 
-    def _validate_y(self, X, y):
-        X, y = self._validate_fit_data(X, y)
+    def _validate_y(self, X, y, **kwargs):
+        X, y = self._validate_fit_data(X, y, **kwargs)
         check_labels(self, y)
         return X, y
 
-    def _encode_targets(self, y):
-        return _encode_labels(y, self.loss)
+    def _encode_targets(self, y, classes=None):
+        return _encode_labels(y, self.loss, classes)
 
     def _target_tensor(self, Y, dtype, device):
         return _label_tensor(Y, dtype, device)
@@ -649,6 +735,47 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         """
         self._validate_params()
         return self._fit(X, y)
+
+    @keep_previous_fit_on_error
+    def partial_fit(self, X, y, classes=None):
+        """Train one more epoch, on (X, y), continuing the fitted network and its path.
+
+        MLPClassifier's out-of-core entry point: the first call starts a network (as
+        ``fit`` would) and must name every class; every later one continues its
+        optimizer, schedule and stopping rule for one pass over the given data. The
+        training set of the kernel machine (``X_fit_``) is the concatenation of what the
+        calls received, in order, and the trajectory's batches index into it, so that
+        the kernels, :meth:`decompose` and :meth:`attribute` cover every call. The path
+        is kept in memory.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+        y : array-like of shape (n_samples,)
+            Labels among ``classes``.
+        classes : array-like of shape (n_classes,), default=None
+            Every class of the whole stream; required on the first call, ignored after
+            (a later call's labels must be among the first call's classes).
+
+        Returns
+        -------
+        self : PathKernelClassifier
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelClassifier
+        >>> X = np.linspace(-1, 1, 40).reshape(-1, 1); y = (X.ravel() > 0).astype(int)
+        >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), random_state=0)
+        >>> clf = clf.partial_fit(X[:20], y[:20], classes=[0, 1])
+        >>> clf = clf.partial_fit(X[20:], y[20:])
+        >>> clf.classes_.tolist(), clf.X_fit_.shape[0]
+        ([0, 1], 40)
+        """
+        self._validate_params()
+        if not hasattr(self, "network_") and classes is None:
+            raise ValueError("classes must be passed on the first call to partial_fit.")
+        return self._fit(X, y, incremental=True, classes=classes)
 
     def decision_function(self, X):
         """Margins (binary, shape (n_samples,)) or logits (shape (n_samples, n_classes))."""

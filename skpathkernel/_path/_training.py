@@ -2,7 +2,10 @@
 
 The loop drives torch.optim's own optimizers, so the recorded path is exactly what
 ``torch.optim.SGD / Adam / AdamW / RMSprop`` do; the recorder only copies parameters and
-optimizer state into preallocated CPU buffers.
+optimizer state into preallocated CPU buffers. A fit may continue an earlier one
+(``warm_start``, ``partial_fit``): the optimizer state, the step-size schedule and the
+stopping rule pick up where they stopped (:class:`Resume`), and the new segment of the
+path is appended to the recorded one (:func:`extend_trajectory`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
@@ -19,29 +23,106 @@ from ._losses import Loss
 from ._storage import free_disk
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 
-__all__ = ["TrainingDivergedError", "make_optimizer", "resolve_batch_size", "train"]
+__all__ = [
+    "DIVERGENCE_LOSS_RATIO",
+    "DIVERGENCE_NORM_RATIO",
+    "DivergenceWarning",
+    "Resume",
+    "TrainingDivergedError",
+    "extend_trajectory",
+    "make_optimizer",
+    "resolve_batch_size",
+    "set_learning_rate",
+    "train",
+    "training_step",
+    "training_threads",
+]
+
+# Thresholds of the divergence warning. A descent method lowers the training loss: an
+# epoch loss 100 times the first epoch's has gone the wrong way by two orders of
+# magnitude, far beyond the noise of minibatches. The parameter norm of a trained MLP
+# stays within a small factor of its initialization's (benchmarks/results/defaults.md
+# reports both growths over the defaults benchmark, where neither warning fires);
+# 1000x, with a last epoch loss above the first one, is a network that left
+# the region training is about (parameters that grow while the loss falls can be
+# training at work: a linear layer on features in tiny units). Both are checked on
+# values the loop has anyway (the epoch losses, one norm an epoch).
+DIVERGENCE_LOSS_RATIO = 100.0
+DIVERGENCE_NORM_RATIO = 1000.0
 
 
 class TrainingDivergedError(ValueError):
     """The training loss, or the parameters, became non-finite."""
 
 
+class DivergenceWarning(ConvergenceWarning):
+    """Training ran to the end with finite values, but diverged: the loss ended far above
+    where it started, or the parameters grew by orders of magnitude."""
+
+
 def make_optimizer(params, spec: SolverSpec, lr: float) -> torch.optim.Optimizer:
-    """The torch.optim optimizer that ``spec`` names, with its hyper-parameters."""
+    """The torch.optim optimizer that ``spec`` names, with its hyper-parameters.
+
+    Fused (one kernel for every parameter's update) where torch has it for these
+    parameters: the same update rule, at about half the cost per step of a small network
+    (3.5 -> 1.9 ms an Adam step of iris' default MLP, measured on a loaded machine);
+    RMSprop has no fused kernel and takes the multi-tensor one.
+    """
+    params = list(params)
     betas = (spec.beta_1, spec.beta_2)
     if spec.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=spec.momentum,
-                               weight_decay=spec.weight_decay)
+        # torch refuses Nesterov without momentum; with none, both are plain SGD.
+        return _fused(torch.optim.SGD, params, lr=lr, momentum=spec.momentum,
+                      nesterov=spec.nesterov and spec.momentum > 0,
+                      weight_decay=spec.weight_decay)
     if spec.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=betas, eps=spec.epsilon,
-                                weight_decay=spec.weight_decay)
+        return _fused(torch.optim.Adam, params, lr=lr, betas=betas, eps=spec.epsilon,
+                      weight_decay=spec.weight_decay)
     if spec.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=spec.epsilon,
-                                 weight_decay=spec.weight_decay)
+        return _fused(torch.optim.AdamW, params, lr=lr, betas=betas, eps=spec.epsilon,
+                      weight_decay=spec.weight_decay)
     if spec.name == "rmsprop":
         return torch.optim.RMSprop(params, lr=lr, alpha=spec.rmsprop_alpha, eps=spec.epsilon,
-                                   weight_decay=spec.weight_decay)
+                                   weight_decay=spec.weight_decay, foreach=True)
     raise ValueError(f"Unknown solver {spec.name!r}.")
+
+
+def _fused(cls, params, **kwargs):
+    try:
+        return cls(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError, TypeError):  # no fused kernel for these parameters
+        return cls(params, **kwargs)
+
+
+# A step that multiplies fewer values than this (batch rows x parameters) runs on one
+# thread: torch's OpenMP threads cost more to wake than such a step takes, and on cores
+# that other processes share they stall (iris' default fit on a loaded 2-core machine:
+# 76 s on two threads, 1.1 s on one).
+SINGLE_THREAD_WORK = 2**23
+
+
+def training_threads(batch_rows: int, n_params: int, limit: int | None) -> int | None:
+    """Torch threads for training: 1 for a small step, else ``limit`` (None: torch's)."""
+    if batch_rows * n_params < SINGLE_THREAD_WORK:
+        return 1
+    return limit
+
+
+def training_step(module, optimizer, loss: Loss, xb, yb) -> torch.Tensor:
+    """One optimizer step on the batch ``(xb, yb)``; returns the batch loss (not detached).
+
+    The step of the training loop and of every replay of it (``metrics.retrain_on_subsets``).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    batch_loss = loss(module(xb), yb)
+    batch_loss.backward()
+    optimizer.step()
+    return batch_loss
+
+
+def set_learning_rate(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 @dataclass
@@ -53,6 +134,7 @@ class TrainResult:
     best_loss: float | None
     validation_scores: list[float] | None
     best_validation_score: float | None
+    resume: Resume  # where a later fit continues: the end of the trajectory
 
 
 def resolve_batch_size(batch_size, n_samples: int) -> int:
@@ -64,23 +146,91 @@ def resolve_batch_size(batch_size, n_samples: int) -> int:
     return min(int(batch_size), n_samples)
 
 
+@dataclass
+class Resume:
+    """Where training continues: the optimizer's state, the schedule, the stopping rule,
+    the batch generator and what the divergence check compares with.
+
+    Tensors are kept as NumPy arrays (so that an estimator holding a Resume pickles and
+    persists with skops like the rest of its state).
+    """
+
+    optimizer_state: dict  # optimizer.state_dict()["state"]
+    learning_rate: float  # the schedule's current step size ("adaptive" lowers it)
+    samples_seen: int  # sklearn's t_: what "invscaling" decays with
+    generator_state: np.ndarray  # the batch order's torch.Generator
+    rule: tuple[int, float, float]  # the stopping rule's (count, best loss, best score)
+    first_loss: float  # the first epoch's loss and the initial parameter norm, which the
+    initial_norm: float  # divergence warning compares with over the whole path
+
+    @classmethod
+    def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
+                first_loss, initial_norm) -> Resume:
+        state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
+                     for k, v in s.items()}
+                 for i, s in optimizer.state_dict()["state"].items()}
+        return cls(state, float(learning_rate), int(samples_seen),
+                   generator.get_state().numpy().copy(), tuple(rule), float(first_loss),
+                   float(initial_norm))
+
+    def load_into(self, optimizer, generator) -> None:
+        """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
+        would otherwise overwrite them with the saved ones)."""
+        full = optimizer.state_dict()
+        full["state"] = {i: {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray)
+                             else v for k, v in s.items()}
+                         for i, s in self.optimizer_state.items()}
+        optimizer.load_state_dict(full)
+        generator.set_state(torch.from_numpy(np.array(self.generator_state)))
+
+
+class _Schedule:
+    """MLPClassifier's step-size schedules for SGD (``sklearn.neural_network``'s
+    ``SGDOptimizer``); every other solver keeps ``learning_rate_init``.
+
+    "invscaling": an epoch that starts after ``t`` samples were seen uses
+    ``learning_rate_init / (t + 1) ** power_t``. "adaptive": the step size is divided by 5
+    whenever the stopping rule finds more than ``n_iter_no_change`` epochs without
+    improvement, and training stops (instead) once it is at most 1e-6.
+    """
+
+    def __init__(self, kind, lr_init, power_t, lr=None):
+        self.kind, self.lr_init, self.power_t = kind, float(lr_init), float(power_t)
+        self.lr = self.lr_init if lr is None else float(lr)
+
+    def epoch_lr(self, samples_seen: int) -> float:
+        if self.kind == "invscaling":
+            self.lr = self.lr_init / (samples_seen + 1) ** self.power_t
+        return self.lr
+
+    def stalled(self) -> bool:
+        """The rule found no improvement: whether to stop (True) or go on, slower."""
+        if self.kind != "adaptive" or self.lr <= 1e-6:
+            return True
+        self.lr /= 5.0
+        return False
+
+
 class _StoppingRule:
     """MLPClassifier's convergence test, epoch by epoch (``_update_no_improvement_count``).
 
     Without validation: an epoch counts as "no improvement" when its training loss is not
     below the best loss so far minus ``tol``. With validation: when its score is not above
-    the best score so far plus ``tol``. Training stops when more than ``n_iter_no_change``
-    consecutive epochs did not improve; ``tol=None`` never stops.
+    the best score so far plus ``tol``. More than ``n_iter_no_change`` consecutive epochs
+    without improvement stall training (see :meth:`_Schedule.stalled`); ``tol=None``
+    never stops.
     """
 
-    def __init__(self, tol, n_iter_no_change, validating):
+    def __init__(self, tol, n_iter_no_change, validating, state=None):
         self.tol, self.patience, self.validating = tol, n_iter_no_change, validating
-        self.count = 0
-        self.best_loss = math.inf
-        self.best_score = -math.inf
+        self.count, self.best_loss, self.best_score = state or (0, math.inf, -math.inf)
+
+    @property
+    def state(self) -> tuple[int, float, float]:
+        return self.count, self.best_loss, self.best_score
 
     def update(self, loss: float, score: float | None) -> tuple[bool, bool]:
-        """(whether this epoch is the best so far, whether training should stop now)."""
+        """(whether this epoch is the best so far, whether training stalled)."""
         tol = 0.0 if self.tol is None else self.tol
         if self.validating:
             # A NaN score compares False both ways: it never improves, never is the best.
@@ -92,7 +242,75 @@ class _StoppingRule:
             self.count = self.count + 1 if not loss <= self.best_loss - tol else 0
             best = loss < self.best_loss
         self.best_loss = min(self.best_loss, loss)
-        return best, self.tol is not None and self.count > self.patience
+        return best, self.count > self.patience
+
+
+def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storage,
+                   record_budget, directory, compression) -> TrajectoryRecorder:
+    """The recorder of one fit: storage and ``record_every`` resolved for ``n_steps``.
+
+    ``record_every="auto"`` records every step when the points of ``n_steps`` steps fit
+    in ``record_budget`` bytes, else every k-th step with the smallest k that fits.
+    ``storage`` ("memory", "disk" or "auto": disk when those points exceed
+    ``record_budget`` bytes) says where the points go; on disk, in a fresh temporary
+    directory under ``directory``, and ``record_every="auto"`` keeps every step that
+    fits in 90% of the disk's free space.
+    """
+    n_params, n_state = sum(p.numel() for p in params), len(solver.state_keys)
+    itemsize = params[0].element_size()
+    if storage == "auto":
+        every = 1 if isinstance(record_every, str) else record_every
+        nbytes = TrajectoryRecorder.nbytes_for(n_params, n_steps, every, n_state, itemsize)
+        storage = "disk" if nbytes > record_budget else "memory"
+    if isinstance(record_every, str):
+        budget = record_budget if storage == "memory" else int(0.9 * free_disk(directory))
+        record_every = TrajectoryRecorder.auto_record_every(
+            n_params, n_steps, n_state, itemsize, budget)
+    return TrajectoryRecorder(
+        params, names, n_steps=n_steps, record_every=record_every, solver=solver,
+        n_samples=n, batch_size=B, dtype=params[0].dtype, storage=storage,
+        directory=directory, memory_budget=record_budget, compression=compression,
+    )
+
+
+def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr):
+    """One pass over the samples in ``order``, recorded; returns the batch losses (tensor)."""
+    n = X.shape[0]
+    full_batch = B == n
+    order_np = order.numpy()
+    order_dev = order.to(X.device)
+    batch_losses = []
+    for start in range(0, n, B):
+        if full_batch:
+            xb, yb = X, Y
+        else:
+            idx = order_dev[start : start + B]
+            xb, yb = X[idx], Y[idx]
+        batch_losses.append(training_step(module, optimizer, loss, xb, yb).detach())
+        recorder.record_batch(order_np[start : start + B])
+        recorder.record_step(step, lr, optimizer)
+        step += 1
+        if recorder.wants_point(step):
+            recorder.record_point(step)
+    return torch.stack(batch_losses)
+
+
+def _epoch_loss(batch_losses, sizes, first_step, epoch, lr) -> float:
+    """Mean loss over the samples of an epoch; non-finite raises, naming the step."""
+    # Weighted by batch size so that the epoch loss is the mean over samples; one
+    # multiplication an epoch, not a product and a store per step (the same values:
+    # each loss times its batch size in the loss's dtype, summed in float64).
+    weighted = (batch_losses * sizes.to(batch_losses.dtype)).double()
+    finite = torch.isfinite(weighted)
+    if not bool(finite.all()):
+        bad = int(torch.nonzero(~finite)[0, 0])
+        _raise_diverged(first_step + bad, epoch, lr)
+    return float(weighted.sum()) / float(sizes.sum())
+
+
+def _param_norm(params) -> float:
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+        [p.detach() for p in params]))))
 
 
 def train(
@@ -116,136 +334,188 @@ def train(
     storage: str = "memory",
     directory=None,
     compression: str | None = None,
+    schedule: str = "constant",
+    power_t: float = 0.5,
+    resume: Resume | None = None,
+    single_epoch: bool = False,
+    first_epoch: int = 0,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
     ``batch_size=None`` is full-batch gradient descent, ``"auto"`` ``min(200, n)``.
     Batches are drawn on the CPU from ``generator`` so that a seed gives the same batches
     on every device. ``progress`` is an optional callable ``(epoch, loss)`` called after
-    each epoch.
+    each epoch. ``schedule`` and ``power_t`` are MLPClassifier's ``learning_rate`` and
+    ``power_t`` (see :class:`_Schedule`); ``resume`` continues a previous fit's optimizer,
+    schedule and (with ``single_epoch``, ``partial_fit``'s one pass) stopping rule;
+    ``first_epoch`` counts the epochs before it (for the warnings' epoch numbers).
 
     Stopping follows MLPClassifier (see :class:`_StoppingRule`): with ``validation`` (a
     callable scoring the module on held-out data, higher is better) the score decides,
     and the module and the path end at the epoch with the best score; otherwise the
     training loss decides, and the path ends at the last step taken. A
     :class:`~sklearn.exceptions.ConvergenceWarning` says when ``max_iter`` epochs ran
-    without meeting the rule (never with ``tol=None``, which runs all ``max_iter``).
-    ``record_every="auto"`` records every step when the points of ``max_iter`` epochs fit
-    in ``record_budget`` bytes, else every k-th step with the smallest k that fits.
-
-    ``storage`` ("memory", "disk" or "auto": disk when the points of ``max_iter`` epochs
-    exceed ``record_budget`` bytes) says where the points go; on disk, in a fresh
-    temporary directory under ``directory``, and ``record_every="auto"`` keeps every
-    step that fits in 90% of the disk's free space.
+    without meeting the rule (never with ``tol=None``, which runs all ``max_iter``), a
+    :class:`DivergenceWarning` when the loss or the parameters ran away (see
+    ``DIVERGENCE_LOSS_RATIO``). ``record_every``, ``storage``: see :func:`_make_recorder`.
     """
     n = X.shape[0]
     B = resolve_batch_size(batch_size, n)
     steps_per_epoch = math.ceil(n / B)
-    n_steps = max_iter * steps_per_epoch
     params = [p for p in module.parameters() if p.requires_grad]
     names = [name for name, p in module.named_parameters() if p.requires_grad]
+    recorder = _make_recorder(
+        params, names, n=n, B=B, n_steps=max_iter * steps_per_epoch, solver=solver,
+        record_every=record_every, storage=storage, record_budget=record_budget,
+        directory=directory, compression=compression)
     optimizer = make_optimizer(params, solver, learning_rate)
-    n_params, n_state = sum(p.numel() for p in params), len(solver.state_keys)
-    itemsize = params[0].element_size()
-    if storage == "auto":
-        every = 1 if isinstance(record_every, str) else record_every
-        nbytes = TrajectoryRecorder.nbytes_for(n_params, n_steps, every, n_state, itemsize)
-        storage = "disk" if nbytes > record_budget else "memory"
-    if isinstance(record_every, str):
-        budget = record_budget if storage == "memory" else int(0.9 * free_disk(directory))
-        record_every = TrajectoryRecorder.auto_record_every(
-            n_params, n_steps, n_state, itemsize, budget)
-    recorder = TrajectoryRecorder(
-        params, names, n_steps=n_steps, record_every=record_every, solver=solver,
-        n_samples=n, batch_size=B, dtype=params[0].dtype, storage=storage,
-        directory=directory, memory_budget=record_budget, compression=compression,
-    )
-    full_batch = B == n
+    sched = _Schedule(schedule if solver.name == "sgd" else "constant", learning_rate,
+                      power_t, None if resume is None else resume.learning_rate)
+    seen = 0 if resume is None else resume.samples_seen
+    norms = [_param_norm(params) if resume is None else resume.initial_norm]
+    if resume is not None:
+        resume.load_into(optimizer, generator)
     sizes = torch.tensor([min(B, n - b * B) for b in range(steps_per_epoch)],
                          dtype=params[0].dtype, device=X.device)
     recorder.record_point(0)
     loss_curve: list[float] = []
     scores: list[float] | None = None if validation is None else []
-    rule = _StoppingRule(tol, n_iter_no_change, validation is not None)
-    best_step, best_params = n_steps, None
-    step = 0
-    stopped = False
+    rule = _StoppingRule(tol, n_iter_no_change, validation is not None,
+                         resume.rule if resume is not None and single_epoch else None)
+
+    def capture():
+        first = loss_curve[0] if resume is None else resume.first_loss
+        return Resume.capture(optimizer, generator, learning_rate=sched.lr,
+                              samples_seen=seen, rule=rule.state, first_loss=first,
+                              initial_norm=norms[0])
+    best = None  # (step, flat parameters, Resume) of the best-scoring epoch
+    step, stopped = 0, False
     for epoch in range(max_iter):
-        if shuffle and not full_batch:
-            order = torch.randperm(n, generator=generator)
-        else:
-            order = torch.arange(n)
-        order_np = order.numpy()
-        order_dev = order.to(X.device)
-        batch_losses = []
-        for b in range(steps_per_epoch):
-            if full_batch:
-                xb, yb = X, Y
-            else:
-                idx = order_dev[b * B : (b + 1) * B]
-                xb, yb = X[idx], Y[idx]
-            optimizer.zero_grad(set_to_none=True)
-            batch_loss = loss(module(xb), yb)
-            batch_loss.backward()
-            optimizer.step()
-            recorder.record_batch(order_np[b * B : (b + 1) * B])
-            recorder.record_step(step, learning_rate, optimizer)
-            step += 1
-            if recorder.wants_point(step):
-                recorder.record_point(step)
-            batch_losses.append(batch_loss.detach())
-        # Weighted by batch size so that the epoch loss is the mean over samples; one
-        # multiplication an epoch, not a product and a store per step (the same values:
-        # each loss times its batch size in the loss's dtype, summed in float64).
-        batch_losses = torch.stack(batch_losses)
-        batch_losses = (batch_losses * sizes.to(batch_losses.dtype)).double()
-        finite = torch.isfinite(batch_losses)
-        if not bool(finite.all()):
-            bad = int(torch.nonzero(~finite)[0, 0])
-            _raise_diverged(epoch * steps_per_epoch + bad, epoch, learning_rate)
-        epoch_loss = float(batch_losses.sum()) / n
+        lr = sched.epoch_lr(seen)
+        set_learning_rate(optimizer, lr)
+        order = (torch.randperm(n, generator=generator) if shuffle and B < n
+                 else torch.arange(n))
+        batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr)
+        epoch_loss = _epoch_loss(batch_losses, sizes, step, epoch, lr)
+        step += steps_per_epoch
+        seen += n
         loss_curve.append(epoch_loss)
+        norms.append(_param_norm(params))
         score = None
         if validation is not None:
             with torch.no_grad():
                 score = float(validation(module))
             scores.append(score)
-        best, stop = rule.update(epoch_loss, score)
-        if best and validation is not None:
+        is_best, stall = rule.update(epoch_loss, score)
+        if stall:
+            stopped = sched.stalled() and tol is not None
+            rule.count = 0
+        if is_best and validation is not None:
             # The model is the best-scoring epoch's (MLPClassifier restores it too): keep
-            # its parameters, the path will end there.
-            best_step = step
-            best_params = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
+            # its parameters and optimizer state, the path will end there.
+            best = (step, torch.cat([p.detach().reshape(-1) for p in params]).cpu(),
+                    capture())
         if progress is not None:
             progress(epoch, epoch_loss)
-        if stop:
-            stopped = True
+        if stopped or single_epoch:
             break
-    n_iter = len(loss_curve)
-    if not stopped and tol is not None:
-        warnings.warn(
-            f"Maximum iterations ({max_iter}) reached and the optimization hasn't converged "
-            f"yet: the {'validation score' if validation is not None else 'training loss'} "
-            f"still improved by more than tol={tol:g} within the last "
-            f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
-            "exactly max_iter epochs.",
-            ConvergenceWarning,
-            stacklevel=4,
-        )
-    if best_params is None:  # no validation, or no finite score: the last step is the model
-        best_step = step
-    else:
-        torch.nn.utils.vector_to_parameters(best_params.to(params[0].device), params)
-    # The module holds the path's last point: checked there, not read back from a file,
-    # and before finish(), which refuses a path that compression could not store.
-    if not all(bool(torch.isfinite(p).all()) for p in params):
-        _raise_diverged(best_step - 1, n_iter - 1, learning_rate)
-    trajectory = recorder.finish(best_step, best_params)
+    if not stopped and not single_epoch and tol is not None:
+        _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None)
+    first_loss = loss_curve[0] if resume is None else resume.first_loss
+    _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
+    if best is None:  # no validation, or no finite score: the last step is the model
+        best = (step, None, capture())
+    trajectory = _finish(recorder, params, best, len(loss_curve), learning_rate)
     return TrainResult(
-        trajectory, loss_curve, n_iter, step,
+        trajectory, loss_curve, len(loss_curve), step,
         best_loss=None if validation is not None else min(loss_curve),
         validation_scores=scores,
         best_validation_score=None if validation is None else rule.best_score,
+        resume=best[2],
+    )
+
+
+def _finish(recorder, params, best, n_iter, lr) -> Trajectory:
+    """The recorded path up to the model's step ``best[0]``, the module set to its point."""
+    step, flat, _ = best
+    if flat is not None:  # the best-scoring epoch's parameters
+        torch.nn.utils.vector_to_parameters(flat.to(params[0].device), params)
+    # The module holds the path's last point: checked there, not read back from a file,
+    # and before finish(), which refuses a path that compression could not store.
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        _raise_diverged(step - 1, n_iter - 1, lr)
+    return recorder.finish(step, flat)
+
+
+def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
+    warnings.warn(
+        f"Maximum iterations ({max_iter}) reached and the optimization hasn't converged "
+        f"yet: the {'validation score' if validating else 'training loss'} "
+        f"still improved by more than tol={tol:g} within the last "
+        f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
+        "exactly max_iter epochs.",
+        ConvergenceWarning,
+        stacklevel=7,
+    )
+
+
+def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
+    """:class:`DivergenceWarning` when finite training ran away (thresholds above).
+
+    ``first_loss`` and ``norms[0]`` are the whole path's first epoch loss and initial
+    parameter norm (a continued fit compares with them); ``norms[1:]`` follow the epochs
+    of ``loss_curve``, the first of which is epoch ``epoch0``.
+    """
+    limit = DIVERGENCE_LOSS_RATIO * first_loss
+    norm_up = [e for e, v in enumerate(norms[1:]) if v > DIVERGENCE_NORM_RATIO * norms[0]]
+    # Grown parameters alone may be training at work (a linear layer on features in
+    # tiny units): they count when the loss did not come down either.
+    if norm_up and loss_curve[-1] > first_loss:
+        e = norm_up[0]
+        what = (f"the parameters' norm reached {norms[e + 1]:.3g}, more than "
+                f"{DIVERGENCE_NORM_RATIO:g} times its initial {norms[0]:.3g}")
+    elif loss_curve[-1] > limit:
+        e = next(e for e, v in enumerate(loss_curve) if v > limit)
+        what = (f"the training loss reached {loss_curve[e]:.3g}, more than "
+                f"{DIVERGENCE_LOSS_RATIO:g} times the first epoch's {first_loss:.3g}")
+    else:
+        return
+    warnings.warn(
+        f"Training diverged without overflowing: at epoch {epoch0 + e} {what}; the last "
+        f"epoch's loss is {loss_curve[-1]:.3g}. The fitted network is not a trained one: "
+        f"try a smaller learning_rate_init (it was {lr:g}).",
+        DivergenceWarning,
+        stacklevel=7,
+    )
+
+
+def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
+                      n_samples: int) -> Trajectory:
+    """``first`` followed by ``second``, which starts at ``first``'s last point.
+
+    ``second``'s batches index its own training set, which starts at row ``offset`` of the
+    combined one (``n_samples`` rows): 0 when it trained on the same data. The optimizer's
+    state continued across the join (its step count too, which the recorded state steps
+    are), so the combined path is one path, from the first initialization to the last
+    step.
+    """
+    if first.storage != "memory" or second.storage != "memory":
+        raise ValueError("Continuing a fit extends its recorded path, which must be kept in "
+                         "memory: use trajectory_storage='memory' with warm_start and "
+                         "partial_fit.")
+    n_first = first.n_steps
+    return Trajectory(
+        names=first.names, shapes=first.shapes,
+        params=torch.cat([first._params, second._params[1:]]),
+        steps=np.concatenate([first.steps, second.steps[1:] + n_first]),
+        learning_rates=np.concatenate([first.learning_rates, second.learning_rates]),
+        batch_indices=np.concatenate([first._batch_indices, second._batch_indices + offset]),
+        batch_offsets=np.concatenate([first._batch_offsets,
+                                      second._batch_offsets[1:] + first._batch_offsets[-1]]),
+        states={k: torch.cat([v, second._states[k]]) for k, v in first._states.items()},
+        state_steps=np.concatenate([first._state_steps, second._state_steps]),
+        solver=first.solver_spec, n_samples=n_samples,
+        record_every=max(first.record_every, second.record_every),
     )
 
 
@@ -254,4 +524,3 @@ def _raise_diverged(step: int, epoch: int, lr: float):
         f"Training diverged: the loss or the parameters became non-finite at optimizer "
         f"step {step} (epoch {epoch}). Try a smaller learning_rate_init (it was {lr:g})."
     )
-

@@ -71,6 +71,8 @@ class SolverSpec:
     epsilon: float = 1e-8
     rmsprop_alpha: float = 0.99
     weight_decay: float = 0.0
+    # SGD's Nesterov momentum (torch.optim.SGD(nesterov=True)); only with momentum > 0.
+    nesterov: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -81,6 +83,7 @@ class SolverSpec:
             "epsilon": float(self.epsilon),
             "rmsprop_alpha": float(self.rmsprop_alpha),
             "weight_decay": float(self.weight_decay),
+            "nesterov": bool(self.nesterov),
         }
 
     @property
@@ -310,6 +313,13 @@ class Trajectory:
             Heavy-ball momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
         """
         spec = self.solver_spec
+        if spec.nesterov and spec.momentum:
+            raise ValueError(
+                "This path was trained with Nesterov momentum (nesterovs_momentum=True), "
+                "whose update g_t + momentum * buf_t is not the heavy-ball recursion that "
+                "the path kernel and the decomposition model; train with "
+                "nesterovs_momentum=False (heavy-ball momentum) to analyse the path."
+            )
         steps = self.steps
         index = np.arange(self.n_steps)
         point = np.searchsorted(steps, index, side="right") - 1

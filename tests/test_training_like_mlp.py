@@ -1,0 +1,423 @@
+"""Training parameters MLPClassifier users reach for: the step-size schedules, Nesterov
+momentum, warm_start and partial_fit, and the warning when finite training diverges.
+
+Schedules are checked against scikit-learn's rule written out here; continued paths
+against one uninterrupted fit of the same steps and against the independent references
+of tests/_reference.py (the forward per-sample recursion, autograd through an unrolled
+replay, the path kernel as an explicit sum of loop Grams).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _reference import (
+    forward_recursion,
+    gauss_nodes,
+    jacobian_loop,
+    module_at,
+    unrolled_reference,
+)
+from numpy.testing import assert_allclose, assert_array_equal
+from sklearn.exceptions import ConvergenceWarning
+
+from skpathkernel import DivergenceWarning, PathKernel, PathKernelClassifier, PathKernelMachine
+
+BASE = dict(hidden_layer_sizes=(6,), activation="tanh", normalize_y=False, dtype="float64",
+            random_state=0)
+
+
+def _data(n=16, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.uniform(-1, 1, size=(n, 2))
+    return X, np.sin(3 * X[:, 0]) + X[:, 1]
+
+
+def _squared(out, y):
+    return 0.5 * (out - y).pow(2).mean(dim=1)
+
+
+def _steps_per_epoch(est, n):
+    return -(-n // min(est.batch_size, n))
+
+
+# ------------------------------------------------------------------ schedules
+def _sklearn_invscaling(lr_init, power_t, n, n_epochs):
+    """sklearn's SGDOptimizer.iteration_ends: after each epoch t += n_samples and the step
+    size becomes lr_init / (t + 1) ** power_t; the first epoch uses lr_init."""
+    lrs, t = [], 0
+    for _ in range(n_epochs):
+        lrs.append(lr_init if t == 0 else lr_init / (t + 1) ** power_t)
+        t += n
+    return np.array(lrs)
+
+
+def _sklearn_adaptive(lr_init, losses, tol, n_iter_no_change):
+    """MLPClassifier's _update_no_improvement_count with SGDOptimizer.trigger_stopping:
+    the step size of every epoch, and the number of epochs run before it stops."""
+    lr, best, count, lrs = lr_init, np.inf, 0, []
+    for epoch, loss in enumerate(losses):
+        lrs.append(lr)
+        count = count + 1 if loss > best - tol else 0
+        best = min(best, loss)
+        if count > n_iter_no_change:
+            if lr <= 1e-6:
+                return np.array(lrs), epoch + 1
+            lr /= 5.0
+            count = 0
+    return np.array(lrs), len(losses)
+
+
+def test_invscaling_steps_follow_sklearns_rule():
+    X, y = _data(20)
+    est = PathKernelMachine(**BASE, solver="sgd", learning_rate="invscaling", power_t=0.3,
+                            learning_rate_init=0.2, batch_size=8, max_iter=5, tol=None)
+    est.fit(X, y)
+    per_epoch = _sklearn_invscaling(0.2, 0.3, 20, 5)
+    expected = np.repeat(per_epoch, _steps_per_epoch(est, 20))
+    assert_allclose(est.trajectory_.learning_rates, expected, rtol=1e-15)
+    assert len(np.unique(expected)) == 5  # the schedule really decays
+
+
+def test_adaptive_divides_by_five_when_the_loss_stalls_and_stops_at_1e6():
+    X, y = _data(20)
+    # A tolerance no epoch can meet: every epoch counts as "no improvement".
+    est = PathKernelMachine(**BASE, solver="sgd", learning_rate="adaptive",
+                            learning_rate_init=1e-4, batch_size=10, max_iter=60, tol=10.0,
+                            n_iter_no_change=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)  # it stops: no warning
+        est.fit(X, y)
+    lrs, n_epochs = _sklearn_adaptive(1e-4, est.loss_curve_, 10.0, 2)
+    assert est.n_iter_ == n_epochs < 60
+    assert_allclose(est.trajectory_.learning_rates, np.repeat(lrs, 2), rtol=1e-15)
+    assert lrs[-1] <= 1e-6 < lrs[0]
+
+
+def test_adaptive_with_a_real_stall():
+    X, y = _data(20)
+    est = PathKernelMachine(**BASE, solver="sgd", learning_rate="adaptive",
+                            learning_rate_init=0.5, batch_size=None, max_iter=40, tol=1e-3,
+                            n_iter_no_change=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est.fit(X, y)
+    lrs, n_epochs = _sklearn_adaptive(0.5, est.loss_curve_, 1e-3, 1)
+    assert est.n_iter_ == n_epochs
+    assert_allclose(est.trajectory_.learning_rates, lrs, rtol=1e-15)
+
+
+@pytest.mark.parametrize("schedule", ["invscaling", "adaptive"])
+def test_schedules_are_sgds_only(schedule):
+    X, y = _data()
+    est = PathKernelMachine(**BASE, solver="adam", learning_rate=schedule, max_iter=4,
+                            batch_size=8, tol=None, learning_rate_init=0.01).fit(X, y)
+    assert np.all(est.trajectory_.learning_rates == 0.01)
+
+
+def test_nesterov_is_torchs_and_the_analyses_refuse_it():
+    X, y = _data()
+    params = dict(BASE, solver="sgd", momentum=0.9, learning_rate_init=0.05, batch_size=8,
+                  max_iter=3, tol=None)
+    est = PathKernelMachine(**params, nesterovs_momentum=True).fit(X, y)
+    heavy = PathKernelMachine(**params).fit(X, y)
+    assert not torch.equal(est.trajectory_.parameters(-1), heavy.trajectory_.parameters(-1))
+    # torch.optim.SGD(nesterov=True) replayed by hand: buf = mu buf + g, theta -= lr (g + mu buf).
+    traj, module = est.trajectory_, module_at(est, 0)
+    theta, buf = traj.parameters(0).double().clone(), None
+    for t, batch in enumerate(traj.batches):
+        torch.nn.utils.vector_to_parameters(theta, module.parameters())
+        out = module(torch.as_tensor(X[batch]))
+        loss = 0.5 * (out.ravel() - torch.as_tensor(y[batch])).pow(2).mean()
+        g = torch.cat([p.reshape(-1) for p in torch.autograd.grad(loss, module.parameters())])
+        buf = g if buf is None else 0.9 * buf + g
+        theta = theta - 0.05 * (g + 0.9 * buf)
+        assert_allclose(theta.detach(), traj.parameters(t + 1), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="Nesterov"):
+        est.decompose(X[:2])
+    with pytest.raises(ValueError, match="Nesterov"):
+        est.attribute(X[:2], method="unrolled")
+
+
+def test_power_t_below_zero_is_refused_and_the_fit_kept():
+    X, y = _data()
+    est = PathKernelMachine(**BASE, max_iter=2, tol=None).fit(X, y)
+    before = est.trajectory_
+    with pytest.raises(ValueError, match="power_t"):
+        est.set_params(power_t=-0.5).fit(X, y)
+    assert est.trajectory_ is before
+
+
+# ------------------------------------------------------------------ exactness
+def _check_exact(est, X_train, Xq):
+    """decompose, the path kernel and the unrolled attribution against the references."""
+    res = est.decompose(Xq)
+    Y = torch.as_tensor(np.asarray(est._Y_fit)).reshape(len(X_train), -1)
+    contrib, reg = forward_recursion(est, X_train, Y, _squared, Xq, nodes=gauss_nodes(6))
+    scale = np.abs(res.contributions).max()
+    assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+    assert res.error < 1e-9
+    # The path kernel (continuous-time weighting) as an explicit sum over the recorded
+    # steps of lr_k / (1 - momentum) J_k D_k J_k^T, D_k the optimizer's preconditioner.
+    traj = est.trajectory_
+    spec = traj.solver_spec
+    memory = 1.0 / (1.0 - spec.momentum) if spec.name == "sgd" else 1.0
+    K = 0.0
+    for k in range(len(traj) - 1):
+        J = jacobian_loop(module_at(est, k), Xq).numpy()
+        D = traj.preconditioner(k)
+        D = np.ones(J.shape[2]) if D is None else D.double().numpy()
+        K = K + traj.learning_rates[k] * memory * np.einsum("ncp,p,mcp->nm", J, D, J)
+    assert_allclose(PathKernel(est, memory="continuous")(Xq), K / J.shape[1], rtol=1e-10)
+    scores = est.attribute(Xq, method="unrolled")
+    ref = unrolled_reference(est.network_, Xq, np.ones((len(Xq), 1)))
+    assert np.abs(scores - ref).max() <= 1e-8 * np.abs(ref).max()
+
+
+SCHEDULED = dict(BASE, solver="sgd", learning_rate_init=0.1, batch_size=5, tol=None)
+
+
+@pytest.mark.parametrize("schedule", ["invscaling", "adaptive"])
+def test_scheduled_paths_are_exact(schedule):
+    X, y = _data()
+    extra = dict(tol=10.0, n_iter_no_change=1) if schedule == "adaptive" else {}
+    est = PathKernelMachine(**{**SCHEDULED, **extra}, learning_rate=schedule, max_iter=4)
+    est.fit(X, y)
+    assert len(np.unique(est.trajectory_.learning_rates)) > 1
+    _check_exact(est, X, X[:3] + 0.1)
+
+
+@pytest.mark.parametrize("solver", [dict(solver="sgd", learning_rate="invscaling",
+                                         learning_rate_init=0.1, momentum=0.5),
+                                    dict(solver="adam", learning_rate_init=0.01, alpha=0.01)])
+def test_warm_start_equals_one_fit_bit_for_bit_and_stays_exact(solver):
+    X, y = _data()
+    params = dict(BASE, batch_size=5, tol=None, **solver)
+    whole = PathKernelMachine(**params, max_iter=5).fit(X, y)
+    est = PathKernelMachine(**params, max_iter=2, warm_start=True).fit(X, y)
+    est.set_params(max_iter=3).fit(X, y)
+    a, b = whole.trajectory_, est.trajectory_
+    assert torch.equal(a._params, b._params)
+    for key in a.state_keys:
+        assert torch.equal(a._states[key], b._states[key])
+    assert_array_equal(a.steps, b.steps)
+    assert_array_equal(a.learning_rates, b.learning_rates)
+    assert_array_equal(a._batch_indices, b._batch_indices)
+    assert_array_equal(a._state_steps, b._state_steps)
+    assert est.loss_curve_ == whole.loss_curve_
+    assert (est.n_iter_, est.t_) == (whole.n_iter_, whole.t_)
+    assert est.X_fit_ is not None and len(est.X_fit_) == len(X)
+    _check_exact(est, X, X[:3] + 0.1)
+
+
+def test_partial_fit_equals_one_fit_and_indexes_the_concatenation():
+    X, y = _data()
+    params = dict(BASE, solver="adam", learning_rate_init=0.01, batch_size=5, tol=None)
+    whole = PathKernelMachine(**params, max_iter=3).fit(X, y)
+    est = PathKernelMachine(**params)
+    for _ in range(3):
+        est.partial_fit(X, y)
+    assert torch.equal(est.trajectory_._params, whole.trajectory_._params)
+    assert est.loss_curve_ == whole.loss_curve_ and est.n_iter_ == 3
+    # The training set is what the calls received, in order; the batches index into it.
+    assert_array_equal(est.X_fit_, np.concatenate([X, X, X]))
+    assert_array_equal(est.trajectory_._batch_indices % len(X),
+                       whole.trajectory_._batch_indices)
+    steps = _steps_per_epoch(est, len(X))
+    for t, batch in enumerate(est.trajectory_.batches):
+        assert np.all(batch // len(X) == t // steps)
+    _check_exact(est, est.X_fit_, X[:3] + 0.1)
+
+
+def test_partial_fit_on_chunks_is_exact_over_the_stream():
+    X, y = _data(24)
+    est = PathKernelMachine(**SCHEDULED, learning_rate="invscaling", momentum=0.5)
+    chunks = np.array_split(np.arange(24), 3)
+    for rows in chunks:
+        est.partial_fit(X[rows], y[rows])
+    assert_array_equal(est.X_fit_, X)
+    assert est.trajectory_.n_samples == 24
+    # invscaling's t counts the samples of every call so far.
+    assert_allclose(est.trajectory_.learning_rates[-1], 0.1 / (16 + 1) ** 0.5, rtol=1e-15)
+    _check_exact(est, X, X[:3] + 0.1)
+
+
+def test_warm_start_on_other_data_extends_the_training_set():
+    X, y = _data(24)
+    est = PathKernelMachine(**BASE, solver="adam", learning_rate_init=0.01, batch_size=6,
+                            tol=None, max_iter=2, warm_start=True)
+    est.fit(X[:12], y[:12]).fit(X[12:], y[12:])
+    assert_array_equal(est.X_fit_, X)
+    assert est.trajectory_.n_steps == 8
+    assert all(np.all(b >= 12) for b in est.trajectory_.batches[4:])
+    _check_exact(est, X, X[:3] + 0.1)
+
+
+def test_warm_start_continues_after_early_stopping_at_the_best_epoch():
+    X, y = _data(40)
+    est = PathKernelMachine(**BASE, solver="adam", learning_rate_init=0.05, batch_size=8,
+                            early_stopping=True, validation_fraction=0.25, tol=1e-12,
+                            n_iter_no_change=1, max_iter=8, warm_start=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est.fit(X, y)
+        first = est.trajectory_.n_steps
+        est.fit(X, y)
+    assert est.trajectory_.n_steps > first
+    assert len(est.X_fit_) == 30  # the same split: the same training set
+    _check_exact(est, est.X_fit_, X[:2] + 0.1)
+
+
+def test_classifier_partial_fit_classes():
+    X, y = _data(30)
+    labels = np.digitize(y, [-0.5, 0.5])
+    clf = PathKernelClassifier(**{k: v for k, v in BASE.items() if k != "normalize_y"},
+                               batch_size=10, tol=None)
+    with pytest.raises(ValueError, match="classes must be passed"):
+        clf.partial_fit(X[:10], labels[:10])
+    clf.partial_fit(X[:10], labels[:10], classes=[0, 1, 2])
+    clf.partial_fit(X[10:], labels[10:])
+    assert clf.classes_.tolist() == [0, 1, 2] and clf.n_outputs_ == 3
+    before = (clf.trajectory_, clf.n_iter_, clf.X_fit_)
+    with pytest.raises(ValueError, match="classes not in classes_"):
+        clf.partial_fit(X[:5], np.array([0, 1, 3, 0, 1]))
+    assert (clf.trajectory_, clf.n_iter_, clf.X_fit_) == before
+    assert len(clf.predict(X)) == 30
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("change, match", [
+    (dict(hidden_layer_sizes=(7,)), "continue the fitted network"),
+    (dict(activation="relu"), "continue the fitted network"),
+    (dict(solver="sgd"), "one\\s+optimizer"),
+    (dict(beta_2=0.9), "one\\s+optimizer"),
+    (dict(dtype="float32"), "cannot continue"),
+    (dict(trajectory_storage="disk"), "kept\\s+in memory"),
+])
+def test_continuing_with_another_network_or_optimizer_is_refused(change, match):
+    X, y = _data()
+    est = PathKernelMachine(**BASE, max_iter=2, tol=None, warm_start=True).fit(X, y)
+    est.set_params(**change)
+    state = dict(est.__dict__)
+    with pytest.raises(ValueError, match=match):
+        est.fit(X, y)
+    assert est.__dict__ == state
+    with pytest.raises(ValueError, match=match):
+        est.partial_fit(X, y)
+    assert est.__dict__ == state
+
+
+def test_partial_fit_refuses_early_stopping_and_other_features():
+    X, y = _data()
+    est = PathKernelMachine(**BASE, early_stopping=True)
+    with pytest.raises(ValueError, match="early_stopping"):
+        est.partial_fit(X, y)
+    assert not hasattr(est, "network_")
+    est = PathKernelMachine(**BASE).partial_fit(X, y)
+    state = dict(est.__dict__)
+    with pytest.raises(ValueError, match="features"):
+        est.partial_fit(X[:, :1], y)
+    assert est.__dict__ == state
+
+
+def test_warm_start_false_starts_over():
+    X, y = _data()
+    est = PathKernelMachine(**BASE, max_iter=2, tol=None).fit(X, y)
+    est.fit(X, y)
+    assert est.n_iter_ == 2 and est.trajectory_.n_steps == 2
+
+
+# ------------------------------------------------------------------ divergence
+def _small_regression():
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(50, 4))
+    return X, X @ rng.normal(size=4) + 0.1 * rng.normal(size=50)
+
+
+def test_finite_divergence_warns_with_epoch_loss_and_rate():
+    X, y = _small_regression()
+    est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=1e6,
+                            random_state=0)
+    with pytest.warns(DivergenceWarning) as record:
+        est.fit(X, y)
+    message = str(record[0].message)
+    assert "epoch 0" in message and "1e+06" in message
+    assert f"{est.loss_curve_[-1]:.3g}" in message
+    assert issubclass(DivergenceWarning, ConvergenceWarning)
+    assert est.score(X, y) < -1e6  # what the warning is about
+
+
+def test_loss_that_ends_far_above_its_start_warns():
+    X, y = _small_regression()
+    # A linear model under full-batch gradient descent 10% past its stability limit
+    # 2 / L: the loss grows geometrically, finite for these epochs; the parameters grow
+    # less than 1000-fold, so the loss is what warns.
+    A = np.c_[X, np.ones(len(X))]
+    lr = 1.1 * 2 / np.linalg.eigvalsh(A.T @ A / len(X)).max()
+    est = PathKernelMachine(hidden_layer_sizes=(), solver="sgd", learning_rate_init=lr,
+                            batch_size=None, max_iter=20, tol=None, normalize_y=False,
+                            random_state=0)
+    with pytest.warns(DivergenceWarning, match="times the first epoch's") as record:
+        est.fit(X, y)
+    assert est.loss_curve_[-1] > 100 * est.loss_curve_[0]
+    first = next(e for e, v in enumerate(est.loss_curve_) if v > 100 * est.loss_curve_[0])
+    assert f"at epoch {first} " in str(record[0].message)
+
+
+def test_growing_parameters_with_a_falling_loss_do_not_warn():
+    X, y = _small_regression()
+    # Features in tiny units: the linear weights must grow ~5000-fold, and do, healthily.
+    est = PathKernelMachine(hidden_layer_sizes=(), solver="adam", learning_rate_init=10.0,
+                            max_iter=300, tol=None, dtype="float64", random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        est.fit(X * 1e-3, y)
+    traj = est.trajectory_
+    assert traj.parameters(-1).norm() > 1000 * traj.parameters(0).norm()
+    assert est.score(X * 1e-3, y) > 0.99
+
+
+def test_defaults_do_not_raise_the_divergence_warning():
+    # The defaults benchmark's data sets (benchmarks/bench_defaults.py) at the defaults.
+    from sklearn.datasets import load_diabetes, load_iris, make_moons
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    cases = [(PathKernelClassifier, load_iris(return_X_y=True)),
+             (PathKernelClassifier, make_moons(noise=0.3, random_state=0)),
+             (PathKernelMachine, load_diabetes(return_X_y=True))]
+    for cls, (X, y) in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            warnings.simplefilter("error", DivergenceWarning)
+            make_pipeline(StandardScaler(), cls(random_state=0, max_iter=60)).fit(X, y)
+
+
+# ------------------------------------------------------------------ TangentFeatureSVM's C
+def test_svm_auto_C_is_the_cross_validated_choice():
+    from sklearn.datasets import load_iris
+    from sklearn.model_selection import StratifiedKFold
+    from sklearn.svm import SVC
+
+    from skpathkernel import TangentFeatureSVM, TangentKernel
+
+    X, y = load_iris(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    net = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=30, tol=None,
+                               random_state=0)
+    svm = TangentFeatureSVM(net).fit(X, y)
+    K = TangentKernel(svm)(X, X).astype(np.float64)
+    scale = np.mean(np.diag(K))
+    best, best_acc = None, -1.0
+    for c in np.array([0.1, 1, 10, 100, 1000]) / scale:  # the documented grid
+        accs = [SVC(kernel="precomputed", C=c).fit(K[np.ix_(tr, tr)], y[tr])
+                .score(K[np.ix_(te, tr)], y[te])
+                for tr, te in StratifiedKFold(3).split(X, y)]
+        if np.mean(accs) > best_acc:  # strictly better: the smaller C on ties
+            best, best_acc = c, np.mean(accs)
+    assert svm.C_ == pytest.approx(best, rel=1e-12)
+    assert svm.svm_.C == svm.C_
+    fixed = TangentFeatureSVM(net, C=2.5).fit(X, y)
+    assert fixed.C_ == 2.5 == fixed.svm_.C

@@ -78,9 +78,36 @@ def test_fig7_detector_claim_needs_flags_beyond_and_none_inside():
     assert _fig7.flags_extrapolation(0.8, 0.04)
 
 
-def test_fig5_transfer_bar_is_the_baseline():
-    assert not _fig5.transfers(0.71, 0.78)
-    assert _fig5.transfers(0.80, 0.78)
+def _dominated_by_diagonal(cm):
+    # The rule written out: every row's diagonal beats each other entry of that row.
+    return all(cm[k][k] > cm[k][j] for k in range(len(cm)) for j in range(len(cm)) if j != k)
+
+
+def test_fig5c_claim_is_the_confusion_matrix_diagonal():
+    rng = np.random.RandomState(0)
+    y = np.repeat(np.arange(10), 10)
+    good = y.copy()
+    good[rng.choice(100, 20, replace=False)] = rng.randint(0, 10, 20)  # 80 % right, spread
+    bad = good.copy()
+    bad[y == 6] = np.array([6, 6, 6, 5, 5, 5, 5, 0, 1, 2])  # printed 6 mostly taken for 5
+    tie = good.copy()
+    tie[y == 1] = np.array([1, 1, 1, 7, 7, 7, 2, 3, 4, 9])  # 3 vs 3: not "more often"
+    for pred, must in ((y, True), (good, True), (bad, False), (tie, False)):
+        cm = np.zeros((10, 10), dtype=int)
+        np.add.at(cm, (y, pred), 1)
+        assert _dominated_by_diagonal(cm) is must
+        assert _fig5.diagonal_dominates(cm) is must
+        cell = _fig5._confusion_cell("c", y, pred)
+        assert cell["claim"] == ("pass" if must else "FAIL")
+        assert cell["diagonal (digits 0-9)"] == " ".join(str(cm[k, k]) for k in range(10))
+    assert _fig5._confusion_cell("c", y, bad)["rows not dominated"] == "6: 3 vs 4 (as 5)"
+    table = [_fig5._confusion_cell("net", y, bad), _fig5._confusion_cell("net 2", y, tie),
+             _fig5._confusion_cell("input space: RBF SVC", y, good)]
+    reason = _fig5.sweep_reason(table)
+    assert "0 of 2 network cells pass" in reason and "RBF SVC pass" in reason
+    assert "printed 6 in 1 cells (taken for 5)" in reason
+
+
 
 
 def test_fig6_alignment_against_a_dense_reference_and_no_training_fails(rng=None):
@@ -135,7 +162,117 @@ def test_fig10_opposite_pairs_must_reach_zero():
     assert not _fig10.same_high_opposite_low(K[-1])
 
 
+def test_fig10_kernels_against_dense_jacobians_and_a_network_that_passes(tmp_path):
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu")
+    # The row's setting in quick mode (400 points, 100 epochs): SGD with momentum passes.
+    est = _fig10.relu_fit(ctx, "sgd+momentum", epochs=100, n_points=3)
+    K = _fig10.end_kernels(est)
+    J = jacobian_loop(module_at(est, -1), np.vstack([_fig10.X0, _fig10.YS]))[:, 0].numpy()
+    ref = J[1:] @ J[0] / (np.linalg.norm(J[1:], axis=1) * np.linalg.norm(J[0]))
+    np.testing.assert_allclose(K[False], ref, atol=1e-5)
+    np.testing.assert_allclose(K[True], ref, atol=1e-5)  # SGD: D = I
+    assert ref[1] >= 0.9 and np.all(ref[2:] <= 0.1)
+    assert _fig10.same_high_opposite_low(K[True])
+    # Adam: the weighted kernel is J D J^T with the recorded preconditioner.
+    adam = _fig10.relu_fit(ctx, "adam", epochs=3, n_points=2)
+    J = jacobian_loop(module_at(adam, -1), np.vstack([_fig10.X0, _fig10.YS]))[:, 0].numpy()
+    D = adam.trajectory_.preconditioner(len(adam.trajectory_) - 2).numpy()
+    ref = (J[1:] * D) @ J[0] / np.sqrt(((J[1:] ** 2) @ D) * ((J[0] ** 2) @ D))
+    np.testing.assert_allclose(_fig10.end_kernels(adam)[True], ref, rtol=1e-4, atol=1e-6)
+
+
+def test_fig10_plain_reason_reads_the_sweep():
+    def cell(setting, name, plain):
+        return {"setting": setting, "optimizer": name,
+                "J J^T same / opp / opp": " / ".join(f"{v:.3f}" for v in plain),
+                "J J^T claim": "pass" if _fig10.same_high_opposite_low([1, *plain])
+                else "FAIL"}
+
+    table = [cell("earlier: tanh, log loss", n, (0.95, 0.4, 0.3)) for n in _fig10.OPTIMIZERS]
+    table += [cell("seed 1", n, (0.95, 0.05, 0.02) if n.startswith("sgd") else
+                   (0.97, 0.13, 0.05)) for n in _fig10.OPTIMIZERS]
+    reason = _fig10.plain_reason(table)
+    assert "tanh units (4 cells) the larger opposite-label pair ends at 0.40-0.40" in reason
+    assert "sgd 1/1" in reason and "adam 0/1 (larger opposite pair 0.13-0.13)" in reason
+
+
 # --------------------------------------------------------------------------- stochastic
+def test_noise_tracker_against_every_batch():
+    # N = 6, B = 2: all 15 batches enumerated. The tracker's gap is lr (mean_B u - mean u)
+    # with u_i = J(x_q) . grad l_i, and its variance the exact variance over the batches.
+    torch.manual_seed(0)
+    net = st._network(2, 0)
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.uniform(-1, 1, (6, 2)))
+    y = torch.as_tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    Xq = torch.as_tensor(rng.uniform(-1, 1, (3, 2)))
+    lr = 0.1
+    tracker = st._NoiseTracker(net, X, y, Xq, "log_loss", lr, 2)
+    params = list(net.parameters())
+
+    def grad(value):
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(value, params)])
+
+    Jq = torch.stack([grad(net(x[None])[0, 0]) for x in Xq])
+    g = torch.stack([grad(torch.nn.functional.binary_cross_entropy_with_logits(
+        net(X[i:i + 1])[:, 0], y[i:i + 1])) for i in range(6)])
+    u = (Jq @ g.T).detach()  # (queries, samples)
+    noises = [lr * (u[:, list(b)].mean(1) - u.mean(1))
+              for b in __import__("itertools").combinations(range(6), 2)]
+    tracker.step(np.array([1, 4]))
+    np.testing.assert_allclose(tracker.gap, lr * (u[:, [1, 4]].mean(1) - u.mean(1)),
+                               rtol=1e-10)
+    np.testing.assert_allclose(tracker.var, torch.stack(noises).pow(2).mean(0), rtol=1e-10)
+
+
+def test_in_loop_gap_matches_decompose_and_the_sweep_reads_it():
+    # The sweep's instrument: the gap summed in the loop (J at each step's start) against
+    # decompose(weighting="expected") on the recorded path (J at the midpoint): O(lr) apart.
+    Xq = st._task("classification")[2]
+    for b in (2, 16):
+        net, noise = st.iid_sgd_path("classification", 0.05, b, 3, tracker=True)
+        res = net.decompose(Xq, weighting="expected", n_nodes=1)
+        gap = np.ravel(res.reconstruction - res.prediction)
+        np.testing.assert_allclose(noise.gap.numpy(), gap, rtol=0.15, atol=2e-3)
+    cells = [("the row's setting, seeds 0-1", {}), ("seeds 2-3", dict(seeds=range(2, 4))),
+             ("seeds 0-3", dict(seeds=range(4)))]
+    rows = st.batch_sweep("classification", 0.1, (4, 16), 2, cells=cells, n_jobs=1)
+    ms = {b: [st._loop_gaps("classification", 0.1, b, range(4), st.N_TRAIN, st.WIDTH,
+                            st.TRAINING_TIME)[:, 0]] for b in (4, 16)}
+    rms = [np.sqrt(np.mean(ms[b])) for b in (4, 16)]
+    assert rows[2]["RMS gap at B = 4, 16"] == st._fmt(rms)
+    assert rows[2]["rate"].startswith(f"{np.log(rms[1] / rms[0]) / np.log(4):.2f}")
+    assert "seeds 2-3" in st.sweep_reason(rows)
+
+
+def test_gap_sweep_on_two_processes_matches_a_serial_loop():
+    lrs, batches = (0.2, 0.1), (8, 16)
+    sq, b_mid, lr_mid = st.gap_sweep(st.iid_sgd_path, "regression", lrs, batches, 2,
+                                     batch_seeds=4, n_jobs=2)
+    Xq = st._task("regression")[2]
+
+    def ref(lr, b, n):
+        return [st.ms_gap(st.iid_sgd_path("regression", lr, b, s), Xq, weighting="expected")
+                for s in range(n)]
+
+    assert (b_mid, lr_mid) == (16, 0.1)
+    np.testing.assert_allclose(sq["lr"], [ref(0.2, 16, 2), ref(0.1, 16, 2)], rtol=1e-12)
+    np.testing.assert_allclose(sq["batch"], [ref(0.1, 8, 4), ref(0.1, 16, 4)], rtol=1e-12)
+
+
+def test_batch_rate_claim_passes_on_the_predicted_noise_and_fails_off_it():
+    # Many seeds of a gap that scales as sqrt(lr (1/B - 1/N)) (Gaussian, as the diffusion
+    # model has it): the claim must pass; scaled as B^-0.71 instead, it must fail.
+    rng = np.random.RandomState(0)
+    B = np.array([2, 4, 8, 16])
+    pred = st.fit_rate(B, st.noise_scale(0.05, B, st.N_TRAIN))
+    for scale, must in ((st.noise_scale(0.05, B, st.N_TRAIN), True), (B ** -0.71, False)):
+        sq = (scale[:, None] * rng.standard_normal((4, 400))) ** 2
+        rate, se = st.fit_rate_se(B, sq)
+        assert st.rate_verdict(rate, pred, se) is must
+
+
+
 def test_fit_rate_on_power_laws():
     x = np.array([0.2, 0.1, 0.05, 0.025])
     assert st.fit_rate(x, 3.0 * x**1.5) == pytest.approx(1.5)
@@ -221,6 +358,14 @@ def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
     assert "a &lt;claim&gt;" in page and 'class="FAIL"' in page and "v&lt;" in page
     md = open(write_report(str(tmp_path / "r.md"), header, sections)).read()
     assert "| 2 | b | y [a.png] | FAIL |" in md
+    # A row's titled tables and its reason follow the section's details.
+    rows[1].tables = [("sweep", [{"cell": "a", "rate": "-0.5"}])]
+    rows[1].reason = "seed <sets>"
+    md = open(write_report(str(tmp_path / "r.md"), header, sections)).read()
+    assert "**2: sweep**\n\n| cell | rate |\n|---|---|\n| a | -0.5 |" in md
+    assert "**2, why it fails:** seed <sets>" in md
+    page = open(write_html(str(tmp_path / "r.html"), header, sections)).read()
+    assert "<h3>2: sweep</h3>" in page and "why it fails:</b> seed &lt;sets&gt;" in page
     assert "1 claims pass, 1 fail, 1 rows report a number only." in md
 
 

@@ -8,8 +8,10 @@ import numpy as np
 from sklearn.datasets import load_digits
 
 from .. import PathKernelClassifier
+from .._device import torch_threads
 from .._progress import Progress
 from ..datasets import make_circle
+from ._report import Context
 
 # Guo, He & Morel's circle task (figures 1, 9, 10): learning rates that train it reliably with each
 # solver, minibatches of CIRCLE_BATCH (the papers' stochastic setting: with full-batch
@@ -41,6 +43,18 @@ def training(ctx, *, solver, learning_rate_init, batch_size, max_iter, random_st
 def progress(desc: str, total: int) -> Progress:
     """One bar per figure; without tqdm, a single line when the figure is done."""
     return Progress(desc, total, end="{desc}: {n}/{total} done")
+
+
+def worker_context(ctx):
+    """The context without its cache of fitted networks: what a worker process needs."""
+    return Context(out=ctx.out, quick=ctx.quick, device=ctx.device, data_home=ctx.data_home)
+
+
+def in_one_thread(func, *args, **kwargs):
+    """``func(*args, **kwargs)`` on one torch thread: a joblib worker process starts with
+    torch's default (every core), two such workers on two cores would oversubscribe."""
+    with torch_threads(1):
+        return func(*args, **kwargs)
 
 
 def subplots(*args, **kwargs):
@@ -106,17 +120,23 @@ def digits_split(ctx):
     return X[train], y[train], X[show], y[show]
 
 
+def digits_estimator(ctx, *, hidden_layer_sizes=(64, 64), **change):
+    """The digits network's estimator, unfitted; ``change`` overrides training parameters
+    (the sweep of figure 5c)."""
+    params = dict(solver="adam", learning_rate_init=0.003,
+                  batch_size=None if ctx.quick else 64, max_iter=100 if ctx.quick else 200,
+                  # Minibatch runs take ~27 steps an epoch: keep about one point per epoch.
+                  record_every=1 if ctx.quick else 20)
+    params.update(change)
+    return PathKernelClassifier(hidden_layer_sizes=hidden_layer_sizes, loss="log_loss",
+                                **training(ctx, **params))
+
+
 def digits_fit(ctx):
     """A 64-64-64-10 tanh network trained on digits 0-9 (figures 2e-f, 5, 6)."""
     if "digits" not in ctx.cache:
         X, y, _, _ = digits_split(ctx)
-        ctx.cache["digits"] = PathKernelClassifier(
-            hidden_layer_sizes=(64, 64), loss="log_loss", **training(
-                ctx, solver="adam", learning_rate_init=0.003,
-                batch_size=None if ctx.quick else 64, max_iter=100 if ctx.quick else 200,
-                # Minibatch runs take ~27 steps an epoch: keep about one point per epoch.
-                record_every=1 if ctx.quick else 20),
-        ).fit(X, y)
+        ctx.cache["digits"] = digits_estimator(ctx).fit(X, y)
     return ctx.cache["digits"]
 
 

@@ -43,6 +43,10 @@ class Row:
     measured: str
     passed: bool | None = None
     details: list[dict] = field(default_factory=list)
+    # Titled tables under the section (the paper's settings against ours, a sweep) and,
+    # for a row that fails, the most likely reason the sweep points to.
+    tables: list[tuple[str, list[dict]]] = field(default_factory=list)
+    reason: str | None = None
 
 
 def _verdict(passed):
@@ -72,6 +76,13 @@ def _header_line(header):
             f"{header['python']}; mode: {header['mode']}; device: {header['device']}.")
 
 
+def _md_table(rows):
+    keys = list(rows[0])
+    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            + ["| " + " | ".join(str(d.get(k, "")) for k in keys) + " |" for d in rows]
+            + [""])
+
+
 def write_report(path, header, sections) -> str:
     lines = [
         "# skpathkernel reproduce",
@@ -90,12 +101,11 @@ def write_report(path, header, sections) -> str:
         lines += ["", f"## {name} ({seconds:.1f} s)", ""]
         for r in rows:
             if r.details:
-                keys = list(r.details[0])
-                lines.append("| " + " | ".join(keys) + " |")
-                lines.append("|" + "---|" * len(keys))
-                lines += ["| " + " | ".join(str(d.get(k, "")) for k in keys) + " |"
-                          for d in r.details]
-                lines.append("")
+                lines += _md_table(r.details)
+            for title, table in r.tables:
+                lines += [f"**{r.figure}: {title}**", ""] + _md_table(table)
+            if r.reason:
+                lines += [f"**{r.figure}, why it fails:** {r.reason}", ""]
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
     return path
@@ -151,6 +161,12 @@ def write_html(path, header, sections) -> str:
         for r in rows:
             if r.details:
                 parts += _html_table(list(r.details[0]), r.details)
+            for title, table in r.tables:
+                parts.append(f"<h3>{html.escape(r.figure)}: {html.escape(title)}</h3>")
+                parts += _html_table(list(table[0]), table)
+            if r.reason:
+                parts.append(f"<p><b>{html.escape(r.figure)}, why it fails:</b> "
+                             f"{html.escape(r.reason)}</p>")
     parts.append("</body></html>")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(parts) + "\n")

@@ -80,7 +80,7 @@ print(f"accuracy: training {clf.score(X_train, y_train):.3f}, "
 # smallest token are close in the network's feature space.
 fig, ax = plt.subplots(figsize=(5.5, 4.5))
 KernelMatrixDisplay.from_estimator(clf, X_test, y_test, kernel="tangent", ax=ax)
-ax.set_title("normalized tangent kernel, held-out by answer")
+_ = ax.set_title("normalized tangent kernel, held-out by answer")
 
 # %%
 # The exact decomposition of a held-out prediction

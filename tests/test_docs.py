@@ -41,9 +41,7 @@ def _marks(path):
     return marks + ([pytest.mark.dask] if path.name in DASK else [])
 
 
-@pytest.mark.parametrize(
-    "path", [pytest.param(p, marks=_marks(p), id=p.name) for p in PAGES]
-)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p), id=p.name) for p in PAGES])
 def test_page_blocks_run(path, tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 

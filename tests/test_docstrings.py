@@ -39,105 +39,105 @@ CHECKS_TOP_LEVEL = CHECKS | {"EX01"}
 # fixed one still listed. Empty this list as they are fixed.
 KNOWN = {
     # skpathkernel/_base.py
-    ('skpathkernel.OODRankDetector.kneighbors', 'PR07'),
-    ('skpathkernel.PathKernelClassifier.kneighbors', 'PR07'),
-    ('skpathkernel.PathKernelMachine.kneighbors', 'PR07'),
-    ('skpathkernel.TangentFeatureSVM.kneighbors', 'PR07'),
-    ('skpathkernel.TangentFeatures.kneighbors', 'PR07'),
+    ("skpathkernel.OODRankDetector.kneighbors", "PR07"),
+    ("skpathkernel.PathKernelClassifier.kneighbors", "PR07"),
+    ("skpathkernel.PathKernelMachine.kneighbors", "PR07"),
+    ("skpathkernel.TangentFeatureSVM.kneighbors", "PR07"),
+    ("skpathkernel.TangentFeatures.kneighbors", "PR07"),
     # skpathkernel/_machine.py
-    ('skpathkernel.PathKernelClassifier.attribute', 'PR07'),
-    ('skpathkernel.PathKernelClassifier.decision_function', 'PR01'),
-    ('skpathkernel.PathKernelClassifier.decision_function', 'RT01'),
-    ('skpathkernel.PathKernelClassifier.explain', 'PR07'),
-    ('skpathkernel.PathKernelClassifier.get_feature_names_out', 'PR01'),
-    ('skpathkernel.PathKernelClassifier.get_feature_names_out', 'RT01'),
-    ('skpathkernel.PathKernelClassifier.predict', 'PR01'),
-    ('skpathkernel.PathKernelClassifier.predict', 'RT01'),
-    ('skpathkernel.PathKernelClassifier.transform', 'PR01'),
-    ('skpathkernel.PathKernelMachine.attribute', 'PR07'),
-    ('skpathkernel.PathKernelMachine.explain', 'PR07'),
-    ('skpathkernel.PathKernelMachine.fit', 'PR07'),
-    ('skpathkernel.PathKernelMachine.get_feature_names_out', 'PR01'),
-    ('skpathkernel.PathKernelMachine.get_feature_names_out', 'RT01'),
-    ('skpathkernel.PathKernelMachine.predict', 'PR01'),
-    ('skpathkernel.PathKernelMachine.transform', 'PR01'),
+    ("skpathkernel.PathKernelClassifier.attribute", "PR07"),
+    ("skpathkernel.PathKernelClassifier.decision_function", "PR01"),
+    ("skpathkernel.PathKernelClassifier.decision_function", "RT01"),
+    ("skpathkernel.PathKernelClassifier.explain", "PR07"),
+    ("skpathkernel.PathKernelClassifier.get_feature_names_out", "PR01"),
+    ("skpathkernel.PathKernelClassifier.get_feature_names_out", "RT01"),
+    ("skpathkernel.PathKernelClassifier.predict", "PR01"),
+    ("skpathkernel.PathKernelClassifier.predict", "RT01"),
+    ("skpathkernel.PathKernelClassifier.transform", "PR01"),
+    ("skpathkernel.PathKernelMachine.attribute", "PR07"),
+    ("skpathkernel.PathKernelMachine.explain", "PR07"),
+    ("skpathkernel.PathKernelMachine.fit", "PR07"),
+    ("skpathkernel.PathKernelMachine.get_feature_names_out", "PR01"),
+    ("skpathkernel.PathKernelMachine.get_feature_names_out", "RT01"),
+    ("skpathkernel.PathKernelMachine.predict", "PR01"),
+    ("skpathkernel.PathKernelMachine.transform", "PR01"),
     # skpathkernel/_network.py
-    ('skpathkernel.TrainedNetwork.attribute', 'PR07'),
-    ('skpathkernel.TrainedNetwork.check', 'PR07'),
-    ('skpathkernel.TrainedNetwork.decompose', 'PR07'),
-    ('skpathkernel.TrainedNetwork.for_workers', 'RT01'),
-    ('skpathkernel.TrainedNetwork.params_at', 'PR01'),
-    ('skpathkernel.TrainedNetwork.params_at', 'RT01'),
-    ('skpathkernel.TrainedNetwork.replace', 'PR01'),
-    ('skpathkernel.TrainedNetwork.replace', 'RT01'),
-    ('skpathkernel.TrainedNetwork.targets', 'RT01'),
-    ('skpathkernel.TrainedNetwork.tensor', 'PR01'),
-    ('skpathkernel.TrainedNetwork.tensor', 'RT01'),
-    ('skpathkernel.TrainedNetwork.with_own_module', 'RT01'),
+    ("skpathkernel.TrainedNetwork.attribute", "PR07"),
+    ("skpathkernel.TrainedNetwork.check", "PR07"),
+    ("skpathkernel.TrainedNetwork.decompose", "PR07"),
+    ("skpathkernel.TrainedNetwork.for_workers", "RT01"),
+    ("skpathkernel.TrainedNetwork.params_at", "PR01"),
+    ("skpathkernel.TrainedNetwork.params_at", "RT01"),
+    ("skpathkernel.TrainedNetwork.replace", "PR01"),
+    ("skpathkernel.TrainedNetwork.replace", "RT01"),
+    ("skpathkernel.TrainedNetwork.targets", "RT01"),
+    ("skpathkernel.TrainedNetwork.tensor", "PR01"),
+    ("skpathkernel.TrainedNetwork.tensor", "RT01"),
+    ("skpathkernel.TrainedNetwork.with_own_module", "RT01"),
     # skpathkernel/_recorder.py
-    ('skpathkernel.PathRecorder.as_estimator', 'PR01'),
-    ('skpathkernel.PathRecorder.as_estimator', 'RT01'),
-    ('skpathkernel.RecordedNetwork', 'PR07'),
-    ('skpathkernel.RecordedNetwork.attribute', 'PR07'),
-    ('skpathkernel.RecordedNetwork.fit', 'PR01'),
-    ('skpathkernel.RecordedNetwork.fit', 'RT01'),
-    ('skpathkernel.RecordedNetwork.input_shape_', 'GL08'),
-    ('skpathkernel.RecordedNetwork.n_features_in_', 'GL08'),
-    ('skpathkernel.RecordedNetwork.predict', 'PR01'),
-    ('skpathkernel.RecordedNetwork.predict', 'RT01'),
-    ('skpathkernel.RecordedNetwork.self_influence', 'PR07'),
+    ("skpathkernel.PathRecorder.as_estimator", "PR01"),
+    ("skpathkernel.PathRecorder.as_estimator", "RT01"),
+    ("skpathkernel.RecordedNetwork", "PR07"),
+    ("skpathkernel.RecordedNetwork.attribute", "PR07"),
+    ("skpathkernel.RecordedNetwork.fit", "PR01"),
+    ("skpathkernel.RecordedNetwork.fit", "RT01"),
+    ("skpathkernel.RecordedNetwork.input_shape_", "GL08"),
+    ("skpathkernel.RecordedNetwork.n_features_in_", "GL08"),
+    ("skpathkernel.RecordedNetwork.predict", "PR01"),
+    ("skpathkernel.RecordedNetwork.predict", "RT01"),
+    ("skpathkernel.RecordedNetwork.self_influence", "PR07"),
     # skpathkernel/_svm.py
-    ('skpathkernel.TangentFeatureSVM.decision_function', 'PR01'),
-    ('skpathkernel.TangentFeatureSVM.predict', 'PR01'),
-    ('skpathkernel.TangentFeatureSVM.predict', 'RT01'),
-    ('skpathkernel.TangentFeatureSVM.transform', 'PR01'),
-    ('skpathkernel.TangentFeatures.get_feature_names_out', 'PR01'),
-    ('skpathkernel.TangentFeatures.get_feature_names_out', 'RT01'),
+    ("skpathkernel.TangentFeatureSVM.decision_function", "PR01"),
+    ("skpathkernel.TangentFeatureSVM.predict", "PR01"),
+    ("skpathkernel.TangentFeatureSVM.predict", "RT01"),
+    ("skpathkernel.TangentFeatureSVM.transform", "PR01"),
+    ("skpathkernel.TangentFeatures.get_feature_names_out", "PR01"),
+    ("skpathkernel.TangentFeatures.get_feature_names_out", "RT01"),
     # skpathkernel/_tangent/_routes.py
-    ('skpathkernel.rules.FallbackWarning', 'EX01'),
-    ('skpathkernel.rules.LayerRoute', 'EX01'),
-    ('skpathkernel.rules.LayerRoute', 'PR01'),
-    ('skpathkernel.rules.check_rule', 'EX01'),
+    ("skpathkernel.rules.FallbackWarning", "EX01"),
+    ("skpathkernel.rules.LayerRoute", "EX01"),
+    ("skpathkernel.rules.LayerRoute", "PR01"),
+    ("skpathkernel.rules.check_rule", "EX01"),
     # skpathkernel/_tangent/_rules.py
-    ('skpathkernel.rules.Rule', 'EX01'),
-    ('skpathkernel.rules.Term', 'EX01'),
-    ('skpathkernel.rules.Use', 'EX01'),
-    ('skpathkernel.rules.Use', 'PR01'),
-    ('skpathkernel.rules.get_rule', 'EX01'),
-    ('skpathkernel.rules.register_rule', 'EX01'),
+    ("skpathkernel.rules.Rule", "EX01"),
+    ("skpathkernel.rules.Term", "EX01"),
+    ("skpathkernel.rules.Use", "EX01"),
+    ("skpathkernel.rules.Use", "PR01"),
+    ("skpathkernel.rules.get_rule", "EX01"),
+    ("skpathkernel.rules.register_rule", "EX01"),
     # skpathkernel/_training.py
-    ('skpathkernel.TrainingDivergedError', 'EX01'),
+    ("skpathkernel.TrainingDivergedError", "EX01"),
     # skpathkernel/_trajectory.py
-    ('skpathkernel.Trajectory', 'PR01'),
+    ("skpathkernel.Trajectory", "PR01"),
     # skpathkernel/_unrolled.py
-    ('skpathkernel.AttributionScores', 'EX01'),
-    ('skpathkernel.AttributionScores', 'PR01'),
-    ('skpathkernel.UnstablePathWarning', 'EX01'),
+    ("skpathkernel.AttributionScores", "EX01"),
+    ("skpathkernel.AttributionScores", "PR01"),
+    ("skpathkernel.UnstablePathWarning", "EX01"),
     # skpathkernel/diagnostics.py
-    ('skpathkernel.diagnostics.HessianTrace', 'PR01'),
-    ('skpathkernel.diagnostics.HessianTracePath', 'EX01'),
-    ('skpathkernel.diagnostics.HessianTracePath', 'PR01'),
+    ("skpathkernel.diagnostics.HessianTrace", "PR01"),
+    ("skpathkernel.diagnostics.HessianTracePath", "EX01"),
+    ("skpathkernel.diagnostics.HessianTracePath", "PR01"),
     # skpathkernel/kernels.py
-    ('skpathkernel.PathKernel.diag', 'PR07'),
-    ('skpathkernel.PathKernel.is_stationary', 'RT01'),
-    ('skpathkernel.PathKernel.requires_vector_input', 'GL08'),
-    ('skpathkernel.TangentKernel.diag', 'PR07'),
-    ('skpathkernel.TangentKernel.is_stationary', 'RT01'),
-    ('skpathkernel.TangentKernel.requires_vector_input', 'GL08'),
-    ('skpathkernel.kernels.PathKernel.diag', 'PR07'),
-    ('skpathkernel.kernels.PathKernel.is_stationary', 'RT01'),
-    ('skpathkernel.kernels.PathKernel.requires_vector_input', 'GL08'),
-    ('skpathkernel.kernels.TangentKernel.diag', 'PR07'),
-    ('skpathkernel.kernels.TangentKernel.is_stationary', 'RT01'),
-    ('skpathkernel.kernels.TangentKernel.requires_vector_input', 'GL08'),
-    ('skpathkernel.kernels.path_weights', 'EX01'),
-    ('skpathkernel.kernels.path_weights', 'PR01'),
-    ('skpathkernel.kernels.path_weights', 'RT01'),
-    ('skpathkernel.kernels.step_kernel', 'EX01'),
-    ('skpathkernel.kernels.step_kernel', 'PR07'),
+    ("skpathkernel.PathKernel.diag", "PR07"),
+    ("skpathkernel.PathKernel.is_stationary", "RT01"),
+    ("skpathkernel.PathKernel.requires_vector_input", "GL08"),
+    ("skpathkernel.TangentKernel.diag", "PR07"),
+    ("skpathkernel.TangentKernel.is_stationary", "RT01"),
+    ("skpathkernel.TangentKernel.requires_vector_input", "GL08"),
+    ("skpathkernel.kernels.PathKernel.diag", "PR07"),
+    ("skpathkernel.kernels.PathKernel.is_stationary", "RT01"),
+    ("skpathkernel.kernels.PathKernel.requires_vector_input", "GL08"),
+    ("skpathkernel.kernels.TangentKernel.diag", "PR07"),
+    ("skpathkernel.kernels.TangentKernel.is_stationary", "RT01"),
+    ("skpathkernel.kernels.TangentKernel.requires_vector_input", "GL08"),
+    ("skpathkernel.kernels.path_weights", "EX01"),
+    ("skpathkernel.kernels.path_weights", "PR01"),
+    ("skpathkernel.kernels.path_weights", "RT01"),
+    ("skpathkernel.kernels.step_kernel", "EX01"),
+    ("skpathkernel.kernels.step_kernel", "PR07"),
     # skpathkernel/metrics.py
-    ('skpathkernel.metrics.SubsetRetraining', 'EX01'),
-    ('skpathkernel.metrics.SubsetRetraining', 'PR01'),
+    ("skpathkernel.metrics.SubsetRetraining", "EX01"),
+    ("skpathkernel.metrics.SubsetRetraining", "PR01"),
 }
 
 
@@ -147,15 +147,17 @@ def _public_names(module):
 
 def _members(cls, qualname):
     """The public methods and properties skpathkernel defines on ``cls`` or its bases."""
-    for name, value in inspect.getmembers(cls):
+    for name, _ in inspect.getmembers(cls):
         if name.startswith("_"):
             continue
         owner = next(k for k in cls.__mro__ if name in vars(k))
         if not owner.__module__.startswith("skpathkernel"):
             continue
         raw = vars(owner)[name]
-        if isinstance(raw, property) or inspect.isfunction(raw) or isinstance(
-            raw, (classmethod, staticmethod)
+        if (
+            isinstance(raw, property)
+            or inspect.isfunction(raw)
+            or isinstance(raw, (classmethod, staticmethod))
         ):
             yield f"{qualname}.{name}"
 
@@ -195,7 +197,9 @@ def test_docstring(path, checks):
     errors = _errors(path, checks)
     new = [e for e in errors if e not in KNOWN]
     assert not new, "\n".join(
-        f"{p}: {code} {msg}" for code, msg in validate(path)["errors"] for p in [path]
+        f"{p}: {code} {msg}"
+        for code, msg in validate(path)["errors"]
+        for p in [path]
         if (p, code) in new
     )
 

@@ -54,10 +54,10 @@ print("most helpful training points for query 0:", top, "labels", y_train[top],
 # %%
 # Retraining on random halves
 # ---------------------------
-# 30 random halves of the training set; each model is trained from scratch with its own
+# 20 random halves of the training set; each model is trained from scratch with its own
 # seed (``protocol="independent"``, TRAK's protocol), and its margins at the queries are
 # recorded.
-truth = retrain_on_subsets(clf, X_train, y_train, X_query, y_query, n_subsets=30,
+truth = retrain_on_subsets(clf, X_train, y_train, X_query, y_query, n_subsets=20,
                            protocol="independent", random_state=0)
 print("subsets:", truth.subsets.shape, "retrained margins:", truth.outputs.shape)
 

@@ -105,16 +105,8 @@ def make_ellipse(n_samples=400, *, inner_radius_sq=0.9, anisotropy=100.0, random
     return _ring_and_disk(n_samples, inner_radius_sq, anisotropy, random_state)
 
 
-def _grid_1d(n_samples, low, high, noise, random_state, func):
-    rng = check_random_state(random_state)
-    X = np.linspace(low, high, n_samples).reshape(-1, 1)
-    y = func(X[:, 0]) + noise * rng.standard_normal(n_samples)
-    return X, y
-
-
-def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
-    """``y = sin(x)`` on an even grid of ``[low, high]`` (figure 2a).
-
+# The parameters and returns that make_sine and make_square_wave share.
+_GRID_DOC = """
     Parameters
     ----------
     n_samples : int, default=100
@@ -132,7 +124,19 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
         The grid, as one feature column.
     y : ndarray of shape (n_samples,)
         The targets.
+"""
 
+
+def _grid_1d(n_samples, low, high, noise, random_state, func):
+    rng = check_random_state(random_state)
+    X = np.linspace(low, high, n_samples).reshape(-1, 1)
+    y = func(X[:, 0]) + noise * rng.standard_normal(n_samples)
+    return X, y
+
+
+def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
+    """``y = sin(x)`` on an even grid of ``[low, high]`` (figure 2a).
+{grid}
     Examples
     --------
     >>> from skpathkernel.datasets import make_sine
@@ -145,25 +149,7 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
 
 def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
     """``y = sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
-
-    Parameters
-    ----------
-    n_samples : int, default=100
-        Number of grid points.
-    low, high : float, default=-pi, pi
-        Ends of the grid, both included.
-    noise : float, default=0.0
-        Standard deviation of the Gaussian noise added to ``y``.
-    random_state : int, RandomState instance or None, default=None
-        Seed of the noise, for reproducible output.
-
-    Returns
-    -------
-    X : ndarray of shape (n_samples, 1)
-        The grid, as one feature column.
-    y : ndarray of shape (n_samples,)
-        The targets.
-
+{grid}
     Examples
     --------
     >>> from skpathkernel.datasets import make_square_wave
@@ -172,6 +158,10 @@ def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random
     [1.0, 1.0, 1.0, -1.0]
     """
     return _grid_1d(n_samples, low, high, noise, random_state, lambda x: np.sign(np.sin(x)))
+
+
+make_sine.__doc__ = make_sine.__doc__.format(grid=_GRID_DOC)
+make_square_wave.__doc__ = make_square_wave.__doc__.format(grid=_GRID_DOC)
 
 
 def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),

@@ -75,7 +75,7 @@ print(f"linear SVM on the CNN's tangent features: {svm.score(X_test, y_test):.3f
 # diagonal show that the network's kernel groups digits by what they are.
 fig, ax = plt.subplots(figsize=(5.5, 4.5))
 KernelMatrixDisplay.from_estimator(clf, X_test[:120], y_test[:120], kernel="path", ax=ax)
-ax.set_title("normalized path kernel, test digits by class")
+_ = ax.set_title("normalized path kernel, test digits by class")
 
 # %%
 # Which training images made a prediction

@@ -40,7 +40,7 @@ drift = [float(np.linalg.norm(traj.parameters(k) - traj.parameters(0)))
 fig, ax = plt.subplots()
 ax.plot(traj.steps, drift)
 ax.set_xlabel("optimizer step")
-ax.set_ylabel("||theta_t - theta_0||")
+_ = ax.set_ylabel("||theta_t - theta_0||")
 
 # %%
 # The tangent kernel

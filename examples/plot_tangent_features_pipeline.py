@@ -37,4 +37,4 @@ print({k: round(v, 3) for k, v in scores.items()})
 
 fig, ax = plt.subplots()
 ax.bar(list(scores), list(scores.values()))
-ax.set_ylabel("test accuracy")
+_ = ax.set_ylabel("test accuracy")

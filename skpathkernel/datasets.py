@@ -59,6 +59,7 @@ def make_circle(n_samples=400, *, inner_radius_sq=0.8, random_state=None):
     inner_radius_sq : float, default=0.8
         Squared radius of the inner disk.
     random_state : int, RandomState instance or None, default=None
+        Seed of the random points, for reproducible output.
 
     Returns
     -------
@@ -81,10 +82,13 @@ def make_ellipse(n_samples=400, *, inner_radius_sq=0.9, anisotropy=100.0, random
     Parameters
     ----------
     n_samples : int, default=400
+        Total number of points, split evenly between the classes.
     inner_radius_sq : float, default=0.9
+        Squared radius of the inner ellipse, in the units of the outer one.
     anisotropy : float, default=100.0
         The coefficient of ``x1^2``.
     random_state : int, RandomState instance or None, default=None
+        Seed of the random points, for reproducible output.
 
     Returns
     -------
@@ -101,6 +105,28 @@ def make_ellipse(n_samples=400, *, inner_radius_sq=0.9, anisotropy=100.0, random
     return _ring_and_disk(n_samples, inner_radius_sq, anisotropy, random_state)
 
 
+# The parameters and returns that make_sine and make_square_wave share.
+_GRID_DOC = """
+    Parameters
+    ----------
+    n_samples : int, default=100
+        Number of grid points.
+    low, high : float, default=-pi, pi
+        Ends of the grid, both included.
+    noise : float, default=0.0
+        Standard deviation of the Gaussian noise added to ``y``.
+    random_state : int, RandomState instance or None, default=None
+        Seed of the noise, for reproducible output.
+
+    Returns
+    -------
+    X : ndarray of shape (n_samples, 1)
+        The grid, as one feature column.
+    y : ndarray of shape (n_samples,)
+        The targets.
+"""
+
+
 def _grid_1d(n_samples, low, high, noise, random_state, func):
     rng = check_random_state(random_state)
     X = np.linspace(low, high, n_samples).reshape(-1, 1)
@@ -110,7 +136,7 @@ def _grid_1d(n_samples, low, high, noise, random_state, func):
 
 def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
     """``y = sin(x)`` on an even grid of ``[low, high]`` (figure 2a).
-
+{grid}
     Examples
     --------
     >>> from skpathkernel.datasets import make_sine
@@ -123,7 +149,7 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
 
 def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
     """``y = sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
-
+{grid}
     Examples
     --------
     >>> from skpathkernel.datasets import make_square_wave
@@ -134,9 +160,28 @@ def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random
     return _grid_1d(n_samples, low, high, noise, random_state, lambda x: np.sign(np.sin(x)))
 
 
+make_sine.__doc__ = make_sine.__doc__.format(grid=_GRID_DOC)
+make_square_wave.__doc__ = make_square_wave.__doc__.format(grid=_GRID_DOC)
+
+
 def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
                               test_range=(2.0, 4.0), slope=2.0, intercept=1.0):
     """The 1-D regression ``y = 2x + 1`` of figures 7-8: train on [0, 2), test beyond.
+
+    Parameters
+    ----------
+    n_train : int, default=50
+        Number of training points, evenly spaced over ``train_range`` without its right end.
+    n_test : int, default=50
+        Number of test points, evenly spaced over ``test_range`` with both ends.
+    train_range : tuple of float, default=(0.0, 2.0)
+        The training domain.
+    test_range : tuple of float, default=(2.0, 4.0)
+        Where the network is asked to extrapolate.
+    slope : float, default=2.0
+        Slope of the line.
+    intercept : float, default=1.0
+        Intercept of the line.
 
     Returns
     -------

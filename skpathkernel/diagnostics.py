@@ -49,6 +49,18 @@ class HessianTrace:
         The recorded point (``0 <= step < len(trajectory_)``; 0 is the initialization).
     optimizer_step : int
         The optimizer step after which that point was recorded, ``trajectory_.steps[step]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.diagnostics import hessian_trace
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1)
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=5, tol=None,
+    ...                         random_state=0).fit(X, X.ravel())
+    >>> res = hessian_trace(est, n_samples=10, random_state=0)
+    >>> res.estimates.shape, res.step == len(est.trajectory_) - 1
+    ((10,), True)
     """
 
     trace: float

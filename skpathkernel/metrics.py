@@ -201,11 +201,15 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
     Parameters
     ----------
     attributions : array-like of shape (n_queries, n_train)
+        Score matrix, one row per query and one column per training point.
     subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
+        Which training points each subset holds, one row per subset (``SubsetRetraining.subsets``).
     outputs : array-like of shape (n_subsets, n_queries)
         As in :func:`linear_datamodeling_score`.
     confidence_level : float, default=0.95
+        Coverage of the interval.
     n_resamples : int, default=1000
+        Number of bootstrap resamples of the subsets.
     random_state : int, RandomState instance or None, default=None
         Seeds the resampling.
 
@@ -394,10 +398,13 @@ def retrain_on_subsets(
     X : array-like of shape (n_train, ...)
         The full training set; indexed along its first axis.
     y : array-like of shape (n_train,) or (n_train, n_targets)
+        Training targets.
     X_query : array-like of shape (n_queries, ...)
+        The queries whose outputs are recorded.
     y_query : array-like of shape (n_queries,), default=None
         The queries' labels, needed by ``output="margin"``.
     n_subsets : int, default=50
+        Number of random subsets, one retraining each.
     subset_fraction : float, default=0.5
         TRAK's ``alpha``.
     output : {"auto", "margin", "decision_function", "predict"} or callable, default="auto"
@@ -605,8 +612,11 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         ``attribute`` and a ``random_state`` parameter), fitted or not: it is cloned,
         never fitted itself.
     X : array-like of shape (n_train, n_features)
+        Training inputs.
     y : array-like of shape (n_train,) or (n_train, n_targets)
+        Training targets.
     X_query : array-like of shape (n_queries, n_features)
+        The queries whose outputs are recorded.
     y_query : array-like of shape (n_queries,), default=None
         Passed to ``attribute``: classifiers explain the margin of these labels (None:
         each model's predicted class).

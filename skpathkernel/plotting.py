@@ -110,6 +110,7 @@ class KernelMatrixDisplay:
     display_labels : array-like, default=None
         Tick label of each block, in block order; defaults to the block's class value.
     title : str, default=None
+        Title of the axes.
 
     Attributes
     ----------
@@ -187,9 +188,11 @@ class KernelMatrixDisplay:
         ax : matplotlib Axes, default=None
             Axes to draw on; a new figure is created when None.
         cmap : str or Colormap, default="viridis"
+            Matplotlib colormap.
         vmin, vmax : float, default=None
             Colour limits (default: the data's range).
         colorbar : bool, default=True
+            Whether to draw a colorbar.
         boundary_kw : dict, default=None
             Keyword arguments of the block-boundary lines (``ax.axhline``).
 
@@ -227,6 +230,7 @@ class KernelMatrixDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+            The fitted network whose recorded path is read.
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
@@ -280,9 +284,11 @@ class KernelNeighborsDisplay:
     y : ndarray of shape (n_train,)
         Their labels.
     anchors : ndarray of shape (n_anchors, 2)
+        The points whose kernel neighbours are drawn.
     neighbors : ndarray of int of shape (n_anchors, n_neighbors)
         Indices into ``X`` of each anchor's neighbours.
     title : str, default=None
+        Title of the axes.
 
     Attributes
     ----------
@@ -337,6 +343,7 @@ class KernelNeighborsDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
+            Axes to draw on; None creates a new figure.
         cmap : str or Colormap, default="coolwarm"
             Colours of the labels.
         legend : bool, default=True
@@ -389,7 +396,9 @@ class KernelNeighborsDisplay:
         estimator : fitted PathKernelMachine or PathKernelClassifier on 2-D inputs
             Its training inputs ``X_fit_`` are the candidates.
         anchors : array-like of shape (n_anchors, 2)
+            The points whose kernel neighbours are drawn.
         n_neighbors : int, default=100
+            Number of kernel neighbours drawn per anchor.
         y : array-like of shape (n_train,), default=None
             Labels of the training set, in fit order. None colours the points by the
             network's prediction instead (the estimator does not keep ``y``).
@@ -448,11 +457,14 @@ class KernelEvolutionDisplay:
     kernel_values : ndarray of shape (n_points, n_Y)
         ``K_t(x, y_j)`` at each of them.
     x : ndarray of shape (n_features,) or the estimator's ``input_shape_``
+        The fixed point.
     Y : ndarray of shape (n_Y, n_features) or (n_Y, ...)
+        The points whose kernel with ``x`` is drawn, one curve each.
     labels : list of str, default=None
         Legend entry of each ``y_j`` (default: its coordinates, or ``y_j`` for inputs of
         more than 4 values, such as images).
     ylabel : str, default="normalized tangent kernel"
+        Label of the y axis.
 
     Attributes
     ----------
@@ -488,7 +500,9 @@ class KernelEvolutionDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
+            Axes to draw on; None creates a new figure.
         legend : bool, default=True
+            Whether to draw a legend.
         **line_kw : dict
             Passed to ``ax.plot``.
 
@@ -528,9 +542,11 @@ class KernelEvolutionDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+            The fitted network whose recorded path is read.
         x : array-like of shape (n_features,) or the estimator's ``input_shape_``
             One input, without the sample axis.
         Y : array-like of shape (n_Y, n_features) or (n_Y, ...)
+            The points whose kernel with ``x`` is drawn, one curve each.
         steps : sequence of int, default=None
             Recorded points to evaluate (indices into ``trajectory_``; negative count from
             the end); None: all of them.
@@ -588,7 +604,9 @@ class RankGapDisplay:
     steps : ndarray of shape (n_points,)
         Optimizer step index of each recorded point shown.
     rank_train : ndarray of int of shape (n_points,)
+        Numerical rank of the tangent features of ``X_train`` at each point.
     rank_joint : ndarray of int of shape (n_points,)
+        Numerical rank of the tangent features of ``[X_train; X_test]`` at each point.
     rtol : float
         The relative tolerance the ranks were computed with.
 
@@ -628,7 +646,9 @@ class RankGapDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
+            Axes to draw on; None creates a new figure.
         legend : bool, default=True
+            Whether to draw a legend.
 
         Returns
         -------
@@ -656,8 +676,11 @@ class RankGapDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+            The fitted network whose recorded path is read.
         X_train : array-like of shape (n_train, n_features) or (n_train, ...)
+            The training inputs, whose tangent features span the reference space.
         X_test : array-like of shape (n_test, n_features) or (n_test, ...)
+            The inputs tested for leaving that span.
         steps : sequence of int, default=None
             Recorded points (None: all).
         rtol : float, default=None
@@ -668,6 +691,7 @@ class RankGapDisplay:
             so singular values below ``sqrt(n * eps) * sigma_max`` cannot be told from 0
             (3.4e-3 for 100 rows in float32, 1.5e-7 in float64).
         ax : matplotlib Axes, default=None
+            Axes to draw on; None creates a new figure.
 
         Returns
         -------
@@ -727,10 +751,13 @@ class TangentEmbeddingDisplay:
     Parameters
     ----------
     embedding : ndarray of shape (n_samples, 2)
+        The 2-D embedding of the tangent features, one row per sample.
     y : array-like of shape (n_samples,), default=None
+        Labels of the samples, for their colours; None draws one colour.
     method : str, default=None
         Name of the embedding method, for the title.
     title : str, default=None
+        Title of the axes.
 
     Attributes
     ----------
@@ -763,8 +790,11 @@ class TangentEmbeddingDisplay:
         Parameters
         ----------
         ax : matplotlib Axes, default=None
+            Axes to draw on; None creates a new figure.
         cmap : str or Colormap, default="tab10"
+            Matplotlib colormap.
         legend : bool, default=True
+            Whether to draw a legend.
         **scatter_kw : dict
             Passed to ``ax.scatter``.
 
@@ -813,7 +843,9 @@ class TangentEmbeddingDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+            The fitted network whose recorded path is read.
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            The samples, in the form the network was fitted on.
         y : array-like of shape (n_samples,), default=None
             Colours.
         step : int, default=-1

@@ -381,6 +381,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            Samples in the form the network was fitted on (see ``input_shape_``).
 
         Returns
         -------
@@ -400,6 +401,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            Samples in the form the network was fitted on (see ``input_shape_``).
 
         Returns
         -------
@@ -413,6 +415,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            Samples in the form the network was fitted on (see ``input_shape_``).
 
         Returns
         -------
@@ -439,6 +442,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            Samples in the form the network was fitted on (see ``input_shape_``).
 
         Returns
         -------

@@ -205,6 +205,7 @@ class Trajectory:
 
     @property
     def solver(self) -> str:
+        """Name of the optimizer: "sgd", "adam", "adamw" or "rmsprop"."""
         return self.solver_spec.name
 
     @property
@@ -214,10 +215,12 @@ class Trajectory:
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Parameter shapes, in the order of :attr:`names`."""
         return self._shapes
 
     @property
     def n_params(self) -> int:
+        """Number of scalar parameters ``P``, the length of a flat parameter vector."""
         return int(self._params.shape[1])
 
     @property
@@ -227,6 +230,7 @@ class Trajectory:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the recorded parameters."""
         return self._params.dtype
 
     @property
@@ -243,19 +247,42 @@ class Trajectory:
         return [idx[off[t] : off[t + 1]] for t in range(self.n_steps)]
 
     def batch(self, step: int) -> np.ndarray:
-        """Sample indices of the batch used by optimizer step ``step``."""
+        """Sample indices of the batch used by optimizer step ``step``.
+
+        Parameters
+        ----------
+        step : int
+            Optimizer step, ``0 <= step < n_steps``; negative values count from the end.
+
+        Returns
+        -------
+        indices : ndarray of int of shape (batch_size,)
+            Indices into the training set.
+        """
         step = check_index(step, "step", n=self.n_steps)
         return self._batch_indices[self._batch_offsets[step] : self._batch_offsets[step + 1]]
 
     @property
     def state_keys(self) -> tuple[str, ...]:
+        """Names of the recorded optimizer state tensors (empty for SGD)."""
         return tuple(self._states)
 
     def _point(self, k: int) -> int:
         return check_index(k, "point", n=len(self))
 
     def parameters(self, k: int = -1) -> torch.Tensor:
-        """Flat parameter vector (P,) at point ``k`` (a read-only view: clone to modify)."""
+        """Flat parameter vector (P,) at point ``k`` (a read-only view: clone to modify).
+
+        Parameters
+        ----------
+        k : int, default=-1
+            Recorded point, ``0 <= k < len(self)``; negative values count from the end.
+
+        Returns
+        -------
+        params : torch.Tensor of shape (n_params,)
+            The parameters, in the order of :attr:`names`.
+        """
         return self._read(self._params, self._point(k), "parameters")
 
     def state_dict(self, k: int = -1) -> OrderedDict[str, torch.Tensor]:
@@ -263,6 +290,16 @@ class Trajectory:
 
         Only parameters are included (no buffers), so load with ``strict=False`` for
         modules that also hold buffers.
+
+        Parameters
+        ----------
+        k : int, default=-1
+            Recorded point, ``0 <= k < len(self)``; negative values count from the end.
+
+        Returns
+        -------
+        state_dict : OrderedDict of str to torch.Tensor
+            Parameter name to a copy of the parameter.
         """
         return OrderedDict(zip(self._names, self._unflatten(self.parameters(k).clone())))
 
@@ -273,6 +310,16 @@ class Trajectory:
         for SGD, plus ``"step"``, the optimizer's step count, as a scalar tensor. First
         moments and momentum buffers are not recorded: they follow from consecutive points.
         Valid for ``0 <= k < len(self) - 1``.
+
+        Parameters
+        ----------
+        k : int, default=-1
+            Recorded point the step leaves; negative values count from the end.
+
+        Returns
+        -------
+        state : dict of str to torch.Tensor
+            State name to a flat tensor of shape (n_params,), and ``"step"``.
         """
         k = check_index(k, "step point", n=len(self) - 1)
         out = {key: self._read(val, k, key) for key, val in self._states.items()}
@@ -284,6 +331,16 @@ class Trajectory:
 
         ``None`` for SGD (the identity). Adam / AdamW: ``1 / (sqrt(v_hat) + eps)`` with
         torch.optim's bias correction; RMSprop: ``1 / (sqrt(v) + eps)``.
+
+        Parameters
+        ----------
+        k : int, default=-1
+            Recorded point the step leaves; negative values count from the end.
+
+        Returns
+        -------
+        diagonal : torch.Tensor of shape (n_params,) or None
+            The diagonal, None for SGD.
         """
         spec = self.solver_spec
         if spec.name == "sgd":
@@ -332,7 +389,18 @@ class Trajectory:
         return coef, float(spec.momentum) if spec.name == "sgd" else 0.0
 
     def unflatten(self, flat: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
-        """Split a flat (..., P) tensor into named parameter-shaped views."""
+        """Split a flat (..., P) tensor into named parameter-shaped views.
+
+        Parameters
+        ----------
+        flat : torch.Tensor of shape (..., n_params)
+            Flat vectors in the order of :attr:`names`.
+
+        Returns
+        -------
+        params : OrderedDict of str to torch.Tensor
+            Parameter name to a view of shape ``(..., *shape)``.
+        """
         return OrderedDict(zip(self._names, self._unflatten(flat)))
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -354,6 +422,11 @@ class Trajectory:
         directory), with its description in ``path/trajectory.pt``; it is no longer
         temporary, and this object reads from its new place. Chunks that a full disk
         kept in memory during recording are written there now.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            File (in memory) or directory (on disk) to write.
         """
         store = self._store
         if store is None:
@@ -403,6 +476,16 @@ class Trajectory:
 
         A directory (an on-disk trajectory) is opened lazily: its chunk files are read
         when points are, and only their headers are checked now.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            A file or directory written by :meth:`save`.
+
+        Returns
+        -------
+        trajectory : Trajectory
+            The trajectory read.
         """
         directory = os.fspath(path) if os.path.isdir(path) else None
         meta = os.path.join(directory, META_FILE) if directory else path

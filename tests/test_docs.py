@@ -1,0 +1,91 @@
+"""Every Python block of the README and of the user guide runs as written, page by page.
+
+sybil parses the blocks; each page is one test that evaluates its blocks in page order in
+one namespace, as a reader pasting them into one interpreter would. One test per page (not
+one per block) keeps a page's blocks on one pytest-xdist worker.
+"""
+
+import re
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+from sklearn.exceptions import ConvergenceWarning
+from sybil import Document
+from sybil.parsers import markdown, rest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "user_guide"
+
+# Pages over about 20 s on a 2-core machine; CI still runs them (it selects no marker).
+SLOW = {"attribution.rst", "inputs.rst", "choosing.rst", "training.rst", "README.md"}
+# Pages that start a dask.distributed cluster, deselected with the dask tests.
+DASK = {"scaling.rst"}
+# Pages of formulas and derivations only, with nothing a user calls.
+NO_CODE = {"theory.rst"}
+
+PAGES = [README, *sorted(p for p in GUIDE.glob("*.rst") if p.name != "index.rst")]
+
+
+def _parse(path):
+    """The page as a sybil Document: its Python blocks and its ``skip`` directives."""
+    lang = markdown if path.suffix == ".md" else rest
+    return Document.parse(str(path), lang.PythonCodeBlockParser(), lang.SkipParser())
+
+
+def _marks(path):
+    marks = [pytest.mark.slow] if path.name in SLOW else []
+    return marks + ([pytest.mark.dask] if path.name in DASK else [])
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p), id=p.name) for p in PAGES])
+def test_page_blocks_run(path, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    # Blocks write files (a saved path, a saved model): into a temporary folder.
+    monkeypatch.chdir(tmp_path)
+    document = _parse(path)
+    # As in a script the reader runs, so that `if __name__ == "__main__":` blocks run.
+    document.namespace["__name__"] = "__main__"
+    examples = list(document)
+    try:
+        with warnings.catch_warnings():
+            # A block that leaves a reader with a ConvergenceWarning is a wrong example.
+            warnings.simplefilter("error", ConvergenceWarning)
+            for example in examples:
+                example.evaluate()
+    finally:
+        plt.close("all")
+    # A page whose blocks were all dropped by the parser (a wrong language tag, a stray
+    # skip) would pass without running anything.
+    ran = any(e.region.evaluator is not None for e in examples)
+    assert ran != (path.name in NO_CODE), f"{path.name}: blocks run: {ran}"
+    if path == README:
+        # What the README says its blocks leave behind: a saved path and an exact split.
+        assert (tmp_path / "path.pt").exists()
+        assert document.namespace["res"].error < 1e-4
+
+
+@pytest.mark.parametrize("path", PAGES[1:], ids=lambda p: p.name)
+def test_no_untested_literal_blocks(path):
+    """Code on a page sits in ``code-block`` directives with a language, which sybil reads.
+
+    A bare ``::`` literal block would be shown as code but never run.
+    """
+    bare = [
+        i + 1
+        for i, line in enumerate(path.read_text().splitlines())
+        if line.rstrip().endswith("::") and not line.lstrip().startswith("..")
+    ]
+    assert not bare, f"{path.name}: literal blocks at lines {bare}; use `.. code-block:: python`"
+
+
+def test_readme_blocks_have_a_language():
+    fences = re.findall(r"^```(\S*)$", README.read_text(), flags=re.M)
+    # Opening fences carry a language; closing ones are bare: they alternate.
+    assert all(fences[0::2]) and not any(fences[1::2])

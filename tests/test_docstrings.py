@@ -64,7 +64,6 @@ KNOWN = {
     # skpathkernel/_network.py
     ("skpathkernel.TrainedNetwork.attribute", "PR07"),
     ("skpathkernel.TrainedNetwork.check", "PR07"),
-    ("skpathkernel.TrainedNetwork.decompose", "PR07"),
     ("skpathkernel.TrainedNetwork.for_workers", "RT01"),
     ("skpathkernel.TrainedNetwork.params_at", "PR01"),
     ("skpathkernel.TrainedNetwork.params_at", "RT01"),
@@ -78,14 +77,12 @@ KNOWN = {
     ("skpathkernel.PathRecorder.as_estimator", "PR01"),
     ("skpathkernel.PathRecorder.as_estimator", "RT01"),
     ("skpathkernel.RecordedNetwork", "PR07"),
-    ("skpathkernel.RecordedNetwork.attribute", "PR07"),
     ("skpathkernel.RecordedNetwork.fit", "PR01"),
     ("skpathkernel.RecordedNetwork.fit", "RT01"),
     ("skpathkernel.RecordedNetwork.input_shape_", "GL08"),
     ("skpathkernel.RecordedNetwork.n_features_in_", "GL08"),
     ("skpathkernel.RecordedNetwork.predict", "PR01"),
     ("skpathkernel.RecordedNetwork.predict", "RT01"),
-    ("skpathkernel.RecordedNetwork.self_influence", "PR07"),
     # skpathkernel/_svm.py
     ("skpathkernel.TangentFeatureSVM.decision_function", "PR01"),
     ("skpathkernel.TangentFeatureSVM.predict", "PR01"),

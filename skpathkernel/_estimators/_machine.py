@@ -579,11 +579,14 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            This call's training inputs (appended to ``X_fit_``).
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+            Their targets.
 
         Returns
         -------
         self : PathKernelMachine
+            The estimator, one epoch further along its path.
 
         Examples
         --------
@@ -751,6 +754,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            This call's training inputs (appended to ``X_fit_``).
         y : array-like of shape (n_samples,)
             Labels among ``classes``.
         classes : array-like of shape (n_classes,), default=None

@@ -326,6 +326,26 @@ class TrainedNetwork:
         The default MLP's ``nn.Linear`` widths for 2-D features; for any other network
         measured on one forward pass of the first training input (kept), or without
         training inputs of the first row of ``X`` (a checked array).
+
+        Parameters
+        ----------
+        X : ndarray of shape (n_samples, ...), default=None
+            Inputs to measure on when the network keeps no training inputs.
+
+        Returns
+        -------
+        widths : list of int
+            Values per sample of the input, the outputs and every activation.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.random.RandomState(0).randn(20, 3); y = X.sum(axis=1)
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8, 4), max_iter=2, tol=None,
+        ...                         random_state=0).fit(X, y)
+        >>> est.network_.activation_widths()
+        [8, 4, 1]
         """
         kept = self.__dict__.get("_widths")
         if kept is not None:

@@ -56,8 +56,27 @@ class TrainingDivergedError(ValueError):
 
 
 class DivergenceWarning(ConvergenceWarning):
-    """Training ran to the end with finite values, but diverged: the loss ended far above
-    where it started, or the parameters grew by orders of magnitude."""
+    """Training ran to the end with finite values, but diverged.
+
+    Raised as a warning when the last epoch's loss is over 100 times the first epoch's,
+    or when the parameters grew over 1000-fold while the loss did not come down. Values
+    that overflow raise :class:`TrainingDivergedError` instead.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> import numpy as np
+    >>> from skpathkernel import DivergenceWarning, PathKernelMachine
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.randn(40, 3); y = X @ [1.0, -2.0, 0.5]
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam",
+    ...                         learning_rate_init=1e6, max_iter=20, random_state=0)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = est.fit(X, y)
+    >>> any(issubclass(w.category, DivergenceWarning) for w in caught)
+    True
+    """
 
 
 def make_optimizer(params, spec: SolverSpec, lr: float) -> torch.optim.Optimizer:

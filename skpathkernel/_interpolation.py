@@ -77,6 +77,7 @@ from ._tangent import capture, forward, hidden_reads, tangent_features
 from ._tangent._contract import dense_grad
 from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._trajectory import Trajectory
+from ._unrolled import _caller_stacklevel
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
 
@@ -94,6 +95,9 @@ FACTORS = 4
 # A residual that stops falling below FLOOR_MAX * eps * spread is round-off, not a kink
 # (relu kinks leave residuals orders of magnitude above it).
 FLOOR_MAX = 100
+# The relative reconstruction error that an exact decomposition reaches beyond its
+# quadrature residuals, from the linear algebra's round-off; larger ones warn.
+INEXACT_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
 @dataclass
@@ -364,7 +368,10 @@ def _route(traj: Trajectory, method: str) -> str:
     if method == "second_order":
         return "dense"
     spec = traj.solver_spec
-    if spec.name == "sgd" and spec.momentum == 0:
+    # Parameter groups with their own step sizes make plain SGD's step preconditioned.
+    grouped = traj._group_lrs is not None and any(
+        traj.step_size_scales(k) is not None for k in range(len(traj) - 1))
+    if spec.name == "sgd" and spec.momentum == 0 and not grouped:
         return "factor"
     return "adjoint"
 
@@ -387,6 +394,29 @@ def _batch_index(traj, t, weighting, N, device):
     if weighting == "realized":
         return torch.as_tensor(traj.batch(t), device=device)
     return torch.arange(N, device=device)
+
+
+def _sample_weights(traj, t, weighting, N, device) -> torch.Tensor:
+    """Each sample's weight in step t's gradient (float64, in the order of
+    :func:`_batch_index`): its weight in the loss times the step's gradient scale
+    (clipping)."""
+    w = traj.batch_weights(t) if weighting == "realized" else np.full(N, 1.0 / N)
+    return torch.as_tensor(w * float(traj.gradient_scales[t]), dtype=torch.float64,
+                           device=device)
+
+
+def _decay_direction(traj, j, theta, decoupled) -> torch.Tensor:
+    """``theta`` times each parameter's weight decay over the solver's (1 without
+    parameter groups) and, for decoupled decay, its step size scale: what multiplies
+    ``weight_decay`` (and ``lr``) in the step."""
+    wd = traj.weight_decays()
+    ratio = None if wd is None else wd / traj.solver_spec.weight_decay
+    if decoupled:
+        scales = traj.step_size_scales(j)
+        if scales is not None:
+            ratio = scales if ratio is None else ratio * scales
+    return theta if ratio is None else theta * ratio.to(device=theta.device,
+                                                        dtype=theta.dtype)
 
 
 class _Context:
@@ -427,17 +457,18 @@ class _Context:
         return out
 
     def batches(self, t, theta):
-        """The step's batch in blocks: (indices, factors, dhat) at theta_t."""
+        """The step's batch in blocks: (indices, weights, factors, dhat) at theta_t."""
         idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
+        w = _sample_weights(self.traj, t, self.weighting, len(self.X_train), self.device)
         params = _params(self.traj, theta)
         for b0 in range(0, len(idx), self.b_block):
-            sub = idx[b0 : b0 + self.b_block]
+            sub, w_sub = idx[b0 : b0 + self.b_block], w[b0 : b0 + self.b_block]
             Xb = self.X_train[sub]
             r = self.loss.residuals(forward(self.module, params, Xb), self.Y_train[sub])
             # The batch's factors enter only through their inputs and the loss-gradient
             # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
             terms = self.capture(theta, Xb, r)
-            yield sub, terms, [t.delta[:, 0] for t in terms]
+            yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
 
 
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
@@ -463,7 +494,8 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
     for j, steps in _intervals(traj):
         theta = traj.parameters(j).to(device)
         delta = nxt - theta
-        theta64 = _as_float64(traj, theta.to(torch.float64)) if wd else None
+        theta64 = (_as_float64(traj, _decay_direction(traj, j, theta.to(torch.float64),
+                                                      decoupled)) if wd else None)
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
         # Plain SGD's L2 share is lambda_t . wd theta_t = -lr_t rho_t . wd theta_t.
         along = wd and (decoupled or route == "factor")
@@ -505,14 +537,14 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
             if along:
                 reg += (-float(traj.learning_rates[j]) * wd if decoupled
                         else coef * wd) * rho_theta
-            n_batch = _batch_size(traj, t, ctx.weighting, N)
             if route == "factor":
-                for sub, terms, dhat in ctx.batches(t, theta):
+                for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     share = factor_shares(nodes, weights, terms, dhat)
-                    contrib.index_add_(1, sub, share.mul_(coef / n_batch).transpose(1, 2))
+                    share = share.mul_(coef).mul_(w_sub.to(share.dtype))
+                    contrib.index_add_(1, sub, share.transpose(1, 2))
                 continue
             updated = False
-            for sub, terms, dhat in ctx.batches(t, theta):
+            for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                 if not updated:
                     share, part = adjoint.step(nodes, weights, coef, D, terms, dhat, decay)
                     updated = True
@@ -520,7 +552,7 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
                     share, part = adjoint.contract(terms, dhat), None
                 if part is not None:
                     reg += part.view(n_q, n_out)
-                share = share.view(n_q, n_out, -1).div_(n_batch)
+                share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
                 contrib.index_add_(1, sub, share.transpose(1, 2))
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(nodes, weights, coef, D, None, None, decay)
@@ -537,10 +569,6 @@ def _intervals(traj):
     """
     for j in reversed(range(len(traj) - 1)):
         yield j, range(int(traj.steps[j + 1]) - 1, int(traj.steps[j]) - 1, -1)
-
-
-def _batch_size(traj, t, weighting, N):
-    return len(traj.batch(t)) if weighting == "realized" else N
 
 
 # --------------------------------------------------------------------------- dense
@@ -615,12 +643,14 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
             else:
                 lam.addcmul_(rho, D, value=scale)
             if spec.weight_decay:
+                direction = _decay_direction(traj, j, theta, decoupled)
                 if decoupled:
-                    decay = -float(traj.learning_rates[j]) * spec.weight_decay * theta
+                    decay = -float(traj.learning_rates[j]) * spec.weight_decay * direction
                     reg += (rho @ decay).double()
                 else:
-                    reg += (lam @ (spec.weight_decay * theta)).double()
+                    reg += (lam @ (spec.weight_decay * direction)).double()
             idx = _batch_index(traj, t, ctx.weighting, N, device)
+            w = _sample_weights(traj, t, ctx.weighting, N, device)
             for b0 in range(0, len(idx), ctx.b_block):
                 sub = idx[b0 : b0 + ctx.b_block]
                 r = ctx.loss.residuals(forward(module, params, ctx.X_train[sub]),
@@ -628,7 +658,8 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                 # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
                 g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
                 share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
-                contrib.index_add_(1, sub, share.transpose(1, 2).double() / len(idx))
+                contrib.index_add_(1, sub, share.transpose(1, 2).double()
+                                   * w[b0 : b0 + ctx.b_block, None])
     return contrib, reg
 
 
@@ -721,6 +752,10 @@ def decompose(
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     if exact:
         result.n_nodes, result.step_errors, result.tol = quad.n_used, quad.errors, tol
+    # Judged in the network's units, against the path's own scale.
+    # The expected weighting is an approximation for minibatches, by design.
+    inexact = (_inexact(result, quad, tol, scale, dtype) if exact and not thinned
+               and not quad.failed and weighting == "realized" else None)
     if units is not None:
         result = units(result)
     if exact:
@@ -738,6 +773,8 @@ def decompose(
                 "to integrate; a smaller learning rate or a smooth activation helps.",
                 ConvergenceWarning, stacklevel=3,
             )
+    if inexact is not None:
+        _warn_inexact(result, inexact)
     if thinned:
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         warnings.warn(
@@ -751,6 +788,43 @@ def decompose(
             UserWarning, stacklevel=3,
         )
     return result
+
+
+def _inexact(result: Decomposition, quad: _Quadrature, tol, scale, dtype) -> float | None:
+    """The relative reconstruction error of an exact decomposition when it exceeds what
+    the quadrature and the dtype allow, else None.
+
+    Everything but the quadrature is linear algebra on the recorded path, so the
+    reconstruction misses the prediction by at most the steps' measured residuals
+    (``step_errors``) plus round-off. A larger miss means that the steps were not the
+    ones the decomposition models (see :func:`_warn_inexact`).
+    """
+    if not len(result.prediction):
+        return None
+    size = max(scale, float(np.abs(result.prediction).max()), 1e-300)
+    allowed = float(np.sum(quad.errors)) + max(tol or 0.0, INEXACT_FLOOR[dtype]) * size
+    if result.error <= allowed:
+        return None
+    return result.error / size
+
+
+def _warn_inexact(result: Decomposition, relative: float) -> None:
+    change = float(np.abs(result.prediction - result.initial).max())
+    warnings.warn(
+        f"decompose(method='exact'): the reconstruction misses the prediction by "
+        f"{result.error:.3g} ({relative:.2g} relative to the largest |f| along the path, "
+        f"{result.error / max(change, 1e-300):.2g} times the largest change of the output "
+        f"since initialization; Decomposition.error), far above the quadrature's "
+        f"measured error and the dtype's round-off. The recorded steps are not the ones "
+        "the decomposition models: likely causes are batches that were not declared or "
+        "only partly declared (set_batch with one process's shard of a distributed "
+        "batch, a wrong index), a loss, inputs or targets other than the ones the "
+        "optimizer saw, or a change of the gradients between backward() and "
+        "optimizer.step() that the record does not hold (clipping, noise, gradient "
+        "surgery). The contributions do not add up to the prediction (attribute and "
+        "explain read this decomposition).",
+        UserWarning, stacklevel=_caller_stacklevel(),
+    )
 
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quad,

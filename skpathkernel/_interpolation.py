@@ -79,7 +79,7 @@ from ._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._trajectory import Trajectory
 from ._unrolled import _caller_stacklevel
 
-__all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
+__all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -679,6 +679,7 @@ def decompose(
     memory_budget: int = 2**30,
     units=None,
     weights=None,
+    warn: bool = True,
 ) -> Decomposition:
     """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc).
 
@@ -695,6 +696,9 @@ def decompose(
     ``tol``, ``step_errors`` and ``error`` are those of the contracted output. (The
     batch side is captured the same way with or without weights: one backward pass of
     ``r_i . f(x_i)``, its loss residuals as the seed.)
+
+    ``warn=False`` returns ``(result, checks)`` in the network's units, for query blocks
+    computed apart: :func:`merge` joins them and :func:`finish` maps and warns.
     """
     # A thinned path (record_every > 1) has no parameters between its recorded points:
     # each of an interval's steps takes the interval's segment (its f-change is still
@@ -752,45 +756,95 @@ def decompose(
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     if exact:
         result.n_nodes, result.step_errors, result.tol = quad.n_used, quad.errors, tol
-    # Judged in the network's units, against the path's own scale.
-    # The expected weighting is an approximation for minibatches, by design.
-    inexact = (_inexact(result, quad, tol, scale, dtype) if exact and not thinned
-               and not quad.failed and weighting == "realized" else None)
+    checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
+                     tol=tol, scale=scale, dtype=dtype,
+                     failed=dict(quad.failed) if exact else {}, n_steps=len(traj) - 1,
+                     record_every=traj.record_every)
+    if not warn:
+        return result, checks
+    return finish(result, checks, units)
+
+
+@dataclass
+class _Checks:
+    """What the warnings about a decomposition need besides the result itself."""
+
+    exact: bool
+    thinned: bool
+    method: str
+    weighting: str
+    tol: float | None
+    scale: float | None
+    dtype: torch.dtype
+    failed: dict
+    n_steps: int
+    record_every: int
+
+
+def merge(parts: list) -> tuple[Decomposition, _Checks]:
+    """The ``(result, checks)`` of query blocks (``decompose(..., warn=False)``) as one."""
+    results, checks = [p[0] for p in parts], [p[1] for p in parts]
+    first = results[0]
+    merged = Decomposition(
+        initial=np.concatenate([r.initial for r in results]),
+        contributions=np.concatenate([r.contributions for r in results]),
+        regularization=np.concatenate([r.regularization for r in results]),
+        prediction=np.concatenate([r.prediction for r in results]),
+        error=max(r.error for r in results), method=first.method,
+        weighting=first.weighting, tol=first.tol)
+    if first.n_nodes is not None:  # the blocks' largest, as within one call
+        merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
+        merged.step_errors = np.max([r.step_errors for r in results], axis=0)
+    failed = {}
+    for c in checks:
+        for t, r in c.failed.items():
+            failed[t] = max(r, failed.get(t, 0.0))
+    c0 = checks[0]
+    scale = None if c0.scale is None else max(c.scale for c in checks)
+    return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed})
+
+
+def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
+    """Map the result into the caller's units and warn where it is not exact."""
+    # Judged in the network's units, against the path's own scale. The expected
+    # weighting is an approximation for minibatches, by design.
+    inexact = (_inexact(result, checks) if checks.exact and not checks.thinned
+               and not checks.failed and checks.weighting == "realized" else None)
     if units is not None:
         result = units(result)
-    if exact:
-        if quad.failed:
-            steps = sorted(quad.failed)
-            listed = ", ".join(f"{t} (residual {quad.failed[t]:.1e})" for t in steps[:5])
-            more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
-            warnings.warn(
-                f"decompose(method='exact'): the quadrature of {len(steps)} of "
-                f"{len(traj) - 1} steps did not reach tol={tol:g} (relative to the largest "
-                f"|f| along the path, {scale:.3g}) within {MAX_NODES} Gauss-Legendre nodes "
-                f"or stopped converging: steps {listed}{more}. The achieved error is "
-                f"{result.error:.3g} (Decomposition.error; per step: step_errors). A "
-                "non-smooth activation (relu) or very large steps make the integrand hard "
-                "to integrate; a smaller learning rate or a smooth activation helps.",
-                ConvergenceWarning, stacklevel=3,
-            )
+    if checks.failed:
+        steps = sorted(checks.failed)
+        listed = ", ".join(f"{t} (residual {checks.failed[t]:.1e})" for t in steps[:5])
+        more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+        warnings.warn(
+            f"decompose(method='exact'): the quadrature of {len(steps)} of "
+            f"{checks.n_steps} steps did not reach tol={checks.tol:g} (relative to the "
+            f"largest |f| along the path, {checks.scale:.3g}) within {MAX_NODES} "
+            f"Gauss-Legendre nodes or stopped converging: steps {listed}{more}. The "
+            f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
+            "step_errors). A non-smooth activation (relu) or very large steps make the "
+            "integrand hard to integrate; a smaller learning rate or a smooth activation "
+            "helps.",
+            ConvergenceWarning, stacklevel=_caller_stacklevel(),
+        )
     if inexact is not None:
         _warn_inexact(result, inexact)
-    if thinned:
+    if checks.thinned:
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         warnings.warn(
-            f"decompose(method={method!r}): the path was recorded every "
-            f"{traj.record_every} optimizer steps, so the steps between two recorded points "
-            "are attributed with their batches' gradients at the interval's first point. "
-            f"The reconstruction error is {result.error:.3g} "
+            f"decompose(method={checks.method!r}): the path was recorded every "
+            f"{checks.record_every} optimizer steps, so the steps between two recorded "
+            "points are attributed with their batches' gradients at the interval's first "
+            f"point. The reconstruction error is {result.error:.3g} "
             f"({result.error / max(size, 1e-300):.2g} "
             f"relative; Decomposition.error), not round-off. Refit with record_every=1 "
             "(and a larger memory_budget if the path needs it) for the exact decomposition.",
-            UserWarning, stacklevel=3,
+            UserWarning, stacklevel=_caller_stacklevel(),
         )
     return result
 
 
-def _inexact(result: Decomposition, quad: _Quadrature, tol, scale, dtype) -> float | None:
+def _inexact(result: Decomposition, checks: _Checks) -> float | None:
     """The relative reconstruction error of an exact decomposition when it exceeds what
     the quadrature and the dtype allow, else None.
 
@@ -801,8 +855,9 @@ def _inexact(result: Decomposition, quad: _Quadrature, tol, scale, dtype) -> flo
     """
     if not len(result.prediction):
         return None
-    size = max(scale, float(np.abs(result.prediction).max()), 1e-300)
-    allowed = float(np.sum(quad.errors)) + max(tol or 0.0, INEXACT_FLOOR[dtype]) * size
+    size = max(checks.scale, float(np.abs(result.prediction).max()), 1e-300)
+    allowed = (float(np.sum(result.step_errors))
+               + max(checks.tol or 0.0, INEXACT_FLOOR[checks.dtype]) * size)
     if result.error <= allowed:
         return None
     return result.error / size

@@ -100,7 +100,8 @@ class _KernelMachineMixin(TransformerMixin):
         check_is_fitted(self)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
 
-    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None):
+    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None,
+                  n_jobs=None):
         """Decompose every prediction over the training points.
 
         ``f(x; theta_T) = f(x; theta_0) + sum_i a_i(x) + a_reg(x)``, where ``a_i(x)`` is
@@ -137,6 +138,10 @@ class _KernelMachineMixin(TransformerMixin):
             nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
             naming the step; ``error`` is always the achieved one. Ignored by the other
             methods.
+        n_jobs : int, default=None
+            Query blocks on joblib workers (Dask under
+            ``joblib.parallel_config(backend="dask")``); each block chooses its nodes for
+            ``tol`` on its own, so the result agrees with the serial one to ``tol``.
 
         Returns
         -------
@@ -178,7 +183,7 @@ class _KernelMachineMixin(TransformerMixin):
         # The network's loss is the one it was trained with: set_params(loss=...) after
         # fit must not change what the fitted path is decomposed with.
         return network_of(self).decompose(
-            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
+            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol, n_jobs=n_jobs,
             units=lambda res: in_target_units(res, mean, scale))
 
     def transform(self, X):
@@ -264,8 +269,9 @@ class _KernelMachineMixin(TransformerMixin):
         tol : float, default=None
             Relative quadrature tolerance of "exact", see :meth:`decompose`.
         n_jobs : int, default=None
-            ``method="unrolled"``: query blocks (each within ``memory_budget``) on joblib
-            workers; the same scores as serial. ``None`` means 1 unless in a
+            Query blocks (each within ``memory_budget``) on joblib workers; the same
+            scores as serial ("unrolled"), or to ``tol`` ("exact", whose blocks choose
+            their quadrature nodes on their own). ``None`` means 1 unless in a
             ``joblib.parallel_config`` context.
 
         Returns

@@ -27,6 +27,7 @@ from ._attribution import check_output, class_indices, output_weights, query_cod
 from ._device import to_input_tensor, to_tensor
 from ._inputs import FEATURES, FLOAT, TOKENS, check_input
 from ._losses import LOSSES, Loss
+from ._parallel import map_row_blocks, n_row_blocks
 from ._trajectory import Trajectory
 from ._unrolled import AttributionScores, unrolled_scores
 
@@ -348,7 +349,7 @@ class TrainedNetwork:
     # ------------------------------------------------------------------ decomposition
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None, weights=None,
-                  units=None):
+                  units=None, n_jobs: int | None = None):
         """Decompose ``f(X; theta_T)`` over the training inputs.
 
         The computation of :meth:`PathKernelMachine.decompose
@@ -367,6 +368,12 @@ class TrainedNetwork:
             Decompose the contracted output ``w_q . f(x_q)`` instead of every output.
         units : callable or None, default=None
             Maps the result into other units (the estimators' target scaling).
+        n_jobs : int or None, default=None
+            Query blocks on joblib workers (one contiguous block per worker); under
+            ``joblib.parallel_config(backend="dask")`` on a Dask cluster, an on-disk
+            trajectory travelling as a reference to its directory. Each block chooses
+            its quadrature nodes for ``tol`` on its own, so results agree with the
+            serial ones to ``tol`` (the warnings judge the joined result).
 
         Returns
         -------
@@ -379,12 +386,24 @@ class TrainedNetwork:
             recorded batches.
         """
         check_decompose_args(method, weighting, n_nodes, tol)
-        Xq = self.tensor(self.check(X))
+        X = self.check(X)
+        self._training_data()  # its errors here, not on the workers
+        kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol)
+        if n_row_blocks(n_jobs, X) == 1:
+            return _interpolation.finish(*self._decompose_block(X, weights, kwargs), units)
+        net = self.for_workers()
+        weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        # Row blocks of the queries with their rows of the weights.
+        rows = np.arange(len(X))
+        parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs)
+        return _interpolation.finish(*_interpolation.merge(parts), units)
+
+    def _decompose_block(self, X, weights, kwargs):
+        """``(result, checks)`` of the queries X in the network's units, no warnings."""
         X_fit, Y_fit = self._training_data()
         return _interpolation.decompose(
-            self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
-            weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
-            weights=weights, units=units)
+            self.module, self.trajectory, X_fit, Y_fit, self.loss, self.tensor(X),
+            memory_budget=self.memory_budget, weights=weights, warn=False, **kwargs)
 
     # ------------------------------------------------------------------ attribution
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
@@ -409,7 +428,7 @@ class TrainedNetwork:
         n_nodes : int, default=None
         tol : float, default=None
         n_jobs : int, default=None
-            ``method="unrolled"``: query blocks on joblib workers.
+            Query blocks on joblib workers (as in :meth:`decompose`).
 
         Returns
         -------
@@ -442,7 +461,7 @@ class TrainedNetwork:
             return unrolled_scores(self, X_fit, Y_fit, self.tensor(X), weights,
                                    n_jobs=n_jobs)
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
-                              tol=tol, weights=weights).contributions[:, :, 0]
+                              tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
 
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         """Each training point's counterfactual score for its own output.
@@ -530,6 +549,14 @@ class TrainedNetwork:
         (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared.
         """
         return self.replace(trajectory=self.trajectory.for_workers())
+
+
+def _decompose_rows(rows, X, weights, net: TrainedNetwork, kwargs):
+    """One query block's ``(result, checks)`` on a joblib worker (its own module: the
+    engine hooks the module it runs, and threads share the network)."""
+    block = slice(int(rows[0]), int(rows[-1]) + 1)
+    return net.with_own_module()._decompose_block(
+        X[block], None if weights is None else weights[block], kwargs)
 
 
 def _as_array(values) -> np.ndarray:

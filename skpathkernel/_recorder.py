@@ -856,7 +856,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         return self._network().outputs(X)
 
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
-                  n_nodes: int | None = None, tol: float | None = None):
+                  n_nodes: int | None = None, tol: float | None = None,
+                  n_jobs: int | None = None):
         """Decompose ``f(X; theta_T)`` over the declared training inputs.
 
         Same result as :meth:`PathKernelMachine.decompose
@@ -876,13 +877,15 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
             Relative quadrature tolerance of "exact" (1e-12 in float64, 1e-6 in
             float32 when None); see :meth:`PathKernelMachine.decompose
             <skpathkernel.PathKernelMachine.decompose>`.
+        n_jobs : int, default=None
+            Query blocks on joblib workers.
 
         Returns
         -------
         result : Decomposition
         """
         return self._network().decompose(X, method=method, weighting=weighting,
-                                         n_nodes=n_nodes, tol=tol)
+                                         n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None, tol: float | None = None,
@@ -913,7 +916,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         tol : float, default=None
             Relative quadrature tolerance of "exact", see :meth:`decompose`.
         n_jobs : int, default=None
-            ``method="unrolled"``: query blocks on joblib workers.
+            Query blocks on joblib workers.
 
         Returns
         -------

@@ -58,6 +58,8 @@ def _run(rank, world, out, scenario):
             os._exit(1)  # after the all-reduce, before the step: the gather finds it gone
         if scenario == "out_of_range" and rank == 1 and t == 2:
             idx = np.append(idx, N)
+        if scenario == "disagree" and rank == 1 and t == 2:
+            rec._step += 1  # as if this rank's recorder had seen one step more
         if not (scenario == "undeclared" and rank == 1 and t == 2):
             rec.set_batch(idx)
         try:

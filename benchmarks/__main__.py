@@ -65,6 +65,8 @@ TABLES = {
                     "functions"),
     "attribute_cost": ("benchmarks.bench_attribute_cost",
                        "attribute against decompose on a 10-class network"),
+    "distributed": ("benchmarks.bench_distributed",
+                    "Recording a DDP run, and decompose on joblib workers"),
 }
 GROUPS = ["gram", "gram_nets", "path", *TABLES]
 

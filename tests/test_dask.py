@@ -175,3 +175,19 @@ def test_path_kernel_split_over_steps_on_the_cluster(client, data, storage):
         assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
     if storage == "disk":  # the workers only referenced it: still this estimator's own
         assert est.trajectory_._store.owned
+
+
+def test_decompose_and_attribute_query_blocks_on_the_cluster(client, data):
+    # The on-disk path travels as a reference to its directory; the blocks choose their
+    # quadrature nodes on their own, so they agree with the serial call to tol.
+    X, y, _ = data
+    est = PathKernelMachine(solver="adam", trajectory_storage="disk", **NET).fit(X, y)
+    Xq = X[:9] + 0.05
+    serial, scores = est.decompose(Xq), est.attribute(Xq)
+    with joblib.parallel_config(backend="dask"):
+        split, split_scores = est.decompose(Xq, n_jobs=-1), est.attribute(Xq, n_jobs=-1)
+    size = np.abs(serial.prediction).max()
+    assert_allclose(split.contributions, serial.contributions, rtol=0, atol=1e-12 * size)
+    assert_allclose(split.reconstruction, serial.prediction, rtol=0, atol=1e-12 * size)
+    assert_allclose(split_scores, scores, rtol=0, atol=1e-12 * size)
+    assert est.trajectory_._store.owned  # the workers only referenced it

@@ -77,8 +77,9 @@ from .._path._trajectory import Trajectory
 from .._tangent import capture, forward, hidden_reads, tangent_features
 from .._tangent._contract import dense_grad
 from .._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
+from .._warnings import caller_stacklevel
 
-__all__ = ["Decomposition", "check_tol", "decompose", "default_tol"]
+__all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -94,6 +95,9 @@ FACTORS = 4
 # A residual that stops falling below FLOOR_MAX * eps * spread is round-off, not a kink
 # (relu kinks leave residuals orders of magnitude above it).
 FLOOR_MAX = 100
+# The relative reconstruction error that an exact decomposition reaches beyond its
+# quadrature residuals, from the linear algebra's round-off; larger ones warn.
+INEXACT_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
 @dataclass
@@ -364,7 +368,10 @@ def _route(traj: Trajectory, method: str) -> str:
     if method == "second_order":
         return "dense"
     spec = traj.solver_spec
-    if spec.name == "sgd" and spec.momentum == 0:
+    # Parameter groups with their own step sizes make plain SGD's step preconditioned.
+    grouped = traj._group_lrs is not None and any(
+        traj.step_size_scales(k) is not None for k in range(len(traj) - 1))
+    if spec.name == "sgd" and spec.momentum == 0 and not grouped:
         return "factor"
     return "adjoint"
 
@@ -387,6 +394,29 @@ def _batch_index(traj, t, weighting, N, device):
     if weighting == "realized":
         return torch.as_tensor(traj.batch(t), device=device)
     return torch.arange(N, device=device)
+
+
+def _sample_weights(traj, t, weighting, N, device) -> torch.Tensor:
+    """Each sample's weight in step t's gradient (float64, in the order of
+    :func:`_batch_index`): its weight in the loss times the step's gradient scale
+    (clipping)."""
+    w = traj.batch_weights(t) if weighting == "realized" else np.full(N, 1.0 / N)
+    return torch.as_tensor(w * float(traj.gradient_scales[t]), dtype=torch.float64,
+                           device=device)
+
+
+def _decay_direction(traj, j, theta, decoupled) -> torch.Tensor:
+    """``theta`` times each parameter's weight decay over the solver's (1 without
+    parameter groups) and, for decoupled decay, its step size scale: what multiplies
+    ``weight_decay`` (and ``lr``) in the step."""
+    wd = traj.weight_decays()
+    ratio = None if wd is None else wd / traj.solver_spec.weight_decay
+    if decoupled:
+        scales = traj.step_size_scales(j)
+        if scales is not None:
+            ratio = scales if ratio is None else ratio * scales
+    return theta if ratio is None else theta * ratio.to(device=theta.device,
+                                                        dtype=theta.dtype)
 
 
 class _Context:
@@ -427,17 +457,18 @@ class _Context:
         return out
 
     def batches(self, t, theta):
-        """The step's batch in blocks: (indices, factors, dhat) at theta_t."""
+        """The step's batch in blocks: (indices, weights, factors, dhat) at theta_t."""
         idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
+        w = _sample_weights(self.traj, t, self.weighting, len(self.X_train), self.device)
         params = _params(self.traj, theta)
         for b0 in range(0, len(idx), self.b_block):
-            sub = idx[b0 : b0 + self.b_block]
+            sub, w_sub = idx[b0 : b0 + self.b_block], w[b0 : b0 + self.b_block]
             Xb = self.X_train[sub]
             r = self.loss.residuals(forward(self.module, params, Xb), self.Y_train[sub])
             # The batch's factors enter only through their inputs and the loss-gradient
             # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
             terms = self.capture(theta, Xb, r)
-            yield sub, terms, [t.delta[:, 0] for t in terms]
+            yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
 
 
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
@@ -463,7 +494,8 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
     for j, steps in _intervals(traj):
         theta = traj.parameters(j).to(device)
         delta = nxt - theta
-        theta64 = _as_float64(traj, theta.to(torch.float64)) if wd else None
+        theta64 = (_as_float64(traj, _decay_direction(traj, j, theta.to(torch.float64),
+                                                      decoupled)) if wd else None)
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
         # Plain SGD's L2 share is lambda_t . wd theta_t = -lr_t rho_t . wd theta_t.
         along = wd and (decoupled or route == "factor")
@@ -505,14 +537,14 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
             if along:
                 reg += (-float(traj.learning_rates[j]) * wd if decoupled
                         else coef * wd) * rho_theta
-            n_batch = _batch_size(traj, t, ctx.weighting, N)
             if route == "factor":
-                for sub, terms, dhat in ctx.batches(t, theta):
+                for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     share = factor_shares(nodes, weights, terms, dhat)
-                    contrib.index_add_(1, sub, share.mul_(coef / n_batch).transpose(1, 2))
+                    share = share.mul_(coef).mul_(w_sub.to(share.dtype))
+                    contrib.index_add_(1, sub, share.transpose(1, 2))
                 continue
             updated = False
-            for sub, terms, dhat in ctx.batches(t, theta):
+            for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                 if not updated:
                     share, part = adjoint.step(nodes, weights, coef, D, terms, dhat, decay)
                     updated = True
@@ -520,7 +552,7 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
                     share, part = adjoint.contract(terms, dhat), None
                 if part is not None:
                     reg += part.view(n_q, n_out)
-                share = share.view(n_q, n_out, -1).div_(n_batch)
+                share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
                 contrib.index_add_(1, sub, share.transpose(1, 2))
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(nodes, weights, coef, D, None, None, decay)
@@ -537,10 +569,6 @@ def _intervals(traj):
     """
     for j in reversed(range(len(traj) - 1)):
         yield j, range(int(traj.steps[j + 1]) - 1, int(traj.steps[j]) - 1, -1)
-
-
-def _batch_size(traj, t, weighting, N):
-    return len(traj.batch(t)) if weighting == "realized" else N
 
 
 # --------------------------------------------------------------------------- dense
@@ -615,12 +643,14 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
             else:
                 lam.addcmul_(rho, D, value=scale)
             if spec.weight_decay:
+                direction = _decay_direction(traj, j, theta, decoupled)
                 if decoupled:
-                    decay = -float(traj.learning_rates[j]) * spec.weight_decay * theta
+                    decay = -float(traj.learning_rates[j]) * spec.weight_decay * direction
                     reg += (rho @ decay).double()
                 else:
-                    reg += (lam @ (spec.weight_decay * theta)).double()
+                    reg += (lam @ (spec.weight_decay * direction)).double()
             idx = _batch_index(traj, t, ctx.weighting, N, device)
+            w = _sample_weights(traj, t, ctx.weighting, N, device)
             for b0 in range(0, len(idx), ctx.b_block):
                 sub = idx[b0 : b0 + ctx.b_block]
                 r = ctx.loss.residuals(forward(module, params, ctx.X_train[sub]),
@@ -628,7 +658,8 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                 # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
                 g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
                 share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
-                contrib.index_add_(1, sub, share.transpose(1, 2).double() / len(idx))
+                contrib.index_add_(1, sub, share.transpose(1, 2).double()
+                                   * w[b0 : b0 + ctx.b_block, None])
     return contrib, reg
 
 
@@ -648,6 +679,7 @@ def decompose(
     memory_budget: int = 2**30,
     units=None,
     weights=None,
+    warn: bool = True,
 ) -> Decomposition:
     """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc).
 
@@ -664,6 +696,9 @@ def decompose(
     ``tol``, ``step_errors`` and ``error`` are those of the contracted output. (The
     batch side is captured the same way with or without weights: one backward pass of
     ``r_i . f(x_i)``, its loss residuals as the seed.)
+
+    ``warn=False`` returns ``(result, checks)`` in the network's units, for query blocks
+    computed apart: :func:`merge` joins them and :func:`finish` maps and warns.
     """
     # A thinned path (record_every > 1) has no parameters between its recorded points:
     # each of an interval's steps takes the interval's segment (its f-change is still
@@ -721,36 +756,130 @@ def decompose(
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     if exact:
         result.n_nodes, result.step_errors, result.tol = quad.n_used, quad.errors, tol
+    checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
+                     tol=tol, scale=scale, dtype=dtype,
+                     failed=dict(quad.failed) if exact else {}, n_steps=len(traj) - 1,
+                     record_every=traj.record_every)
+    if not warn:
+        return result, checks
+    return finish(result, checks, units)
+
+
+@dataclass
+class _Checks:
+    """What the warnings about a decomposition need besides the result itself."""
+
+    exact: bool
+    thinned: bool
+    method: str
+    weighting: str
+    tol: float | None
+    scale: float | None
+    dtype: torch.dtype
+    failed: dict
+    n_steps: int
+    record_every: int
+
+
+def merge(parts: list) -> tuple[Decomposition, _Checks]:
+    """The ``(result, checks)`` of query blocks (``decompose(..., warn=False)``) as one."""
+    results, checks = [p[0] for p in parts], [p[1] for p in parts]
+    first = results[0]
+    merged = Decomposition(
+        initial=np.concatenate([r.initial for r in results]),
+        contributions=np.concatenate([r.contributions for r in results]),
+        regularization=np.concatenate([r.regularization for r in results]),
+        prediction=np.concatenate([r.prediction for r in results]),
+        error=max(r.error for r in results), method=first.method,
+        weighting=first.weighting, tol=first.tol)
+    if first.n_nodes is not None:  # the blocks' largest, as within one call
+        merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
+        merged.step_errors = np.max([r.step_errors for r in results], axis=0)
+    failed = {}
+    for c in checks:
+        for t, r in c.failed.items():
+            failed[t] = max(r, failed.get(t, 0.0))
+    c0 = checks[0]
+    scale = None if c0.scale is None else max(c.scale for c in checks)
+    return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed})
+
+
+def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
+    """Map the result into the caller's units and warn where it is not exact."""
+    # Judged in the network's units, against the path's own scale. The expected
+    # weighting is an approximation for minibatches, by design.
+    inexact = (_inexact(result, checks) if checks.exact and not checks.thinned
+               and not checks.failed and checks.weighting == "realized" else None)
     if units is not None:
         result = units(result)
-    if exact:
-        if quad.failed:
-            steps = sorted(quad.failed)
-            listed = ", ".join(f"{t} (residual {quad.failed[t]:.1e})" for t in steps[:5])
-            more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
-            warnings.warn(
-                f"decompose(method='exact'): the quadrature of {len(steps)} of "
-                f"{len(traj) - 1} steps did not reach tol={tol:g} (relative to the largest "
-                f"|f| along the path, {scale:.3g}) within {MAX_NODES} Gauss-Legendre nodes "
-                f"or stopped converging: steps {listed}{more}. The achieved error is "
-                f"{result.error:.3g} (Decomposition.error; per step: step_errors). A "
-                "non-smooth activation (relu) or very large steps make the integrand hard "
-                "to integrate; a smaller learning rate or a smooth activation helps.",
-                ConvergenceWarning, stacklevel=3,
-            )
-    if thinned:
+    if checks.failed:
+        steps = sorted(checks.failed)
+        listed = ", ".join(f"{t} (residual {checks.failed[t]:.1e})" for t in steps[:5])
+        more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+        warnings.warn(
+            f"decompose(method='exact'): the quadrature of {len(steps)} of "
+            f"{checks.n_steps} steps did not reach tol={checks.tol:g} (relative to the "
+            f"largest |f| along the path, {checks.scale:.3g}) within {MAX_NODES} "
+            f"Gauss-Legendre nodes or stopped converging: steps {listed}{more}. The "
+            f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
+            "step_errors). A non-smooth activation (relu) or very large steps make the "
+            "integrand hard to integrate; a smaller learning rate or a smooth activation "
+            "helps.",
+            ConvergenceWarning, stacklevel=caller_stacklevel(),
+        )
+    if inexact is not None:
+        _warn_inexact(result, inexact)
+    if checks.thinned:
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         warnings.warn(
-            f"decompose(method={method!r}): the path was recorded every "
-            f"{traj.record_every} optimizer steps, so the steps between two recorded points "
-            "are attributed with their batches' gradients at the interval's first point. "
-            f"The reconstruction error is {result.error:.3g} "
+            f"decompose(method={checks.method!r}): the path was recorded every "
+            f"{checks.record_every} optimizer steps, so the steps between two recorded "
+            "points are attributed with their batches' gradients at the interval's first "
+            f"point. The reconstruction error is {result.error:.3g} "
             f"({result.error / max(size, 1e-300):.2g} "
             f"relative; Decomposition.error), not round-off. Refit with record_every=1 "
             "(and a larger memory_budget if the path needs it) for the exact decomposition.",
-            UserWarning, stacklevel=3,
+            UserWarning, stacklevel=caller_stacklevel(),
         )
     return result
+
+
+def _inexact(result: Decomposition, checks: _Checks) -> float | None:
+    """The relative reconstruction error of an exact decomposition when it exceeds what
+    the quadrature and the dtype allow, else None.
+
+    Everything but the quadrature is linear algebra on the recorded path, so the
+    reconstruction misses the prediction by at most the steps' measured residuals
+    (``step_errors``) plus round-off. A larger miss means that the steps were not the
+    ones the decomposition models (see :func:`_warn_inexact`).
+    """
+    if not len(result.prediction):
+        return None
+    size = max(checks.scale, float(np.abs(result.prediction).max()), 1e-300)
+    allowed = (float(np.sum(result.step_errors))
+               + max(checks.tol or 0.0, INEXACT_FLOOR[checks.dtype]) * size)
+    if result.error <= allowed:
+        return None
+    return result.error / size
+
+
+def _warn_inexact(result: Decomposition, relative: float) -> None:
+    change = float(np.abs(result.prediction - result.initial).max())
+    warnings.warn(
+        f"decompose(method='exact'): the reconstruction misses the prediction by "
+        f"{result.error:.3g} ({relative:.2g} relative to the largest |f| along the path, "
+        f"{result.error / max(change, 1e-300):.2g} times the largest change of the output "
+        f"since initialization; Decomposition.error), far above the quadrature's "
+        f"measured error and the dtype's round-off. The recorded steps are not the ones "
+        "the decomposition models: likely causes are batches that were not declared or "
+        "only partly declared (set_batch with one process's shard of a distributed "
+        "batch, a wrong index), a loss, inputs or targets other than the ones the "
+        "optimizer saw, or a change of the gradients between backward() and "
+        "optimizer.step() that the record does not hold (clipping, noise, gradient "
+        "surgery). The contributions do not add up to the prediction (attribute and "
+        "explain read this decomposition).",
+        UserWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quad,

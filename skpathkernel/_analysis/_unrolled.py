@@ -51,8 +51,6 @@ more than any first-order derivative predicts, and a warning says so.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -63,6 +61,7 @@ from torch.func import functional_call, grad, vmap
 from .._memory import rows_per_block
 from .._parallel import map_row_blocks
 from .._path._trajectory import Trajectory
+from .._warnings import caller_stacklevel
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
 
@@ -592,17 +591,6 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     return result
 
 
-def _caller_stacklevel() -> int:
-    """``stacklevel`` of the first frame outside skpathkernel, for a warning issued by the
-    caller of this function: the user's line, whichever public method they called."""
-    # skpathkernel/, the package this module's folder (_analysis/) sits in.
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _warn(result: AttributionScores, traj: Trajectory) -> None:
     # NaN: a query whose output does not depend on the parameters; inf: an adjoint that
     # overflowed, which is growth beyond any limit.
@@ -621,7 +609,7 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             "for the smallest removals at best. The steps that amplify most: "
             f"{steps or 'none alone'}. Train with a smaller learning rate (the largest was "
             f"{lr:g}) for scores that predict retraining.",
-            UnstablePathWarning, stacklevel=_caller_stacklevel(),
+            UnstablePathWarning, stacklevel=caller_stacklevel(),
         )
     if result.replay_error and result.replay_error > REPLAY_LIMIT:
         thinned = (f" (recorded every {traj.record_every} steps, so also replaying the "
@@ -636,5 +624,5 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             "interval, randomness), so the scores differentiate another training than "
             "the one that happened. Declare the loss and data the optimizer saw, and "
             "record every step.",
-            UserWarning, stacklevel=_caller_stacklevel(),
+            UserWarning, stacklevel=caller_stacklevel(),
         )

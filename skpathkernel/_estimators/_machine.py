@@ -297,7 +297,8 @@ class _KernelMachineMixin(TransformerMixin):
                 X="array-like of shape (n_queries, n_features) or (n_queries, ...)\n"
                   "    In the form of the training inputs (``input_shape_``).",
                 examples=_DECOMPOSE_EXAMPLES)
-    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None):
+    def decompose(self, X, *, method="exact", weighting="realized", n_nodes=None, tol=None,
+                  n_jobs=None):
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self._validate_X(X)
         # Every step needs the queries' Jacobians: one query's must fit the budget.
@@ -306,7 +307,7 @@ class _KernelMachineMixin(TransformerMixin):
         # The network's loss is the one it was trained with: set_params(loss=...) after
         # fit must not change what the fitted path is decomposed with.
         return network_of(self).decompose(
-            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
+            X, method=method, weighting=weighting, n_nodes=n_nodes, tol=tol, n_jobs=n_jobs,
             units=lambda res: in_target_units(res, mean, scale))
 
     def transform(self, X):

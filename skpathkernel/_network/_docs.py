@@ -63,7 +63,13 @@ tol : float, default=None
     that ``error`` sits at that floor). A step that cannot meet it within 64
     nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
     naming the step; ``error`` is always the achieved one. Ignored by the other
-    methods.${extra_params}
+    methods.
+n_jobs : int, default=None
+    Query blocks on joblib workers (Dask under
+    ``joblib.parallel_config(backend="dask")``, an on-disk trajectory travelling as a
+    reference to its directory); each block chooses its nodes for ``tol`` on its own,
+    so the result agrees with the serial one to ``tol`` (the warnings judge the joined
+    result). ``None`` means 1 unless in a ``joblib.parallel_config`` context.${extra_params}
 
 Returns
 -------
@@ -151,8 +157,9 @@ n_nodes : int, default=None
 tol : float, default=None
     Relative quadrature tolerance of "exact", see :meth:`decompose`.
 n_jobs : int, default=None
-    ``method="unrolled"``: query blocks (each within ``memory_budget``) on joblib
-    workers; the same scores as serial. ``None`` means 1 unless in a
+    Query blocks (each within ``memory_budget``) on joblib workers; the same scores
+    as serial ("unrolled"), or to ``tol`` ("exact", whose blocks choose their
+    quadrature nodes on their own). ``None`` means 1 unless in a
     ``joblib.parallel_config`` context.
 
 Returns

@@ -27,6 +27,7 @@ from .._analysis._attribution import check_output, class_indices, output_weights
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
+from .._parallel import map_row_blocks, n_row_blocks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -415,15 +416,27 @@ ValueError
         examples="",
     )
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
-                  n_nodes: int | None = None, tol: float | None = None, weights=None,
-                  units=None):
+                  n_nodes: int | None = None, tol: float | None = None,
+                  n_jobs: int | None = None, weights=None, units=None):
         check_decompose_args(method, weighting, n_nodes, tol)
-        Xq = self.tensor(self.check(X))
+        X = self.check(X)
+        self._training_data()  # its errors here, not on the workers
+        kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol)
+        if n_row_blocks(n_jobs, X) == 1:
+            return _decomposition.finish(*self._decompose_block(X, weights, kwargs), units)
+        net = self.for_workers()
+        weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        # Row blocks of the queries with their rows of the weights.
+        rows = np.arange(len(X))
+        parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs)
+        return _decomposition.finish(*_decomposition.merge(parts), units)
+
+    def _decompose_block(self, X, weights, kwargs):
+        """``(result, checks)`` of the queries X in the network's units, no warnings."""
         X_fit, Y_fit = self._training_data()
         return _decomposition.decompose(
-            self.module, self.trajectory, X_fit, Y_fit, self.loss, Xq, method=method,
-            weighting=weighting, n_nodes=n_nodes, tol=tol, memory_budget=self.memory_budget,
-            weights=weights, units=units)
+            self.module, self.trajectory, X_fit, Y_fit, self.loss, self.tensor(X),
+            memory_budget=self.memory_budget, weights=weights, warn=False, **kwargs)
 
     # ------------------------------------------------------------------ attribution
     @shared_doc(
@@ -466,7 +479,7 @@ ValueError
             return unrolled_scores(self, X_fit, Y_fit, self.tensor(X), weights,
                                    n_jobs=n_jobs)
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
-                              tol=tol, weights=weights).contributions[:, :, 0]
+                              tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
 
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its training target: its '
@@ -572,6 +585,14 @@ def module_outputs(module: torch.nn.Module, X: torch.Tensor, block: int, *, para
     else:
         out = np.concatenate([run(X[i : i + block]) for i in range(0, len(X), block)])
     return out.astype(np.float64, copy=False)
+
+
+def _decompose_rows(rows, X, weights, net: TrainedNetwork, kwargs):
+    """One query block's ``(result, checks)`` on a joblib worker (its own module: the
+    engine hooks the module it runs, and threads share the network)."""
+    block = slice(int(rows[0]), int(rows[-1]) + 1)
+    return net.with_own_module()._decompose_block(
+        X[block], None if weights is None else weights[block], kwargs)
 
 
 def _as_array(values) -> np.ndarray:

@@ -21,9 +21,22 @@ Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``weight_decay``), ``Ad
 ``weight_decay``): the update rules that the kernels' preconditioner and the
 decomposition's adjoint recursion model. Options that change the rule (``nesterov``,
 ``dampening``, ``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``,
-``differentiable``) are refused. Several parameter groups are accepted only with the same
-hyper-parameters and the same step size in every group (e.g. groups made only to freeze
-or order parameters): the trajectory has one step size per step.
+``differentiable``) are refused. Parameter groups may have their own learning rates and
+weight decays (AdamW's usual groups: no decay on biases and norms), recorded as
+per-parameter step sizes (:meth:`Trajectory.step_size_scales
+<skpathkernel.Trajectory.step_size_scales>`, folded into the preconditioner) and
+weight decays; the other hyper-parameters are one per trajectory.
+
+What happens between ``backward()`` and ``optimizer.step()`` is checked at every step:
+``torch.nn.utils.clip_grad_norm_`` multiplies every gradient by one factor, which is
+recorded (:attr:`Trajectory.gradient_scales <skpathkernel.Trajectory.gradient_scales>`)
+so that the per-point split stays exact; a change that is not one factor for every
+parameter (``clip_grad_value_``, gradient noise, custom gradient surgery) is refused
+before the step, as is dropout in training mode (its masks are random draws the
+decomposition cannot replay). ``torch.amp.GradScaler``: pass it as ``grad_scaler``;
+skipped steps are not optimizer steps and are not recorded, and the scale is undone.
+Under ``torch.nn.parallel.DistributedDataParallel`` every rank declares its shard and
+one rank records the global batch: see the user guide, "Training on several processes".
 
 What the decomposition means, and when it is exact, for losses that are not per-sample
 supervised (diffusion, GANs) is in the user guide: "Theory", section "What is exact, and
@@ -34,11 +47,15 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from sklearn.base import BaseEstimator
+from torch.nn.parallel import DistributedDataParallel
 
 from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -101,11 +118,15 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
     first = _rule(groups[0])
     for i, g in enumerate(groups[1:], start=1):
         other = _rule(g)
-        if other != first or _as_float(g["lr"]) != _as_float(groups[0]["lr"]):
+        differ = sorted(k for k in set(first) | set(other)
+                        if k != "weight_decay" and first.get(k) != other.get(k))
+        if differ:
             raise ValueError(
                 f"Parameter group {i} of the {kind} optimizer has hyper-parameters that "
-                "differ from group 0; a recorded trajectory has one step size and one set "
-                "of hyper-parameters. Use one parameter group, or groups that agree."
+                f"differ from group 0 ({', '.join(differ)}): the trajectory records each "
+                "group's learning rate and weight decay (per-parameter step sizes), but "
+                "one momentum / betas / eps / alpha for the whole network. Make the "
+                "groups agree on those."
             )
     for option, default in _REFUSED[kind].items():
         value = first.get(option, default)
@@ -115,7 +136,8 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
                 "it changes the update rule that the path kernel and the exact "
                 f"decomposition model. Use {option}={default!r}."
             )
-    wd = _as_float(first.get("weight_decay", 0.0))
+    # The largest: each parameter's own is recorded relative to it.
+    wd = max(_as_float(g.get("weight_decay", 0.0)) for g in groups)
     if kind == "SGD":
         return SolverSpec(name="sgd", momentum=_as_float(first["momentum"]), weight_decay=wd)
     if kind == "RMSprop":
@@ -134,6 +156,18 @@ def _rule(group: dict) -> dict:
 
 def _hyper_parameters(optimizer) -> list[dict]:
     return [_rule(g) for g in optimizer.param_groups]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a DistributedDataParallel wraps, or the module itself."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _process_group() -> tuple[int, int]:
+    """(world size, rank) of torch.distributed's default group; (1, 0) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 class PathRecorder:
@@ -160,8 +194,10 @@ class PathRecorder:
         The network, called as ``module(X)`` on a tensor of inputs of shape
         ``(n_samples, ...)`` (floats, or int64 token ids). Its parameters
         that the optimizer updates are recorded (in ``named_parameters`` order); it must
-        have no cross-sample state (no BatchNorm in train mode, no dropout) for the
-        kernels and the decomposition to describe it.
+        have no cross-sample state (no BatchNorm in train mode) and no dropout in
+        training mode (refused at the step, naming the layer) for the kernels and the
+        decomposition to describe it. A ``DistributedDataParallel`` module is recorded
+        through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
         see :func:`solver_spec_from_optimizer` for what is refused.
@@ -191,6 +227,14 @@ class PathRecorder:
         On disk, store each point's parameters as its difference from the previous
         stored point in this dtype (lossy: see the estimators'
         ``trajectory_compression``; the decomposition's ``error`` reports the cost).
+    writer_rank : int, default=0
+        Under ``torch.distributed`` (an initialized process group of several
+        processes): the rank that writes the trajectory. Every rank declares its own
+        shard with :meth:`set_batch`; the recorder gathers the global batch of every
+        step to this rank, and the others record nothing.
+    grad_scaler : torch.amp.GradScaler or None, default=None
+        The scaler of a mixed-precision loop, whose scale the gradients of
+        ``backward()`` carry until ``scaler.step`` undoes it.
 
     Attributes
     ----------
@@ -241,6 +285,8 @@ class PathRecorder:
         directory: str | os.PathLike | None = None,
         memory_budget: int = 2**30,
         compression: str | None = None,
+        writer_rank: int = 0,
+        grad_scaler=None,
     ):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -261,9 +307,15 @@ class PathRecorder:
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) \
                 or memory_budget < 2**20:
             raise ValueError(f"memory_budget must be an int >= 2**20, got {memory_budget!r}.")
+        self._world, self._rank = _process_group()
+        if (isinstance(writer_rank, bool) or not isinstance(writer_rank, numbers.Integral)
+                or not 0 <= writer_rank < self._world):
+            raise ValueError(f"writer_rank must be a rank in [0, {self._world}), got "
+                             f"{writer_rank!r}.")
         self.solver_spec = solver_spec_from_optimizer(optimizer)
+        inner = _unwrap(module)
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        named = [(n, p) for n, p in module.named_parameters() if id(p) in in_optimizer]
+        named = [(n, p) for n, p in inner.named_parameters() if id(p) in in_optimizer]
         if len(named) != len(in_optimizer):
             raise ValueError(
                 "The optimizer updates tensors that are not parameters of the module; the "
@@ -283,24 +335,50 @@ class PathRecorder:
             )
         self.module = module
         self.optimizer = optimizer
+        self.writer_rank = int(writer_rank)
+        self.grad_scaler = grad_scaler
         self.record_every = int(record_every)
         self.n_samples = None if n_samples is None else int(n_samples)
         self.storage = storage
         self.directory = directory
         self.memory_budget = int(memory_budget)
         self.compression = compression
-        self._recorder = TrajectoryRecorder(
-            params, [n for n, _ in named], n_steps=None, record_every=self.record_every,
-            solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
-            dtype=params[0].dtype, storage=storage, directory=directory,
-            memory_budget=self.memory_budget, compression=compression,
-        )
-        self._recorder.record_point(0)
+        self._params, self._names = params, [n for n, _ in named]
+        self._recorder = None
+        if self._rank == self.writer_rank:  # the other ranks only take part in the gather
+            self._recorder = TrajectoryRecorder(
+                params, self._names, n_steps=None, record_every=self.record_every,
+                solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
+                dtype=params[0].dtype, storage=storage, directory=directory,
+                memory_budget=self.memory_budget, compression=compression,
+            )
+            self._recorder.record_point(0)
+        groups = optimizer.param_groups
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        self._param_groups = [group_of[id(p)] for p in params]
+        wds = [_as_float(g.get("weight_decay", 0.0)) for g in groups]
+        self._group_wds = wds if len(set(wds)) > 1 else None
+        self._dropouts = [(n, m) for n, m in inner.named_modules()
+                          if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+        self._step = 0
         self._pending = None
-        self._max_index = -1
+        self._pending_problem = None  # a bad set_batch, raised at the step on every rank
+        self._ready = None  # what the step about to be taken records
+        self._declared_scale = None  # from clip_grad_norm_
+        self._seen: dict[int, torch.Tensor] = {}  # each parameter's gradient from backward
+        self._scales: list[float] = []
+        self._weights: list[np.ndarray | None] = []
+        self._group_lrs: list[list[float]] = []
         self._error = None
         self._hyper = _hyper_parameters(optimizer)
-        self._handle = optimizer.register_step_post_hook(self._after_step)
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(self._after_step)]
+        if self._world == 1:
+            # The gradients that backward() leaves, to find what changed them before the
+            # step. Under DDP they are the rank's own, before the all-reduce: there
+            # clipping is declared through clip_grad_norm_ instead.
+            self._handles += [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                              for i, p in enumerate(params)]
 
     # ------------------------------------------------------------------ recording
     def set_batch(self, indices) -> None:
@@ -321,45 +399,214 @@ class PathRecorder:
         if isinstance(indices, torch.Tensor):
             indices = indices.detach().cpu().numpy()
         idx = np.asarray(indices)
+        problem = None
         if idx.ndim != 1 or not (idx.size == 0 or np.issubdtype(idx.dtype, np.integer)):
-            raise ValueError(f"indices must be a 1-D array of integers, got {idx!r}.")
-        if idx.size and (idx.min() < 0 or idx.max() >= self.n_samples):
-            raise ValueError(
-                f"Batch indices must lie in [0, {self.n_samples}) (n_samples), got "
-                f"[{idx.min()}, {idx.max()}]."
-            )
-        self._pending = idx.astype(np.int64, copy=False)
+            problem = f"indices must be a 1-D array of integers, got {idx!r}."
+        elif idx.size and (idx.min() < 0 or idx.max() >= self.n_samples):
+            problem = (f"Batch indices must lie in [0, {self.n_samples}) (n_samples), got "
+                       f"[{idx.min()}, {idx.max()}].")
+        if problem is not None and self._world == 1:
+            raise ValueError(problem)
+        # Under DDP every rank raises it at the step, naming this rank: raising here
+        # alone would leave the other ranks waiting in the gather.
+        self._pending_problem = problem
+        self._pending = None if problem else idx.astype(np.int64, copy=False)
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        rec = self._recorder
-        step = rec.n_recorded_steps
-        lrs = {_as_float(g["lr"]) for g in optimizer.param_groups}
-        if len(lrs) != 1:
-            self._error = (f"at optimizer step {step} the parameter groups had different "
-                           f"learning rates {sorted(lrs)}; one step size per step is needed.")
-            raise RuntimeError(f"PathRecorder: {self._error}")
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the recorded parameters, recorded.
+
+        Needed under DistributedDataParallel, where the recorder cannot see the
+        gradients before the all-reduce; in one process calling torch's own function
+        is recorded as well (the recorder compares the gradients the step uses with
+        those of ``backward()``). Call it where you would call torch's, after
+        ``backward()`` (after ``scaler.unscale_(optimizer)`` with a GradScaler).
+
+        Parameters
+        ----------
+        max_norm : float
+        norm_type : float, default=2.0
+        error_if_nonfinite : bool, default=False
+
+        Returns
+        -------
+        total_norm : torch.Tensor
+            The gradients' norm before clipping, as torch returns it.
+        """
+        total = torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type,
+                                               error_if_nonfinite)
+        # torch's own factor, computed by the same operations on the same tensor.
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._declared_scale = float(coef)
+        return total
+
+    # ------------------------------------------------------------------ the step
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        self._seen[i] = p.grad.detach().clone()
+
+    def _fail(self, message: str, exc=RuntimeError, cause=None):
+        self._error = message
+        raise exc(f"PathRecorder: {message}") from cause
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        step = self._step
+        if self._error is not None:
+            raise RuntimeError(f"PathRecorder stopped recording at optimizer step {step}: "
+                               f"{self._error} (close() the recorder to train on).")
         if _hyper_parameters(optimizer) != self._hyper:
             # e.g. OneCycleLR / CyclicLR cycling momentum or betas: the trajectory stores
-            # one set of hyper-parameters, only the step size may vary per step.
-            self._error = (f"at optimizer step {step} a hyper-parameter other than the "
-                           f"learning rate changed: {self._hyper} became "
-                           f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
-                           "use cycle_momentum=False).")
-            raise RuntimeError(f"PathRecorder: {self._error}")
-        if self.n_samples is not None and self._pending is None:
-            self._error = (f"optimizer step {step} had no batch declared: call "
+            # one set of hyper-parameters; the learning rates may vary per step.
+            self._fail(f"at optimizer step {step} a hyper-parameter other than the "
+                       f"learning rate changed: {self._hyper} became "
+                       f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
+                       "use cycle_momentum=False).")
+        for name, layer in self._dropouts:
+            if layer.training:
+                self._fail(
+                    f"at optimizer step {step} layer {name!r} ({layer}) is in training "
+                    "mode: its random masks made this step's gradient, and the "
+                    "decomposition cannot replay them. Train with that layer in eval mode "
+                    "(layer.eval()) or p=0, or record without it.")
+        scale = self._gradient_scale(step)
+        if self._world > 1:
+            batch, weights = self._gather(step)
+        else:
+            if self.n_samples is not None and self._pending is None:
+                self._fail(f"optimizer step {step} had no batch declared: call "
                            "recorder.set_batch(indices) before every optimizer.step().")
-            raise RuntimeError(f"PathRecorder: {self._error}")
-        batch = self._pending if self._pending is not None else np.empty(0, dtype=np.int64)
-        self._pending = None
+            batch = self._pending if self._pending is not None else np.empty(0, np.int64)
+            weights = None
+        self._pending = self._pending_problem = None
+        lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
+        self._ready = (batch, weights, scale, lrs)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        batch, weights, scale, lrs = self._ready
+        self._ready = None
+        step = self._step
+        self._step += 1
+        self._declared_scale = None
+        rec = self._recorder
+        if rec is None:
+            return
+        self._scales.append(scale)
+        self._weights.append(weights)
+        if len(lrs) > 1:
+            self._group_lrs.append(lrs)
         rec.record_batch(batch)
-        rec.record_step(step, lrs.pop(), optimizer)
+        rec.record_step(step, max(lrs), optimizer)
         if rec.wants_point(step + 1):
             rec.record_point(step + 1)
 
+    def _gradient_scale(self, step: int) -> float:
+        """The factor the gradients of backward() were multiplied by before the step."""
+        declared = self._declared_scale
+        if self._world > 1:
+            return 1.0 if declared is None else declared
+        found, top, dot, norm2 = False, 0.0, 0.0, 0.0
+        pairs = []
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                continue
+            seen = self._seen.get(i)
+            if seen is None:
+                # Set by hand, not by backward(): nothing to compare it with (the
+                # decomposition's own check judges what it did).
+                continue
+            pairs.append((p.grad, seen))
+            if not torch.equal(p.grad, seen):
+                found = True
+        unscale = 1.0
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # backward() saw the scaled loss; scaler.step unscaled the gradients.
+            unscale = float(self.grad_scaler.get_scale())
+            found = True
+        if not found:
+            return 1.0 if declared is None else declared
+        for g, seen in pairs:
+            g64, s64 = g.detach().double(), seen.double()
+            dot += float((g64 * s64).sum())
+            norm2 += float((s64 * s64).sum())
+            top = max(top, float(s64.abs().max()) if s64.numel() else 0.0)
+        c = dot / norm2 if norm2 > 0 else 1.0
+        eps = float(torch.finfo(self._params[0].dtype).eps)
+        worst = max((float((g.detach().double() - c * s.double()).abs().max())
+                     for g, s in pairs if g.numel()), default=0.0)
+        # One factor for every entry, to the round-off of one multiplication (of two,
+        # with a GradScaler's unscaling).
+        if worst > 8 * eps * (abs(c) * top + 1e-300):
+            self._fail(
+                f"at optimizer step {step} the gradients the optimizer is about to use "
+                "are not those of backward() times one factor (they depart from the best "
+                f"factor {c:.6g} by up to {worst:.3g}): value clipping (clip_grad_value_), "
+                "gradient noise or custom gradient surgery changes each entry on its own, "
+                "and the decomposition cannot split such a step over the training points. "
+                "Norm clipping (clip_grad_norm_) is recorded exactly; remove the rest.",
+                ValueError)
+        c *= unscale
+        if declared is not None and abs(declared - c) <= 8 * eps * abs(declared):
+            return declared
+        return c
+
+    def _gather(self, step: int):
+        """Every rank's shard of this step, on the writing rank; raises on every rank
+        when one rank's declaration is wrong."""
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        local = self._pending
+        status = (2 if self._pending_problem else
+                  1 if local is None and self.n_samples is not None else 0)
+        n = 0 if local is None else len(local)
+        header = torch.tensor([step, n, status], dtype=torch.int64, device=device)
+        headers = [torch.empty_like(header) for _ in range(self._world)]
+        try:
+            dist.all_gather(headers, header)
+        except Exception as exc:  # a rank that stopped: recorded steps stay readable
+            self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
+                       f"the trajectory ends after step {step - 1}.", cause=exc)
+        H = torch.stack(headers).cpu().numpy()
+        problems = []
+        for r, (s, _, st) in enumerate(H):
+            if s != step:
+                problems.append(f"rank {r} is at optimizer step {s}, rank {self._rank} at "
+                                f"{step}")
+            elif st == 1:
+                problems.append(f"rank {r} declared no batch (set_batch) for optimizer "
+                                f"step {step}")
+            elif st == 2:
+                problems.append(f"rank {r} declared a wrong batch for optimizer step {step}"
+                                + (f": {self._pending_problem}" if r == self._rank else ""))
+        if problems:
+            self._pending = self._pending_problem = None
+            self._fail("; ".join(problems) + ". Every rank must call "
+                       "recorder.set_batch(its shard's global indices) before every "
+                       "optimizer.step().", ValueError)
+        sizes = H[:, 1]
+        n_max = int(sizes.max())
+        buf = torch.full((n_max,), -1, dtype=torch.int64, device=device)
+        if n:
+            buf[:n] = torch.as_tensor(local, device=device)
+        writer = self._rank == self.writer_rank
+        bufs = [torch.empty_like(buf) for _ in range(self._world)] if writer else None
+        try:
+            dist.gather(buf, bufs, dst=self.writer_rank)
+        except Exception as exc:
+            self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
+                       f"the trajectory ends after step {step - 1}.", cause=exc)
+        if not writer:
+            return None, None
+        batch = np.concatenate([b[:k].cpu().numpy() for b, k in zip(bufs, sizes)])
+        if np.all(sizes == sizes[0]):
+            return batch, None  # 1 / (R n) = 1 / batch size: the default
+        # DDP averages the ranks' mean losses: a sample of a shard of n_r weighs
+        # 1 / (R n_r).
+        weights = np.concatenate([np.full(k, 1.0 / (self._world * k)) for k in sizes if k])
+        return batch, weights
+
     def close(self) -> None:
-        """Stop recording (remove the hook); the trajectory stays readable."""
-        self._handle.remove()
+        """Stop recording (remove the hooks); the trajectory stays readable."""
+        for handle in self._handles:
+            handle.remove()
 
     def __enter__(self) -> PathRecorder:
         return self
@@ -372,18 +619,41 @@ class PathRecorder:
     @property
     def n_steps(self) -> int:
         """Optimizer steps recorded so far."""
-        return self._recorder.n_recorded_steps
+        return self._step
 
     @property
     def trajectory(self) -> Trajectory:
         """The path recorded so far, as a :class:`~skpathkernel.Trajectory`.
 
         The current parameters are its last point (recorded now if the last step was not
-        a multiple of ``record_every``); recording can continue afterwards.
+        a multiple of ``record_every``); recording can continue afterwards. After a
+        refused step the path ends before it (with a warning saying where and why):
+        steps are refused before they are taken, so what was recorded stays whole.
         """
+        if self._recorder is None:
+            raise RuntimeError(f"Rank {self._rank} does not write the trajectory: rank "
+                               f"{self.writer_rank} does (writer_rank).")
         if self._error is not None:
-            raise RuntimeError(f"The recording is incomplete: {self._error}")
-        return self._recorder.finish()
+            warnings.warn(f"The recording stopped: the trajectory ends after optimizer "
+                          f"step {self._step - 1} ({self._step} steps): {self._error}",
+                          UserWarning, stacklevel=2)
+        traj = self._recorder.finish()
+        n = traj.n_steps
+        scales = np.asarray(self._scales[:n])
+        weights = None
+        if any(w is not None for w in self._weights[:n]):
+            weights = np.concatenate([
+                np.full(len(traj.batch(t)), 1.0 / max(len(traj.batch(t)), 1))
+                if w is None else w for t, w in enumerate(self._weights[:n])])
+        group_lrs = None
+        if self._group_lrs:
+            group_lrs = np.asarray(self._group_lrs[:n])[traj.steps[:-1]]
+        return traj._attach(
+            gradient_scales=None if np.all(scales == 1.0) else scales,
+            batch_weights=weights, group_lrs=group_lrs,
+            param_groups=self._param_groups if (group_lrs is not None
+                                                or self._group_wds) else None,
+            group_weight_decays=self._group_wds)
 
     def as_estimator(self, X_train=None, y_train=None, *, loss="squared_error",
                      memory_budget: int = 2**30) -> RecordedNetwork:
@@ -391,7 +661,7 @@ class PathRecorder:
 
         Parameters are those of :class:`RecordedNetwork`.
         """
-        return RecordedNetwork(self.module, self.trajectory, X_train=X_train,
+        return RecordedNetwork(_unwrap(self.module), self.trajectory, X_train=X_train,
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
 
     def as_network(self, X_train=None, y_train=None, *, loss="squared_error",
@@ -441,7 +711,7 @@ default=None
         >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
         True
         """
-        return TrainedNetwork(self.module, self.trajectory, loss=loss, X_fit=X_train,
+        return TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
                               y_fit=y_train, memory_budget=memory_budget)
 
 
@@ -585,9 +855,10 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     @shared_doc(DECOMPOSE, note=_DECLARED, X=_X_TRAIN_FORM, extra_params="", raises="",
                 examples="")
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
-                  n_nodes: int | None = None, tol: float | None = None):
+                  n_nodes: int | None = None, tol: float | None = None,
+                  n_jobs: int | None = None):
         return self._network().decompose(X, method=method, weighting=weighting,
-                                         n_nodes=n_nodes, tol=tol)
+                                         n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
     @shared_doc(ATTRIBUTE, note=_DECLARED, X=_X_TRAIN_FORM,
                 y="array-like of int of shape (n_queries,), default=None\n    With "

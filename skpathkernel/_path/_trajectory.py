@@ -148,6 +148,11 @@ class Trajectory:
         solver: SolverSpec,
         n_samples: int,
         record_every: int,
+        gradient_scales: np.ndarray | None = None,
+        batch_weights: np.ndarray | None = None,
+        group_lrs: np.ndarray | None = None,
+        param_groups: Sequence[int] | None = None,
+        group_weight_decays: Sequence[float] | None = None,
     ):
         self._names = tuple(names)
         self._shapes = tuple(tuple(int(d) for d in s) for s in shapes)
@@ -161,6 +166,23 @@ class Trajectory:
         self.solver_spec = solver
         self.n_samples = int(n_samples)
         self.record_every = int(record_every)
+        self._attach(gradient_scales=gradient_scales, batch_weights=batch_weights,
+                     group_lrs=group_lrs, param_groups=param_groups,
+                     group_weight_decays=group_weight_decays)
+
+    def _attach(self, *, gradient_scales=None, batch_weights=None, group_lrs=None,
+                param_groups=None, group_weight_decays=None) -> Trajectory:
+        """Set what a recorder knows beyond the plain update rule (None: the default)."""
+        self._gradient_scales = (None if gradient_scales is None
+                                 else np.asarray(gradient_scales, dtype=np.float64))
+        self._batch_weights = (None if batch_weights is None
+                               else np.asarray(batch_weights, dtype=np.float64))
+        self._group_lrs = None if group_lrs is None else np.asarray(group_lrs, np.float64)
+        self._param_groups = None if param_groups is None else tuple(int(g) for g in
+                                                                     param_groups)
+        self._group_weight_decays = (None if group_weight_decays is None else
+                                     np.asarray(group_weight_decays, dtype=np.float64))
+        return self
 
     # ------------------------------------------------------------------ storage
     @property
@@ -263,6 +285,62 @@ class Trajectory:
         return self._batch_indices[self._batch_offsets[step] : self._batch_offsets[step + 1]]
 
     @property
+    def gradient_scales(self) -> np.ndarray:
+        """The factor each optimizer step's gradient was multiplied by, (n_steps,).
+
+        1 for a step taken with the loss's gradient; ``max_norm / (norm + 1e-6)`` for a
+        step whose gradient ``torch.nn.utils.clip_grad_norm_`` clipped (recorded by
+        :class:`~skpathkernel.PathRecorder`). Weight decay is not scaled: torch.optim
+        adds it after clipping.
+        """
+        if self._gradient_scales is None:
+            return np.ones(self.n_steps)
+        return self._gradient_scales[: self.n_steps]
+
+    def batch_weights(self, step: int) -> np.ndarray:
+        """The weight of each sample of :meth:`batch` in the step's loss.
+
+        ``1 / batch_size`` for a loss that averages over its batch; under
+        DistributedDataParallel with shards of different sizes, ``1 / (n_ranks *
+        shard_size)`` for each sample of a shard (DDP averages the ranks' mean losses).
+        """
+        step = check_index(step, "step", n=self.n_steps)
+        start, stop = self._batch_offsets[step], self._batch_offsets[step + 1]
+        if self._batch_weights is None:
+            return np.full(stop - start, 1.0 / max(stop - start, 1))
+        return self._batch_weights[start:stop]
+
+    def _per_parameter(self, values) -> torch.Tensor:
+        """One value per parameter tensor (its group's), repeated over its entries."""
+        sizes = [int(np.prod(s)) for s in self._shapes]
+        return torch.repeat_interleave(torch.as_tensor(values, dtype=torch.float64),
+                                       torch.as_tensor(sizes))
+
+    def step_size_scales(self, k: int) -> torch.Tensor | None:
+        """Each parameter's step size relative to ``learning_rates[k]``, (P,) float64.
+
+        None when every parameter takes ``learning_rates[k]`` (one parameter group, or
+        groups with one step size). With optimizer parameter groups of their own step
+        sizes, ``learning_rates[k]`` is the largest and each parameter's scale is its
+        group's step size over it (included in :meth:`preconditioner`).
+        """
+        if self._group_lrs is None:
+            return None
+        k = check_index(k, "step point", n=len(self) - 1)
+        lrs = self._group_lrs[k]
+        ref = float(self.learning_rates[k])
+        if np.all(lrs == ref):
+            return None
+        scales = lrs / ref if ref else np.zeros_like(lrs)
+        return self._per_parameter(scales[list(self._param_groups)])
+
+    def weight_decays(self) -> torch.Tensor | None:
+        """Each parameter's weight decay, (P,) float64; None when all take the solver's."""
+        if self._group_weight_decays is None:
+            return None
+        return self._per_parameter(self._group_weight_decays[list(self._param_groups)])
+
+    @property
     def state_keys(self) -> tuple[str, ...]:
         """Names of the recorded optimizer state tensors (empty for SGD)."""
         return tuple(self._states)
@@ -330,7 +408,8 @@ class Trajectory:
         """Diagonal ``D_k`` (P,) of the optimizer at the step leaving point ``k``.
 
         ``None`` for SGD (the identity). Adam / AdamW: ``1 / (sqrt(v_hat) + eps)`` with
-        torch.optim's bias correction; RMSprop: ``1 / (sqrt(v) + eps)``.
+        torch.optim's bias correction; RMSprop: ``1 / (sqrt(v) + eps)``. Times
+        :meth:`step_size_scales` when parameter groups took their own step sizes.
 
         Parameters
         ----------
@@ -340,18 +419,20 @@ class Trajectory:
         Returns
         -------
         diagonal : torch.Tensor of shape (n_params,) or None
-            The diagonal, None for SGD.
+            The diagonal, None for SGD with one step size for every parameter.
         """
         spec = self.solver_spec
+        scales = self.step_size_scales(k) if self._group_lrs is not None else None
         if spec.name == "sgd":
-            return None
+            return None if scales is None else scales.to(self.dtype)
         state = self.optimizer_state(k)
         if spec.name in ("adam", "adamw"):
             bias_correction2 = 1.0 - spec.beta_2 ** float(state["step"])
             denom = state["exp_avg_sq"].sqrt() / bias_correction2**0.5
         else:
             denom = state["square_avg"].sqrt()
-        return 1.0 / (denom + spec.epsilon)
+        D = 1.0 / (denom + spec.epsilon)
+        return D if scales is None else D * scales.to(D.dtype)
 
     def step_coefficients(self) -> tuple[np.ndarray, float]:
         """The solver's first-moment recursion over the optimizer steps.
@@ -453,6 +534,10 @@ class Trajectory:
             "n_samples": self.n_samples,
             "record_every": self.record_every,
         }
+        for key, value in self._extras().items():
+            if value is not None:
+                payload[key] = (torch.from_numpy(np.asarray(value)) if key != "param_groups"
+                                else list(value))
         if self.storage == "disk":
             # The vectors stay in the chunk files: the description says how many of each
             # series this path uses (a run stopped early uses a prefix) and its last point
@@ -469,6 +554,11 @@ class Trajectory:
                 "tail": self._params.tail,
             }
         return payload
+
+    def _extras(self) -> dict:
+        return {"gradient_scales": self._gradient_scales, "batch_weights": self._batch_weights,
+                "group_lrs": self._group_lrs, "param_groups": self._param_groups,
+                "group_weight_decays": self._group_weight_decays}
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trajectory:
@@ -518,6 +608,10 @@ class Trajectory:
             solver=SolverSpec(**payload["solver"]),
             n_samples=payload["n_samples"],
             record_every=payload["record_every"],
+            **{key: (value.numpy() if isinstance(value, torch.Tensor) else value)
+               for key, value in payload.items()
+               if key in ("gradient_scales", "batch_weights", "group_lrs", "param_groups",
+                          "group_weight_decays")},
         )
 
     def _write_meta(self) -> None:
@@ -578,6 +672,9 @@ class Trajectory:
         if not isinstance(state["_params"], DiskRows):
             state["_params"] = _to_tensor(state["_params"])
             state["_states"] = {k: _to_tensor(v) for k, v in state["_states"].items()}
+        for key in ("gradient_scales", "batch_weights", "group_lrs", "param_groups",
+                    "group_weight_decays"):  # pickled before recorders set them
+            state.setdefault("_" + key, None)
         self.__dict__.update(state)
 
 

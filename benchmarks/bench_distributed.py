@@ -1,0 +1,175 @@
+"""Recording a DistributedDataParallel run against the same loop without recording, and
+decompose on 2 joblib workers against the serial call.
+
+DDP rows: gloo, 2 CPU processes, the 64-512-512-1 tanh MLP, global batches of 256;
+per-step wall time on rank 0, median of the repeats, recorded and plain rounds
+interleaved in the same processes (same background load); the recorder gathers the
+shards' indices to rank 0 (two collectives per step) and copies the parameters there.
+Decompose rows: float32 path of plain SGD on the same MLP (T steps of batches of 64,
+``PathRecorder``), 200 queries, one torch thread per task; "2 serial at once" runs two
+whole serial calls in two processes, the throughput that two workers could reach at best.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+SIZES = [64, 512, 512, 1]
+DDP_GOAL = 1.3  # recorded / plain per step, at most
+JOBS_GOAL = 1.6  # serial / 2 workers, at least
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(SIZES[:-1], SIZES[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, out, steps, repeats):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from skpathkernel import PathRecorder
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.randn(4096, SIZES[0]), dtype=torch.float32)
+    y = torch.as_tensor(rng.randn(4096, 1), dtype=torch.float32)
+    times = {"plain": [], "recorded": []}
+    for _ in range(repeats):
+        for mode in ("plain", "recorded"):
+            model = DistributedDataParallel(_mlp())
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            rec = PathRecorder(model, opt, n_samples=len(X)) if mode == "recorded" else None
+            for t in range(steps + 2):  # two warm-up steps
+                if t == 2:
+                    dist.barrier()
+                    start = time.perf_counter()
+                batch = np.random.RandomState(t).choice(len(X), 256, replace=False)
+                idx = np.array_split(batch, world)[rank]
+                opt.zero_grad()
+                (0.5 * (model(X[idx]) - y[idx]) ** 2).mean().backward()
+                if rec is not None:
+                    rec.set_batch(idx)
+                opt.step()
+            dist.barrier()
+            times[mode].append((time.perf_counter() - start) / steps)
+            if rec is not None:
+                rec.close()
+    if rank == 0:
+        with open(os.path.join(out, "ddp.json"), "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def _ddp_rows(quick):
+    import torch.multiprocessing as mp
+
+    steps, repeats = (10, 3) if quick else (30, 5)
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_ddp_worker, args=(2, _free_port(), out, steps, repeats), nprocs=2)
+        with open(os.path.join(out, "ddp.json")) as f:
+            times = json.load(f)
+    plain, recorded = (statistics.median(times[m]) for m in ("plain", "recorded"))
+    return [
+        dict(case="DDP step, 2 gloo processes, batch 256", method="DDP without recording",
+             median_ms=1e3 * plain, min_ms=1e3 * min(times["plain"]),
+             max_ms=1e3 * max(times["plain"]), ratio=1.0, goal=""),
+        dict(case="DDP step, 2 gloo processes, batch 256", method="DDP + PathRecorder",
+             median_ms=1e3 * recorded, min_ms=1e3 * min(times["recorded"]),
+             max_ms=1e3 * max(times["recorded"]), ratio=recorded / plain,
+             goal=f"<= {DDP_GOAL} ({'met' if recorded / plain <= DDP_GOAL else 'missed'})"),
+    ]
+
+
+def _path(steps):
+    from skpathkernel import PathRecorder
+
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.randn(512, SIZES[0]), dtype=torch.float32)
+    y = torch.as_tensor(rng.randn(512, 1), dtype=torch.float32)
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for t in range(steps):
+            idx = np.random.RandomState(t).choice(len(X), 64, replace=False)
+            opt.zero_grad()
+            (0.5 * (module(X[idx]) - y[idx]) ** 2).mean().backward()
+            rec.set_batch(idx)
+            opt.step()
+    Xq = np.random.RandomState(1).randn(200, SIZES[0]).astype(np.float32)
+    return rec.as_network(X, y), Xq
+
+
+def _serial(net, Xq):
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    res = net.decompose(Xq)
+    return time.perf_counter() - start, res
+
+
+def _jobs_rows(quick):
+    from joblib import Parallel, delayed
+
+    steps, repeats = (2, 2) if quick else (4, 3)
+    net, Xq = _path(steps)
+    threads = torch.get_num_threads()
+    serial, parallel, ceiling = [], [], []
+    workers = Parallel(n_jobs=2, backend="loky")
+    workers(delayed(_serial)(net, Xq[:2]) for _ in range(2))  # start and warm the workers
+    try:
+        for _ in range(repeats):
+            t, ref = _serial(net, Xq)
+            serial.append(t)
+            start = time.perf_counter()
+            with_workers = net.decompose(Xq, n_jobs=2)
+            parallel.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            workers(delayed(_serial)(net, Xq) for _ in range(2))
+            ceiling.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    size = float(np.abs(ref.prediction).max())
+    agree = float(np.abs(with_workers.contributions - ref.contributions).max()) / size
+    s, p, c = (statistics.median(v) for v in (serial, parallel, ceiling))
+    case = f"decompose, 200 queries, T={steps}"
+    return [
+        dict(case=case, method="serial (1 thread)", median_ms=1e3 * s,
+             min_ms=1e3 * min(serial), max_ms=1e3 * max(serial), ratio=1.0, goal=""),
+        dict(case=case, method="n_jobs=2 (loky)", median_ms=1e3 * p,
+             min_ms=1e3 * min(parallel), max_ms=1e3 * max(parallel), ratio=s / p,
+             goal=f">= {JOBS_GOAL} ({'met' if s / p >= JOBS_GOAL else 'missed'}); "
+                  f"max |difference| / max |f| = {agree:.1e}"),
+        dict(case=case, method="2 serial calls at once (ceiling)", median_ms=1e3 * c,
+             min_ms=1e3 * min(ceiling), max_ms=1e3 * max(ceiling), ratio=2 * s / c,
+             goal="throughput of two workers at best"),
+    ]
+
+
+def run(quick: bool = False) -> list[dict]:
+    return _ddp_rows(quick) + _jobs_rows(quick)
+
+
+NOTES = ("`ratio`: recorded / plain per step for the DDP rows; serial time over the "
+         "row's time for the decompose rows (the ceiling row: two calls' work over its "
+         "time). Measured on a shared machine under load: compare the ratios, measured "
+         "in the same run, not the absolute times.")

@@ -1,0 +1,90 @@
+"""The processes of tests/test_distributed.py: a DDP training loop recorded by PathRecorder.
+
+Started by ``torch.multiprocessing.spawn``; each writes what the test checks under
+``out`` (the writer's trajectory, every rank's errors) instead of returning it.
+"""
+
+import datetime
+import json
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from skpathkernel import PathRecorder
+
+N, STEPS = 24, 6
+
+
+def data():
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.uniform(-1, 1, size=(N, 3)))
+    y = torch.sin(X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)).reshape(-1, 1)
+    return X, y
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1)).double()
+
+
+def shards(world: int, step: int) -> list[np.ndarray]:
+    """The global batch of a step cut into one shard per rank; unequal for 3 ranks."""
+    rng = np.random.RandomState(100 + step)
+    batch = rng.choice(N, 12, replace=False)
+    sizes = [6, 6] if world == 2 else [5, 4, 3]
+    return np.split(batch, np.cumsum(sizes)[:-1])
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def _run(rank, world, out, scenario):
+    X, y = data()
+    model = DistributedDataParallel(mlp())
+    opt = optimizer(model.parameters())
+    rec = PathRecorder(model, opt, n_samples=N, storage="disk", directory=out)
+    errors = []
+    for t in range(STEPS):
+        idx = shards(world, t)[rank]
+        opt.zero_grad()
+        # DDP's loss: each rank's mean over its shard, the gradients averaged over ranks.
+        (0.5 * (model(X[idx]) - y[idx]) ** 2).mean().backward()
+        if scenario == "crash" and rank == 1 and t == 3:
+            os._exit(1)  # after the all-reduce, before the step: the gather finds it gone
+        if scenario == "out_of_range" and rank == 1 and t == 2:
+            idx = np.append(idx, N)
+        if scenario == "disagree" and rank == 1 and t == 2:
+            rec._step += 1  # as if this rank's recorder had seen one step more
+        if not (scenario == "undeclared" and rank == 1 and t == 2):
+            rec.set_batch(idx)
+        try:
+            opt.step()
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            break
+    if rank == rec.writer_rank:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            traj = rec.trajectory
+        traj.save(os.path.join(out, "path"))
+        errors += [f"warning: {w.message}" for w in caught]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"errors": errors, "n_steps": rec.n_steps}, f)
+
+
+def main(rank, world, port, out, scenario):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    torch.set_num_threads(1)
+    try:
+        _run(rank, world, out, scenario)
+    finally:
+        if scenario != "crash":
+            dist.destroy_process_group()

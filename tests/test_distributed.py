@@ -1,0 +1,134 @@
+"""PathRecorder under DistributedDataParallel: 2 and 3 CPU processes on the gloo backend.
+
+The reference is a single-process run of the same global batches with DDP's loss (the
+mean over ranks of each shard's mean loss), written out in the test; the decomposition's
+reference is the network's own output.
+"""
+
+import json
+import re
+import socket
+import warnings
+
+import _ddp_worker as worker
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from numpy.testing import assert_allclose
+
+from skpathkernel import RecordedNetwork, Trajectory
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="torch built without torch.distributed / gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world, tmp_path, scenario="ok"):
+    out, port = str(tmp_path), _free_port()
+    # Processes of their own, not mp.spawn's join: that one kills the other ranks when
+    # one fails, and the crash test needs the survivor to finish.
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=worker.main, args=(r, world, port, out, scenario))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(900)  # generous: a loaded machine imports torch slowly
+        if p.is_alive():
+            p.kill()
+    reports = {}
+    for r in range(world):
+        try:
+            with open(tmp_path / f"rank{r}.json") as f:
+                reports[r] = json.load(f)
+        except FileNotFoundError:
+            reports[r] = None
+    return reports
+
+
+def _single_process_path(world):
+    """The reference: one process, the same global batches, DDP's loss."""
+    X, y = worker.data()
+    module = worker.mlp()
+    opt = worker.optimizer(module.parameters())
+    points = [torch.cat([p.detach().reshape(-1) for p in module.parameters()])]
+    for t in range(worker.STEPS):
+        opt.zero_grad()
+        loss = sum((0.5 * (module(X[i]) - y[i]) ** 2).mean() for i in worker.shards(world, t))
+        (loss / world).backward()
+        opt.step()
+        points.append(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
+    return module, torch.stack(points)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_path_equals_one_process_and_decomposes_exactly(world, tmp_path):
+    reports = _spawn(world, tmp_path)
+    assert all(r == {"errors": [], "n_steps": worker.STEPS} for r in reports.values()), reports
+    traj = Trajectory.load(tmp_path / "path")
+    module, points = _single_process_path(world)
+    assert len(traj) == worker.STEPS + 1
+    for k in range(len(traj)):
+        assert_allclose(traj.parameters(k).numpy(), points[k].numpy(), rtol=0, atol=1e-15)
+    for t in range(worker.STEPS):
+        shards = worker.shards(world, t)
+        assert np.array_equal(traj.batch(t), np.concatenate(shards))
+        # DDP averages the ranks' means: 1 / (R n_r) per sample of a shard of n_r.
+        expected = np.concatenate([np.full(len(s), 1 / (world * len(s))) for s in shards])
+        assert_allclose(traj.batch_weights(t), expected, rtol=1e-15)
+    X, y = worker.data()
+    Xq = np.random.RandomState(5).uniform(-1, 1, size=(4, 3))
+    net = RecordedNetwork(worker.mlp(), traj, X_train=X.numpy(), y_train=y.numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = net.decompose(Xq)
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    if world == 3:
+        # Read as equal weights (one batch of 12), the unequal shards miss, and warn.
+        net.network_.trajectory._batch_weights = None
+        with pytest.warns(UserWarning, match="misses the prediction"):
+            assert net.decompose(Xq).error > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, match", [
+    ("out_of_range", r"rank 1 declared a wrong batch for optimizer step 2"),
+    ("undeclared", r"rank 1 declared no batch \(set_batch\) for optimizer step 2"),
+    ("disagree", r"rank 1 is at optimizer step 3, rank \d at 2|rank 0 is at optimizer "
+                 r"step 2, rank 1 at 3"),
+])
+def test_a_bad_declaration_raises_on_every_rank_and_keeps_the_record(scenario, match,
+                                                                      tmp_path):
+    reports = _spawn(2, tmp_path, scenario)
+    for r in (0, 1):
+        assert any(e.startswith("ValueError") and re.search(match, e)
+                   for e in reports[r]["errors"]), reports[r]
+        assert reports[r]["n_steps"] == (3 if scenario == "disagree" and r == 1 else 2)
+    traj = Trajectory.load(tmp_path / "path")
+    _, points = _single_process_path(2)
+    assert traj.n_steps == 2
+    assert_allclose(traj.parameters(-1).numpy(), points[2].numpy(), rtol=0, atol=1e-15)
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_leaves_a_readable_path_that_says_where_it_ends(tmp_path):
+    reports = _spawn(2, tmp_path, "crash")
+    assert reports[1] is None  # it died
+    errors = reports[0]["errors"]
+    assert errors[0].startswith("RuntimeError") and "gather of optimizer step 3" in errors[0]
+    assert any("ends after optimizer step 2" in e for e in errors[1:]), errors
+    traj = Trajectory.load(tmp_path / "path")
+    _, points = _single_process_path(2)
+    assert traj.n_steps == 3
+    for k in range(4):
+        assert_allclose(traj.parameters(k).numpy(), points[k].numpy(), rtol=0, atol=1e-15)

@@ -1,0 +1,283 @@
+"""PathRecorder on the training practices of real runs: gradient clipping, parameter groups,
+GradScaler, dropout, and the decomposition's warning when it is not exact.
+
+References are independent of the recorder: the network's own outputs (the reconstruction
+must meet them), torch's returned gradient norms and the optimizer's group settings
+written out in the test, and the same run with the recorded correction removed (which
+must then miss, and warn).
+"""
+
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+
+from skpathkernel import PathKernelMachine, PathRecorder, Trajectory
+
+N, STEPS = 16, 12
+
+
+@pytest.fixture
+def problem():
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.uniform(-1, 1, size=(N, 3)))
+    y = torch.sin(X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)).reshape(-1, 1)
+    Xq = torch.as_tensor(rng.uniform(-1, 1, size=(4, 3)))
+    return X, y, Xq
+
+
+def _mlp(seed=0, dropout=None):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(3, 16), torch.nn.Tanh()]
+    if dropout is not None:
+        layers.append(torch.nn.Dropout(dropout))
+    layers += [torch.nn.Linear(16, 1)]
+    return torch.nn.Sequential(*layers).double()
+
+
+def _batches(seed=1):
+    rng = np.random.RandomState(seed)
+    return [rng.choice(N, 8, replace=False) for _ in range(STEPS)]
+
+
+def _loss(out, y):
+    return (0.5 * (out - y) ** 2).mean()
+
+
+def _relative(res):
+    return res.error / np.abs(res.prediction).max()
+
+
+def _exact(net, Xq):
+    """The decomposition, which must not warn, and the truth it must reconstruct."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = net.decompose(Xq.numpy())
+    with torch.no_grad():
+        truth = net.module(Xq).numpy()
+    assert_allclose(res.prediction, truth, rtol=0, atol=1e-13)
+    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-10 * np.abs(truth).max())
+    return res
+
+
+@pytest.mark.parametrize("how", ["torch", "recorder"])
+def test_norm_clipping_is_recorded_and_the_split_stays_exact(problem, how):
+    X, y, Xq = problem
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    factors = []
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches():
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            clip = (torch.nn.utils.clip_grad_norm_ if how == "torch"
+                    else lambda params, m: rec.clip_grad_norm_(m))
+            norm = float(clip(list(module.parameters()), 0.05))
+            factors.append(min(1.0, 0.05 / (norm + 1e-6)))
+            rec.set_batch(idx)
+            opt.step()
+    traj = rec.trajectory
+    assert min(factors) < 0.5  # the clip acted
+    assert_allclose(traj.gradient_scales, factors, rtol=1e-14)
+    net = rec.as_network(X, y)
+    _exact(net, Xq)
+    # Without the recorded factors the same path is far off, and says so.
+    net.trajectory._gradient_scales = None
+    with pytest.warns(UserWarning, match="reconstruction misses the prediction"):
+        res = net.decompose(Xq.numpy())
+    assert _relative(res) > 0.1
+
+
+def test_gradient_accumulation_stays_exact(problem):
+    X, y, Xq = problem
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.5)
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches():
+            opt.zero_grad()
+            for half in (idx[:4], idx[4:]):
+                (0.5 * _loss(module(X[half]), y[half])).backward()
+            rec.set_batch(idx)
+            opt.step()
+    assert np.all(rec.trajectory.gradient_scales == 1.0)
+    _exact(rec.as_network(X, y), Xq)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda ps: torch.nn.utils.clip_grad_value_(ps, 1e-3), "value clipping"),
+    (lambda ps: [p.grad.add_(1e-3 * torch.randn_like(p.grad)) for p in ps], "noise"),
+    (lambda ps: ps[0].grad.mul_(0.5), "surgery"),
+])
+def test_per_entry_gradient_changes_are_refused_before_the_step(problem, change, match):
+    X, y, _ = problem
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    rec = PathRecorder(module, opt, n_samples=N)
+    idx = np.arange(8)
+    opt.zero_grad()
+    _loss(module(X[idx]), y[idx]).backward()
+    rec.set_batch(idx)
+    opt.step()
+    before = [p.detach().clone() for p in module.parameters()]
+    opt.zero_grad()
+    _loss(module(X[idx]), y[idx]).backward()
+    change(list(module.parameters()))
+    rec.set_batch(idx)
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    # Refused before the step: the parameters did not move and the record is whole.
+    for p, b in zip(module.parameters(), before):
+        assert torch.equal(p, b)
+    with pytest.warns(UserWarning, match="ends after optimizer step 0"):
+        traj = rec.trajectory
+    assert traj.n_steps == 1 and torch.equal(traj.parameters(-1),
+                                             torch.cat([b.reshape(-1) for b in before]))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd-momentum-l2"])
+def test_parameter_groups_with_their_own_lr_and_weight_decay(problem, kind, tmp_path):
+    X, y, Xq = problem
+    module = _mlp()
+    weights = [p for n, p in module.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in module.named_parameters() if n.endswith("bias")]
+    if kind == "adamw":  # the usual groups: no decay and another step size on biases
+        groups = [{"params": weights, "weight_decay": 0.1},
+                  {"params": biases, "weight_decay": 0.0, "lr": 0.02}]
+        opt = torch.optim.AdamW(groups, lr=0.01)
+    elif kind == "sgd":
+        opt = torch.optim.SGD([{"params": weights}, {"params": biases, "lr": 0.1}], lr=0.4)
+    else:
+        groups = [{"params": weights, "weight_decay": 0.05},
+                  {"params": biases, "weight_decay": 0.0, "lr": 0.1}]
+        opt = torch.optim.SGD(groups, lr=0.2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda t: 1.0, lambda t: 0.9**t])
+    used = []
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches():
+            used.append([g["lr"] for g in opt.param_groups])
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            rec.set_batch(idx)
+            opt.step()
+            sched.step()
+    traj = rec.trajectory
+    used = np.array(used)
+    assert_allclose(traj.learning_rates, used.max(axis=1), rtol=1e-15)
+    # Each parameter's step size relative to the recorded one, written out by name.
+    k = 5
+    expected = torch.cat([torch.full((p.numel(),), used[k, 0 if n.endswith("weight") else 1]
+                                     / used[k].max(), dtype=torch.float64)
+                          for n, p in module.named_parameters()])
+    assert_allclose(traj.step_size_scales(k).numpy(), expected.numpy(), rtol=1e-15)
+    if kind == "sgd":
+        assert_allclose(traj.preconditioner(k).numpy(), expected.numpy(), rtol=1e-15)
+    net = rec.as_network(X, y)
+    _exact(net, Xq)
+    # Saved, loaded and pickled with what the groups recorded.
+    traj.save(tmp_path / "path.pt")
+    for copy in (Trajectory.load(tmp_path / "path.pt"), pickle.loads(pickle.dumps(traj))):
+        assert_allclose(copy.step_size_scales(k).numpy(), expected.numpy(), rtol=0)
+        assert torch.equal(copy.preconditioner(k) if kind != "sgd" else
+                           copy.step_size_scales(k), traj.preconditioner(k) if kind != "sgd"
+                           else traj.step_size_scales(k))
+        wd = copy.weight_decays()
+        assert (wd is None) == (kind == "sgd")
+    # One step size for all would not add up: the check has teeth.
+    net.trajectory._group_lrs = None
+    with pytest.warns(UserWarning, match="reconstruction misses the prediction"):
+        net.decompose(Xq.numpy())
+
+
+def test_groups_that_differ_in_momentum_are_refused():
+    module = _mlp()
+    groups = [{"params": [module[0].weight]},
+              {"params": [p for n, p in module.named_parameters() if n != "0.weight"],
+               "betas": (0.8, 0.99)}]
+    with pytest.raises(ValueError, match="group 1.*betas"):
+        PathRecorder(module, torch.optim.Adam(groups, lr=0.01))
+
+
+def test_dropout_in_training_mode_is_refused_naming_the_layer(problem):
+    X, y, Xq = problem
+    module = _mlp(dropout=0.2)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = PathRecorder(module, opt, n_samples=N)
+    idx = np.arange(8)
+    _loss(module(X[idx]), y[idx]).backward()
+    rec.set_batch(idx)
+    with pytest.raises(RuntimeError, match=r"layer '2' \(Dropout\(p=0.2.*eval"):
+        opt.step()
+    rec.close()
+    # In eval mode the same network records and decomposes exactly.
+    module = _mlp(dropout=0.2).eval()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches()[:4]:
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            rec.set_batch(idx)
+            opt.step()
+    _exact(rec.as_network(X, y), Xq)
+
+
+def test_grad_scaler_skipped_steps_are_not_steps_and_the_scale_is_undone(problem):
+    X, y, Xq = problem
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    points = [torch.cat([p.detach().reshape(-1) for p in module.parameters()])]
+    taken = []
+    with PathRecorder(module, opt, n_samples=N, grad_scaler=scaler) as rec:
+        for t, idx in enumerate(_batches()):
+            opt.zero_grad()
+            loss = _loss(module(X[idx]), y[idx])
+            if t == 3:  # an overflow: GradScaler skips the step
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            rec.set_batch(idx)
+            scaler.unscale_(opt)
+            rec.clip_grad_norm_(0.1)
+            scaler.step(opt)
+            scaler.update()
+            now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+            if not torch.equal(now, points[-1]):
+                points.append(now)
+                taken.append(idx)
+    traj = rec.trajectory
+    assert traj.n_steps == STEPS - 1 == len(taken)
+    for k, (point, idx) in enumerate(zip(points, [*taken, None])):
+        assert torch.equal(traj.parameters(k), point)
+        if idx is not None:
+            assert np.array_equal(traj.batch(k), idx)
+    assert traj.gradient_scales.min() < 0.9  # clipped after unscaling, recorded as such
+    _exact(rec.as_network(X, y), Xq)
+
+
+def test_a_wrongly_declared_batch_warns_in_decompose_attribute_and_explain(problem):
+    X, y, Xq = problem
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches():
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            rec.set_batch(idx[:4])  # half of the batch: a partial declaration
+            opt.step()
+    net = rec.as_network(X, y)
+    with pytest.warns(UserWarning, match=r"misses the prediction by .* partly declared"):
+        res = net.decompose(Xq.numpy())
+    assert _relative(res) > 0.01
+    with pytest.warns(UserWarning, match="misses the prediction"):
+        net.attribute(Xq.numpy())
+    est = PathKernelMachine(hidden_layer_sizes=(8,), solver="sgd", max_iter=5,
+                            dtype="float64", random_state=0).fit(X.numpy(), y.numpy().ravel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est.explain(Xq.numpy(), n_neighbors=3)
+    est.trajectory_.learning_rates[:] *= 1.5  # a record that is not the training's
+    with pytest.warns(UserWarning, match="misses the prediction") as caught:
+        est.explain(Xq.numpy(), n_neighbors=3)
+    assert caught[0].filename == __file__  # at the caller's line

@@ -586,7 +586,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
                 input_kind=self._input_kind, device=str(device),
                 memory_budget=self.memory_budget),
-            _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
+            _network_spec=spec, n_outputs_=n_outputs,
+            # Only a path in memory can be continued (warm_start, partial_fit).
+            _resume=result.resume if trajectory.storage == "memory" else None,
             **self._curves(result, previous is not None),
         )
         for name, value in attrs.items():

@@ -425,8 +425,11 @@ class PathRecorder:
         Parameters
         ----------
         max_norm : float
+            Largest norm of all gradients together, as torch's ``max_norm``.
         norm_type : float, default=2.0
+            The norm's order, as torch's ``norm_type``.
         error_if_nonfinite : bool, default=False
+            Raise when the norm is NaN or infinite, as torch does.
 
         Returns
         -------

@@ -303,6 +303,16 @@ class Trajectory:
         ``1 / batch_size`` for a loss that averages over its batch; under
         DistributedDataParallel with shards of different sizes, ``1 / (n_ranks *
         shard_size)`` for each sample of a shard (DDP averages the ranks' mean losses).
+
+        Parameters
+        ----------
+        step : int
+            Optimizer step, ``0 <= step < n_steps``; negative values count from the end.
+
+        Returns
+        -------
+        weights : ndarray of shape (batch_size,)
+            One weight per index of :meth:`batch`, in its order.
         """
         step = check_index(step, "step", n=self.n_steps)
         start, stop = self._batch_offsets[step], self._batch_offsets[step + 1]
@@ -323,6 +333,17 @@ class Trajectory:
         groups with one step size). With optimizer parameter groups of their own step
         sizes, ``learning_rates[k]`` is the largest and each parameter's scale is its
         group's step size over it (included in :meth:`preconditioner`).
+
+        Parameters
+        ----------
+        k : int
+            Recorded point the step leaves, ``0 <= k < len(self) - 1``; negative values
+            count from the end.
+
+        Returns
+        -------
+        scales : torch.Tensor of shape (n_params,) or None
+            The scales, in the order of :attr:`names`.
         """
         if self._group_lrs is None:
             return None
@@ -335,7 +356,14 @@ class Trajectory:
         return self._per_parameter(scales[list(self._param_groups)])
 
     def weight_decays(self) -> torch.Tensor | None:
-        """Each parameter's weight decay, (P,) float64; None when all take the solver's."""
+        """Each parameter's weight decay, (P,) float64; None when all take the solver's.
+
+        Returns
+        -------
+        decays : torch.Tensor of shape (n_params,) or None
+            Every parameter's weight decay (its optimizer group's), in the order of
+            :attr:`names`; None when every group takes the solver's.
+        """
         if self._group_weight_decays is None:
             return None
         return self._per_parameter(self._group_weight_decays[list(self._param_groups)])

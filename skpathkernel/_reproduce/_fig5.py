@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from joblib import Parallel, delayed
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import ConfusionMatrixDisplay
+from sklearn.metrics import ConfusionMatrixDisplay, confusion_matrix
 from sklearn.neighbors import KNeighborsClassifier
 from sklearn.svm import SVC
 
@@ -86,8 +86,6 @@ def _row_of(cm, k):
 
 
 def _confusion_cell(name, y_true, pred, held_out=None):
-    from sklearn.metrics import confusion_matrix
-
     cm = confusion_matrix(y_true, pred, labels=np.arange(10))
     weak = [_row_of(cm, k) for k in range(10) if cm[k, k] <= np.delete(cm[k], k).max()]
     return {"cell": name, "held-out handwritten": "-" if held_out is None else

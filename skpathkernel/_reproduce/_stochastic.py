@@ -31,6 +31,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
+from joblib import Parallel, delayed
 
 from .. import PathKernelClassifier, PathKernelMachine, PathRecorder
 from ..datasets import make_circle, make_sine
@@ -276,8 +277,6 @@ def gap_sweep(path, task, lrs, batches, seeds, *, batch_seeds=None, n_jobs=1):
     B (at the middle lr; ``batch_seeds``, default ``seeds``); the run at the middle of both
     is shared (its first ``seeds`` seeds on the lr axis). Blocks of ``seeds`` seeds run on
     ``n_jobs`` processes."""
-    from joblib import Parallel, delayed
-
     batch_seeds = batch_seeds or seeds
     b_mid, lr_mid = batches[len(batches) // 2], lrs[len(lrs) // 2]
     points = {(lr, b_mid): seeds for lr in lrs}
@@ -327,8 +326,6 @@ def batch_sweep(task, lr_mid, batches, n_seeds, cells=SWEEP, n_jobs=2):
     """The sweep table of the batch-size rate: one row per cell of ``cells``. Runs are
     grouped in blocks of ``n_seeds`` seeds, each computed once: a cell over several blocks
     (seeds 0-159) reuses the blocks of the cells that hold them."""
-    from joblib import Parallel, delayed
-
     batches = np.array(batches)
     configs, blocks = [], {}
     for _, change in cells:

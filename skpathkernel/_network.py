@@ -444,6 +444,47 @@ class TrainedNetwork:
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
                               tol=tol, weights=weights).contributions[:, :, 0]
 
+    def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
+                margin: str = "allowed", encode=None, scale=None, units=None):
+        """The training points that moved each prediction the most.
+
+        The computation behind the estimators' ``explain``, whose parameters
+        ``X, n_neighbors, method, output`` these are; ``margin``, ``encode`` and
+        ``scale`` are those of :meth:`attribute`'s callers, ``units`` maps a
+        decomposition of every output into the caller's units (``output="all"``).
+
+        A scalar output (the predicted class's margin, or one output column) is
+        explained by :meth:`attribute`'s contracted route: one scalar output per query
+        through the whole path, not every output. ``output="all"`` ranks by the
+        contributions summed in absolute value over every output, from the full
+        :meth:`decompose`.
+
+        Returns
+        -------
+        indices : ndarray of shape (n_queries, n_neighbors)
+            Training-set indices, largest contribution first.
+        contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
+            Their contributions: one column for a scalar output, ``n_outputs`` for "all".
+        """
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or n_neighbors < 1):
+            raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
+        if isinstance(output, str) and output == "all":
+            check_decompose_args(method, "realized", None, None)
+            contributions = self.decompose(X, method=method, units=units).contributions
+        else:
+            if method == "unrolled":
+                raise ValueError("explain takes method 'exact', 'first_order' or "
+                                 "'second_order' (the decomposition's), got 'unrolled'.")
+            scores = self._attribute(X, None, method=method, weighting="realized",
+                                     output=output, n_nodes=None, tol=None, n_jobs=None,
+                                     margin=margin, encode=encode, scale=scale)
+            contributions = scores[:, :, None]
+        k = min(int(n_neighbors), contributions.shape[1])
+        magnitude = np.abs(contributions).sum(axis=2)
+        order = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
+        return order, np.take_along_axis(contributions, order[:, :, None], axis=1)
+
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         """Each training point's counterfactual score for its own output.
 

@@ -703,6 +703,10 @@ class PathKernel(_NetworkKernel):
         _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)
 
+    def _raw_sums(self, X, Y):
+        """``K(X, Y)`` and both diagonals, unnormalised, from one walk over the path."""
+        return tuple(to_numpy(t) for t in self._sum(X, Y, gram=True, diag=True))
+
 
 class NetworkKernelsMixin:
     """``tangent_kernel_`` and ``path_kernel_`` of anything that exposes ``network_``."""

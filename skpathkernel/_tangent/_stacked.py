@@ -62,6 +62,9 @@ _PASS = 8
 # panels at N = 1000 on the CPUs measured).
 _PANEL = 256
 
+# Bytes of one chunk of the "units" route's products: about a core's L2 cache.
+_CACHE = 2**21
+
 
 @dataclasses.dataclass(frozen=True)
 class _Linear:
@@ -268,21 +271,31 @@ def _rank1(out, fx, fy, w) -> None:
 
 
 def _units(out, fx, fy, wD, chunk: int) -> None:
-    """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer."""
+    """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
+
+    A point's units are taken ``chunk`` at a time, so that the chunk's products stay in
+    cache between the GEMMs that write them and the elementwise pass that sums them.
+    """
     (ax, dx), (ay, dy) = fx, fy
     B, n, C, p = dx.shape
     m = ay.shape[1]
-    # (B, p, C, N): each unit's backprops of all outputs, contiguous per unit.
-    dxu = dx.permute(0, 3, 1, 2)
-    dyu = dy.permute(0, 3, 2, 1)
-    for o in range(0, p, chunk):
-        e = min(o + chunk, p)
-        # A D_o A'^T for the chunk's units: rows of all units stacked, one GEMM per point.
-        scaled = ax[:, None, :, :] * wD[:, o:e, None, :]           # (B, u, N, q)
-        H = torch.bmm(scaled.reshape(B, (e - o) * n, -1), ay.transpose(1, 2))
-        G = torch.matmul(dxu[:, o:e], dyu[:, o:e])                 # (B, u, N, M)
-        H = H.view(B, e - o, n, m).mul_(G)
-        out.add_(H.view(-1, n * m).sum(0).view(n, m))
+    # (B, p, N, C) and (B, p, C, M): each unit's backprops of all outputs, per unit.
+    dxu = dx.permute(0, 3, 1, 2).contiguous()
+    dyu = dy.permute(0, 3, 2, 1).contiguous()
+    flat = out.view(-1) if out.is_contiguous() else None
+    for b in range(B):
+        ayt = ay[b].T
+        for o in range(0, p, chunk):
+            e = min(o + chunk, p)
+            # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
+            scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n * m)
+            G = torch.bmm(dxu[b, o:e], dyu[b, o:e]).view(e - o, n * m)
+            total = H.mul_(G).sum(0)
+            if flat is not None:
+                flat.add_(total)
+            else:
+                out.add_(total.view(n, m))
 
 
 def _dense(out, fx, fy, wD) -> None:
@@ -322,7 +335,7 @@ class _Sides:
 
 def _contract_panel(out, sides: _Sides, mlp, routes, w, rows, cols, chunk) -> None:
     """``out += `` the block's Gram over one panel, every layer by its route."""
-    for li, lin in enumerate(mlp.linears):
+    for li in range(len(routes)):
         fx = tuple(t[:, rows] for t in sides.fx[li])
         fy = tuple(t[:, cols] for t in sides.fy[li])
         if routes[li] == "rank1":
@@ -356,6 +369,7 @@ def stacked_path_sum(
     gram: bool = True,
     diag: bool = False,
     block: int | None = None,
+    panel: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``sum_k w_k J_k(X) D_k J_k(Y)^T`` (float64) and / or its diagonals over the points.
 
@@ -380,6 +394,8 @@ def stacked_path_sum(
         ``Y=None``).
     block : int, default=None
         Points per block; None sizes it from the budget.
+    panel : int, default=None
+        Rows and columns of the Gram's panels; None: 256.
     """
     symmetric = Y is None
     Yt = X if Y is None else Y
@@ -390,7 +406,8 @@ def stacked_path_sum(
               for lin in mlp.linears]
     widths = [(lin.d_in + 1) + C * lin.d_out for lin in mlp.linears]
     P = max(s + size for s, size in layout.values())
-    pr, pc = min(n, _PANEL), min(m, _PANEL)
+    panel = _PANEL if panel is None else panel
+    pr, pc = min(n, panel), min(m, panel)
     # Per point: its parameters and D, both sides' factors, and the panel's products
     # (the "units" route's chunk is bounded separately, below).
     per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc)
@@ -399,14 +416,15 @@ def stacked_path_sum(
         block = max(1, min(block, 64))
     elif rows_per_block(memory_budget, per_point * block, "A block of points") < 1:
         block = 1
-    # Units per chunk: the chunk's scaled rows, H and G of a panel, for one point.
-    unit_bytes = itemsize * block * (pr * (max(w for w in widths)) + 2 * pr * pc)
-    chunk = max(1, min(32, memory_budget // (4 * max(unit_bytes, 1))))
+    # Units per chunk: the chunk's scaled rows, H and G of a panel, for one point, in
+    # cache (and in a quarter of the budget).
+    unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
+    chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
     K = torch.zeros((n, m), dtype=torch.float64, device=X.device) if gram else None
     dx = torch.zeros(n, dtype=torch.float64, device=X.device) if diag else None
     dy = None if (symmetric or not diag) else torch.zeros(m, dtype=torch.float64,
                                                           device=X.device)
-    panel = torch.empty((pr, pc), dtype=dtype, device=X.device)
+    buffer = torch.empty((pr, pc), dtype=dtype, device=X.device)
     for s in range(0, len(weights), block):
         points = [k for k, _ in weights[s : s + block]]
         w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
@@ -426,8 +444,8 @@ def stacked_path_sum(
                     _diag(dy, fy[li], wD[li], w)
         if not gram:
             continue
-        for rows, cols in _panels(n, m, symmetric, _PANEL):
-            out = panel[: rows.stop - rows.start, : cols.stop - cols.start]
+        for rows, cols in _panels(n, m, symmetric, panel):
+            out = buffer[: rows.stop - rows.start, : cols.stop - cols.start]
             out.zero_()
             _contract_panel(out, sides, mlp, routes, w, rows, cols, chunk)
             if symmetric and rows == cols:
@@ -435,7 +453,7 @@ def stacked_path_sum(
             K[rows, cols] += out
     if gram and symmetric:
         # The panels right of the diagonal, mirrored below it.
-        for rows, cols in _panels(n, m, True, _PANEL):
+        for rows, cols in _panels(n, m, True, panel):
             if cols.start > rows.start:
                 K[cols, rows] = K[rows, cols].T
     if diag and symmetric:

@@ -103,11 +103,12 @@ axes[0].set_ylabel("contribution to the logit")
 fig.tight_layout()
 
 # %%
-# ``explain`` ranks the training images by the size of their contribution summed over
-# the ten logits; the titles give each one's label and its share of the predicted logit.
+# ``explain(..., output="all")`` ranks the training images by the size of their
+# contribution summed over the ten logits (the default explains the predicted class's
+# margin); the titles give each one's label and its share of the predicted logit.
 # The largest movers are often images of other classes: they move several logits at once,
 # their own class's up and the others down.
-idx, contrib = clf.explain(queries, n_neighbors=5)
+idx, contrib = clf.explain(queries, n_neighbors=5, output="all")
 fig, axes = plt.subplots(len(queries), 6, figsize=(8, 4.4))
 for row, (query, label, neighbours) in enumerate(zip(queries, labels, idx)):
     axes[row, 0].imshow(query[0], cmap="gray_r")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import numbers
+import warnings
 
 import numpy as np
 import torch
@@ -33,7 +34,14 @@ from ._device import to_numpy
 from ._network._inputs import check_representable
 from ._network._trained import TrainedNetwork, network_of
 from ._parallel import map_ranges, map_row_blocks, n_row_blocks
-from ._tangent import hidden_reads, tangent_gram, tangent_gram_diag
+from ._tangent import (
+    block_forward_error,
+    hidden_reads,
+    stacked_mlp,
+    stacked_path_sum,
+    tangent_gram,
+    tangent_gram_diag,
+)
 from ._validation import check_index
 
 __all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
@@ -251,6 +259,9 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
             f"empty (the trajectory has {len(net.trajectory) - 1} steps to sum)."
         )
     Xt, Yt = _tensors(net, X, Y)
+    stacked = _stacked_sum(net, Xt, Yt, weights, output, gram=gram, diag=diag)
+    if stacked is not None:
+        return stacked
     K = dx = dy = None
     # K(X, X) holds its own diagonal: no separate diagonal pass is needed.
     diag_from_gram = gram and diag and Yt is None
@@ -275,6 +286,53 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
     if diag_from_gram:
         dx = K.diagonal().clone()
     return K, dx, dx if Yt is None else dy
+
+
+def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
+    """The path sum over blocks of points at once (:mod:`._tangent._stacked`), for a plain
+    MLP on 2-D inputs; None where that route does not apply (the step-by-step sum then
+    runs)."""
+    traj = net.trajectory
+    mlp = stacked_mlp(net.module, traj.names)
+    if mlp is None or Xt.ndim != 2 or not Xt.is_floating_point() or \
+            Xt.shape[1] != mlp.n_inputs or (Yt is not None and Yt.shape[1] != mlp.n_inputs):
+        return None
+    n_out = mlp.linears[-1].d_out
+    if output == "trace":
+        outputs, scale = list(range(n_out)), 1.0 / n_out
+    elif -n_out <= output < n_out:
+        outputs, scale = [output % n_out], 1.0
+    else:
+        return None  # the engine names the problem
+    layout, start = {}, 0
+    for name, shape in zip(traj.names, traj.shapes):
+        layout[name] = (start, int(np.prod(shape, dtype=np.int64)))
+        start += layout[name][1]
+    weighted = traj.solver_spec.name != "sgd" and len(traj) > 1
+    device, dtype = net.torch_device, net.torch_dtype
+
+    def load(points):
+        theta = torch.stack([traj.parameters(k) for k in points]).to(device, dtype)
+        if not weighted:
+            return theta, None
+        # The last point has no step leaving it; it takes the last recorded state.
+        D = torch.stack([traj.preconditioner(min(k, len(traj) - 2)) for k in points])
+        return theta, D.to(device, dtype)
+
+    # The route rebuilds the network from its layers: its forward must be the module's.
+    first = weights[0][0]
+    probe = Xt[:64]
+    error = block_forward_error(mlp, layout, load([first])[0], net.module,
+                                net.params_at(first), probe)
+    if not error <= 100 * torch.finfo(dtype).eps:
+        warnings.warn(
+            f"The path kernel's stacked route computes outputs that differ from the "
+            f"module's by {error:.2g} (relative); it falls back to the step-by-step sum.",
+            RuntimeWarning, stacklevel=4)
+        return None
+    return stacked_path_sum(mlp, layout, load, weights, Xt, Yt, outputs=outputs,
+                            trace_scale=scale, weighted=weighted,
+                            memory_budget=net.memory_budget, gram=gram, diag=diag)
 
 
 def _split_path_sum(net, X, Y, start, stop, output, n_jobs, *, gram, diag, memory):
@@ -643,6 +701,10 @@ class PathKernel(_NetworkKernel):
     def _diag(self, X):
         _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)
+
+    def _raw_sums(self, X, Y):
+        """``K(X, Y)`` and both diagonals, unnormalised, from one walk over the path."""
+        return tuple(to_numpy(t) for t in self._sum(X, Y, gram=True, diag=True))
 
 
 class NetworkKernelsMixin:

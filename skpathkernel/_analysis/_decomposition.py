@@ -74,9 +74,17 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from .._memory import rows_per_block
 from .._path._losses import Loss
 from .._path._trajectory import Trajectory
-from .._tangent import capture, forward, hidden_reads, tangent_features
-from .._tangent._contract import dense_grad
-from .._tangent._pairs import Adjoint, directional, factor_shares, pair_terms
+from .._tangent import (
+    Adjoint,
+    capture,
+    dense_grad,
+    directional,
+    factor_shares,
+    forward,
+    hidden_reads,
+    pair_terms,
+    tangent_features,
+)
 from .._warnings import caller_stacklevel
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge"]

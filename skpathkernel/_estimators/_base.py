@@ -53,7 +53,7 @@ from .._path._training import extend_trajectory, resolve_batch_size, train, trai
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
-from ..kernels import NetworkKernelsMixin, PathKernel, TangentKernel
+from ..kernels import NetworkKernelsMixin
 
 __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
            "make_mlp"]
@@ -293,29 +293,9 @@ class FittedNetworkMixin:
         ((2, 3), True)
         """
         check_is_fitted(self)
-        if kernel not in ("tangent", "path"):
-            raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
-        n_train = self.X_fit_.shape[0]
-        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
-                or not 0 < n_neighbors <= n_train):
-            raise ValueError(
-                f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
-                f"samples), got {n_neighbors!r}."
-            )
-        X = self._validate_X(X)
-        # The kernels' own normalisation (cosine; 0 against a zero feature).
-        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
-             else PathKernel(self, normalized=normalized))
-        K = k(X, self.X_fit_)
-        if normalized:
-            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
-        else:
-            sq = k.diag(X)[:, None] + k.diag(self.X_fit_)[None, :] - 2.0 * K
-        dist = np.sqrt(np.maximum(sq, 0.0))
-        ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
-        if not return_distance:
-            return ind
-        return np.take_along_axis(dist, ind, axis=1), ind
+        return network_of(self).kneighbors(
+            self._validate_X(X), n_neighbors, kernel=kernel, step=step, normalized=normalized,
+            return_distance=return_distance)
 
 
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 import torch
 from scipy.special import expit, softmax
@@ -353,25 +351,35 @@ class _KernelMachineMixin(TransformerMixin):
             output=output, n_jobs=n_jobs, margin="default" if classifier else "no",
             scale=getattr(self, "_y_scale", None))
 
-    def explain(self, X, n_neighbors=10, *, method="exact"):
+    def explain(self, X, n_neighbors=10, *, method="exact", output=None):
         """The training points that moved each prediction the most.
 
         Guo, He & Morel's "retrieval from the feature memory" (2026): for each query, the
-        training points with the largest ``|a_i(x)|`` (summed over outputs) in the
-        decomposition.
+        training points with the largest contribution ``|a_i(x)|`` in the decomposition
+        of the explained output. Classifiers explain the margin of the predicted class by
+        default, through :meth:`attribute`'s contracted route (one scalar output per
+        query along the path: about the cost of :meth:`attribute`, not of decomposing
+        every output); ``output="all"`` ranks by ``|a_i(x)|`` summed over every output,
+        from :meth:`decompose`.
 
         Parameters
         ----------
         X : array-like of shape (n_queries, n_features) or (n_queries, ...)
         n_neighbors : int, default=10
         method : {"exact", "first_order", "second_order"}, default="exact"
+        output : "margin", int or "all", default=None
+            The output explained. None: the predicted class's margin for classifiers
+            (see :meth:`attribute`), the output for single-output regressors, and "all"
+            for regressors with several outputs. "margin" and an int are as in
+            :meth:`attribute`; "all" explains every output at once.
 
         Returns
         -------
         indices : ndarray of shape (n_queries, n_neighbors)
             Training-set indices, largest contribution first.
-        contributions : ndarray of shape (n_queries, n_neighbors, n_outputs)
-            Their contributions ``a_i(x)``.
+        contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
+            Their contributions ``a_i(x)``: one column for a scalar output, ``n_outputs_``
+            columns for ``output="all"``.
 
         Examples
         --------
@@ -383,15 +391,18 @@ class _KernelMachineMixin(TransformerMixin):
         >>> idx.shape, contrib.shape
         ((2, 3), (2, 3, 1))
         """
-        n_train = self.X_fit_.shape[0] if hasattr(self, "X_fit_") else None
-        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
-                or n_neighbors < 1):
-            raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
-        res = self.decompose(X, method=method)
-        k = min(int(n_neighbors), n_train)
-        magnitude = np.abs(res.contributions).sum(axis=2)
-        order = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
-        return order, np.take_along_axis(res.contributions, order[:, :, None], axis=1)
+        check_is_fitted(self)
+        classifier = isinstance(self, ClassifierMixin)
+        if output is None and not classifier and self.n_outputs_ > 1:
+            output = "all"
+        X = self._validate_X(X)
+        self._check_feature_row_fits("decompose")
+        mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
+        return network_of(self).explain(
+            X, n_neighbors, method=method, output=output,
+            margin="default" if classifier else "no",
+            encode=lambda y: label_codes(self.classes_, y) if classifier else None,
+            scale=scale, units=lambda res: in_target_units(res, mean, scale))
 
 
 def _encode_labels(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:

@@ -481,6 +481,98 @@ ValueError
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
                               tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
 
+    def kneighbors(self, X, n_neighbors: int = 100, *, kernel: str = "tangent",
+                   step: int = -1, normalized: bool = True, return_distance: bool = True):
+        """Training points nearest to each query under a kernel.
+
+        The computation behind the estimators' ``kneighbors``, whose parameters these
+        are, over ``X_fit``. The path kernel's Gram against the training set and both
+        diagonals come from one walk over the path (blocks of recorded points at once
+        for a plain MLP).
+
+        Returns
+        -------
+        distances : ndarray of shape (n_queries, n_neighbors)
+            Only when ``return_distance=True``; increasing along each row.
+        indices : ndarray of shape (n_queries, n_neighbors)
+        """
+        # The kernels build on this object: imported here, not at the top of the module.
+        from ..kernels import PathKernel, TangentKernel
+
+        if kernel not in ("tangent", "path"):
+            raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
+        X_fit = self._training_data_inputs()
+        n_train = X_fit.shape[0]
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or not 0 < n_neighbors <= n_train):
+            raise ValueError(
+                f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
+                f"samples), got {n_neighbors!r}."
+            )
+        X = self.check(X)
+        # The kernels' own normalisation (cosine; 0 against a zero feature).
+        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
+             else PathKernel(self, normalized=normalized))
+        if normalized:
+            sq = 2.0 - 2.0 * np.clip(k(X, X_fit), -1, 1)
+        elif kernel == "path":
+            K, dx, dy = k._bind(self)._raw_sums(X, X_fit)
+            sq = dx[:, None] + dy[None, :] - 2.0 * K
+        else:
+            sq = k.diag(X)[:, None] + k.diag(X_fit)[None, :] - 2.0 * k(X, X_fit)
+        dist = np.sqrt(np.maximum(sq, 0.0))
+        ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
+        if not return_distance:
+            return ind
+        return np.take_along_axis(dist, ind, axis=1), ind
+
+    def _training_data_inputs(self) -> np.ndarray:
+        if self.X_fit is None:
+            raise ValueError("kneighbors needs the training inputs: this network has no "
+                             "X_fit.")
+        return self.X_fit
+
+    def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
+                margin: str = "allowed", encode=None, scale=None, units=None):
+        """The training points that moved each prediction the most.
+
+        The computation behind the estimators' ``explain``, whose parameters
+        ``X, n_neighbors, method, output`` these are; ``margin``, ``encode`` and
+        ``scale`` are those of :meth:`attribute`'s callers, ``units`` maps a
+        decomposition of every output into the caller's units (``output="all"``).
+
+        A scalar output (the predicted class's margin, or one output column) is
+        explained by :meth:`attribute`'s contracted route: one scalar output per query
+        through the whole path, not every output. ``output="all"`` ranks by the
+        contributions summed in absolute value over every output, from the full
+        :meth:`decompose`.
+
+        Returns
+        -------
+        indices : ndarray of shape (n_queries, n_neighbors)
+            Training-set indices, largest contribution first.
+        contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
+            Their contributions: one column for a scalar output, ``n_outputs`` for "all".
+        """
+        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+                or n_neighbors < 1):
+            raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
+        if isinstance(output, str) and output == "all":
+            check_decompose_args(method, "realized", None, None)
+            contributions = self.decompose(X, method=method, units=units).contributions
+        else:
+            if method == "unrolled":
+                raise ValueError("explain takes method 'exact', 'first_order' or "
+                                 "'second_order' (the decomposition's), got 'unrolled'.")
+            scores = self._attribute(X, None, method=method, weighting="realized",
+                                     output=output, n_nodes=None, tol=None, n_jobs=None,
+                                     margin=margin, encode=encode, scale=scale)
+            contributions = scores[:, :, None]
+        k = min(int(n_neighbors), contributions.shape[1])
+        magnitude = np.abs(contributions).sum(axis=2)
+        order = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
+        return order, np.take_along_axis(contributions, order[:, :, None], axis=1)
+
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its training target: its '
                       "class code, or the positive or largest target column")

@@ -10,14 +10,18 @@ contribute Kronecker factors with a position axis, contracted by the cheaper exa
 """
 
 from ._capture import Capture, capture, forward
+from ._contract import dense_grad
 from ._generic import per_sample_jacobian
 from ._gram import hidden_reads, tangent_features, tangent_gram, tangent_gram_diag
+from ._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._projection import project_tangent_features
 from ._routes import FallbackWarning, LayerRoute, check_rule, layer_routes, warn_on_fallback
 from ._rules import RULES, Rule, Term, Use, get_rule, register_rule
+from ._stacked import block_forward_error, stacked_mlp, stacked_path_sum
 
 __all__ = [
     "RULES",
+    "Adjoint",
     "Capture",
     "FallbackWarning",
     "LayerRoute",
@@ -37,4 +41,11 @@ __all__ = [
     "tangent_gram",
     "tangent_gram_diag",
     "warn_on_fallback",
+    "block_forward_error",
+    "dense_grad",
+    "directional",
+    "factor_shares",
+    "pair_terms",
+    "stacked_mlp",
+    "stacked_path_sum",
 ]

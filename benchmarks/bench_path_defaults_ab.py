@@ -1,0 +1,62 @@
+"""Issue 35's table, before and after in one process.
+
+``case:old`` times the step-by-step route (the stacked route of ``kernels._stacked_sum``
+switched off), ``case`` the stacked one. Usage:
+``THREADS=1 python -m benchmarks.bench_path_defaults_ab adam100,adam100:old``. CPU time
+(``time.process_time``) is reported beside wall time: on shared cores it is what the call
+itself spent.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import time
+from unittest import mock
+
+import torch
+from sklearn.datasets import load_digits
+from sklearn.preprocessing import StandardScaler
+
+from skpathkernel import PathKernelClassifier, kernels
+from skpathkernel.kernels import PathKernel
+
+
+def main(names):
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    Xtr, ytr, Xte = X[:1000], y[:1000], X[1000:1100]
+    adam = PathKernelClassifier(random_state=0).fit(Xtr, ytr)
+    sgd = PathKernelClassifier(solver="sgd", learning_rate_init=0.1, random_state=0).fit(Xtr, ytr)
+    print("points", len(adam.trajectory_), len(sgd.trajectory_), adam.n_params_, flush=True)
+    cases = {
+        "adam100": lambda: adam.path_kernel_(Xtr[:100]),
+        "sgd100": lambda: sgd.path_kernel_(Xtr[:100]),
+        "adam1000": lambda: adam.path_kernel_(Xtr[:1000]),
+        "sgd1000": lambda: sgd.path_kernel_(Xtr[:1000]),
+        "adam20_300": lambda: PathKernel(adam, stop=20)(Xtr[:300]),
+        "adam20_1000": lambda: PathKernel(adam, stop=20)(Xtr[:1000]),
+        "sgd20_1000": lambda: PathKernel(sgd, stop=20)(Xtr[:1000]),
+        "knn_path": lambda: adam.kneighbors(Xte, kernel="path"),
+        "attribute": lambda: adam.attribute(Xte),
+        "explain": lambda: adam.explain(Xte, n_neighbors=10),
+        "explain_all": lambda: adam.explain(Xte, n_neighbors=10, output="all"),
+    }
+    res = {}
+    for case in names:
+        name, _, mode = case.partition(":")
+        ctx = (mock.patch.object(kernels, "_stacked_sum", lambda *a, **k: None)
+               if mode == "old" else contextlib.nullcontext())
+        with ctx:
+            load = os.getloadavg()[0]
+            t0, c0 = time.perf_counter(), time.process_time()
+            cases[name]()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        res[case] = dict(time=wall, cpu=cpu, load=load)
+        print(f"{case}: wall {wall:.3f}s cpu {cpu:.3f}s load {load:.2f}", flush=True)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","))

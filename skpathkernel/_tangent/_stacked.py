@@ -1,0 +1,479 @@
+"""Path kernels of a plain MLP over blocks of recorded points at once.
+
+The path kernel ``sum_k w_k J_k(x) D_k J_k(y)^T`` of a small network spends its time on
+work repeated at every point when the points are taken one at a time (a capture, a
+routing plan, a dozen small GEMMs, each a few microseconds of arithmetic behind tens of
+microseconds of Python). For an ``nn.Sequential`` of ``nn.Linear`` layers and
+elementwise activations (the estimators' default network), this module stacks the
+parameters of ``B`` recorded points and runs one forward and one backward over the block
+(batched GEMMs over the points), which gives every layer's inputs ``a`` (with a 1 for
+the bias) and backprops ``delta_c`` for all points and outputs at once.
+
+Each layer's step kernel is then contracted by one of three routes; with ``N x M`` the
+panel of the Gram, ``q = d_in + 1``, ``p = d_out`` and ``C`` the outputs used, per point:
+
+``"rank1"`` (no preconditioner): ``(A A'^T) * (Delta Delta'^T)``, ``2 N M (q + C p)``
+    FLOPs in two batched GEMMs over the block and one weighted elementwise sum.
+``"units"`` (diagonal ``D``): ``sum_o (Delta_o Delta_o'^T) * (A D_o A'^T)`` over the
+    output units ``o``, ``2 N M p (q + C)`` FLOPs: ``A D_o A'^T`` of all units in one GEMM
+    (the scaled rows of all units stacked), the ``C``-wide ``Delta_o`` products batched
+    over units, and an elementwise product summed over the units, whose ``6 N M p``
+    passes over memory are what bounds it.
+``"dense"`` (diagonal ``D``): the per-sample gradients ``delta_c (x) a`` formed and
+    scaled by ``w D``, one GEMM of width ``C p q``: ``2 N M C p q`` FLOPs, plus forming.
+
+:func:`layer_route` compares ``flops + 8 * element passes`` (one pass over memory costs
+about eight FLOPs of a GEMM on the CPUs measured). The outcome: ``"dense"`` wins for one
+output (``C = 1``: its GEMM does the sum over units, no elementwise pass) and ``"units"``
+for several (``C = 10`` on the default classifier: ten times fewer FLOPs than forming the
+per-sample gradients). Unweighted steps (SGD) always take ``"rank1"``, which is never
+more work.
+
+A symmetric ``K(X, X)`` computes the panels on and right of the diagonal only and mirrors
+them; the diagonal squares are symmetrised exactly. The block of points ``B`` and the
+panels are sized from ``memory_budget``. Every block's sum is added to a float64 Gram, so
+the result equals the point-by-point sum to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .._memory import rows_per_block
+
+__all__ = ["StackedMLP", "stacked_mlp", "stacked_path_sum", "layer_route", "path_flops"]
+
+# Elementwise activations: their derivative is the gradient of their sum, one autograd
+# call per block. (Exact types: a subclass may override forward with anything.)
+_ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.GELU, nn.Sigmoid, nn.SiLU, nn.ELU, nn.LeakyReLU,
+                nn.Softplus, nn.Identity, nn.Mish, nn.Hardtanh)
+
+# One pass of an elementwise operation over an element, in GEMM FLOPs (the route's
+# cost model: ``flops + _PASS * element passes``).
+_PASS = 8
+
+# Rows of the Gram's panels: the "units" route's product of one panel over a chunk of
+# units stays in cache at 256 x 256 (about 2x faster per point than whole 1000-row
+# panels at N = 1000 on the CPUs measured).
+_PANEL = 256
+
+# Bytes of one chunk of the "units" route's products: about a core's L2 cache.
+_CACHE = 2**21
+
+
+@dataclasses.dataclass(frozen=True)
+class _Linear:
+    weight: str
+    bias: str | None
+    d_in: int
+    d_out: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedMLP:
+    """The layers of an ``nn.Sequential`` MLP: ``_Linear`` records and activation modules."""
+
+    items: tuple
+    n_inputs: int
+
+    @property
+    def linears(self) -> list[_Linear]:
+        return [it for it in self.items if isinstance(it, _Linear)]
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None) or "forward" in m.__dict__)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as _m
+
+    return any(getattr(_m, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
+
+
+def stacked_mlp(module: nn.Module, names: Sequence[str]) -> StackedMLP | None:
+    """The module as a :class:`StackedMLP`, or None when it is anything else.
+
+    ``names``: the parameters in flat (trajectory) order, which must be exactly the
+    Linear layers' weights and biases. Only exact ``nn.Sequential`` / ``nn.Linear`` /
+    activation types without hooks or a patched ``forward`` qualify: anything that could
+    compute something else than the layers' own operations takes the general engine.
+    """
+    if type(module) is not nn.Sequential or _hooked(module) or _global_hooks():
+        return None
+    items, seen = [], []
+    for prefix, child in module.named_children():
+        if _hooked(child):
+            return None
+        if type(child) is nn.Linear:
+            bias = None if child.bias is None else f"{prefix}.bias"
+            items.append(_Linear(f"{prefix}.weight", bias, child.in_features,
+                                 child.out_features))
+            seen += [f"{prefix}.weight"] + ([] if bias is None else [bias])
+        elif type(child) in _ELEMENTWISE and not list(child.parameters()):
+            items.append(child)
+        else:
+            return None
+    linears = [it for it in items if isinstance(it, _Linear)]
+    if not linears or sorted(seen) != sorted(names) or len(set(seen)) != len(seen):
+        return None
+    return StackedMLP(tuple(items), linears[0].d_in)
+
+
+def layer_route(n_outputs: int, d_in: int, d_out: int, weighted: bool, bias: bool = True
+                ) -> str:
+    """``"rank1"``, ``"units"`` or ``"dense"`` for one Linear layer (see the module)."""
+    if not weighted:
+        return "rank1"
+    q, p, C = d_in + bias, d_out, n_outputs
+    units = 2 * p * (q + C) + _PASS * 6 * p
+    dense = 2 * C * p * q + _PASS * 2  # forming is O(N), the GEMM O(N M): per pair
+    return "dense" if dense <= units else "units"
+
+
+def path_flops(mlp: StackedMLP, n: int, m: int, n_outputs: int, weighted: bool,
+               symmetric: bool) -> float:
+    """The FLOP floor of one point's Gram by the cheapest exact route, per layer.
+
+    ``rank1``: ``2 n m (q + C p)``; weighted: ``2 n m p min(q + C, C q)``. Halved for a
+    symmetric Gram. The forward and backward passes (``O((n + m) P C)``) are not counted.
+    """
+    total = 0.0
+    for lin in mlp.linears:
+        q, p, C = lin.d_in + (lin.bias is not None), lin.d_out, n_outputs
+        total += 2 * n * m * (p * min(q + C, C * q) if weighted else q + C * p)
+    return total / 2 if symmetric else total
+
+
+# --------------------------------------------------------------------------- factors
+def _layer_params(mlp: StackedMLP, theta: torch.Tensor, layout: dict) -> list[tuple]:
+    """(W (B, p, d_in), b (B, p) or None) of every Linear, views of ``theta`` (B, P)."""
+    out = []
+    for lin in mlp.linears:
+        s, size = layout[lin.weight]
+        W = theta[:, s : s + size].view(-1, lin.d_out, lin.d_in)
+        b = None
+        if lin.bias is not None:
+            s, size = layout[lin.bias]
+            b = theta[:, s : s + size]
+        out.append((W, b))
+    return out
+
+
+def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act(z)`` and its elementwise derivative at ``z``."""
+    if type(act) is nn.Identity:
+        return z, torch.ones((), dtype=z.dtype, device=z.device)
+    with torch.enable_grad():
+        z = z.detach().requires_grad_(True)
+        h = act(z)
+        (d,) = torch.autograd.grad(h, z, torch.ones_like(h))
+    return h.detach(), d
+
+
+def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
+             outputs: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every Linear's inputs ``a`` (B, N, d_in) and backprops (B, N, C, d_out).
+
+    One forward and one backward pass over the block's points: batched GEMMs.
+    """
+    params = _layer_params(mlp, theta, layout)
+    B = theta.shape[0]
+    h = X.unsqueeze(0)
+    inputs, derivs, li = [], [], 0
+    for it in mlp.items:
+        if isinstance(it, _Linear):
+            W, b = params[li]
+            li += 1
+            a = h.expand(B, *h.shape[1:])
+            inputs.append(a)
+            h = torch.matmul(a, W.transpose(1, 2))
+            if b is not None:
+                h = h + b[:, None, :]
+            derivs.append(None)
+        else:
+            h, d = _derivative(it, h)
+            derivs.append(d)
+    # Backward: delta starts as the one-hot rows of the outputs used.
+    n, C_all = X.shape[0], h.shape[-1]
+    eye = torch.zeros(len(outputs), C_all, dtype=h.dtype, device=h.device)
+    eye[torch.arange(len(outputs)), torch.as_tensor(list(outputs))] = 1
+    delta = eye.expand(B, n, len(outputs), C_all)
+    deltas = []
+    li = len(params)
+    for it, d in zip(reversed(mlp.items), reversed(derivs)):
+        if isinstance(it, _Linear):
+            li -= 1
+            deltas.append(delta)
+            if li > 0:  # the first layer's inputs need no backprop
+                W = params[li][0]
+                delta = torch.matmul(delta.reshape(B, -1, it.d_out), W)
+                delta = delta.view(B, n, len(outputs), it.d_in)
+        else:
+            delta = delta * d.unsqueeze(2)
+    return list(zip(inputs, reversed(deltas)))
+
+
+def forward_block(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
+                  X: torch.Tensor) -> torch.Tensor:
+    """The network's outputs (B, N, C) at the block's points: the route's own forward."""
+    params = _layer_params(mlp, theta, layout)
+    h, li = X.unsqueeze(0), 0
+    for it in mlp.items:
+        if isinstance(it, _Linear):
+            W, b = params[li]
+            li += 1
+            h = torch.matmul(h, W.transpose(1, 2))
+            if b is not None:
+                h = h + b[:, None, :]
+        else:
+            h = it(h)
+    return h
+
+
+# --------------------------------------------------------------------------- contraction
+def _split_d(D: torch.Tensor | None, lin: _Linear, layout: dict):
+    """The layer's preconditioner as (B, p, q): the weight's, then the bias's column."""
+    if D is None:
+        return None
+    s, size = layout[lin.weight]
+    Dw = D[:, s : s + size].view(-1, lin.d_out, lin.d_in)
+    if lin.bias is None:
+        return Dw
+    s, size = layout[lin.bias]
+    return torch.cat([Dw, D[:, s : s + size, None]], dim=2)
+
+
+def _ones(a: torch.Tensor, lin: _Linear) -> torch.Tensor:
+    """``a`` with the bias's input (a column of ones) appended: (B, N, q)."""
+    if lin.bias is None:
+        return a
+    return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+
+
+def _rank1(out, fx, fy, w) -> None:
+    """``out += sum_b w_b (A A'^T) * (Delta Delta'^T)`` for one layer."""
+    (ax, dx), (ay, dy) = fx, fy
+    B, n = dx.shape[:2]
+    m = dy.shape[1]
+    Ga = torch.bmm(ax, ay.transpose(1, 2))
+    Gd = torch.bmm(dx.reshape(B, n, -1), dy.reshape(B, m, -1).transpose(1, 2))
+    Gd.mul_(Ga)
+    out.add_(torch.mm(w[None, :], Gd.view(B, n * m)).view(n, m))
+
+
+def _units(out, fx, fy, wD, chunk: int) -> None:
+    """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
+
+    A point's units are taken ``chunk`` at a time, so that the chunk's products stay in
+    cache between the GEMMs that write them and the elementwise pass that sums them.
+    """
+    (ax, dx), (ay, dy) = fx, fy
+    B, n, C, p = dx.shape
+    m = ay.shape[1]
+    # (B, p, N, C) and (B, p, C, M): each unit's backprops of all outputs, per unit.
+    dxu = dx.permute(0, 3, 1, 2).contiguous()
+    dyu = dy.permute(0, 3, 2, 1).contiguous()
+    flat = out.view(-1) if out.is_contiguous() else None
+    for b in range(B):
+        ayt = ay[b].T
+        for o in range(0, p, chunk):
+            e = min(o + chunk, p)
+            # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
+            scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n * m)
+            G = torch.bmm(dxu[b, o:e], dyu[b, o:e]).view(e - o, n * m)
+            total = H.mul_(G).sum(0)
+            if flat is not None:
+                flat.add_(total)
+            else:
+                out.add_(total.view(n, m))
+
+
+def _dense(out, fx, fy, wD) -> None:
+    """``out += sum_b Phi_x (w_b D_b) Phi_y^T`` of the formed per-sample gradients."""
+    (ax, dx), (ay, dy) = fx, fy
+    B, n, C, p = dx.shape
+    m = ay.shape[1]
+    for b in range(B):
+        gx = (dx[b, :, :, :, None] * (ax[b, :, None, None, :] * wD[b])).reshape(n, -1)
+        gy = (dy[b, :, :, :, None] * ay[b, :, None, None, :]).reshape(m, -1)
+        out.addmm_(gx, gy.T)
+
+
+def _diag(out, f, wD, w) -> None:
+    """``out += sum_b w_b K_b(x, x)``: ``sum_o |delta_o|^2 (a^2 . D_o)`` per sample.
+
+    The diagonal keeps its factorised form with ``D`` (``wD`` holds ``w_b D_b``).
+    """
+    a, d = f
+    d2 = (d * d).sum(2)                                              # (B, N, p)
+    if wD is None:
+        per_point = (d2 * (a * a).sum(-1, keepdim=True)).sum(2)      # (B, N)
+        out.add_(torch.mv(per_point.T, w))
+    else:
+        s = torch.bmm(a * a, wD.transpose(1, 2))                     # (B, N, p)
+        out.add_((d2 * s).sum((0, 2)))
+
+
+@dataclasses.dataclass
+class _Sides:
+    """The factors of X and Y for one block of points, and the layers' (B, p, q) w D."""
+
+    fx: list
+    fy: list
+    wD: list
+
+
+def _contract_panel(out, sides: _Sides, mlp, routes, w, rows, cols, chunk) -> None:
+    """``out += `` the block's Gram over one panel, every layer by its route."""
+    for li in range(len(routes)):
+        fx = tuple(t[:, rows] for t in sides.fx[li])
+        fy = tuple(t[:, cols] for t in sides.fy[li])
+        if routes[li] == "rank1":
+            _rank1(out, fx, fy, w)
+        elif routes[li] == "units":
+            _units(out, fx, fy, sides.wD[li], chunk)
+        else:
+            _dense(out, fx, fy, sides.wD[li])
+
+
+def _panels(n: int, m: int, symmetric: bool, size: int):
+    """(rows, cols) of the Gram's panels; for a symmetric Gram on and right of the diagonal."""
+    for s in range(0, n, size):
+        rows = slice(s, min(s + size, n))
+        for t in range(s if symmetric else 0, m, size):
+            yield rows, slice(t, min(t + size, m))
+
+
+def stacked_path_sum(
+    mlp: StackedMLP,
+    layout: dict,
+    load: Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor | None]],
+    weights: Sequence[tuple[int, float]],
+    X: torch.Tensor,
+    Y: torch.Tensor | None = None,
+    *,
+    outputs: Sequence[int],
+    trace_scale: float = 1.0,
+    weighted: bool,
+    memory_budget: int,
+    gram: bool = True,
+    diag: bool = False,
+    block: int | None = None,
+    panel: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``sum_k w_k J_k(X) D_k J_k(Y)^T`` (float64) and / or its diagonals over the points.
+
+    Parameters
+    ----------
+    mlp : StackedMLP
+    layout : dict of str to (start, size)
+        Where each parameter sits in the flat vector.
+    load : callable
+        ``load(points) -> (theta (B, P), D (B, P) or None)`` in the computation's dtype.
+    weights : sequence of (point, w_k)
+    X, Y : torch.Tensor of shape (n, d_in) and (m, d_in)
+        ``Y=None``: ``K(X, X)``, symmetric.
+    outputs : sequence of int
+        The outputs summed over (the trace); ``trace_scale`` multiplies every weight.
+    weighted : bool
+        Whether ``load`` returns a preconditioner.
+    memory_budget : int
+        Bytes for one block's factors and intermediates.
+    gram, diag : bool
+        What to return: ``(K, dx, dy)``, None where not asked (``dy`` is ``dx`` for
+        ``Y=None``).
+    block : int, default=None
+        Points per block; None sizes it from the budget.
+    panel : int, default=None
+        Rows and columns of the Gram's panels; None: 256.
+    """
+    symmetric = Y is None
+    Yt = X if Y is None else Y
+    n, m = X.shape[0], Yt.shape[0]
+    dtype, itemsize = X.dtype, X.element_size()
+    C = len(outputs)
+    routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None)
+              for lin in mlp.linears]
+    widths = [(lin.d_in + 1) + C * lin.d_out for lin in mlp.linears]
+    P = max(s + size for s, size in layout.values())
+    panel = _PANEL if panel is None else panel
+    pr, pc = min(n, panel), min(m, panel)
+    # Per point: its parameters and D, both sides' factors, and the panel's products
+    # (the "units" route's chunk is bounded separately, below).
+    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc)
+    if block is None:
+        block = rows_per_block(memory_budget, per_point, "A block of the path kernel's points")
+        block = max(1, min(block, 64))
+    elif rows_per_block(memory_budget, per_point * block, "A block of points") < 1:
+        block = 1
+    # Units per chunk: the chunk's scaled rows, H and G of a panel, for one point, in
+    # cache (and in a quarter of the budget).
+    unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
+    chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
+    K = torch.zeros((n, m), dtype=torch.float64, device=X.device) if gram else None
+    dx = torch.zeros(n, dtype=torch.float64, device=X.device) if diag else None
+    dy = None if (symmetric or not diag) else torch.zeros(m, dtype=torch.float64,
+                                                          device=X.device)
+    buffer = torch.empty((pr, pc), dtype=dtype, device=X.device)
+    for s in range(0, len(weights), block):
+        points = [k for k, _ in weights[s : s + block]]
+        w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
+                         dtype=dtype, device=X.device)
+        theta, D = load(points)
+        fx = _factors(mlp, theta, layout, X, outputs)
+        fy = fx if symmetric else _factors(mlp, theta, layout, Yt, outputs)
+        fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
+        fy = fx if symmetric else [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
+        wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
+              for lin in mlp.linears]
+        sides = _Sides(fx, fy, wD)
+        if diag:
+            for li in range(len(routes)):
+                _diag(dx, fx[li], wD[li], w)
+                if dy is not None:
+                    _diag(dy, fy[li], wD[li], w)
+        if not gram:
+            continue
+        for rows, cols in _panels(n, m, symmetric, panel):
+            out = buffer[: rows.stop - rows.start, : cols.stop - cols.start]
+            out.zero_()
+            _contract_panel(out, sides, mlp, routes, w, rows, cols, chunk)
+            if symmetric and rows == cols:
+                out = 0.5 * (out + out.T)
+            K[rows, cols] += out
+    if gram and symmetric:
+        # The panels right of the diagonal, mirrored below it.
+        for rows, cols in _panels(n, m, True, panel):
+            if cols.start > rows.start:
+                K[cols, rows] = K[rows, cols].T
+    if diag and symmetric:
+        dy = dx
+    return K, dx, dy
+
+
+def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,
+                        module: nn.Module, params: dict, X: torch.Tensor) -> float:
+    """Relative difference between this route's forward and the module's own at a point.
+
+    The route rebuilds the network from its layers; a module that computes something
+    else (a subclass's behaviour the checks above cannot see) shows up here.
+    """
+    from torch.func import functional_call
+
+    with torch.no_grad():
+        ours = forward_block(mlp, theta[:1], layout, X)[0]
+        ref = functional_call(module, params, (X,))
+    if ref.shape != ours.shape:
+        return math.inf
+    scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)
+    return float((ours - ref).abs().max() / scale)

@@ -1,0 +1,202 @@
+"""The path kernel over blocks of recorded points against a plain per-point autograd loop.
+
+The reference forms every per-sample Jacobian row by ``torch.autograd.grad`` of one
+output of one sample at one recorded point, scales it by that point's preconditioner and
+weight, and sums ``J D J^T`` point by point: nothing of the engine's factors, routes,
+blocks or panels.
+"""
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+from torch.func import functional_call
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._tangent._stacked import stacked_mlp, stacked_path_sum
+from skpathkernel.kernels import PathKernel, path_weights
+
+RNG = np.random.RandomState(0)
+X = RNG.randn(40, 4)
+Y_CLS = RNG.randint(0, 3, 40)
+Y_REG = np.sin(X[:, 0])
+
+
+def _jacobian(module, params, x):
+    """(n, C, P) per-sample Jacobians, one autograd call per sample and output."""
+    names = list(params)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    rows = []
+    for i in range(x.shape[0]):
+        out = functional_call(module, leaves, (x[i : i + 1],))[0]
+        per_output = []
+        for c in range(out.shape[0]):
+            grads = torch.autograd.grad(out[c], [leaves[k] for k in names], retain_graph=True)
+            per_output.append(torch.cat([g.reshape(-1) for g in grads]))
+        rows.append(torch.stack(per_output))
+    return torch.stack(rows)
+
+
+def _reference(est, A, B=None, start=0, stop=None, output="trace"):
+    """sum_k w_k J_k(A) D_k J_k(B)^T, point by point."""
+    net = est.network_
+    traj = net.trajectory
+    A = torch.as_tensor(A, dtype=torch.float64)
+    B = A if B is None else torch.as_tensor(B, dtype=torch.float64)
+    K = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64)
+    for k, w in path_weights(traj, start, stop):
+        params = {name: p.double() for name, p in net.params_at(k).items()}
+        ja, jb = _jacobian(net.module, params, A), _jacobian(net.module, params, B)
+        D = traj.preconditioner(min(k, len(traj) - 2))
+        D = torch.ones(ja.shape[2], dtype=torch.float64) if D is None else D.double()
+        if output != "trace":
+            ja, jb = ja[:, output : output + 1], jb[:, output : output + 1]
+        C = ja.shape[1]
+        K += w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / C
+    return K.numpy()
+
+
+SOLVERS = [dict(solver="sgd", learning_rate_init=0.1),
+           dict(solver="sgd", learning_rate_init=0.05, momentum=0.9),
+           dict(solver="adam", learning_rate_init=0.01),
+           dict(solver="rmsprop", learning_rate_init=0.01)]
+
+
+def _fit(cls, solver, **kw):
+    y = Y_CLS if cls is PathKernelClassifier else Y_REG
+    return cls(hidden_layer_sizes=(6, 5), activation="tanh", max_iter=7, batch_size=16,
+               tol=None, dtype="float64", random_state=0, **solver, **kw).fit(X, y)
+
+
+@pytest.mark.parametrize("solver", SOLVERS, ids=lambda s: s["solver"] + str(s.get("momentum", "")))
+@pytest.mark.parametrize("cls", [PathKernelClassifier, PathKernelMachine])
+def test_path_kernel_matches_per_point_loop(cls, solver):
+    # Three classes: several outputs ("units" route for a preconditioner); the regressor
+    # has one output ("dense" route).
+    est = _fit(cls, solver)
+    assert stacked_mlp(est.network_.module, est.trajectory_.names) is not None
+    ref = _reference(est, X[:9])
+    assert_allclose(PathKernel(est)(X[:9]), ref, rtol=1e-10, atol=1e-13)
+    cross = _reference(est, X[:5], X[20:31])
+    assert_allclose(PathKernel(est)(X[:5], X[20:31]), cross, rtol=1e-10, atol=1e-13)
+    assert_allclose(PathKernel(est).diag(X[20:31]), np.diag(_reference(est, X[20:31])),
+                    rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("solver", SOLVERS[::2], ids=lambda s: s["solver"])
+def test_thinned_range_and_single_output(solver):
+    est = _fit(PathKernelClassifier, solver, record_every=3)
+    assert len(est.trajectory_) < est.trajectory_.n_steps
+    assert_allclose(PathKernel(est, start=1, stop=-1, output=2)(X[:6]),
+                    _reference(est, X[:6], start=1, stop=-1, output=2), rtol=1e-10, atol=1e-13)
+    K = PathKernel(est, normalized=True)(X[:6])
+    ref = _reference(est, X[:6])
+    d = np.sqrt(np.diag(ref))
+    assert_allclose(K, ref / d[:, None] / d[None, :], rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("solver", SOLVERS[::2], ids=lambda s: s["solver"])
+@pytest.mark.parametrize("block,panel", [(1, 4), (8, 5), (4, 256), (5, 3)])
+def test_blocks_and_panels_that_do_not_divide(solver, block, panel):
+    """Blocks of points and Gram panels of sizes that leave a remainder."""
+    est = _fit(PathKernelClassifier, solver)
+    net, traj = est.network_, est.trajectory_
+    weights = path_weights(traj)
+    assert len(weights) % block or block == 1
+    layout, start = {}, 0
+    for name, shape in zip(traj.names, traj.shapes):
+        layout[name] = (start, int(np.prod(shape)))
+        start += layout[name][1]
+    weighted = traj.solver_spec.name != "sgd"
+
+    def load(points):
+        theta = torch.stack([traj.parameters(k) for k in points])
+        if not weighted:
+            return theta, None
+        return theta, torch.stack([traj.preconditioner(min(k, len(traj) - 2)) for k in points])
+
+    mlp = stacked_mlp(net.module, traj.names)
+    A, B = torch.as_tensor(X[:11]), torch.as_tensor(X[11:18])
+    K, dx, dy = stacked_path_sum(mlp, layout, load, weights, A, outputs=[0, 1, 2],
+                                 trace_scale=1 / 3, weighted=weighted, memory_budget=2**30,
+                                 diag=True, block=block, panel=panel)
+    ref = _reference(est, X[:11])
+    assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
+    assert np.array_equal(K.numpy(), K.numpy().T)
+    assert_allclose(dx.numpy(), np.diag(ref), rtol=1e-10, atol=1e-13)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, outputs=[1],
+                               weighted=weighted, memory_budget=2**30, block=block, panel=panel)
+    assert_allclose(K.numpy(), _reference(est, X[:11], X[11:18], output=1), rtol=1e-10,
+                    atol=1e-13)
+
+
+def test_float32_equals_step_by_step_to_rounding():
+    est = PathKernelClassifier(hidden_layer_sizes=(16, 16), max_iter=10, batch_size=16,
+                               tol=None, random_state=0).fit(X, Y_CLS)
+    assert est.trajectory_.dtype == torch.float32
+    ref = _reference(est, X[:12])
+    K = PathKernel(est)(X[:12])
+    assert K.dtype == np.float64
+    assert np.abs(K - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_other_modules_take_the_general_route():
+    """A module that is not a plain Sequential MLP (here: a forward hook that changes the
+    output) is not rebuilt from its layers: the kernel is the module's own."""
+    est = _fit(PathKernelMachine, SOLVERS[2])
+    plain = PathKernel(est)(X[:6])
+    handle = est.network_.module[0].register_forward_hook(lambda m, i, o: 2 * o)
+    try:
+        assert stacked_mlp(est.network_.module, est.trajectory_.names) is None
+        hooked = PathKernel(est)(X[:6])
+    finally:
+        handle.remove()
+    assert not np.allclose(hooked, plain)
+    # The hook doubles the first layer's output: its own gradients double, and every
+    # backprop through it as well (tanh' changes too), so compare with autograd directly.
+    handle = est.network_.module[0].register_forward_hook(lambda m, i, o: 2 * o)
+    try:
+        assert_allclose(hooked, _reference(est, X[:6]), rtol=1e-10, atol=1e-13)
+    finally:
+        handle.remove()
+
+
+def test_kneighbors_path_matches_the_reference():
+    est = _fit(PathKernelClassifier, SOLVERS[2])
+    Q = X[:4]
+    K = _reference(est, Q, X)
+    dq = np.array([_reference(est, Q[i : i + 1])[0, 0] for i in range(len(Q))])
+    dt = np.diag(_reference(est, X))
+    for normalized in (True, False):
+        dist, ind = est.kneighbors(Q, n_neighbors=5, kernel="path", normalized=normalized)
+        if normalized:
+            sq = 2 - 2 * np.clip(K / np.sqrt(dq[:, None] * dt[None, :]), -1, 1)
+        else:
+            sq = dq[:, None] + dt[None, :] - 2 * K
+        ref = np.sqrt(np.maximum(sq, 0))
+        # A query is its own nearest point: the square root of a round-off of 1e-15.
+        assert_allclose(dist, np.take_along_axis(ref, ind, axis=1), rtol=1e-8, atol=1e-6)
+        assert_allclose(dist, np.sort(ref, axis=1)[:, :5], rtol=1e-8, atol=1e-6)
+        assert np.array_equal(ind[:, 0], np.arange(len(Q)))
+
+
+def test_explain_ranks_the_margin_and_all_outputs_on_request():
+    est = _fit(PathKernelClassifier, SOLVERS[0])
+    Q = X[:3]
+    idx, contrib = est.explain(Q, n_neighbors=4)
+    scores = est.attribute(Q)  # the predicted class's margin
+    assert contrib.shape == (3, 4, 1)
+    for q in range(3):
+        ranked = np.argsort(-np.abs(scores[q]), kind="stable")[:4]
+        assert np.array_equal(idx[q], ranked)
+        assert_allclose(contrib[q, :, 0], scores[q, ranked])
+    idx, contrib = est.explain(Q, n_neighbors=4, output="all")
+    full = est.decompose(Q).contributions
+    assert contrib.shape == (3, 4, 3)
+    ranked = np.argsort(-np.abs(full).sum(2), axis=1, kind="stable")[:, :4]
+    assert np.array_equal(idx, ranked)
+    idx1, contrib1 = est.explain(Q, n_neighbors=4, output=1)
+    assert_allclose(contrib1[:, :, 0], np.take_along_axis(full[:, :, 1], idx1, axis=1),
+                    rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="'unrolled'"):
+        est.explain(Q, method="unrolled")

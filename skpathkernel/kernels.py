@@ -32,7 +32,7 @@ from sklearn.gaussian_process.kernels import Kernel
 
 from ._device import to_numpy
 from ._network._inputs import check_representable
-from ._network._trained import TrainedNetwork, network_of
+from ._network._trained import KERNELS, TrainedNetwork, network_of
 from ._parallel import map_ranges, map_row_blocks, n_row_blocks
 from ._tangent import (
     block_forward_error,
@@ -721,3 +721,6 @@ class NetworkKernelsMixin:
         """:class:`~skpathkernel.kernels.PathKernel` over the whole recorded path."""
         network_of(self)
         return PathKernel(self)
+
+
+KERNELS.update(tangent=TangentKernel, path=PathKernel)

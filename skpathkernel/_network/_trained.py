@@ -108,6 +108,11 @@ def _target_codes(y: np.ndarray) -> np.ndarray:
     return (y[:, 0] > 0).astype(np.intp) if y.shape[1] == 1 else np.argmax(y, axis=1)
 
 
+# The kernel classes by name, for kneighbors: skpathkernel.kernels builds them on
+# TrainedNetwork and registers them here when it is imported (the package imports it).
+KERNELS: dict[str, type] = {}
+
+
 class TrainedNetwork:
     """A trained network and its recorded optimisation path.
 
@@ -490,15 +495,28 @@ ValueError
         diagonals come from one walk over the path (blocks of recorded points at once
         for a plain MLP).
 
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, ...)
+            Queries in the network's input form.
+        n_neighbors : int, default=100
+            Neighbours per query, at most the number of training samples.
+        kernel : {"tangent", "path"}, default="tangent"
+            The tangent kernel at ``step`` or the path kernel summed over the path.
+        step : int, default=-1
+            Recorded point of the tangent kernel.
+        normalized : bool, default=True
+            Distances of the cosine-normalised kernel, ``sqrt(2 - 2 k)``; otherwise the
+            kernel's own feature-space distance.
+        return_distance : bool, default=True
+            Return the distances as well as the indices.
+
         Returns
         -------
         distances : ndarray of shape (n_queries, n_neighbors)
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
         """
-        # The kernels build on this object: imported here, not at the top of the module.
-        from ..kernels import PathKernel, TangentKernel
-
         if kernel not in ("tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
         X_fit = self._training_data_inputs()
@@ -511,8 +529,8 @@ ValueError
             )
         X = self.check(X)
         # The kernels' own normalisation (cosine; 0 against a zero feature).
-        k = (TangentKernel(self, step=step, normalized=normalized) if kernel == "tangent"
-             else PathKernel(self, normalized=normalized))
+        k = (KERNELS["tangent"](self, step=step, normalized=normalized)
+             if kernel == "tangent" else KERNELS["path"](self, normalized=normalized))
         if normalized:
             sq = 2.0 - 2.0 * np.clip(k(X, X_fit), -1, 1)
         elif kernel == "path":
@@ -546,6 +564,25 @@ ValueError
         through the whole path, not every output. ``output="all"`` ranks by the
         contributions summed in absolute value over every output, from the full
         :meth:`decompose`.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, ...)
+            Queries in the network's input form.
+        n_neighbors : int, default=10
+            Training points per query, largest contribution first.
+        method : {"exact", "first_order", "second_order"}, default="exact"
+            The decomposition's method (see :meth:`decompose`).
+        output : "margin", int or "all", default=None
+            The scalar output explained (as in :meth:`attribute`), or "all" outputs.
+        margin : {"allowed", "default", "no"}, default="allowed"
+            Whether ``output="margin"`` is allowed, the default, or refused.
+        encode : callable, default=None
+            Maps the caller's labels to output columns.
+        scale : array-like of shape (n_outputs,), default=None
+            The explained output is ``scale * f`` (a regressor's target units).
+        units : callable, default=None
+            Maps a decomposition of every output into the caller's units.
 
         Returns
         -------

@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.func import functional_call
+from torch.nn.modules import module as torch_module
 
 from .._memory import rows_per_block
 
@@ -92,9 +94,7 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as _m
-
-    return any(getattr(_m, name, None) for name in (
+    return any(getattr(torch_module, name, None) for name in (
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
         "_global_backward_pre_hooks"))
 
@@ -468,8 +468,6 @@ def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,
     The route rebuilds the network from its layers; a module that computes something
     else (a subclass's behaviour the checks above cannot see) shows up here.
     """
-    from torch.func import functional_call
-
     with torch.no_grad():
         ours = forward_block(mlp, theta[:1], layout, X)[0]
         ref = functional_call(module, params, (X,))

@@ -330,9 +330,18 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
             f"module's by {error:.2g} (relative); it falls back to the step-by-step sum.",
             RuntimeWarning, stacklevel=4)
         return None
-    return stacked_path_sum(mlp, layout, load, weights, Xt, Yt, outputs=outputs,
+    # K(X, X) holds its own diagonal: taken from it, so that a normalized Gram's
+    # diagonal is exactly the normalized diag().
+    own_diag = gram and diag and Yt is None
+    sums = stacked_path_sum(mlp, layout, load, weights, Xt, Yt, outputs=outputs,
                             trace_scale=scale, weighted=weighted,
-                            memory_budget=net.memory_budget, gram=gram, diag=diag)
+                            memory_budget=net.memory_budget, gram=gram,
+                            diag=diag and not own_diag)
+    if sums is None or not own_diag:
+        return sums
+    K = sums[0]
+    dx = torch.diagonal(K).clone()
+    return K, dx, dx
 
 
 def _split_path_sum(net, X, Y, start, stop, output, n_jobs, *, gram, diag, memory):

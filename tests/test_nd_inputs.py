@@ -201,7 +201,7 @@ def test_every_estimator_trains_and_scores_on_images():
                                                                                  Y_IMAGES)
     # The SVM on the path kernel is SVC on the path-kernel Gram of the training images.
     K = svm.fit(IMAGES, Y_IMAGES).path_kernel_(IMAGES)
-    ref = SVC(kernel="precomputed").fit(K, Y_IMAGES)
+    ref = SVC(kernel="precomputed", C=svm.C_).fit(K, Y_IMAGES)
     assert_array_equal(svm.predict(IMAGES[:6]), ref.predict(K[:6]))
     assert tf.transform(IMAGES[:2]).shape == (2, 3 * tf.n_params_)
     det = OODRankDetector(PathKernelMachine(module=cnn, max_iter=3, **F64)).fit(IMAGES)

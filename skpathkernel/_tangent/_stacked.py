@@ -171,7 +171,7 @@ def _layer_params(mlp: StackedMLP, theta: torch.Tensor, layout: dict) -> list[tu
 def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``act(z)`` and its elementwise derivative at ``z``."""
     if type(act) is nn.Identity:
-        return z, torch.ones((), dtype=z.dtype, device=z.device)
+        return z, torch.ones_like(z)
     with torch.enable_grad():
         z = z.detach().requires_grad_(True)
         h = act(z)
@@ -370,8 +370,11 @@ def stacked_path_sum(
     diag: bool = False,
     block: int | None = None,
     panel: int | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """``sum_k w_k J_k(X) D_k J_k(Y)^T`` (float64) and / or its diagonals over the points.
+
+    None when not even one point's block fits ``memory_budget`` (with ``block=None``):
+    the caller then takes the step-by-step route, which also blocks the queries.
 
     Parameters
     ----------
@@ -412,6 +415,9 @@ def stacked_path_sum(
     # (the "units" route's chunk is bounded separately, below).
     per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc)
     if block is None:
+        if per_point > memory_budget:
+            # Not one point fits: the step-by-step sum, which blocks the queries too.
+            return None
         block = rows_per_block(memory_budget, per_point, "A block of the path kernel's points")
         block = max(1, min(block, 64))
     elif rows_per_block(memory_budget, per_point * block, "A block of points") < 1:

@@ -354,6 +354,33 @@ def capture(
                        exclude=exclude | frozenset(watch.misfits),
                        dense_fallback=dense_fallback, weights=weights)
 
+    accepted, declined = _accepted_layers(layers, watch, X, reasons)
+    terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons)
+    del f, live
+
+    # A rule layer's parameter that its rule leaves without a term (an extra parameter
+    # registered on an nn.Linear) is covered by the fallback like any other.
+    fallback = tuple(name for name in params if name not in terms_by_name)
+    if fallback and dense_fallback:
+        jac = per_sample_jacobian(module, params, X, fallback, outputs,
+                                  memory_budget=memory_budget)
+        for name in fallback:
+            delta = jac[name]
+            if weights is not None:
+                delta = torch.einsum("nc...,nc->n...", delta,
+                                     weights.to(delta.dtype)).unsqueeze(1)
+            terms_by_name[name] = Term(delta=delta, inputs=[(name, None)])
+    # Flat (trajectory) order of the terms' first parameters keeps every output stable.
+    order = {name: i for i, name in enumerate(params)}
+    unique = {id(t): t for t in terms_by_name.values()}.values()
+    terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
+    return Capture(terms=terms, fallback=fallback, exclude=exclude,
+                   declined=frozenset(declined), reasons=reasons)
+
+
+def _accepted_layers(layers, watch, X, reasons):
+    """The rule layers whose one call gives per-sample factors, as ``(layer, rule, names,
+    use, sites)``, and the parameter names of the others (their reasons in ``reasons``)."""
     accepted, declined = [], set()
     for layer, rule, names in layers:
         calls = watch.factors[id(layer)]
@@ -372,6 +399,12 @@ def capture(
             continue
         accepted.append((layer, rule, names, *calls[0]))
 
+    return accepted, declined
+
+
+def _rule_terms(f, accepted, outputs, weights, params, reasons) -> dict[str, Term]:
+    """Each accepted layer's terms by parameter name: the backprops to its call's sites
+    (one backward pass per output, or one for a contraction), factored by its rule."""
     terms_by_name: dict[str, Term] = {}
     if accepted:
         zs = [z for *_, sites in accepted for z in sites]
@@ -401,26 +434,7 @@ def capture(
             for name in names.values():
                 if name not in terms_by_name:
                     reasons[name] = "its rule gives this parameter no term"
-    del f, live
-
-    # A rule layer's parameter that its rule leaves without a term (an extra parameter
-    # registered on an nn.Linear) is covered by the fallback like any other.
-    fallback = tuple(name for name in params if name not in terms_by_name)
-    if fallback and dense_fallback:
-        jac = per_sample_jacobian(module, params, X, fallback, outputs,
-                                  memory_budget=memory_budget)
-        for name in fallback:
-            delta = jac[name]
-            if weights is not None:
-                delta = torch.einsum("nc...,nc->n...", delta,
-                                     weights.to(delta.dtype)).unsqueeze(1)
-            terms_by_name[name] = Term(delta=delta, inputs=[(name, None)])
-    # Flat (trajectory) order of the terms' first parameters keeps every output stable.
-    order = {name: i for i, name in enumerate(params)}
-    unique = {id(t): t for t in terms_by_name.values()}.values()
-    terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
-    return Capture(terms=terms, fallback=fallback, exclude=exclude,
-                   declined=frozenset(declined), reasons=reasons)
+    return terms_by_name
 
 
 def _numerical_misfits(

@@ -635,9 +635,28 @@ def tangent_gram(
     Y = X if Y is None else Y
     params_y = params if params_y is None else params_y
     _check_y(X, Y)
-    n_out = len(outputs)
-    itemsize = dtype.itemsize
     layout = _layout(params)
+    bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
+                                         weight, layout, symmetric, memory_budget,
+                                         dtype.itemsize)
+    n, m, n_out = X.shape[0], Y.shape[0], len(outputs)
+    shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
+    out_dtype = dtype if out_dtype is None else out_dtype
+    K = torch.empty(shape, dtype=out_dtype, device=X.device)
+    panels = None if out_dtype == dtype else _Panels(dtype, X.device)
+    _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels)
+    return K
+
+
+def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,
+                 symmetric, memory_budget, itemsize):
+    """The row and column blocks of a Gram, sized to the budget by the plan's route.
+
+    Returns ``(bx, by, weight, dense)``: ``weight`` is None where the blocks carry the
+    preconditioner's square root themselves; ``dense`` whether blocks are formed
+    per-sample gradients.
+    """
+    n_out = len(outputs)
     # A D with negative entries has no square root: the panels then scale the blocks.
     dense, kept, pair, scaled = _gram_plan(
         probe, X.shape[0], Y.shape[0], mode, weight is not None, symmetric, memory_budget,
@@ -683,11 +702,11 @@ def tangent_gram(
                                       fits and n_row_blocks > 1, probe.exclude, dense, chunk,
                                       scale)
 
-    n, m = X.shape[0], Y.shape[0]
-    shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
-    out_dtype = dtype if out_dtype is None else out_dtype
-    K = torch.empty(shape, dtype=out_dtype, device=X.device)
-    panels = None if out_dtype == dtype else _Panels(dtype, X.device)
+    return bx, by, weight, dense
+
+
+def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels) -> None:
+    """Every block pair's products into ``K``; a symmetric Gram's upper blocks mirrored."""
     full = mode == "full"
     for i in range(len(bx)):
         cx = bx[i]
@@ -709,7 +728,6 @@ def tangent_gram(
                     K[sj, :, si, :] = block.permute(2, 3, 0, 1)
                 else:
                     K[sj, si] = block.T
-    return K
 
 
 @_consistent_routing

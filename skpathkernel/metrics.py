@@ -460,13 +460,7 @@ def retrain_on_subsets(
     >>> int(res.subsets.sum(axis=1)[0])
     15
     """
-    n_train = len(X)
-    if len(y) != n_train:
-        raise ValueError(f"X has {n_train} samples but y has {len(y)}.")
-    size = int(round(subset_fraction * n_train))
-    if not 1 <= size < n_train:
-        raise ValueError(f"subset_fraction={subset_fraction} gives subsets of {size} of "
-                         f"{n_train} training points; it must leave at least one in and out.")
+    n_train, size = _subset_size(X, y, subset_fraction)
     output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query)
     _check_protocol(protocol, estimator, X)
     masks, seeds = _draw_subsets(check_random_state(random_state), n_subsets, n_train, size,
@@ -490,6 +484,18 @@ def retrain_on_subsets(
     return SubsetRetraining(subsets=masks, outputs=all_outputs.mean(axis=1),
                             all_outputs=all_outputs, seeds=seeds, output=name,
                             protocol=protocol)
+
+
+def _subset_size(X, y, subset_fraction) -> tuple[int, int]:
+    """(training points, points per subset), checked to leave at least one in and out."""
+    n_train = len(X)
+    if len(y) != n_train:
+        raise ValueError(f"X has {n_train} samples but y has {len(y)}.")
+    size = int(round(subset_fraction * n_train))
+    if not 1 <= size < n_train:
+        raise ValueError(f"subset_fraction={subset_fraction} gives subsets of {size} of "
+                         f"{n_train} training points; it must leave at least one in and out.")
+    return n_train, size
 
 
 def _draw_subsets(rng, n_subsets, n_train, size, n_repeats):

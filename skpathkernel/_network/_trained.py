@@ -22,8 +22,9 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
-from .._analysis import _decomposition
 from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
+from .._analysis._decomposition import check_tol, finish, merge
+from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
@@ -79,7 +80,7 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
             f"n_nodes must be a positive integer (Gauss-Legendre nodes per step) or None, "
             f"got {n_nodes!r}."
         )
-    _decomposition.check_tol(tol)
+    check_tol(tol)
 
 
 def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
@@ -428,18 +429,18 @@ ValueError
         self._training_data()  # its errors here, not on the workers
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol)
         if n_row_blocks(n_jobs, X) == 1:
-            return _decomposition.finish(*self._decompose_block(X, weights, kwargs), units)
+            return finish(*self._decompose_block(X, weights, kwargs), units)
         net = self.for_workers()
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         # Row blocks of the queries with their rows of the weights.
         rows = np.arange(len(X))
         parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs)
-        return _decomposition.finish(*_decomposition.merge(parts), units)
+        return finish(*merge(parts), units)
 
     def _decompose_block(self, X, weights, kwargs):
         """``(result, checks)`` of the queries X in the network's units, no warnings."""
         X_fit, Y_fit = self._training_data()
-        return _decomposition.decompose(
+        return decompose_path(
             self.module, self.trajectory, X_fit, Y_fit, self.loss, self.tensor(X),
             memory_budget=self.memory_budget, weights=weights, warn=False, **kwargs)
 

@@ -50,21 +50,6 @@ KNOWN = {
     ("skpathkernel.rules.Use", "PR01"),
     ("skpathkernel.rules.get_rule", "EX01"),
     ("skpathkernel.rules.register_rule", "EX01"),
-    # skpathkernel/_training.py
-    ("skpathkernel.TrainingDivergedError", "EX01"),
-    # skpathkernel/_trajectory.py
-    ("skpathkernel.Trajectory", "PR01"),
-    # skpathkernel/_unrolled.py
-    ("skpathkernel.AttributionScores", "EX01"),
-    ("skpathkernel.AttributionScores", "PR01"),
-    ("skpathkernel.UnstablePathWarning", "EX01"),
-    # skpathkernel/diagnostics.py
-    ("skpathkernel.diagnostics.HessianTrace", "PR01"),
-    ("skpathkernel.diagnostics.HessianTracePath", "EX01"),
-    ("skpathkernel.diagnostics.HessianTracePath", "PR01"),
-    # skpathkernel/metrics.py
-    ("skpathkernel.metrics.SubsetRetraining", "EX01"),
-    ("skpathkernel.metrics.SubsetRetraining", "PR01"),
 }
 
 

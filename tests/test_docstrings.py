@@ -34,24 +34,6 @@ CHECKS = {
 # Runnable Examples on the classes and functions themselves (not on every method).
 CHECKS_TOP_LEVEL = CHECKS | {"EX01"}
 
-# Errors not fixed yet, mostly in files others are changing now (issues 30, 33-35, the
-# module renames): listed one by one, so that the test fails on any new error and on a
-# fixed one still listed. Empty this list as they are fixed.
-KNOWN = {
-    # skpathkernel/_tangent/_routes.py
-    ("skpathkernel.rules.FallbackWarning", "EX01"),
-    ("skpathkernel.rules.LayerRoute", "EX01"),
-    ("skpathkernel.rules.LayerRoute", "PR01"),
-    ("skpathkernel.rules.check_rule", "EX01"),
-    # skpathkernel/_tangent/_rules.py
-    ("skpathkernel.rules.Rule", "EX01"),
-    ("skpathkernel.rules.Term", "EX01"),
-    ("skpathkernel.rules.Use", "EX01"),
-    ("skpathkernel.rules.Use", "PR01"),
-    ("skpathkernel.rules.get_rule", "EX01"),
-    ("skpathkernel.rules.register_rule", "EX01"),
-}
-
 
 def _public_names(module):
     return [name for name in module.__all__ if not name.startswith("_")]
@@ -93,10 +75,6 @@ def _api():
 API = _api()
 
 
-def _errors(path, checks):
-    return [(path, code) for code, _ in validate(path)["errors"] if code in checks]
-
-
 def test_api_is_collected():
     paths = [path for path, _ in API]
     assert "skpathkernel.PathKernelClassifier.fit" in paths
@@ -106,21 +84,8 @@ def test_api_is_collected():
 
 @pytest.mark.parametrize("path, checks", API, ids=[path for path, _ in API])
 def test_docstring(path, checks):
-    errors = _errors(path, checks)
-    new = [e for e in errors if e not in KNOWN]
-    assert not new, "\n".join(
-        f"{p}: {code} {msg}"
-        for code, msg in validate(path)["errors"]
-        for p in [path]
-        if (p, code) in new
-    )
-
-
-def test_known_errors_still_exist():
-    """A fixed error leaves the list, so that it cannot come back unnoticed."""
-    checks = dict(API)
-    fixed = [(p, c) for p, c in KNOWN if (p, c) not in _errors(p, checks.get(p, CHECKS))]
-    assert not fixed, f"fixed, remove from KNOWN: {fixed}"
+    errors = [(code, msg) for code, msg in validate(path)["errors"] if code in checks]
+    assert not errors, "\n".join(f"{path}: {code} {msg}" for code, msg in errors)
 
 
 def _listed_in_api_rst():

@@ -36,7 +36,9 @@ __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_p
 class HessianTrace:
     """Hutchinson estimate of the trace of the training-loss Hessian at one recorded point.
 
-    Attributes
+    Returned by :func:`hessian_trace`; its fields are its parameters and attributes.
+
+    Parameters
     ----------
     trace : float
         The estimate, the mean of ``estimates``.
@@ -77,15 +79,35 @@ class HessianTracePath:
     The same probes are used at every point, so differences along the path carry less
     noise than independent estimates would (common random numbers).
 
-    Attributes
+    Returned by :func:`hessian_trace_path`; its fields are its parameters and attributes.
+    ``result[i]`` is the :class:`HessianTrace` of the ``i``-th point.
+
+    Parameters
     ----------
     trace : ndarray of shape (n_points,)
+        The estimate at each point, the mean of its row of ``estimates``.
     stderr : ndarray of shape (n_points,)
+        Their standard errors, as :class:`HessianTrace`'s ``stderr``.
     estimates : ndarray of shape (n_points, n_samples)
+        ``v^T H v`` for every Rademacher probe ``v``, the same probes at every point.
     steps : ndarray of shape (n_points,)
         The recorded points, non-negative and in the order asked for.
     optimizer_steps : ndarray of shape (n_points,)
         ``trajectory_.steps[steps]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.diagnostics import hessian_trace_path
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1)
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=5, tol=None,
+    ...                         random_state=0).fit(X, X.ravel())
+    >>> res = hessian_trace_path(est, steps=[0, -1], n_samples=10, random_state=0)
+    >>> len(res), res.estimates.shape, res.steps.tolist() == [0, len(est.trajectory_) - 1]
+    (2, (2, 10), True)
+    >>> bool(res[1].trace == res.trace[1])
+    True
     """
 
     trace: np.ndarray

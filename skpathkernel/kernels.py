@@ -120,6 +120,7 @@ def step_kernel(
     Parameters
     ----------
     estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
+        The trained network whose recorded path holds the point.
     X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...)
         In the form of the estimator's training inputs, or flat rows of
         ``n_features_in_`` values each.
@@ -130,12 +131,28 @@ def step_kernel(
     output : "trace", "full" or int, default="trace"
         See :class:`TangentKernel`; "full" returns ``(n_X, C, n_Y, C)`` blocks.
     preconditioned : bool, default=False
+        Weight the inner product with the optimizer's diagonal preconditioner at that
+        step, as the step actually moved the parameters.
     normalized : bool, default=False
         Divide by ``sqrt(K(x, x) K(y, y))`` (not available with ``output="full"``).
 
     Returns
     -------
     K : ndarray of float64, shape (n_samples_X, n_samples_Y) or (n_X, C, n_Y, C)
+        The Gram matrix.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.kernels import TangentKernel, step_kernel
+    >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, tol=None,
+    ...                         dtype="float64", random_state=0).fit(X, y)
+    >>> step_kernel(est, X, step=0).shape
+    (10, 10)
+    >>> bool(np.allclose(step_kernel(est, X), TangentKernel(est)(X)))
+    True
     """
     _check_flag(preconditioned, "preconditioned")
     _check_flag(normalized, "normalized")
@@ -226,6 +243,35 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     Points run over those with a step leaving them (``0 .. len(trajectory) - 2``), with
     Python slice semantics for ``start`` and ``stop``; a point with ``record_every > 1``
     stands for the steps of its interval.
+
+    Parameters
+    ----------
+    trajectory : Trajectory
+        A recorded path, e.g. a fitted estimator's ``trajectory_``.
+    start : int, default=0
+        First recorded point of the range.
+    stop : int or None, default=None
+        End of the range (excluded); None runs to the last point with a step leaving it.
+    memory : {"discrete", "continuous"}, default="discrete"
+        How the optimizer's first-moment memory weights each step's gradients (above).
+
+    Returns
+    -------
+    weights : list of (int, float)
+        ``(k, w_k)`` for each recorded point of the range, in increasing ``k``.
+
+    Examples
+    --------
+    Plain SGD weights each step by its learning rate:
+
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.kernels import path_weights
+    >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="sgd", max_iter=3,
+    ...                         learning_rate_init=0.1, tol=None, random_state=0)
+    >>> [(k, round(w, 6)) for k, w in path_weights(est.fit(X, y).trajectory_)]
+    [(0, 0.1), (1, 0.1), (2, 0.1)]
     """
     _check_memory(memory)
     steps = np.asarray(trajectory.steps)
@@ -376,11 +422,22 @@ class _NetworkKernel(Kernel):
     """What TangentKernel and PathKernel share: validation, clone, gradient shape."""
 
     def is_stationary(self) -> bool:
-        """Returns False: the kernel depends on the inputs, not on their difference."""
+        """Whether the kernel depends only on ``x - y``: never for a network's kernel.
+
+        Returns
+        -------
+        stationary : bool
+            False: the kernel depends on the inputs, not on their difference.
+        """
         return False
 
     @property
     def requires_vector_input(self) -> bool:
+        """Whether the kernel works only on fixed-length feature vectors: always True.
+
+        Inputs of another form (images, token ids) are passed to the kernel as flat rows
+        of ``n_features_in_`` values, reshaped to the network's input form.
+        """
         return True
 
     def __sklearn_clone__(self):
@@ -438,6 +495,8 @@ class _NetworkKernel(Kernel):
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the estimator's training inputs (``input_shape_``), or flat
+            rows of ``n_features_in_`` values each.
 
         Returns
         -------

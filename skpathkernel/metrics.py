@@ -252,7 +252,9 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
 class SubsetRetraining:
     """Models retrained on random training subsets, and their outputs at the queries.
 
-    Attributes
+    Returned by :func:`retrain_on_subsets`; its fields are its parameters and attributes.
+
+    Parameters
     ----------
     subsets : ndarray of shape (n_subsets, n_train), dtype bool
         Which training points each subset holds.
@@ -270,6 +272,22 @@ class SubsetRetraining:
         name.
     protocol : str
         "independent", "same_seed" or "replay".
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn.linear_model import Ridge
+    >>> from skpathkernel.metrics import SubsetRetraining, retrain_on_subsets
+    >>> rng = np.random.RandomState(0)
+    >>> X = rng.normal(size=(20, 2)); y = X @ [1.0, -1.0]
+    >>> res = retrain_on_subsets(Ridge(), X, y, X[:3], n_subsets=4, n_repeats=2,
+    ...                          random_state=0)
+    >>> isinstance(res, SubsetRetraining), res.all_outputs.shape, res.seeds.shape
+    (True, (4, 2, 3), (4, 2))
+    >>> bool(np.allclose(res.outputs, res.all_outputs.mean(axis=1)))
+    True
+    >>> res.output, res.protocol
+    ('predict', 'independent')
     """
 
     subsets: np.ndarray

@@ -34,109 +34,6 @@ CHECKS = {
 # Runnable Examples on the classes and functions themselves (not on every method).
 CHECKS_TOP_LEVEL = CHECKS | {"EX01"}
 
-# Errors not fixed yet, mostly in files others are changing now (issues 30, 33-35, the
-# module renames): listed one by one, so that the test fails on any new error and on a
-# fixed one still listed. Empty this list as they are fixed.
-KNOWN = {
-    # skpathkernel/_base.py
-    ("skpathkernel.OODRankDetector.kneighbors", "PR07"),
-    ("skpathkernel.PathKernelClassifier.kneighbors", "PR07"),
-    ("skpathkernel.PathKernelMachine.kneighbors", "PR07"),
-    ("skpathkernel.TangentFeatureSVM.kneighbors", "PR07"),
-    ("skpathkernel.TangentFeatures.kneighbors", "PR07"),
-    # skpathkernel/_machine.py
-    ("skpathkernel.PathKernelClassifier.attribute", "PR07"),
-    ("skpathkernel.PathKernelClassifier.decision_function", "PR01"),
-    ("skpathkernel.PathKernelClassifier.decision_function", "RT01"),
-    ("skpathkernel.PathKernelClassifier.explain", "PR07"),
-    ("skpathkernel.PathKernelClassifier.get_feature_names_out", "PR01"),
-    ("skpathkernel.PathKernelClassifier.get_feature_names_out", "RT01"),
-    ("skpathkernel.PathKernelClassifier.predict", "PR01"),
-    ("skpathkernel.PathKernelClassifier.predict", "RT01"),
-    ("skpathkernel.PathKernelClassifier.transform", "PR01"),
-    ("skpathkernel.PathKernelMachine.attribute", "PR07"),
-    ("skpathkernel.PathKernelMachine.explain", "PR07"),
-    ("skpathkernel.PathKernelMachine.fit", "PR07"),
-    ("skpathkernel.PathKernelMachine.get_feature_names_out", "PR01"),
-    ("skpathkernel.PathKernelMachine.get_feature_names_out", "RT01"),
-    ("skpathkernel.PathKernelMachine.predict", "PR01"),
-    ("skpathkernel.PathKernelMachine.transform", "PR01"),
-    # skpathkernel/_network.py
-    ("skpathkernel.TrainedNetwork.attribute", "PR07"),
-    ("skpathkernel.TrainedNetwork.check", "PR07"),
-    ("skpathkernel.TrainedNetwork.for_workers", "RT01"),
-    ("skpathkernel.TrainedNetwork.params_at", "PR01"),
-    ("skpathkernel.TrainedNetwork.params_at", "RT01"),
-    ("skpathkernel.TrainedNetwork.replace", "PR01"),
-    ("skpathkernel.TrainedNetwork.replace", "RT01"),
-    ("skpathkernel.TrainedNetwork.targets", "RT01"),
-    ("skpathkernel.TrainedNetwork.tensor", "PR01"),
-    ("skpathkernel.TrainedNetwork.tensor", "RT01"),
-    ("skpathkernel.TrainedNetwork.with_own_module", "RT01"),
-    # skpathkernel/_recorder.py
-    ("skpathkernel.PathRecorder.as_estimator", "PR01"),
-    ("skpathkernel.PathRecorder.as_estimator", "RT01"),
-    ("skpathkernel.RecordedNetwork", "PR07"),
-    ("skpathkernel.RecordedNetwork.fit", "PR01"),
-    ("skpathkernel.RecordedNetwork.fit", "RT01"),
-    ("skpathkernel.RecordedNetwork.input_shape_", "GL08"),
-    ("skpathkernel.RecordedNetwork.n_features_in_", "GL08"),
-    ("skpathkernel.RecordedNetwork.predict", "PR01"),
-    ("skpathkernel.RecordedNetwork.predict", "RT01"),
-    # skpathkernel/_svm.py
-    ("skpathkernel.TangentFeatureSVM.decision_function", "PR01"),
-    ("skpathkernel.TangentFeatureSVM.predict", "PR01"),
-    ("skpathkernel.TangentFeatureSVM.predict", "RT01"),
-    ("skpathkernel.TangentFeatureSVM.transform", "PR01"),
-    ("skpathkernel.TangentFeatures.get_feature_names_out", "PR01"),
-    ("skpathkernel.TangentFeatures.get_feature_names_out", "RT01"),
-    # skpathkernel/_tangent/_routes.py
-    ("skpathkernel.rules.FallbackWarning", "EX01"),
-    ("skpathkernel.rules.LayerRoute", "EX01"),
-    ("skpathkernel.rules.LayerRoute", "PR01"),
-    ("skpathkernel.rules.check_rule", "EX01"),
-    # skpathkernel/_tangent/_rules.py
-    ("skpathkernel.rules.Rule", "EX01"),
-    ("skpathkernel.rules.Term", "EX01"),
-    ("skpathkernel.rules.Use", "EX01"),
-    ("skpathkernel.rules.Use", "PR01"),
-    ("skpathkernel.rules.get_rule", "EX01"),
-    ("skpathkernel.rules.register_rule", "EX01"),
-    # skpathkernel/_training.py
-    ("skpathkernel.TrainingDivergedError", "EX01"),
-    # skpathkernel/_trajectory.py
-    ("skpathkernel.Trajectory", "PR01"),
-    # skpathkernel/_unrolled.py
-    ("skpathkernel.AttributionScores", "EX01"),
-    ("skpathkernel.AttributionScores", "PR01"),
-    ("skpathkernel.UnstablePathWarning", "EX01"),
-    # skpathkernel/diagnostics.py
-    ("skpathkernel.diagnostics.HessianTrace", "PR01"),
-    ("skpathkernel.diagnostics.HessianTracePath", "EX01"),
-    ("skpathkernel.diagnostics.HessianTracePath", "PR01"),
-    # skpathkernel/kernels.py
-    ("skpathkernel.PathKernel.diag", "PR07"),
-    ("skpathkernel.PathKernel.is_stationary", "RT01"),
-    ("skpathkernel.PathKernel.requires_vector_input", "GL08"),
-    ("skpathkernel.TangentKernel.diag", "PR07"),
-    ("skpathkernel.TangentKernel.is_stationary", "RT01"),
-    ("skpathkernel.TangentKernel.requires_vector_input", "GL08"),
-    ("skpathkernel.kernels.PathKernel.diag", "PR07"),
-    ("skpathkernel.kernels.PathKernel.is_stationary", "RT01"),
-    ("skpathkernel.kernels.PathKernel.requires_vector_input", "GL08"),
-    ("skpathkernel.kernels.TangentKernel.diag", "PR07"),
-    ("skpathkernel.kernels.TangentKernel.is_stationary", "RT01"),
-    ("skpathkernel.kernels.TangentKernel.requires_vector_input", "GL08"),
-    ("skpathkernel.kernels.path_weights", "EX01"),
-    ("skpathkernel.kernels.path_weights", "PR01"),
-    ("skpathkernel.kernels.path_weights", "RT01"),
-    ("skpathkernel.kernels.step_kernel", "EX01"),
-    ("skpathkernel.kernels.step_kernel", "PR07"),
-    # skpathkernel/metrics.py
-    ("skpathkernel.metrics.SubsetRetraining", "EX01"),
-    ("skpathkernel.metrics.SubsetRetraining", "PR01"),
-}
-
 
 def _public_names(module):
     return [name for name in module.__all__ if not name.startswith("_")]
@@ -178,10 +75,6 @@ def _api():
 API = _api()
 
 
-def _errors(path, checks):
-    return [(path, code) for code, _ in validate(path)["errors"] if code in checks]
-
-
 def test_api_is_collected():
     paths = [path for path, _ in API]
     assert "skpathkernel.PathKernelClassifier.fit" in paths
@@ -191,21 +84,8 @@ def test_api_is_collected():
 
 @pytest.mark.parametrize("path, checks", API, ids=[path for path, _ in API])
 def test_docstring(path, checks):
-    errors = _errors(path, checks)
-    new = [e for e in errors if e not in KNOWN]
-    assert not new, "\n".join(
-        f"{p}: {code} {msg}"
-        for code, msg in validate(path)["errors"]
-        for p in [path]
-        if (p, code) in new
-    )
-
-
-def test_known_errors_still_exist():
-    """A fixed error leaves the list, so that it cannot come back unnoticed."""
-    checks = dict(API)
-    fixed = [(p, c) for p, c in KNOWN if (p, c) not in _errors(p, checks.get(p, CHECKS))]
-    assert not fixed, f"fixed, remove from KNOWN: {fixed}"
+    errors = [(code, msg) for code, msg in validate(path)["errors"] if code in checks]
+    assert not errors, "\n".join(f"{path}: {code} {msg}" for code, msg in errors)
 
 
 def _listed_in_api_rst():

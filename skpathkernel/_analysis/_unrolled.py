@@ -80,7 +80,23 @@ REPLAY_LIMIT = 1e-3
 
 
 class UnstablePathWarning(UserWarning):
-    """The recorded path amplifies perturbations: first-order counterfactuals fail there."""
+    """The recorded path amplifies perturbations: first-order counterfactuals fail there.
+
+    Issued by ``attribute(method="unrolled")`` when a query's ``growth`` (see
+    :class:`AttributionScores`) is above 10.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> from skpathkernel import UnstablePathWarning
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error", UnstablePathWarning)
+    ...     try:
+    ...         warnings.warn("growth 40", UnstablePathWarning)
+    ...     except UnstablePathWarning as w:
+    ...         print(type(w).__name__, w)
+    UnstablePathWarning growth 40
+    """
 
 
 class AttributionScores(np.ndarray):
@@ -110,6 +126,26 @@ class AttributionScores(np.ndarray):
         thinned path also each replayed interval against its next recorded point.
         Round-off level (1e-6 to 1e-4 in float32) when the record is complete; a
         warning fires above 1e-3.
+
+    Parameters
+    ----------
+    shape, dtype, buffer, offset, strides, order
+        As :class:`numpy.ndarray`'s: the scores are not built by hand but returned by
+        ``attribute(method="unrolled")``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import AttributionScores, PathKernelMachine
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="sgd", max_iter=3,
+    ...                         learning_rate_init=0.1, tol=None, dtype="float64",
+    ...                         random_state=0).fit(X, y)
+    >>> scores = est.attribute(X[:2], method="unrolled")
+    >>> isinstance(scores, AttributionScores), scores.shape, scores.growth.shape
+    (True, (2, 20), (2,))
+    >>> bool(scores.replay_error < 1e-6)
+    True
     """
 
     growth: np.ndarray | None = None

@@ -268,12 +268,16 @@ class FittedNetworkMixin:
         X : array-like of shape (n_queries, n_features) or (n_queries, ...)
             The form of the training inputs (``input_shape_``).
         n_neighbors : int, default=100
+            Number of training points returned per query.
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step``, or the path kernel.
         step : int, default=-1
             Recorded point for the tangent kernel (0 is the initialization).
         normalized : bool, default=True
+            Rank by the normalized kernel ``K_hat``, the cosine of the angle between the
+            feature vectors, rather than by the raw kernel distance.
         return_distance : bool, default=True
+            Whether to return the distances along with the indices.
 
         Returns
         -------

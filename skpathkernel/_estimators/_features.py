@@ -210,8 +210,18 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         """Output feature names: the tangent features', or ``"tangentfeatures<k>"``.
 
         ``"<parameter>[<index>]"`` for the exact features (``"out<c>:..."`` per output
-        when there are several), ``"tangentfeatures<k>"`` for a projection;
-        ``input_features`` is ignored.
+        when there are several), ``"tangentfeatures<k>"`` for a projection.
+
+        Parameters
+        ----------
+        input_features : None
+            Ignored: the names come from the network's parameters or the projection, not
+            from the input features. Kept for scikit-learn's transformer API.
+
+        Returns
+        -------
+        feature_names_out : ndarray of str objects
+            One name per column of :meth:`transform`'s output.
         """
         check_is_fitted(self)
         if self.n_components is None:
@@ -367,24 +377,47 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
     def decision_function(self, X):
         """The SVM's decision values on the tangent features (or kernel rows) of X.
 
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
         Returns
         -------
         scores : ndarray of shape (n_samples,) or (n_samples, n_classes)
+            As :meth:`sklearn.svm.SVC.decision_function`.
         """
         check_is_fitted(self)
         return self.svm_.decision_function(self._svm_input(X))
 
     def predict(self, X):
-        """Predicted class labels."""
+        """Predicted class labels.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,)
+            The SVM's predicted classes.
+        """
         check_is_fitted(self)
         return self.svm_.predict(self._svm_input(X))
 
     def transform(self, X):
         """Tangent features phi(x) at the final parameters (see :class:`TangentFeatures`).
 
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
         Returns
         -------
         phi : ndarray of shape (n_samples, `n_params_`) or (n_samples, `n_outputs_` * `n_params_`)
+            One row per sample, columns in ``trajectory_`` flat order.
         """
         return self._tangent_features(X)
 

@@ -287,6 +287,17 @@ class _KernelMachineMixin(TransformerMixin):
         """Names of the tangent features: ``"<parameter>[<index>]"``, e.g. ``"0.weight[3]"``.
 
         With several outputs, ``"out<c>:<parameter>[<index>]"``.
+
+        Parameters
+        ----------
+        input_features : None
+            Ignored: the names come from the network's parameters, not from the input
+            features. Kept for scikit-learn's transformer API.
+
+        Returns
+        -------
+        feature_names_out : ndarray of str objects
+            One name per column of :meth:`transform`'s output.
         """
         check_is_fitted(self)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
@@ -311,6 +322,11 @@ class _KernelMachineMixin(TransformerMixin):
     def transform(self, X):
         """Tangent features phi(x) = d f(x; theta_T) / d theta at the final parameters.
 
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
         Returns
         -------
         phi : ndarray of shape (n_samples, `n_params_`) or (n_samples, `n_outputs_` * `n_params_`)
@@ -321,7 +337,8 @@ class _KernelMachineMixin(TransformerMixin):
         return self._tangent_features(X)
 
     @shared_doc(ATTRIBUTE, note="",
-                X="array-like of shape (n_queries, n_features) or (n_queries, ...)",
+                X="array-like of shape (n_queries, n_features) or (n_queries, ...)\n"
+                  "    The queries, in the form of the training inputs (``input_shape_``).",
                 y="array-like of shape (n_queries,), default=None\n    Classifiers: the "
                   "queries' labels, whose margin is explained; None explains\n    the margin "
                   "of the predicted class. Regressors: ignored.",
@@ -365,8 +382,11 @@ class _KernelMachineMixin(TransformerMixin):
         Parameters
         ----------
         X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            The queries, in the form of the training inputs (``input_shape_``).
         n_neighbors : int, default=10
+            Number of training points returned per query.
         method : {"exact", "first_order", "second_order"}, default="exact"
+            How the contributions are computed, as in :meth:`decompose`.
         output : "margin", int or "all", default=None
             The output explained. None: the predicted class's margin for classifiers
             (see :meth:`attribute`), the output for single-output regressors, and "all"
@@ -569,10 +589,12 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
             floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
+            Real-valued targets.
 
         Returns
         -------
         self : PathKernelMachine
+            The fitted estimator.
         """
         self._validate_params()
         return self._fit(X, y)
@@ -616,6 +638,11 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
 
     def predict(self, X):
         """Network outputs f(X; theta_T).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
 
         Returns
         -------
@@ -794,12 +821,35 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         return self._fit(X, y, incremental=True, classes=classes)
 
     def decision_function(self, X):
-        """Margins (binary, shape (n_samples,)) or logits (shape (n_samples, n_classes))."""
+        """Margins (binary, shape (n_samples,)) or logits (shape (n_samples, n_classes)).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
+        Returns
+        -------
+        scores : ndarray of shape (n_samples,) or (n_samples, n_classes)
+            The network's outputs at the final parameters: the margin of the second class
+            for binary problems, one logit per class otherwise.
+        """
         out = self._forward(X)
         return out[:, 0] if out.shape[1] == 1 else out
 
     def predict(self, X):
-        """Predicted class labels."""
+        """Predicted class labels.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
+        Returns
+        -------
+        y_pred : ndarray of shape (n_samples,)
+            The class with the largest score in :meth:`decision_function`.
+        """
         scores = self.decision_function(X)
         if scores.ndim == 1:
             return self.classes_[(scores > 0).astype(np.intp)]

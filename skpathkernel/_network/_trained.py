@@ -238,7 +238,23 @@ class TrainedNetwork:
                 f"{n})")
 
     def replace(self, **changes) -> TrainedNetwork:
-        """A shallow copy with some attributes replaced (``module``, ``device``, ...)."""
+        """A shallow copy with some attributes replaced (``module``, ``device``, ...).
+
+        Parameters
+        ----------
+        **changes
+            New values of existing attributes, by name.
+
+        Returns
+        -------
+        network : TrainedNetwork
+            The copy; ``self`` is unchanged.
+
+        Raises
+        ------
+        TypeError
+            If a name is not an attribute of the network.
+        """
         new = copy.copy(self)
         if "module" in changes:
             new.__dict__.pop("_widths", None)  # measured on the module replaced
@@ -255,6 +271,7 @@ class TrainedNetwork:
         Parameters
         ----------
         X : array-like or tensor of shape (n_samples, ...)
+            The inputs to check.
         name : str, default="X"
             How errors name it.
         allow_flat : bool, default=False
@@ -264,6 +281,7 @@ class TrainedNetwork:
         Returns
         -------
         X : ndarray
+            ``X`` in the network's input form.
         """
         if isinstance(X, torch.Tensor):
             X = X.detach().cpu().numpy()
@@ -298,7 +316,18 @@ class TrainedNetwork:
             return bool(np.isfinite(X.sum()))
 
     def tensor(self, X: np.ndarray) -> torch.Tensor:
-        """A checked ``X`` as the network's input tensor (token ids as int64)."""
+        """A checked ``X`` as the network's input tensor (token ids as int64).
+
+        Parameters
+        ----------
+        X : ndarray
+            Inputs returned by :meth:`check`.
+
+        Returns
+        -------
+        X : torch.Tensor
+            On the network's device, in its dtype (token ids as int64).
+        """
         return to_input_tensor(X, dtype=self.torch_dtype, device=self.torch_device)
 
     def params_at(self, step: int) -> dict[str, torch.Tensor]:
@@ -309,6 +338,16 @@ class TrainedNetwork:
         nor move it to the device again. A trajectory's recorded points never change, so
         the trajectory object, the point and the device identify it; the kept point is
         not pickled.
+
+        Parameters
+        ----------
+        step : int
+            Recorded point, 0 for the initialization; negative values count from the end.
+
+        Returns
+        -------
+        params : dict of str to torch.Tensor
+            The parameters by name, in the module's shapes; a new dict at every call.
         """
         traj = self.trajectory
         k = step % len(traj) if -len(traj) <= step < len(traj) else step
@@ -390,7 +429,14 @@ class TrainedNetwork:
         return module_outputs(self.module, self.tensor(X), block, params=params)
 
     def targets(self) -> torch.Tensor:
-        """``y_fit`` as the loss takes it: class codes as int64, anything else in dtype."""
+        """``y_fit`` as the loss takes it: class codes as int64, anything else in dtype.
+
+        Returns
+        -------
+        y : torch.Tensor
+            On the network's device; regression targets of shape ``(n_samples, 1)`` when
+            ``y_fit`` was one-dimensional.
+        """
         y = self.y_fit
         squared = self.loss is not None and self.loss.name == "squared_error"
         if np.issubdtype(y.dtype, np.integer) and not squared:
@@ -449,7 +495,8 @@ ValueError
         ATTRIBUTE,
         note="\n\nOn the network's own outputs: ``y`` holds output columns (class "
              "indices), not labels.",
-        X="array-like or tensor of shape (n_queries, ...)",
+        X="array-like or tensor of shape (n_queries, ...)\n    Queries in the network's "
+          "input form.",
         y="array-like of int of shape (n_queries,), default=None\n    With "
           "``output=\"margin\"``: each query's class as an output column; None takes\n"
           "    the largest output (or a positive single output) as the class.",
@@ -669,6 +716,11 @@ ValueError
 
         Concurrent tasks can share one network (threads, a Dask worker's thread pool)
         and the engine hooks the module it runs.
+
+        Returns
+        -------
+        network : TrainedNetwork
+            A copy sharing everything but the module.
         """
         return self.replace(module=copy.deepcopy(self.module))
 
@@ -677,6 +729,11 @@ ValueError
 
         Pickling the trajectory itself would make its temporary directory permanent
         (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared.
+
+        Returns
+        -------
+        network : TrainedNetwork
+            A copy whose trajectory pickles as a reference to its files.
         """
         return self.replace(trajectory=self.trajectory.for_workers())
 

@@ -662,7 +662,23 @@ class PathRecorder:
                      memory_budget: int = 2**30) -> RecordedNetwork:
         """The recorded path as a :class:`RecordedNetwork` (kernels, decomposition).
 
-        Parameters are those of :class:`RecordedNetwork`.
+        Parameters
+        ----------
+        X_train : array-like or tensor of shape (n_samples, ...), default=None
+            The training inputs the recorded batches index into, as in :meth:`as_network`.
+        y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets), \
+default=None
+            Their targets, as in :meth:`as_network`.
+        loss : "squared_error", "log_loss" or callable, default="squared_error"
+            The per-sample loss whose batch mean each step minimized.
+        memory_budget : int, default=2**30
+            Bytes one block of a kernel or decomposition computation may use.
+
+        Returns
+        -------
+        estimator : RecordedNetwork
+            Fitted by construction, with the network of :meth:`as_network` as its
+            ``network_``.
         """
         return RecordedNetwork(_unwrap(self.module), self.trajectory, X_train=X_train,
                                y_train=y_train, loss=loss, memory_budget=memory_budget)
@@ -692,6 +708,7 @@ default=None
         Returns
         -------
         network : TrainedNetwork
+            The module and its recorded path, with the training data and loss.
 
         Examples
         --------
@@ -742,6 +759,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         The network whose path was recorded; called through ``torch.func.functional_call``
         with the recorded parameters, so its own current values are not used.
     trajectory : Trajectory
+        The path recorded by a :class:`~skpathkernel.PathRecorder` of ``module``.
     X_train : array-like or tensor of shape (n_samples, n_features) or (n_samples, ...)
         The training inputs the recorded batches index into, in the form the network
         takes: floats (2-D features, images, sequences) or integer token ids (handed to
@@ -827,6 +845,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     @property
     def n_features_in_(self) -> int:
+        """Values per sample, ``prod(input_shape_)``; only when ``X_train`` is given."""
         n = self._network().n_features_in
         if n is None:
             raise AttributeError("n_features_in_ is only set when X_train is given.")
@@ -834,6 +853,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     @property
     def input_shape_(self) -> tuple[int, ...]:
+        """The trailing shape of ``X_train``; only when ``X_train`` is given."""
         shape = self._network().input_shape
         if shape is None:
             raise AttributeError("input_shape_ is only set when X_train is given.")
@@ -845,14 +865,38 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         return state
 
     def fit(self, X=None, y=None) -> RecordedNetwork:
-        """Do nothing: the network was trained by the recorded loop. Returns self."""
+        """Do nothing: the network was trained by the recorded loop.
+
+        Parameters
+        ----------
+        X : None
+            Ignored.
+        y : None
+            Ignored.
+
+        Returns
+        -------
+        self : RecordedNetwork
+            Unchanged.
+        """
         return self
 
     def __sklearn_is_fitted__(self) -> bool:
         return True
 
     def predict(self, X) -> np.ndarray:
-        """Network outputs ``f(X; theta_T)`` at the last recorded point, shape (n, C)."""
+        """Network outputs ``f(X; theta_T)`` at the last recorded point.
+
+        Parameters
+        ----------
+        X : array-like or tensor of shape (n_samples, ...)
+            In the form of ``X_train`` when it was given.
+
+        Returns
+        -------
+        outputs : ndarray of shape (n_samples, n_outputs)
+            The raw network outputs (logits for a classification loss).
+        """
         return self._network().outputs(X)
 
     @shared_doc(DECOMPOSE, note=_DECLARED, X=_X_TRAIN_FORM, extra_params="", raises="",

@@ -52,7 +52,23 @@ DIVERGENCE_NORM_RATIO = 1000.0
 
 
 class TrainingDivergedError(ValueError):
-    """The training loss, or the parameters, became non-finite."""
+    """The training loss, or the parameters, became non-finite.
+
+    Raised by ``fit`` and ``partial_fit``; the estimator keeps its previous fit, if any.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel import PathKernelMachine, TrainingDivergedError
+    >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="sgd",
+    ...                         learning_rate_init=1e6, max_iter=5, tol=None, random_state=0)
+    >>> try:
+    ...     est.fit(X, y)
+    ... except TrainingDivergedError as exc:
+    ...     print("diverged:", "smaller learning_rate_init" in str(exc))
+    diverged: True
+    """
 
 
 class DivergenceWarning(ConvergenceWarning):

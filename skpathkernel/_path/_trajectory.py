@@ -104,6 +104,45 @@ class Trajectory:
     :class:`~skpathkernel.PathRecorder` for your own loop; users read them, save
     them with :meth:`save` and load them with :meth:`load`.
 
+    Parameters
+    ----------
+    names : sequence of str
+        The parameter tensors' names, in flat order (``module.named_parameters()``).
+    shapes : sequence of sequence of int
+        Their shapes, in the same order.
+    params : torch.Tensor of shape (n_points, n_params)
+        The flat parameter vector at every recorded point (or on-disk rows of it).
+    steps : array-like of int of shape (n_points,)
+        See ``steps`` below.
+    learning_rates : array-like of shape (n_points - 1,)
+        See ``learning_rates`` below.
+    batch_indices : array-like of int
+        The sample indices of every optimizer step's batch, concatenated.
+    batch_offsets : array-like of int of shape (n_steps + 1,)
+        Step ``t``'s batch is ``batch_indices[batch_offsets[t]:batch_offsets[t + 1]]``.
+    states : dict of str to torch.Tensor
+        The solver's state (e.g. Adam's moments) at every point with a step leaving it,
+        one flat row per point.
+    state_steps : array-like of int of shape (n_points - 1,)
+        The solver's step count in each of those states.
+    solver : SolverSpec
+        The optimizer's rule and hyper-parameters (given as :attr:`solver`'s name).
+    n_samples : int
+        See ``n_samples`` below.
+    record_every : int
+        See ``record_every`` below.
+    gradient_scales : array-like of shape (n_steps,), default=None
+        The factor each step's gradient was multiplied by (gradient clipping); None: 1.
+    batch_weights : array-like, default=None
+        The weight of every entry of ``batch_indices`` in its step's loss; None: the
+        batch mean.
+    group_lrs : array-like of shape (n_points - 1, n_groups), default=None
+        Each optimizer parameter group's step size at each point; None: one step size.
+    param_groups : sequence of int, default=None
+        The group of each parameter tensor, in the order of ``names``.
+    group_weight_decays : sequence of float, default=None
+        Each group's weight decay; None: the solver's for every parameter.
+
     Attributes
     ----------
     steps : ndarray of shape (n_points,)

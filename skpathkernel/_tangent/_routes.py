@@ -37,13 +37,38 @@ class FallbackWarning(UserWarning):
     The fallback forms per-sample Jacobians with ``torch.func`` (exact, but slower and
     larger than the per-layer rules). See :func:`skpathkernel.rules.layer_routes` for the
     layers and the reasons, and :func:`skpathkernel.rules.register_rule` to add a rule.
+
+    Examples
+    --------
+    A module that reads its parameter through ``*``, for which no rule is registered:
+
+    >>> import warnings
+    >>> import numpy as np, torch
+    >>> from skpathkernel import PathKernelMachine
+    >>> from skpathkernel.rules import FallbackWarning
+    >>> class Scale(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = torch.nn.Parameter(torch.ones(1))
+    ...     def forward(self, x):
+    ...         return x * self.w
+    >>> X = np.linspace(-1, 1, 10).reshape(-1, 1)
+    >>> est = PathKernelMachine(module=lambda n_in, n_out: Scale(), max_iter=2, tol=None,
+    ...                         random_state=0)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     est = est.fit(X, X.ravel())
+    >>> [w.category.__name__ for w in caught]
+    ['FallbackWarning']
     """
 
 
 class LayerRoute(NamedTuple):
     """One layer of a network and how the engine differentiates its parameters.
 
-    Attributes
+    Returned by :func:`layer_routes`; its fields are its parameters and attributes.
+
+    Parameters
     ----------
     name : str
         The layer's path in ``module.named_modules()`` (``""`` for the module itself).
@@ -56,6 +81,13 @@ class LayerRoute(NamedTuple):
         nn.MultiheadAttention holds its ``out_proj``).
     reason : str
         Why it falls back; empty on its rule.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from skpathkernel.rules import layer_routes
+    >>> layer_routes(torch.nn.Linear(3, 2), torch.randn(4, 3))
+    [LayerRoute(name='', type='Linear', route='rule', n_params=8, reason='')]
     """
 
     name: str
@@ -226,6 +258,15 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
         If the difference exceeds ``rtol`` (the message names the layers on their rules),
         or if the engine's own autograd check rejected a rule's factors (the layer then
         falls back: the results stay exact, the rule is wrong).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from skpathkernel.rules import check_rule
+    >>> net = nn.Sequential(nn.Conv1d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 1))
+    >>> bool(check_rule(net, torch.randn(4, 1, 8)) < 1e-8)
+    True
     """
     ref = copy.deepcopy(module).to(torch.float64)
     X = _as_input(ref, X)

@@ -66,6 +66,17 @@ class Term:
     Every parameter of the network is covered by exactly one term (the capture gives the
     parameters that no rule covers dense-Jacobian terms from the fallback: a ``None``
     input with ``delta`` the per-sample gradient itself).
+
+    Examples
+    --------
+    The term of a weight ``(p, q) = (2, 3)`` with one position, as ``nn.Linear``'s rule
+    builds it for 4 samples and 1 output:
+
+    >>> import torch
+    >>> from skpathkernel.rules import Term
+    >>> term = Term(torch.randn(4, 1, 2), [("0.weight", torch.randn(4, 3))])
+    >>> tuple(term.delta.shape), tuple(term.inputs[0][1].shape)
+    ((4, 1, 1, 2), (4, 1, 3))
     """
 
     delta: torch.Tensor
@@ -104,7 +115,9 @@ class Term:
 class Use:
     """One call of a rule layer's own operation, as the capture saw it.
 
-    Attributes
+    The capture builds it and passes it to a :class:`Rule`'s ``factors`` and ``accepts``.
+
+    Parameters
     ----------
     func : callable
         The operation called (one of the rule's ``ops``).
@@ -114,6 +127,16 @@ class Use:
     inputs : tuple of torch.Tensor
         The input ``a`` of each site, samples first: ``args[0]`` for a rule without
         ``expand``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from skpathkernel.rules import Use
+    >>> x, w = torch.randn(4, 3), torch.randn(2, 3)
+    >>> use = Use(F.linear, (x, w), {}, (x,))
+    >>> use.func is F.linear, tuple(use.inputs[0].shape)
+    (True, (4, 3))
     """
 
     func: Callable
@@ -150,6 +173,33 @@ class Rule:
         parameters by differentiable torch operations and the result from the ``z``.
         ``None`` declines (the call runs as is and the layer goes to the fallback). Without
         ``expand`` the call is one site, ``(args[0], result)``.
+
+    Examples
+    --------
+    A rule for a layer that reads its weight through ``F.linear``: the gradient of
+    ``z = a W^T`` is the outer product of ``z``'s backprop and the input ``a``.
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from torch import nn
+    >>> from skpathkernel.rules import Rule, Term, check_rule, layer_routes, register_rule
+    >>> class Proj(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.weight = nn.Parameter(torch.randn(2, 3))
+    ...     def forward(self, x):
+    ...         return F.linear(x, self.weight)
+    >>> def factors(layer, use, deltas, names):
+    ...     return [Term(deltas[0], [(names["weight"], use.inputs[0])])]
+    >>> net = nn.Sequential(Proj(), nn.Tanh(), nn.Linear(2, 1))
+    >>> X = torch.randn(4, 3)
+    >>> [route.route for route in layer_routes(net, X)]
+    ['fallback', 'rule']
+    >>> register_rule(Proj, Rule(ops=(F.linear,), factors=factors))
+    >>> [route.route for route in layer_routes(net, X)]
+    ['rule', 'rule']
+    >>> bool(check_rule(net, X) < 1e-8)
+    True
     """
 
     ops: tuple[Callable, ...]
@@ -175,6 +225,21 @@ def register_rule(module_type: type, rule: Rule) -> None:
         A subclass of ``torch.nn.Module``.
     rule : Rule
         Its rule.
+
+    Examples
+    --------
+    A subclass of ``nn.Linear`` whose ``forward`` is ``nn.Linear``'s takes its rule:
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from skpathkernel.rules import get_rule, layer_routes, register_rule
+    >>> class MyLinear(nn.Linear):
+    ...     pass
+    >>> layer_routes(MyLinear(3, 2), torch.randn(4, 3))[0].route
+    'fallback'
+    >>> register_rule(MyLinear, get_rule(nn.Linear))
+    >>> layer_routes(MyLinear(3, 2), torch.randn(4, 3))[0].route
+    'rule'
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be a torch.nn.Module subclass, got {module_type!r}.")
@@ -198,5 +263,15 @@ def get_rule(module_type: type) -> Rule | None:
     rule : Rule or None
         Reuse it for a subclass whose ``forward`` makes the same call:
         ``register_rule(MyLinear, get_rule(nn.Linear))``.
+
+    Examples
+    --------
+    >>> import torch.nn.functional as F
+    >>> from torch import nn
+    >>> from skpathkernel.rules import get_rule
+    >>> get_rule(nn.Linear).ops == (F.linear,)
+    True
+    >>> get_rule(nn.PReLU) is None
+    True
     """
     return RULES.get(module_type)

@@ -281,10 +281,12 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     if memory == "continuous":
         spec = trajectory.solver_spec
         m = 1.0 / (1.0 - spec.momentum) if spec.name == "sgd" and spec.momentum else 1.0
-        return [(k, float(trajectory.learning_rates[k]) * float(steps[k + 1] - steps[k]) * m)
-                for k in points]
+        # A clipped step's gradient was scaled by its recorded factor (1 when unclipped).
+        scales = trajectory.gradient_scales
+        return [(k, float(trajectory.learning_rates[k]) * m
+                 * float(scales[steps[k] : steps[k + 1]].sum())) for k in points]
     begin, end = int(steps[points[0]]), int(steps[points[-1] + 1])
-    W = _step_memory_weights(trajectory, begin, end)
+    W = _step_memory_weights(trajectory, begin, end) * trajectory.gradient_scales[begin:end]
     return [(k, float(W[steps[k] - begin : steps[k + 1] - begin].sum())) for k in points]
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from skpathkernel import PathKernelMachine, PathRecorder, Trajectory
+from skpathkernel import PathKernel, PathKernelMachine, PathRecorder, Trajectory
 
 N, STEPS = 16, 12
 
@@ -281,3 +281,43 @@ def test_a_wrongly_declared_batch_warns_in_decompose_attribute_and_explain(probl
     with pytest.warns(UserWarning, match="misses the prediction") as caught:
         est.explain(Xq.numpy(), n_neighbors=3)
     assert caught[0].filename == __file__  # at the caller's line
+
+
+def test_path_kernel_of_a_clipped_path_weights_each_step_by_its_factor(problem):
+    X, y, Xq = problem
+    module = _mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    factors = []
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches():
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(list(module.parameters()), 0.05))
+            factors.append(min(1.0, 0.05 / (norm + 1e-6)))
+            rec.set_batch(idx)
+            opt.step()
+    traj = rec.trajectory
+    assert min(factors) < 0.5
+    # Independent reference: sum_t lr * c_t * J(x; theta_t) J(x'; theta_t)^T, Jacobians of
+    # the module by autograd at each recorded point.
+    names, shapes = traj.names, traj.shapes
+
+    def jac(theta):
+        rows = []
+        for x in Xq:
+            params, start = {}, 0
+            flat = theta.clone().requires_grad_(True)
+            for name, shape in zip(names, shapes):
+                size = int(np.prod(shape))
+                params[name] = flat[start : start + size].view(shape)
+                start += size
+            out = torch.func.functional_call(module, params, (x[None],))[0, 0]
+            rows.append(torch.autograd.grad(out, flat)[0])
+        return torch.stack(rows)
+
+    ref = sum(0.5 * c * (J @ J.T) for c, J in
+              ((factors[t], jac(traj.parameters(t))) for t in range(STEPS)))
+    K = PathKernel(rec.as_network(X, y))(Xq.numpy())
+    assert_allclose(K, ref.numpy(), rtol=1e-10, atol=1e-14)
+    # The unclipped weights would be off by the factors.
+    assert np.abs(K - ref.numpy() / min(factors)).max() > 1e-3 * np.abs(ref.numpy()).max()

@@ -357,6 +357,10 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
         layout[name] = (start, int(np.prod(shape, dtype=np.int64)))
         start += layout[name][1]
     weighted = traj.solver_spec.name != "sgd" and len(traj) > 1
+    if not weighted and any(traj.step_size_scales(k) is not None for k, _ in weights):
+        # SGD whose parameter groups took their own step sizes: a diagonal at some steps
+        # only, which the step-by-step sum applies per step.
+        return None
     device, dtype = net.torch_device, net.torch_dtype
 
     def load(points):

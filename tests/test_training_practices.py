@@ -38,6 +38,22 @@ def _mlp(seed=0, dropout=None):
     return torch.nn.Sequential(*layers).double()
 
 
+def _jacobian(module, traj, point, Xq):
+    """(n_queries, P) Jacobian of the module's output at recorded point ``point``, by
+    autograd one query at a time (independent of the kernels' engine)."""
+    rows = []
+    for x in Xq:
+        flat = traj.parameters(point).clone().requires_grad_(True)
+        params, start = {}, 0
+        for name, shape in zip(traj.names, traj.shapes):
+            size = int(np.prod(shape))
+            params[name] = flat[start : start + size].view(shape)
+            start += size
+        out = torch.func.functional_call(module, params, (x[None],))[0, 0]
+        rows.append(torch.autograd.grad(out, flat)[0])
+    return torch.stack(rows)
+
+
 def _batches(seed=1):
     rng = np.random.RandomState(seed)
     return [rng.choice(N, 8, replace=False) for _ in range(STEPS)]
@@ -174,6 +190,17 @@ def test_parameter_groups_with_their_own_lr_and_weight_decay(problem, kind, tmp_
     assert_allclose(traj.step_size_scales(k).numpy(), expected.numpy(), rtol=1e-15)
     if kind == "sgd":
         assert_allclose(traj.preconditioner(k).numpy(), expected.numpy(), rtol=1e-15)
+        # The path kernel: each parameter's own step size at every step, against
+        # sum_t J_t diag(lr of its group) J_t^T by autograd.
+        is_w = torch.cat([torch.full((p.numel(),), n.endswith("weight"))
+                          for n, p in module.named_parameters()])
+        ref = sum((J * torch.where(is_w, used[t, 0], used[t, 1])) @ J.T
+                  for t, J in ((t, _jacobian(module, traj, t, Xq)) for t in range(STEPS)))
+        # Measured 2.6e-8 relative (not at float64 round-off; cause not found yet, see
+        # issue 34); without the groups' step sizes it is off by the lr ratio (4x).
+        K = PathKernel(rec.as_network(X, y))(Xq.numpy())
+        assert_allclose(K, ref.numpy(), rtol=1e-7)
+        assert np.abs(K / ref.numpy() - 1).max() < 1e-7
     net = rec.as_network(X, y)
     _exact(net, Xq)
     # Saved, loaded and pickled with what the groups recorded.
@@ -300,23 +327,8 @@ def test_path_kernel_of_a_clipped_path_weights_each_step_by_its_factor(problem):
     assert min(factors) < 0.5
     # Independent reference: sum_t lr * c_t * J(x; theta_t) J(x'; theta_t)^T, Jacobians of
     # the module by autograd at each recorded point.
-    names, shapes = traj.names, traj.shapes
-
-    def jac(theta):
-        rows = []
-        for x in Xq:
-            params, start = {}, 0
-            flat = theta.clone().requires_grad_(True)
-            for name, shape in zip(names, shapes):
-                size = int(np.prod(shape))
-                params[name] = flat[start : start + size].view(shape)
-                start += size
-            out = torch.func.functional_call(module, params, (x[None],))[0, 0]
-            rows.append(torch.autograd.grad(out, flat)[0])
-        return torch.stack(rows)
-
     ref = sum(0.5 * c * (J @ J.T) for c, J in
-              ((factors[t], jac(traj.parameters(t))) for t in range(STEPS)))
+              ((factors[t], _jacobian(module, traj, t, Xq)) for t in range(STEPS)))
     K = PathKernel(rec.as_network(X, y))(Xq.numpy())
     assert_allclose(K, ref.numpy(), rtol=1e-10, atol=1e-14)
     # The unclipped weights would be off by the factors.

@@ -4,7 +4,9 @@
 switched off), ``case`` the stacked one. Usage:
 ``THREADS=1 python -m benchmarks.bench_path_defaults_ab adam100,adam100:old``. CPU time
 (``time.process_time``) is reported beside wall time: on shared cores it is what the call
-itself spent.
+itself spent. The ``adam`` / ``sgd`` path-kernel cases also print their FLOP floor
+(``path_flops``, halved by symmetry) and the one-thread rate of an N x 64 x N product
+measured in CPU time right after the case, the floor's denominator.
 """
 
 import contextlib
@@ -19,7 +21,21 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import PathKernelClassifier, kernels
+from skpathkernel._tangent._stacked import path_flops, stacked_mlp
 from skpathkernel.kernels import PathKernel
+
+
+def _gemm_rate(n):
+    """FLOP/s of an n x 64 x n product, the least CPU time of several repeats."""
+    a, b = torch.randn(n, 64), torch.randn(64, n)
+    best = min(_cpu(lambda: torch.mm(a, b)) for _ in range(max(5, 10**7 // n**2)))
+    return 2 * n * n * 64 / best
+
+
+def _cpu(f):
+    c0 = time.process_time()
+    f()
+    return time.process_time() - c0
 
 
 def main(names):
@@ -54,7 +70,16 @@ def main(names):
             cases[name]()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         res[case] = dict(time=wall, cpu=cpu, load=load)
-        print(f"{case}: wall {wall:.3f}s cpu {cpu:.3f}s load {load:.2f}", flush=True)
+        if name[:4] in ("adam", "sgd1") and "_" not in name:
+            est = adam if name.startswith("adam") else sgd
+            n = int(name[4:] if name.startswith("adam") else name[3:])
+            mlp = stacked_mlp(est.network_.module, est.trajectory_.names)
+            floor = (len(est.trajectory_) - 1) * path_flops(
+                mlp, n, n, est.n_outputs_, name.startswith("adam"), True)
+            rate = _gemm_rate(n)
+            res[case].update(floor_gflop=floor / 1e9, gemm_gflops=rate / 1e9,
+                             cpu_over_floor=cpu * rate / floor)
+        print(f"{case}: {res[case]}", flush=True)
     print(json.dumps(res, indent=1))
 
 

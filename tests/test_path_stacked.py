@@ -13,7 +13,7 @@ from numpy.testing import assert_allclose
 from torch.func import functional_call
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
-from skpathkernel._tangent._stacked import stacked_mlp, stacked_path_sum
+from skpathkernel._tangent._stacked import _routes, stacked_mlp, stacked_path_sum
 from skpathkernel.kernels import PathKernel, path_weights
 
 RNG = np.random.RandomState(0)
@@ -200,3 +200,93 @@ def test_explain_ranks_the_margin_and_all_outputs_on_request():
                     rtol=1e-8, atol=1e-12)
     with pytest.raises(ValueError, match="'unrolled'"):
         est.explain(Q, method="unrolled")
+
+
+def _module_reference(module, thetas, Ds, weights, A, B, outputs):
+    """sum_k w_k J_k(A) D_k J_k(B)^T / C with the module's own autograd, point by point."""
+    names = [n for n, _ in module.named_parameters()]
+    shapes = [p.shape for _, p in module.named_parameters()]
+    K = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64)
+    for theta, D, w in zip(thetas, Ds, weights):
+        params, s = {}, 0
+        for name, shape in zip(names, shapes):
+            params[name] = theta[s : s + shape.numel()].view(shape)
+            s += shape.numel()
+        ja = _jacobian(module, params, A)[:, outputs]
+        jb = _jacobian(module, params, B)[:, outputs]
+        K += w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / len(outputs)
+    return K
+
+
+@pytest.mark.parametrize("layers", [
+    # An activation after the output layer: no one-hot backprops.
+    lambda: [torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4), torch.nn.Sigmoid()],
+    # Two Linears in a row, one without a bias, below the output layer.
+    lambda: [torch.nn.Linear(3, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5, bias=False),
+             torch.nn.Linear(5, 4)],
+    # A single Linear: the output layer alone.
+    lambda: [torch.nn.Linear(3, 4)],
+    # The output layer right above the first: the merged layer is the first one.
+    lambda: [torch.nn.Linear(3, 7), torch.nn.GELU(), torch.nn.Linear(7, 4, bias=False)],
+], ids=["sigmoid-out", "linear-linear", "single", "two-layers"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
+@pytest.mark.parametrize("outputs", [[0, 1, 2, 3], [2]], ids=["trace", "one"])
+def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
+    """Output layers with and without one-hot backprops, the layer below them, layers
+    without a bias, and every route (units, dense, rank1), against the module's own
+    autograd Jacobians; strips and panels of several sizes."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*layers()).double()
+    names = [n for n, _ in module.named_parameters()]
+    mlp = stacked_mlp(module, names)
+    assert mlp is not None
+    P = sum(p.numel() for p in module.parameters())
+    layout, s = {}, 0
+    for name, p in module.named_parameters():
+        layout[name] = (s, p.numel())
+        s += p.numel()
+    thetas = torch.randn(5, P, dtype=torch.float64)
+    Ds = (torch.rand(5, P, dtype=torch.float64) + 0.1 if weighted
+          else torch.ones(5, P, dtype=torch.float64))
+    weights = [(k, 0.1 * (k + 1)) for k in range(5)]
+
+    def load(points):
+        return thetas[points], (Ds[points] if weighted else None)
+
+    # 40 x 20: wide enough panels for the dense route of one-output layers.
+    A = torch.randn(40, 3, dtype=torch.float64)
+    B = torch.randn(20, 3, dtype=torch.float64)
+    ws = [w for _, w in weights]
+    ref = _module_reference(module, thetas, Ds, ws, A, A, outputs)
+    cross = _module_reference(module, thetas, Ds, ws, A, B, outputs)
+    if weighted and outputs == [2] and len(mlp.linears) > 1:
+        assert "dense" in _routes(mlp, 1, True, 40, 20)
+    for block, panel in [(2, 4), (5, 256), (1, 5)]:
+        K, dx, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
+                                    trace_scale=1 / len(outputs), weighted=weighted,
+                                    memory_budget=2**30, diag=True, block=block,
+                                    panel=panel)
+        assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+        assert np.array_equal(K.numpy(), K.numpy().T)
+        assert_allclose(dx.numpy(), np.diag(ref.numpy()), rtol=1e-10, atol=1e-13)
+        K, dx, dy = stacked_path_sum(mlp, layout, load, weights, A, B, outputs=outputs,
+                                     trace_scale=1 / len(outputs), weighted=weighted,
+                                     memory_budget=2**30, diag=True, block=block,
+                                     panel=panel)
+        assert_allclose(K.numpy(), cross.numpy(), rtol=1e-10, atol=1e-13)
+        assert_allclose(dy.numpy(), np.diag(_module_reference(
+            module, thetas, Ds, ws, B, B, outputs).numpy()), rtol=1e-10, atol=1e-13)
+
+
+def test_routes_by_cost():
+    """The cost model's choices for the default classifier's layers (64-64-10, ten
+    outputs): several backprops take the units route, the one backprop below the
+    output layer the units route on thin strips and the dense one on wide panels, SGD
+    rank1; the output layer is one-hot."""
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                 torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                 torch.nn.Linear(64, 10))
+    mlp = stacked_mlp(module, [n for n, _ in module.named_parameters()])
+    assert _routes(mlp, 10, True, 25, 100) == ["units", "units", "onehot"]
+    assert _routes(mlp, 10, True, 1000, 1000) == ["units", "dense", "onehot"]
+    assert _routes(mlp, 10, False, 25, 100) == ["rank1", "rank1", "onehot"]

@@ -9,30 +9,45 @@ parameters of ``B`` recorded points and runs one forward and one backward over t
 (batched GEMMs over the points), which gives every layer's inputs ``a`` (with a 1 for
 the bias) and backprops ``delta_c`` for all points and outputs at once.
 
-Each layer's step kernel is then contracted by one of three routes; with ``N x M`` the
+Each layer's step kernel is then contracted by one of four routes; with ``N x M`` the
 panel of the Gram, ``q = d_in + 1``, ``p = d_out`` and ``C`` the outputs used, per point:
 
+``"onehot"`` (an output layer with no activation after it): its backprops are one-hot,
+    so their products over the outputs are constant and the layer's kernel is
+    ``A diag(s) A'^T`` with ``s`` the weighted preconditioner summed over the outputs'
+    rows: ``2 N M q`` FLOPs, one GEMM over the whole block of points.
 ``"rank1"`` (no preconditioner): ``(A A'^T) * (Delta Delta'^T)``, ``2 N M (q + C p)``
     FLOPs in two batched GEMMs over the block and one weighted elementwise sum.
 ``"units"`` (diagonal ``D``): ``sum_o (Delta_o Delta_o'^T) * (A D_o A'^T)`` over the
     output units ``o``, ``2 N M p (q + C)`` FLOPs: ``A D_o A'^T`` of all units in one GEMM
     (the scaled rows of all units stacked), the ``C``-wide ``Delta_o`` products batched
     over units, and an elementwise product summed over the units, whose ``6 N M p``
-    passes over memory are what bounds it.
+    passes over memory are what bounds it. With one backprop (``C = 1``) the product
+    ``Delta_o Delta_o'^T`` is an outer product: rows and columns are scaled instead.
 ``"dense"`` (diagonal ``D``): the per-sample gradients ``delta_c (x) a`` formed and
-    scaled by ``w D``, one GEMM of width ``C p q``: ``2 N M C p q`` FLOPs, plus forming.
+    scaled by ``w D``, one GEMM of width ``C p q``: ``2 N M C p q`` FLOPs, plus forming
+    both sides of every panel.
+
+The layer right below a one-hot output layer backprops row ``c`` of that layer's
+weights ``V`` times the same derivatives for every output: its products over the
+outputs are those of a single backprop ``|V_o| d_o``, so it is contracted with
+``C = 1`` (ten times fewer FLOPs than ``C = 10`` for SGD, and no ``Delta`` products).
 
 :func:`layer_route` compares ``flops + 8 * element passes`` (one pass over memory costs
-about eight FLOPs of a GEMM on the CPUs measured). The outcome: ``"dense"`` wins for one
-output (``C = 1``: its GEMM does the sum over units, no elementwise pass) and ``"units"``
-for several (``C = 10`` on the default classifier: ten times fewer FLOPs than forming the
-per-sample gradients). Unweighted steps (SGD) always take ``"rank1"``, which is never
-more work.
+about eight FLOPs of a GEMM on the CPUs measured). The outcome on the default classifier
+(64-64-10 GELU, ten outputs): the first layer takes ``"units"`` (ten times fewer FLOPs
+than forming its per-sample gradients), the second (one backprop) ``"units"`` on the
+strips of a symmetric Gram and on narrow panels, ``"dense"`` on square 256-row panels of
+a cross Gram (its formed gradients are then shared by many pairs), the output layer
+``"onehot"``. Unweighted steps (SGD) take
+``"rank1"``, which is never more work.
 
-A symmetric ``K(X, X)`` computes the panels on and right of the diagonal only and mirrors
-them; the diagonal squares are symmetrised exactly. The block of points ``B`` and the
-panels are sized from ``memory_budget``. Every block's sum is added to a float64 Gram, so
-the result equals the point-by-point sum to float rounding.
+A symmetric ``K(X, X)`` is computed in strips of 16 to 64 rows from the diagonal
+rightwards (its upper triangle plus ``N * strip / 2`` entries, against ``5/8 N^2`` for
+square 256-row panels at N = 1000 and all ``N^2`` at N <= 256) and mirrored; the squares
+on the diagonal are symmetrised exactly. The block of points ``B`` and the panels are
+sized from ``memory_budget``. Every block's sum is added to a float64 Gram, so the
+result equals the point-by-point sum to float rounding.
 """
 
 from __future__ import annotations
@@ -128,14 +143,20 @@ def stacked_mlp(module: nn.Module, names: Sequence[str]) -> StackedMLP | None:
     return StackedMLP(tuple(items), linears[0].d_in)
 
 
-def layer_route(n_outputs: int, d_in: int, d_out: int, weighted: bool, bias: bool = True
-                ) -> str:
-    """``"rank1"``, ``"units"`` or ``"dense"`` for one Linear layer (see the module)."""
+def layer_route(n_outputs: int, d_in: int, d_out: int, weighted: bool, bias: bool = True,
+                rows: int = _PANEL, cols: int = _PANEL) -> str:
+    """``"rank1"``, ``"units"`` or ``"dense"`` for one Linear layer (see the module).
+
+    ``rows`` and ``cols``: the Gram's panel, over which the "dense" route's formed
+    gradients are spread.
+    """
     if not weighted:
         return "rank1"
     q, p, C = d_in + bias, d_out, n_outputs
-    units = 2 * p * (q + C) + _PASS * 6 * p
-    dense = 2 * C * p * q + _PASS * 2  # forming is O(N), the GEMM O(N M): per pair
+    # One output: no products of backprops, only the scaling of rows and columns.
+    units = 2 * p * q + _PASS * 2 * p if C == 1 else 2 * p * (q + C) + _PASS * 6 * p
+    # Forming both sides of a panel: about three passes per element.
+    dense = 2 * C * p * q + _PASS * (2 + 3 * C * p * q * (1 / rows + 1 / cols))
     return "dense" if dense <= units else "units"
 
 
@@ -143,14 +164,26 @@ def path_flops(mlp: StackedMLP, n: int, m: int, n_outputs: int, weighted: bool,
                symmetric: bool) -> float:
     """The FLOP floor of one point's Gram by the cheapest exact route, per layer.
 
-    ``rank1``: ``2 n m (q + C p)``; weighted: ``2 n m p min(q + C, C q)``. Halved for a
-    symmetric Gram. The forward and backward passes (``O((n + m) P C)``) are not counted.
+    ``rank1``: ``2 n m (q + C p)``; weighted: ``2 n m p min(q + C, C q)``; an output
+    layer with one-hot backprops ``2 n m q``, and the layer below it counts one output
+    (:func:`_factors`). Halved for a symmetric Gram. The forward and backward passes
+    (``O((n + m) P C)``) are not counted.
     """
-    total = 0.0
-    for lin in mlp.linears:
-        q, p, C = lin.d_in + (lin.bias is not None), lin.d_out, n_outputs
-        total += 2 * n * m * (p * min(q + C, C * q) if weighted else q + C * p)
+    total, routes = 0.0, _routes(mlp, n_outputs, weighted, n, m)
+    for lin, route, C in zip(mlp.linears, routes, _outputs_per_layer(mlp, n_outputs)):
+        q, p = lin.d_in + (lin.bias is not None), lin.d_out
+        if route == "onehot":
+            total += 2 * n * m * q
+        else:
+            total += 2 * n * m * (p * min(q + C, C * q) if weighted else q + C * p)
     return total / 2 if symmetric else total
+
+
+def _outputs_per_layer(mlp: StackedMLP, n_outputs: int) -> list[int]:
+    """The backprops per sample of every Linear: one below a one-hot output layer."""
+    n = len(mlp.linears)
+    onehot = isinstance(mlp.items[-1], _Linear)
+    return [1 if onehot and li == n - 2 else n_outputs for li in range(n)]
 
 
 # --------------------------------------------------------------------------- factors
@@ -180,10 +213,18 @@ def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
-             outputs: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every Linear's inputs ``a`` (B, N, d_in) and backprops (B, N, C, d_out).
+             outputs: Sequence[int], units_major: bool) -> list[tuple]:
+    """Every Linear's inputs ``a`` (B, N, d_in) and backprops, by one forward and one
+    backward pass over the block's points (batched GEMMs).
 
-    One forward and one backward pass over the block's points: batched GEMMs.
+    The backprops are (B, N, C, d_out), or (B, d_out, N, C) with ``units_major`` (the
+    layout of the "units" route's per-unit products, so that no copy reorders them).
+    An output layer with no activation after it has one-hot backprops, which carry no
+    information: its entry is None and :func:`_onehot` contracts it. The layer below it
+    then backprops row ``c`` of the output layer's weights ``V`` times the same
+    derivatives ``d`` for every output, so that its products over the outputs,
+    ``sum_c V_co^2 d_xo d_yo``, are those of one backprop, ``|V_o| d_o``: its entry is
+    that single one (C = 1).
     """
     params = _layer_params(mlp, theta, layout)
     B = theta.shape[0]
@@ -201,24 +242,43 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
             derivs.append(None)
         else:
             h, d = _derivative(it, h)
-            derivs.append(d)
-    # Backward: delta starts as the one-hot rows of the outputs used.
-    n, C_all = X.shape[0], h.shape[-1]
-    eye = torch.zeros(len(outputs), C_all, dtype=h.dtype, device=h.device)
-    eye[torch.arange(len(outputs)), torch.as_tensor(list(outputs))] = 1
-    delta = eye.expand(B, n, len(outputs), C_all)
-    deltas = []
-    li = len(params)
+            # (B, N, d) as the layout's broadcast factor of the backprops.
+            derivs.append(d.transpose(1, 2).contiguous().unsqueeze(3) if units_major
+                          else d.unsqueeze(2))
+    n, C = X.shape[0], len(outputs)
+    sel = torch.as_tensor(list(outputs), device=h.device)
+    delta, merged, deltas, li = None, None, [], len(params)
     for it, d in zip(reversed(mlp.items), reversed(derivs)):
-        if isinstance(it, _Linear):
-            li -= 1
-            deltas.append(delta)
-            if li > 0:  # the first layer's inputs need no backprop
-                W = params[li][0]
-                delta = torch.matmul(delta.reshape(B, -1, it.d_out), W)
-                delta = delta.view(B, n, len(outputs), it.d_in)
+        if not isinstance(it, _Linear):
+            if delta is None:  # an activation after the output layer: one-hot rows
+                eye = torch.zeros(C, h.shape[-1], dtype=h.dtype, device=h.device)
+                eye[torch.arange(C), sel] = 1
+                delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
+                delta = delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
+            delta = delta * d
+            if merged is not None:
+                merged = merged * d
+            continue
+        li -= 1
+        deltas.append(delta if merged is None else merged)
+        merged = None
+        if li == 0:  # the first layer's inputs need no backprop
+            break
+        W = params[li][0]
+        if delta is None:  # one-hot: the backprop is the outputs' rows of W
+            Wc = W.index_select(1, sel)                              # (B, C, d_in)
+            norm = Wc.square().sum(1).sqrt_()                        # (B, d_in)
+            if units_major:
+                merged = norm[:, :, None, None].expand(-1, -1, n, 1)
+                delta = Wc.transpose(1, 2)[:, :, None, :].expand(-1, -1, n, -1)
+            else:
+                merged = norm[:, None, None, :].expand(-1, n, 1, -1)
+                delta = Wc[:, None].expand(-1, n, -1, -1)
+        elif units_major:
+            delta = torch.matmul(W.transpose(1, 2), delta.reshape(B, it.d_out, n * C))
+            delta = delta.view(B, it.d_in, n, C)
         else:
-            delta = delta * d.unsqueeze(2)
+            delta = torch.matmul(delta.reshape(B, n * C, it.d_out), W).view(B, n, C, it.d_in)
     return list(zip(inputs, reversed(deltas)))
 
 
@@ -273,35 +333,37 @@ def _rank1(out, fx, fy, w) -> None:
 def _units(out, fx, fy, wD, chunk: int) -> None:
     """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
 
-    A point's units are taken ``chunk`` at a time, so that the chunk's products stay in
-    cache between the GEMMs that write them and the elementwise pass that sums them.
+    The backprops are units-major (B, p, N, C). A point's units are taken ``chunk`` at a
+    time, so that the chunk's products stay in cache between the GEMMs that write them
+    and the elementwise pass that sums them.
     """
     (ax, dx), (ay, dy) = fx, fy
-    B, n, C, p = dx.shape
+    B, p, n, C = dx.shape
     m = ay.shape[1]
-    # (B, p, N, C) and (B, p, C, M): each unit's backprops of all outputs, per unit.
-    dxu = dx.permute(0, 3, 1, 2).contiguous()
-    dyu = dy.permute(0, 3, 2, 1).contiguous()
-    flat = out.view(-1) if out.is_contiguous() else None
+    dyt = dy.transpose(2, 3)                                          # (B, p, C, M)
     for b in range(B):
         ayt = ay[b].T
         for o in range(0, p, chunk):
             e = min(o + chunk, p)
             # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
             scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            if C == 1:
+                # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
+                scaled.mul_(dx[b, o:e])
+                H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n, m)
+                out.add_(H.mul_(dyt[b, o:e]).sum(0))
+                continue
             H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n * m)
-            G = torch.bmm(dxu[b, o:e], dyu[b, o:e]).view(e - o, n * m)
-            total = H.mul_(G).sum(0)
-            if flat is not None:
-                flat.add_(total)
-            else:
-                out.add_(total.view(n, m))
+            G = torch.bmm(dx[b, o:e], dyt[b, o:e]).view(e - o, n * m)
+            out.add_(H.mul_(G).sum(0).view(n, m))
 
 
 def _dense(out, fx, fy, wD) -> None:
     """``out += sum_b Phi_x (w_b D_b) Phi_y^T`` of the formed per-sample gradients."""
     (ax, dx), (ay, dy) = fx, fy
-    B, n, C, p = dx.shape
+    # Units-major backprops (B, p, N, C) as (B, N, C, p).
+    dx, dy = dx.permute(0, 2, 3, 1), dy.permute(0, 2, 3, 1)
+    B, n = dx.shape[:2]
     m = ay.shape[1]
     for b in range(B):
         gx = (dx[b, :, :, :, None] * (ax[b, :, None, None, :] * wD[b])).reshape(n, -1)
@@ -309,49 +371,105 @@ def _dense(out, fx, fy, wD) -> None:
         out.addmm_(gx, gy.T)
 
 
-def _diag(out, f, wD, w) -> None:
+def _onehot(out, fx, fy, s) -> None:
+    """``out += sum_b A diag(s_b) A'^T`` for an output layer with one-hot backprops.
+
+    Its backprops' products over the outputs are the same for every pair of samples,
+    so the layer's kernel is the inputs' Gram under ``s_b``, the weighted preconditioner
+    summed over the outputs' rows (``w_b C`` without one): one GEMM over the block.
+    """
+    ax, ay = fx[0], fy[0]
+    B, n, q = ax.shape
+    m = ay.shape[1]
+    xs = (ax * s[:, None, :]).transpose(0, 1).reshape(n, B * q)
+    out.addmm_(xs, ay.transpose(0, 1).reshape(m, B * q).T)
+
+
+def _diag(out, f, wD, w, s) -> None:
     """``out += sum_b w_b K_b(x, x)``: ``sum_o |delta_o|^2 (a^2 . D_o)`` per sample.
 
-    The diagonal keeps its factorised form with ``D`` (``wD`` holds ``w_b D_b``).
+    The diagonal keeps its factorised form with ``D`` (``wD`` holds ``w_b D_b``; the
+    backprops are units-major with it).
     """
     a, d = f
-    d2 = (d * d).sum(2)                                              # (B, N, p)
-    if wD is None:
-        per_point = (d2 * (a * a).sum(-1, keepdim=True)).sum(2)      # (B, N)
+    if d is None:
+        out.add_(((a * a) * s[:, None, :]).sum((0, 2)))
+    elif wD is None:
+        d2 = (d * d).sum(2)                                           # (B, N, p)
+        per_point = (d2 * (a * a).sum(-1, keepdim=True)).sum(2)       # (B, N)
         out.add_(torch.mv(per_point.T, w))
     else:
-        s = torch.bmm(a * a, wD.transpose(1, 2))                     # (B, N, p)
-        out.add_((d2 * s).sum((0, 2)))
+        d2 = (d * d).sum(3)                                           # (B, p, N)
+        s = torch.bmm(wD, (a * a).transpose(1, 2))                    # (B, p, N)
+        out.add_((d2 * s).sum((0, 1)))
 
 
 @dataclasses.dataclass
 class _Sides:
-    """The factors of X and Y for one block of points, and the layers' (B, p, q) w D."""
+    """The factors of X and Y for one block of points, the layers' (B, p, q) ``w D`` and
+    (B, q) one-hot sums ``s`` (:func:`_onehot`)."""
 
     fx: list
     fy: list
     wD: list
+    s: list
+    units_major: bool
 
 
-def _contract_panel(out, sides: _Sides, mlp, routes, w, rows, cols, chunk) -> None:
+def _rows(f, idx, units_major: bool) -> tuple:
+    a, d = f
+    if d is not None:
+        d = d[:, :, idx] if units_major else d[:, idx]
+    return a[:, idx], d
+
+
+def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk) -> None:
     """``out += `` the block's Gram over one panel, every layer by its route."""
-    for li in range(len(routes)):
-        fx = tuple(t[:, rows] for t in sides.fx[li])
-        fy = tuple(t[:, cols] for t in sides.fy[li])
-        if routes[li] == "rank1":
+    for li, route in enumerate(routes):
+        fx = _rows(sides.fx[li], rows, sides.units_major)
+        fy = _rows(sides.fy[li], cols, sides.units_major)
+        if route == "onehot":
+            _onehot(out, fx, fy, sides.s[li])
+        elif route == "rank1":
             _rank1(out, fx, fy, w)
-        elif routes[li] == "units":
+        elif route == "units":
             _units(out, fx, fy, sides.wD[li], chunk)
         else:
             _dense(out, fx, fy, sides.wD[li])
 
 
-def _panels(n: int, m: int, symmetric: bool, size: int):
-    """(rows, cols) of the Gram's panels; for a symmetric Gram on and right of the diagonal."""
-    for s in range(0, n, size):
-        rows = slice(s, min(s + size, n))
+def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):
+    """(rows, cols) of the Gram's panels.
+
+    A symmetric Gram is cut into strips of ``strip`` rows from the diagonal rightwards:
+    its upper triangle plus ``n * strip / 2`` entries, where square panels compute the
+    diagonal squares whole.
+    """
+    height = strip if symmetric else size
+    for s in range(0, n, height):
+        rows = slice(s, min(s + height, n))
         for t in range(s if symmetric else 0, m, size):
             yield rows, slice(t, min(t + size, m))
+
+
+def _strip(n: int, panel: int) -> int:
+    """Rows of a symmetric Gram's strips: a quarter of ``n`` between 16 and 64 rows.
+
+    Below 16 rows the strips' GEMMs are small and their number grows the Python per
+    point; above 64 the square at the diagonal adds more than 6% at N = 1000.
+    """
+    return min(panel, max(16, min(64, -(-n // 4))))
+
+
+def _routes(mlp: StackedMLP, n_outputs: int, weighted: bool, rows: int, cols: int
+            ) -> list[str]:
+    """Every Linear's route; an output layer without an activation after it is
+    ``"onehot"``, and the layer below it has one backprop (see :func:`_factors`)."""
+    routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None, rows, cols)
+              for lin, C in zip(mlp.linears, _outputs_per_layer(mlp, n_outputs))]
+    if isinstance(mlp.items[-1], _Linear):
+        routes[-1] = "onehot"
+    return routes
 
 
 def stacked_path_sum(
@@ -405,12 +523,12 @@ def stacked_path_sum(
     n, m = X.shape[0], Yt.shape[0]
     dtype, itemsize = X.dtype, X.element_size()
     C = len(outputs)
-    routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None)
-              for lin in mlp.linears]
     widths = [(lin.d_in + 1) + C * lin.d_out for lin in mlp.linears]
     P = max(s + size for s, size in layout.values())
     panel = _PANEL if panel is None else panel
-    pr, pc = min(n, panel), min(m, panel)
+    strip = _strip(n, panel)
+    pr, pc = min(n, strip if symmetric else panel), min(m, panel)
+    routes = _routes(mlp, C, weighted, pr, pc)
     # Per point: its parameters and D, both sides' factors, and the panel's products
     # (the "units" route's chunk is bounded separately, below).
     per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc)
@@ -431,40 +549,56 @@ def stacked_path_sum(
     dy = None if (symmetric or not diag) else torch.zeros(m, dtype=torch.float64,
                                                           device=X.device)
     buffer = torch.empty((pr, pc), dtype=dtype, device=X.device)
+    sel = torch.as_tensor(list(outputs), device=X.device)
     for s in range(0, len(weights), block):
         points = [k for k, _ in weights[s : s + block]]
         w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
                          dtype=dtype, device=X.device)
         theta, D = load(points)
-        fx = _factors(mlp, theta, layout, X, outputs)
-        fy = fx if symmetric else _factors(mlp, theta, layout, Yt, outputs)
-        fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
-        fy = fx if symmetric else [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
-        wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
-              for lin in mlp.linears]
-        sides = _Sides(fx, fy, wD)
+        sides = _block_sides(mlp, layout, theta, D, w, X, None if symmetric else Yt,
+                             outputs, sel, routes)
         if diag:
             for li in range(len(routes)):
-                _diag(dx, fx[li], wD[li], w)
+                _diag(dx, sides.fx[li], sides.wD[li], w, sides.s[li])
                 if dy is not None:
-                    _diag(dy, fy[li], wD[li], w)
+                    _diag(dy, sides.fy[li], sides.wD[li], w, sides.s[li])
         if not gram:
             continue
-        for rows, cols in _panels(n, m, symmetric, panel):
+        for rows, cols in _panels(n, m, symmetric, panel, strip):
             out = buffer[: rows.stop - rows.start, : cols.stop - cols.start]
             out.zero_()
-            _contract_panel(out, sides, mlp, routes, w, rows, cols, chunk)
-            if symmetric and rows == cols:
-                out = 0.5 * (out + out.T)
+            _contract_panel(out, sides, routes, w, rows, cols, chunk)
+            if symmetric and rows.start == cols.start:
+                # The square on the diagonal, symmetrised exactly.
+                r = rows.stop - rows.start
+                out[:, :r] = 0.5 * (out[:, :r] + out[:, :r].T)
             K[rows, cols] += out
     if gram and symmetric:
-        # The panels right of the diagonal, mirrored below it.
-        for rows, cols in _panels(n, m, True, panel):
-            if cols.start > rows.start:
-                K[cols, rows] = K[rows, cols].T
+        # The upper triangle, mirrored below the diagonal.
+        K = torch.triu(K).add_(torch.triu(K, 1).T)
     if diag and symmetric:
         dy = dx
     return K, dx, dy
+
+
+def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes) -> _Sides:
+    """The factors of one block of points on both sides (``Y=None``: X's), with the
+    layers' weighted preconditioners and one-hot sums."""
+    units_major = D is not None
+    fx = _factors(mlp, theta, layout, X, outputs, units_major)
+    fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
+    fy = fx
+    if Y is not None:
+        fy = _factors(mlp, theta, layout, Y, outputs, units_major)
+        fy = [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
+    wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
+          for lin in mlp.linears]
+    s = [None] * len(routes)
+    if routes[-1] == "onehot":
+        q = fx[-1][0].shape[-1]
+        s[-1] = ((w * len(outputs))[:, None].expand(-1, q) if D is None
+                 else wD[-1].index_select(1, sel).sum(1))
+    return _Sides(fx, fy, wD, s, units_major)
 
 
 def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,

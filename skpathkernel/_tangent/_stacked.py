@@ -574,11 +574,21 @@ def stacked_path_sum(
                 out[:, :r] = 0.5 * (out[:, :r] + out[:, :r].T)
             K[rows, cols] += out
     if gram and symmetric:
-        # The upper triangle, mirrored below the diagonal.
-        K = torch.triu(K).add_(torch.triu(K, 1).T)
+        _mirror(K, panel)
     if diag and symmetric:
         dy = dx
     return K, dx, dy
+
+
+def _mirror(K: torch.Tensor, size: int) -> None:
+    """The upper triangle of ``K`` copied below the diagonal, ``size`` columns at a time
+    (no temporary as large as ``K``)."""
+    n = K.shape[0]
+    for s in range(0, n, size):
+        e = min(s + size, n)
+        square = K[s:e, s:e]
+        square.copy_(torch.triu(square) + torch.triu(square, 1).T)
+        K[e:, s:e] = K[s:e, e:].T
 
 
 def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes) -> _Sides:

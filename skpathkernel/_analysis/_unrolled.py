@@ -715,12 +715,14 @@ def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:
     spread = (top - float(implied.min())) / top
     above = norms[~clipped] + CLIP_EPS > top * (1.0 + REPLAY_LIMIT)
     if spread > REPLAY_LIMIT or above.any():
+        larger = (f", and {int(above.sum())} unclipped steps have a larger norm"
+                  if above.any() else "")
         warnings.warn(
             "attribute(method='unrolled'): the recorded gradient factors "
             "(Trajectory.gradient_scales) are not those of one "
             "clip_grad_norm_(max_norm) with the L2 norm: the clipped steps imply max_norm "
             f"from {float(implied.min()):.6g} to {top:.6g}"
-            f"{f', and {int(above.sum())} unclipped steps have a larger norm' if above.any() else ''}. "
+            f"{larger}. "
             "The scores differentiate each factor as max_norm / (norm + 1e-6) with its "
             "step's own max_norm, which is the derivative of the training only for an L2 "
             "norm clip (with a max_norm that changed between steps).",

@@ -44,6 +44,25 @@ def test_n_jobs_matches_serial(fitted, backend):
     assert_allclose(got, attribution, rtol=0, atol=1e-12 * np.abs(serial.prediction).max())
 
 
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+@pytest.mark.parametrize("output", [None, "all"])
+def test_explain_n_jobs_matches_serial(fitted, backend, output):
+    """The serial explain, and the serial decomposition ranked by hand: the same points
+    and contributions (agreeing to tol, as the blocks' nodes are their own)."""
+    est, Xq = fitted
+    idx, contrib = est.explain(Xq, n_neighbors=5, output=output)
+    full = est.decompose(Xq).contributions[:, :, 0]
+    by_hand = np.argsort(-np.abs(full), axis=1, kind="stable")[:, :5]
+    assert np.array_equal(idx, by_hand)
+    with joblib.parallel_config(backend=backend):
+        got_idx, got = est.explain(Xq, n_neighbors=5, output=output, n_jobs=2)
+    assert np.array_equal(got_idx, idx)
+    size = np.abs(est.predict(Xq)).max()
+    assert_allclose(got, contrib, rtol=0, atol=1e-12 * size)
+    assert_allclose(got[:, :, 0], np.take_along_axis(full, idx, axis=1), rtol=0,
+                    atol=1e-12 * size)
+
+
 def test_workers_results_are_judged_here(fitted):
     est, Xq = fitted
     lrs = est.trajectory_.learning_rates

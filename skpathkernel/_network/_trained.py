@@ -599,11 +599,12 @@ ValueError
         return self.X_fit
 
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
-                margin: str = "allowed", encode=None, scale=None, units=None):
+                n_jobs: int | None = None, margin: str = "allowed", encode=None,
+                scale=None, units=None):
         """The training points that moved each prediction the most.
 
         The computation behind the estimators' ``explain``, whose parameters
-        ``X, n_neighbors, method, output`` these are; ``margin``, ``encode`` and
+        ``X, n_neighbors, method, output, n_jobs`` these are; ``margin``, ``encode`` and
         ``scale`` are those of :meth:`attribute`'s callers, ``units`` maps a
         decomposition of every output into the caller's units (``output="all"``).
 
@@ -623,6 +624,8 @@ ValueError
             The decomposition's method (see :meth:`decompose`).
         output : "margin", int or "all", default=None
             The scalar output explained (as in :meth:`attribute`), or "all" outputs.
+        n_jobs : int, default=None
+            Query blocks on joblib workers, as in :meth:`decompose`.
         margin : {"allowed", "default", "no"}, default="allowed"
             Whether ``output="margin"`` is allowed, the default, or refused.
         encode : callable, default=None
@@ -644,13 +647,14 @@ ValueError
             raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
         if isinstance(output, str) and output == "all":
             check_decompose_args(method, "realized", None, None)
-            contributions = self.decompose(X, method=method, units=units).contributions
+            contributions = self.decompose(X, method=method, units=units,
+                                           n_jobs=n_jobs).contributions
         else:
             if method == "unrolled":
                 raise ValueError("explain takes method 'exact', 'first_order' or "
                                  "'second_order' (the decomposition's), got 'unrolled'.")
             scores = self._attribute(X, None, method=method, weighting="realized",
-                                     output=output, n_nodes=None, tol=None, n_jobs=None,
+                                     output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale)
             contributions = scores[:, :, None]
         k = min(int(n_neighbors), contributions.shape[1])

@@ -22,7 +22,7 @@ import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 
 __all__ = ["dask_worker_threads", "limit_torch_threads", "map_ranges", "map_row_blocks",
-           "n_row_blocks"]
+           "n_row_blocks", "n_tasks"]
 
 
 @contextlib.contextmanager
@@ -64,10 +64,11 @@ def n_row_blocks(n_jobs, X) -> int:
     One inside a Dask task (a ``GridSearchCV`` fit on the cluster, say): the cluster
     already runs a task per slot, and a nested fan-out would oversubscribe its cores.
     """
-    return _n_tasks(n_jobs, X.shape[0])
+    return n_tasks(n_jobs, X.shape[0])
 
 
-def _n_tasks(n_jobs, n_items: int) -> int:
+def n_tasks(n_jobs, n_items: int) -> int:
+    """Tasks :func:`map_ranges` runs for ``n_items`` items (one inside a Dask task)."""
     if dask_worker_threads() is not None:
         return 1
     return max(1, min(effective_n_jobs(n_jobs), n_items))
@@ -81,7 +82,7 @@ def map_ranges(func, n_items: int, n_jobs, *args) -> list:
     With a single worker ``func(0, n_items, *args)`` runs here.
     """
     return _fan_out(func, n_jobs, [(start, stop, *args) for start, stop
-                                   in _ranges(_n_tasks(n_jobs, n_items), n_items)])
+                                   in _ranges(n_tasks(n_jobs, n_items), n_items)])
 
 
 def map_row_blocks(func, X, n_jobs, *args) -> list:

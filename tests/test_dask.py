@@ -184,9 +184,13 @@ def test_decompose_and_attribute_query_blocks_on_the_cluster(client, data):
     est = PathKernelMachine(solver="adam", trajectory_storage="disk", **NET).fit(X, y)
     Xq = X[:9] + 0.05
     serial, scores = est.decompose(Xq), est.attribute(Xq)
+    idx, contrib = est.explain(Xq, n_neighbors=4)
     with joblib.parallel_config(backend="dask"):
         split, split_scores = est.decompose(Xq, n_jobs=-1), est.attribute(Xq, n_jobs=-1)
+        split_idx, split_contrib = est.explain(Xq, n_neighbors=4, n_jobs=-1)
     size = np.abs(serial.prediction).max()
+    assert np.array_equal(split_idx, idx)
+    assert_allclose(split_contrib, contrib, rtol=0, atol=1e-12 * size)
     assert_allclose(split.contributions, serial.contributions, rtol=0, atol=1e-12 * size)
     assert_allclose(split.reconstruction, serial.prediction, rtol=0, atol=1e-12 * size)
     assert_allclose(split_scores, scores, rtol=0, atol=1e-12 * size)

@@ -248,37 +248,77 @@ def test_dropout_in_training_mode_is_refused_naming_the_layer(problem):
     _exact(rec.as_network(X, y), Xq)
 
 
-def test_grad_scaler_skipped_steps_are_not_steps_and_the_scale_is_undone(problem):
-    X, y, Xq = problem
-    module = _mlp()
+def _scaled_run(module, X, y, half=None):
+    """A GradScaler loop (the forward under ``torch.autocast`` with ``half``), an overflow
+    at step 3, clipping after unscaling; returns the recorder, the points the parameters
+    took, the batches and torch's clip factors of the steps taken."""
     opt = torch.optim.SGD(module.parameters(), lr=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     points = [torch.cat([p.detach().reshape(-1) for p in module.parameters()])]
-    taken = []
+    taken, factors = [], []
     with PathRecorder(module, opt, n_samples=N, grad_scaler=scaler) as rec:
         for t, idx in enumerate(_batches()):
             opt.zero_grad()
-            loss = _loss(module(X[idx]), y[idx])
+            with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
+                out = module(X[idx])
+            assert out.dtype == (half or X.dtype)
+            loss = _loss(out.to(X.dtype), y[idx])
             if t == 3:  # an overflow: GradScaler skips the step
                 loss = loss * float("inf")
             scaler.scale(loss).backward()
             rec.set_batch(idx)
             scaler.unscale_(opt)
-            rec.clip_grad_norm_(0.1)
+            norm = float(rec.clip_grad_norm_(0.1))
             scaler.step(opt)
             scaler.update()
             now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
             if not torch.equal(now, points[-1]):
                 points.append(now)
                 taken.append(idx)
+                factors.append(min(1.0, 0.1 / (norm + 1e-6)))
     traj = rec.trajectory
     assert traj.n_steps == STEPS - 1 == len(taken)
     for k, (point, idx) in enumerate(zip(points, [*taken, None])):
         assert torch.equal(traj.parameters(k), point)
         if idx is not None:
             assert np.array_equal(traj.batch(k), idx)
-    assert traj.gradient_scales.min() < 0.9  # clipped after unscaling, recorded as such
+    return rec, factors
+
+
+def test_grad_scaler_skipped_steps_are_not_steps_and_the_scale_is_undone(problem):
+    X, y, Xq = problem
+    rec, factors = _scaled_run(_mlp(), X, y)
+    # Clipped after unscaling, recorded as such.
+    assert_allclose(rec.trajectory.gradient_scales, factors, rtol=1e-14)
+    assert min(factors) < 0.9
     _exact(rec.as_network(X, y), Xq)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_grad_scaler_under_cpu_autocast(problem, half):
+    """Mixed precision as people train it: the forward in half precision under
+    torch.autocast, the loss scaled by a GradScaler, unscaled and clipped before the
+    step. The record is the training's (its points, the skipped step left out, torch's
+    clip factors); the decomposition and the unrolled scores recompute the steps in
+    float32, which misses what the half-precision forward made by its round-off, and
+    they say so instead of passing as exact."""
+    X, y, Xq = (t.float() for t in problem)
+    rec, factors = _scaled_run(_mlp().float(), X, y, half)
+    assert_allclose(rec.trajectory.gradient_scales, factors, rtol=1e-6)
+    assert min(factors) < 0.5
+    net = rec.as_network(X, y)
+    with pytest.warns(UserWarning, match="reconstruction misses the prediction"):
+        res = net.decompose(Xq.numpy())
+    change = np.abs(res.prediction - res.initial).max()
+    # The size of a half-precision forward's round-off, far above float32's floor.
+    assert 1e-5 < res.error / change < 1e-2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = net.attribute(Xq.numpy(), method="unrolled")
+    assert 1e-5 < scores.replay_error < 1e-1
+    # Warned exactly when above the limit the unrolled scores allow float32 round-off.
+    warned = any("miss the recorded path" in str(w.message) for w in caught)
+    assert warned == (scores.replay_error > 1e-3)
 
 
 def test_a_wrongly_declared_batch_warns_in_decompose_attribute_and_explain(problem):

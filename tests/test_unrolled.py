@@ -526,8 +526,9 @@ def _recorded_loop(clip=None):
 
 
 def test_a_training_the_record_does_not_represent_is_reported():
-    """Gradient clipping, or targets other than those trained on: the recorded moves are
-    not the modelled updates, and the scores say so instead of passing as exact."""
+    """A clip factor the record lacks, or targets other than those trained on: the
+    recorded moves are not the modelled updates, and the scores say so instead of passing
+    as exact. With its factors recorded, the clipped path is followed exactly."""
     module, traj, X, y = _recorded_loop()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -535,10 +536,16 @@ def test_a_training_the_record_does_not_represent_is_reported():
             X[:2], method="unrolled")
     assert exact.replay_error < 1e-12
     module, traj, X, y = _recorded_loop(clip=0.05)
-    with pytest.warns(UserWarning, match="gradient clipping"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         clipped = RecordedNetwork(module, traj, X_train=X, y_train=y).attribute(
             X[:2], method="unrolled")
-    assert clipped.replay_error > 1e-2
+    assert clipped.replay_error < 1e-12
+    traj._gradient_scales = None  # the clip unrecorded
+    with pytest.warns(UserWarning, match="gradient clipping"):
+        unrecorded = RecordedNetwork(module, traj, X_train=X, y_train=y).attribute(
+            X[:2], method="unrolled")
+    assert unrecorded.replay_error > 1e-2
     module, traj, X, y = _recorded_loop()
     with pytest.warns(UserWarning, match="miss the recorded path"):
         RecordedNetwork(module, traj, X_train=X, y_train=y + 0.5).attribute(

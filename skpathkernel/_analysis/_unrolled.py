@@ -2,32 +2,57 @@
 
 Give training point ``i`` a weight ``w_i`` in the loss of every step whose batch holds it,
 each step's loss being the weighted mean over its batch,
-``L_t(theta; w) = sum_{i in B_t} w_i l_i(theta) / sum_{i in B_t} w_i``, so that ``w_i = 0``
-is the replay without ``i`` (``metrics.retrain_on_subsets(protocol="replay")``). The
-score of point ``i`` at query ``x`` is ``d m(x; theta_T(w)) / d w_i`` at ``w = 1``: how
-the trained output moves, to first order, when the point is down-weighted or removed
-(unrolled differentiation; SGD-influence, Hara et al. 2019; MAGIC, Ilyas & Engstrom 2025).
+``L_t(theta; w) = sum_{i in B_t} w_i beta_i l_i(theta) / sum_{i in B_t} w_i beta_i``
+(``beta_i`` the point's recorded weight in the step's loss,
+:meth:`Trajectory.batch_weights <skpathkernel.Trajectory.batch_weights>`: ``1 / |B_t|``
+for a mean, ``1 / (n_ranks * shard size)`` under DDP with unequal shards; they sum to 1),
+so that ``w_i = 0`` is the training without ``i`` (for an estimator's path,
+``metrics.retrain_on_subsets(protocol="replay")``). The score of point ``i`` at query
+``x`` is ``d m(x; theta_T(w)) / d w_i`` at ``w = 1``: how the trained output moves, to
+first order, when the point is down-weighted or removed (unrolled differentiation;
+SGD-influence, Hara et al. 2019; MAGIC, Ilyas & Engstrom 2025).
 
 Every supported optimizer is a map ``s_{t+1} = U_t(s_t, d_t)`` of its state
 ``s = (theta, m, v)`` (first and second moments where it keeps them) and the step's
-gradient ``d_t = grad L_t(theta_t) (+ wd * theta_t`` for L2 weight decay), elementwise in
-everything but ``d_t``. With ``w = 1``, ``d d_t / d w_i = (grad l_i - grad L_t) / |B_t|``.
-The adjoint ``a_t = d m / d s_t`` starts at ``(grad_theta m(x; theta_T), 0, 0)`` and runs
-backwards over the steps:
+gradient ``d_t = c_t g_t + lambda theta_t``, elementwise in everything but ``d_t``:
+``g_t = grad L_t(theta_t)``, ``lambda`` each parameter's L2 weight decay (its optimizer
+group's; AdamW's is decoupled, inside ``U_t``), and ``c_t`` the recorded gradient factor
+(:attr:`Trajectory.gradient_scales <skpathkernel.Trajectory.gradient_scales>`). Each
+parameter steps with its group's step size (an elementwise ``lr`` in ``U_t``).
 
-- ``u_t = (dU_t / d d)^T a_{t+1}``, the adjoint of the step's gradient (elementwise);
-- ``score_i += (grad l_i . u_t - mean_{j in B_t} grad l_j . u_t) / |B_t|`` for ``i`` in
-  ``B_t``;
-- ``a_t = (dU_t / d s)^T a_{t+1} + (H_t + wd) u_t`` on the parameters, ``H_t`` the
+Norm clipping. ``clip_grad_norm_`` makes ``c_t = min(1, M / (|g_t| + e))`` (``e = 1e-6``,
+torch's), and ``c_t`` depends on the weights through ``g_t``: on a clipped step
+(``c_t < 1``), ``d c_t = -c_t (g_t . d g_t) / (|g_t| (|g_t| + e))``, so that
+``d (c_t g_t) = P_t d g_t`` with the symmetric
+``P_t = c_t (I - kappa_t g_t g_t^T)``, ``kappa_t = 1 / (|g_t| (|g_t| + e))`` (on an
+unclipped step ``P_t = I``; at ``|g_t| + e = M`` exactly the derivative is one-sided and
+the unclipped side is taken). ``M`` is not needed: ``c_t`` and ``g_t`` give it. The same
+``P_t`` carries the dependence of ``d_t`` on ``theta_t``: ``d d_t / d theta_t =
+P_t H_t + lambda``. Holding ``c_t`` constant instead would be the derivative of another
+training (off by 0.7 relative on the tests' clipped path).
+
+With ``w = 1``, ``d g_t / d w_i = beta_i (grad l_i - g_t)``. The adjoint
+``a_t = d m / d s_t`` starts at ``(grad_theta m(x; theta_T), 0, 0)`` and runs backwards
+over the steps:
+
+- ``u_t = (dU_t / d d)^T a_{t+1}``, the adjoint of the step's gradient (elementwise), and
+  ``v_t = P_t u_t = c_t (u_t - kappa_t g_t (g_t . u_t))`` (``u_t`` when unclipped);
+- ``score_i += beta_i (grad l_i . v_t - sum_{j in B_t} beta_j grad l_j . v_t)`` for ``i``
+  in ``B_t``;
+- ``a_t = (dU_t / d s)^T a_{t+1} + H_t v_t + lambda u_t`` on the parameters, ``H_t`` the
   Hessian of the step's loss.
 
-The products ``grad l_i . u`` of every batch point and ``H_t u`` come from one double
+The products ``grad l_i . v`` of every batch point and ``H_t v`` come from one double
 backward of the batch's per-sample losses, batched over the queries: with
-``g(c) = sum_i c_i grad l_i(theta)`` (``c = 1 / |B|``: the step's gradient), the gradient
-of ``g . u`` is ``grad l_i . u`` with respect to ``c_i`` and ``H_t u`` with respect to
-``theta``. No per-sample gradient is formed, for any layer. The optimizer's first moment
-after a step is read from consecutive recorded points (``theta_t - theta_{t+1}`` is the
-step), its second moment is recorded.
+``g(beta) = sum_i beta_i grad l_i(theta)``, the gradient of ``g . v`` is
+``grad l_i . v`` with respect to ``beta_i`` and ``H_t v`` with respect to ``theta``. No
+per-sample gradient is formed, for any layer. The optimizer's first moment after a step
+is read from consecutive recorded points (``theta_t - theta_{t+1}`` is the step), its
+second moment is recorded.
+
+The clip's derivative assumes the L2 norm of every recorded parameter's gradient (torch's
+default ``norm_type``) and one ``max_norm``; factors that imply different ones (a constant
+factor, another norm) are reported by a warning.
 
 Cost per step: one forward-backward of the batch, then per query one double backward
 (about a Hessian-vector product). Memory: the adjoint, a few ``(queries, P)`` buffers,
@@ -77,6 +102,8 @@ GROWTH_LIMIT = 10.0
 # scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
 # relative in float32, see replay_error).
 REPLAY_LIMIT = 1e-3
+# torch.nn.utils.clip_grad_norm_'s factor is max_norm / (norm + 1e-6).
+CLIP_EPS = 1e-6
 
 
 class UnstablePathWarning(UserWarning):
@@ -182,14 +209,18 @@ class _Step:
 
     theta: torch.Tensor       # parameters before the step
     nxt: torch.Tensor         # parameters after it
-    lr: float
+    lr: float | torch.Tensor  # (P,) when parameter groups took their own step sizes
     count: float              # the optimizer's step count after the step (Adam)
     v: torch.Tensor | None    # the second moment after the step (Adam, RMSprop)
     batch: np.ndarray
+    weights: np.ndarray       # each batch point's weight in the step's loss
+    scale: float              # the factor the loss gradient was multiplied by (clipping)
+    decay: float | torch.Tensor = 1.0  # AdamW's decoupled factor 1 - lr * weight_decay
 
 
-def _sgd_step(spec, theta, state, d, lr, count):
+def _sgd_step(spec, theta, state, d, lr, count, decay):
     buf = d if state.get("m") is None else spec.momentum * state["m"] + d
+    # ``decay``: AdamW's alone (1 here), in every rule's signature.
     if spec.momentum == 0.0:
         return theta - lr * d, {}
     return theta - lr * buf, {"m": buf}
@@ -203,10 +234,9 @@ def _sgd_adjoint(spec, step: _Step, a, d):
     return a_buf, pre
 
 
-def _adam_step(spec, theta, state, d, lr, count):
+def _adam_step(spec, theta, state, d, lr, count, decay):
     b1, b2 = spec.beta_1, spec.beta_2
-    if spec.name == "adamw":
-        theta = theta * (1.0 - lr * spec.weight_decay)
+    theta = theta * decay
     m = (1.0 - b1) * d if state.get("m") is None else b1 * state["m"] + (1.0 - b1) * d
     v = (1.0 - b2) * d * d if state.get("v") is None else b2 * state["v"] + (1.0 - b2) * d * d
     den = v.sqrt() / math.sqrt(1.0 - b2**count) + spec.epsilon
@@ -216,7 +246,7 @@ def _adam_step(spec, theta, state, d, lr, count):
 def _adam_adjoint(spec, step: _Step, a, d):
     b1, b2 = spec.beta_1, spec.beta_2
     bc1, sbc2 = 1.0 - b1**step.count, math.sqrt(1.0 - b2**step.count)
-    decay = 1.0 - step.lr * spec.weight_decay if spec.name == "adamw" else 1.0
+    decay = step.decay
     root = step.v.sqrt()
     den = root / sbc2 + spec.epsilon
     # (lr / bc1) m / den, the step itself: read from the recorded points.
@@ -229,7 +259,7 @@ def _adam_adjoint(spec, step: _Step, a, d):
     return u, {"theta": decay * a["theta"], "m": b1 * a_m, "v": b2 * a_v}
 
 
-def _rmsprop_step(spec, theta, state, d, lr, count):
+def _rmsprop_step(spec, theta, state, d, lr, count, decay):
     alpha = spec.rmsprop_alpha
     v = (1.0 - alpha) * d * d if state.get("v") is None else alpha * state["v"] + (
         1.0 - alpha) * d * d
@@ -250,16 +280,19 @@ def _rmsprop_adjoint(spec, step: _Step, a, d):
 def _implied(spec, step: _Step) -> tuple[torch.Tensor, float, float]:
     """What the recorded move says the optimizer's averaged direction was, and how the
     model builds it: ``direction_t = memory * direction_{t-1} + gain * d_t`` (the SGD
-    buffer, Adam's first moment, RMSprop's gradient itself)."""
+    buffer, Adam's first moment, RMSprop's gradient itself). NaN on parameters whose
+    group took no step (step size 0): their move says nothing of the direction."""
+    lr = step.lr
+    if isinstance(lr, torch.Tensor):
+        lr = torch.where(lr > 0, lr, torch.nan)
     if spec.name == "sgd":
-        return (step.theta - step.nxt) / step.lr, float(spec.momentum), 1.0
+        return (step.theta - step.nxt) / lr, float(spec.momentum), 1.0
     root = step.v.sqrt()
     if spec.name == "rmsprop":
-        return (step.theta - step.nxt) * (root + spec.epsilon) / step.lr, 0.0, 1.0
-    decay = 1.0 - step.lr * spec.weight_decay if spec.name == "adamw" else 1.0
+        return (step.theta - step.nxt) * (root + spec.epsilon) / lr, 0.0, 1.0
     den = root / math.sqrt(1.0 - spec.beta_2**step.count) + spec.epsilon
     bc1 = 1.0 - spec.beta_1**step.count
-    return ((decay * step.theta - step.nxt) * den * bc1 / step.lr, float(spec.beta_1),
+    return ((step.decay * step.theta - step.nxt) * den * bc1 / lr, float(spec.beta_1),
             1.0 - spec.beta_1)
 
 
@@ -269,11 +302,6 @@ _SOLVERS = {
     "adamw": (_adam_step, _adam_adjoint),
     "rmsprop": (_rmsprop_step, _rmsprop_adjoint),
 }
-
-
-def _coupled_decay(spec) -> float:
-    """L2 weight decay added to the gradient (all solvers but AdamW, whose is decoupled)."""
-    return 0.0 if spec.name == "adamw" else float(spec.weight_decay)
 
 
 def _first_moment(spec) -> bool:
@@ -331,6 +359,14 @@ class _Path:
         self.device = device
         self.spec = traj.solver_spec
         self.replay_error = 0.0
+        # Each parameter's weight decay (its optimizer group's), L2 added to the gradient
+        # after clipping or, for AdamW, decoupled.
+        wd = traj.weight_decays()
+        wd = (float(self.spec.weight_decay) if wd is None
+              else wd.to(device=device, dtype=traj.dtype))
+        self.coupled = 0.0 if self.spec.name == "adamw" else wd
+        self.decoupled = wd if self.spec.name == "adamw" else 0.0
+        self.scales = traj.gradient_scales
         self._moments = moments  # replay_moments' checkpoints
         self._segment: dict[int, torch.Tensor | None] = {}
 
@@ -347,13 +383,33 @@ class _Path:
         out = functional_call(self.module, self.traj.unflatten(theta), (self.X[rows],))
         return self.loss.per_sample(out.reshape(len(batch), -1), self.Y[rows])
 
-    def gradient(self, theta: torch.Tensor, batch: np.ndarray) -> torch.Tensor:
-        """``d_t``: the batch's mean loss gradient plus coupled weight decay."""
+    def weights(self, t: int) -> torch.Tensor:
+        """Step ``t``'s batch weights as the loss applies them (``1 / |B|``: the mean)."""
+        return torch.as_tensor(self.traj.batch_weights(t), dtype=self.traj.dtype,
+                               device=self.device)
+
+    def gradient(self, theta: torch.Tensor, t: int) -> torch.Tensor:
+        """``d_t``: step ``t``'s loss gradient times its clip factor, plus coupled decay."""
         theta = theta.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(self.losses(theta, batch).mean(), theta,
-                                   allow_unused=True)
+        (g,) = torch.autograd.grad(self.losses(theta, self.traj.batch(t)), theta,
+                                   grad_outputs=self.weights(t), allow_unused=True)
         g = torch.zeros_like(theta) if g is None else g
-        return g.detach() + _coupled_decay(self.spec) * theta.detach()
+        return float(self.scales[t]) * g.detach() + self.coupled * theta.detach()
+
+    def lr(self, j: int) -> float | torch.Tensor:
+        """The step size of interval ``j``, per parameter when groups took their own."""
+        lr = float(self.traj.learning_rates[j])
+        scales = self.traj.step_size_scales(j)
+        return lr if scales is None else lr * scales.to(device=self.device,
+                                                        dtype=self.traj.dtype)
+
+    def decay(self, lr) -> float | torch.Tensor:
+        """AdamW's decoupled decay factor ``1 - lr * weight_decay`` (1 for the others)."""
+        return 1.0 - lr * self.decoupled if self.spec.name == "adamw" else 1.0
+
+    def step(self, theta, nxt, lr, count, v, t) -> _Step:
+        return _Step(theta, nxt, lr, count, v, self.traj.batch(t),
+                     self.traj.batch_weights(t), float(self.scales[t]), self.decay(lr))
 
     def _state(self, k: int):
         """The optimizer state after the step leaving point k, as recorded."""
@@ -369,9 +425,9 @@ class _Path:
             theta = self.params(j)
             first, last = int(traj.steps[j]), int(traj.steps[j + 1])
             v, count = self._state(j) if self.spec.state_keys else (None, float(first + 1))
-            lr = float(traj.learning_rates[j])
+            lr = self.lr(j)
             if last - first == 1:
-                yield _Step(theta, nxt, lr, count, v, traj.batch(first))
+                yield self.step(theta, nxt, lr, count, v, first)
             else:
                 yield from reversed(self._interval(j, theta, nxt, v, count, lr))
             nxt = theta
@@ -384,17 +440,16 @@ class _Path:
         if v is not None:
             # The recorded second moment is the one after the interval's first step:
             # undo that step's update so that the replay makes it again.
-            d = self.gradient(theta, self.traj.batch(first))
+            d = self.gradient(theta, first)
             decay = self.spec.beta_2 if self.spec.name in ("adam", "adamw") \
                 else self.spec.rmsprop_alpha
             state["v"] = ((v - (1.0 - decay) * d * d) / decay).clamp_min(0.0)
         out = []
         for t in range(first, last):
-            batch = self.traj.batch(t)
-            d = self.gradient(theta, batch)
+            d = self.gradient(theta, t)
             c = count + (t - first)
-            nxt, state = step_fn(self.spec, theta, state, d, lr, c)
-            out.append(_Step(theta, nxt, lr, c, state.get("v"), batch))
+            nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
+            out.append(self.step(theta, nxt, lr, c, state.get("v"), t))
             theta = nxt
         scale = float((end - self.params(j)).norm()) or 1.0
         self.replay_error = max(self.replay_error, float((theta - end).norm()) / scale)
@@ -407,11 +462,11 @@ class _Path:
         step_fn = _SOLVERS[spec.name][0]
         theta = self.params(j)
         first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-        lr = float(traj.learning_rates[j])
+        lr = self.lr(j)
         count = self._state(j)[1] if spec.state_keys else float(first + 1)
         for t in range(first, last):
-            theta, state = step_fn(spec, theta, state, self.gradient(theta, traj.batch(t)),
-                                   lr, count + (t - first))
+            theta, state = step_fn(spec, theta, state, self.gradient(theta, t), lr,
+                                   count + (t - first), self.decay(lr))
         return state
 
     def replay_moments(self) -> tuple[int, dict[int, dict]]:
@@ -447,31 +502,45 @@ class _Path:
 
 
 def _batch_graph(path: _Path, step: _Step):
-    """The step's gradient ``d_t`` and the graph that gives the point-side products.
+    """The step's gradient ``d_t``, the norm of its loss gradient, and its pullback.
 
-    ``g(c) = sum_i c_i grad l_i(theta)`` at ``c = 1 / |B|`` with its graph kept: the
-    gradient of ``g . u`` is ``grad l_i . u`` with respect to ``c_i`` and ``H u`` with
-    respect to ``theta``, one double backward for every query at once.
+    ``g(beta) = sum_i beta_i grad l_i(theta)`` at the recorded batch weights, with its
+    graph kept: the gradient of ``g . v`` is ``grad l_i . v`` with respect to ``beta_i``
+    and ``H v`` with respect to ``theta``, one double backward for every query at once.
+    The pullback takes the adjoints ``u`` (Q, P) of ``d_t`` to each batch point's score
+    share (Q, B) and to ``H v`` (Q, P), ``v = (d d_t / d g)^T u`` (see the module doc:
+    ``c u`` unclipped, ``c (u - g (g . u) / (|g| (|g| + 1e-6)))`` clipped).
     """
     theta = step.theta.detach().requires_grad_(True)
     batch = step.batch
-    c = torch.full((len(batch),), 1.0 / len(batch), dtype=theta.dtype, device=theta.device,
-                   requires_grad=True)
-    (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=c,
+    beta = torch.as_tensor(step.weights, dtype=theta.dtype, device=theta.device)
+    beta.requires_grad_(True)
+    (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
                                create_graph=True, allow_unused=True)
     g = torch.zeros_like(theta) if g is None else g
-    d = g.detach() + _coupled_decay(path.spec) * step.theta
+    flat = g.detach()
+    norm = float(flat.double().norm())
+    d = step.scale * flat + path.coupled * step.theta
+    # clip_grad_norm_ leaves an unclipped gradient as it is (factor exactly 1); a factor
+    # below 1 is max_norm / (|g| + 1e-6), which moves with g.
+    clipped = step.scale < 1.0 - 16 * torch.finfo(theta.dtype).eps and norm > 0
+    kappa = 1.0 / (norm * (norm + CLIP_EPS)) if clipped else 0.0
+    beta64 = beta.detach().double()
 
-    def products(U: torch.Tensor):
-        """``(grad l_i . u_q)`` (Q, B) and ``H u_q`` (Q, P)."""
-        if not g.requires_grad:  # linear in the parameters: no curvature, no products
-            return U.new_zeros((len(U), len(batch))), torch.zeros_like(U)
-        D, HU = torch.autograd.grad(g, (c, theta), grad_outputs=U, is_grads_batched=True,
-                                    allow_unused=True)
-        return (U.new_zeros((len(U), len(batch))) if D is None else D,
-                torch.zeros_like(U) if HU is None else HU)
+    def pullback(U: torch.Tensor):
+        V = step.scale * U
+        if kappa:
+            V = V - (step.scale * kappa) * (U @ flat)[:, None] * flat
+        D = HV = None
+        if g.requires_grad:
+            D, HV = torch.autograd.grad(g, (beta, theta), grad_outputs=V,
+                                        is_grads_batched=True, allow_unused=True)
+        D = U.new_zeros((len(U), len(batch))) if D is None else D
+        D = D.double()
+        share = beta64 * (D - (D @ beta64)[:, None] / beta64.sum())
+        return share, torch.zeros_like(U) if HV is None else HV
 
-    return d, products
+    return d, norm, pullback
 
 
 def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
@@ -498,7 +567,6 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     """
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
-    wd = _coupled_decay(spec)
     path = _Path(module, traj, X, Y, loss, device, moments)
     theta_T = path.params(len(traj) - 1)
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
@@ -509,38 +577,37 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     growth = prev / final
     log_sum = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
     count = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
+    norms = np.zeros(traj.n_steps)  # each step's loss-gradient norm, for the clip check
     # The recorded moves against the modelled update, one step behind (the sweep runs
     # backwards and step t's check needs step t-1's direction).
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
     # does not count for more than their share.
     pending, off, size = None, 0.0, 0.0
     for back, step in enumerate(path.steps()):
-        d, products = _batch_graph(path, step)
+        t = traj.n_steps - 1 - back
+        d, norms[t], pullback = _batch_graph(path, step)
         direction, memory, gain = _implied(spec, step)
         if pending is not None:
-            off += float((pending[0] - memory * direction - pending[1]).norm()) ** 2
-            size += float(pending[0].norm()) ** 2
+            off += float(torch.nansum((pending[0] - memory * direction - pending[1]) ** 2))
+            size += float(torch.nansum(pending[0] ** 2))
         pending = (direction, gain * d)
         u, a = adjoint_fn(spec, step, a, d)
-        D, HU = products(u)
-        D = D.double()
-        share = (D - D.mean(dim=1, keepdim=True)) / len(step.batch)
+        share, HV = pullback(u)
         scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
-        a["theta"] = a["theta"] + HU + wd * u if wd else a["theta"] + HU
+        a["theta"] = a["theta"] + HV + path.coupled * u
         norm = a["theta"].norm(dim=1).double()
         growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
         ratio = norm / prev  # |a_t| / |a_{t+1}|
         ok = (prev > 0) & (ratio > 0)
-        t = traj.n_steps - 1 - back
         log_sum[t] = torch.where(ok, ratio.log(), 0.0).sum()
         count[t] = ok.sum()
         prev = norm
     if pending is not None:  # the first step: no direction before it
-        off += float((pending[0] - pending[1]).norm()) ** 2
-        size += float(pending[0].norm()) ** 2
+        off += float(torch.nansum((pending[0] - pending[1]) ** 2))
+        size += float(torch.nansum(pending[0] ** 2))
     mismatch = math.sqrt(off / size) if size > 0 else 0.0
     return (scores.cpu().numpy(), growth.cpu().numpy(), log_sum.cpu().numpy(),
-            count.cpu().numpy(), max(path.replay_error, mismatch))
+            count.cpu().numpy(), max(path.replay_error, mismatch), norms)
 
 
 def _row_bytes(module, traj, X, itemsize) -> int:
@@ -563,17 +630,18 @@ def _row_bytes(module, traj, X, itemsize) -> int:
 
 def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
     """One task's query blocks: scores, growth, the summed per-step log amplification and
-    counts (one (n_steps,) pair a task, whatever the number of blocks), replay error."""
+    counts (one (n_steps,) pair a task, whatever the number of blocks), replay error and
+    each step's loss-gradient norm (the same in every block)."""
     module, traj = net.module, net.trajectory
     device = net.torch_device
     rows = np.asarray(rows)
     scores, growth = [], []
     log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
-    error = 0.0
+    error, norms = 0.0, None
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
-        s, g, logs, n, e = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r], device,
-                                  moments)
+        s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
+                                         device, moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)
@@ -583,7 +651,7 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
         error = max(error, e)
     if not scores:
         return None
-    return np.concatenate(scores), np.concatenate(growth), log_sum, count, error
+    return np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms
 
 
 def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
@@ -624,7 +692,42 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     result.amplification = amplification
     result.replay_error = max((p[4] for p in parts), default=0.0)
     _warn(result, traj)
+    if parts:
+        _check_clipping(traj, parts[0][5])
     return result
+
+
+def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:
+    """Warn when the recorded gradient factors are not one ``clip_grad_norm_``'s.
+
+    The scores differentiate a factor below 1 as ``max_norm / (|g| + 1e-6)`` (the L2 norm
+    of the loss gradient): each clipped step implies its ``max_norm``. A constant
+    factor of another origin, another norm or a changing ``max_norm`` shows as clipped
+    steps that disagree on it, or an unclipped step whose norm is above it.
+    """
+    scales = traj.gradient_scales
+    eps = 16 * float(torch.finfo(traj.dtype).eps)
+    clipped = scales < 1.0 - eps
+    if not clipped.any():
+        return
+    implied = scales[clipped] * (norms[clipped] + CLIP_EPS)
+    top = float(implied.max())
+    spread = (top - float(implied.min())) / top
+    above = norms[~clipped] + CLIP_EPS > top * (1.0 + REPLAY_LIMIT)
+    if spread > REPLAY_LIMIT or above.any():
+        larger = (f", and {int(above.sum())} unclipped steps have a larger norm"
+                  if above.any() else "")
+        warnings.warn(
+            "attribute(method='unrolled'): the recorded gradient factors "
+            "(Trajectory.gradient_scales) are not those of one "
+            "clip_grad_norm_(max_norm) with the L2 norm: the clipped steps imply max_norm "
+            f"from {float(implied.min()):.6g} to {top:.6g}"
+            f"{larger}. "
+            "The scores differentiate each factor as max_norm / (norm + 1e-6) with its "
+            "step's own max_norm, which is the derivative of the training only for an L2 "
+            "norm clip (with a max_norm that changed between steps).",
+            UserWarning, stacklevel=caller_stacklevel(),
+        )
 
 
 def _warn(result: AttributionScores, traj: Trajectory) -> None:

@@ -368,7 +368,7 @@ class _KernelMachineMixin(TransformerMixin):
             output=output, n_jobs=n_jobs, margin="default" if classifier else "no",
             scale=getattr(self, "_y_scale", None))
 
-    def explain(self, X, n_neighbors=10, *, method="exact", output=None):
+    def explain(self, X, n_neighbors=10, *, method="exact", output=None, n_jobs=None):
         """The training points that moved each prediction the most.
 
         Guo, He & Morel's "retrieval from the feature memory" (2026): for each query, the
@@ -392,6 +392,10 @@ class _KernelMachineMixin(TransformerMixin):
             (see :meth:`attribute`), the output for single-output regressors, and "all"
             for regressors with several outputs. "margin" and an int are as in
             :meth:`attribute`; "all" explains every output at once.
+        n_jobs : int, default=None
+            Query blocks on joblib workers (Dask under
+            ``joblib.parallel_config(backend="dask")``), as in :meth:`decompose`; the
+            contributions agree with the serial call to the decomposition's ``tol``.
 
         Returns
         -------
@@ -419,7 +423,7 @@ class _KernelMachineMixin(TransformerMixin):
         self._check_feature_row_fits("decompose")
         mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
         return network_of(self).explain(
-            X, n_neighbors, method=method, output=output,
+            X, n_neighbors, method=method, output=output, n_jobs=n_jobs,
             margin="default" if classifier else "no",
             encode=lambda y: label_codes(self.classes_, y) if classifier else None,
             scale=scale, units=lambda res: in_target_units(res, mean, scale))

@@ -23,12 +23,12 @@ from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
 from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
-from .._analysis._decomposition import check_tol, finish, merge
+from .._analysis._decomposition import check_tol, finish, merge, merge_steps, splits_steps
 from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
-from .._parallel import map_row_blocks, n_row_blocks
+from .._parallel import map_ranges, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -474,10 +474,17 @@ ValueError
         X = self.check(X)
         self._training_data()  # its errors here, not on the workers
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol)
-        if n_row_blocks(n_jobs, X) == 1:
+        n_intervals = len(self.trajectory) - 1
+        by_steps = splits_steps(self.trajectory, method, weighting, len(X),
+                                n_tasks(n_jobs, n_intervals))
+        if (n_tasks(n_jobs, n_intervals) if by_steps else n_row_blocks(n_jobs, X)) == 1:
             return finish(*self._decompose_block(X, weights, kwargs), units)
         net = self.for_workers()
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        if by_steps:  # every worker a range of steps for all queries (splits_steps)
+            parts = map_ranges(_decompose_steps, n_intervals, n_jobs, X, weights, net,
+                               kwargs)
+            return finish(*merge_steps(parts), units)
         # Row blocks of the queries with their rows of the weights.
         rows = np.arange(len(X))
         parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs)
@@ -599,11 +606,12 @@ ValueError
         return self.X_fit
 
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
-                margin: str = "allowed", encode=None, scale=None, units=None):
+                n_jobs: int | None = None, margin: str = "allowed", encode=None,
+                scale=None, units=None):
         """The training points that moved each prediction the most.
 
         The computation behind the estimators' ``explain``, whose parameters
-        ``X, n_neighbors, method, output`` these are; ``margin``, ``encode`` and
+        ``X, n_neighbors, method, output, n_jobs`` these are; ``margin``, ``encode`` and
         ``scale`` are those of :meth:`attribute`'s callers, ``units`` maps a
         decomposition of every output into the caller's units (``output="all"``).
 
@@ -623,6 +631,8 @@ ValueError
             The decomposition's method (see :meth:`decompose`).
         output : "margin", int or "all", default=None
             The scalar output explained (as in :meth:`attribute`), or "all" outputs.
+        n_jobs : int, default=None
+            Query blocks on joblib workers, as in :meth:`decompose`.
         margin : {"allowed", "default", "no"}, default="allowed"
             Whether ``output="margin"`` is allowed, the default, or refused.
         encode : callable, default=None
@@ -644,13 +654,14 @@ ValueError
             raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
         if isinstance(output, str) and output == "all":
             check_decompose_args(method, "realized", None, None)
-            contributions = self.decompose(X, method=method, units=units).contributions
+            contributions = self.decompose(X, method=method, units=units,
+                                           n_jobs=n_jobs).contributions
         else:
             if method == "unrolled":
                 raise ValueError("explain takes method 'exact', 'first_order' or "
                                  "'second_order' (the decomposition's), got 'unrolled'.")
             scores = self._attribute(X, None, method=method, weighting="realized",
-                                     output=output, n_nodes=None, tol=None, n_jobs=None,
+                                     output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale)
             contributions = scores[:, :, None]
         k = min(int(n_neighbors), contributions.shape[1])
@@ -780,6 +791,13 @@ def _decompose_rows(rows, X, weights, net: TrainedNetwork, kwargs):
     block = slice(int(rows[0]), int(rows[-1]) + 1)
     return net.with_own_module()._decompose_block(
         X[block], None if weights is None else weights[block], kwargs)
+
+
+def _decompose_steps(start, stop, X, weights, net: TrainedNetwork, kwargs):
+    """The ``(result, checks)`` of the steps of intervals ``[start, stop)`` for every
+    query, on a joblib worker."""
+    return net.with_own_module()._decompose_block(
+        X, weights, {**kwargs, "intervals": (start, stop)})
 
 
 def _as_array(values) -> np.ndarray:

@@ -208,15 +208,17 @@ def _step_memory_weights(trajectory, begin: int = 0, end: int | None = None) -> 
     ``begin <= s < end`` (``end=None``: the last step): how much the gradient taken at
     optimizer step ``s`` has moved the parameters by step ``end`` through the optimizer's
     first-moment memory ``m`` (``Trajectory.step_coefficients``), the memory that the
-    decomposition's adjoint recursion carries. The preconditioner ``D_t`` and weight
-    decay are not part of it.
+    decomposition's adjoint recursion carries, plus ``direct_s`` (Nesterov's own-gradient
+    term, which skips the memory). The preconditioner ``D_t`` and weight decay are not
+    part of it.
     """
-    coef, memory = trajectory.step_coefficients()
-    coef = coef[begin : trajectory.n_steps if end is None else end]
+    coef, memory, direct = trajectory.step_coefficients(direct=True)
+    stop = trajectory.n_steps if end is None else end
+    coef, direct = coef[begin:stop], direct[begin:stop]
     if not memory:
-        return coef
+        return coef + direct
     # W_s = coef_s + m W_{s+1}: a first-order recursion, run backwards over the steps.
-    return lfilter([1.0], [1.0, -memory], coef[::-1])[::-1]
+    return lfilter([1.0], [1.0, -memory], coef[::-1])[::-1] + direct
 
 
 def path_weights(trajectory, start: int = 0, stop: int | None = None,
@@ -227,7 +229,9 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     the optimizer steps leaving point ``k`` receive in the parameters at the end of the
     range, through the optimizer's first-moment memory, exactly as the optimizer applied
     it: for SGD with heavy-ball momentum ``mu``,
-    ``sum_{t>=s} lr_t mu^(t-s)`` up to the range's last step; for Adam / AdamW the
+    ``sum_{t>=s} lr_t mu^(t-s)`` up to the range's last step (with Nesterov momentum
+    ``lr_s + mu sum_{t>=s} lr_t mu^(t-s)``: the step's own gradient enters its update
+    once more, outside the buffer); for Adam / AdamW the
     bias-corrected ``sum_{t>=s} lr_t (1 - b1) b1^(t-s) / (1 - b1^(t+1))``, which gives
     the first gradients a total weight up to about 3 ``lr``; plain SGD and RMSprop
     ``lr_s``. This is the weighting of the decomposition's ``first_order`` formula and
@@ -236,7 +240,8 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
 
     ``memory="continuous"``: Domingos' continuous-time limit,
     ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with
-    ``m = 1 / (1 - momentum)`` for heavy-ball SGD and ``m = 1`` otherwise (Adam's
+    ``m = 1 / (1 - momentum)`` for SGD with momentum (heavy-ball or Nesterov: both
+    weigh a gradient ``lr / (1 - momentum)`` in all) and ``m = 1`` otherwise (Adam's
     first-moment weights sum to one far from the first and last steps). It ignores the
     bias correction and the end of training, where the last gradients had no time to act.
 

@@ -75,6 +75,8 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
     the momentum / Adam buffer, with per-sample loss gradients from one autograd call per
     sample and the segment-averaged Jacobian of the queries from the plain autograd loop
     at the quadrature ``nodes`` (``(s, w)`` on [0, 1], e.g. :func:`gauss_nodes`); float64.
+    Nesterov (torch.optim.SGD): the step is ``-lr (g_t + momentum * buf_t)``, each sample's
+    share of ``g_t`` kept apart from its share of the buffer.
     """
     traj, spec = est.trajectory_, est.trajectory_.solver_spec
     N, P = len(X_train), traj.n_params
@@ -82,6 +84,7 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
     shares = torch.zeros(N, P, dtype=torch.float64)  # each sample's part of the buffer
     reg_buf = torch.zeros(P, dtype=torch.float64)
     memory = {"sgd": spec.momentum, "adam": spec.beta_1, "adamw": spec.beta_1}.get(spec.name, 0.0)
+    nesterov = spec.name == "sgd" and spec.nesterov and spec.momentum > 0
     with torch.no_grad():
         n_out = module_with(est, traj.parameters(0))(_as_input(X[:1])).shape[1]
     contrib = np.zeros((len(X), N, n_out))
@@ -90,12 +93,14 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
         theta, nxt = traj.parameters(t).double(), traj.parameters(t + 1).double()
         module = module_with(est, theta)
         adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
+        own = torch.zeros(N, P, dtype=torch.float64)  # this step's gradient, per sample
         for i in batch:
             out = module(_as_input(X_train[i : i + 1]))
             loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
             grads = torch.autograd.grad(loss, list(module.parameters()))
             g = torch.cat([p.reshape(-1) for p in grads])
             shares[i] += g.detach() / len(batch) * adam_factor
+            own[i] += g.detach() / len(batch)
         if spec.name != "adamw":  # AdamW's decay is decoupled: added to the step below
             reg_buf += spec.weight_decay * theta * adam_factor
         lr = traj.learning_rates[t]
@@ -104,6 +109,9 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
         D = torch.ones(P, dtype=torch.float64) if D is None else D.double()
         step_i = -scale * D * shares  # (N, P): sample i's part of this step
         step_reg = -scale * D * reg_buf
+        if nesterov:
+            step_i = -scale * D * (own + memory * shares)
+            step_reg = -scale * D * (spec.weight_decay * theta + memory * reg_buf)
         if spec.name == "adamw":
             step_reg = step_reg - lr * spec.weight_decay * theta
         Jbar = sum(wk * jacobian_loop(module_with(est, theta + sk * (nxt - theta)), X)
@@ -121,7 +129,8 @@ def unrolled_replay(net, weights=None):
     Every step's loss is the weighted mean over its batch, ``sum w_i l_i / sum w_i``, with
     the per-point weights ``weights`` (a leaf tensor (N,); ones when None), and the
     optimizer's update written out from torch.optim's documented algorithms (SGD with
-    momentum and L2, Adam, AdamW, RMSprop), so that autograd differentiates through it.
+    heavy-ball or Nesterov momentum and L2, Adam, AdamW, RMSprop), so that autograd
+    differentiates through it.
     Returns the final parameters as a name -> tensor dict. Every step must be recorded.
     """
     traj, spec, loss = net.trajectory, net.trajectory.solver_spec, net.loss
@@ -149,7 +158,9 @@ def unrolled_replay(net, weights=None):
                 g = g + wd * p
             if spec.name == "sgd":
                 m[k] = g if t == 0 else spec.momentum * m[k] + g
-                new.append(p - lr * m[k])
+                # torch.optim.SGD(nesterov=True) steps along g + momentum * buf.
+                step = g + spec.momentum * m[k] if spec.nesterov else m[k]
+                new.append(p - lr * step)
             elif spec.name in ("adam", "adamw"):
                 if spec.name == "adamw":
                     p = p * (1 - lr * wd)

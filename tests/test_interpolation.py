@@ -22,6 +22,8 @@ OLD = dict(RAW, solver="sgd")
 SOLVERS = {
     "sgd": dict(solver="sgd", learning_rate_init=0.1),
     "sgd-momentum-l2": dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, alpha=0.01),
+    "sgd-heavy-ball-l2": dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, alpha=0.01,
+                              nesterovs_momentum=False),
     "adam-l2": dict(solver="adam", learning_rate_init=0.01, alpha=0.01),
     "adamw": dict(solver="adamw", learning_rate_init=0.01, alpha=0.1),
     "rmsprop-l2": dict(solver="rmsprop", learning_rate_init=0.005, alpha=0.01),
@@ -227,7 +229,8 @@ class _WithRaw(torch.nn.Module):
         return self.out(torch.tanh(self.lin(x)) * self.scale)
 
 
-@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "adam-l2", "adamw", "rmsprop-l2"])
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "sgd-heavy-ball-l2", "adam-l2",
+                                  "adamw", "rmsprop-l2"])
 @pytest.mark.parametrize("method", ["exact", "first_order"])
 @pytest.mark.parametrize("batch_size", [None, 5])
 def test_routes_agree(data, name, method, batch_size, monkeypatch):
@@ -277,13 +280,15 @@ def test_weights_contract_the_fallback_and_first_order(data, name, route, monkey
                           est.decompose(X, method=method, n_nodes=n_nodes), W)
 
 
-def test_long_momentum_run_keeps_the_adjoint_in_range(data, monkeypatch):
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_long_momentum_run_keeps_the_adjoint_in_range(data, nesterov, monkeypatch):
     """The adjoint buffer stores lambda / m^k and folds the factor in when it would leave
     the dtype's range (every 20 steps at m = 0.5): 45 steps against the dense route."""
     import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
     est = PathKernelMachine(**RAW, hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
+                            nesterovs_momentum=nesterov,
                             learning_rate_init=0.05, max_iter=45, dtype="float64",
                             random_state=0).fit(X_train, y)
     adjoint = est.decompose(X, n_nodes=1)

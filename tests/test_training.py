@@ -24,13 +24,15 @@ from skpathkernel.diagnostics import hessian_trace
 SOLVERS = [
     dict(solver="sgd", learning_rate_init=0.1),
     dict(solver="sgd", learning_rate_init=0.05, momentum=0.9),
+    dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, nesterovs_momentum=False),
     dict(solver="sgd", learning_rate_init=0.05, momentum=0.5, alpha=0.01),
     dict(solver="adam", learning_rate_init=0.01),
     dict(solver="adam", learning_rate_init=0.01, alpha=0.01, beta_1=0.8, beta_2=0.99),
     dict(solver="adamw", learning_rate_init=0.01, alpha=0.05),
     dict(solver="rmsprop", learning_rate_init=0.005, alpha=0.01),
 ]
-SOLVER_IDS = ["sgd", "sgd-mom", "sgd-mom-l2", "adam", "adam-l2-betas", "adamw-wd", "rmsprop-l2"]
+SOLVER_IDS = ["sgd", "sgd-nesterov", "sgd-heavy-ball", "sgd-nesterov-l2", "adam",
+              "adam-l2-betas", "adamw-wd", "rmsprop-l2"]
 
 
 def _reference_optimizer(params, est):
@@ -38,7 +40,8 @@ def _reference_optimizer(params, est):
     lr, wd = est.learning_rate_init, est.alpha
     betas = (est.beta_1, est.beta_2)
     return {
-        "sgd": lambda: torch.optim.SGD(params, lr=lr, momentum=est.momentum, weight_decay=wd),
+        "sgd": lambda: torch.optim.SGD(params, lr=lr, momentum=est.momentum, weight_decay=wd,
+                                       nesterov=est.nesterovs_momentum and est.momentum > 0),
         "adam": lambda: torch.optim.Adam(params, lr=lr, betas=betas, eps=est.epsilon,
                                          weight_decay=wd),
         "adamw": lambda: torch.optim.AdamW(params, lr=lr, betas=betas, eps=est.epsilon,
@@ -124,6 +127,7 @@ def test_preconditioner_reproduces_the_update_rule(regression_data, solver):
 def test_momentum_buffer_follows_from_consecutive_points(regression_data):
     X, y = regression_data
     est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", momentum=0.9,
+                            nesterovs_momentum=False,
                             learning_rate_init=0.05, max_iter=3, dtype="float64",
                             normalize_y=False, random_state=0).fit(X, y)
     Y = torch.as_tensor(y, dtype=torch.float64).reshape(-1, 1)

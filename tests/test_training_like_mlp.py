@@ -21,6 +21,7 @@ from _reference import (
 )
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
+from sklearn.neural_network import MLPClassifier
 
 from skpathkernel import DivergenceWarning, PathKernel, PathKernelClassifier, PathKernelMachine
 
@@ -116,12 +117,17 @@ def test_schedules_are_sgds_only(schedule):
     assert np.all(est.trajectory_.learning_rates == 0.01)
 
 
-def test_nesterov_is_torchs_and_the_analyses_refuse_it():
+def test_nesterov_is_torchs_and_sklearns_default():
     X, y = _data()
+    # scikit-learn's default, read from MLPClassifier itself.
+    assert (PathKernelClassifier().nesterovs_momentum
+            == PathKernelMachine().nesterovs_momentum
+            == MLPClassifier().nesterovs_momentum is True)
     params = dict(BASE, solver="sgd", momentum=0.9, learning_rate_init=0.05, batch_size=8,
                   max_iter=3, tol=None)
-    est = PathKernelMachine(**params, nesterovs_momentum=True).fit(X, y)
-    heavy = PathKernelMachine(**params).fit(X, y)
+    est = PathKernelMachine(**params).fit(X, y)
+    heavy = PathKernelMachine(**params, nesterovs_momentum=False).fit(X, y)
+    assert est.trajectory_.solver_spec.nesterov and not heavy.trajectory_.solver_spec.nesterov
     assert not torch.equal(est.trajectory_.parameters(-1), heavy.trajectory_.parameters(-1))
     # torch.optim.SGD(nesterov=True) replayed by hand: buf = mu buf + g, theta -= lr (g + mu buf).
     traj, module = est.trajectory_, module_at(est, 0)
@@ -134,10 +140,12 @@ def test_nesterov_is_torchs_and_the_analyses_refuse_it():
         buf = g if buf is None else 0.9 * buf + g
         theta = theta - 0.05 * (g + 0.9 * buf)
         assert_allclose(theta.detach(), traj.parameters(t + 1), rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="Nesterov"):
-        est.decompose(X[:2])
-    with pytest.raises(ValueError, match="Nesterov"):
-        est.attribute(X[:2], method="unrolled")
+    # Without momentum there is no Nesterov step: plain SGD, as in scikit-learn.
+    plain = PathKernelMachine(**{**params, "momentum": 0.0}).fit(X, y)
+    assert not plain.trajectory_.solver_spec.nesterov
+    # Its terms have no (coef, memory) form: asked for one, the trajectory says so.
+    with pytest.raises(ValueError, match="direct=True"):
+        est.trajectory_.step_coefficients()
 
 
 def test_power_t_below_zero_is_refused_and_the_fit_kept():
@@ -187,6 +195,32 @@ def test_scheduled_paths_are_exact(schedule):
     est.fit(X, y)
     assert len(np.unique(est.trajectory_.learning_rates)) > 1
     _check_exact(est, X, X[:3] + 0.1)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.01])
+@pytest.mark.parametrize("schedule", ["constant", "invscaling"])
+def test_nesterov_paths_are_exact(schedule, alpha):
+    X, y = _data()
+    est = PathKernelMachine(**SCHEDULED, learning_rate=schedule, momentum=0.9, alpha=alpha,
+                            max_iter=4).fit(X, y)
+    traj, Xq = est.trajectory_, X[:3] + 0.1
+    assert traj.solver_spec.nesterov
+    assert (len(np.unique(traj.learning_rates)) > 1) == (schedule == "invscaling")
+    _check_exact(est, X, Xq)
+    # The default ("discrete") path kernel as an explicit sum of loop Grams, each step's
+    # gradient weighted by what it moved the end point: lr_t (g_t + mu buf_t) gives g_s
+    # the weight lr_t (1 + mu) at t = s and lr_t mu^(t-s+1) after.
+    lrs, mu = traj.learning_rates, 0.9
+    T = traj.n_steps
+    grams = [np.einsum("ncp,mcp->nm", J, J)
+             for J in (jacobian_loop(module_at(est, k), Xq).numpy() for k in range(T))]
+    W = [sum(lrs[t] * ((t == s) + mu ** (t - s + 1)) for t in range(s, T)) for s in range(T)]
+    K = sum(w * G for w, G in zip(W, grams))
+    assert_allclose(PathKernel(est)(Xq), K, rtol=1e-10)
+    # Heavy-ball weights, sum_t lr_t mu^(t-s), would be far off: the check can fail.
+    heavy = sum(sum(lrs[t] * mu ** (t - s) for t in range(s, T)) * G
+                for s, G in enumerate(grams))
+    assert np.abs(heavy - K).max() > 1e-2 * np.abs(K).max()
 
 
 @pytest.mark.parametrize("solver", [dict(solver="sgd", learning_rate="invscaling",

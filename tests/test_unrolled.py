@@ -35,6 +35,8 @@ def _regression(n=24, d=3, seed=0):
 SOLVERS = {
     "sgd": dict(solver="sgd", learning_rate_init=0.05),
     "sgd-momentum-l2": dict(solver="sgd", momentum=0.9, alpha=0.01, learning_rate_init=0.02),
+    "sgd-heavy-ball-l2": dict(solver="sgd", momentum=0.9, nesterovs_momentum=False, alpha=0.01,
+                              learning_rate_init=0.02),
     "adam-l2": dict(solver="adam", alpha=0.01, learning_rate_init=0.01),
     "adamw": dict(solver="adamw", alpha=0.1, learning_rate_init=0.01),
     "rmsprop-l2": dict(solver="rmsprop", alpha=0.01, learning_rate_init=0.005),
@@ -241,7 +243,8 @@ def test_recorder_path_with_a_learning_rate_schedule():
     assert _rel(scores, ref) < 1e-8
 
 
-@pytest.mark.parametrize("solver", ["sgd", "sgd-momentum-l2", "adam-l2", "rmsprop-l2"])
+@pytest.mark.parametrize("solver", ["sgd", "sgd-momentum-l2", "sgd-heavy-ball-l2", "adam-l2",
+                                    "rmsprop-l2"])
 def test_thinned_path_is_replayed_between_recorded_points(solver):
     est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
     thin, _, _ = _fit(**SOLVERS[solver], normalize_y=False, record_every=3)

@@ -30,7 +30,9 @@ def _replayed(traj, end=None, impulses=None):
     for s in range(end) if impulses is None else impulses:
         p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
         if spec.name == "sgd":
-            opt, scale = torch.optim.SGD([p], lr=1.0, momentum=spec.momentum), 1.0
+            opt = torch.optim.SGD([p], lr=1.0, momentum=spec.momentum,
+                                  nesterov=bool(spec.nesterov))
+            scale = 1.0
         elif spec.name in ("adam", "adamw"):
             opt = torch.optim.Adam([p], lr=1.0, betas=(spec.beta_1, spec.beta_2), eps=EPS)
             scale = EPS
@@ -46,7 +48,9 @@ def _replayed(traj, end=None, impulses=None):
 
 
 SOLVERS = {
-    "sgd-momentum": dict(solver="sgd", momentum=0.8, learning_rate_init=0.05),
+    "sgd-momentum": dict(solver="sgd", momentum=0.8, learning_rate_init=0.05,
+                         nesterovs_momentum=False),
+    "sgd-nesterov": dict(solver="sgd", momentum=0.8, learning_rate_init=0.05),
     "adam": dict(solver="adam", learning_rate_init=0.01),
     "adamw": dict(solver="adamw", learning_rate_init=0.01, alpha=0.1),
     "rmsprop": dict(solver="rmsprop", learning_rate_init=0.005),
@@ -91,7 +95,7 @@ def test_discrete_path_kernel_equals_the_replayed_sum(name, record_every):
         # The two differ where it matters: the last gradients had no time to act, and
         # Adam's bias correction gives the first ones up to ~3 lr.
         assert discrete[-1] < 0.9 * continuous[-1]
-        if name != "sgd-momentum":
+        if not name.startswith("sgd"):
             assert discrete[0] > 1.5 * continuous[0]
 
 
@@ -114,7 +118,8 @@ def test_continuous_weights_are_the_replayed_long_run_limit(name):
     np.testing.assert_allclose(continuous, lr * limit, rtol=1e-10)
 
 
-def test_first_order_decomposition_speaks_of_the_discrete_path_kernel():
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_first_order_decomposition_speaks_of_the_discrete_path_kernel(nesterov):
     """On a network linear in its parameters (J constant, D = I), the first-order and the
     exact decompositions are sum_s W_s K(x, x_i) r_{s,i} / N with the discrete weights
     W_s of the path kernel, and not with the continuous ones."""
@@ -123,6 +128,7 @@ def test_first_order_decomposition_speaks_of_the_discrete_path_kernel():
     y = X @ np.array([1.0, -2.0, 0.5]) + 0.3
     est = PathKernelMachine(module=lambda n_in, n_out: torch.nn.Linear(n_in, n_out),
                             normalize_y=False, tol=None, solver="sgd", momentum=0.9,
+                            nesterovs_momentum=nesterov,
                             learning_rate_init=0.05, max_iter=12, dtype="float64",
                             random_state=0).fit(X, y)
     traj = est.trajectory_

@@ -13,10 +13,14 @@ Every solver's step is linear in the per-step loss gradients ``d_s``:
 ``dtheta_t = -coef_t D_t sum_{s<=t} m^{t-s} d_s (+ decoupled weight decay)`` with memory
 ``m`` = momentum (SGD), beta_1 (Adam / AdamW) or 0 (plain SGD, RMSprop), ``coef_t`` = lr_t
 or Adam's ``lr_t (1 - beta_1) / (1 - beta_1^t)`` (``Trajectory.step_coefficients``), and
-``D_t`` the recorded diagonal preconditioner.
+``D_t`` the recorded diagonal preconditioner. Nesterov momentum adds the step's own
+gradient outside the memory, ``-direct_t D_t d_t`` (``direct_t = lr_t``,
+``coef_t = m lr_t``).
 ``d_s = (1/|B_s|) sum_{i in B_s} J_s(x_i)^T r_{s,i} + wd * theta_s`` (L2 solvers).
-So ``f(x; theta_T) - f(x; theta_0) = sum_s lambda_s(x) . d_s`` with the adjoint
-``lambda_s = nu_s + m lambda_{s+1}``, ``nu_t = -coef_t D_t rho_t(x)``, computed backwards
+So ``f(x; theta_T) - f(x; theta_0) = sum_s (lambda_s(x) - direct_s D_s rho_s(x)) . d_s``
+with the adjoint ``lambda_s = nu_s + m lambda_{s+1}``, ``nu_t = -coef_t D_t rho_t(x)``
+(the own-gradient term of a Nesterov step is added for its batch and taken off before
+the memory carries ``lambda_s`` to earlier steps), computed backwards
 over the steps with ONE (queries x outputs x P) buffer: no N x P x T tensor is formed.
 Sample ``i``'s contribution is ``a_i(x) = sum_{s: i in B_s} lambda_s(x) . J_s(x_i)^T r_{s,i}
 / |B_s|``; weight decay goes to ``regularization``.
@@ -491,7 +495,7 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
     """Contributions (Qb, N, C) and regularization (Qb, C) of one query block."""
     traj, device = ctx.traj, ctx.device
     spec = traj.solver_spec
-    coefs, memory = traj.step_coefficients()
+    coefs, memory, direct = traj.step_coefficients(direct=True)
     wd = spec.weight_decay
     decoupled = spec.name == "adamw"
     n_q, N = Xq.shape[0], len(ctx.X_train)
@@ -547,7 +551,7 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
         # The steps of the interval, last first (one step unless the path is thinned:
         # then each takes the interval's segment and its batch's gradients at theta_j).
         for t in steps:
-            coef = -float(coefs[t])
+            coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
                 reg += (-float(traj.learning_rates[j]) * wd if decoupled
                         else coef * wd) * rho_theta
@@ -560,7 +564,8 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                 if not updated:
-                    share, part = adjoint.step(nodes, weights, coef, D, terms, dhat, decay)
+                    share, part = adjoint.step(nodes, weights, coef + lead, D, terms, dhat,
+                                               decay)
                     updated = True
                 else:
                     share, part = adjoint.contract(terms, dhat), None
@@ -569,9 +574,11 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
                 share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
                 contrib.index_add_(1, sub, share.transpose(1, 2))
             if not updated:  # a step without samples: the momentum still moves the parameters
-                _, part = adjoint.step(nodes, weights, coef, D, None, None, decay)
+                _, part = adjoint.step(nodes, weights, coef + lead, D, None, None, decay)
                 if part is not None:
                     reg += part.view(n_q, n_out)
+            if lead:  # Nesterov's own-gradient term does not enter the memory
+                adjoint.add(nodes, weights, -lead, D)
     return contrib, reg
 
 
@@ -591,7 +598,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     gradients of the batch, one (Q C) x P x B product per step."""
     traj, device, module = ctx.traj, ctx.device, ctx.module
     spec = traj.solver_spec
-    coefs, memory = traj.step_coefficients()
+    coefs, memory, direct = traj.step_coefficients(direct=True)
     dtype = traj.dtype  # not the queries' (token ids are int64)
     n_q, N = Xq.shape[0], len(ctx.X_train)
     n_res, P = ctx.n_res, traj.n_params
@@ -649,13 +656,10 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
         D = None if D is None else D.to(device)
         params = _params(traj, theta)
         for t in steps:
-            scale = -float(coefs[t])
+            scale, lead = -float(coefs[t]), -float(direct[t])
             # lambda_t = scale * D * rho_t + memory * lambda_{t+1}, in place.
             lam.mul_(memory)
-            if D is None:
-                lam.add_(rho, alpha=scale)
-            else:
-                lam.addcmul_(rho, D, value=scale)
+            _add_scaled(lam, rho, D, scale + lead)
             if spec.weight_decay:
                 direction = _decay_direction(traj, j, theta, decoupled)
                 if decoupled:
@@ -674,7 +678,17 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                 share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
                 contrib.index_add_(1, sub, share.transpose(1, 2).double()
                                    * w[b0 : b0 + ctx.b_block, None])
+            if lead:  # Nesterov's own-gradient term does not enter the memory
+                _add_scaled(lam, rho, D, -lead)
     return contrib, reg
+
+
+def _add_scaled(lam, rho, D, scale):
+    """``lam += scale * D * rho`` in place (``D`` None: the identity)."""
+    if D is None:
+        lam.add_(rho, alpha=scale)
+    else:
+        lam.addcmul_(rho, D, value=scale)
 
 
 # --------------------------------------------------------------------------- entry

@@ -218,20 +218,33 @@ class _Step:
     decay: float | torch.Tensor = 1.0  # AdamW's decoupled factor 1 - lr * weight_decay
 
 
+def _nesterov(spec) -> bool:
+    return spec.name == "sgd" and bool(spec.nesterov) and spec.momentum != 0.0
+
+
 def _sgd_step(spec, theta, state, d, lr, count, decay):
     buf = d if state.get("m") is None else spec.momentum * state["m"] + d
     # ``decay``: AdamW's alone (1 here), in every rule's signature.
     if spec.momentum == 0.0:
         return theta - lr * d, {}
+    if _nesterov(spec):
+        return theta - lr * (d + spec.momentum * buf), {"m": buf}
     return theta - lr * buf, {"m": buf}
 
 
 def _sgd_adjoint(spec, step: _Step, a, d):
-    a_buf = a["theta"] * -step.lr + (a["m"] if "m" in a else 0.0)
+    a_m = a["m"] if "m" in a else 0.0
+    if _nesterov(spec):
+        # theta' = theta - lr (d + mu buf), buf = mu m + d: buf reaches theta' scaled by
+        # mu, and d reaches it both directly and through buf.
+        a_buf = a["theta"] * (-step.lr * spec.momentum) + a_m
+        u = a_buf - step.lr * a["theta"]
+    else:
+        a_buf = u = a["theta"] * -step.lr + a_m
     pre = {"theta": a["theta"]}
     if spec.momentum != 0.0:
         pre["m"] = spec.momentum * a_buf
-    return a_buf, pre
+    return u, pre
 
 
 def _adam_step(spec, theta, state, d, lr, count, decay):
@@ -277,16 +290,20 @@ def _rmsprop_adjoint(spec, step: _Step, a, d):
     return u, {"theta": a["theta"], "v": alpha * a_v}
 
 
-def _implied(spec, step: _Step) -> tuple[torch.Tensor, float, float]:
+def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, float]:
     """What the recorded move says the optimizer's averaged direction was, and how the
     model builds it: ``direction_t = memory * direction_{t-1} + gain * d_t`` (the SGD
-    buffer, Adam's first moment, RMSprop's gradient itself). NaN on parameters whose
-    group took no step (step size 0): their move says nothing of the direction."""
+    buffer, Adam's first moment, RMSprop's gradient itself). ``d`` is the modelled
+    gradient ``d_t``, which a Nesterov move holds outside its buffer. NaN on parameters
+    whose group took no step (step size 0): their move says nothing of the direction."""
     lr = step.lr
     if isinstance(lr, torch.Tensor):
         lr = torch.where(lr > 0, lr, torch.nan)
     if spec.name == "sgd":
-        return (step.theta - step.nxt) / lr, float(spec.momentum), 1.0
+        move = (step.theta - step.nxt) / lr
+        if _nesterov(spec):  # move = d + mu buf
+            return (move - d) / spec.momentum, float(spec.momentum), 1.0
+        return move, float(spec.momentum), 1.0
     root = step.v.sqrt()
     if spec.name == "rmsprop":
         return (step.theta - step.nxt) * (root + spec.epsilon) / lr, 0.0, 1.0
@@ -326,9 +343,6 @@ def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
     if spec.name not in _SOLVERS:
         raise ValueError(f"method='unrolled' supports the solvers {sorted(_SOLVERS)}; the "
                          f"path was recorded with {spec.name!r}.")
-    if spec.nesterov and spec.momentum:
-        raise ValueError("method='unrolled' replays heavy-ball momentum; the path was "
-                         "trained with Nesterov momentum (nesterovs_momentum=True).")
     missing = [key for key in spec.state_keys if key not in traj.state_keys]
     if missing:
         raise ValueError(f"method='unrolled' needs the optimizer state {missing} at every "
@@ -586,7 +600,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     for back, step in enumerate(path.steps()):
         t = traj.n_steps - 1 - back
         d, norms[t], pullback = _batch_graph(path, step)
-        direction, memory, gain = _implied(spec, step)
+        direction, memory, gain = _implied(spec, step, d)
         if pending is not None:
             off += float(torch.nansum((pending[0] - memory * direction - pending[1]) ** 2))
             size += float(torch.nansum(pending[0] ** 2))

@@ -357,7 +357,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         learning_rate="constant",
         power_t=0.5,
         momentum=0.0,
-        nesterovs_momentum=False,
+        nesterovs_momentum=True,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,

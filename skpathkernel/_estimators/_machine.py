@@ -61,12 +61,18 @@ _SHARED_PARAMS_DOC = """
     power_t : float, default=0.5
         Exponent of ``learning_rate="invscaling"`` (sgd only).
     momentum : float, default=0.0
-        Heavy-ball momentum, used by ``solver="sgd"`` only (torch.optim.SGD's convention).
-    nesterovs_momentum : bool, default=False
-        Nesterov's momentum instead of heavy-ball (``solver="sgd"`` with ``momentum > 0``
-        only; torch.optim.SGD's ``nesterov``). Off by default, unlike MLPClassifier: the
-        path kernel, :meth:`decompose` and :meth:`attribute` model heavy-ball momentum
-        and refuse a Nesterov path with a clear error.
+        Momentum of ``solver="sgd"`` (Nesterov's or heavy-ball, see
+        ``nesterovs_momentum``), in torch.optim.SGD's convention: the buffer
+        ``buf_t = momentum * buf_{t-1} + g_t`` sums raw gradients and the step size
+        scales the whole update. scikit-learn's velocity sums gradients already scaled by
+        their step size: the same steps at a constant step size, not under
+        ``learning_rate="invscaling"`` or ``"adaptive"``. The recorded path is torch's, and
+        every analysis models it.
+    nesterovs_momentum : bool, default=True
+        Whether to use Nesterov's momentum, as in MLPClassifier (``solver="sgd"`` with
+        ``momentum > 0`` only; torch.optim.SGD's ``nesterov``): the update is
+        ``-lr_t (g_t + momentum * buf_t)``, heavy-ball's ``-lr_t buf_t`` when False.
+        The path kernel, :meth:`decompose` and :meth:`attribute` are exact over both.
     alpha : float, default=0.0
         Weight decay: L2 added to the gradient (``grad + alpha * theta``, all parameters)
         for sgd, adam and rmsprop; decoupled weight decay for adamw. Unlike MLPRegressor it
@@ -537,7 +543,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         learning_rate="constant",
         power_t=0.5,
         momentum=0.0,
-        nesterovs_momentum=False,
+        nesterovs_momentum=True,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,
@@ -713,7 +719,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         learning_rate="constant",
         power_t=0.5,
         momentum=0.0,
-        nesterovs_momentum=False,
+        nesterovs_momentum=True,
         alpha=0.0,
         beta_1=0.9,
         beta_2=0.999,

@@ -16,12 +16,12 @@ in the loop, a step skipped by ``torch.amp.GradScaler`` is not recorded, and no 
 be forgotten. The samples of a step, when the decomposition is wanted, are declared with
 :meth:`PathRecorder.set_batch` before ``optimizer.step()``.
 
-Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``weight_decay``), ``Adam``,
-``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``, ``eps``,
-``weight_decay``): the update rules that the kernels' preconditioner and the
-decomposition's adjoint recursion model. Options that change the rule (``nesterov``,
-``dampening``, ``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``,
-``differentiable``) are refused. Parameter groups may have their own learning rates and
+Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``nesterov``, ``weight_decay``),
+``Adam``, ``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``,
+``eps``, ``weight_decay``): the update rules that the kernels' preconditioner and the
+decomposition's adjoint recursion model. Options that change the rule (``dampening``,
+``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``, ``differentiable``) are
+refused. Parameter groups may have their own learning rates and
 weight decays (AdamW's usual groups: no decay on biases and norms), recorded as
 per-parameter step sizes (:meth:`Trajectory.step_size_scales
 <skpathkernel.Trajectory.step_size_scales>`, folded into the preconditioner) and
@@ -68,7 +68,7 @@ __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 # Options whose non-default values change the update rule away from what the kernels'
 # preconditioner and the decomposition's recursion model, per optimizer class.
 _REFUSED = {
-    "SGD": {"nesterov": False, "dampening": 0, "maximize": False, "differentiable": False},
+    "SGD": {"dampening": 0, "maximize": False, "differentiable": False},
     "Adam": {"amsgrad": False, "maximize": False, "differentiable": False},
     "AdamW": {"amsgrad": False, "maximize": False, "differentiable": False},
     "RMSprop": {"centered": False, "momentum": 0, "maximize": False,
@@ -139,7 +139,9 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
     # The largest: each parameter's own is recorded relative to it.
     wd = max(_as_float(g.get("weight_decay", 0.0)) for g in groups)
     if kind == "SGD":
-        return SolverSpec(name="sgd", momentum=_as_float(first["momentum"]), weight_decay=wd)
+        momentum = _as_float(first["momentum"])
+        return SolverSpec(name="sgd", momentum=momentum, weight_decay=wd,
+                          nesterov=bool(first.get("nesterov", False)) and momentum > 0)
     if kind == "RMSprop":
         return SolverSpec(name="rmsprop", epsilon=_as_float(first["eps"]),
                           rmsprop_alpha=_as_float(first["alpha"]), weight_decay=wd)

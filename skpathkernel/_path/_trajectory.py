@@ -45,9 +45,10 @@ _FORMAT_VERSION = 1
 
 # Optimizer state recorded per solver, named as torch.optim names it: the second moments
 # that define the preconditioner D_t. First moments and momentum buffers are not stored:
-# with every step recorded they follow from consecutive points (SGD: buf_t = -(theta_{t+1}
-# - theta_t) / lr), and neither the kernels nor the decomposition need them, so storing
-# them would only double the recording cost.
+# with every step recorded they follow from consecutive points (heavy-ball SGD: buf_t =
+# -(theta_{t+1} - theta_t) / lr; Nesterov: that minus the step's gradient, over the
+# momentum), and neither the kernels nor the decomposition need them, so storing them
+# would only double the recording cost.
 SOLVER_STATE_KEYS = {
     "sgd": (),
     "adam": ("exp_avg_sq",),
@@ -501,40 +502,78 @@ class Trajectory:
         D = 1.0 / (denom + spec.epsilon)
         return D if scales is None else D * scales.to(D.dtype)
 
-    def step_coefficients(self) -> tuple[np.ndarray, float]:
+    def step_coefficients(
+        self, direct: bool = False
+    ) -> tuple[np.ndarray, float] | tuple[np.ndarray, float, np.ndarray]:
         """The solver's first-moment recursion over the optimizer steps.
 
         Every supported solver's update is
-        ``dtheta_t = -coef_t D_t sum_{s<=t} memory^(t-s) g_s`` (plus decoupled weight
-        decay), ``g_s`` the step's gradient and ``D_t`` the :meth:`preconditioner`.
+        ``dtheta_t = -D_t (direct_t g_t + coef_t sum_{s<=t} memory^(t-s) g_s)`` (plus
+        decoupled weight decay), ``g_s`` the step's gradient and ``D_t`` the
+        :meth:`preconditioner`. ``direct_t`` is 0 but for SGD with Nesterov momentum,
+        whose update ``-lr_t (g_t + momentum * buf_t)`` takes the step's own gradient
+        once outside the momentum buffer ``buf_t = sum_{s<=t} momentum^(t-s) g_s``.
+
+        Parameters
+        ----------
+        direct : bool, default=False
+            Also return ``direct``. A Nesterov path has no ``(coef, memory)`` form, so
+            without it a Nesterov path raises rather than return a recursion that
+            misses its steps.
 
         Returns
         -------
         coef : ndarray of shape (n_steps,)
-            ``lr_t`` for SGD and RMSprop; ``lr_t (1 - beta_1) / (1 - beta_1^count_t)``
-            (the bias-corrected first moment) for Adam / AdamW. A step that was not
-            recorded (``record_every > 1``) takes its interval's mean step size.
+            ``lr_t`` for SGD (``momentum * lr_t`` with Nesterov momentum) and RMSprop;
+            ``lr_t (1 - beta_1) / (1 - beta_1^count_t)`` (the bias-corrected first
+            moment) for Adam / AdamW. A step that was not recorded
+            (``record_every > 1``) takes its interval's mean step size.
         memory : float
-            Heavy-ball momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
+            Momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
+        direct : ndarray of shape (n_steps,)
+            Only with ``direct=True``: ``lr_t`` for SGD with Nesterov momentum, else 0.
+
+        Raises
+        ------
+        ValueError
+            For a Nesterov path without ``direct=True``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = np.sin(3 * X).ravel()
+        >>> est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", momentum=0.5,
+        ...                         learning_rate_init=0.1, max_iter=2, tol=None,
+        ...                         random_state=0).fit(X, y)
+        >>> coef, memory, direct = est.trajectory_.step_coefficients(direct=True)
+        >>> coef.round(6).tolist(), memory, direct.round(6).tolist()
+        ([0.05, 0.05], 0.5, [0.1, 0.1])
         """
         spec = self.solver_spec
-        if spec.nesterov and spec.momentum:
+        nesterov = spec.name == "sgd" and bool(spec.nesterov) and spec.momentum > 0
+        if nesterov and not direct:
             raise ValueError(
                 "This path was trained with Nesterov momentum (nesterovs_momentum=True), "
-                "whose update g_t + momentum * buf_t is not the heavy-ball recursion that "
-                "the path kernel and the decomposition model; train with "
-                "nesterovs_momentum=False (heavy-ball momentum) to analyse the path."
+                "whose update lr_t (g_t + momentum * buf_t) is not a heavy-ball recursion "
+                "(coef, memory): call step_coefficients(direct=True) for its terms."
             )
         steps = self.steps
         index = np.arange(self.n_steps)
         point = np.searchsorted(steps, index, side="right") - 1
         coef = self.learning_rates[point].astype(np.float64)
+        lead = np.zeros_like(coef)
         if spec.name in ("adam", "adamw"):
             # Adam's own step count: the recorded one of the interval's first step.
             count = (self._state_steps[point] + index - steps[point]).astype(np.float64)
-            coef = coef * (1.0 - spec.beta_1) / (1.0 - spec.beta_1**count)
-            return coef, float(spec.beta_1)
-        return coef, float(spec.momentum) if spec.name == "sgd" else 0.0
+            coef, memory = coef * (1.0 - spec.beta_1) / (1.0 - spec.beta_1**count), spec.beta_1
+        elif spec.name == "sgd":
+            memory = spec.momentum
+            if nesterov:
+                coef, lead = coef * memory, coef
+        else:
+            memory = 0.0
+        return (coef, float(memory), lead) if direct else (coef, float(memory))
 
     def unflatten(self, flat: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         """Split a flat (..., P) tensor into named parameter-shaped views.

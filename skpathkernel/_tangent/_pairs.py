@@ -229,6 +229,25 @@ class Adjoint:
             self.z, alpha = coef, 1.0
         return self._pass(nodes, weights, alpha, D, batch, dhat, decay)
 
+    def add(self, nodes: Sequence[Sequence[Flat]], weights: Sequence[float], coef: float,
+            D: Mapping[str, torch.Tensor] | None) -> None:
+        """``lambda += coef D rho`` without a step of the memory (memory > 0 only).
+
+        Nesterov's step: its own-gradient term ``direct_t D_t rho_t`` belongs to
+        ``lambda_t`` but not to the memory carried to earlier steps, so it is added with
+        :meth:`step` and taken off again here once the step's batch is contracted.
+
+        Parameters
+        ----------
+        nodes, weights, D
+            As in :meth:`step`, for the step just taken.
+        coef : float
+            The scale of ``D rho``.
+        """
+        if not self.memory:
+            raise ValueError("Adjoint.add needs a first-moment memory (S holds lambda / z).")
+        self._pass(nodes, weights, coef / self.z, D, None, None, None)
+
     def contract(self, batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
         """``lambda_t . g_i`` for another block of the step's batch, (n * C, m) float64."""
         return self._pass(None, None, None, None, batch, dhat, None)[0]

@@ -20,6 +20,7 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from ._losses import Loss
+from ._mlp_step import MLPGradient
 from ._optim import FunctionalOptimizer
 from ._storage import free_disk
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
@@ -120,14 +121,20 @@ def training_threads(batch_rows: int, n_params: int, limit: int | None) -> int |
     return limit
 
 
-def training_step(module, optimizer, loss: Loss, xb, yb) -> torch.Tensor:
-    """One optimizer step on the batch ``(xb, yb)``; returns the batch loss (not detached).
+def training_step(module, optimizer, loss: Loss, xb, yb,
+                  gradient: MLPGradient | None = None) -> torch.Tensor:
+    """One optimizer step on the batch ``(xb, yb)``; returns the batch loss.
 
     The step of the training loop and of every replay of it (``metrics.retrain_on_subsets``).
+    ``gradient``: the module's hand-written gradient (:class:`MLPGradient`, the same
+    values as autograd's), or None for autograd.
     """
-    optimizer.zero_grad(set_to_none=True)
-    batch_loss = loss(module(xb), yb)
-    batch_loss.backward()
+    if gradient is not None:
+        batch_loss = gradient(xb, yb)
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        batch_loss = loss(module(xb), yb)
+        batch_loss.backward()
     optimizer.step()
     return batch_loss
 
@@ -285,7 +292,7 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
     )
 
 
-def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr):
+def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, gradient=None):
     """One pass over the samples in ``order``, recorded; returns the batch losses (tensor)."""
     n = X.shape[0]
     full_batch = B == n
@@ -298,7 +305,7 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr):
         else:
             idx = order_dev[start : start + B]
             xb, yb = X[idx], Y[idx]
-        batch_losses.append(training_step(module, optimizer, loss, xb, yb).detach())
+        batch_losses.append(training_step(module, optimizer, loss, xb, yb, gradient).detach())
         recorder.record_batch(order_np[start : start + B])
         recorder.record_step(step, lr, optimizer)
         step += 1
@@ -381,6 +388,7 @@ def train(
         record_every=record_every, storage=storage, record_budget=record_budget,
         directory=directory, compression=compression)
     optimizer = make_optimizer(params, solver, learning_rate)
+    gradient = MLPGradient.build(module, loss, X)
     sched = _Schedule(schedule if solver.name == "sgd" else "constant", learning_rate,
                       power_t, None if resume is None else resume.learning_rate)
     seen = 0 if resume is None else resume.samples_seen
@@ -407,7 +415,8 @@ def train(
         set_learning_rate(optimizer, lr)
         order = (torch.randperm(n, generator=generator) if shuffle and B < n
                  else torch.arange(n))
-        batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr)
+        batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
+                                  gradient)
         epoch_loss = _epoch_loss(batch_losses, sizes, step, epoch, lr)
         step += steps_per_epoch
         seen += n

@@ -45,12 +45,13 @@ def _autograd(net, loss, X, y):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
-@pytest.mark.parametrize("loss_name,c", [("squared_error", 1), ("squared_error", 3),
-                                         ("log_loss", 1), ("log_loss", 4)])
-@pytest.mark.parametrize("n,d,widths", [(37, 5, (64, 64)), (1, 1, (1,)), (3, 2, (1, 7)),
-                                        (200, 30, (16,))])
-def test_gradient_and_loss_equal_autograd_bit_for_bit(n, d, widths, loss_name, c, act,
-                                                      dtype):
+@pytest.mark.parametrize(
+    "loss_name,c", [("squared_error", 1), ("squared_error", 3), ("log_loss", 1), ("log_loss", 4)]
+)
+@pytest.mark.parametrize(
+    "n,d,widths", [(37, 5, (64, 64)), (1, 1, (1,)), (3, 2, (1, 7)), (200, 30, (16,))]
+)
+def test_gradient_and_loss_equal_autograd_bit_for_bit(n, d, widths, loss_name, c, act, dtype):
     g = torch.Generator().manual_seed(n + d)
     X = torch.randn(n, d, generator=g, dtype=dtype)
     y = _targets(loss_name, n, c, dtype, g)
@@ -86,21 +87,34 @@ def _frozen():
 
 
 def _no_bias():
-    return torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.Tanh(),
-                               torch.nn.Linear(4, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4, bias=False), torch.nn.Tanh(), torch.nn.Linear(4, 1)
+    )
 
 
-@pytest.mark.parametrize("make,loss", [
-    (lambda: _net(3, (4,), 1, "tanh", torch.float32), _Custom()),
-    (_hooked, LOSSES["squared_error"]()),
-    (_frozen, LOSSES["squared_error"]()),
-    (_no_bias, LOSSES["squared_error"]()),
-    (lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.0),
-                                 torch.nn.Linear(4, 1)), LOSSES["squared_error"]()),
-    (lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(inplace=True),
-                                 torch.nn.Linear(4, 1)), LOSSES["squared_error"]()),
-    (lambda: torch.nn.Linear(3, 1), LOSSES["squared_error"]()),
-], ids=["custom-loss", "hook", "frozen", "no-bias", "dropout", "inplace", "not-sequential"])
+@pytest.mark.parametrize(
+    "make,loss",
+    [
+        (lambda: _net(3, (4,), 1, "tanh", torch.float32), _Custom()),
+        (_hooked, LOSSES["squared_error"]()),
+        (_frozen, LOSSES["squared_error"]()),
+        (_no_bias, LOSSES["squared_error"]()),
+        (
+            lambda: torch.nn.Sequential(
+                torch.nn.Linear(3, 4), torch.nn.Dropout(0.0), torch.nn.Linear(4, 1)
+            ),
+            LOSSES["squared_error"](),
+        ),
+        (
+            lambda: torch.nn.Sequential(
+                torch.nn.Linear(3, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 1)
+            ),
+            LOSSES["squared_error"](),
+        ),
+        (lambda: torch.nn.Linear(3, 1), LOSSES["squared_error"]()),
+    ],
+    ids=["custom-loss", "hook", "frozen", "no-bias", "dropout", "inplace", "not-sequential"],
+)
 def test_anything_else_falls_back_to_autograd(make, loss):
     assert MLPGradient.build(make(), loss, torch.randn(5, 3)) is None
 
@@ -113,9 +127,13 @@ def test_other_input_dtype_falls_back_to_autograd():
 def _module_factory(n_features, n_outputs):
     # The same architecture as the default network, but built by the user: autograd's
     # path is the reference the hand-written one must reproduce.
-    return torch.nn.Sequential(torch.nn.Linear(n_features, 64), torch.nn.GELU(),
-                               torch.nn.Linear(64, 64), torch.nn.GELU(),
-                               torch.nn.Linear(64, n_outputs))
+    return torch.nn.Sequential(
+        torch.nn.Linear(n_features, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, n_outputs),
+    )
 
 
 class _Wrapped(torch.nn.Module):
@@ -129,21 +147,27 @@ class _Wrapped(torch.nn.Module):
         return self.net(x)
 
 
-@pytest.mark.parametrize("est_cls,y_kind", [(PathKernelClassifier, "binary"),
-                                            (PathKernelClassifier, "multi"),
-                                            (PathKernelMachine, "reg")])
+@pytest.mark.parametrize(
+    "est_cls,y_kind",
+    [(PathKernelClassifier, "binary"), (PathKernelClassifier, "multi"), (PathKernelMachine, "reg")],
+)
 def test_fitted_path_equals_the_autograd_trained_one(est_cls, y_kind):
     """The recorded path is the one autograd gives: the same network wrapped in a module
     that the hand-written gradient does not take is trained through autograd."""
     rng = np.random.RandomState(0)
     X = rng.randn(60, 4)
-    y = {"binary": (X[:, 0] > 0).astype(int), "multi": rng.randint(0, 3, 60),
-         "reg": X @ [1.0, -1.0, 0.5, 0.0]}[y_kind]
+    y = {
+        "binary": (X[:, 0] > 0).astype(int),
+        "multi": rng.randint(0, 3, 60),
+        "reg": X @ [1.0, -1.0, 0.5, 0.0],
+    }[y_kind]
     kw = dict(max_iter=6, batch_size=16, tol=None, random_state=0)
     fast = est_cls(module=_module_factory, **kw).fit(X, y)
     slow = est_cls(module=_Wrapped, **kw).fit(X, y)
     assert_array_equal(fast.trajectory_._params.numpy(), slow.trajectory_._params.numpy())
     for key in fast.trajectory_.state_keys:
-        assert_array_equal(fast.trajectory_.optimizer_state(-1)[key].numpy(),
-                           slow.trajectory_.optimizer_state(-1)[key].numpy())
+        assert_array_equal(
+            fast.trajectory_.optimizer_state(-1)[key].numpy(),
+            slow.trajectory_.optimizer_state(-1)[key].numpy(),
+        )
     assert fast.loss_curve_ == slow.loss_curve_

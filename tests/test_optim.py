@@ -13,29 +13,38 @@ from skpathkernel._path._trajectory import SolverSpec
 
 # (spec, the torch.optim optimizer with the same rule, built independently)
 CASES = {
-    "sgd": (SolverSpec(name="sgd"),
-            lambda ps, lr, fused: torch.optim.SGD(ps, lr=lr, fused=fused)),
+    "sgd": (SolverSpec(name="sgd"), lambda ps, lr, fused: torch.optim.SGD(ps, lr=lr, fused=fused)),
     "sgd-momentum-l2": (
         SolverSpec(name="sgd", momentum=0.9, weight_decay=0.01),
-        lambda ps, lr, fused: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=0.01,
-                                              fused=fused)),
+        lambda ps, lr, fused: torch.optim.SGD(
+            ps, lr=lr, momentum=0.9, weight_decay=0.01, fused=fused
+        ),
+    ),
     "sgd-nesterov": (
         SolverSpec(name="sgd", momentum=0.5, nesterov=True),
-        lambda ps, lr, fused: torch.optim.SGD(ps, lr=lr, momentum=0.5, nesterov=True,
-                                              fused=fused)),
-    "adam": (SolverSpec(name="adam"),
-             lambda ps, lr, fused: torch.optim.Adam(ps, lr=lr, fused=fused)),
+        lambda ps, lr, fused: torch.optim.SGD(ps, lr=lr, momentum=0.5, nesterov=True, fused=fused),
+    ),
+    "adam": (
+        SolverSpec(name="adam"),
+        lambda ps, lr, fused: torch.optim.Adam(ps, lr=lr, fused=fused),
+    ),
     "adam-l2-betas": (
         SolverSpec(name="adam", beta_1=0.8, beta_2=0.99, epsilon=1e-7, weight_decay=0.01),
-        lambda ps, lr, fused: torch.optim.Adam(ps, lr=lr, betas=(0.8, 0.99), eps=1e-7,
-                                               weight_decay=0.01, fused=fused)),
-    "adamw": (SolverSpec(name="adamw", weight_decay=0.05),
-              lambda ps, lr, fused: torch.optim.AdamW(ps, lr=lr, weight_decay=0.05,
-                                                      fused=fused)),
+        lambda ps, lr, fused: torch.optim.Adam(
+            ps, lr=lr, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.01, fused=fused
+        ),
+    ),
+    "adamw": (
+        SolverSpec(name="adamw", weight_decay=0.05),
+        lambda ps, lr, fused: torch.optim.AdamW(ps, lr=lr, weight_decay=0.05, fused=fused),
+    ),
     # No fused RMSprop in torch: the multi-tensor implementation on both sides.
-    "rmsprop": (SolverSpec(name="rmsprop", rmsprop_alpha=0.9, weight_decay=0.01),
-                lambda ps, lr, fused: torch.optim.RMSprop(ps, lr=lr, alpha=0.9,
-                                                          weight_decay=0.01, foreach=True)),
+    "rmsprop": (
+        SolverSpec(name="rmsprop", rmsprop_alpha=0.9, weight_decay=0.01),
+        lambda ps, lr, fused: torch.optim.RMSprop(
+            ps, lr=lr, alpha=0.9, weight_decay=0.01, foreach=True
+        ),
+    ),
 }
 
 
@@ -70,8 +79,7 @@ def test_each_step_equals_torch_optim_bit_for_bit(case, dtype):
     twin = _problem(dtype)[2]
     twin.load_state_dict(net.state_dict())
     lrs = [0.05, 0.02, 0.01]  # a schedule changing param_groups' lr, as the loop does
-    ours = _train(net, FunctionalOptimizer(list(net.parameters()), spec, lrs[0]), X, y, 12,
-                  lrs)
+    ours = _train(net, FunctionalOptimizer(list(net.parameters()), spec, lrs[0]), X, y, 12, lrs)
     ref_opt = reference(list(twin.parameters()), lrs[0], True if case != "rmsprop" else None)
     theirs = _train(twin, ref_opt, X, y, 12, lrs)
     assert_array_equal(ours.numpy(), theirs.numpy())
@@ -90,8 +98,10 @@ def test_state_round_trip_continues_the_same_path(case):
 
     first = FunctionalOptimizer(list(net.parameters()), spec, 0.03)
     head = _train(net, first, X, y, 5)
-    saved = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-             for i, s in first.state_dict()["state"].items()}
+    saved = {
+        i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for i, s in first.state_dict()["state"].items()
+    }
     second = FunctionalOptimizer(list(net.parameters()), spec, 0.03)
     full = second.state_dict()
     full["state"] = saved
@@ -138,6 +148,26 @@ def test_a_fit_does_not_import_torch_dynamo():
         "    PathKernelMachine(solver=s, momentum=0.5, max_iter=3).fit(X, X[:, 1])\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("case", ["sgd-momentum-l2", "adam", "adamw"])
+def test_parameters_of_two_dtypes_take_torch_optims_grouping(case):
+    """Parameters of two dtypes are two groups for the fused kernel: torch.optim's own
+    grouping runs, with the same result as torch.optim."""
+    spec, reference = CASES[case]
+    g = torch.Generator().manual_seed(3)
+    a32, a64 = torch.randn(5, generator=g), torch.randn(4, generator=g, dtype=torch.float64)
+    ours = [a32.clone().requires_grad_(), a64.clone().requires_grad_()]
+    theirs = [a32.clone().requires_grad_(), a64.clone().requires_grad_()]
+    opt = FunctionalOptimizer(ours, spec, 0.1)
+    assert not opt._direct
+    ref = reference(theirs, 0.1, True)
+    for t in range(4):
+        for params, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            ((params[0] ** 2).sum() * (t + 1) + params[1].sin().sum()).backward()
+            o.step()
+    for x, y in zip(ours, theirs):
+        assert_array_equal(x.detach().numpy(), y.detach().numpy())

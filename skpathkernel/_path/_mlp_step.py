@@ -48,10 +48,13 @@ _ACTIVATIONS = {
     torch.nn.Softplus: _softplus_backward,
     torch.nn.Identity: None,
 }
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
-                 "_global_backward_hooks", "_global_backward_pre_hooks")
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                 "_backward_pre_hooks")
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _plain(layer: torch.nn.Module) -> bool:
@@ -78,37 +81,53 @@ class MLPGradient:
         self.layers = list(module)
         self.loss = loss
         self.params = list(module.parameters())
+        self._mean_grad = {}  # batch size -> mean's backward (ones / n), made once
 
     @classmethod
     def build(cls, module, loss: Loss, X: torch.Tensor) -> MLPGradient | None:
         """The hand-written gradient of ``module``, or None where autograd must run."""
-        if type(module) is not torch.nn.Sequential or type(loss) not in (SquaredError,
-                                                                           LogLoss):
+        if type(module) is not torch.nn.Sequential or type(loss) not in (SquaredError, LogLoss):
             return None
         if any(getattr(_module_hooks, h, None) for h in _GLOBAL_HOOKS):
             return None
         if not len(module) or not all(_plain(layer) for layer in module):
             return None
         params = list(module.parameters())
-        if not all(p.requires_grad and type(p) is torch.nn.Parameter
-                   and not p._backward_hooks and not p._post_accumulate_grad_hooks
-                   for p in params):
+        if not all(
+            p.requires_grad
+            and type(p) is torch.nn.Parameter
+            and not p._backward_hooks
+            and not p._post_accumulate_grad_hooks
+            for p in params
+        ):
             return None
-        if (X.dim() != 2 or not X.is_floating_point() or type(X) is not torch.Tensor
-                or any(p.dtype != X.dtype or p.device != X.device for p in params)):
+        if (
+            X.dim() != 2
+            or not X.is_floating_point()
+            or type(X) is not torch.Tensor
+            or any(p.dtype != X.dtype or p.device != X.device for p in params)
+        ):
             return None
         return cls(module, loss)
 
-    @torch.no_grad()
     def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         """The batch loss (a scalar tensor); every parameter's ``grad`` set to its gradient."""
+        if torch.is_grad_enabled():  # nothing here is part of a graph
+            with torch.no_grad():
+                return self._forward_backward(xb, yb)
+        return self._forward_backward(xb, yb)
+
+    def _forward_backward(self, xb, yb):
         inputs, outputs = [], []
         a = xb
         for layer in self.layers:
             inputs.append(a)
             # F.linear on a 2-D input with a bias is this addmm.
-            a = (torch.addmm(layer.bias, a, layer.weight.t())
-                 if type(layer) is torch.nn.Linear else layer.forward(a))
+            a = (
+                torch.addmm(layer.bias, a, layer.weight.t())
+                if type(layer) is torch.nn.Linear
+                else layer.forward(a)
+            )
             outputs.append(a)
         batch_loss, grad = self._loss_and_output_grad(a, yb)
         for i in range(len(self.layers) - 1, -1, -1):
@@ -134,7 +153,9 @@ class MLPGradient:
         backward pass of ``Loss.__call__`` computes them."""
         n = out.shape[0]
         # mean's backward: the ones it expands, divided by the number of samples.
-        g = torch.ones(n, dtype=out.dtype, device=out.device) / n
+        g = self._mean_grad.get(n)
+        if g is None:
+            g = self._mean_grad[n] = torch.ones(n, dtype=out.dtype, device=out.device) / n
         if type(self.loss) is SquaredError:
             diff = out - yb
             batch_loss = (0.5 * diff.pow(2).mean(dim=1)).mean()
@@ -144,7 +165,8 @@ class MLPGradient:
             target = yb.to(out.dtype)
             margin = out[:, 0]
             batch_loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                margin, target, reduction="none").mean()
+                margin, target, reduction="none"
+            ).mean()
             return batch_loss, ((margin.sigmoid() - target) * g).unsqueeze(1)
         # cross_entropy = nll_loss(log_softmax(out)), with their backward kernels.
         logp = torch.log_softmax(out, 1)

@@ -57,6 +57,10 @@ class FunctionalOptimizer:
             raise ValueError(f"Unknown solver {spec.name!r}.")
         self.spec = spec
         self.fused = spec.name != "rmsprop" and _fusable(self.params)
+        # One device and dtype: torch.optim's fused update would make one group of them
+        # and call its kernel once; that call is made here directly (the grouping costs
+        # more than the kernel on a small network).
+        self._direct = self.fused and len({(p.device, p.dtype) for p in self.params}) == 1
         self.param_groups = [{"params": self.params, "lr": float(lr)}]
         self.state: dict[torch.Tensor, dict] = {p: {} for p in self.params}
 
@@ -85,9 +89,15 @@ class FunctionalOptimizer:
             p.grad = None
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
     def step(self) -> None:
         """One update with the gradients in ``p.grad``; parameters without one are skipped."""
+        if torch.is_grad_enabled():  # the update is not part of any graph
+            with torch.no_grad():
+                self._step()
+        else:
+            self._step()
+
+    def _step(self) -> None:
         params = [p for p in self.params if p.grad is not None]
         grads = [p.grad for p in params]
         spec, lr = self.spec, self.param_groups[0]["lr"]
@@ -97,28 +107,112 @@ class FunctionalOptimizer:
         states = [self._init_state(p) for p in params]
         steps = [s["step"] for s in states]
         if spec.name == "rmsprop":
-            _rmsprop(params, grads, [s["square_avg"] for s in states], [], [], steps,
-                     lr=lr, alpha=spec.rmsprop_alpha, eps=spec.epsilon,
-                     weight_decay=spec.weight_decay, momentum=0.0, centered=False,
-                     foreach=True, maximize=False, differentiable=False,
-                     capturable=False, has_complex=False)
+            _rmsprop(
+                params,
+                grads,
+                [s["square_avg"] for s in states],
+                [],
+                [],
+                steps,
+                lr=lr,
+                alpha=spec.rmsprop_alpha,
+                eps=spec.epsilon,
+                weight_decay=spec.weight_decay,
+                momentum=0.0,
+                centered=False,
+                foreach=True,
+                maximize=False,
+                differentiable=False,
+                capturable=False,
+                has_complex=False,
+            )
             return
-        _adam(params, grads, [s["exp_avg"] for s in states],
-              [s["exp_avg_sq"] for s in states], [], steps,
-              foreach=None, fused=self.fused or None, capturable=False,
-              differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
-              decoupled_weight_decay=spec.name == "adamw", amsgrad=False,
-              beta1=spec.beta_1, beta2=spec.beta_2, lr=lr,
-              weight_decay=spec.weight_decay, eps=spec.epsilon, maximize=False)
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        if self._direct and params:  # torch.optim.adam._fused_adam's one group
+            torch._foreach_add_(steps, 1)
+            kernel = torch._fused_adamw_ if spec.name == "adamw" else torch._fused_adam_
+            kernel(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                amsgrad=False,
+                lr=lr,
+                beta1=spec.beta_1,
+                beta2=spec.beta_2,
+                weight_decay=spec.weight_decay,
+                eps=spec.epsilon,
+                maximize=False,
+                grad_scale=None,
+                found_inf=None,
+            )
+            return
+        _adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            fused=self.fused or None,
+            capturable=False,
+            differentiable=False,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=False,
+            decoupled_weight_decay=spec.name == "adamw",
+            amsgrad=False,
+            beta1=spec.beta_1,
+            beta2=spec.beta_2,
+            lr=lr,
+            weight_decay=spec.weight_decay,
+            eps=spec.epsilon,
+            maximize=False,
+        )
 
     def _sgd(self, params, grads, lr) -> None:
         spec = self.spec
         momentum = spec.momentum
+        nesterov = bool(spec.nesterov and momentum > 0)
         buffers = [self.state[p].get("momentum_buffer") for p in params] if momentum else []
-        _sgd(params, grads, buffers, weight_decay=spec.weight_decay, momentum=momentum,
-             lr=lr, dampening=0.0, nesterov=bool(spec.nesterov and momentum > 0),
-             maximize=False, has_sparse_grad=False, foreach=None,
-             fused=self.fused or None, grad_scale=None, found_inf=None)
+        if self._direct and params:  # torch.optim.sgd._fused_sgd's one group
+            first = bool(momentum) and all(b is None for b in buffers)
+            if first:
+                buffers = [torch.empty_like(g) for g in grads]
+            torch._fused_sgd_(
+                params,
+                grads,
+                buffers,
+                weight_decay=spec.weight_decay,
+                momentum=momentum,
+                lr=lr,
+                dampening=0.0,
+                nesterov=nesterov,
+                maximize=False,
+                is_first_step=first,
+                grad_scale=None,
+                found_inf=None,
+            )
+        else:
+            _sgd(
+                params,
+                grads,
+                buffers,
+                weight_decay=spec.weight_decay,
+                momentum=momentum,
+                lr=lr,
+                dampening=0.0,
+                nesterov=nesterov,
+                maximize=False,
+                has_sparse_grad=False,
+                foreach=None,
+                fused=self.fused or None,
+                grad_scale=None,
+                found_inf=None,
+            )
         if momentum:  # the update fills new buffers in the list on its first step
             for p, buf in zip(params, buffers, strict=True):
                 self.state[p]["momentum_buffer"] = buf
@@ -129,10 +223,12 @@ class FunctionalOptimizer:
 
         The state's tensors are the optimizer's own (not copies), as torch.optim's.
         """
-        return {"state": {i: dict(self.state[p]) for i, p in enumerate(self.params)
-                          if self.state[p]},
-                "param_groups": [{"lr": self.param_groups[0]["lr"],
-                                  "params": list(range(len(self.params)))}]}
+        return {
+            "state": {i: dict(self.state[p]) for i, p in enumerate(self.params) if self.state[p]},
+            "param_groups": [
+                {"lr": self.param_groups[0]["lr"], "params": list(range(len(self.params)))}
+            ],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load ``state_dict["state"]`` (the step size stays this optimizer's).

@@ -2,14 +2,17 @@
 
 The loop drives torch.optim's own update functions (:class:`FunctionalOptimizer`), so
 the recorded path is exactly what ``torch.optim.SGD / Adam / AdamW / RMSprop`` do; the
-recorder only copies parameters and optimizer state into preallocated CPU buffers. A fit may continue an earlier one
-(``warm_start``, ``partial_fit``): the optimizer state, the step-size schedule and the
-stopping rule pick up where they stopped (:class:`Resume`), and the new segment of the
-path is appended to the recorded one (:func:`extend_trajectory`).
+recorder only copies parameters and optimizer state into preallocated CPU buffers. The
+default MLP's gradient is written out by hand (:class:`MLPGradient`: autograd's values,
+without its engine). A fit may continue an earlier one (``warm_start``,
+``partial_fit``): the optimizer state, the step-size schedule and the stopping rule pick
+up where they stopped (:class:`Resume`), and the new segment of the path is appended to
+the recorded one (:func:`extend_trajectory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -294,24 +297,27 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
 
 def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, gradient=None):
     """One pass over the samples in ``order``, recorded; returns the batch losses (tensor)."""
-    n = X.shape[0]
-    full_batch = B == n
-    order_np = order.numpy()
-    order_dev = order.to(X.device)
-    batch_losses = []
-    for start in range(0, n, B):
-        if full_batch:
-            xb, yb = X, Y
-        else:
-            idx = order_dev[start : start + B]
-            xb, yb = X[idx], Y[idx]
-        batch_losses.append(training_step(module, optimizer, loss, xb, yb, gradient).detach())
-        recorder.record_batch(order_np[start : start + B])
-        recorder.record_step(step, lr, optimizer)
-        step += 1
-        if recorder.wants_point(step):
-            recorder.record_point(step)
-    return torch.stack(batch_losses)
+    # The hand-written gradient builds no graph: the whole epoch runs without one.
+    with torch.no_grad() if gradient is not None else contextlib.nullcontext():
+        n = X.shape[0]
+        full_batch = B == n
+        order_np = order.numpy()
+        order_dev = order.to(X.device)
+        batch_losses = []
+        for start in range(0, n, B):
+            if full_batch:
+                xb, yb = X, Y
+            else:
+                idx = order_dev[start : start + B]
+                xb, yb = X[idx], Y[idx]
+            batch_losses.append(
+                training_step(module, optimizer, loss, xb, yb, gradient).detach())
+            recorder.record_batch(order_np[start : start + B])
+            recorder.record_step(step, lr, optimizer)
+            step += 1
+            if recorder.wants_point(step):
+                recorder.record_point(step)
+        return torch.stack(batch_losses)
 
 
 def _epoch_loss(batch_losses, sizes, first_step, epoch, lr) -> float:

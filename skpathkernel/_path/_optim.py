@@ -128,91 +128,34 @@ class FunctionalOptimizer:
             )
             return
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        rule = dict(amsgrad=False, lr=lr, beta1=spec.beta_1, beta2=spec.beta_2,
+                    weight_decay=spec.weight_decay, eps=spec.epsilon, maximize=False,
+                    grad_scale=None, found_inf=None)  # fmt: skip
         if self._direct and params:  # torch.optim.adam._fused_adam's one group
             torch._foreach_add_(steps, 1)
             kernel = torch._fused_adamw_ if spec.name == "adamw" else torch._fused_adam_
-            kernel(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                steps,
-                amsgrad=False,
-                lr=lr,
-                beta1=spec.beta_1,
-                beta2=spec.beta_2,
-                weight_decay=spec.weight_decay,
-                eps=spec.epsilon,
-                maximize=False,
-                grad_scale=None,
-                found_inf=None,
-            )
+            kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, **rule)
             return
-        _adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            steps,
-            foreach=None,
-            fused=self.fused or None,
-            capturable=False,
-            differentiable=False,
-            grad_scale=None,
-            found_inf=None,
-            has_complex=False,
-            decoupled_weight_decay=spec.name == "adamw",
-            amsgrad=False,
-            beta1=spec.beta_1,
-            beta2=spec.beta_2,
-            lr=lr,
-            weight_decay=spec.weight_decay,
-            eps=spec.epsilon,
-            maximize=False,
-        )
+        _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+              fused=self.fused or None, capturable=False, differentiable=False,
+              has_complex=False, decoupled_weight_decay=spec.name == "adamw",
+              **rule)  # fmt: skip
 
     def _sgd(self, params, grads, lr) -> None:
         spec = self.spec
         momentum = spec.momentum
-        nesterov = bool(spec.nesterov and momentum > 0)
         buffers = [self.state[p].get("momentum_buffer") for p in params] if momentum else []
+        rule = dict(weight_decay=spec.weight_decay, momentum=momentum, lr=lr, dampening=0.0,
+                    nesterov=bool(spec.nesterov and momentum > 0), maximize=False,
+                    grad_scale=None, found_inf=None)  # fmt: skip
         if self._direct and params:  # torch.optim.sgd._fused_sgd's one group
             first = bool(momentum) and all(b is None for b in buffers)
             if first:
                 buffers = [torch.empty_like(g) for g in grads]
-            torch._fused_sgd_(
-                params,
-                grads,
-                buffers,
-                weight_decay=spec.weight_decay,
-                momentum=momentum,
-                lr=lr,
-                dampening=0.0,
-                nesterov=nesterov,
-                maximize=False,
-                is_first_step=first,
-                grad_scale=None,
-                found_inf=None,
-            )
+            torch._fused_sgd_(params, grads, buffers, is_first_step=first, **rule)
         else:
-            _sgd(
-                params,
-                grads,
-                buffers,
-                weight_decay=spec.weight_decay,
-                momentum=momentum,
-                lr=lr,
-                dampening=0.0,
-                nesterov=nesterov,
-                maximize=False,
-                has_sparse_grad=False,
-                foreach=None,
-                fused=self.fused or None,
-                grad_scale=None,
-                found_inf=None,
-            )
+            _sgd(params, grads, buffers, has_sparse_grad=False, foreach=None,
+                 fused=self.fused or None, **rule)  # fmt: skip
         if momentum:  # the update fills new buffers in the list on its first step
             for p, buf in zip(params, buffers, strict=True):
                 self.state[p]["momentum_buffer"] = buf

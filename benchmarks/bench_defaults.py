@@ -7,11 +7,20 @@ Ours and sklearn's fits alternate (interleaved), so both see the same background
 Scores are test accuracy (classifiers) or R^2 (regressors): the mean over the R splits,
 and the paired difference ours - sklearn's with twice its standard error (a difference
 inside +- 2 SE is not distinguishable from zero). Fit times are medians over the splits.
+
+Then, with the other core busy (a pure-Python busy loop in its own process, pinned to the
+last core this process may use), every estimator is fitted again on the first
+``BUSY_SPLITS`` splits, interleaved with sklearn's as above: the fit times of a machine
+that another job shares (the benchmark's own process is not pinned).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 
@@ -30,10 +39,51 @@ NOTES = (
     "`record_every='auto'` under the 1 GiB `memory_budget`). *loss / norm growth*: the "
     "largest last / first epoch loss and final / initial parameter norm over the splits, "
     "which the divergence warning compares with 100 and 1000; *divergence warnings*: "
-    "DivergenceWarnings raised (none expected). The last row sums the per-data-set median "
-    "fit times.")
+    "DivergenceWarnings raised (none expected). *busy*: the same fits, on the first "
+    "splits, with a busy loop pinned to the other core. The last row sums the "
+    "per-data-set median fit times.")
 
 SPLITS = {False: 10, True: 3}
+BUSY_SPLITS = {False: 5, True: 2}
+
+
+@contextlib.contextmanager
+def _other_core_busy():
+    """A busy loop on the last core this process may use; yields whether one runs."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        yield False
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(proc.pid, {cores[-1]})
+        time.sleep(0.2)  # let it start spinning
+        yield True
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _busy_fit_times(X, y, kind, quick, device):
+    """Median fit times (ours per estimator, sklearn's) with the other core busy."""
+    from sklearn.model_selection import train_test_split
+
+    ours: dict[str, list] = {}
+    ref: list[float] = []
+    with _other_core_busy() as busy:
+        if not busy:
+            return None
+        for seed in range(BUSY_SPLITS[quick]):
+            X_tr, X_te, y_tr, y_te = train_test_split(X, y, random_state=seed)
+            mine, mlp = _estimators(kind, seed, device)
+            jobs = [*mine.items(), ("mlp", mlp)]
+            if seed % 2:
+                jobs.reverse()
+            for label, est in jobs:
+                fit_s = _fit_score(est, X_tr, y_tr, X_te, y_te)[1]
+                (ref if label == "mlp" else ours.setdefault(label, [])).append(fit_s)
+    return ({label: statistics.median(t) for label, t in ours.items()},
+            statistics.median(ref))
 
 
 def _datasets(quick: bool):
@@ -114,6 +164,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     rows = []
     ours_fit: dict[str, list] = {}  # median fit times, ours and sklearn's, per estimator
     ref_fit: dict[str, list] = {}
+    busy_ours: dict[str, list] = {}  # the same with the other core busy
+    busy_ref: dict[str, list] = {}
     for name, (X, y, kind) in _datasets(quick).items():
         ours: dict[str, dict[str, list]] = {}
         ref = {"score": [], "fit": [], "epochs": []}
@@ -136,6 +188,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                     rec["path"].append(est.trajectory_.nbytes / 2**20)
                     rec["growth"].append(_growth(net))
                     rec["diverged"] += diverged
+        busy = _busy_fit_times(X, y, kind, quick, device)
         for label, rec in ours.items():
             diff = np.asarray(rec["score"]) - np.asarray(ref["score"])
             se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
@@ -146,6 +199,9 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
             ratio = statistics.median(rec["fit"]) / statistics.median(ref["fit"])
             ours_fit.setdefault(label, []).append(statistics.median(rec["fit"]))
             ref_fit.setdefault(label, []).append(statistics.median(ref["fit"]))
+            if busy is not None:
+                busy_ours.setdefault(label, []).append(busy[0][label])
+                busy_ref.setdefault(label, []).append(busy[1])
             rows.append({
                 "data set": name,
                 "n train / test": f"{len(X_tr)} / {len(X_te)}",
@@ -157,7 +213,11 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 "verdict": verdict,
                 "fit s ours / sklearn's": f"{statistics.median(rec['fit']):.2f} / "
                                           f"{statistics.median(ref['fit']):.2f}",
-                "time ratio": f"{ratio:.1f}x",
+                "time ratio": f"{ratio:.2f}x",
+                "busy: fit s ours / sklearn's": "n/a (one core)" if busy is None else
+                    f"{busy[0][label]:.2f} / {busy[1]:.2f}",
+                "busy: time ratio": "n/a" if busy is None else
+                    f"{busy[0][label] / busy[1]:.2f}x",
                 "epochs ours / sklearn's": f"{statistics.median(rec['epochs']):.0f} / "
                                            f"{statistics.median(ref['epochs']):.0f}",
                 "path": f"{statistics.median(rec['path']):.1f} MiB",
@@ -166,17 +226,19 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
                 "divergence warnings": rec["diverged"],
                 "splits": len(diff),
             })
-    rows.append(_total(ours_fit, ref_fit))
+    row = {"data set": "total (sum of medians)",
+           "fit s ours / sklearn's": _total(ours_fit, ref_fit)}
+    if busy_ours:
+        row["busy: fit s ours / sklearn's"] = _total(busy_ours, busy_ref)
+    rows.append(row)
     return rows
 
 
-def _total(ours_fit: dict, ref_fit: dict) -> dict:
+def _total(ours_fit: dict, ref_fit: dict) -> str:
     """The sum over the data sets of the median fit times, per estimator of ours."""
-    row = {"data set": "total (sum of medians)"}
     parts = []
     for label, times in ours_fit.items():
         total, ref = sum(times), sum(ref_fit[label])
         parts.append(f"{label} {total:.2f} / {ref:.2f} s = {total / ref:.2f}x")
-    row["fit s ours / sklearn's"] = "; ".join(parts)
-    return row
+    return "; ".join(parts)
 

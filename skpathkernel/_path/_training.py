@@ -1,15 +1,18 @@
 """The training loop that records the optimisation path.
 
-The loop drives torch.optim's own optimizers, so the recorded path is exactly what
-``torch.optim.SGD / Adam / AdamW / RMSprop`` do; the recorder only copies parameters and
-optimizer state into preallocated CPU buffers. A fit may continue an earlier one
-(``warm_start``, ``partial_fit``): the optimizer state, the step-size schedule and the
-stopping rule pick up where they stopped (:class:`Resume`), and the new segment of the
-path is appended to the recorded one (:func:`extend_trajectory`).
+The loop drives torch.optim's own update functions (:class:`FunctionalOptimizer`), so
+the recorded path is exactly what ``torch.optim.SGD / Adam / AdamW / RMSprop`` do; the
+recorder only copies parameters and optimizer state into preallocated CPU buffers. The
+default MLP's gradient is written out by hand (:class:`MLPGradient`: autograd's values,
+without its engine). A fit may continue an earlier one (``warm_start``,
+``partial_fit``): the optimizer state, the step-size schedule and the stopping rule pick
+up where they stopped (:class:`Resume`), and the new segment of the path is appended to
+the recorded one (:func:`extend_trajectory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -20,6 +23,8 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from ._losses import Loss
+from ._mlp_step import MLPGradient
+from ._optim import FunctionalOptimizer
 from ._storage import free_disk
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 
@@ -95,38 +100,14 @@ class DivergenceWarning(ConvergenceWarning):
     """
 
 
-def make_optimizer(params, spec: SolverSpec, lr: float) -> torch.optim.Optimizer:
-    """The torch.optim optimizer that ``spec`` names, with its hyper-parameters.
+def make_optimizer(params, spec: SolverSpec, lr: float) -> FunctionalOptimizer:
+    """The optimizer that ``spec`` names, with its hyper-parameters.
 
-    Fused (one kernel for every parameter's update) where torch has it for these
-    parameters: the same update rule, at about half the cost per step of a small network
-    (3.5 -> 1.9 ms an Adam step of iris' default MLP, measured on a loaded machine);
-    RMSprop has no fused kernel and takes the multi-tensor one.
+    torch.optim's own update functions, fused where torch has a kernel for these
+    parameters (about half the cost per step of a small network), behind an object that
+    does not import ``torch._dynamo`` (see :class:`FunctionalOptimizer`).
     """
-    params = list(params)
-    betas = (spec.beta_1, spec.beta_2)
-    if spec.name == "sgd":
-        # torch refuses Nesterov without momentum; with none, both are plain SGD.
-        return _fused(torch.optim.SGD, params, lr=lr, momentum=spec.momentum,
-                      nesterov=spec.nesterov and spec.momentum > 0,
-                      weight_decay=spec.weight_decay)
-    if spec.name == "adam":
-        return _fused(torch.optim.Adam, params, lr=lr, betas=betas, eps=spec.epsilon,
-                      weight_decay=spec.weight_decay)
-    if spec.name == "adamw":
-        return _fused(torch.optim.AdamW, params, lr=lr, betas=betas, eps=spec.epsilon,
-                      weight_decay=spec.weight_decay)
-    if spec.name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, alpha=spec.rmsprop_alpha, eps=spec.epsilon,
-                                   weight_decay=spec.weight_decay, foreach=True)
-    raise ValueError(f"Unknown solver {spec.name!r}.")
-
-
-def _fused(cls, params, **kwargs):
-    try:
-        return cls(params, fused=True, **kwargs)
-    except (RuntimeError, ValueError, TypeError):  # no fused kernel for these parameters
-        return cls(params, **kwargs)
+    return FunctionalOptimizer(params, spec, lr)
 
 
 # A step that multiplies fewer values than this (batch rows x parameters) runs on one
@@ -143,14 +124,20 @@ def training_threads(batch_rows: int, n_params: int, limit: int | None) -> int |
     return limit
 
 
-def training_step(module, optimizer, loss: Loss, xb, yb) -> torch.Tensor:
-    """One optimizer step on the batch ``(xb, yb)``; returns the batch loss (not detached).
+def training_step(module, optimizer, loss: Loss, xb, yb,
+                  gradient: MLPGradient | None = None) -> torch.Tensor:
+    """One optimizer step on the batch ``(xb, yb)``; returns the batch loss.
 
     The step of the training loop and of every replay of it (``metrics.retrain_on_subsets``).
+    ``gradient``: the module's hand-written gradient (:class:`MLPGradient`, the same
+    values as autograd's), or None for autograd.
     """
-    optimizer.zero_grad(set_to_none=True)
-    batch_loss = loss(module(xb), yb)
-    batch_loss.backward()
+    if gradient is not None:
+        batch_loss = gradient(xb, yb)
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        batch_loss = loss(module(xb), yb)
+        batch_loss.backward()
     optimizer.step()
     return batch_loss
 
@@ -308,26 +295,29 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
     )
 
 
-def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr):
+def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, gradient=None):
     """One pass over the samples in ``order``, recorded; returns the batch losses (tensor)."""
-    n = X.shape[0]
-    full_batch = B == n
-    order_np = order.numpy()
-    order_dev = order.to(X.device)
-    batch_losses = []
-    for start in range(0, n, B):
-        if full_batch:
-            xb, yb = X, Y
-        else:
-            idx = order_dev[start : start + B]
-            xb, yb = X[idx], Y[idx]
-        batch_losses.append(training_step(module, optimizer, loss, xb, yb).detach())
-        recorder.record_batch(order_np[start : start + B])
-        recorder.record_step(step, lr, optimizer)
-        step += 1
-        if recorder.wants_point(step):
-            recorder.record_point(step)
-    return torch.stack(batch_losses)
+    # The hand-written gradient builds no graph: the whole epoch runs without one.
+    with torch.no_grad() if gradient is not None else contextlib.nullcontext():
+        n = X.shape[0]
+        full_batch = B == n
+        order_np = order.numpy()
+        order_dev = order.to(X.device)
+        batch_losses = []
+        for start in range(0, n, B):
+            if full_batch:
+                xb, yb = X, Y
+            else:
+                idx = order_dev[start : start + B]
+                xb, yb = X[idx], Y[idx]
+            batch_losses.append(
+                training_step(module, optimizer, loss, xb, yb, gradient).detach())
+            recorder.record_batch(order_np[start : start + B])
+            recorder.record_step(step, lr, optimizer)
+            step += 1
+            if recorder.wants_point(step):
+                recorder.record_point(step)
+        return torch.stack(batch_losses)
 
 
 def _epoch_loss(batch_losses, sizes, first_step, epoch, lr) -> float:
@@ -404,6 +394,7 @@ def train(
         record_every=record_every, storage=storage, record_budget=record_budget,
         directory=directory, compression=compression)
     optimizer = make_optimizer(params, solver, learning_rate)
+    gradient = MLPGradient.build(module, loss, X)
     sched = _Schedule(schedule if solver.name == "sgd" else "constant", learning_rate,
                       power_t, None if resume is None else resume.learning_rate)
     seen = 0 if resume is None else resume.samples_seen
@@ -430,7 +421,8 @@ def train(
         set_learning_rate(optimizer, lr)
         order = (torch.randperm(n, generator=generator) if shuffle and B < n
                  else torch.arange(n))
-        batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr)
+        batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
+                                  gradient)
         epoch_loss = _epoch_loss(batch_losses, sizes, step, epoch, lr)
         step += steps_per_epoch
         seen += n

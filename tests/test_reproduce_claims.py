@@ -27,7 +27,7 @@ from skpathkernel._reproduce import (
     run_sections,
 )
 from skpathkernel._reproduce import _stochastic as st
-from skpathkernel._reproduce._report import Context, Row, write_html, write_report
+from skpathkernel._reproduce._report import Context, Row, SectionTime, write_html, write_report
 from skpathkernel.datasets import load_cifar10, make_circle
 
 
@@ -351,7 +351,7 @@ def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
     plt.close(fig)
     rows = [Row("1", "a <claim>", "x 1 [a.png]", True), Row("2", "b", "y [a.png]", False),
             Row("3", "c", "z", None, details=[{"k": "v<"}])]
-    sections = [("s", rows, 0.5)]
+    sections = [("s", rows, SectionTime(0.5, 0.25, 1.0))]
     header = {"mode": "quick", "device": "cpu", "python": "3"}
     page = open(write_html(str(tmp_path / "r.html"), header, sections)).read()
     assert page.count("data:image/png;base64,") == 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
+from joblib import Parallel, delayed
 from sklearn.datasets import load_digits
 
 from .. import PathKernelClassifier
@@ -47,14 +49,35 @@ def progress(desc: str, total: int) -> Progress:
 
 def worker_context(ctx):
     """The context without its cache of fitted networks: what a worker process needs."""
-    return Context(out=ctx.out, quick=ctx.quick, device=ctx.device, data_home=ctx.data_home)
+    return Context(out=ctx.out, quick=ctx.quick, device=ctx.device, data_home=ctx.data_home,
+                   n_jobs=ctx.n_jobs)
 
 
-def in_one_thread(func, *args, **kwargs):
-    """``func(*args, **kwargs)`` on one torch thread: a joblib worker process starts with
-    torch's default (every core), two such workers on two cores would oversubscribe."""
+# CPU seconds spent by worker processes on parallel_map's calls, summed over the run: the
+# main process's own clock does not see them.
+_WORKER_CPU = [0.0]
+
+
+def worker_cpu() -> float:
+    """CPU seconds that worker processes spent on :func:`parallel_map` calls so far."""
+    return _WORKER_CPU[0]
+
+
+def _timed(func, args):
+    # One torch thread: a joblib worker process starts with torch's default (every core),
+    # two such workers on two cores would oversubscribe.
+    start = time.process_time()
     with torch_threads(1):
-        return func(*args, **kwargs)
+        result = func(*args)
+    return result, time.process_time() - start, os.getpid()
+
+
+def parallel_map(func, jobs, *, n_jobs) -> list:
+    """``[func(*args) for args in jobs]`` over ``n_jobs`` processes (joblib's loky; 1: in
+    this process), each call on one torch thread; the workers' CPU time is counted."""
+    done = Parallel(n_jobs=n_jobs)(delayed(_timed)(func, args) for args in jobs)
+    _WORKER_CPU[0] += sum(cpu for _, cpu, pid in done if pid != os.getpid())
+    return [result for result, _, _ in done]
 
 
 def subplots(*args, **kwargs):

@@ -31,11 +31,10 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from joblib import Parallel, delayed
 
 from .. import PathKernelClassifier, PathKernelMachine, PathRecorder
 from ..datasets import make_circle, make_sine
-from ._common import in_one_thread, progress, save, subplots
+from ._common import parallel_map, progress, save, subplots
 from ._report import Row
 
 TRAINING_TIME = 1.6  # lr * number of steps: a whole number of epochs for every (lr, B)
@@ -262,7 +261,7 @@ def settings(ctx):
     fitting rates from -0.59 to -0.70 (the first set failing), 160 seeds settling it."""
     if ctx.quick:
         return dict(seeds=0, lrs=(), batches=(), order_lrs=(0.1, 0.05, 0.025))
-    return dict(seeds=40, batch_seeds={"regression": 40, "classification": 160},
+    return dict(n_jobs=ctx.n_jobs, seeds=40, batch_seeds={"regression": 40, "classification": 160},
                 lrs=(0.2, 0.1, 0.05, 0.025), batches=(2, 4, 8, 16),
                 order_lrs=(0.1, 0.05, 0.025, 0.0125))
 
@@ -283,8 +282,8 @@ def gap_sweep(path, task, lrs, batches, seeds, *, batch_seeds=None, n_jobs=1):
     points.update({(lr_mid, b): batch_seeds for b in batches})
     jobs = [(lr, b, range(start, min(start + seeds, n)))
             for (lr, b), n in points.items() for start in range(0, n, seeds)]
-    done = Parallel(n_jobs=n_jobs)(delayed(in_one_thread)(_ms_gaps, path, task, lr, b, block)
-                                   for lr, b, block in jobs)
+    done = parallel_map(_ms_gaps, [(path, task, lr, b, block) for lr, b, block in jobs],
+                        n_jobs=n_jobs)
     runs = {}
     for (lr, b, _), gaps in zip(jobs, done):
         runs.setdefault((lr, b), []).extend(gaps)
@@ -338,10 +337,8 @@ def batch_sweep(task, lr_mid, batches, n_seeds, cells=SWEEP, n_jobs=2):
                 blocks[c["lr"], int(b), start, c["n_train"], c["width"],
                        c["training_time"]] = None
     keys = list(blocks)
-    results = Parallel(n_jobs=n_jobs)(
-        delayed(in_one_thread)(_loop_gaps, task, lr, b, range(start, start + n_seeds), n,
-                               w, t)
-        for lr, b, start, n, w, t in keys)
+    results = parallel_map(_loop_gaps, [(task, lr, b, range(start, start + n_seeds), n, w, t)
+                                        for lr, b, start, n, w, t in keys], n_jobs=n_jobs)
     blocks = dict(zip(keys, results))
     rows = []
     for (name, _), c in zip(cells, configs):

@@ -112,20 +112,35 @@ def circle_data(ctx):
     return X, y, X_test, y_test
 
 
+def _circle_fit(ctx, solver):
+    X, y, _, _ = circle_data(ctx)
+    epochs = circle_settings(ctx)[1]
+    return PathKernelClassifier(
+        hidden_layer_sizes=(64, 64), loss="log_loss", **training(
+            ctx, max_iter=epochs, batch_size=CIRCLE_BATCH,
+            # Full runs keep one point per epoch (31k steps would be ~2 GiB per solver).
+            record_every=1 if ctx.quick else steps_per_epoch(ctx),
+            **CIRCLE_SOLVERS[solver]),
+    ).fit(X, y)
+
+
 def circle_fit(ctx, solver):
     """The 2-64-64-1 tanh network trained on figure 1's circle task with one solver."""
     key = ("circle", solver)
     if key not in ctx.cache:
-        X, y, _, _ = circle_data(ctx)
-        epochs = circle_settings(ctx)[1]
-        ctx.cache[key] = PathKernelClassifier(
-            hidden_layer_sizes=(64, 64), loss="log_loss", **training(
-                ctx, max_iter=epochs, batch_size=CIRCLE_BATCH,
-                # Full runs keep one point per epoch (31k steps would be ~2 GiB per solver).
-                record_every=1 if ctx.quick else steps_per_epoch(ctx),
-                **CIRCLE_SOLVERS[solver]),
-        ).fit(X, y)
+        ctx.cache[key] = _circle_fit(ctx, solver)
     return ctx.cache[key]
+
+
+def circle_fits(ctx, solvers):
+    """:func:`circle_fit` for several solvers, the missing fits spread over ``ctx.n_jobs``
+    processes in the full run (32k steps each; quick fits take a second, less than
+    starting a worker)."""
+    missing = [s for s in solvers if ("circle", s) not in ctx.cache]
+    fits = parallel_map(_circle_fit, [(worker_context(ctx), s) for s in missing],
+                        n_jobs=1 if ctx.quick else ctx.n_jobs)
+    ctx.cache.update({("circle", s): est for s, est in zip(missing, fits)})
+    return {s: ctx.cache["circle", s] for s in solvers}
 
 
 def digits_split(ctx):

@@ -21,7 +21,7 @@ from ..plotting import KernelEvolutionDisplay
 from ._common import (
     CIRCLE_BATCH,
     circle_data,
-    circle_fit,
+    circle_fits,
     circle_settings,
     parallel_map,
     progress,
@@ -177,8 +177,8 @@ def sweep(ctx, fits):
     their end), the row's own networks read at earlier epochs, then every variant."""
     epochs = circle_settings(ctx)[1]
     rows = [_cell("earlier: tanh, log loss, figure 1's step sizes", name, epochs,
-                  end_kernels(circle_fit(ctx, name)), accuracy(ctx, circle_fit(ctx, name)))
-            for name in OPTIMIZERS]
+                  end_kernels(est), accuracy(ctx, est))
+            for name, est in circle_fits(ctx, OPTIMIZERS).items()]
     per_epoch = steps_per_epoch(ctx)
     for name, est in fits.items():
         steps = np.asarray(est.trajectory_.steps)

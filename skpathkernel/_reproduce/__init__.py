@@ -16,6 +16,7 @@ import platform
 import time
 
 from .._device import resolve_device, torch_threads
+from ._common import worker_cpu
 from ._fig1 import figure1_section
 from ._fig2 import figure2_section
 from ._fig3 import figure3_section
@@ -27,7 +28,6 @@ from ._fig9 import figure9_section
 from ._fig10 import figure10_section
 from ._flatness import flatness_section
 from ._generative import generative_section
-from ._common import worker_cpu
 from ._report import Context, SectionTime, summary, write_html, write_report
 from ._stochastic import stochastic_section
 from ._training import training_section

@@ -17,6 +17,7 @@ from _reference import jacobian_loop, module_at
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel._reproduce import (
     SECTIONS,
+    _common,
     _fig1,
     _fig2,
     _fig3,
@@ -261,6 +262,24 @@ def test_batched_loop_gaps_match_one_seed_after_another():
                         noise.spread * lr / 0.8])
         np.testing.assert_allclose(got, ref, rtol=1e-10)
         assert np.all(np.diff(got[:, 0]) != 0)  # the seeds' runs differ
+
+
+def test_circle_fits_on_worker_processes_equal_the_serial_fits(tmp_path):
+    # The full run fits the shared circle networks on worker processes: each must be the
+    # network the main process would have fitted (same parameters, same recorded path),
+    # and the workers' CPU time is counted.
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu")
+    names = ["sgd", "adam"]
+    before = _common.worker_cpu()
+    remote = _common.parallel_map(_common._circle_fit, [(ctx, s) for s in names], n_jobs=2)
+    assert _common.worker_cpu() > before
+    local = _common.circle_fits(ctx, names)
+    for est, ref in zip(remote, local.values()):
+        for p, q in zip(est.module_.parameters(), ref.module_.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        assert len(est.trajectory_) == len(ref.trajectory_) > 2
+        np.testing.assert_array_equal(est.loss_curve_, ref.loss_curve_)
+    assert ctx.cache["circle", "adam"] is local["adam"]
 
 
 def test_gap_sweep_on_two_processes_matches_a_serial_loop():

@@ -103,7 +103,8 @@ def _time_rows(sections):
 
 
 def _time_note(header):
-    return (f"Time per section ({header.get('n_jobs', 1)} worker processes; load average "
+    return (f"Time per section (n_jobs {header.get('n_jobs', 1)}: the processes the full "
+            "run's independent cells are spread over; load average "
             f"{header.get('load', '-')} at the start, {header.get('load_end', '-')} at the end: "
             "on a loaded machine wall time grows, CPU time much less)")
 

@@ -40,7 +40,8 @@ def _reproduce(args) -> int:
     if args.figures:
         figures = [f.strip() for f in args.figures.split(",") if f.strip()]
     report, counts = run_sections(out=args.out, quick=args.quick, device=args.device,
-                                  figures=figures, data_home=args.data_home)
+                                  figures=figures, data_home=args.data_home,
+                                  n_jobs=args.n_jobs)
     print(f"Wrote {report} and {os.path.splitext(report)[0]}.html: {counts['pass']} claims "
           f"pass, {counts['FAIL']} fail, {counts['-']} rows report a number only.")
     # A claim that does not reproduce is a result, reported as FAIL in the table; the exit
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(cifar-10-batches-py/, as torchvision downloads them) enable figure "
                           "2 g-h (default: scikit-learn's data home, $SCIKIT_LEARN_DATA or "
                           "~/scikit_learn_data)")
+    rep.add_argument("--n-jobs", type=int, default=2,
+                     help="processes for the independent cells of the full run's sweeps and "
+                          "fits, one torch thread each; -1: every core (default: %(default)s)")
     rep.set_defaults(func=_reproduce)
     return parser
 

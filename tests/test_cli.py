@@ -30,7 +30,8 @@ def test_reproduce_writes_report_and_figures(tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["reproduce", "--quick", "--out", str(out), "--figures", "fig8,3"]) == 0
     report = (out / "report.md").read_text()
-    rows = [line for line in report.splitlines() if line.startswith("| 7-8 ")
+    claims = report.split("\n## ")[0]  # the claims table, before the sections' details
+    rows = [line for line in claims.splitlines() if line.startswith("| 7-8 ")
             or line.startswith("| 3")]
     # Two claims each for figures 7-8 and 3, plus the detector's own decision, whose
     # verdict is the detector's (the claim itself is tested in test_reproduce_claims).

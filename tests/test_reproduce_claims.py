@@ -17,6 +17,7 @@ from _reference import jacobian_loop, module_at
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel._reproduce import (
     SECTIONS,
+    _common,
     _fig1,
     _fig2,
     _fig3,
@@ -27,7 +28,7 @@ from skpathkernel._reproduce import (
     run_sections,
 )
 from skpathkernel._reproduce import _stochastic as st
-from skpathkernel._reproduce._report import Context, Row, write_html, write_report
+from skpathkernel._reproduce._report import Context, Row, SectionTime, write_html, write_report
 from skpathkernel.datasets import load_cifar10, make_circle
 
 
@@ -245,6 +246,42 @@ def test_in_loop_gap_matches_decompose_and_the_sweep_reads_it():
     assert "seeds 2-3" in st.sweep_reason(rows)
 
 
+def test_batched_loop_gaps_match_one_seed_after_another():
+    # The sweep runs its seeds as one batched network; each seed's run must be the
+    # per-seed loop's (_iid_sgd with its _NoiseTracker, checked above against every batch
+    # and against decompose): same initialization, same batches, same gaps.
+    for task, lr, b, n, width in (("classification", 0.1, 4, st.N_TRAIN, st.WIDTH),
+                                  ("regression", 0.2, 8, 32, 8)):
+        seeds = range(2, 5)
+        got = st._loop_gaps(task, lr, b, seeds, n, width, 0.8)
+        ref = []
+        for s in seeds:
+            noise = st._iid_sgd(task, lr, b, s, tracker=True, n_train=n, width=width,
+                                training_time=0.8)[1]
+            ref.append([float((noise.gap**2).mean()), float(noise.var.mean()),
+                        noise.spread * lr / 0.8])
+        np.testing.assert_allclose(got, ref, rtol=1e-10)
+        assert np.all(np.diff(got[:, 0]) != 0)  # the seeds' runs differ
+
+
+def test_circle_fits_on_worker_processes_equal_the_serial_fits(tmp_path):
+    # The full run fits the shared circle networks on worker processes: each must be the
+    # network the main process would have fitted (same parameters, same recorded path),
+    # and the workers' CPU time is counted.
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu")
+    names = ["sgd", "adam"]
+    before = _common.worker_cpu()
+    remote = _common.parallel_map(_common._circle_fit, [(ctx, s) for s in names], n_jobs=2)
+    assert _common.worker_cpu() > before
+    local = _common.circle_fits(ctx, names)
+    for est, ref in zip(remote, local.values()):
+        for p, q in zip(est.module_.parameters(), ref.module_.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        assert len(est.trajectory_) == len(ref.trajectory_) > 2
+        np.testing.assert_array_equal(est.loss_curve_, ref.loss_curve_)
+    assert ctx.cache["circle", "adam"] is local["adam"]
+
+
 def test_gap_sweep_on_two_processes_matches_a_serial_loop():
     lrs, batches = (0.2, 0.1), (8, 16)
     sq, b_mid, lr_mid = st.gap_sweep(st.iid_sgd_path, "regression", lrs, batches, 2,
@@ -351,7 +388,7 @@ def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
     plt.close(fig)
     rows = [Row("1", "a <claim>", "x 1 [a.png]", True), Row("2", "b", "y [a.png]", False),
             Row("3", "c", "z", None, details=[{"k": "v<"}])]
-    sections = [("s", rows, 0.5)]
+    sections = [("s", rows, SectionTime(0.5, 0.2, 1.0))]
     header = {"mode": "quick", "device": "cpu", "python": "3"}
     page = open(write_html(str(tmp_path / "r.html"), header, sections)).read()
     assert page.count("data:image/png;base64,") == 1
@@ -367,6 +404,19 @@ def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
     page = open(write_html(str(tmp_path / "r.html"), header, sections)).read()
     assert "<h3>2: sweep</h3>" in page and "why it fails:</b> seed &lt;sets&gt;" in page
     assert "1 claims pass, 1 fail, 1 rows report a number only." in md
+    # Each section's wall and CPU time (main + workers), and the run's time table.
+    assert "## s (wall 0.5 s, CPU 1.2 s = main 0.2 + workers 1.0)" in md
+    assert "| s | 0.5 | 0.2 | 1.0 |\n| total | 0.5 | 0.2 | 1.0 |" in md
+    assert "<h2>time</h2>" in page and "<td>total</td>" in page
+
+
+def test_n_jobs_is_checked_before_any_work(tmp_path, capsys):
+    from skpathkernel._cli import main
+
+    for bad in ("0", "-2"):
+        assert main(["reproduce", "--n-jobs", bad, "--out", str(tmp_path / "x")]) == 2
+        assert "n_jobs must be a positive int or -1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_failed_claims_keep_exit_status_zero(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ import platform
 import time
 
 from .._device import resolve_device, torch_threads
+from ._common import worker_cpu
 from ._fig1 import figure1_section
 from ._fig2 import figure2_section
 from ._fig3 import figure3_section
@@ -27,7 +28,7 @@ from ._fig9 import figure9_section
 from ._fig10 import figure10_section
 from ._flatness import flatness_section
 from ._generative import generative_section
-from ._report import Context, summary, write_html, write_report
+from ._report import Context, SectionTime, summary, write_html, write_report
 from ._stochastic import stochastic_section
 from ._training import training_section
 
@@ -62,15 +63,23 @@ def _section_name(name):
     return "7" if name == "8" else name
 
 
-def run(*, out, quick=False, device="auto", figures=None, data_home=None) -> str:
+def run(*, out, quick=False, device="auto", figures=None, data_home=None, n_jobs=2) -> str:
     """Run the selected sections and write ``out/report.md`` and ``out/report.html``;
-    return the path of ``report.md``."""
+    return the path of ``report.md``. ``n_jobs``: processes for independent cells (joblib's
+    convention: -1 every core)."""
     return run_sections(out=out, quick=quick, device=device, figures=figures,
-                        data_home=data_home)[0]
+                        data_home=data_home, n_jobs=n_jobs)[0]
 
 
-def run_sections(*, out, quick=False, device="auto", figures=None, data_home=None):
+def _load():
+    return "/".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
+
+
+def run_sections(*, out, quick=False, device="auto", figures=None, data_home=None, n_jobs=2):
     """:func:`run`, also returning the verdict counts ``{"pass", "FAIL", "-"}``."""
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0 or n_jobs < -1:
+        raise ValueError(f"n_jobs must be a positive int or -1 (every core); got {n_jobs!r}.")
+    n_jobs = (os.cpu_count() or 1) if n_jobs == -1 else n_jobs
     resolve_device(device)  # a clear error for device="cuda" without CUDA, before any work
     names = list(SECTIONS) if figures is None else [_section_name(f) for f in figures]
     unknown = [n for n in names if n not in SECTIONS]
@@ -81,20 +90,26 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
 
     # Figures go to files only; a headless machine has no display to open.
     matplotlib.use("Agg")
-    ctx = Context(out=out, quick=quick, device=device, data_home=data_home)
+    ctx = Context(out=out, quick=quick, device=device, data_home=data_home, n_jobs=n_jobs)
     sections = []
+    load = _load()
     # The papers' networks are a few thousand parameters: intra-op threads cost more in
     # synchronisation than they save (measured on 2 cores: a small fit 10-40x slower with
     # two threads than with one, the flatness section 4.8 s vs 13-58 s). Restored after.
     with torch_threads(1):
         for name in names:
-            start = time.perf_counter()
+            start = (time.perf_counter(), time.process_time(), worker_cpu())
             rows = SECTIONS[name](ctx)
-            sections.append((name, rows, time.perf_counter() - start))
+            sections.append((name, rows, SectionTime(
+                time.perf_counter() - start[0], time.process_time() - start[1],
+                worker_cpu() - start[2])))
     header = {
         "mode": "quick" if quick else "full",
         "device": device,
         "python": platform.python_version(),
+        "n_jobs": n_jobs,
+        "load": load,
+        "load_end": _load(),
     }
     write_html(os.path.join(out, "report.html"), header, sections)
     return write_report(os.path.join(out, "report.md"), header, sections), summary(sections)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
+from joblib import Parallel, delayed
 from sklearn.datasets import load_digits
 
 from .. import PathKernelClassifier
@@ -47,14 +49,35 @@ def progress(desc: str, total: int) -> Progress:
 
 def worker_context(ctx):
     """The context without its cache of fitted networks: what a worker process needs."""
-    return Context(out=ctx.out, quick=ctx.quick, device=ctx.device, data_home=ctx.data_home)
+    return Context(out=ctx.out, quick=ctx.quick, device=ctx.device, data_home=ctx.data_home,
+                   n_jobs=ctx.n_jobs)
 
 
-def in_one_thread(func, *args, **kwargs):
-    """``func(*args, **kwargs)`` on one torch thread: a joblib worker process starts with
-    torch's default (every core), two such workers on two cores would oversubscribe."""
+# CPU seconds spent by worker processes on parallel_map's calls, summed over the run: the
+# main process's own clock does not see them.
+_WORKER_CPU = [0.0]
+
+
+def worker_cpu() -> float:
+    """CPU seconds that worker processes spent on :func:`parallel_map` calls so far."""
+    return _WORKER_CPU[0]
+
+
+def _timed(func, args):
+    # One torch thread: a joblib worker process starts with torch's default (every core),
+    # two such workers on two cores would oversubscribe.
+    start = time.process_time()
     with torch_threads(1):
-        return func(*args, **kwargs)
+        result = func(*args)
+    return result, time.process_time() - start, os.getpid()
+
+
+def parallel_map(func, jobs, *, n_jobs) -> list:
+    """``[func(*args) for args in jobs]`` over ``n_jobs`` processes (joblib's loky; 1: in
+    this process), each call on one torch thread; the workers' CPU time is counted."""
+    done = Parallel(n_jobs=n_jobs)(delayed(_timed)(func, args) for args in jobs)
+    _WORKER_CPU[0] += sum(cpu for _, cpu, pid in done if pid != os.getpid())
+    return [result for result, _, _ in done]
 
 
 def subplots(*args, **kwargs):
@@ -89,20 +112,35 @@ def circle_data(ctx):
     return X, y, X_test, y_test
 
 
+def _circle_fit(ctx, solver):
+    X, y, _, _ = circle_data(ctx)
+    epochs = circle_settings(ctx)[1]
+    return PathKernelClassifier(
+        hidden_layer_sizes=(64, 64), loss="log_loss", **training(
+            ctx, max_iter=epochs, batch_size=CIRCLE_BATCH,
+            # Full runs keep one point per epoch (31k steps would be ~2 GiB per solver).
+            record_every=1 if ctx.quick else steps_per_epoch(ctx),
+            **CIRCLE_SOLVERS[solver]),
+    ).fit(X, y)
+
+
 def circle_fit(ctx, solver):
     """The 2-64-64-1 tanh network trained on figure 1's circle task with one solver."""
     key = ("circle", solver)
     if key not in ctx.cache:
-        X, y, _, _ = circle_data(ctx)
-        epochs = circle_settings(ctx)[1]
-        ctx.cache[key] = PathKernelClassifier(
-            hidden_layer_sizes=(64, 64), loss="log_loss", **training(
-                ctx, max_iter=epochs, batch_size=CIRCLE_BATCH,
-                # Full runs keep one point per epoch (31k steps would be ~2 GiB per solver).
-                record_every=1 if ctx.quick else steps_per_epoch(ctx),
-                **CIRCLE_SOLVERS[solver]),
-        ).fit(X, y)
+        ctx.cache[key] = _circle_fit(ctx, solver)
     return ctx.cache[key]
+
+
+def circle_fits(ctx, solvers):
+    """:func:`circle_fit` for several solvers, the missing fits spread over ``ctx.n_jobs``
+    processes in the full run (32k steps each; quick fits take a second, less than
+    starting a worker)."""
+    missing = [s for s in solvers if ("circle", s) not in ctx.cache]
+    fits = parallel_map(_circle_fit, [(worker_context(ctx), s) for s in missing],
+                        n_jobs=1 if ctx.quick else ctx.n_jobs)
+    ctx.cache.update({("circle", s): est for s, est in zip(missing, fits)})
+    return {s: ctx.cache["circle", s] for s in solvers}
 
 
 def digits_split(ctx):

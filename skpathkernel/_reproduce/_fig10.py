@@ -14,7 +14,6 @@ the paper leaves open (full run only).
 from __future__ import annotations
 
 import numpy as np
-from joblib import Parallel, delayed
 
 from .. import PathKernelClassifier, PathKernelMachine
 from ..kernels import step_kernel
@@ -22,9 +21,9 @@ from ..plotting import KernelEvolutionDisplay
 from ._common import (
     CIRCLE_BATCH,
     circle_data,
-    circle_fit,
+    circle_fits,
     circle_settings,
-    in_one_thread,
+    parallel_map,
     progress,
     save,
     steps_per_epoch,
@@ -178,8 +177,8 @@ def sweep(ctx, fits):
     their end), the row's own networks read at earlier epochs, then every variant."""
     epochs = circle_settings(ctx)[1]
     rows = [_cell("earlier: tanh, log loss, figure 1's step sizes", name, epochs,
-                  end_kernels(circle_fit(ctx, name)), accuracy(ctx, circle_fit(ctx, name)))
-            for name in OPTIMIZERS]
+                  end_kernels(est), accuracy(ctx, est))
+            for name, est in circle_fits(ctx, OPTIMIZERS).items()]
     per_epoch = steps_per_epoch(ctx)
     for name, est in fits.items():
         steps = np.asarray(est.trajectory_.steps)
@@ -189,18 +188,21 @@ def sweep(ctx, fits):
                               round(steps[k] / per_epoch), end_kernels(est, step=k), None))
     # Cells are independent fits on one thread each: both cores of a laptop run them.
     light = worker_context(ctx)
-    rows += Parallel(n_jobs=2)(delayed(in_one_thread)(_sweep_cell, light, setting, name, change)
-                               for setting, change in VARIANTS for name in OPTIMIZERS)
+    rows += parallel_map(_sweep_cell, [(light, setting, name, change) for setting, change
+                                       in VARIANTS for name in OPTIMIZERS], n_jobs=ctx.n_jobs)
     return rows
+
+
+def _relu_fit(ctx, solver, epochs, n_points):
+    return relu_fit(ctx, solver, epochs=epochs, n_points=n_points)
 
 
 def _row_fits(ctx, n_points):
     """The row's network with each optimizer; the full run fits them on both cores."""
     epochs = circle_settings(ctx)[1]
-    fits = Parallel(n_jobs=1 if ctx.quick else 2)(
-        delayed(in_one_thread)(relu_fit, worker_context(ctx), name, epochs=epochs,
-                               n_points=n_points)
-        for name in OPTIMIZERS)
+    fits = parallel_map(_relu_fit, [(worker_context(ctx), name, epochs, n_points)
+                                    for name in OPTIMIZERS],
+                        n_jobs=1 if ctx.quick else ctx.n_jobs)
     return dict(zip(OPTIMIZERS, fits))
 
 

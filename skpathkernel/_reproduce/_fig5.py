@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from joblib import Parallel, delayed
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import ConfusionMatrixDisplay, confusion_matrix
 from sklearn.neighbors import KNeighborsClassifier
@@ -15,7 +14,7 @@ from ._common import (
     digits_estimator,
     digits_fit,
     digits_split,
-    in_one_thread,
+    parallel_map,
     progress,
     save,
     scaled_printed,
@@ -110,9 +109,8 @@ def sweep(ctx, est, X_train, y_train, X_hand, y_hand, X_print, y_print):
         rows.append(_confusion_cell(f"the row's network, printed jitter seed {seed}", yp,
                                     est.predict(Xp)))
     data = (X_train, y_train, X_hand, y_hand, X_print, y_print)
-    rows += Parallel(n_jobs=2)(delayed(in_one_thread)(_sweep_fit, worker_context(ctx), name,
-                                                      change, *data)
-                               for name, change in VARIANTS)
+    rows += parallel_map(_sweep_fit, [(worker_context(ctx), name, change, *data)
+                                      for name, change in VARIANTS], n_jobs=ctx.n_jobs)
     for name, model in _input_models().items():
         model.fit(X_train, y_train)
         rows.append(_confusion_cell(f"input space: {name}", y_print, model.predict(X_print),

@@ -14,7 +14,7 @@ from ..kernels import step_kernel
 from ..plotting import KernelNeighborsDisplay
 from ._common import (
     circle_data,
-    circle_fit,
+    circle_fits,
     circle_settings,
     decision_regions,
     progress,
@@ -49,9 +49,9 @@ def figure9_section(ctx):
                          kind="stable")[:, :n_neighbors]
     eucl = float(np.mean(KernelNeighborsDisplay(X, y, ANCHORS, eucl_nb).purity()))
     with progress("figure 9", len(OPTIMIZERS)) as tick:
+        fits = circle_fits(ctx, OPTIMIZERS)
         fig, axes = subplots(2, 4, figsize=(18, 9))
-        for col, name in enumerate(OPTIMIZERS):
-            est = circle_fit(ctx, name)
+        for col, (name, est) in enumerate(fits.items()):
             acc = est.score(X_test, y_test)
             decision_regions(axes[0, col], est.decision_function, X, y,
                              title=f"({'abcd'[col]}) {name}: test acc {acc:.3f}")

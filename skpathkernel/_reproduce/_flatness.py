@@ -9,7 +9,7 @@ multi-index model, not a threshold this task could pass or fail.
 from __future__ import annotations
 
 from ..diagnostics import hessian_trace_path
-from ._common import circle_data, circle_fit
+from ._common import circle_data, circle_fits
 from ._report import Row
 
 _OPTIMIZERS = ("sgd", "sgd+momentum", "adam", "rmsprop")
@@ -20,8 +20,7 @@ def flatness_section(ctx):
     n_points, n_probes = (4, 50) if ctx.quick else (6, 200)
     _, _, X_test, y_test = circle_data(ctx)
     rows = []
-    for name in _OPTIMIZERS:
-        clf = circle_fit(ctx, name)
+    for name, clf in circle_fits(ctx, _OPTIMIZERS).items():
         acc = clf.score(X_test, y_test)
         path = hessian_trace_path(clf, steps=n_points, n_samples=n_probes, random_state=0)
         end = path[-1]

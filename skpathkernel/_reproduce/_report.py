@@ -29,9 +29,25 @@ class Context:
     device: str
     # Where optional data sets lie (CIFAR-10); None: scikit-learn's data home.
     data_home: str | None = None
+    # Processes that independent cells (sweep cells, fits, seed blocks) are spread over.
+    n_jobs: int = 2
     # Fitted estimators shared between sections (figures 1, 9, 10 and the training section
     # train the same circle networks; figures 2, 5, 6 the same digits network).
     cache: dict = field(default_factory=dict)
+
+
+@dataclass
+class SectionTime:
+    """A section's wall time and CPU time, in seconds: the main process's and the sum of
+    its worker processes' (the cells spread over ``n_jobs``)."""
+
+    wall: float
+    cpu: float = 0.0
+    workers: float = 0.0
+
+    def __str__(self):
+        return (f"wall {self.wall:.1f} s, CPU {self.cpu + self.workers:.1f} s = main "
+                f"{self.cpu:.1f} + workers {self.workers:.1f}")
 
 
 @dataclass
@@ -76,6 +92,23 @@ def _header_line(header):
             f"{header['python']}; mode: {header['mode']}; device: {header['device']}.")
 
 
+def _time_rows(sections):
+    """One row per section and the total: where the run's time went."""
+    rows = [{"section": name, "wall s": f"{t.wall:.1f}", "CPU s, main": f"{t.cpu:.1f}",
+             "CPU s, workers": f"{t.workers:.1f}"} for name, _, t in sections]
+    total = [sum(getattr(t, k) for _, _, t in sections) for k in ("wall", "cpu", "workers")]
+    rows.append({"section": "total", "wall s": f"{total[0]:.1f}",
+                 "CPU s, main": f"{total[1]:.1f}", "CPU s, workers": f"{total[2]:.1f}"})
+    return rows
+
+
+def _time_note(header):
+    return (f"Time per section (n_jobs {header.get('n_jobs', 1)}: the processes the full "
+            "run's independent cells are spread over; load average "
+            f"{header.get('load', '-')} at the start, {header.get('load_end', '-')} at the end: "
+            "on a loaded machine wall time grows, CPU time much less)")
+
+
 def _md_table(rows):
     keys = list(rows[0])
     return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -97,8 +130,8 @@ def write_report(path, header, sections) -> str:
     for _, rows, _ in sections:
         for r in rows:
             lines.append(f"| {r.figure} | {r.claim} | {r.measured} | {_verdict(r.passed)} |")
-    for name, rows, seconds in sections:
-        lines += ["", f"## {name} ({seconds:.1f} s)", ""]
+    for name, rows, time in sections:
+        lines += ["", f"## {name} ({time})", ""]
         for r in rows:
             if r.details:
                 lines += _md_table(r.details)
@@ -106,6 +139,9 @@ def write_report(path, header, sections) -> str:
                 lines += [f"**{r.figure}: {title}**", ""] + _md_table(table)
             if r.reason:
                 lines += [f"**{r.figure}, why it fails:** {r.reason}", ""]
+    if sections:
+        lines += ["", "## time", "", _time_note(header) + ":", ""] + _md_table(
+            _time_rows(sections))
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
     return path
@@ -156,8 +192,8 @@ def write_html(path, header, sections) -> str:
                 parts.append(f'<tr class="figure"><td colspan="4"><img alt="{name}" '
                              f'src="data:image/png;base64,{data}"></td></tr>')
     parts.append("</table>")
-    for name, rows, seconds in sections:
-        parts.append(f"<h2>{html.escape(name)} ({seconds:.1f} s)</h2>")
+    for name, rows, time in sections:
+        parts.append(f"<h2>{html.escape(name)} ({html.escape(str(time))})</h2>")
         for r in rows:
             if r.details:
                 parts += _html_table(list(r.details[0]), r.details)
@@ -167,6 +203,10 @@ def write_html(path, header, sections) -> str:
             if r.reason:
                 parts.append(f"<p><b>{html.escape(r.figure)}, why it fails:</b> "
                              f"{html.escape(r.reason)}</p>")
+    if sections:
+        parts += ["<h2>time</h2>", f"<p>{html.escape(_time_note(header))}:</p>"]
+        time_rows = _time_rows(sections)
+        parts += _html_table(list(time_rows[0]), time_rows)
     parts.append("</body></html>")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(parts) + "\n")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import CIRCLE_SOLVERS, circle_data, circle_fit, progress, save, subplots
+from ._common import CIRCLE_SOLVERS, circle_data, circle_fits, progress, save, subplots
 from ._report import Row
 
 
@@ -14,9 +14,9 @@ def training_section(ctx):
     _, _, X_test, y_test = circle_data(ctx)
     details, accuracies = [], []
     with progress("training", len(CIRCLE_SOLVERS)) as tick:
+        fits = circle_fits(ctx, CIRCLE_SOLVERS)
         fig, ax = subplots(figsize=(6, 4))
-        for name in CIRCLE_SOLVERS:
-            clf = circle_fit(ctx, name)
+        for name, clf in fits.items():
             acc = clf.score(X_test, y_test)
             accuracies.append(acc)
             traj = clf.trajectory_

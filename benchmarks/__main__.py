@@ -166,13 +166,12 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
     # budget (the engine's call: the public one adds the float64 K it returns).
     gram.append([dict(kind="gram", method="skpathkernel_engine", sizes=SMALL if quick else BIG,
                       n=LARGE_N, dtype="float32", repeats=1, large=True)])
-    nets = []
-    for arch in NETS:
-        for n in (256,) if quick and arch != "cnn8" else (256, 1024):
-            nets.append(_net_group(arch, n, "trace", reps))
+    # Quick: N = 128 on every network, where the slowest peers take tens of seconds per
+    # call on one core; the full plan adds N = 1024, the goals' size.
+    net_ns = (128,) if quick else (256, 1024)
+    nets = [_net_group(arch, n, "trace", reps) for arch in NETS for n in net_ns]
     # One output: the rows where nngeometry is timed (see NNG_ARCHS).
-    for arch in NNG_ARCHS:
-        nets.append(_net_group(arch, 256 if quick else 1024, 0, reps))
+    nets += [_net_group(arch, net_ns[-1], 0, reps) for arch in NNG_ARCHS]
     if not quick:
         # The memory goal on (a): its intermediates stay under the budget at N = 20000
         # (one output: the ten-output trace takes ~10x the time for the same blocks'
@@ -488,7 +487,7 @@ def _gram_lines(results, device):
 def _nets_lines(groups, device):
     """The image / token Gram rows: peers, goals, roofline, and the large-N memory row."""
     lines = ["", f"## Tangent-kernel Gram on image and token networks, float32, {device}", "",
-             "The networks of issue 18 (benchmarks/_nets.py): "
+             "The networks of issues 18 and 31 (benchmarks/_nets.py): "
              + "; ".join(f"{k}: {v}" for k, v in NET_LABELS.items())
              + ". Trace over the outputs (divided by C, as neural-tangents' trace_axes). "
              "torch.func: the tutorial recipes, vmap(jacrev) per-sample Jacobians (vmap(grad) "

@@ -660,8 +660,9 @@ def _provenance(args, command, machine):
             "commit": commit or "unknown (not a git checkout)",
             "dirty": None if changed is None else bool(changed),
             "machine": machine, "device": args.device,
-            "threads": (f"{args.threads} per case (--threads {args.threads})" if args.threads
-                        else "the libraries' default per case")}
+            "threads": (f"{args.threads} per case (--threads {args.threads}), the Gram and "
+                        f"path cases pinned to core(s) {pinned_cores(args.threads)}"
+                        if args.threads else "the libraries' default per case")}
 
 
 def _provenance_lines(prov):

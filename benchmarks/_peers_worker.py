@@ -1,5 +1,6 @@
-"""Peer cases that need the peers virtualenv (``benchmarks/setup_peers.sh``): the JAX
-neural-tangents Gram and skorch training, served like :mod:`benchmarks._worker`.
+"""Peer cases that need the peers virtualenv (``benchmarks/setup_peers.sh``): the
+neural-tangents and nngeometry Grams and skorch training, served like
+:mod:`benchmarks._worker`.
 
 Run as ``.venv-peers/bin/python -m benchmarks._peers_worker '<json spec>'``. The venv sees
 the main environment's torch (``--system-site-packages``), so the torch module, its
@@ -27,129 +28,264 @@ def _limit_threads(threads):
         torch.set_num_threads(threads)
 
 
-def _jax_network(module, spec):
-    """The torch network as a JAX function ``f(params, x)`` and its parameters (copied).
+def _custom(apply_fn):
+    """A stax layer for what stax has no layer for: ``apply_fn(params, x)`` with the
+    ``(init_fn, apply_fn, kernel_fn)`` shape ``stax.serial`` composes. Only
+    ``empirical_ntk_fn`` runs it, which calls ``apply_fn`` alone; the infinite-width
+    ``kernel_fn`` of such a layer does not exist and raises."""
 
-    Written with jax.numpy / lax (dot_general, conv_general_dilated, reduce_window,
-    gather): the primitives neural-tangents' structured derivatives have rules for, as
-    ``stax``'s layers emit them. The layouts are torch's (NCHW images, OIHW kernels).
+    def init_fn(rng, input_shape):
+        raise NotImplementedError("parameters are copied from the torch module")
+
+    def kernel_fn(k, **kwargs):
+        raise NotImplementedError("no infinite-width kernel for a custom layer")
+
+    return init_fn, lambda params, x, **kw: apply_fn(params, x), kernel_fn
+
+
+def _stax_network(module, spec):
+    """The torch network written with neural-tangents' ``stax`` as its documentation
+    writes networks (``stax.serial``, ``stax.Dense``, ``stax.Conv`` on NHWC images,
+    ``stax.Relu``, ``FanOut`` / ``parallel`` / ``FanInSum`` residuals, ``GlobalAvgPool``,
+    ``LayerNorm``), its parameters the torch weights, transposed to stax's layouts.
+
+    Returns ``(apply_fn, params, to_input)``: ``to_input`` maps the torch inputs to the
+    stax ones (NCHW -> NHWC). ``parameterization="standard"`` makes ``Dense`` / ``Conv``
+    compute ``x W + b`` as torch does (the default "ntk" scales by ``1 / sqrt(fan_in)``,
+    another function with another tangent kernel). Custom layers (:func:`_custom`) stand
+    in where stax has no layer for the torch one, each for a reason given where it is
+    used: max pooling; BatchNorm in eval mode; LayerNorm's affine gain and bias (stax's
+    LayerNorm has none); torch's multi-head attention (stax's ``GlobalSelfAttention`` has
+    no query / key / value biases and scales by ``1 / (d sqrt(d_key))``, so it cannot hold
+    nn.MultiheadAttention's weights); token embeddings; the class token and position
+    embedding; the ``[:, 0]`` readout.
     """
     import jax.numpy as jnp
+    import numpy as np
+    import torch
     from jax import lax
     from jax import nn as jnn
+    from neural_tangents import stax
 
     def arr(t):
-        return jnp.asarray(t.detach().cpu().numpy())
+        return None if t is None else jnp.asarray(t.detach().cpu().numpy())
 
+    def dense(lin, weight=None):
+        W = arr(lin.weight).T if weight is None else weight
+        return stax.Dense(lin.out_features, b_std=1.0, parameterization="standard"), \
+            (W, arr(lin.bias))
+
+    def conv(c):
+        # OIHW -> HWIO, the layout of stax.Conv's default NHWC dimension numbers.
+        W = jnp.transpose(arr(c.weight), (2, 3, 1, 0))
+        b = None if c.bias is None else arr(c.bias).reshape(1, 1, 1, -1)
+        k, pad, stride = c.kernel_size, c.padding, c.stride
+        same = pad == (k[0] // 2, k[1] // 2) and stride == (1, 1)
+        layer = stax.Conv(c.out_channels, k, stride, "SAME" if same else "VALID",
+                          b_std=None if b is None else 1.0, parameterization="standard")
+        if same or pad == (0, 0):
+            return layer, (W, b)
+        # "SAME" with a stride pads low 0 / high 1 where torch pads 1 / 1: torch's padding
+        # explicitly, then a valid convolution.
+        p = ((0, 0), (pad[0], pad[0]), (pad[1], pad[1]), (0, 0))
+        return serial((_custom(lambda _, x: jnp.pad(x, p)), ()), (layer, (W, b)))
+
+    def batchnorm(bn):
+        # Eval mode: a per-channel affine map with fixed statistics; stax has no BatchNorm.
+        mean, inv = arr(bn.running_mean), 1.0 / jnp.sqrt(arr(bn.running_var) + bn.eps)
+        return _custom(lambda gb, x: (x - mean) * inv * gb[0] + gb[1]), \
+            (arr(bn.weight), arr(bn.bias))
+
+    def layernorm(ln):
+        return stax.serial(stax.LayerNorm(axis=-1, eps=ln.eps),
+                           _custom(lambda gb, x: x * gb[0] + gb[1])), \
+            ((), (arr(ln.weight), arr(ln.bias)))
+
+    def attention(mha):
+        heads = mha.num_heads
+
+        def apply(p, x):
+            (Wi, bi), (Wo, bo) = p
+            n, S, d = x.shape
+            q, k, v = jnp.split(x @ Wi.T + bi, 3, axis=-1)
+            q, k, v = (t.reshape(n, S, heads, d // heads).transpose(0, 2, 1, 3)
+                       for t in (q, k, v))
+            w = jnn.softmax(q @ k.transpose(0, 1, 3, 2) / np.sqrt(d // heads), axis=-1)
+            return (w @ v).transpose(0, 2, 1, 3).reshape(n, S, d) @ Wo.T + bo
+
+        return _custom(apply), ((arr(mha.in_proj_weight), arr(mha.in_proj_bias)),
+                                (arr(mha.out_proj.weight), arr(mha.out_proj.bias)))
+
+    def residual(main, shortcut=None):
+        (lm, pm), (ls, ps) = main, shortcut or (stax.Identity(), ())
+        return stax.serial(stax.FanOut(2), stax.parallel(lm, ls), stax.FanInSum()), \
+            ((), (pm, ps), ())
+
+    def serial(*pairs):
+        return stax.serial(*(la for la, _ in pairs)), tuple(p for _, p in pairs)
+
+    relu = (stax.Relu(), ())
     arch = spec.get("arch")
+    nchw_to_nhwc = lambda X: jnp.asarray(X.permute(0, 2, 3, 1).numpy())  # noqa: E731
     if not arch:
-        import torch
-
+        # stax has no tanh layer: Elementwise with the function alone (no NNGP integral,
+        # which only the infinite-width kernel would need).
         linears = [m for m in module if isinstance(m, torch.nn.Linear)]
-        params = [(arr(m.weight).T, arr(m.bias)) for m in linears]
-
-        def f(p, x):
-            for W, b in p[:-1]:
-                x = jnp.tanh(x @ W + b)
-            W, b = p[-1]
-            return x @ W + b
-
-        return f, params
+        pairs = []
+        for lin in linears[:-1]:
+            pairs += [dense(lin), (stax.Elementwise(fn=jnp.tanh), ())]
+        layer, params = serial(*pairs, dense(linears[-1]))
+        return layer[1], params, lambda X: jnp.asarray(X.numpy())
 
     if arch in ("cnn8", "cifar"):
-        import torch
+        convs = [m for m in module if isinstance(m, torch.nn.Conv2d)]
+        head = module[-1]
+        # stax has no max pooling (no infinite-width limit): a reduce_window layer.
+        pool = [(_custom(lambda _, x: lax.reduce_window(
+            x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")), ())] \
+            if arch == "cifar" else []
+        # torch flattens (C, H, W), stax.Flatten (H, W, C): the head's columns reordered.
+        c = convs[-1].out_channels
+        side = int(round((head.in_features // c) ** 0.5))
+        Wh = arr(head.weight).reshape(-1, c, side, side).transpose(2, 3, 1, 0)
+        layer, params = serial(conv(convs[0]), relu, *pool, conv(convs[1]), relu, *pool,
+                               (stax.Flatten(), ()),
+                               dense(head, Wh.reshape(-1, head.out_features)))
+        return layer[1], params, nchw_to_nhwc
 
-        layers = [m for m in module if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
-        params = [(arr(m.weight), arr(m.bias)) for m in layers]
-        pool = arch == "cifar"
+    if arch == "resnet":
+        def block(b):
+            main = serial(conv(b.conv1), batchnorm(b.bn1), relu, conv(b.conv2),
+                          batchnorm(b.bn2))
+            if isinstance(b.shortcut, torch.nn.Identity):
+                return serial(residual(main), relu)
+            return serial(residual(main, serial(conv(b.shortcut[0]),
+                                                batchnorm(b.shortcut[1]))), relu)
 
-        def f(p, x):
-            for W, b in p[:-1]:
-                x = lax.conv_general_dilated(x, W, (1, 1), [(1, 1), (1, 1)],
-                                             dimension_numbers=("NCHW", "OIHW", "NCHW"))
-                x = jnp.maximum(x + b[None, :, None, None], 0.0)
-                if pool:
-                    x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2),
-                                          "VALID")
-            W, b = p[-1]
-            return x.reshape(x.shape[0], -1) @ W.T + b
+        layer, params = serial(conv(module.stem[0]), batchnorm(module.stem[1]), relu,
+                               *(block(b) for b in module.blocks),
+                               (stax.GlobalAvgPool(), ()), dense(module.head))
+        return layer[1], params, nchw_to_nhwc
 
-        return f, params
+    act = {"vit": (stax.Gelu(approximate=False), ()), "transformer": relu}[arch]
 
-    heads = module.encoder.layers[0].self_attn.num_heads
-    params = {"tok": arr(module.tok.weight), "pos": arr(module.pos.weight),
-              "head": (arr(module.head.weight), arr(module.head.bias)), "layers": [
-                  {"in": (arr(la.self_attn.in_proj_weight), arr(la.self_attn.in_proj_bias)),
-                   "out": (arr(la.self_attn.out_proj.weight), arr(la.self_attn.out_proj.bias)),
-                   "ff1": (arr(la.linear1.weight), arr(la.linear1.bias)),
-                   "ff2": (arr(la.linear2.weight), arr(la.linear2.bias)),
-                   "n1": (arr(la.norm1.weight), arr(la.norm1.bias)),
-                   "n2": (arr(la.norm2.weight), arr(la.norm2.bias))}
-                  for la in module.encoder.layers]}
+    def ffn(la):
+        return serial(dense(la.linear1), act, dense(la.linear2))
 
-    def linear(x, Wb):
-        return x @ Wb[0].T + Wb[1]
+    def encoder_layer(la):
+        if la.norm_first:
+            return serial(residual(serial(layernorm(la.norm1), attention(la.self_attn))),
+                          residual(serial(layernorm(la.norm2), ffn(la))))
+        return serial(residual(attention(la.self_attn)), layernorm(la.norm1),
+                      residual(ffn(la)), layernorm(la.norm2))
 
-    def norm(x, gb, eps=1e-5):
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) / jnp.sqrt(var + eps) * gb[0] + gb[1]
+    layers = [encoder_layer(la) for la in module.encoder.layers]
+    if arch == "transformer":
+        # stax has no embedding layer: a gather of the token rows, plus the positions'.
+        embed = _custom(lambda p, ids: p[0][ids] + p[1][: ids.shape[1]])
+        layer, params = serial((embed, (arr(module.tok.weight), arr(module.pos.weight))),
+                               *layers, (stax.GlobalAvgPool(), ()), dense(module.head))
+        return layer[1], params, lambda X: jnp.asarray(X.numpy())
 
-    def attention(x, la):
-        n, S, d = x.shape
-        q, k, v = jnp.split(linear(x, la["in"]), 3, axis=-1)
-        q, k, v = (t.reshape(n, S, heads, d // heads).transpose(0, 2, 1, 3) for t in (q, k, v))
-        w = jnn.softmax(q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(d // heads), axis=-1)
-        return linear((w @ v).transpose(0, 2, 1, 3).reshape(n, S, d), la["out"])
+    def tokens(p, x):
+        n, h, w, d = x.shape
+        x = x.reshape(n, h * w, d)  # row-major patches, torch's flatten(2) order
+        return jnp.concatenate([jnp.broadcast_to(p[0], (n, 1, d)), x], axis=1) + p[1]
 
-    def f(p, ids):
-        x = p["tok"][ids] + p["pos"][jnp.arange(ids.shape[1])]
-        for la in p["layers"]:  # post-norm, ReLU: nn.TransformerEncoderLayer's defaults
-            x = norm(x + attention(x, la), la["n1"])
-            x = norm(x + linear(jnp.maximum(linear(x, la["ff1"]), 0.0), la["ff2"]), la["n2"])
-        return linear(x.mean(1), p["head"])
+    layer, params = serial(conv(module.embed), (_custom(tokens), (arr(module.cls),
+                                                                  arr(module.pos))),
+                           *layers, layernorm(module.norm),
+                           (_custom(lambda _, x: x[:, 0]), ()), dense(module.head))
+    return layer[1], params, nchw_to_nhwc
 
-    return f, params
+
+# A peer's K must equal skpathkernel's to float32 precision, or its row fails: a time is
+# only worth comparing for the same kernel (max |K - K_ref| / max |K_ref|).
+RTOL = 1e-5
+
+
+def _checked(name, K, module, params, X, output="trace"):
+    """The peer's K against skpathkernel's engine, once before the timings; raises (the
+    row then reads "failed" with this message) when they differ."""
+    import numpy as np
+
+    from skpathkernel._tangent import tangent_gram
+
+    ref = tangent_gram(module, params, X, output=output).double().numpy()
+    diff = float(np.abs(np.asarray(K, dtype=np.float64) - ref).max() / np.abs(ref).max())
+    if not diff <= RTOL:
+        raise RuntimeError(f"{name}'s K is not skpathkernel's: max |K - K_ref| / max |K_ref| "
+                           f"= {diff:.1e} > {RTOL:.0e}")
+    return diff
 
 
 def nt_gram_case(spec):
     """neural-tangents ``empirical_ntk_fn``, STRUCTURED_DERIVATIVES, jit-compiled, on the
-    same network with the torch weights copied in (:func:`_jax_network`)."""
-    import numpy as np
-
+    same network written in ``stax`` with the torch weights copied in
+    (:func:`_stax_network`)."""
     from benchmarks._serve import serve
     from benchmarks._worker import gram_problem
-    from skpathkernel._tangent import tangent_gram
 
     module, params, X = gram_problem(spec)
 
     import jax
-    import jax.numpy as jnp
     import neural_tangents as nt
 
-    f, jparams = _jax_network(module, spec)
-    n_out = module(X[:1]).shape[1]
-    # trace_axes=(-1,): the trace over the outputs; neural-tangents averages it (checked
-    # by the relative difference against skpathkernel's trace / C).
+    f, jparams, to_input = _stax_network(module, spec)
+    output = spec.get("output", "trace")
+    if output != "trace":
+        net, f = f, lambda p, x: net(p, x)[:, output:output + 1]
+    # trace_axes=(-1,): the trace over the outputs, which neural-tangents averages, as
+    # skpathkernel's trace does.
     ntk = jax.jit(nt.empirical_ntk_fn(
         f, trace_axes=(-1,), vmap_axes=0,
         implementation=nt.NtkImplementation.STRUCTURED_DERIVATIVES))
-    xj = jnp.asarray(X.numpy())
+    xj = to_input(X)
     t0 = time.perf_counter()
     compiled = ntk.lower(xj, None, jparams).compile()
     compile_s = time.perf_counter() - t0
 
-    def finish(K):
-        ref = tangent_gram(module, params, X).numpy()
-        return {"rel_diff_vs_skpathkernel":
-                float(np.abs(np.asarray(K) - ref).max() / np.abs(ref).max()),
-                "n_outputs": n_out}
+    def call():
+        return compiled(xj, None, jparams).block_until_ready()
 
-    serve(lambda: compiled(xj, None, jparams).block_until_ready(),
-          {"n_params": sum(p.numel() for p in params.values()), "compile_s": compile_s,
-           "versions": f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
-                       f"neural-tangents {nt.__version__}"},
-          finish)
+    serve(call, {"n_params": sum(p.numel() for p in params.values()), "compile_s": compile_s,
+                 "rel_diff_vs_skpathkernel": _checked("neural-tangents", call(), module,
+                                                      params, X, output),
+                 "versions": f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
+                             f"neural-tangents {nt.__version__}"},
+          lambda K: {})
+
+
+def nng_gram_case(spec):
+    """nngeometry's ``GramMatrix(model, loader)`` (PyTorch hooks, a ``(C, N, C, N)``
+    result), as its documentation calls it, on the same module, then the trace over the
+    outputs divided by C (``spec["output"]``: the Gram of that output alone, through
+    ``function=``). One batch of all N samples, the loader nngeometry builds itself from
+    a tuple of tensors."""
+    from importlib.metadata import version
+
+    import torch
+    from nngeometry import GramMatrix
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks._serve import serve
+    from benchmarks._worker import gram_problem
+
+    module, params, X = gram_problem(spec)
+    loader = DataLoader(TensorDataset(X), batch_size=len(X))
+    output = spec.get("output", "trace")
+    # nngeometry's own argument for a function of the model other than its output.
+    function = None if output == "trace" else lambda x: module(x)[:, output:output + 1]
+
+    def call():
+        G = GramMatrix(module, loader, function=function).to_torch()
+        return torch.einsum("inim->nm", G) / G.shape[0]
+
+    serve(call, {"n_params": sum(p.numel() for p in params.values()),
+                 "rel_diff_vs_skpathkernel": _checked("nngeometry", call(), module, params,
+                                                      X, output),
+                 "versions": f"nngeometry {version('nngeometry')}"},
+          lambda K: {})
 
 
 def skorch_training_case(spec):
@@ -181,4 +317,5 @@ def skorch_training_case(spec):
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     _limit_threads(spec.get("threads"))
-    {"nt_gram": nt_gram_case, "skorch_training": skorch_training_case}[spec["kind"]](spec)
+    {"nt_gram": nt_gram_case, "nng_gram": nng_gram_case,
+     "skorch_training": skorch_training_case}[spec["kind"]](spec)

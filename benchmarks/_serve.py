@@ -104,11 +104,14 @@ def serve(call, info, finish, peak=PeakRSS, sync=lambda: None):
 class Server:
     """Client side: one case process, asked one command at a time."""
 
-    def __init__(self, cmd, *, cwd, env=None):
+    def __init__(self, cmd, *, cwd, env=None, cores=None):
+        """``cores``: CPU indices the process (and every thread it starts) is pinned to."""
         self.cmd = cmd
+        # Pinned before exec, so that no thread pool sized at import sees other cores.
+        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, preexec_fn=pin)
         # stderr is drained by a thread: a chatty peer (TensorFlow's logging) would
         # otherwise fill the pipe and block.
         self._err: list[str] = []

@@ -79,12 +79,14 @@ def gram_problem(spec, device="cpu"):
     return module, params, X
 
 
-def _vmap_recipe(module, params, X):
+def _vmap_recipe(module, params, X, output="trace"):
     """The PyTorch tutorial recipes: per-sample gradients by vmap(grad) (one output) or
-    Jacobians by vmap(jacrev) (several, the NTK tutorial's), then the trace J J^T / C."""
+    Jacobians by vmap(jacrev) (several, the NTK tutorial's), then the trace J J^T / C;
+    ``output``: an index, that output's Gram alone."""
+    keep = slice(None) if output == "trace" else slice(output, output + 1)
 
     def f(p, x):
-        return functional_call(module, p, (x.unsqueeze(0),)).reshape(-1)
+        return functional_call(module, p, (x.unsqueeze(0),)).reshape(-1)[keep]
 
     n_out = f(params, X[0]).shape[0]
     if n_out == 1:
@@ -95,13 +97,15 @@ def _vmap_recipe(module, params, X):
     return J @ J.T / n_out
 
 
-def _loop(module, params, X):
+def _loop(module, params, X, output="trace"):
     """Per-sample autograd loop: N backward passes, then J J^T."""
     live = [p.detach().requires_grad_(True) for p in params.values()]
     named = dict(zip(params, live))
     rows = []
     for x in X:
-        f = functional_call(module, named, (x.unsqueeze(0),)).squeeze()
+        f = functional_call(module, named, (x.unsqueeze(0),)).reshape(-1)
+        # One-output networks (the only ones this peer runs on), or the output asked for.
+        f = f[0 if output == "trace" else output]
         rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(f, live)]))
     J = torch.stack(rows)
     return J @ J.T
@@ -129,7 +133,7 @@ def _gram_call(spec, module, params, X):
     if spec["method"] == "skpathkernel_engine":
         return lambda: tangent_gram(module, params, X, output=output)
     peer = PEERS[spec["method"]]
-    return lambda: peer(module, params, X)
+    return lambda: peer(module, params, X, output)
 
 
 def gram_case(spec):

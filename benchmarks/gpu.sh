@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Rows 1-4 of the benchmark (tangent Gram with its peers and roofline, the image and
-# token networks' Gram rows and the CNN's path kernel, training with recording,
-# decomposition) on a CUDA device, written per group to
+# token networks' Gram rows -- CNNs, transformer, ResNet and ViT -- and the CNN's, the
+# ResNet's and the ViT's path kernels, training with recording, decomposition) on a CUDA
+# device, written per group to
 # benchmarks/results/<group>[-quick]-cuda.md / .json. Peers that cannot use the GPU are listed as skipped
-# (neural-tangents: the peers venv holds a CPU-only jaxlib; skorch and MLPRegressor are in
+# (neural-tangents and nngeometry: the peers venv holds a CPU-only jaxlib and torch, so
+# both are measured on the CPU run; skorch and MLPRegressor are in
 # the CPU-only peers_training table, not run here). The full plan takes minutes on the
 # CPU of a 2-core machine; on a GPU its cost is mostly the ~45 case processes' start-up
 # (torch + CUDA context, a few seconds each) and the N = 20000 CNN Gram, estimated at 5-7
-# minutes, under the 8-minute budget; pass --quick to halve it. The CUDA tests of the
+# minutes before the ResNet and ViT rows were added (not estimated since: the ViT's class
+# token and position embedding go through the generic fallback until they have a rule);
+# pass --quick to halve it. The CUDA tests of the
 # rules run apart: pytest tests/test_rules.py -k cuda. Not yet run on a GPU: no device
 # was available when it was written. No timeout kill: a run cut short would write nothing.
 # Usage: bash benchmarks/gpu.sh [--quick] [extra python -m benchmarks options]

@@ -1,0 +1,80 @@
+"""The benchmark's ResNet and ViT rows and its process pinning.
+
+The networks of ``benchmarks/_nets.py`` are what the Gram and path rows time: their
+tangent kernel (trace over the outputs, divided by C) is checked against dense
+per-sample Jacobians, in float64. The peers' own agreement (neural-tangents' stax
+network, nngeometry) is checked inside every benchmark run, in the peers venv.
+"""
+
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _reference import jacobian_loop
+
+from benchmarks import _nets
+from benchmarks.__main__ import _fastest_peer, pinned_cores
+from benchmarks._serve import Server
+from skpathkernel._tangent import tangent_gram
+
+
+@pytest.mark.parametrize("arch", ["resnet", "vit"])
+def test_new_rows_gram_matches_dense_jacobians(arch):
+    torch.manual_seed(0)
+    module = _nets.build(arch).double()
+    X = _nets.inputs(arch, 5, torch.float64)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    with warnings.catch_warnings():
+        # The ViT's raw class token and position embedding take the fallback, and say so.
+        warnings.simplefilter("ignore")
+        K = tangent_gram(module, params, X)
+    J = jacobian_loop(module, X)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
+    np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())
+
+
+def test_resnet_batchnorm_uses_running_statistics():
+    torch.manual_seed(0)
+    module = _nets.build("resnet")
+    assert not module.training
+    X = _nets.inputs("resnet", 3)
+    # Eval mode: each sample's output does not depend on the others in its batch.
+    together = module(X)
+    alone = torch.cat([module(x[None]) for x in X])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_case_processes_are_pinned_to_the_chosen_cores():
+    own = sorted(os.sched_getaffinity(0))
+    cores = pinned_cores(1)
+    assert cores == own[:1]
+    assert pinned_cores(None) is None
+    report = ("import json, os; print(json.dumps({'ready': True, "
+              "'cores': sorted(os.sched_getaffinity(0))}))")
+    server = Server([sys.executable, "-c", report], cwd=os.getcwd(), cores=cores)
+    try:
+        assert server.info["cores"] == cores
+    finally:
+        server.kill()
+    free = Server([sys.executable, "-c", report], cwd=os.getcwd())
+    try:
+        assert free.info["cores"] == own
+    finally:
+        free.kill()
+
+
+def test_fastest_peer_ignores_our_rows_and_the_baseline():
+    def row(method, times, **spec):
+        return {"spec": {"method": method, **spec}, "times": times}
+
+    group = [row("skpathkernel", [2.0, 2.0, 4.0]), row("skpathkernel_engine", [0.5]),
+             row("skpathkernel", [0.1], baseline="/tree"), row("vmap_grad", [9.0, 7.0]),
+             row("nngeometry", [3.0, 5.0]), {"spec": {"method": "neural_tangents"},
+                                             "skipped": "no venv"}]
+    # Medians: ours 2.0; torch.func 8.0, nngeometry 4.0: the fastest peer is nngeometry.
+    assert _fastest_peer(group) == ("nngeometry", 2.0)
+    assert _fastest_peer(group[:3]) is None

@@ -17,6 +17,11 @@ one of its parameters is read in any other way than the layer's own operation (a
 ``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see :class:`_UseWatch`,
 and :func:`_numerical_misfits` for reads torch functions do not see). The reason is kept
 per parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
+
+Parameters that no rule layer holds (a class token, a position embedding, a gain kept
+as a raw ``nn.Parameter``) are watched too: one read through a registered elementwise
+operation (:mod:`._parameters`), broadcast over the samples, is a site whose backprop
+gives their per-sample gradient; any other read leaves them to the fallback.
 """
 
 from __future__ import annotations
@@ -55,8 +60,9 @@ class Capture:
     names the parameters whose layers were sent to the fallback because a parameter of
     theirs is read outside the layer (given by the caller or found by this capture);
     ``declined`` those of rule layers sent there for another reason (called twice, an
-    input the rule does not accept, rows that are not the samples), which every block of
-    one call must route alike; ``reasons`` says why, per parameter of a rule layer.
+    input the rule does not accept, rows that are not the samples) and the raw
+    parameters that no elementwise rule covers, which every block of one call must route
+    alike; ``reasons`` says why, per parameter of a rule layer.
     """
 
     terms: list[Term]

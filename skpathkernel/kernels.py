@@ -461,9 +461,15 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
             Xt.shape[1] != mlp.n_inputs or (Yt is not None and Yt.shape[1] != mlp.n_inputs):
         return None
     n_out = mlp.linears[-1].d_out
-    if output == "full":
-        return None  # the C x C blocks: the step-by-step sum
-    if output == "trace":
+    full = output == "full"
+    # K(X, X) holds its own diagonal: taken from it, so that a normalized Gram's
+    # diagonal is exactly the normalized diag().
+    own_diag = gram and diag and Yt is None
+    if full and diag and not own_diag:
+        return None  # the diagonal blocks alone: the step-by-step sum
+    if full:
+        outputs, scale = list(range(n_out)), 1.0
+    elif output == "trace":
         outputs, scale = list(range(n_out)), 1.0 / n_out
     elif -n_out <= output < n_out:
         outputs, scale = [output % n_out], 1.0
@@ -499,13 +505,10 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
             f"module's by {error:.2g} (relative); it falls back to the step-by-step sum.",
             RuntimeWarning, stacklevel=4)
         return None
-    # K(X, X) holds its own diagonal: taken from it, so that a normalized Gram's
-    # diagonal is exactly the normalized diag().
-    own_diag = gram and diag and Yt is None
     sums = stacked_path_sum(mlp, layout, load, weights, Xt, Yt, outputs=outputs,
                             trace_scale=scale, weighted=weighted,
                             memory_budget=net.memory_budget, gram=gram,
-                            diag=diag and not own_diag)
+                            diag=diag and not own_diag, full=full)
     if sums is None or not own_diag:
         return sums
     K = sums[0]
@@ -816,8 +819,7 @@ class PathKernel(_NetworkKernel):
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.
     ``output="full"`` gives the ``(n_X, n_Y, C, C)`` blocks as :class:`TangentKernel`
-    does (see its Notes; a plain MLP's path, which the trace sums over blocks of points
-    at once, is then summed point by point).
+    does (see its Notes).
 
     Parameters
     ----------

@@ -13,6 +13,7 @@ from numpy.testing import assert_allclose
 from torch.func import functional_call
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._tangent import _stacked
 from skpathkernel._tangent._stacked import stacked_mlp, stacked_path_sum
 from skpathkernel.kernels import PathKernel, path_weights
 
@@ -43,16 +44,19 @@ def _reference(est, A, B=None, start=0, stop=None, output="trace"):
     traj = net.trajectory
     A = torch.as_tensor(A, dtype=torch.float64)
     B = A if B is None else torch.as_tensor(B, dtype=torch.float64)
-    K = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64)
+    K = 0.0
     for k, w in path_weights(traj, start, stop):
         params = {name: p.double() for name, p in net.params_at(k).items()}
         ja, jb = _jacobian(net.module, params, A), _jacobian(net.module, params, B)
         D = traj.preconditioner(min(k, len(traj) - 2))
         D = torch.ones(ja.shape[2], dtype=torch.float64) if D is None else D.double()
+        if output == "full":
+            K = K + w * torch.einsum("ncp,p,mdp->nmcd", ja, D, jb)
+            continue
         if output != "trace":
             ja, jb = ja[:, output : output + 1], jb[:, output : output + 1]
         C = ja.shape[1]
-        K += w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / C
+        K = K + w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / C
     return K.numpy()
 
 
@@ -128,6 +132,64 @@ def test_blocks_and_panels_that_do_not_divide(solver, block, panel):
                                weighted=weighted, memory_budget=2**30, block=block, panel=panel)
     assert_allclose(K.numpy(), _reference(est, X[:11], X[11:18], output=1), rtol=1e-10,
                     atol=1e-13)
+
+
+@pytest.mark.parametrize("solver", SOLVERS, ids=lambda s: s["solver"] + str(s.get("momentum", "")))
+@pytest.mark.parametrize("block,panel,units", [(None, None, None), (8, 5, 4), (5, 3, 1)])
+def test_full_blocks_over_blocks_of_points(solver, block, panel, units, monkeypatch):
+    """output="full": rank-one blocks (SGD) and units (Adam, RMSprop), with blocks of
+    points, panels and chunks of units that leave a remainder."""
+    if units is not None:
+        monkeypatch.setattr(_stacked, "_FULL_CHUNK", units)
+    budget = 2**30
+    est = _fit(PathKernelClassifier, solver)
+    traj = est.trajectory_
+    layout, start = {}, 0
+    for name, shape in zip(traj.names, traj.shapes):
+        layout[name] = (start, int(np.prod(shape)))
+        start += layout[name][1]
+    weighted = traj.solver_spec.name != "sgd"
+
+    def load(points):
+        theta = torch.stack([traj.parameters(k) for k in points])
+        if not weighted:
+            return theta, None
+        return theta, torch.stack([traj.preconditioner(min(k, len(traj) - 2)) for k in points])
+
+    mlp = stacked_mlp(est.network_.module, traj.names)
+    A, B = torch.as_tensor(X[:11]), torch.as_tensor(X[11:18])
+    kw = dict(outputs=[0, 1, 2], weighted=weighted, memory_budget=budget, block=block,
+              panel=panel, full=True)
+    K, _, _ = stacked_path_sum(mlp, layout, load, path_weights(traj), A, **kw)
+    assert K.shape == (11, 11, 3, 3)
+    assert_allclose(K.numpy(), _reference(est, X[:11], output="full"), rtol=1e-10,
+                    atol=1e-13)
+    assert np.array_equal(K.numpy(), K.numpy().transpose(1, 0, 3, 2))
+    K, _, _ = stacked_path_sum(mlp, layout, load, path_weights(traj), A, B, **kw)
+    assert_allclose(K.numpy(), _reference(est, X[:11], X[11:18], output="full"), rtol=1e-10,
+                    atol=1e-13)
+
+
+def test_path_kernel_full_takes_the_stacked_route(monkeypatch):
+    from skpathkernel import kernels
+
+    est = _fit(PathKernelClassifier, SOLVERS[2])
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["full"])
+        return stacked_path_sum(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "stacked_path_sum", spy)
+    K = PathKernel(est, output="full")(X[:6], X[30:34])
+    assert calls == [True]
+    assert_allclose(K, _reference(est, X[:6], X[30:34], output="full"), rtol=1e-10,
+                    atol=1e-13)
+    # The diagonal blocks alone: the step-by-step sum.
+    d = PathKernel(est, output="full").diag(X[:6])
+    assert calls == [True]
+    assert_allclose(d, np.einsum("iicd->icd", _reference(est, X[:6], output="full")),
+                    rtol=1e-10, atol=1e-13)
 
 
 def test_float32_equals_step_by_step_to_rounding():

@@ -67,6 +67,10 @@ _PANEL = 256
 # Bytes of one chunk of the "units" route's products: about a core's L2 cache.
 _CACHE = 2**21
 
+# Most units per chunk of the full blocks' "units" route: the inner dimension of its
+# batched GEMMs.
+_FULL_CHUNK = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class _Linear:
@@ -260,14 +264,44 @@ def _ones(a: torch.Tensor, lin: _Linear) -> torch.Tensor:
 
 
 def _rank1(out, fx, fy, w) -> None:
-    """``out += sum_b w_b (A A'^T) * (Delta Delta'^T)`` for one layer."""
+    """``out += sum_b w_b (A A'^T) * (Delta Delta'^T)`` for one layer.
+
+    ``out`` of shape ``(N, C, M, C)`` takes the ``C x C`` blocks: ``Delta_c Delta'_d^T``.
+    """
     (ax, dx), (ay, dy) = fx, fy
-    B, n = dx.shape[:2]
+    B, n, C, p = dx.shape
     m = dy.shape[1]
     Ga = torch.bmm(ax, ay.transpose(1, 2))
+    if out.ndim == 4:
+        Gd = torch.bmm(dx.reshape(B, n * C, p), dy.reshape(B, m * C, p).transpose(1, 2))
+        Gd = Gd.view(B, n, C, m, C).mul_(Ga[:, :, None, :, None])
+        out.add_(torch.mm(w[None, :], Gd.view(B, -1)).view(out.shape))
+        return
     Gd = torch.bmm(dx.reshape(B, n, -1), dy.reshape(B, m, -1).transpose(1, 2))
     Gd.mul_(Ga)
     out.add_(torch.mm(w[None, :], Gd.view(B, n * m)).view(n, m))
+
+
+def _units_full(out, fx, fy, wD, chunk: int) -> None:
+    """The ``C x C`` blocks of :func:`_units`: ``out[i, c, j, d] += sum_b sum_o
+    Delta_ico Delta'_jdo (A (w_b D_bo) A'^T)_ij``.
+
+    Per chunk of units, ``T[i, o, j, d] = H_o[i, j] Delta'_jdo`` (one elementwise pass of
+    ``N M C`` per unit) and one batched GEMM over the rows ``i``: ``Delta_i (C x u)`` times
+    ``T_i (u x M C)``, ``2 N M C^2`` FLOPs per unit, against the trace's ``2 N M C``.
+    """
+    (ax, dx), (ay, dy) = fx, fy
+    B, n, C, p = dx.shape
+    m = ay.shape[1]
+    flat = out.view(n, C, m * C)
+    for b in range(B):
+        ayt = ay[b].T
+        for o in range(0, p, chunk):
+            e = min(o + chunk, p)
+            scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n, m)
+            T = H.permute(1, 0, 2).unsqueeze(3) * dy[b, :, :, o:e].permute(2, 0, 1)
+            flat.baddbmm_(dx[b, :, :, o:e], T.view(n, e - o, m * C))
 
 
 def _units(out, fx, fy, wD, chunk: int) -> None:
@@ -334,12 +368,15 @@ class _Sides:
 
 
 def _contract_panel(out, sides: _Sides, mlp, routes, w, rows, cols, chunk) -> None:
-    """``out += `` the block's Gram over one panel, every layer by its route."""
+    """``out += `` the block's Gram over one panel, every layer by its route (``out`` of
+    shape ``(N, C, M, C)``: the ``C x C`` blocks, rank-one or by units)."""
     for li in range(len(routes)):
         fx = tuple(t[:, rows] for t in sides.fx[li])
         fy = tuple(t[:, cols] for t in sides.fy[li])
         if routes[li] == "rank1":
             _rank1(out, fx, fy, w)
+        elif out.ndim == 4:
+            _units_full(out, fx, fy, sides.wD[li], chunk)
         elif routes[li] == "units":
             _units(out, fx, fy, sides.wD[li], chunk)
         else:
@@ -370,6 +407,7 @@ def stacked_path_sum(
     diag: bool = False,
     block: int | None = None,
     panel: int | None = None,
+    full: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """``sum_k w_k J_k(X) D_k J_k(Y)^T`` (float64) and / or its diagonals over the points.
 
@@ -399,13 +437,21 @@ def stacked_path_sum(
         Points per block; None sizes it from the budget.
     panel : int, default=None
         Rows and columns of the Gram's panels; None: 256.
+    full : bool, default=False
+        The ``C x C`` blocks of the outputs instead of their trace: ``K`` of shape
+        ``(n, m, C, C)`` (``trace_scale`` 1; no diagonals: ``diag`` must be False).
     """
     symmetric = Y is None
     Yt = X if Y is None else Y
     n, m = X.shape[0], Yt.shape[0]
     dtype, itemsize = X.dtype, X.element_size()
     C = len(outputs)
-    routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None)
+    if full and diag:
+        raise ValueError("stacked_path_sum gives no diagonal blocks (full=True, diag=True).")
+    # The full blocks: rank-one products unweighted, else by units (forming the
+    # per-sample gradients costs C p q / (q + C) times more than units there).
+    routes = [("rank1" if not weighted else "units") if full else
+              layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None)
               for lin in mlp.linears]
     widths = [(lin.d_in + 1) + C * lin.d_out for lin in mlp.linears]
     P = max(s + size for s, size in layout.values())
@@ -413,7 +459,8 @@ def stacked_path_sum(
     pr, pc = min(n, panel), min(m, panel)
     # Per point: its parameters and D, both sides' factors, and the panel's products
     # (the "units" route's chunk is bounded separately, below).
-    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc)
+    c2 = C * C if full else 1
+    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc * c2)
     if block is None:
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
@@ -426,11 +473,21 @@ def stacked_path_sum(
     # cache (and in a quarter of the budget).
     unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
     chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
-    K = torch.zeros((n, m), dtype=torch.float64, device=X.device) if gram else None
+    if full:
+        # T of a chunk, (N, u, M, C): a larger chunk makes the batched GEMM's inner
+        # dimension; a quarter of the budget bounds it.
+        chunk = max(1, min(_FULL_CHUNK,
+                           memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C)))
+    K = result = None
+    if gram and full:
+        result = torch.zeros((n, m, C, C), dtype=torch.float64, device=X.device)
+        K = result.permute(0, 2, 1, 3)
+    elif gram:
+        K = result = torch.zeros((n, m), dtype=torch.float64, device=X.device)
     dx = torch.zeros(n, dtype=torch.float64, device=X.device) if diag else None
     dy = None if (symmetric or not diag) else torch.zeros(m, dtype=torch.float64,
                                                           device=X.device)
-    buffer = torch.empty((pr, pc), dtype=dtype, device=X.device)
+    buffer = torch.empty((pr, C, pc, C) if full else (pr, pc), dtype=dtype, device=X.device)
     for s in range(0, len(weights), block):
         points = [k for k, _ in weights[s : s + block]]
         w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
@@ -451,20 +508,34 @@ def stacked_path_sum(
         if not gram:
             continue
         for rows, cols in _panels(n, m, symmetric, panel):
-            out = buffer[: rows.stop - rows.start, : cols.stop - cols.start]
+            r, c = rows.stop - rows.start, cols.stop - cols.start
+            # A full panel contiguous (its rows are viewed as (C, M C) for the GEMMs).
+            out = buffer.view(-1)[: r * c * C * C].view(r, C, c, C) if full else \
+                buffer[:r, :c]
             out.zero_()
             _contract_panel(out, sides, mlp, routes, w, rows, cols, chunk)
             if symmetric and rows == cols:
-                out = 0.5 * (out + out.T)
-            K[rows, cols] += out
+                out = 0.5 * (out + _mirror(out))
+            if full:
+                K[rows, :, cols, :] += out
+            else:
+                K[rows, cols] += out
     if gram and symmetric:
         # The panels right of the diagonal, mirrored below it.
         for rows, cols in _panels(n, m, True, panel):
             if cols.start > rows.start:
-                K[cols, rows] = K[rows, cols].T
+                if full:
+                    K[cols, :, rows, :] = _mirror(K[rows, :, cols, :])
+                else:
+                    K[cols, rows] = K[rows, cols].T
     if diag and symmetric:
         dy = dx
-    return K, dx, dy
+    return result, dx, dy
+
+
+def _mirror(block: torch.Tensor) -> torch.Tensor:
+    """``K(Y, X)`` of a block ``K(X, Y)``: the transpose, of the ``C x C`` blocks too."""
+    return block.permute(2, 3, 0, 1) if block.ndim == 4 else block.T
 
 
 def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,

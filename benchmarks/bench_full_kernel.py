@@ -40,14 +40,17 @@ def _cnn(n_features_in, n_outputs):
 def _cases(quick: bool):
     X, y = load_digits(return_X_y=True)
     X = StandardScaler().fit_transform(X)
-    n = 256 if quick else 1024
-    n_cnn = 128 if quick else 512
-    n_path = 128 if quick else 300
+    # (N, N, 10, 10) float64 blocks: 200 MB at N = 512.
+    n = 256 if quick else 512
+    n_cnn = 128 if quick else 256
+    n_path = 128 if quick else 256
     common = dict(max_iter=3, tol=None, random_state=0, batch_size=128)
     mlp = PathKernelClassifier(hidden_layer_sizes=(256, 256), **common).fit(X[:n], y[:n])
     cnn = PathKernelClassifier(module=_cnn, **common).fit(X[:n_cnn], y[:n_cnn])
     adam = PathKernelClassifier(hidden_layer_sizes=(64,), **common).fit(X[:n_path],
                                                                       y[:n_path])
+    sgd = PathKernelClassifier(hidden_layer_sizes=(64,), solver="sgd", **common).fit(
+        X[:n_path], y[:n_path])
     stop = 6
     return [
         (f"tangent, MLP 64-256-256-10, N={n}", 10,
@@ -57,15 +60,19 @@ def _cases(quick: bool):
          lambda: TangentKernel(cnn, output="full")(X[:n_cnn])),
         (f"path (Adam, {stop} points, step by step), MLP 64-64-10, N={n_path}", 10,
          lambda: _step_by_step(lambda: PathKernel(adam, stop=stop)(X[:n_path])),
-         lambda: PathKernel(adam, stop=stop, output="full")(X[:n_path])),
-        (f"path (Adam, {stop} points, stacked trace), MLP 64-64-10, N={n_path}", 10,
+         lambda: _step_by_step(lambda: PathKernel(adam, stop=stop, output="full")(
+             X[:n_path]))),
+        (f"path (Adam, {stop} points, stacked), MLP 64-64-10, N={n_path}", 10,
          lambda: PathKernel(adam, stop=stop)(X[:n_path]),
          lambda: PathKernel(adam, stop=stop, output="full")(X[:n_path])),
+        (f"path (SGD, {stop} points, stacked), MLP 64-64-10, N={n_path}", 10,
+         lambda: PathKernel(sgd, stop=stop)(X[:n_path]),
+         lambda: PathKernel(sgd, stop=stop, output="full")(X[:n_path])),
     ]
 
 
 def _step_by_step(call):
-    # The trace by the same point-by-point route as "full" (the stacked route off).
+    # The point-by-point route of the general engine (the stacked route off).
     with mock.patch.object(kernels, "_stacked_sum", lambda *a, **k: None):
         return call()
 

@@ -122,7 +122,7 @@ def generator_at(k):
 def update_and_pull(t):
     b = net.trajectory_.batch(t)
     K = step_kernel(net, z_query, Z[b].numpy(), step=t, output="full", preconditioned=True)
-    u = -np.einsum("qcbd,bd->qc", K, R[b].numpy()) / len(b)
+    u = -np.einsum("qbcd,bd->qc", K, R[b].numpy()) / len(b)
     with torch.no_grad():
         x = generator_at(t)(torch.as_tensor(z_query))
     return u, -pull(discriminators[t], x).numpy(), x.numpy()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import numbers
+import sys
 import warnings
 
 import numpy as np
@@ -44,7 +45,14 @@ from ._tangent import (
 )
 from ._validation import check_index
 
-__all__ = ["PathKernel", "TangentKernel", "path_weights", "step_kernel"]
+__all__ = [
+    "PathKernel",
+    "TangentKernel",
+    "full_to_matrix",
+    "matrix_to_full",
+    "path_weights",
+    "step_kernel",
+]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -66,14 +74,123 @@ def _check_flag(value, name):
 
 def _check_output(output):
     if isinstance(output, str):
-        if output != "trace":
-            raise ValueError(
-                f"output must be 'trace' or an int for a kernel, got {output!r} (the full "
-                "C x C blocks are available from step_kernel(..., output='full'))."
-            )
+        if output not in ("trace", "full"):
+            raise ValueError(f"output must be 'trace', 'full' or an int, got {output!r}.")
     elif isinstance(output, bool) or not isinstance(output, numbers.Integral):
-        raise TypeError(f"output must be 'trace' or an int, got {output!r}.")
+        raise TypeError(f"output must be 'trace', 'full' or an int, got {output!r}.")
     return output if isinstance(output, str) else int(output)
+
+
+def _check_normalized(normalized, output):
+    _check_flag(normalized, "normalized")
+    if normalized and output == "full":
+        raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int, "
+                         "not 'full'.")
+
+
+def _refuse_matrix_consumer(kernel) -> None:
+    """A clear error where scikit-learn calls a kernel whose ``output="full"`` blocks
+    are not the 2-D Gram it requires (SVC, KernelRidge, GaussianProcessRegressor, the
+    kernel operators Sum and Product): each would fail later on the 4-D array, or worse,
+    broadcast it."""
+    if kernel.output != "full":
+        return
+    # The caller of the kernel's public method (this function's caller's caller).
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    if caller == "sklearn" or caller.startswith("sklearn."):
+        raise ValueError(
+            f"{type(kernel).__name__}(output='full') gives (n_X, n_Y, C, C) blocks, not the "
+            f"2-D Gram matrix that {caller} needs. Use output='trace' or an int with "
+            "scikit-learn's kernel methods, or call the kernel yourself and pass "
+            "full_to_matrix(K) as a precomputed (n_X * C, n_Y * C) matrix.")
+
+
+def _gram_diagonal(K: torch.Tensor) -> torch.Tensor:
+    """``K(x_i, x_i)`` of a square Gram: ``(n,)``, or the ``(n, C, C)`` blocks of "full"."""
+    if K.ndim == 2:
+        return K.diagonal().clone()
+    return torch.diagonal(K, dim1=0, dim2=1).permute(2, 0, 1).clone()
+
+
+def full_to_matrix(K) -> np.ndarray:
+    """The ``(n_X * C, n_Y * C)`` matrix of a kernel's ``output="full"`` blocks.
+
+    Row ``i * C + c`` and column ``j * C + d`` hold ``K[i, j, c, d]``: sample-major, so
+    that the rows of one sample's ``C`` outputs are adjacent. This is the Gram of the
+    multi-output kernel regression ``vec(F(X)) = K vec(alpha)`` with ``F`` and ``alpha``
+    of shape ``(n, C)`` flattened row-major (``F.reshape(-1)``).
+
+    Parameters
+    ----------
+    K : array-like of shape (n_X, n_Y, C, C)
+        ``TangentKernel(est, output="full")(X, Y)``, or the same from
+        :class:`PathKernel` or :func:`step_kernel`.
+
+    Returns
+    -------
+    G : ndarray of shape (n_X * C, n_Y * C)
+        A new array (the blocks are transposed into place); symmetric when ``K`` is
+        ``K(X, X)``.
+
+    See Also
+    --------
+    matrix_to_full : The inverse.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel.kernels import full_to_matrix, matrix_to_full
+    >>> K = np.arange(2 * 3 * 2 * 2).reshape(2, 3, 2, 2)
+    >>> G = full_to_matrix(K)
+    >>> G.shape, bool(G[1 * 2 + 0, 2 * 2 + 1] == K[1, 2, 0, 1])
+    ((4, 6), True)
+    >>> bool(np.array_equal(matrix_to_full(G, 2), K))
+    True
+    """
+    K = np.asarray(K)
+    if K.ndim != 4 or K.shape[2] != K.shape[3]:
+        raise ValueError(f"K must have shape (n_X, n_Y, C, C) (a kernel's output='full'), "
+                         f"got {K.shape}.")
+    n, m, C, _ = K.shape
+    return np.ascontiguousarray(K.transpose(0, 2, 1, 3)).reshape(n * C, m * C)
+
+
+def matrix_to_full(G, n_outputs: int) -> np.ndarray:
+    """The ``(n_X, n_Y, C, C)`` blocks of an ``(n_X * C, n_Y * C)`` sample-major matrix.
+
+    The inverse of :func:`full_to_matrix`.
+
+    Parameters
+    ----------
+    G : array-like of shape (n_X * C, n_Y * C)
+        Row ``i * C + c``, column ``j * C + d`` for outputs ``c`` and ``d`` of samples
+        ``i`` and ``j``.
+    n_outputs : int
+        ``C``.
+
+    Returns
+    -------
+    K : ndarray of shape (n_X, n_Y, C, C)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from skpathkernel.kernels import matrix_to_full
+    >>> matrix_to_full(np.eye(6), 3)[1, 1]
+    array([[1., 0., 0.],
+           [0., 1., 0.],
+           [0., 0., 1.]])
+    """
+    G = np.asarray(G)
+    if isinstance(n_outputs, bool) or not isinstance(n_outputs, numbers.Integral) \
+            or n_outputs < 1:
+        raise ValueError(f"n_outputs must be a positive int, got {n_outputs!r}.")
+    C = int(n_outputs)
+    if G.ndim != 2 or G.shape[0] % C or G.shape[1] % C:
+        raise ValueError(f"G must be a 2-D array whose sides are multiples of n_outputs="
+                         f"{C}, got shape {G.shape}.")
+    n, m = G.shape[0] // C, G.shape[1] // C
+    return np.ascontiguousarray(G.reshape(n, C, m, C).transpose(0, 2, 1, 3))
 
 
 def _tensors(net: TrainedNetwork, X, Y):
@@ -129,7 +246,7 @@ def step_kernel(
     step : int, default=-1
         Recorded point of ``estimator.trajectory_`` (negative indices count from the end).
     output : "trace", "full" or int, default="trace"
-        See :class:`TangentKernel`; "full" returns ``(n_X, C, n_Y, C)`` blocks.
+        See :class:`TangentKernel`; "full" returns the ``(n_X, n_Y, C, C)`` blocks.
     preconditioned : bool, default=False
         Weight the inner product with the optimizer's diagonal preconditioner at that
         step, as the step actually moved the parameters.
@@ -138,7 +255,7 @@ def step_kernel(
 
     Returns
     -------
-    K : ndarray of float64, shape (n_samples_X, n_samples_Y) or (n_X, C, n_Y, C)
+    K : ndarray of float64, shape (n_samples_X, n_samples_Y) or (n_X, n_Y, C, C)
         The Gram matrix.
 
     Examples
@@ -155,12 +272,9 @@ def step_kernel(
     True
     """
     _check_flag(preconditioned, "preconditioned")
-    _check_flag(normalized, "normalized")
+    output = _check_output(output)
+    _check_normalized(normalized, output)
     check_index(step, "step")
-    if output != "full":
-        output = _check_output(output)
-    elif normalized:
-        raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int.")
     # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
     # whatever X is.
     net = network_of(estimator)
@@ -175,7 +289,7 @@ def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normaliz
     module, params, kw = _step_setup(net, step, output, preconditioned)
     # K in float64 from the start: a float32 network's Gram is widened panel by panel,
     # never held twice (the float64 copy of a 4096^2 Gram cost a third of the call).
-    K = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, **kw)
+    K = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, blocks_last=True, **kw)
     if normalized:
         if Yt is None:
             dx = dy = K.diagonal().clone()
@@ -328,7 +442,8 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
         module, params, kw = _step_setup(net, k, output, True)
         kw.update(exclude=exclude, check_hidden=False)
         if gram:
-            part = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, **kw)
+            part = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64,
+                                blocks_last=True, **kw)
             K = part.mul_(w) if K is None else K.add_(part, alpha=w)
         if diag and not diag_from_gram:
             d = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64).mul_(w)
@@ -337,7 +452,7 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
                 d = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64).mul_(w)
                 dy = d if dy is None else dy.add_(d)
     if diag_from_gram:
-        dx = K.diagonal().clone()
+        dx = _gram_diagonal(K)
     return K, dx, dx if Yt is None else dy
 
 
@@ -351,7 +466,15 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
             Xt.shape[1] != mlp.n_inputs or (Yt is not None and Yt.shape[1] != mlp.n_inputs):
         return None
     n_out = mlp.linears[-1].d_out
-    if output == "trace":
+    full = output == "full"
+    # K(X, X) holds its own diagonal: taken from it, so that a normalized Gram's
+    # diagonal is exactly the normalized diag().
+    own_diag = gram and diag and Yt is None
+    if full and diag and not own_diag:
+        return None  # the diagonal blocks alone: the step-by-step sum
+    if full:
+        outputs, scale = list(range(n_out)), 1.0
+    elif output == "trace":
         outputs, scale = list(range(n_out)), 1.0 / n_out
     elif -n_out <= output < n_out:
         outputs, scale = [output % n_out], 1.0
@@ -387,17 +510,14 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
             f"module's by {error:.2g} (relative); it falls back to the step-by-step sum.",
             RuntimeWarning, stacklevel=4)
         return None
-    # K(X, X) holds its own diagonal: taken from it, so that a normalized Gram's
-    # diagonal is exactly the normalized diag().
-    own_diag = gram and diag and Yt is None
     sums = stacked_path_sum(mlp, layout, load, weights, Xt, Yt, outputs=outputs,
                             trace_scale=scale, weighted=weighted,
                             memory_budget=net.memory_budget, gram=gram,
-                            diag=diag and not own_diag)
+                            diag=diag and not own_diag, full=full)
     if sums is None or not own_diag:
         return sums
     K = sums[0]
-    dx = torch.diagonal(K).clone()
+    dx = _gram_diagonal(K)
     return K, dx, dx
 
 
@@ -463,8 +583,7 @@ class _NetworkKernel(Kernel):
         return f"{type(self).__name__}({type(self.estimator).__name__}, {params})"
 
     def _check_params(self):
-        _check_output(self.output)
-        _check_flag(self.normalized, "normalized")
+        _check_normalized(self.normalized, _check_output(self.output))
         for name in ("step", "start", "stop"):
             if hasattr(self, name):
                 check_index(getattr(self, name), name, allow_none=name == "stop")
@@ -487,17 +606,22 @@ class _NetworkKernel(Kernel):
         Returns
         -------
         K : ndarray of shape (n_samples_X, n_samples_Y)
+            Or ``(n_samples_X, n_samples_Y, C, C)`` for ``output="full"``: ``K[i, j]`` is
+            the ``C x C`` block ``J(x_i) J(y_j)^T`` (:func:`full_to_matrix` makes it the
+            ``(n_X * C, n_Y * C)`` matrix).
         K_gradient : ndarray of shape (n_samples_X, n_samples_X, 0), optional
+            With ``output="full"``, ``K.shape + (0,)``.
         """
         if eval_gradient and Y is not None:
             raise ValueError("Gradient can only be evaluated when Y is None.")
         self._check_params()
+        _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
         X = _validate(net, X)
         Y = None if Y is None else _validate(net, Y, "Y")
         K = self._bind(net)._gram_blocks(X, Y)
         if eval_gradient:
-            return K, np.empty((X.shape[0], X.shape[0], 0))
+            return K, np.empty(K.shape + (0,))
         return K
 
     def diag(self, X) -> np.ndarray:
@@ -512,8 +636,10 @@ class _NetworkKernel(Kernel):
         Returns
         -------
         K_diag : ndarray of shape (n_samples,)
+            Or the ``(n_samples, C, C)`` blocks ``K[i, i]`` for ``output="full"``.
         """
         self._check_params()
+        _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
         X = _validate(net, X)
         d = self._bind(net)._diag_blocks(X)
@@ -578,7 +704,7 @@ class TangentKernel(_NetworkKernel):
     tangent features at point ``step`` of the estimator's recorded trajectory (the
     learned tangent features at the default ``step=-1``). For a network with ``C > 1``
     outputs, ``output="trace"`` gives ``trace(J(x) J(x')^T) / C``; an int selects one
-    output's kernel.
+    output's kernel; ``output="full"`` gives every ``C x C`` block (see Notes).
 
     Computed without forming the Jacobian for ``nn.Linear`` layers (other layers go
     through a chunked ``torch.func`` fallback), in blocks bounded by the estimator's
@@ -590,8 +716,9 @@ class TangentKernel(_NetworkKernel):
         Kept as is (not refitted by ``clone``); its ``network_`` is read at every call.
     step : int, default=-1
         Recorded point of ``estimator.trajectory_``; negative counts from the end.
-    output : "trace" or int, default="trace"
-        Scalar summary of the ``C x C`` kernel blocks, or the output to use.
+    output : "trace", "full" or int, default="trace"
+        Scalar summary of the ``C x C`` kernel blocks, the output to use, or "full":
+        the blocks themselves, an ``(n_X, n_Y, C, C)`` array (Notes).
     normalized : bool, default=False
         Return ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (cosine similarity of tangent
         features); rows of zero-norm features are 0.
@@ -608,6 +735,20 @@ class TangentKernel(_NetworkKernel):
     --------
     PathKernel : The optimizer-weighted sum of step kernels along the trajectory.
     step_kernel : One step's Gram, optionally preconditioned.
+    full_to_matrix : The ``(n_X * C, n_Y * C)`` matrix of ``output="full"``.
+
+    Notes
+    -----
+    ``output="full"`` returns ``K`` of shape ``(n_X, n_Y, C, C)`` with ``K[i, j, c, d]
+    = <d f_c(x_i) / d theta, d f_d(y_j) / d theta>`` (with ``D_k`` and the sum over
+    steps for the path kernel), the layout of neural-tangents' ``trace_axes=()``;
+    :func:`full_to_matrix` turns it into the ``(n_X * C, n_Y * C)`` matrix of
+    multi-output kernel regression, :func:`matrix_to_full` back. It is computed by the
+    same structured engine and memory budget as the trace, at about ``C`` times its
+    cost; ``diag(X)`` returns the ``(n_X, C, C)`` blocks ``K[i, i]``. It is not a
+    scalar kernel: ``normalized=True`` is refused, and scikit-learn's kernel methods
+    (``SVC``, ``KernelRidge``, ``GaussianProcessRegressor``, the ``+`` and ``*`` of
+    kernels), which need a 2-D Gram, get a ``ValueError`` when they call it.
 
     Examples
     --------
@@ -626,6 +767,19 @@ class TangentKernel(_NetworkKernel):
     True
     >>> SVR(kernel=kernel).fit(X, y).predict(X[:2]).shape
     (2,)
+
+    The ``C x C`` blocks of a classifier with three classes:
+
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.kernels import full_to_matrix
+    >>> Xc = np.random.default_rng(0).normal(size=(12, 2)); yc = np.arange(12) % 3
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, tol=None,
+    ...                            dtype="float64", random_state=0).fit(Xc, yc)
+    >>> K = TangentKernel(clf, output="full")(Xc)
+    >>> K.shape, full_to_matrix(K).shape
+    ((12, 12, 3, 3), (36, 36))
+    >>> bool(np.allclose(np.trace(K, axis1=2, axis2=3) / 3, TangentKernel(clf)(Xc)))
+    True
     """
 
     def __init__(self, estimator, step=-1, output="trace", normalized=False, n_jobs=None):
@@ -669,6 +823,8 @@ class PathKernel(_NetworkKernel):
 
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.
+    ``output="full"`` gives the ``(n_X, n_Y, C, C)`` blocks as :class:`TangentKernel`
+    does (see its Notes).
 
     Parameters
     ----------
@@ -677,8 +833,9 @@ class PathKernel(_NetworkKernel):
     start, stop : int or None, default=0, None
         Range of recorded points, with Python slice semantics over the points
         ``0 .. len(trajectory_) - 2`` (the last point has no step leaving it).
-    output : "trace" or int, default="trace"
-        Scalar summary of the ``C x C`` kernel blocks, or the output to use.
+    output : "trace", "full" or int, default="trace"
+        Scalar summary of the ``C x C`` kernel blocks, the output to use, or "full":
+        the blocks themselves, an ``(n_X, n_Y, C, C)`` array (Notes).
     normalized : bool, default=False
         Return ``K(x, x') / sqrt(K(x, x) K(x', x'))``.
     n_jobs : int, default=None

@@ -10,6 +10,10 @@ the Jacobian where that is cheaper. Built-in rules cover ``nn.Linear`` (inputs o
 rank), ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``,
 ``nn.GroupNorm``, ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode and
 ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` is structured end to end).
+A raw ``nn.Parameter`` that no such layer holds is structured when the forward pass
+reads it once in an elementwise ``x + P``, ``x * P`` or ``P.expand(...)`` broadcast over
+the samples (class tokens, position embeddings, LayerScale gains): its per-sample
+gradient is the backprop summed over the broadcast axes (times ``x`` for a product).
 Any other layer with parameters uses an exact ``torch.func`` fallback, which forms
 per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimators warn
 (:class:`FallbackWarning`) when fallback layers hold a large share of the parameters, and

@@ -13,6 +13,7 @@ from numpy.testing import assert_allclose
 from torch.func import functional_call
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._tangent import _stacked
 from skpathkernel._tangent._stacked import _routes, stacked_mlp, stacked_path_sum
 from skpathkernel.kernels import PathKernel, path_weights
 
@@ -43,16 +44,19 @@ def _reference(est, A, B=None, start=0, stop=None, output="trace"):
     traj = net.trajectory
     A = torch.as_tensor(A, dtype=torch.float64)
     B = A if B is None else torch.as_tensor(B, dtype=torch.float64)
-    K = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64)
+    K = 0.0
     for k, w in path_weights(traj, start, stop):
         params = {name: p.double() for name, p in net.params_at(k).items()}
         ja, jb = _jacobian(net.module, params, A), _jacobian(net.module, params, B)
         D = traj.preconditioner(min(k, len(traj) - 2))
         D = torch.ones(ja.shape[2], dtype=torch.float64) if D is None else D.double()
+        if output == "full":
+            K = K + w * torch.einsum("ncp,p,mdp->nmcd", ja, D, jb)
+            continue
         if output != "trace":
             ja, jb = ja[:, output : output + 1], jb[:, output : output + 1]
         C = ja.shape[1]
-        K += w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / C
+        K = K + w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / C
     return K.numpy()
 
 
@@ -95,14 +99,10 @@ def test_thinned_range_and_single_output(solver):
     assert_allclose(K, ref / d[:, None] / d[None, :], rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("solver", SOLVERS[::2], ids=lambda s: s["solver"])
-@pytest.mark.parametrize("block,panel", [(1, 4), (8, 5), (4, 256), (5, 3)])
-def test_blocks_and_panels_that_do_not_divide(solver, block, panel):
-    """Blocks of points and Gram panels of sizes that leave a remainder."""
-    est = _fit(PathKernelClassifier, solver)
-    net, traj = est.network_, est.trajectory_
-    weights = path_weights(traj)
-    assert len(weights) % block or block == 1
+def _stacked_inputs(est):
+    """The fitted network's stacked layers, its parameters' layout in the trajectory's
+    flat vector, ``load`` of the recorded points and whether they carry a D."""
+    traj = est.trajectory_
     layout, start = {}, 0
     for name, shape in zip(traj.names, traj.shapes):
         layout[name] = (start, int(np.prod(shape)))
@@ -115,7 +115,17 @@ def test_blocks_and_panels_that_do_not_divide(solver, block, panel):
             return theta, None
         return theta, torch.stack([traj.preconditioner(min(k, len(traj) - 2)) for k in points])
 
-    mlp = stacked_mlp(net.module, traj.names)
+    return stacked_mlp(est.network_.module, traj.names), layout, load, weighted
+
+
+@pytest.mark.parametrize("solver", SOLVERS[::2], ids=lambda s: s["solver"])
+@pytest.mark.parametrize("block,panel", [(1, 4), (8, 5), (4, 256), (5, 3)])
+def test_blocks_and_panels_that_do_not_divide(solver, block, panel):
+    """Blocks of points and Gram panels of sizes that leave a remainder."""
+    est = _fit(PathKernelClassifier, solver)
+    weights = path_weights(est.trajectory_)
+    assert len(weights) % block or block == 1
+    mlp, layout, load, weighted = _stacked_inputs(est)
     A, B = torch.as_tensor(X[:11]), torch.as_tensor(X[11:18])
     K, dx, dy = stacked_path_sum(mlp, layout, load, weights, A, outputs=[0, 1, 2],
                                  trace_scale=1 / 3, weighted=weighted, memory_budget=2**30,
@@ -128,6 +138,52 @@ def test_blocks_and_panels_that_do_not_divide(solver, block, panel):
                                weighted=weighted, memory_budget=2**30, block=block, panel=panel)
     assert_allclose(K.numpy(), _reference(est, X[:11], X[11:18], output=1), rtol=1e-10,
                     atol=1e-13)
+
+
+@pytest.mark.parametrize("solver", SOLVERS, ids=lambda s: s["solver"] + str(s.get("momentum", "")))
+@pytest.mark.parametrize("block,panel,units", [(None, None, None), (8, 5, 4), (5, 3, 1)])
+def test_full_blocks_over_blocks_of_points(solver, block, panel, units, monkeypatch):
+    """output="full": rank-one blocks (SGD) and units (Adam, RMSprop), with blocks of
+    points, panels and chunks of units that leave a remainder."""
+    if units is not None:
+        monkeypatch.setattr(_stacked, "_FULL_CHUNK", units)
+    budget = 2**30
+    est = _fit(PathKernelClassifier, solver)
+    traj = est.trajectory_
+    mlp, layout, load, weighted = _stacked_inputs(est)
+    A, B = torch.as_tensor(X[:11]), torch.as_tensor(X[11:18])
+    kw = dict(outputs=[0, 1, 2], weighted=weighted, memory_budget=budget, block=block,
+              panel=panel, full=True)
+    K, _, _ = stacked_path_sum(mlp, layout, load, path_weights(traj), A, **kw)
+    assert K.shape == (11, 11, 3, 3)
+    assert_allclose(K.numpy(), _reference(est, X[:11], output="full"), rtol=1e-10,
+                    atol=1e-13)
+    assert np.array_equal(K.numpy(), K.numpy().transpose(1, 0, 3, 2))
+    K, _, _ = stacked_path_sum(mlp, layout, load, path_weights(traj), A, B, **kw)
+    assert_allclose(K.numpy(), _reference(est, X[:11], X[11:18], output="full"), rtol=1e-10,
+                    atol=1e-13)
+
+
+def test_path_kernel_full_takes_the_stacked_route(monkeypatch):
+    from skpathkernel import kernels
+
+    est = _fit(PathKernelClassifier, SOLVERS[2])
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["full"])
+        return stacked_path_sum(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "stacked_path_sum", spy)
+    K = PathKernel(est, output="full")(X[:6], X[30:34])
+    assert calls == [True]
+    assert_allclose(K, _reference(est, X[:6], X[30:34], output="full"), rtol=1e-10,
+                    atol=1e-13)
+    # The diagonal blocks alone: the step-by-step sum.
+    d = PathKernel(est, output="full").diag(X[:6])
+    assert calls == [True]
+    assert_allclose(d, np.einsum("iicd->icd", _reference(est, X[:6], output="full")),
+                    rtol=1e-10, atol=1e-13)
 
 
 def test_float32_equals_step_by_step_to_rounding():
@@ -202,11 +258,12 @@ def test_explain_ranks_the_margin_and_all_outputs_on_request():
         est.explain(Q, method="unrolled")
 
 
-def _module_reference(module, thetas, Ds, weights, A, B, outputs):
-    """sum_k w_k J_k(A) D_k J_k(B)^T / C with the module's own autograd, point by point."""
+def _module_reference(module, thetas, Ds, weights, A, B, outputs, full=False):
+    """sum_k w_k J_k(A) D_k J_k(B)^T / C with the module's own autograd, point by point
+    (``full``: the (n, m, C, C) blocks, not divided by C)."""
     names = [n for n, _ in module.named_parameters()]
     shapes = [p.shape for _, p in module.named_parameters()]
-    K = torch.zeros(A.shape[0], B.shape[0], dtype=torch.float64)
+    K = 0.0
     for theta, D, w in zip(thetas, Ds, weights):
         params, s = {}, 0
         for name, shape in zip(names, shapes):
@@ -214,27 +271,16 @@ def _module_reference(module, thetas, Ds, weights, A, B, outputs):
             s += shape.numel()
         ja = _jacobian(module, params, A)[:, outputs]
         jb = _jacobian(module, params, B)[:, outputs]
-        K += w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / len(outputs)
+        if full:
+            K = K + w * torch.einsum("ncp,p,mdp->nmcd", ja, D, jb)
+        else:
+            K = K + w * torch.einsum("ncp,p,mcp->nm", ja, D, jb) / len(outputs)
     return K
 
 
-@pytest.mark.parametrize("layers", [
-    # An activation after the output layer: no one-hot backprops.
-    lambda: [torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4), torch.nn.Sigmoid()],
-    # Two Linears in a row, one without a bias, below the output layer.
-    lambda: [torch.nn.Linear(3, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5, bias=False),
-             torch.nn.Linear(5, 4)],
-    # A single Linear: the output layer alone.
-    lambda: [torch.nn.Linear(3, 4)],
-    # The output layer right above the first: the merged layer is the first one.
-    lambda: [torch.nn.Linear(3, 7), torch.nn.GELU(), torch.nn.Linear(7, 4, bias=False)],
-], ids=["sigmoid-out", "linear-linear", "single", "two-layers"])
-@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
-@pytest.mark.parametrize("outputs", [[0, 1, 2, 3], [2]], ids=["trace", "one"])
-def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
-    """Output layers with and without one-hot backprops, the layer below them, layers
-    without a bias, and every route (units, dense, rank1), against the module's own
-    autograd Jacobians; strips and panels of several sizes."""
+def _random_path(layers, weighted):
+    """A float64 Sequential of ``layers``, five random points with their D and weights,
+    and the stacked route's ``layout`` and ``load``."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(*layers()).double()
     names = [n for n, _ in module.named_parameters()]
@@ -253,6 +299,31 @@ def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
     def load(points):
         return thetas[points], (Ds[points] if weighted else None)
 
+    return module, mlp, layout, thetas, Ds, weights, load
+
+
+LAYERS = [
+    # An activation after the output layer: no one-hot backprops.
+    lambda: [torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4), torch.nn.Sigmoid()],
+    # Two Linears in a row, one without a bias, below the output layer.
+    lambda: [torch.nn.Linear(3, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5, bias=False),
+             torch.nn.Linear(5, 4)],
+    # A single Linear: the output layer alone.
+    lambda: [torch.nn.Linear(3, 4)],
+    # The output layer right above the first: the merged layer is the first one.
+    lambda: [torch.nn.Linear(3, 7), torch.nn.GELU(), torch.nn.Linear(7, 4, bias=False)],
+]
+LAYER_IDS = ["sigmoid-out", "linear-linear", "single", "two-layers"]
+
+
+@pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
+@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
+@pytest.mark.parametrize("outputs", [[0, 1, 2, 3], [2]], ids=["trace", "one"])
+def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
+    """Output layers with and without one-hot backprops, the layer below them, layers
+    without a bias, and every route (units, dense, rank1), against the module's own
+    autograd Jacobians; strips and panels of several sizes."""
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
     # 40 x 20: wide enough panels for the dense route of one-output layers.
     A = torch.randn(40, 3, dtype=torch.float64)
     B = torch.randn(20, 3, dtype=torch.float64)
@@ -276,6 +347,35 @@ def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
         assert_allclose(K.numpy(), cross.numpy(), rtol=1e-10, atol=1e-13)
         assert_allclose(dy.numpy(), np.diag(_module_reference(
             module, thetas, Ds, ws, B, B, outputs).numpy()), rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
+@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
+@pytest.mark.parametrize("outputs", [[0, 1, 2, 3], [3, 1]], ids=["all", "two"])
+def test_full_blocks_of_every_layout_match_autograd(layers, weighted, outputs, monkeypatch):
+    """full=True with every output's backprop in every layer (no one-hot collapse), on
+    symmetric Grams cut in strips thinner than the panels (16 rows in 256- and 20-wide
+    panels, mirrored square by square) and in square panels, chunks of units that leave
+    a remainder; exactly symmetric blocks."""
+    monkeypatch.setattr(_stacked, "_FULL_CHUNK", 3)
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
+    A = torch.randn(40, 3, dtype=torch.float64)
+    B = torch.randn(20, 3, dtype=torch.float64)
+    ws = [w for _, w in weights]
+    ref = _module_reference(module, thetas, Ds, ws, A, A, outputs, full=True).numpy()
+    cross = _module_reference(module, thetas, Ds, ws, A, B, outputs, full=True).numpy()
+    kw = dict(outputs=outputs, weighted=weighted, memory_budget=2**30, full=True)
+    for block, panel in [(2, 4), (5, 256), (3, 20)]:
+        K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, block=block, panel=panel,
+                                   **kw)
+        assert K.shape == (40, 40, len(outputs), len(outputs))
+        assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
+        assert np.array_equal(K.numpy(), K.numpy().transpose(1, 0, 3, 2))
+        K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, block=block,
+                                   panel=panel, **kw)
+        assert_allclose(K.numpy(), cross, rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="no diagonal blocks"):
+        stacked_path_sum(mlp, layout, load, weights, A, diag=True, **kw)
 
 
 def test_routes_by_cost():

@@ -65,14 +65,23 @@ def test_a_registered_rule_is_used_and_matches_the_loop(registered):
     module = _network()
     params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
     X = torch.randn(6, 3, dtype=torch.float64)
+    # Unregistered, x * gamma takes the elementwise parameter rule already.
     routes = layer_routes(module, X)
     assert [(r.name, r.route) for r in routes] == [
-        ("0", "rule"), ("1", "fallback"), ("3", "rule"), ("4", "fallback"), ("5", "rule")]
-    assert routes[1].reason == "no rule registered for LayerScale" and routes[1].n_params == 4
+        ("0", "rule"), ("1", "rule"), ("3", "rule"), ("4", "rule"), ("5", "rule")]
+    assert routes[1].n_params == 4
 
-    registered(LayerScale, LAYER_SCALE)
-    assert get_rule(LayerScale) is LAYER_SCALE
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0])
+        return _layer_scale_factors(*args)
+
+    rule = Rule(ops=(torch.Tensor.mul,), factors=counted)
+    registered(LayerScale, rule)
+    assert get_rule(LayerScale) is rule
     assert all(r.route == "rule" for r in layer_routes(module, X))
+    assert {id(layer) for layer in calls} == {id(module[1]), id(module[4])}
     assert capture(module, params, X, [0, 1], memory_budget=2**20).fallback == ()
     ref = module
     with torch.no_grad():

@@ -44,6 +44,21 @@ class _RawParameter(nn.Module):
         return self.head(torch.tanh(self.lin(x) * self.scale))
 
 
+class _RawUnstructured(nn.Module):
+    """Raw parameters read by a matrix product and twice: neither has a rule."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.lin = nn.Linear(3, 8)
+        self.mix = nn.Parameter(torch.randn(8, 8) / 3)
+        self.gain = nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, n_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x) @ self.mix)
+        return self.head(h * self.gain + torch.tanh(h * self.gain))
+
+
 class _LinearTwice(nn.Module):
     """One Linear applied twice per forward: its hook cannot tell the calls apart."""
 
@@ -99,11 +114,13 @@ class _WeightReadOutside(nn.Module):
         return self.head(torch.tanh(self.lin(x) + 0.5 * x @ self.lin.weight))
 
 
-MODULES = {"mlp": _mlp, "raw": _RawParameter, "twice": _LinearTwice,
+MODULES = {"mlp": _mlp, "raw": _RawParameter, "rawother": _RawUnstructured,
+           "twice": _LinearTwice,
            "conv": _ConvAndSequence, "norule": _NoRule, "outside": _WeightReadOutside}
 FALLBACK = {
     "mlp": set(),
-    "raw": {"scale"},
+    "raw": set(),  # x * scale: the elementwise parameter rule
+    "rawother": {"mix", "gain"},
     "twice": {"shared.weight", "shared.bias"},
     "conv": set(),
     "norule": {"up.weight", "up.bias"},
@@ -430,7 +447,7 @@ def test_projection_never_forms_jacobian_for_linear_nets(monkeypatch):
     got = project_tangent_features(module, params, X, 32, random_state=0)
     assert torch.equal(got, expected)
     # The same guard does catch the dense route when a layer needs it.
-    module, params, X, _ = _make("raw", 2)
+    module, params, X, _ = _make("rawother", 2)
     with pytest.raises(AssertionError, match="dense"):
         project_tangent_features(module, params, X, 32, random_state=0)
 

@@ -197,7 +197,7 @@ def kernel_update_alignment(net, G, D_t, t, z_query):
     b = traj.batch(t)
     Z, R = np.asarray(net.X_train), np.asarray(net.y_train)
     K = step_kernel(net, z_query, Z[b], step=t, output="full", preconditioned=True)
-    u = -np.einsum("qcbd,bd->qc", K, R[b]) / len(b)
+    u = -np.einsum("qbcd,bd->qc", K, R[b]) / len(b)
     with torch.no_grad():
         x = generator_at(net, G, t)(torch.as_tensor(z_query))
     pull = -discriminator_pull(D_t, x).numpy()

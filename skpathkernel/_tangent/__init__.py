@@ -5,8 +5,9 @@ decomposition: torch in, torch out (no NumPy). Layers with a registered rule
 (:mod:`._rules` states the contract, :mod:`._layers` holds the built-in rules: Linear,
 Conv1d/2d, Embedding, LayerNorm, GroupNorm, BatchNorm in eval mode, MultiheadAttention)
 contribute Kronecker factors with a position axis, contracted by the cheaper exact form
-(:mod:`._contract`); everything else goes through a chunked ``torch.func`` fallback
-(:mod:`._generic`). The public face of the rules is :mod:`skpathkernel.rules`.
+(:mod:`._contract`); raw parameters read once by an elementwise +, * or expand take
+the rules of :mod:`._parameters`; everything else goes through a chunked ``torch.func``
+fallback (:mod:`._generic`). The public face of the rules is :mod:`skpathkernel.rules`.
 """
 
 from ._capture import Capture, capture, forward

@@ -17,6 +17,11 @@ one of its parameters is read in any other way than the layer's own operation (a
 ``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see :class:`_UseWatch`,
 and :func:`_numerical_misfits` for reads torch functions do not see). The reason is kept
 per parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
+
+Parameters that no rule layer holds (a class token, a position embedding, a gain kept
+as a raw ``nn.Parameter``) are watched too: one read through a registered elementwise
+operation (:mod:`._parameters`), broadcast over the samples, is a site whose backprop
+gives their per-sample gradient; any other read leaves them to the fallback.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import grad_times, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian
+from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
 
 __all__ = ["Capture", "capture", "check_per_sample", "value_dtype", "forward"]
@@ -41,6 +47,8 @@ __all__ = ["Capture", "capture", "check_per_sample", "value_dtype", "forward"]
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
 TIED = "a parameter is shared with another module (tied weights)"
+FREE_UNSTRUCTURED = ("a raw nn.Parameter used in its forward other than once, broadcast over "
+                     "the samples, in an elementwise +, * or expand")
 
 
 @dataclass
@@ -52,8 +60,9 @@ class Capture:
     names the parameters whose layers were sent to the fallback because a parameter of
     theirs is read outside the layer (given by the caller or found by this capture);
     ``declined`` those of rule layers sent there for another reason (called twice, an
-    input the rule does not accept, rows that are not the samples), which every block of
-    one call must route alike; ``reasons`` says why, per parameter of a rule layer.
+    input the rule does not accept, rows that are not the samples) and the raw
+    parameters that no elementwise rule covers, which every block of one call must route
+    alike; ``reasons`` says why, per parameter of a rule layer.
     """
 
     terms: list[Term]
@@ -111,7 +120,8 @@ def _inside(prefix: str, outer: str) -> bool:
 
 
 def _rule_layers(module, params, exclude=frozenset()):
-    """Layers with a rule, their rule, and their differentiated parameters' names.
+    """Layers with a rule, their rule, and their differentiated parameters' names; the
+    reasons of those left to the fallback, and the prefixes of every rule layer.
 
     A rule layer owns every parameter of its subtree (nn.MultiheadAttention reads its
     ``out_proj``'s): layers inside a rule layer are not rule layers themselves. Layers
@@ -140,7 +150,21 @@ def _rule_layers(module, params, exclude=frozenset()):
             reasons.update(dict.fromkeys(names.values(), TIED if shared else READ_OUTSIDE))
             continue
         layers.append((layer, rule, names))
-    return layers, reasons
+    return layers, reasons, taken
+
+
+def _free_parameters(module, params, layers_prefixes, exclude) -> list[str]:
+    """Differentiated parameters that no rule layer owns, not tied, not excluded: the
+    candidates for the elementwise parameter rules (:mod:`._parameters`)."""
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    free = []
+    for name, p in module.named_parameters():
+        if name not in params or name in exclude or uses[id(p)] > 1:
+            continue
+        owner = name.rpartition(".")[0]
+        if not any(owner == t or _inside(owner, t) for t in layers_prefixes):
+            free.append(name)
+    return free
 
 
 def _tensors(obj):
@@ -193,9 +217,15 @@ class _UseWatch(TorchFunctionMode):
     """
 
     def __init__(self, owners: dict[int, tuple[int, str]], ops: dict[int, tuple],
-                 layers: dict[int, tuple[nn.Module, Rule]] | None = None):
+                 layers: dict[int, tuple[nn.Module, Rule]] | None = None,
+                 free: dict[int, tuple[str, torch.Tensor]] | None = None):
         super().__init__()
         self.owners, self.ops, self.layers = owners, ops, layers or {}
+        # Free parameters (no rule layer owns them): their reads through a registered
+        # elementwise operation (:mod:`._parameters`) are sites; any other read is a miss.
+        self.free = free or {}
+        self.free_sites: dict[str, list] = {}
+        self.free_misses: set[str] = set()
         # The own call must take every differentiated parameter of its layer: the rule
         # gives each of them a term.
         self.expected: dict[int, set[str]] = {}
@@ -222,7 +252,13 @@ class _UseWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        owned = {self.owners[id(t)] for t in _tensors((args, kwargs)) if id(t) in self.owners}
+        tensors = list(_tensors((args, kwargs)))
+        owned = {self.owners[id(t)] for t in tensors if id(t) in self.owners}
+        free = [self.free[id(t)] for t in tensors if id(t) in self.free] if self.free else []
+        if free:
+            if not owned:
+                return self._free_call(func, args, kwargs, free)
+            self.free_misses.update(name for name, _ in free)
         if not owned:
             return func(*args, **kwargs)
         top = self.frames[-1] if self.frames else None
@@ -236,6 +272,23 @@ class _UseWatch(TorchFunctionMode):
             return out  # h.to(W), h.type_as(W): W only lends its dtype and device
         if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
             self.misfits.update(name for _, name in owned)
+        return out
+
+    def _free_call(self, func, args, kwargs, free):
+        """A call reading free parameters: a site when it is one registered operation on
+        one of them, with grad enabled; else a miss (the parameter falls back)."""
+        site = None
+        if len(free) == 1 and torch.is_grad_enabled():
+            site = parameter_site(func, args, kwargs, free[0][1])
+        out = func(*args, **kwargs)
+        if site is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+            self.free_sites.setdefault(free[0][0], []).append((*site, out))
+            # A copy, so that an in-place op downstream cannot rewrite the site's z.
+            return out.clone()
+        if func in _LIKE and not (args and id(args[0]) in self.free):
+            return out
+        if any(not torch.is_grad_enabled() or o.requires_grad for o in _tensors(out)):
+            self.free_misses.update(name for name, _ in free)
         return out
 
     def _own_call(self, top: _Frame, func, args, kwargs):
@@ -329,14 +382,16 @@ def capture(
         independent samples, so row ``n``'s weights reach only its own factors).
     """
     check_per_sample(module)
-    layers, reasons = _rule_layers(module, params, exclude)
+    layers, reasons, taken = _rule_layers(module, params, exclude)
     # Parameters that require grad give every layer output a graph back to f; only the
     # layer outputs are differentiated, so no parameter gradient is ever computed.
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    free = _free_parameters(module, params, taken, exclude)
     watch = _UseWatch({id(live[full]): (id(layer), full)
                        for layer, _, names in layers for full in names.values()},
                       {id(layer): rule.ops for layer, rule, _ in layers},
-                      {id(layer): (layer, rule) for layer, rule, _ in layers})
+                      {id(layer): (layer, rule) for layer, rule, _ in layers},
+                      {id(live[name]): (name, live[name]) for name in free})
     handles = []
     for layer, _, _ in layers:
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
@@ -355,7 +410,8 @@ def capture(
                        dense_fallback=dense_fallback, weights=weights)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
-    terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons)
+    sites = _accepted_free(free, watch, params, X, reasons, declined)
+    terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons, sites)
     del f, live
 
     # A rule layer's parameter that its rule leaves without a term (an extra parameter
@@ -402,12 +458,32 @@ def _accepted_layers(layers, watch, X, reasons):
     return accepted, declined
 
 
-def _rule_terms(f, accepted, outputs, weights, params, reasons) -> dict[str, Term]:
+def _accepted_free(free, watch, params, X, reasons, declined):
+    """The free parameters read once by a registered operation, broadcast over the
+    samples, as ``(name, op, operand, z)``; the others join ``declined`` (every block
+    then routes them to the fallback alike)."""
+    accepted = []
+    for name in free:
+        calls = watch.free_sites.get(name, [])
+        if name in watch.free_misses or not calls:
+            declined.add(name)  # the fallback's own reason (layer_routes) says why
+            continue
+        op, operand, z = calls[0]
+        if len(calls) > 1 or not broadcast_over_samples(params[name].shape, z, X.shape[0]):
+            declined.add(name)
+            reasons[name] = FREE_UNSTRUCTURED
+            continue
+        accepted.append((name, op, operand, z))
+    return accepted
+
+
+def _rule_terms(f, accepted, outputs, weights, params, reasons, free=()) -> dict[str, Term]:
     """Each accepted layer's terms by parameter name: the backprops to its call's sites
-    (one backward pass per output, or one for a contraction), factored by its rule."""
+    (one backward pass per output, or one for a contraction), factored by its rule; and
+    the terms of the free parameters' sites (``free``, from :func:`_accepted_free`)."""
     terms_by_name: dict[str, Term] = {}
-    if accepted:
-        zs = [z for *_, sites in accepted for z in sites]
+    if accepted or free:
+        zs = [z for *_, sites in accepted for z in sites] + [z for *_, z in free]
         # The scalars whose gradients are the factors' columns: the outputs, or their
         # per-row contraction (the backprops are linear in the output's seed).
         seeds = ([f[:, c].sum() for c in outputs] if weights is None
@@ -419,8 +495,9 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons) -> dict[str, Ter
                                     allow_unused=True)
             for j, (z, gz) in enumerate(zip(zs, g)):
                 grads[j].append(torch.zeros_like(z) if gz is None else gz)
-        deltas = iter([(gs[0].unsqueeze(1) if n_out == 1 else torch.stack(gs, dim=1)).detach()
-                       for gs in grads])
+        deltas = iter(_own_memory([
+            (gs[0].unsqueeze(1) if n_out == 1 else torch.stack(gs, dim=1)).detach()
+            for gs in grads]))
         del grads
         for layer, rule, names, use, sites in accepted:
             layer_deltas = tuple(next(deltas) for _ in sites)
@@ -434,7 +511,35 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons) -> dict[str, Ter
             for name in names.values():
                 if name not in terms_by_name:
                     reasons[name] = "its rule gives this parameter no term"
+        for name, op, operand, _ in free:
+            delta = next(deltas)
+            with torch.no_grad():
+                g = op.grad(delta, params[name].shape,
+                            None if operand is None else operand.detach())
+            if g.untyped_storage().data_ptr() == delta.untyped_storage().data_ptr():
+                g = g.clone()  # its own memory, as every delta's (see _own_memory)
+            terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
     return terms_by_name
+
+
+def _own_memory(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backprops, each in memory of its own.
+
+    Autograd hands one tensor to both inputs of an addition (a residual ``h + f(h)``, a
+    position embedding added to the tokens) and a view of it to the inputs of a
+    ``torch.cat``: with one output, two sites' deltas can share memory, and a block
+    scaled by ``sqrt(D)`` in place (:func:`._gram._scale`) would scale it twice.
+    """
+    seen: set[int] = set()
+    out = []
+    for d in deltas:
+        ptr = d.untyped_storage().data_ptr()
+        if ptr in seen:
+            d = d.clone()
+        else:
+            seen.add(ptr)
+        out.append(d)
+    return out
 
 
 def _numerical_misfits(

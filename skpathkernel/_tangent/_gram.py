@@ -574,6 +574,7 @@ def tangent_gram(
     exclude: frozenset[str] = frozenset(),
     check_hidden: bool = True,
     out_dtype: torch.dtype | None = None,
+    blocks_last: bool = False,
 ) -> torch.Tensor:
     """Tangent-kernel Gram matrix ``J(X) D J(Y)^T`` without forming the Jacobian.
 
@@ -619,10 +620,15 @@ def tangent_gram(
         for a float32 network) equals the Gram converted afterwards, bit for bit, without
         holding it twice: every panel is computed in a reused buffer of the
         computation's dtype and widened as it is written.
+    blocks_last : bool, default=False
+        For "full": return ``(n_X, n_Y, C, C)`` (each pair's ``C x C`` block contiguous,
+        neural-tangents' layout) instead of ``(n_X, C, n_Y, C)``. The blocks are written
+        into that layout directly, so the Gram is never held in both.
 
     Returns
     -------
     K : torch.Tensor of shape (n_samples_X, n_samples_Y), or (n_X, C, n_Y, C) for "full"
+        (``(n_X, n_Y, C, C)`` with ``blocks_last``)
     """
     if params_y is not None:
         params_y = _matching(params, params_y)
@@ -640,12 +646,18 @@ def tangent_gram(
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)
     n, m, n_out = X.shape[0], Y.shape[0], len(outputs)
-    shape = (n, n_out, m, n_out) if mode == "full" else (n, m)
     out_dtype = dtype if out_dtype is None else out_dtype
-    K = torch.empty(shape, dtype=out_dtype, device=X.device)
+    if mode != "full":
+        K = result = torch.empty((n, m), dtype=out_dtype, device=X.device)
+    elif blocks_last:
+        # The engine fills (n, C, m, C) views: a permuted view of the (n, m, C, C) result.
+        result = torch.empty((n, m, n_out, n_out), dtype=out_dtype, device=X.device)
+        K = result.permute(0, 2, 1, 3)
+    else:
+        K = result = torch.empty((n, n_out, m, n_out), dtype=out_dtype, device=X.device)
     panels = None if out_dtype == dtype else _Panels(dtype, X.device)
     _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels)
-    return K
+    return result
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,

@@ -40,7 +40,8 @@ class FallbackWarning(UserWarning):
 
     Examples
     --------
-    A module that reads its parameter through ``*``, for which no rule is registered:
+    A module that reads its parameter through a matrix product, for which no rule is
+    registered:
 
     >>> import warnings
     >>> import numpy as np, torch
@@ -51,7 +52,7 @@ class FallbackWarning(UserWarning):
     ...         super().__init__()
     ...         self.w = torch.nn.Parameter(torch.ones(1))
     ...     def forward(self, x):
-    ...         return x * self.w
+    ...         return x @ self.w
     >>> X = np.linspace(-1, 1, 10).reshape(-1, 1)
     >>> est = PathKernelMachine(module=lambda n_in, n_out: Scale(), max_iter=2, tol=None,
     ...                         random_state=0)
@@ -117,7 +118,8 @@ def _no_rule_reason(layer: nn.Module) -> str:
                 f"get_rule({base.__name__})) if its forward makes the same call)")
     if next(layer.children(), None) is not None:
         return (f"parameters held by {kind.__name__} itself, which has no rule (a raw "
-                "nn.Parameter used in its forward)")
+                "nn.Parameter used in its forward, other than in an elementwise +, * or "
+                "expand)")
     return f"no rule registered for {kind.__name__}"
 
 

@@ -48,6 +48,11 @@ square 256-row panels at N = 1000 and all ``N^2`` at N <= 256) and mirrored; the
 on the diagonal are symmetrised exactly. The block of points ``B`` and the panels are
 sized from ``memory_budget``. Every block's sum is added to a float64 Gram, so the
 result equals the point-by-point sum to float rounding.
+
+``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace: every
+layer keeps its ``C`` backprops (the one-hot and single-backprop collapses sum over the
+outputs), ``"rank1"`` without a preconditioner and ``"units"`` with one
+(:func:`_units_full`, ``2 N M C^2`` FLOPs per unit).
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ _PANEL = 256
 
 # Bytes of one chunk of the "units" route's products: about a core's L2 cache.
 _CACHE = 2**21
+
+# Most units per chunk of the full blocks' "units" route: the inner dimension of its
+# batched GEMMs.
+_FULL_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +222,8 @@ def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
-             outputs: Sequence[int], units_major: bool) -> list[tuple]:
+             outputs: Sequence[int], units_major: bool, collapse: bool = True
+             ) -> list[tuple]:
     """Every Linear's inputs ``a`` (B, N, d_in) and backprops, by one forward and one
     backward pass over the block's points (batched GEMMs).
 
@@ -224,7 +234,8 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     then backprops row ``c`` of the output layer's weights ``V`` times the same
     derivatives ``d`` for every output, so that its products over the outputs,
     ``sum_c V_co^2 d_xo d_yo``, are those of one backprop, ``|V_o| d_o``: its entry is
-    that single one (C = 1).
+    that single one (C = 1). ``collapse=False`` keeps every output's backprop in every
+    layer (the one-hot rows of the output layer too): the ``C x C`` blocks need them.
     """
     params = _layer_params(mlp, theta, layout)
     B = theta.shape[0]
@@ -247,14 +258,19 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
                           else d.unsqueeze(2))
     n, C = X.shape[0], len(outputs)
     sel = torch.as_tensor(list(outputs), device=h.device)
-    delta, merged, deltas, li = None, None, [], len(params)
+
+    def onehot() -> torch.Tensor:
+        eye = torch.zeros(C, h.shape[-1], dtype=h.dtype, device=h.device)
+        eye[torch.arange(C), sel] = 1
+        delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
+        return delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
+
+    delta = None if collapse else onehot()
+    merged, deltas, li = None, [], len(params)
     for it, d in zip(reversed(mlp.items), reversed(derivs)):
         if not isinstance(it, _Linear):
             if delta is None:  # an activation after the output layer: one-hot rows
-                eye = torch.zeros(C, h.shape[-1], dtype=h.dtype, device=h.device)
-                eye[torch.arange(C), sel] = 1
-                delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
-                delta = delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
+                delta = onehot()
             delta = delta * d
             if merged is not None:
                 merged = merged * d
@@ -320,14 +336,46 @@ def _ones(a: torch.Tensor, lin: _Linear) -> torch.Tensor:
 
 
 def _rank1(out, fx, fy, w) -> None:
-    """``out += sum_b w_b (A A'^T) * (Delta Delta'^T)`` for one layer."""
+    """``out += sum_b w_b (A A'^T) * (Delta Delta'^T)`` for one layer.
+
+    ``out`` of shape ``(N, C, M, C)`` takes the ``C x C`` blocks: ``Delta_c Delta'_d^T``.
+    """
     (ax, dx), (ay, dy) = fx, fy
     B, n = dx.shape[:2]
     m = dy.shape[1]
     Ga = torch.bmm(ax, ay.transpose(1, 2))
+    if out.ndim == 4:
+        C, p = dx.shape[2:]
+        Gd = torch.bmm(dx.reshape(B, n * C, p), dy.reshape(B, m * C, p).transpose(1, 2))
+        Gd = Gd.view(B, n, C, m, C).mul_(Ga[:, :, None, :, None])
+        out.add_(torch.mm(w[None, :], Gd.view(B, -1)).view(out.shape))
+        return
     Gd = torch.bmm(dx.reshape(B, n, -1), dy.reshape(B, m, -1).transpose(1, 2))
     Gd.mul_(Ga)
     out.add_(torch.mm(w[None, :], Gd.view(B, n * m)).view(n, m))
+
+
+def _units_full(out, fx, fy, wD, chunk: int) -> None:
+    """The ``C x C`` blocks of :func:`_units`: ``out[i, c, j, d] += sum_b sum_o
+    Delta_ico Delta'_jdo (A (w_b D_bo) A'^T)_ij``.
+
+    The backprops are sample-major (B, N, C, p). Per chunk of units,
+    ``T[i, o, j, d] = H_o[i, j] Delta'_jdo`` (one elementwise pass of ``N M C`` per unit)
+    and one batched GEMM over the rows ``i``: ``Delta_i (C x u)`` times ``T_i (u x M C)``,
+    ``2 N M C^2`` FLOPs per unit, against the trace's ``2 N M C``.
+    """
+    (ax, dx), (ay, dy) = fx, fy
+    B, n, C, p = dx.shape
+    m = ay.shape[1]
+    flat = out.view(n, C, m * C)
+    for b in range(B):
+        ayt = ay[b].T
+        for o in range(0, p, chunk):
+            e = min(o + chunk, p)
+            scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n, m)
+            T = H.permute(1, 0, 2).unsqueeze(3) * dy[b, :, :, o:e].permute(2, 0, 1)
+            flat.baddbmm_(dx[b, :, :, o:e], T.view(n, e - o, m * C))
 
 
 def _units(out, fx, fy, wD, chunk: int) -> None:
@@ -424,7 +472,8 @@ def _rows(f, idx, units_major: bool) -> tuple:
 
 
 def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk) -> None:
-    """``out += `` the block's Gram over one panel, every layer by its route."""
+    """``out += `` the block's Gram over one panel, every layer by its route (``out`` of
+    shape ``(N, C, M, C)``: the ``C x C`` blocks, rank-one or by units)."""
     for li, route in enumerate(routes):
         fx = _rows(sides.fx[li], rows, sides.units_major)
         fy = _rows(sides.fy[li], cols, sides.units_major)
@@ -433,7 +482,7 @@ def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk) -> None:
         elif route == "rank1":
             _rank1(out, fx, fy, w)
         elif route == "units":
-            _units(out, fx, fy, sides.wD[li], chunk)
+            (_units_full if out.ndim == 4 else _units)(out, fx, fy, sides.wD[li], chunk)
         else:
             _dense(out, fx, fy, sides.wD[li])
 
@@ -461,10 +510,17 @@ def _strip(n: int, panel: int) -> int:
     return min(panel, max(16, min(64, -(-n // 4))))
 
 
-def _routes(mlp: StackedMLP, n_outputs: int, weighted: bool, rows: int, cols: int
-            ) -> list[str]:
+def _routes(mlp: StackedMLP, n_outputs: int, weighted: bool, rows: int, cols: int,
+            full: bool = False) -> list[str]:
     """Every Linear's route; an output layer without an activation after it is
-    ``"onehot"``, and the layer below it has one backprop (see :func:`_factors`)."""
+    ``"onehot"``, and the layer below it has one backprop (see :func:`_factors`).
+
+    The full blocks: every layer rank-one unweighted, else by units (forming the
+    per-sample gradients costs ``C p q / (q + C)`` times more than units there), with
+    every output's backprop (the one-hot collapse sums over the outputs).
+    """
+    if full:
+        return ["units" if weighted else "rank1"] * len(mlp.linears)
     routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None, rows, cols)
               for lin, C in zip(mlp.linears, _outputs_per_layer(mlp, n_outputs))]
     if isinstance(mlp.items[-1], _Linear):
@@ -488,6 +544,7 @@ def stacked_path_sum(
     diag: bool = False,
     block: int | None = None,
     panel: int | None = None,
+    full: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """``sum_k w_k J_k(X) D_k J_k(Y)^T`` (float64) and / or its diagonals over the points.
 
@@ -517,21 +574,27 @@ def stacked_path_sum(
         Points per block; None sizes it from the budget.
     panel : int, default=None
         Rows and columns of the Gram's panels; None: 256.
+    full : bool, default=False
+        The ``C x C`` blocks of the outputs instead of their trace: ``K`` of shape
+        ``(n, m, C, C)`` (``trace_scale`` 1; no diagonals: ``diag`` must be False).
     """
     symmetric = Y is None
     Yt = X if Y is None else Y
     n, m = X.shape[0], Yt.shape[0]
     dtype, itemsize = X.dtype, X.element_size()
     C = len(outputs)
+    if full and diag:
+        raise ValueError("stacked_path_sum gives no diagonal blocks (full=True, diag=True).")
     widths = [(lin.d_in + 1) + C * lin.d_out for lin in mlp.linears]
     P = max(s + size for s, size in layout.values())
     panel = _PANEL if panel is None else panel
     strip = _strip(n, panel)
     pr, pc = min(n, strip if symmetric else panel), min(m, panel)
-    routes = _routes(mlp, C, weighted, pr, pc)
+    routes = _routes(mlp, C, weighted, pr, pc, full)
     # Per point: its parameters and D, both sides' factors, and the panel's products
     # (the "units" route's chunk is bounded separately, below).
-    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc)
+    c2 = C * C if full else 1
+    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc * c2)
     if block is None:
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
@@ -544,11 +607,22 @@ def stacked_path_sum(
     # cache (and in a quarter of the budget).
     unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
     chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
-    K = torch.zeros((n, m), dtype=torch.float64, device=X.device) if gram else None
+    if full:
+        # T of a chunk, (N, u, M, C): a larger chunk makes the batched GEMM's inner
+        # dimension; a quarter of the budget bounds it.
+        chunk = max(1, min(_FULL_CHUNK,
+                           memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C)))
+    K = result = None
+    if gram and full:
+        result = torch.zeros((n, m, C, C), dtype=torch.float64, device=X.device)
+        # Written as (n, C, m, C): the panels' layout.
+        K = result.permute(0, 2, 1, 3)
+    elif gram:
+        K = result = torch.zeros((n, m), dtype=torch.float64, device=X.device)
     dx = torch.zeros(n, dtype=torch.float64, device=X.device) if diag else None
     dy = None if (symmetric or not diag) else torch.zeros(m, dtype=torch.float64,
                                                           device=X.device)
-    buffer = torch.empty((pr, pc), dtype=dtype, device=X.device)
+    buffer = torch.empty((pr, C, pc, C) if full else (pr, pc), dtype=dtype, device=X.device)
     sel = torch.as_tensor(list(outputs), device=X.device)
     for s in range(0, len(weights), block):
         points = [k for k, _ in weights[s : s + block]]
@@ -556,7 +630,7 @@ def stacked_path_sum(
                          dtype=dtype, device=X.device)
         theta, D = load(points)
         sides = _block_sides(mlp, layout, theta, D, w, X, None if symmetric else Yt,
-                             outputs, sel, routes)
+                             outputs, sel, routes, full)
         if diag:
             for li in range(len(routes)):
                 _diag(dx, sides.fx[li], sides.wD[li], w, sides.s[li])
@@ -565,41 +639,66 @@ def stacked_path_sum(
         if not gram:
             continue
         for rows, cols in _panels(n, m, symmetric, panel, strip):
-            out = buffer[: rows.stop - rows.start, : cols.stop - cols.start]
+            r, c = rows.stop - rows.start, cols.stop - cols.start
+            if full:
+                # A full panel contiguous (its rows are viewed as (C, M C) for the GEMMs).
+                out = buffer.view(-1)[: r * c * C * C].view(r, C, c, C)
+            else:
+                out = buffer[:r, :c]
             out.zero_()
             _contract_panel(out, sides, routes, w, rows, cols, chunk)
             if symmetric and rows.start == cols.start:
                 # The square on the diagonal, symmetrised exactly.
-                r = rows.stop - rows.start
-                out[:, :r] = 0.5 * (out[:, :r] + out[:, :r].T)
-            K[rows, cols] += out
+                if full:
+                    square = out[:, :, :r]
+                    square.copy_(0.5 * (square + _transposed(square)))
+                else:
+                    out[:, :r] = 0.5 * (out[:, :r] + out[:, :r].T)
+            if full:
+                K[rows, :, cols] += out
+            else:
+                K[rows, cols] += out
     if gram and symmetric:
         _mirror(K, panel)
     if diag and symmetric:
         dy = dx
-    return K, dx, dy
+    return result, dx, dy
 
 
 def _mirror(K: torch.Tensor, size: int) -> None:
     """The upper triangle of ``K`` copied below the diagonal, ``size`` columns at a time
-    (no temporary as large as ``K``)."""
+    (no temporary as large as ``K``); of the ``C x C`` blocks of an ``(n, C, n, C)``
+    ``K`` too, each block transposed."""
     n = K.shape[0]
     for s in range(0, n, size):
         e = min(s + size, n)
-        square = K[s:e, s:e]
-        square.copy_(torch.triu(square) + torch.triu(square, 1).T)
-        K[e:, s:e] = K[s:e, e:].T
+        if K.ndim == 2:
+            square = K[s:e, s:e]
+            square.copy_(torch.triu(square) + torch.triu(square, 1).T)
+            K[e:, s:e] = K[s:e, e:].T
+            continue
+        square = K[s:e, :, s:e]
+        upper = torch.ones(e - s, e - s, dtype=torch.bool, device=K.device).triu()
+        square.copy_(torch.where(upper[:, None, :, None], square, _transposed(square)))
+        K[e:, :, s:e] = _transposed(K[s:e, :, e:])
 
 
-def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes) -> _Sides:
+def _transposed(block: torch.Tensor) -> torch.Tensor:
+    """``K(Y, X)`` of an ``(n, C, m, C)`` block ``K(X, Y)``: each ``C x C`` block
+    transposed too."""
+    return block.permute(2, 3, 0, 1)
+
+
+def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full) -> _Sides:
     """The factors of one block of points on both sides (``Y=None``: X's), with the
-    layers' weighted preconditioners and one-hot sums."""
-    units_major = D is not None
-    fx = _factors(mlp, theta, layout, X, outputs, units_major)
+    layers' weighted preconditioners and one-hot sums. ``full``: every output's
+    backprop, sample-major (the layout of :func:`_units_full`)."""
+    units_major = D is not None and not full
+    fx = _factors(mlp, theta, layout, X, outputs, units_major, not full)
     fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
     fy = fx
     if Y is not None:
-        fy = _factors(mlp, theta, layout, Y, outputs, units_major)
+        fy = _factors(mlp, theta, layout, Y, outputs, units_major, not full)
         fy = [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
     wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
           for lin in mlp.linears]

@@ -1,0 +1,277 @@
+"""Raw parameters in elementwise additions, products and expands: the parameter rules.
+
+Networks people train now (a vision transformer with a class token, a position
+embedding and LayerScale gains; a ResNet) must run on rules only, with tangent features,
+Grams and path kernels equal to an independent reference: per-sample Jacobians from a
+plain autograd loop (tests/_reference.py), contracted here.
+"""
+
+import numpy as np
+import pytest
+import torch
+from _reference import jacobian_loop, module_at
+from torch import nn
+
+import skpathkernel._tangent._gram as gram_module
+from skpathkernel import PathKernelClassifier
+from skpathkernel._tangent import capture, tangent_features, tangent_gram, tangent_gram_diag
+from skpathkernel.kernels import PathKernel, path_weights
+from skpathkernel.rules import layer_routes
+
+RTOL = 1e-10
+
+
+def _close(a, b, rtol=RTOL):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+    assert err <= rtol, err
+
+
+# ----------------------------------------------------------------------- networks
+class Block(nn.Module):
+    """A pre-norm encoder block written by hand, with LayerScale gains as raw
+    parameters (CaiT): ``x + gamma * attn(norm(x))``, ``x + gamma * mlp(norm(x))``."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.gamma1 = nn.Parameter(torch.full((d,), 0.5))
+        self.gamma2 = nn.Parameter(torch.full((d,), 0.5))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.gamma1 * self.attn(h, h, h, need_weights=False)[0]
+        return x + self.gamma2 * self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """Patch-embedding convolution, a class token (``expand`` then ``torch.cat``), a
+    position embedding added, a hand-written block and a pre-norm
+    ``nn.TransformerEncoderLayer``, the class token's features to the head."""
+
+    def __init__(self, n_outputs=3, d=8, patch=4, side=8):
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, patch, stride=patch)
+        n_tokens = (side // patch) ** 2 + 1
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
+        self.pos_embed = nn.Parameter(torch.randn(1, n_tokens, d) * 0.5)
+        self.block = Block(d, 2)
+        self.encoder = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True,
+                                                  norm_first=True)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, n_outputs)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = x + self.pos_embed
+        x = self.encoder(self.block(x))
+        return self.head(self.norm(x[:, 0]))
+
+
+class Residual(nn.Module):
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                                          nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """Residual blocks, BatchNorm (in eval mode), global average pooling."""
+
+    def __init__(self, n_outputs=3):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(4), nn.ReLU())
+        self.layers = nn.Sequential(Residual(4, 4, 1), Residual(4, 8, 2))
+        self.fc = nn.Linear(8, n_outputs)
+
+    def forward(self, x):
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def _eval_resnet():
+    torch.manual_seed(1)
+    net = ResNet().double()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.2, 0.2)
+    return net.eval()
+
+
+def _vit():
+    torch.manual_seed(0)
+    return ViT().double().eval()
+
+
+NETWORKS = {"vit": _vit, "resnet": _eval_resnet}
+
+
+def _params(module):
+    return {k: v.detach() for k, v in module.named_parameters()}
+
+
+# ----------------------------------------------------------------------- Grams
+@pytest.mark.parametrize("kind", sorted(NETWORKS))
+def test_network_runs_on_rules_only(kind):
+    module = NETWORKS[kind]()
+    X = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    routes = layer_routes(module, X)
+    assert [r for r in routes if r.route != "rule"] == []
+    assert sum(r.n_params for r in routes) == sum(p.numel() for p in module.parameters())
+    assert capture(module, _params(module), X, [0, 1, 2], memory_budget=2**24).fallback == ()
+
+
+@pytest.fixture
+def captured_rows(monkeypatch):
+    """The rows of every capture the Gram runs: a small budget captures fewer at once."""
+    rows = []
+    original = gram_module.capture
+
+    def spy(module, params, X, *args, **kwargs):
+        rows.append(X.shape[0])
+        return original(module, params, X, *args, **kwargs)
+
+    monkeypatch.setattr(gram_module, "capture", spy)
+    return rows
+
+
+@pytest.mark.parametrize("kind", sorted(NETWORKS))
+@pytest.mark.parametrize("budget", [2**30, 2**22])
+def test_gram_matches_dense_jacobians(kind, budget, captured_rows):
+    module = NETWORKS[kind]()
+    X = torch.randn(7, 3, 8, 8, dtype=torch.float64)
+    Y = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    params = _params(module)
+    JX, JY = jacobian_loop(module, X), jacobian_loop(module, Y)
+    kw = dict(memory_budget=budget)
+    _close(tangent_features(module, params, X, output="full", **kw), JX)
+    captured_rows.clear()
+    _close(tangent_gram(module, params, X, output="full", **kw),
+           torch.einsum("ncp,mdp->ncmd", JX, JX))
+    if budget < 2**30:  # blocks (or chunks of a block) of fewer rows than X
+        assert max(captured_rows[1:]) < len(X)
+    _close(tangent_gram(module, params, X, Y, **kw), torch.einsum("ncp,mcp->nm", JX, JY) / 3)
+    # A diagonal preconditioner (Adam's): the parameters' blocks scaled one by one.
+    D = torch.rand(JX.shape[2], dtype=torch.float64) + 0.5
+    _close(tangent_gram(module, params, X, Y, output=1, diag_weight=D, **kw),
+           torch.einsum("np,p,mp->nm", JX[:, 1], D, JY[:, 1]))
+    _close(tangent_gram_diag(module, params, X, diag_weight=D, **kw),
+           torch.einsum("ncp,p,ncp->n", JX, D, JX) / 3)
+
+
+def _vit_factory(n_features_in, n_outputs):
+    torch.manual_seed(0)
+    return ViT(n_outputs)
+
+
+def test_vit_path_kernel_matches_the_weighted_sum():
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(8, 3, 8, 8)), np.arange(8) % 3
+    est = PathKernelClassifier(module=_vit_factory, solver="adam", max_iter=2, batch_size=4,
+                               tol=None, dtype="float64", device="cpu",
+                               random_state=0).fit(X, y)
+    traj = est.trajectory_
+    K = PathKernel(est, output="full")(X)
+    ref = 0.0
+    for k, w in path_weights(traj):
+        J = jacobian_loop(module_at(est, k), X)
+        D = traj.preconditioner(k)
+        ref = ref + w * torch.einsum("ncp,p,mdp->nmcd", J, D, J)
+    _close(K, ref)
+    _close(PathKernel(est)(X), torch.einsum("nmcc->nm", ref) / 3)
+
+
+# ----------------------------------------------------------------------- the cases
+class Ops(nn.Module):
+    """Every registered form, each parameter read once: a + P, P + a, torch.add, a * P,
+    P * a, torch.mul, expand, expand_as, broadcast_to; scalars and full-shape P too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        g = torch.Generator().manual_seed(0)
+        shapes = dict(p1=(4,), p2=(1, 4), p3=(2, 4), m1=(4,), m2=(), m3=(1, 2, 1),
+                      e1=(1, 1, 4), e2=(2, 1), e3=(1, 2, 4), a3=(4,))
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.randn(shape, generator=g)))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))[:, None, :].expand(-1, 2, -1)   # (n, 2, 4)
+        h = torch.tanh(h + self.p1)
+        h = torch.tanh(self.p2 + h)
+        h = torch.tanh(torch.add(h, self.p3))
+        h = torch.tanh(h * self.m1)
+        h = torch.tanh(self.m2 * h)
+        h = torch.tanh(torch.mul(h, self.m3))
+        h = h + self.e1.expand(x.shape[0], -1, -1)
+        h = h * self.e2.expand_as(h[:, :, :1])
+        h = torch.tanh(h + torch.broadcast_to(self.e3, h.shape))
+        h = torch.tanh(torch.add(self.a3, h))
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+class Unstructured(nn.Module):
+    """Raw parameters that must fall back: read twice, through ``alpha=``, by an
+    operation without a rule, expanded to rows that are not the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.twice = nn.Parameter(torch.randn(4))
+        self.alpha = nn.Parameter(torch.randn(4))
+        self.power = nn.Parameter(torch.rand(4) + 1)
+        self.rows = nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        h = torch.tanh(h * self.twice) + self.twice
+        h = torch.tanh(torch.add(h, self.alpha, alpha=2.0))
+        h = (h * h + 1).pow(self.power)
+        return self.head(h + self.rows.expand(3, 4).sum(0))
+
+
+def test_every_registered_form_matches_the_loop():
+    torch.manual_seed(0)
+    module = Ops().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    assert capture(module, params, X, [0, 1], memory_budget=2**20).fallback == ()
+    assert {r.route for r in layer_routes(module, X, params=params)} == {"rule"}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(params[name])
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+def test_unstructured_raw_parameters_fall_back_exactly():
+    torch.manual_seed(0)
+    module = Unstructured().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = _params(module)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**20)
+    assert set(cap.fallback) == {"twice", "alpha", "power", "rows"}
+    (route,) = [r for r in layer_routes(module, X) if r.route == "fallback"]
+    assert (route.name, route.n_params) == ("", 16)
+    J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))

@@ -35,8 +35,8 @@ def training(ctx, *, solver, learning_rate_init, batch_size, max_iter, random_st
     # tol=None: exactly max_iter epochs, the papers' fixed-length paths (no stopping rule).
     params = dict(activation="tanh", solver=solver, learning_rate_init=learning_rate_init,
                   momentum=0.0, nesterovs_momentum=False, alpha=0.0, beta_1=0.9,
-                  beta_2=0.999, epsilon=1e-8, batch_size=batch_size, max_iter=max_iter, tol=None, shuffle=True,
-                  record_every=1, dtype="float32", device=ctx.device,
+                  beta_2=0.999, epsilon=1e-8, batch_size=batch_size, max_iter=max_iter,
+                  tol=None, shuffle=True, record_every=1, dtype="float32", device=ctx.device,
                   random_state=random_state)
     params.update(kw)
     return params

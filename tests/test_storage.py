@@ -961,3 +961,28 @@ def test_mapping_pages_ahead_leaves_contents_and_stops_when_told():
     stop.set()
     thread.join(timeout=5)
     assert finished and not thread.is_alive()
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(12.0).reshape(3, 4), np.arange(6, dtype=np.float32), np.float64(2.5),
+    np.zeros((0, 5)), np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    np.arange(24, dtype=">f8").reshape(2, 3, 4), np.arange(5, dtype=np.int64)])
+def test_chunks_read_without_ast(array, tmp_path, monkeypatch):
+    """Chunk files read back equal to np.load, without ast.literal_eval (whose AST
+    constructor state races between threads on CPython 3.11: python/cpython#106905)."""
+    import ast
+
+    from skpathkernel._path import _storage
+
+    path = str(tmp_path / "chunk.npy")
+    np.save(path, array, allow_pickle=False)
+    expected = np.load(path, allow_pickle=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ast.literal_eval called")
+
+    monkeypatch.setattr(ast, "literal_eval", refuse)
+    got = _storage._read_chunk(path)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert np.array_equal(got, expected)
+    assert got.flags.f_contiguous == expected.flags.f_contiguous

@@ -39,8 +39,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import mmap
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -298,8 +300,30 @@ def _remove_directory(directory: str, pending: list, owner: int) -> None:
         removal.result()
 
 
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|=]?[a-z]\d+)', 'fortran_order': (True|False), "
+    r"'shape': \(((?:\d+, ?)*\d*)\), \}\s*$")
+
+
 def _read_chunk(path: str) -> np.ndarray:
-    return np.load(path, allow_pickle=False)
+    """A chunk file's array, its .npy header parsed without ``ast``.
+
+    ``np.load`` parses the header with ``ast.literal_eval``, and CPython 3.11's AST
+    constructor keeps its recursion depth in per-interpreter state: run on the reader
+    thread while another thread compiles, it can fail with "AST constructor recursion
+    depth mismatch" (python/cpython#106905). The chunks' headers are numpy's plain form.
+    """
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        size = int.from_bytes(f.read(2 if major == 1 else 4), "little")
+        match = _NPY_HEADER.match(f.read(size).decode("latin1"))
+        if match is None:  # not the plain form: numpy's own reader
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
+        dtype = np.dtype(match.group(1))
+        shape = tuple(int(n) for n in match.group(3).replace(" ", "").split(",") if n)
+        data = np.fromfile(f, dtype=dtype, count=math.prod(shape))
+    return data.reshape(shape, order="F" if match.group(2) == "True" else "C")
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}

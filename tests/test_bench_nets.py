@@ -18,7 +18,7 @@ from _reference import jacobian_loop
 from benchmarks import _nets
 from benchmarks.__main__ import _fastest_peer, pinned_cores
 from benchmarks._serve import Server
-from skpathkernel._tangent import tangent_gram
+from skpathkernel._tangent import layer_routes, tangent_gram
 
 
 @pytest.mark.parametrize("arch", ["resnet", "vit"])
@@ -27,9 +27,11 @@ def test_new_rows_gram_matches_dense_jacobians(arch):
     module = _nets.build(arch).double()
     X = _nets.inputs(arch, 5, torch.float64)
     params = {k: v.detach() for k, v in module.named_parameters()}
+    # Both run on rules only (the ViT's class token and position embedding too): a
+    # fallback would warn, and the rows would time another route than they name.
+    assert {r.route for r in layer_routes(module, X, params=params)} == {"rule"}
     with warnings.catch_warnings():
-        # The ViT's raw class token and position embedding take the fallback, and say so.
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")
         K = tangent_gram(module, params, X)
     J = jacobian_loop(module, X)
     ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]

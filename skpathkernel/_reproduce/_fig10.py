@@ -260,11 +260,10 @@ def figure10_section(ctx):
             tick("sweep")
     earlier = ("see the sweep" if not ctx.quick else "the full run's sweep shows it")
     setting = f"ReLU, squared error on the +-1 labels, {epochs} epochs"
-    plain_ok = {name: same_high_opposite_low(end_kernels(est)[False])
-                for name, est in fits.items()}
-    plain_ends = "; ".join(
-        f"{name} " + " / ".join(f"{v:.3f}" for v in end_kernels(est)[False][1:])
-        for name, est in fits.items())
+    plain_end = {name: end_kernels(est)[False] for name, est in fits.items()}
+    plain_ok = {name: same_high_opposite_low(K) for name, K in plain_end.items()}
+    plain_ends = "; ".join(f"{name} " + " / ".join(f"{v:.3f}" for v in K[1:])
+                           for name, K in plain_end.items())
     weighted_rows = [d for d in details if d["kernel"] == "J D J^T"]
     return [
         Row("10", "with each optimizer's normalized kernel K_t = J D_t J^T, the same-label "

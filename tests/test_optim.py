@@ -128,6 +128,27 @@ def test_a_parameter_without_gradient_is_left_alone():
     assert opt.state[net[2].bias] == {}
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_as_torch_optim(set_to_none):
+    grads = {}
+    for kind in ("ours", "torch"):
+        net = _problem(torch.float64)[2]
+        params = list(net.parameters())
+        opt = (FunctionalOptimizer(params, SolverSpec(name="sgd"), 0.1) if kind == "ours"
+               else torch.optim.SGD(params, lr=0.1))
+        net(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+        kept = params[0].grad
+        opt.zero_grad(set_to_none=set_to_none)
+        grads[kind] = [p.grad for p in params]
+        # Zeroed in place: the same tensor, not a new one.
+        assert (params[0].grad is kept) == (not set_to_none)
+    for ours, ref in zip(grads["ours"], grads["torch"], strict=True):
+        assert (ours is None) == (ref is None) == set_to_none
+        if ours is not None:
+            assert_array_equal(ours.numpy(), ref.numpy())
+            assert not ours.any()
+
+
 def test_unknown_solver_and_empty_parameters_are_refused():
     with pytest.raises(ValueError, match="Unknown solver 'lbfgs'"):
         FunctionalOptimizer([torch.zeros(2, requires_grad=True)], SolverSpec(name="lbfgs"), 0.1)

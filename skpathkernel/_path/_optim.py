@@ -84,9 +84,17 @@ class FunctionalOptimizer:
         return state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients (``set_to_none`` is accepted for torch.optim's signature)."""
+        """Drop the gradients, or with ``set_to_none=False`` zero them in place, as
+        ``torch.optim.Optimizer.zero_grad``."""
         for p in self.params:
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:

@@ -78,15 +78,19 @@ def test_workers_results_are_judged_here(fitted):
         lrs[:] = recorded
 
 
+def _plain_sgd(seed, n, freq, batch_size, lr, max_iter, dtype, n_queries):
+    rng = np.random.RandomState(seed)
+    X = rng.uniform(-1, 1, size=(n, 3))
+    y = np.sin(freq * X[:, 0]) + X[:, 1] * X[:, 2]
+    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="sgd", batch_size=batch_size,
+                            learning_rate_init=lr, max_iter=max_iter, tol=None, dtype=dtype,
+                            random_state=0).fit(X, y)
+    return est, rng.uniform(-1, 1, size=(n_queries, 3))
+
+
 @pytest.fixture(scope="module")
 def sgd_fitted():
-    rng = np.random.RandomState(1)
-    X = rng.uniform(-1, 1, size=(40, 3))
-    y = np.sin(2 * X[:, 0]) + X[:, 1] * X[:, 2]
-    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="sgd", batch_size=10,
-                            learning_rate_init=0.2, max_iter=3, tol=None, dtype="float64",
-                            random_state=0).fit(X, y)
-    return est, rng.uniform(-1, 1, size=(9, 3))
+    return _plain_sgd(1, 40, 2, 10, 0.2, 3, "float64", 9)
 
 
 @pytest.mark.parametrize("backend", ["loky", "threading"])
@@ -154,13 +158,7 @@ def test_step_ranges_refused_where_the_adjoint_crosses_steps(fitted):
 def sgd32_fitted():
     """A float32 plain SGD path whose steps' node counts vary, with batches large next
     to the queries (the regime where the steps are split)."""
-    rng = np.random.RandomState(2)
-    X = rng.uniform(-1, 1, size=(120, 3))
-    y = np.sin(3 * X[:, 0]) + X[:, 1] * X[:, 2]
-    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="sgd", batch_size=40,
-                            learning_rate_init=0.5, max_iter=4, tol=None, dtype="float32",
-                            random_state=0).fit(X, y)
-    return est, rng.uniform(-1, 1, size=(4, 3))
+    return _plain_sgd(2, 120, 3, 40, 0.5, 4, "float32", 4)
 
 
 def _ranges_by_hand(net, Xq, ranges, **kw):

@@ -117,6 +117,11 @@ REPLAY_TOL = 1e-12
 # Gauss-Legendre nodes per step that the cost of splitting a path assumes (measured
 # counts: 1-3 in float32, 2-6 in float64 at its default tol).
 NODES_GUESS = 2
+# A step's query side (the node choice's captures, the float64 products with the step
+# and the reference f), in batch rows per query, where a range replays it: measured
+# 8.75 ms a step for 10 queries against 2.25 ms for a batch of 64 on the 64-512-512-1
+# MLP in float32 (per-step overheads dominate at few queries).
+REPLAY_ROWS = 25
 
 
 @dataclass
@@ -900,12 +905,15 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
       query's reference f at all ``T + 1`` points (about half a capture each), and
       either restarts the adaptive node count at its first step (about 2 node captures
       of every query more) or replays the node choice of the steps after it
-      (:func:`replays`: their queries' captures, ``k Q`` a step). The cuts balance
-      that: a range that replays more takes fewer steps of its own.
+      (:func:`replays`). A replayed step costs its whole query side, ``REPLAY_ROWS Q``
+      (which then stands for ``k Q`` throughout); the cuts balance it: a range that
+      replays more takes fewer steps of its own.
 
     Measured on the 64-512-512-1 MLP (batch 64, 8 steps, CPU time of each worker's share
     on one thread, float64 paths that restart), 1.65x for ranges against 1.13x for
-    blocks with 10 queries, and 1.46x against 1.66x with 200.
+    blocks with 10 queries, and 1.46x against 1.66x with 200. Replaying float32 ranges
+    cost more than the serial call there (the query side is most of each step), so a
+    replay pays only with batches of several times ``REPLAY_ROWS`` rows per query.
     """
     n = len(traj) - 1
     if _route(traj, method) != "factor" or n_tasks < 2 or n < 2:
@@ -915,14 +923,14 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
     steps = np.asarray(traj.steps, dtype=np.int64)
     batch = np.array([sizes[steps[j]:steps[j + 1]].sum() for j in range(n)], dtype=float)
     Q = float(n_queries)
-    k = NODES_GUESS if method == "exact" else 1
-    replay = k * Q if replays(method, n_nodes, tol, traj.dtype) else 0.0
+    replay = REPLAY_ROWS * Q if replays(method, n_nodes, tol, traj.dtype) else 0.0
+    queries = replay or (NODES_GUESS if method == "exact" else 1) * Q  # a step's
     restart = 2 * Q if method == "exact" and n_nodes is None and not replay else 0.0
     ref = (n + 1) * Q / 2 if method == "exact" else 0.0
-    blocks = batch.sum() + (k * n * Q + ref) / n_tasks
+    blocks = batch.sum() + (n * queries + ref) / n_tasks
     # The cheapest cut: bisection on the largest worker cost, each range taken greedily
     # from the path's end (the order the serial call walks it).
-    own = batch + k * Q
+    own = batch + queries
 
     def cut(limit):
         """Ranges from the path's end, each as long as its worker's cost stays under

@@ -6,12 +6,17 @@ per-step wall time on rank 0, median of the repeats, recorded and plain rounds
 interleaved in the same processes (same background load); the recorder gathers the
 shards' indices to rank 0 (two collectives per step) and copies the parameters there.
 Decompose rows: float32 path of plain SGD on the same MLP (T steps of batches of 64,
-``PathRecorder``), 200 queries (split into query blocks) and 10 queries (split into step
-ranges: the cost model of ``splits_steps``), one torch thread per task; "2 serial at
-once" runs two whole serial calls in two processes, the throughput that two workers could
-reach at best. "critical path" is load-insensitive: the serial call's CPU time over the
-largest CPU time of the two shares the workers get (each run here on one thread, least of
-the repeats), the speed-up two free cores would give.
+``PathRecorder``, in memory), 200 queries on a short path (T=4, about 0.25 s of CPU
+in all) and on a long one (T=64, several seconds: the case workers are for), split into
+query blocks, and 10 queries split into step ranges (the cost model of
+``step_ranges``), one torch thread per task. "2 serial at once" runs two whole serial
+calls in two processes, the throughput that two workers could reach at best.
+"critical path" is load-insensitive: the serial call's CPU time over the largest CPU
+time of the shares the workers get, cut as ``decompose`` cuts them (each run here on one
+thread, least of the repeats), the speed-up two free cores would give. The serial row
+says where its wall time went (``/proc/thread-self/schedstat``): on a CPU, or waiting
+for one (the run queue of a shared machine); the round-trip row is a joblib call with
+the tasks' arguments (the network, its path and the query blocks) and no work.
 """
 
 from __future__ import annotations
@@ -124,11 +129,30 @@ def _path(steps):
     return rec.as_network(X, y), Xq
 
 
+def _schedstat():
+    """(ns on a CPU, ns waiting for one) of this thread, or None off Linux."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+    except OSError:
+        return None
+    return int(on_cpu), int(waiting)
+
+
 def _serial(net, Xq):
     torch.set_num_threads(1)
+    sched = _schedstat()
     start = time.perf_counter()
     res = net.decompose(Xq)
-    return time.perf_counter() - start, res
+    wall = time.perf_counter() - start
+    if sched is not None:
+        after = _schedstat()
+        sched = tuple(1e-9 * (b - a) for a, b in zip(sched, after))
+    return wall, res, sched
+
+
+def _no_work(X, net):
+    return len(X)
 
 
 def _cpu(func, repeats):
@@ -141,14 +165,14 @@ def _cpu(func, repeats):
 
 
 def _critical_path(net, Xq, repeats):
-    """Serial CPU time over the larger worker share's, the shares cut as decompose cuts
-    them for two workers."""
-    from skpathkernel._analysis._decomposition import splits_steps
+    """Serial CPU time over the largest worker share's, the shares cut as decompose
+    cuts them for two workers."""
+    from skpathkernel._analysis._decomposition import step_ranges
 
     kw = dict(method="exact", weighting="realized", n_nodes=None, tol=None)
-    n = len(net.trajectory) - 1
-    if splits_steps(net.trajectory, "exact", "realized", len(Xq), 2):
-        shares = [(Xq, {**kw, "intervals": r}) for r in ((0, n // 2), (n // 2, n))]
+    ranges = step_ranges(net.trajectory, "exact", "realized", len(Xq), 2)
+    if ranges is not None:
+        shares = [(Xq, {**kw, "intervals": r}) for r in ranges]
     else:
         half = len(Xq) // 2
         shares = [(Xq[:half], kw), (Xq[half:], kw)]
@@ -160,7 +184,9 @@ def _critical_path(net, Xq, repeats):
                     for s in shares)
     finally:
         torch.set_num_threads(threads)
-    return serial, worst
+    split = (f"step ranges {ranges}" if ranges is not None
+             else f"query blocks of {len(Xq) // 2}")
+    return serial, worst, split
 
 
 def _jobs_rows(quick, steps=None, n_queries=200):
@@ -171,13 +197,19 @@ def _jobs_rows(quick, steps=None, n_queries=200):
     net, Xq = _path(steps)
     Xq = Xq[:n_queries]
     threads = torch.get_num_threads()
-    serial, parallel, ceiling = [], [], []
+    serial, parallel, ceiling, trip, sched = [], [], [], [], []
     workers = Parallel(n_jobs=2, backend="loky")
     workers(delayed(_serial)(net, Xq[:2]) for _ in range(2))  # start and warm the workers
+    shipped = net.for_workers()
     try:
         for _ in range(repeats):
-            t, ref = _serial(net, Xq)
+            t, ref, where = _serial(net, Xq)
             serial.append(t)
+            sched.append(where)
+            start = time.perf_counter()
+            workers(delayed(_no_work)(Xq[s], shipped)
+                    for s in (slice(0, len(Xq) // 2), slice(len(Xq) // 2, None)))
+            trip.append(time.perf_counter() - start)
             start = time.perf_counter()
             with_workers = net.decompose(Xq, n_jobs=2)
             parallel.append(time.perf_counter() - start)
@@ -188,12 +220,17 @@ def _jobs_rows(quick, steps=None, n_queries=200):
         torch.set_num_threads(threads)
     size = float(np.abs(ref.prediction).max())
     agree = float(np.abs(with_workers.contributions - ref.contributions).max()) / size
-    s, p, c = (statistics.median(v) for v in (serial, parallel, ceiling))
-    cpu_serial, cpu_share = _critical_path(net, Xq, repeats + 2)
+    s, p, c, r = (statistics.median(v) for v in (serial, parallel, ceiling, trip))
+    cpu_serial, cpu_share, split = _critical_path(net, Xq, repeats + 2)
     case = f"decompose, {n_queries} queries, T={steps}"
+    where = ""
+    if sched[0] is not None:
+        on_cpu, waiting = (1e3 * statistics.median(x[i] for x in sched) for i in (0, 1))
+        where = (f"on a CPU {on_cpu:.0f} ms, waiting for one {waiting:.0f} ms "
+                 "(medians; no other wait)")
     return [
         dict(case=case, method="serial (1 thread)", median_ms=1e3 * s,
-             min_ms=1e3 * min(serial), max_ms=1e3 * max(serial), ratio=1.0, goal=""),
+             min_ms=1e3 * min(serial), max_ms=1e3 * max(serial), ratio=1.0, goal=where),
         dict(case=case, method="n_jobs=2 (loky)", median_ms=1e3 * p,
              min_ms=1e3 * min(parallel), max_ms=1e3 * max(parallel), ratio=s / p,
              goal=f">= {JOBS_GOAL} ({'met' if s / p >= JOBS_GOAL else 'missed'}); "
@@ -204,18 +241,24 @@ def _jobs_rows(quick, steps=None, n_queries=200):
         dict(case=case, method="critical path (CPU of the larger share)",
              median_ms=1e3 * cpu_share, min_ms=1e3 * cpu_share, max_ms=1e3 * cpu_share,
              ratio=cpu_serial / cpu_share,
-             goal=f"serial CPU {1e3 * cpu_serial:.0f} ms; two free cores at best"),
+             goal=f"serial CPU {1e3 * cpu_serial:.0f} ms; {split}; two free cores at best"),
+        dict(case=case, method="loky round trip of the arguments, no work", median_ms=1e3 * r,
+             min_ms=1e3 * min(trip), max_ms=1e3 * max(trip), ratio=r / s,
+             goal=f"the network with its path ({net.trajectory.nbytes / 1e6:.1f} MB, "
+                  f"{net.trajectory.storage}) and the query blocks, to warm workers"),
     ]
 
 
 def run(quick: bool = False) -> list[dict]:
     return (_ddp_rows(quick) + _jobs_rows(quick)
+            + _jobs_rows(quick, steps=16 if quick else 64)
             + _jobs_rows(quick, steps=4 if quick else 8, n_queries=10))
 
 
 NOTES = ("`ratio`: recorded / plain per step for the DDP rows; serial time over the "
          "row's time for the decompose rows (the ceiling row: two calls' work over its "
-         "time; the critical-path row: serial CPU time over the larger worker share's). "
+         "time; the critical-path row: serial CPU time over the larger worker share's; "
+         "the round-trip row: its time over the serial call's). "
          "Measured on a shared machine under load: compare the ratios, measured in the "
          "same run, not the absolute times; where the ceiling row is far below 2 the "
          "machine had no second core to give, and the critical-path row says what two "

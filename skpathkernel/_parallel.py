@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 
-__all__ = ["dask_worker_threads", "limit_torch_threads", "map_ranges", "map_row_blocks",
-           "n_row_blocks", "n_tasks"]
+__all__ = ["dask_worker_threads", "limit_torch_threads", "map_calls", "map_ranges",
+           "map_row_blocks", "n_row_blocks", "n_tasks"]
 
 
 @contextlib.contextmanager
@@ -45,8 +45,9 @@ def _run(func, n_tasks, call):
         return func(*call)
 
 
-def _fan_out(func, n_jobs, calls: list) -> list:
-    """``[func(*call) for call in calls]``: here for one call, else through joblib."""
+def map_calls(func, n_jobs, calls: list) -> list:
+    """``[func(*call) for call in calls]``: here for one call, else through joblib, one
+    task per call with the torch threads of the rule above."""
     if len(calls) == 1:
         return [func(*calls[0])]
     return Parallel(n_jobs=n_jobs)(delayed(_run)(func, len(calls), call) for call in calls)
@@ -81,7 +82,7 @@ def map_ranges(func, n_items: int, n_jobs, *args) -> list:
     as :func:`map_row_blocks`): the path kernel's sum over steps split into step ranges.
     With a single worker ``func(0, n_items, *args)`` runs here.
     """
-    return _fan_out(func, n_jobs, [(start, stop, *args) for start, stop
+    return map_calls(func, n_jobs, [(start, stop, *args) for start, stop
                                    in _ranges(n_tasks(n_jobs, n_items), n_items)])
 
 
@@ -95,7 +96,7 @@ def map_row_blocks(func, X, n_jobs, *args) -> list:
     # The blocks are sliced here: each task pickles its own rows, not the whole X.
     calls = ([(X, *args)] if n_tasks == 1 else
              [(X[start:stop], *args) for start, stop in _ranges(n_tasks, X.shape[0])])
-    return _fan_out(func, n_jobs, calls)
+    return map_calls(func, n_jobs, calls)
 
 
 def dask_worker_threads() -> int | None:

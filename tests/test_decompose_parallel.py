@@ -30,7 +30,8 @@ def _same(par, serial):
     assert_allclose(par.prediction, serial.prediction, rtol=1e-15)
     assert_allclose(par.contributions, serial.contributions, rtol=0, atol=1e-12 * size)
     assert_allclose(par.regularization, serial.regularization, rtol=0, atol=1e-12 * size)
-    assert par.error <= 1e-12 * size
+    # At the serial call's error (float64: round-off; float32: its quadrature's).
+    assert abs(par.error - serial.error) <= 1e-12 * size
 
 
 @pytest.mark.parametrize("backend", ["loky", "threading"])
@@ -77,15 +78,19 @@ def test_workers_results_are_judged_here(fitted):
         lrs[:] = recorded
 
 
+def _plain_sgd(seed, n, freq, batch_size, lr, max_iter, dtype, n_queries):
+    rng = np.random.RandomState(seed)
+    X = rng.uniform(-1, 1, size=(n, 3))
+    y = np.sin(freq * X[:, 0]) + X[:, 1] * X[:, 2]
+    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="sgd", batch_size=batch_size,
+                            learning_rate_init=lr, max_iter=max_iter, tol=None, dtype=dtype,
+                            random_state=0).fit(X, y)
+    return est, rng.uniform(-1, 1, size=(n_queries, 3))
+
+
 @pytest.fixture(scope="module")
 def sgd_fitted():
-    rng = np.random.RandomState(1)
-    X = rng.uniform(-1, 1, size=(40, 3))
-    y = np.sin(2 * X[:, 0]) + X[:, 1] * X[:, 2]
-    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="sgd", batch_size=10,
-                            learning_rate_init=0.2, max_iter=3, tol=None, dtype="float64",
-                            random_state=0).fit(X, y)
-    return est, rng.uniform(-1, 1, size=(9, 3))
+    return _plain_sgd(1, 40, 2, 10, 0.2, 3, "float64", 9)
 
 
 @pytest.mark.parametrize("backend", ["loky", "threading"])
@@ -147,3 +152,122 @@ def test_step_ranges_refused_where_the_adjoint_crosses_steps(fitted):
     with pytest.raises(ValueError, match="plain SGD"):
         decompose(net.module, net.trajectory, X_fit, Y_fit, net.loss, net.tensor(Xq),
                   intervals=(0, 2))
+
+
+@pytest.fixture(scope="module")
+def sgd32_fitted():
+    """A float32 plain SGD path whose steps' node counts vary, with batches large next
+    to the queries (the regime where the steps are split)."""
+    return _plain_sgd(2, 300, 3, 100, 0.5, 4, "float32", 2)
+
+
+def _ranges_by_hand(net, Xq, ranges, **kw):
+    from skpathkernel._analysis._decomposition import decompose, merge_steps
+
+    X_fit, Y_fit = net._training_data()
+    return merge_steps([decompose(net.module, net.trajectory, X_fit, Y_fit, net.loss,
+                                  net.tensor(Xq), warn=False, intervals=r, **kw)
+                        for r in ranges])[0]
+
+
+def test_float32_step_ranges_give_the_serial_numbers(sgd32_fitted, monkeypatch):
+    """A range replays the node choice of the steps the serial call walks before it, so
+    float32 ranges take the serial call's nodes: equal to 1e-12 relative, where ranges
+    that restart the choice differ by far more (their nodes are not the serial's)."""
+    from skpathkernel._analysis import _decomposition
+    from skpathkernel._network import _trained
+
+    est, Xq = sgd32_fitted
+    net = est.network_
+    n = len(net.trajectory) - 1
+    serial = est.decompose(Xq)
+    assert len(set(serial.n_nodes)) > 1  # the state the ranges must carry over matters
+    ranges = []
+    run = _trained._decompose_steps
+
+    def spy(start, stop, *args):
+        ranges.append((start, stop))
+        return run(start, stop, *args)
+
+    monkeypatch.setattr(_trained, "_decompose_steps", spy)
+    with joblib.parallel_config(backend="threading"):
+        par = est.decompose(Xq, n_jobs=2)
+    assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[1][1] == n
+    assert ranges[0][1] == ranges[1][0]
+    _same(par, serial)
+    assert np.array_equal(par.n_nodes, serial.n_nodes)
+    # Restarted at each range's first step, the nodes, and so the sums, move.
+    monkeypatch.setattr(_decomposition, "replays", lambda *a: False)
+    restarted = _ranges_by_hand(net, Xq, sorted(ranges))
+    size = np.abs(serial.prediction).max()
+    assert not np.array_equal(restarted.n_nodes, serial.n_nodes)
+    assert np.abs(restarted.contributions - serial.contributions).max() > 1e-10 * size
+
+
+def test_replay_across_query_blocks(sgd32_fitted, monkeypatch):
+    """The node choice also carries over from one query block to the next: with a
+    memory budget that cuts the queries into blocks, each range replays the steps of
+    the blocks before its own and still gives the serial call's numbers."""
+    from skpathkernel._analysis import _decomposition
+    from skpathkernel._analysis._decomposition import decompose
+
+    est, _ = sgd32_fitted
+    Xq = np.random.RandomState(7).uniform(-1, 1, size=(5, 3))
+    net = est.network_
+    X_fit, Y_fit = net._training_data()
+    blocks = []
+    run = _decomposition._factored_block
+    monkeypatch.setattr(_decomposition, "_factored_block",
+                        lambda ctx, Xb, *a, **k: (blocks.append(len(Xb)), run(ctx, Xb, *a, **k))[1])
+    budget = 15_000  # a few queries a block on this network (checked below)
+    serial = decompose(net.module, net.trajectory, X_fit, Y_fit, net.loss, net.tensor(Xq),
+                       memory_budget=budget)
+    assert len(blocks) > 1
+    n = len(net.trajectory) - 1
+    for cut in (3, n // 2, n - 2):
+        par = _ranges_by_hand(net, Xq, [(0, cut), (cut, n)], memory_budget=budget)
+        _same(par, serial)
+        assert np.array_equal(par.n_nodes, serial.n_nodes)
+
+
+def _model_cost(traj, n_queries, bounds, replay):
+    """The worst worker's cost of ``bounds`` under step_ranges' model, written out."""
+    from skpathkernel._analysis._decomposition import NODES_GUESS, REPLAY_ROWS
+
+    n = len(traj) - 1
+    q = (REPLAY_ROWS if replay else NODES_GUESS) * n_queries
+    batch = [len(traj.batch(t)) for t in range(traj.n_steps)]
+    ref = (n + 1) * n_queries / 2
+    costs = []
+    for start, stop in bounds:
+        cost = ref + sum(batch[start:stop]) + q * (stop - start)
+        if stop < n:
+            cost += q * (n - stop) if replay else 2 * n_queries
+        costs.append(cost)
+    return max(costs)
+
+
+@pytest.mark.parametrize("case", ["sgd32_fitted", "sgd_fitted"])
+def test_step_cuts_are_the_cheapest_under_the_model(case, request):
+    """Brute force over every cut into two ranges: the one chosen costs the least under
+    the cost model; a float32 range replays (the later steps take the larger range), a
+    float64 one restarts (an even cut of equal batches)."""
+    from skpathkernel._analysis._decomposition import step_ranges
+
+    est, Xq = request.getfixturevalue(case)
+    traj = est.network_.trajectory
+    n = len(traj) - 1
+    replay = case == "sgd32_fitted"
+    got = step_ranges(traj, "exact", "realized", len(Xq), 2)
+    best = min(_model_cost(traj, len(Xq), [(0, c), (c, n)], replay) for c in range(1, n))
+    assert got is not None and got[0][0] == 0 and got[-1][1] == n
+    assert _model_cost(traj, len(Xq), got, replay) == best
+    if replay:
+        assert got[0][1] < n - got[0][1]
+    else:
+        assert got == [(0, n // 2), (n // 2, n)]
+    # Three workers: contiguous ranges that cover the path.
+    three = step_ranges(traj, "exact", "realized", len(Xq), 3)
+    assert [r[0] for r in three[1:]] == [r[1] for r in three[:-1]] and len(three) == 3
+    # Many queries: their captures at every node dominate, the queries are split.
+    assert step_ranges(traj, "exact", "realized", 200, 2) is None

@@ -92,7 +92,7 @@ from .._tangent import (
 from .._warnings import caller_stacklevel
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge",
-           "merge_steps", "splits_steps"]
+           "merge_steps", "replays", "step_ranges"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -111,6 +111,17 @@ FLOOR_MAX = 100
 # The relative reconstruction error that an exact decomposition reaches beyond its
 # quadrature residuals, from the linear algebra's round-off; larger ones warn.
 INEXACT_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-4}
+# The tolerance up to which a step range may restart the node choice: the ranges' sums
+# then agree with the serial call's to 1e-12 relative (see replays).
+REPLAY_TOL = 1e-12
+# Gauss-Legendre nodes per step that the cost of splitting a path assumes (measured
+# counts: 1-3 in float32, 2-6 in float64 at its default tol).
+NODES_GUESS = 2
+# A step's query side (the node choice's captures, the float64 products with the step
+# and the reference f), in batch rows per query, where a range replays it: measured
+# 8.75 ms a step for 10 queries against 2.25 ms for a batch of 64 on the 64-512-512-1
+# MLP in float32 (per-step overheads dominate at few queries).
+REPLAY_ROWS = 25
 
 
 @dataclass
@@ -491,8 +502,12 @@ def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- factored
-def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route):
-    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block."""
+def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route,
+                    last=True):
+    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block.
+
+    ``last``: no query block follows this one (see :func:`_replayed`).
+    """
     traj, device = ctx.traj, ctx.device
     spec = traj.solver_spec
     coefs, memory, direct = traj.step_coefficients(direct=True)
@@ -505,10 +520,11 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
     adjoint = None
     Wq = None if ctx.weights is None else ctx.weights[rows]
     first, stop = ctx.intervals
-    nxt = traj.parameters(stop).to(device)
-    f_next = ctx.ref(stop, rows) if method == "exact" else None
+    lo, hi = _replayed(ctx, quad, method, last)
+    nxt = traj.parameters(hi).to(device)
+    f_next = ctx.ref(hi, rows) if method == "exact" else None
     for j, steps in _intervals(traj):
-        if not first <= j < stop:
+        if not lo <= j < hi:
             continue
         theta = traj.parameters(j).to(device)
         delta = nxt - theta
@@ -538,6 +554,8 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
             nodes, weights = [ctx.capture(theta, Xq, Wq)], [1.0]
             rho_theta = directional(nodes, weights, theta64)[0][0] if along else None
         nxt = theta
+        if not first <= j < stop:  # replayed: only its nodes were wanted
+            continue
         D = None
         if route != "factor":
             if adjoint is None:
@@ -580,6 +598,24 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(nodes, weights, -lead, D)
     return contrib, reg
+
+
+def _replayed(ctx: _Context, quad: _Quadrature | None, method: str, last: bool):
+    """The intervals ``[lo, hi)`` a step range walks: its own, and on an adaptive exact
+    decomposition those the serial call chooses nodes for before it.
+
+    The node choice carries over from step to step (and from one query block to the
+    next): a range whose steps the serial call reaches with a state replays the choice
+    of every step before them, the queries' captures only, so that it takes the serial
+    call's nodes and gives its numbers. Where :func:`replays` says no, it restarts at 3
+    nodes: the sums then move within ``tol``.
+    """
+    first, stop = ctx.intervals
+    n = len(ctx.traj) - 1
+    if quad is None or (first, stop) == (0, n) or not replays(method, quad.fixed,
+                                                              quad.tol, ctx.traj.dtype):
+        return first, stop
+    return (first if last else 0), n
 
 
 def _intervals(traj):
@@ -730,7 +766,7 @@ def decompose(
     computed apart: :func:`merge` joins them and :func:`finish` maps and warns.
 
     ``intervals=(start, stop)``: only the steps of the recorded intervals
-    ``start <= j < stop``, on a path whose steps are independent (:func:`splits_steps`);
+    ``start <= j < stop``, on a path whose steps are independent (:func:`step_ranges`);
     :func:`merge_steps` sums such parts. Their ``prediction`` and ``initial`` are the
     whole path's, and ``error`` means nothing until they are summed.
     """
@@ -841,38 +877,85 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed})
 
 
-def splits_steps(traj: Trajectory, method: str, weighting: str, n_queries: int,
-                 n_tasks: int) -> bool:
-    """Whether ``n_tasks`` workers should split the path's steps rather than the queries.
+def replays(method: str, n_nodes: int | None, tol: float | None, dtype) -> bool:
+    """Whether a step range replays the node choice of the steps before it
+    (:func:`_replayed`): on an adaptive exact decomposition whose ``tol`` is looser than
+    ``REPLAY_TOL``. At that tolerance a range that restarts the choice still agrees with
+    the serial call to 1e-12 relative; at float32's 1e-6 it moves the sums by about 1e-8.
+    """
+    if method != "exact" or n_nodes is not None:
+        return False
+    return (default_tol(dtype) if tol is None else float(tol)) > REPLAY_TOL
+
+
+def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
+                n_tasks: int, *, n_nodes: int | None = None,
+                tol: float | None = None) -> list[tuple[int, int]] | None:
+    """The step ranges ``n_tasks`` workers should split the path into, or None where
+    they should split the queries.
 
     Steps are independent on plain SGD paths only (no memory: a step's share needs that
     step alone); the adjoint of momentum and Adam runs through every step, so those
     paths split their queries. On plain SGD, in rows captured per worker (a batch row at
-    one point, a query row at each quadrature node, about as costly):
+    one point, a query row at each of ``NODES_GUESS`` quadrature nodes, about as costly):
 
-    - query blocks: every block captures every step's batch, ``T b``;
-    - step ranges: each range captures its steps' batches once, ``T b / n``, but every
-      query's reference f at all ``T + 1`` points (about half a capture each, against
-      ``(T + 1) / n`` for a block), and its first step restarts the adaptive node count
-      (about 2 node captures of every query more).
+    - query blocks: every block captures every step's batch and its queries, ``T b + k
+      T Q / n``;
+    - step ranges: each range captures its steps' batches and queries, but every
+      query's reference f at all ``T + 1`` points (about half a capture each), and
+      either restarts the adaptive node count at its first step (about 2 node captures
+      of every query more) or replays the node choice of the steps after it
+      (:func:`replays`). A replayed step costs its whole query side, ``REPLAY_ROWS Q``
+      (which then stands for ``k Q`` throughout); the cuts balance it: a range that
+      replays more takes fewer steps of its own.
 
-    Ranges win when ``T b (1 - 1/n) > 2 Q + (T + 1) Q (1 - 1/n) / 2``: measured on the
-    64-512-512-1 MLP (batch 64, 8 steps, CPU time of each worker's share on one
-    thread), 1.65x for ranges against 1.13x for blocks with 10 queries, and 1.46x
-    against 1.66x with 200.
-
-    Float64 paths only: a range restarts the adaptive node count at its first step, and
-    in float32 the nodes it then chooses move the sums by about 1e-8 relative (within
-    ``tol``, but not the same numbers as the serial call, which query blocks give).
+    Measured on the 64-512-512-1 MLP (batch 64, 8 steps, CPU time of each worker's share
+    on one thread, float64 paths that restart), 1.65x for ranges against 1.13x for
+    blocks with 10 queries, and 1.46x against 1.66x with 200. Replaying float32 ranges
+    cost more than the serial call there (the query side is most of each step), so a
+    replay pays only with batches of several times ``REPLAY_ROWS`` rows per query.
     """
-    if (_route(traj, method) != "factor" or n_tasks < 2 or len(traj) - 1 < n_tasks
-            or traj.dtype != torch.float64):
-        return False
-    T = traj.n_steps
-    b = (traj.n_samples if weighting == "expected"
-         else float(np.mean([len(bt) for bt in traj.batches])))
-    share = 1.0 - 1.0 / n_tasks
-    return T * b * share > 2 * n_queries + (T + 1) * n_queries * share / 2
+    n = len(traj) - 1
+    if _route(traj, method) != "factor" or n_tasks < 2 or n < 2:
+        return None
+    sizes = (np.full(traj.n_steps, traj.n_samples) if weighting == "expected"
+             else np.array([len(bt) for bt in traj.batches]))
+    steps = np.asarray(traj.steps, dtype=np.int64)
+    batch = np.array([sizes[steps[j]:steps[j + 1]].sum() for j in range(n)], dtype=float)
+    Q = float(n_queries)
+    replay = REPLAY_ROWS * Q if replays(method, n_nodes, tol, traj.dtype) else 0.0
+    queries = replay or (NODES_GUESS if method == "exact" else 1) * Q  # a step's
+    restart = 2 * Q if method == "exact" and n_nodes is None and not replay else 0.0
+    ref = (n + 1) * Q / 2 if method == "exact" else 0.0
+    blocks = batch.sum() + (n * queries + ref) / n_tasks
+    # The cheapest cut: bisection on the largest worker cost, each range taken greedily
+    # from the path's end (the order the serial call walks it).
+    own = batch + queries
+
+    def cut(limit):
+        """Ranges from the path's end, each as long as its worker's cost stays under
+        ``limit`` (one interval at least)."""
+        bounds, stop, cost = [], n, ref
+        for j in range(n - 1, -1, -1):
+            if stop > j + 1 and cost + own[j] > limit:
+                bounds.append((j + 1, stop))
+                stop = j + 1
+                cost = ref + restart + replay * (n - stop)
+            cost += own[j]
+        return [(0, stop), *bounds[::-1]]
+
+    def worst(bounds):
+        return max(ref + (restart if stop < n else 0.0) + replay * (n - stop)
+                   + own[start:stop].sum() for start, stop in bounds)
+
+    lo, hi = own.max(), ref + restart + replay * n + own.sum()
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if len(cut(mid)) <= n_tasks else (mid, hi)
+    bounds = cut(hi)
+    if len(bounds) < 2 or worst(bounds) >= blocks:
+        return None
+    return bounds
 
 
 def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
@@ -1007,7 +1090,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         if route == "dense":
             c, r = _dense_block(ctx, X[rows], rows, quad, method=method)
         else:
-            c, r = _factored_block(ctx, X[rows], rows, quad, method=method, route=route)
+            c, r = _factored_block(ctx, X[rows], rows, quad, method=method, route=route,
+                                   last=q0 + q_block >= n_q)
         contributions[q0 : q0 + q_block] = c.cpu().numpy()
         regularization[q0 : q0 + q_block] = r.cpu().numpy()
     return contributions, regularization

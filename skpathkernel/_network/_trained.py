@@ -23,12 +23,12 @@ from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
 from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
-from .._analysis._decomposition import check_tol, finish, merge, merge_steps, splits_steps
+from .._analysis._decomposition import check_tol, finish, merge, merge_steps, step_ranges
 from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
-from .._parallel import map_ranges, map_row_blocks, n_row_blocks, n_tasks
+from .._parallel import map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -474,16 +474,16 @@ ValueError
         X = self.check(X)
         self._training_data()  # its errors here, not on the workers
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol)
-        n_intervals = len(self.trajectory) - 1
-        by_steps = splits_steps(self.trajectory, method, weighting, len(X),
-                                n_tasks(n_jobs, n_intervals))
-        if (n_tasks(n_jobs, n_intervals) if by_steps else n_row_blocks(n_jobs, X)) == 1:
+        ranges = step_ranges(self.trajectory, method, weighting, len(X),
+                             n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
+                             tol=tol)
+        if ranges is None and n_row_blocks(n_jobs, X) == 1:
             return finish(*self._decompose_block(X, weights, kwargs), units)
         net = self.for_workers()
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
-        if by_steps:  # every worker a range of steps for all queries (splits_steps)
-            parts = map_ranges(_decompose_steps, n_intervals, n_jobs, X, weights, net,
-                               kwargs)
+        if ranges is not None:  # every worker a range of steps for all queries
+            parts = map_calls(_decompose_steps, n_jobs, [(*r, X, weights, net, kwargs)
+                                                         for r in ranges])
             return finish(*merge_steps(parts), units)
         # Row blocks of the queries with their rows of the weights.
         rows = np.arange(len(X))

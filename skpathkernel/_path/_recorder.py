@@ -508,7 +508,6 @@ class PathRecorder:
         declared = self._declared_scale
         if self._world > 1:
             return 1.0 if declared is None else declared
-        found, top, dot, norm2 = False, 0.0, 0.0, 0.0
         pairs = []
         for i, p in enumerate(self._params):
             if p.grad is None:
@@ -518,9 +517,11 @@ class PathRecorder:
                 # Set by hand, not by backward(): nothing to compare it with (the
                 # decomposition's own check judges what it did).
                 continue
-            pairs.append((p.grad, seen))
-            if not torch.equal(p.grad, seen):
-                found = True
+            pairs.append((p.grad.detach(), seen))
+        # One host sync for the whole step, not one per parameter (on a GPU each
+        # torch.equal waits for the device).
+        found = any(g.shape != s.shape for g, s in pairs) or bool(
+            pairs and torch.stack([torch.ne(g, s).any() for g, s in pairs]).any())
         unscale = 1.0
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             # backward() saw the scaled loss; scaler.step unscaled the gradients.
@@ -528,15 +529,17 @@ class PathRecorder:
             found = True
         if not found:
             return 1.0 if declared is None else declared
-        for g, seen in pairs:
-            g64, s64 = g.detach().double(), seen.double()
-            dot += float((g64 * s64).sum())
-            norm2 += float((s64 * s64).sum())
-            top = max(top, float(s64.abs().max()) if s64.numel() else 0.0)
+        pairs = [(g.double(), s.double()) for g, s in pairs if g.numel()]
+        if pairs:
+            dot, norm2, top = torch.stack([torch.stack(
+                [(g * s).sum(), (s * s).sum(), s.abs().max()]) for g, s in pairs]).cpu().T
+            dot, norm2, top = float(dot.sum()), float(norm2.sum()), float(top.max())
+        else:
+            dot = norm2 = top = 0.0
         c = dot / norm2 if norm2 > 0 else 1.0
         eps = float(torch.finfo(self._params[0].dtype).eps)
-        worst = max((float((g.detach().double() - c * s.double()).abs().max())
-                     for g, s in pairs if g.numel()), default=0.0)
+        worst = float(torch.stack([(g - c * s).abs().max() for g, s in pairs]).max()
+                      ) if pairs else 0.0
         # One factor for every entry, to the round-off of one multiplication (of two,
         # with a GradScaler's unscaling).
         if worst > 8 * eps * (abs(c) * top + 1e-300):

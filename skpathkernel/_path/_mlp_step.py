@@ -82,6 +82,17 @@ class MLPGradient:
         self.loss = loss
         self.params = list(module.parameters())
         self._mean_grad = {}  # batch size -> mean's backward (ones / n), made once
+        # Each layer's parameters and functions looked up once: a step of a default
+        # network is a few dozen small kernels, and Module.__getattr__ and the per-layer
+        # dispatch cost as much as several of them. The Parameter objects stay the same
+        # (the optimizer updates them in place), so holding them is safe.
+        self._plan = []
+        for layer in self.layers:
+            if type(layer) is torch.nn.Linear:
+                self._plan.append((layer.weight, layer.bias, None, None))
+            else:
+                self._plan.append((None, None, layer.forward, _ACTIVATIONS[type(layer)]))
+        self._is_squared = type(loss) is SquaredError
 
     @classmethod
     def build(cls, module, loss: Loss, X: torch.Tensor) -> MLPGradient | None:
@@ -118,34 +129,30 @@ class MLPGradient:
         return self._forward_backward(xb, yb)
 
     def _forward_backward(self, xb, yb):
+        plan = self._plan
         inputs, outputs = [], []
         a = xb
-        for layer in self.layers:
+        for weight, bias, forward, _ in plan:
             inputs.append(a)
             # F.linear on a 2-D input with a bias is this addmm.
-            a = (
-                torch.addmm(layer.bias, a, layer.weight.t())
-                if type(layer) is torch.nn.Linear
-                else layer.forward(a)
-            )
+            a = torch.addmm(bias, a, weight.t()) if weight is not None else forward(a)
             outputs.append(a)
         batch_loss, grad = self._loss_and_output_grad(a, yb)
-        for i in range(len(self.layers) - 1, -1, -1):
-            layer, x = self.layers[i], inputs[i]
-            if type(layer) is torch.nn.Linear:
+        for i in range(len(plan) - 1, -1, -1):
+            weight, bias, _, backward = plan[i]
+            if weight is not None:
+                x = inputs[i]
                 # addmm's formulas (mm_mat2_backward on the column-major weight.t(),
                 # then t(); the bias's broadcast summed back over the batch).
-                layer.weight.grad = grad.t().mm(x)
-                layer.bias.grad = grad.sum(0)
+                weight.grad = grad.t().mm(x)
+                bias.grad = grad.sum(0)
                 if i == 0:
                     break
-                grad = _mm_mat1_backward(grad, layer.weight, x)
-            else:
-                backward = _ACTIVATIONS[type(layer)]
-                if i == 0:
-                    break
-                if backward is not None:
-                    grad = backward(layer, grad, x, outputs[i])
+                grad = _mm_mat1_backward(grad, weight, x)
+            elif i == 0:
+                break
+            elif backward is not None:
+                grad = backward(self.layers[i], grad, inputs[i], outputs[i])
         return batch_loss
 
     def _loss_and_output_grad(self, out, yb):
@@ -156,7 +163,7 @@ class MLPGradient:
         g = self._mean_grad.get(n)
         if g is None:
             g = self._mean_grad[n] = torch.ones(n, dtype=out.dtype, device=out.device) / n
-        if type(self.loss) is SquaredError:
+        if self._is_squared:
             diff = out - yb
             batch_loss = (0.5 * diff.pow(2).mean(dim=1)).mean()
             g = (g * 0.5).unsqueeze(1).expand_as(out) / out.shape[1]

@@ -63,6 +63,10 @@ class FunctionalOptimizer:
         self._direct = self.fused and len({(p.device, p.dtype) for p in self.params}) == 1
         self.param_groups = [{"params": self.params, "lr": float(lr)}]
         self.state: dict[torch.Tensor, dict] = {p: {} for p in self.params}
+        # The state tensors of every parameter, listed per key once they exist (a step
+        # that updates all parameters reads them from here, not from ``state`` parameter
+        # by parameter); dropped when the state is replaced (load_state_dict).
+        self._state_lists: dict[str, list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ state
     def _step_tensor(self, p) -> torch.Tensor:
@@ -99,18 +103,25 @@ class FunctionalOptimizer:
 
     def _step(self) -> None:
         params = [p for p in self.params if p.grad is not None]
+        if not params:
+            return
         grads = [p.grad for p in params]
         spec, lr = self.spec, self.param_groups[0]["lr"]
         if spec.name == "sgd":
             self._sgd(params, grads, lr)
             return
-        states = [self._init_state(p) for p in params]
-        steps = [s["step"] for s in states]
+        lists = self._state_lists if len(params) == len(self.params) else None
+        if lists is None:
+            states = [self._init_state(p) for p in params]
+            lists = {key: [s[key] for s in states] for key in states[0]}
+            if len(params) == len(self.params):
+                self._state_lists = lists
+        steps = lists["step"]
         if spec.name == "rmsprop":
             _rmsprop(
                 params,
                 grads,
-                [s["square_avg"] for s in states],
+                lists["square_avg"],
                 [],
                 [],
                 steps,
@@ -127,11 +138,11 @@ class FunctionalOptimizer:
                 has_complex=False,
             )
             return
-        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        exp_avgs, exp_avg_sqs = lists["exp_avg"], lists["exp_avg_sq"]
         rule = dict(amsgrad=False, lr=lr, beta1=spec.beta_1, beta2=spec.beta_2,
                     weight_decay=spec.weight_decay, eps=spec.epsilon, maximize=False,
                     grad_scale=None, found_inf=None)  # fmt: skip
-        if self._direct and params:  # torch.optim.adam._fused_adam's one group
+        if self._direct:  # torch.optim.adam._fused_adam's one group
             torch._foreach_add_(steps, 1)
             kernel = torch._fused_adamw_ if spec.name == "adamw" else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, **rule)
@@ -148,7 +159,7 @@ class FunctionalOptimizer:
         rule = dict(weight_decay=spec.weight_decay, momentum=momentum, lr=lr, dampening=0.0,
                     nesterov=bool(spec.nesterov and momentum > 0), maximize=False,
                     grad_scale=None, found_inf=None)  # fmt: skip
-        if self._direct and params:  # torch.optim.sgd._fused_sgd's one group
+        if self._direct:  # torch.optim.sgd._fused_sgd's one group
             first = bool(momentum) and all(b is None for b in buffers)
             if first:
                 buffers = [torch.empty_like(g) for g in grads]
@@ -182,6 +193,7 @@ class FunctionalOptimizer:
         for i, p in enumerate(self.params):
             saved = state_dict["state"].get(i, {})
             self.state[p] = {k: self._cast(p, k, v) for k, v in saved.items()}
+        self._state_lists = None
 
     def _cast(self, p, key, value):
         if not torch.is_tensor(value):

@@ -81,7 +81,8 @@ class MLPGradient:
         self.layers = list(module)
         self.loss = loss
         self.params = list(module.parameters())
-        self._mean_grad = {}  # batch size -> mean's backward (ones / n), made once
+        self._mean_grad = {}  # batch shape -> the loss's means' backward, made once
+        self._target = None  # (labels, their version, as floats) of the last binary batch
         # Each layer's parameters and functions looked up once: a step of a default
         # network is a few dozen small kernels, and Module.__getattr__ and the per-layer
         # dispatch cost as much as several of them. The Parameter objects stay the same
@@ -166,10 +167,20 @@ class MLPGradient:
         if self._is_squared:
             diff = out - yb
             batch_loss = (0.5 * diff.pow(2).mean(dim=1)).mean()
-            g = (g * 0.5).unsqueeze(1).expand_as(out) / out.shape[1]
-            return batch_loss, g * (2.0 * diff)
+            # The two means' backward depends on the batch's shape only: made once.
+            key = (n, out.shape[1])
+            g2 = self._mean_grad.get(key)
+            if g2 is None:
+                g2 = self._mean_grad[key] = (g * 0.5).unsqueeze(1).expand_as(out) / out.shape[1]
+            return batch_loss, g2 * (2.0 * diff)
         if out.shape[1] == 1:  # binary_cross_entropy_with_logits on the margin
-            target = yb.to(out.dtype)
+            # A full batch is the same labels every step: converted once.
+            last = self._target
+            if last is not None and last[0] is yb and last[1] == yb._version:
+                target = last[2]
+            else:
+                target = yb.to(out.dtype)
+                self._target = (yb, yb._version, target)
             margin = out[:, 0]
             batch_loss = torch.nn.functional.binary_cross_entropy_with_logits(
                 margin, target, reduction="none"

@@ -67,6 +67,10 @@ class FunctionalOptimizer:
         # that updates all parameters reads them from here, not from ``state`` parameter
         # by parameter); dropped when the state is replaced (load_state_dict).
         self._state_lists: dict[str, list[torch.Tensor]] | None = None
+        # With the fused kernel: the step counts as 0-d views of one vector, so that a
+        # step counts them with one add_ (torch._foreach_add_ over 0-d tensors takes
+        # several times as long as that).
+        self._step_counts: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ state
     def _step_tensor(self, p) -> torch.Tensor:
@@ -116,6 +120,8 @@ class FunctionalOptimizer:
             lists = {key: [s[key] for s in states] for key in states[0]}
             if len(params) == len(self.params):
                 self._state_lists = lists
+                if self._direct:
+                    self._share_step_counts(lists)
         steps = lists["step"]
         if spec.name == "rmsprop":
             _rmsprop(
@@ -143,7 +149,10 @@ class FunctionalOptimizer:
                     weight_decay=spec.weight_decay, eps=spec.epsilon, maximize=False,
                     grad_scale=None, found_inf=None)  # fmt: skip
         if self._direct:  # torch.optim.adam._fused_adam's one group
-            torch._foreach_add_(steps, 1)
+            if self._step_counts is not None and lists is self._state_lists:
+                self._step_counts.add_(1)
+            else:
+                torch._foreach_add_(steps, 1)
             kernel = torch._fused_adamw_ if spec.name == "adamw" else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, **rule)
             return
@@ -151,6 +160,15 @@ class FunctionalOptimizer:
               fused=self.fused or None, capturable=False, differentiable=False,
               has_complex=False, decoupled_weight_decay=spec.name == "adamw",
               **rule)  # fmt: skip
+
+    def _share_step_counts(self, lists) -> None:
+        """Every parameter's step count as a view of one vector (same values, dtype and
+        device; ``state[p]["step"]`` stays a 0-d tensor, as torch.optim's)."""
+        counts = torch.stack(lists["step"])
+        lists["step"] = list(counts.unbind())
+        for p, count in zip(self.params, lists["step"], strict=True):
+            self.state[p]["step"] = count
+        self._step_counts = counts
 
     def _sgd(self, params, grads, lr) -> None:
         spec = self.spec
@@ -193,7 +211,7 @@ class FunctionalOptimizer:
         for i, p in enumerate(self.params):
             saved = state_dict["state"].get(i, {})
             self.state[p] = {k: self._cast(p, k, v) for k, v in saved.items()}
-        self._state_lists = None
+        self._state_lists = self._step_counts = None
 
     def _cast(self, p, key, value):
         if not torch.is_tensor(value):

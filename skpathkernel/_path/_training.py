@@ -315,25 +315,37 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
             step += 1
             if recorder.wants_point(step):
                 recorder.record_point(step)
-        return torch.stack(batch_losses)
+        return batch_losses
 
 
 def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr) -> float:
     """Mean loss over the samples of an epoch; non-finite raises, naming the step.
 
-    ``sizes``: the batch sizes in the losses' dtype; ``total``: their sum (the samples).
+    ``batch_losses``: the epoch's batch losses (0-d tensors); ``sizes``: the batch sizes
+    in the losses' dtype; ``total``: their sum (the samples).
     """
-    # Weighted by batch size so that the epoch loss is the mean over samples; one
-    # multiplication an epoch, not a product and a store per step (the same values:
-    # each loss times its batch size in the loss's dtype, summed in float64).
-    weighted = (batch_losses * sizes).double()
-    loss = float(weighted.sum())
+    # Weighted by batch size so that the epoch loss is the mean over samples: each loss
+    # times its batch size in the loss's dtype, summed in float64.
+    dtype = batch_losses[0].dtype
+    if len(batch_losses) <= 2 and dtype in (torch.float32, torch.float64):
+        # One or two batches (every default fit on fewer than 400 samples): the same
+        # values in Python floats, without a tensor op. A product of two float32 values
+        # is exact in float64, so rounding it to float32 is torch's float32 product; a
+        # sum of two float64 values is rounded once in either.
+        terms = [b.item() * w for b, w in zip(batch_losses, sizes.tolist())]
+        if dtype == torch.float32:
+            with np.errstate(over="ignore"):  # an overflow is inf, as in torch
+                terms = [float(np.float32(t)) for t in terms]
+        loss = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    else:
+        weighted = (torch.stack(batch_losses) * sizes).double()
+        terms, loss = weighted, float(weighted.sum())
     # A non-finite batch loss makes the sum non-finite: one check of the sum, not of
     # every batch (a sum that overflows from finite float64 terms is kept, as before).
     if not math.isfinite(loss):
-        bad = torch.nonzero(~torch.isfinite(weighted))
-        if len(bad):
-            _raise_diverged(first_step + int(bad[0, 0]), epoch, lr)
+        bad = [i for i, v in enumerate(terms) if not math.isfinite(float(v))]
+        if bad:
+            _raise_diverged(first_step + bad[0], epoch, lr)
     return loss / total
 
 

@@ -23,7 +23,13 @@ from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.neural_network import MLPClassifier
 
-from skpathkernel import DivergenceWarning, PathKernel, PathKernelClassifier, PathKernelMachine
+from skpathkernel import (
+    DivergenceWarning,
+    PathKernel,
+    PathKernelClassifier,
+    PathKernelMachine,
+    TrainingDivergedError,
+)
 
 BASE = dict(hidden_layer_sizes=(6,), activation="tanh", normalize_y=False, dtype="float64",
             random_state=0)
@@ -452,3 +458,52 @@ def test_svm_auto_C_is_the_cross_validated_choice():
     assert svm.svm_.C == svm.C_
     fixed = TangentFeatureSVM(net, C=2.5).fit(X, y)
     assert fixed.C_ == 2.5 == fixed.svm_.C
+
+
+# ------------------------------------------------------------------ per-epoch bookkeeping
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sizes", [[75], [200, 131], [200, 200, 26]])
+def test_epoch_loss_is_the_size_weighted_mean_of_the_batch_losses(dtype, sizes):
+    from skpathkernel._path._training import _epoch_loss
+
+    rng = np.random.RandomState(len(sizes))
+    sizes_t = torch.tensor(sizes, dtype=dtype)
+    for scale in (1e-30, 1e-3, 1.0, 1e20, 1e36):
+        losses = [torch.tensor(v, dtype=dtype) for v in scale * rng.rand(len(sizes))]
+        # Each loss times its batch size in the losses' dtype, summed in float64.
+        expected = float((torch.stack(losses) * sizes_t).double().sum()) / sum(sizes)
+        assert _epoch_loss(losses, sizes_t, float(sum(sizes)), 0, 0, 1e-3) == expected
+    for bad in (float("nan"), float("inf")):
+        for i in range(len(sizes)):
+            losses = [torch.tensor(0.5, dtype=dtype) for _ in sizes]
+            losses[i] = torch.tensor(bad, dtype=dtype)
+            with pytest.raises(TrainingDivergedError, match=f"optimizer step {7 + i} "):
+                _epoch_loss(losses, sizes_t, float(sum(sizes)), 7, 3, 1e-3)
+
+
+def test_divergence_norms_read_from_the_path_equal_the_ones_taken_each_epoch(monkeypatch):
+    from skpathkernel._path import _training
+
+    seen = []
+    original = _training._warn_if_diverging
+
+    def spy(first_loss, loss_curve, norms, lr, epoch0=0):
+        seen.append(list(norms))
+        return original(first_loss, loss_curve, norms, lr, epoch0)
+
+    monkeypatch.setattr(_training, "_warn_if_diverging", spy)
+    X, y = _small_regression()
+    # One step an epoch: every epoch's end is recorded with record_every=1 (norms read
+    # from the path once the loss went up), not with 3 (norms taken as the epochs run).
+    for record_every in (1, 3):
+        est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=1e6,
+                                batch_size=None, max_iter=12, tol=None, random_state=0,
+                                record_every=record_every)
+        with pytest.warns(DivergenceWarning):
+            est.fit(X, y)
+    lazy, eager = seen
+    assert est.loss_curve_[-1] > est.loss_curve_[0]
+    assert len(lazy) == len(eager) == 13
+    assert lazy == eager  # the same floats
+    traj = est.trajectory_
+    assert eager[-1] == pytest.approx(float(traj.parameters(-1).double().norm()), rel=1e-6)

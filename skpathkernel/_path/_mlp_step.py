@@ -81,7 +81,19 @@ class MLPGradient:
         self.layers = list(module)
         self.loss = loss
         self.params = list(module.parameters())
-        self._mean_grad = {}  # batch size -> mean's backward (ones / n), made once
+        self._mean_grad = {}  # batch shape -> the loss's means' backward, made once
+        self._target = None  # (labels, their version, as floats) of the last binary batch
+        # Each layer's parameters and functions looked up once: a step of a default
+        # network is a few dozen small kernels, and Module.__getattr__ and the per-layer
+        # dispatch cost as much as several of them. The Parameter objects stay the same
+        # (the optimizer updates them in place), so holding them is safe.
+        self._plan = []
+        for layer in self.layers:
+            if type(layer) is torch.nn.Linear:
+                self._plan.append((layer.weight, layer.bias, None, None))
+            else:
+                self._plan.append((None, None, layer.forward, _ACTIVATIONS[type(layer)]))
+        self._is_squared = type(loss) is SquaredError
 
     @classmethod
     def build(cls, module, loss: Loss, X: torch.Tensor) -> MLPGradient | None:
@@ -118,34 +130,30 @@ class MLPGradient:
         return self._forward_backward(xb, yb)
 
     def _forward_backward(self, xb, yb):
+        plan = self._plan
         inputs, outputs = [], []
         a = xb
-        for layer in self.layers:
+        for weight, bias, forward, _ in plan:
             inputs.append(a)
             # F.linear on a 2-D input with a bias is this addmm.
-            a = (
-                torch.addmm(layer.bias, a, layer.weight.t())
-                if type(layer) is torch.nn.Linear
-                else layer.forward(a)
-            )
+            a = torch.addmm(bias, a, weight.t()) if weight is not None else forward(a)
             outputs.append(a)
         batch_loss, grad = self._loss_and_output_grad(a, yb)
-        for i in range(len(self.layers) - 1, -1, -1):
-            layer, x = self.layers[i], inputs[i]
-            if type(layer) is torch.nn.Linear:
+        for i in range(len(plan) - 1, -1, -1):
+            weight, bias, _, backward = plan[i]
+            if weight is not None:
+                x = inputs[i]
                 # addmm's formulas (mm_mat2_backward on the column-major weight.t(),
                 # then t(); the bias's broadcast summed back over the batch).
-                layer.weight.grad = grad.t().mm(x)
-                layer.bias.grad = grad.sum(0)
+                weight.grad = grad.t().mm(x)
+                bias.grad = grad.sum(0)
                 if i == 0:
                     break
-                grad = _mm_mat1_backward(grad, layer.weight, x)
-            else:
-                backward = _ACTIVATIONS[type(layer)]
-                if i == 0:
-                    break
-                if backward is not None:
-                    grad = backward(layer, grad, x, outputs[i])
+                grad = _mm_mat1_backward(grad, weight, x)
+            elif i == 0:
+                break
+            elif backward is not None:
+                grad = backward(self.layers[i], grad, inputs[i], outputs[i])
         return batch_loss
 
     def _loss_and_output_grad(self, out, yb):
@@ -156,13 +164,23 @@ class MLPGradient:
         g = self._mean_grad.get(n)
         if g is None:
             g = self._mean_grad[n] = torch.ones(n, dtype=out.dtype, device=out.device) / n
-        if type(self.loss) is SquaredError:
+        if self._is_squared:
             diff = out - yb
             batch_loss = (0.5 * diff.pow(2).mean(dim=1)).mean()
-            g = (g * 0.5).unsqueeze(1).expand_as(out) / out.shape[1]
-            return batch_loss, g * (2.0 * diff)
+            # The two means' backward depends on the batch's shape only: made once.
+            key = (n, out.shape[1])
+            g2 = self._mean_grad.get(key)
+            if g2 is None:
+                g2 = self._mean_grad[key] = (g * 0.5).unsqueeze(1).expand_as(out) / out.shape[1]
+            return batch_loss, g2 * (2.0 * diff)
         if out.shape[1] == 1:  # binary_cross_entropy_with_logits on the margin
-            target = yb.to(out.dtype)
+            # A full batch is the same labels every step: converted once.
+            last = self._target
+            if last is not None and last[0] is yb and last[1] == yb._version:
+                target = last[2]
+            else:
+                target = yb.to(out.dtype)
+                self._target = (yb, yb._version, target)
             margin = out[:, 0]
             batch_loss = torch.nn.functional.binary_cross_entropy_with_logits(
                 margin, target, reduction="none"

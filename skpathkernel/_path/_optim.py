@@ -63,6 +63,14 @@ class FunctionalOptimizer:
         self._direct = self.fused and len({(p.device, p.dtype) for p in self.params}) == 1
         self.param_groups = [{"params": self.params, "lr": float(lr)}]
         self.state: dict[torch.Tensor, dict] = {p: {} for p in self.params}
+        # The state tensors of every parameter, listed per key once they exist (a step
+        # that updates all parameters reads them from here, not from ``state`` parameter
+        # by parameter); dropped when the state is replaced (load_state_dict).
+        self._state_lists: dict[str, list[torch.Tensor]] | None = None
+        # With the fused kernel: the step counts as 0-d views of one vector, so that a
+        # step counts them with one add_ (torch._foreach_add_ over 0-d tensors takes
+        # several times as long as that).
+        self._step_counts: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ state
     def _step_tensor(self, p) -> torch.Tensor:
@@ -107,18 +115,27 @@ class FunctionalOptimizer:
 
     def _step(self) -> None:
         params = [p for p in self.params if p.grad is not None]
+        if not params:
+            return
         grads = [p.grad for p in params]
         spec, lr = self.spec, self.param_groups[0]["lr"]
         if spec.name == "sgd":
             self._sgd(params, grads, lr)
             return
-        states = [self._init_state(p) for p in params]
-        steps = [s["step"] for s in states]
+        lists = self._state_lists if len(params) == len(self.params) else None
+        if lists is None:
+            states = [self._init_state(p) for p in params]
+            lists = {key: [s[key] for s in states] for key in states[0]}
+            if len(params) == len(self.params):
+                self._state_lists = lists
+                if self._direct:
+                    self._share_step_counts(lists)
+        steps = lists["step"]
         if spec.name == "rmsprop":
             _rmsprop(
                 params,
                 grads,
-                [s["square_avg"] for s in states],
+                lists["square_avg"],
                 [],
                 [],
                 steps,
@@ -135,12 +152,15 @@ class FunctionalOptimizer:
                 has_complex=False,
             )
             return
-        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        exp_avgs, exp_avg_sqs = lists["exp_avg"], lists["exp_avg_sq"]
         rule = dict(amsgrad=False, lr=lr, beta1=spec.beta_1, beta2=spec.beta_2,
                     weight_decay=spec.weight_decay, eps=spec.epsilon, maximize=False,
                     grad_scale=None, found_inf=None)  # fmt: skip
-        if self._direct and params:  # torch.optim.adam._fused_adam's one group
-            torch._foreach_add_(steps, 1)
+        if self._direct:  # torch.optim.adam._fused_adam's one group
+            if self._step_counts is not None and lists is self._state_lists:
+                self._step_counts.add_(1)
+            else:
+                torch._foreach_add_(steps, 1)
             kernel = torch._fused_adamw_ if spec.name == "adamw" else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, **rule)
             return
@@ -149,6 +169,15 @@ class FunctionalOptimizer:
               has_complex=False, decoupled_weight_decay=spec.name == "adamw",
               **rule)  # fmt: skip
 
+    def _share_step_counts(self, lists) -> None:
+        """Every parameter's step count as a view of one vector (same values, dtype and
+        device; ``state[p]["step"]`` stays a 0-d tensor, as torch.optim's)."""
+        counts = torch.stack(lists["step"])
+        lists["step"] = list(counts.unbind())
+        for p, count in zip(self.params, lists["step"], strict=True):
+            self.state[p]["step"] = count
+        self._step_counts = counts
+
     def _sgd(self, params, grads, lr) -> None:
         spec = self.spec
         momentum = spec.momentum
@@ -156,7 +185,7 @@ class FunctionalOptimizer:
         rule = dict(weight_decay=spec.weight_decay, momentum=momentum, lr=lr, dampening=0.0,
                     nesterov=bool(spec.nesterov and momentum > 0), maximize=False,
                     grad_scale=None, found_inf=None)  # fmt: skip
-        if self._direct and params:  # torch.optim.sgd._fused_sgd's one group
+        if self._direct:  # torch.optim.sgd._fused_sgd's one group
             first = bool(momentum) and all(b is None for b in buffers)
             if first:
                 buffers = [torch.empty_like(g) for g in grads]
@@ -190,6 +219,7 @@ class FunctionalOptimizer:
         for i, p in enumerate(self.params):
             saved = state_dict["state"].get(i, {})
             self.state[p] = {k: self._cast(p, k, v) for k, v in saved.items()}
+        self._state_lists = self._step_counts = None
 
     def _cast(self, p, key, value):
         if not torch.is_tensor(value):

@@ -300,16 +300,14 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
     # The hand-written gradient builds no graph: the whole epoch runs without one.
     with torch.no_grad() if gradient is not None else contextlib.nullcontext():
         n = X.shape[0]
-        full_batch = B == n
         order_np = order.numpy()
-        order_dev = order.to(X.device)
+        if B == n:  # full batch: one step on all rows, whatever their order
+            batches = [(X, Y)]
+        else:
+            order_dev = order.to(X.device)
+            batches = ((X[idx], Y[idx]) for idx in order_dev.split(B))
         batch_losses = []
-        for start in range(0, n, B):
-            if full_batch:
-                xb, yb = X, Y
-            else:
-                idx = order_dev[start : start + B]
-                xb, yb = X[idx], Y[idx]
+        for start, (xb, yb) in zip(range(0, n, B), batches):
             batch_losses.append(
                 training_step(module, optimizer, loss, xb, yb, gradient).detach())
             recorder.record_batch(order_np[start : start + B])
@@ -317,25 +315,59 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
             step += 1
             if recorder.wants_point(step):
                 recorder.record_point(step)
-        return torch.stack(batch_losses)
+        return batch_losses
 
 
-def _epoch_loss(batch_losses, sizes, first_step, epoch, lr) -> float:
-    """Mean loss over the samples of an epoch; non-finite raises, naming the step."""
-    # Weighted by batch size so that the epoch loss is the mean over samples; one
-    # multiplication an epoch, not a product and a store per step (the same values:
-    # each loss times its batch size in the loss's dtype, summed in float64).
-    weighted = (batch_losses * sizes.to(batch_losses.dtype)).double()
-    finite = torch.isfinite(weighted)
-    if not bool(finite.all()):
-        bad = int(torch.nonzero(~finite)[0, 0])
-        _raise_diverged(first_step + bad, epoch, lr)
-    return float(weighted.sum()) / float(sizes.sum())
+def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr) -> float:
+    """Mean loss over the samples of an epoch; non-finite raises, naming the step.
+
+    ``batch_losses``: the epoch's batch losses (0-d tensors); ``sizes``: the batch sizes
+    in the losses' dtype; ``total``: their sum (the samples).
+    """
+    # Weighted by batch size so that the epoch loss is the mean over samples: each loss
+    # times its batch size in the loss's dtype, summed in float64.
+    dtype = batch_losses[0].dtype
+    if len(batch_losses) <= 2 and dtype in (torch.float32, torch.float64):
+        # One or two batches (every default fit on fewer than 400 samples): the same
+        # values in Python floats, without a tensor op. A product of two float32 values
+        # is exact in float64, so rounding it to float32 is torch's float32 product; a
+        # sum of two float64 values is rounded once in either.
+        terms = [b.item() * w for b, w in zip(batch_losses, sizes.tolist())]
+        if dtype == torch.float32:
+            with np.errstate(over="ignore"):  # an overflow is inf, as in torch
+                terms = [float(np.float32(t)) for t in terms]
+        loss = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    else:
+        weighted = (torch.stack(batch_losses) * sizes).double()
+        terms, loss = weighted, float(weighted.sum())
+    # A non-finite batch loss makes the sum non-finite: one check of the sum, not of
+    # every batch (a sum that overflows from finite float64 terms is kept, as before).
+    if not math.isfinite(loss):
+        bad = [i for i, v in enumerate(terms) if not math.isfinite(float(v))]
+        if bad:
+            _raise_diverged(first_step + bad[0], epoch, lr)
+    return loss / total
 
 
 def _param_norm(params) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
         [p.detach() for p in params]))))
+
+
+def _epoch_norms(recorder, params, epoch_steps, norms, first_loss, loss_curve):
+    """``norms`` (the initial norm, then one per epoch when they were taken as the epochs
+    ran) completed from the recorded points at the ends of the epochs.
+
+    The norms matter to the divergence warning only when the last epoch's loss is above
+    the first one's (see :func:`_warn_if_diverging`); a path that keeps every epoch's end
+    in memory computes them then, from the points, instead of once an epoch.
+    """
+    if not loss_curve[-1] > first_loss:
+        return norms
+    points = recorder.points_in_memory(epoch_steps)
+    # The same tensors' values, each a contiguous slice of its point: the same norms.
+    return norms + [_param_norm(list(torch.split(row, [p.numel() for p in params])))
+                    for row in points]
 
 
 def train(
@@ -403,6 +435,12 @@ def train(
         resume.load_into(optimizer, generator)
     sizes = torch.tensor([min(B, n - b * B) for b in range(steps_per_epoch)],
                          dtype=params[0].dtype, device=X.device)
+    total = float(sizes.sum())
+    rows = torch.arange(n)  # the order of an epoch that does not shuffle
+    # Every epoch's end recorded in memory: the parameter norms of the divergence check
+    # are read from the points at the end, and only when the check needs them.
+    norms_later = recorder.keeps_in_memory(steps_per_epoch)
+    epoch_steps: list[int] = []
     recorder.record_point(0)
     loss_curve: list[float] = []
     scores: list[float] | None = None if validation is None else []
@@ -419,15 +457,16 @@ def train(
     for epoch in range(max_iter):
         lr = sched.epoch_lr(seen)
         set_learning_rate(optimizer, lr)
-        order = (torch.randperm(n, generator=generator) if shuffle and B < n
-                 else torch.arange(n))
+        order = torch.randperm(n, generator=generator) if shuffle and B < n else rows
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
                                   gradient)
-        epoch_loss = _epoch_loss(batch_losses, sizes, step, epoch, lr)
+        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr)
         step += steps_per_epoch
         seen += n
         loss_curve.append(epoch_loss)
-        norms.append(_param_norm(params))
+        epoch_steps.append(step)
+        if not norms_later:
+            norms.append(_param_norm(params))
         score = None
         if validation is not None:
             with torch.no_grad():
@@ -449,6 +488,8 @@ def train(
     if not stopped and not single_epoch and tol is not None:
         _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None)
     first_loss = loss_curve[0] if resume is None else resume.first_loss
+    if norms_later:
+        norms = _epoch_norms(recorder, params, epoch_steps, norms, first_loss, loss_curve)
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())

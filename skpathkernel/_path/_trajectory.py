@@ -1069,6 +1069,18 @@ class TrajectoryRecorder:
         if self._written is not None:
             self._written[0] = self._k  # how far the background mapping may go
 
+    def keeps_in_memory(self, every: int) -> bool:
+        """Whether the points after every ``every``-th step are recorded, in memory."""
+        return not self.on_disk and every % self.record_every == 0
+
+    def points_in_memory(self, steps) -> torch.Tensor:
+        """The recorded points after each of ``steps`` optimizer steps, as rows of a view
+        of the buffer (valid until :meth:`finish`; see :meth:`keeps_in_memory`)."""
+        if self._non_blocking:
+            torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
+        rows = np.searchsorted(self._steps[: self._k], steps)
+        return self._buf[torch.from_numpy(rows)]
+
     def wants_point(self, step: int) -> bool:
         """Whether the point reached after ``step`` optimizer steps is recorded."""
         return step % self.record_every == 0 or step == self.n_steps

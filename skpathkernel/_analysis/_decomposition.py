@@ -778,6 +778,8 @@ def decompose(
     row = 4 * max(probe.nbytes(), sum(t.delta.numel() * itemsize + sum(
         a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms))
     width = max(t.delta.shape[2] for t in terms)
+    largest = max(t.delta.shape[2] * (1 if a is None else a.shape[1])
+                  for t in terms for _, a in t.inputs)
     while True:
         try:
             quad = _Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
@@ -785,7 +787,8 @@ def decompose(
             contributions, regularization = _run(
                 module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
                 route=route, quad=quad, memory_budget=memory_budget, exclude=exclude,
-                outputs=outputs, row=row, width=width, itemsize=itemsize, P=P, N=N, ref=ref,
+                outputs=outputs, row=row, width=width, largest=largest, itemsize=itemsize,
+                P=P, N=N, ref=ref,
                 weights=weights, intervals=intervals)
             break
         except _Reroute as new:
@@ -974,8 +977,8 @@ def _warn_inexact(result: Decomposition, relative: float) -> None:
 
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quad,
-         memory_budget, exclude, outputs, row, width, itemsize, P, N, ref, weights,
-         intervals):
+         memory_budget, exclude, outputs, row, width, largest, itemsize, P, N, ref,
+         weights, intervals):
     # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
@@ -993,8 +996,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         # A batch row: its capture and its column of the pair products of a query block
-        # ((Q C) x widest layer output).
-        b_bytes = row + min(q_block, n_q) * n_res * width * itemsize
+        # ((Q C) x widest layer output, float64), or its formed gradient of the largest
+        # parameter (float64, _pairs.formed_contraction).
+        b_bytes = row + max(min(q_block, n_q) * n_res * width * itemsize, 8 * largest)
     b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,

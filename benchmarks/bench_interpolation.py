@@ -140,3 +140,55 @@ def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,
         })
     return rows
 
+
+
+# The default classifier's verbs on digits: PathKernelClassifier(random_state=0) (Adam,
+# 64-64 GELU, ten outputs) on 1000 standardised training digits, queries from the rest.
+DIGITS_NOTES = (
+    "Default estimator: `PathKernelClassifier(random_state=0)` (Adam, (64, 64) GELU, "
+    "P = 8,970, ten outputs) fit on the first 1000 digits of `load_digits` after "
+    "`StandardScaler`; queries are the next digits. Times are CPU seconds of one thread "
+    "(`torch.set_num_threads(1)`, `time.process_time()`), one call each. FLOP floor: "
+    "`flop_floor` with C = 10 outputs for `decompose` and C = 1 for the contracted "
+    "margin of `attribute` / `explain`, at the node counts each call used; 'floor s' "
+    "divides it by the float32 1024^3 matmul rate measured in the same process (the "
+    "adjoint's contraction with the batch, 2 Q C P B of those FLOPs, accumulates in "
+    "float64 by design, whose GEMM rate is about half).")
+
+
+def digits_case(n_queries: int = 100, verbs=("decompose", "attribute", "explain")) -> dict:
+    """CPU seconds, node counts and FLOP floors of the default classifier's verbs."""
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    from skpathkernel import PathKernelClassifier
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    clf = PathKernelClassifier(random_state=0).fit(X[:1000], y[:1000])
+    Xq = X[1000 : 1000 + n_queries]
+    traj = clf.trajectory_
+    batches = [len(b) for b in traj.batches]
+    out = {"steps": len(traj) - 1, "rate": matmul_rate()}
+    for verb in verbs:
+        start = time.process_time()
+        if verb == "decompose":
+            res = clf.decompose(Xq)
+        elif verb == "attribute":
+            res = clf.attribute(Xq)
+        elif verb == "explain":
+            res = clf.explain(Xq)
+        else:
+            res = clf.kneighbors(Xq, kernel="path")
+        out[verb] = {"s": time.process_time() - start}
+        if verb == "decompose":
+            out[verb].update(nodes=res.n_nodes.tolist(), error=float(
+                res.error / max(np.abs(res.prediction).max(), 1e-300)))
+    # The contracted margin's nodes, for its floor: the same decomposition with weights.
+    if "decompose" in out:
+        n = out["decompose"]["nodes"]
+        out["floor"] = {C: flop_floor(clf.module_, n, batches, n_queries, C, True)
+                        for C in (1, 10)}
+    return out

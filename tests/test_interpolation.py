@@ -453,3 +453,36 @@ def test_weights_contract_layers_with_positions(kind, solver, monkeypatch):
     assert part.error <= 1e-10 * np.abs(part.prediction).max()
     monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
     _assert_contracts(_contracted(est, Xq, W, n_nodes=3), est.decompose(Xq, n_nodes=3), W)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-l2", "adam-l2", "rmsprop-l2"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("formed", [True, False])
+def test_adjoint_contraction_forms_equal_brute_force(data, name, dtype, formed, monkeypatch):
+    """The adjoint's contraction with the batch through the batch's formed per-sample
+    gradients and through its factors, each forced on every layer, with three outputs
+    and their contraction with query weights, against the forward per-sample recursion
+    (float64 over the recorded parameters)."""
+    import skpathkernel._tangent._pairs as pairs
+
+    calls = []
+
+    def forced(rows, q):
+        calls.append((rows, q))
+        return formed
+
+    monkeypatch.setattr(pairs, "formed_contraction", forced)
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1], X_train[:, 0] ** 2]
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=5,
+                            dtype=dtype, random_state=0, **SOLVERS[name]).fit(X_train, Y)
+    res = est.decompose(X, n_nodes=6)
+    assert calls  # the forced choice was taken
+    contrib, reg = _brute_force(est, X_train, torch.as_tensor(Y), _squared, X)
+    scale = np.abs(contrib).max()
+    rel = 1e-10 if dtype == "float64" else 2e-5
+    assert_allclose(res.contributions, contrib, rtol=0, atol=rel * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=rel * max(scale, 1e-3))
+    W = np.random.RandomState(3).normal(size=(len(X), 3))
+    part = _contracted(est, X, W, n_nodes=6)
+    _assert_contracts(part, res, W, rel=rel)

@@ -46,6 +46,15 @@ so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
   stay on the routes above, as per-sample gradients (``_pairs.pair_terms``); the dense
   route's ``method="exact"`` branch is what the tests check the other routes against.
 
+Captures. For an ``nn.Sequential`` of ``nn.Linear`` layers and elementwise activations
+(the estimators' default network, :func:`._tangent.stacked_mlp`), the factors come from
+one batched forward and backward over a step's quadrature nodes, and the batch's from
+one pass without the capture engine's hooks (:class:`_StackedCapture`, checked against
+the engine's capture once per call). On the default classifier on digits these
+captures were a quarter of ``attribute``'s time (hundreds of microseconds of set-up per
+capture for a few of arithmetic). The nodes of later steps are not stacked with them:
+how many a step takes depends on the residuals of the steps after it.
+
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
 linear in the output's seed; the dense route forms ``d(w_q . f) / dtheta`` from them), so

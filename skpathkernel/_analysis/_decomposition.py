@@ -52,8 +52,9 @@ one batched forward and backward over a step's quadrature nodes, and the batch's
 one pass without the capture engine's hooks (:class:`_StackedCapture`, checked against
 the engine's capture once per call). On the default classifier on digits the hooked
 captures were about a sixth of ``attribute``'s time with Adam and half with SGD
-(profiled, 100 queries): set-up repeated per capture, for little arithmetic. The nodes of later steps are not stacked with them:
-how many a step takes depends on the residuals of the steps after it.
+(profiled, 100 queries): set-up repeated per capture, for little arithmetic. The nodes
+of later steps are not stacked with them: how many a step takes depends on the residuals
+of the steps after it.
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -462,7 +463,7 @@ class _StackedCapture:
     capture before use, :meth:`matches`), so every route reads them unchanged.
     """
 
-    def __init__(self, mlp, layout, names):
+    def __init__(self, mlp, layout):
         self.mlp, self.layout = mlp, layout
         # Each Linear's parameters in the capture's order: weight (with inputs), bias.
         self.inputs = [[lin.weight] + ([] if lin.bias is None else [lin.bias])
@@ -572,7 +573,7 @@ class _Context:
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
-            stacked = _StackedCapture(mlp, self.layout, traj.names)
+            stacked = _StackedCapture(mlp, self.layout)
             theta = traj.parameters(0).to(self.device)
             w = (None if weights is None
                  else torch.ones((2, len(outputs)), dtype=torch.float64, device=self.device))

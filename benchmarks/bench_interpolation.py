@@ -74,15 +74,16 @@ def flop_floor(module: torch.nn.Module, n_nodes, batch_sizes, n_queries: int, n_
     return total
 
 
-def matmul_rate(size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a size^3 float32 torch.matmul (median of repeats)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_rate(size: int = 1024, repeats: int = 5, clock=time.perf_counter,
+                dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a size^3 torch.matmul (median of repeats) by ``clock``."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return 2 * size**3 / statistics.median(times)
 
 
@@ -140,3 +141,57 @@ def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,
         })
     return rows
 
+
+
+# The default classifier's verbs on digits: PathKernelClassifier(random_state=0) (Adam,
+# 64-64 GELU, ten outputs) on 1000 standardised training digits, queries from the rest.
+DIGITS_NOTES = (
+    "Default estimator: `PathKernelClassifier(random_state=0)` (Adam, (64, 64) GELU, "
+    "P = 8,970, ten outputs) fit on the first 1000 digits of `load_digits` after "
+    "`StandardScaler`; queries are the next digits. Times are CPU seconds of one thread "
+    "(`torch.set_num_threads(1)`, `time.process_time()`), one call each. FLOP floor: "
+    "`flop_floor` with C = 10 outputs for `decompose` and C = 1 for the contracted "
+    "margin of `attribute` / `explain`, at the node counts each call used; 'floor s' "
+    "divides it by the float32 1024^3 matmul rate measured in the same process (the "
+    "adjoint's contraction with the batch, 2 Q C P B of those FLOPs, accumulates in "
+    "float64 by design, whose GEMM rate is about half).")
+
+
+def digits_case(n_queries: int = 100, verbs=("decompose", "attribute", "explain")) -> dict:
+    """CPU seconds, node counts and FLOP floors of the default classifier's verbs."""
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    from skpathkernel import PathKernelClassifier
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    clf = PathKernelClassifier(random_state=0).fit(X[:1000], y[:1000])
+    Xq = X[1000 : 1000 + n_queries]
+    traj = clf.trajectory_
+    batches = [len(b) for b in traj.batches]
+    # CPU time, as the calls: on shared cores wall time counts the other processes.
+    out = {"steps": len(traj) - 1, "rate": matmul_rate(clock=time.thread_time),
+           "rate64": matmul_rate(clock=time.thread_time, dtype=torch.float64)}
+    for verb in verbs:
+        start = time.process_time()
+        if verb == "decompose":
+            res = clf.decompose(Xq)
+        elif verb == "attribute":
+            res = clf.attribute(Xq)
+        elif verb == "explain":
+            res = clf.explain(Xq)
+        else:
+            res = clf.kneighbors(Xq, kernel="path")
+        out[verb] = {"s": time.process_time() - start}
+        if verb == "decompose":
+            out[verb].update(nodes=res.n_nodes.tolist(), error=float(
+                res.error / max(np.abs(res.prediction).max(), 1e-300)))
+    # The contracted margin's nodes, for its floor: the same decomposition with weights.
+    if "decompose" in out:
+        n = out["decompose"]["nodes"]
+        out["floor"] = {C: flop_floor(clf.module_, n, batches, n_queries, C, True)
+                        for C in (1, 10)}
+    return out

@@ -453,3 +453,104 @@ def test_weights_contract_layers_with_positions(kind, solver, monkeypatch):
     assert part.error <= 1e-10 * np.abs(part.prediction).max()
     monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
     _assert_contracts(_contracted(est, Xq, W, n_nodes=3), est.decompose(Xq, n_nodes=3), W)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-l2", "adam-l2", "rmsprop-l2"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("formed", [True, False])
+def test_adjoint_contraction_forms_equal_brute_force(data, name, dtype, formed, monkeypatch):
+    """The adjoint's contraction with the batch through the batch's formed per-sample
+    gradients and through its factors, each forced on every layer, with three outputs
+    and their contraction with query weights, against the forward per-sample recursion
+    (float64 over the recorded parameters)."""
+    import skpathkernel._tangent._pairs as pairs
+
+    calls = []
+
+    def forced(rows, q):
+        calls.append((rows, q))
+        return formed
+
+    monkeypatch.setattr(pairs, "formed_contraction", forced)
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1], X_train[:, 0] ** 2]
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=5,
+                            dtype=dtype, random_state=0, **SOLVERS[name]).fit(X_train, Y)
+    res = est.decompose(X, n_nodes=6)
+    assert calls  # the forced choice was taken
+    contrib, reg = _brute_force(est, X_train, torch.as_tensor(Y), _squared, X)
+    scale = np.abs(contrib).max()
+    rel = 1e-10 if dtype == "float64" else 2e-5
+    assert_allclose(res.contributions, contrib, rtol=0, atol=rel * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=rel * max(scale, 1e-3))
+    W = np.random.RandomState(3).normal(size=(len(X), 3))
+    part = _contracted(est, X, W, n_nodes=6)
+    _assert_contracts(part, res, W, rel=rel)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam-l2"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_stacked_captures_equal_the_capture_engine(data, name, dtype, monkeypatch):
+    """A plain MLP's captures by one batched pass over a step's nodes (and the batch's
+    without hooks) give the capture engine's decomposition, of every output and
+    contracted, and float64 the forward per-sample recursion's."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=5,
+                            dtype=dtype, random_state=0, **SOLVERS[name]).fit(X_train, Y)
+    W = np.random.RandomState(4).normal(size=(len(X), 2))
+    used = []
+    stacked_capture = interpolation._StackedCapture.capture
+
+    def spy(self, thetas, *args):
+        used.append(len(thetas))
+        return stacked_capture(self, thetas, *args)
+
+    monkeypatch.setattr(interpolation._StackedCapture, "capture", spy)
+    stacked, stacked_w = est.decompose(X, n_nodes=4), _contracted(est, X, W, n_nodes=4)
+    assert 4 in used  # a step's four nodes in one pass
+    monkeypatch.setattr(interpolation._StackedCapture, "matches", lambda *args: False)
+    used.clear()
+    general, general_w = est.decompose(X, n_nodes=4), _contracted(est, X, W, n_nodes=4)
+    assert not used
+    rel = 1e-12 if dtype == "float64" else 1e-5
+    for a, b in ((stacked, general), (stacked_w, general_w)):
+        scale = np.abs(b.contributions).max()
+        assert_allclose(a.contributions, b.contributions, rtol=0, atol=rel * scale)
+        assert_allclose(a.regularization, b.regularization, rtol=0,
+                        atol=rel * max(scale, 1e-3))
+        assert a.error == pytest.approx(b.error, rel=1e-3, abs=rel * scale)
+    if dtype == "float64":
+        contrib, reg = _brute_force(est, X_train, torch.as_tensor(Y), _squared, X, n_nodes=4)
+        scale = np.abs(contrib).max()
+        assert_allclose(stacked.contributions, contrib, rtol=0, atol=1e-10 * scale)
+        assert_allclose(stacked.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+
+
+def test_stacked_captures_that_disagree_are_not_used(data, monkeypatch):
+    """A stacked pass that does not reproduce the capture engine's factors (here a wrong
+    activation derivative) is refused: the general captures give the exact result."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6,), max_iter=3, batch_size=5,
+                            dtype="float64", random_state=0, **SOLVERS["adam-l2"])
+    est.fit(X_train, y)
+    derivative = interpolation._stacked_derivative
+
+    def wrong(act, z):
+        h, d = derivative(act, z)
+        return h, 1.01 * d
+
+    monkeypatch.setattr(interpolation, "_stacked_derivative", wrong)
+    used = []
+    monkeypatch.setattr(interpolation._StackedCapture, "backward",
+                        lambda self, *args, _b=interpolation._StackedCapture.backward:
+                        used.append(1) or _b(self, *args))
+    res = est.decompose(X, n_nodes=6)
+    assert 1 <= len(used) <= 2  # the check's captures only
+    contrib, reg = _brute_force(est, X_train, torch.as_tensor(y).reshape(-1, 1), _squared, X)
+    assert_allclose(res.contributions, contrib, rtol=0,
+                    atol=1e-10 * np.abs(contrib).max())

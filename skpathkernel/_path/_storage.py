@@ -542,8 +542,17 @@ class Series:
             self._allocate()
         return self._buffer[k % self.chunk_rows]
 
-    def _allocate(self) -> None:
+    def _allocate(self, ahead: bool = True) -> None:
+        """The write buffer; ``ahead``: its pages (and a second buffer's) mapped now, on
+        the writer thread, for a recording that fills chunks. A continued path's few new
+        rows map only the pages they write (mapping two chunks per series cost a short
+        ``partial_fit`` call several times its training)."""
         self._buffer = aligned_empty(self.chunk_rows, self.n_params, self.dtype)
+        if self.delta_dtype is not None:
+            self._deltas = torch.empty((self.chunk_rows, self.n_params),
+                                       dtype=self.delta_dtype)
+        if not ahead:
+            return
         # Its pages mapped on the writer thread, ahead of the copies into its rows.
         _on("writer", partial(populate, [self._buffer]))
         if self.delta_dtype is None and self._spare is None:
@@ -551,9 +560,6 @@ class Series:
             # first chunk is full, instead of by the copies on the training thread.
             self._spare = _on("writer", lambda: _touched_empty(
                 self.chunk_rows, self.n_params, self.dtype))
-        if self.delta_dtype is not None:
-            self._deltas = torch.empty((self.chunk_rows, self.n_params),
-                                       dtype=self.delta_dtype)
 
     def rewind(self, n_rows: int, *, append: bool) -> None:
         """Make the series its first ``n_rows`` vectors again (later ones are dropped).
@@ -573,14 +579,16 @@ class Series:
         self.overflow = None
         for chunk in [c for c in self._memory if c * self.chunk_rows >= self.n_rows]:
             del self._memory[chunk]
+        if not append:
+            return
+        self._allocate(ahead=False)
         rows = self.n_rows % self.chunk_rows
-        if not append or not rows:
+        if not rows:
             return
         chunk = self.n_rows // self.chunk_rows
         raw = self._memory.get(chunk)
         if raw is None:
             raw = self._read_checked(chunk)
-        self._allocate()
         self._buffer[:rows] = self._decode(raw, rows)
         if self.delta_dtype is not None and rows > 1:
             head = self._head_rows

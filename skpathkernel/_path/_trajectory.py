@@ -953,6 +953,12 @@ class TrajectoryRecorder:
         self._states = {key: store.add_series(key, self._n_params, self._dtype)
                         for key in self.solver.state_keys}
         self._pin = self._non_blocking = False
+        if self.n_steps is not None and self.n_points_for(
+                self.n_steps, self.record_every) < store.chunk_rows:
+            # A recording shorter than a chunk (a partial_fit call) maps only the pages
+            # it writes.
+            for series in (self._buf, *self._states.values()):
+                series._allocate(ahead=False)
         for k in range(n_points):
             self._write_row(self._buf, k, [old_buf[k]], int(self._steps[k]), whole=True)
         for key, series in self._states.items():

@@ -328,6 +328,18 @@ def test_continuing_a_disk_path_elsewhere_is_refused(change, match):
     assert est.trajectory_.storage == "disk"
 
 
+def test_an_estimator_saved_without_optimizer_state_is_not_continued():
+    # Pickles of on-disk estimators from before partial_fit took disk paths hold none:
+    # continuing would restart Adam's moments in the middle of the path.
+    X, y = _data()
+    est = _stream("disk", CALLS[:1], **SOLVERS["adam"])
+    est._resume = None
+    before = dict(est.__dict__)
+    with pytest.raises(ValueError, match="no optimizer state"):
+        est.partial_fit(X[CALLS[1]], y[CALLS[1]])
+    assert est.__dict__ == before
+
+
 @pytest.mark.parametrize("make_copy", ["pickle", "deepcopy", "copy"])
 def test_a_copy_cannot_overwrite_what_another_appended(make_copy):
     X, y = _data()

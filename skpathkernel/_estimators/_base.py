@@ -601,6 +601,11 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         """Refuse, before any work, a fit that cannot extend the recorded path."""
         if previous is None:
             return
+        if getattr(self, "_resume", None) is None:
+            raise ValueError(
+                "This fitted estimator holds no optimizer state to continue from (it was "
+                "saved by a version that kept none for a path on disk): warm_start and "
+                "partial_fit cannot extend its path. Fit a new network.")
         path = previous.trajectory
         where = "in memory" if path.storage == "memory" else f"on disk in {path.directory!r}"
         if self.trajectory_storage not in ("auto", path.storage):

@@ -22,6 +22,13 @@ series whatever the number of points. A sweep that moves to the next chunk (or t
 previous one, backwards) starts reading the one after on a reader thread while it uses
 this one: at most three chunks per series, at most 3/32 of ``memory_budget``.
 
+A fit that continues an on-disk path (``partial_fit``, ``warm_start``) appends to its
+series in place (:meth:`Series.rewind`: the partly filled last chunk is read back into the
+write buffer, and its file is later replaced, by a rename, with one holding the same
+first rows) and keeps the training set beside them (:class:`DiskArray`,
+``<directory>/data/``). The description ``trajectory.pt`` is written last, so the
+directory describes the previous path, whole, until the longer one is complete.
+
 Faults
 ------
 - A write that fails (``OSError``: a full disk, a quota) keeps that chunk, and every later

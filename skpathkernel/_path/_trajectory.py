@@ -858,8 +858,8 @@ class TrajectoryRecorder:
     extends : Trajectory or None, default=None
         An on-disk path that this recording continues (its last point is this one's
         first): the vectors are appended to its series, in its directory, and
-        :meth:`finish` returns the new segment alone (rows ``len(extends) - 1`` on of
-        those series; see ``extend_trajectory``), without describing the directory,
+        :meth:`finish` returns the new segment alone (the rows from ``len(extends) - 1``
+        on of those series; see ``extend_trajectory``), without describing the directory,
         which still describes ``extends`` until the caller describes the whole path.
     """
 

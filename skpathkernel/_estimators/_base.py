@@ -763,11 +763,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         # The network's parts, as __getstate__ stores them: network_ is rebuilt from them.
         parts = {name: state.pop(name, None) for name in
                  ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_")}
-        state.setdefault("_disk_data", None)
         super().__setstate__(state)
         if module_state is None:
             return
-        if parts["X_fit_"] is None and state["_disk_data"] is not None:
+        if parts["X_fit_"] is None and state.get("_disk_data") is not None:
             parts["X_fit_"], parts["_Y_fit"] = (a.array() for a in state["_disk_data"])
         device = torch.device(parts["device_"] or "cpu")
         if device.type == "cuda" and not torch.cuda.is_available():

@@ -317,6 +317,54 @@ def long_rows(solver, epochs, n_queries, decompose_queries, repeats):
     return rows
 
 
+def partial_fit_rows(n_calls: int, repeats: int) -> list[dict]:
+    """``partial_fit`` on a stream of digits, path on disk against in memory.
+
+    The default classifier (after StandardScaler) fed scikit-learn's digits in
+    ``n_calls`` chunks; the two streams run call by call in this process, each call timed
+    in CPU time of the whole process (the writer thread's file writes count) on one torch
+    thread and in wall time. Per call the least of ``repeats`` streams; the ratio is of
+    the sums over the stream.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    from skpathkernel import PathKernelClassifier
+
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    chunks = np.array_split(np.arange(len(X)), n_calls)
+    cpu = {s: np.full(n_calls, np.inf) for s in ("memory", "disk")}
+    wall = {s: np.full(n_calls, np.inf) for s in ("memory", "disk")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            ests = {s: PathKernelClassifier(random_state=0, trajectory_storage=s)
+                    for s in cpu}
+            for i, rows in enumerate(chunks):
+                for s, est in ests.items():
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    est.partial_fit(X[rows], y[rows], classes=np.arange(10))
+                    cpu[s][i] = min(cpu[s][i], time.process_time() - c0)
+                    wall[s][i] = min(wall[s][i], time.perf_counter() - w0)
+            n_steps = ests["disk"].trajectory_.n_steps
+            del ests
+            gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    out = []
+    for what, t in (("CPU", cpu), ("wall", wall)):
+        out.append({
+            "row": f"partial_fit, digits in {n_calls} calls ({n_steps} steps), {what} time",
+            "memory s/call": f"{t['memory'].mean() * 1e3:.1f} ms",
+            "disk s/call": f"{t['disk'].mean() * 1e3:.1f} ms",
+            "disk / memory": f"{t['disk'].sum() / t['memory'].sum():.2f}x",
+            "last call disk / memory": f"{t['disk'][-1] / t['memory'][-1]:.2f}x",
+        })
+    return out
+
+
 def run(quick: bool = False) -> list[dict]:
     reps = 2 if quick else 3
     ep = 5 if quick else 25  # 40 or 200 steps
@@ -325,6 +373,7 @@ def run(quick: bool = False) -> list[dict]:
     rows += kernel_rows("adam", 2 if quick else 6, 64, reps, decompose_queries=0)
     rows += peak_rows("sgd", (2, 10) if quick else (5, 25, 50), 64)  # T = 40 .. 400
     rows += split_rows("sgd", ep, 256, reps + 2)
+    rows += partial_fit_rows(18, reps + 2)
     if not quick:  # the issue's size: P = 296k, T = 5000 steps, 5.5 GiB on disk
         rows += long_rows("sgd", 625, 64, 4, 3)
     return rows

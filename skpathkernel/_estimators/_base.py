@@ -49,6 +49,7 @@ from .._network._inputs import (
 from .._network._trained import TrainedNetwork, module_outputs, network_of, output_block_rows
 from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._losses import LOSSES
+from .._path._storage import DiskArray, dtype_name
 from .._path._training import extend_trajectory, resolve_batch_size, train, training_threads
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
@@ -555,24 +556,41 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                                linear_only=spec["module"] is None)])
         X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
-        result = self._train(module, X_t, Y_t, loss_name, validation, seed, previous,
-                             incremental)
-        module.eval()
-        if self.module is not None:  # the default MLP is nn.Linear only: nothing falls back
-            warn_on_fallback(module, X_t)
-        trajectory, X_fit, Y_fit = result.trajectory, X, Y
-        if previous is not None:
-            trajectory, X_fit, Y_fit = _continued_path(previous, trajectory, X, Y,
-                                                       same_data_allowed=not incremental)
-            attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
+        # A path on disk is continued in its own files: the new points are appended to
+        # them, and the directory describes the longer path only once the training data
+        # are there too (until then, the path it described before).
+        extends = previous.trajectory if previous is not None and \
+            previous.trajectory.storage == "disk" else None
+        try:
+            result = self._train(module, X_t, Y_t, loss_name, validation, seed, previous,
+                                 incremental, extends)
+            module.eval()
+            if self.module is not None:  # the default MLP is nn.Linear only
+                warn_on_fallback(module, X_t)
+            trajectory, X_fit, Y_fit = result.trajectory, X, Y
+            disk_data = None
+            if previous is not None:
+                trajectory, X_fit, Y_fit, disk_data = _continued_path(
+                    previous, getattr(self, "_disk_data", None), trajectory, X, Y,
+                    same_data_allowed=not incremental)
+                attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
+            elif trajectory.storage == "disk" and (incremental or self.warm_start):
+                # A path that later calls extend: its training set grows on disk beside
+                # it, not in memory.
+                disk_data = _disk_training_set(trajectory, X, Y, dtype)
+                X_fit, Y_fit = (a.array() for a in disk_data)
+        except BaseException:
+            if extends is not None:  # the series as the path being continued left them
+                for rows in (extends._params, *extends._states.values()):
+                    rows.series.rewind(rows.n, append=False)
+            raise
         attrs.update(
             network_=TrainedNetwork(
                 module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
                 input_kind=self._input_kind, device=str(device),
                 memory_budget=self.memory_budget),
-            _network_spec=spec, n_outputs_=n_outputs,
-            # Only a path in memory can be continued (warm_start, partial_fit).
-            _resume=result.resume if trajectory.storage == "memory" else None,
+            _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
+            _disk_data=disk_data,
             **self._curves(result, previous is not None),
         )
         for name, value in attrs.items():
@@ -581,13 +599,30 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
 
     def _check_continuable(self, previous) -> None:
         """Refuse, before any work, a fit that cannot extend the recorded path."""
-        if self.trajectory_storage != "memory" or (
-                previous is not None and previous.trajectory.storage != "memory"):
-            raise ValueError(
-                "warm_start and partial_fit extend the recorded path, which must be kept "
-                "in memory: use trajectory_storage='memory'.")
         if previous is None:
             return
+        if getattr(self, "_resume", None) is None:
+            raise ValueError(
+                "This fitted estimator holds no optimizer state to continue from (it was "
+                "saved by a version that kept none for a path on disk): warm_start and "
+                "partial_fit cannot extend its path. Fit a new network.")
+        path = previous.trajectory
+        where = "in memory" if path.storage == "memory" else f"on disk in {path.directory!r}"
+        if self.trajectory_storage not in ("auto", path.storage):
+            raise ValueError(
+                f"The path that warm_start and partial_fit extend is kept {where}; "
+                f"trajectory_storage={self.trajectory_storage!r} cannot continue it there. "
+                f"Set it back to {path.storage!r} (or 'auto'), or fit a new network.")
+        if path.storage == "disk":
+            stored = dtype_name(path._params.series.delta_dtype)
+            if self.trajectory_compression != stored:
+                raise ValueError(
+                    f"The path on disk is stored with trajectory_compression={stored!r}; "
+                    f"{self.trajectory_compression!r} cannot continue it. Set it back, or "
+                    "fit a new network.")
+            path._store.check_extendable("warm_start and partial_fit", path.n_steps)
+            for array in getattr(self, "_disk_data", None) or ():
+                array.array()  # the training set's files: there and whole
         if self._module_spec() != self._network_spec:
             raise ValueError(
                 f"warm_start and partial_fit continue the fitted network, built with "
@@ -626,7 +661,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             y_val = ((y_val.reshape(len(y_val), -1) - mean) / scale).reshape(y_val.shape)
         return (Y - mean) / scale, y_val
 
-    def _train(self, module, X_t, Y_t, loss_name, validation, seed, previous, incremental):
+    def _train(self, module, X_t, Y_t, loss_name, validation, seed, previous, incremental,
+               extends=None):
         generator = torch.Generator().manual_seed(seed)
         max_iter = 1 if incremental else self.max_iter
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
@@ -653,7 +689,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 validation=validation,
                 record_budget=int(self.memory_budget),
                 progress=None if tick is None else lambda epoch, loss: tick(loss=loss),
-                storage=self.trajectory_storage,
+                # A continued path stays where it is ("auto" follows it).
+                storage=self.trajectory_storage if previous is None
+                else previous.trajectory.storage,
                 directory=self.trajectory_dir,
                 compression=self.trajectory_compression,
                 schedule=self.learning_rate,
@@ -661,6 +699,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 resume=None if previous is None else self._resume,
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
+                extends=extends,
             )
 
     def _curves(self, result, continued: bool) -> dict:
@@ -706,10 +745,14 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         state = dict(super().__getstate__())
         net = state.pop("network_", None)
         if net is not None:
+            X_fit, Y_fit = net.X_fit, net.y_fit
+            if state.get("_disk_data") is not None and _on_disk(X_fit) and _on_disk(Y_fit):
+                # Read from the files beside the path: referenced, like the path itself.
+                X_fit = Y_fit = None
             state.update(
                 _module_state={name: t.detach().cpu().numpy()
                                for name, t in net.module.state_dict().items()},
-                trajectory_=net.trajectory, X_fit_=net.X_fit, _Y_fit=net.y_fit,
+                trajectory_=net.trajectory, X_fit_=X_fit, _Y_fit=Y_fit,
                 device_=net.device, dtype_=net.dtype, n_params_=net.n_params,
             )
         return state
@@ -723,6 +766,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         super().__setstate__(state)
         if module_state is None:
             return
+        if parts["X_fit_"] is None and state.get("_disk_data") is not None:
+            parts["X_fit_"], parts["_Y_fit"] = (a.array() for a in state["_disk_data"])
         device = torch.device(parts["device_"] or "cpu")
         if device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn(
@@ -818,24 +863,65 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     return np.asarray(names, dtype=object)
 
 
-def _continued_path(previous: TrainedNetwork, segment, X, Y, *, same_data_allowed: bool):
-    """(trajectory, X_fit, y_fit) of a fit that continued ``previous`` with ``segment``.
+def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
+                    same_data_allowed: bool):
+    """(trajectory, X_fit, y_fit, disk_data) of a fit that continued ``previous``.
 
     On the previous training data (a warm start on the same X and y) the new batches
     index it as before; otherwise (``partial_fit``, or a warm start on other data) the
     training set becomes the previous one followed by the new rows, which the new
-    batches index from there, so that the decomposition names every step's points.
+    batches index from there, so that the decomposition names every step's points. A
+    path on disk keeps that training set in files beside it (``disk_data``, the files
+    of the previous fit when it had them), and its directory then describes the
+    extended path: the last write of the fit, so that a fit stopped before it leaves
+    the directory describing the previous path, whose files are unchanged.
     """
     same = (same_data_allowed and X.shape == previous.X_fit.shape
             and Y.shape == previous.y_fit.shape and np.array_equal(X, previous.X_fit)
             and np.array_equal(Y, previous.y_fit))
     if same:
-        return extend_trajectory(previous.trajectory, segment, 0, len(X)), previous.X_fit, \
-            previous.y_fit
-    n_prev = len(previous.X_fit)
-    X_fit = np.concatenate([previous.X_fit, X])
-    Y_fit = np.concatenate([previous.y_fit, Y])
-    return extend_trajectory(previous.trajectory, segment, n_prev, len(X_fit)), X_fit, Y_fit
+        trajectory = extend_trajectory(previous.trajectory, segment, 0, len(X))
+        X_fit, Y_fit = previous.X_fit, previous.y_fit
+    else:
+        n_prev = len(previous.X_fit)
+        trajectory = extend_trajectory(previous.trajectory, segment, n_prev, n_prev + len(X))
+        if trajectory.storage == "disk":
+            if disk_data is None:
+                disk_data = _disk_training_set(trajectory, previous.X_fit, previous.y_fit,
+                                               previous.torch_dtype)
+            disk_data = tuple(a.appended(rows) for a, rows in zip(disk_data, (X, Y)))
+            X_fit, Y_fit = (a.array() for a in disk_data)
+        else:
+            X_fit = np.concatenate([previous.X_fit, X])
+            Y_fit = np.concatenate([previous.y_fit, Y])
+    if trajectory.storage == "disk":
+        trajectory._write_meta()
+    return trajectory, X_fit, Y_fit, disk_data
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _disk_training_set(trajectory, X, Y, dtype) -> tuple[DiskArray, DiskArray]:
+    """Files in the path's directory holding ``X`` and the encoded targets ``Y``.
+
+    Float inputs are kept in their dtype or the network's, whichever is wider: a later
+    call's rows are cast to it, which loses nothing the network reads.
+    """
+    x_dtype = X.dtype if X.dtype.kind in "iu" else np.result_type(X.dtype,
+                                                                  _NUMPY_DTYPES[dtype])
+    empty = [DiskArray(trajectory._store, name, dt, rows.shape[1:])
+             for name, dt, rows in (("X", x_dtype, X), ("y", Y.dtype, Y))]
+    return tuple(a.appended(rows) for a, rows in zip(empty, (X, Y)))
+
+
+def _on_disk(array) -> bool:
+    """Whether ``array`` reads a file (a memmap, or a view of one)."""
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return True
+        array = getattr(array, "base", None)
+    return False
 
 
 def _holdout(y, classes, fraction: float, seed: int):

@@ -136,7 +136,8 @@ _SHARED_PARAMS_DOC = """
         moved with ``trajectory_.save(path)`` (a rename) or pickled (a pickle references
         the directory, which is then kept). A full disk during training keeps the
         rest of the path in memory with a warning naming the file and the step (see
-        the user guide, "Scaling").
+        the user guide, "Scaling"). ``partial_fit`` and ``warm_start`` continue a path
+        where it is kept ("auto" follows it); on disk they append to its files.
     trajectory_dir : str, path-like or None, default=None
         Where ``trajectory_storage="disk"`` creates its directories; None is the
         system's temporary directory (``tempfile.gettempdir()``, ``TMPDIR``).
@@ -165,7 +166,9 @@ _SHARED_PARAMS_DOC = """
         becomes the concatenation of both (as with ``partial_fit``). The network
         (``hidden_layer_sizes``, ``activation``, ``module``), the optimizer's rule
         (``solver``, ``momentum``, ``beta_1``, ...), ``dtype`` and the targets' encoding
-        must be the previous fit's; the trajectory must be in memory."""
+        must be the previous fit's, and the trajectory stays where it is (in memory, or
+        on disk, where the new points are appended to its files and the training set is
+        kept beside them; see ``trajectory_storage``)."""
 
 _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True
@@ -618,7 +621,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         rule for one pass over the given data. The training set of the kernel machine
         (``X_fit_``) is the concatenation of what the calls received, in order, and the
         trajectory's batches index into it, so that the kernels, :meth:`decompose` and
-        :meth:`attribute` cover every call. The path is kept in memory.
+        :meth:`attribute` cover every call. With ``trajectory_storage="disk"`` the
+        path grows in its directory and the training set is kept there too
+        (``<directory>/data``, read back as a memory-mapped ``X_fit_``), so that a
+        stream never holds it in memory between calls.
 
         Parameters
         ----------
@@ -797,8 +803,10 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         optimizer, schedule and stopping rule for one pass over the given data. The
         training set of the kernel machine (``X_fit_``) is the concatenation of what the
         calls received, in order, and the trajectory's batches index into it, so that
-        the kernels, :meth:`decompose` and :meth:`attribute` cover every call. The path
-        is kept in memory.
+        the kernels, :meth:`decompose` and :meth:`attribute` cover every call. With
+        ``trajectory_storage="disk"`` the path grows in its directory and the training
+        set is kept there too (``<directory>/data``, read back as a memory-mapped
+        ``X_fit_``), so that a stream never holds it in memory between calls.
 
         Parameters
         ----------

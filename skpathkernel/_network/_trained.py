@@ -440,7 +440,7 @@ class TrainedNetwork:
         y = self.y_fit
         squared = self.loss is not None and self.loss.name == "squared_error"
         if np.issubdtype(y.dtype, np.integer) and not squared:
-            return torch.as_tensor(y, dtype=torch.long, device=self.torch_device)
+            return to_tensor(y, dtype=torch.long, device=self.torch_device)
         if squared and y.ndim == 1:
             y = y.reshape(-1, 1)
         return to_tensor(np.asarray(y, dtype=np.float64), dtype=self.torch_dtype,

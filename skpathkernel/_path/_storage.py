@@ -22,6 +22,13 @@ series whatever the number of points. A sweep that moves to the next chunk (or t
 previous one, backwards) starts reading the one after on a reader thread while it uses
 this one: at most three chunks per series, at most 3/32 of ``memory_budget``.
 
+A fit that continues an on-disk path (``partial_fit``, ``warm_start``) appends to its
+series in place (:meth:`Series.rewind`: the partly filled last chunk is read back into the
+write buffer, and its file is later replaced, by a rename, with one holding the same
+first rows) and keeps the training set beside them (:class:`DiskArray`,
+``<directory>/data/``). The description ``trajectory.pt`` is written last, so the
+directory describes the previous path, whole, until the longer one is complete.
+
 Faults
 ------
 - A write that fails (``OSError``: a full disk, a quota) keeps that chunk, and every later
@@ -56,8 +63,8 @@ from functools import partial
 import numpy as np
 import torch
 
-__all__ = ["CHUNK_BYTES", "ChunkStore", "DiskRows", "TrajectoryFileError", "chunk_rows_for",
-           "free_disk"]
+__all__ = ["CHUNK_BYTES", "ChunkStore", "DiskArray", "DiskRows", "TrajectoryFileError",
+           "chunk_rows_for", "free_disk"]
 
 # Target size of one chunk file: large enough that file overhead is negligible, small
 # enough that two chunks per series stay far below any memory_budget (at most 1/32 of it).
@@ -97,10 +104,12 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN_BYTES = 2**20  # smaller chunks: one ordinary write is cheaper
 
 
-def _npy_header(array: np.ndarray) -> bytes:
-    """An ``.npy`` (format 1.0) header for ``array``, padded to ``_ALIGN`` bytes."""
+def _npy_header(array: np.ndarray, shape: tuple | None = None) -> bytes:
+    """An ``.npy`` (format 1.0) header for ``array`` (of ``shape`` rows of its kind when
+    given), padded to ``_ALIGN`` bytes."""
+    shape = tuple(array.shape) if shape is None else tuple(shape)
     fields = (f"{{'descr': {np.lib.format.dtype_to_descr(array.dtype)!r}, "
-              f"'fortran_order': False, 'shape': {tuple(array.shape)!r}, }}")
+              f"'fortran_order': False, 'shape': {shape!r}, }}")
     body = fields.encode("latin1").ljust(_ALIGN - 10 - 1) + b"\n"
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body
 
@@ -350,6 +359,8 @@ class ChunkStore:
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
         self._finalizer = (weakref.finalize(self, _remove_directory, self.directory,
                                             self._pending, os.getpid()) if owned else None)
+        # The description written last: its file's identity and the path's step count.
+        self._described: tuple[int, int, int, int] | None = None
 
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
@@ -391,6 +402,42 @@ class ChunkStore:
         tmp = path + ".tmp"
         torch.save(payload, tmp)
         os.replace(tmp, path)
+        self._described = (*self._meta_identity(), len(payload["batch_offsets"]) - 1)
+
+    def _meta_identity(self) -> tuple[int, int, int] | None:
+        # A new file at every description (written aside, renamed over the old one).
+        try:
+            st = os.stat(os.path.join(self.directory, META_FILE))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def check_extendable(self, what: str, n_steps: int) -> None:
+        """Refuse to append to a directory that is gone, or that another object extended.
+
+        Copies of an estimator (a pickle, ``copy.copy`` or ``copy.deepcopy``) reference
+        one directory: the first to append rows past the shared path of ``n_steps`` steps
+        makes its description the directory's, and a second one appending from the same
+        point would overwrite those rows.
+        """
+        if not os.path.isdir(self.directory):
+            raise TrajectoryFileError(
+                f"The on-disk trajectory's directory {self.directory!r} is gone: {what} "
+                "cannot extend the path recorded there. Nothing was changed; fit a new "
+                "network (fit, or partial_fit on a new estimator).")
+        identity = self._meta_identity()
+        if self._described is not None and identity is None:
+            raise TrajectoryFileError(
+                f"The description of the on-disk trajectory, "
+                f"{os.path.join(self.directory, META_FILE)!r}, is missing: {what} cannot "
+                "extend a path the directory does not describe. Nothing was changed.")
+        if self._described is not None and (*identity, n_steps) != self._described:
+            raise TrajectoryFileError(
+                f"The on-disk trajectory in {self.directory!r} was described again since "
+                f"this estimator's path was (another copy of the estimator, sharing the "
+                f"directory, extended it): {what} would overwrite what that copy "
+                "recorded. Continue that copy, or save this path elsewhere first "
+                "(trajectory_.save(path) on a copy made before).")
 
     def move(self, path) -> None:
         """Rename the directory to ``path`` (which must not exist, or be an empty folder).
@@ -437,7 +484,8 @@ class ChunkStore:
         # Not the series: they reference this store and register themselves when
         # unpickled (skops refuses reference cycles).
         return {"directory": self.directory, "chunk_rows": self.chunk_rows,
-                "failure": self.failure}
+                "failure": self.failure,
+                "described": None if self._described is None else list(self._described)}
 
     def __setstate__(self, state):
         self.directory = state["directory"]
@@ -446,6 +494,8 @@ class ChunkStore:
         self.failure = state["failure"]
         self._finalizer = None
         self._pending = []
+        described = state.get("described")
+        self._described = None if described is None else tuple(int(v) for v in described)
 
 
 class Series:
@@ -496,18 +546,61 @@ class Series:
             raise RuntimeError(f"Series {self.name!r} is written in order: expected vector "
                                f"{self.n_rows}, got {k}.")
         if self._buffer is None:
-            self._buffer = aligned_empty(self.chunk_rows, self.n_params, self.dtype)
-            # Its pages mapped on the writer thread, ahead of the copies into its rows.
-            _on("writer", partial(populate, [self._buffer]))
-            if self.delta_dtype is None and self._spare is None:
-                # The second buffer's pages are mapped on the writer thread, idle until the
-                # first chunk is full, instead of by the copies on the training thread.
-                self._spare = _on("writer", lambda: _touched_empty(
-                    self.chunk_rows, self.n_params, self.dtype))
-            if self.delta_dtype is not None:
-                self._deltas = torch.empty((self.chunk_rows, self.n_params),
-                                           dtype=self.delta_dtype)
+            self._allocate()
         return self._buffer[k % self.chunk_rows]
+
+    def _allocate(self, ahead: bool = True) -> None:
+        """The write buffer; ``ahead``: its pages (and a second buffer's) mapped now, on
+        the writer thread, for a recording that fills chunks. A continued path's few new
+        rows map only the pages they write (mapping two chunks per series cost a short
+        ``partial_fit`` call several times its training)."""
+        self._buffer = aligned_empty(self.chunk_rows, self.n_params, self.dtype)
+        if self.delta_dtype is not None:
+            self._deltas = torch.empty((self.chunk_rows, self.n_params),
+                                       dtype=self.delta_dtype)
+        if not ahead:
+            return
+        # Its pages mapped on the writer thread, ahead of the copies into its rows.
+        _on("writer", partial(populate, [self._buffer]))
+        if self.delta_dtype is None and self._spare is None:
+            # The second buffer's pages are mapped on the writer thread, idle until the
+            # first chunk is full, instead of by the copies on the training thread.
+            self._spare = _on("writer", lambda: _touched_empty(
+                self.chunk_rows, self.n_params, self.dtype))
+
+    def rewind(self, n_rows: int, *, append: bool) -> None:
+        """Make the series its first ``n_rows`` vectors again (later ones are dropped).
+
+        For a path that is continued (``append``: the vectors of the partly filled last
+        chunk are read back into the write buffer, and the next vector is ``n_rows``) or
+        an extension that failed (the series as the path it extended left it). Rows below
+        ``n_rows`` are never written again: appending replaces the last chunk file, by a
+        rename, with one that holds the same first rows and the new ones, so that the path
+        described in the directory reads the same whenever the process stops.
+        """
+        with contextlib.suppress(Exception):  # a failed write: that chunk is dropped below
+            self._settle()
+        self.n_rows = int(n_rows)
+        self.forget()
+        self._buffer = self._spare = self._deltas = None
+        self.overflow = None
+        for chunk in [c for c in self._memory if c * self.chunk_rows >= self.n_rows]:
+            del self._memory[chunk]
+        if not append:
+            return
+        self._allocate(ahead=False)
+        rows = self.n_rows % self.chunk_rows
+        if not rows:
+            return
+        chunk = self.n_rows // self.chunk_rows
+        raw = self._memory.get(chunk)
+        if raw is None:
+            raw = self._read_checked(chunk)
+        self._buffer[:rows] = self._decode(raw, rows)
+        if self.delta_dtype is not None and rows > 1:
+            head = self._head_rows
+            self._deltas[1:rows] = torch.from_numpy(np.ascontiguousarray(
+                raw[head:head + rows - 1]).view(np.int16)).view(self.delta_dtype)
 
     def commit(self, k: int, step: int) -> None:
         """Vector ``k`` (recorded at optimizer ``step``) is in its slot: write a full chunk."""
@@ -691,6 +784,10 @@ class Series:
             self._last = None
 
     def _load(self, chunk: int) -> torch.Tensor:
+        return self._decode(self._read_checked(chunk), self._rows_in(chunk))
+
+    def _read_checked(self, chunk: int) -> np.ndarray:
+        """Chunk ``chunk``'s file as stored, checked to hold its rows of this series."""
         path = self.path(chunk)
         first = chunk * self.chunk_rows
         rows = self._rows_in(chunk)
@@ -711,7 +808,7 @@ class Series:
                 f"dtype {array.dtype}, not {shape} {np.dtype(want).name} values: it is "
                 "truncated or belongs to another network's trajectory."
             )
-        return self._decode(array, rows)
+        return array
 
     def __getstate__(self):
         self._settle()
@@ -732,20 +829,23 @@ class Series:
 
 
 class DiskRows:
-    """The first ``n`` vectors of a series (plus an optional last one held in memory).
+    """Vectors ``start`` to ``n - 1`` of a series (plus an optional last one in memory).
 
     Quacks like the ``(n_points, P)`` tensor that an in-memory trajectory holds, for what
     :class:`~skpathkernel.Trajectory` reads of it: ``len``, ``shape``, ``dtype`` and
-    ``rows[k]`` for an int ``k``.
+    ``rows[k]`` for an int ``k``. ``start`` is 0 but for the segment a continued fit
+    appends to its path's series.
     """
 
-    def __init__(self, series: Series, n: int, tail: torch.Tensor | None = None):
+    def __init__(self, series: Series, n: int, tail: torch.Tensor | None = None,
+                 start: int = 0):
         self.series = series
         self.n = int(n)
         self.tail = tail
+        self.start = int(start)
 
     def __len__(self) -> int:
-        return self.n + (self.tail is not None)
+        return self.n - self.start + (self.tail is not None)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -765,17 +865,95 @@ class DiskRows:
 
     def __getstate__(self):
         # The last point as a NumPy array: skops reads no torch tensors.
-        return {"series": self.series, "n": self.n,
+        return {"series": self.series, "n": self.n, "start": self.start,
                 "tail": None if self.tail is None else self.tail.numpy()}
 
     def __setstate__(self, state):
         self.series, self.n = state["series"], state["n"]
+        self.start = state.get("start", 0)
         tail = state["tail"]
         self.tail = None if tail is None else torch.from_numpy(
             np.require(tail, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
     def __getitem__(self, k: int) -> torch.Tensor:
         k = int(k)
-        if self.tail is not None and k == self.n:
+        if self.tail is not None and k == self.n - self.start:
             return self.tail
-        return self.series.row(k)
+        return self.series.row(self.start + k)
+
+
+class DiskArray:
+    """Rows appended to one ``.npy`` file in a store's directory, read as a memmap.
+
+    The training set of a path continued on disk (``partial_fit``, ``warm_start``):
+    ``<directory>/data/<name>.npy``, a plain ``.npy`` file whose header is padded to 4096
+    bytes, so that appending writes the new rows after the ``n_rows`` in use and then
+    the header's new shape in place. How many rows belong to the path is the path's
+    ``n_samples`` in the directory's description, written after the rows: a process that
+    stops in between leaves rows past it, which the next append overwrites. Pickles as a
+    reference to the file (through its store, like the path's chunk files).
+    """
+
+    def __init__(self, store: ChunkStore, name: str, dtype, row_shape, n_rows: int = 0):
+        self.store = store
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.row_shape = tuple(int(d) for d in row_shape)
+        self.n_rows = int(n_rows)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.store.directory, "data", f"{self.name}.npy")
+
+    @property
+    def _row_bytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.row_shape)
+
+    def appended(self, rows: np.ndarray) -> DiskArray:
+        """A new reference to the file with ``rows`` written after this one's rows.
+
+        This object keeps its rows: an estimator copy made before still reads (and
+        pickles) the training set of its own path.
+        """
+        out = DiskArray(self.store, self.name, self.dtype, self.row_shape, self.n_rows)
+        out.append(rows)
+        return out
+
+    def append(self, rows: np.ndarray) -> None:
+        """Write ``rows`` after the rows in use (then the header); an error leaves those."""
+        rows = np.ascontiguousarray(rows)
+        if rows.shape[1:] != self.row_shape or not np.can_cast(rows.dtype, self.dtype,
+                                                               "same_kind"):
+            raise ValueError(f"Rows of shape {rows.shape[1:]} and dtype {rows.dtype} cannot "
+                             f"be appended to {self.path!r} ({self.row_shape} "
+                             f"{self.dtype}).")
+        rows = rows.astype(self.dtype, copy=False)
+        if self.n_rows == 0:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        n = self.n_rows + len(rows)
+        with open(self.path, "r+b" if self.n_rows else "wb") as f:
+            f.seek(_ALIGN + self.n_rows * self._row_bytes)
+            f.write(memoryview(rows.reshape(-1).view(np.uint8)))
+            f.seek(0)
+            f.write(_npy_header(rows, (n, *self.row_shape)))
+        self.n_rows = n
+
+    def array(self) -> np.ndarray:
+        """The rows in use, read from the file as they are needed (read-only)."""
+        where = f"{self.path!r} ({self.n_rows} training rows)"
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            raise TrajectoryFileError(f"The training data file {where} is missing.") from None
+        if size < _ALIGN + self.n_rows * self._row_bytes:
+            raise TrajectoryFileError(f"The training data file {where} is truncated.")
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
+                         shape=(self.n_rows, *self.row_shape))
+
+    def __getstate__(self):
+        return {"store": self.store, "name": self.name, "dtype": self.dtype.str,
+                "row_shape": list(self.row_shape), "n_rows": self.n_rows}
+
+    def __setstate__(self, state):
+        self.__init__(state["store"], state["name"], state["dtype"], state["row_shape"],
+                      state["n_rows"])

@@ -25,7 +25,7 @@ from sklearn.exceptions import ConvergenceWarning
 from ._losses import Loss
 from ._mlp_step import MLPGradient
 from ._optim import FunctionalOptimizer
-from ._storage import free_disk
+from ._storage import DiskRows, free_disk
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
 
 __all__ = [
@@ -268,7 +268,8 @@ class _StoppingRule:
 
 
 def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storage,
-                   record_budget, directory, compression) -> TrajectoryRecorder:
+                   record_budget, directory, compression, extends=None
+                   ) -> TrajectoryRecorder:
     """The recorder of one fit: storage and ``record_every`` resolved for ``n_steps``.
 
     ``record_every="auto"`` records every step when the points of ``n_steps`` steps fit
@@ -276,8 +277,11 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
     ``storage`` ("memory", "disk" or "auto": disk when those points exceed
     ``record_budget`` bytes) says where the points go; on disk, in a fresh temporary
     directory under ``directory``, and ``record_every="auto"`` keeps every step that
-    fits in 90% of the disk's free space.
+    fits in 90% of the disk's free space. ``extends``: an on-disk path this recording
+    appends to (see :class:`TrajectoryRecorder`), whose storage it keeps.
     """
+    if extends is not None:
+        storage, directory, compression = "disk", extends.directory, None
     n_params, n_state = sum(p.numel() for p in params), len(solver.state_keys)
     itemsize = params[0].element_size()
     if storage == "auto":
@@ -292,6 +296,7 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
         params, names, n_steps=n_steps, record_every=record_every, solver=solver,
         n_samples=n, batch_size=B, dtype=params[0].dtype, storage=storage,
         directory=directory, memory_budget=record_budget, compression=compression,
+        extends=extends,
     )
 
 
@@ -396,6 +401,7 @@ def train(
     resume: Resume | None = None,
     single_epoch: bool = False,
     first_epoch: int = 0,
+    extends: Trajectory | None = None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
@@ -405,7 +411,9 @@ def train(
     each epoch. ``schedule`` and ``power_t`` are MLPClassifier's ``learning_rate`` and
     ``power_t`` (see :class:`_Schedule`); ``resume`` continues a previous fit's optimizer,
     schedule and (with ``single_epoch``, ``partial_fit``'s one pass) stopping rule;
-    ``first_epoch`` counts the epochs before it (for the warnings' epoch numbers).
+    ``first_epoch`` counts the epochs before it (for the warnings' epoch numbers);
+    ``extends``, the on-disk path it continues, whose series the new points are appended
+    to (the result's trajectory is the new segment: see :func:`extend_trajectory`).
 
     Stopping follows MLPClassifier (see :class:`_StoppingRule`): with ``validation`` (a
     callable scoring the module on held-out data, higher is better) the score decides,
@@ -424,7 +432,7 @@ def train(
     recorder = _make_recorder(
         params, names, n=n, B=B, n_steps=max_iter * steps_per_epoch, solver=solver,
         record_every=record_every, storage=storage, record_budget=record_budget,
-        directory=directory, compression=compression)
+        directory=directory, compression=compression, extends=extends)
     optimizer = make_optimizer(params, solver, learning_rate)
     gradient = MLPGradient.build(module, loss, X)
     sched = _Schedule(schedule if solver.name == "sgd" else "constant", learning_rate,
@@ -565,22 +573,31 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
     combined one (``n_samples`` rows): 0 when it trained on the same data. The optimizer's
     state continued across the join (its step count too, which the recorded state steps
     are), so the combined path is one path, from the first initialization to the last
-    step.
+    step. On disk, ``second`` was recorded into ``first``'s series, from its last point
+    on (``train(extends=first)``): the combined path reads them from their first row.
     """
-    if first.storage != "memory" or second.storage != "memory":
-        raise ValueError("Continuing a fit extends its recorded path, which must be kept in "
-                         "memory: use trajectory_storage='memory' with warm_start and "
-                         "partial_fit.")
+    if first.storage != second.storage:
+        raise ValueError(f"Cannot join a path kept in {first.storage} with one kept in "
+                         f"{second.storage}.")
+    if first.storage == "disk":
+        rows = second._params
+        if rows.series is not first._params.series or rows.start != len(first) - 1:
+            raise ValueError("The on-disk segment was not recorded after this path.")
+        params = DiskRows(rows.series, rows.n, rows.tail)
+        states = {k: DiskRows(v.series, v.n) for k, v in second._states.items()}
+    else:
+        params = torch.cat([first._params, second._params[1:]])
+        states = {k: torch.cat([v, second._states[k]]) for k, v in first._states.items()}
     n_first = first.n_steps
     return Trajectory(
         names=first.names, shapes=first.shapes,
-        params=torch.cat([first._params, second._params[1:]]),
+        params=params,
         steps=np.concatenate([first.steps, second.steps[1:] + n_first]),
         learning_rates=np.concatenate([first.learning_rates, second.learning_rates]),
         batch_indices=np.concatenate([first._batch_indices, second._batch_indices + offset]),
         batch_offsets=np.concatenate([first._batch_offsets,
                                       second._batch_offsets[1:] + first._batch_offsets[-1]]),
-        states={k: torch.cat([v, second._states[k]]) for k, v in first._states.items()},
+        states=states,
         state_steps=np.concatenate([first._state_steps, second._state_steps]),
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),

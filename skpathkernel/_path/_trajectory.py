@@ -755,7 +755,7 @@ class Trajectory:
                             rows.series.dtype, rows.series.n_rows,
                             delta_dtype=rows.series.delta_dtype)
             series._memory = rows.series._memory
-            return DiskRows(series, rows.n, rows.tail)
+            return DiskRows(series, rows.n, rows.tail, rows.start)
 
         out = copy.copy(self)
         out._params = view(self._params)
@@ -855,13 +855,19 @@ class TrajectoryRecorder:
     compression : {None, "float16", "bfloat16"}, default=None
         On disk, store each recorded point's parameters as its difference from the
         previous stored point in this dtype (see ``_storage.Series``).
+    extends : Trajectory or None, default=None
+        An on-disk path that this recording continues (its last point is this one's
+        first): the vectors are appended to its series, in its directory, and
+        :meth:`finish` returns the new segment alone (the rows from ``len(extends) - 1``
+        on of those series; see ``extend_trajectory``), without describing the directory,
+        which still describes ``extends`` until the caller describes the whole path.
     """
 
     _INITIAL_STEPS = 64
 
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
                  batch_size, dtype, storage="memory", directory=None,
-                 memory_budget=2**30, compression=None):
+                 memory_budget=2**30, compression=None, extends=None):
         self._params = list(params)
         self._names = list(names)
         self._shapes = [tuple(p.shape) for p in self._params]
@@ -882,7 +888,11 @@ class TrajectoryRecorder:
         self._pin = device.type == "cuda" and storage == "memory"
         self._cpu = device.type == "cpu"
         self._written: list[int] | None = None  # points written, for the page mapping
-        if storage == "disk":
+        self._base = 0  # the first point's row in the series (a continued on-disk path)
+        self._extends = extends is not None
+        if extends is not None:
+            self._append_to(extends)
+        elif storage == "disk":
             self._to_disk(0)
         else:
             _check_fits_in_memory(
@@ -943,6 +953,12 @@ class TrajectoryRecorder:
         self._states = {key: store.add_series(key, self._n_params, self._dtype)
                         for key in self.solver.state_keys}
         self._pin = self._non_blocking = False
+        if self.n_steps is not None and self.n_points_for(
+                self.n_steps, self.record_every) < store.chunk_rows:
+            # A recording shorter than a chunk (a partial_fit call) maps only the pages
+            # it writes.
+            for series in (self._buf, *self._states.values()):
+                series._allocate(ahead=False)
         for k in range(n_points):
             self._write_row(self._buf, k, [old_buf[k]], int(self._steps[k]), whole=True)
         for key, series in self._states.items():
@@ -950,11 +966,29 @@ class TrajectoryRecorder:
                 self._write_row(series, k, [old_states[key][k]], k * self.record_every,
                                 whole=True)
 
+    def _append_to(self, path: Trajectory) -> None:
+        """Record into the series of the on-disk ``path``, from its last point on."""
+        if path.storage != "disk" or any(rows.start for rows in (path._params,
+                                                                 *path._states.values())):
+            raise ValueError("Only an estimator's whole on-disk path can be extended.")
+        self._base = len(path) - 1
+        # Its last point is stored unless it is held in memory (a tail): then this
+        # recording's first point, the same vector, is written in its place.
+        path._params.series.rewind(path._params.n, append=True)
+        for rows in path._states.values():
+            rows.series.rewind(rows.n, append=True)
+        self._buf = path._params.series
+        self._states = {key: path._states[key].series for key in self.solver.state_keys}
+        self._pin = self._non_blocking = False
+
     def _write_row(self, target, k: int, tensors, step: int, whole: bool = False) -> None:
         """Row ``k`` of ``target``: the parameter-shaped ``tensors``, or one flat vector."""
         if isinstance(target, Series):
-            self._copy_flat(tensors, target.slot(k), whole)
-            target.commit(k, step)
+            row = self._base + k
+            if row < target.n_rows:  # the continued path's last point, stored already
+                return
+            self._copy_flat(tensors, target.slot(row), whole)
+            target.commit(row, step)
         else:
             self._copy_flat(tensors, target[k], whole)
 
@@ -1145,8 +1179,9 @@ class TrajectoryRecorder:
             raise ValueError(f"n_steps={n_steps} is outside [0, {self._n_batch}] (the steps "
                              "recorded).")
         n_points = int(np.searchsorted(self._steps[: self._k], n_done, side="right"))
-        disk = self.on_disk
-        params = DiskRows(self._buf, n_points) if disk else self._buf[:n_points]
+        disk, base = self.on_disk, self._base
+        params = DiskRows(self._buf, base + n_points, start=base) if disk else \
+            self._buf[:n_points]
         steps = self._steps[:n_points]
         if n_points and steps[-1] != n_done:
             tail = self._empty(1)
@@ -1159,7 +1194,7 @@ class TrajectoryRecorder:
                 tail[0].copy_(last.reshape(-1))
             if self._non_blocking:
                 torch.cuda.synchronize()
-            params = DiskRows(self._buf, n_points, tail[0]) if disk else \
+            params = DiskRows(self._buf, base + n_points, tail[0], base) if disk else \
                 torch.cat([params, tail])
             steps = np.append(steps, n_done)
             n_points += 1
@@ -1169,8 +1204,8 @@ class TrajectoryRecorder:
         # A scheduler changed the step size inside an interval: its mean, so that
         # learning_rates[k] * (steps[k + 1] - steps[k]) is the interval's total step size.
         lrs[varies] = self._lr_sum[: n_points - 1][varies] / n_steps_per_point[varies]
-        states = {k: DiskRows(v, n_points - 1) if disk else v[: n_points - 1]
-                  for k, v in self._states.items()}
+        states = {k: DiskRows(v, base + n_points - 1, start=base) if disk
+                  else v[: n_points - 1] for k, v in self._states.items()}
         n_indices = self._batch_off[n_done]
         batch_idx, batch_off = self._batch_idx[:n_indices], self._batch_off[: n_done + 1]
         state_steps = self._state_steps[: n_points - 1]
@@ -1199,7 +1234,7 @@ class TrajectoryRecorder:
             n_samples=self.n_samples,
             record_every=self.record_every,
         )
-        if n_steps is not None and disk:
+        if n_steps is not None and disk and not self._extends:
             trajectory._write_meta()
         return trajectory
 

@@ -788,6 +788,19 @@ def _groups(text):
     return names
 
 
+def _net_rows(text):
+    """``--nets``: ``[(arch, output, n)]`` from ``ARCH@N`` / ``ARCH/OUTPUT@N`` items."""
+    rows = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        head, _, n = item.partition("@")
+        arch, _, output = head.partition("/")
+        if arch not in NETS or not n.isdigit() or output and not output.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"bad --nets item {item!r}: ARCH@N or ARCH/OUTPUT@N, ARCH of {NETS}")
+        rows.append((arch, int(output) if output else "trace", int(n)))
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -811,6 +824,11 @@ def main(argv=None):
                         help="a source tree of skpathkernel (e.g. a checkout of main) whose "
                              "engine also runs the MLP Gram rows, interleaved: a regression "
                              "check")
+    parser.add_argument("--nets", type=_net_rows, default=None,
+                        help="comma-separated gram_nets problems to run instead of the "
+                             "plan's, each ARCH@N (the trace) or ARCH/OUTPUT@N, e.g. "
+                             "resnet/0@1024: one problem at a time; written to "
+                             "gram_nets[-quick]-<problems>.md")
     parser.add_argument("--device", default=os.environ.get("SKPATHKERNEL_BENCH_DEVICE", "cpu"),
                         help="torch device of the skpathkernel / torch cases: cpu or cuda "
                              "(peers that cannot run there are skipped and say so)")
@@ -822,6 +840,12 @@ def main(argv=None):
             parser.error("--device cuda: torch sees no CUDA device here")
     groups = args.only or GROUPS
     plan = _plan(args.quick, args.device, args.baseline)
+    if args.nets:
+        plan["gram_nets"] = [_net_group(arch, n, output, 3 if args.quick else 5)
+                             for arch, output, n in args.nets]
+        for group in plan["gram_nets"]:
+            for spec in group:
+                spec["device"] = args.device
     if args.peers is not None:
         keep = {*OURS, *args.peers.split(",")}
         for name in ("gram", "gram_nets"):
@@ -847,6 +871,9 @@ def main(argv=None):
         # A table module may name its run's file apart (a run on part of its cases).
         suffix = module.results_suffix(args.quick) if hasattr(module, "results_suffix") \
             else ""
+        if group == "gram_nets" and args.nets:
+            suffix = "-" + "_".join(f"{a}{'' if o == 'trace' else f'-o{o}'}-{n}"
+                                    for a, o, n in args.nets)
         stem = out / (results_stem(group, args.quick, args.device) + suffix)
         extra = [{"title": title, "text": text, "rows": rows}
                  for title, text, rows in getattr(module, "EXTRA_TABLES", [])]

@@ -441,3 +441,25 @@ def test_rules_on_cuda_match_the_cpu(case):
         x32, y32 = ((t.to(cuda).float() if t.is_floating_point() else t.to(cuda))
                     for t in (X, Y))
         _close(call(copy.deepcopy(gpu).float(), single, x32, y32, D.to(cuda)).cpu(), ref, 1e-5)
+
+
+@pytest.mark.parametrize("shape, kernel, stride, dilation", [
+    ((2, 3, 7, 6), (3, 3), (1, 1), (1, 1)),
+    ((2, 4, 9, 8), (2, 3), (2, 1), (1, 2)),
+    ((1, 2, 1, 11), (1, 3), (1, 3), (1, 2)),
+    ((3, 1, 5, 5), (5, 5), (1, 1), (1, 1)),
+])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "offset_view"])
+def test_conv_patches_equal_unfold(shape, kernel, stride, dilation, layout):
+    # The conv rule's patches are a strided copy of the input: the same numbers as
+    # F.unfold for every stride, dilation and memory layout of the input.
+    from torch.nn import functional as F
+
+    from skpathkernel._tangent._layers import _unfold
+
+    x = torch.randn(shape[0], shape[1], shape[2] + 1, shape[3] + 2, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x = x[:, :, 1:, 2:] if layout == "offset_view" else x[:, :, :-1, :-2]
+    expected = F.unfold(x, kernel, dilation=dilation, stride=stride)
+    assert torch.equal(_unfold(x, kernel, stride, dilation), expected)

@@ -833,3 +833,36 @@ def test_float64_output_of_a_float32_gram_is_the_converted_gram(kind, weighted, 
     full = torch.einsum("ncp,p,mdp->ncmd", J, weight, J)
     _close(tangent_gram(module, params, X, output="full", diag_weight=D,
                         out_dtype=torch.float64), full, 1e-5)
+
+
+@pytest.mark.parametrize("output", ["trace", 1])
+def test_small_captures_grow_to_min_chunk_within_a_quarter_of_the_budget(output, monkeypatch):
+    # A budget whose eighth holds 4 rows of a capture, and whose quarter 8: the blocks
+    # are captured 8 rows at a time (the floor, lowered here to 12, capped by the
+    # quarter), with the blocks in the rest, and K still equals J J^T.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(),
+                           nn.Conv2d(4, 3, 3, padding=1), nn.Flatten(),
+                           nn.Linear(3 * 36, 3)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(30, 2, 6, 6, dtype=torch.float64)
+    _, outputs, mode, probe = _gram._prepare(module, params, X, output, 2**30)
+    dense, kept, _, _ = _gram._gram_plan(probe, 30, 30, mode, False, True, 2**30, 8)
+    assert dense, "the convolutions' terms must be formed for this test"
+    captured = 4 * probe.nbytes() + kept
+    budget = 32 * captured
+    monkeypatch.setattr(_gram, "MIN_CHUNK", 12)
+    chunks = []
+    real = _gram._Blocks.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        chunks.append(self.chunk)
+
+    monkeypatch.setattr(_gram._Blocks, "__init__", spy)
+    K = tangent_gram(module, params, X, output=output, memory_budget=budget)
+    assert chunks == [8]
+    J = jacobian_loop(module, X)
+    J = J if output == "trace" else J[:, output : output + 1]
+    expected = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
+    assert torch.allclose(K, expected, rtol=RTOL, atol=RTOL * expected.abs().max())

@@ -56,6 +56,9 @@ from ._rules import Term
 __all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
 
 DEFAULT_MEMORY_BUDGET = 2**30
+#: Fewest rows per capture of a block of formed gradients, where a quarter of the memory
+#: budget holds them.
+MIN_CHUNK = 16
 
 
 
@@ -689,14 +692,23 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
     chunk = None
     if dense:
         # Formed gradient blocks: the kept blocks (a row block, a column block and the
-        # next row block) take 7/8 of the budget; a block is captured in chunks whose
-        # factors, graph and forming take the rest. (Shares of the budget are passed as
-        # larger per-row needs, so that a refusal names the bytes of the whole budget.)
-        size = _block_size(n_max, memory_budget, -(-12 * (kept + lazy) // 7),
-                           -(-8 * per_pair // 7))
-        chunk = rows_per_block(memory_budget, 8 * (4 * probe.nbytes() + kept),
+        # next row block) take 7/8 of the budget (3/4 at least); a block is captured in
+        # chunks whose factors, graph and forming take the rest. (Shares of the budget
+        # are passed as larger per-row needs, so that a refusal names the bytes of the
+        # whole budget.)
+        captured = 4 * probe.nbytes() + kept
+        chunk = rows_per_block(memory_budget, 8 * captured,
                                "A capture of per-sample gradient blocks")
-        fits = kept * n_kept <= memory_budget * 7 // 8
+        if chunk < MIN_CHUNK:
+            # A capture of a few rows runs every layer on tiny batches: 5-row chunks took
+            # 1.6x the time of 16-row ones on the ResNet's ten outputs (one thread). Up to
+            # a quarter of the budget goes to the chunk then, the rest to the blocks.
+            chunk = max(chunk, min(MIN_CHUNK, memory_budget // (4 * captured)))
+        share = memory_budget - max(chunk * captured, memory_budget // 8)
+        size = _block_size(n_max, memory_budget,
+                           -(-3 * (kept + lazy) * memory_budget // (2 * share)),
+                           -(-per_pair * memory_budget // share))
+        fits = kept * n_kept <= share
         if fits and symmetric and not lazy:
             # Every block is kept anyway: one block, the largest products. (Lazily formed
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)

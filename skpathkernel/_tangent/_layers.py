@@ -66,6 +66,21 @@ def _tuple(value, dims):
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
 
 
+def _unfold(x, kernel, stride, dilation):
+    """``F.unfold(x, kernel, dilation, stride)``, ``(n, c k_h k_w, L)``, by one strided copy.
+
+    The patches are a strided view of ``x``; copying it streams whole output rows, where
+    ATen's CPU im2col measured 1.5-6x slower on a convolution's inputs (one thread).
+    """
+    n, c, H, W = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    Ho, Wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+    s_n, s_c, s_h, s_w = x.stride()
+    view = x.as_strided((n, c, kh, kw, Ho, Wo),
+                        (s_n, s_c, dh * s_h, dw * s_w, sh * s_h, sw * s_w), x.storage_offset())
+    return view.reshape(n, c * kh * kw, Ho * Wo)
+
+
 def _conv_factors(layer, use, deltas, names):
     (a,), (delta,) = use.inputs, deltas
     weight = _arg(use, 1, "weight")
@@ -83,7 +98,7 @@ def _conv_factors(layer, use, deltas, names):
     if dims == 1:
         x, kernel, stride, dilation = x.unsqueeze(2), (1, *kernel), (1, *stride), (1, *dilation)
     # Patches (n, L, c_in k_h k_w), channel-major as the weight's (c_out, c_in / g, k_h, k_w).
-    patches = F.unfold(x, kernel, dilation=dilation, stride=stride).transpose(1, 2)
+    patches = _unfold(x, kernel, stride, dilation).transpose(1, 2)
     n, C, c_out = delta.shape[:3]
     d = delta.reshape(n, C, c_out, -1).transpose(2, 3)
     inputs = []

@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]``.
+"""``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]
+[--peers P,Q] [--nets A,B] [--net-n N]``.
 
 The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
 every estimator at its defaults against MLPClassifier / MLPRegressor at theirs, training
@@ -13,7 +14,8 @@ its repeats and its peak memory. Every group is written to its own pair of files
 as it finishes, ``DIR/<group>[-quick][-<device>].md`` (provenance: mode, command, commit,
 date, machine, load, threads; then the tables) and ``.json`` (the same provenance and the
 raw numbers), DIR ``benchmarks/results`` by default: a rerun of a group in the same mode
-on the same device replaces its files.
+on the same device replaces its files; ``--nets`` / ``--net-n`` (part of the image and
+token networks, or another N) add ``-<net>...-n<N>`` to the gram_nets file's name.
 
 Gram peers: (a) the PyTorch tutorial recipe, ``torch.func.vmap(grad)`` per-sample
 gradients then ``J J^T``; (b) a per-sample autograd loop (small N only: nothing is
@@ -122,11 +124,14 @@ def peers_python() -> str | None:
     return exe if Path(exe).exists() else None
 
 
-def _plan(quick: bool, device: str, baseline: str | None = None):
+def _plan(quick: bool, device: str, baseline: str | None = None,
+          archs: tuple[str, ...] | None = None, net_n: int | None = None):
     """Gram problems (each a list of interleaved specs) and path-kernel cases.
 
     ``baseline``: a source tree of skpathkernel whose engine runs the MLP Gram rows
-    too, interleaved with this one (a regression check across versions).
+    too, interleaved with this one (a regression check across versions). ``archs`` and
+    ``net_n``: the networks of the image / token rows and their one N (default: all,
+    at the mode's sizes).
     """
     reps = 3 if quick else 5
     peer_reps = 2 if quick else 3
@@ -168,11 +173,12 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
                       n=LARGE_N, dtype="float32", repeats=1, large=True)])
     # Quick: N = 128 on every network, where the slowest peers take tens of seconds per
     # call on one core; the full plan adds N = 1024, the goals' size.
-    net_ns = (128,) if quick else (256, 1024)
-    nets = [_net_group(arch, n, "trace", reps) for arch in NETS for n in net_ns]
+    net_ns = (net_n,) if net_n else (128,) if quick else (256, 1024)
+    archs = archs or NETS
+    nets = [_net_group(arch, n, "trace", reps) for arch in archs for n in net_ns]
     # One output: the rows where nngeometry is timed (see NNG_ARCHS).
-    nets += [_net_group(arch, net_ns[-1], 0, reps) for arch in NNG_ARCHS]
-    if not quick:
+    nets += [_net_group(arch, net_ns[-1], 0, reps) for arch in NNG_ARCHS if arch in archs]
+    if not quick and "cnn8" in archs:
         # The memory goal on (a): its intermediates stay under the budget at N = 20000
         # (one output: the ten-output trace takes ~10x the time for the same blocks'
         # structure). Minutes on its own: the full plan only.
@@ -788,6 +794,14 @@ def _groups(text):
     return names
 
 
+def _nets_arg(text):
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = sorted(set(names) - set(NETS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown network(s) {unknown}; choose from {NETS}")
+    return names
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -811,6 +825,12 @@ def main(argv=None):
                         help="a source tree of skpathkernel (e.g. a checkout of main) whose "
                              "engine also runs the MLP Gram rows, interleaved: a regression "
                              "check")
+    parser.add_argument("--nets", type=_nets_arg, default=None,
+                        help=f"comma-separated networks of gram_nets to run, of {', '.join(NETS)} "
+                             "(default: all); the results file is then named apart")
+    parser.add_argument("--net-n", type=int, default=None,
+                        help="the one N of the gram_nets rows (default: 128 with --quick, "
+                             "256 and 1024 without); the results file is then named apart")
     parser.add_argument("--device", default=os.environ.get("SKPATHKERNEL_BENCH_DEVICE", "cpu"),
                         help="torch device of the skpathkernel / torch cases: cpu or cuda "
                              "(peers that cannot run there are skipped and say so)")
@@ -821,7 +841,7 @@ def main(argv=None):
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device here")
     groups = args.only or GROUPS
-    plan = _plan(args.quick, args.device, args.baseline)
+    plan = _plan(args.quick, args.device, args.baseline, args.nets, args.net_n)
     if args.peers is not None:
         keep = {*OURS, *args.peers.split(",")}
         for name in ("gram", "gram_nets"):
@@ -847,6 +867,10 @@ def main(argv=None):
         # A table module may name its run's file apart (a run on part of its cases).
         suffix = module.results_suffix(args.quick) if hasattr(module, "results_suffix") \
             else ""
+        if group == "gram_nets":
+            # A run on part of the networks or at another N leaves the whole group's file.
+            suffix += "".join("-" + arch for arch in args.nets or ())
+            suffix += f"-n{args.net_n}" if args.net_n else ""
         stem = out / (results_stem(group, args.quick, args.device) + suffix)
         extra = [{"title": title, "text": text, "rows": rows}
                  for title, text, rows in getattr(module, "EXTRA_TABLES", [])]

@@ -13,10 +13,13 @@ the generic fallback contribute ``J_X J_Y^T`` from their dense per-sample Jacobi
 Every function works in row blocks (and column blocks) sized from ``memory_budget``: the
 factors of one block plus the block's intermediates stay under the budget; the factors of
 the column blocks are kept between row blocks only when all factors fit in half the
-budget, and are recomputed block by block otherwise. A block whose terms are kept as
-gradient blocks is captured in chunks of rows, so that the positions' factors of one
-chunk, not of the whole block, are alive at once. A symmetric ``K(X, X)`` computes the
-panels on and right of its diagonal only and mirrors them (:func:`_symmetric_block`).
+budget, and are recomputed block by block otherwise; a trace over several outputs whose
+blocks do not all fit is first split into groups of outputs whose blocks do, and summed
+over them (:func:`_output_groups`: a forward pass per group instead of recomputed blocks).
+A block whose terms are kept as gradient blocks is captured in chunks of rows, so that
+the positions' factors of one chunk, not of the whole block, are alive at once. A
+symmetric ``K(X, X)`` computes the panels on and right of its diagonal only and mirrors
+them (:func:`_symmetric_block`).
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.

@@ -769,6 +769,9 @@ def _output_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
         part = _probe_outputs(probe, range(width))
         dense, kept, _, _ = _gram_plan(part, n_x, n_y, mode, weight is not None, symmetric,
                                        budget, itemsize, scalable)
+        if g == 1 and dense and (_chunk_row_bytes(part, kept) > budget
+                                 or 24 * kept > 7 * budget):
+            break  # refused with every output (the error names the bytes): refused alike
         if _keeps_all(dense, kept, n_kept, budget) and (
                 not dense or _chunk_row_bytes(part, kept) <= budget):
             bounds = [round(i * C / g) for i in range(g + 1)]

@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]``.
+"""``python -m benchmarks [--quick] [--out DIR] [--only A,B] [--threads N] [--device D]
+[--peers P,Q] [--nets A,B] [--net-n N]``.
 
 The side-by-side picture: tangent Gram against its peers, GEMM roofline, path kernel,
 every estimator at its defaults against MLPClassifier / MLPRegressor at theirs, training
@@ -13,7 +14,8 @@ its repeats and its peak memory. Every group is written to its own pair of files
 as it finishes, ``DIR/<group>[-quick][-<device>].md`` (provenance: mode, command, commit,
 date, machine, load, threads; then the tables) and ``.json`` (the same provenance and the
 raw numbers), DIR ``benchmarks/results`` by default: a rerun of a group in the same mode
-on the same device replaces its files.
+on the same device replaces its files; ``--nets`` / ``--net-n`` (part of the image and
+token networks, or another N) add ``-<net>...-n<N>`` to the gram_nets file's name.
 
 Gram peers: (a) the PyTorch tutorial recipe, ``torch.func.vmap(grad)`` per-sample
 gradients then ``J J^T``; (b) a per-sample autograd loop (small N only: nothing is
@@ -122,11 +124,14 @@ def peers_python() -> str | None:
     return exe if Path(exe).exists() else None
 
 
-def _plan(quick: bool, device: str, baseline: str | None = None):
+def _plan(quick: bool, device: str, baseline: str | None = None,
+          archs: tuple[str, ...] | None = None, net_n: int | None = None):
     """Gram problems (each a list of interleaved specs) and path-kernel cases.
 
     ``baseline``: a source tree of skpathkernel whose engine runs the MLP Gram rows
-    too, interleaved with this one (a regression check across versions).
+    too, interleaved with this one (a regression check across versions). ``archs`` and
+    ``net_n``: the networks of the image / token rows and their one N (default: all,
+    at the mode's sizes).
     """
     reps = 3 if quick else 5
     peer_reps = 2 if quick else 3
@@ -168,11 +173,12 @@ def _plan(quick: bool, device: str, baseline: str | None = None):
                       n=LARGE_N, dtype="float32", repeats=1, large=True)])
     # Quick: N = 128 on every network, where the slowest peers take tens of seconds per
     # call on one core; the full plan adds N = 1024, the goals' size.
-    net_ns = (128,) if quick else (256, 1024)
-    nets = [_net_group(arch, n, "trace", reps) for arch in NETS for n in net_ns]
+    net_ns = (net_n,) if net_n else (128,) if quick else (256, 1024)
+    archs = archs or NETS
+    nets = [_net_group(arch, n, "trace", reps) for arch in archs for n in net_ns]
     # One output: the rows where nngeometry is timed (see NNG_ARCHS).
-    nets += [_net_group(arch, net_ns[-1], 0, reps) for arch in NNG_ARCHS]
-    if not quick:
+    nets += [_net_group(arch, net_ns[-1], 0, reps) for arch in NNG_ARCHS if arch in archs]
+    if not quick and "cnn8" in archs:
         # The memory goal on (a): its intermediates stay under the budget at N = 20000
         # (one output: the ten-output trace takes ~10x the time for the same blocks'
         # structure). Minutes on its own: the full plan only.
@@ -788,17 +794,24 @@ def _groups(text):
     return names
 
 
-def _net_rows(text):
-    """``--nets``: ``[(arch, output, n)]`` from ``ARCH@N`` / ``ARCH/OUTPUT@N`` items."""
-    rows = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        head, _, n = item.partition("@")
-        arch, _, output = head.partition("/")
-        if arch not in NETS or not n.isdigit() or output and not output.isdigit():
-            raise argparse.ArgumentTypeError(
-                f"bad --nets item {item!r}: ARCH@N or ARCH/OUTPUT@N, ARCH of {NETS}")
-        rows.append((arch, int(output) if output else "trace", int(n)))
-    return rows
+def _net_item(item):
+    """``(arch, output, n)`` of a ``--nets`` item ``ARCH``, ``ARCH@N`` or
+    ``ARCH/OUTPUT@N`` (``output`` "trace" and ``n`` None where not given), None if bad."""
+    head, _, n = item.partition("@")
+    arch, _, output = head.partition("/")
+    if arch not in NETS or "@" in item and not n.isdigit() or output and not output.isdigit():
+        return None
+    return arch, int(output) if output else "trace", int(n) if n else None
+
+
+def _nets_arg(text):
+    items = tuple(a.strip() for a in text.split(",") if a.strip())
+    bad = [item for item in items if _net_item(item) is None]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(
+            f"unknown network(s) or bad item(s) {bad}: ARCH, ARCH@N or ARCH/OUTPUT@N, "
+            f"ARCH of {NETS}")
+    return items
 
 
 def main(argv=None):
@@ -824,11 +837,14 @@ def main(argv=None):
                         help="a source tree of skpathkernel (e.g. a checkout of main) whose "
                              "engine also runs the MLP Gram rows, interleaved: a regression "
                              "check")
-    parser.add_argument("--nets", type=_net_rows, default=None,
-                        help="comma-separated gram_nets problems to run instead of the "
-                             "plan's, each ARCH@N (the trace) or ARCH/OUTPUT@N, e.g. "
-                             "resnet/0@1024: one problem at a time; written to "
-                             "gram_nets[-quick]-<problems>.md")
+    parser.add_argument("--nets", type=_nets_arg, default=None,
+                        help=f"comma-separated gram_nets problems to run instead of the "
+                             f"plan's: ARCH (its rows at --net-n), ARCH@N (the trace) or "
+                             f"ARCH/OUTPUT@N (one output, e.g. resnet/0@1024), ARCH of "
+                             f"{', '.join(NETS)}; the results file is then named apart")
+    parser.add_argument("--net-n", type=int, default=None,
+                        help="the one N of the gram_nets rows (default: 128 with --quick, "
+                             "256 and 1024 without); the results file is then named apart")
     parser.add_argument("--device", default=os.environ.get("SKPATHKERNEL_BENCH_DEVICE", "cpu"),
                         help="torch device of the skpathkernel / torch cases: cpu or cuda "
                              "(peers that cannot run there are skipped and say so)")
@@ -839,13 +855,18 @@ def main(argv=None):
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device here")
     groups = args.only or GROUPS
-    plan = _plan(args.quick, args.device, args.baseline)
-    if args.nets:
-        plan["gram_nets"] = [_net_group(arch, n, output, 3 if args.quick else 5)
-                             for arch, output, n in args.nets]
-        for group in plan["gram_nets"]:
+    plain = tuple(item for item in args.nets or () if "@" not in item and "/" not in item)
+    plan = _plan(args.quick, args.device, args.baseline, plain or None, args.net_n)
+    explicit = [_net_item(item) for item in args.nets or () if item not in plain]
+    if explicit:
+        # Problems named one by one (e.g. the goals' N = 1024 rows, one at a time).
+        default_n = args.net_n or (128 if args.quick else 1024)
+        extra = [_net_group(arch, n or default_n, output, 3 if args.quick else 5)
+                 for arch, output, n in explicit]
+        for group in extra:
             for spec in group:
                 spec["device"] = args.device
+        plan["gram_nets"] = (plan["gram_nets"] if plain else []) + extra
     if args.peers is not None:
         keep = {*OURS, *args.peers.split(",")}
         for name in ("gram", "gram_nets"):
@@ -871,9 +892,11 @@ def main(argv=None):
         # A table module may name its run's file apart (a run on part of its cases).
         suffix = module.results_suffix(args.quick) if hasattr(module, "results_suffix") \
             else ""
-        if group == "gram_nets" and args.nets:
-            suffix = "-" + "_".join(f"{a}{'' if o == 'trace' else f'-o{o}'}-{n}"
-                                    for a, o, n in args.nets)
+        if group == "gram_nets":
+            # A run on part of the networks or at another N leaves the whole group's file.
+            suffix += "".join("-" + item.replace("/", "-o").replace("@", "-")
+                              for item in args.nets or ())
+            suffix += f"-n{args.net_n}" if args.net_n else ""
         stem = out / (results_stem(group, args.quick, args.device) + suffix)
         extra = [{"title": title, "text": text, "rows": rows}
                  for title, text, rows in getattr(module, "EXTRA_TABLES", [])]

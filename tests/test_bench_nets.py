@@ -6,6 +6,7 @@ per-sample Jacobians, in float64. The peers' own agreement (neural-tangents' sta
 network, nngeometry) is checked inside every benchmark run, in the peers venv.
 """
 
+import argparse
 import os
 import sys
 import warnings
@@ -16,9 +17,9 @@ import torch
 from _reference import jacobian_loop
 
 from benchmarks import _nets
-from benchmarks.__main__ import _fastest_peer, pinned_cores
+from benchmarks.__main__ import _fastest_peer, _nets_arg, _plan, pinned_cores
 from benchmarks._serve import Server
-from skpathkernel._tangent import layer_routes, tangent_gram
+from skpathkernel._tangent import _gram, layer_routes, tangent_gram
 
 
 @pytest.mark.parametrize("arch", ["resnet", "vit"])
@@ -36,6 +37,39 @@ def test_new_rows_gram_matches_dense_jacobians(arch):
     J = jacobian_loop(module, X)
     ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
     np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())
+
+
+def test_vit_trace_in_output_groups_matches_dense_jacobians(monkeypatch):
+    # The ViT row at N = 1024: its ten outputs' gradient blocks (3 GB) exceed the default
+    # budget, and the trace is summed over groups of outputs. The same here at N = 40
+    # with the smallest budget (in steps of 5%) that splits them.
+    torch.manual_seed(0)
+    module = _nets.build("vit").double()
+    X = _nets.inputs("vit", 40, torch.float64)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
+    budget = 2**24
+    while len(_gram._output_groups(probe, 40, 40, "trace", None, True, budget, 8)) == 1:
+        budget = int(budget * 1.05)
+        assert budget < 2**31
+    groups = []
+    real = _gram._output_groups
+    monkeypatch.setattr(_gram, "_output_groups", lambda *a: groups.append(real(*a)) or groups[-1])
+    K = tangent_gram(module, params, X, memory_budget=budget)
+    assert len(groups[0]) > 1 and sum(groups[0], []) == list(range(10))
+    J = jacobian_loop(module, X)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
+    np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())
+
+
+def test_part_of_the_networks_at_one_n():
+    plan = _plan(True, "cpu", archs=("vit",), net_n=512)["gram_nets"]
+    assert {(s["arch"], s["n"]) for group in plan for s in group} == {("vit", 512)}
+    # The CNNs' one-output rows (nngeometry's) come only with their networks.
+    assert {s.get("output", "trace") for group in plan for s in group} == {"trace"}
+    assert len(_plan(True, "cpu", archs=("cnn8",))["gram_nets"]) == 2
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown network"):
+        _nets_arg("vit,mlp")
 
 
 def test_resnet_batchnorm_uses_running_statistics():

@@ -802,6 +802,90 @@ def test_lending_dtype_and_device_is_not_a_read():
     assert cap.fallback == () and not cap.exclude
 
 
+class _Tokens(nn.Module):
+    """A Linear over 8 positions and a head of ``n_out``: blocks formed per sample."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.per_position = nn.Linear(4, 128)
+        self.head = nn.Linear(1024, n_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.per_position(x.reshape(x.shape[0], 8, 4)))
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+def _keeps_all_at(probe, n, budget, columns, weight=None, Y=None):
+    dense, kept, _, _ = _gram._gram_plan(_gram._probe_outputs(probe, columns), n,
+                                         n if Y is None else len(Y), "trace",
+                                         weight is not None, Y is None, budget, 8,
+                                         weight is not None)
+    return _gram._keeps_all(dense, kept, n + (0 if Y is None else len(Y)), budget)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("cross", [False, True])
+def test_outputs_split_into_groups_whose_blocks_fit(weighted, cross, monkeypatch):
+    # Blocks of 6 outputs that do not all fit the budget, but blocks of 3 do: the trace is
+    # summed over two groups of outputs, each block captured once per group, instead of
+    # capturing the column blocks again for every row block.
+    torch.manual_seed(0)
+    module = _Tokens(6).double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(40, 32, dtype=torch.float64)
+    Y = torch.randn(24, 32, dtype=torch.float64) if cross else None
+    n_params = sum(p.numel() for p in params.values())
+    D = torch.rand(n_params, dtype=torch.float64) if weighted else None
+    weight = None if D is None else _gram._Weighted(D)
+    probe = capture(module, params, X[:1], list(range(6)), memory_budget=2**20)
+    budget = 2**14
+    while len(_gram._output_groups(probe, len(X), len(X) if Y is None else len(Y), "trace",
+                                   weight, Y is None, budget, 8)) != 2:
+        budget += 2**12
+    assert _keeps_all_at(probe, len(X), budget, range(3), weight, Y)
+    assert not _keeps_all_at(probe, len(X), budget, range(6), weight, Y)
+    assert _gram._output_groups(probe, len(X), len(X) if Y is None else len(Y), "trace",
+                                weight, Y is None, budget, 8) == [[0, 1, 2], [3, 4, 5]]
+
+    seen = []
+    real = _gram.capture
+    monkeypatch.setattr(_gram, "capture", lambda *a, **k: seen.append(
+        (a[2].shape[0], tuple(a[3]))) or real(*a, **k))
+    K = tangent_gram(module, params, X, Y, diag_weight=D, memory_budget=budget,
+                     check_hidden=False)
+    # Past the one-row probe of all six outputs: every row of each side captured once
+    # per group, in chunks, group (0, 1, 2) first.
+    groups = [outputs for _, outputs in seen[1:]]
+    assert seen[0] == (1, tuple(range(6))) and groups == sorted(groups)
+    rows = {g: sum(r for r, outputs in seen[1:] if outputs == g) for g in set(groups)}
+    assert rows == dict.fromkeys([(0, 1, 2), (3, 4, 5)], len(X) + (0 if Y is None else len(Y)))
+    JX = _loop_jacobian(module, params, X)
+    JY = JX if Y is None else _loop_jacobian(module, params, Y)
+    w = torch.ones(n_params, dtype=torch.float64) if D is None else D
+    _close(K, torch.einsum("ncp,p,mcp->nm", JX, w, JY) / 6)
+    # One output alone, "full" and a budget that holds everything: no groups.
+    for output, b in ((2, budget), ("full", budget), ("trace", 2**30)):
+        assert len(_gram._output_groups(probe if output == "trace" else
+                                        _gram._probe_outputs(probe, [2]), len(X), len(X),
+                                        output if isinstance(output, str) else "trace",
+                                        weight, True, b, 8)) == 1
+
+
+def test_grouped_float64_output_is_the_converted_float32_gram():
+    torch.manual_seed(1)
+    module = _Tokens(4)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(40, 32)
+    probe = capture(module, params, X[:1], list(range(4)), memory_budget=2**20)
+    budget = 2**14
+    while len(_gram._output_groups(probe, len(X), len(X), "trace", None, True, budget, 4)) < 2:
+        budget += 2**10
+    ref = tangent_gram(module, params, X, memory_budget=budget)
+    K = tangent_gram(module, params, X, memory_budget=budget, out_dtype=torch.float64)
+    assert torch.equal(K, ref.to(torch.float64))
+    _close(ref, tangent_gram(module, params, X), 1e-5)
+
+
 # ------------------------------------------------------------ wider output dtype
 @pytest.mark.parametrize("kind", ["mlp", "conv", "norule"])
 @pytest.mark.parametrize("weighted", [False, True])

@@ -13,10 +13,13 @@ the generic fallback contribute ``J_X J_Y^T`` from their dense per-sample Jacobi
 Every function works in row blocks (and column blocks) sized from ``memory_budget``: the
 factors of one block plus the block's intermediates stay under the budget; the factors of
 the column blocks are kept between row blocks only when all factors fit in half the
-budget, and are recomputed block by block otherwise. A block whose terms are kept as
-gradient blocks is captured in chunks of rows, so that the positions' factors of one
-chunk, not of the whole block, are alive at once. A symmetric ``K(X, X)`` computes the
-panels on and right of its diagonal only and mirrors them (:func:`_symmetric_block`).
+budget, and are recomputed block by block otherwise; a trace over several outputs whose
+blocks do not all fit is first split into groups of outputs whose blocks do, and summed
+over them (:func:`_output_groups`: a forward pass per group instead of recomputed blocks).
+A block whose terms are kept as gradient blocks is captured in chunks of rows, so that
+the positions' factors of one chunk, not of the whole block, are alive at once. A
+symmetric ``K(X, X)`` computes the panels on and right of its diagonal only and mirrors
+them (:func:`_symmetric_block`).
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
@@ -645,11 +648,16 @@ def tangent_gram(
     params_y = params if params_y is None else params_y
     _check_y(X, Y)
     layout = _layout(params)
+    n, m, n_out = X.shape[0], Y.shape[0], len(outputs)
+    out_dtype = dtype if out_dtype is None else out_dtype
+    groups = _output_groups(probe, n, m, mode, weight, symmetric, memory_budget,
+                            dtype.itemsize)
+    if len(groups) > 1:
+        return _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight,
+                             layout, symmetric, memory_budget, dtype, out_dtype)
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)
-    n, m, n_out = X.shape[0], Y.shape[0], len(outputs)
-    out_dtype = dtype if out_dtype is None else out_dtype
     if mode != "full":
         K = result = torch.empty((n, m), dtype=out_dtype, device=X.device)
     elif blocks_last:
@@ -696,7 +704,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
         # chunks whose factors, graph and forming take the rest. (Shares of the budget
         # are passed as larger per-row needs, so that a refusal names the bytes of the
         # whole budget.)
-        captured = 4 * probe.nbytes() + kept
+        captured = _chunk_row_bytes(probe, kept) // 8
         chunk = rows_per_block(memory_budget, 8 * captured,
                                "A capture of per-sample gradient blocks")
         if chunk < MIN_CHUNK:
@@ -718,7 +726,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
         # Captures are kept only where a block is visited again: the column blocks, once
         # per row block. A row block of a cross Gram is used once, keeping it would only
         # hold memory (N x r OOD passes: 140 MB of factors for nothing at N = 20000).
-        fits = kept * n_kept <= memory_budget // 2
+        fits = _keeps_all(dense, kept, n_kept, memory_budget)
     n_row_blocks = -(-X.shape[0] // size)
     bx = _Blocks(module, params, X, size, outputs, memory_budget,
                  fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale)
@@ -727,6 +735,89 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
                                       scale)
 
     return bx, by, weight, dense
+
+
+def _chunk_row_bytes(probe: Capture, kept: int) -> int:
+    """Bytes per row of a chunk captured into formed blocks: its factors, graph and
+    forming, in an eighth of the budget (see :func:`_gram_blocks`)."""
+    return 8 * (4 * probe.nbytes() + kept)
+
+
+def _keeps_all(dense, kept: int, n_kept: int, budget: int) -> bool:
+    """Whether a Gram keeps every block's capture (none is recomputed): formed gradient
+    blocks in 7/8 of the budget (less when a small capture's chunk takes up to a quarter),
+    factors in half of it (see :func:`_gram_blocks`)."""
+    return kept * n_kept <= (budget * 7 // 8 if dense else budget // 2)
+
+
+def _probe_outputs(probe: Capture, columns: Sequence[int]) -> Capture:
+    """The probe with only some of its outputs' columns (it sizes the blocks only)."""
+    index = list(columns)
+    return dataclasses.replace(probe, terms=[dataclasses.replace(t, delta=t.delta[:, index])
+                                             for t in probe.terms])
+
+
+def _output_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
+                   itemsize) -> list[list[int]]:
+    """Columns of the outputs, split into groups whose Grams are computed one at a time.
+
+    The trace is a sum over the outputs, and a block's factors and formed gradient
+    blocks grow with the outputs while its forward pass does not. When every block of all
+    the outputs does not fit the budget, the blocks off the diagonal would be captured
+    again for every row block (``k (k - 1) / 2`` captures of ``k`` blocks, each a forward
+    and ``C`` backward passes); split into the fewest groups whose blocks all fit, each
+    block is captured once per group: ``g - 1`` more forward passes, no more backward
+    passes. One group when everything fits, when one output alone does not, or when the
+    two ``(n_x, n_y)`` Grams that the sum needs do not fit an eighth of the budget.
+    """
+    C = probe.terms[0].delta.shape[1]
+    if mode != "trace" or C == 1 or 2 * n_x * n_y * itemsize > budget // 8:
+        return [list(range(C))]
+    n_kept = n_x + (0 if symmetric else n_y)
+    scalable = weight is not None and bool((weight.values >= 0).all())
+    for g in range(1, C + 1):
+        width = -(-C // g)
+        if g > 1 and width == -(-C // (g - 1)):
+            continue  # the same widest group as g - 1
+        part = _probe_outputs(probe, range(width))
+        dense, kept, _, _ = _gram_plan(part, n_x, n_y, mode, weight is not None, symmetric,
+                                       budget, itemsize, scalable)
+        if g == 1 and dense and (_chunk_row_bytes(part, kept) > budget
+                                 or 24 * kept > 7 * budget):
+            break  # refused with every output (the error names the bytes): refused alike
+        if _keeps_all(dense, kept, n_kept, budget) and (
+                not dense or _chunk_row_bytes(part, kept) <= budget):
+            bounds = [round(i * C / g) for i in range(g + 1)]
+            return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [list(range(C))]
+
+
+def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight, layout,
+                  symmetric, budget, dtype, out_dtype) -> torch.Tensor:
+    """The trace Gram as the sum of its output groups' traces (see :func:`_output_groups`).
+
+    The groups' Grams are summed in the computation's dtype and widened at the end, so a
+    wider ``out_dtype`` is the float32 result converted, as for one group.
+    """
+    n, m, C = X.shape[0], Y.shape[0], len(outputs)
+    K = torch.empty((n, m), dtype=out_dtype, device=X.device)
+    total = K if out_dtype == dtype else torch.empty((n, m), dtype=dtype, device=X.device)
+    part = torch.empty((n, m), dtype=dtype, device=X.device)
+    for i, columns in enumerate(groups):
+        bx, by, w, dense = _gram_blocks(module, params, params_y, X, Y,
+                                        [outputs[c] for c in columns], "trace",
+                                        _probe_outputs(probe, columns), weight, layout,
+                                        symmetric, budget, dtype.itemsize)
+        target = total if i == 0 else part
+        _fill_gram(target, bx, by, "trace", w, layout, symmetric, dense, None)
+        # Each group's trace is divided by its own number of outputs.
+        if i == 0:
+            total.mul_(len(columns) / C)
+        else:
+            total.add_(part, alpha=len(columns) / C)
+    if total is not K:
+        K.copy_(total)
+    return K
 
 
 def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels) -> None:

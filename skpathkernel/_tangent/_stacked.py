@@ -355,7 +355,28 @@ def _rank1(out, fx, fy, w) -> None:
     out.add_(torch.mm(w[None, :], Gd.view(B, n * m)).view(n, m))
 
 
-def _units_full(out, fx, fy, wD, chunk: int) -> None:
+class _Scratch:
+    """Reused work buffers of the contraction, by name.
+
+    The panels' products are each a few hundred kB, written thousands of times per
+    point: fresh tensors of that size come from the allocator as new pages, whose faults
+    cost about as much as the GEMMs that fill them (2x on the "units" route's chunk).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` (contents undefined) in the buffer ``name``."""
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+
+def _units_full(out, fx, fy, wD, chunk: int, scratch: _Scratch) -> None:
     """The ``C x C`` blocks of :func:`_units`: ``out[i, c, j, d] += sum_b sum_o
     Delta_ico Delta'_jdo (A (w_b D_bo) A'^T)_ij``.
 
@@ -378,45 +399,63 @@ def _units_full(out, fx, fy, wD, chunk: int) -> None:
             flat.baddbmm_(dx[b, :, :, o:e], T.view(n, e - o, m * C))
 
 
-def _units(out, fx, fy, wD, chunk: int) -> None:
+def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch) -> None:
     """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
 
     The backprops are units-major (B, p, N, C). A point's units are taken ``chunk`` at a
     time, so that the chunk's products stay in cache between the GEMMs that write them
-    and the elementwise pass that sums them.
+    and the pass that sums them; every product is written into ``scratch``. The loop
+    runs a few hundred times per point: it issues as few torch calls as it can (each
+    costs microseconds, as much as the arithmetic of a small panel).
     """
     (ax, dx), (ay, dy) = fx, fy
     B, p, n, C = dx.shape
-    m = ay.shape[1]
-    dyt = dy.transpose(2, 3)                                          # (B, p, C, M)
+    m, q = ay.shape[1:]
+    u = min(chunk, p)
+    flat = out.view(1, n * m)
+    # The sum over the chunk's units as a product with ones (one call, one read).
+    ones = torch.ones(1, u, dtype=ax.dtype, device=ax.device)
+    S_ = scratch.get("scaled", (u, n, q), ax.dtype)
+    H_ = scratch.get("H", (u * n, m), ax.dtype)
+    G_ = None if C == 1 else scratch.get("G", (u, n, m), ax.dtype)
     for b in range(B):
-        ayt = ay[b].T
+        ayt, axb, wDb = ay[b].T, ax[b].unsqueeze(0), wD[b].unsqueeze(1)
+        dxb, dytb = dx[b], dy[b].transpose(1, 2)                       # (p, N, C), (p, C, M)
         for o in range(0, p, chunk):
             e = min(o + chunk, p)
+            k = e - o
+            scaled, H = (S_, H_) if k == u else (S_[:k], H_[: k * n])
             # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
-            scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            torch.mul(axb, wDb[o:e], out=scaled)
             if C == 1:
                 # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
-                scaled.mul_(dx[b, o:e])
-                H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n, m)
-                out.add_(H.mul_(dyt[b, o:e]).sum(0))
-                continue
-            H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n * m)
-            G = torch.bmm(dx[b, o:e], dyt[b, o:e]).view(e - o, n * m)
-            out.add_(H.mul_(G).sum(0).view(n, m))
+                scaled.mul_(dxb[o:e])
+                torch.mm(scaled.view(k * n, q), ayt, out=H)
+                H.view(k, n, m).mul_(dytb[o:e])
+            else:
+                torch.mm(scaled.view(k * n, q), ayt, out=H)
+                G = G_ if k == u else G_[:k]
+                torch.bmm(dxb[o:e], dytb[o:e], out=G)
+                H.view(k, n, m).mul_(G)
+            flat.addmm_(ones if k == u else ones[:, :k], H.view(k, n * m))
 
 
-def _dense(out, fx, fy, wD) -> None:
-    """``out += sum_b Phi_x (w_b D_b) Phi_y^T`` of the formed per-sample gradients."""
-    (ax, dx), (ay, dy) = fx, fy
-    # Units-major backprops (B, p, N, C) as (B, N, C, p).
-    dx, dy = dx.permute(0, 2, 3, 1), dy.permute(0, 2, 3, 1)
-    B, n = dx.shape[:2]
-    m = ay.shape[1]
+def _form(f, wD: torch.Tensor | None) -> torch.Tensor:
+    """The per-sample gradients ``delta_c (x) a`` of the block's points side by side,
+    ``(N, B C p q)``, each point's scaled by ``w_b D_b`` where given.
+
+    Formed once per block, so that every panel of the "dense" route is one GEMM whose
+    inner dimension runs over all the block's points.
+    """
+    a, d = f                                                           # (B, N, q), (B, p, N, C)
+    B, p, n, C = d.shape
+    q = a.shape[-1]
+    g = torch.empty(n, B, C, p, q, dtype=a.dtype, device=a.device)
     for b in range(B):
-        gx = (dx[b, :, :, :, None] * (ax[b, :, None, None, :] * wD[b])).reshape(n, -1)
-        gy = (dy[b, :, :, :, None] * ay[b, :, None, None, :]).reshape(m, -1)
-        out.addmm_(gx, gy.T)
+        torch.mul(d[b].permute(1, 2, 0)[..., None], a[b][:, None, None, :], out=g[:, b])
+        if wD is not None:
+            g[:, b].mul_(wD[b])
+    return g.view(n, -1)
 
 
 def _onehot(out, fx, fy, s) -> None:
@@ -462,6 +501,7 @@ class _Sides:
     wD: list
     s: list
     units_major: bool
+    formed: list
 
 
 def _rows(f, idx, units_major: bool) -> tuple:
@@ -471,7 +511,8 @@ def _rows(f, idx, units_major: bool) -> tuple:
     return a[:, idx], d
 
 
-def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk) -> None:
+def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk,
+                    scratch: _Scratch) -> None:
     """``out += `` the block's Gram over one panel, every layer by its route (``out`` of
     shape ``(N, C, M, C)``: the ``C x C`` blocks, rank-one or by units)."""
     for li, route in enumerate(routes):
@@ -482,9 +523,11 @@ def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk) -> None:
         elif route == "rank1":
             _rank1(out, fx, fy, w)
         elif route == "units":
-            (_units_full if out.ndim == 4 else _units)(out, fx, fy, sides.wD[li], chunk)
+            (_units_full if out.ndim == 4 else _units)(out, fx, fy, sides.wD[li], chunk,
+                                                        scratch)
         else:
-            _dense(out, fx, fy, sides.wD[li])
+            gx, gy = sides.formed[li]
+            out.addmm_(gx[rows], gy[cols].T)
 
 
 def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):
@@ -590,11 +633,21 @@ def stacked_path_sum(
     panel = _PANEL if panel is None else panel
     strip = _strip(n, panel)
     pr, pc = min(n, strip if symmetric else panel), min(m, panel)
-    routes = _routes(mlp, C, weighted, pr, pc, full)
-    # Per point: its parameters and D, both sides' factors, and the panel's products
-    # (the "units" route's chunk is bounded separately, below).
+    # The "dense" route's gradients are formed once per block, for the whole Gram.
+    routes = _routes(mlp, C, weighted, n, m, full)
+    # Per point: its parameters and D, both sides' factors, the panel's products (the
+    # "units" route's chunk is bounded separately, below) and the formed gradients.
     c2 = C * C if full else 1
     per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc * c2)
+    formed = itemsize * (n + m) * sum(
+        c * lin.d_out * (lin.d_in + (lin.bias is not None))
+        for lin, c, route in zip(mlp.linears, _outputs_per_layer(mlp, C), routes)
+        if route == "dense")
+    if formed and (not gram or per_point + formed > memory_budget):
+        # Diagonals only need no gradients; where they do not fit, the units route.
+        routes = ["units" if r == "dense" else r for r in routes]
+    elif formed:
+        per_point += formed
     if block is None:
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
@@ -624,6 +677,7 @@ def stacked_path_sum(
                                                           device=X.device)
     buffer = torch.empty((pr, C, pc, C) if full else (pr, pc), dtype=dtype, device=X.device)
     sel = torch.as_tensor(list(outputs), device=X.device)
+    scratch = _Scratch(X.device)
     for s in range(0, len(weights), block):
         points = [k for k, _ in weights[s : s + block]]
         w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
@@ -640,13 +694,12 @@ def stacked_path_sum(
             continue
         for rows, cols in _panels(n, m, symmetric, panel, strip):
             r, c = rows.stop - rows.start, cols.stop - cols.start
-            if full:
-                # A full panel contiguous (its rows are viewed as (C, M C) for the GEMMs).
-                out = buffer.view(-1)[: r * c * C * C].view(r, C, c, C)
-            else:
-                out = buffer[:r, :c]
+            # A panel contiguous: the routes view it flat (and a full one's rows as
+            # (C, M C) for the GEMMs).
+            out = (buffer.view(-1)[: r * c * C * C].view(r, C, c, C) if full
+                   else buffer.view(-1)[: r * c].view(r, c))
             out.zero_()
-            _contract_panel(out, sides, routes, w, rows, cols, chunk)
+            _contract_panel(out, sides, routes, w, rows, cols, chunk, scratch)
             if symmetric and rows.start == cols.start:
                 # The square on the diagonal, symmetrised exactly.
                 if full:
@@ -707,7 +760,16 @@ def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full) -> 
         q = fx[-1][0].shape[-1]
         s[-1] = ((w * len(outputs))[:, None].expand(-1, q) if D is None
                  else wD[-1].index_select(1, sel).sum(1))
-    return _Sides(fx, fy, wD, s, units_major)
+    formed = [None] * len(routes)
+    for li, route in enumerate(routes):
+        if route == "dense":
+            if Y is None and bool((wD[li] >= 0).all()):
+                # sqrt(w D) on both sides: one matrix, its Gram.
+                g = _form(fx[li], wD[li].sqrt())
+                formed[li] = (g, g)
+            else:
+                formed[li] = (_form(fx[li], wD[li]), _form(fy[li], None))
+    return _Sides(fx, fy, wD, s, units_major, formed)
 
 
 def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,

@@ -222,8 +222,7 @@ def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
-             outputs: Sequence[int], units_major: bool, collapse: bool = True
-             ) -> list[tuple]:
+             outputs: Sequence[int], units_major: bool) -> list[tuple]:
     """Every Linear's inputs ``a`` (B, N, d_in) and backprops, by one forward and one
     backward pass over the block's points (batched GEMMs).
 
@@ -234,8 +233,8 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     then backprops row ``c`` of the output layer's weights ``V`` times the same
     derivatives ``d`` for every output, so that its products over the outputs,
     ``sum_c V_co^2 d_xo d_yo``, are those of one backprop, ``|V_o| d_o``: its entry is
-    that single one (C = 1). ``collapse=False`` keeps every output's backprop in every
-    layer (the one-hot rows of the output layer too): the ``C x C`` blocks need them.
+    that single one (C = 1); the ``C x C`` blocks spread it over the outputs again
+    (:func:`_units`).
     """
     params = _layer_params(mlp, theta, layout)
     B = theta.shape[0]
@@ -265,7 +264,7 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
         delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
         return delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
 
-    delta = None if collapse else onehot()
+    delta = None
     merged, deltas, li = None, [], len(params)
     for it, d in zip(reversed(mlp.items), reversed(derivs)):
         if not isinstance(it, _Linear):
@@ -399,45 +398,104 @@ def _units_full(out, fx, fy, wD, chunk: int, scratch: _Scratch) -> None:
             flat.baddbmm_(dx[b, :, :, o:e], T.view(n, e - o, m * C))
 
 
-def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch) -> None:
+def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None, w=None) -> None:
     """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
 
     The backprops are units-major (B, p, N, C). A point's units are taken ``chunk`` at a
     time, so that the chunk's products stay in cache between the GEMMs that write them
-    and the pass that sums them; every product is written into ``scratch``. The loop
+    and the product that sums them; every product is written into ``scratch``. The loop
     runs a few hundred times per point: it issues as few torch calls as it can (each
     costs microseconds, as much as the arithmetic of a small panel).
+
+    ``out`` is ``(R, N M)``: the units' products are summed with the rows of ``mix``
+    (B, R, p), or with ones (R = 1) where None. The ``C x C`` blocks of a layer with one
+    backprop ``m_o = |V_o| d_o`` (:func:`_factors`) are ``sum_o m_xo m_yo H_o`` times
+    ``Vh_o Vh_o^T`` (``Vh_o = V_o / |V_o|``): one GEMM of a chunk's products against
+    those ``C^2`` numbers per unit. Without a preconditioner (``wD`` None, ``w`` the
+    points' weights) ``H_o`` is ``w_b A A'^T`` for every unit: one GEMM per point, then
+    the rows and columns scaled.
     """
     (ax, dx), (ay, dy) = fx, fy
     B, p, n, C = dx.shape
     m, q = ay.shape[1:]
     u = min(chunk, p)
-    flat = out.view(1, n * m)
     # The sum over the chunk's units as a product with ones (one call, one read).
-    ones = torch.ones(1, u, dtype=ax.dtype, device=ax.device)
-    S_ = scratch.get("scaled", (u, n, q), ax.dtype)
+    ones = torch.ones(1, u, dtype=ax.dtype, device=ax.device) if mix is None else None
+    S_ = scratch.get("scaled", (u, n, q), ax.dtype) if wD is not None else None
     H_ = scratch.get("H", (u * n, m), ax.dtype)
     G_ = None if C == 1 else scratch.get("G", (u, n, m), ax.dtype)
     for b in range(B):
-        ayt, axb, wDb = ay[b].T, ax[b].unsqueeze(0), wD[b].unsqueeze(1)
+        ayt, axb = ay[b].T, ax[b].unsqueeze(0)
         dxb, dytb = dx[b], dy[b].transpose(1, 2)                       # (p, N, C), (p, C, M)
+        if wD is None:
+            Ga = torch.mm(ax[b], ayt).mul_(w[b])
+        else:
+            wDb = wD[b].unsqueeze(1)
         for o in range(0, p, chunk):
             e = min(o + chunk, p)
             k = e - o
-            scaled, H = (S_, H_) if k == u else (S_[:k], H_[: k * n])
-            # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
-            torch.mul(axb, wDb[o:e], out=scaled)
-            if C == 1:
-                # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
-                scaled.mul_(dxb[o:e])
-                torch.mm(scaled.view(k * n, q), ayt, out=H)
-                H.view(k, n, m).mul_(dytb[o:e])
+            H = H_ if k == u else H_[: k * n]
+            if wD is None:
+                # A one-backprop layer's H_o: the inputs' Gram, rows and columns scaled.
+                torch.mul(Ga, dxb[o:e], out=H.view(k, n, m)).mul_(dytb[o:e])
             else:
-                torch.mm(scaled.view(k * n, q), ayt, out=H)
-                G = G_ if k == u else G_[:k]
-                torch.bmm(dxb[o:e], dytb[o:e], out=G)
-                H.view(k, n, m).mul_(G)
-            flat.addmm_(ones if k == u else ones[:, :k], H.view(k, n * m))
+                scaled = S_ if k == u else S_[:k]
+                # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
+                torch.mul(axb, wDb[o:e], out=scaled)
+                if C == 1:
+                    # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
+                    scaled.mul_(dxb[o:e])
+                    torch.mm(scaled.view(k * n, q), ayt, out=H)
+                    H.view(k, n, m).mul_(dytb[o:e])
+                else:
+                    torch.mm(scaled.view(k * n, q), ayt, out=H)
+                    G = G_ if k == u else G_[:k]
+                    torch.bmm(dxb[o:e], dytb[o:e], out=G)
+                    H.view(k, n, m).mul_(G)
+            weights = (ones if k == u else ones[:, :k]) if mix is None else mix[b, :, o:e]
+            out.addmm_(weights, H.view(k, n * m))
+
+
+def _mixed_rank1(out, fx, fy, mix, w, scratch: _Scratch) -> None:
+    """``out[cd] += sum_b w_b (A A'^T) * (M diag(mix_b[cd]) M'^T)`` without a
+    preconditioner: the ``C x C`` blocks (``out`` of shape ``(R, N M)``, ``R`` rows of
+    ``mix`` (B, R, p)) of a layer with one backprop ``m`` (units-major, (B, p, N, 1)).
+
+    One GEMM per point of the backprops scaled by every row of ``mix`` against the other
+    side's, ``2 R N M p`` FLOPs, and one pass of ``R N M`` that multiplies in the inputs'
+    Gram.
+    """
+    (ax, dx), (ay, dy) = fx, fy
+    B, p, n, _ = dx.shape
+    m = ay.shape[1]
+    R = mix.shape[1]
+    T = scratch.get("T", (R * n, m), out.dtype)
+    for b in range(B):
+        Ga = torch.mm(ax[b], ay[b].T).mul_(w[b])
+        scaled = (mix[b][:, None, :] * dx[b, :, :, 0].T).view(R * n, p)
+        torch.mm(scaled, dy[b, :, :, 0], out=T)
+        out.view(R, n, m).addcmul_(T.view(R, n, m), Ga)
+
+
+def _onehot_full(out, fx, fy, sides: _Sides, li: int, w) -> None:
+    """The ``C x C`` blocks of an output layer with one-hot backprops: diagonal, output
+    ``c``'s block ``sum_b A diag(w_b D_bc) A'^T`` (``D_bc`` the preconditioner of the
+    layer's row ``c``; ``w_b A A'^T`` for every output without one). ``out`` is
+    ``(C, C, N M)``."""
+    ax, ay = fx[0], fy[0]
+    B, n, q = ax.shape
+    m = ay.shape[1]
+    C = out.shape[0]
+    diagonal = out.diagonal(dim1=0, dim2=1)                          # (N M, C)
+    if sides.wD[li] is None:
+        G = torch.mm((ax * w[:, None, None]).transpose(0, 1).reshape(n, B * q),
+                     ay.transpose(0, 1).reshape(m, B * q).T)
+        diagonal.add_(G.view(n * m, 1))
+        return
+    s = sides.wD[li].index_select(1, sides.sel)                      # (B, C, q)
+    xs = (ax[:, None] * s[:, :, None, :]).permute(1, 2, 0, 3).reshape(C * n, B * q)
+    G = torch.mm(xs, ay.transpose(0, 1).reshape(m, B * q).T)          # (C N, M)
+    diagonal.add_(G.view(C, n * m).T)
 
 
 def _form(f, wD: torch.Tensor | None) -> torch.Tensor:
@@ -494,7 +552,9 @@ def _diag(out, f, wD, w, s) -> None:
 @dataclasses.dataclass
 class _Sides:
     """The factors of X and Y for one block of points, the layers' (B, p, q) ``w D`` and
-    (B, q) one-hot sums ``s`` (:func:`_onehot`)."""
+    (B, q) one-hot sums ``s`` (:func:`_onehot`); for the ``C x C`` blocks, the
+    ``(B, C^2, p)`` products ``mix`` of a one-backprop layer's output rows
+    (:func:`_units`) and the outputs ``sel``."""
 
     fx: list
     fy: list
@@ -502,6 +562,8 @@ class _Sides:
     s: list
     units_major: bool
     formed: list
+    mix: list
+    sel: torch.Tensor
 
 
 def _rows(f, idx, units_major: bool) -> tuple:
@@ -511,23 +573,54 @@ def _rows(f, idx, units_major: bool) -> tuple:
     return a[:, idx], d
 
 
-def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk,
+def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunks,
                     scratch: _Scratch) -> None:
-    """``out += `` the block's Gram over one panel, every layer by its route (``out`` of
-    shape ``(N, C, M, C)``: the ``C x C`` blocks, rank-one or by units)."""
+    """``out += `` the block's Gram over one panel, every layer by its route.
+
+    ``out``: the trace's ``(N, M)``, or the ``C x C`` blocks' ``(N, C, M, C)``; the
+    one-hot output layer and the one-backprop layer below it write the blocks as
+    ``(C, C, N, M)`` in ``scratch`` ("blocks"), added to ``out`` at the end. ``chunks``:
+    units per chunk of :func:`_units` and of :func:`_units_full`.
+    """
+    r, c = rows.stop - rows.start, cols.stop - cols.start
+    blocks = None
+    if out.ndim == 4 and ("mixed" in routes or "onehot" in routes):
+        C = out.shape[1]
+        blocks = scratch.get("blocks", (C, C, r * c), out.dtype).zero_()
     for li, route in enumerate(routes):
         fx = _rows(sides.fx[li], rows, sides.units_major)
         fy = _rows(sides.fy[li], cols, sides.units_major)
         if route == "onehot":
-            _onehot(out, fx, fy, sides.s[li])
+            if blocks is None:
+                _onehot(out, fx, fy, sides.s[li])
+            else:
+                _onehot_full(blocks, fx, fy, sides, li, w)
         elif route == "rank1":
             _rank1(out, fx, fy, w)
+        elif route == "mixed":
+            # Sample-major (B, N, 1, p) as units-major (B, p, N, 1); all of a point's
+            # units in one chunk, the inner dimension of the GEMM that writes the
+            # blocks (whose C^2 N M numbers are read and written once per chunk). The
+            # blocks are symmetric in the outputs: their upper triangles, mirrored.
+            fx, fy = [(a, d.permute(0, 3, 1, 2)) for a, d in (fx, fy)]
+            mix, upper, lower = sides.mix[li]
+            tri = scratch.get("triangle", (mix.shape[1], r * c), out.dtype).zero_()
+            if sides.wD[li] is None:
+                _mixed_rank1(tri, fx, fy, mix, w, scratch)
+            else:
+                _units(tri, fx, fy, sides.wD[li], mix.shape[-1], scratch, mix=mix)
+            flat = blocks.view(-1, r * c)
+            flat.index_add_(0, upper, tri)
+            flat.index_add_(0, lower, tri[: len(lower)])
+        elif route == "units" and out.ndim == 4:
+            _units_full(out, fx, fy, sides.wD[li], chunks[1], scratch)
         elif route == "units":
-            (_units_full if out.ndim == 4 else _units)(out, fx, fy, sides.wD[li], chunk,
-                                                        scratch)
+            _units(out.view(1, r * c), fx, fy, sides.wD[li], chunks[0], scratch)
         else:
             gx, gy = sides.formed[li]
             out.addmm_(gx[rows], gy[cols].T)
+    if blocks is not None:
+        out += blocks.view(C, C, r, c).permute(2, 0, 3, 1)
 
 
 def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):
@@ -560,10 +653,18 @@ def _routes(mlp: StackedMLP, n_outputs: int, weighted: bool, rows: int, cols: in
 
     The full blocks: every layer rank-one unweighted, else by units (forming the
     per-sample gradients costs ``C p q / (q + C)`` times more than units there), with
-    every output's backprop (the one-hot collapse sums over the outputs).
+    every output's backprop; the one-hot output layer's blocks are diagonal
+    (:func:`_onehot_full`), and the layer below it ``"mixed"``: its one backprop by
+    units, each unit's product spread over the ``C x C`` blocks by its output rows
+    (:func:`_units`).
     """
     if full:
-        return ["units" if weighted else "rank1"] * len(mlp.linears)
+        routes = ["units" if weighted else "rank1"] * len(mlp.linears)
+        if isinstance(mlp.items[-1], _Linear):
+            routes[-1] = "onehot"
+            if len(routes) > 1:
+                routes[-2] = "mixed"
+        return routes
     routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None, rows, cols)
               for lin, C in zip(mlp.linears, _outputs_per_layer(mlp, n_outputs))]
     if isinstance(mlp.items[-1], _Linear):
@@ -660,11 +761,10 @@ def stacked_path_sum(
     # cache (and in a quarter of the budget).
     unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
     chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
-    if full:
-        # T of a chunk, (N, u, M, C): a larger chunk makes the batched GEMM's inner
-        # dimension; a quarter of the budget bounds it.
-        chunk = max(1, min(_FULL_CHUNK,
-                           memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C)))
+    # The full blocks' "units" route: T of a chunk, (N, u, M, C): a larger chunk makes
+    # the batched GEMM's inner dimension; a quarter of the budget bounds it.
+    chunks = (chunk, max(1, min(_FULL_CHUNK,
+                                memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C))))
     K = result = None
     if gram and full:
         result = torch.zeros((n, m, C, C), dtype=torch.float64, device=X.device)
@@ -699,7 +799,7 @@ def stacked_path_sum(
             out = (buffer.view(-1)[: r * c * C * C].view(r, C, c, C) if full
                    else buffer.view(-1)[: r * c].view(r, c))
             out.zero_()
-            _contract_panel(out, sides, routes, w, rows, cols, chunk, scratch)
+            _contract_panel(out, sides, routes, w, rows, cols, chunks, scratch)
             if symmetric and rows.start == cols.start:
                 # The square on the diagonal, symmetrised exactly.
                 if full:
@@ -709,9 +809,15 @@ def stacked_path_sum(
                     out[:, :r] = 0.5 * (out[:, :r] + out[:, :r].T)
             if full:
                 K[rows, :, cols] += out
+                if symmetric:
+                    # Mirrored now, the panel right of its square: its C x C blocks
+                    # transposed (a pass over the whole K afterwards costs more).
+                    skip = r if rows.start == cols.start else 0
+                    K[cols.start + skip : cols.stop, :, rows] += _transposed(
+                        out[:, :, skip:])
             else:
                 K[rows, cols] += out
-    if gram and symmetric:
+    if gram and symmetric and not full:
         _mirror(K, panel)
     if diag and symmetric:
         dy = dx
@@ -720,20 +826,13 @@ def stacked_path_sum(
 
 def _mirror(K: torch.Tensor, size: int) -> None:
     """The upper triangle of ``K`` copied below the diagonal, ``size`` columns at a time
-    (no temporary as large as ``K``); of the ``C x C`` blocks of an ``(n, C, n, C)``
-    ``K`` too, each block transposed."""
+    (no temporary as large as ``K``)."""
     n = K.shape[0]
     for s in range(0, n, size):
         e = min(s + size, n)
-        if K.ndim == 2:
-            square = K[s:e, s:e]
-            square.copy_(torch.triu(square) + torch.triu(square, 1).T)
-            K[e:, s:e] = K[s:e, e:].T
-            continue
-        square = K[s:e, :, s:e]
-        upper = torch.ones(e - s, e - s, dtype=torch.bool, device=K.device).triu()
-        square.copy_(torch.where(upper[:, None, :, None], square, _transposed(square)))
-        K[e:, :, s:e] = _transposed(K[s:e, :, e:])
+        square = K[s:e, s:e]
+        square.copy_(torch.triu(square) + torch.triu(square, 1).T)
+        K[e:, s:e] = K[s:e, e:].T
 
 
 def _transposed(block: torch.Tensor) -> torch.Tensor:
@@ -744,14 +843,15 @@ def _transposed(block: torch.Tensor) -> torch.Tensor:
 
 def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full) -> _Sides:
     """The factors of one block of points on both sides (``Y=None``: X's), with the
-    layers' weighted preconditioners and one-hot sums. ``full``: every output's
-    backprop, sample-major (the layout of :func:`_units_full`)."""
+    layers' weighted preconditioners and one-hot sums. ``full``: the backprops
+    sample-major (the layout of :func:`_units_full`) and the output rows' products of
+    the ``"mixed"`` layer."""
     units_major = D is not None and not full
-    fx = _factors(mlp, theta, layout, X, outputs, units_major, not full)
+    fx = _factors(mlp, theta, layout, X, outputs, units_major)
     fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
     fy = fx
     if Y is not None:
-        fy = _factors(mlp, theta, layout, Y, outputs, units_major, not full)
+        fy = _factors(mlp, theta, layout, Y, outputs, units_major)
         fy = [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
     wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
           for lin in mlp.linears]
@@ -769,7 +869,22 @@ def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full) -> 
                 formed[li] = (g, g)
             else:
                 formed[li] = (_form(fx[li], wD[li]), _form(fy[li], None))
-    return _Sides(fx, fy, wD, s, units_major, formed)
+    mix = [None] * len(routes)
+    if "mixed" in routes:
+        # The one backprop m_o = |V_o| d_o of the layer below the output layer: its
+        # blocks' products are m_xo m_yo Vh_o Vh_o^T with Vh_o = V_o / |V_o| (V_o = 0
+        # makes m_o = 0, and Vh_o is then taken 0).
+        V = _layer_params(mlp, theta, layout)[-1][0].index_select(1, sel)  # (B, C, p)
+        norm = V.square().sum(1, keepdim=True).sqrt()
+        Vh = torch.where(norm > 0, V / norm.clamp_min(torch.finfo(V.dtype).tiny), 0)
+        C = V.shape[1]
+        # The strict lower triangle's entries (d, c) first among the upper's (c, d).
+        c, d = torch.triu_indices(C, C, 1, device=V.device)
+        cc = torch.arange(C, device=V.device)
+        c, d = torch.cat([c, cc]), torch.cat([d, cc])
+        mix[routes.index("mixed")] = (Vh[:, c] * Vh[:, d], c * C + d,
+                                      (d * C + c)[: len(c) - C])
+    return _Sides(fx, fy, wD, s, units_major, formed, mix, sel)
 
 
 def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,

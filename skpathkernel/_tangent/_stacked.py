@@ -21,12 +21,16 @@ panel of the Gram, ``q = d_in + 1``, ``p = d_out`` and ``C`` the outputs used, p
 ``"units"`` (diagonal ``D``): ``sum_o (Delta_o Delta_o'^T) * (A D_o A'^T)`` over the
     output units ``o``, ``2 N M p (q + C)`` FLOPs: ``A D_o A'^T`` of all units in one GEMM
     (the scaled rows of all units stacked), the ``C``-wide ``Delta_o`` products batched
-    over units, and an elementwise product summed over the units, whose ``6 N M p``
-    passes over memory are what bounds it. With one backprop (``C = 1``) the product
-    ``Delta_o Delta_o'^T`` is an outer product: rows and columns are scaled instead.
-``"dense"`` (diagonal ``D``): the per-sample gradients ``delta_c (x) a`` formed and
-    scaled by ``w D``, one GEMM of width ``C p q``: ``2 N M C p q`` FLOPs, plus forming
-    both sides of every panel.
+    over units, and an elementwise product summed over the units (one product with
+    ones), whose passes over memory are what bounds it. With one backprop (``C = 1``)
+    the product ``Delta_o Delta_o'^T`` is an outer product: rows and columns are scaled
+    instead. Its products are written into reused buffers (fresh ones of that size cost
+    page faults comparable to the GEMMs).
+``"dense"`` (diagonal ``D``): the per-sample gradients ``delta_c (x) a`` formed once per
+    block of points for the whole Gram, scaled by ``sqrt(w D)`` on both sides of a
+    symmetric Gram (``w D`` on one side where a weight is negative), and one GEMM per
+    panel whose inner dimension runs over all the block's points: ``2 N M C p q``
+    FLOPs, plus forming ``(N + M) C p q`` per point.
 
 The layer right below a one-hot output layer backprops row ``c`` of that layer's
 weights ``V`` times the same derivatives for every output: its products over the
@@ -36,10 +40,9 @@ outputs are those of a single backprop ``|V_o| d_o``, so it is contracted with
 :func:`layer_route` compares ``flops + 8 * element passes`` (one pass over memory costs
 about eight FLOPs of a GEMM on the CPUs measured). The outcome on the default classifier
 (64-64-10 GELU, ten outputs): the first layer takes ``"units"`` (ten times fewer FLOPs
-than forming its per-sample gradients), the second (one backprop) ``"units"`` on the
-strips of a symmetric Gram and on narrow panels, ``"dense"`` on square 256-row panels of
-a cross Gram (its formed gradients are then shared by many pairs), the output layer
-``"onehot"``. Unweighted steps (SGD) take
+than forming its per-sample gradients), the second (one backprop) ``"dense"`` at
+N = 1000 (its formed gradients shared by all pairs) and ``"units"`` at N = 100, the
+output layer ``"onehot"``. Unweighted steps (SGD) take
 ``"rank1"``, which is never more work.
 
 A symmetric ``K(X, X)`` is computed in strips of 16 to 64 rows from the diagonal
@@ -49,10 +52,19 @@ on the diagonal are symmetrised exactly. The block of points ``B`` and the panel
 sized from ``memory_budget``. Every block's sum is added to a float64 Gram, so the
 result equals the point-by-point sum to float rounding.
 
-``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace: every
-layer keeps its ``C`` backprops (the one-hot and single-backprop collapses sum over the
-outputs), ``"rank1"`` without a preconditioner and ``"units"`` with one
-(:func:`_units_full`, ``2 N M C^2`` FLOPs per unit).
+``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace. A
+one-hot output layer's blocks are diagonal, ``A diag(w D_c) A'^T`` for output ``c`` (one
+GEMM for all outputs, :func:`_onehot_full`). The layer below it (``"mixed"``) keeps its
+single backprop ``m_o = |V_o| d_o``: its blocks are ``sum_o m_xo m_yo (A D_o A'^T)``
+times ``Vh_o Vh_o^T`` (``Vh_o = V_o / |V_o|``), symmetric in the outputs, so each unit's
+product is spread over the ``C (C + 1) / 2`` upper entries by one GEMM over the units
+(:func:`_units`; without ``D``, one GEMM per point of the backprops scaled by those
+entries, :func:`_mixed_rank1`): ``2 N M p (q + C (C + 1) / 2)`` FLOPs where the trace
+needs ``2 N M p (q + 1)``. Other layers keep their ``C`` backprops: ``"rank1"`` without
+a preconditioner and ``"units"`` with one (:func:`_units_full`, ``2 N M C^2`` FLOPs per
+unit). The ``(N, M, C, C)`` float64 result itself (52 MB at N = 256, C = 10) costs
+about as much to allocate and fill as the SGD trace at that size; a symmetric one's
+panels are mirrored as they are added.
 """
 
 from __future__ import annotations
@@ -156,15 +168,15 @@ def layer_route(n_outputs: int, d_in: int, d_out: int, weighted: bool, bias: boo
                 rows: int = _PANEL, cols: int = _PANEL) -> str:
     """``"rank1"``, ``"units"`` or ``"dense"`` for one Linear layer (see the module).
 
-    ``rows`` and ``cols``: the Gram's panel, over which the "dense" route's formed
-    gradients are spread.
+    ``rows`` and ``cols``: the Gram's rows and columns, over which the "dense" route's
+    gradients, formed once per block of points, are shared.
     """
     if not weighted:
         return "rank1"
     q, p, C = d_in + bias, d_out, n_outputs
     # One output: no products of backprops, only the scaling of rows and columns.
     units = 2 * p * q + _PASS * 2 * p if C == 1 else 2 * p * (q + C) + _PASS * 6 * p
-    # Forming both sides of a panel: about three passes per element.
+    # Forming both sides: about three passes per element.
     dense = 2 * C * p * q + _PASS * (2 + 3 * C * p * q * (1 / rows + 1 / cols))
     return "dense" if dense <= units else "units"
 

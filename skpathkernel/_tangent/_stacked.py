@@ -411,7 +411,7 @@ def _units_full(out, fx, fy, wD, chunk: int, scratch: _Scratch) -> None:
             flat.baddbmm_(dx[b, :, :, o:e], T.view(n, e - o, m * C))
 
 
-def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None, w=None) -> None:
+def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None) -> None:
     """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
 
     The backprops are units-major (B, p, N, C). A point's units are taken ``chunk`` at a
@@ -424,9 +424,7 @@ def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None, w=None) -> 
     (B, R, p), or with ones (R = 1) where None. The ``C x C`` blocks of a layer with one
     backprop ``m_o = |V_o| d_o`` (:func:`_factors`) are ``sum_o m_xo m_yo H_o`` times
     ``Vh_o Vh_o^T`` (``Vh_o = V_o / |V_o|``): one GEMM of a chunk's products against
-    those ``C^2`` numbers per unit. Without a preconditioner (``wD`` None, ``w`` the
-    points' weights) ``H_o`` is ``w_b A A'^T`` for every unit: one GEMM per point, then
-    the rows and columns scaled.
+    those ``C^2`` numbers per unit (without a preconditioner: :func:`_mixed_rank1`).
     """
     (ax, dx), (ay, dy) = fx, fy
     B, p, n, C = dx.shape
@@ -435,37 +433,28 @@ def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None, w=None) -> 
     u = chunk = -(-p // -(-p // chunk))
     # The sum over the chunk's units as a product with ones (one call, one read).
     ones = torch.ones(1, u, dtype=ax.dtype, device=ax.device) if mix is None else None
-    S_ = scratch.get("scaled", (u, n, q), ax.dtype) if wD is not None else None
+    S_ = scratch.get("scaled", (u, n, q), ax.dtype)
     H_ = scratch.get("H", (u * n, m), ax.dtype)
     G_ = None if C == 1 else scratch.get("G", (u, n, m), ax.dtype)
     for b in range(B):
-        ayt, axb = ay[b].T, ax[b].unsqueeze(0)
+        ayt, axb, wDb = ay[b].T, ax[b].unsqueeze(0), wD[b].unsqueeze(1)
         dxb, dytb = dx[b], dy[b].transpose(1, 2)                       # (p, N, C), (p, C, M)
-        if wD is None:
-            Ga = torch.mm(ax[b], ayt).mul_(w[b])
-        else:
-            wDb = wD[b].unsqueeze(1)
         for o in range(0, p, chunk):
             e = min(o + chunk, p)
             k = e - o
-            H = H_ if k == u else H_[: k * n]
-            if wD is None:
-                # A one-backprop layer's H_o: the inputs' Gram, rows and columns scaled.
-                torch.mul(Ga, dxb[o:e], out=H.view(k, n, m)).mul_(dytb[o:e])
+            scaled, H = (S_, H_) if k == u else (S_[:k], H_[: k * n])
+            # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
+            torch.mul(axb, wDb[o:e], out=scaled)
+            if C == 1:
+                # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
+                scaled.mul_(dxb[o:e])
+                torch.mm(scaled.view(k * n, q), ayt, out=H)
+                H.view(k, n, m).mul_(dytb[o:e])
             else:
-                scaled = S_ if k == u else S_[:k]
-                # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
-                torch.mul(axb, wDb[o:e], out=scaled)
-                if C == 1:
-                    # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
-                    scaled.mul_(dxb[o:e])
-                    torch.mm(scaled.view(k * n, q), ayt, out=H)
-                    H.view(k, n, m).mul_(dytb[o:e])
-                else:
-                    torch.mm(scaled.view(k * n, q), ayt, out=H)
-                    G = G_ if k == u else G_[:k]
-                    torch.bmm(dxb[o:e], dytb[o:e], out=G)
-                    H.view(k, n, m).mul_(G)
+                torch.mm(scaled.view(k * n, q), ayt, out=H)
+                G = G_ if k == u else G_[:k]
+                torch.bmm(dxb[o:e], dytb[o:e], out=G)
+                H.view(k, n, m).mul_(G)
             weights = (ones if k == u else ones[:, :k]) if mix is None else mix[b, :, o:e]
             out.addmm_(weights, H.view(k, n * m))
 

@@ -381,12 +381,41 @@ def test_full_blocks_of_every_layout_match_autograd(layers, weighted, outputs, m
 def test_routes_by_cost():
     """The cost model's choices for the default classifier's layers (64-64-10, ten
     outputs): several backprops take the units route, the one backprop below the
-    output layer the units route on thin strips and the dense one on wide panels, SGD
-    rank1; the output layer is one-hot."""
+    output layer the units route at N = 100 and the dense one (its gradients formed
+    once for the whole Gram) at N = 1000, SGD rank1; the output layer is one-hot."""
     module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
                                  torch.nn.Linear(64, 64), torch.nn.GELU(),
                                  torch.nn.Linear(64, 10))
     mlp = stacked_mlp(module, [n for n, _ in module.named_parameters()])
-    assert _routes(mlp, 10, True, 25, 100) == ["units", "units", "onehot"]
+    assert _routes(mlp, 10, True, 100, 100) == ["units", "units", "onehot"]
     assert _routes(mlp, 10, True, 1000, 1000) == ["units", "dense", "onehot"]
-    assert _routes(mlp, 10, False, 25, 100) == ["rank1", "rank1", "onehot"]
+    assert _routes(mlp, 10, False, 100, 100) == ["rank1", "rank1", "onehot"]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
+def test_dead_output_column_and_negative_weight_match_autograd(weighted):
+    """A hidden unit that no output reads (a zero column of the output layer's weights,
+    whose output rows' products the full blocks then take as 0) and a negative weight
+    (the dense route's gradients then scaled on one side only, not by sqrt(w D) on
+    both), against the module's own autograd Jacobians; the dense route is taken."""
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[3], weighted)
+    s, size = layout["2.weight"]
+    thetas[:, s : s + size].view(5, 4, 7)[:, :, 2] = 0
+    weights = [(k, -w if k == 1 else w) for k, w in weights]
+    ws = [w for _, w in weights]
+    A = torch.randn(40, 3, dtype=torch.float64)
+    if weighted:
+        assert _routes(mlp, 1, True, 40, 40)[0] == "dense"
+    ref = _module_reference(module, thetas, Ds, ws, A, A, [2])
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=[2],
+                               weighted=weighted, memory_budget=2**30, block=2, panel=16)
+    assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+    assert np.array_equal(K.numpy(), K.numpy().T)
+    outputs = [0, 1, 2, 3]
+    ref = _module_reference(module, thetas, Ds, ws, A, A, outputs, full=True).numpy()
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
+                               weighted=weighted, memory_budget=2**30, block=2, panel=16,
+                               full=True)
+    assert _routes(mlp, 4, weighted, 40, 40, full=True) == ["mixed", "onehot"]
+    assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
+    assert np.array_equal(K.numpy(), K.numpy().transpose(1, 0, 3, 2))

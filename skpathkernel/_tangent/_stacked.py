@@ -21,12 +21,16 @@ panel of the Gram, ``q = d_in + 1``, ``p = d_out`` and ``C`` the outputs used, p
 ``"units"`` (diagonal ``D``): ``sum_o (Delta_o Delta_o'^T) * (A D_o A'^T)`` over the
     output units ``o``, ``2 N M p (q + C)`` FLOPs: ``A D_o A'^T`` of all units in one GEMM
     (the scaled rows of all units stacked), the ``C``-wide ``Delta_o`` products batched
-    over units, and an elementwise product summed over the units, whose ``6 N M p``
-    passes over memory are what bounds it. With one backprop (``C = 1``) the product
-    ``Delta_o Delta_o'^T`` is an outer product: rows and columns are scaled instead.
-``"dense"`` (diagonal ``D``): the per-sample gradients ``delta_c (x) a`` formed and
-    scaled by ``w D``, one GEMM of width ``C p q``: ``2 N M C p q`` FLOPs, plus forming
-    both sides of every panel.
+    over units, and an elementwise product summed over the units (one product with
+    ones), whose passes over memory are what bounds it. With one backprop (``C = 1``)
+    the product ``Delta_o Delta_o'^T`` is an outer product: rows and columns are scaled
+    instead. Its products are written into reused buffers (fresh ones of that size cost
+    page faults comparable to the GEMMs).
+``"dense"`` (diagonal ``D``): the per-sample gradients ``delta_c (x) a`` formed once per
+    block of points for the whole Gram, scaled by ``sqrt(w D)`` on both sides of a
+    symmetric Gram (``w D`` on one side where a weight is negative), and one GEMM per
+    panel whose inner dimension runs over all the block's points: ``2 N M C p q``
+    FLOPs, plus forming ``(N + M) C p q`` per point.
 
 The layer right below a one-hot output layer backprops row ``c`` of that layer's
 weights ``V`` times the same derivatives for every output: its products over the
@@ -36,10 +40,9 @@ outputs are those of a single backprop ``|V_o| d_o``, so it is contracted with
 :func:`layer_route` compares ``flops + 8 * element passes`` (one pass over memory costs
 about eight FLOPs of a GEMM on the CPUs measured). The outcome on the default classifier
 (64-64-10 GELU, ten outputs): the first layer takes ``"units"`` (ten times fewer FLOPs
-than forming its per-sample gradients), the second (one backprop) ``"units"`` on the
-strips of a symmetric Gram and on narrow panels, ``"dense"`` on square 256-row panels of
-a cross Gram (its formed gradients are then shared by many pairs), the output layer
-``"onehot"``. Unweighted steps (SGD) take
+than forming its per-sample gradients), the second (one backprop) ``"dense"`` at
+N = 1000 (its formed gradients shared by all pairs) and ``"units"`` at N = 100, the
+output layer ``"onehot"``. Unweighted steps (SGD) take
 ``"rank1"``, which is never more work.
 
 A symmetric ``K(X, X)`` is computed in strips of 16 to 64 rows from the diagonal
@@ -49,10 +52,19 @@ on the diagonal are symmetrised exactly. The block of points ``B`` and the panel
 sized from ``memory_budget``. Every block's sum is added to a float64 Gram, so the
 result equals the point-by-point sum to float rounding.
 
-``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace: every
-layer keeps its ``C`` backprops (the one-hot and single-backprop collapses sum over the
-outputs), ``"rank1"`` without a preconditioner and ``"units"`` with one
-(:func:`_units_full`, ``2 N M C^2`` FLOPs per unit).
+``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace. A
+one-hot output layer's blocks are diagonal, ``A diag(w D_c) A'^T`` for output ``c`` (one
+GEMM for all outputs, :func:`_onehot_full`). The layer below it (``"mixed"``) keeps its
+single backprop ``m_o = |V_o| d_o``: its blocks are ``sum_o m_xo m_yo (A D_o A'^T)``
+times ``Vh_o Vh_o^T`` (``Vh_o = V_o / |V_o|``), symmetric in the outputs, so each unit's
+product is spread over the ``C (C + 1) / 2`` upper entries by one GEMM over the units
+(:func:`_units`; without ``D``, one GEMM per point of the backprops scaled by those
+entries, :func:`_mixed_rank1`): ``2 N M p (q + C (C + 1) / 2)`` FLOPs where the trace
+needs ``2 N M p (q + 1)``. Other layers keep their ``C`` backprops: ``"rank1"`` without
+a preconditioner and ``"units"`` with one (:func:`_units_full`, ``2 N M C^2`` FLOPs per
+unit). The ``(N, M, C, C)`` float64 result itself (52 MB at N = 256, C = 10) costs
+about as much to allocate and fill as the SGD trace at that size; a symmetric one's
+panels are mirrored as they are added.
 """
 
 from __future__ import annotations
@@ -156,15 +168,15 @@ def layer_route(n_outputs: int, d_in: int, d_out: int, weighted: bool, bias: boo
                 rows: int = _PANEL, cols: int = _PANEL) -> str:
     """``"rank1"``, ``"units"`` or ``"dense"`` for one Linear layer (see the module).
 
-    ``rows`` and ``cols``: the Gram's panel, over which the "dense" route's formed
-    gradients are spread.
+    ``rows`` and ``cols``: the Gram's rows and columns, over which the "dense" route's
+    gradients, formed once per block of points, are shared.
     """
     if not weighted:
         return "rank1"
     q, p, C = d_in + bias, d_out, n_outputs
     # One output: no products of backprops, only the scaling of rows and columns.
     units = 2 * p * q + _PASS * 2 * p if C == 1 else 2 * p * (q + C) + _PASS * 6 * p
-    # Forming both sides of a panel: about three passes per element.
+    # Forming both sides: about three passes per element.
     dense = 2 * C * p * q + _PASS * (2 + 3 * C * p * q * (1 / rows + 1 / cols))
     return "dense" if dense <= units else "units"
 
@@ -222,8 +234,7 @@ def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
-             outputs: Sequence[int], units_major: bool, collapse: bool = True
-             ) -> list[tuple]:
+             outputs: Sequence[int], units_major: bool) -> list[tuple]:
     """Every Linear's inputs ``a`` (B, N, d_in) and backprops, by one forward and one
     backward pass over the block's points (batched GEMMs).
 
@@ -234,8 +245,8 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     then backprops row ``c`` of the output layer's weights ``V`` times the same
     derivatives ``d`` for every output, so that its products over the outputs,
     ``sum_c V_co^2 d_xo d_yo``, are those of one backprop, ``|V_o| d_o``: its entry is
-    that single one (C = 1). ``collapse=False`` keeps every output's backprop in every
-    layer (the one-hot rows of the output layer too): the ``C x C`` blocks need them.
+    that single one (C = 1); the ``C x C`` blocks spread it over the outputs again
+    (:func:`_units`).
     """
     params = _layer_params(mlp, theta, layout)
     B = theta.shape[0]
@@ -265,7 +276,7 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
         delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
         return delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
 
-    delta = None if collapse else onehot()
+    delta = None
     merged, deltas, li = None, [], len(params)
     for it, d in zip(reversed(mlp.items), reversed(derivs)):
         if not isinstance(it, _Linear):
@@ -335,7 +346,7 @@ def _ones(a: torch.Tensor, lin: _Linear) -> torch.Tensor:
     return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
 
 
-def _rank1(out, fx, fy, w) -> None:
+def _rank1(out, fx, fy, w, scratch: _Scratch) -> None:
     """``out += sum_b w_b (A A'^T) * (Delta Delta'^T)`` for one layer.
 
     ``out`` of shape ``(N, C, M, C)`` takes the ``C x C`` blocks: ``Delta_c Delta'_d^T``.
@@ -343,19 +354,41 @@ def _rank1(out, fx, fy, w) -> None:
     (ax, dx), (ay, dy) = fx, fy
     B, n = dx.shape[:2]
     m = dy.shape[1]
-    Ga = torch.bmm(ax, ay.transpose(1, 2))
+    Ga = torch.bmm(ax, ay.transpose(1, 2), out=scratch.get("H", (B, n, m), out.dtype))
     if out.ndim == 4:
         C, p = dx.shape[2:]
         Gd = torch.bmm(dx.reshape(B, n * C, p), dy.reshape(B, m * C, p).transpose(1, 2))
         Gd = Gd.view(B, n, C, m, C).mul_(Ga[:, :, None, :, None])
         out.add_(torch.mm(w[None, :], Gd.view(B, -1)).view(out.shape))
         return
-    Gd = torch.bmm(dx.reshape(B, n, -1), dy.reshape(B, m, -1).transpose(1, 2))
+    Gd = torch.bmm(dx.reshape(B, n, -1), dy.reshape(B, m, -1).transpose(1, 2),
+                   out=scratch.get("G", (B, n, m), out.dtype))
     Gd.mul_(Ga)
-    out.add_(torch.mm(w[None, :], Gd.view(B, n * m)).view(n, m))
+    out.view(1, n * m).addmm_(w[None, :], Gd.view(B, n * m))
 
 
-def _units_full(out, fx, fy, wD, chunk: int) -> None:
+class _Scratch:
+    """Reused work buffers of the contraction, by name.
+
+    The panels' products are each a few hundred kB, written thousands of times per
+    point: fresh tensors of that size come from the allocator as new pages, whose faults
+    cost about as much as the GEMMs that fill them (2x on the "units" route's chunk).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` (contents undefined) in the buffer ``name``."""
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+
+def _units_full(out, fx, fy, wD, chunk: int, scratch: _Scratch) -> None:
     """The ``C x C`` blocks of :func:`_units`: ``out[i, c, j, d] += sum_b sum_o
     Delta_ico Delta'_jdo (A (w_b D_bo) A'^T)_ij``.
 
@@ -378,45 +411,112 @@ def _units_full(out, fx, fy, wD, chunk: int) -> None:
             flat.baddbmm_(dx[b, :, :, o:e], T.view(n, e - o, m * C))
 
 
-def _units(out, fx, fy, wD, chunk: int) -> None:
+def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None) -> None:
     """``out += sum_b sum_o (Delta_o Delta_o'^T) * (A (w_b D_bo) A'^T)`` for one layer.
 
     The backprops are units-major (B, p, N, C). A point's units are taken ``chunk`` at a
     time, so that the chunk's products stay in cache between the GEMMs that write them
-    and the elementwise pass that sums them.
+    and the product that sums them; every product is written into ``scratch``. The loop
+    runs a few hundred times per point: it issues as few torch calls as it can (each
+    costs microseconds, as much as the arithmetic of a small panel).
+
+    ``out`` is ``(R, N M)``: the units' products are summed with the rows of ``mix``
+    (B, R, p), or with ones (R = 1) where None. The ``C x C`` blocks of a layer with one
+    backprop ``m_o = |V_o| d_o`` (:func:`_factors`) are ``sum_o m_xo m_yo H_o`` times
+    ``Vh_o Vh_o^T`` (``Vh_o = V_o / |V_o|``): one GEMM of a chunk's products against
+    those ``C^2`` numbers per unit (without a preconditioner: :func:`_mixed_rank1`).
     """
     (ax, dx), (ay, dy) = fx, fy
     B, p, n, C = dx.shape
-    m = ay.shape[1]
-    dyt = dy.transpose(2, 3)                                          # (B, p, C, M)
+    m, q = ay.shape[1:]
+    # Chunks of equal size (64 units in 14s leave a chunk of 8: a fifth more calls).
+    u = chunk = -(-p // -(-p // chunk))
+    # The sum over the chunk's units as a product with ones (one call, one read).
+    ones = torch.ones(1, u, dtype=ax.dtype, device=ax.device) if mix is None else None
+    S_ = scratch.get("scaled", (u, n, q), ax.dtype)
+    H_ = scratch.get("H", (u * n, m), ax.dtype)
+    G_ = None if C == 1 else scratch.get("G", (u, n, m), ax.dtype)
     for b in range(B):
-        ayt = ay[b].T
+        ayt, axb, wDb = ay[b].T, ax[b].unsqueeze(0), wD[b].unsqueeze(1)
+        dxb, dytb = dx[b], dy[b].transpose(1, 2)                       # (p, N, C), (p, C, M)
         for o in range(0, p, chunk):
             e = min(o + chunk, p)
+            k = e - o
+            scaled, H = (S_, H_) if k == u else (S_[:k], H_[: k * n])
             # A D_o A'^T for the chunk's units: the scaled rows of all units, one GEMM.
-            scaled = ax[b, None, :, :] * wD[b, o:e, None, :]          # (u, N, q)
+            torch.mul(axb, wDb[o:e], out=scaled)
             if C == 1:
                 # Delta_o Delta_o'^T is an outer product: scale the rows and columns.
-                scaled.mul_(dx[b, o:e])
-                H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n, m)
-                out.add_(H.mul_(dyt[b, o:e]).sum(0))
-                continue
-            H = torch.mm(scaled.view((e - o) * n, -1), ayt).view(e - o, n * m)
-            G = torch.bmm(dx[b, o:e], dyt[b, o:e]).view(e - o, n * m)
-            out.add_(H.mul_(G).sum(0).view(n, m))
+                scaled.mul_(dxb[o:e])
+                torch.mm(scaled.view(k * n, q), ayt, out=H)
+                H.view(k, n, m).mul_(dytb[o:e])
+            else:
+                torch.mm(scaled.view(k * n, q), ayt, out=H)
+                G = G_ if k == u else G_[:k]
+                torch.bmm(dxb[o:e], dytb[o:e], out=G)
+                H.view(k, n, m).mul_(G)
+            weights = (ones if k == u else ones[:, :k]) if mix is None else mix[b, :, o:e]
+            out.addmm_(weights, H.view(k, n * m))
 
 
-def _dense(out, fx, fy, wD) -> None:
-    """``out += sum_b Phi_x (w_b D_b) Phi_y^T`` of the formed per-sample gradients."""
+def _mixed_rank1(out, fx, fy, mix, w, scratch: _Scratch) -> None:
+    """``out[cd] += sum_b w_b (A A'^T) * (M diag(mix_b[cd]) M'^T)`` without a
+    preconditioner: the ``C x C`` blocks (``out`` of shape ``(R, N M)``, ``R`` rows of
+    ``mix`` (B, R, p)) of a layer with one backprop ``m`` (units-major, (B, p, N, 1)).
+
+    One GEMM per point of the backprops scaled by every row of ``mix`` against the other
+    side's, ``2 R N M p`` FLOPs, and one pass of ``R N M`` that multiplies in the inputs'
+    Gram.
+    """
     (ax, dx), (ay, dy) = fx, fy
-    # Units-major backprops (B, p, N, C) as (B, N, C, p).
-    dx, dy = dx.permute(0, 2, 3, 1), dy.permute(0, 2, 3, 1)
-    B, n = dx.shape[:2]
+    B, p, n, _ = dx.shape
     m = ay.shape[1]
+    R = mix.shape[1]
+    T = scratch.get("T", (R * n, m), out.dtype)
     for b in range(B):
-        gx = (dx[b, :, :, :, None] * (ax[b, :, None, None, :] * wD[b])).reshape(n, -1)
-        gy = (dy[b, :, :, :, None] * ay[b, :, None, None, :]).reshape(m, -1)
-        out.addmm_(gx, gy.T)
+        Ga = torch.mm(ax[b], ay[b].T).mul_(w[b])
+        scaled = (mix[b][:, None, :] * dx[b, :, :, 0].T).view(R * n, p)
+        torch.mm(scaled, dy[b, :, :, 0], out=T)
+        out.view(R, n, m).addcmul_(T.view(R, n, m), Ga)
+
+
+def _onehot_full(out, fx, fy, sides: _Sides, li: int, w) -> None:
+    """The ``C x C`` blocks of an output layer with one-hot backprops: diagonal, output
+    ``c``'s block ``sum_b A diag(w_b D_bc) A'^T`` (``D_bc`` the preconditioner of the
+    layer's row ``c``; ``w_b A A'^T`` for every output without one). ``out`` is
+    ``(C, C, N M)``."""
+    ax, ay = fx[0], fy[0]
+    B, n, q = ax.shape
+    m = ay.shape[1]
+    C = out.shape[0]
+    diagonal = out.diagonal(dim1=0, dim2=1)                          # (N M, C)
+    if sides.wD[li] is None:
+        G = torch.mm((ax * w[:, None, None]).transpose(0, 1).reshape(n, B * q),
+                     ay.transpose(0, 1).reshape(m, B * q).T)
+        diagonal.add_(G.view(n * m, 1))
+        return
+    s = sides.wD[li].index_select(1, sides.sel)                      # (B, C, q)
+    xs = (ax[:, None] * s[:, :, None, :]).permute(1, 2, 0, 3).reshape(C * n, B * q)
+    G = torch.mm(xs, ay.transpose(0, 1).reshape(m, B * q).T)          # (C N, M)
+    diagonal.add_(G.view(C, n * m).T)
+
+
+def _form(f, wD: torch.Tensor | None) -> torch.Tensor:
+    """The per-sample gradients ``delta_c (x) a`` of the block's points side by side,
+    ``(N, B C p q)``, each point's scaled by ``w_b D_b`` where given.
+
+    Formed once per block, so that every panel of the "dense" route is one GEMM whose
+    inner dimension runs over all the block's points.
+    """
+    a, d = f                                                           # (B, N, q), (B, p, N, C)
+    B, p, n, C = d.shape
+    q = a.shape[-1]
+    g = torch.empty(n, B, C, p, q, dtype=a.dtype, device=a.device)
+    for b in range(B):
+        torch.mul(d[b].permute(1, 2, 0)[..., None], a[b][:, None, None, :], out=g[:, b])
+        if wD is not None:
+            g[:, b].mul_(wD[b])
+    return g.view(n, -1)
 
 
 def _onehot(out, fx, fy, s) -> None:
@@ -455,13 +555,18 @@ def _diag(out, f, wD, w, s) -> None:
 @dataclasses.dataclass
 class _Sides:
     """The factors of X and Y for one block of points, the layers' (B, p, q) ``w D`` and
-    (B, q) one-hot sums ``s`` (:func:`_onehot`)."""
+    (B, q) one-hot sums ``s`` (:func:`_onehot`); for the ``C x C`` blocks, the
+    ``(B, C^2, p)`` products ``mix`` of a one-backprop layer's output rows
+    (:func:`_units`) and the outputs ``sel``."""
 
     fx: list
     fy: list
     wD: list
     s: list
     units_major: bool
+    formed: list
+    mix: list
+    sel: torch.Tensor
 
 
 def _rows(f, idx, units_major: bool) -> tuple:
@@ -471,20 +576,54 @@ def _rows(f, idx, units_major: bool) -> tuple:
     return a[:, idx], d
 
 
-def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunk) -> None:
-    """``out += `` the block's Gram over one panel, every layer by its route (``out`` of
-    shape ``(N, C, M, C)``: the ``C x C`` blocks, rank-one or by units)."""
+def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunks,
+                    scratch: _Scratch) -> None:
+    """``out += `` the block's Gram over one panel, every layer by its route.
+
+    ``out``: the trace's ``(N, M)``, or the ``C x C`` blocks' ``(N, C, M, C)``; the
+    one-hot output layer and the one-backprop layer below it write the blocks as
+    ``(C, C, N, M)`` in ``scratch`` ("blocks"), added to ``out`` at the end. ``chunks``:
+    units per chunk of :func:`_units` and of :func:`_units_full`.
+    """
+    r, c = rows.stop - rows.start, cols.stop - cols.start
+    blocks = None
+    if out.ndim == 4 and ("mixed" in routes or "onehot" in routes):
+        C = out.shape[1]
+        blocks = scratch.get("blocks", (C, C, r * c), out.dtype).zero_()
     for li, route in enumerate(routes):
         fx = _rows(sides.fx[li], rows, sides.units_major)
         fy = _rows(sides.fy[li], cols, sides.units_major)
         if route == "onehot":
-            _onehot(out, fx, fy, sides.s[li])
+            if blocks is None:
+                _onehot(out, fx, fy, sides.s[li])
+            else:
+                _onehot_full(blocks, fx, fy, sides, li, w)
         elif route == "rank1":
-            _rank1(out, fx, fy, w)
+            _rank1(out, fx, fy, w, scratch)
+        elif route == "mixed":
+            # Sample-major (B, N, 1, p) as units-major (B, p, N, 1); all of a point's
+            # units in one chunk, the inner dimension of the GEMM that writes the
+            # blocks (whose C^2 N M numbers are read and written once per chunk). The
+            # blocks are symmetric in the outputs: their upper triangles, mirrored.
+            fx, fy = [(a, d.permute(0, 3, 1, 2)) for a, d in (fx, fy)]
+            mix, upper, lower = sides.mix[li]
+            tri = scratch.get("triangle", (mix.shape[1], r * c), out.dtype).zero_()
+            if sides.wD[li] is None:
+                _mixed_rank1(tri, fx, fy, mix, w, scratch)
+            else:
+                _units(tri, fx, fy, sides.wD[li], mix.shape[-1], scratch, mix=mix)
+            flat = blocks.view(-1, r * c)
+            flat.index_add_(0, upper, tri)
+            flat.index_add_(0, lower, tri[: len(lower)])
+        elif route == "units" and out.ndim == 4:
+            _units_full(out, fx, fy, sides.wD[li], chunks[1], scratch)
         elif route == "units":
-            (_units_full if out.ndim == 4 else _units)(out, fx, fy, sides.wD[li], chunk)
+            _units(out.view(1, r * c), fx, fy, sides.wD[li], chunks[0], scratch)
         else:
-            _dense(out, fx, fy, sides.wD[li])
+            gx, gy = sides.formed[li]
+            out.addmm_(gx[rows], gy[cols].T)
+    if blocks is not None:
+        out += blocks.view(C, C, r, c).permute(2, 0, 3, 1)
 
 
 def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):
@@ -517,10 +656,18 @@ def _routes(mlp: StackedMLP, n_outputs: int, weighted: bool, rows: int, cols: in
 
     The full blocks: every layer rank-one unweighted, else by units (forming the
     per-sample gradients costs ``C p q / (q + C)`` times more than units there), with
-    every output's backprop (the one-hot collapse sums over the outputs).
+    every output's backprop; the one-hot output layer's blocks are diagonal
+    (:func:`_onehot_full`), and the layer below it ``"mixed"``: its one backprop by
+    units, each unit's product spread over the ``C x C`` blocks by its output rows
+    (:func:`_units`).
     """
     if full:
-        return ["units" if weighted else "rank1"] * len(mlp.linears)
+        routes = ["units" if weighted else "rank1"] * len(mlp.linears)
+        if isinstance(mlp.items[-1], _Linear):
+            routes[-1] = "onehot"
+            if len(routes) > 1:
+                routes[-2] = "mixed"
+        return routes
     routes = [layer_route(C, lin.d_in, lin.d_out, weighted, lin.bias is not None, rows, cols)
               for lin, C in zip(mlp.linears, _outputs_per_layer(mlp, n_outputs))]
     if isinstance(mlp.items[-1], _Linear):
@@ -590,11 +737,21 @@ def stacked_path_sum(
     panel = _PANEL if panel is None else panel
     strip = _strip(n, panel)
     pr, pc = min(n, strip if symmetric else panel), min(m, panel)
-    routes = _routes(mlp, C, weighted, pr, pc, full)
-    # Per point: its parameters and D, both sides' factors, and the panel's products
-    # (the "units" route's chunk is bounded separately, below).
+    # The "dense" route's gradients are formed once per block, for the whole Gram.
+    routes = _routes(mlp, C, weighted, n, m, full)
+    # Per point: its parameters and D, both sides' factors, the panel's products (the
+    # "units" route's chunk is bounded separately, below) and the formed gradients.
     c2 = C * C if full else 1
     per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc * c2)
+    formed = itemsize * (n + m) * sum(
+        c * lin.d_out * (lin.d_in + (lin.bias is not None))
+        for lin, c, route in zip(mlp.linears, _outputs_per_layer(mlp, C), routes)
+        if route == "dense")
+    if formed and (not gram or per_point + formed > memory_budget):
+        # Diagonals only need no gradients; where they do not fit, the units route.
+        routes = ["units" if r == "dense" else r for r in routes]
+    elif formed:
+        per_point += formed
     if block is None:
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
@@ -607,11 +764,10 @@ def stacked_path_sum(
     # cache (and in a quarter of the budget).
     unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
     chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
-    if full:
-        # T of a chunk, (N, u, M, C): a larger chunk makes the batched GEMM's inner
-        # dimension; a quarter of the budget bounds it.
-        chunk = max(1, min(_FULL_CHUNK,
-                           memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C)))
+    # The full blocks' "units" route: T of a chunk, (N, u, M, C): a larger chunk makes
+    # the batched GEMM's inner dimension; a quarter of the budget bounds it.
+    chunks = (chunk, max(1, min(_FULL_CHUNK,
+                                memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C))))
     K = result = None
     if gram and full:
         result = torch.zeros((n, m, C, C), dtype=torch.float64, device=X.device)
@@ -624,6 +780,7 @@ def stacked_path_sum(
                                                           device=X.device)
     buffer = torch.empty((pr, C, pc, C) if full else (pr, pc), dtype=dtype, device=X.device)
     sel = torch.as_tensor(list(outputs), device=X.device)
+    scratch = _Scratch(X.device)
     for s in range(0, len(weights), block):
         points = [k for k, _ in weights[s : s + block]]
         w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
@@ -640,13 +797,12 @@ def stacked_path_sum(
             continue
         for rows, cols in _panels(n, m, symmetric, panel, strip):
             r, c = rows.stop - rows.start, cols.stop - cols.start
-            if full:
-                # A full panel contiguous (its rows are viewed as (C, M C) for the GEMMs).
-                out = buffer.view(-1)[: r * c * C * C].view(r, C, c, C)
-            else:
-                out = buffer[:r, :c]
+            # A panel contiguous: the routes view it flat (and a full one's rows as
+            # (C, M C) for the GEMMs).
+            out = (buffer.view(-1)[: r * c * C * C].view(r, C, c, C) if full
+                   else buffer.view(-1)[: r * c].view(r, c))
             out.zero_()
-            _contract_panel(out, sides, routes, w, rows, cols, chunk)
+            _contract_panel(out, sides, routes, w, rows, cols, chunks, scratch)
             if symmetric and rows.start == cols.start:
                 # The square on the diagonal, symmetrised exactly.
                 if full:
@@ -656,9 +812,15 @@ def stacked_path_sum(
                     out[:, :r] = 0.5 * (out[:, :r] + out[:, :r].T)
             if full:
                 K[rows, :, cols] += out
+                if symmetric:
+                    # Mirrored now, the panel right of its square: its C x C blocks
+                    # transposed (a pass over the whole K afterwards costs more).
+                    skip = r if rows.start == cols.start else 0
+                    K[cols.start + skip : cols.stop, :, rows] += _transposed(
+                        out[:, :, skip:])
             else:
                 K[rows, cols] += out
-    if gram and symmetric:
+    if gram and symmetric and not full:
         _mirror(K, panel)
     if diag and symmetric:
         dy = dx
@@ -667,20 +829,13 @@ def stacked_path_sum(
 
 def _mirror(K: torch.Tensor, size: int) -> None:
     """The upper triangle of ``K`` copied below the diagonal, ``size`` columns at a time
-    (no temporary as large as ``K``); of the ``C x C`` blocks of an ``(n, C, n, C)``
-    ``K`` too, each block transposed."""
+    (no temporary as large as ``K``)."""
     n = K.shape[0]
     for s in range(0, n, size):
         e = min(s + size, n)
-        if K.ndim == 2:
-            square = K[s:e, s:e]
-            square.copy_(torch.triu(square) + torch.triu(square, 1).T)
-            K[e:, s:e] = K[s:e, e:].T
-            continue
-        square = K[s:e, :, s:e]
-        upper = torch.ones(e - s, e - s, dtype=torch.bool, device=K.device).triu()
-        square.copy_(torch.where(upper[:, None, :, None], square, _transposed(square)))
-        K[e:, :, s:e] = _transposed(K[s:e, :, e:])
+        square = K[s:e, s:e]
+        square.copy_(torch.triu(square) + torch.triu(square, 1).T)
+        K[e:, s:e] = K[s:e, e:].T
 
 
 def _transposed(block: torch.Tensor) -> torch.Tensor:
@@ -691,14 +846,15 @@ def _transposed(block: torch.Tensor) -> torch.Tensor:
 
 def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full) -> _Sides:
     """The factors of one block of points on both sides (``Y=None``: X's), with the
-    layers' weighted preconditioners and one-hot sums. ``full``: every output's
-    backprop, sample-major (the layout of :func:`_units_full`)."""
+    layers' weighted preconditioners and one-hot sums. ``full``: the backprops
+    sample-major (the layout of :func:`_units_full`) and the output rows' products of
+    the ``"mixed"`` layer."""
     units_major = D is not None and not full
-    fx = _factors(mlp, theta, layout, X, outputs, units_major, not full)
+    fx = _factors(mlp, theta, layout, X, outputs, units_major)
     fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
     fy = fx
     if Y is not None:
-        fy = _factors(mlp, theta, layout, Y, outputs, units_major, not full)
+        fy = _factors(mlp, theta, layout, Y, outputs, units_major)
         fy = [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
     wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
           for lin in mlp.linears]
@@ -707,7 +863,31 @@ def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full) -> 
         q = fx[-1][0].shape[-1]
         s[-1] = ((w * len(outputs))[:, None].expand(-1, q) if D is None
                  else wD[-1].index_select(1, sel).sum(1))
-    return _Sides(fx, fy, wD, s, units_major)
+    formed = [None] * len(routes)
+    for li, route in enumerate(routes):
+        if route == "dense":
+            if Y is None and bool((wD[li] >= 0).all()):
+                # sqrt(w D) on both sides: one matrix, its Gram.
+                g = _form(fx[li], wD[li].sqrt())
+                formed[li] = (g, g)
+            else:
+                formed[li] = (_form(fx[li], wD[li]), _form(fy[li], None))
+    mix = [None] * len(routes)
+    if "mixed" in routes:
+        # The one backprop m_o = |V_o| d_o of the layer below the output layer: its
+        # blocks' products are m_xo m_yo Vh_o Vh_o^T with Vh_o = V_o / |V_o| (V_o = 0
+        # makes m_o = 0, and Vh_o is then taken 0).
+        V = _layer_params(mlp, theta, layout)[-1][0].index_select(1, sel)  # (B, C, p)
+        norm = V.square().sum(1, keepdim=True).sqrt()
+        Vh = torch.where(norm > 0, V / norm.clamp_min(torch.finfo(V.dtype).tiny), 0)
+        C = V.shape[1]
+        # The strict lower triangle's entries (d, c) first among the upper's (c, d).
+        c, d = torch.triu_indices(C, C, 1, device=V.device)
+        cc = torch.arange(C, device=V.device)
+        c, d = torch.cat([c, cc]), torch.cat([d, cc])
+        mix[routes.index("mixed")] = (Vh[:, c] * Vh[:, d], c * C + d,
+                                      (d * C + c)[: len(c) - C])
+    return _Sides(fx, fy, wD, s, units_major, formed, mix, sel)
 
 
 def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,

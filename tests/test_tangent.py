@@ -816,11 +816,24 @@ class _Tokens(nn.Module):
 
 
 def _keeps_all_at(probe, n, budget, columns, weight=None, Y=None):
-    dense, kept, _, _ = _gram._gram_plan(_gram._probe_outputs(probe, columns), n,
-                                         n if Y is None else len(Y), "trace",
+    part = _gram._probe_outputs(probe, columns)
+    dense, kept, _, _ = _gram._gram_plan(part, n, n if Y is None else len(Y), "trace",
                                          weight is not None, Y is None, budget, 8,
                                          weight is not None)
-    return _gram._keeps_all(dense, kept, n + (0 if Y is None else len(Y)), budget)
+    share = _gram._dense_shares(part, kept, budget)[1] if dense else None
+    return _gram._keeps_all(dense, kept, n + (0 if Y is None else len(Y)), budget, share)
+
+
+def _budget_with_groups(probe, n_x, n_y, weight, symmetric, itemsize, count):
+    """The smallest budget, on a 1/64-octave grid, that splits the outputs in ``count``
+    groups; fails (rather than searching forever) when no budget up to 1 GiB does."""
+    budget = 2**14
+    while budget <= 2**30:
+        if len(_gram._output_groups(probe, n_x, n_y, "trace", weight, symmetric, budget,
+                                    itemsize)) == count:
+            return budget
+        budget = int(budget * 2 ** (1 / 64)) + 1
+    pytest.fail(f"no budget splits the outputs in {count} groups")
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -832,16 +845,15 @@ def test_outputs_split_into_groups_whose_blocks_fit(weighted, cross, monkeypatch
     torch.manual_seed(0)
     module = _Tokens(6).double()
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
-    X = torch.randn(40, 32, dtype=torch.float64)
-    Y = torch.randn(24, 32, dtype=torch.float64) if cross else None
+    # Enough rows that the kept blocks, not one row's capture, bound the budget.
+    X = torch.randn(200, 32, dtype=torch.float64)
+    Y = torch.randn(120, 32, dtype=torch.float64) if cross else None
     n_params = sum(p.numel() for p in params.values())
     D = torch.rand(n_params, dtype=torch.float64) if weighted else None
     weight = None if D is None else _gram._Weighted(D)
     probe = capture(module, params, X[:1], list(range(6)), memory_budget=2**20)
-    budget = 2**14
-    while len(_gram._output_groups(probe, len(X), len(X) if Y is None else len(Y), "trace",
-                                   weight, Y is None, budget, 8)) != 2:
-        budget += 2**12
+    budget = _budget_with_groups(probe, len(X), len(X) if Y is None else len(Y), weight,
+                                 Y is None, 8, 2)
     assert _keeps_all_at(probe, len(X), budget, range(3), weight, Y)
     assert not _keeps_all_at(probe, len(X), budget, range(6), weight, Y)
     assert _gram._output_groups(probe, len(X), len(X) if Y is None else len(Y), "trace",
@@ -875,11 +887,9 @@ def test_grouped_float64_output_is_the_converted_float32_gram():
     torch.manual_seed(1)
     module = _Tokens(4)
     params = {k: v.detach() for k, v in module.named_parameters()}
-    X = torch.randn(40, 32)
+    X = torch.randn(200, 32)
     probe = capture(module, params, X[:1], list(range(4)), memory_budget=2**20)
-    budget = 2**14
-    while len(_gram._output_groups(probe, len(X), len(X), "trace", None, True, budget, 4)) < 2:
-        budget += 2**10
+    budget = _budget_with_groups(probe, len(X), len(X), None, True, 4, 2)
     ref = tangent_gram(module, params, X, memory_budget=budget)
     K = tangent_gram(module, params, X, memory_budget=budget, out_dtype=torch.float64)
     assert torch.equal(K, ref.to(torch.float64))

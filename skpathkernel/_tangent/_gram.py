@@ -704,19 +704,11 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
         # chunks whose factors, graph and forming take the rest. (Shares of the budget
         # are passed as larger per-row needs, so that a refusal names the bytes of the
         # whole budget.)
-        captured = _chunk_row_bytes(probe, kept) // 8
-        chunk = rows_per_block(memory_budget, 8 * captured,
-                               "A capture of per-sample gradient blocks")
-        if chunk < MIN_CHUNK:
-            # A capture of a few rows runs every layer on tiny batches: 5-row chunks took
-            # 1.6x the time of 16-row ones on the ResNet's ten outputs (one thread). Up to
-            # a quarter of the budget goes to the chunk then, the rest to the blocks.
-            chunk = max(chunk, min(MIN_CHUNK, memory_budget // (4 * captured)))
-        share = memory_budget - max(chunk * captured, memory_budget // 8)
+        chunk, share = _dense_shares(probe, kept, memory_budget)
         size = _block_size(n_max, memory_budget,
                            -(-3 * (kept + lazy) * memory_budget // (2 * share)),
                            -(-per_pair * memory_budget // share))
-        fits = kept * n_kept <= share
+        fits = _keeps_all(dense, kept, n_kept, memory_budget, share)
         if fits and symmetric and not lazy:
             # Every block is kept anyway: one block, the largest products. (Lazily formed
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)
@@ -743,11 +735,23 @@ def _chunk_row_bytes(probe: Capture, kept: int) -> int:
     return 8 * (4 * probe.nbytes() + kept)
 
 
-def _keeps_all(dense, kept: int, n_kept: int, budget: int) -> bool:
+def _dense_shares(probe: Capture, kept: int, budget: int) -> tuple[int, int]:
+    """Rows of a capture chunk, and the bytes left to the kept formed blocks (a row
+    block, a column block and the next row block): 7/8 of the budget, 3/4 at least."""
+    captured = _chunk_row_bytes(probe, kept) // 8
+    chunk = rows_per_block(budget, 8 * captured, "A capture of per-sample gradient blocks")
+    if chunk < MIN_CHUNK:
+        # A capture of a few rows runs every layer on tiny batches: 5-row chunks took
+        # 1.6x the time of 16-row ones on the ResNet's ten outputs (one thread). Up to
+        # a quarter of the budget goes to the chunk then, the rest to the blocks.
+        chunk = max(chunk, min(MIN_CHUNK, budget // (4 * captured)))
+    return chunk, budget - max(chunk * captured, budget // 8)
+
+
+def _keeps_all(dense, kept: int, n_kept: int, budget: int, share: int | None = None) -> bool:
     """Whether a Gram keeps every block's capture (none is recomputed): formed gradient
-    blocks in 7/8 of the budget (less when a small capture's chunk takes up to a quarter),
-    factors in half of it (see :func:`_gram_blocks`)."""
-    return kept * n_kept <= (budget * 7 // 8 if dense else budget // 2)
+    blocks in ``share`` (:func:`_dense_shares`), factors in half of the budget."""
+    return kept * n_kept <= (share if dense else budget // 2)
 
 
 def _probe_outputs(probe: Capture, columns: Sequence[int]) -> Capture:
@@ -785,8 +789,10 @@ def _output_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
         if g == 1 and dense and (_chunk_row_bytes(part, kept) > budget
                                  or 24 * kept > 7 * budget):
             break  # refused with every output (the error names the bytes): refused alike
-        if _keeps_all(dense, kept, n_kept, budget) and (
-                not dense or _chunk_row_bytes(part, kept) <= budget):
+        if dense and _chunk_row_bytes(part, kept) > budget:
+            continue
+        share = _dense_shares(part, kept, budget)[1] if dense else None
+        if _keeps_all(dense, kept, n_kept, budget, share):
             bounds = [round(i * C / g) for i in range(g + 1)]
             return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
     return [list(range(C))]

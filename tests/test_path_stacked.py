@@ -419,3 +419,48 @@ def test_dead_output_column_and_negative_weight_match_autograd(weighted):
     assert _routes(mlp, 4, weighted, 40, 40, full=True) == ["mixed", "onehot"]
     assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
     assert np.array_equal(K.numpy(), K.numpy().transpose(1, 0, 3, 2))
+
+
+def test_forward_factors_against_per_point_modules():
+    # The one forward both the Gram blocks (_factors) and the decomposition's stacked
+    # capture read: outputs, layer inputs and activation derivatives of every point,
+    # against the module itself at each point and autograd's elementwise derivative.
+    from skpathkernel._analysis._decomposition import _StackedCapture
+
+    torch.manual_seed(1)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.GELU(), torch.nn.Linear(5, 4),
+                                 torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    names = [n for n, _ in module.named_parameters()]
+    mlp = stacked_mlp(module, names)
+    layout, start = {}, 0
+    for n, p in module.named_parameters():
+        layout[n] = (start, p.numel())
+        start += p.numel()
+    theta = torch.randn(3, start, dtype=torch.float64)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    out, params, inputs, derivs = _stacked.forward_factors(mlp, theta, layout, x)
+    assert [d is None for d in derivs] == [True, False, True, False, True]
+    assert inputs[0].shape == (1, 6, 3)  # shared by the points
+    for b in range(3):
+        p = dict(zip(names, (theta[b, s : s + k].view_as(dict(module.named_parameters())[n])
+                             for n, (s, k) in layout.items())))
+        seen = {}
+        hooks = [module[i].register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(i, (a[0], o))) for i in range(5)]
+        try:
+            ref = functional_call(module, p, (x,))
+        finally:
+            for h in hooks:
+                h.remove()
+        assert_allclose(out[b].numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
+        for a, i in zip(inputs, (0, 2, 4)):
+            assert_allclose(a[min(b, a.shape[0] - 1)].numpy(), seen[i][0].numpy(), rtol=1e-12)
+        for i in (1, 3):
+            z = seen[i][0].detach().requires_grad_(True)
+            (d,) = torch.autograd.grad(module[i](z).sum(), z)
+            assert_allclose(derivs[i][b].numpy(), d.numpy(), rtol=1e-12, atol=1e-15)
+    # The decomposition's stacked capture reads that same forward.
+    cap = _StackedCapture(mlp, layout)
+    h, (p2, acts, d2) = cap.forward(theta, x)
+    assert torch.equal(h, out)
+    assert all(torch.equal(u, v) for u, v in zip(acts, inputs))

@@ -105,9 +105,7 @@ from .._tangent import (
     tangent_features,
 )
 from .._tangent._pairs import Flat
-from .._tangent._stacked import _derivative as _stacked_derivative
-from .._tangent._stacked import _layer_params as _stacked_layer_params
-from .._tangent._stacked import _Linear as _StackedLinear
+from .._tangent._stacked import forward_factors
 from .._warnings import caller_stacklevel
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge",
@@ -483,20 +481,7 @@ class _StackedCapture:
     def forward(self, thetas: torch.Tensor, X: torch.Tensor):
         """Outputs (B, N, C) at the points ``thetas`` (B, P), and what
         :meth:`backward` needs."""
-        params = _stacked_layer_params(self.mlp, thetas, self.layout)
-        h, acts, derivs, li = X.unsqueeze(0), [], [], 0
-        for it in self.mlp.items:
-            if isinstance(it, _StackedLinear):
-                W, b = params[li]
-                li += 1
-                acts.append(h)
-                h = torch.matmul(h, W.transpose(1, 2))
-                if b is not None:
-                    h = h + b[:, None, :]
-                derivs.append(None)
-            else:
-                h, d = _stacked_derivative(it, h)
-                derivs.append(d)
+        h, params, acts, derivs = forward_factors(self.mlp, thetas, self.layout, X)
         return h, (params, acts, derivs)
 
     def backward(self, cache, seed: torch.Tensor) -> list[list[Flat]]:

@@ -233,6 +233,29 @@ def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return h.detach(), d
 
 
+def forward_factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
+                    X: torch.Tensor) -> tuple[torch.Tensor, list, list, list]:
+    """One forward pass over the block's points (batched GEMMs): the outputs (B, N, C),
+    every Linear's parameters (:func:`_layer_params`), every Linear's inputs (B, N, d_in;
+    the first layer's are ``X`` (1, N, d_in), shared by the points) and, per item of
+    ``mlp.items``, None for a Linear or the activation's derivative (B, N, d)."""
+    params = _layer_params(mlp, theta, layout)
+    h, inputs, derivs, li = X.unsqueeze(0), [], [], 0
+    for it in mlp.items:
+        if isinstance(it, _Linear):
+            W, b = params[li]
+            li += 1
+            inputs.append(h)
+            h = torch.matmul(h, W.transpose(1, 2))
+            if b is not None:
+                h = h + b[:, None, :]
+            derivs.append(None)
+        else:
+            h, d = _derivative(it, h)
+            derivs.append(d)
+    return h, params, inputs, derivs
+
+
 def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
              outputs: Sequence[int], units_major: bool) -> list[tuple]:
     """Every Linear's inputs ``a`` (B, N, d_in) and backprops, by one forward and one
@@ -248,25 +271,12 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     that single one (C = 1); the ``C x C`` blocks spread it over the outputs again
     (:func:`_units`).
     """
-    params = _layer_params(mlp, theta, layout)
+    h, params, inputs, derivs = forward_factors(mlp, theta, layout, X)
     B = theta.shape[0]
-    h = X.unsqueeze(0)
-    inputs, derivs, li = [], [], 0
-    for it in mlp.items:
-        if isinstance(it, _Linear):
-            W, b = params[li]
-            li += 1
-            a = h.expand(B, *h.shape[1:])
-            inputs.append(a)
-            h = torch.matmul(a, W.transpose(1, 2))
-            if b is not None:
-                h = h + b[:, None, :]
-            derivs.append(None)
-        else:
-            h, d = _derivative(it, h)
-            # (B, N, d) as the layout's broadcast factor of the backprops.
-            derivs.append(d.transpose(1, 2).contiguous().unsqueeze(3) if units_major
-                          else d.unsqueeze(2))
+    inputs = [a.expand(B, *a.shape[1:]) for a in inputs]
+    # (B, N, d) as the layout's broadcast factor of the backprops.
+    derivs = [d if d is None else d.transpose(1, 2).contiguous().unsqueeze(3)
+              if units_major else d.unsqueeze(2) for d in derivs]
     n, C = X.shape[0], len(outputs)
     sel = torch.as_tensor(list(outputs), device=h.device)
 

@@ -320,7 +320,10 @@ def _read_chunk(path: str) -> np.ndarray:
     ``np.load`` parses the header with ``ast.literal_eval``, and CPython 3.11's AST
     constructor keeps its recursion depth in per-interpreter state: run on the reader
     thread while another thread compiles, it can fail with "AST constructor recursion
-    depth mismatch" (python/cpython#106905). The chunks' headers are numpy's plain form.
+    depth mismatch" (python/cpython#106905). numpy's public header readers
+    (``np.lib.format.read_array_header_1_0`` / ``_2_0``) call ``ast.literal_eval`` too
+    (tested), so only the magic string is read with numpy's. The chunks' headers are
+    numpy's plain form; any other falls back to ``np.load``.
     """
     with open(path, "rb") as f:
         major, _ = np.lib.format.read_magic(f)

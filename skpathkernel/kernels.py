@@ -88,6 +88,25 @@ def _check_normalized(normalized, output):
                          "not 'full'.")
 
 
+def _consumer(kernel) -> str:
+    """The module that called the kernel: that of the nearest frame on the stack that is
+    not one of ``kernel``'s own methods (a subclass's override calling ``super()``
+    included) nor this module.
+
+    The stack is the only place that says who asked: scikit-learn's consumers call the
+    kernel as any caller does (``kernel(X, Y)``, ``kernel(X, eval_gradient=True)``,
+    ``kernel.diag(X)`` from ``GaussianProcessRegressor``, ``Sum`` and ``Product``;
+    ``kernel(X, Y)`` from ``SVC`` and ``pairwise_kernels``), with nothing that marks the
+    call as theirs, and a user's own code may legitimately take the 4-D blocks. Without
+    frame introspection (``sys._getframe`` is CPython's) nothing is refused."""
+    getframe = getattr(sys, "_getframe", None)
+    frame = None if getframe is None else getframe(1)
+    while frame is not None and (frame.f_globals.get("__name__") == __name__
+                                 or frame.f_locals.get("self") is kernel):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_globals.get("__name__", "")
+
+
 def _refuse_matrix_consumer(kernel) -> None:
     """A clear error where scikit-learn calls a kernel whose ``output="full"`` blocks
     are not the 2-D Gram it requires (SVC, KernelRidge, GaussianProcessRegressor, the
@@ -95,8 +114,7 @@ def _refuse_matrix_consumer(kernel) -> None:
     broadcast it."""
     if kernel.output != "full":
         return
-    # The caller of the kernel's public method (this function's caller's caller).
-    caller = sys._getframe(2).f_globals.get("__name__", "")
+    caller = _consumer(kernel)
     if caller == "sklearn" or caller.startswith("sklearn."):
         raise ValueError(
             f"{type(kernel).__name__}(output='full') gives (n_X, n_Y, C, C) blocks, not the "

@@ -221,3 +221,25 @@ def test_float32_network_full_blocks():
     assert K.dtype == np.float64
     # The float64 loop at the float32 parameters: equal to float32 precision.
     _close(K, _blocks(est, -1, X, X), 1e-5)
+
+
+def test_scikit_learn_consumers_are_found_past_a_subclass_override():
+    # A user's subclass whose __call__ / diag add a frame between scikit-learn and the
+    # kernel: the consumer is still scikit-learn, and the user's own call still gets the
+    # blocks.
+    class Logged(TangentKernel):
+        def __call__(self, X, Y=None, eval_gradient=False):
+            return super().__call__(X, Y, eval_gradient)
+
+        def diag(self, X):
+            return super().diag(X)
+
+    est, X = _fit("classifier")
+    y = np.arange(len(X)) % 3
+    kernel = Logged(est, output="full")
+    for model in (SVC(kernel=kernel), GaussianProcessRegressor(kernel=kernel, optimizer=None)):
+        with pytest.raises(ValueError, match="full_to_matrix"):
+            model.fit(X, y)
+    J = jacobian_loop(module_at(est), X).numpy()
+    _close(full_to_matrix(kernel(X)), J.reshape(-1, J.shape[2]) @ J.reshape(-1, J.shape[2]).T)
+    _close(kernel.diag(X), np.einsum("ncp,ndp->ncd", J, J))

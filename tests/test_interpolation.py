@@ -538,13 +538,16 @@ def test_stacked_captures_that_disagree_are_not_used(data, monkeypatch):
     est = PathKernelMachine(**RAW, hidden_layer_sizes=(6,), max_iter=3, batch_size=5,
                             dtype="float64", random_state=0, **SOLVERS["adam-l2"])
     est.fit(X_train, y)
-    derivative = interpolation._stacked_derivative
+    from skpathkernel._tangent import _stacked
+
+    derivative = _stacked._derivative
 
     def wrong(act, z):
         h, d = derivative(act, z)
         return h, 1.01 * d
 
-    monkeypatch.setattr(interpolation, "_stacked_derivative", wrong)
+    # The stacked forward's derivative (shared with the Gram blocks, unused here).
+    monkeypatch.setattr(_stacked, "_derivative", wrong)
     used = []
     monkeypatch.setattr(interpolation._StackedCapture, "backward",
                         lambda self, *args, _b=interpolation._StackedCapture.backward:

@@ -510,3 +510,44 @@ def test_every_estimator_in_reproduce_passes_its_training_parameters(monkeypatch
         PathKernelClassifier().fit(*make_circle(n_samples=10, random_state=0))
     rows, _ = run_sections(out=str(tmp_path), quick=True, device="cpu", figures=["3"])
     assert os.path.exists(rows)
+
+
+def test_stochastic_verdict_is_on_the_first_seeds_and_a_followup_never_replaces_it(monkeypatch):
+    # The verdict's setting is the first chosen (the paper states no seeds): its seeds
+    # here scale as B^-1.5 (off the prediction, the claim fails); the follow-up's extra
+    # seeds pull the mean over all of them onto the prediction. The verdict must stay
+    # FAIL, the follow-up a separate, labelled row without a verdict of its own.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs, batches, first, more = (0.2, 0.1, 0.05, 0.025), (2, 4, 8, 16), 6, 24
+    B = np.array(batches, float)
+    target = st.noise_scale(0.1, B, st.N_TRAIN) ** 2  # the predicted mean square
+    a = 0.5 * target[0] * (B / B[0]) ** -3.0  # first seeds: RMS rate -1.5
+    b = (more * target - first * a) / (more - first)  # all seeds: mean on the prediction
+    assert np.all(b > 0)
+
+    def fake_sweep(path, task, lrs_, batches_, seeds, *, batch_seeds=None, n_jobs=1):
+        n = batch_seeds or seeds
+        lr_ms = st.noise_scale(np.array(lrs_), batches_[len(batches_) // 2], st.N_TRAIN) ** 2
+        batch = np.column_stack([a] * first + [b] * (n - first))[:, :n]
+        return ({"lr": np.repeat(lr_ms[:, None], seeds, axis=1), "batch": batch},
+                batches_[len(batches_) // 2], lrs_[len(lrs_) // 2])
+
+    monkeypatch.setattr(st, "gap_sweep", fake_sweep)
+    cfg = dict(seeds=first, followup_seeds={"regression": more}, lrs=lrs, batches=batches)
+    fig, axes = plt.subplots(1, 2)
+    rows = st._gap_part("regression", cfg, axes, [], lambda what: None)
+    plt.close(fig)
+    verdict, followup, reshuffled = rows
+    rate, se = st.fit_rate_se(B, np.column_stack([a] * first))
+    assert rate == pytest.approx(-1.5) and verdict.passed is False
+    assert "follow-up" not in verdict.claim
+    assert f"{first} seeds per point" in verdict.measured
+    assert followup.passed is None and followup.claim.startswith(f"follow-up with {more} seeds")
+    assert "does not replace" in followup.claim
+    all_rate = st.fit_rate(B, np.sqrt(target))
+    assert f"predicted {all_rate:.2f}" in followup.measured and "within" in followup.measured
+    assert reshuffled.passed is None

@@ -8,6 +8,7 @@ behind the claims are checked against independent references.
 
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -551,3 +552,54 @@ def test_stochastic_verdict_is_on_the_first_seeds_and_a_followup_never_replaces_
     all_rate = st.fit_rate(B, np.sqrt(target))
     assert f"predicted {all_rate:.2f}" in followup.measured and "within" in followup.measured
     assert reshuffled.passed is None
+
+
+def test_fig10_verdicts_are_on_the_first_setting_and_followups_never_replace_them(
+        tmp_path, monkeypatch):
+    # The verdict rows read the networks of the setting first chosen (figures 1 and 9's
+    # circle fits); the ReLU + squared-error networks only fill labelled follow-up rows
+    # without a verdict. Two sets of networks with different kernels tell them apart.
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu")
+    X, y, _, _ = _common.circle_data(ctx)
+    solvers = {"sgd": dict(solver="sgd"), "sgd+momentum": dict(solver="sgd", momentum=0.9),
+               "adam": dict(solver="adam"), "rmsprop": dict(solver="rmsprop")}
+
+    def frozen(seed, **kw):
+        return {n: PathKernelClassifier(hidden_layer_sizes=(16, 16), learning_rate_init=1e-9,
+                                        batch_size=None, max_iter=2, tol=None,
+                                        random_state=seed + i, **solvers[n], **kw).fit(X, y)
+                for i, n in enumerate(_fig10.OPTIMIZERS)}
+
+    first, later = frozen(0), frozen(10, activation="relu")
+    monkeypatch.setattr(_fig10, "circle_fits", lambda ctx, names: first)
+    monkeypatch.setattr(_fig10, "_row_fits", lambda ctx, n_points: later)
+    rows = _fig10.figure10_section(ctx)
+    assert len(rows) == 4
+
+    def plain_ends(fits):
+        out = []
+        for name, est in fits.items():
+            J = jacobian_loop(module_at(est, -1), np.vstack([_fig10.X0, _fig10.YS]))[:, 0]
+            J = J.numpy()
+            K = J[1:] @ J[0] / (np.linalg.norm(J[1:], axis=1) * np.linalg.norm(J[0]))
+            out.append((name, K))  # K_hat(x0, YS)
+        return out
+
+    for (weighted, plain), fits, followup in ((rows[:2], first, False),
+                                              (rows[2:], later, True)):
+        ends = plain_ends(fits)
+        for n, K in ends:  # printed to 3 decimals: compare within their rounding
+            got = re.search(rf"(?:^|; ){re.escape(n)} ([-\d.]+) / ([-\d.]+) / ([-\d.]+)",
+                            plain.measured.split("opposite: ")[1])
+            np.testing.assert_allclose([float(v) for v in got.groups()], K[1:], atol=1.5e-3)
+        if followup:
+            assert weighted.passed is None and plain.passed is None
+            assert all(r.claim.startswith("follow-up with ReLU + squared error") for r in
+                       (weighted, plain))
+            assert all("does not replace the verdict" in r.claim for r in (weighted, plain))
+        else:
+            assert plain.passed is all(_fig10.same_high_opposite_low(K) for _, K in ends)
+            assert plain.passed is False and weighted.passed is False  # frozen networks
+            assert "tanh, logistic loss" in plain.measured
+            assert not any("follow-up" in r.claim for r in (weighted, plain))
+            assert weighted.reason and plain.reason

@@ -446,7 +446,7 @@ def test_forward_factors_against_per_point_modules():
                              for n, (s, k) in layout.items())))
         seen = {}
         hooks = [module[i].register_forward_hook(
-            lambda m, a, o, i=i: seen.__setitem__(i, (a[0], o))) for i in range(5)]
+            lambda m, a, o, i=i, seen=seen: seen.__setitem__(i, (a[0], o))) for i in range(5)]
         try:
             ref = functional_call(module, p, (x,))
         finally:

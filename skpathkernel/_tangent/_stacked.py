@@ -62,9 +62,19 @@ product is spread over the ``C (C + 1) / 2`` upper entries by one GEMM over the 
 entries, :func:`_mixed_rank1`): ``2 N M p (q + C (C + 1) / 2)`` FLOPs where the trace
 needs ``2 N M p (q + 1)``. Other layers keep their ``C`` backprops: ``"rank1"`` without
 a preconditioner and ``"units"`` with one (:func:`_units_full`, ``2 N M C^2`` FLOPs per
-unit). The ``(N, M, C, C)`` float64 result itself (52 MB at N = 256, C = 10) costs
-about as much to allocate and fill as the SGD trace at that size; a symmetric one's
-panels are mirrored as they are added.
+unit). A symmetric one's panels are mirrored as they are added. With one hidden layer
+and no preconditioner (SGD) every block is symmetric in the outputs and the layers'
+terms are written together tile by tile (:func:`_tiles_full`): the ``C (C + 1) / 2``
+entries of a tile summed over the points in cache, then ``K`` written once, both
+triangles, with no zero fill and no pass that adds panels or mirrors them.
+
+What the full blocks cost against the trace, with SGD and one hidden layer: the
+trace's layer below the output has one backprop, ``2 N M (q + p)`` FLOPs, where the
+blocks need ``2 N M (q + p C (C + 1) / 2)``; with the output layer (``2 N M q`` each)
+that is about 19 times the trace's FLOPs for the 64-64-10 classifier, more than ``C``,
+so at large ``N`` (where both are GEMM-bound) the blocks take more than ``C`` traces.
+Writing the ``(N, M, C, C)`` float64 result (52 MB at N = 256, C = 10; 4 ms at
+13 GB/s, 6-7 ms with the page faults of fresh memory) is about one trace at N = 256.
 """
 
 from __future__ import annotations
@@ -485,13 +495,14 @@ def _mixed_rank1(out, fx, fy, mix, w, scratch: _Scratch) -> None:
 
 def _tiles_full(K, sides: _Sides, routes, w, symmetric: bool, first: bool, tile: int,
                 scratch: _Scratch) -> None:
-    """The ``C x C`` blocks of an unweighted network whose layers are all ``"mixed"`` or
+    """The ``C x C`` blocks of an unweighted network whose routes are ``"mixed"`` and
     ``"onehot"`` (one hidden layer), written into ``K`` (float64 ``(n, m, C, C)``) tile
-    by tile: ``K[I, J] = `` the block's sum (``first``) or ``+=`` it.
+    by tile: ``K[I, J] = `` the block of points' sum (``first``) or ``+=`` it.
 
     Each block is symmetric in the outputs: the ``R = C (C + 1) / 2`` entries of its
     upper triangle (``sides.mix``'s order, the diagonal last) are summed over the points
-    in a float32 tile ``acc[i, j, r]`` that stays in cache, and written to ``K`` once,
+    in a tile ``acc[i, j, r]`` of the computation's dtype that stays in cache (about
+    1 MB at 64 x 64 tiles and C = 10), and written to ``K`` once,
     spread over the ``C^2`` entries. Per point, the "mixed" layer's entries
     ``sum_o m_io m_jo mix_ro`` are one GEMM, ``m_I (t x p)`` times ``Y_J (p x t R)`` with
     ``Y[o, j, r] = m_jo w_b mix_ro`` (pair-major, as ``K`` is laid out), times the
@@ -817,7 +828,13 @@ def stacked_path_sum(
     # Per point: its parameters and D, both sides' factors, the panel's products (the
     # "units" route's chunk is bounded separately, below) and the formed gradients.
     c2 = C * C if full else 1
+    # One hidden layer without a preconditioner: every block symmetric in the outputs,
+    # written tile by tile (:func:`_tiles_full`; no zero fill, no panel to add, no
+    # mirror pass). Per point it keeps a column tile's Y, (p, tile, C (C + 1) / 2).
+    tiles = gram and full and not weighted and routes == ["mixed", "onehot"]
     per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc * c2)
+    if tiles:
+        per_point += itemsize * mlp.linears[0].d_out * _TILE * C * (C + 1) // 2
     formed = itemsize * (n + m) * sum(
         c * lin.d_out * (lin.d_in + (lin.bias is not None))
         for lin, c, route in zip(mlp.linears, _outputs_per_layer(mlp, C), routes)
@@ -844,9 +861,6 @@ def stacked_path_sum(
     chunks = (chunk, max(1, min(_FULL_CHUNK,
                                 memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C))))
     K = result = None
-    # One hidden layer without a preconditioner: every block symmetric in the outputs,
-    # written tile by tile (no zero fill, no panel to add, no mirror pass).
-    tiles = gram and full and not weighted and routes == ["mixed", "onehot"]
     if gram and full:
         result = large_tensor((n, m, C, C), torch.float64, X.device, zero=not tiles)
         # Written as (n, C, m, C): the panels' layout.

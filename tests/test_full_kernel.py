@@ -229,13 +229,13 @@ def test_float32_network_full_blocks():
 @pytest.mark.parametrize("budget", [2**30, 2**17])
 def test_one_hidden_layer_sgd_full_by_tiles(kind, momentum, budget, monkeypatch):
     # One hidden layer and SGD: the blocks are written tile by tile (_tiles_full). Tiles
-    # of 4 rows cut 13 samples raggedly; 128 kB sum the 12 points in blocks of 2 to 5,
-    # each added to the tiles the first one wrote.
+    # of 5 rows cut 13 samples raggedly (diagonal tiles split 3 + 2 and 2 + 1); 128 kB
+    # sum the 12 points in blocks of 2 to 5, each added to the tiles the first one wrote.
     X, y = _data(kind)
     cls = PathKernelMachine if kind == "mlp" else PathKernelClassifier
     est = cls(hidden_layer_sizes=(6,), solver="sgd", momentum=momentum, max_iter=4,
               batch_size=5, tol=None, learning_rate_init=0.05, **F64).fit(X, y)
-    monkeypatch.setattr(stacked_module, "_TILE", 4)
+    monkeypatch.setattr(stacked_module, "_TILE", 5)
     calls = []
     original = stacked_module._tiles_full
 

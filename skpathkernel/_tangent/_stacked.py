@@ -507,9 +507,10 @@ def _tiles_full(K, sides: _Sides, routes, w, symmetric: bool, first: bool, tile:
     ``sum_o m_io m_jo mix_ro`` are one GEMM, ``m_I (t x p)`` times ``Y_J (p x t R)`` with
     ``Y[o, j, r] = m_jo w_b mix_ro`` (pair-major, as ``K`` is laid out), times the
     inputs' Gram ``A_I A_J^T``; the one-hot output layer adds ``sum_b w_b A_I A_J^T`` to
-    the diagonal entries. A symmetric ``K(X, X)`` computes the tiles ``J >= I`` and
-    writes ``K[J, I] = K[I, J]`` (each block symmetric), its diagonal tiles symmetrised
-    exactly. The pass over ``K`` is the only one: no zero fill and no mirror pass.
+    the diagonal entries. A symmetric ``K(X, X)`` computes the tiles ``J >= I``
+    (:func:`_tile_pieces`) and writes ``K[J, I] = K[I, J]`` (each block symmetric), the
+    squares on its diagonal symmetrised exactly. That is the only pass over ``K``: no
+    zero fill and no mirror pass.
     """
     n, m = K.shape[:2]
     C = len(sides.sel)
@@ -535,35 +536,53 @@ def _tiles_full(K, sides: _Sides, routes, w, symmetric: bool, first: bool, tile:
         j1 = min(j0 + tile, m)
         tj = j1 - j0
         # Y of the column tile at every point, shared by its row tiles (B p t R numbers,
-        # fewer than the panels' products the budget counts per point).
+        # counted in the block's budget).
         Y = scratch.get("Y", (B, p, tj, R), ax.dtype)
         torch.mul(myt[:, :, j0:j1, None], mixw[:, :, None, :], out=Y)
-        for i0 in range(0, min(n, j1) if symmetric else n, tile):
-            i1 = min(i0 + tile, n)
-            ti = i1 - i0
-            acc = scratch.get("acc", (ti, tj, R), ax.dtype)
-            T = scratch.get("T", (ti, tj * R), ax.dtype)
+        for i0, i1, c0, c1 in _tile_pieces(j0, j1, n, tile, symmetric):
+            ti, tc = i1 - i0, c1 - c0
+            acc = scratch.get("acc", (ti, tc, R), ax.dtype)
+            T = scratch.get("T", (ti, tc * R), ax.dtype)
             for b in range(B):
-                torch.mm(mx[b, i0:i1], Y[b].view(p, tj * R), out=T)
-                Ga = torch.mm(a_x[b, i0:i1], a_y[b, j0:j1].T)
+                torch.mm(mx[b, i0:i1], Y[b, :, c0 - j0 : c1 - j0].reshape(p, tc * R), out=T)
+                Ga = torch.mm(a_x[b, i0:i1], a_y[b, c0:c1].T)
                 if b == 0:
-                    torch.mul(T.view(ti, tj, R), Ga[:, :, None], out=acc)
+                    torch.mul(T.view(ti, tc, R), Ga[:, :, None], out=acc)
                 else:
-                    acc.addcmul_(T.view(ti, tj, R), Ga[:, :, None])
-            acc[:, :, R - C :] += torch.mm(xs[i0:i1], ys[j0:j1].T)[:, :, None]
-            if symmetric and i0 == j0:
-                acc.copy_(0.5 * (acc + acc.transpose(0, 1)))
+                    acc.addcmul_(T.view(ti, tc, R), Ga[:, :, None])
+            acc[:, :, R - C :] += torch.mm(xs[i0:i1], ys[c0:c1].T)[:, :, None]
+            if symmetric and i0 == c0:
+                # The square on the diagonal, symmetrised exactly.
+                square = acc[:, :ti]
+                square.copy_(0.5 * (square + square.transpose(0, 1)))
             # (A 2-D index_select: about five times faster than one along dim 2.)
-            vals = acc.view(ti * tj, R).index_select(1, where).view(ti, tj, C * C)
-            if first:
-                flat[i0:i1, j0:j1] = vals
-            else:
-                flat[i0:i1, j0:j1] += vals
-            if symmetric and i0 != j0:
-                if first:
-                    flat[j0:j1, i0:i1] = vals.transpose(0, 1)
-                else:
-                    flat[j0:j1, i0:i1] += vals.transpose(0, 1)
+            vals = acc.view(ti * tc, R).index_select(1, where).view(ti, tc, C * C)
+            _put(flat[i0:i1, c0:c1], vals, first)
+            # Below the diagonal: K[j, i] = K[i, j], each block being symmetric.
+            skip = max(i1 - c0, 0) if symmetric else tc
+            if skip < tc:
+                _put(flat[c0 + skip : c1, i0:i1], vals[:, skip:].transpose(0, 1), first)
+
+
+def _tile_pieces(j0: int, j1: int, n: int, tile: int, symmetric: bool):
+    """(rows, columns) ``(i0, i1, c0, c1)`` of the tiles of column tile ``[j0, j1)``.
+
+    A symmetric Gram takes the tiles above the diagonal, and its diagonal tile as its
+    upper rows across the tile and the square below them on the diagonal: 3/4 of that
+    tile (N t / 4 entries past the upper triangle instead of N t / 2).
+    """
+    if not symmetric:
+        return [(i0, min(i0 + tile, n), j0, j1) for i0 in range(0, n, tile)]
+    pieces = [(i0, i0 + tile, j0, j1) for i0 in range(0, j0, tile)]
+    h = j0 + (j1 - j0 + 1) // 2
+    return pieces + ([(j0, h, j0, j1), (h, j1, h, j1)] if h < j1 else [(j0, j1, j0, j1)])
+
+
+def _put(target: torch.Tensor, values: torch.Tensor, first: bool) -> None:
+    if first:
+        target.copy_(values)
+    else:
+        target.add_(values)
 
 
 def _onehot_full(out, fx, fy, sides: _Sides, li: int, w) -> None:

@@ -763,10 +763,13 @@ class TangentKernel(_NetworkKernel):
     :func:`full_to_matrix` turns it into the ``(n_X * C, n_Y * C)`` matrix of
     multi-output kernel regression, :func:`matrix_to_full` back. It is computed by the
     same structured engine and memory budget as the trace, at about ``C`` times its
-    cost; ``diag(X)`` returns the ``(n_X, C, C)`` blocks ``K[i, i]``. It is not a
-    scalar kernel: ``normalized=True`` is refused, and scikit-learn's kernel methods
-    (``SVC``, ``KernelRidge``, ``GaussianProcessRegressor``, the ``+`` and ``*`` of
-    kernels), which need a 2-D Gram, get a ``ValueError`` when they call it.
+    cost or less (more at large ``n`` for a one-hidden-layer network's path kernel with
+    SGD, whose trace sums the layer below the output over the outputs in one product
+    where the blocks need ``C (C + 1) / 2``); ``diag(X)`` returns the ``(n_X, C, C)``
+    blocks ``K[i, i]``. It is not a scalar kernel: ``normalized=True`` is refused, and
+    scikit-learn's kernel methods (``SVC``, ``KernelRidge``, ``GaussianProcessRegressor``,
+    the ``+`` and ``*`` of kernels), which need a 2-D Gram, get a ``ValueError`` when they
+    call it.
 
     Examples
     --------

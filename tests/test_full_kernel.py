@@ -17,6 +17,7 @@ from sklearn.svm import SVC
 from torch import nn
 
 import skpathkernel._tangent._gram as gram_module
+import skpathkernel._tangent._stacked as stacked_module
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel.kernels import (
     PathKernel,
@@ -243,3 +244,50 @@ def test_scikit_learn_consumers_are_found_past_a_subclass_override():
     J = jacobian_loop(module_at(est), X).numpy()
     _close(full_to_matrix(kernel(X)), J.reshape(-1, J.shape[2]) @ J.reshape(-1, J.shape[2]).T)
     _close(kernel.diag(X), np.einsum("ncp,ndp->ncd", J, J))
+
+
+@pytest.mark.parametrize("kind", ["classifier", "mlp"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("budget", [2**30, 2**17])
+def test_one_hidden_layer_sgd_full_by_tiles(kind, momentum, budget, monkeypatch):
+    # One hidden layer and SGD: the blocks are written tile by tile (_tiles_full). Tiles
+    # of 5 rows cut 13 samples raggedly (diagonal tiles split 3 + 2 and 2 + 1); 128 kB
+    # sum the 12 points in blocks of 2 to 5, each added to the tiles the first one wrote.
+    X, y = _data(kind)
+    cls = PathKernelMachine if kind == "mlp" else PathKernelClassifier
+    est = cls(hidden_layer_sizes=(6,), solver="sgd", momentum=momentum, max_iter=4,
+              batch_size=5, tol=None, learning_rate_init=0.05, **F64).fit(X, y)
+    monkeypatch.setattr(stacked_module, "_TILE", 5)
+    calls = []
+    original = stacked_module._tiles_full
+
+    def spy(K, sides, *args):
+        calls.append(sides.fx[0][0].shape[0])  # the block's points
+        return original(K, sides, *args)
+
+    monkeypatch.setattr(stacked_module, "_tiles_full", spy)
+    net = copy.copy(est.network_)
+    net.memory_budget = budget
+    kernel = PathKernel(net, output="full")
+    Y = X[:6] + 0.3
+    K = kernel(X)
+    _close(K, _path_reference(est, X, X))
+    # Each block symmetric in the outputs and K(X, X) symmetric, exactly.
+    np.testing.assert_array_equal(K, K.transpose(1, 0, 3, 2))
+    np.testing.assert_array_equal(K, K.transpose(0, 1, 3, 2))
+    _close(kernel(X, Y), _path_reference(est, X, Y))
+    _close(kernel(Y, X), _path_reference(est, Y, X))
+    n_points = len(path_weights(est.trajectory_))
+    assert sum(calls) == 3 * n_points
+    assert (len(calls) > 3) == (budget < 2**30)  # several blocks of points, or one
+
+
+def test_float32_one_hidden_layer_sgd_path_full():
+    # The tiles sum a block's points in float32 and write float64: float32 precision.
+    X, y = _data("classifier", n=70)
+    est = PathKernelClassifier(hidden_layer_sizes=(9,), solver="sgd", max_iter=3, tol=None,
+                               batch_size=32, dtype="float32", device="cpu",
+                               random_state=0).fit(X, y)
+    K = PathKernel(est, output="full")(X)
+    assert K.dtype == np.float64
+    _close(K, _path_reference(est, X, X), 1e-5)

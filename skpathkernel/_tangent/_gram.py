@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .._memory import rows_per_block
+from .._memory import large_tensor, rows_per_block
 from ._capture import (
     Capture,
     _numerical_misfits,
@@ -662,10 +662,10 @@ def tangent_gram(
         K = result = torch.empty((n, m), dtype=out_dtype, device=X.device)
     elif blocks_last:
         # The engine fills (n, C, m, C) views: a permuted view of the (n, m, C, C) result.
-        result = torch.empty((n, m, n_out, n_out), dtype=out_dtype, device=X.device)
+        result = large_tensor((n, m, n_out, n_out), out_dtype, X.device)
         K = result.permute(0, 2, 1, 3)
     else:
-        K = result = torch.empty((n, n_out, m, n_out), dtype=out_dtype, device=X.device)
+        K = result = large_tensor((n, n_out, m, n_out), out_dtype, X.device)
     panels = None if out_dtype == dtype else _Panels(dtype, X.device)
     _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels)
     return result

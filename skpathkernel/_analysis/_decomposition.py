@@ -56,6 +56,13 @@ captures were about a sixth of ``attribute``'s time with Adam and half with SGD
 of later steps are not stacked with them: how many a step takes depends on the residuals
 of the steps after it.
 
+Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
+``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
+joblib worker, cut at chunk boundaries, takes the serial call's nodes and gives its
+numbers. The chunks of a query block walk the steps together: a step's batch capture,
+float64 directions and node parameters are made once for all of them, and in float64
+the chunks that try the same node count are captured in one pass.
+
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
 linear in the output's seed; the dense route forms ``d(w_q . f) / dtheta`` from them), so
@@ -220,7 +227,7 @@ def check_tol(tol) -> None:
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gauss(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Gauss-Legendre nodes and weights on [0, 1] (asked for at every step of every
     chunk of queries: computed once)."""
@@ -772,9 +779,13 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 return q, spread, nodes, list(w)
 
             # Consecutive chunks that try the same count first (most, on a smooth path)
-            # are captured together: one pass, the arithmetic of a whole block.
+            # are captured together: one pass, the arithmetic of a whole block. Not in
+            # float32: a row's float32 GEMMs round differently in a pass of more rows
+            # (measured 1e-8 relative in the sums), and a block on a worker must give
+            # the serial call's numbers.
+            together = traj.dtype == torch.float64
             tried = {}
-            for group in _runs(parts, lambda c: c.quad.start()):
+            for group in _runs(parts, (lambda c: c.quad.start()) if together else id):
                 n = group[0].quad.start()
                 at = slice(group[0].local.start, group[-1].local.stop)
                 q, spread, nodes, w = run(n, Xq[at], None if ctx.weights is None
@@ -786,7 +797,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     tried[c] = (n, (q[:, i], spread[i], [_rows_of(t, i) for t in nodes]),
                                 whole)
 
-            def evaluate(n, c):
+            def evaluate(n, c, tried=tried):
                 c.run = None
                 if tried[c][0] == n:
                     (q, spread, nodes), c.run = tried[c][1], tried[c][2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import shutil
 import threading
 import warnings
@@ -778,15 +779,17 @@ class Trajectory:
     def _shared(self) -> Trajectory:
         """A copy of this in-memory path that pickles as the name of a directory of
         its arrays (:func:`~skpathkernel._path._storage.share_arrays`), written at the
-        first call and kept while the path's arrays stay the same objects."""
-        key = (id(self._params), tuple(self._params.shape),
-               tuple((k, id(v)) for k, v in self._states.items()))
-        kept = self.__dict__.get("_shared_copy")
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        first call and kept while the path's vectors stay the same objects and the rest
+        (step sizes, batches: public arrays, changed in place by some) pickles the same."""
         state = self.__getstate__()
         arrays = {"params": state.pop("_params"),
                   **{"state-" + k: v for k, v in state.pop("_states").items()}}
+        key = (id(self._params), tuple(self._params.shape),
+               tuple((k, id(v)) for k, v in self._states.items()),
+               pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+        kept = self.__dict__.get("_shared_copy")
+        if kept is not None and kept[0] == key:
+            return kept[1]
         directory = share_arrays(arrays, state)
         out = copy.copy(self)
         out.__dict__["_shared_directory"] = directory

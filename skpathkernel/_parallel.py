@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 
-__all__ = ["dask_worker_threads", "limit_torch_threads", "map_calls", "map_ranges",
-           "map_row_blocks", "n_row_blocks", "n_tasks"]
+__all__ = ["dask_worker_threads", "limit_torch_threads", "local_processes", "map_calls",
+           "map_ranges", "map_row_blocks", "n_row_blocks", "n_tasks"]
 
 
 @contextlib.contextmanager
@@ -53,9 +53,12 @@ def map_calls(func, n_jobs, calls: list) -> list:
     return Parallel(n_jobs=n_jobs)(delayed(_run)(func, len(calls), call) for call in calls)
 
 
-def _ranges(n_tasks: int, n_items: int) -> list[tuple[int, int]]:
-    """``range(n_items)`` cut into ``n_tasks`` contiguous ``(start, stop)`` ranges."""
-    bounds = np.linspace(0, n_items, n_tasks + 1).astype(int)
+def _ranges(n_tasks: int, n_items: int, align: int = 1) -> list[tuple[int, int]]:
+    """``range(n_items)`` cut into at most ``n_tasks`` contiguous ``(start, stop)``
+    ranges, each starting at a multiple of ``align``."""
+    n_units = -(-n_items // align)
+    bounds = np.minimum(np.linspace(0, n_units, min(n_tasks, n_units) + 1).astype(int)
+                        * align, n_items)
     return [(int(start), int(stop)) for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
@@ -86,17 +89,27 @@ def map_ranges(func, n_items: int, n_jobs, *args) -> list:
                                    in _ranges(n_tasks(n_jobs, n_items), n_items)])
 
 
-def map_row_blocks(func, X, n_jobs, *args) -> list:
+def map_row_blocks(func, X, n_jobs, *args, align: int = 1) -> list:
     """``[func(X[rows], *args) for rows in blocks]`` through joblib, in row order.
 
     One contiguous block per joblib worker (``effective_n_jobs(n_jobs)``, at most one per
-    row). With a single worker ``func(X, *args)`` runs here, unchanged.
+    row), each starting at a multiple of ``align`` rows. With a single worker
+    ``func(X, *args)`` runs here, unchanged.
     """
     n_tasks = n_row_blocks(n_jobs, X)
     # The blocks are sliced here: each task pickles its own rows, not the whole X.
     calls = ([(X, *args)] if n_tasks == 1 else
-             [(X[start:stop], *args) for start, stop in _ranges(n_tasks, X.shape[0])])
+             [(X[start:stop], *args) for start, stop in _ranges(n_tasks, X.shape[0],
+                                                                align)])
     return map_calls(func, n_jobs, calls)
+
+
+def local_processes() -> bool:
+    """Whether joblib's active backend runs tasks in processes of this machine (loky,
+    multiprocessing): their arguments can name files here instead of carrying them."""
+    from joblib.parallel import LokyBackend, MultiprocessingBackend, get_active_backend
+
+    return isinstance(get_active_backend()[0], (LokyBackend, MultiprocessingBackend))
 
 
 def dask_worker_threads() -> int | None:

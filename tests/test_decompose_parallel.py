@@ -1,7 +1,8 @@
 """decompose / attribute with n_jobs: query blocks on joblib workers equal the serial call.
 
-The reference is the serial call itself; each block chooses its quadrature nodes for
-``tol`` on its own, so the results agree to ``tol`` (1e-12 relative in float64), and the
+The reference is the serial call itself; the quadrature nodes are chosen per chunk of
+queries and the blocks are cut at chunk boundaries, so the blocks take the serial call's
+nodes and agree with it to round-off (1e-12 relative, float32 paths included), and the
 warnings judge the joined result in the calling process.
 """
 
@@ -272,3 +273,38 @@ def test_step_cuts_are_the_cheapest_under_the_model(case, request):
     assert [r[0] for r in three[1:]] == [r[1] for r in three[:-1]] and len(three) == 3
     # Many queries: their captures at every node dominate, the queries are split.
     assert step_ranges(traj, "exact", "realized", 200, 2) is None
+
+
+@pytest.fixture(scope="module")
+def adam32_fitted():
+    """A float32 Adam path (query blocks: the adjoint runs through every step) whose
+    queries need different node counts at some steps."""
+    rng = np.random.RandomState(3)
+    X = rng.uniform(-1, 1, size=(80, 3))
+    y = np.sin(3 * X[:, 0]) + X[:, 1] * X[:, 2]
+    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="adam", batch_size=20,
+                            learning_rate_init=0.05, max_iter=3, tol=None, dtype="float32",
+                            random_state=0).fit(X, y)
+    return est, rng.uniform(-2, 2, size=(40, 3))
+
+
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+def test_float32_query_blocks_give_the_serial_numbers(adam32_fitted, backend):
+    """Each chunk of queries chooses its nodes from its own residuals, and the blocks
+    are cut at chunk boundaries: a float32 path's blocks give the serial call's nodes
+    and numbers to 1e-12 relative (a block that chose from its own queries moved them
+    by its quadrature's error, about 1e-8 here), with the serial call's checks."""
+    from skpathkernel._analysis._decomposition import node_chunk
+
+    est, Xq = adam32_fitted
+    serial = est.decompose(Xq)
+    # Chunks that chose differently: a choice from all the queries would differ too.
+    assert node_chunk(len(Xq)) < len(Xq) // 2
+    with joblib.parallel_config(backend=backend):
+        par = est.decompose(Xq, n_jobs=2)
+    _same(par, serial)
+    assert np.array_equal(par.n_nodes, serial.n_nodes)
+    assert_allclose(par.step_errors, serial.step_errors, rtol=1e-12, atol=0)
+    # Against the independent reference of the decomposition: the prediction.
+    size = np.abs(serial.prediction).max()
+    assert np.abs(par.reconstruction - par.prediction).max() <= 1e-5 * size

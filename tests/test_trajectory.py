@@ -110,3 +110,50 @@ def test_scalar_parameters_round_trip():
             opt.step()
     state = rec.trajectory.state_dict(-1)
     assert state["gain"].shape == () and float(state["gain"]) == float(module.gain)
+
+
+def test_in_memory_path_for_worker_processes_travels_by_reference(regression_data):
+    """for_workers(by_reference=True): the pickle names a directory of the arrays, not
+    the arrays; every unpickling in a process gives one mapped trajectory equal to the
+    original (compared with the pickled copy by value); the directory is written once
+    while the path is unchanged, again when a public array changes, and removed with
+    the original; a process that cannot read it gets an error naming it."""
+    import gc
+    import os
+
+    from skpathkernel._path import _storage
+    from skpathkernel._path._trajectory import _open_shared_trajectory
+
+    X, y = regression_data
+    traj = PathKernelMachine(hidden_layer_sizes=(64,), solver="adam", max_iter=4,
+                             tol=None, random_state=0).fit(X, y).trajectory_
+    by_value = pickle.dumps(traj)
+    shared = traj.for_workers(by_reference=True)
+    directory = shared.__dict__["_shared_directory"]
+    assert traj.for_workers(by_reference=True) is shared
+    assert traj.for_workers() is traj  # by value unless asked
+    sent = pickle.dumps(shared)
+    assert len(sent) < 1000 < len(by_value) // 10
+    _storage._shared_opened.clear()  # as in a fresh worker
+    got, again = pickle.loads(sent), pickle.loads(sent)
+    assert got is again
+    _assert_same(got, pickle.loads(by_value))
+    for k in range(len(traj)):
+        assert torch.equal(got.parameters(k), traj.parameters(k))
+    for k in range(len(traj) - 1):  # the states of the points a step leaves
+        assert torch.equal(got.optimizer_state(k)["exp_avg_sq"],
+                           traj.optimizer_state(k)["exp_avg_sq"])
+    # A public array changed in place: a new directory with the new values.
+    traj.learning_rates *= 2
+    changed = traj.for_workers(by_reference=True)
+    assert changed is not shared
+    assert_array_equal(pickle.loads(pickle.dumps(changed)).learning_rates,
+                       traj.learning_rates)
+    new_directory = changed.__dict__["_shared_directory"]
+    assert not os.path.exists(directory)  # the replaced one is gone
+    del traj, shared, changed, got, again
+    _storage._shared_opened.clear()
+    gc.collect()
+    assert not os.path.exists(new_directory)
+    with pytest.raises(OSError, match="not readable here"):
+        _open_shared_trajectory(new_directory)

@@ -56,6 +56,13 @@ captures were about a sixth of ``attribute``'s time with Adam and half with SGD
 of later steps are not stacked with them: how many a step takes depends on the residuals
 of the steps after it.
 
+Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
+``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
+joblib worker, cut at chunk boundaries, takes the serial call's nodes and gives its
+numbers. The chunks of a query block walk the steps together: a step's batch capture,
+float64 directions and node parameters are made once for all of them, and in float64
+the chunks that try the same node count are captured in one pass.
+
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
 linear in the output's seed; the dense route forms ``d(w_q . f) / dtheta`` from them), so
@@ -79,6 +86,7 @@ takes one node more and stops. A step that reaches neither within ``MAX_NODES`` 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import numbers
 import warnings
@@ -104,12 +112,12 @@ from .._tangent import (
     stacked_mlp,
     tangent_features,
 )
-from .._tangent._pairs import Flat
+from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import forward_factors
 from .._warnings import caller_stacklevel
 
 __all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge",
-           "merge_steps", "replays", "step_ranges"]
+           "merge_steps", "node_chunk", "replays", "step_ranges"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -139,6 +147,11 @@ NODES_GUESS = 2
 # 8.75 ms a step for 10 queries against 2.25 ms for a batch of 64 on the 64-512-512-1
 # MLP in float32 (per-step overheads dominate at few queries).
 REPLAY_ROWS = 25
+# The most queries whose nodes are chosen together (see node_chunk): the node count of
+# a step is chosen from the residuals of one chunk of queries, the same whether the
+# call gets all the queries or a block of them on a worker (blocks are cut at multiples
+# of the chunk), so that the blocks give the serial call's numbers.
+NODE_CHUNK = 32
 
 
 @dataclass
@@ -212,9 +225,12 @@ def check_tol(tol) -> None:
         )
 
 
-def _gauss(n: int) -> tuple[np.ndarray, np.ndarray]:
+@functools.cache
+def _gauss(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Gauss-Legendre nodes and weights on [0, 1] (asked for at every step of every
+    chunk of queries: computed once)."""
     s, w = np.polynomial.legendre.leggauss(n)
-    return (s + 1.0) / 2.0, w / 2.0
+    return tuple(((s + 1.0) / 2.0).tolist()), tuple((w / 2.0).tolist())
 
 
 def _params(traj: Trajectory, flat: torch.Tensor):
@@ -234,8 +250,10 @@ class _Reroute(Exception):
 class _Quadrature:
     """Chooses the Gauss-Legendre nodes of every step and keeps what they achieved."""
 
-    def __init__(self, n_steps, *, tol, n_nodes, changes, scale, dtype):
+    def __init__(self, n_steps, *, tol, n_nodes, changes, scale, dtype, f=None):
         self.fixed = n_nodes
+        self.f = f  # the reference f of the queries at every point
+        self.scale = scale  # the largest |f| along the path
         self.eps = float(torch.finfo(dtype).eps)
         self.tol = tol
         total = float(changes.sum())
@@ -264,18 +282,8 @@ class _Quadrature:
             self._record(t, self.fixed, _residual(q, df))
             return payload
         budget = self.budgets[t]
-        # Steps that stopped converging (a non-smooth activation: kinks on the segment)
-        # cap the others at NONSMOOTH nodes: more would buy little. Steps without a kink
-        # still converge within it, and every step that fails is reported.
-        cap = NONSMOOTH if self._stalls >= 2 else MAX_NODES
-        n = 3 if self._n is None else min(self._n, cap)
-        # Consecutive steps have similar sizes: start where the last one ended, and try
-        # one node less when it had room, or every few steps.
-        if self._n is not None and n > 1 and (self._room or self._since_lower >= 4):
-            n -= 1
-            self._since_lower = 0
-        else:
-            self._since_lower += 1
+        n, cap, lowered = self._start()
+        self._since_lower = 0 if lowered else self._since_lower + 1
         seen, stalled = [], False
         while True:
             q, spread, payload = evaluate(n)
@@ -313,6 +321,21 @@ class _Quadrature:
         self._stalls += bool(stalled)
         self._record(t, n, r)
         return payload
+
+    def start(self) -> int:
+        """The node count the next step tries first."""
+        return self.fixed if self.fixed is not None else self._start()[0]
+
+    def _start(self):
+        # Steps that stopped converging (a non-smooth activation: kinks on the segment)
+        # cap the others at NONSMOOTH nodes: more would buy little. Steps without a kink
+        # still converge within it, and every step that fails is reported.
+        cap = NONSMOOTH if self._stalls >= 2 else MAX_NODES
+        n = 3 if self._n is None else min(self._n, cap)
+        # Consecutive steps have similar sizes: start where the last one ended, and try
+        # one node less when it had room, or every few steps.
+        lowered = self._n is not None and n > 1 and (self._room or self._since_lower >= 4)
+        return n - lowered, cap, lowered
 
     def _record(self, t, n, r):
         self.n_used[t] = max(self.n_used[t], n)
@@ -417,18 +440,29 @@ def _route(traj: Trajectory, method: str) -> str:
     return "adjoint"
 
 
-def _path_changes(traj, ref: _Reference):
+def _path_changes(f, ref: _Reference, rows=slice(None)):
     """Each step's largest |change| and the largest |f| along the path (of the
-    reference's decomposed output)."""
-    changes = np.zeros(len(traj) - 1)
-    prev = ref.out(ref(0))
+    reference's decomposed output), from f at every point (of the queries ``rows``)."""
+    changes = np.zeros(len(f) - 1)
+    prev = ref.out(f[0], rows)
     scale = float(prev.abs().max()) if prev.numel() else 0.0
-    for t in range(len(traj) - 1):
-        cur = ref.out(ref(t + 1))
+    for t in range(len(f) - 1):
+        cur = ref.out(f[t + 1], rows)
         changes[t] = float((cur - prev).abs().max()) if cur.numel() else 0.0
         scale = max(scale, float(cur.abs().max()) if cur.numel() else 0.0)
         prev = cur
     return changes, scale
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def node_chunk(n_queries: int) -> int:
+    """Queries per node choice for a call on ``n_queries`` queries: a power of two, at
+    most ``NODE_CHUNK``, small enough for a few chunks (query blocks on workers are cut
+    at its multiples and pass it on)."""
+    return _pow2_floor(min(NODE_CHUNK, max(4, n_queries // 4)))
 
 
 def _batch_index(traj, t, weighting, N, device):
@@ -497,7 +531,11 @@ class _StackedCapture:
             li -= 1
             layers.append((li, delta.expand(B, *delta.shape[1:])))
             if li:
-                delta = torch.matmul(delta, params[li][0][:, None])
+                # One GEMM per point over all rows: a broadcast matmul against W[:, None]
+                # runs a matrix-vector product per row (measured 10x slower).
+                full = delta.expand(B, *delta.shape[1:])
+                delta = torch.bmm(full.reshape(B, -1, full.shape[-1]), params[li][0]).view(
+                    *full.shape[:-1], -1)
         layers.reverse()
         out = []
         for b in range(B):
@@ -560,6 +598,9 @@ class _Context:
         self.X_train, self.Y_train = X_train, Y_train
         self.weighting, self.budget, self.exclude = weighting, budget, exclude
         self.outputs, self.b_block = outputs, b_block
+        # Each step's batch captures, kept for the next query block (keep_batches) within
+        # a quarter of the memory budget.
+        self.keep_batches, self._kept, self._kept_room = False, {}, budget // 4
         # The queries' side: all outputs, or one (the outputs contracted with weights).
         self.weights = weights
         self.n_res = len(outputs) if weights is None else 1
@@ -610,6 +651,21 @@ class _Context:
 
     def batches(self, t, theta):
         """The step's batch in blocks: (indices, weights, factors, dhat) at theta_t."""
+        kept = self._kept.get(t)
+        if kept is not None:
+            yield from kept
+            return
+        keep = [] if self.keep_batches else None
+        for block in self._batches(t, theta):
+            if keep is not None:
+                keep.append(block)
+            yield block
+        if keep is not None:
+            size = _nbytes(keep)
+            if size <= self._kept_room:
+                self._kept[t], self._kept_room = keep, self._kept_room - size
+
+    def _batches(self, t, theta):
         idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
         w = _sample_weights(self.traj, t, self.weighting, len(self.X_train), self.device)
         params = _params(self.traj, theta)
@@ -630,16 +686,37 @@ class _Context:
             yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
 
 
+def _nbytes(blocks) -> int:
+    """Bytes of the distinct storages under the tensors of ``blocks`` (nested lists,
+    tuples and Flat terms)."""
+    seen, total, todo = set(), 0, [blocks]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, Flat):
+            todo.append(x.delta)
+            todo.extend(a for _, a in x.inputs)
+    return total
+
+
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.float64) for k, v in traj.unflatten(flat).items()}
 
 
 # --------------------------------------------------------------------------- factored
-def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route,
-                    last=True):
+def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     """Contributions (Qb, N, C) and regularization (Qb, C) of one query block.
 
-    ``last``: no query block follows this one (see :func:`_replayed`).
+    ``chunks``: ``[(rows, quad)]``, the block's chunks of queries (slices of the call's
+    queries) with their node choices (None: no choice). The steps are walked once for
+    all of them: a step's batch, its float64 directions and its nodes' parameters are
+    made once and read by every chunk, whose own rows get their own nodes.
     """
     traj, device = ctx.traj, ctx.device
     spec = traj.solver_spec
@@ -650,12 +727,18 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
     n_out = ctx.n_res
     contrib = torch.zeros((n_q, N, n_out), dtype=torch.float64, device=device)
     reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
-    adjoint = None
-    Wq = None if ctx.weights is None else ctx.weights[rows]
     first, stop = ctx.intervals
-    lo, hi = _replayed(ctx, quad, method, last)
+    exact = method == "exact"
+    parts = []
+    for c_rows, quad in chunks:
+        local = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
+        parts.append(_Chunk(c_rows, local, quad, Xq[local],
+                            None if ctx.weights is None else ctx.weights[c_rows]))
+    lo, hi = _replayed(ctx, chunks[0][1], method)
     nxt = traj.parameters(hi).to(device)
-    f_next = ctx.ref(hi, rows) if method == "exact" else None
+    if exact:
+        for c in parts:
+            c.f_next = c.quad.f[hi]
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
@@ -666,33 +749,68 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
         # Plain SGD's L2 share is lambda_t . wd theta_t = -lr_t rho_t . wd theta_t.
         along = wd and (decoupled or route == "factor")
-        if method == "exact":
-            f_t = ctx.ref(j, rows)
+        if exact:
             # The exact difference of the two recorded points (exact in float64).
             d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
-            dirs = (d64, theta64) if along else (d64,)
+            dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
+            points = {}  # the nodes' parameters by node count, for every chunk
 
-            def evaluate(n, theta=theta, delta=delta, dirs=dirs):
+            def run(n, X, W, theta=theta, delta=delta, dirs=dirs, points=points):
                 s, w = _gauss(n)
-                nodes = ctx.capture_nodes([theta + float(sk) * delta for sk in s], Xq, Wq)
-                w = [float(wk) for wk in w]
-                q, spread = directional(nodes, w, *dirs)
+                if n not in points:
+                    points[n] = [theta + sk * delta for sk in s]
+                nodes = ctx.capture_nodes(points[n], X, W)
+                q, spread = directional(nodes, w, prepared=dirs)
+                return q, spread, nodes, list(w)
+
+            # Consecutive chunks that try the same count first (most, on a smooth path)
+            # are captured together: one pass, the arithmetic of a whole block. Not in
+            # float32: a row's float32 GEMMs round differently in a pass of more rows
+            # (measured 1e-8 relative in the sums), and a block on a worker must give
+            # the serial call's numbers.
+            together = traj.dtype == torch.float64
+            tried = {}
+            for group in _runs(parts, (lambda c: c.quad.start()) if together else id):
+                n = group[0].quad.start()
+                at = slice(group[0].local.start, group[-1].local.stop)
+                q, spread, nodes, w = run(n, Xq[at], None if ctx.weights is None
+                                          else ctx.weights[group[0].rows.start
+                                                           : group[-1].rows.stop])
+                whole = (nodes, w, at)
+                for c in group:
+                    i = slice(c.local.start - at.start, c.local.stop - at.start)
+                    tried[c] = (n, (q[:, i], spread[i], [_rows_of(t, i) for t in nodes]),
+                                whole)
+
+            def evaluate(n, c, tried=tried):
+                c.run = None
+                if tried[c][0] == n:
+                    (q, spread, nodes), c.run = tried[c][1], tried[c][2]
+                    w = c.run[1]
+                else:
+                    q, spread, nodes, w = run(n, c.X, c.W)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
 
-            df = ctx.ref.out(f_next - f_t, rows)
-            nodes, weights, rho_theta = quad.choose(j, evaluate, df,
-                                                    ctx.ref.noise(f_t, f_next, rows))
-            f_next = f_t
+            for c in parts:
+                f_t = c.quad.f[j]
+                df = ctx.ref.out(c.f_next - f_t, c.rows)
+                c.nodes, c.w, c.rho_theta = c.quad.choose(
+                    j, functools.partial(evaluate, c=c), df,
+                    ctx.ref.noise(f_t, c.f_next, c.rows))
+                c.f_next = f_t
         else:
-            nodes, weights = [ctx.capture(theta, Xq, Wq)], [1.0]
-            rho_theta = directional(nodes, weights, theta64)[0][0] if along else None
+            for c in parts:
+                c.nodes, c.w = [ctx.capture(theta, c.X, c.W)], [1.0]
+                c.rho_theta = (directional(c.nodes, c.w, theta64)[0][0] if along
+                               else None)
         nxt = theta
         if not first <= j < stop:  # replayed: only its nodes were wanted
             continue
         D = None
         if route != "factor":
-            if adjoint is None:
-                adjoint = Adjoint(nodes[0], memory)
+            for c in parts:
+                if c.adjoint is None:
+                    c.adjoint = Adjoint(c.nodes[0], memory)
             D = traj.preconditioner(j)
             D = None if D is None else dict(traj.unflatten(D.to(device=device,
                                                                 dtype=traj.dtype)))
@@ -704,51 +822,99 @@ def _factored_block(ctx: _Context, Xq, rows, quad: _Quadrature, *, method, route
         for t in steps:
             coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
-                reg += (-float(traj.learning_rates[j]) * wd if decoupled
-                        else coef * wd) * rho_theta
+                for c in parts:
+                    reg[c.local] += (-float(traj.learning_rates[j]) * wd if decoupled
+                                     else coef * wd) * c.rho_theta
             if route == "factor":
+                groups = _share_groups(parts)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
-                    share = factor_shares(nodes, weights, terms, dhat)
-                    share = share.mul_(coef).mul_(w_sub.to(share.dtype))
-                    contrib.index_add_(1, sub, share.transpose(1, 2))
+                    for nodes, w, at in groups:
+                        share = factor_shares(nodes, w, terms, dhat)
+                        share = share.mul_(coef).mul_(w_sub.to(share.dtype))
+                        contrib[at].index_add_(1, sub, share.transpose(1, 2))
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
-                if not updated:
-                    share, part = adjoint.step(nodes, weights, coef + lead, D, terms, dhat,
-                                               decay)
-                    updated = True
-                else:
-                    share, part = adjoint.contract(terms, dhat), None
-                if part is not None:
-                    reg += part.view(n_q, n_out)
-                share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
-                contrib.index_add_(1, sub, share.transpose(1, 2))
+                for c in parts:
+                    if not updated:
+                        share, part = c.adjoint.step(c.nodes, c.w, coef + lead, D, terms,
+                                                     dhat, decay)
+                    else:
+                        share, part = c.adjoint.contract(terms, dhat), None
+                    if part is not None:
+                        reg[c.local] += part.view(-1, n_out)
+                    share = share.view(len(c.X), n_out, -1).mul_(w_sub.to(share.dtype))
+                    contrib[c.local].index_add_(1, sub, share.transpose(1, 2))
+                updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
-                _, part = adjoint.step(nodes, weights, coef + lead, D, None, None, decay)
-                if part is not None:
-                    reg += part.view(n_q, n_out)
+                for c in parts:
+                    _, part = c.adjoint.step(c.nodes, c.w, coef + lead, D, None, None, decay)
+                    if part is not None:
+                        reg[c.local] += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
-                adjoint.add(nodes, weights, -lead, D)
+                for c in parts:
+                    c.adjoint.add(c.nodes, c.w, -lead, D)
     return contrib, reg
 
 
-def _replayed(ctx: _Context, quad: _Quadrature | None, method: str, last: bool):
+class _Chunk:
+    """A chunk of queries in :func:`_factored_block`: its rows (in the call, in the
+    block), node choice, queries, their weights, and what the walk keeps for it
+    (``run``: the group capture its nodes are rows of, else None)."""
+
+    def __init__(self, rows, local, quad, X, W):
+        self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
+        self.f_next = self.nodes = self.w = self.rho_theta = self.adjoint = None
+        self.run = None
+
+
+def _runs(items, key):
+    """``items`` cut into runs of consecutive items with equal ``key``."""
+    out = []
+    for item in items:
+        if out and key(out[-1][-1]) == key(item):
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
+
+
+def _share_groups(parts) -> list:
+    """``(nodes, weights, rows in the block)`` to take products with: a group capture
+    whose chunks all took it, once; every other chunk on its own."""
+    out = []
+    for group in _runs(parts, lambda c: None if c.run is None else id(c.run)):
+        run = group[0].run
+        if run is not None and (group[0].local.start, group[-1].local.stop) == (
+                run[2].start, run[2].stop):
+            out.append(run)
+        else:
+            out.extend((c.nodes, c.w, c.local) for c in group)
+    return out
+
+
+def _rows_of(terms, rows):
+    """A capture's terms (a list of Flat) for a slice of its rows."""
+    return [Flat(t.delta[rows], [(name, None if a is None else a[rows])
+                                 for name, a in t.inputs]) for t in terms]
+
+
+def _replayed(ctx: _Context, quad: _Quadrature | None, method: str):
     """The intervals ``[lo, hi)`` a step range walks: its own, and on an adaptive exact
     decomposition those the serial call chooses nodes for before it.
 
-    The node choice carries over from step to step (and from one query block to the
-    next): a range whose steps the serial call reaches with a state replays the choice
-    of every step before them, the queries' captures only, so that it takes the serial
-    call's nodes and gives its numbers. Where :func:`replays` says no, it restarts at 3
-    nodes: the sums then move within ``tol``.
+    The node choice carries over from step to step (within a chunk of queries, see
+    ``NODE_CHUNK``): a range whose steps the serial call reaches with a state replays
+    the choice of every step after its own, the queries' captures only, so that it
+    takes the serial call's nodes and gives its numbers. Where :func:`replays` says no,
+    it restarts at 3 nodes: the sums then move within ``tol``.
     """
     first, stop = ctx.intervals
     n = len(ctx.traj) - 1
     if quad is None or (first, stop) == (0, n) or not replays(method, quad.fixed,
                                                               quad.tol, ctx.traj.dtype):
         return first, stop
-    return (first if last else 0), n
+    return first, n
 
 
 def _intervals(traj):
@@ -789,12 +955,12 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
         return ctx.seeded_rows(_params(traj, flat), Xq, Wq, out)
 
     nxt = traj.parameters(len(traj) - 1).to(device)
-    f_next = ctx.ref(len(traj) - 1, rows) if method == "exact" else None
+    f_next = quad.f[-1] if method == "exact" else None
     for j, steps in _intervals(traj):
         theta = traj.parameters(j).to(device)
         delta = nxt - theta
         if method == "exact":
-            f_t = ctx.ref(j, rows)
+            f_t = quad.f[j]
             d64 = (nxt.to(torch.float64) - theta.to(torch.float64))
 
             def evaluate(n, theta=theta, delta=delta, d64=d64):
@@ -878,6 +1044,7 @@ def decompose(
     weights=None,
     warn: bool = True,
     intervals: tuple[int, int] | None = None,
+    chunk: int | None = None,
 ) -> Decomposition:
     """Decompose ``f(X; theta_T)`` over the training points along ``traj`` (see module doc).
 
@@ -902,6 +1069,10 @@ def decompose(
     ``start <= j < stop``, on a path whose steps are independent (:func:`step_ranges`);
     :func:`merge_steps` sums such parts. Their ``prediction`` and ``initial`` are the
     whole path's, and ``error`` means nothing until they are summed.
+
+    ``chunk``: the queries whose nodes are chosen together (a power of two; None:
+    :func:`node_chunk` of ``len(X)``); a block of a larger call's queries passes the
+    call's, and starts at a multiple of it.
     """
     if intervals is not None and _route(traj, method) != "factor":
         raise ValueError("decompose(intervals=...) splits the steps of plain SGD paths "
@@ -923,7 +1094,6 @@ def decompose(
                              f"outputs), got {tuple(weights.shape)}.")
         initial, prediction = _contract(initial, weights), _contract(prediction, weights)
     ref = _Reference(module, traj, X, weights) if exact else None
-    changes, scale = _path_changes(traj, ref) if exact else (None, None)
     P, N = traj.n_params, X_train.shape[0]
     tol = (default_tol(dtype) if tol is None else float(tol)) if exact and n_nodes is None \
         else None
@@ -949,26 +1119,50 @@ def decompose(
     width = max(t.delta.shape[2] for t in terms)
     largest = max(t.delta.shape[2] * (1 if a is None else a.shape[1])
                   for t in terms for _, a in t.inputs)
+
+    def quadrature(rows, chunks):
+        """The node choices of the chunks of queries ``chunks`` in the block ``rows``
+        (None: no choice to make)."""
+        if not exact:
+            return [None] * len(chunks)
+        f = [ref(t, rows) for t in range(len(traj))]  # one pass for the block
+        out = []
+        for c_rows in chunks:
+            i = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
+            f_c = [ft[i] for ft in f]
+            changes, scale = _path_changes(f_c, ref, c_rows)
+            out.append(_Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
+                                   changes=changes, scale=scale, dtype=dtype, f=f_c))
+        quads.extend(out)
+        return out
+
     while True:
+        quads = []
         try:
-            quad = _Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
-                               changes=changes, scale=scale, dtype=dtype) if exact else None
             contributions, regularization = _run(
                 module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
-                route=route, quad=quad, memory_budget=memory_budget, exclude=exclude,
+                route=route, quadrature=quadrature, memory_budget=memory_budget,
+                exclude=exclude,
                 outputs=outputs, row=row, width=width, largest=largest, itemsize=itemsize,
-                P=P, N=N, ref=ref,
+                P=P, N=N, ref=ref, n_nodes=n_nodes,
+                chunk=node_chunk(len(X)) if chunk is None else chunk,
                 weights=weights, intervals=intervals)
             break
         except _Reroute as new:
             exclude = new.exclude
     result = _result(initial, prediction, contributions, regularization, method, weighting)
-    if exact:
-        result.n_nodes, result.step_errors, result.tol = quad.n_used, quad.errors, tol
+    scale, failed = None, {}
+    if exact:  # each step's largest count and residual over the chunks, as merge joins
+        result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
+        result.step_errors = np.max([q.errors for q in quads], axis=0, initial=0.0)
+        result.tol = tol
+        scale = max((float(q.scale) for q in quads), default=0.0)
+        for q in quads:
+            for t, r in q.failed.items():
+                failed[t] = max(r, failed.get(t, 0.0))
     checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
-                     tol=tol, scale=scale, dtype=dtype,
-                     failed=dict(quad.failed) if exact else {}, n_steps=len(traj) - 1,
-                     record_every=traj.record_every)
+                     tol=tol, scale=scale, dtype=dtype, failed=failed,
+                     n_steps=len(traj) - 1, record_every=traj.record_every)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -1192,18 +1386,20 @@ def _warn_inexact(result: Decomposition, relative: float) -> None:
     )
 
 
-def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quad,
+def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quadrature,
          memory_budget, exclude, outputs, row, width, largest, itemsize, P, N, ref,
-         weights, intervals):
+         n_nodes, chunk, weights, intervals):
     # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
+    adaptive = method == "exact" and n_nodes is None
     if route == "dense":
         # lambda, rho and the node buffer (Q x n_res x P each) and a Jacobian's formation
         # per query block, and a batch's per-sample loss gradients (B x P, formed from
         # one seeded capture: a row's factors).
         q_bytes = 4 * n_res * P * itemsize
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
+        chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         b_bytes = 2 * P * itemsize + row
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
@@ -1211,10 +1407,13 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # small next to the adjoint, and only one step's nodes are alive at a time).
         q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
+        # The queries of one node choice (a power of two: the blocks of a larger call
+        # are cut at multiples of its chunk), or a whole block.
+        chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         # A batch row: its capture and its column of the pair products of a query block
         # ((Q C) x widest layer output, float64), or its formed gradient of the largest
         # parameter (float64, _pairs.formed_contraction).
-        b_bytes = row + max(min(q_block, n_q) * n_res * width * itemsize, 8 * largest)
+        b_bytes = row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
     b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
@@ -1222,13 +1421,21 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    ref=ref, weights=weights, intervals=intervals)
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
+    # An adaptive node choice per chunk of queries (the same chunks in a block of them on
+    # a worker); a block of the memory budget walks the steps once for its chunks, and
+    # the blocks read the same batch captures, kept while memory allows.
+    q_block = max(chunk, q_block - q_block % chunk)
+    ctx.keep_batches = n_q > q_block
     for q0 in range(0, n_q, q_block):
-        rows = slice(q0, q0 + q_block)
+        rows = slice(q0, min(n_q, q0 + q_block))
+        chunks = [slice(c0, min(rows.stop, c0 + chunk)) for c0 in range(q0, rows.stop, chunk)]
+        chunks = list(zip(chunks, quadrature(rows, chunks)))
         if route == "dense":
-            c, r = _dense_block(ctx, X[rows], rows, quad, method=method)
+            parts = [_dense_block(ctx, X[c_rows], c_rows, quad, method=method)
+                     for c_rows, quad in chunks]
+            c, r = (torch.cat([p[i] for p in parts]) for i in (0, 1))
         else:
-            c, r = _factored_block(ctx, X[rows], rows, quad, method=method, route=route,
-                                   last=q0 + q_block >= n_q)
+            c, r = _factored_block(ctx, X[rows], rows, chunks, method=method, route=route)
         contributions[q0 : q0 + q_block] = c.cpu().numpy()
         regularization[q0 : q0 + q_block] = r.cpu().numpy()
     return contributions, regularization

@@ -66,10 +66,12 @@ tol : float, default=None
     methods.
 n_jobs : int, default=None
     Query blocks on joblib workers (Dask under
-    ``joblib.parallel_config(backend="dask")``, an on-disk trajectory travelling as a
-    reference to its directory); each block chooses its nodes for ``tol`` on its own,
-    so the result agrees with the serial one to ``tol`` (the warnings judge the joined
-    result). Plain SGD paths with few queries next to their batches give each worker
+    ``joblib.parallel_config(backend="dask")``; an on-disk trajectory travels as a
+    reference to its directory, one in memory, to loky workers, as a temporary
+    directory of mapped files written once). The nodes are chosen per chunk of at most
+    32 queries and the blocks are cut at chunk boundaries, so the result agrees with
+    the serial one to 1e-12 relative in float32 as in float64 (the warnings judge the
+    joined result). Plain SGD paths with few queries next to their batches give each worker
     a range of steps for every query instead; a range first replays the node choice
     of the steps the serial call walks before it (where ``tol`` exceeds 1e-12), so it
     agrees with the serial result to 1e-12 relative in float32 as in float64.

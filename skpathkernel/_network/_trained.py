@@ -23,12 +23,19 @@ from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
 from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
-from .._analysis._decomposition import check_tol, finish, merge, merge_steps, step_ranges
+from .._analysis._decomposition import (
+    check_tol,
+    finish,
+    merge,
+    merge_steps,
+    node_chunk,
+    step_ranges,
+)
 from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
-from .._parallel import map_calls, map_row_blocks, n_row_blocks, n_tasks
+from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -473,13 +480,16 @@ ValueError
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self.check(X)
         self._training_data()  # its errors here, not on the workers
-        kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol)
+        # chunk: the queries whose nodes are chosen together, the same in every block.
+        kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
+                      chunk=node_chunk(len(X)))
         ranges = step_ranges(self.trajectory, method, weighting, len(X),
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)
-        if ranges is None and n_row_blocks(n_jobs, X) == 1:
+        if ranges is None and min(n_row_blocks(n_jobs, X),
+                                  -(-len(X) // kwargs["chunk"])) == 1:
             return finish(*self._decompose_block(X, weights, kwargs), units)
-        net = self.for_workers()
+        net = self.for_workers(by_reference=local_processes())
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         if ranges is not None:  # every worker a range of steps for all queries
             parts = map_calls(_decompose_steps, n_jobs, [(*r, X, weights, net, kwargs)
@@ -487,7 +497,9 @@ ValueError
             return finish(*merge_steps(parts), units)
         # Row blocks of the queries with their rows of the weights.
         rows = np.arange(len(X))
-        parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs)
+        # Cut where the serial call's node choices are: its numbers.
+        parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs,
+                               align=kwargs["chunk"])
         return finish(*merge(parts), units)
 
     def _decompose_block(self, X, weights, kwargs):
@@ -735,18 +747,26 @@ ValueError
         """
         return self.replace(module=copy.deepcopy(self.module))
 
-    def for_workers(self) -> TrainedNetwork:
+    def for_workers(self, *, by_reference: bool = False) -> TrainedNetwork:
         """A copy whose on-disk trajectory is referenced, for tasks pickled to workers.
 
         Pickling the trajectory itself would make its temporary directory permanent
-        (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared.
+        (see :class:`~skpathkernel.Trajectory`); a trajectory in memory is shared, or
+        with ``by_reference`` (worker processes of this machine) written once to files
+        that the workers map (:meth:`~skpathkernel.Trajectory.for_workers`).
+
+        Parameters
+        ----------
+        by_reference : bool, default=False
+            Send an in-memory trajectory as the name of its shared files.
 
         Returns
         -------
         network : TrainedNetwork
             A copy whose trajectory pickles as a reference to its files.
         """
-        return self.replace(trajectory=self.trajectory.for_workers())
+        return self.replace(trajectory=self.trajectory.for_workers(
+            by_reference=by_reference))
 
 
 def output_block_rows(memory_budget: int, widths, dtype: torch.dtype, *,

@@ -960,3 +960,75 @@ class DiskArray:
     def __setstate__(self, state):
         self.__init__(state["store"], state["name"], state["dtype"], state["row_shape"],
                       state["n_rows"])
+
+
+# ------------------------------------------------------------------ shared arrays
+# An in-memory path sent to worker processes (loky) travels as the name of a directory
+# of .npy files written once, which every worker maps (copy-on-write: the pages are the
+# page cache's, shared by all of them) instead of a pickled copy per task. The workers
+# keep the last few directories they opened, so the tasks of one call and of the next
+# find the path already mapped.
+_SHARED_KEEP = 4
+_shared_opened: OrderedDict = OrderedDict()
+_shared_lock = threading.Lock()
+_SHARED_META = "meta.pkl"
+
+
+def _shared_parent(nbytes: int) -> str | None:
+    """/dev/shm (memory, no disk write) when it has room for ``nbytes``, else the
+    temporary directory."""
+    shm = "/dev/shm"
+    try:
+        if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes:
+            return shm
+    except OSError:
+        pass
+    return None
+
+
+def share_arrays(arrays: dict, meta) -> str:
+    """Write ``arrays`` (name to ndarray) and the picklable ``meta`` to a new private
+    temporary directory, for :func:`open_shared`; the caller removes it."""
+    import pickle
+
+    nbytes = sum(a.nbytes for a in arrays.values())
+    directory = tempfile.mkdtemp(prefix="skpathkernel-shared-", dir=_shared_parent(nbytes))
+    try:
+        for name, array in arrays.items():
+            np.save(os.path.join(directory, name + ".npy"), np.ascontiguousarray(array))
+        with open(os.path.join(directory, _SHARED_META), "wb") as f:
+            pickle.dump((meta, sorted(arrays)), f, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
+def open_shared(directory: str, build):
+    """``build(meta, arrays)`` of a directory of :func:`share_arrays`, the arrays mapped
+    copy-on-write; the object built is kept per process and returned again."""
+    import pickle
+
+    with _shared_lock:
+        kept = _shared_opened.get(directory)
+        if kept is not None:
+            _shared_opened.move_to_end(directory)
+            return kept
+    try:
+        with open(os.path.join(directory, _SHARED_META), "rb") as f:
+            meta, names = pickle.load(f)
+        arrays = {name: np.load(os.path.join(directory, name + ".npy"), mmap_mode="c")
+                  for name in names}
+    except FileNotFoundError:
+        raise TrajectoryFileError(
+            f"The trajectory was sent to this process as the directory {directory!r}, "
+            "which is not readable here (a worker on another machine, or the call that "
+            "wrote it has ended). Tasks on other machines get an on-disk trajectory in "
+            "a shared directory (PathRecorder(storage='disk', directory=...)) or a copy."
+        ) from None
+    built = build(meta, arrays)
+    with _shared_lock:
+        _shared_opened[directory] = built
+        while len(_shared_opened) > _SHARED_KEEP:
+            _shared_opened.popitem(last=False)
+    return built

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
+import shutil
 import threading
 import warnings
 import weakref
@@ -36,7 +38,9 @@ from ._storage import (
     TrajectoryFileError,
     chunk_rows_for,
     dtype_name,
+    open_shared,
     populate,
+    share_arrays,
 )
 
 __all__ = ["Trajectory"]
@@ -730,23 +734,33 @@ class Trajectory:
                           "trajectory.save(path) writes the description.", UserWarning,
                           stacklevel=3)
 
-    def for_workers(self) -> Trajectory:
+    def for_workers(self, *, by_reference: bool = False) -> Trajectory:
         """This path as a reference to its directory, for tasks pickled to workers.
 
         Pickling an on-disk trajectory itself keeps its temporary directory for good (the
         user guide's persistence page); tasks that read it in another process (a joblib or Dask
         worker) get this copy instead, which pickles as a reference to the directory and
         never removes it. Keep the original alive while the tasks run: its directory is
-        removed with it. A trajectory in memory is returned as it is.
+        removed with it.
+
+        Parameters
+        ----------
+        by_reference : bool, default=False
+            For worker processes of this machine (loky): a trajectory in memory is
+            written once to a temporary directory (``/dev/shm`` where it has room) that
+            the workers map, and pickles as its name; the directory is reused by later
+            calls and removed with the original. Otherwise a trajectory in memory is
+            returned as it is (pickled by value: workers on other machines).
 
         Returns
         -------
         trajectory : Trajectory
-            ``self`` in memory; on disk, a copy reading the same chunk files.
+            On disk, a copy reading the same chunk files; in memory, ``self`` or its
+            shared copy.
         """
         store = self._store
         if store is None:
-            return self
+            return self._shared() if by_reference else self
         store.flush()
         reader = ChunkStore(store.directory, chunk_rows=store.chunk_rows, owned=False)
 
@@ -762,12 +776,52 @@ class Trajectory:
         out._states = {key: view(rows) for key, rows in self._states.items()}
         return out
 
+    def _shared(self) -> Trajectory:
+        """A copy of this in-memory path that pickles as the name of a directory of
+        its arrays (:func:`~skpathkernel._path._storage.share_arrays`), written at the
+        first call and kept while the path's vectors stay the same objects and the rest
+        (step sizes, batches: public arrays, changed in place by some) pickles the same."""
+        state = self.__getstate__()
+        arrays = {"params": state.pop("_params"),
+                  **{"state-" + k: v for k, v in state.pop("_states").items()}}
+        key = (id(self._params), tuple(self._params.shape),
+               tuple((k, id(v)) for k, v in self._states.items()),
+               pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+        kept = self.__dict__.get("_shared_copy")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        directory = share_arrays(arrays, state)
+        out = copy.copy(self)
+        out.__dict__["_shared_directory"] = directory
+        if kept is not None:
+            kept[2]()
+        # Removed with this object (its copy is referenced only from here).
+        remove = weakref.finalize(self, shutil.rmtree, directory, True)
+        self.__dict__["_shared_copy"] = (key, out, remove)
+        return out
+
     # ------------------------------------------------------------------ pickling
+    def __copy__(self):
+        # The tensors shared, as a shallow copy; the shared directory stays the
+        # original's (removed with it).
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.__dict__.pop("_shared_copy", None)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        directory = self.__dict__.get("_shared_directory")
+        if directory is not None:
+            return _open_shared_trajectory, (directory,)
+        return super().__reduce_ex__(protocol)
+
     def __getstate__(self):
         # Tensors as NumPy arrays (exact, on the CPU): skops cannot read torch tensors, and
         # a trajectory recorded next to a GPU must load without one. An on-disk
         # trajectory pickles a reference to its directory (see ChunkStore.__getstate__).
         state = self.__dict__.copy()
+        state.pop("_shared_copy", None)
+        state.pop("_shared_directory", None)
         if self.storage == "memory":
             state["_params"] = _to_numpy(self._params)
             state["_states"] = {k: _to_numpy(v) for k, v in self._states.items()}
@@ -782,6 +836,21 @@ class Trajectory:
                     "group_weight_decays"):  # pickled before recorders set them
             state.setdefault("_" + key, None)
         self.__dict__.update(state)
+
+
+def _open_shared_trajectory(directory: str) -> Trajectory:
+    """The trajectory :meth:`Trajectory._shared` wrote to ``directory``, mapped (one
+    object per process, see :func:`~skpathkernel._path._storage.open_shared`)."""
+
+    def build(state, arrays):
+        out = object.__new__(Trajectory)
+        out.__setstate__({**state, "_params": arrays["params"],
+                          "_states": {k.removeprefix("state-"): v for k, v in arrays.items()
+                                      if k.startswith("state-")}})
+        out.__dict__["_shared_directory"] = directory
+        return out
+
+    return open_shared(directory, build)
 
 
 def _open_series(directory: str, payload: dict):

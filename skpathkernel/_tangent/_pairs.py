@@ -45,7 +45,7 @@ from ._contract import densify, rank_one, split_constant_inputs
 from ._rules import Term
 
 __all__ = ["Adjoint", "Flat", "directional", "factor_shares", "formed_contraction",
-           "pair_terms"]
+           "pair_terms", "prepare_directions"]
 
 # Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
 # while it is still in cache. On a CPU with 2 MiB of L2 per core, 1-4 MiB chunks were
@@ -88,13 +88,27 @@ def pair_terms(terms: Sequence[Term]) -> list[Flat]:
     return out
 
 
+def prepare_directions(*vectors: Mapping[str, torch.Tensor]) -> dict:
+    """The directions of :func:`directional` as its GEMMs read them, for several calls
+    with the same directions: by name, ``(v, v[0] ** 2)`` with ``v`` (k, p, q) stacked
+    over the directions (``p`` the parameter's first dimension, found at the call)."""
+    out = {}
+    for name in vectors[0]:
+        v = torch.stack([vec[name].reshape(vec[name].shape[0] if vec[name].dim() else 1, -1)
+                         for vec in vectors])
+        out[name] = (v, v[0] ** 2)
+    return out
+
+
 def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
-                *vectors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                *vectors: Mapping[str, torch.Tensor],
+                prepared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_k w_k J(x; node k) . v`` (n, C) in float64 from the factors, per ``v``.
 
     ``v[name]`` is a parameter-shaped direction in float64. The factors are promoted to
     float64 so that the products add no round-off of the factors' dtype to their own;
-    the nodes go through one GEMM per parameter.
+    the nodes go through one GEMM per parameter. ``prepared``: the directions through
+    :func:`prepare_directions` instead of ``vectors``.
 
     Returns
     -------
@@ -105,7 +119,9 @@ def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
         ``eps`` moves the product by about ``eps * spread``.
     """
     n, C = nodes[0][0].delta.shape[:2]
-    k, m = len(vectors), len(nodes)
+    if prepared is None:
+        prepared = prepare_directions(*vectors)
+    k, m = next(iter(prepared.values()))[0].shape[0], len(nodes)
     w = torch.as_tensor(weights, dtype=torch.float64, device=nodes[0][0].delta.device)
     out = torch.zeros((k, n, C), dtype=torch.float64, device=w.device)
     spread = torch.zeros((n, C), dtype=torch.float64, device=w.device)
@@ -116,16 +132,17 @@ def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
         p = d.shape[-1]
         d2 = d * d
         for i, (name, a) in enumerate(term.inputs):
-            v = torch.stack([vec[name].reshape(p, -1) for vec in vectors])  # (k, p, q)
+            v, v2 = prepared[name]
+            v, v2 = v.reshape(k, p, -1), v2.reshape(p, -1)  # (k, p, q), (p, q)
             if a is None:
                 out += torch.einsum("mncp,kp->knc", d, v[:, :, 0])
-                spread += torch.einsum("mncp,p->nc", d2, v[0, :, 0] ** 2)
+                spread += torch.einsum("mncp,p->nc", d2, v2[:, 0])
             else:
                 A = torch.cat([node[j].inputs[i][1] for node in nodes]).to(torch.float64)
                 av = (A @ v.reshape(k * p, -1).T).reshape(m, n, k, p)
                 out += torch.einsum("mncp,mnkp->knc", d, av)
                 # sum_oj (delta_o v_oj a_j)^2 = (delta^2)^T (v^2) (a^2), one more GEMM.
-                av2 = ((A * A) @ (v[0] ** 2).T).reshape(m, n, p)
+                av2 = ((A * A) @ v2.T).reshape(m, n, p)
                 spread += torch.einsum("mncp,mnp->nc", d2, av2)
     return out, spread.sqrt_()
 

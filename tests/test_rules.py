@@ -18,6 +18,7 @@ from torch import nn
 
 from skpathkernel._tangent import (
     _gram,
+    _layers,
     _projection,
     capture,
     hidden_reads,
@@ -72,14 +73,14 @@ class _SelfAttention(nn.Module):
 class _CrossAttention(nn.Module):
     """Queries from the first 3 positions, keys / values from all (other lengths)."""
 
-    def __init__(self, mha):
+    def __init__(self, mha, need_weights=True):
         super().__init__()
-        self.mha = mha
+        self.mha, self.need_weights = mha, need_weights
         self.proj = nn.Linear(4, mha.kdim)
 
     def forward(self, x):
         kv = self.proj(x)
-        return self.mha(x[:, :3], kv, kv, need_weights=True)[0]
+        return self.mha(x[:, :3], kv, kv, need_weights=self.need_weights)[0]
 
 
 class _Tokens(nn.Module):
@@ -159,6 +160,17 @@ CASES = {
     "mha_cross_kdim": (lambda c: _Head(_CrossAttention(
         nn.MultiheadAttention(4, 2, kdim=3, vdim=3, batch_first=True)), 3 * 4, c),
         _image((5, 4))),
+    # Without attention weights or masks the rule runs the attention core itself.
+    "mha_self_no_weights": (lambda c: _Head(_SelfAttention(
+        nn.MultiheadAttention(4, 2, batch_first=True), need_weights=False), 5 * 4, c),
+        _image((5, 4))),
+    "mha_seq_first_no_weights": (
+        lambda c: _Head(nn.Sequential(_Transpose(), _SelfAttention(
+            nn.MultiheadAttention(4, 2), need_weights=False), _Transpose()), 5 * 4, c),
+        _image((5, 4))),
+    "mha_cross_kdim_no_weights": (lambda c: _Head(_CrossAttention(
+        nn.MultiheadAttention(4, 2, kdim=3, vdim=3, batch_first=True), need_weights=False),
+        3 * 4, c), _image((5, 4))),
     "transformer": (lambda c: _Tokens(c), _ids(5)),
     "transformer_norm_first": (lambda c: _Tokens(c, layers=1, norm_first=True), _ids(5)),
 }
@@ -205,6 +217,24 @@ def test_every_parameter_is_on_a_rule(case):
     cap = capture(module, params, X, [0, 1], memory_budget=2**24)
     assert cap.fallback == ()
     assert not cap.exclude and not cap.declined
+
+
+ATTENTION = sorted(c for c in CASES if c.startswith(("mha", "transformer")))
+
+
+@pytest.mark.parametrize("case", ATTENTION)
+def test_attention_core_is_run_directly_where_torch_would(case, monkeypatch):
+    """The attention rule computes the core itself (no identity projections) on the
+    calls without weights, masks or a causal hint, and hands the others to torch's
+    own function: the Gram tests below cover both, this checks that each ran."""
+    chosen = []
+    real = _layers._plain_attention
+    monkeypatch.setattr(_layers, "_plain_attention",
+                        lambda bound: chosen.append(real(bound)) or chosen[-1])
+    module, params, X, _ = _make(case, 2)
+    capture(module, params, X, [0, 1], memory_budget=2**24)
+    direct = "no_weights" in case or case.startswith("transformer")
+    assert chosen and set(chosen) == {direct}
 
 
 # ------------------------------------------------------------------------- the loop

@@ -221,6 +221,15 @@ def _mha_bind(args, kwargs) -> dict:
     return bound
 
 
+def _plain_attention(b: dict) -> bool:
+    """Whether the call is ``scaled_dot_product_attention`` on the projected heads alone:
+    no attention weights asked for, no mask, no causal hint, no zero or static keys."""
+    return (not b.get("need_weights", True) and b.get("attn_mask") is None
+            and b.get("key_padding_mask") is None and not b.get("is_causal", False)
+            and not b.get("add_zero_attn", False) and b.get("static_k") is None
+            and b.get("static_v") is None)
+
+
 def _mha_expand(layer, func, args, kwargs):
     """F.multi_head_attention_forward as three sites: in-projection(s), core, out-projection.
 
@@ -250,13 +259,22 @@ def _mha_expand(layer, func, args, kwargs):
             xb = x.transpose(0, 1)
             sites.append((xb, F.linear(xb, w, bb)))
         q, k, v = (z.transpose(0, 1) for _, z in sites)
-    eye = torch.eye(E, dtype=q.dtype, device=q.device)
-    inner = {**b, "query": q, "key": k, "value": v, "in_proj_weight": None,
-             "in_proj_bias": None, "use_separate_proj_weight": True, "q_proj_weight": eye,
-             "k_proj_weight": eye, "v_proj_weight": eye, "out_proj_weight": eye,
-             "out_proj_bias": None}
-    core, attn = func(**inner)
-    cb = core.transpose(0, 1)
+    if _plain_attention(b):
+        # The core alone, as torch computes it without weights or masks: identity
+        # projections would add four E x E products to every forward and backward pass.
+        heads = int(b["num_heads"])
+        q, k, v = (z.transpose(0, 1).unflatten(-1, (heads, E // heads)).transpose(1, 2)
+                   for z in (q, k, v))
+        cb = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        attn = None
+    else:
+        eye = torch.eye(E, dtype=q.dtype, device=q.device)
+        inner = {**b, "query": q, "key": k, "value": v, "in_proj_weight": None,
+                 "in_proj_bias": None, "use_separate_proj_weight": True, "q_proj_weight": eye,
+                 "k_proj_weight": eye, "v_proj_weight": eye, "out_proj_weight": eye,
+                 "out_proj_bias": None}
+        core, attn = func(**inner)
+        cb = core.transpose(0, 1)
     z_out = F.linear(cb, b["out_proj_weight"], b.get("out_proj_bias"))
     sites.append((cb, z_out))
     # A copy: an in-place operation downstream must not rewrite the site's output.

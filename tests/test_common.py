@@ -53,6 +53,7 @@ ESTIMATORS = [
                     random_state=0),
     TangentFeatureSVM(PathKernelClassifier(**FAST)),
     TangentFeatureSVM(PathKernelClassifier(**FAST), svm_kernel="linear"),
+    TangentFeatureSVM(PathKernelClassifier(**FAST), normalize=False),
     OODRankDetector(PathKernelMachine(**FAST)),
 ]
 

@@ -116,36 +116,63 @@ def test_pandas_in_and_out(circle):
 
 
 # ----------------------------------------------------------------------------- TangentFeatureSVM
-def test_linear_svm_equals_precomputed_tangent_kernel(circle):
+def _unit(F):
+    return F / np.sqrt(np.einsum("ij,ij->i", F, F))[:, None]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_linear_svm_equals_precomputed_tangent_kernel(circle, normalize):
     X, y = circle
     Xt = X[:9] * 0.9
-    lin = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=3.0, svm_kernel="linear").fit(X, y)
-    tan = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=3.0, svm_kernel="tangent").fit(X, y)
+    C = 3.0 if not normalize else 0.5  # a C that leaves some samples inside the margin
+    lin = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=C, svm_kernel="linear",
+                            normalize=normalize).fit(X, y)
+    tan = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=C, svm_kernel="tangent",
+                            normalize=normalize).fit(X, y)
     # The same SVM, reached through phi (libsvm's linear kernel) and through the
     # structured Gram that never forms phi.
     np.testing.assert_allclose(lin.decision_function(Xt), tan.decision_function(Xt),
                                rtol=1e-6, atol=1e-8)
-    # And both equal an SVC fitted on autograd-loop features.
-    ref = SVC(kernel="linear", C=3.0).fit(_loop_features(lin, X), y)
-    np.testing.assert_allclose(lin.decision_function(Xt),
-                               ref.decision_function(_loop_features(lin, Xt)), rtol=1e-8)
-    np.testing.assert_array_equal(lin.predict(Xt), ref.predict(_loop_features(lin, Xt)))
+    # And both equal an SVC fitted on autograd-loop features (scaled to unit rows by
+    # hand when normalized).
+    prep = _unit if normalize else (lambda F: F)
+    F, Ft = prep(_loop_features(lin, X)), prep(_loop_features(lin, Xt))
+    ref = SVC(kernel="linear", C=C).fit(F, y)
+    np.testing.assert_allclose(lin.decision_function(Xt), ref.decision_function(Ft), rtol=1e-8)
+    np.testing.assert_array_equal(lin.predict(Xt), ref.predict(Ft))
+    # transform gives phi itself either way.
     np.testing.assert_allclose(lin.transform(Xt), _loop_features(lin, Xt), rtol=1e-12)
+    if normalize:
+        # Not the raw kernel's SVM: the normalization changes the decision values.
+        raw = SVC(kernel="linear", C=C).fit(_loop_features(lin, X), y)
+        assert not np.allclose(lin.decision_function(Xt),
+                               raw.decision_function(_loop_features(lin, Xt)), rtol=1e-3)
 
 
-def test_path_svm_equals_svc_on_explicit_path_sum(circle):
+@pytest.mark.parametrize("normalize", [False, True])
+def test_path_svm_equals_svc_on_explicit_path_sum(circle, normalize):
     X, y = circle
     params = dict(SMALL, solver="sgd", learning_rate_init=0.1, max_iter=6)
-    est = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel="path").fit(X, y)
+    # Normalized, "auto" picks C = 1000 on this six-step path's nearly rank-deficient
+    # Gram, where libsvm's 1e-3 stopping tolerance shows in the decision values; C = 1
+    # keeps the comparison at round-off.
+    est = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel="path",
+                            normalize=normalize, C=1.0 if normalize else "auto").fit(X, y)
     # Full-batch SGD: K = sum_k lr * phi_k(x) . phi_k(x') over the points that a step leaves.
     probe = TangentFeatureSVM(PathKernelClassifier(**params)).fit(X, y)
     K_train = np.zeros((len(X), len(X)))
     K_test = np.zeros((9, len(X)))
+    diag_test = np.zeros(9)
     for k in range(len(est.trajectory_) - 1):
         probe.module_.load_state_dict(est.trajectory_.state_dict(k))
         F, Ft = _loop_features(probe, X), _loop_features(probe, X[:9] * 0.9)
         K_train += est.trajectory_.learning_rates[k] * F @ F.T
         K_test += est.trajectory_.learning_rates[k] * Ft @ F.T
+        diag_test += est.trajectory_.learning_rates[k] * np.einsum("ij,ij->i", Ft, Ft)
+    if normalize:
+        # Cosine normalization of the summed kernel (not of each step's).
+        d = np.sqrt(np.diag(K_train))
+        K_train, K_test = K_train / np.outer(d, d), K_test / np.outer(np.sqrt(diag_test), d)
     ref = SVC(kernel="precomputed", C=est.C_).fit(K_train, y)
     np.testing.assert_allclose(est.decision_function(X[:9] * 0.9), ref.decision_function(K_test),
                                rtol=1e-7, atol=1e-9)
@@ -166,9 +193,11 @@ def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data)
     with pytest.raises(ValueError, match="NaN"):
         est.fit(bad, labels)
     with pytest.raises(ValueError, match="class"):
-        est.set_params(svm_kernel="tangent").fit(X, np.zeros(len(X)))
+        est.set_params(svm_kernel="tangent", normalize=False).fit(X, np.zeros(len(X)))
     assert est.svm_ is svm and est.trajectory_ is traj and est._svm_kernel == "linear"
-    np.testing.assert_array_equal(est.predict(X), svm.predict(est.transform(X)))
+    assert est._normalize is True
+    # The linear SVM reads phi scaled to unit rows (normalize=True).
+    np.testing.assert_array_equal(est.predict(X), svm.predict(_unit(est.transform(X))))
 
 
 # ----------------------------------------------------------------------------- seed figure 3

@@ -436,7 +436,8 @@ def test_defaults_do_not_raise_the_divergence_warning():
 
 
 # ------------------------------------------------------------------ TangentFeatureSVM's C
-def test_svm_auto_C_is_the_cross_validated_choice():
+@pytest.mark.parametrize("normalize", [False, True])
+def test_svm_auto_C_is_the_cross_validated_choice(normalize):
     from sklearn.datasets import load_iris
     from sklearn.model_selection import GridSearchCV, StratifiedKFold
     from sklearn.svm import SVC
@@ -447,8 +448,11 @@ def test_svm_auto_C_is_the_cross_validated_choice():
     X = (X - X.mean(0)) / X.std(0)
     net = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=30, tol=None,
                                random_state=0)
-    svm = TangentFeatureSVM(net).fit(X, y)
+    svm = TangentFeatureSVM(net, normalize=normalize).fit(X, y)
     K = TangentKernel(svm)(X, X).astype(np.float64)
+    if normalize:  # cosine normalization by hand: unit diagonal, so the grid is AUTO_C itself
+        d = np.sqrt(np.diag(K))
+        K = K / np.outer(d, d)
     grid = np.array([0.1, 1, 10, 100, 1000]) / np.mean(np.diag(K))  # the documented grid
     # scikit-learn's own search over the same grid and folds is the reference: mean fold
     # accuracy, the first (smallest) C among the best.

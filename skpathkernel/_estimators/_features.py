@@ -251,10 +251,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         The SVM's regularization (larger: less regularization). "auto" chooses it from
         the training data: among ``[0.1, 1, 10, 100, 1000] / s``, ``s`` the mean of the
         training Gram's diagonal (the kernel's scale, so that the choice does not depend
-        on the units of the tangent features), the value with the best accuracy in a
-        stratified 3-fold cross-validation of the SVM on the training Gram (the smaller
-        on ties). Cheap next to training: the Gram is computed once. ``C_`` holds the
-        value used.
+        on the units of the tangent features; 1 with ``normalize``), the value with the
+        best accuracy in a stratified 3-fold cross-validation of the SVM on the training
+        Gram (the smaller on ties). Cheap next to training: the Gram is computed once.
+        ``C_`` holds the value used.
     svm_kernel : {{"linear", "tangent", "path"}}, default="tangent"
         "linear": ``SVC(kernel="linear")`` on the dense tangent features at the final
         parameters (``svm_.coef_`` is then a direction in parameter space). "tangent" /
@@ -265,6 +265,15 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         and is much cheaper (on sklearn's digits, ``phi`` of the default network is
         89,700 wide: the linear SVM on it takes minutes, the Gram a fraction of a
         second), "linear" exposes ``coef_``.
+    normalize : bool, default=True
+        Cosine-normalize the kernel: ``K(x, x') / sqrt(K(x, x) K(x', x'))``, the
+        kernel of the unit rows ``phi(x) / ||phi(x)||`` (``normalized=True`` of the
+        kernels). The raw tangent kernel's diagonal ``||phi(x)||^2`` grows with how
+        strongly the network responds at ``x``: within one training set it spreads 7x
+        (``make_classification``) to 275x (``load_breast_cancer``) with the default
+        network, so the samples of largest norm set the margin and the scale of ``C``; normalized, the SVM compares directions only,
+        every sample has norm 1, and ``C="auto"``'s grid means the same on every data
+        set. False: the raw kernel.
     random_state : int, RandomState instance or None, default=None
         Seeds the default trainer (``estimator=None``); a given trainer keeps its own.
         The SVM itself is deterministic.
@@ -272,8 +281,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
     Attributes
     ----------
     svm_ : SVC
-        The fitted SVM; it reads tangent features ("linear") or Gram rows against
-        ``X_fit_`` ("tangent", "path").
+        The fitted SVM; it reads tangent features ("linear"; unit rows with
+        ``normalize``) or Gram rows against ``X_fit_`` ("tangent", "path").
     C_ : float
         The ``C`` of ``svm_`` (chosen by ``C="auto"``, else ``C``).
     classes_ : ndarray of shape (n_classes,)
@@ -299,13 +308,16 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         **NetworkMetaEstimator._parameter_constraints,
         "C": [Interval(numbers.Real, 0, None, closed="neither"), StrOptions({"auto"})],
         "svm_kernel": [StrOptions({"linear", "tangent", "path"})],
+        "normalize": ["boolean"],
     }
     _trainers = (PathKernelClassifier,)
 
-    def __init__(self, estimator=None, *, C="auto", svm_kernel="tangent", random_state=None):
+    def __init__(self, estimator=None, *, C="auto", svm_kernel="tangent", normalize=True,
+                 random_state=None):
         self.estimator = estimator
         self.C = C
         self.svm_kernel = svm_kernel
+        self.normalize = normalize
         self.random_state = random_state
 
     classes_ = FittedAttribute("svm_")
@@ -317,12 +329,17 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         check_labels(self, y)
 
     def _kernel(self):
-        return (TangentKernel if self._svm_kernel == "tangent" else PathKernel)(self)
+        kernel = TangentKernel if self._svm_kernel == "tangent" else PathKernel
+        return kernel(self, normalized=self._normalize)
+
+    def _features(self, X):
+        phi = self._tangent_features(X)
+        return _unit_rows(phi) if self._normalize else phi
 
     def _svm_input(self, X):
         """What ``svm_`` reads: tangent features, or Gram rows against the training set."""
         if self._svm_kernel == "linear":
-            return self._tangent_features(X)
+            return self._features(X)
         X = self._validate_X(X)
         kernel = self._kernel()
         # Fixed-size row blocks: a row's float32 Gram entries never depend on the others.
@@ -349,9 +366,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         # Never half-fitted: keep_previous_fit_on_error restores the previous fit whole
         # when the network or the SVM fails.
         X, y, frozen = self._fit_trainer(X, y)
-        # The kernel choice is part of the fitted state: set_params must not change
-        # what an already fitted svm_ reads.
-        self._svm_kernel = self.svm_kernel
+        # The kernel choice and its normalization are part of the fitted state:
+        # set_params must not change what an already fitted svm_ reads.
+        self._svm_kernel, self._normalize = self.svm_kernel, self.normalize
         # A column y: the trainer has warned already, unless frozen.
         labels = column_or_1d(y, warn=frozen)
         rows = None if frozen else self.estimator_._train_rows
@@ -363,7 +380,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         # iterations on the data of figure 3 and libsvm converges in milliseconds.
         kernel = "linear" if self.svm_kernel == "linear" else "precomputed"
         # The training Gram is symmetric: computed as K(X, X), its upper blocks only.
-        train_input = (self._tangent_features(self.X_fit_) if kernel == "linear"
+        train_input = (self._features(self.X_fit_) if kernel == "linear"
                        else self._kernel()(self.X_fit_))
         C = self.C
         if C == "auto":

@@ -271,9 +271,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         kernels). The raw tangent kernel's diagonal ``||phi(x)||^2`` grows with how
         strongly the network responds at ``x``: within one training set it spreads 7x
         (``make_classification``) to 275x (``load_breast_cancer``) with the default
-        network, so the samples of largest norm set the margin and the scale of ``C``; normalized, the SVM compares directions only,
-        every sample has norm 1, and ``C="auto"``'s grid means the same on every data
-        set. False: the raw kernel.
+        network, so the samples of largest norm set the margin and the scale of ``C``;
+        normalized, the SVM compares directions only, every sample has norm 1, and
+        ``C="auto"``'s grid means the same on every data set. False: the raw kernel.
     random_state : int, RandomState instance or None, default=None
         Seeds the default trainer (``estimator=None``); a given trainer keeps its own.
         The SVM itself is deterministic.

@@ -991,20 +991,3 @@ def test_chunks_read_without_ast(array, tmp_path, monkeypatch):
     assert np.array_equal(got, expected)
     assert got.flags.f_contiguous == expected.flags.f_contiguous
 
-
-def test_numpy_header_readers_still_use_ast(tmp_path, monkeypatch):
-    """Why ``_read_chunk`` parses the header itself: numpy's public header readers call
-    ``ast.literal_eval``. When this fails, they no longer do and can replace the parser."""
-    import ast
-
-    path = str(tmp_path / "chunk.npy")
-    np.save(path, np.arange(6.0).reshape(2, 3), allow_pickle=False)
-    calls = []
-    real = ast.literal_eval
-    monkeypatch.setattr(ast, "literal_eval", lambda *a: calls.append(1) or real(*a))
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read = {(1, 0): np.lib.format.read_array_header_1_0,
-                (2, 0): np.lib.format.read_array_header_2_0}[version]
-        assert read(f) == ((2, 3), False, np.dtype(np.float64))
-    assert calls

@@ -284,7 +284,10 @@ def _run_group(specs, threads):
         for rnd in range(max(s["repeats"] for s in specs)):
             for server, res in servers:
                 if rnd < res["spec"]["repeats"]:
-                    res["times"].append(server.ask("time")["t"])
+                    reply = server.ask("time")
+                    res["times"].append(reply["t"])
+                    if "cpu" in reply:  # not from a --baseline tree's older worker
+                        res.setdefault("cpu_times", []).append(reply["cpu"])
         for server, res in servers:
             res.update(server.close())
     finally:
@@ -372,17 +375,25 @@ _PEERS_NOTE = (
     "implementation=STRUCTURED_DERIVATIVES)` under `jax.jit` (compilation reported apart), "
     "the network written in its `stax` as its documentation writes networks (`serial`, "
     "`Dense` and `Conv` in the standard parameterization on NHWC images, `Relu`, "
-    "`FanOut`/`parallel`/`FanInSum` residuals, `GlobalAvgPool`, `LayerNorm`), the torch "
+    "`FanOut`/`parallel`/`FanInSum` residuals, `GlobalAvgPool`, `LayerNorm`, "
+    "`GlobalSelfAttention` with its scales set to torch's, `Index` for the class token's "
+    "readout, one-hot tokens into a bias-free `Dense` for the token embedding), the torch "
     "weights copied in; a few custom layers where stax has none (max pooling, eval-mode "
-    "BatchNorm, LayerNorm's gain and bias, torch's multi-head attention with its query / "
-    "key / value biases, embeddings and the class token; see benchmarks/_peers_worker.py). "
+    "BatchNorm, LayerNorm's gain and bias, the constant channel that carries the "
+    "attention's query / key / value biases, the added position embeddings, the class "
+    "token; see benchmarks/_peers_worker.py). "
     "nngeometry: `GramMatrix(model, loader)` on one batch of all N, its `(C, N, C, N)` "
     "result traced over the outputs; it has no rule for nn.Embedding or "
     "nn.MultiheadAttention, and takes C^2 backward passes on C outputs, so it runs on the "
     "one-output rows (`output 0`: the Gram of the first output alone, every method). "
     "Every peer's K is checked against skpathkernel's before its timings (max relative "
-    "difference <= 1e-5, or the row fails). All processes of a problem are pinned to the "
-    "same core(s).")
+    "difference <= 1e-5, or the row fails; past it, both Ks are recomputed in float64 on "
+    "the 64 samples whose rows differ most, and the row fails unless they agree to "
+    "1e-10: the float32 difference is then a sample within float32 rounding of a ReLU or "
+    "max-pool kink, whose side the two frameworks' float32 forwards choose differently). "
+    "All processes of a problem are pinned to the same core(s). Time: wall time of the "
+    "call; CPU: the process's CPU time of the same calls, which excludes the waits for a "
+    "core that other processes share.")
 
 _GRAM_HEADER = ["| network | N | P | method | time | peak memory | speedup of skpathkernel | "
                 "rel. diff | speedup incl. compile |", "|---|---|---|---|---|---|---|---|---|"]
@@ -401,14 +412,19 @@ def _group_rows(group):
             lines.append(f"{head} | skipped: {r['skipped']} | | | | |")
             continue
         med = _stats(r["times"])[0]
-        speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x"
+        speed = "1 (itself)" if r is mine else f"{med / ours:.2f}x" + _cpu_ratio(r, mine)
         diff = f"{r['rel_diff_vs_skpathkernel']:.1e}" if "rel_diff_vs_skpathkernel" in r \
             else "-"
+        if "float64_recheck" in r:
+            rc = r["float64_recheck"]
+            diff += (f" (float64 on the {rc['n']} samples differing most: "
+                     f"{rc['rel_diff']:.1e}; kink samples {rc['samples']})")
         incl = "-"
         if "compile_s" in r:
             head += f" (compile {r['compile_s']:.2f} s)"
             incl = f"{(med + r['compile_s']) / ours:.2f}x"
-        lines.append(f"{head} | {_fmt_t(r['times'])} | {_mib(r['peak_bytes'])} | "
+        cpu = f"; CPU {_stats(r['cpu_times'])[0]:.4g} s" if r.get("cpu_times") else ""
+        lines.append(f"{head} | {_fmt_t(r['times'])}{cpu} | {_mib(r['peak_bytes'])} | "
                      f"{speed} | {diff} | {incl} |")
     return lines
 
@@ -590,6 +606,15 @@ def _overhead_lines(groups):
     return lines
 
 
+def _cpu_ratio(r, mine):
+    """`` (CPU 1.23x)``: the medians' ratio of the process CPU times, or "" without them.
+    On cores other processes share, the wall time of a pinned case includes its waits for
+    the core; its CPU time does not."""
+    if not (r.get("cpu_times") and mine.get("cpu_times")):
+        return ""
+    return f" (CPU {_stats(r['cpu_times'])[0] / _stats(mine['cpu_times'])[0]:.2f}x)"
+
+
 def _fastest_peer(group):
     """The fastest peer of an interleaved problem that ran (the baseline tree and
     skpathkernel's own rows are not peers): ``(method, its median / ours)`` or None."""
@@ -606,8 +631,9 @@ def _peers_goal(group, target):
     if fastest is None:
         return "no peer ran"
     peer, ratio = fastest
-    return (f">= {target}x the fastest peer ({peer}): {ratio:.2f}x, "
-            f"{'met' if ratio >= target else 'NOT met'}")
+    row = next(r for r in group if r["spec"]["method"] == peer)
+    return (f">= {target}x the fastest peer ({peer}): {ratio:.2f}x"
+            f"{_cpu_ratio(row, group[0])}, {'met' if ratio >= target else 'NOT met'}")
 
 
 def _net_goal(label, goal, group, ratios, mine):
@@ -616,8 +642,15 @@ def _net_goal(label, goal, group, ratios, mine):
     diffs = [d for _, d, _ in ratios.values() if d is not None]
     if diffs:
         worst = max(diffs)
-        parts.append(f"agreement <= {goal['rtol']:.0e}: {worst:.1e}, "
-                     f"{'met' if worst <= goal['rtol'] else 'NOT met'}")
+        text = (f"agreement <= {goal['rtol']:.0e}: {worst:.1e}, "
+                f"{'met' if worst <= goal['rtol'] else 'NOT met'}")
+        for r in group[1:]:
+            if "float64_recheck" in r:
+                rc = r["float64_recheck"]
+                text += (f" ({r['spec']['method']}'s float32 K differs at the samples "
+                         f"{rc['samples']}, within float32 rounding of a kink; in float64 "
+                         f"on the {rc['n']} samples differing most: {rc['rel_diff']:.1e})")
+        parts.append(text)
     if "roofline" in goal and "roofline" in mine:
         share = mine["roofline"]["gemm_bound_s"] / _stats(mine["times"])[0]
         parts.append(f"roofline ratio (full products) >= {goal['roofline']:.2f}: "

@@ -47,21 +47,22 @@ def _stax_network(module, spec):
     """The torch network written with neural-tangents' ``stax`` as its documentation
     writes networks (``stax.serial``, ``stax.Dense``, ``stax.Conv`` on NHWC images,
     ``stax.Relu``, ``FanOut`` / ``parallel`` / ``FanInSum`` residuals, ``GlobalAvgPool``,
-    ``LayerNorm``), its parameters the torch weights, transposed to stax's layouts.
+    ``LayerNorm``, ``GlobalSelfAttention``, ``Index``), its parameters the torch weights,
+    transposed to stax's layouts.
 
     Returns ``(apply_fn, params, to_input)``: ``to_input`` maps the torch inputs to the
-    stax ones (NCHW -> NHWC). ``parameterization="standard"`` makes ``Dense`` / ``Conv``
-    compute ``x W + b`` as torch does (the default "ntk" scales by ``1 / sqrt(fan_in)``,
-    another function with another tangent kernel). Custom layers (:func:`_custom`) stand
-    in where stax has no layer for the torch one, each for a reason given where it is
-    used: max pooling; BatchNorm in eval mode; LayerNorm's affine gain and bias (stax's
-    LayerNorm has none); torch's multi-head attention (stax's ``GlobalSelfAttention`` has
-    no query / key / value biases and scales by ``1 / (d sqrt(d_key))``, so it cannot hold
-    nn.MultiheadAttention's weights); token embeddings; the class token and position
-    embedding; the ``[:, 0]`` readout.
+    stax ones (NCHW -> NHWC; token ids -> one-hot rows). ``parameterization="standard"``
+    makes ``Dense`` / ``Conv`` compute ``x W + b`` as torch does (the default "ntk" scales
+    by ``1 / sqrt(fan_in)``, another function with another tangent kernel); stax's
+    attention scales are set the same way, so that every stax parameter is a torch one
+    and the two functions, hence their tangent kernels, are the same. Custom layers
+    (:func:`_custom`) stand in where stax has no layer for the torch one, each for a
+    reason given where it is used: max pooling; BatchNorm in eval mode; LayerNorm's affine
+    gain and bias (stax's LayerNorm has none); the constant channel that carries the
+    attention's query / key / value biases; a learned position embedding added to the
+    tokens; the class token.
     """
     import jax.numpy as jnp
-    import numpy as np
     import torch
     from jax import lax
     from jax import nn as jnn
@@ -102,19 +103,32 @@ def _stax_network(module, spec):
             ((), (arr(ln.weight), arr(ln.bias)))
 
     def attention(mha):
-        heads = mha.num_heads
+        # stax.GlobalSelfAttention holds per-head query / key / value matrices without
+        # biases: a constant channel of ones appended to its input carries torch's
+        # in_proj biases as the matrices' last rows (the same parameters, so the same
+        # function and tangent kernel). Its scores are scaled by W_query_std * W_key_std
+        # / (d_in sqrt(d_head)) and its output by W_out_std * W_value_std
+        # / sqrt(d_head heads d_in): the stds below make them torch's 1 / sqrt(d_head)
+        # and 1.
+        heads, d = mha.num_heads, mha.embed_dim
+        dh, d_in = d // heads, d + 1
+        W, b = arr(mha.in_proj_weight), arr(mha.in_proj_bias)
 
-        def apply(p, x):
-            (Wi, bi), (Wo, bo) = p
-            n, S, d = x.shape
-            q, k, v = jnp.split(x @ Wi.T + bi, 3, axis=-1)
-            q, k, v = (t.reshape(n, S, heads, d // heads).transpose(0, 2, 1, 3)
-                       for t in (q, k, v))
-            w = jnn.softmax(q @ k.transpose(0, 1, 3, 2) / np.sqrt(d // heads), axis=-1)
-            return (w @ v).transpose(0, 2, 1, 3).reshape(n, S, d) @ Wo.T + bo
+        def per_head(i):  # torch's rows i d .. (i + 1) d, head h at h dh .. (h + 1) dh
+            Wb = jnp.concatenate([W[i * d:(i + 1) * d].T, b[None, i * d:(i + 1) * d]])
+            return Wb.reshape(d_in, heads, dh).transpose(1, 0, 2)  # (heads, d_in, dh)
 
-        return _custom(apply), ((arr(mha.in_proj_weight), arr(mha.in_proj_bias)),
-                                (arr(mha.out_proj.weight), arr(mha.out_proj.bias)))
+        # stax concatenates the heads' channels head-fastest (index v heads + h), torch
+        # head-slowest (h dh + v): out_proj's input rows reordered.
+        Wo = arr(mha.out_proj.weight).T.reshape(heads, dh, d).transpose(1, 0, 2)
+        layer = stax.GlobalSelfAttention(
+            d, dh, dh, heads, linear_scaling=False, W_query_std=float(d_in),
+            W_out_std=float(dh * heads * d_in) ** 0.5, b_std=1.0)
+        ones = _custom(lambda _, x: jnp.concatenate(
+            [x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1))
+        return serial((ones, ()), (layer, (per_head(0), per_head(1), per_head(2),
+                                           Wo.reshape(dh * heads, d),
+                                           arr(mha.out_proj.bias).reshape(1, 1, d), None)))
 
     def residual(main, shortcut=None):
         (lm, pm), (ls, ps) = main, shortcut or (stax.Identity(), ())
@@ -181,11 +195,19 @@ def _stax_network(module, spec):
 
     layers = [encoder_layer(la) for la in module.encoder.layers]
     if arch == "transformer":
-        # stax has no embedding layer: a gather of the token rows, plus the positions'.
-        embed = _custom(lambda p, ids: p[0][ids] + p[1][: ids.shape[1]])
-        layer, params = serial((embed, (arr(module.tok.weight), arr(module.pos.weight))),
+        # stax has no embedding layer: one-hot token rows through a bias-free Dense (the
+        # same parameters as the embedding), then the position rows added, for which
+        # stax has no layer (GlobalSelfAttention's own position embedding enters only
+        # its first attention, not the residual stream).
+        tok = arr(module.tok.weight)
+        add_pos = _custom(lambda p, x: x + p[: x.shape[1]])
+        layer, params = serial((stax.Dense(tok.shape[1], parameterization="standard"),
+                                (tok, None)),
+                               (add_pos, arr(module.pos.weight)),
                                *layers, (stax.GlobalAvgPool(), ()), dense(module.head))
-        return layer[1], params, lambda X: jnp.asarray(X.numpy())
+        vocab = tok.shape[0]
+        return layer[1], params, lambda X: jnn.one_hot(jnp.asarray(X.numpy()), vocab,
+                                                       dtype=tok.dtype)
 
     def tokens(p, x):
         n, h, w, d = x.shape
@@ -195,28 +217,72 @@ def _stax_network(module, spec):
     layer, params = serial(conv(module.embed), (_custom(tokens), (arr(module.cls),
                                                                   arr(module.pos))),
                            *layers, layernorm(module.norm),
-                           (_custom(lambda _, x: x[:, 0]), ()), dense(module.head))
+                           (stax.Index(idx=stax.Slice[:, 0]), ()), dense(module.head))
     return layer[1], params, nchw_to_nhwc
 
 
 # A peer's K must equal skpathkernel's to float32 precision, or its row fails: a time is
 # only worth comparing for the same kernel (max |K - K_ref| / max |K_ref|).
 RTOL = 1e-5
+# The float64 recheck's bound: both float64 Ks of the same function agree far below it.
+RTOL64 = 1e-10
+# Samples of the float64 recheck: those whose K rows differ most, up to this many.
+RECHECK_N = 64
 
 
-def _checked(name, K, module, params, X, output="trace"):
-    """The peer's K against skpathkernel's engine, once before the timings; raises (the
-    row then reads "failed" with this message) when they differ."""
+def _rel_diff(K, ref):
     import numpy as np
+
+    return float(np.abs(np.asarray(K, dtype=np.float64) - ref).max() / np.abs(ref).max())
+
+
+def _checked(name, K, module, params, X, output="trace", recheck=None):
+    """The peer's K against skpathkernel's engine, once before the timings; the info
+    entries of the row. Raises (the row then reads "failed" with this message) when they
+    differ past ``RTOL``, unless ``recheck`` shows why.
+
+    A ReLU or max-pool network is piecewise smooth: a sample whose pre-activation or
+    pooling window sits within float32 rounding of a kink takes the kink's one side in
+    torch's float32 forward and may take the other in another framework's, which
+    rounds the same sums in another order; the Jacobian rows of that sample then
+    differ by O(1), not by rounding. ``recheck(module64, x64)``, the peer's K of the
+    float64 copy of the module on float64 samples, tells the two apart: on the
+    ``RECHECK_N`` samples whose rows differ most, the float64 Ks of both must agree to
+    ``RTOL64``, or the row fails.
+    """
+    import copy
+
+    import numpy as np
+    import torch
 
     from skpathkernel._tangent import tangent_gram
 
     ref = tangent_gram(module, params, X, output=output).double().numpy()
-    diff = float(np.abs(np.asarray(K, dtype=np.float64) - ref).max() / np.abs(ref).max())
-    if not diff <= RTOL:
-        raise RuntimeError(f"{name}'s K is not skpathkernel's: max |K - K_ref| / max |K_ref| "
-                           f"= {diff:.1e} > {RTOL:.0e}")
-    return diff
+    diff = _rel_diff(K, ref)
+    info = {"rel_diff_vs_skpathkernel": diff}
+    if diff <= RTOL:
+        return info
+    message = (f"{name}'s K is not skpathkernel's: max |K - K_ref| / max |K_ref| "
+               f"= {diff:.1e} > {RTOL:.0e}")
+    if recheck is None:
+        raise RuntimeError(message)
+    bad = np.abs(np.asarray(K, dtype=np.float64) - ref) > RTOL * np.abs(ref).max()
+    count = bad.sum(1)
+    index = np.sort(np.argsort(-count, kind="stable")[:RECHECK_N])
+    module64 = copy.deepcopy(module).double()
+    params64 = {k: v.double() for k, v in module64.named_parameters()}
+    x64 = X[torch.as_tensor(index)]
+    x64 = x64.double() if x64.is_floating_point() else x64
+    ref64 = tangent_gram(module64, params64, x64, output=output).numpy()
+    diff64 = _rel_diff(recheck(module64, x64), ref64)
+    if not diff64 <= RTOL64:
+        raise RuntimeError(f"{message}; in float64 on the {len(index)} samples whose rows "
+                           f"differ most, {diff64:.1e} > {RTOL64:.0e}")
+    # The samples at a kink: each one's row differs from most others, while a partner's
+    # differs from the kink samples' alone.
+    kinks = [int(i) for i in np.flatnonzero((count > 1) & (4 * count > count.max()))]
+    info["float64_recheck"] = {"rel_diff": diff64, "n": len(index), "samples": kinks}
+    return info
 
 
 def nt_gram_case(spec):
@@ -230,16 +296,27 @@ def nt_gram_case(spec):
 
     import jax
     import neural_tangents as nt
+    from jax.experimental import enable_x64
 
-    f, jparams, to_input = _stax_network(module, spec)
     output = spec.get("output", "trace")
-    if output != "trace":
-        net, f = f, lambda p, x: net(p, x)[:, output:output + 1]
-    # trace_axes=(-1,): the trace over the outputs, which neural-tangents averages, as
-    # skpathkernel's trace does.
-    ntk = jax.jit(nt.empirical_ntk_fn(
-        f, trace_axes=(-1,), vmap_axes=0,
-        implementation=nt.NtkImplementation.STRUCTURED_DERIVATIVES))
+
+    def ntk_fn(module):
+        f, jparams, to_input = _stax_network(module, spec)
+        if output != "trace":
+            f = (lambda net: lambda p, x: net(p, x)[:, output:output + 1])(f)
+        # trace_axes=(-1,): the trace over the outputs, which neural-tangents averages,
+        # as skpathkernel's trace does.
+        ntk = jax.jit(nt.empirical_ntk_fn(
+            f, trace_axes=(-1,), vmap_axes=0,
+            implementation=nt.NtkImplementation.STRUCTURED_DERIVATIVES))
+        return ntk, jparams, to_input
+
+    def recheck(module64, x64):
+        with enable_x64():
+            ntk, jparams, to_input = ntk_fn(module64)
+            return ntk(to_input(x64), None, jparams).block_until_ready()
+
+    ntk, jparams, to_input = ntk_fn(module)
     xj = to_input(X)
     t0 = time.perf_counter()
     compiled = ntk.lower(xj, None, jparams).compile()
@@ -249,8 +326,7 @@ def nt_gram_case(spec):
         return compiled(xj, None, jparams).block_until_ready()
 
     serve(call, {"n_params": sum(p.numel() for p in params.values()), "compile_s": compile_s,
-                 "rel_diff_vs_skpathkernel": _checked("neural-tangents", call(), module,
-                                                      params, X, output),
+                 **_checked("neural-tangents", call(), module, params, X, output, recheck),
                  "versions": f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
                              f"neural-tangents {nt.__version__}"},
           lambda K: {})
@@ -282,8 +358,7 @@ def nng_gram_case(spec):
         return torch.einsum("inim->nm", G) / G.shape[0]
 
     serve(call, {"n_params": sum(p.numel() for p in params.values()),
-                 "rel_diff_vs_skpathkernel": _checked("nngeometry", call(), module, params,
-                                                      X, output),
+                 **_checked("nngeometry", call(), module, params, X, output),
                  "versions": f"nngeometry {version('nngeometry')}"},
           lambda K: {})
 

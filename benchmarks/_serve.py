@@ -10,9 +10,9 @@ timings. Pure Python on purpose: the JAX worker imports this module too.
 Protocol, one JSON line per reply on stdout: after setup the server prints its ``info``
 (``{"ready": true, ...}``); then for each command line on stdin -- ``mem``: one call
 under the peak-memory probe, ``{"peak_bytes": int}``; ``time``: one timed call,
-``{"t": seconds}``; ``run``: one call both timed and under the probe (for calls too slow
-to repeat), ``{"t": seconds, "peak_bytes": int}``; ``done``: ``{...final results}`` and
-exit.
+``{"t": seconds, "cpu": the process's CPU seconds}``; ``run``: one call both timed and
+under the probe (for calls too slow to repeat), ``{"t": seconds, "peak_bytes": int}``;
+``done``: ``{...final results}`` and exit.
 """
 
 from __future__ import annotations
@@ -82,10 +82,12 @@ def serve(call, info, finish, peak=PeakRSS, sync=lambda: None):
             reply({"peak_bytes": mem.delta})
         elif cmd == "time":
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             last = call()
             sync()
-            reply({"t": time.perf_counter() - t0})
+            # The process's CPU time besides the wall time: on cores that other processes
+            # share, a pinned case waits for the core, which the wall time counts.
+            reply({"t": time.perf_counter() - t0, "cpu": time.process_time() - c0})
         elif cmd == "run":
             with peak() as mem:
                 sync()

@@ -114,3 +114,76 @@ def test_fastest_peer_ignores_our_rows_and_the_baseline():
     # Medians: ours 2.0; torch.func 8.0, nngeometry 4.0: the fastest peer is nngeometry.
     assert _fastest_peer(group) == ("nngeometry", 2.0)
     assert _fastest_peer(group[:3]) is None
+
+
+def _kink_problem():
+    """A small ReLU / max-pool network in float32 and its K by per-sample autograd."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(),
+                                 torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                                 torch.nn.Linear(8, 1))
+    X = torch.randn(6, 1, 4, 4)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def loop_K(m, x):
+        J = jacobian_loop(m, x)[:, 0]
+        return (J @ J.T).double().numpy()
+
+    return module, params, X, loop_K
+
+
+def test_k_check_explains_a_kink_by_float64_only():
+    from benchmarks._peers_worker import _checked
+
+    module, params, X, loop_K = _kink_problem()
+    ref = loop_K(module, X)
+    assert _checked("peer", ref, module, params, X)["rel_diff_vs_skpathkernel"] <= 1e-5
+    # A peer whose float32 forward put sample 2 on a kink's other side: its row and
+    # column differ by far more than rounding.
+    K = ref.copy()
+    K[2] += 1e-3 * np.abs(ref).max()
+    K[:, 2] = K[2]
+    with pytest.raises(RuntimeError, match="is not skpathkernel's"):
+        _checked("peer", K, module, params, X)
+    # Its float64 K (here the autograd loop's) is the same function's: the row stands,
+    # naming the sample.
+    seen = []
+
+    def recheck(module64, x64):
+        seen.append(x64)
+        return loop_K(module64, x64)
+
+    info = _checked("peer", K, module, params, X, recheck=recheck)
+    assert seen[0].dtype == torch.float64 and len(seen[0]) == len(X)
+    assert info["rel_diff_vs_skpathkernel"] > 1e-4
+    assert info["float64_recheck"]["samples"] == [2]
+    assert info["float64_recheck"]["rel_diff"] <= 1e-10
+    # A float64 K that still differs is another function: the row fails.
+    with pytest.raises(RuntimeError, match="in float64"):
+        _checked("peer", K, module, params, X,
+                 recheck=lambda m, x: 1.001 * loop_K(m, x))
+
+
+def test_timed_calls_report_cpu_time_and_its_speedups():
+    from benchmarks.__main__ import _group_rows, _peers_goal
+
+    busy = ("from benchmarks._serve import serve; "
+            "serve(lambda: sum(i * i for i in range(300000)), {}, lambda last: {})")
+    server = Server([sys.executable, "-c", busy], cwd=os.getcwd())
+    try:
+        reply = server.ask("time")
+        assert reply["cpu"] > 0 and reply["t"] > 0
+    finally:
+        server.kill()
+
+    def row(method, times, cpu):
+        return {"spec": {"method": method, "arch": "cnn8", "n": 8}, "times": times,
+                "cpu_times": cpu, "peak_bytes": 0}
+
+    # Medians: ours 2.0 s wall, 1.0 s CPU; torch.func 8.0 s wall, 3.0 s CPU.
+    group = [row("skpathkernel", [2.0, 3.0, 1.0], [1.0, 1.5, 0.5]),
+             row("vmap_grad", [8.0, 8.0], [2.0, 4.0])]
+    lines = _group_rows(group)
+    assert "; CPU 1 s |" in lines[0] and "| 4.00x (CPU 3.00x) |" in lines[1]
+    assert _peers_goal(group, 1.5) == (">= 1.5x the fastest peer (vmap_grad): 4.00x "
+                                       "(CPU 3.00x), met")

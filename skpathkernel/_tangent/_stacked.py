@@ -102,7 +102,9 @@ _PASS = 8
 # panels at N = 1000 on the CPUs measured).
 _PANEL = 256
 
-# Bytes of one chunk of the "units" route's products: about a core's L2 cache.
+# Bytes of one chunk of the "units" route's products: a few times a core's L2 cache,
+# within L3 (7 units of a 64 x 1000 strip; 4 to 8 units measured alike at N = 1000, 16
+# slower, and fewer units per chunk issue more calls).
 _CACHE = 2**22
 
 # Rows of the strips of a symmetric trace's "dense" layers (:func:`_dense_strips`).

@@ -319,10 +319,13 @@ LAYER_IDS = ["sigmoid-out", "linear-linear", "single", "two-layers"]
 @pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
 @pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
 @pytest.mark.parametrize("outputs", [[0, 1, 2, 3], [2]], ids=["trace", "one"])
-def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
+def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs, monkeypatch):
     """Output layers with and without one-hot backprops, the layer below them, layers
     without a bias, and every route (units, dense, rank1), against the module's own
-    autograd Jacobians; strips and panels of several sizes."""
+    autograd Jacobians; strips and panels of several sizes, and a symmetric Gram's
+    strips to its last column (``panel=None``) with the dense layers' own strips of 16
+    rows, which leave a remainder of 8."""
+    monkeypatch.setattr(_stacked, "_DENSE_STRIP", 16)
     module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
     # 40 x 20: wide enough panels for the dense route of one-output layers.
     A = torch.randn(40, 3, dtype=torch.float64)
@@ -332,7 +335,7 @@ def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs):
     cross = _module_reference(module, thetas, Ds, ws, A, B, outputs)
     if weighted and outputs == [2] and len(mlp.linears) > 1:
         assert "dense" in _routes(mlp, 1, True, 40, 20)
-    for block, panel in [(2, 4), (5, 256), (1, 5)]:
+    for block, panel in [(2, 4), (5, 256), (1, 5), (3, None)]:
         K, dx, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
                                     trace_scale=1 / len(outputs), weighted=weighted,
                                     memory_budget=2**30, diag=True, block=block,
@@ -407,10 +410,12 @@ def test_dead_output_column_and_negative_weight_match_autograd(weighted):
     if weighted:
         assert _routes(mlp, 1, True, 40, 40)[0] == "dense"
     ref = _module_reference(module, thetas, Ds, ws, A, A, [2])
-    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=[2],
-                               weighted=weighted, memory_budget=2**30, block=2, panel=16)
-    assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
-    assert np.array_equal(K.numpy(), K.numpy().T)
+    for panel in [16, None]:
+        K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=[2],
+                                   weighted=weighted, memory_budget=2**30, block=2,
+                                   panel=panel)
+        assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+        assert np.array_equal(K.numpy(), K.numpy().T)
     outputs = [0, 1, 2, 3]
     ref = _module_reference(module, thetas, Ds, ws, A, A, outputs, full=True).numpy()
     K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,

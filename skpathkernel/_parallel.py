@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
+from joblib.parallel import LokyBackend, MultiprocessingBackend, get_active_backend
 
 __all__ = ["dask_worker_threads", "limit_torch_threads", "local_processes", "map_calls",
            "map_ranges", "map_row_blocks", "n_row_blocks", "n_tasks"]
@@ -107,8 +108,6 @@ def map_row_blocks(func, X, n_jobs, *args, align: int = 1) -> list:
 def local_processes() -> bool:
     """Whether joblib's active backend runs tasks in processes of this machine (loky,
     multiprocessing): their arguments can name files here instead of carrying them."""
-    from joblib.parallel import LokyBackend, MultiprocessingBackend, get_active_backend
-
     return isinstance(get_active_backend()[0], (LokyBackend, MultiprocessingBackend))
 
 

@@ -49,6 +49,7 @@ import errno
 import math
 import mmap
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -989,8 +990,6 @@ def _shared_parent(nbytes: int) -> str | None:
 def share_arrays(arrays: dict, meta) -> str:
     """Write ``arrays`` (name to ndarray) and the picklable ``meta`` to a new private
     temporary directory, for :func:`open_shared`; the caller removes it."""
-    import pickle
-
     nbytes = sum(a.nbytes for a in arrays.values())
     directory = tempfile.mkdtemp(prefix="skpathkernel-shared-", dir=_shared_parent(nbytes))
     try:
@@ -1007,8 +1006,6 @@ def share_arrays(arrays: dict, meta) -> str:
 def open_shared(directory: str, build):
     """``build(meta, arrays)`` of a directory of :func:`share_arrays`, the arrays mapped
     copy-on-write; the object built is kept per process and returned again."""
-    import pickle
-
     with _shared_lock:
         kept = _shared_opened.get(directory)
         if kept is not None:

@@ -237,6 +237,15 @@ def test_attention_core_is_run_directly_where_torch_would(case, monkeypatch):
     assert chosen and set(chosen) == {direct}
 
 
+def test_attention_with_dropout_in_training_keeps_torchs_function():
+    # Dropout on the attention weights is drawn inside torch's function in training mode;
+    # the direct core has none, so only an eval-mode (or p = 0) call may take it.
+    call = {"need_weights": False, "dropout_p": 0.5}
+    assert not _layers._plain_attention({**call, "training": True})
+    assert _layers._plain_attention({**call, "training": False})
+    assert _layers._plain_attention({**call, "dropout_p": 0.0, "training": True})
+
+
 # ------------------------------------------------------------------------- the loop
 @pytest.mark.parametrize("route", [None, "pair", "dense"])
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -223,8 +223,10 @@ def _mha_bind(args, kwargs) -> dict:
 
 def _plain_attention(b: dict) -> bool:
     """Whether the call is ``scaled_dot_product_attention`` on the projected heads alone:
-    no attention weights asked for, no mask, no causal hint, no zero or static keys."""
-    return (not b.get("need_weights", True) and b.get("attn_mask") is None
+    no attention weights asked for, no mask, no causal hint, no zero or static keys, no
+    dropout on the weights (torch's function draws it in training mode)."""
+    dropout = b.get("training", True) and b.get("dropout_p", 0.0) > 0
+    return (not dropout and not b.get("need_weights", True) and b.get("attn_mask") is None
             and b.get("key_padding_mask") is None and not b.get("is_causal", False)
             and not b.get("add_zero_attn", False) and b.get("static_k") is None
             and b.get("static_v") is None)

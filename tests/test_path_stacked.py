@@ -335,11 +335,19 @@ def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs, m
     cross = _module_reference(module, thetas, Ds, ws, A, B, outputs)
     if weighted and outputs == [2] and len(mlp.linears) > 1:
         assert "dense" in _routes(mlp, 1, True, 40, 20)
+    strips = []
+    real_strips = _stacked._dense_strips
+    monkeypatch.setattr(_stacked, "_dense_strips",
+                        lambda *a, **k: strips.append(1) or real_strips(*a, **k))
     for block, panel in [(2, 4), (5, 256), (1, 5), (3, None)]:
+        strips.clear()
         K, dx, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
                                     trace_scale=1 / len(outputs), weighted=weighted,
                                     memory_budget=2**30, diag=True, block=block,
                                     panel=panel)
+        # The dense layers of a symmetric Gram's whole strips run in their own strips.
+        dense = "dense" in _routes(mlp, len(outputs), weighted, 40, 40)
+        assert bool(strips) == (panel is None and dense)
         assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
         assert np.array_equal(K.numpy(), K.numpy().T)
         assert_allclose(dx.numpy(), np.diag(ref.numpy()), rtol=1e-10, atol=1e-13)

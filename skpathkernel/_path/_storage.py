@@ -1007,6 +1007,10 @@ def open_shared(directory: str, build):
     """``build(meta, arrays)`` of a directory of :func:`share_arrays`, the arrays mapped
     copy-on-write; the object built is kept per process and returned again."""
     with _shared_lock:
+        # Maps of a directory its writer has removed would hold their memory until four
+        # newer paths push them out.
+        for gone in [d for d in _shared_opened if not os.path.isdir(d)]:
+            del _shared_opened[gone]
         kept = _shared_opened.get(directory)
         if kept is not None:
             _shared_opened.move_to_end(directory)

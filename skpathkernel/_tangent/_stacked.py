@@ -926,10 +926,14 @@ def stacked_path_sum(
         c * lin.d_out * (lin.d_in + (lin.bias is not None))
         for lin, c, route in zip(mlp.linears, _outputs_per_layer(mlp, C), routes)
         if route == "dense")
-    if formed and (not gram or per_point + formed > memory_budget):
+    # A symmetric trace's "dense" layers outside the panels, in their own taller strips
+    # (:func:`_dense_strips`), where one point's gradients and their float32 sum over a
+    # block fit a quarter of the budget: then no block of points holds them.
+    apart_fits = whole and gram and n * n * itemsize + formed <= memory_budget // 4
+    if formed and not apart_fits and (not gram or per_point + formed > memory_budget):
         # Diagonals only need no gradients; where they do not fit, the units route.
         routes = ["units" if r == "dense" else r for r in routes]
-    elif formed:
+    elif formed and not apart_fits:
         per_point += formed
     if block is None:
         if per_point > memory_budget:
@@ -947,15 +951,12 @@ def stacked_path_sum(
     # the batched GEMM's inner dimension; a quarter of the budget bounds it.
     chunks = (chunk, max(1, min(_FULL_CHUNK,
                                 memory_budget // 4 // (unit_bytes + itemsize * pr * pc * C))))
-    # A symmetric trace's "dense" layers outside the panels, in their own taller strips
-    # (:func:`_dense_strips`), where their float32 sum over a block fits a quarter of
-    # the budget.
-    apart = ([li for li, r in enumerate(routes) if r == "dense"]
-             if whole and gram and n * n * itemsize <= memory_budget // 4 else [])
+    apart = [li for li, r in enumerate(routes) if r == "dense"] if apart_fits else []
     panel_routes = [None if li in apart else r for li, r in enumerate(routes)]
     K = result = None
     if gram and full:
-        result = large_tensor((n, m, C, C), torch.float64, X.device, zero=not tiles)
+        result = large_tensor((n, m, C, C), torch.float64, X.device,
+                              zero=not (tiles and weights))
         # Written as (n, C, m, C): the panels' layout.
         K = result.permute(0, 2, 1, 3)
     elif gram:

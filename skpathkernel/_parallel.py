@@ -111,6 +111,13 @@ def local_processes() -> bool:
     return isinstance(get_active_backend()[0], (LokyBackend, MultiprocessingBackend))
 
 
+def by_reference(n_tasks: int) -> bool:
+    """Whether ``n_tasks`` tasks should get an in-memory path as the name of its shared
+    files (``for_workers(by_reference=...)``): more than one task (a single one runs
+    here, unpickled), on processes of this machine."""
+    return n_tasks > 1 and local_processes()
+
+
 def dask_worker_threads() -> int | None:
     """Torch threads for a task running on a Dask worker; None outside one.
 

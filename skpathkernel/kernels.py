@@ -34,7 +34,14 @@ from sklearn.gaussian_process.kernels import Kernel
 from ._device import to_numpy
 from ._network._inputs import check_representable
 from ._network._trained import KERNELS, TrainedNetwork, network_of
-from ._parallel import map_ranges, map_row_blocks, n_row_blocks
+from ._parallel import (
+    by_reference,
+    local_processes,
+    map_ranges,
+    map_row_blocks,
+    n_row_blocks,
+    n_tasks,
+)
 from ._tangent import (
     block_forward_error,
     hidden_reads,
@@ -552,8 +559,9 @@ def _split_path_sum(net, X, Y, start, stop, output, n_jobs, *, gram, diag, memor
     weights = path_weights(net.trajectory, start, stop, memory)
     if not weights:  # the serial sum says what is wrong
         return _path_sum(net, X, Y, start, stop, output, gram=gram, diag=diag)
-    parts = map_ranges(_range_sum, len(weights), n_jobs, weights, net.for_workers(), X, Y,
-                       output, gram, diag)
+    shared = net.for_workers(by_reference=by_reference(n_tasks(n_jobs, len(weights))))
+    parts = map_ranges(_range_sum, len(weights), n_jobs, weights, shared, X, Y, output, gram,
+                       diag)
     # K, dx, dy: each the sum of the tasks' parts (None where not computed).
     return tuple(None if terms[0] is None else functools.reduce(torch.add, terms)
                  for terms in zip(*parts))
@@ -696,8 +704,10 @@ class _NetworkKernel(Kernel):
 
     def _for_workers(self):
         # Tasks get the on-disk trajectory by reference, leaving this one's directory
-        # temporary (pickling the trajectory itself would keep it, see _storage).
-        return self._bind(self.estimator.for_workers())
+        # temporary (pickling the trajectory itself would keep it, see _storage), and
+        # loky processes an in-memory one as the name of its shared files (the callers
+        # run more than one row block).
+        return self._bind(self.estimator.for_workers(by_reference=local_processes()))
 
 
 # joblib tasks (module level, so that they pickle to workers by reference)

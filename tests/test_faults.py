@@ -7,6 +7,7 @@ fit the budget says so, with the bytes, before any work.
 """
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from numpy.testing import assert_allclose
 from sklearn.frozen import FrozenEstimator
 from test_bad_input import ESTIMATORS, X, assert_unchanged, snapshot
 
+import skpathkernel._analysis._decomposition as decomposition_module
 import skpathkernel._tangent as tangent_module
 from skpathkernel import (
     OODRankDetector,
@@ -147,9 +149,53 @@ def test_tiny_budget_gives_the_same_numbers(machine, monkeypatch):
             m.setattr(tangent_module._gram, "capture", counted)
             assert_allclose(f(small), expected, rtol=1e-10, atol=1e-12)
     assert 1 <= max(calls) < 10
-    big, tiny = est.decompose(Xm[:3]), small.decompose(Xm[:3])
+    # decompose's exact method also keeps a query's outputs at every recorded point: one
+    # query needs more than TINY. Just above the least budget it accepts, it works one
+    # query at a time.
+    least = _least_budget(lambda e: e.decompose(Xm[:3]), est)
+    blocks = []
+    factored_block = decomposition_module._factored_block
+
+    def counted_block(ctx, Xq, *args, **kwargs):
+        blocks.append(Xq.shape[0])
+        return factored_block(ctx, Xq, *args, **kwargs)
+
+    big = est.decompose(Xm[:3])
+    with monkeypatch.context() as m:
+        m.setattr(decomposition_module, "_factored_block", counted_block)
+        tiny = _with_budget(est, least + 1).decompose(Xm[:3])
+    assert blocks == [1, 1, 1]
     assert_allclose(tiny.contributions, big.contributions, rtol=1e-9, atol=1e-12)
     assert tiny.error < 1e-9
+
+
+def _least_budget(f, est):
+    """The least memory_budget at which ``f(est)`` runs, from the requirements its
+    refusals state (each names the bytes one sample needs)."""
+    budget = 1
+    while True:
+        try:
+            f(_with_budget(est, budget))
+            return budget
+        except ValueError as error:
+            need = re.search(r"Raise memory_budget to at least ([\d,]+)\.", str(error))
+            assert need is not None, str(error)
+            budget = int(need[1].replace(",", ""))
+
+
+def test_decompose_counts_the_stored_outputs_and_refuses_below_its_need(machine):
+    est, Xm = machine
+    least = _least_budget(lambda e: e.decompose(Xm[:3]), est)
+    with pytest.raises(ValueError, match=rf"needs {least:,} bytes for a single sample.*"
+                                         rf"memory_budget={least - 1:,} bytes"):
+        _with_budget(est, least - 1).decompose(Xm[:3])
+    # The same network trained for longer: only the outputs at the extra recorded points
+    # (float64, one per output) add to what a query needs.
+    longer = copy.deepcopy(est).set_params(max_iter=8, tol=None).fit(Xm, est.predict(Xm))
+    extra = len(longer.trajectory_) - len(est.trajectory_)
+    assert extra > 0
+    n_out = est.predict(Xm[:1]).shape[1]
+    assert _least_budget(lambda e: e.decompose(Xm[:3]), longer) == least + 8 * n_out * extra
 
 
 @pytest.mark.parametrize("method", ["residual", "alignment", "local"])

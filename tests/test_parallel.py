@@ -148,3 +148,50 @@ def test_detector_pickles_with_its_network(prefitted):
     assert back.module_ is back.estimator_.module_
     assert next(back.module_.parameters()).dtype == torch.float64
     np.testing.assert_array_equal(back.score_samples(X[:5]), det.score_samples(X[:5]))
+
+
+def test_loky_tasks_get_an_in_memory_path_by_reference(monkeypatch):
+    """Tasks for loky processes carry an in-memory path as the name of its shared files,
+    not the path (their pickles are smaller than the same tasks' with the path by value
+    by most of the path's own pickle); unpickled (run here) they give the numbers of the
+    tasks with the path by value (threads: nothing is shared); a call of a single block
+    shares nothing."""
+    import skpathkernel._parallel as parallel
+
+    X, y = _data()
+    # Batches of 4: a path of 37 points, much larger than the module.
+    est = PathKernelMachine(solver="adam", learning_rate_init=0.01, batch_size=4,
+                            **SMALL).fit(X, y)
+    traj = est.network_.trajectory
+    by_value = len(pickle.dumps(traj))
+    sent = []
+
+    def round_trip(func, n_jobs, calls):
+        if len(calls) == 1:
+            return [func(*calls[0])]
+        blobs = [pickle.dumps(call) for call in calls]
+        sent.append([len(blob) for blob in blobs])
+        return [func(*pickle.loads(blob)) for blob in blobs]
+
+    monkeypatch.setattr(parallel, "map_calls", round_trip)
+    cases = {
+        "rows": lambda n: PathKernel(est, n_jobs=n)(X[:6], X),
+        "diag": lambda n: PathKernel(est, n_jobs=n).diag(X),
+        "steps": lambda n: PathKernel(est, n_jobs=n, split="steps")(X[:6], X),
+        "unrolled": lambda n: est.attribute(X[:4], method="unrolled", n_jobs=n),
+        "detector": lambda n: OODRankDetector(FrozenEstimator(est), n_jobs=n)
+        .fit(X).score_samples(X[:6]),
+    }
+    with joblib.parallel_config(backend="loky"):
+        for case in cases.values():
+            case(None)
+    assert not sent and "_shared_copy" not in traj.__dict__
+    for name, case in cases.items():
+        with joblib.parallel_config(backend="threading"):
+            plain = case(2)
+        with joblib.parallel_config(backend="loky"):
+            shared = case(2)
+        assert [len(sizes) for sizes in sent] == [2, 2], name
+        assert max(sent[1]) < min(sent[0]) - 0.9 * by_value, (name, sent, by_value)
+        sent.clear()
+        np.testing.assert_array_equal(shared, plain, err_msg=name)

@@ -991,3 +991,46 @@ def test_chunks_read_without_ast(array, tmp_path, monkeypatch):
     assert np.array_equal(got, expected)
     assert got.flags.f_contiguous == expected.flags.f_contiguous
 
+
+
+@pytest.mark.parametrize("error", [RuntimeError("simulated bug in the writer"),
+                                   OSError(errno.ENOSPC, "No space left on device")])
+def test_rewind_raises_an_unexpected_error_of_the_write_in_flight(error, monkeypatch, tmp_path):
+    """A path's series extended by two rows whose chunk write fails, then rewound to the
+    path (as a failed extension does): a full disk is the expected failure (a warning,
+    nothing lost); any other error of the write is raised, after the rewind. Either
+    way the series reads the path's rows, as recorded, and goes on from them."""
+    store = _storage.ChunkStore.create(tmp_path, chunk_rows=CHUNK)
+    series = store.add_series("params", 5, torch.float64)
+    rows = torch.randn(7, 5, dtype=torch.float64)
+
+    def record(ks):
+        for k in ks:
+            series.slot(k).copy_(rows[k])
+            series.commit(k, step=k)
+
+    record(range(4))  # chunk 0 whole, chunk 1 one row
+    store.flush()
+    series.rewind(4, append=True)
+
+    def fail(path, array):
+        raise error
+
+    real = _storage._write_chunk
+    monkeypatch.setattr(_storage, "_write_chunk", fail)
+    record([4, 5])  # chunk 1 full: its write is in flight
+    if isinstance(error, OSError):
+        with pytest.warns(UserWarning, match="No space left.*nothing recorded is lost"):
+            series.rewind(4, append=False)
+    else:
+        with pytest.raises(RuntimeError, match="simulated bug in the writer"):
+            series.rewind(4, append=False)
+    monkeypatch.setattr(_storage, "_write_chunk", real)
+    assert series.n_rows == 4
+    for k in range(4):
+        assert torch.equal(series.row(k), rows[k]), k
+    series.rewind(4, append=True)
+    record([4, 5, 6])
+    store.flush()
+    for k in range(7):
+        assert torch.equal(series.row(k), rows[k]), k

@@ -1393,11 +1393,14 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
     adaptive = method == "exact" and n_nodes is None
+    # The exact method chooses its nodes from a query's outputs (float64, all of them)
+    # at every recorded point, kept for the whole block.
+    f_bytes = 8 * n_out * len(traj) if method == "exact" else 0
     if route == "dense":
         # lambda, rho and the node buffer (Q x n_res x P each) and a Jacobian's formation
         # per query block, and a batch's per-sample loss gradients (B x P, formed from
         # one seeded capture: a row's factors).
-        q_bytes = 4 * n_res * P * itemsize
+        q_bytes = 4 * n_res * P * itemsize + f_bytes
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         b_bytes = 2 * P * itemsize + row
@@ -1405,7 +1408,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
         # small next to the adjoint, and only one step's nodes are alive at a time).
-        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row)
+        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
+                   + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         # The queries of one node choice (a power of two: the blocks of a larger call
         # are cut at multiples of its chunk), or a whole block.

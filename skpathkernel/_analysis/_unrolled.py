@@ -84,7 +84,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from .._memory import rows_per_block
-from .._parallel import map_row_blocks
+from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._trajectory import Trajectory
 from .._warnings import caller_stacklevel
 
@@ -686,9 +686,10 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     moments = path.replay_moments() if path.needs_moments else None
-    parts = [p for p in map_row_blocks(_run_rows, np.arange(len(Xq)), n_jobs,
-                                        net.for_workers(), X, Y, Xq, Wq, block, diagonal,
-                                        moments) if p is not None]
+    rows = np.arange(len(Xq))
+    shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
+    parts = [p for p in map_row_blocks(_run_rows, rows, n_jobs, shared, X, Y, Xq, Wq, block,
+                                       diagonal, moments) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
         growth = np.concatenate([p[1] for p in parts])

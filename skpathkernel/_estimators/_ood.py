@@ -34,7 +34,7 @@ from sklearn.utils.metaestimators import available_if
 from .._analysis._rank_gap import BLOCK, NetworkGram, TangentSpan
 from .._device import to_numpy
 from .._network._trained import network_of
-from .._parallel import map_row_blocks, n_row_blocks
+from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from ._base import keep_previous_fit_on_error
 from ._machine import PathKernelClassifier, PathKernelMachine
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, flat_targets, trainer_for
@@ -389,9 +389,11 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         """
         X = self._validate_X(X)
         net = network_of(self.estimator_)
-        if n_row_blocks(self.n_jobs, X) > 1:
-            # Workers get an on-disk trajectory by reference (TrainedNetwork.for_workers).
-            net = net.for_workers()
+        n_blocks = n_row_blocks(self.n_jobs, X)
+        if n_blocks > 1:
+            # Workers get an on-disk trajectory by reference, and loky processes an
+            # in-memory one as the name of its shared files (TrainedNetwork.for_workers).
+            net = net.for_workers(by_reference=by_reference(n_blocks))
         return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self.method,
                                              self.n_neighbors, self._span(), net))
 

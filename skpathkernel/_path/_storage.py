@@ -581,15 +581,27 @@ class Series:
         ``n_rows`` are never written again: appending replaces the last chunk file, by a
         rename, with one that holds the same first rows and the new ones, so that the path
         described in the directory reads the same whenever the process stops.
+
+        The chunk write in flight is awaited first. The disk refusing it is expected
+        (:meth:`_settle` keeps that chunk in memory, with a warning); any other error of
+        the write is raised once the series is rewound: the rows it keeps are the same
+        either way (a chunk file is replaced only by a whole write), and the error is
+        not hidden.
         """
-        with contextlib.suppress(Exception):  # a failed write: that chunk is dropped below
+        try:
             self._settle()
+        except BaseException as exc:  # raised below, the series rewound
+            failed = exc
+        else:
+            failed = None
         self.n_rows = int(n_rows)
         self.forget()
         self._buffer = self._spare = self._deltas = None
         self.overflow = None
         for chunk in [c for c in self._memory if c * self.chunk_rows >= self.n_rows]:
             del self._memory[chunk]
+        if failed is not None:
+            raise failed
         if not append:
             return
         self._allocate(ahead=False)

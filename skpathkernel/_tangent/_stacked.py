@@ -651,6 +651,17 @@ def _form(f, wD: torch.Tensor | None, scratch: _Scratch | None = None,
     return g.view(n, -1)
 
 
+def _form_sides(fx, fy, wD: torch.Tensor, scratch: _Scratch | None,
+                name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides of a "dense" layer's Gram, formed (:func:`_form`): ``w D`` on X's
+    side, or, for one side's Gram (``fy is fx``) with ``w D >= 0``, ``sqrt(w D)`` on
+    both, one matrix whose Gram it is."""
+    if fy is fx and bool((wD >= 0).all()):
+        g = _form(fx, wD.sqrt(), scratch, name)
+        return g, g
+    return _form(fx, wD, scratch, name), _form(fy, None, scratch, name + "y")
+
+
 def _onehot(out, fx, fy, s) -> None:
     """``out += sum_b A diag(s_b) A'^T`` for an output layer with one-hot backprops.
 
@@ -779,12 +790,7 @@ def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
         f = sides.fx[li]
         for b in range(wD.shape[0]):
             point = (f[0][b : b + 1], f[1][b : b + 1])
-            if bool((wD[b] >= 0).all()):
-                # sqrt(w D) on both sides: one matrix, its Gram.
-                gx = gy = _form(point, wD[b : b + 1].sqrt(), scratch, "formed")
-            else:
-                gx = _form(point, wD[b : b + 1], scratch, "formed")
-                gy = _form(point, None, scratch, "formed_y")
+            gx, gy = _form_sides(point, point, wD[b : b + 1], scratch, "formed")
             for s in range(0, n, _DENSE_STRIP):
                 e = min(s + _DENSE_STRIP, n)
                 acc[s:e, s:].addmm_(gx[s:e], gy[s:].T)
@@ -1058,13 +1064,7 @@ def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full,
     formed = [None] * len(routes)
     for li, route in enumerate(routes):
         if route == "dense":
-            if Y is None and bool((wD[li] >= 0).all()):
-                # sqrt(w D) on both sides: one matrix, its Gram.
-                g = _form(fx[li], wD[li].sqrt(), scratch, f"formed{li}")
-                formed[li] = (g, g)
-            else:
-                formed[li] = (_form(fx[li], wD[li], scratch, f"formed{li}"),
-                              _form(fy[li], None, scratch, f"formed{li}y"))
+            formed[li] = _form_sides(fx[li], fy[li], wD[li], scratch, f"formed{li}")
     mix = [None] * len(routes)
     if "mixed" in routes:
         # The one backprop m_o = |V_o| d_o of the layer below the output layer: its

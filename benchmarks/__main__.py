@@ -234,6 +234,12 @@ def _env(threads):
     return env
 
 
+def _failure_cell(exc) -> str:
+    """A failed case's message as one table cell: the tail of it (where the exit status
+    is), on one line."""
+    return "failed: " + " ".join(str(exc)[-500:].split())
+
+
 def pinned_cores(threads):
     """The cores every case process of a comparison is pinned to: the first ``threads`` of
     this process's own, or None (no pinning) without a thread limit."""
@@ -274,7 +280,7 @@ def _run_group(specs, threads):
             except RuntimeError as exc:
                 if spec["method"] == "skpathkernel":
                     raise
-                results.append({"spec": spec, "skipped": f"failed: {str(exc)[-500:]}"})
+                results.append({"spec": spec, "skipped": _failure_cell(exc)})
                 continue
             res = {"spec": spec, **server.info, "times": []}
             res.pop("ready")

@@ -127,8 +127,11 @@ class Server:
         if not line:
             self.proc.wait()
             self._drain.join(timeout=5)
+            # The exit status goes last: a message cut to its tail keeps it (-9 is
+            # a SIGKILL, on these machines the kernel's out-of-memory killer).
             raise RuntimeError(f"benchmark case {self.cmd[-1]} failed:\n"
-                               + "".join(self._err)[-3000:])
+                               + "".join(self._err)[-3000:]
+                               + f"\nexit status {self.proc.returncode}")
         return json.loads(line)
 
     def ask(self, cmd: str) -> dict:

@@ -17,7 +17,7 @@ import torch
 from _reference import jacobian_loop
 
 from benchmarks import _nets
-from benchmarks.__main__ import _fastest_peer, _nets_arg, _plan, pinned_cores
+from benchmarks.__main__ import _failure_cell, _fastest_peer, _nets_arg, _plan, pinned_cores
 from benchmarks._serve import Server
 from skpathkernel._tangent import _gram, layer_routes, tangent_gram
 
@@ -101,6 +101,19 @@ def test_case_processes_are_pinned_to_the_chosen_cores():
         assert free.info["cores"] == own
     finally:
         free.kill()
+
+
+def test_a_killed_case_reports_its_exit_status_on_one_line():
+    # A peer killed for memory dies without a word on stdout and a chatty stderr.
+    script = ("import os, signal, sys; sys.stderr.write('log line one\\nlog line two\\n'); "
+              "sys.stderr.flush(); os.kill(os.getpid(), signal.SIGKILL)")
+    with pytest.raises(RuntimeError) as err:
+        Server([sys.executable, "-c", script], cwd=os.getcwd())
+    message = str(err.value)
+    assert "log line two" in message
+    assert message.endswith("exit status -9")
+    cell = _failure_cell(err.value)
+    assert "\n" not in cell and cell.endswith("exit status -9")
 
 
 def test_fastest_peer_ignores_our_rows_and_the_baseline():

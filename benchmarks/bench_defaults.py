@@ -12,6 +12,10 @@ Then, with the other core busy (a pure-Python busy loop in its own process, pinn
 last core this process may use), every estimator is fitted again on the first
 ``BUSY_SPLITS`` splits, interleaved with sklearn's as above: the fit times of a machine
 that another job shares (the benchmark's own process is not pinned).
+
+``SKPATHKERNEL_BENCH_ESTIMATORS=TangentFeatureSVM`` (class names, comma-separated) runs
+those estimators' rows only, each still paired with MLPClassifier / MLPRegressor on the
+same splits; the run records it in its provenance.
 """
 
 from __future__ import annotations

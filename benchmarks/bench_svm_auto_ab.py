@@ -23,12 +23,8 @@ one Gram per recorded point). One thread for torch and BLAS. Usage::
 
 import json
 import os
-import sys
-import warnings
 
 import numpy as np
-import torch
-from sklearn.exceptions import ConvergenceWarning
 from sklearn.model_selection import StratifiedKFold, train_test_split
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
@@ -38,7 +34,7 @@ from threadpoolctl import threadpool_limits
 
 from skpathkernel import PathKernel, PathKernelClassifier, TangentFeatureSVM, TangentKernel
 
-from .bench_svm_normalize_ab import AUTO, SETS
+from .bench_svm_normalize_ab import AUTO, SETS, _acc, main
 
 KEYS = ("default", "net", "N_1se", "P_auto", "P_1se")
 
@@ -61,10 +57,6 @@ def _choose(K, y, rule):
         return grid[best]
     se = scores[best].std(ddof=1) / np.sqrt(len(scores[best]))
     return grid[int(np.flatnonzero(means >= means[best] - se)[0])]
-
-
-def _acc(K, K_test, y, y_test, C):
-    return float(np.mean(SVC(kernel="precomputed", C=C).fit(K, y).predict(K_test) == y_test))
 
 
 def run(name, seeds, out):
@@ -143,11 +135,4 @@ def summary(paths):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--summary":
-        summary(sys.argv[2:])
-        sys.exit()
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore", ConvergenceWarning)
-    with open(sys.argv[4], "a") as out:
-        for name in sys.argv[1].split(","):
-            run(name, range(int(sys.argv[2]), int(sys.argv[3])), out)
+    main(run, summary)

@@ -180,12 +180,17 @@ def summary(paths):
               f"{m[0]:+.4f} ({m[2]}) | {np.mean([x[0] for x in w]):+.4f} |")
 
 
-if __name__ == "__main__":
+def main(run, summary):
+    """The command line of these A/B scripts: ``--summary FILE...`` or ``SETS FIRST STOP OUT``."""
     if sys.argv[1] == "--summary":
         summary(sys.argv[2:])
-        sys.exit()
+        return
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", ConvergenceWarning)
     with open(sys.argv[4], "a") as out:
         for name in sys.argv[1].split(","):
             run(name, range(int(sys.argv[2]), int(sys.argv[3])), out)
+
+
+if __name__ == "__main__":
+    main(run, summary)

@@ -200,6 +200,58 @@ def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data)
     np.testing.assert_array_equal(est.predict(X), svm.predict(_unit(est.transform(X))))
 
 
+@pytest.mark.parametrize("svm_kernel", ["tangent", "path", "linear"])
+def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypatch, svm_kernel):
+    import torch
+
+    from skpathkernel._estimators import _features
+
+    X, y = circle
+    threads_seen = []
+    kernels = {"TangentKernel": _features.TangentKernel, "PathKernel": _features.PathKernel}
+    for name, cls in kernels.items():
+        def spy(*args, _cls=cls, **kwargs):
+            kernel = _cls(*args, **kwargs)
+            call = kernel.__call__
+
+            def counted(*a, **k):
+                threads_seen.append(torch.get_num_threads())
+                return call(*a, **k)
+
+            # An instance attribute is not what Python calls: a thin wrapper object is.
+            return type("Spy", (), {"__call__": staticmethod(counted)})()
+        monkeypatch.setattr(_features, name, spy)
+    features = TangentFeatureSVM._tangent_features
+
+    def counted_features(self, *a, **k):
+        threads_seen.append(torch.get_num_threads())
+        return features(self, *a, **k)
+
+    monkeypatch.setattr(TangentFeatureSVM, "_tangent_features", counted_features)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = dict(SMALL, max_iter=5) if svm_kernel == "path" else SMALL
+        est = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
+        est.decision_function(X[:7])
+        one = list(threads_seen)
+        threads_seen.clear()
+        # The reference: every kernel on torch's two threads.
+        monkeypatch.setattr(_features, "KERNEL_SINGLE_THREAD_WORK", 0)
+        ref = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
+        ref_decision = ref.decision_function(X[:7])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    # 60 x 60 x 33 parameters: fit (training Gram or features) and the decision's rows on
+    # one thread, and the caller's thread count left as it was.
+    assert len(one) >= 2 and set(one) == {1}, one
+    assert set(threads_seen) == {2} and after == 2, threads_seen
+    assert est.C_ == ref.C_
+    np.testing.assert_allclose(est.decision_function(X[:7]), ref_decision, rtol=1e-12,
+                               atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- seed figure 3
 # Measured (seeds 0-3, 200 train / 200 test points, this network): the tangent-feature
 # linear SVM scored 0.99-1.00 on both tasks; an RBF SVC on the raw inputs 0.89-0.92 on the

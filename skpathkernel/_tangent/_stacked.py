@@ -295,12 +295,12 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     that single one (C = 1); the ``C x C`` blocks spread it over the outputs again
     (:func:`_units`).
     """
-    h, params, inputs, derivs = forward_factors(mlp, theta, layout, X)
+    h, params, inputs, raw = forward_factors(mlp, theta, layout, X)
     B = theta.shape[0]
     inputs = [a.expand(B, *a.shape[1:]) for a in inputs]
     # (B, N, d) as the layout's broadcast factor of the backprops.
     derivs = [d if d is None else d.transpose(1, 2).contiguous().unsqueeze(3)
-              if units_major else d.unsqueeze(2) for d in derivs]
+              if units_major else d.unsqueeze(2) for d in raw]
     n, C = X.shape[0], len(outputs)
     sel = torch.as_tensor(list(outputs), device=h.device)
 
@@ -310,13 +310,25 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
         delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
         return delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
 
-    delta = None
+    # The backprop below a one-hot output layer is kept factored, ``Wc`` (B, C, d) times
+    # the derivatives met since, ``dprod`` (B, N, d): the next Linear's backprop
+    # ``sum_r dprod_r Wc_cr W_r`` is then one GEMM of ``dprod`` against ``Wc_cr W_r``
+    # (B, d, C d_in), the same FLOPs as forming ``Wc * dprod`` (B p N C numbers written
+    # and read back) and multiplying it by ``W``. The units-major backprops are stored
+    # (B, p, C, N), the layout that GEMM writes, and viewed as (B, p, N, C); a backprop
+    # a GEMM wrote is multiplied by the derivatives in place (``owned``).
+    delta, factored, owned = None, None, False
     merged, deltas, li = None, [], len(params)
-    for it, d in zip(reversed(mlp.items), reversed(derivs)):
+    for it, d, d_raw in zip(reversed(mlp.items), reversed(derivs), reversed(raw)):
         if not isinstance(it, _Linear):
-            if delta is None:  # an activation after the output layer: one-hot rows
-                delta = onehot()
-            delta = delta * d
+            if factored is not None:
+                Wc, dprod = factored
+                factored = (Wc, d_raw if dprod is None else dprod * d_raw)
+            else:
+                if delta is None:  # an activation after the output layer: one-hot rows
+                    delta = onehot()
+                delta = delta.mul_(d) if owned else delta * d
+                owned = True
             if merged is not None:
                 merged = merged * d
             continue
@@ -326,20 +338,39 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
         if li == 0:  # the first layer's inputs need no backprop
             break
         W = params[li][0]
-        if delta is None:  # one-hot: the backprop is the outputs' rows of W
+        if delta is None and factored is None:
+            # One-hot: the backprop is the outputs' rows of W.
             Wc = W.index_select(1, sel)                              # (B, C, d_in)
             norm = Wc.square().sum(1).sqrt_()                        # (B, d_in)
             if units_major:
                 merged = norm[:, :, None, None].expand(-1, -1, n, 1)
-                delta = Wc.transpose(1, 2)[:, :, None, :].expand(-1, -1, n, -1)
             else:
                 merged = norm[:, None, None, :].expand(-1, n, 1, -1)
-                delta = Wc[:, None].expand(-1, n, -1, -1)
+            factored = (Wc, None)
+            continue
+        if factored is not None:
+            Wc, dprod = factored
+            factored = None
+            if dprod is None:  # no activation in between: the same rows for every sample
+                rows = torch.matmul(Wc, W)                           # (B, C, d_in)
+                delta = (rows.transpose(1, 2)[:, :, None, :].expand(-1, -1, n, -1)
+                         if units_major else rows[:, None].expand(-1, n, -1, -1))
+                owned = False
+                continue
+            if units_major:
+                U = W.transpose(1, 2)[:, :, None, :] * Wc[:, None, :, :]  # (B, d_in, C, d)
+                delta = torch.matmul(U.reshape(B, it.d_in * C, it.d_out), dprod.transpose(1, 2))
+            else:
+                U = Wc.transpose(1, 2)[:, :, :, None] * W[:, :, None, :]  # (B, d, C, d_in)
+                delta = torch.matmul(dprod, U.reshape(B, it.d_out, C * it.d_in))
         elif units_major:
-            delta = torch.matmul(W.transpose(1, 2), delta.reshape(B, it.d_out, n * C))
-            delta = delta.view(B, it.d_in, n, C)
+            delta = torch.matmul(W.transpose(1, 2),
+                                 delta.transpose(2, 3).reshape(B, it.d_out, C * n))
         else:
-            delta = torch.matmul(delta.reshape(B, n * C, it.d_out), W).view(B, n, C, it.d_in)
+            delta = torch.matmul(delta.reshape(B, n * C, it.d_out), W)
+        delta = (delta.view(B, it.d_in, C, n).transpose(2, 3) if units_major
+                 else delta.view(B, n, C, it.d_in))
+        owned = True
     return list(zip(inputs, reversed(deltas)))
 
 

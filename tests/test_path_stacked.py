@@ -312,8 +312,11 @@ LAYERS = [
     lambda: [torch.nn.Linear(3, 4)],
     # The output layer right above the first: the merged layer is the first one.
     lambda: [torch.nn.Linear(3, 7), torch.nn.GELU(), torch.nn.Linear(7, 4, bias=False)],
+    # Three hidden layers: a backprop written by a GEMM carried through another Linear.
+    lambda: [torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 6), torch.nn.GELU(),
+             torch.nn.Linear(6, 5), torch.nn.SiLU(), torch.nn.Linear(5, 4)],
 ]
-LAYER_IDS = ["sigmoid-out", "linear-linear", "single", "two-layers"]
+LAYER_IDS = ["sigmoid-out", "linear-linear", "single", "two-layers", "three-hidden"]
 
 
 @pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)

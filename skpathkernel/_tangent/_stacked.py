@@ -51,9 +51,10 @@ square 256-row panels at N = 1000 and all ``N^2`` at N <= 256) and mirrored; the
 on the diagonal are symmetrised exactly. The trace's strips run to the last column (one
 panel per strip: no narrow remainders, and the "units" route's calls cover whole rows),
 and its "dense" layers are contracted apart (:func:`_dense_strips`): one point's
-gradients at a time, formed right before 128-row strips read them from cache, where the
-block's formed at once would be written to memory and read back by every strip (at
-N = 1000, 8 points: 0.48 s against 0.54 s, and the forming 0.04 s against 0.10 s). The
+gradients at a time, formed right before 256-row strips read them from cache (the
+strips' squares on the diagonal halved down to 64 rows), where the block's formed at
+once would be written to memory and read back by every strip (at N = 1000, 8 points, in
+128-row strips: 0.48 s against 0.54 s, and the forming 0.04 s against 0.10 s). The
 block of points ``B`` and the panels are sized from ``memory_budget``. Every block's sum
 is added to a float64 Gram, so the result equals the point-by-point sum to float
 rounding.
@@ -117,8 +118,13 @@ _PANEL = 256
 # slower, and fewer units per chunk issue more calls).
 _CACHE = 2**22
 
-# Rows of the strips of a symmetric trace's "dense" layers (:func:`_dense_strips`).
-_DENSE_STRIP = 128
+# Rows of the strips of a symmetric trace's "dense" layers (:func:`_dense_strips`), and
+# of the squares on the diagonal that they compute whole: at N = 1000, 8 points, 256 and
+# 64 took 6% less time than strips of 128 rows computed to the diagonal's squares (whose
+# 13% of work below the diagonal outweighed the narrower GEMMs' slower rate; squares of
+# 32 rows were slower than 64).
+_DENSE_STRIP = 256
+_DENSE_LEAF = 64
 
 # Most units per chunk of the full blocks' "units" route: the inner dimension of its
 # batched GEMMs.
@@ -794,14 +800,17 @@ def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunks,
 def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
                   scratch: _Scratch) -> None:
     """``K += `` the "dense" layers' Grams over one block of points: the upper triangle
-    of a symmetric ``K``, in strips of ``_DENSE_STRIP`` rows from the diagonal to the
-    last column, one point at a time.
+    of a symmetric ``K``, in strips of ``_DENSE_STRIP`` rows, one point at a time.
 
     A point's per-sample gradients (16 MB at N = 1000 for a 64 x 65 layer) are formed
     right before its strips read them, so that they are read from cache: the block's
     gradients formed at once (hundreds of MB) are written to memory and read back by
-    every strip. Their Gram is summed over the block in float32 (as the panels' GEMMs
-    sum over the block's points) and added to ``K`` once.
+    every strip. Each strip right of its square is one GEMM; the square on the diagonal
+    is halved down to ``_DENSE_LEAF`` rows (:func:`_dense_square`), so that about
+    ``N * _DENSE_LEAF / 2`` entries below the diagonal are computed, not
+    ``N * _DENSE_STRIP / 2``, while the GEMMs that do most of the work stay wide. Their
+    Gram is summed over the block in float32 (as the panels' GEMMs sum over the block's
+    points) and added to ``K`` once.
     """
     n = K.shape[0]
     acc = scratch.get("dense_acc", (n, n), sides.fx[0][0].dtype).zero_()
@@ -818,10 +827,26 @@ def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
                 gy = _form(point, None, scratch, "formed_y")
             for s in range(0, n, _DENSE_STRIP):
                 e = min(s + _DENSE_STRIP, n)
-                acc[s:e, s:].addmm_(gx[s:e], gy[s:].T)
+                if e < n:
+                    acc[s:e, e:].addmm_(gx[s:e], gy[e:].T)
+                _dense_square(acc, gx, gy, s, e)
     for s in range(0, n, _DENSE_STRIP):
         e = min(s + _DENSE_STRIP, n)
         K[s:e, s:] += acc[s:e, s:]
+
+
+def _dense_square(acc: torch.Tensor, gx: torch.Tensor, gy: torch.Tensor, s: int,
+                  e: int) -> None:
+    """``acc[s:e, s:e] += gx[s:e] gy[s:e]^T`` on and above the diagonal: the square
+    halved (its upper half's square, the block right of it, its lower half's square)
+    down to ``_DENSE_LEAF`` rows, computed whole."""
+    if e - s <= _DENSE_LEAF:
+        acc[s:e, s:e].addmm_(gx[s:e], gy[s:e].T)
+        return
+    h = s + (e - s + 1) // 2
+    _dense_square(acc, gx, gy, s, h)
+    acc[s:h, h:e].addmm_(gx[s:h], gy[h:e].T)
+    _dense_square(acc, gx, gy, h, e)
 
 
 def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):

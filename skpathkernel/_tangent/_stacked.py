@@ -292,7 +292,8 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     backward pass over the block's points (batched GEMMs).
 
     The backprops are (B, N, C, d_out), or (B, d_out, N, C) with ``units_major`` (the
-    layout of the "units" route's per-unit products, so that no copy reorders them).
+    layout of the "units" route's per-unit products, so that no copy reorders them; a
+    backprop written by a GEMM is stored (B, d_out, C, N), and viewed so).
     An output layer with no activation after it has one-hot backprops, which carry no
     information: its entry is None and :func:`_onehot` contracts it. The layer below it
     then backprops row ``c`` of the output layer's weights ``V`` times the same

@@ -312,8 +312,11 @@ LAYERS = [
     lambda: [torch.nn.Linear(3, 4)],
     # The output layer right above the first: the merged layer is the first one.
     lambda: [torch.nn.Linear(3, 7), torch.nn.GELU(), torch.nn.Linear(7, 4, bias=False)],
+    # Three hidden layers: a backprop written by a GEMM carried through another Linear.
+    lambda: [torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 6), torch.nn.GELU(),
+             torch.nn.Linear(6, 5), torch.nn.SiLU(), torch.nn.Linear(5, 4)],
 ]
-LAYER_IDS = ["sigmoid-out", "linear-linear", "single", "two-layers"]
+LAYER_IDS = ["sigmoid-out", "linear-linear", "single", "two-layers", "three-hidden"]
 
 
 @pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
@@ -324,8 +327,10 @@ def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs, m
     without a bias, and every route (units, dense, rank1), against the module's own
     autograd Jacobians; strips and panels of several sizes, and a symmetric Gram's
     strips to its last column (``panel=None``) with the dense layers' own strips of 16
-    rows, which leave a remainder of 8."""
+    rows, which leave a remainder of 8, their squares on the diagonal halved down to 3
+    rows (16 -> 8 -> 4 -> 2 + 2, 8 -> 4 -> 2 + 2)."""
     monkeypatch.setattr(_stacked, "_DENSE_STRIP", 16)
+    monkeypatch.setattr(_stacked, "_DENSE_LEAF", 3)
     module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
     # 40 x 20: wide enough panels for the dense route of one-output layers.
     A = torch.randn(40, 3, dtype=torch.float64)

@@ -51,9 +51,10 @@ square 256-row panels at N = 1000 and all ``N^2`` at N <= 256) and mirrored; the
 on the diagonal are symmetrised exactly. The trace's strips run to the last column (one
 panel per strip: no narrow remainders, and the "units" route's calls cover whole rows),
 and its "dense" layers are contracted apart (:func:`_dense_strips`): one point's
-gradients at a time, formed right before 128-row strips read them from cache, where the
-block's formed at once would be written to memory and read back by every strip (at
-N = 1000, 8 points: 0.48 s against 0.54 s, and the forming 0.04 s against 0.10 s). The
+gradients at a time, formed right before 256-row strips read them from cache (the
+strips' squares on the diagonal halved down to 64 rows), where the block's formed at
+once would be written to memory and read back by every strip (at N = 1000, 8 points, in
+128-row strips: 0.48 s against 0.54 s, and the forming 0.04 s against 0.10 s). The
 block of points ``B`` and the panels are sized from ``memory_budget``. Every block's sum
 is added to a float64 Gram, so the result equals the point-by-point sum to float
 rounding.
@@ -117,8 +118,13 @@ _PANEL = 256
 # slower, and fewer units per chunk issue more calls).
 _CACHE = 2**22
 
-# Rows of the strips of a symmetric trace's "dense" layers (:func:`_dense_strips`).
-_DENSE_STRIP = 128
+# Rows of the strips of a symmetric trace's "dense" layers (:func:`_dense_strips`), and
+# of the squares on the diagonal that they compute whole: at N = 1000, 8 points, 256 and
+# 64 took 6% less time than strips of 128 rows computed to the diagonal's squares (whose
+# 13% of work below the diagonal outweighed the narrower GEMMs' slower rate; squares of
+# 32 rows were slower than 64).
+_DENSE_STRIP = 256
+_DENSE_LEAF = 64
 
 # Most units per chunk of the full blocks' "units" route: the inner dimension of its
 # batched GEMMs.
@@ -286,7 +292,8 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     backward pass over the block's points (batched GEMMs).
 
     The backprops are (B, N, C, d_out), or (B, d_out, N, C) with ``units_major`` (the
-    layout of the "units" route's per-unit products, so that no copy reorders them).
+    layout of the "units" route's per-unit products, so that no copy reorders them; a
+    backprop written by a GEMM is stored (B, d_out, C, N), and viewed so).
     An output layer with no activation after it has one-hot backprops, which carry no
     information: its entry is None and :func:`_onehot` contracts it. The layer below it
     then backprops row ``c`` of the output layer's weights ``V`` times the same
@@ -295,12 +302,12 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     that single one (C = 1); the ``C x C`` blocks spread it over the outputs again
     (:func:`_units`).
     """
-    h, params, inputs, derivs = forward_factors(mlp, theta, layout, X)
+    h, params, inputs, raw = forward_factors(mlp, theta, layout, X)
     B = theta.shape[0]
     inputs = [a.expand(B, *a.shape[1:]) for a in inputs]
     # (B, N, d) as the layout's broadcast factor of the backprops.
     derivs = [d if d is None else d.transpose(1, 2).contiguous().unsqueeze(3)
-              if units_major else d.unsqueeze(2) for d in derivs]
+              if units_major else d.unsqueeze(2) for d in raw]
     n, C = X.shape[0], len(outputs)
     sel = torch.as_tensor(list(outputs), device=h.device)
 
@@ -310,13 +317,25 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
         delta = (eye.T[None, :, None, :] if units_major else eye[None, None])
         return delta.expand(B, *((-1, n, -1) if units_major else (n, -1, -1)))
 
-    delta = None
+    # The backprop below a one-hot output layer is kept factored, ``Wc`` (B, C, d) times
+    # the derivatives met since, ``dprod`` (B, N, d): the next Linear's backprop
+    # ``sum_r dprod_r Wc_cr W_r`` is then one GEMM of ``dprod`` against ``Wc_cr W_r``
+    # (B, d, C d_in), the same FLOPs as forming ``Wc * dprod`` (B p N C numbers written
+    # and read back) and multiplying it by ``W``. The units-major backprops are stored
+    # (B, p, C, N), the layout that GEMM writes, and viewed as (B, p, N, C); a backprop
+    # a GEMM wrote is multiplied by the derivatives in place (``owned``).
+    delta, factored, owned = None, None, False
     merged, deltas, li = None, [], len(params)
-    for it, d in zip(reversed(mlp.items), reversed(derivs)):
+    for it, d, d_raw in zip(reversed(mlp.items), reversed(derivs), reversed(raw)):
         if not isinstance(it, _Linear):
-            if delta is None:  # an activation after the output layer: one-hot rows
-                delta = onehot()
-            delta = delta * d
+            if factored is not None:
+                Wc, dprod = factored
+                factored = (Wc, d_raw if dprod is None else dprod * d_raw)
+            else:
+                if delta is None:  # an activation after the output layer: one-hot rows
+                    delta = onehot()
+                delta = delta.mul_(d) if owned else delta * d
+                owned = True
             if merged is not None:
                 merged = merged * d
             continue
@@ -326,20 +345,39 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
         if li == 0:  # the first layer's inputs need no backprop
             break
         W = params[li][0]
-        if delta is None:  # one-hot: the backprop is the outputs' rows of W
+        if delta is None and factored is None:
+            # One-hot: the backprop is the outputs' rows of W.
             Wc = W.index_select(1, sel)                              # (B, C, d_in)
             norm = Wc.square().sum(1).sqrt_()                        # (B, d_in)
             if units_major:
                 merged = norm[:, :, None, None].expand(-1, -1, n, 1)
-                delta = Wc.transpose(1, 2)[:, :, None, :].expand(-1, -1, n, -1)
             else:
                 merged = norm[:, None, None, :].expand(-1, n, 1, -1)
-                delta = Wc[:, None].expand(-1, n, -1, -1)
+            factored = (Wc, None)
+            continue
+        if factored is not None:
+            Wc, dprod = factored
+            factored = None
+            if dprod is None:  # no activation in between: the same rows for every sample
+                rows = torch.matmul(Wc, W)                           # (B, C, d_in)
+                delta = (rows.transpose(1, 2)[:, :, None, :].expand(-1, -1, n, -1)
+                         if units_major else rows[:, None].expand(-1, n, -1, -1))
+                owned = False
+                continue
+            if units_major:
+                U = W.transpose(1, 2)[:, :, None, :] * Wc[:, None, :, :]  # (B, d_in, C, d)
+                delta = torch.matmul(U.reshape(B, it.d_in * C, it.d_out), dprod.transpose(1, 2))
+            else:
+                U = Wc.transpose(1, 2)[:, :, :, None] * W[:, :, None, :]  # (B, d, C, d_in)
+                delta = torch.matmul(dprod, U.reshape(B, it.d_out, C * it.d_in))
         elif units_major:
-            delta = torch.matmul(W.transpose(1, 2), delta.reshape(B, it.d_out, n * C))
-            delta = delta.view(B, it.d_in, n, C)
+            delta = torch.matmul(W.transpose(1, 2),
+                                 delta.transpose(2, 3).reshape(B, it.d_out, C * n))
         else:
-            delta = torch.matmul(delta.reshape(B, n * C, it.d_out), W).view(B, n, C, it.d_in)
+            delta = torch.matmul(delta.reshape(B, n * C, it.d_out), W)
+        delta = (delta.view(B, it.d_in, C, n).transpose(2, 3) if units_major
+                 else delta.view(B, n, C, it.d_in))
+        owned = True
     return list(zip(inputs, reversed(deltas)))
 
 
@@ -774,14 +812,17 @@ def _contract_panel(out, sides: _Sides, routes, w, rows, cols, chunks,
 def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
                   scratch: _Scratch) -> None:
     """``K += `` the "dense" layers' Grams over one block of points: the upper triangle
-    of a symmetric ``K``, in strips of ``_DENSE_STRIP`` rows from the diagonal to the
-    last column, one point at a time.
+    of a symmetric ``K``, in strips of ``_DENSE_STRIP`` rows, one point at a time.
 
     A point's per-sample gradients (16 MB at N = 1000 for a 64 x 65 layer) are formed
     right before its strips read them, so that they are read from cache: the block's
     gradients formed at once (hundreds of MB) are written to memory and read back by
-    every strip. Their Gram is summed over the block in float32 (as the panels' GEMMs
-    sum over the block's points) and added to ``K`` once.
+    every strip. Each strip right of its square is one GEMM; the square on the diagonal
+    is halved down to ``_DENSE_LEAF`` rows (:func:`_dense_square`), so that about
+    ``N * _DENSE_LEAF / 2`` entries below the diagonal are computed, not
+    ``N * _DENSE_STRIP / 2``, while the GEMMs that do most of the work stay wide. Their
+    Gram is summed over the block in float32 (as the panels' GEMMs sum over the block's
+    points) and added to ``K`` once.
     """
     n = K.shape[0]
     acc = scratch.get("dense_acc", (n, n), sides.fx[0][0].dtype).zero_()
@@ -793,10 +834,26 @@ def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
             gx, gy = _form_sides(point, point, wD[b : b + 1], scratch, "formed")
             for s in range(0, n, _DENSE_STRIP):
                 e = min(s + _DENSE_STRIP, n)
-                acc[s:e, s:].addmm_(gx[s:e], gy[s:].T)
+                if e < n:
+                    acc[s:e, e:].addmm_(gx[s:e], gy[e:].T)
+                _dense_square(acc, gx, gy, s, e)
     for s in range(0, n, _DENSE_STRIP):
         e = min(s + _DENSE_STRIP, n)
         K[s:e, s:] += acc[s:e, s:]
+
+
+def _dense_square(acc: torch.Tensor, gx: torch.Tensor, gy: torch.Tensor, s: int,
+                  e: int) -> None:
+    """``acc[s:e, s:e] += gx[s:e] gy[s:e]^T`` on and above the diagonal: the square
+    halved (its upper half's square, the block right of it, its lower half's square)
+    down to ``_DENSE_LEAF`` rows, computed whole."""
+    if e - s <= _DENSE_LEAF:
+        acc[s:e, s:e].addmm_(gx[s:e], gy[s:e].T)
+        return
+    h = s + (e - s + 1) // 2
+    _dense_square(acc, gx, gy, s, h)
+    acc[s:h, h:e].addmm_(gx[s:h], gy[h:e].T)
+    _dense_square(acc, gx, gy, h, e)
 
 
 def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):

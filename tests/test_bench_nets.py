@@ -187,3 +187,28 @@ def test_timed_calls_report_cpu_time_and_its_speedups():
     assert "; CPU 1 s |" in lines[0] and "| 4.00x (CPU 3.00x) |" in lines[1]
     assert _peers_goal(group, 1.5) == (">= 1.5x the fastest peer (vmap_grad): 4.00x "
                                        "(CPU 3.00x), met")
+
+
+def test_one_output_rows_have_the_roofline_of_one_output():
+    from benchmarks._worker import _structured_roofline
+
+    # Every Gram row of the networks carries a roofline, the one-output rows too.
+    plan = _plan(True, "cpu", archs=("cnn8",))["gram_nets"]
+    assert {g[0].get("output", "trace") for g in plan} == {"trace", 0}
+    assert all(g[0]["roofline"] for g in plan)
+    torch.manual_seed(0)
+    module = _nets.build("cnn8")
+    # At n = 64 the engine forms every convolution's gradient blocks (position pairs
+    # are cheaper only on a few samples).
+    n = 64
+    X = _nets.inputs("cnn8", n)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    # The full products written out for conv32-conv64-Linear10 on 8 x 8: both
+    # convolutions' weights and biases as gradient blocks (2 n^2 C numel), the head
+    # rank-one with its bias (2 n^2 (q + C p) + 3 n^2, q = 64 * 8 * 8, p = 10).
+    convs = 32 * 9 + 32 + 64 * 32 * 9 + 64
+    for output, C in (("trace", 10), (0, 1)):
+        rf = _structured_roofline(module, params, X, lambda: None, output)
+        expected = 2 * n * n * C * convs + 2 * n * n * (4096 + C * 10) + 3 * n * n
+        assert rf["flops"] == expected
+        assert rf["width"] == C * 64 * 32 * 9

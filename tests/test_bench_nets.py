@@ -212,3 +212,29 @@ def test_one_output_rows_have_the_roofline_of_one_output():
         expected = 2 * n * n * C * convs + 2 * n * n * (4096 + C * 10) + 3 * n * n
         assert rf["flops"] == expected
         assert rf["width"] == C * 64 * 32 * 9
+
+
+def test_chunked_captures_reuse_their_buffers_and_match_dense_jacobians(monkeypatch):
+    # A block of formed gradients captured in chunks of 3 rows (3, 3 and a last one of
+    # 1): every chunk's backprops are written into the same buffers, which must hold
+    # nothing of an earlier chunk once its terms are copied into the block.
+    torch.manual_seed(0)
+    module = _nets.build("resnet").double()
+    X = _nets.inputs("resnet", 7, torch.float64)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    real_shares = _gram._dense_shares
+    monkeypatch.setattr(_gram, "_dense_shares", lambda *a: (3, real_shares(*a)[1]))
+    calls = []
+    real_capture = _gram.capture
+
+    def spy(*args, scratch=None, **kw):
+        calls.append((args[2].shape[0], None if scratch is None else id(scratch)))
+        return real_capture(*args, scratch=scratch, **kw)
+
+    monkeypatch.setattr(_gram, "capture", spy)
+    K = tangent_gram(module, params, X)
+    chunked = [c for c in calls if c[1] is not None]
+    assert [n for n, _ in chunked] == [3, 3, 1] and len({s for _, s in chunked}) == 1
+    J = jacobian_loop(module, X)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
+    np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())

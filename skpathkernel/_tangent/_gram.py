@@ -343,13 +343,14 @@ class _Blocks:
         self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
         self._cache: dict[int, Capture] = {}
         self._held: tuple[int, Capture] | None = None
+        self._scratch: list[torch.Tensor] = []
 
     def __len__(self):
         return len(self.slices)
 
-    def _capture(self, rows: slice) -> Capture:
+    def _capture(self, rows: slice, scratch=None) -> Capture:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
-                      memory_budget=self.budget, exclude=self.exclude)
+                      memory_budget=self.budget, exclude=self.exclude, scratch=scratch)
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)
@@ -368,7 +369,9 @@ class _Blocks:
         else:
             cap, terms = None, None
             for s in range(sl.start, sl.stop, self.chunk):
-                part = self._capture(slice(s, min(s + self.chunk, sl.stop)))
+                # Every chunk's terms are copied into the block's before the next
+                # capture: its backprops reuse one set of buffers.
+                part = self._capture(slice(s, min(s + self.chunk, sl.stop)), self._scratch)
                 if terms is None:
                     cap, terms = part, _formed_empty(part.terms, self.dense, n)
                 _formed(part.terms, self.dense, terms, s - sl.start)

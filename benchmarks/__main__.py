@@ -209,7 +209,7 @@ def _net_group(arch, n, output, reps):
     the peers; ``output`` "trace" (over the C outputs) or an output's index."""
     one = {} if output == "trace" else {"output": output}
     group = [dict(kind="gram", method=m, arch=arch, n=n, dtype="float32", repeats=reps,
-                  roofline=m == "skpathkernel" and output == "trace", **one) for m in OURS]
+                  roofline=m == "skpathkernel", **one) for m in OURS]
     peers = ("vmap_grad", "neural_tangents") + (("nngeometry",) if output != "trace" else ())
     # Two timed calls per peer: a peer takes minutes per call on some rows at N = 1024.
     group += [dict(kind=PEER_KINDS.get(peer, "gram"), method=peer, arch=arch, n=n,
@@ -534,7 +534,7 @@ def _nets_lines(groups, device):
                   for r in group[1:] if "times" in r}
         if "roofline" in mine:
             rf = mine["roofline"]
-            roof.append(f"| {mine['spec']['arch']} | {mine['spec']['n']} | "
+            roof.append(f"| {_label(mine['spec'])} | {mine['spec']['n']} | "
                         f"{rf['flops'] / 1e9:.2f} | {rf['performed_flops'] / 1e9:.2f} | "
                         f"{rf['width']} | {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s | "
                         f"{ours:.3f} s | {rf['gemm_bound_s'] / ours:.2f} | "
@@ -551,11 +551,11 @@ def _nets_lines(groups, device):
     lines += ["", "### GEMM roofline of the structured Gram on these networks", "",
               "Full products: every term's Gram products in full, the issue's floor "
               "(gradient blocks 2 N^2 C p q for a convolution, rank-one 2 N^2 (q + C p) for "
-              "the dense head); performed: the share of them the symmetric panels compute "
-              "plus forming the blocks (2 N S C p q), forward and backward passes not "
-              "counted. Rate: torch.matmul on N x width x N, width the widest block row "
-              "(capped at 65536). Ratio = bound / measured (1 = at roofline; > 1: faster "
-              "than full products, by the symmetry).", "",
+              "the dense head; C = 1 on the one-output rows); performed: the share of them "
+              "the symmetric panels compute plus forming the blocks (2 N S C p q), forward "
+              "and backward passes not counted. Rate: torch.matmul on N x width x N, width "
+              "the widest block row (capped at 65536). Ratio = bound / measured (1 = at "
+              "roofline; > 1: faster than full products, by the symmetry).", "",
               "| network | N | GFLOP full products | GFLOP performed | width | matmul rate | "
               "measured | ratio (full products) | ratio (performed) |",
               "|---|---|---|---|---|---|---|---|---|"] + roof

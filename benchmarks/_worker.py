@@ -151,7 +151,8 @@ def gram_case(spec):
             ref = ref.to(torch.float64)
             result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
         if spec.get("roofline"):
-            result["roofline"] = (_structured_roofline(module, params, X, sync)
+            result["roofline"] = (_structured_roofline(module, params, X, sync,
+                                                       spec.get("output", "trace"))
                                   if spec.get("arch") else _roofline(spec, module, X, sync))
         return result
 
@@ -207,7 +208,7 @@ def _matmul_rate(n, width, X, sync):
     return 2 * n * n * width / statistics.median(times)
 
 
-def _structured_roofline(module, params, X, sync):
+def _structured_roofline(module, params, X, sync, output="trace"):
     """The floor of the exact contraction the engine chose, per term, at GEMM speed.
 
     *Full products*, the issue's definition: every term's Gram products in full, for
@@ -216,13 +217,14 @@ def _structured_roofline(module, params, X, sync):
     *Performed*: the share of those the symmetric panels compute, plus forming the
     gradient blocks (``2 N S C p q``); the forward and backward passes are not counted.
     The rate is torch.matmul's on an N x width x N product, width the widest block row
-    (at most 2^16, to bound the probe's memory).
+    (at most 2^16, to bound the probe's memory). ``output``: the row's, "trace" over the
+    C outputs or one output's index (C = 1, the same definitions).
     """
     from skpathkernel._tangent import _gram
     from skpathkernel._tangent._contract import param_numel
 
     n = X.shape[0]
-    params, outputs, mode, probe = _gram._prepare(module, params, X, "trace", BUDGET)
+    params, outputs, mode, probe = _gram._prepare(module, params, X, output, BUDGET)
     C = len(outputs)
     itemsize = probe.terms[0].delta.element_size()
     full = forming = 0

@@ -22,31 +22,38 @@ from benchmarks._serve import Server
 from skpathkernel._tangent import _gram, layer_routes, tangent_gram
 
 
-@pytest.mark.parametrize("arch", ["resnet", "vit"])
-def test_new_rows_gram_matches_dense_jacobians(arch):
+def _check_trace(K, module, X):
+    """K against the trace kernel of the dense per-sample Jacobians (float64)."""
+    J = jacobian_loop(module, X)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
+    np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())
+
+
+def _double_problem(arch, n):
+    """The network in float64 at seed 0, n inputs and its parameters."""
     torch.manual_seed(0)
     module = _nets.build(arch).double()
-    X = _nets.inputs(arch, 5, torch.float64)
-    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = _nets.inputs(arch, n, torch.float64)
+    return module, X, {k: v.detach() for k, v in module.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["resnet", "vit"])
+def test_new_rows_gram_matches_dense_jacobians(arch):
+    module, X, params = _double_problem(arch, 5)
     # Both run on rules only (the ViT's class token and position embedding too): a
     # fallback would warn, and the rows would time another route than they name.
     assert {r.route for r in layer_routes(module, X, params=params)} == {"rule"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         K = tangent_gram(module, params, X)
-    J = jacobian_loop(module, X)
-    ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
-    np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())
+    _check_trace(K, module, X)
 
 
 def test_vit_trace_in_output_groups_matches_dense_jacobians(monkeypatch):
     # The ViT row at N = 1024: its ten outputs' gradient blocks (3 GB) exceed the default
     # budget, and the trace is summed over groups of outputs. The same here at N = 40
     # with the smallest budget (in steps of 5%) that splits them.
-    torch.manual_seed(0)
-    module = _nets.build("vit").double()
-    X = _nets.inputs("vit", 40, torch.float64)
-    params = {k: v.detach() for k, v in module.named_parameters()}
+    module, X, params = _double_problem("vit", 40)
     probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
     budget = 2**24
     while len(_gram._output_groups(probe, 40, 40, "trace", None, True, budget, 8)) == 1:
@@ -57,9 +64,7 @@ def test_vit_trace_in_output_groups_matches_dense_jacobians(monkeypatch):
     monkeypatch.setattr(_gram, "_output_groups", lambda *a: groups.append(real(*a)) or groups[-1])
     K = tangent_gram(module, params, X, memory_budget=budget)
     assert len(groups[0]) > 1 and sum(groups[0], []) == list(range(10))
-    J = jacobian_loop(module, X)
-    ref = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
-    np.testing.assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-10 * ref.abs().max())
+    _check_trace(K, module, X)
 
 
 def test_part_of_the_networks_at_one_n():
@@ -200,3 +205,72 @@ def test_timed_calls_report_cpu_time_and_its_speedups():
     assert "; CPU 1 s |" in lines[0] and "| 4.00x (CPU 3.00x) |" in lines[1]
     assert _peers_goal(group, 1.5) == (">= 1.5x the fastest peer (vmap_grad): 4.00x "
                                        "(CPU 3.00x), met")
+
+
+def test_one_output_rows_have_the_roofline_of_one_output():
+    from benchmarks._worker import _structured_roofline
+
+    # Every Gram row of the networks carries a roofline, the one-output rows too.
+    plan = _plan(True, "cpu", archs=("cnn8",))["gram_nets"]
+    assert {g[0].get("output", "trace") for g in plan} == {"trace", 0}
+    assert all(g[0]["roofline"] for g in plan)
+    torch.manual_seed(0)
+    module = _nets.build("cnn8")
+    # At n = 64 the engine forms every convolution's gradient blocks (position pairs
+    # are cheaper only on a few samples).
+    n = 64
+    X = _nets.inputs("cnn8", n)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    # The full products written out for conv32-conv64-Linear10 on 8 x 8: both
+    # convolutions' weights and biases as gradient blocks (2 n^2 C numel), the head
+    # rank-one with its bias (2 n^2 (q + C p) + 3 n^2, q = 64 * 8 * 8, p = 10).
+    convs = 32 * 9 + 32 + 64 * 32 * 9 + 64
+    for output, C in (("trace", 10), (0, 1)):
+        rf = _structured_roofline(module, params, X, lambda: None, output)
+        expected = 2 * n * n * C * convs + 2 * n * n * (4096 + C * 10) + 3 * n * n
+        assert rf["flops"] == expected
+        assert rf["width"] == C * 64 * 32 * 9
+
+
+def test_chunked_captures_reuse_their_buffers_and_match_dense_jacobians(monkeypatch):
+    # A block of formed gradients captured in chunks of 3 rows (3, 3 and a last one of
+    # 1): every chunk's backprops are written into the same buffers, which must hold
+    # nothing of an earlier chunk once its terms are copied into the block.
+    module, X, params = _double_problem("resnet", 7)
+    real_shares = _gram._dense_shares
+    monkeypatch.setattr(_gram, "_dense_shares", lambda *a: (3, real_shares(*a)[1]))
+    calls = []
+    real_capture = _gram.capture
+
+    def spy(*args, scratch=None, **kw):
+        calls.append((args[2].shape[0], None if scratch is None else id(scratch)))
+        return real_capture(*args, scratch=scratch, **kw)
+
+    monkeypatch.setattr(_gram, "capture", spy)
+    K = tangent_gram(module, params, X)
+    chunked = [c for c in calls if c[1] is not None]
+    assert [n for n, _ in chunked] == [3, 3, 1] and len({s for _, s in chunked}) == 1
+    _check_trace(K, module, X)
+
+
+def test_output_groups_form_their_blocks_in_the_same_memory(monkeypatch):
+    # The trace summed over groups of outputs (4, 3 and 3 of the ten), each group's
+    # blocks formed in chunks: a later group's blocks overwrite the earlier group's, which
+    # are summed by then; the trace must still be the dense Jacobians' one.
+    module, X, params = _double_problem("resnet", 5)
+    real_shares = _gram._dense_shares
+    monkeypatch.setattr(_gram, "_dense_shares", lambda *a: (2, real_shares(*a)[1]))
+    monkeypatch.setattr(_gram, "_output_groups",
+                        lambda *a: [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    formed = []
+    real_formed = _gram._formed
+
+    def spy(terms, dense, into=None, start=0):
+        if into is not None and start == 0:
+            formed.append(into[0].delta.data_ptr())
+        return real_formed(terms, dense, into, start)
+
+    monkeypatch.setattr(_gram, "_formed", spy)
+    K = tangent_gram(module, params, X)
+    assert len(formed) == 3 and len(set(formed)) == 1
+    _check_trace(K, module, X)

@@ -26,6 +26,7 @@ gives their per-sample gradient; any other read leaves them to the fallback.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -355,6 +356,7 @@ def capture(
     exclude: frozenset[str] = frozenset(),
     dense_fallback: bool = True,
     weights: torch.Tensor | None = None,
+    scratch: list[torch.Tensor] | None = None,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -380,6 +382,11 @@ def capture(
         Contract the outputs per row: ``delta`` has one column, the gradient of
         ``sum_c w_nc f_c(x_n)`` (one backward pass instead of one per output; the rows are
         independent samples, so row ``n``'s weights reach only its own factors).
+    scratch : list of torch.Tensor, default=None
+        Buffers that the backprops of several outputs are written into, grown and
+        reused across calls (a fresh tensor faults in every page on first touch): for a
+        caller that copies every term out of the capture before the next call, as the
+        chunks of a block of formed gradients do; the terms are views into them.
     """
     check_per_sample(module)
     layers, reasons, taken = _rule_layers(module, params, exclude)
@@ -407,11 +414,12 @@ def capture(
         # Every parameter of a layer with a misread parameter goes to the fallback.
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
-                       dense_fallback=dense_fallback, weights=weights)
+                       dense_fallback=dense_fallback, weights=weights, scratch=scratch)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
-    terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons, sites)
+    terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons, sites,
+                                scratch)
     del f, live
 
     # A rule layer's parameter that its rule leaves without a term (an extra parameter
@@ -477,7 +485,8 @@ def _accepted_free(free, watch, params, X, reasons, declined):
     return accepted
 
 
-def _rule_terms(f, accepted, outputs, weights, params, reasons, free=()) -> dict[str, Term]:
+def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
+                scratch=None) -> dict[str, Term]:
     """Each accepted layer's terms by parameter name: the backprops to its call's sites
     (one backward pass per output, or one for a contraction), factored by its rule; and
     the terms of the free parameters' sites (``free``, from :func:`_accepted_free`)."""
@@ -488,17 +497,7 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=()) -> dict
         # per-row contraction (the backprops are linear in the output's seed).
         seeds = ([f[:, c].sum() for c in outputs] if weights is None
                  else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
-        n_out = len(seeds)
-        grads = [[] for _ in zs]
-        for i, seed in enumerate(seeds):
-            g = torch.autograd.grad(seed, zs, retain_graph=i < n_out - 1,
-                                    allow_unused=True)
-            for j, (z, gz) in enumerate(zip(zs, g)):
-                grads[j].append(torch.zeros_like(z) if gz is None else gz)
-        deltas = iter(_own_memory([
-            (gs[0].unsqueeze(1) if n_out == 1 else torch.stack(gs, dim=1)).detach()
-            for gs in grads]))
-        del grads
+        deltas = iter(_own_memory(_backprops(seeds, zs, scratch)))
         for layer, rule, names, use, sites in accepted:
             layer_deltas = tuple(next(deltas) for _ in sites)
             use = Use(use.func, use.args, use.kwargs, tuple(
@@ -520,6 +519,46 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=()) -> dict
                 g = g.clone()  # its own memory, as every delta's (see _own_memory)
             terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
     return terms_by_name
+
+
+def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:
+    """``(n, len(seeds), *z.shape[1:])`` for every site output ``z``: column ``i`` the
+    gradient of ``seeds[i]`` (zeros where it does not reach ``z``).
+
+    With several seeds each backward pass's gradients are copied into their column at
+    once, so that only one pass's gradients are alive besides the result (a list of all
+    of them, stacked at the end, held the backprops twice), and the copy reads them while
+    they are still in cache. ``scratch`` (see :func:`capture`) holds their memory.
+    """
+    n_out = len(seeds)
+    if n_out == 1:
+        g = torch.autograd.grad(seeds[0], zs, allow_unused=True)
+        return [(torch.zeros_like(z) if gz is None else gz).detach().unsqueeze(1)
+                for z, gz in zip(zs, g)]
+    out = [_buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z) for j, z in enumerate(zs)]
+    for i, seed in enumerate(seeds):
+        g = torch.autograd.grad(seed, zs, retain_graph=i < n_out - 1, allow_unused=True)
+        for buf, gz in zip(out, g):
+            if gz is None:
+                buf[:, i].zero_()
+            else:
+                buf[:, i].copy_(gz)
+        del g
+    return out
+
+
+def _buffer(scratch, j: int, shape, like: torch.Tensor) -> torch.Tensor:
+    """Buffer ``j`` of ``scratch`` as a tensor of ``shape`` (grown when too small), or a
+    new one without ``scratch``."""
+    if scratch is None:
+        return like.new_empty(shape)
+    numel = math.prod(shape)
+    if len(scratch) <= j:
+        scratch.append(like.new_empty(0))
+    buf = scratch[j]
+    if buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = scratch[j] = like.new_empty(numel)
+    return buf[:numel].view(shape)
 
 
 def _own_memory(deltas: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -333,23 +333,29 @@ class _Blocks:
     per-sample gradient blocks: each block's capture hands them on formed. With ``chunk``
     a block is captured ``chunk`` rows at a time, each chunk's blocks formed in place in
     the block's buffers. Without ``keep``, :meth:`hold` keeps one block for its next use.
+    ``reuse``: a dict, kept by the caller, of the buffers those chunked blocks are formed
+    in; blocks of an earlier ``_Blocks`` formed there are overwritten (the output groups
+    of a trace, each summed before the next is captured: a fresh block faults in every
+    page of it).
     """
 
     def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset(),
-                 dense=frozenset(), chunk=None, scale=None):
+                 dense=frozenset(), chunk=None, scale=None, reuse=None):
         self.module, self.params, self.X, self.exclude = module, params, X, exclude
         self.outputs, self.budget, self.keep = outputs, budget, keep
         self.dense, self.chunk, self.scale = dense, chunk, scale
         self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
         self._cache: dict[int, Capture] = {}
         self._held: tuple[int, Capture] | None = None
+        self._scratch: list[torch.Tensor] = []
+        self._reuse = reuse
 
     def __len__(self):
         return len(self.slices)
 
-    def _capture(self, rows: slice) -> Capture:
+    def _capture(self, rows: slice, scratch=None) -> Capture:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
-                      memory_budget=self.budget, exclude=self.exclude)
+                      memory_budget=self.budget, exclude=self.exclude, scratch=scratch)
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)
@@ -368,9 +374,12 @@ class _Blocks:
         else:
             cap, terms = None, None
             for s in range(sl.start, sl.stop, self.chunk):
-                part = self._capture(slice(s, min(s + self.chunk, sl.stop)))
+                # Every chunk's terms are copied into the block's before the next
+                # capture: its backprops reuse one set of buffers.
+                part = self._capture(slice(s, min(s + self.chunk, sl.stop)), self._scratch)
                 if terms is None:
-                    cap, terms = part, _formed_empty(part.terms, self.dense, n)
+                    pool = None if self._reuse is None else self._reuse.setdefault(i, {})
+                    cap, terms = part, _formed_empty(part.terms, self.dense, n, pool)
                 _formed(part.terms, self.dense, terms, s - sl.start)
             cap.terms = terms
         if self.scale is not None:
@@ -423,10 +432,19 @@ def _scale(terms: list[Term], root: torch.Tensor, layout) -> None:
         term.delta.mul_(root[start : start + size])
 
 
-def _formed_empty(terms: list[Term], dense: frozenset[str], n: int) -> list[Term]:
-    """Uninitialised terms of ``n`` rows laid out as :func:`_formed` returns them."""
+def _formed_empty(terms: list[Term], dense: frozenset[str], n: int,
+                  pool: dict | None = None) -> list[Term]:
+    """Uninitialised terms of ``n`` rows laid out as :func:`_formed` returns them, in the
+    buffers of ``pool`` (one :class:`_Scratch` per tensor, in order) when given."""
+    slots = iter(range(10**9))
+
     def new(t, *shape):
-        return None if t is None else t.new_empty((n, *(shape or t.shape[1:])))
+        if t is None:
+            return None
+        shape = (n, *(shape or t.shape[1:]))
+        if pool is None:
+            return t.new_empty(shape)
+        return pool.setdefault(next(slots), _Scratch()).get(shape, t)
 
     out = []
     for t in terms:
@@ -672,8 +690,11 @@ def tangent_gram(
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,
-                 symmetric, memory_budget, itemsize):
+                 symmetric, memory_budget, itemsize, reuse=(None, None)):
     """The row and column blocks of a Gram, sized to the budget by the plan's route.
+
+    ``reuse``: for the row and the column blocks, where their formed gradient blocks are
+    kept (see :class:`_Blocks`), when earlier blocks held there are no longer used.
 
     Returns ``(bx, by, weight, dense)``: ``weight`` is None where the blocks carry the
     preconditioner's square root themselves; ``dense`` whether blocks are formed
@@ -721,10 +742,11 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
         fits = _keeps_all(dense, kept, n_kept, memory_budget)
     n_row_blocks = -(-X.shape[0] // size)
     bx = _Blocks(module, params, X, size, outputs, memory_budget,
-                 fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale)
+                 fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale,
+                 reuse[0])
     by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget,
                                       fits and n_row_blocks > 1, probe.exclude, dense, chunk,
-                                      scale)
+                                      scale, reuse[1])
 
     return bx, by, weight, dense
 
@@ -809,11 +831,13 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
     K = torch.empty((n, m), dtype=out_dtype, device=X.device)
     total = K if out_dtype == dtype else torch.empty((n, m), dtype=dtype, device=X.device)
     part = torch.empty((n, m), dtype=dtype, device=X.device)
+    # Each group's blocks are summed before the next group's are formed, in their place.
+    reuse = ({}, {})
     for i, columns in enumerate(groups):
         bx, by, w, dense = _gram_blocks(module, params, params_y, X, Y,
                                         [outputs[c] for c in columns], "trace",
                                         _probe_outputs(probe, columns), weight, layout,
-                                        symmetric, budget, dtype.itemsize)
+                                        symmetric, budget, dtype.itemsize, reuse)
         target = total if i == 0 else part
         _fill_gram(target, bx, by, "trace", w, layout, symmetric, dense, None)
         # Each group's trace is divided by its own number of outputs.

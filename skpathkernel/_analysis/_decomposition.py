@@ -736,6 +736,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                             None if ctx.weights is None else ctx.weights[c_rows]))
     lo, hi = _replayed(ctx, chunks[0][1], method)
     nxt = traj.parameters(hi).to(device)
+    adjoint = None
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
@@ -808,9 +809,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             continue
         D = None
         if route != "factor":
-            for c in parts:
-                if c.adjoint is None:
-                    c.adjoint = Adjoint(c.nodes[0], memory)
+            if adjoint is None:
+                # One buffer for the block's chunks: each chunk's rows take its own
+                # nodes, the batch is contracted with all of them at once.
+                adjoint = Adjoint(parts[0].nodes[0], memory, n_q)
+            groups = [(c.local, c.nodes, c.w) for c in parts]
             D = traj.preconditioner(j)
             D = None if D is None else dict(traj.unflatten(D.to(device=device,
                                                                 dtype=traj.dtype)))
@@ -835,25 +838,21 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
-                for c in parts:
-                    if not updated:
-                        share, part = c.adjoint.step(c.nodes, c.w, coef + lead, D, terms,
-                                                     dhat, decay)
-                    else:
-                        share, part = c.adjoint.contract(terms, dhat), None
-                    if part is not None:
-                        reg[c.local] += part.view(-1, n_out)
-                    share = share.view(len(c.X), n_out, -1).mul_(w_sub.to(share.dtype))
-                    contrib[c.local].index_add_(1, sub, share.transpose(1, 2))
+                if not updated:
+                    share, part = adjoint.step(groups, coef + lead, D, terms, dhat, decay)
+                else:
+                    share, part = adjoint.contract(terms, dhat), None
+                if part is not None:
+                    reg += part.view(-1, n_out)
+                share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
+                contrib.index_add_(1, sub, share.transpose(1, 2))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
-                for c in parts:
-                    _, part = c.adjoint.step(c.nodes, c.w, coef + lead, D, None, None, decay)
-                    if part is not None:
-                        reg[c.local] += part.view(-1, n_out)
+                _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
+                if part is not None:
+                    reg += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
-                for c in parts:
-                    c.adjoint.add(c.nodes, c.w, -lead, D)
+                adjoint.add(groups, -lead, D)
     return contrib, reg
 
 
@@ -864,7 +863,7 @@ class _Chunk:
 
     def __init__(self, rows, local, quad, X, W):
         self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
-        self.f_next = self.nodes = self.w = self.rho_theta = self.adjoint = None
+        self.f_next = self.nodes = self.w = self.rho_theta = None
         self.run = None
 
 

@@ -756,38 +756,49 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
             points = {}  # the nodes' parameters by node count, for every chunk
 
-            def run(n, X, W, theta=theta, delta=delta, dirs=dirs, points=points):
+            def run(n, X, W, cuts=None, theta=theta, delta=delta, dirs=dirs,
+                    points=points):
                 s, w = _gauss(n)
                 if n not in points:
                     points[n] = [theta + sk * delta for sk in s]
-                nodes = ctx.capture_nodes(points[n], X, W)
+                if cuts is None:
+                    nodes = ctx.capture_nodes(points[n], X, W)
+                else:
+                    # Captured cut by cut (each as on its own), their float64 products
+                    # in one pass over the rows.
+                    nodes = _cat_rows([ctx.capture_nodes(points[n], X[i], None if W is None
+                                                         else W[i]) for i in cuts])
                 q, spread = directional(nodes, w, prepared=dirs)
                 return q, spread, nodes, list(w)
 
             # Consecutive chunks that try the same count first (most, on a smooth path)
-            # are captured together: one pass, the arithmetic of a whole block. Not in
-            # float32: a row's float32 GEMMs round differently in a pass of more rows
-            # (measured 1e-8 relative in the sums), and a block on a worker must give
-            # the serial call's numbers.
+            # are taken together: their float64 products with the step in one pass, and
+            # in float64 their captures too (the arithmetic of a whole block). A float32
+            # chunk is captured on its own: a row's float32 GEMMs round differently in
+            # a pass of more rows (measured 1e-8 relative in the sums), and a block on a
+            # worker must give the serial call's numbers.
             together = traj.dtype == torch.float64
             tried = {}
-            for group in _runs(parts, (lambda c: c.quad.start()) if together else id):
+            for group in _runs(parts, lambda c: c.quad.start()):
                 n = group[0].quad.start()
                 at = slice(group[0].local.start, group[-1].local.stop)
+                cuts = None if together else [
+                    slice(c.local.start - at.start, c.local.stop - at.start) for c in group]
                 q, spread, nodes, w = run(n, Xq[at], None if ctx.weights is None
                                           else ctx.weights[group[0].rows.start
-                                                           : group[-1].rows.stop])
-                whole = (nodes, w, at)
+                                                           : group[-1].rows.stop], cuts)
+                # Plain SGD's products take the group's rows at once where they were
+                # captured at once (float32 GEMMs again).
+                whole = (nodes, w, at) if together else None
                 for c in group:
                     i = slice(c.local.start - at.start, c.local.stop - at.start)
                     tried[c] = (n, (q[:, i], spread[i], [_rows_of(t, i) for t in nodes]),
-                                whole)
+                                w, whole)
 
             def evaluate(n, c, tried=tried):
                 c.run = None
                 if tried[c][0] == n:
-                    (q, spread, nodes), c.run = tried[c][1], tried[c][2]
-                    w = c.run[1]
+                    (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
                     q, spread, nodes, w = run(n, c.X, c.W)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
@@ -859,7 +870,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
 class _Chunk:
     """A chunk of queries in :func:`_factored_block`: its rows (in the call, in the
     block), node choice, queries, their weights, and what the walk keeps for it
-    (``run``: the group capture its nodes are rows of, else None)."""
+    (``run``: the group capture its nodes are rows of, where they were captured with
+    other chunks' rows in one pass, else None)."""
 
     def __init__(self, rows, local, quad, X, W):
         self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
@@ -890,6 +902,17 @@ def _share_groups(parts) -> list:
         else:
             out.extend((c.nodes, c.w, c.local) for c in group)
     return out
+
+
+def _cat_rows(captures):
+    """Captures (lists over nodes of lists of Flat) of consecutive rows as one."""
+    if len(captures) == 1:
+        return captures[0]
+    return [[Flat(torch.cat([c[k][i].delta for c in captures]),
+                  [(name, None if a is None else torch.cat([c[k][i].inputs[j][1]
+                                                            for c in captures]))
+                   for j, (name, a) in enumerate(term.inputs)])
+             for i, term in enumerate(node)] for k, node in enumerate(captures[0])]
 
 
 def _rows_of(terms, rows):

@@ -60,8 +60,17 @@ Chunks. The node choice below is made per chunk of queries (``node_chunk``: at m
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
 joblib worker, cut at chunk boundaries, takes the serial call's nodes and gives its
 numbers. The chunks of a query block walk the steps together: a step's batch capture,
-float64 directions and node parameters are made once for all of them, and in float64
-the chunks that try the same node count are captured in one pass.
+float64 directions and node parameters are made once for all of them; the chunks that
+try the same node count take their float64 products with the step in one pass (and in
+float64 their captures too). They share one adjoint buffer (:class:`._tangent.Adjoint`):
+each chunk's rows are updated from its own nodes, and the batch's formed gradients are
+made once per step and contracted with every row of the block in one GEMM. A buffer
+per chunk (4-16 queries on the default classifier: 40-160 rows of ten outputs, 4-16 of
+the margin) forms the batch's gradients once per chunk, and a chunk with fewer rows than
+a layer's inputs takes the factor contraction's two extra passes: measured, about a
+third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one thread). The
+queries' captures stay per chunk in float32 (see below), about a fifth of those calls:
+their GEMMs are small, the per-capture set-up is most of it.
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -1433,8 +1442,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # are cut at multiples of its chunk), or a whole block.
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         # A batch row: its capture and its column of the pair products of a query block
-        # ((Q C) x widest layer output, float64), or its formed gradient of the largest
-        # parameter (float64, _pairs.formed_contraction).
+        # ((Q C) x widest layer output, float64; only where the block has fewer rows than
+        # the layer inputs), or its formed gradient of the largest parameter (float64,
+        # _pairs.formed_contraction).
         b_bytes = row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
     b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")

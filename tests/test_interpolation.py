@@ -557,3 +557,40 @@ def test_stacked_captures_that_disagree_are_not_used(data, monkeypatch):
     contrib, reg = _brute_force(est, X_train, torch.as_tensor(y).reshape(-1, 1), _squared, X)
     assert_allclose(res.contributions, contrib, rtol=0,
                     atol=1e-10 * np.abs(contrib).max())
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-l2", "adam-l2"])
+@pytest.mark.parametrize("formed", [True, False])
+def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monkeypatch):
+    """The chunks of a query block share one adjoint buffer, each chunk's rows updated
+    from its own quadrature nodes: three chunks at 1, 2 and 3 nodes per step, every
+    output, against the forward per-sample recursion of each chunk at its own nodes
+    (a chunk updated from another's nodes misses by the quadrature's error)."""
+    import skpathkernel._analysis._decomposition as interpolation
+    import skpathkernel._network._trained as trained
+    import skpathkernel._tangent._pairs as pairs
+
+    monkeypatch.setattr(pairs, "formed_contraction", lambda rows, q: formed)
+    monkeypatch.setattr(trained, "node_chunk", lambda n: 2)
+    counts = iter([1, 2, 3])
+    init = interpolation._Quadrature.__init__
+
+    def per_chunk(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fixed = next(counts)
+
+    monkeypatch.setattr(interpolation._Quadrature, "__init__", per_chunk)
+    X_train, y, _ = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1], X_train[:, 0] ** 2]
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=5,
+                            dtype="float64", random_state=0, **SOLVERS[name]).fit(X_train, Y)
+    Xq = np.random.RandomState(5).uniform(-1, 1, size=(6, 2))
+    res = est.decompose(Xq)  # adaptive: chunks of node_chunk's 2 queries
+    assert next(counts, None) is None  # three chunks, one block
+    for k in range(3):
+        rows = slice(2 * k, 2 * k + 2)
+        contrib, reg = forward_recursion(est, X_train, torch.as_tensor(Y), _squared,
+                                         Xq[rows], nodes=gauss_nodes(k + 1))
+        scale = np.abs(contrib).max()
+        assert_allclose(res.contributions[rows], contrib, rtol=0, atol=1e-10 * scale)
+        assert_allclose(res.regularization[rows], reg, rtol=0, atol=1e-10 * max(scale, 1e-3))

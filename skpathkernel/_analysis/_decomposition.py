@@ -60,8 +60,17 @@ Chunks. The node choice below is made per chunk of queries (``node_chunk``: at m
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
 joblib worker, cut at chunk boundaries, takes the serial call's nodes and gives its
 numbers. The chunks of a query block walk the steps together: a step's batch capture,
-float64 directions and node parameters are made once for all of them, and in float64
-the chunks that try the same node count are captured in one pass.
+float64 directions and node parameters are made once for all of them; the chunks that
+try the same node count take their float64 products with the step in one pass (and in
+float64 their captures too). They share one adjoint buffer (:class:`._tangent.Adjoint`):
+each chunk's rows are updated from its own nodes, and the batch's formed gradients are
+made once per step and contracted with every row of the block in one GEMM. A buffer
+per chunk (4-16 queries on the default classifier: 40-160 rows of ten outputs, 4-16 of
+the margin) forms the batch's gradients once per chunk, and a chunk with fewer rows than
+a layer's inputs takes the factor contraction's two extra passes: measured, about a
+third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one thread). The
+queries' captures stay per chunk in float32 (see below), about a fifth of those calls:
+their GEMMs are small, the per-capture set-up is most of it.
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -736,6 +745,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                             None if ctx.weights is None else ctx.weights[c_rows]))
     lo, hi = _replayed(ctx, chunks[0][1], method)
     nxt = traj.parameters(hi).to(device)
+    adjoint = None
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
@@ -755,38 +765,49 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
             points = {}  # the nodes' parameters by node count, for every chunk
 
-            def run(n, X, W, theta=theta, delta=delta, dirs=dirs, points=points):
+            def run(n, X, W, cuts=None, theta=theta, delta=delta, dirs=dirs,
+                    points=points):
                 s, w = _gauss(n)
                 if n not in points:
                     points[n] = [theta + sk * delta for sk in s]
-                nodes = ctx.capture_nodes(points[n], X, W)
+                if cuts is None:
+                    nodes = ctx.capture_nodes(points[n], X, W)
+                else:
+                    # Captured cut by cut (each as on its own), their float64 products
+                    # in one pass over the rows.
+                    nodes = _cat_rows([ctx.capture_nodes(points[n], X[i], None if W is None
+                                                         else W[i]) for i in cuts])
                 q, spread = directional(nodes, w, prepared=dirs)
                 return q, spread, nodes, list(w)
 
             # Consecutive chunks that try the same count first (most, on a smooth path)
-            # are captured together: one pass, the arithmetic of a whole block. Not in
-            # float32: a row's float32 GEMMs round differently in a pass of more rows
-            # (measured 1e-8 relative in the sums), and a block on a worker must give
-            # the serial call's numbers.
+            # are taken together: their float64 products with the step in one pass, and
+            # in float64 their captures too (the arithmetic of a whole block). A float32
+            # chunk is captured on its own: a row's float32 GEMMs round differently in
+            # a pass of more rows (measured 1e-8 relative in the sums), and a block on a
+            # worker must give the serial call's numbers.
             together = traj.dtype == torch.float64
             tried = {}
-            for group in _runs(parts, (lambda c: c.quad.start()) if together else id):
+            for group in _runs(parts, lambda c: c.quad.start()):
                 n = group[0].quad.start()
                 at = slice(group[0].local.start, group[-1].local.stop)
+                cuts = None if together else [
+                    slice(c.local.start - at.start, c.local.stop - at.start) for c in group]
                 q, spread, nodes, w = run(n, Xq[at], None if ctx.weights is None
                                           else ctx.weights[group[0].rows.start
-                                                           : group[-1].rows.stop])
-                whole = (nodes, w, at)
+                                                           : group[-1].rows.stop], cuts)
+                # Plain SGD's products take the group's rows at once where they were
+                # captured at once (float32 GEMMs again).
+                whole = (nodes, w, at) if together else None
                 for c in group:
                     i = slice(c.local.start - at.start, c.local.stop - at.start)
                     tried[c] = (n, (q[:, i], spread[i], [_rows_of(t, i) for t in nodes]),
-                                whole)
+                                w, whole)
 
             def evaluate(n, c, tried=tried):
                 c.run = None
                 if tried[c][0] == n:
-                    (q, spread, nodes), c.run = tried[c][1], tried[c][2]
-                    w = c.run[1]
+                    (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
                     q, spread, nodes, w = run(n, c.X, c.W)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
@@ -808,9 +829,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             continue
         D = None
         if route != "factor":
-            for c in parts:
-                if c.adjoint is None:
-                    c.adjoint = Adjoint(c.nodes[0], memory)
+            if adjoint is None:
+                # One buffer for the block's chunks: each chunk's rows take its own
+                # nodes, the batch is contracted with all of them at once.
+                adjoint = Adjoint(parts[0].nodes[0], memory, n_q)
+            groups = [(c.local, c.nodes, c.w) for c in parts]
             D = traj.preconditioner(j)
             D = None if D is None else dict(traj.unflatten(D.to(device=device,
                                                                 dtype=traj.dtype)))
@@ -835,36 +858,33 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
-                for c in parts:
-                    if not updated:
-                        share, part = c.adjoint.step(c.nodes, c.w, coef + lead, D, terms,
-                                                     dhat, decay)
-                    else:
-                        share, part = c.adjoint.contract(terms, dhat), None
-                    if part is not None:
-                        reg[c.local] += part.view(-1, n_out)
-                    share = share.view(len(c.X), n_out, -1).mul_(w_sub.to(share.dtype))
-                    contrib[c.local].index_add_(1, sub, share.transpose(1, 2))
+                if not updated:
+                    share, part = adjoint.step(groups, coef + lead, D, terms, dhat, decay)
+                else:
+                    share, part = adjoint.contract(terms, dhat), None
+                if part is not None:
+                    reg += part.view(-1, n_out)
+                share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
+                contrib.index_add_(1, sub, share.transpose(1, 2))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
-                for c in parts:
-                    _, part = c.adjoint.step(c.nodes, c.w, coef + lead, D, None, None, decay)
-                    if part is not None:
-                        reg[c.local] += part.view(-1, n_out)
+                _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
+                if part is not None:
+                    reg += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
-                for c in parts:
-                    c.adjoint.add(c.nodes, c.w, -lead, D)
+                adjoint.add(groups, -lead, D)
     return contrib, reg
 
 
 class _Chunk:
     """A chunk of queries in :func:`_factored_block`: its rows (in the call, in the
     block), node choice, queries, their weights, and what the walk keeps for it
-    (``run``: the group capture its nodes are rows of, else None)."""
+    (``run``: the group capture its nodes are rows of, where they were captured with
+    other chunks' rows in one pass, else None)."""
 
     def __init__(self, rows, local, quad, X, W):
         self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
-        self.f_next = self.nodes = self.w = self.rho_theta = self.adjoint = None
+        self.f_next = self.nodes = self.w = self.rho_theta = None
         self.run = None
 
 
@@ -891,6 +911,17 @@ def _share_groups(parts) -> list:
         else:
             out.extend((c.nodes, c.w, c.local) for c in group)
     return out
+
+
+def _cat_rows(captures):
+    """Captures (lists over nodes of lists of Flat) of consecutive rows as one."""
+    if len(captures) == 1:
+        return captures[0]
+    return [[Flat(torch.cat([c[k][i].delta for c in captures]),
+                  [(name, None if a is None else torch.cat([c[k][i].inputs[j][1]
+                                                            for c in captures]))
+                   for j, (name, a) in enumerate(term.inputs)])
+             for i, term in enumerate(node)] for k, node in enumerate(captures[0])]
 
 
 def _rows_of(terms, rows):
@@ -1415,8 +1446,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # are cut at multiples of its chunk), or a whole block.
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         # A batch row: its capture and its column of the pair products of a query block
-        # ((Q C) x widest layer output, float64), or its formed gradient of the largest
-        # parameter (float64, _pairs.formed_contraction).
+        # ((Q C) x widest layer output, float64; only where the block has fewer rows than
+        # the layer inputs), or its formed gradient of the largest parameter (float64,
+        # _pairs.formed_contraction).
         b_bytes = row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
     b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")

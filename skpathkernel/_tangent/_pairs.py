@@ -177,20 +177,29 @@ class Adjoint:
     pass over the buffer (``S`` is rescaled when ``z`` gets small). Without memory
     (``m = 0``) ``S = D rho_t`` and ``z = coef``.
 
+    The queries come in groups, each with its own quadrature nodes (the decomposition's
+    chunks of queries, whose node counts differ): a group's rows are updated from its
+    own nodes, with the products a buffer of that group alone would take, and the whole
+    buffer is contracted with the batch at once. So the batch's formed gradients are made
+    once per step, and the contraction's GEMM has every row of the block.
+
     Parameters
     ----------
     like : list of Flat
         Terms of a capture of the queries (only their shapes are used).
     memory : float
         The first-moment memory ``m`` (0 for RMSprop).
+    n : int, optional
+        The queries of the buffer, those of ``like`` by default.
     """
 
-    def __init__(self, like: Sequence[Flat], memory: float):
+    def __init__(self, like: Sequence[Flat], memory: float, n: int | None = None):
         self.memory = float(memory)
         self.z = None
         self.S: dict[str, torch.Tensor] = {}
-        n, C = like[0].delta.shape[:2]
-        self.rows = n * C
+        n0, C = like[0].delta.shape[:2]
+        self.C = C
+        self.rows = (n0 if n is None else n) * C
         delta = like[0].delta
         for term in like:
             p = term.delta.shape[2]
@@ -205,18 +214,18 @@ class Adjoint:
         size = max(1, CHUNK_BYTES // per_row) if self.cpu else self.rows
         return [slice(i, min(i + size, self.rows)) for i in range(0, self.rows, size)]
 
-    def step(self, nodes: Sequence[Sequence[Flat]], weights: Sequence[float], coef: float,
-             D: Mapping[str, torch.Tensor] | None, batch: Sequence[Flat],
+    def step(self, groups: Sequence[tuple[slice, Sequence[Sequence[Flat]], Sequence[float]]],
+             coef: float, D: Mapping[str, torch.Tensor] | None, batch: Sequence[Flat],
              dhat: Sequence[torch.Tensor], decay: Mapping[str, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Update to step t's adjoint and contract it with (a block of) the batch.
 
         Parameters
         ----------
-        nodes : list over nodes of list of Flat
-            The queries' factors at the quadrature nodes of step t.
-        weights : list of float
-            The nodes' weights.
+        groups : list of (slice, list over nodes of list of Flat, list of float)
+            Per group of queries: its queries (a slice of the buffer's), their factors
+            at the group's quadrature nodes of step t and the nodes' weights. The groups
+            cover the buffer's queries.
         coef : float
             The step's scale, ``-lr_t`` times Adam's bias correction.
         D : mapping of str to tensor or None
@@ -246,10 +255,10 @@ class Adjoint:
             alpha = coef / self.z
         else:
             self.z, alpha = coef, 1.0
-        return self._pass(nodes, weights, alpha, D, batch, dhat, decay)
+        return self._pass(groups, alpha, D, batch, dhat, decay)
 
-    def add(self, nodes: Sequence[Sequence[Flat]], weights: Sequence[float], coef: float,
-            D: Mapping[str, torch.Tensor] | None) -> None:
+    def add(self, groups: Sequence[tuple[slice, Sequence[Sequence[Flat]], Sequence[float]]],
+            coef: float, D: Mapping[str, torch.Tensor] | None) -> None:
         """``lambda += coef D rho`` without a step of the memory (memory > 0 only).
 
         Nesterov's step: its own-gradient term ``direct_t D_t rho_t`` belongs to
@@ -258,32 +267,35 @@ class Adjoint:
 
         Parameters
         ----------
-        nodes, weights, D
+        groups, D
             As in :meth:`step`, for the step just taken.
         coef : float
             The scale of ``D rho``.
         """
         if not self.memory:
             raise ValueError("Adjoint.add needs a first-moment memory (S holds lambda / z).")
-        self._pass(nodes, weights, coef / self.z, D, None, None, None)
+        self._pass(groups, coef / self.z, D, None, None, None)
 
     def contract(self, batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
         """``lambda_t . g_i`` for another block of the step's batch, (n * C, m) float64."""
-        return self._pass(None, None, None, None, batch, dhat, None)[0]
+        return self._pass(None, None, None, batch, dhat, None)[0]
 
-    def _pass(self, nodes, weights, alpha, D, batch, dhat, decay):
-        """Update (``nodes`` given) and / or contract (``batch`` given), term by term."""
+    def _pass(self, groups, alpha, D, batch, dhat, decay):
+        """Update (``groups`` given) and / or contract (``batch`` given), term by term."""
         shares = None
         device = next(iter(self.S.values())).device
         reg = None if decay is None else torch.zeros(self.rows, dtype=torch.float64,
                                                      device=device)
-        for j, term in enumerate(nodes[0] if nodes is not None else batch):
-            U = None
-            if nodes is not None:
-                C = term.delta.shape[1]
-                # The nodes' weighted backprops, rows (query, output): (n C, p, n_nodes).
-                U = torch.stack([w * node[j].delta for node, w in zip(nodes, weights)], dim=-1)
-                U = U.reshape(self.rows, U.shape[2], len(nodes))
+        C = self.C
+        like = groups[0][1][0] if groups is not None else batch
+        for j, term in enumerate(like):
+            # Per group: its rows of the buffer and the nodes' weighted backprops, rows
+            # (query, output): (rows, p, n_nodes).
+            U = None if groups is None else [
+                (slice(g.start * C, g.stop * C), torch.stack(
+                    [w * node[j].delta for node, w in zip(nodes, weights)], dim=-1
+                ).reshape((g.stop - g.start) * C, term.delta.shape[2], len(nodes)))
+                for g, nodes, weights in groups]
             for i, (name, _) in enumerate(term.inputs):
                 S = self.S[name]
                 d = None if D is None else D[name].reshape(S.shape[1:])
@@ -291,19 +303,22 @@ class Adjoint:
                 a_b = None if batch is None else batch[j].inputs[i][1]
                 part = None
                 if S.ndim == 2:
-                    if U is not None:
-                        self._update_bias(S, U, d, alpha)
+                    for rows, Ug in U or ():
+                        self._update_bias(S[rows], Ug, d, alpha)
                     if batch is not None:
                         part = S.to(ACCUMULATE) @ dhat[j].T.to(ACCUMULATE)
                     if v is not None:
                         reg += (S.to(ACCUMULATE) @ v.to(ACCUMULATE)).to(torch.float64)
                 else:
-                    V = None
+                    UV = None
                     if U is not None:
-                        V = torch.stack([node[j].inputs[i][1] for node in nodes], dim=1)
-                        # One row of V per query, shared by its C outputs.
-                        V = V.repeat_interleave(C, dim=0) if C > 1 else V
-                    part = self._weight(S, U, V, d, alpha, a_b,
+                        UV = []
+                        for (rows, Ug), (_, nodes, _) in zip(U, groups):
+                            V = torch.stack([node[j].inputs[i][1] for node in nodes], dim=1)
+                            # One row of V per query, shared by its C outputs.
+                            UV.append((rows, Ug, V.repeat_interleave(C, dim=0) if C > 1
+                                       else V))
+                    part = self._weight(S, UV, d, alpha, a_b,
                                         None if batch is None else dhat[j], v, reg)
                 if part is not None:
                     part = part.to(torch.float64)
@@ -321,9 +336,10 @@ class Adjoint:
         else:
             S.addcmul_(rho, d, value=alpha)
 
-    def _weight(self, S, U, V, d, alpha, a_b, dhat_b, v, reg):
-        """Chunk by chunk: ``S += alpha d * (U @ V)`` (when U is given), then
-        ``S . (dhat_i (x) a_i)`` and ``S . v`` while the chunk is in cache."""
+    def _weight(self, S, UV, d, alpha, a_b, dhat_b, v, reg):
+        """Chunk by chunk: ``S += alpha d * (U @ V)`` (each group on its rows, when
+        ``UV`` is given), then ``S . (dhat_i (x) a_i)`` and ``S . v`` while the chunk is
+        in cache."""
         rows, p, q = S.shape
         m = 0 if a_b is None else a_b.shape[0]
         formed = a_b is not None and formed_contraction(rows, q)
@@ -340,7 +356,7 @@ class Adjoint:
         A = None if a_b is None or formed else a_b.to(ACCUMULATE)
         chunks = self._chunks(S)
         scratch = wide = None
-        if U is not None and self.memory and d is not None:
+        if UV is not None and self.memory and d is not None:
             scratch = torch.empty_like(S[chunks[0]])
         if S.dtype != ACCUMULATE and (T1 is not None or v is not None):
             wide = torch.empty(S[chunks[0]].shape, dtype=ACCUMULATE, device=S.device)
@@ -349,18 +365,22 @@ class Adjoint:
             v = v.to(ACCUMULATE)
         for sl in chunks:
             Sc = S[sl]
-            if U is None:
-                pass
-            elif not self.memory:
-                torch.bmm(U[sl], V[sl], out=Sc)
-                if d is not None:
-                    Sc.mul_(d)
-            elif d is None:
-                Sc.baddbmm_(U[sl], V[sl], alpha=alpha)
-            else:
-                tmp = scratch[: sl.stop - sl.start]
-                torch.bmm(U[sl], V[sl], out=tmp)
-                Sc.addcmul_(tmp, d, value=alpha)
+            for g, U, V in UV or ():
+                # The group's rows in this chunk, updated by the group's own products.
+                lo, hi = max(sl.start, g.start), min(sl.stop, g.stop)
+                if lo >= hi:
+                    continue
+                Sg, at = S[lo:hi], slice(lo - g.start, hi - g.start)
+                if not self.memory:
+                    torch.bmm(U[at], V[at], out=Sg)
+                    if d is not None:
+                        Sg.mul_(d)
+                elif d is None:
+                    Sg.baddbmm_(U[at], V[at], alpha=alpha)
+                else:
+                    tmp = scratch[: hi - lo]
+                    torch.bmm(U[at], V[at], out=tmp)
+                    Sg.addcmul_(tmp, d, value=alpha)
             if T1 is None and v is None:
                 continue
             Sw = Sc if wide is None else wide[: sl.stop - sl.start].copy_(Sc)

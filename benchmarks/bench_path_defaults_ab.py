@@ -26,9 +26,15 @@ from skpathkernel.kernels import PathKernel
 
 
 def _gemm_rate(n):
-    """FLOP/s of an n x 64 x n product, the least CPU time of several repeats."""
+    """FLOP/s of an n x 64 x n product, the least CPU time of many repeats.
+
+    Into one preallocated result: a fresh n x n result is mapped anew by the allocator
+    at some calls and not at others, and its page faults (up to a third of the product's time
+    at n = 1000) made the rate read anywhere from 60 to 99 GFLOP/s on an idle core.
+    """
     a, b = torch.randn(n, 64), torch.randn(64, n)
-    best = min(_cpu(lambda: torch.mm(a, b)) for _ in range(max(5, 10**7 // n**2)))
+    out = torch.mm(a, b)
+    best = min(_cpu(lambda: torch.mm(a, b, out=out)) for _ in range(max(50, 10**8 // n**2)))
     return 2 * n * n * 64 / best
 
 

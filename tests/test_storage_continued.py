@@ -239,6 +239,41 @@ def test_an_exception_in_the_writer_leaves_the_fit_and_the_directory(monkeypatch
     _assert_same_path(_stream("memory", **SOLVERS["adam"]).trajectory_, est.trajectory_)
 
 
+def test_a_failed_rewind_does_not_hide_the_fit_error_nor_stop_the_others(monkeypatch):
+    # The writer fails during the fit, and rewinding the first series fails too: every
+    # series is still rewound, and the fit's own error is the one raised.
+    X, y = _data()
+    est = _stream("disk", CALLS[:2], **SOLVERS["adam"])
+    before = dict(est.__dict__)
+    real_write, writes = _storage._write_chunk, []
+    real_rewind, rewound = _storage.Series.rewind, []
+
+    def crash(path, array):
+        writes.append(path)
+        if len(writes) == 2:
+            raise RuntimeError("simulated crash in the writer")
+        real_write(path, array)
+
+    def rewind(series, n_rows, *, append):
+        real_rewind(series, n_rows, append=append)
+        if not append:  # the rewinds of the failed fit's clean-up
+            rewound.append(series)
+            if len(rewound) == 1:
+                raise ValueError("simulated error of the write in flight")
+
+    monkeypatch.setattr(_storage, "_write_chunk", crash)
+    monkeypatch.setattr(_storage.Series, "rewind", rewind)
+    with pytest.warns(RuntimeWarning, match="simulated error of the write in flight"):
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            est.partial_fit(X[CALLS[2]], y[CALLS[2]])
+    monkeypatch.setattr(_storage, "_write_chunk", real_write)
+    monkeypatch.setattr(_storage.Series, "rewind", real_rewind)
+    assert len(rewound) == 1 + len(est.trajectory_._states)
+    assert est.__dict__ == before
+    est.partial_fit(X[CALLS[2]], y[CALLS[2]])
+    _assert_same_path(_stream("memory", **SOLVERS["adam"]).trajectory_, est.trajectory_)
+
+
 _CHILD = """
 import os, sys
 import numpy as np

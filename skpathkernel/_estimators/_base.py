@@ -579,10 +579,18 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 # it, not in memory.
                 disk_data = _disk_training_set(trajectory, X, Y, dtype)
                 X_fit, Y_fit = (a.array() for a in disk_data)
-        except BaseException:
+        except BaseException as exc:
             if extends is not None:  # the series as the path being continued left them
+                # Every series is rewound, and the fit's own error is the one raised: a
+                # chunk write that failed too is reported beside it, not in its place.
                 for rows in (extends._params, *extends._states.values()):
-                    rows.series.rewind(rows.n, append=False)
+                    try:
+                        rows.series.rewind(rows.n, append=False)
+                    except Exception as write_error:
+                        warnings.warn(
+                            f"Rewinding the on-disk path after {type(exc).__name__} also "
+                            f"raised {write_error!r}; the path's rows are unchanged.",
+                            RuntimeWarning, stacklevel=2)
             raise
         attrs.update(
             network_=TrainedNetwork(

@@ -313,3 +313,39 @@ def test_float32_query_blocks_give_the_serial_numbers(adam32_fitted, backend):
     # Against the independent reference of the decomposition: the prediction.
     size = np.abs(serial.prediction).max()
     assert np.abs(par.reconstruction - par.prediction).max() <= 1e-5 * size
+
+
+def test_float32_sgd_chunks_keep_their_own_captures(monkeypatch):
+    """Plain SGD's float32 pair products read each chunk's own capture, not rows of the
+    group's joined one: a view at a row offset is memory laid out unlike a serial call's,
+    and a BLAS whose kernels depend on alignment may round it differently."""
+    from skpathkernel._analysis import _decomposition
+
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-2, 2, size=(60, 3))
+    y = np.sin(X[:, 0]) + X[:, 1] * X[:, 2]
+    est = PathKernelMachine(hidden_layer_sizes=(16,), solver="sgd", momentum=0.0,
+                            batch_size=20, max_iter=3, tol=None, dtype="float32",
+                            random_state=0).fit(X, y)
+    Xq = rng.uniform(-2, 2, size=(40, 3))
+    captured, read = set(), []
+    real_capture = _decomposition._Context.capture_nodes
+    real_shares = _decomposition.factor_shares
+
+    def capture(self, points, X, W):
+        nodes = real_capture(self, points, X, W)
+        captured.update(t.delta.data_ptr() for node in nodes for t in node)
+        return nodes
+
+    def shares(nodes, weights, batch, dhat):
+        read.extend(t.delta.data_ptr() for node in nodes for t in node)
+        return real_shares(nodes, weights, batch, dhat)
+
+    monkeypatch.setattr(_decomposition._Context, "capture_nodes", capture)
+    monkeypatch.setattr(_decomposition, "factor_shares", shares)
+    result = est.decompose(Xq)
+    # Several chunks of queries, taken together at the steps where they agree.
+    assert _decomposition.node_chunk(len(Xq)) < len(Xq) and read
+    assert set(read) <= captured
+    size = np.abs(result.prediction).max()
+    assert np.abs(result.reconstruction - result.prediction).max() <= 1e-5 * size

@@ -770,15 +770,18 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 s, w = _gauss(n)
                 if n not in points:
                     points[n] = [theta + sk * delta for sk in s]
+                own = None
                 if cuts is None:
                     nodes = ctx.capture_nodes(points[n], X, W)
                 else:
                     # Captured cut by cut (each as on its own), their float64 products
-                    # in one pass over the rows.
-                    nodes = _cat_rows([ctx.capture_nodes(points[n], X[i], None if W is None
-                                                         else W[i]) for i in cuts])
+                    # in one pass over the rows; each cut keeps its own capture, so
+                    # its later float32 GEMMs read memory laid out as a serial call's.
+                    own = [ctx.capture_nodes(points[n], X[i], None if W is None else W[i])
+                           for i in cuts]
+                    nodes = _cat_rows(own)
                 q, spread = directional(nodes, w, prepared=dirs)
-                return q, spread, nodes, list(w)
+                return q, spread, nodes, list(w), own
 
             # Consecutive chunks that try the same count first (most, on a smooth path)
             # are taken together: their float64 products with the step in one pass, and
@@ -793,23 +796,23 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 at = slice(group[0].local.start, group[-1].local.stop)
                 cuts = None if together else [
                     slice(c.local.start - at.start, c.local.stop - at.start) for c in group]
-                q, spread, nodes, w = run(n, Xq[at], None if ctx.weights is None
-                                          else ctx.weights[group[0].rows.start
-                                                           : group[-1].rows.stop], cuts)
+                q, spread, nodes, w, own = run(
+                    n, Xq[at], None if ctx.weights is None
+                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], cuts)
                 # Plain SGD's products take the group's rows at once where they were
                 # captured at once (float32 GEMMs again).
                 whole = (nodes, w, at) if together else None
-                for c in group:
+                for k, c in enumerate(group):
                     i = slice(c.local.start - at.start, c.local.stop - at.start)
-                    tried[c] = (n, (q[:, i], spread[i], [_rows_of(t, i) for t in nodes]),
-                                w, whole)
+                    rows = own[k] if own is not None else [_rows_of(t, i) for t in nodes]
+                    tried[c] = (n, (q[:, i], spread[i], rows), w, whole)
 
             def evaluate(n, c, tried=tried):
                 c.run = None
                 if tried[c][0] == n:
                     (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
-                    q, spread, nodes, w = run(n, c.X, c.W)
+                    q, spread, nodes, w, _ = run(n, c.X, c.W)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
 
             for c in parts:
@@ -1448,8 +1451,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # A batch row: its capture and its column of the pair products of a query block
         # ((Q C) x widest layer output, float64; only where the block has fewer rows than
         # the layer inputs), or its formed gradient of the largest parameter (float64,
-        # _pairs.formed_contraction).
-        b_bytes = row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
+        # _pairs.formed_contraction); and its column of the block's float64 products with
+        # the adjoint and shares (up to three (Q C) x B buffers: one adjoint for the whole
+        # block, not per chunk).
+        b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
+                   + 24 * min(q_block, n_q) * n_res)
     b_block = rows_per_block(memory_budget, b_bytes,
                              "The decomposition's per-sample loss gradients")
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,

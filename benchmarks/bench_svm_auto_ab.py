@@ -25,16 +25,12 @@ import json
 import os
 
 import numpy as np
-from sklearn.model_selection import StratifiedKFold, train_test_split
-from sklearn.neural_network import MLPClassifier
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
+from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import SVC
-from threadpoolctl import threadpool_limits
 
-from skpathkernel import PathKernel, PathKernelClassifier, TangentFeatureSVM, TangentKernel
+from skpathkernel import PathKernel, TangentKernel
 
-from .bench_svm_normalize_ab import AUTO, SETS, _acc, main
+from .bench_svm_normalize_ab import AUTO, _acc, fitted_splits, main
 
 KEYS = ("default", "net", "N_1se", "P_auto", "P_1se")
 
@@ -60,36 +56,23 @@ def _choose(K, y, rule):
 
 
 def run(name, seeds, out):
-    X, y = SETS[name]()
-    for s in seeds:
-        X_tr, X_te, y_tr, y_te = train_test_split(X, y, random_state=s)
-        rec = {"set": name, "seed": s}
-        with threadpool_limits(1):
-            mlp = make_pipeline(StandardScaler(), MLPClassifier(random_state=s)).fit(X_tr, y_tr)
-            rec["mlp"] = float(mlp.score(X_te, y_te))
-            pipe = make_pipeline(StandardScaler(), TangentFeatureSVM(
-                PathKernelClassifier(random_state=s))).fit(X_tr, y_tr)
-            rec["default"] = float(pipe.score(X_te, y_te))
-            est, X_test = pipe[-1], pipe[0].transform(X_te)
-            assert est.estimator_._train_rows is None  # the SVM saw every training row
-            rec["net"] = float(est.estimator_.score(X_test, y_te))
-            y_tr, y_te = np.asarray(y_tr), np.asarray(y_te)
-            kernels = {"N": TangentKernel(est, normalized=True),
-                       "P": PathKernel(est, normalized=True)}
-            for tag in os.environ.get("KERNELS", "N,P").split(","):
-                kernel = kernels[tag]
-                K = np.asarray(kernel(est.X_fit_), np.float64)
-                K_test = np.asarray(kernel(X_test, est.X_fit_), np.float64)
-                for rule in ("first", "1se"):
-                    if tag == "N" and rule == "first":
-                        # The default itself: the same Gram and rule as its pipeline.
-                        assert _choose(K, y_tr, rule) == est.C_
-                        continue
-                    label = f"{tag}_{'auto' if rule == 'first' else rule}"
-                    rec[label] = _acc(K, K_test, y_tr, y_te, _choose(K, y_tr, rule))
+    for rec, est, X_test, y_tr, y_te in fitted_splits(name, seeds, "default"):
+        kernels = {"N": TangentKernel(est, normalized=True),
+                   "P": PathKernel(est, normalized=True)}
+        for tag in os.environ.get("KERNELS", "N,P").split(","):
+            kernel = kernels[tag]
+            K = np.asarray(kernel(est.X_fit_), np.float64)
+            K_test = np.asarray(kernel(X_test, est.X_fit_), np.float64)
+            for rule in ("first", "1se"):
+                if tag == "N" and rule == "first":
+                    # The default itself: the same Gram and rule as its pipeline.
+                    assert _choose(K, y_tr, rule) == est.C_
+                    continue
+                label = f"{tag}_{'auto' if rule == 'first' else rule}"
+                rec[label] = _acc(K, K_test, y_tr, y_te, _choose(K, y_tr, rule))
         out.write(json.dumps(rec) + "\n")
         out.flush()
-        print(name, s, {k: v for k, v in rec.items() if k not in ("set", "seed")}, flush=True)
+        print(name, {k: v for k, v in rec.items() if k != "set"}, flush=True)
 
 
 def _diff(rows, key):

@@ -106,7 +106,11 @@ def _grams(est, X_test, **kw):
             np.asarray(kernel(X_test, est.X_fit_), np.float64))
 
 
-def run(name, seeds, out):
+def fitted_splits(name, seeds, key, **svm_params):
+    """Per split of ``name``: the record of MLPClassifier's and the pipeline's scores
+    (the pipeline's under ``key``) and CPU times, the fitted TangentFeatureSVM, the
+    scaled test inputs and both label arrays; the caller's work for the split runs on
+    one BLAS thread too (the generator is suspended inside the limit)."""
     X, y = SETS[name]()
     for s in seeds:
         X_tr, X_te, y_tr, y_te = train_test_split(X, y, random_state=s)
@@ -119,36 +123,40 @@ def run(name, seeds, out):
             t = time.process_time()
             pipe = make_pipeline(StandardScaler(),
                                  TangentFeatureSVM(PathKernelClassifier(random_state=s),
-                                                   normalize=False)).fit(X_tr, y_tr)
+                                                   **svm_params)).fit(X_tr, y_tr)
             rec["t_ours"] = time.process_time() - t
-            rec["cur"] = float(pipe.score(X_te, y_te))
+            rec[key] = float(pipe.score(X_te, y_te))
             est, X_test = pipe[-1], pipe[0].transform(X_te)
             assert est.estimator_._train_rows is None  # the SVM saw every training row
             rec["net"] = float(est.estimator_.score(X_test, y_te))
-            y_tr, y_te = np.asarray(y_tr), np.asarray(y_te)
-            t = time.process_time()
-            grams = {"T": _grams(est, X_test)}
-            rec["t_gram"] = time.process_time() - t
-            grams["N"] = _grams(est, X_test, normalized=True)
-            if not LIGHT:  # the sum of the tangent kernels of three points near the end
-                last = len(est.trajectory_) - 1
-                parts = [_grams(est, X_test, step=k)
-                         for k in sorted({last, int(0.9 * last), int(0.8 * last)})]
-                grams["E"] = tuple(sum(p[i] for p in parts) for i in (0, 1))
-            for tag, (K, K_test) in grams.items():
-                scale = float(np.mean(np.diag(K)))
-                for c in GRID:
-                    rec[f"{tag}_C{c:g}"] = _acc(K, K_test, y_tr, y_te, c / scale)
-                for label, kw in {"auto": {}, "auto_fine": dict(grid=GRID),
-                                  "auto5": dict(folds=5), "auto_last": dict(rule="last")}.items():
-                    C = _choose(K, y_tr, **{"grid": AUTO, **kw})
-                    rec[f"{tag}_{label}"] = _acc(K, K_test, y_tr, y_te, C)
-                C = _choose(K, y_tr, AUTO, class_weight="balanced")
-                rec[f"{tag}_auto_bal"] = _acc(K, K_test, y_tr, y_te, C,
-                                              class_weight="balanced")
+            yield rec, est, X_test, np.asarray(y_tr), np.asarray(y_te)
+
+
+def run(name, seeds, out):
+    for rec, est, X_test, y_tr, y_te in fitted_splits(name, seeds, "cur", normalize=False):
+        t = time.process_time()
+        grams = {"T": _grams(est, X_test)}
+        rec["t_gram"] = time.process_time() - t
+        grams["N"] = _grams(est, X_test, normalized=True)
+        if not LIGHT:  # the sum of the tangent kernels of three points near the end
+            last = len(est.trajectory_) - 1
+            parts = [_grams(est, X_test, step=k)
+                     for k in sorted({last, int(0.9 * last), int(0.8 * last)})]
+            grams["E"] = tuple(sum(p[i] for p in parts) for i in (0, 1))
+        for tag, (K, K_test) in grams.items():
+            scale = float(np.mean(np.diag(K)))
+            for c in GRID:
+                rec[f"{tag}_C{c:g}"] = _acc(K, K_test, y_tr, y_te, c / scale)
+            for label, kw in {"auto": {}, "auto_fine": dict(grid=GRID),
+                              "auto5": dict(folds=5), "auto_last": dict(rule="last")}.items():
+                C = _choose(K, y_tr, **{"grid": AUTO, **kw})
+                rec[f"{tag}_{label}"] = _acc(K, K_test, y_tr, y_te, C)
+            C = _choose(K, y_tr, AUTO, class_weight="balanced")
+            rec[f"{tag}_auto_bal"] = _acc(K, K_test, y_tr, y_te, C,
+                                          class_weight="balanced")
         out.write(json.dumps(rec) + "\n")
         out.flush()
-        print(name, s, rec["mlp"], rec["cur"], rec["T_auto"], rec["N_auto"], flush=True)
+        print(name, rec["seed"], rec["mlp"], rec["cur"], rec["T_auto"], rec["N_auto"], flush=True)
 
 
 def summary(paths):

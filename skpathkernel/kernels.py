@@ -36,6 +36,8 @@ from ._network._inputs import check_representable
 from ._network._trained import KERNELS, TrainedNetwork, network_of
 from ._parallel import (
     by_reference,
+    dask_worker_threads,
+    limit_torch_threads,
     local_processes,
     map_ranges,
     map_row_blocks,
@@ -575,6 +577,21 @@ def _range_sum(first, last, weights, net, X, Y, output, gram, diag):
 
 
 # --------------------------------------------------------------------------- kernels
+# A kernel of fewer rows x columns x parameters x recorded points than this is computed
+# on one torch thread: the Gram of the default network on digits' training set
+# (1347 x 1347 x 8,970, 1.6e10) takes 0.09 s of CPU on one thread, and 0.37 s of CPU and
+# 0.9 s wall on two threads of a 2-core machine that other processes share (0.65 s / 2.0 s
+# for breast_cancer's 426 rows, against 0.013 s on one); the threads' wake-ups and stalls
+# cost more than the products they split (training_threads does the same for the steps).
+KERNEL_SINGLE_THREAD_WORK = 2**35
+
+
+def kernel_threads(work: int) -> int | None:
+    """Torch threads for ``work`` (rows x columns x parameters x points): 1 below
+    ``KERNEL_SINGLE_THREAD_WORK``, else torch's own (a Dask worker's share)."""
+    return 1 if work < KERNEL_SINGLE_THREAD_WORK else dask_worker_threads()
+
+
 class _NetworkKernel(Kernel):
     """What TangentKernel and PathKernel share: validation, clone, gradient shape."""
 
@@ -645,7 +662,9 @@ class _NetworkKernel(Kernel):
         net = network_of(self.estimator)
         X = _validate(net, X)
         Y = None if Y is None else _validate(net, Y, "Y")
-        K = self._bind(net)._gram_blocks(X, Y)
+        work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
+        with limit_torch_threads(kernel_threads(work)):
+            K = self._bind(net)._gram_blocks(X, Y)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
         return K
@@ -674,6 +693,10 @@ class _NetworkKernel(Kernel):
             # dead network at x), so that diag(X) equals the diagonal of k(X).
             return (d > 0).astype(np.float64)
         return d
+
+    def _n_points(self, net: TrainedNetwork) -> int:
+        """The recorded points the kernel sums over."""
+        return 1
 
     def _bind(self, net: TrainedNetwork):
         # A copy that computes with the network itself: resolved once per call, and what
@@ -942,6 +965,9 @@ class PathKernel(_NetworkKernel):
         _check_memory(self.memory)
         if self.split not in ("rows", "steps"):
             raise ValueError(f"split must be 'rows' or 'steps', got {self.split!r}.")
+
+    def _n_points(self, net: TrainedNetwork) -> int:
+        return len(range(len(net.trajectory))[self.start:self.stop])
 
     def _sum(self, X, Y, *, gram, diag):
         if self.split == "steps":

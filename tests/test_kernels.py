@@ -273,3 +273,40 @@ def test_grid_search_clones_the_kernel_with_its_estimator():
                           cv=2).fit(X, y)
     assert search.best_estimator_.kernel.estimator is est
     assert search.predict(X).shape == (len(X),)
+
+
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_a_small_kernel_runs_on_one_thread_and_restores_the_callers(cls, monkeypatch):
+    # As a user calls it (SVC(kernel=...) calls it the same way): below the work
+    # threshold on one torch thread, above it on the caller's, the same K either way,
+    # against the per-sample autograd loop.
+    import torch
+
+    from skpathkernel import kernels
+
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    y = np.sin(3 * X[:, 0])
+    est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=3, dtype="float64",
+                            random_state=0).fit(X, y)
+    seen = []
+
+    def spy(self, *a, _gram=cls._gram, **k):
+        seen.append(torch.get_num_threads())
+        return _gram(self, *a, **k)
+
+    monkeypatch.setattr(cls, "_gram", spy)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        small = cls(est)(X[:5], X)
+        after = torch.get_num_threads()
+        monkeypatch.setattr(kernels, "KERNEL_SINGLE_THREAD_WORK", 0)
+        large = cls(est)(X[:5], X)
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [1, 2] and after == 2
+    np.testing.assert_allclose(small, large, rtol=1e-12, atol=1e-14)
+    if cls is TangentKernel:
+        J5, J = (_loop_jacobian(est, -1, Z)[:, 0] for Z in (X[:5], X))
+        np.testing.assert_allclose(small, J5 @ J.T, rtol=1e-10, atol=1e-12)

@@ -204,23 +204,16 @@ def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data)
 def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypatch, svm_kernel):
     import torch
 
-    from skpathkernel._estimators import _features
+    from skpathkernel import kernels
 
     X, y = circle
     threads_seen = []
-    kernels = {"TangentKernel": _features.TangentKernel, "PathKernel": _features.PathKernel}
-    for name, cls in kernels.items():
-        def spy(*args, _cls=cls, **kwargs):
-            kernel = _cls(*args, **kwargs)
-            call = kernel.__call__
+    for cls in (kernels.TangentKernel, kernels.PathKernel):
+        def spy(self, *a, _gram=cls._gram, **k):
+            threads_seen.append(torch.get_num_threads())
+            return _gram(self, *a, **k)
 
-            def counted(*a, **k):
-                threads_seen.append(torch.get_num_threads())
-                return call(*a, **k)
-
-            # An instance attribute is not what Python calls: a thin wrapper object is.
-            return type("Spy", (), {"__call__": staticmethod(counted)})()
-        monkeypatch.setattr(_features, name, spy)
+        monkeypatch.setattr(cls, "_gram", spy)
     features = TangentFeatureSVM._tangent_features
 
     def counted_features(self, *a, **k):
@@ -237,7 +230,7 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
         one = list(threads_seen)
         threads_seen.clear()
         # The reference: every kernel on torch's two threads.
-        monkeypatch.setattr(_features, "KERNEL_SINGLE_THREAD_WORK", 0)
+        monkeypatch.setattr(kernels, "KERNEL_SINGLE_THREAD_WORK", 0)
         ref = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
         ref_decision = ref.decision_function(X[:7])
         after = torch.get_num_threads()

@@ -21,8 +21,8 @@ from sklearn.utils.validation import check_is_fitted, column_or_1d
 from .. import _tangent
 from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
-from .._parallel import dask_worker_threads, limit_torch_threads
-from ..kernels import PathKernel, TangentKernel
+from .._parallel import limit_torch_threads
+from ..kernels import PathKernel, TangentKernel, kernel_threads
 from ._base import FittedAttribute, keep_previous_fit_on_error, tangent_feature_names
 from ._machine import PathKernelClassifier, check_labels
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
@@ -337,30 +337,16 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         phi = self._tangent_features(X)
         return _unit_rows(phi) if self._normalize else phi
 
-    def _threads(self, n_rows: int, n_cols: int) -> int | None:
-        """Torch threads for the SVM's kernel of ``n_rows`` against ``n_cols`` samples.
-
-        1 below ``KERNEL_SINGLE_THREAD_WORK``, else torch's (a Dask worker's share).
-        """
-        points = len(self.trajectory_) if self._svm_kernel == "path" else 1
-        if n_rows * n_cols * self.n_params_ * points < KERNEL_SINGLE_THREAD_WORK:
-            return 1
-        return dask_worker_threads()
-
     def _svm_input(self, X):
         """What ``svm_`` reads: tangent features, or Gram rows against the training set."""
-        if self._svm_kernel == "linear":
-            X = self._validate_X(X)
-            with limit_torch_threads(self._threads(len(X), 1)):
-                return self._features(X)
         X = self._validate_X(X)
-        kernel = self._kernel()
-        with limit_torch_threads(self._threads(len(X), len(self.X_fit_))):
-            # Fixed-size row blocks: a row's float32 Gram entries never depend on the
-            # others.
-            return map_fixed_blocks(lambda xb: kernel(xb, self.X_fit_), X,
-                                    feature_block_rows(self._budget(), 8 * len(self.X_fit_),
-                                                       "The SVM's kernel rows"))
+        if self._svm_kernel == "linear":
+            with limit_torch_threads(kernel_threads(len(X) * self.n_params_)):
+                return self._features(X)
+        kernel = self._kernel()  # its own threads for its size
+        # Fixed-size row blocks: a row's float32 Gram entries never depend on the others.
+        return map_fixed_blocks(lambda xb: kernel(xb, self.X_fit_), X, feature_block_rows(
+            self._budget(), 8 * len(self.X_fit_), "The SVM's kernel rows"))
 
     @keep_previous_fit_on_error
     def fit(self, X, y):
@@ -395,11 +381,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         # tens, where liblinear (which also penalizes the intercept) needs 10^4+
         # iterations on the data of figure 3 and libsvm converges in milliseconds.
         kernel = "linear" if self.svm_kernel == "linear" else "precomputed"
-        n_fit = len(self.X_fit_)
-        with limit_torch_threads(self._threads(n_fit, 1 if kernel == "linear" else n_fit)):
+        if kernel == "linear":
+            with limit_torch_threads(kernel_threads(len(self.X_fit_) * self.n_params_)):
+                train_input = self._features(self.X_fit_)
+        else:
             # The training Gram is symmetric: computed as K(X, X), its upper blocks only.
-            train_input = (self._features(self.X_fit_) if kernel == "linear"
-                           else self._kernel()(self.X_fit_))
+            train_input = self._kernel()(self.X_fit_)
         C = self.C
         if C == "auto":
             gram = train_input @ train_input.T if kernel == "linear" else train_input
@@ -456,14 +443,6 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         """
         return self._tangent_features(X)
 
-
-# The SVM's kernel of fewer rows x columns x parameters (x path points) than this is
-# computed on one torch thread: the Gram of the default network on digits' training set
-# (1347 x 1347 x 8,970, 1.6e10) takes 0.09 s of CPU on one thread, and 0.37 s of CPU and
-# 0.9 s wall on two threads of a 2-core machine that other processes share (0.65 s / 2.0 s
-# for breast_cancer's 426 rows, against 0.013 s on one); the threads' wake-ups and stalls
-# cost more than the products they split (see training_threads for the network's steps).
-KERNEL_SINGLE_THREAD_WORK = 2**35
 
 # C="auto"'s candidates, in units of the kernel's scale (the mean of the Gram's diagonal).
 AUTO_C = (0.1, 1.0, 10.0, 100.0, 1000.0)

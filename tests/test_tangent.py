@@ -883,6 +883,74 @@ def test_outputs_split_into_groups_whose_blocks_fit(weighted, cross, monkeypatch
                                         weight, True, b, 8)) == 1
 
 
+class _SmallResNet(nn.Module):
+    """Conv stem with eval BatchNorm, a residual block, average pooling, ``n_out``
+    outputs: the ResNet row's layers at a size whose blocks a test can hold."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(8), nn.ReLU())
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, n_out)
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(torch.relu(h + self.bn(self.conv(h))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, monkeypatch):
+    # The ResNet row's plan at N = 1024 (its ten outputs' formed blocks exceed the
+    # budget: groups of outputs, each block formed a chunk of rows at a time), set up
+    # by the budget alone: the smallest one (1/64-octave grid) that splits the six
+    # outputs in three groups. Every row of each side is captured once per group, in
+    # chunks smaller than the block, and K is the dense Jacobians' trace.
+    torch.manual_seed(0)
+    module = _SmallResNet(6).double()
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.8, 1.2)
+    module.eval()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(160, 2, 6, 6, dtype=torch.float64)
+    Y = torch.randn(60, 2, 6, 6, dtype=torch.float64) if cross else None
+    n_y = len(X) if Y is None else len(Y)
+    probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
+    budget = _budget_with_groups(probe, len(X), n_y, None, Y is None, 8, 3)
+    groups = _gram._output_groups(probe, len(X), n_y, "trace", None, Y is None, budget, 8)
+    assert sum(groups, []) == list(range(6))
+    chunks = set()
+    for columns in groups:
+        part = _gram._probe_outputs(probe, columns)
+        dense, kept, _, _ = _gram._gram_plan(part, len(X), n_y, "trace", False, Y is None,
+                                             budget, 8)
+        assert dense, "the convolutions' terms must be formed for this test"
+        chunk, share = _gram._dense_shares(part, kept, budget)
+        # The kept blocks in their share, a chunk's capture in the rest.
+        assert kept * (len(X) + (0 if Y is None else n_y)) <= share
+        assert share + chunk * _gram._chunk_row_bytes(part, kept) // 8 <= budget
+        chunks.add(chunk)
+    (chunk,) = chunks
+    assert chunk < n_y
+
+    seen = []
+    real = _gram.capture
+    monkeypatch.setattr(_gram, "capture", lambda *a, **k: seen.append(
+        (a[2].shape[0], tuple(a[3]))) or real(*a, **k))
+    K = tangent_gram(module, params, X, Y, memory_budget=budget, check_hidden=False)
+    assert seen[0] == (1, tuple(range(6)))
+    assert [outputs for _, outputs in seen[1:]] == sorted(outputs for _, outputs in seen[1:])
+    for columns in groups:
+        rows = [r for r, outputs in seen[1:] if outputs == tuple(columns)]
+        assert sum(rows) == len(X) + (0 if Y is None else n_y) and max(rows) == chunk
+    JX = _loop_jacobian(module, params, X)
+    JY = JX if Y is None else _loop_jacobian(module, params, Y)
+    _close(K, torch.einsum("ncp,mcp->nm", JX, JY) / 6)
+
+
 def test_grouped_float64_output_is_the_converted_float32_gram():
     torch.manual_seed(1)
     module = _Tokens(4)

@@ -102,6 +102,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
+from scipy.linalg import blas
+from threadpoolctl import ThreadpoolController
 from torch import nn
 from torch.func import functional_call
 from torch.nn.modules import module as torch_module
@@ -137,10 +139,12 @@ _CACHE = 2**22
 _DENSE_STRIP = 256
 _DENSE_LEAF = 64
 
-# Entries of a unit's panel product from which the "units" route calls SciPy's BLAS on
-# the CPU (:func:`_units`): at N = 1000, 64-row strips of 512-1000 columns took 5-10%
-# less time per chunk than torch's products, at 128 columns alike, and at N = 100
-# (25 x 100 panels) the calls made the route 7% slower.
+# Entries of a product from which SciPy's BLAS takes it on the CPU: a unit's panel
+# product in the "units" route (:func:`_units`; at N = 1000, 64-row strips of 512-1000
+# columns took 5-10% less time per chunk than torch's products, at 128 columns alike,
+# and at N = 100, 25 x 100 panels, the calls made the route 7% slower) and the "dense"
+# layers' Gram (:func:`_dense_strips`; N >= 128). Smaller kernels keep torch's products
+# and their rounding on one thread and on several.
 _BLAS_MIN = 64 * 256
 
 # Most units per chunk of the full blocks' "units" route: the inner dimension of its
@@ -867,7 +871,8 @@ def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
     """
     n = K.shape[0]
     acc = scratch.get("dense_acc", (n, n), sides.fx[0][0].dtype).zero_()
-    syrk = _syrk(acc)
+    # (Small Grams keep torch's products, as the "units" route's small panels do.)
+    syrk = _syrk(acc) if n * n >= _BLAS_MIN else None
     for li in layers:
         wD = sides.wD[li]
         f = sides.fx[li]
@@ -902,8 +907,6 @@ def _syrk(acc: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
     """
     if _cpu_gemm(acc) is None or not acc.is_contiguous():
         return None
-    from scipy.linalg import blas
-
     syrk = blas.dsyrk if acc.dtype == torch.float64 else blas.ssyrk
     c = acc.numpy().T
 
@@ -927,8 +930,6 @@ def _cpu_gemm(t: torch.Tensor):
     if (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64)
             or torch.get_num_threads() != 1):
         return None
-    from scipy.linalg import blas
-
     return blas.dgemm if t.dtype == torch.float64 else blas.sgemm
 
 
@@ -943,8 +944,6 @@ def _blas_threads(n: int):
     with _BLAS_LOCK:
         state = _BLAS_STATE
         if state["depth"] == 0:
-            from threadpoolctl import ThreadpoolController
-
             if state["controller"] is None:
                 # Inspecting the loaded libraries takes milliseconds: once.
                 state["controller"] = ThreadpoolController()

@@ -482,3 +482,94 @@ def test_forward_factors_against_per_point_modules():
     h, (p2, acts, d2) = cap.forward(theta, x)
     assert torch.equal(h, out)
     assert all(torch.equal(u, v) for u, v in zip(acts, inputs))
+
+
+@pytest.fixture
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_syrk_updates_the_upper_triangle_only(dtype, one_torch_thread):
+    """The BLAS SYRK behind the dense layers' strips on the CPU: on a row-major ``acc``
+    whose both triangles hold values, it adds ``g g^T`` on and above the diagonal and
+    leaves the strict lower triangle as it was (a swapped ``lower`` or ``trans`` would
+    write the other triangle or ``g^T g``), against numpy's product."""
+    rng = np.random.default_rng(0)
+    acc0 = rng.standard_normal((37, 37))
+    g = rng.standard_normal((37, 23))
+    acc = torch.tensor(acc0, dtype=dtype)
+    update = _stacked._syrk(acc)
+    assert update is not None
+    update(torch.tensor(g, dtype=dtype))
+    got = acc.double().numpy()
+    want = acc0 + g @ g.T
+    upper = np.triu_indices(37)
+    lower = np.tril_indices(37, -1)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert_allclose(got[upper], want[upper], rtol=rtol, atol=rtol)
+    assert_allclose(got[lower], acc0.astype(np.float32 if dtype == torch.float32
+                                            else np.float64)[lower], rtol=0, atol=0)
+    # CUDA tensors, other dtypes and several torch threads keep torch's products.
+    assert _stacked._syrk(acc.to(torch.float16)) is None
+    torch.set_num_threads(2)
+    assert _stacked._syrk(acc) is None and _stacked._cpu_gemm(acc) is None
+
+
+@pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
+@pytest.mark.parametrize("outputs", [[0, 1, 2, 3], [2]], ids=["trace", "one"])
+def test_scipy_blas_route_matches_autograd(layers, outputs, monkeypatch, one_torch_thread):
+    """On one torch thread the preconditioned kernel's "units" products and the dense
+    layers' Grams go through SciPy's BLAS (GEMM per unit, SYRK of one triangle): taken
+    here on every panel (``_BLAS_MIN`` 1), against the module's own autograd Jacobians,
+    float64 and float32, with the BLAS libraries' thread limits restored after."""
+    from threadpoolctl import threadpool_info
+
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, True)
+    A = torch.randn(40, 3, dtype=torch.float64)
+    ws = [w for _, w in weights]
+    ref = _module_reference(module, thetas, Ds, ws, A, A, outputs).numpy()
+    monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
+    calls = {"gemm": 0, "syrk": 0}
+    real_gemm, real_syrk = _stacked._cpu_gemm, _stacked._syrk
+
+    def gemm(t):
+        f = real_gemm(t)
+        return None if f is None else (
+            lambda *a, **k: calls.__setitem__("gemm", calls["gemm"] + 1) or f(*a, **k))
+
+    def syrk(acc):
+        f = real_syrk(acc)
+        return None if f is None else (
+            lambda g: calls.__setitem__("syrk", calls["syrk"] + 1) or f(g))
+
+    monkeypatch.setattr(_stacked, "_cpu_gemm", gemm)
+    monkeypatch.setattr(_stacked, "_syrk", syrk)
+    before = [(i["filepath"], i["num_threads"]) for i in threadpool_info()]
+    routes = _routes(mlp, len(outputs), True, 40, 40)
+    for dtype, rtol in [(torch.float64, 1e-10), (torch.float32, 2e-4)]:
+        calls.update(gemm=0, syrk=0)
+
+        def load_as(points, dtype=dtype):
+            theta, D = load(points)
+            return theta.to(dtype), D.to(dtype)
+
+        K, _, _ = stacked_path_sum(mlp, layout, load_as, weights, A.to(dtype),
+                                   outputs=outputs, trace_scale=1 / len(outputs),
+                                   weighted=True, memory_budget=2**30, block=2)
+        assert (calls["gemm"] > 0) == ("units" in routes)
+        assert (calls["syrk"] > 0) == ("dense" in routes)
+        assert_allclose(K.numpy(), ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+        assert np.array_equal(K.numpy(), K.numpy().T)
+    # The full blocks: the "mixed" layer's one backprop scales the rows (C = 1) before
+    # the GEMM of its units.
+    full = _module_reference(module, thetas, Ds, ws, A, A, outputs, full=True).numpy()
+    calls.update(gemm=0)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
+                               weighted=True, memory_budget=2**30, block=2, full=True)
+    assert (calls["gemm"] > 0) == ("mixed" in _routes(mlp, len(outputs), True, 40, 40, full=True))
+    assert_allclose(K.numpy(), full, rtol=1e-10, atol=1e-13)
+    assert [(i["filepath"], i["num_threads"]) for i in threadpool_info()] == before

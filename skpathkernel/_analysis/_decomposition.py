@@ -161,6 +161,12 @@ REPLAY_ROWS = 25
 # call gets all the queries or a block of them on a worker (blocks are cut at multiples
 # of the chunk), so that the blocks give the serial call's numbers.
 NODE_CHUNK = 32
+# The most recorded steps whose batches one stacked pass captures (a quarter of the
+# memory budget may cap it lower): the batch side of a step reads neither the queries nor
+# the adjoint, so the steps the walk takes next are captured ahead, one set-up for the
+# block. Beyond a few steps the pass's own arithmetic dominates (a batch of 200 rows
+# of the default classifier is one 200 x 64 x 64 GEMM per layer).
+STEP_BLOCK = 16
 
 
 @dataclass
@@ -523,8 +529,14 @@ class _StackedCapture:
 
     def forward(self, thetas: torch.Tensor, X: torch.Tensor):
         """Outputs (B, N, C) at the points ``thetas`` (B, P), and what
-        :meth:`backward` needs."""
+        :meth:`backward` needs. ``X``: rows (N, d_in) shared by the points, or each
+        point's own (B, N, d_in) (a block of steps' batches)."""
         h, params, acts, derivs = forward_factors(self.mlp, thetas, self.layout, X)
+        if X.dim() == 3:
+            # Own rows: forward_factors' leading broadcast dimension is 1, the points
+            # come second (the same batched GEMMs over the points).
+            h, acts = h[0], [a[0] for a in acts]
+            derivs = [None if d is None else d[0] for d in derivs]
         return h, (params, acts, derivs)
 
     def backward(self, cache, seed: torch.Tensor) -> list[list[Flat]]:
@@ -616,6 +628,9 @@ class _Context:
         self.device = X_train.device
         sizes = [v.numel() for v in traj.unflatten(traj.parameters(0)).values()]
         self.layout = dict(zip(traj.names, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)))
+        # Batch rows captured in one stacked pass over a block of steps (see
+        # _capture_ahead; set by _run from the memory budget), and those made ahead.
+        self.step_rows, self._ahead, self._walk = 1, {}, None
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
@@ -677,6 +692,11 @@ class _Context:
     def _batches(self, t, theta):
         idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
         w = _sample_weights(self.traj, t, self.weighting, len(self.X_train), self.device)
+        if self.stacked is not None and 0 < len(idx) <= self.b_block:
+            if t not in self._ahead:
+                self._capture_ahead(t, len(idx))
+            yield self._ahead.pop(t)
+            return
         params = _params(self.traj, theta)
         for b0 in range(0, len(idx), self.b_block):
             sub, w_sub = idx[b0 : b0 + self.b_block], w[b0 : b0 + self.b_block]
@@ -693,6 +713,38 @@ class _Context:
             # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
             terms = self.capture(theta, Xb, r)
             yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
+
+
+    def _capture_ahead(self, t, size):
+        """The batch captures of step ``t`` and of the steps the walk takes next with
+        batches of the same ``size``, at most ``STEP_BLOCK`` of them within ``step_rows``
+        rows: one stacked
+        forward and backward over the steps' parameters, each with its own batch (the
+        residuals in one pass too). Each step's terms are those of its own pass: a
+        point's batched GEMMs are the single point's."""
+        walk = self._walk
+        if walk is None:
+            first, stop = self.intervals
+            walk = self._walk = [(s, j) for j, steps in _intervals(self.traj)
+                                 if first <= j < stop for s in steps]
+            self._at = {s: k for k, (s, _) in enumerate(walk)}
+        block, idx, w = [], [], []
+        n = max(1, min(STEP_BLOCK, self.step_rows // size))
+        for s, j in walk[self._at[t] : self._at[t] + n]:
+            i = _batch_index(self.traj, s, self.weighting, len(self.X_train), self.device)
+            if len(i) != size:
+                break
+            block.append((s, j))
+            idx.append(i)
+            w.append(_sample_weights(self.traj, s, self.weighting, len(self.X_train),
+                                     self.device))
+        thetas = torch.stack([self.traj.parameters(j).to(self.device) for _, j in block])
+        idx = torch.stack(idx)
+        out, cache = self.stacked.forward(thetas, self.X_train[idx])
+        r = self.loss.residuals(out.flatten(0, 1), self.Y_train[idx.flatten()])
+        per_step = self.stacked.backward(cache, r.view(*out.shape[:2], 1, -1))
+        for (s, _), sub, w_sub, terms in zip(block, idx, w, per_step):
+            self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms])
 
 
 def _nbytes(blocks) -> int:
@@ -1461,6 +1513,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals)
+    # Independent of the queries, so that a query block on a worker captures the
+    # serial call's blocks of steps.
+    ctx.step_rows = max(1, memory_budget // 4 // max(row, 1))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

@@ -801,11 +801,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
+        ahead = _NodesAhead(ctx, lo, hi)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
         theta = traj.parameters(j).to(device)
-        delta = nxt - theta
         theta64 = (_as_float64(traj, _decay_direction(traj, j, theta.to(torch.float64),
                                                       decoupled)) if wd else None)
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
@@ -815,21 +815,19 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             # The exact difference of the two recorded points (exact in float64).
             d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
             dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
-            points = {}  # the nodes' parameters by node count, for every chunk
+            ahead.passed(j)
 
-            def run(n, X, W, cuts=None, theta=theta, delta=delta, dirs=dirs,
-                    points=points):
-                s, w = _gauss(n)
-                if n not in points:
-                    points[n] = [theta + sk * delta for sk in s]
+            def run(n, X, W, at, cuts=None, j=j, dirs=dirs):
+                w = _gauss(n)[1]
                 own = None
                 if cuts is None:
-                    nodes = ctx.capture_nodes(points[n], X, W)
+                    nodes = ahead.nodes(j, n, X, W, at)
                 else:
                     # Captured cut by cut (each as on its own), their float64 products
                     # in one pass over the rows; each cut keeps its own capture, so
                     # its later float32 GEMMs read memory laid out as a serial call's.
-                    own = [ctx.capture_nodes(points[n], X[i], None if W is None else W[i])
+                    own = [ahead.nodes(j, n, X[i], None if W is None else W[i],
+                                       slice(at.start + i.start, at.start + i.stop))
                            for i in cuts]
                     nodes = _cat_rows(own)
                 q, spread = directional(nodes, w, prepared=dirs)
@@ -850,7 +848,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     slice(c.local.start - at.start, c.local.stop - at.start) for c in group]
                 q, spread, nodes, w, own = run(
                     n, Xq[at], None if ctx.weights is None
-                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], cuts)
+                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], at, cuts)
                 # Plain SGD's products take the group's rows at once where they were
                 # captured at once (float32 GEMMs again).
                 whole = (nodes, w, at) if together else None
@@ -864,7 +862,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 if tried[c][0] == n:
                     (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
-                    q, spread, nodes, w, _ = run(n, c.X, c.W)
+                    q, spread, nodes, w, _ = run(n, c.X, c.W, c.local)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
 
             for c in parts:
@@ -929,6 +927,46 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
     return contrib, reg
+
+
+class _NodesAhead:
+    """The queries' captures at a step's quadrature nodes, made for a block of steps.
+
+    The node count a step tries first is known before the step (the count its chunk
+    ended the step after with, :meth:`_Quadrature.start`) and rarely changes from step
+    to step: a capture of some rows at ``n`` nodes of step ``j`` that is not made yet
+    is made together with those of the next steps of the walk at ``n`` nodes (at most
+    ``STEP_BLOCK`` steps, ``step_rows`` rows), one stacked pass for the block. A point's
+    batched GEMMs are the single point's, so every capture is the one the step alone
+    would make; a step that tries another count captures it then (and its block).
+    """
+
+    def __init__(self, ctx: _Context, lo: int, hi: int):
+        self.ctx, self.lo, self.hi = ctx, lo, hi
+        self._made: dict = {}  # (j, n, rows) -> the capture (a list over nodes)
+
+    def passed(self, j: int) -> None:
+        """Forget the captures of the steps after ``j`` (the walk has left them)."""
+        self._made = {k: v for k, v in self._made.items() if k[0] <= j}
+
+    def nodes(self, j: int, n: int, X, W, rows: slice):
+        key = (j, n, rows.start, rows.stop)
+        if key not in self._made:
+            ctx, s = self.ctx, _gauss(n)[0]
+            size = max(1, min(STEP_BLOCK, ctx.step_rows // max(1, n * X.shape[0])))
+            steps = range(j, max(self.lo, j - size + 1) - 1, -1)
+            params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1],
+                                                                          j + 2)]
+            points = []
+            for i in steps:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
+                theta = params[i - steps[-1]]
+                delta = params[i + 1 - steps[-1]] - theta
+                points += [theta + sk * delta for sk in s]
+            made = ctx.capture_nodes(points, X, W)
+            for k, i in enumerate(steps):
+                self._made.setdefault((i, n, rows.start, rows.stop),
+                                      made[k * n : (k + 1) * n])
+        return self._made.pop(key)
 
 
 class _Chunk:

@@ -52,9 +52,17 @@ one batched forward and backward over a step's quadrature nodes, and the batch's
 one pass without the capture engine's hooks (:class:`_StackedCapture`, checked against
 the engine's capture once per call). On the default classifier on digits the hooked
 captures were about a sixth of ``attribute``'s time with Adam and half with SGD
-(profiled, 100 queries): set-up repeated per capture, for little arithmetic. The nodes
-of later steps are not stacked with them: how many a step takes depends on the residuals
-of the steps after it.
+(profiled, 100 queries): set-up repeated per capture, for little arithmetic. Neither
+side of a step reads the adjoint, so both are captured for blocks of steps
+(``STEP_BLOCK``, within a quarter of ``memory_budget``): the batches of the steps the
+walk takes next, each at its own parameters with its own rows, in one stacked pass
+(:meth:`_Context._capture_ahead`), and a chunk's queries at the nodes of the next steps
+(:class:`_NodesAhead`), at the count it tries first (the count its last step ended
+with, which rarely changes; a step that tries another captures that count's block
+then). A point's batched GEMMs are the single point's, so the captures are those of the
+step alone (bit for bit on the default classifier). What stays per step is the float64
+arithmetic that reads the step's direction or its chunk's node choice (the products
+with the step, the adjoint's update and contraction, plain SGD's shares).
 
 Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
@@ -69,8 +77,9 @@ per chunk (4-16 queries on the default classifier: 40-160 rows of ten outputs, 4
 the margin) forms the batch's gradients once per chunk, and a chunk with fewer rows than
 a layer's inputs takes the factor contraction's two extra passes: measured, about a
 third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one thread). The
-queries' captures stay per chunk in float32 (see below), about a fifth of those calls:
-their GEMMs are small, the per-capture set-up is most of it.
+queries' captures stay per chunk in float32 (see below), about a fifth of those calls
+when made step by step: their GEMMs are small, the per-capture set-up is most of it
+(hence a chunk's captures for a block of steps, see *Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -713,7 +722,6 @@ class _Context:
             # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
             terms = self.capture(theta, Xb, r)
             yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
-
 
     def _capture_ahead(self, t, size):
         """The batch captures of step ``t`` and of the steps the walk takes next with
@@ -1531,9 +1539,10 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
-        # small next to the adjoint, and only one step's nodes are alive at a time).
-        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
-                   + f_bytes)
+        # small next to the adjoint), and those made ahead for a block of steps (a
+        # quarter of ``row`` each, no graph kept, at about NODES_GUESS nodes a step).
+        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
+                   + row * (4 + STEP_BLOCK * NODES_GUESS // 4) + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         # The queries of one node choice (a power of two: the blocks of a larger call
         # are cut at multiples of its chunk), or a whole block.

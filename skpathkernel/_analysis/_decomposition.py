@@ -54,7 +54,7 @@ the engine's capture once per call). On the default classifier on digits the hoo
 captures were about a sixth of ``attribute``'s time with Adam and half with SGD
 (profiled, 100 queries): set-up repeated per capture, for little arithmetic. Neither
 side of a step reads the adjoint, so both are captured for blocks of steps
-(``STEP_BLOCK``, within a quarter of ``memory_budget``): the batches of the steps the
+(``STEP_BLOCK``, a pass within an eighth of ``memory_budget``): the batches of the steps the
 walk takes next, each at its own parameters with its own rows, in one stacked pass
 (:meth:`_Context._capture_ahead`), and a chunk's queries at the nodes of the next steps
 (:class:`_NodesAhead`), at the count it tries first (the count its last step ended
@@ -170,11 +170,12 @@ REPLAY_ROWS = 25
 # call gets all the queries or a block of them on a worker (blocks are cut at multiples
 # of the chunk), so that the blocks give the serial call's numbers.
 NODE_CHUNK = 32
-# The most recorded steps whose batches one stacked pass captures (a quarter of the
-# memory budget may cap it lower): the batch side of a step reads neither the queries nor
-# the adjoint, so the steps the walk takes next are captured ahead, one set-up for the
-# block. Beyond a few steps the pass's own arithmetic dominates (a batch of 200 rows
-# of the default classifier is one 200 x 64 x 64 GEMM per layer).
+# The most recorded steps whose batches one stacked pass captures (an eighth of the
+# memory budget may cap it lower; the same for a chunk's queries at the nodes): the
+# batch side of a step reads neither the queries nor the adjoint, so the steps the walk
+# takes next are captured ahead, one set-up for the block. Beyond a few steps the pass's
+# own arithmetic dominates (a batch of 200 rows of the default classifier is one
+# 200 x 64 x 64 GEMM per layer).
 STEP_BLOCK = 16
 
 
@@ -1539,10 +1540,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
-        # small next to the adjoint), and those made ahead for a block of steps (a
-        # quarter of ``row`` each, no graph kept, at about NODES_GUESS nodes a step).
-        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
-                   + row * (4 + STEP_BLOCK * NODES_GUESS // 4) + f_bytes)
+        # small next to the adjoint, and only one step's nodes are alive at a time).
+        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
+                   + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         # The queries of one node choice (a power of two: the blocks of a larger call
         # are cut at multiples of its chunk), or a whole block.
@@ -1560,9 +1560,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals)
-    # Independent of the queries, so that a query block on a worker captures the
-    # serial call's blocks of steps.
-    ctx.step_rows = max(1, memory_budget // 4 // max(row, 1))
+    # Rows captured ahead in one pass for a block of steps (a batch's, or a chunk's
+    # queries at the nodes), within an eighth of the budget at ``row`` a row (a
+    # sample's captures with their graph: about 4x the stacked ones). Independent of
+    # the queries, so that a query block on a worker captures the serial call's blocks.
+    ctx.step_rows = max(1, memory_budget // 8 // max(row, 1))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

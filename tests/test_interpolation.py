@@ -510,7 +510,8 @@ def test_stacked_captures_equal_the_capture_engine(data, name, dtype, monkeypatc
 
     monkeypatch.setattr(interpolation._StackedCapture, "capture", spy)
     stacked, stacked_w = est.decompose(X, n_nodes=4), _contracted(est, X, W, n_nodes=4)
-    assert 4 in used  # a step's four nodes in one pass
+    # Every step's four nodes in one pass (the steps' captures made ahead, one block).
+    assert 4 * (len(est.trajectory_) - 1) in used
     monkeypatch.setattr(interpolation._StackedCapture, "matches", lambda *args: False)
     used.clear()
     general, general_w = est.decompose(X, n_nodes=4), _contracted(est, X, W, n_nodes=4)
@@ -594,3 +595,77 @@ def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monke
         scale = np.abs(contrib).max()
         assert_allclose(res.contributions[rows], contrib, rtol=0, atol=1e-10 * scale)
         assert_allclose(res.regularization[rows], reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam-l2"])
+@pytest.mark.parametrize("batch_size", [4, 5])
+def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, monkeypatch):
+    """Blocks of 1, 2 and 3 recorded steps captured in one stacked pass (the batches,
+    and the queries' nodes made ahead) give the step-by-step decomposition and the
+    forward per-sample recursion's. Batches of 4 of the 16 samples: the blocks of 3
+    steps cross the epochs' boundaries; of 5: the epochs' last batch (1 sample) cuts
+    the blocks of equal batches. Adaptive nodes too (blocks made ahead at a count that
+    a step then does not try) and a memory budget that leaves one step per pass."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3,
+                            batch_size=batch_size, dtype="float64", random_state=0,
+                            **SOLVERS[name]).fit(X_train, Y)
+    T = len(est.trajectory_) - 1
+    sizes = [len(b) for b in est.trajectory_.batches]
+    passes = {"batch": [], "nodes": []}
+    forward = interpolation._StackedCapture.forward
+
+    def spy(self, thetas, X_rows):
+        # Own rows per point: a block of batches; shared rows: the queries' nodes.
+        if X_rows.dim() == 3:
+            passes["batch"].append(len(thetas))
+        elif len(X_rows) == len(X):
+            passes["nodes"].append(len(thetas))
+        return forward(self, thetas, X_rows)
+
+    monkeypatch.setattr(interpolation._StackedCapture, "forward", spy)
+    results = {}
+    for block in (1, 2, 3):
+        monkeypatch.setattr(interpolation, "STEP_BLOCK", block)
+        for key in passes:
+            passes[key].clear()
+        results[block] = est.decompose(X, n_nodes=4), est.decompose(X)
+        # The walk's blocks, last step first, cut where the batch size changes.
+        expected, run = [], []
+        for t in reversed(range(T)):
+            if run and (len(run) == block or sizes[run[-1]] != sizes[t]):
+                expected.append(len(run))
+                run = []
+            run.append(t)
+        expected.append(len(run))
+        assert passes["batch"] == expected * 2
+        if block == 3 and batch_size == 4:  # steps 8 to 6 and 4 to 2: two epochs each
+            assert expected == [3, 3, 3, 3]
+        # The fixed count's nodes: 4 per step, blocks of `block` steps.
+        assert passes["nodes"][: -(-T // block)] == [4 * len(range(t, max(-1, t - block), -1))
+                                                      for t in range(T - 1, -1, -block)]
+    fixed_1, adaptive_1 = results[1]
+    for block in (2, 3):
+        fixed, adaptive = results[block]
+        for a, b in ((fixed, fixed_1), (adaptive, adaptive_1)):
+            scale = np.abs(b.contributions).max()
+            assert_allclose(a.contributions, b.contributions, rtol=0, atol=1e-13 * scale)
+            assert_allclose(a.regularization, b.regularization, rtol=0,
+                            atol=1e-13 * max(scale, 1e-3))
+        assert_array_equal(adaptive.n_nodes, adaptive_1.n_nodes)
+    contrib, reg = _brute_force(est, X_train, torch.as_tensor(Y), _squared, X, n_nodes=4)
+    scale = np.abs(contrib).max()
+    for fixed, _ in results.values():
+        assert_allclose(fixed.contributions, contrib, rtol=0, atol=1e-10 * scale)
+        assert_allclose(fixed.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+    # A budget whose quarter holds fewer rows than two batches: one step per pass.
+    monkeypatch.setattr(interpolation, "STEP_BLOCK", 3)
+    passes["batch"].clear()
+    small = est.set_params(memory_budget=2**14).decompose(X, n_nodes=4)
+    est.set_params(memory_budget=2**30)
+    assert passes["batch"] and set(passes["batch"]) == {1}
+    assert_allclose(small.contributions, fixed_1.contributions, rtol=0,
+                    atol=1e-13 * np.abs(fixed_1.contributions).max())

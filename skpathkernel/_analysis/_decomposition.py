@@ -52,9 +52,17 @@ one batched forward and backward over a step's quadrature nodes, and the batch's
 one pass without the capture engine's hooks (:class:`_StackedCapture`, checked against
 the engine's capture once per call). On the default classifier on digits the hooked
 captures were about a sixth of ``attribute``'s time with Adam and half with SGD
-(profiled, 100 queries): set-up repeated per capture, for little arithmetic. The nodes
-of later steps are not stacked with them: how many a step takes depends on the residuals
-of the steps after it.
+(profiled, 100 queries): set-up repeated per capture, for little arithmetic. Neither
+side of a step reads the adjoint, so both are captured for blocks of steps
+(``STEP_BLOCK``, a pass within an eighth of ``memory_budget``): the batches of the steps the
+walk takes next, each at its own parameters with its own rows, in one stacked pass
+(:meth:`_Context._capture_ahead`), and a chunk's queries at the nodes of the next steps
+(:class:`_NodesAhead`), at the count it tries first (the count its last step ended
+with, which rarely changes; a step that tries another captures that count's block
+then). A point's batched GEMMs are the single point's, so the captures are those of the
+step alone (bit for bit on the default classifier). What stays per step is the float64
+arithmetic that reads the step's direction or its chunk's node choice (the products
+with the step, the adjoint's update and contraction, plain SGD's shares).
 
 Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
@@ -69,8 +77,9 @@ per chunk (4-16 queries on the default classifier: 40-160 rows of ten outputs, 4
 the margin) forms the batch's gradients once per chunk, and a chunk with fewer rows than
 a layer's inputs takes the factor contraction's two extra passes: measured, about a
 third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one thread). The
-queries' captures stay per chunk in float32 (see below), about a fifth of those calls:
-their GEMMs are small, the per-capture set-up is most of it.
+queries' captures stay per chunk in float32 (see below), about a fifth of those calls
+when made step by step: their GEMMs are small, the per-capture set-up is most of it
+(hence a chunk's captures for a block of steps, see *Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -161,6 +170,13 @@ REPLAY_ROWS = 25
 # call gets all the queries or a block of them on a worker (blocks are cut at multiples
 # of the chunk), so that the blocks give the serial call's numbers.
 NODE_CHUNK = 32
+# The most recorded steps whose batches one stacked pass captures (an eighth of the
+# memory budget may cap it lower; the same for a chunk's queries at the nodes): the
+# batch side of a step reads neither the queries nor the adjoint, so the steps the walk
+# takes next are captured ahead, one set-up for the block. Beyond a few steps the pass's
+# own arithmetic dominates (a batch of 200 rows of the default classifier is one
+# 200 x 64 x 64 GEMM per layer).
+STEP_BLOCK = 16
 
 
 @dataclass
@@ -523,8 +539,14 @@ class _StackedCapture:
 
     def forward(self, thetas: torch.Tensor, X: torch.Tensor):
         """Outputs (B, N, C) at the points ``thetas`` (B, P), and what
-        :meth:`backward` needs."""
+        :meth:`backward` needs. ``X``: rows (N, d_in) shared by the points, or each
+        point's own (B, N, d_in) (a block of steps' batches)."""
         h, params, acts, derivs = forward_factors(self.mlp, thetas, self.layout, X)
+        if X.dim() == 3:
+            # Own rows: forward_factors' leading broadcast dimension is 1, the points
+            # come second (the same batched GEMMs over the points).
+            h, acts = h[0], [a[0] for a in acts]
+            derivs = [None if d is None else d[0] for d in derivs]
         return h, (params, acts, derivs)
 
     def backward(self, cache, seed: torch.Tensor) -> list[list[Flat]]:
@@ -616,6 +638,9 @@ class _Context:
         self.device = X_train.device
         sizes = [v.numel() for v in traj.unflatten(traj.parameters(0)).values()]
         self.layout = dict(zip(traj.names, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)))
+        # Batch rows captured in one stacked pass over a block of steps (see
+        # _capture_ahead; set by _run from the memory budget), and those made ahead.
+        self.step_rows, self._ahead, self._walk = 1, {}, None
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
@@ -677,6 +702,11 @@ class _Context:
     def _batches(self, t, theta):
         idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
         w = _sample_weights(self.traj, t, self.weighting, len(self.X_train), self.device)
+        if self.stacked is not None and 0 < len(idx) <= self.b_block:
+            if t not in self._ahead:
+                self._capture_ahead(t, len(idx))
+            yield self._ahead.pop(t)
+            return
         params = _params(self.traj, theta)
         for b0 in range(0, len(idx), self.b_block):
             sub, w_sub = idx[b0 : b0 + self.b_block], w[b0 : b0 + self.b_block]
@@ -693,6 +723,37 @@ class _Context:
             # backprops dhat_i = sum_c r_ic delta_ic: one backward pass of r_i . f(x_i).
             terms = self.capture(theta, Xb, r)
             yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
+
+    def _capture_ahead(self, t, size):
+        """The batch captures of step ``t`` and of the steps the walk takes next with
+        batches of the same ``size``, at most ``STEP_BLOCK`` of them within ``step_rows``
+        rows: one stacked
+        forward and backward over the steps' parameters, each with its own batch (the
+        residuals in one pass too). Each step's terms are those of its own pass: a
+        point's batched GEMMs are the single point's."""
+        walk = self._walk
+        if walk is None:
+            first, stop = self.intervals
+            walk = self._walk = [(s, j) for j, steps in _intervals(self.traj)
+                                 if first <= j < stop for s in steps]
+            self._at = {s: k for k, (s, _) in enumerate(walk)}
+        block, idx, w = [], [], []
+        n = max(1, min(STEP_BLOCK, self.step_rows // size))
+        for s, j in walk[self._at[t] : self._at[t] + n]:
+            i = _batch_index(self.traj, s, self.weighting, len(self.X_train), self.device)
+            if len(i) != size:
+                break
+            block.append((s, j))
+            idx.append(i)
+            w.append(_sample_weights(self.traj, s, self.weighting, len(self.X_train),
+                                     self.device))
+        thetas = torch.stack([self.traj.parameters(j).to(self.device) for _, j in block])
+        idx = torch.stack(idx)
+        out, cache = self.stacked.forward(thetas, self.X_train[idx])
+        r = self.loss.residuals(out.flatten(0, 1), self.Y_train[idx.flatten()])
+        per_step = self.stacked.backward(cache, r.view(*out.shape[:2], 1, -1))
+        for (s, _), sub, w_sub, terms in zip(block, idx, w, per_step):
+            self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms])
 
 
 def _nbytes(blocks) -> int:
@@ -749,11 +810,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
+        ahead = _NodesAhead(ctx, lo, hi)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
         theta = traj.parameters(j).to(device)
-        delta = nxt - theta
         theta64 = (_as_float64(traj, _decay_direction(traj, j, theta.to(torch.float64),
                                                       decoupled)) if wd else None)
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
@@ -763,21 +824,19 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             # The exact difference of the two recorded points (exact in float64).
             d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
             dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
-            points = {}  # the nodes' parameters by node count, for every chunk
+            ahead.passed(j)
 
-            def run(n, X, W, cuts=None, theta=theta, delta=delta, dirs=dirs,
-                    points=points):
-                s, w = _gauss(n)
-                if n not in points:
-                    points[n] = [theta + sk * delta for sk in s]
+            def run(n, X, W, at, cuts=None, j=j, dirs=dirs):
+                w = _gauss(n)[1]
                 own = None
                 if cuts is None:
-                    nodes = ctx.capture_nodes(points[n], X, W)
+                    nodes = ahead.nodes(j, n, X, W, at)
                 else:
                     # Captured cut by cut (each as on its own), their float64 products
                     # in one pass over the rows; each cut keeps its own capture, so
                     # its later float32 GEMMs read memory laid out as a serial call's.
-                    own = [ctx.capture_nodes(points[n], X[i], None if W is None else W[i])
+                    own = [ahead.nodes(j, n, X[i], None if W is None else W[i],
+                                       slice(at.start + i.start, at.start + i.stop))
                            for i in cuts]
                     nodes = _cat_rows(own)
                 q, spread = directional(nodes, w, prepared=dirs)
@@ -798,7 +857,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     slice(c.local.start - at.start, c.local.stop - at.start) for c in group]
                 q, spread, nodes, w, own = run(
                     n, Xq[at], None if ctx.weights is None
-                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], cuts)
+                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], at, cuts)
                 # Plain SGD's products take the group's rows at once where they were
                 # captured at once (float32 GEMMs again).
                 whole = (nodes, w, at) if together else None
@@ -812,7 +871,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 if tried[c][0] == n:
                     (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
-                    q, spread, nodes, w, _ = run(n, c.X, c.W)
+                    q, spread, nodes, w, _ = run(n, c.X, c.W, c.local)
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
 
             for c in parts:
@@ -877,6 +936,46 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
     return contrib, reg
+
+
+class _NodesAhead:
+    """The queries' captures at a step's quadrature nodes, made for a block of steps.
+
+    The node count a step tries first is known before the step (the count its chunk
+    ended the step after with, :meth:`_Quadrature.start`) and rarely changes from step
+    to step: a capture of some rows at ``n`` nodes of step ``j`` that is not made yet
+    is made together with those of the next steps of the walk at ``n`` nodes (at most
+    ``STEP_BLOCK`` steps, ``step_rows`` rows), one stacked pass for the block. A point's
+    batched GEMMs are the single point's, so every capture is the one the step alone
+    would make; a step that tries another count captures it then (and its block).
+    """
+
+    def __init__(self, ctx: _Context, lo: int, hi: int):
+        self.ctx, self.lo, self.hi = ctx, lo, hi
+        self._made: dict = {}  # (j, n, rows) -> the capture (a list over nodes)
+
+    def passed(self, j: int) -> None:
+        """Forget the captures of the steps after ``j`` (the walk has left them)."""
+        self._made = {k: v for k, v in self._made.items() if k[0] <= j}
+
+    def nodes(self, j: int, n: int, X, W, rows: slice):
+        key = (j, n, rows.start, rows.stop)
+        if key not in self._made:
+            ctx, s = self.ctx, _gauss(n)[0]
+            size = max(1, min(STEP_BLOCK, ctx.step_rows // max(1, n * X.shape[0])))
+            steps = range(j, max(self.lo, j - size + 1) - 1, -1)
+            params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1],
+                                                                          j + 2)]
+            points = []
+            for i in steps:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
+                theta = params[i - steps[-1]]
+                delta = params[i + 1 - steps[-1]] - theta
+                points += [theta + sk * delta for sk in s]
+            made = ctx.capture_nodes(points, X, W)
+            for k, i in enumerate(steps):
+                self._made.setdefault((i, n, rows.start, rows.stop),
+                                      made[k * n : (k + 1) * n])
+        return self._made.pop(key)
 
 
 class _Chunk:
@@ -1461,6 +1560,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals)
+    # Rows captured ahead in one pass for a block of steps (a batch's, or a chunk's
+    # queries at the nodes), within an eighth of the budget at ``row`` a row (a
+    # sample's captures with their graph: about 4x the stacked ones). Independent of
+    # the queries, so that a query block on a worker captures the serial call's blocks.
+    ctx.step_rows = max(1, memory_budget // 8 // max(row, 1))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

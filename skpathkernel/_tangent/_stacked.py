@@ -273,10 +273,36 @@ def _layer_params(mlp: StackedMLP, theta: torch.Tensor, layout: dict) -> list[tu
     return out
 
 
+# The derivative of an activation by the kernel its autograd backward calls, seeded with
+# ones: the same numbers without building a graph (the autograd call's set-up was 13% of
+# ``attribute`` on the default classifier). Keyed by exact type; ``of_output`` says whether
+# the kernel reads the activation's output (else its input, read before an in-place
+# activation overwrites it).
+_aten = torch.ops.aten
+_BACKWARD = {
+    nn.Tanh: (True, lambda a, g, h: _aten.tanh_backward(g, h)),
+    nn.Sigmoid: (True, lambda a, g, h: _aten.sigmoid_backward(g, h)),
+    nn.ReLU: (True, lambda a, g, h: _aten.threshold_backward(g, h, 0)),
+    nn.GELU: (False, lambda a, g, z: _aten.gelu_backward(g, z, approximate=a.approximate)),
+    nn.Softplus: (False, lambda a, g, z: _aten.softplus_backward(g, z, a.beta, a.threshold)),
+    nn.SiLU: (False, lambda a, g, z: _aten.silu_backward(g, z)),
+    nn.Mish: (False, lambda a, g, z: _aten.mish_backward(g, z)),
+}
+
+
 def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``act(z)`` and its elementwise derivative at ``z``."""
     if type(act) is nn.Identity:
         return z, torch.ones_like(z)
+    kernel = _BACKWARD.get(type(act))
+    if kernel is not None:
+        of_output, backward = kernel
+        ones = torch.ones_like(z)
+        if of_output:
+            h = act(z)
+            return h, backward(act, ones, h)
+        d = backward(act, ones, z)
+        return act(z), d
     with torch.enable_grad():
         z = z.detach().requires_grad_(True)
         h = act(z)

@@ -265,10 +265,10 @@ def test_output_groups_form_their_blocks_in_the_same_memory(monkeypatch):
     formed = []
     real_formed = _gram._formed
 
-    def spy(terms, dense, into=None, start=0):
+    def spy(terms, dense, into=None, start=0, order="flat"):
         if into is not None and start == 0:
             formed.append(into[0].delta.data_ptr())
-        return real_formed(terms, dense, into, start)
+        return real_formed(terms, dense, into, start, order)
 
     monkeypatch.setattr(_gram, "_formed", spy)
     K = tangent_gram(module, params, X)

@@ -502,3 +502,59 @@ def test_conv_patches_equal_unfold(shape, kernel, stride, dilation, layout):
     x = x[:, :, 1:, 2:] if layout == "offset_view" else x[:, :, :-1, :-2]
     expected = F.unfold(x, kernel, dilation=dilation, stride=stride)
     assert torch.equal(_unfold(x, kernel, stride, dilation), expected)
+
+
+def test_narrow_patch_blocks_are_formed_transposed_only_for_a_trace(monkeypatch):
+    # RGB 3x3 patches (q = 27 columns) and C p = 2 x 8 = 16 rows: a trace without D forms
+    # each sample's block as q x C p (its entries' order cancels in the row products);
+    # every output's block, one output and a preconditioned Gram keep the flat order.
+    from skpathkernel._tangent import _contract
+
+    _forced(monkeypatch, "dense")
+    orders = []
+    real = _contract.row_order
+    monkeypatch.setattr(_contract, "row_order", lambda *a: orders.append(real(*a)) or orders[-1])
+    torch.manual_seed(0)
+    module = _Head(nn.Conv2d(3, 8, 3, padding=1), 8 * 36, 2).double().eval()
+    gen = torch.Generator().manual_seed(0)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X, Y = _image((3, 6, 6))(7, gen), _image((3, 6, 6))(4, gen)
+    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", JX, JX) / 2)
+    _close(tangent_gram(module, params, X, Y), torch.einsum("ncp,mcp->nm", JX, JY) / 2)
+    assert "qp" in orders
+    orders.clear()
+    D = torch.rand(JX.shape[2], generator=gen, dtype=torch.float64) + 0.5
+    _close(tangent_gram(module, params, X, Y, output="full"),
+           torch.einsum("ncp,mdp->ncmd", JX, JY))
+    _close(tangent_gram(module, params, X, output=1), JX[:, 1] @ JX[:, 1].T)
+    _close(tangent_gram(module, params, X, Y, diag_weight=D),
+           torch.einsum("ncp,p,mcp->nm", JX, D, JY) / 2)
+    assert "qp" not in orders
+
+
+def test_any_row_order_is_a_permutation_of_the_flat_rows():
+    from skpathkernel._tangent._contract import dense_grad, row_order
+    from skpathkernel.rules import Term
+
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.randn(5, 2, 8, 9, generator=gen, dtype=torch.float64)
+    a = torch.randn(5, 27, 9, generator=gen, dtype=torch.float64).transpose(1, 2)
+    term = Term(delta.transpose(2, 3), [("w", a)])
+    assert row_order(term, a) == "qp"
+    flat, anyorder = dense_grad(term, a), dense_grad(term, a, order="any")
+    # Per sample: the outer products summed over positions, written out independently.
+    expected = torch.einsum("ncsp,nsq->ncpq", term.delta, a).reshape(5, 2, -1)
+    torch.testing.assert_close(flat, expected, rtol=1e-13, atol=0)
+    assert not torch.equal(anyorder, flat)
+    torch.testing.assert_close(anyorder.reshape(5, -1).sort(1).values,
+                               flat.reshape(5, -1).sort(1).values, rtol=1e-13, atol=0)
+    # Row products are those of the flat rows; the buffer form writes the same numbers.
+    torch.testing.assert_close(anyorder.reshape(5, -1) @ anyorder.reshape(5, -1).T,
+                               flat.reshape(5, -1) @ flat.reshape(5, -1).T, rtol=1e-13, atol=0)
+    out = torch.empty(5, 2, 8 * 27, dtype=torch.float64)
+    assert dense_grad(term, a, out=out, order="any") is out
+    assert torch.equal(out, anyorder)
+    # One position, or a constant input, keeps the flat order.
+    assert row_order(Term(term.delta[:, :, :1], [("w", a[:, :1])]), a[:, :1]) == "flat"
+    assert row_order(term, None) == "flat"

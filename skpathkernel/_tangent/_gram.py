@@ -336,14 +336,15 @@ class _Blocks:
     ``reuse``: a dict, kept by the caller, of the buffers those chunked blocks are formed
     in; blocks of an earlier ``_Blocks`` formed there are overwritten (the output groups
     of a trace, each summed before the next is captured: a fresh block faults in every
-    page of it).
+    page of it). ``order``: the blocks' row order (:func:`._contract.dense_grad`), "any"
+    for a trace without a preconditioner.
     """
 
     def __init__(self, module, params, X, size, outputs, budget, keep, exclude=frozenset(),
-                 dense=frozenset(), chunk=None, scale=None, reuse=None):
+                 dense=frozenset(), chunk=None, scale=None, reuse=None, order="flat"):
         self.module, self.params, self.X, self.exclude = module, params, X, exclude
         self.outputs, self.budget, self.keep = outputs, budget, keep
-        self.dense, self.chunk, self.scale = dense, chunk, scale
+        self.dense, self.chunk, self.scale, self.order = dense, chunk, scale, order
         self.slices = [slice(s, min(s + size, X.shape[0])) for s in range(0, X.shape[0], size)]
         self._cache: dict[int, Capture] = {}
         self._held: tuple[int, Capture] | None = None
@@ -370,7 +371,7 @@ class _Blocks:
         n = sl.stop - sl.start
         if self.chunk is None or self.chunk >= n:
             cap = self._capture(sl)
-            cap.terms = _formed(cap.terms, self.dense)
+            cap.terms = _formed(cap.terms, self.dense, order=self.order)
         else:
             cap, terms = None, None
             for s in range(sl.start, sl.stop, self.chunk):
@@ -380,7 +381,7 @@ class _Blocks:
                 if terms is None:
                     pool = None if self._reuse is None else self._reuse.setdefault(i, {})
                     cap, terms = part, _formed_empty(part.terms, self.dense, n, pool)
-                _formed(part.terms, self.dense, terms, s - sl.start)
+                _formed(part.terms, self.dense, terms, s - sl.start, self.order)
             cap.terms = terms
         if self.scale is not None:
             _scale(cap.terms, *self.scale)
@@ -397,22 +398,23 @@ class _Blocks:
 
 
 def _formed(terms: list[Term], dense: frozenset[str], into: list[Term] | None = None,
-            start: int = 0) -> list[Term]:
-    """The terms with those named in ``dense`` as gradient blocks (one term per parameter).
+            start: int = 0, order: str = "flat") -> list[Term]:
+    """The terms with those named in ``dense`` as gradient blocks (one term per parameter),
+    their rows in ``order`` (:func:`._contract.dense_grad`).
 
     ``into`` (from :func:`_formed_empty`) receives them at rows ``start:``, in place.
     """
     if into is None:
         out = []
         for term in terms:
-            out.extend(densify(term) if term.inputs[0][0] in dense else [term])
+            out.extend(densify(term, order) if term.inputs[0][0] in dense else [term])
         return out
     slots = iter(into)
     for term in terms:
         rows = slice(start, start + term.delta.shape[0])
         if term.inputs[0][0] in dense:
             for _, a in term.inputs:
-                dense_grad(term, a, out=next(slots).delta[rows, :, 0])
+                dense_grad(term, a, out=next(slots).delta[rows, :, 0], order=order)
             continue
         whole = next(slots)
         whole.delta[rows] = term.delta
@@ -701,6 +703,8 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
     per-sample gradients.
     """
     n_out = len(outputs)
+    # Whole rows are multiplied only by a trace without D: their entries' order is free.
+    order = "any" if mode == "trace" and weight is None else "flat"
     # A D with negative entries has no square root: the panels then scale the blocks.
     dense, kept, pair, scaled = _gram_plan(
         probe, X.shape[0], Y.shape[0], mode, weight is not None, symmetric, memory_budget,
@@ -743,10 +747,10 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
     n_row_blocks = -(-X.shape[0] // size)
     bx = _Blocks(module, params, X, size, outputs, memory_budget,
                  fits and symmetric and n_row_blocks > 1, probe.exclude, dense, chunk, scale,
-                 reuse[0])
+                 reuse[0], order)
     by = bx if symmetric else _Blocks(module, params_y, Y, size, outputs, memory_budget,
                                       fits and n_row_blocks > 1, probe.exclude, dense, chunk,
-                                      scale, reuse[1])
+                                      scale, reuse[1], order)
 
     return bx, by, weight, dense
 

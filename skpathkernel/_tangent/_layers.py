@@ -158,11 +158,23 @@ def _affine_terms(delta, xhat, names):
     return terms
 
 
-def _channels_last(delta, xhat):
-    """Channel-first ``(n, C, ch, *sp)``, ``(n, ch, *sp)`` as ``(n, C, S, ch)``, ``(n, S, ch)``."""
+def _channel_terms(delta, xhat, names):
+    """:func:`_affine_terms` of channel-first ``delta (n, C, ch, *sp)`` and
+    ``xhat (n, ch, *sp)``, summed over the positions here, as one-position terms.
+
+    The positions are the last, contiguous axis: summed along it, the product and the
+    sums stream memory once (through the channels-last views of :func:`_affine_terms`
+    and strided sums after them: 1.1-2.3x the time, in a ResNet's captures and alone).
+    """
     n, C, ch = delta.shape[:3]
-    return (delta.reshape(n, C, ch, -1).transpose(2, 3),
-            xhat.reshape(n, ch, -1).transpose(1, 2))
+    d = delta.reshape(n, C, ch, -1)
+    terms = []
+    if "weight" in names:
+        xh = xhat.reshape(n, 1, ch, -1)
+        terms.append(Term(delta=(d * xh).sum(3), inputs=[(names["weight"], None)]))
+    if "bias" in names:
+        terms.append(Term(delta=d.sum(3), inputs=[(names["bias"], None)]))
+    return terms
 
 
 def _layer_norm_factors(layer, use, deltas, names):
@@ -185,7 +197,7 @@ LAYER_NORM = Rule(ops=(F.layer_norm,), factors=_layer_norm_factors, accepts=_lay
 def _group_norm_factors(layer, use, deltas, names):
     (a,), (delta,) = use.inputs, deltas
     xhat = F.group_norm(a, _arg(use, 1, "num_groups"), None, None, _arg(use, 4, "eps", 1e-5))
-    return _affine_terms(*_channels_last(delta, xhat), names)
+    return _channel_terms(delta, xhat, names)
 
 
 GROUP_NORM = Rule(ops=(F.group_norm,), factors=_group_norm_factors, accepts=_batched(2))
@@ -203,7 +215,7 @@ def _batch_norm_factors(layer, use, deltas, names):
     (a,), (delta,) = use.inputs, deltas
     xhat = F.batch_norm(a, _arg(use, 1, "running_mean"), _arg(use, 2, "running_var"),
                         None, None, False, 0.0, _arg(use, 7, "eps", 1e-5))
-    return _affine_terms(*_channels_last(delta, xhat), names)
+    return _channel_terms(delta, xhat, names)
 
 
 BATCH_NORM = Rule(ops=(F.batch_norm,), factors=_batch_norm_factors, accepts=_batch_norm_accepts)

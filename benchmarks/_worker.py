@@ -12,6 +12,7 @@ millisecond; on CUDA ``torch.cuda.max_memory_allocated`` above the allocation at
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -114,6 +115,18 @@ def _loop(module, params, X, output="trace"):
 PEERS = {"vmap_grad": _vmap_recipe, "autograd_loop": _loop}
 
 
+def memory_budget() -> int:
+    """skpathkernel's ``memory_budget`` in the Gram cases: the default unless
+    ``SKPATHKERNEL_BENCH_MEMORY_BUDGET`` (bytes, or with a ``GiB`` suffix) names another,
+    to show what a larger budget buys against the peers' memory."""
+    text = os.environ.get("SKPATHKERNEL_BENCH_MEMORY_BUDGET", "").strip()
+    if not text:
+        return BUDGET
+    if text.lower().endswith("gib"):
+        return int(float(text[:-3]) * 2**30)
+    return int(text)
+
+
 def _gram_call(spec, module, params, X):
     """The timed call of a Gram case (``spec["output"]``: "trace" unless one is named).
 
@@ -126,12 +139,14 @@ def _gram_call(spec, module, params, X):
     ``skpathkernel_engine`` is the private engine under it (float32 K on the device).
     """
     output = spec.get("output", "trace")
+    budget = memory_budget()
     if spec["method"] == "skpathkernel":
-        net = PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator()
+        net = PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator(
+            memory_budget=budget)
         X_user = X.cpu().numpy()
         return lambda: TangentKernel(net, output=output)(X_user)
     if spec["method"] == "skpathkernel_engine":
-        return lambda: tangent_gram(module, params, X, output=output)
+        return lambda: tangent_gram(module, params, X, output=output, memory_budget=budget)
     peer = PEERS[spec["method"]]
     return lambda: peer(module, params, X, output)
 

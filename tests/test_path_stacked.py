@@ -504,9 +504,12 @@ def test_syrk_updates_the_upper_triangle_only(dtype, one_torch_thread):
     acc0 = rng.standard_normal((37, 37))
     g = rng.standard_normal((37, 23))
     acc = torch.tensor(acc0, dtype=dtype)
-    update = _stacked._syrk(acc)
-    assert update is not None
-    update(torch.tensor(g, dtype=dtype))
+    # Only a thread that holds the BLAS limit takes SciPy's products.
+    assert _stacked._syrk(acc) is None
+    with _stacked._blas_threads(1):
+        update = _stacked._syrk(acc)
+        assert update is not None
+        update(torch.tensor(g, dtype=dtype))
     got = acc.double().numpy()
     want = acc0 + g @ g.T
     upper = np.triu_indices(37)
@@ -518,7 +521,8 @@ def test_syrk_updates_the_upper_triangle_only(dtype, one_torch_thread):
     # CUDA tensors, other dtypes and several torch threads keep torch's products.
     assert _stacked._syrk(acc.to(torch.float16)) is None
     torch.set_num_threads(2)
-    assert _stacked._syrk(acc) is None and _stacked._cpu_gemm(acc) is None
+    with _stacked._blas_threads(1):
+        assert _stacked._syrk(acc) is None and _stacked._cpu_gemm(acc) is None
 
 
 @pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
@@ -575,24 +579,286 @@ def test_scipy_blas_route_matches_autograd(layers, outputs, monkeypatch, one_tor
     assert (calls["gemm"] > 0) == ("mixed" in _routes(mlp, len(outputs), True, 40, 40, full=True))
     assert_allclose(K.numpy(), full, rtol=1e-10, atol=1e-13)
     assert [(i["filepath"], i["num_threads"]) for i in threadpool_info()] == before
-@pytest.mark.parametrize("act", [
-    torch.nn.Tanh(), torch.nn.Sigmoid(), torch.nn.ReLU(), torch.nn.ReLU(inplace=True),
-    torch.nn.GELU(), torch.nn.GELU(approximate="tanh"), torch.nn.Softplus(),
+# Every activation type that stacked_mlp accepts, and the in-place variant of each
+# that has one.
+INPLACE = [torch.nn.ReLU(inplace=True), torch.nn.ELU(inplace=True),
+           torch.nn.ELU(alpha=0.5, inplace=True), torch.nn.LeakyReLU(0.2, inplace=True),
+           torch.nn.Hardtanh(-0.5, 2.0, inplace=True), torch.nn.SiLU(inplace=True),
+           torch.nn.Mish(inplace=True)]
+ACTIVATIONS = [
+    torch.nn.Tanh(), torch.nn.Sigmoid(), torch.nn.ReLU(), torch.nn.GELU(),
+    torch.nn.GELU(approximate="tanh"), torch.nn.Softplus(),
     torch.nn.Softplus(beta=2.0, threshold=3.0), torch.nn.SiLU(), torch.nn.Mish(),
-    torch.nn.ELU(), torch.nn.Identity()])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_activation_derivatives_equal_autograd(act, dtype):
-    # The derivative the stacked forward reads (by the backward kernel, without a graph,
-    # or by autograd for the others) against autograd's gradient of the sum, bit for bit:
-    # at kinks (0 for relu), in the saturated tails and past softplus's threshold.
+    torch.nn.ELU(), torch.nn.ELU(alpha=0.5), torch.nn.LeakyReLU(), torch.nn.LeakyReLU(0.2),
+    torch.nn.Hardtanh(), torch.nn.Hardtanh(-0.5, 2.0), torch.nn.Identity()] + INPLACE
+
+
+def test_activation_lists_cover_the_accepted_types():
+    assert {type(a) for a in ACTIVATIONS} == set(_stacked._ELEMENTWISE)
+    assert {type(a) for a in INPLACE} == {t for t in _stacked._ELEMENTWISE
+                                          if "inplace" in t().__dict__}
+
+
+def _activation_reference(act, dtype):
+    """Inputs at the kinks (0 for relu, -0.5 and 2 for hardtanh), in the saturated tails
+    and past softplus's threshold; the activation's output and autograd's gradient of its
+    sum, computed without ``inplace``."""
     z = torch.cat([torch.linspace(-30, 30, 601, dtype=dtype), torch.zeros(3, dtype=dtype),
-                   torch.randn(200, dtype=dtype)]).view(4, 201)
+                   torch.tensor([-0.5, 2.0], dtype=dtype),
+                   torch.randn(198, dtype=dtype)]).view(4, 201)
     leaf = z.clone().requires_grad_(True)
     plain = copy.deepcopy(act)
     if hasattr(plain, "inplace"):
         plain.inplace = False
     h_ref = plain(leaf)
     (d_ref,) = torch.autograd.grad(h_ref.sum(), leaf)
+    return z, h_ref.detach(), d_ref
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activation_derivatives_equal_autograd(act, dtype):
+    # The derivative the stacked forward reads (by the backward kernel, without a graph)
+    # against autograd's gradient of the sum, bit for bit.
+    z, h_ref, d_ref = _activation_reference(act, dtype)
     h, d = _stacked._derivative(act, z.clone())
-    assert torch.equal(h, h_ref.detach())
+    assert torch.equal(h, h_ref)
     assert torch.equal(d, d_ref)
+
+
+@pytest.mark.parametrize("act", INPLACE, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activation_derivatives_by_autograd_take_inplace_modules(act, dtype, monkeypatch):
+    # The autograd fallback (types without a backward kernel): an in-place module must
+    # not overwrite the leaf it differentiates. Autograd's in-place ELU reads its output,
+    # so the derivative equals to rounding there.
+    monkeypatch.setattr(_stacked, "_BACKWARD", {})
+    z, h_ref, d_ref = _activation_reference(act, dtype)
+    h, d = _stacked._derivative(act, z.clone())
+    assert torch.equal(h, h_ref)
+    rtol = 1e-6 if dtype == torch.float32 else 1e-15
+    assert_allclose(d.numpy(), d_ref.numpy(), rtol=rtol, atol=rtol)
+
+
+def test_inplace_activations_in_the_stacked_route_match_autograd():
+    """In-place activations everywhere, one before the first Linear (which must leave
+    the caller's inputs as they were), against the module's own autograd Jacobians
+    (given copies of the inputs, which its first activation overwrites)."""
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(lambda: [
+        torch.nn.Hardtanh(-1.0, 1.0, inplace=True), torch.nn.Linear(3, 6),
+        torch.nn.LeakyReLU(0.2, inplace=True), torch.nn.Linear(6, 5),
+        torch.nn.ELU(inplace=True), torch.nn.Linear(5, 4)], True)
+    A = 2 * torch.randn(30, 3, dtype=torch.float64)
+    B = 2 * torch.randn(12, 3, dtype=torch.float64)
+    A0, B0 = A.clone(), B.clone()
+    ws = [w for _, w in weights]
+    outputs = [0, 1, 2, 3]
+    ref = _module_reference(module, thetas, Ds, ws, A.clone(), A.clone(), outputs)
+    cross = _module_reference(module, thetas, Ds, ws, A.clone(), B.clone(), outputs)
+    kw = dict(outputs=outputs, trace_scale=1 / 4, weighted=True, memory_budget=2**30,
+              diag=True, block=2)
+    K, dx, _ = stacked_path_sum(mlp, layout, load, weights, A, **kw)
+    assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+    assert_allclose(dx.numpy(), np.diag(ref.numpy()), rtol=1e-10, atol=1e-13)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, **kw)
+    assert_allclose(K.numpy(), cross.numpy(), rtol=1e-10, atol=1e-13)
+    assert torch.equal(A, A0) and torch.equal(B, B0)
+
+
+@pytest.mark.parametrize("solver", SOLVERS[::2], ids=lambda s: s["solver"])
+def test_path_kernel_of_inplace_leaky_relu_network_matches_per_point_loop(solver,
+                                                                          monkeypatch):
+    from skpathkernel import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "stacked_path_sum",
+                        lambda *a, **k: calls.append(1) or stacked_path_sum(*a, **k))
+    est = _fit(PathKernelClassifier, solver, module=lambda d, c: torch.nn.Sequential(
+        torch.nn.Linear(d, 6), torch.nn.LeakyReLU(0.2, inplace=True), torch.nn.Linear(6, 5),
+        torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(5, c)))
+    assert stacked_mlp(est.network_.module, est.trajectory_.names) is not None
+    assert_allclose(PathKernel(est)(X[:9]), _reference(est, X[:9]), rtol=1e-10, atol=1e-13)
+    assert_allclose(PathKernel(est)(X[:5], X[20:31]), _reference(est, X[:5], X[20:31]),
+                    rtol=1e-10, atol=1e-13)
+    assert calls
+
+
+def test_blas_route_only_where_the_thread_limit_is_process_wide():
+    """threadpoolctl's ``info()`` of the BLAS libraries and SciPy's build: only OpenBLAS
+    with its own pthreads (or a single-threaded build) keeps one limit for the whole
+    process; OpenMP layers, MKL and BLIS may keep one per thread."""
+    def lib(api, layer):
+        return {"user_api": "blas", "internal_api": api, "threading_layer": layer}
+
+    wide = _stacked._process_wide
+    assert wide([lib("openblas", "pthreads")], "scipy-openblas")
+    assert wide([lib("openblas", "pthreads"), lib("openblas", "disabled")], None)
+    assert not wide([lib("openblas", "pthreads"), lib("openblas", "openmp")], "openblas")
+    assert not wide([lib("mkl", "intel")], "mkl")
+    assert not wide([lib("openblas", "pthreads"), lib("mkl", "intel")], "openblas")
+    assert not wide([lib("blis", "pthreads")], None)
+    assert not wide([], "openblas")
+    assert not wide([lib("openblas", "pthreads")], "accelerate")
+
+
+def _units_path():
+    """A preconditioned path whose hidden layers take the "units" route."""
+    path = _random_path(LAYERS[4], True)
+    assert "units" in _routes(path[1], 4, True, 40, 40)
+    return path
+
+
+def _blas_threads_now():
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_other_blas_builds_keep_torch_products(monkeypatch, one_torch_thread):
+    # A BLAS whose limit may be per thread: no SciPy products, no limit set.
+    monkeypatch.setitem(_stacked._BLAS_STATE, "process_wide", False)
+    module, mlp, layout, thetas, Ds, weights, load = _units_path()
+    A = torch.randn(40, 3, dtype=torch.float64)
+    assert _stacked._cpu_gemm(A) is None and _stacked._syrk(torch.zeros(4, 4)) is None
+    limited = []
+    monkeypatch.setattr(_stacked, "_blas_threads", lambda n: limited.append(n))
+    monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=[0, 1, 2, 3],
+                               trace_scale=0.25, weighted=True, memory_budget=2**30, block=2)
+    ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, [0, 1, 2, 3])
+    assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+    assert limited == []
+
+
+def _set_blas_threads(n):
+    """The BLAS libraries' limit set to ``n`` from a thread that then ends (threadpoolctl
+    3.8+ lets a live thread that set OpenBLAS's limit keep control of it)."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    t = threading.Thread(target=lambda: threadpool_limits(limits=n, user_api="blas"))
+    t.start()
+    t.join()
+    assert set(_blas_threads_now()) == {n}
+
+
+@pytest.fixture
+def blas_threads_3():
+    before = _blas_threads_now()
+    _set_blas_threads(3)
+    yield
+    _set_blas_threads(max(before))
+
+
+def test_blas_limit_restored_after_an_error(monkeypatch, one_torch_thread, blas_threads_3):
+    """The limit of one thread holds inside the call and the libraries' own limit (3
+    here) comes back when a route raises."""
+    monkeypatch.setitem(_stacked._BLAS_STATE, "process_wide", True)
+    monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
+    module, mlp, layout, thetas, Ds, weights, load = _units_path()
+    A = torch.randn(40, 3, dtype=torch.float64)
+    inside = []
+
+    def failing(*args, **kwargs):
+        inside.append(_blas_threads_now())
+        raise RuntimeError("a route failed")
+
+    monkeypatch.setattr(_stacked, "_units", failing)
+    with pytest.raises(RuntimeError, match="a route failed"):
+        stacked_path_sum(mlp, layout, load, weights, A, outputs=[0, 1, 2, 3],
+                         trace_scale=0.25, weighted=True, memory_budget=2**30, block=2)
+    assert inside and set(inside[0]) == {1}
+    assert set(_blas_threads_now()) == {3}
+    assert not _stacked._holds_blas() and _stacked._BLAS_OWNER.acquire(blocking=False)
+    _stacked._BLAS_OWNER.release()
+
+
+def test_blas_limit_under_concurrent_calls(monkeypatch, one_torch_thread, blas_threads_3):
+    """Two threads in the route at once: the first enters and limits BLAS to one
+    thread, the second enters while it holds the limit and takes torch's products; the
+    first leaves, restoring the libraries' limit (3 here) while the second still
+    computes; nothing is left limited. The first result equals a call alone, the second
+    a call alone by torch's products. Where this process's BLAS may keep a limit per
+    thread, neither call sets one."""
+    import threading
+
+    monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
+    module, mlp, layout, thetas, Ds, weights, load = _units_path()
+    A = torch.randn(40, 3, dtype=torch.float64)
+    kw = dict(outputs=[0, 1, 2, 3], trace_scale=0.25, weighted=True, memory_budget=2**30,
+              block=2)
+    alone = stacked_path_sum(mlp, layout, load, weights, A, **kw)[0]
+    with monkeypatch.context() as m:
+        m.setitem(_stacked._BLAS_STATE, "process_wide", False)
+        alone_torch = stacked_path_sum(mlp, layout, load, weights, A, **kw)[0]
+    ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, [0, 1, 2, 3])
+    for K in (alone, alone_torch):
+        assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+    wide = _stacked._blas_process_wide()
+    real_units = _stacked._units
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+    seen, results, errors, scipy_used = {}, {}, [], {}
+    started = threading.local()
+
+    def units(*args, **kwargs):
+        name = threading.current_thread().name
+        scipy_used.setdefault(name, set()).add(_stacked._cpu_gemm(A) is not None)
+        if not getattr(started, "yes", False):
+            started.yes = True
+            if name == "first":
+                first_in.set()
+                assert second_in.wait(30)
+                seen["both"] = _blas_threads_now()
+            else:
+                second_in.set()
+                assert first_done.wait(30)
+                seen["second alone"] = _blas_threads_now()
+        return real_units(*args, **kwargs)
+
+    monkeypatch.setattr(_stacked, "_units", units)
+
+    def run(name):
+        try:
+            torch.set_num_threads(1)
+            results[name] = stacked_path_sum(mlp, layout, load, weights, A, **kw)[0]
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+        finally:
+            if name == "first":
+                first_done.set()
+
+    first = threading.Thread(target=run, args=("first",), name="first")
+    second = threading.Thread(target=run, args=("second",), name="second")
+    first.start()
+    assert first_in.wait(30)
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert not errors, errors
+    assert set(seen["both"]) == ({1} if wide else {3})
+    assert set(seen["second alone"]) == {3}
+    assert set(_blas_threads_now()) == {3}
+    assert scipy_used == {"first": {wide}, "second": {False}}
+    assert torch.equal(results["first"], alone)
+    assert torch.equal(results["second"], alone_torch)
+
+
+def test_units_relaid_out_only_for_scipy_panels(monkeypatch, one_torch_thread):
+    """The "units" layers' backprops are copied into SciPy's layout only where its GEMMs
+    take the panels (``_BLAS_MIN`` entries; here strips of 16 rows and 40 columns, 640
+    entries); the kernel equals autograd's either way."""
+    module, mlp, layout, thetas, Ds, weights, load = _units_path()
+    A = torch.randn(40, 3, dtype=torch.float64)
+    ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, [0, 1, 2, 3])
+    relaid, real = [], _stacked._contiguous_units
+    monkeypatch.setattr(_stacked, "_contiguous_units",
+                        lambda *a: relaid.append(1) or real(*a))
+    for blas_min, expected in [(641, False), (640, True)]:
+        monkeypatch.setattr(_stacked, "_BLAS_MIN", blas_min)
+        relaid.clear()
+        K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=[0, 1, 2, 3],
+                                   trace_scale=0.25, weighted=True, memory_budget=2**30,
+                                   block=2)
+        assert bool(relaid) == (expected and _stacked._blas_process_wide())
+        assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)

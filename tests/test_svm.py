@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 from _reference import features_loop
-from sklearn.model_selection import train_test_split
+from sklearn.model_selection import GridSearchCV, StratifiedKFold, train_test_split
 from sklearn.svm import SVC
 
 from skpathkernel import (
@@ -205,6 +205,7 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
     import torch
 
     from skpathkernel import kernels
+    from skpathkernel._estimators import _features
 
     X, y = circle
     threads_seen = []
@@ -221,6 +222,10 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
         return features(self, *a, **k)
 
     monkeypatch.setattr(TangentFeatureSVM, "_tangent_features", counted_features)
+    grams = []
+    choose = _features._choose_C
+    monkeypatch.setattr(_features, "_choose_C",
+                        lambda gram, labels: grams.append(gram) or choose(gram, labels))
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -229,10 +234,14 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
         est.decision_function(X[:7])
         one = list(threads_seen)
         threads_seen.clear()
-        # The reference: every kernel on torch's two threads.
+        # The reference: every kernel on torch's two threads, with the C chosen on one
+        # (the Grams differ by rounding, which may tip a tie of C="auto"'s scores) and
+        # with C="auto".
         monkeypatch.setattr(kernels, "KERNEL_SINGLE_THREAD_WORK", 0)
-        ref = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
+        ref = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel,
+                                C=est.C_).fit(X, y)
         ref_decision = ref.decision_function(X[:7])
+        auto = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)
@@ -240,9 +249,17 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
     # one thread, and the caller's thread count left as it was.
     assert len(one) >= 2 and set(one) == {1}, one
     assert set(threads_seen) == {2} and after == 2, threads_seen
-    assert est.C_ == ref.C_
     np.testing.assert_allclose(est.decision_function(X[:7]), ref_decision, rtol=1e-12,
                                atol=1e-12)
+    # The training Grams equal to rounding, and each run's C_ is the one that sklearn's
+    # grid search picks on its own Gram (stratified 3-fold accuracy, the first best).
+    assert len(grams) == 2
+    np.testing.assert_allclose(grams[0], grams[1], rtol=1e-12, atol=1e-12)
+    for fitted, gram in [(est, grams[0]), (auto, grams[1])]:
+        grid = [c / np.mean(np.diag(gram)) for c in (0.1, 1.0, 10.0, 100.0, 1000.0)]
+        search = GridSearchCV(SVC(kernel="precomputed"), {"C": grid},
+                              cv=StratifiedKFold(3)).fit(gram, y)
+        assert fitted.C_ == search.best_params_["C"]
 
 
 # ----------------------------------------------------------------------------- seed figure 3

@@ -255,7 +255,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         on the units of the tangent features; 1 with ``normalize``), the value with the
         best accuracy in a stratified 3-fold cross-validation of the SVM on the training
         Gram (the smaller on ties). Cheap next to training: the Gram is computed once.
-        ``C_`` holds the value used.
+        ``C_`` holds the value used. The Gram's rounding depends on the threads (and
+        the BLAS) that computed it: where a fold's prediction of a sample, and with it
+        the tie between two values' scores, turns on that rounding, another thread
+        count may choose another ``C_``.
     svm_kernel : {{"linear", "tangent", "path"}}, default="tangent"
         "linear": ``SVC(kernel="linear")`` on the dense tangent features at the final
         parameters (``svm_.coef_`` is then a direction in parameter space). "tangent" /

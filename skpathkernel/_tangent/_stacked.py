@@ -63,10 +63,15 @@ computes the upper triangle alone (:func:`_syrk`), and the "units" route's ``A D
 and ``Delta_o Delta_o'^T`` of panels of at least ``_BLAS_MIN`` entries are its GEMMs
 (:func:`_units`). At N = 1000 (8 points of the default classifier, one thread) the
 dense layer took 0.38 s against torch's 0.48 s in strips, and the whole block 8-9% less
-time; at N = 100 the route is unchanged. Torch's products stay on CUDA and with several
-torch threads (where both libraries' waiting threads contend for the cores). Every block's sum
-is added to a float64 Gram, so the result equals the point-by-point sum to float
-rounding.
+time; at N = 100 the route is unchanged. Torch's products stay on CUDA, with several
+torch threads (where both libraries' waiting threads contend for the cores) and where
+SciPy's BLAS is not an OpenBLAS whose thread limit is process-wide (its "pthreads"
+threading layer: an OpenMP layer, MKL or BLIS may hold a limit per thread;
+:func:`_blas_process_wide`). One call at a time takes that route, its thread setting
+and restoring the limit; a call that overlaps it from another thread keeps torch's
+products (:func:`_blas_threads`). While it runs, NumPy's and SciPy's BLAS calls from the
+process's other threads are held to one thread too. Every block's sum is added to a
+float64 Gram, so the result equals the point-by-point sum to float rounding.
 
 ``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace. A
 one-hot output layer's blocks are diagonal, ``A diag(w D_c) A'^T`` for output ``c`` (one
@@ -101,6 +106,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+import scipy
 import torch
 from scipy.linalg import blas
 from threadpoolctl import ThreadpoolController
@@ -287,6 +293,12 @@ _BACKWARD = {
     nn.Softplus: (False, lambda a, g, z: _aten.softplus_backward(g, z, a.beta, a.threshold)),
     nn.SiLU: (False, lambda a, g, z: _aten.silu_backward(g, z)),
     nn.Mish: (False, lambda a, g, z: _aten.mish_backward(g, z)),
+    # Of the input, as autograd calls them without ``inplace`` (with it, autograd reads
+    # the output: other roundings for ELU).
+    nn.ELU: (False, lambda a, g, z: _aten.elu_backward(g, a.alpha, 1, 1, False, z)),
+    nn.LeakyReLU: (False, lambda a, g, z: _aten.leaky_relu_backward(
+        g, z, a.negative_slope, False)),
+    nn.Hardtanh: (False, lambda a, g, z: _aten.hardtanh_backward(g, z, a.min_val, a.max_val)),
 }
 
 
@@ -305,9 +317,17 @@ def _derivative(act: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         return act(z), d
     with torch.enable_grad():
         z = z.detach().requires_grad_(True)
-        h = act(z)
+        # An in-place activation may not overwrite a leaf that requires grad: a copy.
+        h = act(z.clone() if getattr(act, "inplace", False) else z)
         (d,) = torch.autograd.grad(h, z, torch.ones_like(h))
     return h.detach(), d
+
+
+def _first_input(mlp: StackedMLP, X: torch.Tensor) -> torch.Tensor:
+    """``X`` as (1, N, d_in); a copy where an activation comes before the first Linear,
+    which in place would overwrite the caller's inputs."""
+    h = X.unsqueeze(0)
+    return h if isinstance(mlp.items[0], _Linear) else h.clone()
 
 
 def forward_factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
@@ -317,7 +337,7 @@ def forward_factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
     the first layer's are ``X`` (1, N, d_in), shared by the points) and, per item of
     ``mlp.items``, None for a Linear or the activation's derivative (B, N, d)."""
     params = _layer_params(mlp, theta, layout)
-    h, inputs, derivs, li = X.unsqueeze(0), [], [], 0
+    h, inputs, derivs, li = _first_input(mlp, X), [], [], 0
     for it in mlp.items:
         if isinstance(it, _Linear):
             W, b = params[li]
@@ -432,7 +452,7 @@ def forward_block(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
                   X: torch.Tensor) -> torch.Tensor:
     """The network's outputs (B, N, C) at the block's points: the route's own forward."""
     params = _layer_params(mlp, theta, layout)
-    h, li = X.unsqueeze(0), 0
+    h, li = _first_input(mlp, X), 0
     for it in mlp.items:
         if isinstance(it, _Linear):
             W, b = params[li]
@@ -947,42 +967,113 @@ def _syrk(acc: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
 
 def _cpu_gemm(t: torch.Tensor):
     """SciPy's BLAS GEMM (``sgemm`` / ``dgemm``) for the CPU tensor ``t``'s dtype, where
-    torch runs on one thread; None (CUDA tensors, other dtypes, several threads) where
-    torch's products are used.
+    torch runs on one thread, SciPy's BLAS takes a process-wide thread limit
+    (:func:`_blas_process_wide`) and this thread holds it (:func:`_blas_threads`); None
+    (CUDA tensors, other dtypes, several threads, other BLAS builds, a concurrent call)
+    where torch's products are used.
 
     One thread only: with two torch threads on two shared cores, SciPy's OpenBLAS on two
     threads between torch's products made the call 10x slower in wall time (each
     library's threads wait for work spinning, on the cores the other one needs)."""
-    if (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64)
-            or torch.get_num_threads() != 1):
+    if not _holds_blas() or not _blas_eligible(t):
         return None
     return blas.dgemm if t.dtype == torch.float64 else blas.sgemm
 
 
+def _blas_eligible(t: torch.Tensor) -> bool:
+    """Whether SciPy's BLAS may take ``t``'s products (see :func:`_cpu_gemm`), given the
+    limit of :func:`_blas_threads`."""
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+            and torch.get_num_threads() == 1 and _blas_process_wide())
+
+
 _BLAS_LOCK = threading.Lock()
-_BLAS_STATE: dict = {"depth": 0, "limit": None, "controller": None}
+_BLAS_STATE: dict = {"controller": None, "process_wide": None}
+
+
+def _blas_process_wide() -> bool:
+    """Whether SciPy's BLAS is OpenBLAS and every BLAS library that threadpoolctl limits
+    takes the limit for the whole process (OpenBLAS's own "pthreads" threading layer, or
+    a single-threaded build): what :func:`_blas_threads` sets then holds for every
+    thread of the call, and its restoring restores it for all.
+
+    An OpenMP-layer OpenBLAS, MKL or BLIS may keep a limit per thread or, OpenBLAS's own
+    under OpenMP before 0.3.34, not apply it. Inspected once (milliseconds), with the
+    libraries loaded then (SciPy's BLAS is, by this module's import).
+    """
+    known = _BLAS_STATE["process_wide"]
+    if known is not None:
+        return known
+    with _BLAS_LOCK:
+        state = _BLAS_STATE
+        if state["process_wide"] is None:
+            if state["controller"] is None:
+                state["controller"] = ThreadpoolController()
+            libs = state["controller"].select(user_api="blas").info()
+            state["process_wide"] = _process_wide(libs, _scipy_blas_name())
+        return state["process_wide"]
+
+
+def _process_wide(libs: Sequence[dict], scipy_blas: str | None) -> bool:
+    """:func:`_blas_process_wide` from threadpoolctl's ``info()`` of the BLAS libraries
+    and the name of SciPy's BLAS in its build configuration (None where unknown)."""
+    if scipy_blas is not None and "openblas" not in scipy_blas.lower():
+        return False
+    return bool(libs) and all(
+        lib.get("internal_api") == "openblas"
+        and lib.get("threading_layer") in ("pthreads", "disabled") for lib in libs)
+
+
+def _scipy_blas_name() -> str | None:
+    """The BLAS SciPy was built against (its build configuration), None where unknown."""
+    config = getattr(getattr(scipy, "__config__", None), "CONFIG", None)
+    try:
+        return str(config["Build Dependencies"]["blas"]["name"])
+    except (KeyError, TypeError):
+        return None
+
+
+# One thread at a time holds the BLAS limit (:func:`_blas_threads`); ``_BLAS_HELD.held``
+# says, per thread, whether this one does.
+_BLAS_OWNER = threading.Lock()
+_BLAS_HELD = threading.local()
 
 
 @contextlib.contextmanager
 def _blas_threads(n: int):
     """Run a block with the BLAS libraries that NumPy and SciPy load limited to ``n``
-    threads, restored when the last concurrent block ends (the limit is process-wide)."""
-    with _BLAS_LOCK:
-        state = _BLAS_STATE
-        if state["depth"] == 0:
-            if state["controller"] is None:
-                # Inspecting the loaded libraries takes milliseconds: once.
-                state["controller"] = ThreadpoolController()
-            state["limit"] = state["controller"].limit(limits=n, user_api="blas")
-        state["depth"] += 1
-    try:
+    threads, set and restored by this thread, where it can take the limit: then
+    :func:`_cpu_gemm` gives SciPy's products in this thread.
+
+    One thread at a time: a call that another thread's block overlaps keeps torch's
+    products (the thread that sets a limit is the one that restores it, so that no
+    thread is left limited, and threadpoolctl 3.8+ only lets one thread at a time set
+    OpenBLAS's limits, silently ignoring the others': then too, and where the limit did
+    not take, torch's products). Only where the limit is process-wide
+    (:func:`_blas_process_wide`): while such a block runs, NumPy's and SciPy's BLAS
+    calls from other threads of the process are held to ``n`` threads too."""
+    if _holds_blas() or not _BLAS_OWNER.acquire(blocking=False):
+        # Already held: by this thread (a nested block), or by another one.
         yield
+        return
+    try:
+        if _BLAS_STATE["controller"] is None:
+            _blas_process_wide()
+        blas_libs = _BLAS_STATE["controller"].select(user_api="blas")
+        # As a context, the limiter restores the limits and hands back threadpoolctl's
+        # control of OpenBLAS.
+        with blas_libs.limit(limits=n, user_api="blas"):
+            _BLAS_HELD.held = all(lib["num_threads"] == n for lib in blas_libs.info())
+            try:
+                yield
+            finally:
+                _BLAS_HELD.held = False
     finally:
-        with _BLAS_LOCK:
-            state["depth"] -= 1
-            if state["depth"] == 0:
-                state["limit"].restore_original_limits()
-                state["limit"] = None
+        _BLAS_OWNER.release()
+
+
+def _holds_blas() -> bool:
+    return getattr(_BLAS_HELD, "held", False)
 
 
 def _dense_square(acc: torch.Tensor, gx: torch.Tensor, gy: torch.Tensor, s: int,
@@ -1141,6 +1232,16 @@ def stacked_path_sum(
         routes = ["units" if r == "dense" else r for r in routes]
     elif formed and not apart_fits:
         per_point += formed
+    # SciPy's GEMMs take the "units" layers' products where the largest panel has
+    # ``_BLAS_MIN`` entries (:func:`_units`): their backprops are then laid out for them
+    # (:func:`_contiguous_units`), a second copy of one layer's while it is made.
+    cpu = _blas_eligible(X)
+    relayout = cpu and weighted and not full and pr * pc >= _BLAS_MIN
+    if relayout:
+        per_point += itemsize * max(n, m) * max(
+            (c * lin.d_out for lin, c, route in
+             zip(mlp.linears, _outputs_per_layer(mlp, C), routes) if route == "units"),
+            default=0)
     if block is None:
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
@@ -1175,7 +1276,6 @@ def stacked_path_sum(
     scratch = _Scratch(X.device)
     # On the CPU with torch on one thread, SciPy's BLAS takes the "units" route's
     # products and the "dense" layers' SYRK (:func:`_units`, :func:`_syrk`), also on one.
-    cpu = _cpu_gemm(X) is not None
     with _blas_threads(1) if cpu else contextlib.nullcontext():
         for s in range(0, len(weights), block):
             points = [k for k, _ in weights[s : s + block]]
@@ -1184,7 +1284,7 @@ def stacked_path_sum(
             theta, D = load(points)
             sides = _block_sides(mlp, layout, theta, D, w, X, None if symmetric else Yt,
                                  outputs, sel, panel_routes, full, scratch)
-            if cpu and sides.units_major:
+            if relayout and sides.units_major and _holds_blas():
                 _contiguous_units(sides, panel_routes)
             if diag:
                 for li in range(len(routes)):

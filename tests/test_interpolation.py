@@ -603,8 +603,9 @@ def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monke
 def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, dtype,
                                                        monkeypatch):
     """Blocks of 1, 2 and 3 recorded steps captured in one stacked pass (the batches,
-    and the queries' nodes made ahead) give the step-by-step decomposition bit for bit
-    (a point's batched GEMMs are the single point's), and the forward per-sample
+    and the queries' nodes made ahead) give the step-by-step decomposition, bit for bit
+    in float64 (to float32 rounding in float32: measured 6e-9 relative on plain SGD's
+    batches, where a batched GEMM may take another kernel), and the forward per-sample
     recursion's. Batches of 4 of the 16 samples: the blocks of 3 steps cross the epochs'
     boundaries; of 5: the epochs' last batch (1 sample) cuts the blocks of equal
     batches. Adaptive nodes too (blocks made ahead at a count that a step then does not
@@ -654,8 +655,14 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
     for block in (2, 3):
         fixed, adaptive = results[block]
         for a, b in ((fixed, fixed_1), (adaptive, adaptive_1)):
-            assert_array_equal(a.contributions, b.contributions)
-            assert_array_equal(a.regularization, b.regularization)
+            if dtype == "float64":
+                assert_array_equal(a.contributions, b.contributions)
+                assert_array_equal(a.regularization, b.regularization)
+            else:  # a float32 batched GEMM may round as another kernel (6e-9 measured)
+                scale = np.abs(b.contributions).max()
+                assert_allclose(a.contributions, b.contributions, rtol=0, atol=1e-6 * scale)
+                assert_allclose(a.regularization, b.regularization, rtol=0,
+                                atol=1e-6 * max(scale, 1e-3))
         assert_array_equal(adaptive.n_nodes, adaptive_1.n_nodes)
     contrib, reg = _brute_force(est, X_train, torch.as_tensor(Y), _squared, X, n_nodes=4)
     scale = np.abs(contrib).max()
@@ -669,7 +676,11 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
     small = est.set_params(memory_budget=2**14).decompose(X, n_nodes=4)
     est.set_params(memory_budget=2**30)
     assert passes["batch"] and set(passes["batch"]) == {1}
-    assert_array_equal(small.contributions, fixed_1.contributions)
+    # The tiny budget also cuts the adjoint's and the shares' buffers (their sums in
+    # another order): equal to the dtype's rounding, not bit for bit.
+    assert_allclose(small.contributions, fixed_1.contributions, rtol=0,
+                    atol=(1e-13 if dtype == "float64" else 1e-6)
+                    * np.abs(fixed_1.contributions).max())
 
 
 def _adam_path(n_train, n_queries, batch_size=8, dtype="float32", lr=0.01,

@@ -60,7 +60,9 @@ walk takes next, each at its own parameters with its own rows, in one stacked pa
 (:class:`_NodesAhead`), at the count its step before ended with, which the next steps
 try first unless they try one node less (every fifth step at least); a lowered or raised
 try captures its step alone. A point's batched GEMMs are the single point's, so the
-captures are those of the step alone (bit for bit). What stays per step is the float64
+captures are those of the step alone (bit for bit in float64 and on the default
+classifier; a float32 batched GEMM may round as another kernel, 6e-9 relative measured
+on a small SGD path). What stays per step is the float64
 arithmetic that reads the step's direction or its chunk's node choice (the products
 with the step, the adjoint's update and contraction, plain SGD's shares).
 

@@ -54,13 +54,15 @@ the engine's capture once per call). On the default classifier on digits the hoo
 captures were about a sixth of ``attribute``'s time with Adam and half with SGD
 (profiled, 100 queries): set-up repeated per capture, for little arithmetic. Neither
 side of a step reads the adjoint, so both are captured for blocks of steps
-(``STEP_BLOCK``, a pass within an eighth of ``memory_budget``): the batches of the steps the
+(``STEP_BLOCK``, within an eighth of ``memory_budget`` each): the batches of the steps the
 walk takes next, each at its own parameters with its own rows, in one stacked pass
 (:meth:`_Context._capture_ahead`), and a chunk's queries at the nodes of the next steps
-(:class:`_NodesAhead`), at the count it tries first (the count its last step ended
-with, which rarely changes; a step that tries another captures that count's block
-then). A point's batched GEMMs are the single point's, so the captures are those of the
-step alone (bit for bit on the default classifier). What stays per step is the float64
+(:class:`_NodesAhead`), at the count its step before ended with, which the next steps
+try first unless they try one node less (every fifth step at least); a lowered or raised
+try captures its step alone. A point's batched GEMMs are the single point's, so the
+captures are those of the step alone (bit for bit in float64 and on the default
+classifier; a float32 batched GEMM may round as another kernel, 6e-9 relative measured
+on a small SGD path). What stays per step is the float64
 arithmetic that reads the step's direction or its chunk's node choice (the products
 with the step, the adjoint's update and contraction, plain SGD's shares).
 
@@ -351,6 +353,11 @@ class _Quadrature:
         """The node count the next step tries first."""
         return self.fixed if self.fixed is not None else self._start()[0]
 
+    def last(self) -> int | None:
+        """The node count the step before ended with (None before the first step): the
+        count the next steps try first, unless one is lowered or raised."""
+        return self.fixed if self.fixed is not None else self._n
+
     def _start(self):
         # Steps that stopped converging (a non-smooth activation: kinks on the segment)
         # cap the others at NONSMOOTH nodes: more would buy little. Steps without a kink
@@ -630,17 +637,20 @@ class _Context:
         self.weighting, self.budget, self.exclude = weighting, budget, exclude
         self.outputs, self.b_block = outputs, b_block
         # Each step's batch captures, kept for the next query block (keep_batches) within
-        # a quarter of the memory budget.
+        # a quarter of the memory budget; a storage shared by several kept steps (a block
+        # of steps' captures) is charged once.
         self.keep_batches, self._kept, self._kept_room = False, {}, budget // 4
+        self._kept_storages: set[int] = set()
         # The queries' side: all outputs, or one (the outputs contracted with weights).
         self.weights = weights
         self.n_res = len(outputs) if weights is None else 1
         self.device = X_train.device
         sizes = [v.numel() for v in traj.unflatten(traj.parameters(0)).values()]
         self.layout = dict(zip(traj.names, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)))
-        # Batch rows captured in one stacked pass over a block of steps (see
-        # _capture_ahead; set by _run from the memory budget), and those made ahead.
-        self.step_rows, self._ahead, self._walk = 1, {}, None
+        # The bytes that the captures made ahead for blocks of steps may hold (see
+        # ahead_steps; set by _run from the memory budget), and the batches made ahead.
+        self.ahead_bytes, self.row_bytes, self.point_bytes = 0, 1, 0
+        self._ahead, self._walk = {}, None
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
@@ -695,9 +705,11 @@ class _Context:
                 keep.append(block)
             yield block
         if keep is not None:
-            size = _nbytes(keep)
+            new = {k: v for k, v in _storages(keep).items() if k not in self._kept_storages}
+            size = sum(new.values())
             if size <= self._kept_room:
                 self._kept[t], self._kept_room = keep, self._kept_room - size
+                self._kept_storages.update(new)
 
     def _batches(self, t, theta):
         idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
@@ -724,13 +736,22 @@ class _Context:
             terms = self.capture(theta, Xb, r)
             yield sub, w_sub, terms, [t.delta[:, 0] for t in terms]
 
+    def ahead_steps(self, rows: int, points: int, room: int) -> int:
+        """How many steps one stacked pass captures ahead (1 to ``STEP_BLOCK``): each
+        step ``points`` parameter points at ``rows`` rows, within ``room`` bytes. A row
+        is charged ``row_bytes`` (a sample's captures with their graph, about 4x the
+        stacked ones, which the pass also holds while it runs), a point twice its
+        parameters (the points, and their stack)."""
+        step = points * (rows * self.row_bytes + 2 * self.point_bytes)
+        return max(1, min(STEP_BLOCK, room // max(step, 1)))
+
     def _capture_ahead(self, t, size):
         """The batch captures of step ``t`` and of the steps the walk takes next with
-        batches of the same ``size``, at most ``STEP_BLOCK`` of them within ``step_rows``
-        rows: one stacked
-        forward and backward over the steps' parameters, each with its own batch (the
-        residuals in one pass too). Each step's terms are those of its own pass: a
-        point's batched GEMMs are the single point's."""
+        batches of the same ``size`` (those not kept from an earlier query block), at
+        most ``STEP_BLOCK`` of them within an eighth of the memory budget
+        (:meth:`ahead_steps`): one stacked forward and backward over the steps'
+        parameters, each with its own batch (the residuals in one pass too). Each step's
+        terms are those of its own pass: a point's batched GEMMs are the single point's."""
         walk = self._walk
         if walk is None:
             first, stop = self.intervals
@@ -738,8 +759,13 @@ class _Context:
                                  if first <= j < stop for s in steps]
             self._at = {s: k for k, (s, _) in enumerate(walk)}
         block, idx, w = [], [], []
-        n = max(1, min(STEP_BLOCK, self.step_rows // size))
-        for s, j in walk[self._at[t] : self._at[t] + n]:
+        n = self.ahead_steps(size, 1, self.ahead_bytes)
+        for k in range(self._at[t], len(walk)):
+            s, j = walk[k]
+            if len(block) == n:
+                break
+            if s in self._kept:  # read from the kept captures, not captured again
+                continue
             i = _batch_index(self.traj, s, self.weighting, len(self.X_train), self.device)
             if len(i) != size:
                 break
@@ -756,23 +782,26 @@ class _Context:
             self._ahead[s] = (sub, w_sub, terms, [t.delta[:, 0] for t in terms])
 
 
-def _nbytes(blocks) -> int:
-    """Bytes of the distinct storages under the tensors of ``blocks`` (nested lists,
-    tuples and Flat terms)."""
-    seen, total, todo = set(), 0, [blocks]
+def _storages(blocks) -> dict[int, int]:
+    """The distinct storages under the tensors of ``blocks`` (nested lists, tuples and
+    Flat terms): their bytes by address."""
+    seen, todo = {}, [blocks]
     while todo:
         x = todo.pop()
         if isinstance(x, torch.Tensor):
             storage = x.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
         elif isinstance(x, (list, tuple)):
             todo.extend(x)
         elif isinstance(x, Flat):
             todo.append(x.delta)
             todo.extend(a for _, a in x.inputs)
-    return total
+    return seen
+
+
+def _nbytes(blocks) -> int:
+    """Bytes of the distinct storages under the tensors of ``blocks``."""
+    return sum(_storages(blocks).values())
 
 
 def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
@@ -810,7 +839,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
-        ahead = _NodesAhead(ctx, lo, hi)
+        ahead = _NodesAhead(ctx, lo, n_q)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
@@ -826,18 +855,19 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
             ahead.passed(j)
 
-            def run(n, X, W, at, cuts=None, j=j, dirs=dirs):
+            def run(n, X, W, at, cuts=None, later=(False,), j=j, dirs=dirs):
+                # later: per cut (or for all the rows), whether the next steps try n first
                 w = _gauss(n)[1]
                 own = None
                 if cuts is None:
-                    nodes = ahead.nodes(j, n, X, W, at)
+                    nodes = ahead.nodes(j, n, X, W, at, all(later))
                 else:
                     # Captured cut by cut (each as on its own), their float64 products
                     # in one pass over the rows; each cut keeps its own capture, so
                     # its later float32 GEMMs read memory laid out as a serial call's.
                     own = [ahead.nodes(j, n, X[i], None if W is None else W[i],
-                                       slice(at.start + i.start, at.start + i.stop))
-                           for i in cuts]
+                                       slice(at.start + i.start, at.start + i.stop), a)
+                           for i, a in zip(cuts, later)]
                     nodes = _cat_rows(own)
                 q, spread = directional(nodes, w, prepared=dirs)
                 return q, spread, nodes, list(w), own
@@ -857,7 +887,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     slice(c.local.start - at.start, c.local.stop - at.start) for c in group]
                 q, spread, nodes, w, own = run(
                     n, Xq[at], None if ctx.weights is None
-                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], at, cuts)
+                    else ctx.weights[group[0].rows.start : group[-1].rows.stop], at, cuts,
+                    [c.quad.last() == n for c in group])
                 # Plain SGD's products take the group's rows at once where they were
                 # captured at once (float32 GEMMs again).
                 whole = (nodes, w, at) if together else None
@@ -871,7 +902,10 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 if tried[c][0] == n:
                     (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
-                    q, spread, nodes, w, _ = run(n, c.X, c.W, c.local)
+                    # A lowered try that missed comes back to the count the step before
+                    # ended with: its block is made then.
+                    q, spread, nodes, w, _ = run(n, c.X, c.W, c.local,
+                                                 later=(c.quad.last() == n,))
                 return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
 
             for c in parts:
@@ -939,43 +973,70 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
 
 
 class _NodesAhead:
-    """The queries' captures at a step's quadrature nodes, made for a block of steps.
+    """The queries' captures at a step's quadrature nodes, made for blocks of steps.
 
-    The node count a step tries first is known before the step (the count its chunk
-    ended the step after with, :meth:`_Quadrature.start`) and rarely changes from step
-    to step: a capture of some rows at ``n`` nodes of step ``j`` that is not made yet
-    is made together with those of the next steps of the walk at ``n`` nodes (at most
-    ``STEP_BLOCK`` steps, ``step_rows`` rows), one stacked pass for the block. A point's
-    batched GEMMs are the single point's, so every capture is the one the step alone
-    would make; a step that tries another count captures it then (and its block).
+    A chunk of queries tries first, at each step, the count its step before ended with
+    (:meth:`_Quadrature.last`), except where :meth:`_Quadrature.start` tries one node
+    less (every fifth step at least). A capture at that count that is not made yet is
+    made together with those of the next steps of the walk at the same count (at most
+    ``STEP_BLOCK`` steps), one stacked pass for the block. A lowered try, a raised one,
+    a chunk's first step and the capture engine's captures (no set-up to share there)
+    capture the step alone. A point's batched GEMMs are the single point's, so every
+    capture is the one the step alone would make.
+
+    The captures held for later steps stay within an eighth of the memory budget: a
+    block within its rows' share of it (the query block's rows split it), and a new
+    block of some rows first drops what is held for rows it overlaps (made at a count,
+    or for a group of chunks, that those rows no longer try first).
     """
 
-    def __init__(self, ctx: _Context, lo: int, hi: int):
-        self.ctx, self.lo, self.hi = ctx, lo, hi
-        self._made: dict = {}  # (j, n, rows) -> the capture (a list over nodes)
+    def __init__(self, ctx: _Context, lo: int, n_rows: int):
+        self.ctx, self.lo, self.n_rows = ctx, lo, max(n_rows, 1)
+        # (j, n, rows.start, rows.stop) -> (the capture, a list over nodes; its block)
+        self._made: dict = {}
+        # The bytes of the blocks that captures in _made read (a block's terms are views
+        # of its stacked pass: all of it stays alive while one of them is held).
+        self.alive = 0
+
+    def _take(self, key):
+        capture, block = self._made.pop(key)
+        block[1] -= 1
+        if not block[1]:
+            self.alive -= block[0]
+        return capture
 
     def passed(self, j: int) -> None:
         """Forget the captures of the steps after ``j`` (the walk has left them)."""
-        self._made = {k: v for k, v in self._made.items() if k[0] <= j}
+        for key in [k for k in self._made if k[0] > j]:
+            self._take(key)
 
-    def nodes(self, j: int, n: int, X, W, rows: slice):
+    def nodes(self, j: int, n: int, X, W, rows: slice, ahead: bool):
+        """The capture of the rows ``rows`` (of the query block; ``X``, ``W``) at the
+        ``n`` nodes of step ``j``; ``ahead``: whether the next steps will try ``n`` first
+        (then, made here, for a block of steps)."""
         key = (j, n, rows.start, rows.stop)
-        if key not in self._made:
-            ctx, s = self.ctx, _gauss(n)[0]
-            size = max(1, min(STEP_BLOCK, ctx.step_rows // max(1, n * X.shape[0])))
-            steps = range(j, max(self.lo, j - size + 1) - 1, -1)
-            params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1],
-                                                                          j + 2)]
-            points = []
-            for i in steps:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
-                theta = params[i - steps[-1]]
-                delta = params[i + 1 - steps[-1]] - theta
-                points += [theta + sk * delta for sk in s]
-            made = ctx.capture_nodes(points, X, W)
-            for k, i in enumerate(steps):
-                self._made.setdefault((i, n, rows.start, rows.stop),
-                                      made[k * n : (k + 1) * n])
-        return self._made.pop(key)
+        if key in self._made:
+            return self._take(key)
+        ctx, size = self.ctx, 1
+        if ahead and ctx.stacked is not None:
+            for k in [k for k in self._made if k[2] < rows.stop and rows.start < k[3]]:
+                self._take(k)
+            share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
+            size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
+        steps = range(j, max(self.lo, j - size + 1) - 1, -1)
+        params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1], j + 2)]
+        points, s = [], _gauss(n)[0]
+        for i in steps:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
+            theta = params[i - steps[-1]]
+            delta = params[i + 1 - steps[-1]] - theta
+            points += [theta + sk * delta for sk in s]
+        made = ctx.capture_nodes(points, X, W)
+        if len(steps) > 1:
+            block = [_nbytes(made), len(steps) - 1]
+            self.alive += block[0]
+            for k, i in enumerate(steps[1:], 1):
+                self._made[(i, n, rows.start, rows.stop)] = (made[k * n : (k + 1) * n], block)
+        return made[:n]
 
 
 class _Chunk:
@@ -1560,11 +1621,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals)
-    # Rows captured ahead in one pass for a block of steps (a batch's, or a chunk's
-    # queries at the nodes), within an eighth of the budget at ``row`` a row (a
-    # sample's captures with their graph: about 4x the stacked ones). Independent of
-    # the queries, so that a query block on a worker captures the serial call's blocks.
-    ctx.step_rows = max(1, memory_budget // 8 // max(row, 1))
+    # The captures made ahead for blocks of steps: a batch's pass, and what the chunks
+    # of queries hold for their next steps, each within an eighth of the budget.
+    ctx.ahead_bytes, ctx.row_bytes, ctx.point_bytes = memory_budget // 8, row, P * itemsize
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

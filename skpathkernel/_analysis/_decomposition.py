@@ -629,7 +629,7 @@ class _Context:
     """What every step of one query block reads: the path, the batches, the routing."""
 
     def __init__(self, module, traj, X_train, Y_train, loss, *, weighting, budget, exclude,
-                 outputs, b_block, ref, weights, intervals=None):
+                 outputs, b_block, ref, weights, intervals=None, row_bytes=1, point_bytes=0):
         self.module, self.traj, self.loss, self.ref = module, traj, loss, ref
         # The recorded intervals [start, stop) this call decomposes (all: None).
         self.intervals = (0, len(traj) - 1) if intervals is None else intervals
@@ -647,10 +647,12 @@ class _Context:
         self.device = X_train.device
         sizes = [v.numel() for v in traj.unflatten(traj.parameters(0)).values()]
         self.layout = dict(zip(traj.names, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)))
-        # The bytes that the captures made ahead for blocks of steps may hold (see
-        # ahead_steps; set by _run from the memory budget), and the batches made ahead.
-        self.ahead_bytes, self.row_bytes, self.point_bytes = 0, 1, 0
-        self._ahead, self._walk = {}, None
+        # What the captures made ahead for blocks of steps may hold: an eighth of the
+        # budget for a batch's pass and for what the chunks of queries hold for their next
+        # steps, a row and a parameter point charged as given (see ahead_steps); the
+        # batches made ahead, and the walk's steps in order with their positions.
+        self.ahead_bytes, self.row_bytes, self.point_bytes = budget // 8, row_bytes, point_bytes
+        self._ahead, self._walk, self._at = {}, None, None
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
@@ -853,7 +855,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             # The exact difference of the two recorded points (exact in float64).
             d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
             dirs = prepare_directions(*((d64, theta64) if along else (d64,)))
-            ahead.passed(j)
+            ahead.passed(j, theta, nxt)
 
             def run(n, X, W, at, cuts=None, later=(False,), j=j, dirs=dirs):
                 # later: per cut (or for all the rows), whether the next steps try n first
@@ -997,6 +999,7 @@ class _NodesAhead:
         # The bytes of the blocks that captures in _made read (a block's terms are views
         # of its stacked pass: all of it stays alive while one of them is held).
         self.alive = 0
+        self._step, self._points = None, {}
 
     def _take(self, key):
         capture, block = self._made.pop(key)
@@ -1005,10 +1008,21 @@ class _NodesAhead:
             self.alive -= block[0]
         return capture
 
-    def passed(self, j: int) -> None:
-        """Forget the captures of the steps after ``j`` (the walk has left them)."""
+    def passed(self, j: int, theta: torch.Tensor, nxt: torch.Tensor) -> None:
+        """The walk is at step ``j``, from ``theta`` to ``nxt``: forget the captures of
+        the steps after it (the walk has left them)."""
         for key in [k for k in self._made if k[0] > j]:
             self._take(key)
+        # The step's nodes by count, formed once for all its chunks.
+        self._step, self._points = (j, theta, nxt), {}
+
+    def _step_points(self, n: int) -> list[torch.Tensor]:
+        """The ``n`` nodes of the walk's step, ``theta + s (nxt - theta)``."""
+        if n not in self._points:
+            _, theta, nxt = self._step
+            delta = nxt - theta
+            self._points[n] = [theta + sk * delta for sk in _gauss(n)[0]]
+        return self._points[n]
 
     def nodes(self, j: int, n: int, X, W, rows: slice, ahead: bool):
         """The capture of the rows ``rows`` (of the query block; ``X``, ``W``) at the
@@ -1024,12 +1038,16 @@ class _NodesAhead:
             share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
             size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
         steps = range(j, max(self.lo, j - size + 1) - 1, -1)
-        params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1], j + 2)]
-        points, s = [], _gauss(n)[0]
-        for i in steps:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
-            theta = params[i - steps[-1]]
-            delta = params[i + 1 - steps[-1]] - theta
-            points += [theta + sk * delta for sk in s]
+        points = list(self._step_points(n))
+        if len(steps) > 1:
+            # The earlier steps' points, read once for the block; theta_j ends the last.
+            params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1], j)]
+            params.append(self._step[1])
+            s = _gauss(n)[0]
+            for i in steps[1:]:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
+                theta = params[i - steps[-1]]
+                delta = params[i + 1 - steps[-1]] - theta
+                points += [theta + sk * delta for sk in s]
         made = ctx.capture_nodes(points, X, W)
         if len(steps) > 1:
             block = [_nbytes(made), len(steps) - 1]
@@ -1620,10 +1638,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                              "The decomposition's per-sample loss gradients")
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
-                   ref=ref, weights=weights, intervals=intervals)
-    # The captures made ahead for blocks of steps: a batch's pass, and what the chunks
-    # of queries hold for their next steps, each within an eighth of the budget.
-    ctx.ahead_bytes, ctx.row_bytes, ctx.point_bytes = memory_budget // 8, row, P * itemsize
+                   ref=ref, weights=weights, intervals=intervals, row_bytes=row,
+                   point_bytes=P * itemsize)
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

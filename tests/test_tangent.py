@@ -900,6 +900,54 @@ class _SmallResNet(nn.Module):
         return self.head(torch.relu(h + self.bn(self.conv(h))).mean((2, 3)))
 
 
+@pytest.mark.parametrize("output", ["trace", 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
+    # A symmetric block of 130 rows: the convolutions' formed blocks (dense rows) take a
+    # BLAS SYRK each (the upper triangle, mirrored), the head's rank-one term and the
+    # BatchNorm terms the panels, in a square of their own; against the dense Jacobians,
+    # exactly symmetric, and a float64 K is the float32 one converted bit for bit.
+    torch.manual_seed(0)
+    module = _SmallResNet(3)
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.8, 1.2)
+    module = module.eval().to(dtype)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(130, 2, 6, 6, dtype=dtype)
+    alphas, panel_terms = [], []
+    real_syrk, real_panels = _gram._syrk, _gram._symmetric_panels
+
+    def syrk(acc):
+        update = real_syrk(acc)
+        return lambda g, alpha: alphas.append((g.shape, alpha)) or update(g, alpha)
+
+    monkeypatch.setattr(_gram, "_syrk", syrk)
+    monkeypatch.setattr(_gram, "_symmetric_panels", lambda terms, *a: panel_terms.append(
+        [t.inputs[0][0] for t in terms]) or real_panels(terms, *a))
+    K = tangent_gram(module, params, X, output=output, check_hidden=False)
+    # The two convolutions' formed weights and the BatchNorms' weights and biases by
+    # SYRK, 1 / C each; the head's weight and bias (rank-one, kept factored) by the panels.
+    alpha = 1 / 3 if output == "trace" else 1
+    assert [(shape[0], a) for shape, a in alphas] == [(130, alpha)] * 6
+    assert panel_terms == [["head.weight"]]
+    assert torch.equal(K, K.T)
+    J = _loop_jacobian(module, params, X)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / 3 if output == "trace" else J[:, 2] @ J[:, 2].T
+    _close(K, ref, 1e-5 if dtype == torch.float32 else RTOL)
+    if dtype == torch.float32:
+        wide = tangent_gram(module, params, X, output=output, check_hidden=False,
+                            out_dtype=torch.float64)
+        assert torch.equal(wide, K.to(torch.float64))
+    # Below SYRK_MIN_ROWS the panels take every term: the same K to rounding.
+    monkeypatch.setattr(_gram, "SYRK_MIN_ROWS", 131)
+    alphas.clear()
+    _close(tangent_gram(module, params, X, output=output, check_hidden=False), K,
+           1e-5 if dtype == torch.float32 else 1e-13)
+    assert not alphas
+
+
 @pytest.mark.parametrize("cross", [False, True])
 def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, monkeypatch):
     # The ResNet row's plan at N = 1024 (its ten outputs' formed blocks exceed the

@@ -938,9 +938,9 @@ def _dense_strips(K: torch.Tensor, sides: _Sides, layers: Sequence[int],
         K[s:e, s:] += acc[s:e, s:]
 
 
-def _syrk(acc: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
-    """``g -> acc += g g^T`` on and above the diagonal by the BLAS SYRK that SciPy
-    links, for a CPU ``acc`` (``(n, n)``, float32 or float64, contiguous); None elsewhere
+def _syrk(acc: torch.Tensor) -> Callable[..., None] | None:
+    """``(g, alpha=1) -> acc += alpha g g^T`` on and above the diagonal by the BLAS SYRK
+    that SciPy links, for a CPU ``acc`` (``(n, n)``, float32 or float64, contiguous); None elsewhere
     (CUDA tensors keep torch's GEMMs).
 
     Torch has no SYRK; SciPy's OpenBLAS computes one triangle with a kernel about as
@@ -956,9 +956,9 @@ def _syrk(acc: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
     syrk = blas.dsyrk if acc.dtype == torch.float64 else blas.ssyrk
     c = acc.numpy().T
 
-    def update(g: torch.Tensor) -> None:
+    def update(g: torch.Tensor, alpha: float = 1.0) -> None:
         a = g.contiguous().numpy().T
-        r = syrk(1.0, a, beta=1.0, c=c, trans=1, lower=1, overwrite_c=1)
+        r = syrk(alpha, a, beta=1.0, c=c, trans=1, lower=1, overwrite_c=1)
         if r.ctypes.data != c.ctypes.data:  # the wrapper copied: write its result back
             c[...] = r
 

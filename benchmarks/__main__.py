@@ -552,7 +552,9 @@ def _nets_lines(groups, device):
               "Full products: every term's Gram products in full, the issue's floor "
               "(gradient blocks 2 N^2 C p q for a convolution, rank-one 2 N^2 (q + C p) for "
               "the dense head; C = 1 on the one-output rows); performed: the share of them "
-              "the symmetric panels compute plus forming the blocks (2 N S C p q), forward "
+              "the symmetric panels compute (the upper triangle for the gradient blocks' "
+              "rows where a BLAS SYRK takes them, on the CPU with one torch thread) plus "
+              "forming the blocks (2 N S C p q), forward "
               "and backward passes not counted. Rate: torch.matmul on N x width x N, width "
               "the widest block row (capped at 65536). Ratio = bound / measured (1 = at "
               "roofline; > 1: faster than full products, by the symmetry).", "",

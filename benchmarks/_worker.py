@@ -229,20 +229,22 @@ def _structured_roofline(module, params, X, sync, output="trace"):
     *Full products*, the issue's definition: every term's Gram products in full, for
     N x N: gradient blocks ``2 N^2 C p q`` (a convolution's floor), rank-one terms
     ``2 N^2 (q + C p)`` (a dense head), position pairs ``2 N^2 S^2 (q + C p)``.
-    *Performed*: the share of those the symmetric panels compute, plus forming the
+    *Performed*: the share of those the symmetric panels compute (the upper triangle,
+    ``N (N + 1) / 2`` pairs, for the dense rows that a BLAS SYRK takes on the CPU with
+    one torch thread: :func:`skpathkernel._tangent._gram._syrk_block`), plus forming the
     gradient blocks (``2 N S C p q``); the forward and backward passes are not counted.
     The rate is torch.matmul's on an N x width x N product, width the widest block row
     (at most 2^16, to bound the probe's memory). ``output``: the row's, "trace" over the
     C outputs or one output's index (C = 1, the same definitions).
     """
-    from skpathkernel._tangent import _gram
+    from skpathkernel._tangent import _gram, _stacked
     from skpathkernel._tangent._contract import param_numel
 
     n = X.shape[0]
     params, outputs, mode, probe = _gram._prepare(module, params, X, output, BUDGET)
     C = len(outputs)
     itemsize = probe.terms[0].delta.element_size()
-    full = forming = 0
+    full = forming = rows = 0
     widest = 1
     for t in probe.terms:
         factored = [a for _, a in t.inputs if a is not None]
@@ -251,6 +253,7 @@ def _structured_roofline(module, params, X, sync, output="trace"):
         if not factored or route == "dense":
             numel = sum(param_numel(t, a) for _, a in t.inputs)
             full += 2 * n * n * C * numel
+            rows += 2 * n * n * C * numel
             forming += 2 * n * S * C * numel if factored else 0
             widest = max(widest, C * numel)
         elif route == "rank1":
@@ -258,7 +261,12 @@ def _structured_roofline(module, params, X, sync, output="trace"):
         else:
             full += 2 * n * n * S * S * (sum(a.shape[2] for a in factored) + C * p)
     pairs = _panel_pairs(n, *_gram._panel_rows(X.device, widest))
-    performed = full * pairs / (n * n) + forming
+    syrk = (X.device.type == "cpu" and torch.get_num_threads() == 1
+            and n >= _gram.SYRK_MIN_ROWS and _stacked._blas_process_wide())
+    if syrk:
+        performed = (full - rows) * pairs / (n * n) + rows * (n + 1) / (2 * n) + forming
+    else:
+        performed = full * pairs / (n * n) + forming
     rate = _matmul_rate(n, min(widest, 2**16), X, sync)
     return {"flops": full, "matmul_flops_per_s": rate, "gemm_bound_s": full / rate,
             "performed_flops": performed, "performed_bound_s": performed / rate,

@@ -948,6 +948,42 @@ def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     assert not alphas
 
 
+def test_syrk_into_a_strided_view_or_its_own_square_within_the_budget():
+    # Blocks of a larger Gram are strided views: the SYRK's square is then a buffer of
+    # its own, written into the view once, taken only within an eighth of the budget.
+    # 300 rows: the triangle is mirrored in more than one panel of rows.
+    torch.manual_seed(0)
+    module = _SmallResNet(3).double().eval()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(300, 2, 6, 6, dtype=torch.float64)
+    cap = capture(module, params, X, [0, 1, 2], memory_budget=2**30)
+    terms = _gram._formed(cap.terms, frozenset({"stem.0.weight", "conv.weight"}), order="any")
+    layout = _gram._layout(params)
+    ref = torch.empty(300, 300, dtype=torch.float64)
+    _gram._symmetric_panels(terms, "trace", None, layout, ref)
+    J = _loop_jacobian(module, params, X)
+    _close(ref, torch.einsum("ncp,mcp->nm", J, J) / 3)
+    whole = torch.full((300, 400), math.nan, dtype=torch.float64)
+    view = whole[:, 50:350]
+    square = 300 * 300 * 8
+    assert not _gram._syrk_block(terms, "trace", None, layout, view, 8 * square - 1)
+    assert whole.isnan().all()
+    assert _gram._syrk_block(terms, "trace", None, layout, view, 8 * square)
+    _close(view, ref, 1e-13)
+    assert torch.equal(view, view.T)
+    assert whole[:, :50].isnan().all() and whole[:, 350:].isnan().all()
+    # Into a contiguous block directly, the same Gram bit for bit.
+    direct = torch.full((300, 300), math.nan, dtype=torch.float64)
+    assert _gram._syrk_block(terms, "trace", None, layout, direct, 0)
+    assert torch.equal(direct, view)
+    # Dense rows alone (no panels before the SYRKs): from zero, not from the buffer.
+    rows = [t for t in terms if t.inputs[0][0] != "head.weight"]
+    assert len(rows) == len(terms) - 1
+    _gram._symmetric_panels(rows, "trace", None, layout, ref)
+    assert _gram._syrk_block(rows, "trace", None, layout, direct, 0)
+    _close(direct, ref, 1e-13)
+
+
 @pytest.mark.parametrize("cross", [False, True])
 def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, monkeypatch):
     # The ResNet row's plan at N = 1024 (its ten outputs' formed blocks exceed the

@@ -223,16 +223,17 @@ def _panel_rows(device: torch.device, width: int = 0) -> tuple[int, int]:
 
 
 def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
-                     panels: _Panels | None = None) -> None:
+                     panels: _Panels | None = None, budget: int = 0) -> None:
     """Write ``K(X_b, X_b)`` of one row block into ``out``, from its upper panels.
 
     Every computed block right of the diagonal is written twice (mirrored); the squares on
     the diagonal of the inner panels are symmetrised exactly (a GEMM ``A A^T`` is not
     bitwise symmetric). ``panels``: compute each panel there, in the computation's dtype,
     when ``out`` has another one (see :class:`_Panels`). The terms of dense rows take a
-    SYRK instead where SciPy's BLAS can run it (:func:`_syrk_block`).
+    SYRK instead where SciPy's BLAS can run it (:func:`_syrk_block`; ``budget``: the
+    bytes it may take for a square of its own where it cannot write into ``out``).
     """
-    if _syrk_block(terms, mode, weight, layout, out):
+    if _syrk_block(terms, mode, weight, layout, out, budget):
         return
     _symmetric_panels(terms, mode, weight, layout, out, panels)
 
@@ -243,7 +244,8 @@ def _dense_rows(term: Term, weight) -> bool:
     return weight is None and rank_one(term) and all(a is None for _, a in term.inputs)
 
 
-def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor) -> bool:
+def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
+                budget: int = 0) -> bool:
     """``K(X_b, X_b)`` with a BLAS SYRK for every term of dense rows; False (nothing
     written) where none or no SYRK applies.
 
@@ -251,13 +253,14 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor)
     inner panels in full: 0.625 of the full products at 1024 / 256 rows. A SYRK computes
     the upper triangle alone (0.5) at about a GEMM's rate: on the CIFAR CNN's formed
     blocks (1024 rows of 184320) 0.75-0.8 of the panels' time (one thread, measured
-    under load). The other terms (rank-one, position pairs) keep the panels, in a
-    square of their own added to the triangle mirrored; both are exactly symmetric, so
-    the sum is. Everything is summed in the terms' dtype and written once, so a wider
-    ``out`` is the Gram converted. Only on the CPU with torch on one thread
-    (:func:`._stacked._syrk`), and not for "full": its two ``(n C)^2`` squares (800 MB
-    at N = 1024, C = 10) would double the memory that the result takes, where the panels
-    write into it.
+    under load). The other terms (rank-one, position pairs) keep the panels first, their
+    square written in full; the SYRKs add to its upper triangle, which is then mirrored
+    (exactly symmetric). Into ``out`` itself where it is a contiguous square of the
+    terms' dtype (one block: no memory beyond the result's); else in a square of that
+    dtype written once into ``out`` (a wider ``out`` is then the Gram converted), where
+    it takes at most an eighth of ``budget``, the panels' otherwise. Only on the CPU
+    with torch on one thread (:func:`._stacked._syrk`), and not for "full" (its
+    ``(n, C, n, C)`` layout is not one square of rows).
     """
     like = terms[0].delta
     n, C = like.shape[:2]
@@ -265,22 +268,36 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor)
     if (mode == "full" or not dense or n < SYRK_MIN_ROWS or out.device.type != "cpu"
             or torch.get_num_threads() != 1):
         return False
-    acc = torch.zeros((n, n), dtype=like.dtype, device=like.device)
+    direct = out.is_contiguous() and out.dtype == like.dtype
+    if not direct and n * n * like.element_size() > budget // 8:
+        return False
     with _blas_threads(1):
+        acc = out if direct else torch.empty((n, n), dtype=like.dtype, device=like.device)
         syrk = _syrk(acc)
         if syrk is None:
             return False
+        rest = [t for t in terms if not _dense_rows(t, weight)]
+        if rest:
+            _symmetric_panels(rest, mode, weight, layout, acc, None)
+        else:
+            acc.zero_()
         for t in dense:
             syrk(t.delta.reshape(n, -1), alpha=len(t.inputs) / C)
-    # The upper triangle (with the diagonal) is the Gram's; the lower one is still zero.
-    acc.add_(acc.triu(1).T)
-    rest = [t for t in terms if not _dense_rows(t, weight)]
-    if rest:
-        part = torch.empty_like(acc)
-        _symmetric_panels(rest, mode, weight, layout, part, None)
-        acc.add_(part)
-    out.copy_(acc)
+    _mirror_upper(acc)
+    if acc is not out:
+        out.copy_(acc)
     return True
+
+
+def _mirror_upper(K: torch.Tensor, rows: int = 256) -> None:
+    """Copy the upper triangle of the square ``K`` onto its lower one, in place, a panel
+    of ``rows`` rows at a time (no temporary of K's size)."""
+    n = K.shape[0]
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        square = K[s:e, s:e]
+        square.copy_(square.triu() + square.triu(1).T)
+        K[e:, s:e] = K[s:e, e:].T
 
 
 def _symmetric_panels(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
@@ -746,7 +763,7 @@ def tangent_gram(
     else:
         K = result = large_tensor((n, n_out, m, n_out), out_dtype, X.device)
     panels = None if out_dtype == dtype else _Panels(dtype, X.device)
-    _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels)
+    _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels, memory_budget)
     return result
 
 
@@ -902,7 +919,7 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
                                         _probe_outputs(probe, columns), weight, layout,
                                         symmetric, budget, dtype.itemsize, reuse)
         target = total if i == 0 else part
-        _fill_gram(target, bx, by, "trace", w, layout, symmetric, dense, None)
+        _fill_gram(target, bx, by, "trace", w, layout, symmetric, dense, None, budget)
         # Each group's trace is divided by its own number of outputs.
         if i == 0:
             total.mul_(len(columns) / C)
@@ -913,8 +930,10 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
     return K
 
 
-def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels) -> None:
-    """Every block pair's products into ``K``; a symmetric Gram's upper blocks mirrored."""
+def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,
+               budget: int = 0) -> None:
+    """Every block pair's products into ``K``; a symmetric Gram's upper blocks mirrored.
+    ``budget``: the call's memory budget (see :func:`_symmetric_block`)."""
     full = mode == "full"
     for i in range(len(bx)):
         cx = bx[i]
@@ -922,7 +941,7 @@ def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels) -> Non
             si, sj = bx.slices[i], by.slices[j]
             target = K[si, :, sj, :] if full else K[si, sj]
             if symmetric and i == j:
-                _symmetric_block(cx.terms, mode, weight, layout, target, panels)
+                _symmetric_block(cx.terms, mode, weight, layout, target, panels, budget)
                 continue
             # Formed blocks are costly to recompute: the next row block is held from its
             # first use as a column block.

@@ -19,7 +19,9 @@ over them (:func:`_output_groups`: a forward pass per group instead of recompute
 A block whose terms are kept as gradient blocks is captured in chunks of rows, so that
 the positions' factors of one chunk, not of the whole block, are alive at once. A
 symmetric ``K(X, X)`` computes the panels on and right of its diagonal only and mirrors
-them (:func:`_symmetric_block`).
+them (:func:`_symmetric_block`); on the CPU with torch on one thread, the terms of dense
+rows (formed gradient blocks, the fallback's Jacobians) of a trace take one BLAS SYRK
+each instead, the upper triangle alone (:func:`_syrk_block`).
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.

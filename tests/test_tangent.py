@@ -904,8 +904,8 @@ class _SmallResNet(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     # A symmetric block of 130 rows: the convolutions' formed blocks (dense rows) take a
-    # BLAS SYRK each (the upper triangle, mirrored), the head's rank-one term and the
-    # BatchNorm terms the panels, in a square of their own; against the dense Jacobians,
+    # BLAS SYRK each (the upper triangle, mirrored), the head's rank-one term is added by
+    # panels of rows; against the dense Jacobians,
     # exactly symmetric, and a float64 K is the float32 one converted bit for bit.
     torch.manual_seed(0)
     module = _SmallResNet(3)
@@ -917,18 +917,19 @@ def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
     X = torch.randn(130, 2, 6, 6, dtype=dtype)
     alphas, panel_terms = [], []
-    real_syrk, real_panels = _gram._syrk, _gram._symmetric_panels
+    real_syrk, real_add = _gram._syrk, _gram._add_upper
 
     def syrk(acc):
         update = real_syrk(acc)
         return lambda g, alpha: alphas.append((g.shape, alpha)) or update(g, alpha)
 
     monkeypatch.setattr(_gram, "_syrk", syrk)
-    monkeypatch.setattr(_gram, "_symmetric_panels", lambda terms, *a: panel_terms.append(
-        [t.inputs[0][0] for t in terms]) or real_panels(terms, *a))
+    monkeypatch.setattr(_gram, "_add_upper", lambda K, terms, *a: panel_terms.append(
+        [t.inputs[0][0] for t in terms]) or real_add(K, terms, *a))
     K = tangent_gram(module, params, X, output=output, check_hidden=False)
     # The two convolutions' formed weights and the BatchNorms' weights and biases by
-    # SYRK, 1 / C each; the head's weight and bias (rank-one, kept factored) by the panels.
+    # SYRK, 1 / C each; the head's weight and bias (rank-one, kept factored) added by
+    # panels of rows after them.
     alpha = 1 / 3 if output == "trace" else 1
     assert [(shape[0], a) for shape, a in alphas] == [(130, alpha)] * 6
     assert panel_terms == [["head.weight"]]

@@ -255,14 +255,16 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
     inner panels in full: 0.625 of the full products at 1024 / 256 rows. A SYRK computes
     the upper triangle alone (0.5) at about a GEMM's rate: on the CIFAR CNN's formed
     blocks (1024 rows of 184320) 0.75-0.8 of the panels' time (one thread, measured
-    under load). The other terms (rank-one, position pairs) keep the panels first, their
-    square written in full; the SYRKs add to its upper triangle, which is then mirrored
-    (exactly symmetric). Into ``out`` itself where it is a contiguous square of the
-    terms' dtype (one block: no memory beyond the result's); else in a square of that
-    dtype written once into ``out`` (a wider ``out`` is then the Gram converted), where
-    it takes at most an eighth of ``budget``, the panels' otherwise. Only on the CPU
-    with torch on one thread (:func:`._stacked._syrk`), and not for "full" (its
-    ``(n, C, n, C)`` layout is not one square of rows).
+    under load). The SYRKs sum from zero; the other terms (rank-one, position pairs) are
+    then added by panels of rows on and right of the diagonal, and the upper triangle is
+    mirrored (exactly symmetric). (Summed the other way round, each of a SYRK's hundreds
+    of updates of a long row is rounded at the scale of the whole entry: 6x the float32
+    error against float64 on the CIFAR CNN.) Into ``out`` itself where it is a contiguous
+    square of the terms' dtype (one block: no memory beyond the result's); else in a
+    square of that dtype written once into ``out`` (a wider ``out`` is then the Gram
+    converted), where it takes at most an eighth of ``budget``, the panels' otherwise.
+    Only on the CPU with torch on one thread (:func:`._stacked._syrk`), and not for
+    "full" (its ``(n, C, n, C)`` layout is not one square of rows).
     """
     like = terms[0].delta
     n, C = like.shape[:2]
@@ -278,17 +280,30 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
         syrk = _syrk(acc)
         if syrk is None:
             return False
-        rest = [t for t in terms if not _dense_rows(t, weight)]
-        if rest:
-            _symmetric_panels(rest, mode, weight, layout, acc, None)
-        else:
-            acc.zero_()
+        acc.zero_()
         for t in dense:
             syrk(t.delta.reshape(n, -1), alpha=len(t.inputs) / C)
+    rest = [t for t in terms if not _dense_rows(t, weight)]
+    if rest:
+        _add_upper(acc, rest, mode, weight, layout)
     _mirror_upper(acc)
     if acc is not out:
         out.copy_(acc)
     return True
+
+
+def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout,
+               rows: int = 256) -> None:
+    """Add the terms' Gram to the upper triangle of the square ``K`` (and to some entries
+    below it, which the mirror overwrites), a panel of ``rows`` rows at a time."""
+    n = K.shape[0]
+    scratch = _Scratch()
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        block = scratch.get((e - s, n - s), K)
+        _gram_into(block, _rows(terms, slice(s, e)), _rows(terms, slice(s, n)), mode, weight,
+                   layout)
+        K[s:e, s:].add_(block)
 
 
 def _mirror_upper(K: torch.Tensor, rows: int = 256) -> None:

@@ -862,3 +862,48 @@ def test_units_relaid_out_only_for_scipy_panels(monkeypatch, one_torch_thread):
                                    block=2)
         assert bool(relaid) == (expected and _stacked._blas_process_wide())
         assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+
+
+
+@pytest.mark.parametrize("sgemm", [False, True], ids=["torch", "scipy"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
+def test_backprop_buffers_reused_over_blocks(sgemm, weighted, monkeypatch, one_torch_thread):
+    """The backprops that GEMMs write, and their copies in SciPy's layout, go to buffers
+    reused by every block of points (fresh ones cost page faults): over blocks of 2, 2
+    and 1 points, a network of three hidden layers (a GEMM-written backprop carried
+    through another Linear's GEMM: one buffer per layer) and ``K(X, Y)`` (one per side),
+    against the module's own autograd Jacobians; each buffer is allocated once."""
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[4], weighted)
+    A = torch.randn(40, 3, dtype=torch.float64)
+    B = torch.randn(20, 3, dtype=torch.float64)
+    ws = [w for _, w in weights]
+    outputs = [0, 1, 2, 3]
+    monkeypatch.setattr(_stacked, "_BLAS_MIN", 1 if sgemm else 2**62)
+    seen = []
+    real_get = _stacked._Scratch.get
+
+    def get(self, name, shape, dtype):
+        buf = real_get(self, name, shape, dtype)
+        if name.startswith(("delta_", "units_")):
+            seen.append((name, buf.untyped_storage().data_ptr()))
+        return buf
+
+    monkeypatch.setattr(_stacked._Scratch, "get", get)
+    for Y in (None, B):
+        seen.clear()
+        ref = _module_reference(module, thetas, Ds, ws, A, A if Y is None else Y, outputs)
+        K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, Y, outputs=outputs,
+                                   trace_scale=0.25, weighted=weighted,
+                                   memory_budget=2**30, block=2)
+        assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+        names = {name for name, _ in seen}
+        # Two GEMM-written backprops per side (the layer below the output layer keeps
+        # one backprop, formed without a GEMM), and SciPy's copies where it takes them.
+        sides = "x" if Y is None else "xy"
+        assert {n for n in names if n.startswith("delta_")} == {
+            f"delta_{s}{li}" for s in sides for li in (1, 2)}
+        copies = {n for n in names if n.startswith("units_")}
+        assert bool(copies) == (sgemm and weighted and "units" in _routes(mlp, 4, True, 40, 40))
+        # Every block took the same buffer of each name.
+        assert len(set(seen)) == len(names)
+        assert len(seen) == 3 * len(names)

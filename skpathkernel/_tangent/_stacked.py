@@ -354,7 +354,8 @@ def forward_factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
 
 
 def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor,
-             outputs: Sequence[int], units_major: bool) -> list[tuple]:
+             outputs: Sequence[int], units_major: bool, scratch: _Scratch | None = None,
+             side: str = "x") -> list[tuple]:
     """Every Linear's inputs ``a`` (B, N, d_in) and backprops, by one forward and one
     backward pass over the block's points (batched GEMMs).
 
@@ -368,6 +369,10 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     ``sum_c V_co^2 d_xo d_yo``, are those of one backprop, ``|V_o| d_o``: its entry is
     that single one (C = 1); the ``C x C`` blocks spread it over the outputs again
     (:func:`_units`).
+
+    The backprops that GEMMs write go to ``scratch``'s buffers (named by ``side`` and
+    layer) where given: at tens of MB per block, fresh memory's page faults cost about
+    as much as the GEMM (21 points at N = 1000: 57 against 31 ms).
     """
     h, params, inputs, raw = forward_factors(mlp, theta, layout, X)
     B = theta.shape[0]
@@ -393,6 +398,14 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     # a GEMM wrote is multiplied by the derivatives in place (``owned``).
     delta, factored, owned = None, None, False
     merged, deltas, li = None, [], len(params)
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` (batched), into the layer's reused buffer where there is one."""
+        if scratch is None:
+            return torch.matmul(a, b)
+        shape = (*a.shape[:-1], b.shape[-1])
+        return torch.matmul(a, b, out=scratch.get(f"delta_{side}{li}", shape, a.dtype))
+
     for it, d, d_raw in zip(reversed(mlp.items), reversed(derivs), reversed(raw)):
         if not isinstance(it, _Linear):
             if factored is not None:
@@ -433,15 +446,14 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
                 continue
             if units_major:
                 U = W.transpose(1, 2)[:, :, None, :] * Wc[:, None, :, :]  # (B, d_in, C, d)
-                delta = torch.matmul(U.reshape(B, it.d_in * C, it.d_out), dprod.transpose(1, 2))
+                delta = product(U.reshape(B, it.d_in * C, it.d_out), dprod.transpose(1, 2))
             else:
                 U = Wc.transpose(1, 2)[:, :, :, None] * W[:, :, None, :]  # (B, d, C, d_in)
-                delta = torch.matmul(dprod, U.reshape(B, it.d_out, C * it.d_in))
+                delta = product(dprod, U.reshape(B, it.d_out, C * it.d_in))
         elif units_major:
-            delta = torch.matmul(W.transpose(1, 2),
-                                 delta.transpose(2, 3).reshape(B, it.d_out, C * n))
+            delta = product(W.transpose(1, 2), delta.transpose(2, 3).reshape(B, it.d_out, C * n))
         else:
-            delta = torch.matmul(delta.reshape(B, n * C, it.d_out), W)
+            delta = product(delta.reshape(B, n * C, it.d_out), W)
         delta = (delta.view(B, it.d_in, C, n).transpose(2, 3) if units_major
                  else delta.view(B, n, C, it.d_in))
         owned = True
@@ -1234,14 +1246,14 @@ def stacked_path_sum(
         per_point += formed
     # SciPy's GEMMs take the "units" layers' products where the largest panel has
     # ``_BLAS_MIN`` entries (:func:`_units`): their backprops are then laid out for them
-    # (:func:`_contiguous_units`), a second copy of one layer's while it is made.
+    # (:func:`_contiguous_units`), a second copy of those layers'.
     cpu = _blas_eligible(X)
     relayout = cpu and weighted and not full and pr * pc >= _BLAS_MIN
     if relayout:
-        per_point += itemsize * max(n, m) * max(
-            (c * lin.d_out for lin, c, route in
-             zip(mlp.linears, _outputs_per_layer(mlp, C), routes) if route == "units"),
-            default=0)
+        # Each side's copy of every "units" layer, kept in reused buffers for the call.
+        per_point += itemsize * (n if symmetric else n + m) * sum(
+            c * lin.d_out for lin, c, route in
+            zip(mlp.linears, _outputs_per_layer(mlp, C), routes) if route == "units")
     if block is None:
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
@@ -1285,7 +1297,7 @@ def stacked_path_sum(
             sides = _block_sides(mlp, layout, theta, D, w, X, None if symmetric else Yt,
                                  outputs, sel, panel_routes, full, scratch)
             if relayout and sides.units_major and _holds_blas():
-                _contiguous_units(sides, panel_routes)
+                _contiguous_units(sides, panel_routes, scratch)
             if diag:
                 for li in range(len(routes)):
                     _diag(dx, sides.fx[li], sides.wD[li], w, sides.s[li])
@@ -1330,15 +1342,17 @@ def stacked_path_sum(
     return result, dx, dy
 
 
-def _contiguous_units(sides: _Sides, routes: Sequence[str | None]) -> None:
+def _contiguous_units(sides: _Sides, routes: Sequence[str | None], scratch: _Scratch) -> None:
     """The "units" layers' backprops (B, p, N, C) laid out contiguously (a GEMM wrote
     them (B, p, C, N)), so that every unit's rows are one block that SciPy's GEMMs read
-    in place (:func:`_units`)."""
+    in place (:func:`_units`). Copied into ``scratch``'s buffers: a fresh copy's page
+    faults took three times the copy (21 points at N = 1000: 42 against 11 ms)."""
     same = sides.fy is sides.fx
-    for f in (sides.fx,) if same else (sides.fx, sides.fy):
+    for side, f in (("x", sides.fx),) if same else (("x", sides.fx), ("y", sides.fy)):
         for li, route in enumerate(routes):
-            if route == "units" and f[li][1] is not None:
-                f[li] = (f[li][0], f[li][1].contiguous())
+            a, d = f[li]
+            if route == "units" and d is not None and not d.is_contiguous():
+                f[li] = (a, scratch.get(f"units_{side}{li}", d.shape, d.dtype).copy_(d))
 
 
 def _mirror(K: torch.Tensor, size: int) -> None:
@@ -1365,11 +1379,11 @@ def _block_sides(mlp, layout, theta, D, w, X, Y, outputs, sel, routes, full,
     sample-major (the layout of :func:`_units_full`) and the output rows' products of
     the ``"mixed"`` layer."""
     units_major = D is not None and not full
-    fx = _factors(mlp, theta, layout, X, outputs, units_major)
+    fx = _factors(mlp, theta, layout, X, outputs, units_major, scratch, "x")
     fx = [(_ones(a, lin), d) for (a, d), lin in zip(fx, mlp.linears)]
     fy = fx
     if Y is not None:
-        fy = _factors(mlp, theta, layout, Y, outputs, units_major)
+        fy = _factors(mlp, theta, layout, Y, outputs, units_major, scratch, "y")
         fy = [(_ones(a, lin), d) for (a, d), lin in zip(fy, mlp.linears)]
     wD = [None if D is None else _split_d(D, lin, layout) * w[:, None, None]
           for lin in mlp.linears]

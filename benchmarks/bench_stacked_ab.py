@@ -1,0 +1,188 @@
+"""One process A/B of the stacked path kernel (``skpathkernel/_tangent/_stacked.py``):
+a git ref's module against the working tree's, on the default Adam classifier's
+``path_kernel_(X[:1000])`` (standardised digits, 1000 training points).
+
+The call's arguments to ``stacked_path_sum`` are captured once (the fitted estimator's
+parameters and preconditioners at its first 63 recorded points; the call's block size is
+21),
+then each case runs both modules alternately, ``REPS`` times each (default 8), timed by
+``time.thread_time`` on one torch thread:
+
+- ``sides``: one block's forward and backward over its 21 points (``_block_sides``) and
+  the "units" layer's backprops laid out for SciPy's GEMMs (``_contiguous_units``), each
+  module's work buffers kept from one call to the next as they are from one block to the
+  next within a call;
+- ``block8`` / ``block21``: ``stacked_path_sum`` over the first 8 / 21 points, one block;
+- ``blocks63``: over the first 63 points in blocks of 21 (three blocks, as the call's
+  25 blocks: what is kept from block to block counts).
+
+Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_stacked_ab [REF] [CASES]``
+(REF ``main``, CASES ``sides,block8,block21,blocks63``). Writes ``benchmarks/results/stacked_ab``
+``.md`` and ``.json`` (provenance: command, commit, ref, date, machine, load, cores).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from sklearn.datasets import load_digits
+from sklearn.preprocessing import StandardScaler
+
+import skpathkernel._tangent._stacked as new
+from skpathkernel import PathKernelClassifier, kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = "skpathkernel/_tangent/_stacked.py"
+
+
+class _Captured(Exception):
+    pass
+
+
+def _reference_module(ref):
+    """The module at git ``ref``, imported beside the working tree's."""
+    source = subprocess.run(["git", "show", f"{ref}:{MODULE}"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "_stacked_ref.py"
+    path.write_text(source)
+    name = "skpathkernel._tangent._stacked_ref"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _capture(points):
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    est = PathKernelClassifier(random_state=0).fit(X[:1000], y[:1000])
+    cap = {}
+
+    def record(mlp, layout, load, weights, Xt, Yt=None, **kw):
+        cap.update(mlp=mlp, layout=layout, weights=weights[:points], X=Xt, kw=kw)
+        cap["theta"], cap["D"] = load([k for k, _ in weights[:points]])
+        raise _Captured
+
+    with mock.patch.object(kernels, "stacked_path_sum", record):
+        try:
+            est.path_kernel_(X[:1000])
+        except _Captured:
+            pass
+    return cap
+
+
+def _as(mod, mlp):
+    """``mlp`` rebuilt from ``mod``'s own layer records (its functions test their type)."""
+    items = tuple(mod._Linear(**dataclasses.asdict(it)) if dataclasses.is_dataclass(it)
+                  else it for it in mlp.items)
+    return mod.StackedMLP(items, mlp.n_inputs)
+
+
+def _cases(cap, mods):
+    kw, layout, X = cap["kw"], cap["layout"], cap["X"]
+    index = {k: i for i, (k, _) in enumerate(cap["weights"])}
+
+    def load(points):
+        rows = [index[k] for k in points]
+        return cap["theta"][rows], cap["D"][rows]
+
+    def block(n, size):
+        def run(mod):
+            return mod.stacked_path_sum(_as(mod, cap["mlp"]), layout, load,
+                                        cap["weights"][:n], X, None, block=size, **kw)[0]
+        return run
+
+    def sides(mod):
+        mlp = _as(mod, cap["mlp"])
+        routes = [None if r == "dense" else r
+                  for r in mod._routes(mlp, len(kw["outputs"]), True, len(X), len(X))]
+        scratch = mods[mod]
+        w = torch.tensor([wk * kw["trace_scale"] for _, wk in cap["weights"]])
+        s = mod._block_sides(mlp, layout, cap["theta"][:21], cap["D"][:21], w[:21], X, None,
+                             kw["outputs"],
+                             torch.as_tensor(kw["outputs"]), routes, False, scratch)
+        with mod._blas_threads(1):
+            try:
+                mod._contiguous_units(s, routes, scratch)
+            except TypeError:  # a module whose copies take no buffers
+                mod._contiguous_units(s, routes)
+        return None
+
+    return {"sides": sides, "block8": block(8, 8), "block21": block(21, 21),
+            "blocks63": block(63, 21)}
+
+
+def main(ref="main", names="sides,block8,block21,blocks63"):
+    torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+    reps = int(os.environ.get("REPS", "8"))
+    old = _reference_module(ref)
+    cap = _capture(63)
+    mods = {old: old._Scratch(cap["X"].device), new: new._Scratch(cap["X"].device)}
+    cases = _cases(cap, mods)
+    load_before = os.getloadavg()
+    rows = []
+    for name in names.split(","):
+        f = cases[name]
+        times = {"ref": [], "tree": []}
+        grams = {}
+        for r in range(reps):
+            order = [("ref", old), ("tree", new)]
+            for key, mod in order if r % 2 == 0 else order[::-1]:
+                t = time.thread_time()
+                grams[key] = f(mod)
+                times[key].append(time.thread_time() - t)
+        row = dict(case=name, load=os.getloadavg()[0],
+                   ref_least=min(times["ref"]), ref_median=statistics.median(times["ref"]),
+                   tree_least=min(times["tree"]), tree_median=statistics.median(times["tree"]),
+                   ref_times=times["ref"], tree_times=times["tree"])
+        row["ratio_least"] = row["ref_least"] / row["tree_least"]
+        row["ratio_median"] = row["ref_median"] / row["tree_median"]
+        if grams["ref"] is not None:
+            diff = (grams["ref"] - grams["tree"]).abs().max() / grams["ref"].abs().max()
+            row["max_rel_diff"] = float(diff)
+        rows.append(row)
+        print(f"{name}: ref {row['ref_least']:.4f} s (median {row['ref_median']:.4f}), "
+              f"tree {row['tree_least']:.4f} s (median {row['tree_median']:.4f}), "
+              f"ratio {row['ratio_least']:.3f} least, {row['ratio_median']:.3f} median, "
+              f"load {row['load']:.2f}", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", MODULE], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    prov = dict(command="python -m benchmarks.bench_stacked_ab " + " ".join(sys.argv[1:]),
+                commit=commit + ("+dirty" if dirty else ""), ref=ref,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
+                load_before=load_before, reps=reps)
+    out = ROOT / "benchmarks" / "results" / "stacked_ab"
+    out.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows), indent=1))
+    lines = ["# Stacked path kernel: one process A/B against a git ref", "",
+             *(f"- {k}: {v}" for k, v in prov.items()), "",
+             "CPU time (`time.thread_time`) per call, least and median of the repeats, "
+             "the two modules alternating; ratio = ref / tree (above 1: the tree is faster). "
+             "A loaded machine: compare ratios, not times.", "",
+             "| case | ref least (s) | ref median | tree least (s) | tree median | "
+             "ratio least | ratio median | max rel. diff | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['ref_least']:.4f} | {r['ref_median']:.4f} | "
+                     f"{r['tree_least']:.4f} | {r['tree_median']:.4f} | "
+                     f"{r['ratio_least']:.3f} | {r['ratio_median']:.3f} | "
+                     f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

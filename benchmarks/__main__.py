@@ -489,7 +489,8 @@ def _gram_lines(results, device):
                          f"{_mib(BUDGET)} | {'yes' if extra <= BUDGET else 'NO'} |")
     lines += ["", "## GEMM roofline of the structured Gram", "",
               "Bounds are FLOPs divided by the measured torch.matmul rate on an "
-              "N x width x N product: the time at GEMM speed; a ratio is a bound over the "
+              "N x width x N product (least of 5 repeats into one result): the time at GEMM "
+              "speed; a ratio is a bound over the "
               "measured time (1 = at roofline). *Full products*: every factor product "
               "(A A^T and Delta Delta^T per Linear layer, plus the Hadamard products) in "
               "full, the issue's definition; the engine beats it by skipping the panels "
@@ -556,7 +557,9 @@ def _nets_lines(groups, device):
               "rows where a BLAS SYRK takes them, on the CPU with one torch thread) plus "
               "forming the blocks (2 N S C p q), forward "
               "and backward passes not counted. Rate: torch.matmul on N x width x N, width "
-              "the widest block row (capped at 65536). Ratio = bound / measured (1 = at "
+              "the widest block row (capped at 65536), the least time of 5 repeats into one "
+              "result (before 2026-12-02 15:00 UTC the median of 5 into fresh results, "
+              "which read 10-20% low: `matmul_probe.md`). Ratio = bound / measured (1 = at "
               "roofline; > 1: faster than full products, by the symmetry).", "",
               "| network | N | GFLOP full products | GFLOP performed | width | matmul rate | "
               "measured | ratio (full products) | ratio (performed) |",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -208,19 +207,25 @@ def _panel_pairs(n, outer, inner):
 
 
 def _matmul_rate(n, width, X, sync):
-    """torch.matmul FLOP/s on an n x width x n product (the Gram's GEMM shape)."""
+    """torch.matmul FLOP/s on an n x width x n product (the Gram's GEMM shape).
+
+    The least time of the repeats, into one preallocated result: a fresh n x n result at
+    every repeat and the median of them read 10-20% below the kept result's best rate on
+    an idle core (``benchmarks/results/matmul_probe.md``), which made every roofline ratio
+    read that much too favourable.
+    """
     a = torch.randn(n, width, dtype=X.dtype if X.is_floating_point() else torch.float32,
                     device=X.device)
     b = torch.randn(width, n, dtype=a.dtype, device=X.device)
-    a @ b
+    out = a @ b
     times = []
     for _ in range(5):
         sync()
         t0 = time.perf_counter()
-        a @ b
+        torch.matmul(a, b, out=out)
         sync()
         times.append(time.perf_counter() - t0)
-    return 2 * n * n * width / statistics.median(times)
+    return 2 * n * n * width / min(times)
 
 
 def _structured_roofline(module, params, X, sync, output="trace"):

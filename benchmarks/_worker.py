@@ -238,6 +238,12 @@ def _structured_roofline(module, params, X, sync, output="trace"):
     ``N (N + 1) / 2`` pairs, for the dense rows that a BLAS SYRK takes on the CPU with
     one torch thread: :func:`skpathkernel._tangent._gram._syrk_block`), plus forming the
     gradient blocks (``2 N S C p q``); the forward and backward passes are not counted.
+    The SYRK's rule is the engine's at the run's budget (:func:`memory_budget`) for a
+    diagonal block of all N rows: at least ``SYRK_MIN_ROWS``, its buffers within an
+    eighth of the budget, less the two groups' sums where the outputs are split in
+    groups. It assumes that the Gram is one block (or one per output group), as on the
+    benchmark's networks at N = 1024; a Gram of several row blocks takes the SYRK on
+    smaller squares, and is counted here as by the panels where the rule fails for N.
     The rate is torch.matmul's on an N x width x N product, width the widest block row
     (at most 2^16, to bound the probe's memory). ``output``: the row's, "trace" over the
     C outputs or one output's index (C = 1, the same definitions).
@@ -246,15 +252,19 @@ def _structured_roofline(module, params, X, sync, output="trace"):
     from skpathkernel._tangent._contract import param_numel
 
     n = X.shape[0]
-    params, outputs, mode, probe = _gram._prepare(module, params, X, output, BUDGET)
+    budget = memory_budget()
+    params, outputs, mode, probe = _gram._prepare(module, params, X, output, budget)
     C = len(outputs)
     itemsize = probe.terms[0].delta.element_size()
     full = forming = rows = 0
     widest = 1
+    rest = []  # the terms that the panels add after the SYRKs
     for t in probe.terms:
         factored = [a for _, a in t.inputs if a is not None]
         S, p = t.delta.shape[2], t.delta.shape[3]
-        route = _gram.gram_route(t, n, n, mode, False, True, BUDGET // 8, itemsize)
+        route = _gram.gram_route(t, n, n, mode, False, True, budget // 8, itemsize)
+        if factored and route != "dense":
+            rest.append(t)
         if not factored or route == "dense":
             numel = sum(param_numel(t, a) for _, a in t.inputs)
             full += 2 * n * n * C * numel
@@ -266,8 +276,12 @@ def _structured_roofline(module, params, X, sync, output="trace"):
         else:
             full += 2 * n * n * S * S * (sum(a.shape[2] for a in factored) + C * p)
     pairs = _panel_pairs(n, *_gram._panel_rows(X.device, widest))
+    spare = budget // 8
+    if len(_gram._output_groups(probe, n, n, mode, None, True, budget, itemsize)) > 1:
+        spare -= 2 * n * n * itemsize  # the groups' sums (K returned wider: two of them)
     syrk = (X.device.type == "cpu" and torch.get_num_threads() == 1
-            and n >= _gram.SYRK_MIN_ROWS and _stacked._blas_process_wide())
+            and n >= _gram.SYRK_MIN_ROWS and _stacked._blas_process_wide()
+            and _gram._syrk_bytes(rest, n, mode, itemsize) <= spare)
     if syrk:
         performed = (full - rows) * pairs / (n * n) + rows * (n + 1) / (2 * n) + forming
     else:

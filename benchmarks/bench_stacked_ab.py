@@ -23,6 +23,7 @@ Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_stacked_ab [REF] [CAS
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -112,11 +113,11 @@ def _cases(cap, mods):
         s = mod._block_sides(mlp, layout, cap["theta"][:21], cap["D"][:21], w[:21], X, None,
                              kw["outputs"],
                              torch.as_tensor(kw["outputs"]), routes, False, scratch)
+        # A module whose copies take no buffers has no scratch parameter (chosen by the
+        # signature: a TypeError inside the call must not be retried as another call).
+        takes = len(inspect.signature(mod._contiguous_units).parameters) > 2
         with mod._blas_threads(1):
-            try:
-                mod._contiguous_units(s, routes, scratch)
-            except TypeError:  # a module whose copies take no buffers
-                mod._contiguous_units(s, routes)
+            mod._contiguous_units(s, routes, *([scratch] if takes else []))
         return None
 
     return {"sides": sides, "block8": block(8, 8), "block21": block(21, 21),
@@ -158,7 +159,10 @@ def main(ref="main", names="sides,block8,block21,blocks63"):
               f"load {row['load']:.2f}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", MODULE], cwd=ROOT,
+    # The commit names the run's code only where neither the module nor this script
+    # differs from it.
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", MODULE,
+                                 "benchmarks/bench_stacked_ab.py"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
     prov = dict(command="python -m benchmarks.bench_stacked_ab " + " ".join(sys.argv[1:]),
                 commit=commit + ("+dirty" if dirty else ""), ref=ref,

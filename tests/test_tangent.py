@@ -15,6 +15,7 @@ from skpathkernel import _tangent
 from skpathkernel._tangent import (
     _capture,
     _gram,
+    _stacked,
     capture,
     project_tangent_features,
     tangent_features,
@@ -900,22 +901,22 @@ class _SmallResNet(nn.Module):
         return self.head(torch.relu(h + self.bn(self.conv(h))).mean((2, 3)))
 
 
-@pytest.mark.parametrize("output", ["trace", 2])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
-    # A symmetric block of 130 rows: the convolutions' formed blocks (dense rows) take a
-    # BLAS SYRK each (the upper triangle, mirrored), the head's rank-one term is added by
-    # panels of rows; against the dense Jacobians,
-    # exactly symmetric, and a float64 K is the float32 one converted bit for bit.
+def _resnet_problem(n, dtype=torch.float64, n_out=3):
+    """:class:`_SmallResNet` with random BatchNorm statistics, perturbed parameters and
+    ``n`` random images."""
     torch.manual_seed(0)
-    module = _SmallResNet(3)
+    module = _SmallResNet(n_out)
     for m in module.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.2, 0.2)
             m.running_var.uniform_(0.8, 1.2)
     module = module.eval().to(dtype)
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
-    X = torch.randn(130, 2, 6, 6, dtype=dtype)
+    return module, params, torch.randn(n, 2, 6, 6, dtype=dtype)
+
+
+def _record_syrks(monkeypatch):
+    """Record the rows and alpha of every SYRK update, and the terms added after them."""
     alphas, panel_terms = [], []
     real_syrk, real_add = _gram._syrk, _gram._add_upper
 
@@ -926,13 +927,29 @@ def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     monkeypatch.setattr(_gram, "_syrk", syrk)
     monkeypatch.setattr(_gram, "_add_upper", lambda K, terms, *a: panel_terms.append(
         [t.inputs[0][0] for t in terms]) or real_add(K, terms, *a))
+    return alphas, panel_terms
+
+
+@pytest.mark.parametrize("output", ["trace", 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
+    # A symmetric block of 130 rows: the convolutions' formed blocks (dense rows) take a
+    # BLAS SYRK each (the upper triangle, mirrored) where SciPy's BLAS is a process-wide
+    # OpenBLAS, the head's rank-one term is added by panels of rows (elsewhere the panels
+    # take every term); against the dense Jacobians, exactly symmetric, and a float64 K
+    # is the float32 one converted bit for bit.
+    module, params, X = _resnet_problem(130, dtype)
+    alphas, panel_terms = _record_syrks(monkeypatch)
     K = tangent_gram(module, params, X, output=output, check_hidden=False)
-    # The two convolutions' formed weights and the BatchNorms' weights and biases by
-    # SYRK, 1 / C each; the head's weight and bias (rank-one, kept factored) added by
-    # panels of rows after them.
-    alpha = 1 / 3 if output == "trace" else 1
-    assert [(shape[0], a) for shape, a in alphas] == [(130, alpha)] * 6
-    assert panel_terms == [["head.weight"]]
+    if _stacked._blas_process_wide():
+        # The two convolutions' formed weights and the BatchNorms' weights and biases by
+        # SYRK, 1 / C each; the head's weight and bias (rank-one, kept factored) added by
+        # panels of rows after them.
+        alpha = 1 / 3 if output == "trace" else 1
+        assert [(shape[0], a) for shape, a in alphas] == [(130, alpha)] * 6
+        assert panel_terms == [["head.weight"]]
+    else:
+        assert not alphas and not panel_terms
     assert torch.equal(K, K.T)
     J = _loop_jacobian(module, params, X)
     ref = torch.einsum("ncp,mcp->nm", J, J) / 3 if output == "trace" else J[:, 2] @ J[:, 2].T
@@ -949,10 +966,62 @@ def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     assert not alphas
 
 
+def test_float64_gram_of_a_float32_block_takes_the_float32_route(monkeypatch):
+    # One symmetric block of 400 rows of formed blocks (2,000+ numbers each): at a small
+    # budget the SYRK's square does not fit an eighth of it, for a float32 K (which the
+    # SYRK could write into directly) as for a float64 one, so both take the panels; at a
+    # large budget both take the SYRK. Either way the float64 K is the float32 one
+    # converted bit for bit (the SYRK and the panels round differently).
+    module, params, X = _resnet_problem(400, torch.float32)
+    routes, blocks = [], []
+    real_block, real_syrk_block = _gram._symmetric_block, _gram._syrk_block
+    monkeypatch.setattr(_gram, "_symmetric_block", lambda terms, mode, w, layout, out, *a: (
+        blocks.append(tuple(out.shape)) or real_block(terms, mode, w, layout, out, *a)))
+    monkeypatch.setattr(_gram, "_syrk_block", lambda *a: routes.append(real_syrk_block(*a))
+                        or routes[-1])
+    syrk = _stacked._blas_process_wide()
+    J = _loop_jacobian(module, params, X)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / 3
+    for budget, expected in ((19 * 2**18, False), (2**30, syrk)):
+        grams = []
+        for out_dtype in (torch.float32, torch.float64):
+            routes.clear()
+            blocks.clear()
+            grams.append(tangent_gram(module, params, X, memory_budget=budget,
+                                      check_hidden=False, out_dtype=out_dtype))
+            # One block of all rows, and the SYRK's square over an eighth of the small
+            # budget.
+            assert blocks == [(400, 400)] and routes == [expected]
+            assert (4 * 400 * 400 > budget // 8) == (budget < 2**30)
+        assert torch.equal(grams[1], grams[0].to(torch.float64))
+        _close(grams[1], ref, 1e-5)
+
+
+@pytest.mark.parametrize("signs", ["mixed", "nonnegative"])
+def test_weighted_symmetric_gram_of_formed_blocks_and_the_syrk(signs, monkeypatch):
+    # A preconditioned symmetric Gram of 130 rows: with D >= 0 the blocks are formed
+    # scaled by sqrt(D) and the SYRK takes them (where SciPy's BLAS allows); a D with
+    # negative entries reaches the products as a weight, and the SYRK (unweighted) must
+    # not take its formed blocks. Against the dense Jacobians' J D J^T.
+    module, params, X = _resnet_problem(130)
+    n_params = sum(p.numel() for p in params.values())
+    D = torch.rand(n_params, dtype=torch.float64) + 0.5
+    if signs == "mixed":
+        D[::3] *= -1
+    alphas, _ = _record_syrks(monkeypatch)
+    K = tangent_gram(module, params, X, diag_weight=D, check_hidden=False)
+    assert bool(alphas) == (signs == "nonnegative" and _stacked._blas_process_wide())
+    J = _loop_jacobian(module, params, X)
+    _close(K, torch.einsum("ncp,p,mcp->nm", J, D, J) / 3)
+    assert torch.equal(K, K.T)
+
+
 def test_syrk_into_a_strided_view_or_its_own_square_within_the_budget():
     # Blocks of a larger Gram are strided views: the SYRK's square is then a buffer of
-    # its own, written into the view once, taken only within an eighth of the budget.
-    # 300 rows: the triangle is mirrored in more than one panel of rows.
+    # its own, written into the view once; taken only where it and the other terms'
+    # panel fit the bytes given, also into a contiguous block. 300 rows: the triangle is
+    # mirrored in more than one panel of rows. Where SciPy's BLAS is not a process-wide
+    # OpenBLAS, nothing is written and the panels compute the block.
     torch.manual_seed(0)
     module = _SmallResNet(3).double().eval()
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
@@ -964,24 +1033,42 @@ def test_syrk_into_a_strided_view_or_its_own_square_within_the_budget():
     _gram._symmetric_panels(terms, "trace", None, layout, ref)
     J = _loop_jacobian(module, params, X)
     _close(ref, torch.einsum("ncp,mcp->nm", J, J) / 3)
+    syrk = _stacked._blas_process_wide()
+
+    def block(rows, out, spare):
+        # The SYRK where expected (nothing written where not), else the panels.
+        taken = _gram._syrk_block(rows, "trace", None, layout, out, spare)
+        assert taken == (syrk and spare >= need)
+        if not taken:
+            assert out.isnan().all()
+            _gram._symmetric_panels(rows, "trace", None, layout, out)
+
+    # The square (300^2) and the head's rank-one panel: 256 rows, the block and its
+    # two factors' products.
+    need = 300 * 300 * 8 + 256 * 300 * 3 * 8
+    assert _gram._syrk_bytes([t for t in terms if t.inputs[0][0] == "head.weight"], 300,
+                             "trace", 8) == need
     whole = torch.full((300, 400), math.nan, dtype=torch.float64)
     view = whole[:, 50:350]
-    square = 300 * 300 * 8
-    assert not _gram._syrk_block(terms, "trace", None, layout, view, 8 * square - 1)
+    assert not _gram._syrk_block(terms, "trace", None, layout, view, need - 1)
     assert whole.isnan().all()
-    assert _gram._syrk_block(terms, "trace", None, layout, view, 8 * square)
+    block(terms, view, need)
     _close(view, ref, 1e-13)
     assert torch.equal(view, view.T)
     assert whole[:, :50].isnan().all() and whole[:, 350:].isnan().all()
-    # Into a contiguous block directly, the same Gram bit for bit.
+    # Into a contiguous block directly (within the same bytes: the same route as the
+    # view's), the same Gram bit for bit.
     direct = torch.full((300, 300), math.nan, dtype=torch.float64)
-    assert _gram._syrk_block(terms, "trace", None, layout, direct, 0)
+    assert not _gram._syrk_block(terms, "trace", None, layout, direct, need - 1)
+    block(terms, direct, need)
     assert torch.equal(direct, view)
     # Dense rows alone (no panels before the SYRKs): from zero, not from the buffer.
     rows = [t for t in terms if t.inputs[0][0] != "head.weight"]
     assert len(rows) == len(terms) - 1
     _gram._symmetric_panels(rows, "trace", None, layout, ref)
-    assert _gram._syrk_block(rows, "trace", None, layout, direct, 0)
+    direct.fill_(math.nan)
+    need = 300 * 300 * 8
+    block(rows, direct, need)
     _close(direct, ref, 1e-13)
 
 

@@ -57,7 +57,7 @@ from ._contract import (
     rank_one,
 )
 from ._rules import Term
-from ._stacked import _blas_threads, _syrk
+from ._stacked import _blas_eligible, _blas_threads, _holds_blas, _syrk
 
 __all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
 
@@ -68,6 +68,8 @@ MIN_CHUNK = 16
 #: Fewest rows of a symmetric block whose dense rows take a SYRK (:func:`_syrk_block`);
 #: smaller blocks keep torch's products, as the stacked path's small panels do.
 SYRK_MIN_ROWS = 128
+#: Rows of the panels by which the terms other than a SYRK's are added (:func:`_add_upper`).
+ADD_ROWS = 256
 
 
 
@@ -225,17 +227,17 @@ def _panel_rows(device: torch.device, width: int = 0) -> tuple[int, int]:
 
 
 def _symmetric_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
-                     panels: _Panels | None = None, budget: int = 0) -> None:
+                     panels: _Panels | None = None, spare: int = 0) -> None:
     """Write ``K(X_b, X_b)`` of one row block into ``out``, from its upper panels.
 
     Every computed block right of the diagonal is written twice (mirrored); the squares on
     the diagonal of the inner panels are symmetrised exactly (a GEMM ``A A^T`` is not
     bitwise symmetric). ``panels``: compute each panel there, in the computation's dtype,
     when ``out`` has another one (see :class:`_Panels`). The terms of dense rows take a
-    SYRK instead where SciPy's BLAS can run it (:func:`_syrk_block`; ``budget``: the
-    bytes it may take for a square of its own where it cannot write into ``out``).
+    SYRK instead where SciPy's BLAS can run it (:func:`_syrk_block`; ``spare``: the bytes
+    its buffers may take).
     """
-    if _syrk_block(terms, mode, weight, layout, out, budget):
+    if _syrk_block(terms, mode, weight, layout, out, spare):
         return
     _symmetric_panels(terms, mode, weight, layout, out, panels)
 
@@ -247,7 +249,7 @@ def _dense_rows(term: Term, weight) -> bool:
 
 
 def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
-                budget: int = 0) -> bool:
+                spare: int = 0) -> bool:
     """``K(X_b, X_b)`` with a BLAS SYRK for every term of dense rows; False (nothing
     written) where none or no SYRK applies.
 
@@ -259,31 +261,35 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
     then added by panels of rows on and right of the diagonal, and the upper triangle is
     mirrored (exactly symmetric). (Summed the other way round, each of a SYRK's hundreds
     of updates of a long row is rounded at the scale of the whole entry: 6x the float32
-    error against float64 on the CIFAR CNN.) Into ``out`` itself where it is a contiguous
-    square of the terms' dtype (one block: no memory beyond the result's); else in a
-    square of that dtype written once into ``out`` (a wider ``out`` is then the Gram
-    converted), where it takes at most an eighth of ``budget``, the panels' otherwise.
-    Only on the CPU with torch on one thread (:func:`._stacked._syrk`), and not for
+    error against float64 on the CIFAR CNN.)
+
+    Only where its buffers (:func:`_syrk_bytes`: a square of the terms' dtype and the
+    other terms' panel) fit ``spare``, whatever ``out``'s dtype: a float64 ``out`` of a
+    float32 network then takes the same route as a float32 one, and is that Gram
+    converted bit for bit. The SYRKs write into ``out`` itself where it is a contiguous
+    square of the terms' dtype (the same bits as the square copied), else into the square,
+    written once into ``out``. Only on the CPU with torch on one thread, SciPy's BLAS an
+    OpenBLAS whose thread limit is process-wide (:func:`._stacked._syrk`), and not for
     "full" (its ``(n, C, n, C)`` layout is not one square of rows).
     """
     like = terms[0].delta
     n, C = like.shape[:2]
     dense = [t for t in terms if _dense_rows(t, weight)]
     if (mode == "full" or not dense or n < SYRK_MIN_ROWS or out.device.type != "cpu"
-            or torch.get_num_threads() != 1):
+            or not _blas_eligible(like)):
         return False
-    direct = out.is_contiguous() and out.dtype == like.dtype
-    if not direct and n * n * like.element_size() > budget // 8:
+    rest = [t for t in terms if not _dense_rows(t, weight)]
+    if _syrk_bytes(rest, n, mode, like.element_size()) > spare:
         return False
     with _blas_threads(1):
+        if not _holds_blas():  # another thread's call holds SciPy's BLAS: the panels
+            return False
+        direct = out.is_contiguous() and out.dtype == like.dtype
         acc = out if direct else torch.empty((n, n), dtype=like.dtype, device=like.device)
         syrk = _syrk(acc)
-        if syrk is None:
-            return False
         acc.zero_()
         for t in dense:
             syrk(t.delta.reshape(n, -1), alpha=len(t.inputs) / C)
-    rest = [t for t in terms if not _dense_rows(t, weight)]
     if rest:
         _add_upper(acc, rest, mode, weight, layout)
     _mirror_upper(acc)
@@ -292,8 +298,21 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
     return True
 
 
+def _syrk_bytes(rest: list[Term], n: int, mode: str, itemsize: int) -> int:
+    """Bytes that :func:`_syrk_block` may take beside the Gram for a block of ``n`` rows:
+    the SYRK's square (counted also where it writes into the Gram itself, so that every
+    output dtype takes the same route), and the panel of :func:`_add_upper` with the
+    products of the other terms ``rest`` (a rank-one term's two, a position pair's
+    intermediates)."""
+    per_entry = 0
+    if rest:
+        per_entry = 3 * itemsize + sum(pair_bytes(t, mode, itemsize) for t in rest
+                                       if not rank_one(t))
+    return n * n * itemsize + min(ADD_ROWS, n) * n * per_entry
+
+
 def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout,
-               rows: int = 256) -> None:
+               rows: int = ADD_ROWS) -> None:
     """Add the terms' Gram to the upper triangle of the square ``K`` (and to some entries
     below it, which the mirror overwrites), a panel of ``rows`` rows at a time."""
     n = K.shape[0]
@@ -780,7 +799,9 @@ def tangent_gram(
     else:
         K = result = large_tensor((n, n_out, m, n_out), out_dtype, X.device)
     panels = None if out_dtype == dtype else _Panels(dtype, X.device)
-    _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels, memory_budget)
+    # A SYRK's buffers take the eighth of the budget that captures take (none runs while a
+    # diagonal block is multiplied) or, for blocks of factors, the products' share.
+    _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels, memory_budget // 8)
     return result
 
 
@@ -928,6 +949,7 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
     K = torch.empty((n, m), dtype=out_dtype, device=X.device)
     total = K if out_dtype == dtype else torch.empty((n, m), dtype=dtype, device=X.device)
     part = torch.empty((n, m), dtype=dtype, device=X.device)
+    held = part.nbytes + (0 if total is K else total.nbytes)
     # Each group's blocks are summed before the next group's are formed, in their place.
     reuse = ({}, {})
     for i, columns in enumerate(groups):
@@ -936,7 +958,10 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
                                         _probe_outputs(probe, columns), weight, layout,
                                         symmetric, budget, dtype.itemsize, reuse)
         target = total if i == 0 else part
-        _fill_gram(target, bx, by, "trace", w, layout, symmetric, dense, None, budget)
+        # The groups' sums are counted in an eighth of the budget (:func:`_output_groups`):
+        # a SYRK's buffers take what they leave of it.
+        _fill_gram(target, bx, by, "trace", w, layout, symmetric, dense, None,
+                   budget // 8 - held)
         # Each group's trace is divided by its own number of outputs.
         if i == 0:
             total.mul_(len(columns) / C)
@@ -948,9 +973,9 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
 
 
 def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,
-               budget: int = 0) -> None:
+               spare: int = 0) -> None:
     """Every block pair's products into ``K``; a symmetric Gram's upper blocks mirrored.
-    ``budget``: the call's memory budget (see :func:`_symmetric_block`)."""
+    ``spare``: the bytes a diagonal block's SYRK may take (see :func:`_syrk_block`)."""
     full = mode == "full"
     for i in range(len(bx)):
         cx = bx[i]
@@ -958,7 +983,7 @@ def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,
             si, sj = bx.slices[i], by.slices[j]
             target = K[si, :, sj, :] if full else K[si, sj]
             if symmetric and i == j:
-                _symmetric_block(cx.terms, mode, weight, layout, target, panels, budget)
+                _symmetric_block(cx.terms, mode, weight, layout, target, panels, spare)
                 continue
             # Formed blocks are costly to recompute: the next row block is held from its
             # first use as a column block.

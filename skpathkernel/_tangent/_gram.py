@@ -57,7 +57,7 @@ from ._contract import (
     rank_one,
 )
 from ._rules import Term
-from ._stacked import _blas_eligible, _blas_threads, _holds_blas, _syrk
+from ._stacked import _blas_eligible, _blas_threads, _holds_blas, _mirror, _syrk
 
 __all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
 
@@ -255,13 +255,11 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
 
     The panels of :func:`_symmetric_panels` compute the squares on the diagonal of their
     inner panels in full: 0.625 of the full products at 1024 / 256 rows. A SYRK computes
-    the upper triangle alone (0.5) at about a GEMM's rate: on the CIFAR CNN's formed
-    blocks (1024 rows of 184320) 0.75-0.8 of the panels' time (one thread, measured
-    under load). The SYRKs sum from zero; the other terms (rank-one, position pairs) are
-    then added by panels of rows on and right of the diagonal, and the upper triangle is
-    mirrored (exactly symmetric). (Summed the other way round, each of a SYRK's hundreds
-    of updates of a long row is rounded at the scale of the whole entry: 6x the float32
-    error against float64 on the CIFAR CNN.)
+    the upper triangle alone (0.5) at about a GEMM's rate. The SYRKs sum from zero; the
+    other terms (rank-one, position pairs) are then added by panels of rows on and right
+    of the diagonal, and the upper triangle is mirrored (exactly symmetric). (Summed the
+    other way round, each of a SYRK's hundreds of updates of a long row is rounded at the
+    scale of the whole entry: 6x the float32 error against float64 on the CIFAR CNN.)
 
     Only where its buffers (:func:`_syrk_bytes`: a square of the terms' dtype and the
     other terms' panel) fit ``spare``, whatever ``out``'s dtype: a float64 ``out`` of a
@@ -292,7 +290,7 @@ def _syrk_block(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
             syrk(t.delta.reshape(n, -1), alpha=len(t.inputs) / C)
     if rest:
         _add_upper(acc, rest, mode, weight, layout)
-    _mirror_upper(acc)
+    _mirror(acc, ADD_ROWS)
     if acc is not out:
         out.copy_(acc)
     return True
@@ -323,17 +321,6 @@ def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout,
         _gram_into(block, _rows(terms, slice(s, e)), _rows(terms, slice(s, n)), mode, weight,
                    layout)
         K[s:e, s:].add_(block)
-
-
-def _mirror_upper(K: torch.Tensor, rows: int = 256) -> None:
-    """Copy the upper triangle of the square ``K`` onto its lower one, in place, a panel
-    of ``rows`` rows at a time (no temporary of K's size)."""
-    n = K.shape[0]
-    for s in range(0, n, rows):
-        e = min(s + rows, n)
-        square = K[s:e, s:e]
-        square.copy_(square.triu() + square.triu(1).T)
-        K[e:, s:e] = K[s:e, e:].T
 
 
 def _symmetric_panels(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,

@@ -23,6 +23,25 @@ them (:func:`_symmetric_block`); on the CPU with torch on one thread, the terms 
 rows (formed gradient blocks, the fallback's Jacobians) of a trace take one BLAS SYRK
 each instead, the upper triangle alone (:func:`_syrk_block`).
 
+Where a call's time goes, measured on the CIFAR CNN (conv32-pool-conv64-pool-Linear10,
+ten outputs, N = 1024, one thread, one block of formed rows, chunks of 16 rows; on one
+pinned core of a shared machine, so shares, not times): the SYRKs about a third, at the
+GEMM rate (203 GFLOP, the upper triangle of 193,920-wide rows); forming the gradient
+blocks a little over a quarter: 115 GFLOP, one GEMM per sample of ``C p x S`` backprops
+by ``S x q`` patches at about 0.85 of the GEMM rate (0.6 for the first convolution's
+``27 x 1024 x 320``), plus the first touch of the block's fresh memory, 196,000 page
+faults (one per 4 KiB), about 4% of the call and paid by every call, as the block is
+freed with it; the captures about 40%: the forward and the ten backward passes. Their
+GEMM part (the second convolution's input gradient for every output, 97 GFLOP) runs at
+the GEMM rate; their element-wise steps on the first convolution's activations (ReLU and
+max-pool backward with its zero fill, the backprops' copies into their buffers, 2 MiB
+per chunk, cold in cache) are bound by memory and take about as long again (the
+forward's max-pool with indices adds 4%). The first convolution's 896 parameters thus
+cost about a third of the call: their per-sample gradients need every output's backprop
+through the second convolution. (SciPy's OpenBLAS for the forming GEMMs ran 1.16-1.19x
+torch's bmm on the second convolution's shape alone, but 0.99-1.06x on the forming
+inside the call, 0.99-1.02x on the call: not kept.)
+
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
 """

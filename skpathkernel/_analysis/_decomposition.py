@@ -70,17 +70,21 @@ Per-step arithmetic (issue 35). On the default classifier on digits (100 queries
 batches of 200) a step's products are tens of MFLOP, so the count and the memory passes
 of the torch calls around them are the cost, not the GEMMs. The contributions are kept
 sample-major, ``(N, queries, outputs)``, and a step's shares added to its batch's rows:
-a query-major buffer took a scattered write per query and sample, which cost more than
-the step's products (2-3x the sample-major write in a micro-benchmark, the largest single
-item of plain SGD's ``first_order`` profile). Plain SGD's shares come sample-major from their GEMMs
-(:func:`._tangent.factor_shares`, all nodes of a chunk in one GEMM per factor), and the
-quadrature's products with the step take one GEMM per layer for all its inputs and
-nodes (:func:`._tangent.directional`). The first-order methods' query captures at
+a query-major buffer took a scattered write per query and sample, the largest single
+item of plain SGD's ``first_order`` profile (ten outputs), ahead of the step's GEMMs.
+Plain SGD's shares come sample-major from their GEMMs (:func:`._tangent.factor_shares`,
+all nodes of a chunk in one GEMM per factor), and the quadrature's products with the
+step take one GEMM per layer for all its inputs and nodes
+(:func:`._tangent.directional`). The first-order methods' query captures at
 ``theta_t`` are made for blocks of steps as the exact nodes are (:class:`_NodesAhead`
 with ``at_start``): a chunk of queries took one capture per step, its set-up for a
-single small pass. Measured in one process against the previous
-code (ratios in CHANGELOG.md; ``benchmarks/results/verbs_floor.md`` for the calls
-against their FLOP floors).
+single small pass. Measured in one process against the previous code
+(``benchmarks/results/verbs_ab.md``: 1.3-1.5x on plain SGD's ``first_order``
+``decompose`` and ``attribute``, within the noise of a loaded machine on the exact
+method and on Adam) and against the FLOP floors (``benchmarks/results/verbs_floor.md``):
+what is left is per chunk of queries and per step (the float32 captures of each chunk
+apart, so that a block of queries on a worker gives the serial call's numbers), and on
+the adjoint route the float64 contraction itself.
 
 Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a

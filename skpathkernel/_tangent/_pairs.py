@@ -112,8 +112,8 @@ def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
     GEMM with the directions, and the sum over the nodes and the term's units is one
     batched product per query (nodes ``k`` and units ``p`` in one inner dimension):
     the exact decomposition calls this for every chunk of queries at every step, with
-    ten to a hundred rows, so the number of torch calls is its cost (an einsum per
-    input took 1.7x the time, least of 5 on the default classifier's recorded calls).
+    ten to a hundred rows, so the number of torch calls is its cost (two einsums per
+    input were most of its time in a profile of ``attribute`` on the default classifier).
     ``prepared``: the directions through :func:`prepare_directions` instead
     of ``vectors``; the merged directions of a term are kept in it for the next call.
 

@@ -19,10 +19,8 @@ machine, load, cores).
 """
 
 import importlib.util
-import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._analysis._decomposition as decomposition
+from benchmarks._ab import ab_row, write_ab
 from skpathkernel import PathKernelClassifier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,14 +104,9 @@ def main(ref="main", cases=CASES):
                     times[key].append(time.process_time() - t)
         finally:
             decomposition._factored_block = impl["tree"]
-        row = dict(case=case, load=os.getloadavg()[0],
-                   ref_least=min(times["ref"]), ref_median=statistics.median(times["ref"]),
-                   tree_least=min(times["tree"]), tree_median=statistics.median(times["tree"]),
-                   ref_times=times["ref"], tree_times=times["tree"],
-                   max_rel_diff=float(np.abs(out["ref"] - out["tree"]).max()
-                                      / np.abs(out["ref"]).max()))
-        row["ratio_least"] = row["ref_least"] / row["tree_least"]
-        row["ratio_median"] = row["ref_median"] / row["tree_median"]
+        row = ab_row(case, times, os.getloadavg()[0],
+                     max_rel_diff=float(np.abs(out["ref"] - out["tree"]).max()
+                                        / np.abs(out["ref"]).max()))
         rows.append(row)
         print(f"{case}: ref {row['ref_least']:.2f} s, tree {row['tree_least']:.2f} s, "
               f"ratio {row['ratio_least']:.2f} least, {row['ratio_median']:.2f} median, "
@@ -122,7 +116,8 @@ def main(ref="main", cases=CASES):
     # The commit names the run's code only where neither the modules nor this script
     # differ from it.
     dirty = bool(subprocess.run(["git", "status", "--porcelain", *MODULES.values(),
-                                 "benchmarks/bench_verbs_ab.py"], cwd=ROOT,
+                                 "benchmarks/bench_verbs_ab.py", "benchmarks/_ab.py"],
+                                cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
     prov = dict(command="python -m benchmarks.bench_verbs_ab " + " ".join(sys.argv[1:]),
                 commit=commit + ("+dirty" if dirty else ""), ref=ref,
@@ -130,24 +125,9 @@ def main(ref="main", cases=CASES):
                 machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                 cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
                 load_before=load_before, load_after=os.getloadavg(), reps=reps)
-    out_path = ROOT / "benchmarks" / "results" / "verbs_ab"
-    out_path.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows),
-                                                        indent=1))
-    lines = ["# The decomposition's per-step work: one process A/B against a git ref", "",
-             *(f"- {k}: {v}" for k, v in prov.items()), "",
-             "CPU time (`time.process_time`) per call, least and median of the repeats, "
-             "the two versions alternating; ratio = ref / tree (above 1: the tree is "
-             "faster). A loaded machine: compare ratios, not times.", "",
-             "| case | ref least (s) | ref median | tree least (s) | tree median | "
-             "ratio least | ratio median | max rel. diff | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['case']} | {r['ref_least']:.2f} | {r['ref_median']:.2f} | "
-                     f"{r['tree_least']:.2f} | {r['tree_median']:.2f} | "
-                     f"{r['ratio_least']:.2f} | {r['ratio_median']:.2f} | "
-                     f"{r['max_rel_diff']:.1e} | {r['load']:.2f} |")
-    out_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
+    write_ab(ROOT / "benchmarks" / "results" / "verbs_ab",
+             "The decomposition's per-step work: one process A/B against a git ref",
+             "time.process_time", prov, rows, 2)
 
 if __name__ == "__main__":
     main(*sys.argv[1:])

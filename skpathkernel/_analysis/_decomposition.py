@@ -80,10 +80,11 @@ step take one GEMM per layer for all its inputs and nodes
 with ``at_start``): a chunk of queries took one capture per step, its set-up for a
 single small pass. Measured in one process against the previous code
 (``benchmarks/results/verbs_ab.md``: 1.1-1.3x on plain SGD's ``decompose`` and
-``attribute``, first-order and exact; none on Adam, whose time is its contraction) and against the FLOP floors (``benchmarks/results/verbs_floor.md``):
-what is left is per chunk of queries and per step (the float32 captures of each chunk
-apart, so that a block of queries on a worker gives the serial call's numbers), and on
-the adjoint route the float64 contraction itself.
+``attribute``, first-order and exact; none on Adam, whose time is its contraction)
+and against the FLOP floors (``benchmarks/results/verbs_floor.md``): what is left is
+per chunk of queries and per step (the float32 captures of each chunk apart, so that a
+block of queries on a worker gives the serial call's numbers), and on the adjoint route
+the float64 contraction itself.
 
 Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a

@@ -1,7 +1,14 @@
 """What the one-process A/B benchmarks share: a row's statistics and the results files."""
 
 import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
+import time
+
+import torch
 
 
 def ab_row(case, times, load, **extra):
@@ -33,3 +40,18 @@ def write_ab(out, title, timer, prov, rows, digits):
                      f"{r['ratio_median']:.3f} | "
                      f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def ab_provenance(root, script, paths, ref, reps, **extra):
+    """A run's provenance: the commit names the run's code only where none of ``paths``
+    (the compared modules and the scripts) differs from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", *paths], cwd=root,
+                                capture_output=True, text=True).stdout.strip())
+    return dict(command=f"python -m benchmarks.{script} " + " ".join(sys.argv[1:]),
+                commit=commit + ("+dirty" if dirty else ""), ref=ref,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
+                reps=reps, **extra)

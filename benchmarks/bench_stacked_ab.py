@@ -25,7 +25,6 @@ import dataclasses
 import importlib.util
 import inspect
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._tangent._stacked as new
-from benchmarks._ab import ab_row, write_ab
+from benchmarks._ab import ab_provenance, ab_row, write_ab
 from skpathkernel import PathKernelClassifier, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,19 +152,9 @@ def main(ref="main", names="sides,block8,block21,blocks63"):
               f"tree {row['tree_least']:.4f} s (median {row['tree_median']:.4f}), "
               f"ratio {row['ratio_least']:.3f} least, {row['ratio_median']:.3f} median, "
               f"load {row['load']:.2f}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    # The commit names the run's code only where neither the module nor this script
-    # differs from it.
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", MODULE,
-                                 "benchmarks/bench_stacked_ab.py"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    prov = dict(command="python -m benchmarks.bench_stacked_ab " + " ".join(sys.argv[1:]),
-                commit=commit + ("+dirty" if dirty else ""), ref=ref,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
-                load_before=load_before, reps=reps)
+    prov = ab_provenance(ROOT, "bench_stacked_ab", [MODULE, "benchmarks/bench_stacked_ab.py",
+                                                    "benchmarks/_ab.py"], ref, reps,
+                         load_before=load_before)
     write_ab(ROOT / "benchmarks" / "results" / "stacked_ab",
              "Stacked path kernel: one process A/B against a git ref", "time.thread_time",
              prov, rows, 4)

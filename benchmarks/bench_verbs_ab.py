@@ -20,7 +20,6 @@ machine, load, cores).
 
 import importlib.util
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._analysis._decomposition as decomposition
-from benchmarks._ab import ab_row, write_ab
+from benchmarks._ab import ab_provenance, ab_row, write_ab
 from skpathkernel import PathKernelClassifier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,23 +110,14 @@ def main(ref="main", cases=CASES):
         print(f"{case}: ref {row['ref_least']:.2f} s, tree {row['tree_least']:.2f} s, "
               f"ratio {row['ratio_least']:.2f} least, {row['ratio_median']:.2f} median, "
               f"diff {row['max_rel_diff']:.1e}, load {row['load']:.2f}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    # The commit names the run's code only where neither the modules nor this script
-    # differ from it.
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", *MODULES.values(),
-                                 "benchmarks/bench_verbs_ab.py", "benchmarks/_ab.py"],
-                                cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    prov = dict(command="python -m benchmarks.bench_verbs_ab " + " ".join(sys.argv[1:]),
-                commit=commit + ("+dirty" if dirty else ""), ref=ref,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
-                load_before=load_before, load_after=os.getloadavg(), reps=reps)
+    prov = ab_provenance(ROOT, "bench_verbs_ab", [*MODULES.values(),
+                                                  "benchmarks/bench_verbs_ab.py",
+                                                  "benchmarks/_ab.py"], ref, reps,
+                         load_before=load_before, load_after=os.getloadavg())
     write_ab(ROOT / "benchmarks" / "results" / "verbs_ab",
              "The decomposition's per-step work: one process A/B against a git ref",
              "time.process_time", prov, rows, 2)
+
 
 if __name__ == "__main__":
     main(*sys.argv[1:])

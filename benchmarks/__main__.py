@@ -73,6 +73,9 @@ TABLES = {
                     "functions"),
     "attribute_cost": ("benchmarks.bench_attribute_cost",
                        "attribute against decompose on a 10-class network"),
+    "verbs_floor": ("benchmarks.bench_verbs_floor",
+                    "The default estimator's decompose / attribute / explain against their "
+                    "FLOP floors"),
     "distributed": ("benchmarks.bench_distributed",
                     "Recording a DDP run, and decompose on joblib workers"),
 }

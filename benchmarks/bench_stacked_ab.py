@@ -24,10 +24,7 @@ Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_stacked_ab [REF] [CAS
 import dataclasses
 import importlib.util
 import inspect
-import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +37,7 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._tangent._stacked as new
+from benchmarks._ab import ab_provenance, ab_row, write_ab
 from skpathkernel import PathKernelClassifier, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,12 +143,7 @@ def main(ref="main", names="sides,block8,block21,blocks63"):
                 t = time.thread_time()
                 grams[key] = f(mod)
                 times[key].append(time.thread_time() - t)
-        row = dict(case=name, load=os.getloadavg()[0],
-                   ref_least=min(times["ref"]), ref_median=statistics.median(times["ref"]),
-                   tree_least=min(times["tree"]), tree_median=statistics.median(times["tree"]),
-                   ref_times=times["ref"], tree_times=times["tree"])
-        row["ratio_least"] = row["ref_least"] / row["tree_least"]
-        row["ratio_median"] = row["ref_median"] / row["tree_median"]
+        row = ab_row(name, times, os.getloadavg()[0])
         if grams["ref"] is not None:
             diff = (grams["ref"] - grams["tree"]).abs().max() / grams["ref"].abs().max()
             row["max_rel_diff"] = float(diff)
@@ -159,35 +152,12 @@ def main(ref="main", names="sides,block8,block21,blocks63"):
               f"tree {row['tree_least']:.4f} s (median {row['tree_median']:.4f}), "
               f"ratio {row['ratio_least']:.3f} least, {row['ratio_median']:.3f} median, "
               f"load {row['load']:.2f}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    # The commit names the run's code only where neither the module nor this script
-    # differs from it.
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", MODULE,
-                                 "benchmarks/bench_stacked_ab.py"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    prov = dict(command="python -m benchmarks.bench_stacked_ab " + " ".join(sys.argv[1:]),
-                commit=commit + ("+dirty" if dirty else ""), ref=ref,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
-                load_before=load_before, reps=reps)
-    out = ROOT / "benchmarks" / "results" / "stacked_ab"
-    out.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows), indent=1))
-    lines = ["# Stacked path kernel: one process A/B against a git ref", "",
-             *(f"- {k}: {v}" for k, v in prov.items()), "",
-             "CPU time (`time.thread_time`) per call, least and median of the repeats, "
-             "the two modules alternating; ratio = ref / tree (above 1: the tree is faster). "
-             "A loaded machine: compare ratios, not times.", "",
-             "| case | ref least (s) | ref median | tree least (s) | tree median | "
-             "ratio least | ratio median | max rel. diff | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['case']} | {r['ref_least']:.4f} | {r['ref_median']:.4f} | "
-                     f"{r['tree_least']:.4f} | {r['tree_median']:.4f} | "
-                     f"{r['ratio_least']:.3f} | {r['ratio_median']:.3f} | "
-                     f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    prov = ab_provenance(ROOT, "bench_stacked_ab", [MODULE, "benchmarks/bench_stacked_ab.py",
+                                                    "benchmarks/_ab.py"], ref, reps,
+                         load_before=load_before)
+    write_ab(ROOT / "benchmarks" / "results" / "stacked_ab",
+             "Stacked path kernel: one process A/B against a git ref", "time.thread_time",
+             prov, rows, 4)
 
 
 if __name__ == "__main__":

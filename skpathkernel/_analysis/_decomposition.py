@@ -66,6 +66,26 @@ on a small SGD path). What stays per step is the float64
 arithmetic that reads the step's direction or its chunk's node choice (the products
 with the step, the adjoint's update and contraction, plain SGD's shares).
 
+Per-step arithmetic (issue 35). On the default classifier on digits (100 queries,
+batches of 200) a step's products are tens of MFLOP, so the count and the memory passes
+of the torch calls around them are the cost, not the GEMMs. The contributions are kept
+sample-major, ``(N, queries, outputs)``, and a step's shares added to its batch's rows:
+a query-major buffer took a scattered write per query and sample, the largest single
+item of plain SGD's ``first_order`` profile (ten outputs), ahead of the step's GEMMs.
+Plain SGD's shares come sample-major from their GEMMs (:func:`._tangent.factor_shares`,
+all nodes of a chunk in one GEMM per factor), and the quadrature's products with the
+step take one GEMM per layer for all its inputs and nodes
+(:func:`._tangent.directional`). The first-order methods' query captures at
+``theta_t`` are made for blocks of steps as the exact nodes are (:class:`_NodesAhead`
+with ``at_start``): a chunk of queries took one capture per step, its set-up for a
+single small pass. Measured in one process against the previous code
+(``benchmarks/results/verbs_ab.md``: 1.1-1.3x on plain SGD's ``decompose`` and
+``attribute``, first-order and exact; none on Adam, whose time is its contraction)
+and against the FLOP floors (``benchmarks/results/verbs_floor.md``): what is left is
+per chunk of queries and per step (the float32 captures of each chunk apart, so that a
+block of queries on a worker gives the serial call's numbers), and on the adjoint route
+the float64 contraction itself.
+
 Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
 ``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
 joblib worker, cut at chunk boundaries, takes the serial call's nodes and gives its
@@ -826,7 +846,10 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     decoupled = spec.name == "adamw"
     n_q, N = Xq.shape[0], len(ctx.X_train)
     n_out = ctx.n_res
-    contrib = torch.zeros((n_q, N, n_out), dtype=torch.float64, device=device)
+    # Sample-major: every step adds its shares to its batch's rows, contiguous rows of
+    # all queries and outputs (a query-major (n_q, N, n_out) buffer takes a scattered
+    # write per query and sample; see the module docstring).
+    contrib = torch.zeros((N, n_q, n_out), dtype=torch.float64, device=device)
     reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
     first, stop = ctx.intervals
     exact = method == "exact"
@@ -841,7 +864,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     if exact:
         for c in parts:
             c.f_next = c.quad.f[hi]
-        ahead = _NodesAhead(ctx, lo, n_q)
+    # The first-order methods' captures at theta_t are made for blocks of steps too.
+    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
@@ -918,8 +942,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     ctx.ref.noise(f_t, c.f_next, c.rows))
                 c.f_next = f_t
         else:
+            ahead.passed(j, theta, nxt)
             for c in parts:
-                c.nodes, c.w = [ctx.capture(theta, c.X, c.W)], [1.0]
+                c.nodes, c.w = ahead.nodes(j, 1, c.X, c.W, c.local, True), [1.0]
                 c.rho_theta = (directional(c.nodes, c.w, theta64)[0][0] if along
                                else None)
         nxt = theta
@@ -949,10 +974,10 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             if route == "factor":
                 groups = _share_groups(parts)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
+                    scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
                     for nodes, w, at in groups:
-                        share = factor_shares(nodes, w, terms, dhat)
-                        share = share.mul_(coef).mul_(w_sub.to(share.dtype))
-                        contrib[at].index_add_(1, sub, share.transpose(1, 2))
+                        share = factor_shares(nodes, w, terms, dhat).mul_(scale)
+                        contrib[:, at].index_add_(0, sub, share)
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
@@ -962,8 +987,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     share, part = adjoint.contract(terms, dhat), None
                 if part is not None:
                     reg += part.view(-1, n_out)
-                share = share.view(n_q, n_out, -1).mul_(w_sub.to(share.dtype))
-                contrib.index_add_(1, sub, share.transpose(1, 2))
+                share = share.view(n_q * n_out, -1).mul_(w_sub.to(share.dtype))
+                contrib.index_add_(0, sub, share.T.view(-1, n_q, n_out))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
@@ -971,7 +996,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
-    return contrib, reg
+    return contrib.permute(1, 0, 2), reg
 
 
 class _NodesAhead:
@@ -992,8 +1017,11 @@ class _NodesAhead:
     or for a group of chunks, that those rows no longer try first).
     """
 
-    def __init__(self, ctx: _Context, lo: int, n_rows: int):
+    def __init__(self, ctx: _Context, lo: int, n_rows: int, at_start: bool = False):
         self.ctx, self.lo, self.n_rows = ctx, lo, max(n_rows, 1)
+        # at_start: the captures at the steps' own points theta_t (one "node", the
+        # first-order methods' J_t), else at their quadrature nodes.
+        self.at_start = at_start
         # (j, n, rows.start, rows.stop) -> (the capture, a list over nodes; its block)
         self._made: dict = {}
         # The bytes of the blocks that captures in _made read (a block's terms are views
@@ -1021,7 +1049,8 @@ class _NodesAhead:
         if n not in self._points:
             _, theta, nxt = self._step
             delta = nxt - theta
-            self._points[n] = [theta + sk * delta for sk in _gauss(n)[0]]
+            self._points[n] = ([theta] if self.at_start else
+                               [theta + sk * delta for sk in _gauss(n)[0]])
         return self._points[n]
 
     def nodes(self, j: int, n: int, X, W, rows: slice, ahead: bool):
@@ -1046,6 +1075,9 @@ class _NodesAhead:
             s = _gauss(n)[0]
             for i in steps[1:]:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
                 theta = params[i - steps[-1]]
+                if self.at_start:
+                    points.append(theta)
+                    continue
                 delta = params[i + 1 - steps[-1]] - theta
                 points += [theta + sk * delta for sk in s]
         made = ctx.capture_nodes(points, X, W)

@@ -10,7 +10,8 @@ parameter with a rule (:mod:`._rules`) both sides are factored: node ``k`` gives
 
 - plain SGD (no memory, ``D = I``): the pair term is
   ``sum_k w_k (delta_k(x) . dhat_i) (a_k(x) . a_i)``, two small GEMMs per layer
-  (:func:`factor_shares`), the same cost as a tangent Gram;
+  (:func:`factor_shares`, sample-major, every node of a chunk in one GEMM per
+  factor), the same cost as a tangent Gram;
 - a diagonal preconditioner ``D`` and / or a momentum memory: the pair term
   ``(delta_x * dhat_i)^T D (a_x * a_i)`` has no rank-one form, and with memory the
   queries' side is the adjoint ``lambda_t = sum_{u>=t} m^(u-t) coef_u D_u rho_u``, a
@@ -106,9 +107,15 @@ def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
     """``sum_k w_k J(x; node k) . v`` (n, C) in float64 from the factors, per ``v``.
 
     ``v[name]`` is a parameter-shaped direction in float64. The factors are promoted to
-    float64 so that the products add no round-off of the factors' dtype to their own;
-    the nodes go through one GEMM per parameter. ``prepared``: the directions through
-    :func:`prepare_directions` instead of ``vectors``.
+    float64 so that the products add no round-off of the factors' dtype to their own.
+    Per term, all its inputs (a bias's is a column of ones) and all nodes go through one
+    GEMM with the directions, and the sum over the nodes and the term's units is one
+    batched product per query (nodes ``k`` and units ``p`` in one inner dimension):
+    the exact decomposition calls this for every chunk of queries at every step, with
+    ten to a hundred rows, so the number of torch calls is its cost (two einsums per
+    input were most of its time in a profile of ``attribute`` on the default classifier).
+    ``prepared``: the directions through :func:`prepare_directions` instead
+    of ``vectors``; the merged directions of a term are kept in it for the next call.
 
     Returns
     -------
@@ -122,49 +129,98 @@ def directional(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
     if prepared is None:
         prepared = prepare_directions(*vectors)
     k, m = next(iter(prepared.values()))[0].shape[0], len(nodes)
-    w = torch.as_tensor(weights, dtype=torch.float64, device=nodes[0][0].delta.device)
-    out = torch.zeros((k, n, C), dtype=torch.float64, device=w.device)
-    spread = torch.zeros((n, C), dtype=torch.float64, device=w.device)
+    device = nodes[0][0].delta.device
+    w = torch.as_tensor(weights, dtype=torch.float64, device=device)
+    out = torch.zeros((n, C, k), dtype=torch.float64, device=device)
+    spread = torch.zeros((n, C, 1), dtype=torch.float64, device=device)
     for j, term in enumerate(nodes[0]):
-        # All nodes' backprops, weighted: (m, n, C, p).
-        d = torch.stack([node[j].delta for node in nodes]).to(torch.float64)
-        d *= w.view(m, 1, 1, 1)
-        p = d.shape[-1]
-        d2 = d * d
-        for i, (name, a) in enumerate(term.inputs):
+        p = term.delta.shape[-1]
+        # All nodes' backprops, weighted, nodes next to units: (n, C, m, p).
+        d = torch.stack([node[j].delta for node in nodes], dim=2).to(torch.float64)
+        d *= w.view(1, 1, m, 1)
+        vt, v2t = _merged(prepared, term, k, p)
+        # The term's inputs side by side, rows (query, node); a bias's input is 1.
+        widths = [1 if a is None else a.shape[1] for _, a in term.inputs]
+        A = torch.ones((n, m, sum(widths)), dtype=torch.float64, device=device)
+        col = 0
+        for i, width in enumerate(widths):
+            if term.inputs[i][1] is not None:
+                for s, node in enumerate(nodes):
+                    A[:, s, col : col + width] = node[j].inputs[i][1]
+            col += width
+        A = A.view(n * m, -1)
+        av = (A @ vt).view(n, m, k, p).transpose(1, 2).reshape(n, k, m * p)
+        out += torch.bmm(d.view(n, C, m * p), av.transpose(1, 2))
+        # sum_oj (delta_o v_oj a_j)^2 = (delta^2)^T (v^2) (a^2), one more GEMM.
+        av2 = (A.square_() @ v2t).view(n, m * p, 1)
+        spread += torch.bmm(d.square_().view(n, C, m * p), av2)
+    return out.permute(2, 0, 1).contiguous(), spread.view(n, C).sqrt_()
+
+
+def _merged(prepared: dict, term: Flat, k: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A term's directions, its inputs' side by side as ``directional``'s GEMMs read
+    them: ``(q_all, k p)`` and the squared first direction ``(q_all, p)``; made once
+    per ``prepared`` (the same step) and term."""
+    key = tuple(name for name, _ in term.inputs)
+    if key not in prepared:
+        vs, v2s = [], []
+        for name, _ in term.inputs:
             v, v2 = prepared[name]
-            v, v2 = v.reshape(k, p, -1), v2.reshape(p, -1)  # (k, p, q), (p, q)
-            if a is None:
-                out += torch.einsum("mncp,kp->knc", d, v[:, :, 0])
-                spread += torch.einsum("mncp,p->nc", d2, v2[:, 0])
-            else:
-                A = torch.cat([node[j].inputs[i][1] for node in nodes]).to(torch.float64)
-                av = (A @ v.reshape(k * p, -1).T).reshape(m, n, k, p)
-                out += torch.einsum("mncp,mnkp->knc", d, av)
-                # sum_oj (delta_o v_oj a_j)^2 = (delta^2)^T (v^2) (a^2), one more GEMM.
-                av2 = ((A * A) @ v2.T).reshape(m, n, p)
-                spread += torch.einsum("mncp,mnp->nc", d2, av2)
-    return out, spread.sqrt_()
+            vs.append(v.reshape(k, p, -1))
+            v2s.append(v2.reshape(p, -1))
+        prepared[key] = (torch.cat(vs, dim=2).reshape(k * p, -1).T.contiguous(),
+                         torch.cat(v2s, dim=1).T.contiguous())
+    return prepared[key]
 
 
 def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
                   batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``sum_k w_k J(x; node k) J(x_i)^T r_i`` for every query and sample: (n, C, m).
+    """``sum_k w_k J(x; node k) J(x_i)^T r_i`` for every sample and query: (m, n, C).
 
-    Plain SGD's pair term, ``D = I``: per term ``(delta_k(x) . dhat_i)`` times the sum
-    over its inputs of ``(a_k(x) . a_i)`` (1 for a bias), in float64.
+    Plain SGD's pair term, ``D = I``: per term ``(dhat_i . delta_k(x))`` times the sum
+    over its inputs of ``(a_i . a_k(x))`` (1 for a bias), in float64. Sample-major, as
+    the decomposition adds a step's shares to the rows of its batch's samples (an
+    ``index_add_`` of contiguous rows; query-major rows cost a scattered write per
+    query and sample).
+    All nodes' rows go through one GEMM per factor and the nodes are summed in one pass:
+    the decomposition calls this per chunk of queries and step, with a few dozen rows,
+    where the number of torch calls is the cost.
     """
+    m = len(nodes)
+    w = torch.as_tensor(weights, dtype=torch.float64,
+                        device=nodes[0][0].delta.device).view(1, m, 1, 1)
     out = None
-    for node, w in zip(nodes, weights):
-        for tx, ty, dh in zip(node, batch, dhat):
-            n, C, p = tx.delta.shape
-            Gd = (tx.delta.reshape(n * C, p) @ dh.T).reshape(n, C, -1).to(torch.float64)
-            # The inputs' Gram, summed over the term's parameters (a bias's input is 1).
-            Ga = sum(1.0 if ax is None else (ax @ ay.T).to(torch.float64)
-                     for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs))
-            Gd.mul_(Ga.unsqueeze(1) * w if isinstance(Ga, torch.Tensor) else Ga * w)
-            out = Gd if out is None else out.add_(Gd)
+    for j, (ty, dh) in enumerate(zip(batch, dhat)):
+        n, C, p = nodes[0][j].delta.shape
+        d = torch.cat([node[j].delta.reshape(n * C, p) for node in nodes])
+        # Each GEMM in the orientation the query-major shares took: a transposed
+        # product may run another float32 kernel (8e-8 relative measured on a chunk of
+        # four queries); copied sample-major into float64 instead, one pass.
+        Gd = _sample_major(d @ dh.T).view(-1, m, n, C)
+        # The inputs' Gram, summed over the term's parameters (a bias's input is 1).
+        Ga, ones = None, 0
+        for i, (_, ay) in enumerate(ty.inputs):
+            if ay is None:
+                ones += 1
+                continue
+            ax = torch.cat([node[j].inputs[i][1] for node in nodes])
+            G = _sample_major(ax @ ay.T)
+            Ga = G if Ga is None else Ga.add_(G)
+        if Ga is None:
+            Gd.mul_(ones * w)
+        else:
+            if ones:
+                Ga.add_(ones)
+            Gd.mul_(Ga.view(-1, m, n, 1).mul_(w))
+        share = Gd[:, 0] if m == 1 else Gd.sum(1)
+        out = share if out is None else out.add_(share)
     return out
+
+
+def _sample_major(G: torch.Tensor) -> torch.Tensor:
+    """A (rows, samples) product as float64 (samples, rows): one transposing copy."""
+    return torch.empty((G.shape[1], G.shape[0]), dtype=torch.float64,
+                       device=G.device).copy_(G.T)
 
 
 class Adjoint:

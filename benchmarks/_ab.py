@@ -1,0 +1,57 @@
+"""What the one-process A/B benchmarks share: a row's statistics and the results files."""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def ab_row(case, times, load, **extra):
+    """Least and median of each side's times, and their ratios ref / tree."""
+    row = dict(case=case, load=load,
+               ref_least=min(times["ref"]), ref_median=statistics.median(times["ref"]),
+               tree_least=min(times["tree"]), tree_median=statistics.median(times["tree"]),
+               ref_times=times["ref"], tree_times=times["tree"], **extra)
+    row["ratio_least"] = row["ref_least"] / row["tree_least"]
+    row["ratio_median"] = row["ref_median"] / row["tree_median"]
+    return row
+
+
+def write_ab(out, title, timer, prov, rows, digits):
+    """``out``.json (provenance and rows) and ``out``.md (the table, times to ``digits``)."""
+    out.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows),
+                                                   indent=1))
+    lines = [f"# {title}", "", *(f"- {k}: {v}" for k, v in prov.items()), "",
+             f"CPU time (`{timer}`) per call, least and median of the repeats, the two "
+             "sides alternating; ratio = ref / tree (above 1: the tree is faster). A loaded "
+             "machine: compare ratios, not times.", "",
+             "| case | ref least (s) | ref median | tree least (s) | tree median | "
+             "ratio least | ratio median | max rel. diff | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['ref_least']:.{digits}f} | "
+                     f"{r['ref_median']:.{digits}f} | {r['tree_least']:.{digits}f} | "
+                     f"{r['tree_median']:.{digits}f} | {r['ratio_least']:.3f} | "
+                     f"{r['ratio_median']:.3f} | "
+                     f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def ab_provenance(root, script, paths, ref, reps, **extra):
+    """A run's provenance: the commit names the run's code only where none of ``paths``
+    (the compared modules and the scripts) differs from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", *paths], cwd=root,
+                                capture_output=True, text=True).stdout.strip())
+    return dict(command=f"python -m benchmarks.{script} " + " ".join(sys.argv[1:]),
+                commit=commit + ("+dirty" if dirty else ""), ref=ref,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
+                reps=reps, **extra)

@@ -1,0 +1,123 @@
+"""One process A/B of the decomposition's per-step work (issue 35): a git ref's
+``_analysis/_decomposition.py`` and ``_tangent/_pairs.py`` against the working tree's, on
+the default classifier's ``decompose`` / ``attribute`` / ``explain`` (standardised digits,
+1000 training points, 100 queries; ``solver="sgd", learning_rate_init=0.1`` and the
+default Adam).
+
+The ref's two modules are imported beside the tree's; the tree's ``decompose`` walks the
+steps through the ref's ``_factored_block`` (with the ref's ``factor_shares`` and
+``directional``) or its own, alternately, ``REPS`` times each (default 2), timed by
+``time.process_time`` on one torch thread. The results' largest difference relative to
+their largest entry is reported beside the ratio.
+
+Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_verbs_ab [REF] [CASES]`` (REF
+``main``; CASES comma-separated ``solver:call`` of ``sgd``/``adam`` and
+``decompose_first``, ``attribute_first``, ``attribute_first_expected``,
+``decompose_first_expected``, ``attribute``, ``explain``). Writes
+``benchmarks/results/verbs_ab.md`` and ``.json`` (provenance: command, commit, ref, date,
+machine, load, cores).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.preprocessing import StandardScaler
+
+import skpathkernel._analysis._decomposition as decomposition
+from benchmarks._ab import ab_provenance, ab_row, write_ab
+from skpathkernel import PathKernelClassifier
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {"skpathkernel._tangent._pairs_ref": "skpathkernel/_tangent/_pairs.py",
+           "skpathkernel._analysis._decomposition_ref":
+               "skpathkernel/_analysis/_decomposition.py"}
+CASES = ("sgd:decompose_first,sgd:attribute_first,sgd:attribute_first_expected,"
+         "sgd:attribute,sgd:explain,adam:attribute_first,adam:attribute")
+
+
+def _reference_modules(ref):
+    """The modules at git ``ref``, imported beside the working tree's."""
+    mods = {}
+    folder = Path(tempfile.mkdtemp())
+    for name, path in MODULES.items():
+        source = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+        file = folder / (name.rsplit(".", 1)[1] + ".py")
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, file)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        mods[name] = mod
+    pairs, dec = mods.values()
+    dec.factor_shares, dec.directional = pairs.factor_shares, pairs.directional
+    return dec
+
+
+def _calls(clf, Xq):
+    return {
+        "decompose_first": lambda: clf.decompose(Xq, method="first_order").contributions,
+        "decompose_first_expected": lambda: clf.decompose(
+            Xq, method="first_order", weighting="expected").contributions,
+        "attribute_first": lambda: clf.attribute(Xq, method="first_order"),
+        "attribute_first_expected": lambda: clf.attribute(Xq, method="first_order",
+                                                          weighting="expected"),
+        "attribute": lambda: clf.attribute(Xq),
+        "explain": lambda: clf.explain(Xq)[1],
+    }
+
+
+def main(ref="main", cases=CASES):
+    torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+    reps = int(os.environ.get("REPS", "2"))
+    old = _reference_modules(ref)
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)[:1000].astype(np.float32)
+    y = y[:1000]
+    Xq = X[:100]
+    fitted = {}
+    load_before = os.getloadavg()
+    rows = []
+    for case in cases.split(","):
+        solver, name = case.split(":")
+        if solver not in fitted:
+            kw = dict(solver="sgd", learning_rate_init=0.1) if solver == "sgd" else {}
+            fitted[solver] = PathKernelClassifier(random_state=0, **kw).fit(X, y)
+        call = _calls(fitted[solver], Xq)[name]
+        impl = {"ref": old._factored_block, "tree": decomposition._factored_block}
+        times, out = {"ref": [], "tree": []}, {}
+        try:
+            for r in range(reps):
+                for key in ("ref", "tree") if r % 2 == 0 else ("tree", "ref"):
+                    decomposition._factored_block = impl[key]
+                    t = time.process_time()
+                    out[key] = np.asarray(call())
+                    times[key].append(time.process_time() - t)
+        finally:
+            decomposition._factored_block = impl["tree"]
+        row = ab_row(case, times, os.getloadavg()[0],
+                     max_rel_diff=float(np.abs(out["ref"] - out["tree"]).max()
+                                        / np.abs(out["ref"]).max()))
+        rows.append(row)
+        print(f"{case}: ref {row['ref_least']:.2f} s, tree {row['tree_least']:.2f} s, "
+              f"ratio {row['ratio_least']:.2f} least, {row['ratio_median']:.2f} median, "
+              f"diff {row['max_rel_diff']:.1e}, load {row['load']:.2f}", flush=True)
+    prov = ab_provenance(ROOT, "bench_verbs_ab", [*MODULES.values(),
+                                                  "benchmarks/bench_verbs_ab.py",
+                                                  "benchmarks/_ab.py"], ref, reps,
+                         load_before=load_before, load_after=os.getloadavg())
+    write_ab(ROOT / "benchmarks" / "results" / "verbs_ab",
+             "The decomposition's per-step work: one process A/B against a git ref",
+             "time.process_time", prov, rows, 2)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

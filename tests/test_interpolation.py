@@ -683,6 +683,49 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
                     * np.abs(fixed_1.contributions).max())
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam-l2"])
+@pytest.mark.parametrize("weighting", ["realized", "expected"])
+def test_first_order_blocks_of_steps(data, name, weighting, monkeypatch):
+    """``method="first_order"`` captures the queries at ``theta_t`` for blocks of 1, 2
+    and 3 steps in one stacked pass: the forward per-sample recursion's numbers with the
+    Jacobian at each step's start (the node ``s = 0`` of weight 1), in float64, and the
+    same numbers whatever the block."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=4,
+                            dtype="float64", random_state=0,
+                            **SOLVERS[name]).fit(X_train, Y)
+    nodes_passes = []
+    forward = interpolation._StackedCapture.forward
+
+    def spy(self, thetas, X_rows):
+        if X_rows.dim() == 2 and len(X_rows) == len(X):
+            nodes_passes.append(len(thetas))
+        return forward(self, thetas, X_rows)
+
+    monkeypatch.setattr(interpolation._StackedCapture, "forward", spy)
+    results = {}
+    for block in (1, 2, 3):
+        monkeypatch.setattr(interpolation, "STEP_BLOCK", block)
+        nodes_passes.clear()
+        results[block] = est.decompose(X, method="first_order", weighting=weighting)
+        # One point per step (theta_t), in passes of up to `block` steps.
+        assert max(nodes_passes) == block
+    if weighting == "realized":
+        contrib, reg = forward_recursion(est, X_train, torch.as_tensor(Y), _squared, X,
+                                         nodes=(np.array([0.0]), np.array([1.0])))
+        scale = np.abs(contrib).max()
+        assert_allclose(results[3].contributions, contrib, rtol=0, atol=1e-12 * scale)
+        assert_allclose(results[3].regularization, reg, rtol=0,
+                        atol=1e-12 * max(scale, 1e-3))
+    for block in (1, 2):
+        scale = np.abs(results[3].contributions).max()
+        assert_allclose(results[block].contributions, results[3].contributions, rtol=0,
+                        atol=1e-13 * scale)
+
+
 def _adam_path(n_train, n_queries, batch_size=8, dtype="float32", lr=0.01,
                memory_budget=2**30):
     rng = np.random.RandomState(0)

@@ -60,11 +60,12 @@ walk takes next, each at its own parameters with its own rows, in one stacked pa
 (:class:`_NodesAhead`), at the count its step before ended with, which the next steps
 try first unless they try one node less (every fifth step at least); a lowered or raised
 try captures its step alone. A point's batched GEMMs are the single point's, so the
-captures are those of the step alone (bit for bit in float64 and on the default
-classifier; a float32 batched GEMM may round as another kernel, 6e-9 relative measured
-on a small SGD path). What stays per step is the float64
-arithmetic that reads the step's direction or its chunk's node choice (the products
-with the step, the adjoint's update and contraction, plain SGD's shares).
+captures are those of the step alone to rounding (bit for bit on the default
+classifier; within an ulp in float64, measured 1e-16 relative on a small path; a float32
+batched GEMM may round as another kernel, 6e-9 relative measured on a small SGD path).
+What stays per step is the float64 arithmetic that reads the step's direction or its
+chunk's node choice (the products with the step, the adjoint's update and contraction,
+plain SGD's shares).
 
 Per-step arithmetic (issue 35). On the default classifier on digits (100 queries,
 batches of 200) a step's products are tens of MFLOP, so the count and the memory passes
@@ -79,8 +80,9 @@ step take one GEMM per layer for all its inputs and nodes
 ``theta_t`` are made for blocks of steps as the exact nodes are (:class:`_NodesAhead`
 with ``at_start``): a chunk of queries took one capture per step, its set-up for a
 single small pass. Measured in one process against the previous code
-(``benchmarks/results/verbs_ab.md``: 1.1-1.3x on plain SGD's ``decompose`` and
-``attribute``, first-order and exact; none on Adam, whose time is its contraction)
+(``benchmarks/results/verbs_ab.md``: 1.1-1.3x on plain SGD's first-order
+``decompose`` and ``attribute``; its exact ``attribute`` 0.88-1.25x over two runs, with
+``verbs_ab-first.md``; none on Adam, whose time is its contraction)
 and against the FLOP floors (``benchmarks/results/verbs_floor.md``): what is left is
 per chunk of queries and per step (the float32 captures of each chunk apart, so that a
 block of queries on a worker gives the serial call's numbers), and on the adjoint route
@@ -1009,7 +1011,9 @@ class _NodesAhead:
     ``STEP_BLOCK`` steps), one stacked pass for the block. A lowered try, a raised one,
     a chunk's first step and the capture engine's captures (no set-up to share there)
     capture the step alone. A point's batched GEMMs are the single point's, so every
-    capture is the one the step alone would make.
+    capture is the one the step alone would make, to rounding (see *Captures* in the
+    module's docstring). With ``at_start`` (``method="first_order"``) the one point of
+    step ``t`` is ``theta_t`` itself, captured for blocks of steps the same way.
 
     The captures held for later steps stay within an eighth of the memory budget: a
     block within its rows' share of it (the query block's rows split it), and a new
@@ -1045,7 +1049,8 @@ class _NodesAhead:
         self._step, self._points = (j, theta, nxt), {}
 
     def _step_points(self, n: int) -> list[torch.Tensor]:
-        """The ``n`` nodes of the walk's step, ``theta + s (nxt - theta)``."""
+        """The ``n`` nodes of the walk's step, ``theta + s (nxt - theta)`` (``theta``
+        alone with ``at_start``)."""
         if n not in self._points:
             _, theta, nxt = self._step
             delta = nxt - theta
@@ -1651,7 +1656,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
-        # small next to the adjoint, and only one step's nodes are alive at a time).
+        # small next to the adjoint; those made ahead for later steps are held within
+        # an eighth of the budget, :class:`_NodesAhead`).
         q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
                    + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")

@@ -25,7 +25,8 @@ each instead, the upper triangle alone (:func:`_syrk_block`).
 
 Where a call's time goes, measured on the CIFAR CNN (conv32-pool-conv64-pool-Linear10,
 ten outputs, N = 1024, one thread, one block of formed rows, chunks of 16 rows; on one
-pinned core of a shared machine, so shares, not times): the SYRKs about a third, at the
+pinned core of a shared machine, so shares, not times;
+``benchmarks/results/gram_cifar_profile.md``): the SYRKs about a third, at the
 GEMM rate (203 GFLOP, the upper triangle of 193,920-wide rows); forming the gradient
 blocks a little over a quarter: 115 GFLOP, one GEMM per sample of ``C p x S`` backprops
 by ``S x q`` patches at about 0.85 of the GEMM rate (0.6 for the first convolution's

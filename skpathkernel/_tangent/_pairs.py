@@ -161,7 +161,8 @@ def _merged(prepared: dict, term: Flat, k: int, p: int) -> tuple[torch.Tensor, t
     """A term's directions, its inputs' side by side as ``directional``'s GEMMs read
     them: ``(q_all, k p)`` and the squared first direction ``(q_all, p)``; made once
     per ``prepared`` (the same step) and term."""
-    key = tuple(name for name, _ in term.inputs)
+    # Keyed by the width too: two terms may read parameters of the same names.
+    key = (p, *(name for name, _ in term.inputs))
     if key not in prepared:
         vs, v2s = [], []
         for name, _ in term.inputs:
@@ -192,7 +193,11 @@ def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
     out = None
     for j, (ty, dh) in enumerate(zip(batch, dhat)):
         n, C, p = nodes[0][j].delta.shape
-        d = torch.cat([node[j].delta.reshape(n * C, p) for node in nodes])
+        # One node's factors are read in place: a copy (what torch.cat makes of one
+        # tensor) can take another float32 kernel, so a step of one node keeps the
+        # query-major shares' bits; several nodes' rows stacked round at float32 level.
+        d = (nodes[0][j].delta.reshape(n * C, p) if m == 1
+             else torch.cat([node[j].delta.reshape(n * C, p) for node in nodes]))
         # Each GEMM in the orientation the query-major shares took: a transposed
         # product may run another float32 kernel (8e-8 relative measured on a chunk of
         # four queries); copied sample-major into float64 instead, one pass.
@@ -203,7 +208,8 @@ def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
             if ay is None:
                 ones += 1
                 continue
-            ax = torch.cat([node[j].inputs[i][1] for node in nodes])
+            ax = (nodes[0][j].inputs[i][1] if m == 1
+                  else torch.cat([node[j].inputs[i][1] for node in nodes]))
             G = _sample_major(ax @ ay.T)
             Ga = G if Ga is None else Ga.add_(G)
         if Ga is None:

@@ -330,19 +330,19 @@ def test_float32_sgd_chunks_keep_their_own_captures(monkeypatch):
     Xq = rng.uniform(-2, 2, size=(40, 3))
     captured, read = set(), []
     real_capture = _decomposition._Context.capture_nodes
-    real_shares = _decomposition.grouped_shares
+    real_shares = _decomposition.factor_shares
 
     def capture(self, points, X, W):
         nodes = real_capture(self, points, X, W)
         captured.update(t.delta.data_ptr() for node in nodes for t in node)
         return nodes
 
-    def shares(groups, batch, dhat):
-        read.extend(t.delta.data_ptr() for nodes, _ in groups for node in nodes for t in node)
-        return real_shares(groups, batch, dhat)
+    def shares(nodes, weights, batch, dhat):
+        read.extend(t.delta.data_ptr() for node in nodes for t in node)
+        return real_shares(nodes, weights, batch, dhat)
 
     monkeypatch.setattr(_decomposition._Context, "capture_nodes", capture)
-    monkeypatch.setattr(_decomposition, "grouped_shares", shares)
+    monkeypatch.setattr(_decomposition, "factor_shares", shares)
     result = est.decompose(Xq)
     # Several chunks of queries, taken together at the steps where they agree.
     assert _decomposition.node_chunk(len(Xq)) < len(Xq) and read

@@ -1,8 +1,7 @@
 """The decomposition's per-step kernels from the factors against autograd Jacobians.
 
 ``directional`` (the quadrature's ``sum_k w_k J(x; node k) . v`` and its spread) and
-``factor_shares`` (plain SGD's pair terms ``sum_k w_k J(x; node k) J(x_i)^T r_i``, and
-``grouped_shares``, several groups of queries with their own nodes side by side) are
+``factor_shares`` (plain SGD's pair terms ``sum_k w_k J(x; node k) J(x_i)^T r_i``) are
 checked on their own, on a capture with weight, bias and dense (no rule) terms, several
 nodes and outputs, against per-sample Jacobians from ``torch.func.jacrev`` in float64.
 """
@@ -15,13 +14,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from skpathkernel._tangent import capture, pair_terms
-from skpathkernel._tangent._pairs import (
-    Flat,
-    directional,
-    factor_shares,
-    grouped_shares,
-    prepare_directions,
-)
+from skpathkernel._tangent._pairs import directional, factor_shares, prepare_directions
 
 
 class _Scale(nn.Module):
@@ -107,39 +100,3 @@ def test_factor_shares_equal_jacobian_products(m):
               for wk, p in zip(w, points[:m]))
     assert got.shape == (9, 6, 3)
     assert_allclose(got.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_grouped_shares_are_each_groups_own(dtype):
-    """Groups of queries with their own node counts and weights, side by side: each
-    group's columns are its Jacobian products, and bit for bit its ``factor_shares``
-    alone (the decomposition's chunks must round as they do on a worker)."""
-    net = _net()
-    gen = torch.Generator().manual_seed(5)
-    Xs = [torch.randn(k, 3, generator=gen, dtype=torch.float64) for k in (4, 2, 5)]
-    Xb = torch.randn(8, 3, generator=gen, dtype=torch.float64)
-    R = torch.randn(8, 3, generator=gen, dtype=torch.float64)
-    ms, points = (1, 3, 2), _points(net, 4)
-    rs = np.random.RandomState(2)
-    ws = [rs.uniform(0.2, 1.0, m).tolist() for m in ms]
-    batch = _capture(net, points[3], Xb, weights=R)
-    groups = [([_capture(net, p, X) for p in points[:m]], w) for X, m, w in zip(Xs, ms, ws)]
-    cast = [[Flat(t.delta.to(dtype), [(k, None if a is None else a.to(dtype))
-                                             for k, a in t.inputs]) for t in terms]
-            for terms in [batch] + [node for nodes, _ in groups for node in nodes]]
-    batch, it = cast[0], iter(cast[1:])
-    groups = [([next(it) for _ in nodes], w) for nodes, w in groups]
-    dhat = [t.delta[:, 0] for t in batch]
-    got = grouped_shares(groups, batch, dhat)
-    assert got.dtype == torch.float64 and got.shape == (8, 11, 3)
-    g = torch.einsum("icp,ic->ip", _jacobians(net, points[3], Xb), R)
-    at = 0
-    for (nodes, w), X, m in zip(groups, Xs, ms):
-        own = got[:, at : at + len(X)]
-        assert torch.equal(own, factor_shares(nodes, w, batch, dhat))
-        ref = sum(wk * torch.einsum("ncp,ip->inc", _jacobians(net, p, X), g)
-                  for wk, p in zip(w, points[:m]))
-        rtol = 1e-12 if dtype == torch.float64 else 1e-4
-        assert_allclose(own.numpy(), ref.numpy(), rtol=rtol,
-                        atol=rtol * ref.abs().max().item())
-        at += len(X)

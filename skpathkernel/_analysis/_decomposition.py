@@ -73,10 +73,7 @@ sample-major, ``(N, queries, outputs)``, and a step's shares added to its batch'
 a query-major buffer took a scattered write per query and sample, the largest single
 item of plain SGD's ``first_order`` profile (ten outputs), ahead of the step's GEMMs.
 Plain SGD's shares come sample-major from their GEMMs (:func:`._tangent.factor_shares`,
-all nodes of a chunk in one GEMM per factor; :func:`._tangent.grouped_shares` takes a
-step's chunks in one call, their float64 passes query-major as the GEMMs give them and
-one transposing copy per chunk: a transposing copy per GEMM was the largest item of
-those small products), and the quadrature's products with the
+all nodes of a chunk in one GEMM per factor), and the quadrature's products with the
 step take one GEMM per layer for all its inputs and nodes
 (:func:`._tangent.directional`). The first-order methods' query captures at
 ``theta_t`` are made for blocks of steps as the exact nodes are (:class:`_NodesAhead`
@@ -148,8 +145,8 @@ from .._tangent import (
     capture,
     dense_grad,
     directional,
+    factor_shares,
     forward,
-    grouped_shares,
     hidden_reads,
     pair_terms,
     stacked_mlp,
@@ -975,12 +972,12 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg[c.local] += (-float(traj.learning_rates[j]) * wd if decoupled
                                      else coef * wd) * c.rho_theta
             if route == "factor":
-                # The groups tile the block's rows in order: their shares come side by
-                # side, each group's float32 GEMMs its own (see grouped_shares).
-                groups = [(nodes, w) for nodes, w, _ in _share_groups(parts)]
+                groups = _share_groups(parts)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
-                    contrib.index_add_(0, sub, grouped_shares(groups, terms, dhat).mul_(scale))
+                    for nodes, w, at in groups:
+                        share = factor_shares(nodes, w, terms, dhat).mul_(scale)
+                        contrib[:, at].index_add_(0, sub, share)
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):

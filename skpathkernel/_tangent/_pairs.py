@@ -46,7 +46,6 @@ from ._contract import densify, rank_one, split_constant_inputs
 from ._rules import Term
 
 __all__ = ["Adjoint", "Flat", "directional", "factor_shares", "formed_contraction",
-           "grouped_shares",
            "pair_terms", "prepare_directions"]
 
 # Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
@@ -182,61 +181,46 @@ def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
     over its inputs of ``(a_i . a_k(x))`` (1 for a bias), in float64. Sample-major, as
     the decomposition adds a step's shares to the rows of its batch's samples (an
     ``index_add_`` of contiguous rows; query-major rows cost a scattered write per
-    query and sample). One group of :func:`grouped_shares`.
+    query and sample).
+    All nodes' rows go through one GEMM per factor and the nodes are summed in one pass:
+    the decomposition calls this per chunk of queries and step, with a few dozen rows,
+    where the number of torch calls is the cost.
     """
-    return grouped_shares([(nodes, weights)], batch, dhat)
-
-
-def grouped_shares(groups: Sequence[tuple[Sequence[Sequence[Flat]], Sequence[float]]],
-                   batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`factor_shares` of several groups of queries, each with its own nodes and
-    weights, side by side: (m, sum of the groups' n, C), bit for bit the groups' own.
-
-    All nodes' rows of a group go through one GEMM per factor, in float32 per group as
-    a group alone takes them (a GEMM of more rows may run another kernel: the
-    decomposition's chunks of queries must round as on a worker). The float64 passes
-    (the weights, the product of the two Grams, the sums over the nodes and the terms)
-    are elementwise and run query-major, as the GEMMs give them; each group's sum is
-    copied sample-major once, into its columns of the result, where a transposing copy
-    per GEMM took most of the time of these small products.
-    """
-    device = groups[0][0][0][0].delta.device
-    B = dhat[0].shape[0]
-    C = groups[0][0][0][0].delta.shape[1]
-    out = torch.empty((B, sum(nodes[0][0].delta.shape[0] for nodes, _ in groups), C),
-                      dtype=torch.float64, device=device)
-    at = 0
-    for nodes, weights in groups:
-        m, n = len(nodes), nodes[0][0].delta.shape[0]
-        w = torch.as_tensor(weights, dtype=torch.float64, device=device).view(m, 1, 1, 1)
-        total = None
-        for j, (ty, dh) in enumerate(zip(batch, dhat)):
-            p = nodes[0][j].delta.shape[2]
-            d = torch.cat([node[j].delta.reshape(n * C, p) for node in nodes])
-            # Each GEMM in the orientation the query-major shares took: a transposed
-            # product may run another float32 kernel (8e-8 relative measured on a chunk
-            # of four queries).
-            Gd = (d @ dh.T).to(torch.float64).view(m, n, C, B)
-            # The inputs' Gram, summed over the term's parameters (a bias's input is 1).
-            Ga, ones = None, 0
-            for i, (_, ay) in enumerate(ty.inputs):
-                if ay is None:
-                    ones += 1
-                    continue
-                G = torch.cat([node[j].inputs[i][1] for node in nodes]) @ ay.T
-                # float64 += float32: the float32 operand is widened, exactly.
-                Ga = G.to(torch.float64) if Ga is None else Ga.add_(G)
-            if Ga is None:
-                Gd.mul_(ones * w)
-            else:
-                if ones:
-                    Ga.add_(ones)
-                Gd.mul_(Ga.view(m, n, 1, B).mul_(w))
-            share = Gd[0] if m == 1 else Gd.sum(0)
-            total = share if total is None else total.add_(share)
-        out[:, at : at + n].copy_(total.permute(2, 0, 1))
-        at += n
+    m = len(nodes)
+    w = torch.as_tensor(weights, dtype=torch.float64,
+                        device=nodes[0][0].delta.device).view(1, m, 1, 1)
+    out = None
+    for j, (ty, dh) in enumerate(zip(batch, dhat)):
+        n, C, p = nodes[0][j].delta.shape
+        d = torch.cat([node[j].delta.reshape(n * C, p) for node in nodes])
+        # Each GEMM in the orientation the query-major shares took: a transposed
+        # product may run another float32 kernel (8e-8 relative measured on a chunk of
+        # four queries); copied sample-major into float64 instead, one pass.
+        Gd = _sample_major(d @ dh.T).view(-1, m, n, C)
+        # The inputs' Gram, summed over the term's parameters (a bias's input is 1).
+        Ga, ones = None, 0
+        for i, (_, ay) in enumerate(ty.inputs):
+            if ay is None:
+                ones += 1
+                continue
+            ax = torch.cat([node[j].inputs[i][1] for node in nodes])
+            G = _sample_major(ax @ ay.T)
+            Ga = G if Ga is None else Ga.add_(G)
+        if Ga is None:
+            Gd.mul_(ones * w)
+        else:
+            if ones:
+                Ga.add_(ones)
+            Gd.mul_(Ga.view(-1, m, n, 1).mul_(w))
+        share = Gd[:, 0] if m == 1 else Gd.sum(1)
+        out = share if out is None else out.add_(share)
     return out
+
+
+def _sample_major(G: torch.Tensor) -> torch.Tensor:
+    """A (rows, samples) product as float64 (samples, rows): one transposing copy."""
+    return torch.empty((G.shape[1], G.shape[0]), dtype=torch.float64,
+                       device=G.device).copy_(G.T)
 
 
 class Adjoint:

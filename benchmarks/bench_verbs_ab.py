@@ -10,12 +10,12 @@ steps through the ref's ``_factored_block`` (with the ref's ``factor_shares`` an
 ``time.process_time`` on one torch thread. The results' largest difference relative to
 their largest entry is reported beside the ratio.
 
-Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_verbs_ab [REF] [CASES]`` (REF
-``main``; CASES comma-separated ``solver:call`` of ``sgd``/``adam`` and
+Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_verbs_ab [REF] [CASES] [RESULTS]``
+(REF ``main``; CASES comma-separated ``solver:call`` of ``sgd``/``adam`` and
 ``decompose_first``, ``attribute_first``, ``attribute_first_expected``,
-``decompose_first_expected``, ``attribute``, ``explain``). Writes
-``benchmarks/results/verbs_ab.md`` and ``.json`` (provenance: command, commit, ref, date,
-machine, load, cores).
+``decompose_first_expected``, ``attribute``, ``explain``; RESULTS the results file name,
+``verbs_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json`` (provenance: command,
+commit, ref, date, machine, load, cores).
 """
 
 import importlib.util
@@ -75,7 +75,7 @@ def _calls(clf, Xq):
     }
 
 
-def main(ref="main", cases=CASES):
+def main(ref="main", cases=CASES, results="verbs_ab"):
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     reps = int(os.environ.get("REPS", "2"))
     old = _reference_modules(ref)
@@ -114,7 +114,7 @@ def main(ref="main", cases=CASES):
                                                   "benchmarks/bench_verbs_ab.py",
                                                   "benchmarks/_ab.py"], ref, reps,
                          load_before=load_before, load_after=os.getloadavg())
-    write_ab(ROOT / "benchmarks" / "results" / "verbs_ab",
+    write_ab(ROOT / "benchmarks" / "results" / results,
              "The decomposition's per-step work: one process A/B against a git ref",
              "time.process_time", prov, rows, 2)
 

@@ -75,16 +75,21 @@ def flop_floor(module: torch.nn.Module, n_nodes, batch_sizes, n_queries: int, n_
 
 
 def matmul_rate(size: int = 1024, repeats: int = 5, clock=time.perf_counter,
-                dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s of a size^3 torch.matmul (median of repeats) by ``clock``."""
+                dtype: torch.dtype = torch.float32, least: bool = False) -> float:
+    """FLOP/s of a size^3 torch.matmul by ``clock``: the median of repeats into fresh
+    results, or with ``least`` the least time into one preallocated result (a fresh
+    result's page faults make the median read low: ``matmul_probe.md``)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
+    out = a @ b
     times = []
     for _ in range(repeats):
         t0 = clock()
-        a @ b
+        if least:
+            torch.matmul(a, b, out=out)
+        else:
+            a @ b
         times.append(clock() - t0)
-    return 2 * size**3 / statistics.median(times)
+    return 2 * size**3 / (min(times) if least else statistics.median(times))
 
 
 def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,

@@ -34,19 +34,6 @@ import numpy as np
 SIZES = {False: dict(n_train=1000, n_query=100), True: dict(n_train=300, n_query=20)}
 
 
-def _gemm_rate(dtype) -> float:
-    import torch
-
-    a, b, c = (torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype),
-               torch.empty(512, 512, dtype=dtype))
-    best = float("inf")
-    for _ in range(5):  # the least time into one preallocated result (matmul_probe.md)
-        start = time.perf_counter()
-        torch.matmul(a, b, out=c)
-        best = min(best, time.perf_counter() - start)
-    return 2 * 512**3 / best
-
-
 def _layers(clf):
     from torch import nn
 
@@ -107,6 +94,7 @@ def run(quick: bool = False) -> list[dict]:
     from sklearn.datasets import load_digits
     from sklearn.preprocessing import StandardScaler
 
+    from benchmarks.bench_interpolation import matmul_rate
     from skpathkernel import PathKernelClassifier
 
     size = SIZES[quick]
@@ -114,7 +102,8 @@ def run(quick: bool = False) -> list[dict]:
     X = StandardScaler().fit_transform(X)[: size["n_train"]].astype(np.float32)
     y = y[: size["n_train"]]
     Xq = X[: size["n_query"]]
-    rates = {"float32": _gemm_rate(torch.float32), "float64": _gemm_rate(torch.float64)}
+    rates = {name: matmul_rate(512, dtype=getattr(torch, name), least=True)
+             for name in ("float32", "float64")}
     only = os.environ.get("SKPATHKERNEL_BENCH_CALLS")
     rows = []
     for solver in ("sgd", "adam"):

@@ -683,13 +683,14 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
                     * np.abs(fixed_1.contributions).max())
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam-l2"])
+@pytest.mark.parametrize("name", ["sgd", "adam-l2", "adamw"])
 @pytest.mark.parametrize("weighting", ["realized", "expected"])
 def test_first_order_blocks_of_steps(data, name, weighting, monkeypatch):
     """``method="first_order"`` captures the queries at ``theta_t`` for blocks of 1, 2
     and 3 steps in one stacked pass: the forward per-sample recursion's numbers with the
     Jacobian at each step's start (the node ``s = 0`` of weight 1), in float64, and the
-    same numbers whatever the block."""
+    same numbers whatever the block. Plain SGD's L2 decay and AdamW's decoupled one
+    enter as the products of the step's capture with the decay direction."""
     import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data

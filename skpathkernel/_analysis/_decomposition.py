@@ -945,9 +945,12 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 c.f_next = f_t
         else:
             ahead.passed(j, theta, nxt)
+            # The decay direction prepared once for all chunks of the step (and its
+            # merged layout kept there), as the exact branch's directions are.
+            dirs = prepare_directions(theta64) if along else None
             for c in parts:
                 c.nodes, c.w = ahead.nodes(j, 1, c.X, c.W, c.local, True), [1.0]
-                c.rho_theta = (directional(c.nodes, c.w, theta64)[0][0] if along
+                c.rho_theta = (directional(c.nodes, c.w, prepared=dirs)[0][0] if along
                                else None)
         nxt = theta
         if not first <= j < stop:  # replayed: only its nodes were wanted

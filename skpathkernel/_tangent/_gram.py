@@ -41,7 +41,10 @@ forward's max-pool with indices adds 4%). The first convolution's 896 parameters
 cost about a third of the call: their per-sample gradients need every output's backprop
 through the second convolution. (SciPy's OpenBLAS for the forming GEMMs ran 1.16-1.19x
 torch's bmm on the second convolution's shape alone, but 0.99-1.06x on the forming
-inside the call, 0.99-1.02x on the call: not kept.)
+inside the call, 0.99-1.02x on the call: not kept. Nor one batched backward pass for all
+the outputs, ``is_grads_batched``: the ReLU and max-pool backward over ``C n`` rows stream
+the bytes of ``C`` passes, and the ``(C, n, ...)`` backprops cost forming a copy; the
+call took as long or longer, here and on the ResNet.)
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.

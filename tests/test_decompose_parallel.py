@@ -330,69 +330,22 @@ def test_float32_sgd_chunks_keep_their_own_captures(monkeypatch):
     Xq = rng.uniform(-2, 2, size=(40, 3))
     captured, read = set(), []
     real_capture = _decomposition._Context.capture_nodes
-    real_shares = _decomposition.group_shares
+    real_shares = _decomposition.factor_shares
 
     def capture(self, points, X, W):
         nodes = real_capture(self, points, X, W)
         captured.update(t.delta.data_ptr() for node in nodes for t in node)
         return nodes
 
-    def shares(chunks, batch, dhat):
-        read.extend(t.delta.data_ptr() for nodes, _ in chunks for node in nodes
-                    for t in node)
-        return real_shares(chunks, batch, dhat)
+    def shares(nodes, weights, batch, dhat):
+        read.extend(t.delta.data_ptr() for node in nodes for t in node)
+        return real_shares(nodes, weights, batch, dhat)
 
     monkeypatch.setattr(_decomposition._Context, "capture_nodes", capture)
-    monkeypatch.setattr(_decomposition, "group_shares", shares)
+    monkeypatch.setattr(_decomposition, "factor_shares", shares)
     result = est.decompose(Xq)
     # Several chunks of queries, taken together at the steps where they agree.
     assert _decomposition.node_chunk(len(Xq)) < len(Xq) and read
     assert set(read) <= captured
     size = np.abs(result.prediction).max()
     assert np.abs(result.reconstruction - result.prediction).max() <= 1e-5 * size
-
-
-def test_float32_sgd_blocks_follow_the_capture_groups(monkeypatch):
-    """The chunks of a capture group take plain SGD's shares in one product, whose
-    float32 GEMMs may round a row with the others: the blocks on workers are cut at the
-    groups' bounds (not only the chunks'), so that they make the serial call's products,
-    row for row, and give its numbers bit for bit (two groups of four and one chunks
-    here; a cut at a chunk boundary inside a group makes other products)."""
-    from collections import Counter
-
-    from skpathkernel._analysis import _decomposition
-    from skpathkernel._analysis._decomposition import capture_group, node_chunk
-    from skpathkernel._network import _trained
-
-    rng = np.random.RandomState(1)
-    X = rng.uniform(-2, 2, size=(60, 3))
-    y = np.sin(X[:, 0]) + X[:, 1] * X[:, 2]
-    est = PathKernelMachine(hidden_layer_sizes=(16,), solver="sgd", momentum=0.0,
-                            batch_size=20, max_iter=2, tol=None, dtype="float32",
-                            random_state=0).fit(X, y)
-    Xq = rng.uniform(-2, 2, size=(100, 3))
-    group = capture_group(node_chunk(len(Xq)))
-    assert node_chunk(len(Xq)) < group < len(Xq)
-    passes, blocks = Counter(), []
-    real_shares, real_rows = _decomposition.group_shares, _trained._decompose_rows
-
-    def shares(chunks, batch, dhat):
-        passes[tuple(nodes[0][0].delta.shape[0] for nodes, _ in chunks)] += 1
-        return real_shares(chunks, batch, dhat)
-
-    def rows(r, *args):
-        blocks.append(int(r[0]))
-        return real_rows(r, *args)
-
-    monkeypatch.setattr(_decomposition, "group_shares", shares)
-    monkeypatch.setattr(_trained, "_decompose_rows", rows)
-    serial = est.decompose(Xq)
-    serial_passes = passes.copy()
-    passes.clear()
-    with joblib.parallel_config(backend="threading"):
-        par = est.decompose(Xq, n_jobs=2)
-    assert sorted(blocks) == [0, group]
-    assert passes == serial_passes
-    assert len(set(serial.n_nodes)) > 1
-    for name in ("contributions", "regularization", "prediction", "n_nodes", "step_errors"):
-        assert np.array_equal(getattr(par, name), getattr(serial, name)), name

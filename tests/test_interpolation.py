@@ -597,51 +597,6 @@ def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monke
         assert_allclose(res.regularization[rows], reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_chunks_of_a_group_at_different_nodes_share_one_product(data, dtype, monkeypatch):
-    """Plain SGD: the chunks of a capture group take their shares in one product, each
-    at its own nodes: four chunks at 2, 2, 3 and 1 nodes per step in one group, every
-    output, against the forward per-sample recursion of each chunk at its own nodes (a
-    chunk taken at another's nodes, or a padded node that counts, misses by the
-    quadrature's error)."""
-    import skpathkernel._analysis._decomposition as interpolation
-    import skpathkernel._network._trained as trained
-
-    monkeypatch.setattr(trained, "node_chunk", lambda n: 2)
-    counts = iter([2, 2, 3, 1])
-    init = interpolation._Quadrature.__init__
-
-    def per_chunk(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.fixed = next(counts)
-
-    calls = []
-    real = interpolation.group_shares
-
-    def spy(chunks, batch, dhat):
-        calls.append(tuple(len(w) for _, w in chunks))
-        return real(chunks, batch, dhat)
-
-    monkeypatch.setattr(interpolation._Quadrature, "__init__", per_chunk)
-    monkeypatch.setattr(interpolation, "group_shares", spy)
-    X_train, y, _ = data
-    Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
-    est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=2, batch_size=5,
-                            dtype=dtype, random_state=0, **SOLVERS["sgd"]).fit(X_train, Y)
-    Xq = np.random.RandomState(6).uniform(-1, 1, size=(8, 2))
-    assert interpolation.capture_group(2) == len(Xq)  # one group of the four chunks
-    res = est.decompose(Xq)
-    assert next(counts, None) is None
-    assert calls and set(calls) == {(2, 2, 3, 1)}
-    rel = 1e-10 if dtype == "float64" else 1e-5
-    for k, n in enumerate([2, 2, 3, 1]):
-        rows = slice(2 * k, 2 * k + 2)
-        contrib, _ = forward_recursion(est, X_train, torch.as_tensor(Y), _squared,
-                                       Xq[rows], nodes=gauss_nodes(n))
-        assert_allclose(res.contributions[rows], contrib, rtol=0,
-                        atol=rel * np.abs(contrib).max())
-
-
 @pytest.mark.parametrize("name", ["sgd", "adam-l2"])
 @pytest.mark.parametrize("batch_size", [4, 5])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -1,8 +1,7 @@
 """The decomposition's per-step kernels from the factors against autograd Jacobians.
 
 ``directional`` (the quadrature's ``sum_k w_k J(x; node k) . v`` and its spread) and
-``factor_shares`` (plain SGD's pair terms ``sum_k w_k J(x; node k) J(x_i)^T r_i``), also
-for several chunks of queries at their own nodes in one call (``group_shares``), are
+``factor_shares`` (plain SGD's pair terms ``sum_k w_k J(x; node k) J(x_i)^T r_i``) are
 checked on their own, on a capture with weight, bias and dense (no rule) terms, several
 nodes and outputs, against per-sample Jacobians from ``torch.func.jacrev`` in float64.
 """
@@ -15,12 +14,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from skpathkernel._tangent import capture, pair_terms
-from skpathkernel._tangent._pairs import (
-    directional,
-    factor_shares,
-    group_shares,
-    prepare_directions,
-)
+from skpathkernel._tangent._pairs import directional, factor_shares, prepare_directions
 
 
 class _Scale(nn.Module):
@@ -104,32 +98,3 @@ def test_factor_shares_equal_jacobian_products(m):
               for wk, p in zip(w, points[:m]))
     assert got.shape == (9, 6, 3)
     assert_allclose(got.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12 * ref.abs().max().item())
-
-
-def test_group_shares_take_each_chunk_at_its_own_nodes():
-    """Chunks of 2, 3 and 1 queries at 2, 1 and 3 nodes (padded to 3 in one product)
-    side by side: each chunk's columns are its own nodes' Jacobian products, and equal
-    the chunk's ``factor_shares``."""
-    net = _net()
-    gen = torch.Generator().manual_seed(5)
-    Xb = torch.randn(9, 3, generator=gen, dtype=torch.float64)
-    R = torch.randn(9, 3, generator=gen, dtype=torch.float64)
-    points = _points(net, 7)
-    batch = _capture(net, points[6], Xb, weights=R)
-    dhat = [t.delta[:, 0] for t in batch]
-    g = torch.einsum("icp,ic->ip", _jacobians(net, points[6], Xb), R)
-    rng = np.random.RandomState(2)
-    chunks, refs, at = [], [], 0
-    for n, m in ((2, 2), (3, 1), (1, 3)):
-        X = torch.randn(n, 3, generator=gen, dtype=torch.float64)
-        own, w = points[at : at + m], rng.uniform(0.2, 1.0, m).tolist()
-        at += m
-        chunks.append(([_capture(net, p, X) for p in own], w))
-        refs.append(sum(wk * torch.einsum("ncp,ip->inc", _jacobians(net, p, X), g)
-                        for wk, p in zip(w, own)))
-    got = group_shares(chunks, batch, dhat)
-    ref = torch.cat(refs, dim=1)
-    assert got.shape == (9, 6, 3)
-    assert_allclose(got.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12 * ref.abs().max().item())
-    alone = torch.cat([factor_shares(nodes, w, batch, dhat) for nodes, w in chunks], dim=1)
-    assert_allclose(got.numpy(), alone.numpy(), rtol=1e-14, atol=0)

@@ -73,9 +73,8 @@ of the torch calls around them are the cost, not the GEMMs. The contributions ar
 sample-major, ``(N, queries, outputs)``, and a step's shares added to its batch's rows:
 a query-major buffer took a scattered write per query and sample, the largest single
 item of plain SGD's ``first_order`` profile (ten outputs), ahead of the step's GEMMs.
-Plain SGD's shares come sample-major from their GEMMs (:func:`._tangent.group_shares`:
-all nodes of the chunks of a capture group in one GEMM per factor), and the
-quadrature's products with the
+Plain SGD's shares come sample-major from their GEMMs (:func:`._tangent.factor_shares`,
+all nodes of a chunk in one GEMM per factor), and the quadrature's products with the
 step take one GEMM per layer for all its inputs and nodes
 (:func:`._tangent.directional`). The first-order methods' query captures at
 ``theta_t`` are made for blocks of steps as the exact nodes are (:class:`_NodesAhead`
@@ -90,19 +89,14 @@ block of queries on a worker gives the serial call's numbers), and on the adjoin
 the float64 contraction itself.
 
 Chunks. The node choice below is made per chunk of queries (``node_chunk``: at most
-``NODE_CHUNK``, a power of two), from that chunk's residuals. The chunks of a query block
-walk the steps together: a step's batch capture, float64 directions and node parameters
-are made once for all of them; the consecutive chunks of a capture group
-(``capture_group``: ``GROUP_CHUNKS`` chunks, bounds fixed in the call's queries) that
+``NODE_CHUNK``, a power of two), from that chunk's residuals: a block of the queries on a
+joblib worker, cut at chunk boundaries, takes the serial call's nodes and gives its
+numbers. The chunks of a query block walk the steps together: a step's batch capture,
+float64 directions and node parameters are made once for all of them; the chunks that
 try the same node count take their float64 products with the step in one pass (and in
-float64 their captures too), and plain SGD's shares of a group's chunks, each at its
-own nodes, are one product (:func:`._tangent.group_shares`). A float32 GEMM may round
-a row with the other rows of its pass, so the passes stay within the groups, and a
-block of the queries on a joblib worker, cut at group boundaries, makes the serial
-call's passes at the serial call's nodes: it gives its numbers bit for bit. The chunks
-share one adjoint buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated
-from its own nodes, and the batch's formed gradients are made once per step and
-contracted with every row of the block in one GEMM. A buffer
+float64 their captures too). They share one adjoint buffer (:class:`._tangent.Adjoint`):
+each chunk's rows are updated from its own nodes, and the batch's formed gradients are
+made once per step and contracted with every row of the block in one GEMM. A buffer
 per chunk (4-16 queries on the default classifier: 40-160 rows of ten outputs, 4-16 of
 the margin) forms the batch's gradients once per chunk, and a chunk with fewer rows than
 a layer's inputs takes the factor contraction's two extra passes: measured, about a
@@ -153,8 +147,8 @@ from .._tangent import (
     capture,
     dense_grad,
     directional,
+    factor_shares,
     forward,
-    group_shares,
     hidden_reads,
     pair_terms,
     stacked_mlp,
@@ -164,8 +158,8 @@ from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import forward_factors
 from .._warnings import caller_stacklevel
 
-__all__ = ["Decomposition", "capture_group", "check_tol", "decompose", "default_tol",
-           "finish", "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
+__all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge",
+           "merge_steps", "node_chunk", "replays", "step_ranges"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -198,16 +192,8 @@ REPLAY_ROWS = 25
 # The most queries whose nodes are chosen together (see node_chunk): the node count of
 # a step is chosen from the residuals of one chunk of queries, the same whether the
 # call gets all the queries or a block of them on a worker (blocks are cut at multiples
-# of the chunk's capture group), so that the blocks give the serial call's numbers.
+# of the chunk), so that the blocks give the serial call's numbers.
 NODE_CHUNK = 32
-# The chunks of queries (NODE_CHUNK) in a capture group: the exact method's chunks of a
-# group that try the same node count at a step take their products with the step in
-# one pass, and plain SGD's shares of all its chunks are one product (see Chunks in the
-# module docstring). The groups' bounds are fixed in the call's queries and the blocks
-# on workers are cut at their multiples: a float32 row may round with the other rows of
-# its pass, so the blocks make the serial call's passes and give its numbers. Four: a
-# block of 100 queries (chunks of 16) still splits in two on two workers.
-GROUP_CHUNKS = 4
 # The most recorded steps whose batches one stacked pass captures (an eighth of the
 # memory budget may cap it lower; the same for a chunk's queries at the nodes): the
 # batch side of a step reads neither the queries nor the adjoint, so the steps the walk
@@ -529,15 +515,8 @@ def _pow2_floor(n: int) -> int:
 def node_chunk(n_queries: int) -> int:
     """Queries per node choice for a call on ``n_queries`` queries: a power of two, at
     most ``NODE_CHUNK``, small enough for a few chunks (query blocks on workers are cut
-    at multiples of its :func:`capture_group` and pass it on)."""
+    at its multiples and pass it on)."""
     return _pow2_floor(min(NODE_CHUNK, max(4, n_queries // 4)))
-
-
-def capture_group(chunk: int) -> int:
-    """Queries per capture group for node chunks of ``chunk`` queries: the float32
-    passes over several chunks stay within groups of these bounds in the call's
-    queries, and query blocks on workers are cut at its multiples (``GROUP_CHUNKS``)."""
-    return GROUP_CHUNKS * chunk
 
 
 def _batch_index(traj, t, weighting, N, device):
@@ -683,8 +662,6 @@ class _Context:
         # a quarter of the memory budget; a storage shared by several kept steps (a block
         # of steps' captures) is charged once.
         self.keep_batches, self._kept, self._kept_room = False, {}, budget // 4
-        # The queries of a capture group (capture_group; set by the walk of the blocks).
-        self.group = 1
         self._kept_storages: set[int] = set()
         # The queries' side: all outputs, or one (the outputs contracted with weights).
         self.weights = weights
@@ -914,8 +891,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     nodes = ahead.nodes(j, n, X, W, at, all(later))
                 else:
                     # Captured cut by cut (each as on its own), their float64 products
-                    # in one pass over the rows joined; each cut keeps its own capture
-                    # for the products it takes alone (the adjoint's, a chunk's shares).
+                    # in one pass over the rows; each cut keeps its own capture, so
+                    # its later float32 GEMMs read memory laid out as a serial call's.
                     own = [ahead.nodes(j, n, X[i], None if W is None else W[i],
                                        slice(at.start + i.start, at.start + i.stop), a)
                            for i, a in zip(cuts, later)]
@@ -923,20 +900,15 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 q, spread = directional(nodes, w, prepared=dirs)
                 return q, spread, nodes, list(w), own
 
-            # Consecutive chunks of a capture group (see capture_group) that try the
-            # same count first (most, on a smooth path) take their float64 products with
-            # the step in one pass. A row's float32 GEMMs may round with the other rows
-            # of its pass (1e-8 relative measured in the sums), so the passes never
-            # cross a group's fixed bounds in the call's queries, which the blocks on
-            # workers follow: they take the serial call's passes, hence its numbers. In
-            # float32 each chunk is captured on its own (for blocks of steps; measured
-            # on the default classifier: captures of the group's run, made again
-            # wherever one chunk's count changes, cost more than they saved), in float64
-            # the run at once.
+            # Consecutive chunks that try the same count first (most, on a smooth path)
+            # are taken together: their float64 products with the step in one pass, and
+            # in float64 their captures too (the arithmetic of a whole block). A float32
+            # chunk is captured on its own: a row's float32 GEMMs round differently in
+            # a pass of more rows (measured 1e-8 relative in the sums), and a block on a
+            # worker must give the serial call's numbers.
             together = traj.dtype == torch.float64
             tried = {}
-            for group in _runs(parts, lambda c: (c.rows.start // ctx.group,
-                                                 c.quad.start())):
+            for group in _runs(parts, lambda c: c.quad.start()):
                 n = group[0].quad.start()
                 at = slice(group[0].local.start, group[-1].local.stop)
                 cuts = None if together else [
@@ -945,14 +917,18 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     n, Xq[at], None if ctx.weights is None
                     else ctx.weights[group[0].rows.start : group[-1].rows.stop], at, cuts,
                     [c.quad.last() == n for c in group])
+                # Plain SGD's products take the group's rows at once where they were
+                # captured at once (float32 GEMMs again).
+                whole = (nodes, w, at) if together else None
                 for k, c in enumerate(group):
                     i = slice(c.local.start - at.start, c.local.stop - at.start)
                     rows = own[k] if own is not None else [_rows_of(t, i) for t in nodes]
-                    tried[c] = (n, (q[:, i], spread[i], rows), w)
+                    tried[c] = (n, (q[:, i], spread[i], rows), w, whole)
 
             def evaluate(n, c, tried=tried):
+                c.run = None
                 if tried[c][0] == n:
-                    (q, spread, nodes), w = tried[c][1:]
+                    (q, spread, nodes), w, c.run = tried[c][1:]
                 else:
                     # A lowered try that missed comes back to the count the step before
                     # ended with: its block is made then.
@@ -1001,14 +977,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg[c.local] += (-float(traj.learning_rates[j]) * wd if decoupled
                                      else coef * wd) * c.rho_theta
             if route == "factor":
-                # Each capture group's chunks in one product, whatever their nodes.
-                groups = [(slice(g[0].local.start, g[-1].local.stop),
-                           [(c.nodes, c.w) for c in g])
-                          for g in _runs(parts, lambda c: c.rows.start // ctx.group)]
+                groups = _share_groups(parts)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
-                    for at, chunks in groups:
-                        share = group_shares(chunks, terms, dhat).mul_(scale)
+                    for nodes, w, at in groups:
+                        share = factor_shares(nodes, w, terms, dhat).mul_(scale)
                         contrib[:, at].index_add_(0, sub, share)
                 continue
             updated = False
@@ -1126,11 +1099,14 @@ class _NodesAhead:
 
 class _Chunk:
     """A chunk of queries in :func:`_factored_block`: its rows (in the call, in the
-    block), node choice, queries, their weights, and what the walk keeps for it."""
+    block), node choice, queries, their weights, and what the walk keeps for it
+    (``run``: the group capture its nodes are rows of, where they were captured with
+    other chunks' rows in one pass, else None)."""
 
     def __init__(self, rows, local, quad, X, W):
         self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
         self.f_next = self.nodes = self.w = self.rho_theta = None
+        self.run = None
 
 
 def _runs(items, key):
@@ -1141,6 +1117,20 @@ def _runs(items, key):
             out[-1].append(item)
         else:
             out.append([item])
+    return out
+
+
+def _share_groups(parts) -> list:
+    """``(nodes, weights, rows in the block)`` to take products with: a group capture
+    whose chunks all took it, once; every other chunk on its own."""
+    out = []
+    for group in _runs(parts, lambda c: None if c.run is None else id(c.run)):
+        run = group[0].run
+        if run is not None and (group[0].local.start, group[-1].local.stop) == (
+                run[2].start, run[2].stop):
+            out.append(run)
+        else:
+            out.extend((c.nodes, c.w, c.local) for c in group)
     return out
 
 
@@ -1675,7 +1665,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         # The queries of one node choice (a power of two: the blocks of a larger call
-        # are cut at multiples of its capture group), or a whole block.
+        # are cut at multiples of its chunk), or a whole block.
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         # A batch row: its capture and its column of the pair products of a query block
         # ((Q C) x widest layer output, float64; only where the block has fewer rows than
@@ -1696,11 +1686,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on
     # a worker); a block of the memory budget walks the steps once for its chunks, and
     # the blocks read the same batch captures, kept while memory allows.
-    # Blocks cut at multiples of the capture group, or of a chunk that divides it.
-    group = capture_group(chunk)
-    q_block = (q_block - q_block % group if q_block >= group
-               else _pow2_floor(max(1, q_block // chunk)) * chunk)
-    ctx.group = group
+    q_block = max(chunk, q_block - q_block % chunk)
     ctx.keep_batches = n_q > q_block
     for q0 in range(0, n_q, q_block):
         rows = slice(q0, min(n_q, q0 + q_block))

@@ -24,7 +24,6 @@ from torch.func import functional_call
 
 from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
 from .._analysis._decomposition import (
-    capture_group,
     check_tol,
     finish,
     merge,
@@ -487,10 +486,8 @@ ValueError
         ranges = step_ranges(self.trajectory, method, weighting, len(X),
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)
-        # Query blocks start at multiples of the capture group: the serial call's
-        # capture passes, hence its numbers (see capture_group).
-        align = capture_group(kwargs["chunk"])
-        if ranges is None and min(n_row_blocks(n_jobs, X), -(-len(X) // align)) == 1:
+        if ranges is None and min(n_row_blocks(n_jobs, X),
+                                  -(-len(X) // kwargs["chunk"])) == 1:
             return finish(*self._decompose_block(X, weights, kwargs), units)
         net = self.for_workers(by_reference=local_processes())
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
@@ -500,8 +497,9 @@ ValueError
             return finish(*merge_steps(parts), units)
         # Row blocks of the queries with their rows of the weights.
         rows = np.arange(len(X))
+        # Cut where the serial call's node choices are: its numbers.
         parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs,
-                               align=align)
+                               align=kwargs["chunk"])
         return finish(*merge(parts), units)
 
     def _decompose_block(self, X, weights, kwargs):

@@ -14,7 +14,7 @@ from ._capture import Capture, capture, forward
 from ._contract import dense_grad
 from ._generic import per_sample_jacobian
 from ._gram import hidden_reads, tangent_features, tangent_gram, tangent_gram_diag
-from ._pairs import Adjoint, directional, factor_shares, group_shares, pair_terms
+from ._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._projection import project_tangent_features
 from ._routes import FallbackWarning, LayerRoute, check_rule, layer_routes, warn_on_fallback
 from ._rules import RULES, Rule, Term, Use, get_rule, register_rule
@@ -46,7 +46,6 @@ __all__ = [
     "dense_grad",
     "directional",
     "factor_shares",
-    "group_shares",
     "pair_terms",
     "stacked_mlp",
     "stacked_path_sum",

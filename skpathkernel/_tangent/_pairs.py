@@ -46,7 +46,7 @@ from ._contract import densify, rank_one, split_constant_inputs
 from ._rules import Term
 
 __all__ = ["Adjoint", "Flat", "directional", "factor_shares", "formed_contraction",
-           "group_shares", "pair_terms", "prepare_directions"]
+           "pair_terms", "prepare_directions"]
 
 # Bytes of one chunk of adjoint rows: a chunk is updated, then contracted with the batch,
 # while it is still in cache. On a CPU with 2 MiB of L2 per core, 1-4 MiB chunks were
@@ -219,55 +219,6 @@ def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
                 Ga.add_(ones)
             Gd.mul_(Ga.view(-1, m, n, 1).mul_(w))
         share = Gd[:, 0] if m == 1 else Gd.sum(1)
-        out = share if out is None else out.add_(share)
-    return out
-
-
-def group_shares(chunks: Sequence[tuple[Sequence[Sequence[Flat]], Sequence[float]]],
-                 batch: Sequence[Flat], dhat: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`factor_shares` of several chunks of queries, each at its own nodes, side by
-    side: (m, sum of the chunks' n, C).
-
-    All chunks' rows go through one GEMM per factor: node ``k`` of every chunk in turn,
-    a chunk with fewer nodes padded by its first node at weight 0 (its terms then add
-    exact zeros to the sum over the nodes), so that the float64 passes run once for all
-    chunks, each chunk's sum in :func:`factor_shares`' order. The decomposition calls
-    this once per step for a group of chunks (see ``capture_group``): a call per chunk
-    was a fifth of plain SGD's exact ``attribute``, in torch calls on a few dozen rows.
-    A float32 row may round with the other rows of its GEMM, so the callers keep the
-    groups' bounds fixed.
-    """
-    if len(chunks) == 1:
-        return factor_shares(*chunks[0], batch, dhat)
-    M = max(len(w) for _, w in chunks)
-    ns = [nodes[0][0].delta.shape[0] for nodes, _ in chunks]
-    Q, device = sum(ns), chunks[0][0][0][0].delta.device
-    # The rows (node, chunk, query): node k of each chunk, its first past its count.
-    order = [nodes[k] if k < len(nodes) else nodes[0]
-             for k in range(M) for nodes, _ in chunks]
-    w = torch.as_tensor([weights[k] if k < len(weights) else 0.0
-                         for k in range(M) for (_, weights), n in zip(chunks, ns)
-                         for _ in range(n)],
-                        dtype=torch.float64, device=device).view(1, M, Q, 1)
-    out = None
-    for j, (ty, dh) in enumerate(zip(batch, dhat)):
-        C, p = order[0][j].delta.shape[1:]
-        d = torch.cat([node[j].delta.reshape(-1, p) for node in order])
-        Gd = _sample_major(d @ dh.T).view(-1, M, Q, C)
-        Ga, ones = None, 0
-        for i, (_, ay) in enumerate(ty.inputs):
-            if ay is None:
-                ones += 1
-                continue
-            G = _sample_major(torch.cat([node[j].inputs[i][1] for node in order]) @ ay.T)
-            Ga = G if Ga is None else Ga.add_(G)
-        if Ga is None:
-            Gd.mul_(ones * w)
-        else:
-            if ones:
-                Ga.add_(ones)
-            Gd.mul_(Ga.view(-1, M, Q, 1).mul_(w))
-        share = Gd[:, 0] if M == 1 else Gd.sum(1)
         out = share if out is None else out.add_(share)
     return out
 

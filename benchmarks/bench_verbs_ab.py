@@ -6,14 +6,16 @@ default Adam).
 
 The ref's two modules are imported beside the tree's; the tree's ``decompose`` walks the
 steps through the ref's ``_factored_block`` (with the ref's ``factor_shares`` and
-``directional``) or its own, alternately, ``REPS`` times each (default 2), timed by
+``directional``) and cuts the queries in the ref's chunks (``node_chunk``), or its own,
+alternately, ``REPS`` times each (default 2), timed by
 ``time.process_time`` on one torch thread. The results' largest difference relative to
 their largest entry is reported beside the ratio.
 
 Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_verbs_ab [REF] [CASES] [RESULTS]``
 (REF ``main``; CASES comma-separated ``solver:call`` of ``sgd``/``adam`` and
 ``decompose_first``, ``attribute_first``, ``attribute_first_expected``,
-``decompose_first_expected``, ``attribute``, ``explain``; RESULTS the results file name,
+``decompose_first_expected``, ``attribute``, ``explain``, ``decompose20`` (exact, all
+outputs, 20 queries); RESULTS the results file name,
 ``verbs_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json`` (provenance: command,
 commit, ref, date, machine, load, cores).
 """
@@ -32,6 +34,7 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._analysis._decomposition as decomposition
+import skpathkernel._network._trained as trained
 from benchmarks._ab import ab_provenance, ab_row, write_ab
 from skpathkernel import PathKernelClassifier
 
@@ -72,6 +75,8 @@ def _calls(clf, Xq):
                                                           weighting="expected"),
         "attribute": lambda: clf.attribute(Xq),
         "explain": lambda: clf.explain(Xq)[1],
+        # Exact, every output (all ten), of the first 20 queries.
+        "decompose20": lambda: clf.decompose(Xq[:20]).contributions,
     }
 
 
@@ -92,17 +97,20 @@ def main(ref="main", cases=CASES, results="verbs_ab"):
             kw = dict(solver="sgd", learning_rate_init=0.1) if solver == "sgd" else {}
             fitted[solver] = PathKernelClassifier(random_state=0, **kw).fit(X, y)
         call = _calls(fitted[solver], Xq)[name]
-        impl = {"ref": old._factored_block, "tree": decomposition._factored_block}
+        # The walk over the steps and the queries' chunks (node_chunk, which the
+        # estimators' decompose reads from _trained).
+        impl = {"ref": (old._factored_block, old.node_chunk),
+                "tree": (decomposition._factored_block, decomposition.node_chunk)}
         times, out = {"ref": [], "tree": []}, {}
         try:
             for r in range(reps):
                 for key in ("ref", "tree") if r % 2 == 0 else ("tree", "ref"):
-                    decomposition._factored_block = impl[key]
+                    decomposition._factored_block, trained.node_chunk = impl[key]
                     t = time.process_time()
                     out[key] = np.asarray(call())
                     times[key].append(time.process_time() - t)
         finally:
-            decomposition._factored_block = impl["tree"]
+            decomposition._factored_block, trained.node_chunk = impl["tree"]
         row = ab_row(case, times, os.getloadavg()[0],
                      max_rel_diff=float(np.abs(out["ref"] - out["tree"]).max()
                                         / np.abs(out["ref"]).max()))

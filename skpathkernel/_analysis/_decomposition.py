@@ -92,22 +92,22 @@ Chunks. The node choice below is made per chunk of queries (``node_chunk``: half
 them, rounded up to a power of two, at most ``NODE_CHUNK``), from that chunk's
 residuals: a block of the queries on a joblib worker, cut at chunk boundaries, takes the
 serial call's nodes and gives its numbers. A chunk's node choice costs the same at every
-step whatever its size, so the chunks are as few as the workers' blocks allow (two up to
-``2 NODE_CHUNK`` queries; four to seven chunks of 16-32 before: plain SGD's exact
-``attribute`` of 100 digits 2x faster, the default Adam's about 1.2x). The chunks of a
-query block walk the steps together: a step's batch capture, float64 directions and node
-parameters are made once for all of them; the chunks that try the same node count take
-their float64 products with the step in one pass (and in float64 their captures too).
-They share one adjoint buffer (:class:`._tangent.Adjoint`): each chunk's rows are
-updated from its own nodes, and the batch's formed gradients are made once per step and
-contracted with every row of the block in one GEMM. A buffer per chunk (a few queries:
-tens of rows of ten outputs, a few of the margin) forms the batch's gradients once per
-chunk, and a chunk with fewer rows than a layer's inputs takes the factor contraction's
-two extra passes: measured, about a third of ``decompose`` of 10 queries and of
-``attribute`` of 100 (one thread). The queries' captures stay per chunk in float32 (see
-below), about a fifth of those calls when made step by step: their GEMMs are small, the
-per-capture set-up is most of it (hence a chunk's captures for a block of steps, see
-*Captures*).
+step whatever its size, so the chunks are few: two up to ``2 NODE_CHUNK`` queries, a
+block for each of two workers (four to seven chunks of 16-32 before: plain SGD's exact
+``attribute`` of 100 digits 1.9-2.2x faster, the default Adam's 1.1-1.3x,
+``benchmarks/results/verbs_ab-chunks.md``). The chunks of a query block walk the steps
+together: a step's batch capture, float64 directions and node parameters are made once
+for all of them; the chunks that try the same node count take their float64 products
+with the step in one pass (and in float64 their captures too). They share one adjoint
+buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated from its own nodes,
+and the batch's formed gradients are made once per step and contracted with every row of
+the block in one GEMM. A buffer per chunk (a few queries: tens of rows of ten outputs, a
+few of the margin) forms the batch's gradients once per chunk, and a chunk with fewer
+rows than a layer's inputs takes the factor contraction's two extra passes: measured,
+about a third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one thread).
+The queries' captures stay per chunk in float32 (see below), about a fifth of those
+calls when made step by step: their GEMMs are small, the per-capture set-up is most of
+it (hence a chunk's captures for a block of steps, see *Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -198,9 +198,8 @@ REPLAY_ROWS = 25
 # call gets all the queries or a block of them on a worker (blocks are cut at multiples
 # of the chunk), so that the blocks give the serial call's numbers. Each chunk pays its
 # own node choice at every step (its tries, retries and products with the step), about
-# 2.9 ms a step on the default classifier whatever its size (16 to 128 queries, plain
-# SGD's exact attribute of 100 digits, one thread: 22.5 s in 7 chunks, 11.3 s in 2, 6.9 s
-# in 1), while a larger chunk's count, chosen for more queries, is rarely higher.
+# 2.9 ms a step on the default classifier whatever its size from 16 to 128 queries
+# (benchmarks/results/node_chunk_sizes.md): a few large chunks, not many small ones.
 NODE_CHUNK = 128
 # The most recorded steps whose batches one stacked pass captures (an eighth of the
 # memory budget may cap it lower; the same for a chunk's queries at the nodes): the

@@ -172,7 +172,7 @@ def _critical_path(net, Xq, repeats):
     from skpathkernel._parallel import _ranges
 
     kw = dict(method="exact", weighting="realized", n_nodes=None, tol=None,
-              chunk=node_chunk(len(Xq)))
+              chunk=node_chunk(net.trajectory, "exact", len(Xq)))
     ranges = step_ranges(net.trajectory, "exact", "realized", len(Xq), 2)
     if ranges is not None:
         shares = [(Xq, {**kw, "intervals": r}) for r in ranges]

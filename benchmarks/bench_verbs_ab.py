@@ -21,6 +21,7 @@ commit, ref, date, machine, load, cores).
 """
 
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -65,6 +66,15 @@ def _reference_modules(ref):
     return dec
 
 
+def _chunk_rule(mod):
+    """``mod``'s ``node_chunk`` as the estimators call it, ``(traj, method, n_queries)``
+    (a ref from before the rule read the route takes ``n_queries`` alone)."""
+    rule = mod.node_chunk
+    if len(inspect.signature(rule).parameters) == 1:
+        return lambda traj, method, n: rule(n)
+    return rule
+
+
 def _calls(clf, Xq):
     return {
         "decompose_first": lambda: clf.decompose(Xq, method="first_order").contributions,
@@ -99,7 +109,7 @@ def main(ref="main", cases=CASES, results="verbs_ab"):
         call = _calls(fitted[solver], Xq)[name]
         # The walk over the steps and the queries' chunks (node_chunk, which the
         # estimators' decompose reads from _trained).
-        impl = {"ref": (old._factored_block, old.node_chunk),
+        impl = {"ref": (old._factored_block, _chunk_rule(old)),
                 "tree": (decomposition._factored_block, decomposition.node_chunk)}
         times, out = {"ref": [], "tree": []}, {}
         try:

@@ -572,7 +572,7 @@ def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monke
     import skpathkernel._tangent._pairs as pairs
 
     monkeypatch.setattr(pairs, "formed_contraction", lambda rows, q: formed)
-    monkeypatch.setattr(trained, "node_chunk", lambda n: 2)
+    monkeypatch.setattr(trained, "node_chunk", lambda *args: 2)
     counts = iter([1, 2, 3])
     init = interpolation._Quadrature.__init__
 
@@ -762,14 +762,11 @@ def test_captures_made_ahead_are_the_ones_used(engine, monkeypatch):
     alone. Counted against the step-by-step call, whose captures are exactly those the
     walk reads, with the same numbers."""
     import skpathkernel._analysis._decomposition as interpolation
-    import skpathkernel._network._trained as trained
 
     est, X = _adam_path(32, 24)
     T = len(est.trajectory_) - 1
-    # Six chunks of 4 queries, whose counts change apart (the call's rule makes two).
-    monkeypatch.setattr(trained, "node_chunk", lambda n: 4)
     # The queries' rows: a chunk of 4 (adaptive nodes), or all 24; a batch has 8.
-    queries = (4, len(X))
+    queries = (interpolation.node_chunk(est.trajectory_, "exact", len(X)), len(X))
     made = {"points": 0, "passes": 0}
     if engine == "general":
         monkeypatch.setattr(interpolation._StackedCapture, "matches", lambda *args: False)
@@ -816,12 +813,10 @@ def test_captures_held_ahead_stay_within_the_budget(monkeypatch):
     several steps are still made (a float64 path whose counts settle), and the numbers
     are the step-by-step ones."""
     import skpathkernel._analysis._decomposition as interpolation
-    import skpathkernel._network._trained as trained
 
     budget = 2**24
     est, X = _adam_path(64, 128, batch_size=16, dtype="float64", lr=0.001,
                         memory_budget=budget)
-    monkeypatch.setattr(trained, "node_chunk", lambda n: 32)  # four chunks (the rule: two)
     held = []
     nodes = interpolation._NodesAhead.nodes
 

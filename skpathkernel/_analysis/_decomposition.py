@@ -88,26 +88,29 @@ per chunk of queries and per step (the float32 captures of each chunk apart, so 
 block of queries on a worker gives the serial call's numbers), and on the adjoint route
 the float64 contraction itself.
 
-Chunks. The node choice below is made per chunk of queries (``node_chunk``: half of
-them, rounded up to a power of two, at most ``NODE_CHUNK``), from that chunk's
-residuals: a block of the queries on a joblib worker, cut at chunk boundaries, takes the
-serial call's nodes and gives its numbers. A chunk's node choice costs the same at every
-step whatever its size, so the chunks are few: two up to ``2 NODE_CHUNK`` queries, a
-block for each of two workers (four to seven chunks of 16-32 before: plain SGD's exact
-``attribute`` of 100 digits 1.9-2.2x faster, the default Adam's 1.1-1.3x,
-``benchmarks/results/verbs_ab-chunks.md``). The chunks of a query block walk the steps
-together: a step's batch capture, float64 directions and node parameters are made once
-for all of them; the chunks that try the same node count take their float64 products
-with the step in one pass (and in float64 their captures too). They share one adjoint
-buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated from its own nodes,
-and the batch's formed gradients are made once per step and contracted with every row of
-the block in one GEMM. A buffer per chunk (a few queries: tens of rows of ten outputs, a
-few of the margin) forms the batch's gradients once per chunk, and a chunk with fewer
-rows than a layer's inputs takes the factor contraction's two extra passes: measured,
-about a third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one thread).
-The queries' captures stay per chunk in float32 (see below), about a fifth of those
-calls when made step by step: their GEMMs are small, the per-capture set-up is most of
-it (hence a chunk's captures for a block of steps, see *Captures*).
+Chunks. The node choice below is made per chunk of queries (``node_chunk``), from that
+chunk's residuals: a block of the queries on a joblib worker, cut at chunk boundaries,
+takes the serial call's nodes and gives its numbers. A chunk's node choice costs about
+the same at every step whatever its size; on plain SGD it is most of the call and the
+workers split the steps, so the chunks there are few: two up to ``2 NODE_CHUNK`` queries
+(seven of 16 before on 100 queries: plain SGD's exact ``attribute`` of 100 digits
+1.9-2.2x faster, ``benchmarks/results/verbs_ab-chunks.md``). On the adjoint route the
+queries are the workers' blocks, and a chunk costs a few percent of the call (two chunks
+instead of seven: 1.1-1.3x there): chunks of a quarter of the queries, at most
+``BLOCK_CHUNK``, so that four workers or more get blocks. The chunks of a query block
+walk the steps together: a step's batch capture, float64 directions and node parameters
+are made once for all of them; the chunks that try the same node count take their
+float64 products with the step in one pass (and in float64 their captures too). They
+share one adjoint buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated
+from its own nodes, and the batch's formed gradients are made once per step and
+contracted with every row of the block in one GEMM. A buffer per chunk (a few queries:
+tens of rows of ten outputs, a few of the margin) forms the batch's gradients once per
+chunk, and a chunk with fewer rows than a layer's inputs takes the factor contraction's
+two extra passes: measured, about a third of ``decompose`` of 10 queries and of
+``attribute`` of 100 (one thread). The queries' captures stay per chunk in float32 (see
+below), about a fifth of those calls when made step by step: their GEMMs are small, the
+per-capture set-up is most of it (hence a chunk's captures for a block of steps, see
+*Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -197,10 +200,15 @@ REPLAY_ROWS = 25
 # a step is chosen from the residuals of one chunk of queries, the same whether the
 # call gets all the queries or a block of them on a worker (blocks are cut at multiples
 # of the chunk), so that the blocks give the serial call's numbers. Each chunk pays its
-# own node choice at every step (its tries, retries and products with the step), about
-# 2.9 ms a step on the default classifier whatever its size from 16 to 128 queries
-# (benchmarks/results/node_chunk_sizes.md): a few large chunks, not many small ones.
+# own node choice at every step (its tries, retries and products with the step). On
+# plain SGD that is most of the call, about 2.9 ms a step on the default classifier
+# whatever the chunk's size from 16 to 128 queries (2.6 s of a 7-23 s call per chunk,
+# benchmarks/results/node_chunk_sizes.md), and its workers split the steps, not the
+# queries (step_ranges): a few large chunks (at most NODE_CHUNK). On the adjoint and
+# dense routes a chunk costs about 0.5 s of 11-14 s there, and the queries are the
+# workers' blocks: chunks of a quarter of them (at most BLOCK_CHUNK), as many blocks.
 NODE_CHUNK = 128
+BLOCK_CHUNK = 32
 # The most recorded steps whose batches one stacked pass captures (an eighth of the
 # memory budget may cap it lower; the same for a chunk's queries at the nodes): the
 # batch side of a step reads neither the queries nor the adjoint, so the steps the walk
@@ -519,12 +527,17 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
-def node_chunk(n_queries: int) -> int:
-    """Queries per node choice for a call on ``n_queries`` queries: the power of two that
-    covers half of them (two chunks, hence two query blocks for workers, which are cut
-    at its multiples and pass it on), between 4 and ``NODE_CHUNK``."""
-    half = -(-max(1, int(n_queries)) // 2)
-    return min(NODE_CHUNK, max(4, 1 << (half - 1).bit_length()))
+def node_chunk(traj: Trajectory, method: str, n_queries: int) -> int:
+    """Queries per node choice for a call on ``n_queries`` queries, a power of two (query
+    blocks on workers are cut at its multiples and pass it on; a memory budget that caps
+    it takes a smaller power of two, which still divides them): on plain SGD's route the
+    one that covers half of them, between 4 and ``NODE_CHUNK`` (two chunks up to
+    ``2 NODE_CHUNK`` queries); on the others a quarter of them, between 4 and
+    ``BLOCK_CHUNK`` (see ``NODE_CHUNK``)."""
+    n = max(1, int(n_queries))
+    if _route(traj, method) == "factor":
+        return min(NODE_CHUNK, max(4, 1 << (-(-n // 2) - 1).bit_length()))
+    return _pow2_floor(min(BLOCK_CHUNK, max(4, n // 4)))
 
 
 def _batch_index(traj, t, weighting, N, device):
@@ -1331,7 +1344,7 @@ def decompose(
     whole path's, and ``error`` means nothing until they are summed.
 
     ``chunk``: the queries whose nodes are chosen together (a power of two; None:
-    :func:`node_chunk` of ``len(X)``); a block of a larger call's queries passes the
+    :func:`node_chunk` of the call); a block of a larger call's queries passes the
     call's, and starts at a multiple of it.
     """
     if intervals is not None and _route(traj, method) != "factor":
@@ -1405,7 +1418,7 @@ def decompose(
                 exclude=exclude,
                 outputs=outputs, row=row, width=width, largest=largest, itemsize=itemsize,
                 P=P, N=N, ref=ref, n_nodes=n_nodes,
-                chunk=node_chunk(len(X)) if chunk is None else chunk,
+                chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
                 weights=weights, intervals=intervals)
             break
         except _Reroute as new:
@@ -1517,7 +1530,11 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
     queries = replay or (NODES_GUESS if method == "exact" else 1) * Q  # a step's
     restart = 2 * Q if method == "exact" and n_nodes is None and not replay else 0.0
     ref = (n + 1) * Q / 2 if method == "exact" else 0.0
-    blocks = batch.sum() + (n * queries + ref) / n_tasks
+    # Query blocks are cut at the node chunks of an adaptive call: no more blocks.
+    adaptive = method == "exact" and n_nodes is None
+    n_blocks = min(n_tasks, max(1, -(-n_queries // node_chunk(traj, method, n_queries)))
+                   if adaptive else n_tasks)
+    blocks = batch.sum() + (n * queries + ref) / n_blocks
     # The cheapest cut: bisection on the largest worker cost, each range taken greedily
     # from the path's end (the order the serial call walks it).
     own = batch + queries

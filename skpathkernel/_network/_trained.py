@@ -482,7 +482,7 @@ ValueError
         self._training_data()  # its errors here, not on the workers
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
-                      chunk=node_chunk(len(X)))
+                      chunk=node_chunk(self.trajectory, method, len(X)))
         ranges = step_ranges(self.trajectory, method, weighting, len(X),
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)

@@ -315,6 +315,24 @@ def test_float32_query_blocks_give_the_serial_numbers(adam32_fitted, backend):
     assert np.abs(par.reconstruction - par.prediction).max() <= 1e-5 * size
 
 
+def test_float32_query_blocks_under_a_memory_cap(adam32_fitted):
+    """A memory budget whose blocks hold fewer queries than a node chunk caps the chunk
+    to a smaller power of two, which still divides the chunk the workers' blocks are cut
+    at: the blocks give the serial call's nodes and numbers. (A cap to the block's 7
+    queries, not a power of two, cuts the serial chunks where no block starts.)"""
+    est, Xq = adam32_fitted
+    budget = est.get_params()["memory_budget"]
+    est.set_params(memory_budget=50_000)  # blocks of 7 queries: chunks of 8 capped to 4
+    try:
+        serial = est.decompose(Xq)
+        with joblib.parallel_config(backend="threading"):
+            par = est.decompose(Xq, n_jobs=2)
+    finally:
+        est.set_params(memory_budget=budget)
+    _same(par, serial)
+    assert np.array_equal(par.n_nodes, serial.n_nodes)
+
+
 def test_float32_sgd_chunks_keep_their_own_captures(monkeypatch):
     """Plain SGD's float32 pair products read each chunk's own capture, not rows of the
     group's joined one: a view at a row offset is memory laid out unlike a serial call's,

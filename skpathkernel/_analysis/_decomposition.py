@@ -103,14 +103,14 @@ are made once for all of them; the chunks that try the same node count take thei
 float64 products with the step in one pass (and in float64 their captures too). They
 share one adjoint buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated
 from its own nodes, and the batch's formed gradients are made once per step and
-contracted with every row of the block in one GEMM. A buffer per chunk (a few queries:
-tens of rows of ten outputs, a few of the margin) forms the batch's gradients once per
-chunk, and a chunk with fewer rows than a layer's inputs takes the factor contraction's
-two extra passes: measured, about a third of ``decompose`` of 10 queries and of
-``attribute`` of 100 (one thread). The queries' captures stay per chunk in float32 (see
-below), about a fifth of those calls when made step by step: their GEMMs are small, the
-per-capture set-up is most of it (hence a chunk's captures for a block of steps, see
-*Captures*).
+contracted with every row of the block in one GEMM. A buffer per chunk (with chunks of
+4-16 queries: 40-160 rows of ten outputs, 4-16 of the margin) forms the batch's
+gradients once per chunk, and a chunk with fewer rows than a layer's inputs takes the
+factor contraction's two extra passes: measured, about a third of ``decompose`` of 10
+queries and of ``attribute`` of 100 (one thread). The queries' captures stay per chunk
+in float32 (see below), about a fifth of those calls when made step by step: their GEMMs
+are small, the per-capture set-up is most of it (hence a chunk's captures for a block of
+steps, see *Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are

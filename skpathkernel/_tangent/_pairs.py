@@ -184,8 +184,8 @@ def factor_shares(nodes: Sequence[Sequence[Flat]], weights: Sequence[float],
     ``index_add_`` of contiguous rows; query-major rows cost a scattered write per
     query and sample).
     All nodes' rows go through one GEMM per factor and the nodes are summed in one pass:
-    the decomposition calls this per chunk of queries and step, with a few dozen rows,
-    where the number of torch calls is the cost.
+    the decomposition calls this per chunk of queries and step, with tens to hundreds
+    of rows, where the number of torch calls is much of the cost.
     """
     m = len(nodes)
     w = torch.as_tensor(weights, dtype=torch.float64,

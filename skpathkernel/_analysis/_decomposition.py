@@ -92,25 +92,25 @@ Chunks. The node choice below is made per chunk of queries (``node_chunk``), fro
 chunk's residuals: a block of the queries on a joblib worker, cut at chunk boundaries,
 takes the serial call's nodes and gives its numbers. A chunk's node choice costs about
 the same at every step whatever its size; on plain SGD it is most of the call and the
-workers split the steps, so the chunks there are few: two up to ``2 NODE_CHUNK`` queries
-(seven of 16 before on 100 queries: plain SGD's exact ``attribute`` of 100 digits
-1.9-2.2x faster, ``benchmarks/results/verbs_ab-chunks.md``). On the adjoint route the
-queries are the workers' blocks, and a chunk costs a few percent of the call (two chunks
-instead of seven: 1.1-1.3x there): chunks of a quarter of the queries, at most
-``BLOCK_CHUNK``, so that four workers or more get blocks. The chunks of a query block
-walk the steps together: a step's batch capture, float64 directions and node parameters
-are made once for all of them; the chunks that try the same node count take their
-float64 products with the step in one pass (and in float64 their captures too). They
-share one adjoint buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated
-from its own nodes, and the batch's formed gradients are made once per step and
-contracted with every row of the block in one GEMM. A buffer per chunk (with chunks of
-4-16 queries: 40-160 rows of ten outputs, 4-16 of the margin) forms the batch's
-gradients once per chunk, and a chunk with fewer rows than a layer's inputs takes the
-factor contraction's two extra passes: measured, about a third of ``decompose`` of 10
-queries and of ``attribute`` of 100 (one thread). The queries' captures stay per chunk
-in float32 (see below), about a fifth of those calls when made step by step: their GEMMs
-are small, the per-capture set-up is most of it (hence a chunk's captures for a block of
-steps, see *Captures*).
+workers split the steps, so the chunks there are few: at most two up to ``2 NODE_CHUNK``
+queries (seven of 16 before on 100 queries: plain SGD's exact ``attribute`` of 100
+digits 1.9-2.2x faster, ``benchmarks/results/verbs_ab-chunks.md`` and ``-first.md``). On
+the adjoint route the queries are the workers' blocks, and a chunk costs a few percent
+of the call (two chunks instead of seven: 1.1-1.3x there, ``verbs_ab-chunks-first.md``):
+chunks of a quarter of the queries, at most ``BLOCK_CHUNK``, so that four workers or
+more get blocks. The chunks of a query block walk the steps together: a step's batch
+capture, float64 directions and node parameters are made once for all of them; the
+chunks that try the same node count take their float64 products with the step in one
+pass (and in float64 their captures too). They share one adjoint buffer
+(:class:`._tangent.Adjoint`): each chunk's rows are updated from its own nodes, and the
+batch's formed gradients are made once per step and contracted with every row of the
+block in one GEMM. A buffer per chunk (with chunks of 4-16 queries: 40-160 rows of ten
+outputs, 4-16 of the margin) forms the batch's gradients once per chunk, and a chunk
+with fewer rows than a layer's inputs takes the factor contraction's two extra passes:
+measured, about a third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one
+thread). The queries' captures stay per chunk in float32 (see below), about a fifth of
+those calls when made step by step: their GEMMs are small, the per-capture set-up is
+most of it (hence a chunk's captures for a block of steps, see *Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -205,8 +205,9 @@ REPLAY_ROWS = 25
 # whatever the chunk's size from 16 to 128 queries (2.6 s of a 7-23 s call per chunk,
 # benchmarks/results/node_chunk_sizes.md), and its workers split the steps, not the
 # queries (step_ranges): a few large chunks (at most NODE_CHUNK). On the adjoint and
-# dense routes a chunk costs about 0.5 s of 11-14 s there, and the queries are the
-# workers' blocks: chunks of a quarter of them (at most BLOCK_CHUNK), as many blocks.
+# dense routes a chunk costs about 0.5 s of 11-14 s there (verbs_ab-chunks-first.md),
+# and the queries are the workers' blocks: chunks of a quarter of them (at most
+# BLOCK_CHUNK), as many blocks.
 NODE_CHUNK = 128
 BLOCK_CHUNK = 32
 # The most recorded steps whose batches one stacked pass captures (an eighth of the

@@ -333,6 +333,40 @@ def test_float32_query_blocks_under_a_memory_cap(adam32_fitted):
     assert np.array_equal(par.n_nodes, serial.n_nodes)
 
 
+@pytest.mark.parametrize("kwargs", [dict(method="first_order"), dict(n_nodes=2),
+                                    dict(method="exact")])
+def test_query_blocks_follow_the_chunks_only_where_nodes_are_chosen(kwargs, monkeypatch):
+    """An adaptive node choice cuts the workers' query blocks at its chunks (100
+    queries of plain SGD: 64 and 36); a method that chooses no nodes balances them by
+    rows (50 and 50). Both give the serial call's numbers."""
+    import skpathkernel._network._trained as trained
+
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(30, 2))
+    y = np.sin(2 * X[:, 0]) + X[:, 1]
+    est = PathKernelMachine(hidden_layer_sizes=(8,), solver="sgd", momentum=0.0,
+                            batch_size=10, max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(X, y)
+    Xq = rng.uniform(-1, 1, size=(100, 2))
+    # Query blocks, not ranges of steps: the path has too few steps to split.
+    monkeypatch.setattr(trained, "step_ranges", lambda *args, **kw: None)
+    blocks = []
+    run = trained._decompose_rows
+
+    def spy(rows, *args):
+        blocks.append(len(rows))
+        return run(rows, *args)
+
+    monkeypatch.setattr(trained, "_decompose_rows", spy)
+    serial = est.decompose(Xq, **kwargs)
+    with joblib.parallel_config(backend="threading"):
+        par = est.decompose(Xq, n_jobs=2, **kwargs)
+    adaptive = kwargs.get("method") == "exact"
+    assert blocks == ([64, 36] if adaptive else [50, 50])
+    assert_allclose(par.contributions, serial.contributions, rtol=1e-12,
+                    atol=1e-12 * np.abs(serial.contributions).max())
+
+
 def test_float32_sgd_chunks_keep_their_own_captures(monkeypatch):
     """Plain SGD's float32 pair products read each chunk's own capture, not rows of the
     group's joined one: a view at a row offset is memory laid out unlike a serial call's,

@@ -483,11 +483,13 @@ ValueError
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                       chunk=node_chunk(self.trajectory, method, len(X)))
+        # Only an adaptive node choice binds the blocks to the chunks; other methods'
+        # blocks are balanced by rows.
+        align = kwargs["chunk"] if method == "exact" and n_nodes is None else 1
         ranges = step_ranges(self.trajectory, method, weighting, len(X),
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)
-        if ranges is None and min(n_row_blocks(n_jobs, X),
-                                  -(-len(X) // kwargs["chunk"])) == 1:
+        if ranges is None and min(n_row_blocks(n_jobs, X), -(-len(X) // align)) == 1:
             return finish(*self._decompose_block(X, weights, kwargs), units)
         net = self.for_workers(by_reference=local_processes())
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
@@ -499,7 +501,7 @@ ValueError
         rows = np.arange(len(X))
         # Cut where the serial call's node choices are: its numbers.
         parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs,
-                               align=kwargs["chunk"])
+                               align=align)
         return finish(*merge(parts), units)
 
     def _decompose_block(self, X, weights, kwargs):

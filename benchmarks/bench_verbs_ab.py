@@ -12,12 +12,13 @@ alternately, ``REPS`` times each (default 2), timed by
 their largest entry is reported beside the ratio.
 
 Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_verbs_ab [REF] [CASES] [RESULTS]``
-(REF ``main``; CASES comma-separated ``solver:call`` of ``sgd``/``adam`` and
-``decompose_first``, ``attribute_first``, ``attribute_first_expected``,
-``decompose_first_expected``, ``attribute``, ``explain``, ``decompose20`` (exact, all
-outputs, 20 queries); RESULTS the results file name,
-``verbs_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json`` (provenance: command,
-commit, ref, date, machine, load, cores).
+(REF ``main``: the commit to compare with, e.g. the one before a change, since ``main``
+after a merge compares the tree with itself; CASES comma-separated ``solver:call`` of
+``sgd``/``adam`` and ``decompose_first``, ``attribute_first``,
+``attribute_first_expected``, ``decompose_first_expected``, ``attribute``, ``explain``,
+``decompose20`` (exact, all outputs, 20 queries); RESULTS the results file name,
+``verbs_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json`` (provenance:
+command, commit, ref, date, machine, load, cores).
 """
 
 import importlib.util

@@ -96,21 +96,22 @@ workers split the steps, so the chunks there are few: at most two up to ``2 NODE
 queries (seven of 16 before on 100 queries: plain SGD's exact ``attribute`` of 100
 digits 1.9-2.2x faster, ``benchmarks/results/verbs_ab-chunks.md`` and ``-first.md``). On
 the adjoint route the queries are the workers' blocks, and a chunk costs a few percent
-of the call (two chunks instead of seven: 1.1-1.3x there, ``verbs_ab-chunks-first.md``):
-chunks of a quarter of the queries, at most ``BLOCK_CHUNK``, so that four workers or
-more get blocks. The chunks of a query block walk the steps together: a step's batch
-capture, float64 directions and node parameters are made once for all of them; the
-chunks that try the same node count take their float64 products with the step in one
-pass (and in float64 their captures too). They share one adjoint buffer
-(:class:`._tangent.Adjoint`): each chunk's rows are updated from its own nodes, and the
-batch's formed gradients are made once per step and contracted with every row of the
-block in one GEMM. A buffer per chunk (with chunks of 4-16 queries: 40-160 rows of ten
-outputs, 4-16 of the margin) forms the batch's gradients once per chunk, and a chunk
-with fewer rows than a layer's inputs takes the factor contraction's two extra passes:
-measured, about a third of ``decompose`` of 10 queries and of ``attribute`` of 100 (one
-thread). The queries' captures stay per chunk in float32 (see below), about a fifth of
-those calls when made step by step: their GEMMs are small, the per-capture set-up is
-most of it (hence a chunk's captures for a block of steps, see *Captures*).
+of the call (two chunks instead of seven: Adam's ``attribute`` 1.24x, ``explain`` 1.11x,
+``verbs_ab-chunks-first.md``): chunks of a quarter of the queries, at most
+``BLOCK_CHUNK``, so that four workers or more get blocks. The chunks of a query block
+walk the steps together: a step's batch capture, float64 directions and node parameters
+are made once for all of them; the chunks that try the same node count take their
+float64 products with the step in one pass (and in float64 their captures too). They
+share one adjoint buffer (:class:`._tangent.Adjoint`): each chunk's rows are updated
+from its own nodes, and the batch's formed gradients are made once per step and
+contracted with every row of the block in one GEMM. A buffer per chunk (with chunks of
+4-16 queries: 40-160 rows of ten outputs, 4-16 of the margin) forms the batch's
+gradients once per chunk, and a chunk with fewer rows than a layer's inputs takes the
+factor contraction's two extra passes: measured, about a third of ``decompose`` of 10
+queries and of ``attribute`` of 100 (one thread). The queries' captures stay per chunk
+in float32 (see below), about a fifth of those calls when made step by step: their GEMMs
+are small, the per-capture set-up is most of it (hence a chunk's captures for a block of
+steps, see *Captures*).
 
 A contracted output (``weights``: ``attribute``'s ``w_q . f(x_q)``) takes the same routes
 with one output per query: its captures backpropagate ``w_q . f`` once (the factors are
@@ -147,6 +148,7 @@ from sklearn.exceptions import ConvergenceWarning
 from torch.func import functional_call, jacrev, jvp, vmap
 
 from .._memory import rows_per_block
+from .._parallel import _ranges
 from .._path._losses import Loss
 from .._path._trajectory import Trajectory
 from .._tangent import (
@@ -204,10 +206,10 @@ REPLAY_ROWS = 25
 # plain SGD that is most of the call, about 2.9 ms a step on the default classifier
 # whatever the chunk's size from 16 to 128 queries (2.6 s of a 7-23 s call per chunk,
 # benchmarks/results/node_chunk_sizes.md), and its workers split the steps, not the
-# queries (step_ranges): a few large chunks (at most NODE_CHUNK). On the adjoint and
-# dense routes a chunk costs about 0.5 s of 11-14 s there (verbs_ab-chunks-first.md),
-# and the queries are the workers' blocks: chunks of a quarter of them (at most
-# BLOCK_CHUNK), as many blocks.
+# queries (step_ranges): a few large chunks (at most NODE_CHUNK). On the adjoint route
+# a chunk costs 0.3-0.5 s of Adam's 11-16 s calls there (verbs_ab-chunks-first.md), and
+# the queries are the workers' blocks: chunks of a quarter of them (at most
+# BLOCK_CHUNK), as many blocks; the dense route (second order) does as it does.
 NODE_CHUNK = 128
 BLOCK_CHUNK = 32
 # The most recorded steps whose batches one stacked pass captures (an eighth of the
@@ -1504,7 +1506,8 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
     one point, a query row at each of ``NODES_GUESS`` quadrature nodes, about as costly):
 
     - query blocks: every block captures every step's batch and its queries, ``T b + k
-      T Q / n``;
+      T Q_w`` for the largest block's ``Q_w`` queries (about ``Q / n``; an adaptive
+      call's blocks are cut at its node chunks, at most one per chunk);
     - step ranges: each range captures its steps' batches and queries, but every
       query's reference f at all ``T + 1`` points (about half a capture each), and
       either restarts the adaptive node count at its first step (about 2 node captures
@@ -1531,11 +1534,12 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
     queries = replay or (NODES_GUESS if method == "exact" else 1) * Q  # a step's
     restart = 2 * Q if method == "exact" and n_nodes is None and not replay else 0.0
     ref = (n + 1) * Q / 2 if method == "exact" else 0.0
-    # Query blocks are cut at the node chunks of an adaptive call: no more blocks.
-    adaptive = method == "exact" and n_nodes is None
-    n_blocks = min(n_tasks, max(1, -(-n_queries // node_chunk(traj, method, n_queries)))
-                   if adaptive else n_tasks)
-    blocks = batch.sum() + (n * queries + ref) / n_blocks
+    # The largest query block's share of the queries: an adaptive call's blocks are cut
+    # at its node chunks (no more blocks than chunks, of unequal sizes), others' by rows.
+    align = node_chunk(traj, method, n_queries) if method == "exact" and n_nodes is None else 1
+    share = max((b - a for a, b in _ranges(n_tasks, n_queries, align)), default=0) / max(
+        1, n_queries)
+    blocks = batch.sum() + (n * queries + ref) * share
     # The cheapest cut: bisection on the largest worker cost, each range taken greedily
     # from the path's end (the order the serial call walks it).
     own = batch + queries

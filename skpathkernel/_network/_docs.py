@@ -68,11 +68,13 @@ n_jobs : int, default=None
     Query blocks on joblib workers (Dask under
     ``joblib.parallel_config(backend="dask")``; an on-disk trajectory travels as a
     reference to its directory, one in memory, to loky workers, as a temporary
-    directory of mapped files written once). The nodes are chosen per chunk of queries
-    (a quarter of them, at most 32; on plain SGD paths half of them, at most 128, so
-    there at most two blocks up to 256 queries) and the blocks are cut at chunk
-    boundaries, so the result agrees with the serial one to 1e-12 relative in float32
-    as in float64 (the warnings judge the joined result). Plain SGD paths with few
+    directory of mapped files written once). An adaptive exact call chooses its nodes
+    per chunk of queries (a power of two near a quarter of them, at most 32; on plain
+    SGD paths near half of them, at most 128, so there at most two blocks up to 256
+    queries) and cuts the blocks at chunk boundaries, so the result agrees with the
+    serial one to 1e-12 relative in float32 as in float64 (the warnings judge the
+    joined result); the other methods' blocks are balanced by rows and agree with it to
+    the dtype's rounding. Plain SGD paths with few
     queries next to their batches give each worker a range of steps for every query
     instead; a range first replays the node choice of the steps the serial call walks
     before it (where ``tol`` exceeds 1e-12), so it agrees with the serial result to

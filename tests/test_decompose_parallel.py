@@ -383,6 +383,25 @@ def test_query_blocks_follow_the_chunks_only_where_nodes_are_chosen(kwargs, monk
                     atol=1e-12 * np.abs(serial.contributions).max())
 
 
+def test_second_order_on_threads_gives_the_serial_numbers():
+    """The second-order term's Hessian-vector rows use forward-mode AD, whose dual
+    levels belong to the process: query blocks on threads entered and left each
+    other's level (a RuntimeError, or the process aborted)."""
+    rng = np.random.RandomState(3)
+    X = rng.uniform(-1, 1, size=(40, 3))
+    y = np.sin(3 * X[:, 0]) + X[:, 1] * X[:, 2]
+    est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", batch_size=10,
+                            learning_rate_init=0.05, max_iter=2, tol=None,
+                            dtype="float64", random_state=0).fit(X, y)
+    Xq = rng.uniform(-2, 2, size=(20, 3))
+    serial = est.decompose(Xq, method="second_order")
+    for _ in range(2):
+        with joblib.parallel_config(backend="threading"):
+            par = est.decompose(Xq, method="second_order", n_jobs=2)
+        assert_allclose(par.contributions, serial.contributions, rtol=1e-12,
+                        atol=1e-12 * np.abs(serial.contributions).max())
+
+
 def test_float32_sgd_chunks_keep_their_own_captures(monkeypatch):
     """Plain SGD's float32 pair products read each chunk's own capture, not rows of the
     group's joined one: a view at a row offset is memory laid out unlike a serial call's,

@@ -139,6 +139,7 @@ import copy
 import functools
 import math
 import numbers
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -484,6 +485,9 @@ def _residual(q: torch.Tensor, df: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- helpers
+_FORWARD_AD = threading.Lock()
+
+
 def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P)."""
     params, tangent = _params(traj, theta), _params(traj, delta)
@@ -494,7 +498,10 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     def row(x):
         return jvp(lambda p: jacrev(f_single)(p, x), (params,), (tangent,))[1]
 
-    out = vmap(row)(X)
+    # Forward-mode AD's dual levels are the process's, not a thread's: query blocks on
+    # threads (joblib's threading backend) entered and left each other's level.
+    with _FORWARD_AD:
+        out = vmap(row)(X)
     return torch.cat([out[name].flatten(start_dim=2) for name in traj.names], dim=2)
 
 

@@ -210,7 +210,7 @@ REPLAY_ROWS = 25
 # queries (step_ranges): a few large chunks (at most NODE_CHUNK). On the adjoint route
 # a chunk costs 0.3-0.5 s of Adam's 11-16 s calls there (verbs_ab-chunks-first.md), and
 # the queries are the workers' blocks: chunks of a quarter of them (at most
-# BLOCK_CHUNK), as many blocks; the dense route (second order) does as it does.
+# BLOCK_CHUNK), as many blocks. (The dense route, second order only, chooses no nodes.)
 NODE_CHUNK = 128
 BLOCK_CHUNK = 32
 # The most recorded steps whose batches one stacked pass captures (an eighth of the
@@ -541,7 +541,7 @@ def node_chunk(traj: Trajectory, method: str, n_queries: int) -> int:
     """Queries per node choice for a call on ``n_queries`` queries, a power of two (query
     blocks on workers are cut at its multiples and pass it on; a memory budget that caps
     it takes a smaller power of two, which still divides them): on plain SGD's route the
-    one that covers half of them, between 4 and ``NODE_CHUNK`` (two chunks up to
+    one that covers half of them, between 4 and ``NODE_CHUNK`` (at most two chunks up to
     ``2 NODE_CHUNK`` queries); on the others a quarter of them, between 4 and
     ``BLOCK_CHUNK`` (see ``NODE_CHUNK``)."""
     n = max(1, int(n_queries))

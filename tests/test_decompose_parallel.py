@@ -151,9 +151,9 @@ def test_many_queries_on_plain_sgd_split_the_queries(sgd_fitted, monkeypatch):
 
 def test_step_ranges_count_the_query_blocks_the_chunks_allow(sgd_fitted):
     """Four workers on 100 queries of plain SGD: the adaptive call's query blocks are
-    its two node chunks (64 and 36 queries), so each worker of a query split would
-    capture 64 queries' side of every step, not 25: ranges of steps are cheaper. Counted
-    by hand from the cost model's terms (see step_ranges)."""
+    its two node chunks (64 and 36 queries), so a query split's slowest worker would
+    capture 64 queries' side of every step, not 25: ranges of steps are cheaper there,
+    while a fixed node count's balanced blocks of 25 are cheaper than ranges."""
     from skpathkernel._analysis._decomposition import node_chunk, step_ranges
 
     est, _ = sgd_fitted
@@ -336,15 +336,29 @@ def test_float32_query_blocks_under_a_memory_cap(adam32_fitted):
     to a smaller power of two, which still divides the chunk the workers' blocks are cut
     at: the blocks give the serial call's nodes and numbers. (A cap to the block's 7
     queries, not a power of two, cuts the serial chunks where no block starts.)"""
+    from skpathkernel._analysis import _decomposition
+
     est, Xq = adam32_fitted
     budget = est.get_params()["memory_budget"]
     est.set_params(memory_budget=50_000)  # blocks of 7 queries: chunks of 8 capped to 4
+    quads = []
+    init = _decomposition._Quadrature.__init__
+
+    def counted(self, *args, **kwargs):
+        quads.append(self)
+        init(self, *args, **kwargs)
+
     try:
-        serial = est.decompose(Xq)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_decomposition._Quadrature, "__init__", counted)
+            serial = est.decompose(Xq)
         with joblib.parallel_config(backend="threading"):
             par = est.decompose(Xq, n_jobs=2)
     finally:
         est.set_params(memory_budget=budget)
+    # The cap binds: ten chunks of 4 queries, not five of the rule's 8.
+    assert _decomposition.node_chunk(est.trajectory_, "exact", len(Xq)) == 8
+    assert len(quads) == len(Xq) // 4
     _same(par, serial)
     assert np.array_equal(par.n_nodes, serial.n_nodes)
 

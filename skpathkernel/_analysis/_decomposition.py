@@ -168,8 +168,8 @@ from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import forward_factors
 from .._warnings import caller_stacklevel
 
-__all__ = ["Decomposition", "check_tol", "decompose", "default_tol", "finish", "merge",
-           "merge_steps", "node_chunk", "replays", "step_ranges"]
+__all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
+           "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
 
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
@@ -537,6 +537,15 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def _adaptive(method: str, n_nodes: int | None) -> bool:
+    """Whether the call chooses its quadrature nodes (per chunk of queries)."""
+    return method == "exact" and n_nodes is None
+
+
 def node_chunk(traj: Trajectory, method: str, n_queries: int) -> int:
     """Queries per node choice for a call on ``n_queries`` queries, a power of two (query
     blocks on workers are cut at its multiples and pass it on; a memory budget that caps
@@ -546,8 +555,15 @@ def node_chunk(traj: Trajectory, method: str, n_queries: int) -> int:
     ``BLOCK_CHUNK`` (see ``NODE_CHUNK``)."""
     n = max(1, int(n_queries))
     if _route(traj, method) == "factor":
-        return min(NODE_CHUNK, max(4, 1 << (-(-n // 2) - 1).bit_length()))
+        return min(NODE_CHUNK, max(4, _pow2_ceil(-(-n // 2))))
     return _pow2_floor(min(BLOCK_CHUNK, max(4, n // 4)))
+
+
+def block_align(traj: Trajectory, method: str, n_nodes: int | None, n_queries: int) -> int:
+    """The multiple of rows at which workers' query blocks start: the node chunk where
+    the call chooses nodes (a block then takes the serial call's choices), else 1 (the
+    blocks balanced by rows)."""
+    return node_chunk(traj, method, n_queries) if _adaptive(method, n_nodes) else 1
 
 
 def _batch_index(traj, t, weighting, N, device):
@@ -1378,8 +1394,8 @@ def decompose(
         initial, prediction = _contract(initial, weights), _contract(prediction, weights)
     ref = _Reference(module, traj, X, weights) if exact else None
     P, N = traj.n_params, X_train.shape[0]
-    tol = (default_tol(dtype) if tol is None else float(tol)) if exact and n_nodes is None \
-        else None
+    tol = ((default_tol(dtype) if tol is None else float(tol)) if _adaptive(method, n_nodes)
+           else None)
     route = _route(traj, method)
     itemsize = torch.empty((), dtype=dtype).element_size()
     # The engine's autograd check for hidden reads runs once, at the path's first, middle
@@ -1496,7 +1512,7 @@ def replays(method: str, n_nodes: int | None, tol: float | None, dtype) -> bool:
     ``REPLAY_TOL``. At that tolerance a range that restarts the choice still agrees with
     the serial call to 1e-12 relative; at float32's 1e-6 it moves the sums by about 1e-8.
     """
-    if method != "exact" or n_nodes is not None:
+    if not _adaptive(method, n_nodes):
         return False
     return (default_tol(dtype) if tol is None else float(tol)) > REPLAY_TOL
 
@@ -1539,11 +1555,11 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
     Q = float(n_queries)
     replay = REPLAY_ROWS * Q if replays(method, n_nodes, tol, traj.dtype) else 0.0
     queries = replay or (NODES_GUESS if method == "exact" else 1) * Q  # a step's
-    restart = 2 * Q if method == "exact" and n_nodes is None and not replay else 0.0
+    restart = 2 * Q if _adaptive(method, n_nodes) and not replay else 0.0
     ref = (n + 1) * Q / 2 if method == "exact" else 0.0
-    # The largest query block's share of the queries: an adaptive call's blocks are cut
-    # at its node chunks (no more blocks than chunks, of unequal sizes), others' by rows.
-    align = node_chunk(traj, method, n_queries) if method == "exact" and n_nodes is None else 1
+    # The largest query block's share of the queries, cut as decompose cuts them (an
+    # adaptive call's at its node chunks: no more blocks than chunks, of unequal sizes).
+    align = block_align(traj, method, n_nodes, n_queries)
     share = max((b - a for a, b in _ranges(n_tasks, n_queries, align)), default=0) / max(
         1, n_queries)
     blocks = batch.sum() + (n * queries + ref) * share
@@ -1681,7 +1697,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
-    adaptive = method == "exact" and n_nodes is None
+    adaptive = _adaptive(method, n_nodes)
     # The exact method chooses its nodes from a query's outputs (float64, all of them)
     # at every recorded point, kept for the whole block.
     f_bytes = 8 * n_out * len(traj) if method == "exact" else 0

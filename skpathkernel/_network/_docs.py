@@ -74,11 +74,11 @@ n_jobs : int, default=None
     queries) and cuts the blocks at chunk boundaries, so the result agrees with the
     serial one to 1e-12 relative in float32 as in float64 (the warnings judge the
     joined result); the other methods' blocks are balanced by rows and agree with it to
-    the dtype's rounding. Plain SGD paths with few
-    queries next to their batches give each worker a range of steps for every query
-    instead; a range first replays the node choice of the steps the serial call walks
-    before it (where ``tol`` exceeds 1e-12), so it agrees with the serial result to
-    1e-12 relative in float32 as in float64.
+    the dtype's rounding. Plain SGD paths with few queries next to their batches give
+    each worker a range of steps for every query instead; a range first replays the
+    node choice of the steps the serial call walks before it (where ``tol`` exceeds
+    1e-12), so it agrees with the serial result to 1e-12 relative in float32 as in
+    float64.
     ``None`` means 1 unless in a ``joblib.parallel_config`` context.${extra_params}
 
 Returns

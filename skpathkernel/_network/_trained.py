@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
 from .._analysis._decomposition import (
+    block_align,
     check_tol,
     finish,
     merge,
@@ -483,9 +484,8 @@ ValueError
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                       chunk=node_chunk(self.trajectory, method, len(X)))
-        # Only an adaptive node choice binds the blocks to the chunks; other methods'
-        # blocks are balanced by rows.
-        align = kwargs["chunk"] if method == "exact" and n_nodes is None else 1
+        # Query blocks start at the serial call's node chunks where it chooses nodes.
+        align = block_align(self.trajectory, method, n_nodes, len(X))
         ranges = step_ranges(self.trajectory, method, weighting, len(X),
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)

@@ -539,6 +539,7 @@ def test_scipy_blas_route_matches_autograd(layers, outputs, monkeypatch, one_tor
     ws = [w for _, w in weights]
     ref = _module_reference(module, thetas, Ds, ws, A, A, outputs).numpy()
     monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)
     calls = {"gemm": 0, "syrk": 0}
     real_gemm, real_syrk = _stacked._cpu_gemm, _stacked._syrk
 
@@ -854,6 +855,7 @@ def test_units_relaid_out_only_for_scipy_panels(monkeypatch, one_torch_thread):
     relaid, real = [], _stacked._contiguous_units
     monkeypatch.setattr(_stacked, "_contiguous_units",
                         lambda *a: relaid.append(1) or real(*a))
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)
     for blas_min, expected in [(641, False), (640, True)]:
         monkeypatch.setattr(_stacked, "_BLAS_MIN", blas_min)
         relaid.clear()
@@ -863,6 +865,61 @@ def test_units_relaid_out_only_for_scipy_panels(monkeypatch, one_torch_thread):
         assert bool(relaid) == (expected and _stacked._blas_process_wide())
         assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
 
+
+
+@pytest.mark.parametrize("units_scipy", [False, True], ids=["torch", "scipy"])
+def test_units_library_follows_the_cpu_vendor(units_scipy, monkeypatch, one_torch_thread):
+    """The "units" route's panels go to SciPy's GEMMs (and its backprops to their
+    layout) only where ``_UNITS_SCIPY`` says so (AMD CPUs); the "dense" layers' SYRK
+    either way; the kernel equals autograd's both ways."""
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[4], True)
+    A = torch.randn(40, 3, dtype=torch.float64)
+    outputs = [0, 1, 2, 3]
+    routes = _routes(mlp, len(outputs), True, 40, 40)
+    assert "units" in routes and "dense" in routes
+    ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, outputs)
+    monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", units_scipy)
+    calls = {"units_gemm": 0, "syrk": 0, "relaid": 0}
+    real_units, real_syrk, real_gemm = _stacked._units, _stacked._syrk, _stacked._cpu_gemm
+
+    def units(*args, **kwargs):
+        # SciPy's GEMM counted only when it is called from the "units" route.
+        def gemm(t):
+            f = real_gemm(t)
+            return None if f is None else (
+                lambda *a, **k: calls.__setitem__("units_gemm", calls["units_gemm"] + 1)
+                or f(*a, **k))
+        with monkeypatch.context() as m:
+            m.setattr(_stacked, "_cpu_gemm", gemm)
+            return real_units(*args, **kwargs)
+
+    def syrk(acc):
+        f = real_syrk(acc)
+        return None if f is None else (
+            lambda g: calls.__setitem__("syrk", calls["syrk"] + 1) or f(g))
+
+    real_relaid = _stacked._contiguous_units
+    monkeypatch.setattr(_stacked, "_units", units)
+    monkeypatch.setattr(_stacked, "_syrk", syrk)
+    monkeypatch.setattr(_stacked, "_contiguous_units",
+                        lambda *a: calls.__setitem__("relaid", 1) or real_relaid(*a))
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
+                               trace_scale=0.25, weighted=True, memory_budget=2**30, block=2)
+    assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
+    wide = _stacked._blas_process_wide()
+    assert calls["syrk"] > 0 if wide else calls["syrk"] == 0
+    assert (calls["units_gemm"] > 0) == (units_scipy and wide)
+    assert bool(calls["relaid"]) == (units_scipy and wide)
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_cpu_vendor_read_from_cpuinfo(vendor, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\n")
+    assert _stacked._cpu_vendor(str(cpuinfo)) == vendor
+    # No such file: the processor's name, where it names the vendor (Windows), else "".
+    assert _stacked._cpu_vendor(str(tmp_path / "missing")) in ("GenuineIntel", "AuthenticAMD", "")
 
 
 @pytest.mark.parametrize("sgemm", [False, True], ids=["torch", "scipy"])
@@ -879,6 +936,7 @@ def test_backprop_buffers_reused_over_blocks(sgemm, weighted, monkeypatch, one_t
     ws = [w for _, w in weights]
     outputs = [0, 1, 2, 3]
     monkeypatch.setattr(_stacked, "_BLAS_MIN", 1 if sgemm else 2**62)
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)
     seen = []
     real_get = _stacked._Scratch.get
 

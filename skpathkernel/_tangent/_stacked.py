@@ -103,6 +103,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import platform
 import threading
 from collections.abc import Callable, Sequence
 
@@ -152,6 +153,28 @@ _DENSE_LEAF = 64
 # layers' Gram (:func:`_dense_strips`; N >= 128). Smaller kernels keep torch's products
 # and their rounding on one thread and on several.
 _BLAS_MIN = 64 * 256
+
+
+
+def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor ("GenuineIntel", "AuthenticAMD", ...), "" where unknown."""
+    with contextlib.suppress(OSError), open(cpuinfo) as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    # (Windows names the vendor in the processor string; macOS does not.)
+    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in platform.processor()), "")
+
+
+# Whether SciPy's GEMMs (OpenBLAS) take the "units" route's panels (:func:`_units`) where
+# they may (:func:`_cpu_gemm`): only on AMD CPUs, the ones where they measured faster
+# than torch's products (MKL). One thread, the route's 64-row strips at N = 1000: on an
+# AMD EPYC (Zen 4) a chunk of 7 units of 1000 columns took 670 + 202 us by SciPy's
+# GEMMs against 735 + 260 us by torch's; on an Intel Xeon (AVX-512) 8 points' strip
+# took 109 ms against 77 ms, and the default classifier's Adam path kernel at N = 1000
+# 1.2x longer by SciPy's (``benchmarks/results/path.md``). The "dense" layers' SYRK
+# keeps SciPy's BLAS on both (torch has none; its strips of GEMMs were slower on both).
+_UNITS_SCIPY = _cpu_vendor() == "AuthenticAMD"
 
 # Most units per chunk of the full blocks' "units" route: the inner dimension of its
 # batched GEMMs.
@@ -589,7 +612,7 @@ def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None) -> None:
     G_ = None if C == 1 else scratch.get("G", (u, n, m), ax.dtype)
     # SciPy's GEMMs where a unit's product is large enough that a call's overhead (a few
     # microseconds, one per unit) is small against its time.
-    gemm = _cpu_gemm(ax) if n * m >= _BLAS_MIN else None
+    gemm = _cpu_gemm(ax) if _UNITS_SCIPY and n * m >= _BLAS_MIN else None
     if gemm is not None:
         # (A unit's backprops are copied by the wrapper unless their (N, C) rows are
         # contiguous: :func:`stacked_path_sum` lays the block's out so.)
@@ -1248,7 +1271,7 @@ def stacked_path_sum(
     # ``_BLAS_MIN`` entries (:func:`_units`): their backprops are then laid out for them
     # (:func:`_contiguous_units`), a second copy of those layers'.
     cpu = _blas_eligible(X)
-    relayout = cpu and weighted and not full and pr * pc >= _BLAS_MIN
+    relayout = cpu and _UNITS_SCIPY and weighted and not full and pr * pc >= _BLAS_MIN
     if relayout:
         # Each side's copy of every "units" layer, kept in reused buffers for the call.
         per_point += itemsize * (n if symmetric else n + m) * sum(

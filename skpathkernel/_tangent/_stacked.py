@@ -58,20 +58,23 @@ once would be written to memory and read back by every strip (at N = 1000, 8 poi
 block of points ``B`` and the panels are sized from ``memory_budget``.
 
 On the CPU with torch on one thread, SciPy's BLAS (OpenBLAS, limited to one thread for
-the call) takes two of these products: a "dense" layer's Gram is one SYRK, which
-computes the upper triangle alone (:func:`_syrk`), and the "units" route's ``A D_o A'^T``
-and ``Delta_o Delta_o'^T`` of panels of at least ``_BLAS_MIN`` entries are its GEMMs
-(:func:`_units`). At N = 1000 (8 points of the default classifier, one thread) the
-dense layer took 0.38 s against torch's 0.48 s in strips, and the whole block 8-9% less
-time; at N = 100 the route is unchanged. Torch's products stay on CUDA, with several
-torch threads (where both libraries' waiting threads contend for the cores) and where
-SciPy's BLAS is not an OpenBLAS whose thread limit is process-wide (its "pthreads"
-threading layer: an OpenMP layer, MKL or BLIS may hold a limit per thread;
-:func:`_blas_process_wide`). One call at a time takes that route, its thread setting
-and restoring the limit; a call that overlaps it from another thread keeps torch's
-products (:func:`_blas_threads`). While it runs, NumPy's and SciPy's BLAS calls from the
-process's other threads are held to one thread too. Every block's sum is added to a
-float64 Gram, so the result equals the point-by-point sum to float rounding.
+the call) takes up to two of these products: a "dense" layer's Gram is one SYRK, which
+computes the upper triangle alone (:func:`_syrk`), and, on AMD CPUs only
+(``_UNITS_SCIPY``), the "units" route's ``A D_o A'^T`` and ``Delta_o Delta_o'^T`` of
+panels of at least ``_BLAS_MIN`` entries are its GEMMs (:func:`_units`). On an AMD EPYC
+at N = 1000 (8 points of the default classifier, one thread) the dense layer took 0.38 s
+against torch's 0.48 s in strips, and the whole block 8-9% less time; on an Intel Xeon
+the SYRK still wins (46 ms against 58 ms for one point's strips) but torch's products
+(MKL) take the "units" route 1.2x faster than SciPy's
+(``benchmarks/results/units_blas_ab.md``); at N = 100 the route is unchanged. Torch's
+products stay on CUDA, with several torch threads (where both libraries' waiting threads
+contend for the cores) and where SciPy's BLAS is not an OpenBLAS whose thread limit is
+process-wide (its "pthreads" threading layer: an OpenMP layer, MKL or BLIS may hold a
+limit per thread; :func:`_blas_process_wide`). One call at a time takes that route, its
+thread setting and restoring the limit; a call that overlaps it from another thread
+keeps torch's products (:func:`_blas_threads`). While it runs, NumPy's and SciPy's BLAS
+calls from the process's other threads are held to one thread too. Every block's sum is
+added to a float64 Gram, so the result equals the point-by-point sum to float rounding.
 
 ``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace. A
 one-hot output layer's blocks are diagonal, ``A diag(w D_c) A'^T`` for output ``c`` (one

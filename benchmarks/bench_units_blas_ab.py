@@ -10,7 +10,9 @@ Adam classifier (standardised digits, 1000 training points) both ways, alternati
 Cases: ``path21`` ``PathKernel(clf, stop=21)(X[:1000])`` (the first of the call's
 blocks of points); ``knn_path`` ``clf.kneighbors(X_test, kernel="path")`` (100 queries,
 ``K(X_test, X_train)``); ``adam100`` ``clf.path_kernel_(X[:100])`` (panels below
-``_BLAS_MIN``: torch's products either way, a control).
+``_BLAS_MIN``: torch's products either way, a control); ``full21``
+``PathKernel(clf, stop=21, output="full")(X[:256])`` (the ``C x C`` blocks: the layer
+below the output layer takes the "mixed" route, :func:`_units` with its rows' mix).
 
 Usage: ``THREADS=1 taskset -c 1 python -m benchmarks.bench_units_blas_ab [CASES]``.
 Writes ``benchmarks/results/units_blas_ab.md`` and ``.json``.
@@ -43,8 +45,12 @@ def _cpu_model() -> str:
         return ""
 
 
-def main(names="path21,knn_path,adam100"):
+def main(names="path21,knn_path,adam100,full21"):
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+    if torch.get_num_threads() != 1 or not _stacked._blas_process_wide():
+        # Both sides would run torch's products: the table would read as no difference.
+        sys.exit("SciPy's GEMMs take the units route only on one torch thread (THREADS=1) "
+                 "with a SciPy OpenBLAS whose thread limit is process-wide; not here.")
     reps = int(os.environ.get("REPS", "3"))
     X, y = load_digits(return_X_y=True)
     X = StandardScaler().fit_transform(X)
@@ -54,6 +60,7 @@ def main(names="path21,knn_path,adam100"):
         "path21": lambda: PathKernel(clf, stop=21)(Xtr),
         "knn_path": lambda: clf.kneighbors(Xte, kernel="path")[0],
         "adam100": lambda: clf.path_kernel_(Xtr[:100]),
+        "full21": lambda: PathKernel(clf, stop=21, output="full")(Xtr[:256]),
     }
     default = _stacked._UNITS_SCIPY
     load_before = os.getloadavg()
@@ -81,8 +88,10 @@ def main(names="path21,knn_path,adam100"):
     prov = ab_provenance(ROOT, "bench_units_blas_ab",
                          ["skpathkernel/_tangent/_stacked.py",
                           "benchmarks/bench_units_blas_ab.py", "benchmarks/_ab.py"],
-                         "ref: SciPy's GEMMs for the units route; tree: torch's", reps,
+                         "SciPy's GEMMs for the units route (tree: torch's)", reps,
                          cpu=_cpu_model(), cpu_vendor=_stacked._cpu_vendor(),
+                         torch_mkl=torch.backends.mkl.is_available(),
+                         blas_process_wide=_stacked._blas_process_wide(),
                          units_scipy_by_default=default, load_before=load_before)
     write_ab(ROOT / "benchmarks" / "results" / "units_blas_ab",
              "The units route's BLAS: SciPy's GEMMs (ref) against torch's (tree)",

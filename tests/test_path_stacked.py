@@ -717,6 +717,7 @@ def _blas_threads_now():
 
 def test_other_blas_builds_keep_torch_products(monkeypatch, one_torch_thread):
     # A BLAS whose limit may be per thread: no SciPy products, no limit set.
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)
     monkeypatch.setitem(_stacked._BLAS_STATE, "process_wide", False)
     module, mlp, layout, thetas, Ds, weights, load = _units_path()
     A = torch.randn(40, 3, dtype=torch.float64)
@@ -755,6 +756,7 @@ def blas_threads_3():
 def test_blas_limit_restored_after_an_error(monkeypatch, one_torch_thread, blas_threads_3):
     """The limit of one thread holds inside the call and the libraries' own limit (3
     here) comes back when a route raises."""
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)
     monkeypatch.setitem(_stacked._BLAS_STATE, "process_wide", True)
     monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
     module, mlp, layout, thetas, Ds, weights, load = _units_path()
@@ -782,6 +784,7 @@ def test_blas_limit_under_concurrent_calls(monkeypatch, one_torch_thread, blas_t
     computes; nothing is left limited. The first result equals a call alone, the second
     a call alone by torch's products. Where this process's BLAS may keep a limit per
     thread, neither call sets one."""
+    monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)
     import threading
 
     monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
@@ -868,16 +871,16 @@ def test_units_relaid_out_only_for_scipy_panels(monkeypatch, one_torch_thread):
 
 
 @pytest.mark.parametrize("units_scipy", [False, True], ids=["torch", "scipy"])
-def test_units_library_follows_the_cpu_vendor(units_scipy, monkeypatch, one_torch_thread):
-    """The "units" route's panels go to SciPy's GEMMs (and its backprops to their
-    layout) only where ``_UNITS_SCIPY`` says so (AMD CPUs); the "dense" layers' SYRK
-    either way; the kernel equals autograd's both ways."""
+def test_units_library_follows_units_scipy(units_scipy, monkeypatch, one_torch_thread):
+    """The trace's "units" panels go to SciPy's GEMMs (and its backprops to their
+    layout) only where ``_UNITS_SCIPY`` says so; the "dense" layers' SYRK and the full
+    blocks' "mixed" panels either way; the kernel equals autograd's both ways."""
     module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[4], True)
     A = torch.randn(40, 3, dtype=torch.float64)
     outputs = [0, 1, 2, 3]
+    ws = [w for _, w in weights]
     routes = _routes(mlp, len(outputs), True, 40, 40)
     assert "units" in routes and "dense" in routes
-    ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, outputs)
     monkeypatch.setattr(_stacked, "_BLAS_MIN", 1)
     monkeypatch.setattr(_stacked, "_UNITS_SCIPY", units_scipy)
     calls = {"units_gemm": 0, "syrk": 0, "relaid": 0}
@@ -906,20 +909,50 @@ def test_units_library_follows_the_cpu_vendor(units_scipy, monkeypatch, one_torc
                         lambda *a: calls.__setitem__("relaid", 1) or real_relaid(*a))
     K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
                                trace_scale=0.25, weighted=True, memory_budget=2**30, block=2)
+    ref = _module_reference(module, thetas, Ds, ws, A, A, outputs)
     assert_allclose(K.numpy(), ref.numpy(), rtol=1e-10, atol=1e-13)
     wide = _stacked._blas_process_wide()
     assert calls["syrk"] > 0 if wide else calls["syrk"] == 0
     assert (calls["units_gemm"] > 0) == (units_scipy and wide)
     assert bool(calls["relaid"]) == (units_scipy and wide)
+    # The full blocks of one hidden layer: the "mixed" panels keep SciPy's GEMMs.
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[3], True)
+    assert "mixed" in _routes(mlp, len(outputs), True, 40, 40, full=True)
+    calls.update(units_gemm=0)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, outputs=outputs,
+                               weighted=True, memory_budget=2**30, block=2, full=True)
+    full = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, outputs,
+                             full=True)
+    assert_allclose(K.numpy(), full.numpy(), rtol=1e-10, atol=1e-13)
+    assert (calls["units_gemm"] > 0) == wide
 
 
-@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
-def test_cpu_vendor_read_from_cpuinfo(vendor, tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\n")
-    assert _stacked._cpu_vendor(str(cpuinfo)) == vendor
-    # No such file: the processor's name, where it names the vendor (Windows), else "".
-    assert _stacked._cpu_vendor(str(tmp_path / "missing")) in ("GenuineIntel", "AuthenticAMD", "")
+@pytest.mark.parametrize("vendor, mkl, expected", [
+    ("GenuineIntel", True, False),   # measured: torch's MKL products win
+    ("GenuineIntel", False, True),   # not measured: SciPy's GEMMs, as before
+    ("AuthenticAMD", True, True),    # measured: SciPy's GEMMs win
+    ("HygonGenuine", True, True),
+    ("", True, True),
+])
+def test_units_scipy_by_vendor_and_mkl(vendor, mkl, expected):
+    assert _stacked._units_scipy(vendor, mkl) is expected
+
+
+def test_cpu_vendor(tmp_path, monkeypatch):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert _stacked._cpu_vendor(str(x86)) == "AuthenticAMD"
+    # An ARM /proc/cpuinfo names no vendor: "".
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")
+    monkeypatch.setattr(_stacked.sys, "platform", "linux")
+    assert _stacked._cpu_vendor(str(arm)) == ""
+    assert _stacked._cpu_vendor(str(tmp_path / "missing")) == ""
+    # Windows: the processor identifier names it.
+    monkeypatch.setattr(_stacked.sys, "platform", "win32")
+    monkeypatch.setenv("PROCESSOR_IDENTIFIER",
+                       "Intel64 Family 6 Model 143 Stepping 8, GenuineIntel")
+    assert _stacked._cpu_vendor(str(tmp_path / "missing")) == "GenuineIntel"
 
 
 @pytest.mark.parametrize("sgemm", [False, True], ids=["torch", "scipy"])

@@ -59,22 +59,24 @@ block of points ``B`` and the panels are sized from ``memory_budget``.
 
 On the CPU with torch on one thread, SciPy's BLAS (OpenBLAS, limited to one thread for
 the call) takes up to two of these products: a "dense" layer's Gram is one SYRK, which
-computes the upper triangle alone (:func:`_syrk`), and, on AMD CPUs only
-(``_UNITS_SCIPY``), the "units" route's ``A D_o A'^T`` and ``Delta_o Delta_o'^T`` of
-panels of at least ``_BLAS_MIN`` entries are its GEMMs (:func:`_units`). On an AMD EPYC
-at N = 1000 (8 points of the default classifier, one thread) the dense layer took 0.38 s
-against torch's 0.48 s in strips, and the whole block 8-9% less time; on an Intel Xeon
-the SYRK still wins (46 ms against 58 ms for one point's strips) but torch's products
-(MKL) take the "units" route 1.2x faster than SciPy's
-(``benchmarks/results/units_blas_ab.md``); at N = 100 the route is unchanged. Torch's
-products stay on CUDA, with several torch threads (where both libraries' waiting threads
-contend for the cores) and where SciPy's BLAS is not an OpenBLAS whose thread limit is
-process-wide (its "pthreads" threading layer: an OpenMP layer, MKL or BLIS may hold a
-limit per thread; :func:`_blas_process_wide`). One call at a time takes that route, its
-thread setting and restoring the limit; a call that overlaps it from another thread
-keeps torch's products (:func:`_blas_threads`). While it runs, NumPy's and SciPy's BLAS
-calls from the process's other threads are held to one thread too. Every block's sum is
-added to a float64 Gram, so the result equals the point-by-point sum to float rounding.
+computes the upper triangle alone (:func:`_syrk`), and, except on an Intel CPU with
+torch's MKL (:func:`_units_scipy`), the "units" route's ``A D_o A'^T`` and ``Delta_o
+Delta_o'^T`` of panels of at least ``_BLAS_MIN`` entries are its GEMMs (:func:`_units`).
+On an AMD EPYC at N = 1000 (8 points of the default classifier, one thread) the dense
+layer took 0.38 s against torch's 0.48 s in strips, and the whole block 8-9% less time;
+on an Intel Xeon the SYRK still wins (46 ms against 58 ms for one point's strips, by
+hand) but SciPy's GEMMs lose on the "units" route (its strips 1.4x slower by hand,
+``benchmarks/results/path.md``; the default classifier's first 21 points at N = 1000
+1.1-1.2x, ``benchmarks/results/units_blas_ab.md``); at N = 100 the route is unchanged.
+Torch's products stay on CUDA, with several torch threads (where both libraries' waiting
+threads contend for the cores) and where SciPy's BLAS is not an OpenBLAS whose thread
+limit is process-wide (its "pthreads" threading layer: an OpenMP layer, MKL or BLIS may
+hold a limit per thread; :func:`_blas_process_wide`). One call at a time takes that
+route, its thread setting and restoring the limit; a call that overlaps it from another
+thread keeps torch's products (:func:`_blas_threads`). While it runs, NumPy's and
+SciPy's BLAS calls from the process's other threads are held to one thread too. Every
+block's sum is added to a float64 Gram, so the result equals the point-by-point sum to
+float rounding.
 
 ``full=True`` gives the ``C x C`` blocks of the outputs instead of their trace. A
 one-hot output layer's blocks are diagonal, ``A diag(w D_c) A'^T`` for output ``c`` (one
@@ -106,7 +108,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import platform
+import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -150,13 +153,13 @@ _DENSE_STRIP = 256
 _DENSE_LEAF = 64
 
 # Entries of a product from which SciPy's BLAS takes it on the CPU: a unit's panel
-# product in the "units" route (:func:`_units`; at N = 1000, 64-row strips of 512-1000
-# columns took 5-10% less time per chunk than torch's products, at 128 columns alike,
+# product in the "units" route (:func:`_units`, where :func:`_units_scipy`; on the AMD
+# EPYC at N = 1000, 64-row strips of 512-1000 columns took 5-10% less time per chunk
+# than torch's products, at 128 columns alike,
 # and at N = 100, 25 x 100 panels, the calls made the route 7% slower) and the "dense"
 # layers' Gram (:func:`_dense_strips`; N >= 128). Smaller kernels keep torch's products
 # and their rounding on one thread and on several.
 _BLAS_MIN = 64 * 256
-
 
 
 def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -165,19 +168,32 @@ def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
         for line in f:
             if line.startswith("vendor_id"):
                 return line.partition(":")[2].strip()
-    # (Windows names the vendor in the processor string; macOS does not.)
-    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in platform.processor()), "")
+    if sys.platform == "win32":
+        # ("AMD64 Family 25 Model 33 Stepping 0, AuthenticAMD"; elsewhere no source that
+        # needs no subprocess names it.)
+        return os.environ.get("PROCESSOR_IDENTIFIER", "").rpartition(",")[2].strip()
+    return ""
 
 
-# Whether SciPy's GEMMs (OpenBLAS) take the "units" route's panels (:func:`_units`) where
-# they may (:func:`_cpu_gemm`): only on AMD CPUs, the ones where they measured faster
-# than torch's products (MKL). One thread, the route's 64-row strips at N = 1000: on an
-# AMD EPYC (Zen 4) a chunk of 7 units of 1000 columns took 670 + 202 us by SciPy's
-# GEMMs against 735 + 260 us by torch's; on an Intel Xeon (AVX-512) 8 points' strip
-# took 109 ms against 77 ms, and the default classifier's Adam path kernel at N = 1000
-# 1.2x longer by SciPy's (``benchmarks/results/path.md``). The "dense" layers' SYRK
-# keeps SciPy's BLAS on both (torch has none; its strips of GEMMs were slower on both).
-_UNITS_SCIPY = _cpu_vendor() == "AuthenticAMD"
+def _units_scipy(vendor: str, mkl: bool) -> bool:
+    """Whether SciPy's GEMMs (OpenBLAS) take the trace's "units" panels (:func:`_units`)
+    where they may (:func:`_cpu_gemm`): everywhere but on an Intel CPU with torch's MKL,
+    the one case measured where torch's products win.
+
+    One thread, the route's 64-row strips at N = 1000: on an AMD EPYC (Zen 4) a chunk of
+    7 units of 1000 columns took 670 + 202 us by SciPy's GEMMs against 735 + 260 us by
+    torch's (MKL); on an Intel Xeon (AVX-512) 8 points' strip took 109 ms against 77 ms
+    (both by hand, ``benchmarks/results/path.md``), and the default classifier's first 21
+    points at N = 1000 1.14-1.20x and its ``kneighbors(kernel="path")`` 1.34-1.38x longer
+    by SciPy's (``benchmarks/results/units_blas_ab.md``). Other CPUs and torch builds without MKL
+    were not measured: they keep SciPy's GEMMs, chosen first. The "dense" layers' SYRK
+    keeps SciPy's BLAS everywhere (torch has none; its strips of GEMMs were slower on
+    both CPUs), and so do the full blocks' "mixed" panels (0.89-1.04x on the Intel Xeon).
+    """
+    return not (mkl and vendor == "GenuineIntel")
+
+
+_UNITS_SCIPY = _units_scipy(_cpu_vendor(), torch.backends.mkl.is_available())
 
 # Most units per chunk of the full blocks' "units" route: the inner dimension of its
 # batched GEMMs.
@@ -614,8 +630,10 @@ def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None) -> None:
     H_ = scratch.get("H", (u * n, m), ax.dtype)
     G_ = None if C == 1 else scratch.get("G", (u, n, m), ax.dtype)
     # SciPy's GEMMs where a unit's product is large enough that a call's overhead (a few
-    # microseconds, one per unit) is small against its time.
-    gemm = _cpu_gemm(ax) if _UNITS_SCIPY and n * m >= _BLAS_MIN else None
+    # microseconds, one per unit) is small against its time, on the CPUs where they beat
+    # torch's (:func:`_units_scipy`; the full blocks' mix measured alike both ways).
+    gemm = (_cpu_gemm(ax) if (_UNITS_SCIPY or mix is not None) and n * m >= _BLAS_MIN
+            else None)
     if gemm is not None:
         # (A unit's backprops are copied by the wrapper unless their (N, C) rows are
         # contiguous: :func:`stacked_path_sum` lays the block's out so.)
@@ -648,8 +666,8 @@ def _units(out, fx, fy, wD, chunk: int, scratch: _Scratch, mix=None) -> None:
                     torch.bmm(dxb[o:e], dytb[o:e], out=G)
                 else:
                     # A call per unit (SciPy has no batched GEMM): the ten-wide products
-                    # are bound by writing their output, which OpenBLAS does faster
-                    # than a batched MKL product on the CPUs measured.
+                    # are bound by writing their output, which OpenBLAS did faster
+                    # than a batched MKL product on the AMD EPYC.
                     for j in range(k):
                         gemm(1.0, dyn[o + j].T, dxn[o + j].T, c=Gn[j].T, trans_a=1,
                              overwrite_c=1)
@@ -1025,7 +1043,8 @@ def _blas_eligible(t: torch.Tensor) -> bool:
             and torch.get_num_threads() == 1 and _blas_process_wide())
 
 
-_BLAS_LOCK = threading.Lock()
+# Reentrant: :func:`_blas_process_wide` makes the controller while it holds it.
+_BLAS_LOCK = threading.RLock()
 _BLAS_STATE: dict = {"controller": None, "process_wide": None}
 
 
@@ -1045,11 +1064,17 @@ def _blas_process_wide() -> bool:
     with _BLAS_LOCK:
         state = _BLAS_STATE
         if state["process_wide"] is None:
-            if state["controller"] is None:
-                state["controller"] = ThreadpoolController()
-            libs = state["controller"].select(user_api="blas").info()
+            libs = _blas_controller().select(user_api="blas").info()
             state["process_wide"] = _process_wide(libs, _scipy_blas_name())
         return state["process_wide"]
+
+
+def _blas_controller() -> ThreadpoolController:
+    """threadpoolctl's view of the loaded libraries, made once (milliseconds)."""
+    with _BLAS_LOCK:
+        if _BLAS_STATE["controller"] is None:
+            _BLAS_STATE["controller"] = ThreadpoolController()
+    return _BLAS_STATE["controller"]
 
 
 def _process_wide(libs: Sequence[dict], scipy_blas: str | None) -> bool:
@@ -1095,9 +1120,7 @@ def _blas_threads(n: int):
         yield
         return
     try:
-        if _BLAS_STATE["controller"] is None:
-            _blas_process_wide()
-        blas_libs = _BLAS_STATE["controller"].select(user_api="blas")
+        blas_libs = _blas_controller().select(user_api="blas")
         # As a context, the limiter restores the limits and hands back threadpoolctl's
         # control of OpenBLAS.
         with blas_libs.limit(limits=n, user_api="blas"):
@@ -1271,8 +1294,9 @@ def stacked_path_sum(
     elif formed and not apart_fits:
         per_point += formed
     # SciPy's GEMMs take the "units" layers' products where the largest panel has
-    # ``_BLAS_MIN`` entries (:func:`_units`): their backprops are then laid out for them
-    # (:func:`_contiguous_units`), a second copy of those layers'.
+    # ``_BLAS_MIN`` entries and the CPU favours them (:func:`_units`, :func:`_units_scipy`):
+    # their backprops are then laid out for them (:func:`_contiguous_units`), a second
+    # copy of those layers'.
     cpu = _blas_eligible(X)
     relayout = cpu and _UNITS_SCIPY and weighted and not full and pr * pc >= _BLAS_MIN
     if relayout:
@@ -1312,8 +1336,9 @@ def stacked_path_sum(
     buffer = torch.empty((pr, C, pc, C) if full else (pr, pc), dtype=dtype, device=X.device)
     sel = torch.as_tensor(list(outputs), device=X.device)
     scratch = _Scratch(X.device)
-    # On the CPU with torch on one thread, SciPy's BLAS takes the "units" route's
-    # products and the "dense" layers' SYRK (:func:`_units`, :func:`_syrk`), also on one.
+    # On the CPU with torch on one thread, SciPy's BLAS takes the "dense" layers' SYRK and,
+    # where :func:`_units_scipy`, the "units" route's products (:func:`_syrk`,
+    # :func:`_units`), also on one.
     with _blas_threads(1) if cpu else contextlib.nullcontext():
         for s in range(0, len(weights), block):
             points = [k for k, _ in weights[s : s + block]]

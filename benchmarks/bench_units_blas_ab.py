@@ -1,11 +1,11 @@
 """Which BLAS the path kernel's "units" route should use on this CPU, in one process.
 
 The stacked path kernel (``skpathkernel/_tangent/_stacked.py``) takes the "units"
-route's panel products by SciPy's GEMMs (OpenBLAS) only where ``_UNITS_SCIPY`` says so
-(AMD CPUs), else by torch's (MKL on x86). This script times public calls of the default
-Adam classifier (standardised digits, 1000 training points) both ways, alternating,
-``REPS`` times each (default 3), on one torch thread, CPU time of the call
-(``time.process_time``): "ref" is SciPy's GEMMs, "tree" torch's products.
+route's panel products by SciPy's GEMMs (OpenBLAS) where ``_UNITS_SCIPY`` says so
+(everywhere but on an Intel CPU with torch's MKL), else by torch's. This script times
+public calls of the default Adam classifier (standardised digits, 1000 training points)
+both ways, alternating, ``REPS`` times each (default 3), on one torch thread, CPU time
+of the call (``time.process_time``): "ref" is SciPy's GEMMs, "tree" torch's products.
 
 Cases: ``path21`` ``PathKernel(clf, stop=21)(X[:1000])`` (the first of the call's
 blocks of points); ``knn_path`` ``clf.kneighbors(X_test, kernel="path")`` (100 queries,

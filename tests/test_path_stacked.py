@@ -938,6 +938,11 @@ def test_units_scipy_by_vendor_and_mkl(vendor, mkl, expected):
     assert _stacked._units_scipy(vendor, mkl) is expected
 
 
+def test_units_scipy_set_from_this_cpu():
+    assert _stacked._UNITS_SCIPY is _stacked._units_scipy(
+        _stacked._cpu_vendor(), torch.backends.mkl.is_available())
+
+
 def test_cpu_vendor(tmp_path, monkeypatch):
     x86 = tmp_path / "x86"
     x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")

@@ -188,7 +188,8 @@ def _units_scipy(vendor: str, mkl: bool) -> bool:
     by SciPy's (``benchmarks/results/units_blas_ab.md``). Other CPUs and torch builds without MKL
     were not measured: they keep SciPy's GEMMs, chosen first. The "dense" layers' SYRK
     keeps SciPy's BLAS everywhere (torch has none; its strips of GEMMs were slower on
-    both CPUs), and so do the full blocks' "mixed" panels (0.89-1.04x on the Intel Xeon).
+    both CPUs), and so do the full blocks' "mixed" panels (0.89-1.04x on the Intel Xeon, by
+    hand).
     """
     return not (mkl and vendor == "GenuineIntel")
 

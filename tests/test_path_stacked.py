@@ -7,6 +7,7 @@ blocks or panels.
 """
 
 import copy
+import types
 
 import numpy as np
 import pytest
@@ -950,11 +951,12 @@ def test_cpu_vendor(tmp_path, monkeypatch):
     # An ARM /proc/cpuinfo names no vendor: "".
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")
-    monkeypatch.setattr(_stacked.sys, "platform", "linux")
+    # The platform seen by the module only (the interpreter's sys.platform untouched).
+    monkeypatch.setattr(_stacked, "sys", types.SimpleNamespace(platform="linux"))
     assert _stacked._cpu_vendor(str(arm)) == ""
     assert _stacked._cpu_vendor(str(tmp_path / "missing")) == ""
     # Windows: the processor identifier names it.
-    monkeypatch.setattr(_stacked.sys, "platform", "win32")
+    monkeypatch.setattr(_stacked, "sys", types.SimpleNamespace(platform="win32"))
     monkeypatch.setenv("PROCESSOR_IDENTIFIER",
                        "Intel64 Family 6 Model 143 Stepping 8, GenuineIntel")
     assert _stacked._cpu_vendor(str(tmp_path / "missing")) == "GenuineIntel"

@@ -273,9 +273,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         Cosine-normalize the kernel: ``K(x, x') / sqrt(K(x, x) K(x', x'))``, the
         kernel of the unit rows ``phi(x) / ||phi(x)||`` (``normalized=True`` of the
         kernels). The raw tangent kernel's diagonal ``||phi(x)||^2`` grows with how
-        strongly the network responds at ``x``: within one training set it spreads 7x
-        (``make_classification``) to 275x (``load_breast_cancer``) with the default
-        network, so the samples of largest norm set the margin and the scale of ``C``;
+        strongly the network responds at ``x`` and can differ widely within one training
+        set, so the samples of largest norm set the margin and the scale of ``C``;
         normalized, the SVM compares directions only, every sample has norm 1, and
         ``C="auto"``'s grid means the same on every data set. False: the raw kernel.
     random_state : int, RandomState instance or None, default=None

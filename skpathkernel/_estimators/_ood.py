@@ -196,8 +196,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     Gram, computed once, when that is cheaper and fits in a quarter of the budget.
     Cost: ``O(n N)`` kernel entries for ``n`` queries, memory ``O(b N)`` for row blocks
     of ``b`` queries, and the same again for the leave-one-out scores of ``fit``.
-    ``benchmarks/bench_ood.py`` measures it at N = 20000 (its committed results,
-    benchmarks/results/ood.md, are from an earlier run, not regenerated).
+    Measured on 2 loaded CPU cores (64-unit tanh network, 1 GiB budget): N = 20000 fits
+    in 52 s with a peak of 0.70 GiB above the start of fit, and scores 1857 queries in
+    62 s (benchmarks/results/ood.md).
 
     **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
     block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes
@@ -208,8 +209,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     ``r = N`` (full numerical rank), and otherwise the span of features that contains
     every training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
     ``O(N r sum_l (d_in + C d_out) + N r b)``, memory ``O(N r)``; scoring ``O(n r)``.
-    At large N the 1 GiB budget may hold fewer pivots than the span needs; the span of
-    the most independent features is then used, with a warning.
+    At N = 20000 the same network's span needs 4226 pivots; the 1 GiB budget holds
+    3355, and the truncated span's AUROCs are within +0.007 / +0.009 of the exact one's
+    (not lower) on the benchmark's splits.
 
     **Multi-output networks.** Every Gram is the trace kernel: the span of
     ``vec J(x) / sqrt(C)``, in which a point is inside when its whole Jacobian is one

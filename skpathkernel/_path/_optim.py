@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch.optim.adam import adam as _adam
+from torch.optim.adamw import adamw as _adamw
 from torch.optim.rmsprop import rmsprop as _rmsprop
 from torch.optim.sgd import sgd as _sgd
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -164,10 +165,12 @@ class FunctionalOptimizer:
             kernel = torch._fused_adamw_ if spec.name == "adamw" else torch._fused_adam_
             kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, **rule)
             return
-        _adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
-              fused=self.fused or None, capturable=False, differentiable=False,
-              has_complex=False, decoupled_weight_decay=spec.name == "adamw",
-              **rule)  # fmt: skip
+        # AdamW through its own function: torch < 2.7's ``adam`` has no
+        # ``decoupled_weight_decay`` (torch.optim.AdamW called ``adamw`` there).
+        update = _adamw if spec.name == "adamw" else _adam
+        update(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+               fused=self.fused or None, capturable=False, differentiable=False,
+               has_complex=False, **rule)  # fmt: skip
 
     def _share_step_counts(self, lists) -> None:
         """Every parameter's step count as a view of one vector (same values, dtype and

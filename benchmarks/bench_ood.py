@@ -445,8 +445,8 @@ with warnings.catch_warnings(record=True) as caught, PeakRSS() as fit_peak:
         gram = NetworkGram(net)
         gram.budget = 2**34
         diag = gram.diag(gram.tensor(X)).numpy()
-        span, piv, complete, _ = TangentSpan.factorize(gram, X, diag, 1e-12 * diag.max(),
-                                                       len(X))
+        span, piv, complete, _, _ = TangentSpan.factorize(gram, X, diag,
+                                                          1e-12 * diag.max(), len(X))
         rank = len(piv)
         score = lambda A: -span.residuals(gram, A)
     else:

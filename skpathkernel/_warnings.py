@@ -1,11 +1,12 @@
-"""Where the package's warnings point: the user's line."""
+"""Where the package's warnings point (the user's line), and what their checks compare."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
-__all__ = ["caller_stacklevel"]
+__all__ = ["caller_stacklevel", "worse"]
 
 # The package's folder: frames whose code lies under it are skpathkernel's own.
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -18,3 +19,10 @@ def caller_stacklevel() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def worse(a: float, b: float) -> float:
+    """The larger of two measured errors, NaN if either is: ``max`` keeps its first
+    argument against a NaN, which would report a NaN error as the other one, and a check
+    ``error > limit`` is False on NaN. Checks compare with ``not error <= limit``."""
+    return a if math.isnan(a) or b <= a else b

@@ -515,6 +515,28 @@ def test_ensemble_of_one_model_is_a_single_fit(ensemble_setup):
                                             random_state=11), single)
 
 
+def test_ensemble_replay_error_keeps_a_nan(ensemble_setup, monkeypatch):
+    """A member whose replay matched nothing (NaN) makes the ensemble's replay_error NaN:
+    the largest finite one would read as a replay that matched."""
+    import skpathkernel.metrics as metrics
+
+    X, y, est = ensemble_setup
+    one = metrics._attribute_one
+    calls = []
+
+    def second_is_nan(*args):
+        scores, caught = one(*args)
+        calls.append(None)
+        if len(calls) == 2:
+            scores.replay_error = float("nan")
+        return scores, caught
+
+    monkeypatch.setattr(metrics, "_attribute_one", second_is_nan)
+    scores = ensemble_attribution(est, X, y, X[:2], y[:2], n_models=3, random_state=3,
+                                  method="unrolled")
+    assert np.isnan(scores.replay_error)
+
+
 class _NoisyAttributor(BaseEstimator):
     """Scores drawn from its own seed; warns on odd seeds (a stand-in for an unstable path)."""
 

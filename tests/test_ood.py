@@ -1,6 +1,7 @@
 """OODRankDetector against dense-Jacobian references (per-sample autograd + NumPy)."""
 
 import copy
+import re
 import warnings
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 from _reference import features_loop
 from sklearn.base import clone
-from sklearn.exceptions import NotFittedError
+from sklearn.exceptions import ConvergenceWarning, NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.utils.multiclass import type_of_target
 
@@ -287,11 +288,21 @@ def test_pivoted_cholesky_recovers_a_low_rank_psd_matrix_over_several_blocks(laz
 
 
 def test_max_rank_truncation_warns():
+    """A cap that stops the factorisation before rtol is a miss of the tolerance: a
+    ConvergenceWarning (a UserWarning, as before) that says how far the span is from it."""
     rng = np.random.RandomState(6)
     X, y = task_data("regression", rng)
-    with pytest.warns(UserWarning, match="max_rank=5"):
+    with pytest.warns(ConvergenceWarning, match="max_rank=5") as rec:
         det = OODRankDetector(trainer(y), method="residual", max_rank=5).fit(X, y)
     assert det.rank_ == 5 and len(det.pivots_) == 5
+    message = str(next(w.message for w in rec if w.category is ConvergenceWarning))
+    achieved = float(re.search(r"lies ([\d.e+-]+) times the largest", message).group(1))
+    # The farthest training feature from the pivots' span, by dense least squares.
+    Phi = dense_features(det, X)
+    coef, *_ = np.linalg.lstsq(Phi[det.pivots_].T, Phi.T, rcond=None)
+    far = np.linalg.norm(Phi.T - Phi[det.pivots_].T @ coef, axis=0).max()
+    assert achieved == pytest.approx(far / np.linalg.norm(Phi, axis=1).max(), rel=1e-2)
+    assert achieved > det.rtol
 
 
 def test_frozen_estimator_is_not_retrained_and_survives_clone():

@@ -126,12 +126,17 @@ def test_warning_for_a_nonsmooth_activation():
     assert res.error == pytest.approx(np.abs(res.reconstruction[:, 0] - est.predict(X[:4])).max())
 
 
-def test_no_warning_and_round_off_on_small_steps():
+def _small_steps():
+    """An Adam path whose small steps need few nodes."""
     rng = np.random.RandomState(0)
     X = rng.uniform(-1, 1, size=(20, 2))
     est = PathKernelMachine(**RAW, hidden_layer_sizes=(16,), solver="adam", max_iter=10,
                             batch_size=5, dtype="float64", random_state=0)
-    est.fit(X, np.sin(3 * X[:, 0]))
+    return est.fit(X, np.sin(3 * X[:, 0])), X
+
+
+def test_no_warning_and_round_off_on_small_steps():
+    est, X = _small_steps()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         res = est.decompose(X[:3])
@@ -198,3 +203,108 @@ def test_bad_tol_is_refused(tol):
     est.fit(X, X[:, 0])
     with pytest.raises(ValueError, match="tol must be a positive number"):
         est.decompose(X[:2], tol=tol)
+
+
+# ---------------------------------------------------------------- misses of the tolerance
+def _float32_path(circle):
+    X, _, Xq = circle
+    est = PathKernelMachine(**RAW, hidden_layer_sizes=(24, 24), solver="rmsprop",
+                            learning_rate_init=0.02, batch_size=8, max_iter=2,
+                            random_state=0)
+    return est.fit(X, np.sin(3 * X[:, 0]) + X[:, 1]), Xq
+
+
+def test_tol_below_the_round_off_floor_warns(circle):
+    """A tol the dtype cannot resolve is missed at the round-off floor: the steps stop
+    there, and the call says so with the achieved error instead of reporting the tol as
+    met."""
+    est, Xq = _float32_path(circle)
+    with pytest.warns(ConvergenceWarning, match=r"tol=1e-09 is below the round-off floor") as rec:
+        res = est.decompose(Xq, tol=1e-9)
+    message = str(rec[0].message)
+    assert res.tol == 1e-9
+    scale = float(re.search(r"along the path \(([\d.e+-]+)\)", message).group(1))
+    achieved = float(re.search(r"add up to ([\d.e+-]+) relative", message).group(1))
+    # The reported figure is the step residuals' sum, and it does miss the tol.
+    assert achieved == pytest.approx(res.step_errors.sum() / scale, rel=1e-2)
+    assert res.step_errors.sum() > 1e-9 * scale
+    assert f"achieved error is {res.error:.3g}" in message
+    steps = [int(s) for s in re.findall(r"(\d+) \(residual", message)]
+    assert steps and all(res.step_errors[s] > 0 for s in steps)
+    # The same path at the default tol (float32's floor by design) and at a tol it
+    # resolves does not warn, and the node choice is the one it was.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        est.decompose(Xq)
+        loose = est.decompose(Xq, tol=1e-4)
+    assert loose.step_errors.sum() <= 1e-4 * scale
+
+
+def test_fixed_nodes_far_from_round_off_warn(circle):
+    """Fixed n_nodes have no tolerance, but an exact decomposition whose quadrature
+    misses by far more than round-off says so, with the measured error."""
+    est, X, Y, loss, Xq = _large_steps("rmsprop", circle)
+    with pytest.warns(ConvergenceWarning, match=r"fixed n_nodes=1 Gauss-Legendre") as rec:
+        res = est.decompose(Xq, n_nodes=1)
+    message = str(rec[0].message)
+    assert f"achieved error is {res.error:.3g}" in message
+    assert res.error > 1e-3 * np.abs(res.prediction).max()  # a real miss, reported
+    # Enough fixed nodes on small steps: no warning.
+    small, Xs = _small_steps()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        small.decompose(Xs[:3], n_nodes=12)
+
+
+@pytest.mark.parametrize("n_nodes", [None, 3])
+def test_nonfinite_residual_is_reported(circle, monkeypatch, n_nodes):
+    """A NaN residual (the network undefined at a step's nodes) neither crashes the node
+    choice nor reads as a zero error: the step is named and step_errors holds the NaN."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    est, Xq = _float32_path(circle)
+    residual = interpolation._residual
+    calls = []
+
+    def nan_at_first(q, df):
+        calls.append(None)
+        return float("nan") if len(calls) == 1 else residual(q, df)
+
+    monkeypatch.setattr(interpolation, "_residual", nan_at_first)
+    with pytest.warns(ConvergenceWarning, match="1 of them have a non-finite residual") as rec:
+        res = est.decompose(Xq, n_nodes=n_nodes)
+    # The path is walked backwards: the first residual is the last step's.
+    last = len(res.step_errors) - 1
+    assert np.isnan(res.step_errors[last])
+    assert f"{last} (residual nan)" in str(rec[0].message)
+    assert np.isfinite(res.step_errors[:last]).all()
+
+
+class _Exp(torch.nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x))
+
+
+def test_overflowing_query_warns():
+    """A query whose output is near float64's largest value: tol * |f| * |df| and the
+    norm of the quadrature's terms overflow, and an infinite share of the tolerance
+    accepted a step that missed by 100%."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(16, 2))
+    est = PathKernelMachine(module=_Exp, max_iter=3, tol=None, dtype="float64",
+                            normalize_y=False, learning_rate_init=0.05, random_state=0)
+    est.fit(X, np.exp(0.5 * X[:, 0]))
+    Xq = np.array([[0.1, 0.2], [1e5, 1e5]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's own overflow note
+        with pytest.warns(ConvergenceWarning, match="did not reach tol=1e-12") as rec:
+            res = est.decompose(Xq)
+    scale = np.abs(res.prediction).max()
+    assert res.error > 0.5 * scale  # the miss is real, and reported
+    message = next(str(w.message) for w in rec if w.category is ConvergenceWarning)
+    assert f"achieved error is {res.error:.3g}" in message
+    assert "steps 2 (residual" in message and res.step_errors[2] > 0.5 * scale

@@ -268,6 +268,16 @@ def test_thinned_replay_mismatch_is_reported():
     assert scores.replay_error > 1e-3
 
 
+def test_nonfinite_replay_is_reported():
+    """A recorded point that is not finite matches no replay: replay_error is NaN, not
+    the largest finite one (which read as an exact replay), and the mismatch warns."""
+    est, X, _ = _fit(**SOLVERS["sgd"], normalize_y=False, record_every=3)
+    est.trajectory_._params[2, 0] = float("nan")
+    with pytest.warns(UserWarning, match="miss the recorded path by nan relative"):
+        scores = est.attribute(X[:2], method="unrolled")
+    assert np.isnan(scores.replay_error)
+
+
 def test_disk_trajectory_equals_memory(tmp_path):
     est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
     disk, _, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False, trajectory_storage="disk",

@@ -166,7 +166,7 @@ from .._tangent import (
 )
 from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import forward_factors
-from .._warnings import caller_stacklevel
+from .._warnings import caller_stacklevel, worse
 
 __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
            "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
@@ -327,9 +327,17 @@ class _Quadrature:
         total = float(changes.sum())
         self.budgets = (tol * scale * changes / total if total > 0
                         else np.zeros(n_steps))
+        if not np.isfinite(self.budgets).all():
+            # tol * scale * change overflowed (outputs near the dtype's largest value): an
+            # infinite share would accept any residual. Rescaled only here, so that the
+            # budgets of every other path keep their rounding.
+            self.budgets = tol * scale * (changes / total)
         self.n_used = np.zeros(n_steps, dtype=np.int64)
         self.errors = np.zeros(n_steps)
         self.failed: dict[int, float] = {}
+        # Steps accepted at the round-off floor with a residual above their share of
+        # the tolerance: a tol below what the dtype resolves (see finish).
+        self.floored: dict[int, float] = {}
         self._n = None  # the node count of the step done before
         self._room = False  # whether that step had room for one node less
         self._since_lower = 0
@@ -347,7 +355,10 @@ class _Quadrature:
         """
         if self.fixed is not None:
             q, _, payload = evaluate(self.fixed)
-            self._record(t, self.fixed, _residual(q, df))
+            r = _residual(q, df)
+            if not math.isfinite(r):
+                self.failed[t] = r
+            self._record(t, self.fixed, r)
             return payload
         budget = self.budgets[t]
         n, cap, lowered = self._start()
@@ -356,11 +367,20 @@ class _Quadrature:
         while True:
             q, spread, payload = evaluate(n)
             r = _residual(q, df)
+            if not math.isfinite(r):
+                # NaN or inf at the nodes (or in the reference): no node count fixes it,
+                # and the node estimate below cannot be formed from it.
+                self.failed[t] = r
+                break
             # The residual's floor: the forward passes' round-off and the factors' own,
             # a multiple of their dtype's eps times the 2-norm of the product's terms
             # (measured 0.02-16x; learnt from the steps that reached it).
             spread = self.eps * float(spread.max()) if spread.numel() else 0.0
             floor = noise + self._floor * spread
+            if not math.isfinite(floor):
+                # The terms' norm overflowed: an infinite floor would accept any residual.
+                self.failed[t] = r
+                break
             goal = max(budget, floor)
             if seen and seen[-1][1] > floor and r > floor:
                 (n0, r0) = seen[-1]
@@ -386,6 +406,8 @@ class _Quadrature:
             # A failed step's count says nothing about the next: it starts from the last
             # count that worked.
             self._n, self._room = n, r <= goal * self._ratio
+            if r > budget:
+                self.floored[t] = r
         self._stalls += bool(stalled)
         self._record(t, n, r)
         return payload
@@ -412,7 +434,7 @@ class _Quadrature:
 
     def _record(self, t, n, r):
         self.n_used[t] = max(self.n_used[t], n)
-        self.errors[t] = max(self.errors[t], r)
+        self.errors[t] = worse(self.errors[t], r)
 
 
 class _Reference:
@@ -1394,6 +1416,7 @@ def decompose(
         initial, prediction = _contract(initial, weights), _contract(prediction, weights)
     ref = _Reference(module, traj, X, weights) if exact else None
     P, N = traj.n_params, X_train.shape[0]
+    requested = tol  # a tol the caller chose is warned about below the round-off floor
     tol = ((default_tol(dtype) if tol is None else float(tol)) if _adaptive(method, n_nodes)
            else None)
     route = _route(traj, method)
@@ -1450,18 +1473,20 @@ def decompose(
         except _Reroute as new:
             exclude = new.exclude
     result = _result(initial, prediction, contributions, regularization, method, weighting)
-    scale, failed = None, {}
+    scale, failed, floored = None, {}, {}
     if exact:  # each step's largest count and residual over the chunks, as merge joins
         result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
         result.step_errors = np.max([q.errors for q in quads], axis=0, initial=0.0)
         result.tol = tol
         scale = max((float(q.scale) for q in quads), default=0.0)
         for q in quads:
-            for t, r in q.failed.items():
-                failed[t] = max(r, failed.get(t, 0.0))
+            _join(failed, q.failed)
+            if requested is not None:
+                _join(floored, q.floored)
     checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
                      tol=tol, scale=scale, dtype=dtype, failed=failed,
-                     n_steps=len(traj) - 1, record_every=traj.record_every)
+                     n_steps=len(traj) - 1, record_every=traj.record_every,
+                     floored=floored, n_nodes=n_nodes if exact else None)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -1481,6 +1506,15 @@ class _Checks:
     failed: dict
     n_steps: int
     record_every: int
+    # Steps accepted at the round-off floor above their share of a tol the caller chose.
+    floored: dict = field(default_factory=dict)
+    n_nodes: int | None = None  # the fixed node count of an exact call
+
+
+def _join(into: dict, steps: dict) -> None:
+    """Each step's worst residual over parts (NaN kept: see :func:`.worse`)."""
+    for t, r in steps.items():
+        into[t] = worse(into.get(t, 0.0), r)
 
 
 def merge(parts: list) -> tuple[Decomposition, _Checks]:
@@ -1497,13 +1531,14 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
-    failed = {}
+    failed, floored = {}, {}
     for c in checks:
-        for t, r in c.failed.items():
-            failed[t] = max(r, failed.get(t, 0.0))
+        _join(failed, c.failed)
+        _join(floored, c.floored)
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
-    return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed})
+    return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
+                              "floored": floored})
 
 
 def replays(method: str, n_nodes: int | None, tol: float | None, dtype) -> bool:
@@ -1610,7 +1645,8 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
     failed = {t: r for c in checks for t, r in c.failed.items()}
-    return merged, _Checks(**{**checks[0].__dict__, "failed": failed})
+    floored = {t: r for c in checks for t, r in c.floored.items()}
+    return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored})
 
 
 def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
@@ -1619,23 +1655,35 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
     # weighting is an approximation for minibatches, by design.
     inexact = (_inexact(result, checks) if checks.exact and not checks.thinned
                and not checks.failed and checks.weighting == "realized" else None)
+    # The quadrature's summed residuals against what the tolerance allows them, in the
+    # network's units (as the node choice judged them).
+    missed = _missed_quadrature(result, checks) if checks.exact and not checks.failed else None
     if units is not None:
         result = units(result)
     if checks.failed:
         steps = sorted(checks.failed)
         listed = ", ".join(f"{t} (residual {checks.failed[t]:.1e})" for t in steps[:5])
         more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+        bad = sum(not math.isfinite(r) for r in checks.failed.values())
+        nonfinite = (f" {bad} of them have a non-finite residual (NaN or inf: the network's "
+                     "output at the step's nodes or ends overflowed or is undefined)."
+                     if bad else "")
+        goal = ("did not reach a finite residual with the fixed "
+                f"n_nodes={checks.n_nodes}" if checks.tol is None else
+                f"did not reach tol={checks.tol:g} (relative to the largest |f| along the "
+                f"path, {checks.scale:.3g}) within {MAX_NODES} Gauss-Legendre nodes or "
+                "stopped converging")
         warnings.warn(
             f"decompose(method='exact'): the quadrature of {len(steps)} of "
-            f"{checks.n_steps} steps did not reach tol={checks.tol:g} (relative to the "
-            f"largest |f| along the path, {checks.scale:.3g}) within {MAX_NODES} "
-            f"Gauss-Legendre nodes or stopped converging: steps {listed}{more}. The "
+            f"{checks.n_steps} steps {goal}: steps {listed}{more}.{nonfinite} The "
             f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
             "step_errors). A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
             "helps.",
             ConvergenceWarning, stacklevel=caller_stacklevel(),
         )
+    elif missed is not None:
+        _warn_missed(result, checks, *missed)
     if inexact is not None:
         _warn_inexact(result, inexact)
     if checks.thinned:
@@ -1651,6 +1699,53 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
             UserWarning, stacklevel=caller_stacklevel(),
         )
     return result
+
+
+def _missed_quadrature(result: Decomposition, checks: _Checks):
+    """``(achieved, allowed)`` relative to the path's largest |f| where the steps' summed
+    quadrature residuals exceed the tolerance, else None.
+
+    A tol the caller chose may lie below what the dtype resolves: its steps are accepted
+    at the round-off floor (``_Quadrature.floored``), which misses it. The default tol
+    sits at that floor by design (:func:`default_tol`) and is not judged. Fixed
+    ``n_nodes`` have no tolerance of their own: they are held to what an exact
+    decomposition's round-off reaches (``INEXACT_FLOOR``).
+    """
+    if result.step_errors is None:
+        return None
+    if checks.n_nodes is not None:
+        tol = INEXACT_FLOOR[checks.dtype]
+    elif checks.floored:
+        tol = checks.tol
+    else:
+        return None
+    size = max(checks.scale or 0.0, 1e-300)
+    achieved = float(np.sum(result.step_errors)) / size
+    return None if achieved <= tol else (achieved, tol)
+
+
+def _warn_missed(result: Decomposition, checks: _Checks, achieved: float,
+                 allowed: float) -> None:
+    if checks.n_nodes is not None:
+        why = (f"the fixed n_nodes={checks.n_nodes} Gauss-Legendre nodes per step do not "
+               f"integrate the steps to the dtype's round-off ({allowed:g} relative)")
+        fix = "Pass n_nodes=None to choose the nodes of every step for tol."
+    else:
+        steps = sorted(checks.floored)
+        listed = ", ".join(f"{t} (residual {checks.floored[t]:.1e})" for t in steps[:5])
+        more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+        why = (f"tol={allowed:g} is below the round-off floor of the {checks.dtype} path "
+               f"at {len(steps)} of {checks.n_steps} steps, whose residuals stopped there: "
+               f"steps {listed}{more}")
+        fix = ("Pass a tol the dtype resolves (tol=None: its round-off), or fit with "
+               "dtype='float64'.")
+    warnings.warn(
+        f"decompose(method='exact'): the quadrature's residuals add up to {achieved:.3g} "
+        f"relative to the largest |f| along the path ({checks.scale:.3g}): {why}. The "
+        f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
+        f"step_errors). {fix}",
+        ConvergenceWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def _inexact(result: Decomposition, checks: _Checks) -> float | None:

@@ -270,8 +270,10 @@ class TangentSpan:
                   loo=False):
         """Pivoted Cholesky of the training Gram: the span, and leave-one-out residuals.
 
-        Returns ``(span, pivots, complete, loo)``: ``complete`` says whether the pivots
-        reach the tolerance ``lam`` (False: stopped at ``max_rank``), ``loo`` the
+        Returns ``(span, pivots, complete, loo, reached)``: ``complete`` says whether the
+        pivots reach the tolerance ``lam`` (False: stopped at ``max_rank``), ``reached``
+        the largest squared residual of a training feature outside the pivots' span
+        (``max_i ||phi_i - P_L phi_i||^2``, what ``lam`` bounds), ``loo`` the
         leave-one-out relative residuals of all N points, exact, from a thin QR of the
         factor (None unless asked, or when that QR's second ``N x r`` array would not fit
         in the budget beside the factor: then see :meth:`pivot_loo_residuals`).
@@ -284,8 +286,8 @@ class TangentSpan:
                                          max(lam, 0.0), max_rank, block=block)
         else:  # every feature is zero (a dead network): the span is {0}
             G, pivots = diag_t.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
-        complete = not (len(pivots) == max_rank < n
-                        and float((diag_t - row_norms2(G)).max()) > lam)
+        reached = float((diag_t - row_norms2(G)).clamp(min=0.0).max()) if n else 0.0
+        complete = not (len(pivots) == max_rank < n and reached > lam)
         residuals = None
         r = G.shape[1]
         if loo and 8 * (2 * n * r + 2 * r * r) <= gram.budget:
@@ -298,7 +300,7 @@ class TangentSpan:
             W.diagonal().add_(lam)
             chol = to_numpy(torch.linalg.cholesky(W))
             del W
-        return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals
+        return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals, reached
 
     def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots) -> np.ndarray:
         """Leave-one-out relative residuals of training points ``idx`` from the pivots.

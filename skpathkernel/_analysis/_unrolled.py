@@ -75,6 +75,7 @@ more than any first-order derivative predicts, and a warning says so.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ from torch.func import functional_call, grad, vmap
 from .._memory import rows_per_block
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._trajectory import Trajectory
-from .._warnings import caller_stacklevel
+from .._warnings import caller_stacklevel, worse
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
 
@@ -466,7 +467,7 @@ class _Path:
             out.append(self.step(theta, nxt, lr, c, state.get("v"), t))
             theta = nxt
         scale = float((end - self.params(j)).norm()) or 1.0
-        self.replay_error = max(self.replay_error, float((theta - end).norm()) / scale)
+        self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
         return out
 
     def _advance(self, j: int, state: dict) -> dict:
@@ -621,7 +622,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
         size += float(torch.nansum(pending[0] ** 2))
     mismatch = math.sqrt(off / size) if size > 0 else 0.0
     return (scores.cpu().numpy(), growth.cpu().numpy(), log_sum.cpu().numpy(),
-            count.cpu().numpy(), max(path.replay_error, mismatch), norms)
+            count.cpu().numpy(), worse(path.replay_error, mismatch), norms)
 
 
 def _row_bytes(module, traj, X, itemsize) -> int:
@@ -662,7 +663,7 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
         growth.append(g)
         log_sum += logs
         count += n
-        error = max(error, e)
+        error = worse(error, e)
     if not scores:
         return None
     return np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms
@@ -705,7 +706,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     result = scores.view(AttributionScores)
     result.growth = growth
     result.amplification = amplification
-    result.replay_error = max((p[4] for p in parts), default=0.0)
+    result.replay_error = functools.reduce(worse, (p[4] for p in parts), 0.0)
     _warn(result, traj)
     if parts:
         _check_clipping(traj, parts[0][5])
@@ -765,7 +766,8 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             f"{lr:g}) for scores that predict retraining.",
             UnstablePathWarning, stacklevel=caller_stacklevel(),
         )
-    if result.replay_error and result.replay_error > REPLAY_LIMIT:
+    # NaN: a replay through a non-finite recorded point, which matches nothing.
+    if result.replay_error is not None and not result.replay_error <= REPLAY_LIMIT:
         thinned = (f" (recorded every {traj.record_every} steps, so also replaying the "
                    "unrecorded steps between recorded points)" if traj.record_every > 1
                    else "")

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import torch
 from sklearn.base import OutlierMixin
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 
@@ -151,8 +152,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
         the ``N x r`` float64 factor allows in half of ``memory_budget`` (and at most N).
-        When it is reached before the tolerance, a warning says so and the span is that
-        of the ``r`` most independent training features.
+        When it is reached before the tolerance, a ``ConvergenceWarning`` says so, with
+        how far the farthest training feature lies from the span (relative to the
+        largest feature norm, in ``rtol``'s units), and the span is that of the ``r``
+        most independent training features.
     n_jobs : int, default=None
         Number of joblib workers for scoring (``score_samples``, ``decision_function``,
         ``predict``): the queries are split into one row block per worker and scored
@@ -332,15 +335,20 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             if max_rank is None:
                 max_rank = max(1, gram.budget // (2 * 8 * n))
             max_rank = min(int(max_rank), n)
-            span, pivots, complete, loo = TangentSpan.factorize(
+            span, pivots, complete, loo, reached = TangentSpan.factorize(
                 gram, X, diag, lam, max_rank, block=block, loo=self.method == "residual")
             if not complete:
+                # In rtol's units: the distance of the farthest training feature from the
+                # pivots' span, relative to the largest feature norm.
+                achieved = math.sqrt(reached / max(float(np.max(diag)), 1e-300))
                 warnings.warn(
                     f"The factorisation of the training span stopped at max_rank={max_rank} "
-                    "pivots before reaching the rank tolerance; residuals are relative to "
-                    "the span of those pivots. Raise max_rank or memory_budget, or rtol; "
-                    "method='local' needs no factorisation.",
-                    UserWarning, stacklevel=2,
+                    f"pivots before reaching the rank tolerance rtol={self.rtol:g}: a "
+                    f"training feature lies {achieved:.3g} times the largest feature norm "
+                    "outside the span of those pivots, and residuals are relative to that "
+                    "span. Raise max_rank or memory_budget, or rtol; method='local' needs "
+                    "no factorisation.",
+                    ConvergenceWarning, stacklevel=2,
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
                          _X_span=span.X_span, _chol=span.chol)

@@ -52,7 +52,9 @@ weighting : {"realized", "expected"}, default="realized"
     approximate (with its measured ``error``) for minibatches.
 n_nodes : int, default=None
     A fixed number of Gauss-Legendre nodes for every step of "exact", without
-    error control. None (default) chooses them per step for ``tol``.
+    error control; a ``ConvergenceWarning`` says when the steps' measured
+    quadrature errors add up to more than the dtype's round-off (1e-10 relative in
+    float64, 1e-4 in float32). None (default) chooses them per step for ``tol``.
 tol : float, default=None
     Relative tolerance of "exact": each step's quadrature error, measured as
     ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the
@@ -61,9 +63,11 @@ tol : float, default=None
     of f), so that the quadrature errors add up to at most ``tol * S``. None:
     1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
     that ``error`` sits at that floor). A step that cannot meet it within 64
-    nodes (a relu network, very large steps) raises a ``ConvergenceWarning``
-    naming the step; ``error`` is always the achieved one. Ignored by the other
-    methods.
+    nodes (a relu network, very large steps), or whose residual is not finite
+    (the network overflowed or is undefined on the step), raises a
+    ``ConvergenceWarning`` naming the step; so does a ``tol`` below the round-off
+    floor of the path's dtype that the steps' summed residuals then miss.
+    ``error`` is always the achieved one. Ignored by the other methods.
 n_jobs : int, default=None
     Query blocks on joblib workers (Dask under
     ``joblib.parallel_config(backend="dask")``; an on-disk trajectory travels as a

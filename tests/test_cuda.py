@@ -181,12 +181,18 @@ def test_tangent_feature_svm(svm_kernel):
     gpu, cpu = _pair(lambda d: TangentFeatureSVM(_classifier(d), svm_kernel=svm_kernel,
                                                  random_state=0).fit(X, y))
     _same_path(gpu, cpu)
-    # The SVM's dual solve (libsvm, on the CPU) is continuous in the Gram it is given:
-    # 1e-12 differences of the Gram move the decision values by far less than 1e-7.
-    _close(gpu.decision_function(Q), cpu.decision_function(Q), rtol=1e-7, atol=1e-9,
-           what="decision_function")
-    np.testing.assert_array_equal(gpu.predict(Q), cpu.predict(Q))
     _close(gpu.transform(Q), cpu.transform(Q), what="transform")
+    _close(gpu.C_, cpu.C_, what="C_")
+    # libsvm (on the CPU for both) stops at a KKT gap of SVC's tol = 1e-3, so inputs that
+    # differ by 1e-12 can end at dual solutions that differ by up to that gap: with the
+    # CPU fit's learning rate moved by 1e-12, the decision values moved by 2e-5 to 1.6e-4
+    # of their scale. Compared to 1e-3 of the scale, and the labels wherever the two
+    # best classes are further apart than 1e-2 of it.
+    dg, dc = gpu.decision_function(Q), cpu.decision_function(Q)
+    _close(dg, dc, rtol=0.0, atol=1e-3, what="decision_function")
+    top2 = np.sort(dc, axis=1)[:, -2:] if dc.ndim == 2 else np.column_stack([dc, -dc])
+    clear = np.abs(top2[:, 1] - top2[:, 0]) > 1e-2 * max(1.0, float(np.max(np.abs(dc))))
+    np.testing.assert_array_equal(gpu.predict(Q)[clear], cpu.predict(Q)[clear])
 
 
 @pytest.mark.parametrize("method", ["local", "residual", "alignment"])

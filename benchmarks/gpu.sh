@@ -9,14 +9,17 @@
 # the CPU-only peers_training table, not run here). The full plan takes minutes on the
 # CPU of a 2-core machine; on a GPU its cost is mostly the ~45 case processes' start-up
 # (torch + CUDA context, a few seconds each) and the N = 20000 CNN Gram, estimated at 5-7
-# minutes before the ResNet and ViT rows were added (not estimated since: the ViT's class
-# token and position embedding go through the generic fallback until they have a rule);
-# pass --quick to halve it. The CUDA tests of the
-# rules run apart: pytest tests/test_rules.py -k cuda. Not yet run on a GPU: no device
-# was available when it was written. No timeout kill: a run cut short would write nothing.
+# minutes before the ResNet and ViT rows were added (not estimated since; every parameter
+# of both, the ViT's class token and position embedding included, now has a rule: see
+# skpathkernel._tangent._routes.layer_routes); pass --quick to halve it. On a device
+# session, run benchmarks/device_check.sh instead: it runs every CUDA test first, then
+# this with --quick under a time limit, and archives what finished. Each group's files are
+# written as the group ends, so a run stopped by a timeout keeps the groups before it.
+# Not yet run on a GPU: no device was available when it was written.
 # Usage: bash benchmarks/gpu.sh [--quick] [extra python -m benchmarks options]
+# Environment: PYTHON, the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
+"${PYTHON:-python3}" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
 'gpu.sh: torch sees no CUDA device')"
-python -m benchmarks --device cuda --only gram,gram_nets,path,training,decomposition "$@"
+"${PYTHON:-python3}" -m benchmarks --device cuda --only gram,gram_nets,path,training,decomposition "$@"

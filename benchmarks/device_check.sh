@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The one prepared command for a session that is lent a GPU: every CUDA test, then the
+# quick GPU benchmark (benchmarks/gpu.sh --quick), all inside ~9 minutes, so that one
+# device call of the 15 minutes a session gets leaves time to rerun it once.
+#
+# Call it with the device tool's `run` (it runs in the repo root there; $OUT comes back):
+#     run(command="bash benchmarks/device_check.sh", timeout_s=600)
+# No `carry`: the tests it selects import nothing the device lacks (skops, dask, sybil and
+# numpydoc are only imported by other test files, which it does not collect), and the
+# package runs from the tree (PYTHONPATH=$PWD, set here). The call sends the checkout the
+# session was started in: commit or keep there whatever should travel.
+#
+# What comes back, under the reply's files_at:
+#     versions.txt     torch, CUDA, driver and GPU (nvidia-smi), Python, NumPy
+#     cuda-tests.log   pytest -ra output of every CUDA test (tests/test_cuda.py and the
+#                      CUDA tests of test_rules.py, test_diagnostics.py, test_unrolled.py)
+#     cuda-tests.xml   the same as JUnit XML (per-test durations)
+#     gpu-bench.log    benchmarks/gpu.sh's output
+#     results.tgz      benchmarks/results/*-quick-cuda.md / .json of every group that
+#                      finished (groups are written as each one ends, so a run cut short at
+#                      its time limit keeps the finished ones)
+#     summary.txt      exit status and seconds of each stage
+# After: read summary.txt and cuda-tests.log; a failed parity test is a bug to file with
+# its log lines. Unpack the benchmark results into the checkout
+# (tar -xzf results.tgz -C benchmarks/results), review them with git diff, commit them
+# with the run's date and the GPU named in versions.txt, and give the machine back
+# (give_back) unless rerunning at once.
+#
+# Exit status: 0 when the tests passed and the benchmark finished; else the tests' status,
+# or else the benchmark's (124: stopped at its time limit). Without CUDA (a CPU run of this
+# script) the tests are reported skipped and gpu.sh refuses ("no CUDA device"): status 1.
+# Environment: OUT (default: a new temporary folder), PYTHON (default python3),
+# DEVICE_CHECK_SECONDS (default 530: the whole script's budget).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit
+OUT=${OUT:-$(mktemp -d)}
+PY=${PYTHON:-python3}
+BUDGET=${DEVICE_CHECK_SECONDS:-530}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The tests and the benchmark's case processes each set their own torch threads; this
+# keeps the test workers' BLAS from spawning 16 threads each.
+export OMP_NUM_THREADS=2
+start=$SECONDS
+summary() { echo "$1" | tee -a "$OUT/summary.txt"; }
+
+{
+    date -u
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+    "$PY" - <<'EOF'
+import platform, numpy, torch
+print("python", platform.python_version(), "| numpy", numpy.__version__,
+      "| torch", torch.__version__, "| torch CUDA", torch.version.cuda,
+      "| cuDNN", torch.backends.cudnn.version())
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"cuda:{i}", p.name, f"{p.total_memory / 2**30:.0f} GiB",
+              f"capability {p.major}.{p.minor}")
+else:
+    print("torch sees no CUDA device")
+EOF
+} 2>&1 | tee "$OUT/versions.txt"
+
+# ---- CUDA tests: -k cuda selects test_cuda.py whole and the other files' CUDA tests.
+timeout_opt=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    timeout_opt=(--timeout=150)
+fi
+workers=()
+if "$PY" -c "import xdist" 2>/dev/null; then
+    workers=(-n 8)  # one worker per parity test file part; more only adds CUDA contexts
+fi
+t0=$SECONDS
+timeout --kill-after=10 240 "$PY" -m pytest -ra -p no:cacheprovider "${workers[@]}" \
+    "${timeout_opt[@]}" --junitxml="$OUT/cuda-tests.xml" -k cuda \
+    tests/test_cuda.py tests/test_rules.py tests/test_diagnostics.py tests/test_unrolled.py \
+    2>&1 | tee "$OUT/cuda-tests.log"
+tests_rc=${PIPESTATUS[0]}
+summary "cuda tests: exit $tests_rc in $((SECONDS - t0)) s"
+
+# ---- Quick GPU benchmark, in whatever time is left (20 s kept for the archive).
+bench=$(mktemp -d)
+left=$((BUDGET - (SECONDS - start) - 20))
+if ((left < 30)); then
+    bench_rc=124
+    summary "gpu.sh: not started, ${left} s left"
+else
+    t0=$SECONDS
+    # timeout signals its whole process group: gpu.sh, python and the case processes.
+    PYTHON="$PY" timeout --kill-after=10 "$left" bash benchmarks/gpu.sh --quick --out "$bench" \
+        2>&1 | tee "$OUT/gpu-bench.log"
+    bench_rc=${PIPESTATUS[0]}
+    summary "gpu.sh --quick: exit $bench_rc in $((SECONDS - t0)) s (limit ${left} s)"
+fi
+tar -czf "$OUT/results.tgz" -C "$bench" .
+summary "results.tgz: $(tar -tzf "$OUT/results.tgz" | grep -c '\.md$') result files; \
+total $((SECONDS - start)) s"
+if ((tests_rc != 0)); then exit "$tests_rc"; fi
+exit "$bench_rc"

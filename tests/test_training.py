@@ -571,6 +571,28 @@ def test_normalize_y_trains_on_standardized_targets(regression_data):
         assert_allclose(raw.predict(X), raw.module_(torch.as_tensor(X))[:, 0].numpy())
 
 
+@pytest.mark.parametrize("big", [1e300, 1e308], ids=["std-overflows", "sum-overflows"])
+def test_normalize_y_keeps_huge_float64_targets_finite(regression_data, big):
+    # Standardizing is scale-equivariant: targets multiplied by `big` train the same
+    # network, whose predictions are `big` times the unit targets'. NumPy's y.std()
+    # overflows to inf above ~1e154 (and y.mean() above 1.8e308 / n) although y itself
+    # is finite, which made every prediction inf or NaN. Second column: ordinary targets
+    # beside the huge ones keep their exact mean and scale.
+    X, y = regression_data
+    unit = 0.5 + 0.4 * y  # in [0.1, 0.9]: 1e308 * unit sums past float64's range
+    kw = dict(hidden_layer_sizes=(6,), max_iter=5, tol=None, dtype="float64", random_state=0)
+    ref = PathKernelMachine(**kw).fit(X, np.column_stack([unit, y]))
+    est = PathKernelMachine(**kw).fit(X, np.column_stack([big * unit, y]))
+    pred, expected = est.predict(X), ref.predict(X)
+    assert np.isfinite(pred).all()
+    assert_allclose(pred[:, 0], big * expected[:, 0], rtol=1e-10)
+    assert_allclose(pred[:, 1], expected[:, 1], rtol=1e-10)
+    assert est._y_scale[1] == y.std()
+    res = est.decompose(X[:3])
+    assert np.isfinite(res.contributions).all()
+    assert_allclose(res.prediction, pred[:3], rtol=1e-10)
+
+
 def test_float32_predictions_are_bitwise_invariant_to_the_rows_passed():
     rng = np.random.RandomState(0)
     X = rng.normal(size=(300, 5))

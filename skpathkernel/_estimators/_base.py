@@ -303,6 +303,24 @@ class FittedNetworkMixin:
             return_distance=return_distance)
 
 
+def _mean_and_std(Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-column mean and standard deviation of ``Y``, finite wherever ``Y`` is.
+
+    NumPy's sum overflows above ``1.8e308 / n`` and its squared deviations above ~1e154,
+    while the targets themselves are representable (validated finite): a scale of inf
+    made every prediction ``mean + inf * f(x)``, inf or NaN. Such columns are computed on
+    ``Y / max|Y|`` and scaled back; every other column is NumPy's, bit for bit.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean, std = Y.mean(axis=0), Y.std(axis=0)
+    bad = ~(np.isfinite(mean) & np.isfinite(std))
+    if bad.any():
+        big = np.abs(Y[:, bad]).max(axis=0)
+        unit = Y[:, bad] / big
+        mean[bad], std[bad] = unit.mean(axis=0) * big, unit.std(axis=0) * big
+    return mean, std
+
+
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
                             BaseEstimator, metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
@@ -659,7 +677,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is None:
             # From the rows trained on only (no leak of the held-out ones); the network
             # learns the standardized targets, predict maps its outputs back.
-            mean, scale = Y.mean(axis=0), Y.std(axis=0)
+            mean, scale = _mean_and_std(Y)
             scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's)
         else:
             mean, scale = self._y_mean, self._y_scale

@@ -62,6 +62,9 @@ def test_kneighbors_at_initialization_and_path(fitted):
         reg.kneighbors(X, n_neighbors=len(X) + 1)
     with pytest.raises(ValueError, match="kernel must be"):
         reg.kneighbors(X, n_neighbors=2, kernel="rbf")
+    # The path kernel has no step: one passed is refused, not silently ignored.
+    with pytest.raises(ValueError, match="step=0 applies to kernel='tangent'"):
+        reg.kneighbors(X[:3], n_neighbors=4, kernel="path", step=0)
 
 
 def test_kernel_attributes(fitted):

@@ -273,7 +273,9 @@ class FittedNetworkMixin:
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step``, or the path kernel.
         step : int, default=-1
-            Recorded point for the tangent kernel (0 is the initialization).
+            Recorded point for the tangent kernel (0 is the initialization); with
+            ``kernel="path"`` only the default, as the path kernel sums over every
+            recorded point.
         normalized : bool, default=True
             Rank by the normalized kernel ``K_hat``, the cosine of the angle between the
             feature vectors, rather than by the raw kernel distance.

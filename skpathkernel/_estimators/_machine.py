@@ -395,7 +395,8 @@ class _KernelMachineMixin(TransformerMixin):
         X : array-like of shape (n_queries, n_features) or (n_queries, ...)
             The queries, in the form of the training inputs (``input_shape_``).
         n_neighbors : int, default=10
-            Number of training points returned per query.
+            Number of training points returned per query, at most the number of
+            training samples (more is refused, as by :meth:`kneighbors`).
         method : {"exact", "first_order", "second_order"}, default="exact"
             How the contributions are computed, as in :meth:`decompose`.
         output : "margin", int or "all", default=None

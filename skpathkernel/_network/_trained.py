@@ -573,7 +573,8 @@ ValueError
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at ``step`` or the path kernel summed over the path.
         step : int, default=-1
-            Recorded point of the tangent kernel.
+            Recorded point of the tangent kernel; with ``kernel="path"`` only the default
+            (the path kernel sums over every recorded point).
         normalized : bool, default=True
             Distances of the cosine-normalised kernel, ``sqrt(2 - 2 k)``; otherwise the
             kernel's own feature-space distance.
@@ -588,14 +589,14 @@ ValueError
         """
         if kernel not in ("tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
-        X_fit = self._training_data_inputs()
-        n_train = X_fit.shape[0]
-        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
-                or not 0 < n_neighbors <= n_train):
+        if kernel == "path" and not (isinstance(step, numbers.Integral) and step == -1):
+            # The path kernel sums over every recorded point: a step would be ignored.
             raise ValueError(
-                f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
-                f"samples), got {n_neighbors!r}."
+                f"step={step!r} applies to kernel='tangent'; the path kernel sums over every "
+                "recorded point (PathKernel(est, start=..., stop=...) restricts it)."
             )
+        X_fit = self._training_data_inputs()
+        _check_n_neighbors(n_neighbors, X_fit.shape[0])
         X = self.check(X)
         # The kernels' own normalisation (cosine; 0 against a zero feature).
         k = (KERNELS["tangent"](self, step=step, normalized=normalized)
@@ -663,9 +664,8 @@ ValueError
         contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
             Their contributions: one column for a scalar output, ``n_outputs`` for "all".
         """
-        if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
-                or n_neighbors < 1):
-            raise ValueError(f"n_neighbors must be a positive integer, got {n_neighbors!r}.")
+        # Checked before the decomposition: as kneighbors, never fewer than asked.
+        _check_n_neighbors(n_neighbors, self.trajectory.n_samples)
         if isinstance(output, str) and output == "all":
             check_decompose_args(method, "realized", None, None)
             contributions = self.decompose(X, method=method, units=units,
@@ -678,7 +678,7 @@ ValueError
                                      output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale)
             contributions = scores[:, :, None]
-        k = min(int(n_neighbors), contributions.shape[1])
+        k = int(n_neighbors)
         magnitude = np.abs(contributions).sum(axis=2)
         order = np.argsort(-magnitude, axis=1, kind="stable")[:, :k]
         return order, np.take_along_axis(contributions, order[:, :, None], axis=1)
@@ -888,3 +888,13 @@ def _fitted(estimator) -> bool:
     except NotFittedError:
         return False
     return True
+
+
+def _check_n_neighbors(n_neighbors, n_train: int) -> None:
+    """``n_neighbors`` an integer in ``[1, n_train]``, as sklearn's ``kneighbors`` asks."""
+    if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
+            or not 0 < n_neighbors <= n_train):
+        raise ValueError(
+            f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
+            f"samples), got {n_neighbors!r}."
+        )

@@ -82,8 +82,29 @@ def test_api_is_collected():
     assert len(paths) > 100
 
 
+def _foreign_constructor(path):
+    """Whether ``path`` is a class whose constructor no skpathkernel class defines (an
+    ndarray subclass made by views): its signature is NumPy's, whose parameters NumPy <
+    2 exposes to introspection and which the class does not document."""
+    parts = path.split(".")
+    # The longest importable prefix is the module; the rest are attributes of it.
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        break
+    return inspect.isclass(obj) and not any(
+        "__init__" in vars(k) or "__new__" in vars(k)
+        for k in obj.__mro__ if k.__module__.startswith("skpathkernel"))
+
+
 @pytest.mark.parametrize("path, checks", API, ids=[path for path, _ in API])
 def test_docstring(path, checks):
+    if _foreign_constructor(path):
+        checks = checks - {"PR01", "PR02"}
     errors = [(code, msg) for code, msg in validate(path)["errors"] if code in checks]
     assert not errors, "\n".join(f"{path}: {code} {msg}" for code, msg in errors)
 

@@ -86,7 +86,7 @@ def _foreign_constructor(path):
     """Whether ``path`` is a class whose constructor no skpathkernel class defines (an
     ndarray subclass made by views): its signature is NumPy's, whose parameters NumPy <
     2 exposes to introspection and which the class does not document."""
-    parts = path.split(".")
+    parts, obj = path.split("."), None
     # The longest importable prefix is the module; the rest are attributes of it.
     for i in range(len(parts), 0, -1):
         try:

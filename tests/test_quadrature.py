@@ -16,6 +16,7 @@ from numpy.testing import assert_allclose
 from sklearn.exceptions import ConvergenceWarning
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._analysis._decomposition import Decomposition, _Checks, merge
 
 REFERENCE = gauss_nodes(16, panels=4)
 # The estimators' defaults before issue 20, pinned where a test was built on them: tanh,
@@ -308,3 +309,21 @@ def test_overflowing_query_warns():
     message = next(str(w.message) for w in rec if w.category is ConvergenceWarning)
     assert f"achieved error is {res.error:.3g}" in message
     assert "steps 2 (residual" in message and res.step_errors[2] > 0.5 * scale
+
+
+@pytest.mark.parametrize("order", [(1e-12, float("nan")), (float("nan"), 1e-12)])
+def test_row_blocks_keep_a_nan_error(order):
+    """Query blocks (n_jobs) joined by ``merge``: a block whose error is NaN makes the
+    call's error NaN, in either order (``max`` keeps its first argument against a NaN)."""
+    def part(error):
+        result = Decomposition(initial=np.zeros(1), contributions=np.zeros((1, 3)),
+                               regularization=np.zeros(1), prediction=np.zeros(1),
+                               error=error, method="exact", weighting="realized")
+        checks = _Checks(exact=True, thinned=False, method="exact", weighting="realized",
+                         tol=1e-12, scale=1.0, dtype=torch.float64, failed={}, n_steps=2,
+                         record_every=1)
+        return result, checks
+
+    merged, _ = merge([part(e) for e in order])
+    assert np.isnan(merged.error)
+    assert merged.contributions.shape == (2, 3)

@@ -1526,7 +1526,7 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
         contributions=np.concatenate([r.contributions for r in results]),
         regularization=np.concatenate([r.regularization for r in results]),
         prediction=np.concatenate([r.prediction for r in results]),
-        error=max(r.error for r in results), method=first.method,
+        error=functools.reduce(worse, (r.error for r in results)), method=first.method,
         weighting=first.weighting, tol=first.tol)
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
@@ -1661,9 +1661,7 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
     if units is not None:
         result = units(result)
     if checks.failed:
-        steps = sorted(checks.failed)
-        listed = ", ".join(f"{t} (residual {checks.failed[t]:.1e})" for t in steps[:5])
-        more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
+        listed = _list_steps(checks.failed)
         bad = sum(not math.isfinite(r) for r in checks.failed.values())
         nonfinite = (f" {bad} of them have a non-finite residual (NaN or inf: the network's "
                      "output at the step's nodes or ends overflowed or is undefined)."
@@ -1674,8 +1672,8 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
                 f"path, {checks.scale:.3g}) within {MAX_NODES} Gauss-Legendre nodes or "
                 "stopped converging")
         warnings.warn(
-            f"decompose(method='exact'): the quadrature of {len(steps)} of "
-            f"{checks.n_steps} steps {goal}: steps {listed}{more}.{nonfinite} The "
+            f"decompose(method='exact'): the quadrature of {len(checks.failed)} of "
+            f"{checks.n_steps} steps {goal}: steps {listed}.{nonfinite} The "
             f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
             "step_errors). A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
@@ -1724,19 +1722,24 @@ def _missed_quadrature(result: Decomposition, checks: _Checks):
     return None if achieved <= tol else (achieved, tol)
 
 
+def _list_steps(residuals: dict) -> str:
+    """The first five steps with their residuals, and how many more, for a warning."""
+    steps = sorted(residuals)
+    listed = ", ".join(f"{t} (residual {residuals[t]:.1e})" for t in steps[:5])
+    return listed + (f" and {len(steps) - 5} more" if len(steps) > 5 else "")
+
+
 def _warn_missed(result: Decomposition, checks: _Checks, achieved: float,
                  allowed: float) -> None:
     if checks.n_nodes is not None:
         why = (f"the fixed n_nodes={checks.n_nodes} Gauss-Legendre nodes per step do not "
-               f"integrate the steps to the dtype's round-off ({allowed:g} relative)")
+               f"integrate the steps to within {allowed:g} of the largest |f|, the allowance of "
+               "the exact decomposition's closure check")
         fix = "Pass n_nodes=None to choose the nodes of every step for tol."
     else:
-        steps = sorted(checks.floored)
-        listed = ", ".join(f"{t} (residual {checks.floored[t]:.1e})" for t in steps[:5])
-        more = f" and {len(steps) - 5} more" if len(steps) > 5 else ""
         why = (f"tol={allowed:g} is below the round-off floor of the {checks.dtype} path "
-               f"at {len(steps)} of {checks.n_steps} steps, whose residuals stopped there: "
-               f"steps {listed}{more}")
+               f"at {len(checks.floored)} of {checks.n_steps} steps, whose residuals stopped "
+               f"there: steps {_list_steps(checks.floored)}")
         fix = ("Pass a tol the dtype resolves (tol=None: its round-off), or fit with "
                "dtype='float64'.")
     warnings.warn(

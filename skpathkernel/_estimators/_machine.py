@@ -44,8 +44,9 @@ _SHARED_PARAMS_DOC = """
     solver : {"sgd", "adam", "adamw", "rmsprop"}, default="adam"
         The torch.optim optimizer whose path is recorded. Adam (MLPClassifier's default)
         learns at one step size whatever the scale of X; SGD keeps each step of the path
-        kernel a structured Gram (Adam's preconditioner makes it a dense product, about
-        five times slower per step on the default network, one thread on an AMD EPYC,
+        kernel a structured Gram (Adam's preconditioner makes it a dense product:
+        ``path_kernel_`` about five times slower per step on the default network, the
+        first-order decomposition about 27 times, one thread on an AMD EPYC,
         ``benchmarks/results/verbs_floor.md``)
         and is Domingos' setting (see ``batch_size``).
     learning_rate_init : float, default=0.001

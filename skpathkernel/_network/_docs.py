@@ -53,8 +53,9 @@ weighting : {"realized", "expected"}, default="realized"
 n_nodes : int, default=None
     A fixed number of Gauss-Legendre nodes for every step of "exact", without
     error control; a ``ConvergenceWarning`` says when the steps' measured
-    quadrature errors add up to more than the dtype's round-off (1e-10 relative in
-    float64, 1e-4 in float32). None (default) chooses them per step for ``tol``.
+    quadrature errors add up to more than 1e-10 of the largest ``|f|`` in float64
+    (1e-4 in float32), the allowance of the exact decomposition's closure check. None
+    (default) chooses them per step for ``tol``.
 tol : float, default=None
     Relative tolerance of "exact": each step's quadrature error, measured as
     ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the

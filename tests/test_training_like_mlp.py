@@ -252,6 +252,25 @@ def test_warm_start_equals_one_fit_bit_for_bit_and_stays_exact(solver):
     _check_exact(est, X, X[:3] + 0.1)
 
 
+def test_warm_start_at_a_new_learning_rate_init_takes_it():
+    """A warm start after set_params(learning_rate_init=...) steps at the new rate (as
+    MLPClassifier's warm start does), from the same optimizer state: one exact path.
+    partial_fit keeps the schedule's rate, as MLPClassifier's does."""
+    X, y = _data()
+    params = dict(BASE, solver="adam", batch_size=5, tol=None, max_iter=2)
+    est = PathKernelMachine(**params, learning_rate_init=0.01, warm_start=True).fit(X, y)
+    first = est.trajectory_.n_steps
+    est.set_params(learning_rate_init=0.002).fit(X, y)
+    lrs = est.trajectory_.learning_rates
+    assert_array_equal(lrs[:first], 0.01)
+    assert_array_equal(lrs[first:], 0.002)
+    assert est.trajectory_.n_steps == 2 * first  # one path, extended
+    _check_exact(est, X, X[:3] + 0.1)
+    inc = PathKernelMachine(**params, learning_rate_init=0.01).partial_fit(X, y)
+    inc.set_params(learning_rate_init=0.002).partial_fit(X, y)
+    assert_array_equal(inc.trajectory_.learning_rates, 0.01)
+
+
 def test_partial_fit_equals_one_fit_and_indexes_the_concatenation():
     X, y = _data()
     params = dict(BASE, solver="adam", learning_rate_init=0.01, batch_size=5, tol=None)

@@ -724,11 +724,22 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 compression=self.trajectory_compression,
                 schedule=self.learning_rate,
                 power_t=float(self.power_t),
-                resume=None if previous is None else self._resume,
+                resume=None if previous is None else self._resumed(incremental),
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
                 extends=extends,
             )
+
+    def _resumed(self, incremental: bool):
+        """The previous fit's Resume; a warm start whose ``learning_rate_init`` was changed
+        starts its schedule there, as MLPClassifier's warm start does with a new optimizer
+        (the optimizer's state, the moments, continue: one path). ``partial_fit`` keeps the
+        schedule's step size, as MLPClassifier's does."""
+        resume, lr_init = self._resume, float(self.learning_rate_init)
+        if (incremental or resume.learning_rate_init is None
+                or resume.learning_rate_init == lr_init):
+            return resume
+        return dataclasses.replace(resume, learning_rate=lr_init, learning_rate_init=lr_init)
 
     def _curves(self, result, continued: bool) -> dict:
         """The fitted training curves: this fit's, after the previous fit's when continued."""

@@ -184,16 +184,20 @@ class Resume:
     rule: tuple[int, float, float]  # the stopping rule's (count, best loss, best score)
     first_loss: float  # the first epoch's loss and the initial parameter norm, which the
     initial_norm: float  # divergence warning compares with over the whole path
+    # The learning_rate_init the schedule started from (None: a Resume pickled before it
+    # was kept), so that a warm start can tell a new one from the schedule's own changes.
+    learning_rate_init: float | None = None
 
     @classmethod
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
-                first_loss, initial_norm) -> Resume:
+                first_loss, initial_norm, learning_rate_init=None) -> Resume:
         state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
         return cls(state, float(learning_rate), int(samples_seen),
                    generator.get_state().numpy().copy(), tuple(rule), float(first_loss),
-                   float(initial_norm))
+                   float(initial_norm),
+                   None if learning_rate_init is None else float(learning_rate_init))
 
     def load_into(self, optimizer, generator) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
@@ -459,7 +463,7 @@ def train(
         first = loss_curve[0] if resume is None else resume.first_loss
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
-                              initial_norm=norms[0])
+                              initial_norm=norms[0], learning_rate_init=sched.lr_init)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     step, stopped = 0, False
     for epoch in range(max_iter):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
+from collections.abc import Iterable
 
-__all__ = ["caller_stacklevel", "worse"]
+__all__ = ["caller_stacklevel", "worse", "worst"]
 
 # The package's folder: frames whose code lies under it are skpathkernel's own.
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -26,3 +28,12 @@ def worse(a: float, b: float) -> float:
     argument against a NaN, which would report a NaN error as the other one, and a check
     ``error > limit`` is False on NaN. Checks compare with ``not error <= limit``."""
     return a if math.isnan(a) or b <= a else b
+
+
+def worst(errors: Iterable[float], initial: float | None = None) -> float | None:
+    """The largest of several measured errors, NaN if any is (see :func:`worse`);
+    ``initial`` where there are none (None by default)."""
+    errors = list(errors)
+    if not errors:
+        return initial
+    return functools.reduce(worse, errors, *(() if initial is None else (initial,)))

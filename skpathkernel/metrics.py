@@ -24,7 +24,6 @@ fitted :class:`~skpathkernel.PathKernelClassifier` or
 from __future__ import annotations
 
 import copy
-import functools
 import numbers
 import warnings
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from ._network._trained import network_of
 from ._parallel import limit_torch_threads
 from ._path._training import make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
-from ._warnings import worse
+from ._warnings import worst
 
 __all__ = [
     "SubsetRetraining",
@@ -721,5 +720,5 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         mean = mean.view(AttributionScores)
         mean.growth = np.max(growths, axis=0)
         errors = [s.replay_error for s in members if s.replay_error is not None]
-        mean.replay_error = functools.reduce(worse, errors) if errors else None
+        mean.replay_error = worst(errors)
     return mean

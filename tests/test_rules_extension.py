@@ -110,6 +110,19 @@ def test_check_rule_catches_a_wrong_rule(registered):
         check_rule(module, X)
 
 
+def test_check_rule_fails_a_nan_gram(monkeypatch):
+    """A Gram of NaN beside exact features fails the check: the larger of the two errors
+    is NaN, which ``max`` would have dropped for the features' round-off."""
+    import skpathkernel._tangent._routes as routes
+
+    module, X = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
+    assert check_rule(module, X) < 1e-10
+    monkeypatch.setattr(routes, "tangent_gram",
+                        lambda *a, **k: torch.full_like(tangent_gram(*a, **k), float("nan")))
+    with pytest.raises(AssertionError, match="differs from torch.func by nan"):
+        check_rule(module, X)
+
+
 def test_a_rule_with_wrong_sizes_is_named(registered):
     def too_wide(layer, use, deltas, names):
         (x,), (delta,) = use.inputs, deltas

@@ -166,7 +166,7 @@ from .._tangent import (
 )
 from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import forward_factors
-from .._warnings import caller_stacklevel, worse
+from .._warnings import caller_stacklevel, worse, worst
 
 __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
            "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
@@ -1526,7 +1526,7 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
         contributions=np.concatenate([r.contributions for r in results]),
         regularization=np.concatenate([r.regularization for r in results]),
         prediction=np.concatenate([r.prediction for r in results]),
-        error=functools.reduce(worse, (r.error for r in results)), method=first.method,
+        error=worst(r.error for r in results), method=first.method,
         weighting=first.weighting, tol=first.tol)
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)

@@ -75,7 +75,6 @@ more than any first-order derivative predicts, and a warning says so.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -87,7 +86,7 @@ from torch.func import functional_call, grad, vmap
 from .._memory import rows_per_block
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._trajectory import Trajectory
-from .._warnings import caller_stacklevel, worse
+from .._warnings import caller_stacklevel, worse, worst
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
 
@@ -706,7 +705,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     result = scores.view(AttributionScores)
     result.growth = growth
     result.amplification = amplification
-    result.replay_error = functools.reduce(worse, (p[4] for p in parts), 0.0)
+    result.replay_error = worst((p[4] for p in parts), 0.0)
     _warn(result, traj)
     if parts:
         _check_clipping(traj, parts[0][5])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
+from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES
@@ -290,7 +291,7 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     errors = [float((phi - J).abs().max() / J.abs().max().clamp_min(1e-300)),
               float((K - torch.einsum("ncp,mdp->ncmd", J, J)).abs().max()
                     / K.abs().max().clamp_min(1e-300))]
-    error = max(errors)
+    error = worst(errors)  # NaN if either is: a NaN Gram must not pass
     if not error <= rtol:
         ruled = [f"{r.name} ({r.type})" for r in routes if r.route == "rule"]
         raise AssertionError(

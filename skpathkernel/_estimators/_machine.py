@@ -599,7 +599,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         return Y, Y.shape[1], {"_y_2d": self_y_2d}
 
     @keep_previous_fit_on_error
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Train the network on (X, y), recording its path.
 
         Parameters
@@ -609,6 +609,16 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
             Real-valued targets.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Non-negative weights of the samples, relative as in ``np.average``: each
+            batch's loss is their weighted mean, ``sum_i s_i l_i / sum_i s_i`` over
+            the batch, so multiplying every weight by a constant changes nothing (unlike
+            MLPRegressor, whose L2 penalty ``alpha`` is divided by the batch's weight sum;
+            here ``alpha`` is not weighted). A batch whose weights sum to 0 contributes
+            no gradient. The trajectory records each batch's normalized weights
+            (``trajectory_.batch_weights``), so :meth:`decompose` and :meth:`attribute`
+            stay exact; a zero-weight sample gets a zero contribution. None, or equal
+            weights, is the unweighted fit.
 
         Returns
         -------
@@ -616,10 +626,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             The fitted estimator.
         """
         self._validate_params()
-        return self._fit(X, y)
+        return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
-    def partial_fit(self, X, y):
+    def partial_fit(self, X, y, sample_weight=None):
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPRegressor's out-of-core entry point: the first call starts a network (as
@@ -638,6 +648,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             This call's training inputs (appended to ``X_fit_``).
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
             Their targets.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of this call's samples, as in :meth:`fit`.
 
         Returns
         -------
@@ -656,7 +668,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         (4, 40, 40)
         """
         self._validate_params()
-        return self._fit(X, y, incremental=True)
+        return self._fit(X, y, sample_weight=sample_weight, incremental=True)
 
     def predict(self, X):
         """Network outputs f(X; theta_T).
@@ -782,7 +794,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         return _label_tensor(Y, dtype, device)
 
     @keep_previous_fit_on_error
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Train the network on (X, y), recording its path.
 
         Parameters
@@ -792,16 +804,29 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
             floats, or integer token ids.
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
+        sample_weight : array-like of shape (n_samples,), default=None
+            Non-negative weights of the samples, relative as in ``np.average``: each
+            batch's loss is their weighted mean, ``sum_i s_i l_i / sum_i s_i`` over
+            the batch, so multiplying every weight by a constant changes nothing (unlike
+            MLPClassifier, whose L2 penalty ``alpha`` is divided by the batch's weight sum;
+            here ``alpha`` is not weighted). A batch whose weights sum to 0 contributes
+            no gradient. The trajectory records each batch's normalized weights
+            (``trajectory_.batch_weights``), so :meth:`decompose` and :meth:`attribute`
+            stay exact; a zero-weight sample gets a zero contribution. None, or equal
+            weights, is the unweighted fit.
+            Class weights are sample weights: ``compute_sample_weight("balanced", y)``
+            weighs the classes of imbalanced data equally. Weights that leave fewer
+            than two classes with positive weight are refused.
 
         Returns
         -------
         self : PathKernelClassifier
         """
         self._validate_params()
-        return self._fit(X, y)
+        return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
-    def partial_fit(self, X, y, classes=None):
+    def partial_fit(self, X, y, classes=None, sample_weight=None):
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPClassifier's out-of-core entry point: the first call starts a network (as
@@ -823,6 +848,9 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         classes : array-like of shape (n_classes,), default=None
             Every class of the whole stream; required on the first call, ignored after
             (a later call's labels must be among the first call's classes).
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of this call's samples, as in :meth:`fit` (after ``classes``, so
+            that ``partial_fit(X, y, classes)`` keeps its meaning).
 
         Returns
         -------
@@ -842,7 +870,8 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         self._validate_params()
         if not hasattr(self, "network_") and classes is None:
             raise ValueError("classes must be passed on the first call to partial_fit.")
-        return self._fit(X, y, incremental=True, classes=classes)
+        return self._fit(X, y, sample_weight=sample_weight, incremental=True,
+                         classes=classes)
 
     def decision_function(self, X):
         """Margins (binary, shape (n_samples,)) or logits (shape (n_samples, n_classes)).

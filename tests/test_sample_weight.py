@@ -1,0 +1,364 @@
+"""fit / partial_fit with sample_weight: each batch's loss is the weighted mean over it,
+the trajectory records the normalized weights, and decompose and attribute stay exact
+against the independent references of tests/_reference.py, which compute every sample's
+weight ``s_i / sum_batch s`` from the weights themselves."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _reference import forward_recursion, gauss_nodes, unrolled_reference, unrolled_replay
+from numpy.testing import assert_allclose, assert_array_equal
+from sklearn.model_selection import GridSearchCV, KFold, cross_val_score
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine, Trajectory
+from skpathkernel._path._losses import LOSSES
+from skpathkernel._path._mlp_step import MLPGradient
+from skpathkernel._path._training import make_optimizer
+from skpathkernel.metrics import _replay
+
+
+def _data(n=24, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.normal(size=(n, 3))
+    y = np.sin(X[:, 0]) + X[:, 1] - 0.5 * X[:, 2] ** 2
+    w = rng.uniform(0.2, 3.0, size=n)
+    w[[1, 5, 11]] = 0.0  # zero-weight points must work (and own nothing)
+    return X, y, w
+
+
+BASE = dict(hidden_layer_sizes=(6,), max_iter=3, tol=None, dtype="float64", random_state=0,
+            batch_size=8)
+REG = dict(BASE, normalize_y=False)  # the references train on y itself
+SOLVERS = {
+    "sgd": dict(solver="sgd", learning_rate_init=0.1),
+    "sgd-nesterov-l2": dict(solver="sgd", momentum=0.9, alpha=0.01, learning_rate_init=0.05),
+    "sgd-heavy-ball": dict(solver="sgd", momentum=0.9, nesterovs_momentum=False,
+                           learning_rate_init=0.05),
+    "adam-l2": dict(solver="adam", alpha=0.01, learning_rate_init=0.02),
+}
+
+
+def _squared(out, t):
+    return 0.5 * ((out - t) ** 2).mean(dim=1)
+
+
+def _betas(traj):
+    return np.concatenate([traj.batch_weights(t) for t in range(traj.n_steps)])
+
+
+# ------------------------------------------------------------------ today's path
+@pytest.mark.parametrize("cls", [PathKernelMachine, PathKernelClassifier])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_equal_weights_are_the_unweighted_fit_bit_for_bit(cls, dtype):
+    X, y, _ = _data()
+    y = y if cls is PathKernelMachine else (y > 0).astype(int)
+    params = dict(BASE, dtype=dtype, solver="adam", learning_rate_init=0.01)
+    plain = cls(**params).fit(X, y)
+    for weights in (np.ones(len(X)), np.full(len(X), 2.5), [3] * len(X)):
+        est = cls(**params).fit(X, y, sample_weight=weights)
+        assert est.trajectory_._batch_weights is None
+        assert_array_equal(est.trajectory_.parameters(-1), plain.trajectory_.parameters(-1))
+        assert est.loss_curve_ == plain.loss_curve_
+
+
+# ------------------------------------------------------------------ the training rule
+def test_each_step_takes_the_weighted_mean_of_its_batch():
+    """Every recorded step is torch.optim's step on the loss sum_i s_i l_i / sum_i s_i
+    over the recorded batch (a plain autograd step, rerun here), and the recorded batch
+    weights are those s_i / sum s."""
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS["sgd"]).fit(X, y, sample_weight=w)
+    traj = est.trajectory_
+    module = copy.deepcopy(est.module_)
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y).reshape(-1, 1)
+    for t, batch in enumerate(traj.batches):
+        assert_allclose(traj.batch_weights(t), w[batch] / w[batch].sum(), rtol=1e-15)
+        module.load_state_dict(traj.state_dict(t))
+        module.zero_grad()
+        s = torch.as_tensor(w[batch])
+        per = _squared(module(Xt[batch]), Yt[batch])
+        ((s * per).sum() / s.sum()).backward()
+        with torch.no_grad():
+            stepped = torch.cat([(p - 0.1 * p.grad).reshape(-1) for p in module.parameters()])
+        assert_allclose(stepped, traj.parameters(t + 1), rtol=0, atol=1e-14)
+
+
+def test_the_epoch_loss_is_the_weighted_average_as_mlp():
+    """Full batch: the epoch loss is np.average of the per-sample losses at theta_0."""
+    X, y, w = _data()
+    est = PathKernelMachine(**{**REG, "batch_size": None}, **SOLVERS["sgd"]).fit(
+        X, y, sample_weight=w)
+    module = copy.deepcopy(est.module_)
+    module.load_state_dict(est.trajectory_.state_dict(0))
+    with torch.no_grad():
+        per = 0.5 * (module(torch.as_tensor(X))[:, 0].numpy() - y) ** 2
+    assert_allclose(est.loss_curve_[0], np.average(per, weights=w), rtol=1e-13)
+
+
+def test_a_batch_weighing_zero_has_no_data_gradient():
+    X, y, w = _data()
+    w[:8] = 0.0  # the first batch of every epoch, unshuffled
+    est = PathKernelMachine(**{**REG, "shuffle": False}, **SOLVERS["sgd"]).fit(
+        X, y, sample_weight=w)
+    traj = est.trajectory_
+    assert_array_equal(traj.batch_weights(0), np.zeros(8))
+    # Plain SGD without weight decay: a step with no data gradient does not move.
+    assert_array_equal(traj.parameters(0), traj.parameters(1))
+    assert not np.array_equal(traj.parameters(1), traj.parameters(2))
+    assert est.decompose(X[:3]).error < 1e-12
+
+
+def test_weights_are_relative_and_alpha_is_not_weighted():
+    X, y, w = _data()
+    params = dict(BASE, **SOLVERS["sgd-nesterov-l2"])
+    a = PathKernelMachine(**params).fit(X, y, sample_weight=w)
+    b = PathKernelMachine(**params).fit(X, y, sample_weight=10 * w)
+    assert_allclose(a.predict(X), b.predict(X), rtol=1e-12)
+
+
+@pytest.mark.parametrize("loss,n_classes", [("squared_error", 0), ("log_loss", 2),
+                                            ("log_loss", 3)])
+def test_hand_written_weighted_gradient_is_autograds(loss, n_classes):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.GELU(),
+                                 torch.nn.Linear(5, max(n_classes, 2) if n_classes > 2 else 1))
+    X = torch.randn(7, 3)
+    if n_classes == 0:
+        Y = torch.randn(7, 1)
+    elif n_classes == 2:
+        Y = torch.tensor([0, 1, 1, 0, 1, 0, 0], dtype=torch.float32)
+    else:
+        Y = torch.tensor([0, 1, 2, 0, 2, 1, 0])
+    beta = torch.rand(7)
+    beta = beta / beta.sum()
+    lossf = LOSSES[loss]()
+    gradient = MLPGradient.build(module, lossf, X)
+    assert gradient is not None
+    value = gradient(X, Y, beta)
+    hand = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    ref = lossf.weighted(module(X), Y, beta)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach(), rtol=1e-6, atol=0)
+    for h, p in zip(hand, module.parameters()):
+        torch.testing.assert_close(h, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_autograd_step_and_the_hand_written_one_give_the_same_path():
+    """The same network trained by the hand-written gradient and, behind a forward hook
+    (which makes MLPGradient.build refuse it), by autograd: the same weighted path."""
+    X, y, w = _data()
+    calls = []
+
+    def module(n_in, n_out, hooked=False):
+        torch.manual_seed(3)
+        net = torch.nn.Sequential(torch.nn.Linear(n_in, 6), torch.nn.Tanh(),
+                                  torch.nn.Linear(6, n_out))
+        if hooked:
+            net[0].register_forward_hook(lambda *args: calls.append(1))
+        return net
+
+    def hooked(n_in, n_out):
+        return module(n_in, n_out, hooked=True)
+
+    fits = [PathKernelMachine(**REG, **SOLVERS["adam-l2"], module=m).fit(
+        X, y, sample_weight=w) for m in (module, hooked)]
+    assert calls
+    assert_allclose(fits[0].trajectory_.parameters(-1), fits[1].trajectory_.parameters(-1),
+                    rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("solver", list(SOLVERS))
+def test_weighted_decompose_is_exact_against_the_forward_recursion(solver):
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS[solver]).fit(X, y, sample_weight=w)
+    Xq = X[:4]
+    res = est.decompose(Xq)
+    assert res.error < 1e-12
+    assert_allclose(res.reconstruction, est.predict(Xq).reshape(-1, 1), rtol=0, atol=1e-12)
+    contrib, reg = forward_recursion(est, X, torch.as_tensor(y).reshape(-1, 1), _squared, Xq,
+                                     nodes=gauss_nodes(6), sample_weight=w)
+    scale = np.abs(res.contributions).max()
+    assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+    # A point of zero weight owns nothing, exactly.
+    assert_array_equal(res.contributions[:, w == 0], 0.0)
+
+
+def test_weighted_classifier_decompose_is_exact():
+    X, y, w = _data(n=30)
+    labels = np.digitize(y, [-0.5, 0.5])
+    est = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).fit(X, labels, sample_weight=w)
+    res = est.decompose(X[:3])
+    assert res.error < 1e-12
+    assert_array_equal(res.contributions[:, w == 0], 0.0)
+
+
+@pytest.mark.parametrize("solver", ["sgd-nesterov-l2", "sgd-heavy-ball", "adam-l2"])
+def test_weighted_attribute_equals_autograd_through_the_replay(solver):
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS[solver]).fit(X, y, sample_weight=w)
+    net = est.network_
+    final = torch.cat([p.detach().reshape(-1) for p in unrolled_replay(net, None, w).values()])
+    assert_allclose(final, est.trajectory_.parameters(-1), rtol=0, atol=1e-12)
+    scores = est.attribute(X[:3], method="unrolled")
+    ref = unrolled_reference(net, X[:3], np.ones((3, 1)), sample_weight=w)
+    assert np.abs(scores - ref).max() <= 1e-8 * np.abs(ref).max()
+    assert_array_equal(np.asarray(scores)[:, w == 0], 0.0)
+
+
+def _torch_replay(net, weights):
+    """torch.optim rerunning the recorded batches, each step's loss the weighted mean
+    with ``weights`` (the fit's sample weights times a perturbation)."""
+    traj = net.trajectory
+    module = copy.deepcopy(net.module).double()
+    module.load_state_dict(traj.state_dict(0), strict=False)
+    X, Y = torch.as_tensor(np.asarray(net.X_fit)), net.targets()
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
+    for t, batch in enumerate(traj.batches):
+        for group in opt.param_groups:
+            group["lr"] = float(traj.learning_rates[t])
+        opt.zero_grad()
+        s = torch.as_tensor(weights[batch])
+        per = net.loss.per_sample(module(X[batch]), Y[batch])
+        ((s * per).sum() / s.sum()).backward()
+        opt.step()
+    return module
+
+
+def test_weighted_attribute_equals_finite_differences_of_a_point_weight():
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS["sgd-nesterov-l2"]).fit(X, y, sample_weight=w)
+    scores = est.attribute(X[:2], method="unrolled")
+    h = 1e-5
+    for i in (0, 7, 13):
+        outs = []
+        for sign in (1, -1):
+            m = np.ones(len(X))
+            m[i] += sign * h
+            module = _torch_replay(est.network_, w * m)
+            with torch.no_grad():
+                outs.append(module(torch.as_tensor(X[:2])).numpy()[:, 0])
+        assert_allclose(scores[:, i], (outs[0] - outs[1]) / (2 * h), rtol=1e-5, atol=1e-9)
+
+
+def test_replay_protocol_keeps_the_recorded_weights():
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS["adam-l2"]).fit(X, y, sample_weight=w)
+    # Keeping every point replays the trained network.
+    assert_allclose(_replay(est, np.ones(len(X), bool)).predict(X), est.predict(X),
+                    rtol=0, atol=1e-12)
+    # Leaving point 3 out is the training with its weight 0 (the others' renormalized).
+    keep = np.ones(len(X), bool)
+    keep[3] = False
+    ref = unrolled_replay(est.network_, None, w * keep)
+    module = copy.deepcopy(est.module_)
+    module.load_state_dict({k: v.detach() for k, v in ref.items()})
+    with torch.no_grad():
+        expected = module(torch.as_tensor(X))[:, 0].numpy()
+    assert_allclose(_replay(est, keep).predict(X), expected, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------ continued paths
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_partial_fit_mixes_weighted_and_unweighted_calls(storage, tmp_path):
+    X, y, w = _data(n=30)
+    est = PathKernelMachine(**REG, **SOLVERS["adam-l2"], trajectory_storage=storage,
+                            trajectory_dir=tmp_path)
+    parts = [slice(0, 10), slice(10, 20), slice(20, 30)]
+    weights = [w[:10], None, w[20:]]
+    for part, weight in zip(parts, weights):
+        est.partial_fit(X[part], y[part], sample_weight=weight)
+    traj = est.trajectory_
+    # The whole stream's weights; an unweighted call's are equal (the batch mean).
+    stream = np.concatenate([np.ones(10) if wt is None else wt for wt in weights])
+    for t in range(traj.n_steps):
+        s = stream[traj.batch(t)]
+        assert_allclose(traj.batch_weights(t), s / s.sum(), rtol=1e-15)
+    res = est.decompose(X[:3])
+    assert res.error < 1e-12
+    contrib, _ = forward_recursion(est, X, torch.as_tensor(y).reshape(-1, 1), _squared, X[:3],
+                                   nodes=gauss_nodes(6), sample_weight=stream)
+    assert_allclose(res.contributions, contrib, rtol=0,
+                    atol=1e-10 * np.abs(contrib).max())
+    if storage == "disk":
+        loaded = Trajectory.load(traj.directory)
+        assert_array_equal(_betas(loaded), _betas(traj))
+
+
+def test_warm_start_unweighted_after_weighted_keeps_both_weightings():
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS["sgd"], warm_start=True)
+    est.fit(X, y, sample_weight=w)
+    n_first = est.trajectory_.n_steps
+    first = _betas(est.trajectory_)
+    est.fit(X, y)
+    traj = est.trajectory_
+    assert_array_equal(_betas(traj)[: len(first)], first)
+    for t in range(n_first, traj.n_steps):
+        assert_array_equal(traj.batch_weights(t), np.full(len(traj.batch(t)),
+                                                          1 / len(traj.batch(t))))
+    assert est.decompose(X[:3]).error < 1e-12
+
+
+# ------------------------------------------------------------------ early stopping
+def test_early_stopping_scores_the_held_out_samples_with_their_weights():
+    X, y, w = _data(n=60)
+    labels = (y > 0).astype(int)
+    est = PathKernelClassifier(**{**BASE, "max_iter": 4}, **SOLVERS["adam-l2"],
+                               early_stopping=True, validation_fraction=0.3).fit(
+        X, labels, sample_weight=w)
+    val = np.setdiff1d(np.arange(len(X)), est._train_rows)
+    assert est.best_validation_score_ == pytest.approx(
+        est.score(X[val], labels[val], sample_weight=w[val]), abs=1e-15)
+    assert est.decompose(X[:2]).error < 1e-12
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("weights,match", [
+    (-np.ones(24), "Negative values"),
+    (np.ones(23), "(?i)sample.weight"),
+    (np.ones((24, 2)), "(?i)sample.weight"),
+    (np.zeros(24), "zero"),
+])
+def test_bad_weights_are_refused_and_the_fit_kept(weights, match):
+    X, y, _ = _data()
+    est = PathKernelMachine(**REG, **SOLVERS["sgd"]).fit(X, y)
+    before = est.trajectory_
+    with pytest.raises(ValueError, match=match):
+        est.fit(X, y, sample_weight=weights)
+    assert est.trajectory_ is before
+    with pytest.raises(ValueError, match=match):
+        est.partial_fit(X, y, sample_weight=weights)
+    assert est.trajectory_ is before
+
+
+def test_weights_leaving_one_class_are_refused():
+    X, y, _ = _data()
+    labels = (y > 0).astype(int)
+    with pytest.raises(ValueError, match=r"\bclass"):
+        PathKernelClassifier(**BASE).fit(X, labels, sample_weight=labels.astype(float))
+
+
+# ------------------------------------------------------------------ model selection
+def test_grid_search_and_cross_val_score_route_sample_weight():
+    X, y, w = _data(n=40)
+    labels = (y > 0).astype(int)
+    est = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        search = GridSearchCV(est, {"alpha": [0.0, 0.1]}, cv=2).fit(X, labels,
+                                                                    sample_weight=w)
+        scores = cross_val_score(est, X, labels, cv=KFold(2),
+                                 params={"sample_weight": w})
+    assert search.best_estimator_.trajectory_._batch_weights is not None
+    # The weights reach each fold's fit: the first fold's model is the weighted fit.
+    train = np.arange(20, 40)
+    direct = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).fit(
+        X[train], labels[train], sample_weight=w[train])
+    assert scores[0] == direct.score(X[:20], labels[:20])

@@ -17,6 +17,7 @@ from skpathkernel import PathKernelClassifier, PathKernelMachine, Trajectory
 from skpathkernel._path._losses import LOSSES
 from skpathkernel._path._mlp_step import MLPGradient
 from skpathkernel._path._training import make_optimizer
+from skpathkernel._path._trajectory import SolverSpec, TrajectoryRecorder
 from skpathkernel.metrics import _replay
 
 
@@ -362,3 +363,22 @@ def test_grid_search_and_cross_val_score_route_sample_weight():
     direct = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).fit(
         X[train], labels[train], sample_weight=w[train])
     assert scores[0] == direct.score(X[:20], labels[:20])
+
+
+def test_the_recorder_fills_the_mean_for_unweighted_steps_around_weighted_ones():
+    """Weights given from the second step on: the first step (and the last, unweighted)
+    weigh 1 / |B| each, as Trajectory.batch_weights reads an unweighted path."""
+    p = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    rec = TrajectoryRecorder([p], ["p"], n_steps=3, record_every=1, solver=SolverSpec("sgd"),
+                             n_samples=6, batch_size=2, dtype=torch.float64)
+    rec.record_point(0)
+    batches = [np.array([0, 1]), np.array([2, 3, 4]), np.array([5])]
+    weights = [None, np.array([0.5, 0.25, 0.25]), None]
+    for step, (batch, w) in enumerate(zip(batches, weights)):
+        rec.record_batch(batch, w)
+        rec.record_step(step, 0.1, None)
+        rec.record_point(step + 1)
+    traj = rec.finish(3)
+    assert_array_equal(traj.batch_weights(0), [0.5, 0.5])
+    assert_array_equal(traj.batch_weights(1), [0.5, 0.25, 0.25])
+    assert_array_equal(traj.batch_weights(2), [1.0])

@@ -631,7 +631,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
     n_first = first.n_steps
     weights = None
     if first._batch_weights is not None or second._batch_weights is not None:
-        weights = np.concatenate([_all_batch_weights(first), _all_batch_weights(second)])
+        weights = np.concatenate([first._all_batch_weights(), second._all_batch_weights()])
     return Trajectory(
         names=first.names, shapes=first.shapes,
         params=params,
@@ -646,15 +646,6 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         record_every=max(first.record_every, second.record_every),
         batch_weights=weights,
     )
-
-
-def _all_batch_weights(trajectory: Trajectory) -> np.ndarray:
-    """Every entry of the batches' weight in its step's loss (the batch mean's when none
-    was recorded): what :meth:`Trajectory.batch_weights` gives, for all steps at once."""
-    if trajectory._batch_weights is not None:
-        return trajectory._batch_weights
-    sizes = np.diff(trajectory._batch_offsets)
-    return np.repeat(1.0 / np.maximum(sizes, 1), sizes)
 
 
 def _raise_diverged(step: int, epoch: int, lr: float):

@@ -364,6 +364,12 @@ class Trajectory:
             return np.full(stop - start, 1.0 / max(stop - start, 1))
         return self._batch_weights[start:stop]
 
+    def _all_batch_weights(self) -> np.ndarray:
+        """:meth:`batch_weights` of every step, concatenated (as ``batch_indices``)."""
+        if self._batch_weights is not None:
+            return self._batch_weights
+        return mean_batch_weights(self._batch_offsets)
+
     def _per_parameter(self, values) -> torch.Tensor:
         """One value per parameter tensor (its group's), repeated over its entries."""
         sizes = [int(np.prod(s)) for s in self._shapes]
@@ -838,6 +844,13 @@ class Trajectory:
         self.__dict__.update(state)
 
 
+def mean_batch_weights(offsets: np.ndarray) -> np.ndarray:
+    """Each batch entry's weight in a loss that is its batch's mean, ``1 / |B_t|``, for
+    the batches that ``offsets`` delimit."""
+    sizes = np.diff(offsets)
+    return np.repeat(1.0 / np.maximum(sizes, 1), sizes)
+
+
 def _open_shared_trajectory(directory: str) -> Trajectory:
     """The trajectory :meth:`Trajectory._shared` wrote to ``directory``, mapped (one
     object per process, see :func:`~skpathkernel._path._storage.open_shared`)."""
@@ -1210,9 +1223,7 @@ class TrajectoryRecorder:
     def _record_weights(self, start: int, n: int, weights) -> None:
         """Keep the batch weights, once a step had some: earlier steps took the mean."""
         if self._batch_w is None:
-            off = self._batch_off[: self._n_batch + 1]
-            sizes = np.diff(off)
-            self._batch_w = np.repeat(1.0 / np.maximum(sizes, 1), sizes)
+            self._batch_w = mean_batch_weights(self._batch_off[: self._n_batch + 1])
         if start + n > len(self._batch_w):
             self._batch_w = np.concatenate(
                 [self._batch_w[:start], np.empty(max(n, start), dtype=np.float64)])

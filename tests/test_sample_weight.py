@@ -382,3 +382,15 @@ def test_the_recorder_fills_the_mean_for_unweighted_steps_around_weighted_ones()
     assert_array_equal(traj.batch_weights(0), [0.5, 0.5])
     assert_array_equal(traj.batch_weights(1), [0.5, 0.25, 0.25])
     assert_array_equal(traj.batch_weights(2), [0.5, 0.5])
+
+
+def test_normalize_y_standardizes_with_the_weighted_moments():
+    """A sample of weight 2 counts as two, as in StandardScaler(sample_weight=...)."""
+    X, y, w = _data()
+    est = PathKernelMachine(**BASE, **SOLVERS["sgd"]).fit(X, y, sample_weight=w)
+    repeated = np.repeat(y, np.round(4 * w).astype(int))  # w on a grid of 1/4
+    est4 = PathKernelMachine(**BASE, **SOLVERS["sgd"]).fit(
+        X, y, sample_weight=np.round(4 * w) / 4)
+    assert_allclose(est4._y_mean, [repeated.mean()], rtol=1e-14)
+    assert_allclose(est4._y_scale, [repeated.std()], rtol=1e-14)
+    assert not np.allclose(est._y_mean, y.mean())

@@ -305,22 +305,32 @@ class FittedNetworkMixin:
             return_distance=return_distance)
 
 
-def _mean_and_std(Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _mean_and_std(Y: np.ndarray, weights: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per-column mean and standard deviation of ``Y``, finite wherever ``Y`` is.
 
     NumPy's sum overflows above ``1.8e308 / n`` and its squared deviations above ~1e154,
     while the targets themselves are representable (validated finite): a scale of inf
     made every prediction ``mean + inf * f(x)``, inf or NaN. Such columns are computed on
     ``Y / max|Y|`` and scaled back; every other column is NumPy's, bit for bit.
+    ``weights``: the samples' weights (``np.average``'s moments, as StandardScaler's
+    with ``sample_weight``: a sample of weight 2 counts as two).
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        mean, std = Y.mean(axis=0), Y.std(axis=0)
+        mean, std = _moments(Y, weights)
     bad = ~(np.isfinite(mean) & np.isfinite(std))
     if bad.any():
         big = np.abs(Y[:, bad]).max(axis=0)
-        unit = Y[:, bad] / big
-        mean[bad], std[bad] = unit.mean(axis=0) * big, unit.std(axis=0) * big
+        unit_mean, unit_std = _moments(Y[:, bad] / big, weights)
+        mean[bad], std[bad] = unit_mean * big, unit_std * big
     return mean, std
+
+
+def _moments(Y, weights):
+    if weights is None:
+        return Y.mean(axis=0), Y.std(axis=0)
+    mean = np.average(Y, axis=0, weights=weights)
+    return mean, np.sqrt(np.average((Y - mean) ** 2, axis=0, weights=weights))
 
 
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
@@ -560,7 +570,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             if sample_weight is not None:
                 sample_weight, w_val = _split_weights(sample_weight, train_idx, val_idx)
         Y, y_val = self._scale_targets(Y, y_val if self.early_stopping else None, attrs,
-                                       previous)
+                                       previous, sample_weight)
         spec = self._module_spec()
         if previous is None:
             device, dtype = resolve_device(self.device), resolve_dtype(self.dtype)
@@ -676,9 +686,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             raise ValueError(f"The fitted network was trained with loss={self._loss_name!r}; "
                              f"loss={self.loss!r} cannot continue its path.")
 
-    def _scale_targets(self, Y, y_val, attrs, previous):
+    def _scale_targets(self, Y, y_val, attrs, previous, sample_weight=None):
         """Regression targets in the network's units (``normalize_y``): standardized with
-        the mean and scale of the first fit's training rows, kept by fits that continue it.
+        the mean and scale of the first fit's training rows (weighted by their
+        ``sample_weight``), kept by fits that continue it.
         """
         if "classes_" in attrs or not getattr(self, "normalize_y", False):
             attrs["_y_mean"] = attrs["_y_scale"] = None
@@ -686,7 +697,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is None:
             # From the rows trained on only (no leak of the held-out ones); the network
             # learns the standardized targets, predict maps its outputs back.
-            mean, scale = _mean_and_std(Y)
+            mean, scale = _mean_and_std(Y, sample_weight)
             scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's)
         else:
             mean, scale = self._y_mean, self._y_scale

@@ -11,9 +11,18 @@ import pytest
 import torch
 from _reference import forward_recursion, gauss_nodes, unrolled_reference, unrolled_replay
 from numpy.testing import assert_allclose, assert_array_equal
-from sklearn.model_selection import GridSearchCV, KFold, cross_val_score
+from sklearn.model_selection import GridSearchCV, KFold, StratifiedKFold, cross_val_score
+from sklearn.svm import SVC
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, Trajectory
+from skpathkernel import (
+    PathKernelClassifier,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentFeatureSVM,
+    TangentKernel,
+    Trajectory,
+)
+from skpathkernel._estimators._features import AUTO_C, _choose_C
 from skpathkernel._path._losses import LOSSES
 from skpathkernel._path._mlp_step import MLPGradient
 from skpathkernel._path._training import make_optimizer
@@ -394,3 +403,56 @@ def test_normalize_y_standardizes_with_the_weighted_moments():
     assert_allclose(est4._y_mean, [repeated.mean()], rtol=1e-14)
     assert_allclose(est4._y_scale, [repeated.std()], rtol=1e-14)
     assert not np.allclose(est._y_mean, y.mean())
+
+
+# ------------------------------------------------------------------ meta-estimators
+def test_tangent_features_pass_the_weights_to_the_trainer():
+    X, y, w = _data()
+    tf = TangentFeatures(PathKernelMachine(**REG, **SOLVERS["sgd"])).fit(X, y, sample_weight=w)
+    direct = PathKernelMachine(**REG, **SOLVERS["sgd"]).fit(X, y, sample_weight=w)
+    assert_array_equal(tf.trajectory_.parameters(-1), direct.trajectory_.parameters(-1))
+    assert_array_equal(tf.transform(X[:3]), direct.transform(X[:3]))
+
+
+@pytest.mark.parametrize("C", [1.0, "auto"])
+def test_tangent_feature_svm_weights_the_trainer_and_the_svm(C):
+    X, y, w = _data(n=40)
+    labels = (y > 0).astype(int)
+    net = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"])
+    svm = TangentFeatureSVM(net, C=C).fit(X, labels, sample_weight=w)
+    direct = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).fit(X, labels, sample_weight=w)
+    assert_array_equal(svm.trajectory_.parameters(-1), direct.trajectory_.parameters(-1))
+    # The SVM: an SVC on the normalized tangent Gram with the weights rescaled to mean 1.
+    gram = TangentKernel(direct, normalized=True)(X)
+    ref = SVC(kernel="precomputed", C=svm.C_).fit(gram, labels,
+                                                  sample_weight=w * len(w) / w.sum())
+    assert_allclose(svm.svm_.dual_coef_, ref.dual_coef_, rtol=1e-10, atol=1e-12)
+    assert_array_equal(svm.svm_.support_, ref.support_)
+    # Equal weights are the unweighted fit.
+    plain = TangentFeatureSVM(net, C=C).fit(X, labels)
+    same = TangentFeatureSVM(net, C=C).fit(X, labels, sample_weight=np.full(len(X), 7.0))
+    assert_array_equal(plain.decision_function(X), same.decision_function(X))
+
+
+def test_choose_C_scores_folds_by_weighted_accuracy():
+    """A reference loop: StratifiedKFold(3), SVC per fold with the fold's weights,
+    the hits averaged with the held-out weights, the smallest C among the best."""
+    rng = np.random.RandomState(0)
+    F = rng.normal(size=(30, 4))
+    labels = (F[:, 0] + 0.8 * rng.normal(size=30) > 0).astype(int)
+    w = rng.choice([0.05, 1.0, 5.0], size=30)
+    gram = F @ F.T
+    scale = np.mean(np.diag(gram))
+    scores = []
+    for C in AUTO_C:
+        fold_scores = []
+        for tr, te in StratifiedKFold(3).split(gram, labels):
+            svc = SVC(kernel="precomputed", C=C / scale).fit(gram[np.ix_(tr, tr)], labels[tr],
+                                                             sample_weight=w[tr])
+            hits = svc.predict(gram[np.ix_(te, tr)]) == labels[te]
+            fold_scores.append(np.sum(hits * w[te]) / np.sum(w[te]))
+        scores.append(np.mean(fold_scores))
+    expected = AUTO_C[int(np.argmax(scores))] / scale
+    assert _choose_C(gram, labels, w) == pytest.approx(expected, rel=1e-15)
+    # Weighted and unweighted choices differ on these data (the weights matter).
+    assert _choose_C(gram, labels, w) != _choose_C(gram, labels)

@@ -179,10 +179,11 @@ _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True
         For regression targets: train the network on ``(y - mean) / scale`` (mean and
         standard deviation of the samples trained on, per output, weighted by
-        ``sample_weight`` when given; a constant target is only centered), so that one step size suits targets of any scale. Predictions are
-        ``mean + scale * f(x)`` and :meth:`decompose`'s terms are mapped back to the units
-        of ``y`` exactly; ``loss_curve_``, the kernels and the tangent features are those
-        of the network ``f`` itself. ``False`` trains on ``y`` as given (MLPRegressor's
+        ``sample_weight`` when given; a constant target is only centered), so that one
+        step size suits targets of any scale. Predictions are ``mean + scale * f(x)``
+        and :meth:`decompose`'s terms are mapped back to the units of ``y`` exactly;
+        ``loss_curve_``, the kernels and the tangent features are those of the network
+        ``f`` itself. ``False`` trains on ``y`` as given (MLPRegressor's
         behaviour). Ignored for class labels."""
 
 _FITTED_ATTRS_DOC = """

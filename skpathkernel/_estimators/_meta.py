@@ -17,6 +17,7 @@ from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.multiclass import type_of_target
+from sklearn.utils.validation import _check_sample_weight
 
 from .._network._inputs import FEATURES, TOKENS, check_representable, validate_input
 from .._network._trained import network_of
@@ -77,6 +78,12 @@ def trainer_for(y, random_state):
     kind = type_of_target(y, input_name="y", raise_unknown=True)
     cls = PathKernelClassifier if kind in _CLASS_TARGETS else PathKernelMachine
     return cls(random_state=random_state)
+
+
+def _validated_weights(sample_weight, X) -> np.ndarray | None:
+    if sample_weight is None:
+        return None
+    return _check_sample_weight(sample_weight, X, dtype=np.float64, ensure_non_negative=True)
 
 
 class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimatorMixin,
@@ -141,13 +148,15 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     def _check_targets(self, y) -> None:
         """Refuse targets before any training (the trainer checks them otherwise)."""
 
-    def _fit_trainer(self, X, y, *, target=None):
+    def _fit_trainer(self, X, y, *, target=None, sample_weight=None):
         """Validate ``X`` (and ``y``) here, then fit a clone of the trainer on them.
 
         ``target``: what the trainer is fitted on instead of ``y`` (the detector's
-        reconstruction). Sets ``estimator_`` and ``X_fit_``; returns the validated
-        ``(X, y)`` and whether the trainer was frozen (then nothing was trained, and
-        ``X`` was checked against its network).
+        reconstruction). ``sample_weight``: validated before any training (scikit-learn's
+        checks) and passed to the trainer's fit (a frozen trainer is not trained). Sets
+        ``estimator_`` and ``X_fit_``; returns the validated ``(X, y)``, whether the
+        trainer was frozen (then nothing was trained, and ``X`` was checked against its
+        network) and the validated weights (None when not given).
         """
         inner, frozen = self._trainer()
         if frozen:
@@ -155,16 +164,17 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             X, y = self._validate_like_network(X, y, net)
             self._check_targets(y)
             self.estimator_, self.X_fit_ = inner, X
-            return X, y, True
+            return X, y, True, _validated_weights(sample_weight, X)
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
+        sample_weight = _validated_weights(sample_weight, X)
         if inner is None:
             trainer = self._default_trainer(y)
         else:
             trainer = clone(inner)
-        trainer.fit(X, y if target is None else target(X))
+        trainer.fit(X, y if target is None else target(X), sample_weight=sample_weight)
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
-        return X, y, False
+        return X, y, False, sample_weight
 
     def _validate_fit_data(self, X, y, *, flexible):
         checks = dict(reset=True, flexible=flexible,

@@ -9,6 +9,8 @@ import copy
 import numpy as np
 import torch
 
+from skpathkernel._path._training import make_optimizer as _make_optimizer
+
 
 def module_at(est, point=-1, dtype=torch.float64):
     """A copy of ``est.module_`` holding the parameters of recorded point ``point``."""
@@ -198,3 +200,25 @@ def unrolled_reference(net, Xq, Wq, sample_weight=None):
     m = (out * torch.as_tensor(np.asarray(Wq, dtype=np.float64))).sum(1)
     return np.stack([torch.autograd.grad(m[q], w, retain_graph=True)[0].numpy()
                      for q in range(len(Xq))])
+
+
+def torch_optim_replay(net, weights):
+    """The recorded training rerun by torch.optim itself (the training's own optimizer,
+    not an analysis) with per-point weights in every step's loss (weighted mean over the
+    batch); returns the module at the final parameters."""
+    traj = net.trajectory
+    module = copy.deepcopy(net.module).double()
+    module.load_state_dict(traj.state_dict(0), strict=False)
+    X, Y = torch.as_tensor(np.asarray(net.X_fit, dtype=np.float64)), net.targets()
+    w = torch.as_tensor(weights)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = _make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
+    for t, batch in enumerate(traj.batches):
+        for group in opt.param_groups:
+            group["lr"] = float(traj.learning_rates[t])
+        opt.zero_grad()
+        rows = torch.as_tensor(batch)
+        per = net.loss.per_sample(module(X[rows]), Y[rows])
+        ((w[rows] * per).sum() / w[rows].sum()).backward()
+        opt.step()
+    return module

@@ -9,7 +9,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import forward_recursion, gauss_nodes, unrolled_reference, unrolled_replay
+from _reference import (
+    forward_recursion,
+    gauss_nodes,
+    torch_optim_replay,
+    unrolled_reference,
+    unrolled_replay,
+)
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.model_selection import GridSearchCV, KFold, StratifiedKFold, cross_val_score
 from sklearn.svm import SVC
@@ -25,7 +31,6 @@ from skpathkernel import (
 from skpathkernel._estimators._features import AUTO_C, _choose_C
 from skpathkernel._path._losses import LOSSES
 from skpathkernel._path._mlp_step import MLPGradient
-from skpathkernel._path._training import make_optimizer
 from skpathkernel._path._trajectory import SolverSpec, TrajectoryRecorder
 from skpathkernel.metrics import _replay
 
@@ -221,26 +226,6 @@ def test_weighted_attribute_equals_autograd_through_the_replay(solver):
     assert_array_equal(np.asarray(scores)[:, w == 0], 0.0)
 
 
-def _torch_replay(net, weights):
-    """torch.optim rerunning the recorded batches, each step's loss the weighted mean
-    with ``weights`` (the fit's sample weights times a perturbation)."""
-    traj = net.trajectory
-    module = copy.deepcopy(net.module).double()
-    module.load_state_dict(traj.state_dict(0), strict=False)
-    X, Y = torch.as_tensor(np.asarray(net.X_fit)), net.targets()
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
-    for t, batch in enumerate(traj.batches):
-        for group in opt.param_groups:
-            group["lr"] = float(traj.learning_rates[t])
-        opt.zero_grad()
-        s = torch.as_tensor(weights[batch])
-        per = net.loss.per_sample(module(X[batch]), Y[batch])
-        ((s * per).sum() / s.sum()).backward()
-        opt.step()
-    return module
-
-
 def test_weighted_attribute_equals_finite_differences_of_a_point_weight():
     X, y, w = _data()
     est = PathKernelMachine(**REG, **SOLVERS["sgd-nesterov-l2"]).fit(X, y, sample_weight=w)
@@ -251,7 +236,7 @@ def test_weighted_attribute_equals_finite_differences_of_a_point_weight():
         for sign in (1, -1):
             m = np.ones(len(X))
             m[i] += sign * h
-            module = _torch_replay(est.network_, w * m)
+            module = torch_optim_replay(est.network_, w * m)
             with torch.no_grad():
                 outs.append(module(torch.as_tensor(X[:2])).numpy()[:, 0])
         assert_allclose(scores[:, i], (outs[0] - outs[1]) / (2 * h), rtol=1e-5, atol=1e-9)

@@ -806,18 +806,12 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
         sample_weight : array-like of shape (n_samples,), default=None
-            Non-negative weights of the samples, relative as in ``np.average``: each
-            batch's loss is their weighted mean, ``sum_i s_i l_i / sum_i s_i`` over
-            the batch, so multiplying every weight by a constant changes nothing (unlike
-            MLPClassifier, whose L2 penalty ``alpha`` is divided by the batch's weight sum;
-            here ``alpha`` is not weighted). A batch whose weights sum to 0 contributes
-            no gradient. The trajectory records each batch's normalized weights
-            (``trajectory_.batch_weights``), so :meth:`decompose` and :meth:`attribute`
-            stay exact; a zero-weight sample gets a zero contribution. None, or equal
-            weights, is the unweighted fit.
-            Class weights are sample weights: ``compute_sample_weight("balanced", y)``
-            weighs the classes of imbalanced data equally. Weights that leave fewer
-            than two classes with positive weight are refused.
+            Non-negative weights of the samples, relative as in ``np.average`` and
+            recorded in the trajectory, as in :meth:`PathKernelMachine.fit` (MLPClassifier
+            divides ``alpha`` by the batch's weight sum; here it is not weighted). Class
+            weights are sample weights: ``compute_sample_weight("balanced", y)`` weighs
+            the classes of imbalanced data equally. Weights that leave fewer than two
+            classes with positive weight are refused.
 
         Returns
         -------

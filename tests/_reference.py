@@ -222,3 +222,21 @@ def torch_optim_replay(net, weights):
         ((w[rows] * per).sum() / w[rows].sum()).backward()
         opt.step()
     return module
+
+
+def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5):
+    """Central differences of the first output at ``Xq`` of :func:`torch_optim_replay`
+    with respect to a multiplier of each of ``points``' weight, at 1: (Q, len(points)).
+    ``sample_weight``: the fit's weights, which the multipliers scale (ones when None)."""
+    base = np.ones(len(net.X_fit)) if sample_weight is None else np.asarray(sample_weight)
+    columns = []
+    for i in points:
+        outs = []
+        for sign in (1, -1):
+            m = np.ones(len(base))
+            m[i] += sign * h
+            module = torch_optim_replay(net, base * m)
+            with torch.no_grad():
+                outs.append(module(torch.as_tensor(np.asarray(Xq))).numpy()[:, 0])
+        columns.append((outs[0] - outs[1]) / (2 * h))
+    return np.stack(columns, axis=1)

@@ -4,6 +4,7 @@ against the independent references of tests/_reference.py, which compute every s
 weight ``s_i / sum_batch s`` from the weights themselves."""
 
 import copy
+import pickle
 import warnings
 
 import numpy as np
@@ -433,3 +434,13 @@ def test_choose_C_scores_folds_by_weighted_accuracy():
     assert _choose_C(gram, labels, w) == pytest.approx(expected, rel=1e-15)
     # Weighted and unweighted choices differ on these data (the weights matter).
     assert _choose_C(gram, labels, w) != _choose_C(gram, labels)
+
+
+def test_weights_survive_pickle_and_save(tmp_path):
+    X, y, w = _data()
+    est = PathKernelMachine(**REG, **SOLVERS["adam-l2"]).fit(X, y, sample_weight=w)
+    back = pickle.loads(pickle.dumps(est))
+    assert_array_equal(_betas(back.trajectory_), _betas(est.trajectory_))
+    assert back.decompose(X[:2]).error < 1e-12
+    est.trajectory_.save(tmp_path / "path.pt")
+    assert_array_equal(_betas(Trajectory.load(tmp_path / "path.pt")), _betas(est.trajectory_))

@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+import sklearn
 import torch
 from _reference import (
     forward_recursion,
@@ -444,3 +445,16 @@ def test_weights_survive_pickle_and_save(tmp_path):
     assert back.decompose(X[:2]).error < 1e-12
     est.trajectory_.save(tmp_path / "path.pt")
     assert_array_equal(_betas(Trajectory.load(tmp_path / "path.pt")), _betas(est.trajectory_))
+
+
+def test_metadata_routing_requests_sample_weight():
+    X, y, w = _data(n=40)
+    labels = (y > 0).astype(int)
+    with sklearn.config_context(enable_metadata_routing=True):
+        est = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).set_fit_request(
+            sample_weight=True).set_score_request(sample_weight=False)
+        scores = cross_val_score(est, X, labels, cv=KFold(2), params={"sample_weight": w})
+    train = np.arange(20, 40)
+    direct = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).fit(
+        X[train], labels[train], sample_weight=w[train])
+    assert scores[0] == direct.score(X[:20], labels[:20])

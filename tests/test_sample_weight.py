@@ -458,3 +458,23 @@ def test_metadata_routing_requests_sample_weight():
     direct = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"]).fit(
         X[train], labels[train], sample_weight=w[train])
     assert scores[0] == direct.score(X[:20], labels[:20])
+
+
+def _token_module(n_features, n_outputs):
+    return torch.nn.Sequential(torch.nn.Embedding(6, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(3 * n_features, n_outputs))
+
+
+def test_token_ids_train_with_weights_in_the_parameters_dtype():
+    """Integer X (token ids, autograd's step): the weights take the parameters' dtype."""
+    rng = np.random.RandomState(0)
+    X = rng.randint(0, 6, size=(20, 4))
+    y = (X[:, 0] > 2).astype(int)
+    w = rng.uniform(0, 2, size=20)
+    est = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"], module=_token_module).fit(
+        X, y, sample_weight=w)
+    traj = est.trajectory_
+    for t in range(traj.n_steps):
+        s = w[traj.batch(t)]
+        assert_allclose(traj.batch_weights(t), s / s.sum(), rtol=1e-15)
+    assert est.decompose(X[:3]).error < 1e-12

@@ -219,7 +219,9 @@ def torch_optim_replay(net, weights):
         opt.zero_grad()
         rows = torch.as_tensor(batch)
         per = net.loss.per_sample(module(X[rows]), Y[rows])
-        ((w[rows] * per).sum() / w[rows].sum()).backward()
+        total = w[rows].sum()
+        # A batch of zero weights has no data gradient (the estimator's definition).
+        ((w[rows] * per).sum() / total if total.item() > 0 else (0 * per).sum()).backward()
         opt.step()
     return module
 

@@ -126,6 +126,15 @@ def test_a_batch_weighing_zero_has_no_data_gradient():
     assert_array_equal(traj.parameters(0), traj.parameters(1))
     assert not np.array_equal(traj.parameters(1), traj.parameters(2))
     assert est.decompose(X[:3]).error < 1e-12
+    # attribute: the zero-weight batch's points own nothing there (not 0/0); the rest as
+    # autograd through the independent weighted replay and central finite differences.
+    scores = np.asarray(est.attribute(X[:3], method="unrolled"))
+    assert np.isfinite(scores).all()
+    ref = unrolled_reference(est.network_, X[:3], np.ones((3, 1)), sample_weight=w)
+    assert np.abs(scores - ref).max() <= 1e-8 * np.abs(ref).max()
+    assert_array_equal(scores[:, :8], 0.0)
+    fd = weight_finite_differences(est.network_, X[:2], (0, 9, 13), w)
+    assert_allclose(scores[:2, [0, 9, 13]], fd, rtol=1e-5, atol=1e-9)
 
 
 def test_weights_are_relative_and_alpha_is_not_weighted():

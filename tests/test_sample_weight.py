@@ -306,6 +306,30 @@ def test_warm_start_unweighted_after_weighted_keeps_both_weightings():
     assert est.decompose(X[:3]).error < 1e-12
 
 
+def test_classifier_partial_fit_takes_mlps_positional_order():
+    """MLPClassifier (sklearn >= 1.7): partial_fit(X, y, sample_weight, classes). Weights
+    passed positionally train weighted on every call (the recorded betas are s / sum s),
+    and a later call's classes must be the fitted ones, as sklearn checks."""
+    X, y, w = _data()
+    labels = (y > 0).astype(int)
+    params = dict(BASE, **SOLVERS["sgd"], shuffle=False)
+    est = PathKernelClassifier(**params).partial_fit(X[:16], labels[:16], w[:16], [0, 1])
+    est.partial_fit(X[16:], labels[16:], w[16:])
+    ref = PathKernelClassifier(**params).partial_fit(X[:16], labels[:16], classes=[0, 1],
+                                                     sample_weight=w[:16])
+    ref.partial_fit(X[16:], labels[16:], sample_weight=w[16:])
+    assert_array_equal(est.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    traj = est.trajectory_
+    for t in range(traj.n_steps):
+        s = w[traj.batch(t)]
+        assert_allclose(traj.batch_weights(t), s / s.sum(), rtol=1e-15)
+    before = est.trajectory_
+    with pytest.raises(ValueError, match="classes"):
+        est.partial_fit(X[:4], labels[:4], None, [0, 1, 2])
+    assert est.trajectory_ is before
+    est.partial_fit(X[:4], labels[:4], classes=np.array([1, 0]))  # the same classes
+
+
 # ------------------------------------------------------------------ early stopping
 def test_early_stopping_scores_the_held_out_samples_with_their_weights():
     X, y, w = _data(n=60)

@@ -821,7 +821,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
-    def partial_fit(self, X, y, classes=None, sample_weight=None):
+    def partial_fit(self, X, y, sample_weight=None, classes=None):
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPClassifier's out-of-core entry point: the first call starts a network (as
@@ -840,12 +840,23 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
             This call's training inputs (appended to ``X_fit_``).
         y : array-like of shape (n_samples,)
             Labels among ``classes``.
-        classes : array-like of shape (n_classes,), default=None
-            Every class of the whole stream; required on the first call, ignored after
-            (a later call's labels must be among the first call's classes).
         sample_weight : array-like of shape (n_samples,), default=None
-            Weights of this call's samples, as in :meth:`fit` (after ``classes``, so
-            that ``partial_fit(X, y, classes)`` keeps its meaning).
+            Weights of this call's samples, as in :meth:`fit`.
+        classes : array-like of shape (n_classes,), default=None
+            Every class of the whole stream; required on the first call. A later call may
+            omit it, or must repeat the fitted ``classes_`` (a later call's labels must be
+            among them).
+
+        Notes
+        -----
+        The argument order is MLPClassifier's (scikit-learn >= 1.7):
+        ``partial_fit(X, y, sample_weight, classes)``: code written for it that passes
+        the weights positionally trains weighted (with ``classes`` third, a later call
+        ignored them silently). As in scikit-learn, ``classes`` given on a later call
+        must equal ``classes_``. Code that passed ``classes`` third before this order
+        changed is refused on its first call (``classes`` missing), and on later calls
+        by the weights' length unless the call has exactly ``n_classes`` samples; pass
+        ``classes`` by keyword.
 
         Returns
         -------
@@ -865,6 +876,11 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         self._validate_params()
         if not hasattr(self, "network_") and classes is None:
             raise ValueError("classes must be passed on the first call to partial_fit.")
+        fitted = getattr(self, "classes_", None)
+        if classes is not None and fitted is not None and hasattr(self, "network_") and \
+                not np.array_equal(np.unique(np.asarray(classes)), fitted):
+            raise ValueError(f"classes={np.asarray(classes).tolist()} is not the same as on "
+                             f"the first call to partial_fit, {fitted.tolist()}.")
         return self._fit(X, y, sample_weight=sample_weight, incremental=True,
                          classes=classes)
 

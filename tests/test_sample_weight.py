@@ -448,29 +448,54 @@ def test_tangent_feature_svm_weights_the_trainer_and_the_svm(C):
     assert_array_equal(plain.decision_function(X), same.decision_function(X))
 
 
+def _reference_C(gram, labels, w):
+    """A reference loop: StratifiedKFold(3), SVC per fold with the fold's weights, the
+    hits averaged with the held-out weights, the smallest C among the best; folds whose
+    training part has one class of positive weight (or held-out part none) not scored."""
+    scale = np.mean(np.diag(gram))
+    scores = []
+    for C in AUTO_C:
+        fold_scores = []
+        for tr, te in StratifiedKFold(3).split(gram, labels):
+            if len(set(labels[tr][w[tr] > 0])) < 2 or w[te].sum() == 0:
+                continue
+            svc = SVC(kernel="precomputed", C=C / scale).fit(gram[np.ix_(tr, tr)], labels[tr],
+                                                             sample_weight=w[tr])
+            hits = svc.predict(gram[np.ix_(te, tr)]) == labels[te]
+            fold_scores.append(np.sum(hits * w[te]) / np.sum(w[te]))
+        scores.append(np.mean(fold_scores) if fold_scores else 0.0)
+    return AUTO_C[int(np.argmax(scores))] / scale
+
+
 def test_choose_C_scores_folds_by_weighted_accuracy():
-    """A reference loop: StratifiedKFold(3), SVC per fold with the fold's weights,
-    the hits averaged with the held-out weights, the smallest C among the best."""
     # Data on which scoring the weighted folds unweighted chooses another C.
     rng = np.random.RandomState(1)
     F = rng.normal(size=(30, 4))
     labels = (F[:, 0] + 0.8 * rng.normal(size=30) > 0).astype(int)
     w = rng.choice([0.05, 1.0, 5.0], size=30)
     gram = F @ F.T
-    scale = np.mean(np.diag(gram))
-    scores = []
-    for C in AUTO_C:
-        fold_scores = []
-        for tr, te in StratifiedKFold(3).split(gram, labels):
-            svc = SVC(kernel="precomputed", C=C / scale).fit(gram[np.ix_(tr, tr)], labels[tr],
-                                                             sample_weight=w[tr])
-            hits = svc.predict(gram[np.ix_(te, tr)]) == labels[te]
-            fold_scores.append(np.sum(hits * w[te]) / np.sum(w[te]))
-        scores.append(np.mean(fold_scores))
-    expected = AUTO_C[int(np.argmax(scores))] / scale
-    assert _choose_C(gram, labels, w) == pytest.approx(expected, rel=1e-15)
+    assert _choose_C(gram, labels, w) == pytest.approx(_reference_C(gram, labels, w),
+                                                       rel=1e-15)
     # Weighted and unweighted choices differ on these data (the weights matter).
     assert _choose_C(gram, labels, w) != _choose_C(gram, labels)
+
+
+def test_choose_C_skips_folds_left_with_one_weighted_class():
+    """Class 1 has positive weight on its first 3 rows only: the first fold's training
+    part weighs class 1 at 0 (libsvm refuses it); C="auto" scores the other folds."""
+    X, y, _ = _data(n=30)
+    labels = (X[:, 0] > 0).astype(int)
+    w = np.ones(30)
+    w[np.flatnonzero(labels == 1)[3:]] = 0.0
+    net = PathKernelClassifier(**BASE, **SOLVERS["adam-l2"])
+    svm = TangentFeatureSVM(net, C="auto").fit(X, labels, sample_weight=w)
+    gram = TangentKernel(svm.estimator_, normalized=True)(X)
+    assert svm.C_ == pytest.approx(_reference_C(gram, labels, w), rel=1e-12)
+    # No fold left: every weight in the first fold's held-out part, so that fold's
+    # training part weighs nothing and the others' held-out parts nothing: 1 / scale.
+    w1 = np.zeros(30)
+    w1[next(StratifiedKFold(3).split(gram, labels))[1]] = 1.0
+    assert _choose_C(gram, labels, w1) == pytest.approx(1 / np.mean(np.diag(gram)), rel=1e-15)
 
 
 def test_weights_survive_pickle_and_save(tmp_path):

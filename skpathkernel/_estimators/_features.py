@@ -477,7 +477,9 @@ def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
     without its per-candidate overhead, which cost more than these small SVMs). With a
     class too small for two folds, no cross-validation: ``1 / scale``. With
     ``sample_weight`` each fold's SVM is fitted with its part of the weights and scored
-    by weighted accuracy; a fold whose held-out part weighs nothing is not scored.
+    by weighted accuracy. A fold whose held-out part weighs nothing, or whose training
+    part gives positive weight to fewer than two classes (libsvm refuses to fit it), is
+    not scored; with no fold left, ``1 / scale``.
     """
     scale = float(np.mean(np.diag(gram)))
     scale = scale if np.isfinite(scale) and scale > 0 else 1.0
@@ -491,7 +493,7 @@ def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
     folds = [(gram[np.ix_(tr, tr)], gram[np.ix_(te, tr)], labels[tr], labels[te],
               None if sample_weight is None else weights[tr], weights[te])
              for tr, te in StratifiedKFold(n_folds).split(gram, labels)
-             if weights[te].sum() > 0]
+             if weights[te].sum() > 0 and len(np.unique(labels[tr][weights[tr] > 0])) > 1]
     if not folds:
         return 1.0 / scale
     best, best_score = grid[0], -np.inf

@@ -428,6 +428,26 @@ def test_tangent_features_pass_the_weights_to_the_trainer():
     assert_array_equal(tf.transform(X[:3]), direct.transform(X[:3]))
 
 
+class _NoWeightsTrainer(PathKernelClassifier):
+    """A user's trainer whose fit takes no sample_weight (as before weights existed)."""
+
+    def fit(self, X, y):
+        return super().fit(X, y)
+
+
+def test_meta_estimators_call_a_trainer_without_weights_as_before():
+    X, y, _ = _data(n=30)
+    labels = (y > 0).astype(int)
+    trainer = _NoWeightsTrainer(**BASE, **SOLVERS["sgd"])
+    direct = PathKernelClassifier(**BASE, **SOLVERS["sgd"]).fit(X, labels)
+    for meta in (TangentFeatures(trainer), TangentFeatureSVM(trainer, C=1.0)):
+        meta.fit(X, labels)
+        assert_array_equal(meta.trajectory_.parameters(-1), direct.trajectory_.parameters(-1))
+        # Equal weights are no weights: the trainer is called without them either.
+        meta.fit(X, labels, sample_weight=np.full(len(X), 3.0))
+        assert_array_equal(meta.trajectory_.parameters(-1), direct.trajectory_.parameters(-1))
+
+
 @pytest.mark.parametrize("C", [1.0, "auto"])
 def test_tangent_feature_svm_weights_the_trainer_and_the_svm(C):
     X, y, w = _data(n=40)

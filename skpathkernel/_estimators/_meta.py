@@ -17,7 +17,6 @@ from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import _check_sample_weight
 
 from .._network._inputs import FEATURES, TOKENS, check_representable, validate_input
 from .._network._trained import network_of
@@ -26,6 +25,7 @@ from ._base import (
     FIT_CHECKS,
     FittedAttribute,
     FittedNetworkMixin,
+    _check_weights,
     reject_sparse_y,
 )
 from ._machine import PathKernelClassifier, PathKernelMachine
@@ -78,12 +78,6 @@ def trainer_for(y, random_state):
     kind = type_of_target(y, input_name="y", raise_unknown=True)
     cls = PathKernelClassifier if kind in _CLASS_TARGETS else PathKernelMachine
     return cls(random_state=random_state)
-
-
-def _validated_weights(sample_weight, X) -> np.ndarray | None:
-    if sample_weight is None:
-        return None
-    return _check_sample_weight(sample_weight, X, dtype=np.float64, ensure_non_negative=True)
 
 
 class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimatorMixin,
@@ -156,7 +150,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         checks) and passed to the trainer's fit (a frozen trainer is not trained). Sets
         ``estimator_`` and ``X_fit_``; returns the validated ``(X, y)``, whether the
         trainer was frozen (then nothing was trained, and ``X`` was checked against its
-        network) and the validated weights (None when not given).
+        network) and the validated weights (None when not given or all equal).
         """
         inner, frozen = self._trainer()
         if frozen:
@@ -164,15 +158,18 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             X, y = self._validate_like_network(X, y, net)
             self._check_targets(y)
             self.estimator_, self.X_fit_ = inner, X
-            return X, y, True, _validated_weights(sample_weight, X)
+            return X, y, True, _check_weights(sample_weight, X)
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
-        sample_weight = _validated_weights(sample_weight, X)
+        sample_weight = _check_weights(sample_weight, X)
         if inner is None:
             trainer = self._default_trainer(y)
         else:
             trainer = clone(inner)
-        trainer.fit(X, y if target is None else target(X), sample_weight=sample_weight)
+        # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
+        # keeps working unweighted (equal weights are None here, the unweighted fit).
+        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        trainer.fit(X, y if target is None else target(X), **weighted)
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
         return X, y, False, sample_weight
 

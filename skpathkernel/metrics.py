@@ -454,9 +454,12 @@ def retrain_on_subsets(
         - "replay" (skpathkernel estimators, fitted on ``X, y``): the estimator's own
           recorded path replayed without the left-out points: its initialization, its
           optimizer and step sizes, and every step's recorded minibatch minus the
-          left-out points (the loss averaged over the points that remain; a step left
-          empty is skipped). The counterfactual whose first-order prediction is
-          ``attribute(..., method="unrolled")`` summed over the kept points.
+          left-out points (the loss averaged over the points that remain, with the
+          step's recorded weights renormalized over them for a ``sample_weight`` fit;
+          a step left empty is skipped). The counterfactual whose first-order
+          prediction is ``attribute(..., method="unrolled")`` summed over the kept
+          points. The only protocol that follows a weighted fit's weights: the
+          others refit with ``fit(X, y)``, unweighted.
     n_repeats : int, default=1
         Models per subset; their outputs are averaged (only "independent" gives
         different models).

@@ -360,6 +360,21 @@ def test_early_stopping_scores_the_held_out_samples_with_their_weights():
     assert est.decompose(X[:2]).error < 1e-12
 
 
+def test_regressor_early_stopping_scores_weighted_r2():
+    """The validation score is R^2 weighted by the held-out weights (MLPRegressor's)."""
+    X, y, w = _data(n=60)
+    est = PathKernelMachine(**{**REG, "max_iter": 4}, **SOLVERS["adam-l2"],
+                            early_stopping=True, validation_fraction=0.3).fit(
+        X, y, sample_weight=w)
+    val = np.setdiff1d(np.arange(len(X)), est._train_rows)
+    res = y[val] - est.predict(X[val])
+    mean = np.average(y[val], weights=w[val])
+    r2 = 1 - np.sum(w[val] * res**2) / np.sum(w[val] * (y[val] - mean) ** 2)
+    assert est.validation_scores_[-1] == pytest.approx(r2, rel=1e-12)
+    assert est.validation_scores_[-1] != pytest.approx(
+        1 - np.sum(res**2) / np.sum((y[val] - y[val].mean()) ** 2), rel=1e-6)
+
+
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("weights,match", [
     (-np.ones(24), "Negative values"),
@@ -380,10 +395,21 @@ def test_bad_weights_are_refused_and_the_fit_kept(weights, match):
 
 
 def test_weights_leaving_one_class_are_refused():
-    X, y, _ = _data()
+    X, y, _ = _data(n=30)
     labels = (y > 0).astype(int)
-    with pytest.raises(ValueError, match=r"\bclass"):
+    with pytest.raises(ValueError, match=r"those of class 1: "):
         PathKernelClassifier(**BASE).fit(X, labels, sample_weight=labels.astype(float))
+    with pytest.raises(ValueError, match=r"those of class 'b': "):
+        PathKernelClassifier(**BASE).fit(X, np.where(labels, "b", "a"),
+                                         sample_weight=labels.astype(float))
+    # Early stopping: the network learns from the training part, which must keep two
+    # classes with positive weight (one class-0 row weighted, held out by this split).
+    w = labels.astype(float)
+    es = dict(BASE, early_stopping=True, validation_fraction=0.2, random_state=0)
+    from_split = PathKernelClassifier(**es).fit(X, labels)._train_rows
+    w[np.setdiff1d(np.flatnonzero(labels == 0), from_split)[0]] = 1.0
+    with pytest.raises(ValueError, match="training part but those of class 1"):
+        PathKernelClassifier(**es).fit(X, labels, sample_weight=w)
 
 
 # ------------------------------------------------------------------ model selection

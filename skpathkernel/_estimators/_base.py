@@ -569,6 +569,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             w_val = None
             if sample_weight is not None:
                 sample_weight, w_val = _split_weights(sample_weight, train_idx, val_idx)
+                if "classes_" in attrs:
+                    # The network learns from the training part only.
+                    _check_weighted_classes(y[train_idx], sample_weight,
+                                            " of early_stopping's training part")
         Y, y_val = self._scale_targets(Y, y_val if self.early_stopping else None, attrs,
                                        previous, sample_weight)
         spec = self._module_spec()
@@ -997,13 +1001,16 @@ def _check_weights(sample_weight, X) -> np.ndarray | None:
     return None if np.all(weights == weights[0]) else weights
 
 
-def _check_weighted_classes(y, sample_weight) -> None:
-    """Refuse weights that leave fewer than two classes to learn (as one class is)."""
+def _check_weighted_classes(y, sample_weight, where: str = "") -> None:
+    """Refuse weights that leave fewer than two classes to learn (as one class is).
+    ``where``: which part of the data (early stopping's training part), for the message."""
     kept = np.unique(y[sample_weight > 0])
     if len(kept) < 2:
+        # .item(): the label as the user wrote it, not numpy 2's np.int64(1).
+        only = f"those of class {kept[0].item()!r}" if len(kept) else "none"
         raise ValueError(
-            f"sample_weight is 0 on every sample but those of class {kept[0]!r}: the "
-            "number of classes with positive weight has to be greater than one.")
+            f"sample_weight is 0 on every sample{where} but {only}: the number of classes "
+            "with positive weight has to be greater than one.")
 
 
 def _split_weights(sample_weight, train_idx, val_idx):

@@ -361,7 +361,7 @@ class Trajectory:
         step = check_index(step, "step", n=self.n_steps)
         start, stop = self._batch_offsets[step], self._batch_offsets[step + 1]
         if self._batch_weights is None:
-            return np.full(stop - start, 1.0 / max(stop - start, 1))
+            return mean_batch_weights(self._batch_offsets[step : step + 2])
         return self._batch_weights[start:stop]
 
     def _all_batch_weights(self) -> np.ndarray:

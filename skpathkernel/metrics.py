@@ -42,7 +42,7 @@ from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
-from ._path._training import make_optimizer, set_learning_rate, training_step
+from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
 from ._warnings import worst
 
@@ -321,8 +321,9 @@ def _replay(estimator, keep: np.ndarray):
     """The fitted network retrained along its own recorded path on the kept points only.
 
     Same initialization, same optimizer and step sizes, and every step's recorded batch
-    with the left-out points removed (its loss the mean over the points that remain; a
-    step whose batch lost every point is skipped). Returns a shallow copy of the
+    with the left-out points removed (its loss the mean over the points that remain, or
+    their weighted mean with the recorded batch weights of a fit with ``sample_weight``;
+    a step whose batch lost every point is skipped). Returns a shallow copy of the
     estimator holding the retrained network, for the output functions.
     """
     net = network_of(estimator)
@@ -335,13 +336,21 @@ def _replay(estimator, keep: np.ndarray):
                                traj.solver_spec, float(traj.learning_rates[0]))
     # learning_rates has one entry per recorded interval: step t takes its interval's.
     interval = np.searchsorted(traj.steps, np.arange(traj.n_steps), side="right") - 1
+    weighted = traj._batch_weights is not None
     for t, batch in enumerate(traj.batches):
-        kept = batch[keep[batch]]
+        mask = keep[batch]
+        kept = batch[mask]
         if not len(kept):
             continue
         set_learning_rate(optimizer, float(traj.learning_rates[interval[t]]))
         rows = torch.as_tensor(kept, device=device)
-        training_step(module, optimizer, loss, X[rows], Y[rows])
+        weights = None
+        if weighted:
+            beta = traj.batch_weights(t)
+            # The recorded weights where the whole batch is kept: the trained step.
+            weights = (torch.as_tensor(beta, dtype=traj.dtype, device=device) if mask.all()
+                       else batch_betas(beta, np.flatnonzero(mask), traj.dtype, device)[0])
+        training_step(module, optimizer, loss, X[rows], Y[rows], weights=weights)
     model = copy.copy(estimator)
     model.module_ = module.eval()
     return model
@@ -445,9 +454,12 @@ def retrain_on_subsets(
         - "replay" (skpathkernel estimators, fitted on ``X, y``): the estimator's own
           recorded path replayed without the left-out points: its initialization, its
           optimizer and step sizes, and every step's recorded minibatch minus the
-          left-out points (the loss averaged over the points that remain; a step left
-          empty is skipped). The counterfactual whose first-order prediction is
-          ``attribute(..., method="unrolled")`` summed over the kept points.
+          left-out points (the loss averaged over the points that remain, with the
+          step's recorded weights renormalized over them for a ``sample_weight`` fit;
+          a step left empty is skipped). The counterfactual whose first-order
+          prediction is ``attribute(..., method="unrolled")`` summed over the kept
+          points. The only protocol that follows a weighted fit's weights: the
+          others refit with ``fit(X, y)``, unweighted.
     n_repeats : int, default=1
         Models per subset; their outputs are averaged (only "independent" gives
         different models).

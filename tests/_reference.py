@@ -9,6 +9,8 @@ import copy
 import numpy as np
 import torch
 
+from skpathkernel._path._training import make_optimizer as _make_optimizer
+
 
 def module_at(est, point=-1, dtype=torch.float64):
     """A copy of ``est.module_`` holding the parameters of recorded point ``point``."""
@@ -68,7 +70,7 @@ def module_with(est, flat):
     return _loaded(module, est.trajectory_.unflatten(flat.double()))
 
 
-def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
+def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_weight=None):
     """Contributions (n, N, C) and regularization (n, C) of the exact decomposition.
 
     The optimizer's recursion run FORWARD, keeping every training sample's own share of
@@ -76,7 +78,9 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
     sample and the segment-averaged Jacobian of the queries from the plain autograd loop
     at the quadrature ``nodes`` (``(s, w)`` on [0, 1], e.g. :func:`gauss_nodes`); float64.
     Nesterov (torch.optim.SGD): the step is ``-lr (g_t + momentum * buf_t)``, each sample's
-    share of ``g_t`` kept apart from its share of the buffer.
+    share of ``g_t`` kept apart from its share of the buffer. ``sample_weight`` (the fit's):
+    sample i of a batch weighs ``s_i / sum_batch s`` in its loss (0 for a batch weighing
+    0), computed here from the weights, not read from the trajectory; None: ``1 / |B|``.
     """
     traj, spec = est.trajectory_, est.trajectory_.solver_spec
     N, P = len(X_train), traj.n_params
@@ -94,13 +98,18 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
         module = module_with(est, theta)
         adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
         own = torch.zeros(N, P, dtype=torch.float64)  # this step's gradient, per sample
+        if sample_weight is None:
+            beta = {i: 1.0 / len(batch) for i in batch}
+        else:
+            total = sum(float(sample_weight[i]) for i in batch)
+            beta = {i: float(sample_weight[i]) / total if total > 0 else 0.0 for i in batch}
         for i in batch:
             out = module(_as_input(X_train[i : i + 1]))
             loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
             grads = torch.autograd.grad(loss, list(module.parameters()))
             g = torch.cat([p.reshape(-1) for p in grads])
-            shares[i] += g.detach() / len(batch) * adam_factor
-            own[i] += g.detach() / len(batch)
+            shares[i] += g.detach() * beta[i] * adam_factor
+            own[i] += g.detach() * beta[i]
         if spec.name != "adamw":  # AdamW's decay is decoupled: added to the step below
             reg_buf += spec.weight_decay * theta * adam_factor
         lr = traj.learning_rates[t]
@@ -123,11 +132,13 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes):
     return contrib, reg
 
 
-def unrolled_replay(net, weights=None):
+def unrolled_replay(net, weights=None, sample_weight=None):
     """The recorded training replayed as one differentiable float64 graph.
 
-    Every step's loss is the weighted mean over its batch, ``sum w_i l_i / sum w_i``, with
-    the per-point weights ``weights`` (a leaf tensor (N,); ones when None), and the
+    Every step's loss is the weighted mean over its batch, ``sum w_i s_i l_i / sum w_i
+    s_i``, with the per-point weights ``weights`` (a leaf tensor (N,); ones when None)
+    times the fit's ``sample_weight`` (ones when None; a batch whose weights sum to 0 has
+    no data gradient), and the
     optimizer's update written out from torch.optim's documented algorithms (SGD with
     heavy-ball or Nesterov momentum and L2, Adam, AdamW, RMSprop), so that autograd
     differentiates through it.
@@ -139,6 +150,8 @@ def unrolled_replay(net, weights=None):
     Y = Y.double() if Y.is_floating_point() else Y
     N = len(X)
     w = torch.ones(N, dtype=torch.float64) if weights is None else weights
+    if sample_weight is not None:
+        w = w * torch.as_tensor(np.asarray(sample_weight, dtype=np.float64))
     module = copy.deepcopy(net.module).to(torch.float64)
     names = list(traj.names)
     theta = [p.double().requires_grad_(True) for p in traj.state_dict(0).values()]
@@ -150,7 +163,8 @@ def unrolled_replay(net, weights=None):
         rows = torch.as_tensor(batch)
         out = torch.func.functional_call(module, dict(zip(names, theta)), (X[rows],))
         per = loss.per_sample(out.reshape(len(rows), -1), Y[rows])
-        L = (w[rows] * per).sum() / w[rows].sum()
+        total = w[rows].sum()
+        L = (w[rows] * per).sum() / total if total.item() > 0 else (0 * per).sum()
         grads = torch.autograd.grad(L, theta, create_graph=True)
         new = []
         for k, (p, g) in enumerate(zip(theta, grads)):
@@ -176,13 +190,55 @@ def unrolled_replay(net, weights=None):
     return dict(zip(names, theta))
 
 
-def unrolled_reference(net, Xq, Wq):
+def unrolled_reference(net, Xq, Wq, sample_weight=None):
     """d (Wq[q] . f(Xq[q]; theta_T(w))) / d w at w = 1, (Q, N): autograd through
     :func:`unrolled_replay` with the weights as leaf tensors, one backward per query."""
     w = torch.ones(len(net.X_fit), dtype=torch.float64, requires_grad=True)
-    params = unrolled_replay(net, w)
+    params = unrolled_replay(net, w, sample_weight)
     module = copy.deepcopy(net.module).to(torch.float64)
     out = torch.func.functional_call(module, params, (_as_input(Xq),)).reshape(len(Xq), -1)
     m = (out * torch.as_tensor(np.asarray(Wq, dtype=np.float64))).sum(1)
     return np.stack([torch.autograd.grad(m[q], w, retain_graph=True)[0].numpy()
                      for q in range(len(Xq))])
+
+
+def torch_optim_replay(net, weights):
+    """The recorded training rerun by torch.optim itself (the training's own optimizer,
+    not an analysis) with per-point weights in every step's loss (weighted mean over the
+    batch); returns the module at the final parameters."""
+    traj = net.trajectory
+    module = copy.deepcopy(net.module).double()
+    module.load_state_dict(traj.state_dict(0), strict=False)
+    X, Y = torch.as_tensor(np.asarray(net.X_fit, dtype=np.float64)), net.targets()
+    w = torch.as_tensor(weights)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = _make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
+    for t, batch in enumerate(traj.batches):
+        for group in opt.param_groups:
+            group["lr"] = float(traj.learning_rates[t])
+        opt.zero_grad()
+        rows = torch.as_tensor(batch)
+        per = net.loss.per_sample(module(X[rows]), Y[rows])
+        total = w[rows].sum()
+        # A batch of zero weights has no data gradient (the estimator's definition).
+        ((w[rows] * per).sum() / total if total.item() > 0 else (0 * per).sum()).backward()
+        opt.step()
+    return module
+
+
+def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5):
+    """Central differences of the first output at ``Xq`` of :func:`torch_optim_replay`
+    with respect to a multiplier of each of ``points``' weight, at 1: (Q, len(points)).
+    ``sample_weight``: the fit's weights, which the multipliers scale (ones when None)."""
+    base = np.ones(len(net.X_fit)) if sample_weight is None else np.asarray(sample_weight)
+    columns = []
+    for i in points:
+        outs = []
+        for sign in (1, -1):
+            m = np.ones(len(base))
+            m[i] += sign * h
+            module = torch_optim_replay(net, base * m)
+            with torch.no_grad():
+                outs.append(module(torch.as_tensor(np.asarray(Xq))).numpy()[:, 0])
+        columns.append((outs[0] - outs[1]) / (2 * h))
+    return np.stack(columns, axis=1)

@@ -63,7 +63,19 @@ _IN_SPAN = ("every training feature lies in its own tangent span, so no training
             "contamination is a quantile of leave-one-out scores instead")
 _TOKEN_IDS = ("with a module, integer X is token ids handed to it as int64, which this MLP "
               "(no embedding) refuses with a clear error; the default network converts them")
+# Weighted rows and repeated rows train the same full-batch path (sklearn's data set has
+# 15 rows, inside one default batch), the float64 settings pass; float32 rounds the
+# weighted mean and the mean over repeated rows differently, by about 3e-7 absolute,
+# above the check's rtol=1e-7. (Minibatches would differ in kind: batched SGD is not
+# invariant to repeating samples, MLPClassifier's xfail.)
+_FLOAT32_WEIGHTS = ("float32 rounding: weighted and repeated rows differ by ~3e-7 (the "
+                    "float64 settings pass this check)")
+_SVM_WEIGHTS = ("the SVM's weights are relative, as the trainer's (rescaled to mean 1, so "
+                "that C keeps its meaning), where repeating rows multiplies SVC's penalty; "
+                "and C='auto' cross-validates over rows, which repetition moves between "
+                "folds")
 EXPECTED_FAILED_CHECKS = {
+    "TangentFeatureSVM": {"check_sample_weight_equivalence_on_dense_data": _SVM_WEIGHTS},
     "OODRankDetector": {
         "check_outliers_train": _IN_SPAN,
         "check_outliers_train(readonly_memmap=True)": _IN_SPAN,
@@ -74,8 +86,16 @@ EXPECTED_FAILED_CHECKS = {
 def _expected_failed_checks(estimator):
     if estimator is WITH_MODULE:
         return {"check_estimators_dtypes": _TOKEN_IDS,
-                "check_classifier_data_not_an_array": _TOKEN_IDS}
-    return EXPECTED_FAILED_CHECKS.get(type(estimator).__name__, {})
+                "check_classifier_data_not_an_array": _TOKEN_IDS,
+                # sklearn's sample-weight checks fit on integer X.
+                "check_sample_weights_pandas_series": _TOKEN_IDS,
+                "check_sample_weights_not_an_array": _TOKEN_IDS,
+                "check_sample_weights_shape": _TOKEN_IDS}
+    expected = dict(EXPECTED_FAILED_CHECKS.get(type(estimator).__name__, {}))
+    if any(estimator is e for e in DEFAULTS) and not isinstance(estimator,
+                                                                TangentFeatureSVM):
+        expected["check_sample_weight_equivalence_on_dense_data"] = _FLOAT32_WEIGHTS
+    return expected
 
 
 @parametrize_with_checks(ESTIMATORS, expected_failed_checks=_expected_failed_checks)

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import unrolled_reference, unrolled_replay
+from _reference import unrolled_reference, unrolled_replay, weight_finite_differences
 from sklearn.datasets import make_classification
 
 from skpathkernel import (
@@ -22,7 +22,6 @@ from skpathkernel import (
     UnstablePathWarning,
 )
 from skpathkernel._analysis._attribution import label_codes, margin
-from skpathkernel._path._training import make_optimizer
 from skpathkernel.metrics import retrain_on_subsets
 
 
@@ -117,43 +116,13 @@ def test_early_stopping_differentiates_the_steps_kept():
     assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
 
 
-def _weighted_torch_replay(net, weights):
-    """The recorded training rerun by torch.optim itself with per-point weights in every
-    step's loss (weighted mean over the batch); returns the final parameters."""
-    traj = net.trajectory
-    module = copy.deepcopy(net.module).double()
-    module.load_state_dict(traj.state_dict(0), strict=False)
-    X, Y = torch.as_tensor(np.asarray(net.X_fit, dtype=np.float64)), net.targets()
-    w = torch.as_tensor(weights)
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
-    for t, batch in enumerate(traj.batches):
-        for group in opt.param_groups:
-            group["lr"] = float(traj.learning_rates[t])
-        opt.zero_grad()
-        rows = torch.as_tensor(batch)
-        per = net.loss.per_sample(module(X[rows]), Y[rows])
-        ((w[rows] * per).sum() / w[rows].sum()).backward()
-        opt.step()
-    return module
-
-
 @pytest.mark.parametrize("solver", ["sgd-momentum-l2", "adam-l2"])
 def test_unrolled_equals_finite_differences_of_torch_optim(solver):
     est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
     net = est.network_
     scores = est.attribute(X[:2], method="unrolled")
-    h = 1e-5
-    for i in (0, 7, 13):
-        outs = []
-        for sign in (1, -1):
-            w = np.ones(len(X))
-            w[i] += sign * h
-            module = _weighted_torch_replay(net, w)
-            with torch.no_grad():
-                outs.append(module(torch.as_tensor(X[:2])).numpy()[:, 0])
-        fd = (outs[0] - outs[1]) / (2 * h)
-        np.testing.assert_allclose(scores[:, i], fd, rtol=1e-5, atol=1e-9)
+    fd = weight_finite_differences(net, X[:2], (0, 7, 13))
+    np.testing.assert_allclose(scores[:, [0, 7, 13]], fd, rtol=1e-5, atol=1e-9)
 
 
 def test_removing_a_point_moves_the_replayed_output_by_minus_its_score():

@@ -151,7 +151,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from .._memory import rows_per_block
 from .._parallel import _ranges
 from .._path._losses import Loss
-from .._path._trajectory import Trajectory
+from .._path._trajectory import Trajectory, mean_batch_weights
 from .._tangent import (
     Adjoint,
     capture,
@@ -1486,7 +1486,8 @@ def decompose(
     checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
                      tol=tol, scale=scale, dtype=dtype, failed=failed,
                      n_steps=len(traj) - 1, record_every=traj.record_every,
-                     floored=floored, n_nodes=n_nodes if exact else None)
+                     floored=floored, n_nodes=n_nodes if exact else None,
+                     unequal_weights=weighting == "expected" and _unequal_batch_weights(traj))
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -1509,6 +1510,9 @@ class _Checks:
     # Steps accepted at the round-off floor above their share of a tol the caller chose.
     floored: dict = field(default_factory=dict)
     n_nodes: int | None = None  # the fixed node count of an exact call
+    # The path's batches weigh their entries unequally (sample_weight), which the
+    # expected weighting's 1/N does not follow.
+    unequal_weights: bool = False
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -1696,7 +1700,24 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
             "(and a larger memory_budget if the path needs it) for the exact decomposition.",
             UserWarning, stacklevel=caller_stacklevel(),
         )
+    if checks.weighting == "expected" and checks.unequal_weights:
+        warnings.warn(
+            "decompose(weighting='expected') credits every training point 1/N at every "
+            "step, but this path's batches weigh their points unequally (sample_weight, "
+            "recorded in trajectory_.batch_weights): the expected representation ignores "
+            f"those weights, and its error ({result.error:.3g}, Decomposition.error) "
+            "grows with how unequal they are. weighting='realized' follows them exactly.",
+            UserWarning, stacklevel=caller_stacklevel(),
+        )
     return result
+
+
+def _unequal_batch_weights(traj: Trajectory) -> bool:
+    """Whether some step weighs its batch's entries other than the mean's ``1/|B|``."""
+    if traj._batch_weights is None:
+        return False
+    return not np.allclose(traj._batch_weights, mean_batch_weights(traj._batch_offsets),
+                           rtol=1e-12, atol=0)
 
 
 def _missed_quadrature(result: Decomposition, checks: _Checks):

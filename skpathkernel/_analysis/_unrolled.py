@@ -5,7 +5,9 @@ each step's loss being the weighted mean over its batch,
 ``L_t(theta; w) = sum_{i in B_t} w_i beta_i l_i(theta) / sum_{i in B_t} w_i beta_i``
 (``beta_i`` the point's recorded weight in the step's loss,
 :meth:`Trajectory.batch_weights <skpathkernel.Trajectory.batch_weights>`: ``1 / |B_t|``
-for a mean, ``1 / (n_ranks * shard size)`` under DDP with unequal shards; they sum to 1),
+for a mean, ``1 / (n_ranks * shard size)`` under DDP with unequal shards,
+``s_i / sum_{B_t} s`` with sample weights ``s``; they sum to 1, or to 0 for a batch whose
+sample weights are all 0, which has no data gradient and whose points score 0 there),
 so that ``w_i = 0`` is the training without ``i`` (for an estimator's path,
 ``metrics.retrain_on_subsets(protocol="replay")``). The score of point ``i`` at query
 ``x`` is ``d m(x; theta_T(w)) / d w_i`` at ``w = 1``: how the trained output moves, to
@@ -540,6 +542,9 @@ def _batch_graph(path: _Path, step: _Step):
     clipped = step.scale < 1.0 - 16 * torch.finfo(theta.dtype).eps and norm > 0
     kappa = 1.0 / (norm * (norm + CLIP_EPS)) if clipped else 0.0
     beta64 = beta.detach().double()
+    # A batch whose weights sum to 0 (zero sample weights) has no data gradient, and no
+    # point's weight multiplier can change that (every w_i * s_i stays 0): share 0, not 0/0.
+    total = float(beta64.sum())
 
     def pullback(U: torch.Tensor):
         V = step.scale * U
@@ -551,7 +556,9 @@ def _batch_graph(path: _Path, step: _Step):
                                         is_grads_batched=True, allow_unused=True)
         D = U.new_zeros((len(U), len(batch))) if D is None else D
         D = D.double()
-        share = beta64 * (D - (D @ beta64)[:, None] / beta64.sum())
+        if total == 0.0:
+            return D.new_zeros(D.shape), torch.zeros_like(U) if HV is None else HV
+        share = beta64 * (D - (D @ beta64)[:, None] / total)
         return share, torch.zeros_like(U) if HV is None else HV
 
     return d, norm, pullback

@@ -25,7 +25,7 @@ from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_array, check_consistent_length, check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted, column_or_1d
+from sklearn.utils.validation import _check_sample_weight, check_is_fitted, column_or_1d
 
 # The engine is called as _tangent.<function>, looked up at call time, so that a test
 # stubbing an engine function out reaches every call.
@@ -305,22 +305,32 @@ class FittedNetworkMixin:
             return_distance=return_distance)
 
 
-def _mean_and_std(Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _mean_and_std(Y: np.ndarray, weights: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per-column mean and standard deviation of ``Y``, finite wherever ``Y`` is.
 
     NumPy's sum overflows above ``1.8e308 / n`` and its squared deviations above ~1e154,
     while the targets themselves are representable (validated finite): a scale of inf
     made every prediction ``mean + inf * f(x)``, inf or NaN. Such columns are computed on
     ``Y / max|Y|`` and scaled back; every other column is NumPy's, bit for bit.
+    ``weights``: the samples' weights (``np.average``'s moments, as StandardScaler's
+    with ``sample_weight``: a sample of weight 2 counts as two).
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        mean, std = Y.mean(axis=0), Y.std(axis=0)
+        mean, std = _moments(Y, weights)
     bad = ~(np.isfinite(mean) & np.isfinite(std))
     if bad.any():
         big = np.abs(Y[:, bad]).max(axis=0)
-        unit = Y[:, bad] / big
-        mean[bad], std[bad] = unit.mean(axis=0) * big, unit.std(axis=0) * big
+        unit_mean, unit_std = _moments(Y[:, bad] / big, weights)
+        mean[bad], std[bad] = unit_mean * big, unit_std * big
     return mean, std
+
+
+def _moments(Y, weights):
+    if weights is None:
+        return Y.mean(axis=0), Y.std(axis=0)
+    mean = np.average(Y, axis=0, weights=weights)
+    return mean, np.sqrt(np.average((Y - mean) ** 2, axis=0, weights=weights))
 
 
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
@@ -510,11 +520,12 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                       device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         return _build_module(self._module_spec(), n_features, n_outputs, seed, device, dtype)
 
-    def _fit(self, X, y, *, incremental=False, classes=None):
+    def _fit(self, X, y, *, sample_weight=None, incremental=False, classes=None):
         """Validate, train, and only then replace the fitted state (never half-fitted).
 
         ``incremental`` (``partial_fit``): one epoch, continuing the fitted network when
-        there is one; ``warm_start`` continues it for a whole fit.
+        there is one; ``warm_start`` continues it for a whole fit. ``sample_weight``: see
+        :func:`_check_weights`.
         """
         if self.trajectory_compression is not None and self.trajectory_storage == "memory":
             raise ValueError(
@@ -529,6 +540,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is not None or incremental:
             self._check_continuable(previous)
         X, y = self._validate_y(X, y, reset=previous is None)
+        sample_weight = _check_weights(sample_weight, X)
         if previous is not None:
             classes = getattr(self, "classes_", None)
         Y, n_outputs, attrs = self._encode_targets(y, classes)
@@ -537,6 +549,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is not None and n_outputs != self.n_outputs_:
             raise ValueError(f"y has {n_outputs} outputs but the network being continued "
                              f"was fitted with {self.n_outputs_}.")
+        if sample_weight is not None and "classes_" in attrs and not incremental:
+            _check_weighted_classes(y, sample_weight)
         # Stored: set_params(loss=...) after fit must not change the fitted network's loss.
         loss_name = attrs["_loss_name"] = self.loss
         rng = check_random_state(self.random_state)
@@ -552,8 +566,15 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             X_val, y_val = X[val_idx], y[val_idx]
             X, Y = X[train_idx], Y[train_idx]
             attrs["_train_rows"] = train_idx
+            w_val = None
+            if sample_weight is not None:
+                sample_weight, w_val = _split_weights(sample_weight, train_idx, val_idx)
+                if "classes_" in attrs:
+                    # The network learns from the training part only.
+                    _check_weighted_classes(y[train_idx], sample_weight,
+                                            " of early_stopping's training part")
         Y, y_val = self._scale_targets(Y, y_val if self.early_stopping else None, attrs,
-                                       previous)
+                                       previous, sample_weight)
         spec = self._module_spec()
         if previous is None:
             device, dtype = resolve_device(self.device), resolve_dtype(self.dtype)
@@ -573,7 +594,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,
                 [X_val[0].size, n_outputs,
                  *block_widths(module, to_input_tensor(X_val[:1], dtype=dtype, device=device),
-                               linear_only=spec["module"] is None)])
+                               linear_only=spec["module"] is None)], w_val)
         X_t = to_input_tensor(X, dtype=dtype, device=device)
         Y_t = self._target_tensor(Y, dtype, device)
         # A path on disk is continued in its own files: the new points are appended to
@@ -583,7 +604,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             previous.trajectory.storage == "disk" else None
         try:
             result = self._train(module, X_t, Y_t, loss_name, validation, seed, previous,
-                                 incremental, extends)
+                                 incremental, extends, sample_weight)
             module.eval()
             if self.module is not None:  # the default MLP is nn.Linear only
                 warn_on_fallback(module, X_t)
@@ -669,9 +690,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             raise ValueError(f"The fitted network was trained with loss={self._loss_name!r}; "
                              f"loss={self.loss!r} cannot continue its path.")
 
-    def _scale_targets(self, Y, y_val, attrs, previous):
+    def _scale_targets(self, Y, y_val, attrs, previous, sample_weight=None):
         """Regression targets in the network's units (``normalize_y``): standardized with
-        the mean and scale of the first fit's training rows, kept by fits that continue it.
+        the mean and scale of the first fit's training rows (weighted by their
+        ``sample_weight``), kept by fits that continue it.
         """
         if "classes_" in attrs or not getattr(self, "normalize_y", False):
             attrs["_y_mean"] = attrs["_y_scale"] = None
@@ -679,7 +701,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is None:
             # From the rows trained on only (no leak of the held-out ones); the network
             # learns the standardized targets, predict maps its outputs back.
-            mean, scale = _mean_and_std(Y)
+            mean, scale = _mean_and_std(Y, sample_weight)
             scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's)
         else:
             mean, scale = self._y_mean, self._y_scale
@@ -690,7 +712,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         return (Y - mean) / scale, y_val
 
     def _train(self, module, X_t, Y_t, loss_name, validation, seed, previous, incremental,
-               extends=None):
+               extends=None, sample_weight=None):
         generator = torch.Generator().manual_seed(seed)
         max_iter = 1 if incremental else self.max_iter
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
@@ -728,6 +750,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
                 extends=extends,
+                sample_weight=sample_weight,
             )
 
     def _resumed(self, incremental: bool):
@@ -963,6 +986,44 @@ def _on_disk(array) -> bool:
     return False
 
 
+def _check_weights(sample_weight, X) -> np.ndarray | None:
+    """``sample_weight`` validated (scikit-learn's checks: one finite, non-negative weight
+    per sample, not all 0) as float64, or None when every weight is the same.
+
+    Weights are relative, as in ``np.average``: each batch's loss is their weighted mean,
+    so equal weights are the unweighted fit, which then runs as it does without them (bit
+    for bit), and multiplying every weight by a constant changes nothing.
+    """
+    if sample_weight is None:
+        return None
+    weights = _check_sample_weight(sample_weight, X, dtype=np.float64,
+                                   ensure_non_negative=True)
+    return None if np.all(weights == weights[0]) else weights
+
+
+def _check_weighted_classes(y, sample_weight, where: str = "") -> None:
+    """Refuse weights that leave fewer than two classes to learn (as one class is).
+    ``where``: which part of the data (early stopping's training part), for the message."""
+    kept = np.unique(y[sample_weight > 0])
+    if len(kept) < 2:
+        # .item(): the label as the user wrote it, not numpy 2's np.int64(1).
+        only = f"those of class {kept[0].item()!r}" if len(kept) else "none"
+        raise ValueError(
+            f"sample_weight is 0 on every sample{where} but {only}: the number of classes "
+            "with positive weight has to be greater than one.")
+
+
+def _split_weights(sample_weight, train_idx, val_idx):
+    """The training and held-out parts of ``sample_weight``; each must weigh something."""
+    parts = sample_weight[train_idx], sample_weight[val_idx]
+    for part, what in zip(parts, ("training", "validation")):
+        if not part.sum() > 0:
+            raise ValueError(
+                f"The {what} part of early_stopping's split has sample_weight 0 on every "
+                "sample; change random_state or validation_fraction, or the weights.")
+    return parts
+
+
 def _holdout(y, classes, fraction: float, seed: int):
     """Training and validation row indices for early stopping (MLPClassifier's split).
 
@@ -990,11 +1051,14 @@ def _holdout(y, classes, fraction: float, seed: int):
     return np.sort(train_idx), val_idx
 
 
-def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widths):
-    """``score(module)``: what ``est.score(X_val, y_val)`` gives for the module's outputs.
+def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widths,
+                       sample_weight=None):
+    """``score(module)``: what ``est.score(X_val, y_val, sample_weight)`` gives for the
+    module's outputs.
 
     Accuracy of the decoded labels (a margin's sign for two classes, the argmax of the
-    logits otherwise) for classifiers, R^2 (averaged over outputs) for regressors.
+    logits otherwise) for classifiers, R^2 (averaged over outputs) for regressors;
+    weighted by the held-out samples' ``sample_weight`` (MLPClassifier's).
     """
 
     block = output_block_rows(memory_budget, widths, dtype, fixed=False)
@@ -1004,8 +1068,8 @@ def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widt
         out = module_outputs(module, X_t, block, fixed=False)
         if classes is not None:
             codes = (out[:, 0] > 0).astype(np.intp) if out.shape[1] == 1 else out.argmax(1)
-            return float(np.mean(classes[codes] == y_val))
-        return float(r2_score(y_val, out.reshape(y_val.shape)))
+            return float(np.average(classes[codes] == y_val, weights=sample_weight))
+        return float(r2_score(y_val, out.reshape(y_val.shape), sample_weight=sample_weight))
 
     return score
 

@@ -151,7 +151,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
                 else "regression")
 
     @keep_previous_fit_on_error
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Fit the network trainer on (X, y), recording its path.
 
         Parameters
@@ -162,6 +162,9 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
             Regression targets or class labels (see ``estimator``); ignored with a
             ``FrozenEstimator``.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Passed to the trainer's ``fit`` (see :meth:`PathKernelMachine.fit`);
+            validated, and otherwise unused, with a ``FrozenEstimator``.
 
         Returns
         -------
@@ -171,7 +174,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         # The second draw: a default trainer seeded with the same random_state takes the
         # first for its initialization, and the directions must differ from it.
         seed = int(check_random_state(self.random_state).randint(2**31 - 1, size=2)[1])
-        self._fit_trainer(X, y)
+        self._fit_trainer(X, y, sample_weight=sample_weight)
         self._projection_seed = seed
         return self
 
@@ -351,7 +354,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             self._budget(), 8 * len(self.X_fit_), "The SVM's kernel rows"))
 
     @keep_previous_fit_on_error
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Fit the network trainer on (X, y), then the SVM on its tangent features or kernel.
 
         Parameters
@@ -361,6 +364,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             ``(n_samples, ...)`` array: floats, or integer token ids.
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
+        sample_weight : array-like of shape (n_samples,), default=None
+            Non-negative weights, relative as the trainer's (see
+            :meth:`PathKernelClassifier.fit`, which receives them unless frozen): the SVM
+            gets them rescaled to mean 1 (``SVC.fit``'s weights multiply ``C``, so that
+            ``C`` keeps its meaning and equal weights are the unweighted fit), and
+            ``C="auto"`` scores its folds by weighted accuracy.
 
         Returns
         -------
@@ -369,7 +378,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         self._validate_params()
         # Never half-fitted: keep_previous_fit_on_error restores the previous fit whole
         # when the network or the SVM fails.
-        X, y, frozen = self._fit_trainer(X, y)
+        X, y, frozen, weights = self._fit_trainer(X, y, sample_weight=sample_weight)
         # The kernel choice and its normalization are part of the fitted state:
         # set_params must not change what an already fitted svm_ reads.
         self._svm_kernel, self._normalize = self.svm_kernel, self.normalize
@@ -379,6 +388,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         if rows is not None:
             # Early stopping held rows out: the SVM learns from the rows the network did.
             labels = labels[rows]
+            weights = None if weights is None else weights[rows]
+        weights = _mean_one(weights)
         # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
         # tens, where liblinear (which also penalizes the intercept) needs 10^4+
         # iterations on the data of figure 3 and libsvm converges in milliseconds.
@@ -392,9 +403,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         C = self.C
         if C == "auto":
             gram = train_input @ train_input.T if kernel == "linear" else train_input
-            C = _choose_C(np.asarray(gram, dtype=np.float64), labels)
+            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, weights)
         svm = SVC(kernel=kernel, C=float(C))  # deterministic: no probability, no RNG
-        svm.fit(train_input, labels)
+        svm.fit(train_input, labels, sample_weight=weights)
         self.svm_, self.C_ = svm, float(C)
         return self
 
@@ -450,14 +461,25 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 AUTO_C = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
-def _choose_C(gram: np.ndarray, labels) -> float:
+def _mean_one(weights: np.ndarray | None) -> np.ndarray | None:
+    """Weights rescaled to mean 1 (None when there are none, or all are equal)."""
+    if weights is None or np.all(weights == weights[0]):
+        return None
+    return weights * (len(weights) / weights.sum())
+
+
+def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
     """The C of ``AUTO_C / scale`` with the best 3-fold cross-validated accuracy.
 
     Stratified folds in the order of the training set (no shuffling: deterministic),
     each fold's SVM fitted on the Gram's rows and columns of its training part; the mean
     accuracy over the folds decides, the smaller C on ties (GridSearchCV's choice,
     without its per-candidate overhead, which cost more than these small SVMs). With a
-    class too small for two folds, no cross-validation: ``1 / scale``.
+    class too small for two folds, no cross-validation: ``1 / scale``. With
+    ``sample_weight`` each fold's SVM is fitted with its part of the weights and scored
+    by weighted accuracy. A fold whose held-out part weighs nothing, or whose training
+    part gives positive weight to fewer than two classes (libsvm refuses to fit it), is
+    not scored; with no fold left, ``1 / scale``.
     """
     scale = float(np.mean(np.diag(gram)))
     scale = scale if np.isfinite(scale) and scale > 0 else 1.0
@@ -466,14 +488,20 @@ def _choose_C(gram: np.ndarray, labels) -> float:
     n_folds = min(3, int(np.unique(labels, return_counts=True)[1].min()))
     if n_folds < 2:
         return 1.0 / scale
+    weights = np.ones(len(labels)) if sample_weight is None else sample_weight
     # Each fold's blocks of the Gram are cut once for the whole grid.
-    folds = [(gram[np.ix_(tr, tr)], gram[np.ix_(te, tr)], labels[tr], labels[te])
-             for tr, te in StratifiedKFold(n_folds).split(gram, labels)]
+    folds = [(gram[np.ix_(tr, tr)], gram[np.ix_(te, tr)], labels[tr], labels[te],
+              None if sample_weight is None else weights[tr], weights[te])
+             for tr, te in StratifiedKFold(n_folds).split(gram, labels)
+             if weights[te].sum() > 0 and len(np.unique(labels[tr][weights[tr] > 0])) > 1]
+    if not folds:
+        return 1.0 / scale
     best, best_score = grid[0], -np.inf
     for C in grid:
         score = np.mean([
-            np.mean(SVC(kernel="precomputed", C=C).fit(g_tr, y_tr).predict(g_te) == y_te)
-            for g_tr, g_te, y_tr, y_te in folds])
+            np.average(SVC(kernel="precomputed", C=C).fit(g_tr, y_tr, sample_weight=w_tr)
+                       .predict(g_te) == y_te, weights=w_te)
+            for g_tr, g_te, y_tr, y_te, w_tr, w_te in folds])
         if score > best_score:
             best, best_score = C, score
     return float(best)

@@ -178,11 +178,12 @@ _SHARED_PARAMS_DOC = """
 _NORMALIZE_Y_DOC = """
     normalize_y : bool, default=True
         For regression targets: train the network on ``(y - mean) / scale`` (mean and
-        standard deviation of the samples trained on, per output; a constant target is
-        only centered), so that one step size suits targets of any scale. Predictions are
-        ``mean + scale * f(x)`` and :meth:`decompose`'s terms are mapped back to the units
-        of ``y`` exactly; ``loss_curve_``, the kernels and the tangent features are those
-        of the network ``f`` itself. ``False`` trains on ``y`` as given (MLPRegressor's
+        standard deviation of the samples trained on, per output, weighted by
+        ``sample_weight`` when given; a constant target is only centered), so that one
+        step size suits targets of any scale. Predictions are ``mean + scale * f(x)``
+        and :meth:`decompose`'s terms are mapped back to the units of ``y`` exactly;
+        ``loss_curve_``, the kernels and the tangent features are those of the network
+        ``f`` itself. ``False`` trains on ``y`` as given (MLPRegressor's
         behaviour). Ignored for class labels."""
 
 _FITTED_ATTRS_DOC = """
@@ -599,7 +600,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         return Y, Y.shape[1], {"_y_2d": self_y_2d}
 
     @keep_previous_fit_on_error
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Train the network on (X, y), recording its path.
 
         Parameters
@@ -609,6 +610,16 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
             Real-valued targets.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Non-negative weights of the samples, relative as in ``np.average``: each
+            batch's loss is their weighted mean, ``sum_i s_i l_i / sum_i s_i`` over
+            the batch, so multiplying every weight by a constant changes nothing (unlike
+            MLPRegressor, whose L2 penalty ``alpha`` is divided by the batch's weight sum;
+            here ``alpha`` is not weighted). A batch whose weights sum to 0 contributes
+            no gradient. The trajectory records each batch's normalized weights
+            (``trajectory_.batch_weights``), so :meth:`decompose` and :meth:`attribute`
+            stay exact; a zero-weight sample gets a zero contribution. None, or equal
+            weights, is the unweighted fit.
 
         Returns
         -------
@@ -616,10 +627,10 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             The fitted estimator.
         """
         self._validate_params()
-        return self._fit(X, y)
+        return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
-    def partial_fit(self, X, y):
+    def partial_fit(self, X, y, sample_weight=None):
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPRegressor's out-of-core entry point: the first call starts a network (as
@@ -638,6 +649,8 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
             This call's training inputs (appended to ``X_fit_``).
         y : array-like of shape (n_samples,) or (n_samples, n_outputs)
             Their targets.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of this call's samples, as in :meth:`fit`.
 
         Returns
         -------
@@ -656,7 +669,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         (4, 40, 40)
         """
         self._validate_params()
-        return self._fit(X, y, incremental=True)
+        return self._fit(X, y, sample_weight=sample_weight, incremental=True)
 
     def predict(self, X):
         """Network outputs f(X; theta_T).
@@ -782,7 +795,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         return _label_tensor(Y, dtype, device)
 
     @keep_previous_fit_on_error
-    def fit(self, X, y):
+    def fit(self, X, y, sample_weight=None):
         """Train the network on (X, y), recording its path.
 
         Parameters
@@ -792,16 +805,23 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
             floats, or integer token ids.
         y : array-like of shape (n_samples,)
             Class labels (binary or multi-class).
+        sample_weight : array-like of shape (n_samples,), default=None
+            Non-negative weights of the samples, relative as in ``np.average`` and
+            recorded in the trajectory, as in :meth:`PathKernelMachine.fit` (MLPClassifier
+            divides ``alpha`` by the batch's weight sum; here it is not weighted). Class
+            weights are sample weights: ``compute_sample_weight("balanced", y)`` weighs
+            the classes of imbalanced data equally. Weights that leave fewer than two
+            classes with positive weight are refused.
 
         Returns
         -------
         self : PathKernelClassifier
         """
         self._validate_params()
-        return self._fit(X, y)
+        return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
-    def partial_fit(self, X, y, classes=None):
+    def partial_fit(self, X, y, sample_weight=None, classes=None):
         """Train one more epoch, on (X, y), continuing the fitted network and its path.
 
         MLPClassifier's out-of-core entry point: the first call starts a network (as
@@ -820,9 +840,23 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
             This call's training inputs (appended to ``X_fit_``).
         y : array-like of shape (n_samples,)
             Labels among ``classes``.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of this call's samples, as in :meth:`fit`.
         classes : array-like of shape (n_classes,), default=None
-            Every class of the whole stream; required on the first call, ignored after
-            (a later call's labels must be among the first call's classes).
+            Every class of the whole stream; required on the first call. A later call may
+            omit it, or must repeat the fitted ``classes_`` (a later call's labels must be
+            among them).
+
+        Notes
+        -----
+        The argument order is MLPClassifier's (scikit-learn >= 1.7):
+        ``partial_fit(X, y, sample_weight, classes)``: code written for it that passes
+        the weights positionally trains weighted (with ``classes`` third, a later call
+        ignored them silently). As in scikit-learn, ``classes`` given on a later call
+        must equal ``classes_``. Code that passed ``classes`` third before this order
+        changed is refused on its first call (``classes`` missing), and on later calls
+        by the weights' length unless the call has exactly ``n_classes`` samples; pass
+        ``classes`` by keyword.
 
         Returns
         -------
@@ -842,7 +876,13 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         self._validate_params()
         if not hasattr(self, "network_") and classes is None:
             raise ValueError("classes must be passed on the first call to partial_fit.")
-        return self._fit(X, y, incremental=True, classes=classes)
+        fitted = getattr(self, "classes_", None)
+        if classes is not None and fitted is not None and hasattr(self, "network_") and \
+                not np.array_equal(np.unique(np.asarray(classes)), fitted):
+            raise ValueError(f"classes={np.asarray(classes).tolist()} is not the same as on "
+                             f"the first call to partial_fit, {fitted.tolist()}.")
+        return self._fit(X, y, sample_weight=sample_weight, incremental=True,
+                         classes=classes)
 
     def decision_function(self, X):
         """Margins (binary, shape (n_samples,)) or logits (shape (n_samples, n_classes)).

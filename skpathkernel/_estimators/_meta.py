@@ -25,6 +25,7 @@ from ._base import (
     FIT_CHECKS,
     FittedAttribute,
     FittedNetworkMixin,
+    _check_weights,
     reject_sparse_y,
 )
 from ._machine import PathKernelClassifier, PathKernelMachine
@@ -141,13 +142,15 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     def _check_targets(self, y) -> None:
         """Refuse targets before any training (the trainer checks them otherwise)."""
 
-    def _fit_trainer(self, X, y, *, target=None):
+    def _fit_trainer(self, X, y, *, target=None, sample_weight=None):
         """Validate ``X`` (and ``y``) here, then fit a clone of the trainer on them.
 
         ``target``: what the trainer is fitted on instead of ``y`` (the detector's
-        reconstruction). Sets ``estimator_`` and ``X_fit_``; returns the validated
-        ``(X, y)`` and whether the trainer was frozen (then nothing was trained, and
-        ``X`` was checked against its network).
+        reconstruction). ``sample_weight``: validated before any training (scikit-learn's
+        checks) and passed to the trainer's fit (a frozen trainer is not trained). Sets
+        ``estimator_`` and ``X_fit_``; returns the validated ``(X, y)``, whether the
+        trainer was frozen (then nothing was trained, and ``X`` was checked against its
+        network) and the validated weights (None when not given or all equal).
         """
         inner, frozen = self._trainer()
         if frozen:
@@ -155,16 +158,20 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             X, y = self._validate_like_network(X, y, net)
             self._check_targets(y)
             self.estimator_, self.X_fit_ = inner, X
-            return X, y, True
+            return X, y, True, _check_weights(sample_weight, X)
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
+        sample_weight = _check_weights(sample_weight, X)
         if inner is None:
             trainer = self._default_trainer(y)
         else:
             trainer = clone(inner)
-        trainer.fit(X, y if target is None else target(X))
+        # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
+        # keeps working unweighted (equal weights are None here, the unweighted fit).
+        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        trainer.fit(X, y if target is None else target(X), **weighted)
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
-        return X, y, False
+        return X, y, False, sample_weight
 
     def _validate_fit_data(self, X, y, *, flexible):
         checks = dict(reset=True, flexible=flexible,

@@ -46,10 +46,12 @@ method : {"exact", "first_order", "second_order"}, default="exact"
     (error O(lr)); "second_order" adds the curvature term by Hessian-vector
     products (error O(lr^2)). Both report their true ``error``.
 weighting : {"realized", "expected"}, default="realized"
-    "realized" credits each step to the samples of its batch (weight 1/B);
+    "realized" credits each step to the samples of its batch, with their weights
+    in its loss (1/B, or ``s_i / sum_B s`` with ``sample_weight``);
     "expected" credits every sample at every step (weight 1/N), the expected
-    representation of Guo, He & Morel (2026): equal for full-batch training,
-    approximate (with its measured ``error``) for minibatches.
+    representation of Guo, He & Morel (2026): equal for unweighted full-batch
+    training, approximate (with its measured ``error``) for minibatches. It
+    ignores sample weights (a ``UserWarning`` says so on a weighted path).
 n_nodes : int, default=None
     A fixed number of Gauss-Legendre nodes for every step of "exact", without
     error control; a ``ConvergenceWarning`` says when the steps' measured
@@ -145,7 +147,7 @@ The other methods describe the realized path, from the decomposition:
   need more ``n_nodes``).
 - ``weighting="expected"``: every point credited at every step with weight
   ``1/N`` (Guo, He & Morel's expected representation); the same as realized for
-  full-batch training.
+  unweighted full-batch training (it ignores sample weights).
 - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
   kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
   step, with the optimizer's preconditioner.

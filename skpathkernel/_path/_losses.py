@@ -24,6 +24,12 @@ class Loss:
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.per_sample(output, target).mean()
 
+    def weighted(self, output: torch.Tensor, target: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        """``sum_i weights_i l_i``: the batch loss of a fit with ``sample_weight``, whose
+        ``weights`` are the batch's normalized weights (summing to 1, or all 0)."""
+        return (self.per_sample(output, target) * weights).sum()
+
     def residuals(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """``dl_i/df_i`` for every sample, shape (B, C)."""
         output = output.detach().requires_grad_(True)

@@ -122,14 +122,19 @@ class MLPGradient:
             return None
         return cls(module, loss)
 
-    def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        """The batch loss (a scalar tensor); every parameter's ``grad`` set to its gradient."""
+    def __call__(self, xb: torch.Tensor, yb: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch loss (a scalar tensor); every parameter's ``grad`` set to its gradient.
+
+        ``weights``: each sample's weight in the batch loss (``Loss.weighted``), None for
+        the mean.
+        """
         if torch.is_grad_enabled():  # nothing here is part of a graph
             with torch.no_grad():
-                return self._forward_backward(xb, yb)
-        return self._forward_backward(xb, yb)
+                return self._forward_backward(xb, yb, weights)
+        return self._forward_backward(xb, yb, weights)
 
-    def _forward_backward(self, xb, yb):
+    def _forward_backward(self, xb, yb, weights=None):
         plan = self._plan
         inputs, outputs = [], []
         a = xb
@@ -138,7 +143,7 @@ class MLPGradient:
             # F.linear on a 2-D input with a bias is this addmm.
             a = torch.addmm(bias, a, weight.t()) if weight is not None else forward(a)
             outputs.append(a)
-        batch_loss, grad = self._loss_and_output_grad(a, yb)
+        batch_loss, grad = self._loss_and_output_grad(a, yb, weights)
         for i in range(len(plan) - 1, -1, -1):
             weight, bias, _, backward = plan[i]
             if weight is not None:
@@ -156,10 +161,15 @@ class MLPGradient:
                 grad = backward(self.layers[i], grad, inputs[i], outputs[i])
         return batch_loss
 
-    def _loss_and_output_grad(self, out, yb):
+    def _loss_and_output_grad(self, out, yb, weights=None):
         """The batch loss and its gradient with respect to the network's output, as the
-        backward pass of ``Loss.__call__`` computes them."""
+        backward pass of ``Loss.__call__`` (``Loss.weighted`` with ``weights``) computes
+        them."""
         n = out.shape[0]
+        if weights is not None:
+            # The weighted sum's backward hands each sample its weight, where the mean's
+            # hands it 1 / n: the same formulas below, with these factors.
+            return self._weighted_loss_and_grad(out, yb, weights)
         # mean's backward: the ones it expands, divided by the number of samples.
         g = self._mean_grad.get(n)
         if g is None:
@@ -191,6 +201,24 @@ class MLPGradient:
         per_sample, total = _aten.nll_loss_forward.default(logp, yb, None, 0, -100)
         g = _aten.nll_loss_backward.default(g, logp, yb, None, 0, -100, total)
         return per_sample.mean(), torch._log_softmax_backward_data(g, logp, 1, out.dtype)
+
+    def _weighted_loss_and_grad(self, out, yb, g):
+        """``_loss_and_output_grad`` of ``sum_i g_i l_i``."""
+        if self._is_squared:
+            diff = out - yb
+            batch_loss = (0.5 * diff.pow(2).mean(dim=1) * g).sum()
+            g2 = (g * 0.5).unsqueeze(1).expand_as(out) / out.shape[1]
+            return batch_loss, g2 * (2.0 * diff)
+        if out.shape[1] == 1:
+            margin, target = out[:, 0], yb.to(out.dtype)
+            per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
+                margin, target, reduction="none")
+            return (per_sample * g).sum(), ((margin.sigmoid() - target) * g).unsqueeze(1)
+        logp = torch.log_softmax(out, 1)
+        per_sample, total = _aten.nll_loss_forward.default(logp, yb, None, 0, -100)
+        grad = _aten.nll_loss_backward.default(g, logp, yb, None, 0, -100, total)
+        return ((per_sample * g).sum(),
+                torch._log_softmax_backward_data(grad, logp, 1, out.dtype))
 
 
 def _mm_mat1_backward(grad, weight, x):

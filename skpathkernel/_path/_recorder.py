@@ -61,7 +61,7 @@ from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork
 from ..kernels import NetworkKernelsMixin
-from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder
+from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder, mean_batch_weights
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 
@@ -651,8 +651,8 @@ class PathRecorder:
         weights = None
         if any(w is not None for w in self._weights[:n]):
             weights = np.concatenate([
-                np.full(len(traj.batch(t)), 1.0 / max(len(traj.batch(t)), 1))
-                if w is None else w for t, w in enumerate(self._weights[:n])])
+                mean_batch_weights(traj._batch_offsets[t : t + 2]) if w is None else w
+                for t, w in enumerate(self._weights[:n])])
         group_lrs = None
         if self._group_lrs:
             group_lrs = np.asarray(self._group_lrs[:n])[traj.steps[:-1]]

@@ -125,21 +125,39 @@ def training_threads(batch_rows: int, n_params: int, limit: int | None) -> int |
 
 
 def training_step(module, optimizer, loss: Loss, xb, yb,
-                  gradient: MLPGradient | None = None) -> torch.Tensor:
+                  gradient: MLPGradient | None = None,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
     """One optimizer step on the batch ``(xb, yb)``; returns the batch loss.
 
     The step of the training loop and of every replay of it (``metrics.retrain_on_subsets``).
     ``gradient``: the module's hand-written gradient (:class:`MLPGradient`, the same
-    values as autograd's), or None for autograd.
+    values as autograd's), or None for autograd. ``weights``: each sample's weight in the
+    batch loss (:func:`batch_betas`), None for the mean.
     """
     if gradient is not None:
-        batch_loss = gradient(xb, yb)
+        batch_loss = gradient(xb, yb) if weights is None else gradient(xb, yb, weights)
     else:
         optimizer.zero_grad(set_to_none=True)
-        batch_loss = loss(module(xb), yb)
+        out = module(xb)
+        batch_loss = loss(out, yb) if weights is None else loss.weighted(out, yb, weights)
         batch_loss.backward()
     optimizer.step()
     return batch_loss
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def batch_betas(sample_weight: np.ndarray, idx: np.ndarray, dtype: torch.dtype,
+                device) -> tuple[torch.Tensor, np.ndarray]:
+    """The weights of the samples ``idx`` in their batch's loss, ``beta_i = s_i / sum_j
+    s_j`` (``np.average``'s; all 0 when the batch's weights sum to 0: its data gradient
+    is then 0), as the step uses them (``dtype`` on ``device``) and, in float64, exactly
+    those values for the trajectory."""
+    s = sample_weight[idx]
+    total = s.sum()
+    beta = (s / total if total > 0 else np.zeros_like(s)).astype(_NUMPY_DTYPES[dtype])
+    return torch.from_numpy(beta).to(device), beta.astype(np.float64)
 
 
 def set_learning_rate(optimizer, lr: float) -> None:
@@ -304,8 +322,12 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
     )
 
 
-def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, gradient=None):
-    """One pass over the samples in ``order``, recorded; returns the batch losses (tensor)."""
+def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, gradient=None,
+               sample_weight=None):
+    """One pass over the samples in ``order``, recorded; returns the batch losses (tensor).
+
+    ``sample_weight`` (float64, one per sample): each batch's loss is their weighted mean.
+    """
     # The hand-written gradient builds no graph: the whole epoch runs without one.
     with torch.no_grad() if gradient is not None else contextlib.nullcontext():
         n = X.shape[0]
@@ -316,10 +338,19 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
             order_dev = order.to(X.device)
             batches = ((X[idx], Y[idx]) for idx in order_dev.split(B))
         batch_losses = []
+        module_dtype = optimizer.param_groups[0]["params"][0].dtype
         for start, (xb, yb) in zip(range(0, n, B), batches):
-            batch_losses.append(
-                training_step(module, optimizer, loss, xb, yb, gradient).detach())
-            recorder.record_batch(order_np[start : start + B])
+            idx = order_np[start : start + B]
+            if sample_weight is None:
+                batch_losses.append(
+                    training_step(module, optimizer, loss, xb, yb, gradient).detach())
+                recorder.record_batch(idx)
+            else:
+                # In the parameters' dtype: X may hold integer token ids.
+                beta, recorded = batch_betas(sample_weight, idx, module_dtype, X.device)
+                batch_losses.append(training_step(module, optimizer, loss, xb, yb, gradient,
+                                                  beta).detach())
+                recorder.record_batch(idx, recorded)
             recorder.record_step(step, lr, optimizer)
             step += 1
             if recorder.wants_point(step):
@@ -406,6 +437,7 @@ def train(
     single_epoch: bool = False,
     first_epoch: int = 0,
     extends: Trajectory | None = None,
+    sample_weight: np.ndarray | None = None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
@@ -418,6 +450,10 @@ def train(
     ``first_epoch`` counts the epochs before it (for the warnings' epoch numbers);
     ``extends``, the on-disk path it continues, whose series the new points are appended
     to (the result's trajectory is the new segment: see :func:`extend_trajectory`).
+    ``sample_weight`` (float64, one per row of X, None: all equal): each step's loss is
+    the weighted mean over its batch (:func:`batch_betas`), whose weights the trajectory
+    records (``batch_weights``); the epoch loss averages the batch losses by batch size
+    (MLPClassifier's convention).
 
     Stopping follows MLPClassifier (see :class:`_StoppingRule`): with ``validation`` (a
     callable scoring the module on held-out data, higher is better) the score decides,
@@ -471,7 +507,7 @@ def train(
         set_learning_rate(optimizer, lr)
         order = torch.randperm(n, generator=generator) if shuffle and B < n else rows
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
-                                  gradient)
+                                  gradient, sample_weight)
         epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr)
         step += steps_per_epoch
         seen += n
@@ -593,6 +629,9 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         params = torch.cat([first._params, second._params[1:]])
         states = {k: torch.cat([v, second._states[k]]) for k, v in first._states.items()}
     n_first = first.n_steps
+    weights = None
+    if first._batch_weights is not None or second._batch_weights is not None:
+        weights = np.concatenate([first._all_batch_weights(), second._all_batch_weights()])
     return Trajectory(
         names=first.names, shapes=first.shapes,
         params=params,
@@ -605,6 +644,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         state_steps=np.concatenate([first._state_steps, second._state_steps]),
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),
+        batch_weights=weights,
     )
 
 

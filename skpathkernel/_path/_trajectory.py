@@ -361,8 +361,14 @@ class Trajectory:
         step = check_index(step, "step", n=self.n_steps)
         start, stop = self._batch_offsets[step], self._batch_offsets[step + 1]
         if self._batch_weights is None:
-            return np.full(stop - start, 1.0 / max(stop - start, 1))
+            return mean_batch_weights(self._batch_offsets[step : step + 2])
         return self._batch_weights[start:stop]
+
+    def _all_batch_weights(self) -> np.ndarray:
+        """:meth:`batch_weights` of every step, concatenated (as ``batch_indices``)."""
+        if self._batch_weights is not None:
+            return self._batch_weights
+        return mean_batch_weights(self._batch_offsets)
 
     def _per_parameter(self, values) -> torch.Tensor:
         """One value per parameter tensor (its group's), repeated over its entries."""
@@ -838,6 +844,13 @@ class Trajectory:
         self.__dict__.update(state)
 
 
+def mean_batch_weights(offsets: np.ndarray) -> np.ndarray:
+    """Each batch entry's weight in a loss that is its batch's mean, ``1 / |B_t|``, for
+    the batches that ``offsets`` delimit."""
+    sizes = np.diff(offsets)
+    return np.repeat(1.0 / np.maximum(sizes, 1), sizes)
+
+
 def _open_shared_trajectory(directory: str) -> Trajectory:
     """The trajectory :meth:`Trajectory._shared` wrote to ``directory``, mapped (one
     object per process, see :func:`~skpathkernel._path._storage.open_shared`)."""
@@ -996,6 +1009,7 @@ class TrajectoryRecorder:
         batch_cap = cap_steps * (1 if batch_size is None else int(batch_size))
         self._batch_idx = np.empty(batch_cap, dtype=np.int64)
         self._batch_off = np.zeros(cap_steps + 1, dtype=np.int64)
+        self._batch_w: np.ndarray | None = None  # the batch weights, once there are some
         self._k = 0  # next point to write
         self._n_batch = 0
         self._non_blocking = self._pin
@@ -1188,7 +1202,9 @@ class TrajectoryRecorder:
         """Whether the point reached after ``step`` optimizer steps is recorded."""
         return step % self.record_every == 0 or step == self.n_steps
 
-    def record_batch(self, indices: np.ndarray) -> None:
+    def record_batch(self, indices: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """The step's batch; ``weights``: each sample's weight in the step's loss (a fit
+        with ``sample_weight``), None for the batch mean."""
         n = len(indices)
         if self._n_batch + 2 > len(self._batch_off):
             self._batch_off = np.concatenate(
@@ -1199,8 +1215,19 @@ class TrajectoryRecorder:
             self._batch_idx = np.concatenate(
                 [self._batch_idx, np.empty(size - len(self._batch_idx), dtype=np.int64)])
         self._batch_idx[start : start + n] = indices
+        if weights is not None or self._batch_w is not None:
+            self._record_weights(start, n, weights)
         self._batch_off[self._n_batch + 1] = start + n
         self._n_batch += 1
+
+    def _record_weights(self, start: int, n: int, weights) -> None:
+        """Keep the batch weights, once a step had some: earlier steps took the mean."""
+        if self._batch_w is None:
+            self._batch_w = mean_batch_weights(self._batch_off[: self._n_batch + 1])
+        if start + n > len(self._batch_w):
+            self._batch_w = np.concatenate(
+                [self._batch_w[:start], np.empty(max(n, start), dtype=np.float64)])
+        self._batch_w[start : start + n] = 1.0 / max(n, 1) if weights is None else weights
 
     def record_step(self, step: int, lr: float, optimizer: torch.optim.Optimizer) -> None:
         """Called after optimizer step ``step`` (0-based) has been applied with step size lr."""
@@ -1277,6 +1304,7 @@ class TrajectoryRecorder:
                   else v[: n_points - 1] for k, v in self._states.items()}
         n_indices = self._batch_off[n_done]
         batch_idx, batch_off = self._batch_idx[:n_indices], self._batch_off[: n_done + 1]
+        batch_w = None if self._batch_w is None else self._batch_w[:n_indices].copy()
         state_steps = self._state_steps[: n_points - 1]
         if n_steps is not None and disk:
             # The end of training: the files then hold every point (the buffers go with
@@ -1302,6 +1330,7 @@ class TrajectoryRecorder:
             solver=self.solver,
             n_samples=self.n_samples,
             record_every=self.record_every,
+            batch_weights=batch_w,
         )
         if n_steps is not None and disk and not self._extends:
             trajectory._write_meta()

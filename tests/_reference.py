@@ -186,3 +186,12 @@ def unrolled_reference(net, Xq, Wq):
     m = (out * torch.as_tensor(np.asarray(Wq, dtype=np.float64))).sum(1)
     return np.stack([torch.autograd.grad(m[q], w, retain_graph=True)[0].numpy()
                      for q in range(len(Xq))])
+
+
+def weight_derivative(replay_outputs, n, i, h=1e-5):
+    """``d replay_outputs(w) / d w_i`` at ``w = 1`` (n training weights) by central
+    differences: the finite-difference check of the unrolled attribution."""
+    up, down = np.ones(n), np.ones(n)
+    up[i] += h
+    down[i] -= h
+    return (replay_outputs(up) - replay_outputs(down)) / (2 * h)

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import unrolled_reference, unrolled_replay
+from _reference import unrolled_reference, unrolled_replay, weight_derivative
 from sklearn.datasets import make_classification
 
 from skpathkernel import (
@@ -143,16 +143,14 @@ def test_unrolled_equals_finite_differences_of_torch_optim(solver):
     est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
     net = est.network_
     scores = est.attribute(X[:2], method="unrolled")
-    h = 1e-5
+
+    def outputs(w):
+        module = _weighted_torch_replay(net, w)
+        with torch.no_grad():
+            return module(torch.as_tensor(X[:2])).numpy()[:, 0]
+
     for i in (0, 7, 13):
-        outs = []
-        for sign in (1, -1):
-            w = np.ones(len(X))
-            w[i] += sign * h
-            module = _weighted_torch_replay(net, w)
-            with torch.no_grad():
-                outs.append(module(torch.as_tensor(X[:2])).numpy()[:, 0])
-        fd = (outs[0] - outs[1]) / (2 * h)
+        fd = weight_derivative(outputs, len(X), i)
         np.testing.assert_allclose(scores[:, i], fd, rtol=1e-5, atol=1e-9)
 
 

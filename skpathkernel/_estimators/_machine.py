@@ -103,14 +103,15 @@ _SHARED_PARAMS_DOC = """
     n_iter_no_change : int, default=10
         Epochs without improvement by ``tol`` tolerated before stopping (one more stops).
     early_stopping : bool, default=False
-        Hold out ``validation_fraction`` of the training set (stratified for classes),
-        score the network on it after every epoch (accuracy, or R^2) and stop on that
+        Hold out ``validation_fraction`` of the training set (stratified for classes, not
+        for multilabel targets), score the network on it after every epoch (accuracy,
+        subset accuracy for multilabel targets, or R^2) and stop on that
         score; the fitted network is then the one of the best-scoring epoch, as in
         MLPClassifier, and ``trajectory_`` ends at it. The held-out samples are not
         training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
     validation_fraction : float in (0, 1), default=0.1
         Fraction of the training set held out by ``early_stopping``; it must leave at
-        least two samples, and one of each class, on both sides.
+        least two samples, and one of each class (not of each label), on both sides.
     shuffle : bool, default=True
         Reshuffle the samples every epoch (minibatch training only).
     record_every : int or "auto", default="auto"

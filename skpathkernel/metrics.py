@@ -422,7 +422,7 @@ def retrain_on_subsets(
         The queries whose outputs are recorded.
     y_query : array-like of shape (n_queries,) or (n_queries, n_labels), default=None
         The queries' labels, needed by ``output="margin"`` (0/1 indicator rows for a
-        multilabel classifier, whose margin is :meth:`attribute`'s: the sum of the
+        multilabel classifier, whose margin is ``attribute``'s: the sum of the
         label logits signed by the query's labels).
     n_subsets : int, default=50
         Number of random subsets, one retraining each.
@@ -564,7 +564,8 @@ def _resolve_output(estimator, output, y, X_query, y_query):
     y_query = np.asarray(y_query)
     if len(y_query) != len(X_query):
         raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
-    if np.ndim(y) == 2:  # multilabel: the signed sum of the label logits (attribute's)
+    # Multilabel (a column is labels): the signed sum of the label logits, attribute's.
+    if np.ndim(y) == 2 and np.shape(y)[1] > 1:
         return output, check_indicator(y_query, np.shape(y)[1]), None
     classes = np.unique(np.asarray(y))
     return output, label_codes(classes, y_query), classes

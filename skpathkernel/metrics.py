@@ -37,7 +37,7 @@ from sklearn.base import clone, is_classifier
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, validate_params
 
-from ._analysis._attribution import label_codes, margin
+from ._analysis._attribution import check_indicator, label_codes, margin
 from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork
 from ._network._trained import network_of
@@ -429,8 +429,10 @@ def retrain_on_subsets(
         Training targets.
     X_query : array-like of shape (n_queries, ...)
         The queries whose outputs are recorded.
-    y_query : array-like of shape (n_queries,), default=None
-        The queries' labels, needed by ``output="margin"``.
+    y_query : array-like of shape (n_queries,) or (n_queries, n_labels), default=None
+        The queries' labels, needed by ``output="margin"`` (0/1 indicator rows for a
+        multilabel classifier, whose margin is ``attribute``'s: the sum of the
+        label logits signed by the query's labels).
     n_subsets : int, default=50
         Number of random subsets, one retraining each.
     subset_fraction : float, default=0.5
@@ -574,6 +576,9 @@ def _resolve_output(estimator, output, y, X_query, y_query):
     y_query = np.asarray(y_query)
     if len(y_query) != len(X_query):
         raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
+    # Multilabel (a column is labels): the signed sum of the label logits, attribute's.
+    if np.ndim(y) == 2 and np.shape(y)[1] > 1:
+        return output, check_indicator(y_query, np.shape(y)[1]), None
     classes = np.unique(np.asarray(y))
     return output, label_codes(classes, y_query), classes
 

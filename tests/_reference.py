@@ -202,6 +202,15 @@ def unrolled_reference(net, Xq, Wq, sample_weight=None):
                      for q in range(len(Xq))])
 
 
+def weight_derivative(replay_outputs, n, i, h=1e-5):
+    """``d replay_outputs(w) / d w_i`` at ``w = 1`` (n training weights) by central
+    differences: the finite-difference check of the unrolled attribution."""
+    up, down = np.ones(n), np.ones(n)
+    up[i] += h
+    down[i] -= h
+    return (replay_outputs(up) - replay_outputs(down)) / (2 * h)
+
+
 def torch_optim_replay(net, weights):
     """The recorded training rerun by torch.optim itself (the training's own optimizer,
     not an analysis) with per-point weights in every step's loss (weighted mean over the
@@ -231,14 +240,10 @@ def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5):
     with respect to a multiplier of each of ``points``' weight, at 1: (Q, len(points)).
     ``sample_weight``: the fit's weights, which the multipliers scale (ones when None)."""
     base = np.ones(len(net.X_fit)) if sample_weight is None else np.asarray(sample_weight)
-    columns = []
-    for i in points:
-        outs = []
-        for sign in (1, -1):
-            m = np.ones(len(base))
-            m[i] += sign * h
-            module = torch_optim_replay(net, base * m)
-            with torch.no_grad():
-                outs.append(module(torch.as_tensor(np.asarray(Xq))).numpy()[:, 0])
-        columns.append((outs[0] - outs[1]) / (2 * h))
-    return np.stack(columns, axis=1)
+
+    def outputs(m):
+        module = torch_optim_replay(net, base * m)
+        with torch.no_grad():
+            return module(torch.as_tensor(np.asarray(Xq))).numpy()[:, 0]
+
+    return np.stack([weight_derivative(outputs, len(base), i, h) for i in points], axis=1)

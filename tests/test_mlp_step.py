@@ -32,6 +32,8 @@ def _net(d, widths, c, act, dtype, seed=0):
 def _targets(kind, n, c, dtype, g):
     if kind == "squared_error":
         return torch.randn(n, c, generator=g, dtype=dtype)
+    if kind == "multilabel":  # a 0/1 indicator in the network's dtype, as fit passes it
+        return torch.randint(0, 2, (n, c), generator=g).to(dtype)
     return torch.randint(0, max(c, 2), (n,), generator=g)
 
 
@@ -46,7 +48,8 @@ def _autograd(net, loss, X, y):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize(
-    "loss_name,c", [("squared_error", 1), ("squared_error", 3), ("log_loss", 1), ("log_loss", 4)]
+    "loss_name,c", [("squared_error", 1), ("squared_error", 3), ("log_loss", 1), ("log_loss", 4),
+                    ("multilabel", 3)]
 )
 @pytest.mark.parametrize(
     "n,d,widths", [(37, 5, (64, 64)), (1, 1, (1,)), (3, 2, (1, 7)), (200, 30, (16,))]
@@ -56,7 +59,7 @@ def test_gradient_and_loss_equal_autograd_bit_for_bit(n, d, widths, loss_name, c
     X = torch.randn(n, d, generator=g, dtype=dtype)
     y = _targets(loss_name, n, c, dtype, g)
     net = _net(d, widths, c, act, dtype)
-    loss = LOSSES[loss_name]()
+    loss = LOSSES["log_loss" if loss_name == "multilabel" else loss_name]()
     ref_value, ref_grads = _autograd(net, loss, X, y)
     for p in net.parameters():
         p.grad = None
@@ -149,7 +152,8 @@ class _Wrapped(torch.nn.Module):
 
 @pytest.mark.parametrize(
     "est_cls,y_kind",
-    [(PathKernelClassifier, "binary"), (PathKernelClassifier, "multi"), (PathKernelMachine, "reg")],
+    [(PathKernelClassifier, "binary"), (PathKernelClassifier, "multi"),
+     (PathKernelClassifier, "multilabel"), (PathKernelMachine, "reg")],
 )
 def test_fitted_path_equals_the_autograd_trained_one(est_cls, y_kind):
     """The recorded path is the one autograd gives: the same network wrapped in a module
@@ -159,6 +163,7 @@ def test_fitted_path_equals_the_autograd_trained_one(est_cls, y_kind):
     y = {
         "binary": (X[:, 0] > 0).astype(int),
         "multi": rng.randint(0, 3, 60),
+        "multilabel": np.c_[X[:, :2] > 0, rng.randint(0, 2, 60)].astype(int),
         "reg": X @ [1.0, -1.0, 0.5, 0.0],
     }[y_kind]
     kw = dict(max_iter=6, batch_size=16, tol=None, random_state=0)

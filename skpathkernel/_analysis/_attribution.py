@@ -5,8 +5,14 @@ Park et al. 2023): ``m(x, y) = log(p_y / (1 - p_y))`` with ``p`` the softmax of 
 that is ``f_y - logsumexp_{k != y} f_k``; for a binary network with one output ``f`` (the
 logit of the second class) it is ``+f`` for the second class and ``-f`` for the first.
 
+A multilabel network (one logit per label, each a binary problem) has no single class:
+its margin is the sum of the per-label binary margins, ``sum_k s_k f_k`` with ``s_k = +1``
+for a label that is on and ``-1`` for one that is off (the query's given labels, or the
+predicted ones, ``f_k > 0``): how far the logits push the query towards that label set.
+
 The decomposition splits the network's *outputs* exactly over the training points. The
-binary margin is one of them (up to its sign), so its split is exact. The multi-class margin
+binary margin is one of them (up to its sign), and the multilabel margin a signed sum of
+them, so their split is exact. The multi-class margin
 is not linear in the logits: its attribution is the exact split of its linear part at the
 final logits, ``w . f`` with ``w = grad_f m(f(x; theta_T))`` (``w_y = 1``, ``w_k = -q_k``,
 ``q`` the softmax over the other classes), which is how much removing a training point moves
@@ -20,7 +26,7 @@ import numbers
 import numpy as np
 from scipy.special import logsumexp, softmax
 
-__all__ = ["check_output", "class_indices", "label_codes", "margin",
+__all__ = ["check_indicator", "check_output", "class_indices", "label_codes", "margin",
            "margin_weights", "output_weights", "query_codes"]
 
 
@@ -40,6 +46,24 @@ def label_codes(classes: np.ndarray, y) -> np.ndarray:
     return codes
 
 
+def check_indicator(y, n_labels: int | None = None) -> np.ndarray:
+    """A multilabel indicator matrix checked as 0/1 values (``n_labels`` columns when
+    given), as integer codes of shape (n, n_labels)."""
+    y = np.asarray(y)
+    if y.ndim != 2:
+        raise ValueError("Multilabel targets are an indicator matrix of shape (n_samples, "
+                         f"n_labels), got shape {y.shape}.")
+    if n_labels is not None and y.shape[1] != n_labels:
+        raise ValueError(f"y has {y.shape[1]} label columns, but the classifier was fitted "
+                         f"on {n_labels} (classes_ = 0..{n_labels - 1}).")
+    values = np.unique(y)
+    bad = values[~np.isin(values, (0, 1))]
+    if bad.size:
+        raise ValueError(f"Multilabel targets must be 0/1 (or bool) indicators; y holds "
+                         f"{bad[:5].tolist()}.")
+    return y.astype(np.intp)
+
+
 def class_indices(y: np.ndarray, n_classes: int) -> np.ndarray:
     """``y`` checked as class indices in ``[0, n_classes)`` (a network without labels)."""
     if (not np.issubdtype(y.dtype, np.integer) or y.size and (y.min() < 0
@@ -48,27 +72,34 @@ def class_indices(y: np.ndarray, n_classes: int) -> np.ndarray:
     return y
 
 
-def query_codes(prediction: np.ndarray, y, encode) -> np.ndarray:
+def query_codes(prediction: np.ndarray, y, encode, multilabel: bool = False) -> np.ndarray:
     """Class positions of the queries whose margin is explained.
 
     ``encode(y)`` for given labels (one per query), else the predicted class: the largest
-    output, or a positive single output.
+    output, or a positive single output. ``multilabel``: a 0/1 code per query and label
+    (n, C), the given indicator rows, else the labels predicted on (positive outputs).
     """
     if y is None:
+        if multilabel:
+            return (prediction > 0).astype(np.intp)
         return ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
                 else np.argmax(prediction, axis=1))
     y = np.asarray(y)
-    if y.shape != (len(prediction),):
-        raise ValueError(f"y must hold one label per query, shape ({len(prediction)},), "
-                         f"got {y.shape}.")
+    shape = prediction.shape if multilabel else (len(prediction),)
+    if y.shape != shape:
+        what = "an indicator row" if multilabel else "one label"
+        raise ValueError(f"y must hold {what} per query, shape {shape}, got {y.shape}.")
     return encode(y)
 
 
 def margin(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """The margin of the true class, per query, from network outputs (n, C)."""
+    """The margin of the true class, per query, from network outputs (n, C); for 0/1
+    multilabel ``codes`` (n, C), the sum of the labels' signed logits."""
     outputs = np.asarray(outputs, dtype=np.float64)
     if outputs.ndim == 1:
         outputs = outputs[:, None]
+    if np.ndim(codes) == 2:
+        return ((2.0 * codes - 1.0) * outputs).sum(axis=1)
     n, C = outputs.shape
     if C == 1:
         return np.where(codes == 1, 1.0, -1.0) * outputs[:, 0]
@@ -79,6 +110,8 @@ def margin(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
 
 def margin_weights(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """``grad_f m`` at the outputs (n, C): the margin's linear part (see module doc)."""
+    if np.ndim(codes) == 2:  # multilabel: the margin is linear, +-1 per label
+        return 2.0 * np.asarray(codes, dtype=np.float64) - 1.0
     outputs = np.asarray(outputs, dtype=np.float64)
     n, C = outputs.shape
     rows = np.arange(n)

@@ -456,6 +456,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
     def _target_tensor(self, Y: np.ndarray, dtype, device) -> torch.Tensor:
         return to_tensor(Y, dtype=dtype, device=device)
 
+    def _check_continued_targets(self, y) -> None:
+        """Refuse validated targets of another kind than those of the fit being continued
+        (warm_start, partial_fit), before they are encoded."""
+
     def _network_targets(self, Y: np.ndarray) -> np.ndarray:
         """Encoded regression targets in the network's units: standardized with normalize_y.
 
@@ -542,6 +546,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         X, y = self._validate_y(X, y, reset=previous is None)
         sample_weight = _check_weights(sample_weight, X)
         if previous is not None:
+            self._check_continued_targets(y)
             classes = getattr(self, "classes_", None)
         Y, n_outputs, attrs = self._encode_targets(y, classes)
         if "classes_" not in attrs:
@@ -876,6 +881,9 @@ def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
 
 def _encode_like_fit(estimator, y) -> np.ndarray:
     """``y`` encoded as ``fit`` encoded the training targets."""
+    # Trained on a multilabel indicator (a PathKernelClassifier): its label columns.
+    if getattr(estimator, "_multilabel", False):
+        return estimator._encode_targets(check_array(y, dtype=None), estimator.classes_)[0]
     # Trained on class labels (a PathKernelClassifier).
     if hasattr(estimator, "classes_"):
         y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
@@ -1027,12 +1035,15 @@ def _split_weights(sample_weight, train_idx, val_idx):
 def _holdout(y, classes, fraction: float, seed: int):
     """Training and validation row indices for early stopping (MLPClassifier's split).
 
-    Stratified for classification. Refused before any work when the validation part
-    cannot hold two samples (a score needs them) and, for classes, one sample per class.
+    Stratified for classification, except for multilabel targets (2-D ``y``, as
+    MLPClassifier). Refused before any work when the validation part cannot hold two
+    samples (a score needs them) and, for stratified classes, one sample per class.
     """
     n = len(y)
     n_val = math.ceil(fraction * n)  # train_test_split's rounding
     n_train = n - n_val
+    if np.ndim(y) == 2:
+        classes = None
     need = 2 if classes is None else max(2, len(classes))
     what = "2 samples" if classes is None else (
         f"2 samples and one sample of each of the {len(classes)} classes")
@@ -1057,8 +1068,9 @@ def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widt
     module's outputs.
 
     Accuracy of the decoded labels (a margin's sign for two classes, the argmax of the
-    logits otherwise) for classifiers, R^2 (averaged over outputs) for regressors;
-    weighted by the held-out samples' ``sample_weight`` (MLPClassifier's).
+    logits otherwise; for multilabel ``y_val`` the subset accuracy of the positive logits)
+    for classifiers, R^2 (averaged over outputs) for regressors; weighted by the held-out
+    samples' ``sample_weight`` (MLPClassifier's).
     """
 
     block = output_block_rows(memory_budget, widths, dtype, fixed=False)
@@ -1066,6 +1078,8 @@ def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widt
 
     def score(module):
         out = module_outputs(module, X_t, block, fixed=False)
+        if classes is not None and y_val.ndim == 2:
+            return float(np.mean(np.all((out > 0) == (y_val > 0), axis=1)))
         if classes is not None:
             codes = (out[:, 0] > 0).astype(np.intp) if out.shape[1] == 1 else out.argmax(1)
             return float(np.average(classes[codes] == y_val, weights=sample_weight))

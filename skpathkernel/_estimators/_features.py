@@ -16,6 +16,7 @@ from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import SVC
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 
 from .. import _tangent
@@ -332,6 +333,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         return PathKernelClassifier(random_state=self.random_state)
 
     def _check_targets(self, y):
+        if type_of_target(y) == "multilabel-indicator":
+            raise ValueError(
+                "TangentFeatureSVM fits one sklearn SVC, which takes one label per sample; "
+                "y is a multilabel indicator matrix. Use PathKernelClassifier (one logit "
+                "per label), or OneVsRestClassifier(TangentFeatureSVM(...)) (one network "
+                "and SVM per label).")
         check_labels(self, y)
 
     def _kernel(self):

@@ -10,9 +10,9 @@ from sklearn.preprocessing import LabelEncoder
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils.validation import check_is_fitted, column_or_1d
 
-from .._analysis._attribution import label_codes
+from .._analysis._attribution import check_indicator, label_codes
 from .._device import to_tensor
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import check_decompose_args, network_of
@@ -103,14 +103,15 @@ _SHARED_PARAMS_DOC = """
     n_iter_no_change : int, default=10
         Epochs without improvement by ``tol`` tolerated before stopping (one more stops).
     early_stopping : bool, default=False
-        Hold out ``validation_fraction`` of the training set (stratified for classes),
-        score the network on it after every epoch (accuracy, or R^2) and stop on that
+        Hold out ``validation_fraction`` of the training set (stratified for classes, not
+        for multilabel targets), score the network on it after every epoch (accuracy,
+        subset accuracy for multilabel targets, or R^2) and stop on that
         score; the fitted network is then the one of the best-scoring epoch, as in
         MLPClassifier, and ``trajectory_`` ends at it. The held-out samples are not
         training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
     validation_fraction : float in (0, 1), default=0.1
         Fraction of the training set held out by ``early_stopping``; it must leave at
-        least two samples, and one of each class, on both sides.
+        least two samples, and one of each class (not of each label), on both sides.
     shuffle : bool, default=True
         Reshuffle the samples every epoch (minibatch training only).
     record_every : int or "auto", default="auto"
@@ -354,9 +355,12 @@ class _KernelMachineMixin(TransformerMixin):
     @shared_doc(ATTRIBUTE, note="",
                 X="array-like of shape (n_queries, n_features) or (n_queries, ...)\n"
                   "    The queries, in the form of the training inputs (``input_shape_``).",
-                y="array-like of shape (n_queries,), default=None\n    Classifiers: the "
-                  "queries' labels, whose margin is explained; None explains\n    the margin "
-                  "of the predicted class. Regressors: ignored.",
+                y="array-like of shape (n_queries,) or (n_queries, n_labels), default=None\n"
+                  "    Classifiers: the queries' labels, whose margin is explained (a 0/1\n"
+                  "    indicator row per query for multilabel classifiers, whose margin is\n"
+                  "    the sum of the labels' logits signed +1 for a label that is on, -1\n"
+                  "    for one that is off); None explains the margin of the predicted\n"
+                  "    class (labels). Regressors: ignored.",
                 output_default="Default: \"margin\" for the classifiers, 0 for the "
                                "regressors (required for several outputs).",
                 examples=_ATTRIBUTE_EXAMPLES)
@@ -371,24 +375,26 @@ class _KernelMachineMixin(TransformerMixin):
         return network_of(self)._attribute(
             X, y, method=method, weighting=weighting, output=output, n_nodes=n_nodes,
             tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
-            encode=lambda y: label_codes(self.classes_, y) if classifier else None,
-            scale=getattr(self, "_y_scale", None))
+            encode=self._query_labels, scale=getattr(self, "_y_scale", None),
+            multilabel=_multilabel(self))
 
-    @shared_doc(SELF_INFLUENCE, label="classifiers: the margin of its own training label",
+    @shared_doc(SELF_INFLUENCE, label="classifiers: the margin of its own training label, "
+                "or label set for multilabel classifiers",
                 examples=_SELF_INFLUENCE_EXAMPLES)
     def self_influence(self, *, output=None, n_jobs=None):
         check_is_fitted(self)
         classifier = isinstance(self, ClassifierMixin)
         return network_of(self)._self_influence(
             output=output, n_jobs=n_jobs, margin="default" if classifier else "no",
-            scale=getattr(self, "_y_scale", None))
+            scale=getattr(self, "_y_scale", None), multilabel=_multilabel(self))
 
     def explain(self, X, n_neighbors=10, *, method="exact", output=None, n_jobs=None):
         """The training points that moved each prediction the most.
 
         Guo, He & Morel's "retrieval from the feature memory" (2026): for each query, the
         training points with the largest contribution ``|a_i(x)|`` in the decomposition
-        of the explained output. Classifiers explain the margin of the predicted class by
+        of the explained output. Classifiers explain the margin of the predicted class (of
+        the predicted labels for multilabel classifiers, see :meth:`attribute`) by
         default, through :meth:`attribute`'s contracted route (one scalar output per
         query along the path: about the cost of :meth:`attribute`, not of decomposing
         every output); ``output="all"`` ranks by ``|a_i(x)|`` summed over every output,
@@ -440,17 +446,56 @@ class _KernelMachineMixin(TransformerMixin):
         mean, scale = getattr(self, "_y_mean", None), getattr(self, "_y_scale", None)
         return network_of(self).explain(
             X, n_neighbors, method=method, output=output, n_jobs=n_jobs,
-            margin="default" if classifier else "no",
-            encode=lambda y: label_codes(self.classes_, y) if classifier else None,
-            scale=scale, units=lambda res: in_target_units(res, mean, scale))
+            margin="default" if classifier else "no", encode=self._query_labels,
+            scale=scale, units=lambda res: in_target_units(res, mean, scale),
+            multilabel=_multilabel(self))
+
+    def _query_labels(self, y) -> np.ndarray | None:
+        """Queries' labels as output columns (classifiers): class positions, or 0/1
+        codes per label for a multilabel classifier."""
+        if not isinstance(self, ClassifierMixin):
+            return None
+        if _multilabel(self):
+            return check_indicator(y, self.n_outputs_)
+        return label_codes(self.classes_, y)
+
+
+def _multilabel(estimator) -> bool:
+    """Whether a fitted classifier was trained on a multilabel indicator matrix."""
+    return getattr(estimator, "_multilabel", False)
+
+
+def _encode_indicator(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:
+    """A multilabel indicator -> one logit per label, as MLPClassifier's LabelBinarizer:
+    0/1 targets (log loss) or +-1 (squared error); ``classes_`` is ``arange(n_labels)``.
+
+    ``classes`` (``partial_fit``'s, or the fitted ones being continued) must be those
+    label columns.
+    """
+    n_labels = y.shape[1]
+    labels = np.arange(n_labels)
+    if classes is not None and not np.array_equal(np.unique(classes), labels):
+        raise ValueError(
+            f"y is a multilabel indicator with {n_labels} label columns, whose classes are "
+            f"the columns 0..{n_labels - 1}; classes (partial_fit's, or classes_ of the fit "
+            f"being continued) is {np.asarray(classes).tolist()}. "
+            "Every call must have the same label columns (pass "
+            "classes=np.arange(n_labels) to the first partial_fit call)."
+        )
+    codes = check_indicator(y, n_labels)
+    Y = codes.astype(np.float64) if loss == "log_loss" else 2.0 * codes - 1.0
+    return Y, n_labels, {"classes_": labels, "_multilabel": True}
 
 
 def _encode_labels(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:
-    """Class labels -> network targets: a margin for two classes, logits for more.
+    """Class labels -> network targets: a margin for two classes, logits for more, and
+    for a multilabel indicator (2-D ``y``) a logit per label.
 
     ``classes``: every label the network will see (``partial_fit``'s); ``y`` may hold
     some of them only.
     """
+    if np.ndim(y) == 2:
+        return _encode_indicator(y, loss, classes)
     encoder = LabelEncoder().fit(y if classes is None else classes)
     if classes is not None:
         unseen = np.setdiff1d(y, encoder.classes_)
@@ -475,16 +520,22 @@ def _encode_labels(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:
         Y = (2.0 * codes - 1.0).reshape(-1, 1)
     else:
         Y = np.eye(len(classes))[codes]
-    return Y, n_outputs, {"classes_": classes}
+    return Y, n_outputs, {"classes_": classes, "_multilabel": False}
 
 
-def check_labels(estimator, y):
+def check_labels(estimator, y, multilabel: bool = False):
+    """Refuse targets that are not class labels (or, with ``multilabel``, a 0/1
+    indicator matrix), naming what they are."""
     check_classification_targets(y)
     kind = type_of_target(y)
+    if multilabel and kind == "multilabel-indicator":
+        check_indicator(y)
+        return
     if kind not in ("binary", "multiclass"):
-        raise ValueError(
-            f"{type(estimator).__name__} supports binary and multi-class targets, got {kind}."
-        )
+        kinds = ("binary, multi-class and multilabel-indicator targets (a 0/1 matrix of "
+                 "shape (n_samples, n_labels))" if multilabel else
+                 "binary and multi-class targets")
+        raise ValueError(f"{type(estimator).__name__} supports {kinds}, got {kind}.")
 
 
 def _label_tensor(Y, dtype, device):
@@ -698,20 +749,25 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
 class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelNetwork):
     """Classifier that trains a network and records its optimisation path.
 
-    Binary problems use one output (a margin); ``K`` classes use ``K`` logits.
+    Binary problems use one output (a margin); ``K`` classes use ``K`` logits; a
+    multilabel indicator matrix ``y`` of shape ``(n_samples, n_labels)`` (0/1) uses one
+    logit per label, each label a binary problem, as MLPClassifier does (see the user
+    guide, "Multilabel targets").
 
     Parameters
     ----------{shared}
     loss : {{"log_loss", "squared_error"}}, default="log_loss"
-        "log_loss": logistic loss on the margin (binary) or softmax cross-entropy
-        (multi-class), mean over the batch. "squared_error": ``1/2`` mean squared error on
-        +-1 targets (binary) or one-hot targets (multi-class); ``predict_proba`` is then
-        unavailable.
+        "log_loss": logistic loss on the margin (binary), softmax cross-entropy
+        (multi-class) or the logistic loss of every label summed over the labels
+        (multilabel, MLPClassifier's), mean over the batch. "squared_error": ``1/2`` mean
+        squared error on +-1 targets (binary, and per label for multilabel) or one-hot
+        targets (multi-class); ``predict_proba`` is then unavailable.
 
     Attributes
     ----------
     classes_ : ndarray of shape (n_classes,)
-        Class labels.{fitted}
+        Class labels; for multilabel targets the label columns, ``arange(n_labels)``
+        (MLPClassifier's).{fitted}
     See Also
     --------
     PathKernelMachine : The regressor sibling.
@@ -784,9 +840,24 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         )
 
     def _validate_y(self, X, y, **kwargs):
-        X, y = self._validate_fit_data(X, y, **kwargs)
-        check_labels(self, y)
+        X, y = self._validate_fit_data(X, y, multi_output=True, **kwargs)
+        if y.ndim == 2 and y.shape[1] == 1:
+            # MLPClassifier's: a column is labels, with a DataConversionWarning.
+            y = column_or_1d(y, warn=True)
+        check_labels(self, y, multilabel=True)
         return X, y
+
+    def _check_continued_targets(self, y):
+        # Checked before encoding: class labels 0..K-1 and K label columns would both
+        # encode against classes_ = arange(K), as different networks.
+        fitted, given = _multilabel(self), y.ndim == 2
+        if fitted != given:
+            what = {True: "a multilabel indicator matrix (n_samples, n_labels)",
+                    False: "1-D class labels"}
+            raise ValueError(
+                f"The fitted network was trained on {what[fitted]}; y is {what[given]}. "
+                "partial_fit and warm_start continue its outputs: pass the same kind of "
+                "targets, or call fit (warm_start=False) to train a new network.")
 
     def _encode_targets(self, y, classes=None):
         return _encode_labels(y, self.loss, classes)
@@ -803,8 +874,8 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
             floats, or integer token ids.
-        y : array-like of shape (n_samples,)
-            Class labels (binary or multi-class).
+        y : array-like of shape (n_samples,) or (n_samples, n_labels)
+            Class labels (binary or multi-class), or a 0/1 multilabel indicator matrix.
         sample_weight : array-like of shape (n_samples,), default=None
             Non-negative weights of the samples, relative as in ``np.average`` and
             recorded in the trajectory, as in :meth:`PathKernelMachine.fit` (MLPClassifier
@@ -838,14 +909,15 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             This call's training inputs (appended to ``X_fit_``).
-        y : array-like of shape (n_samples,)
-            Labels among ``classes``.
+        y : array-like of shape (n_samples,) or (n_samples, n_labels)
+            Labels among ``classes``, or a 0/1 multilabel indicator matrix (every call
+            with the same label columns).
         sample_weight : array-like of shape (n_samples,), default=None
             Weights of this call's samples, as in :meth:`fit`.
         classes : array-like of shape (n_classes,), default=None
             Every class of the whole stream; required on the first call. A later call may
             omit it, or must repeat the fitted ``classes_`` (a later call's labels must be
-            among them).
+            among them). For multilabel ``y``, the label columns ``np.arange(n_labels)``.
 
         Notes
         -----
@@ -896,7 +968,8 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         -------
         scores : ndarray of shape (n_samples,) or (n_samples, n_classes)
             The network's outputs at the final parameters: the margin of the second class
-            for binary problems, one logit per class otherwise.
+            for binary problems, one logit per class otherwise (one per label for
+            multilabel targets).
         """
         out = self._forward(X)
         return out[:, 0] if out.shape[1] == 1 else out
@@ -911,10 +984,14 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
 
         Returns
         -------
-        y_pred : ndarray of shape (n_samples,)
-            The class with the largest score in :meth:`decision_function`.
+        y_pred : ndarray of shape (n_samples,) or (n_samples, n_labels)
+            The class with the largest score in :meth:`decision_function`; for multilabel
+            targets the indicator matrix (ints, as MLPClassifier's) of the labels with a
+            positive logit (probability above 0.5).
         """
         scores = self.decision_function(X)
+        if _multilabel(self):
+            return (scores > 0).astype(int)
         if scores.ndim == 1:
             return self.classes_[(scores > 0).astype(np.intp)]
         return self.classes_[np.argmax(scores, axis=1)]
@@ -924,8 +1001,14 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
 
     @available_if(_has_proba)
     def predict_proba(self, X):
-        """Class probabilities (sigmoid of the margin, or softmax of the logits)."""
+        """Class probabilities (sigmoid of the margin, or softmax of the logits).
+
+        For multilabel targets, each label's probability, the sigmoid of its logit:
+        shape (n_samples, n_labels), as MLPClassifier's.
+        """
         scores = self.decision_function(X).astype(np.float64)
+        if _multilabel(self):
+            return expit(scores)
         if scores.ndim == 1:
             p = expit(scores)
             return np.column_stack([1.0 - p, p])
@@ -936,3 +1019,8 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         """Logarithm of :meth:`predict_proba`."""
         with np.errstate(divide="ignore"):
             return np.log(self.predict_proba(X))
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_label = True  # a 0/1 indicator y, as MLPClassifier
+        return tags

@@ -168,6 +168,9 @@ output : "margin" or int, default=None
     classes the exact split of its linear part at the final logits,
     ``f_y - sum_{k != y} q_k f_k`` with ``q`` the softmax over the other classes,
     which is how much each point moved the margin to first order in the logits.
+    A multilabel classifier's margin is the sum of its labels' binary margins,
+    ``sum_k s_k f_k`` with ``s_k = +1`` for a label that is on, ``-1`` for one that
+    is off: linear in the logits, so its split is exact.
     An int ``k`` explains output column ``k`` (logit ``k``). ${output_default}
 n_nodes : int, default=None
     Quadrature nodes per step for "exact", see :meth:`decompose`.

@@ -107,10 +107,13 @@ def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
     check_decompose_args(method, weighting, n_nodes, tol)
 
 
-def _target_codes(y: np.ndarray) -> np.ndarray:
+def _target_codes(y: np.ndarray, multilabel: bool = False) -> np.ndarray:
     """The class of every training target: codes as they are, else the positive or
-    largest target column (+-1 or one-hot targets of a squared-error classifier)."""
+    largest target column (+-1 or one-hot targets of a squared-error classifier);
+    ``multilabel``: the labels that are on, per target column (0/1 or +-1 targets)."""
     y = np.asarray(y)
+    if multilabel:
+        return (y.reshape(len(y), -1) > 0).astype(np.intp)
     if np.issubdtype(y.dtype, np.integer) and y.ndim == 1:
         return y
     y = y.reshape(len(y), -1)  # a target column per output, floats or integers
@@ -149,7 +152,8 @@ class TrainedNetwork:
         the form every later ``X`` must have.
     y_fit : ndarray of shape (n_samples,) or (n_samples, n_targets) or None, default=None
         Their targets in the form the loss takes: integer class codes stay integers
-        (except for "squared_error"), anything else is cast to the network's dtype.
+        (except for "squared_error"), anything else is cast to the network's dtype; for
+        "log_loss" a 2-D target (an indicator of the outputs' shape) is multilabel.
     input_kind : {"features", "float", "int64"} or None, default=None
         How later inputs are checked: "features" (2-D floats), "float" (floats of the
         shape of ``X_fit``), "int64" (token ids). None: read from ``X_fit``.
@@ -532,10 +536,13 @@ ValueError
                                n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
-                   margin: str = "allowed", encode=None, scale=None) -> np.ndarray:
+                   margin: str = "allowed", encode=None, scale=None,
+                   multilabel: bool = False) -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
-        output is ``scale * f`` (a regressor's target units)."""
+        output is ``scale * f`` (a regressor's target units); ``multilabel``: the
+        margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
+        indicator row per query."""
         check_attribute_args(method, weighting, n_nodes, tol)
         X = self.check(X)
         prediction = self.outputs(X)
@@ -544,7 +551,8 @@ ValueError
         if encode is None:
             def encode(y):
                 return class_indices(y, max(n_outputs, 2))
-        codes = query_codes(prediction, y, encode) if output == "margin" else None
+        codes = query_codes(prediction, y, encode, multilabel) if output == "margin" \
+            else None
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
@@ -622,12 +630,12 @@ ValueError
 
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
                 n_jobs: int | None = None, margin: str = "allowed", encode=None,
-                scale=None, units=None):
+                scale=None, units=None, multilabel: bool = False):
         """The training points that moved each prediction the most.
 
         The computation behind the estimators' ``explain``, whose parameters
-        ``X, n_neighbors, method, output, n_jobs`` these are; ``margin``, ``encode`` and
-        ``scale`` are those of :meth:`attribute`'s callers, ``units`` maps a
+        ``X, n_neighbors, method, output, n_jobs`` these are; ``margin``, ``encode``,
+        ``scale`` and ``multilabel`` are those of :meth:`attribute`'s callers, ``units`` maps a
         decomposition of every output into the caller's units (``output="all"``).
 
         A scalar output (the predicted class's margin, or one output column) is
@@ -656,6 +664,9 @@ ValueError
             The explained output is ``scale * f`` (a regressor's target units).
         units : callable, default=None
             Maps a decomposition of every output into the caller's units.
+        multilabel : bool, default=False
+            The margin is a multilabel classifier's: the sum of the predicted labels'
+            signed logits.
 
         Returns
         -------
@@ -676,7 +687,8 @@ ValueError
                                  "'second_order' (the decomposition's), got 'unrolled'.")
             scores = self._attribute(X, None, method=method, weighting="realized",
                                      output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
-                                     margin=margin, encode=encode, scale=scale)
+                                     margin=margin, encode=encode, scale=scale,
+                                     multilabel=multilabel)
             contributions = scores[:, :, None]
         k = int(n_neighbors)
         magnitude = np.abs(contributions).sum(axis=2)
@@ -690,11 +702,11 @@ ValueError
         return self._self_influence(output=output, n_jobs=n_jobs)
 
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
-                        scale=None) -> np.ndarray:
+                        scale=None, multilabel: bool = False) -> np.ndarray:
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
         output = check_output(output, prediction.shape[1], margin)
-        codes = _target_codes(self.y_fit) if output == "margin" else None
+        codes = _target_codes(self.y_fit, multilabel) if output == "margin" else None
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)

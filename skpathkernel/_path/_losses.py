@@ -47,7 +47,10 @@ class SquaredError(Loss):
 
 
 class LogLoss(Loss):
-    """Logistic loss on a margin (one output) or softmax cross-entropy on logits."""
+    """Logistic loss on a margin (one output), softmax cross-entropy on logits (integer
+    class codes), or, for a 0/1 indicator target of the outputs' shape (multilabel), the
+    logistic loss of every output summed over the labels: MLPClassifier's
+    ``binary_log_loss``, whose residual is ``sigmoid(f) - y`` per label."""
 
     name = "log_loss"
 
@@ -56,6 +59,9 @@ class LogLoss(Loss):
             # 0/1 targets, also given as integer class codes.
             return F.binary_cross_entropy_with_logits(output[:, 0], target.to(output.dtype),
                                                       reduction="none")
+        if target.dim() == 2:
+            return F.binary_cross_entropy_with_logits(output, target.to(output.dtype),
+                                                      reduction="none").sum(dim=1)
         return F.cross_entropy(output, target, reduction="none")
 
 

@@ -196,6 +196,13 @@ class MLPGradient:
                 margin, target, reduction="none"
             ).mean()
             return batch_loss, ((margin.sigmoid() - target) * g).unsqueeze(1)
+        if yb.dim() == 2:  # multilabel: the logistic loss of every label, summed
+            target = yb.to(out.dtype)  # the same tensor when already in dtype
+            batch_loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                out, target, reduction="none"
+            ).sum(dim=1).mean()
+            # sum's backward expands the mean's over the labels.
+            return batch_loss, (out.sigmoid() - target) * g.unsqueeze(1)
         # cross_entropy = nll_loss(log_softmax(out)), with their backward kernels.
         logp = torch.log_softmax(out, 1)
         per_sample, total = _aten.nll_loss_forward.default(logp, yb, None, 0, -100)

@@ -773,6 +773,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         ``(n, ...)`` array is taken as it is.
     y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
         Their targets, in the form the loss takes (integer class codes for multi-class
+        "log_loss", a 0/1 indicator matrix of the outputs' shape for multilabel
         "log_loss"; a 1-D ``y`` is made a column for "squared_error").
     loss : "squared_error", "log_loss" or callable, default="squared_error"
         The per-sample loss whose batch mean each step minimized: the library's names

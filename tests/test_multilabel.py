@@ -375,3 +375,36 @@ def test_query_labels_must_be_indicator_rows_of_the_fitted_columns():
         est.attribute(X[:2], Y[:2, :2])
     with pytest.raises(ValueError, match="0/1"):
         est.attribute(X[:2], 2 * Y[:2])
+
+
+def test_sample_weight_with_multilabel_targets():
+    """A weighted multilabel fit: every step is the weighted-mean logistic step of the
+    independent replay, decompose closes, and attribute is the derivative of the replayed
+    margin with respect to a multiplier of each point's weight. One weighted sample is a
+    valid multilabel training set (each label is its own binary problem)."""
+    X, Y = _data()
+    s = np.random.RandomState(1).rand(len(X))
+    s[:5] = 0.0
+    est = PathKernelClassifier(hidden_layer_sizes=(6,), max_iter=3, batch_size=8,
+                               **{**F64, **SOLVERS["sgd-momentum-l2"]})
+    est.fit(X, Y, sample_weight=s)
+    final = [p.detach().reshape(-1) for p in _weighted_replay(est, s, X, Y).parameters()]
+    assert_allclose(torch.cat(final).numpy(), est.trajectory_.parameters(-1).numpy(),
+                    rtol=0, atol=1e-12)
+    assert est.decompose(X[:3]).error < 1e-12
+    Xq, Yq = X[:3], Y[:3]
+    scores = est.attribute(Xq, Yq, method="unrolled")
+    assert_array_equal(scores[:, :5], 0.0)
+
+    def margins(m):
+        module = _weighted_replay(est, s * m, X, Y)
+        with torch.no_grad():
+            return ((2.0 * Yq - 1.0) * module(torch.as_tensor(Xq)).numpy()).sum(1)
+
+    for i in (7, 19):
+        assert_allclose(scores[:, i], weight_derivative(margins, len(X), i), rtol=1e-5,
+                        atol=1e-9)
+    one = np.r_[np.zeros(len(X) - 1), 1.0]
+    est = PathKernelClassifier(hidden_layer_sizes=(6,), max_iter=2, **F64).fit(
+        X, Y, sample_weight=one)
+    assert est.predict(X[:2]).shape == (2, Y.shape[1])

@@ -163,11 +163,11 @@ def test_weights_are_relative_and_alpha_is_not_weighted():
 
 
 @pytest.mark.parametrize("loss,n_classes", [("squared_error", 0), ("log_loss", 2),
-                                            ("log_loss", 3)])
+                                            ("log_loss", 3), ("log_loss", "multilabel")])
 def test_hand_written_weighted_gradient_is_autograds(loss, n_classes):
     torch.manual_seed(0)
     # Two regression outputs: the squared error's mean over outputs is in the gradient.
-    n_out = {0: 2, 2: 1}.get(n_classes, n_classes)
+    n_out = {0: 2, 2: 1, "multilabel": 3}.get(n_classes, n_classes)
     module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.GELU(),
                                  torch.nn.Linear(5, n_out))
     X = torch.randn(7, 3)
@@ -175,6 +175,8 @@ def test_hand_written_weighted_gradient_is_autograds(loss, n_classes):
         Y = torch.randn(7, 2)
     elif n_classes == 2:
         Y = torch.tensor([0, 1, 1, 0, 1, 0, 0], dtype=torch.float32)
+    elif n_classes == "multilabel":  # a 0/1 indicator, as fit passes it
+        Y = torch.randint(0, 2, (7, 3)).to(torch.float32)
     else:
         Y = torch.tensor([0, 1, 2, 0, 2, 1, 0])
     beta = torch.rand(7)

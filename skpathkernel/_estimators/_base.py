@@ -1011,7 +1011,11 @@ def _check_weights(sample_weight, X) -> np.ndarray | None:
 
 def _check_weighted_classes(y, sample_weight, where: str = "") -> None:
     """Refuse weights that leave fewer than two classes to learn (as one class is).
-    ``where``: which part of the data (early stopping's training part), for the message."""
+    ``where``: which part of the data (early stopping's training part), for the message.
+    Multilabel targets are not checked: every label column is its own binary problem,
+    learnt from any weighted sample (as MLPClassifier's)."""
+    if np.ndim(y) == 2:
+        return
     kept = np.unique(y[sample_weight > 0])
     if len(kept) < 2:
         # .item(): the label as the user wrote it, not numpy 2's np.int64(1).

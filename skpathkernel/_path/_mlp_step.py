@@ -221,6 +221,11 @@ class MLPGradient:
             per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
                 margin, target, reduction="none")
             return (per_sample * g).sum(), ((margin.sigmoid() - target) * g).unsqueeze(1)
+        if yb.dim() == 2:  # multilabel: the logistic loss of every label, summed
+            target = yb.to(out.dtype)
+            per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
+                out, target, reduction="none").sum(dim=1)
+            return (per_sample * g).sum(), (out.sigmoid() - target) * g.unsqueeze(1)
         logp = torch.log_softmax(out, 1)
         per_sample, total = _aten.nll_loss_forward.default(logp, yb, None, 0, -100)
         grad = _aten.nll_loss_backward.default(g, logp, yb, None, 0, -100, total)

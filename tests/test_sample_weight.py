@@ -350,9 +350,12 @@ def test_classifier_partial_fit_takes_mlps_positional_order():
 
 
 # ------------------------------------------------------------------ early stopping
-def test_early_stopping_scores_the_held_out_samples_with_their_weights():
+@pytest.mark.parametrize("multilabel", [False, True])
+def test_early_stopping_scores_the_held_out_samples_with_their_weights(multilabel):
     X, y, w = _data(n=60)
     labels = (y > 0).astype(int)
+    if multilabel:  # subset accuracy, weighted
+        labels = np.c_[labels, X[:, 0] > 0].astype(int)
     est = PathKernelClassifier(**{**BASE, "max_iter": 4}, **SOLVERS["adam-l2"],
                                early_stopping=True, validation_fraction=0.3).fit(
         X, labels, sample_weight=w)

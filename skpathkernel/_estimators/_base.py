@@ -1083,7 +1083,8 @@ def _validation_scorer(X_val, y_val, classes, dtype, device, memory_budget, widt
     def score(module):
         out = module_outputs(module, X_t, block, fixed=False)
         if classes is not None and y_val.ndim == 2:
-            return float(np.mean(np.all((out > 0) == (y_val > 0), axis=1)))
+            return float(np.average(np.all((out > 0) == (y_val > 0), axis=1),
+                                    weights=sample_weight))
         if classes is not None:
             codes = (out[:, 0] > 0).astype(np.intp) if out.shape[1] == 1 else out.argmax(1)
             return float(np.average(classes[codes] == y_val, weights=sample_weight))

@@ -103,9 +103,19 @@ def check_per_sample(module: torch.nn.Module) -> None:
 
     BatchNorm normalises with the batch's own statistics in training mode (and without
     running statistics in any mode): a sample's output then depends on the other samples,
-    and no per-sample gradient describes the network.
+    and no per-sample gradient describes the network. An embedding with ``max_norm``
+    rescales the rows the batch reads in place, inside the forward pass: it would rewrite
+    the parameters the kernel is computed at (a recorded point of the path), and a weight
+    tied to it (an output head) would read rows that other samples rescaled.
     """
     for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
+            raise ValueError(
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "
+                f"max_norm={layer.max_norm}: it renormalises its weight in place during the "
+                "forward pass, which would rewrite the parameters the kernels and features "
+                "are computed at and make a tied weight depend on the other samples. Use "
+                "max_norm=None (renormalise the weight between steps instead).")
         if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (
                 layer.training or layer.running_mean is None or layer.running_var is None):
             why = ("is in training mode" if layer.training else "keeps no running statistics")

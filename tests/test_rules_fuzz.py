@@ -577,17 +577,34 @@ def test_fallback_differentiates_one_sample_at_a_time_where_vmap_refuses():
     assert _err(K, torch.einsum("ncp,mdp->nmcd", J, J[:2])) <= 1e-12
 
 
+def test_group_norm_behind_a_fallback_layer_on_channels_last_inputs():
+    # The autograd check asked for the rule layers' gradients alone: torch 2.13's
+    # group_norm backward, asked for the weight's and not the input's of a channels_last
+    # tensor, crashed the process (a segmentation fault).
+    torch.manual_seed(0)
+    net = _Head(nn.Sequential(nn.ConvTranspose2d(2, 3, 2), nn.GroupNorm(1, 3)), 3 * 25, 2)
+    net = net.double()
+    X = torch.randn(3, 2, 4, 4, dtype=torch.float64).contiguous(
+        memory_format=torch.channels_last)
+    assert [r.route for r in layer_routes(net, X)] == ["fallback", "rule", "rule"]
+    phi = tangent_features(net, _params(net), X, output="full")
+    assert _err(phi, _loop_jacobian(net, _params(net), X)) <= 1e-12
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=500)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--public-every", type=int, default=6)
     parser.add_argument("--width", type=int, default=400, help="characters per failure")
+    parser.add_argument("--verbose", action="store_true", help="name each seed first")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     counts, failures = {}, []
     t0 = time.perf_counter()
     for seed in range(args.start, args.start + args.cases):
+        if args.verbose:
+            print(f"seed {seed} ...", flush=True)
         try:
             status = check_case(seed, public=seed % args.public_every == 0)
         except Exception as exc:

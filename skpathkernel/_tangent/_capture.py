@@ -632,9 +632,14 @@ def _numerical_misfits(
     w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=dtype)
     tol = 10 * torch.finfo(dtype).eps ** 0.5
     bad = set()
+    # Every parameter is differentiated, the fallback's too, so that the backward pass
+    # walks the graph as training's does: asked for a GroupNorm's weight alone behind a
+    # fallback layer, torch 2.13's group_norm backward of a channels_last input crashes
+    # the process (a segmentation fault).
+    wrt = [live[n] for n in covered] + [p for n, p in live.items() if n not in set(covered)]
     for i, c in enumerate(outputs):
-        grads = torch.autograd.grad(f[:, c] @ w, [live[n] for n in covered],
-                                    retain_graph=i < len(outputs) - 1, allow_unused=True)
+        grads = torch.autograd.grad(f[:, c] @ w, wrt, retain_graph=i < len(outputs) - 1,
+                                    allow_unused=True)[:len(covered)]
         errors, scales = [], []
         for name, g in zip(covered, grads):
             term, a = factors[name]

@@ -577,16 +577,19 @@ def test_fallback_differentiates_one_sample_at_a_time_where_vmap_refuses():
     assert _err(K, torch.einsum("ncp,mdp->nmcd", J, J[:2])) <= 1e-12
 
 
-def test_group_norm_behind_a_fallback_layer_on_channels_last_inputs():
+@pytest.mark.parametrize("frozen", [False, True])
+def test_group_norm_behind_a_fallback_or_frozen_layer_on_channels_last_inputs(frozen):
     # The autograd check asked for the rule layers' gradients alone: torch 2.13's
     # group_norm backward, asked for the weight's and not the input's of a channels_last
     # tensor, crashed the process (a segmentation fault).
     torch.manual_seed(0)
-    net = _Head(nn.Sequential(nn.ConvTranspose2d(2, 3, 2), nn.GroupNorm(1, 3)), 3 * 25, 2)
-    net = net.double()
+    first = nn.Conv2d(2, 3, 2) if frozen else nn.ConvTranspose2d(2, 3, 2, padding=1)
+    net = _Head(nn.Sequential(first, nn.GroupNorm(1, 3)), 3 * 9, 2).double()
+    first.requires_grad_(not frozen)
     X = torch.randn(3, 2, 4, 4, dtype=torch.float64).contiguous(
         memory_format=torch.channels_last)
-    assert [r.route for r in layer_routes(net, X)] == ["fallback", "rule", "rule"]
+    routes = ["rule", "rule"] if frozen else ["fallback", "rule", "rule"]
+    assert [r.route for r in layer_routes(net, X)] == routes
     phi = tangent_features(net, _params(net), X, output="full")
     assert _err(phi, _loop_jacobian(net, _params(net), X)) <= 1e-12
 

@@ -614,8 +614,14 @@ def _numerical_misfits(
         return frozenset()
     factors = {name: (term, a) for term in cap.terms for name, a in term.inputs}
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    # Every parameter and a float input are differentiated too, so that every layer's
+    # backward computes its input's gradient: asked for a GroupNorm's weight alone (behind
+    # a fallback or frozen layer), torch 2.13's group_norm backward of a channels_last
+    # input crashes the process (a segmentation fault).
+    x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
     with torch.enable_grad():
-        f = functional_call(module, live, (x,)).reshape(x.shape[0], -1)
+        # A copy: a module writing into its input (x /= 255) may, not into a leaf.
+        f = functional_call(module, live, (x_in * 1,)).reshape(x.shape[0], -1)
     dtype = value_dtype(params, x)
     # A weight's gradient g (rows x cols) is compared through a random direction v: g v
     # against the factors' G v (a sum over positions of delta (a . v)). A read the
@@ -632,11 +638,8 @@ def _numerical_misfits(
     w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=dtype)
     tol = 10 * torch.finfo(dtype).eps ** 0.5
     bad = set()
-    # Every parameter is differentiated, the fallback's too, so that the backward pass
-    # walks the graph as training's does: asked for a GroupNorm's weight alone behind a
-    # fallback layer, torch 2.13's group_norm backward of a channels_last input crashes
-    # the process (a segmentation fault).
     wrt = [live[n] for n in covered] + [p for n, p in live.items() if n not in set(covered)]
+    wrt += [x_in] if x_in.requires_grad else []
     for i, c in enumerate(outputs):
         grads = torch.autograd.grad(f[:, c] @ w, wrt, retain_graph=i < len(outputs) - 1,
                                     allow_unused=True)[:len(covered)]

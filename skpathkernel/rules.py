@@ -8,8 +8,9 @@ a sequence), the per-sample gradient of output ``c`` is
 and ``delta`` its backprop. The engine contracts these factors directly and never forms
 the Jacobian where that is cheaper. Built-in rules cover ``nn.Linear`` (inputs of any
 rank), ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``,
-``nn.GroupNorm``, ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode and
-``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` is structured end to end).
+``nn.GroupNorm``, ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode,
+``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` is structured end to end)
+and ``nn.PReLU``.
 A raw ``nn.Parameter`` that no such layer holds is structured when the forward pass
 reads it once in an elementwise ``x + P``, ``x * P`` or ``P.expand(...)`` broadcast over
 the samples (class tokens, position embeddings, LayerScale gains): its per-sample

@@ -1,7 +1,7 @@
 """The built-in per-layer rules against an independent per-sample autograd loop (float64).
 
 Every rule (Conv1d, Conv2d, Linear on N-D inputs, Embedding, LayerNorm, GroupNorm,
-BatchNorm in eval mode, MultiheadAttention, and TransformerEncoderLayer built from them) is
+BatchNorm in eval mode, MultiheadAttention, PReLU, and TransformerEncoderLayer built from them) is
 checked for the Gram (trace, full, one output, cross, symmetric, at two parameter points),
 its diagonal, the features, the preconditioned (Adam / RMSprop) Gram of the path kernel,
 and the seeded projection, to 1e-10 relative; both exact contractions of a term with
@@ -171,6 +171,10 @@ CASES = {
     "mha_cross_kdim_no_weights": (lambda c: _Head(_CrossAttention(
         nn.MultiheadAttention(4, 2, kdim=3, vdim=3, batch_first=True), need_weights=False),
         3 * 4, c), _image((5, 4))),
+    "prelu_channels": (lambda c: _Head(nn.Sequential(nn.Conv1d(3, 4, 2), nn.PReLU(4)), 4 * 6, c),
+                       _image((3, 7))),
+    "prelu_sequence": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), nn.PReLU()), 5 * 4, c),
+                       _image((5, 3))),
     "transformer": (lambda c: _Tokens(c), _ids(5)),
     "transformer_norm_first": (lambda c: _Tokens(c, layers=1, norm_first=True), _ids(5)),
 }

@@ -103,9 +103,19 @@ def check_per_sample(module: torch.nn.Module) -> None:
 
     BatchNorm normalises with the batch's own statistics in training mode (and without
     running statistics in any mode): a sample's output then depends on the other samples,
-    and no per-sample gradient describes the network.
+    and no per-sample gradient describes the network. An embedding with ``max_norm``
+    rescales the rows the batch reads in place, inside the forward pass: it would rewrite
+    the parameters the kernel is computed at (a recorded point of the path), and a weight
+    tied to it (an output head) would read rows that other samples rescaled.
     """
     for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
+            raise ValueError(
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "
+                f"max_norm={layer.max_norm}: it renormalises its weight in place during the "
+                "forward pass, which would rewrite the parameters the kernels and features "
+                "are computed at and make a tied weight depend on the other samples. Use "
+                "max_norm=None (renormalise the weight between steps instead).")
         if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (
                 layer.training or layer.running_mean is None or layer.running_var is None):
             why = ("is in training mode" if layer.training else "keeps no running statistics")
@@ -604,8 +614,14 @@ def _numerical_misfits(
         return frozenset()
     factors = {name: (term, a) for term in cap.terms for name, a in term.inputs}
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    # Every parameter and a float input are differentiated too, so that every layer's
+    # backward computes its input's gradient: asked for a GroupNorm's weight alone (behind
+    # a fallback or frozen layer), torch 2.13's group_norm backward of a channels_last
+    # input crashes the process (a segmentation fault).
+    x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
     with torch.enable_grad():
-        f = functional_call(module, live, (x,)).reshape(x.shape[0], -1)
+        # A copy: a module writing into its input (x /= 255) may, not into a leaf.
+        f = functional_call(module, live, (x_in * 1,)).reshape(x.shape[0], -1)
     dtype = value_dtype(params, x)
     # A weight's gradient g (rows x cols) is compared through a random direction v: g v
     # against the factors' G v (a sum over positions of delta (a . v)). A read the
@@ -622,9 +638,11 @@ def _numerical_misfits(
     w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=dtype)
     tol = 10 * torch.finfo(dtype).eps ** 0.5
     bad = set()
+    wrt = [live[n] for n in covered] + [p for n, p in live.items() if n not in set(covered)]
+    wrt += [x_in] if x_in.requires_grad else []
     for i, c in enumerate(outputs):
-        grads = torch.autograd.grad(f[:, c] @ w, [live[n] for n in covered],
-                                    retain_graph=i < len(outputs) - 1, allow_unused=True)
+        grads = torch.autograd.grad(f[:, c] @ w, wrt, retain_graph=i < len(outputs) - 1,
+                                    allow_unused=True)[:len(covered)]
         errors, scales = [], []
         for name, g in zip(covered, grads):
             term, a = factors[name]

@@ -2,6 +2,10 @@
 
 Only the fallback parameters are differentiated (the others are held fixed), over a
 chunk of samples at a time so that the Jacobian chunk stays under the memory budget.
+Where ``vmap`` cannot batch an operation of the network (an embedding's in-place
+``max_norm`` renormalisation; ``prelu``'s backward on 3-D inputs, torch 2.13), the chunk
+is differentiated one sample and output at a time by plain autograd instead: the same
+numbers, slower, rather than a functorch error.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def per_sample_jacobian(
         return out.reshape(-1).index_select(0, index)
 
     jac = vmap(jacrev(f_single), in_dims=(None, 0))
+    batched = True
     n_free = sum(v.numel() for v in free.values())
     # The Jacobian has the parameters' dtype (X may hold integer token ids).
     row_bytes = 4 * len(index) * n_free * free[names[0]].element_size() + 1
@@ -48,7 +53,40 @@ def per_sample_jacobian(
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     for start in range(0, X.shape[0], chunk):
         xb = X[start : start + chunk]
-        out = jac(free, xb)
+        out = None
+        if batched:
+            try:
+                out = jac(free, xb)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError:
+                # An operation vmap does not batch: a genuine error of the network raises
+                # again from the loop, with the network's own traceback.
+                batched = False
+        if out is None:
+            out = _looped(module, fixed, free, xb, index)
         for k in names:
             parts[k].append(out[k].reshape(xb.shape[0], len(index), -1).detach())
     return {k: torch.cat(v, dim=0) for k, v in parts.items()}
+
+
+def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
+    """``vmap(jacrev(f_single))(free, X)`` by one autograd pass per sample and output.
+
+    Clones of the free parameters are differentiated, so that an operation writing into
+    its parameter (``F.embedding``'s ``max_norm``) leaves the caller's tensors alone.
+    """
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in free}
+    for x in X:
+        live = {k: v.clone().requires_grad_(True) for k, v in free.items()}
+        with torch.enable_grad():
+            out = functional_call(module, {**fixed, **live}, (x.unsqueeze(0),))
+            out = out.reshape(-1).index_select(0, index)
+            per_output = [torch.autograd.grad(out[c], list(live.values()),
+                                              retain_graph=c < len(index) - 1,
+                                              allow_unused=True)
+                          for c in range(len(index))]
+        for j, (k, p) in enumerate(live.items()):
+            rows[k].append(torch.stack([torch.zeros_like(p) if g[j] is None else g[j]
+                                        for g in per_output]))
+    return {k: torch.stack(v) for k, v in rows.items()}

@@ -1,5 +1,5 @@
 """The built-in rules: Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, BatchNorm (eval),
-MultiheadAttention.
+MultiheadAttention, PReLU.
 
 Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
 backprops to :class:`._rules.Term` objects, registered by exact type. Every number a rule
@@ -221,6 +221,29 @@ def _batch_norm_factors(layer, use, deltas, names):
 BATCH_NORM = Rule(ops=(F.batch_norm,), factors=_batch_norm_factors, accepts=_batch_norm_accepts)
 
 
+# ------------------------------------------------------------------------------ PReLU
+def _prelu_accepts(layer, use):
+    # One weight per channel of axis 1 needs that axis (an unbatched 1-D input is the
+    # channels themselves, not samples); one weight for all takes any input.
+    return use.inputs[0].ndim >= 2 or _arg(use, 1, "weight").numel() == 1
+
+
+def _prelu_factors(layer, use, deltas, names):
+    # z = max(0, a) + w min(0, a): d f_c / d w = sum over the channel's positions of
+    # delta_c * min(0, a), a constant-input term. A rule, not the fallback: vmap(jacrev)
+    # of prelu's backward raises, or for as many samples as outputs returns wrong
+    # numbers (torch 2.13), where this is exact.
+    (a,), (delta,) = use.inputs, deltas
+    n, C = delta.shape[:2]
+    g = delta * a.clamp(max=0).unsqueeze(1)
+    width = _arg(use, 1, "weight").numel()
+    g = g.reshape(n, C, width, -1) if width > 1 else g.reshape(n, C, 1, -1)
+    return [Term(delta=g.sum(3), inputs=[(names["weight"], None)])]
+
+
+PRELU = Rule(ops=(F.prelu,), factors=_prelu_factors, accepts=_prelu_accepts)
+
+
 # ------------------------------------------------------------------ MultiheadAttention
 _MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight",
              "in_proj_bias", "bias_k", "bias_v", "add_zero_attn", "dropout_p",
@@ -336,6 +359,7 @@ for _type, _rule in [(nn.Linear, LINEAR), (nn.Conv1d, CONV1D), (nn.Conv2d, CONV2
                      (nn.Embedding, EMBEDDING), (nn.LayerNorm, LAYER_NORM),
                      (nn.GroupNorm, GROUP_NORM), (nn.BatchNorm1d, BATCH_NORM),
                      (nn.BatchNorm2d, BATCH_NORM), (nn.MultiheadAttention, MULTIHEAD_ATTENTION),
+                     (nn.PReLU, PRELU),
                      # MultiheadAttention's out_proj type, whose forward is nn.Linear's own.
                      (nn.modules.linear.NonDynamicallyQuantizableLinear, LINEAR)]:
     register_rule(_type, _rule)

@@ -155,12 +155,12 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     >>> from torch import nn
     >>> from skpathkernel.rules import layer_routes
     >>> net = nn.Sequential(nn.Conv1d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(24, 2),
-    ...                     nn.PReLU())
+    ...                     nn.RMSNorm(2))
     >>> for route in layer_routes(net, torch.randn(5, 1, 8)):
     ...     print(route.name, route.type, route.route, route.n_params)
     0 Conv1d rule 16
     3 Linear rule 50
-    4 PReLU fallback 1
+    4 RMSNorm fallback 2
     """
     if params is None:
         params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}

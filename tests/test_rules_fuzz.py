@@ -31,6 +31,7 @@ import torch
 from test_rules import _Head  # body, tanh, flatten, Linear
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
+from torch.nn import functional as F
 
 from skpathkernel import PathRecorder
 from skpathkernel._tangent import (
@@ -577,6 +578,35 @@ def test_fallback_differentiates_one_sample_at_a_time_where_vmap_refuses():
     assert _err(phi, J) <= 1e-12
     K = tangent_gram(net, _params(net), X, X[:2], output="full", blocks_last=True)
     assert _err(K, torch.einsum("ncp,mdp->nmcd", J, J[:2])) <= 1e-12
+
+
+class _RawPReLU(nn.Module):
+    """``F.prelu`` on a raw parameter: no rule reads it, the fallback does."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.3]))
+
+    def forward(self, x):
+        return F.prelu(x, self.w)
+
+
+@pytest.mark.parametrize("body,n,wrong", [(_RawPReLU, 2, True), (_RawPReLU, 3, True),
+                                          (lambda: nn.RMSNorm(5), 3, False)])
+def test_fallback_checks_vmap_against_autograd_and_loops_when_it_is_wrong(body, n, wrong):
+    # torch 2.13's vmap(jacrev) of prelu's backward on these chunks is wrong off the
+    # (row, output) diagonal without an error: the fallback checks each chunk's first row
+    # against autograd, warns and loops. An RMSNorm's is right: no warning.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), body(), nn.Linear(5, 2)).double()
+    X = torch.randn(n, 4, dtype=torch.float64)
+    assert [r.route for r in layer_routes(net, X)] == ["rule", "fallback", "rule"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        phi = tangent_features(net, _params(net), X, output="full")
+    assert _err(phi, _loop_jacobian(net, _params(net), X)) <= 1e-12
+    disagreed = [w for w in caught if "disagrees with plain autograd" in str(w.message)]
+    assert bool(disagreed) == wrong
 
 
 @pytest.mark.parametrize("frozen", [False, True])

@@ -6,10 +6,17 @@ Where ``vmap`` cannot batch an operation of the network (an embedding's in-place
 ``max_norm`` renormalisation; ``prelu``'s backward on 3-D inputs, torch 2.13), the chunk
 is differentiated one sample and output at a time by plain autograd instead: the same
 numbers, slower, rather than a functorch error.
+
+``vmap`` can also be silently wrong: torch 2.13's batching of ``prelu``'s backward, for a
+chunk with as many rows as outputs, returns every entry off the diagonal of (row, output)
+wrong by tens of percent. So every chunk's first row is checked against plain autograd
+(one backward per output for one sample, a small share of the chunk's cost): on a
+mismatch the call warns and differentiates the rest by the loop.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -63,6 +70,13 @@ def per_sample_jacobian(
                 # An operation vmap does not batch: a genuine error of the network raises
                 # again from the loop, with the network's own traceback.
                 batched = False
+        if out is not None and not _agrees(out, _looped(module, fixed, free, xb[:1], index)):
+            warnings.warn(
+                "torch.func's per-sample Jacobian of the fallback layers disagrees with "
+                "plain autograd on a sample (a batching bug of torch.func for an operation "
+                "of this network): these layers are differentiated one sample at a time "
+                "instead (exact, slower).", UserWarning, stacklevel=2)
+            batched, out = False, None
         if out is None:
             out = _looped(module, fixed, free, xb, index)
         for k in names:
@@ -90,3 +104,14 @@ def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
             rows[k].append(torch.stack([torch.zeros_like(p) if g[j] is None else g[j]
                                         for g in per_output]))
     return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def _agrees(batched: dict[str, torch.Tensor], first: dict[str, torch.Tensor]) -> bool:
+    """Whether the batched Jacobian's first row equals the loop's (``first``, one row),
+    to the tolerance of the rules' own autograd check (10 sqrt(eps) of the row's scale)."""
+    got = torch.cat([batched[k][:1].reshape(-1) for k in first])
+    ref = torch.cat([v.reshape(-1) for v in first.values()])
+    scale = ref.abs().max()
+    tol = 10 * torch.finfo(ref.dtype).eps ** 0.5
+    return bool((got - ref).abs().max() <= tol * scale) if scale > 0 else bool(
+        got.abs().max() <= tol)

@@ -494,8 +494,9 @@ def retrain_on_subsets(
     15
     """
     n_train, size = _subset_size(X, y, subset_fraction)
-    output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query)
     _check_protocol(protocol, estimator, X)
+    output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query,
+                                             fitted=protocol == "replay")
     masks, seeds = _draw_subsets(check_random_state(random_state), n_subsets, n_train, size,
                                  n_repeats if protocol == "independent" else None)
     n_tasks = max(1, min(effective_n_jobs(n_jobs), n_subsets * n_repeats))
@@ -562,8 +563,12 @@ def _subset_fits(estimator, X, y, masks, seeds, jobs, X_query, output, codes, cl
             for j, r in jobs)
 
 
-def _resolve_output(estimator, output, y, X_query, y_query):
-    """(output, the queries' label codes, the classes): the last two for "margin" only."""
+def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
+    """(output, the queries' label codes, the classes): the last two for "margin" only.
+
+    ``fitted`` (the replay protocol, whose models are the fitted estimator's path rerun):
+    the margin is the one the estimator's targets define, and ``y`` must be of their kind.
+    """
     classifier = is_classifier(estimator)
     if output == "auto":
         output = "margin" if classifier else "predict"
@@ -576,10 +581,16 @@ def _resolve_output(estimator, output, y, X_query, y_query):
     y_query = np.asarray(y_query)
     if len(y_query) != len(X_query):
         raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
+    indicator = np.ndim(y) == 2 and np.shape(y)[1] > 1
+    if fitted and indicator != getattr(estimator, "_multilabel", False):
+        kinds = ("class labels", "a multilabel indicator")
+        raise ValueError(f"y is {kinds[indicator]} but the estimator was trained on "
+                         f"{kinds[not indicator]}: the replay records the margin of its "
+                         "own targets; pass its training targets.")
     # Multilabel (a column is labels): the signed sum of the label logits, attribute's.
-    if np.ndim(y) == 2 and np.shape(y)[1] > 1:
+    if indicator:
         return output, check_indicator(y_query, np.shape(y)[1]), None
-    classes = np.unique(np.asarray(y))
+    classes = estimator.classes_ if fitted else np.unique(np.asarray(y))
     return output, label_codes(classes, y_query), classes
 
 

@@ -255,9 +255,7 @@ class KernelMatrixDisplay:
         X = net.check(X)
         order = np.arange(X.shape[0])
         if y is not None:
-            y = np.asarray(y)
-            if y.shape != (X.shape[0],):
-                raise ValueError(f"y must have shape ({X.shape[0]},), got {y.shape}.")
+            y = _labels(y, X.shape[0])
             order = np.argsort(y, kind="stable")
             y = y[order]
         K = _gram(net, X[order], kernel=kernel, step=step, normalized=normalized)
@@ -330,7 +328,7 @@ class KernelNeighborsDisplay:
         -------
         purity : ndarray of shape (n_anchors,)
         """
-        labels = np.asarray(self.y)[np.asarray(self.neighbors)]
+        labels = _labels(self.y, len(self.y))[np.asarray(self.neighbors)]
         out = np.empty(labels.shape[0])
         for a, row in enumerate(labels):
             _, counts = np.unique(row, return_counts=True)
@@ -425,9 +423,8 @@ class KernelNeighborsDisplay:
                 f"(n_samples, {', '.join(map(str, X.shape[1:]))})."
             )
         anchors = check_array(anchors, dtype=np.float64)
-        y = estimator.predict(X) if y is None else np.asarray(y)
-        if y.shape != (X.shape[0],):
-            raise ValueError(f"y must have shape ({X.shape[0]},) like X_fit_, got {y.shape}.")
+        y = _labels(estimator.predict(X) if y is None else y, X.shape[0],
+                    "y (default: the estimator's predictions on X_fit_)")
         if kernel == "euclidean":
             if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= len(X):
                 raise ValueError(f"n_neighbors must be an integer in [1, {len(X)}].")
@@ -863,6 +860,8 @@ class TangentEmbeddingDisplay:
         """
         net = network_of(estimator)
         X = net.check(X)
+        if y is not None:
+            y = _labels(y, X.shape[0])
         resolved = _resolve_method(method)
         K = step_kernel(net, X, step=step, normalized=True)
         if resolved == "pca":
@@ -883,3 +882,14 @@ class TangentEmbeddingDisplay:
         title = f"tangent features at recorded step {step_shown} ({name})"
         disp = cls(E, y=y, method=name, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)
+
+
+def _labels(y, n: int, name: str = "y") -> np.ndarray:
+    """``y`` as one label per sample, shape ``(n,)``: the displays colour and count by it
+    (a multilabel indicator's rows are label sets, which no colour or purity reads)."""
+    y = np.asarray(y)
+    if y.shape != (n,):
+        raise ValueError(f"{name} must hold one label per sample, shape ({n},), got shape "
+                         f"{y.shape}" + (": for a multilabel indicator, pass one label "
+                                         "column" if y.ndim == 2 else "") + ".")
+    return y

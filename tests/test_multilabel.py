@@ -222,6 +222,14 @@ def test_retraining_records_the_multilabel_margin_of_the_replayed_models():
         assert_allclose(outputs, ((2.0 * Yq - 1.0) * out).sum(1), rtol=1e-10)
     with pytest.raises(ValueError, match="label columns"):
         retrain_on_subsets(est, X, Y, Xq, Yq[:, :2], n_subsets=2, protocol="replay")
+    # The replay's models are this estimator's: targets of another kind are refused (one
+    # label column recorded a softmax margin that attribute does not split, silently).
+    with pytest.raises(ValueError, match="trained on a multilabel indicator"):
+        retrain_on_subsets(est, X, Y[:, 0], Xq, Yq[:, 0], n_subsets=2, protocol="replay")
+    labels = Y.argmax(1)
+    clf = PathKernelClassifier(hidden_layer_sizes=(6,), max_iter=2, **F64).fit(X, labels)
+    with pytest.raises(ValueError, match="trained on class labels"):
+        retrain_on_subsets(clf, X, Y, Xq, Yq, n_subsets=2, protocol="replay")
 
 
 def test_self_influence_is_the_margin_of_the_training_label_set():

@@ -259,3 +259,26 @@ def test_tangent_embedding_auto_names_its_method(circle):
     assert disp.embedding.shape == (20, 2)
     with pytest.raises(ValueError, match="method"):
         TangentEmbeddingDisplay.from_estimator(clf, X, method="mds")
+
+
+def test_displays_refuse_label_sets_with_a_clear_error():
+    """A multilabel classifier's predictions and targets are label sets (n, L): the
+    displays colour and count one label per sample, and say so instead of failing inside
+    matplotlib or returning a purity of the indicator's 0/1 entries."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(30, 2))
+    Y = np.c_[X[:, 0] > 0, X[:, 1] > 0].astype(int)
+    est = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, random_state=0).fit(X, Y)
+    with pytest.raises(ValueError, match="pass one label column"):
+        KernelNeighborsDisplay.from_estimator(est, [[0.0, 0.0]], n_neighbors=5,
+                                              kernel="euclidean")
+    disp = KernelNeighborsDisplay.from_estimator(est, [[0.0, 0.0]], n_neighbors=5,
+                                                 kernel="euclidean", y=Y[:, 0])
+    assert 0.5 <= disp.purity()[0] <= 1.0
+    disp.y = Y
+    with pytest.raises(ValueError, match="pass one label column"):
+        disp.purity()
+    with pytest.raises(ValueError, match="pass one label column"):
+        TangentEmbeddingDisplay.from_estimator(est, X, Y, method="pca")
+    with pytest.raises(ValueError, match="pass one label column"):
+        KernelMatrixDisplay.from_estimator(est, X, Y)

@@ -149,14 +149,22 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def batch_betas(sample_weight: np.ndarray, idx: np.ndarray, dtype: torch.dtype,
-                device) -> tuple[torch.Tensor, np.ndarray]:
+                device, batch_size: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """The weights of the samples ``idx`` in their batch's loss, ``beta_i = s_i / sum_j
     s_j`` (``np.average``'s; all 0 when the batch's weights sum to 0: its data gradient
-    is then 0), as the step uses them (``dtype`` on ``device``) and, in float64, exactly
-    those values for the trajectory."""
+    is then 0), as the steps use them (``dtype`` on ``device``) and, in float64, exactly
+    those values for the trajectory. ``batch_size``: ``idx`` is an epoch's order, cut into
+    consecutive batches of that size (None: one batch), whose weights go to the device in
+    one copy rather than one per step."""
     s = sample_weight[idx]
-    total = s.sum()
-    beta = (s / total if total > 0 else np.zeros_like(s)).astype(_NUMPY_DTYPES[dtype])
+    B = len(s) if batch_size is None else batch_size
+    beta = np.zeros_like(s)
+    for start in range(0, len(s), B):
+        part = s[start : start + B]
+        total = part.sum()
+        if total > 0:
+            beta[start : start + B] = part / total
+    beta = beta.astype(_NUMPY_DTYPES[dtype])
     return torch.from_numpy(beta).to(device), beta.astype(np.float64)
 
 
@@ -338,7 +346,11 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
             order_dev = order.to(X.device)
             batches = ((X[idx], Y[idx]) for idx in order_dev.split(B))
         batch_losses = []
-        module_dtype = optimizer.param_groups[0]["params"][0].dtype
+        if sample_weight is not None:
+            # In the parameters' dtype: X may hold integer token ids.
+            betas, recorded = batch_betas(sample_weight, order_np,
+                                          optimizer.param_groups[0]["params"][0].dtype,
+                                          X.device, B)
         for start, (xb, yb) in zip(range(0, n, B), batches):
             idx = order_np[start : start + B]
             if sample_weight is None:
@@ -346,11 +358,9 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
                     training_step(module, optimizer, loss, xb, yb, gradient).detach())
                 recorder.record_batch(idx)
             else:
-                # In the parameters' dtype: X may hold integer token ids.
-                beta, recorded = batch_betas(sample_weight, idx, module_dtype, X.device)
                 batch_losses.append(training_step(module, optimizer, loss, xb, yb, gradient,
-                                                  beta).detach())
-                recorder.record_batch(idx, recorded)
+                                                  betas[start : start + B]).detach())
+                recorder.record_batch(idx, recorded[start : start + B])
             recorder.record_step(step, lr, optimizer)
             step += 1
             if recorder.wants_point(step):

@@ -757,7 +757,11 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
     # overflowed, which is growth beyond any limit.
     growth = result.growth[~np.isnan(result.growth)]
     growth = float(growth.max()) if growth.size else 0.0
-    if growth > GROWTH_LIMIT or not np.isfinite(np.asarray(result)).all():
+    # Scores made non-finite by a non-finite recorded point (a NaN replay error) are the
+    # record's fault, which the replay warning below names; not a sign of instability.
+    broken_record = result.replay_error is not None and np.isnan(result.replay_error)
+    if growth > GROWTH_LIMIT or (not np.isfinite(np.asarray(result)).all()
+                                 and not broken_record):
         amp = np.nan_to_num(result.amplification, nan=0.0, posinf=np.inf)
         worst = np.argsort(-amp, kind="stable")[:5]
         steps = ", ".join(f"{int(t)} (x{amp[t]:.2f})" for t in sorted(worst) if amp[t] > 1)

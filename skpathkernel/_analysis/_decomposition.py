@@ -1657,8 +1657,12 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
     """Map the result into the caller's units and warn where it is not exact."""
     # Judged in the network's units, against the path's own scale. The expected
     # weighting is an approximation for minibatches, by design.
-    inexact = (_inexact(result, checks) if checks.exact and not checks.thinned
-               and not checks.failed and checks.weighting == "realized" else None)
+    closure = (_inexact(result, checks) if checks.exact and not checks.thinned
+               and not checks.failed else None)
+    inexact = closure if checks.weighting == "realized" else None
+    # The expected weighting leaves a minibatch path's batch noise out of the split: its
+    # contributions miss the prediction by design, and the miss is said, not implied met.
+    smoothed = closure if checks.weighting == "expected" else None
     # The quadrature's summed residuals against what the tolerance allows them, in the
     # network's units (as the node choice judged them).
     missed = _missed_quadrature(result, checks) if checks.exact and not checks.failed else None
@@ -1700,13 +1704,19 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
             "(and a larger memory_budget if the path needs it) for the exact decomposition.",
             UserWarning, stacklevel=caller_stacklevel(),
         )
-    if checks.weighting == "expected" and checks.unequal_weights:
+    if checks.weighting == "expected" and (checks.unequal_weights or smoothed is not None):
+        size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
+        why = ("this path's batches weigh their points unequally (sample_weight, recorded "
+               "in trajectory_.batch_weights): the expected representation ignores those "
+               "weights" if checks.unequal_weights else
+               "the minibatches' deviation from that average (the representation's noise "
+               "term) is left out of the split")
         warnings.warn(
             "decompose(weighting='expected') credits every training point 1/N at every "
-            "step, but this path's batches weigh their points unequally (sample_weight, "
-            "recorded in trajectory_.batch_weights): the expected representation ignores "
-            f"those weights, and its error ({result.error:.3g}, Decomposition.error) "
-            "grows with how unequal they are. weighting='realized' follows them exactly.",
+            f"step, and {why}: the contributions miss the prediction by "
+            f"{result.error:.3g} ({result.error / max(size, 1e-300):.2g} relative; "
+            "Decomposition.error), above the exact split's round-off. "
+            "weighting='realized' splits the realized path exactly.",
             UserWarning, stacklevel=caller_stacklevel(),
         )
     return result

@@ -249,8 +249,10 @@ def ms_gap(net, Xq, *, method="exact", weighting="realized"):
     # 1e-4 here: far below the minibatch gaps (1e-2 to 1e-1) and a third of the
     # Jacobians of the float64 default.
     # That quadrature error is part of the gap measured, chosen: not a miss to warn of.
+    # So is the expected representation's minibatch noise, which its warning names.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
+        warnings.filterwarnings("ignore", r"decompose\(weighting='expected'\)", UserWarning)
         res = net.decompose(Xq, method=method, weighting=weighting,
                             n_nodes=1 if method == "exact" else None)
     return float(np.mean((res.reconstruction - res.prediction) ** 2))

@@ -17,6 +17,7 @@ ACTIVATIONS = {
     "gelu-tanh": lambda: torch.nn.GELU(approximate="tanh"),
     "softplus": lambda: torch.nn.Softplus(beta=2.0, threshold=5.0),
     "identity": torch.nn.Identity,
+    "logistic": torch.nn.Sigmoid,
 }
 
 

@@ -44,7 +44,7 @@ def problems(draw):
     if draw(st.booleans()):
         net = dict(hidden_layer_sizes=tuple(draw(st.lists(st.integers(1, 6), min_size=1,
                                                           max_size=2))),
-                   activation=draw(st.sampled_from(["tanh", "relu", "gelu", "softplus",
+                   activation=draw(st.sampled_from(["tanh", "relu", "logistic", "gelu", "softplus",
                                                     "identity"])))
     else:
         net = dict(module=_scaled)

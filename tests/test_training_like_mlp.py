@@ -530,3 +530,26 @@ def test_divergence_norms_read_from_the_path_equal_the_ones_taken_each_epoch(mon
     assert lazy == eager  # the same floats
     traj = est.trajectory_
     assert eager[-1] == pytest.approx(float(traj.parameters(-1).double().norm()), rel=1e-6)
+
+
+def test_logistic_activation_is_mlpclassifiers_sigmoid():
+    """activation="logistic" (MLPClassifier's name): MLPClassifier's own forward pass
+    (``_forward_pass_fast``), given our trained weights, returns our probabilities; the
+    hand-written step equals autograd's gradient of that network (test_mlp_step.py) and
+    the path decomposes exactly."""
+    X, _ = _data(30)
+    y = (X[:, 0] * X[:, 1] > 0).astype(int)
+    est = PathKernelClassifier(hidden_layer_sizes=(6,), activation="logistic", max_iter=20,
+                               solver="sgd", learning_rate_init=0.5, dtype="float64",
+                               random_state=0).fit(X, y)
+    assert [type(m) for m in est.module_][1] is torch.nn.Sigmoid
+    mlp = MLPClassifier(hidden_layer_sizes=(6,), activation="logistic", max_iter=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        mlp.fit(X, y)
+    linears = [m for m in est.module_ if isinstance(m, torch.nn.Linear)]
+    mlp.coefs_ = [lin.weight.detach().numpy().T.copy() for lin in linears]
+    mlp.intercepts_ = [lin.bias.detach().numpy().copy() for lin in linears]
+    assert_allclose(est.predict_proba(X), mlp.predict_proba(X), rtol=1e-12, atol=1e-14)
+    res = est.decompose(X[:4])
+    assert res.error < 1e-10 * max(1.0, np.abs(res.prediction).max())

@@ -65,10 +65,12 @@ __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin",
 FIT_CHECKS = dict(dtype=[np.float64, np.float32], ensure_min_samples=2)
 
 
-# The default MLP's activations, by the name ``activation`` takes.
+# The default MLP's activations, by the name ``activation`` takes ("logistic" is
+# MLPClassifier's name for the sigmoid).
 ACTIVATIONS = {
     "relu": torch.nn.ReLU,
     "tanh": torch.nn.Tanh,
+    "logistic": torch.nn.Sigmoid,
     "gelu": torch.nn.GELU,
     "softplus": torch.nn.Softplus,
     "identity": torch.nn.Identity,

@@ -29,10 +29,12 @@ __all__ = ["PathKernelClassifier", "PathKernelMachine"]
 _SHARED_PARAMS_DOC = """
     hidden_layer_sizes : array-like of int, default=(64, 64)
         Widths of the hidden layers of the default MLP (ignored when ``module`` is given).
-    activation : {"relu", "tanh", "gelu", "softplus", "identity"}, default="gelu"
-        Activation of the default MLP. The default is smooth, which keeps the exact
-        decomposition exact: "relu"'s kinks cost it about 1e-4 (see the user guide,
-        "Training"), and "tanh" is what Guo, He & Morel (2026) used.
+    activation : {"relu", "tanh", "logistic", "gelu", "softplus", "identity"}, \
+            default="gelu"
+        Activation of the default MLP ("logistic": the sigmoid, as MLPClassifier names
+        it). The default is smooth, which keeps the exact decomposition exact: "relu"'s
+        kinks cost it about 1e-4 (see the user guide, "Training"), and "tanh" is what
+        Guo, He & Morel (2026) used.
     module : callable, default=None
         ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
         Any module without cross-sample state (no BatchNorm in train mode) works. It is

@@ -36,6 +36,10 @@ def _gelu_backward(layer, grad, z, a):
     return _aten.gelu_backward.default(grad, z, approximate=layer.approximate)
 
 
+def _sigmoid_backward(layer, grad, z, a):
+    return _aten.sigmoid_backward.default(grad, a)
+
+
 def _softplus_backward(layer, grad, z, a):
     return _aten.softplus_backward.default(grad, z, layer.beta, layer.threshold)
 
@@ -46,6 +50,7 @@ _ACTIVATIONS = {
     torch.nn.Tanh: _tanh_backward,
     torch.nn.GELU: _gelu_backward,
     torch.nn.Softplus: _softplus_backward,
+    torch.nn.Sigmoid: _sigmoid_backward,
     torch.nn.Identity: None,
 }
 _GLOBAL_HOOKS = (
@@ -73,8 +78,8 @@ class MLPGradient:
     """``loss(module(xb), yb)`` and its gradient, written into each parameter's ``grad``.
 
     For a ``torch.nn.Sequential`` of ``Linear`` (with bias) and ReLU / Tanh / GELU /
-    Softplus / Identity layers on 2-D inputs, with the library's squared error or log
-    loss; build it with :meth:`build`.
+    Softplus / Sigmoid / Identity layers on 2-D inputs, with the library's squared error
+    or log loss; build it with :meth:`build`.
     """
 
     def __init__(self, module: torch.nn.Sequential, loss: Loss):

@@ -8,13 +8,17 @@ their update linear in the gradient (``lr m_hat / eps``) without changing the fi
 recursion or its bias correction.
 """
 
+import re
+import warnings
+
 import numpy as np
 import pytest
 import torch
 from _reference import jacobian_loop, module_at
+from numpy.testing import assert_allclose
 
 from skpathkernel import PathKernelMachine
-from skpathkernel.kernels import PathKernel, path_weights
+from skpathkernel.kernels import PathKernel, TangentKernel, path_weights
 
 EPS = 1e30
 
@@ -85,8 +89,13 @@ def test_discrete_path_kernel_equals_the_replayed_sum(name, record_every):
             JX = jacobian_loop(module_at(est, k), X)[:, 0].numpy()
             JY = jacobian_loop(module_at(est, k), Y)[:, 0].numpy()
             expected = expected + w * (JX * D) @ JY.T
-        K = PathKernel(est, start=start, stop=stop)(X, Y)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            K = PathKernel(est, start=start, stop=stop)(X, Y)
         np.testing.assert_allclose(K, expected, rtol=1e-12)
+        # A thinned path's kernel says it is a Riemann sum; an every-step one says nothing.
+        assert [str(w.message)[:40] for w in rec] == (
+            ["PathKernel: the path was recorded every "] if record_every > 1 else [])
     discrete = np.array([w for _, w in path_weights(traj)])
     continuous = np.array([w for _, w in path_weights(traj, memory="continuous")])
     if name == "rmsprop":
@@ -154,3 +163,33 @@ def test_memory_is_validated():
         PathKernel(est, memory="exact")(X)
     with pytest.raises(ValueError, match="memory must be"):
         path_weights(est.trajectory_, memory=None)
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum", "adam"])
+def test_thinned_kernel_estimates_its_error_against_the_every_step_kernel(name):
+    """On a path recorded every k steps the kernel is a Riemann sum; its warning states an
+    estimate of the error, the difference of the sums over the odd and the even recorded
+    points (rebuilt here from one-point tangent kernels where the weights do not depend
+    on the range: plain SGD), whose size follows the true error (against the every-step
+    kernel of the same training, itself checked against dense Jacobians above)."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(40, 2))
+    y = np.sin(2 * X[:, 0]) + X[:, 1]
+    solver = (dict(solver="sgd", momentum=0.0, learning_rate_init=0.05) if name == "sgd"
+              else SOLVERS[name])
+    params = dict(hidden_layer_sizes=(8,), max_iter=30, batch_size=8, dtype="float64",
+                  tol=None, random_state=0, **solver)
+    full = PathKernelMachine(**params).fit(X, y).path_kernel_(X)
+    for every in (2, 5):
+        thin = PathKernelMachine(**params, record_every=every).fit(X, y)
+        with pytest.warns(UserWarning, match=r"differ by (\S+) of the kernel") as rec:
+            K = thin.path_kernel_(X)
+        said = float(re.search(r"differ by (\S+) of", str(rec[0].message)).group(1))
+        true = np.abs(K - full).max() / np.abs(full).max()
+        assert true > 1e-4  # thinning changed the kernel
+        assert true / 2 < said < 5 * true, (every, said, true)
+        if name == "sgd":
+            parts = [w * TangentKernel(thin, step=k)(X) for k, w in path_weights(thin.trajectory_)]
+            odd, even = sum(parts[1::2]), sum(parts[0::2])
+            assert_allclose(said, np.abs(odd - even).max() / np.abs(odd + even).max(),
+                            rtol=0.05)

@@ -147,6 +147,15 @@ def reject_sparse_y(y) -> None:
         )
 
 
+def dense_indicator(y):
+    """A sparse ``y`` of two or more columns (a multilabel indicator, which
+    MLPClassifier takes sparse) as a dense array; anything else as it is (a sparse
+    column is refused by the checks, as MLPClassifier refuses it)."""
+    if sp.issparse(y) and y.ndim == 2 and y.shape[1] > 1:
+        return y.toarray()
+    return y
+
+
 class FittedAttribute:
     """A fitted attribute that is read from where it lives, not copied there.
 
@@ -613,12 +622,12 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             module.eval()
             if self.module is not None:  # the default MLP is nn.Linear only
                 warn_on_fallback(module, X_t)
-            trajectory, X_fit, Y_fit = result.trajectory, X, Y
+            trajectory, X_fit, Y_fit, fit_weights = result.trajectory, X, Y, sample_weight
             disk_data = None
             if previous is not None:
-                trajectory, X_fit, Y_fit, disk_data = _continued_path(
+                trajectory, X_fit, Y_fit, fit_weights, disk_data = _continued_path(
                     previous, getattr(self, "_disk_data", None), trajectory, X, Y,
-                    same_data_allowed=not incremental)
+                    sample_weight, same_data_allowed=not incremental)
                 attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
             elif trajectory.storage == "disk" and (incremental or self.warm_start):
                 # A path that later calls extend: its training set grows on disk beside
@@ -642,7 +651,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             network_=TrainedNetwork(
                 module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
                 input_kind=self._input_kind, device=str(device),
-                memory_budget=self.memory_budget),
+                memory_budget=self.memory_budget, sample_weight=fit_weights,
+                multilabel=attrs.get("_multilabel", False)),
             _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
             _disk_data=disk_data,
             **self._curves(result, previous is not None),
@@ -821,6 +831,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                                for name, t in net.module.state_dict().items()},
                 trajectory_=net.trajectory, X_fit_=X_fit, _Y_fit=Y_fit,
                 device_=net.device, dtype_=net.dtype, n_params_=net.n_params,
+                # In the state even beside a training set on disk: one float per sample,
+                # and the files hold what the path indexes, not how fit weighed it.
+                _fit_weights=net.sample_weight,
             )
         return state
 
@@ -829,7 +842,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         module_state = state.pop("_module_state", None)
         # The network's parts, as __getstate__ stores them: network_ is rebuilt from them.
         parts = {name: state.pop(name, None) for name in
-                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_")}
+                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_",
+                  "_fit_weights")}
         super().__setstate__(state)
         if module_state is None:
             return
@@ -855,7 +869,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             module.eval(), parts["trajectory_"],
             loss=LOSSES[state["_loss_name"]](),
             X_fit=parts["X_fit_"], y_fit=parts["_Y_fit"], input_kind=fitted_input(self)[1],
-            device=str(device), memory_budget=state["memory_budget"])
+            device=str(device), memory_budget=state["memory_budget"],
+            # A state saved before the weights were kept has none: the unweighted fit.
+            sample_weight=parts["_fit_weights"],
+            multilabel=state.get("_multilabel", False))
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -883,7 +900,8 @@ def _encode_like_fit(estimator, y) -> np.ndarray:
     """``y`` encoded as ``fit`` encoded the training targets."""
     # Trained on a multilabel indicator (a PathKernelClassifier): its label columns.
     if getattr(estimator, "_multilabel", False):
-        return estimator._encode_targets(check_array(y, dtype=None), estimator.classes_)[0]
+        return estimator._encode_targets(check_array(dense_indicator(y), dtype=None),
+                                         estimator.classes_)[0]
     # Trained on class labels (a PathKernelClassifier).
     if hasattr(estimator, "classes_"):
         y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
@@ -933,9 +951,10 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     return np.asarray(names, dtype=object)
 
 
-def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
-                    same_data_allowed: bool):
-    """(trajectory, X_fit, y_fit, disk_data) of a fit that continued ``previous``.
+def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_weight,
+                    *, same_data_allowed: bool):
+    """(trajectory, X_fit, y_fit, sample_weight, disk_data) of a fit that continued
+    ``previous``.
 
     On the previous training data (a warm start on the same X and y) the new batches
     index it as before; otherwise (``partial_fit``, or a warm start on other data) the
@@ -945,6 +964,11 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
     of the previous fit when it had them), and its directory then describes the
     extended path: the last write of the fit, so that a fit stopped before it leaves
     the directory describing the previous path, whose files are unchanged.
+
+    The training set's weights (None: unweighted) follow it: on the same data, this
+    fit's, the objective that trained the latest points; on a grown training set, both
+    parts' as given, an unweighted part weighing 1 per sample (relative weights: a
+    sample of weight 2 counts as two, across calls as within one).
     """
     same = (same_data_allowed and X.shape == previous.X_fit.shape
             and Y.shape == previous.y_fit.shape and np.array_equal(X, previous.X_fit)
@@ -954,6 +978,10 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
         X_fit, Y_fit = previous.X_fit, previous.y_fit
     else:
         n_prev = len(previous.X_fit)
+        if previous.sample_weight is not None or sample_weight is not None:
+            sample_weight = np.concatenate([
+                np.ones(n) if w is None else w
+                for w, n in ((previous.sample_weight, n_prev), (sample_weight, len(X)))])
         trajectory = extend_trajectory(previous.trajectory, segment, n_prev, n_prev + len(X))
         if trajectory.storage == "disk":
             if disk_data is None:
@@ -966,7 +994,7 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
             Y_fit = np.concatenate([previous.y_fit, Y])
     if trajectory.storage == "disk":
         trajectory._write_meta()
-    return trajectory, X_fit, Y_fit, disk_data
+    return trajectory, X_fit, Y_fit, sample_weight, disk_data
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}

@@ -273,8 +273,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             return PathKernelMachine(random_state=self.random_state)
         return trainer_for(y, self.random_state)
 
-    def _fit_network(self, X, y):
-        """Fit the trainer (or read a frozen one): ``(span points, task)``."""
+    def _fit_network(self, X, y, sample_weight=None):
+        """Fit the trainer (or read a frozen one) with ``sample_weight``:
+        ``(span points, task)``."""
         reconstruct = y is None
         inner, frozen = self._trainer()
         if reconstruct and not frozen and isinstance(inner, PathKernelClassifier):
@@ -285,7 +286,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "network as it is."
             )
         self._fit_trainer(X, None if frozen else y,
-                          target=flat_targets if reconstruct else None)
+                          target=flat_targets if reconstruct else None,
+                          sample_weight=sample_weight)
         est = self.estimator_
         if isinstance(est, PathKernelClassifier):
             task = "classification"
@@ -296,11 +298,17 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         return self.X_fit_, task
 
     @keep_previous_fit_on_error
-    def fit(self, X, y=None):
+    def fit(self, X, y=None, sample_weight=None):
         """Fit the network trainer (unless frozen) and set up the span of phi(X).
 
         Computes the training features' norms, the factorisation of their span
         ("residual", "alignment") and the leave-one-out scores that set ``offset_``.
+
+        ``sample_weight`` weighs the samples in the trainer's loss only (its ``fit``
+        receives them, as from :class:`TangentFeatures`): the span is that of every
+        training point's feature, whatever its weight (a point of weight 0 is in it, a
+        repeated point once more), and the leave-one-out scores behind ``offset_`` are
+        unweighted quantiles. A span has no weights: a direction is in it or not.
 
         Parameters
         ----------
@@ -312,13 +320,18 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
             Targets of the task (see ``estimator``); None trains the network to
             reconstruct X. Ignored with a ``FrozenEstimator``.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of the samples in the trainer's loss (relative, as the trainer
+            takes them; see above). Validated before any training; ``None`` or equal
+            weights: the trainer's ``fit`` is called without them. Ignored with a
+            ``FrozenEstimator`` (nothing is trained), but still validated.
 
         Returns
         -------
         self : OODRankDetector
         """
         self._validate_params()
-        X, task = self._fit_network(X, y)
+        X, task = self._fit_network(X, y, sample_weight)
         est = self.estimator_
         gram = NetworkGram(network_of(est))
         n = X.shape[0]

@@ -22,7 +22,13 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
-from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
+from .._analysis._attribution import (
+    check_indicator,
+    check_output,
+    class_indices,
+    output_weights,
+    query_codes,
+)
 from .._analysis._decomposition import (
     block_align,
     check_tol,
@@ -154,6 +160,17 @@ class TrainedNetwork:
         Their targets in the form the loss takes: integer class codes stay integers
         (except for "squared_error"), anything else is cast to the network's dtype; for
         "log_loss" a 2-D target (an indicator of the outputs' shape) is multilabel.
+    sample_weight : ndarray of shape (n_samples,) or None, default=None
+        The training samples' weights, when the path was trained on their weighted
+        mean loss (``np.average``'s, relative); None: the plain mean. The per-batch
+        normalized weights the trajectory records do not determine them across
+        batches: the diagnostics read the training objective from these.
+    multilabel : bool or None, default=None
+        Whether the outputs are one logit per label of a multilabel classifier, whose
+        margin (``output="margin"``) is the sum of the labels' signed logits. None:
+        multilabel when ``loss`` is "log_loss" and ``y_fit`` is 2-D, which that loss
+        trains as multilabel; a multilabel classifier trained with "squared_error"
+        (+-1 targets) must say so.
     input_kind : {"features", "float", "int64"} or None, default=None
         How later inputs are checked: "features" (2-D floats), "float" (floats of the
         shape of ``X_fit``), "int64" (token ids). None: read from ``X_fit``.
@@ -170,6 +187,8 @@ class TrainedNetwork:
         Trainable parameters recorded.
     input_shape : tuple of int or None
         The trailing shape of ``X_fit`` (None without it).
+    multilabel : bool
+        Whether the margin is the multilabel one (see the parameter).
 
     Examples
     --------
@@ -185,9 +204,15 @@ class TrainedNetwork:
     True
     """
 
+    # What a network pickled before these attributes existed reads: an unweighted fit,
+    # the softmax / binary margin.
+    sample_weight = None
+    multilabel = False
+
     def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, loss=None,
                  X_fit=None, y_fit=None, input_kind: str | None = None,
-                 device: str | None = None, memory_budget: int = 2**30):
+                 device: str | None = None, memory_budget: int = 2**30,
+                 sample_weight=None, multilabel: bool | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
         if trajectory.dtype not in _DTYPE_NAMES:
@@ -204,6 +229,12 @@ class TrainedNetwork:
                 input_kind = TOKENS if integer else FEATURES if X_fit.ndim == 2 else FLOAT
         self.X_fit = X_fit
         self.y_fit = None if y_fit is None else _as_array(y_fit)
+        self.sample_weight = (None if sample_weight is None
+                              else np.asarray(sample_weight, dtype=np.float64))
+        if multilabel is None:
+            multilabel = (self.loss is not None and self.loss.name == "log_loss"
+                          and self.y_fit is not None and self.y_fit.ndim == 2)
+        self.multilabel = bool(multilabel)
         self.input_kind = input_kind
         if device is None:
             first = next(iter(module.parameters()), None)
@@ -522,9 +553,13 @@ ValueError
              "indices), not labels.",
         X="array-like or tensor of shape (n_queries, ...)\n    Queries in the network's "
           "input form.",
-        y="array-like of int of shape (n_queries,), default=None\n    With "
-          "``output=\"margin\"``: each query's class as an output column; None takes\n"
-          "    the largest output (or a positive single output) as the class.",
+        y="array-like of int of shape (n_queries,) or (n_queries, n_outputs), "
+          "default=None\n    With ``output=\"margin\"``: each query's class as an output "
+          "column (a 0/1\n    indicator row per query for a :attr:`multilabel` network, "
+          "whose margin is the\n    sum of its logits signed +1 for a label that is on, "
+          "-1 for one that is off,\n    as the multilabel classifier's); None takes the "
+          "largest output (or a\n    positive single output) as the class (the positive "
+          "outputs as the labels).",
         output_default="None: output 0 of a single-output network (several outputs need "
                        "a choice).",
         examples="",
@@ -537,19 +572,22 @@ ValueError
 
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
-                   multilabel: bool = False) -> np.ndarray:
+                   multilabel: bool | None = None) -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
         margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
-        indicator row per query."""
+        indicator row per query; None: the network's own :attr:`multilabel`."""
         check_attribute_args(method, weighting, n_nodes, tol)
+        multilabel = self.multilabel if multilabel is None else multilabel
         X = self.check(X)
         prediction = self.outputs(X)
         n_outputs = prediction.shape[1]
         output = check_output(output, n_outputs, margin)
         if encode is None:
             def encode(y):
+                if multilabel:
+                    return check_indicator(y, n_outputs)
                 return class_indices(y, max(n_outputs, 2))
         codes = query_codes(prediction, y, encode, multilabel) if output == "margin" \
             else None
@@ -630,7 +668,7 @@ ValueError
 
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
                 n_jobs: int | None = None, margin: str = "allowed", encode=None,
-                scale=None, units=None, multilabel: bool = False):
+                scale=None, units=None, multilabel: bool | None = None):
         """The training points that moved each prediction the most.
 
         The computation behind the estimators' ``explain``, whose parameters
@@ -664,9 +702,9 @@ ValueError
             The explained output is ``scale * f`` (a regressor's target units).
         units : callable, default=None
             Maps a decomposition of every output into the caller's units.
-        multilabel : bool, default=False
+        multilabel : bool or None, default=None
             The margin is a multilabel classifier's: the sum of the predicted labels'
-            signed logits.
+            signed logits. None: the network's :attr:`multilabel`.
 
         Returns
         -------
@@ -697,12 +735,15 @@ ValueError
 
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its training target: its '
-                      "class code, or the positive or largest target column")
+                      "class code, or the positive or largest target column (the "
+                      "multilabel margin of its label set for a :attr:`multilabel` "
+                      "network)")
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         return self._self_influence(output=output, n_jobs=n_jobs)
 
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
-                        scale=None, multilabel: bool = False) -> np.ndarray:
+                        scale=None, multilabel: bool | None = None) -> np.ndarray:
+        multilabel = self.multilabel if multilabel is None else multilabel
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
         output = check_output(output, prediction.shape[1], margin)

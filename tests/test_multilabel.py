@@ -361,6 +361,8 @@ def test_sparse_indicator_targets_are_taken_as_mlpclassifier_takes_them(containe
     reference.partial_fit(X[15:], Y[15:])
     assert_array_equal(streamed.trajectory_.parameters(-1),
                        reference.trajectory_.parameters(-1))
+    assert_array_equal(dense.attribute(X[:3], container(Y[:3])),
+                       dense.attribute(X[:3], Y[:3]))
     full = hessian_trace(dense, X, Y, n_samples=3, random_state=0)
     assert_array_equal(hessian_trace(dense, X, container(Y), n_samples=3,
                                      random_state=0).estimates, full.estimates)

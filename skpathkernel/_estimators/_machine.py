@@ -358,10 +358,10 @@ class _KernelMachineMixin(TransformerMixin):
                   "    The queries, in the form of the training inputs (``input_shape_``).",
                 y="array-like of shape (n_queries,) or (n_queries, n_labels), default=None\n"
                   "    Classifiers: the queries' labels, whose margin is explained (a 0/1\n"
-                  "    indicator row per query for multilabel classifiers, whose margin is\n"
-                  "    the sum of the labels' logits signed +1 for a label that is on, -1\n"
-                  "    for one that is off); None explains the margin of the predicted\n"
-                  "    class (labels). Regressors: ignored.",
+                  "    indicator row per query for multilabel classifiers, dense or sparse,\n"
+                  "    whose margin is the sum of the labels' logits signed +1 for a label\n"
+                  "    that is on, -1 for one that is off); None explains the margin of the\n"
+                  "    predicted class (labels). Regressors: ignored.",
                 output_default="Default: \"margin\" for the classifiers, 0 for the "
                                "regressors (required for several outputs).",
                 examples=_ATTRIBUTE_EXAMPLES)
@@ -373,9 +373,10 @@ class _KernelMachineMixin(TransformerMixin):
         if method != "unrolled":
             # Every step needs the queries' Jacobians: one query's must fit the budget.
             self._check_feature_row_fits("decompose")
+        # A sparse label-set y, as fit takes it.
         return network_of(self)._attribute(
-            X, y, method=method, weighting=weighting, output=output, n_nodes=n_nodes,
-            tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
+            X, dense_indicator(y), method=method, weighting=weighting, output=output,
+            n_nodes=n_nodes, tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
             encode=self._query_labels, scale=getattr(self, "_y_scale", None),
             multilabel=_multilabel(self))
 

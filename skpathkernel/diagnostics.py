@@ -183,7 +183,8 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
     sample_weight : array-like of shape (n_samples_X,), default=None
         Weights of the samples in the mean loss, relative (``np.average``'s; non-negative,
         not all 0). ``None``: the weights of the fit (those ``fit`` and ``partial_fit``
-        received; 1 for a call without them) with ``X=None``, equal weights with an
+        received, each call's rescaled to mean 1, as training sees them; 1 for a call
+        without them) with ``X=None``, equal weights with an
         explicit ``X``. With ``X=None`` they weigh the training samples, in the order of
         ``X_fit_`` (equal weights: the unweighted Hessian of a weighted fit).
     n_samples : int, default=100

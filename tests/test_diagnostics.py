@@ -338,12 +338,12 @@ def _default_equals_weighted(est, weights, n_samples=10):
 def test_the_fits_weights_survive_pickle_and_partial_fit(storage, tmp_path):
     est, X, y, w = _weighted_fit("regression", trajectory_storage=storage,
                                  trajectory_dir=tmp_path)
-    # Weighted, unweighted, weighted calls: the training set's weights are theirs as
-    # given, 1 for the unweighted call's samples.
+    # Weighted, unweighted, weighted calls: the training set's weights are each call's
+    # at mean 1 (every batch normalizes its own), 1 for the unweighted call's samples.
     est.partial_fit(X[:10], y[:10], sample_weight=w[:10])
     est.partial_fit(X[10:20], y[10:20])
     est.partial_fit(X[20:], y[20:], sample_weight=w[20:])
-    stream = np.concatenate([w[:10], np.ones(10), w[20:]])
+    stream = np.concatenate([w[:10] / w[:10].mean(), np.ones(10), w[20:] / w[20:].mean()])
     np.testing.assert_array_equal(est.X_fit_, X)
     res = _default_equals_weighted(est, stream)
     for back in (pickle.loads(pickle.dumps(est)), copy.deepcopy(est)):
@@ -353,6 +353,49 @@ def test_the_fits_weights_survive_pickle_and_partial_fit(storage, tmp_path):
     plain = clone(est).partial_fit(X[:10], y[:10]).partial_fit(X[10:], y[10:])
     assert plain.network_.sample_weight is None
     _default_equals_weighted(plain, None)
+
+
+def _stream(weights, n_samples=10):
+    """Three partial_fit calls of 10 samples with ``weights`` (None: unweighted), and
+    their hessian_trace."""
+    est, X, y, _ = _weighted_fit("regression")
+    for k, v in enumerate(weights):
+        est.partial_fit(X[10 * k:10 * (k + 1)], y[10 * k:10 * (k + 1)], sample_weight=v)
+    return est, hessian_trace(est, n_samples=n_samples, random_state=0)
+
+
+def test_a_calls_weight_scale_which_training_never_sees_changes_nothing():
+    _, _, _, w = _weighted_fit("regression")
+    w1, w2, w3 = w[:10], 1.0 + w[10:20], w[20:]
+    est, res = _stream([w1, w2, w3])
+    # x1000 on the second call: the same path bit for bit (each batch normalizes its
+    # weights), hence the same kept weights and Hessian (they were 14% apart).
+    big, res_big = _stream([w1, 1000 * w2, w3])
+    np.testing.assert_array_equal(big.trajectory_.parameters(-1),
+                                  est.trajectory_.parameters(-1))
+    np.testing.assert_allclose(res_big.estimates, res.estimates, rtol=1e-12)
+    np.testing.assert_allclose(big.network_.sample_weight, est.network_.sample_weight,
+                               rtol=1e-14)
+    # Against the dense Hessian of the loss with every call's weights at mean 1.
+    _default_equals_weighted(big, np.concatenate([v / v.mean() for v in (w1, w2, w3)]))
+
+
+def test_equal_weights_in_a_later_call_are_an_unweighted_call():
+    _, _, _, w = _weighted_fit("regression")
+    w1 = 1.0 + w[:10]
+    plain, res = _stream([w1, None, None])
+    tens, res_tens = _stream([w1, np.full(10, 10.0), None])
+    np.testing.assert_array_equal(tens.trajectory_.parameters(-1),
+                                  plain.trajectory_.parameters(-1))
+    np.testing.assert_array_equal(tens.network_.sample_weight, plain.network_.sample_weight)
+    np.testing.assert_array_equal(res_tens.estimates, res.estimates)
+    _default_equals_weighted(tens, np.r_[w1 / w1.mean(), np.ones(20)])
+    # Continuous: a 1e-9 change of one weight moves the Hessian by about as much (it
+    # jumped by 9%: near-equal weights were kept as given, equal ones as 1).
+    near = np.full(10, 10.0)
+    near[-1] += 1e-9
+    _, res_near = _stream([w1, near, None])
+    np.testing.assert_allclose(res_near.estimates, res.estimates, rtol=1e-6)
 
 
 def test_warm_start_and_early_stopping_keep_the_weights_trained_on():
@@ -366,7 +409,9 @@ def test_warm_start_and_early_stopping_keep_the_weights_trained_on():
     assert est.network_.sample_weight is None
     # Other data: the training set grows, each part with its weights.
     est.fit(X[:12], y[:12], sample_weight=w[:12])
-    np.testing.assert_array_equal(est.network_.sample_weight, np.r_[np.ones(len(X)), w[:12]])
+    np.testing.assert_allclose(est.network_.sample_weight,
+                               np.r_[np.ones(len(X)), w[:12] / w[:12].mean()], rtol=1e-15)
+    _default_equals_weighted(est, np.r_[np.ones(len(X)), w[:12] / w[:12].mean()])
     # Early stopping trains on a part: its weights, in X_fit_'s order.
     stop, *_ = _weighted_fit("binary", early_stopping=True, validation_fraction=0.3)
     _, Xc, yc, wc = _weighted_fit("binary")

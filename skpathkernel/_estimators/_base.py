@@ -622,12 +622,14 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             module.eval()
             if self.module is not None:  # the default MLP is nn.Linear only
                 warn_on_fallback(module, X_t)
-            trajectory, X_fit, Y_fit, fit_weights = result.trajectory, X, Y, sample_weight
+            # Kept at mean 1 (None: unweighted): training never sees a call's scale.
+            fit_weights = _mean_one(sample_weight)
+            trajectory, X_fit, Y_fit = result.trajectory, X, Y
             disk_data = None
             if previous is not None:
                 trajectory, X_fit, Y_fit, fit_weights, disk_data = _continued_path(
                     previous, getattr(self, "_disk_data", None), trajectory, X, Y,
-                    sample_weight, same_data_allowed=not incremental)
+                    fit_weights, same_data_allowed=not incremental)
                 attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
             elif trajectory.storage == "disk" and (incremental or self.warm_start):
                 # A path that later calls extend: its training set grows on disk beside
@@ -965,10 +967,13 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_w
     extended path: the last write of the fit, so that a fit stopped before it leaves
     the directory describing the previous path, whose files are unchanged.
 
-    The training set's weights (None: unweighted) follow it: on the same data, this
-    fit's, the objective that trained the latest points; on a grown training set, both
-    parts' as given, an unweighted part weighing 1 per sample (relative weights: a
-    sample of weight 2 counts as two, across calls as within one).
+    The training set's weights (None: unweighted; ``sample_weight`` is this fit's,
+    already at mean 1, see :func:`_mean_one`) follow it: on the same data, this fit's,
+    the objective that trained the latest points; on a grown training set, both parts'
+    concatenated, an unweighted part weighing 1 per sample. Each part at mean 1 is
+    what training does: every batch normalizes its own weights, so a call's overall
+    scale never reaches the optimizer, and a call of n samples runs about n / batch
+    steps, a total weight of about n.
     """
     same = (same_data_allowed and X.shape == previous.X_fit.shape
             and Y.shape == previous.y_fit.shape and np.array_equal(X, previous.X_fit)
@@ -1020,6 +1025,13 @@ def _on_disk(array) -> bool:
             return True
         array = getattr(array, "base", None)
     return False
+
+
+def _mean_one(weights: np.ndarray | None) -> np.ndarray | None:
+    """A fit's validated weights (:func:`_check_weights`) as the fit keeps them: at mean
+    1, so that they do not depend on a scale that training never sees (None stays None:
+    equal weights, every one 1)."""
+    return None if weights is None else weights / weights.mean()
 
 
 def _check_weights(sample_weight, X) -> np.ndarray | None:

@@ -230,6 +230,39 @@ def test_a_network_built_by_hand_reads_multilabel_from_its_loss():
     assert not labels.multilabel
 
 
+def test_soft_and_single_column_targets_are_not_inferred_multilabel():
+    """Only a 0/1 indicator of 2+ columns is a label set: soft targets (BCE on
+    probabilities, which log_loss's 2-D branch computes) keep the softmax margin, and
+    their multilabel margin is refused rather than counting every label as on."""
+    est, X, Y = _fit()
+    net = est.network_
+    soft = np.clip(0.8 * Y + 0.1 + 0.05 * np.arange(Y.shape[1]), 0.0, 1.0)
+    built = TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X, y_fit=soft)
+    assert not built.multilabel
+    # The reference: the decomposition of every logit weighed by the gradient of the
+    # softmax margin f_c - logsumexp_{k != c} f_k of the predicted class c.
+    Xq = X[:5]
+    res, logits = built.decompose(Xq), built.outputs(Xq)
+    c = logits.argmax(1)
+    others = np.where(np.arange(logits.shape[1]) == c[:, None], -np.inf, logits)
+    grad = -np.exp(others - others.max(1, keepdims=True))
+    grad /= -grad.sum(1, keepdims=True)
+    grad[np.arange(len(c)), c] = 1.0
+    scores = built.attribute(Xq, output="margin")
+    assert_allclose(scores, np.einsum("qnc,qc->qn", res.contributions, grad), rtol=0,
+                    atol=1e-12 * np.abs(scores).max())
+    # Said explicitly, the multilabel margin of soft training targets has no labels.
+    explicit = built.replace(multilabel=True)
+    with pytest.raises(ValueError, match="0/1 training targets.*soft"):
+        explicit.self_influence(output="margin")
+    # One column (torch's BCEWithLogits layout of a binary task): not a label set.
+    assert not TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X,
+                              y_fit=Y[:, :1]).multilabel
+    # Several 0/1 columns stay multilabel, as log_loss trains them.
+    assert TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X,
+                          y_fit=Y.astype(np.float32)).multilabel
+
+
 def _weighted_replay(est, weights, X, Y):
     """The recorded path rerun by torch.optim (SGD with Nesterov momentum and L2) with
     per-point weights in every step's loss (weighted mean over the batch)."""

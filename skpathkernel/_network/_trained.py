@@ -113,13 +113,33 @@ def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
     check_decompose_args(method, weighting, n_nodes, tol)
 
 
-def _target_codes(y: np.ndarray, multilabel: bool = False) -> np.ndarray:
+def _is_indicator(y: np.ndarray | None) -> bool:
+    """Whether ``y`` is a 0/1 indicator of two or more columns: the targets that
+    "log_loss" trains as a multilabel classifier's (soft targets are not)."""
+    return (y is not None and y.ndim == 2 and y.shape[1] > 1
+            and bool(np.isin(y, (0, 1)).all()))
+
+
+def _target_codes(y: np.ndarray, multilabel: bool = False,
+                  loss: str | None = None) -> np.ndarray:
     """The class of every training target: codes as they are, else the positive or
     largest target column (+-1 or one-hot targets of a squared-error classifier);
-    ``multilabel``: the labels that are on, per target column (0/1 or +-1 targets)."""
+    ``multilabel``: the labels that are on, per target column (0/1 targets, or +-1
+    for a ``loss`` other than "log_loss"); other values are refused (a soft target
+    has no label that is on)."""
     y = np.asarray(y)
     if multilabel:
-        return (y.reshape(len(y), -1) > 0).astype(np.intp)
+        y = y.reshape(len(y), -1)
+        allowed, what = ((0, 1), "0/1") if loss == "log_loss" else ((-1, 0, 1), "0/1 or +-1")
+        bad = np.unique(y[~np.isin(y, allowed)])
+        if bad.size:
+            raise ValueError(
+                f"The margin of a multilabel network needs {what} training targets"
+                f" (the labels that are on), but y_fit holds "
+                f"{bad[:5].tolist()}; soft or probability targets have no labels: "
+                "explain an output column (output=k), or build the network with "
+                "multilabel=False.")
+        return (y > 0).astype(np.intp)
     if np.issubdtype(y.dtype, np.integer) and y.ndim == 1:
         return y
     y = y.reshape(len(y), -1)  # a target column per output, floats or integers
@@ -168,9 +188,11 @@ class TrainedNetwork:
     multilabel : bool or None, default=None
         Whether the outputs are one logit per label of a multilabel classifier, whose
         margin (``output="margin"``) is the sum of the labels' signed logits. None:
-        multilabel when ``loss`` is "log_loss" and ``y_fit`` is 2-D, which that loss
-        trains as multilabel; a multilabel classifier trained with "squared_error"
-        (+-1 targets) must say so.
+        multilabel when ``loss`` is "log_loss" and ``y_fit`` is a 0/1 indicator of two
+        or more columns, which that loss trains as multilabel; otherwise not. Soft or
+        probability targets (and a multilabel classifier trained with "squared_error",
+        +-1 targets) must pass ``multilabel=`` explicitly; the multilabel margin
+        refuses training targets that are not 0/1 (+-1 with "squared_error").
     input_kind : {"features", "float", "int64"} or None, default=None
         How later inputs are checked: "features" (2-D floats), "float" (floats of the
         shape of ``X_fit``), "int64" (token ids). None: read from ``X_fit``.
@@ -233,7 +255,7 @@ class TrainedNetwork:
                               else np.asarray(sample_weight, dtype=np.float64))
         if multilabel is None:
             multilabel = (self.loss is not None and self.loss.name == "log_loss"
-                          and self.y_fit is not None and self.y_fit.ndim == 2)
+                          and _is_indicator(self.y_fit))
         self.multilabel = bool(multilabel)
         self.input_kind = input_kind
         if device is None:
@@ -747,7 +769,8 @@ ValueError
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
         output = check_output(output, prediction.shape[1], margin)
-        codes = _target_codes(self.y_fit, multilabel) if output == "margin" else None
+        codes = (_target_codes(self.y_fit, multilabel, self.loss.name)
+                 if output == "margin" else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)

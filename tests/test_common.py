@@ -74,13 +74,15 @@ _SVM_WEIGHTS = ("the SVM's weights are relative, as the trainer's (rescaled to m
                 "that C keeps its meaning), where repeating rows multiplies SVC's penalty; "
                 "and C='auto' cross-validates over rows, which repetition moves between "
                 "folds")
-# The detector's weights weigh its trainer's loss only; its span is that of every
-# training feature, and a repeated row adds none (a zero-weight row stays in it), while
-# its leave-one-out scores, which set offset_, do change: a repeated row is in the span
-# of its copy (residual 0), so that the decision function moves with repetition.
-_SPAN_WEIGHTS = ("the weights weigh the trainer's loss only: the tangent span keeps a "
-                 "zero-weight row and gains nothing from a repeated one, whose copy makes "
-                 "its leave-one-out score 0 and so moves offset_")
+# The detector's weights weigh its trainer's loss; a zero-weight row is left out of
+# its span and its leave-one-out scores (0/1 weights equal the dropped rows, exactly:
+# tests/test_sample_weight.py). The check's weights include 2s: a repeated row adds
+# nothing to a span, but its copy puts it in the span of the others (leave-one-out
+# residual 0), which moves offset_ and so the decision function (0.01 vs 0.49); a span
+# has no weights to mimic repetition with.
+_SPAN_WEIGHTS = ("a repeated row adds nothing to the tangent span, but its copy makes its "
+                 "leave-one-out score 0 and so moves offset_ (weight 0 is honoured: the row "
+                 "is left out)")
 EXPECTED_FAILED_CHECKS = {
     "TangentFeatureSVM": {"check_sample_weight_equivalence_on_dense_data": _SVM_WEIGHTS},
     "OODRankDetector": {

@@ -247,7 +247,9 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
     Parameters
     ----------
     estimator, X, y, sample_weight, n_samples, random_state, batch_size
-        As in :func:`hessian_trace`.
+        As in :func:`hessian_trace`. The fit's weights are the same at every point:
+        after a ``warm_start`` on the same data with other weights, the points
+        recorded before it were trained under the previous fit's.
     steps : array-like of int, int or None, default=None
         Recorded points (0 is the initialization, negative indices count from the end).
         An int ``m``: ``m`` points evenly spaced from the first to the last (duplicates

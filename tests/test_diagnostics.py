@@ -5,6 +5,7 @@ import pickle
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
@@ -324,6 +325,31 @@ def test_sample_weight_weighs_explicit_data_and_overrides_the_fits():
         hessian_trace(est, X[:5], y[:5], sample_weight=w)
     with pytest.raises(ValueError, match="[Zz]ero|sum"):
         hessian_trace(est, sample_weight=np.zeros(len(X)))
+
+
+def test_replacing_the_training_inputs_of_a_weighted_fit():
+    est, X, y, w = _weighted_fit("regression")
+    est.fit(X, y, sample_weight=w)
+    # The same samples in another container: the kept weights still weigh them.
+    est.X_fit_ = np.array(X)
+    _default_equals_weighted(est, w)
+    # Other samples: refused, naming the fit's weights (it failed later, in hessian_trace,
+    # with a shape error about a sample_weight nobody passed).
+    with pytest.raises(ValueError, match="keeps the sample_weight of the 30"):
+        est.X_fit_ = X[:20]
+    np.testing.assert_array_equal(est.X_fit_, X)
+    est.network_ = est.network_.replace(X_fit=X[:20], y_fit=est._Y_fit[:20],
+                                        sample_weight=None)
+    assert est.network_.sample_weight is None
+
+
+def test_sparse_y_is_refused_clearly_where_fit_takes_none():
+    for kind in ("regression", "binary"):
+        est, X, y, _ = _weighted_fit(kind)
+        est.fit(X, y)
+        column = sp.csr_matrix(np.asarray(y, dtype=np.float64)[:, None])
+        with pytest.raises(TypeError, match="multilabel indicator only.*dense"):
+            hessian_trace(est, X, column)
 
 
 def _default_equals_weighted(est, weights, n_samples=10):

@@ -263,6 +263,24 @@ def test_soft_and_single_column_targets_are_not_inferred_multilabel():
                           y_fit=Y.astype(np.float32)).multilabel
 
 
+def test_a_network_pickled_before_multilabel_and_sample_weight_reads_them():
+    """An old pickle has neither attribute: replace() needs them in __dict__, and the
+    margin is the one a network built from the same arguments has."""
+    est, X, Y = _fit()
+    net = est.network_
+    old = copy.copy(net)
+    for name in ("multilabel", "sample_weight"):
+        del old.__dict__[name]
+    back = pickle.loads(pickle.dumps(old))
+    assert back.sample_weight is None
+    assert back.multilabel == TrainedNetwork(net.module, net.trajectory, loss="log_loss",
+                                             X_fit=X, y_fit=Y).multilabel is True
+    w = np.arange(len(X), dtype=np.float64)
+    assert_array_equal(back.replace(sample_weight=w).sample_weight, w)
+    assert back.replace(multilabel=False).multilabel is False
+    assert_array_equal(back.attribute(X[:3], output="margin"), est.attribute(X[:3]))
+
+
 def _weighted_replay(est, weights, X, Y):
     """The recorded path rerun by torch.optim (SGD with Nesterov momentum and L2) with
     per-point weights in every step's loss (weighted mean over the batch)."""
@@ -395,6 +413,9 @@ def test_sparse_indicator_targets_are_taken_as_mlpclassifier_takes_them(containe
     assert_array_equal(streamed.trajectory_.parameters(-1),
                        reference.trajectory_.parameters(-1))
     assert_array_equal(dense.attribute(X[:3], container(Y[:3])),
+                       dense.attribute(X[:3], Y[:3]))
+    # And its network_'s, as a TrainedNetwork explains the multilabel margin.
+    assert_array_equal(dense.network_.attribute(X[:3], container(Y[:3]), output="margin"),
                        dense.attribute(X[:3], Y[:3]))
     full = hessian_trace(dense, X, Y, n_samples=3, random_state=0)
     assert_array_equal(hessian_trace(dense, X, container(Y), n_samples=3,

@@ -30,6 +30,7 @@ from sklearn.utils.validation import _check_sample_weight, check_is_fitted, colu
 # The engine is called as _tangent.<function>, looked up at call time, so that a test
 # stubbing an engine function out reaches every call.
 from .. import _tangent
+from .._analysis._attribution import dense_indicator
 from .._device import (
     resolve_device,
     resolve_dtype,
@@ -145,15 +146,6 @@ def reject_sparse_y(y) -> None:
             "Sparse data was passed for y, but dense data is required. Use '.toarray()' "
             "to convert to a dense numpy array."
         )
-
-
-def dense_indicator(y):
-    """A sparse ``y`` of two or more columns (a multilabel indicator, which
-    MLPClassifier takes sparse) as a dense array; anything else as it is (a sparse
-    column is refused by the checks, as MLPClassifier refuses it)."""
-    if sp.issparse(y) and y.ndim == 2 and y.shape[1] > 1:
-        return y.toarray()
-    return y
 
 
 class FittedAttribute:
@@ -904,6 +896,14 @@ def _encode_like_fit(estimator, y) -> np.ndarray:
     if getattr(estimator, "_multilabel", False):
         return estimator._encode_targets(check_array(dense_indicator(y), dtype=None),
                                          estimator.classes_)[0]
+    if sp.issparse(y):
+        # Only a label indicator is taken sparse (as fit takes it); check_array's own
+        # refusal would not say why.
+        raise TypeError(
+            f"A sparse y is taken as a multilabel indicator only; this "
+            f"{type(estimator).__name__} was fitted on "
+            f"{'class labels' if hasattr(estimator, 'classes_') else 'dense targets'}: "
+            "pass y as a dense array (y.toarray()).")
     # Trained on class labels (a PathKernelClassifier).
     if hasattr(estimator, "classes_"):
         y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)

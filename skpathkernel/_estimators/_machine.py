@@ -373,9 +373,8 @@ class _KernelMachineMixin(TransformerMixin):
         if method != "unrolled":
             # Every step needs the queries' Jacobians: one query's must fit the budget.
             self._check_feature_row_fits("decompose")
-        # A sparse label-set y, as fit takes it.
         return network_of(self)._attribute(
-            X, dense_indicator(y), method=method, weighting=weighting, output=output,
+            X, y, method=method, weighting=weighting, output=output,
             n_nodes=n_nodes, tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
             encode=self._query_labels, scale=getattr(self, "_y_scale", None),
             multilabel=_multilabel(self))

@@ -226,11 +226,6 @@ class TrainedNetwork:
     True
     """
 
-    # What a network pickled before these attributes existed reads: an unweighted fit,
-    # the softmax / binary margin.
-    sample_weight = None
-    multilabel = False
-
     def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, loss=None,
                  X_fit=None, y_fit=None, input_kind: str | None = None,
                  device: str | None = None, memory_budget: int = 2**30,
@@ -253,10 +248,7 @@ class TrainedNetwork:
         self.y_fit = None if y_fit is None else _as_array(y_fit)
         self.sample_weight = (None if sample_weight is None
                               else np.asarray(sample_weight, dtype=np.float64))
-        if multilabel is None:
-            multilabel = (self.loss is not None and self.loss.name == "log_loss"
-                          and _is_indicator(self.y_fit))
-        self.multilabel = bool(multilabel)
+        self.multilabel = self._infers_multilabel() if multilabel is None else bool(multilabel)
         self.input_kind = input_kind
         if device is None:
             first = next(iter(module.parameters()), None)
@@ -319,7 +311,21 @@ class TrainedNetwork:
         ------
         TypeError
             If a name is not an attribute of the network.
+        ValueError
+            If ``X_fit`` is replaced by a different number of samples while the
+            training samples' ``sample_weight`` is kept.
         """
+        weights = changes.get("sample_weight", self.sample_weight)
+        X_fit = changes.get("X_fit")
+        if X_fit is not None and weights is not None and len(X_fit) != len(weights):
+            # The kept weights would weigh other samples (or fail later in the
+            # diagnostics, with a message about a sample_weight nobody passed).
+            raise ValueError(
+                f"X_fit is replaced by {len(X_fit)} samples, but the network keeps the "
+                f"sample_weight of the {len(weights)} it was fitted on (the weighted "
+                "training loss): replace both, e.g. replace(X_fit=X, sample_weight=None) "
+                "(est.network_ = est.network_.replace(...) for an estimator's X_fit_) "
+                "for unweighted samples.")
         new = copy.copy(self)
         if "module" in changes:
             new.__dict__.pop("_widths", None)  # measured on the module replaced
@@ -430,6 +436,20 @@ class TrainedNetwork:
         state.pop("_kept_point", None)
         state.pop("_widths", None)
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        # A network pickled before these attributes existed: an unweighted fit, and the
+        # margin a network built from the same arguments has. In __dict__, where
+        # replace() looks for them.
+        self.__dict__.setdefault("sample_weight", None)
+        if "multilabel" not in self.__dict__:
+            self.multilabel = self._infers_multilabel()
+
+    def _infers_multilabel(self) -> bool:
+        """``multilabel=None``'s value: "log_loss" on a 0/1 indicator of 2+ columns."""
+        return bool(self.loss is not None and self.loss.name == "log_loss"
+                    and _is_indicator(self.y_fit))
 
     def activation_widths(self, X=None) -> list[int]:
         """Values per sample of the module's activations, which bound a block's memory.

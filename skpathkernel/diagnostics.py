@@ -3,7 +3,8 @@
 Flatness is measured, as in the "flat interpolators generalize" literature (Hochreiter &
 Schmidhuber; Keskar et al. 2017), by the
 trace of the Hessian of the empirical loss with respect to the parameters,
-``Tr H(theta) = Tr d^2/dtheta^2 (1/n) sum_i l(y_i, f(x_i; theta))``.
+``Tr H(theta) = Tr d^2/dtheta^2 (1/n) sum_i l(y_i, f(x_i; theta))`` (for a fit with
+``sample_weight``, of the weighted mean loss ``sum_i w_i l_i / sum_i w_i`` it minimized).
 
 The trace is estimated by Hutchinson's estimator ``Tr H = E_v[v^T H v]`` with Rademacher
 probes ``v`` (entries +-1). Each ``v^T H v`` costs one Hessian-vector product by double
@@ -25,7 +26,7 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._estimators._base import FittedNetworkMixin, data_like_fit
+from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._network._trained import network_of
 
@@ -131,7 +132,8 @@ class HessianTracePath:
 _COMMON_CONSTRAINTS = {
     "estimator": [FittedNetworkMixin],
     "X": ["array-like", None],
-    "y": ["array-like", None],
+    "y": ["array-like", "sparse matrix", None],
+    "sample_weight": ["array-like", None],
     "n_samples": [Interval(numbers.Integral, 1, None, closed="left")],
     "random_state": ["random_state"],
     "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), None],
@@ -142,13 +144,17 @@ _COMMON_CONSTRAINTS = {
     {**_COMMON_CONSTRAINTS, "step": [numbers.Integral]},
     prefer_skip_nested_validation=True,
 )
-def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None, step=-1,
-                  batch_size=None):
+def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=100,
+                  random_state=None, step=-1, batch_size=None):
     """Trace of the Hessian of the training loss at a recorded point, by Hutchinson.
 
     Estimates ``Tr H`` with ``H = d^2 L / dtheta^2`` and ``L(theta) = (1/n) sum_i
     l(y_i, f(x_i; theta))`` the mean per-sample loss the estimator trains with
     (``estimator.loss``), as ``mean_j v_j^T H v_j`` over ``n_samples`` Rademacher probes.
+    For an estimator fitted with ``sample_weight``, ``L`` on its training data is the
+    weighted mean ``sum_i w_i l_i / sum_i w_i`` with the fit's weights (``np.average``'s,
+    the objective each batch's weighted mean estimates), unless ``sample_weight`` says
+    otherwise.
     The estimate is unbiased; its standard error is reported with it. Each probe costs one
     Hessian-vector product (double backward) per batch of samples; a ``P x P`` Hessian is
     never formed.
@@ -171,8 +177,16 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
         training inputs ``X_fit_``.
     y : array-like of shape (n_samples_X,) or (n_samples_X, n_outputs), default=None
         Targets, encoded as ``fit`` encodes them (classifiers map labels through
-        ``classes_``; a label not seen in ``fit`` is an error). Required with ``X``;
+        ``classes_``; a label not seen in ``fit`` is an error; a multilabel classifier's
+        indicator may be sparse, as in its ``fit``). Required with ``X``;
         ``None`` with ``X=None``: the training targets.
+    sample_weight : array-like of shape (n_samples_X,), default=None
+        Weights of the samples in the mean loss, relative (``np.average``'s; non-negative,
+        not all 0). ``None``: the weights of the fit (those ``fit`` and ``partial_fit``
+        received, each call's rescaled to mean 1, as training sees them; 1 for a call
+        without them) with ``X=None``, equal weights with an
+        explicit ``X``. With ``X=None`` they weigh the training samples, in the order of
+        ``X_fit_`` (equal weights: the unweighted Hessian of a weighted fit).
     n_samples : int, default=100
         Number of Rademacher probes.
     random_state : int, RandomState instance or None, default=None
@@ -182,7 +196,8 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
         Recorded point of ``trajectory_``: 0 is the initialization, -1 the end of training.
     batch_size : int, default=None
         Samples per Hessian-vector product; the products of the batches are summed with
-        weights ``n_batch / n``, which is exactly the product of the mean loss. ``None``: as
+        weights ``n_batch / n`` (their share of the weights), which is exactly the product
+        of the mean loss. ``None``: as
         many as the estimator's ``memory_budget`` allows (all of them on small data).
 
     Returns
@@ -211,7 +226,8 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
     >>> res.estimates.shape, res.step, bool(res.trace > 0), bool(res.stderr < res.trace)
     ((50,), 20, True, True)
     """
-    path = _hessian_traces(estimator, X, y, [step], n_samples, random_state, batch_size)
+    path = _hessian_traces(estimator, X, y, sample_weight, [step], n_samples, random_state,
+                           batch_size)
     return path[0]
 
 
@@ -220,8 +236,8 @@ def hessian_trace(estimator, X=None, y=None, *, n_samples=100, random_state=None
                                                               closed="left"), None]},
     prefer_skip_nested_validation=True,
 )
-def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
-                       random_state=None, batch_size=None):
+def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=None,
+                       n_samples=100, random_state=None, batch_size=None):
     """Trace of the training-loss Hessian along the recorded optimisation path.
 
     :func:`hessian_trace` at several recorded points, with the same probes at every point
@@ -230,8 +246,10 @@ def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
 
     Parameters
     ----------
-    estimator, X, y, n_samples, random_state, batch_size
-        As in :func:`hessian_trace`.
+    estimator, X, y, sample_weight, n_samples, random_state, batch_size
+        As in :func:`hessian_trace`. The fit's weights are the same at every point:
+        after a ``warm_start`` on the same data with other weights, the points
+        recorded before it were trained under the previous fit's.
     steps : array-like of int, int or None, default=None
         Recorded points (0 is the initialization, negative indices count from the end).
         An int ``m``: ``m`` points evenly spaced from the first to the last (duplicates
@@ -266,11 +284,13 @@ def hessian_trace_path(estimator, X=None, y=None, *, steps=None, n_samples=100,
         steps = column_or_1d(check_array(steps, ensure_2d=False, dtype=None))
         if steps.size == 0 or not np.issubdtype(steps.dtype, np.integer):
             raise ValueError(f"steps must be a non-empty sequence of integers, got {steps!r}.")
-    return _hessian_traces(estimator, X, y, list(steps), n_samples, random_state, batch_size)
+    return _hessian_traces(estimator, X, y, sample_weight, list(steps), n_samples,
+                           random_state, batch_size)
 
 
 # --------------------------------------------------------------------------- engine
-def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size):
+def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
+                    batch_size):
     check_is_fitted(estimator)
     net = network_of(estimator)
     traj = net.trajectory
@@ -280,7 +300,7 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
         if not -len(traj) <= s < len(traj):
             raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
         points.append(s % len(traj))
-    Xt, Yt = _data(estimator, net, X, y)
+    Xt, Yt, weights = _data(estimator, net, X, y, sample_weight)
     # The network's loss is the one it was fitted with, not the current parameter, which
     # set_params may have changed since.
     loss = net.loss
@@ -292,7 +312,7 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
     # The network's dtype, not X's: token ids are int64.
     for row, k in zip(estimates, points):
         theta = traj.parameters(k).to(device=Xt.device, dtype=net.torch_dtype)
-        row[:] = _quadratic_forms(net.module, traj, theta, Xt, Yt, loss, block,
+        row[:] = _quadratic_forms(net.module, traj, theta, Xt, Yt, weights, loss, block,
                                   seed, n_samples)
     se = (estimates.std(axis=1, ddof=1) / np.sqrt(n_samples) if n_samples > 1
           else np.full(len(points), np.nan))
@@ -303,8 +323,10 @@ def _hessian_traces(estimator, X, y, steps, n_samples, random_state, batch_size)
     )
 
 
-def _quadratic_forms(module, traj, theta, X, Y, loss, block, seed, n_samples) -> np.ndarray:
-    """``v_j^T H v_j`` for every probe, summed over batches of ``block`` samples."""
+def _quadratic_forms(module, traj, theta, X, Y, weights, loss, block, seed,
+                     n_samples) -> np.ndarray:
+    """``v_j^T H v_j`` for every probe, summed over batches of ``block`` samples.
+    ``weights``: the samples' weights divided by their sum (None: the plain mean)."""
     n = X.shape[0]
     # Accumulated on the device, in float64 whatever the network's dtype: one host sync at
     # the end rather than one per probe and batch.
@@ -317,7 +339,9 @@ def _quadratic_forms(module, traj, theta, X, Y, loss, block, seed, n_samples) ->
         for start in range(0, n, block):
             xb, yb = X[start : start + block], Y[start : start + block]
             # sum / n, not mean: the batches' Hessians then add up to that of the mean loss.
-            batch_loss = loss.per_sample(functional_call(module, params, (xb,)), yb).sum() / n
+            per_sample = loss.per_sample(functional_call(module, params, (xb,)), yb)
+            batch_loss = (per_sample.sum() / n if weights is None
+                          else (per_sample * weights[start : start + block]).sum())
             (grad,) = torch.autograd.grad(batch_loss, theta, create_graph=True)
             for j, v in enumerate(_rademacher(seed, n_samples, theta)):
                 (hv,) = torch.autograd.grad(grad, theta, grad_outputs=v, retain_graph=True)
@@ -343,14 +367,25 @@ def _default_batch_size(net, n: int) -> int:
                                      "hessian_trace")))
 
 
-def _data(estimator, net, X, y) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and encoded targets as tensors on the network's device and dtype."""
+def _data(estimator, net, X, y, sample_weight):
+    """Inputs and encoded targets as tensors on the network's device and dtype, and the
+    samples' weights divided by their sum (None: the plain mean)."""
     if X is None and y is None:
-        return net.tensor(net.X_fit), net.targets()
-    if X is None or y is None:
+        X, Xt, Yt = net.X_fit, net.tensor(net.X_fit), net.targets()
+        weights = net.sample_weight if sample_weight is None else sample_weight
+    elif X is None or y is None:
         raise ValueError(
             "Pass both X and y (the Hessian of the loss needs targets), or neither to use "
             "the training data."
         )
-    X, Y = data_like_fit(estimator, X, y)
-    return net.tensor(X), net.replace(y_fit=Y).targets()
+    else:
+        X, Y = data_like_fit(estimator, X, y)
+        Xt, Yt, weights = net.tensor(X), net.replace(y_fit=Y).targets(), sample_weight
+    # fit's checks: one finite non-negative weight per sample, not all 0; equal weights
+    # are the plain mean and take its code path.
+    weights = _check_weights(weights, X)
+    if weights is not None:
+        # Normalized in float64, then in the network's dtype as its losses are.
+        weights = torch.as_tensor(weights / weights.sum(), dtype=net.torch_dtype,
+                                  device=Xt.device)
+    return Xt, Yt, weights

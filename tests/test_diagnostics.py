@@ -1,8 +1,13 @@
 """hessian_trace / hessian_trace_path against exact Hessians of an independent loss."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
+from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -14,16 +19,17 @@ from skpathkernel.diagnostics import (
 )
 
 
-def _exact_loss(estimator, X, Y, step):
+def _exact_loss(estimator, X, Y, step, weights=None):
     """theta -> training loss, written out by hand (no functional_call, no _losses).
 
     Independent of the code under test: the tanh MLP's forward pass from the recorded
-    state_dict's shapes, and each loss from its textbook formula.
+    state_dict's shapes, and each loss from its textbook formula; ``weights``: the
+    weighted mean ``sum_i w_i l_i / sum_i w_i`` (np.average's), else the plain mean.
     """
     sd = estimator.trajectory_.state_dict(step)
     names, shapes = list(sd), [v.shape for v in sd.values()]
     sizes = [int(np.prod(s)) for s in shapes]
-    X = torch.as_tensor(X, dtype=torch.float64)
+    X = torch.as_tensor(np.array(X, dtype=np.float64))  # a copy: X_fit_ may be a memmap
 
     def loss(theta):
         parts = dict(zip(names, (p.reshape(s) for p, s in zip(theta.split(sizes), shapes))))
@@ -34,20 +40,33 @@ def _exact_loss(estimator, X, Y, step):
             if i < n_layers - 1:
                 h = torch.tanh(h)
         if estimator.loss == "squared_error":
-            return 0.5 * ((h - torch.as_tensor(Y).reshape(h.shape)) ** 2).mean()
-        if h.shape[1] == 1:  # logistic loss on the margin: softplus(z) - y z
+            per_sample = 0.5 * ((h - torch.as_tensor(Y).reshape(h.shape)) ** 2).mean(dim=1)
+        elif h.shape[1] == 1:  # logistic loss on the margin: softplus(z) - y z
             z, t = h[:, 0], torch.as_tensor(Y, dtype=torch.float64)
-            return (torch.nn.functional.softplus(z) - t * z).mean()
-        codes = torch.as_tensor(Y)  # softmax cross-entropy: logsumexp(z) - z_y
-        return (torch.logsumexp(h, dim=1) - h[torch.arange(len(h)), codes]).mean()
+            per_sample = torch.nn.functional.softplus(z) - t * z
+        else:
+            codes = torch.as_tensor(Y)  # softmax cross-entropy: logsumexp(z) - z_y
+            per_sample = torch.logsumexp(h, dim=1) - h[torch.arange(len(h)), codes]
+        if weights is None:
+            return per_sample.mean()
+        w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
+        return (w * per_sample).sum() / w.sum()
 
     theta0 = estimator.trajectory_.parameters(step).to(torch.float64).clone()
     return loss, theta0
 
 
-def _exact_hessian(estimator, step=-1):
-    loss, theta = _exact_loss(estimator, estimator.X_fit_, estimator._Y_fit, step)
+def _exact_hessian(estimator, step=-1, weights=None, X=None, Y=None):
+    X = estimator.X_fit_ if X is None else X
+    Y = estimator._Y_fit if Y is None else Y
+    loss, theta = _exact_loss(estimator, X, Y, step, weights)
     return torch.autograd.functional.hessian(loss, theta).numpy()
+
+
+def _quad(estimator, H, n_samples, random_state=0):
+    """Every probe's exact ``v^T H v`` for the probes of ``random_state``."""
+    V = _probes(random_state, n_samples, estimator.n_params_)
+    return np.einsum("jp,pq,jq->j", V, H, V)
 
 
 def _probes(random_state, n_samples, n_params):
@@ -241,6 +260,190 @@ def test_bad_input():
     reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, random_state=0).fit(X, X)
     with pytest.raises(ValueError, match="outputs"):
         hessian_trace(reg, X, X[:, 0])
+
+
+# ------------------------------------------------------------------ sample_weight
+def _weighted_fit(kind, **params):
+    """A tanh float64 fit with integer weights (zeros included) on minibatches of 8:
+    the recorded per-batch normalized weights do not give the weights across batches."""
+    rng = np.random.RandomState(1)
+    common = dict(max_iter=6, activation="tanh", dtype="float64", random_state=0,
+                  batch_size=8, tol=None, learning_rate_init=0.05, **params)
+    if kind == "regression":
+        X = rng.uniform(-1, 1, size=(30, 3))
+        y = np.sin(X @ np.array([1.0, -2.0, 0.5]))
+        est = PathKernelMachine(hidden_layer_sizes=(6,), normalize_y=False, **common)
+    else:
+        X, y = _circle(30, 3 if kind == "multiclass" else 2, 2)
+        est = PathKernelClassifier(hidden_layer_sizes=(6,), **common)
+    w = rng.randint(0, 5, size=len(X)).astype(np.float64)
+    w[:2] = [0.0, 4.0]  # unequal whatever the draw
+    return est, X, y, w
+
+
+@pytest.mark.parametrize("kind", ["regression", "binary", "multiclass"])
+def test_weighted_fit_estimates_the_hessian_of_the_weighted_mean_loss(kind):
+    est, X, y, w = _weighted_fit(kind)
+    est.fit(X, y, sample_weight=w)
+    for step in (0, -1):
+        H = _exact_hessian(est, step, weights=w)
+        res = hessian_trace(est, n_samples=30, random_state=0, step=step)
+        np.testing.assert_allclose(res.estimates, _quad(est, H, 30), rtol=1e-10, atol=1e-12)
+        # Not the plain mean's (what was estimated before): the test tells them apart.
+        plain = _quad(est, _exact_hessian(est, step), 30)
+        assert np.max(np.abs(plain - res.estimates)) > 1e-3 * np.max(np.abs(plain))
+    # The same with the weights given, in batches, and along the path.
+    explicit = hessian_trace(est, X, y, sample_weight=w, n_samples=30, random_state=0,
+                             batch_size=7)
+    np.testing.assert_allclose(explicit.estimates, res.estimates, rtol=1e-10, atol=1e-12)
+    path = hessian_trace_path(est, steps=[0, -1], n_samples=30, random_state=0)
+    np.testing.assert_allclose(path[1].estimates, res.estimates, rtol=1e-10, atol=1e-12)
+    # Relative weights: scaling them changes nothing.
+    scaled = hessian_trace(est, X, y, sample_weight=3.5 * w, n_samples=30, random_state=0)
+    np.testing.assert_allclose(scaled.estimates, res.estimates, rtol=1e-10, atol=1e-12)
+
+
+def test_sample_weight_weighs_explicit_data_and_overrides_the_fits():
+    est, X, y, w = _weighted_fit("binary")
+    est.fit(X, y, sample_weight=w)
+    # X, y without weights: the plain mean over them.
+    plain = hessian_trace(est, X[:20], y[:20], n_samples=20, random_state=0)
+    H = _exact_hessian(est, X=X[:20], Y=y[:20])
+    np.testing.assert_allclose(plain.estimates, _quad(est, H, 20), rtol=1e-10, atol=1e-12)
+    v = np.arange(20, dtype=np.float64) % 3
+    weighted = hessian_trace(est, X[:20], y[:20], sample_weight=v, n_samples=20,
+                             random_state=0)
+    H = _exact_hessian(est, weights=v, X=X[:20], Y=y[:20])
+    np.testing.assert_allclose(weighted.estimates, _quad(est, H, 20), rtol=1e-10, atol=1e-12)
+    # With X=None they replace the fit's: equal weights give the unweighted Hessian.
+    ones = hessian_trace(est, sample_weight=np.ones(len(X)), n_samples=20, random_state=0)
+    np.testing.assert_allclose(ones.estimates, _quad(est, _exact_hessian(est), 20),
+                               rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="Negative"):
+        hessian_trace(est, sample_weight=-np.ones(len(X)))
+    with pytest.raises(ValueError, match="shape"):
+        hessian_trace(est, X[:5], y[:5], sample_weight=w)
+    with pytest.raises(ValueError, match="[Zz]ero|sum"):
+        hessian_trace(est, sample_weight=np.zeros(len(X)))
+
+
+def test_replacing_the_training_inputs_of_a_weighted_fit():
+    est, X, y, w = _weighted_fit("regression")
+    est.fit(X, y, sample_weight=w)
+    # The same samples in another container: the kept weights still weigh them.
+    est.X_fit_ = np.array(X)
+    _default_equals_weighted(est, w)
+    # Other samples: refused, naming the fit's weights (it failed later, in hessian_trace,
+    # with a shape error about a sample_weight nobody passed).
+    with pytest.raises(ValueError, match="keeps the sample_weight of the 30"):
+        est.X_fit_ = X[:20]
+    np.testing.assert_array_equal(est.X_fit_, X)
+    est.network_ = est.network_.replace(X_fit=X[:20], y_fit=est._Y_fit[:20],
+                                        sample_weight=None)
+    assert est.network_.sample_weight is None
+
+
+def test_sparse_y_is_refused_clearly_where_fit_takes_none():
+    for kind in ("regression", "binary"):
+        est, X, y, _ = _weighted_fit(kind)
+        est.fit(X, y)
+        column = sp.csr_matrix(np.asarray(y, dtype=np.float64)[:, None])
+        with pytest.raises(TypeError, match="multilabel indicator only.*dense"):
+            hessian_trace(est, X, column)
+
+
+def _default_equals_weighted(est, weights, n_samples=10):
+    res = hessian_trace(est, n_samples=n_samples, random_state=0)
+    H = _exact_hessian(est, weights=weights)
+    np.testing.assert_allclose(res.estimates, _quad(est, H, n_samples), rtol=1e-10,
+                               atol=1e-12)
+    return res
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_the_fits_weights_survive_pickle_and_partial_fit(storage, tmp_path):
+    est, X, y, w = _weighted_fit("regression", trajectory_storage=storage,
+                                 trajectory_dir=tmp_path)
+    # Weighted, unweighted, weighted calls: the training set's weights are each call's
+    # at mean 1 (every batch normalizes its own), 1 for the unweighted call's samples.
+    est.partial_fit(X[:10], y[:10], sample_weight=w[:10])
+    est.partial_fit(X[10:20], y[10:20])
+    est.partial_fit(X[20:], y[20:], sample_weight=w[20:])
+    stream = np.concatenate([w[:10] / w[:10].mean(), np.ones(10), w[20:] / w[20:].mean()])
+    np.testing.assert_array_equal(est.X_fit_, X)
+    res = _default_equals_weighted(est, stream)
+    for back in (pickle.loads(pickle.dumps(est)), copy.deepcopy(est)):
+        again = hessian_trace(back, n_samples=10, random_state=0)
+        np.testing.assert_array_equal(again.estimates, res.estimates)
+    # Unweighted calls only: the plain mean, as before weights were kept.
+    plain = clone(est).partial_fit(X[:10], y[:10]).partial_fit(X[10:], y[10:])
+    assert plain.network_.sample_weight is None
+    _default_equals_weighted(plain, None)
+
+
+def _stream(weights, n_samples=10):
+    """Three partial_fit calls of 10 samples with ``weights`` (None: unweighted), and
+    their hessian_trace."""
+    est, X, y, _ = _weighted_fit("regression")
+    for k, v in enumerate(weights):
+        est.partial_fit(X[10 * k:10 * (k + 1)], y[10 * k:10 * (k + 1)], sample_weight=v)
+    return est, hessian_trace(est, n_samples=n_samples, random_state=0)
+
+
+def test_a_calls_weight_scale_which_training_never_sees_changes_nothing():
+    _, _, _, w = _weighted_fit("regression")
+    w1, w2, w3 = w[:10], 1.0 + w[10:20], w[20:]
+    est, res = _stream([w1, w2, w3])
+    # x1000 on the second call: the same path bit for bit (each batch normalizes its
+    # weights), hence the same kept weights and Hessian (they were 14% apart).
+    big, res_big = _stream([w1, 1000 * w2, w3])
+    np.testing.assert_array_equal(big.trajectory_.parameters(-1),
+                                  est.trajectory_.parameters(-1))
+    np.testing.assert_allclose(res_big.estimates, res.estimates, rtol=1e-12)
+    np.testing.assert_allclose(big.network_.sample_weight, est.network_.sample_weight,
+                               rtol=1e-14)
+    # Against the dense Hessian of the loss with every call's weights at mean 1.
+    _default_equals_weighted(big, np.concatenate([v / v.mean() for v in (w1, w2, w3)]))
+
+
+def test_equal_weights_in_a_later_call_are_an_unweighted_call():
+    _, _, _, w = _weighted_fit("regression")
+    w1 = 1.0 + w[:10]
+    plain, res = _stream([w1, None, None])
+    tens, res_tens = _stream([w1, np.full(10, 10.0), None])
+    np.testing.assert_array_equal(tens.trajectory_.parameters(-1),
+                                  plain.trajectory_.parameters(-1))
+    np.testing.assert_array_equal(tens.network_.sample_weight, plain.network_.sample_weight)
+    np.testing.assert_array_equal(res_tens.estimates, res.estimates)
+    _default_equals_weighted(tens, np.r_[w1 / w1.mean(), np.ones(20)])
+    # Continuous: a 1e-9 change of one weight moves the Hessian by about as much (it
+    # jumped by 9%: near-equal weights were kept as given, equal ones as 1).
+    near = np.full(10, 10.0)
+    near[-1] += 1e-9
+    _, res_near = _stream([w1, near, None])
+    np.testing.assert_allclose(res_near.estimates, res.estimates, rtol=1e-6)
+
+
+def test_warm_start_and_early_stopping_keep_the_weights_trained_on():
+    est, X, y, w = _weighted_fit("regression", warm_start=True)
+    est.fit(X, y, sample_weight=w)
+    v = np.where(w > 0, 5.0 - w, 1.0)
+    # The same data again with other weights: the latest fit's objective.
+    est.fit(X, y, sample_weight=v)
+    _default_equals_weighted(est, v)
+    est.fit(X, y)
+    assert est.network_.sample_weight is None
+    # Other data: the training set grows, each part with its weights.
+    est.fit(X[:12], y[:12], sample_weight=w[:12])
+    np.testing.assert_allclose(est.network_.sample_weight,
+                               np.r_[np.ones(len(X)), w[:12] / w[:12].mean()], rtol=1e-15)
+    _default_equals_weighted(est, np.r_[np.ones(len(X)), w[:12] / w[:12].mean()])
+    # Early stopping trains on a part: its weights, in X_fit_'s order.
+    stop, *_ = _weighted_fit("binary", early_stopping=True, validation_fraction=0.3)
+    _, Xc, yc, wc = _weighted_fit("binary")
+    stop.fit(Xc, yc, sample_weight=wc + 1)
+    np.testing.assert_array_equal(stop.X_fit_, Xc[stop._train_rows])
+    _default_equals_weighted(stop, (wc + 1)[stop._train_rows])
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ margin's attribution against finite differences of a weighted torch.optim replay
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 from _reference import (
     forward_recursion,
@@ -21,11 +23,17 @@ from _reference import (
 )
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.datasets import make_multilabel_classification
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.neural_network import MLPClassifier
 from sklearn.neural_network._base import LOSS_FUNCTIONS
 from sklearn.preprocessing import scale
 
-from skpathkernel import PathKernelClassifier, TangentFeatures, TangentFeatureSVM
+from skpathkernel import (
+    PathKernelClassifier,
+    TangentFeatures,
+    TangentFeatureSVM,
+    TrainedNetwork,
+)
 from skpathkernel.diagnostics import hessian_trace
 from skpathkernel.metrics import retrain_on_subsets
 
@@ -167,6 +175,112 @@ def test_attribute_explains_the_signed_sum_of_the_label_logits():
     assert_allclose(contrib[:, :, 0], np.take_along_axis(scores, idx, axis=1))
 
 
+@pytest.mark.parametrize("loss", ["log_loss", "squared_error"])
+def test_the_network_explains_the_multilabel_margin_as_its_classifier(loss):
+    """network_.attribute / explain / self_influence with output="margin" explain the
+    signed sum of the label logits, as the estimator's (they took the softmax margin)."""
+    est, X, Y = _fit("adam-l2", max_iter=4, loss=loss)
+    net = est.network_
+    assert net.multilabel
+    Xq, Yq = X[:5], Y[:5]
+    # The reference: the decomposition of every logit, signed by hand.
+    res = net.decompose(Xq)
+    logits = net.outputs(Xq)
+    predicted = np.where(logits > 0, 1.0, -1.0)
+    scores = net.attribute(Xq, output="margin")
+    atol = 1e-12 * np.abs(scores).max()
+    assert_allclose(scores, np.einsum("qnc,qc->qn", res.contributions, predicted), rtol=0,
+                    atol=atol)
+    assert_allclose((predicted * res.initial).sum(1) + scores.sum(1)
+                    + (predicted * res.regularization).sum(1), (predicted * logits).sum(1),
+                    rtol=1e-10)
+    given = net.attribute(Xq, Yq, output="margin")
+    assert_allclose(given, np.einsum("qnc,qc->qn", res.contributions, 2.0 * Yq - 1.0),
+                    rtol=0, atol=atol)
+    assert_array_equal(scores, est.attribute(Xq))
+    assert_array_equal(given, est.attribute(Xq, Yq))
+    for a, b in zip(net.explain(Xq, 4, output="margin"), est.explain(Xq, n_neighbors=4)):
+        assert_array_equal(a, b)
+    assert_array_equal(net.self_influence(output="margin"), est.self_influence())
+    with pytest.raises(ValueError, match="indicator row"):
+        net.attribute(Xq, Yq[:, :2], output="margin")
+    with pytest.raises(ValueError, match="0/1"):
+        net.attribute(Xq, 2 * Yq, output="margin")
+    # Kept by the estimator's pickle, and by the network's own.
+    assert pickle.loads(pickle.dumps(est)).network_.multilabel
+    assert_array_equal(pickle.loads(pickle.dumps(net)).attribute(Xq, output="margin"), scores)
+
+
+def test_a_network_built_by_hand_reads_multilabel_from_its_loss():
+    est, X, Y = _fit()
+    net = est.network_
+    # log_loss trains a 2-D target as multilabel: so is its margin.
+    built = TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X, y_fit=Y)
+    assert built.multilabel
+    assert_array_equal(built.attribute(X[:3], output="margin"),
+                       est.attribute(X[:3]))
+    # squared_error's 2-D targets may be one-hot classes or regression: it must be said.
+    sq = TrainedNetwork(net.module, net.trajectory, loss="squared_error", X_fit=X,
+                        y_fit=2.0 * Y - 1.0)
+    assert not sq.multilabel
+    assert TrainedNetwork(net.module, net.trajectory, loss="squared_error", X_fit=X,
+                          y_fit=2.0 * Y - 1.0, multilabel=True).multilabel
+    labels = TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X,
+                            y_fit=Y.argmax(1))
+    assert not labels.multilabel
+
+
+def test_soft_and_single_column_targets_are_not_inferred_multilabel():
+    """Only a 0/1 indicator of 2+ columns is a label set: soft targets (BCE on
+    probabilities, which log_loss's 2-D branch computes) keep the softmax margin, and
+    their multilabel margin is refused rather than counting every label as on."""
+    est, X, Y = _fit()
+    net = est.network_
+    soft = np.clip(0.8 * Y + 0.1 + 0.05 * np.arange(Y.shape[1]), 0.0, 1.0)
+    built = TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X, y_fit=soft)
+    assert not built.multilabel
+    # The reference: the decomposition of every logit weighed by the gradient of the
+    # softmax margin f_c - logsumexp_{k != c} f_k of the predicted class c.
+    Xq = X[:5]
+    res, logits = built.decompose(Xq), built.outputs(Xq)
+    c = logits.argmax(1)
+    others = np.where(np.arange(logits.shape[1]) == c[:, None], -np.inf, logits)
+    grad = -np.exp(others - others.max(1, keepdims=True))
+    grad /= -grad.sum(1, keepdims=True)
+    grad[np.arange(len(c)), c] = 1.0
+    scores = built.attribute(Xq, output="margin")
+    assert_allclose(scores, np.einsum("qnc,qc->qn", res.contributions, grad), rtol=0,
+                    atol=1e-12 * np.abs(scores).max())
+    # Said explicitly, the multilabel margin of soft training targets has no labels.
+    explicit = built.replace(multilabel=True)
+    with pytest.raises(ValueError, match="0/1 training targets.*soft"):
+        explicit.self_influence(output="margin")
+    # One column (torch's BCEWithLogits layout of a binary task): not a label set.
+    assert not TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X,
+                              y_fit=Y[:, :1]).multilabel
+    # Several 0/1 columns stay multilabel, as log_loss trains them.
+    assert TrainedNetwork(net.module, net.trajectory, loss="log_loss", X_fit=X,
+                          y_fit=Y.astype(np.float32)).multilabel
+
+
+def test_a_network_pickled_before_multilabel_and_sample_weight_reads_them():
+    """An old pickle has neither attribute: replace() needs them in __dict__, and the
+    margin is the one a network built from the same arguments has."""
+    est, X, Y = _fit()
+    net = est.network_
+    old = copy.copy(net)
+    for name in ("multilabel", "sample_weight"):
+        del old.__dict__[name]
+    back = pickle.loads(pickle.dumps(old))
+    assert back.sample_weight is None
+    assert back.multilabel == TrainedNetwork(net.module, net.trajectory, loss="log_loss",
+                                             X_fit=X, y_fit=Y).multilabel is True
+    w = np.arange(len(X), dtype=np.float64)
+    assert_array_equal(back.replace(sample_weight=w).sample_weight, w)
+    assert back.replace(multilabel=False).multilabel is False
+    assert_array_equal(back.attribute(X[:3], output="margin"), est.attribute(X[:3]))
+
+
 def _weighted_replay(est, weights, X, Y):
     """The recorded path rerun by torch.optim (SGD with Nesterov momentum and L2) with
     per-point weights in every step's loss (weighted mean over the batch)."""
@@ -278,6 +392,44 @@ def test_pickle_keeps_the_multilabel_outputs():
     back = pickle.loads(pickle.dumps(est))
     assert_array_equal(back.predict(X), est.predict(X))
     assert_array_equal(back.self_influence(), est.self_influence())
+
+
+@pytest.mark.parametrize("container", [sp.csr_matrix, sp.csr_array, sp.csc_matrix])
+def test_sparse_indicator_targets_are_taken_as_mlpclassifier_takes_them(container):
+    """scikit-learn 1.9's MLPClassifier fits a sparse label indicator as its dense
+    array; so does this classifier (densified at the boundary), in every entry point."""
+    X, Y = _data()
+    kw = dict(hidden_layer_sizes=(6,), max_iter=3, batch_size=8, **F64, **SOLVERS["sgd"])
+    dense = PathKernelClassifier(**kw).fit(X, Y)
+    sparse = PathKernelClassifier(**kw).fit(X, container(Y))
+    assert_array_equal(sparse.trajectory_.parameters(-1), dense.trajectory_.parameters(-1))
+    assert_array_equal(sparse.predict(X), dense.predict(X))
+    assert sparse.score(X, container(Y)) == dense.score(X, Y)
+    streamed = PathKernelClassifier(**kw).partial_fit(X[:15], container(Y[:15]),
+                                                      classes=np.arange(3))
+    streamed.partial_fit(X[15:], container(Y[15:]))
+    reference = PathKernelClassifier(**kw).partial_fit(X[:15], Y[:15], classes=np.arange(3))
+    reference.partial_fit(X[15:], Y[15:])
+    assert_array_equal(streamed.trajectory_.parameters(-1),
+                       reference.trajectory_.parameters(-1))
+    assert_array_equal(dense.attribute(X[:3], container(Y[:3])),
+                       dense.attribute(X[:3], Y[:3]))
+    # And its network_'s, as a TrainedNetwork explains the multilabel margin.
+    assert_array_equal(dense.network_.attribute(X[:3], container(Y[:3]), output="margin"),
+                       dense.attribute(X[:3], Y[:3]))
+    full = hessian_trace(dense, X, Y, n_samples=3, random_state=0)
+    assert_array_equal(hessian_trace(dense, X, container(Y), n_samples=3,
+                                     random_state=0).estimates, full.estimates)
+    # As MLPClassifier: the labels of the dense indicator are checked; a sparse column
+    # is refused (MLPClassifier's TypeError).
+    mlp = MLPClassifier(hidden_layer_sizes=(6,), max_iter=2, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        assert_array_equal(mlp.fit(X, container(Y)).classes_, sparse.classes_)
+    with pytest.raises(ValueError, match="0/1"):
+        PathKernelClassifier(**kw).fit(X, container(2 * Y))
+    with pytest.raises(TypeError, match="Sparse data was passed for y"):
+        PathKernelClassifier(**kw).fit(X, container(Y[:, :1]))
 
 
 def test_hessian_trace_takes_indicator_targets():

@@ -101,6 +101,40 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     assert np.mean(loo < det.offset_ - 1e-9) == pytest.approx(0.25, abs=0.051)
 
 
+@pytest.mark.parametrize("frozen, early_stopping", [(False, False), (True, False),
+                                                    (False, True)])
+def test_zero_weight_rows_are_absent_from_the_span_and_the_offset(frozen, early_stopping):
+    """scikit-learn's weight 0: the row is absent. A span holding it scored it (and any
+    point near it) as fully normal."""
+    rng = np.random.RandomState(3)
+    X, y = task_data("regression", rng)
+    X[7] = 4.0  # far from the rest: in no span but one that holds it
+    w = rng.uniform(0.5, 2.0, size=len(X))
+    w[[2, 7, 13]] = 0.0
+    est = trainer(y, early_stopping=early_stopping, validation_fraction=0.2)
+    if frozen:
+        est = FrozenEstimator(clone(est).fit(X, y, sample_weight=w))
+    det = OODRankDetector(est, method="residual", contamination=0.25).fit(
+        X, y, sample_weight=w)
+    Xq = np.vstack([X[[2, 7, 13]], X[7] + 0.1, rng.normal(size=(3, 5))])
+    if early_stopping:  # the span is the training part's (held-out rows 0, 6 kept)
+        rows = det.estimator_._train_rows
+        assert {2, 7, 13} <= set(rows)
+        X, w = X[rows], w[rows]
+    keep = w > 0
+    np.testing.assert_array_equal(det.X_fit_, X[keep])
+    P = dense_features(det, X)
+    ref = lstsq_residual(P[keep], dense_features(det, Xq))
+    assert ref[:4].min() > 0.05  # the check could fail: the dropped rows leave the span
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-6)
+    # The offset: the quantile of the kept rows' leave-one-out residuals alone.
+    K = P[keep]
+    loo = np.array([-lstsq_residual(np.delete(K, i, 0), K[i : i + 1])[0]
+                    for i in range(len(K))])
+    # (The jitter lam moves a LOO residual of a point near the others' span by ~1e-5.)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=5e-5)
+
+
 def local_residual(Phi_train, Phi, k, exclude=None):
     """Relative residual of each row of Phi outside the span of its k best-aligned rows of
     Phi_train (by cosine; ``exclude[i]``: a row of Phi_train left out for row i), lstsq."""

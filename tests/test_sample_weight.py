@@ -19,10 +19,13 @@ from _reference import (
     weight_finite_differences,
 )
 from numpy.testing import assert_allclose, assert_array_equal
+from sklearn.base import clone
+from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import GridSearchCV, KFold, StratifiedKFold, cross_val_score
 from sklearn.svm import SVC
 
 from skpathkernel import (
+    OODRankDetector,
     PathKernelClassifier,
     PathKernelMachine,
     TangentFeatures,
@@ -474,6 +477,60 @@ def test_tangent_features_pass_the_weights_to_the_trainer():
     direct = PathKernelMachine(**REG, **SOLVERS["sgd"]).fit(X, y, sample_weight=w)
     assert_array_equal(tf.trajectory_.parameters(-1), direct.trajectory_.parameters(-1))
     assert_array_equal(tf.transform(X[:3]), direct.transform(X[:3]))
+
+
+@pytest.mark.parametrize("task", ["classification", "regression", "reconstruction"])
+def test_ood_detector_passes_the_weights_to_the_trainer(task):
+    X, y, w = _data()
+    if task == "classification":
+        trainer, target = PathKernelClassifier(**BASE, **SOLVERS["sgd"]), (y > 0).astype(int)
+    else:
+        trainer = PathKernelMachine(**REG, **SOLVERS["adam-l2"])
+        target = y if task == "regression" else None
+    det = OODRankDetector(trainer, method="residual").fit(X, target, sample_weight=w)
+    # The trainer fitted directly with the same weights (the reconstruction's targets
+    # are X itself): the same path, bit for bit.
+    direct = clone(trainer).fit(X, X if target is None else target, sample_weight=w)
+    assert det.task_ == task
+    assert_array_equal(det.trajectory_.parameters(-1), direct.trajectory_.parameters(-1))
+    assert_array_equal(_betas(det.trajectory_), _betas(direct.trajectory_))
+    unweighted = clone(trainer).fit(X, X if target is None else target)
+    assert not np.array_equal(det.trajectory_.parameters(-1),
+                              unweighted.trajectory_.parameters(-1))
+    # The span is the training points' of positive weight (weight 0: absent).
+    assert_array_equal(det.X_fit_, X[w > 0])
+    # In the span: residual ~0 (the jitter, rtol=1e-6 relative), as every training point.
+    assert det.score_samples(X[w > 0]).min() > -1e-4
+
+
+@pytest.mark.parametrize("reconstruct", [False, True])
+def test_ood_detector_with_0_1_weights_is_the_detector_of_the_kept_rows(reconstruct):
+    """scikit-learn's contract where a span can keep it: weight 0 is a removed row."""
+    X, y, w = _data()
+    w = (w > 0).astype(np.float64)
+    target = None if reconstruct else y
+    # Full batch: a minibatch holds other rows once the zero-weight ones are dropped.
+    trainer = PathKernelMachine(**{**REG, "batch_size": len(X)})
+    det = OODRankDetector(trainer, random_state=0).fit(X, target, sample_weight=w)
+    kept = OODRankDetector(trainer, random_state=0).fit(
+        X[w > 0], None if reconstruct else y[w > 0])
+    # To rounding (the trainer's weighted mean vs the plain one): ~3e-13 measured.
+    assert_allclose(det.decision_function(X), kept.decision_function(X), rtol=0, atol=1e-9)
+    assert_allclose(det.offset_, kept.offset_, rtol=0, atol=1e-9)
+
+
+def test_ood_detector_validates_the_weights_of_a_frozen_trainer():
+    X, y, w = _data()
+    fitted = PathKernelMachine(**REG, **SOLVERS["sgd"]).fit(X, y)
+    # Positive weights do not weigh the span: only the zeros count (rows left out).
+    frozen = OODRankDetector(FrozenEstimator(fitted)).fit(X, sample_weight=w)
+    plain = OODRankDetector(FrozenEstimator(fitted)).fit(X[w > 0])
+    assert frozen.offset_ == plain.offset_
+    assert_array_equal(frozen.X_fit_, X[w > 0])
+    with pytest.raises(ValueError, match="Negative"):
+        OODRankDetector(FrozenEstimator(fitted)).fit(X, sample_weight=-w)
+    with pytest.raises(ValueError, match="shape"):
+        OODRankDetector(PathKernelMachine(**REG)).fit(X, y, sample_weight=w[:-1])
 
 
 class _NoWeightsTrainer(PathKernelClassifier):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import scipy.sparse as sp
 from scipy.special import logsumexp, softmax
 
 __all__ = ["check_indicator", "check_output", "class_indices", "label_codes", "margin",
@@ -64,6 +65,15 @@ def check_indicator(y, n_labels: int | None = None) -> np.ndarray:
     return y.astype(np.intp)
 
 
+def dense_indicator(y):
+    """A sparse ``y`` of two or more columns (a multilabel indicator, which
+    MLPClassifier takes sparse) as a dense array; anything else as it is (a sparse
+    column is refused by the checks, as MLPClassifier refuses it)."""
+    if sp.issparse(y) and y.ndim == 2 and y.shape[1] > 1:
+        return y.toarray()
+    return y
+
+
 def class_indices(y: np.ndarray, n_classes: int) -> np.ndarray:
     """``y`` checked as class indices in ``[0, n_classes)`` (a network without labels)."""
     if (not np.issubdtype(y.dtype, np.integer) or y.size and (y.min() < 0
@@ -84,7 +94,8 @@ def query_codes(prediction: np.ndarray, y, encode, multilabel: bool = False) -> 
             return (prediction > 0).astype(np.intp)
         return ((prediction[:, 0] > 0).astype(np.intp) if prediction.shape[1] == 1
                 else np.argmax(prediction, axis=1))
-    y = np.asarray(y)
+    # Sparse indicator rows, as the multilabel classifier's fit takes them.
+    y = np.asarray(dense_indicator(y))
     shape = prediction.shape if multilabel else (len(prediction),)
     if y.shape != shape:
         what = "an indicator row" if multilabel else "one label"

@@ -30,6 +30,7 @@ from sklearn.utils.validation import _check_sample_weight, check_is_fitted, colu
 # The engine is called as _tangent.<function>, looked up at call time, so that a test
 # stubbing an engine function out reaches every call.
 from .. import _tangent
+from .._analysis._attribution import dense_indicator
 from .._device import (
     resolve_device,
     resolve_dtype,
@@ -615,12 +616,14 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             module.eval()
             if self.module is not None:  # the default MLP is nn.Linear only
                 warn_on_fallback(module, X_t)
+            # Kept at mean 1 (None: unweighted): training never sees a call's scale.
+            fit_weights = _mean_one(sample_weight)
             trajectory, X_fit, Y_fit = result.trajectory, X, Y
             disk_data = None
             if previous is not None:
-                trajectory, X_fit, Y_fit, disk_data = _continued_path(
+                trajectory, X_fit, Y_fit, fit_weights, disk_data = _continued_path(
                     previous, getattr(self, "_disk_data", None), trajectory, X, Y,
-                    same_data_allowed=not incremental)
+                    fit_weights, same_data_allowed=not incremental)
                 attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
             elif trajectory.storage == "disk" and (incremental or self.warm_start):
                 # A path that later calls extend: its training set grows on disk beside
@@ -644,7 +647,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             network_=TrainedNetwork(
                 module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
                 input_kind=self._input_kind, device=str(device),
-                memory_budget=self.memory_budget),
+                memory_budget=self.memory_budget, sample_weight=fit_weights,
+                multilabel=attrs.get("_multilabel", False)),
             _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
             _disk_data=disk_data,
             **self._curves(result, previous is not None),
@@ -823,6 +827,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                                for name, t in net.module.state_dict().items()},
                 trajectory_=net.trajectory, X_fit_=X_fit, _Y_fit=Y_fit,
                 device_=net.device, dtype_=net.dtype, n_params_=net.n_params,
+                # In the state even beside a training set on disk: one float per sample,
+                # and the files hold what the path indexes, not how fit weighed it.
+                _fit_weights=net.sample_weight,
             )
         return state
 
@@ -831,7 +838,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         module_state = state.pop("_module_state", None)
         # The network's parts, as __getstate__ stores them: network_ is rebuilt from them.
         parts = {name: state.pop(name, None) for name in
-                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_")}
+                 ("trajectory_", "X_fit_", "_Y_fit", "device_", "dtype_", "n_params_",
+                  "_fit_weights")}
         super().__setstate__(state)
         if module_state is None:
             return
@@ -857,7 +865,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             module.eval(), parts["trajectory_"],
             loss=LOSSES[state["_loss_name"]](),
             X_fit=parts["X_fit_"], y_fit=parts["_Y_fit"], input_kind=fitted_input(self)[1],
-            device=str(device), memory_budget=state["memory_budget"])
+            device=str(device), memory_budget=state["memory_budget"],
+            # A state saved before the weights were kept has none: the unweighted fit.
+            sample_weight=parts["_fit_weights"],
+            multilabel=state.get("_multilabel", False))
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -885,7 +896,16 @@ def _encode_like_fit(estimator, y) -> np.ndarray:
     """``y`` encoded as ``fit`` encoded the training targets."""
     # Trained on a multilabel indicator (a PathKernelClassifier): its label columns.
     if getattr(estimator, "_multilabel", False):
-        return estimator._encode_targets(check_array(y, dtype=None), estimator.classes_)[0]
+        return estimator._encode_targets(check_array(dense_indicator(y), dtype=None),
+                                         estimator.classes_)[0]
+    if sp.issparse(y):
+        # Only a label indicator is taken sparse (as fit takes it); check_array's own
+        # refusal would not say why.
+        raise TypeError(
+            f"A sparse y is taken as a multilabel indicator only; this "
+            f"{type(estimator).__name__} was fitted on "
+            f"{'class labels' if hasattr(estimator, 'classes_') else 'dense targets'}: "
+            "pass y as a dense array (y.toarray()).")
     # Trained on class labels (a PathKernelClassifier).
     if hasattr(estimator, "classes_"):
         y = column_or_1d(check_array(y, ensure_2d=False, dtype=None), warn=True)
@@ -935,9 +955,10 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     return np.asarray(names, dtype=object)
 
 
-def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
-                    same_data_allowed: bool):
-    """(trajectory, X_fit, y_fit, disk_data) of a fit that continued ``previous``.
+def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_weight,
+                    *, same_data_allowed: bool):
+    """(trajectory, X_fit, y_fit, sample_weight, disk_data) of a fit that continued
+    ``previous``.
 
     On the previous training data (a warm start on the same X and y) the new batches
     index it as before; otherwise (``partial_fit``, or a warm start on other data) the
@@ -947,6 +968,14 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
     of the previous fit when it had them), and its directory then describes the
     extended path: the last write of the fit, so that a fit stopped before it leaves
     the directory describing the previous path, whose files are unchanged.
+
+    The training set's weights (None: unweighted; ``sample_weight`` is this fit's,
+    already at mean 1, see :func:`_mean_one`) follow it: on the same data, this fit's,
+    the objective that trained the latest points; on a grown training set, both parts'
+    concatenated, an unweighted part weighing 1 per sample. Each part at mean 1 is
+    what training does: every batch normalizes its own weights, so a call's overall
+    scale never reaches the optimizer, and a call of n samples runs about n / batch
+    steps, a total weight of about n.
     """
     same = (same_data_allowed and X.shape == previous.X_fit.shape
             and Y.shape == previous.y_fit.shape and np.array_equal(X, previous.X_fit)
@@ -956,6 +985,10 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
         X_fit, Y_fit = previous.X_fit, previous.y_fit
     else:
         n_prev = len(previous.X_fit)
+        if previous.sample_weight is not None or sample_weight is not None:
+            sample_weight = np.concatenate([
+                np.ones(n) if w is None else w
+                for w, n in ((previous.sample_weight, n_prev), (sample_weight, len(X)))])
         trajectory = extend_trajectory(previous.trajectory, segment, n_prev, n_prev + len(X))
         if trajectory.storage == "disk":
             if disk_data is None:
@@ -968,7 +1001,7 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, *,
             Y_fit = np.concatenate([previous.y_fit, Y])
     if trajectory.storage == "disk":
         trajectory._write_meta()
-    return trajectory, X_fit, Y_fit, disk_data
+    return trajectory, X_fit, Y_fit, sample_weight, disk_data
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
@@ -994,6 +1027,13 @@ def _on_disk(array) -> bool:
             return True
         array = getattr(array, "base", None)
     return False
+
+
+def _mean_one(weights: np.ndarray | None) -> np.ndarray | None:
+    """A fit's validated weights (:func:`_check_weights`) as the fit keeps them: at mean
+    1, so that they do not depend on a scale that training never sees (None stays None:
+    equal weights, every one 1)."""
+    return None if weights is None else weights / weights.mean()
 
 
 def _check_weights(sample_weight, X) -> np.ndarray | None:

@@ -19,6 +19,7 @@ from .._network._trained import check_decompose_args, network_of
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
+    dense_indicator,
     in_target_units,
     keep_previous_fit_on_error,
     tangent_feature_names,
@@ -359,10 +360,10 @@ class _KernelMachineMixin(TransformerMixin):
                   "    The queries, in the form of the training inputs (``input_shape_``).",
                 y="array-like of shape (n_queries,) or (n_queries, n_labels), default=None\n"
                   "    Classifiers: the queries' labels, whose margin is explained (a 0/1\n"
-                  "    indicator row per query for multilabel classifiers, whose margin is\n"
-                  "    the sum of the labels' logits signed +1 for a label that is on, -1\n"
-                  "    for one that is off); None explains the margin of the predicted\n"
-                  "    class (labels). Regressors: ignored.",
+                  "    indicator row per query for multilabel classifiers, dense or sparse,\n"
+                  "    whose margin is the sum of the labels' logits signed +1 for a label\n"
+                  "    that is on, -1 for one that is off); None explains the margin of the\n"
+                  "    predicted class (labels). Regressors: ignored.",
                 output_default="Default: \"margin\" for the classifiers, 0 for the "
                                "regressors (required for several outputs).",
                 examples=_ATTRIBUTE_EXAMPLES)
@@ -375,8 +376,8 @@ class _KernelMachineMixin(TransformerMixin):
             # Every step needs the queries' Jacobians: one query's must fit the budget.
             self._check_feature_row_fits("decompose")
         return network_of(self)._attribute(
-            X, y, method=method, weighting=weighting, output=output, n_nodes=n_nodes,
-            tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
+            X, y, method=method, weighting=weighting, output=output,
+            n_nodes=n_nodes, tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
             encode=self._query_labels, scale=getattr(self, "_y_scale", None),
             multilabel=_multilabel(self))
 
@@ -842,7 +843,9 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         )
 
     def _validate_y(self, X, y, **kwargs):
-        X, y = self._validate_fit_data(X, y, multi_output=True, **kwargs)
+        # A sparse label indicator is taken as MLPClassifier takes it; the network
+        # trains on dense targets, and predict returns dense indicators.
+        X, y = self._validate_fit_data(X, dense_indicator(y), multi_output=True, **kwargs)
         if y.ndim == 2 and y.shape[1] == 1:
             # MLPClassifier's: a column is labels, with a DataConversionWarning.
             y = column_or_1d(y, warn=True)
@@ -876,8 +879,9 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             2-D for the default MLP; with ``module``, any ``(n_samples, ...)`` array:
             floats, or integer token ids.
-        y : array-like of shape (n_samples,) or (n_samples, n_labels)
-            Class labels (binary or multi-class), or a 0/1 multilabel indicator matrix.
+        y : {array-like, sparse matrix} of shape (n_samples,) or (n_samples, n_labels)
+            Class labels (binary or multi-class), or a 0/1 multilabel indicator matrix,
+            dense or sparse (as MLPClassifier's; trained on, and predicted, dense).
         sample_weight : array-like of shape (n_samples,), default=None
             Non-negative weights of the samples, relative as in ``np.average`` and
             recorded in the trajectory, as in :meth:`PathKernelMachine.fit` (MLPClassifier
@@ -911,9 +915,9 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         ----------
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             This call's training inputs (appended to ``X_fit_``).
-        y : array-like of shape (n_samples,) or (n_samples, n_labels)
-            Labels among ``classes``, or a 0/1 multilabel indicator matrix (every call
-            with the same label columns).
+        y : {array-like, sparse matrix} of shape (n_samples,) or (n_samples, n_labels)
+            Labels among ``classes``, or a 0/1 multilabel indicator matrix, dense or
+            sparse (every call with the same label columns).
         sample_weight : array-like of shape (n_samples,), default=None
             Weights of this call's samples, as in :meth:`fit`.
         classes : array-like of shape (n_classes,), default=None

@@ -273,8 +273,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             return PathKernelMachine(random_state=self.random_state)
         return trainer_for(y, self.random_state)
 
-    def _fit_network(self, X, y):
-        """Fit the trainer (or read a frozen one): ``(span points, task)``."""
+    def _fit_network(self, X, y, sample_weight=None):
+        """Fit the trainer (or read a frozen one) with ``sample_weight``:
+        ``(span points, task)``. The span's points are ``X_fit_``'s rows of positive
+        weight, which ``X_fit_`` then holds alone."""
         reconstruct = y is None
         inner, frozen = self._trainer()
         if reconstruct and not frozen and isinstance(inner, PathKernelClassifier):
@@ -284,9 +286,18 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "wrap a fitted classifier in sklearn.frozen.FrozenEstimator to read its "
                 "network as it is."
             )
-        self._fit_trainer(X, None if frozen else y,
-                          target=flat_targets if reconstruct else None)
+        _, _, frozen, weights = self._fit_trainer(
+            X, None if frozen else y, target=flat_targets if reconstruct else None,
+            sample_weight=sample_weight)
         est = self.estimator_
+        if not frozen and weights is not None:
+            # Those of X_fit_'s rows, early stopping's training part (as the trainer
+            # kept them, rescaled: only their sign matters here).
+            weights = network_of(est).sample_weight
+        if weights is not None and not np.all(weights > 0):
+            # scikit-learn's weight 0: the row is absent. Here a span would otherwise
+            # hold it, and score it (and any point near it) as fully normal.
+            self.X_fit_ = self.X_fit_[weights > 0]
         if isinstance(est, PathKernelClassifier):
             task = "classification"
         else:
@@ -296,11 +307,20 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         return self.X_fit_, task
 
     @keep_previous_fit_on_error
-    def fit(self, X, y=None):
+    def fit(self, X, y=None, sample_weight=None):
         """Fit the network trainer (unless frozen) and set up the span of phi(X).
 
         Computes the training features' norms, the factorisation of their span
         ("residual", "alignment") and the leave-one-out scores that set ``offset_``.
+
+        ``sample_weight`` weighs the samples in the trainer's loss (its ``fit``
+        receives them, as from :class:`TangentFeatures`), and a sample of weight 0 is
+        absent, as in scikit-learn: the span and the leave-one-out scores are those of
+        the training points of positive weight, which ``X_fit_`` holds (a zero-weight
+        point would otherwise lie in the span and score as fully normal). Positive
+        weights weigh neither: a span has no weights (a direction is in it or not), a
+        repeated point adds nothing to it, and the leave-one-out scores behind
+        ``offset_`` are unweighted quantiles.
 
         Parameters
         ----------
@@ -312,13 +332,19 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
             Targets of the task (see ``estimator``); None trains the network to
             reconstruct X. Ignored with a ``FrozenEstimator``.
+        sample_weight : array-like of shape (n_samples,), default=None
+            Weights of the samples in the trainer's loss (relative, as the trainer
+            takes them; see above). Validated before any training; ``None`` or equal
+            weights: the trainer's ``fit`` is called without them. With a
+            ``FrozenEstimator`` (nothing is trained) only their zeros count: those rows
+            of ``X`` are left out of the span.
 
         Returns
         -------
         self : OODRankDetector
         """
         self._validate_params()
-        X, task = self._fit_network(X, y)
+        X, task = self._fit_network(X, y, sample_weight)
         est = self.estimator_
         gram = NetworkGram(network_of(est))
         n = X.shape[0]

@@ -22,7 +22,13 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
 
-from .._analysis._attribution import check_output, class_indices, output_weights, query_codes
+from .._analysis._attribution import (
+    check_indicator,
+    check_output,
+    class_indices,
+    output_weights,
+    query_codes,
+)
 from .._analysis._decomposition import (
     block_align,
     check_tol,
@@ -107,13 +113,33 @@ def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
     check_decompose_args(method, weighting, n_nodes, tol)
 
 
-def _target_codes(y: np.ndarray, multilabel: bool = False) -> np.ndarray:
+def _is_indicator(y: np.ndarray | None) -> bool:
+    """Whether ``y`` is a 0/1 indicator of two or more columns: the targets that
+    "log_loss" trains as a multilabel classifier's (soft targets are not)."""
+    return (y is not None and y.ndim == 2 and y.shape[1] > 1
+            and bool(np.isin(y, (0, 1)).all()))
+
+
+def _target_codes(y: np.ndarray, multilabel: bool = False,
+                  loss: str | None = None) -> np.ndarray:
     """The class of every training target: codes as they are, else the positive or
     largest target column (+-1 or one-hot targets of a squared-error classifier);
-    ``multilabel``: the labels that are on, per target column (0/1 or +-1 targets)."""
+    ``multilabel``: the labels that are on, per target column (0/1 targets, or +-1
+    for a ``loss`` other than "log_loss"); other values are refused (a soft target
+    has no label that is on)."""
     y = np.asarray(y)
     if multilabel:
-        return (y.reshape(len(y), -1) > 0).astype(np.intp)
+        y = y.reshape(len(y), -1)
+        allowed, what = ((0, 1), "0/1") if loss == "log_loss" else ((-1, 0, 1), "0/1 or +-1")
+        bad = np.unique(y[~np.isin(y, allowed)])
+        if bad.size:
+            raise ValueError(
+                f"The margin of a multilabel network needs {what} training targets"
+                f" (the labels that are on), but y_fit holds "
+                f"{bad[:5].tolist()}; soft or probability targets have no labels: "
+                "explain an output column (output=k), or build the network with "
+                "multilabel=False.")
+        return (y > 0).astype(np.intp)
     if np.issubdtype(y.dtype, np.integer) and y.ndim == 1:
         return y
     y = y.reshape(len(y), -1)  # a target column per output, floats or integers
@@ -154,6 +180,19 @@ class TrainedNetwork:
         Their targets in the form the loss takes: integer class codes stay integers
         (except for "squared_error"), anything else is cast to the network's dtype; for
         "log_loss" a 2-D target (an indicator of the outputs' shape) is multilabel.
+    sample_weight : ndarray of shape (n_samples,) or None, default=None
+        The training samples' weights, when the path was trained on their weighted
+        mean loss (``np.average``'s, relative); None: the plain mean. The per-batch
+        normalized weights the trajectory records do not determine them across
+        batches: the diagnostics read the training objective from these.
+    multilabel : bool or None, default=None
+        Whether the outputs are one logit per label of a multilabel classifier, whose
+        margin (``output="margin"``) is the sum of the labels' signed logits. None:
+        multilabel when ``loss`` is "log_loss" and ``y_fit`` is a 0/1 indicator of two
+        or more columns, which that loss trains as multilabel; otherwise not. Soft or
+        probability targets (and a multilabel classifier trained with "squared_error",
+        +-1 targets) must pass ``multilabel=`` explicitly; the multilabel margin
+        refuses training targets that are not 0/1 (+-1 with "squared_error").
     input_kind : {"features", "float", "int64"} or None, default=None
         How later inputs are checked: "features" (2-D floats), "float" (floats of the
         shape of ``X_fit``), "int64" (token ids). None: read from ``X_fit``.
@@ -170,6 +209,8 @@ class TrainedNetwork:
         Trainable parameters recorded.
     input_shape : tuple of int or None
         The trailing shape of ``X_fit`` (None without it).
+    multilabel : bool
+        Whether the margin is the multilabel one (see the parameter).
 
     Examples
     --------
@@ -187,7 +228,8 @@ class TrainedNetwork:
 
     def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, loss=None,
                  X_fit=None, y_fit=None, input_kind: str | None = None,
-                 device: str | None = None, memory_budget: int = 2**30):
+                 device: str | None = None, memory_budget: int = 2**30,
+                 sample_weight=None, multilabel: bool | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
         if trajectory.dtype not in _DTYPE_NAMES:
@@ -204,6 +246,9 @@ class TrainedNetwork:
                 input_kind = TOKENS if integer else FEATURES if X_fit.ndim == 2 else FLOAT
         self.X_fit = X_fit
         self.y_fit = None if y_fit is None else _as_array(y_fit)
+        self.sample_weight = (None if sample_weight is None
+                              else np.asarray(sample_weight, dtype=np.float64))
+        self.multilabel = self._infers_multilabel() if multilabel is None else bool(multilabel)
         self.input_kind = input_kind
         if device is None:
             first = next(iter(module.parameters()), None)
@@ -266,7 +311,21 @@ class TrainedNetwork:
         ------
         TypeError
             If a name is not an attribute of the network.
+        ValueError
+            If ``X_fit`` is replaced by a different number of samples while the
+            training samples' ``sample_weight`` is kept.
         """
+        weights = changes.get("sample_weight", self.sample_weight)
+        X_fit = changes.get("X_fit")
+        if X_fit is not None and weights is not None and len(X_fit) != len(weights):
+            # The kept weights would weigh other samples (or fail later in the
+            # diagnostics, with a message about a sample_weight nobody passed).
+            raise ValueError(
+                f"X_fit is replaced by {len(X_fit)} samples, but the network keeps the "
+                f"sample_weight of the {len(weights)} it was fitted on (the weighted "
+                "training loss): replace both, e.g. replace(X_fit=X, sample_weight=None) "
+                "(est.network_ = est.network_.replace(...) for an estimator's X_fit_) "
+                "for unweighted samples.")
         new = copy.copy(self)
         if "module" in changes:
             new.__dict__.pop("_widths", None)  # measured on the module replaced
@@ -377,6 +436,20 @@ class TrainedNetwork:
         state.pop("_kept_point", None)
         state.pop("_widths", None)
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        # A network pickled before these attributes existed: an unweighted fit, and the
+        # margin a network built from the same arguments has. In __dict__, where
+        # replace() looks for them.
+        self.__dict__.setdefault("sample_weight", None)
+        if "multilabel" not in self.__dict__:
+            self.multilabel = self._infers_multilabel()
+
+    def _infers_multilabel(self) -> bool:
+        """``multilabel=None``'s value: "log_loss" on a 0/1 indicator of 2+ columns."""
+        return bool(self.loss is not None and self.loss.name == "log_loss"
+                    and _is_indicator(self.y_fit))
 
     def activation_widths(self, X=None) -> list[int]:
         """Values per sample of the module's activations, which bound a block's memory.
@@ -522,9 +595,13 @@ ValueError
              "indices), not labels.",
         X="array-like or tensor of shape (n_queries, ...)\n    Queries in the network's "
           "input form.",
-        y="array-like of int of shape (n_queries,), default=None\n    With "
-          "``output=\"margin\"``: each query's class as an output column; None takes\n"
-          "    the largest output (or a positive single output) as the class.",
+        y="array-like of int of shape (n_queries,) or (n_queries, n_outputs), "
+          "default=None\n    With ``output=\"margin\"``: each query's class as an output "
+          "column (a 0/1\n    indicator row per query for a :attr:`multilabel` network, "
+          "whose margin is the\n    sum of its logits signed +1 for a label that is on, "
+          "-1 for one that is off,\n    as the multilabel classifier's); None takes the "
+          "largest output (or a\n    positive single output) as the class (the positive "
+          "outputs as the labels).",
         output_default="None: output 0 of a single-output network (several outputs need "
                        "a choice).",
         examples="",
@@ -537,19 +614,22 @@ ValueError
 
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
-                   multilabel: bool = False) -> np.ndarray:
+                   multilabel: bool | None = None) -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
         margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
-        indicator row per query."""
+        indicator row per query; None: the network's own :attr:`multilabel`."""
         check_attribute_args(method, weighting, n_nodes, tol)
+        multilabel = self.multilabel if multilabel is None else multilabel
         X = self.check(X)
         prediction = self.outputs(X)
         n_outputs = prediction.shape[1]
         output = check_output(output, n_outputs, margin)
         if encode is None:
             def encode(y):
+                if multilabel:
+                    return check_indicator(y, n_outputs)
                 return class_indices(y, max(n_outputs, 2))
         codes = query_codes(prediction, y, encode, multilabel) if output == "margin" \
             else None
@@ -630,7 +710,7 @@ ValueError
 
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
                 n_jobs: int | None = None, margin: str = "allowed", encode=None,
-                scale=None, units=None, multilabel: bool = False):
+                scale=None, units=None, multilabel: bool | None = None):
         """The training points that moved each prediction the most.
 
         The computation behind the estimators' ``explain``, whose parameters
@@ -664,9 +744,9 @@ ValueError
             The explained output is ``scale * f`` (a regressor's target units).
         units : callable, default=None
             Maps a decomposition of every output into the caller's units.
-        multilabel : bool, default=False
+        multilabel : bool or None, default=None
             The margin is a multilabel classifier's: the sum of the predicted labels'
-            signed logits.
+            signed logits. None: the network's :attr:`multilabel`.
 
         Returns
         -------
@@ -697,16 +777,20 @@ ValueError
 
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its training target: its '
-                      "class code, or the positive or largest target column")
+                      "class code, or the positive or largest target column (the "
+                      "multilabel margin of its label set for a :attr:`multilabel` "
+                      "network)")
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         return self._self_influence(output=output, n_jobs=n_jobs)
 
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
-                        scale=None, multilabel: bool = False) -> np.ndarray:
+                        scale=None, multilabel: bool | None = None) -> np.ndarray:
+        multilabel = self.multilabel if multilabel is None else multilabel
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
         output = check_output(output, prediction.shape[1], margin)
-        codes = _target_codes(self.y_fit, multilabel) if output == "margin" else None
+        codes = (_target_codes(self.y_fit, multilabel, self.loss.name)
+                 if output == "margin" else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)

@@ -914,9 +914,15 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
                                          n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
     @shared_doc(ATTRIBUTE, note=_DECLARED, X=_X_TRAIN_FORM,
-                y="array-like of int of shape (n_queries,), default=None\n    With "
-                  "``output=\"margin\"``: the queries' classes as output columns; None "
-                  "takes\n    the largest output (or a positive single output) as the class.",
+                y="array-like of int of shape (n_queries,) or (n_queries, n_outputs), "
+                  "default=None\n    With ``output=\"margin\"``: the queries' classes as "
+                  "output columns (with\n    ``loss=\"log_loss\"`` and a ``y_train`` "
+                  "that is a 0/1 indicator of two or more\n    columns, multilabel: a 0/1 "
+                  "indicator row per query, and the margin is the\n    sum of the logits "
+                  "signed +1 for a label that is on, -1 for one that is\n    off; soft "
+                  "targets are not label sets: ``network_.replace(multilabel=True)``\n    "
+                  "says otherwise); None takes the largest output (or a positive single\n"
+                  "    output) as the class (the positive outputs as the labels).",
                 output_default="None: output 0 of a single-output network (several outputs "
                                "need a choice).",
                 examples="")
@@ -929,6 +935,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its declared target: its '
-                      "class code, or the positive or largest target column")
+                      "class code, or the positive or largest target column (the "
+                      "multilabel margin of its label set for ``loss=\"log_loss\"`` and a "
+                      "``y_train`` that is a 0/1 indicator of two or more columns)")
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         return self._network().self_influence(output=output, n_jobs=n_jobs)

@@ -237,6 +237,46 @@ def test_thinned_replay_mismatch_is_reported():
     assert scores.replay_error > 1e-3
 
 
+def test_float64_replay_mismatch_under_the_float32_limit_is_reported():
+    """A float64 replay matches its record to ~1e-15: a mismatch of 1e-6, silent under
+    the float32 limit (1e-3), is no round-off, and the scores miss the training's
+    derivative (the independent reference) by far more than float64 allows."""
+    est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
+    reference = unrolled_reference(est.network_, X[:2], np.ones((2, 1)))
+    traj = est.trajectory_
+    traj._params[3] += 1e-6 * traj._params[3].abs().max()
+    with pytest.warns(UserWarning, match="miss the recorded path"):
+        scores = est.attribute(X[:2], method="unrolled")
+    assert 1e-9 < scores.replay_error < 1e-3
+    assert _rel(scores, reference) > 1e-9
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("solver", ["adam-l2", "rmsprop-l2"])
+def test_compressed_path_warns_that_its_scores_are_not_exact(solver, dtype, tmp_path):
+    """float16 steps leave an Adam / RMSprop path a replay mismatch under 1e-3 but
+    scores off the training's derivative (autograd through a plain replay) by 4e-4 to
+    8e-4 here (up to 8e-3 on the audit's problems): the compressed path warns and names
+    the compression, in float32 too (where the mismatch is within the dtype's limit);
+    the same path kept exactly does not warn and matches the reference to the dtype's
+    round-off."""
+    params = dict(**SOLVERS[solver], normalize_y=False, max_iter=6, batch_size=7,
+                  dtype=dtype)
+    exact, X, _ = _fit(**params)
+    lossy, _, _ = _fit(**params, trajectory_storage="disk", trajectory_dir=str(tmp_path),
+                       trajectory_compression="float16")
+    reference = unrolled_reference(exact.network_, X[:3], np.ones((3, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = exact.attribute(X[:3], method="unrolled")
+    assert _rel(scores, reference) < (1e-8 if dtype == "float64" else 1e-4)
+    with pytest.warns(UserWarning, match="trajectory_compression='float16'"):
+        rounded = lossy.attribute(X[:3], method="unrolled")
+    assert rounded.replay_error < 1e-3  # the float32 limit alone would not have warned
+    # Far above what the exact path of the same dtype leaves.
+    assert _rel(rounded, reference) > max(1e-4, 10 * _rel(scores, reference))
+
+
 def test_nonfinite_replay_is_reported():
     """A recorded point that is not finite matches no replay: replay_error is NaN, not
     the largest finite one (which read as an exact replay), and the mismatch warns."""

@@ -193,3 +193,58 @@ def test_thinned_kernel_estimates_its_error_against_the_every_step_kernel(name):
             odd, even = sum(parts[1::2]), sum(parts[0::2])
             assert_allclose(said, np.abs(odd - even).max() / np.abs(odd + even).max(),
                             rtol=0.05)
+
+
+@pytest.mark.parametrize("name", ["adam", "rmsprop"])
+def test_path_kernel_across_a_warm_start_with_torch_optims_own_preconditioner(name):
+    """A fit continued by warm_start at another learning_rate_init (the optimizer's step
+    count and second moments go on): the path kernel over a range that straddles the
+    restart equals the sum of J D J^T with D read from torch.optim's own state in a plain
+    replay of the training (not from the trajectory) and the impulse-replayed weights."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(12, 2))
+    y = np.sin(2 * X[:, 0]) + X[:, 1]
+    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=2, batch_size=4, alpha=0.01,
+                            normalize_y=False, tol=None, dtype="float64", random_state=0,
+                            warm_start=True, **SOLVERS[name]).fit(X, y)
+    first = est.trajectory_.n_steps
+    est.set_params(learning_rate_init=0.3 * est.learning_rate_init).fit(X, y)
+    traj = est.trajectory_
+    assert traj.n_steps == 2 * first and traj.learning_rates[-1] < traj.learning_rates[0]
+    module = module_at(est, 0)
+    params = [p for p in module.parameters()]
+    opt = (torch.optim.Adam(params, lr=1.0, betas=(est.beta_1, est.beta_2),
+                            eps=est.epsilon, weight_decay=est.alpha) if name == "adam"
+           else torch.optim.RMSprop(params, lr=1.0, alpha=0.99, eps=est.epsilon,
+                                    weight_decay=est.alpha))
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y).reshape(-1, 1)
+    D = []
+    for t, batch in enumerate(traj.batches):
+        opt.param_groups[0]["lr"] = float(traj.learning_rates[t])
+        opt.zero_grad()
+        rows = torch.as_tensor(batch)
+        (0.5 * (module(Xt[rows]) - yt[rows]).pow(2).mean()).backward()
+        opt.step()
+        v, count = [], None
+        for p in params:
+            state = opt.state[p]
+            if name == "adam":
+                count = float(state["step"])
+                v.append(state["exp_avg_sq"].reshape(-1) / (1 - est.beta_2 ** count))
+            else:
+                v.append(state["square_avg"].reshape(-1))
+        D.append((1.0 / (torch.cat(v).sqrt() + est.epsilon)).numpy())
+    # The replay is the training: it ends where the record ends.
+    end = torch.cat([p.detach().reshape(-1) for p in params])
+    np.testing.assert_allclose(end.numpy(), traj.parameters(-1).numpy(), rtol=0, atol=1e-14)
+    Y = X[:4] - 0.3
+    for start, stop in [(0, None), (first - 2, first + 3)]:
+        points = list(range(len(traj) - 1))[slice(start, stop)]
+        W = _replayed(traj, points[-1] + 1)
+        expected = 0.0
+        for k in points:
+            JX = jacobian_loop(module_at(est, k), X)[:, 0].numpy()
+            JY = jacobian_loop(module_at(est, k), Y)[:, 0].numpy()
+            expected = expected + W[k] * (JX * D[k]) @ JY.T
+        np.testing.assert_allclose(PathKernel(est, start=start, stop=stop)(X, Y), expected,
+                                   rtol=1e-12)

@@ -104,6 +104,12 @@ GROWTH_LIMIT = 10.0
 # scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
 # relative in float32, see replay_error).
 REPLAY_LIMIT = 1e-3
+# The same in float64, whose replays match the record to about 1e-15: 1e-3 let a float64
+# Adam path stored with float16 compression pass silently (replay_error 5.3e-4) while its
+# scores missed the derivative of the training by 4.6e-3 (RMSprop: 2.7e-4 and 7.3e-3;
+# benchmarks/results/exact_audit.md): on adaptive solvers the scores' error is about 9-27
+# times the mismatch of the moves.
+REPLAY_LIMIT_FLOAT64 = 1e-9
 # torch.nn.utils.clip_grad_norm_'s factor is max_norm / (norm + 1e-6).
 CLIP_EPS = 1e-6
 
@@ -153,8 +159,11 @@ class AttributionScores(np.ndarray):
         misses the recorded path, relative: the recorded moves against the modelled
         updates (root of the summed squares over the steps, relative to the moves'); on a
         thinned path also each replayed interval against its next recorded point.
-        Round-off level (1e-6 to 1e-4 in float32) when the record is complete; a
-        warning fires above 1e-3.
+        Round-off level (1e-6 to 1e-4 in float32, about 1e-15 in float64) when the
+        record is complete; a warning fires above 1e-3 in float32, above 1e-9 in
+        float64, and on any path stored with ``trajectory_compression`` (whose rounded
+        points left the scores an error 9-27 times this mismatch on Adam and RMSprop
+        paths).
 
     Parameters
     ----------
@@ -777,18 +786,35 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             UnstablePathWarning, stacklevel=caller_stacklevel(),
         )
     # NaN: a replay through a non-finite recorded point, which matches nothing.
-    if result.replay_error is not None and not result.replay_error <= REPLAY_LIMIT:
+    if result.replay_error is not None and not result.replay_error <= replay_limit(traj):
         thinned = (f" (recorded every {traj.record_every} steps, so also replaying the "
                    "unrecorded steps between recorded points)" if traj.record_every > 1
                    else "")
+        if traj.compression is not None:
+            cause = (f"the path is stored with trajectory_compression="
+                     f"{traj.compression!r}, whose points are rounded steps of the "
+                     "training, so the scores differentiate the rounded path (on Adam "
+                     "and RMSprop paths their error measured 9-27 times this mismatch). Store "
+                     "the path without compression for exact scores.")
+        else:
+            cause = ("the training step depended on something the record does not hold "
+                     "(gradient clipping, a loss, inputs or targets other than the "
+                     "declared ones, a learning-rate schedule inside an interval, "
+                     "randomness), so the scores differentiate another training than the "
+                     "one that happened. Declare the loss and data the optimizer saw, and "
+                     "record every step.")
         warnings.warn(
             f"attribute(method='unrolled'): the training steps as the scores model them "
             f"miss the recorded path by {result.replay_error:.2g} relative "
-            f"(AttributionScores.replay_error){thinned}: the training step depended on "
-            "something the record does not hold (gradient clipping, a loss, inputs or "
-            "targets other than the declared ones, a learning-rate schedule inside an "
-            "interval, randomness), so the scores differentiate another training than "
-            "the one that happened. Declare the loss and data the optimizer saw, and "
-            "record every step.",
+            f"(AttributionScores.replay_error){thinned}: {cause}",
             UserWarning, stacklevel=caller_stacklevel(),
         )
+
+
+def replay_limit(traj: Trajectory) -> float:
+    """The ``replay_error`` above which the scores warn: the dtype's (1e-3 in float32,
+    1e-9 in float64), and 0 for a compressed path, whose rounded points the scores can
+    only differentiate approximately, by an error the mismatch does not bound."""
+    if traj.compression is not None:
+        return 0.0
+    return REPLAY_LIMIT_FLOAT64 if traj.dtype == torch.float64 else REPLAY_LIMIT

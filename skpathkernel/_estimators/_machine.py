@@ -156,7 +156,8 @@ _SHARED_PARAMS_DOC = """
         one rounding of its step of the trained one, and the kernels and
         :meth:`decompose` read the stored path, so ``decompose(...).error`` reports
         what it costs (the contributions follow the stored points' gradients, the
-        reconstruction the stored steps). ``trajectory_.parameters(-1)`` is the stored
+        reconstruction the stored steps), and ``attribute(method="unrolled")`` warns
+        that its scores differentiate the rounded path. ``trajectory_.parameters(-1)`` is the stored
         last point; ``module_`` keeps the trained one.
     random_state : int, RandomState instance or None, default=None
         Seeds the initialization, the batch order and the early-stopping split: the same

@@ -245,6 +245,14 @@ class Trajectory:
         return self._params.series.store.directory if self.storage == "disk" else None
 
     @property
+    def compression(self) -> str | None:
+        """``"float16"`` or ``"bfloat16"`` for an on-disk path whose points are stored as
+        rounded steps (lossy, see ``trajectory_compression``); None when they are exact."""
+        if self.storage != "disk" or self._params.series.delta_dtype is None:
+            return None
+        return dtype_name(self._params.series.delta_dtype)
+
+    @property
     def _store(self):
         return self._params.series.store if self.storage == "disk" else None
 

@@ -36,7 +36,10 @@ __all__ = [
     "TrainingDivergedError",
     "extend_trajectory",
     "make_optimizer",
+    "mode_dependent_layers",
+    "refuse_training_mode_layers",
     "resolve_batch_size",
+    "resume_training_modes",
     "set_learning_rate",
     "train",
     "training_step",
@@ -98,6 +101,50 @@ class DivergenceWarning(ConvergenceWarning):
     >>> any(issubclass(w.category, DivergenceWarning) for w in caught)
     True
     """
+
+
+def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """The layers whose training-mode forward no recorded path describes, and why.
+
+    Dropout (and attention dropout) draws random masks that no recorded point holds;
+    BatchNorm normalises with the statistics of the batch, which mixes its samples, and
+    updates running statistics, buffers that the path does not record. In eval mode each
+    is a fixed per-sample function of the parameters. Listed whatever their mode.
+    """
+    found = []
+    for name, layer in module.named_modules():
+        name = name or "(the module)"
+        if (isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0) or (
+                isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0):
+            found.append((name, layer, "its random masks make each step's gradient, and "
+                                       "no recorded point holds them"))
+        elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+            found.append((name, layer, "it normalises with the batch's own statistics, "
+                                       "which mix the samples of a batch, and updates "
+                                       "running statistics that the path does not record"))
+    return found
+
+
+def refuse_training_mode_layers(module: torch.nn.Module) -> None:
+    """Refuse, before training, a module with a :func:`mode_dependent_layers` layer in
+    training mode: the kernels and the decomposition would describe another training."""
+    for name, layer, why in mode_dependent_layers(module):
+        if layer.training:
+            raise ValueError(
+                f"Layer {name!r} ({layer}) is in training mode: {why}, so neither the "
+                "kernels nor decompose would describe the training. Build it in eval mode "
+                "in the module factory (layer.eval(): BatchNorm then normalises with its "
+                "running statistics, which stay fixed, and dropout draws nothing), or use "
+                "a per-sample layer instead (LayerNorm or GroupNorm; dropout p=0).")
+
+
+def resume_training_modes(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` in the modes a fit trained it in, to continue the path: training mode,
+    except the :func:`mode_dependent_layers` (in eval mode, or the fit was refused)."""
+    module.train()
+    for _, layer, _ in mode_dependent_layers(module):
+        layer.eval()
+    return module
 
 
 def make_optimizer(params, spec: SolverSpec, lr: float) -> FunctionalOptimizer:

@@ -282,6 +282,36 @@ def test_divergence_names_step_and_keeps_previous_fit(regression_data):
     assert_array_equal(est.predict(X), before)
 
 
+class _LogOfInput(torch.nn.Module):
+    """``log(x)`` before a linear layer: NaN on a negative input, whatever the weights."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.out = torch.nn.Linear(n_features, n_outputs)
+
+    def forward(self, x):
+        return self.out(torch.log(x))
+
+
+@pytest.mark.parametrize("case", ["nan-module", "float32-overflow"])
+def test_a_loss_non_finite_before_any_update_does_not_blame_the_learning_rate(
+        regression_data, case):
+    X, y = regression_data
+    if case == "nan-module":
+        est, y_fit = PathKernelMachine(module=_LogOfInput, max_iter=3, random_state=0), y
+        with torch.no_grad():  # the initial network is already NaN on X
+            assert not torch.isfinite(_LogOfInput(3, 1)(torch.as_tensor(X).float())).all()
+    else:  # 0.5 * (1e25)^2 overflows float32 (max 3.4e38) at the first step
+        est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, normalize_y=False,
+                                random_state=0)
+        y_fit = y * 1e25
+        assert not np.isfinite(np.float32(0.5) * np.float32(1e25) ** 2)
+    with pytest.raises(TrainingDivergedError,
+                       match=r"step 0 \(epoch 0\).*initial parameters.*dtype='float64'") as err:
+        est.fit(X, y_fit)
+    assert "smaller learning_rate_init" not in str(err.value)
+
+
 def test_cuda_without_cuda_is_a_clear_error(regression_data, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     X, y = regression_data

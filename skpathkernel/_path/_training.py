@@ -63,6 +63,9 @@ class TrainingDivergedError(ValueError):
     """The training loss, or the parameters, became non-finite.
 
     Raised by ``fit`` and ``partial_fit``; the estimator keeps its previous fit, if any.
+    The message names the optimizer step and suggests a smaller ``learning_rate_init``,
+    or, when the initial network's loss (a new path's step 0) is already non-finite,
+    scaling the data or ``dtype="float64"``.
 
     Examples
     --------
@@ -415,11 +418,13 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
         return batch_losses
 
 
-def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr) -> float:
+def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr,
+                initial: bool = False) -> float:
     """Mean loss over the samples of an epoch; non-finite raises, naming the step.
 
     ``batch_losses``: the epoch's batch losses (0-d tensors); ``sizes``: the batch sizes
-    in the losses' dtype; ``total``: their sum (the samples).
+    in the losses' dtype; ``total``: their sum (the samples); ``initial``: step 0 is the
+    path's first (see :func:`_raise_diverged`).
     """
     # Weighted by batch size so that the epoch loss is the mean over samples: each loss
     # times its batch size in the loss's dtype, summed in float64.
@@ -442,7 +447,7 @@ def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr) -> float:
     if not math.isfinite(loss):
         bad = [i for i, v in enumerate(terms) if not math.isfinite(float(v))]
         if bad:
-            _raise_diverged(first_step + bad[0], epoch, lr)
+            _raise_diverged(first_step + bad[0], epoch, lr, initial)
     return loss / total
 
 
@@ -565,7 +570,8 @@ def train(
         order = torch.randperm(n, generator=generator) if shuffle and B < n else rows
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
                                   gradient, sample_weight)
-        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr)
+        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr,
+                                 initial=resume is None)
         step += steps_per_epoch
         seen += n
         loss_curve.append(epoch_loss)
@@ -705,7 +711,18 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
     )
 
 
-def _raise_diverged(step: int, epoch: int, lr: float):
+def _raise_diverged(step: int, epoch: int, lr: float, initial: bool = False):
+    """``initial``: the path starts at this fit's first step (no ``warm_start`` or
+    ``partial_fit`` continuation), whose loss is the initial network's."""
+    if initial and step == 0:
+        # Evaluated before the first update: no step size could have avoided it.
+        raise TrainingDivergedError(
+            "Training diverged: the loss was non-finite at optimizer step 0 (epoch 0), at "
+            "the initial parameters, before any update: the network's outputs or the loss "
+            "overflow on these inputs and targets, or the module returns NaN or inf. "
+            "Scale X (e.g. StandardScaler), keep normalize_y=True for regression targets, "
+            "or use dtype='float64'."
+        )
     raise TrainingDivergedError(
         f"Training diverged: the loss or the parameters became non-finite at optimizer "
         f"step {step} (epoch {epoch}). Try a smaller learning_rate_init (it was {lr:g})."

@@ -16,9 +16,11 @@ def check_column_names(estimator, X) -> None:
     For the functions that read a fitted network without the estimator's own validation
     (kernels, displays): the estimator's verbs refuse such an ``X``, and taking its
     columns by position would compute on the wrong features. Unnamed arrays (what SVC
-    and GaussianProcessRegressor hand a kernel) pass without the verbs' warning.
+    and GaussianProcessRegressor hand a kernel), and any ``X`` for an estimator fitted
+    without names (a ``RecordedNetwork``), pass without the verbs' warnings.
     """
-    if _get_feature_names(X) is not None:
+    if (getattr(estimator, "feature_names_in_", None) is not None
+            and _get_feature_names(X) is not None):
         _check_feature_names(estimator, X, reset=False)
 
 

@@ -339,3 +339,14 @@ def test_dataframe_columns_are_checked_against_the_fit_feature_names(kernel):
         # SVC hands the kernel NumPy arrays: no warning about their lack of names.
         warnings.simplefilter("error")
         SVC(kernel=est.tangent_kernel_).fit(df, y > np.median(y))
+
+
+def test_a_dataframe_for_an_estimator_fitted_without_names_is_taken_silently():
+    # As its verbs take it (a RecordedNetwork holds no feature names): no warning.
+    X, y = _data(n=8, d=3)
+    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(X, y)
+    df = pd.DataFrame(X, columns=["a", "b", "c"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(TangentKernel(est)(df), TangentKernel(est)(X))

@@ -1,12 +1,27 @@
-"""Checks of scalar arguments shared by the public classes."""
+"""Checks of arguments shared by the public classes."""
 
 from __future__ import annotations
 
 import operator
 
 import numpy as np
+from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_index"]
+__all__ = ["check_column_names", "check_index"]
+
+
+def check_column_names(estimator, X) -> None:
+    """Refuse named columns (a DataFrame) other than the fit's, in the fit's order.
+
+    For the functions that read a fitted network without the estimator's own validation
+    (kernels, displays): the estimator's verbs refuse such an ``X``, and taking its
+    columns by position would compute on the wrong features. Unnamed arrays (what SVC
+    and GaussianProcessRegressor hand a kernel), and any ``X`` for an estimator fitted
+    without names (a ``RecordedNetwork``), pass without the verbs' warnings.
+    """
+    if (getattr(estimator, "feature_names_in_", None) is not None
+            and _get_feature_names(X) is not None):
+        _check_feature_names(estimator, X, reset=False)
 
 
 def check_index(value, name: str, *, n: int | None = None, allow_none: bool = False):

@@ -52,7 +52,7 @@ from ._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
-from ._validation import check_index
+from ._validation import check_column_names, check_index
 from ._warnings import caller_stacklevel
 
 __all__ = [
@@ -68,7 +68,8 @@ __all__ = [
 # --------------------------------------------------------------------------- helpers
 # Every function below takes the fitted network (a TrainedNetwork, from network_of): the
 # public functions and the kernels' __call__ resolve it once per call.
-def _validate(net: TrainedNetwork, X, name="X"):
+def _validate(estimator, net: TrainedNetwork, X, name="X"):
+    check_column_names(estimator, X)
     # The network's input form: 2-D features, or (n, ...) arrays and token ids, which
     # also come as flat rows of n_features_in_ values (GaussianProcessRegressor and
     # KernelRidge only pass 2-D arrays).
@@ -306,8 +307,8 @@ def step_kernel(
     # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
     # whatever X is.
     net = network_of(estimator)
-    X = _validate(net, X)
-    Y = None if Y is None else _validate(net, Y, "Y")
+    X = _validate(estimator, net, X)
+    Y = None if Y is None else _validate(estimator, net, Y, "Y")
     return _step_gram(net, X, Y, step, output, preconditioned, normalized)
 
 
@@ -690,8 +691,8 @@ class _NetworkKernel(Kernel):
         self._check_params()
         _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
-        X = _validate(net, X)
-        Y = None if Y is None else _validate(net, Y, "Y")
+        X = _validate(self.estimator, net, X)
+        Y = None if Y is None else _validate(self.estimator, net, Y, "Y")
         work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
         with limit_torch_threads(kernel_threads(work)):
             K = self._bind(net)._gram_blocks(X, Y)
@@ -716,7 +717,7 @@ class _NetworkKernel(Kernel):
         self._check_params()
         _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
-        X = _validate(net, X)
+        X = _validate(self.estimator, net, X)
         d = self._bind(net)._diag_blocks(X)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a

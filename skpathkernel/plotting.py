@@ -21,6 +21,7 @@ nothing without it.
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 from sklearn.decomposition import KernelPCA
@@ -31,6 +32,7 @@ from sklearn.utils.validation import check_array
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
 from ._network._trained import network_of
+from ._validation import check_column_names
 from .kernels import PathKernel, step_kernel
 
 __all__ = [
@@ -252,6 +254,7 @@ class KernelMatrixDisplay:
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
         net = network_of(estimator)
+        check_column_names(estimator, X)
         X = net.check(X)
         order = np.arange(X.shape[0])
         if y is not None:
@@ -422,9 +425,17 @@ class KernelNeighborsDisplay:
                 "KernelNeighborsDisplay draws 2-D inputs; the estimator's inputs have shape "
                 f"(n_samples, {', '.join(map(str, X.shape[1:]))})."
             )
-        anchors = check_array(anchors, dtype=np.float64)
-        y = _labels(estimator.predict(X) if y is None else y, X.shape[0],
-                    "y (default: the estimator's predictions on X_fit_)")
+        check_column_names(estimator, anchors)
+        # As given to kneighbors, which checks their names (and warns on an array's lack
+        # of them when the fit had names).
+        queries, anchors = anchors, check_array(anchors, dtype=np.float64)
+        if y is None:
+            with warnings.catch_warnings():
+                # X_fit_ is the fit's own data, kept without its column names.
+                warnings.filterwarnings("ignore", "X does not have valid feature names",
+                                        UserWarning)
+                y = estimator.predict(X)
+        y = _labels(y, X.shape[0], "y (default: the estimator's predictions on X_fit_)")
         if kernel == "euclidean":
             if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= len(X):
                 raise ValueError(f"n_neighbors must be an integer in [1, {len(X)}].")
@@ -432,7 +443,7 @@ class KernelNeighborsDisplay:
             neighbors = np.argsort(d, axis=1, kind="stable")[:, :n_neighbors]
             title = f"{n_neighbors} nearest training points, Euclidean"
         else:
-            neighbors = estimator.kneighbors(anchors, n_neighbors, kernel=kernel, step=step,
+            neighbors = estimator.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
                                              normalized=normalized, return_distance=False)
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, len(net.trajectory))}")
@@ -560,6 +571,8 @@ class KernelEvolutionDisplay:
         display : KernelEvolutionDisplay
         """
         net = network_of(estimator)
+        for values in (x, Y):
+            check_column_names(estimator, values)
         shape, kind = net.input_shape, net.input_kind
         if kind == FEATURES:
             x = check_array(np.asarray(x, dtype=np.float64).reshape(1, -1))
@@ -695,6 +708,8 @@ class RankGapDisplay:
         display : RankGapDisplay
         """
         net = network_of(estimator)
+        for values in (X_train, X_test):
+            check_column_names(estimator, values)
         X_train = net.check(X_train, "X_train")
         X_test = net.check(X_test, "X_test")
         X = np.concatenate([X_train, X_test])
@@ -859,6 +874,7 @@ class TangentEmbeddingDisplay:
         display : TangentEmbeddingDisplay
         """
         net = network_of(estimator)
+        check_column_names(estimator, X)
         X = net.check(X)
         if y is not None:
             y = _labels(y, X.shape[0])

@@ -1,8 +1,10 @@
 """TangentKernel / PathKernel against explicit sums of per-sample-loop Grams."""
 
 import pickle
+import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 from _reference import jacobian_loop, module_at
 from sklearn.base import clone
@@ -310,3 +312,41 @@ def test_a_small_kernel_runs_on_one_thread_and_restores_the_callers(cls, monkeyp
     if cls is TangentKernel:
         J5, J = (_loop_jacobian(est, -1, Z)[:, 0] for Z in (X[:5], X))
         np.testing.assert_allclose(small, J5 @ J.T, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", [TangentKernel, PathKernel, lambda est: step_kernel],
+                         ids=["TangentKernel", "PathKernel", "step_kernel"])
+def test_dataframe_columns_are_checked_against_the_fit_feature_names(kernel):
+    # A DataFrame whose columns are in another order than at fit is another input: the
+    # estimator's verbs refuse it, and so must its kernels (they computed on the
+    # columns by position, a silently wrong Gram).
+    X, y = _data(n=8, d=3)
+    df = pd.DataFrame(X, columns=["a", "b", "c"])
+    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(df, y)
+    k = kernel(est)
+    call = (lambda Z, W=None: k(est, Z, W)) if k is step_kernel else k
+    J = jacobian_loop(module_at(est, -1), X)[:, 0]
+    if kernel is TangentKernel:  # against the autograd loop: K = J J^T
+        np.testing.assert_allclose(call(df), (J @ J.T).numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(call(df), call(X))  # the names in order change nothing
+    for bad in (df[["c", "b", "a"]], df.rename(columns={"a": "z"})):
+        with pytest.raises(ValueError, match="feature names"):
+            call(bad)
+        with pytest.raises(ValueError, match="feature names"):
+            call(X, bad)
+    with warnings.catch_warnings():
+        # SVC hands the kernel NumPy arrays: no warning about their lack of names.
+        warnings.simplefilter("error")
+        SVC(kernel=est.tangent_kernel_).fit(df, y > np.median(y))
+
+
+def test_a_dataframe_for_an_estimator_fitted_without_names_is_taken_silently():
+    # As its verbs take it (a RecordedNetwork holds no feature names): no warning.
+    X, y = _data(n=8, d=3)
+    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(X, y)
+    df = pd.DataFrame(X, columns=["a", "b", "c"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(TangentKernel(est)(df), TangentKernel(est)(X))

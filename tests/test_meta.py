@@ -11,6 +11,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from _reference import features_loop
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
@@ -98,6 +99,20 @@ def test_a_frozen_trainer_reads_the_x_it_is_given(circle):
         TangentFeatures(FrozenEstimator(clf)).fit(X[:, :1], y)
     with pytest.raises(NotFittedError):
         TangentFeatureSVM(FrozenEstimator(PathKernelClassifier())).fit(X, y)
+
+
+def test_tangent_features_of_a_frozen_trainer_need_no_y(circle):
+    # y is ignored with a FrozenEstimator: an unsupervised pipeline (fit(X), no y) on the
+    # features of a fitted network must run, and give the network's own features.
+    X, y = circle
+    clf = PathKernelClassifier(**SMALL).fit(X, y)
+    phi = make_pipeline(TangentFeatures(FrozenEstimator(clf))).fit_transform(X[:9])
+    np.testing.assert_allclose(phi, features_loop(clf.module_, X[:9]), rtol=1e-10,
+                               atol=1e-12)
+    assert TangentFeatures(FrozenEstimator(clf)).fit(X).estimator_ is clf
+    # A trainer that is trained needs y: sklearn's error, not a TypeError.
+    with pytest.raises(ValueError, match="requires y.*FrozenEstimator"):
+        TangentFeatures(PathKernelClassifier(**SMALL)).fit(X)
 
 
 def test_grid_search_reaches_the_network_through_estimator(circle):

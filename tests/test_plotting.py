@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import matplotlib
 
@@ -9,6 +10,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 import pytest
 from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
@@ -284,3 +286,35 @@ def test_displays_refuse_label_sets_with_a_clear_error():
         TangentEmbeddingDisplay.from_estimator(est, X, Y, method="pca")
     with pytest.raises(ValueError, match="pass one label column"):
         KernelMatrixDisplay.from_estimator(est, X, Y)
+
+
+def test_displays_refuse_dataframe_columns_other_than_the_fit():
+    # The estimator's verbs refuse columns renamed or reordered since fit; the displays
+    # took them by position and drew the kernel of other features.
+    rng = np.random.RandomState(1)
+    df = pd.DataFrame(rng.uniform(-1, 1, size=(30, 2)), columns=["u", "v"])
+    y = np.where(df.u * df.v > 0, 1, -1)
+    clf = PathKernelClassifier(hidden_layer_sizes=(5,), max_iter=2, tol=None, dtype="float64",
+                               random_state=0).fit(df, y)
+    calls = {
+        "matrix": lambda Z: KernelMatrixDisplay.from_estimator(clf, Z.iloc[:8]),
+        "neighbors": lambda Z: KernelNeighborsDisplay.from_estimator(clf, Z.iloc[:2],
+                                                                      n_neighbors=5),
+        "evolution": lambda Z: KernelEvolutionDisplay.from_estimator(clf, Z.iloc[:1],
+                                                                      Z.iloc[:6]),
+        "rank gap": lambda Z: RankGapDisplay.from_estimator(clf, Z.iloc[:20], Z.iloc[20:]),
+        "embedding": lambda Z: TangentEmbeddingDisplay.from_estimator(clf, Z, y=y),
+    }
+    for call in calls.values():
+        with warnings.catch_warnings():
+            # Nothing to warn about (the neighbors display predicted on X_fit_, which has
+            # lost its names, and warned that X has none).
+            warnings.simplefilter("error")
+            call(df)  # the fit's columns, in order
+        for bad in (df[["v", "u"]], df.set_axis(["u", "w"], axis=1)):
+            with pytest.raises(ValueError, match="feature names"):
+                call(bad)
+    # The matrix drawn from the DataFrame is the autograd loop's Gram of its values.
+    shown = KernelMatrixDisplay.from_estimator(clf, df.iloc[:8]).kernel_matrix
+    np.testing.assert_allclose(shown, _loop_gram(clf, -1, df.to_numpy()[:8].copy()), rtol=1e-10,
+                               atol=1e-12)

@@ -234,19 +234,31 @@ def test_groups_that_differ_in_momentum_are_refused():
         PathRecorder(module, torch.optim.Adam(groups, lr=0.01))
 
 
-def test_dropout_in_training_mode_is_refused_naming_the_layer(problem):
+def _batch_norm_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.BatchNorm1d(16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+
+
+@pytest.mark.parametrize("make, layer", [
+    (lambda: _mlp(dropout=0.2), r"layer '2' \(Dropout\(p=0.2.*random masks"),
+    (_batch_norm_mlp, r"layer '1' \(BatchNorm1d.*batch's own statistics"),
+], ids=["dropout", "batchnorm"])
+def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(problem, make,
+                                                                          layer):
     X, y, Xq = problem
-    module = _mlp(dropout=0.2)
+    module = make()
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     rec = PathRecorder(module, opt, n_samples=N)
     idx = np.arange(8)
     _loss(module(X[idx]), y[idx]).backward()
     rec.set_batch(idx)
-    with pytest.raises(RuntimeError, match=r"layer '2' \(Dropout\(p=0.2.*eval"):
+    with pytest.raises(RuntimeError, match=layer + ".*eval"):
         opt.step()
     rec.close()
-    # In eval mode the same network records and decomposes exactly.
-    module = _mlp(dropout=0.2).eval()
+    # In eval mode (no mask drawn; BatchNorm's running statistics fixed) the same network
+    # records and decomposes exactly.
+    module = make().eval()
     opt = torch.optim.SGD(module.parameters(), lr=0.5)
     with PathRecorder(module, opt, n_samples=N) as rec:
         for idx in _batches()[:4]:

@@ -367,16 +367,28 @@ def test_bad_input_is_refused_before_any_work_and_changes_nothing():
         net.attribute(X[:2], method="unrolled")
 
 
-def test_dropout_is_refused_naming_the_layer():
-    def with_dropout(n_features, n_outputs):
-        return torch.nn.Sequential(torch.nn.Linear(n_features, 8), torch.nn.Tanh(),
-                                   torch.nn.Dropout(0.2), torch.nn.Linear(8, n_outputs))
+def _with(layer):
+    def factory(n_features, n_outputs):
+        return torch.nn.Sequential(torch.nn.Linear(n_features, 8), torch.nn.Tanh(), layer(),
+                                   torch.nn.Linear(8, n_outputs))
+    return factory
 
+
+def test_eval_mode_dropout_is_unrolled_and_training_mode_refused_naming_the_layer():
+    # fit trains a dropout layer only in eval mode (refused otherwise), where it draws
+    # nothing: its path is the network's without it, and so are the scores.
     X, y = _regression()
-    est = PathKernelMachine(module=with_dropout, max_iter=2, batch_size=8, tol=None,
-                            random_state=0).fit(X, y)
-    with pytest.raises(ValueError, match=r"\['2'\].*dropout"):
-        est.attribute(X[:2], method="unrolled")
+    kw = dict(max_iter=2, batch_size=8, tol=None, dtype="float64", random_state=0)
+    est = PathKernelMachine(module=_with(lambda: torch.nn.Dropout(0.2).eval()), **kw).fit(X, y)
+    plain = PathKernelMachine(module=_with(torch.nn.Identity), **kw).fit(X, y)
+    scores = est.attribute(X[:2], method="unrolled")
+    np.testing.assert_allclose(scores, plain.attribute(X[:2], method="unrolled"),
+                               rtol=1e-12, atol=1e-15)
+    # A network handed over with the layer in training mode would draw masks in the replay.
+    net = RecordedNetwork(copy.deepcopy(est.module_).train(), est.trajectory_,
+                          X_train=X, y_train=y)
+    with pytest.raises(ValueError, match=r"\['2'\].*training mode.*dropout"):
+        net.attribute(X[:2], method="unrolled")
 
 
 def test_scores_pickle_with_their_measurements():

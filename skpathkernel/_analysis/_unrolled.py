@@ -87,6 +87,7 @@ from torch.func import functional_call, grad, vmap
 
 from .._memory import rows_per_block
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
+from .._path._training import mode_dependent_layers
 from .._path._trajectory import Trajectory
 from .._warnings import caller_stacklevel, worse, worst
 
@@ -343,13 +344,15 @@ def _batch_sizes(traj: Trajectory) -> np.ndarray:
 
 def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
     """Refuse, before any work, a path the unrolled derivative cannot be taken along."""
-    random = [name or "(the module)" for name, layer in module.named_modules()
-              if isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0]
-    if random:
+    # In eval mode they are what the path was trained with: fit and PathRecorder refuse
+    # them in training mode.
+    moving = [name for name, layer, _ in mode_dependent_layers(module) if layer.training]
+    if moving:
         raise ValueError(
-            f"method='unrolled' replays every training step, but the layer(s) {random[:3]} "
-            "(dropout) made each step depend on random masks that the recorded path does "
-            "not hold. Train without dropout (p=0) for counterfactual scores.")
+            f"method='unrolled' replays every training step, but the layer(s) {moving[:3]} "
+            "are in training mode, where dropout draws random masks and BatchNorm mixes "
+            "the batch, which the recorded path does not hold. Put the module in eval mode "
+            "(module.eval()) as it was trained.")
     spec = traj.solver_spec
     if spec.name not in _SOLVERS:
         raise ValueError(f"method='unrolled' supports the solvers {sorted(_SOLVERS)}; the "

@@ -51,7 +51,14 @@ from .._network._trained import TrainedNetwork, module_outputs, network_of, outp
 from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._losses import LOSSES
 from .._path._storage import DiskArray, dtype_name
-from .._path._training import extend_trajectory, resolve_batch_size, train, training_threads
+from .._path._training import (
+    extend_trajectory,
+    refuse_training_mode_layers,
+    resolve_batch_size,
+    resume_training_modes,
+    train,
+    training_threads,
+)
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
@@ -587,6 +594,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is None:
             device, dtype = resolve_device(self.device), resolve_dtype(self.dtype)
             module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
+            refuse_training_mode_layers(module)
             if spec["module"] is not None:
                 # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its
                 # initial weights in this first forward pass. On all of X: the held-out
@@ -595,8 +603,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                     probe_module(module, X_all, dtype=dtype, device=device)
         else:
             device, dtype = previous.torch_device, previous.torch_dtype
-            # A copy: a fit that fails leaves the fitted network as it was.
-            module = copy.deepcopy(previous.module).train()
+            # A copy: a fit that fails leaves the fitted network as it was. The fitted
+            # module is in eval mode: back in the modes it was trained in.
+            module = resume_training_modes(copy.deepcopy(previous.module))
         if self.early_stopping:
             validation = _validation_scorer(
                 X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,

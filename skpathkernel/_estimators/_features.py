@@ -152,7 +152,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
                 else "regression")
 
     @keep_previous_fit_on_error
-    def fit(self, X, y, sample_weight=None):
+    def fit(self, X, y=None, sample_weight=None):
         """Fit the network trainer on (X, y), recording its path.
 
         Parameters
@@ -160,9 +160,10 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             2-D for the default MLP; with a trainer's ``module``, any
             ``(n_samples, ...)`` array: floats, or integer token ids.
-        y : array-like of shape (n_samples,) or (n_samples, n_outputs)
-            Regression targets or class labels (see ``estimator``); ignored with a
-            ``FrozenEstimator``.
+        y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
+            Regression targets or class labels (see ``estimator``), required unless the
+            trainer is a ``FrozenEstimator``, which ignores it (``fit(X)`` in an
+            unsupervised pipeline).
         sample_weight : array-like of shape (n_samples,), default=None
             Passed to the trainer's ``fit`` (see :meth:`PathKernelMachine.fit`);
             validated, and otherwise unused, with a ``FrozenEstimator``.
@@ -172,6 +173,12 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         self : TangentFeatures
         """
         self._validate_params()
+        if y is None and self._y_required(self._trainer()[1]):
+            raise ValueError(
+                "TangentFeatures requires y to be passed, but the target y is None: its "
+                "trainer is fitted on (X, y), class labels or regression targets (pass "
+                "pipeline.fit(X, y)); wrap a fitted trainer in "
+                "sklearn.frozen.FrozenEstimator to take its network's features without y.")
         # The second draw: a default trainer seeded with the same random_state takes the
         # first for its initialization, and the directions must differ from it.
         seed = int(check_random_state(self.random_state).randint(2**31 - 1, size=2)[1])
@@ -233,6 +240,10 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             return super().get_feature_names_out(input_features)
         prefix = type(self).__name__.lower()
         return np.asarray([f"{prefix}{k}" for k in range(self.n_components)], dtype=object)
+
+    def _y_required(self, frozen: bool) -> bool:
+        # A frozen trainer is not trained: y is ignored.
+        return not frozen
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

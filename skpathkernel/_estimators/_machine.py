@@ -38,7 +38,10 @@ _SHARED_PARAMS_DOC = """
         Guo, He & Morel (2026) used.
     module : callable, default=None
         ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
-        Any module without cross-sample state (no BatchNorm in train mode) works. It is
+        Any module without cross-sample state and random draws works: a BatchNorm or
+        dropout layer in training mode is refused, naming it (build it in eval mode:
+        BatchNorm then normalises with its running statistics, kept fixed; warm starts
+        and ``partial_fit`` keep those modes). It is
         called with torch's global RNG seeded from ``random_state`` (and restored after).
         With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
         ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer

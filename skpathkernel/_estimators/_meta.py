@@ -142,6 +142,10 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     def _check_targets(self, y) -> None:
         """Refuse targets before any training (the trainer checks them otherwise)."""
 
+    def _y_required(self, frozen: bool) -> bool:
+        """Whether ``fit`` needs ``y``, given whether the trainer is frozen."""
+        return self.__sklearn_tags__().target_tags.required
+
     def _fit_trainer(self, X, y, *, target=None, sample_weight=None):
         """Validate ``X`` (and ``y``) here, then fit a clone of the trainer on them.
 
@@ -155,7 +159,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         inner, frozen = self._trainer()
         if frozen:
             net = network_of(inner)  # NotFittedError for a frozen unfitted trainer
-            X, y = self._validate_like_network(X, y, net)
+            X, y = self._validate_like_network(X, y, net, frozen=True)
             self._check_targets(y)
             self.estimator_, self.X_fit_ = inner, X
             return X, y, True, _check_weights(sample_weight, X)
@@ -173,18 +177,18 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
         return X, y, False, sample_weight
 
-    def _validate_fit_data(self, X, y, *, flexible):
+    def _validate_fit_data(self, X, y, *, flexible, frozen=False):
         checks = dict(reset=True, flexible=flexible,
                       ensure_min_samples=FIT_CHECKS["ensure_min_samples"])
-        if y is None and not self.__sklearn_tags__().target_tags.required:
+        if y is None and not self._y_required(frozen):
             return validate_input(self, X, **checks), None
         reject_sparse_y(y)
         return validate_input(self, X, y, multi_output=True, **checks)
 
-    def _validate_like_network(self, X, y, net):
+    def _validate_like_network(self, X, y, net, frozen=False):
         """``X`` (and ``y``) validated for a fitted network: its input form, its dtype."""
         shape, kind = net.input_shape, net.input_kind
-        X, y = self._validate_fit_data(X, y, flexible=kind != FEATURES)
+        X, y = self._validate_fit_data(X, y, flexible=kind != FEATURES, frozen=frozen)
         check_representable(X, net.torch_dtype)
         if kind == FEATURES and X.shape[1] != net.n_features_in:
             raise ValueError(

@@ -32,9 +32,11 @@ What happens between ``backward()`` and ``optimizer.step()`` is checked at every
 recorded (:attr:`Trajectory.gradient_scales <skpathkernel.Trajectory.gradient_scales>`)
 so that the per-point split stays exact; a change that is not one factor for every
 parameter (``clip_grad_value_``, gradient noise, custom gradient surgery) is refused
-before the step, as is dropout in training mode (its masks are random draws the
-decomposition cannot replay). ``torch.amp.GradScaler``: pass it as ``grad_scaler``;
-skipped steps are not optimizer steps and are not recorded, and the scale is undone.
+before the step, as are dropout in training mode (its masks are random draws the
+decomposition cannot replay) and BatchNorm in training mode (it mixes the samples of a
+batch and updates running statistics that the path does not record).
+``torch.amp.GradScaler``: pass it as ``grad_scaler``; skipped steps are not optimizer
+steps and are not recorded, and the scale is undone.
 Under ``torch.nn.parallel.DistributedDataParallel`` every rank declares its shard and
 one rank records the global batch: see the user guide, "Training on several processes".
 
@@ -61,6 +63,7 @@ from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork
 from ..kernels import NetworkKernelsMixin
+from ._training import mode_dependent_layers
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder, mean_batch_weights
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
@@ -196,10 +199,10 @@ class PathRecorder:
         The network, called as ``module(X)`` on a tensor of inputs of shape
         ``(n_samples, ...)`` (floats, or int64 token ids). Its parameters
         that the optimizer updates are recorded (in ``named_parameters`` order); it must
-        have no cross-sample state (no BatchNorm in train mode) and no dropout in
-        training mode (refused at the step, naming the layer) for the kernels and the
-        decomposition to describe it. A ``DistributedDataParallel`` module is recorded
-        through its ``.module``.
+        have no cross-sample state and no random draws in training mode (BatchNorm and
+        dropout in training mode are refused at the step, naming the layer) for the
+        kernels and the decomposition to describe it. A ``DistributedDataParallel``
+        module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
         see :func:`solver_spec_from_optimizer` for what is refused.
@@ -360,8 +363,7 @@ class PathRecorder:
         self._param_groups = [group_of[id(p)] for p in params]
         wds = [_as_float(g.get("weight_decay", 0.0)) for g in groups]
         self._group_wds = wds if len(set(wds)) > 1 else None
-        self._dropouts = [(n, m) for n, m in inner.named_modules()
-                          if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+        self._mode_layers = mode_dependent_layers(inner)
         self._step = 0
         self._pending = None
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
@@ -465,13 +467,12 @@ class PathRecorder:
                        f"learning rate changed: {self._hyper} became "
                        f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
                        "use cycle_momentum=False).")
-        for name, layer in self._dropouts:
+        for name, layer, why in self._mode_layers:
             if layer.training:
                 self._fail(
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
-                    "mode: its random masks made this step's gradient, and the "
-                    "decomposition cannot replay them. Train with that layer in eval mode "
-                    "(layer.eval()) or p=0, or record without it.")
+                    f"mode: {why}, and the decomposition cannot replay this step. Train "
+                    "with that layer in eval mode (layer.eval()), or record without it.")
         scale = self._gradient_scale(step)
         if self._world > 1:
             batch, weights = self._gather(step)

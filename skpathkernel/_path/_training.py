@@ -36,7 +36,10 @@ __all__ = [
     "TrainingDivergedError",
     "extend_trajectory",
     "make_optimizer",
+    "mode_dependent_layers",
+    "refuse_training_mode_layers",
     "resolve_batch_size",
+    "resume_training_modes",
     "set_learning_rate",
     "train",
     "training_step",
@@ -60,6 +63,9 @@ class TrainingDivergedError(ValueError):
     """The training loss, or the parameters, became non-finite.
 
     Raised by ``fit`` and ``partial_fit``; the estimator keeps its previous fit, if any.
+    The message names the optimizer step and suggests a smaller ``learning_rate_init``,
+    or, when the initial network's loss (a new path's step 0) is already non-finite,
+    scaling the data or ``dtype="float64"``.
 
     Examples
     --------
@@ -98,6 +104,50 @@ class DivergenceWarning(ConvergenceWarning):
     >>> any(issubclass(w.category, DivergenceWarning) for w in caught)
     True
     """
+
+
+def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """The layers whose training-mode forward no recorded path describes, and why.
+
+    Dropout (and attention dropout) draws random masks that no recorded point holds;
+    BatchNorm normalises with the statistics of the batch, which mixes its samples, and
+    updates running statistics, buffers that the path does not record. In eval mode each
+    is a fixed per-sample function of the parameters. Listed whatever their mode.
+    """
+    found = []
+    for name, layer in module.named_modules():
+        name = name or "(the module)"
+        if (isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0) or (
+                isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0):
+            found.append((name, layer, "its random masks make each step's gradient, and "
+                                       "no recorded point holds them"))
+        elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+            found.append((name, layer, "it normalises with the batch's own statistics, "
+                                       "which mix the samples of a batch, and updates "
+                                       "running statistics that the path does not record"))
+    return found
+
+
+def refuse_training_mode_layers(module: torch.nn.Module) -> None:
+    """Refuse, before training, a module with a :func:`mode_dependent_layers` layer in
+    training mode: the kernels and the decomposition would describe another training."""
+    for name, layer, why in mode_dependent_layers(module):
+        if layer.training:
+            raise ValueError(
+                f"Layer {name!r} ({layer}) is in training mode: {why}, so neither the "
+                "kernels nor decompose would describe the training. Build it in eval mode "
+                "in the module factory (layer.eval(): BatchNorm then normalises with its "
+                "running statistics, which stay fixed, and dropout draws nothing), or use "
+                "a per-sample layer instead (LayerNorm or GroupNorm; dropout p=0).")
+
+
+def resume_training_modes(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` in the modes a fit trained it in, to continue the path: training mode,
+    except the :func:`mode_dependent_layers` (in eval mode, or the fit was refused)."""
+    module.train()
+    for _, layer, _ in mode_dependent_layers(module):
+        layer.eval()
+    return module
 
 
 def make_optimizer(params, spec: SolverSpec, lr: float) -> FunctionalOptimizer:
@@ -368,11 +418,13 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
         return batch_losses
 
 
-def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr) -> float:
+def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr,
+                initial: bool = False) -> float:
     """Mean loss over the samples of an epoch; non-finite raises, naming the step.
 
     ``batch_losses``: the epoch's batch losses (0-d tensors); ``sizes``: the batch sizes
-    in the losses' dtype; ``total``: their sum (the samples).
+    in the losses' dtype; ``total``: their sum (the samples); ``initial``: step 0 is the
+    path's first (see :func:`_raise_diverged`).
     """
     # Weighted by batch size so that the epoch loss is the mean over samples: each loss
     # times its batch size in the loss's dtype, summed in float64.
@@ -395,7 +447,7 @@ def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr) -> float:
     if not math.isfinite(loss):
         bad = [i for i, v in enumerate(terms) if not math.isfinite(float(v))]
         if bad:
-            _raise_diverged(first_step + bad[0], epoch, lr)
+            _raise_diverged(first_step + bad[0], epoch, lr, initial)
     return loss / total
 
 
@@ -518,7 +570,8 @@ def train(
         order = torch.randperm(n, generator=generator) if shuffle and B < n else rows
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
                                   gradient, sample_weight)
-        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr)
+        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr,
+                                 initial=resume is None)
         step += steps_per_epoch
         seen += n
         loss_curve.append(epoch_loss)
@@ -658,7 +711,18 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
     )
 
 
-def _raise_diverged(step: int, epoch: int, lr: float):
+def _raise_diverged(step: int, epoch: int, lr: float, initial: bool = False):
+    """``initial``: the path starts at this fit's first step (no ``warm_start`` or
+    ``partial_fit`` continuation), whose loss is the initial network's."""
+    if initial and step == 0:
+        # Evaluated before the first update: no step size could have avoided it.
+        raise TrainingDivergedError(
+            "Training diverged: the loss was non-finite at optimizer step 0 (epoch 0), at "
+            "the initial parameters, before any update: the network's outputs or the loss "
+            "overflow on these inputs and targets, or the module returns NaN or inf. "
+            "Scale X (e.g. StandardScaler), keep normalize_y=True for regression targets, "
+            "or use dtype='float64'."
+        )
     raise TrainingDivergedError(
         f"Training diverged: the loss or the parameters became non-finite at optimizer "
         f"step {step} (epoch {epoch}). Try a smaller learning_rate_init (it was {lr:g})."

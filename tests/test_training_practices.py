@@ -241,7 +241,7 @@ def _batch_norm_mlp():
 
 
 @pytest.mark.parametrize("make, layer", [
-    (lambda: _mlp(dropout=0.2), r"layer '2' \(Dropout\(p=0.2.*random masks"),
+    (lambda: _mlp(dropout=0.2), r"layer '2' \(Dropout\(p=0.2.*random draws"),
     (_batch_norm_mlp, r"layer '1' \(BatchNorm1d.*batch's own statistics"),
 ], ids=["dropout", "batchnorm"])
 def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(problem, make,

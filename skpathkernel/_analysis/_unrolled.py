@@ -108,8 +108,9 @@ REPLAY_LIMIT = 1e-3
 # The same in float64, whose replays match the record to about 1e-15: 1e-3 let a float64
 # Adam path stored with float16 compression pass silently (replay_error 5.3e-4) while its
 # scores missed the derivative of the training by 4.6e-3 (RMSprop: 2.7e-4 and 7.3e-3;
-# benchmarks/results/exact_audit.md): on adaptive solvers the scores' error is about 9-27
-# times the mismatch of the moves.
+# benchmarks/results/exact_audit.md). The mismatch does not bound the scores' error either
+# way: 9-27 times it on those paths, 130-400 times below it on others (a review's SGD,
+# momentum and Adam paths), so a compressed path always warns.
 REPLAY_LIMIT_FLOAT64 = 1e-9
 # torch.nn.utils.clip_grad_norm_'s factor is max_norm / (norm + 1e-6).
 CLIP_EPS = 1e-6
@@ -163,8 +164,8 @@ class AttributionScores(np.ndarray):
         Round-off level (1e-6 to 1e-4 in float32, about 1e-15 in float64) when the
         record is complete; a warning fires above 1e-3 in float32, above 1e-9 in
         float64, and on any path stored with ``trajectory_compression`` (whose rounded
-        points left the scores an error 9-27 times this mismatch on Adam and RMSprop
-        paths).
+        points left the scores an error from 1/400 to 27 times this mismatch on the paths
+        measured: the mismatch does not bound it).
 
     Parameters
     ----------
@@ -796,9 +797,9 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
         if traj.compression is not None:
             cause = (f"the path is stored with trajectory_compression="
                      f"{traj.compression!r}, whose points are rounded steps of the "
-                     "training, so the scores differentiate the rounded path (on Adam "
-                     "and RMSprop paths their error measured 9-27 times this mismatch). Store "
-                     "the path without compression for exact scores.")
+                     "training, so the scores differentiate the rounded path, with an "
+                     "error this mismatch does not bound (measured from 1/400 to 27 "
+                     "times it). Store the path without compression for exact scores.")
         else:
             cause = ("the training step depended on something the record does not hold "
                      "(gradient clipping, a loss, inputs or targets other than the "

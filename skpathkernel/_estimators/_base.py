@@ -594,7 +594,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         if previous is None:
             device, dtype = resolve_device(self.device), resolve_dtype(self.dtype)
             module = _build_module(spec, self.n_features_in_, n_outputs, seed, device, dtype)
-            refuse_training_mode_layers(module)
+            layer_modes = refuse_training_mode_layers(module)
             if spec["module"] is not None:
                 # Seeded as the construction: a lazy layer (nn.LazyLinear) draws its
                 # initial weights in this first forward pass. On all of X: the held-out
@@ -605,7 +605,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             device, dtype = previous.torch_device, previous.torch_dtype
             # A copy: a fit that fails leaves the fitted network as it was. The fitted
             # module is in eval mode: back in the modes it was trained in.
-            module = resume_training_modes(copy.deepcopy(previous.module))
+            layer_modes = getattr(self, "_layer_modes", {})
+            module = resume_training_modes(copy.deepcopy(previous.module), layer_modes)
         if self.early_stopping:
             validation = _validation_scorer(
                 X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,
@@ -659,7 +660,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 memory_budget=self.memory_budget, sample_weight=fit_weights,
                 multilabel=attrs.get("_multilabel", False)),
             _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
-            _disk_data=disk_data,
+            _disk_data=disk_data, _layer_modes=layer_modes,
             **self._curves(result, previous is not None),
         )
         for name, value in attrs.items():

@@ -38,10 +38,12 @@ _SHARED_PARAMS_DOC = """
         Guo, He & Morel (2026) used.
     module : callable, default=None
         ``module(n_features_in, n_outputs) -> torch.nn.Module`` replacing the default MLP.
-        Any module without cross-sample state and random draws works: a BatchNorm or
-        dropout layer in training mode is refused, naming it (build it in eval mode:
-        BatchNorm then normalises with its running statistics, kept fixed; warm starts
-        and ``partial_fit`` keep those modes). It is
+        Any module without cross-sample state works: a BatchNorm in training mode (or
+        without running statistics) is refused, naming it (build it in eval mode: it then
+        normalises with its running statistics, kept fixed); a dropout layer in training
+        mode trains with a warning that the analyses are not exact (its draws are not on
+        the path; in eval mode they are exact). Warm starts and ``partial_fit`` keep
+        each layer's mode. It is
         called with torch's global RNG seeded from ``random_state`` (and restored after).
         With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
         ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
+from .._warnings import caller_stacklevel
 from ._losses import Loss
 from ._mlp_step import MLPGradient
 from ._optim import FunctionalOptimizer
@@ -33,6 +34,7 @@ __all__ = [
     "DIVERGENCE_NORM_RATIO",
     "DivergenceWarning",
     "Resume",
+    "batch_statistics",
     "TrainingDivergedError",
     "extend_trajectory",
     "make_optimizer",
@@ -106,47 +108,84 @@ class DivergenceWarning(ConvergenceWarning):
     """
 
 
+# Why a layer's forward depends on its mode, by kind: "batch" layers mix the samples of a
+# batch or move buffers the path does not record (refused in training mode: API.md's
+# contract covers modules "without cross-sample state"); "random" layers draw masks or
+# slopes no recorded point holds (trained as built, with a warning: a per-sample module
+# must train, and the analyses report their error).
+_RANDOM = ("random", "its random draws make each step's gradient, and no recorded point "
+                     "holds them")
+_BATCH = ("batch", "it normalises with the batch's own statistics, which mix the samples of "
+                   "a batch, or updates running statistics that the path does not record")
+
+
 def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
     """The layers whose training-mode forward no recorded path describes, and why.
 
-    Dropout (and attention dropout) draws random masks that no recorded point holds;
-    BatchNorm normalises with the statistics of the batch, which mixes its samples, and
-    updates running statistics, buffers that the path does not record. In eval mode each
-    is a fixed per-sample function of the parameters. Listed whatever their mode.
+    Dropout (and attention dropout, RReLU) draws random masks or slopes that no recorded
+    point holds; BatchNorm normalises with the statistics of the batch, which mixes its
+    samples, and updates running statistics, buffers that the path does not record (as
+    does InstanceNorm with ``track_running_stats``, whose eval mode then reads them). In
+    eval mode each is a fixed per-sample function of the parameters, except a BatchNorm
+    without running statistics, which normalises with the batch in both modes (listed
+    with ``training`` checked by :func:`batch_statistics`). Listed whatever their mode.
     """
     found = []
     for name, layer in module.named_modules():
         name = name or "(the module)"
         if (isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0) or (
-                isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0):
-            found.append((name, layer, "its random masks make each step's gradient, and "
-                                       "no recorded point holds them"))
-        elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
-            found.append((name, layer, "it normalises with the batch's own statistics, "
-                                       "which mix the samples of a batch, and updates "
-                                       "running statistics that the path does not record"))
+                isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0) or \
+                isinstance(layer, torch.nn.RReLU):
+            found.append((name, layer, _RANDOM[1]))
+        elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) or (
+                isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
+                and layer.track_running_stats):
+            found.append((name, layer, _BATCH[1]))
     return found
 
 
-def refuse_training_mode_layers(module: torch.nn.Module) -> None:
-    """Refuse, before training, a module with a :func:`mode_dependent_layers` layer in
-    training mode: the kernels and the decomposition would describe another training."""
+def batch_statistics(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` normalises with the batch in its current mode: a BatchNorm in
+    training mode, or in any mode without running statistics."""
+    if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+        return layer.training or layer.running_mean is None
+    return layer.training and isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
+
+
+def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
+    """Refuse, before training, a layer of :func:`mode_dependent_layers` that mixes the
+    batch in its mode; warn of one that draws at random in training mode. Returns the
+    layers' modes (name: training), which a continued fit restores."""
+    modes = {}
     for name, layer, why in mode_dependent_layers(module):
-        if layer.training:
+        modes[name] = layer.training
+        if why == _BATCH[1] and batch_statistics(layer):
             raise ValueError(
-                f"Layer {name!r} ({layer}) is in training mode: {why}, so neither the "
+                f"Layer {name!r} ({layer}) normalises with the batch: {why}, so neither the "
                 "kernels nor decompose would describe the training. Build it in eval mode "
-                "in the module factory (layer.eval(): BatchNorm then normalises with its "
-                "running statistics, which stay fixed, and dropout draws nothing), or use "
-                "a per-sample layer instead (LayerNorm or GroupNorm; dropout p=0).")
+                "with running statistics in the module factory (layer.eval(): BatchNorm "
+                "then normalises with its running statistics, which stay fixed), or use a "
+                "per-sample layer instead (LayerNorm or GroupNorm).")
+        if why == _RANDOM[1] and layer.training:
+            warnings.warn(
+                f"Layer {name!r} ({layer}) is in training mode: {why}. It trains as built, "
+                "but the kernels, decompose and attribute describe the network without "
+                "those draws (it is in eval mode after fit), so they are not exact and "
+                "report their error. Build it in eval mode in the module factory "
+                "(layer.eval(), or p=0) for exact analyses.",
+                UserWarning, stacklevel=caller_stacklevel())
+    return modes
 
 
-def resume_training_modes(module: torch.nn.Module) -> torch.nn.Module:
+def resume_training_modes(module: torch.nn.Module, modes: dict[str, bool] | None = None
+                          ) -> torch.nn.Module:
     """``module`` in the modes a fit trained it in, to continue the path: training mode,
-    except the :func:`mode_dependent_layers` (in eval mode, or the fit was refused)."""
+    except the :func:`mode_dependent_layers` that ``modes`` (from
+    :func:`refuse_training_mode_layers`) does not list as trained in training mode."""
     module.train()
-    for _, layer, _ in mode_dependent_layers(module):
-        layer.eval()
+    modes = modes or {}
+    for name, layer, _ in mode_dependent_layers(module):
+        layer.train(bool(modes.get(name, False)))
     return module
 
 

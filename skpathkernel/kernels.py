@@ -24,7 +24,9 @@ import copy
 import functools
 import numbers
 import sys
+import threading
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -485,33 +487,48 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
     return K, dx, dx if Yt is None else dy
 
 
-# Rows of X (and of Y) on which the kernel of a thinned path estimates its Riemann error.
+# Rows on which the kernel of a thinned path estimates its Riemann error: the first
+# training inputs (the call's rows for a network that keeps none).
 THINNING_PROBE = 64
+# The estimate of each path's thinned ranges, once per path, range, output and weighting:
+# the kernel is called again and again inside SVC, GridSearchCV and the displays.
+_THINNING_ESTIMATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_THINNING_LOCK = threading.Lock()
 
 
-def _thinning_error(net, X, Y, start, stop, output, memory) -> tuple[int, float] | None:
-    """``(record_every, estimate)`` for a range whose recorded points stand for several
-    steps each, else None.
+def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, str] | None:
+    """``(record_every, estimate, rows)`` for a range whose recorded points stand for
+    several steps each, else None.
 
     Such a kernel is a Riemann sum: each point's step kernel stands for its interval's
     steps. Its sums over the even and over the odd points are two sums at twice the
     spacing; their difference, ``K_odd - K_even = K_h - K_2h`` for equal weights, is the
     first-order rule's error at spacing ``h`` (against the integral; against the
-    every-step sum about ``(h - 1) / h`` of it), an estimate, not a bound. Taken on the
-    first :data:`THINNING_PROBE` rows of ``X`` and ``Y``, relative to their kernel's
-    largest entry.
+    every-step sum about ``(h - 1) / h`` of it), an estimate, not a bound. Taken on
+    ``K(R, R)`` for the first :data:`THINNING_PROBE` training inputs ``R`` (``rows``
+    says which), relative to its largest entry, and kept with the path.
     """
     traj = net.trajectory
     weights = path_weights(traj, start, stop, memory)
     spans = np.diff(np.asarray(traj.steps))[[k for k, _ in weights]]
     if len(weights) < 2 or np.all(spans == 1):
         return None
-    X = X[:THINNING_PROBE]
-    Y = None if Y is None else Y[:THINNING_PROBE]
-    even, odd = (_path_sum(net, X, Y, None, None, output, gram=True, diag=False,
+    key = (start, stop, output, memory, len(traj))
+    with _THINNING_LOCK:
+        known = _THINNING_ESTIMATES.setdefault(traj, {}).get(key)
+    if known is not None:
+        return known
+    rows, what = ((net.X_fit, "training inputs") if net.X_fit is not None
+                  else (X, "rows of the first call"))
+    R = np.asarray(rows[:THINNING_PROBE])
+    even, odd = (_path_sum(net, R, None, None, None, output, gram=True, diag=False,
                            weights=part)[0] for part in (weights[0::2], weights[1::2]))
     size = float((even + odd).abs().max())
-    return int(spans.max()), float((odd - even).abs().max()) / max(size, 1e-300)
+    known = (int(spans.max()), float((odd - even).abs().max()) / max(size, 1e-300),
+             f"the first {len(R)} {what}")
+    with _THINNING_LOCK:
+        _THINNING_ESTIMATES.setdefault(traj, {})[key] = known
+    return known
 
 
 def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
@@ -906,8 +923,8 @@ class PathKernel(_NetworkKernel):
     and 1 otherwise. The two agree for plain SGD and RMSprop. With ``record_every > 1``
     each recorded point stands for the steps of its interval (Riemann sum): a call
     warns, with an estimate of that sum's error (the difference of its sums over the
-    even and the odd points, on the first 64 rows; about the cost of the kernel of
-    64 rows).
+    even and the odd points, on the first 64 training inputs; computed once per path
+    and range, about the cost of the kernel of 64 rows).
 
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.
@@ -1012,18 +1029,20 @@ class PathKernel(_NetworkKernel):
 
     def _gram_blocks(self, X, Y):
         K = self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)
-        thinned = _thinning_error(self.estimator, X, Y, self.start, self.stop, self.output,
+        thinned = _thinning_error(self.estimator, X, self.start, self.stop, self.output,
                                   self.memory)
         if thinned is not None:
-            every, estimate = thinned
+            # The same text at every call of a path's range: Python's default filter
+            # shows it once per calling line (an SVC's fit and predict, a grid search).
+            every, estimate, rows = thinned
             warnings.warn(
                 f"PathKernel: the path was recorded every {every} optimizer steps (at "
                 "most), so the kernel is a Riemann sum, each recorded point standing for "
                 "its interval's steps, not the sum over every step. Its sums over the "
                 f"even and the odd recorded points differ by {estimate:.2g} of the "
-                f"kernel's largest entry (on the first {THINNING_PROBE} rows), an "
-                "estimate of that sum's error, not a bound. Refit with record_every=1 "
-                "(trajectory_storage='disk' keeps long paths) for the every-step kernel.",
+                f"kernel's largest entry (on {rows}), an estimate of that sum's error, "
+                "not a bound. Refit with record_every=1 (trajectory_storage='disk' keeps "
+                "long paths) for the every-step kernel.",
                 UserWarning, stacklevel=caller_stacklevel())
         return K
 

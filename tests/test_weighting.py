@@ -10,6 +10,7 @@ recursion or its bias correction.
 
 import re
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose
 
-from skpathkernel import PathKernelMachine
+from skpathkernel import PathKernelMachine, kernels
 from skpathkernel.kernels import PathKernel, TangentKernel, path_weights
 
 EPS = 1e30
@@ -188,6 +189,12 @@ def test_thinned_kernel_estimates_its_error_against_the_every_step_kernel(name):
         true = np.abs(K - full).max() / np.abs(full).max()
         assert true > 1e-4  # thinning changed the kernel
         assert true / 2 < said < 5 * true, (every, said, true)
+        # Once per path and range: a second call (an SVC's predict) sums the path once.
+        counted = mock.Mock(wraps=kernels._path_sum)
+        with mock.patch.object(kernels, "_path_sum", counted):
+            with pytest.warns(UserWarning, match=re.escape(f"differ by {said:.2g} of")):
+                thin.path_kernel_(X[:7])
+        assert counted.call_count == 1
         if name == "sgd":
             parts = [w * TangentKernel(thin, step=k)(X) for k, w in path_weights(thin.trajectory_)]
             odd, even = sum(parts[1::2]), sum(parts[0::2])

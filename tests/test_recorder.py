@@ -440,3 +440,31 @@ def test_path_kernel_and_decomposition_see_a_hidden_read_checked_once(data):
 
     expected = sum(w * (jac(k, Xq) @ jac(k, X).T).numpy() for k, w in path_weights(traj))
     assert_allclose(PathKernel(net)(Xq, X), expected, rtol=1e-10)
+
+
+def test_one_logit_log_loss_takes_a_column_of_targets(data):
+    """torch's BCEWithLogitsLoss layout, one logit and a (n, 1) column of 0/1 targets:
+    the log loss equals torch's own, and the path recorded with it decomposes exactly as
+    with the targets given flat (the column crashed with a size mismatch)."""
+    X, _, Xq = data
+    Xt = torch.as_tensor(X)
+    y = (X[:, 0] > 0).astype(np.float64)
+    Y = torch.as_tensor(y).reshape(-1, 1)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
+                                 torch.nn.Linear(5, 1)).double()
+    out = module(Xt)
+    assert_allclose(LOSSES["log_loss"]()(out, Y).item(),
+                    torch.nn.BCEWithLogitsLoss()(out, Y).item(), rtol=1e-14)
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for start in range(0, 12, 4):
+            idx = np.arange(start, start + 4)
+            opt.zero_grad()
+            torch.nn.BCEWithLogitsLoss()(module(Xt[idx]), Y[idx]).backward()
+            rec.set_batch(idx)
+            opt.step()
+    column = rec.as_network(X, y.reshape(-1, 1), loss="log_loss").decompose(Xq)
+    flat = rec.as_network(X, y, loss="log_loss").decompose(Xq)
+    assert column.error < 1e-10 * max(1.0, np.abs(column.prediction).max())
+    assert_allclose(column.contributions, flat.contributions, rtol=1e-12, atol=1e-15)

@@ -56,7 +56,10 @@ class LogLoss(Loss):
 
     def per_sample(self, output, target):
         if output.shape[1] == 1:
-            # 0/1 targets, also given as integer class codes.
+            # 0/1 targets, also given as integer class codes, or as one column (n, 1),
+            # BCEWithLogitsLoss's layout for one logit.
+            if target.dim() == 2 and target.shape[1] == 1:
+                target = target[:, 0]
             return F.binary_cross_entropy_with_logits(output[:, 0], target.to(output.dtype),
                                                       reduction="none")
         if target.dim() == 2:

@@ -627,7 +627,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             if self.module is not None:  # the default MLP is nn.Linear only
                 warn_on_fallback(module, X_t)
             # Kept at mean 1 (None: unweighted): training never sees a call's scale.
-            fit_weights = _mean_one(sample_weight)
+            fit_weights = mean_one(sample_weight)
             trajectory, X_fit, Y_fit = result.trajectory, X, Y
             disk_data = None
             if previous is not None:
@@ -980,7 +980,7 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_w
     the directory describing the previous path, whose files are unchanged.
 
     The training set's weights (None: unweighted; ``sample_weight`` is this fit's,
-    already at mean 1, see :func:`_mean_one`) follow it: on the same data, this fit's,
+    already at mean 1, see :func:`mean_one`) follow it: on the same data, this fit's,
     the objective that trained the latest points; on a grown training set, both parts'
     concatenated, an unweighted part weighing 1 per sample. Each part at mean 1 is
     what training does: every batch normalizes its own weights, so a call's overall
@@ -1039,11 +1039,13 @@ def _on_disk(array) -> bool:
     return False
 
 
-def _mean_one(weights: np.ndarray | None) -> np.ndarray | None:
-    """A fit's validated weights (:func:`_check_weights`) as the fit keeps them: at mean
-    1, so that they do not depend on a scale that training never sees (None stays None:
-    equal weights, every one 1)."""
-    return None if weights is None else weights / weights.mean()
+def mean_one(weights: np.ndarray | None) -> np.ndarray | None:
+    """Weights at mean 1, as a fit keeps them (they must not depend on a scale that
+    training never sees) and as the SVM of TangentFeatureSVM takes them (``SVC``'s weights
+    multiply ``C``); None where there are none or all are equal (every one 1)."""
+    if weights is None or np.all(weights == weights[0]):
+        return None
+    return weights * (len(weights) / weights.sum())
 
 
 def _check_weights(sample_weight, X) -> np.ndarray | None:

@@ -24,7 +24,7 @@ from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
 from .._parallel import limit_torch_threads
 from ..kernels import PathKernel, TangentKernel, kernel_threads
-from ._base import FittedAttribute, keep_previous_fit_on_error, tangent_feature_names
+from ._base import FittedAttribute, keep_previous_fit_on_error, mean_one, tangent_feature_names
 from ._machine import PathKernelClassifier, check_labels
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
 
@@ -407,7 +407,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             # Early stopping held rows out: the SVM learns from the rows the network did.
             labels = labels[rows]
             weights = None if weights is None else weights[rows]
-        weights = _mean_one(weights)
+        weights = mean_one(weights)
         # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
         # tens, where liblinear (which also penalizes the intercept) needs 10^4+
         # iterations on the data of figure 3 and libsvm converges in milliseconds.
@@ -477,13 +477,6 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 
 # C="auto"'s candidates, in units of the kernel's scale (the mean of the Gram's diagonal).
 AUTO_C = (0.1, 1.0, 10.0, 100.0, 1000.0)
-
-
-def _mean_one(weights: np.ndarray | None) -> np.ndarray | None:
-    """Weights rescaled to mean 1 (None when there are none, or all are equal)."""
-    if weights is None or np.all(weights == weights[0]):
-        return None
-    return weights * (len(weights) / weights.sum())
 
 
 def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:

@@ -108,15 +108,13 @@ class DivergenceWarning(ConvergenceWarning):
     """
 
 
-# Why a layer's forward depends on its mode, by kind: "batch" layers mix the samples of a
-# batch or move buffers the path does not record (refused in training mode: API.md's
-# contract covers modules "without cross-sample state"); "random" layers draw masks or
-# slopes no recorded point holds (trained as built, with a warning: a per-sample module
-# must train, and the analyses report their error).
-_RANDOM = ("random", "its random draws make each step's gradient, and no recorded point "
-                     "holds them")
-_BATCH = ("batch", "it normalises with the batch's own statistics, which mix the samples of "
-                   "a batch, or updates running statistics that the path does not record")
+# Why a layer's forward depends on its mode. Layers that mix the samples of a batch or move
+# buffers the path does not record are refused in training mode (API.md's contract covers
+# modules "without cross-sample state"); layers that draw at random train as built, with a
+# warning (a per-sample module must train, and the analyses report their error).
+_DRAWS = "its random draws make each step's gradient, and no recorded point holds them"
+_MIXES = ("it normalises with the batch's own statistics, which mix the samples of a batch, "
+          "or updates running statistics that the path does not record")
 
 
 def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -136,11 +134,11 @@ def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.M
         if (isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0) or (
                 isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0) or \
                 isinstance(layer, torch.nn.RReLU):
-            found.append((name, layer, _RANDOM[1]))
+            found.append((name, layer, _DRAWS))
         elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) or (
                 isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
                 and layer.track_running_stats):
-            found.append((name, layer, _BATCH[1]))
+            found.append((name, layer, _MIXES))
     return found
 
 
@@ -159,14 +157,14 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
     modes = {}
     for name, layer, why in mode_dependent_layers(module):
         modes[name] = layer.training
-        if why == _BATCH[1] and batch_statistics(layer):
+        if batch_statistics(layer):
             raise ValueError(
                 f"Layer {name!r} ({layer}) normalises with the batch: {why}, so neither the "
                 "kernels nor decompose would describe the training. Build it in eval mode "
                 "with running statistics in the module factory (layer.eval(): BatchNorm "
                 "then normalises with its running statistics, which stay fixed), or use a "
                 "per-sample layer instead (LayerNorm or GroupNorm).")
-        if why == _RANDOM[1] and layer.training:
+        elif why == _DRAWS and layer.training:
             warnings.warn(
                 f"Layer {name!r} ({layer}) is in training mode: {why}. It trains as built, "
                 "but the kernels, decompose and attribute describe the network without "

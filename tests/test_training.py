@@ -19,6 +19,7 @@ from skpathkernel import (
     TangentFeatureSVM,
     TrainingDivergedError,
 )
+from skpathkernel._path._training import resume_training_modes
 from skpathkernel.diagnostics import hessian_trace
 
 SOLVERS = [
@@ -748,13 +749,16 @@ def test_random_layers_in_training_mode_train_with_a_warning(regression_data, mo
 def test_a_continued_fit_trains_random_layers_in_the_modes_they_were_built_in(
         regression_data):
     """A warm start and a partial_fit put each dropout back in the mode it was built in:
-    training mode for one built so (it drew at the first fit), eval mode for the other."""
+    training mode for one built so (it drew at the first fit), eval mode for the other;
+    and so every other layer, a user's whose forward may read ``self.training`` (it went
+    back to training mode)."""
     X, y = regression_data
 
     def factory(n_features, n_outputs):
         drawn, quiet = torch.nn.Dropout(0.3), torch.nn.Dropout(0.3).eval()
         return torch.nn.Sequential(torch.nn.Linear(n_features, 6), _ModeLog(drawn),
-                                   _ModeLog(quiet), torch.nn.Linear(6, n_outputs))
+                                   _ModeLog(quiet), torch.nn.Linear(6, n_outputs),
+                                   _ModeLog(torch.nn.Identity().eval()))
 
     est = PathKernelMachine(module=factory, max_iter=1, batch_size=8, tol=None,
                             warm_start=True, random_state=0)
@@ -770,6 +774,7 @@ def test_a_continued_fit_trains_random_layers_in_the_modes_they_were_built_in(
         # Steps in the built modes; evaluations after fit (eval mode) at the end.
         n_train = sum(drawn)
         assert n_train > 0 and not any(quiet[:n_train])
+        assert not any(est.module_[4].log)
 
 
 @pytest.mark.parametrize("solver", ["sgd", "adam"])
@@ -793,3 +798,19 @@ def test_eval_mode_layers_train_and_continue_as_built(regression_data, solver):
     assert_allclose(est.trajectory_._params.numpy(), points.numpy(), rtol=1e-10, atol=1e-9)
     assert_array_equal(est.module_.bn.running_mean, built[0])
     assert_array_equal(est.module_.bn.running_var, built[1])
+
+
+def test_a_fit_pickled_with_only_the_dependent_layers_modes_continues_as_it_did():
+    """Fits before every submodule's mode was kept listed only the mode-dependent layers':
+    the others continue in training mode, an unlisted dependent layer in eval mode."""
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Dropout(0.3),
+                                 torch.nn.Dropout(0.3), torch.nn.Linear(3, 1)).eval()
+    resume_training_modes(module, {"1": True})
+    assert [m.training for m in module] == [True, True, False, True]
+    assert module.training
+    # Today's record: every submodule's, restored as listed.
+    module.train()
+    resume_training_modes(module, {"(the module)": False, "0": False, "1": False, "2": True,
+                                   "3": True})
+    assert [m.training for m in module] == [False, False, True, True]
+    assert not module.training

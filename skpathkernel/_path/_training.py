@@ -152,11 +152,11 @@ def batch_statistics(layer: torch.nn.Module) -> bool:
 
 def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
     """Refuse, before training, a layer of :func:`mode_dependent_layers` that mixes the
-    batch in its mode; warn of one that draws at random in training mode. Returns the
-    layers' modes (name: training), which a continued fit restores."""
-    modes = {}
+    batch in its mode; warn of one that draws at random in training mode. Returns every
+    submodule's mode (name: training), which a continued fit restores: a user's layer whose
+    forward reads ``self.training`` trains in the mode it was built in all along the path."""
+    modes = {name or "(the module)": layer.training for name, layer in module.named_modules()}
     for name, layer, why in mode_dependent_layers(module):
-        modes[name] = layer.training
         if batch_statistics(layer):
             raise ValueError(
                 f"Layer {name!r} ({layer}) normalises with the batch: {why}, so neither the "
@@ -177,13 +177,16 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
 
 def resume_training_modes(module: torch.nn.Module, modes: dict[str, bool] | None = None
                           ) -> torch.nn.Module:
-    """``module`` in the modes a fit trained it in, to continue the path: training mode,
-    except the :func:`mode_dependent_layers` that ``modes`` (from
-    :func:`refuse_training_mode_layers`) does not list as trained in training mode."""
-    module.train()
+    """``module`` in the modes a fit trained it in, to continue the path: each submodule's
+    as ``modes`` (from :func:`refuse_training_mode_layers`) lists it. A fit pickled before
+    every submodule was listed kept only the :func:`mode_dependent_layers`' modes: the
+    others then take training mode, and an unlisted dependent layer eval mode."""
     modes = modes or {}
-    for name, layer, _ in mode_dependent_layers(module):
-        layer.train(bool(modes.get(name, False)))
+    dependent = {name for name, _, _ in mode_dependent_layers(module)}
+    for name, layer in module.named_modules():
+        name = name or "(the module)"
+        # The flag itself: train() would set the submodules' too.
+        layer.training = bool(modes.get(name, name not in dependent))
     return module
 
 

@@ -85,6 +85,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
+from .._attention import twice_differentiable_attention
 from .._memory import rows_per_block
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._training import mode_dependent_layers
@@ -674,8 +675,9 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
     error, norms = 0.0, None
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
-        s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
-                                         device, moments)
+        with twice_differentiable_attention():
+            s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
+                                             device, moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)

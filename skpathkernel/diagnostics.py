@@ -26,10 +26,10 @@ from sklearn.utils._param_validation import Interval, validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
-from ._attention import twice_differentiable_attention
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._network._trained import network_of
+from ._second_order import twice_differentiable
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -336,7 +336,7 @@ def _quadratic_forms(module, traj, theta, X, Y, weights, loss, block, seed,
     # reaches module_ (whose parameters functional_call only replaces for this call).
     theta = theta.detach().clone().requires_grad_(True)
     params = dict(traj.unflatten(theta))
-    with torch.enable_grad(), twice_differentiable_attention():
+    with torch.enable_grad(), twice_differentiable():
         for start in range(0, n, block):
             xb, yb = X[start : start + block], Y[start : start + block]
             # sum / n, not mean: the batches' Hessians then add up to that of the mean loss.

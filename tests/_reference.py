@@ -211,12 +211,13 @@ def weight_derivative(replay_outputs, n, i, h=1e-5):
     return (replay_outputs(up) - replay_outputs(down)) / (2 * h)
 
 
-def torch_optim_replay(net, weights):
+def torch_optim_replay(net, weights, build=None):
     """The recorded training rerun by torch.optim itself (the training's own optimizer,
     not an analysis) with per-point weights in every step's loss (weighted mean over the
-    batch); returns the module at the final parameters."""
+    batch); returns the module at the final parameters. ``build``: makes a fresh module of
+    the same architecture, for one that cannot be copied (torch's weight-norm hook)."""
     traj = net.trajectory
-    module = copy.deepcopy(net.module).double()
+    module = (copy.deepcopy(net.module) if build is None else build()).double()
     module.load_state_dict(traj.state_dict(0), strict=False)
     X, Y = torch.as_tensor(np.asarray(net.X_fit, dtype=np.float64)), net.targets()
     w = torch.as_tensor(weights)
@@ -235,14 +236,14 @@ def torch_optim_replay(net, weights):
     return module
 
 
-def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5):
+def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5, build=None):
     """Central differences of the first output at ``Xq`` of :func:`torch_optim_replay`
     with respect to a multiplier of each of ``points``' weight, at 1: (Q, len(points)).
     ``sample_weight``: the fit's weights, which the multipliers scale (ones when None)."""
     base = np.ones(len(net.X_fit)) if sample_weight is None else np.asarray(sample_weight)
 
     def outputs(m):
-        module = torch_optim_replay(net, base * m)
+        module = torch_optim_replay(net, base * m, build)
         with torch.no_grad():
             return module(torch.as_tensor(np.asarray(Xq))).numpy()[:, 0]
 

@@ -148,11 +148,11 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 from torch.func import functional_call, jacrev, jvp, vmap
 
-from .._attention import twice_differentiable_attention
 from .._memory import rows_per_block
 from .._parallel import _ranges
 from .._path._losses import Loss
 from .._path._trajectory import Trajectory, mean_batch_weights
+from .._second_order import twice_differentiable
 from .._tangent import (
     Adjoint,
     capture,
@@ -523,7 +523,7 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
 
     # Forward-mode AD's dual levels are the process's, not a thread's: query blocks on
     # threads (joblib's threading backend) entered and left each other's level.
-    with _FORWARD_AD, twice_differentiable_attention():
+    with _FORWARD_AD, twice_differentiable():
         out = vmap(row)(X)
     return torch.cat([out[name].flatten(start_dim=2) for name in traj.names], dim=2)
 

@@ -85,11 +85,11 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .._attention import twice_differentiable_attention
 from .._memory import rows_per_block
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._training import mode_dependent_layers
 from .._path._trajectory import Trajectory
+from .._second_order import twice_differentiable
 from .._warnings import caller_stacklevel, worse, worst
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
@@ -675,7 +675,7 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
     error, norms = 0.0, None
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
-        with twice_differentiable_attention():
+        with twice_differentiable():
             s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
                                              device, moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only

@@ -1,0 +1,72 @@
+"""Layers that second derivatives run through correctly.
+
+The analyses that differentiate twice (``attribute(method="unrolled")`` and
+``self_influence``: a double backward per step; ``decompose(method="second_order")``: a
+forward-over-reverse product; ``hessian_trace``: Hessian-vector products) meet two fused
+torch kernels whose second derivatives are missing or wrong (torch 2.13):
+
+- ``scaled_dot_product_attention``, which ``nn.MultiheadAttention`` (and so every
+  ``nn.TransformerEncoderLayer``) calls: its fused kernels (flash attention on the CPU;
+  flash, memory-efficient and cuDNN attention on CUDA) have a backward without a derivative
+  and no forward-mode rule, so the analyses raised. Its math backend, made of
+  differentiable operations, computes the same function.
+- ``torch._weight_norm`` (``nn.utils.parametrizations.weight_norm`` and the older
+  ``nn.utils.weight_norm``): its double backward returns a wrong ``v``-``v`` block of the
+  Hessian (off by the size of the block itself against finite differences of the
+  gradient), which made unrolled scores miss the training's derivative by 1e-4 to 1e-2
+  without a word, and it has no forward-mode rule. The composition
+  ``v * (g / norm_except_dim(v, 2, dim))``, its definition, computes the same function
+  (bit for bit in the tests' networks) with correct derivatives of every order.
+
+:func:`twice_differentiable` swaps both for the duration of a call. torch's attention
+flags and the weight-norm function are process-wide, so the swap is counted: concurrent
+calls on joblib's threads keep it until the last of them ends (each restoring its own
+entry state would switch the fused kernels back under another thread mid-product). Each
+process (a loky worker) enters it itself. Other threads meanwhile compute the same
+functions through the composite operations (round-off apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+__all__ = ["twice_differentiable"]
+
+# The module, not the function of the same name that torch.nn.utils re-exports: its
+# WeightNorm hook calls the _weight_norm it imported.
+_HOOK_MODULE = importlib.import_module("torch.nn.utils.weight_norm")
+_LOCK = threading.Lock()
+_state: dict = {}  # while swapped: the calls inside, the attention context, the fused op
+
+
+def _composite_weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``torch._weight_norm``'s definition (``dim=-1``: the norm of the whole tensor)."""
+    return v * (g / torch.norm_except_dim(v, 2, dim))
+
+
+@contextlib.contextmanager
+def twice_differentiable():
+    """Run a block with attention on its math backend and weight norm composed of
+    differentiable operations (see the module docstring)."""
+    with _LOCK:
+        if not _state:
+            attention = sdpa_kernel(SDPBackend.MATH)
+            attention.__enter__()
+            _state.update(calls=0, attention=attention,
+                          fused=(torch._weight_norm, _HOOK_MODULE._weight_norm))
+            torch._weight_norm = _HOOK_MODULE._weight_norm = _composite_weight_norm
+        _state["calls"] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _state["calls"] -= 1
+            if not _state["calls"]:
+                torch._weight_norm, _HOOK_MODULE._weight_norm = _state["fused"]
+                _state.pop("attention").__exit__(None, None, None)
+                _state.clear()

@@ -1,0 +1,208 @@
+"""Analyses that differentiate twice, through layers whose fused torch kernels have no
+second derivative (attention: ``attribute(method="unrolled")``,
+``decompose(method="second_order")`` and ``hessian_trace`` raised on every
+TransformerEncoderLayer) or a wrong one (weight norm: unrolled scores missed the
+training's derivative silently). Checked against finite differences of first derivatives
+(which the fused kernels get right) and against the same networks with the layer written
+out by hand."""
+
+import math
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _reference import weight_finite_differences
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from skpathkernel import PathKernelMachine, RecordedNetwork
+from skpathkernel._second_order import twice_differentiable
+from skpathkernel.diagnostics import hessian_trace
+
+D, HEADS, LENGTH = 6, 2, 4
+
+
+class Encoder(torch.nn.Module):
+    """Tokens of 2 features, one post-norm encoder layer (GELU, no dropout), mean pool."""
+
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.inp = torch.nn.Linear(2, D)
+        self.layer = torch.nn.TransformerEncoderLayer(D, HEADS, dim_feedforward=8,
+                                                      dropout=0.0, activation="gelu",
+                                                      batch_first=True)
+        self.head = torch.nn.Linear(D, n_outputs)
+
+    def forward(self, x):
+        return self.head(self.layer(self.inp(x.reshape(-1, LENGTH, 2))).mean(1))
+
+
+class EncoderByHand(Encoder):
+    """The same function and parameters, the attention written out (no fused kernel)."""
+
+    def forward(self, x):
+        h = self.inp(x.reshape(-1, LENGTH, 2))
+        attn, layer = self.layer.self_attn, self.layer
+
+        def heads(t):
+            return t.reshape(*t.shape[:2], HEADS, D // HEADS).transpose(1, 2)
+
+        q, k, v = map(heads, F.linear(h, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1))
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D // HEADS), dim=-1) @ v
+        h = layer.norm1(h + attn.out_proj(a.transpose(1, 2).reshape(h.shape)))
+        h = layer.norm2(h + layer.linear2(F.gelu(layer.linear1(h))))
+        return self.head(h.mean(1))
+
+
+class Normed(torch.nn.Module):
+    """A weight-normalised hidden layer (torch's parametrization, or its older hook)."""
+
+    def __init__(self, n_outputs, hook=False):
+        super().__init__()
+        layer = torch.nn.Linear(2 * LENGTH, D)
+        if hook:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation
+                self.hidden = torch.nn.utils.weight_norm(layer)
+        else:
+            self.hidden = torch.nn.utils.parametrizations.weight_norm(layer)
+        self.head = torch.nn.Linear(D, n_outputs)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(x)))
+
+
+class NormedByHand(torch.nn.Module):
+    """The parametrized network's function, under the same parameter names."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Module()
+        self.hidden.bias = torch.nn.Parameter(torch.zeros(D))
+        self.hidden.parametrizations = torch.nn.Module()
+        weight = self.hidden.parametrizations.weight = torch.nn.Module()
+        weight.original0 = torch.nn.Parameter(torch.ones(D, 1))
+        weight.original1 = torch.nn.Parameter(torch.ones(D, 2 * LENGTH))
+        self.head = torch.nn.Linear(D, 1)
+
+    def forward(self, x):
+        weight = self.hidden.parametrizations.weight
+        g, v = weight.original0, weight.original1
+        w = v * g / v.pow(2).sum(dim=1, keepdim=True).sqrt()
+        return self.head(torch.tanh(F.linear(x, w, self.hidden.bias)))
+
+
+def _encoder(n_features, n_outputs):
+    torch.manual_seed(0)
+    return Encoder(n_outputs).eval()
+
+
+def _normed(n_features, n_outputs):
+    torch.manual_seed(0)
+    return Normed(n_outputs)
+
+
+def _normed_hook(n_features, n_outputs):
+    torch.manual_seed(0)
+    return Normed(n_outputs, hook=True)
+
+
+MODULES = {"attention": _encoder, "weight-norm": _normed, "weight-norm-hook": _normed_hook}
+
+
+def _fit(name, solver="adam"):
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 2 * LENGTH))
+    y = np.sin(X[:, 0]) + X[:, 3] * X[:, 5]
+    lr = 0.02 if solver == "adam" else 0.1
+    est = PathKernelMachine(module=MODULES[name], solver=solver, learning_rate_init=lr,
+                            batch_size=5, max_iter=2, tol=None, normalize_y=False,
+                            dtype="float64", random_state=0).fit(X, y)
+    return est, X, y
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+@pytest.mark.parametrize("name", MODULES)
+def test_unrolled_scores_equal_finite_differences_of_torch_optim(name, solver):
+    est, X, _ = _fit(name, solver)
+    scores = est.attribute(X[:2], method="unrolled")
+    points = (0, 6, 13)
+    fd = weight_finite_differences(est.network_, X[:2], points,
+                                   build=lambda: MODULES[name](X.shape[1], 1))
+    np.testing.assert_allclose(scores[:, points], fd, rtol=1e-6, atol=1e-9)
+    assert scores.replay_error < 1e-12
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_hessian_trace_probes_equal_finite_differences_of_the_gradient(name):
+    est, X, y = _fit(name)
+    res = hessian_trace(est, n_samples=4, random_state=0)
+    traj, module = est.trajectory_, est.module_
+    theta = traj.parameters(-1).to(torch.float64)
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y).reshape(-1, 1)
+
+    def gradient(t):  # the mean squared-error loss's, first derivatives only
+        t = t.clone().requires_grad_(True)
+        out = functional_call(module, dict(traj.unflatten(t)), (Xt,))
+        (g,) = torch.autograd.grad((0.5 * (out - Yt) ** 2).mean(), t)
+        return g
+
+    seed = int(np.random.RandomState(0).randint(np.iinfo(np.int32).max))
+    generator = torch.Generator().manual_seed(seed)
+    for estimate in res.estimates:
+        v = (2 * torch.randint(0, 2, theta.shape, generator=generator, dtype=torch.int8)
+             - 1).to(torch.float64)
+
+        def central(h, v=v):
+            return float(v @ (gradient(theta + h * v) - gradient(theta - h * v))) / (2 * h)
+
+        reference = (4 * central(1e-4) - central(2e-4)) / 3  # Richardson: O(h^4)
+        assert estimate == pytest.approx(reference, rel=1e-7)
+
+
+@pytest.mark.parametrize("name, by_hand", [("attention", lambda: EncoderByHand(1)),
+                                           ("weight-norm", NormedByHand)])
+def test_second_order_decomposition_equals_the_layer_written_by_hand(name, by_hand):
+    est, X, y = _fit(name)
+    hand = by_hand().double().eval()
+    hand.load_state_dict(est.module_.state_dict())
+    Xq = torch.as_tensor(X[:3])
+    np.testing.assert_allclose(hand(Xq).detach().numpy(), est.module_(Xq).detach().numpy(),
+                               rtol=1e-13)
+    twin = RecordedNetwork(hand, est.trajectory_, X_train=X, y_train=y)
+    ours = est.decompose(X[:3], method="second_order")
+    ref = twin.decompose(X[:3], method="second_order")
+    np.testing.assert_allclose(ours.contributions, ref.contributions, rtol=1e-9, atol=1e-13)
+
+
+def test_the_swap_is_counted_across_threads_and_restored():
+    """Concurrent calls (joblib's threads) keep the swap until the last ends; each
+    restoring its own entry state would bring the fused kernels back under the other."""
+    flash, fused = torch.backends.cuda.flash_sdp_enabled, torch._weight_norm
+    assert flash()
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def long_call():
+        with twice_differentiable():
+            inside.set()
+            release.wait(10)
+            seen.append((flash(), torch._weight_norm is fused))
+
+    worker = threading.Thread(target=long_call)
+    worker.start()
+    inside.wait(10)
+    with twice_differentiable():
+        assert not flash() and torch._weight_norm is not fused
+    assert not flash() and torch._weight_norm is not fused  # the other call is inside
+    release.set()
+    worker.join()
+    assert seen == [(False, False)]
+    assert flash() and torch._weight_norm is fused
+    # A user's own choice of backends is what it returns to.
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):
+        with twice_differentiable():
+            assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and not flash()

@@ -40,6 +40,7 @@ from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, va
 from ._analysis._attribution import check_indicator, label_codes, margin
 from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork
+from ._modules import copy_module
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
 from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
@@ -328,7 +329,7 @@ def _replay(estimator, keep: np.ndarray):
     """
     net = network_of(estimator)
     traj = net.trajectory
-    module = copy.deepcopy(net.module)
+    module = copy_module(net.module)
     module.load_state_dict(traj.state_dict(0), strict=False)
     device = net.torch_device
     X, Y, loss = net.tensor(net.X_fit), net.targets(), net.loss

@@ -19,6 +19,7 @@ from skpathkernel import (
     TangentFeatureSVM,
     TrainingDivergedError,
 )
+from skpathkernel._modules import copy_module, norm_hooks
 from skpathkernel._path._training import resume_training_modes
 from skpathkernel.diagnostics import hessian_trace
 
@@ -60,9 +61,13 @@ def _replay(est, X, Y, per_sample_loss):
 
     The module is a copy of ``est.module_``, in its modes and with its buffers (which the
     path does not record), at the recorded initial parameters."""
-    module = copy.deepcopy(est.module_)
+    module = copy_module(est.module_)
     missing, unexpected = module.load_state_dict(est.trajectory_.state_dict(0), strict=False)
-    assert not unexpected and set(missing) <= {name for name, _ in module.named_buffers()}
+    # Not recorded: buffers, and the weight a normalisation hook computes (in the state_dict).
+    computed = {f"{name}.{hook.name}" for name, layer in module.named_modules()
+                for hook in norm_hooks(layer)}
+    assert not unexpected
+    assert set(missing) <= {name for name, _ in module.named_buffers()} | computed
     opt = _reference_optimizer(list(module.parameters()), est)
     X_t = torch.as_tensor(X, dtype=torch.float64)
     points = [_flat(module)]
@@ -683,6 +688,10 @@ def _stateful_net(*, batch_norm_eval=True, dropout_eval=True, attention_dropout=
     return Net
 
 
+def _old_spectral_norm(layer):
+    return torch.nn.utils.spectral_norm(layer)  # the hook torch keeps beside the parametrization
+
+
 def _with(layer):
     """A factory of Linear -> ``layer()`` -> Linear (6 hidden units)."""
     def factory(n_features, n_outputs):
@@ -697,7 +706,12 @@ def _with(layer):
      r"'1' \(BatchNorm1d.*batch's own statistics"),
     (_with(lambda: torch.nn.InstanceNorm1d(6, track_running_stats=True)),
      r"'1' \(InstanceNorm1d.*running statistics"),
-], ids=["batchnorm", "batchnorm-eval-without-running-stats", "instancenorm-running-stats"])
+    (_with(lambda: torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(6, 6))),
+     r"'1.parametrizations.weight.0' \(_SpectralNorm.*power iteration"),
+    (_with(lambda: _old_spectral_norm(torch.nn.Linear(6, 6))),
+     r"'1' \(Linear.*power iteration"),
+], ids=["batchnorm", "batchnorm-eval-without-running-stats", "instancenorm-running-stats",
+        "spectral-norm", "spectral-norm-hook"])
 def test_layers_that_mix_the_batch_are_refused_at_fit(regression_data, module, layer):
     # These layers make each step's gradient depend on the other samples of the batch, or
     # train a function (batch or instance statistics) other than the one their eval mode
@@ -814,3 +828,25 @@ def test_a_fit_pickled_with_only_the_dependent_layers_modes_continues_as_it_did(
                                    "3": True})
     assert [m.training for m in module] == [False, False, True, True]
     assert not module.training
+
+
+@pytest.mark.parametrize("spectral_norm", [torch.nn.utils.parametrizations.spectral_norm,
+                                           _old_spectral_norm], ids=["parametrization", "hook"])
+def test_spectral_norm_in_eval_mode_trains_on_a_path_that_decomposes(regression_data,
+                                                                     spectral_norm):
+    """In eval mode the singular vectors stay as built: a fixed function of the weight,
+    whose path decomposes to round-off and equals a torch.optim replay of the same module,
+    through a warm start and a partial_fit (which copy the module: the older hook keeps a
+    computed weight that copy.deepcopy refuses, and they raised)."""
+    X, y = regression_data
+    est = PathKernelMachine(module=_with(lambda: spectral_norm(torch.nn.Linear(6, 6)).eval()),
+                            max_iter=2, batch_size=8, tol=None, dtype="float64",
+                            normalize_y=False, warm_start=True, random_state=0).fit(X, y)
+    est.fit(X, y)
+    est.partial_fit(X, y)
+    res = est.decompose(X[:3])
+    assert res.error < 1e-12 * np.abs(res.prediction).max()
+    Y = torch.as_tensor(np.concatenate([y, y]), dtype=torch.float64).reshape(-1, 1)
+    points, _ = _replay(est, est.X_fit_, Y, _squared)
+    assert len(points) == len(est.trajectory_) == 2 * 2 * 3 + 3 + 1
+    assert_allclose(est.trajectory_._params.numpy(), points.numpy(), rtol=1e-12, atol=1e-14)

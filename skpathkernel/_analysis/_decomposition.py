@@ -135,7 +135,6 @@ takes one node more and stops. A step that reaches neither within ``MAX_NODES`` 
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import numbers
@@ -149,6 +148,7 @@ from sklearn.exceptions import ConvergenceWarning
 from torch.func import functional_call, jacrev, jvp, vmap
 
 from .._memory import rows_per_block
+from .._modules import copy_module
 from .._parallel import _ranges
 from .._path._losses import Loss
 from .._path._trajectory import Trajectory, mean_batch_weights
@@ -458,7 +458,7 @@ class _Reference:
         self.dtype = traj.dtype
         if self.dtype != torch.float64:
             try:
-                wide = copy.deepcopy(module).to(torch.float64)
+                wide = copy_module(module).to(torch.float64)
                 Xw = X.to(torch.float64) if X.is_floating_point() else X
                 flat = traj.parameters(0).to(device=X.device, dtype=torch.float64)
                 out = forward(wide, _params(traj, flat), Xw[:1])

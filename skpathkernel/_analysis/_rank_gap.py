@@ -22,7 +22,6 @@ Used by :class:`~skpathkernel.OODRankDetector` and
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 
 from .._device import to_input_tensor, to_numpy
 from .._memory import rows_per_block
+from .._modules import copy_module
 from .._tangent import tangent_gram, tangent_gram_diag
 
 __all__ = ["NetworkGram", "TangentSpan", "numerical_rank", "pivoted_cholesky"]
@@ -74,7 +74,7 @@ class NetworkGram:
         # detector, its one caller in the package, resolves the network with it first.
         network = getattr(network, "network_", network)
         self.device = torch.device(network.device)
-        self.module = copy.deepcopy(network.module).to(dtype=torch.float64)
+        self.module = copy_module(network.module).to(dtype=torch.float64)
         traj = network.trajectory
         flat = traj.parameters(-1).to(device=self.device, dtype=torch.float64)
         self.params = dict(traj.unflatten(flat))

@@ -352,8 +352,9 @@ def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
     if moving:
         raise ValueError(
             f"method='unrolled' replays every training step, but the layer(s) {moving[:3]} "
-            "are in training mode, where dropout draws random masks and BatchNorm mixes "
-            "the batch, which the recorded path does not hold. Put the module in eval mode "
+            "are in training mode, where dropout draws random masks, BatchNorm mixes "
+            "the batch and spectral normalisation moves its singular vectors, which the "
+            "recorded path does not hold. Put the module in eval mode "
             "(module.eval()) as it was trained.")
     spec = traj.solver_spec
     if spec.name not in _SOLVERS:

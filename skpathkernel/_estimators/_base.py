@@ -8,7 +8,6 @@ trust, or use skops, see ``__getstate__``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -40,6 +39,7 @@ from .._device import (
     to_tensor,
 )
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
+from .._modules import copy_module
 from .._network._inputs import (
     block_widths,
     check_representable,
@@ -606,7 +606,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             # A copy: a fit that fails leaves the fitted network as it was. The fitted
             # module is in eval mode: back in the modes it was trained in.
             layer_modes = getattr(self, "_layer_modes", {})
-            module = resume_training_modes(copy.deepcopy(previous.module), layer_modes)
+            module = resume_training_modes(copy_module(previous.module), layer_modes)
         if self.early_stopping:
             validation = _validation_scorer(
                 X_val, y_val, attrs.get("classes_"), dtype, device, self.memory_budget,

@@ -42,6 +42,7 @@ from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
+from .._modules import copy_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
@@ -843,7 +844,7 @@ ValueError
         network : TrainedNetwork
             A copy sharing everything but the module.
         """
-        return self.replace(module=copy.deepcopy(self.module))
+        return self.replace(module=copy_module(self.module))
 
     def for_workers(self, *, by_reference: bool = False) -> TrainedNetwork:
         """A copy whose on-disk trajectory is referenced, for tasks pickled to workers.

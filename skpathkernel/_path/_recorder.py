@@ -63,7 +63,7 @@ from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork
 from ..kernels import NetworkKernelsMixin
-from ._training import batch_statistics, mode_dependent_layers
+from ._training import mode_dependent_layers, refused_in_mode
 from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder, mean_batch_weights
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
@@ -468,7 +468,7 @@ class PathRecorder:
                        f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
                        "use cycle_momentum=False).")
         for name, layer, why in self._mode_layers:
-            if layer.training or batch_statistics(layer):
+            if layer.training or refused_in_mode(layer):
                 self._fail(
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
+from .._modules import norm_hooks
 from .._warnings import caller_stacklevel
 from ._losses import Loss
 from ._mlp_step import MLPGradient
@@ -34,7 +37,7 @@ __all__ = [
     "DIVERGENCE_NORM_RATIO",
     "DivergenceWarning",
     "Resume",
-    "batch_statistics",
+    "refused_in_mode",
     "TrainingDivergedError",
     "extend_trajectory",
     "make_optimizer",
@@ -115,6 +118,8 @@ class DivergenceWarning(ConvergenceWarning):
 _DRAWS = "its random draws make each step's gradient, and no recorded point holds them"
 _MIXES = ("it normalises with the batch's own statistics, which mix the samples of a batch, "
           "or updates running statistics that the path does not record")
+_POWER = ("its power iteration updates the singular vectors it normalises with (buffers) at "
+          "every forward pass, which the path does not record")
 
 
 def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -123,10 +128,12 @@ def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.M
     Dropout (and attention dropout, RReLU) draws random masks or slopes that no recorded
     point holds; BatchNorm normalises with the statistics of the batch, which mixes its
     samples, and updates running statistics, buffers that the path does not record (as
-    does InstanceNorm with ``track_running_stats``, whose eval mode then reads them). In
-    eval mode each is a fixed per-sample function of the parameters, except a BatchNorm
-    without running statistics, which normalises with the batch in both modes (listed
-    with ``training`` checked by :func:`batch_statistics`). Listed whatever their mode.
+    does InstanceNorm with ``track_running_stats``, whose eval mode then reads them);
+    spectral normalisation (torch's parametrization, or its older hook) updates its
+    singular vectors at every forward pass. In eval mode each is a fixed per-sample
+    function of the parameters, except a BatchNorm without running statistics, which
+    normalises with the batch in both modes (listed with ``training`` checked by
+    :func:`refused_in_mode`). Listed whatever their mode.
     """
     found = []
     for name, layer in module.named_modules():
@@ -139,15 +146,25 @@ def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.M
                 isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
                 and layer.track_running_stats):
             found.append((name, layer, _MIXES))
+        elif _spectral(layer):
+            found.append((name, layer, _POWER))
     return found
 
 
-def batch_statistics(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` normalises with the batch in its current mode: a BatchNorm in
-    training mode, or in any mode without running statistics."""
+def _spectral(layer: torch.nn.Module) -> bool:
+    return isinstance(layer, _SpectralNorm) or any(
+        isinstance(hook, SpectralNorm) for hook in norm_hooks(layer))
+
+
+def refused_in_mode(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` computes, in its current mode, what no recorded path describes:
+    a BatchNorm in training mode or in any mode without running statistics (it normalises
+    with the batch), an InstanceNorm tracking statistics or a spectral normalisation in
+    training mode (they move buffers at every forward pass)."""
     if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
         return layer.training or layer.running_mean is None
-    return layer.training and isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
+    return layer.training and (
+        isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm) or _spectral(layer))
 
 
 def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
@@ -157,7 +174,13 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
     forward reads ``self.training`` trains in the mode it was built in all along the path."""
     modes = {name or "(the module)": layer.training for name, layer in module.named_modules()}
     for name, layer, why in mode_dependent_layers(module):
-        if batch_statistics(layer):
+        if refused_in_mode(layer) and why == _POWER:
+            raise ValueError(
+                f"Layer {name!r} ({layer}) is in training mode: {why}, so neither the "
+                "kernels nor decompose would describe the training. Build it in eval mode "
+                "in the module factory (layer.eval(): the singular vectors then stay as "
+                "built), or train without spectral normalisation.")
+        if refused_in_mode(layer):
             raise ValueError(
                 f"Layer {name!r} ({layer}) normalises with the batch: {why}, so neither the "
                 "kernels nor decompose would describe the training. Build it in eval mode "

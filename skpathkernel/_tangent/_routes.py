@@ -9,7 +9,6 @@ estimators call it once per fit). :func:`check_rule` compares the engine against
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
+from .._modules import copy_module
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
@@ -271,7 +271,7 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     >>> bool(check_rule(net, torch.randn(4, 1, 8)) < 1e-8)
     True
     """
-    ref = copy.deepcopy(module).to(torch.float64)
+    ref = copy_module(module).to(torch.float64)
     X = _as_input(ref, X)
     params = {k: v.detach() for k, v in ref.named_parameters() if v.requires_grad}
     routes = layer_routes(ref, X, params=params)

@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
@@ -19,6 +20,7 @@ from skpathkernel import (
     TangentFeatureSVM,
     TrainingDivergedError,
 )
+from skpathkernel._estimators import _base
 from skpathkernel._modules import copy_module, norm_hooks
 from skpathkernel._path._training import resume_training_modes
 from skpathkernel.diagnostics import hessian_trace
@@ -850,3 +852,69 @@ def test_spectral_norm_in_eval_mode_trains_on_a_path_that_decomposes(regression_
     points, _ = _replay(est, est.X_fit_, Y, _squared)
     assert len(points) == len(est.trajectory_) == 2 * 2 * 3 + 3 + 1
     assert_allclose(est.trajectory_._params.numpy(), points.numpy(), rtol=1e-12, atol=1e-14)
+
+
+class _DropPath(torch.nn.Module):
+    """Stochastic depth written as timm and torchvision write it: a residual branch kept
+    or dropped per sample in training mode, by a draw no module type announces."""
+
+    def __init__(self, width, p=0.5):
+        super().__init__()
+        self.branch, self.p = torch.nn.Linear(width, width), p
+
+    def forward(self, x):
+        keep = torch.ones(len(x), 1, dtype=x.dtype)
+        if self.training:
+            keep = torch.bernoulli(torch.full((len(x), 1), 1 - self.p, dtype=x.dtype))
+        return x + keep * torch.tanh(self.branch(x)) + F.dropout(x, 0.0, self.training)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_forward_that_draws_at_random_warns_at_fit(regression_data, mode, monkeypatch):
+    """A random layer of no known type (DropPath) in training mode: the module trains as
+    built with the warning dropout gets; in eval mode, or deterministic, not a word. The
+    probe's two forward passes leave the training's draws unchanged."""
+    X, y = regression_data
+
+    def factory(n_features, n_outputs):
+        module = torch.nn.Sequential(torch.nn.Linear(n_features, 6), _DropPath(6),
+                                     torch.nn.Linear(6, n_outputs))
+        return module if mode == "train" else module.eval()
+
+    est = PathKernelMachine(module=factory, max_iter=2, batch_size=8, tol=None,
+                            dtype="float64", random_state=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(X, y)
+    random = [w for w in caught if "draws at random" in str(w.message)]
+    assert len(random) == (mode == "train")
+    if mode == "train":
+        assert random[0].filename == __file__  # points at the caller's line
+    # Without the probe, the same path bit for bit: the probe drew on a forked generator.
+    monkeypatch.setattr(_base, "warn_random_forward", lambda module, x: None)
+    again = PathKernelMachine(module=factory, max_iter=2, batch_size=8, tol=None,
+                              dtype="float64", random_state=0).fit(X, y)
+    assert_array_equal(again.trajectory_._params.numpy(), est.trajectory_._params.numpy())
+
+
+def test_a_random_layer_trains_the_same_path_for_the_same_random_state(regression_data):
+    """Dropout in training mode draws from torch's global generator: random_state seeds it
+    (two fits drew other masks and gave other paths), and fit leaves the caller's random
+    state as it found it."""
+    X, y = regression_data
+
+    def factory(n_features, n_outputs):
+        return torch.nn.Sequential(torch.nn.Linear(n_features, 6), torch.nn.Dropout(0.3),
+                                   torch.nn.Linear(6, n_outputs))
+
+    def fit(random_state):
+        with pytest.warns(UserWarning, match="random draws"):
+            return PathKernelMachine(module=factory, max_iter=2, batch_size=8, tol=None,
+                                     dtype="float64", random_state=random_state).fit(X, y)
+
+    state = torch.get_rng_state()
+    first = fit(0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert_array_equal(fit(0).trajectory_._params.numpy(), first.trajectory_._params.numpy())
+    assert not np.array_equal(fit(1).trajectory_._params.numpy()[-1],
+                              first.trajectory_._params.numpy()[-1])

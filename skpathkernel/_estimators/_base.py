@@ -58,6 +58,7 @@ from .._path._training import (
     resume_training_modes,
     train,
     training_threads,
+    warn_random_forward,
 )
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
@@ -601,6 +602,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 # rows too.
                 with seeded_torch(seed, device):
                     probe_module(module, X_all, dtype=dtype, device=device)
+                # 64 rows: a per-sample draw (stochastic depth at p = 0.1) repeats
+                # itself on all of them with probability 3e-6.
+                warn_random_forward(module, to_input_tensor(X_all[:64], dtype=dtype,
+                                                            device=device))
         else:
             device, dtype = previous.torch_device, previous.torch_dtype
             # A copy: a fit that fails leaves the fitted network as it was. The fitted
@@ -744,7 +749,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                                    dask_worker_threads())
         bar = Progress(type(self).__name__, max_iter, enabled=bool(self.verbose),
                        each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
-        with bar as tick, limit_torch_threads(threads):
+        # The draws of a layer that draws in training mode (dropout, which trains with a
+        # warning) come from torch's global generator: seeded, as random_state promises,
+        # and forked, so that fit leaves the caller's random state as it was.
+        with bar as tick, limit_torch_threads(threads), seeded_torch(seed + 1, X_t.device):
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

@@ -37,18 +37,19 @@ __all__ = [
     "DIVERGENCE_NORM_RATIO",
     "DivergenceWarning",
     "Resume",
-    "refused_in_mode",
     "TrainingDivergedError",
     "extend_trajectory",
     "make_optimizer",
     "mode_dependent_layers",
     "refuse_training_mode_layers",
+    "refused_in_mode",
     "resolve_batch_size",
     "resume_training_modes",
     "set_learning_rate",
     "train",
     "training_step",
     "training_threads",
+    "warn_random_forward",
 ]
 
 # Thresholds of the divergence warning. A descent method lowers the training loss: an
@@ -196,6 +197,46 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
                 "(layer.eval(), or p=0) for exact analyses.",
                 UserWarning, stacklevel=caller_stacklevel())
     return modes
+
+
+# Two forward passes of a module on the same input that differ by more than this,
+# relative to the output's largest entry, draw at random: a dropout draw moves outputs by
+# their own size, while a deterministic forward repeats itself exactly on the CPU (and to
+# round-off with nondeterministic CUDA kernels).
+RANDOM_FORWARD_TOL = 1e-6
+
+
+def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """Warn when ``module``, in the modes it was built in, returns different outputs for
+    the same input twice: a random layer that :func:`mode_dependent_layers` does not know
+    (``F.dropout`` in a forward, stochastic depth / DropPath, noise), whose draws no
+    recorded point holds. Two passes on ``x`` without gradients, on a forked random
+    generator (the training's draws stay as they were) and with the buffers restored."""
+    if any(why == _DRAWS and layer.training for _, layer, why in mode_dependent_layers(module)):
+        return  # refuse_training_mode_layers warned of it
+    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    devices = []
+    if x.device.type == "cuda":
+        devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            first, second = module(x), module(x)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    if not isinstance(first, torch.Tensor) or not first.numel():
+        return
+    scale = float(first.abs().max()) or 1.0
+    if not float((first - second).abs().max()) <= RANDOM_FORWARD_TOL * scale:
+        warnings.warn(
+            "The module returned different outputs for the same input in two forward passes "
+            "in the modes it was built in: a layer draws at random (F.dropout, stochastic "
+            "depth / DropPath, noise). It trains as built, but no recorded point holds its "
+            "draws, so the kernels, decompose and attribute, which describe the network in "
+            "eval mode, are not exact and report their error. Build the module in eval mode "
+            "(module.eval()) in the factory for exact analyses.",
+            UserWarning, stacklevel=caller_stacklevel())
 
 
 def resume_training_modes(module: torch.nn.Module, modes: dict[str, bool] | None = None

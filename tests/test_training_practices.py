@@ -240,10 +240,18 @@ def _batch_norm_mlp():
                                torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
 
 
+def _spectral_norm_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.Tanh(),
+        torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(16, 1))).double()
+
+
 @pytest.mark.parametrize("make, layer", [
     (lambda: _mlp(dropout=0.2), r"layer '2' \(Dropout\(p=0.2.*random draws"),
     (_batch_norm_mlp, r"layer '1' \(BatchNorm1d.*batch's own statistics"),
-], ids=["dropout", "batchnorm"])
+    (_spectral_norm_mlp, r"layer '2.parametrizations.weight.0' .*power iteration"),
+], ids=["dropout", "batchnorm", "spectral-norm"])
 def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(problem, make,
                                                                           layer):
     X, y, Xq = problem

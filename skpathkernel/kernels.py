@@ -384,8 +384,7 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     the exact decomposition describe one object.
 
     ``memory="continuous"``: Domingos' continuous-time limit,
-    ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` (the sum of the
-    interval's :attr:`~skpathkernel.Trajectory.step_learning_rates`, times ``m``) with
+    ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with
     ``m = 1 / (1 - momentum)`` for SGD with momentum (heavy-ball or Nesterov: both
     weigh a gradient ``lr / (1 - momentum)`` in all) and ``m = 1`` otherwise (Adam's
     first-moment weights sum to one far from the first and last steps). It ignores the
@@ -432,10 +431,10 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     if memory == "continuous":
         spec = trajectory.solver_spec
         m = 1.0 / (1.0 - spec.momentum) if spec.name == "sgd" and spec.momentum else 1.0
-        # A clipped step's gradient was scaled by its recorded factor (1 when unclipped),
-        # each step by its own step size.
-        scaled = trajectory.gradient_scales * trajectory.step_learning_rates
-        return [(k, m * float(scaled[steps[k] : steps[k + 1]].sum())) for k in points]
+        # A clipped step's gradient was scaled by its recorded factor (1 when unclipped).
+        scales = trajectory.gradient_scales
+        return [(k, float(trajectory.learning_rates[k]) * m
+                 * float(scales[steps[k] : steps[k + 1]].sum())) for k in points]
     begin, end = int(steps[points[0]]), int(steps[points[-1] + 1])
     W = _step_memory_weights(trajectory, begin, end) * trajectory.gradient_scales[begin:end]
     return [(k, float(W[steps[k] - begin : steps[k + 1] - begin].sum())) for k in points]

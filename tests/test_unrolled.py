@@ -279,6 +279,29 @@ def test_thinned_path_with_a_schedule_inside_intervals_is_exact(name):
                                atol=1e-8 * np.abs(scores).max())
 
 
+def test_early_stopping_inside_a_scheduled_interval():
+    """Early stopping keeps the best epoch, here 10 steps into an interval of 3 that the
+    next epoch's step size continues (steps 48-49 kept, 50 not): the last interval's
+    learning rate is the mean of the kept steps' (it summed the dropped step in: 0.0053
+    for 0.0036), and the scores are the derivative of the kept training."""
+    params = dict(SCHEDULES["invscaling-momentum"], alpha=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the run stops early or not: either is fine
+        est, X, _ = _fit(**params, max_iter=30, batch_size=5, record_every=3,
+                         early_stopping=True, n_iter_no_change=2, tol=0.0,
+                         random_state=2, normalize_y=False)
+    traj = est.trajectory_
+    # 21 points after the validation split: 5 steps an epoch, step 50 starts epoch 10.
+    lrs = sklearn_step_sizes(params, len(est.X_fit_), 5, traj.n_steps + 1)
+    assert list(traj.steps[-2:]) == [48, 50] and lrs[49] != lrs[50]
+    np.testing.assert_allclose(traj.learning_rates[-1], lrs[48:50].mean(), rtol=1e-15)
+    ref = unrolled_reference(est.network_, X[:2], np.ones((2, 1)), step_sizes=lrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = est.attribute(X[:2], method="unrolled")
+    assert _rel(scores, ref) < 1e-12
+
+
 def test_a_schedule_the_path_does_not_hold_still_warns():
     """Paths saved before every step's step size was kept (interval means only), and a
     step size the training did not take, miss the record: the warning stays."""

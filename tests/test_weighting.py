@@ -15,7 +15,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from _reference import jacobian_loop, module_at, sklearn_step_sizes
+from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose
 
 from skpathkernel import PathKernelMachine, kernels
@@ -24,14 +24,13 @@ from skpathkernel.kernels import PathKernel, TangentKernel, path_weights
 EPS = 1e30
 
 
-def _replayed(traj, end=None, impulses=None, lrs=None):
+def _replayed(traj, end=None, impulses=None):
     """W_s for the optimizer steps s < end (or those in ``impulses``), by torch.optim on
-    an impulse gradient at step s, run to step ``end``; ``lrs``: every step's step size
-    (else each interval's recorded one)."""
+    an impulse gradient at step s, run to step ``end``."""
     spec = traj.solver_spec
     end = traj.n_steps if end is None else end
     point = np.searchsorted(traj.steps, np.arange(traj.n_steps), side="right") - 1
-    lrs = traj.learning_rates[point] if lrs is None else lrs
+    lrs = traj.learning_rates[point]
     weights = []
     for s in range(end) if impulses is None else impulses:
         p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
@@ -108,32 +107,6 @@ def test_discrete_path_kernel_equals_the_replayed_sum(name, record_every):
         assert discrete[-1] < 0.9 * continuous[-1]
         if not name.startswith("sgd"):
             assert discrete[0] > 1.5 * continuous[0]
-
-
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_weights_of_a_thinned_schedule_are_its_steps(nesterov):
-    """invscaling changes the step size inside the intervals of a path thinned to every
-    2nd step (12 points in batches of 5: 3 steps an epoch): a point's discrete weight is the total weight torch.optim gives its interval's
-    gradients with sklearn's step sizes, its continuous one their sum times
-    1 / (1 - momentum). The kernel stays a Riemann sum (the gradients at the point)."""
-    params = dict(solver="sgd", momentum=0.8, nesterovs_momentum=nesterov,
-                  learning_rate="invscaling", learning_rate_init=0.05, power_t=0.5)
-    rng = np.random.RandomState(0)
-    X = rng.uniform(-1, 1, size=(12, 2))
-    y = np.sin(2 * X[:, 0]) + X[:, 1]
-    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=4, batch_size=5,
-                            record_every=2, dtype="float64", random_state=0, tol=None,
-                            **params).fit(X, y)
-    traj = est.trajectory_
-    lrs = sklearn_step_sizes(params, len(X), 3, traj.n_steps)
-    assert len(set(lrs[2:4])) == 2  # the interval of steps 2 and 3 spans two epochs
-    W = _replayed(traj, lrs=lrs)
-    discrete = [w for _, w in path_weights(traj)]
-    assert_allclose(discrete, [W[traj.steps[k]:traj.steps[k + 1]].sum()
-                               for k in range(len(traj) - 1)], rtol=1e-13)
-    continuous = [w for _, w in path_weights(traj, memory="continuous")]
-    assert_allclose(continuous, [lrs[traj.steps[k]:traj.steps[k + 1]].sum() / 0.2
-                                 for k in range(len(traj) - 1)], rtol=1e-13)
 
 
 @pytest.mark.parametrize("name", list(SOLVERS))

@@ -913,7 +913,6 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     traj, device = ctx.traj, ctx.device
     spec = traj.solver_spec
     coefs, memory, direct = traj.step_coefficients(direct=True)
-    step_lrs = traj.step_learning_rates  # AdamW's decoupled decay takes each step's
     wd = spec.weight_decay
     decoupled = spec.name == "adamw"
     n_q, N = Xq.shape[0], len(ctx.X_train)
@@ -1044,7 +1043,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
                 for c in parts:
-                    reg[c.local] += (-float(step_lrs[t]) * wd if decoupled
+                    reg[c.local] += (-float(traj.learning_rates[j]) * wd if decoupled
                                      else coef * wd) * c.rho_theta
             if route == "factor":
                 groups = _share_groups(parts)
@@ -1256,7 +1255,6 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     traj, device, module = ctx.traj, ctx.device, ctx.module
     spec = traj.solver_spec
     coefs, memory, direct = traj.step_coefficients(direct=True)
-    step_lrs = traj.step_learning_rates  # AdamW's decoupled decay takes each step's
     dtype = traj.dtype  # not the queries' (token ids are int64)
     n_q, N = Xq.shape[0], len(ctx.X_train)
     n_res, P = ctx.n_res, traj.n_params
@@ -1321,7 +1319,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
             if spec.weight_decay:
                 direction = _decay_direction(traj, j, theta, decoupled)
                 if decoupled:
-                    decay = -float(step_lrs[t]) * spec.weight_decay * direction
+                    decay = -float(traj.learning_rates[j]) * spec.weight_decay * direction
                     reg += (rho @ decay).double()
                 else:
                     reg += (lam @ (spec.weight_decay * direction)).double()

@@ -402,8 +402,10 @@ class Trajectory:
         they were kept, else the interval's."""
         if self._step_group_lrs is None:
             return self.step_size_scales(k)
-        lrs = self._step_group_lrs[t]
-        ref = float(self.step_learning_rates[t])
+        return self._group_scales(self._step_group_lrs[t], float(self.step_learning_rates[t]))
+
+    def _group_scales(self, lrs: np.ndarray, ref: float) -> torch.Tensor | None:
+        """Each parameter's group step size ``lrs[g]`` over ``ref`` (None: all equal)."""
         if np.all(lrs == ref):
             return None
         scales = lrs / ref if ref else np.zeros_like(lrs)
@@ -466,12 +468,7 @@ class Trajectory:
         if self._group_lrs is None:
             return None
         k = check_index(k, "step point", n=len(self) - 1)
-        lrs = self._group_lrs[k]
-        ref = float(self.learning_rates[k])
-        if np.all(lrs == ref):
-            return None
-        scales = lrs / ref if ref else np.zeros_like(lrs)
-        return self._per_parameter(scales[list(self._param_groups)])
+        return self._group_scales(self._group_lrs[k], float(self.learning_rates[k]))
 
     def weight_decays(self) -> torch.Tensor | None:
         """Each parameter's weight decay, (P,) float64; None when all take the solver's.
@@ -604,8 +601,12 @@ class Trajectory:
         coef : ndarray of shape (n_steps,)
             ``lr_t`` for SGD (``momentum * lr_t`` with Nesterov momentum) and RMSprop;
             ``lr_t (1 - beta_1) / (1 - beta_1^count_t)`` (the bias-corrected first
-            moment) for Adam / AdamW, ``lr_t`` the step's own
-            (:attr:`step_learning_rates`, recorded or not).
+            moment) for Adam / AdamW. A step that was not recorded
+            (``record_every > 1``) takes its interval's mean step size: the path kernel
+            and the decomposition of a thinned path are Riemann sums over the recorded
+            points, which each interval's own step sizes made no closer to the
+            every-step sums (measured: ``benchmarks/results/thinned_schedule.md``); the
+            unrolled attribution replays :attr:`step_learning_rates` instead.
         memory : float
             Momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
         direct : ndarray of shape (n_steps,)
@@ -639,7 +640,7 @@ class Trajectory:
         steps = self.steps
         index = np.arange(self.n_steps)
         point = np.searchsorted(steps, index, side="right") - 1
-        coef = self.step_learning_rates.astype(np.float64)
+        coef = self.learning_rates[point].astype(np.float64)
         lead = np.zeros_like(coef)
         if spec.name in ("adam", "adamw"):
             # Adam's own step count: the recorded one of the interval's first step.

@@ -335,15 +335,15 @@ def _replay(estimator, keep: np.ndarray):
     X, Y, loss = net.tensor(net.X_fit), net.targets(), net.loss
     optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad],
                                traj.solver_spec, float(traj.learning_rates[0]))
-    # learning_rates has one entry per recorded interval: step t takes its interval's.
-    interval = np.searchsorted(traj.steps, np.arange(traj.n_steps), side="right") - 1
+    # Each step's own step size, also between the points of a thinned path.
+    step_lrs = traj.step_learning_rates
     weighted = traj._batch_weights is not None
     for t, batch in enumerate(traj.batches):
         mask = keep[batch]
         kept = batch[mask]
         if not len(kept):
             continue
-        set_learning_rate(optimizer, float(traj.learning_rates[interval[t]]))
+        set_learning_rate(optimizer, float(step_lrs[t]))
         rows = torch.as_tensor(kept, device=device)
         weights = None
         if weighted:

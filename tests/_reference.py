@@ -5,6 +5,7 @@ per sample and output, the slow and obviously correct way.
 """
 
 import copy
+import math
 
 import numpy as np
 import torch
@@ -132,7 +133,7 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_w
     return contrib, reg
 
 
-def unrolled_replay(net, weights=None, sample_weight=None):
+def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None):
     """The recorded training replayed as one differentiable float64 graph.
 
     Every step's loss is the weighted mean over its batch, ``sum w_i s_i l_i / sum w_i
@@ -142,7 +143,9 @@ def unrolled_replay(net, weights=None, sample_weight=None):
     optimizer's update written out from torch.optim's documented algorithms (SGD with
     heavy-ball or Nesterov momentum and L2, Adam, AdamW, RMSprop), so that autograd
     differentiates through it.
-    Returns the final parameters as a name -> tensor dict. Every step must be recorded.
+    Returns the final parameters as a name -> tensor dict. Every step must be recorded,
+    or ``step_sizes`` (one per optimizer step, e.g. from the schedule's own rule) given:
+    the path's recorded batches and initialization are read, its step sizes are not.
     """
     traj, spec, loss = net.trajectory, net.trajectory.solver_spec, net.loss
     X = _as_input(net.X_fit)
@@ -159,7 +162,7 @@ def unrolled_replay(net, weights=None, sample_weight=None):
     v = [torch.zeros_like(p) for p in theta]
     wd = spec.weight_decay
     for t, batch in enumerate(traj.batches):
-        lr = float(traj.learning_rates[t])
+        lr = float(traj.learning_rates[t] if step_sizes is None else step_sizes[t])
         rows = torch.as_tensor(batch)
         out = torch.func.functional_call(module, dict(zip(names, theta)), (X[rows],))
         per = loss.per_sample(out.reshape(len(rows), -1), Y[rows])
@@ -190,11 +193,11 @@ def unrolled_replay(net, weights=None, sample_weight=None):
     return dict(zip(names, theta))
 
 
-def unrolled_reference(net, Xq, Wq, sample_weight=None):
+def unrolled_reference(net, Xq, Wq, sample_weight=None, step_sizes=None):
     """d (Wq[q] . f(Xq[q]; theta_T(w))) / d w at w = 1, (Q, N): autograd through
     :func:`unrolled_replay` with the weights as leaf tensors, one backward per query."""
     w = torch.ones(len(net.X_fit), dtype=torch.float64, requires_grad=True)
-    params = unrolled_replay(net, w, sample_weight)
+    params = unrolled_replay(net, w, sample_weight, step_sizes)
     module = copy.deepcopy(net.module).to(torch.float64)
     out = torch.func.functional_call(module, params, (_as_input(Xq),)).reshape(len(Xq), -1)
     m = (out * torch.as_tensor(np.asarray(Wq, dtype=np.float64))).sum(1)
@@ -211,11 +214,12 @@ def weight_derivative(replay_outputs, n, i, h=1e-5):
     return (replay_outputs(up) - replay_outputs(down)) / (2 * h)
 
 
-def torch_optim_replay(net, weights, build=None):
+def torch_optim_replay(net, weights, build=None, step_sizes=None):
     """The recorded training rerun by torch.optim itself (the training's own optimizer,
     not an analysis) with per-point weights in every step's loss (weighted mean over the
     batch); returns the module at the final parameters. ``build``: makes a fresh module of
-    the same architecture, for one that cannot be copied (torch's weight-norm hook)."""
+    the same architecture, for one that cannot be copied (torch's weight-norm hook).
+    ``step_sizes``: one per optimizer step (else the recorded ones, every step recorded)."""
     traj = net.trajectory
     module = (copy.deepcopy(net.module) if build is None else build()).double()
     module.load_state_dict(traj.state_dict(0), strict=False)
@@ -225,7 +229,8 @@ def torch_optim_replay(net, weights, build=None):
     opt = _make_optimizer(params, traj.solver_spec, float(traj.learning_rates[0]))
     for t, batch in enumerate(traj.batches):
         for group in opt.param_groups:
-            group["lr"] = float(traj.learning_rates[t])
+            group["lr"] = float(traj.learning_rates[t] if step_sizes is None
+                                else step_sizes[t])
         opt.zero_grad()
         rows = torch.as_tensor(batch)
         per = net.loss.per_sample(module(X[rows]), Y[rows])
@@ -236,15 +241,41 @@ def torch_optim_replay(net, weights, build=None):
     return module
 
 
-def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5, build=None):
+def weight_finite_differences(net, Xq, points, sample_weight=None, h=1e-5, build=None,
+                              step_sizes=None):
     """Central differences of the first output at ``Xq`` of :func:`torch_optim_replay`
     with respect to a multiplier of each of ``points``' weight, at 1: (Q, len(points)).
     ``sample_weight``: the fit's weights, which the multipliers scale (ones when None)."""
     base = np.ones(len(net.X_fit)) if sample_weight is None else np.asarray(sample_weight)
 
     def outputs(m):
-        module = torch_optim_replay(net, base * m, build)
+        module = torch_optim_replay(net, base * m, build, step_sizes)
         with torch.no_grad():
             return module(torch.as_tensor(np.asarray(Xq))).numpy()[:, 0]
 
     return np.stack([weight_derivative(outputs, len(base), i, h) for i in points], axis=1)
+
+
+def sklearn_step_sizes(params, n, steps_per_epoch, n_steps):
+    """Each optimizer step's step size by sklearn's rule (written from sklearn's
+    ``_fit_stochastic`` and ``SGDOptimizer``, not read from a recorded path).
+
+    invscaling: an epoch starts at ``learning_rate_init / (t_ + 1) ** power_t`` with
+    ``t_`` the samples seen before it (``iteration_ends(self.t_)`` after
+    ``self.t_ += n_samples``), the first epoch at ``learning_rate_init``. adaptive: after
+    an epoch with more than ``n_iter_no_change`` epochs in a row without improving the
+    best loss by ``tol``, divided by 5."""
+    lr0 = params["learning_rate_init"]
+    epoch_lrs, lr, count, best = [], lr0, 0, math.inf
+    for e in range(-(-n_steps // steps_per_epoch)):
+        if params["learning_rate"] == "invscaling":
+            lr = lr0 if e == 0 else lr0 / (e * n + 1) ** params.get("power_t", 0.5)
+        epoch_lrs.append(lr)
+        if params["learning_rate"] == "adaptive":
+            # The losses are finite and far below tol: only the first epoch (best = inf)
+            # improves.
+            count = count + 1 if best < math.inf else 0
+            best = 0.0
+            if count > params["n_iter_no_change"]:
+                lr, count = lr / 5.0, 0
+    return np.repeat(epoch_lrs, steps_per_epoch)[:n_steps]

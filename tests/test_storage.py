@@ -18,6 +18,7 @@ import joblib
 import numpy as np
 import pytest
 import torch
+from _reference import sklearn_step_sizes
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.utils._param_validation import InvalidParameterError
 
@@ -113,6 +114,73 @@ def test_disk_path_thinned_or_stopped_early(data, kw, tail):
     assert (rows.series.n_rows > rows.n) == ("early_stopping" in kw)
     _assert_same_path(mem.trajectory_, disk.trajectory_)
     assert_allclose(PathKernel(disk)(X), PathKernel(mem)(X), rtol=1e-13, atol=1e-15)
+
+
+SCHEDULE = dict(solver="sgd", momentum=0.9, learning_rate="invscaling",
+                learning_rate_init=0.05, power_t=0.5, record_every=3, normalize_y=False)
+
+
+@pytest.mark.parametrize("storage, kw", [("memory", {}), ("disk", {}),
+                                         ("disk", {"trajectory_compression": "float16"})])
+def test_every_step_size_of_a_schedule_travels_with_the_path(data, storage, kw, tmp_path):
+    """A thinned path whose step size changes inside its intervals (invscaling, 4 steps
+    an epoch, a point every 3) keeps every step's, as sklearn's rule gives them, through
+    save / load, pickling, the workers' shared copy and compressed storage; the unrolled
+    scores read them back (equal to the path's in memory: no replay mismatch)."""
+    X, y = data
+    est = _fit(X, y, storage, **SCHEDULE, **kw)
+    traj = est.trajectory_
+    lrs = sklearn_step_sizes(SCHEDULE, len(X), 4, traj.n_steps)
+    assert len(set(lrs[3:6])) == 2  # an epoch ends inside the interval of steps 3 to 5
+    assert_array_equal(traj.step_learning_rates, lrs)
+    mem = _fit(X, y, **SCHEDULE)
+    # The interval means, as before, of the same steps.
+    assert_array_equal(traj.learning_rates, mem.trajectory_.learning_rates)
+    for k in range(len(traj) - 1):
+        assert_allclose(traj.learning_rates[k],
+                        lrs[traj.steps[k]:traj.steps[k + 1]].mean(), rtol=1e-15)
+    target = tmp_path / ("saved" if storage == "disk" else "saved.pt")
+    traj.save(target)
+    copies = [Trajectory.load(target), pickle.loads(pickle.dumps(traj)),
+              pickle.loads(pickle.dumps(traj.for_workers(by_reference=True)))]
+    for other in copies:
+        assert_array_equal(other.step_learning_rates, lrs)
+        assert_array_equal(other.learning_rates, traj.learning_rates)
+    if not kw:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an exact replay of every interval
+            scores = RecordedNetwork(est.module_, copies[0], X_train=X, y_train=y
+                                     ).attribute(X[:2], method="unrolled")
+        assert scores.replay_error < 1e-13
+        assert_allclose(scores, mem.attribute(X[:2], method="unrolled"), rtol=1e-13,
+                        atol=1e-15)
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_a_path_saved_before_step_sizes_were_kept_loads_as_before(data, storage, tmp_path):
+    """A file or pickle without every step's step size (an older version's) loads with
+    each step at its interval's mean, and its unrolled scores still say they miss."""
+    X, y = data
+    est = _fit(X, y, storage, **SCHEDULE)
+    traj = est.trajectory_
+    target = tmp_path / ("saved" if storage == "disk" else "saved.pt")
+    traj.save(target)
+    meta = target / "trajectory.pt" if storage == "disk" else target
+    payload = torch.load(meta, weights_only=True)
+    del payload["step_lrs"]
+    torch.save(payload, meta)
+    state = traj.__getstate__()
+    del state["_step_lrs"], state["_step_group_lrs"]
+    unpickled = object.__new__(Trajectory)
+    unpickled.__setstate__(state)
+    for old in (Trajectory.load(target), unpickled):
+        assert old._step_lrs is None
+        assert_array_equal(old.learning_rates, traj.learning_rates)
+        assert_array_equal(old.step_learning_rates,
+                           np.repeat(traj.learning_rates, np.diff(traj.steps)))
+        net = RecordedNetwork(est.module_, old, X_train=X, y_train=y)
+        with pytest.warns(UserWarning, match="miss the recorded path"):
+            net.attribute(X[:2], method="unrolled")
 
 
 def test_save_is_a_rename_and_load_is_lazy(data, tmp_path):

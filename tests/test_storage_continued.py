@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import forward_recursion, gauss_nodes
+from _reference import forward_recursion, gauss_nodes, sklearn_step_sizes, unrolled_reference
 from numpy.testing import assert_allclose, assert_array_equal
 
 import skpathkernel
@@ -183,6 +183,32 @@ def test_warm_start_on_disk_is_one_path():
     _assert_same_path(mem.trajectory_, est.trajectory_)
     assert_array_equal(est.X_fit_, np.concatenate([X, X2]))
     _assert_same_analyses(est, mem, X[:3] + 0.1)
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_warm_start_keeps_every_step_size_of_a_schedule(storage):
+    """A warm start of an invscaling path thinned to every 3rd step: the first fit (one
+    epoch, one step size) keeps none per step, the continuation changes it inside its
+    intervals; the joined path holds sklearn's step size for every step, and its unrolled
+    scores are the derivative of that training (autograd through a plain replay with
+    sklearn's step sizes), without a replay warning."""
+    X, y = _data()
+    params = dict(NET, solver="sgd", momentum=0.9, learning_rate="invscaling",
+                  learning_rate_init=0.05, power_t=0.5, record_every=3)
+    est = PathKernelMachine(**params, max_iter=1, warm_start=True,
+                            trajectory_storage=storage).fit(X, y)
+    assert est.trajectory_._step_lrs is None
+    est.set_params(max_iter=3).fit(X, y)
+    traj = est.trajectory_
+    lrs = sklearn_step_sizes(params, len(X), 5, traj.n_steps)
+    assert traj.n_steps == 20 and len(set(lrs[8:11])) == 2  # steps 8-10: one interval
+    assert_array_equal(traj.step_learning_rates, lrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = est.attribute(X[:2], method="unrolled")
+    assert scores.replay_error < 1e-13
+    ref = unrolled_reference(est.network_, X[:2], np.ones((2, 1)), step_sizes=lrs)
+    assert_allclose(scores, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("record_every", [1, 2])

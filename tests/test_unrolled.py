@@ -10,7 +10,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import unrolled_reference, unrolled_replay, weight_finite_differences
+from _reference import (
+    sklearn_step_sizes,
+    unrolled_reference,
+    unrolled_replay,
+    weight_finite_differences,
+)
 from sklearn.datasets import make_classification
 
 from skpathkernel import (
@@ -226,6 +231,94 @@ def test_thinned_path_is_replayed_between_recorded_points(solver):
     assert _rel(scores, full) < 1e-8
 
 
+# sklearn's MLP schedules (their step sizes: _reference.sklearn_step_sizes). n = 24 points
+# in batches of 5: 5 steps an epoch, so that epochs end inside intervals of 3 steps.
+SCHEDULED = dict(max_iter=6, batch_size=5, record_every=3, normalize_y=False)
+SCHEDULES = {
+    "invscaling-sgd": dict(solver="sgd", momentum=0.0, learning_rate="invscaling",
+                           learning_rate_init=0.2, power_t=0.5),
+    "invscaling-momentum": dict(solver="sgd", momentum=0.9, nesterovs_momentum=False,
+                                learning_rate="invscaling", learning_rate_init=0.05,
+                                power_t=0.5, alpha=0.01),
+    "invscaling-nesterov": dict(solver="sgd", momentum=0.9, learning_rate="invscaling",
+                                learning_rate_init=0.05, power_t=0.5),
+    # A tol no epoch improves by: every epoch after the first counts as no improvement,
+    # and with n_iter_no_change=1 the step size is divided by 5 after epochs 2 and 4.
+    "adaptive-nesterov": dict(solver="sgd", momentum=0.9, learning_rate="adaptive",
+                              learning_rate_init=0.05, tol=1e10, n_iter_no_change=1),
+}
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # adaptive's tol
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_thinned_path_with_a_schedule_inside_intervals_is_exact(name):
+    """A step size that changes between two recorded points (sklearn's invscaling every
+    epoch, adaptive's division by 5) is replayed step by step: the scores are the
+    derivative of the training, against autograd through a plain replay whose step sizes
+    come from sklearn's rule, and against finite differences of torch.optim's training
+    with one point's weight moved. The replay matches the record and nothing warns (the
+    interval's mean step size missed by 0.07-0.21 relative, replay_error 0.23-0.31)."""
+    params = SCHEDULES[name]
+    est, X, _ = _fit(**params, **SCHEDULED)
+    traj = est.trajectory_
+    lrs = sklearn_step_sizes(params, len(X), 5, traj.n_steps)
+    inside = [k for k in range(len(traj) - 1)
+              if len(set(lrs[traj.steps[k]:traj.steps[k + 1]])) > 1]
+    assert inside  # the schedule changes the step size inside some intervals
+    ref = unrolled_reference(est.network_, X[:3], np.ones((3, 1)), step_sizes=lrs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = est.attribute(X[:3], method="unrolled")
+    assert _rel(scores, ref) < 1e-12, _rel(scores, ref)
+    assert scores.replay_error < 1e-13
+    assert not caught, [str(w.message) for w in caught]
+    np.testing.assert_allclose(traj.step_learning_rates, lrs, rtol=1e-15, atol=0)
+    points = [int(traj.batch(traj.n_steps - 1)[0]), int(traj.batch(7)[0])]
+    fd = weight_finite_differences(est.network_, X[:3], points, step_sizes=lrs)
+    np.testing.assert_allclose(scores[:, points], fd, rtol=1e-6,
+                               atol=1e-8 * np.abs(scores).max())
+
+
+def test_early_stopping_inside_a_scheduled_interval():
+    """Early stopping keeps the best epoch, here 10 steps into an interval of 3 that the
+    next epoch's step size continues (steps 48-49 kept, 50 not): the last interval's
+    learning rate is the mean of the kept steps' (it summed the dropped step in: 0.0053
+    for 0.0036), and the scores are the derivative of the kept training."""
+    params = dict(SCHEDULES["invscaling-momentum"], alpha=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the run stops early or not: either is fine
+        est, X, _ = _fit(**params, max_iter=30, batch_size=5, record_every=3,
+                         early_stopping=True, n_iter_no_change=2, tol=0.0,
+                         random_state=2, normalize_y=False)
+    traj = est.trajectory_
+    # 21 points after the validation split: 5 steps an epoch, step 50 starts epoch 10.
+    lrs = sklearn_step_sizes(params, len(est.X_fit_), 5, traj.n_steps + 1)
+    assert list(traj.steps[-2:]) == [48, 50] and lrs[49] != lrs[50]
+    np.testing.assert_allclose(traj.learning_rates[-1], lrs[48:50].mean(), rtol=1e-15)
+    ref = unrolled_reference(est.network_, X[:2], np.ones((2, 1)), step_sizes=lrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = est.attribute(X[:2], method="unrolled")
+    assert _rel(scores, ref) < 1e-12
+
+
+def test_a_schedule_the_path_does_not_hold_still_warns():
+    """Paths saved before every step's step size was kept (interval means only), and a
+    step size the training did not take, miss the record: the warning stays."""
+    est, X, _ = _fit(**SCHEDULES["invscaling-sgd"], **SCHEDULED)
+    traj = est.trajectory_
+    kept = traj._step_lrs
+    traj._step_lrs = None  # what a path saved before holds
+    with pytest.warns(UserWarning, match="miss the recorded path"):
+        scores = est.attribute(X[:2], method="unrolled")
+    assert scores.replay_error > 0.1
+    traj._step_lrs = kept.copy()
+    traj._step_lrs[7] *= 1.001  # step 7 lies inside the interval of steps 6 to 8
+    with pytest.warns(UserWarning, match="miss the recorded path"):
+        scores = est.attribute(X[:2], method="unrolled")
+    assert 1e-9 < scores.replay_error < 1e-2
+
+
 def test_thinned_replay_mismatch_is_reported():
     est, X, _ = _fit(**SOLVERS["sgd"], normalize_y=False, record_every=3)
     traj = est.trajectory_
@@ -411,9 +504,14 @@ def test_cuda_equals_cpu():
                                est.attribute(X[:3], method="unrolled"), rtol=1e-6)
 
 
-def test_replay_retraining_of_a_thinned_path_equals_the_full_record():
-    est, X, y = _fit(**SOLVERS["adam-l2"], normalize_y=False)
-    thin, _, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False, record_every=3)
+@pytest.mark.parametrize("params", [dict(SOLVERS["adam-l2"], normalize_y=False),
+                                    dict(SCHEDULES["invscaling-momentum"], **SCHEDULED)],
+                         ids=["adam", "invscaling"])
+def test_replay_retraining_of_a_thinned_path_equals_the_full_record(params):
+    """The replay protocol retrains with every step's own step size, also those of a
+    schedule between the points of a thinned path (the interval's mean: 7% off here)."""
+    est, X, y = _fit(**{**params, "record_every": 1})
+    thin, _, _ = _fit(**{**params, "record_every": 3})
     runs = [retrain_on_subsets(e, X, y, X[:3], n_subsets=3, subset_fraction=0.8,
                                protocol="replay", random_state=0) for e in (est, thin)]
     np.testing.assert_allclose(runs[1].outputs, runs[0].outputs, rtol=1e-12, atol=1e-14)

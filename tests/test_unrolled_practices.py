@@ -43,8 +43,10 @@ CASES = {
 
 
 def _lr_at(case, t):
-    """Each group's step size at step t: the biases' decays along the run."""
-    return case["lr"][0], case["lr"][1] * case.get("decay", 0.95)**t
+    """Each group's step size at step t: the biases' decays along the run (the weights'
+    with ``decay_weights``)."""
+    return (case["lr"][0] * case.get("decay_weights", 1.0)**t,
+            case["lr"][1] * case.get("decay", 0.95)**t)
 
 
 def _mlp():
@@ -209,6 +211,34 @@ def test_thinned_clipped_path_replays_its_intervals_exactly():
     assert len(traj) < STEPS
     assert thin.replay_error < 1e-10
     assert _rel(thin, full) < 1e-9
+
+
+@pytest.mark.parametrize("name, decay_weights", [("clip-groups-sgd-momentum", 1.0),
+                                                 ("groups-sgd-momentum", 0.9),
+                                                 ("clip-groups-adamw", 0.9)])
+def test_thinned_path_replays_a_scheduler_inside_its_intervals(name, decay_weights):
+    """record_every=3 with the groups' step sizes decaying at every step (a scheduler):
+    every step's group step sizes are kept and replayed, the scores are the independent
+    reference's (step sizes from the schedule, not the record) and nothing warns. With
+    ``decay_weights=1`` only the smaller group's step size varies (the largest, the
+    path's learning_rates, does not); otherwise both do."""
+    case = {**CASES[name], "decay_weights": decay_weights}
+    thin, traj = _scores(case, record_every=3)
+    assert len(traj) < STEPS and traj.record_every == 3
+    assert thin.replay_error < 1e-12
+    assert _rel(thin, _autograd_reference(case)) < 1e-12
+    lrs = np.array([_lr_at(case, t) for t in range(STEPS)])
+    np.testing.assert_allclose(traj.step_learning_rates, lrs.max(1), rtol=1e-15)
+    # Each interval's step size scale is the ratio of its groups' total step sizes (the
+    # path kernel's weights of its point).
+    for k in range(len(traj) - 1):
+        seg = lrs[traj.steps[k]:traj.steps[k + 1]]
+        total = traj.learning_rates[k] * len(seg)
+        scales = traj.step_size_scales(k)
+        scales = np.ones(traj.n_params) if scales is None else scales.numpy()
+        groups = np.repeat([0 if w else 1 for w in _is_weight(traj.names)],
+                           [int(np.prod(s)) for s in traj.shapes])
+        np.testing.assert_allclose(total * scales, seg.sum(0)[groups], rtol=1e-14)
 
 
 def test_the_clip_derivative_is_needed():

@@ -61,8 +61,10 @@ Cost per step: one forward-backward of the batch, then per query one double back
 whatever the number of steps; the path is read backwards, chunk by chunk from disk.
 
 Thinned paths (``record_every > 1``): the steps between two recorded points are replayed
-forward from the first (batches and each interval's step size are recorded) and kept for
-the interval only; the replay's mismatch with the next recorded point is reported. Solvers
+forward from the first (batches and every step's step size are recorded, see
+:attr:`Trajectory.step_learning_rates <skpathkernel.Trajectory.step_learning_rates>`) and
+kept for the interval only; the replay's mismatch with the next recorded point is
+reported. Solvers
 whose first moment is not recorded (SGD with momentum, Adam, AdamW) are first replayed from
 the initialization to recover it at each recorded point, checkpointed: the replay's state
 is kept at every ``sqrt(n_points)``-th point and the moments of one segment at a time are
@@ -398,6 +400,7 @@ class _Path:
         self.coupled = 0.0 if self.spec.name == "adamw" else wd
         self.decoupled = wd if self.spec.name == "adamw" else 0.0
         self.scales = traj.gradient_scales
+        self.step_lrs = traj.step_learning_rates
         self._moments = moments  # replay_moments' checkpoints
         self._segment: dict[int, torch.Tensor | None] = {}
 
@@ -427,10 +430,11 @@ class _Path:
         g = torch.zeros_like(theta) if g is None else g
         return float(self.scales[t]) * g.detach() + self.coupled * theta.detach()
 
-    def lr(self, j: int) -> float | torch.Tensor:
-        """The step size of interval ``j``, per parameter when groups took their own."""
-        lr = float(self.traj.learning_rates[j])
-        scales = self.traj.step_size_scales(j)
+    def lr(self, j: int, t: int) -> float | torch.Tensor:
+        """The step size of step ``t`` (of interval ``j``): its own, as recorded, per
+        parameter when groups took their own."""
+        lr = float(self.step_lrs[t])
+        scales = self.traj._step_size_scales_at(t, j)
         return lr if scales is None else lr * scales.to(device=self.device,
                                                         dtype=self.traj.dtype)
 
@@ -456,14 +460,13 @@ class _Path:
             theta = self.params(j)
             first, last = int(traj.steps[j]), int(traj.steps[j + 1])
             v, count = self._state(j) if self.spec.state_keys else (None, float(first + 1))
-            lr = self.lr(j)
             if last - first == 1:
-                yield self.step(theta, nxt, lr, count, v, first)
+                yield self.step(theta, nxt, self.lr(j, first), count, v, first)
             else:
-                yield from reversed(self._interval(j, theta, nxt, v, count, lr))
+                yield from reversed(self._interval(j, theta, nxt, v, count))
             nxt = theta
 
-    def _interval(self, j, theta, end, v, count, lr) -> list[_Step]:
+    def _interval(self, j, theta, end, v, count) -> list[_Step]:
         """An interval's steps replayed forward from its first point (kept in memory)."""
         step_fn = _SOLVERS[self.spec.name][0]
         first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
@@ -479,6 +482,7 @@ class _Path:
         for t in range(first, last):
             d = self.gradient(theta, t)
             c = count + (t - first)
+            lr = self.lr(j, t)
             nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
             out.append(self.step(theta, nxt, lr, c, state.get("v"), t))
             theta = nxt
@@ -493,9 +497,9 @@ class _Path:
         step_fn = _SOLVERS[spec.name][0]
         theta = self.params(j)
         first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-        lr = self.lr(j)
         count = self._state(j)[1] if spec.state_keys else float(first + 1)
         for t in range(first, last):
+            lr = self.lr(j, t)
             theta, state = step_fn(spec, theta, state, self.gradient(theta, t), lr,
                                    count + (t - first), self.decay(lr))
         return state
@@ -806,7 +810,8 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
         else:
             cause = ("the training step depended on something the record does not hold "
                      "(gradient clipping, a loss, inputs or targets other than the "
-                     "declared ones, a learning-rate schedule inside an interval, "
+                     "declared ones, a step size that changed inside an interval of a "
+                     "path saved before every step's was kept, "
                      "randomness), so the scores differentiate another training than the "
                      "one that happened. Declare the loss and data the optimizer saw, and "
                      "record every step.")

@@ -67,8 +67,10 @@ _SHARED_PARAMS_DOC = """
         ``learning_rate_init / (t + 1) ** power_t``. "adaptive": the step size is divided
         by 5 whenever more than ``n_iter_no_change`` consecutive epochs fail to improve
         by ``tol`` (the stopping rule), and training stops when it is at most 1e-6. The
-        recorded path holds every step's size (``trajectory_.learning_rates``), so the
-        kernels and the decomposition follow the schedule exactly.
+        recorded path holds every step's size (``trajectory_.step_learning_rates``), so
+        the kernels and the decomposition follow the schedule exactly (with every step
+        recorded: a thinned path's interval takes its mean), and the unrolled
+        attribution does on any path.
     power_t : float, default=0.5
         Exponent of ``learning_rate="invscaling"`` (sgd only).
     momentum : float, default=0.0

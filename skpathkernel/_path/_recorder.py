@@ -64,7 +64,13 @@ from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork
 from ..kernels import NetworkKernelsMixin
 from ._training import mode_dependent_layers, refused_in_mode
-from ._trajectory import SolverSpec, Trajectory, TrajectoryRecorder, mean_batch_weights
+from ._trajectory import (
+    SolverSpec,
+    Trajectory,
+    TrajectoryRecorder,
+    interval_means,
+    mean_batch_weights,
+)
 
 __all__ = ["PathRecorder", "RecordedNetwork", "solver_spec_from_optimizer"]
 
@@ -209,7 +215,9 @@ class PathRecorder:
     record_every : int, default=1
         Record the parameters every ``record_every`` steps; 1 is needed by the
         decomposition. With more, a recorded point stands for the mean step size of its
-        interval in the path kernel.
+        interval in the path kernel; every step's own step size is kept where a
+        scheduler changes it between recorded points (the unrolled attribution replays
+        them).
     n_samples : int, default=None
         Size of the training set that :meth:`set_batch` indexes into. When given, every
         step must declare its batch; when None, batches are not recorded (the kernels
@@ -654,12 +662,17 @@ class PathRecorder:
             weights = np.concatenate([
                 mean_batch_weights(traj._batch_offsets[t : t + 2]) if w is None else w
                 for t, w in enumerate(self._weights[:n])])
-        group_lrs = None
+        group_lrs = step_group_lrs = None
         if self._group_lrs:
-            group_lrs = np.asarray(self._group_lrs[:n])[traj.steps[:-1]]
+            # Each interval's mean per group, as learning_rates holds the largest's, so
+            # that the scales of step_size_scales are the ratios of the total step sizes;
+            # every step's own where a scheduler changed one inside an interval.
+            per_step = np.asarray(self._group_lrs[:n], dtype=np.float64)
+            group_lrs, varies = interval_means(per_step, traj.steps)
+            step_group_lrs = per_step if varies else None
         return traj._attach(
             gradient_scales=None if np.all(scales == 1.0) else scales,
-            batch_weights=weights, group_lrs=group_lrs,
+            batch_weights=weights, group_lrs=group_lrs, step_group_lrs=step_group_lrs,
             param_groups=self._param_groups if (group_lrs is not None
                                                 or self._group_wds) else None,
             group_weight_decays=self._group_wds)

@@ -796,9 +796,11 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         params = torch.cat([first._params, second._params[1:]])
         states = {k: torch.cat([v, second._states[k]]) for k, v in first._states.items()}
     n_first = first.n_steps
-    weights = None
+    weights = step_lrs = None
     if first._batch_weights is not None or second._batch_weights is not None:
         weights = np.concatenate([first._all_batch_weights(), second._all_batch_weights()])
+    if first._step_lrs is not None or second._step_lrs is not None:
+        step_lrs = np.concatenate([first.step_learning_rates, second.step_learning_rates])
     return Trajectory(
         names=first.names, shapes=first.shapes,
         params=params,
@@ -811,7 +813,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         state_steps=np.concatenate([first._state_steps, second._state_steps]),
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),
-        batch_weights=weights,
+        batch_weights=weights, step_lrs=step_lrs,
     )
 
 

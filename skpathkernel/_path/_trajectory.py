@@ -47,6 +47,11 @@ __all__ = ["Trajectory"]
 
 _FORMAT_VERSION = 1
 
+# What a recorder may know beyond the plain update rule, each None by default: saved,
+# loaded and pickled alike (a path saved or pickled before one existed reads None).
+_EXTRAS = ("gradient_scales", "batch_weights", "group_lrs", "param_groups",
+           "group_weight_decays", "step_lrs", "step_group_lrs")
+
 # Optimizer state recorded per solver, named as torch.optim names it: the second moments
 # that define the preconditioner D_t. First moments and momentum buffers are not stored:
 # with every step recorded they follow from consecutive points (heavy-ball SGD: buf_t =
@@ -142,11 +147,19 @@ class Trajectory:
         The weight of every entry of ``batch_indices`` in its step's loss; None: the
         batch mean.
     group_lrs : array-like of shape (n_points - 1, n_groups), default=None
-        Each optimizer parameter group's step size at each point; None: one step size.
+        Each optimizer parameter group's step size at each point (its mean over the
+        interval's steps when it varies there); None: one step size.
     param_groups : sequence of int, default=None
         The group of each parameter tensor, in the order of ``names``.
     group_weight_decays : sequence of float, default=None
         Each group's weight decay; None: the solver's for every parameter.
+    step_lrs : array-like of shape (n_steps,), default=None
+        Every optimizer step's step size (the largest group's), kept where it varies
+        inside a recorded interval; None: each step takes its interval's
+        ``learning_rates[k]``. See ``step_learning_rates`` below.
+    step_group_lrs : array-like of shape (n_steps, n_groups), default=None
+        Every optimizer step's step size per parameter group, kept where one varies
+        inside a recorded interval; None: each step takes its interval's ``group_lrs``.
 
     Attributes
     ----------
@@ -157,6 +170,11 @@ class Trajectory:
         (their mean when a learning-rate scheduler changed it between two recorded
         points, so that ``learning_rates[k] * (steps[k + 1] - steps[k])`` is the
         interval's total step size; with ``record_every=1`` it is each step's own).
+    step_learning_rates : ndarray of shape (n_steps,)
+        Each optimizer step's own step size (read-only property), recorded or not: the
+        scheduler's value inside a thinned interval (``record_every > 1``), which the
+        unrolled attribution replays. A path saved before these were kept gives its
+        interval's ``learning_rates[k]`` for each step.
     solver : str
         ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"rmsprop"``.
     n_samples : int
@@ -197,6 +215,8 @@ class Trajectory:
         group_lrs: np.ndarray | None = None,
         param_groups: Sequence[int] | None = None,
         group_weight_decays: Sequence[float] | None = None,
+        step_lrs: np.ndarray | None = None,
+        step_group_lrs: np.ndarray | None = None,
     ):
         self._names = tuple(names)
         self._shapes = tuple(tuple(int(d) for d in s) for s in shapes)
@@ -210,18 +230,29 @@ class Trajectory:
         self.solver_spec = solver
         self.n_samples = int(n_samples)
         self.record_every = int(record_every)
+        # Set here, not by _attach: the recorder's finish() knows them, PathRecorder's
+        # _attach (the group step sizes) must not reset them.
+        self._step_lrs = None if step_lrs is None else np.asarray(step_lrs, np.float64)
         self._attach(gradient_scales=gradient_scales, batch_weights=batch_weights,
                      group_lrs=group_lrs, param_groups=param_groups,
-                     group_weight_decays=group_weight_decays)
+                     group_weight_decays=group_weight_decays,
+                     step_group_lrs=step_group_lrs)
 
     def _attach(self, *, gradient_scales=None, batch_weights=None, group_lrs=None,
-                param_groups=None, group_weight_decays=None) -> Trajectory:
-        """Set what a recorder knows beyond the plain update rule (None: the default)."""
+                param_groups=None, group_weight_decays=None,
+                step_group_lrs=None) -> Trajectory:
+        """Set what a recorder knows beyond the plain update rule (None: the default).
+
+        ``group_lrs`` holds each interval's mean step size per group (the first step's
+        where they do not vary), ``step_group_lrs`` every step's, (n_steps, n_groups),
+        kept only where some group's varies inside an interval."""
         self._gradient_scales = (None if gradient_scales is None
                                  else np.asarray(gradient_scales, dtype=np.float64))
         self._batch_weights = (None if batch_weights is None
                                else np.asarray(batch_weights, dtype=np.float64))
         self._group_lrs = None if group_lrs is None else np.asarray(group_lrs, np.float64)
+        self._step_group_lrs = (None if step_group_lrs is None
+                                else np.asarray(step_group_lrs, np.float64))
         self._param_groups = None if param_groups is None else tuple(int(g) for g in
                                                                      param_groups)
         self._group_weight_decays = (None if group_weight_decays is None else
@@ -311,7 +342,8 @@ class Trajectory:
     def nbytes(self) -> int:
         """Bytes of the recorded path, in memory or on disk (see :attr:`storage`)."""
         tensors = [self._params, *self._states.values()]
-        arrays = [self.steps, self.learning_rates, self._batch_indices, self._batch_offsets]
+        arrays = [self.steps, self.learning_rates, self._batch_indices, self._batch_offsets,
+                  *(a for a in (self._step_lrs, self._step_group_lrs) if a is not None)]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes for a in arrays)
 
     @property
@@ -348,6 +380,36 @@ class Trajectory:
         if self._gradient_scales is None:
             return np.ones(self.n_steps)
         return self._gradient_scales[: self.n_steps]
+
+    @property
+    def step_learning_rates(self) -> np.ndarray:
+        """Each optimizer step's step size, (n_steps,) float64.
+
+        With ``record_every=1``, ``learning_rates``. On a thinned path, the step size
+        each step took, kept when a schedule (``learning_rate="invscaling"`` or
+        ``"adaptive"``, a torch learning-rate scheduler under
+        :class:`~skpathkernel.PathRecorder`) changed it between two recorded points;
+        otherwise, and on paths saved before they were kept, each step's interval's
+        ``learning_rates[k]``. With parameter groups, the largest group's.
+        """
+        if self._step_lrs is not None:
+            return self._step_lrs[: self.n_steps]
+        return np.repeat(self.learning_rates, np.diff(self.steps))
+
+    def _step_size_scales_at(self, t: int, k: int) -> torch.Tensor | None:
+        """:meth:`step_size_scales` of optimizer step ``t`` (in the interval leaving
+        point ``k``): its own groups' step sizes over :attr:`step_learning_rates` where
+        they were kept, else the interval's."""
+        if self._step_group_lrs is None:
+            return self.step_size_scales(k)
+        return self._group_scales(self._step_group_lrs[t], float(self.step_learning_rates[t]))
+
+    def _group_scales(self, lrs: np.ndarray, ref: float) -> torch.Tensor | None:
+        """Each parameter's group step size ``lrs[g]`` over ``ref`` (None: all equal)."""
+        if np.all(lrs == ref):
+            return None
+        scales = lrs / ref if ref else np.zeros_like(lrs)
+        return self._per_parameter(scales[list(self._param_groups)])
 
     def batch_weights(self, step: int) -> np.ndarray:
         """The weight of each sample of :meth:`batch` in the step's loss.
@@ -406,12 +468,7 @@ class Trajectory:
         if self._group_lrs is None:
             return None
         k = check_index(k, "step point", n=len(self) - 1)
-        lrs = self._group_lrs[k]
-        ref = float(self.learning_rates[k])
-        if np.all(lrs == ref):
-            return None
-        scales = lrs / ref if ref else np.zeros_like(lrs)
-        return self._per_parameter(scales[list(self._param_groups)])
+        return self._group_scales(self._group_lrs[k], float(self.learning_rates[k]))
 
     def weight_decays(self) -> torch.Tensor | None:
         """Each parameter's weight decay, (P,) float64; None when all take the solver's.
@@ -545,7 +602,11 @@ class Trajectory:
             ``lr_t`` for SGD (``momentum * lr_t`` with Nesterov momentum) and RMSprop;
             ``lr_t (1 - beta_1) / (1 - beta_1^count_t)`` (the bias-corrected first
             moment) for Adam / AdamW. A step that was not recorded
-            (``record_every > 1``) takes its interval's mean step size.
+            (``record_every > 1``) takes its interval's mean step size: the path kernel
+            and the decomposition of a thinned path are Riemann sums over the recorded
+            points, which each interval's own step sizes made no closer to the
+            every-step sums (measured: ``benchmarks/results/thinned_schedule.md``); the
+            unrolled attribution replays :attr:`step_learning_rates` instead.
         memory : float
             Momentum for SGD, ``beta_1`` for Adam / AdamW, 0 for RMSprop.
         direct : ndarray of shape (n_steps,)
@@ -680,9 +741,7 @@ class Trajectory:
         return payload
 
     def _extras(self) -> dict:
-        return {"gradient_scales": self._gradient_scales, "batch_weights": self._batch_weights,
-                "group_lrs": self._group_lrs, "param_groups": self._param_groups,
-                "group_weight_decays": self._group_weight_decays}
+        return {key: getattr(self, "_" + key) for key in _EXTRAS}
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trajectory:
@@ -733,9 +792,7 @@ class Trajectory:
             n_samples=payload["n_samples"],
             record_every=payload["record_every"],
             **{key: (value.numpy() if isinstance(value, torch.Tensor) else value)
-               for key, value in payload.items()
-               if key in ("gradient_scales", "batch_weights", "group_lrs", "param_groups",
-                          "group_weight_decays")},
+               for key, value in payload.items() if key in _EXTRAS},
         )
 
     def _write_meta(self) -> None:
@@ -846,10 +903,29 @@ class Trajectory:
         if not isinstance(state["_params"], DiskRows):
             state["_params"] = _to_tensor(state["_params"])
             state["_states"] = {k: _to_tensor(v) for k, v in state["_states"].items()}
-        for key in ("gradient_scales", "batch_weights", "group_lrs", "param_groups",
-                    "group_weight_decays"):  # pickled before recorders set them
+        for key in _EXTRAS:  # pickled before recorders set them
             state.setdefault("_" + key, None)
         self.__dict__.update(state)
+
+
+def interval_means(values: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Each recorded interval's mean of the per-step ``values`` (rows of a 1-D or 2-D
+    array, one per optimizer step), and whether any interval's values differ.
+
+    An interval whose values are all equal takes its first one exactly, so that a path
+    without a schedule stores the step size it was given; one whose values differ (a
+    scheduler) takes their mean, so that ``mean * (steps[k + 1] - steps[k])`` is the
+    interval's total step size (the path kernel's weight of its point).
+    """
+    starts = np.asarray(steps[:-1], dtype=np.int64)
+    if not len(starts):
+        return np.zeros((0, *values.shape[1:])), False
+    first = values[starts]
+    sums = np.add.reduceat(values, starts, axis=0)
+    same = np.maximum.reduceat(values, starts, axis=0) == np.minimum.reduceat(
+        values, starts, axis=0)
+    counts = np.diff(steps).reshape(-1, *([1] * (values.ndim - 1)))
+    return np.where(same, first, sums / counts), not bool(same.all())
 
 
 def mean_batch_weights(offsets: np.ndarray) -> np.ndarray:
@@ -1009,11 +1085,10 @@ class TrajectoryRecorder:
                     name="skpathkernel-pages").start()
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
         self._steps = np.zeros(n_points, dtype=np.int64)
-        self._lrs = np.zeros(n_points - 1, dtype=np.float64)
-        # Sum of the step sizes over each recorded interval and whether they differed
-        # (a scheduler): the interval's weight in the path kernel is their sum.
-        self._lr_sum = np.zeros(n_points - 1, dtype=np.float64)
-        self._lr_varies = np.zeros(n_points - 1, dtype=bool)
+        # Every step's step size: a schedule may change it between recorded points, and
+        # the replay of a thinned interval takes each step's own (8 bytes a step, as its
+        # batch offset).
+        self._step_lr = np.zeros(cap_steps, dtype=np.float64)
         batch_cap = cap_steps * (1 if batch_size is None else int(batch_size))
         self._batch_idx = np.empty(batch_cap, dtype=np.int64)
         self._batch_off = np.zeros(cap_steps + 1, dtype=np.int64)
@@ -1148,9 +1223,6 @@ class TrajectoryRecorder:
         pad = rows - have
         self._steps = np.concatenate([self._steps, np.zeros(pad, dtype=np.int64)])
         self._state_steps = np.concatenate([self._state_steps, np.zeros(pad, dtype=np.int64)])
-        self._lrs = np.concatenate([self._lrs, np.zeros(pad)])
-        self._lr_sum = np.concatenate([self._lr_sum, np.zeros(pad)])
-        self._lr_varies = np.concatenate([self._lr_varies, np.zeros(pad, dtype=bool)])
 
     def _flat_views(self, tensors) -> list[torch.Tensor]:
         """Detached flat views of ``tensors``, made once per set of storages.
@@ -1240,19 +1312,17 @@ class TrajectoryRecorder:
     def record_step(self, step: int, lr: float, optimizer: torch.optim.Optimizer) -> None:
         """Called after optimizer step ``step`` (0-based) has been applied with step size lr."""
         k = step // self.record_every  # the point this step leaves
+        if step >= len(self._step_lr):
+            self._step_lr = np.concatenate([self._step_lr, np.zeros(max(step + 1,
+                                                                        len(self._step_lr)))])
+        self._step_lr[step] = lr
         if step % self.record_every == 0:
             self._grow_points(k + 2)
-            self._lrs[k] = lr
-            self._lr_sum[k] = lr
-            self._lr_varies[k] = False
             if self._states:
                 states = [optimizer.state[p] for p in self._params]
                 for key, buf in self._states.items():
                     self._write_row(buf, k, [s[key] for s in states], step)
                 self._state_steps[k] = int(_state_step(states[0], step))
-        else:
-            self._lr_sum[k] += lr
-            self._lr_varies[k] |= lr != self._lrs[k]
 
     @property
     def n_recorded_steps(self) -> int:
@@ -1269,8 +1339,6 @@ class TrajectoryRecorder:
         copy. Without ``n_steps`` the buffers stay as they are, so recording can go on (a
         user's loop); with it (the estimators' end of training) the kept part is copied out
         of buffers preallocated for a longer run, so that their memory is released.
-        Truncation assumes a step size that is constant within the last kept interval
-        (the estimators' loop, whose step size never changes).
         """
         if self._non_blocking:
             torch.cuda.synchronize()
@@ -1302,12 +1370,8 @@ class TrajectoryRecorder:
                 torch.cat([params, tail])
             steps = np.append(steps, n_done)
             n_points += 1
-        n_steps_per_point = np.diff(steps)
-        lrs = self._lrs[: n_points - 1].copy()
-        varies = self._lr_varies[: n_points - 1]
-        # A scheduler changed the step size inside an interval: its mean, so that
-        # learning_rates[k] * (steps[k + 1] - steps[k]) is the interval's total step size.
-        lrs[varies] = self._lr_sum[: n_points - 1][varies] / n_steps_per_point[varies]
+        step_lrs = self._step_lr[:n_done].copy()
+        lrs, varies = interval_means(step_lrs, steps)
         states = {k: DiskRows(v, base + n_points - 1, start=base) if disk
                   else v[: n_points - 1] for k, v in self._states.items()}
         n_indices = self._batch_off[n_done]
@@ -1339,6 +1403,7 @@ class TrajectoryRecorder:
             n_samples=self.n_samples,
             record_every=self.record_every,
             batch_weights=batch_w,
+            step_lrs=step_lrs if varies else None,
         )
         if n_steps is not None and disk and not self._extends:
             trajectory._write_meta()

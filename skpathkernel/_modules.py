@@ -26,12 +26,14 @@ def norm_hooks(layer: torch.nn.Module) -> list:
 
 
 def copy_module(module: torch.nn.Module) -> torch.nn.Module:
-    """``copy.deepcopy(module)``, also of a module with a normalisation hook: the weight it
-    computed is detached first (the same values; the hook computes it again from the
-    parameters at the next forward pass)."""
+    """``copy.deepcopy(module)``, also of a module with a normalisation hook: the copy holds
+    the weight it computed detached (the same values; the hook computes it again from the
+    parameters at the next forward pass). Through deepcopy's memo, not on ``module``: the
+    caller's module (``check_rule``'s, a ``RecordedNetwork``'s) keeps its weight's graph."""
+    memo: dict = {}
     for layer in module.modules():
         for hook in norm_hooks(layer):
             weight = getattr(layer, hook.name, None)
             if isinstance(weight, torch.Tensor) and weight.grad_fn is not None:
-                setattr(layer, hook.name, weight.detach())
-    return copy.deepcopy(module)
+                memo[id(weight)] = weight.detach().clone()
+    return copy.deepcopy(module, memo)

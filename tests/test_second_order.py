@@ -206,3 +206,32 @@ def test_the_swap_is_counted_across_threads_and_restored():
         with twice_differentiable():
             assert not torch.backends.cuda.mem_efficient_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and not flash()
+
+
+def test_the_swap_stays_until_the_last_call_ends_whichever_entered_first():
+    """Overlapping calls that end in the order they began (first in, first out): a call
+    restoring its own entry state would bring the fused kernels back under the later one,
+    and leave the swap in place for good when that one ends."""
+    flash, fused = torch.backends.cuda.flash_sdp_enabled, torch._weight_norm
+    first_inside, first_may_end, second_inside, seen = (threading.Event(), threading.Event(),
+                                                        threading.Event(), [])
+
+    def first():
+        with twice_differentiable():
+            first_inside.set()
+            first_may_end.wait(10)
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    first_inside.wait(10)
+
+    def second():
+        with twice_differentiable():
+            second_inside.set()
+            first_may_end.set()
+            worker.join(10)  # the first call has ended: this one is still inside
+            seen.append((flash(), torch._weight_norm is fused))
+
+    second()
+    assert seen == [(False, False)]
+    assert flash() and torch._weight_norm is fused

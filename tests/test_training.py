@@ -918,3 +918,55 @@ def test_a_random_layer_trains_the_same_path_for_the_same_random_state(regressio
     assert_array_equal(fit(0).trajectory_._params.numpy(), first.trajectory_._params.numpy())
     assert not np.array_equal(fit(1).trajectory_._params.numpy()[-1],
                               first.trajectory_._params.numpy()[-1])
+
+
+def test_copy_module_leaves_the_callers_module_as_it_was():
+    """The weight torch's older hooks compute keeps its graph on the module copied (a
+    user's module in check_rule or a RecordedNetwork); the copy holds it detached."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the hook
+        net = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(3, 4)),
+                                  torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    net(torch.randn(5, 3))
+    weight = net[0].weight
+    copied = copy_module(net)
+    assert net[0].weight is weight and weight.grad_fn is not None
+    assert copied[0].weight.grad_fn is None and torch.equal(copied[0].weight, weight)
+    assert copied[0].weight.data_ptr() != weight.data_ptr()
+    x = torch.randn(2, 3)
+    assert torch.equal(copied(x), net(x))
+
+
+class _Steps(torch.nn.Module):
+    """A deterministic layer with a buffer its training-mode forward moves (a step count)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+        return self.linear(x)
+
+
+def test_the_random_forward_probe_leaves_the_random_state_and_buffers_as_they_were(
+        regression_data):
+    """Its two passes draw on a forked generator (the caller's state and the training's
+    draws are untouched) and the buffers they move are put back."""
+    X, y = regression_data
+    steps = []
+
+    def factory(n_features, n_outputs):
+        module = torch.nn.Sequential(torch.nn.Linear(n_features, 6), _DropPath(6),
+                                     _Steps(6), torch.nn.Linear(6, n_outputs))
+        steps.append(module[2])
+        return module
+
+    state = torch.get_rng_state()
+    with pytest.warns(UserWarning, match="draws at random"):
+        PathKernelMachine(module=factory, max_iter=1, batch_size=len(X), tol=None,
+                          dtype="float64", random_state=0).fit(X, y)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert float(steps[0].steps) == 1  # the one training step, not the probe's passes

@@ -16,14 +16,21 @@ torch kernels whose second derivatives are missing or wrong (torch 2.13):
   gradient), which made unrolled scores miss the training's derivative by 1e-4 to 1e-2
   without a word, and it has no forward-mode rule. The composition
   ``v * (g / norm_except_dim(v, 2, dim))``, its definition, computes the same function
-  (bit for bit in the tests' networks) with correct derivatives of every order.
+  (to round-off: 1e-15 relative in float64, up to 7e-7 in float32) with correct
+  derivatives of every order.
 
 :func:`twice_differentiable` swaps both for the duration of a call. torch's attention
 flags and the weight-norm function are process-wide, so the swap is counted: concurrent
 calls on joblib's threads keep it until the last of them ends (each restoring its own
 entry state would switch the fused kernels back under another thread mid-product). Each
-process (a loky worker) enters it itself. Other threads meanwhile compute the same
-functions through the composite operations (round-off apart).
+process (a loky worker) enters it itself. Other threads of the process meanwhile compute
+attention and weight norm through the same composite operations: the same functions to
+round-off (a float32 fit of a weight-normed network on another thread can differ from one
+run alone by about 1e-7), with the math backend's memory on long CUDA sequences, and a
+user's ``sdpa_kernel`` context entered on another thread during the call and left after it
+restores the flags it found (those of this swap), as torch's save-and-restore design does.
+A weight-norm function bound by the user's own ``from torch import _weight_norm`` or a
+TorchScript module is not swapped.
 """
 
 from __future__ import annotations

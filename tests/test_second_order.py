@@ -60,15 +60,15 @@ class EncoderByHand(Encoder):
 class Normed(torch.nn.Module):
     """A weight-normalised hidden layer (torch's parametrization, or its older hook)."""
 
-    def __init__(self, n_outputs, hook=False):
+    def __init__(self, n_outputs, hook=False, dim=0):
         super().__init__()
         layer = torch.nn.Linear(2 * LENGTH, D)
         if hook:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation
-                self.hidden = torch.nn.utils.weight_norm(layer)
+                self.hidden = torch.nn.utils.weight_norm(layer, dim=dim)
         else:
-            self.hidden = torch.nn.utils.parametrizations.weight_norm(layer)
+            self.hidden = torch.nn.utils.parametrizations.weight_norm(layer, dim=dim)
         self.head = torch.nn.Linear(D, n_outputs)
 
     def forward(self, x):
@@ -110,7 +110,18 @@ def _normed_hook(n_features, n_outputs):
     return Normed(n_outputs, hook=True)
 
 
-MODULES = {"attention": _encoder, "weight-norm": _normed, "weight-norm-hook": _normed_hook}
+def _normed_whole(n_features, n_outputs):
+    torch.manual_seed(0)
+    return Normed(n_outputs, dim=None)  # one norm over the whole weight (dim -1)
+
+
+def _normed_columns(n_features, n_outputs):
+    torch.manual_seed(0)
+    return Normed(n_outputs, hook=True, dim=1)
+
+
+MODULES = {"attention": _encoder, "weight-norm": _normed, "weight-norm-hook": _normed_hook,
+           "weight-norm-whole": _normed_whole, "weight-norm-columns": _normed_columns}
 
 
 def _fit(name, solver="adam"):

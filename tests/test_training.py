@@ -970,3 +970,23 @@ def test_the_random_forward_probe_leaves_the_random_state_and_buffers_as_they_we
                           dtype="float64", random_state=0).fit(X, y)
     assert torch.equal(torch.get_rng_state(), state)
     assert float(steps[0].steps) == 1  # the one training step, not the probe's passes
+
+
+def test_a_continued_fit_draws_on_from_where_the_fit_stopped(regression_data):
+    """A warm start of a network with dropout in training mode continues the draws as it
+    continues the batch order: two fits of 2 epochs give the path of one fit of 4, bit for
+    bit (each continuation restarted the seeded generator, repeating the first fit's
+    masks)."""
+    X, y = regression_data
+
+    def factory(n_features, n_outputs):
+        return torch.nn.Sequential(torch.nn.Linear(n_features, 6), torch.nn.Dropout(0.3),
+                                   torch.nn.Linear(6, n_outputs))
+
+    kw = dict(module=factory, batch_size=8, tol=None, dtype="float64", random_state=0)
+    with pytest.warns(UserWarning, match="random draws"):
+        whole = PathKernelMachine(max_iter=4, **kw).fit(X, y)
+    with pytest.warns(UserWarning, match="random draws"):
+        parts = PathKernelMachine(max_iter=2, warm_start=True, **kw).fit(X, y)
+    parts.fit(X, y)
+    assert_array_equal(parts.trajectory_._params.numpy(), whole.trajectory_._params.numpy())

@@ -232,10 +232,11 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
         warnings.warn(
             "The module returned different outputs for the same input in two forward passes "
             "in the modes it was built in: a layer draws at random (F.dropout, stochastic "
-            "depth / DropPath, noise). It trains as built, but no recorded point holds its "
-            "draws, so the kernels, decompose and attribute, which describe the network in "
-            "eval mode, are not exact and report their error. Build the module in eval mode "
-            "(module.eval()) in the factory for exact analyses.",
+            "depth / DropPath, noise) or updates state its forward reads (a buffer it "
+            "counts or averages in). It trains as built, but no recorded point holds those "
+            "draws or that state, so the kernels, decompose and attribute, which describe "
+            "the network in eval mode, are not exact and report their error. Build the "
+            "module in eval mode (module.eval()) in the factory for exact analyses.",
             UserWarning, stacklevel=caller_stacklevel())
 
 
@@ -367,27 +368,40 @@ class Resume:
     # The learning_rate_init the schedule started from (None: a Resume pickled before it
     # was kept), so that a warm start can tell a new one from the schedule's own changes.
     learning_rate_init: float | None = None
+    # torch's global generator (and the CUDA device's), which layers drawing in training
+    # mode (dropout) read: a continuation draws on from where the fit stopped, as the batch
+    # order does, instead of repeating the first fit's draws (None: pickled before).
+    draws_state: tuple | None = None
 
     @classmethod
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
-                first_loss, initial_norm, learning_rate_init=None) -> Resume:
+                first_loss, initial_norm, learning_rate_init=None,
+                device: torch.device | None = None) -> Resume:
         state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
+        cuda = (torch.cuda.get_rng_state(device).numpy().copy()
+                if device is not None and device.type == "cuda" else None)
         return cls(state, float(learning_rate), int(samples_seen),
                    generator.get_state().numpy().copy(), tuple(rule), float(first_loss),
                    float(initial_norm),
-                   None if learning_rate_init is None else float(learning_rate_init))
+                   None if learning_rate_init is None else float(learning_rate_init),
+                   (torch.get_rng_state().numpy().copy(), cuda))
 
-    def load_into(self, optimizer, generator) -> None:
+    def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
-        would otherwise overwrite them with the saved ones)."""
+        would otherwise overwrite them with the saved ones), and the draws' generators."""
         full = optimizer.state_dict()
         full["state"] = {i: {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray)
                              else v for k, v in s.items()}
                          for i, s in self.optimizer_state.items()}
         optimizer.load_state_dict(full)
         generator.set_state(torch.from_numpy(np.array(self.generator_state)))
+        if self.draws_state is not None:
+            cpu, cuda = self.draws_state
+            torch.set_rng_state(torch.from_numpy(np.array(cpu)))
+            if cuda is not None and device is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(torch.from_numpy(np.array(cuda)), device)
 
 
 class _Schedule:
@@ -646,7 +660,7 @@ def train(
     seen = 0 if resume is None else resume.samples_seen
     norms = [_param_norm(params) if resume is None else resume.initial_norm]
     if resume is not None:
-        resume.load_into(optimizer, generator)
+        resume.load_into(optimizer, generator, X.device)
     sizes = torch.tensor([min(B, n - b * B) for b in range(steps_per_epoch)],
                          dtype=params[0].dtype, device=X.device)
     total = float(sizes.sum())
@@ -665,7 +679,8 @@ def train(
         first = loss_curve[0] if resume is None else resume.first_loss
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
-                              initial_norm=norms[0], learning_rate_init=sched.lr_init)
+                              initial_norm=norms[0], learning_rate_init=sched.lr_init,
+                              device=X.device)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     step, stopped = 0, False
     for epoch in range(max_iter):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import jacobian_loop, module_at
+from _reference import jacobian_loop, module_at, weight_finite_differences
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import accuracy_score, log_loss
@@ -990,3 +990,42 @@ def test_a_continued_fit_draws_on_from_where_the_fit_stopped(regression_data):
         parts = PathKernelMachine(max_iter=2, warm_start=True, **kw).fit(X, y)
     parts.fit(X, y)
     assert_array_equal(parts.trajectory_._params.numpy(), whole.trajectory_._params.numpy())
+
+
+class _WithUnused(torch.nn.Module):
+    """A network holding a parameter its forward never reads (a head not trained yet)."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.used = torch.nn.Sequential(torch.nn.Linear(n_features, 6), torch.nn.Tanh(),
+                                        torch.nn.Linear(6, n_outputs))
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("solver", ["adam", "rmsprop", "sgd"])
+def test_a_parameter_the_forward_never_reads_trains_and_analyses_exactly(regression_data,
+                                                                          solver):
+    """torch.optim keeps no state for a parameter without a gradient: recording Adam's or
+    RMSprop's second moment raised a KeyError. Its moments are zeros; the path equals a
+    torch.optim replay, decomposes to round-off, and its unrolled scores equal finite
+    differences of torch.optim's weighted replay."""
+    X, y = regression_data
+    est = PathKernelMachine(module=_WithUnused, solver=solver, learning_rate_init=0.02,
+                            max_iter=2, batch_size=8, tol=None, dtype="float64",
+                            normalize_y=False, random_state=0).fit(X, y)
+    Y = torch.as_tensor(y, dtype=torch.float64).reshape(-1, 1)
+    points, _ = _replay(est, est.X_fit_, Y, _squared)
+    assert_allclose(est.trajectory_._params.numpy(), points.numpy(), rtol=1e-12, atol=1e-14)
+    res = est.decompose(X[:3])
+    assert res.error < 1e-12 * np.abs(res.prediction).max()
+    scores = est.attribute(X[:2], method="unrolled")
+    fd = weight_finite_differences(est.network_, X[:2], (0, 9, 17))
+    assert_allclose(scores[:, [0, 9, 17]], fd, rtol=1e-6, atol=1e-9)
+    # The kernels are those of the network without it (built first, the same draws).
+    without = PathKernelMachine(module=lambda d, c: _WithUnused(d, c).used, solver=solver,
+                                learning_rate_init=0.02, max_iter=2, batch_size=8, tol=None,
+                                dtype="float64", normalize_y=False, random_state=0).fit(X, y)
+    assert_allclose(est.path_kernel_(X[:4], X), without.path_kernel_(X[:4], X), rtol=1e-12)

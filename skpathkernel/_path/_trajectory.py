@@ -1321,8 +1321,13 @@ class TrajectoryRecorder:
             if self._states:
                 states = [optimizer.state[p] for p in self._params]
                 for key, buf in self._states.items():
-                    self._write_row(buf, k, [s[key] for s in states], step)
-                self._state_steps[k] = int(_state_step(states[0], step))
+                    # A parameter the loss has not reached (unused in the forward, a head
+                    # not trained yet) has no state: torch.optim skips it, and its moments
+                    # are the zeros it would start from.
+                    self._write_row(buf, k, [s[key] if key in s else torch.zeros_like(p)
+                                             for s, p in zip(states, self._params)], step)
+                counted = next((s for s in states if s), {})
+                self._state_steps[k] = int(_state_step(counted, step))
 
     @property
     def n_recorded_steps(self) -> int:

@@ -96,9 +96,12 @@ def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
         with torch.enable_grad():
             out = functional_call(module, {**fixed, **live}, (x.unsqueeze(0),))
             out = out.reshape(-1).index_select(0, index)
+            # Parameters the forward never reads (a module it does not call) have a zero
+            # Jacobian, and then the output has no graph at all.
             per_output = [torch.autograd.grad(out[c], list(live.values()),
                                               retain_graph=c < len(index) - 1,
                                               allow_unused=True)
+                          if out.requires_grad else [None] * len(live)
                           for c in range(len(index))]
         for j, (k, p) in enumerate(live.items()):
             rows[k].append(torch.stack([torch.zeros_like(p) if g[j] is None else g[j]

@@ -19,7 +19,7 @@ the absolute difference, over the largest absolute score).
 Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_unrolled_ab [REF] [CASES]``
 (REF ``main``, CASES ``mlp-lr0.5,cnn-lr0.5,mlp-lr0.1,cnn-lr0.1,mlp-lr0.5-f64,
 cnn-lr0.5-f64``). Writes ``benchmarks/results/unrolled_ab`` ``.md`` and ``.json``
-(provenance: command, commit, ref, date, machine, load, cores).
+(another name by ``OUT``; provenance: command, commit, ref, date, machine, load, cores).
 """
 
 import json
@@ -98,7 +98,7 @@ def main(ref="main", names=CASES):
                                                      "benchmarks/_ab.py"], ref, reps,
                          load_before=load_before,
                          matmul_rate=f"{rate / 1e9:.1f} GFLOP/s ({shape})")
-    _write(ROOT / "benchmarks" / "results" / "unrolled_ab", prov, rows)
+    _write(ROOT / "benchmarks" / "results" / os.environ.get("OUT", "unrolled_ab"), prov, rows)
 
 
 def _write(out, prov, rows):

@@ -236,10 +236,15 @@ class _NoForwardMLP(torch.nn.Module):
         return self.out(_Clip.apply(self.hidden(x)))
 
 
-@pytest.mark.parametrize("network", ["conv-pool-norm", "attention-layernorm", "no-forward-ad"])
-def test_tangent_routes_equal_autograd_through_the_replay(network, monkeypatch):
-    """Forward over reverse (vmap of jvp) where the layers take it, the double backward
-    where they do not: each route is the one the layers select, and equals the reference."""
+@pytest.mark.parametrize("network, route", [
+    ("conv-pool-norm", "forward"), ("conv-pool-norm", "double"),
+    ("attention-layernorm", "forward"), ("attention-layernorm", "double"),
+    ("no-forward-ad", "forward")])
+def test_tangent_routes_equal_autograd_through_the_replay(network, route, monkeypatch):
+    """Forward over reverse (vmap of jvp) and the double backward, each where it is asked
+    for, and the double backward where the layers refuse forward-mode AD: each equals the
+    reference."""
+    monkeypatch.setattr(unrolled, "forward_over_reverse", lambda *a: route == "forward")
     calls = []
     double_backward = unrolled._double_backward
     monkeypatch.setattr(unrolled, "_double_backward",
@@ -257,8 +262,17 @@ def test_tangent_routes_equal_autograd_through_the_replay(network, monkeypatch):
                                 batch_size=6, max_iter=2, tol=None, dtype="float64",
                                 normalize_y=False, random_state=0).fit(X, y)
         scores = est.attribute(X[:3], method="unrolled")
-    assert bool(calls) == (network == "no-forward-ad")
+    assert bool(calls) == (route == "double" or network == "no-forward-ad")
     assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
+
+
+def test_route_choice_follows_the_measurements():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten())
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    assert unrolled.forward_over_reverse(conv, torch.float32)
+    assert not unrolled.forward_over_reverse(conv, torch.float64)
+    assert unrolled.forward_over_reverse(mlp, torch.float32)
+    assert unrolled.forward_over_reverse(mlp, torch.float64)
 
 
 def test_recorder_path_with_a_learning_rate_schedule():

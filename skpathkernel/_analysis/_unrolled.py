@@ -403,8 +403,10 @@ class _Path:
         self.scales = traj.gradient_scales
         self._moments = moments  # replay_moments' checkpoints
         self._segment: dict[int, torch.Tensor | None] = {}
-        # Whether the layers take forward-mode AD under vmap (_tangent_products).
-        self.forward_ad = True
+        # The route of _tangent_products; turned off for good by layers that forward-mode
+        # AD or vmap cannot take.
+        self.forward_ad = forward_over_reverse(module, traj.dtype)
+        self.batched_double_backward = True
 
     @property
     def needs_moments(self) -> bool:
@@ -540,6 +542,18 @@ class _Path:
         return self._segment[j]
 
 
+def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether :func:`_tangent_products` takes forward over reverse (else the double
+    backward), by what measured faster (``benchmarks/results/unrolled_ab.md``, 100
+    queries, batch 128, one thread): forward over reverse on the MLP (float32 and
+    float64) and on the CNN in float32, the double backward on the CNN in float64, whose
+    convolutions (no oneDNN kernel in float64) with the queries folded into their batch
+    and channels ran slower than the double backward's loop over the queries."""
+    convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd)
+                        for layer in module.modules())
+    return not (dtype == torch.float64 and convolutional)
+
+
 def _batch_graph(path: _Path, step: _Step):
     """The step's gradient ``d_t``, the norm of its loss gradient, and its pullback.
 
@@ -586,11 +600,10 @@ def _tangent_products(path: _Path, theta, batch, beta, V) -> tuple[torch.Tensor,
     of ``V``, ``H`` the Hessian of ``sum_i beta_i l_i`` at ``theta``.
 
     Forward over reverse: one ``jvp`` of ``theta -> (sum_i beta_i grad l_i, (l_i)_i)``
-    in direction ``v`` gives both, vmapped over the queries. Measured against the reverse
-    over reverse double backward (``benchmarks/results/unrolled_ab.md``, 100 queries,
-    batch 128, one thread): faster on the MLP and the CNN, where the double backward of
-    convolution and pooling has no batching rule and loops over the queries. A network
-    whose layers forward-mode AD or vmap cannot take falls back to the double backward.
+    in direction ``v`` gives both, vmapped over the queries, where
+    :func:`forward_over_reverse` chose it (the double backward of convolution and
+    pooling has no batching rule, so vmap loops over the queries there). Layers that
+    forward-mode AD or vmap cannot take fall back to the double backward.
     """
     traj = path.traj
     names = traj.names
@@ -626,8 +639,20 @@ def _double_backward(path: _Path, theta, batch, beta, V) -> tuple[torch.Tensor, 
     beta = beta.detach().requires_grad_(True)
     (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
                                create_graph=True)
-    D, HV = torch.autograd.grad(g, (beta, theta), grad_outputs=V, is_grads_batched=True,
-                                allow_unused=True)
+    if path.batched_double_backward:
+        try:
+            D, HV = torch.autograd.grad(g, (beta, theta), grad_outputs=V,
+                                        is_grads_batched=True, allow_unused=True,
+                                        retain_graph=True)
+        except RuntimeError:
+            # Some layers' double backward has a wrong batching rule (GroupNorm's
+            # raises a size mismatch): one double backward per query.
+            path.batched_double_backward = False
+    if not path.batched_double_backward:
+        rows = [torch.autograd.grad(g, (beta, theta), grad_outputs=v, allow_unused=True,
+                                    retain_graph=True) for v in V]
+        D = None if rows[0][0] is None else torch.stack([r[0] for r in rows])
+        HV = None if rows[0][1] is None else torch.stack([r[1] for r in rows])
     D = V.new_zeros((len(V), len(batch))) if D is None else D
     return torch.zeros_like(V) if HV is None else HV, D
 

@@ -50,12 +50,14 @@ forward-over-reverse pass, batched over the queries (vmap): the ``jvp`` in direc
 ``(H_t v, (grad l_i . v)_i)``. Layers that forward-mode AD or vmap cannot take fall back
 to one double backward: with ``g(beta) = sum_i beta_i grad l_i(theta)``, the gradient of
 ``g . v`` is ``grad l_i . v`` with respect to ``beta_i`` and ``H_t v`` with respect to
-``theta``. Forward over reverse measured 1.4x faster on a small CNN (whose
-convolution and pooling double backward has no batching rule, so vmap loops over the
-queries) and 1.1x on an MLP (``benchmarks/results/unrolled_ab.md``). No per-sample
-gradient is formed, for any layer. The optimizer's first moment after a step
-is read from consecutive recorded points (``theta_t - theta_{t+1}`` is the step), its
-second moment is recorded.
+``theta`` (one per query where the batched one fails, as GroupNorm's does). Forward
+over reverse measured 1.36-1.51x faster on a small float32 CNN (whose convolution and
+pooling double backward has no batching rule, so vmap loops over the queries) and
+1.06-1.14x on an MLP, float32 and float64; on the CNN in float64 it ran 0.88x, and the
+double backward is kept there (:func:`forward_over_reverse`;
+``benchmarks/results/unrolled_ab.md``). No per-sample gradient is formed, for any layer.
+The optimizer's first moment after a step is read from consecutive recorded points
+(``theta_t - theta_{t+1}`` is the step), its second moment is recorded.
 
 The clip's derivative assumes the L2 norm of every recorded parameter's gradient (torch's
 default ``norm_type``) and one ``max_norm``; factors that imply different ones (a constant

@@ -1,12 +1,15 @@
 """What the one-process A/B benchmarks share: a row's statistics and the results files."""
 
+import importlib.util
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,3 +58,20 @@ def ab_provenance(root, script, paths, ref, reps, **extra):
                 machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                 cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
                 reps=reps, **extra)
+
+
+def reference_module(root, ref, module):
+    """The package module at path ``module`` (``skpathkernel/...py``) as it is at git
+    ``ref``, imported beside the working tree's as ``<its name>_ref`` (in its package, so
+    that its relative imports resolve)."""
+    source = subprocess.run(["git", "show", f"{ref}:{module}"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    stem = Path(module).stem + "_ref"
+    path = Path(tempfile.mkdtemp()) / f"{stem}.py"
+    path.write_text(source)
+    name = ".".join(Path(module).with_suffix("").parts[:-1] + (stem,))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -22,12 +22,9 @@ Usage: ``THREADS=1 taskset -c 0 python -m benchmarks.bench_stacked_ab [REF] [CAS
 """
 
 import dataclasses
-import importlib.util
 import inspect
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -37,7 +34,7 @@ from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._tangent._stacked as new
-from benchmarks._ab import ab_provenance, ab_row, write_ab
+from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
 from skpathkernel import PathKernelClassifier, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,16 +47,7 @@ class _Captured(Exception):
 
 def _reference_module(ref):
     """The module at git ``ref``, imported beside the working tree's."""
-    source = subprocess.run(["git", "show", f"{ref}:{MODULE}"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "_stacked_ref.py"
-    path.write_text(source)
-    name = "skpathkernel._tangent._stacked_ref"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return reference_module(ROOT, ref, MODULE)
 
 
 def _capture(points):

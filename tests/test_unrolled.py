@@ -17,6 +17,7 @@ from _reference import (
     weight_finite_differences,
 )
 from sklearn.datasets import make_classification
+from test_rules_fuzz import _Clip  # tanh without forward-mode AD or vmap rule
 
 from skpathkernel import (
     AttributionScores,
@@ -26,6 +27,7 @@ from skpathkernel import (
     RecordedNetwork,
     UnstablePathWarning,
 )
+from skpathkernel._analysis import _unrolled as unrolled
 from skpathkernel._analysis._attribution import label_codes, margin
 from skpathkernel.metrics import retrain_on_subsets
 
@@ -191,6 +193,91 @@ def test_token_inputs_with_module():
     sign = np.where(y[:3] == 1, 1.0, -1.0)[:, None]  # the binary margin is +-f
     ref = sign * unrolled_reference(clf.network_, X[:3], np.ones((3, 1)))
     assert _rel(scores, ref) < 1e-8
+
+
+class _PooledConv(torch.nn.Module):
+    """Convolution, average and max pooling, GroupNorm, GELU: the CNN benchmark's layers
+    and a normalization."""
+
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 3, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 4)
+        self.out = torch.nn.Linear(4 * 2 * 2, n_outputs)
+
+    def forward(self, x):
+        h = torch.nn.functional.avg_pool2d(torch.tanh(self.conv1(x.reshape(-1, 1, 8, 8))), 2)
+        h = torch.nn.functional.max_pool2d(self.norm(self.conv2(h)), 2)
+        return self.out(torch.nn.functional.gelu(h).flatten(1))
+
+
+class _Attention(torch.nn.Module):
+    """LayerNorm and multi-head self-attention over 4 tokens of 2 features."""
+
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.embed = torch.nn.Linear(2, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = torch.nn.Linear(8, n_outputs)
+
+    def forward(self, x):
+        h = self.norm(self.embed(x.reshape(len(x), 4, 2)))
+        a, _ = self.attention(h, h, h)
+        return self.out(torch.tanh(h + a).mean(dim=1))
+
+
+class _NoForwardMLP(torch.nn.Module):
+    """tanh as an autograd.Function with a differentiable backward but neither a
+    forward-mode nor a vmap rule: the unrolled scores take the double-backward route."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.hidden = torch.nn.Linear(n_features, 6)
+        self.out = torch.nn.Linear(6, n_outputs)
+
+    def forward(self, x):
+        return self.out(_Clip.apply(self.hidden(x)))
+
+
+@pytest.mark.parametrize("network, route", [
+    ("conv-pool-norm", "forward"), ("conv-pool-norm", "double"),
+    ("attention-layernorm", "forward"), ("attention-layernorm", "double"),
+    ("no-forward-ad", "forward")])
+def test_tangent_routes_equal_autograd_through_the_replay(network, route, monkeypatch):
+    """Forward over reverse (vmap of jvp) and the double backward, each where it is asked
+    for, and the double backward where the layers refuse forward-mode AD: each equals the
+    reference."""
+    monkeypatch.setattr(unrolled, "forward_over_reverse", lambda *a: route == "forward")
+    calls = []
+    double_backward = unrolled._double_backward
+    monkeypatch.setattr(unrolled, "_double_backward",
+                        lambda *a: calls.append(1) or double_backward(*a))
+    rng = np.random.RandomState(0)
+    n_features = {"conv-pool-norm": 64, "attention-layernorm": 8, "no-forward-ad": 4}[network]
+    X = rng.normal(size=(20, n_features))
+    y = np.sin(X[:, 0]) + X[:, 1] * X[:, 2]
+    module = {"conv-pool-norm": lambda d, c: _PooledConv(c),
+              "attention-layernorm": lambda d, c: _Attention(c),
+              "no-forward-ad": _NoForwardMLP}[network]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layers' kernel-route fallback warnings
+        est = PathKernelMachine(module=module, solver="adam", learning_rate_init=0.05,
+                                batch_size=6, max_iter=2, tol=None, dtype="float64",
+                                normalize_y=False, random_state=0).fit(X, y)
+        scores = est.attribute(X[:3], method="unrolled")
+    assert bool(calls) == (route == "double" or network == "no-forward-ad")
+    assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
+
+
+def test_route_choice_follows_the_measurements():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten())
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    assert unrolled.forward_over_reverse(conv, torch.float32)
+    assert not unrolled.forward_over_reverse(conv, torch.float64)
+    assert unrolled.forward_over_reverse(mlp, torch.float32)
+    assert unrolled.forward_over_reverse(mlp, torch.float64)
 
 
 def test_recorder_path_with_a_learning_rate_schedule():

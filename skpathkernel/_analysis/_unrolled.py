@@ -44,20 +44,27 @@ over the steps:
 - ``a_t = (dU_t / d s)^T a_{t+1} + H_t v_t + lambda u_t`` on the parameters, ``H_t`` the
   Hessian of the step's loss.
 
-The products ``grad l_i . v`` of every batch point and ``H_t v`` come from one double
-backward of the batch's per-sample losses, batched over the queries: with
-``g(beta) = sum_i beta_i grad l_i(theta)``, the gradient of ``g . v`` is
-``grad l_i . v`` with respect to ``beta_i`` and ``H_t v`` with respect to ``theta``. No
-per-sample gradient is formed, for any layer. The optimizer's first moment after a step
-is read from consecutive recorded points (``theta_t - theta_{t+1}`` is the step), its
-second moment is recorded.
+The products ``grad l_i . v`` of every batch point and ``H_t v`` come from one
+forward-over-reverse pass, batched over the queries (vmap): the ``jvp`` in direction
+``v`` of ``theta -> (sum_i beta_i grad l_i(theta), (l_i(theta))_i)`` is
+``(H_t v, (grad l_i . v)_i)``. Layers that forward-mode AD or vmap cannot take fall back
+to one double backward: with ``g(beta) = sum_i beta_i grad l_i(theta)``, the gradient of
+``g . v`` is ``grad l_i . v`` with respect to ``beta_i`` and ``H_t v`` with respect to
+``theta`` (one per query where the batched one fails, as GroupNorm's does). Forward
+over reverse measured 1.36-1.51x faster on a small float32 CNN (whose convolution and
+pooling double backward has no batching rule, so vmap loops over the queries) and
+1.06-1.14x on an MLP, float32 and float64; on the CNN in float64 it ran 0.88x, and the
+double backward is kept there (:func:`forward_over_reverse`;
+``benchmarks/results/unrolled_ab.md``). No per-sample gradient is formed, for any layer.
+The optimizer's first moment after a step is read from consecutive recorded points
+(``theta_t - theta_{t+1}`` is the step), its second moment is recorded.
 
 The clip's derivative assumes the L2 norm of every recorded parameter's gradient (torch's
 default ``norm_type``) and one ``max_norm``; factors that imply different ones (a constant
 factor, another norm) are reported by a warning.
 
-Cost per step: one forward-backward of the batch, then per query one double backward
-(about a Hessian-vector product). Memory: the adjoint, a few ``(queries, P)`` buffers,
+Cost per step: one forward-backward of the batch, then per query one Hessian-vector
+product (a forward-over-reverse pass). Memory: the adjoint, a few ``(queries, P)`` buffers,
 whatever the number of steps; the path is read backwards, chunk by chunk from disk.
 
 Thinned paths (``record_every > 1``): the steps between two recorded points are replayed
@@ -85,7 +92,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jvp, vmap
 
 from .._memory import rows_per_block
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
@@ -403,6 +410,10 @@ class _Path:
         self.step_lrs = traj.step_learning_rates
         self._moments = moments  # replay_moments' checkpoints
         self._segment: dict[int, torch.Tensor | None] = {}
+        # The route of _tangent_products; turned off for good by layers that forward-mode
+        # AD or vmap cannot take.
+        self.forward_ad = forward_over_reverse(module, traj.dtype)
+        self.batched_double_backward = True
 
     @property
     def needs_moments(self) -> bool:
@@ -412,9 +423,12 @@ class _Path:
     def params(self, k: int) -> torch.Tensor:
         return self.traj.parameters(k).to(self.device)
 
-    def losses(self, theta: torch.Tensor, batch: np.ndarray) -> torch.Tensor:
+    def losses(self, theta, batch: np.ndarray) -> torch.Tensor:
+        """The batch's per-sample losses at the flat ``theta`` (P,) or at the parameters
+        ``theta`` as a mapping of name to tensor."""
+        params = theta if isinstance(theta, dict) else self.traj.unflatten(theta)
         rows = torch.as_tensor(batch, device=self.device)
-        out = functional_call(self.module, self.traj.unflatten(theta), (self.X[rows],))
+        out = functional_call(self.module, params, (self.X[rows],))
         return self.loss.per_sample(out.reshape(len(batch), -1), self.Y[rows])
 
     def weights(self, t: int) -> torch.Tensor:
@@ -536,31 +550,40 @@ class _Path:
         return self._segment[j]
 
 
+def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether :func:`_tangent_products` takes forward over reverse (else the double
+    backward), by what measured faster (``benchmarks/results/unrolled_ab.md``, 100
+    queries, batch 128, one thread): forward over reverse on the MLP (float32 and
+    float64) and on the CNN in float32, the double backward on the CNN in float64, whose
+    convolutions (no oneDNN kernel in float64) with the queries folded into their batch
+    and channels ran slower than the double backward's loop over the queries."""
+    convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd)
+                        for layer in module.modules())
+    return not (dtype == torch.float64 and convolutional)
+
+
 def _batch_graph(path: _Path, step: _Step):
     """The step's gradient ``d_t``, the norm of its loss gradient, and its pullback.
 
-    ``g(beta) = sum_i beta_i grad l_i(theta)`` at the recorded batch weights, with its
-    graph kept: the gradient of ``g . v`` is ``grad l_i . v`` with respect to ``beta_i``
-    and ``H v`` with respect to ``theta``, one double backward for every query at once.
     The pullback takes the adjoints ``u`` (Q, P) of ``d_t`` to each batch point's score
     share (Q, B) and to ``H v`` (Q, P), ``v = (d d_t / d g)^T u`` (see the module doc:
-    ``c u`` unclipped, ``c (u - g (g . u) / (|g| (|g| + 1e-6)))`` clipped).
+    ``c u`` unclipped, ``c (u - g (g . u) / (|g| (|g| + 1e-6)))`` clipped), by
+    :func:`_tangent_products`.
     """
     theta = step.theta.detach().requires_grad_(True)
     batch = step.batch
     beta = torch.as_tensor(step.weights, dtype=theta.dtype, device=theta.device)
-    beta.requires_grad_(True)
     (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
-                               create_graph=True, allow_unused=True)
-    g = torch.zeros_like(theta) if g is None else g
-    flat = g.detach()
+                               allow_unused=True)
+    flat = torch.zeros_like(theta) if g is None else g
+    theta = theta.detach()
     norm = float(flat.double().norm())
     d = step.scale * flat + path.coupled * step.theta
     # clip_grad_norm_ leaves an unclipped gradient as it is (factor exactly 1); a factor
     # below 1 is max_norm / (|g| + 1e-6), which moves with g.
     clipped = step.scale < 1.0 - 16 * torch.finfo(theta.dtype).eps and norm > 0
     kappa = 1.0 / (norm * (norm + CLIP_EPS)) if clipped else 0.0
-    beta64 = beta.detach().double()
+    beta64 = beta.double()
     # A batch whose weights sum to 0 (zero sample weights) has no data gradient, and no
     # point's weight multiplier can change that (every w_i * s_i stays 0): share 0, not 0/0.
     total = float(beta64.sum())
@@ -569,18 +592,77 @@ def _batch_graph(path: _Path, step: _Step):
         V = step.scale * U
         if kappa:
             V = V - (step.scale * kappa) * (U @ flat)[:, None] * flat
-        D = HV = None
-        if g.requires_grad:
-            D, HV = torch.autograd.grad(g, (beta, theta), grad_outputs=V,
-                                        is_grads_batched=True, allow_unused=True)
-        D = U.new_zeros((len(U), len(batch))) if D is None else D
+        if g is None:  # the loss does not depend on the parameters
+            return U.new_zeros((len(U), len(batch)), dtype=torch.float64), torch.zeros_like(U)
+        HV, D = _tangent_products(path, theta, batch, beta, V)
         D = D.double()
         if total == 0.0:
-            return D.new_zeros(D.shape), torch.zeros_like(U) if HV is None else HV
-        share = beta64 * (D - (D @ beta64)[:, None] / total)
-        return share, torch.zeros_like(U) if HV is None else HV
+            return D.new_zeros(D.shape), HV
+        return beta64 * (D - (D @ beta64)[:, None] / total), HV
 
     return d, norm, pullback
+
+
+def _tangent_products(path: _Path, theta, batch, beta, V) -> tuple[torch.Tensor, torch.Tensor]:
+    """``H v`` (Q, P) and every batch point's ``grad l_i . v`` (Q, B) for each row ``v``
+    of ``V``, ``H`` the Hessian of ``sum_i beta_i l_i`` at ``theta``.
+
+    Forward over reverse: one ``jvp`` of ``theta -> (sum_i beta_i grad l_i, (l_i)_i)``
+    in direction ``v`` gives both, vmapped over the queries, where
+    :func:`forward_over_reverse` chose it (the double backward of convolution and
+    pooling has no batching rule, so vmap loops over the queries there). Layers that
+    forward-mode AD or vmap cannot take fall back to the double backward.
+    """
+    traj = path.traj
+    names = traj.names
+    # One primal per parameter, each a copy: forward-mode AD gives a view's tangent its
+    # base's size, and the recorded point is a view of the whole stored path (a
+    # (Q, n_points, P) fill per parameter and step; 4x the MLP's time when it was).
+    primals = tuple(t.clone() for t in traj.unflatten(theta.detach()).values())
+
+    def weighted(params):
+        losses = path.losses(dict(zip(names, params)), batch)
+        return (losses * beta).sum(), losses
+
+    gradient = grad(weighted, has_aux=True)
+
+    def products(*tangents):
+        _, (hv, dl) = jvp(gradient, (primals,), (tangents,))
+        return torch.cat([h.reshape(-1) for h in hv]), dl
+
+    if path.forward_ad:
+        try:
+            return vmap(products)(*traj.unflatten(V).values())
+        except (RuntimeError, NotImplementedError):
+            path.forward_ad = False  # decided once: the same layers at every step
+    return _double_backward(path, theta, batch, beta, V)
+
+
+def _double_backward(path: _Path, theta, batch, beta, V) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tangent_products` by reverse over reverse, for the layers forward-mode AD
+    cannot take: with ``g(beta) = sum_i beta_i grad l_i(theta)`` and its graph kept, the
+    gradient of ``g . v`` is ``grad l_i . v`` with respect to ``beta_i`` and ``H v`` with
+    respect to ``theta``, one double backward for every query at once."""
+    theta = theta.detach().requires_grad_(True)
+    beta = beta.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
+                               create_graph=True)
+    if path.batched_double_backward:
+        try:
+            D, HV = torch.autograd.grad(g, (beta, theta), grad_outputs=V,
+                                        is_grads_batched=True, allow_unused=True,
+                                        retain_graph=True)
+        except RuntimeError:
+            # Some layers' double backward has a wrong batching rule (GroupNorm's
+            # raises a size mismatch): one double backward per query.
+            path.batched_double_backward = False
+    if not path.batched_double_backward:
+        rows = [torch.autograd.grad(g, (beta, theta), grad_outputs=v, allow_unused=True,
+                                    retain_graph=True) for v in V]
+        D = None if rows[0][0] is None else torch.stack([r[0] for r in rows])
+        HV = None if rows[0][1] is None else torch.stack([r[1] for r in rows])
+    D = V.new_zeros((len(V), len(batch))) if D is None else D
+    return torch.zeros_like(V) if HV is None else HV, D
 
 
 def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev
 
+import skpathkernel
 from benchmarks import audit_exact as ref
 from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder, RecordedNetwork
 
@@ -131,7 +133,7 @@ class Unused(nn.Module):
         return self.used(x)
 
 
-def _sequential(*layers):
+def _sequential(layers):
     return lambda n_out: nn.Sequential(*layers(n_out))
 
 
@@ -243,7 +245,10 @@ def run_network(name, kind, solver):
         traj = est.trajectory_
         J = jacrev(lambda t: functional_call(est.module_, dict(traj.unflatten(t)), (xq,)))(
             traj.parameters(-1).to(torch.float64))
-        return dict(features=ref.rel(Phi, J.reshape(len(Xq), -1).numpy()))
+        # The documented layout: the flattened Jacobian over sqrt(C), whose inner
+        # products are the trace kernel over the C outputs.
+        J = J.reshape(len(Xq), -1) / np.sqrt(est.n_outputs_)
+        return dict(features=ref.rel(Phi, J.numpy()))
 
     part("contributions", decomposition)
     part("unrolled", unrolled)
@@ -363,7 +368,8 @@ if __name__ == "__main__":
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         rows = main()
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True,
+    commit = subprocess.run(["git", "-C", str(Path(skpathkernel.__file__).parents[1]),
+                             "rev-parse", "--short=10", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     header = (f"- Commit {commit}; torch {torch.__version__}; Python "
               f"{platform.python_version()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

@@ -42,12 +42,16 @@ import threading
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["twice_differentiable"]
+__all__ = ["FORWARD_AD", "twice_differentiable"]
 
 # The module, not the function of the same name that torch.nn.utils re-exports: its
 # WeightNorm hook calls the _weight_norm it imported.
 _HOOK_MODULE = importlib.import_module("torch.nn.utils.weight_norm")
 _LOCK = threading.Lock()
+# Forward-mode AD's dual levels are the process's, not a thread's: concurrent jvps on
+# joblib's threads entered and left each other's level (wrong tangents, or torch's "invalid
+# forward AD level" error). Every forward-mode product of the analyses holds it.
+FORWARD_AD = threading.Lock()
 _state: dict = {}  # while swapped: the calls inside, the attention context, the fused op
 
 

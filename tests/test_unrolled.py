@@ -7,6 +7,7 @@ import copy
 import math
 import warnings
 
+import joblib
 import numpy as np
 import pytest
 import torch
@@ -772,3 +773,23 @@ def test_a_training_the_record_does_not_represent_is_reported():
     with pytest.warns(UserWarning, match="miss the recorded path"):
         RecordedNetwork(module, traj, X_train=X, y_train=y + 0.5).attribute(
             X[:2], method="unrolled")
+
+
+@pytest.mark.parametrize("route", ["forward", "double"])
+def test_threads_equal_one_task(route, monkeypatch):
+    """Query blocks on joblib's threads: torch.func.functional_call swaps the parameters
+    into the module for the call and forward-mode AD's dual levels are the process's, so
+    tasks that shared the module or jvp'd concurrently read each other's (scores 2-12% off
+    or torch's invalid-level error)."""
+    monkeypatch.setattr(unrolled, "forward_over_reverse", lambda *a: route == "forward")
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(60, 6))
+    y = np.sin(X[:, 0]) + X[:, 1] * X[:, 2]
+    est = PathKernelMachine(hidden_layer_sizes=(32, 32), solver="adam",
+                            learning_rate_init=0.01, batch_size=10, max_iter=4, tol=None,
+                            dtype="float64", normalize_y=False, random_state=0).fit(X, y)
+    one = est.attribute(X[:8], method="unrolled")
+    for _ in range(2):
+        with joblib.parallel_config(backend="threading"):
+            np.testing.assert_allclose(est.attribute(X[:8], method="unrolled", n_jobs=4),
+                                       one, rtol=1e-12, atol=0)

@@ -138,7 +138,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -152,7 +151,7 @@ from .._modules import copy_module
 from .._parallel import _ranges
 from .._path._losses import Loss
 from .._path._trajectory import Trajectory, mean_batch_weights
-from .._second_order import twice_differentiable
+from .._second_order import FORWARD_AD, twice_differentiable
 from .._tangent import (
     Adjoint,
     capture,
@@ -508,9 +507,6 @@ def _residual(q: torch.Tensor, df: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- helpers
-_FORWARD_AD = threading.Lock()
-
-
 def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P)."""
     params, tangent = _params(traj, theta), _params(traj, delta)
@@ -521,9 +517,7 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     def row(x):
         return jvp(lambda p: jacrev(f_single)(p, x), (params,), (tangent,))[1]
 
-    # Forward-mode AD's dual levels are the process's, not a thread's: query blocks on
-    # threads (joblib's threading backend) entered and left each other's level.
-    with _FORWARD_AD, twice_differentiable():
+    with FORWARD_AD, twice_differentiable():
         out = vmap(row)(X)
     return torch.cat([out[name].flatten(start_dim=2) for name in traj.names], dim=2)
 

@@ -95,10 +95,11 @@ import torch
 from torch.func import functional_call, grad, jvp, vmap
 
 from .._memory import rows_per_block
+from .._modules import copy_module
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._training import mode_dependent_layers
 from .._path._trajectory import Trajectory
-from .._second_order import twice_differentiable
+from .._second_order import FORWARD_AD, twice_differentiable
 from .._warnings import caller_stacklevel, worse, worst
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
@@ -632,7 +633,8 @@ def _tangent_products(path: _Path, theta, batch, beta, V) -> tuple[torch.Tensor,
 
     if path.forward_ad:
         try:
-            return vmap(products)(*traj.unflatten(V).values())
+            with FORWARD_AD:
+                return vmap(products)(*traj.unflatten(V).values())
         except (RuntimeError, NotImplementedError):
             path.forward_ad = False  # decided once: the same layers at every step
     return _double_backward(path, theta, batch, beta, V)
@@ -754,7 +756,10 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
     """One task's query blocks: scores, growth, the summed per-step log amplification and
     counts (one (n_steps,) pair a task, whatever the number of blocks), replay error and
     each step's loss-gradient norm (the same in every block)."""
-    module, traj = net.module, net.trajectory
+    # A module of this task's own: functional_call swaps the parameters it is given into
+    # the module for the call, so tasks on joblib threads sharing one would compute with
+    # each other's (silently wrong scores, or a crash).
+    module, traj = copy_module(net.module), net.trajectory
     device = net.torch_device
     rows = np.asarray(rows)
     scores, growth = [], []

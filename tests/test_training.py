@@ -970,3 +970,24 @@ def test_the_random_forward_probe_leaves_the_random_state_and_buffers_as_they_we
                           dtype="float64", random_state=0).fit(X, y)
     assert torch.equal(torch.get_rng_state(), state)
     assert float(steps[0].steps) == 1  # the one training step, not the probe's passes
+
+
+class _NaNOutput(torch.nn.Module):
+    """A deterministic module whose output is NaN from the first pass."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.linear = torch.nn.Linear(n_features, n_outputs)
+
+    def forward(self, x):
+        return self.linear(x) * float("nan")
+
+
+def test_a_non_finite_forward_is_left_to_the_divergence_error(regression_data):
+    """NaN differs from itself: the probe must not call a NaN output random."""
+    X, y = regression_data
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TrainingDivergedError, match="initial parameters"):
+            PathKernelMachine(module=_NaNOutput, max_iter=1, random_state=0).fit(X, y)
+    assert not [w for w in caught if "draws at random" in str(w.message)]

@@ -2,6 +2,7 @@
 recorded batches, closed-form update rules, and losses recomputed with NumPy / sklearn."""
 
 import copy
+import threading
 import warnings
 
 import numpy as np
@@ -991,3 +992,17 @@ def test_a_non_finite_forward_is_left_to_the_divergence_error(regression_data):
         with pytest.raises(TrainingDivergedError, match="initial parameters"):
             PathKernelMachine(module=_NaNOutput, max_iter=1, random_state=0).fit(X, y)
     assert not [w for w in caught if "draws at random" in str(w.message)]
+
+
+class _Locked(torch.nn.Linear):
+    """A module holding what copy.deepcopy refuses (a lock)."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__(n_features, n_outputs)
+        self.lock = threading.Lock()
+
+
+def test_a_module_that_cannot_be_copied_fits_without_the_probe(regression_data):
+    X, y = regression_data
+    est = PathKernelMachine(module=_Locked, max_iter=1, random_state=0).fit(X, y)
+    assert est.n_iter_ == 1

@@ -214,10 +214,14 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     generator (the training's draws stay as they were), of a copy: a forward that moves the
     module's state (buffers, or a step count kept as a plain attribute) moves the copy's,
     and the training starts from the module as built. A non-finite output is left to the
-    training's divergence check (NaN differs from itself)."""
+    training's divergence check (NaN differs from itself). A module that cannot be
+    copied is not probed."""
     if any(why == _DRAWS and layer.training for _, layer, why in mode_dependent_layers(module)):
         return  # refuse_training_mode_layers warned of it
-    probe = copy_module(module)
+    try:
+        probe = copy_module(module)
+    except (RuntimeError, TypeError):  # a module holding what deepcopy refuses (a lock)
+        return  # a probe is not worth failing the fit for
     devices = []
     if x.device.type == "cuda":
         devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]

@@ -2,6 +2,7 @@
 recorded batches, closed-form update rules, and losses recomputed with NumPy / sklearn."""
 
 import copy
+import threading
 import warnings
 
 import numpy as np
@@ -1029,3 +1030,37 @@ def test_a_parameter_the_forward_never_reads_trains_and_analyses_exactly(regress
                                 learning_rate_init=0.02, max_iter=2, batch_size=8, tol=None,
                                 dtype="float64", normalize_y=False, random_state=0).fit(X, y)
     assert_allclose(est.path_kernel_(X[:4], X), without.path_kernel_(X[:4], X), rtol=1e-12)
+
+class _NaNOutput(torch.nn.Module):
+    """A deterministic module whose output is NaN from the first pass."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.linear = torch.nn.Linear(n_features, n_outputs)
+
+    def forward(self, x):
+        return self.linear(x) * float("nan")
+
+
+def test_a_non_finite_forward_is_left_to_the_divergence_error(regression_data):
+    """NaN differs from itself: the probe must not call a NaN output random."""
+    X, y = regression_data
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TrainingDivergedError, match="initial parameters"):
+            PathKernelMachine(module=_NaNOutput, max_iter=1, random_state=0).fit(X, y)
+    assert not [w for w in caught if "draws at random" in str(w.message)]
+
+
+class _Locked(torch.nn.Linear):
+    """A module holding what copy.deepcopy refuses (a lock)."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__(n_features, n_outputs)
+        self.lock = threading.Lock()
+
+
+def test_a_module_that_cannot_be_copied_fits_without_the_probe(regression_data):
+    X, y = regression_data
+    est = PathKernelMachine(module=_Locked, max_iter=1, random_state=0).fit(X, y)
+    assert est.n_iter_ == 1

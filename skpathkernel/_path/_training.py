@@ -24,7 +24,7 @@ from sklearn.exceptions import ConvergenceWarning
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-from .._modules import norm_hooks
+from .._modules import copy_module, norm_hooks
 from .._warnings import caller_stacklevel
 from ._losses import Loss
 from ._mlp_step import MLPGradient
@@ -211,21 +211,25 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     the same input twice: a random layer that :func:`mode_dependent_layers` does not know
     (``F.dropout`` in a forward, stochastic depth / DropPath, noise), whose draws no
     recorded point holds. Two passes on ``x`` without gradients, on a forked random
-    generator (the training's draws stay as they were) and with the buffers restored."""
+    generator (the training's draws stay as they were), of a copy: a forward that moves the
+    module's state (buffers, or a step count kept as a plain attribute) moves the copy's,
+    and the training starts from the module as built. A non-finite output is left to the
+    training's divergence check (NaN differs from itself). A module that cannot be
+    copied is not probed."""
     if any(why == _DRAWS and layer.training for _, layer, why in mode_dependent_layers(module)):
         return  # refuse_training_mode_layers warned of it
-    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    try:
+        probe = copy_module(module)
+    except (RuntimeError, TypeError):  # a module holding what deepcopy refuses (a lock)
+        return  # a probe is not worth failing the fit for
     devices = []
     if x.device.type == "cuda":
         devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            first, second = module(x), module(x)
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        first, second = probe(x), probe(x)
     if not isinstance(first, torch.Tensor) or not first.numel():
+        return
+    if not (torch.isfinite(first).all() and torch.isfinite(second).all()):
         return
     scale = float(first.abs().max()) or 1.0
     if not float((first - second).abs().max()) <= RANDOM_FORWARD_TOL * scale:

@@ -13,8 +13,8 @@ torch kernels whose second derivatives are missing or wrong (torch 2.13):
 - ``torch._weight_norm`` (``nn.utils.parametrizations.weight_norm`` and the older
   ``nn.utils.weight_norm``): its double backward returns a wrong ``v``-``v`` block of the
   Hessian (off by the size of the block itself against finite differences of the
-  gradient), which made unrolled scores miss the training's derivative by 1e-4 to 1e-2
-  without a word, and it has no forward-mode rule. The composition
+  gradient), which made unrolled scores miss the training's derivative by 9e-3 without a
+  word (``benchmarks/results/layers_audit.md``), and it has no forward-mode rule. The composition
   ``v * (g / norm_except_dim(v, 2, dim))``, its definition, computes the same function
   (to round-off: 1e-15 relative in float64, up to 7e-7 in float32) with correct
   derivatives of every order.
@@ -90,7 +90,8 @@ def check_twice_differentiable(gradient: torch.Tensor) -> None:
     ``Error`` node in the graph of a gradient taken with ``create_graph=True``; torch then
     differentiates around that layer, so a Hessian-vector product through ``gradient``
     misses the layer's part without a word (unrolled scores 0.83 off finite differences on
-    a review's network). One walk of the graph.
+    a review's network). The node is there only when the gradient's seed requires grad.
+    One walk of the graph.
     """
     seen, stack = set(), [gradient.grad_fn]
     while stack:
@@ -106,5 +107,5 @@ def check_twice_differentiable(gradient: torch.Tensor) -> None:
                 "of the training loss) would miss that layer's part. Write its backward with "
                 "differentiable torch operations (save what it needs with "
                 "ctx.save_for_backward), or use a method that needs first derivatives only "
-                "(attribute(method='exact'), decompose).")
+                "(attribute(method='exact'), decompose(method='exact')).")
         stack.extend(child for child, _ in node.next_functions)

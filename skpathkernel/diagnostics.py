@@ -29,7 +29,7 @@ from torch.func import functional_call
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._network._trained import network_of
-from ._second_order import twice_differentiable
+from ._second_order import check_twice_differentiable, twice_differentiable
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -343,7 +343,15 @@ def _quadratic_forms(module, traj, theta, X, Y, weights, loss, block, seed,
             per_sample = loss.per_sample(functional_call(module, params, (xb,)), yb)
             batch_loss = (per_sample.sum() / n if weights is None
                           else (per_sample * weights[start : start + block]).sum())
-            (grad,) = torch.autograd.grad(batch_loss, theta, create_graph=True)
+            # A seed that requires grad: a @once_differentiable backward then leaves the
+            # node check_twice_differentiable finds (with a plain seed torch differentiates
+            # around it, and the probes would miss that layer's part without a word).
+            seed_one = torch.ones((), dtype=batch_loss.dtype, device=batch_loss.device,
+                                  requires_grad=True)
+            (grad,) = torch.autograd.grad(batch_loss, theta, grad_outputs=seed_one,
+                                          create_graph=True)
+            if start == 0:
+                check_twice_differentiable(grad)
             for j, v in enumerate(_rademacher(seed, n_samples, theta)):
                 (hv,) = torch.autograd.grad(grad, theta, grad_outputs=v, retain_graph=True)
                 out[j] += torch.dot(v, hv).to(torch.float64)

@@ -275,13 +275,16 @@ class _OnceNet(torch.nn.Module):
 
 def test_a_backward_that_cannot_be_differentiated_is_refused_not_dropped():
     """torch differentiates around a @once_differentiable backward: the Hessian-vector
-    products missed the layer's part and the unrolled scores were 0.83 off finite
-    differences, silently. Refused, naming the cause; first-order methods still work."""
+    products missed the layer's part (the unrolled scores were 0.83 off finite differences,
+    the Hessian probes off too), silently. Refused, naming the cause; first-order methods
+    still work."""
     rng = np.random.RandomState(0)
     X = rng.normal(size=(16, 3))
     est = PathKernelMachine(module=_OnceNet, max_iter=2, batch_size=5, tol=None,
                             dtype="float64", random_state=0).fit(X, np.sin(X[:, 0]))
     with pytest.raises(ValueError, match="once_differentiable"):
         est.attribute(X[:2], method="unrolled")
+    with pytest.raises(ValueError, match="once_differentiable"):
+        hessian_trace(est, n_samples=2, random_state=0)
     exact = est.attribute(X[:2], method="exact")
     assert np.all(np.isfinite(exact))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _reference import weight_finite_differences
+from test_rules_fuzz import _Clip  # tanh as a plain autograd.Function
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -248,20 +249,10 @@ def test_the_swap_stays_until_the_last_call_ends_whichever_entered_first():
     assert flash() and torch._weight_norm is fused
 
 
-class _OnceTanh(torch.autograd.Function):
+class _OnceTanh(_Clip):
     """tanh whose backward is @once_differentiable, as custom CUDA-style layers write it."""
 
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y * y)
+    backward = staticmethod(torch.autograd.function.once_differentiable(_Clip.backward))
 
 
 class _OnceNet(torch.nn.Module):

@@ -21,7 +21,6 @@ from skpathkernel import (
     TangentFeatureSVM,
     TrainingDivergedError,
 )
-from skpathkernel._estimators import _base
 from skpathkernel._modules import copy_module, norm_hooks
 from skpathkernel._path._training import resume_training_modes
 from skpathkernel.diagnostics import hessian_trace
@@ -871,10 +870,10 @@ class _DropPath(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_a_forward_that_draws_at_random_warns_at_fit(regression_data, mode, monkeypatch):
+def test_a_forward_that_draws_at_random_warns_at_fit(regression_data, mode):
     """A random layer of no known type (DropPath) in training mode: the module trains as
-    built with the warning dropout gets; in eval mode, or deterministic, not a word. The
-    probe's two forward passes leave the training's draws unchanged."""
+    built with the warning dropout gets; in eval mode, or deterministic, not a word (the
+    probe's fork and copy are tested by the test after the next)."""
     X, y = regression_data
 
     def factory(n_features, n_outputs):
@@ -891,11 +890,6 @@ def test_a_forward_that_draws_at_random_warns_at_fit(regression_data, mode, monk
     assert len(random) == (mode == "train")
     if mode == "train":
         assert random[0].filename == __file__  # points at the caller's line
-    # Without the probe, the same path bit for bit: the probe drew on a forked generator.
-    monkeypatch.setattr(_base, "warn_random_forward", lambda module, x: None)
-    again = PathKernelMachine(module=factory, max_iter=2, batch_size=8, tol=None,
-                              dtype="float64", random_state=0).fit(X, y)
-    assert_array_equal(again.trajectory_._params.numpy(), est.trajectory_._params.numpy())
 
 
 def test_a_random_layer_trains_the_same_path_for_the_same_random_state(regression_data):
@@ -917,8 +911,6 @@ def test_a_random_layer_trains_the_same_path_for_the_same_random_state(regressio
     first = fit(0)
     assert torch.equal(torch.get_rng_state(), state)
     assert_array_equal(fit(0).trajectory_._params.numpy(), first.trajectory_._params.numpy())
-    assert not np.array_equal(fit(1).trajectory_._params.numpy()[-1],
-                              first.trajectory_._params.numpy()[-1])
 
 
 def test_copy_module_leaves_the_callers_module_as_it_was():

@@ -184,13 +184,21 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None):
                 m[k] = spec.beta_1 * m[k] + (1 - spec.beta_1) * g
                 v[k] = spec.beta_2 * v[k] + (1 - spec.beta_2) * g * g
                 c = t + 1
-                den = (v[k] / (1 - spec.beta_2**c)).sqrt() + spec.epsilon
+                den = _sqrt(v[k] / (1 - spec.beta_2**c)) + spec.epsilon
                 new.append(p - lr * (m[k] / (1 - spec.beta_1**c)) / den)
             else:  # rmsprop
                 v[k] = spec.rmsprop_alpha * v[k] + (1 - spec.rmsprop_alpha) * g * g
-                new.append(p - lr * g / (v[k].sqrt() + spec.epsilon))
+                new.append(p - lr * g / (_sqrt(v[k]) + spec.epsilon))
         theta = new
     return dict(zip(names, theta))
+
+
+def _sqrt(v):
+    """``sqrt(v)`` with derivative 0 where ``v = 0``: an entry whose gradient is exactly 0
+    at every step (an attention key bias, which softmax cancels) keeps ``v = 0`` whatever
+    the weights, while autograd's ``inf * 0`` at the root made its scores NaN."""
+    positive = v > 0
+    return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
 
 
 def unrolled_reference(net, Xq, Wq, sample_weight=None, step_sizes=None):

@@ -281,6 +281,23 @@ def test_route_choice_follows_the_measurements():
     assert unrolled.forward_over_reverse(mlp, torch.float64)
 
 
+@pytest.mark.parametrize("route", ["forward", "double"])
+def test_one_forward_backward_of_the_batch_per_step(route, monkeypatch):
+    """The double backward differentiates the step's own gradient graph again instead of
+    running the batch forward and backward a second time; either route equals the
+    reference."""
+    monkeypatch.setattr(unrolled, "forward_over_reverse", lambda *a: route == "forward")
+    passes = []
+    losses = unrolled._Path.losses
+    monkeypatch.setattr(unrolled._Path, "losses",
+                        lambda self, *a: passes.append(1) or losses(self, *a))
+    est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
+    scores = est.attribute(X[:3], method="unrolled")
+    # The forward route's jvp runs the batch once more, under vmap, per step.
+    assert len(passes) == est.trajectory_.n_steps * (1 if route == "double" else 2)
+    assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
+
+
 def test_recorder_path_with_a_learning_rate_schedule():
     X, y = _regression(n=16)
     Xt, yt = torch.as_tensor(X), torch.as_tensor(y)[:, None]

@@ -1,0 +1,93 @@
+"""The two routes of the unrolled attribution's tangent products, one process, one tree:
+the double backward (``ref``) against forward over reverse (``tree``), both chosen by
+patching ``skpathkernel._analysis._unrolled.forward_over_reverse``; the measurements
+behind that function's rule.
+
+Cases: those of ``benchmarks/bench_unrolled_ab.py`` (``mlp-lr0.5``, ``cnn-lr0.5``, a
+``-f64`` suffix for float64: 100 queries of digits, 80 SGD steps of batch 128);
+``default`` (``PathKernelClassifier()``'s network, gelu (64, 64), Adam, 5 epochs of the
+same 1000 digits, float32, ``default-f64`` float64), and ``tiny`` (``self_influence`` of
+the test suite's (4,) gelu MLP on 80 points, SGD batch 8, 600 steps, float64;
+``tiny-f32``). ``attribute(X_query, y_query, method="unrolled")`` (``self_influence()``
+for ``tiny``) by ``time.process_time`` on one torch thread, ``REPS`` times each route
+(default 2), alternating.
+
+Usage: ``THREADS=1 taskset -c 1 python -m benchmarks.bench_unrolled_routes [CASES]``.
+Writes ``benchmarks/results/unrolled_routes`` ``.md`` and ``.json`` (another name by ``OUT``).
+"""
+
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import torch
+
+import skpathkernel._analysis._unrolled as unrolled
+from benchmarks._ab import ab_provenance, ab_row, write_ab
+from benchmarks.bench_attribution import digits
+from benchmarks.bench_unrolled_ab import _fit
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = "tiny,tiny-f32,mlp-lr0.5,mlp-lr0.5-f64,default,default-f64,cnn-lr0.5,cnn-lr0.5-f64"
+
+
+def _call(case, data):
+    """The timed call of a case, its network fitted."""
+    from skpathkernel import PathKernelClassifier, PathKernelMachine
+
+    dtype = "float64" if case.endswith("-f64") else "float32"
+    if case.startswith("tiny"):
+        rng = np.random.RandomState(0)
+        X = rng.normal(size=(80, 3))
+        est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd",
+                                learning_rate_init=0.01, batch_size=8, max_iter=60, tol=None,
+                                dtype="float32" if case == "tiny-f32" else "float64",
+                                normalize_y=False, random_state=0).fit(X, np.sin(X).sum(1))
+        return est.self_influence
+    if case.startswith("default"):
+        clf = PathKernelClassifier(random_state=0, max_iter=5, tol=None, dtype=dtype)
+        clf.fit(data[0], data[1])
+    else:
+        clf = _fit(case, data)[1]
+    return lambda: clf.attribute(data[2], data[3], method="unrolled")
+
+
+def main(names=CASES):
+    torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+    reps = int(os.environ.get("REPS", "2"))
+    data = digits(False)
+    load_before = os.getloadavg()
+    rows = []
+    warnings.simplefilter("ignore")
+    for case in names.split(","):
+        call = _call(case, data)
+        times, scores = {"ref": [], "tree": []}, {}
+        for r in range(reps):
+            order = [("ref", False), ("tree", True)]
+            for key, forward in order if r % 2 == 0 else order[::-1]:
+                with mock.patch.object(unrolled, "forward_over_reverse",
+                                       lambda *a, f=forward: f):
+                    t = time.process_time()
+                    scores[key] = np.asarray(call())
+                    times[key].append(time.process_time() - t)
+        row = ab_row(case, times, os.getloadavg()[0])
+        row["max_rel_diff"] = float(np.abs(scores["ref"] - scores["tree"]).max()
+                                    / np.abs(scores["ref"]).max())
+        rows.append(row)
+        print(f"{case}: double {row['ref_least']:.2f} s, forward {row['tree_least']:.2f} s, "
+              f"ratio {row['ratio_least']:.3f}", flush=True)
+    prov = ab_provenance(ROOT, "bench_unrolled_routes",
+                         ["skpathkernel/_analysis/_unrolled.py",
+                          "benchmarks/bench_unrolled_routes.py"], "the double backward", reps,
+                         load_before=load_before)
+    write_ab(ROOT / "benchmarks" / "results" / os.environ.get("OUT", "unrolled_routes"),
+             "Unrolled attribution: the double backward (ref) against forward over reverse "
+             "(tree), one tree", "time.process_time", prov, rows, 2)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import warnings
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -48,10 +49,42 @@ __all__ = ["FORWARD_AD", "check_twice_differentiable", "twice_differentiable"]
 # WeightNorm hook calls the _weight_norm it imported.
 _HOOK_MODULE = importlib.import_module("torch.nn.utils.weight_norm")
 _LOCK = threading.Lock()
-# Forward-mode AD's dual levels are the process's, not a thread's: concurrent jvps on
-# joblib's threads entered and left each other's level (wrong tangents, or torch's "invalid
-# forward AD level" error). Every forward-mode product of the analyses holds it.
-FORWARD_AD = threading.Lock()
+
+
+class _ForwardAD:
+    """The lock every forward-mode product of the analyses holds.
+
+    Forward-mode AD's dual levels are the process's, not a thread's: concurrent jvps on
+    joblib's threads entered and left each other's level (wrong tangents, or torch's
+    "invalid forward AD level" error). Its first holder also loads torch's forward-mode
+    decompositions, whose import scripts them with the deprecated ``torch.jit.script``:
+    at a process's first jvp, that DeprecationWarning raised under a user's
+    ``-W error`` (or pytest's ``filterwarnings = error``). Loaded here, with the warning
+    silenced, not at ``import skpathkernel``, which it would slow by about 0.7 s.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loaded = False
+
+    def __enter__(self):
+        self._lock.acquire()
+        try:
+            if not self._loaded:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    importlib.import_module("torch._decomp.decompositions_for_jvp")
+                self._loaded = True
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        self._lock.release()
+
+
+FORWARD_AD = _ForwardAD()
 _state: dict = {}  # while swapped: the calls inside, the attention context, the fused op
 
 

@@ -1,17 +1,7 @@
-import warnings
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import settings
-
-# torch's forward-mode AD (the unrolled scores' tangent products) imports its
-# decompositions at its first use in a process, and scripting them warns
-# (DeprecationWarning: torch.jit.script): loaded here, so that a test asserting that a call
-# warns of nothing does not depend on whether it is the first in its worker to use it.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import torch._decomp.decompositions_for_jvp
 
 
 @pytest.fixture(autouse=True)

@@ -560,7 +560,10 @@ def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     queries, batch 128, one thread): forward over reverse on the MLP (float32 and
     float64) and on the CNN in float32, the double backward on the CNN in float64, whose
     convolutions (no oneDNN kernel in float64) with the queries folded into their batch
-    and channels ran slower than the double backward's loop over the queries."""
+    and channels ran slower than the double backward's loop over the queries. The same
+    tree with each route (``benchmarks/results/unrolled_routes.md``): forward over
+    reverse 1.07-1.62x on the float32 networks, even on float64 ones, slower (0.49x) only
+    on a tiny float64 MLP whose work per step is its fixed cost."""
     convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd)
                         for layer in module.modules())
     return not (dtype == torch.float64 and convolutional)

@@ -143,6 +143,29 @@ def test_grid_search_reaches_the_network_through_estimator(circle):
 
 
 @pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_trainer_parameters_of_the_default_trainer_say_how_to_tune_them(cls, circle):
+    """With estimator=None the trainer is made by fit: its parameters cannot be set
+    before, and the error says to pass the trainer (scikit-learn's own meta-estimators
+    raise "'NoneType' object has no attribute 'set_params'")."""
+    X, y = circle
+    est = cls()
+    with pytest.raises(ValueError, match=r"Cannot set estimator__max_iter: .*estimator=None"
+                                         r".*pass it as estimator="):
+        est.set_params(estimator__max_iter=2)
+    assert est.estimator is None
+    with pytest.raises(ValueError, match="estimator=None"):
+        GridSearchCV(cls(), {"estimator__hidden_layer_sizes": [(3,)]}, cv=2,
+                     scoring=lambda est, X, y=None: 0.0).fit(X, y)
+    # The trainer given in the same call, or set to None in it, decides.
+    trainer = PathKernelClassifier(**SMALL)
+    est.set_params(estimator=trainer, estimator__max_iter=2)
+    assert est.estimator is trainer and trainer.max_iter == 2
+    with pytest.raises(ValueError, match="estimator=None"):
+        est.set_params(estimator=None, estimator__max_iter=3)
+    assert est.estimator is trainer and trainer.max_iter == 2
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("bad", [Ridge(), FrozenEstimator(Ridge()), "net"],
                          ids=["Ridge", "frozen Ridge", "str"])
 def test_a_non_trainer_estimator_is_refused_and_the_previous_fit_kept(cls, bad, circle):

@@ -139,6 +139,33 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     def _default_trainer(self, y):
         return trainer_for(y, self.random_state)
 
+    def set_params(self, **params):
+        """Set the parameters of this estimator and, as ``estimator__<name>``, its trainer's.
+
+        With ``estimator=None`` there is no trainer to set them on until ``fit`` makes
+        the default one; pass the trainer (``estimator=PathKernelClassifier()``) to tune
+        its parameters, in the same call or before.
+
+        Parameters
+        ----------
+        **params : dict
+            Estimator parameters.
+
+        Returns
+        -------
+        self : estimator instance
+            Estimator instance.
+        """
+        nested = sorted(key for key in params if key.startswith("estimator__"))
+        if nested and params.get("estimator", self.estimator) is None:
+            kinds = " or ".join(f"{cls.__name__}()" for cls in self._trainers)
+            raise ValueError(
+                f"Cannot set {', '.join(nested)}: {type(self).__name__} has estimator=None, "
+                f"and its default trainer is made by fit. To tune the trainer's "
+                f"parameters, pass it as estimator= ({kinds}), in the same set_params "
+                f"call or before (in GridSearchCV: {type(self).__name__}(estimator=...)).")
+        return super().set_params(**params)
+
     def _check_targets(self, y) -> None:
         """Refuse targets before any training (the trainer checks them otherwise)."""
 

@@ -509,8 +509,10 @@ class Trajectory:
     def state_dict(self, k: int = -1) -> OrderedDict[str, torch.Tensor]:
         """The module's parameters at point ``k``, loadable with ``load_state_dict``.
 
-        Only parameters are included (no buffers), so load with ``strict=False`` for
-        modules that also hold buffers.
+        Only the recorded parameters are included: those the optimizer trained, not the
+        buffers (BatchNorm's running statistics) nor parameters frozen with
+        ``requires_grad=False``, which the path never moves. Load with ``strict=False``
+        into a module that holds either.
 
         Parameters
         ----------

@@ -658,8 +658,11 @@ def test_memory_does_not_grow_with_steps_times_queries():
         assert influence.growth.shape == (80,)
         assert influence.amplification.shape == (est.trajectory_.n_steps,)
     # 540 more steps: (n_steps,) vectors (batch offsets, the amplification), not arrays of
-    # (n_steps, 80) float64 (346 kB each).
-    assert peaks[1] - peaks[0] < 20 * 540 * 8, peaks
+    # (n_steps, 80) float64 (346 kB each). The margin, half of one, is for what tracemalloc
+    # also counts: torch's pytree reference cycles waiting for a collection and Python's
+    # free lists, 98-119 kB more at 600 steps than at 60 with the double-backward route
+    # (whose old-style vmap makes more of them), level from 500 steps on to 3000.
+    assert peaks[1] - peaks[0] < 540 * 80 * 8 / 2, peaks
 
 
 def test_unrolled_validates_n_nodes_and_tol_like_the_other_methods():

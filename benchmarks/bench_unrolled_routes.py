@@ -6,10 +6,12 @@ behind that function's rule.
 Cases: those of ``benchmarks/bench_unrolled_ab.py`` (``mlp-lr0.5``, ``cnn-lr0.5``, a
 ``-f64`` suffix for float64: 100 queries of digits, 80 SGD steps of batch 128);
 ``default`` (``PathKernelClassifier()``'s network, gelu (64, 64), Adam, 5 epochs of the
-same 1000 digits, float32, ``default-f64`` float64), and ``tiny`` (``self_influence`` of
-the test suite's (4,) gelu MLP on 80 points, SGD batch 8, 600 steps, float64;
-``tiny-f32``). ``attribute(X_query, y_query, method="unrolled")`` (``self_influence()``
-for ``tiny``) by ``time.process_time`` on one torch thread, ``REPS`` times each route
+same 1000 digits, float32, ``default-f64`` float64), ``tiny`` (``self_influence`` of
+the test suite's (4,) gelu MLP on 80 points, SGD batch 8, 60 epochs (600 steps), float64;
+``tiny-f32``), and ``self-W-B`` (the same with hidden layer (W,) and batch B; ``-f32``).
+A ``-qN`` part (``default-q10``, ``mlp-lr0.5-q10-f64``) keeps the first N queries.
+``attribute(X_query, y_query, method="unrolled")`` (``self_influence()`` for ``tiny`` and
+``self``) by ``time.process_time`` on one torch thread, ``REPS`` times each route
 (default 2), alternating.
 
 Usage: ``THREADS=1 taskset -c 1 python -m benchmarks.bench_unrolled_routes [CASES]``.
@@ -40,20 +42,25 @@ def _call(case, data):
     from skpathkernel import PathKernelClassifier, PathKernelMachine
 
     dtype = "float64" if case.endswith("-f64") else "float32"
-    if case.startswith("tiny"):
+    if case.startswith(("tiny", "self")):
+        # tiny: self-4-8; self-W-B: hidden (W,), batch B; float64 unless -f32.
+        width, batch = (4, 8) if case.startswith("tiny") else map(int, case.split("-")[1:3])
         rng = np.random.RandomState(0)
         X = rng.normal(size=(80, 3))
-        est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd",
-                                learning_rate_init=0.01, batch_size=8, max_iter=60, tol=None,
-                                dtype="float32" if case == "tiny-f32" else "float64",
+        est = PathKernelMachine(hidden_layer_sizes=(width,), solver="sgd",
+                                learning_rate_init=0.01, batch_size=batch, max_iter=60,
+                                tol=None, dtype="float32" if case.endswith("-f32") else "float64",
                                 normalize_y=False, random_state=0).fit(X, np.sin(X).sum(1))
         return est.self_influence
+    # A "-qN" part: the first N queries only.
+    queries = next((int(p[1:]) for p in case.split("-") if p[:1] == "q" and p[1:].isdigit()),
+                   len(data[2]))
     if case.startswith("default"):
         clf = PathKernelClassifier(random_state=0, max_iter=5, tol=None, dtype=dtype)
         clf.fit(data[0], data[1])
     else:
-        clf = _fit(case, data)[1]
-    return lambda: clf.attribute(data[2], data[3], method="unrolled")
+        clf = _fit(case.replace(f"-q{queries}", ""), data)[1]
+    return lambda: clf.attribute(data[2][:queries], data[3][:queries], method="unrolled")
 
 
 def main(names=CASES):

@@ -279,6 +279,27 @@ def test_route_choice_follows_the_measurements():
     assert not unrolled.forward_over_reverse(conv, torch.float64)
     assert unrolled.forward_over_reverse(mlp, torch.float32)
     assert unrolled.forward_over_reverse(mlp, torch.float64)
+    # Small work per step (queries x batch x activation values): the double backward.
+    for module in (conv, mlp):
+        for dtype in (torch.float32, torch.float64):
+            assert not unrolled.forward_over_reverse(module, dtype, 80 * 32 * 513)
+    assert unrolled.forward_over_reverse(mlp, torch.float64, 80 * 80 * 513)
+    assert not unrolled.forward_over_reverse(conv, torch.float64, 1e9)
+
+
+def test_the_route_follows_the_steps_work(monkeypatch):
+    """The step's work counts the block's queries, the largest batch and the values the
+    submodules output for one sample (here 6 + 6 + 1 + the network's 1)."""
+    works = []
+    rule = unrolled.forward_over_reverse
+    monkeypatch.setattr(unrolled, "forward_over_reverse",
+                        lambda module, dtype, work=math.inf: works.append(work)
+                        or rule(module, dtype, work))
+    X, y = _regression(n=20)
+    est = PathKernelMachine(hidden_layer_sizes=(6,), solver="sgd", batch_size=8, max_iter=2,
+                            tol=None, dtype="float64", random_state=0).fit(X, y)
+    est.attribute(X[:3], method="unrolled")
+    assert 3 * 8 * (6 + 6 + 1 + 1) in works
 
 
 @pytest.mark.parametrize("route", ["forward", "double"])

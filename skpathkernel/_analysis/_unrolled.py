@@ -52,12 +52,12 @@ to one double backward: with ``g(beta) = sum_i beta_i grad l_i(theta)``, the gra
 ``g . v`` is ``grad l_i . v`` with respect to ``beta_i`` and ``H_t v`` with respect to
 ``theta`` (one per query where the batched one fails, as GroupNorm's does); ``g`` is the
 step's own gradient, its graph kept, so that route runs the batch forward and backward
-once a step. Forward
-over reverse measured 1.36-1.51x faster on a small float32 CNN (whose convolution and
-pooling double backward has no batching rule, so vmap loops over the queries) and
-1.06-1.14x on an MLP, float32 and float64; on the CNN in float64 it ran 0.88x, and the
-double backward is kept there (:func:`forward_over_reverse`;
-``benchmarks/results/unrolled_ab.md``). No per-sample gradient is formed, for any layer.
+once a step. Forward over reverse measured 1.36-1.62x faster on a small float32 CNN
+(whose convolution and pooling double backward has no batching rule, so vmap loops over
+the queries) and 1.06-1.20x on MLPs; the double backward is taken where the step's work
+is small, where forward over reverse's fixed cost per step dominates (1.2-2.7x faster on
+small MLPs), and on float64 CNNs (:func:`forward_over_reverse`). No per-sample gradient
+is formed, for any layer.
 The optimizer's first moment after a step is read from consecutive recorded points
 (``theta_t - theta_{t+1}`` is the step), its second moment is recorded.
 
@@ -114,6 +114,11 @@ __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unro
 # (64, 64, 64) at lr 0.5 for 10 epochs (single removals: LDS 0.12, each moving a margin by
 # 0.07 where the derivative says 0.10) grows by 29 (median over the queries) to 73.
 GROWTH_LIMIT = 10.0
+# The step's batched work (queries x batch x activation values per sample) from which
+# forward over reverse outran the double backward: 1.3 million (a (256,) MLP, 80
+# queries, batch 32) ran 0.82x, 3.3 million (batch 80) 1.43x, float64, one thread
+# (benchmarks/results/unrolled_routes-small.md); see forward_over_reverse.
+FORWARD_WORK = 2e6
 # Relative mismatch between the modelled and the recorded training steps above which the
 # scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
 # relative in float32, see replay_error).
@@ -397,7 +402,7 @@ class _Path:
     not recorded, from a forward replay of the whole path).
     """
 
-    def __init__(self, module, traj, X, Y, loss, device, moments=None):
+    def __init__(self, module, traj, X, Y, loss, device, moments=None, work=math.inf):
         self.module, self.traj, self.X, self.Y, self.loss = module, traj, X, Y, loss
         self.device = device
         self.spec = traj.solver_spec
@@ -415,7 +420,7 @@ class _Path:
         self._segment: dict[int, torch.Tensor | None] = {}
         # The route of _tangent_products; turned off for good by layers that forward-mode
         # AD or vmap cannot take.
-        self.forward_ad = forward_over_reverse(module, traj.dtype)
+        self.forward_ad = forward_over_reverse(module, traj.dtype, work)
         self.batched_double_backward = True
         self.graph_checked = False  # check_twice_differentiable, once a call
 
@@ -554,19 +559,25 @@ class _Path:
         return self._segment[j]
 
 
-def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype,
+                         work: float = math.inf) -> bool:
     """Whether :func:`_tangent_products` takes forward over reverse (else the double
-    backward), by what measured faster (``benchmarks/results/unrolled_ab.md``, 100
-    queries, batch 128, one thread): forward over reverse on the MLP (float32 and
-    float64) and on the CNN in float32, the double backward on the CNN in float64, whose
-    convolutions (no oneDNN kernel in float64) with the queries folded into their batch
-    and channels ran slower than the double backward's loop over the queries. The same
-    tree with each route (``benchmarks/results/unrolled_routes.md``): forward over
-    reverse 1.07-1.62x on the float32 networks, even on float64 ones, slower (0.49x) only
-    on a tiny float64 MLP whose work per step is its fixed cost."""
+    backward), by what measured faster, one thread (``benchmarks/results/unrolled_ab.md``,
+    ``unrolled_routes.md``, ``unrolled_routes-small.md``).
+
+    ``work``: the step's batched products, queries x batch x activation values per
+    sample (:func:`_activation_values`). Forward over reverse pays a fixed cost per step
+    (the vmapped jvp's transforms, torch's Python decompositions for jvp) that the double
+    backward does not: below ``FORWARD_WORK`` the double backward was faster (MLPs of
+    widths 4-256 in float64, 1.2-2.7x; in float32 1.1-1.2x), above it forward over
+    reverse (1.07-1.62x at 3.3-13 million). Convolutional networks in float64 take the
+    double backward at any size: their convolutions (no oneDNN kernel in float64) with the
+    queries folded into batch and channels ran 0.88x, 1.00x and 1.13x the double
+    backward's loop over the queries in three runs.
+    """
     convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd)
                         for layer in module.modules())
-    return not (dtype == torch.float64 and convolutional)
+    return work >= FORWARD_WORK and not (dtype == torch.float64 and convolutional)
 
 
 def _batch_graph(path: _Path, step: _Step):
@@ -710,7 +721,7 @@ def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
         return torch.stack(rows)
 
 
-def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
+def _block(module, traj, X, Y, loss, Xq, Wq, device, activations, moments):
     """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
     one-step amplification and their counts (n_steps,), and the replay error.
 
@@ -719,7 +730,8 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
     """
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
-    path = _Path(module, traj, X, Y, loss, device, moments)
+    work = len(Xq) * int(_batch_sizes(traj).max()) * activations
+    path = _Path(module, traj, X, Y, loss, device, moments, work)
     theta_T = path.params(len(traj) - 1)
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
     N = traj.n_samples
@@ -763,8 +775,8 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, moments):
             count.cpu().numpy(), worse(path.replay_error, mismatch), norms)
 
 
-def _row_bytes(module, traj, X, itemsize) -> int:
-    """Bytes a query needs: the adjoint's buffers and its share of a batched backward."""
+def _activation_values(module, traj, X) -> int:
+    """The values every submodule outputs for one sample (a forward pass with hooks)."""
     sizes = []
     hooks = [m.register_forward_hook(lambda m, i, o: sizes.append(
         o.numel() if isinstance(o, torch.Tensor) else 0)) for m in module.modules()]
@@ -775,17 +787,23 @@ def _row_bytes(module, traj, X, itemsize) -> int:
     finally:
         for h in hooks:
             h.remove()
+    return sum(sizes)
+
+
+def _row_bytes(module, traj, activations, itemsize) -> int:
+    """Bytes a query needs: the adjoint's buffers and its share of a batched backward."""
     batch = int(_batch_sizes(traj).max())
     # Six (P,) buffers (adjoint, moments, gradient adjoint, products) and the tangent
     # products' intermediates, a few per activation and batch sample: the forward route
     # keeps about 1.8x the double backward's (peak memory of 100 queries on a small CNN,
     # 410 against 231 MiB, this stop's review; 188 against 154 MiB on an MLP).
+    # (The forward route's, wherever the route may depend on the block's size.)
     per_activation = 11 if forward_over_reverse(module, traj.dtype) else 6
-    return (6 * traj.n_params * itemsize + per_activation * batch * sum(sizes) * itemsize
+    return (6 * traj.n_params * itemsize + per_activation * batch * activations * itemsize
             + 8 * traj.n_samples)
 
 
-def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
+def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, activations):
     """One task's query blocks: scores, growth, the summed per-step log amplification and
     counts (one (n_steps,) pair a task, whatever the number of blocks), replay error and
     each step's loss-gradient norm (the same in every block)."""
@@ -802,7 +820,7 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments):
         r = rows[start:start + block]
         with twice_differentiable():
             s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
-                                             device, moments)
+                                             device, activations, moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)
@@ -828,15 +846,16 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     traj = net.trajectory
     check_unrollable(traj, net.module)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
+    activations = _activation_values(net.module, traj, X)
     block = rows_per_block(net.memory_budget,
-                           _row_bytes(net.module, traj, X, traj.dtype.itemsize),
+                           _row_bytes(net.module, traj, activations, traj.dtype.itemsize),
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     moments = path.replay_moments() if path.needs_moments else None
     rows = np.arange(len(Xq))
     shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
     parts = [p for p in map_row_blocks(_run_rows, rows, n_jobs, shared, X, Y, Xq, Wq, block,
-                                       diagonal, moments) if p is not None]
+                                       diagonal, moments, activations) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
         growth = np.concatenate([p[1] for p in parts])

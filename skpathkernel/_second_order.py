@@ -60,7 +60,10 @@ class _ForwardAD:
     decompositions, whose import scripts them with the deprecated ``torch.jit.script``:
     at a process's first jvp, that DeprecationWarning raised under a user's
     ``-W error`` (or pytest's ``filterwarnings = error``). Loaded here, with the warning
-    silenced, not at ``import skpathkernel``, which it would slow by about 0.7 s.
+    silenced, not at ``import skpathkernel``, which it would slow by about 0.7 s. The
+    silencing is ``warnings.catch_warnings``, process-wide for the import's 0.7 s: a
+    ``catch_warnings`` block of another thread entered and left in that window can keep
+    or drop the filter after it (Python's warning filters are not thread-safe).
     """
 
     def __init__(self):

@@ -118,6 +118,7 @@ def test_the_epoch_loss_is_the_weighted_average_as_mlp():
     assert_allclose(est.loss_curve_[0], np.average(per, weights=w), rtol=1e-13)
 
 
+@pytest.mark.usefixtures("unrolled_route")
 def test_a_batch_weighing_zero_has_no_data_gradient():
     X, y, w = _data()
     w[:8] = 0.0  # the first batch of every epoch, unshuffled

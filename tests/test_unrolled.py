@@ -79,6 +79,7 @@ def test_reference_replay_reproduces_the_recorded_path(solver):
 
 
 @pytest.mark.parametrize("solver", list(SOLVERS))
+@pytest.mark.usefixtures("unrolled_route")
 def test_unrolled_equals_autograd_through_the_replay_every_solver(solver):
     est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
     scores = est.attribute(X[:4], method="unrolled")
@@ -88,6 +89,7 @@ def test_unrolled_equals_autograd_through_the_replay_every_solver(solver):
 
 
 @pytest.mark.parametrize("solver", ["sgd", "adam-l2"])
+@pytest.mark.usefixtures("unrolled_route")
 def test_unrolled_margin_of_a_multiclass_classifier(solver):
     est, X, y = _fit("classifier", **SOLVERS[solver])
     scores = est.attribute(X[:5], y[:5], method="unrolled")
@@ -115,6 +117,7 @@ def test_normalize_y_scores_are_in_the_targets_units():
     assert _rel(scores, float(np.ravel(est._y_scale)[0]) * ref) < 1e-8
 
 
+@pytest.mark.usefixtures("unrolled_route")
 def test_early_stopping_differentiates_the_steps_kept():
     est, X, _ = _fit(**SOLVERS["adam-l2"], early_stopping=True, validation_fraction=0.25,
                      max_iter=6, n_iter_no_change=1, tol=1e-12, normalize_y=False)
@@ -153,6 +156,7 @@ def test_removing_a_point_moves_the_replayed_output_by_minus_its_score():
                                atol=0.02 * np.abs(change).max())
 
 
+@pytest.mark.usefixtures("unrolled_route")
 def test_float32_path_agrees_with_the_float64_reference():
     est, X, _ = _fit(**SOLVERS["adam-l2"], dtype="float32", normalize_y=False)
     scores = est.attribute(X[:3], method="unrolled")
@@ -285,6 +289,9 @@ def test_route_choice_follows_the_measurements():
             assert not unrolled.forward_over_reverse(module, dtype, 80 * 32 * 513)
     assert unrolled.forward_over_reverse(mlp, torch.float64, 80 * 80 * 513)
     assert not unrolled.forward_over_reverse(conv, torch.float64, 1e9)
+    limit = unrolled.FORWARD_WORK
+    assert unrolled.forward_over_reverse(mlp, torch.float32, limit)
+    assert not unrolled.forward_over_reverse(mlp, torch.float32, limit - 1)
 
 
 def test_the_route_follows_the_steps_work(monkeypatch):
@@ -344,6 +351,7 @@ def test_recorder_path_with_a_learning_rate_schedule():
 
 @pytest.mark.parametrize("solver", ["sgd", "sgd-momentum-l2", "sgd-heavy-ball-l2", "adam-l2",
                                     "rmsprop-l2"])
+@pytest.mark.usefixtures("unrolled_route")
 def test_thinned_path_is_replayed_between_recorded_points(solver):
     est, X, _ = _fit(**SOLVERS[solver], normalize_y=False)
     thin, _, _ = _fit(**SOLVERS[solver], normalize_y=False, record_every=3)
@@ -526,6 +534,7 @@ def test_query_blocks_and_workers_equal_one_block():
                                rtol=1e-12, atol=0)
 
 
+@pytest.mark.usefixtures("unrolled_route")
 def test_self_influence_is_the_diagonal_of_attribute():
     est, X, y = _fit("classifier", **SOLVERS["sgd"])
     influence = est.self_influence()

@@ -173,6 +173,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.usefixtures("unrolled_route")
 def test_unrolled_is_the_derivative_of_the_training_with_these_practices(name):
     case = CASES[name]
     scores, traj = _scores(case)

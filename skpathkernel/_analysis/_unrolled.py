@@ -115,9 +115,10 @@ __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unro
 # 0.07 where the derivative says 0.10) grows by 29 (median over the queries) to 73.
 GROWTH_LIMIT = 10.0
 # The step's batched work (queries x batch x activation values per sample) from which
-# forward over reverse outran the double backward: 1.3 million (a (256,) MLP, 80
-# queries, batch 32) ran 0.82x, 3.3 million (batch 80) 1.43x, float64, one thread
-# (benchmarks/results/unrolled_routes-small.md); see forward_over_reverse.
+# forward over reverse outran the double backward: at 1.3 million (a (256,) MLP, 80
+# queries, batch 32) the double backward took 0.82 of its time, at 3.3 million (batch 80)
+# 1.43 times, float64, one thread (benchmarks/results/unrolled_routes-small.md); see
+# forward_over_reverse.
 FORWARD_WORK = 2e6
 # Relative mismatch between the modelled and the recorded training steps above which the
 # scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
@@ -569,11 +570,12 @@ def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype,
     sample (:func:`_activation_values`). Forward over reverse pays a fixed cost per step
     (the vmapped jvp's transforms, torch's Python decompositions for jvp) that the double
     backward does not: below ``FORWARD_WORK`` the double backward was faster (MLPs of
-    widths 4-256 in float64, 1.2-2.7x; in float32 1.1-1.2x), above it forward over
-    reverse (1.07-1.62x at 3.3-13 million). Convolutional networks in float64 take the
-    double backward at any size: their convolutions (no oneDNN kernel in float64) with the
-    queries folded into batch and channels ran 0.88x, 1.00x and 1.13x the double
-    backward's loop over the queries in three runs.
+    widths 4-256 in float64, 1.2-2.7x; in float32 1.1-2.0x, though one earlier run of
+    the tiny float32 MLP had forward over reverse 1.09x faster), above it forward over
+    reverse in float32 (1.07-1.62x at 3.5-11.7 million), even in float64 (0.97-1.09x).
+    Convolutional networks in float64 take the double backward at any size: their
+    convolutions (no oneDNN kernel in float64) with the queries folded into batch and
+    channels ran 0.88x and 1.00x the double backward's loop over the queries in two runs.
     """
     convolutional = any(isinstance(layer, torch.nn.modules.conv._ConvNd)
                         for layer in module.modules())

@@ -45,20 +45,20 @@ over the steps:
   Hessian of the step's loss.
 
 The products ``grad l_i . v`` of every batch point and ``H_t v`` come from one
-forward-over-reverse pass, batched over the queries (vmap): the ``jvp`` in direction
-``v`` of ``theta -> (sum_i beta_i grad l_i(theta), (l_i(theta))_i)`` is
-``(H_t v, (grad l_i . v)_i)``. Layers that forward-mode AD or vmap cannot take fall back
-to one double backward: with ``g(beta) = sum_i beta_i grad l_i(theta)``, the gradient of
-``g . v`` is ``grad l_i . v`` with respect to ``beta_i`` and ``H_t v`` with respect to
-``theta`` (one per query where the batched one fails, as GroupNorm's does); ``g`` is the
-step's own gradient, its graph kept, so that route runs the batch forward and backward
-once a step. Forward over reverse measured 1.36-1.62x faster on a small float32 CNN
-(whose convolution and pooling double backward has no batching rule, so vmap loops over
-the queries) and 1.06-1.20x on MLPs; the double backward is taken where the step's work
-is small, where forward over reverse's fixed cost per step dominates (1.2-2.7x faster on
-small MLPs), and on float64 CNNs (:func:`forward_over_reverse`). No per-sample gradient
-is formed, for any layer.
-The optimizer's first moment after a step is read from consecutive recorded points
+forward-over-reverse pass, batched over the queries (vmap): the ``jvp`` in direction ``v``
+of ``theta -> (sum_i beta_i grad l_i(theta), (l_i(theta))_i)`` is
+``(H_t v, (grad l_i . v)_i)``. Small steps, float64 convolutional networks and layers that
+forward-mode AD or vmap cannot take use one double backward instead: with
+``g(beta) = sum_i beta_i grad l_i(theta)``, the gradient of ``g . v`` is ``grad l_i . v``
+with respect to ``beta_i`` and ``H_t v`` with respect to ``theta`` (one per query where
+the batched one fails, as GroupNorm's does); ``g`` is the step's own gradient, its graph
+kept, so that route runs the batch forward and backward once a step. Forward over reverse
+measured 1.36-1.62x faster on a small float32 CNN (whose convolution and pooling double
+backward has no batching rule, so vmap loops over the queries) and 1.06-1.20x on MLPs; the
+double backward is taken where the step's work is small, where forward over reverse's
+fixed cost per step dominates (1.2-2.7x faster on small MLPs), and on float64 CNNs
+(:func:`forward_over_reverse`). No per-sample gradient is formed, for any layer. The
+optimizer's first moment after a step is read from consecutive recorded points
 (``theta_t - theta_{t+1}`` is the step), its second moment is recorded.
 
 The clip's derivative assumes the L2 norm of every recorded parameter's gradient (torch's
@@ -66,8 +66,9 @@ default ``norm_type``) and one ``max_norm``; factors that imply different ones (
 factor, another norm) are reported by a warning.
 
 Cost per step: one forward-backward of the batch, then per query one Hessian-vector
-product (a forward-over-reverse pass). Memory: the adjoint, a few ``(queries, P)`` buffers,
-whatever the number of steps; the path is read backwards, chunk by chunk from disk.
+product (a forward-over-reverse pass or a double backward). Memory: the adjoint, a few
+``(queries, P)`` buffers, whatever the number of steps; the path is read backwards, chunk
+by chunk from disk.
 
 Thinned paths (``record_every > 1``): the steps between two recorded points are replayed
 forward from the first (batches and every step's step size are recorded, see
@@ -799,7 +800,8 @@ def _row_bytes(module, traj, activations, itemsize) -> int:
     # products' intermediates, a few per activation and batch sample: the forward route
     # keeps about 1.8x the double backward's (peak memory of 100 queries on a small CNN,
     # 410 against 231 MiB, this stop's review; 188 against 154 MiB on an MLP).
-    # (The forward route's, wherever the route may depend on the block's size.)
+    # The forward route's factor wherever it may be taken: the route depends on the block
+    # size that this estimate sets.
     per_activation = 11 if forward_over_reverse(module, traj.dtype) else 6
     return (6 * traj.n_params * itemsize + per_activation * batch * activations * itemsize
             + 8 * traj.n_samples)

@@ -568,7 +568,7 @@ def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype,
     ``unrolled_routes.md``, ``unrolled_routes-small.md``).
 
     ``work``: the step's batched products, queries x batch x activation values per
-    sample (:func:`_activation_values`). Forward over reverse pays a fixed cost per step
+    sample (:func:`_query_work` for each query). Forward over reverse pays a fixed cost per step
     (the vmapped jvp's transforms, torch's Python decompositions for jvp) that the double
     backward does not: below ``FORWARD_WORK`` the double backward was faster (MLPs of
     widths 4-256 in float64, 1.2-2.7x; in float32 1.1-2.0x, though one earlier run of
@@ -595,13 +595,10 @@ def _batch_graph(path: _Path, step: _Step):
     beta = torch.as_tensor(step.weights, dtype=step.theta.dtype, device=step.theta.device)
     # The double backward differentiates this very gradient again: its graph is kept
     # for the pullback, which saves that route a forward-backward of the batch per step.
-    graph = None if path.forward_ad else _gradient_graph(path, step.theta, batch, beta)
-    if graph is None:
-        theta = step.theta.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
-                                   allow_unused=True)
-    else:
-        g = graph[2]
+    keep = not path.forward_ad
+    graph = _gradient_graph(path, step.theta, batch, beta, keep)
+    g = graph[2]
+    graph = graph if keep else None
     theta = step.theta.detach()
     flat = torch.zeros_like(theta) if g is None else g.detach()
     norm = float(flat.double().norm())
@@ -670,13 +667,14 @@ def _tangent_products(path: _Path, theta, batch, beta, V,
     return _double_backward(path, *graph, V)
 
 
-def _gradient_graph(path: _Path, theta, batch, beta):
-    """``(theta, beta, g)``: leaves that require grad and ``g(beta) = sum_i beta_i
-    grad l_i(theta)`` with its graph, for :func:`_double_backward`."""
+def _gradient_graph(path: _Path, theta, batch, beta, create_graph: bool = True):
+    """``(theta, beta, g)``: ``g(beta) = sum_i beta_i grad l_i(theta)`` (None where the
+    loss does not depend on the parameters) and, with ``create_graph``, the leaves that
+    require grad and ``g``'s graph for :func:`_double_backward`."""
     theta = theta.detach().requires_grad_(True)
-    beta = beta.detach().requires_grad_(True)
+    beta = beta.detach().requires_grad_(create_graph)
     (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
-                               create_graph=True, allow_unused=True)
+                               create_graph=create_graph, allow_unused=True)
     return theta, beta, g
 
 
@@ -724,7 +722,7 @@ def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
         return torch.stack(rows)
 
 
-def _block(module, traj, X, Y, loss, Xq, Wq, device, activations, moments):
+def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, moments):
     """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
     one-step amplification and their counts (n_steps,), and the replay error.
 
@@ -733,8 +731,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, activations, moments):
     """
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
-    work = len(Xq) * int(_batch_sizes(traj).max()) * activations
-    path = _Path(module, traj, X, Y, loss, device, moments, work)
+    path = _Path(module, traj, X, Y, loss, device, moments, len(Xq) * query_work)
     theta_T = path.params(len(traj) - 1)
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
     N = traj.n_samples
@@ -778,8 +775,9 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, activations, moments):
             count.cpu().numpy(), worse(path.replay_error, mismatch), norms)
 
 
-def _activation_values(module, traj, X) -> int:
-    """The values every submodule outputs for one sample (a forward pass with hooks)."""
+def _query_work(module, traj, X) -> int:
+    """A query's share of a step's batched products: the largest batch times the values
+    every submodule outputs for one sample (a forward pass with hooks)."""
     sizes = []
     hooks = [m.register_forward_hook(lambda m, i, o: sizes.append(
         o.numel() if isinstance(o, torch.Tensor) else 0)) for m in module.modules()]
@@ -790,12 +788,11 @@ def _activation_values(module, traj, X) -> int:
     finally:
         for h in hooks:
             h.remove()
-    return sum(sizes)
+    return int(_batch_sizes(traj).max()) * sum(sizes)
 
 
-def _row_bytes(module, traj, activations, itemsize) -> int:
+def _row_bytes(module, traj, query_work, itemsize) -> int:
     """Bytes a query needs: the adjoint's buffers and its share of a batched backward."""
-    batch = int(_batch_sizes(traj).max())
     # Six (P,) buffers (adjoint, moments, gradient adjoint, products) and the tangent
     # products' intermediates, a few per activation and batch sample: the forward route
     # keeps about 1.8x the double backward's (peak memory of 100 queries on a small CNN,
@@ -803,11 +800,11 @@ def _row_bytes(module, traj, activations, itemsize) -> int:
     # The forward route's factor wherever it may be taken: the route depends on the block
     # size that this estimate sets.
     per_activation = 11 if forward_over_reverse(module, traj.dtype) else 6
-    return (6 * traj.n_params * itemsize + per_activation * batch * activations * itemsize
+    return (6 * traj.n_params * itemsize + per_activation * query_work * itemsize
             + 8 * traj.n_samples)
 
 
-def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, activations):
+def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
     """One task's query blocks: scores, growth, the summed per-step log amplification and
     counts (one (n_steps,) pair a task, whatever the number of blocks), replay error and
     each step's loss-gradient norm (the same in every block)."""
@@ -824,7 +821,7 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, activations):
         r = rows[start:start + block]
         with twice_differentiable():
             s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
-                                             device, activations, moments)
+                                             device, query_work, moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)
@@ -850,16 +847,16 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     traj = net.trajectory
     check_unrollable(traj, net.module)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
-    activations = _activation_values(net.module, traj, X)
+    query_work = _query_work(net.module, traj, X)
     block = rows_per_block(net.memory_budget,
-                           _row_bytes(net.module, traj, activations, traj.dtype.itemsize),
+                           _row_bytes(net.module, traj, query_work, traj.dtype.itemsize),
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     moments = path.replay_moments() if path.needs_moments else None
     rows = np.arange(len(Xq))
     shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
     parts = [p for p in map_row_blocks(_run_rows, rows, n_jobs, shared, X, Y, Xq, Wq, block,
-                                       diagonal, moments, activations) if p is not None]
+                                       diagonal, moments, query_work) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
         growth = np.concatenate([p[1] for p in parts])

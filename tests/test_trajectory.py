@@ -157,3 +157,47 @@ def test_in_memory_path_for_worker_processes_travels_by_reference(regression_dat
     assert not os.path.exists(new_directory)
     with pytest.raises(OSError, match="not readable here"):
         _open_shared_trajectory(new_directory)
+
+
+def _arguments(traj):
+    """The constructor's arguments that rebuild ``traj``."""
+    return dict(names=traj.names, shapes=traj.shapes, params=traj._params,
+                steps=traj.steps, learning_rates=traj.learning_rates,
+                batch_indices=traj._batch_indices, batch_offsets=traj._batch_offsets,
+                states=traj._states, state_steps=traj._state_steps,
+                solver=traj.solver_spec, n_samples=traj.n_samples,
+                record_every=traj.record_every, step_lrs=traj._step_lrs,
+                gradient_scales=np.ones(traj.n_steps),
+                batch_weights=np.full(len(traj._batch_indices), 0.25))
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("names", lambda a: a["names"][:-1], "names"),
+    ("shapes", lambda a: [*a["shapes"][:-1], (2, 2)], "names"),
+    ("params", lambda a: a["params"][:0], "at least one point"),
+    ("steps", lambda a: a["steps"][:-1], "steps"),
+    ("steps", lambda a: a["steps"][::-1].copy(), "steps"),
+    ("learning_rates", lambda a: a["learning_rates"][1:], "learning_rates"),
+    ("batch_offsets", lambda a: a["batch_offsets"][::-1].copy(), "batch_offsets"),
+    ("batch_indices", lambda a: a["batch_indices"] + 1, "batch_"),
+    ("batch_indices", lambda a: a["batch_indices"][:-1], "batch_offsets"),
+    ("state_steps", lambda a: a["state_steps"][:-1], "state_steps"),
+    ("states", lambda a: {k: v[:-1] for k, v in a["states"].items()}, "states"),
+    ("step_lrs", lambda a: a["step_lrs"][:-1], "step_lrs"),
+    ("gradient_scales", lambda a: np.ones(len(a["steps"])), "gradient_scales"),
+    ("batch_weights", lambda a: a["batch_weights"][:-1], "batch_weights"),
+])
+def test_constructor_refuses_arrays_that_do_not_fit(name, change, match):
+    """A path built by hand (or read from an altered file) whose arrays disagree raised
+    later, mid-analysis (an IndexError, or a sum over the wrong steps); the constructor
+    names the array."""
+    X = np.linspace(-1, 1, 15).reshape(-1, 1)
+    est = PathKernelMachine(hidden_layer_sizes=(3,), solver="adam", max_iter=4, batch_size=4,
+                            tol=None, record_every=2, random_state=0).fit(X, X.ravel() ** 2)
+    args = _arguments(est.trajectory_)
+    args["step_lrs"] = np.linspace(1e-3, 2e-3, est.trajectory_.n_steps)
+    rebuilt = Trajectory(**args)
+    assert_array_equal(rebuilt.step_learning_rates, args["step_lrs"])
+    assert_array_equal(rebuilt.batch(-1), est.trajectory_.batch(-1))
+    with pytest.raises(ValueError, match=match):
+        Trajectory(**{**args, name: change(args)})

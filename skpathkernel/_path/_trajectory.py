@@ -257,7 +257,66 @@ class Trajectory:
                                                                      param_groups)
         self._group_weight_decays = (None if group_weight_decays is None else
                                      np.asarray(group_weight_decays, dtype=np.float64))
+        self._check_consistent()
         return self
+
+    def _check_consistent(self) -> None:
+        """Raise a ValueError naming the first array whose shape or values do not fit
+        the others: a path built by hand or read from an altered file would otherwise
+        fail later, in the middle of an analysis, with an IndexError or a wrong sum."""
+        n_points, n_params = (tuple(self._params.shape) + (None, None))[:2]
+        size = sum(int(np.prod(s, dtype=np.int64)) for s in self._shapes)
+        if len(self._names) != len(self._shapes) or size != n_params:
+            raise ValueError(
+                f"names ({len(self._names)}) and shapes ({len(self._shapes)}, {size} "
+                f"values) must describe the {n_params} columns of params, one name per "
+                "shape.")
+        if n_points is None or n_points < 1:
+            raise ValueError("params must hold at least one point, (n_points, n_params).")
+        offsets, indices = self._batch_offsets, self._batch_indices
+        n_steps = len(offsets) - 1
+        if (offsets.ndim != 1 or n_steps < 0 or offsets[0] != 0
+                or np.any(np.diff(offsets) < 0) or offsets[-1] != len(indices)):
+            raise ValueError(
+                "batch_offsets must be non-decreasing from 0 to len(batch_indices) "
+                f"({len(indices)}), one entry per optimizer step and one more.")
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.n_samples):
+            raise ValueError(
+                f"batch_indices must index into the n_samples={self.n_samples} training "
+                f"samples; they span [{indices.min()}, {indices.max()}].")
+        steps = self.steps
+        if (steps.shape != (n_points,) or steps[0] != 0 or np.any(np.diff(steps) <= 0)
+                or steps[-1] != n_steps):
+            raise ValueError(
+                f"steps must increase from 0 to the {n_steps} optimizer steps of "
+                f"batch_offsets, one entry per recorded point ({n_points}).")
+        n_groups = None if self._group_lrs is None else self._group_lrs.shape[-1]
+        expected = {
+            "learning_rates": (self.learning_rates, (n_points - 1,)),
+            "state_steps": (self._state_steps, (n_points - 1,)),
+            "gradient_scales": (self._gradient_scales, (n_steps,)),
+            "batch_weights": (self._batch_weights, (len(indices),)),
+            "step_lrs": (self._step_lrs, (n_steps,)),
+            "group_lrs": (self._group_lrs, (n_points - 1, n_groups)),
+            "step_group_lrs": (self._step_group_lrs, (n_steps, n_groups)),
+            "group_weight_decays": (self._group_weight_decays, (n_groups,)),
+            **{f"states[{key!r}]": (rows, (n_points - 1, n_params))
+               for key, rows in self._states.items()},
+        }
+        for name, (value, shape) in expected.items():
+            if value is None or tuple(value.shape) == shape:
+                continue
+            where = (" (with parameter groups: n_groups from group_lrs)"
+                     if n_groups is not None and n_groups in shape else "")
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}; this path of {n_points} recorded "
+                f"points and {n_steps} optimizer steps needs {shape}{where}.")
+        groups = self._param_groups
+        if groups is not None and (len(groups) != len(self._names) or (
+                n_groups is not None and any(not 0 <= g < n_groups for g in groups))):
+            raise ValueError(
+                f"param_groups must give one group in [0, {n_groups}) per parameter "
+                f"tensor ({len(self._names)}); got {list(groups)}.")
 
     # ------------------------------------------------------------------ storage
     @property

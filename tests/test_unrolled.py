@@ -5,6 +5,8 @@ retraining without points."""
 
 import copy
 import math
+import subprocess
+import sys
 import warnings
 
 import joblib
@@ -840,3 +842,56 @@ def test_threads_equal_one_task(route, monkeypatch):
         with joblib.parallel_config(backend="threading"):
             np.testing.assert_allclose(est.attribute(X[:8], method="unrolled", n_jobs=4),
                                        one, rtol=1e-12, atol=0)
+
+
+def test_double_backward_route_does_not_import_torch_dynamo():
+    """torch.func's grad imports torch._dynamo at its first call (1.5-2 s, once per
+    process); the double-backward route, which small calls take, needs none of it: the
+    queries' gradients come from the tangent engine's seeded backward. A fresh process,
+    the route forced (the scores' values are checked by the reference tests above)."""
+    script = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from skpathkernel import PathKernelClassifier\n"
+        "from skpathkernel._analysis import _unrolled\n"
+        "_unrolled.FORWARD_WORK = float('inf')\n"
+        "X = np.random.RandomState(0).normal(size=(30, 4))\n"
+        "est = PathKernelClassifier(hidden_layer_sizes=(5,), max_iter=2, batch_size=10,\n"
+        "                           random_state=0).fit(X, (X[:, 0] > 0).astype(int))\n"
+        "scores = est.attribute(X[:3], method='unrolled')\n"
+        "assert np.all(np.isfinite(scores)) and np.any(scores != 0)\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("name", ["cnn", "attention"])
+def test_query_gradients_equal_one_backward_per_query(name):
+    """The adjoint's start, every query's ``grad (w_q . f(x_q))`` from the tangent engine,
+    against a plain autograd backward per query (networks whose layers take rules with
+    positions: convolutions, attention with a class token)."""
+    torch.manual_seed(0)
+    if name == "cnn":
+        module = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+            torch.nn.Linear(3 * 4 * 4, 4)).double()
+        Xq = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    else:
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        module = torch.nn.Sequential(layer, torch.nn.Flatten(), torch.nn.Linear(24, 4))
+        module = module.double().eval()
+        Xq = torch.randn(5, 3, 8, dtype=torch.float64)
+    names = [n for n, _ in module.named_parameters()]
+    theta = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    traj = type("Path", (), {"unflatten": staticmethod(lambda flat: dict(zip(names, [
+        t.view_as(p) for t, p in zip(flat.split([p.numel() for p in module.parameters()]),
+                                     module.parameters())])))})
+    Wq = torch.randn(5, 4, dtype=torch.float64)
+    got = unrolled._query_gradients(module, traj, theta, Xq, Wq, 2**30)
+    for q in range(5):
+        module.zero_grad()
+        (module(Xq[q : q + 1])[0] @ Wq[q]).backward()
+        want = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+        assert float((got[q] - want).abs().max()) <= 1e-12 * float(want.abs().max())

@@ -155,7 +155,7 @@ from .._second_order import FORWARD_AD, twice_differentiable
 from .._tangent import (
     Adjoint,
     capture,
-    dense_grad,
+    dense_rows,
     directional,
     factor_shares,
     forward,
@@ -775,11 +775,7 @@ class _Context:
         """``d (w_n . f(x_n)) / d theta`` (n, 1, P) into ``out``, from one capture whose
         backward pass is seeded with the weights (the dense route's contracted Jacobians
         and per-sample loss gradients, ``weights`` the loss residuals)."""
-        for term in self._terms(params, X, weights):
-            for name, a in term.inputs:
-                start, numel = self.layout[name]
-                dense_grad(term, a, out=out[:, :, start : start + numel])
-        return out
+        return dense_rows(self._terms(params, X, weights), self.layout, out)
 
     def batches(self, t, theta):
         """The step's batch in blocks: (indices, weights, factors, dhat) at theta_t."""

@@ -103,6 +103,7 @@ from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._training import mode_dependent_layers
 from .._path._trajectory import Trajectory
 from .._second_order import FORWARD_AD, check_twice_differentiable, twice_differentiable
+from .._tangent import contracted_features
 from .._warnings import caller_stacklevel, worse, worst
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
@@ -707,22 +708,16 @@ def _double_backward(path: _Path, theta, beta, g, V) -> tuple[torch.Tensor, torc
     return torch.zeros_like(V) if HV is None else HV, D
 
 
-def _query_gradients(module, traj, theta, Xq, Wq) -> torch.Tensor:
-    """``grad_theta (w_q . f(x_q; theta))`` for every query, (Q, P)."""
+def _query_gradients(module, traj, theta, Xq, Wq, budget) -> torch.Tensor:
+    """``grad_theta (w_q . f(x_q; theta))`` for every query, (Q, P): the tangent engine's
+    one backward pass seeded with the weights (the decomposition's contracted route).
 
-    def contracted(flat, x, w):
-        out = functional_call(module, traj.unflatten(flat), (x[None],))
-        return (out.reshape(-1) * w).sum()
-
-    try:
-        return vmap(grad(contracted), in_dims=(None, 0, 0))(theta, Xq, Wq)
-    except RuntimeError:  # a layer vmap cannot batch: one backward per query
-        flat = theta.detach().requires_grad_(True)
-        rows = [torch.autograd.grad(contracted(flat, x, w), flat)[0] for x, w in zip(Xq, Wq)]
-        return torch.stack(rows)
+    Not ``vmap(grad(...))``: torch.func's ``grad`` imports torch._dynamo on its first
+    call (1.5-2 s, once per process), which the double-backward route never needs."""
+    return contracted_features(module, traj.unflatten(theta), Xq, Wq, memory_budget=budget)
 
 
-def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, moments):
+def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments):
     """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
     one-step amplification and their counts (n_steps,), and the replay error.
 
@@ -733,7 +728,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, moments):
     adjoint_fn = _SOLVERS[spec.name][1]
     path = _Path(module, traj, X, Y, loss, device, moments, len(Xq) * query_work)
     theta_T = path.params(len(traj) - 1)
-    a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq).detach()}
+    a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq, budget).detach()}
     N = traj.n_samples
     scores = torch.zeros((len(Xq), N), dtype=torch.float64, device=device)
     prev = a["theta"].norm(dim=1).double()
@@ -821,7 +816,8 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
         r = rows[start:start + block]
         with twice_differentiable():
             s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
-                                             device, query_work, moments)
+                                             device, query_work, net.memory_budget,
+                                             moments)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)

@@ -12,9 +12,15 @@ fallback (:mod:`._generic`). The public face of the rules is :mod:`skpathkernel.
 """
 
 from ._capture import Capture, capture, forward
-from ._contract import dense_grad
+from ._contract import dense_grad, dense_rows
 from ._generic import per_sample_jacobian
-from ._gram import hidden_reads, tangent_features, tangent_gram, tangent_gram_diag
+from ._gram import (
+    contracted_features,
+    hidden_reads,
+    tangent_features,
+    tangent_gram,
+    tangent_gram_diag,
+)
 from ._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._projection import project_tangent_features
 from ._routes import FallbackWarning, LayerRoute, check_rule, layer_routes, warn_on_fallback
@@ -32,6 +38,7 @@ __all__ = [
     "Use",
     "capture",
     "check_rule",
+    "contracted_features",
     "forward",
     "get_rule",
     "hidden_reads",
@@ -45,6 +52,7 @@ __all__ = [
     "warn_on_fallback",
     "block_forward_error",
     "dense_grad",
+    "dense_rows",
     "directional",
     "factor_shares",
     "pair_terms",

@@ -35,8 +35,9 @@ import torch
 
 from ._rules import Term
 
-__all__ = ["dense_grad", "densify", "gram_route", "grad_times", "pair_diag", "pair_gram",
-           "param_numel", "project_term", "rank_one", "row_order", "split_constant_inputs"]
+__all__ = ["dense_grad", "dense_rows", "densify", "gram_route", "grad_times", "pair_diag",
+           "pair_gram", "param_numel", "project_term", "rank_one", "row_order",
+           "split_constant_inputs"]
 
 
 def rank_one(term: Term) -> bool:
@@ -139,6 +140,17 @@ def dense_grad(term: Term, a: torch.Tensor | None,
         G = torch.einsum("ncsgi,nsgj->ncgij", dg, ag)
     G = G.reshape(n, C, -1)
     return G if out is None else out.copy_(G)
+
+
+def dense_rows(terms: list[Term], layout: dict[str, tuple[int, int]],
+               out: torch.Tensor) -> torch.Tensor:
+    """Every term's per-sample gradients written into their columns of ``out`` (n, C, P):
+    ``layout`` maps each parameter to its ``(start, numel)`` in the flat vector."""
+    for term in terms:
+        for name, a in term.inputs:
+            start, numel = layout[name]
+            dense_grad(term, a, out=out[:, :, start : start + numel])
+    return out
 
 
 def densify(term: Term, order: str = "flat") -> list[Term]:

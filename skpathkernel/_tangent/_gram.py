@@ -70,6 +70,7 @@ from ._capture import (
 )
 from ._contract import (
     dense_grad,
+    dense_rows,
     densify,
     gram_route,
     pair_bytes,
@@ -82,7 +83,8 @@ from ._contract import (
 from ._rules import Term
 from ._stacked import _blas_eligible, _blas_threads, _holds_blas, _mirror, _syrk
 
-__all__ = ["hidden_reads", "tangent_features", "tangent_gram", "tangent_gram_diag"]
+__all__ = ["contracted_features", "hidden_reads", "tangent_features", "tangent_gram",
+           "tangent_gram_diag"]
 
 DEFAULT_MEMORY_BUDGET = 2**30
 #: Fewest rows per capture of a block of formed gradients, where a quarter of the memory
@@ -1115,6 +1117,31 @@ def _rank_one_diag(out, term, mode, weight, layout, n_out) -> None:
             out += (d * d * s.unsqueeze(1)).sum((1, 2)) / n_out
 
 
+def contracted_features(
+    module: torch.nn.Module,
+    params: Mapping[str, torch.Tensor],
+    X: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> torch.Tensor:
+    """``d (w_n . f(x_n; theta)) / d theta`` for every row, (n_samples, P) in flat order.
+
+    One capture whose backward pass is seeded with ``weights`` (n_samples, n_outputs),
+    instead of the ``C`` Jacobian rows :func:`tangent_features` forms; the hidden reads
+    are checked on the first rows as there. The rows of ``X`` are captured at once: for
+    callers whose blocks of rows are already sized to their memory budget.
+    """
+    params, outputs, _, probe = _prepare(module, params, X, "trace", memory_budget)
+    cap = capture(module, params, X, outputs, memory_budget=memory_budget,
+                  exclude=probe.exclude, weights=weights)
+    layout = _layout(params)
+    n_params = sum(size for _, size in layout.values())
+    out = torch.empty((X.shape[0], 1, n_params), dtype=value_dtype(params, X),
+                      device=X.device)
+    return dense_rows(cap.terms, layout, out)[:, 0]
+
+
 @_consistent_routing
 def tangent_features(
     module: torch.nn.Module,
@@ -1172,11 +1199,7 @@ def tangent_features(
     else:
         phi = out
     for i in range(len(blocks)):
-        sl = blocks.slices[i]
-        for term in blocks[i].terms:
-            for name, a in term.inputs:
-                start, numel = layout[name]
-                dense_grad(term, a, out=phi[sl, :, start : start + numel])
+        dense_rows(blocks[i].terms, layout, phi[blocks.slices[i]])
     if mode == "full":
         return phi
     if n_out == 1:

@@ -1,7 +1,9 @@
-"""The two routes of the unrolled attribution's tangent products, one process, one tree:
-the double backward (``ref``) against forward over reverse (``tree``), both chosen by
-patching ``skpathkernel._analysis._unrolled.forward_over_reverse``; the measurements
-behind that function's rule.
+"""Two routes of the unrolled attribution's tangent products, one process, one tree:
+by default the double backward (``ref``) against forward over reverse (``tree``), both
+chosen by patching ``skpathkernel._analysis._unrolled.forward_over_reverse`` (the
+measurements behind that function's rule); ``SIDES=forward,mlp`` (any two of ``double``,
+``forward``, ``mlp``) puts other routes on the two sides, ``mlp`` being a plain MLP's
+products by hand (``_mlp_products``; the others with ``MLP_PRODUCTS`` off).
 
 Cases: those of ``benchmarks/bench_unrolled_ab.py`` (``mlp-lr0.5``, ``cnn-lr0.5``, a
 ``-f64`` suffix for float64: 100 queries of digits, 80 SGD steps of batch 128);
@@ -14,7 +16,8 @@ A ``-qN`` part (``default-q10``, ``mlp-lr0.5-q10-f64``) keeps the first N querie
 ``self``) by ``time.process_time`` on one torch thread, ``REPS`` times each route
 (default 2), alternating.
 
-Usage: ``THREADS=1 taskset -c 1 python -m benchmarks.bench_unrolled_routes [CASES]``.
+Usage: ``THREADS=1 [SIDES=double,forward] taskset -c 1 python -m
+benchmarks.bench_unrolled_routes [CASES]``.
 Writes ``benchmarks/results/unrolled_routes`` ``.md`` and ``.json`` (another name by ``OUT``).
 """
 
@@ -66,6 +69,7 @@ def _call(case, data):
 def main(names=CASES):
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     reps = int(os.environ.get("REPS", "2"))
+    sides = os.environ.get("SIDES", "double,forward").split(",")
     data = digits(False)
     load_before = os.getloadavg()
     rows = []
@@ -74,10 +78,11 @@ def main(names=CASES):
         call = _call(case, data)
         times, scores = {"ref": [], "tree": []}, {}
         for r in range(reps):
-            order = [("ref", False), ("tree", True)]
-            for key, forward in order if r % 2 == 0 else order[::-1]:
+            order = list(zip(("ref", "tree"), sides))
+            for key, side in order if r % 2 == 0 else order[::-1]:
                 with mock.patch.object(unrolled, "forward_over_reverse",
-                                       lambda *a, f=forward: f):
+                                       lambda *a, f=side == "forward": f), \
+                        mock.patch.object(unrolled, "MLP_PRODUCTS", side == "mlp"):
                     t = time.process_time()
                     scores[key] = np.asarray(call())
                     times[key].append(time.process_time() - t)
@@ -85,14 +90,17 @@ def main(names=CASES):
         row["max_rel_diff"] = float(np.abs(scores["ref"] - scores["tree"]).max()
                                     / np.abs(scores["ref"]).max())
         rows.append(row)
-        print(f"{case}: double {row['ref_least']:.2f} s, forward {row['tree_least']:.2f} s, "
-              f"ratio {row['ratio_least']:.3f}", flush=True)
+        print(f"{case}: {sides[0]} {row['ref_least']:.2f} s, {sides[1]} "
+              f"{row['tree_least']:.2f} s, ratio {row['ratio_least']:.3f}", flush=True)
+    names = {"double": "the double backward", "forward": "forward over reverse",
+             "mlp": "the MLP's products by hand"}
     prov = ab_provenance(ROOT, "bench_unrolled_routes",
                          ["skpathkernel/_analysis/_unrolled.py",
-                          "benchmarks/bench_unrolled_routes.py"], "the double backward", reps,
+                          "skpathkernel/_analysis/_mlp_products.py",
+                          "benchmarks/bench_unrolled_routes.py"], names[sides[0]], reps,
                          load_before=load_before)
     write_ab(ROOT / "benchmarks" / "results" / os.environ.get("OUT", "unrolled_routes"),
-             "Unrolled attribution: the double backward (ref) against forward over reverse "
+             f"Unrolled attribution: {names[sides[0]]} (ref) against {names[sides[1]]} "
              "(tree), one tree", "time.process_time", prov, rows, 2)
 
 

@@ -33,17 +33,23 @@ settings.register_profile("skpathkernel", derandomize=True, deadline=None, max_e
 settings.load_profile("skpathkernel")
 
 
-@pytest.fixture(params=["forward", "double"])
+@pytest.fixture(params=["mlp", "forward", "double"])
 def unrolled_route(request, monkeypatch):
-    """Each route of the unrolled scores' tangent products, whatever the step's work:
-    the tests' networks are small enough that the rule would pick the double backward,
-    while forward over reverse is what the networks people train take. Checks after the
-    test that the route asked for is the one that ran."""
-    forward = request.param == "forward"
-    monkeypatch.setattr(_unrolled, "FORWARD_WORK", 0 if forward else math.inf)
-    calls = []
-    double_backward = _unrolled._double_backward
+    """Each route of the unrolled scores' tangent products, whatever the step's work and
+    network: the tests' networks are small enough that the rule would pick the double
+    backward, while forward over reverse is what the networks people train take, and
+    plain MLPs take their products by hand. Checks after the test that the route asked
+    for is the one that ran."""
+    route = request.param
+    monkeypatch.setattr(_unrolled, "MLP_PRODUCTS", route == "mlp")
+    monkeypatch.setattr(_unrolled, "FORWARD_WORK", 0 if route == "forward" else math.inf)
+    calls = {"double": [], "mlp": []}
+    double_backward, mlp_products = _unrolled._double_backward, _unrolled.MLPStep.products
     monkeypatch.setattr(_unrolled, "_double_backward",
-                        lambda *a: calls.append(1) or double_backward(*a))
-    yield request.param
-    assert bool(calls) != forward, f"the {request.param} route did not run"
+                        lambda *a: calls["double"].append(1) or double_backward(*a))
+    monkeypatch.setattr(_unrolled.MLPStep, "products",
+                        lambda *a: calls["mlp"].append(1) or mlp_products(*a))
+    yield route
+    ran = "mlp" if calls["mlp"] else "double" if calls["double"] else "forward"
+    assert ran == route and not (calls["mlp"] and calls["double"]), \
+        f"the {route} route did not run ({ran} did)"

@@ -314,14 +314,16 @@ def test_the_route_follows_the_steps_work(monkeypatch):
 def test_the_batch_passes_of_each_route_per_step(unrolled_route, monkeypatch):
     """The double backward differentiates the step's own gradient graph again instead of
     running the batch forward and backward a second time (one pass a step); forward over
-    reverse runs it once more under vmap. Either route equals the reference."""
+    reverse runs it once more under vmap; a plain MLP's gradient and products by hand
+    run no module pass. Every route equals the reference."""
     passes = []
     losses = unrolled._Path.losses
     monkeypatch.setattr(unrolled._Path, "losses",
                         lambda self, *a: passes.append(1) or losses(self, *a))
     est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
     scores = est.attribute(X[:3], method="unrolled")
-    assert len(passes) == est.trajectory_.n_steps * (1 if unrolled_route == "double" else 2)
+    per_step = {"forward": 2, "double": 1, "mlp": 0}[unrolled_route]
+    assert len(passes) == est.trajectory_.n_steps * per_step
     assert _rel(scores, unrolled_reference(est.network_, X[:3], np.ones((3, 1)))) < 1e-8
 
 

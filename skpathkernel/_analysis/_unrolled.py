@@ -103,8 +103,9 @@ from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._training import mode_dependent_layers
 from .._path._trajectory import Trajectory
 from .._second_order import FORWARD_AD, check_twice_differentiable, twice_differentiable
-from .._tangent import contracted_features
+from .._tangent import contracted_features, stacked_mlp
 from .._warnings import caller_stacklevel, worse, worst
+from ._mlp_products import MLPStep
 
 __all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
 
@@ -122,6 +123,9 @@ GROWTH_LIMIT = 10.0
 # 1.43 times, float64, one thread (benchmarks/results/unrolled_routes-small.md); see
 # forward_over_reverse.
 FORWARD_WORK = 2e6
+#: Plain MLPs (``nn.Sequential`` of Linear layers and elementwise activations) take their
+#: tangent products by hand (:mod:`._mlp_products`) on either route's place.
+MLP_PRODUCTS = True
 # Relative mismatch between the modelled and the recorded training steps above which the
 # scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
 # relative in float32, see replay_error).
@@ -424,6 +428,13 @@ class _Path:
         # The route of _tangent_products; turned off for good by layers that forward-mode
         # AD or vmap cannot take.
         self.forward_ad = forward_over_reverse(module, traj.dtype, work)
+        # A plain MLP takes the products by hand (:mod:`._mlp_products`), whatever the work.
+        self.mlp = (stacked_mlp(module, traj.names)
+                    if MLP_PRODUCTS and X.is_floating_point() and X.ndim == 2 else None)
+        sizes = [math.prod(shape) for shape in traj.shapes]
+        starts = np.cumsum([0, *sizes[:-1]])
+        self.layout = {n: (int(a), int(b)) for n, a, b in zip(traj.names, starts, sizes)}
+        self.scratch: dict = {}  # the products' buffers, reused at every step
         self.batched_double_backward = True
         self.graph_checked = False  # check_twice_differentiable, once a call
 
@@ -594,12 +605,20 @@ def _batch_graph(path: _Path, step: _Step):
     """
     batch = step.batch
     beta = torch.as_tensor(step.weights, dtype=step.theta.dtype, device=step.theta.device)
-    # The double backward differentiates this very gradient again: its graph is kept
-    # for the pullback, which saves that route a forward-backward of the batch per step.
-    keep = not path.forward_ad
-    graph = _gradient_graph(path, step.theta, batch, beta, keep)
-    g = graph[2]
-    graph = graph if keep else None
+    if path.mlp is not None:
+        # A plain MLP's forward and backward by hand, kept for its products.
+        rows = torch.as_tensor(batch, device=path.device)
+        graph = MLPStep(path.mlp, path.layout, step.theta.detach(), path.X[rows],
+                        path.Y[rows], path.loss, beta, path.scratch)
+        g = graph.gradient
+    else:
+        # The double backward differentiates this very gradient again: its graph is kept
+        # for the pullback, which saves that route a forward-backward of the batch per
+        # step.
+        keep = not path.forward_ad
+        graph = _gradient_graph(path, step.theta, batch, beta, keep)
+        g = graph[2]
+        graph = graph if keep else None
     theta = step.theta.detach()
     flat = torch.zeros_like(theta) if g is None else g.detach()
     norm = float(flat.double().norm())
@@ -640,6 +659,8 @@ def _tangent_products(path: _Path, theta, batch, beta, V,
     forward-mode AD or vmap cannot take fall back to the double backward, which
     differentiates ``graph`` (:func:`_gradient_graph`) when the step kept one.
     """
+    if isinstance(graph, MLPStep):
+        return graph.products(V)
     traj = path.traj
     names = traj.names
     # One primal per parameter, each a copy: forward-mode AD gives a view's tangent its

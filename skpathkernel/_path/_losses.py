@@ -36,6 +36,19 @@ class Loss:
         (grad,) = torch.autograd.grad(self.per_sample(output, target).sum(), output)
         return grad
 
+    def output_hessian(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``d^2 l_i / df_i^2`` for every sample, shape (B, C, C): by autograd, one backward
+        per output (the samples are independent); the built-in losses give closed forms."""
+        with torch.enable_grad():
+            output = output.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.per_sample(output, target).sum(), output,
+                                          create_graph=True)
+            rows = [torch.zeros_like(output) if not grad.requires_grad else
+                    torch.autograd.grad(grad[:, c].sum(), output, retain_graph=True,
+                                        allow_unused=True)[0]
+                    for c in range(output.shape[1])]
+        return torch.stack([torch.zeros_like(output) if r is None else r for r in rows], 1)
+
 
 class SquaredError(Loss):
     """``l = 1/2 * mean_c (f_c - y_c)^2``: MLPRegressor's "squared_error" convention."""
@@ -44,6 +57,11 @@ class SquaredError(Loss):
 
     def per_sample(self, output, target):
         return 0.5 * (output - target).pow(2).mean(dim=1)
+
+    def output_hessian(self, output, target):
+        n, C = output.shape
+        eye = torch.eye(C, dtype=output.dtype, device=output.device) / C
+        return eye.expand(n, C, C)
 
 
 class LogLoss(Loss):
@@ -66,6 +84,14 @@ class LogLoss(Loss):
             return F.binary_cross_entropy_with_logits(output, target.to(output.dtype),
                                                       reduction="none").sum(dim=1)
         return F.cross_entropy(output, target, reduction="none")
+
+    def output_hessian(self, output, target):
+        if output.shape[1] == 1 or target.dim() == 2:
+            # A logistic loss per output: sigmoid' on the diagonal.
+            p = torch.sigmoid(output)
+            return torch.diag_embed(p * (1.0 - p))
+        p = torch.softmax(output, dim=1)
+        return torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
 
 
 LOSSES = {cls.name: cls for cls in (SquaredError, LogLoss)}

@@ -1,0 +1,34 @@
+import numpy as np
+import pytest
+import torch
+
+from skpathkernel._path._losses import LogLoss, Loss, SquaredError
+
+
+def _per_sample_hessians(loss, f, y):
+    """The reference: torch.autograd.functional.hessian of each sample's loss alone."""
+    return torch.stack([torch.autograd.functional.hessian(
+        lambda fi, i=i: loss.per_sample(fi[None], y[i : i + 1])[0], f[i]) for i in range(len(f))])
+
+
+@pytest.mark.parametrize("loss, C, target", [
+    (SquaredError(), 1, "real"),
+    (SquaredError(), 3, "real"),
+    (LogLoss(), 1, "codes"),
+    (LogLoss(), 1, "column"),
+    (LogLoss(), 4, "codes"),
+    (LogLoss(), 3, "indicator"),
+])
+def test_output_hessian_closed_forms_equal_autograd(loss, C, target):
+    """The closed-form output Hessians (the unrolled scores' MLP products read them)
+    against autograd's per sample, and the base class's generic loop against both."""
+    rng = np.random.RandomState(0)
+    f = torch.as_tensor(rng.normal(size=(7, C)) * 3)
+    y = {"real": torch.as_tensor(rng.normal(size=(7, C))),
+         "codes": torch.as_tensor(rng.randint(0, max(C, 2), size=7)),
+         "column": torch.as_tensor(rng.randint(0, 2, size=(7, 1))).double(),
+         "indicator": torch.as_tensor(rng.randint(0, 2, size=(7, C))).double()}[target]
+    want = _per_sample_hessians(loss, f, y)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(loss.output_hessian(f, y), want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(Loss.output_hessian(loss, f, y), want, rtol=1e-12, atol=1e-14)

@@ -47,7 +47,9 @@ def main(n_queries: int, max_iter: int, scale: str, solver: str = "adam") -> Non
                      state_steps=t._state_steps, solver=t.solver_spec, n_samples=t.n_samples,
                      record_every=t.record_every, step_lrs=t._step_lrs)
     net64 = net.replace(module=copy.deepcopy(net.module).double(), trajectory=t64)
-    W = np.random.RandomState(0).normal(size=(n_queries, 10))
+    # Output weights that float32 holds exactly: both dtypes then score the same queries.
+    W = np.random.RandomState(0).normal(size=(n_queries, 10)).astype(np.float32)
+    W = W.astype(np.float64)
 
     def scores(network, mlp, forward_work):
         _unrolled.MLP_PRODUCTS, _unrolled.FORWARD_WORK = mlp, forward_work

@@ -98,7 +98,7 @@ def main(names=CASES):
                          ["skpathkernel/_analysis/_unrolled.py",
                           "skpathkernel/_analysis/_mlp_products.py",
                           "benchmarks/bench_unrolled_routes.py"], names[sides[0]], reps,
-                         load_before=load_before)
+                         load_before=load_before, sides=",".join(sides))
     write_ab(ROOT / "benchmarks" / "results" / os.environ.get("OUT", "unrolled_routes"),
              f"Unrolled attribution: {names[sides[0]]} (ref) against {names[sides[1]]} "
              "(tree), one tree", "time.process_time", prov, rows, 2)

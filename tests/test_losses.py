@@ -32,3 +32,30 @@ def test_output_hessian_closed_forms_equal_autograd(loss, C, target):
     assert want.abs().max() > 0
     torch.testing.assert_close(loss.output_hessian(f, y), want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(Loss.output_hessian(loss, f, y), want, rtol=1e-12, atol=1e-14)
+
+
+def test_output_hessian_refuses_a_once_differentiable_loss():
+    """A custom loss through a @once_differentiable backward: autograd differentiates
+    around it and the generic output Hessian read as zeros (the unrolled scores' MLP
+    route then returned wrong scores without a word). Refused, as the other routes do."""
+    from torch.autograd.function import once_differentiable
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**2
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    class Custom(Loss):
+        def per_sample(self, output, target):
+            return Square.apply(output - target).sum(1)
+
+    f, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="once_differentiable"):
+        Custom().output_hessian(f, y)

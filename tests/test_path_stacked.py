@@ -1005,3 +1005,20 @@ def test_backprop_buffers_reused_over_blocks(sgemm, weighted, monkeypatch, one_t
         # Every block took the same buffer of each name.
         assert len(set(seen)) == len(names)
         assert len(seen) == 3 * len(names)
+
+
+@pytest.mark.parametrize("reused", ["activation", "linear"])
+def test_a_module_used_twice_is_not_a_stacked_mlp(reused):
+    """named_children() lists a reused instance once: a Sequential that applies one Tanh
+    (or one Linear) twice was read as a shorter network (the unrolled scores' MLP route
+    missed autograd by 0.36-2.0). It takes the general engine."""
+    lin, act = torch.nn.Linear(4, 4), torch.nn.Tanh()
+    layers = ([torch.nn.Linear(3, 4), act, lin, act, torch.nn.Linear(4, 1)]
+              if reused == "activation" else
+              [torch.nn.Linear(3, 4), torch.nn.Tanh(), lin, torch.nn.Tanh(), lin])
+    module = torch.nn.Sequential(*layers)
+    names = [n for n, _ in module.named_parameters()]
+    assert stacked_mlp(module, names) is None
+    distinct = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                   torch.nn.Linear(4, 1))
+    assert stacked_mlp(distinct, [n for n, _ in distinct.named_parameters()]) is not None

@@ -201,3 +201,19 @@ def test_constructor_refuses_arrays_that_do_not_fit(name, change, match):
     assert_array_equal(rebuilt.batch(-1), est.trajectory_.batch(-1))
     with pytest.raises(ValueError, match=match):
         Trajectory(**{**args, name: change(args)})
+
+
+def test_recorder_path_with_parameter_groups_before_its_first_step():
+    """Optimizer groups with their own weight decay and no step yet: no group step sizes
+    to count the groups by, and the constructor's check must not refuse the path."""
+    from skpathkernel import PathRecorder
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(1, 3), torch.nn.Tanh(),
+                                 torch.nn.Linear(3, 1)).double()
+    opt = torch.optim.AdamW([{"params": module[0].parameters(), "weight_decay": 0.1},
+                             {"params": module[2].parameters(), "weight_decay": 0.0}])
+    with PathRecorder(module, opt, n_samples=5) as rec:
+        pass
+    decays = rec.trajectory.weight_decays()
+    assert decays is not None and float(decays[0]) == 0.1 and float(decays[-1]) == 0.0

@@ -826,13 +826,14 @@ def test_a_training_the_record_does_not_represent_is_reported():
             X[:2], method="unrolled")
 
 
-@pytest.mark.parametrize("route", ["forward", "double"])
+@pytest.mark.parametrize("route", ["forward", "double", "mlp"])
 def test_threads_equal_one_task(route, monkeypatch):
     """Query blocks on joblib's threads: torch.func.functional_call swaps the parameters
     into the module for the call and forward-mode AD's dual levels are the process's, so
     tasks that shared the module or jvp'd concurrently read each other's (scores 2-12% off
-    or torch's invalid-level error)."""
+    or torch's invalid-level error); the MLP route's buffers are each block's own."""
     monkeypatch.setattr(unrolled, "forward_over_reverse", lambda *a: route == "forward")
+    monkeypatch.setattr(unrolled, "MLP_PRODUCTS", route == "mlp")
     rng = np.random.RandomState(0)
     X = rng.normal(size=(60, 6))
     y = np.sin(X[:, 0]) + X[:, 1] * X[:, 2]
@@ -856,12 +857,14 @@ def test_double_backward_route_does_not_import_torch_dynamo():
         "import numpy as np\n"
         "from skpathkernel import PathKernelClassifier\n"
         "from skpathkernel._analysis import _unrolled\n"
-        "_unrolled.FORWARD_WORK = float('inf')\n"
+        "_unrolled.FORWARD_WORK, _unrolled.MLP_PRODUCTS = float('inf'), False\n"
+        "ran, double = [], _unrolled._double_backward\n"
+        "_unrolled._double_backward = lambda *a: ran.append(1) or double(*a)\n"
         "X = np.random.RandomState(0).normal(size=(30, 4))\n"
         "est = PathKernelClassifier(hidden_layer_sizes=(5,), max_iter=2, batch_size=10,\n"
         "                           random_state=0).fit(X, (X[:, 0] > 0).astype(int))\n"
         "scores = est.attribute(X[:3], method='unrolled')\n"
-        "assert np.all(np.isfinite(scores)) and np.any(scores != 0)\n"
+        "assert np.all(np.isfinite(scores)) and np.any(scores != 0) and ran\n"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'ok')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)

@@ -50,7 +50,8 @@ def _buffer(scratch: dict, key, shape, like: torch.Tensor) -> torch.Tensor:
     a step, and fresh ones cost a page fault per 4 KiB at every step (the products of
     the default classifier's 100 queries ran at a fifth of the GEMM rate that way)."""
     buf = scratch.get(key)
-    if buf is None or buf.shape != shape or buf.dtype != like.dtype:
+    if (buf is None or buf.shape != shape or buf.dtype != like.dtype
+            or buf.device != like.device):
         buf = scratch[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
     return buf
 

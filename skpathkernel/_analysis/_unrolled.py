@@ -47,8 +47,8 @@ over the steps:
 The products ``grad l_i . v`` of every batch point and ``H_t v`` of a plain MLP (an
 ``nn.Sequential`` of Linear layers and elementwise activations) are taken by hand
 (:mod:`._mlp_products`: the R-operator's tangents of all the queries in a few GEMMs per
-layer, with the step's gradient from the same pass), 1.3-1.8x faster than forward over
-reverse and 1.3-4.3x faster than the double backward
+layer, with the step's gradient from the same pass), 1.2-1.8x faster than forward over
+reverse and 1.2-4.3x faster than the double backward
 (``benchmarks/results/unrolled_routes-mlp*.md``). Other networks take one
 forward-over-reverse pass, batched over the queries (vmap): the ``jvp`` in direction ``v``
 of ``theta -> (sum_i beta_i grad l_i(theta), (l_i(theta))_i)`` is

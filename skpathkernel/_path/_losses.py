@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._second_order import check_twice_differentiable
+
 __all__ = ["LOSSES", "Loss"]
 
 
@@ -41,8 +43,12 @@ class Loss:
         per output (the samples are independent); the built-in losses give closed forms."""
         with torch.enable_grad():
             output = output.detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(self.per_sample(output, target).sum(), output,
-                                          create_graph=True)
+            losses = self.per_sample(output, target)
+            # A seed that requires grad, so that a @once_differentiable backward leaves
+            # the node check_twice_differentiable refuses (else its Hessian reads as 0).
+            (grad,) = torch.autograd.grad(losses, output, create_graph=True,
+                                          grad_outputs=torch.ones_like(losses).requires_grad_())
+            check_twice_differentiable(grad)
             rows = [torch.zeros_like(output) if not grad.requires_grad else
                     torch.autograd.grad(grad[:, c].sum(), output, retain_graph=True,
                                         allow_unused=True)[0]

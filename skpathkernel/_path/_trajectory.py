@@ -298,13 +298,17 @@ class Trajectory:
             "batch_weights": (self._batch_weights, (len(indices),)),
             "step_lrs": (self._step_lrs, (n_steps,)),
             "group_lrs": (self._group_lrs, (n_points - 1, n_groups)),
-            "step_group_lrs": (self._step_group_lrs, (n_steps, n_groups)),
-            "group_weight_decays": (self._group_weight_decays, (n_groups,)),
+            # Without group_lrs (a recorder's path before its first step) the number of
+            # groups is not known here.
+            "step_group_lrs": (self._step_group_lrs,
+                               None if n_groups is None else (n_steps, n_groups)),
+            "group_weight_decays": (self._group_weight_decays,
+                                    None if n_groups is None else (n_groups,)),
             **{f"states[{key!r}]": (rows, (n_points - 1, n_params))
                for key, rows in self._states.items()},
         }
         for name, (value, shape) in expected.items():
-            if value is None or tuple(value.shape) == shape:
+            if value is None or shape is None or tuple(value.shape) == shape:
                 continue
             where = (" (with parameter groups: n_groups from group_lrs)"
                      if n_groups is not None and n_groups in shape else "")

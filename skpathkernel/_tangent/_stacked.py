@@ -246,8 +246,13 @@ def stacked_mlp(module: nn.Module, names: Sequence[str]) -> StackedMLP | None:
     if type(module) is not nn.Sequential or _hooked(module) or _global_hooks():
         return None
     items, seen = [], []
-    for prefix, child in module.named_children():
-        if _hooked(child):
+    # named_children() lists a module used twice once: a Sequential that reuses an
+    # activation or a Linear would be read as another network.
+    children = list(module._modules.items())
+    if len({id(child) for _, child in children}) != len(children):
+        return None
+    for prefix, child in children:
+        if child is None or _hooked(child):
             return None
         if type(child) is nn.Linear:
             bias = None if child.bias is None else f"{prefix}.bias"

@@ -43,6 +43,8 @@ import warnings
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ._validation import once_differentiable
+
 __all__ = ["FORWARD_AD", "check_twice_differentiable", "twice_differentiable"]
 
 # The module, not the function of the same name that torch.nn.utils re-exports: its
@@ -129,19 +131,12 @@ def check_twice_differentiable(gradient: torch.Tensor) -> None:
     a review's network). The node is there only when the gradient's seed requires grad.
     One walk of the graph.
     """
-    seen, stack = set(), [gradient.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "Error":  # torch's DelayedError
-            raise ValueError(
-                "The network's backward cannot be differentiated: a custom "
-                "torch.autograd.Function in it has a backward marked @once_differentiable, "
-                "so the second derivatives these scores are made of (Hessian-vector products "
-                "of the training loss) would miss that layer's part. Write its backward with "
-                "differentiable torch operations (save what it needs with "
-                "ctx.save_for_backward), or use a method that needs first derivatives only "
-                "(attribute(method='exact'), decompose(method='exact')).")
-        stack.extend(child for child, _ in node.next_functions)
+    if once_differentiable(gradient):
+        raise ValueError(
+            "The network's backward cannot be differentiated: a custom "
+            "torch.autograd.Function in it has a backward marked @once_differentiable, "
+            "so the second derivatives these scores are made of (Hessian-vector products "
+            "of the training loss) would miss that layer's part. Write its backward with "
+            "differentiable torch operations (save what it needs with "
+            "ctx.save_for_backward), or use a method that needs first derivatives only "
+            "(attribute(method='exact'), decompose(method='exact')).")

@@ -51,3 +51,20 @@ def check_index(value, name: str, *, n: int | None = None, allow_none: bool = Fa
     if not -n <= index < n:
         raise IndexError(f"{name} index {index} is out of range for {n} entries.")
     return index % n
+
+
+def once_differentiable(gradient) -> bool:
+    """Whether ``gradient``'s graph (a tensor taken with ``create_graph=True`` and a seed
+    that requires grad) goes through a backward marked ``@once_differentiable``: torch
+    leaves its ``Error`` node there and differentiates around it, so second derivatives
+    through the gradient would miss that part without a word. One walk of the graph."""
+    seen, stack = set(), [gradient.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "Error":  # torch's DelayedError
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._validation import once_differentiable
+
 __all__ = ["LOSSES", "Loss"]
 
 
@@ -46,31 +48,17 @@ class Loss:
             # the node check_twice_differentiable refuses (else its Hessian reads as 0).
             (grad,) = torch.autograd.grad(losses, output, create_graph=True,
                                           grad_outputs=torch.ones_like(losses).requires_grad_())
-            _refuse_once_differentiable(grad)
+            if once_differentiable(grad):
+                raise ValueError(
+                    "The loss's backward cannot be differentiated: a custom "
+                    "torch.autograd.Function in it has a backward marked "
+                    "@once_differentiable, so its second derivatives would read as 0. "
+                    "Write its backward with differentiable torch operations.")
             rows = [torch.zeros_like(output) if not grad.requires_grad else
                     torch.autograd.grad(grad[:, c].sum(), output, retain_graph=True,
                                         allow_unused=True)[0]
                     for c in range(output.shape[1])]
         return torch.stack([torch.zeros_like(output) if r is None else r for r in rows], 1)
-
-
-def _refuse_once_differentiable(grad: torch.Tensor) -> None:
-    """The loss's share of ``_second_order.check_twice_differentiable`` (which this
-    engine layer may not import): a @once_differentiable backward leaves torch's
-    ``Error`` node in the gradient's graph, and its second derivatives read as 0."""
-    seen, stack = set(), [grad.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "Error":
-            raise ValueError(
-                "The loss's backward cannot be differentiated: a custom "
-                "torch.autograd.Function in it has a backward marked @once_differentiable, "
-                "so its second derivatives would read as 0. Write its backward with "
-                "differentiable torch operations.")
-        stack.extend(child for child, _ in node.next_functions)
 
 
 class SquaredError(Loss):

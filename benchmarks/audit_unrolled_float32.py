@@ -1,15 +1,23 @@
 """The unrolled scores of a float32 path against the same path read in float64.
 
-``python benchmarks/audit_unrolled_float32.py N_QUERIES MAX_ITER raw|scaled [SOLVER]``:
+``python -m benchmarks.audit_unrolled_float32 N_QUERIES MAX_ITER raw|scaled [SOLVER]``:
 fits ``PathKernelClassifier(random_state=0, max_iter=MAX_ITER, tol=None)`` (float32; SOLVER
-``adam``, the default, ``adam-eps1e-4`` with ``epsilon=1e-4``, or ``sgd`` at
-``learning_rate_init=0.1``) on
-the 1000 digits of ``bench_attribution`` (``raw``: pixels / 16; ``scaled``: standardised),
-rebuilds its recorded path and module in float64, and computes ``unrolled_scores`` of
-N_QUERIES held-out digits with fixed random output weights on every route of the float32
-path (the MLP's products by hand, forward over reverse, the double backward) and on the
-float64 one (the truth). Prints each float32 route's largest difference from the truth,
-over the truth's largest score. Results by hand in ``benchmarks/results/unrolled_routes-mlp.md``.
+``adam``, the default, ``adam-eps1e-4`` with ``epsilon=1e-4``, ``rmsprop``, or ``sgd`` at
+``learning_rate_init=0.1``) on the 1000 digits of ``bench_attribution`` (``raw``: pixels /
+16; ``scaled``: standardised), the inputs rounded to float32 first (what the training
+takes), and prints, over the largest score of the truth, the largest difference from it
+of:
+
+- each route's float32 scores (the MLP's products by hand, forward over reverse, the
+  double backward), each step's gradient in float64 at the recorded point (the default);
+- the same with the gradient in float32 (``GRADIENT_DTYPE`` patched: the scores before the
+  float64 gradient), and the route's ``gradient_sensitivity``, which estimates that change;
+- the scores of a float64 training from the same initialization and batches (a training
+  rounded otherwise).
+
+The truth is the recorded float32 path and module rebuilt in float64 and scored by the
+float64 route. Fixed random output weights that float32 holds exactly. Results in
+``benchmarks/results/unrolled_float32.md``.
 """
 
 import copy
@@ -19,8 +27,10 @@ import warnings
 import numpy as np
 import torch
 
-SOLVERS = {"adam": {}, "adam-eps1e-4": dict(epsilon=1e-4),
+SOLVERS = {"adam": {}, "adam-eps1e-4": dict(epsilon=1e-4), "rmsprop": dict(solver="rmsprop"),
            "sgd": dict(solver="sgd", learning_rate_init=0.1)}
+ROUTES = {"MLP by hand": (True, 0), "forward over reverse": (False, 0),
+          "double backward": (False, np.inf)}
 
 
 def main(n_queries: int, max_iter: int, scale: str, solver: str = "adam") -> None:
@@ -37,8 +47,11 @@ def main(n_queries: int, max_iter: int, scale: str, solver: str = "adam") -> Non
 
         scaler = StandardScaler().fit(X)
         X, Xq = scaler.transform(X), scaler.transform(Xq)
-    net = PathKernelClassifier(random_state=0, max_iter=max_iter, tol=None,
-                               **SOLVERS[solver]).fit(X, y).network_
+    # The inputs as the float32 training takes them, so that the float64 reading of its
+    # path differentiates the same losses.
+    X, Xq = (v.astype(np.float32).astype(np.float64) for v in (X, Xq))
+    params = dict(random_state=0, max_iter=max_iter, tol=None, **SOLVERS[solver])
+    net = PathKernelClassifier(**params).fit(X, y).network_
     t = net.trajectory
     t64 = Trajectory(names=t.names, shapes=t.shapes, params=t._params.double(), steps=t.steps,
                      learning_rates=t.learning_rates, batch_indices=t._batch_indices,
@@ -47,24 +60,28 @@ def main(n_queries: int, max_iter: int, scale: str, solver: str = "adam") -> Non
                      state_steps=t._state_steps, solver=t.solver_spec, n_samples=t.n_samples,
                      record_every=t.record_every, step_lrs=t._step_lrs)
     net64 = net.replace(module=copy.deepcopy(net.module).double(), trajectory=t64)
-    # Output weights that float32 holds exactly: both dtypes then score the same queries.
     W = np.random.RandomState(0).normal(size=(n_queries, 10)).astype(np.float32)
     W = W.astype(np.float64)
 
-    def scores(network, mlp, forward_work):
-        _unrolled.MLP_PRODUCTS, _unrolled.FORWARD_WORK = mlp, forward_work
+    def scores(network, route, gradient=torch.float64):
+        _unrolled.MLP_PRODUCTS, _unrolled.FORWARD_WORK = route
+        _unrolled.GRADIENT_DTYPE = gradient
         X_fit, Y_fit = network._training_data()
-        return np.asarray(_unrolled.unrolled_scores(network, X_fit, Y_fit,
-                                                    network.tensor(Xq), W))
+        return _unrolled.unrolled_scores(network, X_fit, Y_fit, network.tensor(Xq), W)
 
-    truth = scores(net64, False, 0)
-    scale_ = np.abs(truth).max()
-    print(f"float64: MLP by hand against forward over reverse "
-          f"{np.abs(scores(net64, True, 0) - truth).max() / scale_:.2e}")
-    for name, mlp, work in (("MLP by hand", True, 0), ("forward over reverse", False, 0),
-                            ("double backward", False, np.inf)):
-        print(f"float32 {name} against the float64 truth "
-              f"{np.abs(scores(net, mlp, work) - truth).max() / scale_:.2e}")
+    truth = np.asarray(scores(net64, ROUTES["forward over reverse"]))
+    top = np.abs(truth).max()
+
+    def off(s):
+        return f"{np.abs(np.asarray(s) - truth).max() / top:.1e}"
+
+    print(f"{scale} {solver} {max_iter} epochs {n_queries} queries ({t.n_steps} steps)")
+    for name, route in ROUTES.items():
+        exact, rounded = scores(net, route), scores(net, route, torch.float32)
+        print(f"  {name}: float64 gradient {off(exact)}, float32 gradient {off(rounded)}, "
+              f"gradient_sensitivity {exact.gradient_sensitivity:.1e}")
+    retrained = PathKernelClassifier(**params, dtype="float64").fit(X, y).network_
+    print(f"  float64 training from the same start: {off(scores(retrained, (True, 0)))}")
 
 
 if __name__ == "__main__":

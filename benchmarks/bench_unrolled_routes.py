@@ -3,14 +3,19 @@ by default the double backward (``ref``) against forward over reverse (``tree``)
 chosen by patching ``skpathkernel._analysis._unrolled.forward_over_reverse`` (the
 measurements behind that function's rule); ``SIDES=forward,mlp`` (any two of ``double``,
 ``forward``, ``mlp``) puts other routes on the two sides, ``mlp`` being a plain MLP's
-products by hand (``_mlp_products``; the others with ``MLP_PRODUCTS`` off).
+products by hand (``_mlp_products``; the others with ``MLP_PRODUCTS`` off). A ``:f32``
+suffix (``SIDES=mlp:f32,mlp``) takes each step's gradient in the path's dtype
+(``GRADIENT_DTYPE`` float32: no float64 gradient, no sensitivity probe, as before they
+were added); ``max_rel_diff`` is then the scores' change by float32 gradients.
 
 Cases: those of ``benchmarks/bench_unrolled_ab.py`` (``mlp-lr0.5``, ``cnn-lr0.5``, a
 ``-f64`` suffix for float64: 100 queries of digits, 80 SGD steps of batch 128);
 ``default`` (``PathKernelClassifier()``'s network, gelu (64, 64), Adam, 5 epochs of the
 same 1000 digits, float32, ``default-f64`` float64), ``tiny`` (``self_influence`` of
 the test suite's (4,) gelu MLP on 80 points, SGD batch 8, 60 epochs (600 steps), float64;
-``tiny-f32``), and ``self-W-B`` (the same with hidden layer (W,) and batch B; ``-f32``).
+``tiny-f32``), ``self-W-B`` (the same with hidden layer (W,) and batch B; ``-f32``), and
+``cnn-adam`` (the CNN of ``bench_attribution`` trained by Adam at
+``learning_rate_init=1e-3``, 5 epochs, float32).
 A ``-qN`` part (``default-q10``, ``mlp-lr0.5-q10-f64``) keeps the first N queries.
 ``attribute(X_query, y_query, method="unrolled")`` (``self_influence()`` for ``tiny`` and
 ``self``) by ``time.process_time`` on one torch thread, ``REPS`` times each route
@@ -33,7 +38,7 @@ import torch
 
 import skpathkernel._analysis._unrolled as unrolled
 from benchmarks._ab import ab_provenance, ab_row, write_ab
-from benchmarks.bench_attribution import digits
+from benchmarks.bench_attribution import digits, estimator
 from benchmarks.bench_unrolled_ab import _fit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +66,10 @@ def _call(case, data):
     if case.startswith("default"):
         clf = PathKernelClassifier(random_state=0, max_iter=5, tol=None, dtype=dtype)
         clf.fit(data[0], data[1])
+    elif case.startswith("cnn-adam"):
+        clf = estimator("cnn", False, lr=1e-3, epochs=5).set_params(solver="adam",
+                                                                    dtype=dtype)
+        clf.fit(data[0], data[1])
     else:
         clf = _fit(case.replace(f"-q{queries}", ""), data)[1]
     return lambda: clf.attribute(data[2][:queries], data[3][:queries], method="unrolled")
@@ -80,9 +89,12 @@ def main(names=CASES):
         for r in range(reps):
             order = list(zip(("ref", "tree"), sides))
             for key, side in order if r % 2 == 0 else order[::-1]:
+                route, _, gradient = side.partition(":")
                 with mock.patch.object(unrolled, "forward_over_reverse",
-                                       lambda *a, f=side == "forward": f), \
-                        mock.patch.object(unrolled, "MLP_PRODUCTS", side == "mlp"):
+                                       lambda *a, f=route == "forward": f), \
+                        mock.patch.object(unrolled, "MLP_PRODUCTS", route == "mlp"), \
+                        mock.patch.object(unrolled, "GRADIENT_DTYPE", torch.float32
+                                          if gradient == "f32" else torch.float64):
                     t = time.process_time()
                     scores[key] = np.asarray(call())
                     times[key].append(time.process_time() - t)
@@ -94,6 +106,7 @@ def main(names=CASES):
               f"{row['tree_least']:.2f} s, ratio {row['ratio_least']:.3f}", flush=True)
     names = {"double": "the double backward", "forward": "forward over reverse",
              "mlp": "the MLP's products by hand"}
+    names.update({f"{k}:f32": f"{v}, float32 gradients" for k, v in names.items()})
     prov = ab_provenance(ROOT, "bench_unrolled_routes",
                          ["skpathkernel/_analysis/_unrolled.py",
                           "skpathkernel/_analysis/_mlp_products.py",

@@ -133,7 +133,13 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_w
     return contrib, reg
 
 
-def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None):
+def _pin(x, value):
+    """``value``'s value with ``x``'s derivative (straight through)."""
+    return x + (value - x).detach()
+
+
+def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None, pinned=False,
+                    gradient_dtype=torch.float64):
     """The recorded training replayed as one differentiable float64 graph.
 
     Every step's loss is the weighted mean over its batch, ``sum w_i s_i l_i / sum w_i
@@ -146,16 +152,29 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None):
     Returns the final parameters as a name -> tensor dict. Every step must be recorded,
     or ``step_sizes`` (one per optimizer step, e.g. from the schedule's own rule) given:
     the path's recorded batches and initialization are read, its step sizes are not.
+
+    ``pinned``: every step's values held at the record (the parameters after it, the
+    recorded second moment, and Adam's first moment as the recorded step implies it),
+    their derivatives the update's, and the inputs rounded to the path's dtype as the
+    training took them: the derivative of the exact training map at the recorded states.
+    A free float64 replay of a float32 path is another training, off the recorded one by
+    the rounding of every step. ``gradient_dtype``: the loss and its gradient computed
+    in it (autograd through a copy of the module), the rest in float64.
     """
     traj, spec, loss = net.trajectory, net.trajectory.solver_spec, net.loss
     X = _as_input(net.X_fit)
+    if pinned:
+        assert np.all(np.diff(traj.steps) == 1), "pinned: every step recorded"
+        X = X.to(traj.dtype).double() if X.is_floating_point() else X
     Y = net.targets()
     Y = Y.double() if Y.is_floating_point() else Y
     N = len(X)
     w = torch.ones(N, dtype=torch.float64) if weights is None else weights
     if sample_weight is not None:
         w = w * torch.as_tensor(np.asarray(sample_weight, dtype=np.float64))
-    module = copy.deepcopy(net.module).to(torch.float64)
+    module = copy.deepcopy(net.module).to(gradient_dtype)
+    X = X.to(gradient_dtype) if X.is_floating_point() else X
+    Y = Y.to(gradient_dtype) if Y.is_floating_point() else Y
     names = list(traj.names)
     theta = [p.double().requires_grad_(True) for p in traj.state_dict(0).values()]
     m = [torch.zeros_like(p) for p in theta]
@@ -164,13 +183,20 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None):
     for t, batch in enumerate(traj.batches):
         lr = float(traj.learning_rates[t] if step_sizes is None else step_sizes[t])
         rows = torch.as_tensor(batch)
-        out = torch.func.functional_call(module, dict(zip(names, theta)), (X[rows],))
+        out = torch.func.functional_call(
+            module, {n: p.to(gradient_dtype) for n, p in zip(names, theta)}, (X[rows],))
         per = loss.per_sample(out.reshape(len(rows), -1), Y[rows])
-        total = w[rows].sum()
-        L = (w[rows] * per).sum() / total if total.item() > 0 else (0 * per).sum()
-        grads = torch.autograd.grad(L, theta, create_graph=True)
+        wb = w[rows].to(gradient_dtype)
+        total = wb.sum()
+        L = (wb * per).sum() / total if total.item() > 0 else (0 * per).sum()
+        grads = [g.double() for g in torch.autograd.grad(L, theta, create_graph=True)]
+        if pinned:
+            after = traj.unflatten(traj.parameters(t + 1).double())
+            state = {key: traj.unflatten(value.double())
+                     for key, value in traj.optimizer_state(t).items() if key != "step"}
         new = []
         for k, (p, g) in enumerate(zip(theta, grads)):
+            name = names[k]
             if spec.name != "adamw":
                 g = g + wd * p
             if spec.name == "sgd":
@@ -184,11 +210,19 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None):
                 m[k] = spec.beta_1 * m[k] + (1 - spec.beta_1) * g
                 v[k] = spec.beta_2 * v[k] + (1 - spec.beta_2) * g * g
                 c = t + 1
+                if pinned:
+                    v[k] = _pin(v[k], state["exp_avg_sq"][name])
                 den = _sqrt(v[k] / (1 - spec.beta_2**c)) + spec.epsilon
+                if pinned:  # p - lr m / bc1 / den = after
+                    m[k] = _pin(m[k], (p - after[name]) * den * (1 - spec.beta_1**c) / lr)
                 new.append(p - lr * (m[k] / (1 - spec.beta_1**c)) / den)
             else:  # rmsprop
                 v[k] = spec.rmsprop_alpha * v[k] + (1 - spec.rmsprop_alpha) * g * g
+                if pinned:
+                    v[k] = _pin(v[k], state["square_avg"][name])
                 new.append(p - lr * g / (_sqrt(v[k]) + spec.epsilon))
+            if pinned:
+                new[-1] = _pin(new[-1], after[name])
         theta = new
     return dict(zip(names, theta))
 
@@ -201,13 +235,19 @@ def _sqrt(v):
     return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
 
 
-def unrolled_reference(net, Xq, Wq, sample_weight=None, step_sizes=None):
+def unrolled_reference(net, Xq, Wq, sample_weight=None, step_sizes=None, pinned=False,
+                       gradient_dtype=torch.float64):
     """d (Wq[q] . f(Xq[q]; theta_T(w))) / d w at w = 1, (Q, N): autograd through
-    :func:`unrolled_replay` with the weights as leaf tensors, one backward per query."""
+    :func:`unrolled_replay` with the weights as leaf tensors, one backward per query
+    (``pinned``, ``gradient_dtype``: the replay's; pinned, the queries are rounded to
+    the path's dtype)."""
     w = torch.ones(len(net.X_fit), dtype=torch.float64, requires_grad=True)
-    params = unrolled_replay(net, w, sample_weight, step_sizes)
+    params = unrolled_replay(net, w, sample_weight, step_sizes, pinned, gradient_dtype)
     module = copy.deepcopy(net.module).to(torch.float64)
-    out = torch.func.functional_call(module, params, (_as_input(Xq),)).reshape(len(Xq), -1)
+    Xq = _as_input(Xq)
+    if pinned and Xq.is_floating_point():
+        Xq = Xq.to(net.trajectory.dtype).double()
+    out = torch.func.functional_call(module, params, (Xq,)).reshape(len(Xq), -1)
     m = (out * torch.as_tensor(np.asarray(Wq, dtype=np.float64))).sum(1)
     return np.stack([torch.autograd.grad(m[q], w, retain_graph=True)[0].numpy()
                      for q in range(len(Xq))])

@@ -86,6 +86,19 @@ is kept at every ``sqrt(n_points)``-th point and the moments of one segment at a
 replayed again from its checkpoint (about ``2 sqrt(n_points)`` (P,) vectors in memory, and
 one more forward replay of the path per query block).
 
+Precision. On a float32 (or lower) path of Adam, AdamW or RMSprop, each step's gradient
+``d_t`` is taken in float64 at the recorded point (the inputs and targets as the training
+took them), the products and the adjoint in the path's dtype: the scores are the
+derivative of the training map at the recorded states, to float32 round-off against
+autograd through a float64 replay held at the record (``tests/_reference.py``). The
+second moment's adjoint, divided by ``sqrt(v)``, multiplies ``d_t``, which cancels over the
+batch where ``v`` is tiny; with ``d_t`` in float32 the scores missed that derivative by up
+to 3.5e-2 of the largest (GRADIENT_DTYPE). That sensitivity is the problem's, not only the
+sweep's: a float64 retraining from the same start, rounded otherwise, moves the scores as
+much. A probe row (a +-1 combination of a block's queries) is swept with ``d_t`` in the
+path's dtype, and its change is reported (``AttributionScores.gradient_sensitivity``) and
+warned of above 1e-3.
+
 Stability. The adjoint's growth along the path measures how far training amplifies a
 perturbation of the parameters. A path past the edge of stability (lr x sharpness > 2)
 amplifies it exponentially; there, removing one point changes the trained network by
@@ -131,6 +144,19 @@ FORWARD_WORK = 2e6
 #: Plain MLPs (``nn.Sequential`` of Linear layers and elementwise activations) take their
 #: tangent products by hand (:mod:`._mlp_products`) on either route's place.
 MLP_PRODUCTS = True
+# The dtype of each step's gradient on Adam's, AdamW's and RMSprop's paths of lower
+# precision. The adjoint of the second moment is divided by sqrt(v), large where v is tiny,
+# and multiplies the step's gradient, a sum over the batch that cancels for those
+# parameters, so that float32's rounding of it moved the default classifier's scores
+# (standardised digits, epsilon=1e-8) by up to 3.5e-2 of the largest score from the
+# derivative at its recorded points (every route; 1.6e-3 on raw pixels); with the
+# gradient alone in float64 (the point, inputs and targets as recorded), 1.7e-6 and
+# 2.8e-7, the products and the adjoint in float32 (benchmarks/audit_unrolled_float32.py,
+# benchmarks/results/unrolled_float32.md). SGD's adjoint does not read the gradient.
+GRADIENT_DTYPE = torch.float64
+# AttributionScores.gradient_sensitivity above which the scores warn: REPLAY_LIMIT's
+# float32 level, three digits.
+SENSITIVITY_LIMIT = 1e-3
 # Relative mismatch between the modelled and the recorded training steps above which the
 # scores are reported to differentiate another training (round-off: about 1e-6 to 1e-4
 # relative in float32, see replay_error).
@@ -172,7 +198,7 @@ class AttributionScores(np.ndarray):
     An ``ndarray`` (float64) in every respect, returned by ``method="unrolled"`` (the other
     methods return a plain ndarray) with what the call measured. ``growth`` is per query:
     an array derived from the scores keeps it only while it has the same number of rows
-    (a slice of the queries drops it); the other two describe the whole path.
+    (a slice of the queries drops it); the others describe the whole path.
 
     Attributes
     ----------
@@ -196,6 +222,17 @@ class AttributionScores(np.ndarray):
         float64, and on any path stored with ``trajectory_compression`` (whose rounded
         points left the scores an error from 1/400 to 27 times this mismatch on the paths
         measured: the mismatch does not bound it).
+    gradient_sensitivity : float or None
+        On a float32 path of Adam, AdamW or RMSprop, whose scores take each step's
+        gradient in float64 at the recorded point: how far they move, relative to their
+        largest, when the gradient takes float32's rounding instead (measured on the
+        first query of every block of queries, the largest reported). The float32
+        training's own rounding of its gradients moves its path as much, so the scores
+        mean no more than this: 1e-3 to 3e-2 on Adam paths with ``epsilon=1e-8`` on
+        digits, where the second moment's adjoint, divided by ``sqrt(v)``, multiplies
+        gradients that cancel over the batch; about 1e-6 with ``epsilon=1e-4``. A warning
+        fires above 1e-3. None on float64 paths and on SGD's (whose adjoint does not
+        read the gradient).
 
     Parameters
     ----------
@@ -221,23 +258,33 @@ class AttributionScores(np.ndarray):
     growth: np.ndarray | None = None
     amplification: np.ndarray | None = None
     replay_error: float | None = None
+    gradient_sensitivity: float | None = None
+    _MEASURES = ("growth", "amplification", "replay_error", "gradient_sensitivity")
 
     def __array_finalize__(self, obj):
         if obj is None:
             return
-        growth = getattr(obj, "growth", None)
+        self._take_measures(obj)
         rows = self.shape[0] if self.ndim else 0
-        self.growth = growth if growth is not None and len(growth) == rows else None
-        self.amplification = getattr(obj, "amplification", None)
-        self.replay_error = getattr(obj, "replay_error", None)
+        if self.growth is not None and len(self.growth) != rows:
+            self.growth = None
+
+    def _take_measures(self, other) -> AttributionScores:
+        """Take ``other``'s measures (None where it has none); returns ``self``."""
+        for name in self._MEASURES:
+            setattr(self, name, getattr(other, name, None))
+        return self
 
     def __reduce__(self):
         base = super().__reduce__()
-        return base[0], base[1], (base[2], (self.growth, self.amplification,
-                                            self.replay_error))
+        return base[0], base[1], (base[2], tuple(getattr(self, n) for n in self._MEASURES))
 
     def __setstate__(self, state):
-        base, (self.growth, self.amplification, self.replay_error) = state
+        base, measured = state
+        # Scores pickled before gradient_sensitivity was measured hold three.
+        measured = (*measured, *(None,) * (len(self._MEASURES) - len(measured)))
+        for name, value in zip(self._MEASURES, measured):
+            setattr(self, name, value)
         super().__setstate__(base)
 
 
@@ -290,6 +337,16 @@ def _sgd_adjoint(spec, step: _Step, a, d):
     return u, pre
 
 
+def _move(step: _Step) -> torch.Tensor:
+    """``(lr / bc1) m / den``, Adam's step, read from the recorded points: AdamW's decay
+    taken in float64, whose rounding in float32 (``|theta|`` against a step much smaller)
+    moved the scores of a float32 path by 3.5e-5 of the largest."""
+    if isinstance(step.decay, float) and step.decay == 1.0:
+        return step.theta - step.nxt  # exact wherever the step is below |theta|
+    decay = step.decay.double() if isinstance(step.decay, torch.Tensor) else step.decay
+    return (decay * step.theta.double() - step.nxt.double()).to(step.theta.dtype)
+
+
 def _adam_step(spec, theta, state, d, lr, count, decay):
     b1, b2 = spec.beta_1, spec.beta_2
     theta = theta * decay
@@ -305,8 +362,7 @@ def _adam_adjoint(spec, step: _Step, a, d):
     decay = step.decay
     root = step.v.sqrt()
     den = root / sbc2 + spec.epsilon
-    # (lr / bc1) m / den, the step itself: read from the recorded points.
-    move = decay * step.theta - step.nxt
+    move = _move(step)
     # d theta' / d v = move / den / (2 sqrt(bc2 v)); zero where v is (no gradient yet).
     dv = torch.where(root > 0, move / (den * 2.0 * sbc2 * root.clamp_min(1e-300)), 0.0)
     a_m = a.get("m", 0.0) - a["theta"] * (step.lr / bc1 / den)
@@ -326,8 +382,9 @@ def _rmsprop_adjoint(spec, step: _Step, a, d):
     alpha = spec.rmsprop_alpha
     root = step.v.sqrt()
     den = root + spec.epsilon
-    move = step.theta - step.nxt  # lr d / den
-    dv = torch.where(root > 0, move / (den * 2.0 * root.clamp_min(1e-300)), 0.0)
+    # d theta' / d v = lr d / den^2 / (2 sqrt(v)), with the step's own gradient d, not
+    # the recorded move (lr d / den in the training's rounding of d).
+    dv = torch.where(root > 0, step.lr * d / den / (den * 2.0 * root.clamp_min(1e-300)), 0.0)
     a_v = a.get("v", 0.0) + a["theta"] * dv
     u = -a["theta"] * (step.lr / den) + 2.0 * (1.0 - alpha) * d * a_v
     return u, {"theta": a["theta"], "v": alpha * a_v}
@@ -352,7 +409,7 @@ def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, f
         return (step.theta - step.nxt) * (root + spec.epsilon) / lr, 0.0, 1.0
     den = root / math.sqrt(1.0 - spec.beta_2**step.count) + spec.epsilon
     bc1 = 1.0 - spec.beta_1**step.count
-    return ((step.decay * step.theta - step.nxt) * den * bc1 / lr, float(spec.beta_1),
+    return (_move(step) * den * bc1 / lr, float(spec.beta_1),
             1.0 - spec.beta_1)
 
 
@@ -440,6 +497,10 @@ class _Path:
         starts = np.cumsum([0, *sizes[:-1]])
         self.layout = {n: (int(a), int(b)) for n, a, b in zip(traj.names, starts, sizes)}
         self.scratch: dict = {}  # the products' buffers, reused at every step
+        # Adam's and RMSprop's adjoint multiplies each step's gradient by the second
+        # moment's adjoint, divided by sqrt(v): see GRADIENT_DTYPE.
+        self.exact_gradient = bool(self.spec.state_keys) and traj.dtype != GRADIENT_DTYPE
+        self._module64: torch.nn.Module | None = None
         self.batched_double_backward = True
         self.graph_checked = False  # check_twice_differentiable, once a call
 
@@ -453,11 +514,17 @@ class _Path:
 
     def losses(self, theta, batch: np.ndarray) -> torch.Tensor:
         """The batch's per-sample losses at the flat ``theta`` (P,) or at the parameters
-        ``theta`` as a mapping of name to tensor."""
+        ``theta`` as a mapping of name to tensor; in float64 when ``theta`` is, on a path
+        of another dtype (the inputs and targets the training saw, in float64)."""
         params = theta if isinstance(theta, dict) else self.traj.unflatten(theta)
         rows = torch.as_tensor(batch, device=self.device)
-        out = functional_call(self.module, params, (self.X[rows],))
-        return self.loss.per_sample(out.reshape(len(batch), -1), self.Y[rows])
+        module, X, Y = self.module, self.X[rows], self.Y[rows]
+        if next(iter(params.values())).dtype != self.traj.dtype:
+            if self._module64 is None:  # its buffers (a BatchNorm's statistics) too
+                self._module64 = copy_module(self.module).to(GRADIENT_DTYPE)
+            module, X, Y = self._module64, _float64(X), _float64(Y)
+        out = functional_call(module, params, (X,))
+        return self.loss.per_sample(out.reshape(len(batch), -1), Y)
 
     def weights(self, t: int) -> torch.Tensor:
         """Step ``t``'s batch weights as the loss applies them (``1 / |B|``: the mean)."""
@@ -601,7 +668,9 @@ def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype,
 
 
 def _batch_graph(path: _Path, step: _Step):
-    """The step's gradient ``d_t``, the norm of its loss gradient, and its pullback.
+    """The step's gradient ``d_t``, the same in the path's rounding when ``d_t`` is
+    taken in float64 (else None; see GRADIENT_DTYPE), the norm of its loss gradient, and
+    its pullback.
 
     The pullback takes the adjoints ``u`` (Q, P) of ``d_t`` to each batch point's score
     share (Q, B) and to ``H v`` (Q, P), ``v = (d d_t / d g)^T u`` (see the module doc:
@@ -624,10 +693,22 @@ def _batch_graph(path: _Path, step: _Step):
         graph = _gradient_graph(path, step.theta, batch, beta, keep)
         g = graph[2]
         graph = graph if keep else None
+    rounded = g
+    if path.exact_gradient:
+        g = _exact_gradient(path, step, beta)
     theta = step.theta.detach()
     flat = torch.zeros_like(theta) if g is None else g.detach()
     norm = float(flat.double().norm())
-    d = step.scale * flat + path.coupled * step.theta
+    # A float64 gradient rounded once, after its sum over the batch (where the digits were
+    # lost): the adjoint only multiplies it, in the path's dtype (the audit's scores the
+    # same with the adjoint in float64).
+    d = (step.scale * flat + path.coupled * step.theta).to(theta.dtype)
+    # The probe's: the same step with the gradient summed in the path's rounding.
+    if g is not None and g.dtype != theta.dtype and rounded is not None:
+        rounded = step.scale * rounded.detach() + path.coupled * step.theta
+    else:
+        rounded = None
+    flat = flat.to(theta.dtype)
     # clip_grad_norm_ leaves an unclipped gradient as it is (factor exactly 1); a factor
     # below 1 is max_norm / (|g| + 1e-6), which moves with g.
     clipped = step.scale < 1.0 - 16 * torch.finfo(theta.dtype).eps and norm > 0
@@ -649,7 +730,31 @@ def _batch_graph(path: _Path, step: _Step):
             return D.new_zeros(D.shape), HV
         return beta64 * (D - (D @ beta64)[:, None] / total), HV
 
-    return d, norm, pullback
+    return d, rounded, norm, pullback
+
+
+def _exact_gradient(path: _Path, step: _Step, beta: torch.Tensor) -> torch.Tensor | None:
+    """The step's loss gradient in float64 at its recorded point (see GRADIENT_DTYPE); in
+    the path's dtype, with a warning, for a module that cannot run in float64."""
+    try:
+        return _gradient_graph(path, step.theta.to(GRADIENT_DTYPE), step.batch,
+                               beta.to(GRADIENT_DTYPE), False)[2]
+    except RuntimeError as exc:
+        path.exact_gradient = False
+        warnings.warn(
+            f"attribute(method='unrolled'): the module does not run in float64 ({exc}), so "
+            f"each step's gradient is taken in {path.traj.dtype}, whose rounding the "
+            f"adjoint of {path.spec.name}'s second moment amplifies: the scores may be off "
+            "the path's derivative by up to a few % of the largest score (1e-6 with the "
+            "gradient in float64 on the paths measured). Train in float64 "
+            "(dtype='float64') for exact scores.",
+            UserWarning, stacklevel=caller_stacklevel(),
+        )
+        return _gradient_graph(path, step.theta, step.batch, beta, False)[2]
+
+
+def _float64(values: torch.Tensor) -> torch.Tensor:
+    return values.to(GRADIENT_DTYPE) if values.is_floating_point() else values
 
 
 def _tangent_products(path: _Path, theta, batch, beta, V,
@@ -745,7 +850,8 @@ def _query_gradients(module, traj, theta, Xq, Wq, budget) -> torch.Tensor:
 
 def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments):
     """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
-    one-step amplification and their counts (n_steps,), and the replay error.
+    one-step amplification and their counts (n_steps,), the replay error, each step's
+    loss-gradient norm, and the probe's gradient sensitivity (None where not probed).
 
     The stability measures are accumulated along the sweep: nothing of size
     ``(n_steps, Qb)`` is kept.
@@ -755,9 +861,18 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     path = _Path(module, traj, X, Y, loss, device, moments, len(Xq) * query_work)
     theta_T = path.params(len(traj) - 1)
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq, budget).detach()}
+    # The probe: a combination of the queries with signs +-1 as a last row, its steps
+    # taken with the gradient in the path's rounding (see GRADIENT_DTYPE). Its relative
+    # change was within the queries' own (from 0.1 to 10 times each other's) on the
+    # paths measured; the first query alone was at their low end.
+    Q, probe = len(Xq), path.exact_gradient and len(Xq) > 0
+    if probe:
+        signs = np.random.RandomState(0).choice([-1.0, 1.0], size=Q)
+        signs = torch.as_tensor(signs, dtype=a["theta"].dtype, device=device)
+        a["theta"] = torch.cat([a["theta"], (signs @ a["theta"])[None]])
     N = traj.n_samples
-    scores = torch.zeros((len(Xq), N), dtype=torch.float64, device=device)
-    prev = a["theta"].norm(dim=1).double()
+    scores = torch.zeros((len(a["theta"]), N), dtype=torch.float64, device=device)
+    prev = a["theta"][:Q].norm(dim=1).double()
     final = torch.where(prev > 0, prev, torch.nan)  # NaN: an output without parameters
     growth = prev / final
     log_sum = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
@@ -770,18 +885,26 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     pending, off, size = None, 0.0, 0.0
     for back, step in enumerate(path.steps()):
         t = traj.n_steps - 1 - back
-        d, norms[t], pullback = _batch_graph(path, step)
+        d, rounded, norms[t], pullback = _batch_graph(path, step)
         direction, memory, gain = _implied(spec, step, d)
         if pending is not None:
             off += float(torch.nansum((pending[0] - memory * direction - pending[1]) ** 2))
             size += float(torch.nansum(pending[0] ** 2))
         pending = (direction, gain * d)
+        before = a
         u, a = adjoint_fn(spec, step, a, d)
+        if probe and rounded is not None:
+            u_probe, a_probe = adjoint_fn(spec, step, {k: v[Q:] for k, v in before.items()},
+                                          rounded)
+            u[Q:] = u_probe
+            for key, value in a_probe.items():
+                a[key][Q:] = value
+        del before
         share, HV = pullback(u)
         del pullback  # and the graph it holds, before the next step builds its own
         scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
         a["theta"] = a["theta"] + HV + path.coupled * u
-        norm = a["theta"].norm(dim=1).double()
+        norm = a["theta"][:Q].norm(dim=1).double()
         growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
         ratio = norm / prev  # |a_t| / |a_{t+1}|
         ok = (prev > 0) & (ratio > 0)
@@ -792,8 +915,16 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
         off += float(torch.nansum((pending[0] - pending[1]) ** 2))
         size += float(torch.nansum(pending[0] ** 2))
     mismatch = math.sqrt(off / size) if size > 0 else 0.0
-    return (scores.cpu().numpy(), growth.cpu().numpy(), log_sum.cpu().numpy(),
-            count.cpu().numpy(), worse(path.replay_error, mismatch), norms)
+    scores = scores.cpu().numpy()
+    sensitivity = None
+    if probe and path.exact_gradient:  # not measured where the module fell back
+        # Against the combination's size whatever the signs (its scores may cancel):
+        # each point's root sum of squares over the queries.
+        top = np.sqrt((scores[:Q] ** 2).sum(0)).max()
+        change = np.abs(scores[Q] - signs.cpu().numpy() @ scores[:Q]).max()
+        sensitivity = float(change / top) if top > 0 else 0.0
+    return (scores[:Q], growth.cpu().numpy(), log_sum.cpu().numpy(),
+            count.cpu().numpy(), worse(path.replay_error, mismatch), norms, sensitivity)
 
 
 def _query_work(module, traj, X) -> int:
@@ -837,13 +968,15 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
     rows = np.asarray(rows)
     scores, growth = [], []
     log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
-    error, norms = 0.0, None
+    error, norms, sensitivity = 0.0, None, None
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
         with twice_differentiable():
-            s, g, logs, n, e, norms = _block(module, traj, X, Y, net.loss, Xq[r], Wq[r],
-                                             device, query_work, net.memory_budget,
-                                             moments)
+            s, g, logs, n, e, norms, sens = _block(module, traj, X, Y, net.loss, Xq[r],
+                                                   Wq[r], device, query_work,
+                                                   net.memory_budget, moments)
+        if sens is not None:
+            sensitivity = worse(sensitivity or 0.0, sens)
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)
@@ -853,7 +986,8 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
         error = worse(error, e)
     if not scores:
         return None
-    return np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms
+    return (np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms,
+            sensitivity)
 
 
 def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
@@ -874,6 +1008,8 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
                            _row_bytes(net.module, traj, query_work, traj.dtype.itemsize),
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
+    if path.exact_gradient:
+        block = max(1, block - 1)  # each block's probe row (see _block)
     moments = path.replay_moments() if path.needs_moments else None
     rows = np.arange(len(Xq))
     shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
@@ -895,7 +1031,10 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     result.growth = growth
     result.amplification = amplification
     result.replay_error = worst((p[4] for p in parts), 0.0)
+    probed = [p[6] for p in parts if p[6] is not None]
+    result.gradient_sensitivity = worst(probed) if probed else None
     _warn(result, traj)
+    _warn_sensitivity(result, traj)
     if parts:
         _check_clipping(traj, parts[0][5])
     return result
@@ -983,6 +1122,25 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
             f"(AttributionScores.replay_error){thinned}: {cause}",
             UserWarning, stacklevel=caller_stacklevel(),
         )
+
+
+def _warn_sensitivity(result: AttributionScores, traj: Trajectory) -> None:
+    sensitivity = result.gradient_sensitivity
+    if sensitivity is None or sensitivity <= SENSITIVITY_LIMIT:
+        return
+    spec, dtype = traj.solver_spec, str(traj.dtype).removeprefix("torch.")
+    warnings.warn(
+        f"attribute(method='unrolled'): these scores of a {dtype} {spec.name} path "
+        f"move by {sensitivity:.2g} of their largest when each step's gradient is "
+        f"rounded to {dtype} (AttributionScores.gradient_sensitivity; the scores "
+        "take it in float64 at the recorded points), and the training's own rounding "
+        "moved its path as much: they mean no more than that. The second moment's "
+        "adjoint, divided by sqrt(v), amplifies the rounding of gradients that cancel "
+        f"over the batch where v is small against epsilon={spec.epsilon:g}. Train with "
+        "a larger epsilon (1e-4 left 1e-6 on the paths measured) or dtype='float64' for "
+        "scores that mean every digit.",
+        UserWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def replay_limit(traj: Trajectory) -> float:

@@ -797,10 +797,7 @@ ValueError
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
         scores = unrolled_scores(self, X_fit, Y_fit, X_fit, weights, n_jobs=n_jobs,
                                  diagonal=True)
-        result = np.asarray(scores)[:, 0].view(AttributionScores)
-        result.growth, result.amplification, result.replay_error = (
-            scores.growth, scores.amplification, scores.replay_error)
-        return result
+        return np.asarray(scores)[:, 0].view(AttributionScores)._take_measures(scores)
 
     def _training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Training inputs and targets as tensors, checked against the recorded batches."""

@@ -79,9 +79,13 @@ def main(n_queries: int, max_iter: int, scale: str, solver: str = "adam") -> Non
     for name, route in ROUTES.items():
         exact, rounded = scores(net, route), scores(net, route, torch.float32)
         print(f"  {name}: float64 gradient {off(exact)}, float32 gradient {off(rounded)}, "
-              f"gradient_sensitivity {exact.gradient_sensitivity:.1e}")
+              f"gradient_sensitivity {_short(exact.gradient_sensitivity)}")
     retrained = PathKernelClassifier(**params, dtype="float64").fit(X, y).network_
     print(f"  float64 training from the same start: {off(scores(retrained, (True, 0)))}")
+
+
+def _short(value: float | None) -> str:
+    return "None" if value is None else f"{value:.1e}"
 
 
 if __name__ == "__main__":

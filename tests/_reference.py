@@ -133,9 +133,9 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_w
     return contrib, reg
 
 
-def _pin(x, value):
+def pin(x, value):
     """``value``'s value with ``x``'s derivative (straight through)."""
-    return x + (value - x).detach()
+    return x + (torch.as_tensor(value, dtype=x.dtype) - x).detach()
 
 
 def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None, pinned=False,
@@ -154,7 +154,8 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None, pinn
     the path's recorded batches and initialization are read, its step sizes are not.
 
     ``pinned``: every step's values held at the record (the parameters after it, the
-    recorded second moment, and Adam's first moment as the recorded step implies it),
+    recorded second moment, Adam's first moment as the recorded step implies it, and the
+    batch weights as recorded, :meth:`Trajectory.batch_weights`),
     their derivatives the update's, and the inputs rounded to the path's dtype as the
     training took them: the derivative of the exact training map at the recorded states.
     A free float64 replay of a float32 path is another training, off the recorded one by
@@ -186,9 +187,14 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None, pinn
         out = torch.func.functional_call(
             module, {n: p.to(gradient_dtype) for n, p in zip(names, theta)}, (X[rows],))
         per = loss.per_sample(out.reshape(len(rows), -1), Y[rows])
-        wb = w[rows].to(gradient_dtype)
-        total = wb.sum()
-        L = (wb * per).sum() / total if total.item() > 0 else (0 * per).sum()
+        total = w[rows].sum()
+        if total.item() > 0:
+            share = w[rows] / total
+            if pinned:  # the weights as the training applied them, recorded
+                share = pin(share, torch.as_tensor(traj.batch_weights(t)))
+            L = (share.to(gradient_dtype) * per).sum()
+        else:
+            L = (0 * per).sum()
         grads = [g.double() for g in torch.autograd.grad(L, theta, create_graph=True)]
         if pinned:
             after = traj.unflatten(traj.parameters(t + 1).double())
@@ -211,18 +217,18 @@ def unrolled_replay(net, weights=None, sample_weight=None, step_sizes=None, pinn
                 v[k] = spec.beta_2 * v[k] + (1 - spec.beta_2) * g * g
                 c = t + 1
                 if pinned:
-                    v[k] = _pin(v[k], state["exp_avg_sq"][name])
+                    v[k] = pin(v[k], state["exp_avg_sq"][name])
                 den = _sqrt(v[k] / (1 - spec.beta_2**c)) + spec.epsilon
                 if pinned:  # p - lr m / bc1 / den = after
-                    m[k] = _pin(m[k], (p - after[name]) * den * (1 - spec.beta_1**c) / lr)
+                    m[k] = pin(m[k], (p - after[name]) * den * (1 - spec.beta_1**c) / lr)
                 new.append(p - lr * (m[k] / (1 - spec.beta_1**c)) / den)
             else:  # rmsprop
                 v[k] = spec.rmsprop_alpha * v[k] + (1 - spec.rmsprop_alpha) * g * g
                 if pinned:
-                    v[k] = _pin(v[k], state["square_avg"][name])
+                    v[k] = pin(v[k], state["square_avg"][name])
                 new.append(p - lr * g / (_sqrt(v[k]) + spec.epsilon))
             if pinned:
-                new[-1] = _pin(new[-1], after[name])
+                new[-1] = pin(new[-1], after[name])
         theta = new
     return dict(zip(names, theta))
 

@@ -546,6 +546,13 @@ def test_nonfinite_replay_is_reported():
     # The broken record explains the NaN scores; no claim that training was unstable
     # (it read "amplifies perturbations by up to 1x": edge of stability at no growth).
     assert not [w for w in rec if issubclass(w.category, UnstablePathWarning)]
+    # Nor does a float32 Adam path's probe read NaN scores as insensitive.
+    est, X, _ = _fit(**SOLVERS["adam-l2"], dtype="float32", normalize_y=False)
+    est.trajectory_._params[2, 0] = float("nan")
+    with pytest.warns(UserWarning, match="miss the recorded path by nan") as rec:
+        scores = est.attribute(X[:2], method="unrolled")
+    assert np.isnan(scores.gradient_sensitivity)
+    assert not [w for w in rec if "rounded to float32" in str(w.message)]
 
 
 def test_disk_trajectory_equals_memory(tmp_path):
@@ -712,6 +719,12 @@ def test_module_that_cannot_run_in_float64_warns(monkeypatch):
     with pytest.warns(UserWarning, match="does not run in float64"):
         scores = est.attribute(X[:3], method="unrolled")
     assert scores.gradient_sensitivity is None
+    est.set_params(memory_budget=30_000)  # several blocks: one warning, in the caller
+    for n_jobs in (None, 2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.attribute(X[:6], method="unrolled", n_jobs=n_jobs)
+        assert sum("does not run in float64" in str(w.message) for w in caught) == 1
     monkeypatch.setattr(unrolled, "GRADIENT_DTYPE", torch.float32)
     np.testing.assert_allclose(scores, est.attribute(X[:3], method="unrolled"), rtol=1e-6,
                                atol=1e-9)

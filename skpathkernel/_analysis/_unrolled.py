@@ -224,15 +224,20 @@ class AttributionScores(np.ndarray):
         measured: the mismatch does not bound it).
     gradient_sensitivity : float or None
         On a float32 path of Adam, AdamW or RMSprop, whose scores take each step's
-        gradient in float64 at the recorded point: how far they move, relative to their
-        largest, when the gradient takes float32's rounding instead (measured on the
-        first query of every block of queries, the largest reported). The float32
-        training's own rounding of its gradients moves its path as much, so the scores
-        mean no more than this: 1e-3 to 3e-2 on Adam paths with ``epsilon=1e-8`` on
-        digits, where the second moment's adjoint, divided by ``sqrt(v)``, multiplies
-        gradients that cancel over the batch; about 1e-6 with ``epsilon=1e-4``. A warning
-        fires above 1e-3. None on float64 paths and on SGD's (whose adjoint does not
-        read the gradient).
+        gradient in float64 at the recorded point: an estimate of how far they move,
+        relative to their size, when the gradient takes float32's rounding instead. A
+        probe, a random +-1 combination of each block of queries, is swept again with
+        float32 gradients; its largest change over the largest root sum of squares of
+        the block's scores at a training point, the worst block reported (so it
+        depends a little on the blocks, ``memory_budget`` and ``n_jobs``). 0.3 to 1.8
+        times the queries' own largest change on the paths measured, 1e-3 to 3e-2 on
+        Adam paths with ``epsilon=1e-8`` on digits, where the second moment's adjoint,
+        divided by ``sqrt(v)``, multiplies gradients that cancel over the batch; about
+        1e-6 with ``epsilon=1e-4``. A float64 retraining from the same start moved the
+        scores about as much there, so the scores may mean no more than this. A warning
+        fires above 1e-3. None on float64 paths, on SGD's (whose adjoint does not read
+        the gradient), and where the module could not run in float64; NaN with NaN
+        scores.
 
     Parameters
     ----------
@@ -306,6 +311,7 @@ class _Step:
     weights: np.ndarray       # each batch point's weight in the step's loss
     scale: float              # the factor the loss gradient was multiplied by (clipping)
     decay: float | torch.Tensor = 1.0  # AdamW's decoupled factor 1 - lr * weight_decay
+    decay64: float | torch.Tensor = 1.0  # the same from float64 step sizes (_move's)
 
 
 def _nesterov(spec) -> bool:
@@ -341,10 +347,10 @@ def _move(step: _Step) -> torch.Tensor:
     """``(lr / bc1) m / den``, Adam's step, read from the recorded points: AdamW's decay
     taken in float64, whose rounding in float32 (``|theta|`` against a step much smaller)
     moved the scores of a float32 path by 3.5e-5 of the largest."""
-    if isinstance(step.decay, float) and step.decay == 1.0:
-        return step.theta - step.nxt  # exact wherever the step is below |theta|
-    decay = step.decay.double() if isinstance(step.decay, torch.Tensor) else step.decay
-    return (decay * step.theta.double() - step.nxt.double()).to(step.theta.dtype)
+    if isinstance(step.decay64, float) and step.decay64 == 1.0:
+        # Exact where nxt is within a factor 2 of theta (Sterbenz): all but sign changes.
+        return step.theta - step.nxt
+    return (step.decay64 * step.theta.double() - step.nxt.double()).to(step.theta.dtype)
 
 
 def _adam_step(spec, theta, state, d, lr, count, decay):
@@ -478,11 +484,12 @@ class _Path:
         self.replay_error = 0.0
         # Each parameter's weight decay (its optimizer group's), L2 added to the gradient
         # after clipping or, for AdamW, decoupled.
-        wd = traj.weight_decays()
-        wd = (float(self.spec.weight_decay) if wd is None
-              else wd.to(device=device, dtype=traj.dtype))
-        self.coupled = 0.0 if self.spec.name == "adamw" else wd
-        self.decoupled = wd if self.spec.name == "adamw" else 0.0
+        wd64 = traj.weight_decays()
+        wd64 = float(self.spec.weight_decay) if wd64 is None else wd64.to(device=device)
+        wd = wd64 if isinstance(wd64, float) else wd64.to(traj.dtype)
+        adamw = self.spec.name == "adamw"
+        self.coupled, self.coupled64 = (0.0, 0.0) if adamw else (wd, wd64)
+        self.decoupled, self.decoupled64 = (wd, wd64) if adamw else (0.0, 0.0)
         self.scales = traj.gradient_scales
         self.step_lrs = traj.step_learning_rates
         self._moments = moments  # replay_moments' checkpoints
@@ -501,6 +508,7 @@ class _Path:
         # moment's adjoint, divided by sqrt(v): see GRADIENT_DTYPE.
         self.exact_gradient = bool(self.spec.state_keys) and traj.dtype != GRADIENT_DTYPE
         self._module64: torch.nn.Module | None = None
+        self.fallback: str | None = None  # why the module did not run in float64
         self.batched_double_backward = True
         self.graph_checked = False  # check_twice_differentiable, once a call
 
@@ -522,7 +530,7 @@ class _Path:
         if next(iter(params.values())).dtype != self.traj.dtype:
             if self._module64 is None:  # its buffers (a BatchNorm's statistics) too
                 self._module64 = copy_module(self.module).to(GRADIENT_DTYPE)
-            module, X, Y = self._module64, _float64(X), _float64(Y)
+            module, X, Y = self._module64, _in_gradient_dtype(X), _in_gradient_dtype(Y)
         out = functional_call(module, params, (X,))
         return self.loss.per_sample(out.reshape(len(batch), -1), Y)
 
@@ -539,21 +547,26 @@ class _Path:
         g = torch.zeros_like(theta) if g is None else g
         return float(self.scales[t]) * g.detach() + self.coupled * theta.detach()
 
-    def lr(self, j: int, t: int) -> float | torch.Tensor:
+    def lr(self, j: int, t: int, dtype: torch.dtype | None = None) -> float | torch.Tensor:
         """The step size of step ``t`` (of interval ``j``): its own, as recorded, per
-        parameter when groups took their own."""
+        parameter (in ``dtype``, the path's by default) when groups took their own."""
         lr = float(self.step_lrs[t])
         scales = self.traj._step_size_scales_at(t, j)
         return lr if scales is None else lr * scales.to(device=self.device,
-                                                        dtype=self.traj.dtype)
+                                                        dtype=dtype or self.traj.dtype)
 
-    def decay(self, lr) -> float | torch.Tensor:
-        """AdamW's decoupled decay factor ``1 - lr * weight_decay`` (1 for the others)."""
-        return 1.0 - lr * self.decoupled if self.spec.name == "adamw" else 1.0
+    def decay(self, lr, exact: bool = False) -> float | torch.Tensor:
+        """AdamW's decoupled decay factor ``1 - lr * weight_decay`` (1 for the others);
+        ``exact``: from float64 weight decays (``lr`` in float64 too)."""
+        if self.spec.name != "adamw":
+            return 1.0
+        return 1.0 - lr * (self.decoupled64 if exact else self.decoupled)
 
-    def step(self, theta, nxt, lr, count, v, t) -> _Step:
+    def step(self, theta, nxt, j, count, v, t) -> _Step:
+        lr = self.lr(j, t)
         return _Step(theta, nxt, lr, count, v, self.traj.batch(t),
-                     self.traj.batch_weights(t), float(self.scales[t]), self.decay(lr))
+                     self.traj.batch_weights(t), float(self.scales[t]), self.decay(lr),
+                     self.decay(self.lr(j, t, torch.float64), exact=True))
 
     def _state(self, k: int):
         """The optimizer state after the step leaving point k, as recorded."""
@@ -570,7 +583,7 @@ class _Path:
             first, last = int(traj.steps[j]), int(traj.steps[j + 1])
             v, count = self._state(j) if self.spec.state_keys else (None, float(first + 1))
             if last - first == 1:
-                yield self.step(theta, nxt, self.lr(j, first), count, v, first)
+                yield self.step(theta, nxt, j, count, v, first)
             else:
                 yield from reversed(self._interval(j, theta, nxt, v, count))
             nxt = theta
@@ -593,7 +606,7 @@ class _Path:
             c = count + (t - first)
             lr = self.lr(j, t)
             nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
-            out.append(self.step(theta, nxt, lr, c, state.get("v"), t))
+            out.append(self.step(theta, nxt, j, c, state.get("v"), t))
             theta = nxt
         scale = float((end - self.params(j)).norm()) or 1.0
         self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
@@ -694,21 +707,24 @@ def _batch_graph(path: _Path, step: _Step):
         g = graph[2]
         graph = graph if keep else None
     rounded = g
-    if path.exact_gradient:
-        g = _exact_gradient(path, step, beta)
     theta = step.theta.detach()
+    if path.exact_gradient:
+        g = _exact_gradient(path, step, g)
     flat = torch.zeros_like(theta) if g is None else g.detach()
     norm = float(flat.double().norm())
-    # A float64 gradient rounded once, after its sum over the batch (where the digits were
-    # lost): the adjoint only multiplies it, in the path's dtype (the audit's scores the
-    # same with the adjoint in float64).
-    d = (step.scale * flat + path.coupled * step.theta).to(theta.dtype)
-    # The probe's: the same step with the gradient summed in the path's rounding.
-    if g is not None and g.dtype != theta.dtype and rounded is not None:
-        rounded = step.scale * rounded.detach() + path.coupled * step.theta
-    else:
+    if flat.dtype == theta.dtype:
+        d = step.scale * flat + path.coupled * step.theta
         rounded = None
-    flat = flat.to(theta.dtype)
+    else:
+        # d_t in float64, its weight decay too (where it cancels the gradient, its
+        # rounding counted as much), rounded once after the sums that lose digits: the
+        # adjoint only multiplies it, in the path's dtype (the audit's scores the same
+        # with the adjoint in float64).
+        d = (step.scale * flat + path.coupled64 * theta.double()).to(theta.dtype)
+        flat = flat.to(theta.dtype)
+        # The probe's: the same step with the gradient summed in the path's rounding.
+        if rounded is not None:
+            rounded = step.scale * rounded.detach() + path.coupled * step.theta
     # clip_grad_norm_ leaves an unclipped gradient as it is (factor exactly 1); a factor
     # below 1 is max_norm / (|g| + 1e-6), which moves with g.
     clipped = step.scale < 1.0 - 16 * torch.finfo(theta.dtype).eps and norm > 0
@@ -733,27 +749,23 @@ def _batch_graph(path: _Path, step: _Step):
     return d, rounded, norm, pullback
 
 
-def _exact_gradient(path: _Path, step: _Step, beta: torch.Tensor) -> torch.Tensor | None:
-    """The step's loss gradient in float64 at its recorded point (see GRADIENT_DTYPE); in
-    the path's dtype, with a warning, for a module that cannot run in float64."""
+def _exact_gradient(path: _Path, step: _Step, rounded):
+    """The step's loss gradient in float64 at its recorded point (see GRADIENT_DTYPE), its
+    batch weights in float64 too; ``rounded``, the route's own gradient, for a module that
+    cannot run in float64 (recorded in ``path.fallback``, which the call warns of)."""
+    beta = torch.as_tensor(step.weights, dtype=GRADIENT_DTYPE, device=path.device)
     try:
-        return _gradient_graph(path, step.theta.to(GRADIENT_DTYPE), step.batch,
-                               beta.to(GRADIENT_DTYPE), False)[2]
-    except RuntimeError as exc:
+        return _gradient_graph(path, step.theta.to(GRADIENT_DTYPE), step.batch, beta,
+                               False)[2]
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError) as exc:  # TypeError: an op refusing the dtype
         path.exact_gradient = False
-        warnings.warn(
-            f"attribute(method='unrolled'): the module does not run in float64 ({exc}), so "
-            f"each step's gradient is taken in {path.traj.dtype}, whose rounding the "
-            f"adjoint of {path.spec.name}'s second moment amplifies: the scores may be off "
-            "the path's derivative by up to a few % of the largest score (1e-6 with the "
-            "gradient in float64 on the paths measured). Train in float64 "
-            "(dtype='float64') for exact scores.",
-            UserWarning, stacklevel=caller_stacklevel(),
-        )
-        return _gradient_graph(path, step.theta, step.batch, beta, False)[2]
+        path.fallback = f"{type(exc).__name__}: {exc}"
+        return rounded
 
 
-def _float64(values: torch.Tensor) -> torch.Tensor:
+def _in_gradient_dtype(values: torch.Tensor) -> torch.Tensor:
     return values.to(GRADIENT_DTYPE) if values.is_floating_point() else values
 
 
@@ -883,8 +895,11 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
     # does not count for more than their share.
     pending, off, size = None, 0.0, 0.0
+    finite = True  # the recorded points (the mismatch's nansum would skip a NaN one)
     for back, step in enumerate(path.steps()):
         t = traj.n_steps - 1 - back
+        finite = finite and bool(torch.isfinite(step.theta).all() & torch.isfinite(
+            step.nxt).all())
         d, rounded, norms[t], pullback = _batch_graph(path, step)
         direction, memory, gain = _implied(spec, step, d)
         if pending is not None:
@@ -914,17 +929,18 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     if pending is not None:  # the first step: no direction before it
         off += float(torch.nansum((pending[0] - pending[1]) ** 2))
         size += float(torch.nansum(pending[0] ** 2))
-    mismatch = math.sqrt(off / size) if size > 0 else 0.0
+    mismatch = (math.sqrt(off / size) if size > 0 else 0.0) if finite else math.nan
     scores = scores.cpu().numpy()
     sensitivity = None
     if probe and path.exact_gradient:  # not measured where the module fell back
         # Against the combination's size whatever the signs (its scores may cancel):
-        # each point's root sum of squares over the queries.
+        # each point's root sum of squares over the queries. NaN through NaN scores.
         top = np.sqrt((scores[:Q] ** 2).sum(0)).max()
         change = np.abs(scores[Q] - signs.cpu().numpy() @ scores[:Q]).max()
-        sensitivity = float(change / top) if top > 0 else 0.0
+        sensitivity = float(change / top) if top > 0 or np.isnan(top) else 0.0
     return (scores[:Q], growth.cpu().numpy(), log_sum.cpu().numpy(),
-            count.cpu().numpy(), worse(path.replay_error, mismatch), norms, sensitivity)
+            count.cpu().numpy(), worse(path.replay_error, mismatch), norms, sensitivity,
+            path.fallback)
 
 
 def _query_work(module, traj, X) -> int:
@@ -968,15 +984,16 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
     rows = np.asarray(rows)
     scores, growth = [], []
     log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
-    error, norms, sensitivity = 0.0, None, None
+    error, norms, sensitivity, fallback = 0.0, None, None, None
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
         with twice_differentiable():
-            s, g, logs, n, e, norms, sens = _block(module, traj, X, Y, net.loss, Xq[r],
-                                                   Wq[r], device, query_work,
-                                                   net.memory_budget, moments)
+            s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
+                                                        Xq[r], Wq[r], device, query_work,
+                                                        net.memory_budget, moments)
         if sens is not None:
             sensitivity = worse(sensitivity or 0.0, sens)
+        fallback = fallback or why
         if diagonal:  # query q is training point rows[q]: keep its own score only
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)
@@ -987,7 +1004,7 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
     if not scores:
         return None
     return (np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms,
-            sensitivity)
+            sensitivity, fallback)
 
 
 def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
@@ -1009,7 +1026,9 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
                            "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     if path.exact_gradient:
-        block = max(1, block - 1)  # each block's probe row (see _block)
+        # Each block's probe row (see _block): one row beyond the budget's blocks only
+        # where it holds a single query.
+        block = max(1, block - 1)
     moments = path.replay_moments() if path.needs_moments else None
     rows = np.arange(len(Xq))
     shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
@@ -1034,7 +1053,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     probed = [p[6] for p in parts if p[6] is not None]
     result.gradient_sensitivity = worst(probed) if probed else None
     _warn(result, traj)
-    _warn_sensitivity(result, traj)
+    _warn_sensitivity(result, traj, next((p[7] for p in parts if p[7]), None))
     if parts:
         _check_clipping(traj, parts[0][5])
     return result
@@ -1124,21 +1143,37 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
         )
 
 
-def _warn_sensitivity(result: AttributionScores, traj: Trajectory) -> None:
-    sensitivity = result.gradient_sensitivity
-    if sensitivity is None or sensitivity <= SENSITIVITY_LIMIT:
-        return
+def _warn_sensitivity(result: AttributionScores, traj: Trajectory,
+                      fallback: str | None) -> None:
+    """Warn of scores that float32 gradients move by more than SENSITIVITY_LIMIT (NaN:
+    a broken record, which the replay warning names), or that could not take their
+    gradients in float64 (``fallback``: why)."""
     spec, dtype = traj.solver_spec, str(traj.dtype).removeprefix("torch.")
+    cure = (f"the second moment's adjoint, divided by sqrt(v), amplifies the rounding of "
+            f"gradients that cancel over the batch where v is small against "
+            f"epsilon={spec.epsilon:g}; a larger epsilon (1e-4 left 1e-6 on the paths "
+            "measured)")
+    if fallback is not None:
+        warnings.warn(
+            f"attribute(method='unrolled'): the module does not run in float64 "
+            f"({fallback}), so each step's gradient is taken in {dtype}, as the training "
+            f"took it, and the scores' sensitivity to its rounding is not measured: on "
+            f"{spec.name} paths it moved scores by up to a few % of the largest, where "
+            f"{cure} keeps them to round-off.",
+            UserWarning, stacklevel=caller_stacklevel(),
+        )
+        return
+    sensitivity = result.gradient_sensitivity
+    if sensitivity is None or not sensitivity > SENSITIVITY_LIMIT:
+        return
     warnings.warn(
         f"attribute(method='unrolled'): these scores of a {dtype} {spec.name} path "
-        f"move by {sensitivity:.2g} of their largest when each step's gradient is "
-        f"rounded to {dtype} (AttributionScores.gradient_sensitivity; the scores "
-        "take it in float64 at the recorded points), and the training's own rounding "
-        "moved its path as much: they mean no more than that. The second moment's "
-        "adjoint, divided by sqrt(v), amplifies the rounding of gradients that cancel "
-        f"over the batch where v is small against epsilon={spec.epsilon:g}. Train with "
-        "a larger epsilon (1e-4 left 1e-6 on the paths measured) or dtype='float64' for "
-        "scores that mean every digit.",
+        f"move by {sensitivity:.2g} of their size when each step's gradient is rounded "
+        f"to {dtype} (AttributionScores.gradient_sensitivity, an estimate; the scores "
+        "take it in float64 at the recorded points), and a training's own rounding can "
+        "move them as much (a float64 retraining from the same start did, on the paths "
+        f"measured): they may mean no more than that. The cause: {cure} or "
+        "dtype='float64' give scores that mean every digit.",
         UserWarning, stacklevel=caller_stacklevel(),
     )
 

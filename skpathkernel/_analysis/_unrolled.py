@@ -343,6 +343,18 @@ def _sgd_adjoint(spec, step: _Step, a, d):
     return u, pre
 
 
+# The adjoints are (Q, P): each fresh one costs a pass and page faults, so the rules below
+# make as few as they can, never writing to their inputs.
+def _plus(x: torch.Tensor | None, a: torch.Tensor, c) -> torch.Tensor:
+    """``x + a * c`` (``a * c`` where ``x`` is None), one new tensor."""
+    return a * c if x is None else torch.addcmul(x, a, torch.as_tensor(c, dtype=a.dtype))
+
+
+def _scaled(a: torch.Tensor, c) -> torch.Tensor:
+    """``c * a``, ``a`` itself where ``c`` is the number 1."""
+    return a if isinstance(c, float) and c == 1.0 else c * a
+
+
 def _move(step: _Step) -> torch.Tensor:
     """``(lr / bc1) m / den``, Adam's step, read from the recorded points: AdamW's decay
     taken in float64, whose rounding in float32 (``|theta|`` against a step much smaller)
@@ -371,10 +383,11 @@ def _adam_adjoint(spec, step: _Step, a, d):
     move = _move(step)
     # d theta' / d v = move / den / (2 sqrt(bc2 v)); zero where v is (no gradient yet).
     dv = torch.where(root > 0, move / (den * 2.0 * sbc2 * root.clamp_min(1e-300)), 0.0)
-    a_m = a.get("m", 0.0) - a["theta"] * (step.lr / bc1 / den)
-    a_v = a.get("v", 0.0) + a["theta"] * dv
-    u = (1.0 - b1) * a_m + 2.0 * (1.0 - b2) * d * a_v
-    return u, {"theta": decay * a["theta"], "m": b1 * a_m, "v": b2 * a_v}
+    a_m = _plus(a.get("m"), a["theta"], -step.lr / bc1 / den)
+    a_v = _plus(a.get("v"), a["theta"], dv)
+    u = (a_v * (2.0 * (1.0 - b2) * d)).add_(a_m, alpha=1.0 - b1)
+    # a_m and a_v are this step's own: scaled in place.
+    return u, {"theta": _scaled(a["theta"], decay), "m": a_m.mul_(b1), "v": a_v.mul_(b2)}
 
 
 def _rmsprop_step(spec, theta, state, d, lr, count, decay):
@@ -391,9 +404,9 @@ def _rmsprop_adjoint(spec, step: _Step, a, d):
     # d theta' / d v = lr d / den^2 / (2 sqrt(v)), with the step's own gradient d, not
     # the recorded move (lr d / den in the training's rounding of d).
     dv = torch.where(root > 0, step.lr * d / den / (den * 2.0 * root.clamp_min(1e-300)), 0.0)
-    a_v = a.get("v", 0.0) + a["theta"] * dv
-    u = -a["theta"] * (step.lr / den) + 2.0 * (1.0 - alpha) * d * a_v
-    return u, {"theta": a["theta"], "v": alpha * a_v}
+    a_v = _plus(a.get("v"), a["theta"], dv)
+    u = (a["theta"] * (-step.lr / den)).addcmul_(a_v, 2.0 * (1.0 - alpha) * d)
+    return u, {"theta": a["theta"], "v": a_v.mul_(alpha)}
 
 
 def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, float]:
@@ -918,7 +931,12 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
         share, HV = pullback(u)
         del pullback  # and the graph it holds, before the next step builds its own
         scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
-        a["theta"] = a["theta"] + HV + path.coupled * u
+        # HV is the products' own (Q, P): the new adjoint, in place.
+        a["theta"] = HV.add_(a["theta"])
+        if isinstance(path.coupled, torch.Tensor):
+            a["theta"].addcmul_(u, path.coupled)
+        elif path.coupled:
+            a["theta"].add_(u, alpha=path.coupled)
         norm = a["theta"][:Q].norm(dim=1).double()
         growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
         ratio = norm / prev  # |a_t| / |a_{t+1}|

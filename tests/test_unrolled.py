@@ -696,6 +696,29 @@ def test_scores_sensitive_to_float32_gradients_warn(monkeypatch):
         assert est.attribute(Xq[:2], method="unrolled").gradient_sensitivity is None
 
 
+def test_budget_of_one_query_scores_without_the_probe():
+    """The probe row takes a row of memory_budget: a budget of one query's adjoint gets
+    the scores without it (no sensitivity, and a warning saying what budget would); two
+    rows hold a query and its probe."""
+    est, X, _ = _fit(**SOLVERS["adam-l2"], dtype="float32", normalize_y=False)
+    net = est.network_
+    X_fit, _ = net._training_data()
+    row = unrolled._row_bytes(net.module, net.trajectory,
+                              unrolled._query_work(net.module, net.trajectory, X_fit), 4)
+    full = est.attribute(X[:3], method="unrolled")
+    est.set_params(memory_budget=row)
+    with pytest.warns(UserWarning, match=f"holds one query's adjoint.*{2 * row:,} bytes"):
+        one = est.attribute(X[:3], method="unrolled")
+    assert one.gradient_sensitivity is None
+    np.testing.assert_allclose(one, full, rtol=1e-5, atol=1e-7 * np.abs(full).max())
+    est.set_params(memory_budget=2 * row)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        two = est.attribute(X[:3], method="unrolled")
+    assert two.gradient_sensitivity is not None
+    np.testing.assert_allclose(two, full, rtol=1e-5, atol=1e-7 * np.abs(full).max())
+
+
 class _Float32Constant(torch.nn.Module):
     """A linear map through a plain float32 tensor attribute (not a buffer): it runs in
     float32 only (float64 inputs meet a float32 matrix)."""
@@ -882,9 +905,9 @@ def test_thinned_first_moments_are_checkpointed_not_kept_per_point(solver, monke
     held = []
     block = _unrolled._block
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         held.append(_tensors_in(args[-1]))  # the moments handed to every query block
-        return block(*args)
+        return block(*args, **kwargs)
 
     monkeypatch.setattr(_unrolled, "_block", counting)
     scores = thin.attribute(X[:3], method="unrolled")

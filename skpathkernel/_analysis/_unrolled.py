@@ -236,8 +236,9 @@ class AttributionScores(np.ndarray):
         1e-6 with ``epsilon=1e-4``. A float64 retraining from the same start moved the
         scores about as much there, so the scores may mean no more than this. A warning
         fires above 1e-3. None on float64 paths, on SGD's (whose adjoint does not read
-        the gradient), and where the module could not run in float64; NaN with NaN
-        scores.
+        the gradient), where the module could not run in float64, and where
+        ``memory_budget`` holds a single query's adjoint (the probe takes a row of it);
+        NaN with NaN scores.
 
     Parameters
     ----------
@@ -873,7 +874,8 @@ def _query_gradients(module, traj, theta, Xq, Wq, budget) -> torch.Tensor:
     return contracted_features(module, traj.unflatten(theta), Xq, Wq, memory_budget=budget)
 
 
-def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments):
+def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments,
+           probe=True):
     """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
     one-step amplification and their counts (n_steps,), the replay error, each step's
     loss-gradient norm, and the probe's gradient sensitivity (None where not probed).
@@ -890,7 +892,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # taken with the gradient in the path's rounding (see GRADIENT_DTYPE). Its relative
     # change was within the queries' own (from 0.1 to 10 times each other's) on the
     # paths measured; the first query alone was at their low end.
-    Q, probe = len(Xq), path.exact_gradient and len(Xq) > 0
+    Q, probe = len(Xq), probe and path.exact_gradient and len(Xq) > 0
     if probe:
         signs = np.random.RandomState(0).choice([-1.0, 1.0], size=Q)
         signs = torch.as_tensor(signs, dtype=a["theta"].dtype, device=device)
@@ -990,7 +992,7 @@ def _row_bytes(module, traj, query_work, itemsize) -> int:
             + 8 * traj.n_samples)
 
 
-def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
+def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, probe):
     """One task's query blocks: scores, growth, the summed per-step log amplification and
     counts (one (n_steps,) pair a task, whatever the number of blocks), replay error and
     each step's loss-gradient norm (the same in every block)."""
@@ -1008,7 +1010,8 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work):
         with twice_differentiable():
             s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
                                                         Xq[r], Wq[r], device, query_work,
-                                                        net.memory_budget, moments)
+                                                        net.memory_budget, moments,
+                                                        probe=probe)
         if sens is not None:
             sensitivity = worse(sensitivity or 0.0, sens)
         fallback = fallback or why
@@ -1039,19 +1042,27 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     check_unrollable(traj, net.module)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     query_work = _query_work(net.module, traj, X)
-    block = rows_per_block(net.memory_budget,
-                           _row_bytes(net.module, traj, query_work, traj.dtype.itemsize),
-                           "The unrolled attribution's adjoint")
+    row_bytes = _row_bytes(net.module, traj, query_work, traj.dtype.itemsize)
+    block = rows_per_block(net.memory_budget, row_bytes, "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
-    if path.exact_gradient:
-        # Each block's probe row (see _block): one row beyond the budget's blocks only
-        # where it holds a single query.
-        block = max(1, block - 1)
+    # Each block's probe row (see _block) is one row of the budget's; a budget of one
+    # row takes the scores without it.
+    probe = path.exact_gradient and block > 1
+    if probe:
+        block -= 1
+    elif path.exact_gradient:
+        warnings.warn(
+            f"attribute(method='unrolled'): memory_budget={int(net.memory_budget):,} "
+            "bytes holds one query's adjoint, and measuring the scores' sensitivity to "
+            "float32 gradients (AttributionScores.gradient_sensitivity, None here) takes "
+            f"another: raise it to at least {2 * row_bytes:,} bytes to measure it.",
+            UserWarning, stacklevel=caller_stacklevel(),
+        )
     moments = path.replay_moments() if path.needs_moments else None
     rows = np.arange(len(Xq))
     shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
     parts = [p for p in map_row_blocks(_run_rows, rows, n_jobs, shared, X, Y, Xq, Wq, block,
-                                       diagonal, moments, query_work) if p is not None]
+                                       diagonal, moments, query_work, probe) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
         growth = np.concatenate([p[1] for p in parts])

@@ -5,8 +5,9 @@ queries and the same retrained models for every method; mislabel detection by
 self-influence; ensembles under the independent protocol; a step-size scan.
 
 Protocol (TRAK's, Park et al. 2023): a network is trained on ``N_TRAIN`` digits (pixels
-/ 16) by plain minibatch SGD with every training parameter passed explicitly, at two step
-sizes (``SETTINGS``: lr 0.5, the benchmark's original, and lr 0.1 for 3x the epochs); each
+/ 16) by minibatch SGD with every training parameter passed explicitly, in three settings
+(``SETTINGS``: plain SGD at lr 0.5, the benchmark's original, and at lr 0.1 for 3x the
+epochs; Adam at the estimators' default step size, 1e-3, for as many epochs); each
 method scores every training point for ``N_QUERY`` held-out queries (the margin of the
 query's label, ``log(p_y / (1 - p_y))``); ``N_SUBSETS`` random subsets of each size in
 ``FRACTIONS`` (0.5, 0.9, 0.98 of the training set) are retrained under three protocols
@@ -28,7 +29,9 @@ Run by ``python -m benchmarks --only attribution [--quick]`` (``--threads 1`` on
 cores); each method's case process is ``python -m benchmarks.bench_attribution --case
 '<json spec>'``. ``SKPATHKERNEL_BENCH_ATTRIBUTION`` selects models and parts, e.g.
 ``mlp=lds,mislabel,ensemble,scan;cnn=lds,scan`` (the default in full mode; quick mode runs
-every part of both); a run restricted to some models writes its own results file.
+every part of both), ``SKPATHKERNEL_BENCH_ATTRIBUTION_SETTINGS`` the main table's settings
+(``adam``; default all); a run restricted to some models or settings writes its own
+results file.
 """
 
 from __future__ import annotations
@@ -73,9 +76,13 @@ TRAINING = dict(solver="sgd", momentum=0.0, alpha=0.0, batch_size=128, shuffle=T
 # steps). lr 0.1 for 3x the epochs: the step at which the MLP's path does not amplify
 # perturbations; the CNN takes the same (the step-size scan below shows both networks'
 # sharpness and adjoint growth against the step size, which is how it was chosen).
+# Adam at the estimators' own solver and step size (learning_rate_init=1e-3, epsilon=1e-8),
+# the epochs of lr 0.1: what a user of the defaults attributes. Its scores' float32
+# sensitivity (AttributionScores.gradient_sensitivity) goes beside its cost.
 SETTINGS = {
     "lr0.5": dict(lr=0.5, epochs={False: 10, True: 4}),
     "lr0.1": dict(lr=0.1, epochs={False: 30, True: 12}),
+    "adam": dict(lr=1e-3, epochs={False: 30, True: 12}, solver="adam"),
 }
 CHAOTIC, STABLE = "lr0.5", "lr0.1"
 # The step-size scan: (lr, epochs) per mode; the unrolled scores of SCAN_QUERIES queries
@@ -182,7 +189,8 @@ def estimator(name: str, quick: bool, setting: str = STABLE, *, lr: float | None
            dict(hidden_layer_sizes=spec["hidden_layer_sizes"], activation=spec["activation"]))
     lr = SETTINGS[setting]["lr"] if lr is None else lr
     epochs = SETTINGS[setting]["epochs"][quick] if epochs is None else epochs
-    return PathKernelClassifier(**net, **TRAINING, learning_rate_init=lr, max_iter=epochs,
+    training = dict(TRAINING, solver=SETTINGS[setting].get("solver", TRAINING["solver"]))
+    return PathKernelClassifier(**net, **training, learning_rate_init=lr, max_iter=epochs,
                                 random_state=random_state)
 
 
@@ -284,6 +292,7 @@ def ours_case(spec: dict) -> dict:
         out["growth_max"] = float(np.max(growth))
         out["unstable_warning"] = any(issubclass(w.category, UnstablePathWarning)
                                       for w in caught)
+        out["gradient_sensitivity"] = getattr(scores, "gradient_sensitivity", None)
     return out
 
 
@@ -612,7 +621,8 @@ def _peer_label(method: str, k: int) -> tuple[str, int]:
 
 
 def _setting_label(clf) -> str:
-    return f"lr {clf.learning_rate_init:g}, {clf.max_iter} epochs"
+    solver = "" if clf.solver == "sgd" else f"{clf.solver.capitalize()} "
+    return f"{solver}lr {clf.learning_rate_init:g}, {clf.max_iter} epochs"
 
 
 def _lds_part(name, setting, quick, threads, work, data, state):
@@ -683,6 +693,7 @@ def _lds_part(name, setting, quick, threads, work, data, state):
             "growth (median / max over queries)":
                 f"{unrolled['growth_median']:.3g} / {unrolled['growth_max']:.3g}",
             "UnstablePathWarning": "fired" if unrolled["unstable_warning"] else "not fired",
+            "gradient sensitivity": _fmt_sensitivity(unrolled.get("gradient_sensitivity")),
             "FLOP floor per step": f"{floor['flops_per_step'] / 1e6:.0f} MFLOP "
                                    f"({floor['forward_backward'] / 1e6:.2f} fwd-bwd + "
                                    f"{len(X_query)} x {floor['hvp'] / 1e6:.2f} HVP, batch "
@@ -698,6 +709,12 @@ def _lds_part(name, setting, quick, threads, work, data, state):
             "_growth_max": unrolled["growth_max"], "_time_over_floor":
                 unrolled["seconds"] / floor_s, "_unrolled_over_exact": ratio_exact,
             "_floor": floor, "_rate": rate})
+
+
+def _fmt_sensitivity(value) -> str:
+    """``AttributionScores.gradient_sensitivity``: None where nothing is measured (SGD's
+    adjoint does not read the step's gradient)."""
+    return "-" if value is None else f"{value:.2g}"
 
 
 def _mislabel_part(name, setting, quick, threads, work, data, state):
@@ -866,10 +883,22 @@ def _selection(quick: bool) -> dict[str, tuple[str, ...]]:
     return chosen
 
 
+def _settings() -> list[str]:
+    """The main table's settings: SKPATHKERNEL_BENCH_ATTRIBUTION_SETTINGS ("adam",
+    "lr0.1,adam") or all of them."""
+    text = os.environ.get("SKPATHKERNEL_BENCH_ATTRIBUTION_SETTINGS", "").strip()
+    chosen = [s.strip() for s in text.split(",") if s.strip()] or list(SETTINGS)
+    if not set(chosen) <= set(SETTINGS):
+        raise ValueError(f"SKPATHKERNEL_BENCH_ATTRIBUTION_SETTINGS={text!r}: settings "
+                         f"{list(SETTINGS)}")
+    return chosen
+
+
 def results_suffix(quick: bool) -> str:
-    """A run on fewer models than the default writes its own file."""
-    chosen = _selection(quick)
-    return "" if set(chosen) == set(MODELS) else "-" + "-".join(chosen)
+    """A run on fewer models or settings than the default writes its own file."""
+    chosen, settings = _selection(quick), _settings()
+    suffix = "" if set(chosen) == set(MODELS) else "-" + "-".join(chosen)
+    return suffix + ("" if settings == list(SETTINGS) else "-" + "-".join(settings))
 
 
 RUN_NOTES = ""
@@ -897,7 +926,7 @@ def run(quick: bool = False, threads: int | None = None,
             if "lds" in parts:
                 steps += [(f"lds {s}", _lds_part, (name, s, quick, threads,
                                                    Path(tmp) / f"{name}_{s}", data, state))
-                          for s in SETTINGS]
+                          for s in _settings()]
             if "mislabel" in parts:
                 steps.append(("mislabel", _mislabel_part,
                               (name, STABLE, quick, threads, Path(tmp) / f"{name}_mislabel",
@@ -932,7 +961,11 @@ def _extra_tables(state, quick):
         ("Unrolled scores: stability and cost against the FLOP floor",
          "The unrolled row of each (model, training) of the main table. Growth: "
          "`AttributionScores.growth` (how far the path amplifies a perturbation of the "
-         f"parameters, per query); the warning fires above {GROWTH_LIMIT:g}. FLOP floor: "
+         f"parameters, per query); the warning fires above {GROWTH_LIMIT:g}. Gradient "
+         "sensitivity: `AttributionScores.gradient_sensitivity` (how far the scores move "
+         "when each step's gradient is rounded to float32; measured on float32 Adam, AdamW "
+         "and RMSprop paths, '-' on SGD's, whose adjoint does not read the gradient; a "
+         "warning fires from 3.2e-4). FLOP floor: "
          "per step one "
          "forward-backward of the batch plus one Hessian-vector product (double backward) "
          "of the batch loss per query, matmul and convolution FLOPs counted by "
@@ -972,10 +1005,10 @@ def _run_notes(state, total, load, quick, chosen):
     from joblib import cpu_count
 
     lines = [f"Data: {N_TRAIN[quick]} training digits, {N_QUERY[quick]} held-out queries, "
-             f"{N_SUBSETS[quick]} random subsets per protocol and fraction. Training: plain "
-             f"SGD, batch {TRAINING['batch_size']}, float32, CPU, at "
-             + " and ".join(f"lr {s['lr']} for {s['epochs'][quick]} epochs"
-                            for s in SETTINGS.values())
+             f"{N_SUBSETS[quick]} random subsets per protocol and fraction. Training: "
+             f"batch {TRAINING['batch_size']}, float32, CPU, "
+             + ", ".join(f"{SETTINGS[s].get('solver', 'plain SGD')} at lr {SETTINGS[s]['lr']} "
+                         f"for {SETTINGS[s]['epochs'][quick]} epochs" for s in _settings())
              + "; fits " + ", ".join(f"{m} {s} {t:.1f} s" for m, s, t in state["fits"])
              + ". Models and parts run: "
              + "; ".join(f"{m}: {', '.join(p)}" for m, p in chosen.items()) + "."]
@@ -1027,12 +1060,14 @@ def _goal_lines(state):
                     f"UnstablePathWarning {'fired' if u['_warned'] else 'did NOT fire'} "
                     f"(growth max {u['_growth_max']:.3g}): "
                     f"{'met' if u['_warned'] else 'NOT met'}.{scan}")
-            else:
+            elif u["_setting"] == STABLE:
                 lines.append(
                     f"Goal (no warning at the stable step), {title}, {_lr(STABLE)}: "
                     f"UnstablePathWarning {'fired' if u['_warned'] else 'did not fire'} "
                     f"(growth max {u['_growth_max']:.3g}): "
                     f"{'NOT met' if u['_warned'] else 'met'}.")
+            if u["_setting"] not in (CHAOTIC, STABLE):
+                lines.append(_setting_line(title, u, rows))
             if name == "mlp":
                 floor_met = u["_time_over_floor"] <= 2
                 exact_met = u["_unrolled_over_exact"] <= 3
@@ -1056,8 +1091,26 @@ def _goal_lines(state):
     return lines
 
 
+def _setting_line(title, u, rows) -> str:
+    """What the goals measure, for a setting without goals of its own (Adam's)."""
+    setting = u["_setting"]
+    mine = [r for r in rows if r["_model"] == u["_model"] and r["_setting"] == setting]
+    ours = next((r for r in mine if r["method"] == UNROLLED), None)
+    peers = [r for r in mine if not r["_ours"]]
+    key = "replay 0.5"
+    lds = f"unrolled {ours['_lds'][key]:.3f}" if ours else "unrolled not measured"
+    if peers:
+        best = max(peers, key=lambda r: r["_lds"][key])
+        lds += f", best peer {best['_lds'][key]:.3f} ({best['method']})"
+    return (f"No goal, {title}, {_lr(setting)}: LDS replay 0.5 {lds}; "
+            f"UnstablePathWarning {'fired' if u['_warned'] else 'did not fire'} (growth max "
+            f"{u['_growth_max']:.3g}), gradient sensitivity "
+            f"{u['gradient sensitivity']}.")
+
+
 def _lr(setting):
-    return f"lr {SETTINGS[setting]['lr']}"
+    solver = SETTINGS[setting].get("solver")
+    return f"{solver.capitalize() + ' ' if solver else ''}lr {SETTINGS[setting]['lr']}"
 
 
 def main(argv=None):

@@ -1,12 +1,20 @@
-"""Memory-budget arithmetic shared by every blocked computation."""
+"""Memory-budget arithmetic shared by every blocked computation, and the C library's
+heap around the sweeps that allocate large temporaries at every step."""
 
 from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+import threading
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 __all__ = ["FIXED_BLOCK", "feature_block_rows", "large_tensor", "map_fixed_blocks",
-           "rows_per_block"]
+           "retained_heap", "rows_per_block"]
 
 
 def rows_per_block(memory_budget: int, row_bytes: int, what: str) -> int:
@@ -78,3 +86,86 @@ def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
             xb = pad(xb, block - n)
         outs.append(fn(xb)[:n])
     return np.concatenate(outs, axis=0)
+
+
+# glibc's malloc serves a large block by mmap and hands it back to the kernel when it is
+# freed (above M_MMAP_THRESHOLD: 128 KiB at first, raised by glibc's own rule to the size
+# of a freed block, up to 32 MiB), and returns the free top of its heap above
+# M_TRIM_THRESHOLD (twice that): a step's tensors of the same sizes, allocated again at
+# the next step, then fault in every 4 KiB page again, and the kernel zeroes it. A sweep
+# over a recorded path allocates the same temporaries at every step; where they add up to
+# more than glibc keeps (the forward-mode products of a small CNN's 100 queries: about
+# 60 MB a step, 26 MB the largest), the faults were a third of its time
+# (benchmarks/results/unrolled_heap.md). Inside retained_heap() freed memory stays in
+# the heap for the next step; afterwards the thresholds are the ones glibc's own rule
+# reaches (it cannot be switched back on) and the heap's free memory is returned. Below
+# RETAIN_FROM bytes a step it does nothing: there glibc's rule keeps them already, and
+# tiny sweeps measured 15% slower with the thresholds raised (the cause not found).
+RETAIN_HEAP = True  # False: leave the C library's heap as it is (the benchmark's A/B)
+RETAIN_FROM = 32 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_RETAINED = {_M_MMAP_THRESHOLD: 2**30, _M_TRIM_THRESHOLD: 2**31 - 1}
+_RESTORED = {_M_MMAP_THRESHOLD: 32 * 2**20, _M_TRIM_THRESHOLD: 64 * 2**20}
+# Environment variables by which a user tunes glibc's malloc, or replaces it.
+_USER_MALLOC = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                "MALLOC_MMAP_MAX_")
+_heap_lock = threading.Lock()
+_heap_depth = 0
+_libc = []  # glibc, loaded once, or None
+
+
+def _glibc_malloc():
+    """glibc, where it serves this process's malloc untuned by the user; else None."""
+    if not RETAIN_HEAP:
+        return None
+    if any(name in os.environ for name in _USER_MALLOC) \
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") \
+            or any(lib in os.environ.get("LD_PRELOAD", "")
+                   for lib in ("jemalloc", "tcmalloc", "mimalloc")):
+        return None
+    if not _libc:
+        libc = None
+        if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+                libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+            except (OSError, AttributeError):
+                libc = None
+        _libc.append(libc)
+    return _libc[0]
+
+
+def _set(libc, values: dict) -> None:
+    for param, value in values.items():
+        libc.mallopt(param, value)
+
+
+@contextmanager
+def retained_heap(step_bytes: float):
+    """Keep freed memory in glibc's heap for the duration (see ``RETAIN_HEAP``), for a
+    sweep whose steps allocate about ``step_bytes`` of temporaries each (nothing below
+    ``RETAIN_FROM``).
+
+    Process-wide, as malloc's settings are: nested and concurrent uses (threads running
+    query blocks) share one, and the last to leave restores the thresholds and returns
+    the heap's free memory to the kernel (``malloc_trim``). Elsewhere than under glibc,
+    or where the environment tunes or replaces malloc, it does nothing.
+    """
+    global _heap_depth
+    libc = _glibc_malloc() if step_bytes >= RETAIN_FROM else None
+    if libc is None:
+        yield
+        return
+    with _heap_lock:
+        if _heap_depth == 0:
+            _set(libc, _RETAINED)
+        _heap_depth += 1
+    try:
+        yield
+    finally:
+        with _heap_lock:
+            _heap_depth -= 1
+            if _heap_depth == 0:
+                _set(libc, _RESTORED)
+                libc.malloc_trim(0)

@@ -1,9 +1,15 @@
-"""The fixed row blocks of predictions and tangent features."""
+"""The fixed row blocks of predictions and tangent features; the heap kept around sweeps."""
+
+import os
+import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+import skpathkernel._memory as memory
 from skpathkernel._memory import map_fixed_blocks
 
 
@@ -30,3 +36,175 @@ def test_map_fixed_blocks_pads_with_the_first_row(kind, n):
     np.testing.assert_array_equal(tail[rest:], np.repeat(Xn[n - rest][None], 4 - rest, axis=0))
     # Padding writes nothing back into the caller's rows.
     np.testing.assert_array_equal(X.numpy() if kind == "torch" else X, Xn)
+
+
+# --------------------------------------------------------------------- retained_heap
+
+
+class _FakeLibc:
+    """glibc's mallopt and malloc_trim, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+@pytest.fixture
+def fake_libc(monkeypatch):
+    fake = _FakeLibc()
+    monkeypatch.setattr(memory, "_libc", [fake])
+    for name in (*memory._USER_MALLOC, "GLIBC_TUNABLES", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    return fake
+
+
+def _settings(calls):
+    return {param: value for kind, *args in calls if kind == "mallopt"
+            for param, value in [args]}
+
+
+def test_retained_heap_applies_once_and_restores_once(fake_libc):
+    with memory.retained_heap(memory.RETAIN_FROM):
+        assert _settings(fake_libc.calls) == memory._RETAINED
+        applied = len(fake_libc.calls)
+        with memory.retained_heap(memory.RETAIN_FROM):  # nested: nothing more
+            pass
+        assert len(fake_libc.calls) == applied
+    restored = fake_libc.calls[applied:]
+    assert _settings(restored) == memory._RESTORED
+    assert restored[-1] == ("malloc_trim", 0)  # after the thresholds, the free memory back
+    assert memory._heap_depth == 0
+
+
+def test_retained_heap_restores_after_an_error(fake_libc):
+    with pytest.raises(RuntimeError, match="inside"):
+        with memory.retained_heap(memory.RETAIN_FROM):
+            raise RuntimeError("inside")
+    assert fake_libc.calls[-1] == ("malloc_trim", 0)
+    assert memory._heap_depth == 0
+
+
+def test_retained_heap_is_shared_by_overlapping_threads(fake_libc):
+    # Two threads inside at once (query blocks on joblib threads): one apply, and the
+    # thresholds restored only when the last one leaves.
+    import threading
+
+    inside, leave = threading.Barrier(2), threading.Event()
+    still_retained = []
+
+    def first():
+        with memory.retained_heap(memory.RETAIN_FROM):
+            inside.wait()
+            leave.wait()
+
+    def second():
+        with memory.retained_heap(memory.RETAIN_FROM):
+            inside.wait()
+        still_retained.append(not any(c[0] == "malloc_trim" for c in fake_libc.calls))
+        leave.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert still_retained == [True]
+    assert [c[0] for c in fake_libc.calls].count("malloc_trim") == 1
+    assert sum(c[0] == "mallopt" for c in fake_libc.calls) == 2 * len(memory._RETAINED)
+
+
+@pytest.mark.parametrize("name, value", [("MALLOC_TRIM_THRESHOLD_", "131072"),
+                                         ("MALLOC_MMAP_THRESHOLD_", "131072"),
+                                         ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+                                         ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2")])
+def test_retained_heap_leaves_a_tuned_or_replaced_malloc_alone(fake_libc, monkeypatch, name,
+                                                               value):
+    monkeypatch.setenv(name, value)
+    with memory.retained_heap(memory.RETAIN_FROM):
+        pass
+    assert fake_libc.calls == []
+
+
+def test_retained_heap_leaves_small_steps_to_glibc(fake_libc):
+    with memory.retained_heap(memory.RETAIN_FROM - 1):
+        pass
+    assert fake_libc.calls == []
+
+
+def test_retained_heap_off_does_nothing(fake_libc, monkeypatch):
+    monkeypatch.setattr(memory, "RETAIN_HEAP", False)
+    with memory.retained_heap(memory.RETAIN_FROM):
+        pass
+    assert fake_libc.calls == []
+
+
+def test_unrolled_attribution_runs_in_the_retained_heap(fake_libc, monkeypatch):
+    from skpathkernel import PathKernelMachine
+
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(30, 3))
+    est = PathKernelMachine(hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.05,
+                            batch_size=10, max_iter=2, tol=None,
+                            random_state=0).fit(X, X.sum(1))
+    depths = []
+    real = memory._set
+    monkeypatch.setattr(memory, "RETAIN_FROM", 0)  # this tiny network's steps: all large
+
+    def spy(libc, values):
+        depths.append(memory._heap_depth)
+        real(libc, values)
+
+    memory._set = spy
+    try:
+        est.attribute(X[:2], method="unrolled")
+    finally:
+        memory._set = real
+    assert _settings(fake_libc.calls[:2]) == memory._RETAINED
+    assert fake_libc.calls[-1] == ("malloc_trim", 0)
+    assert depths == [0, 0]  # applied on entering, restored on leaving
+
+
+_RSS_SCRIPT = """
+import torch
+from skpathkernel._memory import retained_heap
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+def touched():  # 256 MiB, above any threshold glibc sets by itself
+    t = torch.empty(2**26, dtype=torch.float32)
+    t.fill_(1.0)
+    return t
+
+base = rss()
+t = touched(); del t
+outside = rss() - base
+with retained_heap(2**28):
+    t = touched(); del t
+    inside = rss() - base
+after = rss() - base
+print(outside, inside, after)
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux")
+                         and platform.libc_ver()[0] == "glibc"),
+                    reason="retained_heap acts on glibc's malloc only")
+def test_retained_heap_keeps_freed_memory_then_returns_it():
+    # A fresh process: glibc's own state, whatever this one's tests did to it.
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*memory._USER_MALLOC, "GLIBC_TUNABLES", "LD_PRELOAD")}
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], capture_output=True,
+                         text=True, check=True, env=env)
+    outside, inside, after = map(float, out.stdout.split())
+    assert outside < 32  # freed: back to the kernel at once
+    assert inside > 200  # freed inside: kept for the next step's tensors
+    assert after < 32  # and returned on leaving

@@ -116,7 +116,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, jvp, vmap
 
-from .._memory import rows_per_block
+from .._memory import retained_heap, rows_per_block
 from .._modules import copy_module
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._path._training import mode_dependent_layers
@@ -1011,23 +1011,26 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, pro
     scores, growth = [], []
     log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
     error, norms, sensitivity, fallback = 0.0, None, None, None
-    for start in range(0, len(rows), block):
-        r = rows[start:start + block]
-        with twice_differentiable():
-            s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
-                                                        Xq[r], Wq[r], device, query_work,
-                                                        net.memory_budget, moments,
-                                                        probe=probe)
-        if sens is not None:
-            sensitivity = worse(sensitivity or 0.0, sens)
-        fallback = fallback or why
-        if diagonal:  # query q is training point rows[q]: keep its own score only
-            s = s[np.arange(len(r)), r][:, None]
-        scores.append(s)
-        growth.append(g)
-        log_sum += logs
-        count += n
-        error = worse(error, e)
+    # Every step of a block allocates the same temporaries, its products' a few per
+    # activation value (query_work): freed, large ones stay in the heap for the next.
+    with retained_heap(min(block, len(rows)) * query_work * traj.dtype.itemsize):
+        for start in range(0, len(rows), block):
+            r = rows[start:start + block]
+            with twice_differentiable():
+                s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
+                                                            Xq[r], Wq[r], device, query_work,
+                                                            net.memory_budget, moments,
+                                                            probe=probe)
+            if sens is not None:
+                sensitivity = worse(sensitivity or 0.0, sens)
+            fallback = fallback or why
+            if diagonal:  # query q is training point rows[q]: keep its own score only
+                s = s[np.arange(len(r)), r][:, None]
+            scores.append(s)
+            growth.append(g)
+            log_sum += logs
+            count += n
+            error = worse(error, e)
     if not scores:
         return None
     return (np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms,

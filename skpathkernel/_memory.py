@@ -94,13 +94,15 @@ def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
 # M_TRIM_THRESHOLD (twice that): a step's tensors of the same sizes, allocated again at
 # the next step, then fault in every 4 KiB page again, and the kernel zeroes it. A sweep
 # over a recorded path allocates the same temporaries at every step; where they add up to
-# more than glibc keeps (the forward-mode products of a small CNN's 100 queries: about
-# 60 MB a step, 26 MB the largest), the faults were a third of its time
-# (benchmarks/results/unrolled_heap.md). Inside retained_heap() freed memory stays in
-# the heap for the next step; afterwards the thresholds are the ones glibc's own rule
-# reaches (it cannot be switched back on) and the heap's free memory is returned. Below
-# RETAIN_FROM bytes a step it does nothing: there glibc's rule keeps them already, and
-# tiny sweeps measured 15% slower with the thresholds raised (the cause not found).
+# more than glibc keeps (the forward-mode products of a small CNN's 100 queries: about 60
+# MB a step, 26 MB the largest), keeping them cut the sweep's time by 29-38%
+# (benchmarks/results/unrolled_heap.md: 1.40x least, 1.62x median). Inside retained_heap()
+# freed memory stays in the heap for the next step; afterwards the thresholds are the ones
+# glibc's own rule reaches (it cannot be switched back on) and the heap's free memory is
+# returned. Below RETAIN_FROM bytes a step it does nothing: there glibc's rule keeps them
+# already, and small sweeps gained nothing measurable with the thresholds raised
+# (0.84-1.17x, within the noise between processes;
+# benchmarks/results/unrolled_heap-always.md).
 RETAIN_HEAP = True  # False: leave the C library's heap as it is (the benchmark's A/B)
 RETAIN_FROM = 32 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)

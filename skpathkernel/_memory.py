@@ -91,18 +91,16 @@ def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
 # glibc's malloc serves a large block by mmap and hands it back to the kernel when it is
 # freed (above M_MMAP_THRESHOLD: 128 KiB at first, raised by glibc's own rule to the size
 # of a freed block, up to 32 MiB), and returns the free top of its heap above
-# M_TRIM_THRESHOLD (twice that): a step's tensors of the same sizes, allocated again at
-# the next step, then fault in every 4 KiB page again, and the kernel zeroes it. A sweep
-# over a recorded path allocates the same temporaries at every step; where they add up to
-# more than glibc keeps (the forward-mode products of a small CNN's 100 queries: about 60
-# MB a step, 26 MB the largest), keeping them cut the sweep's time by 29-38%
-# (benchmarks/results/unrolled_heap.md: 1.40x least, 1.62x median). Inside retained_heap()
-# freed memory stays in the heap for the next step; afterwards the thresholds are the ones
-# glibc's own rule reaches (it cannot be switched back on) and the heap's free memory is
-# returned. Below RETAIN_FROM bytes a step it does nothing: there glibc's rule keeps them
-# already, and small sweeps gained nothing measurable with the thresholds raised
-# (0.84-1.17x, within the noise between processes;
-# benchmarks/results/unrolled_heap-always.md).
+# M_TRIM_THRESHOLD (twice that): a step's tensors, allocated again at the next step, then
+# fault in every 4 KiB page again, and the kernel zeroes it. A sweep over a recorded path
+# allocates the same temporaries at every step (forward-mode products of a small CNN's
+# 100 queries: about 160 MiB a step, 25 MiB the largest, by a torch profile); inside
+# retained_heap() freed memory stays in the heap for the next step
+# (benchmarks/results/unrolled_heap*.md). Afterwards the thresholds are the highest
+# glibc's own rule can reach (the rule cannot be switched back on: this is permanent for
+# the process) and the heap's free memory is returned. Below RETAIN_FROM bytes a step
+# (by the caller's estimate) it does nothing: glibc's rule keeps a few blocks of such
+# sizes by itself.
 RETAIN_HEAP = True  # False: leave the C library's heap as it is (the benchmark's A/B)
 RETAIN_FROM = 32 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
@@ -140,7 +138,21 @@ def _glibc_malloc():
 
 def _set(libc, values: dict) -> None:
     for param, value in values.items():
-        libc.mallopt(param, value)
+        # glibc before 2.35 refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2).
+        if not libc.mallopt(param, value) and param == _M_MMAP_THRESHOLD:
+            libc.mallopt(param, _RESTORED[param])
+
+
+def _after_fork_in_child() -> None:
+    """A child forked inside retained_heap() never leaves it: it starts outside."""
+    global _heap_depth
+    if _heap_depth and _libc and _libc[0] is not None:
+        _set(_libc[0], _RESTORED)
+    _heap_depth = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager
@@ -151,8 +163,11 @@ def retained_heap(step_bytes: float):
 
     Process-wide, as malloc's settings are: nested and concurrent uses (threads running
     query blocks) share one, and the last to leave restores the thresholds and returns
-    the heap's free memory to the kernel (``malloc_trim``). Elsewhere than under glibc,
-    or where the environment tunes or replaces malloc, it does nothing.
+    the heap's free memory to the kernel (``malloc_trim``); memory allocated inside and
+    freed after that stays in the heap. A thread other than the main one allocates from
+    heaps of at most 64 MiB, so its larger blocks are mapped and unmapped as before.
+    Elsewhere than under glibc, or where the environment tunes or replaces malloc, it
+    does nothing (a ``mallopt`` called from code is not seen, and is overridden).
     """
     global _heap_depth
     libc = _glibc_malloc() if step_bytes >= RETAIN_FROM else None

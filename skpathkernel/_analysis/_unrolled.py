@@ -917,44 +917,53 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
     finite = torch.ones((), dtype=torch.bool, device=device)
-    for back, step in enumerate(path.steps()):
-        t = traj.n_steps - 1 - back
-        finite &= torch.isfinite(step.nxt).all()
-        d, rounded, norms[t], pullback = _batch_graph(path, step)
-        direction, memory, gain = _implied(spec, step, d)
-        if pending is not None:
-            off += float(torch.nansum((pending[0] - memory * direction - pending[1]) ** 2))
+    # Every step allocates the same temporaries: freed, large ones stay in the heap for
+    # the next (see retained_heap); what the sweep made is freed inside, and what the
+    # call returns (scores, allocated before) is not the heap's to keep.
+    step_bytes = (len(a["theta"]) * _products_bytes(module, traj, query_work)
+                  if torch.device(device).type == "cpu" else 0)
+    with retained_heap(step_bytes):
+        for back, step in enumerate(path.steps()):
+            t = traj.n_steps - 1 - back
+            finite &= torch.isfinite(step.nxt).all()
+            d, rounded, norms[t], pullback = _batch_graph(path, step)
+            direction, memory, gain = _implied(spec, step, d)
+            if pending is not None:
+                off += float(torch.nansum((pending[0] - memory * direction
+                                           - pending[1]) ** 2))
+                size += float(torch.nansum(pending[0] ** 2))
+            pending = (direction, gain * d)
+            before = a
+            u, a = adjoint_fn(spec, step, a, d)
+            if probe and rounded is not None:
+                u_probe, a_probe = adjoint_fn(
+                    spec, step, {k: v[Q:] for k, v in before.items()}, rounded)
+                u[Q:] = u_probe
+                for key, value in a_probe.items():
+                    a[key][Q:] = value
+            del before
+            share, HV = pullback(u)
+            del pullback  # and the graph it holds, before the next step builds its own
+            scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
+            # HV is the products' own (Q, P): the new adjoint, in place.
+            a["theta"] = HV.add_(a["theta"])
+            if isinstance(path.coupled, torch.Tensor):
+                a["theta"].addcmul_(u, path.coupled)
+            elif path.coupled:
+                a["theta"].add_(u, alpha=path.coupled)
+            norm = a["theta"][:Q].norm(dim=1).double()
+            growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
+            ratio = norm / prev  # |a_t| / |a_{t+1}|
+            ok = (prev > 0) & (ratio > 0)
+            log_sum[t] = torch.where(ok, ratio.log(), 0.0).sum()
+            count[t] = ok.sum()
+            prev = norm
+        if pending is not None:  # the first step: no direction before it
+            off += float(torch.nansum((pending[0] - pending[1]) ** 2))
             size += float(torch.nansum(pending[0] ** 2))
-        pending = (direction, gain * d)
-        before = a
-        u, a = adjoint_fn(spec, step, a, d)
-        if probe and rounded is not None:
-            u_probe, a_probe = adjoint_fn(spec, step, {k: v[Q:] for k, v in before.items()},
-                                          rounded)
-            u[Q:] = u_probe
-            for key, value in a_probe.items():
-                a[key][Q:] = value
-        del before
-        share, HV = pullback(u)
-        del pullback  # and the graph it holds, before the next step builds its own
-        scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
-        # HV is the products' own (Q, P): the new adjoint, in place.
-        a["theta"] = HV.add_(a["theta"])
-        if isinstance(path.coupled, torch.Tensor):
-            a["theta"].addcmul_(u, path.coupled)
-        elif path.coupled:
-            a["theta"].add_(u, alpha=path.coupled)
-        norm = a["theta"][:Q].norm(dim=1).double()
-        growth = torch.fmax(growth, norm / final)  # fmax: NaN only where both are
-        ratio = norm / prev  # |a_t| / |a_{t+1}|
-        ok = (prev > 0) & (ratio > 0)
-        log_sum[t] = torch.where(ok, ratio.log(), 0.0).sum()
-        count[t] = ok.sum()
-        prev = norm
-    if pending is not None:  # the first step: no direction before it
-        off += float(torch.nansum((pending[0] - pending[1]) ** 2))
-        size += float(torch.nansum(pending[0] ** 2))
-        finite &= torch.isfinite(step.theta).all()
+            finite &= torch.isfinite(step.theta).all()
+        a = u = share = HV = pending = step = None
+        path.scratch.clear()
     mismatch = (math.sqrt(off / size) if size > 0 else 0.0) if bool(finite) else math.nan
     scores = scores.cpu().numpy()
     sensitivity = None
@@ -985,16 +994,21 @@ def _query_work(module, traj, X) -> int:
     return int(_batch_sizes(traj).max()) * sum(sizes)
 
 
-def _row_bytes(module, traj, query_work, itemsize) -> int:
-    """Bytes a query needs: the adjoint's buffers and its share of a batched backward."""
-    # Six (P,) buffers (adjoint, moments, gradient adjoint, products) and the tangent
-    # products' intermediates, a few per activation and batch sample: the forward route
-    # keeps about 1.8x the double backward's (peak memory of 100 queries on a small CNN,
-    # 410 against 231 MiB, this stop's review; 188 against 154 MiB on an MLP).
-    # The forward route's factor wherever it may be taken: the route depends on the block
+def _products_bytes(module, traj, query_work) -> int:
+    """A query's share of a step's tangent products: their intermediates, a few per
+    activation value and batch sample."""
+    # The forward route keeps about 1.8x the double backward's (peak memory of 100
+    # queries on a small CNN, 410 against 231 MiB; 188 against 154 MiB on an MLP). The
+    # forward route's factor wherever it may be taken: the route depends on the block
     # size that this estimate sets.
     per_activation = 11 if forward_over_reverse(module, traj.dtype) else 6
-    return (6 * traj.n_params * itemsize + per_activation * query_work * itemsize
+    return per_activation * query_work * traj.dtype.itemsize
+
+
+def _row_bytes(module, traj, query_work, itemsize) -> int:
+    """Bytes a query needs: the adjoint's buffers and its share of a batched backward."""
+    # Six (P,) buffers (adjoint, moments, gradient adjoint, products) besides the products.
+    return (6 * traj.n_params * itemsize + _products_bytes(module, traj, query_work)
             + 8 * traj.n_samples)
 
 
@@ -1011,26 +1025,23 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, pro
     scores, growth = [], []
     log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
     error, norms, sensitivity, fallback = 0.0, None, None, None
-    # Every step of a block allocates the same temporaries, its products' a few per
-    # activation value (query_work): freed, large ones stay in the heap for the next.
-    with retained_heap(min(block, len(rows)) * query_work * traj.dtype.itemsize):
-        for start in range(0, len(rows), block):
-            r = rows[start:start + block]
-            with twice_differentiable():
-                s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
-                                                            Xq[r], Wq[r], device, query_work,
-                                                            net.memory_budget, moments,
-                                                            probe=probe)
-            if sens is not None:
-                sensitivity = worse(sensitivity or 0.0, sens)
-            fallback = fallback or why
-            if diagonal:  # query q is training point rows[q]: keep its own score only
-                s = s[np.arange(len(r)), r][:, None]
-            scores.append(s)
-            growth.append(g)
-            log_sum += logs
-            count += n
-            error = worse(error, e)
+    for start in range(0, len(rows), block):
+        r = rows[start:start + block]
+        with twice_differentiable():
+            s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
+                                                        Xq[r], Wq[r], device, query_work,
+                                                        net.memory_budget, moments,
+                                                        probe=probe)
+        if sens is not None:
+            sensitivity = worse(sensitivity or 0.0, sens)
+        fallback = fallback or why
+        if diagonal:  # query q is training point rows[q]: keep its own score only
+            s = s[np.arange(len(r)), r][:, None]
+        scores.append(s)
+        growth.append(g)
+        log_sum += logs
+        count += n
+        error = worse(error, e)
     if not scores:
         return None
     return (np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms,

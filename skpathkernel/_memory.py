@@ -93,14 +93,14 @@ def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
 # of a freed block, up to 32 MiB), and returns the free top of its heap above
 # M_TRIM_THRESHOLD (twice that): a step's tensors, allocated again at the next step, then
 # fault in every 4 KiB page again, and the kernel zeroes it. A sweep over a recorded path
-# allocates the same temporaries at every step (forward-mode products of a small CNN's
-# 100 queries: about 160 MiB a step, 25 MiB the largest, by a torch profile); inside
+# allocates the same temporaries at every step (the forward-mode products of a small CNN's
+# 100 queries: several (128, 100, 8, 8, 8) float32 tangents, 26 MB each); inside
 # retained_heap() freed memory stays in the heap for the next step
 # (benchmarks/results/unrolled_heap*.md). Afterwards the thresholds are the highest
 # glibc's own rule can reach (the rule cannot be switched back on: this is permanent for
-# the process) and the heap's free memory is returned. Below RETAIN_FROM bytes a step
-# (by the caller's estimate) it does nothing: glibc's rule keeps a few blocks of such
-# sizes by itself.
+# the process) and the heap's free memory is returned. Below RETAIN_FROM bytes a step (by
+# the caller's estimate) it does nothing: glibc's rule keeps up to twice its largest freed
+# block by itself.
 RETAIN_HEAP = True  # False: leave the C library's heap as it is (the benchmark's A/B)
 RETAIN_FROM = 32 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)

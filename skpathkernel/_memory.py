@@ -144,8 +144,10 @@ def _set(libc, values: dict) -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A child forked inside retained_heap() never leaves it: it starts outside."""
-    global _heap_depth
+    """A child forked inside retained_heap() never leaves it: it starts outside, with a
+    lock of its own (another thread may have held the parent's at the fork)."""
+    global _heap_depth, _heap_lock
+    _heap_lock = threading.Lock()
     if _heap_depth and _libc and _libc[0] is not None:
         _set(_libc[0], _RESTORED)
     _heap_depth = 0

@@ -60,6 +60,7 @@ class _FakeLibc:
 def fake_libc(monkeypatch):
     fake = _FakeLibc()
     monkeypatch.setattr(memory, "_libc", [fake])
+    monkeypatch.setattr(memory, "_heap_depth", 0)  # whatever a failed test left
     for name in (*memory._USER_MALLOC, "GLIBC_TUNABLES", "LD_PRELOAD"):
         monkeypatch.delenv(name, raising=False)
     return fake
@@ -147,12 +148,19 @@ def test_retained_heap_falls_back_where_glibc_refuses_the_threshold(fake_libc, m
     assert mmap == [memory._RETAINED[memory._M_MMAP_THRESHOLD], 32 * 2**20]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_child_forked_inside_starts_outside(fake_libc):
     with memory.retained_heap(memory.RETAIN_FROM):
-        memory._after_fork_in_child()  # what os.register_at_fork runs in the child
-        assert memory._heap_depth == 0
-        assert _settings(fake_libc.calls[-2:]) == memory._RESTORED
-        memory._heap_depth = 1  # this process (the parent) is still inside
+        pid = os.fork()
+        if pid == 0:  # the child: outside, restored, and able to enter and leave again
+            ok = memory._heap_depth == 0 and \
+                _settings(fake_libc.calls[-2:]) == memory._RESTORED
+            with memory.retained_heap(memory.RETAIN_FROM):
+                ok = ok and memory._heap_depth == 1
+            os._exit(0 if ok and memory._heap_depth == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert memory._heap_depth == 1  # the parent is still inside
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_retained_heap_leaves_small_steps_to_glibc(fake_libc):

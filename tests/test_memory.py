@@ -192,11 +192,8 @@ def test_unrolled_attribution_runs_in_the_retained_heap(fake_libc, monkeypatch):
         depths.append(memory._heap_depth)
         real(libc, values)
 
-    memory._set = spy
-    try:
-        est.attribute(X[:2], method="unrolled")
-    finally:
-        memory._set = real
+    monkeypatch.setattr(memory, "_set", spy)
+    est.attribute(X[:2], method="unrolled")
     assert _settings(fake_libc.calls[:2]) == memory._RETAINED
     assert fake_libc.calls[-1] == ("malloc_trim", 0)
     assert depths == [0, 0]  # applied on entering, restored on leaving

@@ -704,7 +704,7 @@ def test_budget_of_one_query_scores_without_the_probe():
     net = est.network_
     X_fit, _ = net._training_data()
     row = unrolled._row_bytes(net.module, net.trajectory,
-                              unrolled._query_work(net.module, net.trajectory, X_fit), 4)
+                              unrolled._query_work(net.module, net.trajectory, X_fit))
     full = est.attribute(X[:3], method="unrolled")
     est.set_params(memory_budget=row)
     with pytest.warns(UserWarning, match=f"holds one query's adjoint.*{2 * row:,} bytes"):

@@ -1005,11 +1005,11 @@ def _products_bytes(module, traj, query_work) -> int:
     return per_activation * query_work * traj.dtype.itemsize
 
 
-def _row_bytes(module, traj, query_work, itemsize) -> int:
+def _row_bytes(module, traj, query_work) -> int:
     """Bytes a query needs: the adjoint's buffers and its share of a batched backward."""
     # Six (P,) buffers (adjoint, moments, gradient adjoint, products) besides the products.
-    return (6 * traj.n_params * itemsize + _products_bytes(module, traj, query_work)
-            + 8 * traj.n_samples)
+    return (6 * traj.n_params * traj.dtype.itemsize
+            + _products_bytes(module, traj, query_work) + 8 * traj.n_samples)
 
 
 def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, probe):
@@ -1062,7 +1062,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     check_unrollable(traj, net.module)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     query_work = _query_work(net.module, traj, X)
-    row_bytes = _row_bytes(net.module, traj, query_work, traj.dtype.itemsize)
+    row_bytes = _row_bytes(net.module, traj, query_work)
     block = rows_per_block(net.memory_budget, row_bytes, "The unrolled attribution's adjoint")
     path = _Path(net.module, traj, X, Y, net.loss, net.torch_device)
     # Each block's probe row (see _block) is one row of the budget's; a budget of one

@@ -75,19 +75,27 @@ def flop_floor(module: torch.nn.Module, n_nodes, batch_sizes, n_queries: int, n_
 
 
 def matmul_rate(size: int = 1024, repeats: int = 5, clock=time.perf_counter,
-                dtype: torch.dtype = torch.float32, least: bool = False) -> float:
+                dtype: torch.dtype = torch.float32, least: bool = False,
+                device: str = "cpu") -> float:
     """FLOP/s of a size^3 torch.matmul by ``clock``: the median of repeats into fresh
     results, or with ``least`` the least time into one preallocated result (a fresh
-    result's page faults make the median read low: ``matmul_probe.md``)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    result's page faults make the median read low: ``matmul_probe.md``). On a GPU each
+    product is timed to its end (a wall ``clock`` then: a GPU's time is not the thread's).
+    """
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a = torch.randn(size, size, dtype=dtype, device=dev)
+    b = torch.randn(size, size, dtype=dtype, device=dev)
     out = a @ b
     times = []
     for _ in range(repeats):
+        sync()
         t0 = clock()
         if least:
             torch.matmul(a, b, out=out)
         else:
             a @ b
+        sync()
         times.append(clock() - t0)
     return 2 * size**3 / (min(times) if least else statistics.median(times))
 
@@ -129,7 +137,7 @@ def run(quick: bool = False, repeats: int = 3, n_queries: int = 100,
         pairs = not (solver == "sgd" and momentum == 0)
         flops = flop_floor(est.module_, res.n_nodes, [len(b) for b in traj.batches],
                            n_queries, res.prediction.shape[1], pairs)
-        floor_s = flops / matmul_rate() if device == "cpu" else float("nan")
+        floor_s = flops / matmul_rate(device=device)
         med = float(np.median(t_dec))
         rows.append({
             "case": name,

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # The one prepared command for a session that is lent a GPU: every CUDA test, then the
-# quick GPU benchmark (benchmarks/gpu.sh --quick), all inside ~5 minutes: with the
-# machine's start (minutes) one call takes about half of the 15 minutes a session gets,
-# which leaves a rerun (a fresh start needs 4 minutes left). Run the tests alone first
-# (DEVICE_CHECK_SECONDS=170) where a failure is likely.
+# quick GPU benchmark (benchmarks/gpu.sh --quick) under a time limit. Measured on the
+# first GPU run (2026-12-04, one H200, commit daff637): the machine started in about
+# 30 s, the CUDA tests took 29 s, and gpu.sh --quick's groups took gram_nets 280 s, gram
+# 153 s, path 130 s, training 3 s, decomposition 2 s (mostly the case processes'
+# start-up, a CUDA context each): about 10 minutes for all, more than one call should
+# spend of the 15 minutes a session gets. So the groups run in the order
+# DEVICE_CHECK_GROUPS names (default gram_nets,path,training,decomposition,gram: the
+# image networks first, where the GPU differs most from the CPU) until the budget
+# (DEVICE_CHECK_SECONDS, default 480) runs out; with the start that leaves about 6
+# minutes, enough for a rerun (a fresh start needs 4). Name fewer groups to verify one
+# change, e.g. DEVICE_CHECK_GROUPS=gram_nets.
 #
 # Call it with the device tool's `run` (it runs in the repo root there; $OUT comes back):
 #     run(command="bash benchmarks/device_check.sh", timeout_s=600)
@@ -32,12 +39,14 @@
 # or else the benchmark's (124: stopped at its time limit). Without CUDA (a CPU run of this
 # script) the tests are reported skipped and gpu.sh refuses ("no CUDA device"): status 1.
 # Environment: OUT (default: a new temporary folder), PYTHON (default python3),
-# DEVICE_CHECK_SECONDS (default 300: the whole script's budget).
+# DEVICE_CHECK_SECONDS (default 480: the whole script's budget), DEVICE_CHECK_GROUPS
+# (default gram_nets,path,training,decomposition,gram: gpu.sh's groups, in order).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
-BUDGET=${DEVICE_CHECK_SECONDS:-300}
+BUDGET=${DEVICE_CHECK_SECONDS:-480}
+BENCH_GROUPS=${DEVICE_CHECK_GROUPS:-gram_nets,path,training,decomposition,gram}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # The tests and the benchmark's case processes each set their own torch threads; this
@@ -92,6 +101,7 @@ else
     t0=$SECONDS
     # timeout signals its whole process group: gpu.sh, python and the case processes.
     PYTHON="$PY" timeout --kill-after=10 "$left" bash benchmarks/gpu.sh --quick --out "$bench" \
+        --only "$BENCH_GROUPS" \
         2>&1 | tee "$OUT/gpu-bench.log"
     bench_rc=${PIPESTATUS[0]}
     summary "gpu.sh --quick: exit $bench_rc in $((SECONDS - t0)) s (limit ${left} s)"

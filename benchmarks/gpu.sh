@@ -15,7 +15,8 @@
 # session, run benchmarks/device_check.sh instead: it runs every CUDA test first, then
 # this with --quick under a time limit, and archives what finished. Each group's files are
 # written as the group ends, so a run stopped by a timeout keeps the groups before it.
-# Not yet run on a GPU: no device was available when it was written.
+# First run on a GPU on 2026-12-04 (one H200; results/*-quick-cuda.md): the quick plan's
+# groups took about ten minutes together (benchmarks/device_check.sh gives each group's).
 # Usage: bash benchmarks/gpu.sh [--quick] [extra python -m benchmarks options]
 # Environment: PYTHON, the interpreter (default python3).
 set -euo pipefail

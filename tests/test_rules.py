@@ -62,12 +62,14 @@ class _Head(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, mha, **kw):
+    def __init__(self, mha, attn_mask=None, **kw):
         super().__init__()
         self.mha, self.kw = mha, kw
+        # A buffer, so that ``.to(device)`` moves the mask with the weights.
+        self.register_buffer("attn_mask", attn_mask)
 
     def forward(self, x):
-        return self.mha(x, x, x, **self.kw)[0]
+        return self.mha(x, x, x, attn_mask=self.attn_mask, **self.kw)[0]
 
 
 class _CrossAttention(nn.Module):

@@ -25,8 +25,9 @@ def ab_row(case, times, load, **extra):
     return row
 
 
-def write_ab(out, title, timer, prov, rows, digits):
-    """``out``.json (provenance and rows) and ``out``.md (the table, times to ``digits``)."""
+def write_ab(out, title, timer, prov, rows, digits, columns=()):
+    """``out``.json (provenance and rows) and ``out``.md (the table, times to ``digits``;
+    ``columns``: further ``(header, key)`` pairs of the rows, appended)."""
     out.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows),
                                                    indent=1))
     lines = [f"# {title}", "", *(f"- {k}: {v}" for k, v in prov.items()), "",
@@ -34,14 +35,16 @@ def write_ab(out, title, timer, prov, rows, digits):
              "sides alternating; ratio = ref / tree (above 1: the tree is faster). A loaded "
              "machine: compare ratios, not times.", "",
              "| case | ref least (s) | ref median | tree least (s) | tree median | "
-             "ratio least | ratio median | max rel. diff | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "ratio least | ratio median | max rel. diff | load |"
+             + "".join(f" {header} |" for header, _ in columns),
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(columns)]
     for r in rows:
         lines.append(f"| {r['case']} | {r['ref_least']:.{digits}f} | "
                      f"{r['ref_median']:.{digits}f} | {r['tree_least']:.{digits}f} | "
                      f"{r['tree_median']:.{digits}f} | {r['ratio_least']:.3f} | "
                      f"{r['ratio_median']:.3f} | "
-                     f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |")
+                     f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |"
+                     + "".join(f" {r[key]} |" for _, key in columns))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

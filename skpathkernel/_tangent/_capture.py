@@ -637,27 +637,29 @@ def _numerical_misfits(
     # changes the weighted sum the factors predict, not the one autograd computes.
     w = torch.arange(1, x.shape[0] + 1, device=x.device, dtype=dtype)
     tol = 10 * torch.finfo(dtype).eps ** 0.5
-    bad = set()
+    one = torch.ones((), dtype=dtype, device=x.device)
+    # What the factors predict, every output's row at once (C, rows). The comparison is
+    # vectorised and read back once: on a GPU each small op costs a launch, and this check
+    # ran more ops than the Gram it guards (cnn8 at N = 128: 2262 of 3398).
+    rules = [torch.einsum("n,ncr->cr", w, grad_times(*factors[name], probes.get(name, one)))
+             for name in covered]
+    seen = [[] for _ in covered]
     wrt = [live[n] for n in covered] + [p for n, p in live.items() if n not in set(covered)]
     wrt += [x_in] if x_in.requires_grad else []
     for i, c in enumerate(outputs):
         grads = torch.autograd.grad(f[:, c] @ w, wrt, retain_graph=i < len(outputs) - 1,
                                     allow_unused=True)[:len(covered)]
-        errors, scales = [], []
-        for name, g in zip(covered, grads):
-            term, a = factors[name]
-            v = probes.get(name)
-            rule = torch.einsum("n,nr->r", w, grad_times(term, a, v if a is not None else
-                                                          torch.ones((), dtype=dtype,
-                                                                     device=x.device))[:, i])
+        for rows, name, g, rule in zip(seen, covered, grads, rules):
             if g is None:
-                seen = torch.zeros_like(rule)
+                rows.append(torch.zeros_like(rule[0]))
             else:
-                seen = g.reshape(-1) if a is None else g.reshape(len(rule), -1) @ v
-            errors.append((seen - rule).abs().max())
-            scales.append(torch.maximum(seen.abs().max(), rule.abs().max()))
-        scale = float(torch.stack(scales).max())
-        for name, err in zip(covered, torch.stack(errors).tolist()):
-            if err > tol * max(scale, 1e-30):
-                bad.add(name)
+                rows.append(g.reshape(-1) if factors[name][1] is None
+                            else g.reshape(rule.shape[1], -1) @ probes[name])
+    seen = [torch.stack(rows) for rows in seen]
+    errors = torch.stack([(s - r).abs().amax(1) for s, r in zip(seen, rules)])
+    # One scale per output: the largest entry of any parameter's two sides.
+    scale = torch.stack([torch.maximum(s.abs().amax(1), r.abs().amax(1))
+                         for s, r in zip(seen, rules)]).amax(0)
+    misfit = (errors.double() > tol * scale.double().clamp_min(1e-30)).any(1)
+    bad = {name for name, out in zip(covered, misfit.tolist()) if out}
     return frozenset(bad)

@@ -44,7 +44,7 @@ def write_ab(out, title, timer, prov, rows, digits, columns=()):
                      f"{r['tree_median']:.{digits}f} | {r['ratio_least']:.3f} | "
                      f"{r['ratio_median']:.3f} | "
                      f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |"
-                     + "".join(f" {r[key]} |" for _, key in columns))
+                     + "".join(f" {r.get(key, '-')} |" for _, key in columns))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared command for a session that is lent a GPU: every CUDA test, then the
-# quick GPU benchmark (benchmarks/gpu.sh --quick) under a time limit. Measured on the
+# A/B of the engine's launch-bound choices (benchmarks/bench_gpu_ab.py, estimated at
+# 1-2 minutes, not yet run on a GPU), then the quick GPU benchmark
+# (benchmarks/gpu.sh --quick) in the time left. Measured on the
 # first GPU run (2026-12-04, one H200, commit daff637): the machine started in about
 # 30 s, the CUDA tests took 29 s, and gpu.sh --quick's groups took gram_nets 280 s, gram
 # 153 s, path 130 s, training 3 s, decomposition 2 s (mostly the case processes'
@@ -13,7 +15,7 @@
 # change, e.g. DEVICE_CHECK_GROUPS=gram_nets.
 #
 # Call it with the device tool's `run` (it runs in the repo root there; $OUT comes back):
-#     run(command="bash benchmarks/device_check.sh", timeout_s=600)
+#     run(command="bash benchmarks/device_check.sh", timeout_s=540)
 # No `carry`: the tests it selects import nothing the device lacks (skops, dask, sybil and
 # numpydoc are only imported by other test files, which it does not collect), and the
 # package runs from the tree (PYTHONPATH=$PWD, set here). The call sends the checkout the
@@ -24,6 +26,8 @@
 #     cuda-tests.log   pytest -ra output of every CUDA test (tests/test_cuda.py and the
 #                      CUDA tests of test_rules.py, test_diagnostics.py, test_unrolled.py)
 #     cuda-tests.xml   the same as JUnit XML (per-test durations)
+#     gpu-ab.log       benchmarks/bench_gpu_ab.py's output (its gpu_ab.md / .json in
+#                      results.tgz): the engine's launch-bound choices, ref vs tree
 #     gpu-bench.log    benchmarks/gpu.sh's output
 #     results.tgz      benchmarks/results/*-quick-cuda.md / .json of every group that
 #                      finished (groups are written as each one ends, so a run cut short at
@@ -39,7 +43,8 @@
 # or else the benchmark's (124: stopped at its time limit). Without CUDA (a CPU run of this
 # script) the tests are reported skipped and gpu.sh refuses ("no CUDA device"): status 1.
 # Environment: OUT (default: a new temporary folder), PYTHON (default python3),
-# DEVICE_CHECK_SECONDS (default 480: the whole script's budget), DEVICE_CHECK_GROUPS
+# DEVICE_CHECK_SECONDS (default 480: the whole script's budget), DEVICE_CHECK_AB_SECONDS
+# (default 150: bench_gpu_ab's limit, inside the budget), DEVICE_CHECK_GROUPS
 # (default gram_nets,path,training,decomposition,gram: gpu.sh's groups, in order).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
@@ -91,8 +96,15 @@ timeout --kill-after=10 150 "$PY" -m pytest -ra -p no:cacheprovider "${workers[@
 tests_rc=${PIPESTATUS[0]}
 summary "cuda tests: exit $tests_rc in $((SECONDS - t0)) s"
 
-# ---- Quick GPU benchmark, in whatever time is left (20 s kept for the archive).
 bench=$(mktemp -d)
+# ---- The A/B of the engine's launch-bound choices (benchmarks/bench_gpu_ab.py): first,
+# since it decides what the engine takes on a GPU.
+t0=$SECONDS
+timeout --kill-after=10 "${DEVICE_CHECK_AB_SECONDS:-150}" "$PY" -m benchmarks.bench_gpu_ab \
+    --out "$bench/gpu_ab" 2>&1 | tee "$OUT/gpu-ab.log"
+summary "bench_gpu_ab: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+
+# ---- Quick GPU benchmark, in whatever time is left (20 s kept for the archive).
 left=$((BUDGET - (SECONDS - start) - 20))
 if ((left < 30)); then
     bench_rc=124

@@ -397,6 +397,57 @@ def test_full_blocks_of_every_layout_match_autograd(layers, weighted, outputs, m
         stacked_path_sum(mlp, layout, load, weights, A, diag=True, **kw)
 
 
+@pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
+@pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
+def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
+    """The GPU's tiling (:func:`_launch_bound`), run on the CPU: whole panels, strips of
+    a quarter of the rows, chunks bounded by the budget alone; the same sums as the
+    module's autograd. With the CPU's panels and cache shrunk to 8 rows and 1 byte (one
+    unit per chunk, 15 panels on the cross Gram), the launch-bound tiling still takes
+    one panel per strip and every unit of a layer in one chunk."""
+    monkeypatch.setattr(_stacked, "_launch_bound", lambda device: True)
+    monkeypatch.setattr(_stacked, "_PANEL", 8)
+    monkeypatch.setattr(_stacked, "_CACHE", 1)
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
+    A = torch.randn(40, 3, dtype=torch.float64)
+    B = torch.randn(20, 3, dtype=torch.float64)
+    ws = [w for _, w in weights]
+    outputs = [0, 1, 2, 3]
+    panels, chunks = [], []
+    real_panels, real_contract = _stacked._panels, _stacked._contract_panel
+    monkeypatch.setattr(_stacked, "_panels",
+                        lambda *a: panels.append(list(real_panels(*a))) or panels[-1])
+    monkeypatch.setattr(_stacked, "_contract_panel",
+                        lambda *a: chunks.append(a[6]) or real_contract(*a))
+    kw = dict(outputs=outputs, trace_scale=1 / 4, weighted=weighted, memory_budget=2**30,
+              block=len(weights))
+    K, dx, _ = stacked_path_sum(mlp, layout, load, weights, A, diag=True, **kw)
+    assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, A, outputs),
+                    rtol=1e-10, atol=1e-13)
+    assert np.array_equal(K.numpy(), K.numpy().T)
+    assert_allclose(dx.numpy(), np.diag(K.numpy()), rtol=1e-10, atol=1e-13)
+    assert [(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]] == [
+        (16, 40), (16, 24), (8, 8)]
+    assert chunks and min(c[0] for c in chunks) >= max(lin.d_out for lin in mlp.linears)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, **kw)
+    assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, B, outputs),
+                    rtol=1e-10, atol=1e-13)
+    assert [(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]] == [(40, 20)]
+    kw.update(full=True, trace_scale=1.0)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, **kw)
+    assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, A, outputs,
+                                                 full=True), rtol=1e-10, atol=1e-13)
+
+
+def test_launch_bound_strips_and_panels_at_size():
+    """The GPU's strips and panels where the CPU's would be 64 rows and 256 columns."""
+    assert _stacked._strip(1000, 1000, launch_bound=True) == 250
+    assert _stacked._strip(20000, 2048, launch_bound=True) == 512
+    assert _stacked._strip(1000, 256) == 64
+    assert _stacked._launch_bound(torch.device("cpu")) is False
+    assert _stacked._launch_bound(torch.device("cuda")) is True
+
+
 def test_routes_by_cost():
     """The cost model's choices for the default classifier's layers (64-64-10, ten
     outputs): several backprops take the units route, the one backprop below the

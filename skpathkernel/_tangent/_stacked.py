@@ -139,6 +139,13 @@ _PASS = 8
 # panels at N = 1000 on the CPUs measured).
 _PANEL = 256
 
+# Where the products are launch-bound (:func:`_launch_bound`, a GPU): the most rows and
+# columns of a panel, and of a symmetric Gram's strips (a quarter of the rows up to it;
+# at N = 1000 strips of 250 rows compute 25% more than the triangle, in 4 panels per
+# point and layer where 64-row strips took 16).
+_GPU_PANEL = 2048
+_GPU_STRIP = 512
+
 # Bytes of one chunk of the "units" route's products: a few times a core's L2 cache,
 # within L3 (7 units of a 64 x 1000 strip; 4 to 8 units measured alike at N = 1000, 16
 # slower, and fewer units per chunk issue more calls).
@@ -1171,13 +1178,29 @@ def _panels(n: int, m: int, symmetric: bool, size: int, strip: int):
             yield rows, slice(t, min(t + size, m))
 
 
-def _strip(n: int, panel: int) -> int:
-    """Rows of a symmetric Gram's strips: a quarter of ``n`` between 16 and 64 rows.
+def _strip(n: int, panel: int, launch_bound: bool = False) -> int:
+    """Rows of a symmetric Gram's strips: a quarter of ``n`` between 16 and 64 rows
+    (``_GPU_STRIP`` rows where ``launch_bound``).
 
     Below 16 rows the strips' GEMMs are small and their number grows the Python per
     point; above 64 the square at the diagonal adds more than 6% at N = 1000.
     """
-    return min(panel, max(16, min(64, -(-n // 4))))
+    return min(panel, max(16, min(_GPU_STRIP if launch_bound else 64, -(-n // 4))))
+
+
+def _launch_bound(device: torch.device) -> bool:
+    """Whether each call's launch, not the caches, sets the pace of the panels' products.
+
+    On a GPU a torch call costs about 10 us of launch and Python, as much as a small
+    panel's arithmetic, and the CPU's cache blocking (``_PANEL``, ``_CACHE``, 64-row
+    strips) only multiplies the calls: the first GPU run (an H200,
+    ``benchmarks/results/path-quick-cuda.md``) took 16 ms per point for the default
+    classifier's Adam path kernel at N = 1000, 9.5 times its FLOP floor, where the
+    route issues about 1600 torch calls per point (counted on the CPU): 10 us each.
+    There the panels are whole (up to ``_GPU_PANEL``), the strips a quarter of the rows
+    (up to ``_GPU_STRIP``) and a chunk as many units as a quarter of the budget holds.
+    """
+    return device.type == "cuda"
 
 
 def _routes(mlp: StackedMLP, n_outputs: int, weighted: bool, rows: int, cols: int,
@@ -1251,8 +1274,9 @@ def stacked_path_sum(
     block : int, default=None
         Points per block; None sizes it from the budget.
     panel : int, default=None
-        Rows and columns of the Gram's panels; None: 256, and the strips of a symmetric
-        trace run to its last column.
+        Rows and columns of the Gram's panels; None: 256 (on a GPU the Gram's size, up
+        to 2048: :func:`_launch_bound`), and the strips of a symmetric trace run to its
+        last column.
     full : bool, default=False
         The ``C x C`` blocks of the outputs instead of their trace: ``K`` of shape
         ``(n, m, C, C)`` (``trace_scale`` 1; no diagonals: ``diag`` must be False).
@@ -1270,9 +1294,11 @@ def stacked_path_sum(
     # per strip, so that no panel is a narrow remainder and the "units" route issues
     # its calls for whole rows of the Gram.
     whole = panel is None and symmetric and not full
-    panel = _PANEL if panel is None else panel
+    launch_bound = _launch_bound(X.device)
+    if panel is None:
+        panel = min(max(n, m), _GPU_PANEL) if launch_bound else _PANEL
     width = m if whole else panel
-    strip = _strip(n, panel)
+    strip = _strip(n, panel, launch_bound)
     pr, pc = min(n, strip if symmetric else panel), min(m, width)
     # The "dense" route's gradients are formed once per block, for the whole Gram.
     routes = _routes(mlp, C, weighted, n, m, full)
@@ -1319,9 +1345,10 @@ def stacked_path_sum(
     elif rows_per_block(memory_budget, per_point * block, "A block of points") < 1:
         block = 1
     # Units per chunk: the chunk's scaled rows, H and G of a panel, for one point, in
-    # cache (and in a quarter of the budget).
+    # cache (and in a quarter of the budget; in the quarter alone where launch-bound).
     unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
-    chunk = max(1, min(_CACHE, memory_budget // 4) // unit_bytes)
+    chunk = max(1, (memory_budget // 4 if launch_bound else min(_CACHE, memory_budget // 4))
+                // unit_bytes)
     # The full blocks' "units" route: T of a chunk, (N, u, M, C): a larger chunk makes
     # the batched GEMM's inner dimension; a quarter of the budget bounds it.
     chunks = (chunk, max(1, min(_FULL_CHUNK,
@@ -1393,7 +1420,8 @@ def stacked_path_sum(
                 else:
                     K[rows, cols] += out
     if gram and symmetric and not full:
-        _mirror(K, panel)
+        # (Squares of at most _PANEL: each makes two temporaries of its size.)
+        _mirror(K, min(panel, _PANEL))
     if diag and symmetric:
         dy = dx
     return result, dx, dy

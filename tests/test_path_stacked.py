@@ -404,7 +404,8 @@ def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
     a quarter of the rows, chunks bounded by the budget alone; the same sums as the
     module's autograd. With the CPU's panels and cache shrunk to 8 rows and 1 byte (one
     unit per chunk, 15 panels on the cross Gram), the launch-bound tiling still takes
-    one panel per strip and every unit of a layer in one chunk."""
+    one panel per strip and every unit of a layer in one chunk; a small budget bounds
+    its panels."""
     monkeypatch.setattr(_stacked, "_launch_bound", lambda device: True)
     monkeypatch.setattr(_stacked, "_PANEL", 8)
     monkeypatch.setattr(_stacked, "_CACHE", 1)
@@ -433,6 +434,13 @@ def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
     assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, B, outputs),
                     rtol=1e-10, atol=1e-13)
     assert [(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]] == [(40, 20)]
+    # A budget whose sixteenth holds 170 float64 products a point: panels of 13.
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, **{**kw, "block": 1,
+                                                                    "memory_budget": 2**16})
+    assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, B, outputs),
+                    rtol=1e-10, atol=1e-13)
+    assert {(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]} == {
+        (13, 13), (13, 7), (1, 13), (1, 7)}
     kw.update(full=True, trace_scale=1.0)
     K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, **kw)
     assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, A, outputs,

@@ -1198,7 +1198,8 @@ def _launch_bound(device: torch.device) -> bool:
     classifier's Adam path kernel at N = 1000, 9.5 times its FLOP floor, where the
     route issues about 1600 torch calls per point (counted on the CPU): 10 us each.
     There the panels are whole (up to ``_GPU_PANEL``), the strips a quarter of the rows
-    (up to ``_GPU_STRIP``) and a chunk as many units as a quarter of the budget holds.
+    (up to ``_GPU_STRIP``), both within a sixteenth of the budget per point, and a chunk
+    as many units as a quarter of the budget holds.
     """
     return device.type == "cuda"
 
@@ -1294,17 +1295,23 @@ def stacked_path_sum(
     # per strip, so that no panel is a narrow remainder and the "units" route issues
     # its calls for whole rows of the Gram.
     whole = panel is None and symmetric and not full
+    c2 = C * C if full else 1
     launch_bound = _launch_bound(X.device)
+    # Launch-bound, a point's panel products take at most a sixteenth of the budget (so
+    # that a block holds several points), but never less than the CPU's tiling takes.
+    held = memory_budget // (16 * 3 * c2 * itemsize)
     if panel is None:
-        panel = min(max(n, m), _GPU_PANEL) if launch_bound else _PANEL
+        panel = (max(_PANEL, min(max(n, m), _GPU_PANEL, math.isqrt(held))) if launch_bound
+                 else _PANEL)
     width = m if whole else panel
-    strip = _strip(n, panel, launch_bound)
+    strip = _strip(n, panel)
+    if launch_bound:
+        strip = max(strip, min(_strip(n, panel, True), held // min(m, width)))
     pr, pc = min(n, strip if symmetric else panel), min(m, width)
     # The "dense" route's gradients are formed once per block, for the whole Gram.
     routes = _routes(mlp, C, weighted, n, m, full)
     # Per point: its parameters and D, both sides' factors, the panel's products (the
     # "units" route's chunk is bounded separately, below) and the formed gradients.
-    c2 = C * C if full else 1
     # One hidden layer without a preconditioner: every block symmetric in the outputs,
     # written tile by tile (:func:`_tiles_full`; no zero fill, no panel to add, no
     # mirror pass). Per point it keeps a column tile's Y, (p, tile, C (C + 1) / 2).

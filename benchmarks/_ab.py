@@ -31,7 +31,7 @@ def write_ab(out, title, timer, prov, rows, digits, columns=()):
     out.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows),
                                                    indent=1))
     lines = [f"# {title}", "", *(f"- {k}: {v}" for k, v in prov.items()), "",
-             f"CPU time (`{timer}`) per call, least and median of the repeats, the two "
+             f"Time (`{timer}`) per call, least and median of the repeats, the two "
              "sides alternating; ratio = ref / tree (above 1: the tree is faster). A loaded "
              "machine: compare ratios, not times.", "",
              "| case | ref least (s) | ref median | tree least (s) | tree median | "

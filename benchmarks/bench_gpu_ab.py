@@ -16,7 +16,9 @@ process, the two sides alternating (wall time, the device synchronised around ea
   networks at N = 128, with the backprops of one backward pass per output (ref: the
   engine's) against one batched backward pass over all outputs (tree: a prototype defined
   here, ``torch.autograd.grad(..., is_grads_batched=True)``; on one CPU core it was
-  5-15% slower, so the engine does not take it: this row decides whether a GPU should).
+  5-15% slower, so the engine does not take it: this row decides whether a GPU should;
+  its last column names the backward operations that have no batching rule, which the
+  batched pass runs as a loop over the outputs).
 
 Usage: ``python -m benchmarks.bench_gpu_ab [--device cuda] [--out PATH] [--small]``
 (``--small``: N and repeats cut down, to try it on a CPU). Writes ``PATH.md`` and
@@ -117,12 +119,16 @@ def backprops_rows(device, n, reps, sync, done):
     for arch in ("cnn8", "cifar", "resnet", "vit"):
         module, params, X = _worker.gram_problem({"arch": arch, "n": n, "dtype": "float32"},
                                                  torch.device(device))
+        # The batching rules' fallbacks (a loop over the outputs) warn only when asked.
+        torch._C._debug_only_display_vmap_fallback_warnings(True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             times, res = _alternate(
                 sides, lambda m=module, p=params, x=X: tangent_gram(m, p, x), reps, sync)
         sides["ref"]()
-        slow = sorted({str(w.message)[:80] for w in caught if "performance" in str(w.message)})
+        torch._C._debug_only_display_vmap_fallback_warnings(False)
+        slow = sorted({str(w.message)[:160] for w in caught
+                       if "performance" in str(w.message)})
         done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops", times,
                     os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu()),
                     vmap_fallbacks="; ".join(slow) or "none"))
@@ -138,7 +144,7 @@ def main(argv=None):
         sys.exit("bench_gpu_ab: torch sees no CUDA device")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    sizes, reps, n = ((100,), 1, 32) if args.small else ((100, 1000), 2, 128)
+    sizes, reps, n = ((100,), 1, 32) if args.small else ((100, 1000), 1, 128)
     prov = ab_provenance(ROOT, "bench_gpu_ab",
                          ["skpathkernel/_tangent/_stacked.py",
                           "skpathkernel/_tangent/_capture.py", "benchmarks/bench_gpu_ab.py"],
@@ -155,8 +161,10 @@ def main(argv=None):
                  "time.perf_counter, the device synchronised", prov, rows, 4,
                  columns=[("vmap fallbacks", "vmap_fallbacks")])
 
-    path_rows(args.device, sizes, reps, sync, done)
+    # The quick rows first: a run stopped at its limit loses the slowest (the CPU's
+    # tiling at N = 1000 took 8 s a call on the first GPU run).
     backprops_rows(args.device, n, reps + 1, sync, done)
+    path_rows(args.device, sizes, reps, sync, done)
 
 
 if __name__ == "__main__":

@@ -447,6 +447,46 @@ def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
                                                  full=True), rtol=1e-10, atol=1e-13)
 
 
+def test_launch_bound_strips_and_fallback_to_the_cpu_tiling(monkeypatch):
+    """On a symmetric Gram of 300 rows the GPU's strips are 75 rows (the CPU's 64), with
+    the same sums; where one point of the GPU's tiling exceeds the budget but the CPU's
+    fits, the CPU's is taken (not None, the step-by-step sum)."""
+    monkeypatch.setattr(_stacked, "_launch_bound", lambda device: True)
+    module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[2], False)
+    A = torch.randn(300, 3, dtype=torch.float64)
+    panels = []
+    real_panels = _stacked._panels
+    monkeypatch.setattr(_stacked, "_panels",
+                        lambda *a: panels.append(list(real_panels(*a))) or panels[-1])
+    kw = dict(outputs=[0, 1, 2, 3], trace_scale=1 / 4, weighted=False)
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, memory_budget=2**30, **kw)
+    ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, [0, 1, 2, 3])
+    assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
+    assert [r.stop - r.start for r, _ in panels[-1]] == [75] * 4
+    K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, memory_budget=2**30,
+                               launch_bound=False, **kw)
+    assert [r.stop - r.start for r, _ in panels[-1]] == [64] * 4 + [44]
+    # A budget that one point of the CPU's tiling fits and the GPU's does not (its panels
+    # allowed the whole budget, so that its strips stay 75 rows there).
+    monkeypatch.setattr(_stacked, "_GPU_SHARE", 1)
+    sizes = {}
+    real_rows = _stacked.rows_per_block
+    monkeypatch.setattr(_stacked, "rows_per_block",
+                        lambda budget, per_point, what: sizes.setdefault("cpu", per_point)
+                        and real_rows(budget, per_point, what))
+    stacked_path_sum(mlp, layout, load, weights, A, memory_budget=2**30, launch_bound=False,
+                     **kw)
+    budget = sizes["cpu"] + 8
+    calls = []
+    real_sum = _stacked.stacked_path_sum
+    monkeypatch.setattr(_stacked, "stacked_path_sum",
+                        lambda *a, **k: calls.append(k["launch_bound"]) or real_sum(*a, **k))
+    K, _, _ = real_sum(mlp, layout, load, weights, A, memory_budget=budget, **kw)
+    assert calls == [False]  # the GPU's tiling did not fit: the CPU's, once
+    assert [r.stop - r.start for r, _ in panels[-1]] == [64] * 4 + [44]
+    assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
+
+
 def test_launch_bound_strips_and_panels_at_size():
     """The GPU's strips and panels where the CPU's would be 64 rows and 256 columns."""
     assert _stacked._strip(1000, 1000, launch_bound=True) == 250

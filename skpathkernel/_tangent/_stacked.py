@@ -145,6 +145,9 @@ _PANEL = 256
 # point and layer where 64-row strips took 16).
 _GPU_PANEL = 2048
 _GPU_STRIP = 512
+# The share of the budget (1 / _GPU_SHARE) that one point's panel products, and a chunk
+# of units, take at most there: a block then holds several points.
+_GPU_SHARE = 16
 
 # Bytes of one chunk of the "units" route's products: a few times a core's L2 cache,
 # within L3 (7 units of a 64 x 1000 strip; 4 to 8 units measured alike at N = 1000, 16
@@ -1199,7 +1202,7 @@ def _launch_bound(device: torch.device) -> bool:
     route issues about 1600 torch calls per point (counted on the CPU): 10 us each.
     There the panels are whole (up to ``_GPU_PANEL``), the strips a quarter of the rows
     (up to ``_GPU_STRIP``), both within a sixteenth of the budget per point, and a chunk
-    as many units as a quarter of the budget holds.
+    as many units as a sixteenth of the budget holds.
     """
     return device.type == "cuda"
 
@@ -1247,6 +1250,7 @@ def stacked_path_sum(
     block: int | None = None,
     panel: int | None = None,
     full: bool = False,
+    launch_bound: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """``sum_k w_k J_k(X) D_k J_k(Y)^T`` (float64) and / or its diagonals over the points.
 
@@ -1281,6 +1285,9 @@ def stacked_path_sum(
     full : bool, default=False
         The ``C x C`` blocks of the outputs instead of their trace: ``K`` of shape
         ``(n, m, C, C)`` (``trace_scale`` 1; no diagonals: ``diag`` must be False).
+    launch_bound : bool, default=None
+        The GPU's tiling (:func:`_launch_bound`) or the CPU's; None: by ``X``'s device.
+        Where one point of the GPU's tiling does not fit the budget, the CPU's is taken.
     """
     symmetric = Y is None
     Yt = X if Y is None else Y
@@ -1295,11 +1302,13 @@ def stacked_path_sum(
     # per strip, so that no panel is a narrow remainder and the "units" route issues
     # its calls for whole rows of the Gram.
     whole = panel is None and symmetric and not full
+    asked = panel
     c2 = C * C if full else 1
-    launch_bound = _launch_bound(X.device)
+    if launch_bound is None:
+        launch_bound = _launch_bound(X.device)
     # Launch-bound, a point's panel products take at most a sixteenth of the budget (so
     # that a block holds several points), but never less than the CPU's tiling takes.
-    held = memory_budget // (16 * 3 * c2 * itemsize)
+    held = memory_budget // (_GPU_SHARE * 3 * c2 * itemsize)
     if panel is None:
         panel = (max(_PANEL, min(max(n, m), _GPU_PANEL, math.isqrt(held))) if launch_bound
                  else _PANEL)
@@ -1344,6 +1353,12 @@ def stacked_path_sum(
             c * lin.d_out for lin, c, route in
             zip(mlp.linears, _outputs_per_layer(mlp, C), routes) if route == "units")
     if block is None:
+        if per_point > memory_budget and launch_bound:
+            # The CPU's smaller panels may fit where the GPU's do not.
+            return stacked_path_sum(
+                mlp, layout, load, weights, X, Y, outputs=outputs, trace_scale=trace_scale,
+                weighted=weighted, memory_budget=memory_budget, gram=gram, diag=diag,
+                block=block, panel=asked, full=full, launch_bound=False)
         if per_point > memory_budget:
             # Not one point fits: the step-by-step sum, which blocks the queries too.
             return None
@@ -1352,10 +1367,11 @@ def stacked_path_sum(
     elif rows_per_block(memory_budget, per_point * block, "A block of points") < 1:
         block = 1
     # Units per chunk: the chunk's scaled rows, H and G of a panel, for one point, in
-    # cache (and in a quarter of the budget; in the quarter alone where launch-bound).
+    # cache (and in a quarter of the budget); where launch-bound, in a sixteenth of the
+    # budget (beside the blocks, which take all of it).
     unit_bytes = itemsize * (pr * max(lin.d_in + 1 for lin in mlp.linears) + 2 * pr * pc)
-    chunk = max(1, (memory_budget // 4 if launch_bound else min(_CACHE, memory_budget // 4))
-                // unit_bytes)
+    chunk = max(1, (memory_budget // _GPU_SHARE if launch_bound
+                    else min(_CACHE, memory_budget // 4)) // unit_bytes)
     # The full blocks' "units" route: T of a chunk, (N, u, M, C): a larger chunk makes
     # the batched GEMM's inner dimension; a quarter of the budget bounds it.
     chunks = (chunk, max(1, min(_FULL_CHUNK,

@@ -397,6 +397,14 @@ def test_full_blocks_of_every_layout_match_autograd(layers, weighted, outputs, m
         stacked_path_sum(mlp, layout, load, weights, A, diag=True, **kw)
 
 
+def _spy_panels(monkeypatch):
+    """The list that every later call's panels, (rows, cols) slices, are appended to."""
+    panels, real = [], _stacked._panels
+    monkeypatch.setattr(_stacked, "_panels",
+                        lambda *a: panels.append(list(real(*a))) or panels[-1])
+    return panels
+
+
 @pytest.mark.parametrize("layers", LAYERS, ids=LAYER_IDS)
 @pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
 def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
@@ -414,10 +422,8 @@ def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
     B = torch.randn(20, 3, dtype=torch.float64)
     ws = [w for _, w in weights]
     outputs = [0, 1, 2, 3]
-    panels, chunks = [], []
-    real_panels, real_contract = _stacked._panels, _stacked._contract_panel
-    monkeypatch.setattr(_stacked, "_panels",
-                        lambda *a: panels.append(list(real_panels(*a))) or panels[-1])
+    panels, chunks = _spy_panels(monkeypatch), []
+    real_contract = _stacked._contract_panel
     monkeypatch.setattr(_stacked, "_contract_panel",
                         lambda *a: chunks.append(a[6]) or real_contract(*a))
     kw = dict(outputs=outputs, trace_scale=1 / 4, weighted=weighted, memory_budget=2**30,
@@ -430,15 +436,14 @@ def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
     assert [(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]] == [
         (16, 40), (16, 24), (8, 8)]
     assert chunks and min(c[0] for c in chunks) >= max(lin.d_out for lin in mlp.linears)
+    cross = _module_reference(module, thetas, Ds, ws, A, B, outputs)
     K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, **kw)
-    assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, B, outputs),
-                    rtol=1e-10, atol=1e-13)
+    assert_allclose(K.numpy(), cross, rtol=1e-10, atol=1e-13)
     assert [(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]] == [(40, 20)]
     # A budget whose sixteenth holds 170 float64 products a point: panels of 13.
     K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, B, **{**kw, "block": 1,
                                                                     "memory_budget": 2**16})
-    assert_allclose(K.numpy(), _module_reference(module, thetas, Ds, ws, A, B, outputs),
-                    rtol=1e-10, atol=1e-13)
+    assert_allclose(K.numpy(), cross, rtol=1e-10, atol=1e-13)
     assert {(r.stop - r.start, c.stop - c.start) for r, c in panels[-1]} == {
         (13, 13), (13, 7), (1, 13), (1, 7)}
     kw.update(full=True, trace_scale=1.0)
@@ -454,10 +459,7 @@ def test_launch_bound_strips_and_fallback_to_the_cpu_tiling(monkeypatch):
     monkeypatch.setattr(_stacked, "_launch_bound", lambda device: True)
     module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[2], False)
     A = torch.randn(300, 3, dtype=torch.float64)
-    panels = []
-    real_panels = _stacked._panels
-    monkeypatch.setattr(_stacked, "_panels",
-                        lambda *a: panels.append(list(real_panels(*a))) or panels[-1])
+    panels = _spy_panels(monkeypatch)
     kw = dict(outputs=[0, 1, 2, 3], trace_scale=1 / 4, weighted=False)
     K, _, _ = stacked_path_sum(mlp, layout, load, weights, A, memory_budget=2**30, **kw)
     ref = _module_reference(module, thetas, Ds, [w for _, w in weights], A, A, [0, 1, 2, 3])

@@ -1,5 +1,6 @@
 """The structured tangent engine against an independent per-sample autograd loop."""
 
+import functools
 import math
 import re
 import threading
@@ -680,6 +681,20 @@ class _ScriptedRead(_TwoLayers):
         return super().forward(x) + _scripted_product(x, self.l1.weight)[:, :2]
 
 
+class _ScriptedReadOnOneOutput(_TwoLayers):
+    """The hidden read of l1.weight in one of the two outputs alone: the autograd check
+    must judge every output, not all of them at once nor only one."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, x):
+        read = _scripted_product(x, self.l1.weight)[:, :1]
+        zero = torch.zeros_like(read)
+        return super().forward(x) + torch.cat([zero, read] if self.output else [read, zero], 1)
+
+
 def _hooked_read():
     module = _TwoLayers()
     module.l1.register_forward_hook(lambda m, args, out: out + args[0].square() @ m.weight.T)
@@ -711,14 +726,19 @@ def _patched_input():
 
 
 _READS = [(_hooked_read, False), (_hooked_scale, False), (_patched_forward, False),
-          (_patched_input, True), (_RaisesInsideLayer, False), (_ScriptedRead, False)]
+          (_patched_input, True), (_RaisesInsideLayer, False), (_ScriptedRead, False),
+          (functools.partial(_ScriptedReadOnOneOutput, 0), False),
+          (functools.partial(_ScriptedReadOnOneOutput, 1), False)]
+# The reads hidden from torch functions: the autograd check's alone.
+_HIDDEN = {_ScriptedRead, _ScriptedReadOnOneOutput}
 
 
 # Every case with both checks; without the autograd check, the use watch alone must see
 # every read except the one hidden from torch functions.
 @pytest.mark.parametrize("make, rule_kept, numerical_check",
                          [(m, k, True) for m, k in _READS]
-                         + [(m, k, False) for m, k in _READS if m is not _ScriptedRead])
+                         + [(m, k, False) for m, k in _READS
+                            if getattr(m, "func", m) not in _HIDDEN])
 def test_reads_in_hooks_patches_and_hidden_code(make, rule_kept, numerical_check, monkeypatch):
     fallback = _routing_against_loop(make, numerical_check, monkeypatch)
     assert ("l1.weight" in fallback) != rule_kept

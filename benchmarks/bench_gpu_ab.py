@@ -19,6 +19,9 @@ process, the two sides alternating (wall time, the device synchronised around ea
   5-15% slower, so the engine does not take it: this row decides whether a GPU should;
   its last column names the backward operations that have no batching rule, which the
   batched pass runs as a loop over the outputs).
+- ``transfer``: the public kernels' float64 Gram copied from the device into NumPy, as
+  ``to_numpy`` does (ref), against copying the float32 Gram and widening it on the host,
+  and against copies through pinned host memory (:func:`transfer_rows`).
 
 Usage: ``python -m benchmarks.bench_gpu_ab [--device cuda] [--out PATH] [--small]``
 (``--small``: N and repeats cut down, to try it on a CPU). Writes ``PATH.md`` and
@@ -134,6 +137,46 @@ def backprops_rows(device, n, reps, sync, done):
                     vmap_fallbacks="; ".join(slow) or "none"))
 
 
+def _to_host(route):
+    """A float64 NumPy Gram from the device's: ``route`` names the copy (see
+    :func:`transfer_rows`)."""
+    def pinned(K):
+        host = torch.empty(K.shape, dtype=K.dtype, pin_memory=True)
+        return host.copy_(K).numpy()
+
+    return {"ref": lambda K64, K32: K64.cpu().numpy(),
+            "float32": lambda K64, K32: K32.cpu().numpy().astype(np.float64),
+            "pinned": lambda K64, K32: pinned(K64),
+            "pinned float32": lambda K64, K32: pinned(K32).astype(np.float64)}[route]
+
+
+def transfer_rows(device, sizes, reps, sync, done):
+    """The public kernels' last step: a Gram on the device to a float64 NumPy array.
+
+    ``TangentKernel(net)(X)`` took 1.3-3.5 times its engine call on the GPU's MLP rows
+    (``results/gram-quick-cuda.md``, N = 512-2048), growing with N^2: the engine writes K
+    in float64 on the device and ``to_numpy`` copies it into fresh pageable host memory.
+    Each row times that copy (ref) against one alternative: the float32 Gram copied and
+    widened on the host (half the bytes over the bus; exact, as every float32 is a
+    float64), and either copy through a freshly pinned host buffer.
+    """
+    for n in sizes:
+        K32 = torch.randn(n, n, device=device)
+        K64 = K32.double()
+        # (Pinned memory needs an accelerator: a CPU run tries the first route only.)
+        pinned = ("pinned", "pinned float32") if device == "cuda" else ()
+        for route in ("float32", *pinned):
+            sides = {"ref": _to_host("ref"), "tree": _to_host(route)}
+            times, res = {k: [] for k in sides}, {}
+            for rep in range(reps + 1):
+                for side, copy in sides.items():
+                    t, res[side] = _timed(lambda c=copy, a=K64, b=K32: c(a, b), sync)
+                    if rep:
+                        times[side].append(t)
+            done(ab_row(f"K ({n} x {n}) to float64 NumPy: {route}", times,
+                        os.getloadavg()[0], max_rel_diff=_rel(res["tree"], res["ref"])))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -164,6 +207,7 @@ def main(argv=None):
     # The quick rows first: a run stopped at its limit loses the slowest (the CPU's
     # tiling at N = 1000 took 8 s a call on the first GPU run).
     backprops_rows(args.device, n, reps + 1, sync, done)
+    transfer_rows(args.device, (256,) if args.small else (1024, 2048, 4096), 5, sync, done)
     path_rows(args.device, sizes, reps, sync, done)
 
 

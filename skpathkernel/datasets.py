@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import pickle
+from numbers import Integral, Real
 
 import numpy as np
 from sklearn.utils import Bunch, check_random_state
+from sklearn.utils._param_validation import Interval, validate_params
 
 from ._glyphs import load_printed_digits, load_printed_letters
 
@@ -46,6 +48,13 @@ def _ring_and_disk(n_samples, inner_radius_sq, scale_x1, random_state):
     return X[perm], y[perm]
 
 
+@validate_params(
+    {"n_samples": [Interval(Integral, 2, None, closed="left")],
+     # [0, 1): the inner disk strictly inside the outer curve (a negative one read NaN).
+     "inner_radius_sq": [Interval(Real, 0, 1, closed="left")],
+     "random_state": ["random_state"]},
+    prefer_skip_nested_validation=True,
+)
 def make_circle(n_samples=400, *, inner_radius_sq=0.8, random_state=None):
     """The circle task of Guo, He & Morel (2026): +1 on the unit circle, -1 inside a smaller disk.
 
@@ -76,6 +85,14 @@ def make_circle(n_samples=400, *, inner_radius_sq=0.8, random_state=None):
     return _ring_and_disk(n_samples, inner_radius_sq, 1.0, random_state)
 
 
+@validate_params(
+    {"n_samples": [Interval(Integral, 2, None, closed="left")],
+     # [0, 1): the inner disk strictly inside the outer curve (a negative one read NaN).
+     "inner_radius_sq": [Interval(Real, 0, 1, closed="left")],
+     "anisotropy": [Interval(Real, 0, None, closed="neither")],
+     "random_state": ["random_state"]},
+    prefer_skip_nested_validation=True,
+)
 def make_ellipse(n_samples=400, *, inner_radius_sq=0.9, anisotropy=100.0, random_state=None):
     """The anisotropic variant of figure 3: ``100 x1^2 + x2^2 = 1`` (+1) vs ``<= 0.9`` (-1).
 
@@ -134,6 +151,12 @@ def _grid_1d(n_samples, low, high, noise, random_state, func):
     return X, y
 
 
+@validate_params(
+    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [Real],
+     "high": [Real], "noise": [Interval(Real, 0, None, closed="left")],
+     "random_state": ["random_state"]},
+    prefer_skip_nested_validation=True,
+)
 def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
     """``y = sin(x)`` on an even grid of ``[low, high]`` (figure 2a).
 {grid}
@@ -147,6 +170,12 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
     return _grid_1d(n_samples, low, high, noise, random_state, np.sin)
 
 
+@validate_params(
+    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [Real],
+     "high": [Real], "noise": [Interval(Real, 0, None, closed="left")],
+     "random_state": ["random_state"]},
+    prefer_skip_nested_validation=True,
+)
 def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
     """``y = sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
 {grid}
@@ -164,6 +193,13 @@ make_sine.__doc__ = make_sine.__doc__.format(grid=_GRID_DOC)
 make_square_wave.__doc__ = make_square_wave.__doc__.format(grid=_GRID_DOC)
 
 
+@validate_params(
+    {"n_train": [Interval(Integral, 1, None, closed="left")],
+     "n_test": [Interval(Integral, 1, None, closed="left")],
+     "train_range": ["array-like"], "test_range": ["array-like"], "slope": [Real],
+     "intercept": [Real]},
+    prefer_skip_nested_validation=True,
+)
 def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
                               test_range=(2.0, 4.0), slope=2.0, intercept=1.0):
     """The 1-D regression ``y = 2x + 1`` of figures 7-8: train on [0, 2), test beyond.

@@ -26,8 +26,9 @@ import warnings
 import numpy as np
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
+from sklearn.pipeline import Pipeline
 from sklearn.utils._optional_dependencies import check_matplotlib_support
-from sklearn.utils.validation import check_array
+from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
@@ -52,6 +53,17 @@ def _axes(ax):
         _, ax = plt.subplots()
     return ax, ax.figure
 
+
+
+def _last_step(estimator, *inputs):
+    """A fitted :class:`~sklearn.pipeline.Pipeline`'s last step, and ``inputs`` (None
+    passes) through the steps before it: the displays read the last step's network, on
+    the inputs it takes. Anything else is returned as given."""
+    if not isinstance(estimator, Pipeline):
+        return (estimator, *inputs)
+    check_is_fitted(estimator)
+    head = estimator[:-1]
+    return (estimator[-1], *(None if a is None else head.transform(a) for a in inputs))
 
 def _check_kernel(kernel, allowed=("tangent", "path")):
     if kernel not in allowed:
@@ -232,7 +244,8 @@ class KernelMatrixDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
-            The fitted network whose recorded path is read.
+            The fitted network whose recorded path is read; or a fitted Pipeline ending
+            in one, whose steps before it transform the inputs.
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             In the form of the estimator's training inputs (images, token ids, ...).
         y : array-like of shape (n_samples,), default=None
@@ -253,6 +266,7 @@ class KernelMatrixDisplay:
         display : KernelMatrixDisplay
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
+        estimator, X = _last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)
         X = net.check(X)
@@ -395,7 +409,9 @@ class KernelNeighborsDisplay:
         Parameters
         ----------
         estimator : fitted PathKernelMachine or PathKernelClassifier on 2-D inputs
-            Its training inputs ``X_fit_`` are the candidates.
+            Its training inputs ``X_fit_`` are the candidates; or a fitted Pipeline
+            ending in one, whose steps before it transform the anchors (the points are
+            then drawn as the network takes them, after those steps).
         anchors : array-like of shape (n_anchors, 2)
             The points whose kernel neighbours are drawn.
         n_neighbors : int, default=100
@@ -417,6 +433,7 @@ class KernelNeighborsDisplay:
         -------
         display : KernelNeighborsDisplay
         """
+        estimator, anchors = _last_step(estimator, anchors)
         net = network_of(estimator)
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
         X = net.X_fit
@@ -550,7 +567,8 @@ class KernelEvolutionDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
-            The fitted network whose recorded path is read.
+            The fitted network whose recorded path is read; or a fitted Pipeline ending
+            in one, whose steps before it transform the inputs.
         x : array-like of shape (n_features,) or the estimator's ``input_shape_``
             One input, without the sample axis.
         Y : array-like of shape (n_Y, n_features) or (n_Y, ...)
@@ -570,6 +588,13 @@ class KernelEvolutionDisplay:
         -------
         display : KernelEvolutionDisplay
         """
+        if isinstance(estimator, Pipeline):
+            # x has no sample axis: one row through the steps, and back (a Series as a
+            # one-row frame, a one-row DataFrame as it is: the steps may read names).
+            row = (x.to_frame().T if hasattr(x, "to_frame") else x if hasattr(x, "iloc")
+                   else np.asarray(x).reshape(1, -1))
+            estimator, row, Y = _last_step(estimator, row, Y)
+            x = row[0] if isinstance(row, np.ndarray) else row.iloc[0]
         net = network_of(estimator)
         for values in (x, Y):
             check_column_names(estimator, values)
@@ -686,7 +711,8 @@ class RankGapDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
-            The fitted network whose recorded path is read.
+            The fitted network whose recorded path is read; or a fitted Pipeline ending
+            in one, whose steps before it transform the inputs.
         X_train : array-like of shape (n_train, n_features) or (n_train, ...)
             The training inputs, whose tangent features span the reference space.
         X_test : array-like of shape (n_test, n_features) or (n_test, ...)
@@ -707,6 +733,7 @@ class RankGapDisplay:
         -------
         display : RankGapDisplay
         """
+        estimator, X_train, X_test = _last_step(estimator, X_train, X_test)
         net = network_of(estimator)
         for values in (X_train, X_test):
             check_column_names(estimator, values)
@@ -855,7 +882,8 @@ class TangentEmbeddingDisplay:
         Parameters
         ----------
         estimator : fitted skpathkernel estimator, RecordedNetwork or TrainedNetwork
-            The fitted network whose recorded path is read.
+            The fitted network whose recorded path is read; or a fitted Pipeline ending
+            in one, whose steps before it transform the inputs.
         X : array-like of shape (n_samples, n_features) or (n_samples, ...)
             The samples, in the form the network was fitted on.
         y : array-like of shape (n_samples,), default=None
@@ -873,6 +901,7 @@ class TangentEmbeddingDisplay:
         -------
         display : TangentEmbeddingDisplay
         """
+        estimator, X = _last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)
         X = net.check(X)

@@ -8,6 +8,7 @@ import pytest
 from sklearn.datasets import load_digits
 from sklearn.neighbors import KNeighborsClassifier
 from sklearn.svm import SVC
+from sklearn.utils._param_validation import InvalidParameterError
 
 import skpathkernel._glyphs as glyphs
 from skpathkernel import datasets
@@ -137,6 +138,35 @@ def test_make_linear_extrapolation_parameters():
     assert Xte.ravel().tolist() == [5.0, 5.5, 6.0]
     np.testing.assert_allclose(ytr, -0.5 * Xtr[:, 0] + 3.0)
     np.testing.assert_allclose(yte, -0.5 * Xte[:, 0] + 3.0)
+
+
+@pytest.mark.parametrize("make, params", [
+    (make_circle, dict(inner_radius_sq=-1.0)),  # read NaN (the square root of it)
+    (make_circle, dict(inner_radius_sq=1.5)),  # an "inner" disk beyond the circle
+    (make_circle, dict(n_samples=1)),  # one class only
+    (make_circle, dict(n_samples=-3)),
+    (make_ellipse, dict(anisotropy=-1.0)),  # read NaN
+    (make_ellipse, dict(inner_radius_sq=1.0)),
+    (make_sine, dict(noise=-1.0)),
+    (make_square_wave, dict(n_samples=0)),
+    (make_circle, dict(random_state="seed")),
+    (make_linear_extrapolation, dict(n_train=0)),
+    (make_linear_extrapolation, dict(n_test=2.5)),
+])
+def test_generators_refuse_invalid_parameters(make, params):
+    """As scikit-learn's own generators: an InvalidParameterError (a ValueError and a
+    TypeError) naming the parameter, never NaN or an empty set."""
+    name = next(iter(params))
+    with pytest.raises(InvalidParameterError, match=f"'{name}' parameter of {make.__name__}"):
+        make(**params)
+
+
+def test_generators_accept_their_boundaries():
+    X, y = make_circle(2, inner_radius_sq=0.0, random_state=0)
+    assert sorted(y.tolist()) == [-1, 1] and np.abs(X[y == -1]).max() == 0.0
+    assert make_sine(1)[0].shape == (1, 1)
+    Xtr, *_ = make_linear_extrapolation(1, 1, train_range=[0.0, 1.0])  # a list too
+    assert Xtr.ravel().tolist() == [0.0]
 
 
 # --------------------------------------------------------------------------- glyphs

@@ -86,6 +86,24 @@ def test_a_frozen_trainer_is_read_as_it_is(cls, circle):
                                rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_a_frozen_trainer_refuses_named_columns_in_another_order(cls, circle):
+    """The frozen trainer's columns are the network's inputs: reordered ones were taken by
+    position, silently computing on the wrong features (this estimator's own names are
+    reset by its fit)."""
+    pd = pytest.importorskip("pandas")
+    X, y = circle
+    df = pd.DataFrame(X, columns=["a", "b"])
+    clf = PathKernelClassifier(**SMALL).fit(df, y)
+    with pytest.raises(ValueError, match="feature names should match"):
+        cls(FrozenEstimator(clf)).fit(df[["b", "a"]], y)
+    est = cls(FrozenEstimator(clf)).fit(df, y)
+    np.testing.assert_array_equal(est.feature_names_in_, ["a", "b"])
+    phi = TangentFeatures(FrozenEstimator(clf)).fit(df, y).transform(df[:5])
+    np.testing.assert_allclose(phi, features_loop(clf.module_, X[:5]), rtol=1e-10,
+                               atol=1e-12)
+
+
 def test_a_frozen_trainer_reads_the_x_it_is_given(circle):
     X, y = circle
     clf = PathKernelClassifier(**SMALL).fit(X[:40], y[:40])

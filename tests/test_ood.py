@@ -449,3 +449,48 @@ def test_token_ids_and_sequences_score_like_the_dense_reference(kind, method):
     np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-5)
     with pytest.raises(ValueError, match="features|shape"):  # another trailing shape
         det.score_samples(Xq[:, :2])
+
+
+def test_scores_stay_the_fitted_methods_after_set_params():
+    """The scores are those of the fit's method and neighbours, which offset_ and the
+    factorisation belong to: set_params without a refit changes nothing fitted (a
+    "local" fit scored with "residual" read -1 for every point, training points too)."""
+    rng = np.random.RandomState(0)
+    X, y = task_data("regression", rng)
+    Xq = np.vstack([X[:3], 4 * rng.normal(size=(3, 5))])
+    det = OODRankDetector(trainer(y), method="local", n_neighbors=5, rtol=1e-6).fit(X, y)
+    scores, labels, gap = det.score_samples(Xq), det.predict(Xq), det.rank_gap(Xq)
+    for change in (dict(method="residual"), dict(method="alignment"), dict(n_neighbors=2),
+                   dict(rtol=0.5)):
+        det.set_params(**change)
+        np.testing.assert_array_equal(det.score_samples(Xq), scores)
+        np.testing.assert_array_equal(det.predict(Xq), labels)
+        assert det.rank_gap(Xq) == gap
+        # A refit takes the new parameters: the scores were the fit's, not frozen ones.
+        refit = clone(det).fit(X, y)
+        if "rtol" not in change:
+            assert not np.array_equal(refit.score_samples(Xq), scores), change
+        det.set_params(method="local", n_neighbors=5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_span_of_one_positive_weight_point_is_refused(frozen):
+    """One point spans one direction and leaves no leave-one-out score to set offset_ (it
+    read NaN, and every point, the training point too, an outlier); the previous fit
+    is kept."""
+    rng = np.random.RandomState(0)
+    X, y = task_data("regression", rng)
+    w = np.zeros(len(X))
+    w[4] = 1.0
+    est = trainer(y)
+    if frozen:
+        est = FrozenEstimator(clone(est).fit(X, y))
+    det = OODRankDetector(est, method="alignment").fit(X, y)
+    before = det.score_samples(X[:3])
+    with pytest.raises(ValueError,
+                       match="at least 2 training points of positive weight for its span; got 1"):
+        det.fit(X, y, sample_weight=w)
+    np.testing.assert_array_equal(det.score_samples(X[:3]), before)
+    assert len(det.X_fit_) == len(X)
+    w[5] = 1.0  # two points: a span and a leave-one-out score each
+    assert np.isfinite(det.fit(X, y, sample_weight=w).offset_)

@@ -14,6 +14,9 @@ import pandas as pd
 import pytest
 from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
+from sklearn.exceptions import NotFittedError
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel.plotting import (
@@ -318,3 +321,33 @@ def test_displays_refuse_dataframe_columns_other_than_the_fit():
     shown = KernelMatrixDisplay.from_estimator(clf, df.iloc[:8]).kernel_matrix
     np.testing.assert_allclose(shown, _loop_gram(clf, -1, df.to_numpy()[:8].copy()), rtol=1e-10,
                                atol=1e-12)
+
+
+def test_displays_take_a_pipeline_as_its_last_step_on_transformed_inputs():
+    """As scikit-learn's displays take a fitted Pipeline: the network is its last step's,
+    read on the inputs the steps before it give that step (the README's model is
+    make_pipeline(StandardScaler(), PathKernelClassifier()))."""
+    rng = np.random.RandomState(2)
+    X = rng.uniform(-3, 5, size=(30, 2)) * [1.0, 20.0]
+    y = np.where(X[:, 0] > 1, 1, -1)
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(
+        hidden_layer_sizes=(5,), max_iter=3, tol=None, dtype="float64", random_state=0))
+    pipe.fit(X, y)
+    clf, Z = pipe[-1], pipe[0].transform(X)
+    assert np.abs(Z - X).max() > 1  # the steps change the inputs: the check can fail
+    same = [
+        (lambda e, A: KernelMatrixDisplay.from_estimator(e, A[:9], y[:9]), "kernel_matrix"),
+        (lambda e, A: KernelNeighborsDisplay.from_estimator(e, A[:2], 4), "neighbors"),
+        (lambda e, A: KernelEvolutionDisplay.from_estimator(e, A[0], A[1:4]), "kernel_values"),
+        (lambda e, A: RankGapDisplay.from_estimator(e, A[:20], A[20:]), "rank_joint"),
+        (lambda e, A: TangentEmbeddingDisplay.from_estimator(e, A[:12], method="pca"),
+         "embedding"),
+    ]
+    for make, attr in same:
+        np.testing.assert_allclose(getattr(make(pipe, X), attr), getattr(make(clf, Z), attr),
+                                   rtol=1e-12, atol=1e-14)
+    # The matrix is the autograd loop's Gram of the transformed inputs.
+    shown = KernelMatrixDisplay.from_estimator(pipe, X[:6]).kernel_matrix
+    np.testing.assert_allclose(shown, _loop_gram(clf, -1, Z[:6]), rtol=1e-10, atol=1e-12)
+    with pytest.raises(NotFittedError):
+        KernelMatrixDisplay.from_estimator(make_pipeline(StandardScaler(), clf.__class__()), X)

@@ -348,6 +348,12 @@ def test_output_shapes_and_probabilities(regression_data):
                               random_state=0).fit(X, yc)
     assert not hasattr(sq, "predict_proba")
     assert sq.predict(X).shape == (len(X),)
+    # The fitted network's loss decides, not a set_params after fit (a softmax of a
+    # squared-error network's outputs is no probability); before a fit, the parameter.
+    assert not hasattr(sq.set_params(loss="log_loss"), "predict_proba")
+    assert hasattr(clf.set_params(loss="squared_error"), "predict_log_proba")
+    assert hasattr(PathKernelClassifier(loss="log_loss"), "predict_proba")
+    assert not hasattr(PathKernelClassifier(loss="squared_error"), "predict_proba")
 
 
 def test_one_class_is_rejected(regression_data):

@@ -1011,7 +1011,8 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         return self.classes_[np.argmax(scores, axis=1)]
 
     def _has_proba(self):
-        return self.loss == "log_loss"
+        # The fitted network's loss (set_params(loss=...) after fit changes no network).
+        return getattr(self, "_loss_name", self.loss) == "log_loss"
 
     @available_if(_has_proba)
     def predict_proba(self, X):

@@ -20,6 +20,7 @@ from sklearn.utils.multiclass import type_of_target
 
 from .._network._inputs import FEATURES, TOKENS, check_representable, validate_input
 from .._network._trained import network_of
+from .._validation import check_column_names
 from ..kernels import NetworkKernelsMixin
 from ._base import (
     FIT_CHECKS,
@@ -186,6 +187,9 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         inner, frozen = self._trainer()
         if frozen:
             net = network_of(inner)  # NotFittedError for a frozen unfitted trainer
+            # Named columns are the frozen trainer's, in its order: this estimator's own
+            # names are reset by this fit, and would let reordered columns through.
+            check_column_names(inner, X)
             X, y = self._validate_like_network(X, y, net, frozen=True)
             self._check_targets(y)
             self.estimator_, self.X_fit_ = inner, X

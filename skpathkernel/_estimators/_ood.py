@@ -298,6 +298,13 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             # scikit-learn's weight 0: the row is absent. Here a span would otherwise
             # hold it, and score it (and any point near it) as fully normal.
             self.X_fit_ = self.X_fit_[weights > 0]
+        if len(self.X_fit_) < 2:
+            # One point spans one direction: its leave-one-out score, which sets offset_,
+            # has no other point to be scored against.
+            raise ValueError(
+                f"{type(self).__name__} needs at least 2 training points of positive "
+                f"weight for its span; got {len(self.X_fit_)} (sample_weight is 0 on the "
+                "other rows).")
         if isinstance(est, PathKernelClassifier):
             task = "classification"
         else:
@@ -353,7 +360,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         block = min(BLOCK, gram.rows_per_block(n, f"fit ({n} training points)"))
         diag = to_numpy(gram.diag(gram.tensor(X)).to(torch.float64))
         lam = TangentSpan.jitter(diag, self.rtol)
-        state = dict(task_=task, lambda_=lam, _train_diag=diag)
+        # The scores are those of this fit's method, whatever set_params says later
+        # (offset_ and the factorisation are this method's).
+        state = dict(task_=task, lambda_=lam, _train_diag=diag, _method=self.method,
+                     _n_neighbors=self.n_neighbors, _rtol=self.rtol)
         if self.method == "local":
             span = TangentSpan(X, diag, lam)
         else:
@@ -428,8 +438,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             # Workers get an on-disk trajectory by reference, and loky processes an
             # in-memory one as the name of its shared files (TrainedNetwork.for_workers).
             net = net.for_workers(by_reference=by_reference(n_blocks))
-        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self.method,
-                                             self.n_neighbors, self._span(), net))
+        return np.concatenate(map_row_blocks(_score_rows, X, self.n_jobs, self._method,
+                                             self._n_neighbors, self._span(), net))
 
     def decision_function(self, X):
         """``score_samples(X) - offset_``: negative for outliers.
@@ -500,7 +510,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 f"raise memory_budget to at least {4 * nbytes:,}."
             )
         K = to_numpy(gram.gram(gram.tensor(np.concatenate([self.X_fit_, X]))).to(torch.float64))
-        return TangentSpan.rank_gap(K, n_train, self.rtol)
+        return TangentSpan.rank_gap(K, n_train, self._rtol)
 
 
 def _scores(method, n_neighbors, span, gram, X, exclude=None):

@@ -8,10 +8,12 @@
 # 153 s, path 130 s, training 3 s, decomposition 2 s (mostly the case processes'
 # start-up, a CUDA context each): about 10 minutes for all, more than one call should
 # spend of the 15 minutes a session gets. So the groups run in the order
-# DEVICE_CHECK_GROUPS names (default gram_nets,path,defaults,training,decomposition,gram:
-# the image networks first, where the GPU differs most from the CPU; then the default
+# DEVICE_CHECK_GROUPS names (default path,defaults,gram_nets,training,decomposition,gram:
+# the path kernel first, whose launch-bound tiling no GPU has run; then the default
 # estimators' fit against scikit-learn's MLPs, which device="auto" puts on the GPU and
-# no run has timed there; about 32 s on the CPU's quick plan) until the budget
+# no run has timed there, about 32 s on the CPU's quick plan; then the image networks'
+# Grams, measured once already; after bench_gpu_ab's 150 s at most, about 280 s are left
+# for these, so the later groups run only when the earlier ones are quick) until the budget
 # (DEVICE_CHECK_SECONDS, default 480) runs out; with the start that leaves about 6
 # minutes, enough for a rerun (a fresh start needs 4). Name fewer groups to verify one
 # change, e.g. DEVICE_CHECK_GROUPS=gram_nets.
@@ -47,14 +49,14 @@
 # Environment: OUT (default: a new temporary folder), PYTHON (default python3),
 # DEVICE_CHECK_SECONDS (default 480: the whole script's budget), DEVICE_CHECK_AB_SECONDS
 # (default 150: bench_gpu_ab's limit, inside the budget), DEVICE_CHECK_GROUPS
-# (default gram_nets,path,defaults,training,decomposition,gram: the benchmark's groups,
+# (default path,defaults,gram_nets,training,decomposition,gram: the benchmark's groups,
 # in order).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
 BUDGET=${DEVICE_CHECK_SECONDS:-480}
-BENCH_GROUPS=${DEVICE_CHECK_GROUPS:-gram_nets,path,defaults,training,decomposition,gram}
+BENCH_GROUPS=${DEVICE_CHECK_GROUPS:-path,defaults,gram_nets,training,decomposition,gram}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # The tests and the benchmark's case processes each set their own torch threads; this

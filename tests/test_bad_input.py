@@ -538,3 +538,56 @@ def test_the_default_network_keeps_two_dimensional_features():
         PathKernelMachine(**SMALL).fit(IMAGES, Y_REG)
     est = PathKernelMachine(**SMALL).fit(TOKEN_IDS, Y_REG)
     assert est.X_fit_.dtype == np.float64 and est.input_shape_ == (3,)
+
+
+class _Tuple(torch.nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return (self.lin(x),)
+
+
+# A module= factory whose network returns another number of values per sample than the
+# estimator reads: each trained without a word, or failed later deep inside.
+_WRONG_WIDTH = {
+    # three classes on one output: predict named two of them
+    "three classes, one output": (PathKernelClassifier, np.arange(24) % 3,
+                                  lambda i, o: torch.nn.Linear(i, 1), ValueError,
+                                  r"returned shape \(1, 1\).*3 value\(s\) per sample.*"
+                                  r"one logit per class"),
+    # four outputs for three classes: an IndexError in predict
+    "three classes, four outputs": (PathKernelClassifier, np.arange(24) % 3,
+                                    lambda i, o: torch.nn.Linear(i, o + 1), ValueError,
+                                    r"returned shape \(1, 4\)"),
+    # two logits for a binary problem: a dtype RuntimeError inside the loss
+    "binary, two logits": (PathKernelClassifier, np.arange(24) % 2,
+                           lambda i, o: torch.nn.Linear(i, 2), ValueError,
+                           r"binary classifier's network has one output"),
+    # two target columns from one output: both predicted columns the same
+    "two targets, one output": (PathKernelMachine, np.c_[np.arange(24.0), -np.arange(24.0)],
+                                lambda i, o: torch.nn.Linear(i, 1), ValueError,
+                                r"2 value\(s\) per sample.*one per column of y"),
+    "a tuple": (PathKernelMachine, np.arange(24.0), _Tuple, TypeError,
+                r"must return one tensor of shape \(n_samples, 1\); it returned a tuple"),
+    # a network, not a factory: its forward was called on the two sizes
+    "a module instance": (PathKernelMachine, np.arange(24.0), torch.nn.Linear(3, 1),
+                          TypeError, r"not a network: got a Linear instance"),
+}
+
+
+@pytest.mark.parametrize("case", list(_WRONG_WIDTH))
+def test_a_module_of_another_output_width_is_refused_before_training(case):
+    cls, y, module, error, match = _WRONG_WIDTH[case]
+    X = np.random.RandomState(0).normal(size=(24, 3))
+    params = dict(solver="sgd", max_iter=2, tol=None, random_state=0)
+    right = cls(module=lambda i, o: torch.nn.Linear(i, o), **params).fit(X, y)
+    factory, before = right.module, snapshot(right)
+    with pytest.raises(error, match=match):
+        right.set_params(module=module).fit(X, y)
+    assert_unchanged(right.set_params(module=factory), before)
+    # A one-output network may return (n,): one value per sample.
+    flat = PathKernelMachine(module=lambda i, o: torch.nn.Sequential(
+        torch.nn.Linear(i, o), torch.nn.Flatten(0)), **params).fit(X, X[:, 0])
+    assert flat.predict(X).shape == (24,)

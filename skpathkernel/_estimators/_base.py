@@ -115,6 +115,14 @@ def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
             module = make_mlp(n_features, n_outputs, [int(h) for h in hidden],
                               spec["activation"])
         else:
+            if isinstance(spec["module"], torch.nn.Module):
+                # Calling it would run its forward on the two sizes (a TypeError from deep
+                # inside it); a fit (and every clone of a search) builds a fresh network.
+                raise TypeError(
+                    "module must be a callable (n_features_in, n_outputs) -> "
+                    f"torch.nn.Module that builds the network, not a network: got a "
+                    f"{type(spec['module']).__name__} instance. Pass a factory, e.g. "
+                    "module=lambda n_in, n_out: MyNet(n_in, n_out).")
             module = spec["module"](n_features, n_outputs)
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(
@@ -522,6 +530,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             weight_decay=self.alpha,
         )
 
+    def _outputs_hint(self, n_outputs: int) -> str:
+        """What the network's outputs are, for a module that returns another width."""
+        return " (one per column of y)"
+
     def _module_spec(self) -> dict:
         """What builds the network: stored at fit, so that unpickling rebuilds *that* one."""
         hidden = self.hidden_layer_sizes
@@ -601,7 +613,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 # initial weights in this first forward pass. On all of X: the held-out
                 # rows too.
                 with seeded_torch(seed, device):
-                    probe_module(module, X_all, dtype=dtype, device=device)
+                    probe_module(module, X_all, dtype=dtype, device=device,
+                                 n_outputs=n_outputs, outputs_hint=self._outputs_hint(n_outputs))
                 # 64 rows: a per-sample draw (stochastic depth at p = 0.1) repeats
                 # itself on all of them with probability 3e-6.
                 warn_random_forward(module, to_input_tensor(X_all[:64], dtype=dtype,

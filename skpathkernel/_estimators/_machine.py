@@ -1010,6 +1010,12 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
             return self.classes_[(scores > 0).astype(np.intp)]
         return self.classes_[np.argmax(scores, axis=1)]
 
+    def _outputs_hint(self, n_outputs: int) -> str:
+        if n_outputs == 1:
+            return (" (a binary classifier's network has one output, the logit of "
+                    "classes_[1], as MLPClassifier's)")
+        return " (one logit per class, or per label for multilabel y)"
+
     def _has_proba(self):
         # The fitted network's loss (set_params(loss=...) after fit changes no network).
         return getattr(self, "_loss_name", self.loss) == "log_loss"

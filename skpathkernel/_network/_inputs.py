@@ -255,7 +255,7 @@ def _run(module: torch.nn.Module, x: torch.Tensor):
     module.eval()
     try:
         with torch.no_grad():
-            module(x)
+            return module(x)
     finally:
         for m, mode in modes:
             m.training = mode
@@ -297,11 +297,14 @@ def block_widths(module: torch.nn.Module, x: torch.Tensor | None, *,
 
 
 def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
-    """Refuse, with a message naming X's shape and dtype, a module that cannot take X."""
+                 device: torch.device, n_outputs: int | None = None,
+                 outputs_hint: str = "") -> None:
+    """Refuse, with a message naming X's shape and dtype, a module that cannot take X;
+    with ``n_outputs``, one whose output is not ``n_outputs`` values per sample
+    (``outputs_hint`` says what they are)."""
     x = to_input_tensor(X[_probe_rows(X)], dtype=dtype, device=device)
     try:
-        _run(module, x)
+        out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
         given = f"X of shape {X.shape}, handed to it as {x.dtype}"
         if X.dtype == np.int64:
@@ -319,6 +322,27 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
         raise ValueError(
             f"The module could not take {given} ({type(e).__name__}: {e}). Note: {hint}."
         ) from e
+    if n_outputs is not None:
+        check_outputs(out, len(x), n_outputs, outputs_hint)
+
+
+def check_outputs(out, n: int, n_outputs: int, hint: str = "") -> None:
+    """Refuse a network output that is not ``n_outputs`` values for each of ``n`` samples.
+
+    Every method reads the output as ``(n_samples, n_outputs)``: another width trained
+    without a word (three classes on one output predicted two of them; four outputs for
+    three classes failed in predict with an IndexError).
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"The module must return one tensor of shape (n_samples, {n_outputs}); it "
+            f"returned a {type(out).__name__}.")
+    if out.ndim == 0 or out.shape[0] != n or out.numel() != n * n_outputs:
+        raise ValueError(
+            f"The module returned shape {tuple(out.shape)} for {n} sample(s), where "
+            f"{n_outputs} value(s) per sample were expected, shape ({n}, {n_outputs}): "
+            f"the factory is called as module(n_features_in, n_outputs={n_outputs}) and "
+            f"its network must return n_outputs values per sample{hint}.")
 
 
 def _check_ids(module, X: np.ndarray, name: str) -> None:

@@ -106,9 +106,19 @@ def check_per_sample(module: torch.nn.Module) -> None:
     and no per-sample gradient describes the network. An embedding with ``max_norm``
     rescales the rows the batch reads in place, inside the forward pass: it would rewrite
     the parameters the kernel is computed at (a recorded point of the path), and a weight
-    tied to it (an output head) would read rows that other samples rescaled.
+    tied to it (an output head) would read rows that other samples rescaled. One with
+    ``scale_grad_by_freq`` divides a row's gradient by its token's count in the batch: its
+    backward is not the derivative of its forward, nor per-sample.
     """
     for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.scale_grad_by_freq:
+            raise ValueError(
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "
+                "scale_grad_by_freq=True: its backward divides each row's gradient by the "
+                "number of times its token occurs in the batch, which is not the derivative "
+                "of the forward pass (and mixes the samples), so tangent features, kernels "
+                "and decompositions, which need d f / d theta, would be wrong. Use "
+                "scale_grad_by_freq=False.")
         if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
             raise ValueError(
                 f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "

@@ -29,6 +29,7 @@ from torch.func import functional_call
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._network._trained import network_of
+from ._path._losses import LOSSES
 from ._second_order import check_twice_differentiable, twice_differentiable
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
@@ -340,7 +341,10 @@ def _quadratic_forms(module, traj, theta, X, Y, weights, loss, block, seed,
         for start in range(0, n, block):
             xb, yb = X[start : start + block], Y[start : start + block]
             # sum / n, not mean: the batches' Hessians then add up to that of the mean loss.
-            per_sample = loss.per_sample(functional_call(module, params, (xb,)), yb)
+            f = functional_call(module, params, (xb,))
+            if type(loss) in LOSSES.values():  # the library's losses read (n, C)
+                f = f.reshape(len(xb), -1)
+            per_sample = loss.per_sample(f, yb)
             batch_loss = (per_sample.sum() / n if weights is None
                           else (per_sample * weights[start : start + block]).sum())
             # A seed that requires grad: a @once_differentiable backward then leaves the

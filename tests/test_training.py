@@ -1062,3 +1062,31 @@ def test_a_module_that_cannot_be_copied_fits_without_the_probe(regression_data):
     X, y = regression_data
     est = PathKernelMachine(module=_Locked, max_iter=1, random_state=0).fit(X, y)
     assert est.n_iter_ == 1
+
+
+@pytest.mark.parametrize("kind", ["regressor", "binary"])
+def test_a_one_output_network_returning_n_values_trains_as_one_returning_n_by_1(kind):
+    """A module= network of one output may return (n,): one value per sample, as every
+    analysis reads it. The squared error took (n,) outputs against (n, 1) targets as an
+    (n, n) broadcast and trained towards the targets' mean (R^2 about 0), silently."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(60, 3))
+    y = X @ [1.0, -2.0, 0.5]
+    cls, y = ((PathKernelMachine, y) if kind == "regressor"
+              else (PathKernelClassifier, (y > 0).astype(int)))
+    params = dict(solver="adam", learning_rate_init=0.05, max_iter=60, tol=None,
+                  dtype="float64", random_state=0)
+
+    def net(flat):
+        return lambda i, o: torch.nn.Sequential(
+            torch.nn.Linear(i, 8), torch.nn.Tanh(), torch.nn.Linear(8, o),
+            *([torch.nn.Flatten(0)] if flat else []))
+
+    column = cls(module=net(False), **params).fit(X, y)
+    flat = cls(module=net(True), **params).fit(X, y)
+    assert column.score(X, y) > 0.9  # the check can fail: the column network learns
+    assert_array_equal(flat.trajectory_.parameters(-1), column.trajectory_.parameters(-1))
+    assert_array_equal(flat.loss_curve_, column.loss_curve_)
+    assert_allclose(hessian_trace(flat, X, y, n_samples=8, random_state=0).trace,
+                    hessian_trace(column, X, y, n_samples=8, random_state=0).trace,
+                    rtol=1e-12)

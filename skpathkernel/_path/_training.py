@@ -297,7 +297,9 @@ def training_step(module, optimizer, loss: Loss, xb, yb,
         batch_loss = gradient(xb, yb) if weights is None else gradient(xb, yb, weights)
     else:
         optimizer.zero_grad(set_to_none=True)
-        out = module(xb)
+        # (n, C) as every analysis reads it: a one-output network may return (n,), which
+        # the squared error against (n, 1) targets broadcast to (n, n) (R^2 about 0).
+        out = module(xb).reshape(len(xb), -1)
         batch_loss = loss(out, yb) if weights is None else loss.weighted(out, yb, weights)
         batch_loss.backward()
     optimizer.step()

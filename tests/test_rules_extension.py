@@ -177,6 +177,24 @@ def test_routes_say_why_a_layer_falls_back():
     assert routes["b"].route == "rule"
 
 
+def test_routes_name_a_training_mode_dropout_as_the_reason_rules_disagree():
+    """Every pass of a training-mode Dropout draws anew, so the autograd check rejects
+    the rules of the layers around it: the reason said "a wrong rule, or a parameter
+    read where torch functions do not see it", and never named the dropout."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 1)).double()
+    X = torch.randn(3, 4, dtype=torch.float64)
+    routes = layer_routes(net, X)
+    assert [r.route for r in routes] == ["fallback", "fallback"]
+    for r in routes:
+        assert r.reason.startswith("its factors disagree with autograd")
+        assert r.reason.endswith("layer '1' draws at random in training mode, so no two "
+                                 "passes agree: call module.eval()")
+    assert [r.route for r in layer_routes(net.eval(), X)] == ["rule", "rule"]
+    with pytest.raises(AssertionError, match="disagree with autograd"):
+        check_rule(net.train(), X)
+
+
 # ---------------------------------------------------------------------- the warning
 class _Fallback(nn.Module):
     def __init__(self, n_in, n_out, slow):

@@ -19,6 +19,8 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from .._modules import copy_module
+from .._path._training import _DRAWS as DRAWS
+from .._path._training import mode_dependent_layers
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
@@ -178,7 +180,14 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
         cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                       exclude=cap.exclude | hidden, dense_fallback=False)
         reasons.update(cap.reasons)
-        reasons.update(dict.fromkeys(hidden, DISAGREE))
+        why = DISAGREE
+        draws = [name for name, layer, kind in mode_dependent_layers(module)
+                 if kind == DRAWS and layer.training]
+        if draws:
+            # Then every pass draws anew, and no factors agree with another pass's.
+            why += (f"; here layer {draws[0]!r} draws at random in training mode, so no "
+                    "two passes agree: call module.eval()")
+        reasons.update(dict.fromkeys(hidden, why))
     fallback = set(cap.fallback)
     routes = []
     taken: list[str] = []  # rule layers own their subtrees (as in the capture)
@@ -275,7 +284,8 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     X = _as_input(ref, X)
     params = {k: v.detach() for k, v in ref.named_parameters() if v.requires_grad}
     routes = layer_routes(ref, X, params=params)
-    rejected = [f"{r.name or '(module)'} ({r.type})" for r in routes if r.reason == DISAGREE]
+    rejected = [f"{r.name or '(module)'} ({r.type})" for r in routes
+                if r.reason.startswith(DISAGREE)]
     if rejected:
         why = DISAGREE.removeprefix("its factors ")
         raise AssertionError(f"The factors of {', '.join(rejected)} {why}: the engine sends "

@@ -31,6 +31,7 @@ from ._memory import rows_per_block
 from ._network._trained import network_of
 from ._path._losses import LOSSES
 from ._second_order import check_twice_differentiable, twice_differentiable
+from ._tangent._capture import check_lookups
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -295,6 +296,9 @@ def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_sta
                     batch_size):
     check_is_fitted(estimator)
     net = network_of(estimator)
+    # An embedding's max_norm would rewrite the recorded parameters in place, and its
+    # scale_grad_by_freq make a backward that is not the loss's derivative.
+    check_lookups(net.module)
     traj = net.trajectory
     points = []
     for s in steps:

@@ -62,6 +62,8 @@ def _last_step(estimator, *inputs):
     if not isinstance(estimator, Pipeline):
         return (estimator, *inputs)
     check_is_fitted(estimator)
+    if len(estimator) == 1:  # no step before it
+        return (estimator[-1], *inputs)
     head = estimator[:-1]
     return (estimator[-1], *(None if a is None else head.transform(a) for a in inputs))
 
@@ -590,9 +592,13 @@ class KernelEvolutionDisplay:
         """
         if isinstance(estimator, Pipeline):
             # x has no sample axis: one row through the steps, and back (a Series as a
-            # one-row frame, a one-row DataFrame as it is: the steps may read names).
+            # one-row frame, a one-row DataFrame as it is: the steps may read names; an
+            # array, images too, with a sample axis in front).
             row = (x.to_frame().T if hasattr(x, "to_frame") else x if hasattr(x, "iloc")
-                   else np.asarray(x).reshape(1, -1))
+                   else np.asarray(x)[np.newaxis])
+            if len(row) != 1:
+                raise ValueError(f"x is one input, without the sample axis; got {len(row)} "
+                                 "rows.")
             estimator, row, Y = _last_step(estimator, row, Y)
             x = row[0] if isinstance(row, np.ndarray) else row.iloc[0]
         net = network_of(estimator)

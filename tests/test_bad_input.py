@@ -549,18 +549,36 @@ class _Tuple(torch.nn.Module):
         return (self.lin(x),)
 
 
+class _Transposed(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).T
+
+
+class _Squeezed(torch.nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.lin(x).squeeze()
+
+
 # A module= factory whose network returns another number of values per sample than the
 # estimator reads: each trained without a word, or failed later deep inside.
 _WRONG_WIDTH = {
     # three classes on one output: predict named two of them
     "three classes, one output": (PathKernelClassifier, np.arange(24) % 3,
                                   lambda i, o: torch.nn.Linear(i, 1), ValueError,
-                                  r"returned shape \(1, 1\).*3 value\(s\) per sample.*"
+                                  r"returned shape \(2, 1\).*3 value\(s\) per sample.*"
                                   r"one logit per class"),
     # four outputs for three classes: an IndexError in predict
     "three classes, four outputs": (PathKernelClassifier, np.arange(24) % 3,
                                     lambda i, o: torch.nn.Linear(i, o + 1), ValueError,
-                                    r"returned shape \(1, 4\)"),
+                                    r"returned shape \(2, 4\)"),
     # two logits for a binary problem: a dtype RuntimeError inside the loss
     "binary, two logits": (PathKernelClassifier, np.arange(24) % 2,
                            lambda i, o: torch.nn.Linear(i, 2), ValueError,
@@ -569,6 +587,11 @@ _WRONG_WIDTH = {
     "two targets, one output": (PathKernelMachine, np.c_[np.arange(24.0), -np.arange(24.0)],
                                 lambda i, o: torch.nn.Linear(i, 1), ValueError,
                                 r"2 value\(s\) per sample.*one per column of y"),
+    # the right number of values, the samples on the second axis: read row by row, each
+    # "sample" would be an output's values over the batch
+    "outputs first": (PathKernelClassifier, np.arange(24) % 3,
+                      lambda i, o: _Transposed(torch.nn.Linear(i, o)), ValueError,
+                      r"returned shape \(3, 2\) for 2 sample"),
     "a tuple": (PathKernelMachine, np.arange(24.0), _Tuple, TypeError,
                 r"must return one tensor of shape \(n_samples, 1\); it returned a tuple"),
     # a network, not a factory: its forward was called on the two sizes
@@ -591,3 +614,22 @@ def test_a_module_of_another_output_width_is_refused_before_training(case):
     flat = PathKernelMachine(module=lambda i, o: torch.nn.Sequential(
         torch.nn.Linear(i, o), torch.nn.Flatten(0)), **params).fit(X, X[:, 0])
     assert flat.predict(X).shape == (24,)
+
+
+def test_a_squeezed_network_output_is_taken_as_its_values_per_sample():
+    """A network ending in .squeeze() drops the batch axis of a single sample only: it is
+    n_outputs values per sample on every batch of two or more, and trains as the same
+    network without it (the width check, run on one row, refused it)."""
+    X = np.random.RandomState(0).normal(size=(24, 3))
+    y = np.arange(24) % 3
+    params = dict(solver="sgd", max_iter=3, tol=None, dtype="float64", random_state=0)
+    plain = PathKernelClassifier(module=lambda i, o: torch.nn.Linear(i, o), **params)
+    squeezed = PathKernelClassifier(module=_Squeezed, **params)
+    assert_array_equal(squeezed.fit(X, y).trajectory_.parameters(-1),
+                       plain.fit(X, y).trajectory_.parameters(-1))
+    assert_array_equal(squeezed.predict_proba(X[:1]), plain.predict_proba(X[:1]))
+    # A stream's later partial_fit of one sample: a batch of one, whose squeezed (3,)
+    # output the training reads as one row, as the plain network's (1, 3).
+    for est in (plain, squeezed):
+        est.partial_fit(X[:1], y[:1])
+    assert_array_equal(squeezed.trajectory_.parameters(-1), plain.trajectory_.parameters(-1))

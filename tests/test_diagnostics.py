@@ -463,3 +463,21 @@ def test_reproduce_flatness_section(tmp_path):
         assert len(steps) == 4 and steps[0] == 0 and steps[-1] == fit.t_
         assert np.all(np.diff(steps) > 0)
         assert all(np.isfinite(float(d["Tr H"])) for d in r.details)
+
+
+@pytest.mark.parametrize("flag", [dict(scale_grad_by_freq=True), dict(max_norm=1.0)])
+def test_an_embedding_whose_lookup_is_not_a_function_of_the_parameters_is_refused(flag):
+    """scale_grad_by_freq makes a backward that is not the loss's derivative (the trace
+    read 6.94 with it, 7.37 without, at the same parameters and probes); max_norm would
+    rewrite the recorded parameters in place. As the kernels and decompositions refuse
+    them."""
+    rng = np.random.RandomState(0)
+    X = rng.randint(0, 6, size=(20, 4))
+    y = np.sin(X.sum(1).astype(float))
+    est = PathKernelMachine(module=lambda i, o: torch.nn.Sequential(
+        torch.nn.Embedding(6, 3, **flag), torch.nn.Flatten(), torch.nn.Linear(12, o)),
+        max_iter=3, tol=None, dtype="float64", random_state=0).fit(X, y)
+    before = est.trajectory_.parameters(-1).clone()
+    with pytest.raises(ValueError, match=f"'0' \\(Embedding\\) has {next(iter(flag))}="):
+        hessian_trace(est, X, y, n_samples=4, random_state=0)
+    assert torch.equal(est.trajectory_.parameters(-1), before)

@@ -12,11 +12,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
 from sklearn.exceptions import NotFittedError
 from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
+from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel.plotting import (
@@ -351,3 +352,38 @@ def test_displays_take_a_pipeline_as_its_last_step_on_transformed_inputs():
     np.testing.assert_allclose(shown, _loop_gram(clf, -1, Z[:6]), rtol=1e-10, atol=1e-12)
     with pytest.raises(NotFittedError):
         KernelMatrixDisplay.from_estimator(make_pipeline(StandardScaler(), clf.__class__()), X)
+
+
+def test_the_evolution_display_takes_one_input_of_any_form_through_a_pipeline():
+    """x has no sample axis: an array, a Series or a one-row DataFrame (what the steps
+    may need), images too, goes through the steps as one row; more rows are refused."""
+    rng = np.random.RandomState(3)
+    df = pd.DataFrame(rng.normal(size=(20, 2)) * [1.0, 30.0], columns=["u", "v"])
+    y = np.where(df.u > 0, 1, -1)
+    net = dict(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64", random_state=0)
+    pipe = make_pipeline(StandardScaler().set_output(transform="pandas"),
+                         PathKernelClassifier(**net)).fit(df, y)
+    Z = pipe[0].transform(df).to_numpy()
+    expected = KernelEvolutionDisplay.from_estimator(pipe[-1], Z[0], Z[1:4]).kernel_values
+    for x in (df.iloc[0], df.iloc[:1], df.to_numpy()[0]):
+        with warnings.catch_warnings():
+            # Only the array: the scaler was fitted with names (scikit-learn's own warning).
+            warnings.simplefilter("error" if hasattr(x, "iloc") else "ignore", UserWarning)
+            got = KernelEvolutionDisplay.from_estimator(pipe, x, df.iloc[1:4]).kernel_values
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="one input, without the sample axis; got 2 rows"):
+        KernelEvolutionDisplay.from_estimator(pipe, df.iloc[:2], df.iloc[1:4])
+    # Images: x keeps its trailing shape; and a pipeline of the estimator alone.
+    images = rng.normal(size=(12, 1, 4, 4))
+    yi = np.arange(12) % 2
+    cnn = PathKernelClassifier(module=lambda i, o: torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(16, o)), **net)
+    doubled = make_pipeline(FunctionTransformer(lambda A: 2 * A), cnn).fit(images, yi)
+    expected = KernelEvolutionDisplay.from_estimator(doubled[-1], 2 * images[0],
+                                                     2 * images[1:3]).kernel_values
+    np.testing.assert_allclose(KernelEvolutionDisplay.from_estimator(
+        doubled, images[0], images[1:3]).kernel_values, expected, rtol=1e-12, atol=1e-14)
+    alone = make_pipeline(PathKernelClassifier(**net)).fit(Z, y)
+    np.testing.assert_allclose(
+        KernelMatrixDisplay.from_estimator(alone, Z[:5]).kernel_matrix,
+        KernelMatrixDisplay.from_estimator(alone[-1], Z[:5]).kernel_matrix)

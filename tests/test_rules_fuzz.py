@@ -587,6 +587,27 @@ def test_embedding_scale_grad_by_freq_is_refused():
                  lambda: tangent_gram(net, params, ids), lambda: layer_routes(net, ids)):
         with pytest.raises(ValueError, match=r"'0' \(Embedding\) has scale_grad_by_freq"):
             call()
+    # The functional lookup, on a raw parameter: its rule-less fallback differentiated
+    # it by autograd, with the flag's scaling (off by 0.1 from the same network without).
+    lookup = _FunctionalLookup().double()
+    params = _params(lookup)
+    for call in (lambda: tangent_features(lookup, params, ids),
+                 lambda: tangent_gram(lookup, params, ids)):
+        with pytest.raises(ValueError, match="A call of embedding has scale_grad_by_freq"):
+            call()
+    lookup.flag = False
+    assert tangent_features(lookup, params, ids).shape == (2, 2 * (7 * 3 + 12 * 2 + 2))
+
+
+class _FunctionalLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 3))
+        self.head = nn.Linear(12, 2)
+        self.flag = True
+
+    def forward(self, ids):
+        return self.head(F.embedding(ids, self.table, scale_grad_by_freq=self.flag).flatten(1))
 
 
 def test_fallback_differentiates_one_sample_at_a_time_where_vmap_refuses():

@@ -1090,3 +1090,9 @@ def test_a_one_output_network_returning_n_values_trains_as_one_returning_n_by_1(
     assert_allclose(hessian_trace(flat, X, y, n_samples=8, random_state=0).trace,
                     hessian_trace(column, X, y, n_samples=8, random_state=0).trace,
                     rtol=1e-12)
+    # Every analysis reads a sample's outputs as (C,): second_order's Hessian rows too
+    # (an IndexError on the flat network).
+    for method in ("exact", "second_order"):
+        assert_allclose(flat.decompose(X[:3], method=method).contributions,
+                        column.decompose(X[:3], method=method).contributions,
+                        rtol=1e-10, atol=1e-13)

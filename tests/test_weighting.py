@@ -206,12 +206,12 @@ def test_thinned_kernel_estimates_its_error_against_the_every_step_kernel(name):
             assert_allclose(said, np.abs(K_2h - K_h).max() / np.abs(K_h).max(), rtol=0.05)
 
 
-@pytest.mark.parametrize("epochs, every", [(15, 3), (10, 3), (21, 4), (12, 3)])
+@pytest.mark.parametrize("epochs, every", [(15, 3), (10, 3), (21, 4), (12, 3), (6, 3)])
 def test_thinned_kernel_estimate_with_an_odd_count_or_a_short_last_interval(epochs, every):
-    """Five or seven recorded points, or a last interval shorter than the others (10
-    steps every 3): the estimate still follows the true error. (Comparing the sums over
-    the even and the odd points alone, which then cover different steps, said 14-48
-    times the true error here.)"""
+    """Five or seven recorded points, a last interval shorter than the others (10 steps
+    every 3), or two points to sum (6 every 3, the fewest with an estimate): the estimate
+    still follows the true error. (Comparing the sums over the even and the odd points
+    alone, which then cover different steps, said 14-48 times the true error here.)"""
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 2))
     y = np.sin(X[:, 0])

@@ -512,7 +512,9 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     params, tangent = _params(traj, theta), _params(traj, delta)
 
     def f_single(p, x):
-        return functional_call(module, p, (x.unsqueeze(0),))[0]
+        # (C,) as the other routes read a sample's outputs: a one-output network may
+        # return (n,), whose [0] is a scalar.
+        return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
 
     def row(x):
         return jvp(lambda p: jacrev(f_single)(p, x), (params,), (tangent,))[1]

@@ -122,7 +122,8 @@ def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
                     "module must be a callable (n_features_in, n_outputs) -> "
                     f"torch.nn.Module that builds the network, not a network: got a "
                     f"{type(spec['module']).__name__} instance. Pass a factory, e.g. "
-                    "module=lambda n_in, n_out: MyNet(n_in, n_out).")
+                    "module=MyNet, a class whose __init__ takes (n_features_in, n_outputs) "
+                    "(unlike a lambda, it pickles).")
             module = spec["module"](n_features, n_outputs)
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(

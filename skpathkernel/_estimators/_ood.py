@@ -477,10 +477,11 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         """Numerical ranks of the training features and of training + X features.
 
         ``rank_tau(J)`` counts the singular values of the stacked tangent features above
-        ``rtol`` times the largest, computed as the eigenvalues of the float64 Gram
-        ``J J^T`` (``numpy.linalg.eigvalsh``) above ``rtol**2`` times the largest
-        (singular values are their square roots). ``rank_joint > rank_train`` is
-        Guo, He & Morel's sign of extrapolation: some ``phi(x)`` leaves the training span.
+        ``rtol`` (the fit's, as the span's) times the largest, computed as the
+        eigenvalues of the float64 Gram ``J J^T`` (``numpy.linalg.eigvalsh``) above
+        ``rtol**2`` times the largest (singular values are their square roots).
+        ``rank_joint > rank_train`` is Guo, He & Morel's sign of extrapolation: some
+        ``phi(x)`` leaves the training span.
 
         Holds the ``(N + n)^2`` Gram (N training points, n queries): it must fit in a
         quarter of ``memory_budget`` (about 5000 points in all at the default 1 GiB).

@@ -237,8 +237,9 @@ def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X"
 
 
 def _probe_rows(X: np.ndarray) -> np.ndarray:
-    """The first sample, and for token ids the one holding the largest id."""
-    rows = [0]
+    """The first two samples (a network's outputs show their batch axis on two: a
+    ``.squeeze()`` drops it on one), and for token ids the one holding the largest id."""
+    rows = [0, 1] if len(X) > 1 else [0]
     if X.dtype == np.int64 and X.size:
         rows.append(int(np.unravel_index(np.argmax(X), X.shape)[0]))
     return np.unique(rows)

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
@@ -43,13 +44,30 @@ from ._generic import per_sample_jacobian
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
 
-__all__ = ["Capture", "capture", "check_per_sample", "value_dtype", "forward"]
+__all__ = ["Capture", "capture", "check_lookups", "check_per_sample", "value_dtype",
+           "forward"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
 TIED = "a parameter is shared with another module (tied weights)"
 FREE_UNSTRUCTURED = ("a raw nn.Parameter used in its forward other than once, broadcast over "
                      "the samples, in an elementwise +, * or expand")
+
+
+# Embedding lookups whose backward divides a row's gradient by its token's count in the
+# batch (``scale_grad_by_freq``): that flag's position in each function's arguments.
+_FREQ_FLAG = {F.embedding: 5, F.embedding_bag: 5, torch.embedding: 3}
+FREQ_SCALED = ("scale_grad_by_freq=True: its backward divides each row's gradient by the "
+               "number of times its token occurs in the batch, which is not the derivative "
+               "of the forward pass (and mixes the samples), so tangent features, kernels "
+               "and decompositions, which need d f / d theta, would be wrong. Use "
+               "scale_grad_by_freq=False.")
+
+
+def _scales_by_freq(func, args, kwargs) -> bool:
+    i = _FREQ_FLAG.get(func)
+    return i is not None and bool(kwargs.get("scale_grad_by_freq",
+                                             args[i] if len(args) > i else False))
 
 
 @dataclass
@@ -103,29 +121,11 @@ def check_per_sample(module: torch.nn.Module) -> None:
 
     BatchNorm normalises with the batch's own statistics in training mode (and without
     running statistics in any mode): a sample's output then depends on the other samples,
-    and no per-sample gradient describes the network. An embedding with ``max_norm``
-    rescales the rows the batch reads in place, inside the forward pass: it would rewrite
-    the parameters the kernel is computed at (a recorded point of the path), and a weight
-    tied to it (an output head) would read rows that other samples rescaled. One with
-    ``scale_grad_by_freq`` divides a row's gradient by its token's count in the batch: its
-    backward is not the derivative of its forward, nor per-sample.
+    and no per-sample gradient describes the network. Embeddings: see
+    :func:`check_lookups`.
     """
+    check_lookups(module)
     for name, layer in module.named_modules():
-        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.scale_grad_by_freq:
-            raise ValueError(
-                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "
-                "scale_grad_by_freq=True: its backward divides each row's gradient by the "
-                "number of times its token occurs in the batch, which is not the derivative "
-                "of the forward pass (and mixes the samples), so tangent features, kernels "
-                "and decompositions, which need d f / d theta, would be wrong. Use "
-                "scale_grad_by_freq=False.")
-        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
-            raise ValueError(
-                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "
-                f"max_norm={layer.max_norm}: it renormalises its weight in place during the "
-                "forward pass, which would rewrite the parameters the kernels and features "
-                "are computed at and make a tied weight depend on the other samples. Use "
-                "max_norm=None (renormalise the weight between steps instead).")
         if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (
                 layer.training or layer.running_mean is None or layer.running_var is None):
             why = ("is in training mode" if layer.training else "keeps no running statistics")
@@ -134,6 +134,29 @@ def check_per_sample(module: torch.nn.Module) -> None:
                 "normalises with the statistics of the batch, which mixes the samples, so "
                 "per-sample gradients do not describe the network. Call module.eval() (with "
                 "track_running_stats=True) before computing kernels or features.")
+
+
+def check_lookups(module: torch.nn.Module) -> None:
+    """Refuse an embedding layer whose lookup is not a function of the parameters.
+
+    One with ``max_norm`` rescales the rows the batch reads in place, inside the forward
+    pass: it would rewrite the parameters the kernel is computed at (a recorded point of
+    the path), and a weight tied to it (an output head) would read rows that other
+    samples rescaled. One with ``scale_grad_by_freq`` divides a row's gradient by its
+    token's count in the batch: its backward is not the derivative of its forward, nor
+    per-sample.
+    """
+    for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.scale_grad_by_freq:
+            raise ValueError(f"Layer {name or '(the module)'!r} ({type(layer).__name__}) "
+                             f"has {FREQ_SCALED}")
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
+            raise ValueError(
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) has "
+                f"max_norm={layer.max_norm}: it renormalises its weight in place during the "
+                "forward pass, which would rewrite the parameters the kernels and features "
+                "are computed at and make a tied weight depend on the other samples. Use "
+                "max_norm=None (renormalise the weight between steps instead).")
 
 
 def _inside(prefix: str, outer: str) -> bool:
@@ -273,6 +296,10 @@ class _UseWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _scales_by_freq(func, args, kwargs):
+            # A functional lookup (a layer's own is refused by check_per_sample).
+            raise ValueError(f"A call of {getattr(func, '__name__', func)} has "
+                             f"{FREQ_SCALED}")
         tensors = list(_tensors((args, kwargs)))
         owned = {self.owners[id(t)] for t in tensors if id(t) in self.owners}
         free = [self.free[id(t)] for t in tensors if id(t) in self.free] if self.free else []

@@ -177,6 +177,28 @@ def test_routes_say_why_a_layer_falls_back():
     assert routes["b"].route == "rule"
 
 
+def test_routes_tell_a_layer_used_twice_from_tied_weights():
+    # The same nn.Linear at two places of a Sequential was reported as tied weights.
+    lin = nn.Linear(4, 4)
+    X = torch.randn(3, 4)
+    twice = {r.name: r for r in layer_routes(nn.Sequential(lin, nn.Tanh(), lin), X)}
+    assert twice["0"].route == "fallback"
+    assert twice["0"].reason.startswith("the layer sits at several places of the module tree")
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    tied = layer_routes(nn.Sequential(a, nn.Tanh(), b), X)
+    assert [r.reason for r in tied] == ["a parameter is shared with another module "
+                                        "(tied weights)"] * 2
+    # Exact either way: the fallback's features are the autograd loop's.
+    for net in (nn.Sequential(lin, nn.Tanh(), lin), nn.Sequential(a, nn.Tanh(), b)):
+        net = net.double()
+        X64 = X.double()
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        J = jacobian_loop(net, X64)
+        phi = tangent_features(net, params, X64, output="full")
+        assert torch.allclose(phi.reshape(J.shape), J, atol=1e-12)
+
+
 def test_routes_name_a_training_mode_dropout_as_the_reason_rules_disagree():
     """Every pass of a training-mode Dropout draws anew, so the autograd check rejects
     the rules of the layers around it: the reason said "a wrong rule, or a parameter

@@ -50,6 +50,8 @@ __all__ = ["Capture", "capture", "check_lookups", "check_per_sample", "value_dty
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
 TIED = "a parameter is shared with another module (tied weights)"
+REPEATED = ("the layer sits at several places of the module tree (called once at each, its "
+            "factors would need a sum over the calls)")
 FREE_UNSTRUCTURED = ("a raw nn.Parameter used in its forward other than once, broadcast over "
                      "the samples, in an elementwise +, * or expand")
 
@@ -173,6 +175,7 @@ def _rule_layers(module, params, exclude=frozenset()):
     fallback; ``reasons`` says so for their parameters.
     """
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    places = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
     layers, taken, reasons = [], [], {}
     for prefix, layer in module.named_modules():
         if any(_inside(prefix, outer) for outer in taken):
@@ -191,7 +194,8 @@ def _rule_layers(module, params, exclude=frozenset()):
         if not names:
             continue
         if shared or exclude.intersection(names.values()):
-            reasons.update(dict.fromkeys(names.values(), TIED if shared else READ_OUTSIDE))
+            why = (REPEATED if places[id(layer)] > 1 else TIED) if shared else READ_OUTSIDE
+            reasons.update(dict.fromkeys(names.values(), why))
             continue
         layers.append((layer, rule, names))
     return layers, reasons, taken

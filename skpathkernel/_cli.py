@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--out", default="reproduce_out", help="output folder (default: %(default)s)")
     rep.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")
-    rep.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    rep.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="where the networks train and the kernels are computed: auto = "
+                          "CUDA when available (default: %(default)s)")
     rep.add_argument("--figures", default=None,
                      help="comma-separated subset of sections: training, 1, 2, 3, 4, 5, 6, 7 "
                           "(= 8), 9, 10, stochastic, flatness, generative (e.g. --figures "

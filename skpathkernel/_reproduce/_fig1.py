@@ -28,22 +28,42 @@ CHECKPOINTS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 def sharpens_progressively(purities, euclidean, n_neighbors) -> bool:
-    """The claim: mean purity never drops by more than one neighbour per anchor
-    (``1 / n_neighbors``) from a checkpoint to the next, and ends above both its
-    initial value and the Euclidean neighbourhoods'."""
-    p = np.asarray(purities, dtype=float)
-    steady = bool(np.all(np.diff(p) >= -1.0 / n_neighbors))
-    return steady and p[-1] > p[0] and p[-1] > euclidean
+    """The claim, for each anchor's neighbourhood (the caption's "these kernel
+    neighborhoods"): its purity never drops by more than one neighbour
+    (``1 / n_neighbors``) from a checkpoint to the next and ends above its initial value;
+    the mean purity ends above the Euclidean neighbourhoods'. ``purities``: (checkpoints,
+    anchors). (The mean over the anchors alone, checked before, passed while one
+    anchor's purity fell from 0.72 to 0.60.)"""
+    p = np.asarray(purities, dtype=float).reshape(len(purities), -1)
+    steady = bool(np.all(np.diff(p, axis=0) >= -1.0 / n_neighbors))
+    return steady and bool(np.all(p[-1] > p[0])) and float(p[-1].mean()) > euclidean
 
 
-def checkpoint_purities(est, y, n_neighbors, points):
-    """Mean neighbour purity of the anchors under K_hat at each recorded point."""
+def sharpening_misses(purities, euclidean, n_neighbors, labels, anchors=ANCHORS) -> str:
+    """Where :func:`sharpens_progressively` fails: each anchor's drops of more than one
+    neighbour, an anchor that does not end above its start, a mean below Euclidean."""
+    p = np.asarray(purities, dtype=float).reshape(len(purities), -1)
+    out = []
+    for j, a in enumerate(anchors):
+        name = f"anchor ({a[0]:.2f}, {a[1]:.2f})"
+        for i in np.flatnonzero(np.diff(p[:, j]) < -1.0 / n_neighbors):
+            out.append(f"{name} drops from {p[i, j]:.2f} to {p[i + 1, j]:.2f} between "
+                       f"{labels[i]} and {labels[i + 1]}")
+        if p[-1, j] <= p[0, j]:
+            out.append(f"{name} ends at {p[-1, j]:.2f}, not above its {p[0, j]:.2f} at init")
+    if p[-1].mean() <= euclidean:
+        out.append(f"the mean ends at {p[-1].mean():.3f}, not above Euclidean {euclidean:.3f}")
+    return "; ".join(out)
+
+
+def checkpoint_purities(est, y, n_neighbors, points) -> np.ndarray:
+    """Each anchor's neighbour purity under K_hat at each recorded point: (points, anchors)."""
     X = est.X_fit_
     out = []
     for k in points:
         nb = est.kneighbors(ANCHORS, n_neighbors, step=int(k), return_distance=False)
-        out.append(float(np.mean(KernelNeighborsDisplay(X, y, ANCHORS, nb).purity())))
-    return out
+        out.append(KernelNeighborsDisplay(X, y, ANCHORS, nb).purity())
+    return np.asarray(out, dtype=float)
 
 
 def figure1_section(ctx):
@@ -81,27 +101,34 @@ def figure1_section(ctx):
         purities = checkpoint_purities(est, y, n_neighbors, points)
         eucl = purity_table(displays)["Euclidean"]
         ax = axes[1, 2]
-        ax.plot(ck_epochs, purities, "o-", label="normalized tangent kernel")
+        ax.plot(ck_epochs, purities.mean(axis=1), "o-", label="normalized tangent kernel")
+        for j, a in enumerate(ANCHORS):
+            ax.plot(ck_epochs, purities[:, j], ":", lw=1,
+                    label=f"anchor ({a[0]:.2f}, {a[1]:.2f})")
         ax.axhline(eucl, color="grey", ls="--", label="Euclidean")
-        ax.set(xlabel="epoch", ylabel="mean neighbour purity",
+        ax.set(xlabel="epoch", ylabel="neighbour purity",
                title="(g) purity at the checkpoints")
         ax.legend(fontsize="small")
         axes[1, 3].axis("off")
         tick("checkpoints")
         png = save(ctx, fig, "fig1_neighbourhoods.png")
     acc = est.score(X_test, y_test)
-    measured = ", ".join(f"epoch {e} {p:.3f}" for e, p in zip(ck_epochs, purities))
+    measured = ", ".join(f"epoch {e} {p:.3f}" for e, p in zip(ck_epochs, purities.mean(1)))
+    passed = sharpens_progressively(purities, eucl, n_neighbors)
+    labels = ["init" if e == 0 else f"epoch {e}" for e in ck_epochs]
     return [
         Row("1b", "minibatch SGD separates the circle from the disk", f"test accuracy {acc:.3f}",
             acc >= 0.9),
         Row("1c-f",
             f"training progressively sharpens the {n_neighbors} normalized-kernel neighbours "
-            "of anchors into label-homogeneous sets: mean purity at init, 20/40/60/80 % and "
-            f"the end of training never drops by more than 1/{n_neighbors} between "
-            "checkpoints and ends above init and Euclidean",
+            "of each anchor into label-homogeneous sets: its purity at init, 20/40/60/80 % "
+            f"and the end of training never drops by more than 1/{n_neighbors} between "
+            "checkpoints and ends above its init; the mean ends above Euclidean",
             f"mean label purity: Euclidean {eucl:.3f}, {measured} [{png}]",
-            sharpens_progressively(purities, eucl, n_neighbors),
+            passed,
             details=[{"anchor": f"({a[0]:.2f}, {a[1]:.2f})",
-                      **{k: f"{d.purity()[i]:.2f}" for k, d in displays.items()}}
-                     for i, a in enumerate(ANCHORS)]),
+                      "Euclidean": f"{displays['Euclidean'].purity()[j]:.2f}",
+                      **{lab: f"{purities[i, j]:.2f}" for i, lab in enumerate(labels)}}
+                     for j, a in enumerate(ANCHORS)],
+            reason=None if passed else sharpening_misses(purities, eucl, n_neighbors, labels)),
     ]

@@ -151,6 +151,16 @@ def test_fig6_alignment_against_a_dense_reference_and_no_training_fails(rng=None
     assert not _fig6.training_separates(0.97, 0.84, 0.60, 0.50)  # the gap shrank
 
 
+def test_fig6_row_says_when_the_figures_statistic_moves_the_other_way():
+    # The quick run's: the alignment gap grows 0.136 -> 0.236 (the verdict), the figure's
+    # mean-K_hat gap shrinks 0.108 -> 0.076; the row said nothing of it.
+    clause = _fig6.against_the_figure(0.136, 0.236, 0.108, 0.076)
+    assert "the figure's own statistic moves the other way: its mean-K_hat gap shrinks" \
+        in clause
+    assert _fig6.against_the_figure(0.136, 0.236, 0.076, 0.108) == ""  # both grow
+    assert "gap grows" in _fig6.against_the_figure(0.236, 0.136, 0.076, 0.108)
+
+
 # --------------------------------------------------------------------------- figures 9-10
 def test_fig9_neighbours_use_the_optimizers_weighted_kernel():
     X, y = make_circle(n_samples=60, random_state=0)

@@ -150,6 +150,11 @@ def _to_host(route):
             "pinned float32": lambda K64, K32: pinned(K32).astype(np.float64)}[route]
 
 
+def _choose(slot: list, f):
+    """A side's patch for :func:`_alternate`: ``f`` put where the timed call reads it."""
+    return lambda: slot.__setitem__(0, f)
+
+
 def transfer_rows(device, sizes, reps, sync, done):
     """The public kernels' last step: a Gram on the device to a float64 NumPy array.
 
@@ -166,13 +171,15 @@ def transfer_rows(device, sizes, reps, sync, done):
         # (Pinned memory needs an accelerator: a CPU run tries the first route only.)
         pinned = ("pinned", "pinned float32") if device == "cuda" else ()
         for route in ("float32", *pinned):
-            sides = {"ref": _to_host("ref"), "tree": _to_host(route)}
-            times, res = {k: [] for k in sides}, {}
-            for rep in range(reps + 1):
-                for side, copy in sides.items():
-                    t, res[side] = _timed(lambda c=copy, a=K64, b=K32: c(a, b), sync)
-                    if rep:
-                        times[side].append(t)
+            # Each side "patches" in its copy; the call runs the one patched in.
+            slot = [None]
+            sides = {"ref": _choose(slot, _to_host("ref")),
+                     "tree": _choose(slot, _to_host(route))}
+
+            def call(slot=slot, a=K64, b=K32):
+                return slot[0](a, b)
+
+            times, res = _alternate(sides, call, reps, sync)
             done(ab_row(f"K ({n} x {n}) to float64 NumPy: {route}", times,
                         os.getloadavg()[0], max_rel_diff=_rel(res["tree"], res["ref"])))
 

@@ -281,6 +281,15 @@ def _module_reference(module, thetas, Ds, weights, A, B, outputs, full=False):
     return K
 
 
+def _path_and_inputs(layers, weighted):
+    """:func:`_random_path`, then 40 and 20 random inputs ``A`` and ``B`` and the points'
+    weights ``ws`` alone."""
+    path = _random_path(layers, weighted)
+    A = torch.randn(40, 3, dtype=torch.float64)
+    B = torch.randn(20, 3, dtype=torch.float64)
+    return (*path, A, B, [w for _, w in path[5]])
+
+
 def _random_path(layers, weighted):
     """A float64 Sequential of ``layers``, five random points with their D and weights,
     and the stacked route's ``layout`` and ``load``."""
@@ -334,11 +343,9 @@ def test_every_layout_of_plain_mlp_matches_autograd(layers, weighted, outputs, m
     rows (16 -> 8 -> 4 -> 2 + 2, 8 -> 4 -> 2 + 2)."""
     monkeypatch.setattr(_stacked, "_DENSE_STRIP", 16)
     monkeypatch.setattr(_stacked, "_DENSE_LEAF", 3)
-    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
     # 40 x 20: wide enough panels for the dense route of one-output layers.
-    A = torch.randn(40, 3, dtype=torch.float64)
-    B = torch.randn(20, 3, dtype=torch.float64)
-    ws = [w for _, w in weights]
+    module, mlp, layout, thetas, Ds, weights, load, A, B, ws = _path_and_inputs(layers,
+                                                                              weighted)
     ref = _module_reference(module, thetas, Ds, ws, A, A, outputs)
     cross = _module_reference(module, thetas, Ds, ws, A, B, outputs)
     if weighted and outputs == [2] and len(mlp.linears) > 1:
@@ -377,10 +384,8 @@ def test_full_blocks_of_every_layout_match_autograd(layers, weighted, outputs, m
     panels, mirrored square by square) and in square panels, chunks of units that leave
     a remainder; exactly symmetric blocks."""
     monkeypatch.setattr(_stacked, "_FULL_CHUNK", 3)
-    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
-    A = torch.randn(40, 3, dtype=torch.float64)
-    B = torch.randn(20, 3, dtype=torch.float64)
-    ws = [w for _, w in weights]
+    module, mlp, layout, thetas, Ds, weights, load, A, B, ws = _path_and_inputs(layers,
+                                                                              weighted)
     ref = _module_reference(module, thetas, Ds, ws, A, A, outputs, full=True).numpy()
     cross = _module_reference(module, thetas, Ds, ws, A, B, outputs, full=True).numpy()
     kw = dict(outputs=outputs, weighted=weighted, memory_budget=2**30, full=True)
@@ -417,10 +422,8 @@ def test_launch_bound_tiling_matches_autograd(layers, weighted, monkeypatch):
     monkeypatch.setattr(_stacked, "_launch_bound", lambda device: True)
     monkeypatch.setattr(_stacked, "_PANEL", 8)
     monkeypatch.setattr(_stacked, "_CACHE", 1)
-    module, mlp, layout, thetas, Ds, weights, load = _random_path(layers, weighted)
-    A = torch.randn(40, 3, dtype=torch.float64)
-    B = torch.randn(20, 3, dtype=torch.float64)
-    ws = [w for _, w in weights]
+    module, mlp, layout, thetas, Ds, weights, load, A, B, ws = _path_and_inputs(layers,
+                                                                              weighted)
     outputs = [0, 1, 2, 3]
     panels, chunks = _spy_panels(monkeypatch), []
     real_contract = _stacked._contract_panel
@@ -1071,10 +1074,8 @@ def test_backprop_buffers_reused_over_blocks(sgemm, weighted, monkeypatch, one_t
     and 1 points, a network of three hidden layers (a GEMM-written backprop carried
     through another Linear's GEMM: one buffer per layer) and ``K(X, Y)`` (one per side),
     against the module's own autograd Jacobians; each buffer is allocated once."""
-    module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[4], weighted)
-    A = torch.randn(40, 3, dtype=torch.float64)
-    B = torch.randn(20, 3, dtype=torch.float64)
-    ws = [w for _, w in weights]
+    module, mlp, layout, thetas, Ds, weights, load, A, B, ws = _path_and_inputs(LAYERS[4],
+                                                                              weighted)
     outputs = [0, 1, 2, 3]
     monkeypatch.setattr(_stacked, "_BLAS_MIN", 1 if sgemm else 2**62)
     monkeypatch.setattr(_stacked, "_UNITS_SCIPY", True)

@@ -300,13 +300,15 @@ class _UseWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _scales_by_freq(func, args, kwargs):
-            # A functional lookup (a layer's own is refused by check_per_sample).
-            raise ValueError(f"A call of {getattr(func, '__name__', func)} has "
-                             f"{FREQ_SCALED}")
         tensors = list(_tensors((args, kwargs)))
         owned = {self.owners[id(t)] for t in tensors if id(t) in self.owners}
         free = [self.free[id(t)] for t in tensors if id(t) in self.free] if self.free else []
+        # Only a lookup of a watched table matters (checked on those calls alone: every
+        # torch call of the forward passes here). A layer's own flag is refused before
+        # the forward, by check_lookups; this sees the functional calls.
+        if (owned or free) and _scales_by_freq(func, args, kwargs):
+            raise ValueError(f"A call of {getattr(func, '__name__', func)} has "
+                             f"{FREQ_SCALED}")
         if free:
             if not owned:
                 return self._free_call(func, args, kwargs, free)

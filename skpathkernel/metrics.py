@@ -324,7 +324,8 @@ def _replay(estimator, keep: np.ndarray):
     Same initialization, same optimizer and step sizes, and every step's recorded batch
     with the left-out points removed (its loss the mean over the points that remain, or
     their weighted mean with the recorded batch weights of a fit with ``sample_weight``;
-    a step whose batch lost every point is skipped). Returns a shallow copy of the
+    a step whose batch lost every point is skipped), on targets that ``normalize_y``
+    standardizes over the kept points. Returns a shallow copy of the
     estimator holding the retrained network, for the output functions.
     """
     net = network_of(estimator)
@@ -333,6 +334,13 @@ def _replay(estimator, keep: np.ndarray):
     module.load_state_dict(traj.state_dict(0), strict=False)
     device = net.torch_device
     X, Y, loss = net.tensor(net.X_fit), net.targets(), net.loss
+    model = copy.copy(estimator)
+    restandardized = (estimator._kept_standardization(keep)
+                      if isinstance(estimator, BasePathKernelNetwork) else None)
+    if restandardized is not None:
+        # A refit on the kept points standardizes their targets anew (normalize_y).
+        targets, model._y_mean, model._y_scale = restandardized
+        Y = torch.as_tensor(targets, dtype=Y.dtype, device=Y.device).reshape(Y.shape)
     optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad],
                                traj.solver_spec, float(traj.learning_rates[0]))
     # Each step's own step size, also between the points of a thinned path.
@@ -352,7 +360,6 @@ def _replay(estimator, keep: np.ndarray):
             weights = (torch.as_tensor(beta, dtype=traj.dtype, device=device) if mask.all()
                        else batch_betas(beta, np.flatnonzero(mask), traj.dtype, device)[0])
         training_step(module, optimizer, loss, X[rows], Y[rows], weights=weights)
-    model = copy.copy(estimator)
     model.module_ = module.eval()
     return model
 
@@ -459,7 +466,9 @@ def retrain_on_subsets(
           optimizer and step sizes, and every step's recorded minibatch minus the
           left-out points (the loss averaged over the points that remain, with the
           step's recorded weights renormalized over them for a ``sample_weight`` fit;
-          a step left empty is skipped). The counterfactual whose first-order
+          a step left empty is skipped; a regressor's ``normalize_y`` targets
+          standardized anew over the kept points, as a refit standardizes them).
+          The counterfactual whose first-order
           prediction is ``attribute(..., method="unrolled")`` summed over the kept
           points. The only protocol that follows a weighted fit's weights: the
           others refit with ``fit(X, y)``, unweighted.

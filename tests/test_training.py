@@ -619,6 +619,20 @@ def test_normalize_y_trains_on_standardized_targets(regression_data):
         assert_allclose(raw.predict(X), raw.module_(torch.as_tensor(X))[:, 0].numpy())
 
 
+def test_normalize_y_only_centers_a_constant_column_under_any_weights():
+    # A constant column's weighted spread is its rounding (about 1e-16 for most weights):
+    # StandardScaler's bound calls it constant; it was standardized to +-1 before.
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(12, 2))
+    y = np.column_stack([X[:, 0], np.full(12, 0.1)])
+    kw = dict(hidden_layer_sizes=(4,), max_iter=1, tol=None, dtype="float64", random_state=0)
+    for _ in range(20):
+        weights = rng.uniform(0.5, 2.0, size=12)
+        est = PathKernelMachine(**kw).fit(X, y, sample_weight=weights)
+        assert est._y_scale[1] == 1.0
+        assert np.abs(est.network_.y_fit[:, 1]).max() < 1e-15
+
+
 @pytest.mark.parametrize("big", [1e300, 1e308], ids=["std-overflows", "sum-overflows"])
 def test_normalize_y_keeps_huge_float64_targets_finite(regression_data, big):
     # Standardizing is scale-equivariant: targets multiplied by `big` train the same

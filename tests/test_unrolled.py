@@ -113,8 +113,12 @@ def test_unrolled_margin_of_a_multiclass_classifier(solver):
 
 
 def test_normalize_y_scores_are_in_the_targets_units():
+    """The sweep's scores (the targets' moments held; the estimator adds their part,
+    tests/test_unrolled_normalize_y.py) in the targets' units."""
     est, X, _ = _fit(**SOLVERS["sgd"], normalize_y=True)
-    scores = est.attribute(X[:3], method="unrolled")
+    scores = est.network_._attribute(X[:3], None, method="unrolled", weighting="realized",
+                                     output=0, n_nodes=None, tol=None, n_jobs=None,
+                                     margin="no", scale=est._y_scale)
     ref = unrolled_reference(est.network_, X[:3], np.ones((3, 1)))
     assert _rel(scores, float(np.ravel(est._y_scale)[0]) * ref) < 1e-8
 
@@ -345,7 +349,7 @@ def test_the_batch_passes_of_each_route_per_step(unrolled_route, monkeypatch):
     passes = []
     losses = unrolled._Path.losses
     monkeypatch.setattr(unrolled._Path, "losses",
-                        lambda self, *a: passes.append(1) or losses(self, *a))
+                        lambda self, *a, **k: passes.append(1) or losses(self, *a, **k))
     est, X, _ = _fit(**SOLVERS["adam-l2"], normalize_y=False)
     scores = est.attribute(X[:3], method="unrolled")
     per_step = {"forward": 2, "double": 1, "mlp": 0}[unrolled_route]

@@ -63,11 +63,13 @@ class MLPStep:
     ``layout`` maps every parameter to its ``(start, numel)`` in the flat ``theta``, all
     of them the Linear layers' (:func:`~skpathkernel._tangent.stacked_mlp`); ``beta``
     (B,) weighs the per-sample losses of the batch ``X`` (B, d_in) with targets ``Y``;
-    ``scratch``, a dict kept by the caller across steps, holds the tangents' buffers.
+    ``scratch``, a dict kept by the caller across steps, holds the tangents' buffers;
+    ``targets``: :meth:`products` also gives the targets' products (see there).
     """
 
     def __init__(self, mlp: StackedMLP, layout: dict, theta: torch.Tensor, X: torch.Tensor,
-                 Y: torch.Tensor, loss, beta: torch.Tensor, scratch: dict | None = None):
+                 Y: torch.Tensor, loss, beta: torch.Tensor, scratch: dict | None = None,
+                 targets: bool = False):
         self.mlp, self.layout, self.theta = mlp, layout, theta
         self.scratch = {} if scratch is None else scratch
         h, kept = X, []  # per item: its input (a Linear) or (s1, s2) (an activation)
@@ -86,6 +88,8 @@ class MLPStep:
         self.residuals = loss.residuals(h, Y)  # (B, C)
         # sum_i beta_i d^2 l_i / df_i^2, transposed for Rf_i @ H_i^T.
         self.hessian = loss.output_hessian(h, Y).transpose(1, 2) * beta[:, None, None]
+        # sum_i beta_i d^2 l_i / df_i dy_i: the targets' products from the same tangents.
+        self.cross = (loss.target_hessian(h, Y) * beta[:, None, None]) if targets else None
         # The backward pass: every item's output gradient (B, d), and the parameters'.
         g = self.residuals * beta[:, None]
         self.grads = [None] * len(mlp.items)
@@ -114,9 +118,12 @@ class MLPStep:
         s, size = self.layout[lin.bias]
         return W, flat[..., s : s + size]
 
-    def products(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``H v`` (Q, P) and every batch point's ``grad l_i . v`` (Q, B) for each row ``v``
-        of ``V`` (Q, P), ``H`` the Hessian of ``sum_i beta_i l_i`` at the step's point."""
+    def products(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]:
+        """``H v`` (Q, P), every batch point's ``grad l_i . v`` (Q, B) for each row ``v``
+        of ``V`` (Q, P), ``H`` the Hessian of ``sum_i beta_i l_i`` at the step's point,
+        and, when built with ``targets``, ``beta_i d (grad l_i . v) / d y_i`` (Q, B, C)
+        (else None)."""
         mlp, scratch, kept = self.mlp, self.scratch, self.kept
         B, Q = self.residuals.shape[0], V.shape[0]
         Rh, tangents = None, []  # the tangents (B, Q, d) of every item's input; None: 0
@@ -140,6 +147,7 @@ class MLPStep:
                                out=_buffer(scratch, (i, "R"), Rh.shape, V))
         # grad l_i . v: the tangent of l_i, r_i . Rf_i.
         D = torch.einsum("bc,bqc->qb", self.residuals, Rh)
+        E = None if self.cross is None else torch.einsum("bqc,bct->qbt", Rh, self.cross)
         Rg = torch.bmm(Rh, self.hessian)
         HV = torch.empty_like(V)
         for i in reversed(range(self.first, len(mlp.items))):
@@ -178,4 +186,4 @@ class MLPStep:
                 Rg.mul_(s1[:, None])
                 if s2 is not None and tangents[i] is not None:
                     Rg.addcmul_(tangents[i], (s2 * g)[:, None])
-        return HV, D
+        return HV, D, E

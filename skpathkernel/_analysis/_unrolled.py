@@ -66,6 +66,15 @@ fixed cost per step dominates (1.2-2.7x faster on small MLPs), and on float64 CN
 optimizer's first moment after a step is read from consecutive recorded points
 (``theta_t - theta_{t+1}`` is the step), its second moment is recorded.
 
+Standardized targets. A regressor's ``normalize_y`` trains on ``t_j = (y_j - mu) / s``,
+the weighted mean and standard deviation of its first fit's targets, which a refit with
+other weights takes anew. The sweep then also differentiates the trained output with
+respect to the targets, ``d (grad l_i . v) / d y_i`` from each route's tangents (a plain
+MLP's output tangents ``J_i v``, the ``jvp``'s outputs, or the targets as a leaf of the
+double backward) times the loss's ``d^2 l / df dy``, summed over the points as
+``sum_j d m / d t_j`` and ``sum_j t_j d m / d t_j`` per query and output; the moments'
+own derivatives give the rest in closed form (:func:`_restandardize`).
+
 The clip's derivative assumes the L2 norm of every recorded parameter's gradient (torch's
 default ``norm_type``) and one ``max_norm``; factors that imply different ones (a constant
 factor, another norm) are reported by a warning.
@@ -495,9 +504,12 @@ class _Path:
     not recorded, from a forward replay of the whole path).
     """
 
-    def __init__(self, module, traj, X, Y, loss, device, moments=None, work=math.inf):
+    def __init__(self, module, traj, X, Y, loss, device, moments=None, work=math.inf,
+                 targets=False):
         self.module, self.traj, self.X, self.Y, self.loss = module, traj, X, Y, loss
         self.device = device
+        # The products of the targets too (see unrolled_scores' ``targets``).
+        self.targets = targets
         self.spec = traj.solver_spec
         self.replay_error = 0.0
         # Each parameter's weight decay (its optimizer group's), L2 added to the gradient
@@ -538,19 +550,23 @@ class _Path:
     def params(self, k: int) -> torch.Tensor:
         return self.traj.parameters(k).to(self.device)
 
-    def losses(self, theta, batch: np.ndarray) -> torch.Tensor:
+    def losses(self, theta, batch: np.ndarray, targets=None, outputs: bool = False):
         """The batch's per-sample losses at the flat ``theta`` (P,) or at the parameters
         ``theta`` as a mapping of name to tensor; in float64 when ``theta`` is, on a path
-        of another dtype (the inputs and targets the training saw, in float64)."""
+        of another dtype (the inputs and targets the training saw, in float64).
+        ``targets``: the batch's targets (a leaf to differentiate), else the recorded
+        ones; ``outputs``: also return the network's outputs (B, C)."""
         params = theta if isinstance(theta, dict) else self.traj.unflatten(theta)
         rows = torch.as_tensor(batch, device=self.device)
-        module, X, Y = self.module, self.X[rows], self.Y[rows]
+        module, X = self.module, self.X[rows]
+        Y = self.Y[rows] if targets is None else targets
         if next(iter(params.values())).dtype != self.traj.dtype:
             if self._module64 is None:  # its buffers (a BatchNorm's statistics) too
                 self._module64 = copy_module(self.module).to(GRADIENT_DTYPE)
             module, X, Y = self._module64, _in_gradient_dtype(X), _in_gradient_dtype(Y)
-        out = functional_call(module, params, (X,))
-        return self.loss.per_sample(out.reshape(len(batch), -1), Y)
+        out = functional_call(module, params, (X,)).reshape(len(batch), -1)
+        losses = self.loss.per_sample(out, Y)
+        return (losses, out) if outputs else losses
 
     def weights(self, t: int) -> torch.Tensor:
         """Step ``t``'s batch weights as the loss applies them (``1 / |B|``: the mean)."""
@@ -704,9 +720,10 @@ def _batch_graph(path: _Path, step: _Step):
     its pullback.
 
     The pullback takes the adjoints ``u`` (Q, P) of ``d_t`` to each batch point's score
-    share (Q, B) and to ``H v`` (Q, P), ``v = (d d_t / d g)^T u`` (see the module doc:
-    ``c u`` unclipped, ``c (u - g (g . u) / (|g| (|g| + 1e-6)))`` clipped), by
-    :func:`_tangent_products`.
+    share (Q, B), to ``H v`` (Q, P), ``v = (d d_t / d g)^T u`` (see the module doc:
+    ``c u`` unclipped, ``c (u - g (g . u) / (|g| (|g| + 1e-6)))`` clipped), and, where
+    ``path.targets``, to the batch targets' share ``beta_i d (grad l_i . v) / d y_i``
+    (Q, B, C) (else None), by :func:`_tangent_products`.
     """
     batch = step.batch
     beta = torch.as_tensor(step.weights, dtype=step.theta.dtype, device=step.theta.device)
@@ -714,14 +731,14 @@ def _batch_graph(path: _Path, step: _Step):
         # A plain MLP's forward and backward by hand, kept for its products.
         rows = torch.as_tensor(batch, device=path.device)
         graph = MLPStep(path.mlp, path.layout, step.theta.detach(), path.X[rows],
-                        path.Y[rows], path.loss, beta, path.scratch)
+                        path.Y[rows], path.loss, beta, path.scratch, targets=path.targets)
         g = graph.gradient
     else:
         # The double backward differentiates this very gradient again: its graph is kept
         # for the pullback, which saves that route a forward-backward of the batch per
         # step.
         keep = not path.forward_ad
-        graph = _gradient_graph(path, step.theta, batch, beta, keep)
+        graph = _gradient_graph(path, step.theta, batch, beta, keep, path.targets)
         g = graph[2]
         graph = graph if keep else None
     rounded = g
@@ -757,12 +774,13 @@ def _batch_graph(path: _Path, step: _Step):
         if kappa:
             V = V - (step.scale * kappa) * (U @ flat)[:, None] * flat
         if g is None:  # the loss does not depend on the parameters
-            return U.new_zeros((len(U), len(batch)), dtype=torch.float64), torch.zeros_like(U)
-        HV, D = _tangent_products(path, theta, batch, beta, V, graph)
+            return (U.new_zeros((len(U), len(batch)), dtype=torch.float64),
+                    torch.zeros_like(U), None)
+        HV, D, E = _tangent_products(path, theta, batch, beta, V, graph)
         D = D.double()
         if total == 0.0:
-            return D.new_zeros(D.shape), HV
-        return beta64 * (D - (D @ beta64)[:, None] / total), HV
+            return D.new_zeros(D.shape), HV, E
+        return beta64 * (D - (D @ beta64)[:, None] / total), HV, E
 
     return d, rounded, norm, pullback
 
@@ -787,13 +805,15 @@ def _in_gradient_dtype(values: torch.Tensor) -> torch.Tensor:
     return values.to(GRADIENT_DTYPE) if values.is_floating_point() else values
 
 
-def _tangent_products(path: _Path, theta, batch, beta, V,
-                      graph=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _tangent_products(path: _Path, theta, batch, beta, V, graph=None):
     """``H v`` (Q, P) and every batch point's ``grad l_i . v`` (Q, B) for each row ``v``
-    of ``V``, ``H`` the Hessian of ``sum_i beta_i l_i`` at ``theta``.
+    of ``V``, ``H`` the Hessian of ``sum_i beta_i l_i`` at ``theta``; where
+    ``path.targets``, also ``beta_i d (grad l_i . v) / d y_i`` (Q, B, C), else None.
 
     Forward over reverse: one ``jvp`` of ``theta -> (sum_i beta_i grad l_i, (l_i)_i)``
-    in direction ``v`` gives both, vmapped over the queries, where
+    in direction ``v`` gives both (the outputs' tangents ``J_i v`` too, which the
+    loss's ``d^2 l_i / df_i dy_i`` takes to the targets' products), vmapped over the
+    queries, where
     :func:`forward_over_reverse` chose it (the double backward of convolution and
     pooling has no batching rule, so vmap loops over the queries there). Layers that
     forward-mode AD or vmap cannot take fall back to the double backward, which
@@ -809,64 +829,83 @@ def _tangent_products(path: _Path, theta, batch, beta, V,
     primals = tuple(t.clone() for t in traj.unflatten(theta.detach()).values())
 
     def weighted(params):
-        losses = path.losses(dict(zip(names, params)), batch)
-        return (losses * beta).sum(), losses
+        losses, out = path.losses(dict(zip(names, params)), batch, outputs=True)
+        return (losses * beta).sum(), (losses, out)
 
     gradient = grad(weighted, has_aux=True)
 
     def products(*tangents):
-        _, (hv, dl) = jvp(gradient, (primals,), (tangents,))
-        return torch.cat([h.reshape(-1) for h in hv]), dl
+        _, (hv, (dl, dout)) = jvp(gradient, (primals,), (tangents,))
+        return torch.cat([h.reshape(-1) for h in hv]), dl, dout
 
     if path.forward_ad:
         try:
             with FORWARD_AD:
-                return vmap(products)(*traj.unflatten(V).values())
+                HV, D, Jv = vmap(products)(*traj.unflatten(V).values())
+            E = None
+            if path.targets:
+                rows = torch.as_tensor(batch, device=path.device)
+                out = path.losses(theta, batch, outputs=True)[1].detach()
+                cross = path.loss.target_hessian(out, path.Y[rows]) * beta[:, None, None]
+                E = torch.einsum("qbc,bct->qbt", Jv, cross)
+            return HV, D, E
         except (RuntimeError, NotImplementedError):
             path.forward_ad = False  # decided once: the same layers at every step
     if graph is None:
-        graph = _gradient_graph(path, theta, batch, beta)
+        graph = _gradient_graph(path, theta, batch, beta, targets=path.targets)
     return _double_backward(path, *graph, V)
 
 
-def _gradient_graph(path: _Path, theta, batch, beta, create_graph: bool = True):
-    """``(theta, beta, g)``: ``g(beta) = sum_i beta_i grad l_i(theta)`` (None where the
-    loss does not depend on the parameters) and, with ``create_graph``, the leaves that
-    require grad and ``g``'s graph for :func:`_double_backward`."""
+def _gradient_graph(path: _Path, theta, batch, beta, create_graph: bool = True,
+                    targets: bool = False):
+    """``(theta, beta, g, y)``: ``g(beta) = sum_i beta_i grad l_i(theta)`` (None where
+    the loss does not depend on the parameters) and, with ``create_graph``, the leaves
+    that require grad and ``g``'s graph for :func:`_double_backward`; ``targets``: the
+    batch's targets ``y`` are a leaf of it too (else None)."""
     theta = theta.detach().requires_grad_(True)
     beta = beta.detach().requires_grad_(create_graph)
-    (g,) = torch.autograd.grad(path.losses(theta, batch), theta, grad_outputs=beta,
-                               create_graph=create_graph, allow_unused=True)
-    return theta, beta, g
+    y = None
+    if targets and create_graph:
+        y = path.Y[torch.as_tensor(batch, device=path.device)].detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(path.losses(theta, batch, targets=y), theta,
+                               grad_outputs=beta, create_graph=create_graph,
+                               allow_unused=True)
+    return theta, beta, g, y
 
 
-def _double_backward(path: _Path, theta, beta, g, V) -> tuple[torch.Tensor, torch.Tensor]:
+def _double_backward(path: _Path, theta, beta, g, y, V):
     """:func:`_tangent_products` by reverse over reverse, for the layers forward-mode AD
     cannot take: with ``g(beta) = sum_i beta_i grad l_i(theta)`` and its graph
     (:func:`_gradient_graph`), the gradient of ``g . v`` is ``grad l_i . v`` with respect
-    to ``beta_i`` and ``H v`` with respect to ``theta``, one double backward for every
+    to ``beta_i``, ``H v`` with respect to ``theta`` and the targets' products with
+    respect to the targets ``y`` (where they are a leaf), one double backward for every
     query at once."""
+    E = None if y is None else V.new_zeros((len(V), *y.shape))
     if g is None:  # the loss does not depend on the parameters
-        return torch.zeros_like(V), V.new_zeros((len(V), len(beta)))
+        return torch.zeros_like(V), V.new_zeros((len(V), len(beta))), E
+    leaves = (beta, theta) if y is None else (beta, theta, y)
     if not path.graph_checked:  # the same layers at every step
         check_twice_differentiable(g)
         path.graph_checked = True
     if path.batched_double_backward:
         try:
-            D, HV = torch.autograd.grad(g, (beta, theta), grad_outputs=V,
-                                        is_grads_batched=True, allow_unused=True,
-                                        retain_graph=True)
+            D, HV, *Ey = torch.autograd.grad(g, leaves, grad_outputs=V,
+                                             is_grads_batched=True, allow_unused=True,
+                                             retain_graph=True)
         except RuntimeError:
             # Some layers' double backward has a wrong batching rule (GroupNorm's
             # raises a size mismatch): one double backward per query.
             path.batched_double_backward = False
     if not path.batched_double_backward:
-        rows = [torch.autograd.grad(g, (beta, theta), grad_outputs=v, allow_unused=True,
+        rows = [torch.autograd.grad(g, leaves, grad_outputs=v, allow_unused=True,
                                     retain_graph=True) for v in V]
         D = None if rows[0][0] is None else torch.stack([r[0] for r in rows])
         HV = None if rows[0][1] is None else torch.stack([r[1] for r in rows])
+        Ey = [None if y is None or rows[0][2] is None else torch.stack([r[2] for r in rows])]
+    if Ey and Ey[0] is not None:
+        E = Ey[0].reshape(E.shape)
     D = V.new_zeros((len(V), len(beta))) if D is None else D
-    return torch.zeros_like(V) if HV is None else HV, D
+    return torch.zeros_like(V) if HV is None else HV, D, E
 
 
 def _query_gradients(module, traj, theta, Xq, Wq, budget) -> torch.Tensor:
@@ -879,17 +918,20 @@ def _query_gradients(module, traj, theta, Xq, Wq, budget) -> torch.Tensor:
 
 
 def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments,
-           probe=True):
+           probe=True, targets=False):
     """Scores (Qb, N) float64, growth (Qb,), the per-step sums of the adjoint's log
     one-step amplification and their counts (n_steps,), the replay error, each step's
-    loss-gradient norm, and the probe's gradient sensitivity (None where not probed).
+    loss-gradient norm, the probe's gradient sensitivity (None where not probed), why
+    the module fell back, and with ``targets`` the targets' sums (see
+    :func:`unrolled_scores`), two (Qb, C) float64 arrays (else None).
 
     The stability measures are accumulated along the sweep: nothing of size
     ``(n_steps, Qb)`` is kept.
     """
     spec = traj.solver_spec
     adjoint_fn = _SOLVERS[spec.name][1]
-    path = _Path(module, traj, X, Y, loss, device, moments, len(Xq) * query_work)
+    path = _Path(module, traj, X, Y, loss, device, moments, len(Xq) * query_work,
+                 targets)
     theta_T = path.params(len(traj) - 1)
     a = {"theta": _query_gradients(module, traj, theta_T, Xq, Wq, budget).detach()}
     # The probe: a combination of the queries with signs +-1 as a last row, its steps
@@ -909,6 +951,13 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     log_sum = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
     count = torch.zeros(traj.n_steps, dtype=torch.float64, device=device)
     norms = np.zeros(traj.n_steps)  # each step's loss-gradient norm, for the clip check
+    # sum_i d m / d y_i and sum_i y_i d m / d y_i, summed over the steps as they come.
+    Y2 = Y.reshape(len(Y), -1)
+    shift = scale = None
+    if targets:
+        shift = torch.zeros((len(a["theta"]), Y2.shape[1]), dtype=torch.float64,
+                            device=device)
+        scale = torch.zeros_like(shift)
     # The recorded moves against the modelled update, one step behind (the sweep runs
     # backwards and step t's check needs step t-1's direction).
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
@@ -942,9 +991,14 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
                 for key, value in a_probe.items():
                     a[key][Q:] = value
             del before
-            share, HV = pullback(u)
+            share, HV, E = pullback(u)
             del pullback  # and the graph it holds, before the next step builds its own
-            scores.index_add_(1, torch.as_tensor(step.batch, device=device), share)
+            rows = torch.as_tensor(step.batch, device=device)
+            scores.index_add_(1, rows, share)
+            if E is not None:
+                E = E.double()
+                shift += E.sum(1)
+                scale += torch.einsum("qbc,bc->qc", E, Y2[rows].double())
             # HV is the products' own (Q, P): the new adjoint, in place.
             a["theta"] = HV.add_(a["theta"])
             if isinstance(path.coupled, torch.Tensor):
@@ -962,7 +1016,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             off += float(torch.nansum((pending[0] - pending[1]) ** 2))
             size += float(torch.nansum(pending[0] ** 2))
             finite &= torch.isfinite(step.theta).all()
-        a = u = share = HV = pending = step = None
+        a = u = share = HV = E = pending = step = None
         path.scratch.clear()
     mismatch = (math.sqrt(off / size) if size > 0 else 0.0) if bool(finite) else math.nan
     scores = scores.cpu().numpy()
@@ -973,9 +1027,10 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
         top = np.sqrt((scores[:Q] ** 2).sum(0)).max()
         change = np.abs(scores[Q] - signs.cpu().numpy() @ scores[:Q]).max()
         sensitivity = float(change / top) if top > 0 or np.isnan(top) else 0.0
+    sums = None if shift is None else (shift[:Q].cpu().numpy(), scale[:Q].cpu().numpy())
     return (scores[:Q], growth.cpu().numpy(), log_sum.cpu().numpy(),
             count.cpu().numpy(), worse(path.replay_error, mismatch), norms, sensitivity,
-            path.fallback)
+            path.fallback, sums)
 
 
 def _query_work(module, traj, X) -> int:
@@ -1012,26 +1067,27 @@ def _row_bytes(module, traj, query_work) -> int:
             + _products_bytes(module, traj, query_work) + 8 * traj.n_samples)
 
 
-def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, probe):
+def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, probe,
+              targets=False):
     """One task's query blocks: scores, growth, the summed per-step log amplification and
-    counts (one (n_steps,) pair a task, whatever the number of blocks), replay error and
-    each step's loss-gradient norm (the same in every block)."""
+    counts (one (n_steps,) pair a task, whatever the number of blocks), replay error,
+    each step's loss-gradient norm (the same in every block), the gradient sensitivity,
+    why the module fell back, and the targets' sums (None without ``targets``)."""
     # A module of this task's own: functional_call swaps the parameters it is given into
     # the module for the call, so tasks on joblib threads sharing one would compute with
     # each other's (silently wrong scores, or a crash).
     module, traj = copy_module(net.module), net.trajectory
     device = net.torch_device
     rows = np.asarray(rows)
-    scores, growth = [], []
+    scores, growth, sums = [], [], []
     log_sum, count = np.zeros(traj.n_steps), np.zeros(traj.n_steps)
     error, norms, sensitivity, fallback = 0.0, None, None, None
     for start in range(0, len(rows), block):
         r = rows[start:start + block]
         with twice_differentiable():
-            s, g, logs, n, e, norms, sens, why = _block(module, traj, X, Y, net.loss,
-                                                        Xq[r], Wq[r], device, query_work,
-                                                        net.memory_budget, moments,
-                                                        probe=probe)
+            s, g, logs, n, e, norms, sens, why, ts = _block(
+                module, traj, X, Y, net.loss, Xq[r], Wq[r], device, query_work,
+                net.memory_budget, moments, probe=probe, targets=targets)
         if sens is not None:
             sensitivity = worse(sensitivity or 0.0, sens)
         fallback = fallback or why
@@ -1039,24 +1095,31 @@ def _run_rows(rows, net, X, Y, Xq, Wq, block, diagonal, moments, query_work, pro
             s = s[np.arange(len(r)), r][:, None]
         scores.append(s)
         growth.append(g)
+        sums.append(ts)
         log_sum += logs
         count += n
         error = worse(error, e)
     if not scores:
         return None
+    sums = (tuple(np.concatenate(part) for part in zip(*sums)) if targets else None)
     return (np.concatenate(scores), np.concatenate(growth), log_sum, count, error, norms,
-            sensitivity, fallback)
+            sensitivity, fallback, sums)
 
 
-def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
-                    diagonal: bool = False) -> AttributionScores:
+def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = False,
+                    standardized=None) -> AttributionScores:
     """The counterfactual scores ``d (w_q . f(x_q; theta_T)) / d w_i`` (see module doc).
 
     ``net``: a TrainedNetwork; ``X, Y``: its training inputs and targets as tensors;
     ``Xq``: the queries as a tensor; ``weights``: (Q, C) the contracted output of each
     query. Query blocks fit ``net.memory_budget`` and run on ``n_jobs`` joblib workers.
     ``diagonal``: the queries are the training points themselves, and each keeps only
-    its own score (self-influence, shape (N, 1)).
+    its own score (self-influence, shape (N, 1)). ``standardized``: None, or
+    ``(outputs, n_rows, constant)`` for a regressor whose targets were standardized by
+    the weighted mean and standard deviation of the first ``n_rows`` training targets
+    (``normalize_y``): the scores then also carry those moments' dependence on the
+    weights (:func:`_restandardize`); ``outputs`` (Q, C) are the network's at the
+    queries, ``constant`` (C,) marks the columns only centered (no spread).
     """
     traj = net.trajectory
     check_unrollable(traj, net.module)
@@ -1082,9 +1145,14 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     rows = np.arange(len(Xq))
     shared = net.for_workers(by_reference=by_reference(n_row_blocks(n_jobs, rows)))
     parts = [p for p in map_row_blocks(_run_rows, rows, n_jobs, shared, X, Y, Xq, Wq, block,
-                                       diagonal, moments, query_work, probe) if p is not None]
+                                       diagonal, moments, query_work, probe,
+                                       standardized is not None) if p is not None]
     if parts:
         scores = np.concatenate([p[0] for p in parts])
+        if standardized is not None:
+            sums = [np.concatenate(part) for part in zip(*(p[8] for p in parts))]
+            scores = _restandardize(scores, *sums, np.asarray(weights, dtype=np.float64),
+                                    net, *standardized, diagonal=diagonal)
         growth = np.concatenate([p[1] for p in parts])
         log_sum = np.sum([p[2] for p in parts], axis=0)
         count = np.sum([p[3] for p in parts], axis=0)
@@ -1106,6 +1174,45 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None,
     if parts:
         _check_clipping(traj, parts[0][5])
     return result
+
+
+def _restandardize(scores, shift, scale, weights, net, outputs, n_rows, constant, *,
+                   diagonal=False) -> np.ndarray:
+    """The scores of a regressor whose targets are standardized by moments that move
+    with the weights (``normalize_y``: a refit with other sample weights standardizes
+    anew).
+
+    With ``t_j = (y_j - mu(w)) / s(w)`` the network's targets and ``p = mu + s f`` its
+    prediction, the weighted moments of the first ``n_rows`` points (``s_i`` their
+    sample weights, ``W`` their sum) move as ``d mu / d w_i = s_i s t_i / W`` and
+    ``d s / d w_i = s_i s (t_i^2 - 1) / (2 W)`` (0 for a constant column, whose scale
+    stays 1), so that the explained ``m = sum_c a_c p_c`` (``Wq_c = a_c s_c``, the
+    weights the sweep contracted the outputs with) moves by, beyond the scores held at
+    the fit's moments,
+
+        (s_i / W) sum_c [t_ic (Wq_c - S_c) + (t_ic^2 - 1) / 2 (Wq_c f_c - R_c)]
+
+    where ``S_c = sum_j d m / d t_jc`` and ``R_c = sum_j t_jc d m / d t_jc`` through the
+    training (the sweep's ``shift`` and ``scale``, (Q, C)). Checked against finite
+    differences of refits with ``sample_weight`` (``tests/test_unrolled_normalize_y.py``).
+    """
+    T = np.asarray(net.y_fit[:n_rows], dtype=np.float64).reshape(n_rows, -1)
+    w = (np.ones(n_rows) if net.sample_weight is None
+         else np.asarray(net.sample_weight[:n_rows], dtype=np.float64))
+    share = w / w.sum()
+    half = (T**2 - 1.0) / 2.0
+    half[:, np.asarray(constant, dtype=bool).reshape(-1)] = 0.0
+    mean_part = weights - shift
+    scale_part = weights * np.asarray(outputs, dtype=np.float64) - scale
+    if diagonal:  # query q is training point q: its own row
+        q = np.arange(min(n_rows, len(scores)))
+        scores = scores.copy()
+        scores[q, 0] += share[q] * ((mean_part[q] * T[q]).sum(1)
+                                    + (scale_part[q] * half[q]).sum(1))
+        return scores
+    scores = scores.copy()
+    scores[:, :n_rows] += share * (mean_part @ T.T + scale_part @ half.T)
+    return scores
 
 
 def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:

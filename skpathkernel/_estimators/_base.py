@@ -346,6 +346,14 @@ def _mean_and_std(Y: np.ndarray, weights: np.ndarray | None = None
     return mean, std
 
 
+def _constant_columns(mean: np.ndarray, std: np.ndarray, n: int) -> np.ndarray:
+    """Columns whose spread is within the rounding of their moments: StandardScaler's
+    bound ``var <= n eps var + (n mean eps)^2``, which holds where ``std`` is 0, taken
+    without squares (targets of 1e300 have a finite ``std`` but an infinite ``var``)."""
+    eps = np.finfo(np.float64).eps
+    return std * np.sqrt(max(1.0 - n * eps, 0.0)) <= (n * eps) * np.abs(mean)
+
+
 def _moments(Y, weights):
     if weights is None:
         return Y.mean(axis=0), Y.std(axis=0)
@@ -742,7 +750,13 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             # From the rows trained on only (no leak of the held-out ones); the network
             # learns the standardized targets, predict maps its outputs back.
             mean, scale = _mean_and_std(Y, sample_weight)
-            scale[scale == 0] = 1.0  # a constant target: only centered (StandardScaler's)
+            # A constant target: only centered (StandardScaler's); its rounding leaves a
+            # weighted spread of about 1e-16, which standardized it to +-1 and made the
+            # scale (and the attribution through it) jump with the weights.
+            scale[_constant_columns(mean, scale, len(Y))] = 1.0
+            # The training set's first rows, which later fits extending it keep first:
+            # the unrolled attribution differentiates the moments through their weights.
+            attrs["_y_moment_rows"] = len(Y)
         else:
             mean, scale = self._y_mean, self._y_scale
         attrs["_y_mean"], attrs["_y_scale"] = mean, scale
@@ -750,6 +764,53 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             # R^2 is unchanged by mapping both sides with the same affine map.
             y_val = ((y_val.reshape(len(y_val), -1) - mean) / scale).reshape(y_val.shape)
         return (Y - mean) / scale, y_val
+
+    def _standardization(self):
+        """``(n_rows, constant)`` of ``normalize_y``'s moments for the unrolled
+        attribution (see :func:`~.._analysis._unrolled.unrolled_scores`), or None: no
+        standardized targets, or moments that are not the weighted ones of the training
+        set's first rows (a warm start on the same data with other sample weights),
+        which the scores then hold at the fit's values, with a warning."""
+        if getattr(self, "_y_scale", None) is None:
+            return None
+        net = self.network_
+        n_rows = getattr(self, "_y_moment_rows", None) or len(net.y_fit)
+        T = np.asarray(net.y_fit[:n_rows], dtype=np.float64).reshape(n_rows, -1)
+        weights = None if net.sample_weight is None else net.sample_weight[:n_rows]
+        mean, std = _moments(T, weights)
+        constant = std < 0.5  # standardized: a spread of 1, or 0 where only centered
+        if np.abs(mean).max() > 1e-5 or np.abs(std[~constant] - 1.0).max(initial=0) > 1e-5:
+            warnings.warn(
+                "normalize_y's mean and scale are not the weighted moments of the "
+                f"training set's first {n_rows} targets under its recorded sample "
+                "weights (a warm start with other sample weights?): the unrolled scores "
+                "hold them at the fit's values, as retrain_on_subsets(protocol='replay') "
+                "then does.", UserWarning, stacklevel=3)
+            return None
+        return n_rows, constant
+
+    def _kept_standardization(self, keep: np.ndarray):
+        """``(targets, mean, scale)`` of a replay on the points ``keep`` (a mask over the
+        training set): ``normalize_y``'s moments taken anew over the kept rows of those
+        that gave them, as a refit with the others' weights set to 0 takes them, and the
+        network's targets restandardized by them; None where the fit's moments stay (no
+        standardized targets, see :meth:`_standardization`, or none of those rows kept).
+        """
+        standardization = self._standardization()
+        if standardization is None:
+            return None
+        n_rows, constant = standardization
+        net = self.network_
+        T = np.asarray(net.y_fit, dtype=np.float64).reshape(len(net.y_fit), -1)
+        weights = np.ones(n_rows) if net.sample_weight is None else net.sample_weight[:n_rows]
+        weights = weights * keep[:n_rows]
+        if not weights.sum() > 0:
+            return None
+        # In the network's units, whose mean and scale map back to y's.
+        mean, scale = _moments(T[:n_rows], weights)
+        scale[constant | _constant_columns(mean, scale, n_rows)] = 1.0
+        return ((T - mean) / scale, self._y_mean + self._y_scale * mean,
+                self._y_scale * scale)
 
     def _train(self, module, X_t, Y_t, loss_name, validation, seed, previous, incremental,
                extends=None, sample_weight=None):

@@ -388,7 +388,8 @@ class _KernelMachineMixin(TransformerMixin):
             X, y, method=method, weighting=weighting, output=output,
             n_nodes=n_nodes, tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
             encode=self._query_labels, scale=getattr(self, "_y_scale", None),
-            multilabel=_multilabel(self))
+            multilabel=_multilabel(self),
+            standardized=self._standardization() if method == "unrolled" else None)
 
     @shared_doc(SELF_INFLUENCE, label="classifiers: the margin of its own training label, "
                 "or label set for multilabel classifiers",
@@ -398,7 +399,8 @@ class _KernelMachineMixin(TransformerMixin):
         classifier = isinstance(self, ClassifierMixin)
         return network_of(self)._self_influence(
             output=output, n_jobs=n_jobs, margin="default" if classifier else "no",
-            scale=getattr(self, "_y_scale", None), multilabel=_multilabel(self))
+            scale=getattr(self, "_y_scale", None), multilabel=_multilabel(self),
+            standardized=self._standardization())
 
     def explain(self, X, n_neighbors=10, *, method="exact", output=None, n_jobs=None):
         """The training points that moved each prediction the most.

@@ -130,12 +130,13 @@ Two questions, two kinds of score:
   every step). Summed over a subset, it predicts to first order the output of
   the network retrained on that subset along the same path
   (:func:`~skpathkernel.metrics.retrain_on_subsets` with ``protocol="replay"``).
-  A regressor's targets standardized by ``normalize_y=True`` keep the fit's mean
-  and scale there, as the replay keeps them: a refit with other sample weights
-  also standardizes its targets anew, which these scores leave out (against
-  finite differences of such refits on a 12-point regression, off by 0.032
-  where the largest score was 0.43; by 1.5e-10 with ``normalize_y=False``, the
-  setting whose scores are the derivative of refits with ``sample_weight``).
+  A regressor's targets standardized by ``normalize_y=True`` are standardized
+  anew by such a refit (and by the replay): the scores include how the weighted
+  mean and scale move with ``w_i`` and how the trained output moves with the
+  targets they shift, so that they are the derivative of refits with
+  ``sample_weight`` (against finite differences of such refits, 5.9e-11 on a
+  12-point regression where the largest score was 0.43; holding the mean and
+  scale at the fit's values missed them by 0.032).
   The result is an :class:`~skpathkernel.AttributionScores` whose ``growth``
   measures how far the path amplifies perturbations; when that is large
   (training at or past the edge of stability) an

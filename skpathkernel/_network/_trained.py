@@ -615,12 +615,14 @@ ValueError
 
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
-                   multilabel: bool | None = None) -> np.ndarray:
+                   multilabel: bool | None = None, standardized=None) -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
         margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
-        indicator row per query; None: the network's own :attr:`multilabel`."""
+        indicator row per query; None: the network's own :attr:`multilabel`;
+        ``standardized``: ``(n_rows, constant)`` of a regressor's ``normalize_y`` (see
+        :func:`~.._analysis._unrolled.unrolled_scores`), None for none."""
         check_attribute_args(method, weighting, n_nodes, tol)
         multilabel = self.multilabel if multilabel is None else multilabel
         X = self.check(X)
@@ -639,8 +641,9 @@ ValueError
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
         if method == "unrolled":
             X_fit, Y_fit = self._training_data()
-            return unrolled_scores(self, X_fit, Y_fit, self.tensor(X), weights,
-                                   n_jobs=n_jobs)
+            return unrolled_scores(
+                self, X_fit, Y_fit, self.tensor(X), weights, n_jobs=n_jobs,
+                standardized=None if standardized is None else (prediction, *standardized))
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
                               tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
 
@@ -785,7 +788,8 @@ ValueError
         return self._self_influence(output=output, n_jobs=n_jobs)
 
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
-                        scale=None, multilabel: bool | None = None) -> np.ndarray:
+                        scale=None, multilabel: bool | None = None,
+                        standardized=None) -> np.ndarray:
         multilabel = self.multilabel if multilabel is None else multilabel
         X_fit, Y_fit = self._training_data()
         prediction = self.outputs(X_fit)
@@ -795,8 +799,9 @@ ValueError
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)
-        scores = unrolled_scores(self, X_fit, Y_fit, X_fit, weights, n_jobs=n_jobs,
-                                 diagonal=True)
+        scores = unrolled_scores(
+            self, X_fit, Y_fit, X_fit, weights, n_jobs=n_jobs, diagonal=True,
+            standardized=None if standardized is None else (prediction, *standardized))
         return np.asarray(scores)[:, 0].view(AttributionScores)._take_measures(scores)
 
     def _training_data(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,21 @@ class Loss:
                     for c in range(output.shape[1])]
         return torch.stack([torch.zeros_like(output) if r is None else r for r in rows], 1)
 
+    def target_hessian(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``d^2 l_i / df_i dy_i`` for every sample, shape (B, C, C) (output, then target
+        column): how a target moves the residual. By autograd, one backward per output;
+        the squared error gives its closed form."""
+        with torch.enable_grad():
+            output = output.detach().requires_grad_(True)
+            target = target.detach().to(output.dtype).requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.per_sample(output, target).sum(), output,
+                                          create_graph=True)
+            rows = [torch.autograd.grad(grad[:, c].sum(), target, retain_graph=True,
+                                        allow_unused=True)[0]
+                    for c in range(output.shape[1])]
+        return torch.stack([torch.zeros_like(target) if r is None else r.reshape(target.shape)
+                            for r in rows], 1)
+
 
 class SquaredError(Loss):
     """``l = 1/2 * mean_c (f_c - y_c)^2``: MLPRegressor's "squared_error" convention."""
@@ -73,6 +88,9 @@ class SquaredError(Loss):
         n, C = output.shape
         eye = torch.eye(C, dtype=output.dtype, device=output.device) / C
         return eye.expand(n, C, C)
+
+    def target_hessian(self, output, target):
+        return -self.output_hessian(output, target)
 
 
 class LogLoss(Loss):

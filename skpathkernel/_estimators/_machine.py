@@ -195,8 +195,9 @@ _NORMALIZE_Y_DOC = """
         step size suits targets of any scale. Predictions are ``mean + scale * f(x)``
         and :meth:`decompose`'s terms are mapped back to the units of ``y`` exactly;
         ``loss_curve_``, the kernels and the tangent features are those of the network
-        ``f`` itself. ``attribute(method="unrolled")`` holds the mean and scale
-        fixed (see :meth:`attribute`). ``False`` trains on ``y`` as given
+        ``f`` itself. ``attribute(method="unrolled")`` differentiates the mean and
+        scale too, as refits with other ``sample_weight`` take them anew (see
+        :meth:`attribute`). ``False`` trains on ``y`` as given
         (MLPRegressor's behaviour). Ignored for class labels."""
 
 _FITTED_ATTRS_DOC = """

@@ -345,6 +345,36 @@ def test_network_decompose_refuses_what_it_cannot_decompose():
                        ).decompose(X[:2], method="third_order")
 
 
+def test_a_loss_for_unflattened_outputs_is_refused_before_any_work():
+    """Every analysis hands a user's loss the outputs flattened per sample (B, C); a loss
+    written for a module's (B, T, C) outputs is refused up front with that shape, not
+    deep inside the decomposition (IndexError) or the unrolled sweep."""
+    torch.manual_seed(0)
+    n, T, C = 8, 2, 3
+    X = torch.randn(n, 4, dtype=torch.float64)
+    y = torch.randint(C, (n, T))
+    module = torch.nn.Sequential(torch.nn.Linear(4, T * C), torch.nn.Unflatten(1, (T, C))
+                                 ).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+
+    def per_token(out, target):  # cross-entropy over the T positions, (B, T, C) outputs
+        return torch.nn.functional.cross_entropy(out.transpose(1, 2), target,
+                                                 reduction="none").mean(1)
+
+    with PathRecorder(module, opt, n_samples=n) as rec:
+        for _ in range(3):
+            rec.set_batch(np.arange(n))
+            opt.zero_grad()
+            per_token(module(X), y).mean().backward()
+            opt.step()
+    net = rec.as_network(X.numpy(), y.numpy(), loss=per_token)
+    for call in (lambda: net.decompose(X[:2].numpy()),
+                 lambda: net.attribute(X[:2].numpy(), method="unrolled", output=0)):
+        with pytest.raises(ValueError, match=r"flattened per sample, shape \(B, C\) "
+                                             r"\(here \(2, 6\)\)"):
+            call()
+
+
 def test_detector_diagnostics_on_new_data_stand_for_its_estimator(clf, data):
     # New (X, y) are encoded by the estimator that trained the network (its classes_),
     # not by the detector around it.

@@ -619,6 +619,24 @@ def test_normalize_y_trains_on_standardized_targets(regression_data):
         assert_allclose(raw.predict(X), raw.module_(torch.as_tensor(X))[:, 0].numpy())
 
 
+def test_float32_normalize_y_takes_targets_beyond_float32():
+    # The network learns standardized targets: y of 1e39 (past float32's 3.4e38) trains
+    # as the float64 network does; raw targets, and a continued fit whose new targets
+    # standardize past it, are refused.
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 3))
+    y = (X[:, 0] + 2) * 1e39
+    kw = dict(hidden_layer_sizes=(8,), max_iter=5, tol=None, random_state=0)
+    pred32 = PathKernelMachine(**kw).fit(X, y).predict(X)
+    pred64 = PathKernelMachine(dtype="float64", **kw).fit(X, y).predict(X)
+    assert_allclose(pred32, pred64, rtol=1e-5)
+    with pytest.raises(ValueError, match="too large for the network's dtype float32"):
+        PathKernelMachine(normalize_y=False, **kw).fit(X, y)
+    est = PathKernelMachine(**kw).partial_fit(X, X[:, 0])
+    with pytest.raises(ValueError, match=r"y \(standardized by normalize_y\) contains"):
+        est.partial_fit(X, y)
+
+
 def test_normalize_y_only_centers_a_constant_column_under_any_weights():
     # A constant column's weighted spread is its rounding (about 1e-16 for most weights):
     # StandardScaler's bound calls it constant; it was standardized to +-1 before.

@@ -522,7 +522,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         reject_sparse_y(y)
         X, y = validate_input(self, X, y, **checks, **kwargs)
         check_representable(X, dtype)
-        if kwargs.get("y_numeric"):
+        if kwargs.get("y_numeric") and not getattr(self, "normalize_y", False):
+            # Standardized targets are checked as the network gets them (_scale_targets).
             check_representable(np.asarray(y), dtype, "y")
         return X, y
 
@@ -760,10 +761,14 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         else:
             mean, scale = self._y_mean, self._y_scale
         attrs["_y_mean"], attrs["_y_scale"] = mean, scale
+        # What the network learns: y of any finite size standardizes to a few units,
+        # unless a continued fit's new targets lie far outside the first fit's.
+        Y = (Y - mean) / scale
+        check_representable(Y, resolve_dtype(self.dtype), "y (standardized by normalize_y)")
         if y_val is not None:
             # R^2 is unchanged by mapping both sides with the same affine map.
             y_val = ((y_val.reshape(len(y_val), -1) - mean) / scale).reshape(y_val.shape)
-        return (Y - mean) / scale, y_val
+        return Y, y_val
 
     def _standardization(self):
         """``(n_rows, constant)`` of ``normalize_y``'s moments for the unrolled

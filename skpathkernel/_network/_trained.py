@@ -172,7 +172,9 @@ class TrainedNetwork:
         Its recorded path; its parameter names and shapes must be the module's.
     loss : "squared_error", "log_loss", callable or None, default=None
         The per-sample loss whose batch mean each step minimized (a callable
-        ``per_sample(output, target) -> (B,)``). Needed by the decomposition only.
+        ``per_sample(output, target) -> (B,)``, called with the module's outputs
+        flattened per sample, shape ``(B, C)``, as every analysis reads them). Needed by
+        the decomposition only.
     X_fit : ndarray of shape (n_samples, ...) or None, default=None
         The training inputs that the recorded batches index, in the form the network
         takes (floats, or integer token ids). Needed by the decomposition; also fixes
@@ -824,12 +826,23 @@ ValueError
         if isinstance(self.loss, _PerSampleLoss):
             # A user's loss: one value per sample, checked before the long computation
             # (the library's losses are).
+            # On the outputs as every analysis hands them, one row per sample (B, C): a
+            # loss written for a module's (B, T, C) outputs must fail here, not inside a
+            # decomposition or the unrolled sweep (or silently, by broadcasting).
             with torch.no_grad():
                 out = functional_call(self.module, self.params_at(0), (X_fit[:2],))
-                probe = self.loss.per_sample(out, Y_fit[:2])
+                try:
+                    probe = self.loss.per_sample(out.reshape(len(out), -1), Y_fit[:2])
+                except (RuntimeError, ValueError, IndexError) as exc:
+                    raise ValueError(
+                        "The loss is called as per_sample(output, target) with the "
+                        "module's outputs flattened per sample, shape (B, C) (here "
+                        f"{(len(out), out[0].numel())}), and the targets as y_train gives "
+                        f"them; it raised {type(exc).__name__}: {exc}") from exc
             if probe.shape != (len(X_fit[:2]),):
                 raise ValueError(
-                    "The loss must return one value per sample, shape (B,); it returned "
+                    "The loss must return one value per sample, shape (B,), from the "
+                    "module's outputs flattened per sample, shape (B, C); it returned "
                     f"shape {tuple(probe.shape)}."
                 )
         return X_fit, Y_fit

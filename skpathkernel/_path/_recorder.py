@@ -792,7 +792,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     loss : "squared_error", "log_loss" or callable, default="squared_error"
         The per-sample loss whose batch mean each step minimized: the library's names
         (:class:`~skpathkernel.PathKernelMachine`'s conventions) or
-        ``per_sample(output, target) -> tensor of shape (B,)``.
+        ``per_sample(output, target) -> tensor of shape (B,)``, called with the
+        module's outputs flattened per sample, shape ``(B, C)``.
     memory_budget : int, default=2**30
         Bytes one block of a kernel or decomposition computation may use.
 

@@ -31,7 +31,7 @@ from ._memory import rows_per_block
 from ._network._trained import network_of
 from ._path._losses import LOSSES
 from ._second_order import check_twice_differentiable, twice_differentiable
-from ._tangent._capture import check_lookups
+from ._tangent._capture import check_functional_lookups, check_lookups
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -315,6 +315,9 @@ def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_sta
     # that batching changes nothing but round-off.
     seed = int(check_random_state(random_state).randint(np.iinfo(np.int32).max))
     estimates = np.zeros((len(points), n_samples), dtype=np.float64)
+    # The same flag on a functional lookup of a parameter (F.embedding in a forward).
+    check_functional_lookups(net.module, traj.unflatten(traj.parameters(points[0]).to(
+        device=Xt.device, dtype=net.torch_dtype)), Xt[:2])
     # The network's dtype, not X's: token ids are int64.
     for row, k in zip(estimates, points):
         theta = traj.parameters(k).to(device=Xt.device, dtype=net.torch_dtype)

@@ -465,6 +465,34 @@ def test_reproduce_flatness_section(tmp_path):
         assert all(np.isfinite(float(d["Tr H"])) for d in r.details)
 
 
+class _FunctionalLookup(torch.nn.Module):
+    """A table read by ``F.embedding`` in the forward, not an nn.Embedding layer."""
+
+    def __init__(self, n_outputs, flag):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(6, 3))
+        self.head = torch.nn.Linear(12, n_outputs)
+        self.flag = flag
+
+    def forward(self, ids):
+        lookup = torch.nn.functional.embedding(ids, self.table, scale_grad_by_freq=self.flag)
+        return self.head(lookup.flatten(1))
+
+
+def test_a_functional_lookup_scaled_by_frequency_is_refused():
+    """The flag on a functional lookup of a parameter gives the same wrong backward as the
+    layer's; trained without it, the same network's trace is computed."""
+    rng = np.random.RandomState(0)
+    X = rng.randint(0, 6, size=(20, 4))
+    y = np.sin(X.sum(1).astype(float))
+    est = PathKernelMachine(module=lambda i, o: _FunctionalLookup(o, False), max_iter=3,
+                            tol=None, dtype="float64", random_state=0).fit(X, y)
+    assert np.isfinite(hessian_trace(est, X, y, n_samples=2, random_state=0).estimates).all()
+    est.module_.flag = True
+    with pytest.raises(ValueError, match="A call of embedding has scale_grad_by_freq=True"):
+        hessian_trace(est, X, y, n_samples=2, random_state=0)
+
+
 @pytest.mark.parametrize("flag", [dict(scale_grad_by_freq=True), dict(max_norm=1.0)])
 def test_an_embedding_whose_lookup_is_not_a_function_of_the_parameters_is_refused(flag):
     """scale_grad_by_freq makes a backward that is not the loss's derivative (the trace

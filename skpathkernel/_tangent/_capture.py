@@ -44,8 +44,8 @@ from ._generic import per_sample_jacobian
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
 
-__all__ = ["Capture", "capture", "check_lookups", "check_per_sample", "value_dtype",
-           "forward"]
+__all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
+           "check_per_sample", "forward", "value_dtype"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
@@ -159,6 +159,31 @@ def check_lookups(module: torch.nn.Module) -> None:
                 "forward pass, which would rewrite the parameters the kernels and features "
                 "are computed at and make a tied weight depend on the other samples. Use "
                 "max_norm=None (renormalise the weight between steps instead).")
+
+
+class _FrequencyWatch(TorchFunctionMode):
+    """Refuses a functional lookup with ``scale_grad_by_freq`` of one of ``tensors``
+    (what :func:`check_lookups` cannot see on the layers); every other call runs as is."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.ids = {id(t) for t in tensors}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in _FREQ_FLAG and _scales_by_freq(func, args, kwargs)
+                and any(id(t) in self.ids for t in _tensors((args, kwargs)))):
+            raise ValueError(f"A call of {getattr(func, '__name__', func)} has {FREQ_SCALED}")
+        return func(*args, **kwargs)
+
+
+def check_functional_lookups(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
+                             X: torch.Tensor) -> None:
+    """:func:`check_lookups` for the functional calls (``F.embedding(ids, self.table,
+    scale_grad_by_freq=True)``): one forward pass at ``params`` on ``X`` (a row or two),
+    for the computations that run no use watch of their own (the Hessian's trace)."""
+    with torch.no_grad(), _FrequencyWatch(params.values()):
+        functional_call(module, dict(params), (X,))
 
 
 def _inside(prefix: str, outer: str) -> bool:

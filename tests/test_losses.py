@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from skpathkernel._path._losses import LogLoss, Loss, SquaredError
+from skpathkernel._path._losses import LOSSES, LogLoss, Loss, SquaredError
 
 
 def _per_sample_hessians(loss, f, y):
@@ -59,3 +59,20 @@ def test_output_hessian_refuses_a_once_differentiable_loss():
     f, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="once_differentiable"):
         Custom().output_hessian(f, y)
+
+
+def test_target_hessian_by_autograd_against_closed_forms():
+    """``d^2 l / df dy``: the base class's autograd against the squared error's closed
+    form, and against a quartic loss's, ``-12 diag((f - y)^2)``."""
+    torch.manual_seed(0)
+    f, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    squared = LOSSES["squared_error"]()
+    torch.testing.assert_close(Loss.target_hessian(squared, f, y),
+                               squared.target_hessian(f, y), rtol=0, atol=1e-15)
+
+    class Quartic(Loss):
+        def per_sample(self, output, target):
+            return (output - target).pow(4).sum(1)
+
+    expected = torch.diag_embed(-12 * (f - y) ** 2)
+    torch.testing.assert_close(Quartic().target_hessian(f, y), expected)

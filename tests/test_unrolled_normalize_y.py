@@ -9,10 +9,11 @@ seed (the same initialization and batches), its prediction differenced.
 
 import numpy as np
 import pytest
+from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelMachine
 from skpathkernel._analysis import _unrolled
-from skpathkernel.metrics import retrain_on_subsets
+from skpathkernel.metrics import _replay, retrain_on_subsets
 
 H = 1e-5
 COMMON = dict(activation="tanh", max_iter=6, tol=None, dtype="float64", random_state=0)
@@ -137,6 +138,29 @@ def test_replay_restandardizes_the_kept_targets():
             refit = PathKernelMachine(**params).fit(X, y, sample_weight=s * mask)
             np.testing.assert_allclose(outputs, refit.predict(Xq)[:, output], rtol=1e-10,
                                        atol=1e-10)
+
+
+def test_replay_of_a_subset_that_leaves_a_column_constant():
+    """The kept points' targets of a column are all equal: a refit only centers it
+    (scale 1 in y's units), and so does the replay."""
+    X, y, s = _data(n=16)
+    y[:, 1] = np.where(np.arange(16) < 8, 3.0, 7.0)
+    params = dict(hidden_layer_sizes=(6,), **SOLVERS["sgd_full_batch"], **COMMON)
+    est = PathKernelMachine(**params).fit(X, y, sample_weight=s)
+    mask = np.arange(16) < 8
+    replay = _replay(est, mask)
+    refit = PathKernelMachine(**params).fit(X, y, sample_weight=s * mask)
+    assert_allclose(replay._y_scale, refit._y_scale, rtol=1e-12)
+    assert_allclose(replay.predict(X), refit.predict(X), rtol=1e-10, atol=1e-10)
+
+
+def test_replay_without_the_moments_rows_holds_them_and_says_so():
+    X, y, s = _data(n=14)
+    params = dict(hidden_layer_sizes=(5,), **SOLVERS["sgd_full_batch"], **COMMON)
+    est = PathKernelMachine(**params).partial_fit(X[:4], y[:4]).partial_fit(X[4:], y[4:])
+    with pytest.warns(UserWarning, match="keeps none of the first 4 training points"):
+        replay = _replay(est, np.arange(14) >= 4)
+    assert_array_equal(replay._y_scale, est._y_scale)
 
 
 def test_warm_start_with_other_weights_holds_the_moments():

@@ -835,19 +835,18 @@ def _tangent_products(path: _Path, theta, batch, beta, V, graph=None):
     gradient = grad(weighted, has_aux=True)
 
     def products(*tangents):
-        _, (hv, (dl, dout)) = jvp(gradient, (primals,), (tangents,))
-        return torch.cat([h.reshape(-1) for h in hv]), dl, dout
+        (_, (_, out)), (hv, (dl, dout)) = jvp(gradient, (primals,), (tangents,))
+        return torch.cat([h.reshape(-1) for h in hv]), dl, out, dout
 
     if path.forward_ad:
         try:
             with FORWARD_AD:
-                HV, D, Jv = vmap(products)(*traj.unflatten(V).values())
+                HV, D, out, Jv = vmap(products)(*traj.unflatten(V).values())
             E = None
-            if path.targets:
+            if path.targets:  # the outputs (the same for every query) and their tangents
                 rows = torch.as_tensor(batch, device=path.device)
-                out = path.losses(theta, batch, outputs=True)[1].detach()
-                cross = path.loss.target_hessian(out, path.Y[rows]) * beta[:, None, None]
-                E = torch.einsum("qbc,bct->qbt", Jv, cross)
+                cross = path.loss.target_hessian(out[0].detach(), path.Y[rows])
+                E = torch.einsum("qbc,bct->qbt", Jv, cross * beta[:, None, None])
             return HV, D, E
         except (RuntimeError, NotImplementedError):
             path.forward_ad = False  # decided once: the same layers at every step

@@ -349,7 +349,9 @@ def _mean_and_std(Y: np.ndarray, weights: np.ndarray | None = None
 def _constant_columns(mean: np.ndarray, std: np.ndarray, n: int) -> np.ndarray:
     """Columns whose spread is within the rounding of their moments: StandardScaler's
     bound ``var <= n eps var + (n mean eps)^2``, which holds where ``std`` is 0, taken
-    without squares (targets of 1e300 have a finite ``std`` but an infinite ``var``)."""
+    without squares (targets of 1e300 have a finite ``std`` but an infinite ``var``).
+    ``n`` is the number of rows (StandardScaler's is the weights' sum under sample
+    weights): a uniform rescaling of the weights changes nothing here."""
     eps = np.finfo(np.float64).eps
     return std * np.sqrt(max(1.0 - n * eps, 0.0)) <= (n * eps) * np.abs(mean)
 
@@ -799,23 +801,29 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         training set): ``normalize_y``'s moments taken anew over the kept rows of those
         that gave them, as a refit with the others' weights set to 0 takes them, and the
         network's targets restandardized by them; None where the fit's moments stay (no
-        standardized targets, see :meth:`_standardization`, or none of those rows kept).
+        standardized targets, see :meth:`_standardization`, or none of those rows kept,
+        with a warning: no refit exists then).
         """
         standardization = self._standardization()
         if standardization is None:
             return None
-        n_rows, constant = standardization
+        n_rows, _ = standardization
         net = self.network_
-        T = np.asarray(net.y_fit, dtype=np.float64).reshape(len(net.y_fit), -1)
+        # The targets in y's units, where a refit decides what is constant (a column
+        # that the kept rows leave constant gets the scale 1 there, not in the network's).
+        Y = self._y_mean + self._y_scale * np.asarray(net.y_fit, dtype=np.float64).reshape(
+            len(net.y_fit), -1)
         weights = np.ones(n_rows) if net.sample_weight is None else net.sample_weight[:n_rows]
         weights = weights * keep[:n_rows]
         if not weights.sum() > 0:
+            warnings.warn(
+                f"The replay keeps none of the first {n_rows} training points, whose "
+                "targets gave normalize_y's mean and scale (a refit would have none to "
+                "take them from): it holds the fit's.", UserWarning, stacklevel=2)
             return None
-        # In the network's units, whose mean and scale map back to y's.
-        mean, scale = _moments(T[:n_rows], weights)
-        scale[constant | _constant_columns(mean, scale, n_rows)] = 1.0
-        return ((T - mean) / scale, self._y_mean + self._y_scale * mean,
-                self._y_scale * scale)
+        mean, scale = _mean_and_std(Y[:n_rows], weights)
+        scale[_constant_columns(mean, scale, n_rows)] = 1.0
+        return (Y - mean) / scale, mean, scale
 
     def _train(self, module, X_t, Y_t, loss_name, validation, seed, previous, incremental,
                extends=None, sample_weight=None):

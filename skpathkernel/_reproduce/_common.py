@@ -95,6 +95,12 @@ def save(ctx, fig, name) -> str:
     return name
 
 
+def quick_settings(ctx, settings: str) -> str:
+    """A row's reduced settings, appended to its measured text in a quick run (the
+    report's header says "mode: quick", the row says by how much)."""
+    return f"; quick settings: {settings}" if ctx.quick else ""
+
+
 def circle_settings(ctx):
     """(n_samples, epochs, n_neighbors, mid epoch): the paper's 100 neighbours out of ~1000
     points and its 200th epoch of 1000; quick keeps both ratios (10 % and 20 %)."""

@@ -18,6 +18,7 @@ from ._common import (
     circle_settings,
     decision_regions,
     progress,
+    quick_settings,
     save,
     subplots,
 )
@@ -42,7 +43,9 @@ def purer_than_euclidean(accuracies, purities, euclidean) -> bool:
 
 def figure9_section(ctx):
     """Decision regions (a-d) and final-step K_t neighbours (e-h) per optimizer."""
-    _, _, n_neighbors, _ = circle_settings(ctx)
+    n, epochs, n_neighbors, _ = circle_settings(ctx)
+    reduced = quick_settings(ctx, f"{n} points, {epochs} epochs, {n_neighbors} neighbours "
+                                  "(the full run: 1000, 1000, 100)")
     X, y, X_test, y_test = circle_data(ctx)
     details, accs, purities, eucls = [], [], [], []
     eucl_nb = np.argsort(((ANCHORS[:, None] - X[None]) ** 2).sum(-1), axis=1,
@@ -80,6 +83,6 @@ def figure9_section(ctx):
         "Euclidean ones",
         f"lowest test accuracy {min(accs):.3f}; mean purity K_t/Euclidean: "
         + ", ".join(f"{n} {p:.2f}/{e:.2f}" for n, p, e in zip(OPTIMIZERS, purities, eucls))
-        + f" [{png}]",
+        + f"{reduced} [{png}]",
         purer_than_euclidean(accs, purities, eucls), details=details,
     )]

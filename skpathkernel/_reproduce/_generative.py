@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .. import PathRecorder
 from ..kernels import PathKernel, TangentKernel, step_kernel
+from ._common import quick_settings
 from ._report import Row
 
 _DTYPE = torch.float64
@@ -221,7 +222,9 @@ def generative_section(ctx):
         claim=f"diffusion: the path kernel between (x, sigma) pairs is noise-localized "
               f"(share of normalized kernel mass within |dlog sigma| < {band})",
         measured=f"{path_in:.3f} of the mass on {pairs_in:.3f} of the pairs "
-                 f"(x{path_in / pairs_in:.2f}); initial tangent kernel {init_in:.3f}",
+                 f"(x{path_in / pairs_in:.2f}); initial tangent kernel {init_in:.3f}"
+                 + quick_settings(ctx, f"{steps} training steps, every second recorded "
+                                       "(the full run: 400, every one)"),
         passed=path_in > 2.0 * pairs_in and path_in > init_in,
         details=[{"kernel": "path (trained)", "mass in band": f"{path_in:.3f}"},
                  {"kernel": "tangent at init", "mass in band": f"{init_in:.3f}"},
@@ -231,6 +234,7 @@ def generative_section(ctx):
     ))
     # ---------------------------------------------------------------- GAN
     steps = 150 if quick else 300
+    gan_reduced = quick_settings(ctx, f"{steps} training steps (the full run: 300)")
     gnet, G, Ds = train_gan(n_steps=steps, keep_every=10)
     z_query = torch.randn(64, 2, generator=torch.Generator().manual_seed(2),
                           dtype=_DTYPE).numpy()
@@ -243,7 +247,7 @@ def generative_section(ctx):
         claim="GAN: the generator's kernel-weighted update follows the discriminator's "
               "gradient field (centered correlation, transport phase)",
         measured=f"mean correlation {np.mean(corr):.2f} over {len(phase)} steps "
-                 f"(min {np.min(corr):.2f})",
+                 f"(min {np.min(corr):.2f})" + gan_reduced,
         passed=float(np.mean(corr)) > 0.3,
         details=[{"step": t, "correlation": f"{c:.3f}"} for t, c in zip(phase, corr)],
     ))
@@ -252,7 +256,7 @@ def generative_section(ctx):
         claim="GAN: the generator's decomposition over the declared (z_i, discriminator "
               "pull) pairs is exact (float64)",
         measured=f"max |reconstruction - G(z)| = {res.error:.1e} over "
-                 f"{gnet.trajectory_.n_samples} declared samples",
+                 f"{gnet.trajectory_.n_samples} declared samples" + gan_reduced,
         passed=res.error < 1e-9,
     ))
     return rows

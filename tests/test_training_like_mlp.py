@@ -115,6 +115,24 @@ def test_adaptive_with_a_real_stall():
     assert_allclose(est.trajectory_.learning_rates, lrs, rtol=1e-15)
 
 
+def test_adaptive_with_tol_none_keeps_its_step_size():
+    """tol=None switches the stopping rule off (SGDClassifier's convention, whose
+    "adaptive" schedule then never divides: its no-improvement count needs tol > -inf),
+    so every step is at learning_rate_init: the path of the constant schedule."""
+    X, y = _data(20)
+    # A step size at which the loss often fails to improve on its best (21 of 29
+    # epochs): the rule at tol 0 divided the step size 5 times (to 1.6e-4).
+    params = dict(BASE, solver="sgd", learning_rate_init=0.5, batch_size=5, tol=None,
+                  n_iter_no_change=1, max_iter=30)
+    adaptive = PathKernelMachine(**params, learning_rate="adaptive").fit(X, y)
+    constant = PathKernelMachine(**params, learning_rate="constant").fit(X, y)
+    losses = np.array(constant.loss_curve_)
+    assert np.sum(losses[1:] >= np.minimum.accumulate(losses)[:-1]) >= 2  # it stalls
+    assert_array_equal(adaptive.trajectory_.learning_rates, 0.5)
+    assert torch.equal(adaptive.trajectory_._params, constant.trajectory_._params)
+    assert adaptive.n_iter_ == 30
+
+
 @pytest.mark.parametrize("schedule", ["invscaling", "adaptive"])
 def test_schedules_are_sgds_only(schedule):
     X, y = _data()

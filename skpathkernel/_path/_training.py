@@ -709,8 +709,10 @@ def train(
                 score = float(validation(module))
             scores.append(score)
         is_best, stall = rule.update(epoch_loss, score)
-        if stall:
-            stopped = sched.stalled() and tol is not None
+        if stall and tol is not None:
+            # tol=None switches the rule off (SGDClassifier's convention): no stop, and
+            # no "adaptive" division either, which SGDClassifier then never makes.
+            stopped = sched.stalled()
             rule.count = 0
         if is_best and validation is not None:
             # The model is the best-scoring epoch's (MLPClassifier restores it too): keep

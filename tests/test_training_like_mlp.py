@@ -21,7 +21,7 @@ from _reference import (
 )
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.neural_network import MLPClassifier
+from sklearn.neural_network import MLPClassifier, MLPRegressor
 
 from skpathkernel import (
     DivergenceWarning,
@@ -397,6 +397,36 @@ def test_partial_fit_refuses_early_stopping_and_other_features():
     with pytest.raises(ValueError, match="features"):
         est.partial_fit(X[:, :1], y)
     assert est.__dict__ == state
+
+
+def _warnings_of(fit):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fit()
+    return [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("kw, clipped", [
+    (dict(batch_size=20), True),
+    (dict(batch_size=16), False),
+    (dict(batch_size="auto"), False),
+    # early stopping trains on 12 of the 16 samples: 14 is more than that.
+    (dict(batch_size=14, early_stopping=True, validation_fraction=0.25), True),
+])
+def test_batch_size_above_the_training_samples_warns_as_mlpregressor(kw, clipped):
+    """MLPRegressor warns that a batch_size larger than the training samples is clipped
+    (full-batch steps); so does the estimator, at the user's line, naming both sizes."""
+    X, y = _data(16)
+    theirs = _warnings_of(lambda: MLPRegressor(max_iter=2, random_state=0, **kw).fit(X, y))
+    assert bool(theirs) == clipped
+    ours = _warnings_of(lambda: PathKernelMachine(**BASE, max_iter=2, **kw).fit(X, y))
+    assert [w.filename for w in ours] == [__file__] * clipped
+    if clipped:
+        assert f"batch_size={kw['batch_size']}" in str(ours[0].message)
+    if "early_stopping" not in kw:  # partial_fit, one pass over each call's samples
+        ours = _warnings_of(lambda: PathKernelMachine(**BASE, **kw).partial_fit(X, y))
+        assert len(ours) == clipped
 
 
 def test_warm_start_false_starts_over():

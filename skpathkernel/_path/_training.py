@@ -761,7 +761,7 @@ def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
         f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
         "exactly max_iter epochs.",
         ConvergenceWarning,
-        stacklevel=7,
+        stacklevel=caller_stacklevel(),  # the user's line, also via a meta-estimator
     )
 
 
@@ -791,7 +791,7 @@ def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
         f"epoch's loss is {loss_curve[-1]:.3g}. The fitted network is not a trained one: "
         f"try a smaller learning_rate_init (it was {lr:g}).",
         DivergenceWarning,
-        stacklevel=7,
+        stacklevel=caller_stacklevel(),  # the user's line, also via a meta-estimator
     )
 
 

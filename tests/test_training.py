@@ -1128,3 +1128,27 @@ def test_a_one_output_network_returning_n_values_trains_as_one_returning_n_by_1(
         assert_allclose(flat.decompose(X[:3], method=method).contributions,
                         column.decompose(X[:3], method=method).contributions,
                         rtol=1e-10, atol=1e-13)
+
+
+def test_training_warnings_point_at_the_callers_line():
+    """The ConvergenceWarning and DivergenceWarning of a fit point at the line that
+    called fit, also through a meta-estimator (a fixed stacklevel pointed into
+    skpathkernel's own _meta.py there)."""
+    from skpathkernel import DivergenceWarning, TangentFeatures
+
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(40, 3))
+    y = X @ [1.0, -2.0, 0.5]
+    fits = {
+        ConvergenceWarning: dict(hidden_layer_sizes=(4,), max_iter=2, random_state=0),
+        DivergenceWarning: dict(hidden_layer_sizes=(8,), learning_rate_init=1e6,
+                                max_iter=20, random_state=0),
+    }
+    for category, params in fits.items():
+        for est in (PathKernelMachine(**params), TangentFeatures(PathKernelMachine(**params))):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                est.fit(X, y)
+            found = [w for w in caught if w.category is category]
+            assert found and all(w.filename == __file__ for w in found), \
+                [(w.category.__name__, w.filename) for w in caught]

@@ -21,7 +21,7 @@ from _reference import (
 )
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.neural_network import MLPClassifier
+from sklearn.neural_network import MLPClassifier, MLPRegressor
 
 from skpathkernel import (
     DivergenceWarning,
@@ -113,6 +113,24 @@ def test_adaptive_with_a_real_stall():
     lrs, n_epochs = _sklearn_adaptive(0.5, est.loss_curve_, 1e-3, 1)
     assert est.n_iter_ == n_epochs
     assert_allclose(est.trajectory_.learning_rates, lrs, rtol=1e-15)
+
+
+def test_adaptive_with_tol_none_keeps_its_step_size():
+    """tol=None switches the stopping rule off (SGDClassifier's convention, whose
+    "adaptive" schedule then never divides: its no-improvement count needs tol > -inf),
+    so every step is at learning_rate_init: the path of the constant schedule."""
+    X, y = _data(20)
+    # A step size at which the loss often fails to improve on its best (21 of 29
+    # epochs): the rule at tol 0 divided the step size 5 times (to 1.6e-4).
+    params = dict(BASE, solver="sgd", learning_rate_init=0.5, batch_size=5, tol=None,
+                  n_iter_no_change=1, max_iter=30)
+    adaptive = PathKernelMachine(**params, learning_rate="adaptive").fit(X, y)
+    constant = PathKernelMachine(**params, learning_rate="constant").fit(X, y)
+    losses = np.array(constant.loss_curve_)
+    assert np.sum(losses[1:] >= np.minimum.accumulate(losses)[:-1]) >= 2  # it stalls
+    assert_array_equal(adaptive.trajectory_.learning_rates, 0.5)
+    assert torch.equal(adaptive.trajectory_._params, constant.trajectory_._params)
+    assert adaptive.n_iter_ == 30
 
 
 @pytest.mark.parametrize("schedule", ["invscaling", "adaptive"])
@@ -379,6 +397,36 @@ def test_partial_fit_refuses_early_stopping_and_other_features():
     with pytest.raises(ValueError, match="features"):
         est.partial_fit(X[:, :1], y)
     assert est.__dict__ == state
+
+
+def _warnings_of(fit):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fit()
+    return [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("kw, clipped", [
+    (dict(batch_size=20), True),
+    (dict(batch_size=16), False),
+    (dict(batch_size="auto"), False),
+    # early stopping trains on 12 of the 16 samples: 14 is more than that.
+    (dict(batch_size=14, early_stopping=True, validation_fraction=0.25), True),
+])
+def test_batch_size_above_the_training_samples_warns_as_mlpregressor(kw, clipped):
+    """MLPRegressor warns that a batch_size larger than the training samples is clipped
+    (full-batch steps); so does the estimator, at the user's line, naming both sizes."""
+    X, y = _data(16)
+    theirs = _warnings_of(lambda: MLPRegressor(max_iter=2, random_state=0, **kw).fit(X, y))
+    assert bool(theirs) == clipped
+    ours = _warnings_of(lambda: PathKernelMachine(**BASE, max_iter=2, **kw).fit(X, y))
+    assert [w.filename for w in ours] == [__file__] * clipped
+    if clipped:
+        assert f"batch_size={kw['batch_size']}" in str(ours[0].message)
+    if "early_stopping" not in kw:  # partial_fit, one pass over each call's samples
+        ours = _warnings_of(lambda: PathKernelMachine(**BASE, **kw).partial_fit(X, y))
+        assert len(ours) == clipped
 
 
 def test_warm_start_false_starts_over():

@@ -63,6 +63,7 @@ from .._path._training import (
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
+from .._warnings import caller_stacklevel
 from ..kernels import NetworkKernelsMixin
 
 __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
@@ -829,6 +830,12 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                extends=None, sample_weight=None):
         generator = torch.Generator().manual_seed(seed)
         max_iter = 1 if incremental else self.max_iter
+        if isinstance(self.batch_size, numbers.Integral) and self.batch_size > len(X_t):
+            # MLPClassifier's warning: the steps are full-batch, not the size asked for.
+            warnings.warn(
+                f"batch_size={self.batch_size} is larger than the {len(X_t)} training "
+                f"samples: it is clipped to {len(X_t)} (every step on all of them), as "
+                "MLPClassifier clips it.", UserWarning, stacklevel=caller_stacklevel())
         # On a Dask worker (GridSearchCV under the dask backend) the worker's cores are
         # shared by its task slots: keep torch's threads within them; a small network
         # trains on one (see training_threads).

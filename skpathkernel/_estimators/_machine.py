@@ -66,7 +66,8 @@ _SHARED_PARAMS_DOC = """
         across ``warm_start`` fits and ``partial_fit`` calls) steps with
         ``learning_rate_init / (t + 1) ** power_t``. "adaptive": the step size is divided
         by 5 whenever more than ``n_iter_no_change`` consecutive epochs fail to improve
-        by ``tol`` (the stopping rule), and training stops when it is at most 1e-6. The
+        by ``tol`` (the stopping rule), and training stops when it is at most 1e-6
+        (``tol=None``, no rule, keeps ``learning_rate_init``, as SGDClassifier). The
         recorded path holds every step's size (``trajectory_.step_learning_rates``), so
         the kernels and the decomposition follow the schedule exactly (with every step
         recorded: a thinned path's interval takes its mean), and the unrolled

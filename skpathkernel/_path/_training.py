@@ -709,8 +709,10 @@ def train(
                 score = float(validation(module))
             scores.append(score)
         is_best, stall = rule.update(epoch_loss, score)
-        if stall:
-            stopped = sched.stalled() and tol is not None
+        if stall and tol is not None:
+            # tol=None switches the rule off (SGDClassifier's convention): no stop, and
+            # no "adaptive" division either, which SGDClassifier then never makes.
+            stopped = sched.stalled()
             rule.count = 0
         if is_best and validation is not None:
             # The model is the best-scoring epoch's (MLPClassifier restores it too): keep
@@ -759,7 +761,7 @@ def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
         f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
         "exactly max_iter epochs.",
         ConvergenceWarning,
-        stacklevel=7,
+        stacklevel=caller_stacklevel(),  # the user's line, also via a meta-estimator
     )
 
 
@@ -789,7 +791,7 @@ def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
         f"epoch's loss is {loss_curve[-1]:.3g}. The fitted network is not a trained one: "
         f"try a smaller learning_rate_init (it was {lr:g}).",
         DivergenceWarning,
-        stacklevel=7,
+        stacklevel=caller_stacklevel(),  # the user's line, also via a meta-estimator
     )
 
 

@@ -466,11 +466,42 @@ def test_loss_that_ends_far_above_its_start_warns():
     est = PathKernelMachine(hidden_layer_sizes=(), solver="sgd", learning_rate_init=lr,
                             batch_size=None, max_iter=20, tol=None, normalize_y=False,
                             random_state=0)
-    with pytest.warns(DivergenceWarning, match="times the first epoch's") as record:
+    with pytest.warns(DivergenceWarning, match="times the .* it started from") as record:
         est.fit(X, y)
     assert est.loss_curve_[-1] > 100 * est.loss_curve_[0]
     first = next(e for e, v in enumerate(est.loss_curve_) if v > 100 * est.loss_curve_[0])
     assert f"at epoch {first} " in str(record[0].message)
+
+
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+def test_a_blow_up_within_the_first_epoch_warns(kind):
+    """Adam at learning_rate_init=1 runs away inside its first epoch, whose mean loss
+    then holds the blow-up: the start is the initial network's loss on the first batch.
+    The regressor ends far above it; the classifier settles at chance, back near its
+    start but not below (the first epoch's mean was hundreds of times it)."""
+    from sklearn.datasets import load_diabetes, load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    if kind == "regression":
+        X, y = load_diabetes(return_X_y=True)
+        est = PathKernelMachine(solver="adam", learning_rate_init=1.0, max_iter=30,
+                                random_state=0)
+    else:
+        X, y = load_digits(return_X_y=True)
+        est = PathKernelClassifier(solver="adam", learning_rate_init=1.0, max_iter=30,
+                                   random_state=0)
+    X = StandardScaler().fit_transform(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        warnings.simplefilter("always", DivergenceWarning)
+        with pytest.warns(DivergenceWarning, match="at epoch 0 the training loss") as record:
+            est.fit(X, y)
+    message = next(str(w.message) for w in record if w.category is DivergenceWarning)
+    start = float(message.split("times the ")[1].split(" it started")[0])
+    assert est.loss_curve_[0] > 100 * start  # the first epoch's mean holds the blow-up
+    assert est.loss_curve_[-1] >= start
+    # What the warning is about: the fit predicts nothing.
+    assert est.score(X, y) < (0 if kind == "regression" else 0.2)
 
 
 def test_growing_parameters_with_a_falling_loss_do_not_warn():

@@ -177,6 +177,30 @@ def test_routes_say_why_a_layer_falls_back():
     assert routes["b"].route == "rule"
 
 
+class _TiedHead(nn.Module):
+    """A language-model head sharing the embedding's weight (no bias of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)).mean(1))
+
+
+def test_routes_list_a_head_whose_only_weight_is_tied():
+    # The head held no parameter under its own name (named_parameters names the tied
+    # weight at the embedding), so layer_routes left it out of the listing.
+    net = _TiedHead()
+    routes = {r.name: r for r in layer_routes(net, torch.randint(10, (5, 3)))}
+    assert set(routes) == {"emb", "head"}
+    assert routes["head"].route == "fallback"
+    assert routes["head"].reason == "a parameter is shared with another module (tied weights)"
+    assert sum(r.n_params for r in routes.values()) == sum(p.numel() for p in net.parameters())
+
+
 def test_routes_tell_a_layer_used_twice_from_tied_weights():
     # The same nn.Linear at two places of a Sequential was reported as tied weights.
     lin = nn.Linear(4, 4)

@@ -82,7 +82,9 @@ class LayerRoute(NamedTuple):
         ``"rule"`` (structured factors) or ``"fallback"`` (``torch.func`` Jacobians).
     n_params : int
         Differentiated parameters it holds (a rule layer counts its whole subtree, as
-        nn.MultiheadAttention holds its ``out_proj``).
+        nn.MultiheadAttention holds its ``out_proj``); a parameter tied between layers
+        counts at its first holder only, so that the sizes sum to the network's (an
+        output head tied to an embedding is listed with 0).
     reason : str
         Why it falls back; empty on its rule.
 
@@ -189,6 +191,11 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
                     "two passes agree: call module.eval()")
         reasons.update(dict.fromkeys(hidden, why))
     fallback = set(cap.fallback)
+    # A tied parameter is named once, at its first holder: a later holder (an output
+    # head tied to an embedding) is listed under that name, its size counted once.
+    first_name: dict[int, str] = {}
+    alias = {name: first_name.setdefault(id(p), name)
+             for name, p in module.named_parameters(remove_duplicate=False)}
     routes = []
     taken: list[str] = []  # rule layers own their subtrees (as in the capture)
     for prefix, layer in module.named_modules():
@@ -200,11 +207,12 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
         else:
             named = layer.named_parameters(recurse=False)
         names = [f"{prefix}.{local}" if prefix else local for local, _ in named]
-        names = [n for n in names if n in params]
-        if not names:
+        own = [n for n in names if n in params]
+        tied = [alias[n] for n in names if n not in params and alias.get(n, n) in params]
+        if not own and not tied:
             continue
-        size = sum(params[n].numel() for n in names)
-        falls = [n for n in names if n in fallback]
+        size = sum(params[n].numel() for n in own)
+        falls = [n for n in own + tied if n in fallback]
         if not falls:
             routes.append(LayerRoute(prefix, type(layer).__name__, "rule", size, ""))
             continue

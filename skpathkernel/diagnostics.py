@@ -29,7 +29,6 @@ from torch.func import functional_call
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._network._trained import network_of
-from ._path._losses import LOSSES
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
 
@@ -307,6 +306,7 @@ def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_sta
             raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
         points.append(s % len(traj))
     Xt, Yt, weights = _data(estimator, net, X, y, sample_weight)
+    net._check_loss(Xt, Yt)  # a user's loss, on the outputs flattened per sample
     # The network's loss is the one it was fitted with, not the current parameter, which
     # set_params may have changed since.
     loss = net.loss
@@ -348,9 +348,8 @@ def _quadratic_forms(module, traj, theta, X, Y, weights, loss, block, seed,
         for start in range(0, n, block):
             xb, yb = X[start : start + block], Y[start : start + block]
             # sum / n, not mean: the batches' Hessians then add up to that of the mean loss.
-            f = functional_call(module, params, (xb,))
-            if type(loss) in LOSSES.values():  # the library's losses read (n, C)
-                f = f.reshape(len(xb), -1)
+            # Outputs flattened per sample (n, C), as every loss is called.
+            f = functional_call(module, params, (xb,)).reshape(len(xb), -1)
             per_sample = loss.per_sample(f, yb)
             batch_loss = (per_sample.sum() / n if weights is None
                           else (per_sample * weights[start : start + block]).sum())

@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -466,31 +467,65 @@ def test_reproduce_flatness_section(tmp_path):
 
 
 class _FunctionalLookup(torch.nn.Module):
-    """A table read by ``F.embedding`` in the forward, not an nn.Embedding layer."""
+    """A table read by ``F.embedding`` in the forward, not an nn.Embedding layer; with
+    ``scale``, a table computed from the parameter; with ``noise``, a forward that draws
+    from torch's generator in every mode."""
 
-    def __init__(self, n_outputs, flag):
+    def __init__(self, n_outputs, flag, scale=None, noise=0.0):
         super().__init__()
         self.table = torch.nn.Parameter(torch.randn(6, 3))
         self.head = torch.nn.Linear(12, n_outputs)
-        self.flag = flag
+        self.flag, self.scale, self.noise = flag, scale, noise
 
     def forward(self, ids):
-        lookup = torch.nn.functional.embedding(ids, self.table, scale_grad_by_freq=self.flag)
-        return self.head(lookup.flatten(1))
+        table = self.table if self.scale is None else self.table * self.scale
+        lookup = torch.nn.functional.embedding(ids, table, scale_grad_by_freq=self.flag)
+        h = lookup.flatten(1)
+        return self.head(h + self.noise * torch.randn_like(h))
 
 
-def test_a_functional_lookup_scaled_by_frequency_is_refused():
-    """The flag on a functional lookup of a parameter gives the same wrong backward as the
-    layer's; trained without it, the same network's trace is computed."""
+def _lookup_fit(**kw):
     rng = np.random.RandomState(0)
     X = rng.randint(0, 6, size=(20, 4))
     y = np.sin(X.sum(1).astype(float))
-    est = PathKernelMachine(module=lambda i, o: _FunctionalLookup(o, False), max_iter=3,
-                            tol=None, dtype="float64", random_state=0).fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a forward that draws warns at fit
+        est = PathKernelMachine(module=lambda i, o: _FunctionalLookup(o, False, **kw),
+                                max_iter=3, tol=None, dtype="float64",
+                                random_state=0).fit(X, y)
+    return est, X, y
+
+
+@pytest.mark.parametrize("scale", [None, 2.0])
+def test_a_functional_lookup_scaled_by_frequency_is_refused(scale):
+    """The flag on a functional lookup of a parameter, or of a table computed from one,
+    gives the same wrong backward as the layer's; trained without it, the same
+    network's trace is computed."""
+    est, X, y = _lookup_fit(scale=scale)
     assert np.isfinite(hessian_trace(est, X, y, n_samples=2, random_state=0).estimates).all()
     est.module_.flag = True
     with pytest.raises(ValueError, match="A call of embedding has scale_grad_by_freq=True"):
         hessian_trace(est, X, y, n_samples=2, random_state=0)
+
+
+def test_the_lookup_check_leaves_the_random_streams_as_they_were(monkeypatch):
+    """Its forward pass draws where the module draws, from generators whose states are
+    restored: the trace and the caller's next draw are those without the check."""
+    from skpathkernel import diagnostics
+
+    est, X, y = _lookup_fit(noise=0.1)
+
+    def trace_and_next_draw():
+        torch.manual_seed(0)
+        trace = hessian_trace(est, X, y, n_samples=3, random_state=0).estimates
+        return trace, torch.rand(1)
+
+    trace_and_next_draw()  # the first call measures the activation widths: a forward (kept)
+    checked = trace_and_next_draw()
+    monkeypatch.setattr(diagnostics, "check_functional_lookups", lambda *a: None)
+    unchecked = trace_and_next_draw()
+    np.testing.assert_array_equal(checked[0], unchecked[0])
+    assert torch.equal(checked[1], unchecked[1])
 
 
 @pytest.mark.parametrize("flag", [dict(scale_grad_by_freq=True), dict(max_norm=1.0)])

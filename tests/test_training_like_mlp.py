@@ -504,6 +504,63 @@ def test_a_blow_up_within_the_first_epoch_warns(kind):
     assert est.score(X, y) < (0 if kind == "regression" else 0.2)
 
 
+def test_a_first_batch_unlike_the_rest_does_not_make_a_healthy_fit_warn():
+    """The first batch's loss only says when to measure the start: a batch of zero
+    targets (97% of them) or of zero sample weights has a loss near or at 0, which as
+    the start made these healthy fits warn."""
+    rng = np.random.RandomState(0)
+    X = rng.randn(1000, 5)
+    y = np.where(rng.rand(1000) < 0.03, 20 + 5 * X[:, 0], 0.0)
+    from sklearn.datasets import load_diabetes
+    from sklearn.preprocessing import StandardScaler
+
+    Xd, yd = load_diabetes(return_X_y=True)
+    Xd = StandardScaler().fit_transform(Xd)
+    weights = np.ones(len(yd))
+    weights[:32] = 0
+    cases = [(PathKernelMachine(max_iter=60, batch_size=32, random_state=0), X, y, None),
+             (PathKernelMachine(max_iter=50, batch_size=32, shuffle=False, random_state=0),
+              Xd, yd, weights)]
+    for est, Xc, yc, w in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            warnings.simplefilter("error", DivergenceWarning)
+            est.fit(Xc, yc, sample_weight=w)
+        assert est.loss_curve_[-1] < est.loss_curve_[0]
+
+
+def test_measuring_the_start_leaves_training_and_the_random_streams_as_they_were(
+        monkeypatch):
+    """The initial network's loss on every row is one more forward pass in training
+    modes: a dropout layer draws there, from generators whose states are restored."""
+    from skpathkernel._path import _training
+
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(400, 4))
+    y = X @ rng.normal(size=4)
+
+    def fit():
+        torch.manual_seed(0)
+        est = PathKernelMachine(module=lambda i, o: torch.nn.Sequential(
+            torch.nn.Linear(i, 16), torch.nn.Dropout(0.3), torch.nn.Tanh(),
+            torch.nn.Linear(16, o)), solver="adam", learning_rate_init=10.0, batch_size=40,
+            max_iter=3, tol=None, random_state=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est.fit(X, y)
+        return est.trajectory_.parameters(-1), torch.rand(1)
+
+    calls = []
+    measure = _training._initial_loss
+    monkeypatch.setattr(_training, "_initial_loss",
+                        lambda *a: calls.append(1) or measure(*a))
+    measured = fit()
+    assert calls  # the first epoch ran away: the start was measured
+    monkeypatch.setattr(_training, "_start_loss", lambda first, batch, initial: first)
+    plain = fit()
+    assert torch.equal(measured[0], plain[0]) and torch.equal(measured[1], plain[1])
+
+
 def test_growing_parameters_with_a_falling_loss_do_not_warn():
     X, y = _small_regression()
     # Features in tiny units: the linear weights must grow ~5000-fold, and do, healthily.

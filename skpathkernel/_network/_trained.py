@@ -823,29 +823,37 @@ ValueError
         X_fit, Y_fit = self.tensor(self.check(self.X_fit, "X_train")), self.targets()
         if len(Y_fit) != n:
             raise ValueError(f"y_train has {len(Y_fit)} rows but X_train has {n}.")
-        if isinstance(self.loss, _PerSampleLoss):
-            # A user's loss: one value per sample, checked before the long computation
-            # (the library's losses are).
-            # On the outputs as every analysis hands them, one row per sample (B, C): a
-            # loss written for a module's (B, T, C) outputs must fail here, not inside a
-            # decomposition or the unrolled sweep (or silently, by broadcasting).
-            with torch.no_grad():
-                out = functional_call(self.module, self.params_at(0), (X_fit[:2],))
-                try:
-                    probe = self.loss.per_sample(out.reshape(len(out), -1), Y_fit[:2])
-                except (RuntimeError, ValueError, IndexError) as exc:
-                    raise ValueError(
-                        "The loss is called as per_sample(output, target) with the "
-                        "module's outputs flattened per sample, shape (B, C) (here "
-                        f"{(len(out), out[0].numel())}), and the targets as y_train gives "
-                        f"them; it raised {type(exc).__name__}: {exc}") from exc
-            if probe.shape != (len(X_fit[:2]),):
-                raise ValueError(
-                    "The loss must return one value per sample, shape (B,), from the "
-                    "module's outputs flattened per sample, shape (B, C); it returned "
-                    f"shape {tuple(probe.shape)}."
-                )
+        self._check_loss(X_fit, Y_fit)
         return X_fit, Y_fit
+
+    def _check_loss(self, X: torch.Tensor, Y: torch.Tensor) -> None:
+        """Refuse a user's per-sample loss that does not give one value per sample.
+
+        Probed on the first two rows of ``X`` and ``Y`` (tensors as the loss takes
+        them) at the first recorded point, before a long computation (the library's
+        losses are checked already).
+        """
+        if not isinstance(self.loss, _PerSampleLoss):
+            return
+        # On the outputs as every analysis hands them, one row per sample (B, C): a
+        # loss written for a module's (B, T, C) outputs must fail here, not inside a
+        # decomposition or the unrolled sweep (or silently, by broadcasting).
+        with torch.no_grad():
+            out = functional_call(self.module, self.params_at(0), (X[:2],))
+            try:
+                probe = self.loss.per_sample(out.reshape(len(out), -1), Y[:2])
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise ValueError(
+                    "The loss is called as per_sample(output, target) with the "
+                    "module's outputs flattened per sample, shape (B, C) (here "
+                    f"{(len(out), out[0].numel())}), and the targets as y_train gives "
+                    f"them; it raised {type(exc).__name__}: {exc}") from exc
+        if probe.shape != (len(X[:2]),):
+            raise ValueError(
+                "The loss must return one value per sample, shape (B,), from the "
+                "module's outputs flattened per sample, shape (B, C); it returned "
+                f"shape {tuple(probe.shape)}."
+            )
 
     # ------------------------------------------------------------------ workers
     def with_own_module(self) -> TrainedNetwork:

@@ -13,6 +13,7 @@ the recorded one (:func:`extend_trajectory`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
+from torch.func import functional_call
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -53,7 +55,7 @@ __all__ = [
 ]
 
 # Thresholds of the divergence warning. A descent method lowers the training loss: an
-# epoch loss 100 times the one training started from (_reference_loss), never back
+# epoch loss 100 times the one training started from (_start_loss), never back
 # below it, has gone the wrong way by two orders of magnitude, far beyond the noise of
 # minibatches. The parameter norm of a trained MLP
 # stays within a small factor of its initialization's (benchmarks/results/defaults.md
@@ -371,7 +373,7 @@ class Resume:
     samples_seen: int  # sklearn's t_: what "invscaling" decays with
     generator_state: np.ndarray  # the batch order's torch.Generator
     rule: tuple[int, float, float]  # the stopping rule's (count, best loss, best score)
-    first_loss: float  # the path's starting loss (_reference_loss) and initial parameter
+    first_loss: float  # the path's starting loss (_start_loss) and initial parameter
     initial_norm: float  # norm, which the divergence warning compares with throughout
     # The learning_rate_init the schedule started from (None: a Resume pickled before it
     # was kept), so that a warm start can tell a new one from the schedule's own changes.
@@ -577,19 +579,46 @@ def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr,
     return loss / total
 
 
-def _reference_loss(first_epoch_loss: float, first_batch_loss, B: int, n: int) -> float:
-    """The loss a new path's divergence check compares with: the first epoch's, or the
-    initial network's on the first batch (its loss before any update) when lower.
+def _start_loss(first_epoch_loss: float, first_batch_loss, initial_loss) -> float:
+    """The loss a new path's divergence check compares with: the first epoch's, unless it
+    is over ``DIVERGENCE_LOSS_RATIO`` times the first batch's at the initial parameters;
+    then the initial network's on every row (``initial_loss()``, one forward pass), when
+    lower.
 
-    Training that runs away within its first epoch puts the blow-up in that epoch's
-    mean: Adam at ``learning_rate_init=1`` on standardized diabetes averaged 2.6e5 over
-    its first epoch from 0.5 at the start and ended at 6.5e4 (R^2 = -7.6e4) without a
-    warning. A batch of fewer than 32 samples stands too noisily for the initial loss
-    (one sample's may be near 0): there the first epoch's is kept.
+    Training that runs away within its first epoch puts the blow-up in that epoch's mean
+    (Adam at ``learning_rate_init=1`` on standardized diabetes averaged 2.6e5 over its first
+    epoch from 0.46 at the start, ended at 6.5e4, R^2 = -7.6e4, without a warning). The
+    first batch alone is no reference: it may be unlike the rest (a first batch of zero
+    targets among 97%, or of zero sample weights, whose loss is 0), which would make a
+    healthy fit warn; it only says when to measure the start.
     """
-    if B < min(n, 32):
+    if first_epoch_loss <= DIVERGENCE_LOSS_RATIO * float(first_batch_loss):
         return first_epoch_loss
-    return min(first_epoch_loss, float(first_batch_loss))
+    return min(first_epoch_loss, initial_loss())
+
+
+def _initial_loss(module, names, theta0, X, Y, loss, B, sample_weight) -> float:
+    """The loss of ``module`` at the flat parameters ``theta0`` on every row (their
+    weighted mean under ``sample_weight``), in blocks of ``B`` rows, without a graph.
+
+    The module keeps its training modes: a layer that draws (dropout) draws from torch's
+    generators, whose states are restored, so that training and the caller's stream go
+    on as without this pass."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    values = dict(zip(names, (v.view_as(p) for v, p in zip(
+        theta0.split([p.numel() for p in params]), params))))
+    devices = [X.device] if X.device.type == "cuda" else []
+    total = weight = 0.0
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        for start in range(0, X.shape[0], B):
+            xb, yb = X[start : start + B], Y[start : start + B]
+            out = functional_call(module, values, (xb,)).reshape(len(xb), -1)
+            per_sample = loss.per_sample(out, yb).double()
+            w = (torch.ones_like(per_sample) if sample_weight is None else torch.as_tensor(
+                sample_weight[start : start + B], dtype=torch.float64, device=X.device))
+            total += float((per_sample * w).sum())
+            weight += float(w.sum())
+    return total / weight
 
 
 def _param_norm(params) -> float:
@@ -705,7 +734,10 @@ def train(
                               initial_norm=norms[0], learning_rate_init=sched.lr_init,
                               device=X.device)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
-    reference = None  # the loss the divergence check compares with (_reference_loss)
+    reference = None  # the loss the divergence check compares with (_start_loss)
+    # The initial point, for the start's loss where the first epoch ran away (_start_loss).
+    theta0 = (torch.cat([p.detach().reshape(-1) for p in params])
+              if resume is None else None)
     step, stopped = 0, False
     for epoch in range(max_iter):
         lr = sched.epoch_lr(seen)
@@ -716,7 +748,9 @@ def train(
         epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr,
                                  initial=resume is None)
         if epoch == 0 and resume is None:
-            reference = _reference_loss(epoch_loss, batch_losses[0], B, n)
+            reference = _start_loss(epoch_loss, batch_losses[0], functools.partial(
+                _initial_loss, module, names, theta0, X, Y, loss, B, sample_weight))
+            theta0 = None
         step += steps_per_epoch
         seen += n
         loss_curve.append(epoch_loss)
@@ -789,7 +823,7 @@ def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
     """:class:`DivergenceWarning` when finite training ran away (thresholds above).
 
     ``first_loss`` and ``norms[0]`` are the whole path's starting loss
-    (:func:`_reference_loss`) and initial parameter norm (a continued fit compares with
+    (:func:`_start_loss`) and initial parameter norm (a continued fit compares with
     them); ``norms[1:]`` follow the epochs of ``loss_curve``, the first of which is epoch
     ``epoch0``.
     """

@@ -162,17 +162,14 @@ def check_lookups(module: torch.nn.Module) -> None:
 
 
 class _FrequencyWatch(TorchFunctionMode):
-    """Refuses a functional lookup with ``scale_grad_by_freq`` of one of ``tensors``
-    (what :func:`check_lookups` cannot see on the layers); every other call runs as is."""
-
-    def __init__(self, tensors):
-        super().__init__()
-        self.ids = {id(t) for t in tensors}
+    """Refuses a functional lookup with ``scale_grad_by_freq`` of a table gradients flow
+    to (what :func:`check_lookups` cannot see on the layers: a parameter, or a tensor
+    computed from one, ``self.table * 2``); every other call runs as is."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (func in _FREQ_FLAG and _scales_by_freq(func, args, kwargs)
-                and any(id(t) in self.ids for t in _tensors((args, kwargs)))):
+                and any(t.requires_grad for t in _tensors((args, kwargs)))):
             raise ValueError(f"A call of {getattr(func, '__name__', func)} has {FREQ_SCALED}")
         return func(*args, **kwargs)
 
@@ -180,10 +177,14 @@ class _FrequencyWatch(TorchFunctionMode):
 def check_functional_lookups(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
                              X: torch.Tensor) -> None:
     """:func:`check_lookups` for the functional calls (``F.embedding(ids, self.table,
-    scale_grad_by_freq=True)``): one forward pass at ``params`` on ``X`` (a row or two),
-    for the computations that run no use watch of their own (the Hessian's trace)."""
-    with torch.no_grad(), _FrequencyWatch(params.values()):
-        functional_call(module, dict(params), (X,))
+    scale_grad_by_freq=True)``): one forward pass at ``params`` (copies that require
+    grad, so that the tables computed from them do too) on ``X`` (a row or two), for the
+    computations that run no use watch of their own (the Hessian's trace). A module that
+    draws at random draws from torch's generators, whose states are restored."""
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    devices = [X.device] if X.device.type == "cuda" else []
+    with torch.enable_grad(), torch.random.fork_rng(devices=devices), _FrequencyWatch():
+        functional_call(module, leaves, (X,))
 
 
 def _inside(prefix: str, outer: str) -> bool:

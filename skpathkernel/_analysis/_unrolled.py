@@ -508,7 +508,7 @@ class _Path:
                  targets=False):
         self.module, self.traj, self.X, self.Y, self.loss = module, traj, X, Y, loss
         self.device = device
-        # The products of the targets too (see unrolled_scores' ``targets``).
+        # The targets' products too (unrolled_scores' ``standardized``).
         self.targets = targets
         self.spec = traj.solver_spec
         self.replay_error = 0.0

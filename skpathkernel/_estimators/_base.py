@@ -793,7 +793,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 f"training set's first {n_rows} targets under its recorded sample "
                 "weights (a warm start with other sample weights?): the unrolled scores "
                 "hold them at the fit's values, as retrain_on_subsets(protocol='replay') "
-                "then does.", UserWarning, stacklevel=3)
+                "then does.", UserWarning, stacklevel=caller_stacklevel())
             return None
         return n_rows, constant
 
@@ -820,7 +820,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             warnings.warn(
                 f"The replay keeps none of the first {n_rows} training points, whose "
                 "targets gave normalize_y's mean and scale (a refit would have none to "
-                "take them from): it holds the fit's.", UserWarning, stacklevel=2)
+                "take them from): it holds the fit's.", UserWarning,
+                stacklevel=caller_stacklevel())
             return None
         mean, scale = _mean_and_std(Y[:n_rows], weights)
         scale[_constant_columns(mean, scale, n_rows)] = 1.0

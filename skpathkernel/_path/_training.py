@@ -587,7 +587,7 @@ def _start_loss(first_epoch_loss: float, first_batch_loss, initial_loss) -> floa
 
     Training that runs away within its first epoch puts the blow-up in that epoch's mean
     (Adam at ``learning_rate_init=1`` on standardized diabetes averaged 2.6e5 over its first
-    epoch from 0.46 at the start, ended at 6.5e4, R^2 = -7.6e4, without a warning). The
+    epoch from 0.49 at the start, ended at 6.5e4, R^2 = -7.6e4, without a warning). The
     first batch alone is no reference: it may be unlike the rest (a first batch of zero
     targets among 97%, or of zero sample weights, whose loss is 0), which would make a
     healthy fit warn; it only says when to measure the start.

@@ -144,6 +144,9 @@ def test_regressor_full_batch_adam_two_outputs():
     _same_decomposition(gpu, cpu, Q, method="second_order")
     _close(gpu.attribute(Q, output=1), cpu.attribute(Q, output=1), what="attribute")
     _close(gpu.self_influence(output=0), cpu.self_influence(output=0), what="self_influence")
+    # normalize_y (the default): the sweep's targets' products, on the device.
+    _close(gpu.attribute(Q, method="unrolled", output=1),
+           cpu.attribute(Q, method="unrolled", output=1), what="unrolled attribute")
     _same_explanation(gpu, cpu, Q, 3)
     _same_kernels(gpu, cpu, X, Q)
 

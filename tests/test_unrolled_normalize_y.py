@@ -9,6 +9,7 @@ seed (the same initialization and batches), its prediction differenced.
 
 import numpy as np
 import pytest
+import torch
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelMachine
@@ -174,3 +175,17 @@ def test_warm_start_with_other_weights_holds_the_moments():
                                    output=0, n_nodes=None, tol=None, n_jobs=None,
                                    margin="no", scale=est._y_scale)
     np.testing.assert_array_equal(scores, held)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_equals_cpu(route):
+    """Each route's targets' products on the device: the CPU's scores (float64, the
+    same training)."""
+    X, y, s = _data()
+    params = dict(hidden_layer_sizes=(6,), **SOLVERS["adam_batches"], **COMMON)
+    gpu, cpu = (PathKernelMachine(device=d, **params).fit(X, y, sample_weight=s)
+                for d in ("cuda", "cpu"))
+    for output in (0, 1):
+        np.testing.assert_allclose(
+            gpu.attribute(X[:3], method="unrolled", output=output),
+            cpu.attribute(X[:3], method="unrolled", output=output), rtol=1e-9, atol=1e-12)

@@ -97,6 +97,7 @@ t0=$SECONDS
 timeout --kill-after=10 150 "$PY" -m pytest -ra -p no:cacheprovider "${workers[@]}" \
     "${timeout_opt[@]}" --junitxml="$OUT/cuda-tests.xml" -k cuda \
     tests/test_cuda.py tests/test_rules.py tests/test_diagnostics.py tests/test_unrolled.py \
+    tests/test_unrolled_normalize_y.py \
     2>&1 | tee "$OUT/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}
 summary "cuda tests: exit $tests_rc in $((SECONDS - t0)) s"

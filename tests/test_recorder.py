@@ -468,3 +468,81 @@ def test_one_logit_log_loss_takes_a_column_of_targets(data):
     flat = rec.as_network(X, y, loss="log_loss").decompose(Xq)
     assert column.error < 1e-10 * max(1.0, np.abs(column.prediction).max())
     assert_allclose(column.contributions, flat.contributions, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (5, 3)])
+def test_gradient_accumulation_declares_one_micro_batch_per_call(data, sizes):
+    """(loss / n_micro).backward() per micro-batch, set_batch per micro-batch, one step:
+    the step's batch is all the micro-batches (the last call alone was kept, and the
+    decomposition missed the prediction by 1.4), weighted 1 / (n_micro n_j)."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
+                                 torch.nn.Linear(5, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(8):
+            idx = torch.randperm(len(X), generator=gen)[:sum(sizes)]
+            opt.zero_grad()
+            for mb in idx.split(list(sizes)):
+                ((0.5 * (module(Xt[mb]) - Yt[mb]) ** 2).mean() / len(sizes)).backward()
+                rec.set_batch(mb)
+            opt.step()
+    traj = rec.trajectory
+    assert all(len(b) == sum(sizes) for b in traj.batches)
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    res = rec.as_network(X, y).decompose(Xq)
+    assert_allclose(res.initial + res.contributions.sum(1) + res.regularization, truth,
+                    rtol=0, atol=1e-12)
+    assert res.error < 1e-12
+
+
+def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):
+    """A parameter frozen before recording (the fine-tuning idiom, frozen but still
+    handed to the optimizer) crashed the recorder with "cannot register a hook"; one
+    frozen or unfrozen mid-training was recorded as stepping while torch.optim skipped
+    it (decomposition off by 0.02-1e6), or refused as "value clipping"."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+
+    def loop(frozen, toggle_at=None, set_to_none=True):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
+                                     torch.nn.Linear(5, 1)).double()
+        module[0].weight.requires_grad_(not frozen)
+        opt = torch.optim.Adam(module.parameters(), lr=0.05)
+        rec = PathRecorder(module, opt, n_samples=len(X))
+        for t in range(6):
+            if t == toggle_at:
+                module[0].weight.requires_grad_(frozen)
+            opt.zero_grad(set_to_none=set_to_none)
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            rec.set_batch(np.arange(len(X)))
+            opt.step()
+        return module, rec
+
+    module, rec = loop(frozen=True)
+    assert "0.weight" not in rec.trajectory.names
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    res = rec.as_network(X, y).decompose(Xq)
+    assert_allclose(res.prediction, truth, rtol=0, atol=1e-14)
+    assert res.error < 1e-12
+    for set_to_none in (True, False):
+        with pytest.raises(ValueError, match=r"step 2 parameter '0.weight' is frozen"):
+            loop(frozen=False, toggle_at=2, set_to_none=set_to_none)
+    with pytest.raises(ValueError, match=r"'0.weight' is unfrozen"):
+        loop(frozen=True, toggle_at=2)
+
+
+def test_a_parameter_group_added_midway_is_refused_naming_it():
+    module = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD([module.weight], lr=0.1)
+    with PathRecorder(module, opt):
+        opt.add_param_group({"params": [module.bias]})
+        module(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(ValueError, match="add_param_group"):
+            opt.step()

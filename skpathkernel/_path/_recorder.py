@@ -14,7 +14,9 @@ and the step size are copied right after each update, *inside* ``optimizer.step(
 step size recorded is the one the update used whatever the order of ``scheduler.step()``
 in the loop, a step skipped by ``torch.amp.GradScaler`` is not recorded, and no call can
 be forgotten. The samples of a step, when the decomposition is wanted, are declared with
-:meth:`PathRecorder.set_batch` before ``optimizer.step()``.
+:meth:`PathRecorder.set_batch` before ``optimizer.step()`` (once per micro-batch under
+gradient accumulation). Parameters frozen (``requires_grad=False``) when the recorder is
+created are constants of the path; freezing or unfreezing one later is refused.
 
 Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``nesterov``, ``weight_decay``),
 ``Adam``, ``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``,
@@ -334,6 +336,14 @@ class PathRecorder:
                 "The optimizer updates tensors that are not parameters of the module; the "
                 "recorder needs every updated tensor to be a named module parameter."
             )
+        # torch.optim skips a parameter without a gradient: one frozen now
+        # (requires_grad=False) is a constant of the path, as a parameter the optimizer
+        # does not hold. Freezing or unfreezing one later is refused at the step.
+        self._watched = named
+        named = [(n, p) for n, p in named if p.requires_grad]
+        if not named:
+            raise ValueError("Every parameter the optimizer updates is frozen "
+                             "(requires_grad=False): there is no path to record.")
         params = [p for _, p in named]
         if any(optimizer.state.get(p) for p in params):
             raise ValueError(
@@ -357,6 +367,7 @@ class PathRecorder:
         self.memory_budget = int(memory_budget)
         self.compression = compression
         self._params, self._names = params, [n for n, _ in named]
+        self._recorded = {id(p) for p in params}
         self._recorder = None
         if self._rank == self.writer_rank:  # the other ranks only take part in the gather
             self._recorder = TrajectoryRecorder(
@@ -374,6 +385,8 @@ class PathRecorder:
         self._mode_layers = mode_dependent_layers(inner)
         self._step = 0
         self._pending = None
+        self._micro: list[int] = []  # sizes of the step's set_batch calls (micro-batches)
+        self._pending_scale = None  # the GradScaler's scale at the step's first set_batch
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
@@ -396,12 +409,21 @@ class PathRecorder:
     def set_batch(self, indices) -> None:
         """Declare the training samples of the next ``optimizer.step()``.
 
+        With gradient accumulation (several ``backward()`` per step), call it once per
+        micro-batch: the calls since the last step are the step's batch, each
+        micro-batch's points weighing ``1 / (n_micro * its size)``, the mean of the
+        micro-batch means that ``(loss / n_micro).backward()`` accumulates (with
+        micro-batches of one size, ``1 / batch_size``). Under DistributedDataParallel
+        a rank's micro-batches must have one size. Declarations of a step that the
+        ``grad_scaler`` skipped are dropped; a loop that skips ``optimizer.step()``
+        itself must not declare that step's batch.
+
         Parameters
         ----------
         indices : array-like of int, shape (batch_size,)
-            Indices into the ``n_samples`` training inputs that the step's loss averages
-            over (the decomposition credits the step to them with weight
-            ``1 / batch_size``).
+            Indices into the ``n_samples`` training inputs that the step's (or the
+            micro-batch's) loss averages over (the decomposition credits the step to them
+            with weight ``1 / batch_size``).
         """
         if self.n_samples is None:
             raise ValueError(
@@ -422,7 +444,23 @@ class PathRecorder:
         # Under DDP every rank raises it at the step, naming this rank: raising here
         # alone would leave the other ranks waiting in the gather.
         self._pending_problem = problem
-        self._pending = None if problem else idx.astype(np.int64, copy=False)
+        if problem:
+            self._pending, self._micro = None, []
+            return
+        # A second call before the step adds a micro-batch (gradient accumulation):
+        # keeping only the last would credit the whole step to it. Unless a GradScaler
+        # skipped the step they were declared for: scaler.update() then lowered the
+        # scale, which nothing else changes between two steps.
+        idx = idx.astype(np.int64, copy=False)
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            scale = float(self.grad_scaler.get_scale())
+            if self._pending is not None and scale != self._pending_scale:
+                self._pending, self._micro = None, []
+            if self._pending is None:
+                self._pending_scale = scale
+        self._pending = idx if self._pending is None else np.concatenate([self._pending,
+                                                                           idx])
+        self._micro.append(len(idx))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -468,6 +506,22 @@ class PathRecorder:
         if self._error is not None:
             raise RuntimeError(f"PathRecorder stopped recording at optimizer step {step}: "
                                f"{self._error} (close() the recorder to train on).")
+        if len(optimizer.param_groups) != len(self._hyper):
+            self._fail(f"at optimizer step {step} the optimizer has "
+                       f"{len(optimizer.param_groups)} parameter groups, {len(self._hyper)} "
+                       "when the recorder was created (add_param_group): the recorded "
+                       "parameters are fixed when recording starts. Give the optimizer "
+                       "every parameter from the start.", ValueError)
+        for name, p in self._watched:
+            if p.requires_grad != (id(p) in self._recorded):
+                # torch.optim skips a frozen parameter, which the recorded path would
+                # step with the loss's gradient (and an unfrozen one is not recorded).
+                self._fail(f"at optimizer step {step} parameter {name!r} is "
+                           f"{'un' if p.requires_grad else ''}frozen (requires_grad="
+                           f"{p.requires_grad}), which it was not when the recorder was "
+                           "created: the parameters that train are fixed when recording "
+                           "starts. Freeze parameters before creating the PathRecorder "
+                           "(they are then constants of the path).", ValueError)
         if _hyper_parameters(optimizer) != self._hyper:
             # e.g. OneCycleLR / CyclicLR cycling momentum or betas: the trajectory stores
             # one set of hyper-parameters; the learning rates may vary per step.
@@ -490,7 +544,14 @@ class PathRecorder:
                            "recorder.set_batch(indices) before every optimizer.step().")
             batch = self._pending if self._pending is not None else np.empty(0, np.int64)
             weights = None
+            sizes = [k for k in self._micro if k]
+            if len(set(sizes)) > 1:
+                # Micro-batches of several sizes: (loss / n_micro).backward() on each
+                # weighs a point of one of n_j by 1 / (n_micro n_j).
+                weights = np.concatenate([np.full(k, 1.0 / (len(sizes) * k))
+                                          for k in sizes])
         self._pending = self._pending_problem = None
+        self._micro = []
         lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
         self._ready = (batch, weights, scale, lrs)
 
@@ -595,6 +656,7 @@ class PathRecorder:
                                 + (f": {self._pending_problem}" if r == self._rank else ""))
         if problems:
             self._pending = self._pending_problem = None
+            self._micro = []
             self._fail("; ".join(problems) + ". Every rank must call "
                        "recorder.set_batch(its shard's global indices) before every "
                        "optimizer.step().", ValueError)

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _reference import jacobian_loop
 from test_rules import _Head  # body, tanh, flatten, Linear
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
@@ -587,27 +588,34 @@ def test_embedding_scale_grad_by_freq_is_refused():
                  lambda: tangent_gram(net, params, ids), lambda: layer_routes(net, ids)):
         with pytest.raises(ValueError, match=r"'0' \(Embedding\) has scale_grad_by_freq"):
             call()
-    # The functional lookup, on a raw parameter: its rule-less fallback differentiated
-    # it by autograd, with the flag's scaling (off by 0.1 from the same network without).
-    lookup = _FunctionalLookup().double()
-    params = _params(lookup)
-    for call in (lambda: tangent_features(lookup, params, ids),
-                 lambda: tangent_gram(lookup, params, ids)):
-        with pytest.raises(ValueError, match="A call of embedding has scale_grad_by_freq"):
-            call()
-    lookup.flag = False
-    assert tangent_features(lookup, params, ids).shape == (2, 2 * (7 * 3 + 12 * 2 + 2))
+    # The functional lookup, on a raw parameter or on a table computed from it (which
+    # no watch owns): the rule-less fallback differentiated it by autograd, with the
+    # flag's scaling (off by 0.1 from the same network without).
+    for scale in (None, 2.0):
+        lookup = _FunctionalLookup(scale).double()
+        params = _params(lookup)
+        for compute in (tangent_features, tangent_gram):
+            with pytest.raises(ValueError,
+                               match="A call of embedding has scale_grad_by_freq"):
+                compute(lookup, params, ids)
+        lookup.flag = False
+        phi = tangent_features(lookup, params, ids, output="full")
+        J = jacobian_loop(lookup, ids)
+        assert torch.allclose(phi.reshape(J.shape), J, atol=1e-12)
 
 
 class _FunctionalLookup(nn.Module):
-    def __init__(self):
+    """``F.embedding`` on a raw parameter, or (``scale``) on a table computed from it."""
+
+    def __init__(self, scale=None):
         super().__init__()
         self.table = nn.Parameter(torch.randn(7, 3))
         self.head = nn.Linear(12, 2)
-        self.flag = True
+        self.flag, self.scale = True, scale
 
     def forward(self, ids):
-        return self.head(F.embedding(ids, self.table, scale_grad_by_freq=self.flag).flatten(1))
+        table = self.table if self.scale is None else self.table * self.scale
+        return self.head(F.embedding(ids, table, scale_grad_by_freq=self.flag).flatten(1))
 
 
 def test_fallback_differentiates_one_sample_at_a_time_where_vmap_refuses():

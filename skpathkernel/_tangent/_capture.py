@@ -66,10 +66,13 @@ FREQ_SCALED = ("scale_grad_by_freq=True: its backward divides each row's gradien
                "scale_grad_by_freq=False.")
 
 
-def _scales_by_freq(func, args, kwargs) -> bool:
-    i = _FREQ_FLAG.get(func)
-    return i is not None and bool(kwargs.get("scale_grad_by_freq",
-                                             args[i] if len(args) > i else False))
+def _refuse_frequency_scaling(func, args, kwargs) -> None:
+    """Refuse a lookup call (``func`` one of ``_FREQ_FLAG``'s) with the flag, whatever
+    table it reads: a parameter, a tensor computed from one (``self.table * 2``), or a
+    constant, as :func:`check_lookups` refuses the flag on any layer."""
+    i = _FREQ_FLAG[func]
+    if kwargs.get("scale_grad_by_freq", args[i] if len(args) > i else False):
+        raise ValueError(f"A call of {getattr(func, '__name__', func)} has {FREQ_SCALED}")
 
 
 @dataclass
@@ -162,29 +165,26 @@ def check_lookups(module: torch.nn.Module) -> None:
 
 
 class _FrequencyWatch(TorchFunctionMode):
-    """Refuses a functional lookup with ``scale_grad_by_freq`` of a table gradients flow
-    to (what :func:`check_lookups` cannot see on the layers: a parameter, or a tensor
-    computed from one, ``self.table * 2``); every other call runs as is."""
+    """Refuses a functional lookup with ``scale_grad_by_freq`` (what :func:`check_lookups`
+    cannot see on the layers); every other call runs as is."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func in _FREQ_FLAG and _scales_by_freq(func, args, kwargs)
-                and any(t.requires_grad for t in _tensors((args, kwargs)))):
-            raise ValueError(f"A call of {getattr(func, '__name__', func)} has {FREQ_SCALED}")
+        if func in _FREQ_FLAG:
+            _refuse_frequency_scaling(func, args, kwargs)
         return func(*args, **kwargs)
 
 
 def check_functional_lookups(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
                              X: torch.Tensor) -> None:
     """:func:`check_lookups` for the functional calls (``F.embedding(ids, self.table,
-    scale_grad_by_freq=True)``): one forward pass at ``params`` (copies that require
-    grad, so that the tables computed from them do too) on ``X`` (a row or two), for the
-    computations that run no use watch of their own (the Hessian's trace). A module that
-    draws at random draws from torch's generators, whose states are restored."""
-    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    scale_grad_by_freq=True)``): one forward pass at ``params`` on ``X`` (a row or two),
+    for the computations that run no use watch of their own (the Hessian's trace). A
+    module that draws at random draws from torch's generators, whose states are
+    restored."""
     devices = [X.device] if X.device.type == "cuda" else []
-    with torch.enable_grad(), torch.random.fork_rng(devices=devices), _FrequencyWatch():
-        functional_call(module, leaves, (X,))
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), _FrequencyWatch():
+        functional_call(module, dict(params), (X,))
 
 
 def _inside(prefix: str, outer: str) -> bool:
@@ -329,12 +329,12 @@ class _UseWatch(TorchFunctionMode):
         tensors = list(_tensors((args, kwargs)))
         owned = {self.owners[id(t)] for t in tensors if id(t) in self.owners}
         free = [self.free[id(t)] for t in tensors if id(t) in self.free] if self.free else []
-        # Only a lookup of a watched table matters (checked on those calls alone: every
-        # torch call of the forward passes here). A layer's own flag is refused before
-        # the forward, by check_lookups; this sees the functional calls.
-        if (owned or free) and _scales_by_freq(func, args, kwargs):
-            raise ValueError(f"A call of {getattr(func, '__name__', func)} has "
-                             f"{FREQ_SCALED}")
+        # A layer's own flag is refused before the forward, by check_lookups; this sees
+        # the functional calls, whatever table they read (one computed from a watched
+        # parameter, self.table * 2, is not watched itself). Every torch call of the
+        # forward passes here: a membership test, not a function call, on each.
+        if func in _FREQ_FLAG:
+            _refuse_frequency_scaling(func, args, kwargs)
         if free:
             if not owned:
                 return self._free_call(func, args, kwargs, free)

@@ -67,6 +67,24 @@ def _replay(est, make_optimizer, Y, loss, *, scheduler=None):
     return module, rec
 
 
+def _tanh_mlp():
+    """The seeded 2-5-1 tanh network of the hand-written loops, float64."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 1)).double()
+
+
+def _assert_decomposes(module, net, Xq):
+    """The decomposition's closure against the trained module's own outputs, and its
+    reported error at round-off."""
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    res = net.decompose(Xq)
+    assert_allclose(res.initial + res.contributions.sum(1) + res.regularization, truth,
+                    rtol=0, atol=1e-12)
+    assert res.error < 1e-12
+
+
 def _assert_same_path(a, b):
     assert len(a) == len(b) and a.solver_spec.to_dict() == b.solver_spec.to_dict()
     assert_array_equal(a.steps, b.steps)
@@ -450,9 +468,7 @@ def test_one_logit_log_loss_takes_a_column_of_targets(data):
     Xt = torch.as_tensor(X)
     y = (X[:, 0] > 0).astype(np.float64)
     Y = torch.as_tensor(y).reshape(-1, 1)
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
-                                 torch.nn.Linear(5, 1)).double()
+    module = _tanh_mlp()
     out = module(Xt)
     assert_allclose(LOSSES["log_loss"]()(out, Y).item(),
                     torch.nn.BCEWithLogitsLoss()(out, Y).item(), rtol=1e-14)
@@ -477,9 +493,7 @@ def test_gradient_accumulation_declares_one_micro_batch_per_call(data, sizes):
     decomposition missed the prediction by 1.4), weighted 1 / (n_micro n_j)."""
     X, y, Xq = data
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
-                                 torch.nn.Linear(5, 1)).double()
+    module = _tanh_mlp()
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     with PathRecorder(module, opt, n_samples=len(X)) as rec:
@@ -490,14 +504,8 @@ def test_gradient_accumulation_declares_one_micro_batch_per_call(data, sizes):
                 ((0.5 * (module(Xt[mb]) - Yt[mb]) ** 2).mean() / len(sizes)).backward()
                 rec.set_batch(mb)
             opt.step()
-    traj = rec.trajectory
-    assert all(len(b) == sum(sizes) for b in traj.batches)
-    with torch.no_grad():
-        truth = module(torch.as_tensor(Xq)).numpy()
-    res = rec.as_network(X, y).decompose(Xq)
-    assert_allclose(res.initial + res.contributions.sum(1) + res.regularization, truth,
-                    rtol=0, atol=1e-12)
-    assert res.error < 1e-12
+    assert all(len(b) == sum(sizes) for b in rec.trajectory.batches)
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
 def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):
@@ -509,9 +517,7 @@ def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
 
     def loop(frozen, toggle_at=None, set_to_none=True):
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
-                                     torch.nn.Linear(5, 1)).double()
+        module = _tanh_mlp()
         module[0].weight.requires_grad_(not frozen)
         opt = torch.optim.Adam(module.parameters(), lr=0.05)
         rec = PathRecorder(module, opt, n_samples=len(X))
@@ -526,11 +532,7 @@ def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):
 
     module, rec = loop(frozen=True)
     assert "0.weight" not in rec.trajectory.names
-    with torch.no_grad():
-        truth = module(torch.as_tensor(Xq)).numpy()
-    res = rec.as_network(X, y).decompose(Xq)
-    assert_allclose(res.prediction, truth, rtol=0, atol=1e-14)
-    assert res.error < 1e-12
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
     for set_to_none in (True, False):
         with pytest.raises(ValueError, match=r"step 2 parameter '0.weight' is frozen"):
             loop(frozen=False, toggle_at=2, set_to_none=set_to_none)

@@ -112,16 +112,16 @@ def test_partial_fit_moments_of_the_first_call_only():
     assert _max_error(est.attribute(Xq, method="unrolled"), fd) < 1e-6
 
 
-def test_float32_scores_against_the_float64_reference():
+def test_float32_scores_against_refits():
+    """A float32 path: its scores against finite differences of float64 refits (the
+    float32 training rounds otherwise: 3.4e-5 measured, float64's 3.8e-10)."""
     X, y, s = _data(n=30)
     params = dict(hidden_layer_sizes=(8,), **SOLVERS["adam_batches"], **COMMON)
-    params32 = {**params, "dtype": "float32"}
-    est64 = PathKernelMachine(**params).fit(X, y, sample_weight=s)
-    est32 = PathKernelMachine(**params32).fit(X, y, sample_weight=s)
-    a64 = est64.attribute(X[:4], method="unrolled", output=1)
-    a32 = est32.attribute(X[:4], method="unrolled", output=1)
-    # The same training in another rounding: scores to float32's level of the path.
-    assert _max_error(a32, np.asarray(a64)) < 1e-3
+    est32 = PathKernelMachine(**{**params, "dtype": "float32"}).fit(X, y, sample_weight=s)
+    fd = _finite_differences(
+        lambda w: PathKernelMachine(**params).fit(X, y, sample_weight=s * w), len(y),
+        lambda e: e.predict(X[:4])[:, 1])
+    assert _max_error(est32.attribute(X[:4], method="unrolled", output=1), fd) < 1e-3
 
 
 def test_replay_restandardizes_the_kept_targets():

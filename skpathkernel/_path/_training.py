@@ -597,14 +597,14 @@ def _start_loss(first_epoch_loss: float, first_batch_loss, initial_loss) -> floa
     return min(first_epoch_loss, initial_loss())
 
 
-def _initial_loss(module, names, theta0, X, Y, loss, B, sample_weight) -> float:
-    """The loss of ``module`` at the flat parameters ``theta0`` on every row (their
-    weighted mean under ``sample_weight``), in blocks of ``B`` rows, without a graph.
+def _initial_loss(module, names, params, theta0, X, Y, loss, B, sample_weight) -> float:
+    """The loss of ``module`` at the flat ``theta0`` of its parameters ``params`` (named
+    ``names``) on every row (their weighted mean under ``sample_weight``), in blocks of
+    ``B`` rows, without a graph.
 
     The module keeps its training modes: a layer that draws (dropout) draws from torch's
     generators, whose states are restored, so that training and the caller's stream go
     on as without this pass."""
-    params = [p for p in module.parameters() if p.requires_grad]
     values = dict(zip(names, (v.view_as(p) for v, p in zip(
         theta0.split([p.numel() for p in params]), params))))
     devices = [X.device] if X.device.type == "cuda" else []
@@ -749,7 +749,7 @@ def train(
                                  initial=resume is None)
         if epoch == 0 and resume is None:
             reference = _start_loss(epoch_loss, batch_losses[0], functools.partial(
-                _initial_loss, module, names, theta0, X, Y, loss, B, sample_weight))
+                _initial_loss, module, names, params, theta0, X, Y, loss, B, sample_weight))
             theta0 = None
         step += steps_per_epoch
         seen += n

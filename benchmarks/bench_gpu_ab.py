@@ -13,15 +13,18 @@ process, the two sides alternating (wall time, the device synchronised around ea
   takes on a GPU (tree: whole panels, strips of a quarter of the rows, chunks as large as
   the budget allows).
 - ``backprops``: ``tangent_gram`` (the trace over 10 outputs) of the benchmark's image
-  networks at N = 128, with the backprops of one backward pass per output (ref: the
-  engine's) against one batched backward pass over all outputs (tree: a prototype defined
-  here, ``torch.autograd.grad(..., is_grads_batched=True)``; on one CPU core it was
-  5-15% slower, so the engine does not take it: this row decides whether a GPU should;
-  its last column names the backward operations that have no batching rule, which the
-  batched pass runs as a loop over the outputs).
-- ``transfer``: the public kernels' float64 Gram copied from the device into NumPy, as
-  ``to_numpy`` does (ref), against copying the float32 Gram and widening it on the host,
-  and against copies through pinned host memory (:func:`transfer_rows`).
+  networks at N = 128, with one backward pass per output (ref: the CPU's loop) against
+  the engine's one batched backward pass over all outputs on a GPU (tree:
+  ``_capture._batches_backprops``, taken after the run of 2026-12-04 18:32 UTC measured
+  its prototype 1.33-2.1x faster); its last column names the backward operations that
+  have no batching rule, which the batched pass runs as a loop over the outputs. Then
+  the same call against torch.func's ``vmap`` recipe (ref: the recipe of
+  ``benchmarks/_worker.py``; tree: the engine), the peer the Gram rows compare with.
+- ``transfer``: the public kernels' float64 Gram copied from the device into NumPy as
+  ``Tensor.cpu().numpy()`` does (ref) against the package's ``to_numpy`` (tree: through
+  page-locked memory, its own up to 64 MiB, a 64 MiB staging buffer beyond), with torch's
+  cache of page-locked blocks warm, and emptied before every call (cold: the first
+  transfer of a process pays the page locking).
 
 Usage: ``python -m benchmarks.bench_gpu_ab [--device cuda] [--out PATH] [--small]``
 (``--small``: N and repeats cut down, to try it on a CPU). Writes ``PATH.md`` and
@@ -41,31 +44,10 @@ import torch
 
 from benchmarks import _worker
 from benchmarks._ab import ab_provenance, ab_row, write_ab
+from skpathkernel._device import to_numpy
 from skpathkernel._tangent import _capture, _stacked, tangent_gram
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def batched_backprops(seeds, zs, scratch=None):
-    """The engine's ``_capture._backprops`` by one batched backward pass over the seeds."""
-    if len(seeds) == 1:
-        return ENGINE_BACKPROPS(seeds, zs, scratch)
-    s = torch.stack(seeds)
-    eye = torch.eye(len(seeds), dtype=s.dtype, device=s.device)
-    grads = list(torch.autograd.grad(s, zs, eye, is_grads_batched=True, allow_unused=True))
-    out = []
-    for j, z in enumerate(zs):
-        buf = _capture._buffer(scratch, j, (z.shape[0], len(seeds), *z.shape[1:]), z)
-        if grads[j] is None:
-            buf.zero_()
-        else:
-            buf.copy_(grads[j].transpose(0, 1))
-        grads[j] = None  # one side's memory at a time
-        out.append(buf)
-    return out
-
-
-ENGINE_BACKPROPS = _capture._backprops
 
 
 def _timed(call, sync):
@@ -117,8 +99,9 @@ def path_rows(device, sizes, reps, sync, done):
 
 
 def backprops_rows(device, n, reps, sync, done):
-    sides = {"ref": lambda: setattr(_capture, "_backprops", ENGINE_BACKPROPS),
-             "tree": lambda: setattr(_capture, "_backprops", batched_backprops)}
+    real = _capture._batches_backprops
+    sides = {"ref": lambda: setattr(_capture, "_batches_backprops", lambda d: False),
+             "tree": lambda: setattr(_capture, "_batches_backprops", real)}
     for arch in ("cnn8", "cifar", "resnet", "vit"):
         module, params, X = _worker.gram_problem({"arch": arch, "n": n, "dtype": "float32"},
                                                  torch.device(device))
@@ -128,26 +111,20 @@ def backprops_rows(device, n, reps, sync, done):
             warnings.simplefilter("always")
             times, res = _alternate(
                 sides, lambda m=module, p=params, x=X: tangent_gram(m, p, x), reps, sync)
-        sides["ref"]()
+        sides["tree"]()
         torch._C._debug_only_display_vmap_fallback_warnings(False)
         slow = sorted({str(w.message)[:160] for w in caught
                        if "performance" in str(w.message)})
         done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops", times,
                     os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu()),
                     vmap_fallbacks="; ".join(slow) or "none"))
-
-
-def _to_host(route):
-    """A float64 NumPy Gram from the device's: ``route`` names the copy (see
-    :func:`transfer_rows`)."""
-    def pinned(K):
-        host = torch.empty(K.shape, dtype=K.dtype, pin_memory=True)
-        return host.copy_(K).numpy()
-
-    return {"ref": lambda K64, K32: K64.cpu().numpy(),
-            "float32": lambda K64, K32: K32.cpu().numpy().astype(np.float64),
-            "pinned": lambda K64, K32: pinned(K64),
-            "pinned float32": lambda K64, K32: pinned(K32).astype(np.float64)}[route]
+        slot = [None]
+        peer = {"ref": _choose(slot, lambda m, p, x: _worker._vmap_recipe(m, p, x)),
+                "tree": _choose(slot, tangent_gram)}
+        times, res = _alternate(peer, lambda m=module, p=params, x=X, s=slot: s[0](m, p, x),
+                                reps, sync)
+        done(ab_row(f"tangent_gram {arch}, N={n}, against torch.func's vmap recipe", times,
+                    os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu())))
 
 
 def _choose(slot: list, f):
@@ -156,32 +133,31 @@ def _choose(slot: list, f):
 
 
 def transfer_rows(device, sizes, reps, sync, done):
-    """The public kernels' last step: a Gram on the device to a float64 NumPy array.
+    """The public kernels' last step: a float64 Gram on the device to NumPy.
 
     ``TangentKernel(net)(X)`` took 1.3-3.5 times its engine call on the GPU's MLP rows
-    (``results/gram-quick-cuda.md``, N = 512-2048), growing with N^2: the engine writes K
-    in float64 on the device and ``to_numpy`` copies it into fresh pageable host memory.
-    Each row times that copy (ref) against one alternative: the float32 Gram copied and
-    widened on the host (half the bytes over the bus; exact, as every float32 is a
-    float64), and either copy through a freshly pinned host buffer.
+    (``results/gram-quick-cuda.md``, N = 512-2048), growing with N^2, when ``to_numpy``
+    copied K into fresh pageable host memory (ref).
     """
+    empty_cache = getattr(torch._C, "_host_emptyCache", None)
     for n in sizes:
-        K32 = torch.randn(n, n, device=device)
-        K64 = K32.double()
-        # (Pinned memory needs an accelerator: a CPU run tries the first route only.)
-        pinned = ("pinned", "pinned float32") if device == "cuda" else ()
-        for route in ("float32", *pinned):
-            # Each side "patches" in its copy; the call runs the one patched in.
+        K = torch.randn(n, n, device=device, dtype=torch.float64)
+        for cold in (False, True):
+            if cold and (device != "cuda" or empty_cache is None):
+                continue
             slot = [None]
-            sides = {"ref": _choose(slot, _to_host("ref")),
-                     "tree": _choose(slot, _to_host(route))}
+            sides = {"ref": _choose(slot, lambda t: t.cpu().numpy()),
+                     "tree": _choose(slot, to_numpy)}
 
-            def call(slot=slot, a=K64, b=K32):
-                return slot[0](a, b)
+            def call(slot=slot, K=K, cold=cold):
+                if cold:
+                    empty_cache()
+                return slot[0](K)
 
             times, res = _alternate(sides, call, reps, sync)
-            done(ab_row(f"K ({n} x {n}) to float64 NumPy: {route}", times,
-                        os.getloadavg()[0], max_rel_diff=_rel(res["tree"], res["ref"])))
+            done(ab_row(f"K ({n} x {n}) float64 to NumPy, host cache "
+                        f"{'cold' if cold else 'warm'}", times, os.getloadavg()[0],
+                        max_rel_diff=_rel(res["tree"], res["ref"])))
 
 
 def main(argv=None):
@@ -197,8 +173,10 @@ def main(argv=None):
     sizes, reps, n = ((100,), 1, 32) if args.small else ((100, 1000), 1, 128)
     prov = ab_provenance(ROOT, "bench_gpu_ab",
                          ["skpathkernel/_tangent/_stacked.py",
-                          "skpathkernel/_tangent/_capture.py", "benchmarks/bench_gpu_ab.py"],
-                         "the CPU's tiling / one backward pass per output", reps,
+                          "skpathkernel/_tangent/_capture.py", "skpathkernel/_device.py",
+                          "benchmarks/bench_gpu_ab.py"],
+                         "the CPU's tiling / one backward pass per output / the vmap recipe / "
+                         ".cpu()", reps,
                          device=args.device + (f" ({torch.cuda.get_device_name()})"
                                                if args.device == "cuda" else ""))
     rows = []
@@ -214,7 +192,8 @@ def main(argv=None):
     # The quick rows first: a run stopped at its limit loses the slowest (the CPU's
     # tiling at N = 1000 took 8 s a call on the first GPU run).
     backprops_rows(args.device, n, reps + 1, sync, done)
-    transfer_rows(args.device, (256,) if args.small else (1024, 2048, 4096), 5, sync, done)
+    transfer_rows(args.device, (256,) if args.small else (1024, 2048, 4096, 8192), 5, sync,
+                  done)
     path_rows(args.device, sizes, reps, sync, done)
 
 

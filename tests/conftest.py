@@ -6,6 +6,7 @@ import torch
 from hypothesis import settings
 
 from skpathkernel._analysis import _unrolled
+from skpathkernel._tangent import _capture
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +17,19 @@ def _few_threads():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n_threads)
+
+
+@pytest.fixture
+def batched_backprops(monkeypatch):
+    """The GPU's batched backward pass over the outputs (``is_grads_batched``) taken on
+    the CPU too; yields the list of every batched pass's gradients (None where autograd
+    could not batch it and the loop ran instead)."""
+    monkeypatch.setattr(_capture, "_batches_backprops", lambda device: True)
+    passes = []
+    real = _capture._batched_grads
+    monkeypatch.setattr(_capture, "_batched_grads",
+                        lambda *a: passes.append(real(*a)) or passes[-1])
+    return passes
 
 
 @pytest.fixture

@@ -267,3 +267,20 @@ def test_auto_picks_the_gpu():
     assert auto.device_ == CUDA
     np.testing.assert_array_equal(auto.predict_proba(Q), _classifier(CUDA).fit(X, y)
                                   .predict_proba(Q))
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.bool])
+def test_to_numpy_copies_every_entry_from_the_gpu(staged, dtype, monkeypatch):
+    # Through its own page-locked memory, or staged through a buffer smaller than the
+    # tensor (here 3 chunks and a short one), a transposed (non-contiguous) view too.
+    from skpathkernel import _device
+
+    if staged:
+        monkeypatch.setattr(_device, "_PINNED_BYTES", 24 * 8)
+    gen = torch.Generator().manual_seed(0)
+    host = (torch.randn(13, 7, generator=gen) * 100).to(dtype)
+    for t in (host, host.T, host[::2]):
+        got = _device.to_numpy(t.to(CUDA))
+        np.testing.assert_array_equal(got, t.numpy())
+        assert got.dtype == t.numpy().dtype and got.shape == tuple(t.shape)

@@ -295,6 +295,24 @@ def test_preconditioned_and_cross_parameter_grams_match_loop(case, route, monkey
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+def test_batched_backprops_match_loop(case, batched_backprops):
+    # The GPU's one batched backward pass over the outputs (is_grads_batched), run on the
+    # CPU: the same Gram, diagonal and features as the loop of per-sample autograd.
+    module, params, X, Y = _make(case, 3)
+    JX, JY = _loop(module, params, X), _loop(module, params, Y)
+    _close(tangent_gram(module, params, X, Y, output="full"),
+           torch.einsum("ncp,mdp->ncmd", JX, JY))
+    _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", JX, JX) / 3)
+    _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", JX, JX) / 3)
+    _close(tangent_features(module, params, X, output="full"), JX)
+    # Every pass was batched (none fell back to the loop), and the autograd check on the
+    # probe's rows found the factors right: no layer went to the generic fallback.
+    assert batched_backprops and all(g is not None for g in batched_backprops)
+    probe = _gram._prepare(module, params, X, "full", 2**24)[3]
+    assert probe.fallback == () and probe.exclude == frozenset()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_features_match_loop(case):
     module, params, X, _ = _make(case, 3)
     J = _loop(module, params, X)
@@ -486,6 +504,10 @@ def test_rules_on_cuda_match_the_cpu(case):
         x32, y32 = ((t.to(cuda).float() if t.is_floating_point() else t.to(cuda))
                     for t in (X, Y))
         _close(call(copy.deepcopy(gpu).float(), single, x32, y32, D.to(cuda)).cpu(), ref, 1e-5)
+    # The GPU's batched autograd check finds the rules' factors right, as the CPU's loop
+    # does: no layer on the fallback, whose results would agree just the same.
+    probe = _gram._prepare(gpu, on, X.to(cuda), "full", 2**24)[3]
+    assert probe.fallback == () and probe.exclude == frozenset()
 
 
 @pytest.mark.parametrize("shape, kernel, stride, dilation", [

@@ -812,6 +812,43 @@ def test_rows_that_are_not_the_samples_and_partial_own_calls(make, routed, numer
     assert routed in _routing_against_loop(make, numerical_check, monkeypatch)
 
 
+@pytest.mark.parametrize("make", [_ScriptedRead, functools.partial(_ScriptedReadOnOneOutput, 0),
+                                  functools.partial(_ScriptedReadOnOneOutput, 1), _Flipped])
+def test_batched_autograd_check_sees_what_the_loop_sees(make, batched_backprops,
+                                                       monkeypatch):
+    # The GPU's autograd check, all outputs in one batched backward pass, run on the CPU:
+    # a hidden read on one output, and swapped rows, still send l1 to the fallback.
+    assert "l1.weight" in _routing_against_loop(make, True, monkeypatch)
+    assert batched_backprops and all(g is not None for g in batched_backprops)
+
+
+class _HostSquare(torch.autograd.Function):
+    """x^2 computed in NumPy: its backward leaves torch, so autograd cannot batch it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.from_numpy(x.detach().numpy() ** 2)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return torch.from_numpy(2 * x.detach().numpy() * g.detach().numpy())
+
+
+class _HostActivation(_TwoLayers):
+    def forward(self, x):
+        return self.l2(_HostSquare.apply(self.l1(x)))
+
+
+def test_unbatchable_backward_falls_back_to_one_pass_per_output(batched_backprops,
+                                                               monkeypatch):
+    # Where the batched pass raises, the outputs' passes run one at a time on the same
+    # graph: the Gram is still the loop's, every layer still on its rule.
+    assert _routing_against_loop(_HostActivation, True, monkeypatch) == ()
+    assert batched_backprops and all(g is None for g in batched_backprops)
+
+
 def test_lending_dtype_and_device_is_not_a_read():
     class Cast(_TwoLayers):
         def forward(self, x):

@@ -615,6 +615,8 @@ def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:
         return [(torch.zeros_like(z) if gz is None else gz).detach().unsqueeze(1)
                 for z, gz in zip(zs, g)]
     out = [_buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z) for j, z in enumerate(zs)]
+    if _batches_backprops(seeds[0].device) and _batched_into(out, seeds, zs):
+        return out
     for i, seed in enumerate(seeds):
         g = torch.autograd.grad(seed, zs, retain_graph=i < n_out - 1, allow_unused=True)
         for buf, gz in zip(out, g):
@@ -624,6 +626,49 @@ def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:
                 buf[:, i].copy_(gz)
         del g
     return out
+
+
+def _batches_backprops(device: torch.device) -> bool:
+    """Whether the outputs' backprops are one batched backward pass (``is_grads_batched``)
+    instead of one pass per output.
+
+    On a GPU each pass is a few dozen launches whatever its rows: one batched pass over the
+    ten outputs took the image networks' Grams at N = 128 from 1.33x (cnn8) to 2.1x (ViT)
+    faster on an H200, bit for bit the same K but for 1.2e-7 on the ResNet
+    (``benchmarks/results/gpu_ab.md``). On one CPU core it was 5-15% slower (the ReLU and
+    max-pool backward over ``C n`` rows stream the bytes of ``C`` passes, and the batched
+    gradients cost a transposing copy), so the CPU keeps the loop.
+    """
+    return device.type == "cuda"
+
+
+def _batched_grads(seeds, inputs) -> list[torch.Tensor | None] | None:
+    """``(len(seeds), *x.shape)`` gradients of every seed for every input, by one batched
+    backward pass (None where a seed does not reach the input); None where autograd
+    cannot batch the pass (an ``autograd.Function`` without a vmap rule, the device's
+    memory), with the graph kept for one pass per seed."""
+    s = torch.stack(seeds)
+    eye = torch.eye(len(seeds), dtype=s.dtype, device=s.device)
+    try:
+        return list(torch.autograd.grad(s, inputs, eye, retain_graph=True,
+                                        is_grads_batched=True, allow_unused=True))
+    except RuntimeError:
+        return None
+
+
+def _batched_into(out: list[torch.Tensor], seeds, zs) -> bool:
+    """The backprops of every seed by one batched backward pass, written into ``out``;
+    False, with nothing written, where :func:`_batched_grads` cannot batch them."""
+    grads = _batched_grads(seeds, zs)
+    if grads is None:
+        return False
+    for j, buf in enumerate(out):
+        if grads[j] is None:
+            buf.zero_()
+        else:
+            buf.copy_(grads[j].transpose(0, 1))
+        grads[j] = None  # one site's gradients at a time besides the result
+    return True
 
 
 def _buffer(scratch, j: int, shape, like: torch.Tensor) -> torch.Tensor:
@@ -715,16 +760,26 @@ def _numerical_misfits(
     seen = [[] for _ in covered]
     wrt = [live[n] for n in covered] + [p for n, p in live.items() if n not in set(covered)]
     wrt += [x_in] if x_in.requires_grad else []
-    for i, c in enumerate(outputs):
-        grads = torch.autograd.grad(f[:, c] @ w, wrt, retain_graph=i < len(outputs) - 1,
-                                    allow_unused=True)[:len(covered)]
-        for rows, name, g, rule in zip(seen, covered, grads, rules):
-            if g is None:
-                rows.append(torch.zeros_like(rule[0]))
-            else:
-                rows.append(g.reshape(-1) if factors[name][1] is None
-                            else g.reshape(rule.shape[1], -1) @ probes[name])
-    seen = [torch.stack(rows) for rows in seen]
+    seeds = [f[:, c] @ w for c in outputs]
+    batched = (_batched_grads(seeds, wrt) if len(seeds) > 1 and _batches_backprops(x.device)
+               else None)
+    if batched is not None:
+        # (C, ...) per parameter: the outputs' sides at once.
+        seen = [torch.zeros_like(rule) if g is None
+                else g.reshape(len(seeds), -1) if factors[name][1] is None
+                else g.reshape(len(seeds), rule.shape[1], -1) @ probes[name]
+                for name, g, rule in zip(covered, batched, rules)]
+    else:
+        for i, seed in enumerate(seeds):
+            grads = torch.autograd.grad(seed, wrt, retain_graph=i < len(seeds) - 1,
+                                        allow_unused=True)[:len(covered)]
+            for rows, name, g, rule in zip(seen, covered, grads, rules):
+                if g is None:
+                    rows.append(torch.zeros_like(rule[0]))
+                else:
+                    rows.append(g.reshape(-1) if factors[name][1] is None
+                                else g.reshape(rule.shape[1], -1) @ probes[name])
+        seen = [torch.stack(rows) for rows in seen]
     errors = torch.stack([(s - r).abs().amax(1) for s, r in zip(seen, rules)])
     # One scale per output: the largest entry of any parameter's two sides.
     scale = torch.stack([torch.maximum(s.abs().amax(1), r.abs().amax(1))

@@ -16,7 +16,9 @@
 # for these, so the later groups run only when the earlier ones are quick) until the budget
 # (DEVICE_CHECK_SECONDS, default 480) runs out; with the start that leaves about 6
 # minutes, enough for a rerun (a fresh start needs 4). Name fewer groups to verify one
-# change, e.g. DEVICE_CHECK_GROUPS=gram_nets.
+# change, e.g. DEVICE_CHECK_GROUPS=gram_nets. The second run (2026-12-04 18:32 UTC, commit
+# 5f112a4): CUDA tests 31 s, bench_gpu_ab 33 s, path 95 s, defaults 20 s, gram_nets 252 s,
+# training 2 s, decomposition 2 s; gram was not reached in the 480 s.
 #
 # Call it with the device tool's `run` (it runs in the repo root there; $OUT comes back):
 #     run(command="bash benchmarks/device_check.sh", timeout_s=540)
@@ -32,6 +34,8 @@
 #     cuda-tests.xml   the same as JUnit XML (per-test durations)
 #     gpu-ab.log       benchmarks/bench_gpu_ab.py's output (its gpu_ab.md / .json in
 #                      results.tgz): the engine's launch-bound choices, ref vs tree
+#     profile_gpu_gram.txt  operators by count and device time of the image networks'
+#                      Grams at N = 128 (benchmarks/profile_gpu_gram.py)
 #     gpu-bench.log    benchmarks/gpu.sh's output
 #     results.tgz      benchmarks/results/*-quick-cuda.md / .json of every group that
 #                      finished (groups are written as each one ends, so a run cut short at
@@ -109,6 +113,13 @@ t0=$SECONDS
 timeout --kill-after=10 "${DEVICE_CHECK_AB_SECONDS:-150}" "$PY" -m benchmarks.bench_gpu_ab \
     --out "$bench/gpu_ab" 2>&1 | tee "$OUT/gpu-ab.log"
 summary "bench_gpu_ab: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+
+# ---- Where the Grams' calls go on the GPU (benchmarks/profile_gpu_gram.py, ~20 s): the
+# engine is launch-bound there, and the operator counts per phase say where to cut.
+t0=$SECONDS
+timeout --kill-after=10 60 "$PY" -m benchmarks.profile_gpu_gram --out "$OUT" 2>&1 \
+    | grep -E "^##|wrote|Error"
+summary "profile_gpu_gram: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
 
 # ---- Quick GPU benchmark, in whatever time is left (20 s kept for the archive).
 left=$((BUDGET - (SECONDS - start) - 20))

@@ -269,15 +269,15 @@ def test_auto_picks_the_gpu():
                                   .predict_proba(Q))
 
 
-@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("pinned_bytes", [None, 0])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.bool])
-def test_to_numpy_copies_every_entry_from_the_gpu(staged, dtype, monkeypatch):
-    # Through its own page-locked memory, or staged through a buffer smaller than the
-    # tensor (here 3 chunks and a short one), a transposed (non-contiguous) view too.
+def test_to_numpy_copies_every_entry_from_the_gpu(pinned_bytes, dtype, monkeypatch):
+    # Through page-locked memory (small tensors) or the pageable copy (larger than
+    # _PINNED_BYTES, here every one), a transposed and a strided view too.
     from skpathkernel import _device
 
-    if staged:
-        monkeypatch.setattr(_device, "_PINNED_BYTES", 24 * 8)
+    if pinned_bytes is not None:
+        monkeypatch.setattr(_device, "_PINNED_BYTES", pinned_bytes)
     gen = torch.Generator().manual_seed(0)
     host = (torch.randn(13, 7, generator=gen) * 100).to(dtype)
     for t in (host, host.T, host[::2]):

@@ -13,13 +13,15 @@ process, the two sides alternating (wall time, the device synchronised around ea
   takes on a GPU (tree: whole panels, strips of a quarter of the rows, chunks as large as
   the budget allows).
 - ``backprops``: ``tangent_gram`` (the trace over 10 outputs) of the benchmark's image
-  networks at N = 128, with one backward pass per output (ref: the CPU's loop) against
-  the engine's one batched backward pass over all outputs on a GPU (tree:
-  ``_capture._batches_backprops``, taken after the run of 2026-12-04 18:32 UTC measured
-  its prototype 1.33-2.1x faster); its last column names the backward operations that
-  have no batching rule, which the batched pass runs as a loop over the outputs. Then
-  the same call against torch.func's ``vmap`` recipe (ref: the recipe of
-  ``benchmarks/_worker.py``; tree: the engine), the peer the Gram rows compare with.
+  networks at N = 128 with the CPU's choices (ref: one backward pass per output, capture
+  chunks in an eighth of the budget) against the engine's on a GPU: one batched backward
+  pass over all outputs (``_capture._batches_backprops``, taken after the run of
+  2026-12-04 18:32 UTC measured its prototype 1.33-2.1x faster), then also chunks as
+  large as the kept blocks leave room for (``_gram._launch_bound_chunk``: 2-3.5x fewer
+  torch calls, counted on the CPU, not yet timed on a GPU). The batched row's last
+  column names the backward operations that have no batching rule, which the batched
+  pass runs as a loop over the outputs. Then the engine against torch.func's ``vmap``
+  recipe (ref: the recipe of ``benchmarks/_worker.py``), the Gram rows' peer.
 - ``transfer``: the public kernels' float64 Gram copied from the device into NumPy as
   ``Tensor.cpu().numpy()`` does (ref) against the package's ``to_numpy`` (tree: through
   page-locked memory of its own up to 64 MiB, the pageable copy beyond), and against a
@@ -101,9 +103,16 @@ def path_rows(device, sizes, reps, sync, done):
 
 
 def backprops_rows(device, n, reps, sync, done):
-    real = _capture._batches_backprops
-    sides = {"ref": lambda: setattr(_capture, "_batches_backprops", lambda d: False),
-             "tree": lambda: setattr(_capture, "_batches_backprops", real)}
+    real_batched, real_bound = _capture._batches_backprops, _stacked._launch_bound
+
+    def choose(batched, bound):
+        def patch():
+            _capture._batches_backprops = real_batched if batched else (lambda d: False)
+            _stacked._launch_bound = real_bound if bound else (lambda d: False)
+        return patch
+
+    sides = {"ref": choose(False, False), "batched": choose(True, False),
+             "tree": choose(True, True)}
     for arch in ("cnn8", "cifar", "resnet", "vit"):
         module, params, X = _worker.gram_problem({"arch": arch, "n": n, "dtype": "float32"},
                                                  torch.device(device))
@@ -117,9 +126,13 @@ def backprops_rows(device, n, reps, sync, done):
         torch._C._debug_only_display_vmap_fallback_warnings(False)
         slow = sorted({str(w.message)[:160] for w in caught
                        if "performance" in str(w.message)})
-        done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops", times,
-                    os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu()),
+        done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops",
+                    {"ref": times["ref"], "tree": times["batched"]}, os.getloadavg()[0],
+                    max_rel_diff=_rel(res["batched"].cpu(), res["ref"].cpu()),
                     vmap_fallbacks="; ".join(slow) or "none"))
+        done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops and launch-bound chunks",
+                    {"ref": times["ref"], "tree": times["tree"]}, os.getloadavg()[0],
+                    max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu())))
         slot = [None]
         peer = {"ref": _choose(slot, lambda m, p, x: _worker._vmap_recipe(m, p, x)),
                 "tree": _choose(slot, tangent_gram)}

@@ -284,3 +284,34 @@ def test_to_numpy_copies_every_entry_from_the_gpu(pinned_bytes, dtype, monkeypat
         got = _device.to_numpy(t.to(CUDA))
         np.testing.assert_array_equal(got, t.numpy())
         assert got.dtype == t.numpy().dtype and got.shape == tuple(t.shape)
+
+
+def test_gram_of_a_conv_net_stays_within_its_budget_on_the_gpu():
+    # The GPU's capture chunks take what the kept blocks leave of the budget (the CPU's
+    # take an eighth): the device's peak above what the call started with, less the
+    # returned Gram, stays within memory_budget, and K is the CPU's.
+    from torch import nn
+
+    from skpathkernel._tangent import tangent_gram
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(16 * 12 * 12, 10))
+    X = torch.randn(256, 3, 12, 12)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    budget = 2**28
+    ref = tangent_gram(net, params, X, memory_budget=budget)
+    gpu = net.to(CUDA)
+    on = {k: v.to(CUDA) for k, v in params.items()}
+    Xc = X.to(CUDA)
+    tangent_gram(gpu, on, Xc, memory_budget=budget)  # cuDNN's workspaces, once
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    K = tangent_gram(gpu, on, Xc, memory_budget=budget)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start - K.nbytes
+    assert peak <= budget, (peak, budget)
+    np.testing.assert_allclose(K.cpu().numpy(), ref.numpy(), rtol=1e-4,
+                               atol=1e-5 * float(ref.abs().max()))

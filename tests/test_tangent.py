@@ -1257,3 +1257,45 @@ def test_small_captures_grow_to_min_chunk_within_a_quarter_of_the_budget(output,
     J = J if output == "trace" else J[:, output : output + 1]
     expected = torch.einsum("ncp,mcp->nm", J, J) / J.shape[1]
     assert torch.allclose(K, expected, rtol=RTOL, atol=RTOL * expected.abs().max())
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_launch_bound_chunks_take_what_the_kept_blocks_leave(cross, monkeypatch):
+    # On a GPU (forced here) a capture costs its launches whatever its rows: where every
+    # formed block is kept, a chunk takes what they and a block pair's products leave of
+    # the budget, not an eighth of it. Fewer, larger captures, the same K as the loop,
+    # and what the plan holds stays within the budget.
+    module, params, X = _resnet_problem(90)
+    Y = torch.randn(40, 2, 6, 6, dtype=torch.float64) if cross else None
+    n_y, n_kept = (90, 90) if Y is None else (40, 130)
+    probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
+    dense, kept, _, _ = _gram._gram_plan(probe, 90, n_y, "trace", False, Y is None, 2**30, 8)
+    assert dense, "the convolutions' terms must be formed for this test"
+    captured = _gram._chunk_row_bytes(probe, kept) // 8
+    # A budget whose eighth holds 8 rows of a capture and that keeps every block.
+    budget = 64 * captured + kept * n_kept
+    cpu_chunk, share = _gram._dense_shares(probe, kept, budget)
+    assert _gram._keeps_all(dense, kept, n_kept, budget, share)
+
+    def captures(launch_bound):
+        monkeypatch.setattr(_stacked, "_launch_bound", lambda device: launch_bound)
+        seen = []
+        real = _gram.capture
+        monkeypatch.setattr(_gram, "capture", lambda *a, **k: seen.append(a[2].shape[0])
+                            or real(*a, **k))
+        K = tangent_gram(module, params, X, Y, memory_budget=budget, check_hidden=False)
+        monkeypatch.setattr(_gram, "capture", real)
+        return K, seen[1:]  # after the probe
+
+    K_cpu, cpu = captures(False)
+    K_gpu, gpu = captures(True)
+    assert max(cpu) == cpu_chunk < max(gpu)
+    assert sum(cpu) == sum(gpu) == 90 + (0 if Y is None else 40)
+    assert len(gpu) < len(cpu)
+    # The chunk and the kept blocks fit the budget.
+    assert max(gpu) * captured + kept * n_kept <= budget
+    JX = _loop_jacobian(module, params, X)
+    JY = JX if Y is None else _loop_jacobian(module, params, Y)
+    expected = torch.einsum("ncp,mcp->nm", JX, JY) / 3
+    _close(K_gpu, expected)
+    _close(K_cpu, expected)

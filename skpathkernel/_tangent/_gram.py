@@ -60,6 +60,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._memory import large_tensor, rows_per_block
+from . import _stacked
 from ._capture import (
     Capture,
     _numerical_misfits,
@@ -864,6 +865,9 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
             # Every block is kept anyway: one block, the largest products. (Lazily formed
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)
             size = n_max
+        if fits and _stacked._launch_bound(X.device):
+            chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair, memory_budget,
+                                        chunk)
     else:
         size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
         # Captures are kept only where a block is visited again: the column blocks, once
@@ -898,6 +902,23 @@ def _dense_shares(probe: Capture, kept: int, budget: int) -> tuple[int, int]:
         # a quarter of the budget goes to the chunk then, the rest to the blocks.
         chunk = max(chunk, min(MIN_CHUNK, budget // (4 * captured)))
     return chunk, budget - max(chunk * captured, budget // 8)
+
+
+def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_pair: int,
+                        budget: int, chunk: int) -> int:
+    """Rows of a capture chunk where launches, not bytes, set the pace (a GPU, see
+    :func:`._stacked._launch_bound`) and every formed block is kept: what the kept blocks
+    and a block pair's products leave of the budget, instead of an eighth of it.
+
+    A capture is a forward and the outputs' backward passes whatever its rows: about 1100
+    torch calls on the ResNet, 250 on the CNN (counted on the CPU). At N = 128 and the
+    default budget the ResNet's Gram took 13 captures of 10 rows, three quarters of the
+    call's 19500 torch calls, and on an H200 the call's time was its host's time issuing
+    them (CPU time 0.40 s of 0.41 s, ``benchmarks/results/gram_nets-quick-cuda.md``).
+    """
+    captured = _chunk_row_bytes(probe, kept) // 8
+    spare = budget - kept * n_kept - per_pair * size * size
+    return max(chunk, min(size, spare // captured))
 
 
 def _keeps_all(dense, kept: int, n_kept: int, budget: int, share: int | None = None) -> bool:

@@ -1129,13 +1129,18 @@ def test_syrk_into_a_strided_view_or_its_own_square_within_the_budget():
     _close(direct, ref, 1e-13)
 
 
+@pytest.mark.parametrize("launch_bound", [False, True])
 @pytest.mark.parametrize("cross", [False, True])
-def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, monkeypatch):
+def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, launch_bound,
+                                                                  monkeypatch):
     # The ResNet row's plan at N = 1024 (its ten outputs' formed blocks exceed the
     # budget: groups of outputs, each block formed a chunk of rows at a time), set up
     # by the budget alone: the smallest one (1/64-octave grid) that splits the six
     # outputs in three groups. Every row of each side is captured once per group, in
-    # chunks smaller than the block, and K is the dense Jacobians' trace.
+    # chunks smaller than the block, and K is the dense Jacobians' trace. On a GPU
+    # (``launch_bound``) the chunks are larger, within what the kept blocks and the
+    # groups' two sums leave of the budget.
+    monkeypatch.setattr(_stacked, "_launch_bound", lambda device: launch_bound)
     torch.manual_seed(0)
     module = _SmallResNet(6).double()
     for m in module.modules():
@@ -1149,6 +1154,13 @@ def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, monkeyp
     n_y = len(X) if Y is None else len(Y)
     probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
     budget = _budget_with_groups(probe, len(X), n_y, None, Y is None, 8, 3)
+    while launch_bound:
+        # The largest budget (same grid) of three groups: room for the GPU's wider chunks.
+        wider = int(budget * 2 ** (1 / 64)) + 1
+        if len(_gram._output_groups(probe, len(X), n_y, "trace", None, Y is None, wider,
+                                    8)) != 3:
+            break
+        budget = wider
     groups = _gram._output_groups(probe, len(X), n_y, "trace", None, Y is None, budget, 8)
     assert sum(groups, []) == list(range(6))
     chunks = set()
@@ -1172,9 +1184,21 @@ def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, monkeyp
     K = tangent_gram(module, params, X, Y, memory_budget=budget, check_hidden=False)
     assert seen[0] == (1, tuple(range(6)))
     assert [outputs for _, outputs in seen[1:]] == sorted(outputs for _, outputs in seen[1:])
+    sums = 8 * len(X) * n_y * 2
     for columns in groups:
         rows = [r for r, outputs in seen[1:] if outputs == tuple(columns)]
-        assert sum(rows) == len(X) + (0 if Y is None else n_y) and max(rows) == chunk
+        assert sum(rows) == len(X) + (0 if Y is None else n_y)
+        if not launch_bound:
+            assert max(rows) == chunk
+            continue
+        part = _gram._probe_outputs(probe, columns)
+        kept = _gram._gram_plan(part, len(X), n_y, "trace", False, Y is None, budget, 8)[1]
+        captured = _gram._chunk_row_bytes(part, kept) // 8
+        # (At three groups the symmetric plan leaves no room for more rows; the cross
+        # plan does.)
+        assert max(rows) > chunk if cross else max(rows) == chunk
+        assert max(rows) * captured + kept * (len(X) + (0 if Y is None else n_y)) + sums \
+            <= budget
     JX = _loop_jacobian(module, params, X)
     JY = JX if Y is None else _loop_jacobian(module, params, Y)
     _close(K, torch.einsum("ncp,mcp->nm", JX, JY) / 6)

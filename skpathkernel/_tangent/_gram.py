@@ -819,11 +819,12 @@ def tangent_gram(
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,
-                 symmetric, memory_budget, itemsize, reuse=(None, None)):
+                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0):
     """The row and column blocks of a Gram, sized to the budget by the plan's route.
 
     ``reuse``: for the row and the column blocks, where their formed gradient blocks are
     kept (see :class:`_Blocks`), when earlier blocks held there are no longer used.
+    ``held``: bytes the caller holds within the budget meanwhile (output groups' sums).
 
     Returns ``(bx, by, weight, dense)``: ``weight`` is None where the blocks carry the
     preconditioner's square root themselves; ``dense`` whether blocks are formed
@@ -866,8 +867,8 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)
             size = n_max
         if fits and _stacked._launch_bound(X.device):
-            chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair, memory_budget,
-                                        chunk)
+            chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair,
+                                        memory_budget - held, chunk)
     else:
         size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
         # Captures are kept only where a block is visited again: the column blocks, once
@@ -989,7 +990,7 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
         bx, by, w, dense = _gram_blocks(module, params, params_y, X, Y,
                                         [outputs[c] for c in columns], "trace",
                                         _probe_outputs(probe, columns), weight, layout,
-                                        symmetric, budget, dtype.itemsize, reuse)
+                                        symmetric, budget, dtype.itemsize, reuse, held)
         target = total if i == 0 else part
         # The groups' sums are counted in an eighth of the budget (:func:`_output_groups`):
         # a SYRK's buffers take what they leave of it.

@@ -22,6 +22,13 @@ process, the two sides alternating (wall time, the device synchronised around ea
   column names the backward operations that have no batching rule, which the batched
   pass runs as a loop over the outputs. Then the engine against torch.func's ``vmap``
   recipe (ref: the recipe of ``benchmarks/_worker.py``), the Gram rows' peer.
+- ``backprop routes``: the outputs' backprops alone (what a capture's backward passes
+  compute) of the same networks by the batched pass (ref) against a prototype, one
+  ordinary backward pass over the batch repeated once per output with output ``c``
+  seeded on the ``c``-th copy (tree: every layer's backward runs batched natively, where
+  the batched pass loops over the outputs for the backward ops without a batching rule:
+  convolution, batch and layer norm, max-pool, attention, GELU; its forward runs over
+  ``C n`` rows), and the batched pass against the loop.
 - ``transfer``: the public kernels' float64 Gram copied from the device into NumPy as
   ``Tensor.cpu().numpy()`` does (ref) against the package's ``to_numpy`` (tree: through
   page-locked memory of its own up to 64 MiB, the pageable copy beyond), and against a
@@ -142,6 +149,64 @@ def backprops_rows(device, n, reps, sync, done):
                     os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu())))
 
 
+def _site_outputs(module, X):
+    """The network's outputs ``f`` and the outputs of its parameterised leaf layers (the
+    sites whose backprops a capture takes), by forward hooks."""
+    sites = []
+    hooks = [m.register_forward_hook(lambda m, a, out: sites.append(out))
+             for m in module.modules() if next(m.parameters(recurse=False), None) is not None
+             and not list(m.children())]
+    try:
+        f = module(X)
+    finally:
+        for h in hooks:
+            h.remove()
+    return f.reshape(X.shape[0], -1), [z for z in sites if isinstance(z, torch.Tensor)]
+
+
+def _backprops_by(route, module, X):
+    """Every output's backprop to every site, ``(n, C, ...)`` per site, by one of three
+    routes: one backward pass per output (``loop``, the CPU's), one batched backward pass
+    (``batched``, ``is_grads_batched``, the GPU's), or one ordinary backward pass over the
+    batch repeated once per output, output ``c`` seeded on the ``c``-th copy
+    (``replicated``, a prototype: no vmap fallbacks, a forward over ``C n`` rows)."""
+    n = X.shape[0]
+    if route == "replicated":
+        C = _site_outputs(module, X[:1])[0].shape[1]
+        f, zs = _site_outputs(module, X.repeat(C, *([1] * (X.ndim - 1))))
+        seed = f.reshape(C, n, C).diagonal(dim1=0, dim2=2).sum()
+        grads = torch.autograd.grad(seed, zs)
+        return [g.reshape(C, n, *g.shape[1:]).transpose(0, 1) for g in grads]
+    f, zs = _site_outputs(module, X)
+    seeds = [f[:, c].sum() for c in range(f.shape[1])]
+    if route == "batched":
+        eye = torch.eye(len(seeds), dtype=f.dtype, device=f.device)
+        grads = torch.autograd.grad(torch.stack(seeds), zs, eye, is_grads_batched=True)
+        return [g.transpose(0, 1) for g in grads]
+    per_output = [torch.autograd.grad(s, zs, retain_graph=True) for s in seeds]
+    return [torch.stack(gs, 1) for gs in zip(*per_output)]
+
+
+def backprop_route_rows(device, n, reps, sync, done):
+    """The outputs' backprops alone (a capture's backward part), by each route."""
+    slot = [None]
+    sides = {"ref": _choose(slot, "batched"), "loop": _choose(slot, "loop"),
+             "tree": _choose(slot, "replicated")}
+    for arch in ("cnn8", "cifar", "resnet", "vit"):
+        module, _, X = _worker.gram_problem({"arch": arch, "n": n, "dtype": "float32"},
+                                            torch.device(device))
+        times, res = _alternate(sides, lambda m=module, x=X: _backprops_by(slot[0], m, x),
+                                reps, sync)
+        diff = max(_rel(a.cpu(), b.cpu()) for a, b in zip(res["tree"], res["ref"]))
+        done(ab_row(f"backprops of {arch}, N={n}: replicated batch vs batched pass",
+                    {"ref": times["ref"], "tree": times["tree"]}, os.getloadavg()[0],
+                    max_rel_diff=diff))
+        diff = max(_rel(a.cpu(), b.cpu()) for a, b in zip(res["loop"], res["ref"]))
+        done(ab_row(f"backprops of {arch}, N={n}: batched pass vs loop",
+                    {"ref": times["loop"], "tree": times["ref"]}, os.getloadavg()[0],
+                    max_rel_diff=diff))
+
+
 def _choose(slot: list, f):
     """A side's patch for :func:`_alternate`: ``f`` put where the timed call reads it."""
     return lambda: slot.__setitem__(0, f)
@@ -225,6 +290,7 @@ def main(argv=None):
     # The quick rows first: a run stopped at its limit loses the slowest (the CPU's
     # tiling at N = 1000 took 8 s a call on the first GPU run).
     backprops_rows(args.device, n, reps + 1, sync, done)
+    backprop_route_rows(args.device, n, reps + 2, sync, done)
     transfer_rows(args.device, (256,) if args.small else (1024, 2048, 4096, 8192), 5, sync,
                   done)
     path_rows(args.device, sizes, reps, sync, done)

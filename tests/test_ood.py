@@ -47,6 +47,12 @@ def lstsq_residual(Phi_train, Phi):
     return np.linalg.norm(res, axis=0) / np.linalg.norm(Phi, axis=1)
 
 
+def leave_one_out_scores(Phi):
+    """The "residual" score of each row of Phi against the span of all the other rows."""
+    return np.array([-lstsq_residual(np.delete(Phi, i, 0), Phi[i : i + 1])[0]
+                     for i in range(len(Phi))])
+
+
 def task_data(task, rng):
     X = rng.normal(size=(20, 5))
     if task == "regression":
@@ -89,8 +95,7 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     det = OODRankDetector(trainer(y), method=method, contamination=0.25).fit(X, y)
     P = dense_features(det, X)
     if method == "residual":
-        loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
-                        for i in range(len(X))])
+        loo = leave_one_out_scores(P)
     else:
         cos = (P @ P.T) / np.outer(np.linalg.norm(P, axis=1), np.linalg.norm(P, axis=1))
         np.fill_diagonal(cos, -np.inf)
@@ -128,9 +133,7 @@ def test_zero_weight_rows_are_absent_from_the_span_and_the_offset(frozen, early_
     assert ref[:4].min() > 0.05  # the check could fail: the dropped rows leave the span
     np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-6)
     # The offset: the quantile of the kept rows' leave-one-out residuals alone.
-    K = P[keep]
-    loo = np.array([-lstsq_residual(np.delete(K, i, 0), K[i : i + 1])[0]
-                    for i in range(len(K))])
+    loo = leave_one_out_scores(P[keep])
     # (The jitter lam moves a LOO residual of a point near the others' span by ~1e-5.)
     np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=5e-5)
 
@@ -182,7 +185,7 @@ def test_auto_offset_is_tukeys_fence_of_leave_one_out_scores(method):
     if method == "local":
         loo = -local_residual(P, P, 4, exclude=rows)
     elif method == "residual":
-        loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0] for i in rows])
+        loo = leave_one_out_scores(P)
     else:
         cos = (P @ P.T) / np.outer(np.linalg.norm(P, axis=1), np.linalg.norm(P, axis=1))
         np.fill_diagonal(cos, -np.inf)
@@ -407,8 +410,7 @@ def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypa
                                 contamination=0.25).fit(X)
     assert small.rank_ == big.rank_ == 20
     P = dense_features(big, X)
-    loo = np.array([-lstsq_residual(np.delete(P, i, 0), P[i : i + 1])[0]
-                    for i in range(len(X))])
+    loo = leave_one_out_scores(P)
     np.testing.assert_allclose(small.offset_, np.percentile(loo, 25), atol=1e-6)
     np.testing.assert_allclose(small.offset_, big.offset_, atol=1e-6)
 
@@ -494,3 +496,41 @@ def test_a_span_of_one_positive_weight_point_is_refused(frozen):
     assert len(det.X_fit_) == len(X)
     w[5] = 1.0  # two points: a span and a leave-one-out score each
     assert np.isfinite(det.fit(X, y, sample_weight=w).offset_)
+
+
+@pytest.mark.parametrize("method", ["residual", "alignment"])
+def test_a_rank_tolerance_below_the_grams_round_off_factorises(method):
+    """rtol=1e-10 puts the jitter (1e-20 of the largest Gram eigenvalue) below the float64
+    round-off of the pivots' Gram: ``Theta_LL + lam I`` came out indefinite and fit
+    crashed in torch.linalg.cholesky ("not positive-definite"), for a valid rtol."""
+    rng = np.random.RandomState(1)
+    X = rng.normal(size=(60, 2))
+    y = np.sin(X.sum(1))
+    det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,)), method=method,
+                          rtol=1e-10).fit(X, y)
+    assert np.isfinite(det.offset_) and det.rank_ <= len(X)
+    Xq = 3 * rng.normal(size=(5, 2))
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    assert P.shape[1] == 25 and np.linalg.matrix_rank(P) == 25  # N > P: a full span
+    if method == "residual":
+        # Every query lies in the span of 60 features that span all 25 directions; the
+        # jitter leaves ~rtol / (smallest singular value ratio, ~1e-5) of it outside.
+        np.testing.assert_allclose(-det.score_samples(Xq), lstsq_residual(P, Q), atol=1e-4)
+    else:
+        cos = (Q @ P.T) / np.outer(np.linalg.norm(Q, axis=1), np.linalg.norm(P, axis=1))
+        np.testing.assert_allclose(det.score_samples(Xq), cos.max(axis=1), atol=1e-10)
+
+
+def test_residual_leave_one_out_at_a_tiny_rtol_when_every_point_is_a_pivot():
+    """With every training point a pivot, the exact leave-one-out pass added
+    ``(1 - ||Q_i||^2) / lam``, round-off of a square orthogonal Q (exactly 0) divided by a
+    jitter of 1e-20: it explained every point and moved offset_ by 4e-4 at rtol=1e-10."""
+    rng = np.random.RandomState(2)
+    X, y = task_data("regression", rng)
+    det = OODRankDetector(trainer(y), method="residual", rtol=1e-10,
+                          contamination=0.25).fit(X, y)
+    assert det.rank_ == len(X)
+    P = dense_features(det, X)
+    loo = leave_one_out_scores(P)
+    assert np.ptp(loo) > 0.05
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=1e-7)

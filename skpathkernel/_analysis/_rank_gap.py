@@ -180,16 +180,43 @@ def loo_relative_residuals(G, diag, lam):
     Q, R = torch.linalg.qr(G)
     S, V = torch.linalg.eigh(R @ R.T)
     weight = 1.0 / (S.clamp(min=0) + lam)
+    # Every point a pivot: Q is square and orthogonal, so 1 - ||U_i||^2 is exactly 0. Its
+    # computed value is round-off (~1e-16), which a small jitter (1e-20 of the largest
+    # eigenvalue at rtol=1e-10) turns into a large "explained" part of every point.
+    complement = G.shape[1] < G.shape[0]
     inv_diag = torch.empty_like(diag)
     # Row blocks: U = Q V and the squares are N x r each, as large as G itself.
     step = max(1, 2**22 // max(G.shape[1], 1))
     for start in range(0, G.shape[0], step):
         Qb = Q[start : start + step]
         U = Qb @ V
-        inv_diag[start : start + step] = ((U * U * weight).sum(1)
-                                          + (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam)
+        inv_diag[start : start + step] = (U * U * weight).sum(1)
+        if complement:
+            inv_diag[start : start + step] += (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam
     var = (1.0 / inv_diag - lam).clamp(min=0)
     return _relative(var, diag)
+
+
+def jittered_cholesky(K, lam):
+    """Lower triangular ``L`` with ``L L^T = K + lam I``, for a PSD Gram ``K`` and ``lam > 0``.
+
+    Cholesky of the sum first. A jitter below the Gram's float64 round-off (``rtol``
+    under ~1e-8, or nearly dependent features) leaves the sum indefinite by round-off;
+    then ``L`` is the factor of ``K_+ + lam I``, with ``K_+`` the Gram without its
+    negative (round-off) eigenvalues, from the R of a QR of ``[sqrt(K_+); sqrt(lam) I]``:
+    square roots span twice the range of exponents that the sum would need.
+    """
+    W = K.clone()
+    W.diagonal().add_(lam)
+    L, info = torch.linalg.cholesky_ex(W)
+    if int(info) == 0:
+        return L
+    S, V = torch.linalg.eigh((K + K.T) / 2)
+    root = S.clamp(min=0).sqrt().unsqueeze(1) * V.T  # root^T root = K_+
+    eye = torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
+    R = torch.linalg.qr(torch.cat([root, math.sqrt(lam) * eye]), mode="r").R
+    # The Cholesky factor is the one with a positive diagonal.
+    return (torch.sign(R.diagonal()).unsqueeze(1) * R).T
 
 
 def row_norms2(G):
@@ -296,10 +323,8 @@ class TangentSpan:
         del G
         X_span, chol = X[to_numpy(pivots)], None
         if len(pivots):
-            W = gram.gram(gram.tensor(X_span)).to(torch.float64)
-            W.diagonal().add_(lam)
-            chol = to_numpy(torch.linalg.cholesky(W))
-            del W
+            chol = to_numpy(jittered_cholesky(gram.gram(gram.tensor(X_span)).to(torch.float64),
+                                              lam))
         return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals, reached
 
     def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots) -> np.ndarray:

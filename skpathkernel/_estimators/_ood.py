@@ -129,7 +129,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         factorisation keeps pivots until every training feature is within
         ``sqrt(lam) = rtol * max_i ||phi(x_i)||`` of their span. Grams are computed in
         float64 (see Notes), so one default serves float32 and float64 networks; below
-        ~1e-7 the tolerance reaches float64's round-off on Gram eigenvalues. Scores
+        ~1e-7 the tolerance reaches float64's round-off on Gram eigenvalues, and the
+        span (``rank_``, ``rank_gap``) also counts directions that are round-off. Scores
         barely move between 1e-6 and 1e-2 (measured in the user guide); above, the
         jitter hides the small new directions of an extrapolating ReLU unit.
     contamination : "auto" or float in (0, 0.5], default="auto"
@@ -418,9 +419,11 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     def score_samples(self, X):
         """Normality of each sample: higher is more normal.
 
-        "residual": ``-s(x)`` in [-1, 0]; "alignment": ``max_i K_hat(x, x_i)`` in
-        [-1, 1]. A zero tangent feature (no parameter moves ``f(x)``) lies in every span
-        and scores 0 (residual) or 0 (alignment, no direction).
+        "local": ``-s_S(x)``, the residual outside the span of its ``n_neighbors``
+        best-aligned training features, and "residual": ``-s(x)``, outside the whole
+        training span, both in [-1, 0]; "alignment": ``max_i K_hat(x, x_i)`` in [-1, 1].
+        A zero tangent feature (no parameter moves ``f(x)``) lies in every span and
+        scores 0 ("local", "residual") or 0 ("alignment": no direction).
 
         Parameters
         ----------

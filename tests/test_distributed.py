@@ -71,6 +71,21 @@ def _single_process_path(world, scenario="ok"):
     return module, torch.stack(points)
 
 
+def _assert_decomposes_exactly(traj, module):
+    """The recorded path's decomposition reconstructs the reference network's outputs,
+    without a warning; returns the network and the queries."""
+    X, y = worker.data()
+    Xq = np.random.RandomState(5).uniform(-1, 1, size=(4, 3))
+    net = RecordedNetwork(worker.mlp(), traj, X_train=X.numpy(), y_train=y.numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = net.decompose(Xq)
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    return net, Xq
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_path_equals_one_process_and_decomposes_exactly(world, tmp_path):
@@ -87,15 +102,7 @@ def test_ddp_path_equals_one_process_and_decomposes_exactly(world, tmp_path):
         # DDP averages the ranks' means: 1 / (R n_r) per sample of a shard of n_r.
         expected = np.concatenate([np.full(len(s), 1 / (world * len(s))) for s in shards])
         assert_allclose(traj.batch_weights(t), expected, rtol=1e-15)
-    X, y = worker.data()
-    Xq = np.random.RandomState(5).uniform(-1, 1, size=(4, 3))
-    net = RecordedNetwork(worker.mlp(), traj, X_train=X.numpy(), y_train=y.numpy())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        res = net.decompose(Xq)
-    with torch.no_grad():
-        truth = module(torch.as_tensor(Xq)).numpy()
-    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    net, Xq = _assert_decomposes_exactly(traj, module)
     if world == 3:
         # Read as equal weights (one batch of 12), the unequal shards miss, and warn.
         net.network_.trajectory._batch_weights = None
@@ -118,15 +125,7 @@ def test_ddp_gradient_accumulation_weighs_each_micro_batch(tmp_path):
                                    for r, s in enumerate(worker.shards(2, t))
                                    for part in worker.micro_batches(s, r, "accumulate")])
         assert_allclose(traj.batch_weights(t), expected, rtol=1e-15)
-    X, y = worker.data()
-    Xq = np.random.RandomState(5).uniform(-1, 1, size=(4, 3))
-    net = RecordedNetwork(worker.mlp(), traj, X_train=X.numpy(), y_train=y.numpy())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        res = net.decompose(Xq)
-    with torch.no_grad():
-        truth = module(torch.as_tensor(Xq)).numpy()
-    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    _assert_decomposes_exactly(traj, module)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ through :func:`dask_worker_threads`.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 
 import numpy as np
@@ -73,7 +74,13 @@ def n_row_blocks(n_jobs, X) -> int:
 
 
 def n_tasks(n_jobs, n_items: int) -> int:
-    """Tasks :func:`map_ranges` runs for ``n_items`` items (one inside a Dask task)."""
+    """Tasks :func:`map_ranges` runs for ``n_items`` items (one inside a Dask task).
+
+    Every ``n_jobs`` of the package passes here first, so this is where a wrong one is
+    named: joblib's own errors for a string or a float do not say which parameter.
+    """
+    if n_jobs is not None and not isinstance(n_jobs, numbers.Integral):
+        raise TypeError(f"n_jobs must be an int or None, got {n_jobs!r}.")
     if dask_worker_threads() is not None:
         return 1
     return max(1, min(effective_n_jobs(n_jobs), n_items))

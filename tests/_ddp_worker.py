@@ -4,6 +4,7 @@ Started by ``torch.multiprocessing.spawn``; each writes what the test checks und
 ``out`` (the writer's trajectory, every rank's errors) instead of returning it.
 """
 
+import contextlib
 import datetime
 import json
 import os
@@ -43,6 +44,15 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.2, momentum=0.9)
 
 
+def micro_batches(shard: np.ndarray, rank: int, scenario: str) -> list[np.ndarray]:
+    """The micro-batches a rank accumulates its shard in: one, or under "accumulate"
+    (gradient accumulation with ``no_sync``) 4 + 2 on rank 0 and 3 + 3 on rank 1, so
+    that a point's weight depends on its micro-batch, not on its shard's size."""
+    if scenario != "accumulate":
+        return [shard]
+    return np.split(shard, [4] if rank == 0 else [3])
+
+
 def _run(rank, world, out, scenario):
     X, y = data()
     model = DistributedDataParallel(mlp())
@@ -52,15 +62,21 @@ def _run(rank, world, out, scenario):
     for t in range(STEPS):
         idx = shards(world, t)[rank]
         opt.zero_grad()
-        # DDP's loss: each rank's mean over its shard, the gradients averaged over ranks.
-        (0.5 * (model(X[idx]) - y[idx]) ** 2).mean().backward()
+        # DDP's loss: each rank's mean over its shard (the mean of its micro-batches'
+        # means), the gradients averaged over ranks at the last backward.
+        micro = micro_batches(idx, rank, scenario)
+        for j, part in enumerate(micro):
+            with model.no_sync() if j < len(micro) - 1 else contextlib.nullcontext():
+                ((0.5 * (model(X[part]) - y[part]) ** 2).mean() / len(micro)).backward()
+            if len(micro) > 1:
+                rec.set_batch(part)
         if scenario == "crash" and rank == 1 and t == 3:
             os._exit(1)  # after the all-reduce, before the step: the gather finds it gone
         if scenario == "out_of_range" and rank == 1 and t == 2:
             idx = np.append(idx, N)
         if scenario == "disagree" and rank == 1 and t == 2:
             rec._step += 1  # as if this rank's recorder had seen one step more
-        if not (scenario == "undeclared" and rank == 1 and t == 2):
+        if not (scenario == "undeclared" and rank == 1 and t == 2) and len(micro) == 1:
             rec.set_batch(idx)
         try:
             opt.step()

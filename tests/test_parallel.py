@@ -195,3 +195,28 @@ def test_loky_tasks_get_an_in_memory_path_by_reference(monkeypatch):
         assert max(sent[1]) < min(sent[0]) - 0.9 * by_value, (name, sent, by_value)
         sent.clear()
         np.testing.assert_array_equal(shared, plain, err_msg=name)
+
+
+@pytest.mark.parametrize("n_jobs", ["two", 1.5])
+@pytest.mark.parametrize("call", ["decompose", "attribute", "unrolled", "self_influence",
+                                  "explain", "PathKernel", "split_steps", "diag",
+                                  "TangentKernel"])
+def test_a_bad_n_jobs_is_named(fitted, call, n_jobs):
+    # A string or float n_jobs surfaced as joblib's "'<' not supported between instances
+    # of 'str' and 'int'" or "'float' object cannot be interpreted as an integer", naming
+    # no parameter (API.md, "Errors and bad input").
+    est = fitted[0]
+    X, _ = _data(n=5)
+    calls = {
+        "decompose": lambda: est.decompose(X, n_jobs=n_jobs),
+        "attribute": lambda: est.attribute(X, n_jobs=n_jobs),
+        "unrolled": lambda: est.attribute(X, method="unrolled", n_jobs=n_jobs),
+        "self_influence": lambda: est.self_influence(n_jobs=n_jobs),
+        "explain": lambda: est.explain(X, 2, n_jobs=n_jobs),
+        "PathKernel": lambda: PathKernel(est, n_jobs=n_jobs)(X),
+        "split_steps": lambda: PathKernel(est, n_jobs=n_jobs, split="steps")(X),
+        "diag": lambda: PathKernel(est, n_jobs=n_jobs).diag(X),
+        "TangentKernel": lambda: TangentKernel(est, n_jobs=n_jobs)(X),
+    }
+    with pytest.raises(TypeError, match=r"n_jobs must be an int or None, got " + repr(n_jobs)):
+        calls[call]()

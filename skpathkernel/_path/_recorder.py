@@ -413,8 +413,9 @@ class PathRecorder:
         micro-batch: the calls since the last step are the step's batch, each
         micro-batch's points weighing ``1 / (n_micro * its size)``, the mean of the
         micro-batch means that ``(loss / n_micro).backward()`` accumulates (with
-        micro-batches of one size, ``1 / batch_size``). Under DistributedDataParallel
-        a rank's micro-batches must have one size. Declarations of a step that the
+        micro-batches of one size, ``1 / batch_size``); under DistributedDataParallel,
+        ``1 / (n_ranks * n_micro * its size)``, with each rank's own micro-batches
+        (those of a ``no_sync()`` block and the synchronizing one). Declarations of a step that the
         ``grad_scaler`` skipped are dropped; a loop that skips ``optimizer.step()``
         itself must not declare that step's batch.
 
@@ -635,7 +636,11 @@ class PathRecorder:
         status = (2 if self._pending_problem else
                   1 if local is None and self.n_samples is not None else 0)
         n = 0 if local is None else len(local)
-        header = torch.tensor([step, n, status], dtype=torch.int64, device=device)
+        # The sizes of the rank's micro-batches travel after its indices: under gradient
+        # accumulation a point's weight depends on its own micro-batch, not on the shard.
+        micro = [k for k in self._micro if k] if n else []
+        header = torch.tensor([step, n, status, len(micro)], dtype=torch.int64,
+                              device=device)
         headers = [torch.empty_like(header) for _ in range(self._world)]
         try:
             dist.all_gather(headers, header)
@@ -644,7 +649,7 @@ class PathRecorder:
                        f"the trajectory ends after step {step - 1}.", cause=exc)
         H = torch.stack(headers).cpu().numpy()
         problems = []
-        for r, (s, _, st) in enumerate(H):
+        for r, (s, _, st, _) in enumerate(H):
             if s != step:
                 problems.append(f"rank {r} is at optimizer step {s}, rank {self._rank} at "
                                 f"{step}")
@@ -660,11 +665,12 @@ class PathRecorder:
             self._fail("; ".join(problems) + ". Every rank must call "
                        "recorder.set_batch(its shard's global indices) before every "
                        "optimizer.step().", ValueError)
-        sizes = H[:, 1]
-        n_max = int(sizes.max())
-        buf = torch.full((n_max,), -1, dtype=torch.int64, device=device)
+        sizes, n_micro = H[:, 1], H[:, 3]
+        buf = torch.full((int((sizes + n_micro).max()),), -1, dtype=torch.int64,
+                         device=device)
         if n:
             buf[:n] = torch.as_tensor(local, device=device)
+            buf[n : n + len(micro)] = torch.as_tensor(micro, device=device)
         writer = self._rank == self.writer_rank
         bufs = [torch.empty_like(buf) for _ in range(self._world)] if writer else None
         try:
@@ -674,12 +680,16 @@ class PathRecorder:
                        f"the trajectory ends after step {step - 1}.", cause=exc)
         if not writer:
             return None, None
-        batch = np.concatenate([b[:k].cpu().numpy() for b, k in zip(bufs, sizes)])
-        if np.all(sizes == sizes[0]):
-            return batch, None  # 1 / (R n) = 1 / batch size: the default
-        # DDP averages the ranks' mean losses: a sample of a shard of n_r weighs
-        # 1 / (R n_r).
-        weights = np.concatenate([np.full(k, 1.0 / (self._world * k)) for k in sizes if k])
+        bufs = [b.cpu().numpy() for b in bufs]
+        batch = np.concatenate([b[:k] for b, k in zip(bufs, sizes)])
+        # DDP averages the ranks' gradients, and (loss / m_r).backward() on each of a
+        # rank's m_r micro-batches averages their means: a sample of a micro-batch of
+        # k on rank r weighs 1 / (R m_r k); 1 / (R n_r) for a shard in one piece.
+        weights = np.concatenate([np.full(k, 1.0 / (self._world * m * k))
+                                  for b, n_r, m in zip(bufs, sizes, n_micro)
+                                  for k in b[n_r : n_r + m]] or [np.empty(0)])
+        if np.all(weights == 1.0 / max(len(batch), 1)):
+            return batch, None  # the batch's mean: the default
         return batch, weights
 
     def close(self) -> None:

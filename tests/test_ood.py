@@ -506,8 +506,9 @@ def test_a_rank_tolerance_below_the_grams_round_off_factorises(method):
     rng = np.random.RandomState(1)
     X = rng.normal(size=(60, 2))
     y = np.sin(X.sum(1))
-    det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,)), method=method,
-                          rtol=1e-10).fit(X, y)
+    with pytest.warns(UserWarning, match="rtol=1e-10 is below 1e-07"):
+        det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,)), method=method,
+                              rtol=1e-10).fit(X, y)
     assert np.isfinite(det.offset_) and det.rank_ <= len(X)
     Xq = 3 * rng.normal(size=(5, 2))
     P, Q = dense_features(det, X), dense_features(det, Xq)
@@ -527,10 +528,31 @@ def test_residual_leave_one_out_at_a_tiny_rtol_when_every_point_is_a_pivot():
     jitter of 1e-20: it explained every point and moved offset_ by 4e-4 at rtol=1e-10."""
     rng = np.random.RandomState(2)
     X, y = task_data("regression", rng)
-    det = OODRankDetector(trainer(y), method="residual", rtol=1e-10,
-                          contamination=0.25).fit(X, y)
+    with pytest.warns(UserWarning, match="counts directions that are round-off"):
+        det = OODRankDetector(trainer(y), method="residual", rtol=1e-10,
+                              contamination=0.25).fit(X, y)
     assert det.rank_ == len(X)
     P = dense_features(det, X)
     loo = leave_one_out_scores(P)
     assert np.ptp(loo) > 0.05
     np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=1e-7)
+
+
+def test_a_rank_tolerance_below_float64s_resolution_warns_and_counts_round_off():
+    """The warning's claim: at rtol=1e-10 a network of 25 parameters gets a span of more
+    than 25 directions (round-off counted), the numbers its ranks cannot reach; at 1e-7
+    neither the warning nor the excess."""
+    rng = np.random.RandomState(1)
+    X = rng.normal(size=(60, 2))
+    y = np.sin(X.sum(1))
+    Xq = 3 * rng.normal(size=(5, 2))
+    with pytest.warns(UserWarning, match="round-off"):
+        det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,)), method="residual",
+                              rtol=1e-10).fit(X, y)
+    assert dense_features(det, X).shape[1] == 25
+    assert det.rank_ > 25 and max(det.rank_gap(Xq)) > 25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,)), method="residual",
+                              rtol=1e-7).fit(X, y)
+    assert det.rank_ <= 25 and max(det.rank_gap(Xq)) <= 25

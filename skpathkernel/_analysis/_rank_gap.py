@@ -43,6 +43,12 @@ BLOCK = 256  # pivots per Gram pass of the pivoted Cholesky
 UNION_NEIGHBOURS = 16
 
 
+# Singular values of J relative to the largest below which the float64 Gram J J^T no
+# longer resolves them: its eigenvalues carry round-off of about n eps (1e-14 to 1e-13 of
+# the largest for hundreds to thousands of points), whose square roots are 1e-7.
+RTOL_RESOLUTION = 1e-7
+
+
 def numerical_rank(gram, rtol: float) -> int:
     """Numerical rank of ``J`` from its Gram ``G = J J^T``.
 

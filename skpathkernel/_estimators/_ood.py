@@ -32,7 +32,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 
-from .._analysis._rank_gap import BLOCK, NetworkGram, TangentSpan
+from .._analysis._rank_gap import BLOCK, RTOL_RESOLUTION, NetworkGram, TangentSpan
 from .._device import to_numpy
 from .._network._trained import network_of
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
@@ -130,7 +130,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         ``sqrt(lam) = rtol * max_i ||phi(x_i)||`` of their span. Grams are computed in
         float64 (see Notes), so one default serves float32 and float64 networks; below
         ~1e-7 the tolerance reaches float64's round-off on Gram eigenvalues, and the
-        span (``rank_``, ``rank_gap``) also counts directions that are round-off. Scores
+        span (``rank_``, ``rank_gap``) also counts directions that are round-off (more
+        than the network has parameters, on a small one): ``fit`` warns. Scores
         barely move between 1e-6 and 1e-2 (measured in the user guide); above, the
         jitter hides the small new directions of an extrapolating ReLU unit.
     contamination : "auto" or float in (0, 0.5], default="auto"
@@ -352,6 +353,15 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         self : OODRankDetector
         """
         self._validate_params()
+        if self.rtol < RTOL_RESOLUTION:
+            warnings.warn(
+                f"rtol={self.rtol:g} is below {RTOL_RESOLUTION:g}, the float64 Gram's "
+                "resolution of singular values relative to the largest: the span "
+                "(rank_, rank_gap, the pivots) then also counts directions that are "
+                "round-off, and the jitter rtol**2 of the largest Gram eigenvalue "
+                "regularises nothing. Use rtol >= 1e-7.",
+                UserWarning, stacklevel=2,
+            )
         X, task = self._fit_network(X, y, sample_weight)
         est = self.estimator_
         gram = NetworkGram(network_of(est))

@@ -788,6 +788,9 @@ class _NetworkKernel(Kernel):
         # tasks on workers get instead of the estimator around it.
         kernel = copy.copy(self)
         kernel.estimator = net
+        # The engine takes a plain int: a NumPy integer (np.argmax, a grid over
+        # np.arange(C)) becomes the index it holds, on every route (diag's included).
+        kernel.output = _check_output(self.output)
         return kernel
 
     # The methods below run on a bound kernel: self.estimator is a TrainedNetwork.

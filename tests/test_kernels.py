@@ -75,14 +75,14 @@ def test_tangent_kernel_matches_loop(step):
     _close(kernel.diag(X), np.diag(_loop_gram(est, step, X, X)))
 
 
-def _explicit_path_kernel(est, X, Y, *, memory, start=0, stop=None):
+def _explicit_path_kernel(est, X, Y, *, memory, start=0, stop=None, output="trace"):
     traj = est.trajectory_
     K = 0.0
     for k in list(range(len(traj) - 1))[start:stop]:
         D = traj.preconditioner(k)
         D = None if D is None else D.numpy()
         w = traj.learning_rates[k] * (traj.steps[k + 1] - traj.steps[k]) * memory
-        K = K + w * _loop_gram(est, k, X, Y, D)
+        K = K + w * _loop_gram(est, k, X, Y, D, output=output)
     return K
 
 
@@ -131,6 +131,33 @@ def test_multi_output_kernels():
     full = step_kernel(est, X, Y, step=2, output="full", preconditioned=True)
     JX, JY = _loop_jacobian(est, 2, X), _loop_jacobian(est, 2, Y)
     _close(full, np.einsum("ncp,p,mdp->nmcd", JX, traj.preconditioner(2).numpy(), JY))
+
+
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_numpy_integer_output_is_an_output_index(cls):
+    # An output index from NumPy (np.argmax, a grid over np.arange(C)) is the int it
+    # holds: TangentKernel.diag raised "output must be 'trace', 'full' or an int, got
+    # np.int64(2)" where __call__ took it, so GaussianProcessRegressor's return_std failed.
+    est, X = _fit("sgd", multi=True)
+    if cls is TangentKernel:  # against the autograd loop
+        expected = _loop_gram(est, -1, X, X, output=2)
+    else:  # plain SGD: every step weighs its learning rate
+        expected = _explicit_path_kernel(est, X, X, memory=1.0, output=2)
+    kernel = cls(est, output=np.int64(2))
+    _close(kernel(X), expected)
+    _close(kernel.diag(X), np.diag(expected))
+    _close(cls(est, output=np.int64(2), n_jobs=2).diag(X), np.diag(expected))
+    if cls is TangentKernel:
+        _, target = _data()
+        gpr = GaussianProcessRegressor(kernel=kernel + WhiteKernel(0.1, "fixed"),
+                                       optimizer=None).fit(X, target)
+        _, std = gpr.predict(X[:3], return_std=True)
+        # The white noise enters the training covariance (with the GP's alpha=1e-10)
+        # and the predicted variance, not the cross-covariance.
+        Kw = expected + (0.1 + 1e-10) * np.eye(len(X))
+        var = np.diag(expected)[:3] + 0.1 - np.einsum(
+            "ij,ji->i", expected[:3], np.linalg.solve(Kw, expected[:, :3]))
+        np.testing.assert_allclose(std, np.sqrt(var), rtol=1e-6)
 
 
 def test_normalized():

@@ -16,6 +16,9 @@ restore ``input_shape_``; ``SVC(kernel=...)`` passes ``X`` through as it is.
 They are computed by the structured engine of :mod:`skpathkernel._tangent` (no Jacobian
 is formed for ``nn.Linear`` layers), in blocks bounded by the estimator's
 ``memory_budget``, on its device and in its dtype; the result is a float64 NumPy array.
+Calls on one network from several threads (``pairwise_kernels(..., n_jobs=4)``) take
+turns, as the engine hooks the network's module; a kernel's ``n_jobs`` parallelises one
+call on copies of the module.
 """
 
 from __future__ import annotations
@@ -99,6 +102,25 @@ def _check_normalized(normalized, output):
     if normalized and output == "full":
         raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int, "
                          "not 'full'.")
+
+
+# One lock per module: the engine hooks the module it runs (forward hooks, the
+# parameters it differentiates), so two calls on one network from different threads
+# (pairwise_kernels(n_jobs=...), KernelPCA(n_jobs=...), a threading joblib backend) read
+# each other's captures: a RuntimeError, or Grams off by 20-70% without a word. They take
+# turns instead; n_jobs parallelises one call on copies of the module. Reentrant, so
+# that a kernel method called inside another (a subclass's override) does not deadlock.
+_MODULE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MODULE_LOCKS_LOCK = threading.Lock()
+
+
+def _network_lock(net: TrainedNetwork) -> threading.RLock:
+    """The lock that a computation on ``net``'s module holds."""
+    with _MODULE_LOCKS_LOCK:
+        lock = _MODULE_LOCKS.get(net.module)
+        if lock is None:
+            lock = _MODULE_LOCKS[net.module] = threading.RLock()
+    return lock
 
 
 def _consumer(kernel) -> str:
@@ -311,7 +333,8 @@ def step_kernel(
     net = network_of(estimator)
     X = _validate(estimator, net, X)
     Y = None if Y is None else _validate(estimator, net, Y, "Y")
-    return _step_gram(net, X, Y, step, output, preconditioned, normalized)
+    with _network_lock(net):
+        return _step_gram(net, X, Y, step, output, preconditioned, normalized)
 
 
 def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized):
@@ -722,7 +745,9 @@ class _NetworkKernel(Kernel):
         X = _validate(self.estimator, net, X)
         Y = None if Y is None else _validate(self.estimator, net, Y, "Y")
         work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
-        with limit_torch_threads(kernel_threads(work)):
+        # The lock first: torch's thread count is global, set and restored by one call
+        # at a time.
+        with _network_lock(net), limit_torch_threads(kernel_threads(work)):
             K = self._bind(net)._gram_blocks(X, Y)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
@@ -746,7 +771,8 @@ class _NetworkKernel(Kernel):
         _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
         X = _validate(self.estimator, net, X)
-        d = self._bind(net)._diag_blocks(X)
+        with _network_lock(net):
+            d = self._bind(net)._diag_blocks(X)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
             # dead network at x), so that diag(X) equals the diagonal of k(X).
@@ -762,6 +788,9 @@ class _NetworkKernel(Kernel):
         # tasks on workers get instead of the estimator around it.
         kernel = copy.copy(self)
         kernel.estimator = net
+        # The engine takes a plain int: a NumPy integer (np.argmax, a grid over
+        # np.arange(C)) becomes the index it holds, on every route (diag's included).
+        kernel.output = _check_output(self.output)
         return kernel
 
     # The methods below run on a bound kernel: self.estimator is a TrainedNetwork.

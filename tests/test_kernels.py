@@ -1,7 +1,9 @@
 """TangentKernel / PathKernel against explicit sums of per-sample-loop Grams."""
 
 import pickle
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pandas as pd
@@ -12,6 +14,7 @@ from sklearn.exceptions import NotFittedError
 from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import WhiteKernel
 from sklearn.kernel_ridge import KernelRidge
+from sklearn.metrics.pairwise import pairwise_kernels
 from sklearn.svm import SVC
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -72,14 +75,14 @@ def test_tangent_kernel_matches_loop(step):
     _close(kernel.diag(X), np.diag(_loop_gram(est, step, X, X)))
 
 
-def _explicit_path_kernel(est, X, Y, *, memory, start=0, stop=None):
+def _explicit_path_kernel(est, X, Y, *, memory, start=0, stop=None, output="trace"):
     traj = est.trajectory_
     K = 0.0
     for k in list(range(len(traj) - 1))[start:stop]:
         D = traj.preconditioner(k)
         D = None if D is None else D.numpy()
         w = traj.learning_rates[k] * (traj.steps[k + 1] - traj.steps[k]) * memory
-        K = K + w * _loop_gram(est, k, X, Y, D)
+        K = K + w * _loop_gram(est, k, X, Y, D, output=output)
     return K
 
 
@@ -128,6 +131,33 @@ def test_multi_output_kernels():
     full = step_kernel(est, X, Y, step=2, output="full", preconditioned=True)
     JX, JY = _loop_jacobian(est, 2, X), _loop_jacobian(est, 2, Y)
     _close(full, np.einsum("ncp,p,mdp->nmcd", JX, traj.preconditioner(2).numpy(), JY))
+
+
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_numpy_integer_output_is_an_output_index(cls):
+    # An output index from NumPy (np.argmax, a grid over np.arange(C)) is the int it
+    # holds: TangentKernel.diag raised "output must be 'trace', 'full' or an int, got
+    # np.int64(2)" where __call__ took it, so GaussianProcessRegressor's return_std failed.
+    est, X = _fit("sgd", multi=True)
+    if cls is TangentKernel:  # against the autograd loop
+        expected = _loop_gram(est, -1, X, X, output=2)
+    else:  # plain SGD: every step weighs its learning rate
+        expected = _explicit_path_kernel(est, X, X, memory=1.0, output=2)
+    kernel = cls(est, output=np.int64(2))
+    _close(kernel(X), expected)
+    _close(kernel.diag(X), np.diag(expected))
+    _close(cls(est, output=np.int64(2), n_jobs=2).diag(X), np.diag(expected))
+    if cls is TangentKernel:
+        _, target = _data()
+        gpr = GaussianProcessRegressor(kernel=kernel + WhiteKernel(0.1, "fixed"),
+                                       optimizer=None).fit(X, target)
+        _, std = gpr.predict(X[:3], return_std=True)
+        # The white noise enters the training covariance (with the GP's alpha=1e-10)
+        # and the predicted variance, not the cross-covariance.
+        Kw = expected + (0.1 + 1e-10) * np.eye(len(X))
+        var = np.diag(expected)[:3] + 0.1 - np.einsum(
+            "ij,ji->i", expected[:3], np.linalg.solve(Kw, expected[:, :3]))
+        np.testing.assert_allclose(std, np.sqrt(var), rtol=1e-6)
 
 
 def test_normalized():
@@ -350,3 +380,55 @@ def test_a_dataframe_for_an_estimator_fitted_without_names_is_taken_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         np.testing.assert_array_equal(TangentKernel(est)(df), TangentKernel(est)(X))
+
+
+def _threaded_calls(call, n_threads=4, rounds=20):
+    """``call()`` from ``n_threads`` threads released together, ``rounds`` times over;
+    the first exception raised is raised here, after every thread has finished."""
+    barrier = threading.Barrier(n_threads)
+
+    def task(_):
+        results = []
+        for _ in range(rounds):
+            try:
+                barrier.wait(timeout=60)
+                results.append(call())
+            except Exception as exc:  # the other threads must not wait for this one
+                barrier.abort()
+                return exc
+        return results
+
+    with ThreadPoolExecutor(n_threads) as pool:
+        outcomes = list(pool.map(task, range(n_threads)))
+    for outcome in outcomes:
+        if isinstance(outcome, Exception) and not isinstance(outcome,
+                                                             threading.BrokenBarrierError):
+            raise outcome
+    return [r for outcome in outcomes for r in outcome]
+
+
+# Each of them saw the other calls' parameters: "the stacked route computes outputs that
+# differ from the module's by 0.21", "torch.func's per-sample Jacobian ... disagrees".
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_concurrent_calls_from_threads_match_the_loop(cls):
+    # pairwise_kernels(n_jobs=...) and KernelPCA(n_jobs=...) call a kernel from joblib's
+    # threads, all on one estimator. Its network's module is hooked by the engine at each
+    # call: shared by concurrent calls, they raised "One of the differentiated Tensors
+    # does not require grad" or returned Grams off by 50% without a word.
+    X, y = _data(n=40)
+    est = PathKernelMachine(hidden_layer_sizes=(16, 16), solver="sgd", learning_rate_init=0.05,
+                            max_iter=3, tol=None, dtype="float64", device="cpu",
+                            random_state=0).fit(X, y)
+    kernel = cls(est)
+    if cls is TangentKernel:  # against the autograd loop: K = J J^T
+        expected = _loop_gram(est, -1, X, X)
+    else:
+        expected = _explicit_path_kernel(est, X, X, memory=1.0)  # plain SGD
+    for K in _threaded_calls(lambda: kernel(X)):
+        _close(K, expected)
+    for K in _threaded_calls(lambda: kernel(X[:10], X)):
+        _close(K, expected[:10])
+    for d in _threaded_calls(lambda: kernel.diag(X)):
+        _close(d, np.diag(expected))
+    _close(pairwise_kernels(X, metric=kernel, n_jobs=4), expected)

@@ -11,12 +11,15 @@ float64 copy for the decomposition or a replay raised on such a network.
 from __future__ import annotations
 
 import copy
+import functools
+import threading
+import weakref
 
 import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["copy_module", "norm_hooks"]
+__all__ = ["copy_module", "module_lock", "norm_hooks", "runs_module"]
 
 
 def norm_hooks(layer: torch.nn.Module) -> list:
@@ -37,3 +40,46 @@ def copy_module(module: torch.nn.Module) -> torch.nn.Module:
             if isinstance(weight, torch.Tensor) and weight.grad_fn is not None:
                 memo[id(weight)] = weight.detach().clone()
     return copy.deepcopy(module, memo)
+
+
+# One lock per module. The computations on a fitted network run its module under
+# torch.func.functional_call, which swaps the module's parameters for the call's, and the
+# tangent engine hooks it: two of them on one network from different threads (a threaded
+# server, pairwise_kernels(n_jobs=4), joblib's threading backend) see each other's
+# parameters and captures, and raised "One of the differentiated Tensors does not require
+# grad" or returned tangent features off by 70% of their scale, predictions by 0.9,
+# without a word. They take turns instead; a verb's own n_jobs runs its tasks on copies of
+# the module. Reentrant: a verb calls others (explain calls attribute).
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def module_lock(module: torch.nn.Module) -> threading.RLock:
+    """The lock that every computation running ``module`` holds."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.RLock()
+    return lock
+
+
+def runs_module(module_of):
+    """Decorate a method that runs a fitted network's module: it holds
+    :func:`module_lock` of ``module_of(self)`` (None, or an exception such as
+    NotFittedError: no module yet, the method runs as it is and raises its own error)."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            try:
+                module = module_of(self)
+            except Exception:
+                module = None
+            if module is None:
+                return method(self, *args, **kwargs)
+            with module_lock(module):
+                return method(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate

@@ -37,6 +37,7 @@ from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
 
 from ._device import to_numpy
+from ._modules import module_lock
 from ._network._inputs import check_representable
 from ._network._trained import KERNELS, TrainedNetwork, network_of
 from ._parallel import (
@@ -102,25 +103,6 @@ def _check_normalized(normalized, output):
     if normalized and output == "full":
         raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int, "
                          "not 'full'.")
-
-
-# One lock per module: the engine hooks the module it runs (forward hooks, the
-# parameters it differentiates), so two calls on one network from different threads
-# (pairwise_kernels(n_jobs=...), KernelPCA(n_jobs=...), a threading joblib backend) read
-# each other's captures: a RuntimeError, or Grams off by 20-70% without a word. They take
-# turns instead; n_jobs parallelises one call on copies of the module. Reentrant, so
-# that a kernel method called inside another (a subclass's override) does not deadlock.
-_MODULE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MODULE_LOCKS_LOCK = threading.Lock()
-
-
-def _network_lock(net: TrainedNetwork) -> threading.RLock:
-    """The lock that a computation on ``net``'s module holds."""
-    with _MODULE_LOCKS_LOCK:
-        lock = _MODULE_LOCKS.get(net.module)
-        if lock is None:
-            lock = _MODULE_LOCKS[net.module] = threading.RLock()
-    return lock
 
 
 def _consumer(kernel) -> str:
@@ -333,7 +315,7 @@ def step_kernel(
     net = network_of(estimator)
     X = _validate(estimator, net, X)
     Y = None if Y is None else _validate(estimator, net, Y, "Y")
-    with _network_lock(net):
+    with module_lock(net.module):
         return _step_gram(net, X, Y, step, output, preconditioned, normalized)
 
 
@@ -747,7 +729,7 @@ class _NetworkKernel(Kernel):
         work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
         # The lock first: torch's thread count is global, set and restored by one call
         # at a time.
-        with _network_lock(net), limit_torch_threads(kernel_threads(work)):
+        with module_lock(net.module), limit_torch_threads(kernel_threads(work)):
             K = self._bind(net)._gram_blocks(X, Y)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
@@ -771,7 +753,7 @@ class _NetworkKernel(Kernel):
         _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
         X = _validate(self.estimator, net, X)
-        with _network_lock(net):
+        with module_lock(net.module):
             d = self._bind(net)._diag_blocks(X)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a

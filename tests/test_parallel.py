@@ -220,3 +220,78 @@ def test_a_bad_n_jobs_is_named(fitted, call, n_jobs):
     }
     with pytest.raises(TypeError, match=r"n_jobs must be an int or None, got " + repr(n_jobs)):
         calls[call]()
+
+
+def _in_threads(calls, n_threads=4, rounds=5, timeout=120):
+    """Every call of ``calls`` (name -> function) from ``n_threads`` threads released
+    together, ``rounds`` times each; the largest difference from the call's serial result
+    per name, and the exceptions raised. Fails, rather than hangs, on a deadlock."""
+    import threading
+
+    refs = {name: np.asarray(call(), dtype=np.float64) for name, call in calls.items()}
+    worst = dict.fromkeys(calls, 0.0)
+    errors = []
+    barrier = threading.Barrier(n_threads)
+
+    def work(i):
+        barrier.wait()
+        names = list(calls)
+        try:
+            for r in range(rounds):
+                name = names[(i + r) % len(names)]
+                got = np.asarray(calls[name](), dtype=np.float64)
+                worst[name] = max(worst[name], float(np.abs(got - refs[name]).max()))
+        except Exception as exc:  # reported below, with the others
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "the threads did not finish (deadlock?)"
+    return worst, errors
+
+
+def test_verbs_from_several_threads_on_one_estimator_match_serial():
+    # functional_call swaps the module's parameters and the engine hooks the module:
+    # concurrent verbs on one network read each other's (transform was off by 70% of its
+    # scale, predict by 0.9 beside a decompose, attribute raised). They take turns.
+    X, y = _data(60)
+    est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=10, dtype="float64",
+                            random_state=0).fit(X, y)
+    det = OODRankDetector(clone(est), method="residual").fit(X, y)
+    calls = {"predict": lambda: est.predict(X), "transform": lambda: est.transform(X[:20]),
+             "decompose": lambda: est.decompose(X[:8]).contributions,
+             "attribute": lambda: est.attribute(X[:6]),
+             "ood": lambda: det.score_samples(X[:10])}
+    worst, errors = _in_threads(calls)
+    assert errors == []
+    assert max(worst.values()) <= 1e-12, worst
+
+
+def test_verbs_with_threaded_n_jobs_do_not_wait_on_their_own_lock():
+    # A verb holds its module's lock while its n_jobs tasks run in threads on copies of
+    # the module: none of them may wait for the lock of the module it copied.
+    X, y = _data(60)
+    est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=10, dtype="float64",
+                            random_state=0).fit(X, y)
+    det = OODRankDetector(clone(est), method="residual").fit(X, y)
+    serial = {"attribute": est.attribute(X[:6]), "influence": est.self_influence(),
+              "path": PathKernel(est)(X[:10]), "ood": det.score_samples(X[:10])}
+
+    def parallel():
+        with joblib.parallel_backend("threading", n_jobs=2):
+            return {"attribute": est.attribute(X[:6], n_jobs=2),
+                    "influence": est.self_influence(n_jobs=2),
+                    "path": PathKernel(est, n_jobs=2)(X[:10]),
+                    "ood": det.score_samples(X[:10])}
+
+    worst, errors = _in_threads({"all": lambda: np.concatenate(
+        [np.ravel(v) for v in parallel().values()])}, n_threads=1, rounds=1)
+    assert errors == [] and worst["all"] <= 1e-12
+    got = parallel()
+    for name, value in serial.items():
+        # Other row blocks sum in another order: float64 round-off (the residual scores,
+        # 1 - cos^2 near 0, to 1e-9 of their unit scale).
+        assert_allclose(got[name], value, rtol=1e-10, atol=1e-9)

@@ -39,7 +39,7 @@ from .._device import (
     to_tensor,
 )
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
-from .._modules import copy_module
+from .._modules import copy_module, runs_module
 from .._network._inputs import (
     block_widths,
     check_representable,
@@ -135,6 +135,11 @@ def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("The module has no trainable parameters.")
     return module
+
+
+# Estimator methods that run the fitted network's module hold its lock (see
+# skpathkernel._modules.module_lock).
+runs_fitted_module = runs_module(lambda est: network_of(est).module)
 
 
 def keep_previous_fit_on_error(fit):
@@ -247,6 +252,7 @@ class FittedNetworkMixin:
         check_representable(X, self.network_.torch_dtype)
         return X
 
+    @runs_fitted_module
     def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
         module, params, X_t = self._engine_inputs(X, step)

@@ -24,7 +24,13 @@ from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
 from .._parallel import limit_torch_threads
 from ..kernels import PathKernel, TangentKernel, kernel_threads
-from ._base import FittedAttribute, keep_previous_fit_on_error, mean_one, tangent_feature_names
+from ._base import (
+    FittedAttribute,
+    keep_previous_fit_on_error,
+    mean_one,
+    runs_fitted_module,
+    tangent_feature_names,
+)
 from ._machine import PathKernelClassifier, check_labels
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
 
@@ -186,6 +192,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         self._projection_seed = seed
         return self
 
+    @runs_fitted_module
     def transform(self, X):
         """Tangent features of X at the final parameters.
 
@@ -360,6 +367,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         phi = self._tangent_features(X)
         return _unit_rows(phi) if self._normalize else phi
 
+    @runs_fitted_module
     def _svm_input(self, X):
         """What ``svm_`` reads: tangent features, or Gram rows against the training set."""
         X = self._validate_X(X)

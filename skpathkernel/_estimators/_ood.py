@@ -34,6 +34,7 @@ from sklearn.utils.metaestimators import available_if
 
 from .._analysis._rank_gap import BLOCK, RTOL_RESOLUTION, NetworkGram, TangentSpan
 from .._device import to_numpy
+from .._modules import runs_module
 from .._network._trained import network_of
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from ._base import keep_previous_fit_on_error
@@ -72,6 +73,10 @@ def _loo_subset(n: int) -> np.ndarray:
 
 def _never(self):
     return False
+
+
+# The scores run the trained network's module (a float64 copy is taken of it): its lock.
+_runs_detector_module = runs_module(lambda det: network_of(det.estimator_).module)
 
 
 class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
@@ -426,6 +431,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         return TangentSpan(self.X_fit_, self._train_diag, self.lambda_,
                            getattr(self, "_X_span", None), getattr(self, "_chol", None))
 
+    @_runs_detector_module
     def score_samples(self, X):
         """Normality of each sample: higher is more normal.
 
@@ -486,6 +492,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     # say nothing (as LocalOutlierFactor(novelty=True), which also hides fit_predict).
     fit_predict = available_if(_never)(OutlierMixin.fit_predict)
 
+    @_runs_detector_module
     def rank_gap(self, X) -> tuple[int, int]:
         """Numerical ranks of the training features and of training + X features.
 

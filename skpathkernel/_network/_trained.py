@@ -42,7 +42,7 @@ from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
-from .._modules import copy_module
+from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
@@ -150,6 +150,10 @@ def _target_codes(y: np.ndarray, multilabel: bool = False,
 # The kernel classes by name, for kneighbors: skpathkernel.kernels builds them on
 # TrainedNetwork and registers them here when it is imported (the package imports it).
 KERNELS: dict[str, type] = {}
+
+
+# The verbs that run the module hold its lock (see skpathkernel._modules.module_lock).
+_runs_own_module = runs_module(lambda net: net.module)
 
 
 class TrainedNetwork:
@@ -454,6 +458,7 @@ class TrainedNetwork:
         return bool(self.loss is not None and self.loss.name == "log_loss"
                     and _is_indicator(self.y_fit))
 
+    @_runs_own_module
     def activation_widths(self, X=None) -> list[int]:
         """Values per sample of the module's activations, which bound a block's memory.
 
@@ -492,6 +497,7 @@ class TrainedNetwork:
             self.__dict__["_widths"] = widths
         return widths
 
+    @_runs_own_module
     def outputs(self, X, step: int | None = -1) -> np.ndarray:
         """Network outputs ``f(X; theta_step)``, float64 (n, C), in blocks under the budget.
 
@@ -555,6 +561,7 @@ ValueError
     recorded batches.""",
         examples="",
     )
+    @_runs_own_module
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None, weights=None, units=None):
@@ -609,12 +616,14 @@ ValueError
                        "a choice).",
         examples="",
     )
+    @_runs_own_module
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None) -> np.ndarray:
         return self._attribute(X, y, method=method, weighting=weighting, output=output,
                                n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
+    @_runs_own_module
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
                    multilabel: bool | None = None, standardized=None) -> np.ndarray:
@@ -649,6 +658,7 @@ ValueError
         return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
                               tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
 
+    @_runs_own_module
     def kneighbors(self, X, n_neighbors: int = 100, *, kernel: str = "tangent",
                    step: int = -1, normalized: bool = True, return_distance: bool = True):
         """Training points nearest to each query under a kernel.
@@ -714,6 +724,7 @@ ValueError
                              "X_fit.")
         return self.X_fit
 
+    @_runs_own_module
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
                 n_jobs: int | None = None, margin: str = "allowed", encode=None,
                 scale=None, units=None, multilabel: bool | None = None):
@@ -786,9 +797,11 @@ ValueError
                       "class code, or the positive or largest target column (the "
                       "multilabel margin of its label set for a :attr:`multilabel` "
                       "network)")
+    @_runs_own_module
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         return self._self_influence(output=output, n_jobs=n_jobs)
 
+    @_runs_own_module
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
                         scale=None, multilabel: bool | None = None,
                         standardized=None) -> np.ndarray:

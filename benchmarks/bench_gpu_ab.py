@@ -14,14 +14,16 @@ process, the two sides alternating (wall time, the device synchronised around ea
   the budget allows).
 - ``backprops``: ``tangent_gram`` (the trace over 10 outputs) of the benchmark's image
   networks at N = 128 with the CPU's choices (ref: one backward pass per output, capture
-  chunks in an eighth of the budget) against the engine's on a GPU: one batched backward
-  pass over all outputs (``_capture._batches_backprops``, taken after the run of
-  2026-12-04 18:32 UTC measured its prototype 1.33-2.1x faster), then also chunks as
-  large as the kept blocks leave room for (``_gram._launch_bound_chunk``: 2-3.5x fewer
-  torch calls, counted on the CPU, not yet timed on a GPU). The batched row's last
-  column names the backward operations that have no batching rule, which the batched
-  pass runs as a loop over the outputs. Then the engine against torch.func's ``vmap``
-  recipe (ref: the recipe of ``benchmarks/_worker.py``), the Gram rows' peer.
+  chunks in an eighth of the budget) against two choices the engine has but does not
+  take until this measures them, with their peak memory (a review found both could
+  exceed ``memory_budget``, which the default 1 GiB leaves room to see): one batched
+  backward pass over all outputs (``_capture._batches_backprops``; its prototype ran
+  1.33-2.1x faster on the run of 2026-12-04 18:32 UTC), then also chunks as large as
+  the kept blocks leave room for (``_gram._wide_chunks``: 2-3.5x fewer torch calls,
+  counted on the CPU). The batched row's last column names the backward operations
+  that have no batching rule, which the batched pass runs as a loop over the outputs.
+  Then the engine against torch.func's ``vmap`` recipe (ref: the recipe of
+  ``benchmarks/_worker.py``), the Gram rows' peer.
 - ``backprop routes``: the outputs' backprops alone (what a capture's backward passes
   compute) of the same networks by the batched pass (ref) against a prototype, one
   ordinary backward pass over the batch repeated once per output with output ``c``
@@ -30,12 +32,13 @@ process, the two sides alternating (wall time, the device synchronised around ea
   convolution, batch and layer norm, max-pool, attention, GELU; its forward runs over
   ``C n`` rows), and the batched pass against the loop.
 - ``transfer``: the public kernels' float64 Gram copied from the device into NumPy as
-  ``Tensor.cpu().numpy()`` does (ref) against the package's ``to_numpy`` (tree: through
-  page-locked memory of its own up to 64 MiB, the pageable copy beyond), and against a
-  prototype for the larger ones (``staged``: through a reused 64 MiB page-locked buffer
-  into pageable memory, so that no more than that is ever locked), with torch's cache of
-  page-locked blocks warm, and emptied before every call (cold: the first transfer of a
-  process pays the page locking).
+  ``to_numpy`` does (ref: ``Tensor.cpu().numpy()``, into fresh pageable memory) against
+  two prototypes: through page-locked memory of the array's own (``pinned``: 3-30x
+  faster on the run of 2026-12-04, but every array the user keeps would hold locked
+  memory), and through one reused 64 MiB page-locked buffer into pageable memory
+  (``staged``: no more than that is ever locked), with torch's cache of page-locked
+  blocks warm, and emptied before every call (cold: the first transfer of a process pays
+  the page locking).
 
 Usage: ``python -m benchmarks.bench_gpu_ab [--device cuda] [--out PATH] [--small]``
 (``--small``: N and repeats cut down, to try it on a CPU). Writes ``PATH.md`` and
@@ -56,7 +59,7 @@ import torch
 from benchmarks import _worker
 from benchmarks._ab import ab_provenance, ab_row, write_ab
 from skpathkernel._device import to_numpy
-from skpathkernel._tangent import _capture, _stacked, tangent_gram
+from skpathkernel._tangent import _capture, _gram, _stacked, tangent_gram
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,13 +112,27 @@ def path_rows(device, sizes, reps, sync, done):
         sides["tree"]()
 
 
-def backprops_rows(device, n, reps, sync, done):
-    real_batched, real_bound = _capture._batches_backprops, _stacked._launch_bound
+def _peak_mib(patch, call, device):
+    """Peak device memory of one call under ``patch``, above what it started with (MiB);
+    None off a GPU."""
+    if device != "cuda":
+        return None
+    patch()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out = call()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - start - out.nbytes) / 2**20, 1)
 
-    def choose(batched, bound):
+
+def backprops_rows(device, n, reps, sync, done):
+    real_batched, real_wide = _capture._batches_backprops, _gram._wide_chunks
+
+    def choose(batched, wide):
         def patch():
-            _capture._batches_backprops = real_batched if batched else (lambda d: False)
-            _stacked._launch_bound = real_bound if bound else (lambda d: False)
+            _capture._batches_backprops = (lambda d: True) if batched else real_batched
+            _gram._wide_chunks = (lambda d: True) if wide else real_wide
         return patch
 
     sides = {"ref": choose(False, False), "batched": choose(True, False),
@@ -129,17 +146,21 @@ def backprops_rows(device, n, reps, sync, done):
             warnings.simplefilter("always")
             times, res = _alternate(
                 sides, lambda m=module, p=params, x=X: tangent_gram(m, p, x), reps, sync)
-        sides["tree"]()
         torch._C._debug_only_display_vmap_fallback_warnings(False)
+        peaks = {side: _peak_mib(patch, lambda m=module, p=params, x=X: tangent_gram(m, p, x),
+                                 device) for side, patch in sides.items()}
+        sides["ref"]()
         slow = sorted({str(w.message)[:160] for w in caught
                        if "performance" in str(w.message)})
         done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops",
                     {"ref": times["ref"], "tree": times["batched"]}, os.getloadavg()[0],
                     max_rel_diff=_rel(res["batched"].cpu(), res["ref"].cpu()),
+                    peak_mib=f"{peaks['ref']} / {peaks['batched']}",
                     vmap_fallbacks="; ".join(slow) or "none"))
-        done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops and launch-bound chunks",
+        done(ab_row(f"tangent_gram {arch}, N={n}, batched backprops and wide chunks",
                     {"ref": times["ref"], "tree": times["tree"]}, os.getloadavg()[0],
-                    max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu())))
+                    max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu()),
+                    peak_mib=f"{peaks['ref']} / {peaks['tree']}"))
         slot = [None]
         peer = {"ref": _choose(slot, lambda m, p, x: _worker._vmap_recipe(m, p, x)),
                 "tree": _choose(slot, tangent_gram)}
@@ -216,20 +237,20 @@ def transfer_rows(device, sizes, reps, sync, done):
     """The public kernels' last step: a float64 Gram on the device to NumPy.
 
     ``TangentKernel(net)(X)`` took 1.3-3.5 times its engine call on the GPU's MLP rows
-    (``results/gram-quick-cuda.md``, N = 512-2048), growing with N^2, when ``to_numpy``
-    copied K into fresh pageable host memory (ref).
+    (``results/gram-quick-cuda.md``, N = 512-2048), growing with N^2: ``to_numpy`` copies
+    K into fresh pageable host memory (ref).
     """
+    if device != "cuda":
+        return  # page-locked memory needs an accelerator
     empty_cache = getattr(torch._C, "_host_emptyCache", None)
     for n in sizes:
         K = torch.randn(n, n, device=device, dtype=torch.float64)
         for cold in (False, True):
-            if cold and (device != "cuda" or empty_cache is None):
+            if cold and empty_cache is None:
                 continue
             slot = [None]
-            sides = {"ref": _choose(slot, lambda t: t.cpu().numpy()),
-                     "tree": _choose(slot, to_numpy)}
-            if K.nbytes > 2**26:
-                sides["staged"] = _choose(slot, _staged)
+            sides = {"ref": _choose(slot, to_numpy), "pinned": _choose(slot, _pinned),
+                     "staged": _choose(slot, _staged)}
 
             def call(slot=slot, K=K, cold=cold):
                 if cold:
@@ -238,20 +259,28 @@ def transfer_rows(device, sizes, reps, sync, done):
 
             times, res = _alternate(sides, call, reps, sync)
             name = f"K ({n} x {n}) float64 to NumPy, host cache {'cold' if cold else 'warm'}"
-            done(ab_row(name, {k: times[k] for k in ("ref", "tree")}, os.getloadavg()[0],
-                        max_rel_diff=_rel(res["tree"], res["ref"])))
-            if "staged" in sides:
-                done(ab_row(name + ", staged prototype",
-                            {"ref": times["ref"], "tree": times["staged"]},
-                            os.getloadavg()[0], max_rel_diff=_rel(res["staged"], res["ref"])))
+            for proto in [k for k in sides if k != "ref"]:
+                done(ab_row(f"{name}, {proto}", {"ref": times["ref"], "tree": times[proto]},
+                            os.getloadavg()[0], max_rel_diff=_rel(res[proto], res["ref"])))
+
+
+def _pinned(t):
+    """A prototype for :func:`to_numpy`: copied into page-locked memory of its own."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).numpy()
+
+
+_STAGE = {}
 
 
 def _staged(t, stage_bytes=2**26):
-    """A prototype for :func:`to_numpy` beyond its page-locked size: copied through one
-    reused page-locked buffer of ``stage_bytes`` into pageable memory."""
+    """A prototype for :func:`to_numpy`: copied through one reused page-locked buffer of
+    ``stage_bytes`` (kept between calls) into pageable memory."""
     out = torch.empty(t.shape, dtype=t.dtype)
     src, dst = t.contiguous().view(-1), out.view(-1)
-    stage = torch.empty(stage_bytes // t.element_size(), dtype=t.dtype, pin_memory=True)
+    if t.dtype not in _STAGE:
+        _STAGE[t.dtype] = torch.empty(stage_bytes // t.element_size(), dtype=t.dtype,
+                                      pin_memory=True)
+    stage = _STAGE[t.dtype]
     for start in range(0, src.numel(), stage.numel()):
         n = min(stage.numel(), src.numel() - start)
         dst[start : start + n].copy_(stage[:n].copy_(src[start : start + n]))
@@ -285,7 +314,8 @@ def main(argv=None):
         print(row["case"], f"{row['ratio_least']:.2f}", flush=True)
         write_ab(Path(args.out), "The engine's launch-bound choices on a GPU: ref vs tree",
                  "time.perf_counter, the device synchronised", prov, rows, 4,
-                 columns=[("vmap fallbacks", "vmap_fallbacks")])
+                 columns=[("peak MiB ref / tree (budget 1024)", "peak_mib"),
+                          ("vmap fallbacks", "vmap_fallbacks")])
 
     # The quick rows first: a run stopped at its limit loses the slowest (the CPU's
     # tiling at N = 1000 took 8 s a call on the first GPU run).

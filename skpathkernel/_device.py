@@ -51,25 +51,16 @@ def to_input_tensor(X: np.ndarray, *, dtype: torch.dtype,
     return to_tensor(X, dtype=dtype, device=device)
 
 
-# A GPU tensor up to this size is copied into page-locked host memory of its own, which
-# the array keeps (torch caches the block once the array is freed). A larger one keeps
-# the pageable copy: page-locking gigabytes for a kernel matrix would hold them locked,
-# and the staged copy through a bounded buffer (bench_gpu_ab's "staged" rows) has not
-# run on a GPU yet.
-_PINNED_BYTES = 2**26
-
-
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array (a view of a CPU tensor).
 
-    From a GPU, a copy into fresh pageable memory ran at 1.3-1.6 GB/s for 32-128 MB
-    float64 Grams, against 15-50 GB/s through page-locked memory (an H200,
-    ``benchmarks/results/gpu_ab.md``: 3.1x at 8 MB, 30x at 32 MB).
+    From a GPU, into fresh pageable memory: 1.3-1.6 GB/s for 32-128 MB float64 Grams on
+    an H200, where page-locked memory took 15-50 GB/s (``benchmarks/results/gpu_ab.md``).
+    Arrays of their own in page-locked memory would keep it locked as long as the user
+    keeps them (torch caches the blocks, rounded up to a power of two); a reused staging
+    buffer avoids that, and ``benchmarks/bench_gpu_ab.py`` times it for the next GPU run.
     """
-    t = t.detach()
-    if t.device.type == "cuda" and t.nbytes <= _PINNED_BYTES:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).numpy()
-    return t.cpu().numpy()
+    return t.detach().cpu().numpy()
 
 
 @contextlib.contextmanager

@@ -269,23 +269,6 @@ def test_auto_picks_the_gpu():
                                   .predict_proba(Q))
 
 
-@pytest.mark.parametrize("pinned_bytes", [None, 0])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.bool])
-def test_to_numpy_copies_every_entry_from_the_gpu(pinned_bytes, dtype, monkeypatch):
-    # Through page-locked memory (small tensors) or the pageable copy (larger than
-    # _PINNED_BYTES, here every one), a transposed and a strided view too.
-    from skpathkernel import _device
-
-    if pinned_bytes is not None:
-        monkeypatch.setattr(_device, "_PINNED_BYTES", pinned_bytes)
-    gen = torch.Generator().manual_seed(0)
-    host = (torch.randn(13, 7, generator=gen) * 100).to(dtype)
-    for t in (host, host.T, host[::2]):
-        got = _device.to_numpy(t.to(CUDA))
-        np.testing.assert_array_equal(got, t.numpy())
-        assert got.dtype == t.numpy().dtype and got.shape == tuple(t.shape)
-
-
 def test_gram_of_a_conv_net_stays_within_its_budget_on_the_gpu():
     # The GPU's capture chunks take what the kept blocks leave of the budget (the CPU's
     # take an eighth): the device's peak above what the call started with, less the

@@ -1140,7 +1140,7 @@ def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, launch_
     # chunks smaller than the block, and K is the dense Jacobians' trace. On a GPU
     # (``launch_bound``) the chunks are larger, within what the kept blocks and the
     # groups' two sums leave of the budget.
-    monkeypatch.setattr(_stacked, "_launch_bound", lambda device: launch_bound)
+    monkeypatch.setattr(_gram, "_wide_chunks", lambda device: launch_bound)
     torch.manual_seed(0)
     module = _SmallResNet(6).double()
     for m in module.modules():
@@ -1302,7 +1302,7 @@ def test_launch_bound_chunks_take_what_the_kept_blocks_leave(cross, monkeypatch)
     assert _gram._keeps_all(dense, kept, n_kept, budget, share)
 
     def captures(launch_bound):
-        monkeypatch.setattr(_stacked, "_launch_bound", lambda device: launch_bound)
+        monkeypatch.setattr(_gram, "_wide_chunks", lambda device: launch_bound)
         seen = []
         real = _gram.capture
         monkeypatch.setattr(_gram, "capture", lambda *a, **k: seen.append(a[2].shape[0])
@@ -1323,3 +1323,53 @@ def test_launch_bound_chunks_take_what_the_kept_blocks_leave(cross, monkeypatch)
     expected = torch.einsum("ncp,mcp->nm", JX, JY) / 3
     _close(K_gpu, expected)
     _close(K_cpu, expected)
+
+
+class _LongAttention(nn.Module):
+    """Single-head attention over 128 positions: the backward's largest tensors, the
+    scores and their softmax, belong to no parameter, so the capture's factors (which
+    size its chunks) do not see them."""
+
+    def __init__(self, d=8, n_out=10):
+        super().__init__()
+        self.qkv, self.out, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, n_out)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
+        return self.head(self.out(a @ v).mean(1))
+
+
+def _peak_bytes(fn):
+    """The result of ``fn()`` and the peak of torch's CPU allocations during it, above
+    where it started, from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return out, peak
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("make", [_LongAttention, lambda: _resnet_problem(1)[0].float()])
+def test_a_grams_peak_memory_stays_within_the_budget(make, cross):
+    # The contract of memory_budget: what a Gram holds besides its result stays within it,
+    # measured (a budget of a few row blocks), also where the backward's largest
+    # tensors belong to no parameter.
+    torch.manual_seed(0)
+    module = make()
+    shape = (128, 8) if isinstance(module, _LongAttention) else (2, 6, 6)
+    X = torch.randn(48, *shape)
+    Y = torch.randn(20, *shape) if cross else None
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    # A few row blocks: the attention's capture needs 5.4 MiB for one sample.
+    budget = 2**24 if isinstance(module, _LongAttention) else 2**22
+    tangent_gram(module, params, X[:2], memory_budget=budget)  # one-time allocations
+    K, peak = _peak_bytes(lambda: tangent_gram(module, params, X, Y, memory_budget=budget))
+    assert 0 < peak - K.nbytes <= budget, (peak - K.nbytes, budget)

@@ -630,16 +630,19 @@ def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:
 
 def _batches_backprops(device: torch.device) -> bool:
     """Whether the outputs' backprops are one batched backward pass (``is_grads_batched``)
-    instead of one pass per output.
+    instead of one pass per output: not yet, on any device.
 
-    On a GPU each pass is a few dozen launches whatever its rows: one batched pass over the
-    ten outputs took the image networks' Grams at N = 128 from 1.33x (cnn8) to 2.1x (ViT)
-    faster on an H200, bit for bit the same K but for 1.2e-7 on the ResNet
-    (``benchmarks/results/gpu_ab.md``). On one CPU core it was 5-15% slower (the ReLU and
-    max-pool backward over ``C n`` rows stream the bytes of ``C`` passes, and the batched
-    gradients cost a transposing copy), so the CPU keeps the loop.
+    On a GPU each pass is a few dozen launches whatever its rows: the batched pass took
+    the image networks' Grams at N = 128 from 1.33x (cnn8) to 2.1x (ViT) faster on an
+    H200, the same K to 1.2e-7 (``benchmarks/results/gpu_ab.md``, its prototype). But it
+    holds every output's gradients at once (a second copy beside the backprops, and C
+    times the backward's intermediates without parameters, such as attention scores),
+    which the chunk plan (:func:`._gram._chunk_row_bytes`) does not count: 6x the budget
+    on a long-sequence attention network (a review, forced on the CPU). The next GPU run
+    times it with its peak memory (``bench_gpu_ab``); it is taken once the plan counts it.
+    On one CPU core it was 5-15% slower.
     """
-    return device.type == "cuda"
+    return False
 
 
 def _batched_grads(seeds, inputs) -> list[torch.Tensor | None] | None:

@@ -60,7 +60,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._memory import large_tensor, rows_per_block
-from . import _stacked
 from ._capture import (
     Capture,
     _numerical_misfits,
@@ -866,7 +865,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
             # Every block is kept anyway: one block, the largest products. (Lazily formed
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)
             size = n_max
-        if fits and _stacked._launch_bound(X.device):
+        if fits and _wide_chunks(X.device):
             chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair,
                                         memory_budget - held, chunk)
     else:
@@ -903,6 +902,20 @@ def _dense_shares(probe: Capture, kept: int, budget: int) -> tuple[int, int]:
         # a quarter of the budget goes to the chunk then, the rest to the blocks.
         chunk = max(chunk, min(MIN_CHUNK, budget // (4 * captured)))
     return chunk, budget - max(chunk * captured, budget // 8)
+
+
+def _wide_chunks(device: torch.device) -> bool:
+    """Whether capture chunks take what the kept blocks leave of the budget
+    (:func:`_launch_bound_chunk`): not yet, on any device.
+
+    Meant for a GPU, where the host issuing torch calls set the pace of the image
+    networks' Grams (see :func:`_launch_bound_chunk`). Not taken until a GPU run times it
+    with its peak memory (``benchmarks/bench_gpu_ab.py``): the chunk's bytes per row
+    (:func:`_chunk_row_bytes`) are an estimate, not a bound, which an eighth of the
+    budget absorbed; filling the rest with it overshot a 32 MiB budget by 8% on a
+    long-sequence attention network (a review, on the CPU).
+    """
+    return False
 
 
 def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_pair: int,

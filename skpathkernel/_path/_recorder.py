@@ -38,7 +38,8 @@ before the step, as are dropout in training mode (its masks are random draws the
 decomposition cannot replay) and BatchNorm in training mode (it mixes the samples of a
 batch and updates running statistics that the path does not record).
 ``torch.amp.GradScaler``: pass it as ``grad_scaler``; skipped steps are not optimizer
-steps and are not recorded, and the scale is undone.
+steps and are not recorded, and the scale is undone (also by a ``fused=True`` optimizer,
+which ``scaler.step`` calls on an overflow too, with a flag its kernel reads).
 Under ``torch.nn.parallel.DistributedDataParallel`` every rank declares its shard and
 one rank records the global batch: see the user guide, "Training on several processes".
 
@@ -507,6 +508,16 @@ class PathRecorder:
         if self._error is not None:
             raise RuntimeError(f"PathRecorder stopped recording at optimizer step {step}: "
                                f"{self._error} (close() the recorder to train on).")
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            # A fused optimizer (fused=True) under a GradScaler: scaler.step calls
+            # optimizer.step() even on an overflow, with the flag its kernel reads to
+            # leave the parameters and the state alone. That is no step: drop what was
+            # declared for it, as for the steps a GradScaler skips itself.
+            self._pending = self._pending_problem = None
+            self._micro, self._seen = [], {}
+            self._declared_scale = self._ready = None
+            return
         if len(optimizer.param_groups) != len(self._hyper):
             self._fail(f"at optimizer step {step} the optimizer has "
                        f"{len(optimizer.param_groups)} parameter groups, {len(self._hyper)} "
@@ -536,7 +547,7 @@ class PathRecorder:
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
-        scale = self._gradient_scale(step)
+        scale = self._gradient_scale(step, optimizer)
         if self._world > 1:
             batch, weights = self._gather(step)
         else:
@@ -557,6 +568,8 @@ class PathRecorder:
         self._ready = (batch, weights, scale, lrs)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._ready is None:  # an overflow the fused kernel skipped
+            return
         batch, weights, scale, lrs = self._ready
         self._ready = None
         step = self._step
@@ -574,8 +587,8 @@ class PathRecorder:
         if rec.wants_point(step + 1):
             rec.record_point(step + 1)
 
-    def _gradient_scale(self, step: int) -> float:
-        """The factor the gradients of backward() were multiplied by before the step."""
+    def _gradient_scale(self, step: int, optimizer) -> float:
+        """The factor the gradients of backward() are multiplied by in the step."""
         declared = self._declared_scale
         if self._world > 1:
             return 1.0 if declared is None else declared
@@ -594,7 +607,12 @@ class PathRecorder:
         found = any(g.shape != s.shape for g, s in pairs) or bool(
             pairs and torch.stack([torch.ne(g, s).any() for g, s in pairs]).any())
         unscale = 1.0
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+        # A fused optimizer under a GradScaler (fused=True, no unscale_ before the step)
+        # divides the gradients by the loss's scale in its own kernel: relative to the
+        # loss's gradient, the step's factor is then the one found below.
+        fused_unscales = getattr(optimizer, "grad_scale", None) is not None
+        if (not fused_unscales and self.grad_scaler is not None
+                and self.grad_scaler.is_enabled()):
             # backward() saw the scaled loss; scaler.step unscaled the gradients.
             unscale = float(self.grad_scaler.get_scale())
             found = True

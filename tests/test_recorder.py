@@ -548,3 +548,44 @@ def test_a_parameter_group_added_midway_is_refused_naming_it():
         module(torch.ones(1, 2)).sum().backward()
         with pytest.raises(ValueError, match="add_param_group"):
             opt.step()
+
+
+class _Routed(torch.nn.Module):
+    """Two tanh experts, each input routed to one by the sign of its first feature: a
+    batch of one sign leaves the other expert out of the graph (no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+            for _ in range(2))
+
+    def forward(self, x):
+        out = torch.zeros(len(x), 1, dtype=x.dtype)
+        for expert, mask in zip(self.experts, (x[:, 0] > 0, x[:, 0] <= 0)):
+            if mask.any():
+                out = out.index_put((mask,), expert(x[mask]))
+        return out
+
+
+def test_a_parameter_without_a_gradient_at_a_step_keeps_its_zeroed_one(data):
+    """With ``zero_grad(set_to_none=False)`` a parameter that the step's batch leaves out
+    of the graph keeps a zero gradient, which the optimizer uses (momentum and weight
+    decay go on). The recorder compared it with the gradient an earlier backward() gave
+    it and refused the step as "value clipping"."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
+    # Both experts at the first step (a gradient for each), then one at a time.
+    batches = [np.r_[pos[:2], neg[:2]], pos[:3], neg[:3], pos[1:4], pos[2:5], neg[1:4]]
+    module = _Routed().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for idx in batches:
+            opt.zero_grad(set_to_none=False)
+            (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+            rec.set_batch(idx)
+            opt.step()
+    assert rec.trajectory.n_steps == len(batches)
+    _assert_decomposes(module, rec.as_network(X, y), Xq)

@@ -548,6 +548,10 @@ class PathRecorder:
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
         scale = self._gradient_scale(step, optimizer)
+        # The next step compares only what its own backward() passes give: a parameter
+        # they leave out keeps the gradient zero_grad(set_to_none=False) zeroed, not
+        # this step's.
+        self._seen = {}
         if self._world > 1:
             batch, weights = self._gather(step)
         else:

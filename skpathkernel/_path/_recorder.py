@@ -391,6 +391,7 @@ class PathRecorder:
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
+        self._warned_skip = False  # a parameter torch.optim skipped without a gradient
         self._seen: dict[int, torch.Tensor] = {}  # each parameter's gradient from backward
         self._scales: list[float] = []
         self._weights: list[np.ndarray | None] = []
@@ -547,6 +548,8 @@ class PathRecorder:
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
+        if self._recorder is not None and not self._warned_skip:
+            self._warn_skipped(step, optimizer)
         scale = self._gradient_scale(step, optimizer)
         # The next step compares only what its own backward() passes give: a parameter
         # they leave out keeps the gradient zero_grad(set_to_none=False) zeroed, not
@@ -570,6 +573,33 @@ class PathRecorder:
         self._micro = []
         lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
         self._ready = (batch, weights, scale, lrs)
+
+    def _warn_skipped(self, step: int, optimizer) -> None:
+        """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
+        where its rule would move it with a zero gradient."""
+        names = []
+        for name, p, g in zip(self._names, self._params, self._param_groups):
+            if p.grad is not None:
+                continue
+            state = optimizer.state.get(p, {})
+            # What moves a parameter of zero gradient: weight decay, a momentum buffer,
+            # Adam's first moment. The recorded path steps it so; torch.optim does not.
+            if (_as_float(optimizer.param_groups[g].get("weight_decay", 0.0)) > 0
+                    or state.get("momentum_buffer") is not None or "exp_avg" in state):
+                names.append(name)
+        if names:
+            self._warned_skip = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} parameter(s) "
+                f"{', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''} "
+                "have no gradient (backward() left them out of the graph), so torch.optim "
+                "skips them: their momentum, Adam moments or weight decay do not move them "
+                "this step, where the recorded path steps them with a zero gradient. If the "
+                "network's outputs depend on them, the decomposition will not be exact "
+                "(decompose warns by how much). To record such a loop exactly, give them "
+                "a zero gradient before optimizer.step() (p.grad = torch.zeros_like(p)), "
+                "or freeze the parameters the network never uses before creating the "
+                "recorder. (Warned once.)", UserWarning, stacklevel=3)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if self._ready is None:  # an overflow the fused kernel skipped

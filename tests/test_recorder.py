@@ -634,3 +634,29 @@ def test_a_parameter_the_optimizer_skips_for_want_of_a_gradient_warns(data, make
     else:
         assert not said and not missed
         assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+
+
+def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):
+    """An overflow that a GradScaler skips runs no step hook: the gradients its
+    backward() gave stayed the reference of the next step, where a parameter that the
+    next batch leaves out (zeroed by ``zero_grad(set_to_none=False)``) was compared with
+    the overflow's infinite one, and the step's factor was recorded as the new loss
+    scale (512) instead of 1."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, every = np.flatnonzero(X[:, 0] > 0), np.arange(len(X))
+    batches = [every, every, every, pos[:3], pos[1:4]]  # the overflow at step 2
+    module = _Routed().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with PathRecorder(module, opt, n_samples=len(X), grad_scaler=scaler) as rec:
+        for t, idx in enumerate(batches):
+            opt.zero_grad(set_to_none=False)
+            loss = (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean()
+            scaler.scale(loss * (float("inf") if t == 2 else 1.0)).backward()
+            rec.set_batch(idx)
+            scaler.step(opt)
+            scaler.update()
+    assert rec.trajectory.n_steps == len(batches) - 1
+    assert_array_equal(rec.trajectory.gradient_scales, np.ones(len(batches) - 1))
+    _assert_decomposes(module, rec.as_network(X, y), Xq)

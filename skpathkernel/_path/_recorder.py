@@ -392,7 +392,8 @@ class PathRecorder:
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
         self._warned_skip = False  # a parameter torch.optim skipped without a gradient
-        self._seen: dict[int, torch.Tensor] = {}  # each parameter's gradient from backward
+        # Each parameter's gradient from backward(), with _scaler_updates() then.
+        self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._scales: list[float] = []
         self._weights: list[np.ndarray | None] = []
         self._group_lrs: list[list[float]] = []
@@ -497,8 +498,14 @@ class PathRecorder:
         return total
 
     # ------------------------------------------------------------------ the step
+    def _scaler_updates(self):
+        """A count that GradScaler.update() advances (its scale is updated in place),
+        or None without an enabled scaler."""
+        scale = getattr(self.grad_scaler, "_scale", None)
+        return scale._version if isinstance(scale, torch.Tensor) else None
+
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        self._seen[i] = p.grad.detach().clone()
+        self._seen[i] = (p.grad.detach().clone(), self._scaler_updates())
 
     def _fail(self, message: str, exc=RuntimeError, cause=None):
         self._error = message
@@ -627,13 +634,16 @@ class PathRecorder:
         if self._world > 1:
             return 1.0 if declared is None else declared
         pairs = []
+        updates = self._scaler_updates()
         for i, p in enumerate(self._params):
             if p.grad is None:
                 continue
-            seen = self._seen.get(i)
-            if seen is None:
-                # Set by hand, not by backward(): nothing to compare it with (the
-                # decomposition's own check judges what it did).
+            seen, seen_updates = self._seen.get(i, (None, None))
+            if seen is None or seen_updates != updates:
+                # Set by hand, not by backward(), or left by the backward() of an
+                # overflow the GradScaler skipped (no step hook ran; scaler.update() has
+                # run since): nothing to compare it with (the decomposition's own check
+                # judges what it did).
                 continue
             pairs.append((p.grad.detach(), seen))
         # One host sync for the whole step, not one per parameter (on a GPU each

@@ -7,6 +7,7 @@ of the decomposition.
 """
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -548,3 +549,114 @@ def test_a_parameter_group_added_midway_is_refused_naming_it():
         module(torch.ones(1, 2)).sum().backward()
         with pytest.raises(ValueError, match="add_param_group"):
             opt.step()
+
+
+class _Routed(torch.nn.Module):
+    """Two tanh experts, each input routed to one by the sign of its first feature: a
+    batch of one sign leaves the other expert out of the graph (no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+            for _ in range(2))
+
+    def forward(self, x):
+        out = torch.zeros(len(x), 1, dtype=x.dtype)
+        for expert, mask in zip(self.experts, (x[:, 0] > 0, x[:, 0] <= 0)):
+            if mask.any():
+                out = out.index_put((mask,), expert(x[mask]))
+        return out
+
+
+def test_a_parameter_without_a_gradient_at_a_step_keeps_its_zeroed_one(data):
+    """With ``zero_grad(set_to_none=False)`` a parameter that the step's batch leaves out
+    of the graph keeps a zero gradient, which the optimizer uses (momentum and weight
+    decay go on). The recorder compared it with the gradient an earlier backward() gave
+    it and refused the step as "value clipping"."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
+    # Both experts at the first step (a gradient for each), then one at a time.
+    batches = [np.r_[pos[:2], neg[:2]], pos[:3], neg[:3], pos[1:4], pos[2:5], neg[1:4]]
+    module = _Routed().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for idx in batches:
+            opt.zero_grad(set_to_none=False)
+            (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+            rec.set_batch(idx)
+            opt.step()
+    assert rec.trajectory.n_steps == len(batches)
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+@pytest.mark.parametrize("make_opt, moves", [
+    (lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), True),
+    (lambda p: torch.optim.Adam(p, lr=0.05), True),
+    (lambda p: torch.optim.RMSprop(p, lr=0.01, weight_decay=0.1), True),
+    (lambda p: torch.optim.SGD(p, lr=0.2), False),
+    (lambda p: torch.optim.RMSprop(p, lr=0.01), False),
+], ids=["sgd-momentum", "adam", "rmsprop-l2", "sgd", "rmsprop"])
+def test_a_parameter_the_optimizer_skips_for_want_of_a_gradient_warns(data, make_opt,
+                                                                       moves):
+    """With the default ``zero_grad()`` a parameter that the step's batch leaves out of
+    the graph has no gradient, and torch.optim skips it: no momentum, Adam moment or
+    weight decay moves it, where the recorded path's decomposition steps it with a zero
+    gradient. Where that differs, the recorder says so at the step, naming the
+    parameter, instead of the decomposition missing without a reason."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
+    batches = [np.r_[pos[:2], neg[:2]], pos[:3], neg[:3], pos[1:4], pos[2:5], neg[1:4]]
+    module = _Routed().double()
+    opt = make_opt(module.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for idx in batches:
+                opt.zero_grad()
+                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                rec.set_batch(idx)
+                opt.step()
+        res = rec.as_network(X, y).decompose(Xq)
+    said = [str(w.message) for w in caught if "no gradient" in str(w.message)]
+    missed = [w for w in caught if "misses the prediction" in str(w.message)]
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    change = np.abs(truth - res.initial).max()
+    if moves:
+        assert len(said) == 1  # once, at the first such step
+        assert "optimizer step 1" in said[0] and "'experts.1.0.weight'" in said[0]
+        # It matters: the decomposition misses, and says so too.
+        assert missed and np.abs(res.reconstruction - truth).max() > 1e-4 * change
+    else:
+        assert not said and not missed
+        assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+
+
+def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):
+    """An overflow that a GradScaler skips runs no step hook: the gradients its
+    backward() gave stayed the reference of the next step, where a parameter that the
+    next batch leaves out (zeroed by ``zero_grad(set_to_none=False)``) was compared with
+    the overflow's infinite one, and the step's factor was recorded as the new loss
+    scale (512) instead of 1."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, every = np.flatnonzero(X[:, 0] > 0), np.arange(len(X))
+    batches = [every, every, every, pos[:3], pos[1:4]]  # the overflow at step 2
+    module = _Routed().double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with PathRecorder(module, opt, n_samples=len(X), grad_scaler=scaler) as rec:
+        for t, idx in enumerate(batches):
+            opt.zero_grad(set_to_none=False)
+            loss = (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean()
+            scaler.scale(loss * (float("inf") if t == 2 else 1.0)).backward()
+            rec.set_batch(idx)
+            scaler.step(opt)
+            scaler.update()
+    assert rec.trajectory.n_steps == len(batches) - 1
+    assert_array_equal(rec.trajectory.gradient_scales, np.ones(len(batches) - 1))
+    _assert_decomposes(module, rec.as_network(X, y), Xq)

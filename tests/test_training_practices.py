@@ -277,11 +277,13 @@ def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(probl
     _exact(rec.as_network(X, y), Xq)
 
 
-def _scaled_run(module, X, y, half=None):
+def _scaled_run(module, X, y, half=None, make_opt=None, clip=True):
     """A GradScaler loop (the forward under ``torch.autocast`` with ``half``), an overflow
-    at step 3, clipping after unscaling; returns the recorder, the points the parameters
-    took, the batches and torch's clip factors of the steps taken."""
-    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    at step 3, clipping after unscaling (or neither with ``clip=False``); returns the
+    recorder, the points the parameters took, the batches and torch's clip factors of the
+    steps taken."""
+    make_opt = make_opt or (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    opt = make_opt(module.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     points = [torch.cat([p.detach().reshape(-1) for p in module.parameters()])]
     taken, factors = [], []
@@ -296,8 +298,10 @@ def _scaled_run(module, X, y, half=None):
                 loss = loss * float("inf")
             scaler.scale(loss).backward()
             rec.set_batch(idx)
-            scaler.unscale_(opt)
-            norm = float(rec.clip_grad_norm_(0.1))
+            norm = 0.0
+            if clip:
+                scaler.unscale_(opt)
+                norm = float(rec.clip_grad_norm_(0.1))
             scaler.step(opt)
             scaler.update()
             now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
@@ -320,6 +324,23 @@ def test_grad_scaler_skipped_steps_are_not_steps_and_the_scale_is_undone(problem
     # Clipped after unscaling, recorded as such.
     assert_allclose(rec.trajectory.gradient_scales, factors, rtol=1e-14)
     assert min(factors) < 0.9
+    _exact(rec.as_network(X, y), Xq)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=0.05, fused=True),
+], ids=["sgd", "adam"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_with_a_fused_optimizer(problem, make_opt, clip):
+    """A fused optimizer takes the GradScaler's scale and overflow flag into its own
+    kernel: ``scaler.step`` calls ``optimizer.step()`` even on an overflow (the kernel
+    leaves the parameters alone), and the gradients it sees are still scaled unless
+    ``unscale_`` ran. The skipped step must not be recorded, and the recorded factor
+    must be the one the kernel applied (1 here, or the clip's)."""
+    X, y, Xq = problem
+    rec, factors = _scaled_run(_mlp(), X, y, make_opt=make_opt, clip=clip)
+    assert_allclose(rec.trajectory.gradient_scales, factors if clip else 1.0, rtol=1e-14)
     _exact(rec.as_network(X, y), Xq)
 
 

@@ -38,7 +38,8 @@ before the step, as are dropout in training mode (its masks are random draws the
 decomposition cannot replay) and BatchNorm in training mode (it mixes the samples of a
 batch and updates running statistics that the path does not record).
 ``torch.amp.GradScaler``: pass it as ``grad_scaler``; skipped steps are not optimizer
-steps and are not recorded, and the scale is undone.
+steps and are not recorded, and the scale is undone (also by a ``fused=True`` optimizer,
+which ``scaler.step`` calls on an overflow too, with a flag its kernel reads).
 Under ``torch.nn.parallel.DistributedDataParallel`` every rank declares its shard and
 one rank records the global batch: see the user guide, "Training on several processes".
 
@@ -390,7 +391,9 @@ class PathRecorder:
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
-        self._seen: dict[int, torch.Tensor] = {}  # each parameter's gradient from backward
+        self._warned_skip = False  # a parameter torch.optim skipped without a gradient
+        # Each parameter's gradient from backward(), with _scaler_updates() then.
+        self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._scales: list[float] = []
         self._weights: list[np.ndarray | None] = []
         self._group_lrs: list[list[float]] = []
@@ -495,8 +498,14 @@ class PathRecorder:
         return total
 
     # ------------------------------------------------------------------ the step
+    def _scaler_updates(self):
+        """A count that GradScaler.update() advances (its scale is updated in place),
+        or None without an enabled scaler."""
+        scale = getattr(self.grad_scaler, "_scale", None)
+        return scale._version if isinstance(scale, torch.Tensor) else None
+
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        self._seen[i] = p.grad.detach().clone()
+        self._seen[i] = (p.grad.detach().clone(), self._scaler_updates())
 
     def _fail(self, message: str, exc=RuntimeError, cause=None):
         self._error = message
@@ -507,6 +516,16 @@ class PathRecorder:
         if self._error is not None:
             raise RuntimeError(f"PathRecorder stopped recording at optimizer step {step}: "
                                f"{self._error} (close() the recorder to train on).")
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            # A fused optimizer (fused=True) under a GradScaler: scaler.step calls
+            # optimizer.step() even on an overflow, with the flag its kernel reads to
+            # leave the parameters and the state alone. That is no step: drop what was
+            # declared for it, as for the steps a GradScaler skips itself.
+            self._pending = self._pending_problem = None
+            self._micro, self._seen = [], {}
+            self._declared_scale = self._ready = None
+            return
         if len(optimizer.param_groups) != len(self._hyper):
             self._fail(f"at optimizer step {step} the optimizer has "
                        f"{len(optimizer.param_groups)} parameter groups, {len(self._hyper)} "
@@ -536,7 +555,13 @@ class PathRecorder:
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
-        scale = self._gradient_scale(step)
+        if self._recorder is not None and not self._warned_skip:
+            self._warn_skipped(step, optimizer)
+        scale = self._gradient_scale(step, optimizer)
+        # The next step compares only what its own backward() passes give: a parameter
+        # they leave out keeps the gradient zero_grad(set_to_none=False) zeroed, not
+        # this step's.
+        self._seen = {}
         if self._world > 1:
             batch, weights = self._gather(step)
         else:
@@ -556,7 +581,36 @@ class PathRecorder:
         lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
         self._ready = (batch, weights, scale, lrs)
 
+    def _warn_skipped(self, step: int, optimizer) -> None:
+        """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
+        where its rule would move it with a zero gradient."""
+        names = []
+        for name, p, g in zip(self._names, self._params, self._param_groups):
+            if p.grad is not None:
+                continue
+            state = optimizer.state.get(p, {})
+            # What moves a parameter of zero gradient: weight decay, a momentum buffer,
+            # Adam's first moment. The recorded path steps it so; torch.optim does not.
+            if (_as_float(optimizer.param_groups[g].get("weight_decay", 0.0)) > 0
+                    or state.get("momentum_buffer") is not None or "exp_avg" in state):
+                names.append(name)
+        if names:
+            self._warned_skip = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} parameter(s) "
+                f"{', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''} "
+                "have no gradient (backward() left them out of the graph), so torch.optim "
+                "skips them: their momentum, Adam moments or weight decay do not move them "
+                "this step, where the recorded path steps them with a zero gradient. If the "
+                "network's outputs depend on them, the decomposition will not be exact "
+                "(decompose warns by how much). To record such a loop exactly, give them "
+                "a zero gradient before optimizer.step() (p.grad = torch.zeros_like(p)), "
+                "or freeze the parameters the network never uses before creating the "
+                "recorder. (Warned once.)", UserWarning, stacklevel=3)
+
     def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._ready is None:  # an overflow the fused kernel skipped
+            return
         batch, weights, scale, lrs = self._ready
         self._ready = None
         step = self._step
@@ -574,19 +628,22 @@ class PathRecorder:
         if rec.wants_point(step + 1):
             rec.record_point(step + 1)
 
-    def _gradient_scale(self, step: int) -> float:
-        """The factor the gradients of backward() were multiplied by before the step."""
+    def _gradient_scale(self, step: int, optimizer) -> float:
+        """The factor the gradients of backward() are multiplied by in the step."""
         declared = self._declared_scale
         if self._world > 1:
             return 1.0 if declared is None else declared
         pairs = []
+        updates = self._scaler_updates()
         for i, p in enumerate(self._params):
             if p.grad is None:
                 continue
-            seen = self._seen.get(i)
-            if seen is None:
-                # Set by hand, not by backward(): nothing to compare it with (the
-                # decomposition's own check judges what it did).
+            seen, seen_updates = self._seen.get(i, (None, None))
+            if seen is None or seen_updates != updates:
+                # Set by hand, not by backward(), or left by the backward() of an
+                # overflow the GradScaler skipped (no step hook ran; scaler.update() has
+                # run since): nothing to compare it with (the decomposition's own check
+                # judges what it did).
                 continue
             pairs.append((p.grad.detach(), seen))
         # One host sync for the whole step, not one per parameter (on a GPU each
@@ -594,7 +651,12 @@ class PathRecorder:
         found = any(g.shape != s.shape for g, s in pairs) or bool(
             pairs and torch.stack([torch.ne(g, s).any() for g, s in pairs]).any())
         unscale = 1.0
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+        # A fused optimizer under a GradScaler (fused=True, no unscale_ before the step)
+        # divides the gradients by the loss's scale in its own kernel: relative to the
+        # loss's gradient, the step's factor is then the one found below.
+        fused_unscales = getattr(optimizer, "grad_scale", None) is not None
+        if (not fused_unscales and self.grad_scaler is not None
+                and self.grad_scaler.is_enabled()):
             # backward() saw the scaled loss; scaler.step unscaled the gradients.
             unscale = float(self.grad_scaler.get_scale())
             found = True

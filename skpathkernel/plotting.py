@@ -458,6 +458,13 @@ class KernelNeighborsDisplay:
         if kernel == "euclidean":
             if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= len(X):
                 raise ValueError(f"n_neighbors must be an integer in [1, {len(X)}].")
+            # kneighbors checks the kernel's queries; these distances would broadcast a
+            # one-feature anchor against both columns.
+            if anchors.shape[1] != X.shape[1]:
+                raise ValueError(
+                    f"anchors have {anchors.shape[1]} features, but the estimator is "
+                    f"expecting {X.shape[1]} features as input."
+                )
             d = ((anchors[:, None, :] - X[None, :, :]) ** 2).sum(-1)
             neighbors = np.argsort(d, axis=1, kind="stable")[:, :n_neighbors]
             title = f"{n_neighbors} nearest training points, Euclidean"
@@ -606,7 +613,15 @@ class KernelEvolutionDisplay:
             check_column_names(estimator, values)
         shape, kind = net.input_shape, net.input_kind
         if kind == FEATURES:
-            x = check_array(np.asarray(x, dtype=np.float64).reshape(1, -1))
+            x = np.asarray(x, dtype=np.float64)
+            # Flattening several rows would make them one input of more features.
+            if x.ndim > 2:
+                raise ValueError("x is one input of n_features values, got shape "
+                                 f"{x.shape}.")
+            if x.ndim == 2 and x.shape[0] != 1:
+                raise ValueError("x is one input, without the sample axis; got "
+                                 f"{x.shape[0]} rows.")
+            x = check_array(x.reshape(1, -1))
             Y = check_array(Y, dtype=np.float64)
         else:
             x = np.asarray(x)

@@ -387,3 +387,25 @@ def test_the_evolution_display_takes_one_input_of_any_form_through_a_pipeline():
     np.testing.assert_allclose(
         KernelMatrixDisplay.from_estimator(alone, Z[:5]).kernel_matrix,
         KernelMatrixDisplay.from_estimator(alone[-1], Z[:5]).kernel_matrix)
+
+
+def test_euclidean_neighbors_refuse_anchors_of_another_feature_count(circle):
+    # The kernel neighbours are checked by kneighbors; the Euclidean ones failed in NumPy
+    # ("operands could not be broadcast") or, for one feature, broadcast it against both
+    # columns and failed drawing ("index 1 is out of bounds").
+    clf, X, _ = circle
+    for anchors in ([[0.3]], [[0.3, 0.0, 0.0]]):
+        with pytest.raises(ValueError, match=r"anchors have \d features, .* expecting 2"):
+            KernelNeighborsDisplay.from_estimator(clf, anchors, 3, kernel="euclidean")
+
+
+def test_kernel_evolution_refuses_several_rows_as_x(circle):
+    # x is one input: rows were flattened into one, so two rows of a 1-feature network
+    # were taken as one input of 2 features, and the error blamed "X has 4 features".
+    clf, X, _ = circle
+    with pytest.raises(ValueError, match="one input, without the sample axis; got 2 rows"):
+        KernelEvolutionDisplay.from_estimator(clf, X[:2], X[2:4])
+    # One row with its sample axis is one input.
+    got = KernelEvolutionDisplay.from_estimator(clf, X[:1], X[2:4], steps=[0, -1])
+    expected = np.vstack([_loop_gram(clf, k, X[:1], X[2:4])[0] for k in (0, -1)])
+    np.testing.assert_allclose(got.kernel_values, expected, rtol=1e-9, atol=1e-12)

@@ -852,7 +852,8 @@ class TangentEmbeddingDisplay:
         ax : matplotlib Axes, default=None
             Axes to draw on; None creates a new figure.
         cmap : str or Colormap, default="tab10"
-            Matplotlib colormap.
+            Matplotlib colormap. A qualitative map with fewer entries than classes is
+            interpolated between its entries, so that each class keeps its own colour.
         legend : bool, default=True
             Whether to draw a legend.
         **scatter_kw : dict
@@ -873,6 +874,12 @@ class TangentEmbeddingDisplay:
         else:
             classes, codes = np.unique(np.asarray(self.y), return_inverse=True)
             cm = mpl.colormaps[cmap] if isinstance(cmap, str) else cmap
+            if len(classes) > cm.N:
+                # Indexing past a qualitative map's last entry returns that entry: the
+                # classes beyond it would share one colour. Interpolating its entries
+                # keeps the palette and gives each class its own.
+                cm = mpl.colors.LinearSegmentedColormap.from_list(
+                    cm.name, cm(np.arange(cm.N)), N=256)
             # Qualitative maps (tab10, ...) have few entries: index them; spread others.
             colors = np.array([cm(i) if cm.N < 256 else cm(i / max(len(classes) - 1, 1))
                                for i in range(len(classes))])

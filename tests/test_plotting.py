@@ -409,3 +409,23 @@ def test_kernel_evolution_refuses_several_rows_as_x(circle):
     got = KernelEvolutionDisplay.from_estimator(clf, X[:1], X[2:4], steps=[0, -1])
     expected = np.vstack([_loop_gram(clf, k, X[:1], X[2:4])[0] for k in (0, -1)])
     np.testing.assert_allclose(got.kernel_values, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_tangent_embedding_gives_every_class_its_own_colour(circle):
+    # tab10 has 10 entries: indexing it past the last returned the last colour, so
+    # classes 9, 10 and 11 were drawn, and named in the legend, in one colour.
+    clf, X, _ = circle
+    y = np.array([f"c{i:02d}" for i in range(12)])[np.arange(len(X)) % 12]
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X, y, method="pca")
+    points = disp.scatter_.get_facecolors()
+    classes = np.unique(y)
+    colours = {tuple(points[np.flatnonzero(y == c)[0]]) for c in classes}
+    assert len(colours) == len(classes)
+    for c in classes:  # one colour per class
+        assert len({tuple(p) for p in points[y == c]}) == 1
+    # The legend names each class with its points' colour.
+    legend = disp.ax_.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == list(classes)
+    for handle, c in zip(legend.legend_handles, classes):
+        np.testing.assert_allclose(handle.get_facecolor()[0],
+                                   points[np.flatnonzero(y == c)[0]])

@@ -6,7 +6,8 @@ Every class follows scikit-learn's Display convention
 ``from_estimator`` class method computes the data from a fitted
 :class:`~skpathkernel.PathKernelMachine` / :class:`~skpathkernel.PathKernelClassifier` and
 plots it. matplotlib is imported only inside ``plot``, so importing this module costs
-nothing without it.
+nothing without it; ``from_estimator`` checks that it is installed before computing
+anything, as scikit-learn's displays do (the kernels can take minutes).
 
 - :class:`KernelMatrixDisplay`: the (normalized) kernel matrix with samples ordered by
   class (Guo, He & Morel 2026, figures 2, 5, 6).
@@ -268,6 +269,7 @@ class KernelMatrixDisplay:
         display : KernelMatrixDisplay
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
+        check_matplotlib_support(f"{cls.__name__}.from_estimator")
         estimator, X = _last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)
@@ -435,6 +437,7 @@ class KernelNeighborsDisplay:
         -------
         display : KernelNeighborsDisplay
         """
+        check_matplotlib_support(f"{cls.__name__}.from_estimator")
         estimator, anchors = _last_step(estimator, anchors)
         net = network_of(estimator)
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
@@ -597,6 +600,7 @@ class KernelEvolutionDisplay:
         -------
         display : KernelEvolutionDisplay
         """
+        check_matplotlib_support(f"{cls.__name__}.from_estimator")
         if isinstance(estimator, Pipeline):
             # x has no sample axis: one row through the steps, and back (a Series as a
             # one-row frame, a one-row DataFrame as it is: the steps may read names; an
@@ -754,6 +758,7 @@ class RankGapDisplay:
         -------
         display : RankGapDisplay
         """
+        check_matplotlib_support(f"{cls.__name__}.from_estimator")
         estimator, X_train, X_test = _last_step(estimator, X_train, X_test)
         net = network_of(estimator)
         for values in (X_train, X_test):
@@ -929,6 +934,7 @@ class TangentEmbeddingDisplay:
         -------
         display : TangentEmbeddingDisplay
         """
+        check_matplotlib_support(f"{cls.__name__}.from_estimator")
         estimator, X = _last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)

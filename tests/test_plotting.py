@@ -429,3 +429,26 @@ def test_tangent_embedding_gives_every_class_its_own_colour(circle):
     for handle, c in zip(legend.legend_handles, classes):
         np.testing.assert_allclose(handle.get_facecolor()[0],
                                    points[np.flatnonzero(y == c)[0]])
+
+
+@pytest.mark.parametrize("display, args", [
+    (KernelMatrixDisplay, ([[0.0, 0.0]],)),
+    (KernelNeighborsDisplay, ([[0.0, 0.0]], 3)),
+    (KernelEvolutionDisplay, ([0.0, 0.0], [[0.0, 0.0]])),
+    (RankGapDisplay, ([[0.0, 0.0]], [[1.0, 1.0]])),
+    (TangentEmbeddingDisplay, ([[0.0, 0.0]] * 3,)),
+])
+def test_from_estimator_without_matplotlib_fails_before_computing(circle, monkeypatch,
+                                                                 display, args):
+    # As scikit-learn's displays: the ImportError came only from plot, after the kernels
+    # (minutes on a CNN) had been computed for nothing.
+    import skpathkernel.plotting as plotting
+
+    def computing(*args, **kwargs):
+        raise AssertionError("computed before checking for matplotlib")
+
+    monkeypatch.setattr(plotting, "network_of", computing)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=f"{display.__name__}.from_estimator requires "
+                                          "matplotlib"):
+        display.from_estimator(circle[0], *args)

@@ -81,6 +81,13 @@ def _gram(estimator, X, *, kernel, step, normalized):
     return PathKernel(estimator, normalized=normalized)(X)
 
 
+def _check_label_count(labels, n, name, what):
+    """Refuse ``labels`` (None passes) that are not one per ``what``: they are drawn by
+    position, and a count that differs fails in matplotlib, or only after the kernels."""
+    if labels is not None and len(labels) != n:
+        raise ValueError(f"{name} must name each {what} ({n}), got {len(labels)}.")
+
+
 # Inputs with more values than this are named by their index in legends, not spelled out.
 _SPELLED_OUT = 4
 
@@ -224,6 +231,7 @@ class KernelMatrixDisplay:
         self.boundary_lines_ = []
         if self.y is not None:
             values, starts, stops = self._blocks()
+            _check_label_count(self.display_labels, len(starts), "display_labels", "class")
             kw = {"color": "white", "linestyle": "--", "linewidth": 0.8, **(boundary_kw or {})}
             for s in starts[1:]:
                 self.boundary_lines_.append(ax.axhline(s - 0.5, **kw))
@@ -279,6 +287,7 @@ class KernelMatrixDisplay:
             y = _labels(y, X.shape[0])
             order = np.argsort(y, kind="stable")
             y = y[order]
+            _check_label_count(display_labels, len(np.unique(y)), "display_labels", "class")
         K = _gram(net, X[order], kernel=kernel, step=step, normalized=normalized)
         title = _kernel_label(kernel, step, normalized, len(net.trajectory))
         disp = cls(K, y=y, display_labels=display_labels, title=title)
@@ -550,12 +559,13 @@ class KernelEvolutionDisplay:
         check_matplotlib_support("KernelEvolutionDisplay.plot")
         ax, fig = _axes(ax)
         labels = self.labels
+        values = np.asarray(self.kernel_values)
+        _check_label_count(labels, values.shape[1], "labels", "row of Y")
         spelled = np.asarray(self.x).size <= _SPELLED_OUT
         if labels is None and spelled:
             labels = ["y=(" + ", ".join(f"{v:.3g}" for v in yj) + ")" for yj in self.Y]
         elif labels is None:
             labels = [f"y_{j}" for j in range(len(self.Y))]
-        values = np.asarray(self.kernel_values)
         self.lines_ = [
             ax.plot(self.steps, values[:, j], label=labels[j], **line_kw)[0]
             for j in range(values.shape[1])
@@ -634,6 +644,7 @@ class KernelEvolutionDisplay:
             if x.shape[0] != 1:
                 raise ValueError(f"x must be one input, got {x.shape[0]} of them.")
             Y = net.check(Y, "Y")
+        _check_label_count(labels, Y.shape[0], "labels", "row of Y")
         points = _recorded_points(net, steps)
         values = np.vstack([
             step_kernel(net, x, Y, step=int(k), normalized=normalized,
@@ -942,6 +953,12 @@ class TangentEmbeddingDisplay:
         if y is not None:
             y = _labels(y, X.shape[0])
         resolved = _resolve_method(method)
+        # Kernel PCA needs two points to have a direction; t-SNE a perplexity (at least
+        # 2, the one chosen below) under the number of points.
+        n_min = 2 if resolved == "pca" else 3
+        if X.shape[0] < n_min:
+            raise ValueError(f"A {_METHOD_NAMES[resolved]} embedding needs at least {n_min} "
+                             f"samples, got {X.shape[0]}.")
         K = step_kernel(net, X, step=step, normalized=True)
         if resolved == "pca":
             E = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)

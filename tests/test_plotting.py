@@ -452,3 +452,42 @@ def test_from_estimator_without_matplotlib_fails_before_computing(circle, monkey
     with pytest.raises(ImportError, match=f"{display.__name__}.from_estimator requires "
                                           "matplotlib"):
         display.from_estimator(circle[0], *args)
+
+
+def test_label_lists_of_the_wrong_length_are_refused_before_computing(circle, monkeypatch):
+    # They failed in plot, after the kernels: an IndexError ("list index out of range")
+    # for too few curve labels, matplotlib's "FixedLocator locations" for block labels.
+    import skpathkernel.plotting as plotting
+
+    clf, X, y = circle
+    step_kernel = plotting.step_kernel
+
+    def computing(*args, **kwargs):
+        raise AssertionError("computed before checking the labels")
+
+    monkeypatch.setattr(plotting, "step_kernel", computing)
+    with pytest.raises(ValueError, match=r"labels must name each row of Y \(3\), got 1"):
+        KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:4], labels=["a"])
+    with pytest.raises(ValueError, match=r"display_labels must name each class \(2\), got 3"):
+        KernelMatrixDisplay.from_estimator(clf, X, y, display_labels=["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"labels must name each row of Y \(2\), got 3"):
+        KernelEvolutionDisplay(np.arange(2), np.zeros((2, 2)), x=X[0], Y=X[:2],
+                               labels=["a", "b", "c"]).plot()
+    with pytest.raises(ValueError, match=r"display_labels must name each class \(2\), got 1"):
+        KernelMatrixDisplay(np.eye(3), y=[0, 0, 1], display_labels=["a"]).plot()
+    # Right lengths draw them, in order.
+    monkeypatch.setattr(plotting, "step_kernel", step_kernel)
+    disp = KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], labels=["p", "q"])
+    assert [t.get_text() for t in disp.ax_.get_legend().get_texts()] == ["p", "q"]
+
+
+def test_tangent_embedding_refuses_too_few_samples(circle):
+    # One sample failed inside KernelPCA ("index 1 is out of bounds"), two inside t-SNE
+    # on a perplexity the display chose ("perplexity (2.0) must be less than n_samples").
+    clf, X, _ = circle
+    with pytest.raises(ValueError, match="at least 2 samples, got 1"):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:1], method="pca")
+    with pytest.raises(ValueError, match="at least 3 samples, got 2"):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:2], method="tsne")
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X[:3], method="tsne")
+    assert disp.embedding.shape == (3, 2)

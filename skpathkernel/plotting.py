@@ -93,7 +93,9 @@ _SPELLED_OUT = 4
 
 
 def _recorded_points(net, steps):
-    """Recorded-point indices (non-negative): all of them when ``steps`` is None."""
+    """Recorded-point indices (non-negative, increasing, each once): all of them when
+    ``steps`` is None. The displays draw against the optimizer step, so points given out
+    of order would zigzag back along the axis."""
     n = len(net.trajectory)
     if steps is None:
         return np.arange(n)
@@ -102,7 +104,7 @@ def _recorded_points(net, steps):
         raise ValueError("steps must be None or a non-empty 1-D sequence of ints.")
     if np.any(points < -n) or np.any(points >= n):
         raise IndexError(f"steps must index the {n} recorded points, got {steps!r}.")
-    return points % n
+    return np.unique(points % n)
 
 
 def _kernel_label(kernel, step, normalized, n_points=None):
@@ -597,7 +599,8 @@ class KernelEvolutionDisplay:
             The points whose kernel with ``x`` is drawn, one curve each.
         steps : sequence of int, default=None
             Recorded points to evaluate (indices into ``trajectory_``; negative count from
-            the end); None: all of them.
+            the end); None: all of them. They are drawn along the path, in increasing
+            order, each once.
         normalized : bool, default=True
             ``K_hat_t(x, y) = K_t(x, y) / sqrt(K_t(x, x) K_t(y, y))``.
         preconditioned : bool, default=False
@@ -754,7 +757,9 @@ class RankGapDisplay:
         X_test : array-like of shape (n_test, n_features) or (n_test, ...)
             The inputs tested for leaving that span.
         steps : sequence of int, default=None
-            Recorded points (None: all).
+            Recorded points (indices into ``trajectory_``; negative count from the end);
+            None: all of them. They are drawn along the path, in increasing order, each
+            once.
         rtol : float, default=None
             Relative tolerance on the singular values of ``J``: ``sigma_i`` counts when
             ``sigma_i > rtol * sigma_max``. None uses ``sqrt(n * eps)`` with ``n`` the

@@ -491,3 +491,21 @@ def test_tangent_embedding_refuses_too_few_samples(circle):
         TangentEmbeddingDisplay.from_estimator(clf, X[:2], method="tsne")
     disp = TangentEmbeddingDisplay.from_estimator(clf, X[:3], method="tsne")
     assert disp.embedding.shape == (3, 2)
+
+
+def test_steps_given_out_of_order_are_drawn_along_the_path(circle):
+    # steps=[-1, 0, 2] drew the curves from the last step back to 0 and on to 2 (a
+    # zigzag against "optimizer step"), and the rank's stairs in that order.
+    clf, X, _ = circle
+    last = len(clf.trajectory_) - 1
+    traj_steps = np.asarray(clf.trajectory_.steps)
+    disp = KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], steps=[-1, 0, 2, last])
+    np.testing.assert_array_equal(disp.steps, traj_steps[[0, 2, last]])
+    expected = np.vstack([_loop_gram(clf, k, X[:1], X[1:3])[0] for k in (0, 2, last)])
+    np.testing.assert_allclose(disp.kernel_values, expected, rtol=1e-9, atol=1e-12)
+    for line, column in zip(disp.lines_, expected.T):
+        np.testing.assert_array_equal(line.get_xdata(), traj_steps[[0, 2, last]])
+        np.testing.assert_allclose(line.get_ydata(), column, rtol=1e-9, atol=1e-12)
+    rank = RankGapDisplay.from_estimator(clf, X[:10], X[10:15], steps=[-1, 0])
+    np.testing.assert_array_equal(rank.steps, traj_steps[[0, last]])
+    assert np.all(np.diff(rank.lines_[0].get_xdata()) > 0)

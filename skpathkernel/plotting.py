@@ -614,12 +614,14 @@ class KernelEvolutionDisplay:
         display : KernelEvolutionDisplay
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
+        if hasattr(x, "to_frame"):
+            # A Series as a one-row frame: the steps may read its names, and they are
+            # checked against the fit's below (a Series has no columns to check).
+            x = x.to_frame().T
         if isinstance(estimator, Pipeline):
-            # x has no sample axis: one row through the steps, and back (a Series as a
-            # one-row frame, a one-row DataFrame as it is: the steps may read names; an
-            # array, images too, with a sample axis in front).
-            row = (x.to_frame().T if hasattr(x, "to_frame") else x if hasattr(x, "iloc")
-                   else np.asarray(x)[np.newaxis])
+            # x has no sample axis: one row through the steps, and back (a one-row
+            # DataFrame as it is; an array, images too, with a sample axis in front).
+            row = x if hasattr(x, "iloc") else np.asarray(x)[np.newaxis]
             if len(row) != 1:
                 raise ValueError(f"x is one input, without the sample axis; got {len(row)} "
                                  "rows.")

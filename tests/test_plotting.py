@@ -509,3 +509,22 @@ def test_steps_given_out_of_order_are_drawn_along_the_path(circle):
     rank = RankGapDisplay.from_estimator(clf, X[:10], X[10:15], steps=[-1, 0])
     np.testing.assert_array_equal(rank.steps, traj_steps[[0, last]])
     assert np.all(np.diff(rank.lines_[0].get_xdata()) > 0)
+
+
+def test_kernel_evolution_refuses_a_series_x_with_other_names():
+    # A Series is the natural one input of a DataFrame-fitted network; its names were
+    # not checked, so one with the columns swapped was taken by position (the curves
+    # moved by 0.15) and one with a renamed column was taken as it was.
+    rng = np.random.RandomState(1)
+    df = pd.DataFrame(rng.uniform(-1, 1, size=(30, 2)), columns=["u", "v"])
+    y = np.where(df.u * df.v > 0, 1, -1)
+    clf = PathKernelClassifier(hidden_layer_sizes=(5,), max_iter=2, tol=None,
+                               dtype="float64", random_state=0).fit(df, y)
+    Y = df.iloc[1:4]
+    got = KernelEvolutionDisplay.from_estimator(clf, df.iloc[0], Y, steps=[-1])
+    np.testing.assert_allclose(got.kernel_values,
+                               _loop_gram(clf, -1, df.to_numpy()[:1].copy(), Y.to_numpy().copy()),
+                               rtol=1e-10, atol=1e-12)
+    for x in (df.iloc[0][["v", "u"]], df.iloc[0].set_axis(["u", "w"])):
+        with pytest.raises(ValueError, match="feature names"):
+            KernelEvolutionDisplay.from_estimator(clf, x, Y)

@@ -426,7 +426,8 @@ class KernelNeighborsDisplay:
         estimator : fitted PathKernelMachine or PathKernelClassifier on 2-D inputs
             Its training inputs ``X_fit_`` are the candidates; or a fitted Pipeline
             ending in one, whose steps before it transform the anchors (the points are
-            then drawn as the network takes them, after those steps).
+            then drawn as the network takes them, after those steps). Its
+            ``network_`` (a TrainedNetwork), which has no predictions, needs ``y``.
         anchors : array-like of shape (n_anchors, 2)
             The points whose kernel neighbours are drawn.
         n_neighbors : int, default=100
@@ -462,6 +463,13 @@ class KernelNeighborsDisplay:
         # As given to kneighbors, which checks their names (and warns on an array's lack
         # of them when the fit had names).
         queries, anchors = anchors, check_array(anchors, dtype=np.float64)
+        if y is None and not hasattr(estimator, "predict"):
+            # A TrainedNetwork / RecordedNetwork has kneighbors but no predictions to
+            # colour by.
+            raise TypeError(
+                f"{type(estimator).__name__} has no predict to colour the training points "
+                "by: pass the training labels as y."
+            )
         if y is None:
             with warnings.catch_warnings():
                 # X_fit_ is the fit's own data, kept without its column names.

@@ -528,3 +528,14 @@ def test_kernel_evolution_refuses_a_series_x_with_other_names():
     for x in (df.iloc[0][["v", "u"]], df.iloc[0].set_axis(["u", "w"])):
         with pytest.raises(ValueError, match="feature names"):
             KernelEvolutionDisplay.from_estimator(clf, x, Y)
+
+
+def test_neighbors_of_a_bare_network_ask_for_y(circle):
+    # A TrainedNetwork has kneighbors but no predict: y=None failed with
+    # "'TrainedNetwork' object has no attribute 'predict'"; given y, it is drawn.
+    clf, X, y = circle
+    with pytest.raises(TypeError, match="pass the training labels as y"):
+        KernelNeighborsDisplay.from_estimator(clf.network_, [[0.5, 0.5]], 4)
+    disp = KernelNeighborsDisplay.from_estimator(clf.network_, [[0.5, 0.5]], 4, y=y)
+    K = _loop_gram(clf, -1, np.array([[0.5, 0.5]]), X)
+    assert set(disp.neighbors[0].tolist()) == set(np.argsort(-K[0])[:4].tolist())

@@ -539,3 +539,35 @@ def test_neighbors_of_a_bare_network_ask_for_y(circle):
     disp = KernelNeighborsDisplay.from_estimator(clf.network_, [[0.5, 0.5]], 4, y=y)
     K = _loop_gram(clf, -1, np.array([[0.5, 0.5]]), X)
     assert set(disp.neighbors[0].tolist()) == set(np.argsort(-K[0])[:4].tolist())
+
+
+def test_string_classes_and_a_two_output_regressor_against_references():
+    """String labels order the blocks and ticks as sorted; a regressor's outputs enter
+    every display through the trace kernel, the features' full Jacobian."""
+    rng = np.random.RandomState(4)
+    X = rng.uniform(-1, 1, size=(15, 2))
+    names = np.array(["cat", "ant", "bee"])[np.arange(15) % 3]
+    net = dict(hidden_layer_sizes=(4,), max_iter=3, tol=None, solver="sgd",
+               learning_rate_init=0.2, dtype="float64", random_state=0)
+    clf = PathKernelClassifier(**net).fit(X, names)
+    disp = KernelMatrixDisplay.from_estimator(clf, X, names)
+    order = np.argsort(names, kind="stable")
+    np.testing.assert_allclose(disp.kernel_matrix, _loop_gram(clf, -1, X[order]),
+                               rtol=1e-9, atol=1e-12)
+    assert [t.get_text() for t in disp.ax_.get_xticklabels()] == ["ant", "bee", "cat"]
+    np.testing.assert_allclose(disp.ax_.get_xticks(), [2, 7, 12])  # block centres
+    reg = PathKernelMachine(**net).fit(X, np.c_[np.sin(3 * X[:, 0]), X[:, 1] ** 2])
+    disp = KernelMatrixDisplay.from_estimator(reg, X[:6], step=1, normalized=False)
+    np.testing.assert_allclose(disp.kernel_matrix, _loop_gram(reg, 1, X[:6], normalized=False),
+                               rtol=1e-9, atol=1e-12)
+    ranks = RankGapDisplay.from_estimator(reg, X[:4], X[4:7], steps=[0, -1], rtol=1e-6)
+    for i, k in enumerate((0, -1)):
+        for rows, got in ((X[:4], ranks.rank_train[i]), (X[:7], ranks.rank_joint[i])):
+            s = np.linalg.svd(_loop_jacobian(reg, k, rows).reshape(len(rows), -1),
+                              compute_uv=False)
+            assert got == int((s > 1e-6 * s.max()).sum())
+    embedding = TangentEmbeddingDisplay.from_estimator(reg, X, method="pca").embedding
+    F = _loop_jacobian(reg, -1, X).reshape(len(X), -1)
+    F = F / np.linalg.norm(F, axis=1, keepdims=True)  # K_hat's features
+    U, S, _ = np.linalg.svd(F - F.mean(0), full_matrices=False)
+    np.testing.assert_allclose(np.abs(embedding), np.abs(U[:, :2] * S[:2]), atol=1e-9)

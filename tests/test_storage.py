@@ -346,6 +346,27 @@ def test_failed_fit_leaves_the_estimator_and_its_directory(data, tmp_path):
     assert est.trajectory_.directory == directory and os.path.isdir(directory)
 
 
+@pytest.mark.parametrize("error", [RuntimeError, MemoryError])
+def test_a_fit_the_writer_failed_leaves_no_temporary_directory(data, error, monkeypatch,
+                                                               tmp_path):
+    # The writer's error, raised from the training thread, holds that thread's frames
+    # (the series, the store): kept in the store's list of writes, which its finalizer
+    # holds, it kept the store, and its directory, alive until the interpreter exits.
+    X, y = data
+    # One chunk for the whole path (as for any small network): the write that fails is
+    # the last one, awaited at the end of the recording.
+    monkeypatch.setattr(_trajectory, "chunk_rows_for", lambda *args: 1000)
+
+    def crash(path, array):
+        raise error("simulated failure in the writer")  # a new one: not kept by the test
+
+    monkeypatch.setattr(_storage, "_write_chunk", crash)
+    with pytest.raises(error):
+        _fit(X, y, "disk", trajectory_dir=tmp_path)
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
 def test_auto_storage_chooses_by_size(data):
     X, y = data
     small = _fit(X, y, "auto", memory_budget=2**20)

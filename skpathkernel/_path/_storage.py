@@ -710,6 +710,11 @@ class Series:
                 self._memory[chunk] = data.copy()
                 return
             exc = future.exception()
+        # Settled: out of the store's writes in flight, which its finalizer holds. An
+        # error raised from here holds the frames it goes through (this series, the
+        # store): left there, it kept the store, and its directory, until exit.
+        with contextlib.suppress(ValueError):
+            self.store._pending.remove(future)
         if exc is None:
             self._memory.pop(chunk, None)
             return

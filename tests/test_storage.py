@@ -5,6 +5,7 @@ same user loop): recording is deterministic, so the points must be bit-identical
 kernels and decompositions equal to round-off.
 """
 
+import copy
 import errno
 import gc
 import os
@@ -252,6 +253,39 @@ def test_pickle_references_the_directory_and_keeps_it(data):
         warnings.simplefilter("error")  # already kept: no second warning
         pickle.dumps(back)
     shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("refit", ["copy", "original", None])
+def test_deep_copies_share_the_temporary_directory_and_the_last_removes_it(data, refit,
+                                                                           tmp_path):
+    # Unlike a pickle (read by another process, maybe after this one ended), a deep copy
+    # lives in this process: the directory stays temporary, kept while any copy reads it.
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    directory = est.trajectory_.directory
+    K, pred = PathKernel(est)(X), est.predict(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is kept for good: no warning
+        other = copy.deepcopy(est)
+    assert other.trajectory_.directory == directory
+    if refit == "copy":
+        other.fit(X[::-1], y[::-1])
+        other, est = est, other  # the untouched one reads the directory
+    elif refit == "original":
+        est.fit(X[::-1], y[::-1])
+    else:
+        del est
+    gc.collect()
+    assert os.path.isdir(directory)
+    assert_array_equal(PathKernel(other)(X), K)
+    assert_array_equal(other.predict(X), pred)
+    del other
+    gc.collect()
+    assert not os.path.exists(directory)
+    if refit is not None:  # the refit's own directory goes with it
+        del est
+        gc.collect()
+    assert os.listdir(tmp_path) == []
 
 
 def test_for_workers_pickles_a_reference_and_leaves_the_directory_temporary(data, tmp_path):

@@ -342,6 +342,12 @@ def _read_chunk(path: str) -> np.ndarray:
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
+class _Lease:
+    """What a temporary directory's removal is tied to: the stores reading it hold it."""
+
+    __slots__ = ("__weakref__",)
+
+
 class ChunkStore:
     """A directory of chunked series; owned (temporary) stores delete it when collected.
 
@@ -351,8 +357,8 @@ class ChunkStore:
     chunk_rows : int
         Vectors per chunk file.
     owned : bool
-        Delete the directory when this object is garbage collected (a temporary
-        recording); :meth:`move` and pickling give that up.
+        Delete the directory when this object, and every deep copy of it, is garbage
+        collected (a temporary recording); :meth:`move` and pickling give that up.
     """
 
     def __init__(self, directory, *, chunk_rows: int, owned: bool):
@@ -361,7 +367,9 @@ class ChunkStore:
         self.series: dict[str, Series] = {}
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
-        self._finalizer = (weakref.finalize(self, _remove_directory, self.directory,
+        # What the directory's removal waits for: held by this store and its deep copies.
+        self._lease = _Lease() if owned else None
+        self._finalizer = (weakref.finalize(self._lease, _remove_directory, self.directory,
                                             self._pending, os.getpid()) if owned else None)
         # The description written last: its file's identity and the path's step count.
         self._described: tuple[int, int, int, int] | None = None
@@ -491,12 +499,24 @@ class ChunkStore:
                 "failure": self.failure,
                 "described": None if self._described is None else list(self._described)}
 
+    def __deepcopy__(self, memo):
+        # A copy in this process (copy.deepcopy of an estimator) shares the directory, and
+        # its ownership: a temporary directory goes with the last copy. Through pickling's
+        # state, it would be kept for good, as for a process that may read it later.
+        self.flush()
+        out = object.__new__(type(self))
+        memo[id(self)] = out
+        out.__setstate__({"directory": self.directory, "chunk_rows": self.chunk_rows,
+                          "failure": self.failure, "described": self._described})
+        out._lease, out._finalizer, out._pending = self._lease, self._finalizer, self._pending
+        return out
+
     def __setstate__(self, state):
         self.directory = state["directory"]
         self.chunk_rows = state["chunk_rows"]
         self.series = {}
         self.failure = state["failure"]
-        self._finalizer = None
+        self._lease = self._finalizer = None
         self._pending = []
         described = state.get("described")
         self._described = None if described is None else tuple(int(v) for v in described)

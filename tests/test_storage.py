@@ -206,6 +206,35 @@ def test_save_is_a_rename_and_load_is_lazy(data, tmp_path):
     assert (target / "trajectory.pt").exists()
 
 
+def test_relative_directories_are_read_from_any_working_directory(data, tmp_path,
+                                                                    monkeypatch):
+    # A directory named relative to the working directory (trajectory_dir, save, load)
+    # is the one it named then: after a chdir, and in a pickle loaded elsewhere, the same
+    # files are read, and a temporary one is removed where it is.
+    X, y = data
+    K = PathKernel(_fit(X, y, solver="adam"))(X)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir="temporary")
+    monkeypatch.chdir(tmp_path / "b")
+    assert_allclose(PathKernel(est)(X), K, rtol=1e-13, atol=1e-15)
+    del est
+    gc.collect()
+    assert os.listdir(tmp_path / "a" / "temporary") == []
+
+    monkeypatch.chdir(tmp_path / "a")
+    est = _fit(X, y, "disk", solver="adam")
+    est.trajectory_.save("saved")
+    loaded = Trajectory.load("saved")
+    blob = pickle.dumps(est)
+    monkeypatch.chdir(tmp_path / "b")
+    for traj in (est.trajectory_, loaded, pickle.loads(blob).trajectory_):
+        assert traj.directory == os.fspath(tmp_path / "a" / "saved")
+        assert_allclose(RecordedNetwork(est.module_, traj).path_kernel_(X), K, rtol=1e-13,
+                        atol=1e-15)
+
+
 def test_save_refuses_a_non_empty_target(data, tmp_path):
     X, y = data
     traj = _fit(X, y, "disk").trajectory_

@@ -362,7 +362,9 @@ class ChunkStore:
     """
 
     def __init__(self, directory, *, chunk_rows: int, owned: bool):
-        self.directory = os.fspath(directory)
+        # Absolute: the files are those named now, whatever the working directory is
+        # when they are read (after a chdir, or in a pickle loaded elsewhere).
+        self.directory = os.path.abspath(directory)
         self.chunk_rows = int(chunk_rows)
         self.series: dict[str, Series] = {}
         self.failure: str | None = None  # the first failed write, when one failed
@@ -377,7 +379,7 @@ class ChunkStore:
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
         """A fresh temporary directory under ``parent`` (the system's temp dir if None)."""
-        parent = tempfile.gettempdir() if parent is None else os.fspath(parent)
+        parent = tempfile.gettempdir() if parent is None else os.path.abspath(parent)
         os.makedirs(parent, exist_ok=True)
         directory = tempfile.mkdtemp(prefix="skpathkernel-trajectory-", dir=parent)
         return cls(directory, chunk_rows=chunk_rows, owned=True)
@@ -458,7 +460,7 @@ class ChunkStore:
         ``shutil.move`` copies and removes. Chunks kept in memory after a failed write
         are written to the new place. The directory is no longer temporary.
         """
-        path = os.fspath(path)
+        path = os.path.abspath(path)  # as in __init__
         if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
             raise FileExistsError(
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "

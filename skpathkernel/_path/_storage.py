@@ -427,7 +427,8 @@ class ChunkStore:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def check_extendable(self, what: str, n_steps: int) -> None:
-        """Refuse to append to a directory that is gone, or that another object extended.
+        """Refuse to append to a directory that is gone, read-only, or that another object
+        extended.
 
         Copies of an estimator (a pickle, ``copy.copy`` or ``copy.deepcopy``) reference
         one directory: the first to append rows past the shared path of ``n_steps`` steps
@@ -439,6 +440,18 @@ class ChunkStore:
                 f"The on-disk trajectory's directory {self.directory!r} is gone: {what} "
                 "cannot extend the path recorded there. Nothing was changed; fit a new "
                 "network (fit, or partial_fit on a new estimator).")
+        # Written when the path is extended: the directory, each series' folder (chunk
+        # files are replaced by renames) and the training set's folder and files.
+        data = os.path.join(self.directory, "data")
+        written = [self.directory, *(os.path.join(self.directory, name) for name in self.series)]
+        if os.path.isdir(data):
+            written += [data, *(os.path.join(data, name) for name in os.listdir(data))]
+        locked = [path for path in written if not os.access(path, os.W_OK)]
+        if locked:
+            raise TrajectoryFileError(
+                f"{locked[0]!r} is read-only: {what} cannot extend the on-disk path "
+                f"recorded in {self.directory!r}. Nothing was changed; make it writable, "
+                "or fit a new network.")
         identity = self._meta_identity()
         if self._described is not None and identity is None:
             raise TrajectoryFileError(

@@ -5,6 +5,7 @@ same user loop): recording is deterministic, so the points must be bit-identical
 kernels and decompositions equal to round-off.
 """
 
+import copy
 import errno
 import gc
 import os
@@ -205,6 +206,35 @@ def test_save_is_a_rename_and_load_is_lazy(data, tmp_path):
     assert (target / "trajectory.pt").exists()
 
 
+def test_relative_directories_are_read_from_any_working_directory(data, tmp_path,
+                                                                    monkeypatch):
+    # A directory named relative to the working directory (trajectory_dir, save, load)
+    # is the one it named then: after a chdir, and in a pickle loaded elsewhere, the same
+    # files are read, and a temporary one is removed where it is.
+    X, y = data
+    K = PathKernel(_fit(X, y, solver="adam"))(X)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir="temporary")
+    monkeypatch.chdir(tmp_path / "b")
+    assert_allclose(PathKernel(est)(X), K, rtol=1e-13, atol=1e-15)
+    del est
+    gc.collect()
+    assert os.listdir(tmp_path / "a" / "temporary") == []
+
+    monkeypatch.chdir(tmp_path / "a")
+    est = _fit(X, y, "disk", solver="adam")
+    est.trajectory_.save("saved")
+    loaded = Trajectory.load("saved")
+    blob = pickle.dumps(est)
+    monkeypatch.chdir(tmp_path / "b")
+    for traj in (est.trajectory_, loaded, pickle.loads(blob).trajectory_):
+        assert traj.directory == os.fspath(tmp_path / "a" / "saved")
+        assert_allclose(RecordedNetwork(est.module_, traj).path_kernel_(X), K, rtol=1e-13,
+                        atol=1e-15)
+
+
 def test_save_refuses_a_non_empty_target(data, tmp_path):
     X, y = data
     traj = _fit(X, y, "disk").trajectory_
@@ -252,6 +282,39 @@ def test_pickle_references_the_directory_and_keeps_it(data):
         warnings.simplefilter("error")  # already kept: no second warning
         pickle.dumps(back)
     shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("refit", ["copy", "original", None])
+def test_deep_copies_share_the_temporary_directory_and_the_last_removes_it(data, refit,
+                                                                           tmp_path):
+    # Unlike a pickle (read by another process, maybe after this one ended), a deep copy
+    # lives in this process: the directory stays temporary, kept while any copy reads it.
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path)
+    directory = est.trajectory_.directory
+    K, pred = PathKernel(est)(X), est.predict(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is kept for good: no warning
+        other = copy.deepcopy(est)
+    assert other.trajectory_.directory == directory
+    if refit == "copy":
+        other.fit(X[::-1], y[::-1])
+        other, est = est, other  # the untouched one reads the directory
+    elif refit == "original":
+        est.fit(X[::-1], y[::-1])
+    else:
+        del est
+    gc.collect()
+    assert os.path.isdir(directory)
+    assert_array_equal(PathKernel(other)(X), K)
+    assert_array_equal(other.predict(X), pred)
+    del other
+    gc.collect()
+    assert not os.path.exists(directory)
+    if refit is not None:  # the refit's own directory goes with it
+        del est
+        gc.collect()
+    assert os.listdir(tmp_path) == []
 
 
 def test_for_workers_pickles_a_reference_and_leaves_the_directory_temporary(data, tmp_path):
@@ -344,6 +407,27 @@ def test_failed_fit_leaves_the_estimator_and_its_directory(data, tmp_path):
     with pytest.raises(ValueError):
         est.fit(X, np.full(len(X), np.inf))
     assert est.trajectory_.directory == directory and os.path.isdir(directory)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, MemoryError])
+def test_a_fit_the_writer_failed_leaves_no_temporary_directory(data, error, monkeypatch,
+                                                               tmp_path):
+    # The writer's error, raised from the training thread, holds that thread's frames
+    # (the series, the store): kept in the store's list of writes, which its finalizer
+    # holds, it kept the store, and its directory, alive until the interpreter exits.
+    X, y = data
+    # One chunk for the whole path (as for any small network): the write that fails is
+    # the last one, awaited at the end of the recording.
+    monkeypatch.setattr(_trajectory, "chunk_rows_for", lambda *args: 1000)
+
+    def crash(path, array):
+        raise error("simulated failure in the writer")  # a new one: not kept by the test
+
+    monkeypatch.setattr(_storage, "_write_chunk", crash)
+    with pytest.raises(error):
+        _fit(X, y, "disk", trajectory_dir=tmp_path)
+    gc.collect()
+    assert os.listdir(tmp_path) == []
 
 
 def test_auto_storage_chooses_by_size(data):

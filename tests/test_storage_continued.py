@@ -372,6 +372,49 @@ def test_a_removed_directory_or_file_is_named_before_any_work(victim, match):
     assert est.__dict__ == before
 
 
+@pytest.fixture
+def make_read_only(monkeypatch):
+    """Make a directory read-only by its permissions; as root, who writes anyway, the
+    store's check also sees it as a read-only mount would show it (``os.access``)."""
+
+    def make(directory):
+        directory = os.fspath(directory)
+        for root, _, files in os.walk(directory):
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o444)
+            os.chmod(root, 0o555)
+        if os.access(directory, os.W_OK):
+            real, inside = os.access, os.path.abspath(directory)
+
+            def access(path, mode, *args, **kwargs):
+                path = os.path.abspath(path)
+                if mode & os.W_OK and (path == inside or path.startswith(inside + os.sep)):
+                    return False
+                return real(path, mode, *args, **kwargs)
+
+            monkeypatch.setattr(_storage.os, "access", access)
+        assert not _storage.os.access(directory, os.W_OK)
+
+    return make
+
+
+def test_a_read_only_path_reads_and_is_refused_before_any_work(make_read_only, tmp_path):
+    # A path kept where it cannot be written (a read-only share of saved models) is read
+    # as it is, and refused at once when continued: not after training, with a warning
+    # about a full disk, then the file system's error for one of the path's files.
+    X, y = _data()
+    est = _stream("disk", CALLS[:2], **SOLVERS["adam"])
+    est.trajectory_.save(tmp_path / "saved")
+    make_read_only(tmp_path / "saved")
+    _assert_same_analyses(est, _stream("memory", CALLS[:2], **SOLVERS["adam"]), X[:3] + 0.1)
+    before = dict(est.__dict__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning about writes that failed
+        with pytest.raises(TrajectoryFileError, match=r"saved'? is read-only.*Nothing was"):
+            est.partial_fit(X[CALLS[2]], y[CALLS[2]])
+    assert est.__dict__ == before
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(trajectory_storage="memory"), r"kept\s+on disk"),
     (dict(trajectory_compression="bfloat16"), "compression=None"),

@@ -342,6 +342,12 @@ def _read_chunk(path: str) -> np.ndarray:
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
+class _Lease:
+    """What a temporary directory's removal is tied to: the stores reading it hold it."""
+
+    __slots__ = ("__weakref__",)
+
+
 class ChunkStore:
     """A directory of chunked series; owned (temporary) stores delete it when collected.
 
@@ -351,17 +357,21 @@ class ChunkStore:
     chunk_rows : int
         Vectors per chunk file.
     owned : bool
-        Delete the directory when this object is garbage collected (a temporary
-        recording); :meth:`move` and pickling give that up.
+        Delete the directory when this object, and every deep copy of it, is garbage
+        collected (a temporary recording); :meth:`move` and pickling give that up.
     """
 
     def __init__(self, directory, *, chunk_rows: int, owned: bool):
-        self.directory = os.fspath(directory)
+        # Absolute: the files are those named now, whatever the working directory is
+        # when they are read (after a chdir, or in a pickle loaded elsewhere).
+        self.directory = os.path.abspath(directory)
         self.chunk_rows = int(chunk_rows)
         self.series: dict[str, Series] = {}
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
-        self._finalizer = (weakref.finalize(self, _remove_directory, self.directory,
+        # What the directory's removal waits for: held by this store and its deep copies.
+        self._lease = _Lease() if owned else None
+        self._finalizer = (weakref.finalize(self._lease, _remove_directory, self.directory,
                                             self._pending, os.getpid()) if owned else None)
         # The description written last: its file's identity and the path's step count.
         self._described: tuple[int, int, int, int] | None = None
@@ -369,7 +379,7 @@ class ChunkStore:
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
         """A fresh temporary directory under ``parent`` (the system's temp dir if None)."""
-        parent = tempfile.gettempdir() if parent is None else os.fspath(parent)
+        parent = tempfile.gettempdir() if parent is None else os.path.abspath(parent)
         os.makedirs(parent, exist_ok=True)
         directory = tempfile.mkdtemp(prefix="skpathkernel-trajectory-", dir=parent)
         return cls(directory, chunk_rows=chunk_rows, owned=True)
@@ -417,7 +427,8 @@ class ChunkStore:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def check_extendable(self, what: str, n_steps: int) -> None:
-        """Refuse to append to a directory that is gone, or that another object extended.
+        """Refuse to append to a directory that is gone, read-only, or that another object
+        extended.
 
         Copies of an estimator (a pickle, ``copy.copy`` or ``copy.deepcopy``) reference
         one directory: the first to append rows past the shared path of ``n_steps`` steps
@@ -429,6 +440,18 @@ class ChunkStore:
                 f"The on-disk trajectory's directory {self.directory!r} is gone: {what} "
                 "cannot extend the path recorded there. Nothing was changed; fit a new "
                 "network (fit, or partial_fit on a new estimator).")
+        # Written when the path is extended: the directory, each series' folder (chunk
+        # files are replaced by renames) and the training set's folder and files.
+        data = os.path.join(self.directory, "data")
+        written = [self.directory, *(os.path.join(self.directory, name) for name in self.series)]
+        if os.path.isdir(data):
+            written += [data, *(os.path.join(data, name) for name in os.listdir(data))]
+        locked = [path for path in written if not os.access(path, os.W_OK)]
+        if locked:
+            raise TrajectoryFileError(
+                f"{locked[0]!r} is read-only: {what} cannot extend the on-disk path "
+                f"recorded in {self.directory!r}. Nothing was changed; make it writable, "
+                "or fit a new network.")
         identity = self._meta_identity()
         if self._described is not None and identity is None:
             raise TrajectoryFileError(
@@ -450,7 +473,7 @@ class ChunkStore:
         ``shutil.move`` copies and removes. Chunks kept in memory after a failed write
         are written to the new place. The directory is no longer temporary.
         """
-        path = os.fspath(path)
+        path = os.path.abspath(path)  # as in __init__
         if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
             raise FileExistsError(
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
@@ -491,12 +514,24 @@ class ChunkStore:
                 "failure": self.failure,
                 "described": None if self._described is None else list(self._described)}
 
+    def __deepcopy__(self, memo):
+        # A copy in this process (copy.deepcopy of an estimator) shares the directory, and
+        # its ownership: a temporary directory goes with the last copy. Through pickling's
+        # state, it would be kept for good, as for a process that may read it later.
+        self.flush()
+        out = object.__new__(type(self))
+        memo[id(self)] = out
+        out.__setstate__({"directory": self.directory, "chunk_rows": self.chunk_rows,
+                          "failure": self.failure, "described": self._described})
+        out._lease, out._finalizer, out._pending = self._lease, self._finalizer, self._pending
+        return out
+
     def __setstate__(self, state):
         self.directory = state["directory"]
         self.chunk_rows = state["chunk_rows"]
         self.series = {}
         self.failure = state["failure"]
-        self._finalizer = None
+        self._lease = self._finalizer = None
         self._pending = []
         described = state.get("described")
         self._described = None if described is None else tuple(int(v) for v in described)
@@ -710,6 +745,11 @@ class Series:
                 self._memory[chunk] = data.copy()
                 return
             exc = future.exception()
+        # Settled: out of the store's writes in flight, which its finalizer holds. An
+        # error raised from here holds the frames it goes through (this series, the
+        # store): left there, it kept the store, and its directory, until exit.
+        with contextlib.suppress(ValueError):
+            self.store._pending.remove(future)
         if exc is None:
             self._memory.pop(chunk, None)
             return

@@ -9,6 +9,7 @@ that pickles in the format written before ``network_`` existed still load.
 import copy
 import inspect
 import pickle
+import re
 import types
 
 import numpy as np
@@ -18,6 +19,8 @@ from _reference import features_loop, forward_recursion, gauss_nodes, jacobian_l
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import Ridge
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import (
     OODRankDetector,
@@ -100,6 +103,17 @@ def test_network_of_every_producer(clf, data):
             network_of(obj)
     with pytest.raises(TypeError, match="exposes no fitted network"):
         TangentKernel(ridge)(X)
+    # A pipeline ending in a fitted network: the error names the way to its network, and
+    # that way gives the pipeline's kernel (the network sees the scaled inputs).
+    pipe = make_pipeline(StandardScaler(), PathKernelMachine(
+        hidden_layer_sizes=(4,), max_iter=3, dtype="float64", random_state=0)).fit(X, X[:, 0])
+    with pytest.raises(TypeError, match=re.escape("pipe[-1]") + ".*" +
+                       re.escape("pipe[:-1].transform(X)")):
+        TangentKernel(pipe)(X)
+    Z = pipe[:-1].transform(X)
+    J = jacobian_loop(pipe[-1].module_, torch.as_tensor(Z))
+    np.testing.assert_allclose(TangentKernel(pipe[-1])(Z), (J[:, 0] @ J[:, 0].T).numpy(),
+                               rtol=1e-10)
 
 
 def test_memory_budget_is_read_from_the_estimator_at_each_call(data):

@@ -1000,9 +1000,15 @@ def network_of(obj) -> TrainedNetwork:
             raise
         # A fitted estimator of another library (Ridge, a Pipeline): not fitting it again
         # is not what would help.
+        hint = ""
+        steps = getattr(obj, "steps", None)
+        if steps and hasattr(steps[-1][1], "network_"):
+            # The network sees the inputs its pipeline's earlier steps transform.
+            hint = (" For a pipeline ending in one, pass its last step (pipe[-1]) and "
+                    "inputs transformed by the steps before it (pipe[:-1].transform(X)).")
         raise TypeError(
             f"{type(obj).__name__} exposes no fitted network (network_): pass a fitted "
-            "skpathkernel estimator, a RecordedNetwork or a TrainedNetwork."
+            f"skpathkernel estimator, a RecordedNetwork or a TrainedNetwork.{hint}"
         ) from None
     net = obj.network_
     if not isinstance(net, TrainedNetwork):

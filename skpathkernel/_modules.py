@@ -64,9 +64,10 @@ def module_lock(module: torch.nn.Module) -> threading.RLock:
 
 
 def runs_module(module_of):
-    """Decorate a method that runs a fitted network's module: it holds
-    :func:`module_lock` of ``module_of(self)`` (None, or an exception such as
-    NotFittedError: no module yet, the method runs as it is and raises its own error)."""
+    """Decorate a method (or a function of a fitted estimator) that runs a fitted
+    network's module: it holds :func:`module_lock` of ``module_of(first argument)`` (None,
+    or an exception such as NotFittedError: no module yet, it runs as it is and raises its
+    own error)."""
 
     def decorate(method):
         @functools.wraps(method)

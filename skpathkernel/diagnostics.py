@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
-from ._modules import module_lock
+from ._modules import runs_module
 from ._network._trained import network_of
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
@@ -292,18 +292,11 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
 
 
 # --------------------------------------------------------------------------- engine
+@runs_module(lambda estimator: network_of(estimator).module)
 def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
                     batch_size):
     check_is_fitted(estimator)
     net = network_of(estimator)
-    with module_lock(net.module):
-        return _traces_of(net, estimator, X, y, sample_weight, steps, n_samples,
-                          random_state, batch_size)
-
-
-def _traces_of(net, estimator, X, y, sample_weight, steps, n_samples, random_state,
-               batch_size):
-    """:func:`_hessian_traces` on ``net``, its module's lock held."""
     # An embedding's max_norm would rewrite the recorded parameters in place, and its
     # scale_grad_by_freq make a backward that is not the loss's derivative.
     check_lookups(net.module)

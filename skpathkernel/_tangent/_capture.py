@@ -637,8 +637,9 @@ def _batches_backprops(device: torch.device) -> bool:
     H200, the same K to 1.2e-7 (``benchmarks/results/gpu_ab.md``, its prototype). But it
     holds every output's gradients at once (a second copy beside the backprops, and C
     times the backward's intermediates without parameters, such as attention scores),
-    which the chunk plan (:func:`._gram._chunk_row_bytes`) does not count: 6x the budget
-    on a long-sequence attention network (a review, forced on the CPU). The next GPU run
+    which the chunk plan (:func:`._gram._chunk_row_bytes`) does not count: 11.9 MiB of a
+    16 MiB budget where the default held 2.8 on a long-sequence attention network, 49.5
+    with wide chunks (``benchmarks/results/gpu_choices_cpu.md``). The next GPU run
     times it with its peak memory (``bench_gpu_ab``); it is taken once the plan counts it.
     On one CPU core it was 5-15% slower.
     """

@@ -912,8 +912,9 @@ def _wide_chunks(device: torch.device) -> bool:
     networks' Grams (see :func:`_launch_bound_chunk`). Not taken until a GPU run times it
     with its peak memory (``benchmarks/bench_gpu_ab.py``): the chunk's bytes per row
     (:func:`_chunk_row_bytes`) are an estimate, not a bound, which an eighth of the
-    budget absorbed; filling the rest with it overshot a 32 MiB budget by 8% on a
-    long-sequence attention network (a review, on the CPU).
+    budget absorbed; filling the rest with it held 9.4 MiB of a 16 MiB budget where the
+    default held 2.8 on a long-sequence attention network, 49.5 with the batched pass
+    (``benchmarks/results/gpu_choices_cpu.md``).
     """
     return False
 
@@ -925,10 +926,11 @@ def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_p
     and a block pair's products leave of the budget, instead of an eighth of it.
 
     A capture is a forward and the outputs' backward passes whatever its rows: about 1100
-    torch calls on the ResNet, 250 on the CNN (counted on the CPU). At N = 128 and the
-    default budget the ResNet's Gram took 13 captures of 10 rows, three quarters of the
-    call's 19500 torch calls, and on an H200 the call's time was its host's time issuing
-    them (CPU time 0.40 s of 0.41 s, ``benchmarks/results/gram_nets-quick-cuda.md``).
+    torch calls on the ResNet, 250 on the CNN. At N = 128 and the default budget the
+    ResNet's Gram took 13 captures, 19,389 torch calls; 5 captures and 9,501 calls with
+    these chunks (``benchmarks/results/gpu_choices_cpu.md``). On an H200 the call's time
+    was its host's time issuing them (CPU time 0.40 s of 0.41 s,
+    ``benchmarks/results/gram_nets-quick-cuda.md``).
     """
     captured = _chunk_row_bytes(probe, kept) // 8
     spare = budget - kept * n_kept - per_pair * size * size

@@ -31,6 +31,13 @@ process, the two sides alternating (wall time, the device synchronised around ea
   the batched pass loops over the outputs for the backward ops without a batching rule:
   convolution, batch and layer norm, max-pool, attention, GELU; its forward runs over
   ``C n`` rows), and the batched pass against the loop.
+- ``precision``: why the image networks' float32 K on the GPU differed from torch.func's
+  by 7.9e-5 to 2.4e-3 (relative; below 1e-5 on the CPU) in both GPU runs. torch lets
+  cuDNN's float32 convolutions run in TF32 by default (``torch.backends.cudnn.allow_tf32``;
+  its matmuls stay IEEE). Each network's K, by the engine and by the vmap recipe, under
+  the default (ref) and with cuDNN's TF32 off (tree), each against the engine's float64 K
+  on the CPU: the engine promises float32's precision, so if TF32 is the cause it must
+  either turn it off around its own calls or report the error it leaves.
 - ``transfer``: the public kernels' float64 Gram copied from the device into NumPy as
   ``to_numpy`` does (ref: ``Tensor.cpu().numpy()``, into fresh pageable memory) against
   two prototypes: through page-locked memory of the array's own (``pinned``: 3-30x
@@ -47,6 +54,7 @@ first after the CUDA tests.
 """
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -168,6 +176,33 @@ def backprops_rows(device, n, reps, sync, done):
                                 reps, sync)
         done(ab_row(f"tangent_gram {arch}, N={n}, against torch.func's vmap recipe", times,
                     os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(), res["ref"].cpu())))
+
+
+def _tf32(on):
+    def patch():
+        torch.backends.cudnn.allow_tf32 = on
+    return patch
+
+
+def precision_rows(device, n, reps, sync, done):
+    sides = {"ref": _tf32(True), "tree": _tf32(False)}
+    default = torch.backends.cudnn.allow_tf32
+    for arch in ("cnn8", "cifar", "resnet", "vit"):
+        module, params, X = _worker.gram_problem({"arch": arch, "n": n, "dtype": "float32"})
+        # The same network and inputs, cast (drawn in float64 they would be others).
+        wide = copy.deepcopy(module).double()
+        exact = tangent_gram(wide, dict(wide.named_parameters()), X.double())
+        module, X = module.to(device), X.to(device)
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        for name, gram in (("engine", tangent_gram), ("vmap recipe", _worker._vmap_recipe)):
+            times, res = _alternate(sides, lambda m=module, p=params, x=X, g=gram: g(m, p, x),
+                                    reps, sync)
+            done(ab_row(f"{name} {arch}, N={n}, cuDNN TF32 on (ref) / off (tree)", times,
+                        os.getloadavg()[0], max_rel_diff=_rel(res["tree"].cpu(),
+                                                              res["ref"].cpu()),
+                        error=f"{_rel(res['ref'].cpu(), exact):.1e} / "
+                              f"{_rel(res['tree'].cpu(), exact):.1e}"))
+        torch.backends.cudnn.allow_tf32 = default
 
 
 def _site_outputs(module, X):
@@ -315,11 +350,13 @@ def main(argv=None):
         write_ab(Path(args.out), "The engine's launch-bound choices on a GPU: ref vs tree",
                  "time.perf_counter, the device synchronised", prov, rows, 4,
                  columns=[("peak MiB ref / tree (budget 1024)", "peak_mib"),
-                          ("vmap fallbacks", "vmap_fallbacks")])
+                          ("vmap fallbacks", "vmap_fallbacks"),
+                          ("rel. error vs CPU float64 ref / tree", "error")])
 
     # The quick rows first: a run stopped at its limit loses the slowest (the CPU's
     # tiling at N = 1000 took 8 s a call on the first GPU run).
     backprops_rows(args.device, n, reps + 1, sync, done)
+    precision_rows(args.device, n, reps, sync, done)
     backprop_route_rows(args.device, n, reps + 2, sync, done)
     transfer_rows(args.device, (256,) if args.small else (1024, 2048, 4096, 8192), 5, sync,
                   done)

@@ -34,3 +34,16 @@ def test_profile_writes_every_network(tmp_path):
     text = (tmp_path / "profile_gpu_gram.txt").read_text()
     for arch in ("cnn8", "cifar", "resnet", "vit"):
         assert f"## {arch}, N = 2" in text
+
+
+def test_precision_rows_hold_float32_error_on_the_cpu():
+    # The TF32 switch changes nothing on the CPU: both sides' float32 K sit within float32
+    # rounding of the engine's float64 K, which a float32 slip into the reference (or a
+    # wrong reference network) would break.
+    rows = []
+    bench_gpu_ab.precision_rows("cpu", 3, 1, lambda: None, rows.append)
+    assert len(rows) == 8
+    for row in rows:
+        errors = [float(e) for e in row["error"].split(" / ")]
+        assert max(errors) <= 1e-4, row["case"]  # TF32 leaves ~1e-3
+        assert row["max_rel_diff"] <= 1e-6, row["case"]

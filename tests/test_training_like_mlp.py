@@ -574,6 +574,31 @@ def test_growing_parameters_with_a_falling_loss_do_not_warn():
     assert est.score(X * 1e-3, y) > 0.99
 
 
+
+def test_a_stream_whose_targets_grow_does_not_warn_of_divergence():
+    """A continued fit compares with the path's initial network on its own rows: later
+    partial_fit calls on targets 1000 times the first call's have a loss far above the
+    path's start (which warned, suggesting a smaller learning_rate_init) while training
+    is healthy; running away on the same rows still warns."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(200, 2))
+    y = np.r_[0.01 * X[:50, 0], 10 * X[50:, 0]]
+    est = PathKernelMachine(hidden_layer_sizes=(16,), learning_rate_init=0.01,
+                            normalize_y=False, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        for chunk in np.array_split(np.arange(200), 4):
+            est.partial_fit(X[chunk], y[chunk])
+    curve = est.loss_curve_
+    assert min(curve[1:]) > 100 * curve[0]  # what the path's start alone called divergence
+    assert curve[-1] < curve[1]
+    X, y = _small_regression()
+    est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=10.0,
+                            normalize_y=False, random_state=0).partial_fit(X, y)
+    start = f"times the {est.loss_curve_[0]:.3g} it started from"
+    with pytest.warns(DivergenceWarning, match=start):
+        est.partial_fit(X, y)
+
 def test_defaults_do_not_raise_the_divergence_warning():
     # The defaults benchmark's data sets (benchmarks/bench_defaults.py) at the defaults.
     from sklearn.datasets import load_diabetes, load_iris, make_moons

@@ -882,6 +882,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 first_epoch=0 if previous is None else self.n_iter_,
                 extends=extends,
                 sample_weight=sample_weight,
+                # Read before the new points join a path on disk.
+                path_start=None if previous is None
+                else previous.trajectory.parameters(0).clone(),
             )
 
     def _resumed(self, incremental: bool):

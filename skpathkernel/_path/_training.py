@@ -670,6 +670,7 @@ def train(
     first_epoch: int = 0,
     extends: Trajectory | None = None,
     sample_weight: np.ndarray | None = None,
+    path_start: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
@@ -685,7 +686,9 @@ def train(
     ``sample_weight`` (float64, one per row of X, None: all equal): each step's loss is
     the weighted mean over its batch (:func:`batch_betas`), whose weights the trajectory
     records (``batch_weights``); the epoch loss averages the batch losses by batch size
-    (MLPClassifier's convention).
+    (MLPClassifier's convention). ``path_start``: with ``resume``, the flat parameters
+    at the first point of the path being continued, whose loss on (X, Y) is the start
+    the divergence warning compares with when it is above the path's own start.
 
     Stopping follows MLPClassifier (see :class:`_StoppingRule`): with ``validation`` (a
     callable scoring the module on held-out data, higher is better) the score decides,
@@ -782,6 +785,13 @@ def train(
     first_loss = reference if resume is None else resume.first_loss
     if norms_later:
         norms = _epoch_norms(recorder, params, epoch_steps, norms, first_loss, loss_curve)
+    if path_start is not None and _divergence(first_loss, loss_curve, norms) is not None:
+        # A continued fit's data may be unlike the data the path started on (a stream
+        # whose targets grow after its first partial_fit call): its loss is then far
+        # above the path's start without anything running away. The start on these
+        # rows is the path's initial network's loss on them, one forward pass.
+        first_loss = max(first_loss, _initial_loss(
+            module, names, params, path_start.to(X.device), X, Y, loss, B, sample_weight))
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())
@@ -819,31 +829,40 @@ def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
     )
 
 
-def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
-    """:class:`DivergenceWarning` when finite training ran away (thresholds above).
-
-    ``first_loss`` and ``norms[0]`` are the whole path's starting loss
-    (:func:`_start_loss`) and initial parameter norm (a continued fit compares with
-    them); ``norms[1:]`` follow the epochs of ``loss_curve``, the first of which is epoch
-    ``epoch0``.
-    """
+def _divergence(first_loss, loss_curve, norms) -> tuple[int, str] | None:
+    """``(epoch, what ran away)`` when finite training ran away (thresholds above), else
+    None; the arguments are :func:`_warn_if_diverging`'s."""
     limit = DIVERGENCE_LOSS_RATIO * first_loss
     norm_up = [e for e, v in enumerate(norms[1:]) if v > DIVERGENCE_NORM_RATIO * norms[0]]
     # Grown parameters alone may be training at work (a linear layer on features in
     # tiny units): they count when the loss did not come down either.
     if norm_up and loss_curve[-1] > first_loss:
         e = norm_up[0]
-        what = (f"the parameters' norm reached {norms[e + 1]:.3g}, more than "
-                f"{DIVERGENCE_NORM_RATIO:g} times its initial {norms[0]:.3g}")
-    elif max(loss_curve) > limit and loss_curve[-1] >= first_loss:
+        return e, (f"the parameters' norm reached {norms[e + 1]:.3g}, more than "
+                   f"{DIVERGENCE_NORM_RATIO:g} times its initial {norms[0]:.3g}")
+    if max(loss_curve) > limit and loss_curve[-1] >= first_loss:
         # Up a hundredfold and never back below the start: also a network that blew up
         # and then settled where it predicts nothing (Adam at learning_rate_init=1 on
         # standardized digits: 848 over the first epoch from 2.3, then chance at 2.33).
         e = next(e for e, v in enumerate(loss_curve) if v > limit)
-        what = (f"the training loss reached {loss_curve[e]:.3g}, more than "
-                f"{DIVERGENCE_LOSS_RATIO:g} times the {first_loss:.3g} it started from")
-    else:
+        return e, (f"the training loss reached {loss_curve[e]:.3g}, more than "
+                   f"{DIVERGENCE_LOSS_RATIO:g} times the {first_loss:.3g} it started from")
+    return None
+
+
+def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
+    """:class:`DivergenceWarning` when finite training ran away (thresholds above).
+
+    ``first_loss`` and ``norms[0]`` are the whole path's starting loss
+    (:func:`_start_loss`; for a continued fit on other rows, the path's initial
+    network's loss on them when higher) and initial parameter norm (a continued fit
+    compares with them); ``norms[1:]`` follow the epochs of ``loss_curve``, the first of
+    which is epoch ``epoch0``.
+    """
+    found = _divergence(first_loss, loss_curve, norms)
+    if found is None:
         return
+    e, what = found
     warnings.warn(
         f"Training diverged without overflowing: at epoch {epoch0 + e} {what}; the last "
         f"epoch's loss is {loss_curve[-1]:.3g}. The fitted network is not a trained one: "

@@ -386,6 +386,27 @@ def test_continuing_with_another_network_or_optimizer_is_refused(change, match):
     assert est.__dict__ == state
 
 
+
+@pytest.mark.parametrize("solver, change", [
+    ("sgd", dict(beta_1=0.5, beta_2=0.9, epsilon=1e-3)),
+    ("sgd", dict(nesterovs_momentum=False)),  # without momentum there is no Nesterov
+    ("rmsprop", dict(beta_1=0.5, beta_2=0.9, momentum=0.5)),
+    ("adam", dict(momentum=0.9)),
+])
+def test_continuing_after_changing_what_the_solver_ignores(solver, change):
+    """Only the hyper-parameters the solver's update reads make another optimizer:
+    sgd's path after set_params(beta_1=...) was refused as "one optimizer", though
+    adam's after set_params(momentum=...) continued (scikit-learn ignores both)."""
+    X, y = _data()
+    params = dict(BASE, solver=solver, learning_rate_init=0.01, batch_size=5, tol=None)
+    whole = PathKernelMachine(**params, max_iter=4).fit(X, y)
+    est = PathKernelMachine(**params, max_iter=2, warm_start=True).fit(X, y)
+    est.set_params(**change).fit(X, y)
+    assert torch.equal(est.trajectory_._params, whole.trajectory_._params)
+    assert est.trajectory_.solver_spec == whole.trajectory_.solver_spec
+    est.partial_fit(X, y)
+    assert est.n_iter_ == 5
+
 def test_partial_fit_refuses_early_stopping_and_other_features():
     X, y = _data()
     est = PathKernelMachine(**BASE, early_stopping=True)

@@ -289,6 +289,26 @@ def test_warm_start_at_a_new_learning_rate_init_takes_it():
     assert_array_equal(inc.trajectory_.learning_rates, 0.01)
 
 
+
+@pytest.mark.parametrize("first, then", [("invscaling", "constant"),
+                                         ("adaptive", "constant"),
+                                         ("invscaling", "adaptive")])
+def test_warm_start_with_another_schedule_starts_it_at_learning_rate_init(first, then):
+    """"constant" is learning_rate_init throughout: a warm start that switched to it
+    kept stepping with the size the previous schedule had decayed to (0.013 or 0.004
+    for 0.1), as did one switching to "adaptive". The path stays exact."""
+    X, y = _data(30)
+    params = {**SCHEDULED, "tol": 10.0, "n_iter_no_change": 1}
+    est = PathKernelMachine(**params, learning_rate=first, max_iter=6, warm_start=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # "adaptive" runs them all
+        est.fit(X, y)
+    n_before = est.trajectory_.n_steps
+    assert est.trajectory_.learning_rates[-1] < 0.05  # the schedule moved the step size
+    est.set_params(learning_rate=then, max_iter=2, tol=None).fit(X, y)
+    assert_array_equal(est.trajectory_.learning_rates[n_before:], 0.1)
+    assert est.decompose(X[:3]).error < 1e-10
+
 def test_partial_fit_equals_one_fit_and_indexes_the_concatenation():
     X, y = _data()
     params = dict(BASE, solver="adam", learning_rate_init=0.01, batch_size=5, tol=None)

@@ -908,13 +908,19 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             )
 
     def _resumed(self, incremental: bool):
-        """The previous fit's Resume; a warm start whose ``learning_rate_init`` was changed
-        starts its schedule there, as MLPClassifier's warm start does with a new optimizer
-        (the optimizer's state, the moments, continue: one path). ``partial_fit`` keeps the
-        schedule's step size, as MLPClassifier's does."""
+        """The previous fit's Resume; a warm start whose ``learning_rate_init`` or
+        ``learning_rate`` (the schedule) was changed starts its schedule at
+        ``learning_rate_init``, as MLPClassifier's warm start does with a new optimizer
+        (the optimizer's state, the moments, continue: one path), so that "constant"
+        after "adaptive" or "invscaling" steps with ``learning_rate_init``, not with the
+        step size the other schedule had reached. ``partial_fit`` keeps the schedule's
+        step size, as MLPClassifier's does."""
         resume, lr_init = self._resume, float(self.learning_rate_init)
-        if (incremental or resume.learning_rate_init is None
-                or resume.learning_rate_init == lr_init):
+        schedule = self.learning_rate if self.solver == "sgd" else "constant"
+        changed = (resume.learning_rate_init is not None
+                   and resume.learning_rate_init != lr_init) or (
+            resume.schedule is not None and resume.schedule != schedule)
+        if incremental or not changed:
             return resume
         return dataclasses.replace(resume, learning_rate=lr_init, learning_rate_init=lr_init)
 

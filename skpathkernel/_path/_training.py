@@ -382,11 +382,14 @@ class Resume:
     # mode (dropout) read: a continuation draws on from where the fit stopped, as the batch
     # order does, instead of repeating the first fit's draws (None: pickled before).
     draws_state: tuple | None = None
+    # The schedule the step size followed ("constant" for every solver but sgd; None:
+    # pickled before it was kept), so that a warm start can tell a new schedule.
+    schedule: str | None = None
 
     @classmethod
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
                 first_loss, initial_norm, learning_rate_init=None,
-                device: torch.device | None = None) -> Resume:
+                device: torch.device | None = None, schedule=None) -> Resume:
         state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
@@ -396,7 +399,7 @@ class Resume:
                    generator.get_state().numpy().copy(), tuple(rule), float(first_loss),
                    float(initial_norm),
                    None if learning_rate_init is None else float(learning_rate_init),
-                   (torch.get_rng_state().numpy().copy(), cuda))
+                   (torch.get_rng_state().numpy().copy(), cuda), schedule)
 
     def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
@@ -735,7 +738,7 @@ def train(
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
                               initial_norm=norms[0], learning_rate_init=sched.lr_init,
-                              device=X.device)
+                              device=X.device, schedule=sched.kind)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     reference = None  # the loss the divergence check compares with (_start_loss)
     # The initial point, for the start's loss where the first epoch ran away (_start_loss).

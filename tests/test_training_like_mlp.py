@@ -115,6 +115,23 @@ def test_adaptive_with_a_real_stall():
     assert_allclose(est.trajectory_.learning_rates, lrs, rtol=1e-15)
 
 
+
+def test_the_convergence_warning_of_adaptive_names_its_rule():
+    """With tol=10 the loss never improves by tol: "adaptive" divided its step size at
+    every second epoch, and the warning said the loss "still improved by more than
+    tol=10 within the last 2 epochs"."""
+    X, y = _data()
+    est = PathKernelMachine(**SCHEDULED, learning_rate="adaptive")
+    est.set_params(tol=10.0, n_iter_no_change=1, max_iter=6)
+    with pytest.warns(ConvergenceWarning) as record:
+        est.fit(X, y)
+    message = str(record[0].message)
+    assert "still improved" not in message
+    lr = est.trajectory_.learning_rates[-1]  # divided twice, after epochs 3 and 5
+    assert lr == pytest.approx(0.1 / 25)
+    assert "learning_rate='adaptive'" in message and f"it is {lr:g})" in message
+    assert "2 consecutive epochs in which the training loss did not improve" in message
+
 def test_adaptive_with_tol_none_keeps_its_step_size():
     """tol=None switches the stopping rule off (SGDClassifier's convention, whose
     "adaptive" schedule then never divides: its no-improvement count needs tol > -inf),

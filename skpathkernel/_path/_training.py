@@ -784,7 +784,7 @@ def train(
         if stopped or single_epoch:
             break
     if not stopped and not single_epoch and tol is not None:
-        _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None)
+        _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None, sched)
     first_loss = reference if resume is None else resume.first_loss
     if norms_later:
         norms = _epoch_norms(recorder, params, epoch_steps, norms, first_loss, loss_curve)
@@ -820,13 +820,21 @@ def _finish(recorder, params, best, n_iter, lr) -> Trajectory:
     return recorder.finish(step, flat)
 
 
-def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
+def _warn_not_converged(max_iter, tol, n_iter_no_change, validating, sched=None):
+    """``sched``: the :class:`_Schedule`; "adaptive" stops only at its smallest step."""
+    # What the rule waits for, not a claim that the loss improved: fewer than
+    # n_iter_no_change + 1 epochs may have run, and "adaptive" restarts its count each
+    # time it divides the step size.
+    rule = (f"{n_iter_no_change + 1} consecutive epochs in which the "
+            f"{'validation score' if validating else 'training loss'} did not improve by "
+            f"more than tol={tol:g}")
+    if sched is not None and sched.kind == "adaptive":
+        rule += (f", at a step size of at most 1e-6 (learning_rate='adaptive' divides it "
+                 f"by 5 at each such run; it is {sched.lr:g})")
     warnings.warn(
         f"Maximum iterations ({max_iter}) reached and the optimization hasn't converged "
-        f"yet: the {'validation score' if validating else 'training loss'} "
-        f"still improved by more than tol={tol:g} within the last "
-        f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
-        "exactly max_iter epochs.",
+        f"yet: the stopping rule waits for {rule}. Increase max_iter, or pass tol=None to "
+        "train exactly max_iter epochs.",
         ConvergenceWarning,
         stacklevel=caller_stacklevel(),  # the user's line, also via a meta-estimator
     )

@@ -7,6 +7,7 @@ of tests/_reference.py (the forward per-sample recursion, autograd through an un
 replay, the path kernel as an explicit sum of loop Grams).
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -500,6 +501,23 @@ def _small_regression():
     X = rng.normal(size=(50, 4))
     return X, X @ rng.normal(size=4) + 0.1 * rng.normal(size=50)
 
+
+
+def test_a_continued_fit_that_overflows_names_the_step_along_the_path():
+    """loss_curve_, n_iter_ and trajectory_.steps count along the whole path: the error
+    of a warm start that overflows named its step and epoch within that fit (step 1,
+    epoch 0) after 25 steps and 5 epochs."""
+    X, y = _data(40)
+    est = PathKernelMachine(**BASE, solver="sgd", learning_rate_init=0.1, batch_size=8,
+                            max_iter=5, tol=None, warm_start=True).fit(X, y)
+    assert (est.n_iter_, est.trajectory_.n_steps) == (5, 25)
+    est.set_params(learning_rate_init=1e150)
+    with pytest.raises(TrainingDivergedError) as raised:
+        est.fit(X, y)
+    step, epoch = (int(v) for v in
+                   re.search(r"step (\d+) \(epoch (\d+)\)", str(raised.value)).groups())
+    assert step >= 25 and epoch == 5 + (step - 25) // 5
+    assert est.n_iter_ == 5  # the fitted state is the previous one
 
 def test_finite_divergence_warns_with_epoch_loss_and_rate():
     X, y = _small_regression()

@@ -900,6 +900,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 resume=None if previous is None else self._resumed(incremental),
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
+                first_step=0 if previous is None else previous.trajectory.n_steps,
                 extends=extends,
                 sample_weight=sample_weight,
                 # Read before the new points join a path on disk.

@@ -671,6 +671,7 @@ def train(
     resume: Resume | None = None,
     single_epoch: bool = False,
     first_epoch: int = 0,
+    first_step: int = 0,
     extends: Trajectory | None = None,
     sample_weight: np.ndarray | None = None,
     path_start: torch.Tensor | None = None,
@@ -683,7 +684,9 @@ def train(
     each epoch. ``schedule`` and ``power_t`` are MLPClassifier's ``learning_rate`` and
     ``power_t`` (see :class:`_Schedule`); ``resume`` continues a previous fit's optimizer,
     schedule and (with ``single_epoch``, ``partial_fit``'s one pass) stopping rule;
-    ``first_epoch`` counts the epochs before it (for the warnings' epoch numbers);
+    ``first_epoch`` and ``first_step`` count the epochs and the path's optimizer steps
+    before it (for the epoch and step numbers of the warnings and errors, which name
+    them along the whole path, as ``loss_curve_`` and ``trajectory_.steps`` do);
     ``extends``, the on-disk path it continues, whose series the new points are appended
     to (the result's trajectory is the new segment: see :func:`extend_trajectory`).
     ``sample_weight`` (float64, one per row of X, None: all equal): each step's loss is
@@ -751,7 +754,8 @@ def train(
         order = torch.randperm(n, generator=generator) if shuffle and B < n else rows
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
                                   gradient, sample_weight)
-        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr,
+        epoch_loss = _epoch_loss(batch_losses, sizes, total, first_step + step,
+                                 first_epoch + epoch, lr,
                                  initial=resume is None)
         if epoch == 0 and resume is None:
             reference = _start_loss(epoch_loss, batch_losses[0], functools.partial(
@@ -798,7 +802,8 @@ def train(
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())
-    trajectory = _finish(recorder, params, best, len(loss_curve), learning_rate)
+    trajectory = _finish(recorder, params, best, first_epoch + len(loss_curve),
+                         learning_rate, first_step)
     return TrainResult(
         trajectory, loss_curve, len(loss_curve), step,
         best_loss=None if validation is not None else min(loss_curve),
@@ -808,15 +813,17 @@ def train(
     )
 
 
-def _finish(recorder, params, best, n_iter, lr) -> Trajectory:
-    """The recorded path up to the model's step ``best[0]``, the module set to its point."""
+def _finish(recorder, params, best, n_iter, lr, first_step=0) -> Trajectory:
+    """The recorded path up to the model's step ``best[0]``, the module set to its point.
+    ``n_iter`` and ``first_step``: the path's epochs to this fit's end and its steps
+    before this fit (for the error's numbers)."""
     step, flat, _ = best
     if flat is not None:  # the best-scoring epoch's parameters
         torch.nn.utils.vector_to_parameters(flat.to(params[0].device), params)
     # The module holds the path's last point: checked there, not read back from a file,
     # and before finish(), which refuses a path that compression could not store.
     if not all(bool(torch.isfinite(p).all()) for p in params):
-        _raise_diverged(step - 1, n_iter - 1, lr)
+        _raise_diverged(first_step + step - 1, n_iter - 1, lr)
     return recorder.finish(step, flat)
 
 

@@ -7,6 +7,7 @@ of tests/_reference.py (the forward per-sample recursion, autograd through an un
 replay, the path kernel as an explicit sum of loop Grams).
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -114,6 +115,23 @@ def test_adaptive_with_a_real_stall():
     assert est.n_iter_ == n_epochs
     assert_allclose(est.trajectory_.learning_rates, lrs, rtol=1e-15)
 
+
+
+def test_the_convergence_warning_of_adaptive_names_its_rule():
+    """With tol=10 the loss never improves by tol: "adaptive" divided its step size at
+    every second epoch, and the warning said the loss "still improved by more than
+    tol=10 within the last 2 epochs"."""
+    X, y = _data()
+    est = PathKernelMachine(**SCHEDULED, learning_rate="adaptive")
+    est.set_params(tol=10.0, n_iter_no_change=1, max_iter=6)
+    with pytest.warns(ConvergenceWarning) as record:
+        est.fit(X, y)
+    message = str(record[0].message)
+    assert "still improved" not in message
+    lr = est.trajectory_.learning_rates[-1]  # divided twice, after epochs 3 and 5
+    assert lr == pytest.approx(0.1 / 25)
+    assert "learning_rate='adaptive'" in message and f"it is {lr:g})" in message
+    assert "2 consecutive epochs in which the training loss did not improve" in message
 
 def test_adaptive_with_tol_none_keeps_its_step_size():
     """tol=None switches the stopping rule off (SGDClassifier's convention, whose
@@ -289,6 +307,26 @@ def test_warm_start_at_a_new_learning_rate_init_takes_it():
     assert_array_equal(inc.trajectory_.learning_rates, 0.01)
 
 
+
+@pytest.mark.parametrize("first, then", [("invscaling", "constant"),
+                                         ("adaptive", "constant"),
+                                         ("invscaling", "adaptive")])
+def test_warm_start_with_another_schedule_starts_it_at_learning_rate_init(first, then):
+    """"constant" is learning_rate_init throughout: a warm start that switched to it
+    kept stepping with the size the previous schedule had decayed to (0.013 or 0.004
+    for 0.1), as did one switching to "adaptive". The path stays exact."""
+    X, y = _data(30)
+    params = {**SCHEDULED, "tol": 10.0, "n_iter_no_change": 1}
+    est = PathKernelMachine(**params, learning_rate=first, max_iter=6, warm_start=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # "adaptive" runs them all
+        est.fit(X, y)
+    n_before = est.trajectory_.n_steps
+    assert est.trajectory_.learning_rates[-1] < 0.05  # the schedule moved the step size
+    est.set_params(learning_rate=then, max_iter=2, tol=None).fit(X, y)
+    assert_array_equal(est.trajectory_.learning_rates[n_before:], 0.1)
+    assert est.decompose(X[:3]).error < 1e-10
+
 def test_partial_fit_equals_one_fit_and_indexes_the_concatenation():
     X, y = _data()
     params = dict(BASE, solver="adam", learning_rate_init=0.01, batch_size=5, tol=None)
@@ -386,6 +424,27 @@ def test_continuing_with_another_network_or_optimizer_is_refused(change, match):
     assert est.__dict__ == state
 
 
+
+@pytest.mark.parametrize("solver, change", [
+    ("sgd", dict(beta_1=0.5, beta_2=0.9, epsilon=1e-3)),
+    ("sgd", dict(nesterovs_momentum=False)),  # without momentum there is no Nesterov
+    ("rmsprop", dict(beta_1=0.5, beta_2=0.9, momentum=0.5)),
+    ("adam", dict(momentum=0.9)),
+])
+def test_continuing_after_changing_what_the_solver_ignores(solver, change):
+    """Only the hyper-parameters the solver's update reads make another optimizer:
+    sgd's path after set_params(beta_1=...) was refused as "one optimizer", though
+    adam's after set_params(momentum=...) continued (scikit-learn ignores both)."""
+    X, y = _data()
+    params = dict(BASE, solver=solver, learning_rate_init=0.01, batch_size=5, tol=None)
+    whole = PathKernelMachine(**params, max_iter=4).fit(X, y)
+    est = PathKernelMachine(**params, max_iter=2, warm_start=True).fit(X, y)
+    est.set_params(**change).fit(X, y)
+    assert torch.equal(est.trajectory_._params, whole.trajectory_._params)
+    assert est.trajectory_.solver_spec == whole.trajectory_.solver_spec
+    est.partial_fit(X, y)
+    assert est.n_iter_ == 5
+
 def test_partial_fit_refuses_early_stopping_and_other_features():
     X, y = _data()
     est = PathKernelMachine(**BASE, early_stopping=True)
@@ -442,6 +501,23 @@ def _small_regression():
     X = rng.normal(size=(50, 4))
     return X, X @ rng.normal(size=4) + 0.1 * rng.normal(size=50)
 
+
+
+def test_a_continued_fit_that_overflows_names_the_step_along_the_path():
+    """loss_curve_, n_iter_ and trajectory_.steps count along the whole path: the error
+    of a warm start that overflows named its step and epoch within that fit (step 1,
+    epoch 0) after 25 steps and 5 epochs."""
+    X, y = _data(40)
+    est = PathKernelMachine(**BASE, solver="sgd", learning_rate_init=0.1, batch_size=8,
+                            max_iter=5, tol=None, warm_start=True).fit(X, y)
+    assert (est.n_iter_, est.trajectory_.n_steps) == (5, 25)
+    est.set_params(learning_rate_init=1e150)
+    with pytest.raises(TrainingDivergedError) as raised:
+        est.fit(X, y)
+    step, epoch = (int(v) for v in
+                   re.search(r"step (\d+) \(epoch (\d+)\)", str(raised.value)).groups())
+    assert step >= 25 and epoch == 5 + (step - 25) // 5
+    assert est.n_iter_ == 5  # the fitted state is the previous one
 
 def test_finite_divergence_warns_with_epoch_loss_and_rate():
     X, y = _small_regression()
@@ -573,6 +649,31 @@ def test_growing_parameters_with_a_falling_loss_do_not_warn():
     assert traj.parameters(-1).norm() > 1000 * traj.parameters(0).norm()
     assert est.score(X * 1e-3, y) > 0.99
 
+
+
+def test_a_stream_whose_targets_grow_does_not_warn_of_divergence():
+    """A continued fit compares with the path's initial network on its own rows: later
+    partial_fit calls on targets 1000 times the first call's have a loss far above the
+    path's start (which warned, suggesting a smaller learning_rate_init) while training
+    is healthy; running away on the same rows still warns."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(200, 2))
+    y = np.r_[0.01 * X[:50, 0], 10 * X[50:, 0]]
+    est = PathKernelMachine(hidden_layer_sizes=(16,), learning_rate_init=0.01,
+                            normalize_y=False, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        for chunk in np.array_split(np.arange(200), 4):
+            est.partial_fit(X[chunk], y[chunk])
+    curve = est.loss_curve_
+    assert min(curve[1:]) > 100 * curve[0]  # what the path's start alone called divergence
+    assert curve[-1] < curve[1]
+    X, y = _small_regression()
+    est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=10.0,
+                            normalize_y=False, random_state=0).partial_fit(X, y)
+    start = f"times the {est.loss_curve_[0]:.3g} it started from"
+    with pytest.warns(DivergenceWarning, match=start):
+        est.partial_fit(X, y)
 
 def test_defaults_do_not_raise_the_divergence_warning():
     # The defaults benchmark's data sets (benchmarks/bench_defaults.py) at the defaults.

@@ -87,6 +87,23 @@ ACTIVATIONS = {
 }
 
 
+# The hyper-parameters of SolverSpec that each solver's update reads (see
+# FunctionalOptimizer); the others (beta_1 for sgd, momentum for adam) change nothing on
+# the path, and a warm start or partial_fit after set_params changed one continues it,
+# as scikit-learn's MLPs ignore the parameters their solver does not use.
+_SOLVER_READS = {
+    "sgd": ("momentum", "nesterov", "weight_decay"),
+    "adam": ("beta_1", "beta_2", "epsilon", "weight_decay"),
+    "adamw": ("beta_1", "beta_2", "epsilon", "weight_decay"),
+    "rmsprop": ("rmsprop_alpha", "epsilon", "weight_decay"),
+}
+
+
+def _update_rule(spec: SolverSpec) -> tuple:
+    """The solver's name and the hyper-parameters its update reads."""
+    return (spec.name, *(getattr(spec, name) for name in _SOLVER_READS[spec.name]))
+
+
 def _positive_int(low=1):
     return Interval(numbers.Integral, low, None, closed="left")
 
@@ -736,7 +753,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 f"{self._network_spec}; the estimator now asks for {self._module_spec()}. "
                 "Set warm_start=False (or call fit) to train a new network.")
         before, now = previous.trajectory.solver_spec, self._solver_spec()
-        if before != now:
+        if _update_rule(before) != _update_rule(now):
             raise ValueError(
                 f"warm_start and partial_fit continue the recorded path, whose optimizer "
                 f"was {before}; the estimator now asks for {now}. A path has one "
@@ -858,7 +875,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),
-                solver=self._solver_spec(),
+                # A continued path keeps its optimizer (whose update rule
+                # _check_continuable compared): the segment records the same spec.
+                solver=self._solver_spec() if previous is None
+                else previous.trajectory.solver_spec,
                 learning_rate=float(self.learning_rate_init),
                 batch_size=self.batch_size,
                 max_iter=max_iter,
@@ -880,18 +900,28 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 resume=None if previous is None else self._resumed(incremental),
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
+                first_step=0 if previous is None else previous.trajectory.n_steps,
                 extends=extends,
                 sample_weight=sample_weight,
+                # Read before the new points join a path on disk.
+                path_start=None if previous is None
+                else previous.trajectory.parameters(0).clone(),
             )
 
     def _resumed(self, incremental: bool):
-        """The previous fit's Resume; a warm start whose ``learning_rate_init`` was changed
-        starts its schedule there, as MLPClassifier's warm start does with a new optimizer
-        (the optimizer's state, the moments, continue: one path). ``partial_fit`` keeps the
-        schedule's step size, as MLPClassifier's does."""
+        """The previous fit's Resume; a warm start whose ``learning_rate_init`` or
+        ``learning_rate`` (the schedule) was changed starts its schedule at
+        ``learning_rate_init``, as MLPClassifier's warm start does with a new optimizer
+        (the optimizer's state, the moments, continue: one path), so that "constant"
+        after "adaptive" or "invscaling" steps with ``learning_rate_init``, not with the
+        step size the other schedule had reached. ``partial_fit`` keeps the schedule's
+        step size, as MLPClassifier's does."""
         resume, lr_init = self._resume, float(self.learning_rate_init)
-        if (incremental or resume.learning_rate_init is None
-                or resume.learning_rate_init == lr_init):
+        schedule = self.learning_rate if self.solver == "sgd" else "constant"
+        changed = (resume.learning_rate_init is not None
+                   and resume.learning_rate_init != lr_init) or (
+            resume.schedule is not None and resume.schedule != schedule)
+        if incremental or not changed:
             return resume
         return dataclasses.replace(resume, learning_rate=lr_init, learning_rate_init=lr_init)
 

@@ -175,9 +175,10 @@ _SHARED_PARAMS_DOC = """
         Show a progress bar (tqdm, when installed) with the training loss.
     warm_start : bool, default=False
         ``fit`` continues from the fitted network and its optimizer's state (moments,
-        step count, the schedule's step size; a ``learning_rate_init`` changed since
-        the last fit restarts the step size there, as MLPClassifier's warm start
-        does) instead of a new initialization, and
+        step count, the schedule's step size; a ``learning_rate_init`` or
+        ``learning_rate`` changed since the last fit restarts the step size at
+        ``learning_rate_init``, as MLPClassifier's warm start does) instead of a new
+        initialization, and
         extends ``trajectory_``: one path from the first initialization to the last
         step, over which the kernels and :meth:`decompose` stay exact. On the same
         training data the batches index it as before; on other data the training set

@@ -382,11 +382,14 @@ class Resume:
     # mode (dropout) read: a continuation draws on from where the fit stopped, as the batch
     # order does, instead of repeating the first fit's draws (None: pickled before).
     draws_state: tuple | None = None
+    # The schedule the step size followed ("constant" for every solver but sgd; None:
+    # pickled before it was kept), so that a warm start can tell a new schedule.
+    schedule: str | None = None
 
     @classmethod
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
                 first_loss, initial_norm, learning_rate_init=None,
-                device: torch.device | None = None) -> Resume:
+                device: torch.device | None = None, schedule=None) -> Resume:
         state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
@@ -396,7 +399,7 @@ class Resume:
                    generator.get_state().numpy().copy(), tuple(rule), float(first_loss),
                    float(initial_norm),
                    None if learning_rate_init is None else float(learning_rate_init),
-                   (torch.get_rng_state().numpy().copy(), cuda))
+                   (torch.get_rng_state().numpy().copy(), cuda), schedule)
 
     def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
@@ -668,8 +671,10 @@ def train(
     resume: Resume | None = None,
     single_epoch: bool = False,
     first_epoch: int = 0,
+    first_step: int = 0,
     extends: Trajectory | None = None,
     sample_weight: np.ndarray | None = None,
+    path_start: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train ``module`` in place on (X, Y) and return the recorded path.
 
@@ -679,13 +684,17 @@ def train(
     each epoch. ``schedule`` and ``power_t`` are MLPClassifier's ``learning_rate`` and
     ``power_t`` (see :class:`_Schedule`); ``resume`` continues a previous fit's optimizer,
     schedule and (with ``single_epoch``, ``partial_fit``'s one pass) stopping rule;
-    ``first_epoch`` counts the epochs before it (for the warnings' epoch numbers);
+    ``first_epoch`` and ``first_step`` count the epochs and the path's optimizer steps
+    before it (for the epoch and step numbers of the warnings and errors, which name
+    them along the whole path, as ``loss_curve_`` and ``trajectory_.steps`` do);
     ``extends``, the on-disk path it continues, whose series the new points are appended
     to (the result's trajectory is the new segment: see :func:`extend_trajectory`).
     ``sample_weight`` (float64, one per row of X, None: all equal): each step's loss is
     the weighted mean over its batch (:func:`batch_betas`), whose weights the trajectory
     records (``batch_weights``); the epoch loss averages the batch losses by batch size
-    (MLPClassifier's convention).
+    (MLPClassifier's convention). ``path_start``: with ``resume``, the flat parameters
+    at the first point of the path being continued, whose loss on (X, Y) is the start
+    the divergence warning compares with when it is above the path's own start.
 
     Stopping follows MLPClassifier (see :class:`_StoppingRule`): with ``validation`` (a
     callable scoring the module on held-out data, higher is better) the score decides,
@@ -732,7 +741,7 @@ def train(
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
                               initial_norm=norms[0], learning_rate_init=sched.lr_init,
-                              device=X.device)
+                              device=X.device, schedule=sched.kind)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     reference = None  # the loss the divergence check compares with (_start_loss)
     # The initial point, for the start's loss where the first epoch ran away (_start_loss).
@@ -745,7 +754,8 @@ def train(
         order = torch.randperm(n, generator=generator) if shuffle and B < n else rows
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
                                   gradient, sample_weight)
-        epoch_loss = _epoch_loss(batch_losses, sizes, total, step, epoch, lr,
+        epoch_loss = _epoch_loss(batch_losses, sizes, total, first_step + step,
+                                 first_epoch + epoch, lr,
                                  initial=resume is None)
         if epoch == 0 and resume is None:
             reference = _start_loss(epoch_loss, batch_losses[0], functools.partial(
@@ -778,14 +788,22 @@ def train(
         if stopped or single_epoch:
             break
     if not stopped and not single_epoch and tol is not None:
-        _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None)
+        _warn_not_converged(max_iter, tol, n_iter_no_change, validation is not None, sched)
     first_loss = reference if resume is None else resume.first_loss
     if norms_later:
         norms = _epoch_norms(recorder, params, epoch_steps, norms, first_loss, loss_curve)
+    if path_start is not None and _divergence(first_loss, loss_curve, norms) is not None:
+        # A continued fit's data may be unlike the data the path started on (a stream
+        # whose targets grow after its first partial_fit call): its loss is then far
+        # above the path's start without anything running away. The start on these
+        # rows is the path's initial network's loss on them, one forward pass.
+        first_loss = max(first_loss, _initial_loss(
+            module, names, params, path_start.to(X.device), X, Y, loss, B, sample_weight))
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())
-    trajectory = _finish(recorder, params, best, len(loss_curve), learning_rate)
+    trajectory = _finish(recorder, params, best, first_epoch + len(loss_curve),
+                         learning_rate, first_step)
     return TrainResult(
         trajectory, loss_curve, len(loss_curve), step,
         best_loss=None if validation is not None else min(loss_curve),
@@ -795,55 +813,74 @@ def train(
     )
 
 
-def _finish(recorder, params, best, n_iter, lr) -> Trajectory:
-    """The recorded path up to the model's step ``best[0]``, the module set to its point."""
+def _finish(recorder, params, best, n_iter, lr, first_step=0) -> Trajectory:
+    """The recorded path up to the model's step ``best[0]``, the module set to its point.
+    ``n_iter`` and ``first_step``: the path's epochs to this fit's end and its steps
+    before this fit (for the error's numbers)."""
     step, flat, _ = best
     if flat is not None:  # the best-scoring epoch's parameters
         torch.nn.utils.vector_to_parameters(flat.to(params[0].device), params)
     # The module holds the path's last point: checked there, not read back from a file,
     # and before finish(), which refuses a path that compression could not store.
     if not all(bool(torch.isfinite(p).all()) for p in params):
-        _raise_diverged(step - 1, n_iter - 1, lr)
+        _raise_diverged(first_step + step - 1, n_iter - 1, lr)
     return recorder.finish(step, flat)
 
 
-def _warn_not_converged(max_iter, tol, n_iter_no_change, validating):
+def _warn_not_converged(max_iter, tol, n_iter_no_change, validating, sched=None):
+    """``sched``: the :class:`_Schedule`; "adaptive" stops only at its smallest step."""
+    # What the rule waits for, not a claim that the loss improved: fewer than
+    # n_iter_no_change + 1 epochs may have run, and "adaptive" restarts its count each
+    # time it divides the step size.
+    rule = (f"{n_iter_no_change + 1} consecutive epochs in which the "
+            f"{'validation score' if validating else 'training loss'} did not improve by "
+            f"more than tol={tol:g}")
+    if sched is not None and sched.kind == "adaptive":
+        rule += (f", at a step size of at most 1e-6 (learning_rate='adaptive' divides it "
+                 f"by 5 at each such run; it is {sched.lr:g})")
     warnings.warn(
         f"Maximum iterations ({max_iter}) reached and the optimization hasn't converged "
-        f"yet: the {'validation score' if validating else 'training loss'} "
-        f"still improved by more than tol={tol:g} within the last "
-        f"{n_iter_no_change + 1} epochs. Increase max_iter, or pass tol=None to train "
-        "exactly max_iter epochs.",
+        f"yet: the stopping rule waits for {rule}. Increase max_iter, or pass tol=None to "
+        "train exactly max_iter epochs.",
         ConvergenceWarning,
         stacklevel=caller_stacklevel(),  # the user's line, also via a meta-estimator
     )
 
 
-def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
-    """:class:`DivergenceWarning` when finite training ran away (thresholds above).
-
-    ``first_loss`` and ``norms[0]`` are the whole path's starting loss
-    (:func:`_start_loss`) and initial parameter norm (a continued fit compares with
-    them); ``norms[1:]`` follow the epochs of ``loss_curve``, the first of which is epoch
-    ``epoch0``.
-    """
+def _divergence(first_loss, loss_curve, norms) -> tuple[int, str] | None:
+    """``(epoch, what ran away)`` when finite training ran away (thresholds above), else
+    None; the arguments are :func:`_warn_if_diverging`'s."""
     limit = DIVERGENCE_LOSS_RATIO * first_loss
     norm_up = [e for e, v in enumerate(norms[1:]) if v > DIVERGENCE_NORM_RATIO * norms[0]]
     # Grown parameters alone may be training at work (a linear layer on features in
     # tiny units): they count when the loss did not come down either.
     if norm_up and loss_curve[-1] > first_loss:
         e = norm_up[0]
-        what = (f"the parameters' norm reached {norms[e + 1]:.3g}, more than "
-                f"{DIVERGENCE_NORM_RATIO:g} times its initial {norms[0]:.3g}")
-    elif max(loss_curve) > limit and loss_curve[-1] >= first_loss:
+        return e, (f"the parameters' norm reached {norms[e + 1]:.3g}, more than "
+                   f"{DIVERGENCE_NORM_RATIO:g} times its initial {norms[0]:.3g}")
+    if max(loss_curve) > limit and loss_curve[-1] >= first_loss:
         # Up a hundredfold and never back below the start: also a network that blew up
         # and then settled where it predicts nothing (Adam at learning_rate_init=1 on
         # standardized digits: 848 over the first epoch from 2.3, then chance at 2.33).
         e = next(e for e, v in enumerate(loss_curve) if v > limit)
-        what = (f"the training loss reached {loss_curve[e]:.3g}, more than "
-                f"{DIVERGENCE_LOSS_RATIO:g} times the {first_loss:.3g} it started from")
-    else:
+        return e, (f"the training loss reached {loss_curve[e]:.3g}, more than "
+                   f"{DIVERGENCE_LOSS_RATIO:g} times the {first_loss:.3g} it started from")
+    return None
+
+
+def _warn_if_diverging(first_loss, loss_curve, norms, lr, epoch0=0):
+    """:class:`DivergenceWarning` when finite training ran away (thresholds above).
+
+    ``first_loss`` and ``norms[0]`` are the whole path's starting loss
+    (:func:`_start_loss`; for a continued fit on other rows, the path's initial
+    network's loss on them when higher) and initial parameter norm (a continued fit
+    compares with them); ``norms[1:]`` follow the epochs of ``loss_curve``, the first of
+    which is epoch ``epoch0``.
+    """
+    found = _divergence(first_loss, loss_curve, norms)
+    if found is None:
         return
+    e, what = found
     warnings.warn(
         f"Training diverged without overflowing: at epoch {epoch0 + e} {what}; the last "
         f"epoch's loss is {loss_curve[-1]:.3g}. The fitted network is not a trained one: "

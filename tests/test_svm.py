@@ -120,6 +120,29 @@ def _unit(F):
     return F / np.sqrt(np.einsum("ij,ij->i", F, F))[:, None]
 
 
+@pytest.mark.parametrize("svm_kernel", ["linear", "tangent"])
+def test_dataframe_fit_warns_of_no_missing_feature_names(circle, svm_kernel):
+    """The linear SVM's features of X_fit_ (at fit) and of the validated rows (predict)
+    were validated again as a new X: a DataFrame fit warned "X does not have valid
+    feature names" on every call, with the right names given."""
+    import warnings
+
+    import pandas as pd
+    X, y = circle
+    df = pd.DataFrame(X, columns=["x1", "x2"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*feature names")
+        est = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=1.0,
+                                svm_kernel=svm_kernel).fit(df, y)
+        decision = est.decision_function(df[:9])
+        assert est.score(df, y) > 0.5
+    np.testing.assert_array_equal(est.predict(df[:9]), est.classes_[(decision > 0).astype(int)])
+    np.testing.assert_array_equal(est.feature_names_in_, ["x1", "x2"])
+    # Reordered columns are still refused.
+    with pytest.raises(ValueError, match="feature names should match"):
+        est.predict(df[["x2", "x1"]])
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_linear_svm_equals_precomputed_tangent_kernel(circle, normalize):
     X, y = circle

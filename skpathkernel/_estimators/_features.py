@@ -364,7 +364,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         return kernel(self, normalized=self._normalize)
 
     def _features(self, X):
-        phi = self._tangent_features(X)
+        """What the linear SVM reads of an ``X`` validated already (``X_fit_``, or
+        ``_svm_input``'s): validated again, rows from a DataFrame fit warned that they
+        had no feature names."""
+        phi = self._tangent_features(X, validated=True)
         return _unit_rows(phi) if self._normalize else phi
 
     @runs_fitted_module

@@ -223,6 +223,18 @@ def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data)
     np.testing.assert_array_equal(est.predict(X), svm.predict(_unit(est.transform(X))))
 
 
+@pytest.mark.parametrize("svm_kernel", ["linear", "tangent", "path"])
+def test_auto_C_of_a_normalized_kernel_is_on_the_documented_grid(circle, svm_kernel):
+    """Normalized, C="auto"'s scale is 1: "linear" took the mean of its unit rows'
+    rounded squared norms (C_ = 999.99999 in float32, where "tangent", the same SVM,
+    chose 1000), and dead rows (phi = 0) moved the whole grid."""
+    X, y = circle
+    params = dict(SMALL, dtype="float32", max_iter=5 if svm_kernel == "path" else 30)
+    est = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
+    assert est.C_ in (0.1, 1.0, 10.0, 100.0, 1000.0)
+    assert est.svm_.C == est.C_
+
+
 @pytest.mark.parametrize("svm_kernel", ["tangent", "path", "linear"])
 def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypatch, svm_kernel):
     import torch
@@ -280,7 +292,8 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
     assert len(grams) == 2
     np.testing.assert_allclose(grams[0], grams[1], rtol=1e-12, atol=1e-12)
     for fitted, gram in [(est, grams[0]), (auto, grams[1])]:
-        grid = [c / np.mean(np.diag(gram)) for c in (0.1, 1.0, 10.0, 100.0, 1000.0)]
+        # normalize=True (the default): the kernel's scale is 1.
+        grid = [0.1, 1.0, 10.0, 100.0, 1000.0]
         search = GridSearchCV(SVC(kernel="precomputed"), {"C": grid},
                               cv=StratifiedKFold(3)).fit(gram, y)
         assert fitted.C_ == search.best_params_["C"]

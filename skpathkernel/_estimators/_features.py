@@ -274,7 +274,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         The SVM's regularization (larger: less regularization). "auto" chooses it from
         the training data: among ``[0.1, 1, 10, 100, 1000] / s``, ``s`` the mean of the
         training Gram's diagonal (the kernel's scale, so that the choice does not depend
-        on the units of the tangent features; 1 with ``normalize``), the value with the
+        on the units of the tangent features; exactly 1 with ``normalize``), the value with the
         best accuracy in a stratified 3-fold cross-validation of the SVM on the training
         Gram (the smaller on ties). Cheap next to training: the Gram is computed once.
         ``C_`` holds the value used. The Gram's rounding depends on the threads (and
@@ -432,7 +432,11 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         C = self.C
         if C == "auto":
             gram = train_input @ train_input.T if kernel == "linear" else train_input
-            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, weights)
+            # Normalized, the scale is 1 (as documented), not the mean of a diagonal of
+            # rounded ones: "linear" (unit rows in float32) chose C_ = 999.99999 where
+            # "tangent", the same SVM, chose 1000.
+            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, weights,
+                          1.0 if self._normalize else None)
         svm = SVC(kernel=kernel, C=float(C))  # deterministic: no probability, no RNG
         svm.fit(train_input, labels, sample_weight=weights)
         self.svm_, self.C_ = svm, float(C)
@@ -490,8 +494,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 AUTO_C = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
-def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
+def _choose_C(gram: np.ndarray, labels, sample_weight=None, scale=None) -> float:
     """The C of ``AUTO_C / scale`` with the best 3-fold cross-validated accuracy.
+
+    ``scale``: the kernel's scale, None for the mean of the Gram's diagonal.
 
     Stratified folds in the order of the training set (no shuffling: deterministic),
     each fold's SVM fitted on the Gram's rows and columns of its training part; the mean
@@ -503,8 +509,9 @@ def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
     part gives positive weight to fewer than two classes (libsvm refuses to fit it), is
     not scored; with no fold left, ``1 / scale``.
     """
-    scale = float(np.mean(np.diag(gram)))
-    scale = scale if np.isfinite(scale) and scale > 0 else 1.0
+    if scale is None:
+        scale = float(np.mean(np.diag(gram)))
+        scale = scale if np.isfinite(scale) and scale > 0 else 1.0
     grid = [c / scale for c in AUTO_C]
     labels = np.asarray(labels)
     n_folds = min(3, int(np.unique(labels, return_counts=True)[1].min()))

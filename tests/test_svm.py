@@ -115,6 +115,29 @@ def test_pandas_in_and_out(circle):
     np.testing.assert_allclose(out.to_numpy(), _loop_features(est, X[:5]), rtol=1e-12)
 
 
+@pytest.mark.parametrize("cls,n_components", [(TangentFeatures, None), (TangentFeatures, 3),
+                                              (TangentFeatureSVM, None)])
+def test_feature_names_out_check_input_features_as_sklearn_does(circle, cls, n_components):
+    """input_features were ignored, so names of other columns (or of another number of
+    them) passed silently; scikit-learn's transformers check them against the fit's."""
+    import pandas as pd
+    from sklearn.utils.estimator_checks import check_transformer_get_feature_names_out_pandas
+    X, y = circle
+    params = {} if n_components is None else dict(n_components=n_components, random_state=0)
+    est = cls(PathKernelClassifier(**SMALL), **params).fit(pd.DataFrame(X, columns=["a", "b"]), y)
+    names = est.get_feature_names_out()
+    np.testing.assert_array_equal(est.get_feature_names_out(["a", "b"]), names)
+    with pytest.raises(ValueError, match="input_features is not equal to feature_names_in_"):
+        est.get_feature_names_out(["b", "a"])
+    unnamed = cls(PathKernelClassifier(**SMALL), **params).fit(X, y)
+    np.testing.assert_array_equal(unnamed.get_feature_names_out(["u", "v"]), names)
+    with pytest.raises(ValueError, match="input_features should have length equal"):
+        unnamed.get_feature_names_out(["u", "v", "w"])
+    # scikit-learn's own check of transformers' names (not among check_estimator's).
+    check_transformer_get_feature_names_out_pandas(
+        cls.__name__, cls(PathKernelClassifier(**SMALL), **params))
+
+
 # ----------------------------------------------------------------------------- TangentFeatureSVM
 def _unit(F):
     return F / np.sqrt(np.einsum("ij,ij->i", F, F))[:, None]

@@ -17,7 +17,7 @@ from sklearn.svm import SVC
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_is_fitted, column_or_1d
+from sklearn.utils.validation import _check_feature_names_in, check_is_fitted, column_or_1d
 
 from .. import _tangent
 from .._device import to_numpy
@@ -54,13 +54,16 @@ class _TangentFeatureNames:
         Parameters
         ----------
         input_features : array-like of str or None, default=None
-            Ignored; the names come from the network's parameters.
+            Only checked against the input features seen in ``fit`` (``feature_names_in_``,
+            or their number), as scikit-learn's transformers do; the names come from the
+            network's parameters.
 
         Returns
         -------
         feature_names_out : ndarray of str objects
         """
         check_is_fitted(self)
+        _check_feature_names_in(self, input_features, generate_names=False)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
 
     def __sklearn_tags__(self):
@@ -233,9 +236,10 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
 
         Parameters
         ----------
-        input_features : None
-            Ignored: the names come from the network's parameters or the projection, not
-            from the input features. Kept for scikit-learn's transformer API.
+        input_features : array-like of str or None, default=None
+            Only checked against the input features seen in ``fit`` (``feature_names_in_``,
+            or their number), as scikit-learn's transformers do: the names come from the
+            network's parameters or the projection, not from the input features.
 
         Returns
         -------
@@ -245,6 +249,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         check_is_fitted(self)
         if self.n_components is None:
             return super().get_feature_names_out(input_features)
+        _check_feature_names_in(self, input_features, generate_names=False)
         prefix = type(self).__name__.lower()
         return np.asarray([f"{prefix}{k}" for k in range(self.n_components)], dtype=object)
 

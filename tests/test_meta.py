@@ -198,6 +198,20 @@ def test_a_non_trainer_estimator_is_refused_and_the_previous_fit_kept(cls, bad, 
     assert est.trajectory_ is traj
 
 
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_a_trainer_class_instead_of_an_instance_is_named(cls, circle):
+    """estimator=PathKernelClassifier (the call forgotten) passes the "has fit" check; it
+    was refused as "got ABCMeta" (the class's metaclass), which named nothing."""
+    X, y = circle
+    est = cls(PathKernelClassifier(**SMALL)).fit(X, y)
+    traj = est.trajectory_
+    for bad in (PathKernelClassifier, FrozenEstimator(PathKernelClassifier)):
+        with pytest.raises(TypeError, match=r"got the class PathKernelClassifier, not an "
+                                            r"instance: pass PathKernelClassifier\(\.\.\.\)"):
+            est.set_params(estimator=bad).fit(X, y)
+        assert est.trajectory_ is traj
+
+
 def test_tangent_feature_svm_takes_a_classifier_only(circle):
     X, y = circle
     with pytest.raises(TypeError, match="PathKernelClassifier.*got PathKernelMachine"):

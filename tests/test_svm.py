@@ -115,9 +115,55 @@ def test_pandas_in_and_out(circle):
     np.testing.assert_allclose(out.to_numpy(), _loop_features(est, X[:5]), rtol=1e-12)
 
 
+@pytest.mark.parametrize("cls,n_components", [(TangentFeatures, None), (TangentFeatures, 3),
+                                              (TangentFeatureSVM, None)])
+def test_feature_names_out_check_input_features_as_sklearn_does(circle, cls, n_components):
+    """input_features were ignored, so names of other columns (or of another number of
+    them) passed silently; scikit-learn's transformers check them against the fit's."""
+    import pandas as pd
+    from sklearn.utils.estimator_checks import check_transformer_get_feature_names_out_pandas
+    X, y = circle
+    params = {} if n_components is None else dict(n_components=n_components, random_state=0)
+    est = cls(PathKernelClassifier(**SMALL), **params).fit(pd.DataFrame(X, columns=["a", "b"]), y)
+    names = est.get_feature_names_out()
+    np.testing.assert_array_equal(est.get_feature_names_out(["a", "b"]), names)
+    with pytest.raises(ValueError, match="input_features is not equal to feature_names_in_"):
+        est.get_feature_names_out(["b", "a"])
+    unnamed = cls(PathKernelClassifier(**SMALL), **params).fit(X, y)
+    np.testing.assert_array_equal(unnamed.get_feature_names_out(["u", "v"]), names)
+    with pytest.raises(ValueError, match="input_features should have length equal"):
+        unnamed.get_feature_names_out(["u", "v", "w"])
+    # scikit-learn's own check of transformers' names (not among check_estimator's).
+    check_transformer_get_feature_names_out_pandas(
+        cls.__name__, cls(PathKernelClassifier(**SMALL), **params))
+
+
 # ----------------------------------------------------------------------------- TangentFeatureSVM
 def _unit(F):
     return F / np.sqrt(np.einsum("ij,ij->i", F, F))[:, None]
+
+
+@pytest.mark.parametrize("svm_kernel", ["linear", "tangent"])
+def test_dataframe_fit_warns_of_no_missing_feature_names(circle, svm_kernel):
+    """The linear SVM's features of X_fit_ (at fit) and of the validated rows (predict)
+    were validated again as a new X: a DataFrame fit warned "X does not have valid
+    feature names" on every call, with the right names given."""
+    import warnings
+
+    import pandas as pd
+    X, y = circle
+    df = pd.DataFrame(X, columns=["x1", "x2"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*feature names")
+        est = TangentFeatureSVM(PathKernelClassifier(**SMALL), C=1.0,
+                                svm_kernel=svm_kernel).fit(df, y)
+        decision = est.decision_function(df[:9])
+        assert est.score(df, y) > 0.5
+    np.testing.assert_array_equal(est.predict(df[:9]), est.classes_[(decision > 0).astype(int)])
+    np.testing.assert_array_equal(est.feature_names_in_, ["x1", "x2"])
+    # Reordered columns are still refused.
+    with pytest.raises(ValueError, match="feature names should match"):
+        est.predict(df[["x2", "x1"]])
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -200,6 +246,18 @@ def test_multiclass_string_labels_and_failed_fit_keeps_previous(regression_data)
     np.testing.assert_array_equal(est.predict(X), svm.predict(_unit(est.transform(X))))
 
 
+@pytest.mark.parametrize("svm_kernel", ["linear", "tangent", "path"])
+def test_auto_C_of_a_normalized_kernel_is_on_the_documented_grid(circle, svm_kernel):
+    """Normalized, C="auto"'s scale is 1: "linear" took the mean of its unit rows'
+    rounded squared norms (C_ = 999.99999 in float32, where "tangent", the same SVM,
+    chose 1000), and dead rows (phi = 0) moved the whole grid."""
+    X, y = circle
+    params = dict(SMALL, dtype="float32", max_iter=5 if svm_kernel == "path" else 30)
+    est = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel=svm_kernel).fit(X, y)
+    assert est.C_ in (0.1, 1.0, 10.0, 100.0, 1000.0)
+    assert est.svm_.C == est.C_
+
+
 @pytest.mark.parametrize("svm_kernel", ["tangent", "path", "linear"])
 def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypatch, svm_kernel):
     import torch
@@ -257,7 +315,8 @@ def test_small_svm_kernel_runs_on_one_thread_with_the_same_svm(circle, monkeypat
     assert len(grams) == 2
     np.testing.assert_allclose(grams[0], grams[1], rtol=1e-12, atol=1e-12)
     for fitted, gram in [(est, grams[0]), (auto, grams[1])]:
-        grid = [c / np.mean(np.diag(gram)) for c in (0.1, 1.0, 10.0, 100.0, 1000.0)]
+        # normalize=True (the default): the kernel's scale is 1.
+        grid = [0.1, 1.0, 10.0, 100.0, 1000.0]
         search = GridSearchCV(SVC(kernel="precomputed"), {"C": grid},
                               cv=StratifiedKFold(3)).fit(gram, y)
         assert fitted.C_ == search.best_params_["C"]

@@ -270,9 +270,14 @@ class FittedNetworkMixin:
         return X
 
     @runs_fitted_module
-    def _tangent_features(self, X, *, step=-1, output="trace") -> np.ndarray:
-        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype."""
-        module, params, X_t = self._engine_inputs(X, step)
+    def _tangent_features(self, X, *, step=-1, output="trace", validated=False) -> np.ndarray:
+        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype.
+
+        ``validated``: ``X`` is in the network's form already (``X_fit_``, or rows the
+        caller validated), not checked again: checked as a new ``X``, such an array
+        has lost the column names of a DataFrame fit and would warn that it has none.
+        """
+        module, params, X_t = self._engine_inputs(X, step, validated=validated)
         row = self._check_feature_row_fits("Dense tangent features")
         budget = self._budget()
         # The engine's check for hidden parameter reads runs once, not in every block.
@@ -293,9 +298,9 @@ class FittedNetworkMixin:
                        f"{what} ({n_out} x {self.n_params_} values per sample)")
         return row
 
-    def _engine_inputs(self, X, step=-1):
+    def _engine_inputs(self, X, step=-1, *, validated=False):
         """(module, parameters at recorded point ``step``, validated X as a tensor)."""
-        X = self._validate_X(X)
+        X = X if validated else self._validate_X(X)
         net = self.network_
         return net.module, net.params_at(step), net.tensor(X)
 

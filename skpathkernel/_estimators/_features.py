@@ -17,7 +17,7 @@ from sklearn.svm import SVC
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import type_of_target
-from sklearn.utils.validation import check_is_fitted, column_or_1d
+from sklearn.utils.validation import _check_feature_names_in, check_is_fitted, column_or_1d
 
 from .. import _tangent
 from .._device import to_numpy
@@ -54,13 +54,16 @@ class _TangentFeatureNames:
         Parameters
         ----------
         input_features : array-like of str or None, default=None
-            Ignored; the names come from the network's parameters.
+            Only checked against the input features seen in ``fit`` (``feature_names_in_``,
+            or their number), as scikit-learn's transformers do; the names come from the
+            network's parameters.
 
         Returns
         -------
         feature_names_out : ndarray of str objects
         """
         check_is_fitted(self)
+        _check_feature_names_in(self, input_features, generate_names=False)
         return tangent_feature_names(self.trajectory_, self.n_outputs_)
 
     def __sklearn_tags__(self):
@@ -233,9 +236,10 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
 
         Parameters
         ----------
-        input_features : None
-            Ignored: the names come from the network's parameters or the projection, not
-            from the input features. Kept for scikit-learn's transformer API.
+        input_features : array-like of str or None, default=None
+            Only checked against the input features seen in ``fit`` (``feature_names_in_``,
+            or their number), as scikit-learn's transformers do: the names come from the
+            network's parameters or the projection, not from the input features.
 
         Returns
         -------
@@ -245,6 +249,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         check_is_fitted(self)
         if self.n_components is None:
             return super().get_feature_names_out(input_features)
+        _check_feature_names_in(self, input_features, generate_names=False)
         prefix = type(self).__name__.lower()
         return np.asarray([f"{prefix}{k}" for k in range(self.n_components)], dtype=object)
 
@@ -274,7 +279,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         The SVM's regularization (larger: less regularization). "auto" chooses it from
         the training data: among ``[0.1, 1, 10, 100, 1000] / s``, ``s`` the mean of the
         training Gram's diagonal (the kernel's scale, so that the choice does not depend
-        on the units of the tangent features; 1 with ``normalize``), the value with the
+        on the units of the tangent features; exactly 1 with ``normalize``), the value with the
         best accuracy in a stratified 3-fold cross-validation of the SVM on the training
         Gram (the smaller on ties). Cheap next to training: the Gram is computed once.
         ``C_`` holds the value used. The Gram's rounding depends on the threads (and
@@ -364,7 +369,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         return kernel(self, normalized=self._normalize)
 
     def _features(self, X):
-        phi = self._tangent_features(X)
+        """What the linear SVM reads of an ``X`` validated already (``X_fit_``, or
+        ``_svm_input``'s): validated again, rows from a DataFrame fit warned that they
+        had no feature names."""
+        phi = self._tangent_features(X, validated=True)
         return _unit_rows(phi) if self._normalize else phi
 
     @runs_fitted_module
@@ -429,7 +437,11 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         C = self.C
         if C == "auto":
             gram = train_input @ train_input.T if kernel == "linear" else train_input
-            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, weights)
+            # Normalized, the scale is 1 (as documented), not the mean of a diagonal of
+            # rounded ones: "linear" (unit rows in float32) chose C_ = 999.99999 where
+            # "tangent", the same SVM, chose 1000.
+            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, weights,
+                          1.0 if self._normalize else None)
         svm = SVC(kernel=kernel, C=float(C))  # deterministic: no probability, no RNG
         svm.fit(train_input, labels, sample_weight=weights)
         self.svm_, self.C_ = svm, float(C)
@@ -487,8 +499,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 AUTO_C = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
-def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
+def _choose_C(gram: np.ndarray, labels, sample_weight=None, scale=None) -> float:
     """The C of ``AUTO_C / scale`` with the best 3-fold cross-validated accuracy.
+
+    ``scale``: the kernel's scale, None for the mean of the Gram's diagonal.
 
     Stratified folds in the order of the training set (no shuffling: deterministic),
     each fold's SVM fitted on the Gram's rows and columns of its training part; the mean
@@ -500,8 +514,9 @@ def _choose_C(gram: np.ndarray, labels, sample_weight=None) -> float:
     part gives positive weight to fewer than two classes (libsvm refuses to fit it), is
     not scored; with no fold left, ``1 / scale``.
     """
-    scale = float(np.mean(np.diag(gram)))
-    scale = scale if np.isfinite(scale) and scale > 0 else 1.0
+    if scale is None:
+        scale = float(np.mean(np.diag(gram)))
+        scale = scale if np.isfinite(scale) and scale > 0 else 1.0
     grid = [c / scale for c in AUTO_C]
     labels = np.asarray(labels)
     n_folds = min(3, int(np.unique(labels, return_counts=True)[1].min()))

@@ -130,10 +130,15 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         inner = est.estimator if frozen else est
         if inner is not None and not isinstance(inner, self._trainers):
             kinds = " or ".join(cls.__name__ for cls in self._trainers)
+            # A class (estimator=PathKernelClassifier, the call forgotten) is named as
+            # one: its type is the metaclass, and "got ABCMeta" said nothing.
+            got = (f"the class {inner.__name__}, not an instance: pass "
+                   f"{inner.__name__}(...)" if isinstance(inner, type)
+                   else type(inner).__name__)
             raise TypeError(
                 f"{type(self).__name__} takes a skpathkernel trainer as estimator, a "
                 f"{kinds} (fitted and wrapped in sklearn.frozen.FrozenEstimator to use "
-                f"its network as it is); got {type(inner).__name__}."
+                f"its network as it is); got {got}."
             )
         return inner, frozen
 

@@ -138,6 +138,24 @@ def test_feature_names_out_check_input_features_as_sklearn_does(circle, cls, n_c
         cls.__name__, cls(PathKernelClassifier(**SMALL), **params))
 
 
+@pytest.mark.parametrize("cls", [PathKernelClassifier, PathKernelMachine])
+def test_trainers_feature_names_out_check_input_features(circle, cls):
+    """The trainers' own transform names its columns the same way, and ignored
+    input_features too."""
+    import pandas as pd
+    from sklearn.utils.estimator_checks import check_transformer_get_feature_names_out_pandas
+    X, y = circle
+    est = cls(**SMALL).fit(pd.DataFrame(X, columns=["a", "b"]), y)
+    names = est.get_feature_names_out()
+    assert len(names) == est.transform(X[:2]).shape[1]
+    np.testing.assert_array_equal(est.get_feature_names_out(["a", "b"]), names)
+    with pytest.raises(ValueError, match="input_features is not equal to feature_names_in_"):
+        est.get_feature_names_out(["b", "a"])
+    with pytest.raises(ValueError, match="input_features should have length equal"):
+        cls(**SMALL).fit(X, y).get_feature_names_out(["u", "v", "w"])
+    check_transformer_get_feature_names_out_pandas(cls.__name__, cls(**SMALL))
+
+
 # ----------------------------------------------------------------------------- TangentFeatureSVM
 def _unit(F):
     return F / np.sqrt(np.einsum("ij,ij->i", F, F))[:, None]

@@ -24,7 +24,12 @@ from sklearn.metrics import r2_score
 from sklearn.model_selection import train_test_split
 from sklearn.utils import check_array, check_consistent_length, check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import _check_sample_weight, check_is_fitted, column_or_1d
+from sklearn.utils.validation import (
+    _check_feature_names_in,
+    _check_sample_weight,
+    check_is_fitted,
+    column_or_1d,
+)
 
 # The engine is called as _tangent.<function>, looked up at call time, so that a test
 # stubbing an engine function out reaches every call.
@@ -1096,6 +1101,15 @@ def declare_feature_dtype(tags, estimator):
     """
     tags.transformer_tags.preserves_dtype = [estimator.dtype]
     return tags
+
+
+def tangent_feature_names_out(estimator, input_features) -> np.ndarray:
+    """``get_feature_names_out`` of the dense tangent features of a fitted ``estimator``:
+    ``input_features`` checked against those seen in fit, as scikit-learn's transformers
+    do, the names from the network's parameters (:func:`tangent_feature_names`)."""
+    check_is_fitted(estimator)
+    _check_feature_names_in(estimator, input_features, generate_names=False)
+    return tangent_feature_names(estimator.trajectory_, estimator.n_outputs_)
 
 
 def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from ._base import (
     keep_previous_fit_on_error,
     mean_one,
     runs_fitted_module,
-    tangent_feature_names,
+    tangent_feature_names_out,
 )
 from ._machine import PathKernelClassifier, check_labels
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
@@ -62,9 +62,7 @@ class _TangentFeatureNames:
         -------
         feature_names_out : ndarray of str objects
         """
-        check_is_fitted(self)
-        _check_feature_names_in(self, input_features, generate_names=False)
-        return tangent_feature_names(self.trajectory_, self.n_outputs_)
+        return tangent_feature_names_out(self, input_features)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

@@ -22,7 +22,7 @@ from ._base import (
     dense_indicator,
     in_target_units,
     keep_previous_fit_on_error,
-    tangent_feature_names,
+    tangent_feature_names_out,
 )
 
 __all__ = ["PathKernelClassifier", "PathKernelMachine"]
@@ -321,17 +321,17 @@ class _KernelMachineMixin(TransformerMixin):
 
         Parameters
         ----------
-        input_features : None
-            Ignored: the names come from the network's parameters, not from the input
-            features. Kept for scikit-learn's transformer API.
+        input_features : array-like of str or None, default=None
+            Only checked against the input features seen in ``fit`` (``feature_names_in_``,
+            or their number), as scikit-learn's transformers do; the names come from the
+            network's parameters.
 
         Returns
         -------
         feature_names_out : ndarray of str objects
             One name per column of :meth:`transform`'s output.
         """
-        check_is_fitted(self)
-        return tangent_feature_names(self.trajectory_, self.n_outputs_)
+        return tangent_feature_names_out(self, input_features)
 
     @shared_doc(DECOMPOSE, note="", extra_params="", raises="",
                 X="array-like of shape (n_queries, n_features) or (n_queries, ...)\n"

@@ -442,6 +442,27 @@ def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
     assert "<h2>time</h2>" in page and "<td>total</td>" in page
 
 
+def test_markdown_tables_escape_pipes_in_cells(tmp_path):
+    # The generative rows say "|dlog sigma| < 0.5" and "max |reconstruction - G(z)|",
+    # figure 10's settings "|x|^2 = 1": each "|" ended a cell and pushed the verdict out
+    # of its column.
+    rows = [Row("gen-a", "mass within |dlog sigma| < 0.5", "max |r - G(z)| = 1e-13", True,
+                details=[{"task": "+1 on |x|^2 = 1", "a|b": "1\n2"}])]
+    header = {"mode": "quick", "device": "cpu", "python": "3"}
+    md = open(write_report(str(tmp_path / "r.md"), header,
+                           [("s", rows, SectionTime(0.1))])).read()
+    # The tables: runs of lines starting with "|"; cells split at unescaped pipes.
+    tables = [[[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+               for line in block.splitlines()]
+              for block in re.findall(r"(?:^\|.*\n)+", md, flags=re.M)]
+    assert len(tables) == 3  # the claims, the row's details, the time per section
+    for table in tables:
+        assert len({len(row) for row in table}) == 1, table
+    assert tables[0][2] == ["gen-a", r"mass within \|dlog sigma\| < 0.5",
+                            r"max \|r - G(z)\| = 1e-13", "pass"]
+    assert tables[1][0] == ["task", r"a\|b"] and tables[1][2] == [r"+1 on \|x\|^2 = 1", "1 2"]
+
+
 def test_n_jobs_is_checked_before_any_work(tmp_path, capsys):
     from skpathkernel._cli import main
 

@@ -109,11 +109,21 @@ def _time_note(header):
             "on a loaded machine wall time grows, CPU time much less)")
 
 
+def _md_cell(value):
+    """A table cell's text: a "|" of the text (``|x|^2``, ``max |reconstruction - G(z)|``)
+    would end the cell and shift the verdict out of its column; a newline would end the
+    row."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_row(cells):
+    return "| " + " | ".join(_md_cell(c) for c in cells) + " |"
+
+
 def _md_table(rows):
     keys = list(rows[0])
-    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            + ["| " + " | ".join(str(d.get(k, "")) for k in keys) + " |" for d in rows]
-            + [""])
+    return ([_md_row(keys), "|" + "---|" * len(keys)]
+            + [_md_row(d.get(k, "") for k in keys) for d in rows] + [""])
 
 
 def write_report(path, header, sections) -> str:
@@ -129,7 +139,7 @@ def write_report(path, header, sections) -> str:
     ]
     for _, rows, _ in sections:
         for r in rows:
-            lines.append(f"| {r.figure} | {r.claim} | {r.measured} | {_verdict(r.passed)} |")
+            lines.append(_md_row([r.figure, r.claim, r.measured, _verdict(r.passed)]))
     for name, rows, time in sections:
         lines += ["", f"## {name} ({time})", ""]
         for r in rows:

@@ -124,3 +124,16 @@ def test_reproduce_runs_each_selected_section_once_and_refuses_an_empty_selectio
         assert main(["reproduce", "--out", str(tmp_path / "b"), "--figures", empty]) == 2
         assert "No section selected" in capsys.readouterr().err
     assert ran == ["7"] and not (tmp_path / "b").exists()
+
+
+def test_report_names_the_device_auto_resolved_to(tmp_path, monkeypatch, capsys):
+    from skpathkernel._reproduce import SECTIONS
+
+    monkeypatch.setitem(SECTIONS, "fake", lambda ctx: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["reproduce", "--out", str(tmp_path), "--figures", "fake"]) == 0
+    # "device: auto." did not say whether the numbers were measured on a GPU.
+    assert "; device: auto (cpu)." in (tmp_path / "report.md").read_text()
+    assert main(["reproduce", "--out", str(tmp_path), "--figures", "fake",
+                 "--device", "cpu"]) == 0
+    assert "; device: cpu." in (tmp_path / "report.md").read_text()

@@ -102,7 +102,8 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0 or n_jobs < -1:
         raise ValueError(f"n_jobs must be a positive int or -1 (every core); got {n_jobs!r}.")
     n_jobs = (os.cpu_count() or 1) if n_jobs == -1 else n_jobs
-    resolve_device(device)  # a clear error for device="cuda" without CUDA, before any work
+    # A clear error for device="cuda" without CUDA, before any work.
+    resolved = resolve_device(device).type
     # Each section once, in the order asked ("7,8" name one section: it ran twice, its
     # rows twice in the report).
     names = list(SECTIONS) if figures is None else list(
@@ -132,7 +133,8 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
                 worker_cpu() - start[2])))
     header = {
         "mode": "quick" if quick else "full",
-        "device": device,
+        # "auto" alone does not say where the numbers were measured.
+        "device": device if device == resolved else f"{device} ({resolved})",
         "python": platform.python_version(),
         "n_jobs": n_jobs,
         "load": load,

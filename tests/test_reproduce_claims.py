@@ -442,6 +442,21 @@ def test_html_embeds_each_figure_once_and_marks_failures(tmp_path):
     assert "<h2>time</h2>" in page and "<td>total</td>" in page
 
 
+def test_quick_rows_state_their_reduced_settings(tmp_path):
+    """Every verdict of a quick run says by how much its settings are reduced: figure 1's
+    rows (400 points, 100 epochs, 40 neighbours) and those on the digits network (600
+    digits, 100 full-batch epochs) read like the paper's settings."""
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu")
+    rows = [row for name in ("1", "2", "5", "6") for row in SECTIONS[name](ctx)]
+    verdicts = [row for row in rows if row.passed is not None]
+    assert {row.figure for row in verdicts} == {"1b", "1c-f", "2a", "2c", "2e-f", "5a-b",
+                                                "5c", "6a-b"}
+    for row in verdicts:
+        assert re.search(r"quick settings: .*\(the full run", row.measured), row.figure
+    # The full run names no reduction.
+    assert _common.digits_reduced(Context(out="", quick=False, device="cpu")) == ""
+
+
 def test_markdown_tables_escape_pipes_in_cells(tmp_path):
     # The generative rows say "|dlog sigma| < 0.5" and "max |reconstruction - G(z)|",
     # figure 10's settings "|x|^2 = 1": each "|" ended a cell and pushed the verdict out

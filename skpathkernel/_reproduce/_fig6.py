@@ -7,7 +7,15 @@ import numpy as np
 from ..datasets import load_printed_letters
 from ..kernels import step_kernel
 from ..plotting import KernelMatrixDisplay
-from ._common import digits_fit, digits_split, progress, save, scaled_printed, subplots
+from ._common import (
+    digits_fit,
+    digits_reduced,
+    digits_split,
+    progress,
+    save,
+    scaled_printed,
+    subplots,
+)
 from ._report import Row
 
 LETTERS = ("M", "N", "U", "V", "A")
@@ -65,7 +73,8 @@ def figure6_section(ctx):
             f"trained {a_d1:.3f}/{a_l1:.3f} (gap {a_d1 - a_l1:.3f}); the figure's mean "
             f"K_hat digits-digits / letters-digits: init {dd0:.3f}/{ld0:.3f} (gap "
             f"{dd0 - ld0:.3f}), trained {dd1:.3f}/{ld1:.3f} (gap {dd1 - ld1:.3f})"
-            f"{against_the_figure(a_d0 - a_l0, a_d1 - a_l1, dd0 - ld0, dd1 - ld1)} [{png}]",
+            f"{against_the_figure(a_d0 - a_l0, a_d1 - a_l1, dd0 - ld0, dd1 - ld1)}"
+            f"{digits_reduced(ctx)} [{png}]",
             training_separates(a_d0, a_l0, a_d1, a_l1)),
     ]
 

@@ -162,6 +162,23 @@ def test_fig6_row_says_when_the_figures_statistic_moves_the_other_way():
 
 
 # --------------------------------------------------------------------------- figures 9-10
+# 40 digits in batches of 64: one full batch per epoch, which the estimator says.
+@pytest.mark.filterwarnings("ignore:batch_size=64 is larger:UserWarning")
+def test_fig6_full_run_reads_the_network_at_the_captions_300th_epoch(tmp_path, monkeypatch):
+    # The caption's panel (b) is "after training (300-th epoch)"; the full run read the
+    # network of figure 5, trained 200 epochs, and the row did not say so.
+    X, y, X_show, y_show = _common.digits_split(Context(out="", quick=True, device="cpu"))
+    small = (X[:40], y[:40], X_show, y_show)
+    monkeypatch.setattr(_common, "digits_split", lambda ctx: small)
+    monkeypatch.setattr(_fig6, "digits_split", lambda ctx: small)
+    ctx = Context(out=str(tmp_path), quick=False, device="cpu")
+    (row,) = _fig6.figure6_section(ctx)
+    (est,) = ctx.cache.values()
+    assert est.n_iter_ == 300 and len(est.loss_curve_) == 300
+    assert "network trained 300 epochs (the caption: the 300th)" in row.measured
+    assert "quick settings" not in row.measured
+
+
 def test_fig9_neighbours_use_the_optimizers_weighted_kernel():
     X, y = make_circle(n_samples=60, random_state=0)
     est = PathKernelClassifier(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=0.05,

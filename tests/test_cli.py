@@ -137,3 +137,13 @@ def test_report_names_the_device_auto_resolved_to(tmp_path, monkeypatch, capsys)
     assert main(["reproduce", "--out", str(tmp_path), "--figures", "fake",
                  "--device", "cpu"]) == 0
     assert "; device: cpu." in (tmp_path / "report.md").read_text()
+
+
+def test_reproduce_without_matplotlib_says_so_before_any_work(tmp_path, monkeypatch,
+                                                             capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert main(["reproduce", "--out", str(tmp_path / "x"), "--figures", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "skpathkernel reproduce requires matplotlib" in err and "pip install" in err
+    assert not (tmp_path / "x").exists()
+    assert main(["info"]) == 0  # info needs no matplotlib

@@ -16,6 +16,8 @@ import platform
 import tempfile
 import time
 
+from sklearn.utils._optional_dependencies import check_matplotlib_support
+
 from .._device import resolve_device, torch_threads
 from ._common import worker_cpu
 from ._fig1 import figure1_section
@@ -113,6 +115,9 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         raise ValueError(f"Unknown section(s) {unknown}; available: {sorted(SECTIONS)}.")
+    # Every section draws: without matplotlib, say so before creating ``out`` (the bare
+    # "No module named 'matplotlib'" came after, leaving an empty folder).
+    check_matplotlib_support("skpathkernel reproduce")
     _prepare_out(out)
     import matplotlib
 

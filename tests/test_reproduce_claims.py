@@ -231,6 +231,33 @@ def test_fig10_kernels_against_dense_jacobians_and_a_network_that_passes(tmp_pat
     np.testing.assert_allclose(_fig10.end_kernels(adam)[True], ref, rtol=1e-4, atol=1e-6)
 
 
+def test_fig10_panels_follow_the_captions_order(tmp_path, monkeypatch):
+    # The caption's panels are (a) SGD, (b) SGDM, (c) RMSprop, (d) Adam; figure 9's order
+    # (Adam third) put Adam under the letter (c).
+    ctx = Context(out=str(tmp_path), quick=True, device="cpu")
+    X, y, _, _ = _common.circle_data(ctx)
+    solvers = {"sgd": dict(solver="sgd"), "sgd+momentum": dict(solver="sgd", momentum=0.9),
+               "adam": dict(solver="adam"), "rmsprop": dict(solver="rmsprop")}
+    fits = {n: _frozen(X[:50], y[:50], epochs=2, **kw) for n, kw in solvers.items()}
+    # As circle_fits and _row_fits: the fits in the order asked.
+    monkeypatch.setattr(_fig10, "circle_fits", lambda ctx, names: {n: fits[n] for n in names})
+    monkeypatch.setattr(_fig10, "_row_fits",
+                        lambda ctx, n_points: {n: fits[n] for n in _fig10.OPTIMIZERS})
+    figures = []
+    monkeypatch.setattr(_fig10, "save", lambda ctx, fig, name: figures.append(fig) or name)
+    rows = _fig10.figure10_section(ctx)
+    (fig,) = figures
+    titles = [ax.get_title().split(":")[0].split("\n")[0] for ax in fig.axes[:8]]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    order = ["(a) sgd", "(b) sgd+momentum", "(c) rmsprop", "(d) adam"]
+    assert titles == order * 2
+    # The rows name each optimizer's share of parameters whose D_t is 1/eps.
+    assert re.search(r"D_t = 1/eps on rmsprop \d+%, adam \d+% of the parameters",
+                     rows[0].measured), rows[0].measured
+
+
 def test_fig10_plain_reason_reads_the_sweep():
     def cell(setting, name, plain):
         return {"setting": setting, "optimizer": name,

@@ -189,7 +189,11 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
     prefer_skip_nested_validation=True,
 )
 def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
-    """``y = sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
+    """The square wave ``sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
+
+    ``y`` is +1 where ``sin(x) >= 0`` and -1 elsewhere: at a zero of ``sin`` (a grid
+    point at 0, as on ``[0, 2 pi]`` or ``[-1, 1]``) ``sign`` gave 0, a third value of a
+    two-valued target.
 {grid}
     Examples
     --------
@@ -198,7 +202,8 @@ def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random
     >>> y.tolist()
     [1.0, 1.0, 1.0, -1.0]
     """
-    return _grid_1d(n_samples, low, high, noise, random_state, lambda x: np.sign(np.sin(x)))
+    return _grid_1d(n_samples, low, high, noise, random_state,
+                    lambda x: np.where(np.sin(x) >= 0, 1.0, -1.0))
 
 
 make_sine.__doc__ = make_sine.__doc__.format(grid=_GRID_DOC)

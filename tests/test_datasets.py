@@ -184,6 +184,18 @@ def test_generators_refuse_bad_ranges(make, params, match):
         make(**params)
 
 
+@pytest.mark.parametrize("params", [
+    dict(low=0.0, high=2 * np.pi),
+    dict(n_samples=5, low=-1.0, high=1.0),
+])
+def test_square_wave_takes_two_values_at_the_zeros_of_sin(params):
+    # A grid point at 0 had sign(sin 0) = 0: a third class for a classifier fitted on it.
+    X, y = make_square_wave(**params)
+    assert set(y.tolist()) == {-1.0, 1.0}
+    zero = np.flatnonzero(X[:, 0] == 0.0)
+    assert zero.size == 1 and y[zero[0]] == 1.0
+
+
 def test_grids_are_float64_whatever_the_type_of_their_ends():
     X, y = make_sine(5, low=np.float32(0.0), high=np.float32(1.0))
     assert X.dtype == np.float64 and y.dtype == np.float64

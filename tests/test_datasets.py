@@ -348,6 +348,10 @@ def test_fonts_without_the_glyph_are_skipped():
     _assert_digits_format(b.data, b.images)
     with pytest.raises(ValueError, match="none of matplotlib's bundled fonts"):
         load_printed_letters(letters=("中",))
+    # A blank glyph (the empty braille cell, in DejaVu) has nothing to draw: it failed in
+    # matplotlib's TextPath with "'list' object has no attribute 'flags'".
+    with pytest.raises(ValueError, match="none of matplotlib's bundled fonts draws"):
+        load_printed_letters(letters=("A", "\u2800"))
 
 
 @pytest.mark.parametrize(

@@ -501,6 +501,21 @@ def test_quick_rows_state_their_reduced_settings(tmp_path):
     assert _common.digits_reduced(Context(out="", quick=False, device="cpu")) == ""
 
 
+def test_a_failure_without_a_reason_says_it_was_not_sought(tmp_path):
+    # Rows of sections that seek no cause (figures 3, 4, 7, 9, the generative ones) failed
+    # silently: the docs promise every FAIL its reason or that it was not sought.
+    rows = [Row("3a", "c", "acc 0.5", False), Row("3b", "c", "acc 1.0", True),
+            Row("gen", "c", "x", None), Row("5c", "c", "d", False, reason="the sweep's")]
+    header = {"mode": "full", "device": "cpu", "python": "3"}
+    sections = [("s", rows, SectionTime(0.1))]
+    md = open(write_report(str(tmp_path / "r.md"), header, sections)).read()
+    page = open(write_html(str(tmp_path / "r.html"), header, sections)).read()
+    assert "**3a, why it fails:** not sought: no sweep of this row reads the cause" in md
+    assert "<b>3a, why it fails:</b> not sought" in page
+    assert "**5c, why it fails:** the sweep's" in md
+    assert md.count("why it fails") == 2 and page.count("why it fails") == 2
+
+
 def test_markdown_tables_escape_pipes_in_cells(tmp_path):
     # The generative rows say "|dlog sigma| < 0.5" and "max |reconstruction - G(z)|",
     # figure 10's settings "|x|^2 = 1": each "|" ended a cell and pushed the verdict out

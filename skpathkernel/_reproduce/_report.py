@@ -69,6 +69,15 @@ def _verdict(passed):
     return "-" if passed is None else ("pass" if passed else "FAIL")
 
 
+def _reason(row):
+    """Why ``row`` fails: its own reason, or for a failure whose section seeks none, that
+    it was not sought (a FAIL always says one or the other)."""
+    if row.reason or row.passed is not False:
+        return row.reason
+    return ("not sought: no sweep of this row reads the cause; the numbers behind the "
+            "verdict are in its measured column.")
+
+
 def summary(sections) -> dict:
     """Counts of rows that pass, fail and only report."""
     verdicts = [_verdict(r.passed) for _, rows, _ in sections for r in rows]
@@ -147,8 +156,8 @@ def write_report(path, header, sections) -> str:
                 lines += _md_table(r.details)
             for title, table in r.tables:
                 lines += [f"**{r.figure}: {title}**", ""] + _md_table(table)
-            if r.reason:
-                lines += [f"**{r.figure}, why it fails:** {r.reason}", ""]
+            if _reason(r):
+                lines += [f"**{r.figure}, why it fails:** {_reason(r)}", ""]
     if sections:
         lines += ["", "## time", "", _time_note(header) + ":", ""] + _md_table(
             _time_rows(sections))
@@ -210,9 +219,9 @@ def write_html(path, header, sections) -> str:
             for title, table in r.tables:
                 parts.append(f"<h3>{html.escape(r.figure)}: {html.escape(title)}</h3>")
                 parts += _html_table(list(table[0]), table)
-            if r.reason:
+            if _reason(r):
                 parts.append(f"<p><b>{html.escape(r.figure)}, why it fails:</b> "
-                             f"{html.escape(r.reason)}</p>")
+                             f"{html.escape(_reason(r))}</p>")
     if sections:
         parts += ["<h2>time</h2>", f"<p>{html.escape(_time_note(header))}:</p>"]
         time_rows = _time_rows(sections)

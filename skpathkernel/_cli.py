@@ -37,7 +37,8 @@ def _info(args) -> int:
 
 def _reproduce(args) -> int:
     figures = None
-    if args.figures:
+    # --figures "" selects nothing (an error), not every section.
+    if args.figures is not None:
         figures = [f.strip() for f in args.figures.split(",") if f.strip()]
     report, counts = run_sections(out=args.out, quick=args.quick, device=args.device,
                                   figures=figures, data_home=args.data_home,
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, ImportError) as exc:
+    # OSError: an --out that is a file or cannot be written (checked before any work) and
+    # a disk that fills during the run: one line that names the path, not a traceback.
+    except (ValueError, ImportError, OSError) as exc:
         print(f"skpathkernel: error: {exc}", file=sys.stderr)
         return 2

@@ -86,9 +86,17 @@ def _available_fonts():
 
 @functools.cache
 def _has_glyph(path, char):
+    """Whether the font draws ``char``: it has a glyph for it, and the glyph has an
+    outline (a blank one, such as U+2800, has no ink to crop to, and matplotlib's
+    TextPath fails on it with "'list' object has no attribute 'flags'")."""
     from matplotlib.ft2font import FT2Font
 
-    return FT2Font(path).get_char_index(ord(char)) != 0
+    font = FT2Font(path)
+    if font.get_char_index(ord(char)) == 0:
+        return False
+    font.load_char(ord(char))
+    vertices, _ = font.get_path()
+    return len(vertices) > 0
 
 
 @functools.cache
@@ -168,7 +176,8 @@ def _load_glyphs(chars, n_per_class, random_state, caller):
     ]
     if not fonts:
         raise ValueError(
-            f"{caller}: none of matplotlib's bundled fonts has glyphs for all of {chars!r}."
+            f"{caller}: none of matplotlib's bundled fonts draws every one of {chars!r} "
+            "(a glyph with ink for each)."
         )
     rng = check_random_state(random_state)
     images = np.empty((len(chars) * n_per_class, 8, 8), dtype=np.float64)

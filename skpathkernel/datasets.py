@@ -19,6 +19,9 @@ from sklearn.utils._param_validation import Interval, validate_params
 
 from ._glyphs import load_printed_digits, load_printed_letters
 
+# A finite real: sklearn's Interval refuses NaN, and "neither" refuses -inf and +inf.
+_FINITE = Interval(Real, None, None, closed="neither")
+
 __all__ = [
     "load_cifar10",
     "load_printed_digits",
@@ -129,7 +132,7 @@ _GRID_DOC = """
     n_samples : int, default=100
         Number of grid points.
     low, high : float, default=-pi, pi
-        Ends of the grid, both included.
+        Ends of the grid, both included; finite, with ``low < high``.
     noise : float, default=0.0
         Standard deviation of the Gaussian noise added to ``y``.
     random_state : int, RandomState instance or None, default=None
@@ -144,16 +147,25 @@ _GRID_DOC = """
 """
 
 
+def _check_range(low, high, what):
+    """``low < high``: a reversed or empty interval gave a descending or constant grid."""
+    if not low < high:
+        raise ValueError(f"{what} must be an interval with low < high, got ({low!r}, "
+                         f"{high!r}).")
+
+
 def _grid_1d(n_samples, low, high, noise, random_state, func):
+    _check_range(low, high, "[low, high]")
     rng = check_random_state(random_state)
-    X = np.linspace(low, high, n_samples).reshape(-1, 1)
+    # float(): a float32 end made the grid float32 (NumPy 2 keeps a NumPy scalar's dtype).
+    X = np.linspace(float(low), float(high), n_samples).reshape(-1, 1)
     y = func(X[:, 0]) + noise * rng.standard_normal(n_samples)
     return X, y
 
 
 @validate_params(
-    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [Real],
-     "high": [Real], "noise": [Interval(Real, 0, None, closed="left")],
+    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [_FINITE],
+     "high": [_FINITE], "noise": [Interval(Real, 0, None, closed="left")],
      "random_state": ["random_state"]},
     prefer_skip_nested_validation=True,
 )
@@ -171,13 +183,17 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
 
 
 @validate_params(
-    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [Real],
-     "high": [Real], "noise": [Interval(Real, 0, None, closed="left")],
+    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [_FINITE],
+     "high": [_FINITE], "noise": [Interval(Real, 0, None, closed="left")],
      "random_state": ["random_state"]},
     prefer_skip_nested_validation=True,
 )
 def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=None):
-    """``y = sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
+    """The square wave ``sign(sin(x))`` on an even grid of ``[low, high]`` (figure 2c).
+
+    ``y`` is +1 where ``sin(x) >= 0`` and -1 elsewhere: at a zero of ``sin`` (a grid
+    point at 0, as on ``[0, 2 pi]`` or ``[-1, 1]``) ``sign`` gave 0, a third value of a
+    two-valued target.
 {grid}
     Examples
     --------
@@ -186,7 +202,8 @@ def make_square_wave(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random
     >>> y.tolist()
     [1.0, 1.0, 1.0, -1.0]
     """
-    return _grid_1d(n_samples, low, high, noise, random_state, lambda x: np.sign(np.sin(x)))
+    return _grid_1d(n_samples, low, high, noise, random_state,
+                    lambda x: np.where(np.sin(x) >= 0, 1.0, -1.0))
 
 
 make_sine.__doc__ = make_sine.__doc__.format(grid=_GRID_DOC)
@@ -196,8 +213,8 @@ make_square_wave.__doc__ = make_square_wave.__doc__.format(grid=_GRID_DOC)
 @validate_params(
     {"n_train": [Interval(Integral, 1, None, closed="left")],
      "n_test": [Interval(Integral, 1, None, closed="left")],
-     "train_range": ["array-like"], "test_range": ["array-like"], "slope": [Real],
-     "intercept": [Real]},
+     "train_range": ["array-like"], "test_range": ["array-like"], "slope": [_FINITE],
+     "intercept": [_FINITE]},
     prefer_skip_nested_validation=True,
 )
 def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
@@ -211,9 +228,9 @@ def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
     n_test : int, default=50
         Number of test points, evenly spaced over ``test_range`` with both ends.
     train_range : tuple of float, default=(0.0, 2.0)
-        The training domain.
+        The training domain ``(low, high)``: finite, with ``low < high``.
     test_range : tuple of float, default=(2.0, 4.0)
-        Where the network is asked to extrapolate.
+        Where the network is asked to extrapolate, ``(low, high)`` as ``train_range``.
     slope : float, default=2.0
         Slope of the line.
     intercept : float, default=1.0
@@ -231,10 +248,25 @@ def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
     >>> Xtr.ravel().tolist(), ytr.tolist()
     ([0.0, 0.5, 1.0, 1.5], [1.0, 2.0, 3.0, 4.0])
     """
+    train_range = _interval(train_range, "train_range")
+    test_range = _interval(test_range, "test_range")
     X_train = np.linspace(*train_range, n_train, endpoint=False).reshape(-1, 1)
     X_test = np.linspace(*test_range, n_test).reshape(-1, 1)
     f = lambda x: slope * x[:, 0] + intercept  # noqa: E731
     return X_train, f(X_train), X_test, f(X_test)
+
+
+def _interval(value, name):
+    """``(low, high)`` as two finite floats with low < high: one number was read as the
+    grid's start with the point count as its end, three as linspace's count."""
+    try:
+        bounds = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        bounds = None
+    if bounds is None or bounds.shape != (2,) or not np.all(np.isfinite(bounds)):
+        raise ValueError(f"{name} must be two finite numbers (low, high), got {value!r}.")
+    _check_range(float(bounds[0]), float(bounds[1]), name)
+    return float(bounds[0]), float(bounds[1])
 
 
 _CIFAR_FOLDER = "cifar-10-batches-py"

@@ -152,6 +152,11 @@ def test_make_linear_extrapolation_parameters():
     (make_circle, dict(random_state="seed")),
     (make_linear_extrapolation, dict(n_train=0)),
     (make_linear_extrapolation, dict(n_test=2.5)),
+    # Non-finite ends and coefficients: NaN data, or inf - inf in the grid.
+    (make_sine, dict(low=np.nan)),
+    (make_square_wave, dict(high=np.inf)),
+    (make_linear_extrapolation, dict(slope=np.nan)),
+    (make_linear_extrapolation, dict(intercept=-np.inf)),
 ])
 def test_generators_refuse_invalid_parameters(make, params):
     """As scikit-learn's own generators: an InvalidParameterError (a ValueError and a
@@ -159,6 +164,41 @@ def test_generators_refuse_invalid_parameters(make, params):
     name = next(iter(params))
     with pytest.raises(InvalidParameterError, match=f"'{name}' parameter of {make.__name__}"):
         make(**params)
+
+
+@pytest.mark.parametrize("make, params, match", [
+    # One number was read as the grid's start and the point count as its end (silently:
+    # 50 points from 0 to 49); three were linspace's count, a TypeError.
+    (make_linear_extrapolation, dict(train_range=(0.0,)), "train_range must be two finite"),
+    (make_linear_extrapolation, dict(test_range=(2.0, 3.0, 4.0)), "test_range must be two"),
+    (make_linear_extrapolation, dict(train_range=(0.0, np.nan)), "train_range must be two"),
+    # Reversed or empty intervals: a descending or constant grid, so a "training domain"
+    # that lies beyond the test one.
+    (make_linear_extrapolation, dict(train_range=(2.0, 0.0)), "train_range must be an int"),
+    (make_linear_extrapolation, dict(test_range=(3.0, 3.0)), "test_range must be an int"),
+    (make_sine, dict(low=np.pi, high=-np.pi), r"\[low, high\] must be an interval"),
+    (make_square_wave, dict(low=1.0, high=1.0), r"\[low, high\] must be an interval"),
+])
+def test_generators_refuse_bad_ranges(make, params, match):
+    with pytest.raises(ValueError, match=match):
+        make(**params)
+
+
+@pytest.mark.parametrize("params", [
+    dict(low=0.0, high=2 * np.pi),
+    dict(n_samples=5, low=-1.0, high=1.0),
+])
+def test_square_wave_takes_two_values_at_the_zeros_of_sin(params):
+    # A grid point at 0 had sign(sin 0) = 0: a third class for a classifier fitted on it.
+    X, y = make_square_wave(**params)
+    assert set(y.tolist()) == {-1.0, 1.0}
+    zero = np.flatnonzero(X[:, 0] == 0.0)
+    assert zero.size == 1 and y[zero[0]] == 1.0
+
+
+def test_grids_are_float64_whatever_the_type_of_their_ends():
+    X, y = make_sine(5, low=np.float32(0.0), high=np.float32(1.0))
+    assert X.dtype == np.float64 and y.dtype == np.float64
 
 
 def test_generators_accept_their_boundaries():
@@ -308,6 +348,10 @@ def test_fonts_without_the_glyph_are_skipped():
     _assert_digits_format(b.data, b.images)
     with pytest.raises(ValueError, match="none of matplotlib's bundled fonts"):
         load_printed_letters(letters=("中",))
+    # A blank glyph (the empty braille cell, in DejaVu) has nothing to draw: it failed in
+    # matplotlib's TextPath with "'list' object has no attribute 'flags'".
+    with pytest.raises(ValueError, match="none of matplotlib's bundled fonts draws"):
+        load_printed_letters(letters=("A", "\u2800"))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 import time
+
+from sklearn.utils._optional_dependencies import check_matplotlib_support
 
 from .._device import resolve_device, torch_threads
 from ._common import worker_cpu
@@ -71,6 +74,27 @@ def run(*, out, quick=False, device="auto", figures=None, data_home=None, n_jobs
                         data_home=data_home, n_jobs=n_jobs)[0]
 
 
+def _prepare_out(out):
+    """Create ``out`` and check that a file can be written into it, before any section
+    runs: a folder that cannot take the report would otherwise fail at the first figure,
+    after minutes of work."""
+    out = os.fspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(
+            f"out={out!r} is an existing file, not a folder: pass a folder for the report "
+            "and its figures (it is created when missing).")
+    try:
+        os.makedirs(out, exist_ok=True)
+        # os.access says yes to root on a read-only or pseudo file system: write a file,
+        # as the figures will.
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".skpathkernel-"):
+            pass
+    except OSError as exc:
+        # OSError(errno, ...) is the errno's subclass (PermissionError, ...).
+        raise OSError(exc.errno, f"cannot write the report and its figures into out={out!r} "
+                      f"({exc.strerror}); pass a folder you can write to") from exc
+
+
 def _load():
     return "/".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "-"
 
@@ -80,12 +104,21 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0 or n_jobs < -1:
         raise ValueError(f"n_jobs must be a positive int or -1 (every core); got {n_jobs!r}.")
     n_jobs = (os.cpu_count() or 1) if n_jobs == -1 else n_jobs
-    resolve_device(device)  # a clear error for device="cuda" without CUDA, before any work
-    names = list(SECTIONS) if figures is None else [_section_name(f) for f in figures]
+    # A clear error for device="cuda" without CUDA, before any work.
+    resolved = resolve_device(device).type
+    # Each section once, in the order asked ("7,8" name one section: it ran twice, its
+    # rows twice in the report).
+    names = list(SECTIONS) if figures is None else list(
+        dict.fromkeys(_section_name(f) for f in figures))
+    if not names:
+        raise ValueError(f"No section selected; available: {sorted(SECTIONS)}.")
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         raise ValueError(f"Unknown section(s) {unknown}; available: {sorted(SECTIONS)}.")
-    os.makedirs(out, exist_ok=True)
+    # Every section draws: without matplotlib, say so before creating ``out`` (the bare
+    # "No module named 'matplotlib'" came after, leaving an empty folder).
+    check_matplotlib_support("skpathkernel reproduce")
+    _prepare_out(out)
     import matplotlib
 
     # Figures go to files only; a headless machine has no display to open.
@@ -105,7 +138,8 @@ def run_sections(*, out, quick=False, device="auto", figures=None, data_home=Non
                 worker_cpu() - start[2])))
     header = {
         "mode": "quick" if quick else "full",
-        "device": device,
+        # "auto" alone does not say where the numbers were measured.
+        "device": device if device == resolved else f"{device} ({resolved})",
         "python": platform.python_version(),
         "n_jobs": n_jobs,
         "load": load,

@@ -33,8 +33,11 @@ from ._common import (
     training,
     worker_context,
 )
-from ._fig9 import OPTIMIZERS
 from ._report import Row
+
+# The caption's panels: (a) SGD, (b) SGDM, (c) RMSprop, (d) Adam (figure 9's (c) is Adam:
+# its order drew Adam under figure 10's letter (c)).
+OPTIMIZERS = ("sgd", "sgd+momentum", "rmsprop", "adam")
 
 X0 = np.array([0.0, 0.0])  # label -1
 YS = np.array([[0.0, 0.0], [0.5, 0.0], [1.0, 0.0], [1.2, 0.0]])  # -1, -1, +1, +1
@@ -277,8 +280,10 @@ def _claims(setting, epochs, ok, ends, plain_end, details, png, *, followup):
             "the end), every optimizer",
             f"{sum(ok)}/{len(ok)} optimizers meet it ({setting}, {epochs} epochs); end "
             "K_hat same / "
-            f"opposite: {'; '.join(ends)}; for Adam and RMSprop D_t = 1/eps on "
-            + ", ".join(d["D = 1/eps"] for d in weighted) + f" of the parameters [{png}]",
+            f"opposite: {'; '.join(ends)}; D_t = 1/eps on "
+            # Each share named: a fixed "Adam and RMSprop" misread them in another order.
+            + ", ".join(f"{d['optimizer']} {d['D = 1/eps']}" for d in weighted)
+            + f" of the parameters [{png}]",
             None if followup else all(ok)),
         Row("10", label + "with the plain normalized tangent kernel J J^T (the caption's "
             f"\"NTK similarity\"), the same-label pair stays >= {NEAR_ONE} and both "

@@ -8,7 +8,16 @@ from torch import nn
 from .. import PathKernelClassifier, PathKernelMachine
 from ..datasets import load_cifar10, make_sine, make_square_wave
 from ..plotting import KernelMatrixDisplay
-from ._common import digits_fit, digits_split, progress, save, subplots, training
+from ._common import (
+    digits_fit,
+    digits_reduced,
+    digits_split,
+    progress,
+    quick_settings,
+    save,
+    subplots,
+    training,
+)
 from ._report import Row
 
 
@@ -67,7 +76,9 @@ def figure2_section(ctx):
             axes[1, col].set_title(f"({'bd'[col]}) normalized tangent kernel, step {steps}",
                                    fontsize="small")
             rows.append(Row("2" + "ac"[col], f"the network fits {name} (training RMSE < {tol})",
-                            f"RMSE {rmse:.4f} after {steps} Adam steps", rmse < tol))
+                            f"RMSE {rmse:.4f} after {steps} Adam steps"
+                            + quick_settings(ctx, f"{steps} steps (the full run and the "
+                                                  "caption: 1000)"), rmse < tol))
             tick(name)
         pngs.append(save(ctx, fig, "fig2_regression.png"))
 
@@ -82,7 +93,7 @@ def figure2_section(ctx):
         "2e-f",
         "training makes digit classes blocks of the normalized kernel: within-class minus "
         "between-class mean K_hat grows (load_digits stands in for MNIST)",
-        f"{text} [{', '.join(pngs)}]", blocks_form(*gaps),
+        f"{text}{digits_reduced(ctx)} [{', '.join(pngs)}]", blocks_form(*gaps),
     ))
     rows += cifar_panels(ctx)
     return rows

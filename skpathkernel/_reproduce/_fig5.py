@@ -13,6 +13,7 @@ from ..plotting import KernelMatrixDisplay
 from ._common import (
     digits_estimator,
     digits_fit,
+    digits_reduced,
     digits_split,
     parallel_map,
     progress,
@@ -190,7 +191,8 @@ def figure5_section(ctx):
     return [
         Row("5a-b", "after training, handwritten and printed images of the same digit align "
             "(same-digit cross-domain K_hat above cross-digit, by more than at init)",
-            f"same/cross-digit: init {s0:.3f}/{c0:.3f}, trained {s1:.3f}/{c1:.3f}",
+            f"same/cross-digit: init {s0:.3f}/{c0:.3f}, trained {s1:.3f}/{c1:.3f}"
+            + digits_reduced(ctx),
             s1 > c1 and (s1 - c1) > (s0 - c0)),
         Row("5c", "the network trained on handwritten digits classifies printed digits: in "
             "the confusion matrix every printed digit is predicted as itself more often than "
@@ -198,7 +200,7 @@ def figure5_section(ctx):
             f"diagonal of the confusion matrix (of 10 per digit): {', '.join(map(str, diag))}"
             f"; accuracy {acc:.3f}"
             + (f"; rows not dominated by their diagonal (diagonal vs largest other): "
-               f"{'; '.join(weak)}" if weak else "") + f" [{png}]",
+               f"{'; '.join(weak)}" if weak else "") + f"{digits_reduced(ctx)} [{png}]",
             diagonal_dominates(cm), tables=tables,
             # A failure always says why, or that its reason was not sought.
             reason=(None if diagonal_dominates(cm) else

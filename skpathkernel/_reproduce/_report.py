@@ -69,6 +69,15 @@ def _verdict(passed):
     return "-" if passed is None else ("pass" if passed else "FAIL")
 
 
+def _reason(row):
+    """Why ``row`` fails: its own reason, or for a failure whose section seeks none, that
+    it was not sought (a FAIL always says one or the other)."""
+    if row.reason or row.passed is not False:
+        return row.reason
+    return ("not sought: no sweep of this row reads the cause; the numbers behind the "
+            "verdict are in its measured column.")
+
+
 def summary(sections) -> dict:
     """Counts of rows that pass, fail and only report."""
     verdicts = [_verdict(r.passed) for _, rows, _ in sections for r in rows]
@@ -109,11 +118,21 @@ def _time_note(header):
             "on a loaded machine wall time grows, CPU time much less)")
 
 
+def _md_cell(value):
+    """A table cell's text: a "|" of the text (``|x|^2``, ``max |reconstruction - G(z)|``)
+    would end the cell and shift the verdict out of its column; a newline would end the
+    row."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_row(cells):
+    return "| " + " | ".join(_md_cell(c) for c in cells) + " |"
+
+
 def _md_table(rows):
     keys = list(rows[0])
-    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            + ["| " + " | ".join(str(d.get(k, "")) for k in keys) + " |" for d in rows]
-            + [""])
+    return ([_md_row(keys), "|" + "---|" * len(keys)]
+            + [_md_row(d.get(k, "") for k in keys) for d in rows] + [""])
 
 
 def write_report(path, header, sections) -> str:
@@ -129,7 +148,7 @@ def write_report(path, header, sections) -> str:
     ]
     for _, rows, _ in sections:
         for r in rows:
-            lines.append(f"| {r.figure} | {r.claim} | {r.measured} | {_verdict(r.passed)} |")
+            lines.append(_md_row([r.figure, r.claim, r.measured, _verdict(r.passed)]))
     for name, rows, time in sections:
         lines += ["", f"## {name} ({time})", ""]
         for r in rows:
@@ -137,8 +156,8 @@ def write_report(path, header, sections) -> str:
                 lines += _md_table(r.details)
             for title, table in r.tables:
                 lines += [f"**{r.figure}: {title}**", ""] + _md_table(table)
-            if r.reason:
-                lines += [f"**{r.figure}, why it fails:** {r.reason}", ""]
+            if _reason(r):
+                lines += [f"**{r.figure}, why it fails:** {_reason(r)}", ""]
     if sections:
         lines += ["", "## time", "", _time_note(header) + ":", ""] + _md_table(
             _time_rows(sections))
@@ -200,9 +219,9 @@ def write_html(path, header, sections) -> str:
             for title, table in r.tables:
                 parts.append(f"<h3>{html.escape(r.figure)}: {html.escape(title)}</h3>")
                 parts += _html_table(list(table[0]), table)
-            if r.reason:
+            if _reason(r):
                 parts.append(f"<p><b>{html.escape(r.figure)}, why it fails:</b> "
-                             f"{html.escape(r.reason)}</p>")
+                             f"{html.escape(_reason(r))}</p>")
     if sections:
         parts += ["<h2>time</h2>", f"<p>{html.escape(_time_note(header))}:</p>"]
         time_rows = _time_rows(sections)

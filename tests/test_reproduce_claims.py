@@ -22,6 +22,7 @@ from skpathkernel._reproduce import (
     _fig1,
     _fig2,
     _fig3,
+    _fig4,
     _fig5,
     _fig6,
     _fig9,
@@ -91,6 +92,18 @@ def test_fig3_ellipse_needs_a_contrast():
     assert not _fig3.beats_rbf(0.99, 0.95)  # RBF does not fail: no contrast
     assert not _fig3.beats_rbf(0.90, 0.50)  # the tangent SVM does not solve it
     assert _fig3.solves_as_well(0.99, 1.0) and not _fig3.solves_as_well(0.96, 0.99)
+
+
+def test_fig4_claims_hold_the_captions_words_to_a_fixed_scale():
+    # "not clearly separated" / "fail to form distinct clusters": silhouette below 0.25;
+    # "well clustered": at least 0.5 (Kaufman & Rousseeuw). A rise in the silhouette, or
+    # unseen digits below seen ones, is not enough (the rows passed on both before).
+    assert not _fig4.clusters_as_captioned(0.20, 0.60, 0.30)[2]  # below the seen 0.6
+    assert _fig4.clusters_as_captioned(0.20, 0.60, 0.15) == (True, True, True)
+    assert _fig4.clusters_as_captioned(0.208, 0.456, 0.155) == (True, False, True)
+    assert _fig4.clusters_as_captioned(0.30, 0.70, 0.10) == (False, True, True)
+    assert _fig4.clusters_as_captioned(0.20, 0.60, 0.40) == (True, True, False)
+    assert not _fig4.clusters_as_captioned(0.55, 0.52, 0.1)[1]  # no rise with training
 
 
 def test_fig7_detector_claim_needs_flags_beyond_and_none_inside():

@@ -74,6 +74,14 @@ def _check_lds_inputs(attributions, subsets, outputs):
     elif np.issubdtype(subsets.dtype, np.integer):
         if subsets.size and (subsets.min() < 0 or subsets.max() >= n_train):
             raise ValueError(f"subsets hold training indices outside [0, {n_train}).")
+        # A subset holds each point once: a repeated index is not a subset, and is what
+        # 0/1 masks stored as integers look like (rows of 0s and 1s, read as indices).
+        repeated = np.flatnonzero((np.diff(np.sort(subsets, axis=1), axis=1) == 0).any(axis=1))
+        if len(repeated):
+            raise ValueError(
+                f"subsets given as training indices repeat an index (subset "
+                f"{repeated[0]}: each point is in a subset once). 0/1 masks must be "
+                "boolean: pass subsets.astype(bool).")
         masks = np.zeros((len(subsets), n_train))
         np.put_along_axis(masks, subsets, 1.0, axis=1)
     else:
@@ -132,7 +140,8 @@ def linear_datamodeling_score(attributions, subsets, outputs, *,
         <skpathkernel.PathKernelClassifier.attribute>`). A method whose scores have the
         opposite sign convention gets the opposite LDS.
     subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
-        The training subsets: boolean masks, or the training indices of each subset.
+        The training subsets: boolean masks, or the training indices of each subset
+        (each index once; integer 0/1 masks are refused, as indices they repeat).
     outputs : array-like of shape (n_subsets, n_queries)
         The output of the model retrained on each subset at each query
         (:attr:`SubsetRetraining.outputs`).

@@ -82,6 +82,9 @@ def test_lds_leaves_out_queries_without_rank_correlation():
     (dict(subsets=np.ones((5, 9), dtype=bool)), "masks over 9"),
     (dict(subsets=np.full((5, 3), 10)), "outside"),
     (dict(subsets=np.ones((5, 10))), "boolean masks or integer"),
+    # 0/1 masks stored as integers: rows of 0s and 1s, which as indices repeat.
+    (dict(subsets=(np.arange(50).reshape(5, 10) % 3 == 0).astype(int)), "astype\\(bool\\)"),
+    (dict(subsets=np.array([[0, 1, 1]] * 5)), "repeat an index"),
     (dict(subsets=np.ones(10, dtype=bool)), "2-D"),
     (dict(outputs=np.zeros((5, 4))), r"\(5, 3\)"),
     (dict(subsets=np.ones((1, 10), dtype=bool), outputs=np.zeros((1, 3))), "at least 2"),

@@ -626,20 +626,22 @@ ValueError
     @_runs_own_module
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
-                   multilabel: bool | None = None, standardized=None) -> np.ndarray:
+                   multilabel: bool | None = None, standardized=None,
+                   also: str = "") -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
         margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
         indicator row per query; None: the network's own :attr:`multilabel`;
         ``standardized``: ``(n_rows, constant)`` of a regressor's ``normalize_y`` (see
-        :func:`~.._analysis._unrolled.unrolled_scores`), None for none."""
+        :func:`~.._analysis._unrolled.unrolled_scores`), None for none; ``also``: the
+        caller's other choices of ``output``, named by its errors (``check_output``)."""
         check_attribute_args(method, weighting, n_nodes, tol)
         multilabel = self.multilabel if multilabel is None else multilabel
         X = self.check(X)
         prediction = self.outputs(X)
         n_outputs = prediction.shape[1]
-        output = check_output(output, n_outputs, margin)
+        output = check_output(output, n_outputs, margin, also)
         if encode is None:
             def encode(y):
                 if multilabel:
@@ -785,7 +787,7 @@ ValueError
             scores = self._attribute(X, None, method=method, weighting="realized",
                                      output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale,
-                                     multilabel=multilabel)
+                                     multilabel=multilabel, also="'all'")
             contributions = scores[:, :, None]
         k = int(n_neighbors)
         magnitude = np.abs(contributions).sum(axis=2)

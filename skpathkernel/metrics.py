@@ -711,7 +711,8 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         Float64, the mean of the models' scores. With ``method="unrolled"`` an
         :class:`~skpathkernel.AttributionScores` whose ``growth`` is, per query, the
         largest of the models' (the ensemble is as trustworthy as its least stable
-        member) and whose ``replay_error`` is the largest; ``amplification`` is None.
+        member) and whose ``replay_error`` and ``gradient_sensitivity`` are the
+        largest (None where no model measured one); ``amplification`` is None.
         Warnings the models raised (such as
         :class:`~skpathkernel.UnstablePathWarning`) are raised again here.
 
@@ -768,4 +769,7 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         mean.growth = np.max(growths, axis=0)
         errors = [s.replay_error for s in members if s.replay_error is not None]
         mean.replay_error = worst(errors)
+        # The float32 gradients' reach: the least robust member's, as growth (NaN kept).
+        mean.gradient_sensitivity = worst(
+            s.gradient_sensitivity for s in members if s.gradient_sensitivity is not None)
     return mean

@@ -540,6 +540,22 @@ def test_ensemble_replay_error_keeps_a_nan(ensemble_setup, monkeypatch):
     assert np.isnan(scores.replay_error)
 
 
+def test_ensemble_keeps_the_largest_gradient_sensitivity(ensemble_setup):
+    """float32 Adam members measure how far float32 gradients move their scores; the
+    ensemble reports the largest (it was dropped: None, read as nothing to report)."""
+    X, y, est = ensemble_setup
+    est = clone(est).set_params(solver="adam", learning_rate_init=0.01, dtype="float32")
+    members = [clone(est).set_params(random_state=int(seed)).fit(X, y).attribute(
+        X[:2], y[:2], method="unrolled") for seed in _drawn_seeds(5, 2)]
+    sensitivities = [m.gradient_sensitivity for m in members]
+    assert all(s is not None and np.isfinite(s) for s in sensitivities)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a member's own sensitivity warning
+        scores = ensemble_attribution(est, X, y, X[:2], y[:2], n_models=2, random_state=5,
+                                      method="unrolled")
+    assert scores.gradient_sensitivity == max(sensitivities)
+
+
 class _NoisyAttributor(BaseEstimator):
     """Scores drawn from its own seed; warns on odd seeds (a stand-in for an unstable path)."""
 

@@ -39,7 +39,7 @@ from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, va
 
 from ._analysis._attribution import check_indicator, label_codes, margin
 from ._analysis._unrolled import AttributionScores
-from ._estimators._base import BasePathKernelNetwork
+from ._estimators._base import BasePathKernelNetwork, _encode_like_fit
 from ._modules import copy_module
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
@@ -470,7 +470,8 @@ def retrain_on_subsets(
           (which must be set): the same initialization and random stream. Full-batch
           training then differs only by the data; minibatches are drawn from the same
           stream over a smaller set, so they differ.
-        - "replay" (skpathkernel estimators, fitted on ``X, y``): the estimator's own
+        - "replay" (skpathkernel estimators, fitted on ``X, y``, which must be
+          ``X_fit_`` and its targets: other targets are refused): the estimator's own
           recorded path replayed without the left-out points: its initialization, its
           optimizer and step sizes, and every step's recorded minibatch minus the
           left-out points (the loss averaged over the points that remain, with the
@@ -513,7 +514,7 @@ def retrain_on_subsets(
     15
     """
     n_train, size = _subset_size(X, y, subset_fraction)
-    _check_protocol(protocol, estimator, X)
+    _check_protocol(protocol, estimator, X, y)
     output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query,
                                              fitted=protocol == "replay")
     masks, seeds = _draw_subsets(check_random_state(random_state), n_subsets, n_train, size,
@@ -600,12 +601,8 @@ def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
     y_query = np.asarray(y_query)
     if len(y_query) != len(X_query):
         raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
+    # With ``fitted``, y is the estimator's own targets (_check_replayable).
     indicator = np.ndim(y) == 2 and np.shape(y)[1] > 1
-    if fitted and indicator != getattr(estimator, "_multilabel", False):
-        kinds = ("class labels", "a multilabel indicator")
-        raise ValueError(f"y is {kinds[indicator]} but the estimator was trained on "
-                         f"{kinds[not indicator]}: the replay records the margin of its "
-                         "own targets; pass its training targets.")
     # Multilabel (a column is labels): the signed sum of the label logits, attribute's.
     if indicator:
         return output, check_indicator(y_query, np.shape(y)[1]), None
@@ -613,17 +610,21 @@ def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
     return output, label_codes(classes, y_query), classes
 
 
-def _check_protocol(protocol, estimator, X) -> None:
+def _check_protocol(protocol, estimator, X, y) -> None:
     if protocol == "same_seed" and estimator.get_params().get("random_state") is None:
         raise ValueError("protocol='same_seed' retrains every model with the estimator's "
                          "own random_state, which is None (a fresh seed each fit): set it "
                          "to an int.")
     if protocol == "replay":
-        _check_replayable(estimator, X)
+        _check_replayable(estimator, X, y)
 
 
-def _check_replayable(estimator, X) -> None:
-    """The replay protocol needs a fitted skpathkernel estimator trained on X itself."""
+def _check_replayable(estimator, X, y) -> None:
+    """The replay protocol needs a fitted skpathkernel estimator trained on X, y itself.
+
+    The replay trains on the targets recorded with the path: a ``y`` that differs (other
+    labels, another task) would be replaced by them without a word.
+    """
     if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
                                                                        "trajectory_"):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "
@@ -631,8 +632,26 @@ def _check_replayable(estimator, X) -> None:
     X_fit = estimator.X_fit_
     if np.shape(X) != X_fit.shape or not np.array_equal(np.asarray(X, dtype=X_fit.dtype),
                                                          X_fit):
-        raise ValueError("protocol='replay' needs X to be the estimator's training set "
-                         "(its recorded batches index it).")
+        raise ValueError("protocol='replay' needs X to be the estimator's training set, "
+                         "X_fit_ (its recorded batches index it): without the samples "
+                         "that early_stopping held out, and those of every partial_fit "
+                         "call in order.")
+    if is_classifier(estimator):
+        indicator = np.ndim(y) == 2 and np.shape(y)[1] > 1
+        if indicator != getattr(estimator, "_multilabel", False):
+            kinds = ("class labels", "a multilabel indicator")
+            raise ValueError(f"y is {kinds[indicator]} but the estimator was trained on "
+                             f"{kinds[not indicator]}: the replay retrains on its own "
+                             "targets; pass its training targets.")
+    Y = np.asarray(_encode_like_fit(estimator, y), dtype=np.float64)
+    Y_fit = np.asarray(network_of(estimator).y_fit, dtype=np.float64)
+    # The same encoding of the same values: equal but for round-off.
+    if Y.size != Y_fit.size or not np.allclose(Y.reshape(Y_fit.shape), Y_fit, rtol=1e-9,
+                                               atol=0.0):
+        raise ValueError("protocol='replay' retrains on the estimator's own training "
+                         "targets, recorded with its path, so y must be those of X_fit_; "
+                         "other targets are retrained with protocol='independent' or "
+                         "'same_seed'.")
 
 
 # --------------------------------------------------------------------------- ensembles

@@ -253,6 +253,41 @@ def test_replay_equals_a_hand_written_sgd_loop_over_the_recorded_batches():
         retrain_on_subsets(est, X + 1, y, X[:7], y[:7], n_subsets=2, protocol="replay")
 
 
+def test_replay_refuses_targets_other_than_the_fits():
+    """The replay retrains on the targets recorded with the path: other labels (flipped
+    ones, to ask what relabelling does) were replaced by them without a word."""
+    rng = np.random.RandomState(6)
+    X = rng.normal(size=(24, 2))
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    common = dict(hidden_layer_sizes=(4,), max_iter=2, batch_size=8, dtype="float64",
+                  random_state=0, tol=None)
+    clf = PathKernelClassifier(**common).fit(X, y)
+    flipped = y.copy()
+    flipped[:3] = (flipped[:3] + 1) % 3
+    with pytest.raises(ValueError, match="own training targets"):
+        retrain_on_subsets(clf, X, flipped, X[:2], y[:2], n_subsets=2, protocol="replay")
+    with pytest.raises(ValueError, match="multilabel indicator"):  # kind, any output
+        retrain_on_subsets(clf, X, np.eye(3)[y], X[:2], n_subsets=2, protocol="replay",
+                           output=lambda m, Z: m.predict(Z))
+    reg = PathKernelMachine(**common).fit(X, X[:, 0] * 10.0)
+    with pytest.raises(ValueError, match="own training targets"):
+        retrain_on_subsets(reg, X, X[:, 1], X[:2], n_subsets=2, protocol="replay")
+    # Early stopping trains on X_fit_ only: the error names it.
+    early = PathKernelClassifier(**{**common, "max_iter": 3}, early_stopping=True,
+                                 validation_fraction=0.25, n_iter_no_change=5).fit(X, y)
+    with pytest.raises(ValueError, match="X_fit_"):
+        retrain_on_subsets(early, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    # The fit's own targets, in any form fit takes them, replay.
+    res = retrain_on_subsets(reg, X, list(X[:, 0] * 10.0), X[:2], n_subsets=2,
+                             protocol="replay", random_state=0)
+    assert res.outputs.shape == (2, 2)
+    labels = np.array(["a", "b", "c"])
+    named = PathKernelClassifier(**common).fit(X, labels[y])
+    res = retrain_on_subsets(named, X, labels[y], X[:2], labels[y[:2]], n_subsets=2,
+                             protocol="replay", random_state=0)
+    assert np.isfinite(res.outputs).all()
+
+
 def test_retraining_parallel_equals_serial_and_accepts_a_callable():
     rng = np.random.RandomState(3)
     X, y = rng.normal(size=(40, 3)), rng.normal(size=40)

@@ -842,30 +842,44 @@ ValueError
         return X_fit, Y_fit
 
     def _check_loss(self, X: torch.Tensor, Y: torch.Tensor) -> None:
-        """Refuse a user's per-sample loss that does not give one value per sample.
+        """Refuse a loss that does not give one value per sample from these targets.
 
         Probed on the first two rows of ``X`` and ``Y`` (tensors as the loss takes
-        them) at the first recorded point, before a long computation (the library's
-        losses are checked already).
+        them) at the first recorded point, before a long computation: a user's
+        per-sample loss, and the library's on targets declared in another form (float
+        class codes for "log_loss" on several outputs failed deep inside with torch's
+        "expected target dtype to be Long"; one target column for "squared_error" on
+        several outputs was broadcast against all of them, another loss silently).
         """
-        if not isinstance(self.loss, _PerSampleLoss):
-            return
         # On the outputs as every analysis hands them, one row per sample (B, C): a
         # loss written for a module's (B, T, C) outputs must fail here, not inside a
         # decomposition or the unrolled sweep (or silently, by broadcasting).
+        custom = isinstance(self.loss, _PerSampleLoss)
+        what = "The loss" if custom else f"loss={self.loss.name!r}"
         with torch.no_grad():
             out = functional_call(self.module, self.params_at(0), (X[:2],))
-            try:
-                probe = self.loss.per_sample(out.reshape(len(out), -1), Y[:2])
-            except (RuntimeError, ValueError, IndexError) as exc:
+            out = out.reshape(len(out), -1)
+            if (not custom and self.loss.name == "squared_error"
+                    and tuple(Y.shape[1:]) != tuple(out.shape[1:])):
                 raise ValueError(
-                    "The loss is called as per_sample(output, target) with the "
+                    f"{what} compares every output with its own target, but y_train has "
+                    f"{tuple(Y.shape[1:])} values per sample and the network "
+                    f"{out.shape[1]} outputs.")
+            try:
+                probe = self.loss.per_sample(out, Y[:2])
+            except (RuntimeError, ValueError, IndexError) as exc:
+                hint = ("" if custom or self.loss.name != "log_loss" else
+                        " log_loss takes integer class codes (several outputs), 0/1 "
+                        "targets (one output) or a 0/1 indicator of the outputs' shape.")
+                raise ValueError(
+                    f"{what} is called as per_sample(output, target) with the "
                     "module's outputs flattened per sample, shape (B, C) (here "
-                    f"{(len(out), out[0].numel())}), and the targets as y_train gives "
-                    f"them; it raised {type(exc).__name__}: {exc}") from exc
+                    f"{tuple(out.shape)}), and the targets as y_train gives them "
+                    f"({Y.dtype}, shape {tuple(Y.shape)}); it raised "
+                    f"{type(exc).__name__}: {exc}.{hint}") from exc
         if probe.shape != (len(X[:2]),):
             raise ValueError(
-                "The loss must return one value per sample, shape (B,), from the "
+                f"{what} must return one value per sample, shape (B,), from the "
                 "module's outputs flattened per sample, shape (B, C); it returned "
                 f"shape {tuple(probe.shape)}."
             )

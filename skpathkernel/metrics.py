@@ -625,6 +625,14 @@ def _check_replayable(estimator, X, y) -> None:
     The replay trains on the targets recorded with the path: a ``y`` that differs (other
     labels, another task) would be replaced by them without a word.
     """
+    if not isinstance(estimator, BasePathKernelNetwork) and hasattr(estimator,
+                                                                    "trajectory_"):
+        # A RecordedNetwork: fitted already, so "fit it first" would not help.
+        raise ValueError(f"protocol='replay' replays the training of a fitted "
+                         f"PathKernelMachine or PathKernelClassifier; a "
+                         f"{type(estimator).__name__}'s path comes from a loop of your "
+                         "own (its optimizer, schedule and clipping), which retraining "
+                         "on a subset reruns.")
     if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
                                                                        "trajectory_"):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "

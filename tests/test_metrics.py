@@ -13,7 +13,12 @@ from scipy.stats import bootstrap, spearmanr
 from sklearn.base import BaseEstimator, clone
 from sklearn.linear_model import LogisticRegression, Ridge
 
-from skpathkernel import AttributionScores, PathKernelClassifier, PathKernelMachine
+from skpathkernel import (
+    AttributionScores,
+    PathKernelClassifier,
+    PathKernelMachine,
+    RecordedNetwork,
+)
 from skpathkernel.metrics import (
     ensemble_attribution,
     linear_datamodeling_interval,
@@ -277,6 +282,11 @@ def test_replay_refuses_targets_other_than_the_fits():
                                  validation_fraction=0.25, n_iter_no_change=5).fit(X, y)
     with pytest.raises(ValueError, match="X_fit_"):
         retrain_on_subsets(early, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    # A recorded loop's network is fitted, but its loop is the user's to rerun.
+    with pytest.raises(ValueError, match="RecordedNetwork's path comes from a loop"):
+        retrain_on_subsets(RecordedNetwork(reg.module_, reg.trajectory_, X_train=X,
+                                           y_train=X[:, 0] * 10.0),
+                           X, X[:, 0] * 10.0, X[:2], n_subsets=2, protocol="replay")
     # The fit's own targets, in any form fit takes them, replay.
     res = retrain_on_subsets(reg, X, list(X[:, 0] * 10.0), X[:2], n_subsets=2,
                              protocol="replay", random_state=0)

@@ -390,6 +390,18 @@ def test_library_losses_on_targets_of_another_form_are_refused_up_front():
     assert net.decompose(X[:2]).error < 1e-10
 
 
+@pytest.mark.parametrize("method", ["bad", "unrolled", None])
+@pytest.mark.parametrize("output", [None, "all"])
+def test_explain_names_the_methods_it_takes(method, output):
+    """A bad method named 'unrolled' among the choices (attribute's list), which explain
+    then refused: its error lists the decomposition's methods, whatever the output."""
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y).network_
+    with pytest.raises(ValueError, match=r"^explain takes method 'exact', 'first_order' "
+                                         r"or 'second_order' \(the decomposition's\), got"):
+        net.explain(X[:2], 3, method=method, output=output)
+
+
 def test_a_loss_for_unflattened_outputs_is_refused_before_any_work():
     """Every analysis hands a user's loss the outputs flattened per sample (B, C); a loss
     written for a module's (B, T, C) outputs is refused up front with that shape, not

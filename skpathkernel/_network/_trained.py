@@ -776,14 +776,16 @@ ValueError
         """
         # Checked before the decomposition: as kneighbors, never fewer than asked.
         _check_n_neighbors(n_neighbors, self.trajectory.n_samples)
+        # The decomposition's methods only, for either output: attribute's own error
+        # would offer 'unrolled', which explain refuses.
+        if method not in ("exact", "first_order", "second_order"):
+            raise ValueError("explain takes method 'exact', 'first_order' or "
+                             f"'second_order' (the decomposition's), got {method!r}.")
         if isinstance(output, str) and output == "all":
             check_decompose_args(method, "realized", None, None)
             contributions = self.decompose(X, method=method, units=units,
                                            n_jobs=n_jobs).contributions
         else:
-            if method == "unrolled":
-                raise ValueError("explain takes method 'exact', 'first_order' or "
-                                 "'second_order' (the decomposition's), got 'unrolled'.")
             scores = self._attribute(X, None, method=method, weighting="realized",
                                      output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale,

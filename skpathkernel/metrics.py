@@ -39,7 +39,7 @@ from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, va
 
 from ._analysis._attribution import check_indicator, label_codes, margin
 from ._analysis._unrolled import AttributionScores
-from ._estimators._base import BasePathKernelNetwork
+from ._estimators._base import BasePathKernelNetwork, _encode_like_fit
 from ._modules import copy_module
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
@@ -74,6 +74,14 @@ def _check_lds_inputs(attributions, subsets, outputs):
     elif np.issubdtype(subsets.dtype, np.integer):
         if subsets.size and (subsets.min() < 0 or subsets.max() >= n_train):
             raise ValueError(f"subsets hold training indices outside [0, {n_train}).")
+        # A subset holds each point once: a repeated index is not a subset, and is what
+        # 0/1 masks stored as integers look like (rows of 0s and 1s, read as indices).
+        repeated = np.flatnonzero((np.diff(np.sort(subsets, axis=1), axis=1) == 0).any(axis=1))
+        if len(repeated):
+            raise ValueError(
+                f"subsets given as training indices repeat an index (subset "
+                f"{repeated[0]}: each point is in a subset once). 0/1 masks must be "
+                "boolean: pass subsets.astype(bool).")
         masks = np.zeros((len(subsets), n_train))
         np.put_along_axis(masks, subsets, 1.0, axis=1)
     else:
@@ -132,7 +140,8 @@ def linear_datamodeling_score(attributions, subsets, outputs, *,
         <skpathkernel.PathKernelClassifier.attribute>`). A method whose scores have the
         opposite sign convention gets the opposite LDS.
     subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
-        The training subsets: boolean masks, or the training indices of each subset.
+        The training subsets: boolean masks, or the training indices of each subset
+        (each index once; integer 0/1 masks are refused, as indices they repeat).
     outputs : array-like of shape (n_subsets, n_queries)
         The output of the model retrained on each subset at each query
         (:attr:`SubsetRetraining.outputs`).
@@ -461,7 +470,8 @@ def retrain_on_subsets(
           (which must be set): the same initialization and random stream. Full-batch
           training then differs only by the data; minibatches are drawn from the same
           stream over a smaller set, so they differ.
-        - "replay" (skpathkernel estimators, fitted on ``X, y``): the estimator's own
+        - "replay" (skpathkernel estimators, fitted on ``X, y``, which must be
+          ``X_fit_`` and its targets: other targets are refused): the estimator's own
           recorded path replayed without the left-out points: its initialization, its
           optimizer and step sizes, and every step's recorded minibatch minus the
           left-out points (the loss averaged over the points that remain, with the
@@ -504,7 +514,7 @@ def retrain_on_subsets(
     15
     """
     n_train, size = _subset_size(X, y, subset_fraction)
-    _check_protocol(protocol, estimator, X)
+    _check_protocol(protocol, estimator, X, y)
     output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query,
                                              fitted=protocol == "replay")
     masks, seeds = _draw_subsets(check_random_state(random_state), n_subsets, n_train, size,
@@ -591,12 +601,8 @@ def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
     y_query = np.asarray(y_query)
     if len(y_query) != len(X_query):
         raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
+    # With ``fitted``, y is the estimator's own targets (_check_replayable).
     indicator = np.ndim(y) == 2 and np.shape(y)[1] > 1
-    if fitted and indicator != getattr(estimator, "_multilabel", False):
-        kinds = ("class labels", "a multilabel indicator")
-        raise ValueError(f"y is {kinds[indicator]} but the estimator was trained on "
-                         f"{kinds[not indicator]}: the replay records the margin of its "
-                         "own targets; pass its training targets.")
     # Multilabel (a column is labels): the signed sum of the label logits, attribute's.
     if indicator:
         return output, check_indicator(y_query, np.shape(y)[1]), None
@@ -604,17 +610,29 @@ def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
     return output, label_codes(classes, y_query), classes
 
 
-def _check_protocol(protocol, estimator, X) -> None:
+def _check_protocol(protocol, estimator, X, y) -> None:
     if protocol == "same_seed" and estimator.get_params().get("random_state") is None:
         raise ValueError("protocol='same_seed' retrains every model with the estimator's "
                          "own random_state, which is None (a fresh seed each fit): set it "
                          "to an int.")
     if protocol == "replay":
-        _check_replayable(estimator, X)
+        _check_replayable(estimator, X, y)
 
 
-def _check_replayable(estimator, X) -> None:
-    """The replay protocol needs a fitted skpathkernel estimator trained on X itself."""
+def _check_replayable(estimator, X, y) -> None:
+    """The replay protocol needs a fitted skpathkernel estimator trained on X, y itself.
+
+    The replay trains on the targets recorded with the path: a ``y`` that differs (other
+    labels, another task) would be replaced by them without a word.
+    """
+    if not isinstance(estimator, BasePathKernelNetwork) and hasattr(estimator,
+                                                                    "trajectory_"):
+        # A RecordedNetwork: fitted already, so "fit it first" would not help.
+        raise ValueError(f"protocol='replay' replays the training of a fitted "
+                         f"PathKernelMachine or PathKernelClassifier; a "
+                         f"{type(estimator).__name__}'s path comes from a loop of your "
+                         "own (its optimizer, schedule and clipping), which retraining "
+                         "on a subset reruns.")
     if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
                                                                        "trajectory_"):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "
@@ -622,8 +640,26 @@ def _check_replayable(estimator, X) -> None:
     X_fit = estimator.X_fit_
     if np.shape(X) != X_fit.shape or not np.array_equal(np.asarray(X, dtype=X_fit.dtype),
                                                          X_fit):
-        raise ValueError("protocol='replay' needs X to be the estimator's training set "
-                         "(its recorded batches index it).")
+        raise ValueError("protocol='replay' needs X to be the estimator's training set, "
+                         "X_fit_ (its recorded batches index it): without the samples "
+                         "that early_stopping held out, and those of every partial_fit "
+                         "call in order.")
+    if is_classifier(estimator):
+        indicator = np.ndim(y) == 2 and np.shape(y)[1] > 1
+        if indicator != getattr(estimator, "_multilabel", False):
+            kinds = ("class labels", "a multilabel indicator")
+            raise ValueError(f"y is {kinds[indicator]} but the estimator was trained on "
+                             f"{kinds[not indicator]}: the replay retrains on its own "
+                             "targets; pass its training targets.")
+    Y = np.asarray(_encode_like_fit(estimator, y), dtype=np.float64)
+    Y_fit = np.asarray(network_of(estimator).y_fit, dtype=np.float64)
+    # The same encoding of the same values: equal but for round-off.
+    if Y.size != Y_fit.size or not np.allclose(Y.reshape(Y_fit.shape), Y_fit, rtol=1e-9,
+                                               atol=0.0):
+        raise ValueError("protocol='replay' retrains on the estimator's own training "
+                         "targets, recorded with its path, so y must be those of X_fit_; "
+                         "other targets are retrained with protocol='independent' or "
+                         "'same_seed'.")
 
 
 # --------------------------------------------------------------------------- ensembles
@@ -702,7 +738,8 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         Float64, the mean of the models' scores. With ``method="unrolled"`` an
         :class:`~skpathkernel.AttributionScores` whose ``growth`` is, per query, the
         largest of the models' (the ensemble is as trustworthy as its least stable
-        member) and whose ``replay_error`` is the largest; ``amplification`` is None.
+        member) and whose ``replay_error`` and ``gradient_sensitivity`` are the
+        largest (None where no model measured one); ``amplification`` is None.
         Warnings the models raised (such as
         :class:`~skpathkernel.UnstablePathWarning`) are raised again here.
 
@@ -759,4 +796,7 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         mean.growth = np.max(growths, axis=0)
         errors = [s.replay_error for s in members if s.replay_error is not None]
         mean.replay_error = worst(errors)
+        # The float32 gradients' reach: the least robust member's, as growth (NaN kept).
+        mean.gradient_sensitivity = worst(
+            s.gradient_sensitivity for s in members if s.gradient_sensitivity is not None)
     return mean

@@ -13,7 +13,12 @@ from scipy.stats import bootstrap, spearmanr
 from sklearn.base import BaseEstimator, clone
 from sklearn.linear_model import LogisticRegression, Ridge
 
-from skpathkernel import AttributionScores, PathKernelClassifier, PathKernelMachine
+from skpathkernel import (
+    AttributionScores,
+    PathKernelClassifier,
+    PathKernelMachine,
+    RecordedNetwork,
+)
 from skpathkernel.metrics import (
     ensemble_attribution,
     linear_datamodeling_interval,
@@ -82,6 +87,9 @@ def test_lds_leaves_out_queries_without_rank_correlation():
     (dict(subsets=np.ones((5, 9), dtype=bool)), "masks over 9"),
     (dict(subsets=np.full((5, 3), 10)), "outside"),
     (dict(subsets=np.ones((5, 10))), "boolean masks or integer"),
+    # 0/1 masks stored as integers: rows of 0s and 1s, which as indices repeat.
+    (dict(subsets=(np.arange(50).reshape(5, 10) % 3 == 0).astype(int)), "astype\\(bool\\)"),
+    (dict(subsets=np.array([[0, 1, 1]] * 5)), "repeat an index"),
     (dict(subsets=np.ones(10, dtype=bool)), "2-D"),
     (dict(outputs=np.zeros((5, 4))), r"\(5, 3\)"),
     (dict(subsets=np.ones((1, 10), dtype=bool), outputs=np.zeros((1, 3))), "at least 2"),
@@ -248,6 +256,46 @@ def test_replay_equals_a_hand_written_sgd_loop_over_the_recorded_batches():
             np.where(np.eye(3)[y[:7]] > 0, -np.inf, logits), axis=1), rtol=1e-10)
     with pytest.raises(ValueError, match="training set"):
         retrain_on_subsets(est, X + 1, y, X[:7], y[:7], n_subsets=2, protocol="replay")
+
+
+def test_replay_refuses_targets_other_than_the_fits():
+    """The replay retrains on the targets recorded with the path: other labels (flipped
+    ones, to ask what relabelling does) were replaced by them without a word."""
+    rng = np.random.RandomState(6)
+    X = rng.normal(size=(24, 2))
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    common = dict(hidden_layer_sizes=(4,), max_iter=2, batch_size=8, dtype="float64",
+                  random_state=0, tol=None)
+    clf = PathKernelClassifier(**common).fit(X, y)
+    flipped = y.copy()
+    flipped[:3] = (flipped[:3] + 1) % 3
+    with pytest.raises(ValueError, match="own training targets"):
+        retrain_on_subsets(clf, X, flipped, X[:2], y[:2], n_subsets=2, protocol="replay")
+    with pytest.raises(ValueError, match="multilabel indicator"):  # kind, any output
+        retrain_on_subsets(clf, X, np.eye(3)[y], X[:2], n_subsets=2, protocol="replay",
+                           output=lambda m, Z: m.predict(Z))
+    reg = PathKernelMachine(**common).fit(X, X[:, 0] * 10.0)
+    with pytest.raises(ValueError, match="own training targets"):
+        retrain_on_subsets(reg, X, X[:, 1], X[:2], n_subsets=2, protocol="replay")
+    # Early stopping trains on X_fit_ only: the error names it.
+    early = PathKernelClassifier(**{**common, "max_iter": 3}, early_stopping=True,
+                                 validation_fraction=0.25, n_iter_no_change=5).fit(X, y)
+    with pytest.raises(ValueError, match="X_fit_"):
+        retrain_on_subsets(early, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    # A recorded loop's network is fitted, but its loop is the user's to rerun.
+    with pytest.raises(ValueError, match="RecordedNetwork's path comes from a loop"):
+        retrain_on_subsets(RecordedNetwork(reg.module_, reg.trajectory_, X_train=X,
+                                           y_train=X[:, 0] * 10.0),
+                           X, X[:, 0] * 10.0, X[:2], n_subsets=2, protocol="replay")
+    # The fit's own targets, in any form fit takes them, replay.
+    res = retrain_on_subsets(reg, X, list(X[:, 0] * 10.0), X[:2], n_subsets=2,
+                             protocol="replay", random_state=0)
+    assert res.outputs.shape == (2, 2)
+    labels = np.array(["a", "b", "c"])
+    named = PathKernelClassifier(**common).fit(X, labels[y])
+    res = retrain_on_subsets(named, X, labels[y], X[:2], labels[y[:2]], n_subsets=2,
+                             protocol="replay", random_state=0)
+    assert np.isfinite(res.outputs).all()
 
 
 def test_retraining_parallel_equals_serial_and_accepts_a_callable():
@@ -535,6 +583,22 @@ def test_ensemble_replay_error_keeps_a_nan(ensemble_setup, monkeypatch):
     scores = ensemble_attribution(est, X, y, X[:2], y[:2], n_models=3, random_state=3,
                                   method="unrolled")
     assert np.isnan(scores.replay_error)
+
+
+def test_ensemble_keeps_the_largest_gradient_sensitivity(ensemble_setup):
+    """float32 Adam members measure how far float32 gradients move their scores; the
+    ensemble reports the largest (it was dropped: None, read as nothing to report)."""
+    X, y, est = ensemble_setup
+    est = clone(est).set_params(solver="adam", learning_rate_init=0.01, dtype="float32")
+    members = [clone(est).set_params(random_state=int(seed)).fit(X, y).attribute(
+        X[:2], y[:2], method="unrolled") for seed in _drawn_seeds(5, 2)]
+    sensitivities = [m.gradient_sensitivity for m in members]
+    assert all(s is not None and np.isfinite(s) for s in sensitivities)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a member's own sensitivity warning
+        scores = ensemble_attribution(est, X, y, X[:2], y[:2], n_models=2, random_state=5,
+                                      method="unrolled")
+    assert scores.gradient_sensitivity == max(sensitivities)
 
 
 class _NoisyAttributor(BaseEstimator):

@@ -359,6 +359,49 @@ def test_network_decompose_refuses_what_it_cannot_decompose():
                        ).decompose(X[:2], method="third_order")
 
 
+def test_library_losses_on_targets_of_another_form_are_refused_up_front():
+    """Targets the declared library loss cannot take: float class codes for log_loss on
+    3 outputs failed deep inside with torch's RuntimeError ("expected target dtype to be
+    Long"), and one target column for squared_error on 3 outputs was broadcast against
+    all of them (another loss, silently)."""
+    torch.manual_seed(0)
+    X, codes = torch.randn(12, 2, dtype=torch.float64), torch.arange(12) % 3
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 3)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=12) as rec:
+        for _ in range(3):
+            rec.set_batch(np.arange(12))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(X), codes).backward()
+            opt.step()
+    floats = rec.as_network(X, codes.double(), loss="log_loss")
+    for call in (lambda: floats.decompose(X[:2]),
+                 lambda: floats.attribute(X[:2], output="margin", method="unrolled"),
+                 lambda: floats.self_influence(output="margin")):
+        with pytest.raises(ValueError, match="log_loss takes integer class codes"):
+            call()
+    column = rec.as_network(X, codes.double(), loss="squared_error")
+    with pytest.raises(ValueError, match=r"y_train has \(1,\) values per sample and the "
+                                         "network 3 outputs"):
+        column.attribute(X[:2], output=0)
+    # The codes as integers are taken.
+    net = rec.as_network(X, codes, loss="log_loss")
+    assert net.decompose(X[:2]).error < 1e-10
+
+
+@pytest.mark.parametrize("method", ["bad", "unrolled", None])
+@pytest.mark.parametrize("output", [None, "all"])
+def test_explain_names_the_methods_it_takes(method, output):
+    """A bad method named 'unrolled' among the choices (attribute's list), which explain
+    then refused: its error lists the decomposition's methods, whatever the output."""
+    module, traj, X, y = _recorded()
+    net = RecordedNetwork(module, traj, X_train=X, y_train=y).network_
+    with pytest.raises(ValueError, match=r"^explain takes method 'exact', 'first_order' "
+                                         r"or 'second_order' \(the decomposition's\), got"):
+        net.explain(X[:2], 3, method=method, output=output)
+
+
 def test_a_loss_for_unflattened_outputs_is_refused_before_any_work():
     """Every analysis hands a user's loss the outputs flattened per sample (B, C); a loss
     written for a module's (B, T, C) outputs is refused up front with that shape, not

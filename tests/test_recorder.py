@@ -146,6 +146,31 @@ def test_recorded_classifier_loop_and_a_callable_loss(data):
         assert res.error < 1e-10
 
 
+def test_errors_on_the_explained_output_name_every_choice(data):
+    """A recorded multi-class loop's errors name output='margin' (and explain's 'all'):
+    "pass output=<index>" alone hid the margin that y's labels are for."""
+    X, _, Xq = data
+    y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5])  # 3 classes
+    clf = PathKernelClassifier(hidden_layer_sizes=(4,), solver="sgd", batch_size=4,
+                               max_iter=2, dtype="float64", random_state=0).fit(X, y)
+    _, rec = _replay(clf, lambda p: torch.optim.SGD(p, lr=1e-3), torch.as_tensor(y),
+                     LOSSES["log_loss"]())
+    net = rec.as_estimator(X, y, loss="log_loss")
+    with pytest.raises(ValueError, match=r"3 outputs: pass output=<index> .*output='margin'"):
+        net.attribute(Xq, y[:3])
+    with pytest.raises(ValueError, match="output='margin', or output='all'"):
+        net.network_.explain(Xq, 2)
+    with pytest.raises(ValueError, match="'margin' or 'all' or an output index"):
+        net.network_.explain(Xq, 2, output="bad")
+    # The regressors' errors name no margin.
+    with pytest.raises(ValueError, match=r"^output must be an output index in \[0, 1\)"):
+        PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, random_state=0).fit(
+            X, X[:, 0]).attribute(Xq, output=1)
+    # What they name is taken.
+    assert net.attribute(Xq, y[:3], output="margin").shape == (3, len(X))
+    assert net.network_.explain(Xq, 2, output="all")[1].shape == (3, 2, 3)
+
+
 SCHEDULERS = {
     "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
     "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),

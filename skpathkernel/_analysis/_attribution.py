@@ -135,19 +135,23 @@ def margin_weights(outputs: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return weights
 
 
-def check_output(output, n_outputs: int, margin: str):
+def check_output(output, n_outputs: int, margin: str, also: str = ""):
     """The explained output, checked: "margin" or an output column index.
 
     ``margin`` says what the margin is to this network: "default" (a classifier: None
     means "margin"), "allowed" (None means column 0 of a single output) or "no" (a
-    regressor).
+    regressor). ``also``: the caller's other choices, named in the errors (explain's
+    ``"'all'"``), which the caller handles before.
     """
+    # Every choice the caller takes, so that an error names them all.
+    choices = [c for c in ("" if margin == "no" else "'margin'", also) if c]
     if output is None:
         if margin == "default":
             return "margin"
         if n_outputs > 1:
             raise ValueError(f"The network has {n_outputs} outputs: pass output=<index> to "
-                             "choose the one to explain.")
+                             "choose the one to explain"
+                             + "".join(f", or output={c}" for c in choices) + ".")
         return 0
     if isinstance(output, str) and output == "margin":
         if margin == "no":
@@ -156,7 +160,7 @@ def check_output(output, n_outputs: int, margin: str):
         return output
     if (isinstance(output, bool) or not isinstance(output, numbers.Integral)
             or not 0 <= output < n_outputs):
-        allowed = "" if margin == "no" else "'margin' or "
+        allowed = "".join(f"{c} or " for c in choices)
         raise ValueError(f"output must be {allowed}an output index in [0, {n_outputs}), "
                          f"got {output!r}.")
     return int(output)

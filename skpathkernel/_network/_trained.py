@@ -626,20 +626,22 @@ ValueError
     @_runs_own_module
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
-                   multilabel: bool | None = None, standardized=None) -> np.ndarray:
+                   multilabel: bool | None = None, standardized=None,
+                   also: str = "") -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
         margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
         indicator row per query; None: the network's own :attr:`multilabel`;
         ``standardized``: ``(n_rows, constant)`` of a regressor's ``normalize_y`` (see
-        :func:`~.._analysis._unrolled.unrolled_scores`), None for none."""
+        :func:`~.._analysis._unrolled.unrolled_scores`), None for none; ``also``: the
+        caller's other choices of ``output``, named by its errors (``check_output``)."""
         check_attribute_args(method, weighting, n_nodes, tol)
         multilabel = self.multilabel if multilabel is None else multilabel
         X = self.check(X)
         prediction = self.outputs(X)
         n_outputs = prediction.shape[1]
-        output = check_output(output, n_outputs, margin)
+        output = check_output(output, n_outputs, margin, also)
         if encode is None:
             def encode(y):
                 if multilabel:
@@ -774,18 +776,20 @@ ValueError
         """
         # Checked before the decomposition: as kneighbors, never fewer than asked.
         _check_n_neighbors(n_neighbors, self.trajectory.n_samples)
+        # The decomposition's methods only, for either output: attribute's own error
+        # would offer 'unrolled', which explain refuses.
+        if method not in ("exact", "first_order", "second_order"):
+            raise ValueError("explain takes method 'exact', 'first_order' or "
+                             f"'second_order' (the decomposition's), got {method!r}.")
         if isinstance(output, str) and output == "all":
             check_decompose_args(method, "realized", None, None)
             contributions = self.decompose(X, method=method, units=units,
                                            n_jobs=n_jobs).contributions
         else:
-            if method == "unrolled":
-                raise ValueError("explain takes method 'exact', 'first_order' or "
-                                 "'second_order' (the decomposition's), got 'unrolled'.")
             scores = self._attribute(X, None, method=method, weighting="realized",
                                      output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale,
-                                     multilabel=multilabel)
+                                     multilabel=multilabel, also="'all'")
             contributions = scores[:, :, None]
         k = int(n_neighbors)
         magnitude = np.abs(contributions).sum(axis=2)
@@ -840,30 +844,44 @@ ValueError
         return X_fit, Y_fit
 
     def _check_loss(self, X: torch.Tensor, Y: torch.Tensor) -> None:
-        """Refuse a user's per-sample loss that does not give one value per sample.
+        """Refuse a loss that does not give one value per sample from these targets.
 
         Probed on the first two rows of ``X`` and ``Y`` (tensors as the loss takes
-        them) at the first recorded point, before a long computation (the library's
-        losses are checked already).
+        them) at the first recorded point, before a long computation: a user's
+        per-sample loss, and the library's on targets declared in another form (float
+        class codes for "log_loss" on several outputs failed deep inside with torch's
+        "expected target dtype to be Long"; one target column for "squared_error" on
+        several outputs was broadcast against all of them, another loss silently).
         """
-        if not isinstance(self.loss, _PerSampleLoss):
-            return
         # On the outputs as every analysis hands them, one row per sample (B, C): a
         # loss written for a module's (B, T, C) outputs must fail here, not inside a
         # decomposition or the unrolled sweep (or silently, by broadcasting).
+        custom = isinstance(self.loss, _PerSampleLoss)
+        what = "The loss" if custom else f"loss={self.loss.name!r}"
         with torch.no_grad():
             out = functional_call(self.module, self.params_at(0), (X[:2],))
-            try:
-                probe = self.loss.per_sample(out.reshape(len(out), -1), Y[:2])
-            except (RuntimeError, ValueError, IndexError) as exc:
+            out = out.reshape(len(out), -1)
+            if (not custom and self.loss.name == "squared_error"
+                    and tuple(Y.shape[1:]) != tuple(out.shape[1:])):
                 raise ValueError(
-                    "The loss is called as per_sample(output, target) with the "
+                    f"{what} compares every output with its own target, but y_train has "
+                    f"{tuple(Y.shape[1:])} values per sample and the network "
+                    f"{out.shape[1]} outputs.")
+            try:
+                probe = self.loss.per_sample(out, Y[:2])
+            except (RuntimeError, ValueError, IndexError) as exc:
+                hint = ("" if custom or self.loss.name != "log_loss" else
+                        " log_loss takes integer class codes (several outputs), 0/1 "
+                        "targets (one output) or a 0/1 indicator of the outputs' shape.")
+                raise ValueError(
+                    f"{what} is called as per_sample(output, target) with the "
                     "module's outputs flattened per sample, shape (B, C) (here "
-                    f"{(len(out), out[0].numel())}), and the targets as y_train gives "
-                    f"them; it raised {type(exc).__name__}: {exc}") from exc
+                    f"{tuple(out.shape)}), and the targets as y_train gives them "
+                    f"({Y.dtype}, shape {tuple(Y.shape)}); it raised "
+                    f"{type(exc).__name__}: {exc}.{hint}") from exc
         if probe.shape != (len(X[:2]),):
             raise ValueError(
-                "The loss must return one value per sample, shape (B,), from the "
+                f"{what} must return one value per sample, shape (B,), from the "
                 "module's outputs flattened per sample, shape (B, C); it returned "
                 f"shape {tuple(probe.shape)}."
             )

@@ -36,6 +36,7 @@ __all__ = [
     "TOKENS",
     "activation_widths",
     "block_widths",
+    "check_ids",
     "check_input",
     "check_representable",
     "fitted_input",
@@ -176,7 +177,7 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
         _check_like_fit(X, dtype, kind, shape, fitted_input(estimator)[1], "X",
                         type(estimator).__name__)
         if kind == TOKENS:
-            _check_ids(getattr(estimator, "module_", None), X, "X")
+            check_ids(getattr(estimator, "module_", None), X, "X")
     return (X, y) if with_y else X
 
 
@@ -214,7 +215,7 @@ def check_input(shape, fitted_kind, module, X, name: str = "X", *,
     if shape is not None:
         _check_like_fit(X, dtype, kind, shape, fitted_kind, name, what)
     if kind == TOKENS:
-        _check_ids(module, X, name)
+        check_ids(module, X, name)
     return X
 
 
@@ -346,8 +347,12 @@ def check_outputs(out, n: int, n_outputs: int, hint: str = "") -> None:
             f"its network must return n_outputs values per sample{hint}.")
 
 
-def _check_ids(module, X: np.ndarray, name: str) -> None:
-    """Token ids beyond the embedding would fail deep inside torch: refuse them here."""
+def check_ids(module, X: np.ndarray, name: str) -> None:
+    """Token ids beyond the embedding would fail deep inside torch: refuse them here.
+
+    ``X`` is int64 token ids (the network's form); ``module`` is the fitted network's
+    (None: nothing to check against).
+    """
     if module is None or not X.size:
         return
     first = next(module.parameters(), None)

@@ -375,3 +375,27 @@ def test_lazy_layers_are_initialized_reproducibly_without_touching_the_global_rn
     loaded = pickle.loads(pickle.dumps(fits[0]))
     assert_array_equal(loaded.predict_proba(IMAGES), fits[0].predict_proba(IMAGES))
     assert fits[0].decompose(IMAGES[:2]).error < 1e-10
+
+
+@pytest.mark.parametrize("kind", ["images", "tokens"])
+def test_reversed_views_are_taken_as_their_copies(kind):
+    """NumPy calls an axis of length 1 contiguous whatever its stride: a row of a reversed
+    view (X[::-1][:1]) reached torch, which refuses negative strides. A fit on a reversed
+    view keeps such rows (its first one measures the activations), so every later method
+    failed; a one-row query did on every network, the default MLP's too."""
+    module, X, y = KINDS[kind]
+    rev = X[::-1]
+    assert rev[:1].flags.c_contiguous and rev.strides[0] < 0
+    est = PathKernelClassifier(module=module, max_iter=2, **F64).fit(rev, y[::-1])
+    ref = PathKernelClassifier(module=module, max_iter=2, **F64).fit(rev.copy(), y[::-1])
+    assert_array_equal(est.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    row = X[::-1][:1]
+    assert_array_equal(est.predict_proba(row), ref.predict_proba(row.copy()))
+    assert_array_equal(est.transform(row), ref.transform(row.copy()))
+    assert_array_equal(est.tangent_kernel_(row, X[:3]), ref.tangent_kernel_(row.copy(), X[:3]))
+    assert_array_equal(est.decompose(row).contributions, ref.decompose(row.copy()).contributions)
+    assert_array_equal(est.kneighbors(row, n_neighbors=3)[1],
+                       ref.kneighbors(row.copy(), n_neighbors=3)[1])
+    flat = X.reshape(len(X), -1).astype(np.float64)
+    mlp = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, **F64).fit(flat, y)
+    assert_array_equal(mlp.predict_proba(flat[::-1][:1]), mlp.predict_proba(flat[-1:]))

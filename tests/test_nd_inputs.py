@@ -399,3 +399,37 @@ def test_reversed_views_are_taken_as_their_copies(kind):
     flat = X.reshape(len(X), -1).astype(np.float64)
     mlp = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, **F64).fit(flat, y)
     assert_array_equal(mlp.predict_proba(flat[::-1][:1]), mlp.predict_proba(flat[-1:]))
+
+
+class _EntityEmbeddings(nn.Module):
+    """A table per column (categorical features): 10 categories, then 3."""
+
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.first, self.second = nn.Embedding(10, 2), nn.Embedding(3, 2)
+        self.head = nn.Linear(4, n_outputs)
+
+    def forward(self, x):
+        return self.head(torch.tanh(torch.cat([self.first(x[:, 0]), self.second(x[:, 1])], 1)))
+
+
+def test_an_id_beyond_a_smaller_table_is_refused_in_any_row():
+    """The check ran the network on the sample holding the largest id only: an id beyond
+    the 3-row table in another sample reached torch's bare IndexError in every method
+    (and in fit, after the check)."""
+    rng = np.random.RandomState(0)
+    X = np.c_[rng.randint(0, 10, 30), rng.randint(0, 3, 30)]
+    y = X.sum(1) % 2
+    X[0, 0] = 9  # the largest id, in a sample whose second id is valid
+    est = PathKernelClassifier(module=lambda n, c: _EntityEmbeddings(c), max_iter=2,
+                               **F64).fit(X, y)
+    bad = X.copy()
+    bad[7, 1] = 4
+    match = r"out of range for one of the network's embeddings \(\[10, 3\] rows; .*\[9, 4\]"
+    for method in (est.predict, est.transform, est.tangent_kernel_, est.decompose):
+        with pytest.raises(ValueError, match=match):
+            method(bad)
+    before = est.predict_proba(X)
+    with pytest.raises(ValueError, match=r"largest token id at each position is \[9, 4\]"):
+        est.fit(bad, y)
+    assert_array_equal(est.predict_proba(X), before)

@@ -14,7 +14,8 @@ shape of ``X``) and a kind, and checks every later ``X`` against both:
 With ``module``, the dtype of ``X`` decides: integer ``X`` is token ids, any other numeric
 ``X`` is floats. ``n_features_in_`` is the number of values per sample,
 ``prod(input_shape_)``. At fit the new network is run on the first sample (and, for token
-ids, on the sample holding the largest id), so that a module that cannot take ``X`` (a
+ids, on the sample holding the largest id, and with embeddings of several sizes on those
+holding each position's largest id), so that a module that cannot take ``X`` (a
 float network given token ids, an ``nn.Embedding`` given floats, a wrong trailing shape, an
 id beyond the embedding) is refused with a message naming the shape and dtype, before any
 training.
@@ -237,18 +238,38 @@ def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X"
         )
 
 
-def _probe_rows(X: np.ndarray) -> np.ndarray:
+def _probe_rows(X: np.ndarray, module: torch.nn.Module | None = None) -> np.ndarray:
     """The first two samples (a network's outputs show their batch axis on two: a
-    ``.squeeze()`` drops it on one), and for token ids the one holding the largest id."""
+    ``.squeeze()`` drops it on one), and for token ids the one holding the largest id.
+
+    With embeddings of several sizes, some smaller than the largest id, also the samples
+    holding each position's largest id: a table per column (entity embeddings of
+    categorical features) may get an id beyond its own rows in any sample, not only in
+    the one holding the largest id, which another, larger table reads.
+    """
     rows = [0, 1] if len(X) > 1 else [0]
     if X.dtype == np.int64 and X.size:
         rows.append(int(np.unravel_index(np.argmax(X), X.shape)[0]))
+        sizes = [] if module is None else _embedding_sizes(module)
+        if sizes and X.max() >= min(sizes):
+            rows.extend(np.argmax(X.reshape(len(X), -1), axis=0).tolist())
     return np.unique(rows)
 
 
 def _embedding_sizes(module) -> list[int]:
     return [m.num_embeddings for m in module.modules()
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+
+
+def _largest_ids(X: np.ndarray, sizes: list[int]) -> str:
+    """What to say of token ids ``X`` that an embedding of ``sizes`` rows refused."""
+    largest = int(X.max())
+    if not sizes or largest >= max(sizes):
+        return f"the largest token id is {largest}"
+    # Beyond a smaller table only: the largest id is not the one refused.
+    per = X.reshape(len(X), -1).max(axis=0)
+    shown = ", ".join(str(int(v)) for v in per[:16]) + (", ..." if per.size > 16 else "")
+    return f"the largest token id at each position is [{shown}]"
 
 
 def _run(module: torch.nn.Module, x: torch.Tensor):
@@ -304,7 +325,7 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
     """Refuse, with a message naming X's shape and dtype, a module that cannot take X;
     with ``n_outputs``, one whose output is not ``n_outputs`` values per sample
     (``outputs_hint`` says what they are)."""
-    x = to_input_tensor(X[_probe_rows(X)], dtype=dtype, device=device)
+    x = to_input_tensor(X[_probe_rows(X, module)], dtype=dtype, device=device)
     try:
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
@@ -315,8 +336,8 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
                     "lookup) to read them; pass float X (X.astype(np.float32)) for numeric "
                     "features")
             if isinstance(e, IndexError) and sizes:
-                hint = (f"the largest token id is {int(X.max())}, and the module's "
-                        f"embeddings have {sizes} rows")
+                hint = (f"{_largest_ids(X, sizes)}, and the module's embeddings have "
+                        f"{sizes} rows")
         else:
             hint = ("float X is handed to the module in the network's dtype: token ids "
                     "must be integers (X.astype(np.int64)), and images or sequences must "
@@ -358,9 +379,13 @@ def check_ids(module, X: np.ndarray, name: str) -> None:
     first = next(module.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     try:
-        _run(module, torch.as_tensor(X[_probe_rows(X)], device=device))
+        _run(module, torch.as_tensor(X[_probe_rows(X, module)], device=device))
     except IndexError as e:
-        raise ValueError(
-            f"{name} holds token id {int(X.max())}, out of range for the network's "
-            f"embeddings ({_embedding_sizes(module)} rows): {e}."
-        ) from e
+        sizes = _embedding_sizes(module)
+        if not sizes or X.max() >= max(sizes):
+            what = (f"token id {int(X.max())}, out of range for the network's embeddings "
+                    f"({sizes} rows)")
+        else:
+            what = (f"a token id out of range for one of the network's embeddings "
+                    f"({sizes} rows; {_largest_ids(X, sizes)})")
+        raise ValueError(f"{name} holds {what}: {e}.") from e

@@ -433,3 +433,41 @@ def test_an_id_beyond_a_smaller_table_is_refused_in_any_row():
     with pytest.raises(ValueError, match=r"largest token id at each position is \[9, 4\]"):
         est.fit(bad, y)
     assert_array_equal(est.predict_proba(X), before)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, n_outputs, batch_first):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(3, 1, 8, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(12, n_outputs)
+
+    def forward(self, x):
+        return self.head(self.layer(x).flatten(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4)  # batch_first=False: time is the first axis
+        self.head = nn.Linear(16, n_outputs)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0].flatten(1))
+
+
+@pytest.mark.parametrize("module", [lambda n, c: _Encoder(c, batch_first=False),
+                                    lambda n, c: _Recurrent(c)], ids=["attention", "gru"])
+def test_a_module_that_mixes_the_samples_is_refused(module):
+    """torch's sequence layers default to batch_first=False: on (n, S, d) they attend or
+    recur over the samples. Such a network trained without a word, and its predictions
+    then depended on the block they ran in (by 1.2 on an attention layer), its tangent
+    kernel disagreed with transform and the exact decomposition was off by 0.1."""
+    est = PathKernelMachine(module=module, max_iter=2, **F64)
+    with pytest.raises(ValueError, match="depends on the other samples.*batch_first=True"):
+        est.fit(SEQUENCES, Y_SEQUENCES)
+    assert not hasattr(est, "network_")
+    # With batch_first=True the same layer is per-sample, and every block agrees.
+    est = PathKernelMachine(module=lambda n, c: _Encoder(c, batch_first=True), max_iter=2,
+                            **F64).fit(SEQUENCES, Y_SEQUENCES)
+    assert_allclose(est.predict(SEQUENCES[:6]),
+                    [est.predict(SEQUENCES[i : i + 1])[0] for i in range(6)], rtol=1e-12)

@@ -18,7 +18,8 @@ ids, on the sample holding the largest id, and with embeddings of several sizes 
 holding each position's largest id), so that a module that cannot take ``X`` (a
 float network given token ids, an ``nn.Embedding`` given floats, a wrong trailing shape, an
 id beyond the embedding) is refused with a message naming the shape and dtype, before any
-training.
+training; and so is a module whose output for a sample depends on the samples run with it
+(a sequence layer with ``batch_first=False`` reads the samples of ``(n, S, d)`` as time).
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
                  outputs_hint: str = "") -> None:
     """Refuse, with a message naming X's shape and dtype, a module that cannot take X;
     with ``n_outputs``, one whose output is not ``n_outputs`` values per sample
-    (``outputs_hint`` says what they are)."""
+    (``outputs_hint`` says what they are); and one that mixes the samples of a batch."""
     x = to_input_tensor(X[_probe_rows(X, module)], dtype=dtype, device=device)
     try:
         out = _run(module, x)
@@ -347,6 +348,48 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
         ) from e
     if n_outputs is not None:
         check_outputs(out, len(x), n_outputs, outputs_hint)
+    _check_per_sample(module, x, out)
+
+
+# A sample's outputs run with others and alone differ by more than this, relative to the
+# largest output, when the module mixes the samples of a batch. Round-off stays well
+# below it: a batch and a single row may take other matrix-product kernels, which moved
+# float32 outputs by ~1e-7 of their size.
+_MIXING_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+def _check_per_sample(module: torch.nn.Module, x: torch.Tensor, out) -> None:
+    """Refuse a module whose output for a sample depends on the samples passed with it.
+
+    Every method reads the network one sample at a time, on blocks of samples (padded
+    predictions, per-sample gradients, Grams): a module that mixes them gave results
+    that depend on the blocks, without a word. The common cause is a layer reading the
+    first axis of ``(n, S, d)`` sequences as time (torch's ``batch_first=False``).
+    """
+    if len(x) < 2 or not isinstance(out, torch.Tensor) or not out.numel() \
+            or out.numel() % len(x) or not out.is_floating_point():
+        return
+    batch = out.reshape(len(x), -1)
+    tol = _MIXING_RTOL.get(batch.dtype, 1e-2) * (float(batch.abs().max()) or 1.0)
+    if not torch.isfinite(batch).all():
+        return  # left to the training's divergence check
+    if float((_run(module, x).reshape(len(x), -1) - batch).abs().max()) > tol:
+        return  # a random forward: warn_random_forward says so
+    alone = [_run(module, x[i : i + 1]) for i in range(len(x))]
+    if any(not isinstance(a, torch.Tensor) or a.numel() != batch.shape[1] for a in alone):
+        return
+    gap = float((torch.stack([a.reshape(-1) for a in alone]) - batch).abs().max())
+    if gap > tol:
+        raise ValueError(
+            f"The module's output for a sample depends on the other samples passed with "
+            f"it: {len(x)} samples of X run together and one at a time gave outputs "
+            f"differing by {gap:.3g} (largest output {float(batch.abs().max()):.3g}). "
+            "Every method reads the network one sample at a time, on blocks of samples, "
+            "so its results would depend on the blocks. A layer that reads the first axis "
+            "of X as something else than the samples mixes them: nn.MultiheadAttention, "
+            "nn.TransformerEncoderLayer / DecoderLayer and nn.RNN / LSTM / GRU default to "
+            "batch_first=False, which reads (n_samples, S, d) sequences as one sequence "
+            "over the samples; build them with batch_first=True.")
 
 
 def check_outputs(out, n: int, n_outputs: int, hint: str = "") -> None:

@@ -352,10 +352,11 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
 
 
 # A sample's outputs run with others and alone differ by more than this, relative to the
-# largest output, when the module mixes the samples of a batch. Round-off stays well
-# below it: a batch and a single row may take other matrix-product kernels, which moved
-# float32 outputs by ~1e-7 of their size.
-_MIXING_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+# largest output, when the module mixes the samples of a batch (by 0.4 to 1.2 for the
+# sequence layers below). Round-off stays well below it: a batch and a single row may
+# take other kernels (matrix products moved float32 outputs by ~1e-7 of their size; a
+# GPU's convolution algorithms, Winograd or FFT with TF32, by more).
+_MIXING_RTOL = {torch.float32: 1e-2, torch.float64: 1e-6}
 
 
 def _check_per_sample(module: torch.nn.Module, x: torch.Tensor, out) -> None:

@@ -471,3 +471,22 @@ def test_a_module_that_mixes_the_samples_is_refused(module):
                             **F64).fit(SEQUENCES, Y_SEQUENCES)
     assert_allclose(est.predict(SEQUENCES[:6]),
                     [est.predict(SEQUENCES[i : i + 1])[0] for i in range(6)], rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["Int64", "UInt8"])
+def test_token_ids_in_pandas_nullable_integer_columns_are_integers(dtype):
+    """scikit-learn converts pandas' nullable integer columns (convert_dtypes, the nullable
+    readers) to float64: token ids in them were refused as floats, at fit and after it
+    (as "X has dtype float64")."""
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame(TOKENS, columns=["a", "b", "c"])
+    ref = PathKernelClassifier(module=token_net, max_iter=2, **F64).fit(frame, Y_TOKENS)
+    est = PathKernelClassifier(module=token_net, max_iter=2, **F64).fit(frame.astype(dtype),
+                                                                        Y_TOKENS)
+    assert est.X_fit_.dtype == np.int64
+    assert_array_equal(est.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    assert_array_equal(ref.decision_function(frame.astype(dtype)), ref.decision_function(frame))
+    assert_array_equal(ref.tangent_kernel_(frame.astype(dtype)), ref.tangent_kernel_(frame))
+    # A missing id is refused as one, not taken as a float.
+    with pytest.raises(ValueError, match="NaN"):
+        ref.predict(frame.astype(dtype).mask(frame == 0))

@@ -73,6 +73,27 @@ def _ndim(X) -> int:
         return 2
 
 
+def _numeric_dtype(X):
+    """``check_array``'s dtype for a user's module: integers stay integers (token ids).
+
+    scikit-learn converts a DataFrame of pandas' nullable integer columns ("Int64",
+    "UInt8": what ``convert_dtypes`` and the nullable readers give) to float64, as they
+    may hold ``pd.NA``: token ids in one were refused as floats. Without a missing value
+    they are taken as integers, as NumPy integer columns are.
+    """
+    dtypes = getattr(X, "dtypes", None)
+    if dtypes is None or not hasattr(X, "isna") or isinstance(dtypes, np.dtype):
+        return "numeric"
+    try:
+        # Their common type: uint64 ids beyond int64 are refused by _network_form.
+        common = np.result_type(*(np.dtype(getattr(d, "numpy_dtype", d)) for d in dtypes))
+    except TypeError:  # a column of another kind (category): check_array's rules
+        return "numeric"
+    if common.kind not in "iu" or bool(X.isna().to_numpy().any()):
+        return "numeric"
+    return common
+
+
 def _shape_text(shape) -> str:
     return "(n_samples, " + ", ".join(str(int(d)) for d in shape) + ")"
 
@@ -163,7 +184,7 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
     nd = _ndim(X) >= 3 or (shape is not None and len(shape) > 1)
     if nd:
         check_params.update(allow_nd=True, ensure_2d=False)
-    out = validate_data(estimator, X, y, reset=reset, dtype="numeric", **check_params)
+    out = validate_data(estimator, X, y, reset=reset, dtype=_numeric_dtype(X), **check_params)
     X, y = out if with_y else (out, None)
     if X.ndim < 2:  # only reachable with ensure_2d=False, i.e. an (n, ...) fit
         raise ValueError(
@@ -204,7 +225,7 @@ def check_input(shape, fitted_kind, module, X, name: str = "X", *,
             )
         return X
     nd = _ndim(X) >= 3 or (shape is not None and len(shape) > 1)
-    X = check_array(X, dtype="numeric", ensure_all_finite=True, allow_nd=nd,
+    X = check_array(X, dtype=_numeric_dtype(X), ensure_all_finite=True, allow_nd=nd,
                     ensure_2d=not nd, input_name=name)
     if X.ndim < 2:
         raise ValueError(f"Expected {name} of shape (n_samples, ...), got shape {X.shape}.")

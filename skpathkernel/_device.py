@@ -40,6 +40,10 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 def to_tensor(X: np.ndarray, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # torch cannot share read-only memory (e.g. a memmap): np.require copies only then.
     X = np.require(X, requirements=["C_CONTIGUOUS", "WRITEABLE"])
+    if any(stride < 0 for stride in X.strides):
+        # NumPy calls an axis of length 1 contiguous whatever its stride, so a row of a
+        # reversed view (X[::-1][:1]) passes np.require; torch refuses a negative stride.
+        X = X.copy()
     return torch.as_tensor(X, device=device).to(dtype)
 
 

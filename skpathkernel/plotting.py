@@ -602,7 +602,9 @@ class KernelEvolutionDisplay:
             The fitted network whose recorded path is read; or a fitted Pipeline ending
             in one, whose steps before it transform the inputs.
         x : array-like of shape (n_features,) or the estimator's ``input_shape_``
-            One input, without the sample axis.
+            One input, without the sample axis. For a network kept without its training
+            inputs (a ``RecordedNetwork`` without ``X_train``), whose input form is
+            unknown, a 1-D ``x`` is one input and any other is taken with its sample axis.
         Y : array-like of shape (n_Y, n_features) or (n_Y, ...)
             The points whose kernel with ``x`` is drawn, one curve each.
         steps : sequence of int, default=None
@@ -652,8 +654,20 @@ class KernelEvolutionDisplay:
             Y = check_array(Y, dtype=np.float64)
         else:
             x = np.asarray(x)
+            if shape is None:
+                # A network kept without its training inputs: the form of one input is
+                # unknown. A 1-D x is one (token ids, features); any other is as given.
+                one = x.ndim == 1
+            elif x.ndim <= len(shape) and x.shape != shape:
+                # No more axes than one input, but another shape (a flattened image): the
+                # check below would read it as rows and ask for (n_samples, ...).
+                raise ValueError(
+                    f"x is one input of shape {shape}, as the estimator's inputs at fit "
+                    f"(without the sample axis); got shape {x.shape}.")
+            else:
+                one = x.shape == shape
             # One input (image, token ids) gets its sample axis.
-            x = net.check(x[None] if x.shape == shape else x, "x")
+            x = net.check(x[None] if one else x, "x")
             if x.shape[0] != 1:
                 raise ValueError(f"x must be one input, got {x.shape[0]} of them.")
             Y = net.check(Y, "Y")

@@ -119,6 +119,29 @@ def test_a_frozen_trainer_reads_the_x_it_is_given(circle):
         TangentFeatureSVM(FrozenEstimator(PathKernelClassifier())).fit(X, y)
 
 
+def _token_net(n_features_in, n_outputs):
+    return torch.nn.Sequential(torch.nn.Embedding(6, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(3 * n_features_in, n_outputs))
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_a_frozen_trainer_refuses_token_ids_beyond_its_embeddings(cls):
+    """A frozen token network's X is checked as every later method checks it: ids beyond
+    the embedding failed inside torch (an IndexError from OODRankDetector) or were kept
+    as the span's points without a word (TangentFeatures)."""
+    rng = np.random.RandomState(0)
+    X, y = rng.randint(0, 6, size=(20, 4)), np.arange(20) % 2
+    clf = PathKernelClassifier(module=_token_net, max_iter=2, dtype="float64",
+                               random_state=0).fit(X, y)
+    est = cls(FrozenEstimator(clf)).fit(X, y)
+    with pytest.raises(ValueError, match=r"token id 7, out of range.*\[6\] rows"):
+        est.fit(X + 2, y)
+    # The previous fit is kept, and still reads the network.
+    assert est.X_fit_.max() == 5
+    np.testing.assert_allclose(est.tangent_kernel_(X[:3]),
+                               clf.transform(X[:3]) @ clf.transform(X[:3]).T, rtol=1e-10)
+
+
 def test_tangent_features_of_a_frozen_trainer_need_no_y(circle):
     # y is ignored with a FrozenEstimator: an unsupervised pipeline (fit(X), no y) on the
     # features of a fitted network must run, and give the network's own features.

@@ -375,3 +375,118 @@ def test_lazy_layers_are_initialized_reproducibly_without_touching_the_global_rn
     loaded = pickle.loads(pickle.dumps(fits[0]))
     assert_array_equal(loaded.predict_proba(IMAGES), fits[0].predict_proba(IMAGES))
     assert fits[0].decompose(IMAGES[:2]).error < 1e-10
+
+
+@pytest.mark.parametrize("kind", ["images", "tokens"])
+def test_reversed_views_are_taken_as_their_copies(kind):
+    """NumPy calls an axis of length 1 contiguous whatever its stride: a row of a reversed
+    view (X[::-1][:1]) reached torch, which refuses negative strides. A fit on a reversed
+    view keeps such rows (its first one measures the activations), so every later method
+    failed; a one-row query did on every network, the default MLP's too."""
+    module, X, y = KINDS[kind]
+    rev = X[::-1]
+    assert rev[:1].flags.c_contiguous and rev.strides[0] < 0
+    est = PathKernelClassifier(module=module, max_iter=2, **F64).fit(rev, y[::-1])
+    ref = PathKernelClassifier(module=module, max_iter=2, **F64).fit(rev.copy(), y[::-1])
+    assert_array_equal(est.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    row = X[::-1][:1]
+    assert_array_equal(est.predict_proba(row), ref.predict_proba(row.copy()))
+    assert_array_equal(est.transform(row), ref.transform(row.copy()))
+    assert_array_equal(est.tangent_kernel_(row, X[:3]), ref.tangent_kernel_(row.copy(), X[:3]))
+    assert_array_equal(est.decompose(row).contributions, ref.decompose(row.copy()).contributions)
+    assert_array_equal(est.kneighbors(row, n_neighbors=3)[1],
+                       ref.kneighbors(row.copy(), n_neighbors=3)[1])
+    flat = X.reshape(len(X), -1).astype(np.float64)
+    mlp = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, **F64).fit(flat, y)
+    assert_array_equal(mlp.predict_proba(flat[::-1][:1]), mlp.predict_proba(flat[-1:]))
+
+
+class _EntityEmbeddings(nn.Module):
+    """A table per column (categorical features): 10 categories, then 3."""
+
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.first, self.second = nn.Embedding(10, 2), nn.Embedding(3, 2)
+        self.head = nn.Linear(4, n_outputs)
+
+    def forward(self, x):
+        return self.head(torch.tanh(torch.cat([self.first(x[:, 0]), self.second(x[:, 1])], 1)))
+
+
+def test_an_id_beyond_a_smaller_table_is_refused_in_any_row():
+    """The check ran the network on the sample holding the largest id only: an id beyond
+    the 3-row table in another sample reached torch's bare IndexError in every method
+    (and in fit, after the check)."""
+    rng = np.random.RandomState(0)
+    X = np.c_[rng.randint(0, 10, 30), rng.randint(0, 3, 30)]
+    y = X.sum(1) % 2
+    X[0, 0] = 9  # the largest id, in a sample whose second id is valid
+    est = PathKernelClassifier(module=lambda n, c: _EntityEmbeddings(c), max_iter=2,
+                               **F64).fit(X, y)
+    bad = X.copy()
+    bad[7, 1] = 4
+    match = r"out of range for one of the network's embeddings \(\[10, 3\] rows; .*\[9, 4\]"
+    for method in (est.predict, est.transform, est.tangent_kernel_, est.decompose):
+        with pytest.raises(ValueError, match=match):
+            method(bad)
+    before = est.predict_proba(X)
+    with pytest.raises(ValueError, match=r"largest token id at each position is \[9, 4\]"):
+        est.fit(bad, y)
+    assert_array_equal(est.predict_proba(X), before)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, n_outputs, batch_first):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(3, 1, 8, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(12, n_outputs)
+
+    def forward(self, x):
+        return self.head(self.layer(x).flatten(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, n_outputs):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4)  # batch_first=False: time is the first axis
+        self.head = nn.Linear(16, n_outputs)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0].flatten(1))
+
+
+@pytest.mark.parametrize("module", [lambda n, c: _Encoder(c, batch_first=False),
+                                    lambda n, c: _Recurrent(c)], ids=["attention", "gru"])
+def test_a_module_that_mixes_the_samples_is_refused(module):
+    """torch's sequence layers default to batch_first=False: on (n, S, d) they attend or
+    recur over the samples. Such a network trained without a word, and its predictions
+    then depended on the block they ran in (by 1.2 on an attention layer), its tangent
+    kernel disagreed with transform and the exact decomposition was off by 0.1."""
+    est = PathKernelMachine(module=module, max_iter=2, **F64)
+    with pytest.raises(ValueError, match="depends on the other samples.*batch_first=True"):
+        est.fit(SEQUENCES, Y_SEQUENCES)
+    assert not hasattr(est, "network_")
+    # With batch_first=True the same layer is per-sample, and every block agrees.
+    est = PathKernelMachine(module=lambda n, c: _Encoder(c, batch_first=True), max_iter=2,
+                            **F64).fit(SEQUENCES, Y_SEQUENCES)
+    assert_allclose(est.predict(SEQUENCES[:6]),
+                    [est.predict(SEQUENCES[i : i + 1])[0] for i in range(6)], rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["Int64", "UInt8"])
+def test_token_ids_in_pandas_nullable_integer_columns_are_integers(dtype):
+    """scikit-learn converts pandas' nullable integer columns (convert_dtypes, the nullable
+    readers) to float64: token ids in them were refused as floats, at fit and after it
+    (as "X has dtype float64")."""
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame(TOKENS, columns=["a", "b", "c"])
+    ref = PathKernelClassifier(module=token_net, max_iter=2, **F64).fit(frame, Y_TOKENS)
+    est = PathKernelClassifier(module=token_net, max_iter=2, **F64).fit(frame.astype(dtype),
+                                                                        Y_TOKENS)
+    assert est.X_fit_.dtype == np.int64
+    assert_array_equal(est.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+    assert_array_equal(ref.decision_function(frame.astype(dtype)), ref.decision_function(frame))
+    assert_array_equal(ref.tangent_kernel_(frame.astype(dtype)), ref.tangent_kernel_(frame))
+    # A missing id is refused as one, not taken as a float.
+    with pytest.raises(ValueError, match="NaN"):
+        ref.predict(frame.astype(dtype).mask(frame == 0))

@@ -19,7 +19,7 @@ from sklearn.exceptions import NotFittedError
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder
 from skpathkernel.plotting import (
     KernelEvolutionDisplay,
     KernelMatrixDisplay,
@@ -204,6 +204,47 @@ def test_kernel_evolution_all_steps_default(circle):
     assert disp.kernel_values.shape == (len(clf.trajectory_), 2)
     with pytest.raises(IndexError):
         KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], steps=[100])
+
+
+def _cnn(n_features_in, n_outputs):
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, stride=2), torch.nn.Tanh(),
+                               torch.nn.Flatten(), torch.nn.Linear(18, n_outputs))
+
+
+def test_kernel_evolution_names_the_form_of_one_input():
+    """x is one input without its sample axis: a flattened image was read as rows and
+    refused as not of shape (n_samples, ...), which x is documented not to have."""
+    images = np.random.RandomState(0).uniform(size=(10, 1, 8, 8))
+    est = PathKernelMachine(module=_cnn, max_iter=2, dtype="float64", random_state=0)
+    est.fit(images, images.mean(axis=(1, 2, 3)))
+    with pytest.raises(ValueError, match=r"x is one input of shape \(1, 8, 8\).*\(64,\)"):
+        KernelEvolutionDisplay.from_estimator(est, images[0].ravel(), images[1:3])
+    disp = KernelEvolutionDisplay.from_estimator(est, images[0], images[1:3], steps=[-1])
+    np.testing.assert_allclose(disp.kernel_values, _loop_gram(est, -1, images[:1], images[1:3]),
+                               rtol=1e-9)
+
+
+def test_kernel_evolution_of_a_recorded_token_network_without_its_inputs():
+    """A network kept without its training inputs has no input form: one input of token
+    ids (1-D) was read as rows and refused; it is one input."""
+    rng = np.random.RandomState(0)
+    X, y = torch.as_tensor(rng.randint(0, 5, size=(8, 3))), torch.randn(8, 1,
+                                                                        dtype=torch.float64)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Flatten(),
+                              torch.nn.Linear(6, 1)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with PathRecorder(net, opt, n_samples=8) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            (0.5 * (net(X) - y) ** 2).mean().backward()
+            rec.set_batch(torch.arange(8))
+            opt.step()
+    recorded = rec.as_estimator()
+    disp = KernelEvolutionDisplay.from_estimator(recorded, X[0].numpy(), X[1:4].numpy(),
+                                                 normalized=False)
+    J = jacobian_loop(net, X[:4].numpy())[:, 0].numpy()
+    np.testing.assert_allclose(disp.kernel_values[-1], J[0] @ J[1:4].T, rtol=1e-10)
 
 
 # --------------------------------------------------------------------------- rank gap

@@ -42,8 +42,10 @@ _SHARED_PARAMS_DOC = """
         without running statistics) is refused, naming it (build it in eval mode: it then
         normalises with its running statistics, kept fixed); a dropout layer in training
         mode trains with a warning that the analyses are not exact (its draws are not on
-        the path; in eval mode they are exact). Warm starts and ``partial_fit`` keep
-        each layer's mode. It is
+        the path; in eval mode they are exact); a module whose output for a sample
+        depends on the samples passed with it (a sequence layer built with torch's
+        default ``batch_first=False`` on ``(n, S, d)``) is refused at fit. Warm starts and
+        ``partial_fit`` keep each layer's mode. It is
         called with torch's global RNG seeded from ``random_state`` (and restored after).
         With a module, ``X`` may have any shape ``(n_samples, ...)``: float images
         ``(n, C, H, W)`` or sequences ``(n, S, d)`` are handed to it in ``dtype``, integer

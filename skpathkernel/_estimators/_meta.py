@@ -18,7 +18,13 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.multiclass import type_of_target
 
-from .._network._inputs import FEATURES, TOKENS, check_representable, validate_input
+from .._network._inputs import (
+    FEATURES,
+    TOKENS,
+    check_ids,
+    check_representable,
+    validate_input,
+)
 from .._network._trained import network_of
 from .._validation import check_column_names
 from ..kernels import NetworkKernelsMixin
@@ -237,6 +243,11 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
                 f"takes {'integer token ids' if kind == TOKENS else 'float X'} of shape "
                 f"(n_samples, {', '.join(map(str, shape))})."
             )
+        if kind == TOKENS:
+            # As every method after fit checks them: ids beyond the frozen network's
+            # embeddings failed inside torch (OODRankDetector, an IndexError) or were kept
+            # as the span's points without a word (TangentFeatures).
+            check_ids(net.module, X, "X")
         return X, y
 
     def _trainer_param(self, name, default):

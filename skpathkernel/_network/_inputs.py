@@ -14,10 +14,12 @@ shape of ``X``) and a kind, and checks every later ``X`` against both:
 With ``module``, the dtype of ``X`` decides: integer ``X`` is token ids, any other numeric
 ``X`` is floats. ``n_features_in_`` is the number of values per sample,
 ``prod(input_shape_)``. At fit the new network is run on the first sample (and, for token
-ids, on the sample holding the largest id), so that a module that cannot take ``X`` (a
+ids, on the sample holding the largest id, and with embeddings of several sizes on those
+holding each position's largest id), so that a module that cannot take ``X`` (a
 float network given token ids, an ``nn.Embedding`` given floats, a wrong trailing shape, an
 id beyond the embedding) is refused with a message naming the shape and dtype, before any
-training.
+training; and so is a module whose output for a sample depends on the samples run with it
+(a sequence layer with ``batch_first=False`` reads the samples of ``(n, S, d)`` as time).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "TOKENS",
     "activation_widths",
     "block_widths",
+    "check_ids",
     "check_input",
     "check_representable",
     "fitted_input",
@@ -68,6 +71,27 @@ def _ndim(X) -> int:
         return int(np.ndim(X))
     except Exception:  # an unusual container: check_array judges it
         return 2
+
+
+def _numeric_dtype(X):
+    """``check_array``'s dtype for a user's module: integers stay integers (token ids).
+
+    scikit-learn converts a DataFrame of pandas' nullable integer columns ("Int64",
+    "UInt8": what ``convert_dtypes`` and the nullable readers give) to float64, as they
+    may hold ``pd.NA``: token ids in one were refused as floats. Without a missing value
+    they are taken as integers, as NumPy integer columns are.
+    """
+    dtypes = getattr(X, "dtypes", None)
+    if dtypes is None or not hasattr(X, "isna") or isinstance(dtypes, np.dtype):
+        return "numeric"
+    try:
+        # Their common type: uint64 ids beyond int64 are refused by _network_form.
+        common = np.result_type(*(np.dtype(getattr(d, "numpy_dtype", d)) for d in dtypes))
+    except TypeError:  # a column of another kind (category): check_array's rules
+        return "numeric"
+    if common.kind not in "iu" or bool(X.isna().to_numpy().any()):
+        return "numeric"
+    return common
 
 
 def _shape_text(shape) -> str:
@@ -160,7 +184,7 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
     nd = _ndim(X) >= 3 or (shape is not None and len(shape) > 1)
     if nd:
         check_params.update(allow_nd=True, ensure_2d=False)
-    out = validate_data(estimator, X, y, reset=reset, dtype="numeric", **check_params)
+    out = validate_data(estimator, X, y, reset=reset, dtype=_numeric_dtype(X), **check_params)
     X, y = out if with_y else (out, None)
     if X.ndim < 2:  # only reachable with ensure_2d=False, i.e. an (n, ...) fit
         raise ValueError(
@@ -176,7 +200,7 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
         _check_like_fit(X, dtype, kind, shape, fitted_input(estimator)[1], "X",
                         type(estimator).__name__)
         if kind == TOKENS:
-            _check_ids(getattr(estimator, "module_", None), X, "X")
+            check_ids(getattr(estimator, "module_", None), X, "X")
     return (X, y) if with_y else X
 
 
@@ -201,7 +225,7 @@ def check_input(shape, fitted_kind, module, X, name: str = "X", *,
             )
         return X
     nd = _ndim(X) >= 3 or (shape is not None and len(shape) > 1)
-    X = check_array(X, dtype="numeric", ensure_all_finite=True, allow_nd=nd,
+    X = check_array(X, dtype=_numeric_dtype(X), ensure_all_finite=True, allow_nd=nd,
                     ensure_2d=not nd, input_name=name)
     if X.ndim < 2:
         raise ValueError(f"Expected {name} of shape (n_samples, ...), got shape {X.shape}.")
@@ -214,7 +238,7 @@ def check_input(shape, fitted_kind, module, X, name: str = "X", *,
     if shape is not None:
         _check_like_fit(X, dtype, kind, shape, fitted_kind, name, what)
     if kind == TOKENS:
-        _check_ids(module, X, name)
+        check_ids(module, X, name)
     return X
 
 
@@ -236,18 +260,38 @@ def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X"
         )
 
 
-def _probe_rows(X: np.ndarray) -> np.ndarray:
+def _probe_rows(X: np.ndarray, module: torch.nn.Module | None = None) -> np.ndarray:
     """The first two samples (a network's outputs show their batch axis on two: a
-    ``.squeeze()`` drops it on one), and for token ids the one holding the largest id."""
+    ``.squeeze()`` drops it on one), and for token ids the one holding the largest id.
+
+    With embeddings of several sizes, some smaller than the largest id, also the samples
+    holding each position's largest id: a table per column (entity embeddings of
+    categorical features) may get an id beyond its own rows in any sample, not only in
+    the one holding the largest id, which another, larger table reads.
+    """
     rows = [0, 1] if len(X) > 1 else [0]
     if X.dtype == np.int64 and X.size:
         rows.append(int(np.unravel_index(np.argmax(X), X.shape)[0]))
+        sizes = [] if module is None else _embedding_sizes(module)
+        if sizes and X.max() >= min(sizes):
+            rows.extend(np.argmax(X.reshape(len(X), -1), axis=0).tolist())
     return np.unique(rows)
 
 
 def _embedding_sizes(module) -> list[int]:
     return [m.num_embeddings for m in module.modules()
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+
+
+def _largest_ids(X: np.ndarray, sizes: list[int]) -> str:
+    """What to say of token ids ``X`` that an embedding of ``sizes`` rows refused."""
+    largest = int(X.max())
+    if not sizes or largest >= max(sizes):
+        return f"the largest token id is {largest}"
+    # Beyond a smaller table only: the largest id is not the one refused.
+    per = X.reshape(len(X), -1).max(axis=0)
+    shown = ", ".join(str(int(v)) for v in per[:16]) + (", ..." if per.size > 16 else "")
+    return f"the largest token id at each position is [{shown}]"
 
 
 def _run(module: torch.nn.Module, x: torch.Tensor):
@@ -302,8 +346,8 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
                  outputs_hint: str = "") -> None:
     """Refuse, with a message naming X's shape and dtype, a module that cannot take X;
     with ``n_outputs``, one whose output is not ``n_outputs`` values per sample
-    (``outputs_hint`` says what they are)."""
-    x = to_input_tensor(X[_probe_rows(X)], dtype=dtype, device=device)
+    (``outputs_hint`` says what they are); and one that mixes the samples of a batch."""
+    x = to_input_tensor(X[_probe_rows(X, module)], dtype=dtype, device=device)
     try:
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
@@ -314,8 +358,8 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
                     "lookup) to read them; pass float X (X.astype(np.float32)) for numeric "
                     "features")
             if isinstance(e, IndexError) and sizes:
-                hint = (f"the largest token id is {int(X.max())}, and the module's "
-                        f"embeddings have {sizes} rows")
+                hint = (f"{_largest_ids(X, sizes)}, and the module's embeddings have "
+                        f"{sizes} rows")
         else:
             hint = ("float X is handed to the module in the network's dtype: token ids "
                     "must be integers (X.astype(np.int64)), and images or sequences must "
@@ -325,6 +369,52 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
         ) from e
     if n_outputs is not None:
         check_outputs(out, len(x), n_outputs, outputs_hint)
+    _check_per_sample(module, x, out)
+
+
+# A sample's outputs run with others and alone differ by more than this, relative to the
+# largest output, when the module mixes the samples of a batch (by 0.4 to 1.2 for the
+# sequence layers below). Round-off stays well below it: a batch and a single row may
+# take other kernels (matrix products moved float32 outputs by ~1e-7 of their size; a
+# GPU's convolution algorithms, Winograd or FFT with TF32, by more).
+_MIXING_RTOL = {torch.float32: 1e-2, torch.float64: 1e-6}
+
+
+def _check_per_sample(module: torch.nn.Module, x: torch.Tensor, out) -> None:
+    """Refuse a module whose output for a sample depends on the samples passed with it.
+
+    Every method reads the network one sample at a time, on blocks of samples (padded
+    predictions, per-sample gradients, Grams): a module that mixes them gave results
+    that depend on the blocks, without a word. The common cause is a layer reading the
+    first axis of ``(n, S, d)`` sequences as time (torch's ``batch_first=False``).
+    """
+    if len(x) < 2 or not isinstance(out, torch.Tensor) or not out.numel() \
+            or out.numel() % len(x) or not out.is_floating_point():
+        return
+    batch = out.reshape(len(x), -1)
+    tol = _MIXING_RTOL.get(batch.dtype, 1e-2) * (float(batch.abs().max()) or 1.0)
+    if not torch.isfinite(batch).all():
+        return  # left to the training's divergence check
+    if float((_run(module, x).reshape(len(x), -1) - batch).abs().max()) > tol:
+        return  # a random forward: warn_random_forward says so
+    try:
+        alone = [_run(module, x[i : i + 1]) for i in range(len(x))]
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        return  # a module that takes no single sample: not this check's business
+    if any(not isinstance(a, torch.Tensor) or a.numel() != batch.shape[1] for a in alone):
+        return
+    gap = float((torch.stack([a.reshape(-1) for a in alone]) - batch).abs().max())
+    if gap > tol:
+        raise ValueError(
+            f"The module's output for a sample depends on the other samples passed with "
+            f"it: {len(x)} samples of X run together and one at a time gave outputs "
+            f"differing by {gap:.3g} (largest output {float(batch.abs().max()):.3g}). "
+            "Every method reads the network one sample at a time, on blocks of samples, "
+            "so its results would depend on the blocks. A layer that reads the first axis "
+            "of X as something else than the samples mixes them: nn.MultiheadAttention, "
+            "nn.TransformerEncoderLayer / DecoderLayer and nn.RNN / LSTM / GRU default to "
+            "batch_first=False, which reads (n_samples, S, d) sequences as one sequence "
+            "over the samples; build them with batch_first=True.")
 
 
 def check_outputs(out, n: int, n_outputs: int, hint: str = "") -> None:
@@ -346,16 +436,24 @@ def check_outputs(out, n: int, n_outputs: int, hint: str = "") -> None:
             f"its network must return n_outputs values per sample{hint}.")
 
 
-def _check_ids(module, X: np.ndarray, name: str) -> None:
-    """Token ids beyond the embedding would fail deep inside torch: refuse them here."""
+def check_ids(module, X: np.ndarray, name: str) -> None:
+    """Token ids beyond the embedding would fail deep inside torch: refuse them here.
+
+    ``X`` is int64 token ids (the network's form); ``module`` is the fitted network's
+    (None: nothing to check against).
+    """
     if module is None or not X.size:
         return
     first = next(module.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     try:
-        _run(module, torch.as_tensor(X[_probe_rows(X)], device=device))
+        _run(module, torch.as_tensor(X[_probe_rows(X, module)], device=device))
     except IndexError as e:
-        raise ValueError(
-            f"{name} holds token id {int(X.max())}, out of range for the network's "
-            f"embeddings ({_embedding_sizes(module)} rows): {e}."
-        ) from e
+        sizes = _embedding_sizes(module)
+        if not sizes or X.max() >= max(sizes):
+            what = (f"token id {int(X.max())}, out of range for the network's embeddings "
+                    f"({sizes} rows)")
+        else:
+            what = (f"a token id out of range for one of the network's embeddings "
+                    f"({sizes} rows; {_largest_ids(X, sizes)})")
+        raise ValueError(f"{name} holds {what}: {e}.") from e

@@ -131,8 +131,9 @@ path, ``|df_t|`` the step's largest change), so that the steps' errors add up to
 the factors the residual cannot resolve the quadrature error: a step whose residual
 reaches that floor stops there. Where the floor is one learnt at another step (raised
 where a step stalled at its round-off), a node more must first fail to cut the residual
-tenfold: a quadrature error falls, round-off does not. A step that reaches neither within ``MAX_NODES`` nodes
-(or stops converging: a non-smooth activation) is reported in a ConvergenceWarning.
+tenfold: a quadrature error falls, round-off does not. A step that reaches neither
+within ``MAX_NODES`` nodes (or stops converging: a non-smooth activation) is reported in
+a ConvergenceWarning.
 """
 
 from __future__ import annotations
@@ -539,7 +540,10 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
 
     with FORWARD_AD, twice_differentiable():
         out = vmap(row)(X)
-    return torch.cat([out[name].flatten(start_dim=2) for name in traj.names], dim=2)
+    # (Q, C, *shape) per parameter; a 0-d parameter (a learnt scalar) has no dimension
+    # after the outputs to flatten from.
+    return torch.cat([out[name].reshape(*out[name].shape[:2], -1) for name in traj.names],
+                     dim=2)
 
 
 def _route(traj: Trajectory, method: str) -> str:

@@ -391,7 +391,7 @@ class _Quadrature:
                 self._ratio = min(max((r / r0) ** (1.0 / (n - n0)), 1e-3), 0.9)
             seen.append((n, r))
             if probe is not None:
-                if r > seen[-2][1] / 10:
+                if seen[-2][1] / 10 < r <= goal:
                     # The node more did not cut the residual an order of magnitude:
                     # round-off. The next steps start from the count before it.
                     break

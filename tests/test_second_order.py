@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import weight_finite_differences
+from _reference import forward_recursion, weight_finite_differences
 from test_rules_fuzz import _Clip  # tanh as a plain autograd.Function
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -190,6 +190,41 @@ def test_second_order_decomposition_equals_the_layer_written_by_hand(name, by_ha
     ours = est.decompose(X[:3], method="second_order")
     ref = twin.decompose(X[:3], method="second_order")
     np.testing.assert_allclose(ours.contributions, ref.contributions, rtol=1e-9, atol=1e-13)
+
+
+class _ScaledNet(torch.nn.Module):
+    """A learnt 0-d scale: its Hessian-vector block has no dimension after the outputs."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(n_in, 6), torch.nn.Linear(6, n_out)
+        self.s = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)) * self.s) + x.pow(2).sum(1, keepdim=True) * self.s
+
+
+def test_second_order_decomposition_of_a_module_with_a_scalar_parameter():
+    """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
+    the derivative along the step by central differences (nodes 0 and +-h); a 0-d
+    parameter raised an IndexError in the Hessian-vector products."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(10, 2))
+    y = np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 0]]
+    est = PathKernelMachine(module=_ScaledNet, solver="adam", learning_rate_init=0.02,
+                            alpha=0.01, batch_size=4, max_iter=2, dtype="float64",
+                            normalize_y=False, tol=None, random_state=0).fit(X, y)
+    res = est.decompose(X[:2] + 0.1, method="second_order")
+    h = 1e-4
+    nodes = (np.array([0.0, h, -h]), np.array([1.0, 1 / (4 * h), -1 / (4 * h)]))
+
+    def squared(out, target):
+        return 0.5 * (out - target).pow(2).mean(dim=1)
+
+    contrib, reg = forward_recursion(est, X, torch.as_tensor(y), squared, X[:2] + 0.1, nodes)
+    np.testing.assert_allclose(res.contributions, contrib, rtol=0,
+                               atol=1e-7 * np.abs(contrib).max())
+    np.testing.assert_allclose(res.regularization, reg, rtol=0, atol=1e-7 * np.abs(reg).max())
 
 
 def test_the_swap_is_counted_across_threads_and_restored():

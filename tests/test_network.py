@@ -397,8 +397,8 @@ def test_explain_names_the_methods_it_takes(method, output):
     then refused: its error lists the decomposition's methods, whatever the output."""
     module, traj, X, y = _recorded()
     net = RecordedNetwork(module, traj, X_train=X, y_train=y).network_
-    with pytest.raises(ValueError, match=r"^explain takes method 'exact', 'first_order' "
-                                         r"or 'second_order' \(the decomposition's\), got"):
+    with pytest.raises(ValueError, match=r"^method must be 'exact', 'first_order' or "
+                                         r"'second_order', got"):
         net.explain(X[:2], 3, method=method, output=output)
 
 

@@ -778,11 +778,8 @@ ValueError
         _check_n_neighbors(n_neighbors, self.trajectory.n_samples)
         # The decomposition's methods only, for either output: attribute's own error
         # would offer 'unrolled', which explain refuses.
-        if method not in ("exact", "first_order", "second_order"):
-            raise ValueError("explain takes method 'exact', 'first_order' or "
-                             f"'second_order' (the decomposition's), got {method!r}.")
+        check_decompose_args(method, "realized", None, None)
         if isinstance(output, str) and output == "all":
-            check_decompose_args(method, "realized", None, None)
             contributions = self.decompose(X, method=method, units=units,
                                            n_jobs=n_jobs).contributions
         else:

@@ -212,7 +212,9 @@ BAD_FIT = {
     "y 3-D": (X, "3d", ValueError, "dim 3"),
     "y None": (X, "none", ValueError, "requires y to be passed"),
     # One class, and new features: the failed refit must not keep n_features_in_=3.
-    "1 class": (np.hstack([X, X[:, :1]]), "one class", ValueError, "greater than one"),
+    # The class named as Python writes it, not NumPy 2's repr np.int64(0).
+    "1 class": (np.hstack([X, X[:, :1]]), "one class", ValueError,
+                r"greater than one; got 1 class \((-?\d+|'\w+')\)"),
 }
 _NO_Y_FIT = {"OODRankDetector"}  # y=None is its self-supervised fit
 
@@ -326,6 +328,15 @@ BAD_ARGS = {
                              "n_nodes must be a positive integer"),
     "decompose(n_nodes=2.5)": (KM, lambda e: e.decompose(X[:2], n_nodes=2.5), ValueError,
                                "n_nodes must be a positive integer"),
+    "decompose(n_nodes and tol)": (KM, lambda e: e.decompose(X[:2], n_nodes=3, tol=1e-3),
+                                   ValueError, "Pass n_nodes .* or tol .*, not both"),
+    "attribute(n_nodes and tol)": (KM, lambda e: e.attribute(X[:2], n_nodes=3, tol=1e-3),
+                                   ValueError, "Pass n_nodes .* or tol .*, not both"),
+    # A classifier's labels with an output index explain nothing but were ignored
+    # unchecked, whatever their number.
+    "attribute(y, output)": (("PathKernelClassifier",),
+                             lambda e: e.attribute(X[:2], np.zeros(5, int), output=0),
+                             ValueError, r"y must hold one label per query, shape \(2,\)"),
     "explain(n_neighbors=0)": (KM, lambda e: e.explain(X[:2], n_neighbors=0), ValueError,
                                r"n_neighbors must be an integer in \[1, 12\]"),
     "explain(n_neighbors=13)": (KM, lambda e: e.explain(X[:2], n_neighbors=13), ValueError,

@@ -529,7 +529,9 @@ def _encode_labels(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:
     if len(classes) < 2:
         raise ValueError(
             "The number of classes has to be greater than one; got "
-            f"{len(classes)} class ({classes[0]!r}). A classifier needs at least two."
+            # tolist(): a NumPy scalar's repr is np.int64(0) since NumPy 2.
+            f"{len(classes)} class ({classes.tolist()[0]!r}). A classifier needs at least "
+            "two."
         )
     codes = encoder.transform(y)
     n_outputs = 1 if len(classes) == 2 else len(classes)

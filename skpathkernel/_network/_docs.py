@@ -57,7 +57,7 @@ n_nodes : int, default=None
     error control; a ``ConvergenceWarning`` says when the steps' measured
     quadrature errors add up to more than 1e-10 of the largest ``|f|`` in float64
     (1e-4 in float32), the allowance of the exact decomposition's closure check. None
-    (default) chooses them per step for ``tol``.
+    (default) chooses them per step for ``tol``; passing both is an error.
 tol : float, default=None
     Relative tolerance of "exact": each step's quadrature error, measured as
     ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the

@@ -96,6 +96,12 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
             f"got {n_nodes!r}."
         )
     check_tol(tol)
+    if n_nodes is not None and tol is not None:
+        # Two answers to one question: a fixed count has no error control to hold tol.
+        raise ValueError(
+            f"Pass n_nodes (a fixed number of nodes per step, no error control) or tol "
+            f"(nodes chosen per step to hold it), not both: got n_nodes={n_nodes!r} and "
+            f"tol={tol!r}.")
 
 
 def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
@@ -647,8 +653,10 @@ ValueError
                 if multilabel:
                     return check_indicator(y, n_outputs)
                 return class_indices(y, max(n_outputs, 2))
-        codes = query_codes(prediction, y, encode, multilabel) if output == "margin" \
-            else None
+        # A classifier's labels given with another output explain nothing, but are still
+        # checked (one per query, of the fitted classes): a wrong y is a mistake either way.
+        codes = (query_codes(prediction, y, encode, multilabel)
+                 if output == "margin" or (y is not None and margin == "default") else None)
         weights = output_weights(output, prediction, codes)
         if scale is not None:
             weights = weights * np.asarray(scale, dtype=np.float64).reshape(-1)

@@ -507,8 +507,10 @@ class TrainedNetwork:
     def outputs(self, X, step: int | None = -1) -> np.ndarray:
         """Network outputs ``f(X; theta_step)``, float64 (n, C), in blocks under the budget.
 
-        Every block has the same number of rows (the last one padded), so that a row's
-        output never depends on the rows passed with it.
+        Every block has the same number of rows (the last one padded), so that the
+        number of rows passed does not choose other matrix-product kernels. A row's
+        output still moves with its position in the block by float rounding (the BLAS
+        splits a product's rows into panels: about 1e-7 relative in float32).
 
         Parameters
         ----------

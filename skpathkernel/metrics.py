@@ -710,12 +710,12 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         :class:`~skpathkernel.PathKernelMachine` (any estimator with ``fit``,
         ``attribute`` and a ``random_state`` parameter), fitted or not: it is cloned,
         never fitted itself.
-    X : array-like of shape (n_train, n_features)
-        Training inputs.
+    X : array-like of shape (n_train, n_features) or (n_train, ...)
+        Training inputs (N-D for a ``module=`` network: images, sequences, token ids).
     y : array-like of shape (n_train,) or (n_train, n_targets)
         Training targets.
-    X_query : array-like of shape (n_queries, n_features)
-        The queries whose outputs are recorded.
+    X_query : array-like of shape (n_queries, n_features) or (n_queries, ...)
+        The queries whose outputs are recorded, in the form of ``X``.
     y_query : array-like of shape (n_queries,), default=None
         Passed to ``attribute``: classifiers explain the margin of these labels (None:
         each model's predicted class).
@@ -730,7 +730,8 @@ def ensemble_attribution(estimator, X, y, X_query, y_query=None, *, n_models: in
         ``joblib.parallel_config`` context.
     **attribute_params
         Keyword arguments of ``attribute``: ``method``, ``weighting``, ``output``,
-        ``n_nodes``, ``tol``, ``n_jobs`` (of each model's own query blocks).
+        ``n_nodes``, ``tol``. (``n_jobs`` is the ensemble's own, above: each model's
+        ``attribute`` runs its query blocks serially.)
 
     Returns
     -------

@@ -171,6 +171,28 @@ def test_errors_on_the_explained_output_name_every_choice(data):
     assert net.network_.explain(Xq, 2, output="all")[1].shape == (3, 2, 3)
 
 
+def test_explain_ranks_the_attribution_by_its_size(data):
+    """RecordedNetwork had no explain (only network_.explain): the recorded loop's
+    explain is the attribution's largest |scores|, and every output's summed."""
+    X, _, Xq = data
+    y = np.digitize(X[:, 0] + X[:, 1], [-0.5, 0.5])  # 3 classes
+    clf = PathKernelClassifier(hidden_layer_sizes=(4,), solver="sgd", batch_size=4,
+                               max_iter=2, dtype="float64", random_state=0).fit(X, y)
+    _, rec = _replay(clf, lambda p: torch.optim.SGD(p, lr=0.1), torch.as_tensor(y),
+                     LOSSES["log_loss"]())
+    net = rec.as_estimator(X, y, loss="log_loss")
+    idx, contrib = net.explain(Xq, 4, output="margin")
+    scores = net.attribute(Xq, output="margin")
+    order = np.argsort(-np.abs(scores), axis=1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(idx, order)
+    assert_allclose(contrib[:, :, 0], np.take_along_axis(scores, order, axis=1))
+    idx, contrib = net.explain(Xq, 3, output="all")
+    parts = net.decompose(Xq).contributions
+    total = np.abs(parts).sum(axis=2)
+    np.testing.assert_array_equal(idx, np.argsort(-total, axis=1, kind="stable")[:, :3])
+    assert_allclose(contrib, np.take_along_axis(parts, idx[:, :, None], axis=1))
+
+
 SCHEDULERS = {
     "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
     "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),

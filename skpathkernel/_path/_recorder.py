@@ -1082,6 +1082,43 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
                                           output=output, n_nodes=n_nodes, tol=tol,
                                           n_jobs=n_jobs)
 
+    def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
+                n_jobs: int | None = None):
+        """The training points that moved each prediction the most.
+
+        For each query, the training points with the largest contribution ``|a_i(x)|``
+        to the explained output, as the estimators' ``explain``: a scalar output
+        (``output="margin"`` or an output index, as in :meth:`attribute`) through
+        :meth:`attribute`'s contracted route, or ``output="all"``, ranked by ``|a_i(x)|``
+        summed over every output of :meth:`decompose`.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
+            In the form of ``X_train``.
+        n_neighbors : int, default=10
+            Training points per query, largest contribution first (at most the number
+            of training samples).
+        method : {"exact", "first_order", "second_order"}, default="exact"
+            How the contributions are computed, as in :meth:`decompose`.
+        output : "margin", int or "all", default=None
+            The output explained. None: output 0 of a single-output network (several
+            outputs need a choice). "margin" explains the largest output's margin (the
+            positive outputs' for a multilabel loss), as :meth:`attribute` does with
+            ``y=None``.
+        n_jobs : int, default=None
+            Query blocks on joblib workers, as in :meth:`decompose`.
+
+        Returns
+        -------
+        indices : ndarray of shape (n_queries, n_neighbors)
+            Training-set indices, largest contribution first.
+        contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
+            Their contributions: one column for a scalar output, ``n_outputs`` for "all".
+        """
+        return self._network().explain(X, n_neighbors, method=method, output=output,
+                                        n_jobs=n_jobs)
+
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its declared target: its '
                       "class code, or the positive or largest target column (the "

@@ -234,7 +234,7 @@ def test_outputs_at_a_recorded_point_are_the_module_there(clf, data):
     for step in (0, 3, -1):
         ref = module_at(clf, step)(torch.as_tensor(X[:5])).detach().numpy()
         np.testing.assert_allclose(clf.network_.outputs(X[:5], step=step), ref, rtol=1e-12)
-    with pytest.raises(ValueError, match="expecting 3 features"):
+    with pytest.raises(ValueError, match="2 features, but the network is expecting 3 features"):
         clf.network_.outputs(X[:5, :2])
 
 

@@ -215,7 +215,7 @@ def check_input(shape, fitted_kind, module, X, name: str = "X", *,
     fitted on ``(n, ...)`` arrays, and reshape them to ``shape`` (scikit-learn's kernel
     consumers, e.g. ``GaussianProcessRegressor``, only pass 2-D arrays).
     """
-    what = "the kernel's estimator"
+    what = "the network"  # the kernels' and the verbs' (a RecordedNetwork's too)
     if fitted_kind == FEATURES:
         X = check_array(X, dtype=_FLOATS, ensure_all_finite=True, input_name=name)
         if X.shape[1] != shape[0]:

@@ -89,3 +89,20 @@ def test_readme_blocks_have_a_language():
     fences = re.findall(r"^```(\S*)$", README.read_text(), flags=re.M)
     # Opening fences carry a language; closing ones are bare: they alternate.
     assert all(fences[0::2]) and not any(fences[1::2])
+
+
+def test_install_page_states_the_package_requirements():
+    """docs/install.rst and the README quote pyproject.toml's version bounds.
+
+    A floor raised in pyproject.toml (torch's, after the oldest release failed the suite)
+    must be raised where a reader looks before installing.
+    """
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    page = " ".join((ROOT / "docs" / "install.rst").read_text().split())
+    python = re.search(r'requires-python = ">=([\d.]+)"', pyproject)[1]
+    sklearn = re.search(r'"scikit-learn>=([\d.]+)"', pyproject)[1]
+    torch_low, torch_high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', pyproject).groups()
+    assert f"Python {python}+" in page
+    assert f"scikit-learn ({sklearn} or newer)" in page
+    assert f"PyTorch ({torch_low} or newer, before {torch_high}," in page
+    assert f"`torch>={torch_low},<{torch_high}`" in README.read_text()

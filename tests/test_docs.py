@@ -18,6 +18,8 @@ from sklearn.exceptions import ConvergenceWarning
 from sybil import Document
 from sybil.parsers import markdown, rest
 
+from benchmarks.__main__ import GROUPS
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 GUIDE = ROOT / "docs" / "user_guide"
@@ -106,3 +108,18 @@ def test_install_page_states_the_package_requirements():
     assert f"scikit-learn ({sklearn} or newer)" in page
     assert f"PyTorch ({torch_low} or newer, before {torch_high}," in page
     assert f"`torch>={torch_low},<{torch_high}`" in README.read_text()
+
+
+def _backticked(text):
+    return set(re.findall(r"``?(\w+)``?", text))
+
+
+def test_benchmark_group_lists_name_every_group():
+    """The README's and the Benchmarks page's lists of ``python -m benchmarks`` groups name
+    every group the runner has (``--only distributed`` was missing from both)."""
+    readme = " ".join(README.read_text().split())
+    listed = re.search(r"runs every benchmark \(groups: ([\w, ]+)\)", readme)[1]
+    assert listed.split(", ") == GROUPS
+    page = " ".join((ROOT / "docs" / "benchmarks.rst").read_text().split())
+    groups_paragraph = re.search(r"Groups: (.*?) the default runs them all", page)[1]
+    assert set(GROUPS) <= _backticked(groups_paragraph)

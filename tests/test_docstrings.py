@@ -10,11 +10,28 @@ import inspect
 import re
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
+import torch
+from numpydoc.docscrape import ClassDoc
 from numpydoc.validate import validate
 
 import skpathkernel
-from skpathkernel import datasets, diagnostics, kernels, metrics, plotting, rules
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+    TangentFeatures,
+    TangentFeatureSVM,
+    datasets,
+    diagnostics,
+    kernels,
+    metrics,
+    plotting,
+    rules,
+)
 
 API_RST = Path(__file__).resolve().parent.parent / "docs" / "api.rst"
 MODULES = [skpathkernel, datasets, diagnostics, kernels, metrics, plotting, rules]
@@ -132,3 +149,51 @@ def test_api_reference_lists_every_exported_name():
         if name != "__version__" and not any(getattr(module, name) is obj for obj in listed)
     ]
     assert not missing, f"not in docs/api.rst: {missing}"
+
+
+def _documented_attributes(cls):
+    """The attributes ``cls``'s docstring documents: the entries of its Attributes section,
+    the attributes those entries name (the meta-estimators' ``module_``, read from their
+    ``estimator_``), and the properties skpathkernel gives a docstring of their own."""
+    doc = ClassDoc(cls, config={"show_class_members": False})
+    names = {name.strip() for entry in doc["Attributes"] for name in entry.name.split(",")}
+    text = " ".join(line for entry in doc["Attributes"] for line in entry.desc)
+    own = {name for name, member in inspect.getmembers(cls)
+           if isinstance(member, property) and member.__doc__
+           and member.fget.__module__.startswith("skpathkernel")}
+    return names | set(re.findall(r"``(\w+_)``", text)) | own
+
+
+def _fitted_estimators():
+    X = pd.DataFrame(np.random.default_rng(0).normal(size=(40, 3)), columns=list("abc"))
+    y = (X["a"] > 0).to_numpy().astype(int)
+    small = dict(hidden_layer_sizes=(4,), max_iter=2, tol=None, random_state=0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, optimizer, n_samples=len(X)) as recorder:
+        optimizer.zero_grad()
+        module(torch.tensor(X.to_numpy(), dtype=torch.float32)).pow(2).mean().backward()
+        recorder.set_batch(np.arange(len(X)))
+        optimizer.step()
+    return [
+        PathKernelMachine(**small).fit(X, X["b"]),
+        PathKernelClassifier(**small).fit(X, y),
+        TangentFeatures(PathKernelClassifier(**small)).fit(X, y),
+        TangentFeatureSVM(PathKernelClassifier(**small), C=1.0).fit(X, y),
+        OODRankDetector(PathKernelClassifier(**small), method="residual").fit(X, y),
+        recorder.as_estimator(X.to_numpy(), X["b"].to_numpy()),
+    ]
+
+
+def test_every_fitted_attribute_is_documented():
+    """Every public fitted attribute (``name_``) an estimator has after fit is in its
+    docstring: ``dtype_`` of the trainers and ``dtype_`` / ``X_fit_`` of RecordedNetwork
+    were there undocumented."""
+    undocumented = {}
+    for est in _fitted_estimators():
+        public = {name for name in dir(est)
+                  if name.endswith("_") and not name.startswith("_") and hasattr(est, name)}
+        missing = public - _documented_attributes(type(est))
+        if missing:
+            undocumented[type(est).__name__] = sorted(missing)
+    assert not undocumented, f"fitted attributes missing from the docstrings: {undocumented}"

@@ -206,8 +206,8 @@ _FITTED_ATTRS_DOC = """
     network_ : TrainedNetwork
         The trained network and its recorded path (module, trajectory, loss, dtype,
         device, training inputs and targets), which the kernels, the decomposition and
-        the displays read; ``module_``, ``trajectory_``, ``device_``, ``n_params_`` and
-        ``X_fit_`` are its attributes.
+        the displays read; ``module_``, ``trajectory_``, ``device_``, ``dtype_``,
+        ``n_params_`` and ``X_fit_`` are its attributes.
     module_ : torch.nn.Module
         The trained network (on ``device_``).
     trajectory_ : Trajectory
@@ -233,6 +233,9 @@ _FITTED_ATTRS_DOC = """
         Network outputs C.
     device_ : str
         Device the network lives on.
+    dtype_ : str
+        "float32" or "float64", the dtype the network was trained in (``dtype`` at
+        ``fit``; a later ``set_params(dtype=...)`` changes the next fit only).
     X_fit_ : ndarray of shape (n_samples_trained, n_features) or (n_samples_trained, ...)
         The samples trained on, in the order of X (all of X unless ``early_stopping``
         held some out), as the network takes them (floats, or int64 token ids): the

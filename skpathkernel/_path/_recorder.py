@@ -938,9 +938,12 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     module_ : torch.nn.Module
     trajectory_ : Trajectory
     device_ : str
-    dtype : str
+    dtype, dtype_ : str
         "float32" or "float64", the trajectory's dtype.
     n_params_ : int
+    X_fit_ : ndarray of shape (n_samples, n_features) or (n_samples, ...), or None
+        ``X_train`` as the network takes it (floats, or int64 token ids); None without
+        ``X_train``.
     n_features_in_ : int
         Values per sample, ``prod(input_shape_)``; only when ``X_train`` is given.
     input_shape_ : tuple of int

@@ -5,17 +5,25 @@ the public methods and properties that skpathkernel itself defines on each class
 (scikit-learn's inherited ``get_params`` / ``set_params`` are scikit-learn's to document).
 """
 
+import doctest
 import importlib
 import inspect
 import re
+import warnings
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from numpydoc.docscrape import ClassDoc
 from numpydoc.validate import validate
+from sklearn.exceptions import ConvergenceWarning
 
 import skpathkernel
 from skpathkernel import (
@@ -99,10 +107,8 @@ def test_api_is_collected():
     assert len(paths) > 100
 
 
-def _foreign_constructor(path):
-    """Whether ``path`` is a class whose constructor no skpathkernel class defines (an
-    ndarray subclass made by views): its signature is NumPy's, whose parameters NumPy <
-    2 exposes to introspection and which the class does not document."""
+def _resolve(path):
+    """The object at the dotted ``path``."""
     parts, obj = path.split("."), None
     # The longest importable prefix is the module; the rest are attributes of it.
     for i in range(len(parts), 0, -1):
@@ -113,6 +119,14 @@ def _foreign_constructor(path):
         for name in parts[i:]:
             obj = getattr(obj, name)
         break
+    return obj
+
+
+def _foreign_constructor(path):
+    """Whether ``path`` is a class whose constructor no skpathkernel class defines (an
+    ndarray subclass made by views): its signature is NumPy's, whose parameters NumPy <
+    2 exposes to introspection and which the class does not document."""
+    obj = _resolve(path)
     return inspect.isclass(obj) and not any(
         "__init__" in vars(k) or "__new__" in vars(k)
         for k in obj.__mro__ if k.__module__.startswith("skpathkernel"))
@@ -197,3 +211,31 @@ def test_every_fitted_attribute_is_documented():
         if missing:
             undocumented[type(est).__name__] = sorted(missing)
     assert not undocumented, f"fitted attributes missing from the docstrings: {undocumented}"
+
+
+def _examples():
+    """Each distinct docstring of the public API that has Examples, under one of its paths
+    (a method inherited by several estimators is run once)."""
+    seen = {}
+    for path, _ in API:
+        doc = inspect.getdoc(_resolve(path)) or ""
+        if ">>>" in doc:
+            seen.setdefault(doc, path)
+    return sorted((path, doc) for doc, path in seen.items())
+
+
+@pytest.mark.parametrize("path, doc", _examples(), ids=[path for path, _ in _examples()])
+def test_examples_leave_no_convergence_warning(path, doc):
+    """A docstring's Examples run as a reader pastes them, without a ConvergenceWarning
+    (the user guide's blocks are held to the same, tests/test_docs.py): a trainer stopped
+    by ``max_iter`` before its ``tol`` rule warns, so short examples pass ``tol=None``."""
+    test = doctest.DocTestParser().get_doctest(doc, {}, path, None, 0)
+    runner, report = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS), []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConvergenceWarning)
+            runner.run(test, out=report.append)
+    finally:
+        plt.close("all")
+    # A ConvergenceWarning raised as an error fails its example like any exception.
+    assert runner.failures == 0, "".join(report)[-3000:]

@@ -125,7 +125,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     >>> from skpathkernel import PathKernelClassifier, TangentFeatures
     >>> from skpathkernel.datasets import make_circle
     >>> X, y = make_circle(n_samples=60, random_state=0)
-    >>> net = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=20, random_state=0)
+    >>> net = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=20, tol=None, random_state=0)
     >>> tf = TangentFeatures(net)
     >>> phi = tf.fit_transform(X, y)
     >>> tf.task_, phi.shape, tf.n_params_
@@ -325,7 +325,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
     >>> from skpathkernel import PathKernelClassifier, TangentFeatureSVM
     >>> from skpathkernel.datasets import make_circle
     >>> X, y = make_circle(n_samples=100, inner_radius_sq=0.9, random_state=0)
-    >>> net = PathKernelClassifier(hidden_layer_sizes=(16,), max_iter=100,
+    >>> net = PathKernelClassifier(hidden_layer_sizes=(16,), max_iter=100, tol=None,
     ...                            learning_rate_init=0.02, random_state=0)
     >>> svm = TangentFeatureSVM(net).fit(X, y)
     >>> type(svm.svm_).__name__, bool(svm.score(X, y) > 0.9)

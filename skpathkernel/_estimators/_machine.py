@@ -258,7 +258,7 @@ Examples
 >>> import numpy as np
 >>> from skpathkernel import PathKernelMachine
 >>> X = np.linspace(-1, 1, 12).reshape(-1, 1); y = X.ravel() ** 2
->>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", max_iter=20,
+>>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", max_iter=20, tol=None,
 ...                         dtype="float64", random_state=0).fit(X, y)
 >>> res = est.decompose(X[:3])
 >>> res.contributions.shape
@@ -452,7 +452,7 @@ class _KernelMachineMixin(TransformerMixin):
         >>> import numpy as np
         >>> from skpathkernel import PathKernelMachine
         >>> X = np.linspace(-1, 1, 12).reshape(-1, 1); y = X.ravel() ** 2
-        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, tol=None, random_state=0)
         >>> idx, contrib = est.fit(X, y).explain(X[:2], n_neighbors=3)
         >>> idx.shape, contrib.shape
         ((2, 3), (2, 3, 1))

@@ -224,7 +224,7 @@ class TrainedNetwork:
     >>> import numpy as np
     >>> from skpathkernel import PathKernelMachine, TangentKernel, TrainedNetwork
     >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
-    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> net = est.network_
     >>> isinstance(net, TrainedNetwork), net.dtype, net.n_params == est.n_params_

@@ -955,7 +955,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     >>> import numpy as np
     >>> from skpathkernel import PathKernelMachine, RecordedNetwork
     >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
-    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> net = RecordedNetwork(est.module_, est.trajectory_, X_train=X, y_train=y)
     >>> bool(np.allclose(net.path_kernel_(X), est.path_kernel_(X)))

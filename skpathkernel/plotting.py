@@ -438,7 +438,7 @@ class KernelNeighborsDisplay:
         step : int, default=-1
             Recorded point of the tangent kernel (0: initialization).
         kernel : {"tangent", "path", "euclidean"}, default="tangent"
-            Kernel neighbours (see :meth:`PathKernelMachine.kneighbors`) or, for
+            Kernel neighbours (see :meth:`~skpathkernel.PathKernelMachine.kneighbors`) or, for
             comparison, Euclidean neighbours in input space.
         normalized : bool, default=True
             Rank by the normalized kernel ``K_hat`` (Guo, He & Morel's choice).

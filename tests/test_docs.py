@@ -5,6 +5,9 @@ one namespace, as a reader pasting them into one interpreter would. One test per
 one per block) keeps a page's blocks on one pytest-xdist worker.
 """
 
+import builtins
+import importlib
+import inspect
 import re
 import warnings
 from pathlib import Path
@@ -123,3 +126,75 @@ def test_benchmark_group_lists_name_every_group():
     page = " ".join((ROOT / "docs" / "benchmarks.rst").read_text().split())
     groups_paragraph = re.search(r"Groups: (.*?) the default runs them all", page)[1]
     assert set(GROUPS) <= _backticked(groups_paragraph)
+
+
+# Cross-references to other projects' objects: no intersphinx offline, not ours to check.
+FOREIGN = ("sklearn.", "numpy.", "torch.", "joblib.", "dask.", "scipy.", "collections.",
+           "os.", "matplotlib.")
+ROLE = re.compile(r":(?:class|func|meth|attr|mod|obj|exc|data):`(?:[^`<]*<)?~?\.?([\w.]+)>?`")
+
+
+def _api_targets():
+    """What docs/api.rst documents: the modules it declares (``.. module::``), its
+    autosummary entries, and the members of the classes among them."""
+    modules, entries, current = set(), set(), None
+    for line in (ROOT / "docs" / "api.rst").read_text().splitlines():
+        if match := re.match(r"\.\. (current)?module:: (\S+)", line):
+            current = match[2]
+            if not match[1]:
+                modules.add(current)
+        elif re.fullmatch(r"   [A-Za-z_][\w.]*", line):
+            entries.add(f"{current}.{line.strip()}")
+    return modules, entries
+
+
+def _documented(path, modules, entries):
+    if path in modules or path in entries:
+        return True
+    owner, _, member = path.rpartition(".")
+    if owner not in entries:
+        return False
+    module, _, name = owner.rpartition(".")
+    obj = getattr(importlib.import_module(module), name)
+    return inspect.isclass(obj) and hasattr(obj, member)
+
+
+def _broken_references(text, current=None):
+    """The cross-references of ``text`` that no page of the API reference documents,
+    resolved as Sphinx's Python domain does: in the current module, then as written."""
+    modules, entries = _api_targets()
+    broken = []
+    for line in text.splitlines():
+        if match := re.match(r"\s*\.\. currentmodule:: (\S+)", line):
+            current = match[1]
+        for target in ROLE.findall(line):
+            # Other projects', Python's (``ValueError``), and private objects, which have
+            # no page to link to.
+            if (target.startswith(FOREIGN) or target in vars(builtins)
+                    or any(part.startswith("_") for part in target.split("."))):
+                continue
+            candidates = ([f"{current}.{target}"] if current else []) + [target]
+            if not any(_documented(c, modules, entries) for c in candidates):
+                broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("path", PAGES[1:], ids=lambda p: p.name)
+def test_guide_cross_references_resolve(path):
+    """Every ``:class:`` / ``:meth:`` / ``:mod:`` ... of a user guide page links to a page
+    of the API reference (an unresolved one renders as plain text, without a warning)."""
+    broken = _broken_references(path.read_text())
+    assert not broken, f"{path.name}: unresolved references {sorted(set(broken))}"
+
+
+def test_docstring_cross_references_resolve():
+    """The docstrings' fully qualified references (``skpathkernel.X``) name the path the
+    API reference documents the object under (``skpathkernel.kernels.TangentKernel``,
+    not its re-export ``skpathkernel.TangentKernel``)."""
+    broken = {}
+    for source in sorted((ROOT / "skpathkernel").rglob("*.py")):
+        refs = [t for t in _broken_references(source.read_text())
+                if t.startswith("skpathkernel.")]
+        if refs:
+            broken[str(source.relative_to(ROOT))] = sorted(set(refs))
+    assert not broken, f"unresolved references: {broken}"

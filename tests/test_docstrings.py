@@ -144,7 +144,7 @@ def _listed_in_api_rst():
     """The objects that docs/api.rst's autosummary tables document."""
     listed, current = [], None
     for line in API_RST.read_text().splitlines():
-        if match := re.match(r"\.\. currentmodule:: (\S+)", line):
+        if match := re.match(r"\.\. (?:current)?module:: (\S+)", line):
             current = importlib.import_module(match[1])
         elif re.fullmatch(r"   [A-Za-z_][\w.]*", line):
             obj = current

@@ -79,7 +79,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     ``transform`` returns ``phi(x) = d f(x; theta_T) / d theta`` at the final parameters,
     one dense row of ``n_params_`` features per sample, or a seeded random projection of
     it with ``n_components``. Inner products of the rows are the tangent kernel
-    (:class:`~skpathkernel.TangentKernel`), so a linear model on them is a kernel machine
+    (:class:`~skpathkernel.kernels.TangentKernel`), so a linear model on them is a kernel machine
     with the network's learned kernel.
 
     Parameters
@@ -288,12 +288,13 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         "linear": ``SVC(kernel="linear")`` on the dense tangent features at the final
         parameters (``svm_.coef_`` is then a direction in parameter space). "tangent" /
         "path": ``SVC(kernel="precomputed")`` on the Gram of the
-        :class:`~skpathkernel.TangentKernel` / :class:`~skpathkernel.PathKernel` over the
-        training set. "linear" and "tangent" are the same SVM (the tangent kernel is the
-        linear kernel of ``phi``): "tangent" never forms ``phi`` for ``nn.Linear`` layers
-        and is much cheaper (on sklearn's digits, ``phi`` of the default network is
-        89,700 wide: the linear SVM on it takes minutes, the Gram a fraction of a
-        second), "linear" exposes ``coef_``.
+        :class:`~skpathkernel.kernels.TangentKernel` /
+        :class:`~skpathkernel.kernels.PathKernel` over the training set. "linear" and
+        "tangent" are the same SVM (the tangent kernel is the linear kernel of ``phi``):
+        "tangent" never forms ``phi`` for ``nn.Linear`` layers and is much cheaper (on
+        sklearn's digits, ``phi`` of the default network is 89,700 wide: the linear SVM
+        on it takes minutes, the Gram a fraction of a second), "linear" exposes
+        ``coef_``.
     normalize : bool, default=True
         Cosine-normalize the kernel: ``K(x, x') / sqrt(K(x, x) K(x', x'))``, the
         kernel of the unit rows ``phi(x) / ||phi(x)||`` (``normalized=True`` of the

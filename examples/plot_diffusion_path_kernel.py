@@ -68,7 +68,7 @@ optimizer = torch.optim.Adam(denoiser.parameters(), lr=3e-3)
 X_train = torch.empty(n_steps * batch, 3, dtype=dtype)
 Y_train = torch.empty(n_steps * batch, 2, dtype=dtype)
 losses = []
-with PathRecorder(denoiser, optimizer, n_samples=len(X_train), record_every=2) as recorder:
+with PathRecorder(denoiser, optimizer, n_samples=len(X_train)) as recorder:
     for t in range(n_steps):
         x0 = data[torch.randint(len(data), (batch,), generator=gen)]
         sigma = torch.exp(LO + (HI - LO) * torch.rand(batch, 1, generator=gen, dtype=dtype))

@@ -4,8 +4,11 @@ How the tangent kernel evolves (fig 10)
 =======================================
 
 :class:`~skpathkernel.plotting.KernelEvolutionDisplay` follows the normalized tangent
-kernel ``K_hat_t(x, y)`` along the recorded path: on the circle task, points of the
-same class stay aligned while points of opposite classes drift apart.
+kernel ``K_hat_t(x, y)`` along the recorded path: on the circle task every pair drifts
+apart, the points of opposite classes the most (from 0.74 and 0.66 at initialization to
+0.39 and 0.29), the point of the same class the least (from 0.92 to 0.65). They do not
+decay toward 0, as the caption of figure 10 says they do (``skpathkernel reproduce``
+reports that row).
 """
 
 # %%
@@ -28,7 +31,8 @@ clf = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="sgd", learning_r
 # x = (0, 0) is inside the disk (-1); (0.5, 0) too; (1, 0) and (1.2, 0) are outside (+1).
 Y = np.array([[0.0, 0.0], [0.5, 0.0], [1.0, 0.0], [1.2, 0.0]])
 disp = KernelEvolutionDisplay.from_estimator(clf, [0.0, 0.0], Y)
-print("final K_hat:", np.round(disp.kernel_values[-1], 3))
+print("initial K_hat:", np.round(disp.kernel_values[0], 3))
+print("final K_hat:  ", np.round(disp.kernel_values[-1], 3))
 
 # %%
 # The whole matrix, at initialization and after training, samples ordered by class

@@ -223,7 +223,7 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
     >>> from skpathkernel import PathKernelMachine
     >>> from skpathkernel.diagnostics import hessian_trace
     >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
-    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> res = hessian_trace(est, n_samples=50, random_state=0)
     >>> res.estimates.shape, res.step, bool(res.trace > 0), bool(res.stderr < res.trace)
@@ -271,7 +271,7 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
     >>> from skpathkernel import PathKernelMachine
     >>> from skpathkernel.diagnostics import hessian_trace_path
     >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
-    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> path = hessian_trace_path(est, steps=3, n_samples=20, random_state=0)
     >>> path.steps.tolist(), path.optimizer_steps.tolist(), path.trace.shape

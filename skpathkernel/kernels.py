@@ -881,7 +881,7 @@ class TangentKernel(_NetworkKernel):
     >>> from skpathkernel import PathKernelMachine
     >>> from skpathkernel.kernels import TangentKernel
     >>> X = np.linspace(-1, 1, 30).reshape(-1, 1); y = np.sin(3 * X).ravel()
-    >>> est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=20, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=20, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> kernel = TangentKernel(est)
     >>> K = kernel(X)
@@ -1013,7 +1013,7 @@ class PathKernel(_NetworkKernel):
     >>> from skpathkernel import PathKernelMachine
     >>> from skpathkernel.kernels import PathKernel
     >>> X = np.linspace(-1, 1, 30).reshape(-1, 1); y = np.sin(3 * X).ravel()
-    >>> est = PathKernelMachine(hidden_layer_sizes=(16,), solver="adam", max_iter=10,
+    >>> est = PathKernelMachine(hidden_layer_sizes=(16,), solver="adam", max_iter=10, tol=None,
     ...                         random_state=0).fit(X, y)
     >>> kernel = PathKernel(est)
     >>> K = kernel(X)

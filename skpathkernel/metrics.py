@@ -144,7 +144,7 @@ def linear_datamodeling_score(attributions, subsets, outputs, *,
         (each index once; integer 0/1 masks are refused, as indices they repeat).
     outputs : array-like of shape (n_subsets, n_queries)
         The output of the model retrained on each subset at each query
-        (:attr:`SubsetRetraining.outputs`).
+        (the ``outputs`` of a :class:`SubsetRetraining`).
     multioutput : {"uniform_average", "raw_values"}, default="uniform_average"
         "raw_values" returns the LDS of every query.
 

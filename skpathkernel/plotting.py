@@ -157,7 +157,7 @@ class KernelMatrixDisplay:
     >>> from skpathkernel.plotting import KernelMatrixDisplay
     >>> rng = np.random.RandomState(0)
     >>> X = rng.uniform(-1, 1, (20, 2)); y = (X[:, 0] > 0).astype(int)
-    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, tol=None, random_state=0)
     >>> disp = KernelMatrixDisplay.from_estimator(clf.fit(X, y), X, y)
     >>> disp.kernel_matrix.shape, bool(np.allclose(np.diag(disp.kernel_matrix), 1))
     ((20, 20), True)
@@ -337,7 +337,7 @@ class KernelNeighborsDisplay:
     >>> from skpathkernel.plotting import KernelNeighborsDisplay
     >>> rng = np.random.RandomState(0)
     >>> X = rng.uniform(-1, 1, (30, 2)); y = (X[:, 0] > 0).astype(int)
-    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5, tol=None, random_state=0)
     >>> disp = KernelNeighborsDisplay.from_estimator(clf.fit(X, y), [[0.5, 0.0]],
     ...                                              n_neighbors=5, y=y, kernel="euclidean")
     >>> disp.neighbors.shape, float(disp.purity()[0])
@@ -438,7 +438,7 @@ class KernelNeighborsDisplay:
         step : int, default=-1
             Recorded point of the tangent kernel (0: initialization).
         kernel : {"tangent", "path", "euclidean"}, default="tangent"
-            Kernel neighbours (see :meth:`PathKernelMachine.kneighbors`) or, for
+            Kernel neighbours (see :meth:`~skpathkernel.PathKernelMachine.kneighbors`) or, for
             comparison, Euclidean neighbours in input space.
         normalized : bool, default=True
             Rank by the normalized kernel ``K_hat`` (Guo, He & Morel's choice).
@@ -535,7 +535,7 @@ class KernelEvolutionDisplay:
     >>> from skpathkernel.plotting import KernelEvolutionDisplay
     >>> rng = np.random.RandomState(0)
     >>> X = rng.uniform(-1, 1, (20, 2)); y = (X[:, 0] > 0).astype(int)
-    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=4, random_state=0)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=4, tol=None, random_state=0)
     >>> disp = KernelEvolutionDisplay.from_estimator(clf.fit(X, y), [0, 0], [[0, 0], [1, 0]])
     >>> disp.kernel_values.shape, bool(np.allclose(disp.kernel_values[:, 0], 1))
     ((5, 2), True)
@@ -720,7 +720,7 @@ class RankGapDisplay:
     >>> from skpathkernel import PathKernelMachine
     >>> from skpathkernel.plotting import RankGapDisplay
     >>> X = np.linspace(0, 1, 10).reshape(-1, 1)
-    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), activation="relu", max_iter=3,
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), activation="relu", max_iter=3, tol=None,
     ...                         random_state=0).fit(X, 2 * X.ravel())
     >>> disp = RankGapDisplay.from_estimator(est, X, 3 + X)
     >>> disp.rank_train.shape, bool(np.all(disp.rank_joint >= disp.rank_train))
@@ -877,7 +877,7 @@ class TangentEmbeddingDisplay:
     >>> from skpathkernel.plotting import TangentEmbeddingDisplay
     >>> rng = np.random.RandomState(0)
     >>> X = rng.uniform(-1, 1, (20, 2)); y = (X[:, 0] > 0).astype(int)
-    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=4, random_state=0)
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=4, tol=None, random_state=0)
     >>> disp = TangentEmbeddingDisplay.from_estimator(clf.fit(X, y), X, y, method="pca")
     >>> disp.embedding.shape, disp.method
     ((20, 2), 'kernel PCA')

@@ -5,7 +5,13 @@ one namespace, as a reader pasting them into one interpreter would. One test per
 one per block) keeps a page's blocks on one pytest-xdist worker.
 """
 
+import builtins
+import importlib
+import inspect
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,6 +23,8 @@ import pytest
 from sklearn.exceptions import ConvergenceWarning
 from sybil import Document
 from sybil.parsers import markdown, rest
+
+from benchmarks.__main__ import GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -89,3 +97,132 @@ def test_readme_blocks_have_a_language():
     fences = re.findall(r"^```(\S*)$", README.read_text(), flags=re.M)
     # Opening fences carry a language; closing ones are bare: they alternate.
     assert all(fences[0::2]) and not any(fences[1::2])
+
+
+def test_install_page_states_the_package_requirements():
+    """docs/install.rst and the README quote pyproject.toml's version bounds.
+
+    A floor raised in pyproject.toml (torch's, after the oldest release failed the suite)
+    must be raised where a reader looks before installing.
+    """
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    page = " ".join((ROOT / "docs" / "install.rst").read_text().split())
+    python = re.search(r'requires-python = ">=([\d.]+)"', pyproject)[1]
+    sklearn = re.search(r'"scikit-learn>=([\d.]+)"', pyproject)[1]
+    torch_low, torch_high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', pyproject).groups()
+    assert f"Python {python}+" in page
+    assert f"scikit-learn ({sklearn} or newer)" in page
+    assert f"PyTorch ({torch_low} or newer, before {torch_high}," in page
+    assert f"`torch>={torch_low},<{torch_high}`" in README.read_text()
+
+
+def _backticked(text):
+    return set(re.findall(r"``?(\w+)``?", text))
+
+
+def test_benchmark_group_lists_name_every_group():
+    """The README's and the Benchmarks page's lists of ``python -m benchmarks`` groups name
+    every group the runner has (``--only distributed`` was missing from both)."""
+    readme = " ".join(README.read_text().split())
+    listed = re.search(r"runs every benchmark \(groups: ([\w, ]+)\)", readme)[1]
+    assert listed.split(", ") == GROUPS
+    page = " ".join((ROOT / "docs" / "benchmarks.rst").read_text().split())
+    groups_paragraph = re.search(r"Groups: (.*?) the default runs them all", page)[1]
+    assert set(GROUPS) <= _backticked(groups_paragraph)
+
+
+# Cross-references to other projects' objects: no intersphinx offline, not ours to check.
+FOREIGN = ("sklearn.", "numpy.", "torch.", "joblib.", "dask.", "scipy.", "collections.",
+           "os.", "matplotlib.")
+ROLE = re.compile(r":(?:class|func|meth|attr|mod|obj|exc|data):`(?:[^`<]*<)?~?\.?([\w.]+)>?`")
+
+
+def _api_targets():
+    """What docs/api.rst documents: the modules it declares (``.. module::``), its
+    autosummary entries, and the members of the classes among them."""
+    modules, entries, current = set(), set(), None
+    for line in (ROOT / "docs" / "api.rst").read_text().splitlines():
+        if match := re.match(r"\.\. (current)?module:: (\S+)", line):
+            current = match[2]
+            if not match[1]:
+                modules.add(current)
+        elif re.fullmatch(r"   [A-Za-z_][\w.]*", line):
+            entries.add(f"{current}.{line.strip()}")
+    return modules, entries
+
+
+def _documented(path, modules, entries):
+    if path in modules or path in entries:
+        return True
+    owner, _, member = path.rpartition(".")
+    if owner not in entries:
+        return False
+    module, _, name = owner.rpartition(".")
+    obj = getattr(importlib.import_module(module), name)
+    return inspect.isclass(obj) and hasattr(obj, member)
+
+
+def _broken_references(text, current=None):
+    """The cross-references of ``text`` that no page of the API reference documents,
+    resolved as Sphinx's Python domain does: in the current module, then as written."""
+    modules, entries = _api_targets()
+    broken = []
+    for line in text.splitlines():
+        if match := re.match(r"\s*\.\. currentmodule:: (\S+)", line):
+            current = match[1]
+        for target in ROLE.findall(line):
+            # Other projects', Python's (``ValueError``), and private objects, which have
+            # no page to link to.
+            if (target.startswith(FOREIGN) or target in vars(builtins)
+                    or any(part.startswith("_") for part in target.split("."))):
+                continue
+            candidates = ([f"{current}.{target}"] if current else []) + [target]
+            if not any(_documented(c, modules, entries) for c in candidates):
+                broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("path", PAGES[1:], ids=lambda p: p.name)
+def test_guide_cross_references_resolve(path):
+    """Every ``:class:`` / ``:meth:`` / ``:mod:`` ... of a user guide page links to a page
+    of the API reference (an unresolved one renders as plain text, without a warning)."""
+    broken = _broken_references(path.read_text())
+    assert not broken, f"{path.name}: unresolved references {sorted(set(broken))}"
+
+
+def test_docstring_cross_references_resolve():
+    """The docstrings' fully qualified references (``skpathkernel.X``) name the path the
+    API reference documents the object under (``skpathkernel.kernels.TangentKernel``,
+    not its re-export ``skpathkernel.TangentKernel``)."""
+    broken = {}
+    for source in sorted((ROOT / "skpathkernel").rglob("*.py")):
+        refs = [t for t in _broken_references(source.read_text())
+                if t.startswith("skpathkernel.")]
+        if refs:
+            broken[str(source.relative_to(ROOT))] = sorted(set(refs))
+    assert not broken, f"unresolved references: {broken}"
+
+
+@pytest.mark.slow
+def test_ddp_script_prints_what_the_guide_shows(tmp_path):
+    """``torchrun --nproc_per_node 2 train_ddp.py`` prints the output the "Training on
+    several processes" page shows: the same path, and a reconstruction error of the same
+    order (its last digits are the machine's round-off; the page showed 9.99e-16 where the
+    script printed 3.99e-14)."""
+    page = (GUIDE / "distributed.rst").read_text()
+    shown = re.search(r"\.\. code-block:: text\n\n((?:    .*\n)+)", page)[1]
+    shown = [line.strip() for line in shown.splitlines()]
+    script = GUIDE / "scripts" / "train_ddp.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = [line for line in run.stdout.splitlines() if line.strip()]
+    assert printed[0] == shown[0]
+    number = r"reconstruction error (\S+) \(largest \|f\| (\S+)\)"
+    (error, largest), (shown_error, shown_largest) = (
+        re.fullmatch(number, printed[1]).groups(), re.fullmatch(number, shown[1]).groups())
+    assert largest == shown_largest
+    assert 0.1 < float(error) / float(shown_error) < 10, (printed[1], shown[1])

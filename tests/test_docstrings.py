@@ -5,16 +5,41 @@ the public methods and properties that skpathkernel itself defines on each class
 (scikit-learn's inherited ``get_params`` / ``set_params`` are scikit-learn's to document).
 """
 
+import doctest
 import importlib
 import inspect
 import re
+import warnings
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 import pytest
+import torch
+from numpydoc.docscrape import ClassDoc
 from numpydoc.validate import validate
+from sklearn.exceptions import ConvergenceWarning
 
 import skpathkernel
-from skpathkernel import datasets, diagnostics, kernels, metrics, plotting, rules
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+    TangentFeatures,
+    TangentFeatureSVM,
+    datasets,
+    diagnostics,
+    kernels,
+    metrics,
+    plotting,
+    rules,
+)
 
 API_RST = Path(__file__).resolve().parent.parent / "docs" / "api.rst"
 MODULES = [skpathkernel, datasets, diagnostics, kernels, metrics, plotting, rules]
@@ -82,10 +107,8 @@ def test_api_is_collected():
     assert len(paths) > 100
 
 
-def _foreign_constructor(path):
-    """Whether ``path`` is a class whose constructor no skpathkernel class defines (an
-    ndarray subclass made by views): its signature is NumPy's, whose parameters NumPy <
-    2 exposes to introspection and which the class does not document."""
+def _resolve(path):
+    """The object at the dotted ``path``."""
     parts, obj = path.split("."), None
     # The longest importable prefix is the module; the rest are attributes of it.
     for i in range(len(parts), 0, -1):
@@ -96,6 +119,14 @@ def _foreign_constructor(path):
         for name in parts[i:]:
             obj = getattr(obj, name)
         break
+    return obj
+
+
+def _foreign_constructor(path):
+    """Whether ``path`` is a class whose constructor no skpathkernel class defines (an
+    ndarray subclass made by views): its signature is NumPy's, whose parameters NumPy <
+    2 exposes to introspection and which the class does not document."""
+    obj = _resolve(path)
     return inspect.isclass(obj) and not any(
         "__init__" in vars(k) or "__new__" in vars(k)
         for k in obj.__mro__ if k.__module__.startswith("skpathkernel"))
@@ -113,7 +144,7 @@ def _listed_in_api_rst():
     """The objects that docs/api.rst's autosummary tables document."""
     listed, current = [], None
     for line in API_RST.read_text().splitlines():
-        if match := re.match(r"\.\. currentmodule:: (\S+)", line):
+        if match := re.match(r"\.\. (?:current)?module:: (\S+)", line):
             current = importlib.import_module(match[1])
         elif re.fullmatch(r"   [A-Za-z_][\w.]*", line):
             obj = current
@@ -132,3 +163,79 @@ def test_api_reference_lists_every_exported_name():
         if name != "__version__" and not any(getattr(module, name) is obj for obj in listed)
     ]
     assert not missing, f"not in docs/api.rst: {missing}"
+
+
+def _documented_attributes(cls):
+    """The attributes ``cls``'s docstring documents: the entries of its Attributes section,
+    the attributes those entries name (the meta-estimators' ``module_``, read from their
+    ``estimator_``), and the properties skpathkernel gives a docstring of their own."""
+    doc = ClassDoc(cls, config={"show_class_members": False})
+    names = {name.strip() for entry in doc["Attributes"] for name in entry.name.split(",")}
+    text = " ".join(line for entry in doc["Attributes"] for line in entry.desc)
+    own = {name for name, member in inspect.getmembers(cls)
+           if isinstance(member, property) and member.__doc__
+           and member.fget.__module__.startswith("skpathkernel")}
+    return names | set(re.findall(r"``(\w+_)``", text)) | own
+
+
+def _fitted_estimators():
+    X = pd.DataFrame(np.random.default_rng(0).normal(size=(40, 3)), columns=list("abc"))
+    y = (X["a"] > 0).to_numpy().astype(int)
+    small = dict(hidden_layer_sizes=(4,), max_iter=2, tol=None, random_state=0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, optimizer, n_samples=len(X)) as recorder:
+        optimizer.zero_grad()
+        module(torch.tensor(X.to_numpy(), dtype=torch.float32)).pow(2).mean().backward()
+        recorder.set_batch(np.arange(len(X)))
+        optimizer.step()
+    return [
+        PathKernelMachine(**small).fit(X, X["b"]),
+        PathKernelClassifier(**small).fit(X, y),
+        TangentFeatures(PathKernelClassifier(**small)).fit(X, y),
+        TangentFeatureSVM(PathKernelClassifier(**small), C=1.0).fit(X, y),
+        OODRankDetector(PathKernelClassifier(**small), method="residual").fit(X, y),
+        recorder.as_estimator(X.to_numpy(), X["b"].to_numpy()),
+    ]
+
+
+def test_every_fitted_attribute_is_documented():
+    """Every public fitted attribute (``name_``) an estimator has after fit is in its
+    docstring: ``dtype_`` of the trainers and ``dtype_`` / ``X_fit_`` of RecordedNetwork
+    were there undocumented."""
+    undocumented = {}
+    for est in _fitted_estimators():
+        public = {name for name in dir(est)
+                  if name.endswith("_") and not name.startswith("_") and hasattr(est, name)}
+        missing = public - _documented_attributes(type(est))
+        if missing:
+            undocumented[type(est).__name__] = sorted(missing)
+    assert not undocumented, f"fitted attributes missing from the docstrings: {undocumented}"
+
+
+def _examples():
+    """Each distinct docstring of the public API that has Examples, under one of its paths
+    (a method inherited by several estimators is run once)."""
+    seen = {}
+    for path, _ in API:
+        doc = inspect.getdoc(_resolve(path)) or ""
+        if ">>>" in doc:
+            seen.setdefault(doc, path)
+    return sorted((path, doc) for doc, path in seen.items())
+
+
+@pytest.mark.parametrize("path, doc", _examples(), ids=[path for path, _ in _examples()])
+def test_examples_leave_no_convergence_warning(path, doc):
+    """A docstring's Examples run as a reader pastes them, without a ConvergenceWarning
+    (the user guide's blocks are held to the same, tests/test_docs.py): a trainer stopped
+    by ``max_iter`` before its ``tol`` rule warns, so short examples pass ``tol=None``."""
+    test = doctest.DocTestParser().get_doctest(doc, {}, path, None, 0)
+    runner, report = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS), []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConvergenceWarning)
+            runner.run(test, out=report.append)
+    finally:
+        plt.close("all")
+    # A ConvergenceWarning raised as an error fails its example like any exception.
+    assert runner.failures == 0, "".join(report)[-3000:]

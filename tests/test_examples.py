@@ -2,6 +2,7 @@
 
 import pathlib
 import runpy
+import warnings
 
 import matplotlib
 
@@ -9,6 +10,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import pytest
+from sklearn.exceptions import ConvergenceWarning
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("plot_*.py"))
 
@@ -25,6 +27,16 @@ def test_examples_found():
 )
 def test_example_runs(path):
     plt.close("all")
-    runpy.run_path(str(path), run_name="__main__")
+    with warnings.catch_warnings(record=True) as caught:
+        # An example that leaves its reader with a ConvergenceWarning is a wrong example
+        # (as a user guide block is, tests/test_docs.py); one that shows it on purpose
+        # catches it itself.
+        warnings.simplefilter("error", ConvergenceWarning)
+        runpy.run_path(str(path), run_name="__main__")
     assert plt.get_fignums(), f"{path.name} drew no figure"
     plt.close("all")
+    # A path kernel over a thinned path warns that it is a Riemann sum of unknown accuracy:
+    # an example whose kernel is one says so in its text.
+    thinned = [w for w in caught if "Riemann sum" in str(w.message)]
+    assert not thinned or "Riemann sum" in path.read_text(), (
+        f"{path.name}: {thinned[0].message}")

@@ -348,7 +348,7 @@ class FittedNetworkMixin:
         >>> import numpy as np
         >>> from skpathkernel import PathKernelMachine
         >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
-        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, tol=None, random_state=0)
         >>> dist, ind = est.fit(X, y).kneighbors(X[:2], n_neighbors=3)
         >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
         ((2, 3), True)

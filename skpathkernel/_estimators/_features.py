@@ -79,7 +79,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     ``transform`` returns ``phi(x) = d f(x; theta_T) / d theta`` at the final parameters,
     one dense row of ``n_params_`` features per sample, or a seeded random projection of
     it with ``n_components``. Inner products of the rows are the tangent kernel
-    (:class:`~skpathkernel.TangentKernel`), so a linear model on them is a kernel machine
+    (:class:`~skpathkernel.kernels.TangentKernel`), so a linear model on them is a kernel machine
     with the network's learned kernel.
 
     Parameters
@@ -125,7 +125,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     >>> from skpathkernel import PathKernelClassifier, TangentFeatures
     >>> from skpathkernel.datasets import make_circle
     >>> X, y = make_circle(n_samples=60, random_state=0)
-    >>> net = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=20, random_state=0)
+    >>> net = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=20, tol=None, random_state=0)
     >>> tf = TangentFeatures(net)
     >>> phi = tf.fit_transform(X, y)
     >>> tf.task_, phi.shape, tf.n_params_
@@ -288,12 +288,13 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         "linear": ``SVC(kernel="linear")`` on the dense tangent features at the final
         parameters (``svm_.coef_`` is then a direction in parameter space). "tangent" /
         "path": ``SVC(kernel="precomputed")`` on the Gram of the
-        :class:`~skpathkernel.TangentKernel` / :class:`~skpathkernel.PathKernel` over the
-        training set. "linear" and "tangent" are the same SVM (the tangent kernel is the
-        linear kernel of ``phi``): "tangent" never forms ``phi`` for ``nn.Linear`` layers
-        and is much cheaper (on sklearn's digits, ``phi`` of the default network is
-        89,700 wide: the linear SVM on it takes minutes, the Gram a fraction of a
-        second), "linear" exposes ``coef_``.
+        :class:`~skpathkernel.kernels.TangentKernel` /
+        :class:`~skpathkernel.kernels.PathKernel` over the training set. "linear" and
+        "tangent" are the same SVM (the tangent kernel is the linear kernel of ``phi``):
+        "tangent" never forms ``phi`` for ``nn.Linear`` layers and is much cheaper (on
+        sklearn's digits, ``phi`` of the default network is 89,700 wide: the linear SVM
+        on it takes minutes, the Gram a fraction of a second), "linear" exposes
+        ``coef_``.
     normalize : bool, default=True
         Cosine-normalize the kernel: ``K(x, x') / sqrt(K(x, x) K(x', x'))``, the
         kernel of the unit rows ``phi(x) / ||phi(x)||`` (``normalized=True`` of the
@@ -325,7 +326,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
     >>> from skpathkernel import PathKernelClassifier, TangentFeatureSVM
     >>> from skpathkernel.datasets import make_circle
     >>> X, y = make_circle(n_samples=100, inner_radius_sq=0.9, random_state=0)
-    >>> net = PathKernelClassifier(hidden_layer_sizes=(16,), max_iter=100,
+    >>> net = PathKernelClassifier(hidden_layer_sizes=(16,), max_iter=100, tol=None,
     ...                            learning_rate_init=0.02, random_state=0)
     >>> svm = TangentFeatureSVM(net).fit(X, y)
     >>> type(svm.svm_).__name__, bool(svm.score(X, y) > 0.9)

@@ -208,8 +208,8 @@ _FITTED_ATTRS_DOC = """
     network_ : TrainedNetwork
         The trained network and its recorded path (module, trajectory, loss, dtype,
         device, training inputs and targets), which the kernels, the decomposition and
-        the displays read; ``module_``, ``trajectory_``, ``device_``, ``n_params_`` and
-        ``X_fit_`` are its attributes.
+        the displays read; ``module_``, ``trajectory_``, ``device_``, ``dtype_``,
+        ``n_params_`` and ``X_fit_`` are its attributes.
     module_ : torch.nn.Module
         The trained network (on ``device_``).
     trajectory_ : Trajectory
@@ -235,6 +235,9 @@ _FITTED_ATTRS_DOC = """
         Network outputs C.
     device_ : str
         Device the network lives on.
+    dtype_ : str
+        "float32" or "float64", the dtype the network was trained in (``dtype`` at
+        ``fit``; a later ``set_params(dtype=...)`` changes the next fit only).
     X_fit_ : ndarray of shape (n_samples_trained, n_features) or (n_samples_trained, ...)
         The samples trained on, in the order of X (all of X unless ``early_stopping``
         held some out), as the network takes them (floats, or int64 token ids): the
@@ -257,7 +260,7 @@ Examples
 >>> import numpy as np
 >>> from skpathkernel import PathKernelMachine
 >>> X = np.linspace(-1, 1, 12).reshape(-1, 1); y = X.ravel() ** 2
->>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", max_iter=20,
+>>> est = PathKernelMachine(hidden_layer_sizes=(8,), solver="adam", max_iter=20, tol=None,
 ...                         dtype="float64", random_state=0).fit(X, y)
 >>> res = est.decompose(X[:3])
 >>> res.contributions.shape
@@ -451,7 +454,7 @@ class _KernelMachineMixin(TransformerMixin):
         >>> import numpy as np
         >>> from skpathkernel import PathKernelMachine
         >>> X = np.linspace(-1, 1, 12).reshape(-1, 1); y = X.ravel() ** 2
-        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0)
+        >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, tol=None, random_state=0)
         >>> idx, contrib = est.fit(X, y).explain(X[:2], n_neighbors=3)
         >>> idx.shape, contrib.shape
         ((2, 3), (2, 3, 1))

@@ -241,7 +241,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     >>> from skpathkernel import OODRankDetector, PathKernelMachine
     >>> rng = np.random.RandomState(0)
     >>> X = rng.normal(size=(40, 2))
-    >>> net = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, random_state=0)
+    >>> net = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=20, tol=None, random_state=0)
     >>> det = OODRankDetector(net).fit(X)  # trained to reconstruct X
     >>> det.task_, det.predict(X[:3]).tolist()
     ('reconstruction', [1, 1, 1])

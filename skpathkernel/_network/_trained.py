@@ -168,7 +168,7 @@ class TrainedNetwork:
     What the kernels, the decomposition, the plotting displays and the diagnostics read
     from a fitted estimator, as one object: the fitted estimators expose theirs as
     ``network_``, :class:`~skpathkernel.RecordedNetwork` as ``network_`` too, and
-    :class:`~skpathkernel.TangentKernel`, :class:`~skpathkernel.PathKernel` and the
+    :class:`~skpathkernel.kernels.TangentKernel`, :class:`~skpathkernel.kernels.PathKernel` and the
     displays accept it wherever they accept a fitted estimator. It is a plain object, not
     an estimator: nothing in it is refitted, and it pickles with its module and its
     trajectory (an on-disk trajectory pickles as :class:`~skpathkernel.Trajectory` does).
@@ -230,7 +230,7 @@ class TrainedNetwork:
     >>> import numpy as np
     >>> from skpathkernel import PathKernelMachine, TangentKernel, TrainedNetwork
     >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
-    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> net = est.network_
     >>> isinstance(net, TrainedNetwork), net.dtype, net.n_params == est.n_params_
@@ -282,7 +282,7 @@ class TrainedNetwork:
 
     @property
     def torch_device(self) -> torch.device:
-        """:attr:`device` as a ``torch.device``."""
+        """``device`` as a ``torch.device``."""
         return torch.device(self.device)
 
     @property
@@ -615,7 +615,7 @@ ValueError
           "input form.",
         y="array-like of int of shape (n_queries,) or (n_queries, n_outputs), "
           "default=None\n    With ``output=\"margin\"``: each query's class as an output "
-          "column (a 0/1\n    indicator row per query for a :attr:`multilabel` network, "
+          "column (a 0/1\n    indicator row per query for a ``multilabel`` network, "
           "whose margin is the\n    sum of its logits signed +1 for a label that is on, "
           "-1 for one that is off,\n    as the multilabel classifier's); None takes the "
           "largest output (or a\n    positive single output) as the class (the positive "
@@ -640,7 +640,7 @@ ValueError
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
         margin is the multilabel one (see :mod:`.._analysis._attribution`), ``y`` an
-        indicator row per query; None: the network's own :attr:`multilabel`;
+        indicator row per query; None: the network's own ``multilabel``;
         ``standardized``: ``(n_rows, constant)`` of a regressor's ``normalize_y`` (see
         :func:`~.._analysis._unrolled.unrolled_scores`), None for none; ``also``: the
         caller's other choices of ``output``, named by its errors (``check_output``)."""
@@ -775,7 +775,7 @@ ValueError
             Maps a decomposition of every output into the caller's units.
         multilabel : bool or None, default=None
             The margin is a multilabel classifier's: the sum of the predicted labels'
-            signed logits. None: the network's :attr:`multilabel`.
+            signed logits. None: the network's ``multilabel``.
 
         Returns
         -------
@@ -806,7 +806,7 @@ ValueError
     @shared_doc(SELF_INFLUENCE, examples="",
                 label='with ``output="margin"``, the margin of its training target: its '
                       "class code, or the positive or largest target column (the "
-                      "multilabel margin of its label set for a :attr:`multilabel` "
+                      "multilabel margin of its label set for a ``multilabel`` "
                       "network)")
     @_runs_own_module
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:

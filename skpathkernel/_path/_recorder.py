@@ -3,8 +3,8 @@
 :class:`PathRecorder` attaches to a ``torch.optim`` optimizer and records every
 ``optimizer.step()`` into the same :class:`~skpathkernel.Trajectory` that the estimators
 build; :class:`RecordedNetwork` wraps the recorded path so that
-:class:`~skpathkernel.TangentKernel`, :class:`~skpathkernel.PathKernel` and the exact
-per-training-point decomposition work on it as on a fitted estimator.
+:class:`~skpathkernel.kernels.TangentKernel`, :class:`~skpathkernel.kernels.PathKernel` and the
+exact per-training-point decomposition work on it as on a fitted estimator.
 
 How recording works
 -------------------
@@ -214,7 +214,9 @@ class PathRecorder:
         module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
-        see :func:`solver_spec_from_optimizer` for what is refused.
+        options that change the update rule (``dampening``, ``amsgrad``, ``centered``,
+        RMSprop ``momentum``, ``maximize``, ``differentiable``) and groups that differ in
+        momentum, betas, eps or alpha are refused.
     record_every : int, default=1
         Record the parameters every ``record_every`` steps; 1 is needed by the
         decomposition. With more, a recorded point stands for the mean step size of its
@@ -841,8 +843,8 @@ default=None
         """The recorded path as a :class:`~skpathkernel.TrainedNetwork`.
 
         The network of :meth:`as_estimator` (its ``network_``) without the estimator
-        around it: what :class:`~skpathkernel.TangentKernel`,
-        :class:`~skpathkernel.PathKernel`, the displays and the decomposition
+        around it: what :class:`~skpathkernel.kernels.TangentKernel`,
+        :class:`~skpathkernel.kernels.PathKernel`, the displays and the decomposition
         (:meth:`TrainedNetwork.decompose <skpathkernel.TrainedNetwork.decompose>`) take.
 
         Parameters
@@ -901,8 +903,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
 
     Exposes the recorded network as a :class:`~skpathkernel.TrainedNetwork`
     (``network_``, built from the current parameters), which
-    :class:`~skpathkernel.TangentKernel` and :class:`~skpathkernel.PathKernel` read, the
-    two kernels as ``tangent_kernel_`` and ``path_kernel_``, and :meth:`decompose`. It
+    :class:`~skpathkernel.kernels.TangentKernel` and :class:`~skpathkernel.kernels.PathKernel`
+    read, the two kernels as ``tangent_kernel_`` and ``path_kernel_``, and :meth:`decompose`. It
     is fitted by construction: :meth:`fit` does nothing (as
     ``sklearn.frozen.FrozenEstimator``), and ``clone`` returns an equally fitted copy.
 
@@ -938,9 +940,12 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     module_ : torch.nn.Module
     trajectory_ : Trajectory
     device_ : str
-    dtype : str
+    dtype, dtype_ : str
         "float32" or "float64", the trajectory's dtype.
     n_params_ : int
+    X_fit_ : ndarray of shape (n_samples, n_features) or (n_samples, ...), or None
+        ``X_train`` as the network takes it (floats, or int64 token ids); None without
+        ``X_train``.
     n_features_in_ : int
         Values per sample, ``prod(input_shape_)``; only when ``X_train`` is given.
     input_shape_ : tuple of int
@@ -952,7 +957,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     >>> import numpy as np
     >>> from skpathkernel import PathKernelMachine, RecordedNetwork
     >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
-    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+    >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None, dtype="float64",
     ...                         random_state=0).fit(X, y)
     >>> net = RecordedNetwork(est.module_, est.trajectory_, X_train=X, y_train=y)
     >>> bool(np.allclose(net.path_kernel_(X), est.path_kernel_(X)))

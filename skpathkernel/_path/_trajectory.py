@@ -187,7 +187,8 @@ class Trajectory:
     >>> import numpy as np
     >>> from skpathkernel import PathKernelMachine
     >>> X = np.linspace(-1, 1, 20).reshape(-1, 1); y = np.sin(3 * X).ravel()
-    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, random_state=0).fit(X, y)
+    >>> est = PathKernelMachine(hidden_layer_sizes=(8,), max_iter=5, tol=None,
+    ...                         random_state=0).fit(X, y)
     >>> traj = est.trajectory_
     >>> len(traj), int(traj.steps[-1])
     (6, 5)

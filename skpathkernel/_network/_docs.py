@@ -64,8 +64,8 @@ tol : float, default=None
     queries and outputs, is held under its share of ``tol * S`` (``S`` the
     largest ``|f|`` along the path; shares proportional to the steps' changes
     of f), so that the quadrature errors add up to at most ``tol * S``. None:
-    1e-12 in float64, 1e-6 in float32 (below each dtype's round-off floor, so
-    that ``error`` sits at that floor). A step that cannot meet it within 64
+    1e-12 in float64, 1e-6 in float32 (near each dtype's round-off floor: ``error``
+    is at most ``tol * S``, often at the floor). A step that cannot meet it within 64
     nodes (a relu network, very large steps), or whose residual is not finite
     (the network overflowed or is undefined on the step), raises a
     ``ConvergenceWarning`` naming the step; so does a ``tol`` below the round-off

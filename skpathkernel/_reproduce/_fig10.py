@@ -274,7 +274,9 @@ def _claims(setting, epochs, ok, ends, plain_end, details, png, *, followup):
     label = (f"follow-up with {setting} (a setting changed after the verdict failed; it "
              "does not replace the verdict): " if followup else "")
     return [
-        Row("10", label + "with each optimizer's normalized kernel K_t = J D_t J^T, the "
+        # Each row named by its kernel: the report's "why it fails" paragraphs of the
+        # two were headed alike.
+        Row("10 (K_t)", label + "with each optimizer's normalized kernel K_t = J D_t J^T, the "
             f"same-label pair stays near 1 (K_hat(x,(0.5,0)) >= {NEAR_ONE} at the end) "
             f"while both opposite-label pairs decay toward 0 or below (<= {NEAR_ZERO} at "
             "the end), every optimizer",
@@ -285,7 +287,7 @@ def _claims(setting, epochs, ok, ends, plain_end, details, png, *, followup):
             + ", ".join(f"{d['optimizer']} {d['D = 1/eps']}" for d in weighted)
             + f" of the parameters [{png}]",
             None if followup else all(ok)),
-        Row("10", label + "with the plain normalized tangent kernel J J^T (the caption's "
+        Row("10 (NTK)", label + "with the plain normalized tangent kernel J J^T (the caption's "
             f"\"NTK similarity\"), the same-label pair stays >= {NEAR_ONE} and both "
             f"opposite-label pairs end <= {NEAR_ZERO}, every optimizer",
             f"{sum(plain_ok)}/{len(plain_ok)} optimizers meet it ({setting}, {epochs} "

@@ -794,6 +794,9 @@ class RankGapDisplay:
         X = np.concatenate([X_train, X_test])
         if rtol is None:
             rtol = float(np.sqrt(X.shape[0] * np.finfo(net.dtype).eps))
+        elif isinstance(rtol, (bool, np.bool_)) or not isinstance(rtol, numbers.Real):
+            # Checked before np.isfinite, which fails on a string with numpy's own words.
+            raise TypeError(f"rtol must be a float in [0, 1) or None, got {rtol!r}.")
         elif not np.isfinite(rtol) or not 0 <= rtol < 1:
             raise ValueError(f"rtol must be in [0, 1), got {rtol!r}.")
         points = _recorded_points(net, steps)

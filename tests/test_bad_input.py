@@ -387,6 +387,23 @@ def test_bad_method_arguments_are_refused_and_change_nothing(fitted, name, case)
     assert_unchanged(est, before)
 
 
+@pytest.mark.parametrize("weight", [np.nan, np.inf])
+@pytest.mark.parametrize(("name", "verb"), [(name, "fit") for name in ALL] + [
+    (name, "partial_fit") for name in KM])
+def test_a_non_finite_scalar_sample_weight_is_refused(fitted, name, verb, weight):
+    # scikit-learn checks an array of weights but broadcasts a scalar unchecked: a NaN
+    # one failed fit as a diverged loss, or with "sample_weight is 0 on every sample" for
+    # a classifier, and partial_fit recorded a step of loss 0 that moved nothing.
+    est = _fresh(fitted, name)
+    before = snapshot(est)
+    n_points = len(_network(est).trajectory_)
+    y = ESTIMATORS[name][1]
+    with pytest.raises(ValueError, match="sample_weight must be finite"):
+        getattr(est, verb)(X, y, sample_weight=weight)
+    assert_unchanged(est, before)
+    assert len(_network(est).trajectory_) == n_points
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_hessian_trace_runs_for_every_estimator(fitted, name):
     # The meta-estimators' networks (their estimator_) included.

@@ -238,6 +238,15 @@ def test_rank_gap_default_rtol(circle):
         RankGapDisplay.from_estimator(clf, X[:10], X[10:20], rtol=2.0)
 
 
+@pytest.mark.parametrize("rtol", ["0.1", [0.1], True])
+def test_rank_gap_rtol_of_another_type_is_a_clear_type_error(circle, rtol):
+    # A string or a list failed inside np.isfinite or the comparison, in numpy's words;
+    # True was taken for 1 and refused as out of range.
+    clf, X, _ = circle
+    with pytest.raises(TypeError, match=r"rtol must be a float in \[0, 1\) or None"):
+        RankGapDisplay.from_estimator(clf, X[:10], X[10:20], steps=[-1], rtol=rtol)
+
+
 # --------------------------------------------------------------------------- embedding
 def test_tangent_embedding_pca_equals_kernel_pca_of_loop_gram(circle):
     clf, X, y = circle

@@ -1219,6 +1219,10 @@ def _check_weights(sample_weight, X) -> np.ndarray | None:
         return None
     weights = _check_sample_weight(sample_weight, X, dtype=np.float64,
                                    ensure_non_negative=True)
+    if not np.all(np.isfinite(weights)):
+        # scikit-learn checks an array's weights but broadcasts a scalar unchecked: a NaN
+        # one failed fit as a diverged loss and made partial_fit record a step of loss 0.
+        raise ValueError(f"sample_weight must be finite, got {sample_weight!r}.")
     return None if np.all(weights == weights[0]) else weights
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from scipy.sparse import issparse
 from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
@@ -247,12 +248,12 @@ class TrainedNetwork:
         self.trajectory = trajectory
         self.loss = None if loss is None else as_loss(loss)
         if X_fit is not None:
-            X_fit = _as_array(X_fit)
+            X_fit = _as_array(X_fit, "X_fit (X_train)")
             if input_kind is None:
                 integer = X_fit.dtype.kind in "iu"
                 input_kind = TOKENS if integer else FEATURES if X_fit.ndim == 2 else FLOAT
         self.X_fit = X_fit
-        self.y_fit = None if y_fit is None else _as_array(y_fit)
+        self.y_fit = None if y_fit is None else _as_array(y_fit, "y_fit (y_train)")
         self.sample_weight = (None if sample_weight is None
                               else np.asarray(sample_weight, dtype=np.float64))
         self.multilabel = self._infers_multilabel() if multilabel is None else bool(multilabel)
@@ -836,6 +837,10 @@ ValueError
         X_fit, Y_fit = self.tensor(self.check(self.X_fit, "X_train")), self.targets()
         if len(Y_fit) != n:
             raise ValueError(f"y_train has {len(Y_fit)} rows but X_train has {n}.")
+        if Y_fit.is_floating_point() and not bool(torch.isfinite(Y_fit).all()):
+            # The loss's gradients would be NaN: every contribution NaN, without a word.
+            raise ValueError("y_train contains NaN or infinity; the decomposition needs "
+                             "the finite targets the recorded steps trained on.")
         self._check_loss(X_fit, Y_fit)
         return X_fit, Y_fit
 
@@ -955,10 +960,19 @@ def _decompose_steps(start, stop, X, weights, net: TrainedNetwork, kwargs):
         X, weights, {**kwargs, "intervals": (start, stop)})
 
 
-def _as_array(values) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        return values.detach().cpu().numpy()
-    return np.asarray(values)
+def _as_array(values, name: str) -> np.ndarray:
+    """Training data as an array of rows. A sparse matrix, or a scalar, became a 0-d
+    array taken for one sample of shape ``()``: every later call then failed in words
+    about the queries' shape, or in ``len()`` of an unsized object."""
+    if issparse(values):
+        raise TypeError(f"{name} must be dense; got a sparse matrix: pass its "
+                        ".toarray().")
+    array = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) \
+        else np.asarray(values)
+    if array.ndim == 0:
+        raise ValueError(f"{name} must hold one row per sample, shape (n_samples, ...); "
+                         f"got {values!r}.")
+    return array
 
 
 def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:

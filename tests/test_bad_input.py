@@ -404,6 +404,24 @@ def test_a_non_finite_scalar_sample_weight_is_refused(fitted, name, verb, weight
     assert len(_network(est).trajectory_) == n_points
 
 
+@pytest.mark.parametrize(("classes", "match"), [
+    (np.array(["a", np.nan, "b", "c"], dtype=object), "contains NaN"),
+    ([0.0, np.nan, 1.0], "classes contains NaN"),
+    ("abc", r"classes must be a 1-D array-like of labels, got shape \(\)"),
+    ([["a", "b", "c"]], r"classes must be a 1-D array-like of labels, got shape \(1, 3\)"),
+])
+def test_partial_fit_refuses_bad_classes(fitted, classes, match):
+    # A NaN among the classes became a class of its own: a network with an output for
+    # it, and labels predicted as floats. A string was refused in words about y.
+    with pytest.raises(ValueError, match=match):
+        PathKernelClassifier(**SMALL).partial_fit(X, Y_CLF, classes=classes)
+    est = _fresh(fitted, "PathKernelClassifier")
+    before = snapshot(est)
+    with pytest.raises(ValueError, match=match):
+        est.partial_fit(X, Y_CLF, classes=classes)
+    assert_unchanged(est, before)
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_hessian_trace_runs_for_every_estimator(fitted, name):
     # The meta-estimators' networks (their estimator_) included.

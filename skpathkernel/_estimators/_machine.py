@@ -10,7 +10,7 @@ from sklearn.preprocessing import LabelEncoder
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
-from sklearn.utils.validation import check_is_fitted, column_or_1d
+from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d
 
 from .._analysis._attribution import check_indicator, label_codes
 from .._device import to_tensor
@@ -968,6 +968,15 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         self._validate_params()
         if not hasattr(self, "network_") and classes is None:
             raise ValueError("classes must be passed on the first call to partial_fit.")
+        if classes is not None:
+            # As y is checked: a NaN among the classes became a class of its own (a
+            # network with an output for it, labels predicted as floats), and a string
+            # was refused in words about y.
+            if np.ndim(classes) != 1:
+                raise ValueError(f"classes must be a 1-D array-like of labels, got shape "
+                                 f"{np.shape(classes)}.")
+            classes = check_array(classes, ensure_2d=False, dtype=None,
+                                  input_name="classes")
         fitted = getattr(self, "classes_", None)
         if classes is not None and fitted is not None and hasattr(self, "network_") and \
                 not np.array_equal(np.unique(np.asarray(classes)), fitted):

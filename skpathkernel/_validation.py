@@ -7,7 +7,7 @@ import operator
 import numpy as np
 from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_column_names", "check_index"]
+__all__ = ["check_column_names", "check_index", "is_option"]
 
 
 def check_column_names(estimator, X) -> None:
@@ -22,6 +22,16 @@ def check_column_names(estimator, X) -> None:
     if (getattr(estimator, "feature_names_in_", None) is not None
             and _get_feature_names(X) is not None):
         _check_feature_names(estimator, X, reset=False)
+
+
+def is_option(value, *options: str) -> bool:
+    """Whether ``value`` is one of the string ``options``; False for anything else.
+
+    ``value in options`` or ``value == option`` on an array compares elementwise, and
+    the ``if`` around it then failed with numpy's "truth value of an array is
+    ambiguous" instead of the caller's message naming the argument.
+    """
+    return isinstance(value, str) and value in options
 
 
 def check_index(value, name: str, *, n: int | None = None, allow_none: bool = False):

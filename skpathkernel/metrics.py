@@ -386,7 +386,9 @@ def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=Non
 
 @validate_params(
     {
-        "estimator": [object],
+        # What clone takes: None or a string failed in is_classifier, in words about
+        # __sklearn_tags__.
+        "estimator": [HasMethods(["fit", "get_params"])],
         "X": ["array-like"],
         "y": ["array-like"],
         "X_query": ["array-like"],

@@ -332,6 +332,21 @@ BAD_ARGS = {
                                 r"n_neighbors must be an integer in \[1, 12\]"),
     "explain(method)": (KM, lambda e: e.explain(X[:2], method="x"), ValueError,
                         "method must be"),
+    # An array for a string option: "truth value of an array is ambiguous" from the
+    # option's own check, where the message names the argument.
+    "decompose(method=array)": (KM, lambda e: e.decompose(X[:2], method=np.ones(2)),
+                                ValueError, "method must be 'exact'"),
+    "decompose(weighting=array)": (KM, lambda e: e.decompose(X[:2], weighting=np.ones(2)),
+                                   ValueError, "weighting must be"),
+    "attribute(method=array)": (KM, lambda e: e.attribute(X[:2], method=np.ones(2)),
+                                ValueError, "method must be 'unrolled'"),
+    "explain(method=array)": (KM, lambda e: e.explain(X[:2], method=np.ones(2)), ValueError,
+                              "method must be"),
+    "kneighbors(kernel=array)": (ALL, lambda e: e.kneighbors(X[:2], 2, kernel=np.ones(2)),
+                                 ValueError, "kernel must be 'tangent' or 'path'"),
+    "kneighbors(normalized=array)": (
+        ALL, lambda e: e.kneighbors(X[:2], 2, normalized=np.ones(2)), TypeError,
+        "normalized must be a bool"),
     "kneighbors(n_neighbors=0)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=0),
                                   ValueError, r"n_neighbors must be an integer in \[1, 12\]"),
     "kneighbors(n_neighbors=True)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=True),

@@ -286,6 +286,10 @@ def test_retraining_progress(capsys):
     (dict(output=lambda m, Z: np.zeros((len(Z), 2))), "one value per query"),
     (dict(n_subsets=1), "n_subsets"),
     (dict(protocol="other"), "protocol"),
+    # None or a string failed in is_classifier with an AttributeError about
+    # __sklearn_tags__.
+    (dict(estimator=None), "'estimator' parameter"),
+    (dict(estimator="ridge"), "'estimator' parameter"),
 ])
 def test_retraining_bad_input(kwargs, match):
     rng = np.random.RandomState(5)

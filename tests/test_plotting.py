@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.sparse as sp
 import torch
 from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
@@ -206,6 +207,13 @@ def test_kernel_evolution_all_steps_default(circle):
         KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], steps=[100])
 
 
+def test_kernel_evolution_refuses_a_sparse_x(circle):
+    # np.asarray made it a 0-d object array: "setting an array element with a sequence".
+    clf, X, _ = circle
+    with pytest.raises(TypeError, match="Sparse data was passed for x"):
+        KernelEvolutionDisplay.from_estimator(clf, sp.csr_matrix(X[:1]), X[1:3])
+
+
 # --------------------------------------------------------------------------- rank gap
 def test_rank_gap_equals_svd_rank():
     # ReLU units whose kink lies right of the training range are dead there and come
@@ -236,6 +244,16 @@ def test_rank_gap_default_rtol(circle):
     assert disp.rtol == pytest.approx(np.sqrt(20 * np.finfo(np.float64).eps))
     with pytest.raises(ValueError, match="rtol"):
         RankGapDisplay.from_estimator(clf, X[:10], X[10:20], rtol=2.0)
+
+
+def test_an_array_for_a_string_option_is_named(circle):
+    # The option's check compared elementwise and failed with numpy's "truth value of
+    # an array is ambiguous".
+    clf, X, _ = circle
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        KernelMatrixDisplay.from_estimator(clf, X[:5], kernel=np.array(["tangent"] * 2))
+    with pytest.raises(ValueError, match="method must be 'auto'"):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:5], method=np.array(["pca"] * 2))
 
 
 @pytest.mark.parametrize("rtol", ["0.1", [0.1], True])

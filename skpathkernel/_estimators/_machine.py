@@ -16,6 +16,7 @@ from .._analysis._attribution import check_indicator, label_codes
 from .._device import to_tensor
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import check_decompose_args, network_of
+from .._validation import is_option
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -384,7 +385,7 @@ class _KernelMachineMixin(TransformerMixin):
         check_is_fitted(self)
         classifier = isinstance(self, ClassifierMixin)
         X = self._validate_X(X)
-        if method != "unrolled":
+        if not is_option(method, "unrolled"):
             # Every step needs the queries' Jacobians: one query's must fit the budget.
             self._check_feature_row_fits("decompose")
         return network_of(self)._attribute(
@@ -392,7 +393,7 @@ class _KernelMachineMixin(TransformerMixin):
             n_nodes=n_nodes, tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
             encode=self._query_labels, scale=getattr(self, "_y_scale", None),
             multilabel=_multilabel(self),
-            standardized=self._standardization() if method == "unrolled" else None)
+            standardized=self._standardization() if is_option(method, "unrolled") else None)
 
     @shared_doc(SELF_INFLUENCE, label="classifiers: the margin of its own training label, "
                 "or label set for multilabel classifiers",

@@ -47,6 +47,7 @@ from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
+from .._validation import is_option
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import FEATURES, FLOAT, TOKENS, block_widths, check_input
 
@@ -84,11 +85,11 @@ def as_loss(loss) -> Loss:
 
 def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
     """The arguments of every ``decompose`` and ``attribute``, checked before any work."""
-    if method not in ("exact", "first_order", "second_order"):
+    if not is_option(method, "exact", "first_order", "second_order"):
         raise ValueError(
             f"method must be 'exact', 'first_order' or 'second_order', got {method!r}."
         )
-    if weighting not in ("realized", "expected"):
+    if not is_option(weighting, "realized", "expected"):
         raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
     if n_nodes is not None and (isinstance(n_nodes, bool)
                                 or not isinstance(n_nodes, numbers.Integral) or n_nodes < 1):
@@ -101,15 +102,15 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
 
 def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
     """The arguments of every ``attribute``, checked before any work."""
-    if method == "unrolled":
-        if weighting != "realized":
+    if is_option(method, "unrolled"):
+        if not is_option(weighting, "realized"):
             raise ValueError("method='unrolled' differentiates the realized path (each "
                              "step's own batch): weighting must be 'realized', got "
                              f"{weighting!r}.")
         # Unused by the unrolled derivative, but refused when invalid, as for every method.
         check_decompose_args("exact", weighting, n_nodes, tol)
         return
-    if method not in ("exact", "first_order", "second_order"):
+    if not is_option(method, "exact", "first_order", "second_order"):
         raise ValueError("method must be 'unrolled', 'exact', 'first_order' or "
                          f"'second_order', got {method!r}.")
     check_decompose_args(method, weighting, n_nodes, tol)
@@ -692,8 +693,11 @@ ValueError
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
         """
-        if kernel not in ("tangent", "path"):
+        if not is_option(kernel, "tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
+        if not isinstance(normalized, (bool, np.bool_)):
+            # Read by the ``if`` below before the kernel checks it.
+            raise TypeError(f"normalized must be a bool, got {normalized!r}.")
         if kernel == "path" and not (isinstance(step, numbers.Integral) and step == -1):
             # The path kernel sums over every recorded point: a step would be ignored.
             raise ValueError(
@@ -780,7 +784,7 @@ ValueError
             contributions = self.decompose(X, method=method, units=units,
                                            n_jobs=n_jobs).contributions
         else:
-            if method == "unrolled":
+            if is_option(method, "unrolled"):
                 raise ValueError("explain takes method 'exact', 'first_order' or "
                                  "'second_order' (the decomposition's), got 'unrolled'.")
             scores = self._attribute(X, None, method=method, weighting="realized",

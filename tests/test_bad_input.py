@@ -438,6 +438,18 @@ def test_partial_fit_refuses_bad_classes(fitted, classes, match):
 
 
 @pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("columns", [["u", "w"], ["v", "u"]])
+def test_hessian_trace_refuses_other_columns_than_the_fits(name, columns):
+    # A meta-estimator hands its estimator_ the values only: a DataFrame of other or
+    # reordered columns passed the estimator_'s checks and was read by position.
+    make, y, _ = ESTIMATORS[name]
+    est = make(**SMALL).fit(pd.DataFrame(X, columns=["u", "v"]), y)
+    hessian_trace(est, pd.DataFrame(X, columns=["u", "v"]), y, n_samples=2)
+    with pytest.raises(ValueError, match="feature names should match"):
+        hessian_trace(est, pd.DataFrame(X, columns=columns), y, n_samples=2)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_hessian_trace_runs_for_every_estimator(fitted, name):
     # The meta-estimators' networks (their estimator_) included.
     res = hessian_trace(fitted[name], n_samples=3, random_state=0)

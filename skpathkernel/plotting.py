@@ -85,6 +85,10 @@ def _gram(estimator, X, *, kernel, step, normalized):
 def _check_label_count(labels, n, name, what):
     """Refuse ``labels`` (None passes) that are not one per ``what``: they are drawn by
     position, and a count that differs fails in matplotlib, or only after the kernels."""
+    if labels is not None and (isinstance(labels, str) or not hasattr(labels, "__len__")):
+        # A string was taken for one label per character; an int failed in len().
+        raise TypeError(f"{name} must be a sequence of labels, one per {what}, got "
+                        f"{labels!r}.")
     if labels is not None and len(labels) != n:
         raise ValueError(f"{name} must name each {what} ({n}), got {len(labels)}.")
 

@@ -246,6 +246,17 @@ def test_rank_gap_default_rtol(circle):
         RankGapDisplay.from_estimator(clf, X[:10], X[10:20], rtol=2.0)
 
 
+@pytest.mark.parametrize("labels", ["ab", 3])
+def test_labels_that_are_not_a_sequence_are_refused(circle, labels):
+    # A string was taken for one label per character; an int failed in len().
+    clf, X, _ = circle
+    y = np.array([0, 0, 1, 1])
+    with pytest.raises(TypeError, match="display_labels must be a sequence of labels"):
+        KernelMatrixDisplay.from_estimator(clf, X[:4], y, display_labels=labels)
+    with pytest.raises(TypeError, match="labels must be a sequence of labels"):
+        KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], labels=labels)
+
+
 def test_an_array_for_a_string_option_is_named(circle):
     # The option's check compared elementwise and failed with numpy's "truth value of
     # an array is ambiguous".

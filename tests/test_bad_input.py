@@ -7,6 +7,7 @@ refits included.
 """
 
 import copy
+import re
 
 import numpy as np
 import pandas as pd
@@ -447,6 +448,13 @@ def test_hessian_trace_refuses_other_columns_than_the_fits(name, columns):
     hessian_trace(est, pd.DataFrame(X, columns=["u", "v"]), y, n_samples=2)
     with pytest.raises(ValueError, match="feature names should match"):
         hessian_trace(est, pd.DataFrame(X, columns=columns), y, n_samples=2)
+
+
+@pytest.mark.parametrize(("label", "shown"), [(1, "(1)"), ("a", "('a')"), (2.0, "(2.0)")])
+def test_a_one_class_fit_names_the_class_as_written(label, shown):
+    # numpy 2's repr showed np.int64(1) / np.str_('a') for the user's 1 / 'a'.
+    with pytest.raises(ValueError, match=f"got 1 class {re.escape(shown)}"):
+        PathKernelClassifier(**SMALL).fit(X, np.full(len(X), label))
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -528,7 +528,9 @@ def _encode_labels(y, loss: str, classes=None) -> tuple[np.ndarray, int, dict]:
     if len(classes) < 2:
         raise ValueError(
             "The number of classes has to be greater than one; got "
-            f"{len(classes)} class ({classes[0]!r}). A classifier needs at least two."
+            # .tolist(): the label as the user wrote it, not numpy 2's np.int64(1).
+            f"{len(classes)} class ({classes[:1].tolist()[0]!r}). A classifier needs at "
+            "least two."
         )
     codes = encoder.transform(y)
     n_outputs = 1 if len(classes) == 2 else len(classes)

@@ -1,6 +1,7 @@
 """Tests of skpathkernel.datasets: the synthetic generators and the printed-glyph loaders."""
 
 import doctest
+import re
 import sys
 
 import numpy as np
@@ -376,6 +377,13 @@ def test_printed_digits_bad_input(kwargs, error):
 @pytest.mark.parametrize("letters", [(), ("MN",), ("M", "M"), (" ",), ("A", 3), "", None])
 def test_printed_letters_bad_input(letters):
     with pytest.raises(ValueError, match="letters"):
+        load_printed_letters(letters=letters)
+
+
+@pytest.mark.parametrize(("letters", "shown"), [(5, "got 5."), (None, "got None.")])
+def test_printed_letters_refusal_echoes_the_argument(letters, shown):
+    # A non-sequence became () before the check, and the message said "got ()".
+    with pytest.raises(ValueError, match=re.escape(shown)):
         load_printed_letters(letters=letters)
 
 

@@ -32,7 +32,7 @@ from ._modules import runs_module
 from ._network._trained import network_of
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
-from ._validation import check_index
+from ._validation import check_count, check_index
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -305,6 +305,8 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
 @runs_module(lambda estimator: network_of(estimator).module)
 def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
                     batch_size):
+    check_count(n_samples, "n_samples")
+    check_count(batch_size, "batch_size")
     check_is_fitted(estimator)
     net = network_of(estimator)
     # An embedding's max_norm would rewrite the recorded parameters in place, and its

@@ -45,6 +45,7 @@ from ._network._trained import network_of
 from ._parallel import limit_torch_threads
 from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
+from ._validation import check_count
 from ._warnings import worst
 
 __all__ = [
@@ -232,6 +233,7 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
     >>> bool(0 < low < high < 1)
     True
     """
+    check_count(n_resamples, "n_resamples")
     masks, attributions, outputs = _check_lds_inputs(attributions, subsets, outputs)
     predictions = masks @ attributions.T
     rng = check_random_state(random_state)

@@ -354,6 +354,7 @@ def load_printed_letters(
     caller = "load_printed_letters"
     _require_matplotlib(caller)
     n_per_class = _check_n_per_class(n_per_class, caller)
+    given = letters  # the message echoes the argument, not the () a non-sequence became
     if isinstance(letters, str):
         letters = tuple(letters)
     try:
@@ -365,7 +366,7 @@ def load_printed_letters(
     ):
         raise ValueError(
             f"{caller}: letters must be a non-empty sequence of single non-space characters, "
-            f"got {letters!r}."
+            f"got {given!r}."
         )
     if len(set(letters)) != len(letters):
         raise ValueError(f"{caller}: letters must not repeat, got {letters!r}.")

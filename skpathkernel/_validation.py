@@ -7,7 +7,7 @@ import operator
 import numpy as np
 from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_column_names", "check_index"]
+__all__ = ["check_column_names", "check_count", "check_index", "is_option"]
 
 
 def check_column_names(estimator, X) -> None:
@@ -22,6 +22,25 @@ def check_column_names(estimator, X) -> None:
     if (getattr(estimator, "feature_names_in_", None) is not None
             and _get_feature_names(X) is not None):
         _check_feature_names(estimator, X, reset=False)
+
+
+def check_count(value, name: str) -> None:
+    """Refuse a bool for a count that ``validate_params`` checked: its ``Interval(Integral,
+    ...)`` takes True for 1, which then failed in NumPy (``np.zeros((1, True))``:
+    "expected a sequence of integers") or silently counted one, where the package's own
+    checks (``check_index``, ``n_per_class``, ``n_neighbors``) refuse a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+
+
+def is_option(value, *options: str) -> bool:
+    """Whether ``value`` is one of the string ``options``; False for anything else.
+
+    ``value in options`` or ``value == option`` on an array compares elementwise, and
+    the ``if`` around it then failed with numpy's "truth value of an array is
+    ambiguous" instead of the caller's message naming the argument.
+    """
+    return isinstance(value, str) and value in options
 
 
 def check_index(value, name: str, *, n: int | None = None, allow_none: bool = False):

@@ -18,6 +18,7 @@ from sklearn.utils import Bunch, check_random_state
 from sklearn.utils._param_validation import Interval, validate_params
 
 from ._glyphs import load_printed_digits, load_printed_letters
+from ._validation import check_count
 
 # A finite real: sklearn's Interval refuses NaN, and "neither" refuses -inf and +inf.
 _FINITE = Interval(Real, None, None, closed="neither")
@@ -155,6 +156,7 @@ def _check_range(low, high, what):
 
 
 def _grid_1d(n_samples, low, high, noise, random_state, func):
+    check_count(n_samples, "n_samples")
     _check_range(low, high, "[low, high]")
     rng = check_random_state(random_state)
     # float(): a float32 end made the grid float32 (NumPy 2 keeps a NumPy scalar's dtype).
@@ -248,6 +250,8 @@ def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
     >>> Xtr.ravel().tolist(), ytr.tolist()
     ([0.0, 0.5, 1.0, 1.5], [1.0, 2.0, 3.0, 4.0])
     """
+    check_count(n_train, "n_train")
+    check_count(n_test, "n_test")
     train_range = _interval(train_range, "train_range")
     test_range = _interval(test_range, "test_range")
     X_train = np.linspace(*train_range, n_train, endpoint=False).reshape(-1, 1)

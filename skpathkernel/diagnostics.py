@@ -32,6 +32,7 @@ from ._modules import runs_module
 from ._network._trained import network_of
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
+from ._validation import check_count, check_index
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -229,6 +230,9 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
     >>> res.estimates.shape, res.step, bool(res.trace > 0), bool(res.stderr < res.trace)
     ((50,), 20, True, True)
     """
+    # validate_params takes a bool for an int: step=True was the trace at point 1, where
+    # kneighbors, the kernels and the displays refuse it.
+    step = check_index(step, "step")
     path = _hessian_traces(estimator, X, y, sample_weight, [step], n_samples, random_state,
                            batch_size)
     return path[0]
@@ -279,11 +283,17 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
     """
     check_is_fitted(estimator)
     n_points = len(network_of(estimator).trajectory)
+    if isinstance(steps, (bool, np.bool_)):
+        # validate_params takes a bool for an int: True was one evenly spaced point.
+        raise TypeError(f"steps must be None, an int or a sequence of ints, got {steps!r}.")
     if steps is None:
         steps = np.arange(n_points)
     elif isinstance(steps, numbers.Integral):
         steps = np.unique(np.round(np.linspace(0, n_points - 1, int(steps))).astype(np.int64))
     else:
+        if np.ndim(steps) != 1:  # column_or_1d's message would call it y
+            raise ValueError(f"steps must be a 1-D sequence of integers, got shape "
+                             f"{np.shape(steps)}.")
         steps = column_or_1d(check_array(steps, ensure_2d=False, dtype=None))
         if steps.size == 0 or not np.issubdtype(steps.dtype, np.integer):
             raise ValueError(f"steps must be a non-empty sequence of integers, got {steps!r}.")
@@ -295,6 +305,8 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
 @runs_module(lambda estimator: network_of(estimator).module)
 def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
                     batch_size):
+    check_count(n_samples, "n_samples")
+    check_count(batch_size, "batch_size")
     check_is_fitted(estimator)
     net = network_of(estimator)
     # An embedding's max_norm would rewrite the recorded parameters in place, and its

@@ -45,6 +45,7 @@ from ._network._trained import network_of
 from ._parallel import limit_torch_threads
 from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
+from ._validation import check_count
 from ._warnings import worst
 
 __all__ = [
@@ -241,6 +242,7 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
     >>> bool(0 < low < high < 1)
     True
     """
+    check_count(n_resamples, "n_resamples")
     masks, attributions, outputs = _check_lds_inputs(attributions, subsets, outputs)
     predictions = masks @ attributions.T
     rng = check_random_state(random_state)
@@ -395,7 +397,9 @@ def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=Non
 
 @validate_params(
     {
-        "estimator": [object],
+        # What clone takes: None or a string failed in is_classifier, in words about
+        # __sklearn_tags__.
+        "estimator": [HasMethods(["fit", "get_params"])],
         "X": ["array-like"],
         "y": ["array-like"],
         "X_query": ["array-like"],

@@ -25,6 +25,7 @@ import numbers
 import warnings
 
 import numpy as np
+from scipy.sparse import issparse
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.pipeline import Pipeline
@@ -34,7 +35,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
 from ._network._trained import network_of
-from ._validation import check_column_names
+from ._validation import check_column_names, is_option
 from .kernels import PathKernel, step_kernel
 
 __all__ = [
@@ -69,7 +70,7 @@ def _last_step(estimator, *inputs):
     return (estimator[-1], *(None if a is None else head.transform(a) for a in inputs))
 
 def _check_kernel(kernel, allowed=("tangent", "path")):
-    if kernel not in allowed:
+    if not is_option(kernel, *allowed):
         raise ValueError(f"kernel must be one of {allowed}, got {kernel!r}.")
 
 
@@ -84,6 +85,10 @@ def _gram(estimator, X, *, kernel, step, normalized):
 def _check_label_count(labels, n, name, what):
     """Refuse ``labels`` (None passes) that are not one per ``what``: they are drawn by
     position, and a count that differs fails in matplotlib, or only after the kernels."""
+    if labels is not None and (isinstance(labels, str) or not hasattr(labels, "__len__")):
+        # A string was taken for one label per character; an int failed in len().
+        raise TypeError(f"{name} must be a sequence of labels, one per {what}, got "
+                        f"{labels!r}.")
     if labels is not None and len(labels) != n:
         raise ValueError(f"{name} must name each {what} ({n}), got {len(labels)}.")
 
@@ -642,6 +647,11 @@ class KernelEvolutionDisplay:
             check_column_names(estimator, values)
         shape, kind = net.input_shape, net.input_kind
         if kind == FEATURES:
+            if issparse(x):
+                # np.asarray made it a 0-d object array: "setting an array element with a
+                # sequence".
+                raise TypeError("Sparse data was passed for x, but dense data is required. "
+                                "Use '.toarray()' to convert to a dense numpy array.")
             x = np.asarray(x, dtype=np.float64)
             # Flattening several rows would make them one input of more features.
             if x.ndim > 2:
@@ -808,6 +818,9 @@ class RankGapDisplay:
         X = np.concatenate([X_train, X_test])
         if rtol is None:
             rtol = float(np.sqrt(X.shape[0] * np.finfo(net.dtype).eps))
+        elif isinstance(rtol, (bool, np.bool_)) or not isinstance(rtol, numbers.Real):
+            # Checked before np.isfinite, which fails on a string with numpy's own words.
+            raise TypeError(f"rtol must be a float in [0, 1) or None, got {rtol!r}.")
         elif not np.isfinite(rtol) or not 0 <= rtol < 1:
             raise ValueError(f"rtol must be in [0, 1), got {rtol!r}.")
         points = _recorded_points(net, steps)
@@ -825,7 +838,7 @@ class RankGapDisplay:
 
 # --------------------------------------------------------------------------- embedding
 def _resolve_method(method):
-    if method not in ("auto", "umap", "tsne", "pca"):
+    if not is_option(method, "auto", "umap", "tsne", "pca"):
         raise ValueError(f"method must be 'auto', 'umap', 'tsne' or 'pca', got {method!r}.")
     if method in ("auto", "umap"):
         try:

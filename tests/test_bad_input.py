@@ -7,6 +7,7 @@ refits included.
 """
 
 import copy
+import re
 
 import numpy as np
 import pandas as pd
@@ -343,6 +344,21 @@ BAD_ARGS = {
                                 r"n_neighbors must be an integer in \[1, 12\]"),
     "explain(method)": (KM, lambda e: e.explain(X[:2], method="x"), ValueError,
                         "method must be"),
+    # An array for a string option: "truth value of an array is ambiguous" from the
+    # option's own check, where the message names the argument.
+    "decompose(method=array)": (KM, lambda e: e.decompose(X[:2], method=np.ones(2)),
+                                ValueError, "method must be 'exact'"),
+    "decompose(weighting=array)": (KM, lambda e: e.decompose(X[:2], weighting=np.ones(2)),
+                                   ValueError, "weighting must be"),
+    "attribute(method=array)": (KM, lambda e: e.attribute(X[:2], method=np.ones(2)),
+                                ValueError, "method must be 'unrolled'"),
+    "explain(method=array)": (KM, lambda e: e.explain(X[:2], method=np.ones(2)), ValueError,
+                              "method must be"),
+    "kneighbors(kernel=array)": (ALL, lambda e: e.kneighbors(X[:2], 2, kernel=np.ones(2)),
+                                 ValueError, "kernel must be 'tangent' or 'path'"),
+    "kneighbors(normalized=array)": (
+        ALL, lambda e: e.kneighbors(X[:2], 2, normalized=np.ones(2)), TypeError,
+        "normalized must be a bool"),
     "kneighbors(n_neighbors=0)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=0),
                                   ValueError, r"n_neighbors must be an integer in \[1, 12\]"),
     "kneighbors(n_neighbors=True)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=True),
@@ -396,6 +412,60 @@ def test_bad_method_arguments_are_refused_and_change_nothing(fitted, name, case)
     with pytest.raises(error, match=match):
         call(est)
     assert_unchanged(est, before)
+
+
+@pytest.mark.parametrize("weight", [np.nan, np.inf])
+@pytest.mark.parametrize(("name", "verb"), [(name, "fit") for name in ALL] + [
+    (name, "partial_fit") for name in KM])
+def test_a_non_finite_scalar_sample_weight_is_refused(fitted, name, verb, weight):
+    # scikit-learn checks an array of weights but broadcasts a scalar unchecked: a NaN
+    # one failed fit as a diverged loss, or with "sample_weight is 0 on every sample" for
+    # a classifier, and partial_fit recorded a step of loss 0 that moved nothing.
+    est = _fresh(fitted, name)
+    before = snapshot(est)
+    n_points = len(_network(est).trajectory_)
+    y = ESTIMATORS[name][1]
+    with pytest.raises(ValueError, match="sample_weight must be finite"):
+        getattr(est, verb)(X, y, sample_weight=weight)
+    assert_unchanged(est, before)
+    assert len(_network(est).trajectory_) == n_points
+
+
+@pytest.mark.parametrize(("classes", "match"), [
+    (np.array(["a", np.nan, "b", "c"], dtype=object), "contains NaN"),
+    ([0.0, np.nan, 1.0], "classes contains NaN"),
+    ("abc", r"classes must be a 1-D array-like of labels, got shape \(\)"),
+    ([["a", "b", "c"]], r"classes must be a 1-D array-like of labels, got shape \(1, 3\)"),
+])
+def test_partial_fit_refuses_bad_classes(fitted, classes, match):
+    # A NaN among the classes became a class of its own: a network with an output for
+    # it, and labels predicted as floats. A string was refused in words about y.
+    with pytest.raises(ValueError, match=match):
+        PathKernelClassifier(**SMALL).partial_fit(X, Y_CLF, classes=classes)
+    est = _fresh(fitted, "PathKernelClassifier")
+    before = snapshot(est)
+    with pytest.raises(ValueError, match=match):
+        est.partial_fit(X, Y_CLF, classes=classes)
+    assert_unchanged(est, before)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("columns", [["u", "w"], ["v", "u"]])
+def test_hessian_trace_refuses_other_columns_than_the_fits(name, columns):
+    # A meta-estimator hands its estimator_ the values only: a DataFrame of other or
+    # reordered columns passed the estimator_'s checks and was read by position.
+    make, y, _ = ESTIMATORS[name]
+    est = make(**SMALL).fit(pd.DataFrame(X, columns=["u", "v"]), y)
+    hessian_trace(est, pd.DataFrame(X, columns=["u", "v"]), y, n_samples=2)
+    with pytest.raises(ValueError, match="feature names should match"):
+        hessian_trace(est, pd.DataFrame(X, columns=columns), y, n_samples=2)
+
+
+@pytest.mark.parametrize(("label", "shown"), [(1, "(1)"), ("a", "('a')"), (2.0, "(2.0)")])
+def test_a_one_class_fit_names_the_class_as_written(label, shown):
+    # numpy 2's repr showed np.int64(1) / np.str_('a') for the user's 1 / 'a'.
+    with pytest.raises(ValueError, match=f"got 1 class {re.escape(shown)}"):
+        PathKernelClassifier(**SMALL).fit(X, np.full(len(X), label))
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -1,6 +1,7 @@
 """Tests of skpathkernel.datasets: the synthetic generators and the printed-glyph loaders."""
 
 import doctest
+import re
 import sys
 
 import numpy as np
@@ -376,6 +377,23 @@ def test_printed_digits_bad_input(kwargs, error):
 @pytest.mark.parametrize("letters", [(), ("MN",), ("M", "M"), (" ",), ("A", 3), "", None])
 def test_printed_letters_bad_input(letters):
     with pytest.raises(ValueError, match="letters"):
+        load_printed_letters(letters=letters)
+
+
+@pytest.mark.parametrize(("make", "param"), [
+    (make_sine, "n_samples"), (make_square_wave, "n_samples"),
+    (make_linear_extrapolation, "n_train"), (make_linear_extrapolation, "n_test")])
+def test_generators_refuse_a_bool_count(make, param):
+    # validate_params takes True for 1: make_sine failed in NumPy ("expected a sequence
+    # of integers"), make_linear_extrapolation made one point; n_per_class refuses it.
+    with pytest.raises(TypeError, match=f"{param} must be an int, got True"):
+        make(**{param: True})
+
+
+@pytest.mark.parametrize(("letters", "shown"), [(5, "got 5."), (None, "got None.")])
+def test_printed_letters_refusal_echoes_the_argument(letters, shown):
+    # A non-sequence became () before the check, and the message said "got ()".
+    with pytest.raises(ValueError, match=re.escape(shown)):
         load_printed_letters(letters=letters)
 
 

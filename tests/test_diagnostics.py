@@ -263,6 +263,27 @@ def test_bad_input():
         hessian_trace(reg, X, X[:, 0])
 
 
+def test_a_bool_or_a_2d_array_of_steps_is_refused():
+    # validate_params takes a bool for an int: step=True was the trace at point 1 and
+    # steps=True one evenly spaced point, where kneighbors, the kernels and the
+    # displays refuse a bool step. A 2-D steps was refused in words about y.
+    X, y = _circle(20, 2, 0)
+    est = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3, random_state=0).fit(X, y)
+    with pytest.raises(TypeError, match="step must be an int, got True"):
+        hessian_trace(est, step=True, n_samples=2)
+    with pytest.raises(TypeError, match="steps must be None, an int or a sequence"):
+        hessian_trace_path(est, steps=True, n_samples=2)
+    with pytest.raises(ValueError, match=r"steps must be a 1-D sequence of integers"):
+        hessian_trace_path(est, steps=[[0, 1]], n_samples=2)
+    # The counts too: n_samples=True failed in np.zeros with "an integer is required",
+    # batch_size=True ran batches of one.
+    with pytest.raises(TypeError, match="n_samples must be an int, got True"):
+        hessian_trace(est, n_samples=True)
+    with pytest.raises(TypeError, match="batch_size must be an int, got True"):
+        hessian_trace_path(est, n_samples=2, batch_size=True)
+    assert hessian_trace(est, step=np.int64(1), n_samples=2).step == 1
+
+
 # ------------------------------------------------------------------ sample_weight
 def _weighted_fit(kind, **params):
     """A tanh float64 fit with integer weights (zeros included) on minibatches of 8:

@@ -103,6 +103,15 @@ def test_lds_bad_input(bad, match):
         linear_datamodeling_score(**args)
 
 
+def test_interval_refuses_a_bool_n_resamples():
+    # validate_params takes True for 1: np.empty(True) failed with "expected a sequence of
+    # integers".
+    rng = np.random.RandomState(0)
+    with pytest.raises(TypeError, match="n_resamples must be an int, got True"):
+        linear_datamodeling_interval(rng.normal(size=(3, 10)), rng.rand(6, 10) < 0.5,
+                                     rng.normal(size=(6, 3)), n_resamples=True)
+
+
 def test_interval_matches_scipy_bootstrap_and_collapses_on_an_exact_datamodel():
     rng = np.random.RandomState(3)
     W = rng.normal(size=(8, 40))
@@ -334,6 +343,10 @@ def test_retraining_progress(capsys):
     (dict(output=lambda m, Z: np.zeros((len(Z), 2))), "one value per query"),
     (dict(n_subsets=1), "n_subsets"),
     (dict(protocol="other"), "protocol"),
+    # None or a string failed in is_classifier with an AttributeError about
+    # __sklearn_tags__.
+    (dict(estimator=None), "'estimator' parameter"),
+    (dict(estimator="ridge"), "'estimator' parameter"),
 ])
 def test_retraining_bad_input(kwargs, match):
     rng = np.random.RandomState(5)

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.sparse as sp
 import torch
 from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
@@ -247,6 +248,13 @@ def test_kernel_evolution_of_a_recorded_token_network_without_its_inputs():
     np.testing.assert_allclose(disp.kernel_values[-1], J[0] @ J[1:4].T, rtol=1e-10)
 
 
+def test_kernel_evolution_refuses_a_sparse_x(circle):
+    # np.asarray made it a 0-d object array: "setting an array element with a sequence".
+    clf, X, _ = circle
+    with pytest.raises(TypeError, match="Sparse data was passed for x"):
+        KernelEvolutionDisplay.from_estimator(clf, sp.csr_matrix(X[:1]), X[1:3])
+
+
 # --------------------------------------------------------------------------- rank gap
 def test_rank_gap_equals_svd_rank():
     # ReLU units whose kink lies right of the training range are dead there and come
@@ -277,6 +285,36 @@ def test_rank_gap_default_rtol(circle):
     assert disp.rtol == pytest.approx(np.sqrt(20 * np.finfo(np.float64).eps))
     with pytest.raises(ValueError, match="rtol"):
         RankGapDisplay.from_estimator(clf, X[:10], X[10:20], rtol=2.0)
+
+
+@pytest.mark.parametrize("labels", ["ab", 3])
+def test_labels_that_are_not_a_sequence_are_refused(circle, labels):
+    # A string was taken for one label per character; an int failed in len().
+    clf, X, _ = circle
+    y = np.array([0, 0, 1, 1])
+    with pytest.raises(TypeError, match="display_labels must be a sequence of labels"):
+        KernelMatrixDisplay.from_estimator(clf, X[:4], y, display_labels=labels)
+    with pytest.raises(TypeError, match="labels must be a sequence of labels"):
+        KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], labels=labels)
+
+
+def test_an_array_for_a_string_option_is_named(circle):
+    # The option's check compared elementwise and failed with numpy's "truth value of
+    # an array is ambiguous".
+    clf, X, _ = circle
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        KernelMatrixDisplay.from_estimator(clf, X[:5], kernel=np.array(["tangent"] * 2))
+    with pytest.raises(ValueError, match="method must be 'auto'"):
+        TangentEmbeddingDisplay.from_estimator(clf, X[:5], method=np.array(["pca"] * 2))
+
+
+@pytest.mark.parametrize("rtol", ["0.1", [0.1], True])
+def test_rank_gap_rtol_of_another_type_is_a_clear_type_error(circle, rtol):
+    # A string or a list failed inside np.isfinite or the comparison, in numpy's words;
+    # True was taken for 1 and refused as out of range.
+    clf, X, _ = circle
+    with pytest.raises(TypeError, match=r"rtol must be a float in \[0, 1\) or None"):
+        RankGapDisplay.from_estimator(clf, X[:10], X[10:20], steps=[-1], rtol=rtol)
 
 
 # --------------------------------------------------------------------------- embedding

@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 from _reference import jacobian_loop
 from numpy.testing import assert_allclose, assert_array_equal
@@ -402,6 +403,32 @@ def test_recorded_network_is_an_estimator_for_sklearn(data):
         net.decompose(Xq)
     with pytest.raises(ValueError, match="3 features"):
         RecordedNetwork(est.module_, est.trajectory_, X_train=X).path_kernel_(np.ones((2, 3)))
+
+
+@pytest.mark.parametrize(("X_train", "y_train", "error", "match"), [
+    (None, "nan", ValueError, "y_train contains NaN or infinity"),
+    (None, "inf", ValueError, "y_train contains NaN or infinity"),
+    ("sparse", None, TypeError, r"X_fit \(X_train\) must be dense"),
+    (None, "sparse", TypeError, r"y_fit \(y_train\) must be dense"),
+    ("scalar", None, ValueError, r"X_fit \(X_train\) must hold one row per sample"),
+    (None, "scalar", ValueError, r"y_fit \(y_train\) must hold one row per sample"),
+])
+@pytest.mark.parametrize("verb", ["decompose", "attribute", "self_influence"])
+def test_bad_training_data_of_a_recorded_network_is_refused(data, X_train, y_train, error,
+                                                           match, verb):
+    # Non-finite targets gave NaN contributions without a word; a sparse matrix or a
+    # scalar became a 0-d array, one "sample" of shape (), and every call then failed in
+    # words about the queries' shape or in len() of an unsized object.
+    X, y, Xq = data
+    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, dtype="float64",
+                            random_state=0).fit(X, y)
+    bad = {"nan": np.where(np.arange(len(y)) == 0, np.nan, y), "inf": np.full(len(y), np.inf),
+           "sparse": sp.csr_matrix(X if X_train else y.reshape(-1, 1)), "scalar": 3.0}
+    X_train = X if X_train is None else bad[X_train]
+    y_train = y if y_train is None else bad[y_train]
+    with pytest.raises(error, match=match):
+        net = RecordedNetwork(est.module_, est.trajectory_, X_train=X_train, y_train=y_train)
+        getattr(net, verb)(*(() if verb == "self_influence" else (Xq,)))
 
 
 def test_docstring_examples_run():

@@ -53,6 +53,39 @@ def test_load_refuses_other_files(tmp_path):
         Trajectory.load(evil)
 
 
+@pytest.mark.parametrize("content", ["empty", "truncated", "text"])
+def test_load_refuses_a_file_torch_cannot_read(fitted, tmp_path, content):
+    # An empty file failed with a bare EOFError, a truncated one with torch's
+    # RuntimeError about a zip archive, a text file with KeyError(<its first byte>).
+    saved = tmp_path / "path.pt"
+    fitted.trajectory_.save(saved)
+    data = {"empty": b"", "truncated": saved.read_bytes()[:200], "text": b"hello"}[content]
+    path = tmp_path / "bad.pt"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="is not a skpathkernel trajectory file"):
+        Trajectory.load(path)
+
+
+@pytest.mark.parametrize("path", [3, None])
+def test_save_and_load_refuse_a_path_of_another_type(fitted, path):
+    # torch took them for file objects: an AttributeError about 'write' or 'seek' (and
+    # os.path.isdir took an int for a file descriptor).
+    with pytest.raises(TypeError, match="expected str, bytes or os.PathLike"):
+        fitted.trajectory_.save(path)
+    with pytest.raises(TypeError, match="expected str, bytes or os.PathLike"):
+        Trajectory.load(path)
+
+
+def test_unflatten_refuses_what_is_not_a_flat_parameter_tensor(fitted):
+    # torch.split failed in its words on a wrong length; an array had no .split.
+    traj = fitted.trajectory_
+    with pytest.raises(ValueError, match=r"flat must have shape \(\.\.\., n_params\)"):
+        traj.unflatten(torch.zeros(traj.n_params + 1))
+    with pytest.raises(TypeError, match="flat must be a torch.Tensor"):
+        traj.unflatten(np.zeros(traj.n_params))
+    assert list(traj.unflatten(traj.parameters(0))) == list(traj.names)
+
+
 def test_nbytes_counts_parameters_and_state(fitted):
     traj = fitted.trajectory_
     P, n = traj.n_params, len(traj)

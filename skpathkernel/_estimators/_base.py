@@ -68,6 +68,7 @@ from .._path._training import (
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
+from .._validation import check_column_names
 from .._warnings import caller_stacklevel
 from ..kernels import NetworkKernelsMixin
 
@@ -1045,6 +1046,10 @@ def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
     ``estimator_``): its input checks, its label encoding (``classes_``) and target
     scaling (``normalize_y``).
     """
+    # A meta-estimator's own column names first: it hands its estimator_ the values
+    # only, so a DataFrame of other or reordered columns passed the estimator_'s checks
+    # and was read by position.
+    check_column_names(estimator, X)
     estimator = estimator._trained_by()
     X = estimator._validate_X(X)
     Y = _encode_like_fit(estimator, y)
@@ -1219,6 +1224,10 @@ def _check_weights(sample_weight, X) -> np.ndarray | None:
         return None
     weights = _check_sample_weight(sample_weight, X, dtype=np.float64,
                                    ensure_non_negative=True)
+    if not np.all(np.isfinite(weights)):
+        # scikit-learn checks an array's weights but broadcasts a scalar unchecked: a NaN
+        # one failed fit as a diverged loss and made partial_fit record a step of loss 0.
+        raise ValueError(f"sample_weight must be finite, got {sample_weight!r}.")
     return None if np.all(weights == weights[0]) else weights
 
 

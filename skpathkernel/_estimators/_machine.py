@@ -10,12 +10,13 @@ from sklearn.preprocessing import LabelEncoder
 from sklearn.utils._param_validation import StrOptions
 from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
-from sklearn.utils.validation import check_is_fitted, column_or_1d
+from sklearn.utils.validation import check_array, check_is_fitted, column_or_1d
 
 from .._analysis._attribution import check_indicator, label_codes
 from .._device import to_tensor
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import check_decompose_args, network_of
+from .._validation import is_option
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -389,7 +390,7 @@ class _KernelMachineMixin(TransformerMixin):
         check_is_fitted(self)
         classifier = isinstance(self, ClassifierMixin)
         X = self._validate_X(X)
-        if method != "unrolled":
+        if not is_option(method, "unrolled"):
             # Every step needs the queries' Jacobians: one query's must fit the budget.
             self._check_feature_row_fits("decompose")
         return network_of(self)._attribute(
@@ -397,7 +398,7 @@ class _KernelMachineMixin(TransformerMixin):
             n_nodes=n_nodes, tol=tol, n_jobs=n_jobs, margin="default" if classifier else "no",
             encode=self._query_labels, scale=getattr(self, "_y_scale", None),
             multilabel=_multilabel(self),
-            standardized=self._standardization() if method == "unrolled" else None)
+            standardized=self._standardization() if is_option(method, "unrolled") else None)
 
     @shared_doc(SELF_INFLUENCE, label="classifiers: the margin of its own training label, "
                 "or label set for multilabel classifiers",
@@ -975,6 +976,15 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         self._validate_params()
         if not hasattr(self, "network_") and classes is None:
             raise ValueError("classes must be passed on the first call to partial_fit.")
+        if classes is not None:
+            # As y is checked: a NaN among the classes became a class of its own (a
+            # network with an output for it, labels predicted as floats), and a string
+            # was refused in words about y.
+            if np.ndim(classes) != 1:
+                raise ValueError(f"classes must be a 1-D array-like of labels, got shape "
+                                 f"{np.shape(classes)}.")
+            classes = check_array(classes, ensure_2d=False, dtype=None,
+                                  input_name="classes")
         fitted = getattr(self, "classes_", None)
         if classes is not None and fitted is not None and hasattr(self, "network_") and \
                 not np.array_equal(np.unique(np.asarray(classes)), fitted):

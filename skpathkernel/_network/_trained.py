@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from scipy.sparse import issparse
 from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 from torch.func import functional_call
@@ -46,6 +47,7 @@ from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
+from .._validation import is_option
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import FEATURES, FLOAT, TOKENS, block_widths, check_input
 
@@ -83,11 +85,11 @@ def as_loss(loss) -> Loss:
 
 def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
     """The arguments of every ``decompose`` and ``attribute``, checked before any work."""
-    if method not in ("exact", "first_order", "second_order"):
+    if not is_option(method, "exact", "first_order", "second_order"):
         raise ValueError(
             f"method must be 'exact', 'first_order' or 'second_order', got {method!r}."
         )
-    if weighting not in ("realized", "expected"):
+    if not is_option(weighting, "realized", "expected"):
         raise ValueError(f"weighting must be 'realized' or 'expected', got {weighting!r}.")
     if n_nodes is not None and (isinstance(n_nodes, bool)
                                 or not isinstance(n_nodes, numbers.Integral) or n_nodes < 1):
@@ -106,15 +108,15 @@ def check_decompose_args(method, weighting, n_nodes, tol=None) -> None:
 
 def check_attribute_args(method, weighting, n_nodes, tol=None) -> None:
     """The arguments of every ``attribute``, checked before any work."""
-    if method == "unrolled":
-        if weighting != "realized":
+    if is_option(method, "unrolled"):
+        if not is_option(weighting, "realized"):
             raise ValueError("method='unrolled' differentiates the realized path (each "
                              "step's own batch): weighting must be 'realized', got "
                              f"{weighting!r}.")
         # Unused by the unrolled derivative, but refused when invalid, as for every method.
         check_decompose_args("exact", weighting, n_nodes, tol)
         return
-    if method not in ("exact", "first_order", "second_order"):
+    if not is_option(method, "exact", "first_order", "second_order"):
         raise ValueError("method must be 'unrolled', 'exact', 'first_order' or "
                          f"'second_order', got {method!r}.")
     check_decompose_args(method, weighting, n_nodes, tol)
@@ -253,12 +255,12 @@ class TrainedNetwork:
         self.trajectory = trajectory
         self.loss = None if loss is None else as_loss(loss)
         if X_fit is not None:
-            X_fit = _as_array(X_fit)
+            X_fit = _as_array(X_fit, "X_fit (X_train)")
             if input_kind is None:
                 integer = X_fit.dtype.kind in "iu"
                 input_kind = TOKENS if integer else FEATURES if X_fit.ndim == 2 else FLOAT
         self.X_fit = X_fit
-        self.y_fit = None if y_fit is None else _as_array(y_fit)
+        self.y_fit = None if y_fit is None else _as_array(y_fit, "y_fit (y_train)")
         self.sample_weight = (None if sample_weight is None
                               else np.asarray(sample_weight, dtype=np.float64))
         self.multilabel = self._infers_multilabel() if multilabel is None else bool(multilabel)
@@ -703,8 +705,11 @@ ValueError
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
         """
-        if kernel not in ("tangent", "path"):
+        if not is_option(kernel, "tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
+        if not isinstance(normalized, (bool, np.bool_)):
+            # Read by the ``if`` below before the kernel checks it.
+            raise TypeError(f"normalized must be a bool, got {normalized!r}.")
         if kernel == "path" and not (isinstance(step, numbers.Integral) and step == -1):
             # The path kernel sums over every recorded point: a step would be ignored.
             raise ValueError(
@@ -847,6 +852,10 @@ ValueError
         X_fit, Y_fit = self.tensor(self.check(self.X_fit, "X_train")), self.targets()
         if len(Y_fit) != n:
             raise ValueError(f"y_train has {len(Y_fit)} rows but X_train has {n}.")
+        if Y_fit.is_floating_point() and not bool(torch.isfinite(Y_fit).all()):
+            # The loss's gradients would be NaN: every contribution NaN, without a word.
+            raise ValueError("y_train contains NaN or infinity; the decomposition needs "
+                             "the finite targets the recorded steps trained on.")
         self._check_loss(X_fit, Y_fit)
         return X_fit, Y_fit
 
@@ -980,10 +989,19 @@ def _decompose_steps(start, stop, X, weights, net: TrainedNetwork, kwargs):
         X, weights, {**kwargs, "intervals": (start, stop)})
 
 
-def _as_array(values) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        return values.detach().cpu().numpy()
-    return np.asarray(values)
+def _as_array(values, name: str) -> np.ndarray:
+    """Training data as an array of rows. A sparse matrix, or a scalar, became a 0-d
+    array taken for one sample of shape ``()``: every later call then failed in words
+    about the queries' shape, or in ``len()`` of an unsized object."""
+    if issparse(values):
+        raise TypeError(f"{name} must be dense; got a sparse matrix: pass its "
+                        ".toarray().")
+    array = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) \
+        else np.asarray(values)
+    if array.ndim == 0:
+        raise ValueError(f"{name} must hold one row per sample, shape (n_samples, ...); "
+                         f"got {values!r}.")
+    return array
 
 
 def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> None:

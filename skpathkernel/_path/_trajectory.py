@@ -733,6 +733,13 @@ class Trajectory:
         params : OrderedDict of str to torch.Tensor
             Parameter name to a view of shape ``(..., *shape)``.
         """
+        # Checked here, not in _unflatten (the library's own calls): torch.split failed
+        # in its words on a wrong length, and a NumPy array had no .split.
+        if not isinstance(flat, torch.Tensor):
+            raise TypeError(f"flat must be a torch.Tensor, got {type(flat).__name__}.")
+        if flat.ndim == 0 or flat.shape[-1] != self.n_params:
+            raise ValueError(f"flat must have shape (..., n_params) = (..., {self.n_params}), "
+                             f"got {tuple(flat.shape)}.")
         return OrderedDict(zip(self._names, self._unflatten(flat)))
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -760,6 +767,9 @@ class Trajectory:
         path : str or os.PathLike
             File (in memory) or directory (on disk) to write.
         """
+        # A TypeError naming the argument: torch.save took an int or None for a file
+        # object and failed with an AttributeError.
+        path = os.fspath(path)
         store = self._store
         if store is None:
             torch.save(self._payload(), path)
@@ -826,7 +836,10 @@ class Trajectory:
         trajectory : Trajectory
             The trajectory read.
         """
-        directory = os.fspath(path) if os.path.isdir(path) else None
+        # An int was taken for a file descriptor by os.path.isdir, then for a file object
+        # by torch.load, which failed with an AttributeError.
+        path = os.fspath(path)
+        directory = path if os.path.isdir(path) else None
         meta = os.path.join(directory, META_FILE) if directory else path
         try:
             payload = torch.load(meta, map_location="cpu", weights_only=True)
@@ -834,6 +847,12 @@ class Trajectory:
             raise FileNotFoundError(
                 f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
                 "skpathkernel trajectory.") from None
+        except (RuntimeError, EOFError, KeyError) as exc:
+            # Not a file torch.save wrote: an empty file failed with a bare EOFError, a
+            # truncated one in words about a zip archive, text with KeyError(<a byte>).
+            # A pickle of code still raises the loader's own UnpicklingError.
+            raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory "
+                             f"file: torch.load failed ({type(exc).__name__}).") from exc
         if not isinstance(payload, dict) or payload.get("format") != "skpathkernel.Trajectory":
             raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory file.")
         if payload["version"] > _FORMAT_VERSION:

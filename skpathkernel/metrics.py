@@ -40,9 +40,11 @@ from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, va
 from ._analysis._attribution import check_indicator, label_codes, margin
 from ._analysis._unrolled import AttributionScores
 from ._estimators._base import BasePathKernelNetwork, _encode_like_fit
+from ._estimators._meta import NetworkMetaEstimator
 from ._modules import copy_module
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
+from ._path._recorder import RecordedNetwork
 from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
 from ._validation import check_count
@@ -629,14 +631,20 @@ def _check_replayable(estimator, X, y) -> None:
     The replay trains on the targets recorded with the path: a ``y`` that differs (other
     labels, another task) would be replaced by them without a word.
     """
-    if not isinstance(estimator, BasePathKernelNetwork) and hasattr(estimator,
-                                                                    "trajectory_"):
-        # A RecordedNetwork: fitted already, so "fit it first" would not help.
+    if isinstance(estimator, RecordedNetwork):
+        # Fitted already, so "fit it first" would not help.
         raise ValueError(f"protocol='replay' replays the training of a fitted "
                          f"PathKernelMachine or PathKernelClassifier; a "
                          f"{type(estimator).__name__}'s path comes from a loop of your "
                          "own (its optimizer, schedule and clipping), which retraining "
                          "on a subset reruns.")
+    if isinstance(estimator, NetworkMetaEstimator):
+        # Its path is its trainer's, recorded by the trainer's fit (not a loop of the
+        # user's), and fitting the meta-estimator does not make it replayable.
+        raise ValueError(f"protocol='replay' replays the training of a fitted "
+                         f"PathKernelMachine or PathKernelClassifier; a "
+                         f"{type(estimator).__name__} reads the path of its estimator: "
+                         "pass that trainer, fitted on X, y (its estimator_), instead.")
     if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
                                                                        "trajectory_"):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "

@@ -8,6 +8,7 @@ refits included.
 
 import copy
 import re
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -456,7 +457,11 @@ def test_hessian_trace_refuses_other_columns_than_the_fits(name, columns):
     # reordered columns passed the estimator_'s checks and was read by position.
     make, y, _ = ESTIMATORS[name]
     est = make(**SMALL).fit(pd.DataFrame(X, columns=["u", "v"]), y)
-    hessian_trace(est, pd.DataFrame(X, columns=["u", "v"]), y, n_samples=2)
+    with warnings.catch_warnings():
+        # The fit's own columns without a word: a meta-estimator's estimator_ warned
+        # "X has feature names, but PathKernelClassifier was fitted without feature names".
+        warnings.simplefilter("error", UserWarning)
+        hessian_trace(est, pd.DataFrame(X, columns=["u", "v"]), y, n_samples=2)
     with pytest.raises(ValueError, match="feature names should match"):
         hessian_trace(est, pd.DataFrame(X, columns=columns), y, n_samples=2)
 

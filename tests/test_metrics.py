@@ -18,6 +18,7 @@ from skpathkernel import (
     PathKernelClassifier,
     PathKernelMachine,
     RecordedNetwork,
+    TangentFeatureSVM,
 )
 from skpathkernel.metrics import (
     ensemble_attribution,
@@ -681,3 +682,24 @@ def test_ensemble_docstring_example_runs():
                           globs={})
     result = runner.run(test)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_replay_of_a_meta_estimator_names_its_trainer():
+    """A fitted TangentFeatureSVM (or TangentFeatures, OODRankDetector) has a recorded
+    path, its trainer's: the replay's refusal said it came "from a loop of your own", as
+    for a RecordedNetwork, and unfitted it asked to fit it first, which did not help."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(24, 2))
+    y = (X[:, 0] > 0).astype(int)
+    trainer = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, dtype="float64",
+                                   random_state=0, tol=None)
+    meta = TangentFeatureSVM(trainer)
+    for est in (meta, clone(meta).fit(X, y)):
+        with pytest.raises(ValueError, match="TangentFeatureSVM reads the path of its "
+                                             "estimator: pass that trainer"):
+            retrain_on_subsets(est, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    # The trainer it names replays.
+    fitted = clone(meta).fit(X, y)
+    res = retrain_on_subsets(fitted.estimator_, X, y, X[:2], y[:2], n_subsets=2,
+                             protocol="replay")
+    assert res.outputs.shape == (2, 2)

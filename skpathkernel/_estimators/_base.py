@@ -68,7 +68,6 @@ from .._path._training import (
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
-from .._validation import check_column_names
 from .._warnings import caller_stacklevel
 from ..kernels import NetworkKernelsMixin
 
@@ -1046,13 +1045,13 @@ def data_like_fit(estimator, X, y) -> tuple[np.ndarray, np.ndarray]:
     ``estimator_``): its input checks, its label encoding (``classes_``) and target
     scaling (``normalize_y``).
     """
-    # A meta-estimator's own column names first: it hands its estimator_ the values
-    # only, so a DataFrame of other or reordered columns passed the estimator_'s checks
-    # and was read by position.
-    check_column_names(estimator, X)
-    estimator = estimator._trained_by()
+    # X as the estimator's own verbs validate it, a meta-estimator's too: its column
+    # names (it hands its estimator_ the values only, so a DataFrame of other or
+    # reordered columns passed the estimator_'s checks and was read by position, and the
+    # fit's own columns warned there that the estimator_ was fitted without names) and
+    # its network's input form.
     X = estimator._validate_X(X)
-    Y = _encode_like_fit(estimator, y)
+    Y = _encode_like_fit(estimator._trained_by(), y)
     check_consistent_length(X, Y)
     return X, Y
 

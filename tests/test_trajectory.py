@@ -265,7 +265,7 @@ def test_the_recorder_waits_for_the_copies_on_the_parameters_gpu(monkeypatch):
     rec = TrajectoryRecorder([p], ["p"], n_steps=None, record_every=1,
                              solver=SolverSpec("sgd"), n_samples=4, batch_size=2,
                              dtype=torch.float64)
-    rec._non_blocking, rec._device = True, torch.device("cuda", 1)
+    rec._non_blocking, rec._devices = True, (torch.device("cuda", 1),)
     rec.record_point(0)
     for step in range(2 * TrajectoryRecorder._INITIAL_STEPS):  # grows its buffers
         rec.record_batch(np.array([0, 1]))

@@ -1136,9 +1136,10 @@ class TrajectoryRecorder:
         self._compression = None if compression is None else getattr(torch, compression)
         self._auto = storage == "auto"
         device = self._params[0].device
-        # The device whose streams copy into pinned memory: the parameters', which need
-        # not be the current one (a module moved to "cuda:1").
-        self._device = device
+        # The devices whose streams copy into pinned memory: the parameters', which need
+        # not be the current one (a module moved to "cuda:1", or split over two GPUs).
+        self._devices = tuple(dict.fromkeys(p.device for p in self._params
+                                            if p.device.type == "cuda"))
         self._pin = device.type == "cuda" and storage == "memory"
         self._cpu = device.type == "cpu"
         self._written: list[int] | None = None  # points written, for the page mapping
@@ -1191,10 +1192,11 @@ class TrajectoryRecorder:
         self._views: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
 
     def _synchronize(self) -> None:
-        """Wait for the asynchronous copies into pinned memory. On the parameters' device:
-        ``torch.cuda.synchronize()`` alone waits for the current device, and a path
-        recorded from another GPU was read before its copies had landed."""
-        torch.cuda.synchronize(self._device)
+        """Wait for the asynchronous copies into pinned memory. On the parameters'
+        devices: ``torch.cuda.synchronize()`` alone waits for the current device, and a
+        path recorded from another GPU was read before its copies had landed."""
+        for device in self._devices:
+            torch.cuda.synchronize(device)
 
     def _empty(self, rows):
         return torch.empty((rows, self._n_params), dtype=self._dtype, pin_memory=self._pin)

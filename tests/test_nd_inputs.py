@@ -534,3 +534,27 @@ def test_ids_beyond_the_embedding_never_reach_a_gpu_module(monkeypatch):
             verb(bad)
     # Ids within the embedding run on the module itself, as before.
     assert_allclose(est.predict(TOKENS[:4]), est.predict(TOKENS)[:4], rtol=1e-12)
+
+
+
+class _CannotRunOnTheCpu(nn.Module):
+    """A copy whose forward makes tensors on "the GPU": it cannot run on the CPU."""
+
+    def forward(self, x):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+
+def test_a_gpu_module_whose_copy_cannot_run_checks_ids_on_itself(monkeypatch):
+    """The CPU copy that probes token ids for a GPU module is a safeguard: a copy that
+    cannot run on the CPU (a forward making tensors on the GPU) leaves the probe to the
+    module itself, as before, and valid ids work."""
+    from skpathkernel._network import _inputs
+
+    est = PathKernelMachine(module=token_net, max_iter=2, tol=None, **F64).fit(
+        TOKENS, Y_TOKENS * 1.0)
+    monkeypatch.setattr(_inputs, "_reads_ids_on_cpu", lambda module: False)
+    monkeypatch.setattr(_inputs, "copy_module", lambda module: _CannotRunOnTheCpu())
+    assert_allclose(est.predict(TOKENS[:3]), est.predict(TOKENS)[:3], rtol=1e-12)
+    # The module itself, here on the CPU, still refuses an id beyond its embedding.
+    with pytest.raises(ValueError, match=r"token id 9, out of range"):
+        est.predict(TOKENS[:2] + 4)

@@ -295,9 +295,9 @@ def _reads_ids_on_cpu(module: torch.nn.Module) -> bool:
     return _module_device(module).type == "cpu"
 
 
-def _ids_probe(module: torch.nn.Module, X: np.ndarray) -> torch.nn.Module:
-    """The module to run a forward pass of token ids ``X`` on to find ids beyond its
-    lookup tables: ``module`` itself, or a CPU copy of it.
+def _ids_probe(module: torch.nn.Module, ids: np.ndarray) -> torch.nn.Module:
+    """The module to run token ids ``ids`` through to find ids beyond its lookup tables:
+    ``module`` itself, or a CPU copy of it.
 
     Only the CPU answers such an id with an ``IndexError``: on a GPU, an embedding read
     beyond its rows is a device-side assert, after which every CUDA call of the process
@@ -308,13 +308,32 @@ def _ids_probe(module: torch.nn.Module, X: np.ndarray) -> torch.nn.Module:
     if _reads_ids_on_cpu(module):
         return module
     sizes = _embedding_sizes(module)
-    if sizes and X.dtype.kind in "iu" and 0 <= X.min() and X.max() < min(sizes):
+    if sizes and ids.dtype.kind in "iu" and 0 <= ids.min() and ids.max() < min(sizes):
         return module
     try:
         return copy_module(module).cpu()
     except (RuntimeError, TypeError):  # a module holding what deepcopy refuses (a lock)
         return module
 
+
+def _ids_on_host(module: torch.nn.Module, ids: np.ndarray) -> bool:
+    """Run token ids ``ids`` through the CPU copy of :func:`_ids_probe`, where an id beyond
+    a lookup table raises ``IndexError``. False where ``module`` is to run them itself:
+    no copy is needed, or the copy cannot run on the CPU (a forward that makes its own
+    tensors on the GPU), which leaves the check as it was. Forked: a lazy layer's copy
+    draws its weights from the generator that the module's own first pass is seeded for.
+    """
+    host = _ids_probe(module, ids)
+    if host is module:
+        return False
+    try:
+        with torch.random.fork_rng(devices=[]):
+            _run(host, torch.as_tensor(ids))
+    except IndexError:
+        raise
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return True
 
 def _largest_ids(X: np.ndarray, sizes: list[int]) -> str:
     """What to say of token ids ``X`` that an embedding of ``sizes`` rows refused."""
@@ -383,14 +402,9 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
     x = to_input_tensor(X[_probe_rows(X, module)], dtype=dtype, device=device)
     try:
         if x.dtype == torch.int64:
-            # Ids beyond a lookup table fail here, on the CPU where that is an IndexError
-            # (see _ids_probe), before the module runs them on its device. Forked: a
-            # lazy layer's copy draws its weights from the generator that the module's
-            # own first pass below is seeded for.
-            host = _ids_probe(module, X)
-            if host is not module:
-                with torch.random.fork_rng(devices=[]):
-                    _run(host, x.to(_module_device(host)))
+            # Ids beyond a lookup table fail here, on the CPU where that is an IndexError,
+            # before the module runs them on its GPU (see _ids_probe).
+            _ids_on_host(module, X[_probe_rows(X, module)])
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
         given = f"X of shape {X.shape}, handed to it as {x.dtype}"
@@ -486,9 +500,10 @@ def check_ids(module, X: np.ndarray, name: str) -> None:
     """
     if module is None or not X.size:
         return
-    module = _ids_probe(module, X)
+    ids = X[_probe_rows(X, module)]
     try:
-        _run(module, torch.as_tensor(X[_probe_rows(X, module)], device=_module_device(module)))
+        if not _ids_on_host(module, ids):
+            _run(module, torch.as_tensor(ids, device=_module_device(module)))
     except IndexError as e:
         sizes = _embedding_sizes(module)
         if not sizes or X.max() >= max(sizes):

@@ -76,7 +76,13 @@ def seeded_torch(seed: int, device: torch.device):
     """
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        # The generators that are forked, not torch.manual_seed's: it seeds every CUDA
+        # device (and MPS, XPU), of which only ``device`` is restored, so a fit (one on
+        # the CPU too) left the caller's other generators reseeded for good.
+        torch.random.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
         yield
 
 

@@ -298,3 +298,32 @@ def test_gram_of_a_conv_net_stays_within_its_budget_on_the_gpu():
     assert peak <= budget, (peak, budget)
     np.testing.assert_allclose(K.cpu().numpy(), ref.numpy(), rtol=1e-4,
                                atol=1e-5 * float(ref.abs().max()))
+
+
+def test_token_ids_beyond_the_embedding_are_refused_without_a_device_assert():
+    # On the GPU an embedding read beyond its rows is a device-side assert, after which
+    # every CUDA call of the process fails: the ids are probed on a CPU copy instead,
+    # and the fitted network (and every later test) goes on working.
+    from torch import nn
+
+    def token_net(n_features_in, n_outputs):
+        return nn.Sequential(nn.Embedding(6, 4), nn.Tanh(), nn.Flatten(),
+                             nn.Linear(4 * n_features_in, n_outputs))
+
+    rng = np.random.default_rng(0)
+    X = rng.integers(0, 6, size=(24, 3))
+    y = (X.sum(1) % 2).astype(float)
+    with pytest.raises(ValueError, match="largest token id is 15"):
+        PathKernelMachine(module=token_net, max_iter=2, tol=None, device=CUDA,
+                          random_state=0).fit(X + 10, y)
+    est = PathKernelMachine(module=token_net, max_iter=2, tol=None, device=CUDA,
+                            random_state=0).fit(X, y)
+    bad = X[:2].copy()
+    bad[1, 2] = 99
+    for verb in (est.predict, est.transform, est.tangent_kernel_):
+        with pytest.raises(ValueError, match="token id 99, out of range"):
+            verb(bad)
+    torch.cuda.synchronize()
+    ref = PathKernelMachine(module=token_net, max_iter=2, tol=None, device="cpu",
+                            random_state=0).fit(X, y)
+    _close(est.predict(X[:4]), ref.predict(X[:4]), RTOL32, ATOL32, "predict after")

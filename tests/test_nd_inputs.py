@@ -490,3 +490,71 @@ def test_token_ids_in_pandas_nullable_integer_columns_are_integers(dtype):
     # A missing id is refused as one, not taken as a float.
     with pytest.raises(ValueError, match="NaN"):
         ref.predict(frame.astype(dtype).mask(frame == 0))
+
+
+# Embeddings standing for ones on a GPU: an id beyond their rows is no IndexError there
+# but a device-side assert, after which every CUDA call of the process fails.
+_ON_GPU: list[nn.Module] = []
+
+
+def _device_assert(embedding, args):
+    if any(embedding is m for m in _ON_GPU) and int(args[0].max()) >= embedding.num_embeddings:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def _gpu_token_net(n_features_in, n_outputs):
+    net = token_net(n_features_in, n_outputs)
+    net[1].register_forward_pre_hook(_device_assert)
+    _ON_GPU.append(net[1])
+    return net
+
+
+def test_ids_beyond_the_embedding_never_reach_a_gpu_module(monkeypatch):
+    """On a GPU the probe that finds ids beyond an embedding ran them through the
+    network on the device, where the embedding's read is a device-side assert: fit
+    failed with words about a module that needs an nn.Embedding, and predict raised
+    the CUDA error, leaving the process's CUDA context (the fitted network's with it)
+    unusable. The probe runs them on a CPU copy, where they are an IndexError."""
+    from skpathkernel._network import _inputs
+
+    def on_cpu(module):
+        return not any(m is e for m in module.modules() for e in _ON_GPU)
+
+    def make():
+        return PathKernelMachine(module=_gpu_token_net, max_iter=2, tol=None, **F64)
+
+    monkeypatch.setattr(_inputs, "_reads_ids_on_cpu", on_cpu, raising=False)
+    with pytest.raises(ValueError, match=r"largest token id is 15.*embeddings have \[6\]"):
+        make().fit(TOKENS + 10, Y_TOKENS * 1.0)
+    est = make().fit(TOKENS, Y_TOKENS * 1.0)
+    bad = TOKENS[:2].copy()
+    bad[1, 2] = 99
+    for verb in (est.predict, est.transform, est.tangent_kernel_, est.decompose):
+        with pytest.raises(ValueError, match=r"token id 99, out of range.*\[6\] rows"):
+            verb(bad)
+    # Ids within the embedding run on the module itself, as before.
+    assert_allclose(est.predict(TOKENS[:4]), est.predict(TOKENS)[:4], rtol=1e-12)
+
+
+
+class _CannotRunOnTheCpu(nn.Module):
+    """A copy whose forward makes tensors on "the GPU": it cannot run on the CPU."""
+
+    def forward(self, x):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+
+def test_a_gpu_module_whose_copy_cannot_run_checks_ids_on_itself(monkeypatch):
+    """The CPU copy that probes token ids for a GPU module is a safeguard: a copy that
+    cannot run on the CPU (a forward making tensors on the GPU) leaves the probe to the
+    module itself, as before, and valid ids work."""
+    from skpathkernel._network import _inputs
+
+    est = PathKernelMachine(module=token_net, max_iter=2, tol=None, **F64).fit(
+        TOKENS, Y_TOKENS * 1.0)
+    monkeypatch.setattr(_inputs, "_reads_ids_on_cpu", lambda module: False)
+    monkeypatch.setattr(_inputs, "copy_module", lambda module: _CannotRunOnTheCpu())
+    assert_allclose(est.predict(TOKENS[:3]), est.predict(TOKENS)[:3], rtol=1e-12)
+    # The module itself, here on the CPU, still refuses an id beyond its embedding.
+    with pytest.raises(ValueError, match=r"token id 9, out of range"):
+        est.predict(TOKENS[:2] + 4)

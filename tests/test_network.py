@@ -542,3 +542,33 @@ def test_check_takes_a_clean_float_array_as_check_input_does(clf, data):
     # A clean array is taken as it is: no copy.
     Xc = np.ascontiguousarray(X, dtype=np.float32)
     assert clf.network_.check(Xc) is Xc
+
+
+@pytest.mark.parametrize("bad", [7, -1])
+def test_class_codes_beyond_the_outputs_are_refused_from_every_row(bad):
+    """log_loss's targets were probed on their first two rows only: a class code beyond
+    the network's outputs further down failed inside the computation with torch's
+    "Target 7 is out of bounds" (an IndexError), and on a GPU as a device-side assert
+    that leaves every later CUDA call of the process failing."""
+    torch.manual_seed(0)
+    X = torch.randn(8, 2, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 3)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=8) as rec:
+        for _ in range(2):
+            rec.set_batch(np.arange(8))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(X), y).backward()
+            opt.step()
+    wrong = y.clone()
+    wrong[5] = bad
+    est = rec.as_estimator(X, wrong, loss="log_loss")
+    message = rf"class codes in \[0, 3\) for the network's 3 outputs, but y_train holds {bad}"
+    for verb in (lambda: est.decompose(X[:2]), lambda: est.self_influence(output=0),
+                 lambda: est.attribute(X[:2], output=0)):
+        with pytest.raises(ValueError, match=message):
+            verb()
+    # The right codes decompose the network exactly.
+    assert rec.as_estimator(X, y, loss="log_loss").decompose(X[:2]).error < 1e-10

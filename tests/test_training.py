@@ -951,6 +951,27 @@ def test_a_random_layer_trains_the_same_path_for_the_same_random_state(regressio
     assert_array_equal(fit(0).trajectory_._params.numpy(), first.trajectory_._params.numpy())
 
 
+
+def test_a_fit_leaves_the_accelerators_generators_alone(regression_data, monkeypatch):
+    """fit seeds torch's generators in a fork that restores the CPU's and the training
+    device's. It seeded them with torch.manual_seed, which reseeds every CUDA device (and
+    MPS, XPU): a fit on the CPU, or on one of several GPUs, left the caller's other
+    generators reseeded to random_state + 1 for good. Emulated on the CPU: the seeding
+    of every CUDA device recorded."""
+    X, y = regression_data
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    monkeypatch.setattr(torch.mps, "manual_seed", reseeded.append)
+    state = torch.get_rng_state()
+    est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                            random_state=3).fit(X, y)
+    assert reseeded == []
+    assert torch.equal(torch.get_rng_state(), state)
+    # The CPU's draws are those of the seed, as before.
+    again = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                              random_state=3).fit(X, y)
+    assert_array_equal(again.trajectory_._params.numpy(), est.trajectory_._params.numpy())
+
 def test_copy_module_leaves_the_callers_module_as_it_was():
     """The weight torch's older hooks compute keeps its graph on the module copied (a
     user's module in check_rule or a RecordedNetwork); the copy holds it detached."""

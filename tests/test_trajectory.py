@@ -250,3 +250,29 @@ def test_recorder_path_with_parameter_groups_before_its_first_step():
         pass
     decays = rec.trajectory.weight_decays()
     assert decays is not None and float(decays[0]) == 0.1 and float(decays[-1]) == 0.0
+
+
+def test_the_recorder_waits_for_the_copies_on_the_parameters_gpu(monkeypatch):
+    """From a GPU the recorded points are copied into pinned memory asynchronously, and
+    read after a synchronization. It waited for the current device only: a module on
+    another GPU ("cuda:1") had its points read before their copies had landed. Emulated
+    on the CPU: the recorder's parameters taken for cuda:1's, and every wait recorded."""
+    from skpathkernel._path._trajectory import SolverSpec, TrajectoryRecorder
+
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    p = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    rec = TrajectoryRecorder([p], ["p"], n_steps=None, record_every=1,
+                             solver=SolverSpec("sgd"), n_samples=4, batch_size=2,
+                             dtype=torch.float64)
+    rec._non_blocking, rec._devices = True, (torch.device("cuda", 1),)
+    rec.record_point(0)
+    for step in range(2 * TrajectoryRecorder._INITIAL_STEPS):  # grows its buffers
+        rec.record_batch(np.array([0, 1]))
+        rec.record_step(step, 0.1, None)
+        rec.record_point(step + 1)
+    rec.points_in_memory([1])
+    traj = rec.finish()
+    assert len(traj) == 2 * TrajectoryRecorder._INITIAL_STEPS + 1
+    assert len(waits) >= 3  # a growth, the read of points, the end
+    assert all(d is not None and torch.device(d) == torch.device("cuda", 1) for d in waits), waits

@@ -31,6 +31,7 @@ import torch
 from sklearn.utils.validation import check_array, validate_data
 
 from .._device import to_input_tensor
+from .._modules import copy_module
 
 __all__ = [
     "FEATURES",
@@ -283,6 +284,57 @@ def _embedding_sizes(module) -> list[int]:
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
 
 
+def _module_device(module: torch.nn.Module) -> torch.device:
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _reads_ids_on_cpu(module: torch.nn.Module) -> bool:
+    """Whether ``module`` reads token ids on the CPU, where an id beyond a lookup table
+    raises an ``IndexError``."""
+    return _module_device(module).type == "cpu"
+
+
+def _ids_probe(module: torch.nn.Module, ids: np.ndarray) -> torch.nn.Module:
+    """The module to run token ids ``ids`` through to find ids beyond its lookup tables:
+    ``module`` itself, or a CPU copy of it.
+
+    Only the CPU answers such an id with an ``IndexError``: on a GPU, an embedding read
+    beyond its rows is a device-side assert, after which every CUDA call of the process
+    fails (the fitted network's too). A GPU module runs the ids itself only when they lie
+    within every ``nn.Embedding`` it holds (a lookup of its own, whose size is not
+    known here, is probed on the CPU copy); a module that cannot be copied is run as it is.
+    """
+    if _reads_ids_on_cpu(module):
+        return module
+    sizes = _embedding_sizes(module)
+    if sizes and ids.dtype.kind in "iu" and 0 <= ids.min() and ids.max() < min(sizes):
+        return module
+    try:
+        return copy_module(module).cpu()
+    except (RuntimeError, TypeError):  # a module holding what deepcopy refuses (a lock)
+        return module
+
+
+def _ids_on_host(module: torch.nn.Module, ids: np.ndarray) -> bool:
+    """Run token ids ``ids`` through the CPU copy of :func:`_ids_probe`, where an id beyond
+    a lookup table raises ``IndexError``. False where ``module`` is to run them itself:
+    no copy is needed, or the copy cannot run on the CPU (a forward that makes its own
+    tensors on the GPU), which leaves the check as it was. Forked: a lazy layer's copy
+    draws its weights from the generator that the module's own first pass is seeded for.
+    """
+    host = _ids_probe(module, ids)
+    if host is module:
+        return False
+    try:
+        with torch.random.fork_rng(devices=[]):
+            _run(host, torch.as_tensor(ids))
+    except IndexError:
+        raise
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return True
+
 def _largest_ids(X: np.ndarray, sizes: list[int]) -> str:
     """What to say of token ids ``X`` that an embedding of ``sizes`` rows refused."""
     largest = int(X.max())
@@ -349,6 +401,10 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
     (``outputs_hint`` says what they are); and one that mixes the samples of a batch."""
     x = to_input_tensor(X[_probe_rows(X, module)], dtype=dtype, device=device)
     try:
+        if x.dtype == torch.int64:
+            # Ids beyond a lookup table fail here, on the CPU where that is an IndexError,
+            # before the module runs them on its GPU (see _ids_probe).
+            _ids_on_host(module, X[_probe_rows(X, module)])
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
         given = f"X of shape {X.shape}, handed to it as {x.dtype}"
@@ -444,10 +500,10 @@ def check_ids(module, X: np.ndarray, name: str) -> None:
     """
     if module is None or not X.size:
         return
-    first = next(module.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
+    ids = X[_probe_rows(X, module)]
     try:
-        _run(module, torch.as_tensor(X[_probe_rows(X, module)], device=device))
+        if not _ids_on_host(module, ids):
+            _run(module, torch.as_tensor(ids, device=_module_device(module)))
     except IndexError as e:
         sizes = _embedding_sizes(module)
         if not sizes or X.max() >= max(sizes):

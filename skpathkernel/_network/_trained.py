@@ -877,6 +877,18 @@ ValueError
         with torch.no_grad():
             out = functional_call(self.module, self.params_at(0), (X[:2],))
             out = out.reshape(len(out), -1)
+            C = out.shape[1]
+            if (not custom and self.loss.name == "log_loss" and C > 1 and Y.dim() == 1
+                    and not Y.is_floating_point() and len(Y)):
+                # Every row's code, not the probe's two: beyond the outputs, cross_entropy
+                # raised "Target 7 is out of bounds" from inside the computation on the
+                # CPU, and on a GPU it is a device-side assert, after which every CUDA
+                # call of the process fails.
+                low, high = int(Y.min()), int(Y.max())
+                if low < 0 or high >= C:
+                    raise ValueError(
+                        f"{what} takes integer class codes in [0, {C}) for the network's "
+                        f"{C} outputs, but y_train holds {low if low < 0 else high}.")
             if (not custom and self.loss.name == "squared_error"
                     and tuple(Y.shape[1:]) != tuple(out.shape[1:])):
                 raise ValueError(

@@ -1136,6 +1136,10 @@ class TrajectoryRecorder:
         self._compression = None if compression is None else getattr(torch, compression)
         self._auto = storage == "auto"
         device = self._params[0].device
+        # The devices whose streams copy into pinned memory: the parameters', which need
+        # not be the current one (a module moved to "cuda:1", or split over two GPUs).
+        self._devices = tuple(dict.fromkeys(p.device for p in self._params
+                                            if p.device.type == "cuda"))
         self._pin = device.type == "cuda" and storage == "memory"
         self._cpu = device.type == "cpu"
         self._written: list[int] | None = None  # points written, for the page mapping
@@ -1186,6 +1190,13 @@ class TrajectoryRecorder:
         # Flat views of the recorded sets of tensors (the parameters, each state key),
         # keyed by their first tensor's address.
         self._views: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+
+    def _synchronize(self) -> None:
+        """Wait for the asynchronous copies into pinned memory. On the parameters'
+        devices: ``torch.cuda.synchronize()`` alone waits for the current device, and a
+        path recorded from another GPU was read before its copies had landed."""
+        for device in self._devices:
+            torch.cuda.synchronize(device)
 
     def _empty(self, rows):
         return torch.empty((rows, self._n_params), dtype=self._dtype, pin_memory=self._pin)
@@ -1293,7 +1304,7 @@ class TrajectoryRecorder:
             self.record_every,
         )
         if self._non_blocking:
-            torch.cuda.synchronize()  # pending copies target the old buffers
+            self._synchronize()  # pending copies target the old buffers
 
         def grown(t, n):
             out = self._empty(n)
@@ -1359,7 +1370,7 @@ class TrajectoryRecorder:
         """The recorded points after each of ``steps`` optimizer steps, as rows of a view
         of the buffer (valid until :meth:`finish`; see :meth:`keeps_in_memory`)."""
         if self._non_blocking:
-            torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
+            self._synchronize()  # the copies into pinned memory are asynchronous
         rows = np.searchsorted(self._steps[: self._k], steps)
         return self._buf[torch.from_numpy(rows)]
 
@@ -1431,7 +1442,7 @@ class TrajectoryRecorder:
         of buffers preallocated for a longer run, so that their memory is released.
         """
         if self._non_blocking:
-            torch.cuda.synchronize()
+            self._synchronize()
         if n_steps is not None and hasattr(self, "_stop_populating"):
             self._stop_populating.set()  # the end of training: no more rows to map
         if self.on_disk and self._buf.overflow is not None:
@@ -1455,7 +1466,7 @@ class TrajectoryRecorder:
             else:
                 tail[0].copy_(last.reshape(-1))
             if self._non_blocking:
-                torch.cuda.synchronize()
+                self._synchronize()
             params = DiskRows(self._buf, base + n_points, tail[0], base) if disk else \
                 torch.cat([params, tail])
             steps = np.append(steps, n_done)

@@ -7,7 +7,7 @@ import operator
 import numpy as np
 from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_column_names", "check_count", "check_index", "is_option"]
+__all__ = ["check_column_names", "check_count", "check_flag", "check_index", "is_option"]
 
 
 def check_column_names(estimator, X) -> None:
@@ -31,6 +31,13 @@ def check_count(value, name: str) -> None:
     checks (``check_index``, ``n_per_class``, ``n_neighbors``) refuse a bool."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int, got {value!r}.")
+
+
+def check_flag(value, name: str) -> None:
+    """Refuse a ``value`` called ``name`` that is not a bool (NumPy's included): a flag
+    read by an ``if`` would take any truthy object, and an array failed there."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}.")
 
 
 def is_option(value, *options: str) -> bool:

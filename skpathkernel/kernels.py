@@ -58,7 +58,7 @@ from ._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
-from ._validation import check_column_names, check_index
+from ._validation import check_column_names, check_flag, check_index
 from ._warnings import caller_stacklevel
 
 __all__ = [
@@ -84,11 +84,6 @@ def _validate(estimator, net: TrainedNetwork, X, name="X"):
     return X
 
 
-def _check_flag(value, name):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}.")
-
-
 def _check_output(output):
     if isinstance(output, str):
         if output not in ("trace", "full"):
@@ -99,7 +94,7 @@ def _check_output(output):
 
 
 def _check_normalized(normalized, output):
-    _check_flag(normalized, "normalized")
+    check_flag(normalized, "normalized")
     if normalized and output == "full":
         raise ValueError("normalized=True needs a scalar kernel: output='trace' or an int, "
                          "not 'full'.")
@@ -306,7 +301,7 @@ def step_kernel(
     >>> bool(np.allclose(step_kernel(est, X), TangentKernel(est)(X)))
     True
     """
-    _check_flag(preconditioned, "preconditioned")
+    check_flag(preconditioned, "preconditioned")
     output = _check_output(output)
     _check_normalized(normalized, output)
     check_index(step, "step")

@@ -47,7 +47,7 @@ from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
-from .._validation import is_option
+from .._validation import check_flag, is_option
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import FEATURES, FLOAT, TOKENS, block_widths, check_input
 
@@ -707,9 +707,7 @@ ValueError
         """
         if not is_option(kernel, "tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
-        if not isinstance(normalized, (bool, np.bool_)):
-            # Read by the ``if`` below before the kernel checks it.
-            raise TypeError(f"normalized must be a bool, got {normalized!r}.")
+        check_flag(normalized, "normalized")  # read by an ``if`` before the kernel's check
         if kernel == "path" and not (isinstance(step, numbers.Integral) and step == -1):
             # The path kernel sums over every recorded point: a step would be ignored.
             raise ValueError(

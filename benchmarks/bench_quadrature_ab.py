@@ -27,6 +27,7 @@ from sklearn.preprocessing import StandardScaler
 
 from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
 from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel.datasets import make_sine
 from skpathkernel._analysis import _decomposition
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,10 @@ def _problems():
     X = StandardScaler().fit_transform(X)
     yield "default PathKernelClassifier, digits (1000 train)", \
         PathKernelClassifier(random_state=0).fit(X[:1000], y[:1000]), X[1000:1100]
+    # The review's case: a float32 sine fit whose stalls raise the learnt floor early.
+    X, y = make_sine(n_samples=200, random_state=0)
+    yield "default PathKernelMachine, make_sine (200 train)", \
+        PathKernelMachine(random_state=0).fit(X, y), X[:100]
     X, y = load_diabetes(return_X_y=True)
     X = StandardScaler().fit_transform(X)
     yield "default PathKernelMachine, diabetes (342 train)", \

@@ -27,8 +27,8 @@ from sklearn.preprocessing import StandardScaler
 
 from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
 from skpathkernel import PathKernelClassifier, PathKernelMachine
-from skpathkernel.datasets import make_sine
 from skpathkernel._analysis import _decomposition
+from skpathkernel.datasets import make_sine
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = "skpathkernel/_analysis/_decomposition.py"

@@ -55,6 +55,9 @@ def main():
         res = net.decompose(X[:5].numpy())
         print(f"reconstruction error {res.error:.2e} "
               f"(largest |f| {np.abs(res.prediction).max():.2f})")
+    # Every rank tears down together: rank 1 leaving while rank 0 decomposes aborted it
+    # once in gloo's teardown ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -213,12 +213,20 @@ def test_ddp_script_prints_what_the_guide_shows(tmp_path):
     shown = re.search(r"\.\. code-block:: text\n\n((?:    .*\n)+)", page)[1]
     shown = [line.strip() for line in shown.splitlines()]
     script = GUIDE / "scripts" / "train_ddp.py"
+    # A user's shell: the environment the test process has gathered (libraries' own
+    # variables set by earlier tests) is not handed on. Each rank's stderr goes to its
+    # own log, shown if the run fails (the two full clean-clone runs of 2026-12-04 saw
+    # rank 1 abort with "terminate called without an active exception", never alone).
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG", "PYTHONPATH")
+           if k in os.environ}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", str(script)],
+         "2", "--redirects", "2", "--log-dir", str(tmp_path / "logs"), str(script)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+        env={**env, "OMP_NUM_THREADS": "1"})
+    logs = "\n".join(f"{path}:\n{path.read_text()[-2000:]}"
+                     for path in sorted((tmp_path / "logs").rglob("stderr.log")))
+    assert run.returncode == 0, run.stderr[-2000:] + "\n" + logs
     printed = [line for line in run.stdout.splitlines() if line.strip()]
     assert printed[0] == shown[0]
     number = r"reconstruction error (\S+) \(largest \|f\| (\S+)\)"

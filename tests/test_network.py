@@ -359,22 +359,29 @@ def test_network_decompose_refuses_what_it_cannot_decompose():
                        ).decompose(X[:2], method="third_order")
 
 
+def _three_class_loop(codes, n_steps):
+    """A recorded full-batch SGD loop of a 2-4-3 tanh network on class ``codes``:
+    (recorder, X, codes)."""
+    torch.manual_seed(0)
+    X = torch.randn(len(codes), 2, dtype=torch.float64)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 3)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=len(codes)) as rec:
+        for _ in range(n_steps):
+            rec.set_batch(np.arange(len(codes)))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(module(X), codes).backward()
+            opt.step()
+    return rec, X, codes
+
+
 def test_library_losses_on_targets_of_another_form_are_refused_up_front():
     """Targets the declared library loss cannot take: float class codes for log_loss on
     3 outputs failed deep inside with torch's RuntimeError ("expected target dtype to be
     Long"), and one target column for squared_error on 3 outputs was broadcast against
     all of them (another loss, silently)."""
-    torch.manual_seed(0)
-    X, codes = torch.randn(12, 2, dtype=torch.float64), torch.arange(12) % 3
-    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
-                                 torch.nn.Linear(4, 3)).double()
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    with PathRecorder(module, opt, n_samples=12) as rec:
-        for _ in range(3):
-            rec.set_batch(np.arange(12))
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(module(X), codes).backward()
-            opt.step()
+    rec, X, codes = _three_class_loop(torch.arange(12) % 3, n_steps=3)
     floats = rec.as_network(X, codes.double(), loss="log_loss")
     for call in (lambda: floats.decompose(X[:2]),
                  lambda: floats.attribute(X[:2], output="margin", method="unrolled"),
@@ -550,18 +557,7 @@ def test_class_codes_beyond_the_outputs_are_refused_from_every_row(bad):
     the network's outputs further down failed inside the computation with torch's
     "Target 7 is out of bounds" (an IndexError), and on a GPU as a device-side assert
     that leaves every later CUDA call of the process failing."""
-    torch.manual_seed(0)
-    X = torch.randn(8, 2, dtype=torch.float64)
-    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
-                                 torch.nn.Linear(4, 3)).double()
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    with PathRecorder(module, opt, n_samples=8) as rec:
-        for _ in range(2):
-            rec.set_batch(np.arange(8))
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(module(X), y).backward()
-            opt.step()
+    rec, X, y = _three_class_loop(torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]), n_steps=2)
     wrong = y.clone()
     wrong[5] = bad
     est = rec.as_estimator(X, wrong, loss="log_loss")

@@ -261,22 +261,27 @@ def check_representable(X: np.ndarray, dtype: torch.dtype, input_name: str = "X"
         )
 
 
-def _probe_rows(X: np.ndarray, module: torch.nn.Module | None = None) -> np.ndarray:
-    """The first two samples (a network's outputs show their batch axis on two: a
-    ``.squeeze()`` drops it on one), and for token ids the one holding the largest id.
+def _probe(X: np.ndarray, module: torch.nn.Module | None = None) -> np.ndarray:
+    """The samples a module is probed on: the first two (a network's outputs show their
+    batch axis on two: a ``.squeeze()`` drops it on one), and for token ids the one
+    holding the largest id.
 
-    With embeddings of several sizes, some smaller than the largest id, also the samples
-    holding each position's largest id: a table per column (entity embeddings of
+    With embeddings of several sizes, some smaller than the largest id, also one sample
+    made of each position's largest id: a table per column (entity embeddings of
     categorical features) may get an id beyond its own rows in any sample, not only in
-    the one holding the largest id, which another, larger table reads.
+    the one holding the largest id, which another, larger table reads. One made-up row
+    holds every position's largest id (each one that X holds there), where the samples
+    holding them would be up to one per position.
     """
     rows = [0, 1] if len(X) > 1 else [0]
-    if X.dtype == np.int64 and X.size:
-        rows.append(int(np.unravel_index(np.argmax(X), X.shape)[0]))
-        sizes = [] if module is None else _embedding_sizes(module)
-        if sizes and X.max() >= min(sizes):
-            rows.extend(np.argmax(X.reshape(len(X), -1), axis=0).tolist())
-    return np.unique(rows)
+    if not (X.dtype == np.int64 and X.size):
+        return X[rows]
+    rows.append(int(np.unravel_index(np.argmax(X), X.shape)[0]))
+    probe = X[np.unique(rows)]
+    sizes = [] if module is None else _embedding_sizes(module)
+    if sizes and X.max() >= min(sizes):
+        probe = np.concatenate([probe, X.max(axis=0, keepdims=True)])
+    return probe
 
 
 def _embedding_sizes(module) -> list[int]:
@@ -399,12 +404,12 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
     """Refuse, with a message naming X's shape and dtype, a module that cannot take X;
     with ``n_outputs``, one whose output is not ``n_outputs`` values per sample
     (``outputs_hint`` says what they are); and one that mixes the samples of a batch."""
-    x = to_input_tensor(X[_probe_rows(X, module)], dtype=dtype, device=device)
+    x = to_input_tensor(_probe(X, module), dtype=dtype, device=device)
     try:
         if x.dtype == torch.int64:
             # Ids beyond a lookup table fail here, on the CPU where that is an IndexError,
             # before the module runs them on its GPU (see _ids_probe).
-            _ids_on_host(module, X[_probe_rows(X, module)])
+            _ids_on_host(module, _probe(X, module))
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
         given = f"X of shape {X.shape}, handed to it as {x.dtype}"
@@ -454,12 +459,14 @@ def _check_per_sample(module: torch.nn.Module, x: torch.Tensor, out) -> None:
     if float((_run(module, x).reshape(len(x), -1) - batch).abs().max()) > tol:
         return  # a random forward: warn_random_forward says so
     try:
-        alone = [_run(module, x[i : i + 1]) for i in range(len(x))]
+        # Two samples alone show what the others mixed into them: the probe may hold a
+        # row of every position's largest id (_probe), which needs no forward of its own.
+        alone = [_run(module, x[i : i + 1]) for i in range(2)]
     except (RuntimeError, IndexError, TypeError, ValueError):
         return  # a module that takes no single sample: not this check's business
     if any(not isinstance(a, torch.Tensor) or a.numel() != batch.shape[1] for a in alone):
         return
-    gap = float((torch.stack([a.reshape(-1) for a in alone]) - batch).abs().max())
+    gap = float((torch.stack([a.reshape(-1) for a in alone]) - batch[:2]).abs().max())
     if gap > tol:
         raise ValueError(
             f"The module's output for a sample depends on the other samples passed with "
@@ -500,7 +507,7 @@ def check_ids(module, X: np.ndarray, name: str) -> None:
     """
     if module is None or not X.size:
         return
-    ids = X[_probe_rows(X, module)]
+    ids = _probe(X, module)
     try:
         if not _ids_on_host(module, ids):
             _run(module, torch.as_tensor(ids, device=_module_device(module)))

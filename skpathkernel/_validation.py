@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 import numpy as np
+from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_column_names", "check_count", "check_flag", "check_index", "is_option"]
+__all__ = ["check_column_names", "check_flag", "check_index", "count", "is_option"]
 
 
 def check_column_names(estimator, X) -> None:
@@ -24,13 +26,19 @@ def check_column_names(estimator, X) -> None:
         _check_feature_names(estimator, X, reset=False)
 
 
-def check_count(value, name: str) -> None:
-    """Refuse a bool for a count that ``validate_params`` checked: its ``Interval(Integral,
-    ...)`` takes True for 1, which then failed in NumPy (``np.zeros((1, True))``:
-    "expected a sequence of integers") or silently counted one, where the package's own
-    checks (``check_index``, ``n_per_class``, ``n_neighbors``) refuse a bool."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
+class _Count(Interval):
+    """An ``Interval`` of integers that refuses a bool, which its ``Integral`` type
+    takes for 0 or 1 (``np.zeros((1, True))`` then failed in NumPy's words, or one
+    point was made silently)."""
+
+    def is_satisfied_by(self, val):
+        return not isinstance(val, (bool, np.bool_)) and super().is_satisfied_by(val)
+
+
+def count(low: int) -> Interval:
+    """The ``_parameter_constraints`` / ``validate_params`` constraint of a count of at
+    least ``low``: an int, not a bool."""
+    return _Count(numbers.Integral, low, None, closed="left")
 
 
 def check_flag(value, name: str) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import pickle
-from numbers import Integral, Real
+from numbers import Real
 
 import numpy as np
 from sklearn.utils import Bunch, check_random_state
 from sklearn.utils._param_validation import Interval, validate_params
 
 from ._glyphs import load_printed_digits, load_printed_letters
-from ._validation import check_count
+from ._validation import count
 
 # A finite real: sklearn's Interval refuses NaN, and "neither" refuses -inf and +inf.
 _FINITE = Interval(Real, None, None, closed="neither")
@@ -53,7 +53,7 @@ def _ring_and_disk(n_samples, inner_radius_sq, scale_x1, random_state):
 
 
 @validate_params(
-    {"n_samples": [Interval(Integral, 2, None, closed="left")],
+    {"n_samples": [count(2)],
      # [0, 1): the inner disk strictly inside the outer curve (a negative one read NaN).
      "inner_radius_sq": [Interval(Real, 0, 1, closed="left")],
      "random_state": ["random_state"]},
@@ -90,7 +90,7 @@ def make_circle(n_samples=400, *, inner_radius_sq=0.8, random_state=None):
 
 
 @validate_params(
-    {"n_samples": [Interval(Integral, 2, None, closed="left")],
+    {"n_samples": [count(2)],
      # [0, 1): the inner disk strictly inside the outer curve (a negative one read NaN).
      "inner_radius_sq": [Interval(Real, 0, 1, closed="left")],
      "anisotropy": [Interval(Real, 0, None, closed="neither")],
@@ -156,7 +156,6 @@ def _check_range(low, high, what):
 
 
 def _grid_1d(n_samples, low, high, noise, random_state, func):
-    check_count(n_samples, "n_samples")
     _check_range(low, high, "[low, high]")
     rng = check_random_state(random_state)
     # float(): a float32 end made the grid float32 (NumPy 2 keeps a NumPy scalar's dtype).
@@ -166,7 +165,7 @@ def _grid_1d(n_samples, low, high, noise, random_state, func):
 
 
 @validate_params(
-    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [_FINITE],
+    {"n_samples": [count(1)], "low": [_FINITE],
      "high": [_FINITE], "noise": [Interval(Real, 0, None, closed="left")],
      "random_state": ["random_state"]},
     prefer_skip_nested_validation=True,
@@ -185,7 +184,7 @@ def make_sine(n_samples=100, *, low=-np.pi, high=np.pi, noise=0.0, random_state=
 
 
 @validate_params(
-    {"n_samples": [Interval(Integral, 1, None, closed="left")], "low": [_FINITE],
+    {"n_samples": [count(1)], "low": [_FINITE],
      "high": [_FINITE], "noise": [Interval(Real, 0, None, closed="left")],
      "random_state": ["random_state"]},
     prefer_skip_nested_validation=True,
@@ -213,8 +212,8 @@ make_square_wave.__doc__ = make_square_wave.__doc__.format(grid=_GRID_DOC)
 
 
 @validate_params(
-    {"n_train": [Interval(Integral, 1, None, closed="left")],
-     "n_test": [Interval(Integral, 1, None, closed="left")],
+    {"n_train": [count(1)],
+     "n_test": [count(1)],
      "train_range": ["array-like"], "test_range": ["array-like"], "slope": [_FINITE],
      "intercept": [_FINITE]},
     prefer_skip_nested_validation=True,
@@ -250,8 +249,6 @@ def make_linear_extrapolation(n_train=50, n_test=50, *, train_range=(0.0, 2.0),
     >>> Xtr.ravel().tolist(), ytr.tolist()
     ([0.0, 0.5, 1.0, 1.5], [1.0, 2.0, 3.0, 4.0])
     """
-    check_count(n_train, "n_train")
-    check_count(n_test, "n_test")
     train_range = _interval(train_range, "train_range")
     test_range = _interval(test_range, "test_range")
     X_train = np.linspace(*train_range, n_train, endpoint=False).reshape(-1, 1)

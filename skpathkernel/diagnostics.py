@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from sklearn.utils import check_array, check_random_state
-from sklearn.utils._param_validation import Interval, validate_params
+from sklearn.utils._param_validation import validate_params
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch.func import functional_call
 
@@ -32,7 +32,7 @@ from ._modules import runs_module
 from ._network._trained import network_of
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
-from ._validation import check_count, check_index
+from ._validation import check_index, count
 
 __all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
 
@@ -138,9 +138,9 @@ _COMMON_CONSTRAINTS = {
     "X": ["array-like", None],
     "y": ["array-like", "sparse matrix", None],
     "sample_weight": ["array-like", None],
-    "n_samples": [Interval(numbers.Integral, 1, None, closed="left")],
+    "n_samples": [count(1)],
     "random_state": ["random_state"],
-    "batch_size": [Interval(numbers.Integral, 1, None, closed="left"), None],
+    "batch_size": [count(1), None],
 }
 
 
@@ -239,8 +239,7 @@ def hessian_trace(estimator, X=None, y=None, *, sample_weight=None, n_samples=10
 
 
 @validate_params(
-    {**_COMMON_CONSTRAINTS, "steps": ["array-like", Interval(numbers.Integral, 1, None,
-                                                              closed="left"), None]},
+    {**_COMMON_CONSTRAINTS, "steps": ["array-like", count(1), None]},
     prefer_skip_nested_validation=True,
 )
 def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=None,
@@ -283,9 +282,6 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
     """
     check_is_fitted(estimator)
     n_points = len(network_of(estimator).trajectory)
-    if isinstance(steps, (bool, np.bool_)):
-        # validate_params takes a bool for an int: True was one evenly spaced point.
-        raise TypeError(f"steps must be None, an int or a sequence of ints, got {steps!r}.")
     if steps is None:
         steps = np.arange(n_points)
     elif isinstance(steps, numbers.Integral):
@@ -305,8 +301,6 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
 @runs_module(lambda estimator: network_of(estimator).module)
 def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
                     batch_size):
-    check_count(n_samples, "n_samples")
-    check_count(batch_size, "batch_size")
     check_is_fitted(estimator)
     net = network_of(estimator)
     # An embedding's max_norm would rewrite the recorded parameters in place, and its

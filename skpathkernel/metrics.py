@@ -47,7 +47,7 @@ from ._parallel import limit_torch_threads
 from ._path._recorder import RecordedNetwork
 from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
 from ._progress import Progress
-from ._validation import check_count
+from ._validation import count
 from ._warnings import worst
 
 __all__ = [
@@ -197,7 +197,7 @@ def linear_datamodeling_score(attributions, subsets, outputs, *,
 @validate_params(
     {**_LDS_PARAMS,
      "confidence_level": [Interval(numbers.Real, 0, 1, closed="neither")],
-     "n_resamples": [Interval(numbers.Integral, 1, None, closed="left")],
+     "n_resamples": [count(1)],
      "random_state": ["random_state"]},
     prefer_skip_nested_validation=True,
 )
@@ -244,7 +244,6 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
     >>> bool(0 < low < high < 1)
     True
     """
-    check_count(n_resamples, "n_resamples")
     masks, attributions, outputs = _check_lds_inputs(attributions, subsets, outputs)
     predictions = masks @ attributions.T
     rng = check_random_state(random_state)
@@ -406,12 +405,12 @@ def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=Non
         "y": ["array-like"],
         "X_query": ["array-like"],
         "y_query": ["array-like", None],
-        "n_subsets": [Interval(numbers.Integral, 2, None, closed="left")],
+        "n_subsets": [count(2)],
         "subset_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
         "output": [StrOptions({"auto", "margin", "decision_function", "predict"}),
                    callable],
         "protocol": [StrOptions({"independent", "same_seed", "replay"})],
-        "n_repeats": [Interval(numbers.Integral, 1, None, closed="left")],
+        "n_repeats": [count(1)],
         "random_state": ["random_state"],
         "n_jobs": [numbers.Integral, None],
         "verbose": ["verbose"],
@@ -694,7 +693,7 @@ def _attribute_one(estimator, X, y, X_query, y_query, attribute_params, n_tasks)
         "y": ["array-like"],
         "X_query": ["array-like"],
         "y_query": ["array-like", None],
-        "n_models": [Interval(numbers.Integral, 1, None, closed="left")],
+        "n_models": [count(1)],
         "random_state": ["random_state"],
         "n_jobs": [numbers.Integral, None],
     },

@@ -269,6 +269,8 @@ BAD_PARAMS = [
     (dict(learning_rate_init=np.nan), ALL, "'learning_rate_init' parameter"),
     (dict(batch_size=0), ALL, "'batch_size' parameter"),
     (dict(max_iter=0), ALL, "'max_iter' parameter"),
+    # Interval(Integral) takes a bool for 0 or 1: True trained one epoch silently.
+    (dict(max_iter=True), ALL, "'max_iter' parameter"),
     (dict(momentum=1.0), ALL, "'momentum' parameter"),
     (dict(alpha=-1.0), ALL, "'alpha' parameter"),
     (dict(activation="sigmoid"), ALL, "'activation' parameter"),
@@ -284,11 +286,13 @@ BAD_PARAMS = [
     (dict(method="x"), ("OODRankDetector",), "'method' parameter"),
     (dict(rtol=0.0), ("OODRankDetector",), "'rtol' parameter"),
     (dict(n_neighbors=0), ("OODRankDetector",), "'n_neighbors' parameter"),
+    (dict(n_neighbors=True), ("OODRankDetector",), "'n_neighbors' parameter"),
     (dict(contamination=0.9), ("OODRankDetector",), "'contamination' parameter"),
     (dict(max_rank=0), ("OODRankDetector",), "'max_rank' parameter"),
     (dict(estimator="net"), ("OODRankDetector", "TangentFeatures", "TangentFeatureSVM"),
      "'estimator' parameter"),
     (dict(n_components=0), ("TangentFeatures",), "'n_components' parameter"),
+    (dict(n_components=True), ("TangentFeatures",), "'n_components' parameter"),
     (dict(svm_kernel="rbf"), ("TangentFeatureSVM",), "'svm_kernel' parameter"),
     (dict(C=0.0), ("TangentFeatureSVM",), "'C' parameter"),
 ]

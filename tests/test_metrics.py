@@ -108,7 +108,8 @@ def test_interval_refuses_a_bool_n_resamples():
     # validate_params takes True for 1: np.empty(True) failed with "expected a sequence of
     # integers".
     rng = np.random.RandomState(0)
-    with pytest.raises(TypeError, match="n_resamples must be an int, got True"):
+    with pytest.raises(TypeError,
+                       match=r"'n_resamples' parameter .* must be an int in the range .*Got True"):
         linear_datamodeling_interval(rng.normal(size=(3, 10)), rng.rand(6, 10) < 0.5,
                                      rng.normal(size=(6, 3)), n_resamples=True)
 

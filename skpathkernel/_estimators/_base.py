@@ -31,8 +31,6 @@ from sklearn.utils.validation import (
     column_or_1d,
 )
 
-# The engine is called as _tangent.<function>, looked up at call time, so that a test
-# stubbing an engine function out reaches every call.
 from .. import _tangent
 from .._analysis._attribution import dense_indicator
 from .._device import (
@@ -68,6 +66,10 @@ from .._path._training import (
 from .._path._trajectory import SolverSpec
 from .._progress import Progress
 from .._tangent import warn_on_fallback
+
+# The engine is called as _tangent.<function>, looked up at call time, so that a test
+# stubbing an engine function out reaches every call.
+from .._validation import count
 from .._warnings import caller_stacklevel
 from ..kernels import NetworkKernelsMixin
 
@@ -107,10 +109,6 @@ _SOLVER_READS = {
 def _update_rule(spec: SolverSpec) -> tuple:
     """The solver's name and the hyper-parameters its update reads."""
     return (spec.name, *(getattr(spec, name) for name in _SOLVER_READS[spec.name]))
-
-
-def _positive_int(low=1):
-    return Interval(numbers.Integral, low, None, closed="left")
 
 
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
@@ -408,7 +406,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
     # The training parameters, which only the two trainers own (the meta-estimators take
     # a trainer as estimator=); tests/test_params.py checks them against the signatures.
     _parameter_constraints: dict = {
-        "hidden_layer_sizes": ["array-like", _positive_int()],
+        "hidden_layer_sizes": ["array-like", count(1)],
         "activation": [StrOptions(set(ACTIVATIONS))],
         "module": [callable, None],
         "solver": [StrOptions({"sgd", "adam", "adamw", "rmsprop"})],
@@ -421,17 +419,17 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         "beta_1": [Interval(numbers.Real, 0, 1, closed="left")],
         "beta_2": [Interval(numbers.Real, 0, 1, closed="left")],
         "epsilon": [Interval(numbers.Real, 0, None, closed="neither")],
-        "batch_size": [_positive_int(), StrOptions({"auto"}), None],
-        "max_iter": [_positive_int()],
+        "batch_size": [count(1), StrOptions({"auto"}), None],
+        "max_iter": [count(1)],
         "tol": [Interval(numbers.Real, 0, None, closed="left"), None],
-        "n_iter_no_change": [_positive_int()],
+        "n_iter_no_change": [count(1)],
         "early_stopping": ["boolean"],
         "validation_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
         "shuffle": ["boolean"],
-        "record_every": [_positive_int(), StrOptions({"auto"})],
+        "record_every": [count(1), StrOptions({"auto"})],
         "device": [StrOptions({"auto", "cpu", "cuda"})],
         "dtype": [StrOptions({"float32", "float64"})],
-        "memory_budget": [_positive_int(2**20)],
+        "memory_budget": [count(2**20)],
         "trajectory_storage": [StrOptions({"memory", "disk", "auto"})],
         "trajectory_dir": [str, os.PathLike, None],
         "trajectory_compression": [StrOptions({"float16", "bfloat16"}), None],

@@ -23,6 +23,7 @@ from .. import _tangent
 from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
 from .._parallel import limit_torch_threads
+from .._validation import count
 from ..kernels import PathKernel, TangentKernel, kernel_threads
 from ._base import (
     FittedAttribute,
@@ -139,7 +140,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
 
     _parameter_constraints = {
         **NetworkMetaEstimator._parameter_constraints,
-        "n_components": [Interval(numbers.Integral, 1, None, closed="left"), None],
+        "n_components": [count(1), None],
         "normalize": ["boolean"],
     }
 

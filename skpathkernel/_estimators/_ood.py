@@ -37,6 +37,7 @@ from .._device import to_numpy
 from .._modules import runs_module
 from .._network._trained import network_of
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
+from .._validation import count
 from ._base import keep_previous_fit_on_error
 from ._machine import PathKernelClassifier, PathKernelMachine
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, flat_targets, trainer_for
@@ -256,10 +257,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     _parameter_constraints = {
         **NetworkMetaEstimator._parameter_constraints,
         "method": [StrOptions({"local", "residual", "alignment"})],
-        "n_neighbors": [Interval(numbers.Integral, 1, None, closed="left")],
+        "n_neighbors": [count(1)],
         "rtol": [Interval(numbers.Real, 0, 1, closed="neither")],
         "contamination": [StrOptions({"auto"}), Interval(numbers.Real, 0, 0.5, closed="right")],
-        "max_rank": [Interval(numbers.Integral, 1, None, closed="left"), None],
+        "max_rank": [count(1), None],
         "n_jobs": [numbers.Integral, None],
     }
 

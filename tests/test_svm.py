@@ -1,8 +1,11 @@
 """TangentFeatures and TangentFeatureSVM against independent references."""
 
+import warnings
+
 import numpy as np
 import pytest
 from _reference import features_loop
+from sklearn.exceptions import DataDimensionalityWarning
 from sklearn.model_selection import GridSearchCV, StratifiedKFold, train_test_split
 from sklearn.svm import SVC
 
@@ -84,8 +87,9 @@ def test_projection_is_seeded_and_preserves_the_kernel(circle, monkeypatch):
     X, y = circle
     exact = TangentFeatures(PathKernelClassifier(**SMALL)).fit(X, y)
     K = exact.transform(X[:10]) @ exact.transform(X[:10]).T
-    proj = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
-                           random_state=0).fit(X, y)
+    with pytest.warns(DataDimensionalityWarning, match="n_components=4000 > 33"):
+        proj = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
+                               random_state=0).fit(X, y)
     # The projection must not go through the dense features.
     monkeypatch.setattr(TangentFeatures, "_tangent_features", None)
     Z = proj.transform(X[:10])
@@ -94,6 +98,15 @@ def test_projection_is_seeded_and_preserves_the_kernel(circle, monkeypatch):
     assert np.linalg.norm(Z @ Z.T - K) / np.linalg.norm(K) < 0.1
     again = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
                             random_state=0).fit(X, y).transform(X[:10])
+    # The warning counts the exact features (2 inputs, 8 hidden units, one output: 33).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataDimensionalityWarning)
+        TangentFeatures(PathKernelClassifier(**SMALL), n_components=33).fit(X, y)
+        # Three classes, three outputs: (2 * 8 + 8 + 8 * 3 + 3) * 3 = 153 exact features.
+        y3 = np.arange(len(X)) % 3
+        TangentFeatures(PathKernelClassifier(**SMALL), n_components=153).fit(X, y3)
+    with pytest.warns(DataDimensionalityWarning, match="n_components=154 > 153"):
+        TangentFeatures(PathKernelClassifier(**SMALL), n_components=154).fit(X, y3)
     np.testing.assert_array_equal(again, Z)
     other = TangentFeatures(PathKernelClassifier(**SMALL), n_components=4000,
                             random_state=1).fit(X, y)

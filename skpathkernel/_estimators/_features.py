@@ -9,9 +9,11 @@ their ``estimator``, a :class:`PathKernelMachine` or :class:`PathKernelClassifie
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 from sklearn.base import ClassifierMixin, TransformerMixin
+from sklearn.exceptions import DataDimensionalityWarning
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import SVC
 from sklearn.utils import check_random_state
@@ -95,7 +97,9 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         ``None`` returns the exact tangent features. An int returns a Johnson-Lindenstrauss
         projection ``z(x)`` with ``E[z(x) . z(x')] = K(x, x')``, computed without forming
         the features of ``nn.Linear`` layers (Kronecker-structured Gaussian directions),
-        seeded from ``random_state`` at fit time.
+        seeded from ``random_state`` at fit time. ``fit`` warns
+        (:class:`~sklearn.exceptions.DataDimensionalityWarning`) when it exceeds the
+        number of exact features.
     normalize : bool, default=False
         Scale every row to unit Euclidean norm (the normalized tangent kernel).
     random_state : int, RandomState instance or None, default=None
@@ -192,6 +196,17 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         seed = int(check_random_state(self.random_state).randint(2**31 - 1, size=2)[1])
         self._fit_trainer(X, y, sample_weight=sample_weight)
         self._projection_seed = seed
+        n_exact = self.n_params_ * (self.n_outputs_ if self.n_outputs_ > 1 else 1)
+        if self.n_components is not None and self.n_components > n_exact:
+            # As GaussianRandomProjection warns: the projection is wider than the exact
+            # features, so it only adds sampling noise to their kernel.
+            warnings.warn(
+                f"The number of components is higher than the number of exact tangent "
+                f"features: n_components={self.n_components} > {n_exact} (n_params_ "
+                f"{self.n_params_} times {max(self.n_outputs_, 1)} output(s)). The "
+                "projection does not reduce the dimension and only approximates the "
+                "exact features' kernel: use n_components=None for the exact features.",
+                DataDimensionalityWarning, stacklevel=3)
         return self
 
     @runs_fitted_module

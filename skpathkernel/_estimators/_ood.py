@@ -143,12 +143,13 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     contamination : "auto" or float in (0, 0.5], default="auto"
         Sets ``offset_`` (IsolationForest's convention) from the *leave-one-out*
         training scores: each training point scored against the others, the scores new
-        data from the training distribution gets. "local" and "alignment" score an
-        evenly spaced subset of at most 2000 training points; "residual" all of them,
-        exactly, when the budget holds a second ``N x r`` array beside the factor, and
-        otherwise the same subset against the pivots' span (within the tolerance of the
-        exact value; an upper bound for the pivots themselves). "auto": Tukey's fence
-        ``Q1 - 1.5 IQR`` of those
+        data from the training distribution gets. Each method scores an evenly spaced
+        subset of at most 2000 training points; with "residual", a point that is not a
+        pivot is scored as new data is, against the pivots' span (its exact residual
+        against all the others is a smaller jitter leak where the span saturates, which
+        would flag every new point), and a pivot exactly against all the others when the
+        budget holds a second ``N x r`` array beside the factor, otherwise against the
+        other pivots (an upper bound). "auto": Tukey's fence ``Q1 - 1.5 IQR`` of those
         scores, but never a point with less than 1% of ``||phi(x)||`` outside the span
         (``offset_ <= -0.01``; ``sqrt(1 - 0.01**2)`` for "alignment"): that floor decides
         when the training features span each other exactly and their leave-one-out
@@ -405,12 +406,14 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
                          _X_span=span.X_span, _chol=span.chol)
-        if self.method == "residual" and loo is not None:
-            scores = -loo
-        elif self.method == "residual":
-            # The exact pass would hold a second N x r array: the pivots' bound instead.
+        if self.method == "residual":
+            # A point that is not a pivot is scored as new data is, against the pivots'
+            # span: its exact leave-one-out residual is a smaller jitter leak where the
+            # span saturates, and a quantile of those flagged every new point. The
+            # pivots: exact (all the others), or the pivots' bound when the exact pass
+            # would hold a second N x r array.
             sub = _loo_subset(n)
-            scores = -span.pivot_loo_residuals(gram, sub, pivots)
+            scores = -span.pivot_loo_residuals(gram, sub, pivots, exact=loo)
         else:
             # Each training point of an evenly spaced subset scored against all the others.
             sub = _loo_subset(n)

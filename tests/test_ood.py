@@ -369,6 +369,20 @@ def test_max_rank_truncation_warns():
     assert achieved > det.rtol
 
 
+def test_fits_warnings_point_at_the_callers_line():
+    """fit's own warnings (an rtol below float64's resolution, a max_rank reached) named
+    skpathkernel/_estimators/_base.py, the line of the decorator that keeps a previous
+    fit on error, which also made Python's once-per-location filter merge them."""
+    rng = np.random.RandomState(6)
+    X, y = task_data("regression", rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OODRankDetector(trainer(y), method="residual", rtol=1e-9, max_rank=3).fit(X, y)
+    categories = {type(w.message) for w in caught if w.filename == __file__}
+    assert {UserWarning, ConvergenceWarning} <= categories, [
+        (w.category.__name__, w.filename) for w in caught]
+
+
 def test_frozen_estimator_is_not_retrained_and_survives_clone():
     rng = np.random.RandomState(7)
     X, y = task_data("classification", rng)

@@ -38,6 +38,7 @@ from .._modules import runs_module
 from .._network._trained import network_of
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
 from .._validation import count
+from .._warnings import caller_stacklevel
 from ._base import keep_previous_fit_on_error
 from ._machine import PathKernelClassifier, PathKernelMachine
 from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, flat_targets, trainer_for
@@ -367,7 +368,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "(rank_, rank_gap, the pivots) then also counts directions that are "
                 "round-off, and the jitter rtol**2 of the largest Gram eigenvalue "
                 "regularises nothing. Use rtol >= 1e-7.",
-                UserWarning, stacklevel=2,
+                UserWarning, stacklevel=caller_stacklevel(),
             )
         X, task = self._fit_network(X, y, sample_weight)
         est = self.estimator_
@@ -402,7 +403,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                     "outside the span of those pivots, and residuals are relative to that "
                     "span. Raise max_rank or memory_budget, or rtol; method='local' needs "
                     "no factorisation.",
-                    ConvergenceWarning, stacklevel=2,
+                    ConvergenceWarning, stacklevel=caller_stacklevel(),
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
                          _X_span=span.X_span, _chol=span.chol)

@@ -144,13 +144,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     contamination : "auto" or float in (0, 0.5], default="auto"
         Sets ``offset_`` (IsolationForest's convention) from the *leave-one-out*
         training scores: each training point scored against the others, the scores new
-        data from the training distribution gets. Each method scores an evenly spaced
-        subset of at most 2000 training points; with "residual", a point that is not a
-        pivot is scored as new data is, against the pivots' span (its exact residual
-        against all the others is a smaller jitter leak where the span saturates, which
-        would flag every new point), and a pivot exactly against all the others when the
-        budget holds a second ``N x r`` array beside the factor, otherwise against the
-        other pivots (an upper bound). "auto": Tukey's fence ``Q1 - 1.5 IQR`` of those
+        data from the training distribution gets, for an evenly spaced subset of at
+        most 2000 training points. "auto": Tukey's fence ``Q1 - 1.5 IQR`` of those
         scores, but never a point with less than 1% of ``||phi(x)||`` outside the span
         (``offset_ <= -0.01``; ``sqrt(1 - 0.01**2)`` for "alignment"): that floor decides
         when the training features span each other exactly and their leave-one-out
@@ -159,6 +154,16 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         distribution. In-sample training scores are not used: every training feature
         lies in its own span, so they are ~0 (as ``LocalOutlierFactor`` with
         ``novelty=True``, predicting on the training set is not meaningful).
+
+        With "residual", a point that is not a pivot is scored as new data is, against
+        the pivots' span (its exact residual against all the others is a smaller jitter
+        leak where the span saturates, whose quantile flagged every new point); a pivot
+        exactly against all the others when the budget holds a second ``N x r`` array
+        beside the factor, otherwise against the other pivots (an upper bound). Where
+        most training points are pivots of a nearly saturated span, the pivots' exact
+        residuals still leak less than a new point's, and a float flags more than its
+        share of new data (0.22 for 0.05 on digits 0-4 with 8 hidden units, 442 pivots
+        of 600 points; 0.04 with "local").
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
         the ``N x r`` float64 factor allows in half of ``memory_budget`` (and at most N).

@@ -106,6 +106,33 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     assert np.mean(loo < det.offset_ - 1e-9) == pytest.approx(0.25, abs=0.051)
 
 
+@pytest.mark.parametrize("kind", ["tanh", "relu_1d"])
+def test_a_contamination_is_the_false_positive_rate_on_new_data_when_the_span_saturates(kind):
+    """More training points than directions: every residual is the jitter's O(rtol) leak.
+    The exact leave-one-out residuals (each point against the N - 1 others) leaked several
+    times less than a new point scored against the pivots, so contamination=0.1 put
+    offset_ below every new point's score and flagged all of them."""
+    rng = np.random.RandomState(21)
+    if kind == "tanh":
+        draw = lambda n: rng.normal(size=(n, 2))  # noqa: E731
+        params = dict(hidden_layer_sizes=(3,))
+    else:
+        draw = lambda n: rng.uniform(0, 1, size=(n, 1))  # noqa: E731
+        params = dict(hidden_layer_sizes=(8,), activation="relu")
+    X = draw(200)
+    y = np.sin(X.sum(1))
+    det = OODRankDetector(trainer(y, max_iter=50, **params), method="residual",
+                          contamination=0.1).fit(X, y)
+    P = dense_features(det, X)
+    assert np.linalg.matrix_rank(P) < len(X) // 4  # the reference: a saturated span
+    assert det.rank_ < len(X) // 4
+    # The documented meaning of a float: the share of new data from the training
+    # distribution that predict flags: the coverage of a 10% quantile of 200 scores has
+    # a standard error of sqrt(0.1 * 0.9 / 200) = 0.021; four of them either side.
+    fresh = draw(2000)
+    assert np.mean(det.predict(fresh) == -1) == pytest.approx(0.1, abs=0.085)
+
+
 @pytest.mark.parametrize("frozen, early_stopping", [(False, False), (True, False),
                                                     (False, True)])
 def test_zero_weight_rows_are_absent_from_the_span_and_the_offset(frozen, early_stopping):
@@ -340,6 +367,20 @@ def test_max_rank_truncation_warns():
     far = np.linalg.norm(Phi.T - Phi[det.pivots_].T @ coef, axis=0).max()
     assert achieved == pytest.approx(far / np.linalg.norm(Phi, axis=1).max(), rel=1e-2)
     assert achieved > det.rtol
+
+
+def test_fits_warnings_point_at_the_callers_line():
+    """fit's own warnings (an rtol below float64's resolution, a max_rank reached) named
+    skpathkernel/_estimators/_base.py, the line of the decorator that keeps a previous
+    fit on error, which also made Python's once-per-location filter merge them."""
+    rng = np.random.RandomState(6)
+    X, y = task_data("regression", rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OODRankDetector(trainer(y), method="residual", rtol=1e-9, max_rank=3).fit(X, y)
+    categories = {type(w.message) for w in caught if w.filename == __file__}
+    assert {UserWarning, ConvergenceWarning} <= categories, [
+        (w.category.__name__, w.filename) for w in caught]
 
 
 def test_frozen_estimator_is_not_retrained_and_survives_clone():

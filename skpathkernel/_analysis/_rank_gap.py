@@ -333,14 +333,19 @@ class TangentSpan:
                                               lam))
         return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals, reached
 
-    def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots) -> np.ndarray:
+    def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots, exact=None) -> np.ndarray:
         """Leave-one-out relative residuals of training points ``idx`` from the pivots.
 
-        Without the ``N x r`` factor: a point that is not a pivot is scored against the
-        span of the pivots (which holds every training feature to within the tolerance,
-        so the others' span to within it too); a pivot against the other pivots,
-        ``1 / [(Theta_LL + lam I)^{-1}]_jj - lam``, an upper bound of its residual
-        against all the others (exact when every point is a pivot).
+        A point that is not a pivot is scored as a query is, by :meth:`residuals`: against
+        the span of the pivots, which it is not one of (and which holds every training
+        feature to within the tolerance, so the others' span to within it too). Not its
+        exact residual against all the others: where the span saturates (more points
+        than directions) both are the jitter's ``O(rtol)`` leak, and the one against
+        ``N - 1`` points is several times smaller than a query's against the ``r``
+        pivots, so a quantile of it flagged every new point. A pivot: ``exact[j]``, its
+        residual against all the others (:func:`loo_relative_residuals`), when given;
+        otherwise against the other pivots, ``1 / [(Theta_LL + lam I)^{-1}]_jj - lam``,
+        an upper bound of it (exact when every point is a pivot).
         """
         idx = np.asarray(idx)
         position = {int(p): j for j, p in enumerate(pivots)}
@@ -348,7 +353,9 @@ class TangentSpan:
         out = np.empty(len(idx))
         if (~mask).any():
             out[~mask] = self.residuals(gram, self.X[idx[~mask]])
-        if mask.any():
+        if mask.any() and exact is not None:
+            out[mask] = np.asarray(exact)[idx[mask]]
+        elif mask.any():
             chol = torch.as_tensor(self.chol)
             inv_diag = torch.cholesky_inverse(chol).diagonal()
             j = torch.as_tensor([position[int(i)] for i in idx[mask]])

@@ -13,11 +13,13 @@ import pytest
 import torch
 from _reference import features_loop
 from sklearn.base import clone
+from sklearn.datasets import make_multilabel_classification
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV
 from sklearn.pipeline import make_pipeline
+from sklearn.utils.multiclass import type_of_target
 
 from skpathkernel import (
     OODRankDetector,
@@ -251,3 +253,19 @@ def test_the_default_trainer_is_seeded_by_random_state(circle):
     np.testing.assert_array_equal(a.trajectory_.parameters(-1), b.trajectory_.parameters(-1))
     ref = PathKernelClassifier(random_state=3).fit(X, y)
     np.testing.assert_array_equal(a.trajectory_.parameters(-1), ref.trajectory_.parameters(-1))
+
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_the_default_trainer_of_a_multilabel_indicator_is_a_classifier():
+    """0/1 label columns are label sets, as MLPClassifier trains them, not regression
+    targets: the default trainer is the classifier, with one sigmoid output per label."""
+    X, Y = make_multilabel_classification(n_samples=40, n_features=4, n_classes=3,
+                                          random_state=0)
+    assert type_of_target(Y) == "multilabel-indicator"
+    for est in (TangentFeatures(random_state=0), OODRankDetector(random_state=0)):
+        est.fit(X, Y)
+        assert isinstance(est.estimator_, PathKernelClassifier)
+        proba = est.estimator_.predict_proba(X[:5])
+        # Independent labels: each in (0, 1), rows not summing to 1 as a softmax's do.
+        assert proba.shape == (5, 3) and not np.allclose(proba.sum(1), 1)

@@ -87,11 +87,11 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
 
     Parameters
     ----------{estimator}
-        None: a default-constructed trainer chosen by the targets, as scikit-learn
-        chooses a stratified split (:func:`~sklearn.utils.multiclass.type_of_target`):
-        binary and multi-class targets (integers, strings, floats with integral values
-        and few distinct values) train a :class:`PathKernelClassifier`, anything else
-        (continuous, multi-output) a :class:`PathKernelMachine`. Pass
+        None: a default-constructed trainer chosen by the targets
+        (:func:`~sklearn.utils.multiclass.type_of_target`): binary and multi-class
+        targets (integers, strings, floats with integral values and few distinct values)
+        and multilabel indicator matrices train a :class:`PathKernelClassifier`, anything
+        else (continuous, multi-output) a :class:`PathKernelMachine`. Pass
         ``PathKernelMachine()`` to regress on integer-valued targets.
     n_components : int, default=None
         ``None`` returns the exact tangent features. An int returns a Johnson-Lindenstrauss

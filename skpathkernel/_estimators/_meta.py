@@ -39,7 +39,7 @@ from ._machine import PathKernelClassifier, PathKernelMachine
 
 __all__ = ["NetworkMetaEstimator", "trainer_for"]
 
-_CLASS_TARGETS = ("binary", "multiclass")
+_CLASS_TARGETS = ("binary", "multiclass", "multilabel-indicator")
 
 ESTIMATOR_DOC = """
     estimator : PathKernelMachine or PathKernelClassifier, default=None
@@ -78,7 +78,8 @@ def trainer_for(y, random_state):
     """The default trainer for targets ``y``, as scikit-learn chooses a stratified split.
 
     :func:`~sklearn.utils.multiclass.type_of_target` "binary" or "multiclass" (labels,
-    and integer-valued targets with few distinct values) is class labels: a
+    and integer-valued targets with few distinct values) is class labels, and
+    "multilabel-indicator" (0/1 columns) label sets, as ``MLPClassifier`` trains them: a
     :class:`PathKernelClassifier`; anything else (continuous, multi-output) a
     :class:`PathKernelMachine`.
     """

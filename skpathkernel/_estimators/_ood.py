@@ -97,8 +97,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         (``n_features_in_`` outputs, squared error on ``X`` itself): a
         :class:`PathKernelMachine`, which a given trainer must then be. With ``y``: a
         :class:`PathKernelClassifier` when
-        :func:`~sklearn.utils.multiclass.type_of_target` is "binary" or "multiclass"
-        (note that integer-valued regression targets count as "multiclass"), a
+        :func:`~sklearn.utils.multiclass.type_of_target` is "binary", "multiclass"
+        (note that integer-valued regression targets count as "multiclass") or
+        "multilabel-indicator", a
         :class:`PathKernelMachine` otherwise. With a ``FrozenEstimator``, ``fit(X)``
         only computes the factorisation of the span of ``phi(X)`` (pass
         ``estimator.X_fit_`` for the training span) and ``y`` is ignored.

@@ -704,8 +704,9 @@ class RankGapDisplay:
     component outside the span of the stored training features.
 
     Ranks are computed from the tangent Gram ``G = J J^T`` (never forming ``J``): the
-    singular values of ``J`` are ``sqrt(eig(G))``, and the rank counts those above
-    ``rtol`` times the largest.
+    singular values of ``J`` are ``sqrt(eig(G))``, and both ranks count those above
+    ``rtol`` times the training features' largest (as
+    :meth:`~skpathkernel.OODRankDetector.rank_gap`), so the gap is never negative.
 
     Parameters
     ----------

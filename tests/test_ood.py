@@ -266,31 +266,48 @@ def test_default_decision_flags_the_extrapolation_beyond_a_relu_kink():
     np.testing.assert_array_equal(det.predict(inside), 1)
 
 
-@pytest.mark.parametrize("kind", ["tanh_wide", "tanh_saturated"])
+@pytest.mark.parametrize("kind", ["tanh_wide", "tanh_saturated", "relu_far"])
 def test_rank_gap_matches_numpy_matrix_rank(kind):
+    """Both ranks count singular values above rtol times the training features' largest
+    (numpy's SVD of the dense features here): a far query's large features must not
+    raise the joint threshold and drop the training directions from the joint count."""
     rng = np.random.RandomState(4)
     if kind == "tanh_wide":  # N < P: full rank, queries add directions
         X, y = rng.normal(size=(12, 3)), rng.normal(size=12)
-        hidden = (8,)
-    else:  # N > P: the training features already span everything they can
+        det = OODRankDetector(trainer(y, hidden_layer_sizes=(8,))).fit(X, y)
+        Xq = rng.normal(size=(5, X.shape[1]))
+    elif kind == "tanh_saturated":  # N > P: the training features span all they can
         X, y = rng.normal(size=(80, 2)), rng.normal(size=80)
-        hidden = (4,)
-    det = OODRankDetector(trainer(y, hidden_layer_sizes=hidden)).fit(X, y)
-    Xq = rng.normal(size=(5, X.shape[1]))
+        det = OODRankDetector(trainer(y, hidden_layer_sizes=(4,))).fit(X, y)
+        Xq = rng.normal(size=(5, X.shape[1]))
+    else:  # a ReLU network's features grow linearly: a query 1e6 away dwarfs them
+        X = np.linspace(0, 1, 20)[:, None]
+        y = 2 * X[:, 0] + 1
+        det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,), activation="relu")).fit(X, y)
+        Xq = np.array([[1e6]])
     P, Q = dense_features(det, X), dense_features(det, Xq)
+    top = np.linalg.svd(P, compute_uv=False)[0]
 
     def rank(A):
         sv = np.linalg.svd(A, compute_uv=False)
+        # Never below what a float64 Gram resolves: 1e-7 of the matrix's own largest.
+        tol = max(det.rtol * top, 1e-7 * sv[0])
         # the reference must not sit on the threshold (else round-off decides it)
-        assert not np.any(np.isclose(sv, det.rtol * sv[0], rtol=1e-2))
-        return np.linalg.matrix_rank(A, tol=det.rtol * sv[0])
+        assert not np.any(np.isclose(sv, tol, rtol=1e-2))
+        return int(np.sum(sv > tol))
 
     rt, rj = det.rank_gap(Xq)
     assert (rt, rj) == (rank(P), rank(np.vstack([P, Q])))
     if kind == "tanh_wide":
         assert rj == rt + 5
-    else:
+    elif kind == "tanh_saturated":
         assert rj == rt == det.n_params_
+    else:
+        # Relative to the joint features' own largest, a training direction fell below
+        # the threshold and the query's new one went unseen: the gap used to read 0.
+        joint = np.linalg.svd(np.vstack([P, Q]), compute_uv=False)
+        assert np.sum(joint > det.rtol * joint[0]) == rt
+        assert rj == rt + 1
 
 
 def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():

@@ -49,18 +49,28 @@ UNION_NEIGHBOURS = 16
 RTOL_RESOLUTION = 1e-7
 
 
-def numerical_rank(gram, rtol: float) -> int:
+def numerical_rank(gram, rtol: float, top: float | None = None) -> int:
     """Numerical rank of ``J`` from its Gram ``G = J J^T``.
 
-    Counts the singular values of ``J`` above ``rtol`` times the largest, with
-    ``sigma_i = sqrt(max(eig_i(G), 0))`` (the Gram symmetrised first, so that its
-    round-off cannot make eigenvalues complex).
+    Counts the singular values of ``J`` above ``rtol`` times ``top`` (default: the
+    largest of them), with ``sigma_i = sqrt(max(eig_i(G), 0))`` (the Gram symmetrised
+    first, so that its round-off cannot make eigenvalues complex). A ``top`` of another
+    matrix never puts the threshold below what ``G`` resolves, ``RTOL_RESOLUTION`` times
+    its own largest singular value.
     """
+    sigma = _singular_values(gram)
+    if top is not None:
+        top = max(top, RTOL_RESOLUTION / rtol * sigma.max(initial=0.0))
+    return _count_above(sigma, rtol, top)
+
+
+def _singular_values(gram) -> np.ndarray:
     G = np.asarray(gram, dtype=np.float64)
-    if G.size == 0:
-        return 0
-    sigma = np.sqrt(np.clip(np.linalg.eigvalsh((G + G.T) / 2), 0.0, None))
-    top = sigma.max()
+    return np.sqrt(np.clip(np.linalg.eigvalsh((G + G.T) / 2), 0.0, None))
+
+
+def _count_above(sigma: np.ndarray, rtol: float, top: float | None = None) -> int:
+    top = sigma.max(initial=0.0) if top is None else top
     return 0 if top == 0 else int(np.count_nonzero(sigma > rtol * top))
 
 
@@ -288,9 +298,21 @@ class TangentSpan:
     @staticmethod
     def rank_gap(gram, n_train: int, rtol: float) -> tuple[int, int]:
         """Numerical ranks of the first ``n_train`` features and of all of them, from the
-        Gram of training and query points stacked (:func:`numerical_rank` of each)."""
+        Gram of training and query points stacked (:func:`numerical_rank` of each).
+
+        Both count singular values above ``rtol`` times the training features' largest:
+        relative to its own, a query's large features raised the joint threshold and
+        dropped training directions from the joint count (a negative gap). With one
+        threshold the joint singular values interlace above the training ones, so
+        ``rank_joint >= rank_train`` and the gap counts directions that the queries add,
+        wherever the joint Gram resolves the threshold (above ``RTOL_RESOLUTION`` times
+        its largest singular value, which a query ``rtol / RTOL_RESOLUTION`` times the
+        training features' scale passes; the joint count's threshold stays there).
+        """
         G = np.asarray(gram, dtype=np.float64)
-        return numerical_rank(G[:n_train, :n_train], rtol), numerical_rank(G, rtol)
+        sigma = _singular_values(G[:n_train, :n_train])
+        top = sigma.max(initial=0.0) if n_train else None
+        return _count_above(sigma, rtol, top), numerical_rank(G, rtol, top)
 
     @classmethod
     def jitter(cls, diag, rtol) -> float:

@@ -508,9 +508,13 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         """Numerical ranks of the training features and of training + X features.
 
         ``rank_tau(J)`` counts the singular values of the stacked tangent features above
-        ``rtol`` (the fit's, as the span's) times the largest, computed as the
-        eigenvalues of the float64 Gram ``J J^T`` (``numpy.linalg.eigvalsh``) above
-        ``rtol**2`` times the largest (singular values are their square roots).
+        ``rtol`` (the fit's, as the span's) times the training features' largest, for
+        both ranks, computed from the eigenvalues of the float64 Gram ``J J^T``
+        (``numpy.linalg.eigvalsh``; singular values are their square roots). One
+        threshold for both: the joint singular values interlace above the training
+        ones, so ``rank_joint >= rank_train`` (relative to its own largest, a far query
+        raised the joint threshold and hid directions). The joint threshold never falls
+        below what its Gram resolves, 1e-7 times its own largest singular value.
         ``rank_joint > rank_train`` is Guo, He & Morel's sign of extrapolation: some
         ``phi(x)`` leaves the training span.
 

@@ -578,7 +578,10 @@ class KernelEvolutionDisplay:
         _check_label_count(labels, values.shape[1], "labels", "row of Y")
         spelled = np.asarray(self.x).size <= _SPELLED_OUT
         if labels is None and spelled:
-            labels = ["y=(" + ", ".join(f"{v:.3g}" for v in yj) + ")" for yj in self.Y]
+            # Raveled: an input of a few values may have several axes (a 2 x 2 image),
+            # whose rows cannot be formatted as numbers.
+            labels = ["y=(" + ", ".join(f"{v:.3g}" for v in np.ravel(yj)) + ")"
+                      for yj in self.Y]
         elif labels is None:
             labels = [f"y_{j}" for j in range(len(self.Y))]
         self.lines_ = [

@@ -225,6 +225,29 @@ def test_kernel_evolution_names_the_form_of_one_input():
                                rtol=1e-9)
 
 
+def test_kernel_evolution_spells_out_small_inputs_of_several_axes():
+    """An input of at most 4 values is spelled out in the legend: for a 2 x 2 input
+    each row of y_j is an array, and formatting it as a number failed with numpy's
+    "unsupported format string passed to numpy.ndarray.__format__"."""
+    X = np.random.RandomState(0).uniform(size=(10, 2, 2))
+
+    def module(n_features_in, n_outputs):
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3),
+                                   torch.nn.Tanh(), torch.nn.Linear(3, n_outputs))
+
+    est = PathKernelMachine(module=module, max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(X, X.sum(axis=(1, 2)))
+    disp = KernelEvolutionDisplay.from_estimator(est, X[0], X[1:3], steps=[0, -1])
+    expected = np.vstack([_loop_gram(est, k, X[:1], X[1:3])[0] for k in (0, -1)])
+    np.testing.assert_allclose(np.column_stack([line.get_ydata() for line in disp.lines_]),
+                               expected, rtol=1e-9)
+    legend = [t.get_text() for t in disp.ax_.get_legend().get_texts()]
+    assert legend == ["y=(" + ", ".join(f"{v:.3g}" for v in row) + ")"
+                      for row in X[1:3].reshape(2, 4).tolist()]
+    assert disp.ax_.get_ylabel().endswith(
+        "x=(" + ", ".join(f"{v:.3g}" for v in X[0].ravel().tolist()) + ")")
+
+
 def test_kernel_evolution_of_a_recorded_token_network_without_its_inputs():
     """A network kept without its training inputs has no input form: one input of token
     ids (1-D) was read as rows and refused; it is one input."""

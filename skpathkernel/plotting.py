@@ -26,6 +26,7 @@ import warnings
 
 import numpy as np
 from scipy.sparse import issparse
+from sklearn.base import is_classifier, is_regressor
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.pipeline import Pipeline
@@ -34,7 +35,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
-from ._network._trained import network_of
+from ._network._trained import _check_n_neighbors, network_of
 from ._validation import check_column_names, is_option
 from .kernels import PathKernel, step_kernel
 
@@ -432,7 +433,9 @@ class KernelNeighborsDisplay:
             Its training inputs ``X_fit_`` are the candidates; or a fitted Pipeline
             ending in one, whose steps before it transform the anchors (the points are
             then drawn as the network takes them, after those steps). Its
-            ``network_`` (a TrainedNetwork), which has no predictions, needs ``y``.
+            ``network_`` (a TrainedNetwork), which has no predictions, and a
+            RecordedNetwork kept with its ``X_train``, which predicts raw outputs, not
+            labels, need ``y``.
         anchors : array-like of shape (n_anchors, 2)
             The points whose kernel neighbours are drawn.
         n_neighbors : int, default=100
@@ -459,6 +462,13 @@ class KernelNeighborsDisplay:
         net = network_of(estimator)
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
         X = net.X_fit
+        if X is None:
+            # A RecordedNetwork kept without X_train: no candidates to draw (X.ndim
+            # below failed on None).
+            raise ValueError(
+                "KernelNeighborsDisplay needs the training inputs: this network was kept "
+                "without them (pass X_train to PathRecorder.as_estimator)."
+            )
         if X.ndim != 2 or X.shape[1] != 2:
             raise ValueError(
                 "KernelNeighborsDisplay draws 2-D inputs; the estimator's inputs have shape "
@@ -468,12 +478,13 @@ class KernelNeighborsDisplay:
         # As given to kneighbors, which checks their names (and warns on an array's lack
         # of them when the fit had names).
         queries, anchors = anchors, check_array(anchors, dtype=np.float64)
-        if y is None and not hasattr(estimator, "predict"):
-            # A TrainedNetwork / RecordedNetwork has kneighbors but no predictions to
-            # colour by.
+        if y is None and not (hasattr(estimator, "__sklearn_tags__")
+                              and (is_classifier(estimator) or is_regressor(estimator))):
+            # A TrainedNetwork has no predict, and a RecordedNetwork's gives the raw
+            # outputs (logits, shape (n, C)): neither predicts labels to colour by.
             raise TypeError(
-                f"{type(estimator).__name__} has no predict to colour the training points "
-                "by: pass the training labels as y."
+                f"{type(estimator).__name__} predicts no labels to colour the training "
+                "points by: pass the training labels as y."
             )
         if y is None:
             with warnings.catch_warnings():
@@ -483,8 +494,8 @@ class KernelNeighborsDisplay:
                 y = estimator.predict(X)
         y = _labels(y, X.shape[0], "y (default: the estimator's predictions on X_fit_)")
         if kernel == "euclidean":
-            if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= len(X):
-                raise ValueError(f"n_neighbors must be an integer in [1, {len(X)}].")
+            # As kneighbors checks it for the kernels: a bool is not a count.
+            _check_n_neighbors(n_neighbors, len(X))
             # kneighbors checks the kernel's queries; these distances would broadcast a
             # one-feature anchor against both columns.
             if anchors.shape[1] != X.shape[1]:
@@ -496,8 +507,11 @@ class KernelNeighborsDisplay:
             neighbors = np.argsort(d, axis=1, kind="stable")[:, :n_neighbors]
             title = f"{n_neighbors} nearest training points, Euclidean"
         else:
-            neighbors = estimator.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
-                                             normalized=normalized, return_distance=False)
+            # A RecordedNetwork has no kneighbors: its network's (an estimator's own
+            # also checks the anchors' column names against the fit's).
+            finder = estimator if hasattr(estimator, "kneighbors") else net
+            neighbors = finder.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
+                                          normalized=normalized, return_distance=False)
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, len(net.trajectory))}")
         disp = cls(X, y, anchors, neighbors, title=title)

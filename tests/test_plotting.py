@@ -643,6 +643,50 @@ def test_neighbors_of_a_bare_network_ask_for_y(circle):
     assert set(disp.neighbors[0].tolist()) == set(np.argsort(-K[0])[:4].tolist())
 
 
+def test_euclidean_neighbors_refuse_a_bool_count(circle):
+    # isinstance(True, numbers.Integral): True was taken for one neighbour, where the
+    # kernels' neighbours (kneighbors) refuse it.
+    clf, X, y = circle
+    for kernel in ("tangent", "euclidean"):
+        with pytest.raises(ValueError, match=r"n_neighbors must be an integer in \[1, 40\]"):
+            KernelNeighborsDisplay.from_estimator(clf, [[0.5, 0.5]], True, y=y,
+                                                  kernel=kernel)
+
+
+def test_neighbors_of_a_recorded_network():
+    """A RecordedNetwork is taken by every display: the kernel neighbours failed with
+    "'RecordedNetwork' object has no attribute 'kneighbors'", y=None coloured by its
+    predict (raw outputs, shape (n, 1)) and was refused as a multilabel indicator, and
+    one kept without X_train failed with "'NoneType' object has no attribute 'ndim'"."""
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.uniform(-1, 1, size=(12, 2)))
+    target = torch.as_tensor(np.sin(3 * X[:, :1].numpy()))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                              torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with PathRecorder(net, opt, n_samples=12) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            (0.5 * (net(X) - target) ** 2).mean().backward()
+            rec.set_batch(torch.arange(12))
+            opt.step()
+    recorded = rec.as_estimator(X, target)
+    labels = np.arange(12) % 3
+    anchors = np.array([[0.3, -0.2], [-0.5, 0.4]])
+    for step in (0, -1):
+        disp = KernelNeighborsDisplay.from_estimator(recorded, anchors, 4, y=labels,
+                                                     step=step)
+        K = _loop_gram(recorded, step, anchors, X.numpy())
+        for got, row, drawn in zip(disp.neighbors, K, disp.neighbor_scatters_):
+            assert set(got.tolist()) == set(np.argsort(-row)[:4].tolist())
+            np.testing.assert_array_equal(drawn.get_offsets(), X.numpy()[got])
+    with pytest.raises(TypeError, match="pass the training labels as y"):
+        KernelNeighborsDisplay.from_estimator(recorded, anchors, 4)
+    with pytest.raises(ValueError, match="needs the training inputs"):
+        KernelNeighborsDisplay.from_estimator(rec.as_estimator(), anchors, 4, y=labels)
+
+
 def test_string_classes_and_a_two_output_regressor_against_references():
     """String labels order the blocks and ticks as sorted; a regressor's outputs enter
     every display through the trace kernel, the features' full Jacobian."""

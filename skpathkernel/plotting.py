@@ -180,7 +180,12 @@ class KernelMatrixDisplay:
     def _blocks(self):
         """(class values, start indices, stop indices) of the contiguous runs of y."""
         y = np.asarray(self.y)
-        starts = np.flatnonzero(np.r_[True, y[1:] != y[:-1]])
+        same = y[1:] == y[:-1]
+        if y.dtype.kind in "fc":
+            # NaN != NaN made each NaN label a block of its own, where np.unique (which
+            # counts the classes that display_labels must name) sees one class.
+            same |= np.isnan(y[1:]) & np.isnan(y[:-1])
+        starts = np.flatnonzero(np.r_[True, ~same])
         stops = np.r_[starts[1:], len(y)]
         return y[starts], starts, stops
 

@@ -137,6 +137,29 @@ def test_kernel_matrix_block_means_multiclass(multiclass):
     assert [t.get_text() for t in disp.ax_.get_xticklabels()] == ["a", "b", "c"]
 
 
+def test_kernel_matrix_takes_nan_labels_for_one_class(multiclass):
+    # NaN != NaN: each NaN row was a block of its own, with boundaries between them,
+    # and display_labels naming the np.unique classes passed from_estimator's check,
+    # then was refused by plot's count of blocks after the kernel was computed.
+    clf, X, y = multiclass
+    labels = y.astype(float)
+    labels[[1, 7, 14]] = np.nan
+    disp = KernelMatrixDisplay.from_estimator(clf, X, labels,
+                                              display_labels=["a", "b", "c", "none"])
+    assert [t.get_text() for t in disp.ax_.get_xticklabels()] == ["a", "b", "c", "none"]
+    assert len(disp.boundary_lines_) == 6  # 3 boundaries, horizontal and vertical
+    K = _loop_gram(clf, -1, X)
+    groups = [labels == 0, labels == 1, labels == 2, np.isnan(labels)]
+    expected = np.empty((4, 4))
+    for a, rows in enumerate(groups):
+        for b, cols in enumerate(groups):
+            block = K[np.ix_(rows, cols)]
+            if a == b:  # off-diagonal entries only
+                block = block[~np.eye(len(block), dtype=bool)]
+            expected[a, b] = block.mean()
+    np.testing.assert_allclose(disp.block_means(), expected, rtol=1e-9)
+
+
 def test_kernel_matrix_path_kernel_unnormalized(circle):
     from skpathkernel.kernels import path_weights
 

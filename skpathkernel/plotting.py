@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 from scipy.sparse import issparse
-from sklearn.base import is_classifier, is_regressor
+from sklearn.base import is_classifier, is_outlier_detector, is_regressor
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.pipeline import Pipeline
@@ -483,10 +483,11 @@ class KernelNeighborsDisplay:
         # As given to kneighbors, which checks their names (and warns on an array's lack
         # of them when the fit had names).
         queries, anchors = anchors, check_array(anchors, dtype=np.float64)
-        if y is None and not (hasattr(estimator, "__sklearn_tags__")
-                              and (is_classifier(estimator) or is_regressor(estimator))):
-            # A TrainedNetwork has no predict, and a RecordedNetwork's gives the raw
-            # outputs (logits, shape (n, C)): neither predicts labels to colour by.
+        if y is None and not (hasattr(estimator, "__sklearn_tags__") and (
+                is_classifier(estimator) or is_regressor(estimator)
+                or is_outlier_detector(estimator))):
+            # A TrainedNetwork or a transformer has no predict, and a RecordedNetwork's
+            # gives the raw outputs (logits, shape (n, C)): none predicts labels.
             raise TypeError(
                 f"{type(estimator).__name__} predicts no labels to colour the training "
                 "points by: pass the training labels as y."

@@ -20,7 +20,12 @@ from sklearn.exceptions import NotFittedError
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+)
 from skpathkernel.plotting import (
     KernelEvolutionDisplay,
     KernelMatrixDisplay,
@@ -708,6 +713,17 @@ def test_neighbors_of_a_recorded_network():
         KernelNeighborsDisplay.from_estimator(recorded, anchors, 4)
     with pytest.raises(ValueError, match="needs the training inputs"):
         KernelNeighborsDisplay.from_estimator(rec.as_estimator(), anchors, 4, y=labels)
+
+
+def test_neighbors_of_an_outlier_detector_are_coloured_by_its_predictions():
+    # Refusing y=None for what predicts no labels (a RecordedNetwork) keeps the
+    # estimators that do: an outlier detector's +1 / -1.
+    X = np.random.RandomState(0).uniform(-1, 1, size=(20, 2))
+    det = OODRankDetector(PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None,
+                                            dtype="float64", random_state=0))
+    det.fit(X, X[:, 0])
+    disp = KernelNeighborsDisplay.from_estimator(det, [[0.1, 0.2]], 3)
+    np.testing.assert_array_equal(disp.y, det.predict(X))
 
 
 def test_string_classes_and_a_two_output_regressor_against_references():

@@ -1033,7 +1033,16 @@ class TangentEmbeddingDisplay:
             if resolved == "umap":
                 import umap
 
-                E = umap.UMAP(metric="precomputed", random_state=random_state).fit_transform(D)
+                # The display's own choices, said to its user by umap-learn as warnings:
+                # a seed runs on one job (umap overrides its default of all of them), the
+                # neighbours fit the samples (it truncates 15 to n - 1), and a
+                # precomputed metric has no inverse_transform (never called here).
+                kw = {} if random_state is None else {"n_jobs": 1}
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "using precomputed metric",
+                                            UserWarning)
+                    E = umap.UMAP(metric="precomputed", n_neighbors=min(15, X.shape[0] - 1),
+                                  random_state=random_state, **kw).fit_transform(D)
             else:
                 perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
                 E = TSNE(n_components=2, metric="precomputed", init="random",

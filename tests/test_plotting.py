@@ -397,6 +397,43 @@ def test_tangent_embedding_auto_names_its_method(circle):
         TangentEmbeddingDisplay.from_estimator(clf, X, method="mds")
 
 
+class _UMAPLike:
+    """umap-learn 0.5's UMAP as far as its warnings go (read in umap/umap_.py): one
+    for a precomputed metric, one when a seed overrides n_jobs other than 1, one when
+    n_neighbors is not below the number of samples. The embedding is made up."""
+
+    def __init__(self, n_neighbors=15, metric="euclidean", random_state=None, n_jobs=-1):
+        self.n_neighbors, self.metric = n_neighbors, metric
+        self.random_state, self.n_jobs = random_state, n_jobs
+
+    def fit_transform(self, D):
+        if self.metric == "precomputed":
+            warnings.warn("using precomputed metric; inverse_transform will be unavailable",
+                          stacklevel=2)
+        if self.n_jobs != 1 and self.random_state is not None:
+            warnings.warn(f"n_jobs value {self.n_jobs} overridden to 1 by setting "
+                          "random_state. Use no seed for parallelism.", stacklevel=2)
+        if self.n_neighbors >= D.shape[0]:
+            warnings.warn("n_neighbors is larger than the dataset size; truncating to "
+                          "X.shape[0] - 1", stacklevel=2)
+        return np.random.RandomState(0).normal(size=(D.shape[0], 2))
+
+
+@pytest.mark.parametrize("n", [12, 40])
+def test_tangent_embedding_umap_warns_nothing_of_its_own_choices(circle, monkeypatch, n):
+    # UMAP told the display's user of the display's choices: a precomputed metric has
+    # no inverse_transform, the default seed runs on one job, and (under 16 samples)
+    # its 15 neighbours are truncated to n - 1.
+    clf, X, y = circle
+    umap = type(sys)("umap")
+    umap.UMAP = _UMAPLike
+    monkeypatch.setitem(sys.modules, "umap", umap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        disp = TangentEmbeddingDisplay.from_estimator(clf, X[:n], y[:n], method="auto")
+    assert disp.method == "UMAP" and disp.embedding.shape == (n, 2)
+
+
 def test_displays_refuse_label_sets_with_a_clear_error():
     """A multilabel classifier's predictions and targets are label sets (n, L): the
     displays colour and count one label per sample, and say so instead of failing inside

@@ -36,7 +36,7 @@ from sklearn.utils.validation import check_array, check_is_fitted
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
 from ._network._trained import _check_n_neighbors, network_of
-from ._validation import check_column_names, is_option
+from ._validation import check_column_names, check_flag, check_index, is_option
 from .kernels import PathKernel, step_kernel
 
 __all__ = [
@@ -500,8 +500,11 @@ class KernelNeighborsDisplay:
                 y = estimator.predict(X)
         y = _labels(y, X.shape[0], "y (default: the estimator's predictions on X_fit_)")
         if kernel == "euclidean":
-            # As kneighbors checks it for the kernels: a bool is not a count.
+            # As kneighbors checks them for the kernels: a bool is not a count, and the
+            # kernels' options, unused here, were taken whatever they were (step="a").
             _check_n_neighbors(n_neighbors, len(X))
+            check_index(step, "step", n=len(net.trajectory))
+            check_flag(normalized, "normalized")
             # kneighbors checks the kernel's queries; these distances would broadcast a
             # one-feature anchor against both columns.
             if anchors.shape[1] != X.shape[1]:

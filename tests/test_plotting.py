@@ -718,6 +718,21 @@ def test_euclidean_neighbors_refuse_a_bool_count(circle):
                                                   kernel=kernel)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"step": "a"}, TypeError, "step must be an int"),
+    ({"step": 1.0}, TypeError, "step must be an int"),
+    ({"step": 99}, IndexError, "step index 99 is out of range"),
+    ({"normalized": "no"}, TypeError, "normalized must be a bool"),
+])
+def test_euclidean_neighbors_check_the_kernel_options(circle, kwargs, error, match):
+    # Unused by the Euclidean distances, they were taken whatever they were; the
+    # kernels' neighbours refuse them.
+    clf, X, y = circle
+    with pytest.raises(error, match=match):
+        KernelNeighborsDisplay.from_estimator(clf, [[0.5, 0.5]], 3, y=y, kernel="euclidean",
+                                              **kwargs)
+
+
 def test_neighbors_of_a_recorded_network():
     """A RecordedNetwork is taken by every display: the kernel neighbours failed with
     "'RecordedNetwork' object has no attribute 'kneighbors'", y=None coloured by its

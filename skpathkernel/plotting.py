@@ -94,6 +94,14 @@ def _check_label_count(labels, n, name, what):
         raise ValueError(f"{name} must name each {what} ({n}), got {len(labels)}.")
 
 
+def _check_display_labels(display_labels, y):
+    """Refuse ``display_labels`` without ``y``: they name the class blocks of ``y``, and
+    without it there are none (they were silently not drawn)."""
+    if display_labels is not None and y is None:
+        raise ValueError("display_labels name the class blocks of y; pass y, the class of "
+                         "each row, to draw them.")
+
+
 # Inputs with more values than this are named by their index in legends, not spelled out.
 _SPELLED_OUT = 4
 
@@ -238,13 +246,16 @@ class KernelMatrixDisplay:
         display : KernelMatrixDisplay
         """
         check_matplotlib_support("KernelMatrixDisplay.plot")
+        _check_display_labels(self.display_labels, self.y)
+        if self.y is not None:
+            # Checked before drawing, which a refusal would leave half done.
+            values, starts, stops = self._blocks()
+            _check_label_count(self.display_labels, len(starts), "display_labels", "class")
         ax, fig = _axes(ax)
         K = np.asarray(self.kernel_matrix)
         self.im_ = ax.imshow(K, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
         self.boundary_lines_ = []
         if self.y is not None:
-            values, starts, stops = self._blocks()
-            _check_label_count(self.display_labels, len(starts), "display_labels", "class")
             kw = {"color": "white", "linestyle": "--", "linewidth": 0.8, **(boundary_kw or {})}
             for s in starts[1:]:
                 self.boundary_lines_.append(ax.axhline(s - 0.5, **kw))
@@ -291,6 +302,7 @@ class KernelMatrixDisplay:
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
+        _check_display_labels(display_labels, y)
         estimator, X = _last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)

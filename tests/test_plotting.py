@@ -165,6 +165,21 @@ def test_kernel_matrix_takes_nan_labels_for_one_class(multiclass):
     np.testing.assert_allclose(disp.block_means(), expected, rtol=1e-9)
 
 
+def test_kernel_matrix_display_labels_without_y_are_refused(circle, monkeypatch):
+    # They name the class blocks of y: without it they were silently not drawn.
+    clf, X, _ = circle
+    calls = []
+    monkeypatch.setattr("skpathkernel.plotting.step_kernel",
+                        lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match="display_labels name the class blocks of y"):
+        KernelMatrixDisplay.from_estimator(clf, X[:4], display_labels=["a", "b"])
+    assert calls == []  # before the kernel
+    fig, ax = plt.subplots()
+    with pytest.raises(ValueError, match="display_labels name the class blocks of y"):
+        KernelMatrixDisplay(np.eye(2), display_labels=["a", "b"]).plot(ax=ax)
+    assert not ax.has_data()
+
+
 def test_kernel_matrix_path_kernel_unnormalized(circle):
     from skpathkernel.kernels import path_weights
 

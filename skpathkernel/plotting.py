@@ -273,7 +273,8 @@ class KernelMatrixDisplay:
     @classmethod
     def from_estimator(cls, estimator, X, y=None, *, kernel: str = "tangent", step: int = -1,
                        normalized: bool = True, display_labels=None, ax=None,
-                       cmap: str = "viridis", colorbar: bool = True):
+                       cmap: str = "viridis", vmin=None, vmax=None, colorbar: bool = True,
+                       boundary_kw: dict | None = None):
         """Compute the kernel matrix of ``X`` under a fitted network and plot it.
 
         Parameters
@@ -293,7 +294,7 @@ class KernelMatrixDisplay:
             Recorded point of ``estimator.trajectory_`` (0: initialization).
         normalized : bool, default=True
             Plot ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (Guo, He & Morel's ``K_hat``).
-        display_labels, ax, cmap, colorbar
+        display_labels, ax, cmap, vmin, vmax, colorbar, boundary_kw
             See :meth:`plot`.
 
         Returns
@@ -317,7 +318,8 @@ class KernelMatrixDisplay:
         title = _kernel_label(kernel, step, normalized, len(net.trajectory))
         disp = cls(K, y=y, display_labels=display_labels, title=title)
         disp.order = order
-        return disp.plot(ax=ax, cmap=cmap, colorbar=colorbar)
+        return disp.plot(ax=ax, cmap=cmap, vmin=vmin, vmax=vmax, colorbar=colorbar,
+                         boundary_kw=boundary_kw)
 
 
 # --------------------------------------------------------------------------- neighbours
@@ -816,7 +818,8 @@ class RankGapDisplay:
         return self
 
     @classmethod
-    def from_estimator(cls, estimator, X_train, X_test, *, steps=None, rtol=None, ax=None):
+    def from_estimator(cls, estimator, X_train, X_test, *, steps=None, rtol=None, ax=None,
+                       legend: bool = True):
         """Compute both ranks at recorded points of the path and plot them.
 
         Parameters
@@ -841,6 +844,8 @@ class RankGapDisplay:
             (3.4e-3 for 100 rows in float32, 1.5e-7 in float64).
         ax : matplotlib Axes, default=None
             Axes to draw on; None creates a new figure.
+        legend : bool, default=True
+            Whether to draw a legend.
 
         Returns
         -------
@@ -871,7 +876,7 @@ class RankGapDisplay:
             rank_joint.append(joint)
         disp = cls(np.asarray(net.trajectory.steps)[points], np.asarray(rank_train),
                    np.asarray(rank_joint), rtol=rtol)
-        return disp.plot(ax=ax)
+        return disp.plot(ax=ax, legend=legend)
 
 
 # --------------------------------------------------------------------------- embedding

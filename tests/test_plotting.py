@@ -180,6 +180,22 @@ def test_kernel_matrix_display_labels_without_y_are_refused(circle, monkeypatch)
     assert not ax.has_data()
 
 
+def test_from_estimator_takes_every_option_of_plot(circle):
+    # As scikit-learn's displays: from_estimator takes what plot draws with. vmin, vmax,
+    # boundary_kw (KernelMatrixDisplay) and legend (RankGapDisplay) were refused as
+    # unexpected keyword arguments.
+    clf, X, y = circle
+    disp = KernelMatrixDisplay.from_estimator(clf, X[:10], y[:10], vmin=-1, vmax=1,
+                                              boundary_kw={"color": "red"})
+    assert disp.im_.get_clim() == (-1, 1)
+    assert disp.boundary_lines_ and all(
+        matplotlib.colors.same_color(line.get_color(), "red")
+        for line in disp.boundary_lines_)
+    rank = RankGapDisplay.from_estimator(clf, X[:5], X[5:8], steps=[-1], legend=False)
+    assert rank.ax_.get_legend() is None
+    assert RankGapDisplay.from_estimator(clf, X[:5], X[5:8], steps=[-1]).ax_.get_legend()
+
+
 def test_kernel_matrix_path_kernel_unnormalized(circle):
     from skpathkernel.kernels import path_weights
 

@@ -26,6 +26,7 @@ import warnings
 
 import numpy as np
 from scipy.sparse import issparse
+from sklearn.base import is_classifier, is_outlier_detector, is_regressor
 from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.pipeline import Pipeline
@@ -34,8 +35,8 @@ from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
-from ._network._trained import network_of
-from ._validation import check_column_names, is_option
+from ._network._trained import _check_n_neighbors, network_of
+from ._validation import check_column_names, check_flag, check_index, is_option
 from .kernels import PathKernel, step_kernel
 
 __all__ = [
@@ -91,6 +92,14 @@ def _check_label_count(labels, n, name, what):
                         f"{labels!r}.")
     if labels is not None and len(labels) != n:
         raise ValueError(f"{name} must name each {what} ({n}), got {len(labels)}.")
+
+
+def _check_display_labels(display_labels, y):
+    """Refuse ``display_labels`` without ``y``: they name the class blocks of ``y``, and
+    without it there are none (they were silently not drawn)."""
+    if display_labels is not None and y is None:
+        raise ValueError("display_labels name the class blocks of y; pass y, the class of "
+                         "each row, to draw them.")
 
 
 # Inputs with more values than this are named by their index in legends, not spelled out.
@@ -179,7 +188,12 @@ class KernelMatrixDisplay:
     def _blocks(self):
         """(class values, start indices, stop indices) of the contiguous runs of y."""
         y = np.asarray(self.y)
-        starts = np.flatnonzero(np.r_[True, y[1:] != y[:-1]])
+        same = y[1:] == y[:-1]
+        if y.dtype.kind in "fc":
+            # NaN != NaN made each NaN label a block of its own, where np.unique (which
+            # counts the classes that display_labels must name) sees one class.
+            same |= np.isnan(y[1:]) & np.isnan(y[:-1])
+        starts = np.flatnonzero(np.r_[True, ~same])
         stops = np.r_[starts[1:], len(y)]
         return y[starts], starts, stops
 
@@ -232,13 +246,16 @@ class KernelMatrixDisplay:
         display : KernelMatrixDisplay
         """
         check_matplotlib_support("KernelMatrixDisplay.plot")
+        _check_display_labels(self.display_labels, self.y)
+        if self.y is not None:
+            # Checked before drawing, which a refusal would leave half done.
+            values, starts, stops = self._blocks()
+            _check_label_count(self.display_labels, len(starts), "display_labels", "class")
         ax, fig = _axes(ax)
         K = np.asarray(self.kernel_matrix)
         self.im_ = ax.imshow(K, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
         self.boundary_lines_ = []
         if self.y is not None:
-            values, starts, stops = self._blocks()
-            _check_label_count(self.display_labels, len(starts), "display_labels", "class")
             kw = {"color": "white", "linestyle": "--", "linewidth": 0.8, **(boundary_kw or {})}
             for s in starts[1:]:
                 self.boundary_lines_.append(ax.axhline(s - 0.5, **kw))
@@ -256,7 +273,8 @@ class KernelMatrixDisplay:
     @classmethod
     def from_estimator(cls, estimator, X, y=None, *, kernel: str = "tangent", step: int = -1,
                        normalized: bool = True, display_labels=None, ax=None,
-                       cmap: str = "viridis", colorbar: bool = True):
+                       cmap: str = "viridis", vmin=None, vmax=None, colorbar: bool = True,
+                       boundary_kw: dict | None = None):
         """Compute the kernel matrix of ``X`` under a fitted network and plot it.
 
         Parameters
@@ -276,7 +294,7 @@ class KernelMatrixDisplay:
             Recorded point of ``estimator.trajectory_`` (0: initialization).
         normalized : bool, default=True
             Plot ``K(x, x') / sqrt(K(x, x) K(x', x'))`` (Guo, He & Morel's ``K_hat``).
-        display_labels, ax, cmap, colorbar
+        display_labels, ax, cmap, vmin, vmax, colorbar, boundary_kw
             See :meth:`plot`.
 
         Returns
@@ -285,6 +303,7 @@ class KernelMatrixDisplay:
             ``display.order`` holds the indices into ``X`` of the displayed rows.
         """
         check_matplotlib_support(f"{cls.__name__}.from_estimator")
+        _check_display_labels(display_labels, y)
         estimator, X = _last_step(estimator, X)
         net = network_of(estimator)
         check_column_names(estimator, X)
@@ -299,7 +318,8 @@ class KernelMatrixDisplay:
         title = _kernel_label(kernel, step, normalized, len(net.trajectory))
         disp = cls(K, y=y, display_labels=display_labels, title=title)
         disp.order = order
-        return disp.plot(ax=ax, cmap=cmap, colorbar=colorbar)
+        return disp.plot(ax=ax, cmap=cmap, vmin=vmin, vmax=vmax, colorbar=colorbar,
+                         boundary_kw=boundary_kw)
 
 
 # --------------------------------------------------------------------------- neighbours
@@ -432,7 +452,9 @@ class KernelNeighborsDisplay:
             Its training inputs ``X_fit_`` are the candidates; or a fitted Pipeline
             ending in one, whose steps before it transform the anchors (the points are
             then drawn as the network takes them, after those steps). Its
-            ``network_`` (a TrainedNetwork), which has no predictions, needs ``y``.
+            ``network_`` (a TrainedNetwork), which has no predictions, and a
+            RecordedNetwork kept with its ``X_train``, which predicts raw outputs, not
+            labels, need ``y``.
         anchors : array-like of shape (n_anchors, 2)
             The points whose kernel neighbours are drawn.
         n_neighbors : int, default=100
@@ -459,6 +481,13 @@ class KernelNeighborsDisplay:
         net = network_of(estimator)
         _check_kernel(kernel, ("tangent", "path", "euclidean"))
         X = net.X_fit
+        if X is None:
+            # A RecordedNetwork kept without X_train: no candidates to draw (X.ndim
+            # below failed on None).
+            raise ValueError(
+                "KernelNeighborsDisplay needs the training inputs: this network was kept "
+                "without them (pass X_train to PathRecorder.as_estimator)."
+            )
         if X.ndim != 2 or X.shape[1] != 2:
             raise ValueError(
                 "KernelNeighborsDisplay draws 2-D inputs; the estimator's inputs have shape "
@@ -468,12 +497,14 @@ class KernelNeighborsDisplay:
         # As given to kneighbors, which checks their names (and warns on an array's lack
         # of them when the fit had names).
         queries, anchors = anchors, check_array(anchors, dtype=np.float64)
-        if y is None and not hasattr(estimator, "predict"):
-            # A TrainedNetwork / RecordedNetwork has kneighbors but no predictions to
-            # colour by.
+        if y is None and not (hasattr(estimator, "__sklearn_tags__") and (
+                is_classifier(estimator) or is_regressor(estimator)
+                or is_outlier_detector(estimator))):
+            # A TrainedNetwork or a transformer has no predict, and a RecordedNetwork's
+            # gives the raw outputs (logits, shape (n, C)): none predicts labels.
             raise TypeError(
-                f"{type(estimator).__name__} has no predict to colour the training points "
-                "by: pass the training labels as y."
+                f"{type(estimator).__name__} predicts no labels to colour the training "
+                "points by: pass the training labels as y."
             )
         if y is None:
             with warnings.catch_warnings():
@@ -483,8 +514,11 @@ class KernelNeighborsDisplay:
                 y = estimator.predict(X)
         y = _labels(y, X.shape[0], "y (default: the estimator's predictions on X_fit_)")
         if kernel == "euclidean":
-            if not isinstance(n_neighbors, numbers.Integral) or not 0 < n_neighbors <= len(X):
-                raise ValueError(f"n_neighbors must be an integer in [1, {len(X)}].")
+            # As kneighbors checks them for the kernels: a bool is not a count, and the
+            # kernels' options, unused here, were taken whatever they were (step="a").
+            _check_n_neighbors(n_neighbors, len(X))
+            check_index(step, "step", n=len(net.trajectory))
+            check_flag(normalized, "normalized")
             # kneighbors checks the kernel's queries; these distances would broadcast a
             # one-feature anchor against both columns.
             if anchors.shape[1] != X.shape[1]:
@@ -496,8 +530,11 @@ class KernelNeighborsDisplay:
             neighbors = np.argsort(d, axis=1, kind="stable")[:, :n_neighbors]
             title = f"{n_neighbors} nearest training points, Euclidean"
         else:
-            neighbors = estimator.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
-                                             normalized=normalized, return_distance=False)
+            # A RecordedNetwork has no kneighbors: its network's (an estimator's own
+            # also checks the anchors' column names against the fit's).
+            finder = estimator if hasattr(estimator, "kneighbors") else net
+            neighbors = finder.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
+                                          normalized=normalized, return_distance=False)
             title = (f"{n_neighbors} nearest under the "
                      f"{_kernel_label(kernel, step, normalized, len(net.trajectory))}")
         disp = cls(X, y, anchors, neighbors, title=title)
@@ -578,7 +615,10 @@ class KernelEvolutionDisplay:
         _check_label_count(labels, values.shape[1], "labels", "row of Y")
         spelled = np.asarray(self.x).size <= _SPELLED_OUT
         if labels is None and spelled:
-            labels = ["y=(" + ", ".join(f"{v:.3g}" for v in yj) + ")" for yj in self.Y]
+            # Raveled: an input of a few values may have several axes (a 2 x 2 image),
+            # whose rows cannot be formatted as numbers.
+            labels = ["y=(" + ", ".join(f"{v:.3g}" for v in np.ravel(yj)) + ")"
+                      for yj in self.Y]
         elif labels is None:
             labels = [f"y_{j}" for j in range(len(self.Y))]
         self.lines_ = [
@@ -779,7 +819,8 @@ class RankGapDisplay:
         return self
 
     @classmethod
-    def from_estimator(cls, estimator, X_train, X_test, *, steps=None, rtol=None, ax=None):
+    def from_estimator(cls, estimator, X_train, X_test, *, steps=None, rtol=None, ax=None,
+                       legend: bool = True):
         """Compute both ranks at recorded points of the path and plot them.
 
         Parameters
@@ -804,6 +845,8 @@ class RankGapDisplay:
             (3.4e-3 for 100 rows in float32, 1.5e-7 in float64).
         ax : matplotlib Axes, default=None
             Axes to draw on; None creates a new figure.
+        legend : bool, default=True
+            Whether to draw a legend.
 
         Returns
         -------
@@ -834,7 +877,7 @@ class RankGapDisplay:
             rank_joint.append(joint)
         disp = cls(np.asarray(net.trajectory.steps)[points], np.asarray(rank_train),
                    np.asarray(rank_joint), rtol=rtol)
-        return disp.plot(ax=ax)
+        return disp.plot(ax=ax, legend=legend)
 
 
 # --------------------------------------------------------------------------- embedding
@@ -1011,7 +1054,16 @@ class TangentEmbeddingDisplay:
             if resolved == "umap":
                 import umap
 
-                E = umap.UMAP(metric="precomputed", random_state=random_state).fit_transform(D)
+                # The display's own choices, said to its user by umap-learn as warnings:
+                # a seed runs on one job (umap overrides its default of all of them), the
+                # neighbours fit the samples (it truncates 15 to n - 1), and a
+                # precomputed metric has no inverse_transform (never called here).
+                kw = {} if random_state is None else {"n_jobs": 1}
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "using precomputed metric",
+                                            UserWarning)
+                    E = umap.UMAP(metric="precomputed", n_neighbors=min(15, X.shape[0] - 1),
+                                  random_state=random_state, **kw).fit_transform(D)
             else:
                 perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
                 E = TSNE(n_components=2, metric="precomputed", init="random",

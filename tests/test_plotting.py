@@ -20,7 +20,12 @@ from sklearn.exceptions import NotFittedError
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+)
 from skpathkernel.plotting import (
     KernelEvolutionDisplay,
     KernelMatrixDisplay,
@@ -137,6 +142,60 @@ def test_kernel_matrix_block_means_multiclass(multiclass):
     assert [t.get_text() for t in disp.ax_.get_xticklabels()] == ["a", "b", "c"]
 
 
+def test_kernel_matrix_takes_nan_labels_for_one_class(multiclass):
+    # NaN != NaN: each NaN row was a block of its own, with boundaries between them,
+    # and display_labels naming the np.unique classes passed from_estimator's check,
+    # then was refused by plot's count of blocks after the kernel was computed.
+    clf, X, y = multiclass
+    labels = y.astype(float)
+    labels[[1, 7, 14]] = np.nan
+    disp = KernelMatrixDisplay.from_estimator(clf, X, labels,
+                                              display_labels=["a", "b", "c", "none"])
+    assert [t.get_text() for t in disp.ax_.get_xticklabels()] == ["a", "b", "c", "none"]
+    assert len(disp.boundary_lines_) == 6  # 3 boundaries, horizontal and vertical
+    K = _loop_gram(clf, -1, X)
+    groups = [labels == 0, labels == 1, labels == 2, np.isnan(labels)]
+    expected = np.empty((4, 4))
+    for a, rows in enumerate(groups):
+        for b, cols in enumerate(groups):
+            block = K[np.ix_(rows, cols)]
+            if a == b:  # off-diagonal entries only
+                block = block[~np.eye(len(block), dtype=bool)]
+            expected[a, b] = block.mean()
+    np.testing.assert_allclose(disp.block_means(), expected, rtol=1e-9)
+
+
+def test_kernel_matrix_display_labels_without_y_are_refused(circle, monkeypatch):
+    # They name the class blocks of y: without it they were silently not drawn.
+    clf, X, _ = circle
+    calls = []
+    monkeypatch.setattr("skpathkernel.plotting.step_kernel",
+                        lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match="display_labels name the class blocks of y"):
+        KernelMatrixDisplay.from_estimator(clf, X[:4], display_labels=["a", "b"])
+    assert calls == []  # before the kernel
+    fig, ax = plt.subplots()
+    with pytest.raises(ValueError, match="display_labels name the class blocks of y"):
+        KernelMatrixDisplay(np.eye(2), display_labels=["a", "b"]).plot(ax=ax)
+    assert not ax.has_data()
+
+
+def test_from_estimator_takes_every_option_of_plot(circle):
+    # As scikit-learn's displays: from_estimator takes what plot draws with. vmin, vmax,
+    # boundary_kw (KernelMatrixDisplay) and legend (RankGapDisplay) were refused as
+    # unexpected keyword arguments.
+    clf, X, y = circle
+    disp = KernelMatrixDisplay.from_estimator(clf, X[:10], y[:10], vmin=-1, vmax=1,
+                                              boundary_kw={"color": "red"})
+    assert disp.im_.get_clim() == (-1, 1)
+    assert disp.boundary_lines_ and all(
+        matplotlib.colors.same_color(line.get_color(), "red")
+        for line in disp.boundary_lines_)
+    rank = RankGapDisplay.from_estimator(clf, X[:5], X[5:8], steps=[-1], legend=False)
+    assert rank.ax_.get_legend() is None
+    assert RankGapDisplay.from_estimator(clf, X[:5], X[5:8], steps=[-1]).ax_.get_legend()
+
+
 def test_kernel_matrix_path_kernel_unnormalized(circle):
     from skpathkernel.kernels import path_weights
 
@@ -223,6 +282,29 @@ def test_kernel_evolution_names_the_form_of_one_input():
     disp = KernelEvolutionDisplay.from_estimator(est, images[0], images[1:3], steps=[-1])
     np.testing.assert_allclose(disp.kernel_values, _loop_gram(est, -1, images[:1], images[1:3]),
                                rtol=1e-9)
+
+
+def test_kernel_evolution_spells_out_small_inputs_of_several_axes():
+    """An input of at most 4 values is spelled out in the legend: for a 2 x 2 input
+    each row of y_j is an array, and formatting it as a number failed with numpy's
+    "unsupported format string passed to numpy.ndarray.__format__"."""
+    X = np.random.RandomState(0).uniform(size=(10, 2, 2))
+
+    def module(n_features_in, n_outputs):
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3),
+                                   torch.nn.Tanh(), torch.nn.Linear(3, n_outputs))
+
+    est = PathKernelMachine(module=module, max_iter=2, tol=None, dtype="float64",
+                            random_state=0).fit(X, X.sum(axis=(1, 2)))
+    disp = KernelEvolutionDisplay.from_estimator(est, X[0], X[1:3], steps=[0, -1])
+    expected = np.vstack([_loop_gram(est, k, X[:1], X[1:3])[0] for k in (0, -1)])
+    np.testing.assert_allclose(np.column_stack([line.get_ydata() for line in disp.lines_]),
+                               expected, rtol=1e-9)
+    legend = [t.get_text() for t in disp.ax_.get_legend().get_texts()]
+    assert legend == ["y=(" + ", ".join(f"{v:.3g}" for v in row) + ")"
+                      for row in X[1:3].reshape(2, 4).tolist()]
+    assert disp.ax_.get_ylabel().endswith(
+        "x=(" + ", ".join(f"{v:.3g}" for v in X[0].ravel().tolist()) + ")")
 
 
 def test_kernel_evolution_of_a_recorded_token_network_without_its_inputs():
@@ -346,6 +428,43 @@ def test_tangent_embedding_auto_names_its_method(circle):
     assert disp.embedding.shape == (20, 2)
     with pytest.raises(ValueError, match="method"):
         TangentEmbeddingDisplay.from_estimator(clf, X, method="mds")
+
+
+class _UMAPLike:
+    """umap-learn 0.5's UMAP as far as its warnings go (read in umap/umap_.py): one
+    for a precomputed metric, one when a seed overrides n_jobs other than 1, one when
+    n_neighbors is not below the number of samples. The embedding is made up."""
+
+    def __init__(self, n_neighbors=15, metric="euclidean", random_state=None, n_jobs=-1):
+        self.n_neighbors, self.metric = n_neighbors, metric
+        self.random_state, self.n_jobs = random_state, n_jobs
+
+    def fit_transform(self, D):
+        if self.metric == "precomputed":
+            warnings.warn("using precomputed metric; inverse_transform will be unavailable",
+                          stacklevel=2)
+        if self.n_jobs != 1 and self.random_state is not None:
+            warnings.warn(f"n_jobs value {self.n_jobs} overridden to 1 by setting "
+                          "random_state. Use no seed for parallelism.", stacklevel=2)
+        if self.n_neighbors >= D.shape[0]:
+            warnings.warn("n_neighbors is larger than the dataset size; truncating to "
+                          "X.shape[0] - 1", stacklevel=2)
+        return np.random.RandomState(0).normal(size=(D.shape[0], 2))
+
+
+@pytest.mark.parametrize("n", [12, 40])
+def test_tangent_embedding_umap_warns_nothing_of_its_own_choices(circle, monkeypatch, n):
+    # UMAP told the display's user of the display's choices: a precomputed metric has
+    # no inverse_transform, the default seed runs on one job, and (under 16 samples)
+    # its 15 neighbours are truncated to n - 1.
+    clf, X, y = circle
+    umap = type(sys)("umap")
+    umap.UMAP = _UMAPLike
+    monkeypatch.setitem(sys.modules, "umap", umap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        disp = TangentEmbeddingDisplay.from_estimator(clf, X[:n], y[:n], method="auto")
+    assert disp.method == "UMAP" and disp.embedding.shape == (n, 2)
 
 
 def test_displays_refuse_label_sets_with_a_clear_error():
@@ -620,6 +739,76 @@ def test_neighbors_of_a_bare_network_ask_for_y(circle):
     disp = KernelNeighborsDisplay.from_estimator(clf.network_, [[0.5, 0.5]], 4, y=y)
     K = _loop_gram(clf, -1, np.array([[0.5, 0.5]]), X)
     assert set(disp.neighbors[0].tolist()) == set(np.argsort(-K[0])[:4].tolist())
+
+
+def test_euclidean_neighbors_refuse_a_bool_count(circle):
+    # isinstance(True, numbers.Integral): True was taken for one neighbour, where the
+    # kernels' neighbours (kneighbors) refuse it.
+    clf, X, y = circle
+    for kernel in ("tangent", "euclidean"):
+        with pytest.raises(ValueError, match=r"n_neighbors must be an integer in \[1, 40\]"):
+            KernelNeighborsDisplay.from_estimator(clf, [[0.5, 0.5]], True, y=y,
+                                                  kernel=kernel)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"step": "a"}, TypeError, "step must be an int"),
+    ({"step": 1.0}, TypeError, "step must be an int"),
+    ({"step": 99}, IndexError, "step index 99 is out of range"),
+    ({"normalized": "no"}, TypeError, "normalized must be a bool"),
+])
+def test_euclidean_neighbors_check_the_kernel_options(circle, kwargs, error, match):
+    # Unused by the Euclidean distances, they were taken whatever they were; the
+    # kernels' neighbours refuse them.
+    clf, X, y = circle
+    with pytest.raises(error, match=match):
+        KernelNeighborsDisplay.from_estimator(clf, [[0.5, 0.5]], 3, y=y, kernel="euclidean",
+                                              **kwargs)
+
+
+def test_neighbors_of_a_recorded_network():
+    """A RecordedNetwork is taken by every display: the kernel neighbours failed with
+    "'RecordedNetwork' object has no attribute 'kneighbors'", y=None coloured by its
+    predict (raw outputs, shape (n, 1)) and was refused as a multilabel indicator, and
+    one kept without X_train failed with "'NoneType' object has no attribute 'ndim'"."""
+    rng = np.random.RandomState(0)
+    X = torch.as_tensor(rng.uniform(-1, 1, size=(12, 2)))
+    target = torch.as_tensor(np.sin(3 * X[:, :1].numpy()))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                              torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with PathRecorder(net, opt, n_samples=12) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            (0.5 * (net(X) - target) ** 2).mean().backward()
+            rec.set_batch(torch.arange(12))
+            opt.step()
+    recorded = rec.as_estimator(X, target)
+    labels = np.arange(12) % 3
+    anchors = np.array([[0.3, -0.2], [-0.5, 0.4]])
+    for step in (0, -1):
+        disp = KernelNeighborsDisplay.from_estimator(recorded, anchors, 4, y=labels,
+                                                     step=step)
+        K = _loop_gram(recorded, step, anchors, X.numpy())
+        for got, row, drawn in zip(disp.neighbors, K, disp.neighbor_scatters_):
+            assert set(got.tolist()) == set(np.argsort(-row)[:4].tolist())
+            np.testing.assert_array_equal(drawn.get_offsets(), X.numpy()[got])
+    with pytest.raises(TypeError, match="pass the training labels as y"):
+        KernelNeighborsDisplay.from_estimator(recorded, anchors, 4)
+    with pytest.raises(ValueError, match="needs the training inputs"):
+        KernelNeighborsDisplay.from_estimator(rec.as_estimator(), anchors, 4, y=labels)
+
+
+def test_neighbors_of_an_outlier_detector_are_coloured_by_its_predictions():
+    # Refusing y=None for what predicts no labels (a RecordedNetwork) keeps the
+    # estimators that do: an outlier detector's +1 / -1.
+    X = np.random.RandomState(0).uniform(-1, 1, size=(20, 2))
+    det = OODRankDetector(PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None,
+                                            dtype="float64", random_state=0))
+    det.fit(X, X[:, 0])
+    disp = KernelNeighborsDisplay.from_estimator(det, [[0.1, 0.2]], 3)
+    np.testing.assert_array_equal(disp.y, det.predict(X))
 
 
 def test_string_classes_and_a_two_output_regressor_against_references():

@@ -121,13 +121,18 @@ def _recorded_points(net, steps):
     return np.unique(points % n)
 
 
-def _kernel_label(kernel, step, normalized, n_points=None):
+def _point_label(point, steps) -> str:
+    """``point`` of a trajectory whose optimizer steps are ``steps``, as the titles say it:
+    with ``record_every > 1`` its index is not the optimizer step the x-axes count."""
+    point = point % len(steps)
+    return f"recorded point {point} (optimizer step {int(steps[point])})"
+
+
+def _kernel_label(kernel, step, normalized, steps):
     hat = "normalized " if normalized else ""
     if kernel == "path":
         return f"{hat}path kernel"
-    if step is not None and n_points is not None:
-        step = step % n_points
-    return f"{hat}tangent kernel at recorded step {step}"
+    return f"{hat}tangent kernel at {_point_label(step, steps)}"
 
 
 # --------------------------------------------------------------------------- kernel matrix
@@ -315,7 +320,7 @@ class KernelMatrixDisplay:
             y = y[order]
             _check_label_count(display_labels, len(np.unique(y)), "display_labels", "class")
         K = _gram(net, X[order], kernel=kernel, step=step, normalized=normalized)
-        title = _kernel_label(kernel, step, normalized, len(net.trajectory))
+        title = _kernel_label(kernel, step, normalized, net.trajectory.steps)
         disp = cls(K, y=y, display_labels=display_labels, title=title)
         disp.order = order
         return disp.plot(ax=ax, cmap=cmap, vmin=vmin, vmax=vmax, colorbar=colorbar,
@@ -536,7 +541,7 @@ class KernelNeighborsDisplay:
             neighbors = finder.kneighbors(queries, n_neighbors, kernel=kernel, step=step,
                                           normalized=normalized, return_distance=False)
             title = (f"{n_neighbors} nearest under the "
-                     f"{_kernel_label(kernel, step, normalized, len(net.trajectory))}")
+                     f"{_kernel_label(kernel, step, normalized, net.trajectory.steps)}")
         disp = cls(X, y, anchors, neighbors, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend)
 
@@ -1069,8 +1074,7 @@ class TangentEmbeddingDisplay:
                 E = TSNE(n_components=2, metric="precomputed", init="random",
                          perplexity=perplexity, random_state=random_state).fit_transform(D)
         name = _METHOD_NAMES[resolved]
-        step_shown = step % len(net.trajectory)
-        title = f"tangent features at recorded step {step_shown} ({name})"
+        title = f"tangent features at {_point_label(step, net.trajectory.steps)} ({name})"
         disp = cls(E, y=y, method=name, title=title)
         return disp.plot(ax=ax, cmap=cmap, legend=legend, **scatter_kw)
 

@@ -26,6 +26,7 @@ from skpathkernel import (
     PathKernelMachine,
     PathRecorder,
 )
+from skpathkernel.datasets import make_circle
 from skpathkernel.plotting import (
     KernelEvolutionDisplay,
     KernelMatrixDisplay,
@@ -841,3 +842,22 @@ def test_string_classes_and_a_two_output_regressor_against_references():
     F = F / np.linalg.norm(F, axis=1, keepdims=True)  # K_hat's features
     U, S, _ = np.linalg.svd(F - F.mean(0), full_matrices=False)
     np.testing.assert_allclose(np.abs(embedding), np.abs(U[:, :2] * S[:2]), atol=1e-9)
+
+
+def test_titles_name_the_recorded_point_and_its_optimizer_step():
+    """With record_every=3 point 3 is optimizer step 9 (the x-axes count optimizer
+    steps): the titles said "recorded step 3"."""
+    X, y = make_circle(n_samples=40, random_state=0)
+    clf = PathKernelClassifier(hidden_layer_sizes=(4,), batch_size=40, max_iter=10, tol=None,
+                               record_every=3, random_state=0).fit(X, y)
+    # Full batch: one step per epoch, points at steps 0, 3, 6, 9 and the last, 10.
+    for step, expected in ((3, "recorded point 3 (optimizer step 9)"),
+                           (-1, "recorded point 4 (optimizer step 10)")):
+        titles = [
+            KernelMatrixDisplay.from_estimator(clf, X, y, step=step).ax_.get_title(),
+            KernelNeighborsDisplay.from_estimator(clf, X[:1], n_neighbors=5,
+                                                  step=step).ax_.get_title(),
+            TangentEmbeddingDisplay.from_estimator(clf, X, y, step=step,
+                                                   method="pca").ax_.get_title(),
+        ]
+        assert all(expected in t for t in titles), titles

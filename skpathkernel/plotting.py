@@ -102,6 +102,17 @@ def _check_display_labels(display_labels, y):
                          "each row, to draw them.")
 
 
+def _check_class_colours(y, scatter_kw):
+    """Refuse a colour of the user's where the points are coloured by class: matplotlib
+    refused ``c`` only after the embedding was computed, and ``color`` drew over it."""
+    clash = sorted({"c", "color"} & set(scatter_kw))
+    if y is not None and clash:
+        raise ValueError(
+            f"{clash[0]}= conflicts with the colouring by class of y: choose the class "
+            "colours with cmap, or pass y=None to colour the points yourself."
+        )
+
+
 # Inputs with more values than this are named by their index in legends, not spelled out.
 _SPELLED_OUT = 4
 
@@ -627,7 +638,8 @@ class KernelEvolutionDisplay:
         elif labels is None:
             labels = [f"y_{j}" for j in range(len(self.Y))]
         self.lines_ = [
-            ax.plot(self.steps, values[:, j], label=labels[j], **line_kw)[0]
+            # The user's label wins (scikit-learn's displays let keywords override).
+            ax.plot(self.steps, values[:, j], **{"label": labels[j], **line_kw})[0]
             for j in range(values.shape[1])
         ]
         ax.set_xlabel("optimizer step")
@@ -973,6 +985,7 @@ class TangentEmbeddingDisplay:
         check_matplotlib_support("TangentEmbeddingDisplay.plot")
         import matplotlib as mpl
 
+        _check_class_colours(self.y, scatter_kw)
         ax, fig = _axes(ax)
         E = np.asarray(self.embedding)
         kw = {"s": 10, **scatter_kw}
@@ -1043,6 +1056,7 @@ class TangentEmbeddingDisplay:
         X = net.check(X)
         if y is not None:
             y = _labels(y, X.shape[0])
+        _check_class_colours(y, scatter_kw)
         resolved = _resolve_method(method)
         # Kernel PCA needs two points to have a direction; t-SNE a perplexity (at least
         # 2, the one chosen below) under the number of points.

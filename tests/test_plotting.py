@@ -861,3 +861,18 @@ def test_titles_name_the_recorded_point_and_its_optimizer_step():
                                                    method="pca").ax_.get_title(),
         ]
         assert all(expected in t for t in titles), titles
+
+
+def test_keywords_that_clash_with_the_displays_own_fail_early_or_win(circle, monkeypatch):
+    """A colour of the user's where the embedding colours by class is refused before
+    the embedding is computed; a line label of the user's is drawn (it raised)."""
+    clf, X, y = circle
+    monkeypatch.setattr("skpathkernel.plotting.KernelPCA", None)  # must not be reached
+    for key in ("c", "color"):
+        with pytest.raises(ValueError, match=f"{key}= conflicts with the colouring"):
+            TangentEmbeddingDisplay.from_estimator(clf, X, y, method="pca", **{key: "red"})
+    monkeypatch.undo()
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X, method="pca", color="red")
+    assert np.allclose(disp.scatter_.get_facecolors()[:, :3], [1, 0, 0])
+    disp = KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], label="mine")
+    assert [line.get_label() for line in disp.lines_] == ["mine", "mine"]

@@ -27,6 +27,7 @@ from skpathkernel._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
+from skpathkernel.rules import layer_routes
 
 RTOL = 1e-10
 
@@ -426,6 +427,47 @@ def test_token_ids_through_every_entry_point():
         tangent_gram(module, params, X, X.double())
     with pytest.raises(ValueError, match=r"shape \(n, 5\)"):
         tangent_gram(module, params, X, X[:, :4])
+
+
+class _SparseTokens(nn.Module):
+    """``sparse=True`` lookups, on their rule (an Embedding) or the fallback (a bag)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, sparse=True, padding_idx=0)
+        self.bag = nn.EmbeddingBag(7, 3, mode="sum", sparse=True)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids).mean(1) + self.bag(ids)))
+
+
+def _sparse_loop(module, X):
+    """(n, C, P) by the autograd loop, the sparse gradients made dense."""
+    params = list(module.parameters())
+    rows = []
+    for x in X:
+        out = module(x[None]).reshape(-1)
+        rows.append(torch.stack([torch.cat([g.to_dense().reshape(-1) for g in torch.autograd.grad(
+            out[c], params, retain_graph=True)]) for c in range(out.shape[0])]))
+    return torch.stack(rows)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_sparse_embedding_gradients_are_read_densely():
+    # autograd hands a sparse=True lookup's gradient as a sparse tensor: the rules' own
+    # autograd check reshaped it (RuntimeError), and so did the fallback's loop.
+    torch.manual_seed(0)
+    module = _SparseTokens().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    X, Y = _ids(4)(4, g), _ids(4)(3, g)
+    X[0, 0] = 0  # the padding row is read
+    J, JY = _sparse_loop(module, X), _sparse_loop(module, Y)
+    assert [r.route for r in layer_routes(module, X)] == ["rule", "fallback", "rule"]
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", J, JY))
+    _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", J, J) / 2)
 
 
 # ------------------------------------------------------------------- the refusals

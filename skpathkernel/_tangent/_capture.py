@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import grad_times, param_numel, split_constant_inputs
-from ._generic import per_sample_jacobian
+from ._generic import per_sample_jacobian, strided
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
 
@@ -769,6 +769,7 @@ def _numerical_misfits(
                else None)
     if batched is not None:
         # (C, ...) per parameter: the outputs' sides at once.
+        batched = [strided(g) for g in batched]
         seen = [torch.zeros_like(rule) if g is None
                 else g.reshape(len(seeds), -1) if factors[name][1] is None
                 else g.reshape(len(seeds), rule.shape[1], -1) @ probes[name]
@@ -778,6 +779,7 @@ def _numerical_misfits(
             grads = torch.autograd.grad(seed, wrt, retain_graph=i < len(seeds) - 1,
                                         allow_unused=True)[:len(covered)]
             for rows, name, g, rule in zip(seen, covered, grads, rules):
+                g = strided(g)
                 if g is None:
                     rows.append(torch.zeros_like(rule[0]))
                 else:

@@ -19,7 +19,7 @@ Any other layer with parameters uses an exact ``torch.func`` fallback, which for
 per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimators warn
 (:class:`FallbackWarning`) when fallback layers hold a large share of the parameters, and
 :func:`register_rule` adds a rule for your own layer (see the user guide, "Custom
-layers"; :func:`check_rule` checks it against ``torch.func``).
+layers"; :func:`check_rule` checks it against plain autograd).
 """
 
 from ._tangent import (

@@ -4,7 +4,7 @@
 reports each layer that holds parameters: its route, its parameter count, and why it falls
 back. :func:`warn_on_fallback` turns a large fallback share into one warning (the
 estimators call it once per fit). :func:`check_rule` compares the engine against
-``torch.func`` per-sample Jacobians, for a user who has just written a rule.
+per-sample Jacobians by plain autograd, for a user who has just written a rule.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call
 
 from .._modules import copy_module
 from .._path._training import _DRAWS as DRAWS
 from .._path._training import mode_dependent_layers
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
+from ._generic import _looped
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES
 
@@ -252,11 +253,14 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
 
 
 def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
-    """Check the engine's tangent features and Gram of ``module`` against ``torch.func``.
+    """Check the engine's tangent features and Gram of ``module`` against autograd.
 
-    The reference is the per-sample Jacobian by ``vmap(jacrev)`` of the whole network in
-    float64, which no rule touches. Use it after :func:`register_rule`: the layers with
-    rules are then computed from their factors, and must agree.
+    The reference is the per-sample Jacobian of the whole network in float64 by plain
+    autograd, one backward pass per sample and output on that sample alone, which no rule
+    touches (not ``torch.func``: its ``vmap(jacrev)`` of ``nn.PReLU`` raises, or is wrong
+    when the samples are as many as the outputs, in torch 2.13). Use it after
+    :func:`register_rule`: the layers with rules are then computed from their factors,
+    and must agree.
 
     Parameters
     ----------
@@ -299,11 +303,10 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
         raise AssertionError(f"The factors of {', '.join(rejected)} {why}: the engine sends "
                              "these layers to the fallback.")
 
-    def f(p, x):
-        return functional_call(ref, p, (x.unsqueeze(0),)).reshape(-1)
-
-    jac = vmap(jacrev(f), in_dims=(None, 0))(params, X)
-    J = torch.cat([jac[k].reshape(X.shape[0], jac[k].shape[1], -1) for k in params], dim=2)
+    with torch.no_grad():
+        n_outputs = functional_call(ref, params, (X[:1],)).reshape(1, -1).shape[1]
+    jac = _looped(ref, {}, params, X, torch.arange(n_outputs, device=X.device))
+    J = torch.cat([jac[k].reshape(X.shape[0], n_outputs, -1) for k in params], dim=2)
     phi = tangent_features(ref, params, X, output="full")
     K = tangent_gram(ref, params, X, output="full")
     errors = [float((phi - J).abs().max() / J.abs().max().clamp_min(1e-300)),
@@ -313,6 +316,6 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     if not error <= rtol:
         ruled = [f"{r.name} ({r.type})" for r in routes if r.route == "rule"]
         raise AssertionError(
-            f"The engine differs from torch.func by {error:.3g} (relative), more than "
+            f"The engine differs from autograd by {error:.3g} (relative), more than "
             f"rtol={rtol:g}. Layers on their rules: {', '.join(ruled) or 'none'}.")
     return error

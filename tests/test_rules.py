@@ -470,6 +470,35 @@ def test_sparse_embedding_gradients_are_read_densely():
     _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", J, J) / 2)
 
 
+class _Int32Lookups(nn.Module):
+    """Token and position lookups by int32 ids, which F.embedding takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(7, 3, padding_idx=1), nn.Embedding(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], dtype=torch.int32).expand(len(ids), -1)
+        h = self.emb(ids.to(torch.int32)) + self.pos(positions)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_embedding_rule_takes_int32_ids(dtype):
+    # The rule's one-hot factor (F.one_hot) took int64 ids only: a RuntimeError.
+    torch.manual_seed(0)
+    module = _Int32Lookups().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    X, Y = (_ids(4)(n, g).to(dtype) for n in (4, 3))
+    X[0, 0] = 1  # the padding row is read
+    J, JY = jacobian_loop(module, X), jacobian_loop(module, Y)
+    assert [r.route for r in layer_routes(module, X)] == ["rule"] * 3
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", J, JY))
+
+
 # ------------------------------------------------------------------- the refusals
 def test_train_mode_batch_norm_is_refused_naming_the_layer():
     module, params, X, _ = _make("batch_norm2d", 2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from _reference import jacobian_loop
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from skpathkernel import PathKernelMachine
 from skpathkernel._tangent import RULES, capture, tangent_features, tangent_gram
@@ -140,6 +141,33 @@ def test_check_rule_passes_prelu_whatever_the_samples_and_outputs(n, C):
     phi = tangent_features(module, params, X, output="full")
     assert float((phi - J).abs().max() / J.abs().max()) < 1e-12
     assert check_rule(module, X, rtol=1e-12) < 1e-12
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_routes_name_a_parametrization_as_the_reason_it_falls_back(registered):
+    """A weight-normed layer's class is torch's ParametrizedLinear: the reason told the
+    user to register nn.Linear's rule for it, which reads the weight the parametrization
+    computes and falls back all the same (numbers exact either way); and its parameters'
+    holder was "a raw nn.Parameter used in its forward"."""
+    torch.manual_seed(0)
+    net = nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 4)), nn.Tanh(),
+                        nn.Linear(4, 2)).double()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    routes = layer_routes(net, X)
+    assert [(r.name, r.route) for r in routes] == [
+        ("0", "fallback"), ("0.parametrizations.weight", "fallback"), ("2", "rule")]
+    assert routes[0].reason.startswith("a parametrization (torch.nn.utils.parametrize")
+    assert "computes weight from other parameters" in routes[0].reason
+    assert routes[1].reason.startswith("the parameters of a parametrization")
+    assert all("register_rule" not in r.reason and "raw nn.Parameter" not in r.reason
+               for r in routes)
+    # Following the old advice changes nothing: the layer still falls back, exactly.
+    registered(type(net[0]), get_rule(nn.Linear))
+    assert layer_routes(net, X)[0].route == "fallback"
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    J = jacobian_loop(net, X)
+    phi = tangent_features(net, params, X, output="full")
+    assert float((phi - J).abs().max() / J.abs().max()) < 1e-12
 
 
 def test_a_rule_with_wrong_sizes_is_named(registered):

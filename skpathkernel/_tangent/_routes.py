@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 from .._modules import copy_module
 from .._path._training import _DRAWS as DRAWS
@@ -117,6 +118,15 @@ def _as_input(module: nn.Module, X) -> torch.Tensor:
 
 def _no_rule_reason(layer: nn.Module) -> str:
     kind = type(layer)
+    if isinstance(layer, parametrize.ParametrizationList):
+        return ("the parameters of a parametrization (torch.nn.utils.parametrize), from which "
+                "it computes its layer's tensor; no rule covers them")
+    if parametrize.is_parametrized(layer):
+        # Its class is torch's Parametrized subclass: registering the base type's rule
+        # for it would not help, its own call reads a computed tensor, not a parameter.
+        return (f"a parametrization (torch.nn.utils.parametrize: weight_norm, spectral_norm, "
+                f"...) computes {', '.join(layer.parametrizations)} from other parameters, "
+                "which no rule covers")
     base = next((t for t in RULES if isinstance(layer, t)), None)
     if base is not None:
         return (f"no rule for {kind.__name__}: rules match exact types, and {base.__name__}'s "

@@ -15,6 +15,7 @@ import pytest
 import torch
 from _reference import jacobian_loop
 from torch import nn
+from torch.nn import functional as F
 
 from skpathkernel._tangent import (
     _gram,
@@ -513,6 +514,42 @@ def test_train_mode_batch_norm_is_refused_naming_the_layer():
     module.body[1].running_mean = module.body[1].running_var = None  # batch statistics
     with pytest.raises(ValueError, match="keeps no running statistics"):
         tangent_gram(module, params, X)
+
+
+class _FunctionalBatchNorm(nn.Module):
+    """A meta-learning model's batch norm: ``F.batch_norm`` with or without the batch's
+    statistics."""
+
+    def __init__(self, training):
+        super().__init__()
+        self.training_stats = training
+        self.conv, self.head = nn.Conv1d(2, 3, 3), nn.Linear(12, 2)
+        self.w, self.b = nn.Parameter(torch.rand(3) + 0.5), nn.Parameter(torch.randn(3))
+        self.register_buffer("mean", torch.randn(3))
+        self.register_buffer("var", torch.rand(3) + 0.5)
+
+    def forward(self, x):
+        h = F.batch_norm(self.conv(x), self.mean, self.var, self.w, self.b,
+                         training=self.training_stats)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def test_functional_batch_statistics_are_refused():
+    # F.batch_norm(training=True) mixes the samples: the Gram was 10% off the per-sample
+    # loop's, silently (nn.BatchNorm layers in training mode were refused already).
+    torch.manual_seed(0)
+    X = torch.randn(5, 2, 6, dtype=torch.float64)
+    module = _FunctionalBatchNorm(training=True).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    for call in (lambda: tangent_gram(module, params, X),
+                 lambda: tangent_features(module, params, X),
+                 lambda: tangent_gram_diag(module, params, X),
+                 lambda: layer_routes(module, X)):
+        with pytest.raises(ValueError, match="batch_norm has training=True"):
+            call()
+    module.training_stats = False  # running statistics: per sample, and exact
+    J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
 class _ConvReadOutside(nn.Module):

@@ -66,6 +66,26 @@ FREQ_SCALED = ("scale_grad_by_freq=True: its backward divides each row's gradien
                "scale_grad_by_freq=False.")
 
 
+# Batch normalisation by the batch's own statistics (``training=True``), called as a
+# function (a meta-learning model's ``F.batch_norm(h, None, None, w, b, training=True)``):
+# that flag's position in each function's arguments. nn.BatchNorm layers are refused
+# before the forward pass (:func:`check_per_sample`).
+_BATCH_STATS = {F.batch_norm: 5, torch.batch_norm: 5}
+
+
+def _refuse_batch_statistics(func, args, kwargs) -> None:
+    """Refuse a batch-norm call (``func`` one of ``_BATCH_STATS``'s) with ``training=True``:
+    a sample's output then depends on the other samples of the batch, and no per-sample
+    gradient describes the network."""
+    i = _BATCH_STATS[func]
+    if kwargs.get("training", args[i] if len(args) > i else False):
+        raise ValueError(
+            f"A call of {getattr(func, '__name__', func)} has training=True: it normalises "
+            "with the statistics of the batch, which mixes the samples, so per-sample "
+            "gradients do not describe the network. Normalise with running statistics "
+            "(training=False) before computing kernels or features.")
+
+
 def _refuse_frequency_scaling(func, args, kwargs) -> None:
     """Refuse a lookup call (``func`` one of ``_FREQ_FLAG``'s) with the flag, whatever
     table it reads: a parameter, a tensor computed from one (``self.table * 2``), or a
@@ -335,6 +355,8 @@ class _UseWatch(TorchFunctionMode):
         # forward passes here: a membership test, not a function call, on each.
         if func in _FREQ_FLAG:
             _refuse_frequency_scaling(func, args, kwargs)
+        elif func in _BATCH_STATS:
+            _refuse_batch_statistics(func, args, kwargs)
         if free:
             if not owned:
                 return self._free_call(func, args, kwargs, free)

@@ -170,6 +170,22 @@ def test_routes_name_a_parametrization_as_the_reason_it_falls_back(registered):
     assert float((phi - J).abs().max() / J.abs().max()) < 1e-12
 
 
+@pytest.mark.parametrize(("X", "error", "match"), [
+    (torch.empty(0, 3), ValueError, r"non-empty array of shape \(n_samples, \.\.\.\)"),
+    (np.zeros((0, 3)), ValueError, r"got shape \(0, 3\)"),
+    (torch.tensor(1.0), ValueError, r"got shape \(\)"),
+    (torch.ones(2, 3, dtype=torch.complex128), TypeError, "real numbers or integer token ids"),
+    (np.ones((2, 3), dtype=bool), TypeError, "got torch.bool"),
+])
+def test_routes_and_check_refuse_inputs_the_engine_refuses(X, error, match):
+    # Empty X failed in a reshape of the probe's forward pass (a raw RuntimeError);
+    # complex and boolean X were cast to int64 token ids.
+    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    for call in (layer_routes, check_rule):
+        with pytest.raises(error, match=match):
+            call(module, X)
+
+
 def test_a_rule_with_wrong_sizes_is_named(registered):
     def too_wide(layer, use, deltas, names):
         (x,), (delta,) = use.inputs, deltas

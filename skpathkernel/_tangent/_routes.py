@@ -106,11 +106,20 @@ class LayerRoute(NamedTuple):
 
 
 def _as_input(module: nn.Module, X) -> torch.Tensor:
-    """X as the module takes it: float in the parameters' dtype, integers as int64."""
+    """X as the module takes it: float in the parameters' dtype, integers as int64.
+
+    Refused as the engine refuses it (:func:`._gram._prepare`): no samples (the probe's
+    forward pass failed in a reshape), complex or boolean values (cast to int64 ids).
+    """
     ref = next(module.parameters(), None)
     dtype = ref.dtype if ref is not None else torch.get_default_dtype()
     device = ref.device if ref is not None else torch.device("cpu")
     X = X if isinstance(X, torch.Tensor) else torch.as_tensor(np.asarray(X))
+    if X.ndim < 1 or X.shape[0] == 0:
+        raise ValueError("X must be a non-empty array of shape (n_samples, ...), got shape "
+                         f"{tuple(X.shape)}.")
+    if X.is_complex() or X.dtype == torch.bool:
+        raise TypeError(f"X must hold real numbers or integer token ids, got {X.dtype}.")
     if X.is_floating_point():
         return X.to(device=device, dtype=dtype)
     return X.to(device=device, dtype=torch.int64)

@@ -186,6 +186,40 @@ def test_routes_and_check_refuse_inputs_the_engine_refuses(X, error, match):
             call(module, X)
 
 
+class _Encoder(nn.Module):
+    """A batch-first wrapper of an encoder layer of either layout."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.enc = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.enc(x) if self.batch_first else self.enc(x.transpose(0, 1)).transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_encoder_layer_routes_are_as_the_guide_says():
+    """The guide and the rules' module say which layout of nn.TransformerEncoderLayer is
+    structured end to end: they claimed every layout was."""
+    torch.manual_seed(0)
+    X = torch.randn(4, 5, 8, dtype=torch.float64)
+    routes = layer_routes(_Encoder(batch_first=True).double().eval(), X)
+    assert {r.route for r in routes} == {"rule"}
+    module = _Encoder(batch_first=False).double().eval()
+    routes = {r.name: r for r in layer_routes(module, X)}
+    assert routes["enc.self_attn"].route == routes["head"].route == "rule"
+    for name in ("enc.linear1", "enc.linear2", "enc.norm1", "enc.norm2"):
+        assert routes[name].route == "fallback"
+        assert routes[name].reason == "the rows of its input are not the samples"
+    assert check_rule(module, X, rtol=1e-10) < 1e-10  # exact all the same
+    guide = (Path(__file__).resolve().parent.parent
+             / "docs/user_guide/custom_layers.rst").read_text()
+    assert "``nn.TransformerEncoderLayer`` (``batch_first=True``" in guide
+
+
 def test_a_rule_with_wrong_sizes_is_named(registered):
     def too_wide(layer, use, deltas, names):
         (x,), (delta,) = use.inputs, deltas

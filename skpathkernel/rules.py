@@ -9,8 +9,10 @@ and ``delta`` its backprop. The engine contracts these factors directly and neve
 the Jacobian where that is cheaper. Built-in rules cover ``nn.Linear`` (inputs of any
 rank), ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``,
 ``nn.GroupNorm``, ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode,
-``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` is structured end to end)
-and ``nn.PReLU``.
+``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` with ``batch_first=True`` is
+structured end to end; with torch's default ``batch_first=False`` its feed-forward layers
+and norms read sequence-first ``(S, n, d)`` tensors, whose rows are not the samples, and
+fall back) and ``nn.PReLU``.
 A raw ``nn.Parameter`` that no such layer holds is structured when the forward pass
 reads it once in an elementwise ``x + P``, ``x * P`` or ``P.expand(...)`` broadcast over
 the samples (class tokens, position embeddings, LayerScale gains): its per-sample
@@ -19,7 +21,7 @@ Any other layer with parameters uses an exact ``torch.func`` fallback, which for
 per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimators warn
 (:class:`FallbackWarning`) when fallback layers hold a large share of the parameters, and
 :func:`register_rule` adds a rule for your own layer (see the user guide, "Custom
-layers"; :func:`check_rule` checks it against ``torch.func``).
+layers"; :func:`check_rule` checks it against plain autograd).
 """
 
 from ._tangent import (

@@ -15,6 +15,7 @@ import pytest
 import torch
 from _reference import jacobian_loop
 from torch import nn
+from torch.nn import functional as F
 
 from skpathkernel._tangent import (
     _gram,
@@ -27,6 +28,7 @@ from skpathkernel._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
+from skpathkernel.rules import layer_routes
 
 RTOL = 1e-10
 
@@ -428,6 +430,76 @@ def test_token_ids_through_every_entry_point():
         tangent_gram(module, params, X, X[:, :4])
 
 
+class _SparseTokens(nn.Module):
+    """``sparse=True`` lookups, on their rule (an Embedding) or the fallback (a bag)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, sparse=True, padding_idx=0)
+        self.bag = nn.EmbeddingBag(7, 3, mode="sum", sparse=True)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids).mean(1) + self.bag(ids)))
+
+
+def _sparse_loop(module, X):
+    """(n, C, P) by the autograd loop, the sparse gradients made dense."""
+    params = list(module.parameters())
+    rows = []
+    for x in X:
+        out = module(x[None]).reshape(-1)
+        rows.append(torch.stack([torch.cat([g.to_dense().reshape(-1) for g in torch.autograd.grad(
+            out[c], params, retain_graph=True)]) for c in range(out.shape[0])]))
+    return torch.stack(rows)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_sparse_embedding_gradients_are_read_densely():
+    # autograd hands a sparse=True lookup's gradient as a sparse tensor: the rules' own
+    # autograd check reshaped it (RuntimeError), and so did the fallback's loop.
+    torch.manual_seed(0)
+    module = _SparseTokens().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    X, Y = _ids(4)(4, g), _ids(4)(3, g)
+    X[0, 0] = 0  # the padding row is read
+    J, JY = _sparse_loop(module, X), _sparse_loop(module, Y)
+    assert [r.route for r in layer_routes(module, X)] == ["rule", "fallback", "rule"]
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", J, JY))
+    _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", J, J) / 2)
+
+
+class _Int32Lookups(nn.Module):
+    """Token and position lookups by int32 ids, which F.embedding takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(7, 3, padding_idx=1), nn.Embedding(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], dtype=torch.int32).expand(len(ids), -1)
+        h = self.emb(ids.to(torch.int32)) + self.pos(positions)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_embedding_rule_takes_int32_ids(dtype):
+    # The rule's one-hot factor (F.one_hot) took int64 ids only: a RuntimeError.
+    torch.manual_seed(0)
+    module = _Int32Lookups().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    X, Y = (_ids(4)(n, g).to(dtype) for n in (4, 3))
+    X[0, 0] = 1  # the padding row is read
+    J, JY = jacobian_loop(module, X), jacobian_loop(module, Y)
+    assert [r.route for r in layer_routes(module, X)] == ["rule"] * 3
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", J, JY))
+
+
 # ------------------------------------------------------------------- the refusals
 def test_train_mode_batch_norm_is_refused_naming_the_layer():
     module, params, X, _ = _make("batch_norm2d", 2)
@@ -442,6 +514,42 @@ def test_train_mode_batch_norm_is_refused_naming_the_layer():
     module.body[1].running_mean = module.body[1].running_var = None  # batch statistics
     with pytest.raises(ValueError, match="keeps no running statistics"):
         tangent_gram(module, params, X)
+
+
+class _FunctionalBatchNorm(nn.Module):
+    """A meta-learning model's batch norm: ``F.batch_norm`` with or without the batch's
+    statistics."""
+
+    def __init__(self, training):
+        super().__init__()
+        self.training_stats = training
+        self.conv, self.head = nn.Conv1d(2, 3, 3), nn.Linear(12, 2)
+        self.w, self.b = nn.Parameter(torch.rand(3) + 0.5), nn.Parameter(torch.randn(3))
+        self.register_buffer("mean", torch.randn(3))
+        self.register_buffer("var", torch.rand(3) + 0.5)
+
+    def forward(self, x):
+        h = F.batch_norm(self.conv(x), self.mean, self.var, self.w, self.b,
+                         training=self.training_stats)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def test_functional_batch_statistics_are_refused():
+    # F.batch_norm(training=True) mixes the samples: the Gram was 10% off the per-sample
+    # loop's, silently (nn.BatchNorm layers in training mode were refused already).
+    torch.manual_seed(0)
+    X = torch.randn(5, 2, 6, dtype=torch.float64)
+    module = _FunctionalBatchNorm(training=True).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    for call in (lambda: tangent_gram(module, params, X),
+                 lambda: tangent_features(module, params, X),
+                 lambda: tangent_gram_diag(module, params, X),
+                 lambda: layer_routes(module, X)):
+        with pytest.raises(ValueError, match="batch_norm has training=True"):
+            call()
+    module.training_stats = False  # running statistics: per sample, and exact
+    J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
 class _ConvReadOutside(nn.Module):

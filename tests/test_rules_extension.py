@@ -9,6 +9,7 @@ import pytest
 import torch
 from _reference import jacobian_loop
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from skpathkernel import PathKernelMachine
 from skpathkernel._tangent import RULES, capture, tangent_features, tangent_gram
@@ -119,8 +120,104 @@ def test_check_rule_fails_a_nan_gram(monkeypatch):
     assert check_rule(module, X) < 1e-10
     monkeypatch.setattr(routes, "tangent_gram",
                         lambda *a, **k: torch.full_like(tangent_gram(*a, **k), float("nan")))
-    with pytest.raises(AssertionError, match="differs from torch.func by nan"):
+    with pytest.raises(AssertionError, match="differs from autograd by nan"):
         check_rule(module, X)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize(("n", "C"), [(2, 2), (3, 3), (4, 2), (3, 1)])
+def test_check_rule_passes_prelu_whatever_the_samples_and_outputs(n, C):
+    """nn.PReLU's rule is exact (against the autograd loop here), and check_rule says so:
+    its reference was torch.func's vmap(jacrev), which for prelu returns wrong numbers
+    when the samples are as many as the outputs (the check blamed the rules by 0.2-0.5)
+    and raises otherwise (a RuntimeError of torch)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv1d(2, 4, 3), nn.PReLU(4), nn.Flatten(), nn.Linear(16, 4),
+                           nn.PReLU(), nn.Linear(4, C)).double()
+    X = torch.randn(n, 2, 6, dtype=torch.float64)
+    assert [r.route for r in layer_routes(module, X)] == ["rule"] * 5
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    J = jacobian_loop(module, X)
+    phi = tangent_features(module, params, X, output="full")
+    assert float((phi - J).abs().max() / J.abs().max()) < 1e-12
+    assert check_rule(module, X, rtol=1e-12) < 1e-12
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_routes_name_a_parametrization_as_the_reason_it_falls_back(registered):
+    """A weight-normed layer's class is torch's ParametrizedLinear: the reason told the
+    user to register nn.Linear's rule for it, which reads the weight the parametrization
+    computes and falls back all the same (numbers exact either way); and its parameters'
+    holder was "a raw nn.Parameter used in its forward"."""
+    torch.manual_seed(0)
+    net = nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 4)), nn.Tanh(),
+                        nn.Linear(4, 2)).double()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    routes = layer_routes(net, X)
+    assert [(r.name, r.route) for r in routes] == [
+        ("0", "fallback"), ("0.parametrizations.weight", "fallback"), ("2", "rule")]
+    assert routes[0].reason.startswith("a parametrization (torch.nn.utils.parametrize")
+    assert "computes weight from other parameters" in routes[0].reason
+    assert routes[1].reason.startswith("the parameters of a parametrization")
+    assert all("register_rule" not in r.reason and "raw nn.Parameter" not in r.reason
+               for r in routes)
+    # Following the old advice changes nothing: the layer still falls back, exactly.
+    registered(type(net[0]), get_rule(nn.Linear))
+    assert layer_routes(net, X)[0].route == "fallback"
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    J = jacobian_loop(net, X)
+    phi = tangent_features(net, params, X, output="full")
+    assert float((phi - J).abs().max() / J.abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize(("X", "error", "match"), [
+    (torch.empty(0, 3), ValueError, r"non-empty array of shape \(n_samples, \.\.\.\)"),
+    (np.zeros((0, 3)), ValueError, r"got shape \(0, 3\)"),
+    (torch.tensor(1.0), ValueError, r"got shape \(\)"),
+    (torch.ones(2, 3, dtype=torch.complex128), TypeError, "real numbers or integer token ids"),
+    (np.ones((2, 3), dtype=bool), TypeError, "got torch.bool"),
+])
+def test_routes_and_check_refuse_inputs_the_engine_refuses(X, error, match):
+    # Empty X failed in a reshape of the probe's forward pass (a raw RuntimeError);
+    # complex and boolean X were cast to int64 token ids.
+    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    for call in (layer_routes, check_rule):
+        with pytest.raises(error, match=match):
+            call(module, X)
+
+
+class _Encoder(nn.Module):
+    """A batch-first wrapper of an encoder layer of either layout."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.enc = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.enc(x) if self.batch_first else self.enc(x.transpose(0, 1)).transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_encoder_layer_routes_are_as_the_guide_says():
+    """The guide and the rules' module say which layout of nn.TransformerEncoderLayer is
+    structured end to end: they claimed every layout was."""
+    torch.manual_seed(0)
+    X = torch.randn(4, 5, 8, dtype=torch.float64)
+    routes = layer_routes(_Encoder(batch_first=True).double().eval(), X)
+    assert {r.route for r in routes} == {"rule"}
+    module = _Encoder(batch_first=False).double().eval()
+    routes = {r.name: r for r in layer_routes(module, X)}
+    assert routes["enc.self_attn"].route == routes["head"].route == "rule"
+    for name in ("enc.linear1", "enc.linear2", "enc.norm1", "enc.norm2"):
+        assert routes[name].route == "fallback"
+        assert routes[name].reason == "the rows of its input are not the samples"
+    assert check_rule(module, X, rtol=1e-10) < 1e-10  # exact all the same
+    guide = (Path(__file__).resolve().parent.parent
+             / "docs/user_guide/custom_layers.rst").read_text()
+    assert "``nn.TransformerEncoderLayer`` (``batch_first=True``" in guide
 
 
 def test_a_rule_with_wrong_sizes_is_named(registered):

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import grad_times, param_numel, split_constant_inputs
-from ._generic import per_sample_jacobian
+from ._generic import per_sample_jacobian, strided
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
 
@@ -64,6 +64,26 @@ FREQ_SCALED = ("scale_grad_by_freq=True: its backward divides each row's gradien
                "of the forward pass (and mixes the samples), so tangent features, kernels "
                "and decompositions, which need d f / d theta, would be wrong. Use "
                "scale_grad_by_freq=False.")
+
+
+# Batch normalisation by the batch's own statistics (``training=True``), called as a
+# function (a meta-learning model's ``F.batch_norm(h, None, None, w, b, training=True)``):
+# that flag's position in each function's arguments. nn.BatchNorm layers are refused
+# before the forward pass (:func:`check_per_sample`).
+_BATCH_STATS = {F.batch_norm: 5, torch.batch_norm: 5}
+
+
+def _refuse_batch_statistics(func, args, kwargs) -> None:
+    """Refuse a batch-norm call (``func`` one of ``_BATCH_STATS``'s) with ``training=True``:
+    a sample's output then depends on the other samples of the batch, and no per-sample
+    gradient describes the network."""
+    i = _BATCH_STATS[func]
+    if kwargs.get("training", args[i] if len(args) > i else False):
+        raise ValueError(
+            f"A call of {getattr(func, '__name__', func)} has training=True: it normalises "
+            "with the statistics of the batch, which mixes the samples, so per-sample "
+            "gradients do not describe the network. Normalise with running statistics "
+            "(training=False) before computing kernels or features.")
 
 
 def _refuse_frequency_scaling(func, args, kwargs) -> None:
@@ -335,6 +355,8 @@ class _UseWatch(TorchFunctionMode):
         # forward passes here: a membership test, not a function call, on each.
         if func in _FREQ_FLAG:
             _refuse_frequency_scaling(func, args, kwargs)
+        elif func in _BATCH_STATS:
+            _refuse_batch_statistics(func, args, kwargs)
         if free:
             if not owned:
                 return self._free_call(func, args, kwargs, free)
@@ -769,6 +791,7 @@ def _numerical_misfits(
                else None)
     if batched is not None:
         # (C, ...) per parameter: the outputs' sides at once.
+        batched = [strided(g) for g in batched]
         seen = [torch.zeros_like(rule) if g is None
                 else g.reshape(len(seeds), -1) if factors[name][1] is None
                 else g.reshape(len(seeds), rule.shape[1], -1) @ probes[name]
@@ -778,6 +801,7 @@ def _numerical_misfits(
             grads = torch.autograd.grad(seed, wrt, retain_graph=i < len(seeds) - 1,
                                         allow_unused=True)[:len(covered)]
             for rows, name, g, rule in zip(seen, covered, grads, rules):
+                g = strided(g)
                 if g is None:
                     rows.append(torch.zeros_like(rule[0]))
                 else:

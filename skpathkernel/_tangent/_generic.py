@@ -24,7 +24,7 @@ from torch.func import functional_call, jacrev, vmap
 
 from .._memory import rows_per_block
 
-__all__ = ["per_sample_jacobian"]
+__all__ = ["per_sample_jacobian", "strided"]
 
 
 def per_sample_jacobian(
@@ -104,9 +104,15 @@ def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
                           if out.requires_grad else [None] * len(live)
                           for c in range(len(index))]
         for j, (k, p) in enumerate(live.items()):
-            rows[k].append(torch.stack([torch.zeros_like(p) if g[j] is None else g[j]
+            rows[k].append(torch.stack([torch.zeros_like(p) if g[j] is None else strided(g[j])
                                         for g in per_output]))
     return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def strided(g: torch.Tensor | None) -> torch.Tensor | None:
+    """``g`` as a dense tensor: autograd hands an embedding's ``sparse=True`` gradient as a
+    sparse COO tensor, which cannot be reshaped or stacked with dense ones."""
+    return g if g is None or g.layout == torch.strided else g.to_dense()
 
 
 def _agrees(batched: dict[str, torch.Tensor], first: dict[str, torch.Tensor]) -> bool:

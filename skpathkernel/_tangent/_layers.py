@@ -132,7 +132,8 @@ def _embedding_factors(layer, use, deltas, names):
     weight = _arg(use, 1, "weight")
     n_rows = weight.shape[0]
     n, C = delta.shape[:2]
-    onehot = F.one_hot(index.reshape(n, -1), n_rows).to(weight.dtype)
+    # F.embedding takes int32 ids too; F.one_hot only int64.
+    onehot = F.one_hot(index.reshape(n, -1).long(), n_rows).to(weight.dtype)
     padding_idx = _arg(use, 2, "padding_idx")
     if padding_idx is not None:
         onehot[..., padding_idx % n_rows] = 0  # F.embedding gives that row no gradient

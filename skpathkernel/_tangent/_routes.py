@@ -4,7 +4,7 @@
 reports each layer that holds parameters: its route, its parameter count, and why it falls
 back. :func:`warn_on_fallback` turns a large fallback share into one warning (the
 estimators call it once per fit). :func:`check_rule` compares the engine against
-``torch.func`` per-sample Jacobians, for a user who has just written a rule.
+per-sample Jacobians by plain autograd, for a user who has just written a rule.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 from .._modules import copy_module
 from .._path._training import _DRAWS as DRAWS
 from .._path._training import mode_dependent_layers
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
+from ._generic import _looped
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES
 
@@ -104,11 +106,20 @@ class LayerRoute(NamedTuple):
 
 
 def _as_input(module: nn.Module, X) -> torch.Tensor:
-    """X as the module takes it: float in the parameters' dtype, integers as int64."""
+    """X as the module takes it: float in the parameters' dtype, integers as int64.
+
+    Refused as the engine refuses it (:func:`._gram._prepare`): no samples (the probe's
+    forward pass failed in a reshape), complex or boolean values (cast to int64 ids).
+    """
     ref = next(module.parameters(), None)
     dtype = ref.dtype if ref is not None else torch.get_default_dtype()
     device = ref.device if ref is not None else torch.device("cpu")
     X = X if isinstance(X, torch.Tensor) else torch.as_tensor(np.asarray(X))
+    if X.ndim < 1 or X.shape[0] == 0:
+        raise ValueError("X must be a non-empty array of shape (n_samples, ...), got shape "
+                         f"{tuple(X.shape)}.")
+    if X.is_complex() or X.dtype == torch.bool:
+        raise TypeError(f"X must hold real numbers or integer token ids, got {X.dtype}.")
     if X.is_floating_point():
         return X.to(device=device, dtype=dtype)
     return X.to(device=device, dtype=torch.int64)
@@ -116,6 +127,15 @@ def _as_input(module: nn.Module, X) -> torch.Tensor:
 
 def _no_rule_reason(layer: nn.Module) -> str:
     kind = type(layer)
+    if isinstance(layer, parametrize.ParametrizationList):
+        return ("the parameters of a parametrization (torch.nn.utils.parametrize), from which "
+                "it computes its layer's tensor; no rule covers them")
+    if parametrize.is_parametrized(layer):
+        # Its class is torch's Parametrized subclass: registering the base type's rule
+        # for it would not help, its own call reads a computed tensor, not a parameter.
+        return (f"a parametrization (torch.nn.utils.parametrize: weight_norm, spectral_norm, "
+                f"...) computes {', '.join(layer.parametrizations)} from other parameters, "
+                "which no rule covers")
     base = next((t for t in RULES if isinstance(layer, t)), None)
     if base is not None:
         return (f"no rule for {kind.__name__}: rules match exact types, and {base.__name__}'s "
@@ -252,11 +272,14 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
 
 
 def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
-    """Check the engine's tangent features and Gram of ``module`` against ``torch.func``.
+    """Check the engine's tangent features and Gram of ``module`` against autograd.
 
-    The reference is the per-sample Jacobian by ``vmap(jacrev)`` of the whole network in
-    float64, which no rule touches. Use it after :func:`register_rule`: the layers with
-    rules are then computed from their factors, and must agree.
+    The reference is the per-sample Jacobian of the whole network in float64 by plain
+    autograd, one backward pass per sample and output on that sample alone, which no rule
+    touches (not ``torch.func``: its ``vmap(jacrev)`` of ``nn.PReLU`` raises, or is wrong
+    when the samples are as many as the outputs, in torch 2.13). Use it after
+    :func:`register_rule`: the layers with rules are then computed from their factors,
+    and must agree.
 
     Parameters
     ----------
@@ -299,11 +322,10 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
         raise AssertionError(f"The factors of {', '.join(rejected)} {why}: the engine sends "
                              "these layers to the fallback.")
 
-    def f(p, x):
-        return functional_call(ref, p, (x.unsqueeze(0),)).reshape(-1)
-
-    jac = vmap(jacrev(f), in_dims=(None, 0))(params, X)
-    J = torch.cat([jac[k].reshape(X.shape[0], jac[k].shape[1], -1) for k in params], dim=2)
+    with torch.no_grad():
+        n_outputs = functional_call(ref, params, (X[:1],)).reshape(1, -1).shape[1]
+    jac = _looped(ref, {}, params, X, torch.arange(n_outputs, device=X.device))
+    J = torch.cat([jac[k].reshape(X.shape[0], n_outputs, -1) for k in params], dim=2)
     phi = tangent_features(ref, params, X, output="full")
     K = tangent_gram(ref, params, X, output="full")
     errors = [float((phi - J).abs().max() / J.abs().max().clamp_min(1e-300)),
@@ -313,6 +335,6 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     if not error <= rtol:
         ruled = [f"{r.name} ({r.type})" for r in routes if r.route == "rule"]
         raise AssertionError(
-            f"The engine differs from torch.func by {error:.3g} (relative), more than "
+            f"The engine differs from autograd by {error:.3g} (relative), more than "
             f"rtol={rtol:g}. Layers on their rules: {', '.join(ruled) or 'none'}.")
     return error

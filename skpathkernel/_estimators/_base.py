@@ -583,7 +583,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         hidden = self.hidden_layer_sizes
         hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
         # Plain ints keep the spec readable by skops without trusting NumPy scalar types.
-        hidden = [int(h) if isinstance(h, numbers.Integral) else h for h in hidden]
+        # A bool is kept as it is, for _build_module to refuse: int(True) built a width-1
+        # layer silently.
+        hidden = [int(h) if isinstance(h, numbers.Integral) and not isinstance(h, bool)
+                  else h for h in hidden]
         return {"module": self.module, "hidden_layer_sizes": hidden,
                 "activation": self.activation}
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
 
 __all__ = [
+    "forked_rng",
     "resolve_device",
     "resolve_dtype",
     "seeded_torch",
@@ -67,6 +69,22 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+# torch's global generators are the process's, shared by its threads: two fits on threads
+# (joblib's threading backend, a multi-threaded Dask worker) seeding and drawing from them
+# at once took each other's draws (another initialization for the same random_state), and
+# a fork's restore rewound the other's generator mid-draw. Every fork here holds this lock
+# (reentrant: a seeded construction may run a forked probe).
+_RNG_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def forked_rng(devices=()):
+    """:func:`torch.random.fork_rng` of ``devices`` (CUDA devices; the CPU's always),
+    one thread of this process at a time."""
+    with _RNG_LOCK, torch.random.fork_rng(devices=list(devices)):
+        yield
+
+
 @contextlib.contextmanager
 def seeded_torch(seed: int, device: torch.device):
     """Run a block with torch's global RNG seeded, then restore the caller's RNG state.
@@ -75,7 +93,7 @@ def seeded_torch(seed: int, device: torch.device):
     gives reproducible initializations without changing the user's global random state.
     """
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with forked_rng(devices):
         # The generators that are forked, not torch.manual_seed's: it seeds every CUDA
         # device (and MPS, XPU), of which only ``device`` is restored, so a fit (one on
         # the CPU too) left the caller's other generators reseeded for good.

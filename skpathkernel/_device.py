@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
 
 __all__ = [
+    "forked_rng",
     "resolve_device",
     "resolve_dtype",
     "seeded_torch",
@@ -67,23 +69,62 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+# torch's global generators are the process's, shared by its threads: two fits on threads
+# (joblib's threading backend, a multi-threaded Dask worker) seeding and drawing from them
+# at once took each other's draws (another initialization for the same random_state), and
+# a fork's restore rewound the other's generator mid-draw. Every fork here holds this lock
+# (reentrant: a seeded construction may run a forked probe); a long one (the training)
+# holds it to seed and to restore only.
+_RNG_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
-def seeded_torch(seed: int, device: torch.device):
+def forked_rng(devices=()):
+    """:func:`torch.random.fork_rng` of ``devices`` (CUDA devices; the CPU's always),
+    one thread of this process at a time."""
+    with _RNG_LOCK, torch.random.fork_rng(devices=list(devices)):
+        yield
+
+
+def _seed(seed: int, device: torch.device) -> None:
+    # The generators that are forked, not torch.manual_seed's: it seeds every CUDA
+    # device (and MPS, XPU), of which only ``device`` is restored, so a fit (one on
+    # the CPU too) left the caller's other generators reseeded for good.
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
     """Run a block with torch's global RNG seeded, then restore the caller's RNG state.
 
     Module constructors draw their initial weights from the global generator; forking it
     gives reproducible initializations without changing the user's global random state.
+    ``exclusive``: the block runs alone among this process's forks (a construction, whose
+    draws are then those of ``seed`` whatever other threads do). False, for a long block
+    (the training, which draws only from a layer that draws): only the seeding and the
+    restoring are, so that concurrent fits still train concurrently; the block's draws
+    may then interleave with another thread's non-exclusive ones.
     """
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        # The generators that are forked, not torch.manual_seed's: it seeds every CUDA
-        # device (and MPS, XPU), of which only ``device`` is restored, so a fit (one on
-        # the CPU too) left the caller's other generators reseeded for good.
-        torch.random.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
+    if exclusive:
+        with forked_rng(devices):
+            _seed(seed, device)
+            yield
+        return
+    with _RNG_LOCK:
+        cpu_state = torch.get_rng_state()
+        device_states = [torch.cuda.get_rng_state(d) for d in devices]
+        _seed(seed, device)
+    try:
         yield
+    finally:
+        with _RNG_LOCK:
+            torch.set_rng_state(cpu_state)
+            for d, state in zip(devices, device_states):
+                torch.cuda.set_rng_state(state, d)
 
 
 @contextlib.contextmanager

@@ -1065,8 +1065,12 @@ class TangentEmbeddingDisplay:
             raise ValueError(f"A {_METHOD_NAMES[resolved]} embedding needs at least {n_min} "
                              f"samples, got {X.shape[0]}.")
         K = step_kernel(net, X, step=step, normalized=True)
+        # set_output(transform="default") on each: under a global
+        # set_config(transform_output="pandas") the embedding (documented an ndarray)
+        # came back a DataFrame of KernelPCA's / TSNE's column names.
         if resolved == "pca":
-            E = KernelPCA(n_components=2, kernel="precomputed").fit_transform(K)
+            E = KernelPCA(n_components=2, kernel="precomputed").set_output(
+                transform="default").fit_transform(K)
         else:
             D = np.sqrt(np.clip(2.0 - 2.0 * K, 0.0, None))
             np.fill_diagonal(D, 0.0)
@@ -1086,7 +1090,8 @@ class TangentEmbeddingDisplay:
             else:
                 perplexity = float(min(30.0, max(2.0, (X.shape[0] - 1) / 3)))
                 E = TSNE(n_components=2, metric="precomputed", init="random",
-                         perplexity=perplexity, random_state=random_state).fit_transform(D)
+                         perplexity=perplexity, random_state=random_state).set_output(
+                    transform="default").fit_transform(D)
         name = _METHOD_NAMES[resolved]
         title = f"tangent features at {_point_label(step, net.trajectory.steps)} ({name})"
         disp = cls(E, y=y, method=name, title=title)

@@ -283,6 +283,9 @@ BAD_PARAMS = [
     (dict(hidden_layer_sizes="wide"), ALL, "'hidden_layer_sizes' parameter"),
     (dict(hidden_layer_sizes=(0,)), ALL, r"hidden_layer_sizes must contain positive integers"),
     (dict(hidden_layer_sizes=(2.5,)), ALL, r"hidden_layer_sizes must contain positive integers"),
+    # int(True) built a width-1 layer silently, unlike hidden_layer_sizes=True (refused).
+    (dict(hidden_layer_sizes=(8, True)), ALL,
+     r"hidden_layer_sizes must contain positive integers"),
     (dict(method="x"), ("OODRankDetector",), "'method' parameter"),
     (dict(rtol=0.0), ("OODRankDetector",), "'rtol' parameter"),
     (dict(n_neighbors=0), ("OODRankDetector",), "'n_neighbors' parameter"),

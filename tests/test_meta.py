@@ -19,6 +19,7 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV
 from sklearn.pipeline import make_pipeline
+from sklearn.utils import get_tags
 from sklearn.utils.multiclass import type_of_target
 
 from skpathkernel import (
@@ -156,6 +157,10 @@ def test_tangent_features_of_a_frozen_trainer_need_no_y(circle):
     # A trainer that is trained needs y: sklearn's error, not a TypeError.
     with pytest.raises(ValueError, match="requires y.*FrozenEstimator"):
         TangentFeatures(PathKernelClassifier(**SMALL)).fit(X)
+    # The tags say so as fit does: requires_y claimed y for a frozen trainer too.
+    assert not get_tags(TangentFeatures(FrozenEstimator(clf))).target_tags.required
+    assert get_tags(TangentFeatures(PathKernelClassifier(**SMALL))).target_tags.required
+    assert get_tags(TangentFeatures()).target_tags.required
 
 
 def test_grid_search_reaches_the_network_through_estimator(circle):

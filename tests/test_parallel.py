@@ -295,3 +295,67 @@ def test_verbs_with_threaded_n_jobs_do_not_wait_on_their_own_lock():
         # Other row blocks sum in another order: float64 round-off (the residual scores,
         # 1 - cos^2 near 0, to 1e-9 of their unit scale).
         assert_allclose(got[name], value, rtol=1e-10, atol=1e-9)
+
+
+def test_fits_on_threads_are_their_serial_fits():
+    # A fit seeds torch's global generator for the module's initial weights: fits on
+    # threads (joblib's threading backend, a multi-threaded Dask worker) took each
+    # other's draws, and a fork's restore rewound another fit's generator, so the same
+    # random_state trained another network (decision values off by 1.3 in a threaded
+    # GridSearchCV). Each fit is compared with the same fit run alone.
+    X, y = _data(40)
+    labels = (y > np.median(y)).astype(int)
+    calls = {
+        f"seed{seed}": (lambda seed=seed: PathKernelClassifier(
+            hidden_layer_sizes=(64, 64), max_iter=2, tol=None, dtype="float64",
+            device="cpu", random_state=seed).fit(X, labels).decision_function(X))
+        for seed in range(4)}
+    worst, errors = _in_threads(calls, n_threads=8, rounds=6)
+    assert errors == []
+    assert max(worst.values()) == 0.0, worst
+
+
+def test_fits_on_threads_train_at_once():
+    # The seeded sections of fits are exclusive for the construction only: one fit's
+    # training (seeded, for a layer that draws) must not hold the others back.
+    import threading
+
+    training, released = threading.Event(), threading.Event()
+    timed_out = []
+
+    def wait(grad):
+        training.set()
+        if not released.wait(10):
+            timed_out.append(grad)
+        return grad
+
+    class Waiting(torch.nn.Module):
+        """A linear model whose backward passes (training steps, not the probes) wait
+        until the other fit has finished."""
+
+        def __init__(self, n_features_in, n_outputs):
+            super().__init__()
+            self.linear = torch.nn.Linear(n_features_in, n_outputs)
+
+        def forward(self, x):
+            out = self.linear(x)
+            if out.requires_grad:
+                out.register_hook(wait)
+            return out
+
+    X, y = _data(20)
+    first = PathKernelMachine(module=Waiting, max_iter=2, tol=None, random_state=0,
+                              device="cpu")
+    thread = threading.Thread(target=first.fit, args=(X, y), daemon=True)
+    thread.start()
+    try:
+        assert training.wait(10)
+        PathKernelMachine(hidden_layer_sizes=(4,), max_iter=2, tol=None, random_state=0,
+                          device="cpu").fit(X, y)
+        # Done while the first fit's step still waits for it (no wait timed out).
+        waited = bool(timed_out)
+    finally:
+        released.set()
+        thread.join(30)
+    assert not waited, "the second fit waited for the first one's training"
+    assert hasattr(first, "network_")

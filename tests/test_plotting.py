@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
+import sklearn
 import torch
 from _reference import jacobian_loop, module_at
 from sklearn.decomposition import KernelPCA
@@ -414,6 +415,18 @@ def test_tangent_embedding_pca_equals_kernel_pca_of_loop_gram(circle):
         np.testing.assert_allclose(sign * disp.embedding[:, j], expected[:, j], atol=1e-7)
     assert "kernel PCA" in disp.ax_.get_title()
     assert "step 0" in disp.ax_.get_title()
+
+
+@pytest.mark.parametrize("method", ["pca", "tsne"])
+def test_tangent_embedding_is_an_array_under_a_global_pandas_output(circle, method):
+    """set_config(transform_output="pandas") made the documented ndarray a DataFrame."""
+    clf, X, y = circle
+    disp = TangentEmbeddingDisplay.from_estimator(clf, X[:20], y[:20], method=method)
+    with sklearn.config_context(transform_output="pandas"):
+        under_pandas = TangentEmbeddingDisplay.from_estimator(clf, X[:20], y[:20],
+                                                              method=method)
+    assert type(under_pandas.embedding) is np.ndarray
+    np.testing.assert_array_equal(under_pandas.embedding, disp.embedding)
 
 
 def test_tangent_embedding_auto_names_its_method(circle):

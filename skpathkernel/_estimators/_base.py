@@ -583,7 +583,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         hidden = self.hidden_layer_sizes
         hidden = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
         # Plain ints keep the spec readable by skops without trusting NumPy scalar types.
-        hidden = [int(h) if isinstance(h, numbers.Integral) else h for h in hidden]
+        # A bool is kept as it is, for _build_module to refuse: int(True) built a width-1
+        # layer silently.
+        hidden = [int(h) if isinstance(h, numbers.Integral) and not isinstance(h, bool)
+                  else h for h in hidden]
         return {"module": self.module, "hidden_layer_sizes": hidden,
                 "activation": self.activation}
 
@@ -878,8 +881,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                        each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
         # The draws of a layer that draws in training mode (dropout, which trains with a
         # warning) come from torch's global generator: seeded, as random_state promises,
-        # and forked, so that fit leaves the caller's random state as it was.
-        with bar as tick, limit_torch_threads(threads), seeded_torch(seed + 1, X_t.device):
+        # and forked, so that fit leaves the caller's random state as it was. Not
+        # exclusive: fits on threads train at once (their constructions are exclusive).
+        with bar as tick, limit_torch_threads(threads), \
+                seeded_torch(seed + 1, X_t.device, exclusive=False):
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

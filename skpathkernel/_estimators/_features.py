@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 from sklearn.base import ClassifierMixin, TransformerMixin
 from sklearn.exceptions import DataDimensionalityWarning
+from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import SVC
 from sklearn.utils import check_random_state
@@ -273,7 +274,9 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.target_tags.required = True
+        # As fit: y trains the trainer, and a frozen one takes fit(X) without it.
+        tags.target_tags.required = self._y_required(
+            isinstance(self.estimator, FrozenEstimator))
         return tags
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from sklearn.utils.validation import check_array, validate_data
 
-from .._device import to_input_tensor
+from .._device import forked_rng, to_input_tensor
 from .._modules import copy_module
 
 __all__ = [
@@ -332,7 +332,7 @@ def _ids_on_host(module: torch.nn.Module, ids: np.ndarray) -> bool:
     if host is module:
         return False
     try:
-        with torch.random.fork_rng(devices=[]):
+        with forked_rng():
             _run(host, torch.as_tensor(ids))
     except IndexError:
         raise

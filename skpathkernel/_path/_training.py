@@ -26,6 +26,7 @@ from torch.func import functional_call
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
+from .._device import forked_rng
 from .._modules import copy_module, norm_hooks
 from .._warnings import caller_stacklevel
 from ._losses import Loss
@@ -229,7 +230,7 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     devices = []
     if x.device.type == "cuda":
         devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), forked_rng(devices):
         first, second = probe(x), probe(x)
     if not isinstance(first, torch.Tensor) or not first.numel():
         return
@@ -612,7 +613,7 @@ def _initial_loss(module, names, params, theta0, X, Y, loss, B, sample_weight) -
         theta0.split([p.numel() for p in params]), params))))
     devices = [X.device] if X.device.type == "cuda" else []
     total = weight = 0.0
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), forked_rng(devices):
         for start in range(0, X.shape[0], B):
             xb, yb = X[start : start + B], Y[start : start + B]
             out = functional_call(module, values, (xb,)).reshape(len(xb), -1)

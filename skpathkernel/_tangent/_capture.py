@@ -38,6 +38,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from .._device import forked_rng
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import grad_times, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
@@ -203,7 +204,7 @@ def check_functional_lookups(module: torch.nn.Module, params: Mapping[str, torch
     module that draws at random draws from torch's generators, whose states are
     restored."""
     devices = [X.device] if X.device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), _FrequencyWatch():
+    with torch.no_grad(), forked_rng(devices), _FrequencyWatch():
         functional_call(module, dict(params), (X,))
 
 

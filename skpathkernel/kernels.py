@@ -399,8 +399,8 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     ----------
     trajectory : Trajectory
         A recorded path, e.g. a fitted estimator's ``trajectory_``.
-    start : int, default=0
-        First recorded point of the range.
+    start : int or None, default=0
+        First recorded point of the range (None: the first).
     stop : int or None, default=None
         End of the range (excluded); None runs to the last point with a step leaving it.
     memory : {"discrete", "continuous"}, default="discrete"
@@ -425,6 +425,9 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     [(0, 0.1), (1, 0.1), (2, 0.1)]
     """
     _check_memory(memory)
+    # A bool would slice as 0 or 1, silently.
+    check_index(start, "start", allow_none=True)
+    check_index(stop, "stop", allow_none=True)
     steps = np.asarray(trajectory.steps)
     points = range(len(trajectory) - 1)[slice(start, stop)]
     if not points:
@@ -742,7 +745,8 @@ class _NetworkKernel(Kernel):
         _check_normalized(self.normalized, _check_output(self.output))
         for name in ("step", "start", "stop"):
             if hasattr(self, name):
-                check_index(getattr(self, name), name, allow_none=name == "stop")
+                # start and stop are a slice's bounds: None as in range(n)[None:stop].
+                check_index(getattr(self, name), name, allow_none=name != "step")
 
     def __call__(self, X, Y=None, eval_gradient=False):
         """Return the kernel ``k(X, Y)`` and, optionally, its (empty) gradient.

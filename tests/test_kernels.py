@@ -490,3 +490,20 @@ def test_path_kernel_weighs_group_step_sizes_where_momentum_carries_the_gradient
         J = torch.from_numpy(jacobian_loop(net, X.numpy())[:, 0].numpy())
         ref = ref + ((J * (W * D[s])) @ J.T).numpy()
     _close(PathKernel(rec.as_estimator(X, y), **kw)(X.numpy()), ref, rtol=1e-12)
+
+
+def test_path_kernel_range_bounds_are_a_slices():
+    """start and stop are documented as "int or None" with slice semantics: start=None
+    was refused ("start must be an int, got None."), and path_weights took a bool start
+    or stop for 0 or 1 silently."""
+    est, X = _fit()
+    n_points = len(est.trajectory_) - 1
+    np.testing.assert_array_equal(PathKernel(est, start=None)(X), PathKernel(est)(X))
+    np.testing.assert_array_equal(PathKernel(est, start=None, stop=2).diag(X),
+                                  PathKernel(est, start=0, stop=2).diag(X))
+    assert [k for k, _ in path_weights(est.trajectory_, None, None)] == list(range(n_points))
+    for bounds in ({"start": True}, {"stop": False}, {"start": 1.0}, {"stop": "2"}):
+        with pytest.raises(TypeError, match="must be an int or None"):
+            path_weights(est.trajectory_, **bounds)
+    with pytest.raises(TypeError, match="start must be an int or None"):
+        PathKernel(est, start=True)(X)

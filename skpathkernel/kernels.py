@@ -229,8 +229,9 @@ def _tensors(net: TrainedNetwork, X, Y):
     return Xt, Yt
 
 
-def _step_setup(net: TrainedNetwork, point, output, preconditioned):
-    """Parameters at one recorded point and the engine's keyword arguments."""
+def _step_setup(net: TrainedNetwork, point, output, preconditioned, scales=None):
+    """Parameters at one recorded point and the engine's keyword arguments (``scales``:
+    the parameter groups' step size scales of the point, see :func:`_point_diagonal`)."""
     traj = net.trajectory
     check_index(point, "step")
     point = int(point)
@@ -241,7 +242,7 @@ def _step_setup(net: TrainedNetwork, point, output, preconditioned):
     weight = None
     if preconditioned and len(traj) > 1:
         # The last point has no step leaving it; it takes the last recorded state.
-        D = traj.preconditioner(min(point, len(traj) - 2))
+        D = _point_diagonal(traj, min(point, len(traj) - 2), scales)
         weight = None if D is None else D.to(device=net.torch_device, dtype=net.torch_dtype)
     kw = dict(output=output, diag_weight=weight, memory_budget=net.memory_budget)
     return net.module, params, kw
@@ -272,7 +273,7 @@ def step_kernel(
         In the form of the estimator's training inputs, or flat rows of
         ``n_features_in_`` values each.
     Y : array-like of shape (n_samples_Y, n_features) or (n_samples_Y, ...), default=None
-        ``None`` means ``Y = X`` (and uses the symmetry).
+        ``None`` (or ``X`` itself) means ``Y = X`` (and uses the symmetry).
     step : int, default=-1
         Recorded point of ``estimator.trajectory_`` (negative indices count from the end).
     output : "trace", "full" or int, default="trace"
@@ -308,8 +309,9 @@ def step_kernel(
     # Fitted first, as scikit-learn's estimators check: an unfitted kernel is the problem
     # whatever X is.
     net = network_of(estimator)
-    X = _validate(estimator, net, X)
-    Y = None if Y is None else _validate(estimator, net, Y, "Y")
+    X_in, X = X, _validate(estimator, net, X)
+    # Y is X: K(X, X) from its symmetry, as the kernels' call takes it.
+    Y = None if Y is None or Y is X_in else _validate(estimator, net, Y, "Y")
     with module_lock(net.module):
         return _step_gram(net, X, Y, step, output, preconditioned, normalized)
 
@@ -398,8 +400,8 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     ----------
     trajectory : Trajectory
         A recorded path, e.g. a fitted estimator's ``trajectory_``.
-    start : int, default=0
-        First recorded point of the range.
+    start : int or None, default=0
+        First recorded point of the range (None: the first).
     stop : int or None, default=None
         End of the range (excluded); None runs to the last point with a step leaving it.
     memory : {"discrete", "continuous"}, default="discrete"
@@ -424,6 +426,9 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     [(0, 0.1), (1, 0.1), (2, 0.1)]
     """
     _check_memory(memory)
+    # A bool would slice as 0 or 1, silently.
+    check_index(start, "start", allow_none=True)
+    check_index(stop, "stop", allow_none=True)
     steps = np.asarray(trajectory.steps)
     points = range(len(trajectory) - 1)[slice(start, stop)]
     if not points:
@@ -440,24 +445,71 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     return [(k, float(W[steps[k] - begin : steps[k + 1] - begin].sum())) for k in points]
 
 
+def _carried_scales(trajectory, weights, memory) -> dict[int, np.ndarray] | None:
+    """The parameter groups' step size scales with which the path kernel weighs each
+    point of ``weights`` (a whole range's :func:`path_weights`), or None where they are
+    the point's own :meth:`~skpathkernel.Trajectory.step_size_scales` (no parameter
+    groups, no momentum, "continuous" memory, or groups whose ratios do not change).
+
+    Through momentum or Adam's first moment, a gradient moves the parameters in the
+    updates of later steps, each taken at that step's own group step sizes: group ``g``
+    gives the gradients of point ``k`` the total weight ``W_gk`` of
+    :func:`_step_memory_weights` with every step's ``coef_t`` and ``direct_t`` times
+    its group scale ``r_gt``, and its scale is ``W_gk / w_k``. The point's own scales
+    ``r_gk`` instead were 0.16 off on a momentum-0.7 SGD path whose two groups followed
+    different ``LambdaLR`` schedules (against the optimizer's replayed weights).
+    Entry ``k``: the ``(n_groups,)`` scales of point ``k``.
+    """
+    group_lrs = getattr(trajectory, "_group_lrs", None)
+    if memory != "discrete" or group_lrs is None or not weights:
+        return None
+    coef, momentum, direct = trajectory.step_coefficients(direct=True)
+    points = [k for k, _ in weights]
+    lrs = np.asarray(trajectory.learning_rates, dtype=np.float64)[:, None]
+    # Each point's group step sizes over learning_rates[k], as step_size_scales has them.
+    ratios = np.divide(group_lrs, lrs, out=np.zeros_like(group_lrs), where=lrs != 0)
+    if not momentum or np.all(ratios[points] == ratios[points[0]]):
+        return None
+    steps = np.asarray(trajectory.steps)
+    begin, end = int(steps[points[0]]), int(steps[points[-1] + 1])
+    r = ratios[np.searchsorted(steps, np.arange(begin, end), side="right") - 1]
+    W = lfilter([1.0], [1.0, -momentum], (coef[begin:end, None] * r)[::-1], axis=0)[::-1]
+    W = (W + direct[begin:end, None] * r) * trajectory.gradient_scales[begin:end, None]
+    return {k: W[steps[k] - begin : steps[k + 1] - begin].sum(axis=0) / w if w else ratios[k]
+            for k, w in weights}
+
+
+def _point_diagonal(trajectory, k: int, scales) -> torch.Tensor | None:
+    """The path kernel's ``D_k`` at point ``k``: the optimizer's diagonal times the
+    parameter groups' ``scales`` ((n_groups,), from :func:`_carried_scales`); None:
+    :meth:`~skpathkernel.Trajectory.preconditioner`, with the point's own scales."""
+    if scales is None:
+        return trajectory.preconditioner(k)
+    groups = list(trajectory._param_groups)
+    return trajectory._preconditioner(k, trajectory._per_parameter(scales[groups]))
+
+
 def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
-              weights=None):
+              weights=None, scales=None):
     """Weighted sums over steps of Grams and/or diagonals: memory independent of T.
 
     ``weights``: the ``(point, w_k)`` pairs to sum when the caller has them (a range of a
-    longer path, whose "discrete" weights depend on where the whole path ends).
+    longer path, whose "discrete" weights depend on where the whole path ends), and
+    ``scales`` their parameter groups' scales (:func:`_carried_scales`).
     """
     if weights is None:
         check_index(start, "start", allow_none=True)
         check_index(stop, "stop", allow_none=True)
         weights = path_weights(net.trajectory, start, stop, memory)
+        scales = _carried_scales(net.trajectory, weights, memory)
     if not weights:
         raise ValueError(
             f"The path kernel's range of recorded points [start={start}, stop={stop}) is "
             f"empty (the trajectory has {len(net.trajectory) - 1} steps to sum)."
         )
     Xt, Yt = _tensors(net, X, Y)
-    stacked = _stacked_sum(net, Xt, Yt, weights, output, gram=gram, diag=diag)
+    stacked = _stacked_sum(net, Xt, Yt, weights, output, gram=gram, diag=diag,
+                           scales=scales)
     if stacked is not None:
         return stacked
     K = dx = dy = None
@@ -470,7 +522,8 @@ def _path_sum(net, X, Y, start, stop, output, *, gram, diag, memory="discrete",
                            [Xt] if Yt is None else [Xt, Yt], output=output,
                            memory_budget=net.memory_budget)
     for k, w in weights:
-        module, params, kw = _step_setup(net, k, output, True)
+        module, params, kw = _step_setup(net, k, output, True,
+                                         None if scales is None else scales[k])
         kw.update(exclude=exclude, check_hidden=False)
         if gram:
             part = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64,
@@ -527,11 +580,13 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
     rows, what = ((net.X_fit, "training inputs") if net.X_fit is not None
                   else (X, "rows of the first call"))
     R = np.asarray(rows[:THINNING_PROBE])
+    scales = _carried_scales(traj, weights, memory)
     second = weights[1::2]
     # The pairs' first points at their second points' weights, the second points, and
     # the first points at their own weights (K_h is the last two).
     left, right, rest = (
-        _path_sum(net, R, None, None, None, output, gram=True, diag=False, weights=part)[0]
+        _path_sum(net, R, None, None, None, output, gram=True, diag=False, weights=part,
+                  scales=scales)[0]
         for part in ([(k, w) for (k, _), (_, w) in zip(weights[0::2], second)], second,
                      weights[0::2]))
     size = float((right + rest).abs().max())
@@ -542,7 +597,7 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
     return known
 
 
-def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
+def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag, scales=None):
     """The path sum over blocks of points at once (:mod:`._tangent._stacked`), for a plain
     MLP on 2-D inputs; None where that route does not apply (the step-by-step sum then
     runs)."""
@@ -582,7 +637,9 @@ def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag):
         if not weighted:
             return theta, None
         # The last point has no step leaving it; it takes the last recorded state.
-        D = torch.stack([traj.preconditioner(min(k, len(traj) - 2)) for k in points])
+        D = torch.stack([_point_diagonal(traj, min(k, len(traj) - 2),
+                                         None if scales is None else scales.get(k))
+                         for k in points])
         return theta, D.to(device, dtype)
 
     # The route rebuilds the network from its layers: its forward must be the module's.
@@ -620,19 +677,20 @@ def _split_path_sum(net, X, Y, start, stop, output, n_jobs, *, gram, diag, memor
     weights = path_weights(net.trajectory, start, stop, memory)
     if not weights:  # the serial sum says what is wrong
         return _path_sum(net, X, Y, start, stop, output, gram=gram, diag=diag)
+    scales = _carried_scales(net.trajectory, weights, memory)
     shared = net.for_workers(by_reference=by_reference(n_tasks(n_jobs, len(weights))))
     parts = map_ranges(_range_sum, len(weights), n_jobs, weights, shared, X, Y, output, gram,
-                       diag)
+                       diag, scales)
     # K, dx, dy: each the sum of the tasks' parts (None where not computed).
     return tuple(None if terms[0] is None else functools.reduce(torch.add, terms)
                  for terms in zip(*parts))
 
 
-def _range_sum(first, last, weights, net, X, Y, output, gram, diag):
+def _range_sum(first, last, weights, net, X, Y, output, gram, diag, scales=None):
     # A joblib task: its own copy of the module (concurrent tasks on threads would share
     # the network's, which the engine hooks).
     return _path_sum(net.with_own_module(), X, Y, None, None, output, gram=gram, diag=diag,
-                     weights=weights[first:last])
+                     weights=weights[first:last], scales=scales)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -688,7 +746,8 @@ class _NetworkKernel(Kernel):
         _check_normalized(self.normalized, _check_output(self.output))
         for name in ("step", "start", "stop"):
             if hasattr(self, name):
-                check_index(getattr(self, name), name, allow_none=name == "stop")
+                # start and stop are a slice's bounds: None as in range(n)[None:stop].
+                check_index(getattr(self, name), name, allow_none=name != "step")
 
     def __call__(self, X, Y=None, eval_gradient=False):
         """Return the kernel ``k(X, Y)`` and, optionally, its (empty) gradient.
@@ -699,7 +758,8 @@ class _NetworkKernel(Kernel):
             In the form of the estimator's training inputs (``input_shape_``), or flat
             rows of ``n_features_in_`` values each.
         Y : array-like of shape (n_samples_Y, n_features) or (n_samples_Y, ...), default=None
-            ``None`` evaluates ``k(X, X)``.
+            ``None`` evaluates ``k(X, X)``, as does ``X`` itself (the same object), both
+            from the symmetry of ``k``: exactly symmetric.
         eval_gradient : bool, default=False
             The kernel has no tunable hyperparameter, so the gradient with respect to
             the (empty) ``theta`` has shape ``(n_samples_X, n_samples_X, 0)``. Only
@@ -716,11 +776,15 @@ class _NetworkKernel(Kernel):
         """
         if eval_gradient and Y is not None:
             raise ValueError("Gradient can only be evaluated when Y is None.")
+        X_in = X
         self._check_params()
         _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
         X = _validate(self.estimator, net, X)
-        Y = None if Y is None else _validate(self.estimator, net, Y, "Y")
+        # Y is X (SVC's fit calls kernel(X, X)): K(X, X), symmetric, as scikit-learn's
+        # pairwise functions take it; the general route took 2.7 times as long for a
+        # path kernel and gave a Gram asymmetric by round-off (1e-7 in float32).
+        Y = None if Y is None or Y is X_in else _validate(self.estimator, net, Y, "Y")
         work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
         # The lock first: torch's thread count is global, set and restored by one call
         # at a time.
@@ -937,7 +1001,11 @@ class PathKernel(_NetworkKernel):
     ``mu`` that is ``sum_{t>=k} lr_t mu^(t-k)``; for Adam the bias-corrected first-moment
     weights, up to about 3 ``lr`` for the first steps); with ``memory="continuous"``
     Domingos' continuous-time limit ``lr_k m``, ``m = 1 / (1 - mu)`` for heavy-ball SGD
-    and 1 otherwise. The two agree for plain SGD and RMSprop. With ``record_every > 1``
+    and 1 otherwise. The two agree for plain SGD and RMSprop. Parameter groups with
+    their own step sizes (a :class:`~skpathkernel.PathRecorder` loop) scale each group's
+    part of ``D_k``: with "discrete" memory by the group's step sizes in the updates the
+    step's gradient entered, which differ from the step's own where the groups follow
+    different schedules. With ``record_every > 1``
     each recorded point stands for the steps of its interval (Riemann sum): a call
     warns, with an estimate of that sum's error (its difference from the sum at twice the
     spacing, every other point standing for its pair's steps, on the first 64 training

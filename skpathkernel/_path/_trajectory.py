@@ -630,8 +630,14 @@ class Trajectory:
         diagonal : torch.Tensor of shape (n_params,) or None
             The diagonal, None for SGD with one step size for every parameter.
         """
-        spec = self.solver_spec
         scales = self.step_size_scales(k) if self._group_lrs is not None else None
+        return self._preconditioner(k, scales)
+
+    def _preconditioner(self, k: int, scales: torch.Tensor | None) -> torch.Tensor | None:
+        """:meth:`preconditioner` with ``scales`` (P,) in place of :meth:`step_size_scales`
+        (None: the optimizer's diagonal alone): the path kernel weighs a step's gradient
+        by the step sizes of the later updates that its momentum carries it into."""
+        spec = self.solver_spec
         if spec.name == "sgd":
             return None if scales is None else scales.to(self.dtype)
         state = self.optimizer_state(k)

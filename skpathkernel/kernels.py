@@ -329,15 +329,23 @@ def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normaliz
         else:
             dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
             dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
-        K = _normalize(K, dx, dy)
+        K = _normalize(K, dx, dy, same=Yt is None)
     return to_numpy(K)
 
 
-def _normalize(K, dx, dy):
+def _normalize(K, dx, dy, same=False):
+    """``K / sqrt(dx dy^T)``; ``same``: ``K`` is ``K(X, X)`` and ``dx`` its diagonal."""
     # Zero-norm features (a dead network at x) have no direction: their rows are 0.
     sx = torch.where(dx > 0, dx.clamp_min(0).rsqrt(), torch.zeros_like(dx))
     sy = torch.where(dy > 0, dy.clamp_min(0).rsqrt(), torch.zeros_like(dy))
-    return K * sx[:, None] * sy[None, :]
+    # The scales' outer product first: s_i s_j = s_j s_i, so a symmetric K stays exactly
+    # symmetric ((K_ij s_i) s_j and (K_ji s_j) s_i round apart). Cosines lie in [-1, 1]
+    # (Cauchy-Schwarz), which rounding overstepped by an ulp, and K(X, X)'s diagonal is
+    # exactly 1 where the feature has a direction, as diag() gives it.
+    out = (K * (sx[:, None] * sy[None, :])).clamp_(-1.0, 1.0)
+    if same:
+        out.diagonal().copy_((dx > 0).to(out.dtype))
+    return out
 
 
 _MEMORY = ("discrete", "continuous")
@@ -842,12 +850,16 @@ class _NetworkKernel(Kernel):
         # normalisation here, with the same diagonals as the serial path.
         K = np.vstack(map_row_blocks(_raw_gram_rows, X, self.n_jobs, self._for_workers(),
                                      X if Y is None else Y))
+        if Y is None:
+            # Both triangles came from different blocks, rounded apart (1.5e-7 in
+            # float32): their mean is exactly symmetric, as the serial K(X) is.
+            K = (K + K.T) / 2
         if self.normalized:
             if Y is None:
                 dx = dy = K.diagonal().copy()
             else:
                 dx, dy = self._diag_blocks(X), self._diag_blocks(Y)
-            K = to_numpy(_normalize(*map(torch.from_numpy, (K, dx, dy))))
+            K = to_numpy(_normalize(*map(torch.from_numpy, (K, dx, dy)), same=Y is None))
         return K
 
     def _diag_blocks(self, X):
@@ -1139,7 +1151,7 @@ class PathKernel(_NetworkKernel):
     def _gram(self, X, Y):
         K, dx, dy = self._sum(X, Y, gram=True, diag=self.normalized)
         if self.normalized:
-            K = _normalize(K, dx, dy)
+            K = _normalize(K, dx, dy, same=Y is None)
         return to_numpy(K)
 
     def _raw_gram(self, X, Y):

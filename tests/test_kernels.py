@@ -534,3 +534,21 @@ def test_y_that_is_x_is_the_symmetric_gram(cls):
     svc = SVC(kernel=kernel).fit(X, labels)
     pre = SVC(kernel="precomputed").fit(K, labels)
     np.testing.assert_array_equal(svc.dual_coef_, pre.dual_coef_)
+
+
+@pytest.mark.parametrize("kernel", [TangentKernel, PathKernel])
+@pytest.mark.parametrize("n_jobs", [None, 2])
+def test_normalized_gram_is_a_cosine_matrix_to_the_last_bit(kernel, n_jobs):
+    """A normalized K(X) is exactly symmetric with an exact unit diagonal and entries in
+    [-1, 1] (Cauchy-Schwarz), on a float32 network, as its float64 loop reference is
+    to rounding; row blocks on two workers too (their triangles rounded apart)."""
+    est, X = _fit(solver="adam", dtype="float32")
+    X = np.vstack([X, X[:3]])  # duplicated rows: cosine 1, where rounding overstepped
+    K = kernel(est, normalized=True, n_jobs=n_jobs)(X)
+    np.testing.assert_array_equal(K, K.T)
+    np.testing.assert_array_equal(np.diag(K), 1.0)
+    assert np.abs(K).max() <= 1.0
+    if kernel is TangentKernel:
+        G = _loop_gram(est, -1, X, X)
+        d = np.sqrt(np.diag(G))
+        _close(K, G / np.outer(d, d), rtol=1e-6)

@@ -226,10 +226,13 @@ _FITTED_ATTRS_DOC = """
     best_validation_score_ : float or None
         The best of ``validation_scores_``, the model kept; None without early stopping.
     n_iter_ : int
-        Epochs run.
+        Epochs run along the recorded path: over every call that extended it (a
+        ``warm_start`` fit, each ``partial_fit``), where ``MLPClassifier`` counts the
+        last call's.
     t_ : int
-        Optimizer steps taken (``trajectory_.n_steps`` is fewer when early stopping
-        kept an earlier epoch).
+        Optimizer steps taken along the recorded path (``trajectory_.n_steps`` is fewer
+        when early stopping kept an earlier epoch); ``MLPClassifier``'s ``t_`` counts
+        the training samples seen instead.
     n_params_ : int
         Number of trainable parameters P.
     n_outputs_ : int

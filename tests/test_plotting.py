@@ -309,6 +309,18 @@ def test_kernel_evolution_spells_out_small_inputs_of_several_axes():
         "x=(" + ", ".join(f"{v:.3g}" for v in X[0].ravel().tolist()) + ")")
 
 
+def _record_full_batch_sgd(net, X, y, n_steps):
+    """A user's loop: full-batch SGD at 0.1 on the squared error, recorded."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with PathRecorder(net, opt, n_samples=len(X)) as rec:
+        for _ in range(n_steps):
+            opt.zero_grad()
+            (0.5 * (net(X) - y) ** 2).mean().backward()
+            rec.set_batch(torch.arange(len(X)))
+            opt.step()
+    return rec
+
+
 def test_kernel_evolution_of_a_recorded_token_network_without_its_inputs():
     """A network kept without its training inputs has no input form: one input of token
     ids (1-D) was read as rows and refused; it is one input."""
@@ -318,14 +330,7 @@ def test_kernel_evolution_of_a_recorded_token_network_without_its_inputs():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Flatten(),
                               torch.nn.Linear(6, 1)).double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    with PathRecorder(net, opt, n_samples=8) as rec:
-        for _ in range(2):
-            opt.zero_grad()
-            (0.5 * (net(X) - y) ** 2).mean().backward()
-            rec.set_batch(torch.arange(8))
-            opt.step()
-    recorded = rec.as_estimator()
+    recorded = _record_full_batch_sgd(net, X, y, n_steps=2).as_estimator()
     disp = KernelEvolutionDisplay.from_estimator(recorded, X[0].numpy(), X[1:4].numpy(),
                                                  normalized=False)
     J = jacobian_loop(net, X[:4].numpy())[:, 0].numpy()
@@ -791,13 +796,7 @@ def test_neighbors_of_a_recorded_network():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
                               torch.nn.Linear(4, 1)).double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    with PathRecorder(net, opt, n_samples=12) as rec:
-        for _ in range(3):
-            opt.zero_grad()
-            (0.5 * (net(X) - target) ** 2).mean().backward()
-            rec.set_batch(torch.arange(12))
-            opt.step()
+    rec = _record_full_batch_sgd(net, X, target, n_steps=3)
     recorded = rec.as_estimator(X, target)
     labels = np.arange(12) % 3
     anchors = np.array([[0.3, -0.2], [-0.5, 0.4]])

@@ -694,3 +694,32 @@ def test_any_row_order_is_a_permutation_of_the_flat_rows():
     # One position, or a constant input, keeps the flat order.
     assert row_order(Term(term.delta[:, :, :1], [("w", a[:, :1])]), a[:, :1]) == "flat"
     assert row_order(term, None) == "flat"
+
+
+@pytest.mark.parametrize("kind", ["instance_norm", "spectral_norm"])
+def test_layers_that_move_buffers_in_training_mode_are_refused(kind):
+    """A tracking InstanceNorm or a spectral normalisation in training mode moves its
+    buffers at every forward pass: the routes' and kernels' passes rewrote the user's
+    running statistics / singular vectors (fit and PathRecorder refuse them already).
+    In eval mode they are fixed per-sample functions, exact against the loop."""
+    torch.manual_seed(0)
+    if kind == "instance_norm":
+        module = nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3, affine=True,
+                                                                     track_running_stats=True),
+                               nn.Flatten(), nn.Linear(12, 2)).double()
+    else:
+        module = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(6 * 2, 4)),
+                               nn.Tanh(), nn.Linear(4, 2)).double()
+    X = torch.randn(5, 2, 6, dtype=torch.float64)
+    if kind == "spectral_norm":
+        X = X.flatten(1)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    buffers = copy.deepcopy(dict(module.named_buffers()))
+    for call in (lambda: tangent_gram(module, params, X), lambda: layer_routes(module, X)):
+        with pytest.raises(ValueError, match="is in training mode"):
+            call()
+    for name, b in module.named_buffers():
+        assert torch.equal(b, buffers[name]), name  # refused before any forward pass
+    module.eval()
+    J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))

@@ -39,6 +39,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from .._device import forked_rng
+from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import grad_times, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
@@ -160,6 +161,16 @@ def check_per_sample(module: torch.nn.Module) -> None:
                 "normalises with the statistics of the batch, which mixes the samples, so "
                 "per-sample gradients do not describe the network. Call module.eval() (with "
                 "track_running_stats=True) before computing kernels or features.")
+    # The other layers that fit and PathRecorder refuse in training mode: per sample, but
+    # each forward pass here (layer_routes, check_rule, the kernels) would move the
+    # module's buffers (running statistics, spectral normalisation's singular vectors),
+    # and with them the function the features are taken of.
+    for name, layer, why in mode_dependent_layers(module):
+        if refused_in_mode(layer):
+            raise ValueError(
+                f"Layer {name!r} ({type(layer).__name__}) is in training mode: {why}; "
+                "computing kernels or features would change them. Call module.eval() "
+                "first.")
 
 
 def check_lookups(module: torch.nn.Module) -> None:

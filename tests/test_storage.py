@@ -1186,3 +1186,35 @@ def test_rewind_raises_an_unexpected_error_of_the_write_in_flight(error, monkeyp
     store.flush()
     for k in range(7):
         assert torch.equal(series.row(k), rows[k]), k
+
+
+_MMAP_LOAD = """
+import sys, warnings
+import joblib, numpy as np
+warnings.simplefilter("error")  # torch warns (once a process) on a read-only array
+est = joblib.load(sys.argv[1], mmap_mode="r")
+X = np.load(sys.argv[1] + ".X.npy")
+np.savez(sys.argv[1] + ".out.npz", decompose=est.decompose(X[:3]).contributions,
+         unrolled=est.attribute(X[:3], method="unrolled"), self=est.self_influence())
+"""
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_an_estimator_loaded_with_mmap_mode_explains_without_warnings(data, storage,
+                                                                      tmp_path):
+    # joblib.load(..., mmap_mode="r") hands back read-only arrays: the batches went to
+    # torch as they were, and decompose, attribute and self_influence warned that torch
+    # "does not support non-writable tensors". In a fresh process: torch warns once.
+    X, y = data
+    est = _fit(X, y, storage, solver="adam", trajectory_dir=tmp_path)
+    dump = str(tmp_path / "est.joblib")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the disk path's "Pickling references ..."
+        joblib.dump(est, dump)
+    np.save(dump + ".X.npy", X)
+    out = _python(tmp_path, _MMAP_LOAD, dump)
+    assert out.returncode == 0, out.stderr
+    got = np.load(dump + ".out.npz")
+    assert_array_equal(got["decompose"], est.decompose(X[:3]).contributions)
+    assert_array_equal(got["unrolled"], est.attribute(X[:3], method="unrolled"))
+    assert_array_equal(got["self"], est.self_influence())

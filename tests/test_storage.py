@@ -284,6 +284,27 @@ def test_pickle_references_the_directory_and_keeps_it(data):
     shutil.rmtree(directory)
 
 
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+def test_temporary_directory_goes_without_the_cyclic_collector(data, solver, tmp_path):
+    # A series and its store referenced each other: the directory of a refitted or deleted
+    # estimator stayed on disk until the cyclic garbage collector ran (fits in a loop,
+    # GridSearchCV's workers, each left its path behind meanwhile).
+    X, y = data
+    est = _fit(X, y, "disk", solver=solver, trajectory_dir=tmp_path)
+    first = est.trajectory_.directory
+    est.decompose(X[:2])
+    gc.disable()
+    try:
+        est.fit(X, y)
+        assert not os.path.exists(first)
+        second = est.trajectory_.directory
+        del est
+        assert not os.path.exists(second)
+    finally:
+        gc.enable()
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("refit", ["copy", "original", None])
 def test_deep_copies_share_the_temporary_directory_and_the_last_removes_it(data, refit,
                                                                            tmp_path):

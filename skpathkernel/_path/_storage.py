@@ -366,7 +366,10 @@ class ChunkStore:
         # when they are read (after a chdir, or in a pickle loaded elsewhere).
         self.directory = os.path.abspath(directory)
         self.chunk_rows = int(chunk_rows)
-        self.series: dict[str, Series] = {}
+        # Weak: a series references its store, and the series' holders (the path's rows,
+        # a recorder) keep them; a strong cycle left a temporary directory, which goes
+        # with the last store, on disk until the cyclic garbage collector ran.
+        self.series: weakref.WeakValueDictionary[str, Series] = weakref.WeakValueDictionary()
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
         # What the directory's removal waits for: held by this store and its deep copies.
@@ -406,7 +409,7 @@ class ChunkStore:
 
         ``release`` ends the recording: the write buffers are freed.
         """
-        for series in self.series.values():
+        for series in list(self.series.values()):
             series.flush_partial()
             if release:
                 series._buffer = series._spare = series._deltas = None
@@ -443,7 +446,8 @@ class ChunkStore:
         # Written when the path is extended: the directory, each series' folder (chunk
         # files are replaced by renames) and the training set's folder and files.
         data = os.path.join(self.directory, "data")
-        written = [self.directory, *(os.path.join(self.directory, name) for name in self.series)]
+        written = [self.directory, *(os.path.join(self.directory, name)
+                                     for name in list(self.series))]
         if os.path.isdir(data):
             written += [data, *(os.path.join(data, name) for name in os.listdir(data))]
         locked = [path for path in written if not os.access(path, os.W_OK)]
@@ -493,7 +497,7 @@ class ChunkStore:
         self.disown()
         self.directory = path
         self.failure = None
-        for series in self.series.values():
+        for series in list(self.series.values()):
             series.write_memory_chunks()
 
     def __getstate__(self):
@@ -529,7 +533,7 @@ class ChunkStore:
     def __setstate__(self, state):
         self.directory = state["directory"]
         self.chunk_rows = state["chunk_rows"]
-        self.series = {}
+        self.series = weakref.WeakValueDictionary()
         self.failure = state["failure"]
         self._lease = self._finalizer = None
         self._pending = []

@@ -260,6 +260,25 @@ def test_temporary_directory_goes_with_the_trajectory(data, tmp_path):
     assert not os.path.exists(second)
 
 
+@pytest.mark.parametrize("saved", ["original", "copy"])
+def test_a_deep_copy_follows_its_directory_when_another_copy_saves_it(data, saved,
+                                                                      tmp_path):
+    # Deep copies read one directory; saving is a rename: the copy not saved kept the old
+    # name and failed with "chunk file ... is missing".
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path / "t")
+    ref = _fit(X, y, "memory", solver="adam")
+    other = copy.deepcopy(est)
+    mover, reader = (est, other) if saved == "original" else (other, est)
+    mover.trajectory_.save(tmp_path / "saved")
+    assert reader.trajectory_.directory == os.fspath(tmp_path / "saved")
+    _assert_same_path(ref.trajectory_, reader.trajectory_)
+    assert_array_equal(reader.decompose(X[:3]).contributions, ref.decompose(X[:3]).contributions)
+    del est, other
+    gc.collect()
+    assert os.path.isdir(tmp_path / "saved")  # saved: no longer temporary
+
+
 def test_pickle_references_the_directory_and_keeps_it(data):
     X, y = data
     est = _fit(X, y, "disk", solver="adam")

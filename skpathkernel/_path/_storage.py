@@ -364,7 +364,7 @@ class ChunkStore:
     def __init__(self, directory, *, chunk_rows: int, owned: bool):
         # Absolute: the files are those named now, whatever the working directory is
         # when they are read (after a chdir, or in a pickle loaded elsewhere).
-        self.directory = os.path.abspath(directory)
+        self._place = [os.path.abspath(directory)]
         self.chunk_rows = int(chunk_rows)
         # Weak: a series references its store, and the series' holders (the path's rows,
         # a recorder) keep them; a strong cycle left a temporary directory, which goes
@@ -378,6 +378,11 @@ class ChunkStore:
                                             self._pending, os.getpid()) if owned else None)
         # The description written last: its file's identity and the path's step count.
         self._described: tuple[int, int, int, int] | None = None
+
+    @property
+    def directory(self) -> str:
+        """Where the files are: shared by deep copies, which :meth:`move` moves too."""
+        return self._place[0]
 
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
@@ -495,7 +500,7 @@ class ChunkStore:
                 os.rmdir(path)
             shutil.move(self.directory, path)
         self.disown()
-        self.directory = path
+        self._place[0] = path  # for the deep copies reading this directory too
         self.failure = None
         for series in list(self.series.values()):
             series.write_memory_chunks()
@@ -528,10 +533,13 @@ class ChunkStore:
         out.__setstate__({"directory": self.directory, "chunk_rows": self.chunk_rows,
                           "failure": self.failure, "described": self._described})
         out._lease, out._finalizer, out._pending = self._lease, self._finalizer, self._pending
+        # Its place too: a copy saved (moved) elsewhere takes the others along, which
+        # read the old place's files, gone with the rename.
+        out._place = self._place
         return out
 
     def __setstate__(self, state):
-        self.directory = state["directory"]
+        self._place = [state["directory"]]
         self.chunk_rows = state["chunk_rows"]
         self.series = weakref.WeakValueDictionary()
         self.failure = state["failure"]

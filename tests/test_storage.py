@@ -260,6 +260,25 @@ def test_temporary_directory_goes_with_the_trajectory(data, tmp_path):
     assert not os.path.exists(second)
 
 
+@pytest.mark.parametrize("saved", ["original", "copy"])
+def test_a_deep_copy_follows_its_directory_when_another_copy_saves_it(data, saved,
+                                                                      tmp_path):
+    # Deep copies read one directory; saving is a rename: the copy not saved kept the old
+    # name and failed with "chunk file ... is missing".
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path / "t")
+    ref = _fit(X, y, "memory", solver="adam")
+    other = copy.deepcopy(est)
+    mover, reader = (est, other) if saved == "original" else (other, est)
+    mover.trajectory_.save(tmp_path / "saved")
+    assert reader.trajectory_.directory == os.fspath(tmp_path / "saved")
+    _assert_same_path(ref.trajectory_, reader.trajectory_)
+    assert_array_equal(reader.decompose(X[:3]).contributions, ref.decompose(X[:3]).contributions)
+    del est, other
+    gc.collect()
+    assert os.path.isdir(tmp_path / "saved")  # saved: no longer temporary
+
+
 def test_pickle_references_the_directory_and_keeps_it(data):
     X, y = data
     est = _fit(X, y, "disk", solver="adam")
@@ -282,6 +301,27 @@ def test_pickle_references_the_directory_and_keeps_it(data):
         warnings.simplefilter("error")  # already kept: no second warning
         pickle.dumps(back)
     shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+def test_temporary_directory_goes_without_the_cyclic_collector(data, solver, tmp_path):
+    # A series and its store referenced each other: the directory of a refitted or deleted
+    # estimator stayed on disk until the cyclic garbage collector ran (fits in a loop,
+    # GridSearchCV's workers, each left its path behind meanwhile).
+    X, y = data
+    est = _fit(X, y, "disk", solver=solver, trajectory_dir=tmp_path)
+    first = est.trajectory_.directory
+    est.decompose(X[:2])
+    gc.disable()
+    try:
+        est.fit(X, y)
+        assert not os.path.exists(first)
+        second = est.trajectory_.directory
+        del est
+        assert not os.path.exists(second)
+    finally:
+        gc.enable()
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("refit", ["copy", "original", None])
@@ -1186,3 +1226,35 @@ def test_rewind_raises_an_unexpected_error_of_the_write_in_flight(error, monkeyp
     store.flush()
     for k in range(7):
         assert torch.equal(series.row(k), rows[k]), k
+
+
+_MMAP_LOAD = """
+import sys, warnings
+import joblib, numpy as np
+warnings.simplefilter("error")  # torch warns (once a process) on a read-only array
+est = joblib.load(sys.argv[1], mmap_mode="r")
+X = np.load(sys.argv[1] + ".X.npy")
+np.savez(sys.argv[1] + ".out.npz", decompose=est.decompose(X[:3]).contributions,
+         unrolled=est.attribute(X[:3], method="unrolled"), self=est.self_influence())
+"""
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_an_estimator_loaded_with_mmap_mode_explains_without_warnings(data, storage,
+                                                                      tmp_path):
+    # joblib.load(..., mmap_mode="r") hands back read-only arrays: the batches went to
+    # torch as they were, and decompose, attribute and self_influence warned that torch
+    # "does not support non-writable tensors". In a fresh process: torch warns once.
+    X, y = data
+    est = _fit(X, y, storage, solver="adam", trajectory_dir=tmp_path)
+    dump = str(tmp_path / "est.joblib")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the disk path's "Pickling references ..."
+        joblib.dump(est, dump)
+    np.save(dump + ".X.npy", X)
+    out = _python(tmp_path, _MMAP_LOAD, dump)
+    assert out.returncode == 0, out.stderr
+    got = np.load(dump + ".out.npz")
+    assert_array_equal(got["decompose"], est.decompose(X[:3]).contributions)
+    assert_array_equal(got["unrolled"], est.attribute(X[:3], method="unrolled"))
+    assert_array_equal(got["self"], est.self_influence())

@@ -364,9 +364,12 @@ class ChunkStore:
     def __init__(self, directory, *, chunk_rows: int, owned: bool):
         # Absolute: the files are those named now, whatever the working directory is
         # when they are read (after a chdir, or in a pickle loaded elsewhere).
-        self.directory = os.path.abspath(directory)
+        self._place = [os.path.abspath(directory)]
         self.chunk_rows = int(chunk_rows)
-        self.series: dict[str, Series] = {}
+        # Weak: a series references its store, and the series' holders (the path's rows,
+        # a recorder) keep them; a strong cycle left a temporary directory, which goes
+        # with the last store, on disk until the cyclic garbage collector ran.
+        self.series: weakref.WeakValueDictionary[str, Series] = weakref.WeakValueDictionary()
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
         # What the directory's removal waits for: held by this store and its deep copies.
@@ -375,6 +378,11 @@ class ChunkStore:
                                             self._pending, os.getpid()) if owned else None)
         # The description written last: its file's identity and the path's step count.
         self._described: tuple[int, int, int, int] | None = None
+
+    @property
+    def directory(self) -> str:
+        """Where the files are: shared by deep copies, which :meth:`move` moves too."""
+        return self._place[0]
 
     @classmethod
     def create(cls, parent, *, chunk_rows: int) -> ChunkStore:
@@ -406,7 +414,7 @@ class ChunkStore:
 
         ``release`` ends the recording: the write buffers are freed.
         """
-        for series in self.series.values():
+        for series in list(self.series.values()):
             series.flush_partial()
             if release:
                 series._buffer = series._spare = series._deltas = None
@@ -443,7 +451,8 @@ class ChunkStore:
         # Written when the path is extended: the directory, each series' folder (chunk
         # files are replaced by renames) and the training set's folder and files.
         data = os.path.join(self.directory, "data")
-        written = [self.directory, *(os.path.join(self.directory, name) for name in self.series)]
+        written = [self.directory, *(os.path.join(self.directory, name)
+                                     for name in list(self.series))]
         if os.path.isdir(data):
             written += [data, *(os.path.join(data, name) for name in os.listdir(data))]
         locked = [path for path in written if not os.access(path, os.W_OK)]
@@ -491,9 +500,9 @@ class ChunkStore:
                 os.rmdir(path)
             shutil.move(self.directory, path)
         self.disown()
-        self.directory = path
+        self._place[0] = path  # for the deep copies reading this directory too
         self.failure = None
-        for series in self.series.values():
+        for series in list(self.series.values()):
             series.write_memory_chunks()
 
     def __getstate__(self):
@@ -524,12 +533,15 @@ class ChunkStore:
         out.__setstate__({"directory": self.directory, "chunk_rows": self.chunk_rows,
                           "failure": self.failure, "described": self._described})
         out._lease, out._finalizer, out._pending = self._lease, self._finalizer, self._pending
+        # Its place too: a copy saved (moved) elsewhere takes the others along, which
+        # read the old place's files, gone with the rename.
+        out._place = self._place
         return out
 
     def __setstate__(self, state):
-        self.directory = state["directory"]
+        self._place = [state["directory"]]
         self.chunk_rows = state["chunk_rows"]
-        self.series = {}
+        self.series = weakref.WeakValueDictionary()
         self.failure = state["failure"]
         self._lease = self._finalizer = None
         self._pending = []

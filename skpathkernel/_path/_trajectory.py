@@ -994,6 +994,12 @@ class Trajectory:
         if not isinstance(state["_params"], DiskRows):
             state["_params"] = _to_tensor(state["_params"])
             state["_states"] = {k: _to_tensor(v) for k, v in state["_states"].items()}
+        # The per-step arrays (steps, step sizes, batches) as writable copies where the
+        # loader handed back read-only ones (joblib.load(..., mmap_mode="r")): the sweeps
+        # pass them to torch, which warns on a read-only array (it cannot protect it).
+        for key, value in state.items():
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                state[key] = np.array(value)
         for key in _EXTRAS:  # pickled before recorders set them
             state.setdefault("_" + key, None)
         self.__dict__.update(state)

@@ -710,6 +710,54 @@ def test_a_parameter_the_optimizer_skips_for_want_of_a_gradient_warns(data, make
         assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.Adam(p, lr=0.05),
+    lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.0),
+], ids=["adam", "adamw"])
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_an_adam_parameter_skipped_at_the_first_step_warns_when_it_trains(data, make_opt,
+                                                                         zero_grad):
+    """Adam counts each parameter's own steps for its bias corrections. A parameter with
+    no gradient at the first step has no state yet, so torch.optim's skip moves nothing
+    then, but from the next step on it is corrected with one step fewer than the others,
+    where the recorded path counts every step: the recorder said nothing (only
+    decompose's error did). A zero gradient instead of none keeps the counts together
+    and the record exact, as the warning advises."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
+    # Expert 1 (negative inputs) is left out at the first step only.
+    batches = [pos[:3], *(np.r_[pos[k:k + 2], neg[k:k + 2]] for k in range(4))]
+    module = _Routed().double()
+    opt = make_opt(module.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for idx in batches:
+                opt.zero_grad()
+                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                if zero_grad:
+                    for p in module.parameters():
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                rec.set_batch(idx)
+                opt.step()
+        res = rec.as_network(X, y).decompose(Xq)
+    said = [str(w.message) for w in caught if "fewer Adam steps" in str(w.message)]
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    miss = np.abs(res.reconstruction - truth).max()
+    if zero_grad:
+        assert not said
+        assert miss < 1e-12
+    else:
+        assert len(said) == 1  # once, at the first step it trains
+        assert "optimizer step 1" in said[0] and "'experts.1.0.weight'" in said[0]
+        assert "'experts.0.0.weight'" not in said[0]
+        # It matters: the decomposition misses the module's own outputs.
+        assert miss > 1e-4 * np.abs(truth - res.initial).max()
+
+
 def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):
     """An overflow that a GradScaler skips runs no step hook: the gradients its
     backward() gave stayed the reference of the next step, where a parameter that the

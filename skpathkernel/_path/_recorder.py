@@ -394,6 +394,7 @@ class PathRecorder:
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
         self._warned_skip = False  # a parameter torch.optim skipped without a gradient
+        self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
         self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._scales: list[float] = []
@@ -585,18 +586,42 @@ class PathRecorder:
 
     def _warn_skipped(self, step: int, optimizer) -> None:
         """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
-        where its rule would move it with a zero gradient."""
-        names = []
-        for name, p, g in zip(self._names, self._params, self._param_groups):
+        where its rule would move it with a zero gradient, or when Adam's count of a
+        parameter's steps fell behind at such a skip."""
+        names, behind = [], []
+        counts = self.solver_spec.name in ("adam", "adamw")
+        for i, (name, p, g) in enumerate(zip(self._names, self._params,
+                                              self._param_groups)):
             if p.grad is not None:
+                # Adam counts each parameter's own steps for its bias corrections: one
+                # skipped before it had any state (no gradient at the first step) moved
+                # nothing then, but from now on it is corrected with a smaller count
+                # than the one the recorded path uses for every parameter.
+                if i in self._adam_skipped:
+                    behind.append(name)
                 continue
+            if counts:
+                self._adam_skipped.add(i)
             state = optimizer.state.get(p, {})
             # What moves a parameter of zero gradient: weight decay, a momentum buffer,
             # Adam's first moment. The recorded path steps it so; torch.optim does not.
             if (_as_float(optimizer.param_groups[g].get("weight_decay", 0.0)) > 0
                     or state.get("momentum_buffer") is not None or "exp_avg" in state):
                 names.append(name)
-        if names:
+        if behind and not names:
+            self._warned_skip = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} parameter(s) "
+                f"{', '.join(map(repr, behind[:5]))}{' ...' if len(behind) > 5 else ''} "
+                "have taken fewer Adam steps than the optimizer step count: at an earlier "
+                "step they had no gradient (backward() left them out of the graph) and "
+                "torch.optim skipped them, so their bias corrections now count fewer "
+                "steps than the recorded path's, which counts every step. The "
+                "decomposition will not be exact (decompose warns by how much). To "
+                "record such a loop exactly, give them a zero gradient before "
+                "optimizer.step() (p.grad = torch.zeros_like(p)) at every step. (Warned "
+                "once.)", UserWarning, stacklevel=3)
+        elif names:
             self._warned_skip = True
             warnings.warn(
                 f"PathRecorder: at optimizer step {step} parameter(s) "

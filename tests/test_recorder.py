@@ -431,6 +431,50 @@ def test_bad_training_data_of_a_recorded_network_is_refused(data, X_train, y_tra
         getattr(net, verb)(*(() if verb == "self_influence" else (Xq,)))
 
 
+@pytest.mark.parametrize("verb", ["predict", "tangent_kernel_", "path_kernel_"])
+def test_a_recorded_network_without_x_train_refuses_what_its_module_cannot_take(verb):
+    """Without ``X_train`` nothing fixes the input form, and any ``(n, ...)`` array is
+    handed to the module: a wrong width or integers for a float network failed inside
+    torch ("mat1 and mat2 shapes cannot be multiplied") from deep in a kernel. The
+    module's own refusal is the reference; the network names X's shape and dtype, and
+    keeps working on inputs it takes (token ids beyond an embedding are still refused
+    at every call, not only at the first of their shape)."""
+    X = torch.randn(6, 2, dtype=torch.float64)
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            module(X).pow(2).mean().backward()
+            opt.step()
+    net = rec.as_estimator()
+    call = getattr(net, verb)
+    for bad in (np.ones((3, 5)), np.ones((3, 2), dtype=np.int64)):
+        with pytest.raises(RuntimeError):  # what the module itself says
+            module(torch.as_tensor(bad))
+        with pytest.raises(ValueError, match=rf"could not take X of shape \(3, \d\), "
+                                             rf"handed to it as torch\.{bad.dtype}"):
+            call(bad)
+        # Still usable: the right form, again and again (the check is kept per form).
+        for _ in range(2):
+            got = call(X[:3].numpy())
+            assert np.all(np.isfinite(got))
+        if verb == "predict":
+            assert_allclose(got, module(X[:3]).detach().numpy(), rtol=1e-12)
+    ids = np.array([[0, 1, 2], [3, 4, 0]])
+    emb = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Flatten(),
+                              torch.nn.Linear(6, 1)).double()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with PathRecorder(emb, opt) as rec:
+        opt.zero_grad()
+        emb(torch.as_tensor(ids)).pow(2).mean().backward()
+        opt.step()
+    net = rec.as_estimator()
+    getattr(net, verb)(ids)
+    with pytest.raises(ValueError, match="token id 7, out of range"):
+        getattr(net, verb)(np.where(ids == 4, 7, ids))
+
+
 def test_docstring_examples_run():
     import doctest
 

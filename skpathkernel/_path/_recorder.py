@@ -945,7 +945,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         takes: floats (2-D features, images, sequences) or integer token ids (handed to
         the network as int64). Needed by :meth:`decompose`; also fixes ``n_features_in_``
         and ``input_shape_``, the form every later ``X`` must have. Without it, any
-        ``(n, ...)`` array is taken as it is.
+        ``(n, ...)`` array that the module can run is taken as it is (one it cannot is
+        refused with a ``ValueError`` naming its shape and dtype).
     y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
         Their targets, in the form the loss takes (integer class codes for multi-class
         "log_loss", a 0/1 indicator matrix of the outputs' shape for multilabel

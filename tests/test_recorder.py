@@ -802,6 +802,37 @@ def test_an_adam_parameter_skipped_at_the_first_step_warns_when_it_trains(data, 
         assert miss > 1e-4 * np.abs(truth - res.initial).max()
 
 
+def test_a_part_of_the_module_trained_by_another_optimizer_warns_naming_it(data):
+    """A second optimizer on part of the module (the head with SGD, the body with Adam)
+    moves parameters that the record holds as constants, read at their current values
+    whenever a recorded point is evaluated: the recorded initial network was not the
+    trained one's, and nothing said why (decompose's miss listed other causes)."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    with torch.no_grad():
+        start = module(torch.as_tensor(Xq)).numpy()
+    body = torch.optim.Adam(module[0].parameters(), lr=0.05)
+    head = torch.optim.SGD(module[2].parameters(), lr=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, body, n_samples=len(X)) as rec:
+            for _ in range(4):
+                body.zero_grad()
+                head.zero_grad()
+                (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+                rec.set_batch(np.arange(len(X)))
+                body.step()
+                head.step()
+        res = rec.as_network(X, y).decompose(Xq)
+    said = [str(w.message) for w in caught if "changed since the recorder" in str(w.message)]
+    assert len(said) == 1  # once, at the first step after the head moved
+    assert "optimizer step 1" in said[0] and "'2.weight', '2.bias'" in said[0]
+    assert "'0.weight'" not in said[0]
+    # It matters: the recorded start is not the module's own at the start.
+    assert np.abs(res.initial - start).max() > 1e-3
+
+
 def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):
     """An overflow that a GradScaler skips runs no step hook: the gradients its
     backward() gave stayed the reference of the next step, where a parameter that the

@@ -16,7 +16,8 @@ in the loop, a step skipped by ``torch.amp.GradScaler`` is not recorded, and no 
 be forgotten. The samples of a step, when the decomposition is wanted, are declared with
 :meth:`PathRecorder.set_batch` before ``optimizer.step()`` (once per micro-batch under
 gradient accumulation). Parameters frozen (``requires_grad=False``) when the recorder is
-created are constants of the path; freezing or unfreezing one later is refused.
+created are constants of the path; freezing or unfreezing one later is refused, and a
+constant that changes anyway (another optimizer on part of the module) is warned about.
 
 Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``nesterov``, ``weight_decay``),
 ``Adam``, ``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``,
@@ -371,6 +372,12 @@ class PathRecorder:
         self.compression = compression
         self._params, self._names = params, [n for n, _ in named]
         self._recorded = {id(p) for p in params}
+        # The module's other parameters are constants of the path, read at their current
+        # values whenever a recorded point is evaluated: their version counters (bumped
+        # by every in-place write, another optimizer's step included) say if one moved.
+        self._constants = [(n, p, p._version) for n, p in inner.named_parameters()
+                           if id(p) not in self._recorded]
+        self._warned_constants = False
         self._recorder = None
         if self._rank == self.writer_rank:  # the other ranks only take part in the gather
             self._recorder = TrajectoryRecorder(
@@ -558,6 +565,8 @@ class PathRecorder:
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
+        if not self._warned_constants:
+            self._warn_moved_constants(step)
         if self._recorder is not None and not self._warned_skip:
             self._warn_skipped(step, optimizer)
         scale = self._gradient_scale(step, optimizer)
@@ -583,6 +592,23 @@ class PathRecorder:
         self._micro = []
         lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
         self._ready = (batch, weights, scale, lrs)
+
+    def _warn_moved_constants(self, step: int) -> None:
+        """Warn, once, when a parameter outside the record has been written since the
+        recorder was created (another optimizer holding part of the module)."""
+        moved = [name for name, p, version in self._constants if p._version != version]
+        if moved:
+            self._warned_constants = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} parameter(s) "
+                f"{', '.join(map(repr, moved[:5]))}{' ...' if len(moved) > 5 else ''} "
+                "changed since the recorder was created, but the recorded optimizer does "
+                "not update them (another optimizer, or an in-place change): the record "
+                "holds them as constants, and the kernels and the decomposition evaluate "
+                "every recorded point with their current values, so they do not describe "
+                "this training (decompose warns by how much). Give every parameter that "
+                "trains to the recorded optimizer (a parameter group may have its own lr "
+                "and weight decay). (Warned once.)", UserWarning, stacklevel=3)
 
     def _warn_skipped(self, step: int, optimizer) -> None:
         """Warn, once, when torch.optim skips a recorded parameter for want of a gradient

@@ -475,6 +475,34 @@ def test_a_recorded_network_without_x_train_refuses_what_its_module_cannot_take(
         getattr(net, verb)(np.where(ids == 4, 7, ids))
 
 
+@pytest.mark.parametrize("form", ["width", "integers"])
+def test_training_inputs_the_module_cannot_run_are_refused_naming_them(data, form):
+    """``X_train`` fixes the form of every later ``X``: one of the wrong width, or
+    integer features for a float network (taken as token ids), was accepted, and every
+    right query was then refused in words about the query ("X has 2 features, but the
+    network is expecting 1", "the network was fitted on integer token ids")."""
+    X, y, Xq = data
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        opt.zero_grad()
+        module(torch.as_tensor(X)).pow(2).mean().backward()
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+    bad = X[:, :1] if form == "width" else np.round(3 * X).astype(np.int64)
+    with pytest.raises(RuntimeError):  # what the module itself says
+        module(torch.as_tensor(bad))
+    match = rf"could not take X_train of shape \({len(X)}, {bad.shape[1]}\)"
+    with pytest.raises(ValueError, match=match):
+        rec.as_network(bad, y)
+    with pytest.raises(ValueError, match=match):
+        RecordedNetwork(module, rec.trajectory, X_train=bad, y_train=y)
+    # The right training inputs still make a network that predicts what the module does.
+    net = rec.as_estimator(X, y)
+    with torch.no_grad():
+        assert_allclose(net.predict(Xq), module(torch.as_tensor(Xq)).numpy(), rtol=1e-12)
+
+
 def test_docstring_examples_run():
     import doctest
 

@@ -412,16 +412,16 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
 
 
 def check_module_takes(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
-                       device: torch.device) -> None:
+                       device: torch.device, name: str = "X") -> None:
     """Refuse, with :func:`probe_module`'s message naming X's shape and dtype, a module
-    that cannot take X: what a network without training inputs (a ``RecordedNetwork``
-    without ``X_train``) knows of its input form, instead of torch's own error from
-    inside a kernel or a prediction."""
-    _take(module, X, dtype=dtype, device=device)
+    that cannot take X: training inputs given with a recorded path, and what a network
+    without them (a ``RecordedNetwork`` without ``X_train``) knows of its input form,
+    instead of torch's own error from inside a kernel or a prediction."""
+    _take(module, X, dtype=dtype, device=device, name=name)
 
 
 def _take(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
-          device: torch.device) -> tuple[torch.Tensor, object]:
+          device: torch.device, name: str = "X") -> tuple[torch.Tensor, object]:
     """The module run on X's probe rows (as a tensor) and its output; a ValueError naming
     X's shape and dtype when it cannot take them."""
     x = to_input_tensor(_probe(X, module), dtype=dtype, device=device)
@@ -432,7 +432,7 @@ def _take(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
             _ids_on_host(module, _probe(X, module))
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
-        given = f"X of shape {X.shape}, handed to it as {x.dtype}"
+        given = f"{name} of shape {X.shape}, handed to it as {x.dtype}"
         if X.dtype == np.int64:
             sizes = _embedding_sizes(module)
             hint = ("integer X is token ids: the module needs an nn.Embedding (or its own "

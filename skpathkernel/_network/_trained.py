@@ -397,6 +397,23 @@ class TrainedNetwork:
                            allow_flat=allow_flat)
 
     @_runs_own_module
+    def _check_training_inputs(self) -> None:
+        """Refuse training inputs ``X_fit`` that the module cannot run.
+
+        Given with a recorded path (``X_train``), they fix the form of every later
+        ``X``: ones of a wrong width, or integers for a float network, would refuse every
+        right query, in words about the query. One forward pass of a row or two.
+
+        Raises
+        ------
+        ValueError
+            Naming ``X_train``'s shape and dtype, and what the module said.
+        """
+        if self.X_fit is not None and len(self.X_fit):
+            check_module_takes(self.module, self.X_fit, dtype=self.torch_dtype,
+                               device=self.torch_device, name="X_train")
+
+    @_runs_own_module
     def _check_takes(self, X: np.ndarray) -> None:
         """Without training inputs nothing fixes the input form: refuse ``X`` that the
         module cannot take (a wrong width, integers for a float network) with a message

@@ -937,8 +937,10 @@ default=None
         >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
         True
         """
-        return TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
-                              y_fit=y_train, memory_budget=memory_budget)
+        net = TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
+                             y_fit=y_train, memory_budget=memory_budget)
+        net._check_training_inputs()
+        return net
 
 
 _DECLARED = ("\n\nOver the declared training inputs, with the declared loss: exact "
@@ -970,7 +972,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         The training inputs the recorded batches index into, in the form the network
         takes: floats (2-D features, images, sequences) or integer token ids (handed to
         the network as int64). Needed by :meth:`decompose`; also fixes ``n_features_in_``
-        and ``input_shape_``, the form every later ``X`` must have. Without it, any
+        and ``input_shape_``, the form every later ``X`` must have (refused, naming it,
+        when the module cannot run it). Without it, any
         ``(n, ...)`` array that the module can run is taken as it is (one it cannot is
         refused with a ``ValueError`` naming its shape and dtype).
     y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
@@ -1042,6 +1045,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
             net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
                                  X_fit=self.X_train, y_fit=self.y_train,
                                  memory_budget=self.memory_budget)
+            net._check_training_inputs()
             cached = self.__dict__["_cache"] = (params, net)
         return cached[1]
 

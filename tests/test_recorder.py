@@ -348,6 +348,47 @@ def test_unsupported_options_are_refused(make_opt, match):
         PathRecorder(module, make_opt(module.parameters()))
 
 
+def test_sparse_embeddings_are_refused_and_their_dense_twin_records_the_same_path():
+    """``nn.Embedding(sparse=True)`` gives sparse gradients, on which the recorder's
+    check of the step failed inside ``optimizer.step()`` with torch's
+    "Could not run 'aten::ne.Tensor' with arguments from the 'SparseCPU' backend" (and
+    the kernels with "reshape is not implemented for sparse tensors"). Refused when the
+    recorder is created, naming the layer; ``sparse=False``, as advised, trains the same
+    path (torch's own sparse loop is the reference), which is recorded exactly."""
+    rng = np.random.RandomState(0)
+    ids, y = torch.as_tensor(rng.randint(0, 7, size=(8, 3))), torch.randn(8, 1,
+                                                                         dtype=torch.float64)
+
+    def make(sparse):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(7, 2, sparse=sparse),
+                                   torch.nn.Flatten(), torch.nn.Linear(6, 1)).double()
+
+    def train(module, rec=None):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        if rec is not None:
+            rec = rec(module, opt)
+        for t in range(3):
+            idx = np.arange(4) + 4 * (t % 2)
+            opt.zero_grad()
+            (0.5 * (module(ids[idx]) - y[idx]) ** 2).mean().backward()
+            if rec is not None:
+                rec.set_batch(idx)
+            opt.step()
+        return rec
+
+    with pytest.raises(ValueError, match=r"Layer\(s\) '0' of the module are embeddings "
+                                         "with sparse=True"):
+        train(make(True), lambda m, o: PathRecorder(m, o, n_samples=8))
+    truth = make(True)
+    train(truth)
+    dense = make(False)
+    rec = train(dense, lambda m, o: PathRecorder(m, o, n_samples=8))
+    for (name, p), q in zip(truth.named_parameters(), dense.parameters()):
+        assert_allclose(q.detach(), p.detach(), rtol=0, atol=1e-15, err_msg=name)
+    _assert_decomposes(dense, rec.as_network(ids, y), ids[:3].numpy())
+
+
 def test_misuse_is_a_clear_error():
     module = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match="Adagrad"):

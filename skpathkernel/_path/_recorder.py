@@ -210,8 +210,9 @@ class PathRecorder:
         ``(n_samples, ...)`` (floats, or int64 token ids). Its parameters
         that the optimizer updates are recorded (in ``named_parameters`` order); it must
         have no cross-sample state and no random draws in training mode (BatchNorm and
-        dropout in training mode are refused at the step, naming the layer) for the
-        kernels and the decomposition to describe it. A ``DistributedDataParallel``
+        dropout in training mode are refused at the step, naming the layer) and no
+        sparse gradients (embeddings with ``sparse=True`` are refused) for the kernels
+        and the decomposition to describe it. A ``DistributedDataParallel``
         module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
@@ -355,6 +356,18 @@ class PathRecorder:
                 "first optimizer.step(), so that the path starts where the optimizer state "
                 "does."
             )
+        recorded = {id(p) for p in params}
+        sparse = [name or type(inner).__name__ for name, m in inner.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                  and m.sparse and id(m.weight) in recorded]
+        if sparse:
+            # Their sparse gradients have none of the elementwise operations that the
+            # step's checks, the kernels and the decomposition run on gradients.
+            raise ValueError(
+                f"Layer(s) {', '.join(map(repr, sparse))} of the module are embeddings "
+                "with sparse=True, whose sparse gradients the recorder, the kernels and "
+                "the decomposition do not take. Create them with sparse=False: the "
+                "gradients hold the same values, dense.")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise ValueError(

@@ -389,6 +389,31 @@ def test_sparse_embeddings_are_refused_and_their_dense_twin_records_the_same_pat
     _assert_decomposes(dense, rec.as_network(ids, y), ids[:3].numpy())
 
 
+def test_dampening_without_momentum_is_plain_sgd_and_recorded(data):
+    """``dampening`` only scales SGD's momentum buffer: without momentum torch.optim
+    ignores it, and the recorder refused an update rule it records exactly."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    paths = []
+    for dampening in (0.0, 0.5):
+        module = _tanh_mlp()
+        opt = torch.optim.SGD(module.parameters(), lr=0.2, dampening=dampening)
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for t in range(4):
+                idx = np.arange(6) + 6 * (t % 2)
+                opt.zero_grad()
+                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                rec.set_batch(idx)
+                opt.step()
+        paths.append(rec.trajectory)
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+    # torch's own plain SGD path, point for point.
+    _assert_same_path(*paths)
+    with pytest.raises(ValueError, match="dampening=0.5"):
+        PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9,
+                                             dampening=0.5))
+
+
 def test_misuse_is_a_clear_error():
     module = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match="Adagrad"):

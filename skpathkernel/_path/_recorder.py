@@ -22,9 +22,9 @@ constant that changes anyway (another optimizer on part of the module) is warned
 Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``nesterov``, ``weight_decay``),
 ``Adam``, ``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``,
 ``eps``, ``weight_decay``): the update rules that the kernels' preconditioner and the
-decomposition's adjoint recursion model. Options that change the rule (``dampening``,
-``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``, ``differentiable``) are
-refused. Parameter groups may have their own learning rates and
+decomposition's adjoint recursion model. Options that change the rule (``dampening``
+with momentum, ``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``,
+``differentiable``) are refused. Parameter groups may have their own learning rates and
 weight decays (AdamW's usual groups: no decay on biases and norms), recorded as
 per-parameter step sizes (:meth:`Trajectory.step_size_scales
 <skpathkernel.Trajectory.step_size_scales>`, folded into the preconditioner) and
@@ -143,6 +143,8 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
             )
     for option, default in _REFUSED[kind].items():
         value = first.get(option, default)
+        if option == "dampening" and _as_float(first.get("momentum", 0.0)) == 0:
+            continue  # it only scales the momentum buffer: plain SGD ignores it
         if value != default:
             raise ValueError(
                 f"PathRecorder does not support torch.optim.{kind} with {option}={value!r}: "
@@ -216,9 +218,9 @@ class PathRecorder:
         module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
-        options that change the update rule (``dampening``, ``amsgrad``, ``centered``,
-        RMSprop ``momentum``, ``maximize``, ``differentiable``) and groups that differ in
-        momentum, betas, eps or alpha are refused.
+        options that change the update rule (``dampening`` with momentum, ``amsgrad``,
+        ``centered``, RMSprop ``momentum``, ``maximize``, ``differentiable``) and groups
+        that differ in momentum, betas, eps or alpha are refused.
     record_every : int, default=1
         Record the parameters every ``record_every`` steps; 1 is needed by the
         decomposition. With more, a recorded point stands for the mean step size of its

@@ -509,6 +509,19 @@ def test_params_at_keeps_one_point_and_never_pickles_it(storage, data, tmp_path)
     assert "_kept_point" not in vars(pickle.loads(pickle.dumps(net)))
 
 
+def _module_takes(net, X):
+    """Whether the network's module runs on X (its floats in the network's dtype)."""
+    x = torch.as_tensor(X)
+    if x.is_floating_point():
+        x = x.to(net.torch_dtype)
+    try:
+        with torch.no_grad():
+            net.module(x)
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_check_takes_a_clean_float_array_as_check_input_does(clf, data):
     # The shortcut for plain finite float arrays returns what check_input returns, and
     # everything else (errors included) is check_input's.
@@ -541,6 +554,11 @@ def test_check_takes_a_clean_float_array_as_check_input_does(clf, data):
                     with pytest.raises(ValueError) as got:
                         net.check(Z, allow_flat=allow_flat)
                     assert str(got.value) == str(exc), label
+                    continue
+                if net.input_shape is None and not _module_takes(net, want):
+                    # Without training inputs the module itself says what it takes.
+                    with pytest.raises(ValueError, match="could not take X of shape"):
+                        net.check(Z, allow_flat=allow_flat)
                     continue
                 got = net.check(Z, allow_flat=allow_flat)
                 assert type(got) is type(want) and got.dtype == want.dtype, label

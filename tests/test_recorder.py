@@ -348,6 +348,72 @@ def test_unsupported_options_are_refused(make_opt, match):
         PathRecorder(module, make_opt(module.parameters()))
 
 
+def test_sparse_embeddings_are_refused_and_their_dense_twin_records_the_same_path():
+    """``nn.Embedding(sparse=True)`` gives sparse gradients, on which the recorder's
+    check of the step failed inside ``optimizer.step()`` with torch's
+    "Could not run 'aten::ne.Tensor' with arguments from the 'SparseCPU' backend" (and
+    the kernels with "reshape is not implemented for sparse tensors"). Refused when the
+    recorder is created, naming the layer; ``sparse=False``, as advised, trains the same
+    path (torch's own sparse loop is the reference), which is recorded exactly."""
+    rng = np.random.RandomState(0)
+    ids, y = torch.as_tensor(rng.randint(0, 7, size=(8, 3))), torch.randn(8, 1,
+                                                                         dtype=torch.float64)
+
+    def make(sparse):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(7, 2, sparse=sparse),
+                                   torch.nn.Flatten(), torch.nn.Linear(6, 1)).double()
+
+    def train(module, rec=None):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        if rec is not None:
+            rec = rec(module, opt)
+        for t in range(3):
+            idx = np.arange(4) + 4 * (t % 2)
+            opt.zero_grad()
+            (0.5 * (module(ids[idx]) - y[idx]) ** 2).mean().backward()
+            if rec is not None:
+                rec.set_batch(idx)
+            opt.step()
+        return rec
+
+    with pytest.raises(ValueError, match=r"Layer\(s\) '0' of the module are embeddings "
+                                         "with sparse=True"):
+        train(make(True), lambda m, o: PathRecorder(m, o, n_samples=8))
+    truth = make(True)
+    train(truth)
+    dense = make(False)
+    rec = train(dense, lambda m, o: PathRecorder(m, o, n_samples=8))
+    for (name, p), q in zip(truth.named_parameters(), dense.parameters()):
+        assert_allclose(q.detach(), p.detach(), rtol=0, atol=1e-15, err_msg=name)
+    _assert_decomposes(dense, rec.as_network(ids, y), ids[:3].numpy())
+
+
+def test_dampening_without_momentum_is_plain_sgd_and_recorded(data):
+    """``dampening`` only scales SGD's momentum buffer: without momentum torch.optim
+    ignores it, and the recorder refused an update rule it records exactly."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    paths = []
+    for dampening in (0.0, 0.5):
+        module = _tanh_mlp()
+        opt = torch.optim.SGD(module.parameters(), lr=0.2, dampening=dampening)
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for t in range(4):
+                idx = np.arange(6) + 6 * (t % 2)
+                opt.zero_grad()
+                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                rec.set_batch(idx)
+                opt.step()
+        paths.append(rec.trajectory)
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+    # torch's own plain SGD path, point for point.
+    _assert_same_path(*paths)
+    with pytest.raises(ValueError, match="dampening=0.5"):
+        PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9,
+                                             dampening=0.5))
+
+
 def test_misuse_is_a_clear_error():
     module = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match="Adagrad"):
@@ -429,6 +495,78 @@ def test_bad_training_data_of_a_recorded_network_is_refused(data, X_train, y_tra
     with pytest.raises(error, match=match):
         net = RecordedNetwork(est.module_, est.trajectory_, X_train=X_train, y_train=y_train)
         getattr(net, verb)(*(() if verb == "self_influence" else (Xq,)))
+
+
+@pytest.mark.parametrize("verb", ["predict", "tangent_kernel_", "path_kernel_"])
+def test_a_recorded_network_without_x_train_refuses_what_its_module_cannot_take(verb):
+    """Without ``X_train`` nothing fixes the input form, and any ``(n, ...)`` array is
+    handed to the module: a wrong width or integers for a float network failed inside
+    torch ("mat1 and mat2 shapes cannot be multiplied") from deep in a kernel. The
+    module's own refusal is the reference; the network names X's shape and dtype, and
+    keeps working on inputs it takes (token ids beyond an embedding are still refused
+    at every call, not only at the first of their shape)."""
+    X = torch.randn(6, 2, dtype=torch.float64)
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            module(X).pow(2).mean().backward()
+            opt.step()
+    net = rec.as_estimator()
+    call = getattr(net, verb)
+    for bad in (np.ones((3, 5)), np.ones((3, 2), dtype=np.int64)):
+        with pytest.raises(RuntimeError):  # what the module itself says
+            module(torch.as_tensor(bad))
+        with pytest.raises(ValueError, match=rf"could not take X of shape \(3, \d\), "
+                                             rf"handed to it as torch\.{bad.dtype}"):
+            call(bad)
+        # Still usable: the right form, again and again (the check is kept per form).
+        for _ in range(2):
+            got = call(X[:3].numpy())
+            assert np.all(np.isfinite(got))
+        if verb == "predict":
+            assert_allclose(got, module(X[:3]).detach().numpy(), rtol=1e-12)
+    ids = np.array([[0, 1, 2], [3, 4, 0]])
+    emb = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Flatten(),
+                              torch.nn.Linear(6, 1)).double()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with PathRecorder(emb, opt) as rec:
+        opt.zero_grad()
+        emb(torch.as_tensor(ids)).pow(2).mean().backward()
+        opt.step()
+    net = rec.as_estimator()
+    getattr(net, verb)(ids)
+    with pytest.raises(ValueError, match="token id 7, out of range"):
+        getattr(net, verb)(np.where(ids == 4, 7, ids))
+
+
+@pytest.mark.parametrize("form", ["width", "integers"])
+def test_training_inputs_the_module_cannot_run_are_refused_naming_them(data, form):
+    """``X_train`` fixes the form of every later ``X``: one of the wrong width, or
+    integer features for a float network (taken as token ids), was accepted, and every
+    right query was then refused in words about the query ("X has 2 features, but the
+    network is expecting 1", "the network was fitted on integer token ids")."""
+    X, y, Xq = data
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        opt.zero_grad()
+        module(torch.as_tensor(X)).pow(2).mean().backward()
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+    bad = X[:, :1] if form == "width" else np.round(3 * X).astype(np.int64)
+    with pytest.raises(RuntimeError):  # what the module itself says
+        module(torch.as_tensor(bad))
+    match = rf"could not take X_train of shape \({len(X)}, {bad.shape[1]}\)"
+    with pytest.raises(ValueError, match=match):
+        rec.as_network(bad, y)
+    with pytest.raises(ValueError, match=match):
+        RecordedNetwork(module, rec.trajectory, X_train=bad, y_train=y)
+    # The right training inputs still make a network that predicts what the module does.
+    net = rec.as_estimator(X, y)
+    with torch.no_grad():
+        assert_allclose(net.predict(Xq), module(torch.as_tensor(Xq)).numpy(), rtol=1e-12)
 
 
 def test_docstring_examples_run():
@@ -708,6 +846,85 @@ def test_a_parameter_the_optimizer_skips_for_want_of_a_gradient_warns(data, make
     else:
         assert not said and not missed
         assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.Adam(p, lr=0.05),
+    lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.0),
+], ids=["adam", "adamw"])
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_an_adam_parameter_skipped_at_the_first_step_warns_when_it_trains(data, make_opt,
+                                                                         zero_grad):
+    """Adam counts each parameter's own steps for its bias corrections. A parameter with
+    no gradient at the first step has no state yet, so torch.optim's skip moves nothing
+    then, but from the next step on it is corrected with one step fewer than the others,
+    where the recorded path counts every step: the recorder said nothing (only
+    decompose's error did). A zero gradient instead of none keeps the counts together
+    and the record exact, as the warning advises."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
+    # Expert 1 (negative inputs) is left out at the first step only.
+    batches = [pos[:3], *(np.r_[pos[k:k + 2], neg[k:k + 2]] for k in range(4))]
+    module = _Routed().double()
+    opt = make_opt(module.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for idx in batches:
+                opt.zero_grad()
+                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                if zero_grad:
+                    for p in module.parameters():
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                rec.set_batch(idx)
+                opt.step()
+        res = rec.as_network(X, y).decompose(Xq)
+    said = [str(w.message) for w in caught if "fewer Adam steps" in str(w.message)]
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    miss = np.abs(res.reconstruction - truth).max()
+    if zero_grad:
+        assert not said
+        assert miss < 1e-12
+    else:
+        assert len(said) == 1  # once, at the first step it trains
+        assert "optimizer step 1" in said[0] and "'experts.1.0.weight'" in said[0]
+        assert "'experts.0.0.weight'" not in said[0]
+        # It matters: the decomposition misses the module's own outputs.
+        assert miss > 1e-4 * np.abs(truth - res.initial).max()
+
+
+def test_a_part_of_the_module_trained_by_another_optimizer_warns_naming_it(data):
+    """A second optimizer on part of the module (the head with SGD, the body with Adam)
+    moves parameters that the record holds as constants, read at their current values
+    whenever a recorded point is evaluated: the recorded initial network was not the
+    trained one's, and nothing said why (decompose's miss listed other causes)."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    with torch.no_grad():
+        start = module(torch.as_tensor(Xq)).numpy()
+    body = torch.optim.Adam(module[0].parameters(), lr=0.05)
+    head = torch.optim.SGD(module[2].parameters(), lr=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, body, n_samples=len(X)) as rec:
+            for _ in range(4):
+                body.zero_grad()
+                head.zero_grad()
+                (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+                rec.set_batch(np.arange(len(X)))
+                body.step()
+                head.step()
+        res = rec.as_network(X, y).decompose(Xq)
+    said = [str(w.message) for w in caught if "changed since the recorder" in str(w.message)]
+    assert len(said) == 1  # once, at the first step after the head moved
+    assert "optimizer step 1" in said[0] and "'2.weight', '2.bias'" in said[0]
+    assert "'0.weight'" not in said[0]
+    # It matters: the recorded start is not the module's own at the start.
+    assert np.abs(res.initial - start).max() > 1e-3
 
 
 def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):

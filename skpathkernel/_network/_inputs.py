@@ -41,6 +41,7 @@ __all__ = [
     "block_widths",
     "check_ids",
     "check_input",
+    "check_module_takes",
     "check_representable",
     "fitted_input",
     "probe_module",
@@ -404,6 +405,25 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
     """Refuse, with a message naming X's shape and dtype, a module that cannot take X;
     with ``n_outputs``, one whose output is not ``n_outputs`` values per sample
     (``outputs_hint`` says what they are); and one that mixes the samples of a batch."""
+    x, out = _take(module, X, dtype=dtype, device=device)
+    if n_outputs is not None:
+        check_outputs(out, len(x), n_outputs, outputs_hint)
+    _check_per_sample(module, x, out)
+
+
+def check_module_takes(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
+                       device: torch.device, name: str = "X") -> None:
+    """Refuse, with :func:`probe_module`'s message naming X's shape and dtype, a module
+    that cannot take X: training inputs given with a recorded path, and what a network
+    without them (a ``RecordedNetwork`` without ``X_train``) knows of its input form,
+    instead of torch's own error from inside a kernel or a prediction."""
+    _take(module, X, dtype=dtype, device=device, name=name)
+
+
+def _take(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
+          device: torch.device, name: str = "X") -> tuple[torch.Tensor, object]:
+    """The module run on X's probe rows (as a tensor) and its output; a ValueError naming
+    X's shape and dtype when it cannot take them."""
     x = to_input_tensor(_probe(X, module), dtype=dtype, device=device)
     try:
         if x.dtype == torch.int64:
@@ -412,7 +432,7 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
             _ids_on_host(module, _probe(X, module))
         out = _run(module, x)
     except (RuntimeError, IndexError, TypeError, ValueError) as e:
-        given = f"X of shape {X.shape}, handed to it as {x.dtype}"
+        given = f"{name} of shape {X.shape}, handed to it as {x.dtype}"
         if X.dtype == np.int64:
             sizes = _embedding_sizes(module)
             hint = ("integer X is token ids: the module needs an nn.Embedding (or its own "
@@ -428,9 +448,7 @@ def probe_module(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,
         raise ValueError(
             f"The module could not take {given} ({type(e).__name__}: {e}). Note: {hint}."
         ) from e
-    if n_outputs is not None:
-        check_outputs(out, len(x), n_outputs, outputs_hint)
-    _check_per_sample(module, x, out)
+    return x, out
 
 
 # A sample's outputs run with others and alone differ by more than this, relative to the

@@ -49,7 +49,15 @@ from .._path._losses import LOSSES, Loss
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
-from ._inputs import FEATURES, FLOAT, TOKENS, block_widths, check_input
+from ._inputs import (
+    FEATURES,
+    FLOAT,
+    TOKENS,
+    block_widths,
+    check_ids,
+    check_input,
+    check_module_takes,
+)
 
 __all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
            "network_of"]
@@ -190,7 +198,8 @@ class TrainedNetwork:
     X_fit : ndarray of shape (n_samples, ...) or None, default=None
         The training inputs that the recorded batches index, in the form the network
         takes (floats, or integer token ids). Needed by the decomposition; also fixes
-        the form every later ``X`` must have.
+        the form every later ``X`` must have. Without it, ``X`` of a form the module
+        cannot run is refused, naming its shape and dtype.
     y_fit : ndarray of shape (n_samples,) or (n_samples, n_targets) or None, default=None
         Their targets in the form the loss takes: integer class codes stay integers
         (except for "squared_error"), anything else is cast to the network's dtype; for
@@ -343,7 +352,9 @@ class TrainedNetwork:
                 "for unweighted samples.")
         new = copy.copy(self)
         if "module" in changes:
-            new.__dict__.pop("_widths", None)  # measured on the module replaced
+            # Measured on the module replaced.
+            new.__dict__.pop("_widths", None)
+            new.__dict__.pop("_taken", None)
         for name, value in changes.items():
             if name not in new.__dict__:
                 raise TypeError(f"TrainedNetwork has no attribute {name!r} to replace.")
@@ -371,10 +382,49 @@ class TrainedNetwork:
         """
         if isinstance(X, torch.Tensor):
             X = X.detach().cpu().numpy()
+        if self.input_shape is None:
+            if (self._takes_as_is(X)
+                    and (X.shape[1:], X.dtype.str) in self.__dict__.get("_taken", ())):
+                return X
+            X = check_input(None, None, None, X, name)
+            self._check_takes(X)
+            if X.dtype == np.int64:  # every call's ids, against the embeddings
+                check_ids(self.module, X, name)
+            return X
         if self._takes_as_is(X):
             return X
         return check_input(self.input_shape, self.input_kind, self.module, X, name,
                            allow_flat=allow_flat)
+
+    @_runs_own_module
+    def _check_training_inputs(self) -> None:
+        """Refuse training inputs ``X_fit`` that the module cannot run.
+
+        Given with a recorded path (``X_train``), they fix the form of every later
+        ``X``: ones of a wrong width, or integers for a float network, would refuse every
+        right query, in words about the query. One forward pass of a row or two.
+
+        Raises
+        ------
+        ValueError
+            Naming ``X_train``'s shape and dtype, and what the module said.
+        """
+        if self.X_fit is not None and len(self.X_fit):
+            check_module_takes(self.module, self.X_fit, dtype=self.torch_dtype,
+                               device=self.torch_device, name="X_train")
+
+    @_runs_own_module
+    def _check_takes(self, X: np.ndarray) -> None:
+        """Without training inputs nothing fixes the input form: refuse ``X`` that the
+        module cannot take (a wrong width, integers for a float network) with a message
+        naming its shape and dtype, not with torch's error from inside a kernel. Once
+        per trailing shape and dtype (a forward pass of a row or two)."""
+        form = (X.shape[1:], X.dtype.str)
+        taken = self.__dict__.setdefault("_taken", set())
+        if form not in taken:
+            check_module_takes(self.module, X, dtype=self.torch_dtype,
+                               device=self.torch_device)
+            taken.add(form)
 
     def _takes_as_is(self, X) -> bool:
         """Whether ``check_input`` would return ``X`` itself, unchanged and unrefused.
@@ -450,6 +500,7 @@ class TrainedNetwork:
         state = self.__dict__.copy()
         state.pop("_kept_point", None)
         state.pop("_widths", None)
+        state.pop("_taken", None)
         return state
 
     def __setstate__(self, state):

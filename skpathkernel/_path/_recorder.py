@@ -16,14 +16,15 @@ in the loop, a step skipped by ``torch.amp.GradScaler`` is not recorded, and no 
 be forgotten. The samples of a step, when the decomposition is wanted, are declared with
 :meth:`PathRecorder.set_batch` before ``optimizer.step()`` (once per micro-batch under
 gradient accumulation). Parameters frozen (``requires_grad=False``) when the recorder is
-created are constants of the path; freezing or unfreezing one later is refused.
+created are constants of the path; freezing or unfreezing one later is refused, and a
+constant that changes anyway (another optimizer on part of the module) is warned about.
 
 Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``nesterov``, ``weight_decay``),
 ``Adam``, ``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``,
 ``eps``, ``weight_decay``): the update rules that the kernels' preconditioner and the
-decomposition's adjoint recursion model. Options that change the rule (``dampening``,
-``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``, ``differentiable``) are
-refused. Parameter groups may have their own learning rates and
+decomposition's adjoint recursion model. Options that change the rule (``dampening``
+with momentum, ``amsgrad``, ``centered``, RMSprop ``momentum``, ``maximize``,
+``differentiable``) are refused. Parameter groups may have their own learning rates and
 weight decays (AdamW's usual groups: no decay on biases and norms), recorded as
 per-parameter step sizes (:meth:`Trajectory.step_size_scales
 <skpathkernel.Trajectory.step_size_scales>`, folded into the preconditioner) and
@@ -142,6 +143,8 @@ def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
             )
     for option, default in _REFUSED[kind].items():
         value = first.get(option, default)
+        if option == "dampening" and _as_float(first.get("momentum", 0.0)) == 0:
+            continue  # it only scales the momentum buffer: plain SGD ignores it
         if value != default:
             raise ValueError(
                 f"PathRecorder does not support torch.optim.{kind} with {option}={value!r}: "
@@ -209,14 +212,15 @@ class PathRecorder:
         ``(n_samples, ...)`` (floats, or int64 token ids). Its parameters
         that the optimizer updates are recorded (in ``named_parameters`` order); it must
         have no cross-sample state and no random draws in training mode (BatchNorm and
-        dropout in training mode are refused at the step, naming the layer) for the
-        kernels and the decomposition to describe it. A ``DistributedDataParallel``
+        dropout in training mode are refused at the step, naming the layer) and no
+        sparse gradients (embeddings with ``sparse=True`` are refused) for the kernels
+        and the decomposition to describe it. A ``DistributedDataParallel``
         module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
-        options that change the update rule (``dampening``, ``amsgrad``, ``centered``,
-        RMSprop ``momentum``, ``maximize``, ``differentiable``) and groups that differ in
-        momentum, betas, eps or alpha are refused.
+        options that change the update rule (``dampening`` with momentum, ``amsgrad``,
+        ``centered``, RMSprop ``momentum``, ``maximize``, ``differentiable``) and groups
+        that differ in momentum, betas, eps or alpha are refused.
     record_every : int, default=1
         Record the parameters every ``record_every`` steps; 1 is needed by the
         decomposition. With more, a recorded point stands for the mean step size of its
@@ -354,6 +358,18 @@ class PathRecorder:
                 "first optimizer.step(), so that the path starts where the optimizer state "
                 "does."
             )
+        recorded = {id(p) for p in params}
+        sparse = [name or type(inner).__name__ for name, m in inner.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                  and m.sparse and id(m.weight) in recorded]
+        if sparse:
+            # Their sparse gradients have none of the elementwise operations that the
+            # step's checks, the kernels and the decomposition run on gradients.
+            raise ValueError(
+                f"Layer(s) {', '.join(map(repr, sparse))} of the module are embeddings "
+                "with sparse=True, whose sparse gradients the recorder, the kernels and "
+                "the decomposition do not take. Create them with sparse=False: the "
+                "gradients hold the same values, dense.")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise ValueError(
@@ -371,6 +387,12 @@ class PathRecorder:
         self.compression = compression
         self._params, self._names = params, [n for n, _ in named]
         self._recorded = {id(p) for p in params}
+        # The module's other parameters are constants of the path, read at their current
+        # values whenever a recorded point is evaluated: their version counters (bumped
+        # by every in-place write, another optimizer's step included) say if one moved.
+        self._constants = [(n, p, p._version) for n, p in inner.named_parameters()
+                           if id(p) not in self._recorded]
+        self._warned_constants = False
         self._recorder = None
         if self._rank == self.writer_rank:  # the other ranks only take part in the gather
             self._recorder = TrajectoryRecorder(
@@ -394,6 +416,7 @@ class PathRecorder:
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
         self._warned_skip = False  # a parameter torch.optim skipped without a gradient
+        self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
         self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
         self._scales: list[float] = []
@@ -557,6 +580,8 @@ class PathRecorder:
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
+        if not self._warned_constants:
+            self._warn_moved_constants(step)
         if self._recorder is not None and not self._warned_skip:
             self._warn_skipped(step, optimizer)
         scale = self._gradient_scale(step, optimizer)
@@ -583,20 +608,61 @@ class PathRecorder:
         lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
         self._ready = (batch, weights, scale, lrs)
 
+    def _warn_moved_constants(self, step: int) -> None:
+        """Warn, once, when a parameter outside the record has been written since the
+        recorder was created (another optimizer holding part of the module)."""
+        moved = [name for name, p, version in self._constants if p._version != version]
+        if moved:
+            self._warned_constants = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} parameter(s) "
+                f"{', '.join(map(repr, moved[:5]))}{' ...' if len(moved) > 5 else ''} "
+                "changed since the recorder was created, but the recorded optimizer does "
+                "not update them (another optimizer, or an in-place change): the record "
+                "holds them as constants, and the kernels and the decomposition evaluate "
+                "every recorded point with their current values, so they do not describe "
+                "this training (decompose warns by how much). Give every parameter that "
+                "trains to the recorded optimizer (a parameter group may have its own lr "
+                "and weight decay). (Warned once.)", UserWarning, stacklevel=3)
+
     def _warn_skipped(self, step: int, optimizer) -> None:
         """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
-        where its rule would move it with a zero gradient."""
-        names = []
-        for name, p, g in zip(self._names, self._params, self._param_groups):
+        where its rule would move it with a zero gradient, or when Adam's count of a
+        parameter's steps fell behind at such a skip."""
+        names, behind = [], []
+        counts = self.solver_spec.name in ("adam", "adamw")
+        for i, (name, p, g) in enumerate(zip(self._names, self._params,
+                                              self._param_groups)):
             if p.grad is not None:
+                # Adam counts each parameter's own steps for its bias corrections: one
+                # skipped before it had any state (no gradient at the first step) moved
+                # nothing then, but from now on it is corrected with a smaller count
+                # than the one the recorded path uses for every parameter.
+                if i in self._adam_skipped:
+                    behind.append(name)
                 continue
+            if counts:
+                self._adam_skipped.add(i)
             state = optimizer.state.get(p, {})
             # What moves a parameter of zero gradient: weight decay, a momentum buffer,
             # Adam's first moment. The recorded path steps it so; torch.optim does not.
             if (_as_float(optimizer.param_groups[g].get("weight_decay", 0.0)) > 0
                     or state.get("momentum_buffer") is not None or "exp_avg" in state):
                 names.append(name)
-        if names:
+        if behind and not names:
+            self._warned_skip = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} parameter(s) "
+                f"{', '.join(map(repr, behind[:5]))}{' ...' if len(behind) > 5 else ''} "
+                "have taken fewer Adam steps than the optimizer step count: at an earlier "
+                "step they had no gradient (backward() left them out of the graph) and "
+                "torch.optim skipped them, so their bias corrections now count fewer "
+                "steps than the recorded path's, which counts every step. The "
+                "decomposition will not be exact (decompose warns by how much). To "
+                "record such a loop exactly, give them a zero gradient before "
+                "optimizer.step() (p.grad = torch.zeros_like(p)) at every step. (Warned "
+                "once.)", UserWarning, stacklevel=3)
+        elif names:
             self._warned_skip = True
             warnings.warn(
                 f"PathRecorder: at optimizer step {step} parameter(s) "
@@ -886,8 +952,10 @@ default=None
         >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
         True
         """
-        return TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
-                              y_fit=y_train, memory_budget=memory_budget)
+        net = TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
+                             y_fit=y_train, memory_budget=memory_budget)
+        net._check_training_inputs()
+        return net
 
 
 _DECLARED = ("\n\nOver the declared training inputs, with the declared loss: exact "
@@ -919,8 +987,10 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         The training inputs the recorded batches index into, in the form the network
         takes: floats (2-D features, images, sequences) or integer token ids (handed to
         the network as int64). Needed by :meth:`decompose`; also fixes ``n_features_in_``
-        and ``input_shape_``, the form every later ``X`` must have. Without it, any
-        ``(n, ...)`` array is taken as it is.
+        and ``input_shape_``, the form every later ``X`` must have (refused, naming it,
+        when the module cannot run it). Without it, any
+        ``(n, ...)`` array that the module can run is taken as it is (one it cannot is
+        refused with a ``ValueError`` naming its shape and dtype).
     y_train : array-like or tensor of shape (n_samples,) or (n_samples, n_targets)
         Their targets, in the form the loss takes (integer class codes for multi-class
         "log_loss", a 0/1 indicator matrix of the outputs' shape for multilabel
@@ -990,6 +1060,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
             net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
                                  X_fit=self.X_train, y_fit=self.y_train,
                                  memory_budget=self.memory_budget)
+            net._check_training_inputs()
             cached = self.__dict__["_cache"] = (params, net)
         return cached[1]
 

@@ -313,7 +313,8 @@ def step_kernel(
     # Y is X: K(X, X) from its symmetry, as the kernels' call takes it.
     Y = None if Y is None or Y is X_in else _validate(estimator, net, Y, "Y")
     with module_lock(net.module):
-        return _step_gram(net, X, Y, step, output, preconditioned, normalized)
+        return _check_finite(_step_gram(net, X, Y, step, output, preconditioned, normalized),
+                             net)
 
 
 def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized):
@@ -331,6 +332,20 @@ def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normaliz
             dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
         K = _normalize(K, dx, dy, same=Yt is None)
     return to_numpy(K)
+
+
+def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
+    """``K``, refused where it overflowed: a float32 network's tangent features grow with
+    large inputs (a ReLU network's linearly) past float32's range, and the Gram then held
+    inf (or nan) entries without a word, while ``predict`` stayed finite."""
+    if not np.isfinite(K).all():
+        n_bad = int(np.size(K) - np.count_nonzero(np.isfinite(K)))
+        raise ValueError(
+            f"The kernel has {n_bad} non-finite entries: the network's tangent features "
+            f"overflow in {str(net.torch_dtype).removeprefix('torch.')} at some of these "
+            "inputs (products beyond its range). Fit with dtype='float64', or scale the "
+            "inputs.")
+    return K
 
 
 def _normalize(K, dx, dy, same=False):
@@ -797,7 +812,7 @@ class _NetworkKernel(Kernel):
         # The lock first: torch's thread count is global, set and restored by one call
         # at a time.
         with module_lock(net.module), limit_torch_threads(kernel_threads(work)):
-            K = self._bind(net)._gram_blocks(X, Y)
+            K = _check_finite(self._bind(net)._gram_blocks(X, Y), net)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
         return K
@@ -821,7 +836,7 @@ class _NetworkKernel(Kernel):
         net = network_of(self.estimator)
         X = _validate(self.estimator, net, X)
         with module_lock(net.module):
-            d = self._bind(net)._diag_blocks(X)
+            d = _check_finite(self._bind(net)._diag_blocks(X), net)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
             # dead network at x), so that diag(X) equals the diagonal of k(X).

@@ -552,3 +552,26 @@ def test_normalized_gram_is_a_cosine_matrix_to_the_last_bit(kernel, n_jobs):
         G = _loop_gram(est, -1, X, X)
         d = np.sqrt(np.diag(G))
         _close(K, G / np.outer(d, d), rtol=1e-6)
+
+
+def test_a_gram_that_overflows_its_dtype_is_refused():
+    """A float32 ReLU network's features grow linearly with the input: at 1e20 the Gram
+    and its factors reach float32's range (3.4e38). It held inf without a word while
+    predict stayed finite; float64 holds it, as the loop reference gives it."""
+    X = np.linspace(0, 1, 20)[:, None]
+    Q = np.array([[1e20], [0.5]])
+    fits = {dtype: PathKernelMachine(hidden_layer_sizes=(6,), activation="relu", max_iter=5,
+                                     dtype=dtype, random_state=0).fit(X, 2 * X[:, 0] + 1)
+            for dtype in ("float32", "float64")}
+    assert np.isfinite(fits["float32"].predict(Q)).all()
+    # The kernel itself is near float32's largest value (the structured route's
+    # factors, ||x||^2 = 1e40 among them, pass it).
+    J = _loop_jacobian(fits["float32"], -1, Q)[:, 0]
+    assert np.einsum("np,np->n", J, J)[0] > 1e36
+    for call in (lambda e: TangentKernel(e)(Q), lambda e: TangentKernel(e).diag(Q),
+                 lambda e: step_kernel(e, Q), lambda e: PathKernel(e)(Q)):
+        with pytest.raises(ValueError, match="non-finite entries.*float32.*dtype='float64'"):
+            call(fits["float32"])
+        assert np.isfinite(call(fits["float64"])).all()
+    _close(TangentKernel(fits["float64"])(Q), _loop_gram(fits["float64"], -1, Q, Q),
+           rtol=1e-12)

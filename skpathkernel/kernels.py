@@ -867,8 +867,9 @@ class _NetworkKernel(Kernel):
                                      X if Y is None else Y))
         if Y is None:
             # Both triangles came from different blocks, rounded apart (1.5e-7 in
-            # float32): their mean is exactly symmetric, as the serial K(X) is.
-            K = (K + K.T) / 2
+            # float32): their mean is exactly symmetric, as the serial K(X) is (for
+            # output="full", K[j, i] is the transposed block K[i, j]^T).
+            K = (K + K.transpose((1, 0) + tuple(range(K.ndim - 1, 1, -1)))) / 2
         if self.normalized:
             if Y is None:
                 dx = dy = K.diagonal().copy()

@@ -127,13 +127,63 @@ def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
                 torch.cuda.set_rng_state(state, d)
 
 
+# torch's intra-op thread count, as torch 2.13 keeps it (measured on its OpenMP build;
+# tests/test_parallel.py pins it): each thread has its own count, which its parallel
+# regions use (OpenMP's and MKL's per-thread settings), and set_num_threads sets the
+# calling thread's. It also records the value process-wide, and a thread takes the value
+# recorded last, by any thread, when it first uses torch (at::init_num_threads). Setting
+# and restoring a count in one thread thus restores that thread's, but leaves the value
+# for new threads at whatever the last restore wrote: a lowered one when a thread first
+# used torch while another thread's limit was in force. So the blocks of torch_threads
+# count the changes in force in the process and put the recorded value back when the
+# last one ends. The lock covers the settings only, never the computations.
+_THREADS_LOCK = threading.Lock()
+_THREADS = {"in_force": 0, "inherited": 0}
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None):
-    """Run a block with torch's intra-op thread count set to ``n`` (``None``: unchanged)."""
+    """Run a block with torch's intra-op thread count set to ``n`` (``None``: unchanged).
+
+    The count is the calling thread's (torch keeps one per thread), so blocks on
+    concurrent threads each run with their own. After the block the caller has its count
+    back, and so does the value torch gives a thread on its first use of torch, whatever
+    the order in which concurrent blocks end. While a block runs, a thread using torch
+    for the first time starts from its ``n`` (torch records the value set last, by any
+    thread, for new threads; no torch call sets a thread's count without it), and a
+    ``torch.set_num_threads`` by another thread is not kept for new threads.
+    """
     previous = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
+    if n is None or n == previous:
+        yield
+        return
+    with _THREADS_LOCK:
+        if not _THREADS["in_force"]:
+            # The value new threads take: this thread takes it now, as a new one would.
+            torch.init_num_threads()
+            _THREADS["inherited"] = torch.get_num_threads()
+        _THREADS["in_force"] += 1
+        try:
+            torch.set_num_threads(n)
+        except BaseException:
+            _restore_threads(previous)
+            raise
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        with _THREADS_LOCK:
+            _restore_threads(previous)
+
+
+def _restore_threads(previous: int) -> None:
+    """Give this thread its ``previous`` count back, and new threads theirs once no
+    change of :func:`torch_threads` is in force. Called with ``_THREADS_LOCK`` held."""
+    torch.set_num_threads(previous)
+    _THREADS["in_force"] -= 1
+    if not _THREADS["in_force"] and previous != _THREADS["inherited"]:
+        # This thread's count differs from new threads' (another thread set one since
+        # it started, or it started during a limit): only another thread can record it.
+        setter = threading.Thread(target=torch.set_num_threads,
+                                  args=(_THREADS["inherited"],))
+        setter.start()
+        setter.join()

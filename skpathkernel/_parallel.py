@@ -6,15 +6,16 @@ processes, on threads, or on a Dask cluster under ``joblib.parallel_config(backe
 
 The thread rule: ``n_jobs`` tasks times torch's intra-op threads per task stay within the
 cores. Each block task sets ``torch.set_num_threads(max(1, cpu_count() // n_jobs))`` (with
-``cpu_count`` read on the worker) and restores the previous value when it ends; torch keeps
-that setting per calling thread, so concurrent tasks on threads do not disturb each other.
+``cpu_count`` read on the worker) and restores the previous value when it ends. torch keeps
+the count per thread, so concurrent tasks on threads each run with their own; it also
+records the value set last for threads that first use torch later, which
+:func:`~skpathkernel._device.torch_threads` puts back when the last limit ends.
 Training inside a Dask worker (``GridSearchCV`` under the dask backend) follows the same rule
 through :func:`dask_worker_threads`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import sys
 
@@ -23,22 +24,18 @@ import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 from joblib.parallel import LokyBackend, MultiprocessingBackend, get_active_backend
 
+from ._device import torch_threads
+
 __all__ = ["dask_worker_threads", "limit_torch_threads", "local_processes", "map_calls",
            "map_ranges", "map_row_blocks", "n_row_blocks", "n_tasks"]
 
 
-@contextlib.contextmanager
 def limit_torch_threads(n: int | None):
-    """Run a block with at most ``n`` torch intra-op threads, then restore the count."""
-    previous = torch.get_num_threads()
-    lower = n is not None and n < previous
-    if lower:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if lower:
-            torch.set_num_threads(previous)
+    """Run a block with at most ``n`` torch intra-op threads, then restore the count.
+
+    The calling thread's count, safe on concurrent threads: see :func:`torch_threads`.
+    """
+    return torch_threads(n if n is not None and n < torch.get_num_threads() else None)
 
 
 def _run(func, n_tasks, call):

@@ -809,8 +809,8 @@ class _NetworkKernel(Kernel):
         # path kernel and gave a Gram asymmetric by round-off (1e-7 in float32).
         Y = None if Y is None or Y is X_in else _validate(self.estimator, net, Y, "Y")
         work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
-        # The lock first: torch's thread count is global, set and restored by one call
-        # at a time.
+        # The lock first: a call waiting for the module keeps no thread limit in force
+        # (while one is, threads that first use torch start from it; see torch_threads).
         with module_lock(net.module), limit_torch_threads(kernel_threads(work)):
             K = _check_finite(self._bind(net)._gram_blocks(X, Y), net)
         if eval_gradient:

@@ -3,6 +3,7 @@ threads per task stay within the cores (the Dask cluster runs are in test_dask.p
 
 import os
 import pickle
+import threading
 
 import joblib
 import numpy as np
@@ -14,6 +15,7 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.gaussian_process import GaussianProcessRegressor
 
 from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
+from skpathkernel._device import torch_threads
 from skpathkernel._parallel import limit_torch_threads, map_row_blocks
 from skpathkernel.kernels import PathKernel, TangentKernel
 
@@ -133,6 +135,100 @@ def test_limit_torch_threads_restores_and_never_raises():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def _in_new_thread(func):
+    """``func()`` on a thread started now: what a thread's first use of torch sees."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(func()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def test_torch_keeps_a_count_per_thread_and_new_threads_take_the_last_set():
+    # What the limits below rely on (torch 2.13, OpenMP build): a thread's set_num_threads
+    # leaves another thread's count alone, and a thread takes the value set last, by any
+    # thread, when it first uses torch (not when it starts).
+    torch.set_num_threads(3)
+    started, lowered = threading.Event(), threading.Event()
+
+    def late():
+        started.set()
+        lowered.wait()
+        return torch.get_num_threads()
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(late()))
+    thread.start()
+    started.wait()
+    assert _in_new_thread(lambda: (torch.set_num_threads(2), torch.get_num_threads())[1]) == 2
+    lowered.set()
+    thread.join()
+    assert torch.get_num_threads() == 3
+    assert out == [2]
+    assert _in_new_thread(torch.get_num_threads) == 2
+
+
+@pytest.mark.parametrize("limit", [limit_torch_threads, torch_threads])
+def test_thread_limits_on_threads_restore_every_count(limit):
+    """Two limits on threads, in the order that left torch's count for new threads
+    lowered: A limits itself to 2; B, whose first use of torch comes then (it starts
+    from 2), limits itself to 1; A ends, then B. Each ran with its own limit; after,
+    the caller, A, B, a thread started before that first uses torch now, and a new
+    thread have the count they had, or would have had, without the limits."""
+    torch.set_num_threads(4)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def run_a():
+        seen["A before"] = torch.get_num_threads()
+        with limit(2):
+            a_in.set()
+            b_in.wait()
+            seen["A in"] = torch.get_num_threads()
+        seen["A after"] = torch.get_num_threads()
+        a_out.set()
+
+    def run_b():
+        a_in.wait()
+        seen["B before"] = torch.get_num_threads()
+        with limit(1):
+            seen["B in"] = torch.get_num_threads()
+            b_in.set()
+            a_out.wait()
+            seen["B in, A out"] = torch.get_num_threads()
+        seen["B after"] = torch.get_num_threads()
+
+    done = threading.Event()
+
+    def run_late():
+        done.wait()
+        seen["late"] = torch.get_num_threads()
+
+    threads = [threading.Thread(target=f) for f in (run_a, run_b, run_late)]
+    for thread in threads:
+        thread.start()
+    for thread in threads[:2]:
+        thread.join()
+    done.set()
+    threads[2].join()
+    assert seen == {"A before": 4, "A in": 2, "A after": 4, "B before": 2, "B in": 1,
+                    "B in, A out": 1, "B after": 2, "late": 4}
+    assert torch.get_num_threads() == 4
+    assert _in_new_thread(torch.get_num_threads) == 4
+
+
+@pytest.mark.parametrize("limit", [limit_torch_threads, torch_threads])
+def test_thread_limit_keeps_the_count_new_threads_take(limit):
+    # Another thread set 3 last: new threads take 3, the caller keeps its 4. A limit
+    # here restores both, not the caller's count for everyone.
+    torch.set_num_threads(4)
+    _in_new_thread(lambda: torch.set_num_threads(3))
+    with limit(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 4
+    assert _in_new_thread(torch.get_num_threads) == 3
 
 
 @pytest.mark.parametrize("prefitted", [False, True])

@@ -10,6 +10,7 @@ positions (gradient blocks and position pairs) are forced in turn.
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -723,3 +724,20 @@ def test_layers_that_move_buffers_in_training_mode_are_refused(kind):
     module.eval()
     J = jacobian_loop(module, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+def test_the_fallback_does_not_repeat_torch_funcs_unbatched_operation_note():
+    """weight_norm's backward has no vmap batching rule: torch.func said so at every
+    chunk (about 100 warnings per decompose of a recorded weight_norm network); the
+    fallback's cost is reported once, by layer_routes. The values stay the loop's."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 5)), nn.Tanh(),
+                           nn.Linear(5, 2)).double()
+    X = torch.randn(6, 3, dtype=torch.float64)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K = tangent_gram(module, params, X, output="full")
+    J = jacobian_loop(module, X)
+    _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
+    assert [r.route for r in layer_routes(module, X)][0] == "fallback"

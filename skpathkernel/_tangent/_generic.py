@@ -27,6 +27,9 @@ from .._memory import rows_per_block
 __all__ = ["per_sample_jacobian", "strided"]
 
 
+_UNBATCHED = "There is a performance drop because we have not yet implemented the batching"
+
+
 def per_sample_jacobian(
     module: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -63,7 +66,13 @@ def per_sample_jacobian(
         out = None
         if batched:
             try:
-                out = jac(free, xb)
+                with warnings.catch_warnings():
+                    # torch.func's note that an operation (weight_norm's backward, say)
+                    # runs unbatched inside vmap: one per operation and chunk, about 100
+                    # per decompose. The fallback's cost is reported once, by layer_routes
+                    # and the fit's fallback warning.
+                    warnings.filterwarnings("ignore", _UNBATCHED, UserWarning)
+                    out = jac(free, xb)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:

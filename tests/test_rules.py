@@ -1,7 +1,8 @@
 """The built-in per-layer rules against an independent per-sample autograd loop (float64).
 
-Every rule (Conv1d, Conv2d, Linear on N-D inputs, Embedding, LayerNorm, GroupNorm,
-BatchNorm in eval mode, MultiheadAttention, PReLU, and TransformerEncoderLayer built from them) is
+Every rule (Conv1d, Conv2d, Linear on N-D inputs, Embedding, LayerNorm, RMSNorm, GroupNorm,
+BatchNorm in eval mode, MultiheadAttention, PReLU, and TransformerEncoderLayer or pre-norm
+RMSNorm blocks built from them) is
 checked for the Gram (trace, full, one output, cross, symmetric, at two parameter points),
 its diagonal, the features, the preconditioned (Adam / RMSprop) Gram of the path kernel,
 and the seeded projection, to 1e-10 relative; both exact contractions of a term with
@@ -106,6 +107,55 @@ class _Tokens(nn.Module):
         return self.head(h.mean(1))
 
 
+class _RMSBlock(nn.Module):
+    """A pre-norm (Llama-style) block: x + attn(rms(x)), then x + mlp(rms(x))."""
+
+    def __init__(self, d, heads=2, ff=12, eps=None, causal=False):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(d, eps=eps), nn.RMSNorm(d, eps=eps)
+        self.attn = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
+        self.up, self.down = nn.Linear(d, ff, bias=False), nn.Linear(ff, d, bias=False)
+        self.causal = causal
+
+    def forward(self, x):
+        h = self.norm1(x)
+        S = x.shape[1]
+        mask = (torch.triu(torch.ones(S, S, dtype=torch.bool, device=x.device), 1)
+                if self.causal else None)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.down(F.silu(self.up(self.norm2(x))))
+
+
+class _RMSTokens(nn.Module):
+    """Token ids through an embedding, pre-norm RMSNorm blocks, a final RMSNorm, a head."""
+
+    def __init__(self, n_out, vocab=7, d=8, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*(_RMSBlock(d, eps=1e-6 if i else None, causal=True)
+                                      for i in range(layers)))
+        self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, n_out)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.blocks(self.tok(ids))).mean(1))
+
+
+class _RMSVectors(nn.Module):
+    """2-D ``(n, F)`` inputs, lifted to 3 tokens of 4 features, one pre-norm block."""
+
+    def __init__(self, n_out, F_in=5, S=3, d=4):
+        super().__init__()
+        self.S, self.d = S, d
+        self.lift = nn.Linear(F_in, S * d)
+        self.block = _RMSBlock(d, eps=1e-5)
+        self.norm = nn.RMSNorm(S * d, elementwise_affine=False)
+        self.head = nn.Linear(S * d, n_out)
+
+    def forward(self, x):
+        h = self.block(self.lift(x).unflatten(1, (self.S, self.d)))
+        return self.head(self.norm(h.flatten(1)))
+
+
 def _bn_eval(bn):
     """BatchNorm with random running statistics, in eval mode."""
     with torch.no_grad():
@@ -146,6 +196,16 @@ CASES = {
                    _image((5, 3))),
     "layer_norm_2d_nobias": (lambda c: _Head(nn.LayerNorm((3, 4), bias=False), 12, c),
                              _image((3, 4))),
+    "rms_norm": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), nn.RMSNorm(4)), 5 * 4, c),
+                 _image((5, 3))),
+    "rms_norm_vectors_eps": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4),
+                                                           nn.RMSNorm(4, eps=1e-2)), 4, c),
+                             _image((3,))),
+    "rms_norm_2d_default_eps": (lambda c: _Head(nn.RMSNorm((3, 4)), 12, c), _image((3, 4))),
+    "rms_norm_no_affine": (lambda c: _Head(nn.Sequential(
+        nn.Linear(3, 4), nn.RMSNorm(4, elementwise_affine=False)), 5 * 4, c), _image((5, 3))),
+    "rms_transformer": (lambda c: _RMSTokens(c), _ids(5)),
+    "rms_transformer_vectors": (lambda c: _RMSVectors(c), _image((5,))),
     "group_norm": (lambda c: _Head(nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4)),
                                    4 * 9, c), _image((2, 5, 5))),
     "batch_norm1d": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), _bn_eval(nn.BatchNorm1d(4))),
@@ -228,7 +288,7 @@ def test_every_parameter_is_on_a_rule(case):
     assert not cap.exclude and not cap.declined
 
 
-ATTENTION = sorted(c for c in CASES if c.startswith(("mha", "transformer")))
+ATTENTION = sorted(c for c in CASES if c.startswith(("mha", "transformer", "rms_transformer")))
 
 
 @pytest.mark.parametrize("case", ATTENTION)
@@ -242,7 +302,8 @@ def test_attention_core_is_run_directly_where_torch_would(case, monkeypatch):
                         lambda bound: chosen.append(real(bound)) or chosen[-1])
     module, params, X, _ = _make(case, 2)
     capture(module, params, X, [0, 1], memory_budget=2**24)
-    direct = "no_weights" in case or case.startswith("transformer")
+    direct = ("no_weights" in case or case.startswith("transformer")
+              or case == "rms_transformer_vectors")  # the tokens' blocks are causal
     assert chosen and set(chosen) == {direct}
 
 
@@ -580,6 +641,61 @@ def test_misuse_of_the_new_layers_goes_to_the_fallback():
                                  "norm.weight", "norm.bias"}
     J = _loop(module, params, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+# ------------------------------------------------------------------------- RMSNorm
+RMS = sorted(c for c in CASES if c.startswith("rms"))
+
+
+@pytest.mark.parametrize("case", RMS)
+def test_rms_norm_is_reported_on_its_rule(case):
+    # nn.RMSNorm had no rule: layer_routes reported it on the generic fallback.
+    module, params, X, _ = _make(case, 2)
+    routes = layer_routes(module, X, params=params)
+    affine = [name for name, m in module.named_modules()
+              if isinstance(m, nn.RMSNorm) and m.weight is not None]
+    assert [r.name for r in routes if r.type == "RMSNorm"] == affine
+    assert {r.route for r in routes} == {"rule"}, [(r.name, r.reason) for r in routes]
+
+
+class _MyRMSNorm(nn.RMSNorm):
+    """A subclass: rules are registered by exact type, so it falls back."""
+
+
+def test_an_rms_norm_subclass_falls_back_to_the_same_numbers():
+    torch.manual_seed(0)
+    module = _Head(nn.Sequential(nn.Linear(3, 4), _MyRMSNorm(4)), 5 * 4, 2).double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    X = torch.randn(6, 5, 3, dtype=torch.float64)
+    assert [r.route for r in layer_routes(module, X)] == ["rule", "fallback", "rule"]
+    J = _loop(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+@pytest.mark.parametrize("case", RMS)
+def test_rms_norm_rules_in_float32_match_the_float64_loop(case):
+    # The rule in float32 (its normalised input from torch's float32 rms_norm, eps=None
+    # meaning float32's machine epsilon there), against the float64 loop at the same
+    # parameters and inputs (rounded to float32): they differ by float32 rounding only.
+    module, params, X, Y = _make(case, 3)
+    p32 = {k: v.float() for k, v in params.items()}
+    X32, Y32 = ((Z.float() if Z.is_floating_point() else Z) for Z in (X, Y))
+    m32 = copy.deepcopy(module).float()
+    p64 = {k: v.double() for k, v in p32.items()}
+    X64, Y64 = ((Z.double() if Z.is_floating_point() else Z) for Z in (X32, Y32))
+    JX, JY = _loop(module, p64, X64), _loop(module, p64, Y64)
+    assert {r.route for r in layer_routes(m32, X32, params=p32)} == {"rule"}
+    rtol = 2e-5
+    full = torch.einsum("ncp,mdp->ncmd", JX, JY)
+    _close(tangent_gram(m32, p32, X32, Y32, output="full"), full, rtol)
+    _close(tangent_gram(m32, p32, X32, Y32, output=1), full[:, 1, :, 1], rtol)
+    _close(tangent_gram(m32, p32, X32), torch.einsum("ncp,mcp->nm", JX, JX) / 3, rtol)
+    _close(tangent_gram_diag(m32, p32, X32), torch.einsum("ncp,ncp->n", JX, JX) / 3, rtol)
+    _close(tangent_features(m32, p32, X32, output="full"), JX, rtol)
+    gen = torch.Generator().manual_seed(1)
+    D = 1.0 / (torch.rand(JX.shape[2], generator=gen, dtype=torch.float64) + 0.1)
+    _close(tangent_gram(m32, p32, X32, Y32, output="full", diag_weight=D.float()),
+           torch.einsum("ncp,p,mdp->ncmd", JX, D, JY), rtol)
 
 
 # --------------------------------------------------------------------------- CUDA

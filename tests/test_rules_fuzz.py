@@ -618,11 +618,17 @@ class _FunctionalLookup(nn.Module):
         return self.head(F.embedding(ids, table, scale_grad_by_freq=self.flag).flatten(1))
 
 
+class _FallbackRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm under a type without a rule (rules are registered by exact type): a
+    layer on the fallback whose vmap(jacrev) is right."""
+
+
 def test_fallback_differentiates_one_sample_at_a_time_where_vmap_refuses():
-    # RMSNorm (no rule) before an autograd.Function without a vmap rule: the fallback's
-    # vmap(jacrev) raised; it now loops over the samples, to the same numbers.
+    # An RMSNorm on the fallback before an autograd.Function without a vmap rule: the
+    # fallback's vmap(jacrev) raised; it now loops over the samples, to the same numbers.
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.RMSNorm(4), _ClipLayer(), nn.Linear(4, 3)).double()
+    net = nn.Sequential(nn.Linear(3, 4), _FallbackRMSNorm(4), _ClipLayer(),
+                        nn.Linear(4, 3)).double()
     X = torch.randn(5, 3, dtype=torch.float64)
     assert [r.route for r in layer_routes(net, X)] == ["rule", "fallback", "rule"]
     phi, J = _features_and_reference(net, X)
@@ -643,7 +649,7 @@ class _RawPReLU(nn.Module):
 
 
 @pytest.mark.parametrize("body,n,wrong", [(_RawPReLU, 2, True), (_RawPReLU, 3, True),
-                                          (lambda: nn.RMSNorm(5), 3, False)])
+                                          (lambda: _FallbackRMSNorm(5), 3, False)])
 def test_fallback_checks_vmap_against_autograd_and_loops_when_it_is_wrong(body, n, wrong):
     # torch 2.13's vmap(jacrev) of prelu's backward on these chunks is wrong off the
     # (row, output) diagonal without an error: the fallback checks each chunk's first row

@@ -1,5 +1,5 @@
-"""The built-in rules: Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, BatchNorm (eval),
-MultiheadAttention, PReLU.
+"""The built-in rules: Linear, Conv1d/2d, Embedding, LayerNorm, RMSNorm, GroupNorm,
+BatchNorm (eval), MultiheadAttention, PReLU.
 
 Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
 backprops to :class:`._rules.Term` objects, registered by exact type. Every number a rule
@@ -195,6 +195,32 @@ def _layer_norm_accepts(layer, use):
 LAYER_NORM = Rule(ops=(F.layer_norm,), factors=_layer_norm_factors, accepts=_layer_norm_accepts)
 
 
+def _rms_shape(use: Use) -> tuple[int, ...]:
+    shape = _arg(use, 1, "normalized_shape")
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+def _rms_norm_factors(layer, use, deltas, names):
+    # z = x / rms(x) * w, rms over the normalised (trailing) dimensions: d f / d w is
+    # sum_s delta_s * x_s / rms(x_s), LayerNorm's weight term (no bias, no centring).
+    # The normalised input is torch's own, with the call's eps (None: torch's default
+    # for the input's dtype).
+    (a,), (delta,) = use.inputs, deltas
+    shape = _rms_shape(use)
+    xhat = F.rms_norm(a, shape, None, _arg(use, 3, "eps"))
+    n, C = delta.shape[:2]
+    width = math.prod(shape)
+    return _affine_terms(delta.reshape(n, C, -1, width), xhat.reshape(n, -1, width), names)
+
+
+def _rms_norm_accepts(layer, use):
+    # As LayerNorm's: the normalised dimensions must leave the samples' axis alone.
+    return use.inputs[0].ndim > len(_rms_shape(use))
+
+
+RMS_NORM = Rule(ops=(F.rms_norm,), factors=_rms_norm_factors, accepts=_rms_norm_accepts)
+
+
 def _group_norm_factors(layer, use, deltas, names):
     (a,), (delta,) = use.inputs, deltas
     xhat = F.group_norm(a, _arg(use, 1, "num_groups"), None, None, _arg(use, 4, "eps", 1e-5))
@@ -358,6 +384,7 @@ MULTIHEAD_ATTENTION = Rule(ops=(F.multi_head_attention_forward,), factors=_mha_f
 
 for _type, _rule in [(nn.Linear, LINEAR), (nn.Conv1d, CONV1D), (nn.Conv2d, CONV2D),
                      (nn.Embedding, EMBEDDING), (nn.LayerNorm, LAYER_NORM),
+                     (nn.RMSNorm, RMS_NORM),
                      (nn.GroupNorm, GROUP_NORM), (nn.BatchNorm1d, BATCH_NORM),
                      (nn.BatchNorm2d, BATCH_NORM), (nn.MultiheadAttention, MULTIHEAD_ATTENTION),
                      (nn.PReLU, PRELU),

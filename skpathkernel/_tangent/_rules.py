@@ -271,7 +271,7 @@ def get_rule(module_type: type) -> Rule | None:
     >>> from skpathkernel.rules import get_rule
     >>> get_rule(nn.Linear).ops == (F.linear,)
     True
-    >>> get_rule(nn.RMSNorm) is None
+    >>> get_rule(nn.Bilinear) is None
     True
     """
     return RULES.get(module_type)

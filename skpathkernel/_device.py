@@ -103,10 +103,11 @@ def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
     Module constructors draw their initial weights from the global generator; forking it
     gives reproducible initializations without changing the user's global random state.
     ``exclusive``: the block runs alone among this process's forks (a construction, whose
-    draws are then those of ``seed`` whatever other threads do). False, for a long block
-    (the training, which draws only from a layer that draws): only the seeding and the
-    restoring are, so that concurrent fits still train concurrently; the block's draws
-    may then interleave with another thread's non-exclusive ones.
+    draws are then those of ``seed`` whatever other non-exclusive blocks do). False, for
+    a long block that draws nothing (the training of a network without a layer that
+    draws): only the seeding and the restoring are, so that concurrent fits still train
+    concurrently; a draw in such a block would interleave with another thread's, even
+    an exclusive block's.
     """
     devices = [device] if device.type == "cuda" else []
     if exclusive:

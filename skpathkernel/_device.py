@@ -76,6 +76,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 # (reentrant: a seeded construction may run a forked probe); a long one (the training)
 # holds it to seed and to restore only.
 _RNG_LOCK = threading.RLock()
+# The non-exclusive seeded blocks running (on threads), and the caller's generator states
+# from before the first of them: the CPU's, and each CUDA device's by index.
+_OPEN: dict = {"blocks": 0, "cuda": {}}
 
 
 @contextlib.contextmanager
@@ -116,16 +119,28 @@ def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
             yield
         return
     with _RNG_LOCK:
-        cpu_state = torch.get_rng_state()
-        device_states = [torch.cuda.get_rng_state(d) for d in devices]
+        # The caller's states, saved by the first of the overlapping blocks and restored
+        # by the last: each saving and restoring its own, a block entered while another
+        # ran saved that one's seeded state, and restored it last for good.
+        if not _OPEN["blocks"]:
+            _OPEN["cpu"] = torch.get_rng_state()
+        for d in devices:
+            key = d.index if d.index is not None else torch.cuda.current_device()
+            if key not in _OPEN["cuda"]:
+                _OPEN["cuda"][key] = torch.cuda.get_rng_state(key)
+        _OPEN["blocks"] += 1
         _seed(seed, device)
     try:
         yield
     finally:
         with _RNG_LOCK:
-            torch.set_rng_state(cpu_state)
-            for d, state in zip(devices, device_states):
-                torch.cuda.set_rng_state(state, d)
+            _OPEN["blocks"] -= 1
+            if not _OPEN["blocks"]:
+                torch.set_rng_state(_OPEN.pop("cpu"))
+                for key, state in _OPEN["cuda"].items():
+                    torch.cuda.set_rng_state(state, key)
+                _OPEN["cuda"] = {}
+
 
 
 @contextlib.contextmanager

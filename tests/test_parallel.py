@@ -414,3 +414,36 @@ def test_a_fit_on_a_thread_keeps_its_draws_from_a_training_that_draws():
             constructed.set()
             thread.join(30)
     assert_allclose(got, serial, rtol=0, atol=0)
+
+
+def test_overlapping_trainings_on_threads_restore_the_callers_generator():
+    # Each training's seeded section saved the generator state it found and restored it
+    # when done: a second one entered while the first ran saved the first's seeded state,
+    # and, ending last, left torch's global generator there for good (at the other
+    # fit's random_state + 1, not the caller's).
+    import threading
+
+    from skpathkernel._device import seeded_torch
+
+    first_in, second_in, first_out = (threading.Event() for _ in range(3))
+
+    def first():
+        with seeded_torch(1, torch.device("cpu"), exclusive=False):
+            first_in.set()
+            assert second_in.wait(10)
+        first_out.set()
+
+    def second():
+        assert first_in.wait(10)
+        with seeded_torch(2, torch.device("cpu"), exclusive=False):
+            second_in.set()
+            assert first_out.wait(10)
+
+    torch.manual_seed(12345)
+    before = torch.get_rng_state()
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -73,8 +73,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 # (joblib's threading backend, a multi-threaded Dask worker) seeding and drawing from them
 # at once took each other's draws (another initialization for the same random_state), and
 # a fork's restore rewound the other's generator mid-draw. Every fork here holds this lock
-# (reentrant: a seeded construction may run a forked probe); a long one (the training)
-# holds it to seed and to restore only.
+# (reentrant: a seeded construction may run a forked probe); a long one that draws nothing
+# (the training of a network without a layer that draws) holds it to seed and to restore
+# only.
 _RNG_LOCK = threading.RLock()
 # The non-exclusive seeded blocks running (on threads), and the caller's generator states
 # from before the first of them: the CPU's, and each CUDA device's by index.

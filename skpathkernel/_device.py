@@ -130,8 +130,9 @@ def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
             if key not in _OPEN["cuda"]:
                 _OPEN["cuda"][key] = torch.cuda.get_rng_state(key)
         _OPEN["blocks"] += 1
-        _seed(seed, device)
     try:
+        with _RNG_LOCK:
+            _seed(seed, device)
         yield
     finally:
         with _RNG_LOCK:

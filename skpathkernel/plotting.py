@@ -763,7 +763,9 @@ class RankGapDisplay:
     Ranks are computed from the tangent Gram ``G = J J^T`` (never forming ``J``): the
     singular values of ``J`` are ``sqrt(eig(G))``, and both ranks count those above
     ``rtol`` times the training features' largest (as
-    :meth:`~skpathkernel.OODRankDetector.rank_gap`), so the gap is never negative.
+    :meth:`~skpathkernel.OODRankDetector.rank_gap`), so the gap is not negative unless a
+    query's features exceed the training features' by more than ``rtol / 1e-7``, where
+    the joint Gram no longer resolves that threshold.
 
     Parameters
     ----------

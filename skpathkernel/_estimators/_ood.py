@@ -516,7 +516,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         threshold for both: the joint singular values interlace above the training
         ones, so ``rank_joint >= rank_train`` (relative to its own largest, a far query
         raised the joint threshold and hid directions). The joint threshold never falls
-        below what its Gram resolves, 1e-7 times its own largest singular value.
+        below what its Gram resolves, 1e-7 times its own largest singular value: a query
+        whose features exceed the training features' by more than ``rtol / 1e-7``
+        raises it all the same, and the gap can then read low, or negative (a ReLU
+        network trained on ``[0, 1]``, at the default ``rtol``: -1 for a query at 1e10).
         ``rank_joint > rank_train`` is Guo, He & Morel's sign of extrapolation: some
         ``phi(x)`` leaves the training span.
 

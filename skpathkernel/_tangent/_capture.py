@@ -165,12 +165,17 @@ def check_per_sample(module: torch.nn.Module) -> None:
     # each forward pass here (layer_routes, check_rule, the kernels) would move the
     # module's buffers (running statistics, spectral normalisation's singular vectors),
     # and with them the function the features are taken of.
-    for name, layer, why in mode_dependent_layers(module):
+    for name, layer, _ in mode_dependent_layers(module):
         if refused_in_mode(layer):
+            # Per sample either way (BatchNorm's case is refused above): what they move.
+            moved = ("its running statistics" if isinstance(layer, nn.modules.instancenorm
+                                                            ._InstanceNorm)
+                     else "the singular vectors its spectral normalisation divides by")
             raise ValueError(
-                f"Layer {name!r} ({type(layer).__name__}) is in training mode: {why}; "
-                "computing kernels or features would change them. Call module.eval() "
-                "first.")
+                f"Layer {name!r} ({type(layer).__name__}) is in training mode: every "
+                f"forward pass updates {moved} (buffers), so computing kernels or features "
+                "would rewrite them and change the function they describe. Call "
+                "module.eval() first.")
 
 
 def check_lookups(module: torch.nn.Module) -> None:

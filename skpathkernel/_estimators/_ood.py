@@ -166,7 +166,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         most training points are pivots of a nearly saturated span, the pivots' exact
         residuals still leak less than a new point's, and a float flags more than its
         share of new data (0.22 for 0.05 on digits 0-4 with 8 hidden units, 442 pivots
-        of 600 points, 0.04 with "local"; 0.63 for 0.05 on the user guide's Friedman #1
+        of 600 points, 0.04 with "local"; 0.63 for 0.05 on a shorter-trained Friedman #1
         network, 769 pivots of 1000 points). Prefer "local", or ``"auto"``, there.
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as

@@ -10,7 +10,8 @@ which contracts a one-hot term as the ref did), the two sides alternating. Each 
 ids, timed by ``time.thread_time`` on one torch thread, on an embedding + mean + MLP
 network and on a small token transformer (one encoder layer), vocabularies 100, 1,000
 and 30,000, and the preconditioned Gram ``J D J^T`` (a positive ``D`` as Adam's). A dense
-reference (``tangent_features`` then one GEMM) is timed once per case.
+reference (``tangent_features`` then one GEMM) is timed once per case. Last, the path
+kernel ``PathKernel(clf)(X)`` of a classifier trained by SGD and by Adam (vocab 30,000).
 
 Usage: ``THREADS=1 python -m benchmarks.bench_embedding_ab [REF] [RESULTS]``
 (REF ``main``; RESULTS ``embedding_ab``). Writes ``benchmarks/results/RESULTS.md`` and
@@ -23,11 +24,14 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
+from skpathkernel import PathKernelClassifier
 from skpathkernel._tangent import RULES, tangent_features, tangent_gram
+from skpathkernel.kernels import PathKernel
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 5
@@ -68,6 +72,31 @@ def _cases():
                _MeanNet(vocab).eval(), torch.randint(0, vocab, (N, S)), True)
 
 
+def _path_kernel_rows(sides):
+    """``PathKernel(clf)(X)`` of a token classifier (vocab 30,000, 4 recorded steps; its
+    step Grams go through the same engine, preconditioned for Adam)."""
+    rng = np.random.default_rng(0)
+    X, y = rng.integers(0, 30000, (N, S)), rng.integers(0, 2, N)
+    rows = []
+    for solver in ("sgd", "adam"):
+        clf = PathKernelClassifier(module=lambda n_in, n_out: _MeanNet(30000), solver=solver,
+                                   max_iter=2, batch_size=32, random_state=0).fit(X, y)
+        times, grams = {"ref": [], "tree": []}, {}
+        for _ in range(REPS):
+            for side, rule in sides.items():
+                RULES[nn.Embedding] = rule
+                start = time.thread_time()
+                grams[side] = PathKernel(clf)(X)
+                times[side].append(time.thread_time() - start)
+        RULES[nn.Embedding] = sides["tree"]
+        diff = float(np.abs(grams["ref"] - grams["tree"]).max() / np.abs(grams["ref"]).max())
+        case = f"PathKernel(clf)(X), {solver}, vocab 30000, n={N}, S={S}, 4 steps"
+        rows.append(ab_row(case, times, os.getloadavg()[0], max_rel_diff=diff))
+        print(case, f"{rows[-1]['ref_least']:.3f} {rows[-1]['tree_least']:.3f} "
+              f"{rows[-1]['ratio_least']:.2f}", flush=True)
+    return rows
+
+
 def main(ref="main", results="embedding_ab"):
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     warnings.simplefilter("ignore")
@@ -100,6 +129,7 @@ def main(ref="main", results="embedding_ab"):
                            dense=f"{dense_time:.3f}", dense_diff=f"{diff_dense:.1e}"))
         print(case, f"{rows[-1]['ref_least']:.3f} {rows[-1]['tree_least']:.3f} "
               f"{rows[-1]['ratio_least']:.2f} dense {dense_time:.3f}", flush=True)
+    rows.extend(_path_kernel_rows(sides))
     prov = ab_provenance(ROOT, "bench_embedding_ab",
                          ["skpathkernel/_tangent", "benchmarks/bench_embedding_ab.py"], ref,
                          REPS, float32=True)

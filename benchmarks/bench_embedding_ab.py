@@ -39,11 +39,11 @@ N, S, D, C = 64, 16, 32, 10
 
 
 class _MeanNet(nn.Module):
-    def __init__(self, vocab):
+    def __init__(self, vocab, n_out=C):
         super().__init__()
         self.emb = nn.Embedding(vocab, D)
         self.hidden = nn.Linear(D, 64)
-        self.out = nn.Linear(64, C)
+        self.out = nn.Linear(64, n_out)
 
     def forward(self, x):
         return self.out(torch.tanh(self.hidden(self.emb(x).mean(1))))
@@ -79,7 +79,7 @@ def _path_kernel_rows(sides):
     X, y = rng.integers(0, 30000, (N, S)), rng.integers(0, 2, N)
     rows = []
     for solver in ("sgd", "adam"):
-        clf = PathKernelClassifier(module=lambda n_in, n_out: _MeanNet(30000), solver=solver,
+        clf = PathKernelClassifier(module=lambda n_in, n_out: _MeanNet(30000, n_out), solver=solver,
                                    max_iter=2, batch_size=32, random_state=0).fit(X, y)
         times, grams = {"ref": [], "tree": []}, {}
         for _ in range(REPS):

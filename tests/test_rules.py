@@ -145,6 +145,8 @@ CASES = {
     # within and across samples, and the padding row is among them.
     "embedding_wide_table": (lambda c: _Head(nn.Embedding(3000, 3, padding_idx=4), 4 * 3, c),
                              _ids(4, 9)),
+    "embedding_one_id": (lambda c: _Head(nn.Embedding(500, 3), 3, c),
+                         lambda n, g: torch.randint(0, 5, (n,), generator=g)),
     "layer_norm": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), 5 * 4, c),
                    _image((5, 3))),
     "layer_norm_2d_nobias": (lambda c: _Head(nn.LayerNorm((3, 4), bias=False), 12, c),

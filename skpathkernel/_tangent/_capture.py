@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from .._device import forked_rng
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
-from ._contract import grad_times, param_numel, split_constant_inputs
+from ._contract import grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
@@ -475,6 +475,7 @@ def capture(
     dense_fallback: bool = True,
     weights: torch.Tensor | None = None,
     scratch: list[torch.Tensor] | None = None,
+    index: bool = False,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -505,6 +506,11 @@ def capture(
         reused across calls (a fresh tensor faults in every page on first touch): for a
         caller that copies every term out of the capture before the next call, as the
         chunks of a block of formed gradients do; the terms are views into them.
+    index : bool, default=False
+        Keep index terms (:attr:`Term.rows`: an embedding's ids) as they are, for the
+        tangent-kernel engine, which contracts them without a vocabulary-sized factor;
+        otherwise their one-hot factors are formed (:func:`._contract.one_hot`), for the
+        consumers that contract factors as matrices.
     """
     check_per_sample(module)
     layers, reasons, taken = _rule_layers(module, params, exclude)
@@ -532,7 +538,8 @@ def capture(
         # Every parameter of a layer with a misread parameter goes to the fallback.
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
-                       dense_fallback=dense_fallback, weights=weights, scratch=scratch)
+                       dense_fallback=dense_fallback, weights=weights, scratch=scratch,
+                       index=index)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
@@ -556,6 +563,8 @@ def capture(
     order = {name: i for i, name in enumerate(params)}
     unique = {id(t): t for t in terms_by_name.values()}.values()
     terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
+    if not index:
+        terms = [one_hot(t) for t in terms]
     return Capture(terms=terms, fallback=fallback, exclude=exclude,
                    declined=frozenset(declined), reasons=reasons)
 

@@ -318,3 +318,29 @@ def test_weights_that_cancel_decompose_but_the_unrolled_attribution_refuses_them
         net.attribute(XQ, method="unrolled")
     with pytest.raises(ValueError, match="sum to 0 without all being 0"):
         net.self_influence()
+
+
+def test_a_thinned_weighted_path_replays_its_intervals_with_their_weights():
+    """record_every=2: the unrolled attribution replays the steps between two recorded
+    points with each step's declared weights, and scores as on the full path."""
+
+    def scores(every):
+        module = _mlp()
+        opt = OPTIMIZERS["adam"](module.parameters())
+        with PathRecorder(module, opt, n_samples=N, record_every=every) as rec:
+            for idx in BATCHES:
+                parts = _micro(idx, True)
+                opt.zero_grad()
+                for part in parts:
+                    w = W[part]
+                    ((w * _per_sample(module, part)).mean() / 2).backward()
+                    rec.set_batch(part, weights=w / len(part) / 2)
+                opt.step()
+        net = rec.as_network(X.numpy(), Y.numpy())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return net.attribute(XQ, method="unrolled")
+
+    full, thinned = scores(1), scores(2)
+    assert thinned.replay_error < 1e-12
+    assert_allclose(thinned, full, rtol=0, atol=1e-13 * np.abs(full).max())

@@ -36,8 +36,8 @@ from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._analysis._rank_gap import TangentSpan
 from ._network._inputs import FEATURES
-from ._network._trained import _check_n_neighbors, network_of
-from ._validation import check_column_names, check_flag, check_index, is_option
+from ._network._trained import _check_n_neighbors, check_step_applies, network_of
+from ._validation import check_column_names, check_flag, is_option
 from .kernels import PathKernel, step_kernel
 
 __all__ = [
@@ -81,6 +81,7 @@ def _gram(estimator, X, *, kernel, step, normalized):
     _check_kernel(kernel)
     if kernel == "tangent":
         return step_kernel(estimator, X, step=step, normalized=normalized)
+    check_step_applies(kernel, step)
     return PathKernel(estimator, normalized=normalized)(X)
 
 
@@ -305,8 +306,8 @@ class KernelMatrixDisplay:
             Class of each sample: samples are reordered by class (stably) and the class
             blocks are outlined. None keeps the order of ``X``.
         kernel : {"tangent", "path"}, default="tangent"
-            The tangent kernel at recorded point ``step`` or the path kernel (which ignores
-            ``step``).
+            The tangent kernel at recorded point ``step`` or the path kernel (over every
+            recorded point: ``step`` other than -1 is refused).
         step : int, default=-1
             Recorded point of ``estimator.trajectory_`` (0: initialization).
         normalized : bool, default=True
@@ -534,7 +535,7 @@ class KernelNeighborsDisplay:
             # As kneighbors checks them for the kernels: a bool is not a count, and the
             # kernels' options, unused here, were taken whatever they were (step="a").
             _check_n_neighbors(n_neighbors, len(X))
-            check_index(step, "step", n=len(net.trajectory))
+            check_step_applies(kernel, step)
             check_flag(normalized, "normalized")
             # kneighbors checks the kernel's queries; these distances would broadcast a
             # one-feature anchor against both columns.

@@ -771,18 +771,29 @@ def test_euclidean_neighbors_refuse_a_bool_count(circle):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"step": "a"}, TypeError, "step must be an int"),
-    ({"step": 1.0}, TypeError, "step must be an int"),
-    ({"step": 99}, IndexError, "step index 99 is out of range"),
+    ({"step": "a"}, ValueError, "step='a' applies to kernel='tangent'"),
+    ({"step": 1.0}, ValueError, "step=1.0 applies to kernel='tangent'"),
+    ({"step": 0}, ValueError, "step=0 applies to kernel='tangent'"),
+    ({"step": True}, ValueError, "step=True applies to kernel='tangent'"),
     ({"normalized": "no"}, TypeError, "normalized must be a bool"),
 ])
 def test_euclidean_neighbors_check_the_kernel_options(circle, kwargs, error, match):
-    # Unused by the Euclidean distances, they were taken whatever they were; the
-    # kernels' neighbours refuse them.
+    # Unused by the Euclidean distances, they were taken whatever they were; a step is
+    # refused as kneighbors refuses one with the path kernel, which reads none either.
     clf, X, y = circle
     with pytest.raises(error, match=match):
         KernelNeighborsDisplay.from_estimator(clf, [[0.5, 0.5]], 3, y=y, kernel="euclidean",
                                               **kwargs)
+
+
+def test_a_step_the_path_kernel_would_ignore_is_refused(circle):
+    """KernelMatrixDisplay(kernel="path", step=3) drew the whole path's kernel under the
+    caller's step=3 (kneighbors refused the same pair); the default step is taken."""
+    clf, X, y = circle
+    with pytest.raises(ValueError, match="step=3 applies to kernel='tangent'"):
+        KernelMatrixDisplay.from_estimator(clf, X, y, kernel="path", step=3)
+    disp = KernelMatrixDisplay.from_estimator(clf, X, kernel="path", normalized=False)
+    np.testing.assert_allclose(disp.kernel_matrix, clf.path_kernel_(X), rtol=1e-12)
 
 
 def test_neighbors_of_a_recorded_network():

@@ -60,7 +60,7 @@ from ._inputs import (
 )
 
 __all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
-           "network_of"]
+           "check_step_applies", "network_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -759,12 +759,7 @@ ValueError
         if not is_option(kernel, "tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
         check_flag(normalized, "normalized")  # read by an ``if`` before the kernel's check
-        if kernel == "path" and not (isinstance(step, numbers.Integral) and step == -1):
-            # The path kernel sums over every recorded point: a step would be ignored.
-            raise ValueError(
-                f"step={step!r} applies to kernel='tangent'; the path kernel sums over every "
-                "recorded point (PathKernel(est, start=..., stop=...) restricts it)."
-            )
+        check_step_applies(kernel, step)
         X_fit = self._training_data_inputs()
         _check_n_neighbors(n_neighbors, X_fit.shape[0])
         X = self.check(X)
@@ -1131,6 +1126,18 @@ def _fitted(estimator) -> bool:
     except NotFittedError:
         return False
     return True
+
+
+def check_step_applies(kernel: str, step) -> None:
+    """Refuse a ``step`` other than the default -1 where ``kernel`` does not read it: the
+    path kernel sums over every recorded point, and distances in input space have none.
+    Ignored silently, a grid over ``step`` would compare equal results."""
+    if kernel != "tangent" and not (isinstance(step, numbers.Integral)
+                                    and not isinstance(step, bool) and step == -1):
+        where = ("the path kernel sums over every recorded point (PathKernel(est, "
+                 "start=..., stop=...) restricts it)" if kernel == "path"
+                 else f"kernel={kernel!r} reads no recorded point")
+        raise ValueError(f"step={step!r} applies to kernel='tangent'; {where}.")
 
 
 def _check_n_neighbors(n_neighbors, n_train: int) -> None:

@@ -95,3 +95,34 @@ def test_set_params_dtype_after_fit_keeps_the_fitted_network_usable(fitted):
     loaded = pickle.loads(pickle.dumps(est))
     assert next(loaded.module_.parameters()).dtype == torch.float32
     assert_array_equal(loaded.predict(X), before[0])
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize("n_classes", [2, 3, "multilabel"])
+def test_predict_log_proba_is_finite_where_probabilities_round_to_zero(n_classes):
+    """np.log(predict_proba) gave -inf beyond a margin of about 37 (1 - p rounds to 0);
+    the log-probabilities come from the margins: -logaddexp(0, -s) per sigmoid, s minus
+    its log-sum-exp per softmax, written here with NumPy alone."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(60, 2))
+    if n_classes == "multilabel":
+        y = np.column_stack([X[:, 0] > 0, X[:, 1] > 0, X.sum(1) > 0]).astype(int)
+    else:
+        y = np.digitize(X[:, 0], np.linspace(-1, 1, n_classes + 1)[1:-1])
+    clf = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=20, dtype="float64",
+                               random_state=0).fit(X, y)
+    Q = np.vstack([X[:5], 1e4 * X[:5]])  # far queries: margins in the thousands
+    s = clf.decision_function(Q)
+    if n_classes == "multilabel":
+        expected = -np.logaddexp(0, -s)
+    elif n_classes == 2:
+        expected = np.column_stack([-np.logaddexp(0, s), -np.logaddexp(0, -s)])
+    else:
+        expected = s - np.logaddexp.reduce(s, axis=1, keepdims=True)
+    assert np.abs(s[5:]).max() > 100  # saturated: predict_proba rounds to 0 there
+    log_p = clf.predict_log_proba(Q)
+    assert np.isfinite(log_p).all()
+    assert_allclose(log_p, expected, rtol=1e-12, atol=1e-12)
+    # predict_proba agrees down to its tiny probabilities (1 - expit(s) rounded them to 0;
+    # below 1e-300 lie float64's subnormals, which expit itself flushes).
+    assert_allclose(np.exp(log_p), clf.predict_proba(Q), rtol=1e-10, atol=1e-300)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.special import expit, softmax
+from scipy.special import expit, log_expit, log_softmax, softmax
 from sklearn.base import ClassifierMixin, RegressorMixin, TransformerMixin
 from sklearn.preprocessing import LabelEncoder
 from sklearn.utils._param_validation import StrOptions
@@ -1057,15 +1057,24 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         if _multilabel(self):
             return expit(scores)
         if scores.ndim == 1:
-            p = expit(scores)
-            return np.column_stack([1.0 - p, p])
+            # expit(-s), not 1 - expit(s), which rounds to 0 beyond a margin of ~37.
+            return np.column_stack([expit(-scores), expit(scores)])
         return softmax(scores, axis=1)
 
     @available_if(_has_proba)
     def predict_log_proba(self, X):
-        """Logarithm of :meth:`predict_proba`."""
-        with np.errstate(divide="ignore"):
-            return np.log(self.predict_proba(X))
+        """Logarithm of :meth:`predict_proba`, from the margins themselves.
+
+        Log-sigmoid / log-softmax of the scores: finite where a probability rounds to
+        0 (``np.log(predict_proba(X))``, as MLPClassifier computes it, gives ``-inf``
+        beyond a margin of about 37, where float64's ``1 - p`` is 0).
+        """
+        scores = self.decision_function(X).astype(np.float64)
+        if _multilabel(self):
+            return log_expit(scores)
+        if scores.ndim == 1:
+            return np.column_stack([log_expit(-scores), log_expit(scores)])
+        return log_softmax(scores, axis=1)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

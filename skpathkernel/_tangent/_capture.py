@@ -752,9 +752,12 @@ def _summed_uses(terms: list[Term]) -> dict[str, Term]:
                 if _joinable(pieces):
                     merged.extend(_joined(pieces))
                     continue
-                g = dense_grad(pieces[0], pieces[0].inputs[0][1])
+                # Summed in place: the sum and one use's gradients alive at a time.
+                t0, a0 = pieces[0], pieces[0].inputs[0][1]
+                g = t0.delta.new_empty((*t0.delta.shape[:2], param_numel(t0, a0)))
+                dense_grad(t0, a0, out=g)
                 for t in pieces[1:]:
-                    g = g + dense_grad(t, t.inputs[0][1])
+                    g.add_(dense_grad(t, t.inputs[0][1]))
                 merged.append(Term(delta=g, inputs=[(name, None)]))
         for t in merged:
             by_name.update(dict.fromkeys((name for name, _ in t.inputs), t))

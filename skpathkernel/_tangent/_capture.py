@@ -677,8 +677,9 @@ def _structure(term: Term):
                    if f.name not in ("delta", "inputs"))
     if any(isinstance(v, torch.Tensor) for v in fields):
         return None
+    # A factor's width; an index factor (``rows=``: ids, (n, S)) is joined as it is.
     return (tuple(name for name, _ in term.inputs), fields, term.delta.shape[3],
-            tuple(None if a is None else a.shape[2] for _, a in term.inputs))
+            tuple(None if a is None else a.shape[2:] for _, a in term.inputs))
 
 
 def _joinable(terms: list[Term]) -> bool:

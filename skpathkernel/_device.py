@@ -73,9 +73,13 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 # (joblib's threading backend, a multi-threaded Dask worker) seeding and drawing from them
 # at once took each other's draws (another initialization for the same random_state), and
 # a fork's restore rewound the other's generator mid-draw. Every fork here holds this lock
-# (reentrant: a seeded construction may run a forked probe); a long one (the training)
-# holds it to seed and to restore only.
+# (reentrant: a seeded construction may run a forked probe); a long one that draws nothing
+# (the training of a network without a layer that draws) holds it to seed and to restore
+# only.
 _RNG_LOCK = threading.RLock()
+# The non-exclusive seeded blocks running (on threads), and the caller's generator states
+# from before the first of them: the CPU's, and each CUDA device's by index.
+_OPEN: dict = {"blocks": 0, "cuda": {}}
 
 
 @contextlib.contextmanager
@@ -103,10 +107,11 @@ def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
     Module constructors draw their initial weights from the global generator; forking it
     gives reproducible initializations without changing the user's global random state.
     ``exclusive``: the block runs alone among this process's forks (a construction, whose
-    draws are then those of ``seed`` whatever other threads do). False, for a long block
-    (the training, which draws only from a layer that draws): only the seeding and the
-    restoring are, so that concurrent fits still train concurrently; the block's draws
-    may then interleave with another thread's non-exclusive ones.
+    draws are then those of ``seed`` whatever other non-exclusive blocks do). False, for
+    a long block that draws nothing (the training of a network without a layer that
+    draws): only the seeding and the restoring are, so that concurrent fits still train
+    concurrently; a draw in such a block would interleave with another thread's, even
+    an exclusive block's.
     """
     devices = [device] if device.type == "cuda" else []
     if exclusive:
@@ -115,16 +120,29 @@ def seeded_torch(seed: int, device: torch.device, *, exclusive: bool = True):
             yield
         return
     with _RNG_LOCK:
-        cpu_state = torch.get_rng_state()
-        device_states = [torch.cuda.get_rng_state(d) for d in devices]
-        _seed(seed, device)
+        # The caller's states, saved by the first of the overlapping blocks and restored
+        # by the last: each saving and restoring its own, a block entered while another
+        # ran saved that one's seeded state, and restored it last for good.
+        if not _OPEN["blocks"]:
+            _OPEN["cpu"] = torch.get_rng_state()
+        for d in devices:
+            key = d.index if d.index is not None else torch.cuda.current_device()
+            if key not in _OPEN["cuda"]:
+                _OPEN["cuda"][key] = torch.cuda.get_rng_state(key)
+        _OPEN["blocks"] += 1
     try:
+        with _RNG_LOCK:
+            _seed(seed, device)
         yield
     finally:
         with _RNG_LOCK:
-            torch.set_rng_state(cpu_state)
-            for d, state in zip(devices, device_states):
-                torch.cuda.set_rng_state(state, d)
+            _OPEN["blocks"] -= 1
+            if not _OPEN["blocks"]:
+                torch.set_rng_state(_OPEN.pop("cpu"))
+                for key, state in _OPEN["cuda"].items():
+                    torch.cuda.set_rng_state(state, key)
+                _OPEN["cuda"] = {}
+
 
 
 # torch's intra-op thread count, as torch 2.13 keeps it (measured on its OpenMP build;

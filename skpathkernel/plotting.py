@@ -31,6 +31,7 @@ from sklearn.decomposition import KernelPCA
 from sklearn.manifold import TSNE
 from sklearn.pipeline import Pipeline
 from sklearn.utils._optional_dependencies import check_matplotlib_support
+from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import check_array, check_is_fitted
 
 from ._analysis._rank_gap import TangentSpan
@@ -763,7 +764,9 @@ class RankGapDisplay:
     Ranks are computed from the tangent Gram ``G = J J^T`` (never forming ``J``): the
     singular values of ``J`` are ``sqrt(eig(G))``, and both ranks count those above
     ``rtol`` times the training features' largest (as
-    :meth:`~skpathkernel.OODRankDetector.rank_gap`), so the gap is never negative.
+    :meth:`~skpathkernel.OODRankDetector.rank_gap`), so the gap is not negative unless a
+    query's features exceed the training features' by more than ``rtol / 1e-7``, where
+    the joint Gram no longer resolves that threshold.
 
     Parameters
     ----------
@@ -917,6 +920,13 @@ def _resolve_method(method):
 _METHOD_NAMES = {"umap": "UMAP", "tsne": "t-SNE", "pca": "kernel PCA"}
 
 
+def _continuous(y) -> bool:
+    """Whether ``y`` holds regression values rather than labels (scikit-learn's
+    "continuous": floats that are not all integers)."""
+    y = np.asarray(y)
+    return y.dtype.kind == "f" and np.isfinite(y).all() and type_of_target(y) == "continuous"
+
+
 class TangentEmbeddingDisplay:
     """2-D embedding of tangent features at a recorded step, coloured by label.
 
@@ -941,6 +951,8 @@ class TangentEmbeddingDisplay:
     Attributes
     ----------
     scatter_ : matplotlib PathCollection
+    colorbar_ : matplotlib Colorbar or None
+        The colour bar of continuous ``y`` (regression targets), else None.
     ax_ : matplotlib Axes
     figure_ : matplotlib Figure
 
@@ -973,8 +985,10 @@ class TangentEmbeddingDisplay:
         cmap : str or Colormap, default="tab10"
             Matplotlib colormap. A qualitative map with fewer entries than classes is
             interpolated between its entries, so that each class keeps its own colour.
+            Continuous ``y`` (regression targets) is drawn on a sequential map,
+            "viridis" in place of the default.
         legend : bool, default=True
-            Whether to draw a legend.
+            Whether to draw a legend (a colour bar, ``colorbar_``, for continuous ``y``).
         **scatter_kw : dict
             Passed to ``ax.scatter``.
 
@@ -989,8 +1003,16 @@ class TangentEmbeddingDisplay:
         ax, fig = _axes(ax)
         E = np.asarray(self.embedding)
         kw = {"s": 10, **scatter_kw}
+        self.colorbar_ = None
         if self.y is None:
             self.scatter_ = ax.scatter(E[:, 0], E[:, 1], **kw)
+        elif _continuous(self.y):
+            # A regression target: one colour per distinct value made a legend entry per
+            # sample. Values on a sequential map, read off a colour bar.
+            self.scatter_ = ax.scatter(E[:, 0], E[:, 1], c=np.asarray(self.y, dtype=float),
+                                       cmap="viridis" if cmap == "tab10" else cmap, **kw)
+            if legend:
+                self.colorbar_ = fig.colorbar(self.scatter_, ax=ax)
         else:
             classes, codes = np.unique(np.asarray(self.y), return_inverse=True)
             cm = mpl.colormaps[cmap] if isinstance(cmap, str) else cmap

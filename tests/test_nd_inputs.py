@@ -196,6 +196,22 @@ def test_token_ids_decompose_exactly(solver):
     assert np.abs(res.contributions).sum() > 1e-3
 
 
+def wide_token_net(n_features_in, n_outputs):
+    # A table far wider than the ids read, with a padding row: its factors are ids.
+    return nn.Sequential(nn.Embedding(3000, 4, padding_idx=2), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(4 * n_features_in, n_outputs))
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adam"])
+def test_wide_vocabulary_token_ids_decompose_exactly(solver):
+    clf = PathKernelClassifier(module=wide_token_net, solver=solver, learning_rate_init=0.05,
+                               momentum=0.9, max_iter=6, **F64).fit(TOKENS, Y_TOKENS)
+    res = clf.decompose(TOKENS[:3])
+    assert res.error < 1e-10
+    assert_allclose(res.prediction[:, 0], clf.decision_function(TOKENS[:3]), rtol=1e-12)
+    assert np.abs(res.contributions).sum() > 1e-3
+
+
 def test_every_estimator_trains_and_scores_on_images():
     svm = TangentFeatureSVM(PathKernelClassifier(module=cnn, max_iter=3, **F64),
                             svm_kernel="path", normalize=False)

@@ -4,6 +4,8 @@ threads per task stay within the cores (the Dask cluster runs are in test_dask.p
 import os
 import pickle
 import threading
+import time
+import warnings
 
 import joblib
 import numpy as np
@@ -455,3 +457,89 @@ def test_fits_on_threads_train_at_once():
         thread.join(30)
     assert not waited, "the second fit waited for the first one's training"
     assert hasattr(first, "network_")
+
+
+def test_a_fit_on_a_thread_keeps_its_draws_from_a_training_that_draws():
+    # A training that draws (a dropout layer in training mode) ran outside the generators'
+    # lock: its draws, from torch's global generator, interleaved with the seeded
+    # construction of a fit on another thread, which then started from another network
+    # than its random_state's (predictions 0.3 off the serial fit's).
+    import threading
+
+    spinning, constructed = threading.Event(), threading.Event()
+
+    class Drawing(torch.nn.Module):
+        """Dropout in training mode whose first training forward keeps drawing from the
+        global generator until the other fit is done (3 s at most)."""
+
+        def __init__(self, n_features_in, n_outputs):
+            super().__init__()
+            self.linear = torch.nn.Linear(n_features_in, n_outputs)
+            self.drop = torch.nn.Dropout(0.1)
+            self.spun = False
+
+        def forward(self, x):
+            if torch.is_grad_enabled() and self.training and not self.spun:
+                self.spun = True
+                spinning.set()
+                start = time.monotonic()
+                while not constructed.is_set() and time.monotonic() - start < 3:
+                    torch.rand(1)
+            return self.linear(self.drop(x))
+
+    def slow(n_features_in, n_outputs):
+        # A construction that lets other threads run between its draws.
+        first = torch.nn.Linear(n_features_in, 8)
+        time.sleep(0.05)
+        return torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(8, n_outputs))
+
+    X, y = _data(20)
+    other = dict(module=slow, max_iter=1, tol=None, random_state=1, device="cpu",
+                 dtype="float64")
+    serial = PathKernelMachine(**other).fit(X, y).predict(X)
+    first = PathKernelMachine(module=Drawing, max_iter=2, tol=None, random_state=0,
+                              device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropout layer's, on the thread
+        thread = threading.Thread(target=first.fit, args=(X, y), daemon=True)
+        thread.start()
+        try:
+            assert spinning.wait(30)
+            got = PathKernelMachine(**other).fit(X, y).predict(X)
+        finally:
+            constructed.set()
+            thread.join(30)
+    assert_allclose(got, serial, rtol=0, atol=0)
+
+
+def test_overlapping_trainings_on_threads_restore_the_callers_generator():
+    # Each training's seeded section saved the generator state it found and restored it
+    # when done: a second one entered while the first ran saved the first's seeded state,
+    # and, ending last, left torch's global generator there for good (at the other
+    # fit's random_state + 1, not the caller's).
+    import threading
+
+    from skpathkernel._device import seeded_torch
+
+    first_in, second_in, first_out = (threading.Event() for _ in range(3))
+
+    def first():
+        with seeded_torch(1, torch.device("cpu"), exclusive=False):
+            first_in.set()
+            assert second_in.wait(10)
+        first_out.set()
+
+    def second():
+        assert first_in.wait(10)
+        with seeded_torch(2, torch.device("cpu"), exclusive=False):
+            second_in.set()
+            assert first_out.wait(10)
+
+    torch.manual_seed(12345)
+    before = torch.get_rng_state()
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -888,3 +888,23 @@ def test_keywords_that_clash_with_the_displays_own_fail_early_or_win(circle, mon
     assert np.allclose(disp.scatter_.get_facecolors()[:, :3], [1, 0, 0])
     disp = KernelEvolutionDisplay.from_estimator(clf, X[0], X[1:3], label="mine")
     assert [line.get_label() for line in disp.lines_] == ["mine", "mine"]
+
+
+def test_tangent_embedding_of_regression_targets_draws_values_on_a_colour_bar():
+    """Continuous y made one legend entry per sample (np.unique of floats); it is drawn
+    on a sequential map, each point's colour the map's at its value."""
+    import matplotlib as mpl
+
+    X, y = make_circle(n_samples=30, random_state=0)
+    target = np.sin(3 * X[:, 0]) + X[:, 1]
+    reg = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None,
+                            random_state=0).fit(X, target)
+    disp = TangentEmbeddingDisplay.from_estimator(reg, X, target, method="pca")
+    assert disp.ax_.get_legend() is None and disp.colorbar_ is not None
+    norm = mpl.colors.Normalize(target.min(), target.max())
+    disp.figure_.canvas.draw()  # the values' colours are mapped when drawn
+    np.testing.assert_allclose(disp.scatter_.get_facecolors(),
+                               mpl.colormaps["viridis"](norm(target)), atol=1e-12)
+    # Labels stay classes with a legend.
+    disp = TangentEmbeddingDisplay.from_estimator(reg, X, y, method="pca")
+    assert disp.colorbar_ is None and len(disp.ax_.get_legend().get_texts()) == 2

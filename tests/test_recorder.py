@@ -351,10 +351,11 @@ def test_unsupported_options_are_refused(make_opt, match):
 def test_sparse_embeddings_are_refused_and_their_dense_twin_records_the_same_path():
     """``nn.Embedding(sparse=True)`` gives sparse gradients, on which the recorder's
     check of the step failed inside ``optimizer.step()`` with torch's
-    "Could not run 'aten::ne.Tensor' with arguments from the 'SparseCPU' backend" (and
-    the kernels with "reshape is not implemented for sparse tensors"). Refused when the
-    recorder is created, naming the layer; ``sparse=False``, as advised, trains the same
-    path (torch's own sparse loop is the reference), which is recorded exactly."""
+    "Could not run 'aten::ne.Tensor' with arguments from the 'SparseCPU' backend".
+    Refused when the recorder is created, naming the layer; ``sparse=False``, as advised,
+    trains the same path (torch's own sparse loop is the reference), which is recorded
+    exactly, and which the sparse module describes as well (the kernels and the
+    decomposition read its gradients densely)."""
     rng = np.random.RandomState(0)
     ids, y = torch.as_tensor(rng.randint(0, 7, size=(8, 3))), torch.randn(8, 1,
                                                                          dtype=torch.float64)
@@ -387,6 +388,13 @@ def test_sparse_embeddings_are_refused_and_their_dense_twin_records_the_same_pat
     for (name, p), q in zip(truth.named_parameters(), dense.parameters()):
         assert_allclose(q.detach(), p.detach(), rtol=0, atol=1e-15, err_msg=name)
     _assert_decomposes(dense, rec.as_network(ids, y), ids[:3].numpy())
+    # The error's advice is the whole story: the sparse module (the same parameters) has
+    # the recorded path's kernel and decomposition, so nothing else refuses it.
+    kept = RecordedNetwork(truth, rec.trajectory, X_train=ids.numpy(), y_train=y.numpy())
+    twin = RecordedNetwork(dense, rec.trajectory, X_train=ids.numpy(), y_train=y.numpy())
+    assert_array_equal(PathKernel(kept)(ids.numpy()), PathKernel(twin)(ids.numpy()))
+    assert_array_equal(kept.decompose(ids[:3].numpy()).contributions,
+                       twin.decompose(ids[:3].numpy()).contributions)
 
 
 def test_dampening_without_momentum_is_plain_sgd_and_recorded(data):

@@ -30,7 +30,7 @@ from skpathkernel._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
-from skpathkernel.rules import layer_routes
+from skpathkernel.rules import Term, layer_routes
 
 RTOL = 1e-10
 
@@ -192,6 +192,12 @@ CASES = {
     "linear_two_leading_dims": (lambda c: _Head(nn.Linear(3, 2), 2 * 3 * 2, c),
                                 _image((2, 3, 3))),
     "embedding": (lambda c: _Head(nn.Embedding(6, 3, padding_idx=2), 4 * 3, c), _ids(4, 6)),
+    # A table far wider than the ids read (an index term: no one-hot factor); ids repeat
+    # within and across samples, and the padding row is among them.
+    "embedding_wide_table": (lambda c: _Head(nn.Embedding(3000, 3, padding_idx=4), 4 * 3, c),
+                             _ids(4, 9)),
+    "embedding_one_id": (lambda c: _Head(nn.Embedding(500, 3), 3, c),
+                         lambda n, g: torch.randint(0, 5, (n,), generator=g)),
     "layer_norm": (lambda c: _Head(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), 5 * 4, c),
                    _image((5, 3))),
     "layer_norm_2d_nobias": (lambda c: _Head(nn.LayerNorm((3, 4), bias=False), 12, c),
@@ -560,6 +566,99 @@ def test_embedding_rule_takes_int32_ids(dtype):
     assert [r.route for r in layer_routes(module, X)] == ["rule"] * 3
     _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", J, JY))
+
+
+class _TokenMeans(nn.Module):
+    """Embedding, a Linear per token, mean pooling, a head; ``tied``: a language-model head
+    sharing the embedding's table (its first outputs kept)."""
+
+    def __init__(self, vocab, n_out=3, d=4, padding_idx=None, tied=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=padding_idx)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab if tied else n_out, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.n_out = n_out
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids)))).mean(1)[:, : self.n_out]
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding", "int32", "tied", "transformer"])
+def test_embedding_lookups_never_form_a_one_hot(kind, monkeypatch):
+    # The rule's factor was F.one_hot(ids, vocab), (n, S, vocab): its Gram cost and memory
+    # grew with n S vocab (2.4 s against 0.8 s for dense per-sample gradients at vocab
+    # 30,000, S = 16, n = 64). The ids are now the factor, contracted by index equality
+    # or scattered into the table's rows: nothing may build the one-hot.
+    def refuse(*args, **kwargs):
+        raise AssertionError("a one-hot factor was formed")
+
+    vocab = 4000
+    torch.manual_seed(0)
+    module = (_Tokens(3, vocab=vocab, d=4, layers=1) if kind == "transformer" else
+              _TokenMeans(vocab, padding_idx=7 if kind == "padding" else None,
+                          tied=kind == "tied")).double().eval()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    X, Y = (torch.randint(0, 12, (n, 5), generator=g) for n in (6, 4))
+    X[0, :3], X[1, 2], Y[0, 4] = 7, 7, 7  # repeated ids within and across samples
+    if kind == "int32":
+        X, Y = X.int(), Y.int()
+    JX, JY = jacobian_loop(module, X), jacobian_loop(module, Y)
+    D = torch.rand(JX.shape[2], generator=g, dtype=torch.float64) + 0.1
+    monkeypatch.setattr(F, "one_hot", refuse)
+    C = JX.shape[1]
+    for route in (None, "pair", "dense"):
+        with monkeypatch.context() as m:
+            _forced(m, route)
+            _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", JX, JX) / C)
+            _close(tangent_gram(module, params, X, Y, output="full"),
+                   torch.einsum("ncp,mdp->ncmd", JX, JY))
+            _close(tangent_gram(module, params, X, Y, output=1), JX[:, 1] @ JY[:, 1].T)
+            _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", JX, JX) / C)
+            _close(tangent_gram_diag(module, params, X, output="full"),
+                   torch.einsum("ncp,ndp->ncd", JX, JX))
+    # A preconditioner scales each position's delta by its id's row of D (sqrt(D) on both
+    # sides where D >= 0 and the blocks fit, D on one side otherwise).
+    negative = D * torch.where(torch.arange(len(D)) % 3 == 0, -1.0, 1.0).double()
+    small = 2**25 if kind == "tied" else 2**21  # a tied table's Jacobian is dense
+    for weight, budget in ((D, 2**28), (negative, 2**28), (D, small), (negative, small)):
+        kw = {"diag_weight": weight, "memory_budget": budget}
+        _close(tangent_gram(module, params, X, Y, output="full", **kw),
+               torch.einsum("ncp,p,mdp->ncmd", JX, weight, JY))
+        _close(tangent_gram(module, params, X, **kw),
+               torch.einsum("ncp,p,mcp->nm", JX, weight, JX) / C)
+        _close(tangent_gram_diag(module, params, X, output="full", **kw),
+               torch.einsum("ncp,p,ndp->ncd", JX, weight, JX))
+    _close(tangent_features(module, params, X, output="full"), JX)
+    _close(tangent_features(module, params, X), JX.reshape(len(JX), -1) / math.sqrt(C))
+    z = project_tangent_features(module, params, X, 8, random_state=3, output="full")
+    monkeypatch.undo()  # the reference's directions read the one-hot factor's width
+    _close(z, _projection_reference(module, params, X, JX, 8, 3, "full"))
+
+
+def test_embedding_route_follows_the_cost_model():
+    # Position pairs cost one id comparison each, the table's blocks vocab x d per
+    # sample: a wide table pairs positions, a narrow one forms its blocks.
+    routes = {}
+    for vocab in (10, 30000):
+        module = _TokenMeans(vocab, d=32).eval()
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        X = torch.randint(0, vocab, (1, 16))
+        probe = capture(module, params, X, [0, 1, 2], memory_budget=2**28, index=True)
+        (term,) = [t for t in probe.terms if t.inputs[0][0] == "emb.weight"]
+        assert term.rows == vocab and term.inputs[0][1].shape == (1, 16)
+        routes[vocab] = _gram.gram_route(term, 64, 64, "trace", False, True, 2**28, 4)
+    assert routes == {10: "dense", 30000: "pair"}
+
+
+def test_index_term_is_validated():
+    delta = torch.randn(2, 1, 3, 4)
+    with pytest.raises(ValueError, match="must be an integer tensor of shape"):
+        Term(delta, [("w", torch.randn(2, 3))], transposed=True, rows=5)
+    with pytest.raises(ValueError, match="must be transposed"):
+        Term(delta, [("w", torch.zeros(2, 3, dtype=torch.long))], rows=5)
 
 
 # ------------------------------------------------------------------- the refusals

@@ -789,8 +789,10 @@ class _Context:
         return pair_terms(self._terms(_params(self.traj, flat), X, weights))
 
     def _terms(self, params, X, weights):
+        # Index terms (embeddings) are formed by scattering their deltas (pair_terms,
+        # dense_rows), never through a one-hot factor.
         cap = capture(self.module, params, X, self.outputs, memory_budget=self.budget,
-                      exclude=self.exclude, weights=weights)
+                      exclude=self.exclude, weights=weights, index=True)
         if cap.exclude != self.exclude:
             raise _Reroute(cap.exclude)
         return cap.terms
@@ -1445,7 +1447,7 @@ def decompose(
         output="full", memory_budget=memory_budget)
     outputs = list(range(n_out))
     probe = capture(module, _params(traj, theta_0), X_train[:1], outputs,
-                    memory_budget=memory_budget, exclude=exclude)
+                    memory_budget=memory_budget, exclude=exclude, index=True)
     exclude = probe.exclude
     terms = pair_terms(probe.terms)
     # One sample's factors (the captures keep them with their graph: x 4), or their pair

@@ -55,6 +55,7 @@ from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._losses import LOSSES
 from .._path._storage import DiskArray, dtype_name
 from .._path._training import (
+    draws_in_training,
     extend_trajectory,
     refuse_training_mode_layers,
     resolve_batch_size,
@@ -881,10 +882,12 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                        each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
         # The draws of a layer that draws in training mode (dropout, which trains with a
         # warning) come from torch's global generator: seeded, as random_state promises,
-        # and forked, so that fit leaves the caller's random state as it was. Not
-        # exclusive: fits on threads train at once (their constructions are exclusive).
+        # and forked, so that fit leaves the caller's random state as it was. Exclusive
+        # only where the training draws: its draws would otherwise interleave with another
+        # fit's construction (another initialisation for its random_state) or training;
+        # fits that draw nothing train at once on threads.
         with bar as tick, limit_torch_threads(threads), \
-                seeded_torch(seed + 1, X_t.device, exclusive=False):
+                seeded_torch(seed + 1, X_t.device, exclusive=draws_in_training(module)):
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

@@ -212,9 +212,10 @@ class PathRecorder:
         ``(n_samples, ...)`` (floats, or int64 token ids). Its parameters
         that the optimizer updates are recorded (in ``named_parameters`` order); it must
         have no cross-sample state and no random draws in training mode (BatchNorm and
-        dropout in training mode are refused at the step, naming the layer) and no
-        sparse gradients (embeddings with ``sparse=True`` are refused) for the kernels
-        and the decomposition to describe it. A ``DistributedDataParallel``
+        dropout in training mode are refused at the step, naming the layer) for the
+        kernels and the decomposition to describe it, and no sparse gradients
+        (embeddings with ``sparse=True``, which the recorder's checks of each step cannot
+        take, are refused). A ``DistributedDataParallel``
         module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
         Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
@@ -364,12 +365,13 @@ class PathRecorder:
                   and m.sparse and id(m.weight) in recorded]
         if sparse:
             # Their sparse gradients have none of the elementwise operations that the
-            # step's checks, the kernels and the decomposition run on gradients.
+            # step's checks run on gradients (the kernels and the decomposition read
+            # them densely).
             raise ValueError(
                 f"Layer(s) {', '.join(map(repr, sparse))} of the module are embeddings "
-                "with sparse=True, whose sparse gradients the recorder, the kernels and "
-                "the decomposition do not take. Create them with sparse=False: the "
-                "gradients hold the same values, dense.")
+                "with sparse=True, whose sparse gradients the recorder's checks of each "
+                "optimizer step do not take. Create them with sparse=False: the "
+                "gradients hold the same values, dense, and the path is the same.")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise ValueError(

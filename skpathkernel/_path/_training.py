@@ -41,6 +41,7 @@ __all__ = [
     "DivergenceWarning",
     "Resume",
     "TrainingDivergedError",
+    "draws_in_training",
     "extend_trajectory",
     "make_optimizer",
     "mode_dependent_layers",
@@ -173,6 +174,13 @@ def refused_in_mode(layer: torch.nn.Module) -> bool:
         isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm) or _spectral(layer))
 
 
+def draws_in_training(module: torch.nn.Module) -> bool:
+    """Whether a layer of ``module`` in training mode draws from torch's global generator
+    (a layer of :func:`mode_dependent_layers` that draws: dropout, RReLU)."""
+    return any(why == _DRAWS and layer.training
+               for _, layer, why in mode_dependent_layers(module))
+
+
 def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
     """Refuse, before training, a layer of :func:`mode_dependent_layers` that mixes the
     batch in its mode; warn of one that draws at random in training mode. Returns every
@@ -221,7 +229,7 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     and the training starts from the module as built. A non-finite output is left to the
     training's divergence check (NaN differs from itself). A module that cannot be
     copied is not probed."""
-    if any(why == _DRAWS and layer.training for _, layer, why in mode_dependent_layers(module)):
+    if draws_in_training(module):
         return  # refuse_training_mode_layers warned of it
     try:
         probe = copy_module(module)

@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from .._device import forked_rng
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
-from ._contract import dense_grad, grad_times, param_numel, split_constant_inputs
+from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
@@ -169,12 +169,17 @@ def check_per_sample(module: torch.nn.Module) -> None:
     # each forward pass here (layer_routes, check_rule, the kernels) would move the
     # module's buffers (running statistics, spectral normalisation's singular vectors),
     # and with them the function the features are taken of.
-    for name, layer, why in mode_dependent_layers(module):
+    for name, layer, _ in mode_dependent_layers(module):
         if refused_in_mode(layer):
+            # Per sample either way (BatchNorm's case is refused above): what they move.
+            moved = ("its running statistics" if isinstance(layer, nn.modules.instancenorm
+                                                            ._InstanceNorm)
+                     else "the singular vectors its spectral normalisation divides by")
             raise ValueError(
-                f"Layer {name!r} ({type(layer).__name__}) is in training mode: {why}; "
-                "computing kernels or features would change them. Call module.eval() "
-                "first.")
+                f"Layer {name!r} ({type(layer).__name__}) is in training mode: every "
+                f"forward pass updates {moved} (buffers), so computing kernels or features "
+                "would rewrite them and change the function they describe. Call "
+                "module.eval() first.")
 
 
 def check_lookups(module: torch.nn.Module) -> None:
@@ -473,6 +478,7 @@ def capture(
     dense_fallback: bool = True,
     weights: torch.Tensor | None = None,
     scratch: list[torch.Tensor] | None = None,
+    index: bool = False,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -503,6 +509,11 @@ def capture(
         reused across calls (a fresh tensor faults in every page on first touch): for a
         caller that copies every term out of the capture before the next call, as the
         chunks of a block of formed gradients do; the terms are views into them.
+    index : bool, default=False
+        Keep index terms (:attr:`Term.rows`: an embedding's ids) as they are, for the
+        tangent-kernel engine, which contracts them without a vocabulary-sized factor;
+        otherwise their one-hot factors are formed (:func:`._contract.one_hot`), for the
+        consumers that contract factors as matrices.
     """
     check_per_sample(module)
     layers, reasons, taken = _rule_layers(module, params, exclude)
@@ -533,7 +544,8 @@ def capture(
         # Every parameter of a layer with a misread parameter goes to the fallback.
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
-                       dense_fallback=dense_fallback, weights=weights, scratch=scratch)
+                       dense_fallback=dense_fallback, weights=weights, scratch=scratch,
+                       index=index)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
@@ -557,6 +569,8 @@ def capture(
     order = {name: i for i, name in enumerate(params)}
     unique = {id(t): t for t in terms_by_name.values()}.values()
     terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
+    if not index:
+        terms = [one_hot(t) for t in terms]
     return Capture(terms=terms, fallback=fallback, exclude=exclude,
                    declined=frozenset(declined), reasons=reasons)
 

@@ -25,6 +25,14 @@ every term's blocks fit the budget they are all formed once, scaled by ``sqrt(D)
 (``J D J'^T = (J sqrt(D)) (J' sqrt(D))^T``), and multiplied as an unweighted Gram. The
 random projection never forms ``G``: ``sum_s (delta[s] . u) (a[s] . v)`` costs
 ``S k (C p + q)`` per sample.
+
+An embedding's factor is one-hot (``a[s] = e_{i_s}``, ``q`` the table's rows): its term
+carries the ids instead (``Term.rows``, an index term), so that no cost scales with the
+vocabulary but the table's own blocks. Then ``a[s] . a'[s'] = [i_s == i'_s']``, one
+comparison (the pair form costs ``N M S_x S_y (1 + C p)``), ``G`` is ``delta`` scattered
+into the rows of the ids (``N C (rows p + S p)`` to form), ``a[s] . v = v[i_s]`` is a
+gather, and a diagonal ``D`` keeps the pair form: the two sides of a pair meet in one
+row, so ``D``'s row of the id scales one side's ``delta`` (:func:`index_scaled`).
 """
 
 from __future__ import annotations
@@ -35,20 +43,59 @@ import torch
 
 from ._rules import Term
 
-__all__ = ["dense_grad", "dense_rows", "densify", "gram_route", "grad_times", "pair_diag",
-           "pair_gram", "param_numel", "project_term", "rank_one", "row_order",
-           "split_constant_inputs"]
+__all__ = ["dense_grad", "dense_rows", "densify", "gram_route", "grad_times", "index_scaled",
+           "one_hot", "pair_diag", "pair_gram", "param_numel", "project_term", "rank_one",
+           "row_order", "split_constant_inputs"]
 
 
 def rank_one(term: Term) -> bool:
-    """One position, one group: the Gram's ``(a . a') (delta . delta')`` form applies."""
-    return term.delta.shape[2] == 1 and term.groups == 1
+    """One position, one group: the Gram's ``(a . a') (delta . delta')`` form applies.
+
+    Not for an index term (``term.rows``): its products are index equalities, which the
+    position-pair contractions handle (one position is one pair)."""
+    return term.delta.shape[2] == 1 and term.groups == 1 and term.rows is None
 
 
 def param_numel(term: Term, a: torch.Tensor | None) -> int:
     """Entries of the parameter that ``a`` (one of ``term.inputs``) stands for."""
     p = term.delta.shape[3]
-    return p if a is None else p * a.shape[2] // term.groups
+    if a is None:
+        return p
+    return p * (term.rows if term.rows is not None else a.shape[2] // term.groups)
+
+
+def one_hot(term: Term) -> Term:
+    """An index term (``term.rows``) with its one-hot ``(n, S, rows)`` factors formed, for
+    the consumers that contract factors as matrices (path-kernel pairs, decompositions);
+    other terms as they are."""
+    if term.rows is None:
+        return term
+    dtype = term.delta.dtype
+    return Term(delta=term.delta, transposed=True,
+                inputs=[(name, torch.nn.functional.one_hot(a.long(), term.rows).to(dtype))
+                        for name, a in term.inputs])
+
+
+def index_scaled(term: Term, values: torch.Tensor) -> Term:
+    """An index term with each position's ``delta`` multiplied by its id's row of
+    ``values`` (the parameter's ``rows * p`` entries, flat: a diagonal preconditioner or
+    its square root).
+
+    A one-hot row meets only its own row of the table: ``<G, D G'>`` is the position-pair
+    sum of ``[i_s == i'_s'] (delta[s] * D[i_s]) . delta'[s']``, the unweighted pair Gram
+    of this term and the other side's.
+    """
+    ((name, a),) = term.inputs
+    n, C, S, p = term.delta.shape
+    rows = values.reshape(term.rows, p)[a.long()].to(term.delta.dtype)  # (n, S, p)
+    return dataclasses.replace(term, delta=term.delta * rows.unsqueeze(1))
+
+
+def _rows_flat(term: Term, a: torch.Tensor) -> torch.Tensor:
+    """Flat row of every ``(sample, output, position)`` in an ``(n C rows, p)`` block."""
+    n, C, S, _ = term.delta.shape
+    base = torch.arange(n * C, device=a.device).reshape(n, C, 1) * term.rows
+    return (base + a.long().unsqueeze(1)).reshape(-1)
 
 
 def split_constant_inputs(term: Term) -> list[Term]:
@@ -118,6 +165,21 @@ def dense_grad(term: Term, a: torch.Tensor | None,
     if a is None:
         g = delta[:, :, 0] if S == 1 else delta.sum(2)
         return g if out is None else out.copy_(g)
+    if term.rows is not None:
+        # The (rows, p) table of each sample and output: delta scattered into the rows of
+        # the ids, n C S p additions, instead of a product with the one-hot factor.
+        G = delta.new_zeros((n, C, term.rows * p)) if out is None else out.zero_()
+        if G.is_contiguous():
+            flat = G.view(n * C * term.rows, p)
+            flat.index_add_(0, _rows_flat(term, a), delta.reshape(n * C * S, p))
+        else:
+            # A strided view (a parameter's columns of the features): in place.
+            shape = (n, C, S)
+            at = (torch.arange(n, device=a.device).reshape(n, 1, 1).expand(shape),
+                  torch.arange(C, device=a.device).reshape(1, C, 1).expand(shape),
+                  a.long().unsqueeze(1).expand(shape))
+            G.unflatten(2, (term.rows, p)).index_put_(at, delta, accumulate=True)
+        return G
     if S == 1 and term.groups == 1 and not term.transposed:
         d = delta[:, :, 0]
         if out is None:
@@ -174,6 +236,11 @@ def _input_products(tx: Term, ty: Term) -> torch.Tensor:
         if ax is None:
             ones += 1
             continue
+        if tx.rows is not None:
+            # One-hot rows: their product is 1 where the ids agree.
+            prod = (ax.reshape(1, n * S, 1) == ay.reshape(1, 1, m * T)).to(tx.delta.dtype)
+            A = prod if A is None else A.add_(prod)
+            continue
         qg = ax.shape[2] // g
         xa = ax.reshape(n * S, g, qg).transpose(0, 1)
         ya = ay.reshape(m * T, g, qg).transpose(0, 1)
@@ -202,8 +269,11 @@ def pair_gram(tx: Term, ty: Term, mode: str) -> torch.Tensor:
     return H / C if C > 1 else H
 
 
-def pair_diag(term: Term, mode: str) -> torch.Tensor:
-    """``K(x, x)`` of one term from position pairs: ``(n,)`` trace or ``(n, C, C)``."""
+def pair_diag(term: Term, mode: str, left: Term | None = None) -> torch.Tensor:
+    """``K(x, x)`` of one term from position pairs: ``(n,)`` trace or ``(n, C, C)``.
+
+    ``left``: the term with another ``delta`` on the left of each product (an index
+    term scaled by a preconditioner, :func:`index_scaled`)."""
     n, C, S, p = term.delta.shape
     g = term.groups
     A = 0
@@ -211,10 +281,15 @@ def pair_diag(term: Term, mode: str) -> torch.Tensor:
         if a is None:
             A = A + 1
             continue
+        if term.rows is not None:
+            A = A + (a.unsqueeze(2) == a.unsqueeze(1)).to(term.delta.dtype).unsqueeze(1)
+            continue
         ag = a.reshape(n, S, g, -1)
         A = A + torch.einsum("nsgj,ntgj->ngst", ag, ag)
     delta = term.delta.reshape(n, C, S, g, p // g)
     E = torch.einsum("ngst,nctgi->ncsgi", A, delta)
+    if left is not None:
+        delta = left.delta.reshape(n, C, S, g, p // g)
     if mode == "full":
         return torch.einsum("ncsgi,ndsgi->ncd", delta, E)
     return (delta * E).sum((1, 2, 3, 4)) / C
@@ -236,6 +311,10 @@ def grad_times(term: Term, a: torch.Tensor | None, v: torch.Tensor) -> torch.Ten
     n, C, S, p = term.delta.shape
     if a is None:
         return term.delta.sum(2) * v
+    if term.rows is not None:
+        out = term.delta.new_zeros(n * C * term.rows)
+        return out.index_add_(0, _rows_flat(term, a), (term.delta @ v).reshape(-1)).reshape(
+            n, C, term.rows)
     if term.transposed:
         return torch.einsum("nsq,ncsp,p->ncq", a, term.delta, v)
     dg, ag = _grouped(term, a)
@@ -252,14 +331,15 @@ def project_term(term: Term, a: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
     """
     n, C, S, p = term.delta.shape
     k = U.shape[0]
-    if S == 1 and term.groups == 1:
+    if S == 1 and term.groups == 1 and term.rows is None:
         delta = term.delta.reshape(n * C // width, width * p)
         return (delta @ U.T).reshape(n, -1, k) * (a[:, 0] @ V.T).unsqueeze(1)
     g = 1 if term.transposed else term.groups
     pg = p // g
     d = term.delta.reshape(n, C // width, width, S, g, pg)
     Dp = torch.einsum("ncwsgi,kwgi->ncsgk", d, U.reshape(k, width, g, pg))
-    Ap = a.reshape(n, S, g, -1) @ V.T  # (n, S, g, k)
+    # (n, S, g, k); a one-hot row picks V's column of its id.
+    Ap = V.T[a.long()].unsqueeze(2) if term.rows is not None else a.reshape(n, S, g, -1) @ V.T
     return torch.einsum("ncsgk,nsgk->nck", Dp, Ap)
 
 
@@ -280,18 +360,24 @@ def gram_route(term: Term, n_x: int, n_y: int, mode: str, weighted: bool, symmet
     factored = [a for _, a in term.inputs if a is not None]
     if not factored:
         return "dense"
-    if weighted:
+    if weighted and term.rows is None:
         # No factorised form with D: rank-one terms form their blocks lazily per panel
-        # (small next to the GEMM), the others once per row block.
+        # (small next to the GEMM), the others once per row block. An index term keeps
+        # its position pairs, each delta scaled by its row of D (:func:`index_scaled`).
         return "rank1" if rank_one(term) and not term.transposed else "dense"
     if rank_one(term):
         return "rank1"
     _, C, S, p = term.delta.shape
     numel = sum(param_numel(term, a) for a in factored)
-    q = sum(a.shape[2] for a in factored)
     c2 = C * C if mode == "full" else C
     pairs = n_x * n_y / (2 if symmetric else 1)
-    dense = pairs * c2 * numel + (n_x + (0 if symmetric else n_y)) * S * C * numel
+    rows = n_x + (0 if symmetric else n_y)
+    if term.rows is not None:
+        # Index terms: one comparison per position pair; blocks zeroed then scattered.
+        q, form = len(factored), C * (numel + S * p)
+    else:
+        q, form = sum(a.shape[2] for a in factored), S * C * numel
+    dense = pairs * c2 * numel + rows * form
     pair = pairs * S * S * (q + c2 * p)
     if C * numel * itemsize > row_limit:
         return "pair"

@@ -73,6 +73,7 @@ from ._contract import (
     dense_rows,
     densify,
     gram_route,
+    index_scaled,
     pair_bytes,
     pair_diag,
     pair_diag_bytes,
@@ -164,6 +165,11 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
         # Not addcmul_: its fused multiply-add rounds differently in the vector body and
         # the tail of a row, so an entry's bits would depend on where a block splits.
         out.add_(Gd.mul_(Ga[:, None, :, None] if mode == "full" else Ga))
+        return
+    if tx.rows is not None:
+        # An index term pairs positions of the same id: D scales one side's rows.
+        start, size = layout[tx.inputs[0][0]]
+        out.add_(pair_gram(index_scaled(tx, weight.values[start : start + size]), ty, mode))
         return
     # A diagonal D breaks the rank-one structure: (delta (x) a) D (delta' (x) a')^T has no
     # factorised form, so each parameter's per-sample gradients are materialised for the
@@ -480,7 +486,8 @@ class _Blocks:
 
     def _capture(self, rows: slice, scratch=None) -> Capture:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
-                      memory_budget=self.budget, exclude=self.exclude, scratch=scratch)
+                      memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
+                      index=True)
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)
@@ -550,8 +557,13 @@ def _formed(terms: list[Term], dense: frozenset[str], into: list[Term] | None = 
 
 def _scale(terms: list[Term], root: torch.Tensor, layout) -> None:
     """Multiply formed (constant-input) terms by ``sqrt(D)`` over their parameter, in
-    place: the block owns them (formed here, or a capture's own sums and Jacobians)."""
+    place: the block owns them (formed here, or a capture's own sums and Jacobians).
+    An index term left unformed has its ``delta`` scaled by its ids' rows instead."""
     for term in terms:
+        if term.rows is not None:
+            start, size = layout[term.inputs[0][0]]
+            term.delta = index_scaled(term, root[start : start + size]).delta
+            continue
         ((name, a),) = term.inputs
         assert a is None, "only formed terms are scaled"
         start, size = layout[name]
@@ -611,12 +623,12 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # samples covers reads that torch functions do not see, and reordered rows.
     rows = X[:2] if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude)
+                    exclude=exclude, index=True)
     hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
         else frozenset()
     if hidden:
         probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
-                        exclude=probe.exclude | hidden)
+                        exclude=probe.exclude | hidden, index=True)
     # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
     # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,
@@ -684,12 +696,19 @@ def _gram_plan(probe, n_x, n_y, mode, weighted, symmetric, budget, itemsize, sca
     """
     n_kept = n_x + (0 if symmetric else n_y)
     if weighted and scalable:
-        formed = sum(_dense_bytes(t, itemsize) for t in probe.terms)
+        # Index terms whose position pairs are cheaper stay unformed (sqrt(D) scales their
+        # deltas by their ids' rows); every other term is formed.
+        paired = [t for t in probe.terms if t.rows is not None and gram_route(
+            t, n_x, n_y, mode, True, symmetric, budget // 8, itemsize) == "pair"]
+        formed = sum(_term_bytes(t) if any(t is u for u in paired)
+                     else _dense_bytes(t, itemsize) for t in probe.terms)
         if formed * n_kept <= budget * 7 // 8:
             # Each formed term then holds one parameter (the scaling is per parameter).
             shared = {t.inputs[0][0] for t in probe.terms
-                      if len(t.inputs) > 1 or t.inputs[0][1] is not None}
-            return frozenset(shared), formed, 0, True
+                      if (len(t.inputs) > 1 or t.inputs[0][1] is not None)
+                      and not any(t is u for u in paired)}
+            return (frozenset(shared), formed,
+                    sum(pair_bytes(t, mode, itemsize) for t in paired), True)
     dense, kept, pair = set(), 0, 0
     for term in probe.terms:
         route = gram_route(term, n_x, n_y, mode, weighted, symmetric, budget // 8, itemsize)
@@ -845,8 +864,12 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
     per_pair = itemsize * (3 * (n_out * n_out if mode == "full" else 1) + 2) + pair
     lazy = 0
     if weight is not None:
-        # The rank-one terms' blocks, formed one parameter at a time per panel.
-        lazy = 2 * n_out * max(size for _, size in layout.values()) * itemsize
+        # The rank-one terms' blocks, formed one parameter at a time per panel (index
+        # terms that pair positions are not formed).
+        paired = {t.inputs[0][0] for t in probe.terms
+                  if t.rows is not None and t.inputs[0][0] not in dense}
+        lazy = 2 * n_out * itemsize * max(
+            [size for name, (_, size) in layout.items() if name not in paired], default=0)
     n_max = max(X.shape[0], Y.shape[0])
     n_kept = X.shape[0] + (0 if symmetric else Y.shape[0])
     chunk = None
@@ -1097,7 +1120,10 @@ def tangent_gram_diag(
         for term in blocks[i].terms:
             route = routes[term.inputs[0][0]]
             if route == "pair":
-                out[sl] += pair_diag(term, mode)
+                left = None
+                if weight is not None:  # an index term (the others are formed)
+                    left = index_scaled(term, weight[slice(*_span(layout[term.inputs[0][0]]))])
+                out[sl] += pair_diag(term, mode, left)
             elif route == "dense":
                 for name, a in term.inputs:
                     g = dense_grad(term, a)
@@ -1119,16 +1145,20 @@ def _diag_route(term: Term, mode: str, weighted: bool) -> str:
     factored = [a for _, a in term.inputs if a is not None]
     if not factored or rank_one(term) and not (weighted and term.transposed):
         return "rank1"
-    if weighted:
+    if weighted and term.rows is None:
         return "dense"
     _, C, S, p = term.delta.shape
     numel = sum(param_numel(term, a) for a in factored)
     c2 = C * C if mode == "full" else C
     # pair: A = a a^T (S^2 q), E = A delta (S^2 C p), then delta . E (c2 S p / C);
-    # dense: the blocks (S C numel), then their squares (c2 numel).
-    q = sum(a.shape[2] for a in factored)
+    # dense: the blocks (S C numel), then their squares (c2 numel). An index term's
+    # A is one comparison per pair, and its blocks are zeroed, then scattered into.
+    if term.rows is not None:
+        q, form = len(factored), C * (numel + S * p)
+    else:
+        q, form = sum(a.shape[2] for a in factored), S * C * numel
     pair = S * S * (q + C * p) + c2 * S * p
-    dense = S * C * numel + c2 * numel
+    dense = form + c2 * numel
     return "dense" if dense < pair else "pair"
 
 
@@ -1171,7 +1201,7 @@ def contracted_features(
     """
     params, outputs, _, probe = _prepare(module, params, X, "trace", memory_budget)
     cap = capture(module, params, X, outputs, memory_budget=memory_budget,
-                  exclude=probe.exclude, weights=weights)
+                  exclude=probe.exclude, weights=weights, index=True)
     layout = _layout(params)
     n_params = sum(size for _, size in layout.values())
     out = torch.empty((X.shape[0], 1, n_params), dtype=value_dtype(params, X),

@@ -127,18 +127,20 @@ def _embedding_accepts(layer, use):
 
 def _embedding_factors(layer, use, deltas, names):
     # z_s = W[i_s]: d f_c / d W = sum_s onehot(i_s) (outer) delta_cs, rows of the table
-    # first, hence the transposed term.
+    # first, hence the transposed term. The one-hot factor (n, S, rows) is left to the
+    # ids (an index term): a 30,000-token vocabulary made it the whole cost.
     (index,), (delta,) = use.inputs, deltas
     weight = _arg(use, 1, "weight")
-    n_rows = weight.shape[0]
     n, C = delta.shape[:2]
-    # F.embedding takes int32 ids too; F.one_hot only int64.
-    onehot = F.one_hot(index.reshape(n, -1).long(), n_rows).to(weight.dtype)
+    ids = index.reshape(n, -1)
+    d = delta.reshape(n, C, ids.shape[1], delta.shape[-1])
     padding_idx = _arg(use, 2, "padding_idx")
     if padding_idx is not None:
-        onehot[..., padding_idx % n_rows] = 0  # F.embedding gives that row no gradient
-    d = delta.reshape(n, C, -1, delta.shape[-1])
-    return [Term(delta=d, inputs=[(names["weight"], onehot)], transposed=True)]
+        # F.embedding gives that row no gradient: its positions' backprops are dropped.
+        keep = ids != padding_idx % weight.shape[0]
+        d = d * keep.reshape(n, 1, -1, 1).to(d.dtype)
+    return [Term(delta=d, inputs=[(names["weight"], ids)], transposed=True,
+                 rows=weight.shape[0])]
 
 
 EMBEDDING = Rule(ops=(F.embedding,), factors=_embedding_factors, accepts=_embedding_accepts)

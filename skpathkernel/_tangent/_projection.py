@@ -140,8 +140,10 @@ def project_tangent_features(
                     if name not in directions:
                         groups = 1 if term.transposed else term.groups
                         gen = _generator(seed, *key)
-                        directions[name] = (_gaussian(gen, (k, width * p), a),
-                                            _gaussian(gen, (k, a.shape[2] // groups), a))
+                        # An index term's V has a column per row of its table.
+                        q = term.rows if term.rows is not None else a.shape[2] // groups
+                        directions[name] = (_gaussian(gen, (k, width * p), term.delta),
+                                            _gaussian(gen, (k, q), term.delta))
                     U, V = directions[name]
                     proj = project_term(term, a, U, V, width)
                 z[sl] += proj.reshape(n, -1, k)

@@ -60,6 +60,13 @@ class Term:
         The parameter's entries are ordered ``(q, p)`` instead of ``(p, q)``: its
         gradient is ``sum_s a[s] (outer) delta[c, s]`` (an embedding table, whose rows are
         indexed by the one-hot ``a``). Not combined with ``groups``.
+    rows : int, default=None
+        With ``transposed``: each input is an integer ``(n_samples, n_positions)`` tensor
+        of row indices in ``[0, rows)`` (an embedding's token ids) standing for its
+        one-hot factor ``(n_samples, n_positions, rows)``, which is never formed. The
+        engine contracts it from index equality (``a[s] . a'[s'] = [i_s == i'_s']``) and
+        scatters ``delta`` into the indexed rows, so no cost scales with ``n * S * rows``.
+        A position that must give no gradient (a padding index) has ``delta`` zero there.
 
     Notes
     -----
@@ -84,6 +91,7 @@ class Term:
     inputs: list[tuple[str, torch.Tensor | None]]
     groups: int = 1
     transposed: bool = False
+    rows: int | None = None
 
     def __post_init__(self):
         if self.delta.ndim == 3:
@@ -92,6 +100,9 @@ class Term:
             raise ValueError("Term.delta must have shape (n_samples, n_outputs, n_positions, "
                              f"p), got {tuple(self.delta.shape)}.")
         n, _, S, p = self.delta.shape
+        if self.rows is not None:
+            self._check_index(n, S)
+            return
         inputs = []
         for name, a in self.inputs:
             if a is not None:
@@ -110,6 +121,15 @@ class Term:
             raise ValueError(f"delta has {p} columns, not a multiple of groups={self.groups}.")
         if self.transposed and self.groups != 1:
             raise ValueError("A transposed term cannot have groups.")
+
+    def _check_index(self, n: int, S: int) -> None:
+        if not self.transposed or self.groups != 1:
+            raise ValueError("A term with rows= must be transposed, without groups.")
+        for name, a in self.inputs:
+            if a is None or a.is_floating_point() or a.is_complex() or a.shape != (n, S):
+                raise ValueError(
+                    f"The index factor of {name!r} must be an integer tensor of shape "
+                    f"({n}, {S}), got {None if a is None else (a.dtype, tuple(a.shape))}.")
 
 
 @dataclass(frozen=True)

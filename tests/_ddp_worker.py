@@ -46,11 +46,28 @@ def optimizer(params):
 
 def micro_batches(shard: np.ndarray, rank: int, scenario: str) -> list[np.ndarray]:
     """The micro-batches a rank accumulates its shard in: one, or under "accumulate"
-    (gradient accumulation with ``no_sync``) 4 + 2 on rank 0 and 3 + 3 on rank 1, so
-    that a point's weight depends on its micro-batch, not on its shard's size."""
-    if scenario != "accumulate":
+    and "weighted" (gradient accumulation with ``no_sync``) 4 + 2 on rank 0 and 3 + 3 on
+    rank 1, so that a point's weight depends on its micro-batch, not on its shard's
+    size."""
+    if scenario not in ("accumulate", "weighted"):
         return [shard]
     return np.split(shard, [4] if rank == 0 else [3])
+
+
+# Under "weighted", rank 0's loss weighs its samples by these (importance weights).
+WEIGHTS = torch.as_tensor(np.random.RandomState(7).uniform(0.2, 2.0, size=N))
+
+
+def micro_loss(model, X, y, part, rank, n_micro, scenario):
+    """A micro-batch's loss as the rank's backward() takes it, and the coefficients of its
+    samples' losses in it where they are declared (None: the mean's default). Under
+    "weighted", rank 0 weighs its samples, ``(w * l).sum() / w.sum() / n_micro``, and
+    rank 1 takes the mean: a step mixes declared and default coefficients."""
+    per = 0.5 * ((model(X[part]) - y[part]) ** 2).sum(1)
+    if scenario == "weighted" and rank == 0:
+        w = WEIGHTS[part]
+        return (w * per).sum() / w.sum() / n_micro, w / w.sum() / n_micro
+    return per.mean() / n_micro, None
 
 
 def _run(rank, world, out, scenario):
@@ -67,9 +84,10 @@ def _run(rank, world, out, scenario):
         micro = micro_batches(idx, rank, scenario)
         for j, part in enumerate(micro):
             with model.no_sync() if j < len(micro) - 1 else contextlib.nullcontext():
-                ((0.5 * (model(X[part]) - y[part]) ** 2).mean() / len(micro)).backward()
+                loss, weights = micro_loss(model, X, y, part, rank, len(micro), scenario)
+                loss.backward()
             if len(micro) > 1:
-                rec.set_batch(part)
+                rec.set_batch(part, weights=weights)
         if scenario == "crash" and rank == 1 and t == 3:
             os._exit(1)  # after the all-reduce, before the step: the gather finds it gone
         if scenario == "out_of_range" and rank == 1 and t == 2:

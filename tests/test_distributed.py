@@ -63,8 +63,8 @@ def _single_process_path(world, scenario="ok"):
         opt.zero_grad()
         micro = [worker.micro_batches(s, r, scenario)
                  for r, s in enumerate(worker.shards(world, t))]
-        loss = sum((0.5 * (module(X[i]) - y[i]) ** 2).mean() / len(parts)
-                   for parts in micro for i in parts)
+        loss = sum(worker.micro_loss(module, X, y, i, r, len(parts), scenario)[0]
+                   for r, parts in enumerate(micro) for i in parts)
         (loss / world).backward()
         opt.step()
         points.append(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
@@ -125,6 +125,28 @@ def test_ddp_gradient_accumulation_weighs_each_micro_batch(tmp_path):
                                    for r, s in enumerate(worker.shards(2, t))
                                    for part in worker.micro_batches(s, r, "accumulate")])
         assert_allclose(traj.batch_weights(t), expected, rtol=1e-15)
+    _assert_decomposes_exactly(traj, module)
+
+
+def test_ddp_declared_loss_coefficients_are_gathered_over_the_ranks(tmp_path):
+    # Rank 0 weighs its samples' losses, (w * l).sum() / w.sum() / n_micro per
+    # micro-batch, and declares those coefficients; rank 1 takes the mean and declares
+    # none: every rank sends its coefficients, the writer divides them by the number of
+    # ranks (DDP's average), rank 1's being the default 1 / (n_micro k).
+    reports = _spawn(2, tmp_path, "weighted")
+    assert all(r == {"errors": [], "n_steps": worker.STEPS} for r in reports.values()), reports
+    traj = Trajectory.load(tmp_path / "path")
+    module, points = _single_process_path(2, "weighted")
+    assert_allclose(traj.parameters(-1).numpy(), points[-1].numpy(), rtol=0, atol=1e-14)
+    for t in range(worker.STEPS):
+        expected = []
+        for r, s in enumerate(worker.shards(2, t)):
+            parts = worker.micro_batches(s, r, "weighted")
+            for part in parts:
+                w = worker.WEIGHTS[part].numpy()
+                expected.append(w / w.sum() / len(parts) / 2 if r == 0
+                                else np.full(len(part), 1 / (2 * len(parts) * len(part))))
+        assert_allclose(traj.batch_weights(t), np.concatenate(expected), rtol=1e-15)
     _assert_decomposes_exactly(traj, module)
 
 

@@ -1,14 +1,17 @@
 """Counterfactual attribution: the recorded path differentiated with respect to each point.
 
 Give training point ``i`` a weight ``w_i`` in the loss of every step whose batch holds it,
-each step's loss being the weighted mean over its batch,
-``L_t(theta; w) = sum_{i in B_t} w_i beta_i l_i(theta) / sum_{i in B_t} w_i beta_i``
+each step's loss being the weighted mean over its batch, of the step's total weight,
+``L_t(theta; w) = S_t sum_{i in B_t} w_i beta_i l_i(theta) / sum_{i in B_t} w_i beta_i``
 (``beta_i`` the point's recorded weight in the step's loss,
 :meth:`Trajectory.batch_weights <skpathkernel.Trajectory.batch_weights>`: ``1 / |B_t|``
 for a mean, ``1 / (n_ranks * shard size)`` under DDP with unequal shards,
-``s_i / sum_{B_t} s`` with sample weights ``s``; they sum to 1, or to 0 for a batch whose
-sample weights are all 0, which has no data gradient and whose points score 0 there),
-so that ``w_i = 0`` is the training without ``i`` (for an estimator's path,
+``s_i / sum_{B_t} s`` with sample weights ``s``, or a loop's own loss coefficients,
+``PathRecorder.set_batch(indices, weights)``; ``S_t = sum_{i in B_t} beta_i``, the step's
+total weight: 1 but for a loop's own coefficients, or 0 for a batch whose weights are all
+0, which has no data gradient and whose points score 0 there; a batch whose weights sum to
+0 without all being 0 has no such mean, and is refused), so that ``w_i = 0`` is the
+training without ``i`` (for an estimator's path,
 ``metrics.retrain_on_subsets(protocol="replay")``). The score of point ``i`` at query
 ``x`` is ``d m(x; theta_T(w)) / d w_i`` at ``w = 1``: how the trained output moves, to
 first order, when the point is down-weighted or removed (unrolled differentiation;
@@ -33,14 +36,14 @@ the unclipped side is taken). ``M`` is not needed: ``c_t`` and ``g_t`` give it. 
 P_t H_t + lambda``. Holding ``c_t`` constant instead would be the derivative of another
 training (off by 0.7 relative on the tests' clipped path).
 
-With ``w = 1``, ``d g_t / d w_i = beta_i (grad l_i - g_t)``. The adjoint
+With ``w = 1``, ``d g_t / d w_i = beta_i (grad l_i - g_t / S_t)``. The adjoint
 ``a_t = d m / d s_t`` starts at ``(grad_theta m(x; theta_T), 0, 0)`` and runs backwards
 over the steps:
 
 - ``u_t = (dU_t / d d)^T a_{t+1}``, the adjoint of the step's gradient (elementwise), and
   ``v_t = P_t u_t = c_t (u_t - kappa_t g_t (g_t . u_t))`` (``u_t`` when unclipped);
-- ``score_i += beta_i (grad l_i . v_t - sum_{j in B_t} beta_j grad l_j . v_t)`` for ``i``
-  in ``B_t``;
+- ``score_i += beta_i (grad l_i . v_t - sum_{j in B_t} beta_j grad l_j . v_t / S_t)``
+  for ``i`` in ``B_t``;
 - ``a_t = (dU_t / d s)^T a_{t+1} + H_t v_t + lambda u_t`` on the parameters, ``H_t`` the
   Hessian of the step's loss.
 
@@ -493,6 +496,26 @@ def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
             f"{traj.n_steps} steps declare none (first: step {int(empty[0])}); record "
             "with PathRecorder(..., n_samples=len(X_train)) and recorder.set_batch(indices) "
             "at every step.")
+    if traj._batch_weights is not None:
+        # Re-weighting a point keeps its step's total weight S_t (the step's loss
+        # S_t sum_i w_i beta_i l_i / sum_i w_i beta_i): a batch whose weights cancel to 0
+        # (to their rounding) without all being 0 has no such mean, and 1 / S_t would
+        # blow its scores up.
+        beta, starts = traj._batch_weights, traj._batch_offsets[:-1]
+        total = np.add.reduceat(beta, starts)
+        size = np.add.reduceat(np.abs(beta), starts)
+        zero = (size > 0) & (np.abs(total) <= np.diff(traj._batch_offsets)
+                              * np.finfo(np.float64).eps * size)
+        if zero.any():
+            t = int(np.flatnonzero(zero)[0])
+            raise ValueError(
+                f"method='unrolled' re-weights a point within its step's loss, keeping the "
+                f"sum of the step's batch weights, but the weights of {int(zero.sum())} "
+                f"step(s) sum to 0 without all being 0 (first: step {t}, weights sum "
+                f"{total[t]:.3g} of absolute sum {size[t]:.3g}; "
+                "recorder.set_batch(indices, weights)): no weighted mean is defined there. "
+                "The decomposition (decompose, attribute with another method) splits "
+                "such a path.")
 
 
 # --------------------------------------------------------------------------- the sweep

@@ -124,7 +124,9 @@ Two questions, two kinds of score:
 - ``method="unrolled"``: the counterfactual. ``scores[q, i]`` is the derivative
   ``d m(x_q; theta_T) / d w_i`` at ``w = 1`` of the trained output with respect
   to the weight ``w_i`` of point ``i`` in the loss of every step whose batch
-  holds it (each step's loss the weighted mean over its batch), taken exactly
+  holds it (each step's loss the weighted mean over its batch, times the sum of
+  the batch's recorded weights: 1 but for a recorded loop's own loss
+  coefficients, ``PathRecorder.set_batch(indices, weights)``), taken exactly
   through every recorded step of the training that happened (unrolled
   differentiation: the optimizer's whole state, Hessian-vector products of
   every step). Summed over a subset, it predicts to first order the output of

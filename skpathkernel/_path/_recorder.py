@@ -99,6 +99,30 @@ def _as_float(v) -> float:
     return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
 
 
+def _loss_coefficients(weights, n: int) -> tuple[np.ndarray | None, str | None]:
+    """``set_batch``'s ``weights`` as float64 and None, or None and what is wrong with
+    them (raised by the caller, at once in one process, at the step under DDP)."""
+    if isinstance(weights, torch.Tensor):
+        if weights.is_complex() or weights.dtype == torch.bool:
+            return None, f"weights must be real numbers, got a {weights.dtype} tensor."
+        # float64 before numpy, which has no bfloat16.
+        weights = weights.detach().to("cpu", torch.float64).numpy()
+    w = np.asarray(weights)
+    if w.dtype.kind not in "iuf":
+        # A boolean mask or strings are not coefficients: refused, not cast.
+        return None, (f"weights must be real numbers (each sample's coefficient in the "
+                      f"loss), got dtype {w.dtype}.")
+    if w.shape != (n,):
+        return None, (f"weights must have shape ({n},), one per index of the batch, got "
+                      f"shape {w.shape}.")
+    w = w.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(w))
+    if len(bad):
+        return None, (f"weights must be finite, but {len(bad)} of {n} are not (entry "
+                      f"{bad[0]} is {w[bad[0]]}).")
+    return w, None
+
+
 def solver_spec_from_optimizer(optimizer: torch.optim.Optimizer) -> SolverSpec:
     """The :class:`~skpathkernel._path._trajectory.SolverSpec` of a torch.optim optimizer.
 
@@ -412,7 +436,9 @@ class PathRecorder:
         self._mode_layers = mode_dependent_layers(inner)
         self._step = 0
         self._pending = None
-        self._micro: list[int] = []  # sizes of the step's set_batch calls (micro-batches)
+        # The step's set_batch calls (micro-batches): each one's size and loss
+        # coefficients (None: the default, its mean over the step's micro-batches).
+        self._micro: list[tuple[int, np.ndarray | None]] = []
         self._pending_scale = None  # the GradScaler's scale at the step's first set_batch
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
@@ -436,25 +462,49 @@ class PathRecorder:
                               for i, p in enumerate(params)]
 
     # ------------------------------------------------------------------ recording
-    def set_batch(self, indices) -> None:
+    def set_batch(self, indices, weights=None) -> None:
         """Declare the training samples of the next ``optimizer.step()``.
+
+        The decomposition credits the step to them with their coefficients in the
+        loss that ``backward()`` differentiated: ``weights``, or by default the
+        mean's, ``1 / batch_size``.
 
         With gradient accumulation (several ``backward()`` per step), call it once per
         micro-batch: the calls since the last step are the step's batch, each
-        micro-batch's points weighing ``1 / (n_micro * its size)``, the mean of the
-        micro-batch means that ``(loss / n_micro).backward()`` accumulates (with
+        micro-batch's points weighing ``1 / (n_micro * its size)`` by default, the mean
+        of the micro-batch means that ``(loss / n_micro).backward()`` accumulates (with
         micro-batches of one size, ``1 / batch_size``); under DistributedDataParallel,
         ``1 / (n_ranks * n_micro * its size)``, with each rank's own micro-batches
-        (those of a ``no_sync()`` block and the synchronizing one). Declarations of a step that the
-        ``grad_scaler`` skipped are dropped; a loop that skips ``optimizer.step()``
-        itself must not declare that step's batch.
+        (those of a ``no_sync()`` block and the synchronizing one). Declarations of a
+        step that the ``grad_scaler`` skipped are dropped; a loop that skips
+        ``optimizer.step()`` itself must not declare that step's batch.
 
         Parameters
         ----------
         indices : array-like of int, shape (batch_size,)
-            Indices into the ``n_samples`` training inputs that the step's (or the
-            micro-batch's) loss averages over (the decomposition credits the step to them
-            with weight ``1 / batch_size``).
+            Indices into the ``n_samples`` training inputs whose losses the step's (or
+            the micro-batch's) loss is made of.
+        weights : array-like or tensor of shape (batch_size,), default=None
+            Each sample's coefficient in the loss that this step's (or this
+            micro-batch's) ``backward()`` differentiated, in the order of ``indices``:
+            its gradient is ``sum_i weights[i] * grad l_i``, ``l_i`` the per-sample
+            loss given to the analyses. For ``(w * loss_i).sum() / w.sum()``, pass
+            ``w / w.sum()``; for ``(w * loss_i).mean()``, ``w / batch_size``; for
+            ``loss_i.sum()``, ones. They are the coefficients of the loss as the
+            ``backward()`` saw it, before the recorder's own rules: with gradient
+            accumulation, your division by ``n_micro`` included (``(w * loss_i).sum()
+            / w.sum() / n_micro`` is ``w / w.sum() / n_micro``), as the default
+            ``1 / (n_micro * its size)`` is that of ``(loss.mean() / n_micro)``;
+            micro-batches without weights keep that default. Under
+            DistributedDataParallel, your rank's: the recorder divides them by
+            ``n_ranks``, as DDP's average of the ranks' gradients does. With a
+            ``GradScaler``, those of the loss before ``scaler.scale``; norm clipping
+            is recorded on its own. Finite, of any sign (a negative coefficient is a
+            loss the step ascends). None: the mean. ``attribute(method="unrolled")``
+            and ``self_influence`` keep each step's total ``S_t = sum_i weights[i]``
+            when they re-weight a point (the step's loss ``S_t sum_i u_i weights[i]
+            l_i / sum_i u_i weights[i]`` for point weights ``u``), and refuse a step
+            whose weights sum to 0 without all being 0.
         """
         if self.n_samples is None:
             raise ValueError(
@@ -470,6 +520,9 @@ class PathRecorder:
         elif idx.size and (idx.min() < 0 or idx.max() >= self.n_samples):
             problem = (f"Batch indices must lie in [0, {self.n_samples}) (n_samples), got "
                        f"[{idx.min()}, {idx.max()}].")
+        w = None
+        if problem is None and weights is not None:
+            w, problem = _loss_coefficients(weights, len(idx))
         if problem is not None and self._world == 1:
             raise ValueError(problem)
         # Under DDP every rank raises it at the step, naming this rank: raising here
@@ -491,7 +544,7 @@ class PathRecorder:
                 self._pending_scale = scale
         self._pending = idx if self._pending is None else np.concatenate([self._pending,
                                                                            idx])
-        self._micro.append(len(idx))
+        self._micro.append((len(idx), w))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -599,12 +652,10 @@ class PathRecorder:
                            "recorder.set_batch(indices) before every optimizer.step().")
             batch = self._pending if self._pending is not None else np.empty(0, np.int64)
             weights = None
-            sizes = [k for k in self._micro if k]
-            if len(set(sizes)) > 1:
-                # Micro-batches of several sizes: (loss / n_micro).backward() on each
-                # weighs a point of one of n_j by 1 / (n_micro n_j).
-                weights = np.concatenate([np.full(k, 1.0 / (len(sizes) * k))
-                                          for k in sizes])
+            if self._weighted() or len({k for k, _ in self._micro if k}) > 1:
+                weights = self._coefficients()
+                if np.all(weights == 1.0 / max(len(weights), 1)):
+                    weights = None  # the batch's mean: the default
         self._pending = self._pending_problem = None
         self._micro = []
         lrs = [_as_float(g["lr"]) for g in optimizer.param_groups]
@@ -770,9 +821,9 @@ class PathRecorder:
         n = 0 if local is None else len(local)
         # The sizes of the rank's micro-batches travel after its indices: under gradient
         # accumulation a point's weight depends on its own micro-batch, not on the shard.
-        micro = [k for k in self._micro if k] if n else []
-        header = torch.tensor([step, n, status, len(micro)], dtype=torch.int64,
-                              device=device)
+        micro = [k for k, _ in self._micro if k] if n else []
+        header = torch.tensor([step, n, status, len(micro), bool(n and self._weighted())],
+                              dtype=torch.int64, device=device)
         headers = [torch.empty_like(header) for _ in range(self._world)]
         try:
             dist.all_gather(headers, header)
@@ -781,7 +832,7 @@ class PathRecorder:
                        f"the trajectory ends after step {step - 1}.", cause=exc)
         H = torch.stack(headers).cpu().numpy()
         problems = []
-        for r, (s, _, st, _) in enumerate(H):
+        for r, (s, _, st, _, _) in enumerate(H):
             if s != step:
                 problems.append(f"rank {r} is at optimizer step {s}, rank {self._rank} at "
                                 f"{step}")
@@ -810,10 +861,31 @@ class PathRecorder:
         except Exception as exc:
             self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
                        f"the trajectory ends after step {step - 1}.", cause=exc)
+        given = None
+        if H[:, 4].any():
+            # A rank declared its loss coefficients (set_batch(..., weights)): every rank
+            # sends its samples' coefficients, the default ones where it gave none.
+            buf = torch.zeros((int(sizes.max()),), dtype=torch.float64, device=device)
+            if n:
+                buf[:n] = torch.as_tensor(self._coefficients(), device=device)
+            given = [torch.empty_like(buf) for _ in range(self._world)] if writer else None
+            try:
+                dist.gather(buf, given, dst=self.writer_rank)
+            except Exception as exc:
+                self._fail(f"the gather of optimizer step {step}'s batch weights failed "
+                           f"({exc}); the trajectory ends after step {step - 1}.",
+                           cause=exc)
         if not writer:
             return None, None
         bufs = [b.cpu().numpy() for b in bufs]
         batch = np.concatenate([b[:k] for b, k in zip(bufs, sizes)])
+        if given is not None:
+            # DDP averages the ranks' gradients: each rank's coefficients over n_ranks.
+            weights = np.concatenate([b.cpu().numpy()[:k] for b, k in zip(given, sizes)]
+                                     ) / self._world
+            if np.all(weights == 1.0 / max(len(batch), 1)):
+                return batch, None
+            return batch, weights
         # DDP averages the ranks' gradients, and (loss / m_r).backward() on each of a
         # rank's m_r micro-batches averages their means: a sample of a micro-batch of
         # k on rank r weighs 1 / (R m_r k); 1 / (R n_r) for a shard in one piece.
@@ -823,6 +895,20 @@ class PathRecorder:
         if np.all(weights == 1.0 / max(len(batch), 1)):
             return batch, None  # the batch's mean: the default
         return batch, weights
+
+    def _weighted(self) -> bool:
+        """Whether a micro-batch of the step declared its loss coefficients."""
+        return any(w is not None for _, w in self._micro)
+
+    def _coefficients(self) -> np.ndarray:
+        """The coefficients of this process's declared samples of the step in the loss
+        its backward() passes differentiated, in their order: each micro-batch's own
+        (``set_batch``'s ``weights``) or, where it gave none, ``1 / (n_micro * k)`` for
+        a micro-batch of ``k`` (``(mean / n_micro).backward()``), ``n_micro`` counting
+        the step's non-empty micro-batches."""
+        parts = [(k, w) for k, w in self._micro if k]
+        return np.concatenate([np.full(k, 1.0 / (len(parts) * k)) if w is None else w
+                               for k, w in parts] or [np.empty(0)])
 
     def close(self) -> None:
         """Stop recording (remove the hooks); the trajectory stays readable."""

@@ -480,7 +480,10 @@ class Trajectory:
 
         ``1 / batch_size`` for a loss that averages over its batch; under
         DistributedDataParallel with shards of different sizes, ``1 / (n_ranks *
-        shard_size)`` for each sample of a shard (DDP averages the ranks' mean losses).
+        shard_size)`` for each sample of a shard (DDP averages the ranks' mean losses);
+        a recorded loop's own coefficients where it declared them
+        (:meth:`PathRecorder.set_batch <skpathkernel.PathRecorder.set_batch>`'s
+        ``weights``): the step's gradient is ``sum_i weights[i] grad l_i``.
 
         Parameters
         ----------

@@ -49,7 +49,8 @@ class _RawParameter(nn.Module):
 
 
 class _RawUnstructured(nn.Module):
-    """Raw parameters read by a matrix product and twice: neither has a rule."""
+    """Raw parameters read by a matrix product (no rule) and twice (two elementwise
+    sites, summed)."""
 
     def __init__(self, n_out):
         super().__init__()
@@ -124,7 +125,7 @@ MODULES = {"mlp": _mlp, "raw": _RawParameter, "rawother": _RawUnstructured,
 FALLBACK = {
     "mlp": set(),
     "raw": set(),  # x * scale: the elementwise parameter rule
-    "rawother": {"mix", "gain"},
+    "rawother": {"mix"},  # gain, read twice by *, is the sum of its two sites
     "twice": set(),  # its two calls are two uses, their terms summed
     "conv": set(),
     "norule": {"up.weight", "up.bias"},

@@ -23,9 +23,10 @@ or when it shares a parameter with a layer that goes there. The reason is kept p
 parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
 
 Parameters that no rule layer holds (a class token, a position embedding, a gain kept
-as a raw ``nn.Parameter``) are watched too: one read through a registered elementwise
+as a raw ``nn.Parameter``) are watched too: each read through a registered elementwise
 operation (:mod:`._parameters`), broadcast over the samples, is a site whose backprop
-gives their per-sample gradient; any other read leaves them to the fallback.
+gives their per-sample gradient (summed over the sites of a parameter read twice); any
+other read leaves them to the fallback.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
 SHARED = ("a parameter of it is shared with a layer that goes to the fallback ({}), so no "
           "use of it is factored")
-FREE_UNSTRUCTURED = ("a raw nn.Parameter used in its forward other than once, broadcast over "
-                     "the samples, in an elementwise +, * or expand")
+FREE_UNSTRUCTURED = ("a raw nn.Parameter read in its forward by an elementwise +, * or expand "
+                     "that is not broadcast over the samples")
 
 
 # Embedding lookups whose backward divides a row's gradient by its token's count in the
@@ -625,21 +626,22 @@ def _accepted_layers(layers, watch, X, reasons):
 
 
 def _accepted_free(free, watch, params, X, reasons, declined):
-    """The free parameters read once by a registered operation, broadcast over the
-    samples, as ``(name, op, operand, z)``; the others join ``declined`` (every block
-    then routes them to the fallback alike)."""
+    """The sites of the free parameters read only by registered operations, broadcast
+    over the samples, as ``(name, op, operand, z)`` (one per read: a parameter read twice
+    has two, whose gradients are summed); the others join ``declined`` (every block then
+    routes them to the fallback alike)."""
     accepted = []
     for name in free:
         calls = watch.free_sites.get(name, [])
         if name in watch.free_misses or not calls:
             declined.add(name)  # the fallback's own reason (layer_routes) says why
             continue
-        op, operand, z = calls[0]
-        if len(calls) > 1 or not broadcast_over_samples(params[name].shape, z, X.shape[0]):
+        if not all(broadcast_over_samples(params[name].shape, z, X.shape[0])
+                   for *_, z in calls):
             declined.add(name)
             reasons[name] = FREE_UNSTRUCTURED
             continue
-        accepted.append((name, op, operand, z))
+        accepted.extend((name, *call) for call in calls)
     return accepted
 
 
@@ -672,13 +674,19 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
             for name in names.values():
                 if name not in terms_by_name:
                     reasons[name] = "its rule gives this parameter no term"
+        sums: dict[str, torch.Tensor] = {}
         for name, op, operand, _ in free:
             delta = next(deltas)
             with torch.no_grad():
                 g = op.grad(delta, params[name].shape,
                             None if operand is None else operand.detach())
+                if name in sums:  # a parameter read twice: the sum of its sites'
+                    sums[name] = sums[name] + g
+                    continue
             if g.untyped_storage().data_ptr() == delta.untyped_storage().data_ptr():
                 g = g.clone()  # its own memory, as every delta's (see _own_memory)
+            sums[name] = g
+        for name, g in sums.items():
             terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
     return terms_by_name
 

@@ -12,8 +12,9 @@ one process. Each case is ``tangent_gram`` on ``N`` token sequences, timed by
 Cases: the benchmarks' transformer (``_nets``: 16 tokens of a 16-word vocabulary,
 d = 64, two post-norm nn.TransformerEncoderLayer of 4 heads and feed-forward 128, ReLU,
 mean pooling) with its head a Linear to the vocabulary tied to the token embedding (16
-outputs: the trace Gram, and one output); the same with one encoder layer applied twice
-and an untied Linear 1 head.
+outputs: the trace Gram, and one output); its one output at a vocabulary of 2,000 (the
+tied table's per-sample gradients are formed, as the fallback formed them); the same with
+one encoder layer applied twice and an untied Linear 1 head.
 
 Usage: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_tied_ab [RESULTS [N [REF]]]``
 (RESULTS ``tied_ab``, N 256). Writes ``benchmarks/results/RESULTS.md`` and ``.json``.
@@ -69,8 +70,12 @@ def _cases(n):
     dims = (a["vocab"], a["shape"][0], a["d"], a["heads"], a["ff"], a["layers"])
     tied = _Tied(*dims).eval()
     shared = _Tied(*dims, shared=True).eval()
+    # A larger vocabulary: the table the tied weight's summed term forms per sample.
+    big = _Tied(2000, *dims[1:]).eval()
+    big_ids = torch.randint(0, 2000, ids.shape)
     return {f"transformer, tied embedding/head, N={n}, C=16, trace": (tied, ids, "trace"),
             f"transformer, tied embedding/head, N={n}, one output": (tied, ids, 0),
+            f"transformer, tied, vocabulary 2000, N={n}, one output": (big, big_ids, 0),
             f"transformer, one layer applied twice, N={n}, C=1": (shared, ids, "trace")}
 
 

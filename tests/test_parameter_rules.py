@@ -231,8 +231,9 @@ class Ops(nn.Module):
 
 
 class Unstructured(nn.Module):
-    """Raw parameters that must fall back: read twice, through ``alpha=``, by an
-    operation without a rule, expanded to rows that are not the samples."""
+    """Raw parameters that must fall back: read through ``alpha=``, by an operation
+    without a rule, expanded to rows that are not the samples (``twice``, read by two
+    registered operations, is structured: its two sites' gradients are summed)."""
 
     def __init__(self):
         super().__init__()
@@ -266,13 +267,49 @@ def test_every_registered_form_matches_the_loop():
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
+class _ReadTwice(nn.Module):
+    """Raw parameters each read by two registered operations: a gain (``*`` then ``+``)
+    and a class token (expanded to the rows, then added to every position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.gain = nn.Parameter(torch.randn(4))
+        self.token = nn.Parameter(torch.randn(1, 1, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)).unsqueeze(1).expand(-1, 2, -1)
+        h = torch.tanh(h * self.gain) + self.gain
+        h = torch.cat([self.token.expand(x.shape[0], -1, -1), h], 1) + self.token
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_a_raw_parameter_read_twice_is_summed_over_its_sites():
+    # Read by two registered operations, it went to the fallback: each read is a site,
+    # and its per-sample gradient the sum of the two sites'.
+    torch.manual_seed(0)
+    module = _ReadTwice().double()
+    X, Y = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    assert capture(module, params, X, [0, 1], memory_budget=2**20).fallback == ()
+    assert {r.route for r in layer_routes(module, X, params=params)} == {"rule"}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(params[name])
+    JX, JY = jacobian_loop(module, X), jacobian_loop(module, Y)
+    _close(tangent_features(module, params, X, output="full"), JX)
+    _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", JX, JY))
+    _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", JX, JX) / 2)
+
+
 def test_unstructured_raw_parameters_fall_back_exactly():
     torch.manual_seed(0)
     module = Unstructured().double()
     X = torch.randn(5, 3, dtype=torch.float64)
     params = _params(module)
     cap = capture(module, params, X, [0, 1], memory_budget=2**20)
-    assert set(cap.fallback) == {"twice", "alpha", "power", "rows"}
+    assert set(cap.fallback) == {"alpha", "power", "rows"}
     (route,) = [r for r in layer_routes(module, X) if r.route == "fallback"]
     assert (route.name, route.n_params) == ("", 16)
     J = jacobian_loop(module, X)

@@ -289,28 +289,28 @@ class _TiedHead(nn.Module):
 
 def test_routes_list_a_head_whose_only_weight_is_tied():
     # The head held no parameter under its own name (named_parameters names the tied
-    # weight at the embedding), so layer_routes left it out of the listing.
+    # weight at the embedding), so layer_routes left it out of the listing; both are on
+    # their rules (the tied weight's term sums its two uses).
     net = _TiedHead()
     routes = {r.name: r for r in layer_routes(net, torch.randint(10, (5, 3)))}
     assert set(routes) == {"emb", "head"}
-    assert routes["head"].route == "fallback"
-    assert routes["head"].reason == "a parameter is shared with another module (tied weights)"
+    assert routes["head"].route == "rule"
+    assert routes["head"].reason == ""
     assert sum(r.n_params for r in routes.values()) == sum(p.numel() for p in net.parameters())
 
 
-def test_routes_tell_a_layer_used_twice_from_tied_weights():
-    # The same nn.Linear at two places of a Sequential was reported as tied weights.
+def test_routes_of_a_layer_used_twice_and_of_tied_weights():
+    # The same nn.Linear at two places of a Sequential, and two Linears sharing a weight,
+    # went to the fallback; each use is now a term of the rule, summed per parameter.
     lin = nn.Linear(4, 4)
     X = torch.randn(3, 4)
-    twice = {r.name: r for r in layer_routes(nn.Sequential(lin, nn.Tanh(), lin), X)}
-    assert twice["0"].route == "fallback"
-    assert twice["0"].reason.startswith("the layer sits at several places of the module tree")
+    twice = layer_routes(nn.Sequential(lin, nn.Tanh(), lin), X)
+    assert [(r.name, r.route) for r in twice] == [("0", "rule")]
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     tied = layer_routes(nn.Sequential(a, nn.Tanh(), b), X)
-    assert [r.reason for r in tied] == ["a parameter is shared with another module "
-                                        "(tied weights)"] * 2
-    # Exact either way: the fallback's features are the autograd loop's.
+    assert [(r.route, r.reason) for r in tied] == [("rule", "")] * 2
+    # Exact either way: the features are the autograd loop's.
     for net in (nn.Sequential(lin, nn.Tanh(), lin), nn.Sequential(a, nn.Tanh(), b)):
         net = net.double()
         X64 = X.double()

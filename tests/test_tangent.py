@@ -24,6 +24,7 @@ from skpathkernel._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
+from skpathkernel.rules import layer_routes
 
 RTOL = 1e-10
 
@@ -48,7 +49,8 @@ class _RawParameter(nn.Module):
 
 
 class _RawUnstructured(nn.Module):
-    """Raw parameters read by a matrix product and twice: neither has a rule."""
+    """Raw parameters read by a matrix product (no rule) and twice (two elementwise
+    sites, summed)."""
 
     def __init__(self, n_out):
         super().__init__()
@@ -123,8 +125,8 @@ MODULES = {"mlp": _mlp, "raw": _RawParameter, "rawother": _RawUnstructured,
 FALLBACK = {
     "mlp": set(),
     "raw": set(),  # x * scale: the elementwise parameter rule
-    "rawother": {"mix", "gain"},
-    "twice": {"shared.weight", "shared.bias"},
+    "rawother": {"mix"},  # gain, read twice by *, is the sum of its two sites
+    "twice": set(),  # its two calls are two uses, their terms summed
     "conv": set(),
     "norule": {"up.weight", "up.bias"},
     "outside": {"lin.weight", "lin.bias"},
@@ -189,7 +191,9 @@ def test_fallback_routing(kind):
     assert sorted(covered) == sorted(params)
 
 
-def test_tied_weights_go_to_fallback():
+def test_tied_weights_are_summed_over_their_uses():
+    # Two Linears sharing a weight (their biases their own) went whole to the fallback:
+    # the weight's gradient is the sum of the two uses', one term of joined positions.
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
@@ -197,7 +201,9 @@ def test_tied_weights_go_to_fallback():
     params = {k: v.detach() for k, v in module.named_parameters()}
     X = torch.randn(6, 3, dtype=torch.float64)
     cap = capture(module, params, X, [0], memory_budget=2**20)
-    assert "1.weight" in cap.fallback
+    assert cap.fallback == ()
+    (weight,) = [t for t in cap.terms if t.inputs[0][0] == "1.weight"]
+    assert weight.inputs[0][1] is not None and weight.delta.shape[2] == 2
     J = _loop_jacobian(module, params, X)
     _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
 
@@ -560,6 +566,155 @@ def test_symmetric_gram_over_many_real_panels():
     K = tangent_gram(module, params, X)
     _close(K, J @ J.T)
     assert torch.equal(K, K.T)
+
+
+# ------------------------------------------------- a parameter used at several sites
+class _TiedTokens(nn.Module):
+    """A token model whose output head reads the embedding table (``head.weight =
+    tok.weight``), an attention layer between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(7, 8), nn.Embedding(3, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                                batch_first=True)
+        self.head = nn.Linear(8, 7)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        return self.head(self.layer(self.tok(ids) + self.pos(positions)).mean(1))
+
+
+class _BlockTwice(nn.Module):
+    """A residual block (LayerNorm, Linears on tokens, a Conv1d) applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.block = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = h + self.block(h)
+            h = h + torch.tanh(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        return self.head(h.mean(1))
+
+
+def _reused_first():
+    """An MLP whose first Linear sits at two places of the Sequential."""
+    first = nn.Linear(3, 3)
+    return nn.Sequential(first, nn.Tanh(), first, nn.Tanh(), nn.Linear(3, 2))
+
+
+SEVERAL_USES = {"tied": _TiedTokens, "block": _BlockTwice, "reused": _reused_first}
+
+
+def _make_several(kind):
+    torch.manual_seed(0)
+    module = SEVERAL_USES[kind]().double().eval()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    if kind == "tied":
+        X, Y = torch.randint(7, (9, 3)), torch.randint(7, (5, 3))
+    else:
+        shape = (3, 3) if kind == "block" else (3,)
+        X, Y = torch.randn(9, *shape, dtype=torch.float64), torch.randn(5, *shape,
+                                                                        dtype=torch.float64)
+    return module, params, X, Y
+
+
+@pytest.mark.parametrize("kind", sorted(SEVERAL_USES))
+def test_several_uses_are_structured_and_match_loop(kind):
+    # A tied weight and a layer called twice (or at two places) went whole to the
+    # fallback; each use is now a term, summed per parameter (cross terms included).
+    module, params, X, Y = _make_several(kind)
+    cap = capture(module, params, X, [0], memory_budget=2**24)
+    assert cap.fallback == ()
+    routes = layer_routes(module, X, params=params)
+    assert {r.route for r in routes} == {"rule"}, [(r.name, r.reason) for r in routes]
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    C = JX.shape[1]
+    full = torch.einsum("ncp,mdp->ncmd", JX, JY)
+    _close(tangent_gram(module, params, X, Y, output="full"), full)
+    _close(tangent_gram(module, params, X, Y), torch.einsum("ncmc->nm", full) / C)
+    _close(tangent_gram(module, params, X, Y, output=1), full[:, 1, :, 1])
+    _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", JX, JX) / C)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", JX, JX))
+    _close(tangent_gram_diag(module, params, X), torch.einsum("ncp,ncp->n", JX, JX) / C)
+    _close(tangent_gram_diag(module, params, X, output="full"),
+           torch.einsum("ncp,ndp->ncd", JX, JX))
+    _close(tangent_features(module, params, X, output="full"), JX)
+    _close(tangent_features(module, params, X, output=0), JX[:, 0])
+    # The two sides at different parameters.
+    other = {k: v + 0.2 * torch.randn_like(v) for k, v in params.items()}
+    JYo = _loop_jacobian(module, other, Y)
+    _close(tangent_gram(module, params, X, Y, output="full", params_y=other),
+           torch.einsum("ncp,mdp->ncmd", JX, JYo))
+    # Blocks of one sample (the chunked capture) give the same.
+    _close(_at_smallest_budget(tangent_gram, module, params, X, Y, output="full"), full)
+
+
+@pytest.mark.parametrize("kind", sorted(SEVERAL_USES))
+def test_several_uses_preconditioned(kind):
+    module, params, X, Y = _make_several(kind)
+    assert capture(module, params, X, [0], memory_budget=2**24).fallback == ()
+    JX, JY = _loop_jacobian(module, params, X), _loop_jacobian(module, params, Y)
+    C = JX.shape[1]
+    gen = torch.Generator().manual_seed(1)
+    for D in (torch.rand(JX.shape[2], dtype=torch.float64, generator=gen),
+              torch.randn(JX.shape[2], dtype=torch.float64, generator=gen)):
+        full = torch.einsum("ncp,p,mdp->ncmd", JX, D, JY)
+        _close(tangent_gram(module, params, X, Y, output="full", diag_weight=D), full)
+        _close(tangent_gram(module, params, X, diag_weight=D),
+               torch.einsum("ncp,p,mcp->nm", JX, D, JX) / C)
+        _close(tangent_gram_diag(module, params, X, output="full", diag_weight=D),
+               torch.einsum("ncp,p,ndp->ncd", JX, D, JX))
+
+
+@pytest.mark.parametrize("kind", sorted(SEVERAL_USES))
+def test_several_uses_projection_converges(kind):
+    module, params, X, _ = _make_several(kind)
+    assert capture(module, params, X, [0], memory_budget=2**24).fallback == ()
+    JX = _loop_jacobian(module, params, X)
+    K = torch.einsum("ncp,mcp->nm", JX, JX) / JX.shape[1]
+    errors = {}
+    for k in (16, 4096):
+        z = [project_tangent_features(module, params, X, k, random_state=s) for s in range(3)]
+        errors[k] = sum(float((zs @ zs.T - K).norm() / K.norm()) for zs in z) / 3
+    assert errors[4096] < 0.08
+    assert errors[4096] < errors[16] / 4
+
+
+class _TiedDeclined(nn.Module):
+    """``b`` shares ``a``'s weight but is applied to a constant (its rows are not the
+    samples): both go to the fallback, ``a`` for sharing a weight with ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+        self.b.weight = self.a.weight
+        self.register_buffer("const", torch.randn(4, 3))  # not 2 rows, as layer_routes takes
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.a(x)) + self.b(self.const).sum(0))
+
+
+def test_a_tied_weight_follows_a_declined_holder_to_the_fallback():
+    torch.manual_seed(0)
+    module = _TiedDeclined().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(6, 3, dtype=torch.float64)
+    cap = capture(module, params, X, [0], memory_budget=2**20)
+    assert set(cap.fallback) == {"a.weight", "a.bias", "b.bias"}
+    routes = {r.name: r for r in layer_routes(module, X, params=params)}
+    assert routes["b"].reason == "the rows of its input are not the samples"
+    assert routes["a"].reason.startswith("a parameter of it is shared with a layer that goes")
+    assert routes["c"].route == "rule"
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X), J[:, 0] @ J[:, 0].T)
 
 
 # ------------------------------------------------------------------- use watch

@@ -9,23 +9,29 @@ once. Samples are independent (the modules have no cross-sample state; a BatchNo
 normalises with batch statistics is refused, :func:`check_per_sample`), so the gradient of
 the sum is the per-sample gradient.
 
-A layer goes to the generic fallback instead (:mod:`._generic`) when its rule does not
-accept its call, when it runs more than once per forward (its factors would need a sum
-over the calls), when one of its parameters is shared with another module (tied weights:
-the rule would see one use only), when the rows of its input are not the samples, or when
-one of its parameters is read in any other way than the layer's own operation (a parent's
-``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see :class:`_UseWatch`,
-and :func:`_numerical_misfits` for reads torch functions do not see). The reason is kept
-per parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
+A parameter used at several sites (a layer called twice per forward, or sitting at
+several places of the module tree; a weight tied between rule layers, such as a language
+model's embedding and output head) has the sum of the sites' gradients: every call is a
+use, and :func:`_summed_uses` sums their terms into the parameter's one term (joining
+their positions where the uses have one structure, so that the Gram's contractions give
+the cross terms). A layer goes to the generic fallback instead (:mod:`._generic`) when its
+rule does not accept one of its calls, when the rows of its input are not the samples,
+when one of its parameters is read in any other way than a rule layer's own operation (a
+parent's ``x @ self.lin.weight.T``, a forward hook, a patched ``forward``: see
+:class:`_UseWatch`, and :func:`_numerical_misfits` for reads torch functions do not see),
+or when it shares a parameter with a layer that goes there. The reason is kept per
+parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
 
 Parameters that no rule layer holds (a class token, a position embedding, a gain kept
-as a raw ``nn.Parameter``) are watched too: one read through a registered elementwise
+as a raw ``nn.Parameter``) are watched too: each read through a registered elementwise
 operation (:mod:`._parameters`), broadcast over the samples, is a site whose backprop
-gives their per-sample gradient; any other read leaves them to the fallback.
+gives their per-sample gradient (summed over the sites of a parameter read twice); any
+other read leaves them to the fallback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import Counter
@@ -41,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from .._device import forked_rng
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
-from ._contract import grad_times, one_hot, param_numel, split_constant_inputs
+from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
@@ -51,11 +57,10 @@ __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
-TIED = "a parameter is shared with another module (tied weights)"
-REPEATED = ("the layer sits at several places of the module tree (called once at each, its "
-            "factors would need a sum over the calls)")
-FREE_UNSTRUCTURED = ("a raw nn.Parameter used in its forward other than once, broadcast over "
-                     "the samples, in an elementwise +, * or expand")
+SHARED = ("a parameter of it is shared with a layer that goes to the fallback ({}), so no "
+          "use of it is factored")
+FREE_UNSTRUCTURED = ("a raw nn.Parameter read in its forward by an elementwise +, * or expand "
+                     "that is not broadcast over the samples")
 
 
 # Embedding lookups whose backward divides a row's gradient by its token's count in the
@@ -233,12 +238,16 @@ def _rule_layers(module, params, exclude=frozenset()):
     reasons of those left to the fallback, and the prefixes of every rule layer.
 
     A rule layer owns every parameter of its subtree (nn.MultiheadAttention reads its
-    ``out_proj``'s): layers inside a rule layer are not rule layers themselves. Layers
-    holding a parameter named in ``exclude`` or shared with another module are left to the
-    fallback; ``reasons`` says so for their parameters.
+    ``out_proj``'s): layers inside a rule layer are not rule layers themselves. A
+    parameter is named by its key in ``params``, the first name ``named_parameters`` gives
+    it: a weight tied to another module's (``head.weight = emb.weight``) is the same key in
+    both layers, and a layer at several places of the tree is listed once (the use watch
+    sees each of its calls). Layers holding a parameter named in ``exclude`` are left to
+    the fallback; ``reasons`` says so for their parameters.
     """
-    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    places = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
+    key = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key.setdefault(id(p), name)
     layers, taken, reasons = [], [], {}
     for prefix, layer in module.named_modules():
         if any(_inside(prefix, outer) for outer in taken):
@@ -247,18 +256,13 @@ def _rule_layers(module, params, exclude=frozenset()):
         if rule is None:
             continue
         taken.append(prefix)
-        names = {}
-        shared = False
-        for local, p in layer.named_parameters(remove_duplicate=False):
-            full = f"{prefix}.{local}" if prefix else local
-            shared |= uses[id(p)] > 1
-            if full in params:
-                names[local] = full
+        names = {local: key[id(p)]
+                 for local, p in layer.named_parameters(remove_duplicate=False)
+                 if key[id(p)] in params}
         if not names:
             continue
-        if shared or exclude.intersection(names.values()):
-            why = (REPEATED if places[id(layer)] > 1 else TIED) if shared else READ_OUTSIDE
-            reasons.update(dict.fromkeys(names.values(), why))
+        if exclude.intersection(names.values()):
+            reasons.update(dict.fromkeys(names.values(), READ_OUTSIDE))
             continue
         layers.append((layer, rule, names))
     return layers, reasons, taken
@@ -311,8 +315,9 @@ class _UseWatch(TorchFunctionMode):
     forward hook, a patched ``forward``, ``W * W`` inside the layer, a second
     ``F.linear`` with the same weight), the factors miss part of the gradient. Every
     torch function called during the forward passes through here. Exactly one call of
-    one of the rule's ``ops`` by the innermost running rule layer, on that layer's own
-    parameters, is the layer's use: it runs as the rule's sites (``(args[0], result)``,
+    one of the rule's ``ops`` per call of the innermost running rule layer, on that
+    layer's own parameters (a tied weight is the own parameter of every rule layer
+    holding it), is a use of the layer: it runs as the rule's sites (``(args[0], result)``,
     or the rule's ``expand``), whose inputs ``a`` and outputs ``z`` are the factors (the
     result is handed on as a copy, so an in-place op downstream cannot rewrite ``z``).
     Any other call that takes a watched parameter and returns a tensor gradients can
@@ -327,7 +332,7 @@ class _UseWatch(TorchFunctionMode):
     fire in every thread, so they ignore calls from other threads.
     """
 
-    def __init__(self, owners: dict[int, tuple[int, str]], ops: dict[int, tuple],
+    def __init__(self, owners: dict[int, tuple[frozenset[int], str]], ops: dict[int, tuple],
                  layers: dict[int, tuple[nn.Module, Rule]] | None = None,
                  free: dict[int, tuple[str, torch.Tensor]] | None = None):
         super().__init__()
@@ -340,8 +345,9 @@ class _UseWatch(TorchFunctionMode):
         # The own call must take every differentiated parameter of its layer: the rule
         # gives each of them a term.
         self.expected: dict[int, set[str]] = {}
-        for layer, name in owners.values():
-            self.expected.setdefault(layer, set()).add(name)
+        for layers, name in owners.values():
+            for layer in layers:
+                self.expected.setdefault(layer, set()).add(name)
         self.thread = threading.get_ident()
         self.frames: list[_Frame] = []
         self.factors: dict[int, list] = {layer: [] for layer in ops}
@@ -383,7 +389,7 @@ class _UseWatch(TorchFunctionMode):
         top = self.frames[-1] if self.frames else None
         if (top is not None and top.use is None and func in self.ops[top.layer]
                 and {name for _, name in owned} == self.expected[top.layer]
-                and all(layer == top.layer for layer, _ in owned)
+                and all(top.layer in layers for layers, _ in owned)
                 and args and isinstance(args[0], torch.Tensor)):
             return self._own_call(top, func, args, kwargs)
         out = func(*args, **kwargs)
@@ -433,15 +439,13 @@ def _why_declined(calls, rule, layer) -> str | None:
     """Why one capture cannot use a rule layer's recorded calls (None: it can)."""
     if not calls:
         return "the layer is not called by the forward pass"
-    if len(calls) > 1:
-        return f"the layer is called {len(calls)} times per forward pass"
-    if calls[0] is None:
-        return "the layer's call does not read its parameters through its rule's operation"
-    if calls[0] is _DECLINED:
-        return "its rule declines this call (see the rule's expand)"
-    use = calls[0][0]
-    if rule.accepts is not None and not rule.accepts(layer, use):
-        return "its rule does not accept this call's input"
+    for call in calls:
+        if call is None:
+            return "the layer's call does not read its parameters through its rule's operation"
+        if call is _DECLINED:
+            return "its rule declines this call (see the rule's expand)"
+        if rule.accepts is not None and not rule.accepts(layer, call[0]):
+            return "its rule does not accept this call's input"
     return None
 
 
@@ -518,8 +522,11 @@ def capture(
     # layer outputs are differentiated, so no parameter gradient is ever computed.
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     free = _free_parameters(module, params, taken, exclude)
-    watch = _UseWatch({id(live[full]): (id(layer), full)
-                       for layer, _, names in layers for full in names.values()},
+    holders: dict[str, set[int]] = {}
+    for layer, _, names in layers:
+        for full in names.values():
+            holders.setdefault(full, set()).add(id(layer))
+    watch = _UseWatch({id(live[full]): (frozenset(ids), full) for full, ids in holders.items()},
                       {id(layer): rule.ops for layer, rule, _ in layers},
                       {id(layer): (layer, rule) for layer, rule, _ in layers},
                       {id(live[name]): (name, live[name]) for name in free})
@@ -570,45 +577,71 @@ def capture(
 
 
 def _accepted_layers(layers, watch, X, reasons):
-    """The rule layers whose one call gives per-sample factors, as ``(layer, rule, names,
-    use, sites)``, and the parameter names of the others (their reasons in ``reasons``)."""
+    """The calls of the rule layers that give per-sample factors, as ``(layer, rule,
+    names, use, sites)`` (one per call: a layer called twice gives two), and the parameter
+    names of the layers declined (their reasons in ``reasons``).
+
+    A layer is declined when any of its calls is (the sum of the calls' gradients would
+    miss that call's), and so is every layer sharing a parameter with a declined one (a
+    tied weight's gradient is the sum over all its uses).
+    """
+    why_of = {}
+    for layer, rule, _ in layers:
+        calls = watch.factors[id(layer)]
+        # Every call read its parameters once through the rule's op (a call that never
+        # read them, or read them another way, sends the layer to the fallback).
+        why = _why_declined(calls, rule, layer)
+        if why is None and any(t.shape[0] != X.shape[0]
+                               for use, zs in calls for t in (*use.inputs, *zs)):
+            # Rows that are not the samples (a constant input, a subset of the rows, a
+            # batch that is not the first axis): the factors cannot be per-sample.
+            why = "the rows of its input are not the samples"
+        if why is not None:
+            why_of[id(layer)] = why
+    # A declined layer takes the layers it shares a parameter with along (to a fixed
+    # point: a chain of tied weights); their parameters keep the first layer's reason.
+    out = {name: why for layer, _, names in layers if id(layer) in why_of
+           for name, why in dict.fromkeys(names.values(), why_of[id(layer)]).items()}
+    changed = bool(out)
+    while changed:
+        changed = False
+        for layer, _, names in layers:
+            shared = [out[name] for name in names.values() if name in out]
+            if id(layer) not in why_of and shared:
+                why_of[id(layer)] = SHARED.format(shared[0])
+                out.update({name: shared[0] for name in names.values() if name not in out})
+                changed = True
     accepted, declined = [], set()
     for layer, rule, names in layers:
-        calls = watch.factors[id(layer)]
-        # One call that read its parameters once through the rule's op; a layer called
-        # twice (its factors would need a sum) or that never read them goes to the fallback.
-        why = _why_declined(calls, rule, layer)
-        if why is None:
-            use, zs = calls[0]
-            if any(t.shape[0] != X.shape[0] for t in (*use.inputs, *zs)):
-                # Rows that are not the samples (a constant input, a subset of the rows,
-                # a batch that is not the first axis): the factors cannot be per-sample.
-                why = "the rows of its input are not the samples"
-        if why is not None:
-            declined.update(names.values())
-            reasons.update(dict.fromkeys(names.values(), why))
+        if id(layer) not in why_of:
+            accepted.extend((layer, rule, names, *call) for call in watch.factors[id(layer)])
             continue
-        accepted.append((layer, rule, names, *calls[0]))
-
+        declined.update(names.values())
+        reasons.update(dict.fromkeys(names.values(), why_of[id(layer)]))
+    # A tied weight is reported as shared where a layer holding it went along with it.
+    for layer, _, names in layers:
+        if id(layer) in why_of and why_of[id(layer)].startswith(SHARED[:30]):
+            reasons.update(dict.fromkeys(names.values(), why_of[id(layer)]))
     return accepted, declined
 
 
 def _accepted_free(free, watch, params, X, reasons, declined):
-    """The free parameters read once by a registered operation, broadcast over the
-    samples, as ``(name, op, operand, z)``; the others join ``declined`` (every block
-    then routes them to the fallback alike)."""
+    """The sites of the free parameters read only by registered operations, broadcast
+    over the samples, as ``(name, op, operand, z)`` (one per read: a parameter read twice
+    has two, whose gradients are summed); the others join ``declined`` (every block then
+    routes them to the fallback alike)."""
     accepted = []
     for name in free:
         calls = watch.free_sites.get(name, [])
         if name in watch.free_misses or not calls:
             declined.add(name)  # the fallback's own reason (layer_routes) says why
             continue
-        op, operand, z = calls[0]
-        if len(calls) > 1 or not broadcast_over_samples(params[name].shape, z, X.shape[0]):
+        if not all(broadcast_over_samples(params[name].shape, z, X.shape[0])
+                   for *_, z in calls):
             declined.add(name)
             reasons[name] = FREE_UNSTRUCTURED
             continue
-        accepted.append((name, op, operand, z))
+        accepted.extend((name, *call) for call in calls)
     return accepted
 
 
@@ -625,27 +658,133 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
         seeds = ([f[:, c].sum() for c in outputs] if weights is None
                  else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
         deltas = iter(_own_memory(_backprops(seeds, zs, scratch)))
+        # Every call's terms (a layer called twice, or holding a tied weight, gives a
+        # parameter several), summed per parameter below.
+        uses: list[Term] = []
         for layer, rule, names, use, sites in accepted:
             layer_deltas = tuple(next(deltas) for _ in sites)
             use = Use(use.func, use.args, use.kwargs, tuple(
                 a.detach() if isinstance(a, torch.Tensor) else a for a in use.inputs))
             with torch.no_grad():
                 terms = rule.factors(layer, use, layer_deltas, names)
-            for term in _checked_terms(terms, layer, names, params):
-                for name, _ in term.inputs:
-                    terms_by_name[name] = term
+            uses.extend(_checked_terms(terms, layer, names, params))
+        with torch.no_grad():
+            terms_by_name = _summed_uses(uses)
+        for *_, names, _, _ in accepted:
             for name in names.values():
                 if name not in terms_by_name:
                     reasons[name] = "its rule gives this parameter no term"
+        sums: dict[str, torch.Tensor] = {}
         for name, op, operand, _ in free:
             delta = next(deltas)
             with torch.no_grad():
                 g = op.grad(delta, params[name].shape,
                             None if operand is None else operand.detach())
+                if name in sums:  # a parameter read twice: the sum of its sites'
+                    sums[name] = sums[name] + g
+                    continue
             if g.untyped_storage().data_ptr() == delta.untyped_storage().data_ptr():
                 g = g.clone()  # its own memory, as every delta's (see _own_memory)
+            sums[name] = g
+        for name, g in sums.items():
             terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
     return terms_by_name
+
+
+def _structure(term: Term):
+    """What two terms must share for their positions to be joined: the parameters, and
+    every field but the factors (``groups``, ``transposed``); None where a field is not
+    comparable (a tensor)."""
+    fields = tuple(getattr(term, f.name) for f in dataclasses.fields(term)
+                   if f.name not in ("delta", "inputs"))
+    if any(isinstance(v, torch.Tensor) for v in fields):
+        return None
+    # A factor's width; an index factor (``rows=``: ids, (n, S)) is joined as it is.
+    return (tuple(name for name, _ in term.inputs), fields, term.delta.shape[3],
+            tuple(None if a is None else a.shape[2:] for _, a in term.inputs))
+
+
+def _joinable(terms: list[Term]) -> bool:
+    keys = {_structure(t) for t in terms}
+    return len(keys) == 1 and None not in keys
+
+
+def _joined(terms: list[Term]) -> list[Term]:
+    """Terms of one structure as one, their positions concatenated (normalised)."""
+    t0 = terms[0]
+    joined = dataclasses.replace(
+        t0, delta=torch.cat([t.delta for t in terms], dim=2),
+        inputs=[(name, None if a is None else torch.cat([t.inputs[k][1] for t in terms], dim=1))
+                for k, (name, a) in enumerate(t0.inputs)])
+    return split_constant_inputs(joined)
+
+
+def _summed_uses(terms: list[Term]) -> dict[str, Term]:
+    """Every parameter's one term, from the terms of all its uses (a rule layer called
+    twice, a weight tied between two layers): the per-sample gradient of a parameter used
+    at several sites is the sum of the sites' gradients.
+
+    Terms of the same structure (one layer's calls: the same parameters and factor widths;
+    else one parameter's part of them, as for two Linears sharing a weight but not their
+    biases) are joined along the positions, ``sum_s delta[s] (outer) a[s]`` over the
+    positions of every use, so the Gram's contractions (position pairs or gradient
+    blocks) give the cross terms of the uses exactly. Uses of different structures (an
+    embedding table read as the output head's weight: a transposed one-hot term and a
+    Linear's) are formed as per-sample gradients (:func:`._contract.dense_grad`) and
+    summed into one constant-input term, as the fallback's Jacobians are; the other
+    parameters of their terms keep their factors.
+    """
+    count = Counter(name for t in terms for name, _ in t.inputs)
+    by_name: dict[str, Term] = {}
+    if all(k == 1 for k in count.values()):
+        for t in terms:
+            by_name.update(dict.fromkeys((name for name, _ in t.inputs), t))
+        return by_name
+    # Connected components of the terms, linked by a shared parameter.
+    parent = list(range(len(terms)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, t in enumerate(terms):
+        for name, _ in t.inputs:
+            j = first.setdefault(name, i)
+            parent[root(i)] = root(j)
+    parts: dict[int, list[Term]] = {}
+    for i, t in enumerate(terms):
+        parts.setdefault(root(i), []).append(t)
+    for part in parts.values():
+        if len(part) == 1:
+            merged = part
+        elif _joinable(part):
+            merged = _joined(part)  # one layer's calls: the whole terms
+        else:
+            shared = {name for t in part for name, _ in t.inputs if count[name] > 1}
+            merged = []
+            for t in part:
+                rest = [(name, a) for name, a in t.inputs if name not in shared]
+                if rest:
+                    merged.extend(split_constant_inputs(dataclasses.replace(t, inputs=rest)))
+            for name in sorted(shared):
+                pieces = [dataclasses.replace(t, inputs=[(n, a)])
+                          for t in part for n, a in t.inputs if n == name]
+                if _joinable(pieces):
+                    merged.extend(_joined(pieces))
+                    continue
+                # Summed in place: the sum and one use's gradients alive at a time.
+                t0, a0 = pieces[0], pieces[0].inputs[0][1]
+                g = t0.delta.new_empty((*t0.delta.shape[:2], param_numel(t0, a0)))
+                dense_grad(t0, a0, out=g)
+                for t in pieces[1:]:
+                    g.add_(dense_grad(t, t.inputs[0][1]))
+                merged.append(Term(delta=g, inputs=[(name, None)]))
+        for t in merged:
+            by_name.update(dict.fromkeys((name for name, _ in t.inputs), t))
+    return by_name
 
 
 def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:

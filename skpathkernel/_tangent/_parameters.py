@@ -4,9 +4,10 @@ Networks hold parameters outside any layer with a rule: a class token concatenat
 patch tokens (``self.cls_token.expand(n, -1, -1)``), a position embedding added to them
 (``x + self.pos_embed``), a LayerScale-style gain (``self.gamma * x``). Such a *free*
 parameter ``P`` (one that no rule layer owns) is structured when the forward pass reads
-it exactly once, through one of the operations registered here, with ``P`` broadcast over
-the samples. The operation's output ``z`` is then a site like a rule layer's: its
-backprop ``delta = d f_c / d z`` gives the per-sample gradient of ``P`` directly:
+it only through the operations registered here, with ``P`` broadcast over the samples.
+Each such operation's output ``z`` is then a site like a rule layer's: its backprop
+``delta = d f_c / d z`` gives the per-sample gradient of ``P`` directly (summed over the
+sites where ``P`` is read more than once):
 
 * ``z = x + P`` and ``z = P.expand(...)``: ``delta`` summed over the axes where ``P``
   was broadcast;
@@ -17,8 +18,8 @@ torch functions that reach :class:`torch.overrides.TorchFunctionMode` for it
 (``x + P`` arrives as ``Tensor.add``). The result is a term with a constant input (the
 parameter's gradient is its ``delta``), contracted as dense rows of ``P.numel()``.
 
-A free parameter read in any other way, read twice, under disabled grad, or not
-broadcast over the samples goes to the generic fallback, as before.
+A free parameter read in any other way, under disabled grad, or not broadcast over the
+samples goes to the generic fallback, as before.
 """
 
 from __future__ import annotations

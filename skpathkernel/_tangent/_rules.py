@@ -72,7 +72,8 @@ class Term:
     -----
     Every parameter of the network is covered by exactly one term (the capture gives the
     parameters that no rule covers dense-Jacobian terms from the fallback: a ``None``
-    input with ``delta`` the per-sample gradient itself).
+    input with ``delta`` the per-sample gradient itself; a parameter used at several
+    sites, tied or called twice, gets the sum of its uses' terms as one).
 
     Examples
     --------
@@ -173,10 +174,12 @@ class Rule:
     ----------
     ops : tuple of callable
         The torch functions through which the layer's own call reads its parameters
-        (``(F.linear,)`` for nn.Linear). Exactly one call of one of them, by the layer
-        itself and taking every differentiated parameter of the layer (and of its
-        children: a rule layer owns its whole subtree), is the layer's use; the layer
-        goes to the fallback when a parameter of it is read in any other way.
+        (``(F.linear,)`` for nn.Linear). Exactly one call of one of them per call of the
+        layer, by the layer itself and taking every differentiated parameter of the layer
+        (and of its children: a rule layer owns its whole subtree), is a use; the layer
+        goes to the fallback when a parameter of it is read in any other way. A layer
+        called several times, or holding a weight tied to another rule layer's, has a
+        use per call: the capture sums their terms per parameter.
     factors : callable ``(layer, use, deltas, names) -> list of Term``
         ``use`` is the :class:`Use`; ``deltas[i]`` is the backprop of site ``i``'s output
         ``z_i``, of shape ``(n_samples, n_outputs, *z_i.shape[1:])``; ``names`` maps the

@@ -1138,3 +1138,20 @@ def test_ordinary_loops_do_not_warn_of_parameters_changed_between_steps(
                     opt.step()
                 sched.step()
     assert rec.n_steps == (4 if scaled else 5)
+
+
+def test_a_change_before_the_first_step_is_warned_as_part_of_step_0():
+    """The initial point is recorded when the recorder is created: a parameter changed
+    after that and before the first step is recorded as part of step 0."""
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = PathRecorder(module, opt)
+    initial = rec.trajectory.parameters(0).clone()
+    with torch.no_grad():
+        module[2].bias.add_(1.0)
+    module(torch.ones(3, 2, dtype=torch.float64)).sum().backward()
+    with pytest.warns(UserWarning, match=r"parameter\(s\) '2.bias' changed since the "
+                      r"recorder was created.* part of optimizer step 0"):
+        opt.step()
+    rec.close()
+    assert torch.equal(rec.trajectory.parameters(0), initial)

@@ -220,9 +220,12 @@ class PathRecorder:
     size read from ``optimizer.param_groups`` at that step, so learning-rate schedulers
     are recorded whatever the order of ``scheduler.step()`` in the loop (schedulers that
     also change momentum or betas, such as ``OneCycleLR`` with ``cycle_momentum=True``,
-    are refused at their first step: one set of them is recorded). The initial
-    parameters are recorded when the recorder is created, which must be before the first
-    ``optimizer.step()``.
+    are refused when the recorder is created, or at the step that changes them if
+    created after it: one set of them is recorded). The initial parameters are recorded
+    when the recorder is created, which must be before the first ``optimizer.step()``.
+    A recorded parameter changed between two steps (weight clipping, a max-norm
+    projection, ``load_state_dict``) is recorded as part of the next step, with a
+    warning at that step naming it.
 
     For the per-training-point decomposition, give ``n_samples`` and declare each step's
     samples with :meth:`set_batch` before ``optimizer.step()``; what the decomposition
@@ -360,6 +363,24 @@ class PathRecorder:
             raise ValueError(f"writer_rank must be a rank in [0, {self._world}), got "
                              f"{writer_rank!r}.")
         self.solver_spec = solver_spec_from_optimizer(optimizer)
+        # OneCycleLR / CyclicLR with cycle_momentum=True write these bookkeeping entries
+        # into the groups when created: one created before the recorder cycles momentum
+        # or beta_1 from its first step, which one recorded set cannot describe (one
+        # created after is refused at the step that changes them).
+        cycling = [i for i, g in enumerate(optimizer.param_groups)
+                   if "base_momentum" in g and "max_momentum" in g
+                   and _as_float(g["base_momentum"]) != _as_float(g["max_momentum"])]
+        if cycling:
+            g = optimizer.param_groups[cycling[0]]
+            raise ValueError(
+                f"Parameter group {cycling[0]} of the optimizer cycles its momentum (or "
+                f"beta_1) between base_momentum={_as_float(g['base_momentum'])!r} and "
+                f"max_momentum={_as_float(g['max_momentum'])!r}: "
+                "a scheduler such as OneCycleLR or CyclicLR with cycle_momentum=True "
+                "changes a hyper-parameter other than the learning rate during "
+                "training, and the trajectory records one set of them. Create the "
+                "scheduler with cycle_momentum=False (the learning rates it schedules "
+                "are recorded).")
         inner = _unwrap(module)
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in inner.named_parameters() if id(p) in in_optimizer]
@@ -419,6 +440,12 @@ class PathRecorder:
         self._constants = [(n, p, p._version) for n, p in inner.named_parameters()
                            if id(p) not in self._recorded]
         self._warned_constants = False
+        # The recorded parameters' fingerprints right after the last recorded step (after
+        # the initial point at first): what the next step starts from. Not version
+        # counters: writes through p.data (WGAN's p.data.clamp_) and new storage
+        # (p.data = ...) leave them unchanged.
+        self._fingerprint = None
+        self._devices = len({p.device for p in params})
         self._recorder = None
         if self._rank == self.writer_rank:  # the other ranks only take part in the gather
             self._recorder = TrajectoryRecorder(
@@ -428,6 +455,7 @@ class PathRecorder:
                 memory_budget=self.memory_budget, compression=compression,
             )
             self._recorder.record_point(0)
+            self._fingerprint = self._fingerprints()
         groups = optimizer.param_groups
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         self._param_groups = [group_of[id(p)] for p in params]
@@ -637,6 +665,8 @@ class PathRecorder:
                     "with that layer in eval mode (layer.eval()), or record without it.")
         if not self._warned_constants:
             self._warn_moved_constants(step)
+        if self._fingerprint is not None:
+            self._warn_moved_between_steps(step)
         if self._recorder is not None and not self._warned_skip:
             self._warn_skipped(step, optimizer)
         scale = self._gradient_scale(step, optimizer)
@@ -677,6 +707,42 @@ class PathRecorder:
                 "this training (decompose warns by how much). Give every parameter that "
                 "trains to the recorded optimizer (a parameter group may have its own lr "
                 "and weight decay). (Warned once.)", UserWarning, stacklevel=3)
+
+    def _fingerprints(self) -> torch.Tensor:
+        """Each recorded parameter's 2-norm, one reduction pass over them all: equal
+        for equal values, whatever their storage."""
+        norms = torch._foreach_norm(self._params)
+        if self._devices > 1:  # a module split over devices
+            norms = [n.to(norms[0].device) for n in norms]
+        return torch.stack(norms)
+
+    def _warn_moved_between_steps(self, step: int) -> None:
+        """Warn, once, when a recorded parameter changed since the recorder recorded
+        the last step (or the initial point): the next step's record takes the change
+        as part of that step."""
+        before, self._fingerprint = self._fingerprint, None
+        now = self._fingerprints()
+        if torch.equal(now, before):  # one host sync
+            self._fingerprint = before  # still the values the last step left
+            return
+        # A diverged parameter's NaN norm is not a change.
+        moved = (torch.ne(now, before) & ~(now.isnan() & before.isnan())).nonzero()
+        if not len(moved):
+            self._fingerprint = now
+            return
+        names = [self._names[i] for i in moved.reshape(-1).tolist()]
+        when = f"after optimizer step {step - 1}" if step else "since the recorder was created"
+        warnings.warn(
+            f"PathRecorder: recorded parameter(s) {', '.join(map(repr, names[:5]))}"
+            f"{' ...' if len(names) > 5 else ''} changed {when}, outside "
+            "optimizer.step() (weight clipping, a max-norm projection, load_state_dict, "
+            "a re-initialisation): the record takes the change as part of optimizer "
+            f"step {step}, which the step's gradient does not explain, so the "
+            "decomposition will not be exact (decompose warns by how much) and the "
+            "kernels describe a path with that jump. To record such a loop exactly, make "
+            "the change part of the loss (a penalty instead of clipping), or change the "
+            "parameters before creating the recorder. (Warned once.)",
+            UserWarning, stacklevel=3)
 
     def _warn_skipped(self, step: int, optimizer) -> None:
         """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
@@ -748,6 +814,8 @@ class PathRecorder:
         rec.record_step(step, max(lrs), optimizer)
         if rec.wants_point(step + 1):
             rec.record_point(step + 1)
+        if self._fingerprint is not None:  # None once warned
+            self._fingerprint = self._fingerprints()
 
     def _gradient_scale(self, step: int, optimizer) -> float:
         """The factor the gradients of backward() are multiplied by in the step."""

@@ -1,8 +1,8 @@
-"""One-process A/B of the transposed convolutions' rule: the generic fallback (ref) vs the
-rule (tree).
+"""One-process A/B of the transposed convolutions' (and Conv3d's) rules: the generic
+fallback (ref) vs the rule (tree).
 
-``nn.ConvTranspose1d/2d/3d`` had no rule: their weights went to the exact but slower
-``torch.func`` fallback. The rules are taken out of the registry (``RULES``) for the ref
+``nn.ConvTranspose1d/2d/3d`` and ``nn.Conv3d`` had no rule: their weights went to the exact
+but slower ``torch.func`` fallback. The rules are taken out of the registry (``RULES``) for the ref
 side and put back for the tree side, the two alternating in one process; each case is
 ``tangent_gram`` (the trace Gram) of ``N`` samples, timed by ``time.thread_time`` on one
 torch thread (the CPU time of the calling thread: a shared machine's load does not
@@ -18,7 +18,12 @@ Cases (float32):
   -> 32x32 (16, kernel 3, output_padding 1), a 3x3 convolution to 3 channels, 4x4
   average pooling, a Linear head (more positions per layer: the rule's gradient blocks
   take the same Gram product as the fallback's per-sample gradients, so less to gain);
-- the same DCGAN with depthwise (groups = channels) upsampling layers.
+- the same DCGAN with depthwise (groups = channels) upsampling layers;
+- a 3-D generator: a latent ``(16, 1, 1, 1)`` to 4^3 (32 channels, kernel 4) and 8^3 (8,
+  kernel 4, stride 2, padding 1), tanh, a Linear head;
+- a small 3-D CNN (``nn.Conv3d``, the conv rule on 3-D patches): ``(2, 8, 8, 8)``, a 3x3x3
+  convolution to ``c`` channels (padding 1), one to ``2c`` (stride 2), ReLU between, 2^3
+  average pooling, a Linear head; ``c`` = 8 and 32.
 
 Usage: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_conv_transpose_ab [RESULTS [N]]``
 (RESULTS ``conv_transpose_ab``, N 256). Writes ``benchmarks/results/RESULTS.md`` and
@@ -40,7 +45,7 @@ from skpathkernel.rules import layer_routes
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 5
-TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Conv3d)
 
 
 def _dcgan(n_out, groups=1, width=32, z=32):
@@ -68,9 +73,24 @@ def _decoder(n_out, z=32, ch=(64, 32, 16)):
         nn.Flatten(), nn.Linear(3 * 16, n_out)).eval()
 
 
+def _generator3d(n_out):
+    return nn.Sequential(
+        nn.ConvTranspose3d(16, 32, 4, 1, 0), nn.ReLU(),  # 1 -> 4
+        nn.ConvTranspose3d(32, 8, 4, 2, 1), nn.Tanh(),  # 4 -> 8
+        nn.Flatten(), nn.Linear(8 * 8**3, n_out)).eval()
+
+
+def _cnn3d(n_out, c):
+    return nn.Sequential(
+        nn.Conv3d(2, c, 3, padding=1), nn.ReLU(),
+        nn.Conv3d(c, 2 * c, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool3d(2), nn.Flatten(), nn.Linear(16 * c, n_out)).eval()
+
+
 def _cases(n):
     torch.manual_seed(0)
     latent, grid = torch.randn(n, 32, 1, 1), torch.randn(n, 32, 4, 4)
+    latent3d, volume = torch.randn(n, 16, 1, 1, 1), torch.randn(n, 2, 8, 8, 8)
     return {
         f"DCGAN generator 1->4->8->16, N={n}, C=1": (_dcgan(1), latent),
         f"DCGAN generator 1->4->8->16, N={n}, C=10": (_dcgan(10), latent),
@@ -78,11 +98,15 @@ def _cases(n):
         f"DCGAN generator, depthwise upsampling (groups=64), N={n}, C=1": (_depthwise(1),
                                                                            latent),
         f"decoder 4->8->16->32 + conv + pool, N={n}, C=1": (_decoder(1), grid),
+        f"3-D generator 1->4->8 (ConvTranspose3d), N={n}, C=1": (_generator3d(1), latent3d),
+        f"3-D CNN (Conv3d) c=8, N={n}, C=1": (_cnn3d(1, 8), volume),
+        f"3-D CNN (Conv3d) c=32, N={n}, C=1": (_cnn3d(1, 32), volume),
     }
 
 
 def _routes(net, X):
-    return {r.route for r in layer_routes(net, X) if r.type.startswith("ConvTranspose")}
+    return {r.route for r in layer_routes(net, X)
+            if r.type.startswith("ConvTranspose") or r.type == "Conv3d"}
 
 
 def main(results="conv_transpose_ab", n=256):
@@ -111,10 +135,10 @@ def main(results="conv_transpose_ab", n=256):
     prov = ab_provenance(ROOT, "bench_conv_transpose_ab",
                          ["skpathkernel/_tangent/_layers.py",
                           "benchmarks/bench_conv_transpose_ab.py"],
-                         "the tree without the ConvTranspose1d/2d/3d rules (RULES entries "
-                         "removed)", REPS)
+                         "the tree without the ConvTranspose1d/2d/3d and Conv3d rules (RULES "
+                         "entries removed)", REPS)
     out = ROOT / "benchmarks" / "results" / results
-    write_ab(out, "nn.ConvTranspose*d: generic fallback (ref) vs their rule (tree)",
+    write_ab(out, "nn.ConvTranspose*d, nn.Conv3d: generic fallback (ref) vs their rules (tree)",
              "time.thread_time", prov, rows, 3)
     cpu = os.environ.get("CPU_NAME", "")
     with out.with_suffix(".md").open("a") as f:

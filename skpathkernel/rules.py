@@ -7,8 +7,9 @@ a sequence), the per-sample gradient of output ``c`` is
 ``sum_s delta[c, s] (outer) a[s]``, where ``a`` is what the layer's own operation reads
 and ``delta`` its backprop. The engine contracts these factors directly and never forms
 the Jacobian where that is cheaper. Built-in rules cover ``nn.Linear`` (inputs of any
-rank), ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``,
-``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` in eval mode,
+rank), ``nn.Conv1d`` / ``2d`` / ``3d``, ``nn.ConvTranspose1d`` / ``2d`` / ``3d``,
+``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.BatchNorm1d`` /
+``nn.BatchNorm2d`` in eval mode,
 ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` with ``batch_first=True`` is
 structured end to end; with torch's default ``batch_first=False`` its feed-forward layers
 and norms read sequence-first ``(S, n, d)`` tensors, whose rows are not the samples, and

@@ -1,8 +1,8 @@
 """The built-in per-layer rules against an independent per-sample autograd loop (float64).
 
-Every rule (Conv1d, Conv2d, Linear on N-D inputs, Embedding, LayerNorm, RMSNorm, GroupNorm,
-BatchNorm in eval mode, MultiheadAttention, PReLU, and TransformerEncoderLayer or pre-norm
-RMSNorm blocks built from them) is
+Every rule (Conv1d/2d/3d, ConvTranspose1d/2d/3d, Linear on N-D inputs, Embedding,
+LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode, MultiheadAttention, PReLU, and
+TransformerEncoderLayer or pre-norm RMSNorm blocks built from them) is
 checked for the Gram (trace, full, one output, cross, symmetric, at two parameter points),
 its diagonal, the features, the preconditioned (Adam / RMSprop) Gram of the path kernel,
 and the seeded projection, to 1e-10 relative; both exact contractions of a term with
@@ -188,6 +188,29 @@ CASES = {
                                4 * 4, c), _image((3, 7))),
     "conv1d_groups_dilation": (lambda c: _Head(nn.Conv1d(4, 4, 2, dilation=2, groups=4),
                                                4 * 5, c), _image((4, 7))),
+    "conv3d_groups_dilation": (
+        lambda c: _Head(nn.Conv3d(4, 2, (2, 3, 2), stride=(1, 2, 1), padding=1,
+                                  dilation=(2, 1, 1), groups=2), 2 * 3 * 2 * 4, c),
+        _image((4, 3, 4, 3))),
+    # A small decoder: stride 2 with output_padding, then a dilated transposed convolution
+    # whose output_padding is at least its stride (allowed below the dilation), no bias.
+    "conv_transpose2d_decoder": (
+        lambda c: _Head(nn.Sequential(
+            nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),
+            nn.ConvTranspose2d(4, 2, (2, 3), stride=(1, 2), padding=(0, 1),
+                               output_padding=(1, 0), dilation=(2, 1), bias=False)),
+            2 * 7 * 11, c), _image((3, 2, 3))),
+    "conv_transpose2d_groups": (
+        lambda c: _Head(nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1,
+                                           groups=2), 6 * 6 * 6, c), _image((4, 3, 3))),
+    "conv_transpose2d_output_size": (lambda c: _Head(_OutputSize(), 2 * 4 * 6, c),
+                                     _image((3, 2, 3))),
+    "conv_transpose1d_depthwise_dilation": (
+        lambda c: _Head(nn.ConvTranspose1d(4, 4, 3, stride=3, padding=2, output_padding=2,
+                                           dilation=2, groups=4), 4 * 12, c), _image((4, 4))),
+    "conv_transpose3d": (
+        lambda c: _Head(nn.ConvTranspose3d(2, 2, 2, stride=2, padding=1, output_padding=1),
+                        2 * 3 * 3 * 5, c), _image((2, 2, 2, 3))),
     "linear_sequence": (lambda c: _Head(nn.Linear(3, 4), 5 * 4, c), _image((5, 3))),
     "linear_two_leading_dims": (lambda c: _Head(nn.Linear(3, 2), 2 * 3 * 2, c),
                                 _image((2, 3, 3))),
@@ -256,6 +279,18 @@ class _Transpose(nn.Module):
         return x.transpose(0, 1)
 
 
+class _OutputSize(nn.Module):
+    """A transposed convolution told its output size: the call's output_padding is computed
+    by its forward (here 1 along the height, 0 along the width)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])
+
+
 def _make(case, n_out, seed=0):
     torch.manual_seed(seed)
     factory, inputs = CASES[case]
@@ -292,6 +327,18 @@ def test_every_parameter_is_on_a_rule(case):
     cap = capture(module, params, X, [0, 1], memory_budget=2**24)
     assert cap.fallback == ()
     assert not cap.exclude and not cap.declined
+
+
+CONV_NEW = sorted(c for c in CASES if c.startswith(("conv_transpose", "conv3d")))
+
+
+@pytest.mark.parametrize("case", CONV_NEW)
+def test_transposed_and_3d_convolutions_are_reported_on_their_rules(case):
+    # They went to the generic fallback (exact, slower): layer_routes says so per layer.
+    module, params, X, _ = _make(case, 2)
+    routes = [r for r in layer_routes(module, X) if r.type.startswith(("ConvTranspose",
+                                                                        "Conv3d"))]
+    assert routes and {r.route for r in routes} == {"rule"}, routes
 
 
 ATTENTION = sorted(c for c in CASES if c.startswith(("mha", "transformer", "rms_transformer")))

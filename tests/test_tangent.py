@@ -94,12 +94,16 @@ class _ConvAndSequence(nn.Module):
         return self.head(h.reshape(x.shape[0], -1))
 
 
+class _ConvTranspose1dSubclass(nn.ConvTranspose1d):
+    """nn.ConvTranspose1d's computation without its rule (rules match exact types)."""
+
+
 class _NoRule(nn.Module):
-    """A layer without a rule (ConvTranspose1d): the generic fallback."""
+    """A layer without a rule (a ConvTranspose1d subclass): the generic fallback."""
 
     def __init__(self, n_out):
         super().__init__()
-        self.up = nn.ConvTranspose1d(1, 2, 2)
+        self.up = _ConvTranspose1dSubclass(1, 2, 2)
         self.head = nn.Linear(8, n_out)
 
     def forward(self, x):

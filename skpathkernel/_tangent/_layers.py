@@ -1,5 +1,5 @@
-"""The built-in rules: Linear, Conv1d/2d, Embedding, LayerNorm, RMSNorm, GroupNorm,
-BatchNorm (eval), MultiheadAttention, PReLU.
+"""The built-in rules: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, LayerNorm,
+RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU.
 
 Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
 backprops to :class:`._rules.Term` objects, registered by exact type. Every number a rule
@@ -66,19 +66,24 @@ def _tuple(value, dims):
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
 
 
-def _unfold(x, kernel, stride, dilation):
-    """``F.unfold(x, kernel, dilation, stride)``, ``(n, c k_h k_w, L)``, by one strided copy.
+def _unfold(x, kernel, stride, dilation, size=None):
+    """``F.unfold(x, kernel, dilation, stride)``, ``(n, c prod(kernel), L)``, by one strided
+    copy, for any number of spatial dimensions (``x`` is ``(n, c, *spatial)``).
 
     The patches are a strided view of ``x``; copying it streams whole output rows, where
     ATen's CPU im2col measured 1.5-6x slower on a convolution's inputs (one thread).
+    ``size`` gives the patches' grid (default: every window that fits ``x``); its
+    windows must lie inside ``x``.
     """
-    n, c, H, W = x.shape
-    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    Ho, Wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
-    s_n, s_c, s_h, s_w = x.stride()
-    view = x.as_strided((n, c, kh, kw, Ho, Wo),
-                        (s_n, s_c, dh * s_h, dw * s_w, sh * s_h, sw * s_w), x.storage_offset())
-    return view.reshape(n, c * kh * kw, Ho * Wo)
+    n, c, *spatial = x.shape
+    if size is None:
+        size = [(length - d * (k - 1) - 1) // s + 1
+                for length, k, s, d in zip(spatial, kernel, stride, dilation)]
+    s_n, s_c, *s_x = x.stride()
+    view = x.as_strided((n, c, *kernel, *size),
+                        (s_n, s_c, *(d * t for d, t in zip(dilation, s_x)),
+                         *(s * t for s, t in zip(stride, s_x))), x.storage_offset())
+    return view.reshape(n, c * math.prod(kernel), math.prod(size))
 
 
 def _conv_factors(layer, use, deltas, names):
@@ -95,8 +100,6 @@ def _conv_factors(layer, use, deltas, names):
     pads = _conv_padding(padding, kernel, dilation, dims)
     # F.pad lists the last dimension first.
     x = F.pad(a, [p for pair in reversed(pads) for p in pair])
-    if dims == 1:
-        x, kernel, stride, dilation = x.unsqueeze(2), (1, *kernel), (1, *stride), (1, *dilation)
     # Patches (n, L, c_in k_h k_w), channel-major as the weight's (c_out, c_in / g, k_h, k_w).
     patches = _unfold(x, kernel, stride, dilation).transpose(1, 2)
     n, C, c_out = delta.shape[:3]
@@ -115,6 +118,64 @@ def _conv_accepts(dims):
 
 CONV1D = Rule(ops=(F.conv1d,), factors=_conv_factors, accepts=_conv_accepts(1))
 CONV2D = Rule(ops=(F.conv2d,), factors=_conv_factors, accepts=_conv_accepts(2))
+CONV3D = Rule(ops=(F.conv3d,), factors=_conv_factors, accepts=_conv_accepts(3))
+
+
+def _conv_transpose_factors(layer, use, deltas, names):
+    # F.conv_transpose*d(a, W) is the adjoint of F.conv*d(., W) with the same stride,
+    # padding, dilation and groups: z[o] = sum over (i, k) with i s + k d - p = o of
+    # W[:, :, k]^T a[i]. So d f_c / d W[:, :, k] = sum_i a[i] (outer) delta_c[i s + k d - p],
+    # the convolution's rule with the roles swapped: the patches are the backprop's
+    # (zero-padded by p, one per input position i), the other factor the input itself
+    # (as opacus' grad_sample unfolds the backprop for a transposed convolution).
+    # output_padding only lengthens z at the end: every window of the padded backprop at
+    # an input position lies inside it (the last one ends output_padding before its end).
+    (a,), (delta,) = use.inputs, deltas
+    weight = _arg(use, 1, "weight")
+    dims = weight.ndim - 2
+    kernel = tuple(weight.shape[2:])
+    stride = _tuple(_arg(use, 3, "stride", 1), dims)
+    padding = _tuple(_arg(use, 4, "padding", 0), dims)
+    groups = int(_arg(use, 6, "groups", 1))
+    dilation = _tuple(_arg(use, 7, "dilation", 1), dims)
+    n, C, c_out = delta.shape[:3]
+    c_in = a.shape[1]
+    terms = []
+    if "weight" in names:
+        x = F.pad(delta.reshape(n * C, c_out, *delta.shape[3:]),
+                  [p for p in reversed(padding) for _ in range(2)])
+        # (n, C, L, c_out k_h k_w) at the L = prod(a.shape[2:]) input positions, the
+        # columns channel-major as the weight's (c_in, c_out / g, k_h, k_w).
+        patches = _unfold(x, kernel, stride, dilation, a.shape[2:])
+        L = patches.shape[2]
+        d = patches.reshape(n, C, -1, L).transpose(2, 3)
+        ins = a.reshape(n, c_in, L)
+        if groups == 1:
+            # The weight's rows are the input's channels: a transposed term, entries (q, p).
+            terms.append(Term(delta=d, inputs=[(names["weight"], ins.transpose(1, 2))],
+                              transposed=True))
+        else:
+            # Group j's input channels pair with its output channels only, and a transposed
+            # term has no groups: the per-sample gradient itself, (c_in / g, c_out / g
+            # k_h k_w) per group (a constant-input term). As many multiply-adds as the
+            # ungrouped factors' blocks would take over g; spreading the groups over g
+            # times the positions instead measured 1.9x slower than the fallback on a
+            # depthwise (g = 64) decoder.
+            grad = (ins.reshape(n, 1, groups, c_in // groups, L)
+                    @ d.unflatten(3, (groups, -1)).transpose(2, 3))
+            terms.append(Term(delta=grad.reshape(n, C, -1), inputs=[(names["weight"], None)]))
+    if "bias" in names:
+        terms.append(Term(delta=delta.reshape(n, C, c_out, -1).sum(3),
+                          inputs=[(names["bias"], None)]))
+    return terms
+
+
+CONV_TRANSPOSE1D = Rule(ops=(F.conv_transpose1d,), factors=_conv_transpose_factors,
+                        accepts=_conv_accepts(1))
+CONV_TRANSPOSE2D = Rule(ops=(F.conv_transpose2d,), factors=_conv_transpose_factors,
+                        accepts=_conv_accepts(2))
+CONV_TRANSPOSE3D = Rule(ops=(F.conv_transpose3d,), factors=_conv_transpose_factors,
+                        accepts=_conv_accepts(3))
 
 
 # -------------------------------------------------------------------------- Embedding
@@ -385,6 +446,9 @@ MULTIHEAD_ATTENTION = Rule(ops=(F.multi_head_attention_forward,), factors=_mha_f
 
 
 for _type, _rule in [(nn.Linear, LINEAR), (nn.Conv1d, CONV1D), (nn.Conv2d, CONV2D),
+                     (nn.Conv3d, CONV3D), (nn.ConvTranspose1d, CONV_TRANSPOSE1D),
+                     (nn.ConvTranspose2d, CONV_TRANSPOSE2D),
+                     (nn.ConvTranspose3d, CONV_TRANSPOSE3D),
                      (nn.Embedding, EMBEDDING), (nn.LayerNorm, LAYER_NORM),
                      (nn.RMSNorm, RMS_NORM),
                      (nn.GroupNorm, GROUP_NORM), (nn.BatchNorm1d, BATCH_NORM),

@@ -178,13 +178,13 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     >>> import torch
     >>> from torch import nn
     >>> from skpathkernel.rules import layer_routes
-    >>> net = nn.Sequential(nn.Conv1d(1, 4, 3), nn.ReLU(), nn.ConvTranspose1d(4, 2, 3),
-    ...                     nn.Flatten(), nn.Linear(16, 2))
+    >>> net = nn.Sequential(nn.Conv1d(1, 4, 3), nn.ReLU(), nn.InstanceNorm1d(4, affine=True),
+    ...                     nn.Flatten(), nn.Linear(24, 2))
     >>> for route in layer_routes(net, torch.randn(5, 1, 8)):
     ...     print(route.name, route.type, route.route, route.n_params)
     0 Conv1d rule 16
-    2 ConvTranspose1d fallback 26
-    4 Linear rule 34
+    2 InstanceNorm1d fallback 8
+    4 Linear rule 50
     """
     if params is None:
         params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}

@@ -35,7 +35,9 @@ def jacobian_loop(module, X):
     X = torch.as_tensor(np.asarray(X))
     # Integer token ids stay integers (an embedding indexes with them).
     for x in X.to(dtype) if X.is_floating_point() else X:
-        out = module(x[None]).reshape(-1)
+        # Contiguous: torch 2.13 differentiates a grouped channels_last convolution of a
+        # sample sliced from a channels_last batch wrongly (its CPU backward).
+        out = module(x[None].contiguous()).reshape(-1)
         rows.append(torch.stack([
             # An unused parameter (a bias a patched forward leaves out) has zero gradient.
             torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)

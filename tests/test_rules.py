@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from skpathkernel._tangent import (
+    _generic,
     _gram,
     _layers,
     _projection,
@@ -1003,3 +1004,32 @@ def test_the_fallback_does_not_repeat_torch_funcs_unbatched_operation_note():
     J = jacobian_loop(module, X)
     _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
     assert [r.route for r in layer_routes(module, X)][0] == "fallback"
+
+
+def test_the_per_sample_loop_is_right_for_channels_last_batches():
+    """torch 2.13's CPU conv2d backward gives a grouped channels_last weight a wrong
+    gradient for one sample sliced from a channels_last batch; the fallback's loop (and
+    check_rule's reference) slice samples so. Reference: finite differences."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 2, (1, 3), stride=(1, 2), padding=(1, 1), groups=2).double()
+    conv = conv.to(memory_format=torch.channels_last)
+    X = torch.randn(3, 4, 7, 7, dtype=torch.float64).contiguous(
+        memory_format=torch.channels_last)
+    params = {k: v.detach() for k, v in conv.named_parameters()}
+    J = _generic.per_sample_jacobian(conv, params, X, ["weight"], [0],
+                                     memory_budget=2**20)["weight"]
+    # The loop route: torch.func's vmap would batch the same computation correctly.
+    looped = _generic._looped(conv, {"bias": params["bias"]}, {"weight": params["weight"]},
+                              X, torch.tensor([0]))["weight"]
+    w0, h = params["weight"], 1e-6
+    for i in range(len(X)):
+        fd = torch.empty(w0.numel(), dtype=torch.float64)
+        for k in range(w0.numel()):
+            e = torch.zeros(w0.numel(), dtype=torch.float64)
+            e[k] = h
+            f = [torch.func.functional_call(conv, {"weight": w0 + s * e.reshape(w0.shape),
+                                                   "bias": params["bias"]},
+                                            (X[i:i + 1],)).reshape(-1)[0] for s in (1, -1)]
+            fd[k] = (f[0] - f[1]) / (2 * h)
+        _close(looped[i].reshape(-1), fd, rtol=1e-7)
+        _close(J[i].reshape(-1), fd, rtol=1e-7)

@@ -103,7 +103,10 @@ def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
     for x in X:
         live = {k: v.clone().requires_grad_(True) for k, v in free.items()}
         with torch.enable_grad():
-            out = functional_call(module, {**fixed, **live}, (x.unsqueeze(0),))
+            # Contiguous: torch 2.13's CPU conv2d backward gives a grouped channels_last
+            # weight a wrong gradient for one sample sliced from a channels_last batch
+            # (strides (4, 1, 28, 4)), 8.6 off on a 4-channel example; the forward is right.
+            out = functional_call(module, {**fixed, **live}, (x.unsqueeze(0).contiguous(),))
             out = out.reshape(-1).index_select(0, index)
             # Parameters the forward never reads (a module it does not call) have a zero
             # Jacobian, and then the output has no graph at all.

@@ -575,3 +575,19 @@ def test_a_gram_that_overflows_its_dtype_is_refused():
         assert np.isfinite(call(fits["float64"])).all()
     _close(TangentKernel(fits["float64"])(Q), _loop_gram(fits["float64"], -1, Q, Q),
            rtol=1e-12)
+
+
+def test_a_normalized_gram_whose_norm_overflows_is_refused_not_read_as_dead():
+    """The normalised kernels divide by the diagonal: a squared norm that overflowed to inf
+    gave scale 0, the dead network's, and cosines 0 (1 on the diagonal) that passed the
+    finiteness check."""
+    X = np.linspace(0, 1, 20)[:, None]
+    Q = np.array([[1e20], [0.5]])
+    est = PathKernelMachine(hidden_layer_sizes=(6,), activation="relu", max_iter=5,
+                            dtype="float32", random_state=0).fit(X, 2 * X[:, 0] + 1)
+    for call in (lambda: TangentKernel(est, normalized=True)(Q),
+                 lambda: TangentKernel(est, normalized=True)(Q, X[:3]),
+                 lambda: step_kernel(est, Q, normalized=True),
+                 lambda: PathKernel(est, normalized=True)(Q)):
+        with pytest.raises(ValueError, match="non-finite entries.*float32"):
+            call()

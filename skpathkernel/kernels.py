@@ -340,11 +340,14 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
     inf (or nan) entries without a word, while ``predict`` stayed finite."""
     if not np.isfinite(K).all():
         n_bad = int(np.size(K) - np.count_nonzero(np.isfinite(K)))
+        # float64 is the way out only for a narrower dtype: a float64 network past its
+        # range (a ReLU network at 1e160) has only its inputs to scale.
+        way_out = ("Scale the inputs" if net.torch_dtype == torch.float64
+                   else "Fit with dtype='float64', or scale the inputs")
         raise ValueError(
             f"The kernel has {n_bad} non-finite entries: the network's tangent features "
             f"overflow in {str(net.torch_dtype).removeprefix('torch.')} at some of these "
-            "inputs (products beyond its range). Fit with dtype='float64', or scale the "
-            "inputs.")
+            f"inputs (products beyond its range). {way_out}.")
     return K
 
 

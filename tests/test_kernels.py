@@ -591,3 +591,14 @@ def test_a_normalized_gram_whose_norm_overflows_is_refused_not_read_as_dead():
                  lambda: PathKernel(est, normalized=True)(Q)):
         with pytest.raises(ValueError, match="non-finite entries.*float32"):
             call()
+
+
+def test_a_float64_gram_that_overflows_is_refused_without_suggesting_float64():
+    """The refusal named dtype='float64' as the way out to a network fitted in float64."""
+    X = np.linspace(0, 1, 20)[:, None]
+    est = PathKernelMachine(hidden_layer_sizes=(6,), activation="relu", max_iter=5,
+                            dtype="float64", random_state=0).fit(X, 2 * X[:, 0] + 1)
+    with pytest.raises(ValueError, match="non-finite entries.*float64") as info:
+        TangentKernel(est)(np.array([[1e160], [0.5]]))
+    assert "dtype='float64'" not in str(info.value)
+    assert "Scale the inputs" in str(info.value)

@@ -602,3 +602,16 @@ def test_a_float64_gram_that_overflows_is_refused_without_suggesting_float64():
         TangentKernel(est)(np.array([[1e160], [0.5]]))
     assert "dtype='float64'" not in str(info.value)
     assert "Scale the inputs" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_row_split_full_gram_averages_with_the_block_transpose(cls):
+    """K(X) split into row blocks (n_jobs) is made symmetric by its mean with the
+    transpose: for output="full", the (n, n, C, C) blocks' transpose K[j, i] = K[i, j]^T,
+    which the 2-D transpose failed to broadcast against."""
+    est, X = _fit("adam", multi=True, dtype="float64")
+    serial = cls(est, output="full")(X)
+    assert serial.ndim == 4 and serial.shape[2] > 1
+    split = cls(est, output="full", n_jobs=2)(X)
+    _close(split, serial, RTOL)
+    np.testing.assert_array_equal(split, split.transpose(1, 0, 3, 2))

@@ -340,26 +340,34 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
     inf (or nan) entries without a word, while ``predict`` stayed finite."""
     if not np.isfinite(K).all():
         n_bad = int(np.size(K) - np.count_nonzero(np.isfinite(K)))
+        # float64 is the way out only for a narrower dtype: a float64 network past its
+        # range (a ReLU network at 1e160) has only its inputs to scale.
+        way_out = ("Scale the inputs" if net.torch_dtype == torch.float64
+                   else "Fit with dtype='float64', or scale the inputs")
         raise ValueError(
             f"The kernel has {n_bad} non-finite entries: the network's tangent features "
             f"overflow in {str(net.torch_dtype).removeprefix('torch.')} at some of these "
-            "inputs (products beyond its range). Fit with dtype='float64', or scale the "
-            "inputs.")
+            f"inputs (products beyond its range). {way_out}.")
     return K
 
 
 def _normalize(K, dx, dy, same=False):
     """``K / sqrt(dx dy^T)``; ``same``: ``K`` is ``K(X, X)`` and ``dx`` its diagonal."""
     # Zero-norm features (a dead network at x) have no direction: their rows are 0.
+    # A squared norm that overflowed (inf, or nan) is no zero norm: its rows are nan, for
+    # the kernels' finiteness check (rsqrt(inf) = 0 read as a dead network's cosines 0).
+    nan = float("nan")
     sx = torch.where(dx > 0, dx.clamp_min(0).rsqrt(), torch.zeros_like(dx))
+    sx = torch.where(dx.isfinite(), sx, nan)
     sy = torch.where(dy > 0, dy.clamp_min(0).rsqrt(), torch.zeros_like(dy))
+    sy = torch.where(dy.isfinite(), sy, nan)
     # The scales' outer product first: s_i s_j = s_j s_i, so a symmetric K stays exactly
     # symmetric ((K_ij s_i) s_j and (K_ji s_j) s_i round apart). Cosines lie in [-1, 1]
     # (Cauchy-Schwarz), which rounding overstepped by an ulp, and K(X, X)'s diagonal is
     # exactly 1 where the feature has a direction, as diag() gives it.
     out = (K * (sx[:, None] * sy[None, :])).clamp_(-1.0, 1.0)
     if same:
-        out.diagonal().copy_((dx > 0).to(out.dtype))
+        out.diagonal().copy_(torch.where(dx.isfinite(), (dx > 0).to(out.dtype), nan))
     return out
 
 

@@ -575,3 +575,43 @@ def test_a_gram_that_overflows_its_dtype_is_refused():
         assert np.isfinite(call(fits["float64"])).all()
     _close(TangentKernel(fits["float64"])(Q), _loop_gram(fits["float64"], -1, Q, Q),
            rtol=1e-12)
+
+
+def test_a_normalized_gram_whose_norm_overflows_is_refused_not_read_as_dead():
+    """The normalised kernels divide by the diagonal: a squared norm that overflowed to inf
+    gave scale 0, the dead network's, and cosines 0 (1 on the diagonal) that passed the
+    finiteness check."""
+    X = np.linspace(0, 1, 20)[:, None]
+    Q = np.array([[1e20], [0.5]])
+    est = PathKernelMachine(hidden_layer_sizes=(6,), activation="relu", max_iter=5,
+                            dtype="float32", random_state=0).fit(X, 2 * X[:, 0] + 1)
+    for call in (lambda: TangentKernel(est, normalized=True)(Q),
+                 lambda: TangentKernel(est, normalized=True)(Q, X[:3]),
+                 lambda: step_kernel(est, Q, normalized=True),
+                 lambda: PathKernel(est, normalized=True)(Q)):
+        with pytest.raises(ValueError, match="non-finite entries.*float32"):
+            call()
+
+
+def test_a_float64_gram_that_overflows_is_refused_without_suggesting_float64():
+    """The refusal named dtype='float64' as the way out to a network fitted in float64."""
+    X = np.linspace(0, 1, 20)[:, None]
+    est = PathKernelMachine(hidden_layer_sizes=(6,), activation="relu", max_iter=5,
+                            dtype="float64", random_state=0).fit(X, 2 * X[:, 0] + 1)
+    with pytest.raises(ValueError, match="non-finite entries.*float64") as info:
+        TangentKernel(est)(np.array([[1e160], [0.5]]))
+    assert "dtype='float64'" not in str(info.value)
+    assert "Scale the inputs" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_row_split_full_gram_averages_with_the_block_transpose(cls):
+    """K(X) split into row blocks (n_jobs) is made symmetric by its mean with the
+    transpose: for output="full", the (n, n, C, C) blocks' transpose K[j, i] = K[i, j]^T,
+    which the 2-D transpose failed to broadcast against."""
+    est, X = _fit("adam", multi=True, dtype="float64")
+    serial = cls(est, output="full")(X)
+    assert serial.ndim == 4 and serial.shape[2] > 1
+    split = cls(est, output="full", n_jobs=2)(X)
+    _close(split, serial, RTOL)
+    np.testing.assert_array_equal(split, split.transpose(1, 0, 3, 2))

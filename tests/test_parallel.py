@@ -543,3 +543,22 @@ def test_overlapping_trainings_on_threads_restore_the_callers_generator():
     for t in threads:
         t.join(30)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_non_exclusive_seeding_that_fails_closes_its_block():
+    """A seed torch refuses (out of its range) raised inside the block's count: the count
+    of open blocks stayed 1, so the last block of every later overlap never restored the
+    caller's generator."""
+    from skpathkernel import _device
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    with pytest.raises((RuntimeError, ValueError), match="(?i)overflow"):
+        with _device.seeded_torch(2**70, cpu, exclusive=False):
+            pass
+    assert _device._OPEN["blocks"] == 0
+    assert torch.equal(torch.get_rng_state(), state)
+    with _device.seeded_torch(5, cpu, exclusive=False):
+        torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -707,6 +707,10 @@ def test_index_term_is_validated():
         Term(delta, [("w", torch.randn(2, 3))], transposed=True, rows=5)
     with pytest.raises(ValueError, match="must be transposed"):
         Term(delta, [("w", torch.zeros(2, 3, dtype=torch.long))], rows=5)
+    # The index contractions read one table's ids: a second input was taken, unread.
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="takes one input"):
+        Term(delta, [("w", ids), ("v", ids)], transposed=True, rows=5)
 
 
 # ------------------------------------------------------------------- the refusals

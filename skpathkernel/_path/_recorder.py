@@ -722,6 +722,7 @@ class PathRecorder:
         as part of that step."""
         before, self._fingerprint = self._fingerprint, None
         now = self._fingerprints()
+        before = before.to(now.device)  # should the module have moved since
         if torch.equal(now, before):  # one host sync
             self._fingerprint = before  # still the values the last step left
             return

@@ -125,6 +125,10 @@ class Term:
     def _check_index(self, n: int, S: int) -> None:
         if not self.transposed or self.groups != 1:
             raise ValueError("A term with rows= must be transposed, without groups.")
+        if len(self.inputs) != 1:
+            # The index contractions scale and scatter one table's rows.
+            raise ValueError("A term with rows= takes one input, the table's row indices; "
+                             f"got {len(self.inputs)}.")
         for name, a in self.inputs:
             if a is None or a.is_floating_point() or a.is_complex() or a.shape != (n, S):
                 raise ValueError(

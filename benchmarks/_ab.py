@@ -48,6 +48,15 @@ def write_ab(out, title, timer, prov, rows, digits, columns=()):
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+def append_machine(out):
+    """Append to ``out``.md the machine (``CPU_NAME`` in the environment) and the load
+    average when the run ended."""
+    cpu = os.environ.get("CPU_NAME", "")
+    with out.with_suffix(".md").open("a") as f:
+        f.write(f"\nMachine: {cpu or 'see above'}; load average (1, 5, 15 min) at the end: "
+                + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".\n")
+
+
 def ab_provenance(root, script, paths, ref, reps, **extra):
     """A run's provenance: the commit names the run's code only where none of ``paths``
     (the compared modules and the scripts) differs from it."""

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks._ab import ab_provenance, ab_row, write_ab
+from benchmarks._ab import ab_provenance, ab_row, append_machine, write_ab
 from skpathkernel._tangent import RULES, tangent_gram
 from skpathkernel.rules import layer_routes
 
@@ -140,10 +140,7 @@ def main(results="conv_transpose_ab", n=256):
     out = ROOT / "benchmarks" / "results" / results
     write_ab(out, "nn.ConvTranspose*d, nn.Conv3d: generic fallback (ref) vs their rules (tree)",
              "time.thread_time", prov, rows, 3)
-    cpu = os.environ.get("CPU_NAME", "")
-    with out.with_suffix(".md").open("a") as f:
-        f.write(f"\nMachine: {cpu or 'see above'}; load average (1, 5, 15 min) at the end: "
-                + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".\n")
+    append_machine(out)
 
 
 if __name__ == "__main__":

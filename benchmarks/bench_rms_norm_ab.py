@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import _nets
-from benchmarks._ab import ab_provenance, ab_row, write_ab
+from benchmarks._ab import ab_provenance, ab_row, append_machine, write_ab
 from skpathkernel._tangent import RULES, tangent_gram
 from skpathkernel.rules import layer_routes
 
@@ -125,10 +125,7 @@ def main(results="rms_norm_ab", n=256):
     out = ROOT / "benchmarks" / "results" / results
     write_ab(out, "nn.RMSNorm: generic fallback (ref) vs its rule (tree)", "time.thread_time",
              prov, rows, 3)
-    cpu = os.environ.get("CPU_NAME", "")
-    with out.with_suffix(".md").open("a") as f:
-        f.write(f"\nMachine: {cpu or 'see above'}; load average (1, 5, 15 min) at the end: "
-                + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".\n")
+    append_machine(out)
 
 
 if __name__ == "__main__":

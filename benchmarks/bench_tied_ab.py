@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from benchmarks import _nets
-from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
+from benchmarks._ab import ab_provenance, ab_row, append_machine, reference_module, write_ab
 from skpathkernel._tangent import _gram, tangent_gram
 from skpathkernel.rules import layer_routes
 
@@ -108,10 +108,7 @@ def main(results="tied_ab", n=256, ref="HEAD"):
     out = ROOT / "benchmarks" / "results" / results
     write_ab(out, "Parameters used at several sites: fallback (ref) vs summed uses (tree)",
              "time.thread_time", prov, rows, 3)
-    cpu = os.environ.get("CPU_NAME", "")
-    with out.with_suffix(".md").open("a") as f:
-        f.write(f"\nMachine: {cpu or 'see above'}; load average (1, 5, 15 min) at the end: "
-                + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".\n")
+    append_machine(out)
 
 
 if __name__ == "__main__":

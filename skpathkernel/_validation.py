@@ -6,10 +6,12 @@ import numbers
 import operator
 
 import numpy as np
+from sklearn import get_config
 from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import _check_feature_names, _get_feature_names
 
-__all__ = ["check_column_names", "check_flag", "check_index", "count", "is_option"]
+__all__ = ["check_column_names", "check_flag", "check_index", "count", "is_option",
+           "validate_params"]
 
 
 def check_column_names(estimator, X) -> None:
@@ -33,6 +35,14 @@ class _Count(Interval):
 
     def is_satisfied_by(self, val):
         return not isinstance(val, (bool, np.bool_)) and super().is_satisfied_by(val)
+
+
+def validate_params(estimator) -> None:
+    """``estimator._validate_params()`` unless ``sklearn.set_config(
+    skip_parameter_validation=True)``, as scikit-learn's own ``fit`` methods skip it
+    (their ``_fit_context``): called directly, it validated whatever the config said."""
+    if not get_config()["skip_parameter_validation"]:
+        estimator._validate_params()
 
 
 def count(low: int) -> Interval:

@@ -10,9 +10,14 @@ added, renamed or re-defaulted in one place and not the others fails here, named
 import inspect
 import re
 
+import numpy as np
 import pytest
+import sklearn
+from sklearn.neural_network import MLPClassifier
+from sklearn.utils._param_validation import InvalidParameterError
 
 import skpathkernel
+from skpathkernel import OODRankDetector, PathKernelClassifier, TangentFeatures
 from skpathkernel._estimators._base import BasePathKernelNetwork
 
 ESTIMATORS = [getattr(skpathkernel, name) for name in skpathkernel.__all__
@@ -138,3 +143,27 @@ def test_the_check_names_what_disagrees():
     assert "docstring gives hidden_layer_sizes another default" in problems
     assert "names solver, not a parameter" in problems
     assert "docstring does not document module" in problems
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_skip_parameter_validation_is_honoured_as_by_sklearns_estimators():
+    """``set_config(skip_parameter_validation=True)`` skips scikit-learn's own fits'
+    validation (their ``_fit_context``); ours called ``_validate_params()`` directly and
+    validated anyway. MLPClassifier is the reference for both settings."""
+    X = np.random.RandomState(0).normal(size=(20, 2))
+    y = (X[:, 0] > 0).astype(int)
+    small = dict(hidden_layer_sizes=(3,), max_iter=2)
+    cases = [MLPClassifier(**small), PathKernelClassifier(**small),
+             TangentFeatures(PathKernelClassifier(**small)),
+             OODRankDetector(PathKernelClassifier(**small))]
+    for est in cases:
+        with pytest.raises(InvalidParameterError):
+            sklearn.base.clone(est).set_params(random_state="bad").fit(X, y)
+    calls = []
+    for est in cases:
+        est = sklearn.base.clone(est)
+        # Record the validations a fit runs under the config.
+        est._validate_params = lambda est=est: calls.append(type(est).__name__)
+        with sklearn.config_context(skip_parameter_validation=True):
+            est.fit(X, y)
+    assert calls == []

@@ -26,7 +26,7 @@ from .. import _tangent
 from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
 from .._parallel import limit_torch_threads
-from .._validation import count
+from .._validation import count, validate_params
 from ..kernels import PathKernel, TangentKernel, kernel_threads
 from ._base import (
     FittedAttribute,
@@ -185,7 +185,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         -------
         self : TangentFeatures
         """
-        self._validate_params()
+        validate_params(self)
         if y is None and self._y_required(self._trainer()[1]):
             raise ValueError(
                 "TangentFeatures requires y to be passed, but the target y is None: its "
@@ -427,7 +427,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         -------
         self : TangentFeatureSVM
         """
-        self._validate_params()
+        validate_params(self)
         # Never half-fitted: keep_previous_fit_on_error restores the previous fit whole
         # when the network or the SVM fails.
         X, y, frozen, weights = self._fit_trainer(X, y, sample_weight=sample_weight)

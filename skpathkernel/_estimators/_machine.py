@@ -16,7 +16,7 @@ from .._analysis._attribution import check_indicator, label_codes
 from .._device import to_tensor
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import check_decompose_args, network_of
-from .._validation import is_option
+from .._validation import is_option, validate_params
 from ._base import (
     BasePathKernelNetwork,
     declare_feature_dtype,
@@ -705,7 +705,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         self : PathKernelMachine
             The fitted estimator.
         """
-        self._validate_params()
+        validate_params(self)
         return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
@@ -747,7 +747,7 @@ class PathKernelMachine(_KernelMachineMixin, RegressorMixin, BasePathKernelNetwo
         >>> est.n_iter_, est.X_fit_.shape[0], est.trajectory_.n_samples
         (4, 40, 40)
         """
-        self._validate_params()
+        validate_params(self)
         return self._fit(X, y, sample_weight=sample_weight, incremental=True)
 
     def predict(self, X):
@@ -919,7 +919,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         -------
         self : PathKernelClassifier
         """
-        self._validate_params()
+        validate_params(self)
         return self._fit(X, y, sample_weight=sample_weight)
 
     @keep_previous_fit_on_error
@@ -976,7 +976,7 @@ class PathKernelClassifier(_KernelMachineMixin, ClassifierMixin, BasePathKernelN
         >>> clf.classes_.tolist(), clf.X_fit_.shape[0]
         ([0, 1], 40)
         """
-        self._validate_params()
+        validate_params(self)
         if not hasattr(self, "network_") and classes is None:
             raise ValueError("classes must be passed on the first call to partial_fit.")
         if classes is not None:

@@ -37,7 +37,7 @@ from .._device import to_numpy
 from .._modules import runs_module
 from .._network._trained import network_of
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
-from .._validation import count
+from .._validation import count, validate_params
 from .._warnings import caller_stacklevel
 from ._base import keep_previous_fit_on_error
 from ._machine import PathKernelClassifier, PathKernelMachine
@@ -369,7 +369,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         -------
         self : OODRankDetector
         """
-        self._validate_params()
+        validate_params(self)
         if self.rtol < RTOL_RESOLUTION:
             warnings.warn(
                 f"rtol={self.rtol:g} is below {RTOL_RESOLUTION:g}, the float64 Gram's "

@@ -68,9 +68,10 @@ def per_sample_jacobian(
             try:
                 with warnings.catch_warnings():
                     # torch.func's note that an operation (weight_norm's backward, say)
-                    # runs unbatched inside vmap: one per operation and chunk, about 100
-                    # per decompose. The fallback's cost is reported once, by layer_routes
-                    # and the fit's fallback warning.
+                    # runs unbatched inside vmap: one per operation and chunk wherever
+                    # warnings are recorded or shown "always" (pytest: 48 for a decompose
+                    # and a Gram of a small weight_norm network). The fallback's cost is
+                    # reported once, by layer_routes and the fit's fallback warning.
                     warnings.filterwarnings("ignore", _UNBATCHED, UserWarning)
                     out = jac(free, xb)
             except torch.OutOfMemoryError:

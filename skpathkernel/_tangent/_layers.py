@@ -86,18 +86,24 @@ def _unfold(x, kernel, stride, dilation, size=None):
     return view.reshape(n, c * math.prod(kernel), math.prod(size))
 
 
-def _conv_factors(layer, use, deltas, names):
-    (a,), (delta,) = use.inputs, deltas
+def _conv_geometry(use, dilation_at):
+    """(kernel, stride, padding, dilation, groups) of a convolution call: stride, padding
+    and groups are arguments 3, 4 and 6 of F.conv*d and F.conv_transpose*d alike, the
+    dilation ``dilation_at`` (5 and 7). A string padding ("same", "valid") stays one."""
     weight = _arg(use, 1, "weight")
     dims = weight.ndim - 2
-    kernel = tuple(weight.shape[2:])
-    stride = _tuple(_arg(use, 3, "stride", 1), dims)
-    dilation = _tuple(_arg(use, 5, "dilation", 1), dims)
-    groups = int(_arg(use, 6, "groups", 1))
     padding = _arg(use, 4, "padding", 0)
     if not isinstance(padding, str):
         padding = _tuple(padding, dims)
-    pads = _conv_padding(padding, kernel, dilation, dims)
+    return (tuple(weight.shape[2:]), _tuple(_arg(use, 3, "stride", 1), dims), padding,
+            _tuple(_arg(use, dilation_at, "dilation", 1), dims),
+            int(_arg(use, 6, "groups", 1)))
+
+
+def _conv_factors(layer, use, deltas, names):
+    (a,), (delta,) = use.inputs, deltas
+    kernel, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=5)
+    pads = _conv_padding(padding, kernel, dilation, len(kernel))
     # F.pad lists the last dimension first.
     x = F.pad(a, [p for pair in reversed(pads) for p in pair])
     # Patches (n, L, c_in k_h k_w), channel-major as the weight's (c_out, c_in / g, k_h, k_w).
@@ -131,13 +137,9 @@ def _conv_transpose_factors(layer, use, deltas, names):
     # output_padding only lengthens z at the end: every window of the padded backprop at
     # an input position lies inside it (the last one ends output_padding before its end).
     (a,), (delta,) = use.inputs, deltas
-    weight = _arg(use, 1, "weight")
-    dims = weight.ndim - 2
-    kernel = tuple(weight.shape[2:])
-    stride = _tuple(_arg(use, 3, "stride", 1), dims)
-    padding = _tuple(_arg(use, 4, "padding", 0), dims)
-    groups = int(_arg(use, 6, "groups", 1))
-    dilation = _tuple(_arg(use, 7, "dilation", 1), dims)
+    # F.conv_transpose*d(input, weight, bias, stride, padding, output_padding, groups,
+    # dilation): no string padding.
+    kernel, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=7)
     n, C, c_out = delta.shape[:3]
     c_in = a.shape[1]
     terms = []

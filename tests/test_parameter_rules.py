@@ -252,16 +252,23 @@ class Unstructured(nn.Module):
         return self.head(h + self.rows.expand(3, 4).sum(0))
 
 
-def test_every_registered_form_matches_the_loop():
-    torch.manual_seed(0)
-    module = Ops().double()
-    X = torch.randn(5, 3, dtype=torch.float64)
+def _perturbed_on_rules(module, X):
+    """Perturbed parameters, checked to run on rules alone, and written into ``module``
+    so that the loop reference differentiates the same network."""
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
     assert capture(module, params, X, [0, 1], memory_budget=2**20).fallback == ()
     assert {r.route for r in layer_routes(module, X, params=params)} == {"rule"}
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(params[name])
+    return params
+
+
+def test_every_registered_form_matches_the_loop():
+    torch.manual_seed(0)
+    module = Ops().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = _perturbed_on_rules(module, X)
     J = jacobian_loop(module, X)
     _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
@@ -291,12 +298,7 @@ def test_a_raw_parameter_read_twice_is_summed_over_its_sites():
     torch.manual_seed(0)
     module = _ReadTwice().double()
     X, Y = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
-    assert capture(module, params, X, [0, 1], memory_budget=2**20).fallback == ()
-    assert {r.route for r in layer_routes(module, X, params=params)} == {"rule"}
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(params[name])
+    params = _perturbed_on_rules(module, X)
     JX, JY = jacobian_loop(module, X), jacobian_loop(module, Y)
     _close(tangent_features(module, params, X, output="full"), JX)
     _close(tangent_gram(module, params, X, Y, output="full"), torch.einsum("ncp,mdp->ncmd", JX, JY))

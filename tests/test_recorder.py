@@ -856,6 +856,30 @@ def test_a_parameter_without_a_gradient_at_a_step_keeps_its_zeroed_one(data):
     _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
+def _record_routed(data, batches, make_opt, zero_grad=False):
+    """A routed two-expert network trained on ``batches`` by ``make_opt``'s optimizer
+    (``zero_grad``: missing gradients given as zeros before each step), recorded; its
+    decomposition of the queries and every warning said meanwhile."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _Routed().double()
+    opt = make_opt(module.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for idx in batches:
+                opt.zero_grad()
+                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                if zero_grad:
+                    for p in module.parameters():
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                rec.set_batch(idx)
+                opt.step()
+        res = rec.as_network(X, y).decompose(Xq)
+    return module, res, caught
+
+
 @pytest.mark.parametrize("make_opt, moves", [
     (lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), True),
     (lambda p: torch.optim.Adam(p, lr=0.05), True),
@@ -871,20 +895,9 @@ def test_a_parameter_the_optimizer_skips_for_want_of_a_gradient_warns(data, make
     gradient. Where that differs, the recorder says so at the step, naming the
     parameter, instead of the decomposition missing without a reason."""
     X, y, Xq = data
-    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
     pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
     batches = [np.r_[pos[:2], neg[:2]], pos[:3], neg[:3], pos[1:4], pos[2:5], neg[1:4]]
-    module = _Routed().double()
-    opt = make_opt(module.parameters())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with PathRecorder(module, opt, n_samples=len(X)) as rec:
-            for idx in batches:
-                opt.zero_grad()
-                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
-                rec.set_batch(idx)
-                opt.step()
-        res = rec.as_network(X, y).decompose(Xq)
+    module, res, caught = _record_routed(data, batches, make_opt)
     said = [str(w.message) for w in caught if "no gradient" in str(w.message)]
     missed = [w for w in caught if "misses the prediction" in str(w.message)]
     with torch.no_grad():
@@ -914,25 +927,10 @@ def test_an_adam_parameter_skipped_at_the_first_step_warns_when_it_trains(data, 
     decompose's error did). A zero gradient instead of none keeps the counts together
     and the record exact, as the warning advises."""
     X, y, Xq = data
-    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
     pos, neg = np.flatnonzero(X[:, 0] > 0), np.flatnonzero(X[:, 0] <= 0)
     # Expert 1 (negative inputs) is left out at the first step only.
     batches = [pos[:3], *(np.r_[pos[k:k + 2], neg[k:k + 2]] for k in range(4))]
-    module = _Routed().double()
-    opt = make_opt(module.parameters())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with PathRecorder(module, opt, n_samples=len(X)) as rec:
-            for idx in batches:
-                opt.zero_grad()
-                (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
-                if zero_grad:
-                    for p in module.parameters():
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                rec.set_batch(idx)
-                opt.step()
-        res = rec.as_network(X, y).decompose(Xq)
+    module, res, caught = _record_routed(data, batches, make_opt, zero_grad=zero_grad)
     said = [str(w.message) for w in caught if "fewer Adam steps" in str(w.message)]
     with torch.no_grad():
         truth = module(torch.as_tensor(Xq)).numpy()

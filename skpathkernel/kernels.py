@@ -379,7 +379,8 @@ def _check_memory(memory):
         raise ValueError(f"memory must be 'discrete' or 'continuous', got {memory!r}.")
 
 
-def _step_memory_weights(trajectory, begin: int = 0, end: int | None = None) -> np.ndarray:
+def _step_memory_weights(trajectory, begin: int = 0, end: int | None = None,
+                         rates=None) -> np.ndarray:
     """Total weight of each optimizer step's gradient in the updates of steps ``< end``.
 
     Entry ``s - begin`` is ``W_s = sum_{t=s}^{end-1} coef_t m^(t-s)`` for
@@ -388,15 +389,19 @@ def _step_memory_weights(trajectory, begin: int = 0, end: int | None = None) -> 
     first-moment memory ``m`` (``Trajectory.step_coefficients``), the memory that the
     decomposition's adjoint recursion carries, plus ``direct_s`` (Nesterov's own-gradient
     term, which skips the memory). The preconditioner ``D_t`` and weight decay are not
-    part of it.
+    part of it. ``rates`` (steps ``begin..end`` x columns): each step's ``coef_t`` and
+    ``direct_t`` times its row, one column of weights each (a parameter group's step
+    sizes relative to the step's, :func:`_carried_scales`).
     """
     coef, memory, direct = trajectory.step_coefficients(direct=True)
     stop = trajectory.n_steps if end is None else end
     coef, direct = coef[begin:stop], direct[begin:stop]
+    if rates is not None:
+        coef, direct = coef[:, None] * rates, direct[:, None] * rates
     if not memory:
         return coef + direct
     # W_s = coef_s + m W_{s+1}: a first-order recursion, run backwards over the steps.
-    return lfilter([1.0], [1.0, -memory], coef[::-1])[::-1] + direct
+    return lfilter([1.0], [1.0, -memory], coef[::-1], axis=0)[::-1] + direct
 
 
 def path_weights(trajectory, start: int = 0, stop: int | None = None,
@@ -494,7 +499,7 @@ def _carried_scales(trajectory, weights, memory) -> dict[int, np.ndarray] | None
     group_lrs = getattr(trajectory, "_group_lrs", None)
     if memory != "discrete" or group_lrs is None or not weights:
         return None
-    coef, momentum, direct = trajectory.step_coefficients(direct=True)
+    momentum = trajectory.step_coefficients(direct=True)[1]
     points = [k for k, _ in weights]
     lrs = np.asarray(trajectory.learning_rates, dtype=np.float64)[:, None]
     # Each point's group step sizes over learning_rates[k], as step_size_scales has them.
@@ -504,8 +509,8 @@ def _carried_scales(trajectory, weights, memory) -> dict[int, np.ndarray] | None
     steps = np.asarray(trajectory.steps)
     begin, end = int(steps[points[0]]), int(steps[points[-1] + 1])
     r = ratios[np.searchsorted(steps, np.arange(begin, end), side="right") - 1]
-    W = lfilter([1.0], [1.0, -momentum], (coef[begin:end, None] * r)[::-1], axis=0)[::-1]
-    W = (W + direct[begin:end, None] * r) * trajectory.gradient_scales[begin:end, None]
+    W = (_step_memory_weights(trajectory, begin, end, rates=r)
+         * trajectory.gradient_scales[begin:end, None])
     return {k: W[steps[k] - begin : steps[k + 1] - begin].sum(axis=0) / w if w else ratios[k]
             for k, w in weights}
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from skpathkernel._tangent import RULES, tangent_gram
+from skpathkernel.rules import layer_routes
+
 
 def ab_row(case, times, load, **extra):
     """Least and median of each side's times, and their ratios ref / tree."""
@@ -87,3 +90,35 @@ def reference_module(root, ref, module):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def rules_ab(cases, types, reps):
+    """Rows of ``tangent_gram`` on each case's ``(net, X)``: with the RULES entries of
+    ``types`` removed (ref: the generic fallback) and present (tree), alternating
+    ``reps`` times, each side's routes checked first."""
+    rules, names = {t: RULES[t] for t in types}, {t.__name__ for t in types}
+    rows = []
+    try:
+        for case, (net, X) in cases.items():
+            params = {k: v.detach() for k, v in net.named_parameters()}
+            times, grams = {"ref": [], "tree": []}, {}
+            for _ in range(reps):
+                for side in ("ref", "tree"):
+                    if side == "ref":
+                        for t in types:
+                            RULES.pop(t)
+                    else:
+                        RULES.update(rules)
+                    routes = {r.route for r in layer_routes(net, X) if r.type in names}
+                    assert routes == {"fallback" if side == "ref" else "rule"}, routes
+                    start = time.thread_time()
+                    grams[side] = tangent_gram(net, params, X)
+                    times[side].append(time.thread_time() - start)
+                RULES.update(rules)
+            diff = ((grams["ref"] - grams["tree"]).abs().max()
+                    / grams["ref"].abs().max()).item()
+            rows.append(ab_row(case, times, os.getloadavg()[0], max_rel_diff=diff))
+            print(case, f"{rows[-1]['ratio_least']:.3f}", flush=True)
+    finally:
+        RULES.update(rules)
+    return rows

@@ -32,16 +32,13 @@ Usage: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_conv_transpose_ab [RESULTS
 
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmarks._ab import ab_provenance, ab_row, append_machine, write_ab
-from skpathkernel._tangent import RULES, tangent_gram
-from skpathkernel.rules import layer_routes
+from benchmarks._ab import ab_provenance, append_machine, rules_ab, write_ab
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 5
@@ -104,34 +101,10 @@ def _cases(n):
     }
 
 
-def _routes(net, X):
-    return {r.route for r in layer_routes(net, X)
-            if r.type.startswith("ConvTranspose") or r.type == "Conv3d"}
-
-
 def main(results="conv_transpose_ab", n=256):
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     warnings.simplefilter("ignore")
-    rules = {t: RULES[t] for t in TYPES}
-    rows = []
-    for case, (net, X) in _cases(int(n)).items():
-        params = {k: v.detach() for k, v in net.named_parameters()}
-        times, grams = {"ref": [], "tree": []}, {}
-        for _ in range(REPS):
-            for side in ("ref", "tree"):
-                if side == "ref":
-                    for t in TYPES:
-                        RULES.pop(t)
-                else:
-                    RULES.update(rules)
-                assert _routes(net, X) == {"fallback" if side == "ref" else "rule"}
-                start = time.thread_time()
-                grams[side] = tangent_gram(net, params, X)
-                times[side].append(time.thread_time() - start)
-        RULES.update(rules)
-        diff = ((grams["ref"] - grams["tree"]).abs().max() / grams["ref"].abs().max()).item()
-        rows.append(ab_row(case, times, os.getloadavg()[0], max_rel_diff=diff))
-        print(case, f"{rows[-1]['ratio_least']:.3f}", flush=True)
+    rows = rules_ab(_cases(int(n)), TYPES, REPS)
     prov = ab_provenance(ROOT, "bench_conv_transpose_ab",
                          ["skpathkernel/_tangent/_layers.py",
                           "benchmarks/bench_conv_transpose_ab.py"],

@@ -19,7 +19,6 @@ Usage: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_rms_norm_ab [RESULTS]`` (R
 
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -28,9 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import _nets
-from benchmarks._ab import ab_provenance, ab_row, append_machine, write_ab
-from skpathkernel._tangent import RULES, tangent_gram
-from skpathkernel.rules import layer_routes
+from benchmarks._ab import ab_provenance, append_machine, rules_ab, write_ab
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 7
@@ -93,32 +90,10 @@ def _cases(n):
     return cases
 
 
-def _norm_routes(net, X):
-    return {r.route for r in layer_routes(net, X) if r.type == "RMSNorm"}
-
-
 def main(results="rms_norm_ab", n=256):
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     warnings.simplefilter("ignore")
-    rule = RULES[nn.RMSNorm]
-    rows = []
-    for case, (net, X) in _cases(int(n)).items():
-        params = {k: v.detach() for k, v in net.named_parameters()}
-        times, grams = {"ref": [], "tree": []}, {}
-        for _ in range(REPS):
-            for side in ("ref", "tree"):
-                if side == "ref":
-                    RULES.pop(nn.RMSNorm)
-                else:
-                    RULES[nn.RMSNorm] = rule
-                assert _norm_routes(net, X) == {"fallback" if side == "ref" else "rule"}
-                start = time.thread_time()
-                grams[side] = tangent_gram(net, params, X)
-                times[side].append(time.thread_time() - start)
-        RULES[nn.RMSNorm] = rule
-        diff = ((grams["ref"] - grams["tree"]).abs().max() / grams["ref"].abs().max()).item()
-        rows.append(ab_row(case, times, os.getloadavg()[0], max_rel_diff=diff))
-        print(case, f"{rows[-1]['ratio_least']:.3f}", flush=True)
+    rows = rules_ab(_cases(int(n)), (nn.RMSNorm,), REPS)
     prov = ab_provenance(ROOT, "bench_rms_norm_ab",
                          ["skpathkernel/_tangent/_layers.py", "benchmarks/bench_rms_norm_ab.py"],
                          "the tree without nn.RMSNorm's rule (RULES entry removed)", REPS)

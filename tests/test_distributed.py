@@ -110,16 +110,23 @@ def test_ddp_path_equals_one_process_and_decomposes_exactly(world, tmp_path):
             assert net.decompose(Xq).error > 1e-6
 
 
+def _spawned_path_ends_as_one_process(tmp_path, scenario):
+    """The path two ranks recorded in ``scenario``, checked to end where one process
+    training on the same batches ends; with that process's module."""
+    reports = _spawn(2, tmp_path, scenario)
+    assert all(r == {"errors": [], "n_steps": worker.STEPS} for r in reports.values()), reports
+    traj = Trajectory.load(tmp_path / "path")
+    module, points = _single_process_path(2, scenario)
+    assert_allclose(traj.parameters(-1).numpy(), points[-1].numpy(), rtol=0, atol=1e-14)
+    return traj, module
+
+
 def test_ddp_gradient_accumulation_weighs_each_micro_batch(tmp_path):
     # Each rank accumulates its shard of 6 in micro-batches under no_sync (4 + 2 on rank
     # 0, 3 + 3 on rank 1): a point weighs 1 / (R m_r k) by its own micro-batch of k. The
     # shards being of one size, the weights were recorded as 1 / 12 for every point and
     # the decomposition missed the prediction by 0.26 (largest |f| 1.9).
-    reports = _spawn(2, tmp_path, "accumulate")
-    assert all(r == {"errors": [], "n_steps": worker.STEPS} for r in reports.values()), reports
-    traj = Trajectory.load(tmp_path / "path")
-    module, points = _single_process_path(2, "accumulate")
-    assert_allclose(traj.parameters(-1).numpy(), points[-1].numpy(), rtol=0, atol=1e-14)
+    traj, module = _spawned_path_ends_as_one_process(tmp_path, "accumulate")
     for t in range(worker.STEPS):
         expected = np.concatenate([np.full(len(part), 1 / (2 * 2 * len(part)))
                                    for r, s in enumerate(worker.shards(2, t))
@@ -133,11 +140,7 @@ def test_ddp_declared_loss_coefficients_are_gathered_over_the_ranks(tmp_path):
     # micro-batch, and declares those coefficients; rank 1 takes the mean and declares
     # none: every rank sends its coefficients, the writer divides them by the number of
     # ranks (DDP's average), rank 1's being the default 1 / (n_micro k).
-    reports = _spawn(2, tmp_path, "weighted")
-    assert all(r == {"errors": [], "n_steps": worker.STEPS} for r in reports.values()), reports
-    traj = Trajectory.load(tmp_path / "path")
-    module, points = _single_process_path(2, "weighted")
-    assert_allclose(traj.parameters(-1).numpy(), points[-1].numpy(), rtol=0, atol=1e-14)
+    traj, module = _spawned_path_ends_as_one_process(tmp_path, "weighted")
     for t in range(worker.STEPS):
         expected = []
         for r, s in enumerate(worker.shards(2, t)):

@@ -161,10 +161,10 @@ MLP_PRODUCTS = True
 # precision. The adjoint of the second moment is divided by sqrt(v), large where v is tiny,
 # and multiplies the step's gradient, a sum over the batch that cancels for those
 # parameters, so that float32's rounding of it moved the default classifier's scores
-# (standardised digits, epsilon=1e-8) by up to 3.5e-2 of the largest score from the
-# derivative at its recorded points (every route; 1.6e-3 on raw pixels); with the
-# gradient alone in float64 (the point, inputs and targets as recorded), 1.7e-6 and
-# 2.8e-7, the products and the adjoint in float32 (benchmarks/audit_unrolled_float32.py,
+# (standardised digits, epsilon=1e-8) by up to 3.5e-2 to 3.8e-2 (by route) of the largest
+# score from the derivative at its recorded points (1.6e-3 on raw pixels); with the
+# gradient alone in float64 (the point, inputs and targets as recorded), up to 2.3e-6 and
+# 3.8e-7, the products and the adjoint in float32 (benchmarks/audit_unrolled_float32.py,
 # benchmarks/results/unrolled_float32.md). SGD's adjoint does not read the gradient.
 GRADIENT_DTYPE = torch.float64
 # The scores warn when float32 gradients may move them by more than REPLAY_LIMIT's float32

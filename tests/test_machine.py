@@ -7,8 +7,9 @@ import torch
 from _reference import features_loop, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import NotFittedError
+from sklearn.neighbors import NearestNeighbors
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel import PathKernelClassifier, PathKernelMachine, RecordedNetwork
 
 
 def _phi_loop(est, X, k=-1):
@@ -65,6 +66,56 @@ def test_kneighbors_at_initialization_and_path(fitted):
     # The path kernel has no step: one passed is refused, not silently ignored.
     with pytest.raises(ValueError, match="step=0 applies to kernel='tangent'"):
         reg.kneighbors(X[:3], n_neighbors=4, kernel="path", step=0)
+
+
+@pytest.mark.parametrize("normalized", [True, False])
+def test_kneighbors_of_the_training_set_exclude_the_point_itself(fitted, normalized):
+    """X=None: scikit-learn's neighbours of each training point among the others, here
+    NearestNeighbors' own on the dense Jacobian features."""
+    X, _, reg = fitted
+    phi = _phi_loop(reg, X)
+    if normalized:
+        phi /= np.linalg.norm(phi, axis=1, keepdims=True)
+    ref_dist, ref_ind = NearestNeighbors(algorithm="brute").fit(phi).kneighbors(n_neighbors=6)
+    dist, ind = reg.kneighbors(n_neighbors=6, normalized=normalized)
+    assert_array_equal(ind, ref_ind)
+    assert_allclose(dist, ref_dist, rtol=1e-7, atol=1e-7)
+    assert_array_equal(reg.kneighbors(None, 6, normalized=normalized, return_distance=False),
+                       ind)
+    # As many as there are other points, and no more (sklearn's n_neighbors < n_samples_fit).
+    assert reg.kneighbors(n_neighbors=len(X) - 1, return_distance=False).shape == (
+        len(X), len(X) - 1)
+    with pytest.raises(ValueError, match=rf"in \[1, {len(X) - 1}\] .*less one"):
+        reg.kneighbors(n_neighbors=len(X))
+
+
+def test_kneighbors_of_the_training_set_under_the_path_kernel(fitted):
+    """The path kernel's own training Gram as distances, NearestNeighbors' X=None on them."""
+    X, _, reg = fitted
+    K = reg.path_kernel_(X)
+    d = np.diag(K)
+    D = np.sqrt(np.maximum(d[:, None] + d[None, :] - 2 * K, 0))
+    ref_dist, ref_ind = NearestNeighbors(metric="precomputed").fit(D).kneighbors(n_neighbors=4)
+    dist, ind = reg.kneighbors(n_neighbors=4, kernel="path", normalized=False)
+    assert_array_equal(ind, ref_ind)
+    assert_allclose(dist, ref_dist, rtol=1e-7, atol=1e-7)
+
+
+def test_kneighbors_of_the_training_set_keep_a_duplicate():
+    """A point is not its own neighbour, but its exact duplicate is (at distance 0), as in
+    scikit-learn, however its own distance to itself rounds."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(12, 2))
+    X[7] = X[3]
+    est = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=3, tol=None, dtype="float64",
+                            random_state=0).fit(X, X[:, 0])
+    dist, ind = est.kneighbors(n_neighbors=2, normalized=False)
+    assert not np.any(ind == np.arange(len(X))[:, None])
+    assert (ind[3, 0], ind[7, 0]) == (7, 3)
+    assert_allclose(dist[[3, 7], 0], 0, atol=1e-7)
+    # The network's own kneighbors (a RecordedNetwork's network_) does the same.
+    net = RecordedNetwork(est.module_, est.trajectory_, X_train=X, y_train=X[:, 0])
+    assert_array_equal(net.network_.kneighbors(n_neighbors=2, normalized=False)[1], ind)
 
 
 def test_kernel_attributes(fitted):

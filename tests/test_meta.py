@@ -10,14 +10,16 @@ import inspect
 
 import numpy as np
 import pytest
+import sklearn
 import torch
 from _reference import features_loop
+from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.base import clone
 from sklearn.datasets import make_multilabel_classification
-from sklearn.exceptions import NotFittedError
+from sklearn.exceptions import NotFittedError, UnsetMetadataPassedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import LogisticRegression, Ridge
-from sklearn.model_selection import GridSearchCV
+from sklearn.model_selection import GridSearchCV, KFold, cross_validate
 from sklearn.pipeline import make_pipeline
 from sklearn.utils import get_tags
 from sklearn.utils.multiclass import type_of_target
@@ -274,3 +276,100 @@ def test_the_default_trainer_of_a_multilabel_indicator_is_a_classifier():
         proba = est.estimator_.predict_proba(X[:5])
         # Independent labels: each in (0, 1), rows not summing to 1 as a softmax's do.
         assert proba.shape == (5, 3) and not np.allclose(proba.sum(1), 1)
+
+
+# ---------------------------------------------------------------- metadata routing
+def _weighted_circle(circle):
+    X, y = circle
+    w = np.random.RandomState(1).uniform(0.2, 3.0, size=len(X))
+    w[::7] = 0.0  # rows the detector's span leaves out
+    return X, y, w
+
+
+def _trainer(request=None):
+    trainer = PathKernelClassifier(**SMALL)
+    return trainer if request is None else trainer.set_fit_request(sample_weight=request)
+
+
+@pytest.mark.parametrize("splitter", ["cross_validate", "GridSearchCV"])
+def test_routing_gives_sample_weight_to_the_trainer_that_requests_it(circle, splitter):
+    """With metadata routing, a trainer's set_fit_request(sample_weight=True) is what a
+    search needs, as for scikit-learn's MultiOutputRegressor: the trainer is the explicit
+    weighted fit on the rows it is given (TangentFeatures asked for its own request, and
+    ignored the trainer's)."""
+    X, y, w = _weighted_circle(circle)
+    folds = list(KFold(2).split(X))
+    with sklearn.config_context(enable_metadata_routing=True):
+        est = TangentFeatures(_trainer(True))
+        if splitter == "cross_validate":
+            fitted = cross_validate(est, X, y, cv=folds, params={"sample_weight": w},
+                                    scoring=lambda e, X, y: 0.0,
+                                    return_estimator=True)["estimator"][0]
+            rows = folds[0][0]
+        else:
+            search = GridSearchCV(est, {"normalize": [False, True]}, cv=folds,
+                                  scoring=lambda e, X, y: 0.0)
+            fitted, rows = search.fit(X, y, sample_weight=w).best_estimator_, slice(None)
+    direct = PathKernelClassifier(**SMALL).fit(X[rows], y[rows], sample_weight=w[rows])
+    unweighted = PathKernelClassifier(**SMALL).fit(X[rows], y[rows])
+    got = fitted.estimator_.predict_proba(X)
+    assert_array_equal(got, direct.predict_proba(X))
+    assert np.abs(got - unweighted.predict_proba(X)).max() > 1e-3  # the weights matter
+
+
+@pytest.mark.parametrize("cls", [TangentFeatureSVM, OODRankDetector], ids=lambda c: c.__name__)
+def test_routing_keeps_sample_weight_from_a_trainer_that_declines_it(cls, circle):
+    """set_fit_request(sample_weight=False) on the trainer: it trains unweighted, and the
+    meta-estimator still uses the weights itself (the SVM's, the detector's span), as
+    CalibratedClassifierCV keeps them for its calibrator; it is then the meta-estimator
+    on the unweighted trainer, frozen (the trainer was given the weights regardless)."""
+    X, y, w = _weighted_circle(circle)
+    with sklearn.config_context(enable_metadata_routing=True):
+        est = cls(_trainer(False)).fit(X, y, sample_weight=w)
+    unweighted = PathKernelClassifier(**SMALL).fit(X, y)
+    assert_array_equal(est.estimator_.predict_proba(X), unweighted.predict_proba(X))
+    ref = cls(FrozenEstimator(unweighted)).fit(X, y, sample_weight=w)
+    assert_array_equal(est.X_fit_, ref.X_fit_)
+    assert_allclose(est.decision_function(X), ref.decision_function(X), rtol=1e-10,
+                    atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_routing_refuses_sample_weight_a_trainer_did_not_request(cls, circle):
+    """As scikit-learn's meta-estimators: weights for a trainer that said nothing are an
+    error naming it (they were silently given to it), raised before any training."""
+    X, y, w = _weighted_circle(circle)
+    est = cls(_trainer()).fit(X, y)
+    before = est.estimator_
+    with sklearn.config_context(enable_metadata_routing=True):
+        with pytest.raises(UnsetMetadataPassedError,
+                           match=r"PathKernelClassifier.fit, which is used within"):
+            est.fit(X, y, sample_weight=w)
+        # Without weights there is nothing to route: fit as before.
+        assert cls(_trainer()).fit(X, y).estimator_.n_iter_ == before.n_iter_
+        declined = _trainer(False)
+    assert est.estimator_ is before  # the previous fit is kept
+    # Without routing, the trainer gets them whatever its request says, as before.
+    assert_array_equal(cls(declined).fit(X, y, sample_weight=w).estimator_.predict_proba(X),
+                       _trainer().fit(X, y, sample_weight=w).predict_proba(X))
+
+
+def test_routing_of_a_frozen_trainer_and_the_router(circle):
+    """A FrozenEstimator is not fitted: nothing is routed to it, so weights for
+    TangentFeatures (which only weighs its trainer's loss) go to no one, and the
+    router says so; the SVM still takes its own."""
+    X, y, w = _weighted_circle(circle)
+    with sklearn.config_context(enable_metadata_routing=True):
+        frozen = FrozenEstimator(_trainer(True).fit(X, y))
+        for est, consumed in [(TangentFeatures(frozen), set()),
+                              (TangentFeatures(_trainer(True)), {"sample_weight"}),
+                              (TangentFeatures(_trainer(False)), set()),
+                              (TangentFeatureSVM(frozen), set()),
+                              (TangentFeatureSVM(frozen).set_fit_request(sample_weight=True),
+                               {"sample_weight"})]:
+            assert est.get_metadata_routing().consumes("fit", ["sample_weight"]) == consumed
+        with pytest.raises(TypeError, match="not routed to any object"):
+            TangentFeatures(frozen).fit(X, y, sample_weight=w)
+        svm = TangentFeatureSVM(frozen).fit(X, y, sample_weight=w)
+    assert_allclose(svm.decision_function(X), TangentFeatureSVM(frozen).fit(
+        X, y, sample_weight=w).decision_function(X), rtol=1e-12)

@@ -426,6 +426,46 @@ def test_dampening_without_momentum_is_plain_sgd_and_recorded(data):
                                              dampening=0.5))
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_an_empty_batch_is_a_step_without_samples_and_decomposes_exactly(momentum):
+    """set_batch([]) is a step whose loss holds no sample: with its zero gradient the
+    decomposition still reconstructs the network's own prediction (momentum carries
+    the earlier batches' gradients through it), while a step that trained on samples
+    but declared none misses it, and decompose says so."""
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(8, 2)), rng.normal(size=(8, 1))
+    Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
+
+    def record(declared_empty_trains):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(),
+                                     torch.nn.Linear(3, 1)).double()
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum)
+        rec = PathRecorder(module, opt, n_samples=8)
+        for t in range(4):
+            opt.zero_grad()
+            idx = np.arange(8)
+            if t == 2 and not declared_empty_trains:
+                idx = idx[:0]
+                module(Xt[:1]).sum().mul(0).backward()  # a loss of no sample
+            else:
+                ((module(Xt[idx]) - yt[idx]) ** 2 / 2).sum(1).mean().backward()
+            rec.set_batch(idx if t != 2 else [])
+            opt.step()
+        return rec.as_estimator(X, y), module
+
+    net, module = record(declared_empty_trains=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = net.decompose(X[:3])
+    with torch.no_grad():
+        truth = module(Xt[:3]).numpy()
+    assert_allclose(d.initial + d.contributions.sum(axis=1), truth, rtol=1e-10, atol=1e-12)
+    net, _ = record(declared_empty_trains=True)
+    with pytest.warns(UserWarning, match="reconstruction misses the prediction"):
+        net.decompose(X[:3])
+
+
 def test_misuse_is_a_clear_error():
     module = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match="Adagrad"):

@@ -308,7 +308,7 @@ class FittedNetworkMixin:
         net = self.network_
         return net.module, net.params_at(step), net.tensor(X)
 
-    def kneighbors(self, X, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
+    def kneighbors(self, X=None, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
         """Training points nearest to each query under a kernel (Guo, He & Morel 2026, figure 1).
 
@@ -319,10 +319,14 @@ class FittedNetworkMixin:
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, n_features) or (n_queries, ...)
-            The form of the training inputs (``input_shape_``).
+        X : array-like of shape (n_queries, n_features) or (n_queries, ...), default=None
+            The form of the training inputs (``input_shape_``). None: the queries are the
+            training points, each one's neighbours the other training points (a point is
+            never its own neighbour; a duplicate of it is), as scikit-learn's
+            ``kneighbors(X=None)``.
         n_neighbors : int, default=100
-            Number of training points returned per query.
+            Number of training points returned per query: at most the number of training
+            points, less one with ``X=None``.
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at recorded point ``step``, or the path kernel.
         step : int, default=-1
@@ -340,7 +344,7 @@ class FittedNetworkMixin:
         distances : ndarray of shape (n_queries, n_neighbors)
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
-            Indices into the training set.
+            Indices into the training set; among equal distances, the lower index first.
 
         Examples
         --------
@@ -351,11 +355,14 @@ class FittedNetworkMixin:
         >>> dist, ind = est.fit(X, y).kneighbors(X[:2], n_neighbors=3)
         >>> ind.shape, bool(np.all(np.diff(dist, axis=1) >= 0))
         ((2, 3), True)
+        >>> ind = est.kneighbors(n_neighbors=3, return_distance=False)
+        >>> ind.shape, bool(np.any(ind == np.arange(20)[:, None]))
+        ((20, 3), False)
         """
         check_is_fitted(self)
         return network_of(self).kneighbors(
-            self._validate_X(X), n_neighbors, kernel=kernel, step=step, normalized=normalized,
-            return_distance=return_distance)
+            None if X is None else self._validate_X(X), n_neighbors, kernel=kernel, step=step,
+            normalized=normalized, return_distance=return_distance)
 
 
 def _mean_and_std(Y: np.ndarray, weights: np.ndarray | None = None

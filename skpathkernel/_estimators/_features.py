@@ -148,6 +148,9 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         "n_components": [count(1), None],
         "normalize": ["boolean"],
     }
+    # sample_weight only weighs the trainer's loss: routed to it, as MultiOutputRegressor
+    # routes its own (this fit's request is not read).
+    _uses_sample_weight = False
 
     def __init__(self, estimator=None, *, n_components=None, normalize=False,
                  random_state=None):
@@ -179,7 +182,11 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             unsupervised pipeline).
         sample_weight : array-like of shape (n_samples,), default=None
             Passed to the trainer's ``fit`` (see :meth:`PathKernelMachine.fit`);
-            validated, and otherwise unused, with a ``FrozenEstimator``.
+            validated, and otherwise unused, with a ``FrozenEstimator``. With
+            ``sklearn.set_config(enable_metadata_routing=True)``, routed to a trainer
+            that requested it (``set_fit_request(sample_weight=True)``), an error for one
+            that did not say, and refused as routed to no one when it declined or is
+            frozen.
 
         Returns
         -------
@@ -370,6 +377,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 
     classes_ = FittedAttribute("svm_")
 
+    _routing_default = PathKernelClassifier
+
     def _default_trainer(self, y):
         return PathKernelClassifier(random_state=self.random_state)
 
@@ -421,7 +430,10 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             :meth:`PathKernelClassifier.fit`, which receives them unless frozen): the SVM
             gets them rescaled to mean 1 (``SVC.fit``'s weights multiply ``C``, so that
             ``C`` keeps its meaning and equal weights are the unweighted fit), and
-            ``C="auto"`` scores its folds by weighted accuracy.
+            ``C="auto"`` scores its folds by weighted accuracy. With
+            ``sklearn.set_config(enable_metadata_routing=True)`` the trainer receives
+            them only where it requested them (``set_fit_request(sample_weight=True)``;
+            an error where it did not say), and the SVM takes them either way.
 
         Returns
         -------

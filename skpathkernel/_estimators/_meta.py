@@ -8,6 +8,13 @@ as scikit-learn's meta-estimators take theirs (``SelectFromModel``,
 meta-estimator reads the network it trained (``estimator_.network_``). A trainer wrapped
 in :class:`sklearn.frozen.FrozenEstimator` is used as it is, never refitted; a search
 reaches the network's parameters as ``estimator__hidden_layer_sizes``.
+
+With ``sklearn.set_config(enable_metadata_routing=True)`` they route ``sample_weight`` as
+scikit-learn's meta-estimators do (``CalibratedClassifierCV``, ``MultiOutputRegressor``):
+the trainer's ``fit`` receives it only where the trainer requested it
+(``PathKernelClassifier().set_fit_request(sample_weight=True)``), and a weight passed to
+a trainer that said nothing is an error naming it. Without routing, ``fit`` passes it
+to the trainer as before.
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ import numpy as np
 from sklearn.base import BaseEstimator, MetaEstimatorMixin, clone
 from sklearn.frozen import FrozenEstimator
 from sklearn.utils._param_validation import HasMethods
+from sklearn.utils.metadata_routing import (
+    MetadataRouter,
+    MethodMapping,
+    _routing_enabled,
+    process_routing,
+)
 from sklearn.utils.multiclass import type_of_target
 
 from .._network._inputs import (
@@ -101,6 +114,14 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         "random_state": ["random_state"],
     }
     _trainers: tuple = (PathKernelMachine, PathKernelClassifier)
+    # Whether fit uses sample_weight itself (the SVM's weights, the detector's span) as well
+    # as routing it to the trainer: its own request then joins the router (as
+    # CalibratedClassifierCV's), where a pure router's (MultiOutputRegressor's) does not.
+    _uses_sample_weight: bool = True
+    # The trainer named in routing errors when estimator=None: fit makes the default one
+    # from y, which get_metadata_routing does not have (both trainers take sample_weight
+    # alike, with no request set).
+    _routing_default: type = PathKernelMachine
 
     # Read from the fitted trainer: one source of truth.
     module_ = FittedAttribute("estimator_")
@@ -179,6 +200,29 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
                 f"call or before (in GridSearchCV: {type(self).__name__}(estimator=...)).")
         return super().set_params(**params)
 
+    def get_metadata_routing(self):
+        """Get metadata routing of this object.
+
+        ``fit`` routes ``sample_weight`` to the trainer's ``fit`` where the trainer
+        requested it (``set_fit_request``); a ``FrozenEstimator`` is not fitted, and
+        receives nothing. Please check :ref:`User Guide <metadata_routing>` on how the
+        routing mechanism works.
+
+        Returns
+        -------
+        routing : MetadataRouter
+            A :class:`~sklearn.utils.metadata_routing.MetadataRouter` encapsulating
+            routing information.
+        """
+        router = MetadataRouter(owner=self)
+        if self._uses_sample_weight:
+            router.add_self_request(self)
+        inner, frozen = self._trainer()
+        if not frozen:
+            router.add(estimator=self._routing_default() if inner is None else inner,
+                       method_mapping=MethodMapping().add(caller="fit", callee="fit"))
+        return router
+
     def _check_targets(self, y) -> None:
         """Refuse targets before any training (the trainer checks them otherwise)."""
 
@@ -191,12 +235,20 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
 
         ``target``: what the trainer is fitted on instead of ``y`` (the detector's
         reconstruction). ``sample_weight``: validated before any training (scikit-learn's
-        checks) and passed to the trainer's fit (a frozen trainer is not trained). Sets
+        checks) and passed to the trainer's fit (a frozen trainer is not trained); with
+        metadata routing enabled, only where the trainer requested it. Sets
         ``estimator_`` and ``X_fit_``; returns the validated ``(X, y)``, whether the
         trainer was frozen (then nothing was trained, and ``X`` was checked against its
-        network) and the validated weights (None when not given or all equal).
+        network) and the validated weights (None when not given or all equal), which the
+        meta-estimator's own use of them reads whether or not the trainer got them.
         """
         inner, frozen = self._trainer()
+        to_trainer = True
+        if _routing_enabled():
+            # Before any work: a weight that no one requested is refused, naming whom to
+            # ask (the trainer's set_fit_request), as scikit-learn's routers refuse it.
+            routed = process_routing(self, "fit", sample_weight=sample_weight)
+            to_trainer = not frozen and "sample_weight" in routed.estimator.fit
         if frozen:
             net = network_of(inner)  # NotFittedError for a frozen unfitted trainer
             # Named columns are the frozen trainer's, in its order: this estimator's own
@@ -215,7 +267,8 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             trainer = clone(inner)
         # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
         # keeps working unweighted (equal weights are None here, the unweighted fit).
-        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        weighted = ({} if sample_weight is None or not to_trainer
+                    else {"sample_weight": sample_weight})
         trainer.fit(X, y if target is None else target(X), **weighted)
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
         return X, y, False, sample_weight

@@ -309,10 +309,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             X, None if frozen else y, target=flat_targets if reconstruct else None,
             sample_weight=sample_weight)
         est = self.estimator_
-        if not frozen and weights is not None:
-            # Those of X_fit_'s rows, early stopping's training part (as the trainer
-            # kept them, rescaled: only their sign matters here).
-            weights = network_of(est).sample_weight
+        if not frozen and weights is not None and est._train_rows is not None:
+            # Those of X_fit_'s rows, early stopping's training part: read from the
+            # weights given, which routing may have kept from the trainer.
+            weights = weights[est._train_rows]
         if weights is not None and not np.all(weights > 0):
             # scikit-learn's weight 0: the row is absent. Here a span would otherwise
             # hold it, and score it (and any point near it) as fully normal.
@@ -363,7 +363,11 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             takes them; see above). Validated before any training; ``None`` or equal
             weights: the trainer's ``fit`` is called without them. With a
             ``FrozenEstimator`` (nothing is trained) only their zeros count: those rows
-            of ``X`` are left out of the span.
+            of ``X`` are left out of the span. With
+            ``sklearn.set_config(enable_metadata_routing=True)`` the trainer receives
+            them only where it requested them (``set_fit_request(sample_weight=True)``;
+            an error where it did not say), and their zeros leave rows out of the span
+            either way.
 
         Returns
         -------

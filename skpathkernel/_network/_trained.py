@@ -724,7 +724,7 @@ ValueError
                               tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
 
     @_runs_own_module
-    def kneighbors(self, X, n_neighbors: int = 100, *, kernel: str = "tangent",
+    def kneighbors(self, X=None, n_neighbors: int = 100, *, kernel: str = "tangent",
                    step: int = -1, normalized: bool = True, return_distance: bool = True):
         """Training points nearest to each query under a kernel.
 
@@ -735,10 +735,14 @@ ValueError
 
         Parameters
         ----------
-        X : array-like of shape (n_queries, ...)
-            Queries in the network's input form.
+        X : array-like of shape (n_queries, ...), default=None
+            Queries in the network's input form. None: every training sample is a
+            query whose neighbours are the other training samples (a sample is never
+            its own neighbour, even where another sample is at distance 0 from it), as
+            scikit-learn's ``kneighbors(X=None)``.
         n_neighbors : int, default=100
-            Neighbours per query, at most the number of training samples.
+            Neighbours per query, at most the number of training samples (less one
+            with ``X=None``).
         kernel : {"tangent", "path"}, default="tangent"
             The tangent kernel at ``step`` or the path kernel summed over the path.
         step : int, default=-1
@@ -755,25 +759,43 @@ ValueError
         distances : ndarray of shape (n_queries, n_neighbors)
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
+            Indices into ``X_fit``; among equal distances, the lower index first.
         """
         if not is_option(kernel, "tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
         check_flag(normalized, "normalized")  # read by an ``if`` before the kernel's check
         check_step_applies(kernel, step)
         X_fit = self._training_data_inputs()
-        _check_n_neighbors(n_neighbors, X_fit.shape[0])
-        X = self.check(X)
+        query_is_train = X is None
+        _check_n_neighbors(n_neighbors, X_fit.shape[0], query_is_train=query_is_train)
         # The kernels' own normalisation (cosine; 0 against a zero feature).
         k = (KERNELS["tangent"](self, step=step, normalized=normalized)
              if kernel == "tangent" else KERNELS["path"](self, normalized=normalized))
-        if normalized:
-            sq = 2.0 - 2.0 * np.clip(k(X, X_fit), -1, 1)
+        if query_is_train:
+            # The training set's own Gram, symmetric, from one pass (its diagonal is the
+            # unnormalised distances' k(x, x), of each point against itself).
+            K = k(X_fit)
+            if normalized:
+                sq = 2.0 - 2.0 * np.clip(K, -1, 1)
+            else:
+                d = K.diagonal()
+                sq = d[:, None] + d[None, :] - 2.0 * K
+        elif normalized:
+            sq = 2.0 - 2.0 * np.clip(k(self.check(X), X_fit), -1, 1)
         elif kernel == "path":
-            K, dx, dy = k._bind(self)._raw_sums(X, X_fit)
+            K, dx, dy = k._bind(self)._raw_sums(self.check(X), X_fit)
             sq = dx[:, None] + dy[None, :] - 2.0 * K
         else:
+            X = self.check(X)
             sq = k.diag(X)[:, None] + k.diag(X_fit)[None, :] - 2.0 * k(X, X_fit)
         dist = np.sqrt(np.maximum(sq, 0.0))
+        if query_is_train:
+            # A sample is not its own neighbour, by index rather than by distance: its
+            # distance to itself is 0 only up to rounding (a near-duplicate can come
+            # out nearer), and an exact duplicate must stay a neighbour. scikit-learn
+            # drops the sample from its k + 1 nearest, the same neighbours but where
+            # more than k others tie at its own distance.
+            np.fill_diagonal(dist, np.inf)
         ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
         if not return_distance:
             return ind
@@ -1140,11 +1162,15 @@ def check_step_applies(kernel: str, step) -> None:
         raise ValueError(f"step={step!r} applies to kernel='tangent'; {where}.")
 
 
-def _check_n_neighbors(n_neighbors, n_train: int) -> None:
-    """``n_neighbors`` an integer in ``[1, n_train]``, as sklearn's ``kneighbors`` asks."""
+def _check_n_neighbors(n_neighbors, n_train: int, *, query_is_train: bool = False) -> None:
+    """``n_neighbors`` an integer in ``[1, n_train]``, as sklearn's ``kneighbors`` asks;
+    ``[1, n_train - 1]`` where the queries are the training samples themselves, each
+    without itself (sklearn's ``n_neighbors < n_samples_fit`` for ``X=None``)."""
+    high, what = ((n_train - 1, "the number of training samples less one: with X=None "
+                   "a sample is not its own neighbour") if query_is_train
+                  else (n_train, "the number of training samples"))
     if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
-            or not 0 < n_neighbors <= n_train):
+            or not 0 < n_neighbors <= high):
         raise ValueError(
-            f"n_neighbors must be an integer in [1, {n_train}] (the number of training "
-            f"samples), got {n_neighbors!r}."
+            f"n_neighbors must be an integer in [1, {high}] ({what}), got {n_neighbors!r}."
         )

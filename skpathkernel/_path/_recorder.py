@@ -507,11 +507,20 @@ class PathRecorder:
         step that the ``grad_scaler`` skipped are dropped; a loop that skips
         ``optimizer.step()`` itself must not declare that step's batch.
 
+        An empty ``indices`` declares that no sample's loss is in the step (or the
+        micro-batch): an empty micro-batch adds nothing and is not counted in
+        ``n_micro``, a rank's empty shard under DistributedDataParallel (uneven inputs)
+        sends no sample, and a step whose whole batch is empty is credited to no sample
+        of its own; its movement (momentum, weight decay) is decomposed as any other
+        step's, exactly, as long as its gradient is indeed zero. A wrongly declared
+        batch, empty or not, shows in :meth:`RecordedNetwork.decompose`'s reconstruction
+        check, which warns when the contributions miss the network's prediction.
+
         Parameters
         ----------
         indices : array-like of int, shape (batch_size,)
             Indices into the ``n_samples`` training inputs whose losses the step's (or
-            the micro-batch's) loss is made of.
+            the micro-batch's) loss is made of; empty for none (see above).
         weights : array-like or tensor of shape (batch_size,), default=None
             Each sample's coefficient in the loss that this step's (or this
             micro-batch's) ``backward()`` differentiated, in the order of ``indices``:

@@ -369,11 +369,12 @@ class _LayerNormed(torch.nn.Module):
 @pytest.mark.parametrize("name", ["layer-norm", "attention"])
 def test_second_order_decomposition_through_affine_normalization(name):
     """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
-    the derivative along the step by central differences of first derivatives. torch's
-    forward-mode derivative of the affine layer norm's and instance norm's backward is
-    wrong (torch 2.13): the forward-over-reverse products missed the curvature term by
-    about 1% on every TransformerEncoderLayer (its post-norms), silently; the
-    by-hand comparison above shares the layer norms, so it could not see it."""
+    the derivative along the step by central differences of first derivatives. torch
+    differentiates the backward of an affine layer norm or instance norm wrongly when it
+    is vmapped over the outputs (``jvp`` of ``jacrev``, torch 2.13): the products missed
+    the curvature term by about 1% on every TransformerEncoderLayer (its post-norms),
+    silently; the by-hand comparison above shares the layer norms, so it could not see
+    it."""
     rng = np.random.RandomState(0)
     if name == "attention":
         est, X, y = _fit("attention")

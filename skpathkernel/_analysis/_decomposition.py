@@ -147,7 +147,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import functional_call, grad, jacrev, jvp, vmap
 
 from .._memory import rows_per_block
 from .._modules import copy_module
@@ -529,57 +529,53 @@ def _residual(q: torch.Tensor, df: torch.Tensor) -> float:
 def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P).
 
+    Forward over reverse, one output at a time (``jvp`` of ``grad``, vmapped over the
+    queries). Not ``jvp`` of ``jacrev``: ``jacrev`` vmaps the backward over the outputs,
+    and torch's derivative of that batched backward through an affine layer norm or
+    instance norm is wrong (torch 2.13; ``jacrev`` of ``jacrev`` too): the curvature term
+    of every TransformerEncoderLayer (its layer norms) missed by about 1%, silently.
     A plain MLP (:func:`._tangent.stacked_mlp`: Linear layers and elementwise
-    activations) takes forward over reverse, vmapped over the queries. Any other network
-    takes autograd's double backward, one query and output at a time (``hessian_trace``'s
-    products): torch's forward-mode derivative of the affine layer norm's and instance
-    norm's backward is wrong (torch 2.13), and so is ``torch.func``'s second derivative
-    through them (``jacrev`` of ``jacrev``); forward over reverse missed the curvature
-    term of every TransformerEncoderLayer (its layer norms) by about 1%, silently. On a
-    small MLP the double backward made the whole second-order decomposition 2.5-2.7x
-    slower (8-64-64-1 and 8-32-3, 10-20 queries, 12 steps, one thread), hence the MLPs'
-    route.
+    activations) keeps ``jvp`` of ``jacrev``, all outputs in one pass: the loop over the
+    outputs made its whole second-order decomposition 1.3x slower with one output and
+    2.35x with three (8-64-64-1 float32 and 8-32-3 float64, 12 steps, 10-20 queries, one
+    thread).
     """
+    params, tangent = _params(traj, theta), _params(traj, delta)
     if stacked_mlp(module, traj.names) is not None:
-        return _forward_over_reverse(module, traj, theta, delta, X)
-    n_out = None
-    rows = []
-    # A fresh leaf: the parameters are its views, so every block of the gradient exists.
-    theta = theta.detach().clone().requires_grad_(True)
-    params = _params(traj, theta)
+        return _all_outputs(module, traj, params, tangent, X)
+    # A @once_differentiable backward is refused by name, before functorch's transforms
+    # raise their own error about it (which names no layer).
+    leaf = theta.detach().clone().requires_grad_(True)
     with torch.enable_grad(), twice_differentiable():
-        for i in range(len(X)):
+        out = functional_call(module, _params(traj, leaf), (X[:1],)).reshape(-1)
+        # A seed that requires grad: such a backward then leaves the node
+        # check_twice_differentiable finds.
+        seed = torch.ones((), dtype=out.dtype, device=out.device, requires_grad=True)
+        (g,) = torch.autograd.grad(out[0], leaf, grad_outputs=seed, create_graph=True)
+        check_twice_differentiable(g)
+    n_out = len(out)
+
+    def row(x, c):
+        def output(p):
             # (C,) as the other routes read a sample's outputs: a one-output network may
             # return (n,), whose [0] is a scalar.
-            out = functional_call(module, params, (X[i : i + 1],)).reshape(-1)
-            n_out = len(out)
-            for c in range(n_out):
-                # A seed that requires grad: a @once_differentiable backward then leaves
-                # the node check_twice_differentiable refuses (else it reads as 0).
-                seed = torch.ones((), dtype=out.dtype, device=out.device,
-                                  requires_grad=True)
-                (g,) = torch.autograd.grad(out[c], theta, grad_outputs=seed,
-                                           create_graph=True, retain_graph=True)
-                if i == 0 and c == 0:
-                    check_twice_differentiable(g)
-                along = g @ delta
-                hd = (torch.autograd.grad(along, theta, retain_graph=c + 1 < n_out,
-                                          allow_unused=True)[0]
-                      if along.requires_grad else None)
-                rows.append(torch.zeros_like(theta) if hd is None else hd.detach())
-    if not rows:
-        return torch.zeros((0, 0, traj.n_params), dtype=theta.dtype, device=theta.device)
-    return torch.stack(rows).reshape(len(X), n_out, -1)
+            return functional_call(module, p, (x.unsqueeze(0),)).reshape(-1)[c]
+
+        return jvp(grad(output), (params,), (tangent,))[1]
+
+    with FORWARD_AD, twice_differentiable():
+        outs = [vmap(functools.partial(row, c=c))(X) for c in range(n_out)]
+    # (Q, *shape) per parameter and output; a 0-d parameter (a learnt scalar) has no
+    # dimension after the queries to flatten from.
+    return torch.stack([torch.cat([out[name].reshape(len(X), -1) for name in traj.names],
+                                  dim=1) for out in outs], dim=1)
 
 
-def _forward_over_reverse(module, traj, theta, delta, X) -> torch.Tensor:
-    """:func:`_hvp_rows` by ``vmap(jvp(jacrev))``, for the layers whose forward-mode
-    derivatives torch gets right."""
-    params, tangent = _params(traj, theta), _params(traj, delta)
+def _all_outputs(module, traj, params, tangent, X) -> torch.Tensor:
+    """:func:`_hvp_rows` by ``vmap(jvp(jacrev))``: every output in one pass, for the
+    layers whose batched backward torch differentiates right."""
 
     def f_single(p, x):
-        # (C,) as the other routes read a sample's outputs: a one-output network may
-        # return (n,), whose [0] is a scalar.
         return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
 
     def row(x):

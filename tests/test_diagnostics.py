@@ -11,7 +11,7 @@ import torch
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder
 from skpathkernel.diagnostics import (
     HessianTrace,
     _rademacher,
@@ -565,3 +565,52 @@ def test_an_embedding_whose_lookup_is_not_a_function_of_the_parameters_is_refuse
     with pytest.raises(ValueError, match=f"'0' \\(Embedding\\) has {next(iter(flag))}="):
         hessian_trace(est, X, y, n_samples=4, random_state=0)
     assert torch.equal(est.trajectory_.parameters(-1), before)
+
+
+@pytest.mark.parametrize("loss", ["squared_error", "log_loss"])
+def test_a_recorded_loop_is_estimated_like_an_estimator(loss):
+    # A RecordedNetwork (a user's loop recorded by PathRecorder) is taken where the
+    # library takes a fitted estimator: each probe is v^T H v of the loss its y_train is
+    # in the terms of, H from a dense Hessian of that loss written out by hand.
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(24, 3))
+    y = (rng.normal(size=(24, 2)) if loss == "squared_error"
+         else rng.randint(0, 3, size=24))
+    torch.manual_seed(0)
+    n_out = 2 if loss == "squared_error" else 3
+    net = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, n_out)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    rec = PathRecorder(net, opt, n_samples=len(X))
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
+    for _ in range(4):
+        opt.zero_grad()
+        out = net(Xt)
+        batch_loss = (0.5 * ((out - yt) ** 2).mean(dim=1).mean() if loss == "squared_error"
+                      else torch.nn.functional.cross_entropy(out, yt))
+        batch_loss.backward()
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+    recorded = rec.as_estimator(X, y, loss=loss)
+
+    shapes = [p.shape for p in net.parameters()]
+    sizes = [int(np.prod(s)) for s in shapes]
+
+    def mean_loss(theta):
+        W1, b1, W2, b2 = (p.reshape(s) for p, s in zip(theta.split(sizes), shapes))
+        h = torch.tanh(Xt @ W1.T + b1) @ W2.T + b2
+        if loss == "squared_error":
+            return (0.5 * ((h - yt) ** 2).mean(dim=1)).mean()
+        return (torch.logsumexp(h, dim=1) - h[torch.arange(len(h)), yt]).mean()
+
+    theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    H = torch.autograd.functional.hessian(mean_loss, theta).numpy()
+    V = _probes(0, 30, theta.numel())
+    exact = np.einsum("jp,pq,jq->j", V, H, V)
+
+    res = hessian_trace(recorded, n_samples=30, random_state=0)
+    np.testing.assert_allclose(res.estimates, exact, rtol=1e-10, atol=1e-12)
+    explicit = hessian_trace(recorded, X, y, n_samples=30, random_state=0)
+    np.testing.assert_allclose(explicit.estimates, exact, rtol=1e-10, atol=1e-12)
+    path = hessian_trace_path(recorded, steps=[-1], n_samples=30, random_state=0)
+    np.testing.assert_allclose(path.estimates[0], exact, rtol=1e-10, atol=1e-12)

@@ -58,6 +58,7 @@ n_nodes : int, default=None
     quadrature errors add up to more than 1e-10 of the largest ``|f|`` in float64
     (1e-4 in float32), the allowance of the exact decomposition's closure check. None
     (default) chooses them per step for ``tol``; passing both is an error.
+    Ignored by the other methods (as SVC's ``degree`` by its other kernels).
 tol : float, default=None
     Relative tolerance of "exact": each step's quadrature error, measured as
     ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the
@@ -182,9 +183,11 @@ output : "margin" or int, default=None
     is off: linear in the logits, so its split is exact.
     An int ``k`` explains output column ``k`` (logit ``k``). ${output_default}
 n_nodes : int, default=None
-    Quadrature nodes per step for "exact", see :meth:`decompose`.
+    Quadrature nodes per step for "exact", see :meth:`decompose`; ignored by the
+    other methods.
 tol : float, default=None
-    Relative quadrature tolerance of "exact", see :meth:`decompose`.
+    Relative quadrature tolerance of "exact", see :meth:`decompose`; ignored by the
+    other methods.
 n_jobs : int, default=None
     Query blocks (each within ``memory_budget``) on joblib workers; the same scores
     as serial ("unrolled"), or to ``tol`` ("exact", whose blocks choose their

@@ -106,16 +106,86 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     assert np.mean(loo < det.offset_ - 1e-9) == pytest.approx(0.25, abs=0.051)
 
 
-@pytest.mark.parametrize("kind", ["tanh", "relu_1d"])
+def nystrom_residuals(P, pivots, lam, Q):
+    """THEORY's all-N score, ``1 - k(x)^T (Theta + lam I)^{-1} k(x) / Theta(x, x)``, with
+    ``Theta`` and ``k(x)`` those of the pivots' Nystrom factor ``G = Theta[:, L] C^{-T}``
+    (``C C^T = Theta_LL``): ``Theta ~= G G^T``, ``k(x) ~= G C^{-1} k_L(x)``. Dense
+    features, one N x N solve; and the leave-one-out scores, each training point against
+    the N - 1 others under the same factor (``Theta_ii`` exact)."""
+    K = P @ P.T
+    C = np.linalg.cholesky(K[np.ix_(pivots, pivots)])
+    G = np.linalg.solve(C, K[:, pivots].T).T
+    k = G @ np.linalg.solve(C, (P @ Q.T)[pivots])
+    A = G @ G.T + lam * np.eye(len(P))
+    dq = (Q * Q).sum(1)
+    query = np.sqrt(np.clip(1 - np.einsum("ij,ij->j", k, np.linalg.solve(A, k)) / dq, 0, 1))
+    loo = []
+    for i in range(len(P)):
+        Gi = np.delete(G, i, 0)
+        ki = Gi @ G[i]
+        v = K[i, i] - ki @ np.linalg.solve(Gi @ Gi.T + lam * np.eye(len(P) - 1), ki)
+        loo.append(-np.sqrt(np.clip(v / K[i, i], 0, 1)))
+    return query, np.array(loo)
+
+
+@pytest.mark.parametrize("hidden", [(3,), (40,)])
+def test_residual_score_is_the_all_n_formula_through_the_pivots_factor(hidden):
+    """The span saturates (r < N): a query was scored against the r pivots alone,
+    ``k_L^T (Theta_LL + lam I)^{-1} k_L``, and a training point against the N - 1 others,
+    two different quantities (a float contamination flagged 0.22 of new data for 0.05 on
+    digits). Both are now THEORY's formula over all N points, through the factor."""
+    rng = np.random.RandomState(21)
+    X = rng.normal(size=(120, 2))
+    y = np.sin(X.sum(1))
+    # rtol=1e-4 keeps the dense N x N solve of the reference well conditioned.
+    det = OODRankDetector(trainer(y, max_iter=50, hidden_layer_sizes=hidden),
+                          method="residual", rtol=1e-4, contamination=0.2).fit(X, y)
+    assert det.rank_ < len(X)
+    Xq = np.vstack([rng.normal(size=(20, 2)), 3 * rng.normal(size=(10, 2))])
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    ref, loo = nystrom_residuals(P, det.pivots_, det.lambda_, Q)
+    np.testing.assert_allclose(-det.score_samples(Xq), ref, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 20), rtol=1e-6)
+    # In-sample: each training feature lies in the span, to the jitter's leak.
+    assert np.all(-det.score_samples(X) < 2 * det.rtol)
+
+
+def test_residual_leave_one_out_without_room_for_the_qr_uses_the_leverages():
+    """Below the budget of the QR's second N x r array, the leave-one-out residuals come
+    from the leverages of the same factor: the same offset as with room for the QR."""
+    rng = np.random.RandomState(21)
+    X = rng.normal(size=(120, 2))
+    y = np.sin(X.sum(1))
+    net = PathKernelMachine(**{**SMALL, "hidden_layer_sizes": (40,), "max_iter": 50}).fit(X, y)
+    big = OODRankDetector(FrozenEstimator(net), method="residual", rtol=1e-4,
+                          contamination=0.2).fit(X)
+    r = big.rank_
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    # Room for the factor (and a Gram block), not for the QR's second array beside it.
+    small_net.memory_budget = 8 * (2 * 120 * r + 2 * r * r) - 8
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_rank_gap, "loo_relative_residuals", None)  # the QR pass must not run
+        small = OODRankDetector(FrozenEstimator(small_net), method="residual", rtol=1e-4,
+                                contamination=0.2).fit(X)
+    # (Smaller Gram blocks: other pivots, of the same tolerance.)
+    assert small.rank_ < len(X)
+    P = dense_features(big, X)
+    _, loo = nystrom_residuals(P, small.pivots_, small.lambda_, P[:1])
+    np.testing.assert_allclose(small.offset_, np.percentile(loo, 20), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["tanh", "relu_1d", "mostly_pivots"])
 def test_a_contamination_is_the_false_positive_rate_on_new_data_when_the_span_saturates(kind):
     """More training points than directions: every residual is the jitter's O(rtol) leak.
     The exact leave-one-out residuals (each point against the N - 1 others) leaked several
     times less than a new point scored against the pivots, so contamination=0.1 put
-    offset_ below every new point's score and flagged all of them."""
+    offset_ below every new point's score and flagged all of them; scoring the
+    non-pivots as queries still left the pivots' exact residuals, and where most points
+    are pivots ("mostly_pivots": 80 of 200) 0.1 flagged 0.2 of new data."""
     rng = np.random.RandomState(21)
-    if kind == "tanh":
+    if kind in ("tanh", "mostly_pivots"):
         draw = lambda n: rng.normal(size=(n, 2))  # noqa: E731
-        params = dict(hidden_layer_sizes=(3,))
+        params = dict(hidden_layer_sizes=(3,) if kind == "tanh" else (40,))
     else:
         draw = lambda n: rng.uniform(0, 1, size=(n, 1))  # noqa: E731
         params = dict(hidden_layer_sizes=(8,), activation="relu")
@@ -124,8 +194,11 @@ def test_a_contamination_is_the_false_positive_rate_on_new_data_when_the_span_sa
     det = OODRankDetector(trainer(y, max_iter=50, **params), method="residual",
                           contamination=0.1).fit(X, y)
     P = dense_features(det, X)
-    assert np.linalg.matrix_rank(P) < len(X) // 4  # the reference: a saturated span
-    assert det.rank_ < len(X) // 4
+    if kind == "mostly_pivots":  # 161 parameters, a smoothly decaying spectrum
+        assert len(X) // 4 < det.rank_ < len(X)
+    else:
+        assert np.linalg.matrix_rank(P) < len(X) // 4  # the reference: a saturated span
+        assert det.rank_ < len(X) // 4
     # The documented meaning of a float: the share of new data from the training
     # distribution that predict flags: the coverage of a 10% quantile of 200 scores has
     # a standard error of sqrt(0.1 * 0.9 / 200) = 0.021; four of them either side.
@@ -449,28 +522,6 @@ def test_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         det.fit(X, y)  # refits cleanly
-
-
-def test_residual_leave_one_out_without_room_for_the_qr_uses_the_pivots(monkeypatch):
-    # 20 generic features, full rank: every point is a pivot, and the pivots' bound
-    # is the exact leave-one-out residual.
-    rng = np.random.RandomState(13)
-    X, y = task_data("regression", rng)
-    net = PathKernelMachine(**SMALL).fit(X, y)
-    big = OODRankDetector(FrozenEstimator(net), method="residual", contamination=0.25).fit(X)
-    # Room for the 20 x 20 factor, not for the QR's second array beside it (12,800
-    # bytes); the budget is set on a copy, below the 1 MiB that validation allows.
-    small_net = copy.copy(net)
-    small_net.memory_budget = 10_000
-    with monkeypatch.context() as m:
-        m.setattr(_rank_gap, "loo_relative_residuals", None)  # the QR pass must not run
-        small = OODRankDetector(FrozenEstimator(small_net), method="residual",
-                                contamination=0.25).fit(X)
-    assert small.rank_ == big.rank_ == 20
-    P = dense_features(big, X)
-    loo = leave_one_out_scores(P)
-    np.testing.assert_allclose(small.offset_, np.percentile(loo, 25), atol=1e-6)
-    np.testing.assert_allclose(small.offset_, big.offset_, atol=1e-6)
 
 
 def _token_net(n_features_in, n_outputs):

@@ -111,9 +111,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
           its ``n_neighbors`` best-aligned training features ``S`` (largest cosine
           ``K_hat(x, x_i)``), ``s_S(x)^2 = 1 - k_S(x)^T (Theta_SS + lam I)^{{-1}}
           k_S(x) / Theta(x, x)``; in [-1, 0].
-        - "residual": the same outside the span of all training features, ``k(x) =
-          Theta(X_span, x)`` over the pivots of the factorisation (see Notes): 0 inside
-          the span, -1 orthogonal to it.
+        - "residual": the same outside the span of all N training features, ``k(x) =
+          Theta(X_fit_, x)``, evaluated through the pivots' factorisation (see Notes):
+          0 inside the span, -1 orthogonal to it.
         - "alignment": ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and a
           training feature; in [-1, 1].
 
@@ -158,16 +158,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         lies in its own span, so they are ~0 (as ``LocalOutlierFactor`` with
         ``novelty=True``, predicting on the training set is not meaningful).
 
-        With "residual", a point that is not a pivot is scored as new data is, against
-        the pivots' span (its exact residual against all the others is a smaller jitter
-        leak where the span saturates, whose quantile flagged every new point); a pivot
-        exactly against all the others when the budget holds a second ``N x r`` array
-        beside the factor, otherwise against the other pivots (an upper bound). Where
-        most training points are pivots of a nearly saturated span, the pivots' exact
-        residuals still leak less than a new point's, and a float flags more than its
-        share of new data (0.22 for 0.05 on digits 0-4 with 8 hidden units, 442 pivots
-        of 600 points, 0.04 with "local"; 0.63 for 0.05 on a shorter-trained Friedman #1
-        network, 769 pivots of 1000 points). Prefer "local", or ``"auto"``, there.
+        With "residual", every training point is scored (all N, not a subset) against
+        the N - 1 others by the same all-N formula, through the same factor, as new
+        data is against all N: where the span saturates, both are the jitter's
+        ``O(rtol)`` leak, and the quantile is the false-positive rate on new data (0.050
+        for 0.05 on digits 0-4 with 8 hidden units, 444 pivots of 600 points, where a
+        query scored against the pivots alone flagged 0.116).
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
         the ``N x r`` float64 factor allows in half of ``memory_budget`` (and at most N).
@@ -225,15 +221,24 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
     block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes
     ``Theta[:, B]`` for blocks ``B`` of the 256 points with the largest residual
-    diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``. The score
-    uses ``Theta_LL`` (r x r, Cholesky of ``Theta_LL + lam I``) and
-    ``k(x) = Theta(X_L, x)``: identical to the formula above with all N points when
-    ``r = N`` (full numerical rank), and otherwise the span of features that contains
-    every training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
-    ``O(N r sum_l (d_in + C d_out) + N r b)``, memory ``O(N r)``; scoring ``O(n r)``.
-    At N = 20000 the same network's span needs 4226 pivots; the 1 GiB budget holds
-    3355, and the truncated span's AUROCs are within +0.007 / +0.009 of the exact one's
-    (not lower) on the benchmark's splits.
+    diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``: the
+    Nystrom factor ``G = Theta[:, L] L^{{-T}}`` (N x r, ``L L^T = Theta_LL``,
+    ``Theta ~= G G^T`` to within the tolerance on every diagonal entry). The score is
+    the formula above with all N points through it: ``k(x) ~= G c`` with ``c =
+    L^{{-1}} k_L(x)``, ``k_L(x) = Theta(X_L, x)``, and ``k^T (G G^T + lam I)^{{-1}} k =
+    c^T M (M + lam I)^{{-1}} c`` with ``M = G^T G`` (r x r, factorised at fit): ``r``
+    kernel entries and two ``r x r`` triangular solves per query. The leave-one-out
+    scores of ``offset_`` are the same formula for each training point against the N
+    - 1 others, from a thin QR of ``G`` (or, when its second ``N x r`` array does not
+    fit in the budget beside the factor, from the leverages ``g_i^T (M + lam I)^{{-1}}
+    g_i``). Identical to the dense formula when ``r = N`` (full numerical rank), and
+    otherwise its value with ``Theta`` replaced by the factor, which matches every
+    training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
+    ``O(N r sum_l (d_in + C d_out) + N r b + N r^2)``, memory ``O(N r + r^2)``;
+    scoring ``O(n r^2)`` besides its ``n r`` kernel entries. At N = 20000 the same
+    network's span needs 4226 pivots; the 1 GiB budget holds 3355, and the truncated
+    span's AUROCs were within +0.007 / +0.009 of the exact one's (not lower) on the
+    benchmark's splits (measured when a query was scored against the pivots alone).
 
     **Multi-output networks.** Every Gram is the trace kernel: the span of
     ``vec J(x) / sqrt(C)``, in which a point is inside when its whole Jacobian is one
@@ -415,15 +420,14 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                     ConvergenceWarning, stacklevel=caller_stacklevel(),
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
-                         _X_span=span.X_span, _chol=span.chol)
+                         _X_span=span.X_span, _chol=span.chol, _post=span.post)
         if self.method == "residual":
-            # A point that is not a pivot is scored as new data is, against the pivots'
-            # span: its exact leave-one-out residual is a smaller jitter leak where the
-            # span saturates, and a quantile of those flagged every new point. The
-            # pivots: exact (all the others), or the pivots' bound when the exact pass
-            # would hold a second N x r array.
-            sub = _loo_subset(n)
-            scores = -span.pivot_loo_residuals(gram, sub, pivots, exact=loo)
+            # Every training point against the N - 1 others, as a query is scored against
+            # all N (the same all-N formula, through the same factor): all N come with
+            # the factorisation. (Against the pivots alone, a query's residual leaked more
+            # than a training point's against all the others, and a float contamination
+            # flagged several times its share of new data.)
+            scores = -loo
         else:
             # Each training point of an evenly spaced subset scored against all the others.
             sub = _loo_subset(n)
@@ -434,7 +438,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             offset = float(np.percentile(scores, 100.0 * self.contamination))
         state["offset_"] = offset
         if self.method == "local":  # a previous fit's factorisation describes nothing now
-            for name in ("rank_", "pivots_", "_X_span", "_chol"):
+            for name in ("rank_", "pivots_", "_X_span", "_chol", "_post"):
                 self.__dict__.pop(name, None)
         for name, value in state.items():
             setattr(self, name, value)
@@ -443,7 +447,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     # ------------------------------------------------------------------ scores
     def _span(self) -> TangentSpan:
         return TangentSpan(self.X_fit_, self._train_diag, self.lambda_,
-                           getattr(self, "_X_span", None), getattr(self, "_chol", None))
+                           getattr(self, "_X_span", None), getattr(self, "_chol", None),
+                           getattr(self, "_post", None))
 
     @_runs_detector_module
     def score_samples(self, X):

@@ -199,13 +199,18 @@ def loo_relative_residuals(G, diag, lam):
     outside the pivots' span, at most ``lam`` when the factorisation is complete) adds
     to the variance. The posterior variance of point ``i`` given all the others under
     ``G G^T + lam I`` is ``1 / [(G G^T + lam I)^{-1}]_ii - lam``. With the thin QR
-    ``G = Q R`` and ``R R^T = V S V^T``, ``U = Q V`` is orthonormal to machine precision
-    and ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 - ||U_i||^2) / lam``.
+    ``G = Q R`` and the SVD ``R = V S^{1/2} W^T``, ``U = Q V`` is orthonormal to machine
+    precision and ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 -
+    ||U_i||^2) / lam``. Returns the relative residuals and the eigenpairs ``(S, W)`` of
+    ``M = G^T G = W S W^T``, which the queries' scores take (:meth:`TangentSpan.factorize`).
     """
     if G.shape[1] == 0:
-        return torch.ones_like(diag)
+        return torch.ones_like(diag), None, None
     Q, R = torch.linalg.qr(G)
-    S, V = torch.linalg.eigh(R @ R.T)
+    # The SVD of R, not eigh(R R^T): its right singular vectors are M's eigenvectors,
+    # which the queries' scores need too, for less than a second eigendecomposition.
+    V, sigma, Wt = torch.linalg.svd(R)
+    S = sigma.square()
     weight = 1.0 / (S.clamp(min=0) + lam)
     # Every point a pivot: Q is square and orthogonal, so 1 - ||U_i||^2 is exactly 0. Its
     # computed value is round-off (~1e-16), which a small jitter (1e-20 of the largest
@@ -221,7 +226,7 @@ def loo_relative_residuals(G, diag, lam):
         if complement:
             inv_diag[start : start + step] += (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam
     var = (1.0 / inv_diag - lam).clamp(min=0) + (diag - row_norms2(G)).clamp(min=0)
-    return _relative(var, diag)
+    return _relative(var, diag), S, Wt.T
 
 
 def leverage_loo_relative_residuals(G, post, diag, lam):
@@ -273,6 +278,26 @@ def jittered_cholesky(K, lam, overwrite=False):
     return (torch.sign(R.diagonal()).unsqueeze(1) * R).T
 
 
+def cholesky_resolution(chol, n_iter=30):
+    """``r eps ||Theta_LL||_2``: the backward error of the Cholesky factor ``L`` (r x r) of
+    ``Theta_LL = L L^T`` in its dtype, the least squared residual a solve with it resolves.
+
+    ``||Theta_LL||_2`` by power iteration on ``L L^T`` (a lower bound that converges from
+    below, kept at least the mean eigenvalue ``trace / r``): ``r^2`` per iteration.
+    """
+    r = chol.shape[0]
+    top = float(row_norms2(chol).sum()) / r
+    v = torch.ones(r, dtype=chol.dtype, device=chol.device)
+    for _ in range(n_iter):
+        w = chol @ (chol.T @ v)
+        norm = float(torch.linalg.vector_norm(w))
+        if norm == 0 or not math.isfinite(norm):
+            break
+        top = max(top, float(v @ w) / float(v @ v))
+        v = w / norm
+    return r * torch.finfo(chol.dtype).eps * top
+
+
 def row_norms2(G):
     # Not (G * G).sum(1): that is an N x r temporary, the size of G itself.
     return torch.linalg.vector_norm(G, dim=1).square()
@@ -321,22 +346,24 @@ class TangentSpan:
         ``Theta(x_i, x_i)``.
     lam : float
         The jitter added to every Gram of training features before it is factorised.
-    X_span, chol, post : ndarray, default=None
-        The pivots' inputs, the Cholesky factor ``L`` of their Gram ``Theta_LL`` and that
-        of ``M + lam I``, ``M = G^T G`` for the Nystrom factor ``G = Theta[:, L] L^{-T}``
-        of all N training features (from :meth:`factorize`): the global span, used by
-        :meth:`residuals`. Without ``post`` (a detector fitted before it existed),
+    X_span, chol, basis, eig : ndarray, default=None
+        The pivots' inputs, the Cholesky factor ``L`` of their Gram ``Theta_LL``, and
+        ``W^T L^{-1}`` (r x r) and ``S`` (r,) from the eigendecomposition ``M = W S W^T``
+        of ``M = G^T G`` for the Nystrom factor ``G = Theta[:, L] L^{-T}`` of all N
+        training features (from :meth:`factorize`): the global span, used by
+        :meth:`residuals`. Without ``basis`` (a detector fitted before it existed),
         ``chol`` is the factor of ``Theta_LL + lam I`` and a query is scored against the
         pivots alone.
     """
 
-    def __init__(self, X, diag, lam, X_span=None, chol=None, post=None):
+    def __init__(self, X, diag, lam, X_span=None, chol=None, basis=None, eig=None):
         self.X = X
         self.diag = np.asarray(diag, dtype=np.float64)
         self.lam = float(lam)
         self.X_span = X_span
         self.chol = chol
-        self.post = post
+        self.basis = basis
+        self.eig = eig
 
     @staticmethod
     def rank_gap(gram, n_train: int, rtol: float) -> tuple[int, int]:
@@ -365,7 +392,7 @@ class TangentSpan:
 
     @classmethod
     def factorize(cls, gram: NetworkGram, X, diag, lam, max_rank, *, block=BLOCK,
-                  loo=False):
+                  loo=False, score=True):
         """Pivoted Cholesky of the training Gram: the span, and leave-one-out residuals.
 
         Returns ``(span, pivots, complete, loo, reached)``: ``complete`` says whether the
@@ -380,7 +407,12 @@ class TangentSpan:
 
         The factor ``G`` (N x r, ``Theta ~= G G^T``) is the Nystrom factor of the pivots,
         ``G = Theta[:, L] L^{-T}`` with ``L L^T = Theta_LL`` (its rows at the pivots are
-        ``L``): kept are ``L`` and the Cholesky factor of ``G^T G + lam I`` (r x r each).
+        ``L``): kept are ``L`` and, for :meth:`residuals` (unless ``score`` is False and
+        no ``loo`` is asked), ``W^T L^{-1}`` and ``S`` with ``G^T G = W S W^T``.
+
+        The returned span's jitter is ``lam``, or ``L``'s resolution
+        (:func:`cholesky_resolution`) where that is larger: the pivots are chosen at the
+        tolerance ``lam`` in either case.
         """
         Xt = gram.tensor(X)
         diag_t = torch.as_tensor(diag, device=gram.device)
@@ -393,26 +425,39 @@ class TangentSpan:
         reached = float((diag_t - row_norms2(G)).clamp(min=0.0).max()) if n else 0.0
         complete = not (len(pivots) == max_rank < n and reached > lam)
         r = G.shape[1]
-        X_span, chol, post, residuals = X[to_numpy(pivots)], None, None, None
+        X_span, chol, basis, eig, residuals = X[to_numpy(pivots)], None, None, None, None
+        S = W = None
         if r:
             # The factor's rows at the pivots: L, lower triangular in pivot order.
-            # The factor's rows at the pivots: L, lower triangular in pivot order.
             chol_t = G[pivots.to(G.device)].tril_()
-            # Beside the factor: L, M (which the Cholesky's jitter overwrites) and the
-            # factor of M + lam I, r x r each.
-            post_t = jittered_cholesky(G.T @ G, lam, overwrite=True)
-            chol, post = to_numpy(chol_t), to_numpy(post_t)
+            # A query's residual outside the pivots' span, Theta(x, x) - ||L^{-1}
+            # k_L(x)||^2, cancels down to L's backward error; below it the jitter's leak
+            # would be round-off (measured: N = 3000 points on 449 parameters, whose
+            # residuals read -1.3e-11 of the largest diagonal at rtol=1e-6's 1e-12).
+            lam = max(lam, cholesky_resolution(chol_t))
+            chol = to_numpy(chol_t)
         if loo:
-            # The QR's Q (N x r) and R, its R R^T and eigenvectors (r x r), beside the
-            # factor, L and the factor of M + lam I.
+            # The QR's Q (N x r) and R, R's SVD (r x r each), beside the factor and L.
             if 8 * (2 * n * r + 4 * r * r) <= gram.budget:
-                residuals = loo_relative_residuals(G, diag_t, max(lam, 1e-300))
+                residuals, S, W = loo_relative_residuals(G, diag_t, max(lam, 1e-300))
             elif r:
-                residuals = leverage_loo_relative_residuals(G, post_t, diag_t, lam)
+                # M, its eigenvectors and the factor of M + lam I, r x r each.
+                M = G.T @ G
+                S, W = torch.linalg.eigh(M)
+                post = jittered_cholesky(M, lam, overwrite=True)
+                residuals = leverage_loo_relative_residuals(G, post, diag_t, lam)
             else:
                 residuals = torch.ones_like(diag_t)
             residuals = to_numpy(residuals)
-        return (cls(X, diag, lam, X_span, chol, post), to_numpy(pivots), complete,
+        elif r and score:
+            S, W = torch.linalg.eigh(G.T @ G)
+        if S is not None:
+            # One product per query block (W^T L^{-1}) k_L(x), not two triangular solves
+            # (L, then the factor of M + lam I): as precise, measured (1.3e-7 in the
+            # score, N = 3000), and a query costs what the pivots-only score did.
+            basis = to_numpy(torch.linalg.solve_triangular(chol_t.T, W, upper=True).T)
+            eig = to_numpy(S.clamp(min=0))
+        return (cls(X, diag, lam, X_span, chol, basis, eig), to_numpy(pivots), complete,
                 residuals, reached)
 
     # ------------------------------------------------------------------ global span
@@ -423,10 +468,11 @@ class TangentSpan:
         Through the pivots' Nystrom factor ``G`` (:meth:`factorize`): ``k(x) ~= G c`` with
         ``c = L^{-1} k_L(x)``, ``k_L(x) = Theta(X_span, x)``, and ``Theta ~= G G^T``, so
         ``k^T (G G^T + lam I)^{-1} k = c^T M (M + lam I)^{-1} c = ||c||^2 - lam c^T
-        (M + lam I)^{-1} c`` with ``M = G^T G`` (r x r): ``r`` kernel entries and two
-        triangular solves per query. The residual is ``Theta(x, x) - ||c||^2`` (outside
-        the pivots' span) plus ``lam c^T (M + lam I)^{-1} c`` (the jitter's leak inside
-        it), the quantity the leave-one-out training residuals measure.
+        (M + lam I)^{-1} c`` with ``M = G^T G = W S W^T`` (r x r). With ``y = W^T c``
+        (one r x r product per query), the residual is ``Theta(x, x) - ||y||^2`` (outside
+        the pivots' span, which cancels down to ``L``'s resolution) plus ``lam sum_j
+        y_j^2 / (S_j + lam)`` (the jitter's leak inside it, no cancellation), the
+        quantity the leave-one-out training residuals measure.
         """
         Xt = gram.tensor(X)
         diag = gram.diag(Xt).to(torch.float64)
@@ -434,16 +480,20 @@ class TangentSpan:
             return to_numpy(_relative(diag, diag))
         span = gram.tensor(self.X_span)
         chol = torch.as_tensor(self.chol, device=gram.device)
-        post = None if self.post is None else torch.as_tensor(self.post, device=gram.device)
+        if self.basis is not None:
+            basis = torch.as_tensor(self.basis, device=gram.device)
+            leak = self.lam / (torch.as_tensor(self.eig, device=gram.device) + self.lam)
         var = torch.empty_like(diag)
         step = gram.rows_per_block(len(self.X_span), "score_samples")
         for start in range(0, X.shape[0], step):
             K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
-            c = torch.linalg.solve_triangular(chol, K, upper=False)
-            var[start : start + step] = diag[start : start + step] - (c * c).sum(0)
-            if post is not None:
-                q = torch.linalg.solve_triangular(post, c, upper=False)
-                var[start : start + step] += self.lam * (q * q).sum(0)
+            if self.basis is None:  # the pivots alone: chol is that of Theta_LL + lam I
+                y = torch.linalg.solve_triangular(chol, K, upper=False).square_()
+                var[start : start + step] = diag[start : start + step] - y.sum(0)
+                continue
+            y = (basis @ K).square_()
+            var[start : start + step] = (diag[start : start + step] - y.sum(0)
+                                         + (leak.unsqueeze(1) * y).sum(0))
         return to_numpy(_relative(var, diag))
 
     # ------------------------------------------------------------------ neighbours

@@ -170,6 +170,13 @@ def pivoted_cholesky(column, diag, tol, max_rank, block=BLOCK):
         J = torch.as_tensor(order, device=diag.device)
         L = torch.stack(L_cols, dim=1)[J]  # lower triangular in pivot order
         new = torch.linalg.solve_triangular(L, C[:, J].T, upper=False).T
+        # The rows of the pivots are exact: this block's are L itself and the earlier
+        # ones' are 0 (each lies in its own span). Solved, they carry round-off that a
+        # tiny tolerance makes comparable to L's diagonal; set, the factor's rows at the
+        # pivots are the Cholesky factor of Theta_LL, which the scores solve with.
+        new[cand[J]] = L
+        if pivots:
+            new[pivots] = 0.0
         m = len(order)
         if k + m > G.shape[1]:
             grown = diag.new_empty((min(max_rank, max(2 * G.shape[1], k + m)), n))
@@ -186,15 +193,24 @@ def pivoted_cholesky(column, diag, tol, max_rank, block=BLOCK):
 def loo_relative_residuals(G, diag, lam):
     """Leave-one-out relative residuals of the training features, from ``Theta ~= G G^T``.
 
-    The posterior variance of point ``i`` given all the others under ``G G^T + lam I`` is
-    ``1 / [(G G^T + lam I)^{-1}]_ii - lam``. With the thin QR ``G = Q R`` and
-    ``R R^T = V S V^T``, ``U = Q V`` is orthonormal to machine precision and
-    ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 - ||U_i||^2) / lam``.
+    Each point is scored as a query is by :meth:`TangentSpan.residuals`, against the
+    others: off the diagonal the kernel is the factor's, ``g_i^T g_j``, on it the exact
+    ``Theta_ii``, whose excess ``d_i = Theta_ii - ||g_i||^2`` (the feature's residual
+    outside the pivots' span, at most ``lam`` when the factorisation is complete) adds
+    to the variance. The posterior variance of point ``i`` given all the others under
+    ``G G^T + lam I`` is ``1 / [(G G^T + lam I)^{-1}]_ii - lam``. With the thin QR
+    ``G = Q R`` and the SVD ``R = V S^{1/2} W^T``, ``U = Q V`` is orthonormal to machine
+    precision and ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 -
+    ||U_i||^2) / lam``. Returns the relative residuals and the eigenpairs ``(S, W)`` of
+    ``M = G^T G = W S W^T``, which the queries' scores take (:meth:`TangentSpan.factorize`).
     """
     if G.shape[1] == 0:
-        return torch.ones_like(diag)
+        return torch.ones_like(diag), None, None
     Q, R = torch.linalg.qr(G)
-    S, V = torch.linalg.eigh(R @ R.T)
+    # The SVD of R, not eigh(R R^T): its right singular vectors are M's eigenvectors,
+    # which the queries' scores need too, for less than a second eigendecomposition.
+    V, sigma, Wt = torch.linalg.svd(R)
+    S = sigma.square()
     weight = 1.0 / (S.clamp(min=0) + lam)
     # Every point a pivot: Q is square and orthogonal, so 1 - ||U_i||^2 is exactly 0. Its
     # computed value is round-off (~1e-16), which a small jitter (1e-20 of the largest
@@ -209,11 +225,35 @@ def loo_relative_residuals(G, diag, lam):
         inv_diag[start : start + step] = (U * U * weight).sum(1)
         if complement:
             inv_diag[start : start + step] += (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam
-    var = (1.0 / inv_diag - lam).clamp(min=0)
+    var = (1.0 / inv_diag - lam).clamp(min=0) + (diag - row_norms2(G)).clamp(min=0)
+    return _relative(var, diag), S, Wt.T
+
+
+def leverage_loo_relative_residuals(G, post, diag, lam):
+    """:func:`loo_relative_residuals` without its second ``N x r`` array (the QR's ``Q``).
+
+    By Woodbury, ``[(G G^T + lam I)^{-1}]_ii = (1 - h_i) / lam`` with the leverage
+    ``h_i = g_i^T (G^T G + lam I)^{-1} g_i = ||post^{-1} g_i||^2`` (``post`` the Cholesky
+    factor of ``G^T G + lam I``), computed in row blocks of ``G``: the variance is
+    ``lam h_i / (1 - h_i)``. ``1 - h_i`` cancels for a point far from the others' span
+    (``1 - h_i = lam / (lam + var)``), so its relative residual is only as precise as
+    ``h_i``: measured against the QR at rtol=1e-6, within 1.4e-6 (digits, N = 600) and
+    1.9e-5 (N = 3000) relative, medians 6e-15 and 4e-7.
+    """
+    if G.shape[1] == 0:
+        return torch.ones_like(diag)
+    lev = torch.empty_like(diag)
+    step = max(1, 2**22 // max(G.shape[1], 1))
+    for start in range(0, G.shape[0], step):
+        q = torch.linalg.solve_triangular(post, G[start : start + step].T, upper=False)
+        lev[start : start + step] = (q * q).sum(0)
+    h = lev.clamp(0.0, 1.0)
+    var = lam * h / (1.0 - h).clamp(min=torch.finfo(h.dtype).eps)
+    var = var + (diag - row_norms2(G)).clamp(min=0)
     return _relative(var, diag)
 
 
-def jittered_cholesky(K, lam):
+def jittered_cholesky(K, lam, overwrite=False):
     """Lower triangular ``L`` with ``L L^T = K + lam I``, for a PSD Gram ``K`` and ``lam > 0``.
 
     Cholesky of the sum first. A jitter below the Gram's float64 round-off (``rtol``
@@ -221,18 +261,41 @@ def jittered_cholesky(K, lam):
     then ``L`` is the factor of ``K_+ + lam I``, with ``K_+`` the Gram without its
     negative (round-off) eigenvalues, from the R of a QR of ``[sqrt(K_+); sqrt(lam) I]``:
     square roots span twice the range of exponents that the sum would need.
+    ``overwrite``: ``K`` may be used as the sum's storage (no copy of it).
     """
-    W = K.clone()
+    W = K if overwrite else K.clone()
     W.diagonal().add_(lam)
     L, info = torch.linalg.cholesky_ex(W)
     if int(info) == 0:
         return L
+    K = W
+    K.diagonal().sub_(lam)
     S, V = torch.linalg.eigh((K + K.T) / 2)
     root = S.clamp(min=0).sqrt().unsqueeze(1) * V.T  # root^T root = K_+
     eye = torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
     R = torch.linalg.qr(torch.cat([root, math.sqrt(lam) * eye]), mode="r").R
     # The Cholesky factor is the one with a positive diagonal.
     return (torch.sign(R.diagonal()).unsqueeze(1) * R).T
+
+
+def cholesky_resolution(chol, n_iter=30):
+    """``r eps ||Theta_LL||_2``: the backward error of the Cholesky factor ``L`` (r x r) of
+    ``Theta_LL = L L^T`` in its dtype, the least squared residual a solve with it resolves.
+
+    ``||Theta_LL||_2`` by power iteration on ``L L^T`` (a lower bound that converges from
+    below, kept at least the mean eigenvalue ``trace / r``): ``r^2`` per iteration.
+    """
+    r = chol.shape[0]
+    top = float(row_norms2(chol).sum()) / r
+    v = torch.ones(r, dtype=chol.dtype, device=chol.device)
+    for _ in range(n_iter):
+        w = chol @ (chol.T @ v)
+        norm = float(torch.linalg.vector_norm(w))
+        if norm == 0 or not math.isfinite(norm):
+            break
+        top = max(top, float(v @ w) / float(v @ v))
+        v = w / norm
+    return r * torch.finfo(chol.dtype).eps * top
 
 
 def row_norms2(G):
@@ -283,17 +346,24 @@ class TangentSpan:
         ``Theta(x_i, x_i)``.
     lam : float
         The jitter added to every Gram of training features before it is factorised.
-    X_span, chol : ndarray, default=None
-        The pivots' inputs and the Cholesky factor of their Gram plus ``lam I`` (from
-        :meth:`factorize`): the global span, used by :meth:`residuals`.
+    X_span, chol, basis, eig : ndarray, default=None
+        The pivots' inputs, the Cholesky factor ``L`` of their Gram ``Theta_LL``, and
+        ``W^T L^{-1}`` (r x r) and ``S`` (r,) from the eigendecomposition ``M = W S W^T``
+        of ``M = G^T G`` for the Nystrom factor ``G = Theta[:, L] L^{-T}`` of all N
+        training features (from :meth:`factorize`): the global span, used by
+        :meth:`residuals`. Without ``basis`` (a detector fitted before it existed),
+        ``chol`` is the factor of ``Theta_LL + lam I`` and a query is scored against the
+        pivots alone.
     """
 
-    def __init__(self, X, diag, lam, X_span=None, chol=None):
+    def __init__(self, X, diag, lam, X_span=None, chol=None, basis=None, eig=None):
         self.X = X
         self.diag = np.asarray(diag, dtype=np.float64)
         self.lam = float(lam)
         self.X_span = X_span
         self.chol = chol
+        self.basis = basis
+        self.eig = eig
 
     @staticmethod
     def rank_gap(gram, n_train: int, rtol: float) -> tuple[int, int]:
@@ -322,16 +392,27 @@ class TangentSpan:
 
     @classmethod
     def factorize(cls, gram: NetworkGram, X, diag, lam, max_rank, *, block=BLOCK,
-                  loo=False):
+                  loo=False, score=True):
         """Pivoted Cholesky of the training Gram: the span, and leave-one-out residuals.
 
         Returns ``(span, pivots, complete, loo, reached)``: ``complete`` says whether the
         pivots reach the tolerance ``lam`` (False: stopped at ``max_rank``), ``reached``
         the largest squared residual of a training feature outside the pivots' span
         (``max_i ||phi_i - P_L phi_i||^2``, what ``lam`` bounds), ``loo`` the
-        leave-one-out relative residuals of all N points, exact, from a thin QR of the
-        factor (None unless asked, or when that QR's second ``N x r`` array would not fit
-        in the budget beside the factor: then see :meth:`pivot_loo_residuals`).
+        leave-one-out relative residuals of all N points, each against the N - 1 others
+        as :meth:`residuals` scores a query against all N (None unless asked): from a
+        thin QR of the factor (:func:`loo_relative_residuals`), or, when that QR's second
+        ``N x r`` array would not fit in the budget beside the factor, from the leverages
+        (:func:`leverage_loo_relative_residuals`).
+
+        The factor ``G`` (N x r, ``Theta ~= G G^T``) is the Nystrom factor of the pivots,
+        ``G = Theta[:, L] L^{-T}`` with ``L L^T = Theta_LL`` (its rows at the pivots are
+        ``L``): kept are ``L`` and, for :meth:`residuals` (unless ``score`` is False and
+        no ``loo`` is asked), ``W^T L^{-1}`` and ``S`` with ``G^T G = W S W^T``.
+
+        The returned span's jitter is ``lam``, or ``L``'s resolution
+        (:func:`cholesky_resolution`) where that is larger: the pivots are chosen at the
+        tolerance ``lam`` in either case.
         """
         Xt = gram.tensor(X)
         diag_t = torch.as_tensor(diag, device=gram.device)
@@ -343,65 +424,77 @@ class TangentSpan:
             G, pivots = diag_t.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
         reached = float((diag_t - row_norms2(G)).clamp(min=0.0).max()) if n else 0.0
         complete = not (len(pivots) == max_rank < n and reached > lam)
-        residuals = None
         r = G.shape[1]
-        if loo and 8 * (2 * n * r + 2 * r * r) <= gram.budget:
-            residuals = to_numpy(loo_relative_residuals(G, diag_t, max(lam, 1e-300)))
-        # The N x r factor can be half the budget: freed before the r x r Gram of the span.
-        del G
-        X_span, chol = X[to_numpy(pivots)], None
-        if len(pivots):
-            chol = to_numpy(jittered_cholesky(gram.gram(gram.tensor(X_span)).to(torch.float64),
-                                              lam))
-        return cls(X, diag, lam, X_span, chol), to_numpy(pivots), complete, residuals, reached
-
-    def pivot_loo_residuals(self, gram: NetworkGram, idx, pivots, exact=None) -> np.ndarray:
-        """Leave-one-out relative residuals of training points ``idx`` from the pivots.
-
-        A point that is not a pivot is scored as a query is, by :meth:`residuals`: against
-        the span of the pivots, which it is not one of (and which holds every training
-        feature to within the tolerance, so the others' span to within it too). Not its
-        exact residual against all the others: where the span saturates (more points
-        than directions) both are the jitter's ``O(rtol)`` leak, and the one against
-        ``N - 1`` points is several times smaller than a query's against the ``r``
-        pivots, so a quantile of it flagged every new point. A pivot: ``exact[j]``, its
-        residual against all the others (:func:`loo_relative_residuals`), when given;
-        otherwise against the other pivots, ``1 / [(Theta_LL + lam I)^{-1}]_jj - lam``,
-        an upper bound of it (exact when every point is a pivot).
-        """
-        idx = np.asarray(idx)
-        position = {int(p): j for j, p in enumerate(pivots)}
-        mask = np.array([int(i) in position for i in idx], dtype=bool)
-        out = np.empty(len(idx))
-        if (~mask).any():
-            out[~mask] = self.residuals(gram, self.X[idx[~mask]])
-        if mask.any() and exact is not None:
-            out[mask] = np.asarray(exact)[idx[mask]]
-        elif mask.any():
-            chol = torch.as_tensor(self.chol)
-            inv_diag = torch.cholesky_inverse(chol).diagonal()
-            j = torch.as_tensor([position[int(i)] for i in idx[mask]])
-            var = (1.0 / inv_diag[j] - self.lam).clamp(min=0)
-            out[mask] = to_numpy(_relative(var, torch.as_tensor(self.diag[idx[mask]])))
-        return out
+        X_span, chol, basis, eig, residuals = X[to_numpy(pivots)], None, None, None, None
+        S = W = None
+        if r:
+            # The factor's rows at the pivots: L, lower triangular in pivot order.
+            chol_t = G[pivots.to(G.device)].tril_()
+            # A query's residual outside the pivots' span, Theta(x, x) - ||L^{-1}
+            # k_L(x)||^2, cancels down to L's backward error; below it the jitter's leak
+            # would be round-off (measured: N = 3000 points on 449 parameters, whose
+            # residuals read -1.3e-11 of the largest diagonal at rtol=1e-6's 1e-12).
+            lam = max(lam, cholesky_resolution(chol_t))
+            chol = to_numpy(chol_t)
+        if loo:
+            # The QR's Q (N x r) and R, R's SVD (r x r each), beside the factor and L.
+            if 8 * (2 * n * r + 4 * r * r) <= gram.budget:
+                residuals, S, W = loo_relative_residuals(G, diag_t, max(lam, 1e-300))
+            elif r:
+                # M, its eigenvectors and the factor of M + lam I, r x r each.
+                M = G.T @ G
+                S, W = torch.linalg.eigh(M)
+                post = jittered_cholesky(M, lam, overwrite=True)
+                residuals = leverage_loo_relative_residuals(G, post, diag_t, lam)
+            else:
+                residuals = torch.ones_like(diag_t)
+            residuals = to_numpy(residuals)
+        elif r and score:
+            S, W = torch.linalg.eigh(G.T @ G)
+        if S is not None:
+            # One product per query block (W^T L^{-1}) k_L(x), not two triangular solves
+            # (L, then the factor of M + lam I): as precise, measured (1.3e-7 in the
+            # score, N = 3000), and a query costs what the pivots-only score did.
+            basis = to_numpy(torch.linalg.solve_triangular(chol_t.T, W, upper=True).T)
+            eig = to_numpy(S.clamp(min=0))
+        return (cls(X, diag, lam, X_span, chol, basis, eig), to_numpy(pivots), complete,
+                residuals, reached)
 
     # ------------------------------------------------------------------ global span
     def residuals(self, gram: NetworkGram, X) -> np.ndarray:
-        """Relative residual of each ``phi(x)`` outside the (factorised) training span:
-        ``sqrt(1 - k(x)^T (Theta_LL + lam I)^{-1} k(x) / Theta(x, x))``."""
+        """Relative residual of each ``phi(x)`` outside the span of all N training
+        features: ``sqrt(1 - k(x)^T (Theta + lam I)^{-1} k(x) / Theta(x, x))``.
+
+        Through the pivots' Nystrom factor ``G`` (:meth:`factorize`): ``k(x) ~= G c`` with
+        ``c = L^{-1} k_L(x)``, ``k_L(x) = Theta(X_span, x)``, and ``Theta ~= G G^T``, so
+        ``k^T (G G^T + lam I)^{-1} k = c^T M (M + lam I)^{-1} c = ||c||^2 - lam c^T
+        (M + lam I)^{-1} c`` with ``M = G^T G = W S W^T`` (r x r). With ``y = W^T c``
+        (one r x r product per query), the residual is ``Theta(x, x) - ||y||^2`` (outside
+        the pivots' span, which cancels down to ``L``'s resolution) plus ``lam sum_j
+        y_j^2 / (S_j + lam)`` (the jitter's leak inside it, no cancellation), the
+        quantity the leave-one-out training residuals measure.
+        """
         Xt = gram.tensor(X)
         diag = gram.diag(Xt).to(torch.float64)
         if self.chol is None:
             return to_numpy(_relative(diag, diag))
         span = gram.tensor(self.X_span)
         chol = torch.as_tensor(self.chol, device=gram.device)
-        explained = torch.empty_like(diag)
+        if self.basis is not None:
+            basis = torch.as_tensor(self.basis, device=gram.device)
+            leak = self.lam / (torch.as_tensor(self.eig, device=gram.device) + self.lam)
+        var = torch.empty_like(diag)
         step = gram.rows_per_block(len(self.X_span), "score_samples")
         for start in range(0, X.shape[0], step):
             K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
-            q = torch.linalg.solve_triangular(chol, K, upper=False)
-            explained[start : start + step] = (q * q).sum(0)
-        return to_numpy(_relative(diag - explained, diag))
+            if self.basis is None:  # the pivots alone: chol is that of Theta_LL + lam I
+                y = torch.linalg.solve_triangular(chol, K, upper=False).square_()
+                var[start : start + step] = diag[start : start + step] - y.sum(0)
+                continue
+            y = (basis @ K).square_()
+            var[start : start + step] = (diag[start : start + step] - y.sum(0)
+                                         + (leak.unsqueeze(1) * y).sum(0))
+        return to_numpy(_relative(var, diag))
 
     # ------------------------------------------------------------------ neighbours
     def _neighbours(self, gram, X, n_neighbors, exclude, what):

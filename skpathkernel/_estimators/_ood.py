@@ -111,9 +111,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
           its ``n_neighbors`` best-aligned training features ``S`` (largest cosine
           ``K_hat(x, x_i)``), ``s_S(x)^2 = 1 - k_S(x)^T (Theta_SS + lam I)^{{-1}}
           k_S(x) / Theta(x, x)``; in [-1, 0].
-        - "residual": the same outside the span of all training features, ``k(x) =
-          Theta(X_span, x)`` over the pivots of the factorisation (see Notes): 0 inside
-          the span, -1 orthogonal to it.
+        - "residual": the same outside the span of all N training features, ``k(x) =
+          Theta(X_fit_, x)`` (THEORY's score, the normalised posterior variance),
+          evaluated through the pivots' factorisation at the jitter ``lambda_`` (see
+          Notes): 0 inside the span, -1 orthogonal to it.
         - "alignment": ``max_i K_hat(x, x_i)``, the best cosine between ``phi(x)`` and a
           training feature; in [-1, 1].
 
@@ -158,16 +159,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         lies in its own span, so they are ~0 (as ``LocalOutlierFactor`` with
         ``novelty=True``, predicting on the training set is not meaningful).
 
-        With "residual", a point that is not a pivot is scored as new data is, against
-        the pivots' span (its exact residual against all the others is a smaller jitter
-        leak where the span saturates, whose quantile flagged every new point); a pivot
-        exactly against all the others when the budget holds a second ``N x r`` array
-        beside the factor, otherwise against the other pivots (an upper bound). Where
-        most training points are pivots of a nearly saturated span, the pivots' exact
-        residuals still leak less than a new point's, and a float flags more than its
-        share of new data (0.22 for 0.05 on digits 0-4 with 8 hidden units, 442 pivots
-        of 600 points, 0.04 with "local"; 0.63 for 0.05 on a shorter-trained Friedman #1
-        network, 769 pivots of 1000 points). Prefer "local", or ``"auto"``, there.
+        With "residual", every training point is scored (all N, not a subset) against
+        the N - 1 others by the same all-N formula, through the same factor, as new
+        data is against all N: where the span saturates, both are the jitter's
+        ``O(rtol)`` leak, and the quantile is the false-positive rate on new data (0.050
+        for 0.05 on digits 0-4 with 8 hidden units, 444 pivots of 600 points, where a
+        query scored against the pivots alone flagged 0.116).
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
         the ``N x r`` float64 factor allows in half of ``memory_budget`` (and at most N).
@@ -194,7 +191,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     offset_ : float
         ``decision_function = score_samples - offset_``.
     lambda_ : float
-        The jitter ``lam``.
+        The jitter ``lam = rtol**2 * max_i Theta(x_i, x_i)``. With "residual", never
+        below what the pivots' Cholesky factor ``L`` resolves, ``r eps ||Theta_LL||_2``
+        (its backward error, ``eps`` float64's): below that an in-distribution point's
+        score, the jitter's leak alone, would be round-off (see Notes).
     rank_ : int
         Rank ``r`` of the factorisation: the number of pivots. Only with
         ``method="residual"`` or ``"alignment"`` ("local" factorises nothing).
@@ -225,15 +225,33 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     **Factorisation** ("residual"; also run by "alignment" for ``rank_``). A greedy
     block pivoted Cholesky (Nystrom with adaptively chosen landmarks) computes
     ``Theta[:, B]`` for blocks ``B`` of the 256 points with the largest residual
-    diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``. The score
-    uses ``Theta_LL`` (r x r, Cholesky of ``Theta_LL + lam I``) and
-    ``k(x) = Theta(X_L, x)``: identical to the formula above with all N points when
-    ``r = N`` (full numerical rank), and otherwise the span of features that contains
-    every training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
-    ``O(N r sum_l (d_in + C d_out) + N r b)``, memory ``O(N r)``; scoring ``O(n r)``.
-    At N = 20000 the same network's span needs 4226 pivots; the 1 GiB budget holds
-    3355, and the truncated span's AUROCs are within +0.007 / +0.009 of the exact one's
-    (not lower) on the benchmark's splits.
+    diagonal, by the structured Gram engine, and keeps the ``r`` pivots ``L``: the
+    Nystrom factor ``G = Theta[:, L] L^{{-T}}`` (N x r, ``L L^T = Theta_LL``,
+    ``Theta ~= G G^T`` to within the tolerance on every diagonal entry). The score is
+    the formula above with all N points through it: ``k(x) ~= G c`` with ``c =
+    L^{{-1}} k_L(x)``, ``k_L(x) = Theta(X_L, x)``, and ``k^T (G G^T + lam I)^{{-1}} k =
+    c^T M (M + lam I)^{{-1}} c`` with ``M = G^T G = W S W^T`` (r x r, decomposed at
+    fit). With ``y = W^T c`` the posterior variance is ``Theta(x, x) - ||y||^2`` (outside
+    the pivots' span) plus ``lam sum_j y_j^2 / (S_j + lam)`` (the jitter's leak inside
+    it): ``r`` kernel entries and one ``r x r`` product per query. The first part
+    cancels down to ``L``'s backward error, ``r eps ||Theta_LL||_2``; where N points
+    cover every parameter direction the leak ``lam`` at ``rtol=1e-6`` lay below it (1e-12
+    against 1.35e-11 of the largest diagonal, 3000 points on 449 parameters, whose
+    fresh in-distribution scores were 31% round-off), so ``lambda_`` is at least that
+    (the pivots are still chosen at ``rtol``). The leave-one-out
+    scores of ``offset_`` are the same formula for each training point against the N
+    - 1 others, from a thin QR of ``G`` (or, when its second ``N x r`` array does not
+    fit in the budget beside the factor, from the leverages ``g_i^T (M + lam I)^{{-1}}
+    g_i``). The dense formula (at ``lambda_``) where the pivots span every training
+    feature (``r`` the features' rank: measured within 2e-5 of it evaluated from the
+    features, and the leave-one-out scores within 1e-8 of refits without each point),
+    and otherwise its value with ``Theta`` replaced by the factor, which matches every
+    training feature to within ``rtol * max_i ||phi(x_i)||``. Cost: time
+    ``O(N r sum_l (d_in + C d_out) + N r b + N r^2 + r^3)``, memory ``O(N r + r^2)``;
+    scoring ``O(n r^2)`` besides its ``n r`` kernel entries. At N = 20000 the same
+    network's span needs 4226 pivots; the 1 GiB budget holds 3355, and the truncated
+    span's AUROCs were within +0.007 / +0.009 of the exact one's (not lower) on the
+    benchmark's splits (measured when a query was scored against the pivots alone).
 
     **Multi-output networks.** Every Gram is the trace kernel: the span of
     ``vec J(x) / sqrt(C)``, in which a point is inside when its whole Jacobian is one
@@ -404,7 +422,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 max_rank = max(1, gram.budget // (2 * 8 * n))
             max_rank = min(int(max_rank), n)
             span, pivots, complete, loo, reached = TangentSpan.factorize(
-                gram, X, diag, lam, max_rank, block=block, loo=self.method == "residual")
+                gram, X, diag, lam, max_rank, block=block, loo=self.method == "residual",
+                score=self.method == "residual")
             if not complete:
                 # In rtol's units: the distance of the farthest training feature from the
                 # pivots' span, relative to the largest feature norm.
@@ -419,15 +438,18 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                     ConvergenceWarning, stacklevel=caller_stacklevel(),
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
-                         _X_span=span.X_span, _chol=span.chol)
+                         _X_span=span.X_span, _chol=span.chol, _basis=span.basis,
+                         _eig=span.eig)
+            if self.method == "residual":
+                # The score's jitter: lam, or the pivots' Cholesky resolution if larger.
+                state["lambda_"] = span.lam
         if self.method == "residual":
-            # A point that is not a pivot is scored as new data is, against the pivots'
-            # span: its exact leave-one-out residual is a smaller jitter leak where the
-            # span saturates, and a quantile of those flagged every new point. The
-            # pivots: exact (all the others), or the pivots' bound when the exact pass
-            # would hold a second N x r array.
-            sub = _loo_subset(n)
-            scores = -span.pivot_loo_residuals(gram, sub, pivots, exact=loo)
+            # Every training point against the N - 1 others, as a query is scored against
+            # all N (the same all-N formula, through the same factor): all N come with
+            # the factorisation. (Against the pivots alone, a query's residual leaked more
+            # than a training point's against all the others, and a float contamination
+            # flagged several times its share of new data.)
+            scores = -loo
         else:
             # Each training point of an evenly spaced subset scored against all the others.
             sub = _loo_subset(n)
@@ -438,7 +460,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             offset = float(np.percentile(scores, 100.0 * self.contamination))
         state["offset_"] = offset
         if self.method == "local":  # a previous fit's factorisation describes nothing now
-            for name in ("rank_", "pivots_", "_X_span", "_chol"):
+            for name in ("rank_", "pivots_", "_X_span", "_chol", "_basis", "_eig"):
                 self.__dict__.pop(name, None)
         for name, value in state.items():
             setattr(self, name, value)
@@ -447,7 +469,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     # ------------------------------------------------------------------ scores
     def _span(self) -> TangentSpan:
         return TangentSpan(self.X_fit_, self._train_diag, self.lambda_,
-                           getattr(self, "_X_span", None), getattr(self, "_chol", None))
+                           getattr(self, "_X_span", None), getattr(self, "_chol", None),
+                           getattr(self, "_basis", None), getattr(self, "_eig", None))
 
     @_runs_detector_module
     def score_samples(self, X):

@@ -4,6 +4,8 @@ Twice: constructed with their defaults (what a new user gets: float32, Adam, min
 the stopping rule), and with small float64 settings (the exactness configuration).
 """
 
+import re
+
 import torch
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
@@ -67,9 +69,8 @@ _TOKEN_IDS = ("with a module, integer X is token ids handed to it as int64, whic
 # 15 rows, inside one default batch), the float64 settings pass; float32 rounds the
 # weighted mean and the mean over repeated rows differently, by about 3e-7 absolute,
 # above the check's rtol=1e-7. (Minibatches would differ in kind: batched SGD is not
-# invariant to repeating samples, MLPClassifier's xfail.)
-_FLOAT32_WEIGHTS = ("float32 rounding: weighted and repeated rows differ by ~3e-7 (the "
-                    "float64 settings pass this check)")
+# invariant to repeating samples, MLPClassifier's xfail.) Held to float32's level by
+# test_sklearn_estimator_checks (_float32_rounding) rather than listed as expected to fail.
 # SVC itself fails the check (scikit-learn 1.9 lists it as SVC's expected failure): on
 # the check's data, libsvm's fit with zero-weight rows differs from the fit without them
 # (0.035 in the one-vs-one decision values), and TangentFeatureSVM differs from the fit on
@@ -106,11 +107,17 @@ def _expected_failed_checks(estimator):
                 "check_sample_weights_pandas_series": _TOKEN_IDS,
                 "check_sample_weights_not_an_array": _TOKEN_IDS,
                 "check_sample_weights_shape": _TOKEN_IDS}
-    expected = dict(EXPECTED_FAILED_CHECKS.get(type(estimator).__name__, {}))
-    if any(estimator is e for e in DEFAULTS) and not isinstance(
-            estimator, (TangentFeatureSVM, OODRankDetector)):
-        expected["check_sample_weight_equivalence_on_dense_data"] = _FLOAT32_WEIGHTS
-    return expected
+    return dict(EXPECTED_FAILED_CHECKS.get(type(estimator).__name__, {}))
+
+
+def _float32_rounding(estimator, check) -> bool:
+    """Whether ``check`` compares the float32 defaults at float64's tolerance
+    (see above): not an expected failure, whose strict xpass another BLAS's
+    rounding (or a GPU's) would turn red, but a check held to float32's precision."""
+    name = getattr(check, "func", check).__name__
+    return (name == "check_sample_weight_equivalence_on_dense_data"
+            and any(estimator is e for e in DEFAULTS)
+            and not isinstance(estimator, (TangentFeatureSVM, OODRankDetector)))
 
 
 # Strict: an expected failure that passes fails the test, so that a reason which no longer
@@ -118,4 +125,16 @@ def _expected_failed_checks(estimator):
 @parametrize_with_checks(ESTIMATORS, expected_failed_checks=_expected_failed_checks,
                          xfail_strict=True)
 def test_sklearn_estimator_checks(estimator, check):
-    check(estimator)
+    if not _float32_rounding(estimator, check):
+        check(estimator)
+        return
+    # The check's rtol=1e-7 is below float32's rounding of the weighted
+    # against the repeated rows' mean; hold the difference to float32's level instead
+    # (relative, or absolute on these O(1) outputs, where features near 0 differ by ulps).
+    try:
+        check(estimator)
+    except AssertionError as exc:
+        found = {kind: re.search(rf"Max {kind} difference among violations: ([0-9.eE+-]+)",
+                                 str(exc)) for kind in ("absolute", "relative")}
+        assert all(found.values()), str(exc)
+        assert min(float(m.group(1)) for m in found.values()) < 1e-5, str(exc)

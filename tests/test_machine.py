@@ -9,7 +9,7 @@ from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import NotFittedError
 from sklearn.neighbors import NearestNeighbors
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, RecordedNetwork
+from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder, RecordedNetwork
 
 
 def _phi_loop(est, X, k=-1):
@@ -177,3 +177,23 @@ def test_predict_log_proba_is_finite_where_probabilities_round_to_zero(n_classes
     # predict_proba agrees down to its tiny probabilities (1 - expit(s) rounded them to 0;
     # below 1e-300 lie float64's subnormals, which expit itself flushes).
     assert_allclose(np.exp(log_p), clf.predict_proba(Q), rtol=1e-10, atol=1e-300)
+
+
+def test_kneighbors_of_a_single_training_sample_says_why_there_is_none():
+    # A recorded loop over one sample (the estimators need two to fit).
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = PathRecorder(module, opt, n_samples=1)
+    X = torch.ones((1, 2))
+    for _ in range(2):
+        opt.zero_grad()
+        module(X).square().mean().backward()
+        rec.set_batch([0])
+        opt.step()
+    net = rec.as_network(X, torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="at least 2 training samples"):
+        net.kneighbors(n_neighbors=1)
+    # With queries, the one sample is every query's neighbour.
+    assert_array_equal(net.kneighbors(np.zeros((2, 2), dtype=np.float32), n_neighbors=1,
+                                      return_distance=False), [[0], [0]])

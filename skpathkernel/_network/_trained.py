@@ -1169,6 +1169,9 @@ def _check_n_neighbors(n_neighbors, n_train: int, *, query_is_train: bool = Fals
     high, what = ((n_train - 1, "the number of training samples less one: with X=None "
                    "a sample is not its own neighbour") if query_is_train
                   else (n_train, "the number of training samples"))
+    if high < 1:
+        raise ValueError(f"kneighbors() without X needs at least 2 training samples (a "
+                         f"sample is not its own neighbour); this network has {n_train}.")
     if (isinstance(n_neighbors, bool) or not isinstance(n_neighbors, numbers.Integral)
             or not 0 < n_neighbors <= high):
         raise ValueError(

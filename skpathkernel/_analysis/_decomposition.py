@@ -223,6 +223,10 @@ BLOCK_CHUNK = 32
 # own arithmetic dominates (a batch of 200 rows of the default classifier is one
 # 200 x 64 x 64 GEMM per layer).
 STEP_BLOCK = 16
+# Bytes of a Hessian-vector product's formation per query, in units of its (C, P) result:
+# torch.func's jvp of a jacrev under vmap held about 3.6 of them at once on the default
+# MLPs (peak RSS; 1, 3 outputs, 5k to 69k parameters).
+HVP_FORMS = 4
 
 
 @dataclass
@@ -526,8 +530,13 @@ def _residual(q: torch.Tensor, df: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- helpers
-def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
-    """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P)."""
+def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weights=None):
+    """``out += alpha (H_t(x) dtheta)^T`` for every query: the derivative of J(x) along
+    dtheta, (Q, C, P), or its rows contracted with ``weights`` (Q, C) into (Q, 1, P).
+
+    Formed ``block`` queries at a time (see ``HVP_FORMS``), each parameter's slice added
+    to ``out`` in place: a (Q, C, P) product and its concatenation would not fit the
+    budget that sized the query block."""
     params, tangent = _params(traj, theta), _params(traj, delta)
 
     def f_single(p, x):
@@ -538,12 +547,20 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
     def row(x):
         return jvp(lambda p: jacrev(f_single)(p, x), (params,), (tangent,))[1]
 
-    with FORWARD_AD, twice_differentiable():
-        out = vmap(row)(X)
-    # (Q, C, *shape) per parameter; a 0-d parameter (a learnt scalar) has no dimension
-    # after the outputs to flatten from.
-    return torch.cat([out[name].reshape(*out[name].shape[:2], -1) for name in traj.names],
-                     dim=2)
+    for q0 in range(0, X.shape[0], block):
+        rows = slice(q0, q0 + block)
+        with FORWARD_AD, twice_differentiable():
+            hvp = vmap(row)(X[rows])
+        for name in traj.names:
+            # (q, C, *shape); a 0-d parameter (a learnt scalar) has no dimension after the
+            # outputs to flatten from.
+            h = hvp.pop(name)
+            h = h.reshape(*h.shape[:2], -1)
+            if weights is not None:
+                h = torch.bmm(weights[rows].to(out.dtype).unsqueeze(1), h)
+            start, size = layout[name]
+            out[rows, :, start : start + size].add_(h, alpha=alpha)
+            del h
 
 
 def _route(traj: Trajectory, method: str) -> str:
@@ -1321,9 +1338,8 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
         else:
             jac(theta, rho)
             if method == "second_order":
-                hvp = _hvp_rows(module, traj, theta, delta, Xq)
-                rho.add_(hvp if Wq is None else torch.bmm(Wq.to(dtype).unsqueeze(1), hvp),
-                         alpha=0.5)
+                _add_hvp_rows(module, traj, ctx.layout, theta, delta, Xq, rho, 0.5,
+                              ctx.hvp_block, Wq)
         nxt = theta
         D = traj.preconditioner(j)
         D = None if D is None else D.to(device)
@@ -1850,11 +1866,16 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     if route == "dense":
         # lambda, rho and the node buffer (Q x n_res x P each) and a Jacobian's formation
         # per query block, and a batch's per-sample loss gradients (B x P, formed from
-        # one seeded capture: a row's factors).
-        q_bytes = 4 * n_res * P * itemsize + f_bytes
+        # one seeded capture: a row's factors). Both are held through the walk: half the
+        # budget each. The second order's Hessian-vector products take the node
+        # buffer's and the formation's room (a quarter), in blocks of queries.
+        q_bytes = 2 * (4 * n_res * P * itemsize + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
-        b_bytes = 2 * P * itemsize + row
+        b_bytes = 2 * (2 * P * itemsize + row)
+        hvp_block = (rows_per_block(memory_budget, 4 * HVP_FORMS * n_out * P * itemsize,
+                                    "The second-order term's Hessian-vector products")
+                     if method == "second_order" else 0)
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
@@ -1880,6 +1901,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals, row_bytes=row,
                    point_bytes=P * itemsize)
+    ctx.hvp_block = hvp_block if route == "dense" else 0
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

@@ -4,6 +4,7 @@ import os
 import platform
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -237,3 +238,24 @@ def test_retained_heap_keeps_freed_memory_then_returns_it():
     assert outside < 60  # freed: back to the kernel (glibc keeps up to twice a block)
     assert inside > 150  # freed inside: kept for the next step's tensors
     assert after < 60  # and returned on leaving
+
+
+def test_map_fixed_blocks_holds_the_result_once():
+    """The blocks go into the result as they come: the peak of the call (tracemalloc,
+    which sees NumPy's allocations) is the result and a block or two, not the result
+    twice (a list of blocks and its concatenation)."""
+    X = np.zeros((64 * 16, 3))
+    block_bytes = 16 * 4096 * 8
+
+    def fn(xb):
+        return np.ones((len(xb), 4096))
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        out = map_fixed_blocks(fn, X, 16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (len(X), 4096) and (out == 1).all()
+    assert peak <= out.nbytes + 3 * block_bytes

@@ -537,7 +537,11 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
     Formed ``block`` queries at a time (see ``HVP_FORMS``), each parameter's slice added
     to ``out`` in place: a (Q, C, P) product and its concatenation would not fit the
     budget that sized the query block."""
-    params, tangent = _params(traj, theta), _params(traj, delta)
+    # Primals of their own storage: forward-mode AD gives a view's tangent its base's
+    # size, and a recorded point is a view of the whole stored path (about 7 times the
+    # path per call, 101 MiB at 211 points of 18k parameters: memory growing with T).
+    params = {name: t.clone() for name, t in _params(traj, theta).items()}
+    tangent = _params(traj, delta)
 
     def f_single(p, x):
         # (C,) as the other routes read a sample's outputs: a one-output network may

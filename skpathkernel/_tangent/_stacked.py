@@ -1404,7 +1404,6 @@ def stacked_path_sum(
     # where :func:`_units_scipy`, the "units" route's products (:func:`_syrk`,
     # :func:`_units`), also on one.
     with _blas_threads(1) if cpu else contextlib.nullcontext():
-        sides = None
         for s in range(0, len(weights), block):
             # The last block's factors go before this block's are made: both held at
             # once were two blocks of the budget's points.

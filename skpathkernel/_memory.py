@@ -78,14 +78,20 @@ def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
     else:
         def pad(xb, k):
             return np.concatenate([xb, np.broadcast_to(xb[:1], (k, *xb.shape[1:]))])
-    outs = []
+    # The blocks are written into the result as they come: a list of them concatenated
+    # at the end held the result twice (tangent features: the largest array of a call).
+    out = None
     for start in range(0, X.shape[0], block):
         xb = X[start : start + block]
         n = xb.shape[0]
         if n < block:
             xb = pad(xb, block - n)
-        outs.append(fn(xb)[:n])
-    return np.concatenate(outs, axis=0)
+        part = np.asarray(fn(xb))[:n]
+        if out is None:
+            out = np.empty((X.shape[0], *part.shape[1:]), dtype=part.dtype)
+        out[start : start + n] = part
+        del part
+    return np.concatenate([], axis=0) if out is None else out  # none: numpy's error
 
 
 # glibc's malloc serves a large block by mmap and hands it back to the kernel when it is

@@ -4,13 +4,24 @@ import os
 import platform
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 import torch
+from numpy.testing import assert_allclose
+from sklearn.frozen import FrozenEstimator
 
 import skpathkernel._memory as memory
+from skpathkernel import (
+    OODRankDetector,
+    PathKernel,
+    PathKernelMachine,
+    TangentFeatures,
+    TangentKernel,
+)
 from skpathkernel._memory import map_fixed_blocks
+from skpathkernel.diagnostics import hessian_trace
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
@@ -237,3 +248,83 @@ def test_retained_heap_keeps_freed_memory_then_returns_it():
     assert outside < 60  # freed: back to the kernel (glibc keeps up to twice a block)
     assert inside > 150  # freed inside: kept for the next step's tensors
     assert after < 60  # and returned on leaving
+
+
+def test_map_fixed_blocks_holds_the_result_once():
+    """The blocks go into the result as they come: the peak of the call (tracemalloc,
+    which sees NumPy's allocations) is the result and a block or two, not the result
+    twice (a list of blocks and its concatenation)."""
+    X = np.zeros((64 * 16, 3))
+    block_bytes = 16 * 4096 * 8
+
+    def fn(xb):
+        return np.ones((len(xb), 4096))
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        out = map_fixed_blocks(fn, X, 16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (len(X), 4096) and (out == 1).all()
+    assert peak <= out.nbytes + 3 * block_bytes
+
+
+# ------------------------------------------------------------- every verb, blocked
+
+VERBS = {
+    "transform": lambda est, X, Xq: est.transform(Xq),
+    "tangent_kernel_": lambda est, X, Xq: est.tangent_kernel_(Xq, X),
+    "path_kernel_": lambda est, X, Xq: est.path_kernel_(Xq, X),
+    "path_kernel_sym": lambda est, X, Xq: est.path_kernel_(Xq),
+    "TangentKernel_full": lambda est, X, Xq: TangentKernel(est, output="full")(Xq, X),
+    "PathKernel_0": lambda est, X, Xq: PathKernel(est, output=0)(Xq, X),
+    "PathKernel_diag": lambda est, X, Xq: PathKernel(est).diag(Xq),
+    "decompose": lambda est, X, Xq: est.decompose(Xq).contributions,
+    "decompose_first": lambda est, X, Xq: est.decompose(Xq, method="first_order").contributions,
+    "decompose_second": lambda est, X, Xq: est.decompose(Xq, method="second_order").contributions,
+    "attribute": lambda est, X, Xq: est.attribute(Xq, output=0),
+    "attribute_unrolled": lambda est, X, Xq: est.attribute(Xq, output=0, method="unrolled"),
+    "explain": lambda est, X, Xq: est.explain(Xq, n_neighbors=5, output=0)[1],
+    "kneighbors": lambda est, X, Xq: est.kneighbors(Xq, n_neighbors=5)[0],
+    "kneighbors_path": lambda est, X, Xq: est.kneighbors(Xq, n_neighbors=5, kernel="path")[0],
+    "TangentFeatures_n_components": lambda est, X, Xq: TangentFeatures(
+        FrozenEstimator(est), n_components=16, random_state=0).fit(X).transform(Xq),
+    "OODRankDetector": lambda est, X, Xq: OODRankDetector(FrozenEstimator(est)).fit(
+        X).score_samples(Xq),
+    "hessian_trace": lambda est, X, Xq: np.array(
+        [hessian_trace(est, n_samples=5, random_state=0).trace]),
+}
+
+
+@pytest.fixture(scope="module")
+def fitted_for_budgets():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(40, 2))
+    Y = np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 0] * X[:, 1]]
+    est = PathKernelMachine(hidden_layer_sizes=(16, 16), max_iter=3, batch_size=20,
+                            solver="adam", learning_rate_init=0.01, dtype="float64",
+                            random_state=0, memory_budget=2**30).fit(X, Y)
+    return est, X, rng.uniform(-1, 1, size=(24, 2))
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_every_verb_gives_the_same_numbers_at_a_tiny_budget(verb, fitted_for_budgets):
+    """Each public computation at a budget of a few rows, points or queries per block
+    (128 kB; 256 kB for the second order's and the unrolled adjoint's wider rows)
+    against the same call in one block (1 GiB): the blocked paths give the one-block
+    numbers, to float64 rounding (sums in another order)."""
+    est, X, Xq = fitted_for_budgets
+    big = np.asarray(VERBS[verb](est, X, Xq))
+    tiny = 2**18 if verb in ("decompose_second", "attribute_unrolled") else 2**17
+    est.set_params(memory_budget=tiny)
+    try:
+        small = np.asarray(VERBS[verb](est, X, Xq))
+    finally:
+        est.set_params(memory_budget=2**30)
+    # The detector's score, a relative residual ||phi||^2 - k^T (G + lam I)^-1 k against
+    # its neighbours' ill-conditioned Gram, cancels: its Grams' rounding (1e-16 of
+    # ||phi||^2) moves it by up to about 3e-9 (of ||phi||^2, its unit) between the blocks.
+    atol = 1e-7 if verb == "OODRankDetector" else 1e-10 * np.abs(big).max()
+    assert_allclose(small, big, rtol=0, atol=atol)

@@ -22,6 +22,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from skpathkernel import PathKernelMachine, RecordedNetwork
+from skpathkernel._analysis._decomposition import _all_outputs_in_one_pass
 from skpathkernel._second_order import twice_differentiable
 from skpathkernel.diagnostics import hessian_trace
 
@@ -366,7 +367,30 @@ class _LayerNormed(torch.nn.Module):
         return self.b(torch.tanh(h))
 
 
-@pytest.mark.parametrize("name", ["layer-norm", "attention"])
+def _sequential_layer_norm(n_features, n_outputs):
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8)
+    with torch.no_grad():  # away from the initial 1 and 0, which hide a wrong block
+        for p in norm.parameters():
+            p.add_(torch.rand(p.shape))
+    return torch.nn.Sequential(torch.nn.Linear(n_features, 8), norm, torch.nn.Tanh(),
+                               torch.nn.Linear(8, n_outputs))
+
+
+def _sequential_conv(n_features, n_outputs):
+    # On (n, 1, 6) inputs: the one-pass route (GroupNorm, unlike LayerNorm, is
+    # differentiated right there), checked by the same reference.
+    torch.manual_seed(0)
+    group = torch.nn.GroupNorm(1, 3)
+    with torch.no_grad():
+        for p in group.parameters():
+            p.add_(torch.rand(p.shape))
+    return torch.nn.Sequential(torch.nn.Conv1d(1, 3, 3), group, torch.nn.Tanh(),
+                               torch.nn.Flatten(), torch.nn.Linear(12, n_outputs))
+
+
+@pytest.mark.parametrize("name", ["layer-norm", "attention", "sequential-layer-norm",
+                                  "sequential-conv"])
 def test_second_order_decomposition_through_affine_normalization(name):
     """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
     the derivative along the step by central differences of first derivatives. torch
@@ -382,7 +406,12 @@ def test_second_order_decomposition_through_affine_normalization(name):
     else:
         X = rng.uniform(-1, 1, size=(10, 3))
         Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 2]])
-        est = PathKernelMachine(module=_LayerNormed, solver="adam", learning_rate_init=0.05,
+        module = {"layer-norm": _LayerNormed, "sequential-layer-norm": _sequential_layer_norm,
+                  "sequential-conv": _sequential_conv}[name]
+        if name == "sequential-conv":
+            X = rng.uniform(-1, 1, size=(10, 1, 6))
+            Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0, 0]) + X[:, 0, 1], X[:, 0, 2]])
+        est = PathKernelMachine(module=module, solver="adam", learning_rate_init=0.05,
                                 batch_size=4, max_iter=2, dtype="float64",
                                 normalize_y=False, tol=None, random_state=0).fit(X, Y)
         Xq = X[:2] + 0.1
@@ -398,3 +427,6 @@ def test_second_order_decomposition_through_affine_normalization(name):
     curvature = np.abs(contrib - first).max()
     assert curvature > 1e-3 * np.abs(contrib).max()  # the term this checks is not nothing
     np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-6 * curvature)
+    # Which route took it: one pass only for the layers torch differentiates right there.
+    one_pass = _all_outputs_in_one_pass(est.module_, est.trajectory_)
+    assert one_pass == (name == "sequential-conv")

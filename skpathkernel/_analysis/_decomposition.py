@@ -223,6 +223,10 @@ BLOCK_CHUNK = 32
 # own arithmetic dominates (a batch of 200 rows of the default classifier is one
 # 200 x 64 x 64 GEMM per layer).
 STEP_BLOCK = 16
+# Bytes of a Hessian-vector product's formation per query, in units of its (C, P) result:
+# torch.func's jvp of a jacrev under vmap held about 3.6 of them at once on the default
+# MLPs (peak RSS; 1, 3 outputs, 5k to 69k parameters).
+HVP_FORMS = 4
 
 
 @dataclass
@@ -526,25 +530,99 @@ def _residual(q: torch.Tensor, df: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- helpers
-def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
-    """(H_t(x) dtheta)^T for every query: the derivative of J(x) along dtheta (Q, C, P).
+# Layers through which torch differentiates jacrev's batched backward right (checked
+# against finite differences of J dtheta, torch 2.13): a network of these alone, in
+# nn.Sequential containers (no forward of its own that could call F.layer_norm), takes
+# all its outputs in one pass. Affine LayerNorm and InstanceNorm are not among them.
+_BATCHED_BACKWARD_SAFE = (
+    torch.nn.Sequential, torch.nn.Linear, torch.nn.Identity,
+    torch.nn.Flatten, torch.nn.Unflatten, torch.nn.Dropout,
+    torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
+    torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d,
+    torch.nn.AvgPool1d, torch.nn.AvgPool2d, torch.nn.AvgPool3d,
+    torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d,
+    torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.Embedding,
+    torch.nn.ReLU, torch.nn.Tanh, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid,
+    torch.nn.Softplus, torch.nn.ELU, torch.nn.LeakyReLU, torch.nn.Mish, torch.nn.Hardtanh,
+)
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 
-    Forward over reverse, one output at a time (``jvp`` of ``grad``, vmapped over the
-    queries). Not ``jvp`` of ``jacrev``: ``jacrev`` vmaps the backward over the outputs,
+
+def _all_outputs_in_one_pass(module, traj) -> bool:
+    """Whether ``jvp`` of ``jacrev`` (all outputs at once) is right for ``module``: a
+    plain MLP (:func:`._tangent.stacked_mlp`), or nn.Sequential containers of
+    :data:`_BATCHED_BACKWARD_SAFE` layers and batch norms in evaluation mode."""
+    if stacked_mlp(module, traj.names) is not None:
+        return True
+    return all(type(m) in _BATCHED_BACKWARD_SAFE
+               or (type(m) in _BATCH_NORMS and not m.training)
+               for m in module.modules())
+
+
+def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weights=None):
+    """``out += alpha (H_t(x) dtheta)^T`` for every query: the derivative of J(x) along
+    dtheta, (Q, C, P), or its rows contracted with ``weights`` (Q, C) into (Q, 1, P).
+
+    Formed ``block`` queries at a time (see ``HVP_FORMS``), each parameter's slice added
+    to ``out`` in place: a (Q, C, P) product and its concatenation would not fit the
+    budget that sized the query block.
+
+    Forward over reverse. All outputs in one pass (``jvp`` of ``jacrev``) where
+    :func:`_all_outputs_in_one_pass`; otherwise one output at a time (``jvp`` of
+    ``grad``, vmapped over the queries): ``jacrev`` vmaps the backward over the outputs,
     and torch's derivative of that batched backward through an affine layer norm or
     instance norm is wrong (torch 2.13; ``jacrev`` of ``jacrev`` too): the curvature term
-    of every TransformerEncoderLayer (its layer norms) missed by about 1%, silently.
-    A plain MLP (:func:`._tangent.stacked_mlp`: Linear layers and elementwise
-    activations) keeps ``jvp`` of ``jacrev``, all outputs in one pass: the loop over the
-    outputs made its whole second-order decomposition 1.3x slower with one output and
-    2.35x with three (8-64-64-1 float32 and 8-32-3 float64, 12 steps, 10-20 queries, one
-    thread).
+    of every TransformerEncoderLayer (its layer norms) missed by about 1%, silently. The
+    loop over the outputs costs 1.3-2.9x the one pass (an MLP with one and three
+    outputs, a small Conv1d network with 3-50 outputs; one thread).
     """
-    params, tangent = _params(traj, theta), _params(traj, delta)
-    if stacked_mlp(module, traj.names) is not None:
-        return _all_outputs(module, traj, params, tangent, X)
-    # A @once_differentiable backward is refused by name, before functorch's transforms
-    # raise their own error about it (which names no layer).
+    # Primals of their own storage: forward-mode AD gives a view's tangent its base's
+    # size, and a recorded point is a view of the whole stored path (about 7 times the
+    # path per call, 101 MiB at 211 points of 18k parameters: memory growing with T).
+    params = {name: t.clone() for name, t in _params(traj, theta).items()}
+    tangent = _params(traj, delta)
+
+    def f_single(p, x):
+        # (C,) as the other routes read a sample's outputs: a one-output network may
+        # return (n,), whose [0] is a scalar.
+        return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
+
+    if _all_outputs_in_one_pass(module, traj):
+        def products(Xb):
+            return vmap(lambda x: jvp(lambda p: jacrev(f_single)(p, x), (params,),
+                                      (tangent,))[1])(Xb)
+    else:
+        n_out = _checked_outputs(module, traj, theta, X)
+
+        def products(Xb):
+            def row(x, c):
+                return jvp(grad(lambda p: f_single(p, x)[c]), (params,), (tangent,))[1]
+
+            outs = [vmap(functools.partial(row, c=c))(Xb) for c in range(n_out)]
+            # (q, C, *shape) per parameter, as the one pass gives them.
+            return {name: torch.stack([o.pop(name) for o in outs], dim=1)
+                    for name in traj.names}
+
+    for q0 in range(0, X.shape[0], block):
+        rows = slice(q0, q0 + block)
+        with FORWARD_AD, twice_differentiable():
+            hvp = products(X[rows])
+        for name in traj.names:
+            # (q, C, *shape); a 0-d parameter (a learnt scalar) has no dimension after the
+            # outputs to flatten from.
+            h = hvp.pop(name)
+            h = h.reshape(*h.shape[:2], -1)
+            if weights is not None:
+                h = torch.bmm(weights[rows].to(out.dtype).unsqueeze(1), h)
+            start, size = layout[name]
+            out[rows, :, start : start + size].add_(h, alpha=alpha)
+            del h
+
+
+def _checked_outputs(module, traj, theta, X) -> int:
+    """The number of outputs, after refusing a ``@once_differentiable`` backward by name
+    (functorch's transforms raise their own error about it, which names no layer)."""
     leaf = theta.detach().clone().requires_grad_(True)
     with torch.enable_grad(), twice_differentiable():
         out = functional_call(module, _params(traj, leaf), (X[:1],)).reshape(-1)
@@ -553,38 +631,7 @@ def _hvp_rows(module, traj, theta, delta, X) -> torch.Tensor:
         seed = torch.ones((), dtype=out.dtype, device=out.device, requires_grad=True)
         (g,) = torch.autograd.grad(out[0], leaf, grad_outputs=seed, create_graph=True)
         check_twice_differentiable(g)
-    n_out = len(out)
-
-    def row(x, c):
-        def output(p):
-            # (C,) as the other routes read a sample's outputs: a one-output network may
-            # return (n,), whose [0] is a scalar.
-            return functional_call(module, p, (x.unsqueeze(0),)).reshape(-1)[c]
-
-        return jvp(grad(output), (params,), (tangent,))[1]
-
-    with FORWARD_AD, twice_differentiable():
-        outs = [vmap(functools.partial(row, c=c))(X) for c in range(n_out)]
-    # (Q, *shape) per parameter and output; a 0-d parameter (a learnt scalar) has no
-    # dimension after the queries to flatten from.
-    return torch.stack([torch.cat([out[name].reshape(len(X), -1) for name in traj.names],
-                                  dim=1) for out in outs], dim=1)
-
-
-def _all_outputs(module, traj, params, tangent, X) -> torch.Tensor:
-    """:func:`_hvp_rows` by ``vmap(jvp(jacrev))``: every output in one pass, for the
-    layers whose batched backward torch differentiates right."""
-
-    def f_single(p, x):
-        return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
-
-    def row(x):
-        return jvp(lambda p: jacrev(f_single)(p, x), (params,), (tangent,))[1]
-
-    with FORWARD_AD, twice_differentiable():
-        out = vmap(row)(X)
-    return torch.cat([out[name].reshape(*out[name].shape[:2], -1) for name in traj.names],
-                     dim=2)
+    return len(out)
 
 
 def _route(traj: Trajectory, method: str) -> str:
@@ -1362,9 +1409,8 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
         else:
             jac(theta, rho)
             if method == "second_order":
-                hvp = _hvp_rows(module, traj, theta, delta, Xq)
-                rho.add_(hvp if Wq is None else torch.bmm(Wq.to(dtype).unsqueeze(1), hvp),
-                         alpha=0.5)
+                _add_hvp_rows(module, traj, ctx.layout, theta, delta, Xq, rho, 0.5,
+                              ctx.hvp_block, Wq)
         nxt = theta
         D = traj.preconditioner(j)
         D = None if D is None else D.to(device)
@@ -1891,11 +1937,16 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     if route == "dense":
         # lambda, rho and the node buffer (Q x n_res x P each) and a Jacobian's formation
         # per query block, and a batch's per-sample loss gradients (B x P, formed from
-        # one seeded capture: a row's factors).
-        q_bytes = 4 * n_res * P * itemsize + f_bytes
+        # one seeded capture: a row's factors). Both are held through the walk: half the
+        # budget each. The second order's Hessian-vector products take the node
+        # buffer's and the formation's room (a quarter), in blocks of queries.
+        q_bytes = 2 * (4 * n_res * P * itemsize + f_bytes)
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
-        b_bytes = 2 * P * itemsize + row
+        b_bytes = 2 * (2 * P * itemsize + row)
+        hvp_block = (rows_per_block(memory_budget, 4 * HVP_FORMS * n_out * P * itemsize,
+                                    "The second-order term's Hessian-vector products")
+                     if method == "second_order" else 0)
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
@@ -1921,6 +1972,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals, row_bytes=row,
                    point_bytes=P * itemsize)
+    ctx.hvp_block = hvp_block if route == "dense" else 0
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

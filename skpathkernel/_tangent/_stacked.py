@@ -1325,7 +1325,13 @@ def stacked_path_sum(
     # written tile by tile (:func:`_tiles_full`; no zero fill, no panel to add, no
     # mirror pass). Per point it keeps a column tile's Y, (p, tile, C (C + 1) / 2).
     tiles = gram and full and not weighted and routes == ["mixed", "onehot"]
-    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8) + 3 * pr * pc * c2)
+    # The factors' pass holds more than the factors it returns: every input beside its
+    # copy with a column of ones (:func:`_ones`) and the hidden activations' derivatives
+    # (units-major, also their transposed copies): about twice the factors in all,
+    # measured (peak RSS) on the default MLP.
+    passing = (sum(lin.d_in + 1 for lin in mlp.linears)
+               + 2 * sum(lin.d_out for lin in mlp.linears[:-1]))
+    per_point = itemsize * (2 * P + (n + m) * (sum(widths) + 8 + passing) + 3 * pr * pc * c2)
     if tiles:
         per_point += itemsize * mlp.linears[0].d_out * _TILE * C * (C + 1) // 2
     formed = itemsize * (n + m) * sum(
@@ -1364,7 +1370,9 @@ def stacked_path_sum(
             return None
         block = rows_per_block(memory_budget, per_point, "A block of the path kernel's points")
         block = max(1, min(block, 64))
-    elif rows_per_block(memory_budget, per_point * block, "A block of points") < 1:
+    elif per_point * block > memory_budget:
+        # A block asked for that does not fit: one point at a time (rows_per_block
+        # refused instead, which left this branch dead).
         block = 1
     # Units per chunk: the chunk's scaled rows, H and G of a panel, for one point, in
     # cache (and in a quarter of the budget); where launch-bound, in a sixteenth of the
@@ -1397,6 +1405,9 @@ def stacked_path_sum(
     # :func:`_units`), also on one.
     with _blas_threads(1) if cpu else contextlib.nullcontext():
         for s in range(0, len(weights), block):
+            # The last block's factors go before this block's are made: both held at
+            # once were two blocks of the budget's points.
+            sides = None
             points = [k for k, _ in weights[s : s + block]]
             w = torch.tensor([wk * trace_scale for _, wk in weights[s : s + block]],
                              dtype=dtype, device=X.device)

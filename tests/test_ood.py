@@ -251,6 +251,38 @@ def test_residual_leave_one_out_without_room_for_the_qr_uses_the_leverages():
     np.testing.assert_allclose(small.offset_, np.percentile(loo, 20), rtol=1e-5)
 
 
+@pytest.mark.parametrize("room_for_qr", [True, False])
+def test_residual_fit_needs_no_svd_and_the_leverages_no_eigendecomposition(room_for_qr):
+    """The fit's r x r work at large rank (benchmarks/results/ood_residual_ab.md, N = r =
+    2000): an SVD of R (3.9 s) took 1.5x the pivots-only fit, and on the leverages' pass
+    (no room for the QR) M's eigendecomposition beside its Cholesky factor 3.1x. Without
+    either, the scores and the offset are still the all-N formula through the pivots'
+    factor, evaluated from the features."""
+    rng = np.random.RandomState(3)
+    X = rng.normal(size=(120, 2))
+    y = np.sin(X.sum(1))
+    net = PathKernelMachine(**{**SMALL, "hidden_layer_sizes": (40,), "max_iter": 50}).fit(X, y)
+    r = OODRankDetector(FrozenEstimator(net), method="residual", rtol=1e-4).fit(X).rank_
+    if not room_for_qr:
+        net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+        net.memory_budget = 8 * (2 * 120 * r + 2 * r * r) - 8
+
+    def refused(*args, **kwargs):
+        raise AssertionError("not needed by the fit")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.linalg, "svd", refused)
+        if not room_for_qr:
+            m.setattr(torch.linalg, "eigh", refused)
+        det = OODRankDetector(FrozenEstimator(net), method="residual", rtol=1e-4,
+                              contamination=0.2).fit(X)
+    Xq = np.vstack([rng.normal(size=(60, 2)), 3 * rng.normal(size=(20, 2))])
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    query, loo = nystrom_residuals(P, det.pivots_, det.lambda_, Q)
+    np.testing.assert_allclose(det.score_samples(Xq), -query, rtol=1e-5)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 20), rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["tanh", "relu_1d", "mostly_pivots"])
 def test_a_contamination_is_the_false_positive_rate_on_new_data_when_the_span_saturates(kind):
     """More training points than directions: every residual is the jitter's O(rtol) leak.

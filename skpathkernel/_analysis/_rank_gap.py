@@ -41,6 +41,9 @@ BLOCK = 256  # pivots per Gram pass of the pivoted Cholesky
 # queries with disjoint neighbours do not pay for a large union Gram (measured at
 # N = 20000: 8 and 32 were slower than 16).
 UNION_NEIGHBOURS = 16
+# Entries of a row block of the leave-one-out passes (8 MiB in float64; 32 MiB, with
+# two such temporaries beside it, put 90 MiB on the fit's peak at N = r = 2000).
+LOO_BLOCK = 2**20
 
 
 # Singular values of J relative to the largest below which the float64 Gram J J^T no
@@ -199,34 +202,35 @@ def loo_relative_residuals(G, diag, lam):
     outside the pivots' span, at most ``lam`` when the factorisation is complete) adds
     to the variance. The posterior variance of point ``i`` given all the others under
     ``G G^T + lam I`` is ``1 / [(G G^T + lam I)^{-1}]_ii - lam``. With the thin QR
-    ``G = Q R`` and the SVD ``R = V S^{1/2} W^T``, ``U = Q V`` is orthonormal to machine
-    precision and ``[(G G^T + lam I)^{-1}]_ii = sum_j U_ij^2 / (S_j + lam) + (1 -
-    ||U_i||^2) / lam``. Returns the relative residuals and the eigenpairs ``(S, W)`` of
-    ``M = G^T G = W S W^T``, which the queries' scores take (:meth:`TangentSpan.factorize`).
+    ``G = Q R`` (``Q`` orthonormal to machine precision) and ``P P^T = R R^T + lam I``,
+    ``[(G G^T + lam I)^{-1}]_ii = ||P^{-1} q_i||^2 + (1 - ||q_i||^2) / lam``. Returns
+    the relative residuals and ``R`` (``R^T R = G^T G``, which the queries' scores take,
+    :meth:`TangentSpan.factorize`).
     """
     if G.shape[1] == 0:
-        return torch.ones_like(diag), None, None
+        return torch.ones_like(diag), None
+    excess = (diag - row_norms2(G)).clamp(min=0)
     Q, R = torch.linalg.qr(G)
-    # The SVD of R, not eigh(R R^T): its right singular vectors are M's eigenvectors,
-    # which the queries' scores need too, for less than a second eigendecomposition.
-    V, sigma, Wt = torch.linalg.svd(R)
-    S = sigma.square()
-    weight = 1.0 / (S.clamp(min=0) + lam)
-    # Every point a pivot: Q is square and orthogonal, so 1 - ||U_i||^2 is exactly 0. Its
+    # A Cholesky factor, not the eigendecomposition R R^T = V S V^T (sum_j (Q V)_ij^2 /
+    # (S_j + lam)): as close to the features' formula (measured), and the fit's one
+    # r x r eigendecomposition is M's, which the queries' scores take.
+    post = jittered_cholesky(R @ R.T, lam, overwrite=True)
+    # Every point a pivot: Q is square and orthogonal, so 1 - ||q_i||^2 is exactly 0. Its
     # computed value is round-off (~1e-16), which a small jitter (1e-20 of the largest
     # eigenvalue at rtol=1e-10) turns into a large "explained" part of every point.
     complement = G.shape[1] < G.shape[0]
     inv_diag = torch.empty_like(diag)
-    # Row blocks: U = Q V and the squares are N x r each, as large as G itself.
-    step = max(1, 2**22 // max(G.shape[1], 1))
+    # Row blocks: P^{-1} Q^T is r x N, as large as G itself.
+    step = max(1, LOO_BLOCK // max(G.shape[1], 1))
     for start in range(0, G.shape[0], step):
         Qb = Q[start : start + step]
-        U = Qb @ V
-        inv_diag[start : start + step] = (U * U * weight).sum(1)
+        inv_diag[start : start + step] = row_norms2(
+            torch.linalg.solve_triangular(post, Qb.T, upper=False).T
+        )
         if complement:
-            inv_diag[start : start + step] += (1.0 - (Qb * Qb).sum(1)).clamp(min=0) / lam
-    var = (1.0 / inv_diag - lam).clamp(min=0) + (diag - row_norms2(G)).clamp(min=0)
-    return _relative(var, diag), S, Wt.T
+            inv_diag[start : start + step] += (1.0 - row_norms2(Qb)).clamp(min=0) / lam
+    var = (1.0 / inv_diag - lam).clamp(min=0) + excess
+    return _relative(var, diag), R
 
 
 def leverage_loo_relative_residuals(G, post, diag, lam):
@@ -243,10 +247,10 @@ def leverage_loo_relative_residuals(G, post, diag, lam):
     if G.shape[1] == 0:
         return torch.ones_like(diag)
     lev = torch.empty_like(diag)
-    step = max(1, 2**22 // max(G.shape[1], 1))
+    step = max(1, LOO_BLOCK // max(G.shape[1], 1))
     for start in range(0, G.shape[0], step):
         q = torch.linalg.solve_triangular(post, G[start : start + step].T, upper=False)
-        lev[start : start + step] = (q * q).sum(0)
+        lev[start : start + step] = row_norms2(q.T)
     h = lev.clamp(0.0, 1.0)
     var = lam * h / (1.0 - h).clamp(min=torch.finfo(h.dtype).eps)
     var = var + (diag - row_norms2(G)).clamp(min=0)
@@ -346,17 +350,19 @@ class TangentSpan:
         ``Theta(x_i, x_i)``.
     lam : float
         The jitter added to every Gram of training features before it is factorised.
-    X_span, chol, basis, eig : ndarray, default=None
+    X_span, chol, basis, eig, post : ndarray, default=None
         The pivots' inputs, the Cholesky factor ``L`` of their Gram ``Theta_LL``, and
         ``W^T L^{-1}`` (r x r) and ``S`` (r,) from the eigendecomposition ``M = W S W^T``
         of ``M = G^T G`` for the Nystrom factor ``G = Theta[:, L] L^{-T}`` of all N
-        training features (from :meth:`factorize`): the global span, used by
-        :meth:`residuals`. Without ``basis`` (a detector fitted before it existed),
+        training features, or (the leverages' pass, without them) the Cholesky factor
+        ``P`` of ``M + lam I`` (from :meth:`factorize`): the global span, used by
+        :meth:`residuals`. Without ``basis`` or ``post`` (a detector fitted before they
+        existed),
         ``chol`` is the factor of ``Theta_LL + lam I`` and a query is scored against the
         pivots alone.
     """
 
-    def __init__(self, X, diag, lam, X_span=None, chol=None, basis=None, eig=None):
+    def __init__(self, X, diag, lam, X_span=None, chol=None, basis=None, eig=None, post=None):
         self.X = X
         self.diag = np.asarray(diag, dtype=np.float64)
         self.lam = float(lam)
@@ -364,6 +370,7 @@ class TangentSpan:
         self.chol = chol
         self.basis = basis
         self.eig = eig
+        self.post = post
 
     @staticmethod
     def rank_gap(gram, n_train: int, rtol: float) -> tuple[int, int]:
@@ -408,7 +415,8 @@ class TangentSpan:
         The factor ``G`` (N x r, ``Theta ~= G G^T``) is the Nystrom factor of the pivots,
         ``G = Theta[:, L] L^{-T}`` with ``L L^T = Theta_LL`` (its rows at the pivots are
         ``L``): kept are ``L`` and, for :meth:`residuals` (unless ``score`` is False and
-        no ``loo`` is asked), ``W^T L^{-1}`` and ``S`` with ``G^T G = W S W^T``.
+        no ``loo`` is asked), ``W^T L^{-1}`` and ``S`` with ``G^T G = W S W^T``, or, from
+        the leverages' pass, the Cholesky factor of ``G^T G + lam I``.
 
         The returned span's jitter is ``lam``, or ``L``'s resolution
         (:func:`cholesky_resolution`) where that is larger: the pivots are chosen at the
@@ -425,8 +433,8 @@ class TangentSpan:
         reached = float((diag_t - row_norms2(G)).clamp(min=0.0).max()) if n else 0.0
         complete = not (len(pivots) == max_rank < n and reached > lam)
         r = G.shape[1]
-        X_span, chol, basis, eig, residuals = X[to_numpy(pivots)], None, None, None, None
-        S = W = None
+        X_span, chol, basis, eig, post = X[to_numpy(pivots)], None, None, None, None
+        residuals = S = None
         if r:
             # The factor's rows at the pivots: L, lower triangular in pivot order.
             chol_t = G[pivots.to(G.device)].tril_()
@@ -437,14 +445,24 @@ class TangentSpan:
             lam = max(lam, cholesky_resolution(chol_t))
             chol = to_numpy(chol_t)
         if loo:
-            # The QR's Q (N x r) and R, R's SVD (r x r each), beside the factor and L.
+            # G and the QR's Q (N x r each); L, R, R R^T and its Cholesky factor (r x r).
             if 8 * (2 * n * r + 4 * r * r) <= gram.budget:
-                residuals, S, W = loo_relative_residuals(G, diag_t, max(lam, 1e-300))
+                residuals, R = loo_relative_residuals(G, diag_t, max(lam, 1e-300))
+                # The N x r factor is freed before M's eigendecomposition (the QR's Q was):
+                # M, its eigenvectors and eigh's workspace (about 2 r^2) come after them.
+                del G
+                if r:
+                    M = R.T @ R
+                    del R
+                    S, W = torch.linalg.eigh(M)
+                    del M
             elif r:
-                # M, its eigenvectors and the factor of M + lam I, r x r each.
+                # The leverages' pass: M and its Cholesky factor beside G and L, and no
+                # r x r eigendecomposition (at r = 2000 it tripled the fit's time):
+                # queries solve with the factor instead (two triangular solves).
                 M = G.T @ G
-                S, W = torch.linalg.eigh(M)
                 post = jittered_cholesky(M, lam, overwrite=True)
+                del M
                 residuals = leverage_loo_relative_residuals(G, post, diag_t, lam)
             else:
                 residuals = torch.ones_like(diag_t)
@@ -452,13 +470,15 @@ class TangentSpan:
         elif r and score:
             S, W = torch.linalg.eigh(G.T @ G)
         if S is not None:
-            # One product per query block (W^T L^{-1}) k_L(x), not two triangular solves
-            # (L, then the factor of M + lam I): as precise, measured (1.3e-7 in the
-            # score, N = 3000), and a query costs what the pivots-only score did.
+            # One product per query block (W^T L^{-1}) k_L(x): as precise, measured (1.3e-7
+            # in the score, N = 3000), and at r = 445 to 2000 0.6 to 0.8 times the time of
+            # the two triangular solves (L, then the factor of M + lam I).
             basis = to_numpy(torch.linalg.solve_triangular(chol_t.T, W, upper=True).T)
             eig = to_numpy(S.clamp(min=0))
-        return (cls(X, diag, lam, X_span, chol, basis, eig), to_numpy(pivots), complete,
-                residuals, reached)
+        if post is not None:
+            post = to_numpy(post)
+        return (cls(X, diag, lam, X_span, chol, basis, eig, post), to_numpy(pivots),
+                complete, residuals, reached)
 
     # ------------------------------------------------------------------ global span
     def residuals(self, gram: NetworkGram, X) -> np.ndarray:
@@ -472,7 +492,9 @@ class TangentSpan:
         (one r x r product per query), the residual is ``Theta(x, x) - ||y||^2`` (outside
         the pivots' span, which cancels down to ``L``'s resolution) plus ``lam sum_j
         y_j^2 / (S_j + lam)`` (the jitter's leak inside it, no cancellation), the
-        quantity the leave-one-out training residuals measure.
+        quantity the leave-one-out training residuals measure. From the leverages'
+        pass, ``||c||^2`` and ``lam ||P^{-1} c||^2`` (``P P^T = M + lam I``) instead:
+        two triangular solves.
         """
         Xt = gram.tensor(X)
         diag = gram.diag(Xt).to(torch.float64)
@@ -483,17 +505,26 @@ class TangentSpan:
         if self.basis is not None:
             basis = torch.as_tensor(self.basis, device=gram.device)
             leak = self.lam / (torch.as_tensor(self.eig, device=gram.device) + self.lam)
+        elif self.post is not None:
+            post = torch.as_tensor(self.post, device=gram.device)
         var = torch.empty_like(diag)
         step = gram.rows_per_block(len(self.X_span), "score_samples")
         for start in range(0, X.shape[0], step):
             K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
-            if self.basis is None:  # the pivots alone: chol is that of Theta_LL + lam I
-                y = torch.linalg.solve_triangular(chol, K, upper=False).square_()
-                var[start : start + step] = diag[start : start + step] - y.sum(0)
+            if self.basis is not None:
+                # (r, b) squares, reduced by products: no second (r, b) temporary.
+                y = (basis @ K).square_()
+                var[start : start + step] = diag[start : start + step] - y.sum(0) + leak @ y
                 continue
-            y = (basis @ K).square_()
-            var[start : start + step] = (diag[start : start + step] - y.sum(0)
-                                         + (leak.unsqueeze(1) * y).sum(0))
+            c = torch.linalg.solve_triangular(chol, K, upper=False)
+            del K
+            # Without basis or post (a detector fitted before they existed) chol is the
+            # factor of Theta_LL + lam I: the pivots alone.
+            explained = row_norms2(c.T)
+            if self.post is not None:
+                z = torch.linalg.solve_triangular(post, c, upper=False)
+                explained -= self.lam * row_norms2(z.T)
+            var[start : start + step] = diag[start : start + step] - explained
         return to_numpy(_relative(var, diag))
 
     # ------------------------------------------------------------------ neighbours

@@ -233,7 +233,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     c^T M (M + lam I)^{{-1}} c`` with ``M = G^T G = W S W^T`` (r x r, decomposed at
     fit). With ``y = W^T c`` the posterior variance is ``Theta(x, x) - ||y||^2`` (outside
     the pivots' span) plus ``lam sum_j y_j^2 / (S_j + lam)`` (the jitter's leak inside
-    it): ``r`` kernel entries and one ``r x r`` product per query. The first part
+    it): ``r`` kernel entries and one ``r x r`` product per query (two triangular solves
+    where the leverages' pass left the Cholesky factor of ``M + lam I`` instead of
+    ``W``). The first part
     cancels down to ``L``'s backward error, ``r eps ||Theta_LL||_2``; where N points
     cover every parameter direction the leak ``lam`` at ``rtol=1e-6`` lay below it (1e-12
     against 1.35e-11 of the largest diagonal, 3000 points on 449 parameters, whose
@@ -439,7 +441,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 )
             state.update(rank_=int(len(pivots)), pivots_=pivots.astype(np.intp),
                          _X_span=span.X_span, _chol=span.chol, _basis=span.basis,
-                         _eig=span.eig)
+                         _eig=span.eig, _post=span.post)
             if self.method == "residual":
                 # The score's jitter: lam, or the pivots' Cholesky resolution if larger.
                 state["lambda_"] = span.lam
@@ -460,7 +462,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             offset = float(np.percentile(scores, 100.0 * self.contamination))
         state["offset_"] = offset
         if self.method == "local":  # a previous fit's factorisation describes nothing now
-            for name in ("rank_", "pivots_", "_X_span", "_chol", "_basis", "_eig"):
+            for name in ("rank_", "pivots_", "_X_span", "_chol", "_basis", "_eig",
+                         "_post"):
                 self.__dict__.pop(name, None)
         for name, value in state.items():
             setattr(self, name, value)
@@ -470,7 +473,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     def _span(self) -> TangentSpan:
         return TangentSpan(self.X_fit_, self._train_diag, self.lambda_,
                            getattr(self, "_X_span", None), getattr(self, "_chol", None),
-                           getattr(self, "_basis", None), getattr(self, "_eig", None))
+                           getattr(self, "_basis", None), getattr(self, "_eig", None),
+                           getattr(self, "_post", None))
 
     @_runs_detector_module
     def score_samples(self, X):

@@ -389,8 +389,24 @@ def _sequential_conv(n_features, n_outputs):
                                torch.nn.Flatten(), torch.nn.Linear(12, n_outputs))
 
 
+def _normalize_hook(layer, inputs, out):
+    return F.layer_norm(out, out.shape[-1:], layer.scale, layer.shift)
+
+
+def _sequential_hooked_norm(n_features, n_outputs):
+    # nn.Sequential of allowlisted types, but a forward hook (registered by the user, as
+    # a patched forward could be) normalizes the Linear's output with learnt parameters:
+    # the same layer norm, which the types alone do not show.
+    torch.manual_seed(0)
+    first = torch.nn.Linear(n_features, 8)
+    first.scale = torch.nn.Parameter(1 + torch.rand(8))
+    first.shift = torch.nn.Parameter(torch.rand(8))
+    first.register_forward_hook(_normalize_hook)
+    return torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(8, n_outputs))
+
+
 @pytest.mark.parametrize("name", ["layer-norm", "attention", "sequential-layer-norm",
-                                  "sequential-conv"])
+                                  "sequential-conv", "sequential-hooked-norm"])
 def test_second_order_decomposition_through_affine_normalization(name):
     """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
     the derivative along the step by central differences of first derivatives. torch
@@ -407,7 +423,8 @@ def test_second_order_decomposition_through_affine_normalization(name):
         X = rng.uniform(-1, 1, size=(10, 3))
         Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 2]])
         module = {"layer-norm": _LayerNormed, "sequential-layer-norm": _sequential_layer_norm,
-                  "sequential-conv": _sequential_conv}[name]
+                  "sequential-conv": _sequential_conv,
+                  "sequential-hooked-norm": _sequential_hooked_norm}[name]
         if name == "sequential-conv":
             X = rng.uniform(-1, 1, size=(10, 1, 6))
             Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0, 0]) + X[:, 0, 1], X[:, 0, 2]])

@@ -168,7 +168,7 @@ from .._tangent import (
     tangent_features,
 )
 from .._tangent._pairs import Flat, prepare_directions
-from .._tangent._stacked import forward_factors
+from .._tangent._stacked import _global_hooks, _hooked, forward_factors
 from .._warnings import caller_stacklevel, worse, worst
 
 __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
@@ -552,11 +552,18 @@ _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d
 def _all_outputs_in_one_pass(module, traj) -> bool:
     """Whether ``jvp`` of ``jacrev`` (all outputs at once) is right for ``module``: a
     plain MLP (:func:`._tangent.stacked_mlp`), or nn.Sequential containers of
-    :data:`_BATCHED_BACKWARD_SAFE` layers and batch norms in evaluation mode."""
+    :data:`_BATCHED_BACKWARD_SAFE` layers and batch norms in evaluation mode, none
+    with a hook or a patched ``forward``."""
     if stacked_mlp(module, traj.names) is not None:
         return True
-    return all(type(m) in _BATCHED_BACKWARD_SAFE
-               or (type(m) in _BATCH_NORMS and not m.training)
+    # A hook or a patched forward runs code the types do not show: one normalizing a
+    # Linear's output by learnt parameters (F.layer_norm) took the one pass and missed
+    # the curvature term by 1%, silently. Such networks take the per-output route, as
+    # stacked_mlp refuses them.
+    if _global_hooks():
+        return False
+    return all((type(m) in _BATCHED_BACKWARD_SAFE
+                or (type(m) in _BATCH_NORMS and not m.training)) and not _hooked(m)
                for m in module.modules())
 
 

@@ -328,3 +328,22 @@ def test_every_verb_gives_the_same_numbers_at_a_tiny_budget(verb, fitted_for_bud
     # ||phi||^2) moves it by up to about 3e-9 (of ||phi||^2, its unit) between the blocks.
     atol = 1e-7 if verb == "OODRankDetector" else 1e-10 * np.abs(big).max()
     assert_allclose(small, big, rtol=0, atol=atol)
+
+
+def test_a_second_order_budget_raised_to_the_stated_minimum_suffices(fitted_for_budgets):
+    """Below its minimum, decompose(method="second_order") names a budget to raise to;
+    that budget then runs, and gives the one-block numbers. The query buffers' check
+    came first and named less than the Hessian-vector products' need (45,312 bytes,
+    then a second refusal asking 90,624)."""
+    est, X, Xq = fitted_for_budgets
+    big = est.decompose(Xq[:3], method="second_order").contributions
+    est.set_params(memory_budget=2**15)
+    try:
+        with pytest.raises(ValueError, match="at least") as refused:
+            est.decompose(Xq[:3], method="second_order")
+        stated = int(str(refused.value).rsplit("at least ", 1)[1].rstrip(".").replace(",", ""))
+        est.set_params(memory_budget=stated)
+        small = est.decompose(Xq[:3], method="second_order").contributions
+    finally:
+        est.set_params(memory_budget=2**30)
+    assert_allclose(small, big, rtol=0, atol=1e-10 * np.abs(big).max())

@@ -1948,12 +1948,15 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # budget each. The second order's Hessian-vector products take the node
         # buffer's and the formation's room (a quarter), in blocks of queries.
         q_bytes = 2 * (4 * n_res * P * itemsize + f_bytes)
-        q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
-        chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
-        b_bytes = 2 * (2 * P * itemsize + row)
+        # Checked first: a query's products need more than its buffers (n_out >= n_res,
+        # no f_bytes), so the first refusal names the budget that passes both; checked
+        # after them, a budget raised to what the buffers asked was refused again.
         hvp_block = (rows_per_block(memory_budget, 4 * HVP_FORMS * n_out * P * itemsize,
                                     "The second-order term's Hessian-vector products")
                      if method == "second_order" else 0)
+        q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
+        chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
+        b_bytes = 2 * (2 * P * itemsize + row)
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are

@@ -16,13 +16,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import forward_recursion, weight_finite_differences
+from _reference import (
+    forward_recursion,
+    jacobian_loop,
+    module_with,
+    weight_finite_differences,
+)
 from test_rules_fuzz import _Clip  # tanh as a plain autograd.Function
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from skpathkernel import PathKernelMachine, RecordedNetwork
-from skpathkernel._analysis._decomposition import _all_outputs_in_one_pass
+from skpathkernel._analysis._decomposition import _add_hvp_rows, _all_outputs_in_one_pass
 from skpathkernel._second_order import twice_differentiable
 from skpathkernel.diagnostics import hessian_trace
 
@@ -447,3 +452,62 @@ def test_second_order_decomposition_through_affine_normalization(name):
     # Which route took it: one pass only for the layers torch differentiates right there.
     one_pass = _all_outputs_in_one_pass(est.module_, est.trajectory_)
     assert one_pass == (name == "sequential-conv")
+
+
+def _every_batched_backward_safe_layer(n_features, n_outputs):
+    """Each layer type of the one-pass allowlist but Embedding, on (n, 64) inputs, with
+    affine parameters and running statistics away from their initial values."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Unflatten(1, (1, 4, 4, 4)), nn.Conv3d(1, 2, 2), nn.BatchNorm3d(2), nn.Tanh(),
+        nn.ConvTranspose3d(2, 2, 2), nn.MaxPool3d(2), nn.AvgPool3d(1),
+        nn.AdaptiveAvgPool3d(2), nn.Flatten(2), nn.Unflatten(2, (2, 4)),
+        nn.Conv2d(2, 3, (1, 2)), nn.BatchNorm2d(3), nn.GELU(),
+        nn.ConvTranspose2d(3, 2, (1, 2)), nn.MaxPool2d((1, 2)), nn.AvgPool2d(1),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(2),
+        nn.Conv1d(2, 4, 2), nn.GroupNorm(2, 4), nn.SiLU(), nn.ConvTranspose1d(4, 4, 2),
+        nn.RMSNorm([4, 4]), nn.BatchNorm1d(4), nn.Sigmoid(), nn.MaxPool1d(2),
+        nn.AvgPool1d(1), nn.AdaptiveAvgPool1d(2), nn.ReLU(), nn.Flatten(),
+        nn.Linear(8, 6), nn.Softplus(), nn.Dropout(0.2), nn.Identity(), nn.ELU(),
+        nn.Linear(6, 6), nn.LeakyReLU(0.1), nn.Mish(), nn.Hardtanh(-2, 2),
+        nn.Linear(6, n_outputs))
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, (nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+                              nn.BatchNorm3d)):
+                for p in m.parameters():
+                    p.add_(torch.rand(p.shape))
+            if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+                m.running_mean.uniform_(-0.3, 0.3)
+                m.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def test_every_layer_of_the_one_pass_allowlist_gives_the_derivative_of_the_jacobian():
+    """``(H_t(x) dtheta)^T`` by the one pass (``jvp`` of ``jacrev``) through every layer
+    type the allowlist admits, against central differences of the per-sample Jacobian
+    (a plain autograd loop) along dtheta: torch differentiates an affine layer norm's
+    batched backward wrongly there (20% off on a Linear-LayerNorm-Tanh-Linear), so a
+    layer type that joins the list, or a torch that breaks one in it, must show here."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(8, 64))
+    Y = np.c_[np.sin(X[:, 0]) + X[:, 1], X[:, 2]]
+    est = PathKernelMachine(module=_every_batched_backward_safe_layer, solver="adam",
+                            learning_rate_init=0.05, batch_size=4, max_iter=1,
+                            dtype="float64", normalize_y=False, tol=None,
+                            random_state=0).fit(X, Y)
+    traj, module = est.trajectory_, est.module_
+    assert _all_outputs_in_one_pass(module, traj)
+    theta = traj.parameters(1).to(torch.float64)
+    delta = torch.as_tensor(rng.normal(size=theta.shape[0]))
+    sizes = [int(np.prod(p.shape)) for _, p in module.named_parameters()]
+    layout = dict(zip(traj.names, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)))
+    Xq = torch.as_tensor(X[:3] + 0.1)
+    hvp = torch.zeros(3, 2, theta.shape[0], dtype=torch.float64)
+    _add_hvp_rows(module, traj, layout, theta, delta, Xq, hvp, 1.0, 2)
+    h = 1e-4
+    fd = (jacobian_loop(module_with(est, theta + h * delta), Xq)
+          - jacobian_loop(module_with(est, theta - h * delta), Xq)) / (2 * h)
+    assert fd.abs().max() > 1e-3
+    np.testing.assert_allclose(hvp.numpy(), fd.numpy(), rtol=0, atol=1e-6 * fd.abs().max())

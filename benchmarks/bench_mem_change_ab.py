@@ -19,7 +19,8 @@ call site, alternately, ``REPS`` times each (default 2), one torch thread, timed
 
 Usage: ``THREADS=1 taskset -c 1 python -m benchmarks.bench_mem_change_ab [REF] [CASES]
 [RESULTS]`` (REF 4a46127, CASES ``blocks,adam100,sgd100,so,transform``, each timed case
-optionally ``case*reps``; RESULTS ``mem_change_ab``). Writes ``benchmarks/results/RESULTS.md`` and ``.json``.
+optionally ``case*reps``; RESULTS ``mem_change_ab``). Writes
+``benchmarks/results/RESULTS.md`` and ``.json``.
 """
 
 import dataclasses

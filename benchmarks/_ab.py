@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from skpathkernel._tangent import RULES, tangent_gram
@@ -25,6 +26,19 @@ def ab_row(case, times, load, **extra):
                ref_times=times["ref"], tree_times=times["tree"], **extra)
     row["ratio_least"] = row["ref_least"] / row["tree_least"]
     row["ratio_median"] = row["ref_median"] / row["tree_median"]
+    return row
+
+
+def outputs_row(case, times, out):
+    """:func:`ab_row` with the largest difference of the two sides' outputs relative to
+    the reference's largest entry (``out``: each side's last output), printed."""
+    ref, tree = np.asarray(out["ref"]), np.asarray(out["tree"])
+    row = ab_row(case, times, os.getloadavg()[0],
+                 max_rel_diff=float(np.abs(ref - tree).max() / np.abs(ref).max()))
+    print(f"{case}: ref {row['ref_least']:.3f} s (median {row['ref_median']:.3f}), "
+          f"tree {row['tree_least']:.3f} s (median {row['tree_median']:.3f}), "
+          f"ratio {row['ratio_least']:.3f} least, {row['ratio_median']:.3f} median, "
+          f"diff {row['max_rel_diff']:.1e}, load {row['load']:.2f}", flush=True)
     return row
 
 

@@ -41,7 +41,7 @@ import skpathkernel._estimators._base as base
 import skpathkernel._memory as memory
 import skpathkernel._network._trained as trained
 import skpathkernel._tangent._stacked as stacked
-from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
+from benchmarks._ab import ab_provenance, outputs_row, reference_module, write_ab
 from skpathkernel import PathKernelClassifier, TangentFeatures, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,14 +161,7 @@ def main(ref="4a46127", names="blocks,adam100,sgd100,so,transform", results="mem
                     t = time.process_time()
                     out[key] = np.asarray(call())
                     times[key].append(time.process_time() - t)
-        row = ab_row(name, times, os.getloadavg()[0],
-                     max_rel_diff=float(np.abs(out["ref"] - out["tree"]).max()
-                                        / np.abs(out["ref"]).max()))
-        rows.append(row)
-        print(f"{name}: ref {row['ref_least']:.3f} s (median {row['ref_median']:.3f}), "
-              f"tree {row['tree_least']:.3f} s (median {row['tree_median']:.3f}), "
-              f"ratio {row['ratio_least']:.3f} least, {row['ratio_median']:.3f} median, "
-              f"diff {row['max_rel_diff']:.1e}, load {row['load']:.2f}", flush=True)
+        rows.append(outputs_row(name, times, out))
     prov = ab_provenance(ROOT, "bench_mem_change_ab", [*MODULES,
                                                        "benchmarks/bench_mem_change_ab.py"],
                          ref, reps, load_before=load_before, load_after=os.getloadavg())

@@ -37,7 +37,7 @@ from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._analysis._decomposition as decomposition
 import skpathkernel._network._trained as trained
-from benchmarks._ab import ab_provenance, ab_row, write_ab
+from benchmarks._ab import ab_provenance, outputs_row, write_ab
 from skpathkernel import PathKernelClassifier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,13 +122,7 @@ def main(ref="main", cases=CASES, results="verbs_ab"):
                     times[key].append(time.process_time() - t)
         finally:
             decomposition._factored_block, trained.node_chunk = impl["tree"]
-        row = ab_row(case, times, os.getloadavg()[0],
-                     max_rel_diff=float(np.abs(out["ref"] - out["tree"]).max()
-                                        / np.abs(out["ref"]).max()))
-        rows.append(row)
-        print(f"{case}: ref {row['ref_least']:.2f} s, tree {row['tree_least']:.2f} s, "
-              f"ratio {row['ratio_least']:.2f} least, {row['ratio_median']:.2f} median, "
-              f"diff {row['max_rel_diff']:.1e}, load {row['load']:.2f}", flush=True)
+        rows.append(outputs_row(case, times, out))
     prov = ab_provenance(ROOT, "bench_verbs_ab", [*MODULES.values(),
                                                   "benchmarks/bench_verbs_ab.py",
                                                   "benchmarks/_ab.py"], ref, reps,

@@ -567,7 +567,8 @@ def _all_outputs_in_one_pass(module, traj) -> bool:
                for m in module.modules())
 
 
-def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weights=None):
+def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weights=None,
+                  n_out=None):
     """``out += alpha (H_t(x) dtheta)^T`` for every query: the derivative of J(x) along
     dtheta, (Q, C, P), or its rows contracted with ``weights`` (Q, C) into (Q, 1, P).
 
@@ -575,9 +576,10 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
     to ``out`` in place: a (Q, C, P) product and its concatenation would not fit the
     budget that sized the query block.
 
-    Forward over reverse. All outputs in one pass (``jvp`` of ``jacrev``) where
-    :func:`_all_outputs_in_one_pass`; otherwise one output at a time (``jvp`` of
-    ``grad``, vmapped over the queries): ``jacrev`` vmaps the backward over the outputs,
+    Forward over reverse. All outputs in one pass (``jvp`` of ``jacrev``) with ``n_out``
+    None, where :func:`_all_outputs_in_one_pass` (decided once per call, with
+    :func:`_checked_outputs` otherwise); else one output at a time of the ``n_out``
+    (``jvp`` of ``grad``, vmapped over the queries): ``jacrev`` vmaps the backward over the outputs,
     and torch's derivative of that batched backward through an affine layer norm or
     instance norm is wrong (torch 2.13; ``jacrev`` of ``jacrev`` too): the curvature term
     of every TransformerEncoderLayer (its layer norms) missed by about 1%, silently. The
@@ -595,13 +597,11 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
         # return (n,), whose [0] is a scalar.
         return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
 
-    if _all_outputs_in_one_pass(module, traj):
+    if n_out is None:
         def products(Xb):
             return vmap(lambda x: jvp(lambda p: jacrev(f_single)(p, x), (params,),
                                       (tangent,))[1])(Xb)
     else:
-        n_out = _checked_outputs(module, traj, theta, X)
-
         def products(Xb):
             def row(x, c):
                 return jvp(grad(lambda p: f_single(p, x)[c]), (params,), (tangent,))[1]
@@ -1417,7 +1417,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
             jac(theta, rho)
             if method == "second_order":
                 _add_hvp_rows(module, traj, ctx.layout, theta, delta, Xq, rho, 0.5,
-                              ctx.hvp_block, Wq)
+                              ctx.hvp_block, Wq, n_out=ctx.hvp_outputs)
         nxt = theta
         D = traj.preconditioner(j)
         D = None if D is None else D.to(device)
@@ -1983,6 +1983,10 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                    ref=ref, weights=weights, intervals=intervals, row_bytes=row,
                    point_bytes=P * itemsize)
     ctx.hvp_block = hvp_block if route == "dense" else 0
+    # The second order's route, once for the call (not at every step): None, all outputs
+    # in one pass; else the outputs, one at a time, after the double-backward check.
+    ctx.hvp_outputs = (None if method != "second_order" or _all_outputs_in_one_pass(module, traj)
+                       else _checked_outputs(module, traj, traj.parameters(0).to(X.device), X))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on

@@ -1,6 +1,8 @@
 """Estimator-level tangent features, kernels and neighbours against independent loops."""
 
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,26 @@ def test_kneighbors_of_a_single_training_sample_says_why_there_is_none():
     # With queries, the one sample is every query's neighbour.
     assert_array_equal(net.kneighbors(np.zeros((2, 2), dtype=np.float32), n_neighbors=1,
                                       return_distance=False), [[0], [0]])
+
+
+@pytest.mark.parametrize("query", [False, True])
+def test_kneighbors_distances_stay_within_the_memory_budget(query):
+    """Blocks of queries: the N x N distances of X=None (or Q x N) are never held at
+    once past memory_budget; the neighbours are those of the one-block call."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(1500, 3))
+    # float64: the blocks' kernel rounds as the symmetric one-pass Gram does not, and a
+    # float32 cosine near 1 moves sqrt(2 - 2 cos) by 1e-4.
+    common = dict(hidden_layer_sizes=(4,), max_iter=2, tol=None, dtype="float64",
+                  random_state=0)
+    small = PathKernelMachine(memory_budget=2**20, **common).fit(X, X[:, 0])
+    large = PathKernelMachine(**common).fit(X, X[:, 0])
+    Xq = X[:700] + 0.01 if query else None
+    tracemalloc.start()
+    dist, ind = small.kneighbors(Xq, n_neighbors=5)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 * 2**20  # one block's arrays; the whole 1500 x 1500 float64 is 17 MiB
+    ref_dist, ref_ind = large.kneighbors(Xq, n_neighbors=5)
+    assert_array_equal(ind, ref_ind)
+    assert_allclose(dist, ref_dist, rtol=1e-6, atol=1e-6)

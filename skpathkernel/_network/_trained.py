@@ -771,35 +771,36 @@ ValueError
         # The kernels' own normalisation (cosine; 0 against a zero feature).
         k = (KERNELS["tangent"](self, step=step, normalized=normalized)
              if kernel == "tangent" else KERNELS["path"](self, normalized=normalized))
-        if query_is_train:
-            # The training set's own Gram, symmetric, from one pass (its diagonal is the
-            # unnormalised distances' k(x, x), of each point against itself).
-            K = k(X_fit)
-            if normalized:
-                sq = 2.0 - 2.0 * np.clip(K, -1, 1)
+        n_train = X_fit.shape[0]
+        Xq = X_fit if query_is_train else self.check(X)
+        # Blocks of queries under memory_budget: a block's Gram, squared distances,
+        # distances and sort order (float64 and int64, N each per query), not Q x N at
+        # once (N x N without X).
+        rows = rows_per_block(self.memory_budget, 32 * n_train,
+                              "kneighbors' distances to the training set")
+        dist_parts, ind_parts = [], []
+        for start in range(0, Xq.shape[0], rows):
+            block = slice(start, min(start + rows, Xq.shape[0]))
+            if query_is_train and block.stop - block.start == n_train:
+                dist = _distances(self, k, kernel, normalized, None, X_fit)
             else:
-                d = K.diagonal()
-                sq = d[:, None] + d[None, :] - 2.0 * K
-        elif normalized:
-            sq = 2.0 - 2.0 * np.clip(k(self.check(X), X_fit), -1, 1)
-        elif kernel == "path":
-            K, dx, dy = k._bind(self)._raw_sums(self.check(X), X_fit)
-            sq = dx[:, None] + dy[None, :] - 2.0 * K
-        else:
-            X = self.check(X)
-            sq = k.diag(X)[:, None] + k.diag(X_fit)[None, :] - 2.0 * k(X, X_fit)
-        dist = np.sqrt(np.maximum(sq, 0.0))
-        if query_is_train:
-            # A sample is not its own neighbour, by index rather than by distance: its
-            # distance to itself is 0 only up to rounding (a near-duplicate can come
-            # out nearer), and an exact duplicate must stay a neighbour. scikit-learn
-            # drops the sample from its k + 1 nearest, the same neighbours but where
-            # more than k others tie at its own distance.
-            np.fill_diagonal(dist, np.inf)
-        ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors]
+                dist = _distances(self, k, kernel, normalized, Xq[block], X_fit)
+            if query_is_train:
+                # A sample is not its own neighbour, by index rather than by distance:
+                # its distance to itself is 0 only up to rounding (a near-duplicate can
+                # come out nearer), and an exact duplicate must stay a neighbour.
+                # scikit-learn drops the sample from its k + 1 nearest, the same
+                # neighbours but where more than k others tie at its own distance.
+                own = np.arange(block.stop - block.start)
+                dist[own, block.start + own] = np.inf
+            # A copy: the slice would keep the block's whole sort order alive.
+            ind = np.argsort(dist, axis=1, kind="stable")[:, :n_neighbors].copy()
+            ind_parts.append(ind)
+            dist_parts.append(np.take_along_axis(dist, ind, axis=1))
+        ind = np.concatenate(ind_parts)
         if not return_distance:
             return ind
-        return np.take_along_axis(dist, ind, axis=1), ind
+        return np.concatenate(dist_parts), ind
 
     def _training_data_inputs(self) -> np.ndarray:
         if self.X_fit is None:
@@ -1160,6 +1161,26 @@ def check_step_applies(kernel: str, step) -> None:
                  "start=..., stop=...) restricts it)" if kernel == "path"
                  else f"kernel={kernel!r} reads no recorded point")
         raise ValueError(f"step={step!r} applies to kernel='tangent'; {where}.")
+
+
+def _distances(net, k, kernel: str, normalized: bool, Xq, X_fit) -> np.ndarray:
+    """Distances of the queries ``Xq`` (checked; None: the training set itself, its
+    symmetric Gram in one pass) to every training input under ``net``'s kernel ``k``."""
+    if Xq is None:
+        K = k(X_fit)
+        if normalized:
+            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
+        else:
+            d = K.diagonal()
+            sq = d[:, None] + d[None, :] - 2.0 * K
+    elif normalized:
+        sq = 2.0 - 2.0 * np.clip(k(Xq, X_fit), -1, 1)
+    elif kernel == "path":
+        K, dx, dy = k._bind(net)._raw_sums(Xq, X_fit)
+        sq = dx[:, None] + dy[None, :] - 2.0 * K
+    else:
+        sq = k.diag(Xq)[:, None] + k.diag(X_fit)[None, :] - 2.0 * k(Xq, X_fit)
+    return np.sqrt(np.maximum(sq, 0.0))
 
 
 def _check_n_neighbors(n_neighbors, n_train: int, *, query_is_train: bool = False) -> None:

@@ -42,9 +42,11 @@ def outputs_row(case, times, out):
     return row
 
 
-def write_ab(out, title, timer, prov, rows, digits, columns=()):
+def write_ab(out, title, timer, prov, rows, digits, columns=(), machine=False):
     """``out``.json (provenance and rows) and ``out``.md (the table, times to ``digits``;
-    ``columns``: further ``(header, key)`` pairs of the rows, appended)."""
+    ``columns``: further ``(header, key)`` pairs of the rows, appended; ``machine``: a
+    last line with the machine, ``CPU_NAME`` in the environment, and the load average
+    when the run ended)."""
     out.with_suffix(".json").write_text(json.dumps(dict(provenance=prov, rows=rows),
                                                    indent=1))
     lines = [f"# {title}", "", *(f"- {k}: {v}" for k, v in prov.items()), "",
@@ -62,16 +64,11 @@ def write_ab(out, title, timer, prov, rows, digits, columns=()):
                      f"{r['ratio_median']:.3f} | "
                      f"{r.get('max_rel_diff', float('nan')):.1e} | {r['load']:.2f} |"
                      + "".join(f" {r.get(key, '-')} |" for _, key in columns))
+    if machine:
+        lines += ["", f"Machine: {os.environ.get('CPU_NAME', '') or 'see above'}; load average "
+                  "(1, 5, 15 min) at the end: "
+                  + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + "."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-
-def append_machine(out):
-    """Append to ``out``.md the machine (``CPU_NAME`` in the environment) and the load
-    average when the run ended."""
-    cpu = os.environ.get("CPU_NAME", "")
-    with out.with_suffix(".md").open("a") as f:
-        f.write(f"\nMachine: {cpu or 'see above'}; load average (1, 5, 15 min) at the end: "
-                + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + ".\n")
 
 
 def ab_provenance(root, script, paths, ref, reps, **extra):

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks._ab import ab_provenance, append_machine, rules_ab, write_ab
+from benchmarks._ab import ab_provenance, rules_ab, write_ab
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 5
@@ -112,8 +112,7 @@ def main(results="conv_transpose_ab", n=256):
                          "entries removed)", REPS)
     out = ROOT / "benchmarks" / "results" / results
     write_ab(out, "nn.ConvTranspose*d, nn.Conv3d: generic fallback (ref) vs their rules (tree)",
-             "time.thread_time", prov, rows, 3)
-    append_machine(out)
+             "time.thread_time", prov, rows, 3, machine=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import _nets
-from benchmarks._ab import ab_provenance, append_machine, rules_ab, write_ab
+from benchmarks._ab import ab_provenance, rules_ab, write_ab
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 7
@@ -99,8 +99,7 @@ def main(results="rms_norm_ab", n=256):
                          "the tree without nn.RMSNorm's rule (RULES entry removed)", REPS)
     out = ROOT / "benchmarks" / "results" / results
     write_ab(out, "nn.RMSNorm: generic fallback (ref) vs its rule (tree)", "time.thread_time",
-             prov, rows, 3)
-    append_machine(out)
+             prov, rows, 3, machine=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from benchmarks import _nets
-from benchmarks._ab import ab_provenance, ab_row, append_machine, reference_module, write_ab
+from benchmarks._ab import ab_provenance, ab_row, reference_module, write_ab
 from skpathkernel._tangent import _gram, tangent_gram
 from skpathkernel.rules import layer_routes
 
@@ -107,8 +107,7 @@ def main(results="tied_ab", n=256, ref="HEAD"):
                          f"{MODULE} at {ref} (tied and repeated layers on the fallback)", REPS)
     out = ROOT / "benchmarks" / "results" / results
     write_ab(out, "Parameters used at several sites: fallback (ref) vs summed uses (tree)",
-             "time.thread_time", prov, rows, 3)
-    append_machine(out)
+             "time.thread_time", prov, rows, 3, machine=True)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,44 @@ def test_projection_is_seeded_and_preserves_the_kernel(circle, monkeypatch):
     assert names[0] == "tangentfeatures0" and names[-1] == "tangentfeatures3999"
 
 
+
+@pytest.mark.parametrize("fitted, change", [
+    (dict(), dict(n_components=5, random_state=0)),
+    (dict(), dict(normalize=True)),
+    (dict(n_components=5, random_state=0), dict(n_components=None)),
+    (dict(n_components=5, random_state=0), dict(n_components=7, normalize=True)),
+])
+def test_set_params_takes_effect_at_the_next_fit(circle, fitted, change):
+    """transform and the output names are the fit's, as SparseRandomProjection's (which
+    reads n_components_ and components_): set_params without a refit changed the width
+    of transform's output, and its names, without any projection drawn at fit."""
+    X, y = circle
+    est = TangentFeatures(PathKernelClassifier(**SMALL), **fitted).fit(X, y)
+    before, names = est.transform(X[:10]), est.get_feature_names_out()
+    est.set_params(**change)
+    np.testing.assert_array_equal(est.transform(X[:10]), before)
+    np.testing.assert_array_equal(est.get_feature_names_out(), names)
+    # Refitted, the estimator is a fresh fit with the new parameters.
+    fresh = TangentFeatures(PathKernelClassifier(**SMALL), **{**fitted, **change}).fit(X, y)
+    est.fit(X, y)
+    np.testing.assert_array_equal(est.transform(X[:10]), fresh.transform(X[:10]))
+    np.testing.assert_array_equal(est.get_feature_names_out(), fresh.get_feature_names_out())
+    assert est.transform(X[:10]).shape[1] == len(fresh.get_feature_names_out())
+
+
+@pytest.mark.parametrize("svm_kernel", ["linear", "tangent"])
+def test_svm_reads_its_fit_after_set_params(circle, svm_kernel):
+    """The SVM reads what it was fitted on (features or Gram rows, normalized or not):
+    set_params without a refit leaves its decisions as they were, a refit is a fresh fit."""
+    X, y = circle
+    est = TangentFeatureSVM(PathKernelClassifier(**SMALL), svm_kernel=svm_kernel, C=1.0)
+    before = est.fit(X, y).decision_function(X[:10])
+    change = dict(svm_kernel="path", normalize=False, C=10.0)
+    np.testing.assert_array_equal(est.set_params(**change).decision_function(X[:10]), before)
+    fresh = TangentFeatureSVM(PathKernelClassifier(**SMALL), **change).fit(X, y)
+    np.testing.assert_array_equal(est.fit(X, y).decision_function(X[:10]),
+                                  fresh.decision_function(X[:10]))
+
 def test_pandas_in_and_out(circle):
     import pandas as pd
     X, y = circle

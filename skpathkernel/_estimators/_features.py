@@ -203,7 +203,11 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         # first for its initialization, and the directions must differ from it.
         seed = int(check_random_state(self.random_state).randint(2**31 - 1, size=2)[1])
         self._fit_trainer(X, y, sample_weight=sample_weight)
+        # The projection (its width, its seed) and the normalization are part of the
+        # fitted state, as SparseRandomProjection's components_: set_params changes what
+        # the next fit returns, not what this one's transform does.
         self._projection_seed = seed
+        self._n_components, self._normalize = self.n_components, self.normalize
         n_exact = self.n_params_ * (self.n_outputs_ if self.n_outputs_ > 1 else 1)
         if self.n_components is not None and self.n_components > n_exact:
             # As GaussianRandomProjection warns: the projection is wider than the exact
@@ -230,9 +234,11 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         -------
         phi : ndarray of shape (n_samples, n_features_out)
             ``n_features_out`` is ``n_params_`` (times ``n_outputs_`` for several outputs)
-            or ``n_components``; in the network's dtype.
+            or ``n_components``; in the network's dtype. ``n_components`` and
+            ``normalize`` are those of the last ``fit``: ``set_params`` takes effect at
+            the next.
         """
-        if self.n_components is None:
+        if self._n_components is None:
             phi = self._tangent_features(X)
         else:
             module, params, X_t = self._engine_inputs(X)
@@ -243,12 +249,12 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             # Fixed-size blocks: a row's float32 features do not depend on the others.
             phi = map_fixed_blocks(
                 lambda xb: to_numpy(_tangent.project_tangent_features(
-                    module, params, xb, self.n_components,
+                    module, params, xb, self._n_components,
                     random_state=self._projection_seed, output="trace",
                     memory_budget=budget, exclude=exclude, check_hidden=False)),
-                X_t, feature_block_rows(budget, self.n_components * itemsize,
+                X_t, feature_block_rows(budget, self._n_components * itemsize,
                                         "The projected tangent features"))
-        return _unit_rows(phi) if self.normalize else phi
+        return _unit_rows(phi) if self._normalize else phi
 
     def get_feature_names_out(self, input_features=None):
         """Output feature names: the tangent features', or ``"tangentfeatures<k>"``.
@@ -269,11 +275,11 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             One name per column of :meth:`transform`'s output.
         """
         check_is_fitted(self)
-        if self.n_components is None:
+        if self._n_components is None:
             return super().get_feature_names_out(input_features)
         _check_feature_names_in(self, input_features, generate_names=False)
         prefix = type(self).__name__.lower()
-        return np.asarray([f"{prefix}{k}" for k in range(self.n_components)], dtype=object)
+        return np.asarray([f"{prefix}{k}" for k in range(self._n_components)], dtype=object)
 
     def _y_required(self, frozen: bool) -> bool:
         # A frozen trainer is not trained: y is ignored.

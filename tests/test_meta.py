@@ -7,6 +7,7 @@ skpathkernel trainer is refused with a message naming it.
 """
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -15,11 +16,14 @@ import torch
 from _reference import features_loop
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.base import clone
+from sklearn.calibration import CalibratedClassifierCV
 from sklearn.datasets import make_multilabel_classification
+from sklearn.ensemble import BaggingRegressor
 from sklearn.exceptions import NotFittedError, UnsetMetadataPassedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV, KFold, cross_validate
+from sklearn.multioutput import MultiOutputRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.utils import get_tags
 from sklearn.utils.multiclass import type_of_target
@@ -373,3 +377,81 @@ def test_routing_of_a_frozen_trainer_and_the_router(circle):
         svm = TangentFeatureSVM(frozen).fit(X, y, sample_weight=w)
     assert_allclose(svm.decision_function(X), TangentFeatureSVM(frozen).fit(
         X, y, sample_weight=w).decision_function(X), rtol=1e-12)
+
+
+def _output(est, X):
+    """What each meta-estimator gives: features, SVM decisions, detector scores."""
+    return est.transform(X) if isinstance(est, TangentFeatures) else est.decision_function(X)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_routing_takes_a_weight_under_the_trainers_alias(cls, circle):
+    """set_fit_request(sample_weight="w") on the trainer, then fit(X, y, w=weights): the
+    trainer is the explicit weighted fit, as through MultiOutputRegressor's and
+    CalibratedClassifierCV's **fit_params (fit took no other keyword than sample_weight);
+    the meta-estimator's own use of weights (the SVM's, the span's) reads sample_weight."""
+    X, y, w = _weighted_circle(circle)
+    pure = cls is TangentFeatures  # uses no weight itself
+    with sklearn.config_context(enable_metadata_routing=True):
+        aliased = cls(_trainer("w")).fit(X, y, w=w)
+        both = None if pure else cls(_trainer("w")).fit(X, y, sample_weight=w, w=w)
+    direct = PathKernelClassifier(**SMALL).fit(X, y, sample_weight=w)
+    assert_array_equal(aliased.estimator_.predict_proba(X), direct.predict_proba(X))
+    assert np.abs(direct.predict_proba(X)
+                  - PathKernelClassifier(**SMALL).fit(X, y).predict_proba(X)).max() > 1e-3
+    # Without routing, sample_weight goes to the trainer and the meta-estimator alike.
+    explicit = cls(_trainer()).fit(X, y, sample_weight=w)
+    if pure:
+        assert_array_equal(_output(aliased, X), _output(explicit, X))
+    else:
+        assert_array_equal(_output(both, X), _output(explicit, X))
+        # The weighted trainer, read unweighted by the SVM / the span.
+        ref = cls(FrozenEstimator(direct)).fit(X, y)
+        assert_array_equal(aliased.X_fit_, ref.X_fit_)
+        assert_allclose(_output(aliased, X), _output(ref, X), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_routing_refuses_metadata_as_scikit_learns_meta_estimators(cls, circle):
+    """Metadata routed to no one is refused as MultiOutputRegressor (a pure router, as
+    TangentFeatures) and CalibratedClassifierCV (which weighs its own calibration, as
+    the SVM and the detector) refuse it; without routing any metadata but sample_weight
+    is refused as by BaggingRegressor, before any training, keeping the previous fit."""
+    X, y, w = _weighted_circle(circle)
+    pure = cls is TangentFeatures
+    Y = np.column_stack([y, y]) if pure else y
+    with sklearn.config_context(enable_metadata_routing=True):
+        est = cls(_trainer("w")).fit(X, y)
+        before = est.estimator_
+        ref = (MultiOutputRegressor(Ridge().set_fit_request(sample_weight="w")) if pure
+               else CalibratedClassifierCV(LogisticRegression().set_fit_request(
+                   sample_weight="w")))
+        for params in (dict(foo=w), dict(sample_weight=w)):
+            try:
+                clone(ref).fit(X, Y, **params)
+            except TypeError as exc:  # the reference refuses: so must this one
+                with pytest.raises(TypeError, match=re.escape(str(exc).split(" got ")[1])):
+                    est.fit(X, y, **params)
+            else:
+                assert params == dict(sample_weight=w) and not pure
+        assert est.estimator_ is before
+    with pytest.raises(ValueError) as bagging:
+        BaggingRegressor(Ridge()).fit(X, y, w=w)
+    with pytest.raises(ValueError, match=re.escape(str(bagging.value).split(" is ")[1])):
+        est.fit(X, y, w=w)
+    assert est.estimator_ is before
+
+
+@pytest.mark.parametrize("request_", [False, "frozen"])
+def test_routing_fits_a_pure_router_without_weights(circle, request_):
+    """A TangentFeatures whose trainer routes nothing (declined, or frozen) fits without
+    weights, as MultiOutputRegressor(Ridge().set_fit_request(sample_weight=False)) does:
+    its fit routed sample_weight=None, which no one takes, and was refused."""
+    X, y = circle
+    with sklearn.config_context(enable_metadata_routing=True):
+        trainer = (FrozenEstimator(PathKernelClassifier(**SMALL).fit(X, y))
+                   if request_ == "frozen" else _trainer(False))
+        MultiOutputRegressor(Ridge().set_fit_request(sample_weight=False)).fit(
+            X, np.column_stack([y, y]))
+        routed = TangentFeatures(trainer).fit(X, y)
+    assert_array_equal(routed.transform(X), TangentFeatures(trainer).fit(X, y).transform(X))

@@ -168,7 +168,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
                 else "regression")
 
     @keep_previous_fit_on_error
-    def fit(self, X, y=None, sample_weight=None):
+    def fit(self, X, y=None, sample_weight=None, **fit_params):
         """Fit the network trainer on (X, y), recording its path.
 
         Parameters
@@ -187,6 +187,12 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             that requested it (``set_fit_request(sample_weight=True)``), an error for one
             that did not say, and refused as routed to no one when it declined or is
             frozen.
+        **fit_params : dict
+            Only with ``sklearn.set_config(enable_metadata_routing=True)``: metadata
+            routed to the trainer's ``fit``, such as a weight under the alias the trainer
+            requested (``set_fit_request(sample_weight="w")``, then ``fit(X, y,
+            w=weights)``), as scikit-learn's ``MultiOutputRegressor`` routes them.
+            Without routing they are refused, as by ``BaggingRegressor``.
 
         Returns
         -------
@@ -202,7 +208,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         # The second draw: a default trainer seeded with the same random_state takes the
         # first for its initialization, and the directions must differ from it.
         seed = int(check_random_state(self.random_state).randint(2**31 - 1, size=2)[1])
-        self._fit_trainer(X, y, sample_weight=sample_weight)
+        self._fit_trainer(X, y, sample_weight=sample_weight, fit_params=fit_params)
         # The projection (its width, its seed) and the normalization are part of the
         # fitted state, as SparseRandomProjection's components_: set_params changes what
         # the next fit returns, not what this one's transform does.
@@ -421,7 +427,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             self._budget(), 8 * len(self.X_fit_), "The SVM's kernel rows"))
 
     @keep_previous_fit_on_error
-    def fit(self, X, y, sample_weight=None):
+    def fit(self, X, y, sample_weight=None, **fit_params):
         """Fit the network trainer on (X, y), then the SVM on its tangent features or kernel.
 
         Parameters
@@ -440,6 +446,13 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             ``sklearn.set_config(enable_metadata_routing=True)`` the trainer receives
             them only where it requested them (``set_fit_request(sample_weight=True)``;
             an error where it did not say), and the SVM takes them either way.
+        **fit_params : dict
+            Only with ``sklearn.set_config(enable_metadata_routing=True)``: metadata
+            routed to the trainer's ``fit``, such as a weight under the alias the trainer
+            requested (``set_fit_request(sample_weight="w")``, then ``fit(X, y,
+            w=weights)``), as scikit-learn's ``MultiOutputRegressor`` routes them; the
+            SVM takes ``sample_weight`` alone (its own, as ``CalibratedClassifierCV``'s
+            calibrator). Without routing they are refused, as by ``BaggingRegressor``.
 
         Returns
         -------
@@ -448,7 +461,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         validate_params(self)
         # Never half-fitted: keep_previous_fit_on_error restores the previous fit whole
         # when the network or the SVM fails.
-        X, y, frozen, weights = self._fit_trainer(X, y, sample_weight=sample_weight)
+        X, y, frozen, weights = self._fit_trainer(X, y, sample_weight=sample_weight,
+                                                  fit_params=fit_params)
         # The kernel choice and its normalization are part of the fitted state:
         # set_params must not change what an already fitted svm_ reads.
         self._svm_kernel, self._normalize = self.svm_kernel, self.normalize

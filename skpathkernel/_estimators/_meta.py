@@ -13,8 +13,10 @@ With ``sklearn.set_config(enable_metadata_routing=True)`` they route ``sample_we
 scikit-learn's meta-estimators do (``CalibratedClassifierCV``, ``MultiOutputRegressor``):
 the trainer's ``fit`` receives it only where the trainer requested it
 (``PathKernelClassifier().set_fit_request(sample_weight=True)``), and a weight passed to
-a trainer that said nothing is an error naming it. Without routing, ``fit`` passes it
-to the trainer as before.
+a trainer that said nothing is an error naming it; a trainer that requested it under an
+alias (``set_fit_request(sample_weight="w")``) receives ``fit(X, y, w=...)``'s, as
+their ``**fit_params`` route it. Without routing, ``fit`` passes it to the trainer as
+before, and refuses any other keyword as ``BaggingRegressor`` does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sklearn.utils._param_validation import HasMethods
 from sklearn.utils.metadata_routing import (
     MetadataRouter,
     MethodMapping,
+    _raise_for_params,
     _routing_enabled,
     process_routing,
 )
@@ -230,25 +233,36 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         """Whether ``fit`` needs ``y``, given whether the trainer is frozen."""
         return self.__sklearn_tags__().target_tags.required
 
-    def _fit_trainer(self, X, y, *, target=None, sample_weight=None):
+    def _fit_trainer(self, X, y, *, target=None, sample_weight=None, fit_params=None):
         """Validate ``X`` (and ``y``) here, then fit a clone of the trainer on them.
 
         ``target``: what the trainer is fitted on instead of ``y`` (the detector's
         reconstruction). ``sample_weight``: validated before any training (scikit-learn's
         checks) and passed to the trainer's fit (a frozen trainer is not trained); with
-        metadata routing enabled, only where the trainer requested it. Sets
-        ``estimator_`` and ``X_fit_``; returns the validated ``(X, y)``, whether the
-        trainer was frozen (then nothing was trained, and ``X`` was checked against its
-        network) and the validated weights (None when not given or all equal), which the
-        meta-estimator's own use of them reads whether or not the trainer got them.
+        metadata routing enabled, the trainer gets the weight routed to it instead: this
+        one where it requested ``sample_weight=True``, another of ``fit_params`` under the
+        alias it requested (``set_fit_request(sample_weight="w")``), none where it
+        declined. ``fit_params`` without routing are refused, as by scikit-learn's
+        ``BaggingRegressor``. Sets ``estimator_`` and ``X_fit_``; returns the validated
+        ``(X, y)``, whether the trainer was frozen (then nothing was trained, and ``X``
+        was checked against its network) and the validated ``sample_weight`` (None when
+        not given or all equal), which the meta-estimator's own use of them reads
+        whether or not the trainer got them.
         """
+        fit_params = {} if fit_params is None else fit_params
         inner, frozen = self._trainer()
-        to_trainer = True
+        to_trainer = sample_weight
         if _routing_enabled():
             # Before any work: a weight that no one requested is refused, naming whom to
             # ask (the trainer's set_fit_request), as scikit-learn's routers refuse it.
-            routed = process_routing(self, "fit", sample_weight=sample_weight)
-            to_trainer = not frozen and "sample_weight" in routed.estimator.fit
+            # sample_weight=None is no metadata (as MultiOutputRegressor drops it): a
+            # router that routes it to no one refused a fit without weights.
+            given = dict(fit_params) if sample_weight is None else {
+                **fit_params, "sample_weight": sample_weight}
+            routed = process_routing(self, "fit", **given)
+            to_trainer = None if frozen else routed.estimator.fit.get("sample_weight")
+        else:
+            _raise_for_params(fit_params, self, "fit")
         if frozen:
             net = network_of(inner)  # NotFittedError for a frozen unfitted trainer
             # Named columns are the frozen trainer's, in its order: this estimator's own
@@ -260,15 +274,17 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             return X, y, True, _check_weights(sample_weight, X)
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
+        same = to_trainer is sample_weight
         sample_weight = _check_weights(sample_weight, X)
+        # An aliased weight is another array than sample_weight: validated alike.
+        to_trainer = sample_weight if same else _check_weights(to_trainer, X)
         if inner is None:
             trainer = self._default_trainer(y)
         else:
             trainer = clone(inner)
         # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
         # keeps working unweighted (equal weights are None here, the unweighted fit).
-        weighted = ({} if sample_weight is None or not to_trainer
-                    else {"sample_weight": sample_weight})
+        weighted = {} if to_trainer is None else {"sample_weight": to_trainer}
         trainer.fit(X, y if target is None else target(X), **weighted)
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
         return X, y, False, sample_weight

@@ -312,7 +312,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             return PathKernelMachine(random_state=self.random_state)
         return trainer_for(y, self.random_state)
 
-    def _fit_network(self, X, y, sample_weight=None):
+    def _fit_network(self, X, y, sample_weight=None, fit_params=None):
         """Fit the trainer (or read a frozen one) with ``sample_weight``:
         ``(span points, task)``. The span's points are ``X_fit_``'s rows of positive
         weight, which ``X_fit_`` then holds alone."""
@@ -327,7 +327,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             )
         _, _, frozen, weights = self._fit_trainer(
             X, None if frozen else y, target=flat_targets if reconstruct else None,
-            sample_weight=sample_weight)
+            sample_weight=sample_weight, fit_params=fit_params)
         est = self.estimator_
         if not frozen and weights is not None and est._train_rows is not None:
             # Those of X_fit_'s rows, early stopping's training part: read from the
@@ -353,7 +353,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         return self.X_fit_, task
 
     @keep_previous_fit_on_error
-    def fit(self, X, y=None, sample_weight=None):
+    def fit(self, X, y=None, sample_weight=None, **fit_params):
         """Fit the network trainer (unless frozen) and set up the span of phi(X).
 
         Computes the training features' norms, the factorisation of their span
@@ -388,6 +388,13 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             them only where it requested them (``set_fit_request(sample_weight=True)``;
             an error where it did not say), and their zeros leave rows out of the span
             either way.
+        **fit_params : dict
+            Only with ``sklearn.set_config(enable_metadata_routing=True)``: metadata
+            routed to the trainer's ``fit``, such as a weight under the alias the trainer
+            requested (``set_fit_request(sample_weight="w")``, then ``fit(X, y,
+            w=weights)``), as scikit-learn's ``MultiOutputRegressor`` routes them; the
+            zeros that leave rows out of the span are ``sample_weight``'s alone. Without
+            routing they are refused, as by ``BaggingRegressor``.
 
         Returns
         -------
@@ -403,7 +410,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "regularises nothing. Use rtol >= 1e-7.",
                 UserWarning, stacklevel=caller_stacklevel(),
             )
-        X, task = self._fit_network(X, y, sample_weight)
+        X, task = self._fit_network(X, y, sample_weight, fit_params)
         est = self.estimator_
         gram = NetworkGram(network_of(est))
         n = X.shape[0]

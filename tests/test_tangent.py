@@ -17,6 +17,7 @@ from skpathkernel import _tangent
 from skpathkernel._tangent import (
     _capture,
     _gram,
+    _layers,
     _stacked,
     capture,
     project_tangent_features,
@@ -1487,7 +1488,8 @@ def test_launch_bound_chunks_take_what_the_kept_blocks_leave(cross, monkeypatch)
 
 
 @pytest.mark.parametrize("cross", [False, True])
-@pytest.mark.parametrize("make", [LongAttention, lambda: _resnet_problem(1)[0].float()])
+@pytest.mark.parametrize("make", [LongAttention, lambda: _resnet_problem(1)[0].float(),
+                                  lambda: _WideConvs(2)])
 def test_a_grams_peak_memory_stays_within_the_budget(make, cross):
     # The contract of memory_budget: what a Gram holds besides its result stays within it,
     # measured (a budget of a few row blocks), also where the backward's largest
@@ -1503,3 +1505,57 @@ def test_a_grams_peak_memory_stays_within_the_budget(make, cross):
     tangent_gram(module, params, X[:2], memory_budget=budget)  # one-time allocations
     K, peak = cpu_peak_bytes(lambda: tangent_gram(module, params, X, Y, memory_budget=budget))
     assert 0 < peak - K.nbytes <= budget, (peak - K.nbytes, budget)
+
+
+class _WideConvs(nn.Module):
+    """Convolutions whose weights' per-sample gradients a float32 Gram on the CPU forms
+    by a grouped convolution backward (16 input channels, 3x3 kernels, more positions
+    than outputs x channels), one dilated with a bias and reflected padding, one strided,
+    after a stem that keeps the patches (18-wide)."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 16, 3, padding=1, bias=False)
+        self.conv = nn.Conv2d(16, 16, 3, padding=2, dilation=2, padding_mode="reflect")
+        self.down = nn.Conv2d(16, 16, 3, stride=2, padding=1, bias=False)
+        self.head = nn.Linear(16, n_out)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(torch.relu(self.stem(x))))
+        return self.head(torch.relu(self.down(h)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("output, weighted, layout", [
+    ("trace", False, torch.contiguous_format), ("trace", True, torch.contiguous_format),
+    ("full", False, torch.contiguous_format), ("trace", False, torch.channels_last)])
+def test_convolutions_formed_by_a_grouped_backward(output, weighted, layout, monkeypatch):
+    # The two wide convolutions' blocks are formed by the grouped backward, the stem's
+    # from its patches; K against the float64 dense Jacobians, and the patches' route
+    # (every layer declined) to float32 rounding; also on channels-last images, whose
+    # activations the convolutions keep channels-last.
+    torch.manual_seed(0)
+    module = _WideConvs(2)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(40, 2, 12, 12).contiguous(memory_format=layout)
+    n_params = sum(p.numel() for p in params.values())
+    D = torch.rand(n_params) + 0.5 if weighted else None
+    routed = set()
+    real = _layers._conv_formed
+
+    def spy(use, deltas, names):
+        terms = real(use, deltas, names)
+        if terms is not None:
+            routed.add(names["weight"])
+        return terms
+
+    monkeypatch.setattr(_layers, "_conv_formed", spy)
+    K = tangent_gram(module, params, X, output=output, diag_weight=D, check_hidden=False)
+    assert routed == {"conv.weight", "down.weight"}
+    J = _loop_jacobian(module, params, X)
+    JD = J if D is None else J * D.double()
+    ref = (torch.einsum("ncp,mcp->nm", JD, J) / 2 if output == "trace"
+           else torch.einsum("ncp,mdp->ncmd", JD, J))
+    _close(K, ref, 1e-5)
+    monkeypatch.setattr(_capture, "formed_terms", lambda *args: None)
+    _close(K, tangent_gram(module, params, X, output=output, diag_weight=D,
+                           check_hidden=False), 1e-5)

@@ -49,6 +49,7 @@ from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
+from ._layers import formed_terms
 from ._parameters import broadcast_over_samples, parameter_site
 from ._rules import RULES, Rule, Term, Use
 
@@ -480,6 +481,7 @@ def capture(
     weights: torch.Tensor | None = None,
     scratch: list[torch.Tensor] | None = None,
     index: bool = False,
+    formed: frozenset[str] = frozenset(),
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -515,6 +517,11 @@ def capture(
         tangent-kernel engine, which contracts them without a vocabulary-sized factor;
         otherwise their one-hot factors are formed (:func:`._contract.one_hot`), for the
         consumers that contract factors as matrices.
+    formed : frozenset of str, default=frozenset()
+        Parameters whose per-sample gradients the caller forms from the terms (the
+        tangent-kernel engine's gradient blocks): a layer with a cheaper way to form them
+        than from its factors hands them on formed, as constant-input terms
+        (:func:`._layers.formed_terms`).
     """
     check_per_sample(module)
     layers, reasons, taken = _rule_layers(module, params, exclude)
@@ -546,12 +553,12 @@ def capture(
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
                        dense_fallback=dense_fallback, weights=weights, scratch=scratch,
-                       index=index)
+                       index=index, formed=formed)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
     terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons, sites,
-                                scratch)
+                                scratch, formed)
     del f, live
 
     # A rule layer's parameter that its rule leaves without a term (an extra parameter
@@ -646,10 +653,11 @@ def _accepted_free(free, watch, params, X, reasons, declined):
 
 
 def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
-                scratch=None) -> dict[str, Term]:
+                scratch=None, formed=frozenset()) -> dict[str, Term]:
     """Each accepted layer's terms by parameter name: the backprops to its call's sites
-    (one backward pass per output, or one for a contraction), factored by its rule; and
-    the terms of the free parameters' sites (``free``, from :func:`_accepted_free`)."""
+    (one backward pass per output, or one for a contraction), factored by its rule (the
+    parameters of ``formed`` possibly formed, see :func:`capture`); and the terms of the
+    free parameters' sites (``free``, from :func:`_accepted_free`)."""
     terms_by_name: dict[str, Term] = {}
     if accepted or free:
         zs = [z for *_, sites in accepted for z in sites] + [z for *_, z in free]
@@ -666,7 +674,10 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
             use = Use(use.func, use.args, use.kwargs, tuple(
                 a.detach() if isinstance(a, torch.Tensor) else a for a in use.inputs))
             with torch.no_grad():
-                terms = rule.factors(layer, use, layer_deltas, names)
+                terms = formed_terms(rule, use, layer_deltas, names, formed) if formed \
+                    else None
+                if terms is None:
+                    terms = rule.factors(layer, use, layer_deltas, names)
             uses.extend(_checked_terms(terms, layer, names, params))
         with torch.no_grad():
             terms_by_name = _summed_uses(uses)

@@ -46,6 +46,12 @@ the outputs, ``is_grads_batched``: the ReLU and max-pool backward over ``C n`` r
 the bytes of ``C`` passes, and the ``(C, n, ...)`` backprops cost forming a copy; the
 call took as long or longer, here and on the ResNet.)
 
+A convolution whose patches outnumber its block's entries (more positions than outputs x
+channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its
+blocks formed by the capture, by one grouped convolution backward on the chunk, without
+copying its patches (:func:`._layers._conv_formed`): the ResNet's call took 0.94-0.95
+of its CPU time by medians, 0.90-0.93 by least (``benchmarks/results/conv_formed_ab.md``).
+
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
 """
@@ -487,7 +493,7 @@ class _Blocks:
     def _capture(self, rows: slice, scratch=None) -> Capture:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
-                      index=True)
+                      index=True, formed=self.dense)
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)

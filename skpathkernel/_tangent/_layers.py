@@ -127,6 +127,53 @@ CONV2D = Rule(ops=(F.conv2d,), factors=_conv_factors, accepts=_conv_accepts(2))
 CONV3D = Rule(ops=(F.conv3d,), factors=_conv_factors, accepts=_conv_accepts(3))
 
 
+def _conv_formed(use, deltas, names):
+    """A 2-D convolution's terms with its weight's per-sample gradients formed, for a
+    caller that forms them anyway (the tangent-kernel engine's gradient blocks); None
+    where the patches' route (:func:`_conv_factors`, then one GEMM per sample) is kept.
+
+    The samples are the groups of one grouped convolution's weight gradient (oneDNN's
+    backward by weights on the CPU), which reads the input in place: no copy of the
+    patches, ``S q`` floats per sample, where the block is ``C p q``. oneDNN's speed on
+    such shapes is uneven, so the route is kept to where it was measured faster (float32,
+    one CPU thread, operands out of cache, ``benchmarks/results/conv_formed_kernels.md``):
+    more positions than outputs x channels (``S > C p``), at most 128 of them (``C p``), a
+    kernel of several positions and whole rows of 16 floats (``q``). There it formed a
+    chunk's blocks 1.02-1.29x as fast (the ResNet's 32 x 32 and 16 x 16 convolutions in its
+    groups of two outputs, the most); outside, 0.49-1.03x (its 8 x 8 ones 0.84-0.93x,
+    CIFAR's 32 -> 64 with ten outputs 0.49x, a 1x1 kernel, RGB inputs; more outputs of
+    16 or 32 channels about even).
+    """
+    (a,), (delta,) = use.inputs, deltas
+    kernel, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=5)
+    n, C, c_out = delta.shape[:3]
+    c_in = a.shape[1]
+    if (groups != 1 or isinstance(padding, str) or a.device.type != "cpu"
+            or a.dtype != torch.float32 or math.prod(kernel) == 1
+            or c_in * math.prod(kernel) % 16
+            or not C * c_out < math.prod(delta.shape[3:]) or C * c_out > 128):
+        return None
+    weight = _arg(use, 1, "weight")
+    g = torch.nn.grad.conv2d_weight(
+        a.reshape(1, n * c_in, *a.shape[2:]), (n * C * c_out, *weight.shape[1:]),
+        delta.reshape(1, n * C * c_out, *delta.shape[3:]), stride, padding, dilation, n)
+    terms = [Term(delta=g.view(n, C, 1, -1), inputs=[(names["weight"], None)])]
+    if "bias" in names:
+        # As _conv_factors's bias: the capture sums its positions.
+        d = delta.reshape(n, C, c_out, -1).transpose(2, 3)
+        terms.append(Term(delta=d, inputs=[(names["bias"], None)]))
+    return terms
+
+
+def formed_terms(rule, use, deltas, names, formed):
+    """The terms of a rule layer's call with the parameters named in ``formed`` handed
+    on as per-sample gradients (constant-input terms), where the layer has a cheaper way
+    to form them than from its factors; None otherwise (``rule.factors`` then)."""
+    if rule is CONV2D and names.get("weight") in formed:
+        return _conv_formed(use, deltas, names)
+    return None
+
+
 def _conv_transpose_factors(layer, use, deltas, names):
     # F.conv_transpose*d(a, W) is the adjoint of F.conv*d(., W) with the same stride,
     # padding, dilation and groups: z[o] = sum over (i, k) with i s + k d - p = o of

@@ -1989,7 +1989,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                        + 24 * min(q_block, n_q) * n_res)
             return chunk, max(chunk, q_block - q_block % chunk), b_bytes
 
-        n_batch = N if weighting == "expected" else max(map(len, traj.batches), default=0)
+        n_batch = (N if weighting == "expected"
+                   else int(np.diff(traj._batch_offsets).max(initial=0)))
 
         def fits(q_block):
             """Whether a query block of ``q_block`` rows leaves a batch row room, and

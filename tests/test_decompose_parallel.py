@@ -340,7 +340,8 @@ def test_float32_query_blocks_under_a_memory_cap(adam32_fitted):
 
     est, Xq = adam32_fitted
     budget = est.get_params()["memory_budget"]
-    est.set_params(memory_budget=50_000)  # blocks of 7 queries: chunks of 8 capped to 4
+    # Blocks of 7 queries (in the query side's half): chunks of 8 capped to 4.
+    est.set_params(memory_budget=70_000)
     quads = []
     init = _decomposition._Quadrature.__init__
 

@@ -851,8 +851,8 @@ def test_captures_held_ahead_stay_within_the_budget(monkeypatch):
 @pytest.mark.parametrize("room", [None, 24000])
 def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     """Query blocks that keep the batches' captures for the next block: the steps of one
-    stacked pass share its storage, charged once (all 16 steps fit the budget's
-    quarter), and a later block captures each step not kept once, none left over: with
+    stacked pass share its storage, charged once (all 16 steps fit the room the query
+    blocks leave), and a later block captures each step not kept once, none left over: with
     a smaller room (24 kB) too, where steps kept lie between steps that are not (the
     12-sample batches fit after a block of 16-sample ones did not). The numbers are
     those of one query block."""
@@ -861,7 +861,7 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     est, X = _adam_path(60, 128, batch_size=16)  # batches of 16, 16, 16 and 12
     reference = est.decompose(X)
     T = len(est.trajectory_) - 1
-    budget = 3 * 2**17
+    budget = 2**19 + 2**17
     contexts, blocks, captured = [], [], []
     init, factored = interpolation._Context.__init__, interpolation._factored_block
     forward = interpolation._StackedCapture.forward
@@ -871,6 +871,7 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
         contexts.append(self)
         if room is not None:
             self._kept_room = room
+        self.initial_room = self._kept_room  # a quarter of what the query blocks leave
 
     def spy_block(*args, **kwargs):
         blocks.append(1)
@@ -888,7 +889,7 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     ctx = contexts[-1]
     assert ctx.keep_batches and len(blocks) > 1
     kept = list(ctx._kept.values())
-    assert (budget // 4 if room is None else room) - ctx._kept_room == _storage_bytes(kept)
+    assert ctx.initial_room - ctx._kept_room == _storage_bytes(kept)
     if room is None:
         assert len(kept) == T
     else:  # kept steps between steps not kept (the walk goes from step T - 1 down)

@@ -15,6 +15,7 @@ from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import train_test_split
 from sklearn.utils.multiclass import type_of_target
 
+from benchmarks.bench_gpu_choices import cpu_peak_bytes
 from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
 from skpathkernel._analysis import _rank_gap
 from skpathkernel._analysis._rank_gap import pivoted_cholesky
@@ -238,17 +239,60 @@ def test_residual_leave_one_out_without_room_for_the_qr_uses_the_leverages():
                           contamination=0.2).fit(X)
     r = big.rank_
     small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
-    # Room for the factor (and a Gram block), not for the QR's second array beside it.
-    small_net.memory_budget = 8 * (2 * 120 * r + 2 * r * r) - 8
+    # Room for the leverages' pass, not for the QR's second array beside the factor (at
+    # the pivots the smaller Gram blocks take: 55 of the same tolerance).
+    small_net.memory_budget = _rank_gap.leverage_bytes(120, r + 10)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(_rank_gap, "loo_relative_residuals", None)  # the QR pass must not run
         small = OODRankDetector(FrozenEstimator(small_net), method="residual", rtol=1e-4,
                                 contamination=0.2).fit(X)
     # (Smaller Gram blocks: other pivots, of the same tolerance.)
-    assert small.rank_ < len(X)
+    assert small.rank_ < len(X) and small._basis is None
     P = dense_features(big, X)
     _, loo = nystrom_residuals(P, small.pivots_, small.lambda_, P[:1])
     np.testing.assert_allclose(small.offset_, np.percentile(loo, 20), rtol=1e-5)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.6])
+def test_residual_fit_stays_within_the_budget_at_full_rank(share):
+    """memory_budget's contract at r ~ N, measured (torch's allocations during the fit):
+    the budget's max_rank counted the N x r factor only, and the leverages' pass held two
+    r x r arrays beside it and L, 1.8 times a budget that fits them (N = r = 150). Where
+    the budget has room for its arrays (share 1) the rank is unchanged; below it (0.6)
+    the rank is capped, with the warning. The scores are the all-N formula through the
+    pivots' factor (dense features), and those of an ample budget where the rank is N."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(150, 5))
+    y = np.sin(X.sum(1))
+    Xq = np.vstack([rng.normal(size=(20, 5)), 3 * rng.normal(size=(10, 5))])
+    net = PathKernelMachine(**{**SMALL, "hidden_layer_sizes": (64,), "max_iter": 30}).fit(X, y)
+    params = dict(method="residual", rtol=1e-4, contamination=0.2)
+    big = OODRankDetector(FrozenEstimator(net), **params).fit(X)
+    assert big.rank_ == len(X)  # 449 parameters
+    # The leverages' pass at r = N (no room for the QR's second N x r array): the factor,
+    # L and the factor of M + lam I, two blocks of 64 rows and 16 vectors over the points.
+    n = len(X)
+    budget = int(share * 8 * (n * n + 2 * n * n + 2 * 64 * n + 16 * n))
+    assert budget < 8 * (2 * 150 * 150 + 4 * 150 * 150)
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    OODRankDetector(FrozenEstimator(small_net), **params).fit(X[:20])  # one-time allocations
+    det = OODRankDetector(FrozenEstimator(small_net), **params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    capped = [w for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert peak <= budget, (peak, budget)  # before: 1.79x (share 1), 1.92x (0.6)
+    assert bool(capped) == (share < 1)
+    assert det.rank_ == len(X) if share == 1 else det.rank_ < len(X)
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    query, loo = nystrom_residuals(P, det.pivots_, det.lambda_, Q)
+    np.testing.assert_allclose(det.score_samples(Xq), -query, rtol=1e-5)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 20), rtol=1e-5)
+    if share == 1:
+        # Other pivot blocks and the leverages' pass instead of the QR: rounding.
+        np.testing.assert_allclose(det.score_samples(Xq), big.score_samples(Xq), atol=1e-7)
+        np.testing.assert_allclose(det.offset_, big.offset_, atol=1e-7)
 
 
 @pytest.mark.parametrize("room_for_qr", [True, False])
@@ -265,7 +309,9 @@ def test_residual_fit_needs_no_svd_and_the_leverages_no_eigendecomposition(room_
     r = OODRankDetector(FrozenEstimator(net), method="residual", rtol=1e-4).fit(X).rank_
     if not room_for_qr:
         net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
-        net.memory_budget = 8 * (2 * 120 * r + 2 * r * r) - 8
+        # Room for the leverages' pass (at the 49 pivots of the smaller Gram blocks), not
+        # for the QR's second array.
+        net.memory_budget = _rank_gap.leverage_bytes(120, r + 5)
 
     def refused(*args, **kwargs):
         raise AssertionError("not needed by the fit")

@@ -54,7 +54,8 @@ the engine's capture once per call). On the default classifier on digits the hoo
 captures were about a sixth of ``attribute``'s time with Adam and half with SGD
 (profiled, 100 queries): set-up repeated per capture, for little arithmetic. Neither
 side of a step reads the adjoint, so both are captured for blocks of steps
-(``STEP_BLOCK``, within an eighth of ``memory_budget`` each): the batches of the steps the
+(``STEP_BLOCK``, within an eighth of ``memory_budget`` each, of what the blocks of queries
+and of batch rows leave at most a quarter): the batches of the steps the
 walk takes next, each at its own parameters with its own rows, in one stacked pass
 (:meth:`_Context._capture_ahead`), and a chunk's queries at the nodes of the next steps
 (:class:`_NodesAhead`), at the count its step before ended with, which the next steps
@@ -834,7 +835,8 @@ class _Context:
     """What every step of one query block reads: the path, the batches, the routing."""
 
     def __init__(self, module, traj, X_train, Y_train, loss, *, weighting, budget, exclude,
-                 outputs, b_block, ref, weights, intervals=None, row_bytes=1, point_bytes=0):
+                 outputs, b_block, ref, weights, intervals=None, row_bytes=1, point_bytes=0,
+                 left=None):
         self.module, self.traj, self.loss, self.ref = module, traj, loss, ref
         # The recorded intervals [start, stop) this call decomposes (all: None).
         self.intervals = (0, len(traj) - 1) if intervals is None else intervals
@@ -842,9 +844,11 @@ class _Context:
         self.weighting, self.budget, self.exclude = weighting, budget, exclude
         self.outputs, self.b_block = outputs, b_block
         # Each step's batch captures, kept for the next query block (keep_batches) within
-        # a quarter of the memory budget; a storage shared by several kept steps (a block
-        # of steps' captures) is charged once.
-        self.keep_batches, self._kept, self._kept_room = False, {}, budget // 4
+        # a quarter of the memory budget (of what the blocks leave, ``left``, at most
+        # half); a storage shared by several kept steps (a block of steps' captures) is
+        # charged once.
+        left = budget if left is None else max(0, 2 * left)
+        self.keep_batches, self._kept, self._kept_room = False, {}, min(budget, left) // 4
         self._kept_storages: set[int] = set()
         # The queries' side: all outputs, or one (the outputs contracted with weights).
         self.weights = weights
@@ -856,7 +860,9 @@ class _Context:
         # budget for a batch's pass and for what the chunks of queries hold for their next
         # steps, a row and a parameter point charged as given (see ahead_steps); the
         # batches made ahead, and the walk's steps in order with their positions.
-        self.ahead_bytes, self.row_bytes, self.point_bytes = budget // 8, row_bytes, point_bytes
+        # (Each an eighth of the budget, at most a quarter of what the blocks leave.)
+        self.ahead_bytes = min(budget, left) // 8
+        self.row_bytes, self.point_bytes = row_bytes, point_bytes
         self._ahead, self._walk, self._at = {}, None, None
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
@@ -1957,6 +1963,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
         b_bytes = 2 * (2 * P * itemsize + row)
+        q_used = 0  # the two sides in half of the budget each
     else:
         # The adjoint (Q x C x P; none for plain SGD's Gram of factors), a query's float64
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
@@ -1964,24 +1971,59 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # an eighth of the budget, :class:`_NodesAhead`).
         q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
                    + f_bytes)
+        given = chunk
+
+        def sides(q_block):
+            """The chunk, the block's queries (a multiple of it: see below) and a batch
+            row's bytes of a query block of at most ``q_block`` rows."""
+            # The queries of one node choice (a power of two: the blocks of a larger call
+            # are cut at multiples of its chunk), or a whole block.
+            chunk = min(given, _pow2_floor(q_block)) if adaptive else q_block
+            # A batch row: its capture and its column of the pair products of a query
+            # block ((Q C) x widest layer output, float64; only where the block has fewer
+            # rows than the layer inputs), or its formed gradient of the largest
+            # parameter (float64, _pairs.formed_contraction); and its column of the
+            # block's float64 products with the adjoint and shares (up to three (Q C) x B
+            # buffers: one adjoint for the whole block, not per chunk).
+            b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
+                       + 24 * min(q_block, n_q) * n_res)
+            return chunk, max(chunk, q_block - q_block % chunk), b_bytes
+
+        n_batch = (N if weighting == "expected"
+                   else int(np.diff(traj._batch_offsets).max(initial=0)))
+
+        def fits(q_block):
+            """Whether a query block of ``q_block`` rows leaves a batch row room, and
+            takes at most half of the budget unless the whole batch fits beside it."""
+            _, q_rows, b_bytes = sides(q_block)
+            q_used = min(q_rows, n_q) * q_bytes
+            return (q_used + b_bytes <= memory_budget and q_used
+                    <= max(memory_budget // 2, memory_budget - n_batch * b_bytes))
+
+        # Both sides share the budget: a query block sized from all of it left nothing
+        # for the batch's rows, sized from all of it too (measured: 1.3x the budget). One
+        # query and one batch row must fit: the least budget, refused below.
+        rows_per_block(memory_budget, q_bytes + sides(1)[2],
+                       "The decomposition's adjoint buffers and per-sample loss gradients")
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
-        # The queries of one node choice (a power of two: the blocks of a larger call
-        # are cut at multiples of its chunk), or a whole block.
-        chunk = min(chunk, _pow2_floor(q_block)) if adaptive else q_block
-        # A batch row: its capture and its column of the pair products of a query block
-        # ((Q C) x widest layer output, float64; only where the block has fewer rows than
-        # the layer inputs), or its formed gradient of the largest parameter (float64,
-        # _pairs.formed_contraction); and its column of the block's float64 products with
-        # the adjoint and shares (up to three (Q C) x B buffers: one adjoint for the whole
-        # block, not per chunk).
-        b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
-                   + 24 * min(q_block, n_q) * n_res)
-    b_block = rows_per_block(memory_budget, b_bytes,
+        if not fits(q_block):  # the largest block that does (fits is monotone)
+            lo, hi = 1, q_block
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            q_block = lo
+        chunk, _, b_bytes = sides(q_block)
+        q_used = min(sides(q_block)[1], n_q) * q_bytes
+    b_block = rows_per_block(memory_budget - q_used, b_bytes,
                              "The decomposition's per-sample loss gradients")
+    # The captures made ahead and kept for later query blocks take what the two sides
+    # leave (at most an eighth and a quarter of the budget, as before).
+    if route != "dense":
+        left = memory_budget - q_used - min(b_block, n_batch) * b_bytes
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals, row_bytes=row,
-                   point_bytes=P * itemsize)
+                   point_bytes=P * itemsize, left=None if route == "dense" else left)
     ctx.hvp_block = hvp_block if route == "dense" else 0
     # The second order's route, once for the call (not at every step): None, all outputs
     # in one pass; else the outputs, one at a time, after the double-backward check.

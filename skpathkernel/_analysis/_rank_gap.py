@@ -32,7 +32,7 @@ from .._memory import rows_per_block
 from .._modules import copy_module
 from .._tangent import tangent_gram, tangent_gram_diag
 
-__all__ = ["NetworkGram", "TangentSpan", "numerical_rank", "pivoted_cholesky"]
+__all__ = ["NetworkGram", "TangentSpan", "budget_rank", "numerical_rank", "pivoted_cholesky"]
 
 BLOCK = 256  # pivots per Gram pass of the pivoted Cholesky
 # A group of queries shares the Gram of the union of its neighbours, at most this many
@@ -44,6 +44,14 @@ UNION_NEIGHBOURS = 16
 # Entries of a row block of the leave-one-out passes (8 MiB in float64; 32 MiB, with
 # two such temporaries beside it, put 90 MiB on the fit's peak at N = r = 2000).
 LOO_BLOCK = 2**20
+# Rows of a leave-one-out block at least, whatever the budget: a triangular solve of this
+# many rows costs several times its call's set-up (a block of 64 x r solves, two r x 64
+# arrays, is 2 MB at r = 2000), and the budget's rank (budget_rank) counts two of them.
+LOO_MIN_ROWS = 64
+# Float64 vectors over the N points that a fit holds beside its arrays (the diagonal, the
+# residuals, the leverages and their temporaries): measured, up to 11 at the peak of the
+# leverages' pass.
+POINT_VECTORS = 16
 
 
 # Singular values of J relative to the largest below which the float64 Gram J J^T no
@@ -103,8 +111,23 @@ class NetworkGram:
         # Token ids stay int64; float inputs follow the float64 copy of the network.
         return to_input_tensor(np.asarray(X), dtype=torch.float64, device=self.device)
 
-    def gram(self, X, Y=None) -> torch.Tensor:
-        return tangent_gram(self.module, self.params, X, Y, memory_budget=self.budget)
+    def gram(self, X, Y=None, budget=None) -> torch.Tensor:
+        """The Gram, its temporaries within ``budget`` (None: the network's)."""
+        return tangent_gram(self.module, self.params, X, Y,
+                            memory_budget=self.budget if budget is None else budget)
+
+    def column_budget(self, X) -> int:
+        """The engine's budget for the pivoting's Gram columns: a quarter of the
+        network's, beside the factor (up to half, :func:`budget_rank`) and a block of
+        columns with its updates (the last quarter); the whole budget where a quarter
+        does not hold one sample's temporaries (the engine's refusal, before any work,
+        on one point of ``X``): the budget of a few rows that fits one."""
+        quarter = max(1, self.budget // 4)
+        try:
+            self.gram(X[:1], X[:1], budget=quarter)
+        except ValueError:
+            return self.budget
+        return quarter
 
     def diag(self, X) -> torch.Tensor:
         return tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)
@@ -193,7 +216,7 @@ def pivoted_cholesky(column, diag, tol, max_rank, block=BLOCK):
     return G[:, :k], torch.as_tensor(pivots, dtype=torch.long)
 
 
-def loo_relative_residuals(G, diag, lam):
+def loo_relative_residuals(G, diag, lam, budget=None):
     """Leave-one-out relative residuals of the training features, from ``Theta ~= G G^T``.
 
     Each point is scored as a query is by :meth:`TangentSpan.residuals`, against the
@@ -205,7 +228,8 @@ def loo_relative_residuals(G, diag, lam):
     ``G = Q R`` (``Q`` orthonormal to machine precision) and ``P P^T = R R^T + lam I``,
     ``[(G G^T + lam I)^{-1}]_ii = ||P^{-1} q_i||^2 + (1 - ||q_i||^2) / lam``. Returns
     the relative residuals and ``R`` (``R^T R = G^T G``, which the queries' scores take,
-    :meth:`TangentSpan.factorize`).
+    :meth:`TangentSpan.factorize`). Its row blocks take what its arrays (``G``, ``Q``
+    and four ``r x r``) leave of ``budget`` (None: ``LOO_BLOCK`` entries).
     """
     if G.shape[1] == 0:
         return torch.ones_like(diag), None
@@ -221,7 +245,8 @@ def loo_relative_residuals(G, diag, lam):
     complement = G.shape[1] < G.shape[0]
     inv_diag = torch.empty_like(diag)
     # Row blocks: P^{-1} Q^T is r x N, as large as G itself.
-    step = max(1, LOO_BLOCK // max(G.shape[1], 1))
+    n, r = G.shape
+    step = _loo_rows(budget, 8 * (2 * n * r + 4 * r * r + POINT_VECTORS * n), r)
     for start in range(0, G.shape[0], step):
         Qb = Q[start : start + step]
         inv_diag[start : start + step] = row_norms2(
@@ -233,7 +258,39 @@ def loo_relative_residuals(G, diag, lam):
     return _relative(var, diag), R
 
 
-def leverage_loo_relative_residuals(G, post, diag, lam):
+def leverage_bytes(n: int, r: int) -> int:
+    """Bytes the leverages' pass holds at its peak at ``r`` pivots of ``n`` points: the
+    factor ``G`` (n x r), the pivots' Cholesky factor and that of ``M + lam I`` (made in
+    ``M``'s place: r x r each), a row block of its solves (two ``LOO_MIN_ROWS x r``
+    arrays at least), and the fit's vectors over the points (``POINT_VECTORS``)."""
+    return 8 * (n * r + 2 * r * r + 2 * LOO_MIN_ROWS * r + POINT_VECTORS * n)
+
+
+def budget_rank(budget: int, n: int) -> int:
+    """The most pivots of ``n`` points whose factorisation stays within ``budget`` bytes.
+
+    The ``N x r`` float64 factor in half of it, the Gram blocks of the pivoting in the
+    other half; and the leverages' pass (:func:`leverage_bytes`, the cheaper of the two
+    leave-one-out passes) in all of it, whose ``r x r`` arrays at ``r ~ N`` are as large
+    as the factor: counted, at ``N = r = 2000`` and a 62 MiB budget, the fit held twice
+    the budget. At least one pivot.
+    """
+    # The largest r with 16 r^2 + (8 n + 16 LOO_MIN_ROWS) r + c <= budget (leverage_bytes).
+    b, c = 8 * n + 16 * LOO_MIN_ROWS, 8 * POINT_VECTORS * n
+    r = (math.isqrt(b * b + 64 * max(int(budget) - c, 0)) - b) // 32
+    while r > 0 and leverage_bytes(n, r) > budget:  # isqrt's rounding
+        r -= 1
+    return max(1, min(int(budget) // (16 * max(n, 1)), r, n))
+
+
+def _loo_rows(budget: int | None, held: int, r: int) -> int:
+    """Rows of a leave-one-out block: two ``rows x r`` float64 arrays in what ``held``
+    leaves of ``budget`` (None: ``LOO_BLOCK`` entries), at least ``LOO_MIN_ROWS``."""
+    entries = LOO_BLOCK if budget is None else min(LOO_BLOCK, (budget - held) // 16)
+    return max(LOO_MIN_ROWS, entries // max(r, 1))
+
+
+def leverage_loo_relative_residuals(G, post, diag, lam, budget=None):
     """:func:`loo_relative_residuals` without its second ``N x r`` array (the QR's ``Q``).
 
     By Woodbury, ``[(G G^T + lam I)^{-1}]_ii = (1 - h_i) / lam`` with the leverage
@@ -242,12 +299,14 @@ def leverage_loo_relative_residuals(G, post, diag, lam):
     ``lam h_i / (1 - h_i)``. ``1 - h_i`` cancels for a point far from the others' span
     (``1 - h_i = lam / (lam + var)``), so its relative residual is only as precise as
     ``h_i``: measured against the QR at rtol=1e-6, within 1.4e-6 (digits, N = 600) and
-    1.9e-5 (N = 3000) relative, medians 6e-15 and 4e-7.
+    1.9e-5 (N = 3000) relative, medians 6e-15 and 4e-7. Its row blocks take what
+    :func:`leverage_bytes`' arrays leave of ``budget`` (None: ``LOO_BLOCK`` entries).
     """
     if G.shape[1] == 0:
         return torch.ones_like(diag)
     lev = torch.empty_like(diag)
-    step = max(1, LOO_BLOCK // max(G.shape[1], 1))
+    n, r = G.shape
+    step = _loo_rows(budget, 8 * (n * r + 2 * r * r + POINT_VECTORS * n), r)
     for start in range(0, G.shape[0], step):
         q = torch.linalg.solve_triangular(post, G[start : start + step].T, upper=False)
         lev[start : start + step] = row_norms2(q.T)
@@ -257,7 +316,7 @@ def leverage_loo_relative_residuals(G, post, diag, lam):
     return _relative(var, diag)
 
 
-def jittered_cholesky(K, lam, overwrite=False):
+def jittered_cholesky(K, lam, overwrite=False, rebuild=None):
     """Lower triangular ``L`` with ``L L^T = K + lam I``, for a PSD Gram ``K`` and ``lam > 0``.
 
     Cholesky of the sum first. A jitter below the Gram's float64 round-off (``rtol``
@@ -265,15 +324,27 @@ def jittered_cholesky(K, lam, overwrite=False):
     then ``L`` is the factor of ``K_+ + lam I``, with ``K_+`` the Gram without its
     negative (round-off) eigenvalues, from the R of a QR of ``[sqrt(K_+); sqrt(lam) I]``:
     square roots span twice the range of exponents that the sum would need.
-    ``overwrite``: ``K`` may be used as the sum's storage (no copy of it).
+    ``overwrite``: ``K`` may be used as the sum's storage (no copy of it). ``rebuild``:
+    the factor is made in ``K``'s own memory (no second ``r x r`` array), and
+    ``rebuild()`` makes ``K`` again for the fallback (the factorisation destroyed it).
     """
-    W = K if overwrite else K.clone()
+    W = K if overwrite or rebuild is not None else K.clone()
     W.diagonal().add_(lam)
-    L, info = torch.linalg.cholesky_ex(W)
+    if rebuild is None:
+        L, info = torch.linalg.cholesky_ex(W)
+    else:
+        # W is symmetric: its transpose, a column-major view, is the layout LAPACK
+        # factorises in place (a row-major output took a copy), and the factor the same.
+        info = torch.empty((), dtype=torch.int32, device=W.device)
+        L, info = torch.linalg.cholesky_ex(W.T, out=(W.T, info))
     if int(info) == 0:
         return L
-    K = W
-    K.diagonal().sub_(lam)
+    if rebuild is None:
+        K = W
+        K.diagonal().sub_(lam)
+    else:
+        del W, L
+        K = rebuild()
     S, V = torch.linalg.eigh((K + K.T) / 2)
     root = S.clamp(min=0).sqrt().unsqueeze(1) * V.T  # root^T root = K_+
     eye = torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
@@ -426,8 +497,9 @@ class TangentSpan:
         diag_t = torch.as_tensor(diag, device=gram.device)
         n = X.shape[0]
         if float(diag_t.max()) > 0:
-            G, pivots = pivoted_cholesky(lambda idx: gram.gram(Xt, Xt[idx]), diag_t,
-                                         max(lam, 0.0), max_rank, block=block)
+            engine = gram.column_budget(Xt)
+            G, pivots = pivoted_cholesky(lambda idx: gram.gram(Xt, Xt[idx], budget=engine),
+                                         diag_t, max(lam, 0.0), max_rank, block=block)
         else:  # every feature is zero (a dead network): the span is {0}
             G, pivots = diag_t.new_zeros((n, 0)), torch.zeros(0, dtype=torch.long)
         reached = float((diag_t - row_norms2(G)).clamp(min=0.0).max()) if n else 0.0
@@ -447,7 +519,8 @@ class TangentSpan:
         if loo:
             # G and the QR's Q (N x r each); L, R, R R^T and its Cholesky factor (r x r).
             if 8 * (2 * n * r + 4 * r * r) <= gram.budget:
-                residuals, R = loo_relative_residuals(G, diag_t, max(lam, 1e-300))
+                residuals, R = loo_relative_residuals(G, diag_t, max(lam, 1e-300),
+                                                      budget=gram.budget)
                 # The N x r factor is freed before M's eigendecomposition (the QR's Q was):
                 # M, its eigenvectors and eigh's workspace (about 2 r^2) come after them.
                 del G
@@ -457,13 +530,13 @@ class TangentSpan:
                     S, W = torch.linalg.eigh(M)
                     del M
             elif r:
-                # The leverages' pass: M and its Cholesky factor beside G and L, and no
-                # r x r eigendecomposition (at r = 2000 it tripled the fit's time):
-                # queries solve with the factor instead (two triangular solves).
-                M = G.T @ G
-                post = jittered_cholesky(M, lam, overwrite=True)
-                del M
-                residuals = leverage_loo_relative_residuals(G, post, diag_t, lam)
+                # The leverages' pass: the Cholesky factor of M + lam I (in M's memory)
+                # beside G and L, and no r x r eigendecomposition (at r = 2000 it tripled
+                # the fit's time): queries solve with the factor instead (two triangular
+                # solves). Its arrays are those budget_rank counts.
+                post = jittered_cholesky(G.T @ G, lam, rebuild=lambda: G.T @ G)
+                residuals = leverage_loo_relative_residuals(G, post, diag_t, lam,
+                                                            budget=gram.budget)
             else:
                 residuals = torch.ones_like(diag_t)
             residuals = to_numpy(residuals)

@@ -32,7 +32,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 
-from .._analysis._rank_gap import BLOCK, RTOL_RESOLUTION, NetworkGram, TangentSpan
+from .._analysis._rank_gap import BLOCK, RTOL_RESOLUTION, NetworkGram, TangentSpan, budget_rank
 from .._device import to_numpy
 from .._modules import runs_module
 from .._network._trained import network_of
@@ -167,7 +167,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         query scored against the pivots alone flagged 0.116).
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
-        the ``N x r`` float64 factor allows in half of ``memory_budget`` (and at most N).
+        ``memory_budget`` allows (and at most N): the ``N x r`` float64 factor in half of
+        it (the Gram columns of the pivoting in the other half), and the factor with the
+        leave-one-out pass's two ``r x r`` arrays (``N r + 2 r^2`` float64) in all of it.
         When it is reached before the tolerance, a ``ConvergenceWarning`` says so, with
         how far the farthest training feature lies from the span (relative to the
         largest feature norm, in ``rtol``'s units), and the span is that of the ``r``
@@ -428,10 +430,16 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         else:
             max_rank = self.max_rank
             if max_rank is None:
-                max_rank = max(1, gram.budget // (2 * 8 * n))
+                max_rank = budget_rank(gram.budget, n)
             max_rank = min(int(max_rank), n)
+            # The pivots' Gram columns beside the factor: a quarter of the budget, the
+            # engine's temporaries another (factorize); the factor takes half
+            # (budget_rank). In all of it, they took 1.7 times an 8 MiB budget with the
+            # factor at N = 1000.
+            pivot_block = max(1, min(block, gram.budget // 4 // (4 * 8 * n)))
             span, pivots, complete, loo, reached = TangentSpan.factorize(
-                gram, X, diag, lam, max_rank, block=block, loo=self.method == "residual",
+                gram, X, diag, lam, max_rank, block=pivot_block,
+                loo=self.method == "residual",
                 score=self.method == "residual")
             if not complete:
                 # In rtol's units: the distance of the farthest training feature from the

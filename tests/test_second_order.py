@@ -518,20 +518,27 @@ class _Recurrent(torch.nn.Module):
 
     def __init__(self, n_out, cell):
         super().__init__()
-        self.rnn = cell(2, 3, batch_first=True)
+        step = issubclass(cell, torch.nn.RNNCellBase)  # a cell, looped over the steps
+        self.rnn = cell(2, 3) if step else cell(2, 3, batch_first=True)
         self.head = torch.nn.Linear(3, n_out)
 
     def forward(self, x):
-        return self.head(self.rnn(x.reshape(-1, 4, 2))[0][:, -1])
+        x = x.reshape(-1, 4, 2)
+        if isinstance(self.rnn, torch.nn.RNNBase):
+            return self.head(self.rnn(x)[0][:, -1])
+        h = None
+        for t in range(x.shape[1]):
+            h = self.rnn(x[:, t], h)
+        return self.head(h)
 
 
-@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.GRUCell])
 def test_second_order_decomposition_of_a_recurrent_network(cell):
     """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
     the derivative along the step by central differences of first derivatives (a plain
     autograd loop). torch's recurrent kernels have no vmap rule for their forward-mode
-    derivative: every second-order decomposition of an LSTM, GRU or RNN raised a shape
-    error."""
+    derivative: every second-order decomposition of an LSTM, GRU, RNN or a loop of their
+    cells raised a shape error."""
     rng = np.random.RandomState(0)
     X = rng.uniform(-1, 1, size=(10, 8))
     Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 2] * X[:, 7]])

@@ -597,12 +597,12 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
         # return (n,), whose [0] is a scalar.
         return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
 
-    # torch's recurrent kernels (nn.LSTM, nn.GRU, nn.RNN) have no vmap rule for their
-    # forward-mode derivative: vmapped over the queries, every second-order
-    # decomposition of a recurrent network raised a shape error (torch 2.13). One query
-    # at a time computes the same products.
-    batched = vmap if not any(isinstance(m, torch.nn.RNNBase) for m in module.modules()) \
-        else _query_loop
+    # torch's recurrent kernels (nn.LSTM, nn.GRU, nn.RNN and their cells) have no vmap
+    # rule for their forward-mode derivative: vmapped over the queries, every
+    # second-order decomposition of a recurrent network raised a shape error (torch
+    # 2.13). One query at a time computes the same products.
+    recurrent = (torch.nn.RNNBase, torch.nn.RNNCellBase)
+    batched = _query_loop if any(isinstance(m, recurrent) for m in module.modules()) else vmap
     if n_out is None:
         def products(Xb):
             return batched(lambda x: jvp(lambda p: jacrev(f_single)(p, x), (params,),

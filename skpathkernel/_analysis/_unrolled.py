@@ -1278,7 +1278,7 @@ def _warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tenso
     torch's embedding backward gives the padding row a zero gradient, as if the lookup
     did not read it, which holds the row still where the lookup is its only use. Read
     elsewhere too, the row moves with the training points, and the output's derivative
-    misses what the lookup reads from it: unrolled scores 5e-3 to 3e-2 off finite
+    misses what the lookup reads from it: unrolled scores 3e-3 to 2e-2 off finite
     differences of the training on a tied network, silently
     (``benchmarks/results/layers_audit.md``). The other use shows as a nonzero gradient
     of the row (the lookup gives it none): one backward pass over a few training inputs

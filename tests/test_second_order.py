@@ -511,3 +511,55 @@ def test_every_layer_of_the_one_pass_allowlist_gives_the_derivative_of_the_jacob
           - jacobian_loop(module_with(est, theta - h * delta), Xq)) / (2 * h)
     assert fd.abs().max() > 1e-3
     np.testing.assert_allclose(hvp.numpy(), fd.numpy(), rtol=0, atol=1e-6 * fd.abs().max())
+
+
+class _Recurrent(torch.nn.Module):
+    """A batch_first recurrent layer on (n, 4, 2) sequences, a head on its last output."""
+
+    def __init__(self, n_out, cell):
+        super().__init__()
+        step = issubclass(cell, torch.nn.RNNCellBase)  # a cell, looped over the steps
+        self.rnn = cell(2, 3) if step else cell(2, 3, batch_first=True)
+        self.head = torch.nn.Linear(3, n_out)
+
+    def forward(self, x):
+        x = x.reshape(-1, 4, 2)
+        if isinstance(self.rnn, torch.nn.RNNBase):
+            return self.head(self.rnn(x)[0][:, -1])
+        h = None
+        for t in range(x.shape[1]):
+            h = self.rnn(x[:, t], h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.GRUCell])
+def test_second_order_decomposition_of_a_recurrent_network(cell):
+    """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
+    the derivative along the step by central differences of first derivatives (a plain
+    autograd loop). torch's recurrent kernels have no vmap rule for their forward-mode
+    derivative: every second-order decomposition of an LSTM, GRU, RNN or a loop of their
+    cells raised a shape error."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(10, 8))
+    Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 2] * X[:, 7]])
+
+    def build(n_features, n_outputs):
+        torch.manual_seed(0)
+        return _Recurrent(n_outputs, cell)
+
+    est = PathKernelMachine(module=build, solver="adam", learning_rate_init=0.05,
+                            batch_size=4, max_iter=2, dtype="float64", normalize_y=False,
+                            tol=None, random_state=0).fit(X, Y)
+    Xq = X[:2] + 0.1
+    res = est.decompose(Xq, method="second_order")
+    h = 1e-4
+    nodes = (np.array([0.0, h, -h]), np.array([1.0, 1 / (4 * h), -1 / (4 * h)]))
+
+    def squared(out, target):
+        return 0.5 * (out - target).pow(2).mean(dim=1)
+
+    contrib, _ = forward_recursion(est, X, Y, squared, Xq, nodes)
+    first = est.decompose(Xq, method="first_order").contributions
+    curvature = np.abs(contrib - first).max()
+    assert curvature > 1e-4 * np.abs(contrib).max()  # the term this checks is not nothing
+    np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-6 * curvature)

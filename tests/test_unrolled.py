@@ -232,6 +232,53 @@ def test_token_inputs_with_module():
     assert _rel(scores, ref) < 1e-8
 
 
+class _TiedPadded(torch.nn.Module):
+    """Token ids, an embedding with a padding row, its weight also the output
+    projection's (weight tying) when ``tied``."""
+
+    def __init__(self, n_outputs, padding_idx=0, tied=True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4, padding_idx=padding_idx)
+        self.out = torch.nn.Linear(4, 5)
+        if tied:
+            self.out.weight = self.emb.weight
+        self.head = torch.nn.Linear(5, n_outputs)
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids.long()).mean(dim=1))  # the replay's ids are float64
+        return self.head(torch.tanh(self.out(h)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_padding_row_the_network_also_reads_elsewhere_is_said(tied):
+    """torch's embedding backward gives the padding_idx row a zero gradient. Tied to the
+    output layer, the row still moves with the training points, and the scores miss what
+    the lookups read from it: a warning, where finite differences of torch.optim's
+    training show the miss; untied, the scores are exact and nothing is said."""
+    rng = np.random.RandomState(0)
+    X = rng.randint(0, 5, size=(14, 6))
+    y = np.sin(X[:, 0]) + 0.5 * X[:, 1]
+
+    def build(n_features, n_outputs):
+        torch.manual_seed(0)
+        return _TiedPadded(n_outputs, tied=tied)
+
+    est = PathKernelMachine(module=build, solver="sgd", momentum=0.9, learning_rate_init=0.05,
+                            batch_size=5, max_iter=2, tol=None, dtype="float64",
+                            normalize_y=False, random_state=0).fit(X, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = est.attribute(X[:2], method="unrolled")
+    said = [w for w in caught if "padding_idx=0" in str(w.message)]
+    points = (0, 5, 11)
+    fd = weight_finite_differences(est.network_, X[:2], points)
+    miss = _rel(scores[:, points], fd)
+    if tied:
+        assert miss > 1e-3 and len(said) == 1
+    else:
+        assert miss < 1e-6 and not said
+
+
 class _PooledConv(torch.nn.Module):
     """Convolution, average and max pooling, GroupNorm, GELU: the CNN benchmark's layers
     and a normalization."""

@@ -598,16 +598,22 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
         # return (n,), whose [0] is a scalar.
         return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
 
+    # torch's recurrent kernels (nn.LSTM, nn.GRU, nn.RNN and their cells) have no vmap
+    # rule for their forward-mode derivative: vmapped over the queries, every
+    # second-order decomposition of a recurrent network raised a shape error (torch
+    # 2.13). One query at a time computes the same products.
+    recurrent = (torch.nn.RNNBase, torch.nn.RNNCellBase)
+    batched = _query_loop if any(isinstance(m, recurrent) for m in module.modules()) else vmap
     if n_out is None:
         def products(Xb):
-            return vmap(lambda x: jvp(lambda p: jacrev(f_single)(p, x), (params,),
-                                      (tangent,))[1])(Xb)
+            return batched(lambda x: jvp(lambda p: jacrev(f_single)(p, x), (params,),
+                                         (tangent,))[1])(Xb)
     else:
         def products(Xb):
             def row(x, c):
                 return jvp(grad(lambda p: f_single(p, x)[c]), (params,), (tangent,))[1]
 
-            outs = [vmap(functools.partial(row, c=c))(Xb) for c in range(n_out)]
+            outs = [batched(functools.partial(row, c=c))(Xb) for c in range(n_out)]
             # (q, C, *shape) per parameter, as the one pass gives them.
             return {name: torch.stack([o.pop(name) for o in outs], dim=1)
                     for name in traj.names}
@@ -626,6 +632,15 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
             start, size = layout[name]
             out[rows, :, start : start + size].add_(h, alpha=alpha)
             del h
+
+
+def _query_loop(fn):
+    """``vmap(fn)`` over the rows of a tensor, one row at a time (``fn`` returns a dict of
+    tensors)."""
+    def mapped(Xb):
+        outs = [fn(x) for x in Xb]
+        return {name: torch.stack([o[name] for o in outs]) for name in outs[0]}
+    return mapped
 
 
 def _checked_outputs(module, traj, theta, X) -> int:

@@ -1145,6 +1145,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = Fal
     """
     traj = net.trajectory
     check_unrollable(traj, net.module)
+    _warn_tied_padding(net.module, traj, X)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     query_work = _query_work(net.module, traj, X)
     row_bytes = _row_bytes(net.module, traj, query_work)
@@ -1266,6 +1267,49 @@ def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:
             "The scores differentiate each factor as max_norm / (norm + 1e-6) with its "
             "step's own max_norm, which is the derivative of the training only for an L2 "
             "norm clip (with a max_norm that changed between steps).",
+            UserWarning, stacklevel=caller_stacklevel(),
+        )
+
+
+def _warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tensor) -> None:
+    """Warn of an ``nn.Embedding`` whose ``padding_idx`` row the network also reads
+    another way (its weight tied to an output layer's).
+
+    torch's embedding backward gives the padding row a zero gradient, as if the lookup
+    did not read it, which holds the row still where the lookup is its only use. Read
+    elsewhere too, the row moves with the training points, and the output's derivative
+    misses what the lookup reads from it: unrolled scores 3e-3 to 2e-2 off finite
+    differences of the training on a tied network, silently
+    (``benchmarks/results/layers_audit.md``). The other use shows as a nonzero gradient
+    of the row (the lookup gives it none): one backward pass over a few training inputs
+    at the path's end.
+    """
+    padded = [(name, layer) for name, layer in module.named_modules()
+              if isinstance(layer, torch.nn.Embedding) and layer.padding_idx is not None]
+    if not padded:
+        return
+    leaf = traj.parameters(-1).to(X.device).detach().clone().requires_grad_(True)
+    params = traj.unflatten(leaf)
+    with torch.enable_grad():
+        out = functional_call(module, dict(params), (X[:8],))
+        (g,) = torch.autograd.grad(out.sum(), leaf, allow_unused=True)
+    if g is None:
+        return
+    grads = traj.unflatten(g)
+    # A frozen embedding (not on the path) never moves.
+    names = {id(p): name for name, p in module.named_parameters() if name in grads}
+    read = [(name or "(the module)", layer.padding_idx) for name, layer in padded
+            if id(layer.weight) in names
+            and bool(grads[names[id(layer.weight)]][layer.padding_idx].ne(0).any())]
+    if read:
+        name, index = read[0]
+        warnings.warn(
+            f"attribute(method='unrolled'): the embedding {name!r} has padding_idx={index}, "
+            "whose row torch's backward gives a zero gradient (as if its lookups did not "
+            "read it), but the network also reads that row another way (its weight is "
+            "tied to another layer's), so the row moved with the training points and the "
+            "scores miss what the lookups read from it. Build the embedding without "
+            "padding_idx (mask the padding tokens' outputs instead) for exact scores.",
             UserWarning, stacklevel=caller_stacklevel(),
         )
 

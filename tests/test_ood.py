@@ -295,6 +295,30 @@ def test_residual_fit_stays_within_the_budget_at_full_rank(share):
         np.testing.assert_allclose(det.offset_, big.offset_, atol=1e-7)
 
 
+def test_alignment_fit_scores_its_subset_beside_the_pivots_factor():
+    """The alignment fit scores its training subset with the pivots' Cholesky factor
+    (r x r float64) held beside it: sized from the whole budget, the scoring put the fit
+    at 1.20x a 2 MB budget (N = 300, rank 259); it takes what the factor leaves."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(300, 5))
+    net = PathKernelMachine(hidden_layer_sizes=(128,), max_iter=20, random_state=0,
+                            solver="adam").fit(X, np.sin(X.sum(1)))
+    budget = 2_000_000
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    det = OODRankDetector(FrozenEstimator(small_net), method="alignment", rtol=1e-6,
+                          contamination=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        det.fit(X[:20])  # one-time allocations
+        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    assert det.rank_ > 200
+    assert peak <= budget, (peak, budget)
+    ample = OODRankDetector(FrozenEstimator(net), method="alignment", rtol=1e-6,
+                            contamination=0.2).fit(X)
+    np.testing.assert_allclose(det.offset_, ample.offset_, rtol=1e-12)
+
+
 @pytest.mark.parametrize("room_for_qr", [True, False])
 def test_residual_fit_needs_no_svd_and_the_leverages_no_eigendecomposition(room_for_qr):
     """The fit's r x r work at large rank (benchmarks/results/ood_residual_ab.md, N = r =

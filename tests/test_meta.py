@@ -455,3 +455,23 @@ def test_routing_fits_a_pure_router_without_weights(circle, request_):
             X, np.column_stack([y, y]))
         routed = TangentFeatures(trainer).fit(X, y)
     assert_array_equal(routed.transform(X), TangentFeatures(trainer).fit(X, y).transform(X))
+
+
+class _GroupedTrainer(PathKernelClassifier):
+    """A trainer subclass that takes other metadata beside sample_weight."""
+
+    def fit(self, X, y, sample_weight=None, groups=None):
+        self.groups_seen_ = groups
+        return super().fit(X, y, sample_weight=sample_weight)
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_routing_passes_the_trainers_other_metadata(cls, circle):
+    """Whatever the trainer requested reaches its fit, as MultiOutputRegressor passes
+    routed metadata on: a subclass's groups were routed (not refused) and then dropped."""
+    X, y = circle
+    groups = np.arange(len(X)) % 3
+    with sklearn.config_context(enable_metadata_routing=True):
+        trainer = _GroupedTrainer(**SMALL).set_fit_request(groups=True, sample_weight=False)
+        est = cls(trainer).fit(X, y, groups=groups)
+    assert_array_equal(est.estimator_.groups_seen_, groups)

@@ -251,7 +251,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         """
         fit_params = {} if fit_params is None else fit_params
         inner, frozen = self._trainer()
-        to_trainer = sample_weight
+        to_trainer, other = sample_weight, {}
         if _routing_enabled():
             # Before any work: a weight that no one requested is refused, naming whom to
             # ask (the trainer's set_fit_request), as scikit-learn's routers refuse it.
@@ -260,7 +260,10 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             given = dict(fit_params) if sample_weight is None else {
                 **fit_params, "sample_weight": sample_weight}
             routed = process_routing(self, "fit", **given)
-            to_trainer = None if frozen else routed.estimator.fit.get("sample_weight")
+            # Everything routed to the trainer reaches its fit, as MultiOutputRegressor
+            # passes it: a subclass's other requested metadata too (it was dropped).
+            other = {} if frozen else dict(routed.estimator.fit)
+            to_trainer = other.pop("sample_weight", None)
         else:
             _raise_for_params(fit_params, self, "fit")
         if frozen:
@@ -285,7 +288,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
         # keeps working unweighted (equal weights are None here, the unweighted fit).
         weighted = {} if to_trainer is None else {"sample_weight": to_trainer}
-        trainer.fit(X, y if target is None else target(X), **weighted)
+        trainer.fit(X, y if target is None else target(X), **weighted, **other)
         self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
         return X, y, False, sample_weight
 

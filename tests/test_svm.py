@@ -1,5 +1,6 @@
 """TangentFeatures and TangentFeatureSVM against independent references."""
 
+import pickle
 import warnings
 
 import numpy as np
@@ -138,6 +139,24 @@ def test_set_params_takes_effect_at_the_next_fit(circle, fitted, change):
     np.testing.assert_array_equal(est.transform(X[:10]), fresh.transform(X[:10]))
     np.testing.assert_array_equal(est.get_feature_names_out(), fresh.get_feature_names_out())
     assert est.transform(X[:10]).shape[1] == len(fresh.get_feature_names_out())
+
+
+@pytest.mark.parametrize("n_components", [None, 5])
+def test_a_fit_pickled_before_the_fitted_n_components_transforms(circle, n_components):
+    """A TangentFeatures pickled before transform read the fit's n_components and
+    normalize (neither in its state) loads and transforms as it did: with its parameters
+    (an AttributeError on transform and get_feature_names_out before)."""
+    X, y = circle
+    est = TangentFeatures(PathKernelClassifier(**SMALL), n_components=n_components,
+                          normalize=True, random_state=0).fit(X, y)
+    state = dict(est.__getstate__())  # (object's __getstate__ is the __dict__ itself)
+    del state["_n_components"], state["_normalize"]
+    old = TangentFeatures.__new__(TangentFeatures)
+    old.__setstate__(state)
+    np.testing.assert_array_equal(old.transform(X[:5]), est.transform(X[:5]))
+    np.testing.assert_array_equal(old.get_feature_names_out(), est.get_feature_names_out())
+    unfitted = pickle.loads(pickle.dumps(TangentFeatures(n_components=3)))
+    assert not hasattr(unfitted, "_n_components")
 
 
 @pytest.mark.parametrize("svm_kernel", ["linear", "tangent"])

@@ -161,6 +161,14 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
 
     classes_ = FittedAttribute("estimator_")
 
+    def __setstate__(self, state):
+        # A fit pickled before transform read the fit's n_components and normalize has
+        # neither: its transform read the parameters, which then describe its fit.
+        if "estimator_" in state:
+            state = {"_n_components": state.get("n_components"),
+                     "_normalize": state.get("normalize", False), **state}
+        super().__setstate__(state)
+
     @property
     def task_(self):
         """"classification" or "regression": what ``estimator_`` was trained on."""

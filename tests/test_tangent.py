@@ -1507,6 +1507,26 @@ def test_a_grams_peak_memory_stays_within_the_budget(make, cross):
     assert 0 < peak - K.nbytes <= budget, (peak - K.nbytes, budget)
 
 
+def test_output_groups_of_unequal_widths_stay_within_the_budget():
+    # Five outputs in two groups of unequal widths (two and three outputs): the second
+    # group's wider blocks are formed in the buffers of the first's. Growing them one at a
+    # time while the narrower ones were still held took the largest of the first group's
+    # blocks beside all of the second's, beyond the budget; measured, not the plan's
+    # arithmetic.
+    module, params, X = _resnet_problem(160, torch.float32, n_out=5)
+    probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
+    budget = _budget_with_groups(probe, len(X), len(X), None, True, 4, 2)
+    groups = _gram._output_groups(probe, len(X), len(X), "trace", None, True, budget, 4)
+    assert sorted(map(len, groups)) == [2, 3]
+    tangent_gram(module, params, X[:2], memory_budget=budget)  # one-time allocations
+    K, peak = cpu_peak_bytes(lambda: tangent_gram(module, params, X, memory_budget=budget,
+                                                  check_hidden=False))
+    assert peak - K.nbytes <= budget, (peak - K.nbytes, budget)
+    JX = _loop_jacobian(module.double(), {k: v.double() for k, v in params.items()},
+                        X.double())
+    _close(K.double(), torch.einsum("ncp,mcp->nm", JX, JX) / 5, 1e-5)
+
+
 class _WideConvs(nn.Module):
     """Convolutions whose weights' per-sample gradients a float32 Gram on the CPU forms
     by a grouped convolution backward (16 input channels, 3x3 kernels, more positions

@@ -206,10 +206,13 @@ class _Scratch:
 
     def get(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel = math.prod(shape)
-        buf = self._buffer
-        if buf is None or buf.numel() < numel:
-            buf = self._buffer = like.new_empty(numel)
-        return buf[:numel].view(shape)
+        if self._buffer is None or self._buffer.numel() < numel:
+            # Its contents are not kept: the smaller buffer goes before the larger one
+            # is taken (output groups of unequal widths, each block in one, would
+            # otherwise hold the narrower group's blocks beside the wider one's).
+            self._buffer = None
+            self._buffer = like.new_empty(numel)
+        return self._buffer[:numel].view(shape)
 
 
 class _Weighted:

@@ -340,8 +340,9 @@ def test_float32_query_blocks_under_a_memory_cap(adam32_fitted):
 
     est, Xq = adam32_fitted
     budget = est.get_params()["memory_budget"]
-    # Blocks of 7 queries (in the query side's half): chunks of 8 capped to 4.
-    est.set_params(memory_budget=70_000)
+    # Blocks of 4 to 7 queries (in the query side's half, with the adjoint's copies):
+    # chunks of 8 capped to 4.
+    est.set_params(memory_budget=100_000)
     quads = []
     init = _decomposition._Quadrature.__init__
 

@@ -1573,6 +1573,8 @@ def decompose(
     width = max(t.delta.shape[2] for t in terms)
     largest = max(t.delta.shape[2] * (1 if a is None else a.shape[1])
                   for t in terms for _, a in t.inputs)
+    dense = max((t.delta.shape[2] for t in terms for _, a in t.inputs if a is None),
+                default=0)
 
     def quadrature(rows, chunks):
         """The node choices of the chunks of queries ``chunks`` in the block ``rows``
@@ -1597,7 +1599,8 @@ def decompose(
                 module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
                 route=route, quadrature=quadrature, memory_budget=memory_budget,
                 exclude=exclude,
-                outputs=outputs, row=row, width=width, largest=largest, itemsize=itemsize,
+                outputs=outputs, row=row, width=width, largest=largest, dense=dense,
+                itemsize=itemsize,
                 P=P, N=N, ref=ref, n_nodes=n_nodes,
                 chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
                 weights=weights, intervals=intervals)
@@ -1953,7 +1956,7 @@ def _warn_inexact(result: Decomposition, relative: float) -> None:
 
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quadrature,
-         memory_budget, exclude, outputs, row, width, largest, itemsize, P, N, ref,
+         memory_budget, exclude, outputs, row, width, largest, dense, itemsize, P, N, ref,
          n_nodes, chunk, weights, intervals):
     # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
@@ -1987,6 +1990,24 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
                    + f_bytes)
         given = chunk
+        if route == "adjoint":
+            # And the copies a step's pass over the adjoint makes beside it (of a chunk
+            # of rows, or of all of them: not per query; measured, 1.5x the buffer on a
+            # float32 Adam path, unaccounted before: 1.7x the budget at 4 MiB).
+            spec = traj.solver_spec
+            memory = traj.step_coefficients(direct=True)[1]
+            # (SGD's preconditioner is None but for parameter groups' step sizes.)
+            update = bool(memory) and (spec.name != "sgd" or traj._group_lrs is not None)
+            decay = bool(spec.weight_decay) and spec.name != "adamw"
+
+            def scratch(q_rows):
+                return Adjoint.scratch_bytes(q_rows * n_res, largest, dense, itemsize,
+                                             cpu=X.device.type == "cpu", update=update,
+                                             decay=decay)
+        else:
+
+            def scratch(q_rows):
+                return 0
 
         def sides(q_block):
             """The chunk, the block's queries (a multiple of it: see below) and a batch
@@ -2011,14 +2032,14 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             """Whether a query block of ``q_block`` rows leaves a batch row room, and
             takes at most half of the budget unless the whole batch fits beside it."""
             _, q_rows, b_bytes = sides(q_block)
-            q_used = min(q_rows, n_q) * q_bytes
+            q_used = min(q_rows, n_q) * q_bytes + scratch(min(q_rows, n_q))
             return (q_used + b_bytes <= memory_budget and q_used
                     <= max(memory_budget // 2, memory_budget - n_batch * b_bytes))
 
         # Both sides share the budget: a query block sized from all of it left nothing
         # for the batch's rows, sized from all of it too (measured: 1.3x the budget). One
         # query and one batch row must fit: the least budget, refused below.
-        rows_per_block(memory_budget, q_bytes + sides(1)[2],
+        rows_per_block(memory_budget, q_bytes + scratch(1) + sides(1)[2],
                        "The decomposition's adjoint buffers and per-sample loss gradients")
         q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
         if not fits(q_block):  # the largest block that does (fits is monotone)
@@ -2028,7 +2049,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             q_block = lo
         chunk, _, b_bytes = sides(q_block)
-        q_used = min(sides(q_block)[1], n_q) * q_bytes
+        q_rows = min(sides(q_block)[1], n_q)
+        q_used = q_rows * q_bytes + scratch(q_rows)
     b_block = rows_per_block(memory_budget - q_used, b_bytes,
                              "The decomposition's per-sample loss gradients")
     # The captures made ahead and kept for later query blocks take what the two sides

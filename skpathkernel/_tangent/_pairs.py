@@ -270,6 +270,28 @@ class Adjoint:
                 self.S[name] = torch.zeros(shape, dtype=delta.dtype, device=delta.device)
         self.cpu = delta.device.type == "cpu"
 
+    @staticmethod
+    def scratch_bytes(rows: int, largest: int, dense: int, itemsize: int, *, cpu: bool,
+                      update: bool, decay: bool) -> int:
+        """The most bytes a step's pass holds beside the buffer of ``rows`` rows, whose
+        largest parameter has ``largest`` entries per row, and its largest term without
+        factors (a bias, a dense term) ``dense`` (``itemsize`` bytes each).
+
+        A weight's chunk of rows (:meth:`_chunks`: at most ``CHUNK_BYTES`` on the CPU,
+        all rows elsewhere) takes its products with the nodes in a scratch copy before
+        the preconditioner (``update``: a memory and a preconditioner), a float64 copy
+        for the contraction (a buffer in another dtype) and a float64 product with the
+        decay (``decay``); a term without factors takes the same copies of all its rows.
+        Measured on a 64-wide MLP on digits (Adam, float32): 492 of the 830 kB a query
+        held, beside its 192 kB of buffer.
+        """
+        part = rows * largest * itemsize
+        if cpu:  # a bound for every weight: a chunk holds one row at least
+            part = min(part, max(CHUNK_BYTES, largest * itemsize))
+        part = max(part, rows * dense * itemsize)
+        copies = int(update) * itemsize + 8 * (int(itemsize != 8) + int(decay))
+        return part // itemsize * copies
+
     def _chunks(self, S: torch.Tensor):
         """Row slices of ``S`` of about CHUNK_BYTES (all rows off the CPU)."""
         per_row = S[0].numel() * S.element_size()

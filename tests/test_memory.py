@@ -367,12 +367,7 @@ def test_decompose_stays_within_the_budget(method):
                             tol=None, activation="tanh", random_state=0).fit(X, Y)
     big = est.decompose(Xq, method=method)
     budget = 100_000
-    est.set_params(memory_budget=budget)
-    try:
-        est.decompose(Xq[:2], method=method)  # one-time allocations
-        small, peak = cpu_peak_bytes(lambda: est.decompose(Xq, method=method))
-    finally:
-        est.set_params(memory_budget=2**30)
+    small, peak = _decompose_at_budget(est, Xq, budget, method=method)
     assert peak <= budget, (peak, budget)
     scale = np.abs(big.contributions).max()
     assert_allclose(small.contributions, big.contributions, rtol=0, atol=1e-10 * scale)
@@ -403,12 +398,7 @@ def test_decompose_adam_counts_the_adjoint_passes_copies():
                             random_state=0).fit(X, Y)
     big = est.decompose(Xq)
     budget = 400_000
-    est.set_params(memory_budget=budget)
-    try:
-        est.decompose(Xq[:2])  # one-time allocations
-        small, peak = cpu_peak_bytes(lambda: est.decompose(Xq))
-    finally:
-        est.set_params(memory_budget=2**30)
+    small, peak = _decompose_at_budget(est, Xq, budget)
     assert peak <= budget, (peak, budget)
     scale = np.abs(big.contributions).max()
     assert_allclose(small.contributions, big.contributions, rtol=0, atol=1e-10 * scale)
@@ -416,3 +406,15 @@ def test_decompose_adam_counts_the_adjoint_passes_copies():
     assert small.error < 1e-8 * np.abs(small.prediction).max()
     assert_allclose(small.reconstruction, est.predict(Xq), rtol=0,
                     atol=1e-6 * np.abs(small.prediction).max())
+
+
+def _decompose_at_budget(est, Xq, budget, **kwargs):
+    """``est.decompose(Xq)`` at ``memory_budget=budget`` (after a first call of two
+    queries for the one-time allocations) and torch's peak allocation over it; the
+    budget is set back to 1 GiB."""
+    est.set_params(memory_budget=budget)
+    try:
+        est.decompose(Xq[:2], **kwargs)
+        return cpu_peak_bytes(lambda: est.decompose(Xq, **kwargs))
+    finally:
+        est.set_params(memory_budget=2**30)

@@ -437,16 +437,7 @@ def test_second_order_decomposition_through_affine_normalization(name):
                                 batch_size=4, max_iter=2, dtype="float64",
                                 normalize_y=False, tol=None, random_state=0).fit(X, Y)
         Xq = X[:2] + 0.1
-    res = est.decompose(Xq, method="second_order")
-    h = 1e-4
-    nodes = (np.array([0.0, h, -h]), np.array([1.0, 1 / (4 * h), -1 / (4 * h)]))
-
-    def squared(out, target):
-        return 0.5 * (out - target).pow(2).mean(dim=1)
-
-    contrib, _ = forward_recursion(est, X, Y, squared, Xq, nodes)
-    first = est.decompose(Xq, method="first_order").contributions
-    curvature = np.abs(contrib - first).max()
+    res, contrib, curvature = _second_order_and_its_reference(est, X, Y, Xq)
     assert curvature > 1e-3 * np.abs(contrib).max()  # the term this checks is not nothing
     np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-6 * curvature)
     # Which route took it: one pass only for the layers torch differentiates right there.
@@ -551,6 +542,16 @@ def test_second_order_decomposition_of_a_recurrent_network(cell):
                             batch_size=4, max_iter=2, dtype="float64", normalize_y=False,
                             tol=None, random_state=0).fit(X, Y)
     Xq = X[:2] + 0.1
+    res, contrib, curvature = _second_order_and_its_reference(est, X, Y, Xq)
+    assert curvature > 1e-4 * np.abs(contrib).max()  # the term this checks is not nothing
+    np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-6 * curvature)
+
+
+def _second_order_and_its_reference(est, X, Y, Xq):
+    """``decompose(method="second_order")`` of a squared-error fit, the forward
+    recursion's contributions with the step's second derivative by central differences
+    of first derivatives, and the size of the curvature term (reference less first
+    order)."""
     res = est.decompose(Xq, method="second_order")
     h = 1e-4
     nodes = (np.array([0.0, h, -h]), np.array([1.0, 1 / (4 * h), -1 / (4 * h)]))
@@ -560,6 +561,4 @@ def test_second_order_decomposition_of_a_recurrent_network(cell):
 
     contrib, _ = forward_recursion(est, X, Y, squared, Xq, nodes)
     first = est.decompose(Xq, method="first_order").contributions
-    curvature = np.abs(contrib - first).max()
-    assert curvature > 1e-4 * np.abs(contrib).max()  # the term this checks is not nothing
-    np.testing.assert_allclose(res.contributions, contrib, rtol=0, atol=1e-6 * curvature)
+    return res, contrib, np.abs(contrib - first).max()

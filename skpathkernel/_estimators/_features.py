@@ -252,6 +252,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             ``normalize`` are those of the last ``fit``: ``set_params`` takes effect at
             the next.
         """
+        check_is_fitted(self)  # before the fitted state it reads
         if self._n_components is None:
             phi = self._tangent_features(X)
         else:

@@ -477,7 +477,13 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             held = 0 if span.chol is None else span.chol.nbytes
             if held:
                 gram = copy.copy(gram)
-                gram.budget = max(gram.budget - held, gram.budget // 2)
+                reduced = max(gram.budget - held, gram.budget // 2)
+                try:  # the engine's refusal of a budget below one sample's, before work
+                    x1 = gram.tensor(X[:1])
+                    gram.gram(x1, x1, budget=reduced)
+                    gram.budget = reduced
+                except ValueError:
+                    pass  # a budget of a few rows: the whole of it, as before
             scores = _scores(self.method, self.n_neighbors, span, gram, X[sub], exclude=sub)
         if self.contamination == "auto":
             offset = _auto_offset(scores, self.method)

@@ -122,12 +122,16 @@ class NetworkGram:
         columns with its updates (the last quarter); the whole budget where a quarter
         does not hold one sample's temporaries (the engine's refusal, before any work,
         on one point of ``X``): the budget of a few rows that fits one."""
-        quarter = max(1, self.budget // 4)
+        return self.budget_for_one(X, max(1, self.budget // 4))
+
+    def budget_for_one(self, X, budget: int) -> int:
+        """``budget`` where the engine takes one point of ``X`` (a tensor) within it, the
+        network's whole budget otherwise (its refusal comes before any work)."""
         try:
-            self.gram(X[:1], X[:1], budget=quarter)
+            self.gram(X[:1], X[:1], budget=budget)
         except ValueError:
             return self.budget
-        return quarter
+        return budget
 
     def diag(self, X) -> torch.Tensor:
         return tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)

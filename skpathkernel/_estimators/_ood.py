@@ -477,13 +477,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             held = 0 if span.chol is None else span.chol.nbytes
             if held:
                 gram = copy.copy(gram)
-                reduced = max(gram.budget - held, gram.budget // 2)
-                try:  # the engine's refusal of a budget below one sample's, before work
-                    x1 = gram.tensor(X[:1])
-                    gram.gram(x1, x1, budget=reduced)
-                    gram.budget = reduced
-                except ValueError:
-                    pass  # a budget of a few rows: the whole of it, as before
+                gram.budget = gram.budget_for_one(
+                    gram.tensor(X[:1]), max(gram.budget - held, gram.budget // 2))
             scores = _scores(self.method, self.n_neighbors, span, gram, X[sub], exclude=sub)
         if self.contamination == "auto":
             offset = _auto_offset(scores, self.method)

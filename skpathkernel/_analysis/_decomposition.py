@@ -862,8 +862,9 @@ class _Context:
         # a quarter of the memory budget (of what the blocks leave, ``left``, at most
         # half); a storage shared by several kept steps (a block of steps' captures) is
         # charged once.
-        left = budget if left is None else max(0, 2 * left)
-        self.keep_batches, self._kept, self._kept_room = False, {}, min(budget, left) // 4
+        left = budget if left is None else max(0, left)
+        self.keep_batches, self._kept = False, {}
+        self._kept_room = min(budget // 4, left // 2)
         self._kept_storages: set[int] = set()
         # The queries' side: all outputs, or one (the outputs contracted with weights).
         self.weights = weights
@@ -876,7 +877,7 @@ class _Context:
         # steps, a row and a parameter point charged as given (see ahead_steps); the
         # batches made ahead, and the walk's steps in order with their positions.
         # (Each an eighth of the budget, at most a quarter of what the blocks leave.)
-        self.ahead_bytes = min(budget, left) // 8
+        self.ahead_bytes = min(budget // 8, left // 4)
         self.row_bytes, self.point_bytes = row_bytes, point_bytes
         self._ahead, self._walk, self._at = {}, None, None
         self.stacked = None
@@ -2048,8 +2049,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             q_block = lo
-        chunk, _, b_bytes = sides(q_block)
-        q_rows = min(sides(q_block)[1], n_q)
+        chunk, q_rows, b_bytes = sides(q_block)
+        q_rows = min(q_rows, n_q)
         q_used = q_rows * q_bytes + scratch(q_rows)
     b_block = rows_per_block(memory_budget - q_used, b_bytes,
                              "The decomposition's per-sample loss gradients")

@@ -5,11 +5,17 @@ has a GPU). Every rank trains on its shard of each batch and declares it; rank 0
 the trajectory to ``ddp_path/`` and checks that the decomposition is exact.
 """
 
+import gc
 import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# Before init_process_group: DDP imports this module on first use, and imported after
+# init, its functions' defaults (``group=group.WORLD``) hold the process group, and gloo's
+# threads with it, until the interpreter's exit.
+import torch.distributed.nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -55,12 +61,15 @@ def main():
         res = net.decompose(X[:5].numpy())
         print(f"reconstruction error {res.error:.2e} "
               f"(largest |f| {np.abs(res.prediction).max():.2f})")
-    # Every rank tears down together: rank 1 leaving while rank 0 decomposes aborted it
-    # once in gloo's teardown ("terminate called without an active exception").
-    dist.barrier()
+    dist.barrier()  # every rank leaves together
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # DDP's wrapper sits in reference cycles: collect it now, so that the process group
+    # is freed and gloo's threads are joined while Python is whole. A gloo thread that
+    # frees a collective's tensors during the interpreter's shutdown must take the GIL
+    # and aborts the rank ("terminate called without an active exception").
+    gc.collect()

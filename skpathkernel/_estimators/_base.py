@@ -55,6 +55,7 @@ from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._losses import LOSSES
 from .._path._storage import DiskArray, dtype_name
 from .._path._training import (
+    drawing_layers,
     draws_in_training,
     extend_trajectory,
     refuse_training_mode_layers,
@@ -736,6 +737,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             _disk_data=disk_data, _layer_modes=layer_modes,
             **self._curves(result, previous is not None),
         )
+        attrs["network_"]._drawn = tuple(drawing_layers(module, layer_modes))
         for name, value in attrs.items():
             setattr(self, name, value)
         return self
@@ -1042,6 +1044,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             # A state saved before the weights were kept has none: the unweighted fit.
             sample_weight=parts["_fit_weights"],
             multilabel=state.get("_multilabel", False))
+        self.network_._drawn = tuple(drawing_layers(module, state.get("_layer_modes", {})))
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

@@ -46,6 +46,7 @@ from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
 from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
+from .._path._training import warn_drawn
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -249,6 +250,10 @@ class TrainedNetwork:
     >>> bool(np.allclose(TangentKernel(net)(X), TangentKernel(est)(X)))
     True
     """
+
+    # The layers that drew at random in the fit that recorded the path (dropout in
+    # training mode): set by the estimators, which know the modes they trained in.
+    _drawn: tuple[str, ...] = ()
 
     def __init__(self, module: torch.nn.Module, trajectory: Trajectory, *, loss=None,
                  X_fit=None, y_fit=None, input_kind: str | None = None,
@@ -629,6 +634,8 @@ ValueError
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self.check(X)
         self._training_data()  # its errors here, not on the workers
+        if method != "exact":  # the exact one's closure check measures the draws' miss
+            warn_drawn(self._drawn, f"decompose(method={method!r})")
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                       chunk=node_chunk(self.trajectory, method, len(X)))

@@ -42,6 +42,7 @@ __all__ = [
     "Resume",
     "TrainingDivergedError",
     "draws_in_training",
+    "drawing_layers",
     "extend_trajectory",
     "make_optimizer",
     "mode_dependent_layers",
@@ -53,6 +54,7 @@ __all__ = [
     "train",
     "training_step",
     "training_threads",
+    "warn_drawn",
     "warn_random_forward",
 ]
 
@@ -174,11 +176,33 @@ def refused_in_mode(layer: torch.nn.Module) -> bool:
         isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm) or _spectral(layer))
 
 
+def drawing_layers(module: torch.nn.Module, modes: dict[str, bool] | None = None
+                   ) -> list[str]:
+    """The names of the layers of ``module`` that draw at random in training mode (the
+    layers of :func:`mode_dependent_layers` that draw: dropout, RReLU) and are in it: in
+    their own mode, or in ``modes`` (name: training, as :func:`refuse_training_mode_layers`
+    returns them), the layers that drew in a fit that trained the module in those modes."""
+    return [name for name, layer, why in mode_dependent_layers(module) if why == _DRAWS
+            and (layer.training if modes is None else modes.get(name, False))]
+
+
 def draws_in_training(module: torch.nn.Module) -> bool:
     """Whether a layer of ``module`` in training mode draws from torch's global generator
-    (a layer of :func:`mode_dependent_layers` that draws: dropout, RReLU)."""
-    return any(why == _DRAWS and layer.training
-               for _, layer, why in mode_dependent_layers(module))
+    (see :func:`drawing_layers`)."""
+    return bool(drawing_layers(module))
+
+
+def warn_drawn(layers, analysis: str) -> None:
+    """Warn that ``analysis`` is not exact where ``layers`` (:func:`drawing_layers` of the
+    fit) drew at random in training: for the analyses that measure no error that would
+    show it (the exact decomposition's closure check and the unrolled scores' replay do)."""
+    if layers:
+        warnings.warn(
+            f"{analysis}: the layer(s) {list(layers)[:3]} trained in training mode, where "
+            f"{_DRAWS}; the analysis describes the network without those draws (in eval "
+            "mode), so it is not exact, and its approximation hides by how much. Build "
+            "them in eval mode in the module factory (layer.eval(), or p=0) for exact "
+            "analyses.", UserWarning, stacklevel=caller_stacklevel())
 
 
 def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:

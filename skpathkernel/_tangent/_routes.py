@@ -20,8 +20,7 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 from .._modules import copy_module
-from .._path._training import _DRAWS as DRAWS
-from .._path._training import mode_dependent_layers
+from .._path._training import drawing_layers
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
 from ._generic import _looped
@@ -203,8 +202,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
                       exclude=cap.exclude | hidden, dense_fallback=False)
         reasons.update(cap.reasons)
         why = DISAGREE
-        draws = [name for name, layer, kind in mode_dependent_layers(module)
-                 if kind == DRAWS and layer.training]
+        draws = drawing_layers(module)
         if draws:
             # Then every pass draws anew, and no factors agree with another pass's.
             why += (f"; here layer {draws[0]!r} draws at random in training mode, so no "

@@ -138,7 +138,8 @@ from .._tangent import contracted_features, stacked_mlp
 from .._warnings import caller_stacklevel, worse, worst
 from ._mlp_products import MLPStep
 
-__all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores"]
+__all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores",
+           "warn_tied_padding"]
 
 # The adjoint's norm may grow by this factor along the path before the first-order
 # counterfactual is reported untrustworthy. Measured on 1000 digits (pixels / 16), SGD,
@@ -1145,7 +1146,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = Fal
     """
     traj = net.trajectory
     check_unrollable(traj, net.module)
-    _warn_tied_padding(net.module, traj, X)
+    warn_tied_padding(net.module, traj, X)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     query_work = _query_work(net.module, traj, X)
     row_bytes = _row_bytes(net.module, traj, query_work)
@@ -1271,9 +1272,13 @@ def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:
         )
 
 
-def _warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tensor) -> None:
+def warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tensor,
+                      analysis: str = "attribute(method='unrolled')",
+                      results: str = "scores") -> None:
     """Warn of an ``nn.Embedding`` whose ``padding_idx`` row the network also reads
-    another way (its weight tied to an output layer's).
+    another way (its weight tied to an output layer's): ``analysis``'s ``results`` miss
+    what the lookups read from it. (The exact decomposition's closure check measures
+    that miss; the approximate ones have no tolerance to show it.)
 
     torch's embedding backward gives the padding row a zero gradient, as if the lookup
     did not read it, which holds the row still where the lookup is its only use. Read
@@ -1304,12 +1309,12 @@ def _warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tenso
     if read:
         name, index = read[0]
         warnings.warn(
-            f"attribute(method='unrolled'): the embedding {name!r} has padding_idx={index}, "
+            f"{analysis}: the embedding {name!r} has padding_idx={index}, "
             "whose row torch's backward gives a zero gradient (as if its lookups did not "
             "read it), but the network also reads that row another way (its weight is "
             "tied to another layer's), so the row moved with the training points and the "
-            "scores miss what the lookups read from it. Build the embedding without "
-            "padding_idx (mask the padding tokens' outputs instead) for exact scores.",
+            f"{results} miss what the lookups read from it. Build the embedding without "
+            f"padding_idx (mask the padding tokens' outputs instead) for exact {results}.",
             UserWarning, stacklevel=caller_stacklevel(),
         )
 

@@ -40,7 +40,7 @@ from .._analysis._decomposition import (
     step_ranges,
 )
 from .._analysis._decomposition import decompose as decompose_path
-from .._analysis._unrolled import AttributionScores, unrolled_scores
+from .._analysis._unrolled import AttributionScores, unrolled_scores, warn_tied_padding
 from .._device import to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
 from .._modules import copy_module, runs_module
@@ -633,9 +633,11 @@ ValueError
                   n_jobs: int | None = None, weights=None, units=None):
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self.check(X)
-        self._training_data()  # its errors here, not on the workers
-        if method != "exact":  # the exact one's closure check measures the draws' miss
+        X_fit = self._training_data()[0]  # its errors here, not on the workers
+        if method != "exact":  # the exact one's closure check measures these misses
             warn_drawn(self._drawn, f"decompose(method={method!r})")
+            warn_tied_padding(self.module, self.trajectory, X_fit,
+                              f"decompose(method={method!r})", "contributions")
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                       chunk=node_chunk(self.trajectory, method, len(X)))

@@ -811,13 +811,14 @@ def _dropout_eval(n_features, n_outputs):
     return _dropout_drawn(n_features, n_outputs).eval()
 
 
-@pytest.mark.parametrize("method", ["first_order", "second_order"])
-def test_approximate_decompositions_warn_of_a_fit_that_drew(regression_data, method):
+@pytest.mark.parametrize("method", ["exact", "first_order", "second_order"])
+def test_decompositions_warn_of_a_fit_that_drew(regression_data, method):
     """The exact decomposition measures what dropout drawn in training misses (its
-    closure check warns, above); the first- and second-order ones miss by their
-    truncation anyway, with nothing to measure the draws' miss against, and said nothing
-    (the second order's error was 0.032 on such a fit, 2e-8 without the draws). A fitted
-    estimator loaded from a pickle warns too; a fit without draws does not."""
+    closure check warns, above, but names the quadrature first); the first- and
+    second-order ones miss by their truncation anyway, with nothing to measure the
+    draws' miss against, and said nothing (the second order's error was 0.032 on such a
+    fit, 2e-8 without the draws). Each names the draws; a fitted estimator loaded from a
+    pickle too; a fit without draws says nothing."""
     X, y = regression_data
 
     def fit(dropout_eval):

@@ -634,10 +634,11 @@ ValueError
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self.check(X)
         X_fit = self._training_data()[0]  # its errors here, not on the workers
-        if method != "exact":  # the exact one's closure check measures these misses
-            warn_drawn(self._drawn, f"decompose(method={method!r})")
-            warn_tied_padding(self.module, self.trajectory, X_fit,
-                              f"decompose(method={method!r})", "contributions")
+        # The causes by name, for every method: the exact one's closure check measures
+        # the miss but can only guess at why (it names the quadrature first).
+        warn_drawn(self._drawn, f"decompose(method={method!r})")
+        warn_tied_padding(self.module, self.trajectory, X_fit,
+                          f"decompose(method={method!r})", "contributions")
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                       chunk=node_chunk(self.trajectory, method, len(X)))

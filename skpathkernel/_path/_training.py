@@ -195,12 +195,14 @@ def draws_in_training(module: torch.nn.Module) -> bool:
 def warn_drawn(layers, analysis: str) -> None:
     """Warn that ``analysis`` is not exact where ``layers`` (:func:`drawing_layers` of the
     fit) drew at random in training: for the analyses that measure no error that would
-    show it (the exact decomposition's closure check and the unrolled scores' replay do)."""
+    show it (the exact decomposition's closure check and the unrolled scores' replay do),
+    and for those that do, which name no cause."""
     if layers:
         warnings.warn(
             f"{analysis}: the layer(s) {list(layers)[:3]} trained in training mode, where "
             f"{_DRAWS}; the analysis describes the network without those draws (in eval "
-            "mode), so it is not exact, and its approximation hides by how much. Build "
+            "mode), so it is not exact (only the exact decomposition's closure check "
+            "measures by how much). Build "
             "them in eval mode in the module factory (layer.eval(), or p=0) for exact "
             "analyses.", UserWarning, stacklevel=caller_stacklevel())
 

@@ -686,10 +686,11 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
     for fixed, _ in results.values():
         assert_allclose(fixed.contributions, contrib, rtol=0, atol=rel * scale)
         assert_allclose(fixed.regularization, reg, rtol=0, atol=rel * max(scale, 1e-3))
-    # A budget whose eighth holds less than two steps' batches: one step per pass.
+    # A budget whose eighth holds less than two steps' batches: one step per pass (24 KiB:
+    # beside a step's parameter points, 16 KiB held no batch of 4 rows).
     monkeypatch.setattr(interpolation, "STEP_BLOCK", 3)
     passes["batch"].clear()
-    small = est.set_params(memory_budget=2**14).decompose(X, n_nodes=4)
+    small = est.set_params(memory_budget=3 * 2**13).decompose(X, n_nodes=4)
     est.set_params(memory_budget=2**30)
     assert passes["batch"] and set(passes["batch"]) == {1}
     # The tiny budget also cuts the adjoint's and the shares' buffers (their sums in

@@ -408,6 +408,33 @@ def test_decompose_adam_counts_the_adjoint_passes_copies():
                     atol=1e-6 * np.abs(small.prediction).max())
 
 
+def test_decompose_exact_charges_the_steps_parameter_points():
+    """The exact node choice's captures form a parameter point per node (and stack them),
+    beside a step's vectors over the parameters: none was in the memory plan, and the
+    points of every count a step tried were kept (a try of 6 nodes held 11 points). On
+    this Adam path (P = 1122, up to 6 nodes a step) torch's peak was 1.02x a 300 kB
+    budget (1.25x at 200 kB with 30 queries); now the plan charges them, and a try of
+    more nodes than it holds room for is captured a group at a time. The numbers are
+    those of one block (1 GiB)."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(200, 32))
+    Y = np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 0]]
+    Xq = rng.uniform(-1, 1, size=(10, 32))
+    est = PathKernelMachine(hidden_layer_sizes=(32,), solver="adam", learning_rate_init=0.01,
+                            alpha=1e-3, max_iter=2, batch_size=50, dtype="float64",
+                            normalize_y=False, tol=None, activation="tanh",
+                            random_state=0).fit(X, Y)
+    big = est.decompose(Xq)
+    budget = 300_000
+    small, peak = _decompose_at_budget(est, Xq, budget)
+    assert peak <= budget, (peak, budget)  # was 1.02x
+    assert small.n_nodes.max() >= 5  # more nodes than the plan's points: in groups
+    scale = np.abs(big.contributions).max()
+    assert_allclose(small.contributions, big.contributions, rtol=0, atol=1e-12 * scale)
+    assert_allclose(small.regularization, big.regularization, rtol=0, atol=1e-12 * scale)
+    assert small.error < 1e-8 * np.abs(small.prediction).max()
+
+
 def _decompose_at_budget(est, Xq, budget, **kwargs):
     """``est.decompose(Xq)`` at ``memory_budget=budget`` (after a first call of two
     queries for the one-time allocations) and torch's peak allocation over it; the

@@ -319,6 +319,37 @@ def test_alignment_fit_scores_its_subset_beside_the_pivots_factor():
     np.testing.assert_allclose(det.offset_, ample.offset_, rtol=1e-12)
 
 
+@pytest.mark.parametrize("budget", [200_000, 600_000])
+def test_alignment_rank_is_not_charged_the_leave_one_out_arrays(budget):
+    """The alignment fit builds no leave-one-out arrays: charged the leverages' pass (two
+    r x r arrays and two 64-row blocks beside the factor), its rank at a 600 kB budget
+    (N = 200) was 124 where its own arrays allow more. The measured peak stays within
+    the budget at the larger rank, and its scoring pass, sized from what L left without
+    the fit's vectors over the points and the network's copy, held 1.035 times 200 kB
+    (at the smaller rank). The pivots' features are independent."""
+    rng = np.random.RandomState(0)
+    n = 200
+    X = rng.normal(size=(n, 5))
+    net = PathKernelMachine(hidden_layer_sizes=(128,), max_iter=20, random_state=0,
+                            solver="adam").fit(X, np.sin(X.sum(1)))
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    det = OODRankDetector(FrozenEstimator(small_net), method="alignment", rtol=1e-6,
+                          contamination=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        det.fit(X[:20])  # one-time allocations
+        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    # The leverages' rank: the most r with the factor, two r x r arrays, two blocks of
+    # 64 rows and 16 vectors over the points within the budget.
+    charged = max(r for r in range(1, n + 1)
+                  if 8 * (n * r + 2 * r * r + 2 * 64 * r + 16 * n) <= budget)
+    assert peak <= budget, (peak, budget)  # was 1.035 times 200 kB
+    assert det.rank_ > charged + 5, (det.rank_, charged)  # 58 and 182, were 50 and 124
+    P = dense_features(det, X[det.pivots_])
+    assert np.linalg.matrix_rank(P, tol=1e-6 * np.linalg.norm(P, 2)) == det.rank_
+
+
 @pytest.mark.parametrize("room_for_qr", [True, False])
 def test_residual_fit_needs_no_svd_and_the_leverages_no_eigendecomposition(room_for_qr):
     """The fit's r x r work at large rank (benchmarks/results/ood_residual_ab.md, N = r =

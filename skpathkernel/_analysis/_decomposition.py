@@ -228,6 +228,15 @@ STEP_BLOCK = 16
 # torch.func's jvp of a jacrev under vmap held about 3.6 of them at once on the default
 # MLPs (peak RSS; 1, 3 outputs, 5k to 69k parameters).
 HVP_FORMS = 4
+# Quadrature nodes whose parameter points (and their stack, two points each) the memory
+# plan of an exact decomposition holds room for: a step's try of more nodes captures
+# them in groups where the budget leaves no more room (:class:`_NodesAhead`).
+NODE_POINTS = 4
+# Float64 vectors over the parameters that an exact decomposition's step holds beside its
+# node points (theta_t, theta_{t+1}, their float64 difference, the decay direction, the
+# prepared directions, the preconditioner and the decay's product): measured, 6 of the
+# 9 such vectors live at a capture on a small Adam path with weight decay.
+STEP_VECTORS = 8
 
 
 @dataclass
@@ -851,7 +860,7 @@ class _Context:
 
     def __init__(self, module, traj, X_train, Y_train, loss, *, weighting, budget, exclude,
                  outputs, b_block, ref, weights, intervals=None, row_bytes=1, point_bytes=0,
-                 left=None):
+                 left=None, node_points=NODE_POINTS):
         self.module, self.traj, self.loss, self.ref = module, traj, loss, ref
         # The recorded intervals [start, stop) this call decomposes (all: None).
         self.intervals = (0, len(traj) - 1) if intervals is None else intervals
@@ -879,6 +888,11 @@ class _Context:
         # (Each an eighth of the budget, at most a quarter of what the blocks leave.)
         self.ahead_bytes = min(budget // 8, left // 4)
         self.row_bytes, self.point_bytes = row_bytes, point_bytes
+        # The parameter points of a step's nodes captured at once (with their stack):
+        # node_points in the plan's own room, more where what the blocks leave beyond
+        # the captures kept and made ahead (a quarter of it) holds them.
+        self.node_points = max(node_points, min(MAX_NODES, (
+            2 * node_points * point_bytes + left // 4) // max(2 * point_bytes, 1)))
         self._ahead, self._walk, self._at = {}, None, None
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
@@ -1251,18 +1265,20 @@ class _NodesAhead:
         the steps after it (the walk has left them)."""
         for key in [k for k in self._made if k[0] > j]:
             self._take(key)
-        # The step's nodes by count, formed once for all its chunks.
-        self._step, self._points = (j, theta, nxt), {}
+        # The step's nodes of the count last asked, formed once for the chunks that try
+        # it (those of every count tried, kept, held 11 parameter points at a try of 6).
+        self._step, self._points = (j, theta, nxt), (None, [])
 
-    def _step_points(self, n: int) -> list[torch.Tensor]:
-        """The ``n`` nodes of the walk's step, ``theta + s (nxt - theta)`` (``theta``
-        alone with ``at_start``)."""
-        if n not in self._points:
+    def _step_points(self, n: int, nodes: slice = slice(None)) -> list[torch.Tensor]:
+        """The nodes ``nodes`` of the ``n`` of the walk's step, ``theta + s (nxt -
+        theta)`` (``theta`` alone with ``at_start``)."""
+        key = (n, nodes.start, nodes.stop)
+        if self._points[0] != key:
             _, theta, nxt = self._step
             delta = nxt - theta
-            self._points[n] = ([theta] if self.at_start else
-                               [theta + sk * delta for sk in _gauss(n)[0]])
-        return self._points[n]
+            self._points = key, ([theta] if self.at_start else
+                                 [theta + sk * delta for sk in _gauss(n)[0][nodes]])
+        return self._points[1]
 
     def nodes(self, j: int, n: int, X, W, rows: slice, ahead: bool):
         """The capture of the rows ``rows`` (of the query block; ``X``, ``W``) at the
@@ -1278,6 +1294,13 @@ class _NodesAhead:
             share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
             size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
         steps = range(j, max(self.lo, j - size + 1) - 1, -1)
+        if len(steps) == 1 and n > ctx.node_points:
+            # More nodes than the plan's room for parameter points: captured a group at
+            # a time (a point's batched GEMMs are the single point's), the points of one
+            # group held (all of a try's at once, with those of the step's earlier tries,
+            # put a small Adam path at 1.25x a 200 kB budget).
+            return [c for k in range(0, n, ctx.node_points) for c in ctx.capture_nodes(
+                self._step_points(n, slice(k, k + ctx.node_points)), X, W)]
         points = list(self._step_points(n))
         if len(steps) > 1:
             # The earlier steps' points, read once for the block; theta_j ends the last.
@@ -1990,6 +2013,12 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # an eighth of the budget, :class:`_NodesAhead`).
         q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
                    + f_bytes)
+        # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
+        # the exact method's node points for its captures (up to NODE_POINTS of them
+        # with their stack, as the budget allows; more nodes are captured in groups):
+        # unaccounted before (2.4x a 100 kB budget on a small Adam path).
+        one = 2 * P * itemsize if method == "exact" else 0
+        fixed = STEP_VECTORS * 8 * P if method == "exact" else 0
         given = chunk
         if route == "adjoint":
             # And the copies a step's pass over the adjoint makes beside it (of a chunk
@@ -2034,15 +2063,19 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             takes at most half of the budget unless the whole batch fits beside it."""
             _, q_rows, b_bytes = sides(q_block)
             q_used = min(q_rows, n_q) * q_bytes + scratch(min(q_rows, n_q))
-            return (q_used + b_bytes <= memory_budget and q_used
-                    <= max(memory_budget // 2, memory_budget - n_batch * b_bytes))
+            return (q_used + b_bytes <= room and q_used
+                    <= max(room // 2, room - n_batch * b_bytes))
 
         # Both sides share the budget: a query block sized from all of it left nothing
         # for the batch's rows, sized from all of it too (measured: 1.3x the budget). One
         # query and one batch row must fit: the least budget, refused below.
-        rows_per_block(memory_budget, q_bytes + scratch(1) + sides(1)[2],
+        least = q_bytes + scratch(1) + sides(1)[2]
+        rows_per_block(memory_budget, least + fixed + one,
                        "The decomposition's adjoint buffers and per-sample loss gradients")
-        q_block = rows_per_block(memory_budget, q_bytes, "The decomposition's adjoint buffers")
+        node_points = max(1, min(NODE_POINTS, (memory_budget - least - fixed) // max(one, 1)))
+        points = fixed + node_points * one
+        room = memory_budget - points
+        q_block = rows_per_block(room, q_bytes, "The decomposition's adjoint buffers")
         if not fits(q_block):  # the largest block that does (fits is monotone)
             lo, hi = 1, q_block
             while hi - lo > 1:
@@ -2051,7 +2084,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             q_block = lo
         chunk, q_rows, b_bytes = sides(q_block)
         q_rows = min(q_rows, n_q)
-        q_used = q_rows * q_bytes + scratch(q_rows)
+        q_used = q_rows * q_bytes + scratch(q_rows) + points
     b_block = rows_per_block(memory_budget - q_used, b_bytes,
                              "The decomposition's per-sample loss gradients")
     # The captures made ahead and kept for later query blocks take what the two sides
@@ -2061,7 +2094,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     ctx = _Context(module, traj, X_train, Y_train, loss, weighting=weighting,
                    budget=memory_budget, exclude=exclude, outputs=outputs, b_block=b_block,
                    ref=ref, weights=weights, intervals=intervals, row_bytes=row,
-                   point_bytes=P * itemsize, left=None if route == "dense" else left)
+                   point_bytes=P * itemsize, left=None if route == "dense" else left,
+                   node_points=NODE_POINTS if route == "dense" else node_points)
     ctx.hvp_block = hvp_block if route == "dense" else 0
     # The second order's route, once for the call (not at every step): None, all outputs
     # in one pass; else the outputs, one at a time, after the double-backward check.

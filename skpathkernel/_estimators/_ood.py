@@ -33,7 +33,14 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.metaestimators import available_if
 
-from .._analysis._rank_gap import BLOCK, RTOL_RESOLUTION, NetworkGram, TangentSpan, budget_rank
+from .._analysis._rank_gap import (
+    BLOCK,
+    POINT_VECTORS,
+    RTOL_RESOLUTION,
+    NetworkGram,
+    TangentSpan,
+    budget_rank,
+)
 from .._device import to_numpy
 from .._modules import runs_module
 from .._network._trained import network_of
@@ -169,8 +176,10 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
         ``memory_budget`` allows (and at most N): the ``N x r`` float64 factor in half of
-        it (the Gram columns of the pivoting in the other half), and the factor with the
-        leave-one-out pass's two ``r x r`` arrays (``N r + 2 r^2`` float64) in all of it.
+        it (the Gram columns of the pivoting in the other half), and in all of it the
+        factor with the leave-one-out pass's two ``r x r`` arrays (``N r + 2 r^2``
+        float64, "residual") or with the pivots' Cholesky factor (``N r + r^2``,
+        "alignment").
         When it is reached before the tolerance, a ``ConvergenceWarning`` says so, with
         how far the farthest training feature lies from the span (relative to the
         largest feature norm, in ``rtol``'s units), and the span is that of the ``r``
@@ -431,7 +440,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         else:
             max_rank = self.max_rank
             if max_rank is None:
-                max_rank = budget_rank(gram.budget, n)
+                if self.method == "residual":
+                    max_rank = budget_rank(gram.budget, n)
+                else:
+                    # No leave-one-out arrays: the factor, L and the network's float64
+                    # copy (12 kB beside a 342 kB budget put the fit at 1.001 times it).
+                    max_rank = budget_rank(gram.budget - gram.nbytes, n, loo=False)
             max_rank = min(int(max_rank), n)
             # The pivots' Gram columns beside the factor: a quarter of the budget, the
             # engine's temporaries another (factorize); the factor takes half
@@ -471,10 +485,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         else:
             # Each training point of an evenly spaced subset scored against all the others,
             # beside the pivots' factor (alignment: r x r float64, within half of the
-            # budget at budget_rank's rank), in what it leaves: sized from the whole
-            # budget, the fit took 1.2 times a 2 MB one (N = 300, r = 259).
+            # budget at budget_rank's rank) and the fit's vectors over the points, in what
+            # they leave: sized from the whole budget, the fit took 1.2 times a 2 MB one
+            # (N = 300, r = 259), and from what the factor alone left, 1.035 times a
+            # 200 kB one (N = 200, r = 50).
             sub = _loo_subset(n)
-            held = 0 if span.chol is None else span.chol.nbytes
+            held = 0 if span.chol is None else span.chol.nbytes + 8 * POINT_VECTORS * n
             if held:
                 gram = copy.copy(gram)
                 gram.budget = gram.budget_for_one(

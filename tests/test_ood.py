@@ -350,6 +350,30 @@ def test_alignment_rank_is_not_charged_the_leave_one_out_arrays(budget):
     assert np.linalg.matrix_rank(P, tol=1e-6 * np.linalg.norm(P, 2)) == det.rank_
 
 
+@pytest.mark.parametrize("budget", [160_000, 170_000])
+def test_residual_fit_chooses_the_qr_only_where_its_blocks_and_vectors_fit(budget):
+    """The leave-one-out pass takes the thin QR (a second N x r array) where the budget
+    holds it, else the leverages. The choice counted the two N x r and four r x r arrays
+    but not the fit's vectors over the points nor the least row blocks, and took the QR
+    at 1.055 and 1.050 times these budgets (N = 150, a rank of 40-42 that the tolerance,
+    not the budget, set)."""
+    rng = np.random.RandomState(0)
+    n = 150
+    X = rng.normal(size=(n, 5))
+    net = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=20, random_state=0,
+                            solver="adam").fit(X, np.sin(X.sum(1)))
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    det = OODRankDetector(FrozenEstimator(small_net), method="residual", rtol=1e-10,
+                          contamination=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        det.fit(X[:20])  # one-time allocations
+        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    assert det.rank_ < _rank_gap.budget_rank(budget, n)  # the tolerance set the rank
+    assert peak <= budget, (peak, budget)
+
+
 @pytest.mark.parametrize("room_for_qr", [True, False])
 def test_residual_fit_needs_no_svd_and_the_leverages_no_eigendecomposition(room_for_qr):
     """The fit's r x r work at large rank (benchmarks/results/ood_residual_ab.md, N = r =

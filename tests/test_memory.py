@@ -388,14 +388,7 @@ def test_decompose_adam_counts_the_adjoint_passes_copies():
     a 400 kB budget; the default classifier's network on digits, float32, 1.66x at
     4 MiB). The numbers are those of one block (1 GiB); the reconstruction is the
     network's own prediction."""
-    rng = np.random.RandomState(0)
-    X = rng.uniform(-1, 1, size=(200, 32))
-    Y = np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 0]]
-    Xq = rng.uniform(-1, 1, size=(30, 32))
-    est = PathKernelMachine(hidden_layer_sizes=(32,), solver="adam", learning_rate_init=0.01,
-                            alpha=1e-3, max_iter=2, batch_size=50, dtype="float64",
-                            normalize_y=False, tol=None, activation="tanh",
-                            random_state=0).fit(X, Y)
+    est, Xq = _adam_path(30)
     big = est.decompose(Xq)
     budget = 400_000
     small, peak = _decompose_at_budget(est, Xq, budget)
@@ -416,14 +409,7 @@ def test_decompose_exact_charges_the_steps_parameter_points():
     budget (1.25x at 200 kB with 30 queries); now the plan charges them, and a try of
     more nodes than it holds room for is captured a group at a time. The numbers are
     those of one block (1 GiB)."""
-    rng = np.random.RandomState(0)
-    X = rng.uniform(-1, 1, size=(200, 32))
-    Y = np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 0]]
-    Xq = rng.uniform(-1, 1, size=(10, 32))
-    est = PathKernelMachine(hidden_layer_sizes=(32,), solver="adam", learning_rate_init=0.01,
-                            alpha=1e-3, max_iter=2, batch_size=50, dtype="float64",
-                            normalize_y=False, tol=None, activation="tanh",
-                            random_state=0).fit(X, Y)
+    est, Xq = _adam_path(10)
     big = est.decompose(Xq)
     budget = 300_000
     small, peak = _decompose_at_budget(est, Xq, budget)
@@ -433,6 +419,20 @@ def test_decompose_exact_charges_the_steps_parameter_points():
     assert_allclose(small.contributions, big.contributions, rtol=0, atol=1e-12 * scale)
     assert_allclose(small.regularization, big.regularization, rtol=0, atol=1e-12 * scale)
     assert small.error < 1e-8 * np.abs(small.prediction).max()
+
+
+def _adam_path(n_queries):
+    """A two-output float64 MLP (P = 1122) after two epochs of Adam with weight decay,
+    and ``n_queries`` queries."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(200, 32))
+    Y = np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 0]]
+    Xq = rng.uniform(-1, 1, size=(n_queries, 32))
+    est = PathKernelMachine(hidden_layer_sizes=(32,), solver="adam", learning_rate_init=0.01,
+                            alpha=1e-3, max_iter=2, batch_size=50, dtype="float64",
+                            normalize_y=False, tol=None, activation="tanh",
+                            random_state=0).fit(X, Y)
+    return est, Xq
 
 
 def _decompose_at_budget(est, Xq, budget, **kwargs):

@@ -319,6 +319,24 @@ def test_alignment_fit_scores_its_subset_beside_the_pivots_factor():
     np.testing.assert_allclose(det.offset_, ample.offset_, rtol=1e-12)
 
 
+def _fit_under_budget(n, hidden, budget, method, rtol):
+    """A detector fitted on ``n`` points of a one-hidden-layer network under ``budget``,
+    and the peak of torch's allocations during the fit (after a first, smaller fit has
+    made the one-time ones)."""
+    X = np.random.RandomState(0).normal(size=(n, 5))
+    net = PathKernelMachine(hidden_layer_sizes=(hidden,), max_iter=20, random_state=0,
+                            solver="adam").fit(X, np.sin(X.sum(1)))
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    det = OODRankDetector(FrozenEstimator(small_net), method=method, rtol=rtol,
+                          contamination=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        det.fit(X[:20])
+        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    return X, det, peak
+
+
 @pytest.mark.parametrize("budget", [200_000, 600_000])
 def test_alignment_rank_is_not_charged_the_leave_one_out_arrays(budget):
     """The alignment fit builds no leave-one-out arrays: charged the leverages' pass (two
@@ -327,19 +345,8 @@ def test_alignment_rank_is_not_charged_the_leave_one_out_arrays(budget):
     the budget at the larger rank, and its scoring pass, sized from what L left without
     the fit's vectors over the points and the network's copy, held 1.035 times 200 kB
     (at the smaller rank). The pivots' features are independent."""
-    rng = np.random.RandomState(0)
     n = 200
-    X = rng.normal(size=(n, 5))
-    net = PathKernelMachine(hidden_layer_sizes=(128,), max_iter=20, random_state=0,
-                            solver="adam").fit(X, np.sin(X.sum(1)))
-    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
-    small_net.memory_budget = budget
-    det = OODRankDetector(FrozenEstimator(small_net), method="alignment", rtol=1e-6,
-                          contamination=0.2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        det.fit(X[:20])  # one-time allocations
-        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    X, det, peak = _fit_under_budget(n, 128, budget, "alignment", 1e-6)
     # The leverages' rank: the most r with the factor, two r x r arrays, two blocks of
     # 64 rows and 16 vectors over the points within the budget.
     charged = max(r for r in range(1, n + 1)
@@ -357,19 +364,8 @@ def test_residual_fit_chooses_the_qr_only_where_its_blocks_and_vectors_fit(budge
     but not the fit's vectors over the points nor the least row blocks, and took the QR
     at 1.055 and 1.050 times these budgets (N = 150, a rank of 40-42 that the tolerance,
     not the budget, set)."""
-    rng = np.random.RandomState(0)
     n = 150
-    X = rng.normal(size=(n, 5))
-    net = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=20, random_state=0,
-                            solver="adam").fit(X, np.sin(X.sum(1)))
-    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
-    small_net.memory_budget = budget
-    det = OODRankDetector(FrozenEstimator(small_net), method="residual", rtol=1e-10,
-                          contamination=0.2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        det.fit(X[:20])  # one-time allocations
-        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    _, det, peak = _fit_under_budget(n, 5, budget, "residual", 1e-10)
     assert det.rank_ < _rank_gap.budget_rank(budget, n)  # the tolerance set the rank
     assert peak <= budget, (peak, budget)
 

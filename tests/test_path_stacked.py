@@ -496,14 +496,19 @@ def test_launch_bound_strips_and_fallback_to_the_cpu_tiling(monkeypatch):
     assert_allclose(K.numpy(), ref, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu-tiling"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["sgd", "preconditioned"])
-def test_tiles_of_rows_where_one_point_of_all_rows_exceeds_the_budget(weighted,
+def test_tiles_of_rows_where_one_point_of_all_rows_exceeds_the_budget(weighted, gpu,
                                                                      monkeypatch):
     """Where one point's block over all the rows of X and Y exceeds the budget, the sum
     of tiles of them (the larger side halved until a point's block fits): the same Gram,
     diagonals and C x C blocks as the module's autograd. The route gave up there before
     (None), and the step-by-step sum ran, 10 to 70 times slower: the default Adam
-    classifier's K(200 x 256) at 4 MiB took 44 s, 0.6 s at 8 MiB."""
+    classifier's K(200 x 256) at 4 MiB took 44 s, 0.6 s at 8 MiB. With the GPU's tiling
+    (the device's choice, as a CUDA input makes it), whose fallback to the CPU's wrote
+    each tile to a new tensor, not the Gram's: all zeros (found by review)."""
+    if gpu:
+        monkeypatch.setattr(_stacked, "_launch_bound", lambda device: True)
     module, mlp, layout, thetas, Ds, weights, load = _random_path(LAYERS[4], weighted)
     A = torch.randn(24, 3, dtype=torch.float64)
     B = torch.randn(9, 3, dtype=torch.float64)
@@ -512,7 +517,7 @@ def test_tiles_of_rows_where_one_point_of_all_rows_exceeds_the_budget(weighted,
     monkeypatch.setattr(_stacked, "rows_per_block",
                         lambda budget, per_point, what: sizes.append(per_point)
                         or real_rows(budget, per_point, what))
-    kw = dict(outputs=[0, 1, 2, 3], weighted=weighted, launch_bound=False)
+    kw = dict(outputs=[0, 1, 2, 3], weighted=weighted, launch_bound=None if gpu else False)
     stacked_path_sum(mlp, layout, load, weights, A, B, memory_budget=2**30,
                      trace_scale=1 / 4, **kw)
     budget = sizes[-1] // 2  # half of one point's block over the 33 rows

@@ -1370,14 +1370,14 @@ def stacked_path_sum(
             return stacked_path_sum(
                 mlp, layout, load, weights, X, Y, outputs=outputs, trace_scale=trace_scale,
                 weighted=weighted, memory_budget=memory_budget, gram=gram, diag=diag,
-                block=block, panel=asked, full=full, launch_bound=False)
+                block=block, panel=asked, full=full, launch_bound=False, out=out)
         if per_point > memory_budget:
             # Not one point fits all the rows: tiles of them, each a sum over the whole
             # path (the step-by-step sum was 10 to 70 times slower than this route).
             return _tiled_sum(
                 mlp, layout, load, weights, X, Y, outputs=outputs, trace_scale=trace_scale,
                 weighted=weighted, memory_budget=memory_budget, gram=gram, diag=diag,
-                panel=asked, full=full, out=out)
+                panel=asked, full=full, out=out, launch_bound=launch_bound)
         block = rows_per_block(memory_budget, per_point, "A block of the path kernel's points")
         block = max(1, min(block, 64))
     elif per_point * block > memory_budget:

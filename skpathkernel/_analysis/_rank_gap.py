@@ -253,7 +253,7 @@ def loo_relative_residuals(G, diag, lam, budget=None):
     inv_diag = torch.empty_like(diag)
     # Row blocks: P^{-1} Q^T is r x N, as large as G itself.
     n, r = G.shape
-    step = _loo_rows(budget, 8 * (2 * n * r + 4 * r * r + POINT_VECTORS * n), r)
+    step = _loo_rows(budget, qr_loo_bytes(n, r), r)
     for start in range(0, G.shape[0], step):
         Qb = Q[start : start + step]
         inv_diag[start : start + step] = row_norms2(
@@ -301,11 +301,12 @@ def budget_rank(budget: int, n: int, loo: bool = True) -> int:
     budget and N = 10,000 was 6037 where the factor's half allows 6710. At least one
     pivot.
     """
-    # The largest r with a r^2 + b r + c <= budget (leverage_bytes or factor_bytes).
-    if loo:
-        a, b, c, held = 16, 8 * n + 16 * LOO_MIN_ROWS, 8 * POINT_VECTORS * n, leverage_bytes
-    else:
-        a, b, c, held = 8, 8 * n, 8 * POINT_VECTORS * n, factor_bytes
+    # The largest r with held(n, r) = a r^2 + b r + c <= budget, its coefficients read
+    # off the byte count itself.
+    held = leverage_bytes if loo else factor_bytes
+    c = held(n, 0)
+    a = (held(n, 2) - 2 * held(n, 1) + c) // 2
+    b = held(n, 1) - c - a
     r = (math.isqrt(b * b + 4 * a * max(int(budget) - c, 0)) - b) // (2 * a)
     while r > 0 and held(n, r) > budget:  # isqrt's rounding
         r -= 1
@@ -314,8 +315,13 @@ def budget_rank(budget: int, n: int, loo: bool = True) -> int:
 
 def _loo_rows(budget: int | None, held: int, r: int) -> int:
     """Rows of a leave-one-out block: two ``rows x r`` float64 arrays in what ``held``
-    leaves of ``budget`` (None: ``LOO_BLOCK`` entries), at least ``LOO_MIN_ROWS``."""
-    entries = LOO_BLOCK if budget is None else min(LOO_BLOCK, (budget - held) // 16)
+    (the pass's bytes with its least blocks, :func:`qr_loo_bytes`,
+    :func:`leverage_bytes`) leaves of ``budget`` beside those least blocks (None:
+    ``LOO_BLOCK`` entries), at least ``LOO_MIN_ROWS``."""
+    if budget is None:
+        entries = LOO_BLOCK
+    else:
+        entries = min(LOO_BLOCK, (budget - held) // 16 + LOO_MIN_ROWS * max(r, 1))
     return max(LOO_MIN_ROWS, entries // max(r, 1))
 
 
@@ -335,7 +341,7 @@ def leverage_loo_relative_residuals(G, post, diag, lam, budget=None):
         return torch.ones_like(diag)
     lev = torch.empty_like(diag)
     n, r = G.shape
-    step = _loo_rows(budget, 8 * (n * r + 2 * r * r + POINT_VECTORS * n), r)
+    step = _loo_rows(budget, leverage_bytes(n, r), r)
     for start in range(0, G.shape[0], step):
         q = torch.linalg.solve_triangular(post, G[start : start + step].T, upper=False)
         lev[start : start + step] = row_norms2(q.T)

@@ -921,3 +921,35 @@ def test_a_rank_tolerance_below_float64s_resolution_warns_and_counts_round_off()
         det = OODRankDetector(trainer(y, hidden_layer_sizes=(6,)), method="residual",
                               rtol=1e-7).fit(X, y)
     assert det.rank_ <= 25 and max(det.rank_gap(Xq)) <= 25
+
+
+@pytest.mark.parametrize("method", ["residual", "alignment"])
+def test_max_rank_beyond_the_budget_is_capped_by_it(method):
+    """An explicit max_rank above what memory_budget holds was honoured: the fit held
+    1.97 ("residual") and 1.04 ("alignment") times the budget at max_rank = N. It is
+    capped at the budget's rank, the same fit as max_rank=None, and the warning names
+    the budget as the bound reached."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(150, 5))
+    net = PathKernelMachine(**{**SMALL, "hidden_layer_sizes": (64,), "max_iter": 30}).fit(
+        X, np.sin(X.sum(1)))
+    n = len(X)
+    budget = 4 * (3 * n * n + 2 * 64 * n + 16 * n)  # half of the leverages' pass at r = N
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    params = dict(method=method, rtol=1e-4)
+    OODRankDetector(FrozenEstimator(small_net), **params).fit(X[:20])  # one-time allocations
+    auto = OODRankDetector(FrozenEstimator(small_net), **params)
+    with pytest.warns(ConvergenceWarning, match=f"the most that memory_budget={budget:,}"):
+        auto.fit(X)
+    det = OODRankDetector(FrozenEstimator(small_net), max_rank=n, **params)
+    with pytest.warns(ConvergenceWarning, match=f"the most that memory_budget={budget:,}"):
+        _, peak = cpu_peak_bytes(lambda: det.fit(X))
+    assert peak <= budget, (peak, budget)
+    assert det.rank_ == auto.rank_ < n
+    np.testing.assert_array_equal(det.pivots_, auto.pivots_)
+    # Below the budget's rank, max_rank is the bound, and the warning says so.
+    with pytest.warns(ConvergenceWarning, match=f"max_rank={auto.rank_ - 5} pivots"):
+        low = OODRankDetector(FrozenEstimator(small_net), max_rank=auto.rank_ - 5,
+                              **params).fit(X)
+    assert low.rank_ == auto.rank_ - 5

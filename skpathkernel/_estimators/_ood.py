@@ -175,12 +175,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         query scored against the pivots alone flagged 0.116).
     max_rank : int, default=None
         Most pivots of the factorisation ("residual" and "alignment"); None: as many as
-        ``memory_budget`` allows (and at most N): the ``N x r`` float64 factor in half of
-        it (the Gram columns of the pivoting in the other half), and in all of it the
-        factor with the leave-one-out pass's two ``r x r`` arrays (``N r + 2 r^2``
+        ``memory_budget`` allows (and at most N): the ``N x r`` float64 factor in half
+        of it (the Gram columns of the pivoting in the other half), and in all of it
+        the factor with the leave-one-out pass's two ``r x r`` arrays (``N r + 2 r^2``
         float64, "residual") or with the pivots' Cholesky factor (``N r + r^2``,
-        "alignment").
-        When it is reached before the tolerance, a ``ConvergenceWarning`` says so, with
+        "alignment"). A larger ``max_rank`` is capped at that number too.
+        When either bound is reached before the tolerance, a ``ConvergenceWarning`` says so, with
         how far the farthest training feature lies from the span (relative to the
         largest feature norm, in ``rtol``'s units), and the span is that of the ``r``
         most independent training features.
@@ -438,15 +438,17 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         if self.method == "local":
             span = TangentSpan(X, diag, lam)
         else:
-            max_rank = self.max_rank
-            if max_rank is None:
-                if self.method == "residual":
-                    max_rank = budget_rank(gram.budget, n)
-                else:
-                    # No leave-one-out arrays: the factor, L and the network's float64
-                    # copy (12 kB beside a 342 kB budget put the fit at 1.001 times it).
-                    max_rank = budget_rank(gram.budget - gram.nbytes, n, loo=False)
-            max_rank = min(int(max_rank), n)
+            if self.method == "residual":
+                fits = budget_rank(gram.budget, n)
+            else:
+                # No leave-one-out arrays: the factor, L and the network's float64
+                # copy (12 kB beside a 342 kB budget put the fit at 1.001 times it).
+                fits = budget_rank(gram.budget - gram.nbytes, n, loo=False)
+            # A max_rank beyond what the budget holds is capped too (honoured, the fit
+            # held 1.97 / 1.04 times a 356 kB budget, "residual" / "alignment", at
+            # max_rank = N = 150): memory_budget bounds every array of the fit, and the
+            # warning below names the bound reached.
+            max_rank = min(fits if self.max_rank is None else int(self.max_rank), fits, n)
             # The pivots' Gram columns beside the factor: a quarter of the budget, the
             # engine's temporaries another (factorize); the factor takes half
             # (budget_rank). In all of it, they took 1.7 times an 8 MiB budget with the
@@ -460,8 +462,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 # In rtol's units: the distance of the farthest training feature from the
                 # pivots' span, relative to the largest feature norm.
                 achieved = math.sqrt(reached / max(float(np.max(diag)), 1e-300))
+                bound = (f"max_rank={max_rank}" if self.max_rank is not None
+                         and int(self.max_rank) <= fits else
+                         f"{max_rank}, the most that memory_budget="
+                         f"{gram.budget:,} bytes holds,")
                 warnings.warn(
-                    f"The factorisation of the training span stopped at max_rank={max_rank} "
+                    f"The factorisation of the training span stopped at {bound} "
                     f"pivots before reaching the rank tolerance rtol={self.rtol:g}: a "
                     f"training feature lies {achieved:.3g} times the largest feature norm "
                     "outside the span of those pivots, and residuals are relative to that "

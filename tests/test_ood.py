@@ -2,10 +2,13 @@
 
 import copy
 import re
+import tracemalloc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
+import scipy.linalg
 import torch
 from _reference import features_loop
 from sklearn.base import clone
@@ -368,6 +371,147 @@ def test_residual_fit_chooses_the_qr_only_where_its_blocks_and_vectors_fit(budge
     _, det, peak = _fit_under_budget(n, 5, budget, "residual", 1e-10)
     assert det.rank_ < _rank_gap.budget_rank(budget, n)  # the tolerance set the rank
     assert peak <= budget, (peak, budget)
+
+
+def _peak_with_scipy_eigh(monkeypatch, fn):
+    """``fn()``, the peak of its allocations (:func:`cpu_peak_bytes`) and its number of
+    SciPy eigendecompositions. Their eigenvalues, eigenvectors and LAPACK workspace are
+    NumPy memory, which torch's profiler does not see: each call's own peak
+    (tracemalloc), then its outputs for as long as the eigenvectors live, are mirrored
+    by torch allocations of their size."""
+    real = scipy.linalg.eigh
+    mirrors = {}
+
+    def eigh(*args, **kwargs):
+        tracemalloc.start()
+        try:
+            w, v = real(*args, **kwargs)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        torch.empty(peak, dtype=torch.uint8)  # freed at once: the call's peak
+        mirrors[id(v)] = torch.empty(v.nbytes + w.nbytes, dtype=torch.uint8)
+        weakref.finalize(v, mirrors.pop, id(v), None)
+        eigh.calls += 1
+        return w, v
+
+    eigh.calls = 0
+    monkeypatch.setattr(scipy.linalg, "eigh", eigh)
+    out, peak = cpu_peak_bytes(fn)
+    return out, peak, eigh.calls
+
+
+def _reject_cholesky(monkeypatch):
+    """``torch.linalg.cholesky_ex`` factorising as asked (in place where asked) but
+    reporting every matrix (not batch) indefinite: jittered_cholesky's fallback, which
+    no fit measured reached at any rtol (its jitter is at least the pivots' Cholesky
+    resolution), on demand."""
+    real = torch.linalg.cholesky_ex
+
+    def rejecting(A, *args, **kwargs):
+        L, info = real(A, *args, **kwargs)
+        return L, torch.ones_like(info) if A.dim() == 2 else info
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", rejecting)
+
+
+@pytest.mark.parametrize("mode", ["copy", "overwrite", "rebuild"])
+def test_cholesky_fallback_factors_the_psd_part_beside_one_array(mode, monkeypatch):
+    """Where Cholesky rejects ``K + lam I`` (a jitter of 1e-20 below the round-off of a
+    rank-deficient Gram), jittered_cholesky's factor satisfies ``L L^T = K_+ + lam I``,
+    ``K_+`` the Gram without its negative eigenvalues (NumPy's eigh, float64), lower
+    triangular with a positive diagonal. Beside ``K`` (and the sum's copy where ``K``
+    is kept) the fallback held about nine ``r x r`` arrays (the symmetrised Gram, eigh's
+    workspace, the stacked ``[sqrt(S_+) V^T; sqrt(lam) I]`` and the QR's copy of it);
+    now one (the failed factor, then the eigenvectors) and LAPACK's vectors."""
+    rng = np.random.RandomState(0)
+    r = 200
+    A = rng.normal(size=(r, 60)) * np.logspace(-3, 3, 60)
+    K = A @ A.T
+    lam = 1e-20 * np.abs(K).max()
+    Kt = torch.as_tensor(K)
+    _, info = torch.linalg.cholesky_ex(Kt + lam * torch.eye(r, dtype=Kt.dtype))
+    assert info > 0
+    s, v = np.linalg.eigh(K)
+    expected = (v * np.clip(s, 0, None)) @ v.T + lam * np.eye(r)
+    W = Kt.clone()
+    kwargs = {"copy": {}, "overwrite": {"overwrite": True},
+              "rebuild": {"rebuild": lambda out: out.copy_(Kt)}}[mode]
+    L, peak, calls = _peak_with_scipy_eigh(
+        monkeypatch, lambda: _rank_gap.jittered_cholesky(W, lam, **kwargs))
+    assert peak <= 8 * ((mode == "copy") * r * r + r * r + 64 * r), peak / (8 * r * r)
+    assert calls == 1
+    L = L.numpy()
+    assert np.array_equal(L, np.tril(L)) and (np.diag(L) > 0).all()
+    np.testing.assert_allclose(L @ L.T, expected, rtol=0, atol=1e-13 * np.abs(K).max())
+    if mode == "copy":
+        assert torch.equal(W, Kt)
+
+
+@pytest.mark.parametrize("room_for_qr", [False, True])
+def test_residual_fit_on_the_cholesky_fallback_stays_within_the_budget(room_for_qr,
+                                                                       monkeypatch):
+    """jittered_cholesky's fallback held about nine ``r x r`` arrays beside the Gram: on
+    it, a fit at N = r = 150 took 2.8 times a budget that holds its arrays (the
+    leverages' pass) and 2.0 times (the QR's). It now works in the sum's memory with one
+    more ``r x r`` array, for which the passes leave room (the leverages' pass takes L
+    from G again after it), and the fit and the scores stay within the budget. The
+    scores are the fit's without the fallback, and the all-N formula through the
+    pivots' factor (dense features)."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(150, 5))
+    Xq = np.vstack([rng.normal(size=(20, 5)), 3 * rng.normal(size=(10, 5))])
+    net = PathKernelMachine(**{**SMALL, "hidden_layer_sizes": (64,), "max_iter": 30}).fit(
+        X, np.sin(X.sum(1)))
+    n = len(X)
+    budget = (_rank_gap.qr_loo_bytes if room_for_qr else _rank_gap.leverage_bytes)(n, n)
+    small_net = copy.copy(net)  # the budget is set on a copy, below validation's 1 MiB
+    small_net.memory_budget = budget
+    params = dict(method="residual", rtol=1e-4, contamination=0.2)
+    plain = OODRankDetector(FrozenEstimator(small_net), **params).fit(X)
+    assert plain.rank_ == n and (plain._post is None) == room_for_qr
+    det = OODRankDetector(FrozenEstimator(small_net), **params)
+    det.fit(X[:20])  # one-time allocations
+    _reject_cholesky(monkeypatch)
+    _, fit_peak, calls = _peak_with_scipy_eigh(monkeypatch, lambda: det.fit(X))
+    scores, score_peak = cpu_peak_bytes(lambda: det.score_samples(Xq))
+    assert fit_peak <= budget, fit_peak / budget  # was 2.8 (leverages), 2.0 (QR)
+    assert score_peak <= budget, score_peak / budget
+    assert calls == 1 and det.rank_ == n
+    np.testing.assert_allclose(scores, plain.score_samples(Xq), rtol=1e-7)
+    np.testing.assert_allclose(det.offset_, plain.offset_, rtol=1e-7)
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    query, loo = nystrom_residuals(P, det.pivots_, det.lambda_, Q)
+    np.testing.assert_allclose(scores, -query, rtol=1e-5)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 20), rtol=1e-5)
+
+
+def test_local_fallback_is_the_pseudo_inverse_without_its_product():
+    """The local score's systems that Cholesky rejects (``rtol`` of 1e-8 and below) take
+    ``b^T A^+ b``, the pseudo-inverse without eigenvalues under ``pinv``'s cutoff. Formed
+    by ``pinv`` and multiplied by ``b``, it held 4.2 ``(g, k, k)`` arrays beside ``A``
+    (5.2 with every system rejected), where the group's budget counts three with ``A``,
+    and the product cancelled: for ``b = A c`` (the neighbours' kernel row lies in their
+    span) the exact value is ``c^T A c``, which it missed by up to 6e-3 relative (median
+    6e-4) at eigenvalues down to 1e-12. From the eigenvectors, in the rejected systems'
+    copy: the factor's one array at the peak, and 8e-15."""
+    rng = np.random.RandomState(0)
+    g, k = 256, 16
+    basis, _ = np.linalg.qr(rng.normal(size=(g, k, k)))
+    # A negative eigenvalue above the cutoff (k eps, kept, as pinv keeps it), zeros
+    # under it; every fourth system positive definite (Cholesky's).
+    eig = np.r_[np.logspace(0, -12, k - 3), -1e-14, 0.0, 0.0] * np.ones((g, 1))
+    eig[::4] = np.logspace(0, -3, k)
+    A = np.einsum("gij,gj,gkj->gik", basis, eig, basis)
+    c = rng.normal(size=(g, k))
+    b = np.einsum("gij,gj->gi", A, c)
+    At, bt = torch.as_tensor(A), torch.as_tensor(b)
+    _, info = torch.linalg.cholesky_ex(At)
+    assert (info > 0).sum() == 3 * g // 4
+    out, peak = cpu_peak_bytes(lambda: _rank_gap._explained(At, bt))
+    assert peak <= 1.2 * At.nbytes, peak / At.nbytes  # was 4.2
+    np.testing.assert_allclose(out.numpy(), np.einsum("gi,gij,gj->g", c, A, c),
+                               rtol=1e-10)
 
 
 @pytest.mark.parametrize("room_for_qr", [True, False])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import scipy.linalg
 import torch
 
 from .._device import to_input_tensor, to_numpy
@@ -354,14 +355,18 @@ def leverage_loo_relative_residuals(G, post, diag, lam, budget=None):
 def jittered_cholesky(K, lam, overwrite=False, rebuild=None):
     """Lower triangular ``L`` with ``L L^T = K + lam I``, for a PSD Gram ``K`` and ``lam > 0``.
 
-    Cholesky of the sum first. A jitter below the Gram's float64 round-off (``rtol``
-    under ~1e-8, or nearly dependent features) leaves the sum indefinite by round-off;
-    then ``L`` is the factor of ``K_+ + lam I``, with ``K_+`` the Gram without its
-    negative (round-off) eigenvalues, from the R of a QR of ``[sqrt(K_+); sqrt(lam) I]``:
-    square roots span twice the range of exponents that the sum would need.
+    Cholesky of the sum first. A jitter below the Gram's float64 round-off leaves the
+    sum indefinite by round-off (the pivots' Gram at ``rtol=1e-10``, or 1e-8 on nearly
+    dependent features, before the jitter was at least the pivots' Cholesky resolution;
+    no fit measured since, at any ``rtol``); then ``L`` is the factor of ``K_+ + lam I``,
+    with ``K_+`` the Gram without its negative (round-off) eigenvalues
+    (:func:`_psd_part_cholesky`).
     ``overwrite``: ``K`` may be used as the sum's storage (no copy of it). ``rebuild``:
     the factor is made in ``K``'s own memory (no second ``r x r`` array), and
-    ``rebuild()`` makes ``K`` again for the fallback (the factorisation destroyed it).
+    ``rebuild(out)`` writes ``K`` into ``out`` again for the fallback (the factorisation
+    destroyed it). Either way the fallback works in the sum's memory, with one more
+    ``r x r`` array at its peak: where the sum is not factorised in place, the failed
+    factor's, freed first.
     """
     W = K if overwrite or rebuild is not None else K.clone()
     W.diagonal().add_(lam)
@@ -374,18 +379,41 @@ def jittered_cholesky(K, lam, overwrite=False, rebuild=None):
         L, info = torch.linalg.cholesky_ex(W.T, out=(W.T, info))
     if int(info) == 0:
         return L
+    del L
     if rebuild is None:
-        K = W
-        K.diagonal().sub_(lam)
+        W.diagonal().sub_(lam)
     else:
-        del W, L
-        K = rebuild()
-    S, V = torch.linalg.eigh((K + K.T) / 2)
-    root = S.clamp(min=0).sqrt().unsqueeze(1) * V.T  # root^T root = K_+
-    eye = torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
-    R = torch.linalg.qr(torch.cat([root, math.sqrt(lam) * eye]), mode="r").R
+        rebuild(W)
+    return _psd_part_cholesky(W, lam)
+
+
+def _psd_part_cholesky(K, lam):
+    """The lower triangular ``L`` with ``L L^T = K_+ + lam I``, made in ``K``'s memory.
+
+    With ``K = V S V^T`` (one triangle of ``K`` read), ``C = V diag(sqrt(S_+ + lam))``
+    has ``C C^T = K_+ + lam I``, and ``L = R^T`` for the R of ``C^T = Q R``: no sum of
+    ``K`` and ``lam I`` is factorised, so round-off cannot make it indefinite. The
+    eigendecomposition is LAPACK's ``syevr`` on the host, overwriting ``K`` (a CPU
+    tensor's own memory) beside the eigenvectors: torch's ``syevd`` takes two more
+    ``r x r`` of workspace. Then ``C^T`` goes into ``K`` and the QR is made there, the
+    eigenvectors freed. At its peak it holds ``K`` and one ``r x r`` array (with the
+    sum's symmetrised copy, the stacked ``[sqrt(S_+) V^T; sqrt(lam) I]`` and the QR's
+    copy of it, it held about nine)."""
+    host = K.cpu()
+    S, V = scipy.linalg.eigh(host.T.numpy(), overwrite_a=True, check_finite=False,
+                             driver="evr")
+    del host
+    V *= np.sqrt(np.clip(S, 0.0, None) + lam)
+    # K row-major holds C: its transpose, a column-major view, holds C^T in the layout
+    # that LAPACK's QR overwrites with R.
+    K.copy_(torch.from_numpy(V))
+    del V
+    tau = K.new_empty(K.shape[0])
+    R, _ = torch.geqrf(K.T, out=(K.T, tau))
+    R.triu_()
     # The Cholesky factor is the one with a positive diagonal.
-    return (torch.sign(R.diagonal()).unsqueeze(1) * R).T
+    R.mul_(torch.sign(R.diagonal()).unsqueeze(1))
+    return K
 
 
 def cholesky_resolution(chol, n_iter=30):
@@ -424,15 +452,26 @@ def _explained(A, b):
 
     Cholesky first; a system it rejects (a jitter below the Gram's round-off, for a tiny
     ``rtol``) falls back to the pseudo-inverse, which drops the directions round-off
-    cannot resolve.
+    cannot resolve: ``sum_j (v_j^T b)^2 / s_j`` over the eigenpairs of ``A_i`` with
+    ``|s_j|`` above ``torch.linalg.pinv``'s cutoff, ``k eps max_j |s_j|``. The eigenvectors
+    are made in the rejected systems' copy, after the factor is freed: beside ``A`` the
+    fallback holds at most one ``(g, k, k)`` array, as the factor did (``pinv`` and its
+    product with ``b`` held up to five, and cancelled: up to 6e-3 off ``b^T A^+ b``
+    relative, at eigenvalues of 1e-12 of the largest).
     """
     L, info = torch.linalg.cholesky_ex(A)
-    q = torch.linalg.solve_triangular(L, b.unsqueeze(2), upper=False)
-    out = q.square().sum((1, 2))
+    out = torch.linalg.solve_triangular(L, b.unsqueeze(2), upper=False).square().sum((1, 2))
+    del L
     bad = info > 0
     if bool(bad.any()):
-        pinv = torch.linalg.pinv(A[bad], hermitian=True)
-        out[bad] = torch.einsum("gi,gij,gj->g", b[bad], pinv, b[bad])
+        sub = A[bad]
+        S = sub.new_empty(sub.shape[:-1])
+        # Symmetric: the transposes, a batch of column-major views, are LAPACK's layout.
+        S, V = torch.linalg.eigh(sub.mT, out=(S, sub.mT))
+        y = (V.mT @ b[bad].unsqueeze(2)).squeeze(2)
+        size = S.abs()
+        cutoff = A.shape[-1] * torch.finfo(A.dtype).eps * size.amax(-1, keepdim=True)
+        out[bad] = torch.where(size > cutoff, y.square() / S, 0.0).sum(-1)
     return out
 
 
@@ -550,7 +589,6 @@ class TangentSpan:
             # would be round-off (measured: N = 3000 points on 449 parameters, whose
             # residuals read -1.3e-11 of the largest diagonal at rtol=1e-6's 1e-12).
             lam = max(lam, cholesky_resolution(chol_t))
-            chol = to_numpy(chol_t)
         if loo:
             # Without the vectors over the points and the least blocks, this chose the QR
             # at 1.05x the budget (N = 150, r = 42, 170 kB).
@@ -569,10 +607,15 @@ class TangentSpan:
                 # The leverages' pass: the Cholesky factor of M + lam I (in M's memory)
                 # beside G and L, and no r x r eigendecomposition (at r = 2000 it tripled
                 # the fit's time): queries solve with the factor instead (two triangular
-                # solves). Its arrays are those budget_rank counts.
-                post = jittered_cholesky(G.T @ G, lam, rebuild=lambda: G.T @ G)
+                # solves). Its arrays are those budget_rank counts. L is not needed
+                # by the pass and is taken from G again after it: its room is the
+                # Cholesky fallback's second r x r array (jittered_cholesky).
+                del chol_t
+                post = jittered_cholesky(G.T @ G, lam,
+                                         rebuild=lambda out: torch.matmul(G.T, G, out=out))
                 residuals = leverage_loo_relative_residuals(G, post, diag_t, lam,
                                                             budget=gram.budget)
+                chol_t = G[pivots.to(G.device)].tril_()
             else:
                 residuals = torch.ones_like(diag_t)
             residuals = to_numpy(residuals)
@@ -584,6 +627,8 @@ class TangentSpan:
             # the two triangular solves (L, then the factor of M + lam I).
             basis = to_numpy(torch.linalg.solve_triangular(chol_t.T, W, upper=True).T)
             eig = to_numpy(S.clamp(min=0))
+        if r:
+            chol = to_numpy(chol_t)
         if post is not None:
             post = to_numpy(post)
         return (cls(X, diag, lam, X_span, chol, basis, eig, post), to_numpy(pivots),

@@ -168,14 +168,25 @@ def test_float32_path_scores_its_recorded_states(solver, monkeypatch):
     """A float32 path's scores are the derivative of the training map at its recorded
     states (autograd through a float64 replay held at the record), to float32 round-off:
     each step's gradient is taken in float64 at the recorded point. With the gradient in
-    float32, as the training took it, they missed that derivative by 5e-5 (Adam, AdamW)
-    and 6.5e-4 (RMSprop) here."""
-    est, X, _ = _fit(**SOLVERS[solver], dtype="float32", normalize_y=False, max_iter=6,
-                     batch_size=7)
-    reference = unrolled_reference(est.network_, X[:3], np.ones((3, 1)), pinned=True)
-    assert _rel(est.attribute(X[:3], method="unrolled"), reference) < 1e-5
-    monkeypatch.setattr(unrolled, "GRADIENT_DTYPE", torch.float32)
-    assert _rel(est.attribute(X[:3], method="unrolled"), reference) > 2e-5
+    float32, as the training took it, they missed that derivative by 10 to 1e6 times as
+    much on some paths and not on others (the rounding of gradients that cancel, which
+    differs between CPUs: the AdamW path of seed 0 missed by 5e-5 on an AMD EPYC host,
+    by 8.8e-6 on an Intel Xeon one), so the first of six seeds whose float32 gradient
+    misses by ten times the scores' error shows it (seed 0 for all three on the Xeon: 61,
+    16 and 632 times)."""
+    ratios = []
+    for seed in range(6):
+        est, X, _ = _fit(**SOLVERS[solver], dtype="float32", normalize_y=False, max_iter=6,
+                         batch_size=7, random_state=seed)
+        reference = unrolled_reference(est.network_, X[:3], np.ones((3, 1)), pinned=True)
+        error = _rel(est.attribute(X[:3], method="unrolled"), reference)
+        assert error < 1e-5
+        with monkeypatch.context() as patch:
+            patch.setattr(unrolled, "GRADIENT_DTYPE", torch.float32)
+            ratios.append(_rel(est.attribute(X[:3], method="unrolled"), reference) / error)
+        if ratios[-1] > 10:
+            break
+    assert max(ratios) > 10, ratios
 
 
 @pytest.mark.usefixtures("unrolled_route")

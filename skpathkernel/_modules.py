@@ -19,7 +19,7 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["copy_module", "module_lock", "norm_hooks", "runs_module"]
+__all__ = ["copy_module", "module_lock", "norm_hooks", "running", "runs_module"]
 
 
 def norm_hooks(layer: torch.nn.Module) -> list:
@@ -63,11 +63,49 @@ def module_lock(module: torch.nn.Module) -> threading.RLock:
     return lock
 
 
-def runs_module(module_of):
+# The modules each thread is running a verb on, with how many verbs deep: a verb that
+# another calls (explain calls attribute, which calls decompose and outputs) is part of
+# the outer one's call, and what the caller must hear of once per call is checked there.
+_RUNNING = threading.local()
+
+
+class running:
+    """Hold :func:`module_lock` of ``module`` for a verb that runs it; ``check(module)``
+    first when no other verb on ``module`` is running in this thread (the one the user
+    called, whichever verbs it calls). A class, not a generator: a warning that ``check``
+    points at the user's line must find no frame of ``contextlib`` on the way."""
+
+    def __init__(self, module: torch.nn.Module, check=None):
+        self.module, self.check = module, check
+
+    def __enter__(self):
+        self.lock = module_lock(self.module)
+        self.lock.acquire()
+        try:
+            depth = _RUNNING.__dict__.setdefault("depth", {})
+            key = self.key = id(self.module)  # alive while it is running
+            if self.check is not None and key not in depth:
+                self.check(self.module)
+            depth[key] = depth.get(key, 0) + 1
+        except BaseException:  # a warning turned into an error
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        depth = _RUNNING.depth
+        depth[self.key] -= 1
+        if not depth[self.key]:
+            del depth[self.key]
+        self.lock.release()
+        return False
+
+
+def runs_module(module_of, check=None):
     """Decorate a method (or a function of a fitted estimator) that runs a fitted
     network's module: it holds :func:`module_lock` of ``module_of(first argument)`` (None,
     or an exception such as NotFittedError: no module yet, it runs as it is and raises its
-    own error)."""
+    own error), with ``check`` as :func:`running` calls it."""
 
     def decorate(method):
         @functools.wraps(method)
@@ -78,7 +116,7 @@ def runs_module(module_of):
                 module = None
             if module is None:
                 return method(self, *args, **kwargs)
-            with module_lock(module):
+            with running(module, check):
                 return method(self, *args, **kwargs)
 
         return wrapper

@@ -8,19 +8,31 @@ import os
 import sys
 from collections.abc import Iterable
 
+import sklearn.utils
+
 __all__ = ["caller_stacklevel", "worse", "worst"]
 
 # The package's folder: frames whose code lies under it are skpathkernel's own.
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# scikit-learn's wrappers of the package's own methods and functions: set_output's of
+# every transform, validate_params' of the public functions (hessian_trace). Their frames
+# stand between the user's line and the package's.
+_WRAPPERS = tuple(os.path.join(os.path.dirname(os.path.abspath(sklearn.utils.__file__)), name)
+                  for name in ("_set_output.py", "_param_validation.py"))
 
 
 def caller_stacklevel() -> int:
-    """``stacklevel`` of the first frame outside skpathkernel, for a warning issued by the
-    caller of this function: the user's line, whichever public method they called."""
+    """``stacklevel`` of the first frame outside skpathkernel (and scikit-learn's wrappers
+    of its methods), for a warning issued by the caller of this function: the user's
+    line, whichever public method they called."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+    while frame is not None and _own(os.path.abspath(frame.f_code.co_filename)):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _own(path: str) -> bool:
+    return path.startswith(_PACKAGE) or path in _WRAPPERS
 
 
 def worse(a: float, b: float) -> float:

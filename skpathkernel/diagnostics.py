@@ -31,6 +31,7 @@ from ._memory import rows_per_block
 from ._modules import runs_module
 from ._network._trained import _as_array, network_of
 from ._path._recorder import RecordedNetwork
+from ._path._training import warn_drawing_now
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
 from ._validation import check_index, count
@@ -303,7 +304,7 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
 
 
 # --------------------------------------------------------------------------- engine
-@runs_module(lambda estimator: network_of(estimator).module)
+@runs_module(lambda estimator: network_of(estimator).module, check=warn_drawing_now)
 def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
                     batch_size):
     check_is_fitted(estimator)

@@ -37,7 +37,7 @@ from scipy.signal import lfilter
 from sklearn.gaussian_process.kernels import Kernel
 
 from ._device import to_numpy
-from ._modules import module_lock
+from ._modules import running
 from ._network._inputs import check_representable
 from ._network._trained import KERNELS, TrainedNetwork, network_of
 from ._parallel import (
@@ -50,6 +50,7 @@ from ._parallel import (
     n_row_blocks,
     n_tasks,
 )
+from ._path._training import warn_drawing_now
 from ._tangent import (
     block_forward_error,
     hidden_reads,
@@ -312,7 +313,7 @@ def step_kernel(
     X_in, X = X, _validate(estimator, net, X)
     # Y is X: K(X, X) from its symmetry, as the kernels' call takes it.
     Y = None if Y is None or Y is X_in else _validate(estimator, net, Y, "Y")
-    with module_lock(net.module):
+    with running(net.module, warn_drawing_now):
         return _check_finite(_step_gram(net, X, Y, step, output, preconditioned, normalized),
                              net)
 
@@ -824,7 +825,7 @@ class _NetworkKernel(Kernel):
         work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
         # The lock first: a call waiting for the module keeps no thread limit in force
         # (while one is, threads that first use torch start from it; see torch_threads).
-        with module_lock(net.module), limit_torch_threads(kernel_threads(work)):
+        with running(net.module, warn_drawing_now), limit_torch_threads(kernel_threads(work)):
             K = _check_finite(self._bind(net)._gram_blocks(X, Y), net)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
@@ -848,7 +849,7 @@ class _NetworkKernel(Kernel):
         _refuse_matrix_consumer(self)
         net = network_of(self.estimator)
         X = _validate(self.estimator, net, X)
-        with module_lock(net.module):
+        with running(net.module, warn_drawing_now):
             d = _check_finite(self._bind(net)._diag_blocks(X), net)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a

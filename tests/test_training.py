@@ -3,6 +3,7 @@ recorded batches, closed-form update rules, and losses recomputed with NumPy / s
 
 import copy
 import pickle
+import re
 import threading
 import warnings
 
@@ -13,18 +14,25 @@ import torch.nn.functional as F
 from _reference import jacobian_loop, module_at, weight_finite_differences
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import ConvergenceWarning
+from sklearn.frozen import FrozenEstimator
 from sklearn.metrics import accuracy_score, log_loss
 
 from skpathkernel import (
+    OODRankDetector,
+    PathKernel,
     PathKernelClassifier,
     PathKernelMachine,
+    PathRecorder,
     TangentFeatures,
     TangentFeatureSVM,
+    TangentKernel,
+    TrainedNetwork,
     TrainingDivergedError,
 )
-from skpathkernel._modules import copy_module, norm_hooks
+from skpathkernel._modules import copy_module, module_lock, norm_hooks
 from skpathkernel._path._training import resume_training_modes
 from skpathkernel.diagnostics import hessian_trace
+from skpathkernel.kernels import step_kernel
 
 SOLVERS = [
     dict(solver="sgd", learning_rate_init=0.1),
@@ -811,6 +819,16 @@ def _dropout_eval(n_features, n_outputs):
     return _dropout_drawn(n_features, n_outputs).eval()
 
 
+def _dropout_fit(X, y, *, drawn):
+    """A PathKernelMachine fitted with a dropout layer that drew (training mode) or did
+    not (eval mode), its own warning of the draws silenced."""
+    est = PathKernelMachine(module=_dropout_drawn if drawn else _dropout_eval, max_iter=2,
+                            batch_size=8, tol=None, dtype="float64", random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fit's own warning of the draws
+        return est.fit(X, y)
+
+
 @pytest.mark.parametrize("method", ["exact", "first_order", "second_order"])
 def test_decompositions_warn_of_a_fit_that_drew(regression_data, method):
     """The exact decomposition measures what dropout drawn in training misses (its
@@ -820,16 +838,7 @@ def test_decompositions_warn_of_a_fit_that_drew(regression_data, method):
     fit, 2e-8 without the draws). Each names the draws; a fitted estimator loaded from a
     pickle too; a fit without draws says nothing."""
     X, y = regression_data
-
-    def fit(dropout_eval):
-        est = PathKernelMachine(module=_dropout_eval if dropout_eval else _dropout_drawn,
-                                max_iter=2, batch_size=8, tol=None, dtype="float64",
-                                random_state=0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the fit's own warning of the draws
-            return est.fit(X, y)
-
-    drew, clean = fit(False), fit(True)
+    drew, clean = _dropout_fit(X, y, drawn=True), _dropout_fit(X, y, drawn=False)
     match = rf"(?s)decompose\(method='{method}'\).*'2'.*random draws.*not exact"
     for est in (drew, pickle.loads(pickle.dumps(drew))):
         with pytest.warns(UserWarning, match=match):
@@ -839,6 +848,161 @@ def test_decompositions_warn_of_a_fit_that_drew(regression_data, method):
         ref = clean.decompose(X[:3], method=method)
     # The warning is due: the draws' miss dwarfs the approximation's own.
     assert res.error > 100 * ref.error
+
+
+@pytest.mark.parametrize("verb, call", [
+    ("attribute", lambda est, X, method: est.attribute(X, method=method)),
+    ("explain", lambda est, X, method: est.explain(X, 2, method=method)),
+    ("explain", lambda est, X, method: est.explain(X, 2, method=method, output="all")),
+], ids=["attribute", "explain", "explain-all"])
+@pytest.mark.parametrize("method", ["exact", "first_order"])
+def test_attribute_and_explain_name_themselves_in_the_decompositions_warnings(
+        regression_data, verb, call, method):
+    """attribute and explain decompose: their warnings of the draws (and the exact
+    decomposition's closure check) named decompose(method=...), a method the user did not
+    call. Each names the verb called, once."""
+    X, y = regression_data
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(_dropout_fit(X, y, drawn=True), X[:3], method)
+    said = [str(w.message) for w in caught]
+    drawn = [m for m in said if "random draws" in m]
+    assert len(drawn) == 1
+    assert drawn[0].startswith(f"{verb}(method='{method}'): the layer(s) ['2'] trained")
+    assert not [m for m in said if "decompose(" in m]
+
+
+def _recorded_dropout(*, dropout=True):
+    """Linear -> Tanh -> Dropout(0.5) -> Linear trained by a user's loop under
+    PathRecorder (which needs the dropout in eval mode), its training data and queries;
+    ``dropout=False``: the same path of the network with nn.Identity in the dropout's
+    place, what the eval-mode network computes."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(16, 3))
+    y = np.sin(X @ np.array([1.0, -2.0, 0.5]))
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(3, 6), torch.nn.Tanh(),
+        torch.nn.Dropout(0.5) if dropout else torch.nn.Identity(),
+        torch.nn.Linear(6, 1)).double().eval()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
+    with PathRecorder(module, opt, n_samples=16) as rec:
+        for batch in np.arange(16).reshape(4, 4):
+            rec.set_batch(batch)
+            opt.zero_grad()
+            (0.5 * (module(Xt[batch])[:, 0] - yt[batch]) ** 2).mean().backward()
+            opt.step()
+    return module, rec, X, y
+
+
+def _ood_scores(est, Q):
+    # Fitted in eval mode: the call checked is the scoring's. The alignment: a residual
+    # clipped at 0 hides the draws.
+    mode = est.module_.training
+    est.module_.eval()
+    detector = OODRankDetector(FrozenEstimator(est), method="alignment").fit(est.X_fit_)
+    est.module_.train(mode)
+    return detector.score_samples(Q)
+
+
+# Every analysis that runs the network's module: of a TrainedNetwork built by hand, of
+# PathRecorder's network and estimator, and of a fitted estimator.
+_ANALYSES = {
+    "decompose-first_order": ("own", lambda n, Q: n.decompose(Q, method="first_order")
+                              .contributions),
+    "decompose-exact": ("own", lambda n, Q: n.decompose(Q).contributions),
+    "attribute": ("recorder", lambda n, Q: n.attribute(Q, method="first_order")),
+    "explain": ("recorder", lambda n, Q: n.explain(Q, 3, method="first_order")[1]),
+    "outputs": ("own", lambda n, Q: n.outputs(Q)),
+    "predict": ("estimator", lambda n, Q: n.predict(Q)),
+    "kneighbors": ("own", lambda n, Q: n.kneighbors(Q, 3)[0]),
+    "tangent-kernel": ("recorder", lambda n, Q: TangentKernel(n)(Q)),
+    "tangent-kernel-diag": ("own", lambda n, Q: TangentKernel(n).diag(Q)),
+    "tangent-kernel-jobs": ("own", lambda n, Q: TangentKernel(n, n_jobs=2)(Q)),
+    "path-kernel": ("own", lambda n, Q: PathKernel(n)(Q)),
+    "step-kernel": ("estimator", lambda n, Q: step_kernel(n, Q)),
+    "transform": ("estimator", lambda n, Q: n.transform(Q)),
+    "hessian-trace": ("estimator", lambda n, Q: hessian_trace(
+        n, n.X_fit_, np.sin(n.X_fit_.sum(axis=1)), n_samples=2, random_state=0).trace),
+    "ood-scores": ("estimator", _ood_scores),
+}
+
+
+def _analysed(kind, *, dropout=True):
+    """The network (or estimator) of ``kind`` whose analyses are compared, its module,
+    and queries off the training set (whose tangent features its span holds: the OOD
+    scores would all be 0)."""
+    Q = np.random.RandomState(1).uniform(-2, 2, size=(4, 3))
+    if kind == "estimator":
+        def factory(n_features, n_outputs):
+            return torch.nn.Sequential(
+                torch.nn.Linear(n_features, 6), torch.nn.Tanh(),
+                torch.nn.Dropout(0.5) if dropout else torch.nn.Identity(),
+                torch.nn.Linear(6, n_outputs)).eval()
+
+        est = PathKernelMachine(module=factory, max_iter=3, batch_size=8, tol=None,
+                                dtype="float64", random_state=0)
+        X = np.random.RandomState(0).uniform(-1, 1, size=(16, 3))
+        est.fit(X, np.sin(X.sum(axis=1)))
+        return est, est.module_, Q
+    module, rec, X, y = _recorded_dropout(dropout=dropout)
+    if kind == "recorder":
+        return rec.as_estimator(X, y), module, Q
+    return TrainedNetwork(module, rec.trajectory, loss="squared_error", X_fit=X,
+                          y_fit=y), module, Q
+
+
+@pytest.mark.parametrize("name", list(_ANALYSES))
+def test_analyses_of_a_network_left_drawing_warn_naming_the_layer(name):
+    """A network whose dropout is in training mode when analysed (built by hand, from
+    PathRecorder, or an estimator's module put back in training mode) drew new masks at
+    every forward pass of every analysis: two calls of decompose(method="first_order")
+    differed, kernels by their own size, without a word. Each call now warns once (nested
+    verbs included), at the caller's line, naming the layer and module.eval(); in eval
+    mode the same network is silent, repeats itself and computes the network without the
+    layer (nn.Identity in its place, an independent module)."""
+    kind, analysis = _ANALYSES[name]
+    net, module, Q = _analysed(kind)
+    reference = analysis(_analysed(kind, dropout=False)[0], Q)
+    module.train()
+    results = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results.append(analysis(net, Q))
+        ours = [w for w in caught if "training mode now" in str(w.message)]
+        assert len(ours) == 1
+        assert ours[0].filename == __file__
+        assert re.search(r"(?s)\['2'\] are in training mode now.*vary from call to call"
+                         r".*module\.eval\(\)", str(ours[0].message))
+    # What the warning says is so: the two calls drew different masks.
+    assert not np.allclose(results[0], results[1])
+    module.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first, second = analysis(net, Q), analysis(net, Q)
+    assert_array_equal(first, second)
+    assert_allclose(first, reference, rtol=1e-10, atol=1e-12)
+
+
+def test_a_drawing_warning_raised_as_an_error_leaves_the_module_free():
+    """The check runs with the module's lock held and before the verb counts as running:
+    a warning raised as an error must release the lock (another thread takes it at once)
+    and leave no verb running (the next call checks again)."""
+    net, module, Q = _analysed("own")
+    module.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with pytest.raises(UserWarning, match="training mode now"):
+                net.attribute(Q, method="first_order")
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(
+        module_lock(module).acquire(timeout=10)))
+    thread.start()
+    thread.join()
+    assert taken == [True]
 
 
 def test_a_continued_fit_trains_random_layers_in_the_modes_they_were_built_in(

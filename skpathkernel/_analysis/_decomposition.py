@@ -1812,8 +1812,10 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
     return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored})
 
 
-def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
-    """Map the result into the caller's units and warn where it is not exact."""
+def finish(result: Decomposition, checks: _Checks, units=None,
+           verb: str = "decompose") -> Decomposition:
+    """Map the result into the caller's units and warn where it is not exact, naming
+    ``verb``, the method the user called (attribute and explain decompose too)."""
     # Judged in the network's units, against the path's own scale. The expected
     # weighting is an approximation for minibatches, by design.
     closure = (_inexact(result, checks) if checks.exact and not checks.thinned
@@ -1839,7 +1841,7 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
                 f"path, {checks.scale:.3g}) within {MAX_NODES} Gauss-Legendre nodes or "
                 "stopped converging")
         warnings.warn(
-            f"decompose(method='exact'): the quadrature of {len(checks.failed)} of "
+            f"{verb}(method='exact'): the quadrature of {len(checks.failed)} of "
             f"{checks.n_steps} steps {goal}: steps {listed}.{nonfinite} The "
             f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
             "step_errors). A non-smooth activation (relu) or very large steps make the "
@@ -1848,13 +1850,13 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
             ConvergenceWarning, stacklevel=caller_stacklevel(),
         )
     elif missed is not None:
-        _warn_missed(result, checks, *missed)
+        _warn_missed(result, checks, *missed, verb)
     if inexact is not None:
-        _warn_inexact(result, inexact)
+        _warn_inexact(result, inexact, verb)
     if checks.thinned:
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         warnings.warn(
-            f"decompose(method={checks.method!r}): the path was recorded every "
+            f"{verb}(method={checks.method!r}): the path was recorded every "
             f"{checks.record_every} optimizer steps, so the steps between two recorded "
             "points are attributed with their batches' gradients at the interval's first "
             f"point. The reconstruction error is {result.error:.3g} "
@@ -1871,7 +1873,7 @@ def finish(result: Decomposition, checks: _Checks, units=None) -> Decomposition:
                "the minibatches' deviation from that average (the representation's noise "
                "term) is left out of the split")
         warnings.warn(
-            "decompose(weighting='expected') credits every training point 1/N at every "
+            f"{verb}(weighting='expected') credits every training point 1/N at every "
             f"step, and {why}: the contributions miss the prediction by "
             f"{result.error:.3g} ({result.error / max(size, 1e-300):.2g} relative; "
             "Decomposition.error), above the exact split's round-off. "
@@ -1920,7 +1922,7 @@ def _list_steps(residuals: dict) -> str:
 
 
 def _warn_missed(result: Decomposition, checks: _Checks, achieved: float,
-                 allowed: float) -> None:
+                 allowed: float, verb: str) -> None:
     if checks.n_nodes is not None:
         why = (f"the fixed n_nodes={checks.n_nodes} Gauss-Legendre nodes per step do not "
                f"integrate the steps to within {allowed:g} of the largest |f|, the allowance of "
@@ -1933,7 +1935,7 @@ def _warn_missed(result: Decomposition, checks: _Checks, achieved: float,
         fix = ("Pass a tol the dtype resolves (tol=None: its round-off), or fit with "
                "dtype='float64'.")
     warnings.warn(
-        f"decompose(method='exact'): the quadrature's residuals add up to {achieved:.3g} "
+        f"{verb}(method='exact'): the quadrature's residuals add up to {achieved:.3g} "
         f"relative to the largest |f| along the path ({checks.scale:.3g}): {why}. The "
         f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
         f"step_errors). {fix}",
@@ -1960,10 +1962,10 @@ def _inexact(result: Decomposition, checks: _Checks) -> float | None:
     return result.error / size
 
 
-def _warn_inexact(result: Decomposition, relative: float) -> None:
+def _warn_inexact(result: Decomposition, relative: float, verb: str) -> None:
     change = float(np.abs(result.prediction - result.initial).max())
     warnings.warn(
-        f"decompose(method='exact'): the reconstruction misses the prediction by "
+        f"{verb}(method='exact'): the reconstruction misses the prediction by "
         f"{result.error:.3g} ({relative:.2g} relative to the largest |f| along the path, "
         f"{result.error / max(change, 1e-300):.2g} times the largest change of the output "
         f"since initialization; Decomposition.error), far above the quadrature's "

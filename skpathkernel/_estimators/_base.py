@@ -63,6 +63,7 @@ from .._path._training import (
     resume_training_modes,
     train,
     training_threads,
+    warn_drawing_now,
     warn_random_forward,
 )
 from .._path._trajectory import SolverSpec
@@ -161,7 +162,7 @@ def _build_module(spec: dict, n_features: int, n_outputs: int, seed: int,
 
 # Estimator methods that run the fitted network's module hold its lock (see
 # skpathkernel._modules.module_lock).
-runs_fitted_module = runs_module(lambda est: network_of(est).module)
+runs_fitted_module = runs_module(lambda est: network_of(est).module, check=warn_drawing_now)
 
 
 def keep_previous_fit_on_error(fit):

@@ -45,6 +45,7 @@ from .._device import to_numpy
 from .._modules import runs_module
 from .._network._trained import network_of
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
+from .._path._training import warn_drawing_now
 from .._validation import count, validate_params
 from .._warnings import caller_stacklevel
 from ._base import keep_previous_fit_on_error
@@ -86,7 +87,8 @@ def _never(self):
 
 
 # The scores run the trained network's module (a float64 copy is taken of it): its lock.
-_runs_detector_module = runs_module(lambda det: network_of(det.estimator_).module)
+_runs_detector_module = runs_module(lambda det: network_of(det.estimator_).module,
+                                     check=warn_drawing_now)
 
 
 class OODRankDetector(OutlierMixin, NetworkMetaEstimator):

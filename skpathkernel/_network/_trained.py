@@ -46,7 +46,7 @@ from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
 from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
-from .._path._training import warn_drawn
+from .._path._training import warn_drawing_now, warn_drawn
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
@@ -170,7 +170,10 @@ KERNELS: dict[str, type] = {}
 
 
 # The verbs that run the module hold its lock (see skpathkernel._modules.module_lock).
+# The probes of the input forms run it in eval mode; the analyses in its own modes, and
+# warn when those draw at random.
 _runs_own_module = runs_module(lambda net: net.module)
+_analyses_own_module = runs_module(lambda net: net.module, check=warn_drawing_now)
 
 
 class TrainedNetwork:
@@ -561,7 +564,7 @@ class TrainedNetwork:
             self.__dict__["_widths"] = widths
         return widths
 
-    @_runs_own_module
+    @_analyses_own_module
     def outputs(self, X, step: int | None = -1) -> np.ndarray:
         """Network outputs ``f(X; theta_step)``, float64 (n, C), in blocks under the budget.
 
@@ -627,18 +630,25 @@ ValueError
     recorded batches.""",
         examples="",
     )
-    @_runs_own_module
+    @_analyses_own_module
     def decompose(self, X, *, method: str = "exact", weighting: str = "realized",
                   n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None, weights=None, units=None):
+        return self._decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
+                               tol=tol, n_jobs=n_jobs, weights=weights, units=units)
+
+    def _decompose(self, X, *, method, weighting, n_nodes, tol, n_jobs, weights, units,
+                   verb: str = "decompose"):
+        """``decompose`` for every caller: ``verb``, the method the user called
+        (``attribute`` and ``explain`` decompose too), names it in the warnings."""
         check_decompose_args(method, weighting, n_nodes, tol)
         X = self.check(X)
         X_fit = self._training_data()[0]  # its errors here, not on the workers
         # The causes by name, for every method: the exact one's closure check measures
         # the miss but can only guess at why (it names the quadrature first).
-        warn_drawn(self._drawn, f"decompose(method={method!r})")
-        warn_tied_padding(self.module, self.trajectory, X_fit,
-                          f"decompose(method={method!r})", "contributions")
+        analysis = f"{verb}(method={method!r})"
+        warn_drawn(self._drawn, analysis)
+        warn_tied_padding(self.module, self.trajectory, X_fit, analysis, "contributions")
         # chunk: the queries whose nodes are chosen together, the same in every block.
         kwargs = dict(method=method, weighting=weighting, n_nodes=n_nodes, tol=tol,
                       chunk=node_chunk(self.trajectory, method, len(X)))
@@ -648,19 +658,19 @@ ValueError
                              n_tasks(n_jobs, len(self.trajectory) - 1), n_nodes=n_nodes,
                              tol=tol)
         if ranges is None and min(n_row_blocks(n_jobs, X), -(-len(X) // align)) == 1:
-            return finish(*self._decompose_block(X, weights, kwargs), units)
+            return finish(*self._decompose_block(X, weights, kwargs), units, verb)
         net = self.for_workers(by_reference=local_processes())
         weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         if ranges is not None:  # every worker a range of steps for all queries
             parts = map_calls(_decompose_steps, n_jobs, [(*r, X, weights, net, kwargs)
                                                          for r in ranges])
-            return finish(*merge_steps(parts), units)
+            return finish(*merge_steps(parts), units, verb)
         # Row blocks of the queries with their rows of the weights.
         rows = np.arange(len(X))
         # Cut where the serial call's node choices are: its numbers.
         parts = map_row_blocks(_decompose_rows, rows, n_jobs, X, weights, net, kwargs,
                                align=align)
-        return finish(*merge(parts), units)
+        return finish(*merge(parts), units, verb)
 
     def _decompose_block(self, X, weights, kwargs):
         """``(result, checks)`` of the queries X in the network's units, no warnings."""
@@ -687,18 +697,18 @@ ValueError
                        "a choice).",
         examples="",
     )
-    @_runs_own_module
+    @_analyses_own_module
     def attribute(self, X, y=None, *, method: str = "exact", weighting: str = "realized",
                   output=None, n_nodes: int | None = None, tol: float | None = None,
                   n_jobs: int | None = None) -> np.ndarray:
         return self._attribute(X, y, method=method, weighting=weighting, output=output,
                                n_nodes=n_nodes, tol=tol, n_jobs=n_jobs)
 
-    @_runs_own_module
+    @_analyses_own_module
     def _attribute(self, X, y, *, method, weighting, output, n_nodes, tol, n_jobs,
                    margin: str = "allowed", encode=None, scale=None,
                    multilabel: bool | None = None, standardized=None,
-                   also: str = "") -> np.ndarray:
+                   also: str = "", verb: str = "attribute") -> np.ndarray:
         """``attribute`` for every caller: ``margin`` as in ``check_output``; ``encode``
         maps the callers' labels to output columns; ``scale`` (C,): the explained
         output is ``scale * f`` (a regressor's target units); ``multilabel``: the
@@ -706,7 +716,8 @@ ValueError
         indicator row per query; None: the network's own ``multilabel``;
         ``standardized``: ``(n_rows, constant)`` of a regressor's ``normalize_y`` (see
         :func:`~.._analysis._unrolled.unrolled_scores`), None for none; ``also``: the
-        caller's other choices of ``output``, named by its errors (``check_output``)."""
+        caller's other choices of ``output``, named by its errors (``check_output``);
+        ``verb``: the method the user called, named by the decomposition's warnings."""
         check_attribute_args(method, weighting, n_nodes, tol)
         multilabel = self.multilabel if multilabel is None else multilabel
         X = self.check(X)
@@ -730,10 +741,11 @@ ValueError
             return unrolled_scores(
                 self, X_fit, Y_fit, self.tensor(X), weights, n_jobs=n_jobs,
                 standardized=None if standardized is None else (prediction, *standardized))
-        return self.decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
-                              tol=tol, weights=weights, n_jobs=n_jobs).contributions[:, :, 0]
+        return self._decompose(X, method=method, weighting=weighting, n_nodes=n_nodes,
+                               tol=tol, weights=weights, n_jobs=n_jobs, units=None,
+                               verb=verb).contributions[:, :, 0]
 
-    @_runs_own_module
+    @_analyses_own_module
     def kneighbors(self, X=None, n_neighbors: int = 100, *, kernel: str = "tangent",
                    step: int = -1, normalized: bool = True, return_distance: bool = True):
         """Training points nearest to each query under a kernel.
@@ -818,7 +830,7 @@ ValueError
                              "X_fit.")
         return self.X_fit
 
-    @_runs_own_module
+    @_analyses_own_module
     def explain(self, X, n_neighbors: int = 10, *, method: str = "exact", output=None,
                 n_jobs: int | None = None, margin: str = "allowed", encode=None,
                 scale=None, units=None, multilabel: bool | None = None):
@@ -872,13 +884,14 @@ ValueError
         # would offer 'unrolled', which explain refuses.
         check_decompose_args(method, "realized", None, None)
         if isinstance(output, str) and output == "all":
-            contributions = self.decompose(X, method=method, units=units,
-                                           n_jobs=n_jobs).contributions
+            contributions = self._decompose(
+                X, method=method, weighting="realized", n_nodes=None, tol=None,
+                n_jobs=n_jobs, weights=None, units=units, verb="explain").contributions
         else:
             scores = self._attribute(X, None, method=method, weighting="realized",
                                      output=output, n_nodes=None, tol=None, n_jobs=n_jobs,
                                      margin=margin, encode=encode, scale=scale,
-                                     multilabel=multilabel, also="'all'")
+                                     multilabel=multilabel, also="'all'", verb="explain")
             contributions = scores[:, :, None]
         k = int(n_neighbors)
         magnitude = np.abs(contributions).sum(axis=2)
@@ -890,11 +903,11 @@ ValueError
                       "class code, or the positive or largest target column (the "
                       "multilabel margin of its label set for a ``multilabel`` "
                       "network)")
-    @_runs_own_module
+    @_analyses_own_module
     def self_influence(self, *, output=None, n_jobs: int | None = None) -> np.ndarray:
         return self._self_influence(output=output, n_jobs=n_jobs)
 
-    @_runs_own_module
+    @_analyses_own_module
     def _self_influence(self, *, output, n_jobs, margin: str = "allowed",
                         scale=None, multilabel: bool | None = None,
                         standardized=None) -> np.ndarray:

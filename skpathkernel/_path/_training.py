@@ -54,6 +54,7 @@ __all__ = [
     "train",
     "training_step",
     "training_threads",
+    "warn_drawing_now",
     "warn_drawn",
     "warn_random_forward",
 ]
@@ -147,9 +148,7 @@ def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.M
     found = []
     for name, layer in module.named_modules():
         name = name or "(the module)"
-        if (isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0) or (
-                isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0) or \
-                isinstance(layer, torch.nn.RReLU):
+        if _draws(layer):
             found.append((name, layer, _DRAWS))
         elif isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) or (
                 isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
@@ -158,6 +157,18 @@ def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.M
         elif _spectral(layer):
             found.append((name, layer, _POWER))
     return found
+
+
+_DRAWING = (torch.nn.modules.dropout._DropoutNd, torch.nn.MultiheadAttention, torch.nn.RReLU)
+
+
+def _draws(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` draws at random in training mode: dropout, RReLU."""
+    if not isinstance(layer, _DRAWING):  # one test of the other layers: every analysis asks
+        return False
+    if isinstance(layer, torch.nn.RReLU):
+        return True
+    return (layer.dropout if isinstance(layer, torch.nn.MultiheadAttention) else layer.p) > 0
 
 
 def _spectral(layer: torch.nn.Module) -> bool:
@@ -182,8 +193,14 @@ def drawing_layers(module: torch.nn.Module, modes: dict[str, bool] | None = None
     layers of :func:`mode_dependent_layers` that draw: dropout, RReLU) and are in it: in
     their own mode, or in ``modes`` (name: training, as :func:`refuse_training_mode_layers`
     returns them), the layers that drew in a fit that trained the module in those modes."""
-    return [name for name, layer, why in mode_dependent_layers(module) if why == _DRAWS
-            and (layer.training if modes is None else modes.get(name, False))]
+    # Without mode_dependent_layers' other tests: every analysis call asks (see
+    # warn_drawing_now).
+    found = []
+    for name, layer in module.named_modules():
+        name = name or "(the module)"
+        if _draws(layer) and (layer.training if modes is None else modes.get(name, False)):
+            found.append(name)
+    return found
 
 
 def draws_in_training(module: torch.nn.Module) -> bool:
@@ -205,6 +222,22 @@ def warn_drawn(layers, analysis: str) -> None:
             "measures by how much). Build "
             "them in eval mode in the module factory (layer.eval(), or p=0) for exact "
             "analyses.", UserWarning, stacklevel=caller_stacklevel())
+
+
+def warn_drawing_now(module: torch.nn.Module) -> None:
+    """Warn, before an analysis runs ``module``, that its layers that draw at random are in
+    training mode now (:func:`drawing_layers`): every forward pass of the analysis draws
+    anew, so its result varies from call to call and no error it measures names that
+    cause. What a fit drew, with the layers in eval mode now, is :func:`warn_drawn`'s."""
+    layers = drawing_layers(module)
+    if layers:
+        warnings.warn(
+            f"The layer(s) {layers[:3]} are in training mode now, where each forward pass "
+            "draws new random masks (RReLU: slopes): the kernels, features, "
+            "decompositions, attributions and predictions of this network each draw their "
+            "own, so they vary from call to call and describe no fixed network. Call "
+            "module.eval() before analysing it (the estimators' networks are in eval mode "
+            "after fit).", UserWarning, stacklevel=caller_stacklevel())
 
 
 def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:

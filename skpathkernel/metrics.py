@@ -633,9 +633,10 @@ def _check_protocol(protocol, estimator, X, y) -> None:
         params = estimator.get_params(deep=True)
         unset = [key for key in _seed_params(estimator) if params[key] is None]
         if unset:
+            verb, it = ("is", "it") if len(unset) == 1 else ("are", "them")
             raise ValueError("protocol='same_seed' retrains every model with the "
-                             f"estimator's own seeds, but {', '.join(unset)} is None (a "
-                             "fresh seed each fit): set it to an int.")
+                             f"estimator's own seeds, but {', '.join(unset)} {verb} None (a "
+                             f"fresh seed each fit): set {it} to an int.")
     if protocol == "replay":
         _check_replayable(estimator, X, y)
 

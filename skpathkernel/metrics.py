@@ -470,11 +470,14 @@ def retrain_on_subsets(
 
         - "independent" (TRAK's protocol): each model is fitted with its own
           ``random_state`` drawn from ``random_state``: new initialization and
-          minibatch order.
+          minibatch order. The seed goes to every ``random_state`` parameter of the
+          estimator and of those inside it (a Pipeline's steps, a meta-estimator's
+          ``estimator``); an estimator without one is refitted as it is.
         - "same_seed": every model is fitted with the estimator's own ``random_state``
-          (which must be set): the same initialization and random stream. Full-batch
-          training then differs only by the data; minibatches are drawn from the same
-          stream over a smaller set, so they differ.
+          (every one inside it, which must be set): the same initialization and
+          random stream. Full-batch training then differs only by the data;
+          minibatches are drawn from the same stream over a smaller set, so they
+          differ.
         - "replay" (skpathkernel estimators, fitted on ``X, y``, which must be
           ``X_fit_`` and its targets: other targets are refused): the estimator's own
           recorded path replayed without the left-out points: its initialization, its
@@ -577,10 +580,12 @@ def _subset_fits(estimator, X, y, masks, seeds, jobs, X_query, output, codes, cl
     def take(a, rows):
         return a.iloc[rows] if hasattr(a, "iloc") else a[rows]
 
+    keys = _seed_params(estimator)
+
     def model(j, r):
         est = clone(estimator)
-        if seeds is not None:
-            est.set_params(random_state=int(seeds[j, r]))
+        if seeds is not None and keys:
+            est.set_params(**dict.fromkeys(keys, int(seeds[j, r])))
         return est
 
     return (delayed(_fit_one)(model(j, r), take(X_arr, masks[j]), take(y_arr, masks[j]),
@@ -615,11 +620,23 @@ def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
     return output, label_codes(classes, y_query), classes
 
 
+def _seed_params(estimator) -> list[str]:
+    """The ``random_state`` parameters of ``estimator`` and of the estimators inside it
+    (a Pipeline's steps, a meta-estimator's ``estimator``), as ``set_params`` names
+    them: where a model's seed must go. Empty for an estimator without randomness."""
+    return sorted(key for key in estimator.get_params(deep=True)
+                  if key.rpartition("__")[2] == "random_state")
+
+
 def _check_protocol(protocol, estimator, X, y) -> None:
-    if protocol == "same_seed" and estimator.get_params().get("random_state") is None:
-        raise ValueError("protocol='same_seed' retrains every model with the estimator's "
-                         "own random_state, which is None (a fresh seed each fit): set it "
-                         "to an int.")
+    if protocol == "same_seed":
+        params = estimator.get_params(deep=True)
+        unset = [key for key in _seed_params(estimator) if params[key] is None]
+        if unset:
+            verb, it = ("is", "it") if len(unset) == 1 else ("are", "them")
+            raise ValueError("protocol='same_seed' retrains every model with the "
+                             f"estimator's own seeds, but {', '.join(unset)} {verb} None (a "
+                             f"fresh seed each fit): set {it} to an int.")
     if protocol == "replay":
         _check_replayable(estimator, X, y)
 

@@ -546,6 +546,37 @@ def test_stacked_captures_equal_the_capture_engine(data, name, dtype, monkeypatc
         assert_allclose(stacked.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam-l2"])
+@pytest.mark.parametrize("first", [torch.nn.Tanh, torch.nn.Identity])
+def test_stacked_captures_with_an_activation_before_the_first_linear(data, name, first,
+                                                                     monkeypatch):
+    """An nn.Sequential that starts with an elementwise layer (its derivative has the
+    inputs' width) takes the stacked captures and gives the forward per-sample
+    recursion's decomposition (the backward went past the first Linear and failed on
+    the widths: RuntimeError)."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    Y = np.c_[y, X_train[:, 0] * X_train[:, 1]]
+
+    def net(n_in, n_out):
+        return torch.nn.Sequential(first(), torch.nn.Linear(n_in, 6), torch.nn.Tanh(),
+                                   torch.nn.Linear(6, n_out))
+
+    est = PathKernelMachine(**RAW, module=net, max_iter=3, batch_size=5, dtype="float64",
+                            random_state=0, **SOLVERS[name]).fit(X_train, Y)
+    used = []
+    backward = interpolation._StackedCapture.backward
+    monkeypatch.setattr(interpolation._StackedCapture, "backward",
+                        lambda self, *args: used.append(1) or backward(self, *args))
+    res = est.decompose(X, n_nodes=4)
+    assert len(used) > 2  # beyond the check's captures: the stacked route was taken
+    contrib, reg = _brute_force(est, X_train, torch.as_tensor(Y), _squared, X, n_nodes=4)
+    scale = np.abs(contrib).max()
+    assert_allclose(res.contributions, contrib, rtol=0, atol=1e-10 * scale)
+    assert_allclose(res.regularization, reg, rtol=0, atol=1e-10 * max(scale, 1e-3))
+
+
 def test_stacked_captures_that_disagree_are_not_used(data, monkeypatch):
     """A stacked pass that does not reproduce the capture engine's factors (here a wrong
     activation derivative) is refused: the general captures give the exact result."""

@@ -12,6 +12,9 @@ from scipy.special import logsumexp
 from scipy.stats import bootstrap, spearmanr
 from sklearn.base import BaseEstimator, clone
 from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.neighbors import KNeighborsRegressor
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import (
     AttributionScores,
@@ -210,6 +213,42 @@ def test_retraining_equals_a_loop_of_fits(protocol):
         assert_array_equal(res.all_outputs[:, 0], res.all_outputs[:, 1])
     else:
         assert len(np.unique(res.seeds)) == res.seeds.size
+
+
+@pytest.mark.parametrize("protocol", ["same_seed", "independent"])
+def test_retraining_a_pipeline_seeds_its_steps(protocol):
+    """A Pipeline (the README's scaler before the network) and an estimator without a
+    random_state are retrained as any estimator: the seed goes to the network's step,
+    by its own name (set_params(random_state=...) failed on the Pipeline, and
+    "same_seed" refused both as unseeded)."""
+    rng = np.random.RandomState(1)
+    X, y = rng.normal(size=(24, 3)), rng.normal(size=24)
+    net = PathKernelMachine(hidden_layer_sizes=(5,), batch_size=8, max_iter=3,
+                            dtype="float64", random_state=7, tol=None)
+    pipe = make_pipeline(StandardScaler(), net)
+    res = retrain_on_subsets(pipe, X, y, X[:4], n_subsets=3, protocol=protocol, n_repeats=2,
+                             random_state=0)
+    out = np.empty_like(res.all_outputs)
+    for j, mask in enumerate(res.subsets):
+        for r in range(2):
+            model = clone(net)
+            if protocol == "independent":
+                model.set_params(random_state=int(res.seeds[j, r]))
+            scaler = StandardScaler().fit(X[mask])
+            out[j, r] = model.fit(scaler.transform(X[mask]), y[mask]).predict(
+                scaler.transform(X[:4]))
+    assert_allclose(res.all_outputs, out, rtol=1e-12)
+    # The repeats differ by their seeds alone.
+    assert (protocol == "independent") == (not np.array_equal(res.all_outputs[:, 0],
+                                                              res.all_outputs[:, 1]))
+    knn = retrain_on_subsets(KNeighborsRegressor(n_neighbors=3), X, y, X[:4], n_subsets=3,
+                             protocol=protocol, random_state=0)
+    for mask, outputs in zip(knn.subsets, knn.outputs):
+        assert_allclose(outputs, KNeighborsRegressor(n_neighbors=3).fit(
+            X[mask], y[mask]).predict(X[:4]))
+    with pytest.raises(ValueError, match="pathkernelmachine__random_state is None"):
+        retrain_on_subsets(make_pipeline(StandardScaler(), clone(net).set_params(
+            random_state=None)), X, y, X[:4], n_subsets=3, protocol="same_seed")
 
 
 def _softmax_margin(proba, y):

@@ -798,12 +798,15 @@ class _StackedCapture:
                 continue
             li -= 1
             layers.append((li, delta.expand(B, *delta.shape[1:])))
-            if li:
-                # One GEMM per point over all rows: a broadcast matmul against W[:, None]
-                # runs a matrix-vector product per row (measured 10x slower).
-                full = delta.expand(B, *delta.shape[1:])
-                delta = torch.bmm(full.reshape(B, -1, full.shape[-1]), params[li][0]).view(
-                    *full.shape[:-1], -1)
+            if not li:
+                # The first Linear's inputs need no backprop: an activation before it
+                # (nn.Sequential(nn.Tanh(), nn.Linear(...), ...)) has the inputs' width.
+                break
+            # One GEMM per point over all rows: a broadcast matmul against W[:, None]
+            # runs a matrix-vector product per row (measured 10x slower).
+            full = delta.expand(B, *delta.shape[1:])
+            delta = torch.bmm(full.reshape(B, -1, full.shape[-1]), params[li][0]).view(
+                *full.shape[:-1], -1)
         layers.reverse()
         out = []
         for b in range(B):

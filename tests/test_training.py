@@ -926,6 +926,9 @@ _ANALYSES = {
     "hessian-trace": ("estimator", lambda n, Q: hessian_trace(
         n, n.X_fit_, np.sin(n.X_fit_.sum(axis=1)), n_samples=2, random_state=0).trace),
     "ood-scores": ("estimator", _ood_scores),
+    # The fit of a frozen network's span: its offset_ drew with the Gram's masks.
+    "ood-fit": ("estimator", lambda n, Q: OODRankDetector(
+        FrozenEstimator(n), method="alignment").fit(n.X_fit_).offset_),
 }
 
 

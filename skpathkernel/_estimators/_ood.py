@@ -425,6 +425,13 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 UserWarning, stacklevel=caller_stacklevel(),
             )
         X, task = self._fit_network(X, y, sample_weight, fit_params)
+        return self._fit_span(X, task)
+
+    # A frozen estimator's module left drawing (dropout in training mode) gave every fit
+    # its own span and offset_, silently, where the scores warned.
+    @_runs_detector_module
+    def _fit_span(self, X, task):
+        """The span of the training features ``X`` and the scores that set ``offset_``."""
         est = self.estimator_
         gram = NetworkGram(network_of(est))
         n = X.shape[0]

@@ -8,17 +8,20 @@ import os
 import sys
 from collections.abc import Iterable
 
-import sklearn.utils
+import sklearn
 
 __all__ = ["caller_stacklevel", "worse", "worst"]
 
 # The package's folder: frames whose code lies under it are skpathkernel's own.
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # scikit-learn's wrappers of the package's own methods and functions: set_output's of
-# every transform, validate_params' of the public functions (hessian_trace). Their frames
-# stand between the user's line and the package's.
-_WRAPPERS = tuple(os.path.join(os.path.dirname(os.path.abspath(sklearn.utils.__file__)), name)
-                  for name in ("_set_output.py", "_param_validation.py"))
+# every transform, validate_params' of the public functions (hessian_trace), and the
+# mixins' methods that call the estimators' own (score calls predict, fit_transform fit:
+# a warning of score pointed at sklearn/base.py). Their frames stand between the user's
+# line and the package's.
+_WRAPPERS = tuple(os.path.join(os.path.dirname(os.path.abspath(sklearn.__file__)), *name)
+                  for name in (("utils", "_set_output.py"), ("utils", "_param_validation.py"),
+                               ("base.py",)))
 
 
 def caller_stacklevel() -> int:

@@ -719,11 +719,13 @@ class TangentSpan:
             post = torch.as_tensor(self.post, device=gram.device)
         var = torch.empty_like(diag)
         # A block's two (r, b) arrays at a time (K and y, K and c, c and z) in half of the
-        # budget, the engine's temporaries beside K in the other half (with the whole
-        # budget, and the previous block's c and z still held, scoring a leverages' fit
-        # took 1.15 times a 1 MiB budget at N = 1000).
+        # budget, the engine's temporaries in what K and the vectors over the queries
+        # leave, at least the other half (with the whole budget, and the previous
+        # block's c and z still held, scoring a leverages' fit took 1.15 times a 1 MiB
+        # budget at N = 1000).
         step = gram.rows_per_block(len(self.X_span), "score_samples")
-        engine = gram.budget_for_one(Xt, gram.budget // 2)
+        held = 8 * len(self.X_span) * min(step, X.shape[0]) + diag.nbytes + var.nbytes
+        engine = gram.budget_for_one(Xt, max(gram.budget // 2, gram.budget - held))
         for start in range(0, X.shape[0], step):
             K = gram.gram(span, Xt[start : start + step], budget=engine).to(torch.float64)
             var[start : start + step] = _span_variance(
@@ -732,17 +734,14 @@ class TangentSpan:
         return to_numpy(_relative(var, diag))
 
     # ------------------------------------------------------------------ neighbours
-    def _neighbours(self, gram, X, n_neighbors, exclude, what, engine=None):
+    def _neighbours(self, gram, X, n_neighbors, exclude, what):
         """Best-aligned training features of each query: indices, Gram values, cosines.
 
         Row blocks of ``Theta(X, X_train)``; ``exclude[i]`` (a training index) is left
         out of row ``i``'s candidates (leave-one-out). Returns ``idx`` (n, k), ``kvals``
-        (n, k), ``best`` (n,) cosine of the best-aligned one and ``dq`` (n,). The
-        engine's temporaries take ``engine`` bytes (None: half of the budget).
+        (n, k), ``best`` (n,) cosine of the best-aligned one and ``dq`` (n,).
         """
         Xt, Rt = gram.tensor(X), gram.tensor(self.X)
-        if engine is None:
-            engine = gram.budget_for_one(Xt, gram.budget // 2)
         dq = gram.diag(Xt).to(torch.float64)
         dr = torch.as_tensor(self.diag, device=gram.device)
         n, N = X.shape[0], self.X.shape[0]
@@ -751,9 +750,12 @@ class TangentSpan:
         kvals = torch.empty((n, k), dtype=torch.float64, device=gram.device)
         best = torch.empty(n, dtype=torch.float64, device=gram.device)
         # A block of rows (K, its cosines and their masks: counted as four) in half of
-        # the budget, the engine's own blocks (captures, products) beside its output in
-        # the other half (they had the whole budget).
+        # the budget; the engine's own blocks (captures, products) in what the queries'
+        # arrays and its output leave (they had the whole budget beside them), at least
+        # the other half.
         step = rows_per_block(gram.budget // 2, 4 * 8 * N, what)
+        held = sum(t.nbytes for t in (idx, kvals, best, dq)) + 8 * min(step, n) * N
+        engine = gram.budget_for_one(Xt, max(gram.budget // 2, gram.budget - held))
         for start in range(0, n, step):
             stop = min(start + step, n)
             K = gram.gram(Xt[start:stop], Rt, budget=engine).to(torch.float64)
@@ -791,6 +793,7 @@ class TangentSpan:
         values, their groups' unions: about ``3 n_neighbors`` values a query) take a
         quarter of the budget; a group's union Gram another, and the engine's
         temporaries that compute it, then the group's systems, the other half.
+        (:meth:`_neighbours` gives the engine what the chunk's arrays leave.)
         """
         n, N = X.shape[0], self.X.shape[0]
         k = max(1, min(n_neighbors, N - (exclude is not None)))
@@ -809,7 +812,7 @@ class TangentSpan:
         """:meth:`local_residuals` of a chunk of queries; ``full``: a list that holds
         the whole training Gram once one chunk has computed it."""
         idx, kvals, _, dq = self._neighbours(gram, X, n_neighbors, exclude,
-                                             "The local residual score", engine)
+                                             "The local residual score")
         if self.lam <= 0:  # every training feature is zero: the span is {0}
             return to_numpy(_relative(dq, dq))
         n, k = idx.shape

@@ -224,7 +224,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     3.2 GB).
 
     **Local spans** ("local", "alignment"). A query's row ``Theta(x, X_fit_)`` (row
-    blocks in half of ``memory_budget``, the engine's temporaries in the other half)
+    blocks in half of ``memory_budget``, the engine's temporaries in what they leave)
     gives its best-aligned training features; the Gram of those neighbours comes from
     the Gram of the union of the neighbours of a group of queries (at most 16
     ``n_neighbors`` points), or from the whole training Gram, computed once, when that

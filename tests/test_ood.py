@@ -112,12 +112,12 @@ def test_contamination_is_a_quantile_of_leave_one_out_scores(method):
     assert np.mean(loo < det.offset_ - 1e-9) == pytest.approx(0.25, abs=0.051)
 
 
-def nystrom_residuals(P, pivots, lam, Q):
+def nystrom_residuals(P, pivots, lam, Q, loo=True):
     """THEORY's all-N score, ``1 - k(x)^T (Theta + lam I)^{-1} k(x) / Theta(x, x)``, with
     ``Theta`` and ``k(x)`` those of the pivots' Nystrom factor ``G = Theta[:, L] C^{-T}``
     (``C C^T = Theta_LL``): ``Theta ~= G G^T``, ``k(x) ~= G C^{-1} k_L(x)``. Dense
-    features, one N x N solve; and the leave-one-out scores, each training point against
-    the N - 1 others under the same factor (``Theta_ii`` exact)."""
+    features, one N x N solve; and (``loo``) the leave-one-out scores, each training
+    point against the N - 1 others under the same factor (``Theta_ii`` exact)."""
     K = P @ P.T
     C = np.linalg.cholesky(K[np.ix_(pivots, pivots)])
     G = np.linalg.solve(C, K[:, pivots].T).T
@@ -125,6 +125,8 @@ def nystrom_residuals(P, pivots, lam, Q):
     A = G @ G.T + lam * np.eye(len(P))
     dq = (Q * Q).sum(1)
     query = np.sqrt(np.clip(1 - np.einsum("ij,ij->j", k, np.linalg.solve(A, k)) / dq, 0, 1))
+    if not loo:
+        return query
     loo = []
     for i in range(len(P)):
         Gi = np.delete(G, i, 0)
@@ -371,6 +373,88 @@ def test_residual_fit_chooses_the_qr_only_where_its_blocks_and_vectors_fit(budge
     _, det, peak = _fit_under_budget(n, 5, budget, "residual", 1e-10)
     assert det.rank_ < _rank_gap.budget_rank(budget, n)  # the tolerance set the rank
     assert peak <= budget, (peak, budget)
+
+
+def _queries(n):
+    rng = np.random.RandomState(1)
+    return np.vstack([rng.normal(size=(2 * n // 3, 5)), 3 * rng.normal(size=(n // 3, 5))])
+
+
+@pytest.mark.parametrize(("n", "hidden"), [(1000, 16), (300, 128)])
+def test_local_fit_and_scores_stay_within_the_budget(n, hidden):
+    """method="local" at a 1 MiB budget held the neighbours of all its queries at once
+    (indices, kernel values, the groups' unions: the fit's leave-one-out points),
+    computed a group's union Gram beside the previous group's, and gave the engine the
+    whole budget beside its output: the fit took 1.30 times the budget (N = 1000) and
+    1.19 (128 hidden units), the scores of 300 queries 1.19. Queries are scored a chunk
+    at a time (the fit's 1000 in three); the scores are the dense lstsq residuals on the
+    best-aligned neighbours, the offset their leave-one-out quantile."""
+    budget = 2**20
+    X, det, peak = _fit_under_budget(n, hidden, budget, "local", 1e-6)
+    Xq = _queries(300)
+    scores, score_peak = cpu_peak_bytes(lambda: det.score_samples(Xq))
+    assert peak <= budget, peak / budget
+    assert score_peak <= budget, score_peak / budget
+    P, Q = dense_features(det, X), dense_features(det, Xq)
+    np.testing.assert_allclose(-scores, local_residual(P, Q, 20), atol=1e-6)
+    loo = -local_residual(P, P, 20, exclude=np.arange(n))
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 20), atol=1e-6)
+
+
+def test_residual_scores_of_a_leverages_fit_stay_within_the_budget():
+    """Scoring held a row block's two (r, b) solves until the next block's Gram was
+    computed beside them, by an engine given the whole budget: 1.08 times a 1 MiB budget
+    (N = 1000 at the budget's rank, the leverages' fit; 900 queries in two blocks). The
+    scores are the all-N formula through the pivots' factor (dense features)."""
+    budget = 2**20
+    X, det, _ = _fit_under_budget(1000, 64, budget, "residual", 1e-6)
+    assert det._post is not None  # the leverages' pass: two triangular solves a block
+    Xq = _queries(900)
+    scores, peak = cpu_peak_bytes(lambda: det.score_samples(Xq))
+    assert peak <= budget, peak / budget
+    # Features of the float64 network the Grams are computed with (a float32 Jacobian
+    # moved the scores by 1e-4: they cancel, Theta(x, x) - ||c||^2).
+    module = copy.deepcopy(det.estimator_.module_).double()
+    P, Q = features_loop(module, X), features_loop(module, Xq)
+    # The all-N formula through its r x r form, k^T (G G^T + lam I)^{-1} k = c^T M (M +
+    # lam I)^{-1} c (M = G^T G, k = G c): the N x N solve of nystrom_residuals is
+    # ill-conditioned where 65 pivots leave every other direction at lam (1e-12 of the
+    # largest; its round-off moved the scores by 1%).
+    K = P @ P.T
+    L = det.pivots_
+    C = np.linalg.cholesky(K[np.ix_(L, L)])
+    G = np.linalg.solve(C, K[:, L].T).T
+    c = np.linalg.solve(C, (P[L] @ Q.T))
+    M = G.T @ G
+    explained = np.einsum("ij,ij->j", c, M @ np.linalg.solve(M + det.lambda_ * np.eye(len(L)), c))
+    query = np.sqrt(np.clip(1 - explained / (Q * Q).sum(1), 0, 1))
+    np.testing.assert_allclose(scores, -query, rtol=1e-6)
+
+
+def test_residual_qr_fit_below_the_budgets_rank_makes_the_qr_in_the_factors_memory():
+    """The factor is allocated for the budget's max_rank pivots (on a CPU its untouched
+    pages are not resident, but allocated is held); where the tolerance stops the
+    pivots well below it (113 of 177), that storage and the QR's Q beside it took 1.066
+    times a 1.7 MB budget (N = 600). The QR is made in the factor's memory: the same
+    Q and R bit for bit, so the same offset as a QR beside it, and the scores the
+    all-N formula (dense features)."""
+    budget, n = 1_700_000, 600
+    X, det, peak = _fit_under_budget(n, 16, budget, "residual", 1e-4)
+    assert det._post is None and det.rank_ < _rank_gap.budget_rank(budget, n) - 50
+    assert peak <= budget, peak / budget
+    real = _rank_gap.loo_relative_residuals
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_rank_gap, "loo_relative_residuals",
+                  lambda *args, overwrite, **kwargs: real(*args, **kwargs))
+        beside = clone(det).fit(X)
+    assert np.array_equal(beside.pivots_, det.pivots_) and beside.offset_ == det.offset_
+    Xq = _queries(30)
+    module = copy.deepcopy(det.estimator_.module_).double()  # the Grams' float64 network
+    P, Q = features_loop(module, X), features_loop(module, Xq)
+    query = nystrom_residuals(P, det.pivots_, det.lambda_, Q, loo=False)
+    # The span holds every direction (113 parameters): the scores are the jitter's leak,
+    # ~1e-4, cancelled from the features' norms.
+    np.testing.assert_allclose(det.score_samples(Xq), -query, rtol=1e-5, atol=1e-8)
 
 
 def _peak_with_scipy_eigh(monkeypatch, fn):

@@ -224,7 +224,7 @@ def pivoted_cholesky(column, diag, tol, max_rank, block=BLOCK):
     return G[:, :k], torch.as_tensor(pivots, dtype=torch.long)
 
 
-def loo_relative_residuals(G, diag, lam, budget=None):
+def loo_relative_residuals(G, diag, lam, budget=None, overwrite=False):
     """Leave-one-out relative residuals of the training features, from ``Theta ~= G G^T``.
 
     Each point is scored as a query is by :meth:`TangentSpan.residuals`, against the
@@ -237,12 +237,31 @@ def loo_relative_residuals(G, diag, lam, budget=None):
     ``[(G G^T + lam I)^{-1}]_ii = ||P^{-1} q_i||^2 + (1 - ||q_i||^2) / lam``. Returns
     the relative residuals and ``R`` (``R^T R = G^T G``, which the queries' scores take,
     :meth:`TangentSpan.factorize`). Its row blocks take what its arrays (``G``, ``Q``
-    and four ``r x r``) leave of ``budget`` (None: ``LOO_BLOCK`` entries).
+    and four ``r x r``) leave of ``budget`` (None: ``LOO_BLOCK`` entries), ``G``
+    counted with its storage's spare capacity (:func:`pivoted_cholesky`).
+    ``overwrite``: the QR is made in ``G``'s memory, which then holds ``Q`` (no second
+    ``N x r`` array; the same ``Q`` and ``R`` bit for bit).
     """
     if G.shape[1] == 0:
         return torch.ones_like(diag), None
+    n, r = G.shape
+    # The bytes the pass holds beside its blocks, with G's whole storage (allocated is
+    # held, though a CPU may not have faulted in its untouched pages); Q in G's memory
+    # takes none, but the count keeps Q's array where the storage is smaller, so the
+    # blocks (and factorize's choice of this pass) are those of a separate Q.
+    inplace = overwrite and G.stride(0) == 1
+    held = qr_loo_bytes(n, r) + max(0, _storage_bytes(G) - (1 + inplace) * 8 * n * r)
     excess = (diag - row_norms2(G)).clamp(min=0)
-    Q, R = torch.linalg.qr(G)
+    if inplace:
+        # LAPACK's geqrf and orgqr (torch.linalg.qr's own calls) on G's column-major
+        # view, in place.
+        tau = G.new_empty(r)
+        geqrf, tau = torch.geqrf(G, out=(G, tau))
+        R = geqrf[:r].triu()
+        Q = torch.linalg.householder_product(geqrf, tau, out=geqrf)
+        del geqrf, tau
+    else:
+        Q, R = torch.linalg.qr(G)
     # A Cholesky factor, not the eigendecomposition R R^T = V S V^T (sum_j (Q V)_ij^2 /
     # (S_j + lam)): as close to the features' formula (measured), and the fit's one
     # r x r eigendecomposition is M's, which the queries' scores take.
@@ -253,8 +272,7 @@ def loo_relative_residuals(G, diag, lam, budget=None):
     complement = G.shape[1] < G.shape[0]
     inv_diag = torch.empty_like(diag)
     # Row blocks: P^{-1} Q^T is r x N, as large as G itself.
-    n, r = G.shape
-    step = _loo_rows(budget, qr_loo_bytes(n, r), r)
+    step = _loo_rows(budget, held, r)
     for start in range(0, G.shape[0], step):
         Qb = Q[start : start + step]
         inv_diag[start : start + step] = row_norms2(
@@ -278,7 +296,10 @@ def qr_loo_bytes(n: int, r: int) -> int:
     """Bytes :func:`loo_relative_residuals` holds at least: the factor and the QR's ``Q``
     (``N x r`` each), four ``r x r`` (``L``, ``R``, ``R R^T``, its Cholesky factor), two
     blocks of ``LOO_MIN_ROWS`` rows, and the fit's vectors over the points
-    (``POINT_VECTORS``)."""
+    (``POINT_VECTORS``). The fit makes ``Q`` in the factor's memory: the two ``N x r``
+    count the factor's storage up to a capacity of ``2 r`` pivots (it is allocated for
+    ``max_rank``, :func:`pivoted_cholesky`), and the pass's row blocks are sized beside
+    any capacity beyond (then within :func:`leverage_bytes` at ``max_rank``)."""
     return 8 * (2 * n * r + 4 * r * r + 2 * LOO_MIN_ROWS * r + POINT_VECTORS * n)
 
 
@@ -314,6 +335,12 @@ def budget_rank(budget: int, n: int, loo: bool = True) -> int:
     return max(1, min(int(budget) // (16 * max(n, 1)), r, n))
 
 
+def _storage_bytes(G) -> int:
+    """Bytes of ``G``'s storage: the factor with the capacity :func:`pivoted_cholesky`
+    allocated for ``max_rank`` pivots and did not fill."""
+    return G.untyped_storage().nbytes()
+
+
 def _loo_rows(budget: int | None, held: int, r: int) -> int:
     """Rows of a leave-one-out block: two ``rows x r`` float64 arrays in what ``held``
     (the pass's bytes with its least blocks, :func:`qr_loo_bytes`,
@@ -336,13 +363,15 @@ def leverage_loo_relative_residuals(G, post, diag, lam, budget=None):
     (``1 - h_i = lam / (lam + var)``), so its relative residual is only as precise as
     ``h_i``: measured against the QR at rtol=1e-6, within 1.4e-6 (digits, N = 600) and
     1.9e-5 (N = 3000) relative, medians 6e-15 and 4e-7. Its row blocks take what
-    :func:`leverage_bytes`' arrays leave of ``budget`` (None: ``LOO_BLOCK`` entries).
+    :func:`leverage_bytes`' arrays leave of ``budget`` (None: ``LOO_BLOCK`` entries),
+    ``G`` counted with its storage's spare capacity.
     """
     if G.shape[1] == 0:
         return torch.ones_like(diag)
     lev = torch.empty_like(diag)
     n, r = G.shape
-    step = _loo_rows(budget, leverage_bytes(n, r), r)
+    # G counted with its storage's spare capacity (:func:`pivoted_cholesky`).
+    step = _loo_rows(budget, leverage_bytes(n, r) + _storage_bytes(G) - 8 * n * r, r)
     for start in range(0, G.shape[0], step):
         q = torch.linalg.solve_triangular(post, G[start : start + step].T, upper=False)
         lev[start : start + step] = row_norms2(q.T)
@@ -475,10 +504,33 @@ def _explained(A, b):
     return out
 
 
+def _span_variance(K, diag, chol, basis, leak, post, lam):
+    """The posterior variance of :meth:`TangentSpan.residuals` for the columns of ``K =
+    Theta(X_span, x)`` (r, b) and their ``Theta(x, x)``; its (r, b) temporaries are
+    freed on return, before the next block's Gram."""
+    if basis is not None:
+        # (r, b) squares, reduced by products: no second (r, b) temporary.
+        y = (basis @ K).square_()
+        return diag - y.sum(0) + leak @ y
+    c = torch.linalg.solve_triangular(chol, K, upper=False)
+    # Without basis or post (a detector fitted before they existed) chol is the factor
+    # of Theta_LL + lam I: the pivots alone.
+    explained = row_norms2(c.T)
+    if post is not None:
+        z = torch.linalg.solve_triangular(post, c, upper=False)
+        explained -= lam * row_norms2(z.T)
+    return diag - explained
+
+
 def _cosines(K, dx, dy):
-    # A zero feature has no direction: its cosines are 0.
-    scale = torch.sqrt(torch.outer(dx, dy))
-    return torch.where(scale > 0, K / torch.where(scale > 0, scale, 1.0), 0.0)
+    # A zero feature has no direction: its cosines are 0. Made in the scale's memory
+    # (beside K: the scale and two masks, where four arrays were).
+    cos = torch.outer(dx, dy).sqrt_()
+    zero = cos > 0
+    zero.logical_not_()
+    cos.masked_fill_(zero, 1.0)
+    torch.div(K, cos, out=cos)
+    return cos.masked_fill_(zero, 0.0)
 
 
 class TangentSpan:
@@ -593,8 +645,11 @@ class TangentSpan:
             # Without the vectors over the points and the least blocks, this chose the QR
             # at 1.05x the budget (N = 150, r = 42, 170 kB).
             if qr_loo_bytes(n, r) <= gram.budget:
+                # The QR in G's memory (G is not needed after it): G's storage for
+                # max_rank pivots and Q beside it held 1.066 times a 1.7 MB budget where
+                # the tolerance stopped at 113 of 177 pivots (N = 600).
                 residuals, R = loo_relative_residuals(G, diag_t, max(lam, 1e-300),
-                                                      budget=gram.budget)
+                                                      budget=gram.budget, overwrite=True)
                 # The N x r factor is freed before M's eigendecomposition (the QR's Q was):
                 # M, its eigenvectors and eigh's workspace (about 2 r^2) come after them.
                 del G
@@ -656,29 +711,26 @@ class TangentSpan:
             return to_numpy(_relative(diag, diag))
         span = gram.tensor(self.X_span)
         chol = torch.as_tensor(self.chol, device=gram.device)
+        basis = leak = post = None
         if self.basis is not None:
             basis = torch.as_tensor(self.basis, device=gram.device)
             leak = self.lam / (torch.as_tensor(self.eig, device=gram.device) + self.lam)
         elif self.post is not None:
             post = torch.as_tensor(self.post, device=gram.device)
         var = torch.empty_like(diag)
+        # A block's two (r, b) arrays at a time (K and y, K and c, c and z) in half of the
+        # budget, the engine's temporaries in what K and the vectors over the queries
+        # leave, at least the other half (with the whole budget, and the previous
+        # block's c and z still held, scoring a leverages' fit took 1.15 times a 1 MiB
+        # budget at N = 1000).
         step = gram.rows_per_block(len(self.X_span), "score_samples")
+        held = 8 * len(self.X_span) * min(step, X.shape[0]) + diag.nbytes + var.nbytes
+        engine = gram.budget_for_one(Xt, max(gram.budget // 2, gram.budget - held))
         for start in range(0, X.shape[0], step):
-            K = gram.gram(span, Xt[start : start + step]).to(torch.float64)  # (r, b)
-            if self.basis is not None:
-                # (r, b) squares, reduced by products: no second (r, b) temporary.
-                y = (basis @ K).square_()
-                var[start : start + step] = diag[start : start + step] - y.sum(0) + leak @ y
-                continue
-            c = torch.linalg.solve_triangular(chol, K, upper=False)
-            del K
-            # Without basis or post (a detector fitted before they existed) chol is the
-            # factor of Theta_LL + lam I: the pivots alone.
-            explained = row_norms2(c.T)
-            if self.post is not None:
-                z = torch.linalg.solve_triangular(post, c, upper=False)
-                explained -= self.lam * row_norms2(z.T)
-            var[start : start + step] = diag[start : start + step] - explained
+            K = gram.gram(span, Xt[start : start + step], budget=engine).to(torch.float64)
+            var[start : start + step] = _span_variance(
+                K, diag[start : start + step], chol, basis, leak, post, self.lam)
+            del K  # before the next block's Gram
         return to_numpy(_relative(var, diag))
 
     # ------------------------------------------------------------------ neighbours
@@ -697,19 +749,25 @@ class TangentSpan:
         idx = torch.empty((n, k), dtype=torch.long, device=gram.device)
         kvals = torch.empty((n, k), dtype=torch.float64, device=gram.device)
         best = torch.empty(n, dtype=torch.float64, device=gram.device)
-        # A block of rows (K, its cosines, topk's copy and a temporary) in half of the
-        # budget: the engine's own blocks (captures, products) come on top of its output.
+        # A block of rows (K, its cosines and their masks: counted as four) in half of
+        # the budget; the engine's own blocks (captures, products) in what the queries'
+        # arrays and its output leave (they had the whole budget beside them), at least
+        # the other half.
         step = rows_per_block(gram.budget // 2, 4 * 8 * N, what)
+        held = sum(t.nbytes for t in (idx, kvals, best, dq)) + 8 * min(step, n) * N
+        engine = gram.budget_for_one(Xt, max(gram.budget // 2, gram.budget - held))
         for start in range(0, n, step):
             stop = min(start + step, n)
-            K = gram.gram(Xt[start:stop], Rt).to(torch.float64)
+            K = gram.gram(Xt[start:stop], Rt, budget=engine).to(torch.float64)
             cos = _cosines(K, dq[start:stop], dr)
             if exclude is not None:
                 rows = torch.arange(stop - start, device=gram.device)
                 cos[rows, torch.as_tensor(exclude[start:stop], device=gram.device)] = -math.inf
             top, nb = torch.topk(cos, k, dim=1)
+            del cos
             idx[start:stop], best[start:stop] = nb, top[:, 0]
             kvals[start:stop] = K.gather(1, nb)
+            del K  # before the next block's Gram
         return idx, kvals, best, dq
 
     def alignment(self, gram: NetworkGram, X, *, exclude=None) -> np.ndarray:
@@ -730,15 +788,38 @@ class TangentSpan:
         most of its neighbours, and a union holds at most ``UNION_NEIGHBOURS *
         n_neighbors`` points. When the whole training Gram costs less than those unions
         together and fits in a quarter of the budget, it is computed once instead.
+
+        The queries are scored a chunk at a time, whose neighbours (indices, kernel
+        values, their groups' unions: about ``3 n_neighbors`` values a query) take a
+        quarter of the budget; a group's union Gram another, and the engine's
+        temporaries that compute it, then the group's systems, the other half.
+        (:meth:`_neighbours` gives the engine what the chunk's arrays leave.)
         """
+        n, N = X.shape[0], self.X.shape[0]
+        k = max(1, min(n_neighbors, N - (exclude is not None)))
+        # All at once, the neighbours of the fit's 2000 leave-one-out points and their
+        # unions held 0.9 MB beside a 1 MiB budget (1.8 times it at the peak).
+        chunk = rows_per_block(gram.budget // 4, 8 * (3 * k + 8), "The local residual score")
+        engine = gram.budget_for_one(gram.tensor(X[:1]), gram.budget // 2)
+        full = []  # the whole training Gram, once computed
+        return np.concatenate([
+            self._local_chunk(gram, X[start : start + chunk], n_neighbors,
+                              None if exclude is None else exclude[start : start + chunk],
+                              engine, full)
+            for start in range(0, n, chunk)])
+
+    def _local_chunk(self, gram, X, n_neighbors, exclude, engine, full):
+        """:meth:`local_residuals` of a chunk of queries; ``full``: a list that holds
+        the whole training Gram once one chunk has computed it."""
         idx, kvals, _, dq = self._neighbours(gram, X, n_neighbors, exclude,
                                              "The local residual score")
         if self.lam <= 0:  # every training feature is zero: the span is {0}
             return to_numpy(_relative(dq, dq))
         n, k = idx.shape
         N = self.X.shape[0]
-        # Each query of a group holds its k x k system, its factor and a temporary.
-        rows = rows_per_block(gram.budget, 8 * 3 * k * k, "The local residual score")
+        # Each query of a group holds its k x k system, its factor and a temporary, in
+        # half of the budget (beside the union's Gram; they had all of it).
+        rows = rows_per_block(gram.budget // 2, 8 * 3 * k * k, "The local residual score")
         cap = max(k, min(math.isqrt(gram.budget // (4 * 8)), UNION_NEIGHBOURS * k))
         order = torch.argsort(idx[:, 0], stable=True)
         groups, start = [], 0
@@ -753,17 +834,18 @@ class TangentSpan:
             groups.append((order[start:stop], union))
             start = stop
         Rt = gram.tensor(self.X)
-        full = None
-        if N * N <= sum(len(u) ** 2 for _, u in groups) and 8 * N * N <= gram.budget // 4:
-            full = gram.gram(Rt).to(torch.float64)
+        if not full and N * N <= sum(len(u) ** 2 for _, u in groups) \
+                and 8 * N * N <= gram.budget // 4:
+            full.append(gram.gram(Rt, budget=engine).to(torch.float64))
         explained = torch.empty(n, dtype=torch.float64, device=gram.device)
         for group, union in groups:
-            if full is None:
-                KU, local = gram.gram(Rt[union]).to(torch.float64), torch.searchsorted(
-                    union, idx[group])  # positions in the union
+            if not full:
+                KU, local = gram.gram(Rt[union], budget=engine).to(torch.float64), \
+                    torch.searchsorted(union, idx[group])  # positions in the union
             else:
-                KU, local = full, idx[group]
+                KU, local = full[0], idx[group]
             A = KU[local.unsqueeze(2), local.unsqueeze(1)]  # (g, k, k)
             A.diagonal(dim1=1, dim2=2).add_(self.lam)
             explained[group] = _explained(A, kvals[group])
+            del KU, A  # before the next group's Gram
         return to_numpy(_relative(dq - explained, dq))

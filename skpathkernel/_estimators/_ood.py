@@ -226,12 +226,14 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     3.2 GB).
 
     **Local spans** ("local", "alignment"). A query's row ``Theta(x, X_fit_)`` (row
-    blocks in half of ``memory_budget``) gives its best-aligned training features; the
-    Gram of those neighbours comes from the Gram of the union of the neighbours of a
-    group of queries (at most 16 ``n_neighbors`` points), or from the whole training
-    Gram, computed once, when that is cheaper and fits in a quarter of the budget.
-    Cost: ``O(n N)`` kernel entries for ``n`` queries, memory ``O(b N)`` for row blocks
-    of ``b`` queries, and the same again for the leave-one-out scores of ``fit``.
+    blocks in half of ``memory_budget``, the engine's temporaries in what they leave)
+    gives its best-aligned training features; the Gram of those neighbours comes from
+    the Gram of the union of the neighbours of a group of queries (at most 16
+    ``n_neighbors`` points), or from the whole training Gram, computed once, when that
+    is cheaper and fits in a quarter of the budget. "local" scores its queries a chunk
+    at a time, whose neighbours take a quarter of the budget. Cost: ``O(n N)`` kernel
+    entries for ``n`` queries, memory ``O(b N)`` for row blocks of ``b`` queries, and
+    the same again for the leave-one-out scores of ``fit``.
     Measured on 2 loaded CPU cores (64-unit tanh network, 1 GiB budget): N = 20000 fits
     in 52 s with a peak of 0.70 GiB above the start of fit, and scores 1857 queries in
     62 s (benchmarks/results/ood.md).

@@ -208,8 +208,10 @@ def test_tiny_budget_gives_the_same_ood_scores(method):
     # which pivots the blocks pick (at rank saturation the residuals are round-off).
     net = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=3, dtype="float64",
                             random_state=0).fit(Xo, Xo[:, 0])
-    # N = 25 points at 32 bytes per Gram entry: 5 columns per factorisation pass.
-    small = _with_budget(net, 32 * 25 * 5)
+    # N = 25 points at 32 bytes per Gram entry: 5 columns of Gram rows per pass ("local");
+    # the factorising methods' 25 pivots need 43,800 bytes (leverage_bytes: a max_rank
+    # beyond the budget is capped by it), and pivot in blocks of 15 columns within 48 kB.
+    small = _with_budget(net, 32 * 25 * 5 if method == "local" else 48_000)
     Xq = rng.normal(size=(9, 2)) * 3
     # local: 5 neighbours, so that groups of queries share a union of at most 11 points.
     kw = dict(method=method, contamination=0.2, max_rank=25, n_neighbors=5)

@@ -491,6 +491,36 @@ def test_a_module_that_mixes_the_samples_is_refused(module):
                     [est.predict(SEQUENCES[i : i + 1])[0] for i in range(6)], rtol=1e-12)
 
 
+def test_a_recorded_module_that_mixes_the_samples_is_refused():
+    """fit's probe, for a user's loop: a batch_first=False GRU recorded by PathRecorder
+    gave per-sample kernels of a network that never ran one sample at a time, without a
+    word, and a decomposition off by 1.6% of its largest output."""
+    X = torch.as_tensor(SEQUENCES)
+    y = torch.as_tensor(Y_SEQUENCES).reshape(-1, 1)
+    for batch_first in (False, True):
+        torch.manual_seed(0)
+        module = _Recurrent(1).double()
+        if batch_first:
+            module.rnn.batch_first = True
+        opt = torch.optim.SGD(module.parameters(), lr=0.05)
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                (0.5 * (module(X) - y).pow(2).mean()).backward()
+                rec.set_batch(np.arange(len(X)))
+                opt.step()
+        if not batch_first:
+            for make in (rec.as_estimator, rec.as_network):
+                with pytest.raises(ValueError,
+                                   match="depends on the other samples.*batch_first=True"):
+                    make(SEQUENCES, y.numpy())
+            continue
+        # Per sample: recorded as before, and its kernel is the autograd reference's.
+        net = rec.as_estimator(SEQUENCES, y.numpy())
+        J = np.asarray(jacobian_loop(module, SEQUENCES[:5]))[:, 0]
+        assert_allclose(TangentKernel(net)(SEQUENCES[:5]), J @ J.T, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", ["Int64", "UInt8"])
 def test_token_ids_in_pandas_nullable_integer_columns_are_integers(dtype):
     """scikit-learn converts pandas' nullable integer columns (convert_dtypes, the nullable

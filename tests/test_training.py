@@ -788,17 +788,32 @@ class _ModeLog(torch.nn.Module):
         return self.inner(x)
 
 
+class _StackedLSTM(torch.nn.Module):
+    """The features as a sequence through a two-layer LSTM whose dropout between its
+    layers (an attribute, not a Dropout module) draws in training mode."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(1, 4, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = torch.nn.Linear(4, n_outputs)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.unsqueeze(-1))[0][:, -1])
+
+
 @pytest.mark.parametrize("modes, layer", [
     (dict(dropout_eval=False), r"'drop' \(Dropout\(p=0.3.*random draws"),
     (dict(attention_dropout=0.2), r"'attn' \(MultiheadAttention.*random draws"),
     (None, r"'1' \(RReLU.*random draws"),
-], ids=["dropout", "attention-dropout", "rrelu"])
+    ("lstm", r"'rnn' \(LSTM\(1, 4, num_layers=2.*random draws"),
+], ids=["dropout", "attention-dropout", "rrelu", "lstm-dropout"])
 def test_random_layers_in_training_mode_train_with_a_warning(regression_data, modes, layer):
     """Dropout has no cross-sample state, so API.md's contract says such a module trains;
     its draws are not on the path, so fit warns that the analyses are not exact, and
     decompose reports an error well above round-off."""
     X, y = regression_data
-    module = _with(torch.nn.RReLU) if modes is None else _stateful_net(**modes)
+    module = (_StackedLSTM if modes == "lstm" else _with(torch.nn.RReLU) if modes is None
+              else _stateful_net(**modes))
     est = PathKernelMachine(module=module, max_iter=2, batch_size=8, tol=None,
                             dtype="float64", random_state=0)
     with pytest.warns(UserWarning, match=r"(?s)" + layer + r".*not exact"):

@@ -247,11 +247,30 @@ def _spectral_norm_mlp():
         torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(16, 1))).double()
 
 
+class _StackedLSTM(torch.nn.Module):
+    """The 3 features as a sequence of 3 steps through a two-layer LSTM, whose dropout
+    between its layers draws in training mode (an attribute, not a Dropout module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(1, 4, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.unsqueeze(-1))[0][:, -1])
+
+
+def _stacked_lstm():
+    torch.manual_seed(0)
+    return _StackedLSTM().double()
+
+
 @pytest.mark.parametrize("make, layer", [
     (lambda: _mlp(dropout=0.2), r"layer '2' \(Dropout\(p=0.2.*random draws"),
+    (_stacked_lstm, r"layer 'rnn' \(LSTM\(1, 4, num_layers=2.*random draws"),
     (_batch_norm_mlp, r"layer '1' \(BatchNorm1d.*batch's own statistics"),
     (_spectral_norm_mlp, r"layer '2.parametrizations.weight.0' .*power iteration"),
-], ids=["dropout", "batchnorm", "spectral-norm"])
+], ids=["dropout", "lstm-dropout", "batchnorm", "spectral-norm"])
 def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(problem, make,
                                                                           layer):
     X, y, Xq = problem
@@ -275,6 +294,26 @@ def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(probl
             rec.set_batch(idx)
             opt.step()
     _exact(rec.as_network(X, y), Xq)
+
+
+def test_batch_norm_without_running_statistics_is_refused_in_eval_mode_too(problem):
+    # It normalises with the batch in either mode; the refusal said "is in training mode"
+    # of a layer in eval mode and advised layer.eval(), which it already was in.
+    X, y, _ = problem
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.BatchNorm1d(16, track_running_stats=False),
+        torch.nn.Tanh(), torch.nn.Linear(16, 1)).double().eval()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = PathRecorder(module, opt, n_samples=N)
+    idx = np.arange(8)
+    _loss(module(X[idx]), y[idx]).backward()
+    rec.set_batch(idx)
+    with pytest.raises(RuntimeError, match=r"(?s)layer '1' \(BatchNorm1d.*keeps no running "
+                       r"statistics.*track_running_stats=True") as info:
+        opt.step()
+    assert "training mode" not in str(info.value)
+    rec.close()
 
 
 def _scaled_run(module, X, y, half=None, make_opt=None, clip=True):

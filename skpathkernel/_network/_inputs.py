@@ -416,8 +416,11 @@ def check_module_takes(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.d
     """Refuse, with :func:`probe_module`'s message naming X's shape and dtype, a module
     that cannot take X: training inputs given with a recorded path, and what a network
     without them (a ``RecordedNetwork`` without ``X_train``) knows of its input form,
-    instead of torch's own error from inside a kernel or a prediction."""
-    _take(module, X, dtype=dtype, device=device, name=name)
+    instead of torch's own error from inside a kernel or a prediction; and, as fit does,
+    one that mixes the samples of a batch (a recorded loop's ``batch_first=False`` RNN,
+    whose kernels described no network, without a word)."""
+    x, out = _take(module, X, dtype=dtype, device=device, name=name)
+    _check_per_sample(module, x, out)
 
 
 def _take(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.dtype,

@@ -667,11 +667,19 @@ class PathRecorder:
                        f"{_hyper_parameters(optimizer)} (a scheduler cycling momentum? "
                        "use cycle_momentum=False).")
         for name, layer, why in self._mode_layers:
-            if layer.training or refused_in_mode(layer):
+            if layer.training:
                 self._fail(
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
                     f"mode: {why}, and the decomposition cannot replay this step. Train "
                     "with that layer in eval mode (layer.eval()), or record without it.")
+            if refused_in_mode(layer):
+                # A BatchNorm without running statistics: eval mode does not help.
+                self._fail(
+                    f"at optimizer step {step} layer {name!r} ({layer}) keeps no running "
+                    f"statistics, so in eval mode too {why}, and the decomposition cannot "
+                    "replay this step. Build it with track_running_stats=True and train "
+                    "with it in eval mode (layer.eval()), or use a per-sample layer "
+                    "(LayerNorm or GroupNorm).")
         if not self._warned_constants:
             self._warn_moved_constants(step)
         if self._fingerprint is not None:

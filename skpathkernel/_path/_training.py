@@ -135,9 +135,10 @@ _POWER = ("its power iteration updates the singular vectors it normalises with (
 def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
     """The layers whose training-mode forward no recorded path describes, and why.
 
-    Dropout (and attention dropout, RReLU) draws random masks or slopes that no recorded
-    point holds; BatchNorm normalises with the statistics of the batch, which mixes its
-    samples, and updates running statistics, buffers that the path does not record (as
+    Dropout (and attention dropout, a stacked RNN's dropout, RReLU) draws random masks or
+    slopes that no recorded point holds; BatchNorm normalises with the statistics of the
+    batch, which mixes its samples, and updates running statistics, buffers that the path
+    does not record (as
     does InstanceNorm with ``track_running_stats``, whose eval mode then reads them);
     spectral normalisation (torch's parametrization, or its older hook) updates its
     singular vectors at every forward pass. In eval mode each is a fixed per-sample
@@ -159,15 +160,20 @@ def mode_dependent_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.M
     return found
 
 
-_DRAWING = (torch.nn.modules.dropout._DropoutNd, torch.nn.MultiheadAttention, torch.nn.RReLU)
+_DRAWING = (torch.nn.modules.dropout._DropoutNd, torch.nn.MultiheadAttention, torch.nn.RReLU,
+            torch.nn.RNNBase)
 
 
 def _draws(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` draws at random in training mode: dropout, RReLU."""
+    """Whether ``layer`` draws at random in training mode: dropout (also between the
+    stacked layers of an LSTM / GRU / RNN), RReLU."""
     if not isinstance(layer, _DRAWING):  # one test of the other layers: every analysis asks
         return False
     if isinstance(layer, torch.nn.RReLU):
         return True
+    if isinstance(layer, torch.nn.RNNBase):
+        # torch drops between stacked layers only: one layer ignores its dropout.
+        return layer.dropout > 0 and layer.num_layers > 1
     return (layer.dropout if isinstance(layer, torch.nn.MultiheadAttention) else layer.p) > 0
 
 

@@ -276,13 +276,16 @@ def test_float32_paths_with_these_practices_are_scored_at_their_states(name):
     training map at the recorded states (the replay held at the record) to float32
     round-off. With the step's coupled weight decay and batch weights in float32 beside
     its float64 gradient, groups-rmsprop-l2 was 1.0e-5 off it (2e-7 to 2e-6 now), a
-    review's paths 1.2e-5 (Adam, clipped) to 3.6e-4 (RMSprop, groups)."""
+    review's paths 1.2e-5 (Adam, clipped) to 3.6e-4 (RMSprop, groups). The clipped
+    RMSprop path's float32 record, divided by sqrt(v), leaves it 5.4e-6 off on an Intel
+    Xeon host (under 3e-6 on an AMD EPYC one): its bar is 1e-5, 36x under that bug's."""
     case = CASES[name]
     net = _train(case, torch.ones(N, dtype=torch.float64), record=True, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what float32 gradients would move: not this test's
         scores = net.attribute(XQ.numpy(), method="unrolled")
-    assert _rel(scores, _autograd_reference(case, traj=net.trajectory)) < 3e-6
+    bar = 1e-5 if name == "clip-groups-rmsprop" else 3e-6
+    assert _rel(scores, _autograd_reference(case, traj=net.trajectory)) < bar
 
 
 def test_the_clip_derivative_is_needed():

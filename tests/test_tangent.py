@@ -1428,6 +1428,8 @@ def test_small_captures_grow_to_min_chunk_within_a_quarter_of_the_budget(output,
     captured = 4 * probe.nbytes() + kept
     budget = 32 * captured
     monkeypatch.setattr(_gram, "MIN_CHUNK", 12)
+    # The eighth's plan (the CPU's wide chunks would take what the blocks leave).
+    monkeypatch.setattr(_gram, "_wide_chunks", lambda device: False)
     chunks = []
     real = _gram._Blocks.__init__
 
@@ -1579,3 +1581,49 @@ def test_convolutions_formed_by_a_grouped_backward(output, weighted, layout, mon
     monkeypatch.setattr(_capture, "formed_terms", lambda *args: None)
     _close(K, tangent_gram(module, params, X, output=output, diag_weight=D,
                            check_hidden=False), 1e-5)
+
+
+class _StridedShortcuts(nn.Module):
+    """1 x 1 convolutions with strides on odd-sized images: one with a bias, one grouped
+    with unequal strides, and one with padding (computed as it is)."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.short = nn.Conv2d(4, 6, 1, stride=2)
+        self.grouped = nn.Conv2d(4, 6, 1, stride=(2, 3), groups=2, bias=False)
+        self.padded = nn.Conv2d(4, 3, 1, stride=2, padding=1, bias=False)
+        self.head = nn.Linear(15, n_out)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        pooled = [torch.tanh(layer(h)).mean((2, 3))
+                  for layer in (self.short, self.grouped, self.padded)]
+        return self.head(torch.cat(pooled, 1))
+
+
+@pytest.mark.parametrize("output", ["trace", "full"])
+def test_strided_1x1_convolutions_through_the_strided_input(output):
+    # A 1 x 1 convolution with a stride and no padding is captured as the same
+    # convolution with stride 1 of the input's strided rows and columns (its input
+    # gradient then skips oneDNN's strided backward); the padded one as it is. K against
+    # the float64 autograd loop's Jacobians.
+    torch.manual_seed(0)
+    module = _StridedShortcuts(3).double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(12, 2, 7, 7, dtype=torch.float64)
+    h = torch.relu(module.stem(X)).requires_grad_(True)
+    expand = _layers.CONV2D.expand
+    for layer, sliced in ((module.short, True), (module.grouped, True), (module.padded, False)):
+        out, ((a, z),) = expand(layer, F.conv2d, (h, layer.weight, layer.bias, layer.stride,
+                                                  layer.padding, layer.dilation, layer.groups),
+                                {})
+        assert a is h and torch.equal(out, z)
+        _close(z.detach(), layer(h).detach(), 1e-14)
+        node = type(z.grad_fn.next_functions[0][0]).__name__
+        assert (node == "SliceBackward0") == sliced, node
+    K = tangent_gram(module, params, X, output=output, check_hidden=False)
+    J = _loop_jacobian(module, params, X)
+    ref = (torch.einsum("ncp,mcp->nm", J, J) / 3 if output == "trace"
+           else torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(K, ref, 1e-12)

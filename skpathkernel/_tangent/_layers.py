@@ -122,39 +122,8 @@ def _conv_accepts(dims):
     return lambda layer, use: use.inputs[0].ndim == dims + 2
 
 
-def _conv_expand(layer, func, args, kwargs):
-    """A 2-D convolution's call as its one site, a 1 x 1 kernel with a stride computed
-    on the input's strided rows and columns.
-
-    The site is ``(a, z)`` with ``a`` the call's input and ``z`` its result, as without
-    ``expand``; only how ``z`` is computed differs. A 1 x 1 convolution with stride ``s``
-    and no padding is the same convolution with stride 1 of ``a[:, :, ::s, ::s]``: the
-    same products, summed in the same order. On the CPU oneDNN's backward of the strided
-    one copies its input gradient through a full-size buffer; the input gradient through
-    the slice is a zero fill and a strided copy. The ResNet's two shortcuts, each in every
-    backward pass of its Gram, took it from 1.01 to 1.11x as fast (ten outputs, N = 1024,
-    one thread, ``benchmarks/results/wide_chunks_cpu.md``), the same K bit for bit. Every
-    other call runs as it is.
-    """
-    use = Use(func, args, kwargs, (args[0],))
-    a = args[0]
-    kernel, stride, padding, _, groups = _conv_geometry(use, dilation_at=5)
-    zero = padding == "valid" or not isinstance(padding, str) and not any(padding)
-    if (isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.ndim == 4
-            and math.prod(kernel) == 1 and max(stride) > 1 and zero):
-        z = func(a[:, :, :: stride[0], :: stride[1]], _arg(use, 1, "weight"),
-                 _arg(use, 2, "bias"), 1, 0, 1, groups)
-    else:
-        z = func(*args, **kwargs)
-    if not (isinstance(z, torch.Tensor) and z.requires_grad):
-        return z, []
-    # A copy, as for a call without expand: an in-place op downstream must not rewrite z.
-    return z.clone(), [(a, z)]
-
-
 CONV1D = Rule(ops=(F.conv1d,), factors=_conv_factors, accepts=_conv_accepts(1))
-CONV2D = Rule(ops=(F.conv2d,), factors=_conv_factors, accepts=_conv_accepts(2),
-              expand=_conv_expand)
+CONV2D = Rule(ops=(F.conv2d,), factors=_conv_factors, accepts=_conv_accepts(2))
 CONV3D = Rule(ops=(F.conv3d,), factors=_conv_factors, accepts=_conv_accepts(3))
 
 

@@ -2,8 +2,8 @@
 the working tree's ``tangent_gram`` ("tree") against the whole package as it is at
 ``--ref`` ("ref", default ``main``), imported beside it as ``skpathkernel_ref``.
 
-Made for the CPU's wide capture chunks (``_gram._wide_chunks``) and the strided 1 x 1
-convolutions' route (``_layers._conv_expand``) on the ten-output ResNet at N = 1024.
+Made for the CPU's wide capture chunks (``_gram._wide_chunks``) on the ten-output
+ResNet at N = 1024 (``benchmarks/results/wide_chunks.md``).
 Each case runs once per side on 8 rows (warm-up), then ``tangent_gram(net, params, X)``
 at the default memory budget, the sides alternating (the order reversed every round),
 ``--reps`` rounds, timed by ``time.process_time`` on one torch thread.
@@ -76,8 +76,8 @@ def main(argv=None):
                                 {k: v.double().numpy() for k, v in out.items()}))
     prov = ab_provenance(ROOT, "bench_wide_chunks_ab", ["skpathkernel", "benchmarks"],
                          args.ref, args.reps)
-    write_ab(Path(args.out), "The CPU's wide capture chunks and strided 1 x 1 route against "
-             f"{args.ref}", "time.process_time", prov, rows, 2, machine=True)
+    write_ab(Path(args.out), f"The CPU's wide capture chunks against {args.ref}",
+             "time.process_time", prov, rows, 2, machine=True)
 
 
 if __name__ == "__main__":

@@ -960,9 +960,10 @@ def _wide_chunks(device: torch.device) -> bool:
 
 def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_pair: int,
                         budget: int, chunk: int) -> int:
-    """Rows of a capture chunk where launches, not bytes, set the pace (a GPU, see
-    :func:`._stacked._launch_bound`) and every formed block is kept: what the kept blocks
-    and a block pair's products leave of the budget, instead of an eighth of it.
+    """Rows of a capture chunk where the cost per torch call, not bytes, sets the pace (a
+    GPU's launches, see :func:`._stacked._launch_bound`; the CPU's, :func:`_wide_chunks`)
+    and every formed block is kept: what the kept blocks and a block pair's products leave
+    of the budget, instead of an eighth of it.
 
     A capture is a forward and the outputs' backward passes whatever its rows: about 1100
     torch calls on the ResNet, 250 on the CNN. At N = 128 and the default budget the

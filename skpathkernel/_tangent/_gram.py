@@ -943,10 +943,11 @@ def _wide_chunks(device: torch.device) -> bool:
     A capture is a forward and the outputs' backward passes, each with a cost per torch
     call whatever its rows. On the CPU (one thread) the ResNet's ten-output Gram at
     N = 1024 and the default budget takes 36-row chunks instead of 16 (145 captures
-    instead of 320): against main's plan on a shared machine, 1.09-1.16x as fast by
-    round in the quietest run, 0.90-1.28x (median 1.05) in one at load 5-9, the same K
-    bit for bit, 771 MiB held of the 1024 MiB budget against 687; the ViT 1.11-1.18x at
-    N = 512 (``benchmarks/results/wide_chunks.md``). The chunk's
+    instead of 320): against main's plan on a shared machine, 1.08x as fast by medians
+    and 1.10x by least over five alternating rounds at load 1-4 (1.00-1.19x by round;
+    0.90-1.28x in a run at load 5-9), the same K bit for bit, 771 MiB held of the 1024 MiB
+    budget against 687; the ViT 1.11-1.18x at N = 512 (``benchmarks/results/
+    wide_chunks.md``, ``wide_chunks_ab.md``). The chunk's
     bytes per row (:func:`_chunk_row_bytes`) are an estimate, not a bound, which an
     eighth of the budget absorbed; filling the rest with it held 9.4 MiB of a 16 MiB
     budget where the default held 2.8 on a long-sequence attention network

@@ -239,6 +239,8 @@ def test_chunked_captures_reuse_their_buffers_and_match_dense_jacobians(monkeypa
     module, X, params = _double_problem("resnet", 7)
     real_shares = _gram._dense_shares
     monkeypatch.setattr(_gram, "_dense_shares", lambda *a: (3, real_shares(*a)[1]))
+    # The chunk set here, not what the kept blocks leave (the CPU's wide chunks).
+    monkeypatch.setattr(_gram, "_wide_chunks", lambda device: False)
     calls = []
     real_capture = _gram.capture
 
@@ -260,6 +262,8 @@ def test_output_groups_form_their_blocks_in_the_same_memory(monkeypatch):
     module, X, params = _double_problem("resnet", 5)
     real_shares = _gram._dense_shares
     monkeypatch.setattr(_gram, "_dense_shares", lambda *a: (2, real_shares(*a)[1]))
+    # The chunk set here, not what the kept blocks leave (the CPU's wide chunks).
+    monkeypatch.setattr(_gram, "_wide_chunks", lambda device: False)
     monkeypatch.setattr(_gram, "_output_groups",
                         lambda *a: [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]])
     formed = []

@@ -1428,6 +1428,8 @@ def test_small_captures_grow_to_min_chunk_within_a_quarter_of_the_budget(output,
     captured = 4 * probe.nbytes() + kept
     budget = 32 * captured
     monkeypatch.setattr(_gram, "MIN_CHUNK", 12)
+    # The eighth's plan (the CPU's wide chunks would take what the blocks leave).
+    monkeypatch.setattr(_gram, "_wide_chunks", lambda device: False)
     chunks = []
     real = _gram._Blocks.__init__
 
@@ -1579,3 +1581,4 @@ def test_convolutions_formed_by_a_grouped_backward(output, weighted, layout, mon
     monkeypatch.setattr(_capture, "formed_terms", lambda *args: None)
     _close(K, tangent_gram(module, params, X, output=output, diag_weight=D,
                            check_hidden=False), 1e-5)
+

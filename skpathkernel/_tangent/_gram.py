@@ -938,24 +938,33 @@ def _dense_shares(probe: Capture, kept: int, budget: int) -> tuple[int, int]:
 
 def _wide_chunks(device: torch.device) -> bool:
     """Whether capture chunks take what the kept blocks leave of the budget
-    (:func:`_launch_bound_chunk`): not yet, on any device.
+    (:func:`_launch_bound_chunk`): on the CPU, not yet on a GPU.
 
-    Meant for a GPU, where the host issuing torch calls set the pace of the image
-    networks' Grams (see :func:`_launch_bound_chunk`). Not taken until a GPU run times it
-    with its peak memory (``benchmarks/bench_gpu_ab.py``): the chunk's bytes per row
-    (:func:`_chunk_row_bytes`) are an estimate, not a bound, which an eighth of the
-    budget absorbed; filling the rest with it held 9.4 MiB of a 16 MiB budget where the
-    default held 2.8 on a long-sequence attention network, 49.5 with the batched pass
-    (``benchmarks/results/gpu_choices_cpu.md``).
+    A capture is a forward and the outputs' backward passes, each with a cost per torch
+    call whatever its rows. On the CPU (one thread) the ResNet's ten-output Gram at
+    N = 1024 and the default budget takes 36-row chunks instead of 16 (145 captures
+    instead of 320): against main's plan on a shared machine, 1.08x as fast by medians
+    and 1.10x by least over five alternating rounds at load 1-4 (1.00-1.19x by round;
+    0.90-1.28x in a run at load 5-9), the same K bit for bit, 771 MiB held of the 1024 MiB
+    budget against 687; the ViT 1.11-1.18x at N = 512 (``benchmarks/results/
+    wide_chunks.md``, ``wide_chunks_ab.md``). The chunk's
+    bytes per row (:func:`_chunk_row_bytes`) are an estimate, not a bound, which an
+    eighth of the budget absorbed; filling the rest with it held 9.4 MiB of a 16 MiB
+    budget where the default held 2.8 on a long-sequence attention network
+    (``benchmarks/results/gpu_choices_cpu.md``), and the tests of ``memory_budget``
+    measure the peaks of the CPU's plan. A GPU takes them once a GPU run times them with
+    their peak memory (``benchmarks/bench_gpu_ab.py``); 49.5 MiB of 16 with the batched
+    pass there.
     """
-    return False
+    return device.type == "cpu"
 
 
 def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_pair: int,
                         budget: int, chunk: int) -> int:
-    """Rows of a capture chunk where launches, not bytes, set the pace (a GPU, see
-    :func:`._stacked._launch_bound`) and every formed block is kept: what the kept blocks
-    and a block pair's products leave of the budget, instead of an eighth of it.
+    """Rows of a capture chunk where the cost per torch call, not bytes, sets the pace (a
+    GPU's launches, see :func:`._stacked._launch_bound`; the CPU's, :func:`_wide_chunks`)
+    and every formed block is kept: what the kept blocks and a block pair's products leave
+    of the budget, instead of an eighth of it.
 
     A capture is a forward and the outputs' backward passes whatever its rows: about 1100
     torch calls on the ResNet, 250 on the CNN. At N = 128 and the default budget the

@@ -67,7 +67,7 @@ from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork
 from ..kernels import NetworkKernelsMixin
-from ._training import mode_dependent_layers, refused_in_mode
+from ._training import mode_dependent_layers, refused_in_mode, undrawn
 from ._trajectory import (
     SolverSpec,
     Trajectory,
@@ -668,10 +668,13 @@ class PathRecorder:
                        "use cycle_momentum=False).")
         for name, layer, why in self._mode_layers:
             if layer.training:
+                fix = (f"Build it with {undrawn(layer)}"
+                       if isinstance(layer, torch.nn.RNNBase)
+                       else "Train with that layer in eval mode (layer.eval())")
                 self._fail(
                     f"at optimizer step {step} layer {name!r} ({layer}) is in training "
-                    f"mode: {why}, and the decomposition cannot replay this step. Train "
-                    "with that layer in eval mode (layer.eval()), or record without it.")
+                    f"mode: {why}, and the decomposition cannot replay this step. {fix}, "
+                    "or record without it.")
             if refused_in_mode(layer):
                 # A BatchNorm without running statistics: eval mode does not help.
                 self._fail(

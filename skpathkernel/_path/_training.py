@@ -164,6 +164,16 @@ _DRAWING = (torch.nn.modules.dropout._DropoutNd, torch.nn.MultiheadAttention, to
             torch.nn.RNNBase)
 
 
+def undrawn(layer: torch.nn.Module) -> str:
+    """How to build ``layer``, which draws at random in training mode, without its draws.
+    A recurrent layer's is ``dropout=0``: it has no ``p``, and torch's cuDNN RNN has no
+    backward in eval mode ("cudnn RNN backward can only be called in training mode"), so
+    on a GPU training it in eval mode fails."""
+    if isinstance(layer, torch.nn.RNNBase):
+        return "dropout=0, not layer.eval(), which on CUDA leaves cuDNN's RNN without a backward"
+    return "layer.eval(), or p=0"
+
+
 def _draws(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` draws at random in training mode: dropout (also between the
     stacked layers of an LSTM / GRU / RNN), RReLU."""
@@ -271,8 +281,8 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
                 f"Layer {name!r} ({layer}) is in training mode: {why}. It trains as built, "
                 "but the kernels, decompose and attribute describe the network without "
                 "those draws (it is in eval mode after fit), so they are not exact and "
-                "report their error. Build it in eval mode in the module factory "
-                "(layer.eval(), or p=0) for exact analyses.",
+                "report their error. Build it without them in the module factory "
+                f"({undrawn(layer)}) for exact analyses.",
                 UserWarning, stacklevel=caller_stacklevel())
     return modes
 

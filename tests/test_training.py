@@ -30,7 +30,7 @@ from skpathkernel import (
     TrainingDivergedError,
 )
 from skpathkernel._modules import copy_module, module_lock, norm_hooks
-from skpathkernel._path._training import resume_training_modes
+from skpathkernel._path._training import resume_training_modes, undrawn
 from skpathkernel.diagnostics import hessian_trace
 from skpathkernel.kernels import step_kernel
 
@@ -1399,3 +1399,30 @@ def test_training_warnings_point_at_the_callers_line():
             found = [w for w in caught if w.category is category]
             assert found and all(w.filename == __file__ for w in found), \
                 [(w.category.__name__, w.filename) for w in caught]
+
+
+@pytest.mark.parametrize("build", [
+    lambda **kw: torch.nn.Dropout(**{"p": 0.5, **kw}),
+    lambda **kw: torch.nn.MultiheadAttention(4, 2, batch_first=True, **{"dropout": 0.5, **kw}),
+    lambda **kw: torch.nn.RReLU(**kw),
+    lambda **kw: torch.nn.LSTM(4, 4, num_layers=2, batch_first=True, **{"dropout": 0.5, **kw}),
+], ids=["dropout", "attention", "rrelu", "lstm"])
+def test_the_advice_for_a_drawing_layer_builds_it_without_draws(build):
+    """The warnings' advice names each layer's own argument (attention's and RReLU's said
+    p=0, which neither has): built with it, the layer in training mode gives the same
+    output twice."""
+    layer = build().train()
+    advice = undrawn(layer)
+    name, value = re.search(r"(\w+)=(\w+)", advice.split("or ")[-1]).groups()
+    x = torch.randn(3, 5, 4)
+
+    def twice(layer):
+        def run():
+            out = layer(x, x, x) if isinstance(layer, torch.nn.MultiheadAttention) else layer(x)
+            return out[0] if isinstance(out, tuple) else out
+        return run(), run()
+
+    assert not torch.equal(*twice(layer))  # it draws
+    # lower=upper: one fixed slope; otherwise the named probability, 0.
+    kw = {"lower": 0.25, "upper": 0.25} if value == "upper" else {name: float(value)}
+    assert torch.equal(*twice(build(**kw).train()))

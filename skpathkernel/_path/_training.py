@@ -247,14 +247,17 @@ def warn_drawn(layers, analysis: str) -> None:
 
 def _any_drawing_now(module: torch.nn.Module) -> bool:
     """Whether a layer of ``module`` in training mode draws at random: every analysis call
-    asks, so without the names ``named_modules`` builds (24 us instead of 236 us on a
-    122-module TransformerEncoder, whose forward of 4 x 16 tokens takes 4.2 ms)."""
+    asks, so without the names ``named_modules`` builds, nor a filtered generator (39 us
+    instead of 197 us on a 122-module TransformerEncoder, whose forward of 4 x 16 tokens
+    takes 4.2 ms; 1.7 instead of 5.0 us on the default MLP)."""
     stack = [module]
     while stack:
         layer = stack.pop()
+        if layer is None:  # a child registered as None
+            continue
         if layer.training and _draws(layer):
             return True
-        stack.extend(child for child in layer._modules.values() if child is not None)
+        stack.extend(layer._modules.values())
     return False
 
 

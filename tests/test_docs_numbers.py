@@ -107,6 +107,11 @@ EXCEPTIONS = [
     ),
     (
         "README.md",
+        "(issue 31's goals: 1.5x the fastest peer",
+        "a goal the measurement is compared with, not a measurement",
+    ),
+    (
+        "docs/benchmarks.rst",
         "cut the calls 2.0-3.6x",
         "ratios of gpu_choices_cpu.md's torch-call counts (1670 / 850 on the small CNN, "
         "18377 / 5105 on the ViT), which the file does not divide",

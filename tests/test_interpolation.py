@@ -232,6 +232,42 @@ def test_thinned_path_reports_its_true_error(data, name, normalize_y, monkeypatc
         est.decompose(X, method="zeroth")
 
 
+def test_thinned_path_warning_says_what_its_error_does_not_bound():
+    """A thinned path's error is the closure of the contributions' sum: against the
+    brute-force split of the same training recorded at every step, a single training
+    point's contribution misses by more, and the points' misses add up to far more. The
+    warning says so, and names what the interval's first point stands in for (Adam's
+    preconditioner too). For the first-order formula it says that record_every=1 does
+    not remove the formula's own error, which the every-step path still shows."""
+    rng = np.random.default_rng(0)
+    X_train = rng.normal(size=(48, 2))
+    y = np.tanh(X_train[:, 0] - X_train[:, 1]) + 0.3 * rng.normal(size=48)
+    X = X_train[:6]
+    params = dict(RAW, solver="adam", learning_rate_init=0.01, hidden_layer_sizes=(16,),
+                  max_iter=20, dtype="float64", random_state=0)
+    every = PathKernelMachine(**params).fit(X_train, y)
+    thinned = PathKernelMachine(**params, record_every=2).fit(X_train, y)
+    truth, _ = forward_recursion(every, X_train, torch.as_tensor(y).reshape(-1, 1),
+                                 _squared, X, nodes=gauss_nodes(8))
+    with pytest.warns(UserWarning, match="recorded every 2 optimizer steps") as record:
+        res = thinned.decompose(X)
+    miss = np.abs(res.contributions - np.asarray(truth))
+    assert miss.max() > 1.5 * res.error
+    assert miss.sum(axis=1).max() > 10 * res.error
+    message = str(record[-1].message)
+    assert "gradients and the optimizer's preconditioner" in message
+    assert "only the sum of the contributions" in message
+    assert "can miss by more" in message
+    with pytest.warns(UserWarning, match="recorded every 2 optimizer steps") as record:
+        thinned.decompose(X, method="first_order")
+    message = str(record[-1].message)
+    assert "first_order formula's own error, which record_every=1 does not remove" in message
+    assert "method='exact'" in message
+    moved = np.abs(every.predict(X) - module_at(every, 0)(torch.as_tensor(X)).detach()
+                   .numpy().ravel()).max()
+    assert every.decompose(X, method="first_order").error > 1e-3 * moved
+
+
 class _WithRaw(torch.nn.Module):
     """A raw parameter (no rule: the fallback's dense terms) next to two Linear layers."""
 

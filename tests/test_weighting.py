@@ -160,6 +160,51 @@ def test_first_order_decomposition_speaks_of_the_discrete_path_kernel(nesterov):
         assert (gap < 1e-10) if memory == "discrete" else (gap > 1e-2)
 
 
+def test_first_order_expected_reads_each_update_with_its_own_steps_jacobian():
+    """With heavy-ball momentum, method="first_order", weighting="expected" is not the
+    path kernel's form sum_s W_s K_s(x, x_i) r_{s,i} / N on a nonlinear network: the
+    gradient of step s enters every later update t with weight lr_t mu^(t-s) (replayed
+    here by torch.optim on an impulse gradient) and each update is read with its own
+    step's Jacobian, sum_s sum_{t>=s} lr_t mu^(t-s) J_t(x) J_s(x_i) r_{s,i} / N (the
+    documented formula, from the plain autograd loop); plain SGD is the path kernel's
+    form."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(12, 2))
+    y = np.sin(2 * X[:, 0]) + X[:, 1]
+    Xq = X[:3] + 0.1
+    for momentum in (0.0, 0.9):
+        est = PathKernelMachine(hidden_layer_sizes=(5,), activation="tanh", max_iter=4,
+                                batch_size=4, solver="sgd", learning_rate_init=0.1,
+                                momentum=momentum, nesterovs_momentum=False, tol=None,
+                                normalize_y=False, dtype="float64",
+                                random_state=0).fit(X, y)
+        traj = est.trajectory_
+        T = traj.n_steps
+        applied = np.zeros((T, T))  # [s, t]: the weight update t gives step s's gradient
+        for s in range(T):
+            p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+            opt = torch.optim.SGD([p], lr=1.0, momentum=momentum)
+            for t in range(T):
+                opt.param_groups[0]["lr"] = float(traj.learning_rates[t])
+                p.grad = torch.tensor([1.0 if t == s else 0.0], dtype=torch.float64)
+                before = float(p.detach())
+                opt.step()
+                applied[s, t] = before - float(p.detach())
+        Jq = [jacobian_loop(module_at(est, t), Xq)[:, 0].numpy() for t in range(T)]
+        Jx = [jacobian_loop(module_at(est, t), X)[:, 0].numpy() for t in range(T)]
+        r = [module_at(est, t)(torch.as_tensor(X)).detach().numpy()[:, 0] - y
+             for t in range(T)]
+        own = -sum(applied[s, t] * (Jq[t] @ Jx[s].T) * r[s] for s in range(T)
+                   for t in range(s, T)) / len(X)
+        W = dict(path_weights(traj))
+        kernel_form = -sum(W[s] * (Jq[s] @ Jx[s].T) * r[s] for s in range(T)) / len(X)
+        scores = est.attribute(Xq, method="first_order", weighting="expected")
+        scale = np.abs(own).max()
+        assert_allclose(scores, own, rtol=0, atol=1e-10 * scale)
+        gap = np.abs(kernel_form - own).max() / scale
+        assert (gap < 1e-10) if momentum == 0.0 else (gap > 1e-2)
+
+
 def test_memory_is_validated():
     est, X = _fit("adam")
     with pytest.raises(ValueError, match="memory must be 'discrete' or 'continuous'"):

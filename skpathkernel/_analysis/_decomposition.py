@@ -1649,7 +1649,8 @@ def decompose(
                      tol=tol, scale=scale, dtype=dtype, failed=failed,
                      n_steps=len(traj) - 1, record_every=traj.record_every,
                      floored=floored, n_nodes=n_nodes if exact else None,
-                     unequal_weights=weighting == "expected" and _unequal_batch_weights(traj))
+                     unequal_weights=weighting == "expected" and _unequal_batch_weights(traj),
+                     preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"))
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -1675,6 +1676,9 @@ class _Checks:
     # The path's batches weigh their entries unequally (sample_weight), which the
     # expected weighting's 1/N does not follow.
     unequal_weights: bool = False
+    # The solver scales its steps by a recorded diagonal (Adam, AdamW, RMSprop), which a
+    # thinned path also takes at each interval's first point.
+    preconditioned: bool = False
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -1857,17 +1861,7 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     if inexact is not None:
         _warn_inexact(result, inexact, verb)
     if checks.thinned:
-        size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
-        warnings.warn(
-            f"{verb}(method={checks.method!r}): the path was recorded every "
-            f"{checks.record_every} optimizer steps, so the steps between two recorded "
-            "points are attributed with their batches' gradients at the interval's first "
-            f"point. The reconstruction error is {result.error:.3g} "
-            f"({result.error / max(size, 1e-300):.2g} "
-            f"relative; Decomposition.error), not round-off. Refit with record_every=1 "
-            "(and a larger memory_budget if the path needs it) for the exact decomposition.",
-            UserWarning, stacklevel=caller_stacklevel(),
-        )
+        _warn_thinned(result, checks, verb)
     if checks.weighting == "expected" and (checks.unequal_weights or smoothed is not None):
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         why = ("this path's batches weigh their points unequally (sample_weight, recorded "
@@ -1884,6 +1878,36 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             UserWarning, stacklevel=caller_stacklevel(),
         )
     return result
+
+
+def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
+    """Say what a thinned path's split approximates, and how far the error it quotes
+    reaches: the closure measures the contributions' sum, not each contribution."""
+    size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
+    frozen = ("their batches' gradients and the optimizer's preconditioner"
+              if checks.preconditioned else "their batches' gradients")
+    # Refitting every step removes the thinning's miss, not the formula's own.
+    own = [f"the {checks.method} formula's own error" if checks.method != "exact" else "",
+           "the expected weighting's own miss on minibatches"
+           if checks.weighting == "expected" else ""]
+    own = " and ".join(part for part in own if part)
+    own = f", and includes {own}, which record_every=1 does not remove" if own else ""
+    target = ("the exact decomposition" if checks.method == "exact"
+              and checks.weighting == "realized" else
+              "the exact decomposition (method='exact', weighting='realized')")
+    warnings.warn(
+        f"{verb}(method={checks.method!r}): the path was recorded every "
+        f"{checks.record_every} optimizer steps, so the steps between two recorded "
+        f"points are attributed with {frozen} at the interval's first point. The "
+        f"reconstruction error is {result.error:.3g} "
+        f"({result.error / max(size, 1e-300):.2g} relative; Decomposition.error), not "
+        f"round-off{own}. It measures only the sum of the contributions: a single "
+        "training point's contribution (what explain and attribute rank) can miss by "
+        "more, and the points' misses can add up to far more. Refit with "
+        "record_every=1 (and a larger memory_budget if the path needs it) for "
+        f"{target}.",
+        UserWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def _unequal_batch_weights(traj: Trajectory) -> bool:

@@ -160,7 +160,10 @@ The other methods describe the realized path, from the decomposition:
   unweighted full-batch training (it ignores sample weights).
 - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
   kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
-  step, with the optimizer's preconditioner.
+  step, with the optimizer's preconditioner. With momentum or Adam the gradient
+  of step ``s`` enters every later update ``t``, each read with its own step's
+  Jacobian, ``sum_{t>=s} c_t m^(t-s) J_t(x) D_t J_s(x_i)^T``: the path kernel's
+  ``w_s K_s(x, x_i)`` only on a network linear in its parameters.
 
 Parameters
 ----------

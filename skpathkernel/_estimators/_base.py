@@ -888,6 +888,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
         threads = training_threads(resolve_batch_size(self.batch_size, len(X_t)), n_params,
                                    dask_worker_threads())
+        schedule, learning_rate_init, power_t = self._schedule(
+            incremental and previous is not None)
         bar = Progress(type(self).__name__, max_iter, enabled=bool(self.verbose),
                        each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
         # The draws of a layer that draws in training mode (dropout, which trains with a
@@ -905,7 +907,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 # _check_continuable compared): the segment records the same spec.
                 solver=self._solver_spec() if previous is None
                 else previous.trajectory.solver_spec,
-                learning_rate=float(self.learning_rate_init),
+                learning_rate=learning_rate_init,
                 batch_size=self.batch_size,
                 max_iter=max_iter,
                 shuffle=self.shuffle,
@@ -921,8 +923,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 else previous.trajectory.storage,
                 directory=self.trajectory_dir,
                 compression=self.trajectory_compression,
-                schedule=self.learning_rate,
-                power_t=float(self.power_t),
+                schedule=schedule,
+                power_t=power_t,
                 resume=None if previous is None else self._resumed(incremental),
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
@@ -933,6 +935,21 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 path_start=None if previous is None
                 else previous.trajectory.parameters(0).clone(),
             )
+
+    def _schedule(self, continued: bool) -> tuple[str, float, float]:
+        """``(learning_rate, learning_rate_init, power_t)`` of the fit's step sizes.
+
+        ``partial_fit`` continuing a path keeps the schedule it followed, as
+        MLPClassifier's ``partial_fit`` keeps its optimizer: ``set_params`` of these
+        between calls changes the next ``fit``, not the stream's step sizes (which
+        "invscaling" would otherwise recompute from the new values)."""
+        own = (self.learning_rate, float(self.learning_rate_init), float(self.power_t))
+        resume = getattr(self, "_resume", None)
+        if not continued or resume is None:
+            return own
+        # None: a Resume pickled before the field was kept.
+        kept = (resume.schedule, resume.learning_rate_init, resume.power_t)
+        return tuple(o if k is None else k for o, k in zip(own, kept))
 
     def _resumed(self, incremental: bool):
         """The previous fit's Resume; a warm start whose ``learning_rate_init`` or

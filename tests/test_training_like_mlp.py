@@ -429,8 +429,11 @@ def test_classifier_partial_fit_classes():
 @pytest.mark.parametrize("change, match", [
     (dict(hidden_layer_sizes=(7,)), "continue the fitted network"),
     (dict(activation="relu"), "continue the fitted network"),
-    (dict(solver="sgd"), "one\\s+optimizer"),
-    (dict(beta_2=0.9), "one\\s+optimizer"),
+    (dict(solver="sgd"), "solver='sgd' \\(was 'adam'\\).*one\\s+optimizer"),
+    (dict(beta_2=0.9), "beta_2=0.9 \\(was 0.999\\).*one\\s+optimizer"),
+    # Named by the estimator's parameter: the refusal printed SolverSpec(...,
+    # weight_decay=0.1, ...), a name the user never set.
+    (dict(alpha=0.1), "which alpha=0.1 \\(was 0\\) would"),
     (dict(dtype="float32"), "cannot continue"),
     (dict(trajectory_storage="disk"), "kept\\s+in memory"),
 ])

@@ -114,6 +114,27 @@ def _update_rule(spec: SolverSpec) -> tuple:
     return (spec.name, *(getattr(spec, name) for name in _SOLVER_READS[spec.name]))
 
 
+# The estimator's parameter behind each SolverSpec field (rmsprop_alpha has none: torch's
+# default, which every fit uses).
+_SOLVER_PARAMS = {"name": "solver", "momentum": "momentum", "nesterov": "nesterovs_momentum",
+                  "beta_1": "beta_1", "beta_2": "beta_2", "epsilon": "epsilon",
+                  "weight_decay": "alpha", "rmsprop_alpha": "rmsprop_alpha"}
+
+
+def _update_rule_changes(before: SolverSpec, now: SolverSpec) -> str:
+    """The estimator's parameters whose change alters the update rule, ``name=new (was
+    old)``: the refusal names what the user set, not the SolverSpec's fields."""
+    fields = ("name",) if before.name != now.name else _SOLVER_READS[now.name]
+    if before.momentum != now.momentum:
+        fields = [f for f in fields if f != "nesterov"]  # follows momentum (> 0)
+
+    def value(v):
+        return repr(v) if isinstance(v, (str, bool)) else f"{float(v):g}"
+    return ", ".join(
+        f"{_SOLVER_PARAMS[f]}={value(getattr(now, f))} (was {value(getattr(before, f))})"
+        for f in fields if getattr(before, f) != getattr(now, f))
+
+
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
     """The default network: ``Linear -> activation -> ... -> Linear``."""
     sizes = [n_features, *hidden_layer_sizes]
@@ -777,9 +798,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         before, now = previous.trajectory.solver_spec, self._solver_spec()
         if _update_rule(before) != _update_rule(now):
             raise ValueError(
-                f"warm_start and partial_fit continue the recorded path, whose optimizer "
-                f"was {before}; the estimator now asks for {now}. A path has one "
-                "optimizer: set these parameters back, or fit a new network.")
+                "warm_start and partial_fit continue the recorded path with its "
+                f"optimizer, which {_update_rule_changes(before, now)} would change. A "
+                "path has one optimizer: set these parameters back, or fit a new network.")
         if resolve_dtype(self.dtype) != previous.torch_dtype:
             raise ValueError(f"The fitted network is {previous.dtype}; dtype={self.dtype!r} "
                              "cannot continue it.")

@@ -66,7 +66,7 @@ from .._path._training import (
     warn_drawing_now,
     warn_random_forward,
 )
-from .._path._trajectory import SolverSpec
+from .._path._trajectory import SolverSpec, Trajectory
 from .._progress import Progress
 from .._tangent import warn_on_fallback
 
@@ -730,6 +730,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 trajectory, X_fit, Y_fit, fit_weights, disk_data = _continued_path(
                     previous, getattr(self, "_disk_data", None), trajectory, X, Y,
                     fit_weights, same_data_allowed=not incremental)
+                if trajectory.storage == "memory" and isinstance(self.record_every, str):
+                    _warn_past_budget(previous.trajectory, trajectory, self.memory_budget)
                 attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
             elif trajectory.storage == "disk" and (incremental or self.warm_start):
                 # A path that later calls extend: its training set grows on disk beside
@@ -1181,6 +1183,23 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     if n_outputs > 1:
         names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
     return np.asarray(names, dtype=object)
+
+
+def _warn_past_budget(before: Trajectory, after: Trajectory, budget: int) -> None:
+    """Say so, once, when a path continued in memory first holds more than
+    ``memory_budget`` bytes of points: ``record_every="auto"`` bounds each fit's points,
+    and a continuation keeps every point it records (its decomposition exact), so a
+    stream of ``partial_fit`` calls grows without the bound its name suggests."""
+    held, now = before._points_nbytes(), after._points_nbytes()
+    if held <= budget < now:
+        warnings.warn(
+            f"The path continued by warm_start / partial_fit now holds {now / 2**20:.1f} "
+            f"MiB of recorded points in memory, above memory_budget={budget} "
+            f"({budget / 2**20:.1f} MiB), which bounds the points of one fit: "
+            "continuations keep every point they record, and each copies the path held. "
+            "For a long stream, start it with trajectory_storage='disk' (the path grows in "
+            "its files), or with an integer record_every.", UserWarning,
+            stacklevel=caller_stacklevel())
 
 
 def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_weight,

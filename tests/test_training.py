@@ -573,6 +573,39 @@ def test_auto_record_every_keeps_the_path_under_memory_budget(regression_data):
     assert est.path_kernel_(X[:3]).shape == (3, 3)
 
 
+@pytest.mark.parametrize("how", ["warm_start", "partial_fit"])
+def test_a_continued_path_past_memory_budget_warns_once(regression_data, how):
+    """record_every="auto" bounds one fit's points; continuations keep every point they
+    record (exact), so a stream grew past memory_budget without a word (12 warm starts of
+    a path whose 11 points fit in 1 MiB held 121 of its 51)."""
+    X, y = regression_data
+    budget = 2**20
+    est = PathKernelMachine(hidden_layer_sizes=(1024,), solver="sgd", batch_size=5,
+                            max_iter=2, tol=None, warm_start=how == "warm_start",
+                            memory_budget=budget, random_state=0)
+    per_point = (X.shape[1] * 1024 + 1024 + 1024 + 1) * 4  # float32 parameters
+    warned = []
+    for _ in range(12):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.fit(X, y) if how == "warm_start" else est.partial_fit(X, y)
+        warned.append([str(w.message) for w in caught if "memory_budget" in str(w.message)])
+    held = len(est.trajectory_) * per_point  # SGD: the parameters alone
+    assert held > budget and len(est.trajectory_) == est.trajectory_.n_steps + 1
+    first = next(i for i, w in enumerate(warned) if w)
+    # The call that crossed the budget, and only it: (points before) <= budget < after.
+    steps = 10 if how == "warm_start" else 5
+    assert (first * steps + 1) * per_point <= budget < ((first + 1) * steps + 1) * per_point
+    assert [len(w) for w in warned] == [0] * first + [1] + [0] * (11 - first)
+    assert "trajectory_storage='disk'" in warned[first][0]
+    # An integer record_every is outside the bound, as for one fit: no warning.
+    est = PathKernelMachine(**{**est.get_params(), "record_every": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(12):
+            est.fit(X, y) if how == "warm_start" else est.partial_fit(X, y)
+
+
 # ---------------------------------------------------------------- bad parameters
 @pytest.mark.parametrize("params, match", [
     (dict(tol=-1e-3), "'tol' parameter"),

@@ -307,6 +307,29 @@ def test_warm_start_at_a_new_learning_rate_init_takes_it():
     assert_array_equal(inc.trajectory_.learning_rates, 0.01)
 
 
+@pytest.mark.parametrize("change", [dict(learning_rate_init=0.02), dict(power_t=0.9),
+                                    dict(learning_rate="constant")])
+def test_partial_fit_continues_its_schedule_after_set_params(change):
+    """MLPClassifier's partial_fit keeps its optimizer, schedule and all, across calls:
+    a stream's step sizes under "invscaling" stay learning_rate_init / (t + 1) ** power_t
+    of its first call. They were recomputed from the new values (0.02 / sqrt(t + 1)
+    after set_params(learning_rate_init=0.02)). The next fit takes the new values."""
+    X, y = _data(20)
+    params = dict(SCHEDULED, learning_rate="invscaling", power_t=0.5, batch_size=20)
+    est = PathKernelMachine(**params).partial_fit(X, y)
+    est.set_params(**change)
+    for _ in range(3):
+        est.partial_fit(X, y)
+    assert_allclose(est.trajectory_.learning_rates, _sklearn_invscaling(0.1, 0.5, 20, 4),
+                    rtol=1e-15)
+    _check_exact(est, np.tile(X, (4, 1)), X[:3] + 0.1)
+    new = {**params, **change}
+    est.set_params(warm_start=True, max_iter=1).fit(X, y)
+    expected = (new["learning_rate_init"] / (4 * 20 + 1) ** new["power_t"]
+                if new["learning_rate"] == "invscaling" else new["learning_rate_init"])
+    assert_allclose(est.trajectory_.learning_rates[-1], expected, rtol=1e-15)
+
+
 
 @pytest.mark.parametrize("first, then", [("invscaling", "constant"),
                                          ("adaptive", "constant"),
@@ -406,8 +429,11 @@ def test_classifier_partial_fit_classes():
 @pytest.mark.parametrize("change, match", [
     (dict(hidden_layer_sizes=(7,)), "continue the fitted network"),
     (dict(activation="relu"), "continue the fitted network"),
-    (dict(solver="sgd"), "one\\s+optimizer"),
-    (dict(beta_2=0.9), "one\\s+optimizer"),
+    (dict(solver="sgd"), "solver='sgd' \\(was 'adam'\\).*one\\s+optimizer"),
+    (dict(beta_2=0.9), "beta_2=0.9 \\(was 0.999\\).*one\\s+optimizer"),
+    # Named by the estimator's parameter: the refusal printed SolverSpec(...,
+    # weight_decay=0.1, ...), a name the user never set.
+    (dict(alpha=0.1), "which alpha=0.1 \\(was 0\\) would"),
     (dict(dtype="float32"), "cannot continue"),
     (dict(trajectory_storage="disk"), "kept\\s+in memory"),
 ])

@@ -66,7 +66,7 @@ from .._path._training import (
     warn_drawing_now,
     warn_random_forward,
 )
-from .._path._trajectory import SolverSpec
+from .._path._trajectory import SolverSpec, Trajectory
 from .._progress import Progress
 from .._tangent import warn_on_fallback
 
@@ -112,6 +112,27 @@ _SOLVER_READS = {
 def _update_rule(spec: SolverSpec) -> tuple:
     """The solver's name and the hyper-parameters its update reads."""
     return (spec.name, *(getattr(spec, name) for name in _SOLVER_READS[spec.name]))
+
+
+# The estimator's parameter behind each SolverSpec field (rmsprop_alpha has none: torch's
+# default, which every fit uses).
+_SOLVER_PARAMS = {"name": "solver", "momentum": "momentum", "nesterov": "nesterovs_momentum",
+                  "beta_1": "beta_1", "beta_2": "beta_2", "epsilon": "epsilon",
+                  "weight_decay": "alpha", "rmsprop_alpha": "rmsprop_alpha"}
+
+
+def _update_rule_changes(before: SolverSpec, now: SolverSpec) -> str:
+    """The estimator's parameters whose change alters the update rule, ``name=new (was
+    old)``: the refusal names what the user set, not the SolverSpec's fields."""
+    fields = ("name",) if before.name != now.name else _SOLVER_READS[now.name]
+    if before.momentum != now.momentum:
+        fields = [f for f in fields if f != "nesterov"]  # follows momentum (> 0)
+
+    def value(v):
+        return repr(v) if isinstance(v, (str, bool)) else f"{float(v):g}"
+    return ", ".join(
+        f"{_SOLVER_PARAMS[f]}={value(getattr(now, f))} (was {value(getattr(before, f))})"
+        for f in fields if getattr(before, f) != getattr(now, f))
 
 
 def make_mlp(n_features: int, n_outputs: int, hidden_layer_sizes, activation: str):
@@ -709,6 +730,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 trajectory, X_fit, Y_fit, fit_weights, disk_data = _continued_path(
                     previous, getattr(self, "_disk_data", None), trajectory, X, Y,
                     fit_weights, same_data_allowed=not incremental)
+                if trajectory.storage == "memory" and isinstance(self.record_every, str):
+                    _warn_past_budget(previous.trajectory, trajectory, self.memory_budget)
                 attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
             elif trajectory.storage == "disk" and (incremental or self.warm_start):
                 # A path that later calls extend: its training set grows on disk beside
@@ -777,9 +800,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         before, now = previous.trajectory.solver_spec, self._solver_spec()
         if _update_rule(before) != _update_rule(now):
             raise ValueError(
-                f"warm_start and partial_fit continue the recorded path, whose optimizer "
-                f"was {before}; the estimator now asks for {now}. A path has one "
-                "optimizer: set these parameters back, or fit a new network.")
+                "warm_start and partial_fit continue the recorded path with its "
+                f"optimizer, which {_update_rule_changes(before, now)} would change. A "
+                "path has one optimizer: set these parameters back, or fit a new network.")
         if resolve_dtype(self.dtype) != previous.torch_dtype:
             raise ValueError(f"The fitted network is {previous.dtype}; dtype={self.dtype!r} "
                              "cannot continue it.")
@@ -888,6 +911,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
         threads = training_threads(resolve_batch_size(self.batch_size, len(X_t)), n_params,
                                    dask_worker_threads())
+        schedule, learning_rate_init, power_t = self._schedule(
+            incremental and previous is not None)
         bar = Progress(type(self).__name__, max_iter, enabled=bool(self.verbose),
                        each="{desc}: epoch {n}/{total}, loss = {loss:.6g}")
         # The draws of a layer that draws in training mode (dropout, which trains with a
@@ -905,7 +930,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 # _check_continuable compared): the segment records the same spec.
                 solver=self._solver_spec() if previous is None
                 else previous.trajectory.solver_spec,
-                learning_rate=float(self.learning_rate_init),
+                learning_rate=learning_rate_init,
                 batch_size=self.batch_size,
                 max_iter=max_iter,
                 shuffle=self.shuffle,
@@ -921,8 +946,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 else previous.trajectory.storage,
                 directory=self.trajectory_dir,
                 compression=self.trajectory_compression,
-                schedule=self.learning_rate,
-                power_t=float(self.power_t),
+                schedule=schedule,
+                power_t=power_t,
                 resume=None if previous is None else self._resumed(incremental),
                 single_epoch=incremental,
                 first_epoch=0 if previous is None else self.n_iter_,
@@ -933,6 +958,21 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 path_start=None if previous is None
                 else previous.trajectory.parameters(0).clone(),
             )
+
+    def _schedule(self, continued: bool) -> tuple[str, float, float]:
+        """``(learning_rate, learning_rate_init, power_t)`` of the fit's step sizes.
+
+        ``partial_fit`` continuing a path keeps the schedule it followed, as
+        MLPClassifier's ``partial_fit`` keeps its optimizer: ``set_params`` of these
+        between calls changes the next ``fit``, not the stream's step sizes (which
+        "invscaling" would otherwise recompute from the new values)."""
+        own = (self.learning_rate, float(self.learning_rate_init), float(self.power_t))
+        resume = getattr(self, "_resume", None)
+        if not continued or resume is None:
+            return own
+        # None: a Resume pickled before the field was kept.
+        kept = (resume.schedule, resume.learning_rate_init, resume.power_t)
+        return tuple(o if k is None else k for o, k in zip(own, kept))
 
     def _resumed(self, incremental: bool):
         """The previous fit's Resume; a warm start whose ``learning_rate_init`` or
@@ -1143,6 +1183,23 @@ def tangent_feature_names(trajectory, n_outputs: int) -> np.ndarray:
     if n_outputs > 1:
         names = [f"out{c}:{n}" for c in range(n_outputs) for n in names]
     return np.asarray(names, dtype=object)
+
+
+def _warn_past_budget(before: Trajectory, after: Trajectory, budget: int) -> None:
+    """Say so, once, when a path continued in memory first holds more than
+    ``memory_budget`` bytes of points: ``record_every="auto"`` bounds each fit's points,
+    and a continuation keeps every point it records (its decomposition exact), so a
+    stream of ``partial_fit`` calls grows without the bound its name suggests."""
+    held, now = before._points_nbytes(), after._points_nbytes()
+    if held <= budget < now:
+        warnings.warn(
+            f"The path continued by warm_start / partial_fit now holds {now / 2**20:.1f} "
+            f"MiB of recorded points in memory, above memory_budget={budget} "
+            f"({budget / 2**20:.1f} MiB), which bounds the points of one fit: "
+            "continuations keep every point they record, and each copies the path held. "
+            "For a long stream, start it with trajectory_storage='disk' (the path grows in "
+            "its files), or with an integer record_every.", UserWarning,
+            stacklevel=caller_stacklevel())
 
 
 def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_weight,

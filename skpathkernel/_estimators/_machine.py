@@ -141,7 +141,10 @@ _SHARED_PARAMS_DOC = """
         Parameter dtype; float64 is for exactness checks.
     memory_budget : int, default=2**30
         Bytes that one block of a computation (prediction, kernels) may use, and the
-        most that the recorded points may take in memory with ``record_every="auto"``.
+        most that one fit's recorded points may take in memory with
+        ``record_every="auto"``. A ``warm_start`` fit or ``partial_fit`` call keeps every
+        point it records, and warns when the path it continues in memory first grows
+        past the budget (streams belong on disk: ``trajectory_storage="disk"``).
     trajectory_storage : {"memory", "disk", "auto"}, default="memory"
         Where ``trajectory_`` keeps its points. "memory": CPU buffers. "disk": chunk
         files in a fresh temporary directory under ``trajectory_dir``, written while

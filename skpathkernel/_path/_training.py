@@ -490,11 +490,15 @@ class Resume:
     # The schedule the step size followed ("constant" for every solver but sgd; None:
     # pickled before it was kept), so that a warm start can tell a new schedule.
     schedule: str | None = None
+    # The schedule's power_t (None: pickled before it was kept), which partial_fit
+    # continues with, as it continues the schedule and its learning_rate_init.
+    power_t: float | None = None
 
     @classmethod
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
                 first_loss, initial_norm, learning_rate_init=None,
-                device: torch.device | None = None, schedule=None) -> Resume:
+                device: torch.device | None = None, schedule=None,
+                power_t=None) -> Resume:
         state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
@@ -504,7 +508,8 @@ class Resume:
                    generator.get_state().numpy().copy(), tuple(rule), float(first_loss),
                    float(initial_norm),
                    None if learning_rate_init is None else float(learning_rate_init),
-                   (torch.get_rng_state().numpy().copy(), cuda), schedule)
+                   (torch.get_rng_state().numpy().copy(), cuda), schedule,
+                   None if power_t is None else float(power_t))
 
     def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
@@ -846,7 +851,8 @@ def train(
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
                               initial_norm=norms[0], learning_rate_init=sched.lr_init,
-                              device=X.device, schedule=sched.kind)
+                              device=X.device, schedule=sched.kind,
+                              power_t=sched.power_t)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     reference = None  # the loss the divergence check compares with (_start_loss)
     # The initial point, for the start's loss where the first epoch ran away (_start_loss).

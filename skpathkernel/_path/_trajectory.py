@@ -405,10 +405,15 @@ class Trajectory:
     @property
     def nbytes(self) -> int:
         """Bytes of the recorded path, in memory or on disk (see :attr:`storage`)."""
-        tensors = [self._params, *self._states.values()]
         arrays = [self.steps, self.learning_rates, self._batch_indices, self._batch_offsets,
                   *(a for a in (self._step_lrs, self._step_group_lrs) if a is not None)]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes for a in arrays)
+        return self._points_nbytes() + sum(a.nbytes for a in arrays)
+
+    def _points_nbytes(self) -> int:
+        """Bytes of the points (parameters and optimizer states): what
+        ``record_every="auto"`` bounds by ``memory_budget`` in one fit."""
+        tensors = [self._params, *self._states.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def batches(self) -> list[np.ndarray]:

@@ -320,19 +320,27 @@ def step_kernel(
 
 def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized):
     """:func:`step_kernel` on arguments already checked (the kernels' call checks them)."""
+    return to_numpy(_step_sums(net, X, Y, step, output, preconditioned, normalized,
+                               diag=False)[0])
+
+
+def _step_sums(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized, *,
+               diag):
+    """``(K, dx, dy)`` of :func:`_step_gram`, float64 tensors, normalized as the kernel
+    is (:func:`_own_sums`); the diagonals None unless ``diag`` or ``normalized``."""
     Xt, Yt = _tensors(net, X, Y)
     module, params, kw = _step_setup(net, step, output, preconditioned)
     # K in float64 from the start: a float32 network's Gram is widened panel by panel,
     # never held twice (the float64 copy of a 4096^2 Gram cost a third of the call).
     K = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, blocks_last=True, **kw)
-    if normalized:
-        if Yt is None:
-            dx = dy = K.diagonal().clone()
-        else:
-            dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
-            dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
-        K = _normalize(K, dx, dy, same=Yt is None)
-    return to_numpy(K)
+    if not (diag or normalized):
+        return K, None, None
+    if Yt is None:
+        dx = dy = K.diagonal().clone()
+    else:
+        dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
+        dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
+    return _own_sums(K, dx, dy, normalized, same=Yt is None)
 
 
 def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
@@ -350,6 +358,23 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
             f"overflow in {str(net.torch_dtype).removeprefix('torch.')} at some of these "
             f"inputs (products beyond its range). {way_out}.")
     return K
+
+
+def _checked_sums(sums, net: TrainedNetwork) -> tuple:
+    """The kernel's ``(K, dx, dy)`` as arrays, refused as :func:`_check_finite` refuses."""
+    return tuple(_check_finite(to_numpy(t), net) for t in sums)
+
+
+def _own_sums(K, dx, dy, normalized, same=False):
+    """``K`` and its diagonals ``dx``, ``dy``, normalized where ``normalized``: the
+    cosines, and diagonals 1 where the feature has a direction and 0 where it is zero, as
+    ``diag`` gives them (nan where its norm overflowed), so that
+    ``dx_i + dy_j - 2 K_ij`` is the squared distance of the normalized features, a zero
+    feature's the origin (at distance 1 from every unit feature, 0 from another zero)."""
+    if not normalized:
+        return K, dx, dy
+    own = (torch.where(d.isfinite(), (d > 0).to(K.dtype), float("nan")) for d in (dx, dy))
+    return _normalize(K, dx, dy, same=same), *own
 
 
 def _normalize(K, dx, dy, same=False):
@@ -1023,6 +1048,13 @@ class TangentKernel(_NetworkKernel):
         return _step_gram(self.estimator, X, Y, self.step, _check_output(self.output),
                           False, False)
 
+    def _sums(self, X, Y):
+        """``K(X, Y)`` and both diagonals as the kernel and its ``diag`` give them, in one
+        pass; refused where they overflowed."""
+        return _checked_sums(_step_sums(self.estimator, X, Y, self.step,
+                                        _check_output(self.output), False, self.normalized,
+                                        diag=True), self.estimator)
+
     def _diag(self, X):
         Xt, _ = _tensors(self.estimator, X, None)
         module, params, kw = _step_setup(self.estimator, self.step, self.output, False)
@@ -1191,9 +1223,11 @@ class PathKernel(_NetworkKernel):
         _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)
 
-    def _raw_sums(self, X, Y):
-        """``K(X, Y)`` and both diagonals, unnormalised, from one walk over the path."""
-        return tuple(to_numpy(t) for t in self._sum(X, Y, gram=True, diag=True))
+    def _sums(self, X, Y):
+        """``K(X, Y)`` and both diagonals as the kernel and its ``diag`` give them, from
+        one walk over the path; refused where they overflowed."""
+        return _checked_sums(_own_sums(*self._sum(X, Y, gram=True, diag=True),
+                                       self.normalized), self.estimator)
 
 
 class NetworkKernelsMixin:

@@ -613,7 +613,8 @@ _THINNING_LOCK = threading.Lock()
 
 def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, str] | None:
     """``(record_every, estimate, rows)`` for a range whose recorded points stand for
-    several steps each, else None.
+    several steps each, where this call is the first to estimate it for the path (each
+    path, range, output and weighting is estimated, and warned of, once), else None.
 
     Such a kernel is a Riemann sum: each point's step kernel stands for its interval's
     steps, ``K_h = sum_k w_k K_k``. The sum at twice the spacing puts each pair of
@@ -636,9 +637,8 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
         return None
     key = (start, stop, output, memory, len(traj))
     with _THINNING_LOCK:
-        known = _THINNING_ESTIMATES.setdefault(traj, {}).get(key)
-    if known is not None:
-        return known
+        if key in _THINNING_ESTIMATES.setdefault(traj, {}):
+            return None
     rows, what = ((net.X_fit, "training inputs") if net.X_fit is not None
                   else (X, "rows of the first call"))
     R = np.asarray(rows[:THINNING_PROBE])
@@ -655,8 +655,10 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
     known = (int(spans.max()), float((left - right).abs().max()) / max(size, 1e-300),
              f"the first {len(R)} {what}")
     with _THINNING_LOCK:
-        _THINNING_ESTIMATES.setdefault(traj, {})[key] = known
-    return known
+        # Two threads may have estimated it at once: the first to keep it warns.
+        first = key not in _THINNING_ESTIMATES.setdefault(traj, {})
+        _THINNING_ESTIMATES[traj].setdefault(key, known)
+    return known if first else None
 
 
 def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag, scales=None):
@@ -1080,11 +1082,12 @@ class PathKernel(_NetworkKernel):
     part of ``D_k``: with "discrete" memory by the group's step sizes in the updates the
     step's gradient entered, which differ from the step's own where the groups follow
     different schedules. With ``record_every > 1``
-    each recorded point stands for the steps of its interval (Riemann sum): a call
-    warns, with an estimate of that sum's error (its difference from the sum at twice the
-    spacing, every other point standing for its pair's steps, on the first 64 training
-    inputs; computed once per path and range, about 1.5 times the cost of the kernel of
-    64 rows).
+    each recorded point stands for the steps of its interval (Riemann sum): the first
+    call on a path's range warns, with an estimate of that sum's error (its difference
+    from the sum at twice the spacing, every other point standing for its pair's steps,
+    on the first 64 training inputs; about 1.5 times the cost of the kernel of 64 rows).
+    The estimate, and the warning, come once per path, range, ``output`` and ``memory``
+    in a process, however many times SVC, GridSearchCV or a display call the kernel.
 
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.
@@ -1192,8 +1195,10 @@ class PathKernel(_NetworkKernel):
         thinned = _thinning_error(self.estimator, X, self.start, self.stop, self.output,
                                   self.memory)
         if thinned is not None:
-            # The same text at every call of a path's range: Python's default filter
-            # shows it once per calling line (an SVC's fit and predict, a grid search).
+            # Once per path and range, not at every call: the estimate is the path's, and
+            # Python's once-per-line filter does not hold under scikit-learn, whose
+            # catch_warnings blocks (one per GridSearchCV task, and in fit) reset it:
+            # the example's grid search showed it 12 times for 22 calls.
             every, estimate, rows = thinned
             warnings.warn(
                 f"PathKernel: the path was recorded every {every} optimizer steps (at "

@@ -1086,8 +1086,9 @@ class PathKernel(_NetworkKernel):
     call on a path's range warns, with an estimate of that sum's error (its difference
     from the sum at twice the spacing, every other point standing for its pair's steps,
     on the first 64 training inputs; about 1.5 times the cost of the kernel of 64 rows).
-    The estimate, and the warning, come once per path, range, ``output`` and ``memory``
-    in a process, however many times SVC, GridSearchCV or a display call the kernel.
+    The estimate, and the warning, come once per path, range, ``output`` and ``memory``,
+    however many times SVC, GridSearchCV or a display call the kernel (a copy of the path
+    that a process-based joblib task unpickles is another path to it).
 
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.

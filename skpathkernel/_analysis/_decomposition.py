@@ -192,6 +192,13 @@ FLOOR_MAX = 100
 # The relative reconstruction error that an exact decomposition reaches beyond its
 # quadrature residuals, from the linear algebra's round-off; larger ones warn.
 INEXACT_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-4}
+# The reconstruction error of a thinned path (record_every > 1), relative to the largest
+# change of the output it splits, up to which it is not warned of (Decomposition.error
+# holds it). Measured on a 4-16-1 tanh classifier, 25 steps of batch 8: recorded every 2
+# and 4 steps, SGD (lr 0.1) left 0.6% and 1.8% of the change, Adam (lr 0.003), whose
+# preconditioner moves most inside the first interval, 68% and 173%; the same network
+# regressing 0/1 targets, SGD 16% and 33%, Adam 37% and 53%.
+THINNED_LIMIT = 1e-2
 # The tolerance up to which a step range may restart the node choice: the ranges' sums
 # then agree with the serial call's to 1e-12 relative (see replays).
 REPLAY_TOL = 1e-12
@@ -1857,17 +1864,7 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     if inexact is not None:
         _warn_inexact(result, inexact, verb)
     if checks.thinned:
-        size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
-        warnings.warn(
-            f"{verb}(method={checks.method!r}): the path was recorded every "
-            f"{checks.record_every} optimizer steps, so the steps between two recorded "
-            "points are attributed with their batches' gradients at the interval's first "
-            f"point. The reconstruction error is {result.error:.3g} "
-            f"({result.error / max(size, 1e-300):.2g} "
-            f"relative; Decomposition.error), not round-off. Refit with record_every=1 "
-            "(and a larger memory_budget if the path needs it) for the exact decomposition.",
-            UserWarning, stacklevel=caller_stacklevel(),
-        )
+        _warn_thinned(result, checks, verb)
     if checks.weighting == "expected" and (checks.unequal_weights or smoothed is not None):
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         why = ("this path's batches weigh their points unequally (sample_weight, recorded "
@@ -1884,6 +1881,40 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             UserWarning, stacklevel=caller_stacklevel(),
         )
     return result
+
+
+def thinned_miss(result: Decomposition) -> float:
+    """A thinned path's reconstruction error relative to the largest change of the output
+    since initialization, ``max |f(x_T) - f(x_0)|``, which the contributions split (NaN
+    where the error is; inf where nothing changed but the error is not 0)."""
+    if not len(result.prediction):
+        return 0.0
+    change = float(np.abs(result.prediction - result.initial).max())
+    if change > 0 or math.isnan(result.error):
+        return result.error / max(change, 1e-300)
+    return 0.0 if result.error == 0 else math.inf
+
+
+def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
+    """Warn where a thinned path's contributions miss the prediction by more than
+    :data:`THINNED_LIMIT` of the change they split, stating the miss."""
+    miss = thinned_miss(result)
+    if miss <= THINNED_LIMIT:
+        return
+    change = float(np.abs(result.prediction - result.initial).max())
+    worse = (": more than the change itself, so they do not describe this training"
+             if not miss <= 1 else "")
+    warnings.warn(
+        f"{verb}(method={checks.method!r}): the path was recorded every "
+        f"{checks.record_every} optimizer steps, so the steps between two recorded "
+        "points are attributed with their batches' gradients (and the optimizer's "
+        "preconditioner) at the interval's first point. The contributions miss the "
+        f"prediction by {result.error:.3g} (Decomposition.error), {miss:.2g} times the "
+        f"largest change of the output since initialization ({change:.3g}){worse}. "
+        "Refit with record_every=1 (and a larger memory_budget if the path needs it) "
+        "for the exact decomposition.",
+        UserWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def _unequal_batch_weights(traj: Trajectory) -> bool:

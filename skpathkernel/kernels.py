@@ -1193,6 +1193,11 @@ class PathKernel(_NetworkKernel):
 
     def _gram_blocks(self, X, Y):
         K = self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)
+        self._warn_thinned(X)
+        return K
+
+    def _warn_thinned(self, X):
+        """Warn of a thinned path's Riemann sum at the first call on its range."""
         thinned = _thinning_error(self.estimator, X, self.start, self.stop, self.output,
                                   self.memory)
         if thinned is not None:
@@ -1211,7 +1216,6 @@ class PathKernel(_NetworkKernel):
                 "not a bound. Refit with record_every=1 (trajectory_storage='disk' keeps "
                 "long paths) for the every-step kernel.",
                 UserWarning, stacklevel=caller_stacklevel())
-        return K
 
     def _diag_blocks(self, X):
         return self._diag(X) if self.split == "steps" else super()._diag_blocks(X)
@@ -1232,8 +1236,10 @@ class PathKernel(_NetworkKernel):
     def _sums(self, X, Y):
         """``K(X, Y)`` and both diagonals as the kernel and its ``diag`` give them, from
         one walk over the path; refused where they overflowed."""
-        return _checked_sums(_own_sums(*self._sum(X, Y, gram=True, diag=True),
+        sums = _checked_sums(_own_sums(*self._sum(X, Y, gram=True, diag=True),
                                        self.normalized), self.estimator)
+        self._warn_thinned(X)
+        return sums
 
 
 class NetworkKernelsMixin:

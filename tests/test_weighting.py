@@ -240,6 +240,23 @@ def test_thinned_kernel_warns_once_per_path_under_a_grid_search():
     assert len(search(start=1)) == 1
 
 
+@pytest.mark.parametrize("normalized", [False, True])
+def test_path_kneighbors_on_a_thinned_path_warns_once(normalized):
+    """kneighbors(kernel="path") on queries sums the path itself (Gram and diagonals in one
+    walk), past the kernel's call: it says once, as the kernel does, that the path is a
+    Riemann sum (it said nothing, or, normalized, at every call)."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    net = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=9, batch_size=None,
+                            record_every=3, tol=None, random_state=0).fit(X, X[:, 0])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net.kneighbors(X[:3], 2, kernel="path", normalized=normalized)
+    assert [str(w.message)[:40] for w in rec] == ["PathKernel: the path was recorded every "]
+    assert rec[0].filename == __file__
+
+
 @pytest.mark.parametrize("epochs, every", [(15, 3), (10, 3), (21, 4), (12, 3), (6, 3)])
 def test_thinned_kernel_estimate_with_an_odd_count_or_a_short_last_interval(epochs, every):
     """Five or seven recorded points, a last interval shorter than the others (10 steps

@@ -1203,8 +1203,9 @@ class PathKernel(_NetworkKernel):
         if thinned is not None:
             # Once per path and range, not at every call: the estimate is the path's, and
             # Python's once-per-line filter does not hold under scikit-learn, whose
-            # catch_warnings blocks (one per GridSearchCV task, and in fit) reset it:
-            # the example's grid search showed it 12 times for 22 calls.
+            # catch_warnings blocks reset its registry (type_of_target's, in every
+            # classifier's fit and score; one around each GridSearchCV task): the SVC
+            # example showed it 12 times for 22 calls, once per task.
             every, estimate, rows = thinned
             warnings.warn(
                 f"PathKernel: the path was recorded every {every} optimizer steps (at "

@@ -23,9 +23,9 @@ from skpathkernel.kernels import PathKernel
 X, y = make_ellipse(n_samples=200, random_state=0)
 X_test, y_test = make_ellipse(n_samples=200, random_state=1)
 # record_every=10 keeps every 10th point: the path kernel becomes a Riemann sum over 30
-# points instead of 300, ten times cheaper to evaluate. Each call of the kernel says so
-# with a UserWarning that estimates the sum's error (0.05 of the largest entry here);
-# record_every=1 gives the every-step kernel.
+# points instead of 300, ten times cheaper to evaluate. The kernel's first call on the
+# path says so, once, with a UserWarning that estimates the sum's error (0.05 of the
+# largest entry here); record_every=1 gives the every-step kernel.
 net = PathKernelClassifier(hidden_layer_sizes=(32, 32), solver="adam", learning_rate_init=0.01,
                            max_iter=300, record_every=10, activation="tanh", batch_size=None,
                            tol=None, random_state=0).fit(X, y)

@@ -320,19 +320,27 @@ def step_kernel(
 
 def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized):
     """:func:`step_kernel` on arguments already checked (the kernels' call checks them)."""
+    return to_numpy(_step_sums(net, X, Y, step, output, preconditioned, normalized,
+                               diag=False)[0])
+
+
+def _step_sums(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized, *,
+               diag):
+    """``(K, dx, dy)`` of :func:`_step_gram`, float64 tensors, normalized as the kernel
+    is (:func:`_own_sums`); the diagonals None unless ``diag`` or ``normalized``."""
     Xt, Yt = _tensors(net, X, Y)
     module, params, kw = _step_setup(net, step, output, preconditioned)
     # K in float64 from the start: a float32 network's Gram is widened panel by panel,
     # never held twice (the float64 copy of a 4096^2 Gram cost a third of the call).
     K = tangent_gram(module, params, Xt, Yt, out_dtype=torch.float64, blocks_last=True, **kw)
-    if normalized:
-        if Yt is None:
-            dx = dy = K.diagonal().clone()
-        else:
-            dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
-            dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
-        K = _normalize(K, dx, dy, same=Yt is None)
-    return to_numpy(K)
+    if not (diag or normalized):
+        return K, None, None
+    if Yt is None:
+        dx = dy = K.diagonal().clone()
+    else:
+        dx = tangent_gram_diag(module, params, Xt, **kw).to(torch.float64)
+        dy = tangent_gram_diag(module, params, Yt, **kw).to(torch.float64)
+    return _own_sums(K, dx, dy, normalized, same=Yt is None)
 
 
 def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
@@ -350,6 +358,23 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
             f"overflow in {str(net.torch_dtype).removeprefix('torch.')} at some of these "
             f"inputs (products beyond its range). {way_out}.")
     return K
+
+
+def _checked_sums(sums, net: TrainedNetwork) -> tuple:
+    """The kernel's ``(K, dx, dy)`` as arrays, refused as :func:`_check_finite` refuses."""
+    return tuple(_check_finite(to_numpy(t), net) for t in sums)
+
+
+def _own_sums(K, dx, dy, normalized, same=False):
+    """``K`` and its diagonals ``dx``, ``dy``, normalized where ``normalized``: the
+    cosines, and diagonals 1 where the feature has a direction and 0 where it is zero, as
+    ``diag`` gives them (nan where its norm overflowed), so that
+    ``dx_i + dy_j - 2 K_ij`` is the squared distance of the normalized features, a zero
+    feature's the origin (at distance 1 from every unit feature, 0 from another zero)."""
+    if not normalized:
+        return K, dx, dy
+    own = (torch.where(d.isfinite(), (d > 0).to(K.dtype), float("nan")) for d in (dx, dy))
+    return _normalize(K, dx, dy, same=same), *own
 
 
 def _normalize(K, dx, dy, same=False):
@@ -588,7 +613,8 @@ _THINNING_LOCK = threading.Lock()
 
 def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, str] | None:
     """``(record_every, estimate, rows)`` for a range whose recorded points stand for
-    several steps each, else None.
+    several steps each, where this call is the first to estimate it for the path (each
+    path, range, output and weighting is estimated, and warned of, once), else None.
 
     Such a kernel is a Riemann sum: each point's step kernel stands for its interval's
     steps, ``K_h = sum_k w_k K_k``. The sum at twice the spacing puts each pair of
@@ -611,9 +637,8 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
         return None
     key = (start, stop, output, memory, len(traj))
     with _THINNING_LOCK:
-        known = _THINNING_ESTIMATES.setdefault(traj, {}).get(key)
-    if known is not None:
-        return known
+        if key in _THINNING_ESTIMATES.setdefault(traj, {}):
+            return None
     rows, what = ((net.X_fit, "training inputs") if net.X_fit is not None
                   else (X, "rows of the first call"))
     R = np.asarray(rows[:THINNING_PROBE])
@@ -630,8 +655,10 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
     known = (int(spans.max()), float((left - right).abs().max()) / max(size, 1e-300),
              f"the first {len(R)} {what}")
     with _THINNING_LOCK:
-        _THINNING_ESTIMATES.setdefault(traj, {})[key] = known
-    return known
+        # Two threads may have estimated it at once: the first to keep it warns.
+        first = key not in _THINNING_ESTIMATES.setdefault(traj, {})
+        _THINNING_ESTIMATES[traj].setdefault(key, known)
+    return known if first else None
 
 
 def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag, scales=None):
@@ -1023,6 +1050,13 @@ class TangentKernel(_NetworkKernel):
         return _step_gram(self.estimator, X, Y, self.step, _check_output(self.output),
                           False, False)
 
+    def _sums(self, X, Y):
+        """``K(X, Y)`` and both diagonals as the kernel and its ``diag`` give them, in one
+        pass; refused where they overflowed."""
+        return _checked_sums(_step_sums(self.estimator, X, Y, self.step,
+                                        _check_output(self.output), False, self.normalized,
+                                        diag=True), self.estimator)
+
     def _diag(self, X):
         Xt, _ = _tensors(self.estimator, X, None)
         module, params, kw = _step_setup(self.estimator, self.step, self.output, False)
@@ -1048,11 +1082,13 @@ class PathKernel(_NetworkKernel):
     part of ``D_k``: with "discrete" memory by the group's step sizes in the updates the
     step's gradient entered, which differ from the step's own where the groups follow
     different schedules. With ``record_every > 1``
-    each recorded point stands for the steps of its interval (Riemann sum): a call
-    warns, with an estimate of that sum's error (its difference from the sum at twice the
-    spacing, every other point standing for its pair's steps, on the first 64 training
-    inputs; computed once per path and range, about 1.5 times the cost of the kernel of
-    64 rows).
+    each recorded point stands for the steps of its interval (Riemann sum): the first
+    call on a path's range warns, with an estimate of that sum's error (its difference
+    from the sum at twice the spacing, every other point standing for its pair's steps,
+    on the first 64 training inputs; about 1.5 times the cost of the kernel of 64 rows).
+    The estimate, and the warning, come once per path, range, ``output`` and ``memory``,
+    however many times SVC, GridSearchCV or a display call the kernel (a copy of the path
+    that a process-based joblib task unpickles is another path to it).
 
     The cost is linear in the number of steps and the memory independent of it: step
     Grams are accumulated one at a time, each in memory-bounded blocks.
@@ -1157,11 +1193,19 @@ class PathKernel(_NetworkKernel):
 
     def _gram_blocks(self, X, Y):
         K = self._gram(X, Y) if self.split == "steps" else super()._gram_blocks(X, Y)
+        self._warn_thinned(X)
+        return K
+
+    def _warn_thinned(self, X):
+        """Warn of a thinned path's Riemann sum at the first call on its range."""
         thinned = _thinning_error(self.estimator, X, self.start, self.stop, self.output,
                                   self.memory)
         if thinned is not None:
-            # The same text at every call of a path's range: Python's default filter
-            # shows it once per calling line (an SVC's fit and predict, a grid search).
+            # Once per path and range, not at every call: the estimate is the path's, and
+            # Python's once-per-line filter does not hold under scikit-learn, whose
+            # catch_warnings blocks reset its registry (type_of_target's, in every
+            # classifier's fit and score; one around each GridSearchCV task): the SVC
+            # example showed it 12 times for 22 calls, once per task.
             every, estimate, rows = thinned
             warnings.warn(
                 f"PathKernel: the path was recorded every {every} optimizer steps (at "
@@ -1173,7 +1217,6 @@ class PathKernel(_NetworkKernel):
                 "not a bound. Refit with record_every=1 (trajectory_storage='disk' keeps "
                 "long paths) for the every-step kernel.",
                 UserWarning, stacklevel=caller_stacklevel())
-        return K
 
     def _diag_blocks(self, X):
         return self._diag(X) if self.split == "steps" else super()._diag_blocks(X)
@@ -1191,9 +1234,13 @@ class PathKernel(_NetworkKernel):
         _, dx, _ = self._sum(X, None, gram=False, diag=True)
         return to_numpy(dx)
 
-    def _raw_sums(self, X, Y):
-        """``K(X, Y)`` and both diagonals, unnormalised, from one walk over the path."""
-        return tuple(to_numpy(t) for t in self._sum(X, Y, gram=True, diag=True))
+    def _sums(self, X, Y):
+        """``K(X, Y)`` and both diagonals as the kernel and its ``diag`` give them, from
+        one walk over the path; refused where they overflowed."""
+        sums = _checked_sums(_own_sums(*self._sum(X, Y, gram=True, diag=True),
+                                       self.normalized), self.estimator)
+        self._warn_thinned(X)
+        return sums
 
 
 class NetworkKernelsMixin:

@@ -933,9 +933,10 @@ class TangentEmbeddingDisplay:
 
     Figure 4 of Guo, He & Morel (2026) (a UMAP of MNIST tangent features). The embedding
     works on the geometry of the *normalized* tangent features (cosine similarity ``K_hat``,
-    distance ``sqrt(2 - 2 K_hat)``), computed from the tangent Gram alone, so the number of
-    parameters does not matter: UMAP when ``umap-learn`` is importable, else t-SNE
-    (``method="auto"``), both on the precomputed distances; ``method="pca"`` is kernel PCA
+    distance ``sqrt(2 - 2 K_hat)``, 1 from a zero feature, which lies at the origin),
+    computed from the tangent Gram alone, so the number of parameters does not matter:
+    UMAP when ``umap-learn`` is importable, else t-SNE (``method="auto"``), both on the
+    precomputed distances; ``method="pca"`` is kernel PCA
     of ``K_hat`` (deterministic and fast). The method is named in the title.
 
     Parameters
@@ -1095,7 +1096,10 @@ class TangentEmbeddingDisplay:
             E = KernelPCA(n_components=2, kernel="precomputed").set_output(
                 transform="default").fit_transform(K)
         else:
-            D = np.sqrt(np.clip(2.0 - 2.0 * K, 0.0, None))
+            # The normalized features' distances from the Gram's own diagonal, 1 or 0
+            # for a zero feature (at the origin: 1 from the others, 0 from another one).
+            d = np.diag(K)
+            D = np.sqrt(np.clip(d[:, None] + d[None, :] - 2.0 * K, 0.0, None))
             np.fill_diagonal(D, 0.0)
             if resolved == "umap":
                 import umap

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import torch
 
+from skpathkernel import PathRecorder
 from skpathkernel._path._training import make_optimizer as _make_optimizer
 
 
@@ -335,3 +336,24 @@ def sklearn_step_sizes(params, n, steps_per_epoch, n_steps):
             if count > params["n_iter_no_change"]:
                 lr, count = lr / 5.0, 0
     return np.repeat(epoch_lrs, steps_per_epoch)[:n_steps]
+
+
+def zero_feature_network():
+    """``(network, X)``: a recorded network without biases, whose tangent feature is zero
+    at x = 0 (tanh(0) = 0), three SGD steps on ``X``, eight rows of which rows 2 and 5
+    are 0."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4, bias=False), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 1, bias=False)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = PathRecorder(module, opt, n_samples=8)
+    X = np.random.RandomState(0).normal(size=(8, 2))
+    X[[2, 5]] = 0.0
+    y = np.sin(X[:, :1])
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
+    for _ in range(3):
+        opt.zero_grad()
+        (module(Xt) - yt).square().mean().backward()
+        rec.set_batch(np.arange(8))
+        opt.step()
+    return rec.as_network(X, y), X

@@ -6,12 +6,19 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from _reference import features_loop, module_at
+from _reference import features_loop, module_at, zero_feature_network
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.exceptions import NotFittedError
 from sklearn.neighbors import NearestNeighbors
 
-from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder, RecordedNetwork
+from skpathkernel import (
+    PathKernel,
+    PathKernelClassifier,
+    PathKernelMachine,
+    PathRecorder,
+    RecordedNetwork,
+    TangentKernel,
+)
 
 
 def _phi_loop(est, X, k=-1):
@@ -222,3 +229,40 @@ def test_kneighbors_distances_stay_within_the_memory_budget(query):
     ref_dist, ref_ind = large.kneighbors(Xq, n_neighbors=5)
     assert_array_equal(ind, ref_ind)
     assert_allclose(dist, ref_dist, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["tangent", "path"])
+def test_kneighbors_normalized_places_a_zero_feature_as_the_normalized_kernel_does(kernel):
+    """A network without biases has a zero tangent feature at x = 0 (tanh(0) = 0). The
+    normalized kernel and its diag are 0 there (the feature has no direction); the
+    distances are those of its Gram, sqrt(K(x, x) + K(y, y) - 2 K(x, y)): 1 from every
+    other point, 0 from another zero (kneighbors put it at sqrt(2) from everything, its
+    own duplicate included), and for the tangent kernel those of the normalized dense
+    Jacobian features, a zero feature left at the origin."""
+    net, X = zero_feature_network()
+    module = net.module
+    rng = np.random.RandomState(1)
+    Q = np.vstack([np.zeros((1, 2)), rng.normal(size=(2, 2))])
+    Z = np.vstack([Q, X])
+    k = (TangentKernel if kernel == "tangent" else PathKernel)(net, normalized=True)
+    K = k(Z)
+    d = np.diag(K)
+    assert_array_equal(d, k.diag(Z))
+    assert_array_equal(d[[0, 5, 8]], 0.0)  # the zero query and the two zero rows
+    brute = np.sqrt(np.maximum(d[:, None] + d[None, :] - 2 * K, 0))
+    if kernel == "tangent":
+        phi = features_loop(module, Z)
+        norm = np.linalg.norm(phi, axis=1, keepdims=True)
+        phi = np.divide(phi, norm, out=np.zeros_like(phi), where=norm > 0)
+        assert_allclose(brute, np.linalg.norm(phi[:, None] - phi[None, :], axis=2),
+                        rtol=1e-7, atol=1e-7)
+    dist, ind = net.kneighbors(Q, n_neighbors=8, kernel=kernel, normalized=True)
+    assert_allclose(dist, np.sort(brute[:3, 3:], axis=1), rtol=1e-10, atol=1e-10)
+    assert_allclose(np.take_along_axis(brute[:3, 3:], ind, axis=1), dist, atol=1e-10)
+    assert_array_equal(ind[0, :2], [2, 5])  # the zero query's nearest: the zero rows
+    assert_allclose(dist[0], [0, 0, 1, 1, 1, 1, 1, 1], atol=1e-12)
+    # The training set against itself (X=None): the two zero rows each other's nearest.
+    own = brute[3:, 3:] + np.diag(np.full(8, np.inf))
+    dist, ind = net.kneighbors(n_neighbors=7, kernel=kernel, normalized=True)
+    assert_allclose(dist, np.sort(own, axis=1)[:, :7], rtol=1e-10, atol=1e-10)
+    assert (ind[2, 0], ind[5, 0]) == (5, 2)

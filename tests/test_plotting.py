@@ -15,9 +15,10 @@ import pytest
 import scipy.sparse as sp
 import sklearn
 import torch
-from _reference import jacobian_loop, module_at
+from _reference import jacobian_loop, module_at, zero_feature_network
 from sklearn.decomposition import KernelPCA
 from sklearn.exceptions import NotFittedError
+from sklearn.manifold import TSNE
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
@@ -26,6 +27,7 @@ from skpathkernel import (
     PathKernelClassifier,
     PathKernelMachine,
     PathRecorder,
+    plotting,
 )
 from skpathkernel.datasets import make_circle
 from skpathkernel.plotting import (
@@ -420,6 +422,28 @@ def test_tangent_embedding_pca_equals_kernel_pca_of_loop_gram(circle):
         np.testing.assert_allclose(sign * disp.embedding[:, j], expected[:, j], atol=1e-7)
     assert "kernel PCA" in disp.ax_.get_title()
     assert "step 0" in disp.ax_.get_title()
+
+
+def test_tangent_embedding_distances_place_a_zero_feature_at_the_origin(monkeypatch):
+    """t-SNE's precomputed distances are those of the normalized dense Jacobian features,
+    a zero feature (x = 0 in a network without biases) at the origin: 1 from the others,
+    0 from another zero row (it was put at sqrt(2) from everything)."""
+    net, X = zero_feature_network()
+    seen = []
+
+    class Capture(TSNE):
+        def fit_transform(self, D, y=None):
+            seen.append(D)
+            return np.zeros((len(D), 2))
+
+    monkeypatch.setattr(plotting, "TSNE", Capture)
+    TangentEmbeddingDisplay.from_estimator(net, X, method="tsne")
+    phi = jacobian_loop(net.module, X).reshape(len(X), -1).numpy()
+    norm = np.linalg.norm(phi, axis=1, keepdims=True)
+    phi = np.divide(phi, norm, out=np.zeros_like(phi), where=norm > 0)
+    np.testing.assert_allclose(seen[0], np.linalg.norm(phi[:, None] - phi[None], axis=2),
+                               atol=1e-7)
+    assert seen[0][2, 5] == 0.0
 
 
 @pytest.mark.parametrize("method", ["pca", "tsne"])

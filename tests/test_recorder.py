@@ -7,8 +7,10 @@ of the decomposition.
 """
 
 import copy
+import inspect
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +29,8 @@ from skpathkernel import (
     TangentKernel,
 )
 from skpathkernel._path._losses import LOSSES
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 SOLVERS = {
     "sgd-momentum-l2": (dict(solver="sgd", learning_rate_init=0.05, momentum=0.9, alpha=0.01),
@@ -1193,3 +1197,50 @@ def test_a_change_before_the_first_step_is_warned_as_part_of_step_0():
         opt.step()
     rec.close()
     assert torch.equal(rec.trajectory.parameters(0), initial)
+
+
+def _changed(value):
+    """A value of an optimizer option other than its default ``value``."""
+    if isinstance(value, bool) or value is None:
+        return not value
+    if isinstance(value, tuple):  # betas
+        return tuple(b / 2 for b in value)
+    return value / 2 if value else 0.5
+
+
+def test_the_refused_options_are_those_the_user_guide_lists():
+    """Every option of the four optimizers' constructors, set away from its default one
+    at a time (SGD from momentum=0.9, where dampening applies), is recorded or refused by
+    the recorder itself; the refused ones are exactly those own_loop.rst lists (it
+    omitted RMSprop's momentum and differentiable), each refused with an error naming the
+    option and its default. foreach and fused only choose an implementation; capturable
+    asks for a device the parameters are not on (torch refuses its CPU step)."""
+    text = " ".join((DOCS / "user_guide" / "own_loop.rst").read_text().split())
+    listed = re.search(r"Options that change the update rule in ways the decomposition "
+                       r"does not model \((.*?)\) are refused", text).group(1)
+    names = set(re.findall(r"``(\w+)``", listed))
+    # "``centered`` and ``momentum`` of RMSprop": SGD's momentum is recorded.
+    pair = re.search(r"``(\w+)`` and ``(\w+)`` of RMSprop", listed)
+    rmsprop_only = set(pair.groups()) if pair else set()
+    module = torch.nn.Linear(2, 1)
+    refused, expected = set(), set()
+    for cls, base in [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                      (torch.optim.Adam, {}), (torch.optim.AdamW, {}),
+                      (torch.optim.RMSprop, {})]:
+        params = inspect.signature(cls.__init__).parameters
+        for option, p in params.items():
+            if option in ("self", "params", "foreach", "fused", "capturable"):
+                continue
+            value = _changed(base.get(option, p.default))
+            opt = cls(module.parameters(), **{**base, option: value})
+            try:
+                PathRecorder(module, opt)
+            except ValueError as e:
+                refused.add((cls.__name__, option))
+                default = p.default
+                assert f"with {option}={value!r}" in str(e)
+                assert f"Use {option}={default!r}" in str(e)
+            if option in names and (option not in rmsprop_only or cls is torch.optim.RMSprop):
+                expected.add((cls.__name__, option))
+    assert refused == expected
+    assert ("RMSprop", "momentum") in refused and ("SGD", "momentum") not in refused

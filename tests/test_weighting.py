@@ -18,7 +18,9 @@ import torch
 from _reference import jacobian_loop, module_at
 from numpy.testing import assert_allclose
 from sklearn.datasets import load_digits
+from sklearn.model_selection import GridSearchCV
 from sklearn.preprocessing import StandardScaler
+from sklearn.svm import SVC
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine, kernels
 from skpathkernel.kernels import PathKernel, TangentKernel, path_weights
@@ -236,11 +238,12 @@ def test_thinned_kernel_estimates_its_error_against_the_every_step_kernel(name):
         true = np.abs(K - full).max() / np.abs(full).max()
         assert true > 1e-4  # thinning changed the kernel
         assert true / 2 < said < 5 * true, (every, said, true)
-        # Once per path and range: a second call (an SVC's predict) sums the path once.
+        # Once per path and range: a second call (an SVC's predict) sums the path once
+        # and says nothing more (the estimate is the path's, said at the first call).
         counted = mock.Mock(wraps=kernels._path_sum)
-        with mock.patch.object(kernels, "_path_sum", counted):
-            with pytest.warns(UserWarning, match=re.escape(f"differ by {said:.2g} of")):
-                thin.path_kernel_(X[:7])
+        with mock.patch.object(kernels, "_path_sum", counted), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            thin.path_kernel_(X[:7])
         assert counted.call_count == 1
         if name == "sgd":
             points = path_weights(thin.trajectory_)
@@ -251,6 +254,52 @@ def test_thinned_kernel_estimates_its_error_against_the_every_step_kernel(name):
             K_2h = sum((w[i] + (w[i + 1] if i + 1 < len(w) else 0)) * steps[i]
                        for i in range(0, len(w), 2))
             assert_allclose(said, np.abs(K_2h - K_h).max() / np.abs(K_h).max(), rtol=0.05)
+
+
+def test_thinned_kernel_warns_once_per_path_under_a_grid_search():
+    """GridSearchCV over an SVC on a thinned path's kernel: one warning, where Python's
+    once-per-line filter showed it at every task (12 times for the 22 calls of
+    examples/plot_path_kernel_svc.py): scikit-learn runs each (candidate, fold) in a
+    catch_warnings block, which resets that filter's registry. A second search on the
+    same path says nothing more; another range of it is another estimate, said once."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(30, 2))
+    y = (X[:, 0] * X[:, 1] > 0).astype(int)
+    net = PathKernelClassifier(hidden_layer_sizes=(6,), max_iter=12, batch_size=None,
+                               record_every=3, tol=None, random_state=0).fit(X, y)
+    calls = mock.Mock(wraps=kernels._path_sum)
+
+    def search(**kw):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("default")  # Python's own: once per calling line
+            GridSearchCV(SVC(kernel=PathKernel(net, normalized=True, **kw)),
+                         {"C": [0.1, 1.0, 10.0]}, cv=3).fit(X, y)
+        return [w for w in rec if "recorded every 3 optimizer steps" in str(w.message)]
+
+    with mock.patch.object(kernels, "_path_sum", calls):
+        first = search()
+    # 9 fits, 9 scores and the refit, each one kernel call (its Gram in one sum).
+    assert calls.call_count > 19
+    assert len(first) == 1
+    assert search() == []
+    assert len(search(start=1)) == 1
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_path_kneighbors_on_a_thinned_path_warns_once(normalized):
+    """kneighbors(kernel="path") on queries sums the path itself (Gram and diagonals in one
+    walk), past the kernel's call: it says once, as the kernel does, that the path is a
+    Riemann sum (it said nothing, or, normalized, at every call)."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    net = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=9, batch_size=None,
+                            record_every=3, tol=None, random_state=0).fit(X, X[:, 0])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net.kneighbors(X[:3], 2, kernel="path", normalized=normalized)
+    assert [str(w.message)[:40] for w in rec] == ["PathKernel: the path was recorded every "]
+    assert rec[0].filename == __file__
 
 
 @pytest.mark.parametrize("epochs, every", [(15, 3), (10, 3), (21, 4), (12, 3), (6, 3)])

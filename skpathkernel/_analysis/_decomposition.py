@@ -1880,10 +1880,28 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     return result
 
 
+def thinned_miss(result: Decomposition) -> float:
+    """A thinned path's reconstruction error relative to the largest change of the output
+    since initialization, ``max |f(x_T) - f(x_0)|``, which the contributions split (NaN
+    where the error is; inf where nothing changed but the error is not 0)."""
+    if not len(result.prediction):
+        return 0.0
+    change = float(np.abs(result.prediction - result.initial).max())
+    if change > 0 or math.isnan(result.error):
+        return result.error / max(change, 1e-300)
+    return 0.0 if result.error == 0 else math.inf
+
+
 def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
-    """Say what a thinned path's split approximates, and how far the error it quotes
-    reaches: the closure measures the contributions' sum, not each contribution."""
-    size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
+    """Say what a thinned path's split approximates, how far its contributions' sum
+    misses against the change it splits, and how far that error reaches: the closure
+    measures the contributions' sum, not each contribution, so a small sum's miss does
+    not silence it."""
+    miss = thinned_miss(result)
+    change = float(np.abs(result.prediction - result.initial).max()) \
+        if len(result.prediction) else 0.0
+    worse = (": more than the change itself, so they do not describe this training"
+             if not miss <= 1 else "")
     frozen = ("their batches' gradients and the optimizer's preconditioner"
               if checks.preconditioned else "their batches' gradients")
     # Refitting every step removes the thinning's miss, not the formula's own.
@@ -1891,7 +1909,7 @@ def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
            "the expected weighting's own miss on minibatches"
            if checks.weighting == "expected" else ""]
     own = " and ".join(part for part in own if part)
-    own = f", and includes {own}, which record_every=1 does not remove" if own else ""
+    own = f"; it includes {own}, which record_every=1 does not remove" if own else ""
     target = ("the exact decomposition" if checks.method == "exact"
               and checks.weighting == "realized" else
               "the exact decomposition (method='exact', weighting='realized')")
@@ -1899,13 +1917,13 @@ def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
         f"{verb}(method={checks.method!r}): the path was recorded every "
         f"{checks.record_every} optimizer steps, so the steps between two recorded "
         f"points are attributed with {frozen} at the interval's first point. The "
-        f"reconstruction error is {result.error:.3g} "
-        f"({result.error / max(size, 1e-300):.2g} relative; Decomposition.error), not "
-        f"round-off{own}. It measures only the sum of the contributions: a single "
-        "training point's contribution (what explain and attribute rank) can miss by "
-        "more, and the points' misses can add up to far more. Refit with "
-        "record_every=1 (and a larger memory_budget if the path needs it) for "
-        f"{target}.",
+        f"contributions miss the prediction by {result.error:.3g} (Decomposition.error), "
+        f"{miss:.2g} times the largest change of the output since initialization "
+        f"({change:.3g}){worse}. Not round-off{own}. It measures only the sum of the "
+        "contributions: a single training point's contribution (what explain and "
+        "attribute rank) can miss by more, and the points' misses can add up to far "
+        "more. Refit with record_every=1 (and a larger memory_budget if the path needs "
+        f"it) for {target}.",
         UserWarning, stacklevel=caller_stacklevel(),
     )
 

@@ -338,7 +338,11 @@ class FittedNetworkMixin:
         Nearness is the distance in the kernel's feature space,
         ``d(x, x_i)^2 = K(x, x) + K(x_i, x_i) - 2 K(x, x_i)``; with ``normalized=True``
         (Guo, He & Morel's normalized kernel ``K_hat``) it is ``sqrt(2 - 2 K_hat(x, x_i))``, so the
-        nearest points are those with the highest normalized kernel.
+        nearest points are those with the highest normalized kernel. A point whose tangent
+        feature is zero has no direction: ``K_hat`` is 0 against it and on its diagonal (as
+        ``TangentKernel(normalized=True)`` gives it), the same formula places it at distance
+        1 from every other point (0 from another such point), and the distances stay those
+        of points in a feature space.
 
         Parameters
         ----------

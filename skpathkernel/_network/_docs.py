@@ -105,8 +105,10 @@ momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
 n C P values that carries the optimizer's memory backwards over the steps, so
 memory does not grow with the number of steps; blocks under ``memory_budget``.
 Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
-recorded points take their batches' gradients at the first of them, and the
-result warns and reports the reconstruction error this leaves.${examples}
+recorded points take their batches' gradients at the first of them: ``error`` is
+the reconstruction error this leaves, and the result warns, stating it relative to
+the largest change of the output since initialization (it bounds the contributions'
+sum, not each contribution).${examples}
 """
 
 ATTRIBUTE = """Training-data attribution scores: how much each training point moved each output.

@@ -771,7 +771,8 @@ ValueError
             Recorded point of the tangent kernel; with ``kernel="path"`` only the default
             (the path kernel sums over every recorded point).
         normalized : bool, default=True
-            Distances of the cosine-normalised kernel, ``sqrt(2 - 2 k)``; otherwise the
+            Distances of the cosine-normalised kernel, ``sqrt(2 - 2 k)`` (a zero feature,
+            whose normalized kernel and diagonal are 0, at distance 1); otherwise the
             kernel's own feature-space distance.
         return_distance : bool, default=True
             Return the distances as well as the indices.
@@ -804,9 +805,9 @@ ValueError
         for start in range(0, Xq.shape[0], rows):
             block = slice(start, min(start + rows, Xq.shape[0]))
             if query_is_train and block.stop - block.start == n_train:
-                dist = _distances(self, k, kernel, normalized, None, X_fit)
+                dist = _distances(self, k, None, X_fit)
             else:
-                dist = _distances(self, k, kernel, normalized, Xq[block], X_fit)
+                dist = _distances(self, k, Xq[block], X_fit)
             if query_is_train:
                 # A sample is not its own neighbour, by index rather than by distance:
                 # its distance to itself is 0 only up to rounding (a near-duplicate can
@@ -1186,24 +1187,17 @@ def check_step_applies(kernel: str, step) -> None:
         raise ValueError(f"step={step!r} applies to kernel='tangent'; {where}.")
 
 
-def _distances(net, k, kernel: str, normalized: bool, Xq, X_fit) -> np.ndarray:
+def _distances(net, k, Xq, X_fit) -> np.ndarray:
     """Distances of the queries ``Xq`` (checked; None: the training set itself, its
-    symmetric Gram in one pass) to every training input under ``net``'s kernel ``k``."""
+    symmetric Gram in one pass) to every training input under ``net``'s kernel ``k``,
+    ``sqrt(k(x, x) + k(y, y) - 2 k(x, y))`` with the diagonals ``k`` gives (normalized: 1,
+    or 0 for a zero feature, which lies at distance 1 from every feature with a direction)."""
     if Xq is None:
         K = k(X_fit)
-        if normalized:
-            sq = 2.0 - 2.0 * np.clip(K, -1, 1)
-        else:
-            d = K.diagonal()
-            sq = d[:, None] + d[None, :] - 2.0 * K
-    elif normalized:
-        sq = 2.0 - 2.0 * np.clip(k(Xq, X_fit), -1, 1)
-    elif kernel == "path":
-        K, dx, dy = k._bind(net)._raw_sums(Xq, X_fit)
-        sq = dx[:, None] + dy[None, :] - 2.0 * K
+        dx = dy = K.diagonal()
     else:
-        sq = k.diag(Xq)[:, None] + k.diag(X_fit)[None, :] - 2.0 * k(Xq, X_fit)
-    return np.sqrt(np.maximum(sq, 0.0))
+        K, dx, dy = k._bind(net)._sums(Xq, X_fit)
+    return np.sqrt(np.maximum(dx[:, None] + dy[None, :] - 2.0 * K, 0.0))
 
 
 def _check_n_neighbors(n_neighbors, n_train: int, *, query_is_train: bool = False) -> None:

@@ -116,20 +116,23 @@ def _on_cuda(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def recurrent_on_cuda(module: torch.nn.Module, *, eval_only: bool = False) -> bool:
+def recurrent_on_cuda(module: torch.nn.Module, *, eval_only: bool = False,
+                      cells: bool = False) -> bool:
     """Whether ``module`` holds an ``nn.RNNBase`` (LSTM, GRU, RNN: the layers cuDNN runs;
     torch's cells never use it) with its parameters on CUDA; ``eval_only``: one in eval
-    mode (whose cuDNN kernel has no backward at all). Without building names, as
+    mode (whose cuDNN kernel has no backward at all); ``cells``: or a cell (LSTMCell,
+    GRUCell, RNNCell). Without building names, as
     :func:`~._path._training.warn_drawing_now`'s scan, and without a scan when nothing is
     on CUDA."""
     if not _cuda_in_use():
         return False
+    kinds = (torch.nn.RNNBase, torch.nn.RNNCellBase) if cells else torch.nn.RNNBase
     stack = [module]
     while stack:
         layer = stack.pop()
         if layer is None:  # a child registered as None
             continue
-        if isinstance(layer, torch.nn.RNNBase) and not (eval_only and layer.training):
+        if isinstance(layer, kinds) and not (eval_only and layer.training):
             if any(_on_cuda(p) for p in layer.parameters(recurse=False)):
                 return True
         stack.extend(layer._modules.values())

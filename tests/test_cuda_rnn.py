@@ -4,7 +4,9 @@ torch's cuDNN RNN kernels have no backward in eval mode, no double backward and 
 rule: the analyses run such a network with cuDNN off (skpathkernel._modules.running),
 and its fit trains with cuDNN where the layer is in training mode (one backward a step).
 Each network is fitted on the GPU and on the CPU with the same seed, in float64, and
-the path, the kernels, transform, the exact decomposition (its closure), attribute
+the path, the kernels, transform, the exact decomposition (its closure) and the
+second-order one (two reverse passes on CUDA, whose fused cells have no forward-mode
+derivative), attribute
 (also unrolled) and explain are compared at test_cuda.py's tolerances. Skipped without
 CUDA (tests/test_recurrent_cudnn.py checks the switch itself on the CPU); run on a GPU
 with ``bash benchmarks/device_check.sh``.
@@ -80,6 +82,8 @@ def test_recurrent_regressor_on_cuda(cell):
         module=_build(cell), device=d, dtype="float64", solver="adam",
         learning_rate_init=0.02, batch_size=8, max_iter=3, tol=None, random_state=0), X, Y)
     _close(gpu.predict(Q), cpu.predict(Q), what="predict")
+    # Its products by two reverse passes on CUDA (the fused cells have no forward mode).
+    _same_decomposition(gpu, cpu, Q, method="second_order")
     _check_verbs(gpu, cpu, X, Q, output=1)
 
 

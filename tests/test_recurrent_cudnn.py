@@ -16,6 +16,7 @@ import torch
 from joblib import parallel_config
 
 from skpathkernel import PathKernelMachine, _modules
+from skpathkernel._analysis import _decomposition
 from skpathkernel._modules import cudnn_disabled, running
 from skpathkernel._parallel import map_calls
 
@@ -161,3 +162,57 @@ def test_worker_processes_run_without_cudnn_where_the_caller_does():
         with cudnn_disabled():
             assert map_calls(probe, 2, [(), ()]) == [False, False]
     assert torch.backends.cudnn.enabled
+
+
+class _Cells(torch.nn.Module):
+    """(n, 6) features as 3 steps of 2 through a loop of a GRU cell, a head on its last
+    state: torch's cells never use cuDNN, but run as fused cells on CUDA too."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.cell = torch.nn.GRUCell(2, 3)
+        self.head = torch.nn.Linear(3, n_out)
+
+    def forward(self, x):
+        h = None
+        for step in x.reshape(-1, 3, 2).unbind(1):
+            h = self.cell(step, h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("cells", [False, True])
+def test_second_order_decomposition_of_recurrent_layers_on_cuda_by_reverse_mode(
+        monkeypatch, cells):
+    """On CUDA torch runs LSTM / GRU (without cuDNN) and its cells as fused cells, which
+    have no forward-mode derivative: the second-order decomposition's products there are
+    two reverse passes (``_jvp_by_reverse``), the same as forward over reverse."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(12, 6))
+    Y = np.c_[np.sin(2 * X[:, 0]) + X[:, 3], X[:, 1] * X[:, 4]]
+
+    def build(n_features, n_outputs):
+        return _Cells(n_outputs) if cells else _Recurrent(n_outputs)
+
+    est = PathKernelMachine(module=build, solver="adam", learning_rate_init=0.05,
+                            batch_size=6, max_iter=2, dtype="float64", tol=None,
+                            random_state=0).fit(X, Y)
+    Q = X[:3] + 0.1
+    want = est.decompose(Q, method="second_order")  # forward over reverse, on the CPU
+    first = est.decompose(Q, method="first_order").contributions
+    calls = []
+    reverse = _decomposition._jvp_by_reverse
+
+    def counted(*args):
+        calls.append(1)
+        return reverse(*args)
+
+    monkeypatch.setattr(_decomposition, "_jvp_by_reverse", counted)
+    monkeypatch.setattr(_modules, "_cuda_in_use", lambda: True)
+    monkeypatch.setattr(_modules, "_on_cuda", lambda tensor: True)
+    got = est.decompose(Q, method="second_order")
+    assert calls
+    curvature = np.abs(want.contributions - first).max()
+    assert curvature > 1e-6 * np.abs(first).max()  # the products are not nothing
+    np.testing.assert_allclose(got.contributions, want.contributions, rtol=0,
+                               atol=1e-12 * np.abs(want.contributions).max())
+    np.testing.assert_allclose(got.prediction, want.prediction, rtol=1e-12)

@@ -169,9 +169,10 @@ def undrawn(layer: torch.nn.Module) -> str:
     """How to build ``layer``, which draws at random in training mode, without its draws,
     by its own arguments. A recurrent layer's is ``dropout=0``: it has no ``p``, and
     torch's cuDNN RNN has no backward in eval mode ("cudnn RNN backward can only be
-    called in training mode"), so on a GPU training it in eval mode fails."""
+    called in training mode"), so on a GPU a layer in eval mode trains without cuDNN
+    (:func:`trains_without_cudnn`), slower."""
     if isinstance(layer, torch.nn.RNNBase):
-        return "dropout=0, not layer.eval(), which on CUDA leaves cuDNN's RNN without a backward"
+        return "dropout=0, not layer.eval(), which on CUDA trains without cuDNN's RNN kernels"
     # Each layer's own argument: attention's is dropout, RReLU's a fixed slope.
     if isinstance(layer, torch.nn.MultiheadAttention):
         return "layer.eval(), or dropout=0"

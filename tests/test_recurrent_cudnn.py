@@ -15,7 +15,7 @@ import pytest
 import torch
 from joblib import parallel_config
 
-from skpathkernel import PathKernelMachine, _modules
+from skpathkernel import PathKernelMachine, _modules, rules
 from skpathkernel._analysis import _decomposition
 from skpathkernel._modules import cudnn_disabled, running
 from skpathkernel._parallel import map_calls
@@ -216,3 +216,16 @@ def test_second_order_decomposition_of_recurrent_layers_on_cuda_by_reverse_mode(
     np.testing.assert_allclose(got.contributions, want.contributions, rtol=0,
                                atol=1e-12 * np.abs(want.contributions).max())
     np.testing.assert_allclose(got.prediction, want.prediction, rtol=1e-12)
+
+
+def test_public_rule_checks_of_a_recurrent_module_on_cuda_run_without_cudnn(on_cuda):
+    """layer_routes and check_rule (public) run the module with a backward, in its own
+    mode: an LSTM in eval mode on CUDA raised in cuDNN's backward."""
+    module = _Recurrent(2).double().eval()
+    X = torch.randn(5, 6, dtype=torch.float64)
+    rules.layer_routes(module, X)
+    assert SEEN and not any(SEEN)
+    SEEN.clear()
+    assert rules.check_rule(module, X) < 1e-8
+    assert SEEN and not any(SEEN)
+    assert torch.backends.cudnn.enabled and _modules._CUDNN["holders"] == 0

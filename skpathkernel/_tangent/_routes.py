@@ -149,7 +149,8 @@ def _no_rule_reason(layer: nn.Module) -> str:
 
 # Every fit of a user's module asks (warn_on_fallback), on the module in eval mode: with
 # its lock, and without cuDNN for a recurrent one on CUDA, whose eval-mode kernel has no
-# backward (the probe then failed, and the fit, catching it, named no fallback).
+# backward (the probe then failed, and the fit, catching it, named no fallback; a
+# check_rule of such a module raised).
 @runs_module(lambda module: module)
 def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | None = None,
                  output: str | int = "trace") -> list[LayerRoute]:
@@ -273,6 +274,7 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
         FallbackWarning, stacklevel=3)
 
 
+@runs_module(lambda module: module)  # its copy's features, as layer_routes' (above)
 def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     """Check the engine's tangent features and Gram of ``module`` against autograd.
 

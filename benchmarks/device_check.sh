@@ -29,7 +29,9 @@
 #
 # What comes back, under the reply's files_at:
 #     versions.txt     torch, CUDA, driver and GPU (nvidia-smi), Python, NumPy
-#     cuda-tests.log   pytest -ra output of every CUDA test (tests/test_cuda.py and the
+#     cuda-tests.log   pytest -ra output of every CUDA test (tests/test_cuda.py,
+#                      tests/test_cuda_rnn.py -- LSTM and GRU fits and analyses, never run
+#                      on a GPU before, which cuDNN's RNN kernels would fail -- and the
 #                      CUDA tests of test_rules.py, test_diagnostics.py, test_unrolled.py)
 #     cuda-tests.xml   the same as JUnit XML (per-test durations)
 #     gpu-ab.log       benchmarks/bench_gpu_ab.py's output (its gpu_ab.md / .json in
@@ -100,7 +102,8 @@ fi
 t0=$SECONDS
 timeout --kill-after=10 150 "$PY" -m pytest -ra -p no:cacheprovider "${workers[@]}" \
     "${timeout_opt[@]}" --junitxml="$OUT/cuda-tests.xml" -k cuda \
-    tests/test_cuda.py tests/test_rules.py tests/test_diagnostics.py tests/test_unrolled.py \
+    tests/test_cuda.py tests/test_cuda_rnn.py tests/test_rules.py tests/test_diagnostics.py \
+    tests/test_unrolled.py \
     tests/test_unrolled_normalize_y.py \
     2>&1 | tee "$OUT/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}

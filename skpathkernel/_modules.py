@@ -19,7 +19,8 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["copy_module", "module_lock", "norm_hooks", "running", "runs_module"]
+__all__ = ["copy_module", "cudnn_disabled", "cudnn_held", "module_lock", "norm_hooks",
+           "recurrent_on_cuda", "running", "runs_module"]
 
 
 def norm_hooks(layer: torch.nn.Module) -> list:
@@ -63,6 +64,81 @@ def module_lock(module: torch.nn.Module) -> threading.RLock:
     return lock
 
 
+# torch's cuDNN recurrent kernels (nn.LSTM, nn.GRU, nn.RNN on CUDA) have no backward in
+# eval mode ("cudnn RNN backward can only be called in training mode"), no double
+# backward and no vmap rule (aten::_cudnn_rnn): every analysis of a fitted recurrent
+# network on a GPU (eval mode, gradients per sample, second derivatives) raised. Without
+# cuDNN torch runs them as matrix products and fused cells, whose backward with
+# create_graph is made of differentiable operations. The switch is the process's, not a
+# thread's: the first verb to need it off saves and clears it, the last to end puts back
+# what it saved, so that overlapping verbs on threads (n_jobs threads, a threaded
+# server) neither turn it on under each other nor leave it off. Other work of the process
+# runs without cuDNN meanwhile (a convolution on another thread: slower, not wrong).
+_CUDNN_LOCK = threading.Lock()
+_CUDNN: dict = {"holders": 0, "saved": None}
+
+
+class cudnn_disabled:
+    """Run a block with cuDNN off (``torch.backends.cudnn.enabled``), counted across the
+    process's threads: restored to its value before the first of overlapping blocks when
+    the last ends, also on an exception."""
+
+    def __enter__(self):
+        with _CUDNN_LOCK:
+            if not _CUDNN["holders"]:
+                _CUDNN["saved"] = torch.backends.cudnn.enabled
+                torch.backends.cudnn.enabled = False
+            _CUDNN["holders"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        with _CUDNN_LOCK:
+            _CUDNN["holders"] -= 1
+            if not _CUDNN["holders"]:
+                torch.backends.cudnn.enabled = _CUDNN.pop("saved")
+                _CUDNN["saved"] = None
+        return False
+
+
+def cudnn_held() -> bool:
+    """Whether a :class:`cudnn_disabled` block is running in this process: a task that
+    this thread hands to another process (joblib's loky, a Dask worker) then runs in
+    one too."""
+    return _CUDNN["holders"] > 0
+
+
+def _cuda_in_use() -> bool:
+    # No tensor is on CUDA before torch initialised it: one call on a CPU-only machine.
+    return torch.cuda.is_initialized()
+
+
+def _on_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
+
+
+def recurrent_on_cuda(module: torch.nn.Module, *, eval_only: bool = False,
+                      cells: bool = False) -> bool:
+    """Whether ``module`` holds an ``nn.RNNBase`` (LSTM, GRU, RNN: the layers cuDNN runs;
+    torch's cells never use it) with its parameters on CUDA; ``eval_only``: one in eval
+    mode (whose cuDNN kernel has no backward at all); ``cells``: or a cell (LSTMCell,
+    GRUCell, RNNCell). Without building names, as
+    :func:`~._path._training.warn_drawing_now`'s scan, and without a scan when nothing is
+    on CUDA."""
+    if not _cuda_in_use():
+        return False
+    kinds = (torch.nn.RNNBase, torch.nn.RNNCellBase) if cells else torch.nn.RNNBase
+    stack = [module]
+    while stack:
+        layer = stack.pop()
+        if layer is None:  # a child registered as None
+            continue
+        if isinstance(layer, kinds) and not (eval_only and layer.training):
+            if any(_on_cuda(p) for p in layer.parameters(recurse=False)):
+                return True
+        stack.extend(layer._modules.values())
+    return False
+
+
 # The modules each thread is running a verb on, with how many verbs deep: a verb that
 # another calls (explain calls attribute, which calls decompose and outputs) is part of
 # the outer one's call, and what the caller must hear of once per call is checked there.
@@ -72,8 +148,10 @@ _RUNNING = threading.local()
 class running:
     """Hold :func:`module_lock` of ``module`` for a verb that runs it; ``check(module)``
     first when no other verb on ``module`` is running in this thread (the one the user
-    called, whichever verbs it calls). A class, not a generator: a warning that ``check``
-    points at the user's line must find no frame of ``contextlib`` on the way."""
+    called, whichever verbs it calls), which also turns cuDNN off for the call when
+    ``module`` is recurrent on CUDA (:func:`recurrent_on_cuda`). A class, not a
+    generator: a warning that ``check`` points at the user's line must find no frame of
+    ``contextlib`` on the way."""
 
     def __init__(self, module: torch.nn.Module, check=None):
         self.module, self.check = module, check
@@ -84,8 +162,12 @@ class running:
         try:
             depth = _RUNNING.__dict__.setdefault("depth", {})
             key = self.key = id(self.module)  # alive while it is running
-            if self.check is not None and key not in depth:
+            outermost = key not in depth
+            if self.check is not None and outermost:
                 self.check(self.module)
+            self.cudnn = None
+            if outermost and recurrent_on_cuda(self.module):
+                self.cudnn = cudnn_disabled().__enter__()
             depth[key] = depth.get(key, 0) + 1
         except BaseException:  # a warning turned into an error
             self.lock.release()
@@ -97,7 +179,11 @@ class running:
         depth[self.key] -= 1
         if not depth[self.key]:
             del depth[self.key]
-        self.lock.release()
+        try:
+            if self.cudnn is not None:
+                self.cudnn.__exit__(*exc)
+        finally:
+            self.lock.release()
         return False
 
 

@@ -45,7 +45,13 @@ from ._modules import copy_module
 from ._network._trained import network_of
 from ._parallel import limit_torch_threads
 from ._path._recorder import RecordedNetwork
-from ._path._training import batch_betas, make_optimizer, set_learning_rate, training_step
+from ._path._training import (
+    batch_betas,
+    make_optimizer,
+    set_learning_rate,
+    training_step,
+    trains_without_cudnn,
+)
 from ._progress import Progress
 from ._validation import count
 from ._warnings import worst
@@ -358,20 +364,23 @@ def _replay(estimator, keep: np.ndarray):
     # Each step's own step size, also between the points of a thinned path.
     step_lrs = traj.step_learning_rates
     weighted = traj._batch_weights is not None
-    for t, batch in enumerate(traj.batches):
-        mask = keep[batch]
-        kept = batch[mask]
-        if not len(kept):
-            continue
-        set_learning_rate(optimizer, float(step_lrs[t]))
-        rows = torch.as_tensor(kept, device=device)
-        weights = None
-        if weighted:
-            beta = traj.batch_weights(t)
-            # The recorded weights where the whole batch is kept: the trained step.
-            weights = (torch.as_tensor(beta, dtype=traj.dtype, device=device) if mask.all()
-                       else batch_betas(beta, np.flatnonzero(mask), traj.dtype, device)[0])
-        training_step(module, optimizer, loss, X[rows], Y[rows], weights=weights)
+    # The fitted module is in eval mode: a recurrent one on CUDA trains without cuDNN.
+    with trains_without_cudnn(module):
+        for t, batch in enumerate(traj.batches):
+            mask = keep[batch]
+            kept = batch[mask]
+            if not len(kept):
+                continue
+            set_learning_rate(optimizer, float(step_lrs[t]))
+            rows = torch.as_tensor(kept, device=device)
+            weights = None
+            if weighted:
+                beta = traj.batch_weights(t)
+                # The recorded weights where the whole batch is kept: the trained step.
+                weights = (torch.as_tensor(beta, dtype=traj.dtype, device=device)
+                           if mask.all() else
+                           batch_betas(beta, np.flatnonzero(mask), traj.dtype, device)[0])
+            training_step(module, optimizer, loss, X[rows], Y[rows], weights=weights)
     model.module_ = module.eval()
     return model
 

@@ -148,10 +148,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
-from torch.func import functional_call, grad, jacrev, jvp, vmap
+from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 from .._memory import rows_per_block
-from .._modules import copy_module
+from .._modules import copy_module, recurrent_on_cuda
 from .._parallel import _ranges
 from .._path._losses import Loss
 from .._path._trajectory import Trajectory, mean_batch_weights
@@ -613,14 +613,18 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
     # 2.13). One query at a time computes the same products.
     recurrent = (torch.nn.RNNBase, torch.nn.RNNCellBase)
     batched = _query_loop if any(isinstance(m, recurrent) for m in module.modules()) else vmap
+    # On CUDA they run as fused cells (cuDNN is off for the analyses), which have no
+    # forward-mode derivative at all ("Trying to use forward AD with
+    # _thnn_fused_lstm_cell"): there the same products by two reverse passes.
+    forward = _jvp_by_reverse if recurrent_on_cuda(module, cells=True) else jvp
     if n_out is None:
         def products(Xb):
-            return batched(lambda x: jvp(lambda p: jacrev(f_single)(p, x), (params,),
-                                         (tangent,))[1])(Xb)
+            return batched(lambda x: forward(lambda p: jacrev(f_single)(p, x), (params,),
+                                             (tangent,))[1])(Xb)
     else:
         def products(Xb):
             def row(x, c):
-                return jvp(grad(lambda p: f_single(p, x)[c]), (params,), (tangent,))[1]
+                return forward(grad(lambda p: f_single(p, x)[c]), (params,), (tangent,))[1]
 
             outs = [batched(functools.partial(row, c=c))(Xb) for c in range(n_out)]
             # (q, C, *shape) per parameter, as the one pass gives them.
@@ -641,6 +645,18 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
             start, size = layout[name]
             out[rows, :, start : start + size].add_(h, alpha=alpha)
             del h
+
+
+def _jvp_by_reverse(f, primals, tangents):
+    """``torch.func.jvp(f, primals, tangents)`` by reverse mode only: ``f``'s pullback
+    ``u -> J^T u`` is linear in ``u``, and the pullback of that, at any ``u`` (zeros),
+    takes ``tangents`` to ``J tangents``. For layers without a forward-mode derivative
+    whose backward is differentiable (torch's fused recurrent cells on CUDA)."""
+    out, pullback = vjp(f, *primals)
+    probe = torch.utils._pytree.tree_map(torch.zeros_like, out)
+    _, pullback_of_pullback = vjp(pullback, probe)
+    (tangent_out,) = pullback_of_pullback(tuple(tangents))
+    return out, tangent_out
 
 
 def _query_loop(fn):

@@ -63,6 +63,7 @@ from .._path._training import (
     resume_training_modes,
     train,
     training_threads,
+    trains_without_cudnn,
     warn_drawing_now,
     warn_random_forward,
 )
@@ -925,8 +926,11 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         # only where the training draws: its draws would otherwise interleave with another
         # fit's construction (another initialisation for its random_state) or training;
         # fits that draw nothing train at once on threads.
+        # A recurrent layer built in eval mode on CUDA trains without cuDNN, whose kernel
+        # has no backward in eval mode.
         with bar as tick, limit_torch_threads(threads), \
-                seeded_torch(seed + 1, X_t.device, exclusive=draws_in_training(module)):
+                seeded_torch(seed + 1, X_t.device, exclusive=draws_in_training(module)), \
+                trains_without_cudnn(module):
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

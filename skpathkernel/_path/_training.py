@@ -27,7 +27,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from .._device import forked_rng
-from .._modules import copy_module, norm_hooks
+from .._modules import copy_module, cudnn_disabled, norm_hooks, recurrent_on_cuda
 from .._warnings import caller_stacklevel
 from ._losses import Loss
 from ._mlp_step import MLPGradient
@@ -53,6 +53,7 @@ __all__ = [
     "set_learning_rate",
     "train",
     "training_step",
+    "trains_without_cudnn",
     "training_threads",
     "warn_drawing_now",
     "warn_drawn",
@@ -168,9 +169,10 @@ def undrawn(layer: torch.nn.Module) -> str:
     """How to build ``layer``, which draws at random in training mode, without its draws,
     by its own arguments. A recurrent layer's is ``dropout=0``: it has no ``p``, and
     torch's cuDNN RNN has no backward in eval mode ("cudnn RNN backward can only be
-    called in training mode"), so on a GPU training it in eval mode fails."""
+    called in training mode"), so on a GPU a layer in eval mode trains without cuDNN
+    (:func:`trains_without_cudnn`), slower."""
     if isinstance(layer, torch.nn.RNNBase):
-        return "dropout=0, not layer.eval(), which on CUDA leaves cuDNN's RNN without a backward"
+        return "dropout=0, not layer.eval(), which on CUDA trains without cuDNN's RNN kernels"
     # Each layer's own argument: attention's is dropout, RReLU's a fixed slope.
     if isinstance(layer, torch.nn.MultiheadAttention):
         return "layer.eval(), or dropout=0"
@@ -390,6 +392,17 @@ def training_threads(batch_rows: int, n_params: int, limit: int | None) -> int |
     if batch_rows * n_params < SINGLE_THREAD_WORK:
         return 1
     return limit
+
+
+def trains_without_cudnn(module: torch.nn.Module):
+    """A block that trains ``module``: with cuDNN off (:func:`~.._modules.cudnn_disabled`)
+    where it holds a recurrent layer on CUDA in eval mode, whose cuDNN kernel has no
+    backward ("cudnn RNN backward can only be called in training mode": a module built
+    in eval mode, or a fitted one replayed); else as it is, cuDNN's recurrent kernels
+    (one backward per step) being right and fast in training mode."""
+    if recurrent_on_cuda(module, eval_only=True):
+        return cudnn_disabled()
+    return contextlib.nullcontext()
 
 
 def training_step(module, optimizer, loss: Loss, xb, yb,

@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from .._modules import copy_module
+from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
@@ -147,6 +147,11 @@ def _no_rule_reason(layer: nn.Module) -> str:
     return f"no rule registered for {kind.__name__}"
 
 
+# Every fit of a user's module asks (warn_on_fallback), on the module in eval mode: with
+# its lock, and without cuDNN for a recurrent one on CUDA, whose eval-mode kernel has no
+# backward (the probe then failed, and the fit, catching it, named no fallback; a
+# check_rule of such a module raised).
+@runs_module(lambda module: module)
 def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | None = None,
                  output: str | int = "trace") -> list[LayerRoute]:
     """List each layer holding parameters with its route (rule or fallback) and size.
@@ -269,6 +274,7 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
         FallbackWarning, stacklevel=3)
 
 
+@runs_module(lambda module: module)  # its copy's features, as layer_routes' (above)
 def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
     """Check the engine's tangent features and Gram of ``module`` against autograd.
 

@@ -133,7 +133,10 @@ def recurrent_on_cuda(module: torch.nn.Module, *, eval_only: bool = False,
         if layer is None:  # a child registered as None
             continue
         if isinstance(layer, kinds) and not (eval_only and layer.training):
-            if any(_on_cuda(p) for p in layer.parameters(recurse=False)):
+            # Its own parameters, and those of its parametrizations (a parametrized
+            # weight lives in layer.parametrizations: one with every weight parametrized
+            # holds none of its own).
+            if any(_on_cuda(p) for p in layer.parameters()):
                 return True
         stack.extend(layer._modules.values())
     return False

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from joblib import parallel_config
+from torch.nn.utils.parametrizations import weight_norm
 
 from skpathkernel import PathKernelMachine, _modules, rules
 from skpathkernel._analysis import _decomposition
@@ -229,3 +230,18 @@ def test_public_rule_checks_of_a_recurrent_module_on_cuda_run_without_cudnn(on_c
     assert rules.check_rule(module, X) < 1e-8
     assert SEEN and not any(SEEN)
     assert torch.backends.cudnn.enabled and _modules._CUDNN["holders"] == 0
+
+
+def test_a_parametrized_recurrent_layer_counts_as_recurrent_on_cuda(on_cuda):
+    """A recurrent layer whose weights are all parametrized (weight norm, no bias) holds
+    its parameters in its parametrizations, none of its own: the scan found no recurrent
+    layer on CUDA, and the analyses ran it with cuDNN, which raises on a GPU."""
+    lstm = torch.nn.LSTM(2, 3, bias=False)
+    for name in ("weight_ih_l0", "weight_hh_l0"):
+        weight_norm(lstm, name)
+    assert not list(lstm.parameters(recurse=False))
+    module = torch.nn.Sequential(torch.nn.ModuleList([lstm]))
+    assert _modules.recurrent_on_cuda(module)
+    with running(module):
+        assert not torch.backends.cudnn.enabled
+    assert torch.backends.cudnn.enabled

@@ -661,6 +661,15 @@ def _thinning_error(net, X, start, stop, output, memory) -> tuple[int, float, st
     return known if first else None
 
 
+def _forget_thinning(net, start, stop, output, memory) -> None:
+    """Drop the estimate :func:`_thinning_error` kept for this range, so that the next
+    call estimates and warns again."""
+    traj = net.trajectory
+    with _THINNING_LOCK:
+        _THINNING_ESTIMATES.get(traj, {}).pop((start, stop, output, memory, len(traj)),
+                                              None)
+
+
 def _stacked_sum(net, Xt, Yt, weights, output, *, gram, diag, scales=None):
     """The path sum over blocks of points at once (:mod:`._tangent._stacked`), for a plain
     MLP on 2-D inputs; None where that route does not apply (the step-by-step sum then
@@ -1207,16 +1216,23 @@ class PathKernel(_NetworkKernel):
             # classifier's fit and score; one around each GridSearchCV task): the SVC
             # example showed it 12 times for 22 calls, once per task.
             every, estimate, rows = thinned
-            warnings.warn(
-                f"PathKernel: the path was recorded every {every} optimizer steps (at "
-                "most), so the kernel is a Riemann sum, each recorded point standing for "
-                "its interval's steps, not the sum over every step. It and its sum at "
-                "twice the spacing (every other recorded point, standing for its pair's "
-                f"steps) differ by {estimate:.2g} of the kernel's largest entry (on "
-                f"{rows}), an estimate of that sum's error, "
-                "not a bound. Refit with record_every=1 (trajectory_storage='disk' keeps "
-                "long paths) for the every-step kernel.",
-                UserWarning, stacklevel=caller_stacklevel())
+            try:
+                warnings.warn(
+                    f"PathKernel: the path was recorded every {every} optimizer steps (at "
+                    "most), so the kernel is a Riemann sum, each recorded point standing for "
+                    "its interval's steps, not the sum over every step. It and its sum at "
+                    "twice the spacing (every other recorded point, standing for its pair's "
+                    f"steps) differ by {estimate:.2g} of the kernel's largest entry (on "
+                    f"{rows}), an estimate of that sum's error, "
+                    "not a bound. Refit with record_every=1 (trajectory_storage='disk' keeps "
+                    "long paths) for the every-step kernel.",
+                    UserWarning, stacklevel=caller_stacklevel())
+            except Warning:
+                # A filter that makes it an error raises at every call, as Python's own
+                # registry lets it: kept as said, the next call returned silently.
+                _forget_thinning(self.estimator, self.start, self.stop, self.output,
+                                 self.memory)
+                raise
 
     def _diag_blocks(self, X):
         return self._diag(X) if self.split == "steps" else super()._diag_blocks(X)

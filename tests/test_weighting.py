@@ -285,6 +285,27 @@ def test_thinned_kernel_warns_once_per_path_under_a_grid_search():
     assert len(search(start=1)) == 1
 
 
+def test_thinned_kernel_warning_made_an_error_raises_at_every_call():
+    """A filter that turns the thinned path's warning into an error raises at every
+    call, as Python's own registry lets an error filter do: the first call kept the
+    estimate as said, and the next returned the Riemann sum silently."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(20, 2))
+    net = PathKernelMachine(hidden_layer_sizes=(5,), max_iter=9, batch_size=None,
+                            record_every=3, tol=None, random_state=0).fit(X, X[:, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with pytest.raises(UserWarning, match="recorded every 3 optimizer steps"):
+                net.path_kernel_(X[:4])
+    # Said once it is shown.
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            net.path_kernel_(X[:4])
+    assert len([w for w in rec if "recorded every 3" in str(w.message)]) == 1
+
+
 @pytest.mark.parametrize("normalized", [False, True])
 def test_path_kneighbors_on_a_thinned_path_warns_once(normalized):
     """kneighbors(kernel="path") on queries sums the path itself (Gram and diagonals in one

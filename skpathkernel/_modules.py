@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 import weakref
 
@@ -197,16 +198,20 @@ def runs_module(module_of, check=None):
     own error), with ``check`` as :func:`running` calls it."""
 
     def decorate(method):
+        # The first argument by its name too: a public function (rules.layer_routes,
+        # check_rule) may be called with module=...
+        first = next(iter(inspect.signature(method).parameters))
+
         @functools.wraps(method)
-        def wrapper(self, *args, **kwargs):
+        def wrapper(*args, **kwargs):
             try:
-                module = module_of(self)
+                module = module_of(args[0] if args else kwargs[first])
             except Exception:
                 module = None
             if module is None:
-                return method(self, *args, **kwargs)
+                return method(*args, **kwargs)
             with running(module, check):
-                return method(self, *args, **kwargs)
+                return method(*args, **kwargs)
 
         return wrapper
 

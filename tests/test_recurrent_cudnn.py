@@ -245,3 +245,16 @@ def test_a_parametrized_recurrent_layer_counts_as_recurrent_on_cuda(on_cuda):
     with running(module):
         assert not torch.backends.cudnn.enabled
     assert torch.backends.cudnn.enabled
+
+
+def test_public_rule_checks_take_their_module_by_keyword(on_cuda):
+    """rules.layer_routes(module=..., X=...) and check_rule(module=..., X=...): the
+    wrapper that runs them as verbs took the module positionally only, and raised
+    "missing 1 required positional argument: 'self'"."""
+    module = _Recurrent(2).double().eval()
+    X = torch.randn(5, 6, dtype=torch.float64)
+    routes = rules.layer_routes(module=module, X=X)
+    assert [r.name for r in routes] == [r.name for r in rules.layer_routes(module, X)]
+    assert rules.check_rule(module=module, X=X, rtol=1e-8) < 1e-8
+    assert SEEN and not any(SEEN)  # run as the verbs run: without cuDNN
+    assert torch.backends.cudnn.enabled and _modules._CUDNN["holders"] == 0

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import forward_recursion, gauss_nodes, jacobian_loop, module_at, module_with
+from _reference import forward_recursion, gauss_nodes, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine

@@ -1474,6 +1474,7 @@ class EveryStep(Trajectory):
             group_lrs = traj._group_lrs[point] * ratio[:, None]
         P, dtype = traj.n_params, traj.dtype
         self._kept: dict[int, tuple[list, list]] = {}
+        self._carry = None  # (j, the first moment at point j) after interval j - 1
         self._keep = max(KEPT_INTERVALS, -(-STEP_BLOCK // max(1, int(np.diff(steps).min())))
                          + 1)
         super().__init__(
@@ -1495,7 +1496,12 @@ class EveryStep(Trajectory):
         if j in self._kept:
             self._kept[j] = self._kept.pop(j)  # the most recently read
             return self._kept[j]
-        steps = self.replay.interval(j)
+        # Read first first (the reference outputs at every step), each interval starts
+        # from the first moment the one before ended with, not from a checkpoint.
+        carried = self._carry[1] if self._carry is not None and self._carry[0] == j else None
+        steps = self.replay.interval(j, moment=carried)
+        if self.replay._moments is not None:
+            self._carry = (j + 1, self.replay.end_moment)
         points = [nxt for _, _, nxt, _, _ in steps[:-1]]
         states = [v for _, _, _, _, v in steps]
         self._kept[j] = points, states

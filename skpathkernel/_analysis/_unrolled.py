@@ -557,6 +557,7 @@ class Replay:
         self.step_lrs = traj.step_learning_rates
         self._moments = moments  # replay_moments' checkpoints
         self._segment: dict[int, torch.Tensor | None] = {}
+        self.end_moment: torch.Tensor | None = None  # see interval
         self._module64: torch.nn.Module | None = None
 
     @property
@@ -626,18 +627,34 @@ class Replay:
             return self._state(j)
         return None, float(int(self.traj.steps[j]) + 1)
 
-    def interval(self, j, theta=None, end=None, v=None, count=None) -> list[tuple]:
+    def interval(self, j, theta=None, end=None, v=None, count=None, moment=None
+                 ) -> list[tuple]:
         """Interval ``j``'s steps replayed forward from its first point: ``(t, theta_t,
         theta_{t+1}, count, v)`` of each (``v`` the second moment after the step), and
-        its mismatch with the next recorded point taken into ``replay_error``. The
-        arguments not given are read from the record."""
+        its mismatch with the next recorded point taken into ``replay_error``; the first
+        moment at its end is kept in ``end_moment``. The arguments not given are read
+        from the record, ``moment`` (the first moment at point ``j``, which a caller
+        replaying intervals in order holds: ``end_moment`` of the one before) from the
+        replay's checkpoints."""
+        if self._moments is not None and moment is None:
+            moment = self._moment(j)
+        out, state = self._run(j, moment, theta, end, v, count, keep=True)
+        self.end_moment = state.get("m")
+        return out
+
+    def _run(self, j, moment, theta=None, end=None, v=None, count=None, keep=False):
+        """Interval ``j`` from its recorded point with the first moment ``moment``: its
+        steps (with ``keep``) and the optimizer state after it. The second moment starts
+        from the record (both :meth:`interval` and the moments' replay, so that the
+        first moments they give agree to the last bit)."""
         theta = self.params(j) if theta is None else theta
         end = self.params(j + 1) if end is None else end
         if count is None:
             v, count = self.start(j)
         step_fn = _SOLVERS[self.spec.name][0]
         first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
-        state = {} if self._moments is None else {"m": self._moment(j)}
+        state = {} if moment is None else {"m": moment}
+        d = None
         if v is not None:
             # The recorded second moment is the one after the interval's first step:
             # undo that step's update so that the replay makes it again.
@@ -647,44 +664,37 @@ class Replay:
             state["v"] = ((v - (1.0 - decay) * d * d) / decay).clamp_min(0.0)
         out, start = [], theta
         for t in range(first, last):
-            d = self.gradient(theta, t)
+            # The first step's gradient is the one the undo took.
+            d = self.gradient(theta, t) if t > first or d is None else d
             c = count + (t - first)
             lr = self.lr(j, t)
             nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
-            out.append((t, theta, nxt, c, state.get("v")))
+            if keep:
+                out.append((t, theta, nxt, c, state.get("v")))
             theta = nxt
         scale = float((end - start).norm()) or 1.0
         self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
-        return out
+        return out, state
 
-    def _advance(self, j: int, state: dict) -> dict:
-        """The optimizer state at point ``j + 1``: interval ``j`` replayed forward from
-        recorded point ``j`` with the state ``state``."""
-        traj, spec = self.traj, self.spec
-        step_fn = _SOLVERS[spec.name][0]
-        theta = self.params(j)
-        first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-        count = self.start(j)[1]
-        for t in range(first, last):
-            lr = self.lr(j, t)
-            theta, state = step_fn(spec, theta, state, self.gradient(theta, t), lr,
-                                   count + (t - first), self.decay(lr))
-        return state
+    def _advance(self, j: int, m: torch.Tensor | None) -> torch.Tensor:
+        """The replay's first moment at point ``j + 1``: interval ``j`` replayed forward
+        from recorded point ``j`` with the first moment ``m``."""
+        return self._run(j, m)[1]["m"]
 
-    def replay_moments(self) -> tuple[int, dict[int, dict]]:
+    def replay_moments(self) -> tuple[int, dict[int, torch.Tensor | None]]:
         """Checkpoints of the forward replay that recovers the first moments: the replay's
-        optimizer state at every ``every``-th recorded point, ``every`` about the square
+        first moment at every ``every``-th recorded point, ``every`` about the square
         root of the number of intervals. The moments in between are replayed again from
         the checkpoint before them, one segment at a time (:meth:`_moment`), so that about
         ``2 sqrt(n_points)`` (P,) vectors are held, not one a recorded point."""
         n = len(self.traj) - 1
         every = math.isqrt(max(n - 1, 0)) + 1  # ceil(sqrt(n))
-        state: dict = {}
-        checkpoints = {0: state}
+        m = None
+        checkpoints = {0: m}
         for j in range(every * ((n - 1) // every)):
-            state = self._advance(j, state)  # each interval restarts on its recorded point
+            m = self._advance(j, m)  # each interval restarts on its recorded point
             if (j + 1) % every == 0:
-                checkpoints[j + 1] = state
+                checkpoints[j + 1] = m
         return every, checkpoints
 
     def _moment(self, j: int) -> torch.Tensor | None:
@@ -697,12 +707,12 @@ class Replay:
             every, checkpoints = self._moments
             start = j - j % every
             stop = min(start + every, len(self.traj) - 1)
-            state = checkpoints[start]
+            m = checkpoints[start]
             self._segment = {}
             for i in range(start, stop):
-                self._segment[i] = state.get("m")
+                self._segment[i] = m
                 if i < stop - 1:
-                    state = self._advance(i, state)
+                    m = self._advance(i, m)
         return self._segment[j]
 
 

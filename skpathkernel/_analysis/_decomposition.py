@@ -121,6 +121,15 @@ every query-side product above costs what it costs for a single-output network. 
 batch enters only through its loss gradients, captured the same way with the loss
 residuals as the seed.
 
+Thinned paths (``record_every > 1``). The steps between two recorded points are replayed
+(:class:`EveryStep`, over the unrolled attribution's :class:`._unrolled.Replay`), and
+every route above reads the thinned path as one recorded at every step: each step's own
+gradients and preconditioner, its own quadrature. The replay's mismatch with the next
+recorded point is the result's ``replay_error``, warned of above the dtype's limit. Where
+the steps cannot be replayed (:func:`._unrolled.check_replayable`), an interval's steps
+take its segment and their batches' gradients at its first point (:func:`_intervals`),
+and the result warns with its error.
+
 Error control (``method="exact"``). The quadrature error of step t is measured, not
 guessed: with ``q_t(x) = rho_t(x) . dtheta_t`` computed from the same factors (in
 float64), ``|q_t(x) - (f(x; theta_{t+1}) - f(x; theta_t))|`` is that step's error, since
@@ -1802,6 +1811,8 @@ class _Checks:
     """What the warnings about a decomposition need besides the result itself."""
 
     exact: bool
+    # A thinned path split with each interval's gradients at its first point (its
+    # steps not replayed: ``refusal`` says why).
     thinned: bool
     method: str
     weighting: str

@@ -1158,3 +1158,39 @@ def test_second_order_primals_are_not_views_of_the_path(monkeypatch):
     monkeypatch.setattr(interpolation, "jvp", spy)
     est.decompose(X_train[:3], method="second_order")
     assert seen and all(storage == own for storage, own in seen)
+
+
+@pytest.mark.parametrize("every", [3, 20])
+def test_thinned_path_holds_its_replayed_intervals_briefly(data, every, monkeypatch):
+    """The replay holds a few intervals: intervals longer than the blocks of steps
+    captured ahead one at a time (those blocks stop at the interval's first step),
+    shorter ones as many as a block spans and one more. Each interval is replayed once
+    for the reference outputs (first first) and once for the walk back, and the split
+    is the every-step path's."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    params = dict(RAW, hidden_layer_sizes=(6,), max_iter=15, batch_size=2, dtype="float64",
+                  random_state=0, **SOLVERS["adam-l2"])
+    full = PathKernelMachine(**params).fit(X_train, y)
+    thinned = PathKernelMachine(**params, record_every=every).fit(X_train, y)
+    n_steps = thinned.trajectory_.n_steps  # 120
+    calls, held = [], []
+    interval = interpolation.EveryStep._interval
+
+    def counting(self, j):
+        if j not in self._kept:
+            calls.append(j)
+        out = interval(self, j)
+        held.append(len(self._kept))
+        return out
+
+    monkeypatch.setattr(interpolation.EveryStep, "_interval", counting)
+    res = thinned.decompose(X)
+    _assert_same_split(res, full.decompose(X))
+    n_intervals = len(thinned.trajectory_) - 1
+    limit = 1 if every > interpolation.STEP_BLOCK else -(-interpolation.STEP_BLOCK // every) + 1
+    assert max(held) == limit
+    # The reference outputs' pass and the walk's (and the middle point's, for the
+    # engine's check of hidden reads, before them).
+    assert len(calls) <= 2 * n_intervals + 1 and n_steps == 120

@@ -234,9 +234,6 @@ BLOCK_CHUNK = 32
 # own arithmetic dominates (a batch of 200 rows of the default classifier is one
 # 200 x 64 x 64 GEMM per layer).
 STEP_BLOCK = 16
-# The replayed intervals of a thinned path that its every-step view (EveryStep) keeps: the
-# walk's interval and the one before, or more where STEP_BLOCK steps ahead span more.
-KEPT_INTERVALS = 2
 # Bytes of a Hessian-vector product's formation per query, in units of its (C, P) result:
 # torch.func's jvp of a jacrev under vmap held about 3.6 of them at once on the default
 # MLPs (peak RSS; 1, 3 outputs, 5k to 69k parameters).
@@ -917,6 +914,9 @@ class _Context:
         self.node_points = max(node_points, min(MAX_NODES, (
             2 * node_points * point_bytes + left // 4) // max(2 * point_bytes, 1)))
         self._ahead, self._walk, self._at = {}, None, None
+        # The first step a block of steps made ahead may reach back to from step j: a
+        # replayed path's long intervals are read one at a time (EveryStep.floor).
+        self.floor = traj.floor if isinstance(traj, EveryStep) else (lambda j: 0)
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
@@ -1024,9 +1024,10 @@ class _Context:
             self._at = {s: k for k, (s, _) in enumerate(walk)}
         block, idx, w = [], [], []
         n = self.ahead_steps(size, 1, self.ahead_bytes)
+        floor = self.floor(t)
         for k in range(self._at[t], len(walk)):
             s, j = walk[k]
-            if len(block) == n:
+            if len(block) == n or s < floor:
                 break
             if s in self._kept:  # read from the kept captures, not captured again
                 continue
@@ -1316,7 +1317,7 @@ class _NodesAhead:
                 self._take(k)
             share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
             size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
-        steps = range(j, max(self.lo, j - size + 1) - 1, -1)
+        steps = range(j, max(self.lo, ctx.floor(j), j - size + 1) - 1, -1)
         if len(steps) == 1 and n > ctx.node_points:
             # More nodes than the plan's room for parameter points: captured a group at
             # a time (a point's batched GEMMs are the single point's), the points of one
@@ -1459,9 +1460,12 @@ class EveryStep(Trajectory):
 
     The replayed intervals are held for a few intervals only, in the order they were
     last read (a walk reads its steps last first and, for its captures made ahead, up to
-    ``STEP_BLOCK`` steps before): at most ``KEPT_INTERVALS`` intervals' points and
-    states, besides the replay's checkpoints of the first moments (about
-    ``2 sqrt(n_points)`` vectors). ``replay.replay_error`` is the intervals' worst
+    ``STEP_BLOCK`` steps before): intervals of more than ``STEP_BLOCK`` steps one at a
+    time (the blocks made ahead stop at the interval's first step, :meth:`floor`), so
+    that ``2 k`` vectors are held for intervals of ``k`` steps; shorter ones as many as
+    ``STEP_BLOCK`` steps span and one more (at most about ``4 STEP_BLOCK`` vectors);
+    besides the replay's checkpoints of the first moments (about ``sqrt(n_points)``
+    vectors, and a segment of as many). ``replay.replay_error`` is the intervals' worst
     mismatch with their next recorded point.
     """
 
@@ -1484,8 +1488,10 @@ class EveryStep(Trajectory):
         P, dtype = traj.n_params, traj.dtype
         self._kept: dict[int, tuple[list, list]] = {}
         self._carry = None  # (j, the first moment at point j) after interval j - 1
-        self._keep = max(KEPT_INTERVALS, -(-STEP_BLOCK // max(1, int(np.diff(steps).min())))
-                         + 1)
+        longest = int(np.diff(steps).max())
+        # Long intervals: the walk's alone; short ones: those a block made ahead spans.
+        self._long = longest > STEP_BLOCK
+        self._keep = 1 if self._long else -(-STEP_BLOCK // longest) + 1
         super().__init__(
             names=traj.names, shapes=traj.shapes,
             params=_Rows(self._params_at, n + 1, P, dtype), steps=np.arange(n + 1),
@@ -1498,6 +1504,11 @@ class EveryStep(Trajectory):
             batch_weights=traj._batch_weights, group_lrs=group_lrs,
             param_groups=traj._param_groups,
             group_weight_decays=traj._group_weight_decays)
+
+    def floor(self, t: int) -> int:
+        """The first step a block of steps read ahead from step ``t`` may reach: its
+        interval's first, where intervals are long (then held one at a time), else 0."""
+        return int(self.recorded.steps[self._interval_of[t]]) if self._long else 0
 
     def _interval(self, j: int) -> tuple[list, list]:
         """Interval ``j``'s replayed points (after each of its steps but the last) and

@@ -66,11 +66,6 @@ EXCEPTIONS = [
         "the FallbackWarning's threshold, a parameter",
     ),
     (
-        "docs/user_guide/decomposition.rst",
-        "RMSprop at 0.005",
-        "a learning rate",
-    ),
-    (
         "docs/user_guide/kernels.rst",
         "``memory_budget`` (default 1 GiB)",
         "memory_budget's default",

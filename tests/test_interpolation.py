@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _reference import forward_recursion, gauss_nodes, jacobian_loop, module_at, module_with
+from _reference import forward_recursion, gauss_nodes, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -170,14 +170,18 @@ def test_float32_error_is_at_round_off(data):
 
 @pytest.mark.parametrize("solver, lr, every, loud", [("adam", 0.003, 4, True),
                                                      ("sgd", 0.1, 2, False)])
-def test_thinned_path_warns_of_its_miss_relative_to_the_change_it_splits(solver, lr, every,
-                                                                         loud):
-    """Adam's preconditioner moves most inside the first intervals: recorded every 4
-    steps its contributions miss the logit f(x_T) by more than f(x_T) - f(x_0), and the
-    warning states that ratio, here recomputed from plain forward passes at the path's
-    ends. Thinned SGD misses by less than 1% of the change: it still warns (the sum's
-    closure does not bound each contribution), with its ratio and without the loud
-    phrase."""
+def test_thinned_path_that_cannot_be_replayed_warns_of_its_miss(solver, lr, every, loud,
+                                                                 monkeypatch):
+    """Where the unrecorded steps cannot be replayed (the reason stood in for here; a
+    real one below), each interval's steps take their batches' gradients (and Adam's
+    preconditioner) at the interval's first point: Adam's preconditioner moves most inside
+    the first intervals, so that recorded every 4 steps its contributions miss the logit
+    f(x_T) by more than f(x_T) - f(x_0), and the warning states that ratio, recomputed
+    here from plain forward passes at the path's ends, and why nothing was replayed.
+    Thinned SGD misses by less than 1% of the change: it still warns, without the loud
+    phrase. Replayed, the same path is split exactly, silently."""
+    import skpathkernel._analysis._decomposition as interpolation
+
     rng = np.random.RandomState(0)
     X = rng.normal(size=(40, 4))
     y = (X[:, 0] + X[:, 1] > 0).astype(int)
@@ -185,9 +189,20 @@ def test_thinned_path_warns_of_its_miss_relative_to_the_change_it_splits(solver,
                                learning_rate_init=lr, max_iter=5, batch_size=8,
                                record_every=every, tol=None, dtype="float64",
                                random_state=0).fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replayed = est.decompose(X[:5])
+    assert replayed.replay_error < 1e-13
+    assert replayed.error < 1e-12 * np.abs(replayed.prediction).max()
+
+    def refused(traj, module, what):
+        raise ValueError(f"{what} stands in for a refusal.")
+
+    monkeypatch.setattr(interpolation, "check_replayable", refused)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         res = est.decompose(X[:5])
+    assert res.replay_error is None
     with torch.no_grad():
         X_t = torch.as_tensor(X[:5])
         f_0, f_T = (module_at(est, k)(X_t).numpy() for k in (0, -1))
@@ -200,80 +215,103 @@ def test_thinned_path_warns_of_its_miss_relative_to_the_change_it_splits(solver,
     ratio = re.search(r"Decomposition.error\), (\S+) times the largest change", said[0])
     assert ratio.group(1) == f"{relative:.2g}"
     assert ("more than the change itself" in said[0]) == loud
+    assert "cannot be replayed (The replay of the unrecorded steps stands in" in said[0]
     assert "record_every=1" in said[0]
 
 
-@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-l2", "adam-l2", "adamw"])
+def test_thinned_path_with_undeclared_batches_is_not_replayed():
+    """A recorded loop whose step declared an empty batch: its steps are not replayed
+    (the replay takes an empty batch for an undeclared one, whose data it does not
+    know), and the warning says so."""
+    from skpathkernel import PathRecorder, RecordedNetwork
+
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(12, 2)), rng.normal(size=12)
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)[:, None]
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
+    with PathRecorder(module, opt, n_samples=len(X), record_every=2) as rec:
+        for step in range(6):
+            opt.zero_grad()
+            batch = np.arange(4 * (step % 3), 4 * (step % 3) + 4)
+            if step == 3:  # a step of the momentum alone
+                batch = np.arange(0)
+            rec.set_batch(batch)
+            residual = module(Xt[batch]) - yt[batch]
+            (0.5 * residual.pow(2).sum() / max(len(batch), 1)).backward()
+            opt.step()
+    net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+    with pytest.warns(UserWarning, match="cannot be replayed") as record:
+        res = net.decompose(X[:2])
+    assert res.replay_error is None
+    said = [str(w.message) for w in record if "cannot be replayed" in str(w.message)]
+    assert "1 of 6 steps declare none (first: step 3)" in said[0]
+
+
+# Every solver of SOLVERS but Nesterov's on minibatches (the thinned path's steps are
+# replayed: the every-step path's split, to round-off).
+THINNED = ["sgd", "sgd-momentum-l2", "sgd-heavy-ball-l2", "adam-l2", "adamw", "rmsprop-l2"]
+
+
+def _twice(X_train, y, name, normalize_y=False, **extra):
+    """The same training recorded at every step and every third step."""
+    params = dict(RAW, normalize_y=normalize_y, hidden_layer_sizes=(6,), max_iter=12,
+                  batch_size=4, dtype="float64", random_state=0, **SOLVERS[name], **extra)
+    every = PathKernelMachine(**params).fit(X_train, y)
+    thinned = PathKernelMachine(**params, record_every=3).fit(X_train, y)
+    traj = thinned.trajectory_
+    assert traj.record_every == 3 and len(traj) - 1 < traj.n_steps
+    return every, thinned
+
+
+def _assert_same_split(res, ref, rel=1e-10):
+    scale = np.abs(ref.contributions).max()
+    assert_allclose(res.contributions, ref.contributions, rtol=0, atol=rel * scale)
+    assert_allclose(res.regularization, ref.regularization, rtol=0,
+                    atol=rel * max(scale, 1e-3))
+    assert_allclose(res.prediction, ref.prediction, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", THINNED)
 @pytest.mark.parametrize("normalize_y", [False, True])
-def test_thinned_path_reports_its_true_error(data, name, normalize_y, monkeypatch):
-    """record_every > 1: the steps between recorded points are attributed with their
-    batches' gradients at the interval's first point. Not exact: the result says so (a
-    warning) and its error is the true one, measured here from plain forward passes at
-    the recorded end points (in the units of y with normalize_y)."""
+def test_thinned_path_is_split_as_the_every_step_path(data, name, normalize_y, monkeypatch):
+    """record_every=3: the steps between recorded points are replayed from the record
+    (batches, step sizes, weight decay; the first moments from the initialization), so
+    the thinned path's decomposition is the every-step path's, every method, to
+    round-off, silently: its closure error is round-off and its replay mismatch too.
+    The dense route takes the same steps. (The every-step path's split is checked
+    against the brute-force recursion above.)"""
     import skpathkernel._analysis._decomposition as interpolation
 
     X_train, y, X = data
-    est = PathKernelMachine(**{**RAW, "normalize_y": normalize_y}, hidden_layer_sizes=(6,),
-                            max_iter=12, batch_size=4, record_every=3, dtype="float64",
-                            random_state=0, **SOLVERS[name]).fit(X_train, y)
-    traj = est.trajectory_
-    assert traj.record_every == 3 and len(traj) - 1 < traj.n_steps
-    with torch.no_grad():
-        X_t = torch.as_tensor(X)
-        moved = module_at(est, -1)(X_t).numpy() - module_at(est, 0)(X_t).numpy()
-    if normalize_y:
-        moved = moved * est._y_scale
-    results = {}
+    every, thinned = _twice(X_train, y, name, normalize_y)
     for method in ("exact", "first_order"):
-        with pytest.warns(UserWarning, match="recorded every 3 optimizer steps") as record:
-            res = results[method] = est.decompose(X, method=method)
-        true = np.abs(moved - res.contributions.sum(axis=1) - res.regularization).max()
-        assert res.error == pytest.approx(true, rel=1e-9)
-        assert true > 1e-4 * np.abs(moved).max()  # the model's error, not round-off
-        assert f"{res.error:.3g}" in str(record[-1].message)
-    # The steps' segment is still integrated to tol: a step's residual is round-off.
-    assert results["exact"].step_errors.shape == (len(traj) - 1,)
-    assert results["exact"].step_errors.max() < 1e-11 * np.abs(moved).max() + 1e-12
-    # The dense route takes the same intervals.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            res = thinned.decompose(X, method=method)
+        _assert_same_split(res, every.decompose(X, method=method))
+        assert res.replay_error < 1e-13
+    assert res.error > 1e-4 * np.abs(res.prediction - res.initial).max()  # first_order
+    exact = thinned.decompose(X)
+    assert exact.error <= 1e-12 * np.abs(exact.prediction).max()
+    # Every optimizer step is a step of the split, with its own residual.
+    assert exact.step_errors.shape == exact.n_nodes.shape == (thinned.trajectory_.n_steps,)
     monkeypatch.setattr(interpolation, "_route", lambda traj, method: "dense")
-    with pytest.warns(UserWarning, match="recorded every 3"):
-        dense = est.decompose(X, method="exact", n_nodes=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dense = thinned.decompose(X, n_nodes=4)
     monkeypatch.undo()
-    with pytest.warns(UserWarning, match="recorded every 3"):
-        fixed = est.decompose(X, method="exact", n_nodes=4)
-    assert_allclose(fixed.contributions, dense.contributions, rtol=1e-10,
-                    atol=1e-13 * np.abs(dense.contributions).max())
-    assert_allclose(fixed.regularization, dense.regularization, rtol=1e-10, atol=1e-14)
-    if name == "sgd" and not normalize_y:
-        # The attribution itself, by a plain loop: step u of interval j gives sample i
-        # of its batch -lr_j / |B_u| J_bar_j(x) g_i(theta_j), J_bar_j at the same nodes.
-        s, w = gauss_nodes(4)
-        expected = np.zeros_like(fixed.contributions)
-        for j in range(len(traj) - 1):
-            theta, step = traj.parameters(j), traj.parameters(j + 1) - traj.parameters(j)
-            J_bar = sum(wk * jacobian_loop(module_with(est, theta + sk * step), X)
-                        for sk, wk in zip(s, w))[:, 0].numpy()
-            at_j = module_at(est, j)
-            with torch.no_grad():
-                r = at_j(torch.as_tensor(X_train))[:, 0].numpy() - y
-            g = jacobian_loop(at_j, X_train)[:, 0].numpy() * r[:, None]
-            for u in range(traj.steps[j], traj.steps[j + 1]):
-                batch = traj.batch(u)
-                expected[:, batch, 0] -= (traj.learning_rates[j] / len(batch)
-                                          * J_bar @ g[batch].T)
-        assert_allclose(fixed.contributions, expected, rtol=0,
-                        atol=1e-10 * np.abs(expected).max())
-    with pytest.raises(ValueError, match="method must be"):
-        est.decompose(X, method="zeroth")
+    _assert_same_split(dense, thinned.decompose(X, n_nodes=4))
 
 
-def test_thinned_path_warning_says_what_its_error_does_not_bound():
-    """A thinned path's error is the closure of the contributions' sum: against the
-    brute-force split of the same training recorded at every step, a single training
-    point's contribution misses by more, and the points' misses add up to far more. The
-    warning says so, and names what the interval's first point stands in for (Adam's
-    preconditioner too). For the first-order formula it says that record_every=1 does
-    not remove the formula's own error, which the every-step path still shows."""
+def test_thinned_path_equals_the_brute_force_of_the_every_step_training():
+    """Adam recorded every 2 steps: every contribution is the brute-force split of the
+    same training recorded at every step (the forward per-sample recursion), where the
+    frozen-interval split missed a single point's by more than 1.5 times its closure
+    error and their sums by more than 10 times. first_order on the thinned path is the
+    every-step path's too (the formula's own error, not the thinning's)."""
     rng = np.random.default_rng(0)
     X_train = rng.normal(size=(48, 2))
     y = np.tanh(X_train[:, 0] - X_train[:, 1]) + 0.3 * rng.normal(size=48)
@@ -282,25 +320,63 @@ def test_thinned_path_warning_says_what_its_error_does_not_bound():
                   max_iter=20, dtype="float64", random_state=0)
     every = PathKernelMachine(**params).fit(X_train, y)
     thinned = PathKernelMachine(**params, record_every=2).fit(X_train, y)
-    truth, _ = forward_recursion(every, X_train, torch.as_tensor(y).reshape(-1, 1),
-                                 _squared, X, nodes=gauss_nodes(8))
-    with pytest.warns(UserWarning, match="recorded every 2 optimizer steps") as record:
+    truth, reg = forward_recursion(every, X_train, torch.as_tensor(y).reshape(-1, 1),
+                                   _squared, X, nodes=gauss_nodes(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         res = thinned.decompose(X)
-    miss = np.abs(res.contributions - np.asarray(truth))
-    assert miss.max() > 1.5 * res.error
-    assert miss.sum(axis=1).max() > 10 * res.error
-    message = str(record[-1].message)
-    assert "gradients and the optimizer's preconditioner" in message
-    assert "only the sum of the contributions" in message
-    assert "can miss by more" in message
-    with pytest.warns(UserWarning, match="recorded every 2 optimizer steps") as record:
-        thinned.decompose(X, method="first_order")
-    message = str(record[-1].message)
-    assert "first_order formula's own error, which record_every=1 does not remove" in message
-    assert "method='exact'" in message
-    moved = np.abs(every.predict(X) - module_at(every, 0)(torch.as_tensor(X)).detach()
-                   .numpy().ravel()).max()
-    assert every.decompose(X, method="first_order").error > 1e-3 * moved
+        first = thinned.decompose(X, method="first_order")
+    scale = np.abs(np.asarray(truth)).max()
+    assert_allclose(res.contributions, np.asarray(truth), rtol=0, atol=1e-10 * scale)
+    assert_allclose(res.regularization, np.asarray(reg), rtol=0, atol=1e-10 * scale)
+    _assert_same_split(first, every.decompose(X, method="first_order"))
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-l2", "adam-l2"])
+def test_thinned_path_whose_replay_misses_the_record_warns(data, name):
+    """A recorded point moved off the training (here by hand): the interval before it,
+    replayed, misses it by the measured mismatch, which the result reports and the
+    warning quotes with the closure's miss."""
+    X_train, y, X = data
+    _, thinned = _twice(X_train, y, name)
+    traj = thinned.trajectory_
+    moved = traj.parameters(3) - traj.parameters(2)
+    shift = 1e-3 * moved.norm() * torch.linspace(-1, 1, traj.n_params, dtype=traj.dtype)
+    traj._params[3] += shift
+    with pytest.warns(UserWarning, match="replayed from the record, miss") as record:
+        res = thinned.decompose(X)
+    # The interval into the moved point misses it by the shift (the one leaving it, by
+    # about as much).
+    expected = float(shift.norm() / (traj.parameters(3) - traj.parameters(2)).norm())
+    assert expected * (1 - 1e-6) <= res.replay_error < 3 * expected
+    said = [str(w.message) for w in record if "replayed from the record" in str(w.message)]
+    assert len(said) == 1
+    assert f"{res.replay_error:.2g} relative" in said[0]
+    assert f"{res.error:.3g}" in said[0]
+    assert res.error > 1e-8 * np.abs(res.prediction).max()  # the closure shows it too
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_thinned_path_on_disk_and_in_workers_is_split_as_the_every_step_path(data, name):
+    """The replay reads a path stored on disk as one in memory, and the workers of
+    n_jobs (query blocks; plain SGD's step ranges, cut at recorded points) each replay
+    their share: the every-step path's split. attribute and explain read it too."""
+    X_train, y, X = data
+    every, disk = _twice(X_train, y, name, trajectory_storage="disk")
+    assert disk.trajectory_.storage == "disk"
+    ref = every.decompose(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same_split(disk.decompose(X), ref)
+        _assert_same_split(disk.decompose(np.r_[X, X, X], n_jobs=2),
+                           every.decompose(np.r_[X, X, X]))
+        scores = disk.attribute(X)
+    assert_allclose(scores, every.attribute(X), rtol=0,
+                    atol=1e-10 * np.abs(scores).max())
+    (index, values), (index_ref, values_ref) = (e.explain(X, n_neighbors=3)
+                                                for e in (disk, every))
+    assert_array_equal(index, index_ref)
+    assert_allclose(values, values_ref, rtol=0, atol=1e-10 * np.abs(values_ref).max())
 
 
 class _WithRaw(torch.nn.Module):
@@ -462,20 +538,19 @@ def test_weights_decompose_the_contracted_output(data, case, monkeypatch):
     est = PathKernelMachine(**{**RAW, "hidden_layer_sizes": (5,), "max_iter": 3,
                                "batch_size": 5, "dtype": "float64", "random_state": 0,
                                **SOLVERS[name], **extra}).fit(X_train, Y)
-    thinned = "record_every" in extra
     W = np.random.RandomState(1).normal(size=(len(X), 3))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "decompose.*recorded every", UserWarning)
+        warnings.simplefilter("error")  # a thinned path too: replayed, exact
         # The same nodes: the two agree to round-off.
         _assert_contracts(_contracted(est, X, W, n_nodes=3), est.decompose(X, n_nodes=3), W)
         # Error control on the contracted output: each its own nodes, both to tol.
         part, full = _contracted(est, X, W), est.decompose(X)
     _assert_contracts(part, full, W)
     assert part.tol == full.tol == 1e-12
-    assert part.step_errors.shape == (len(est.trajectory_) - 1,)
-    if not thinned:
-        assert part.error <= 1e-10 * np.abs(part.prediction).max()
-        assert part.step_errors.max() <= 1e-10 * np.abs(part.prediction).max()
+    # A thinned path's unrecorded steps are replayed: each is a step of the split.
+    assert part.step_errors.shape == (est.trajectory_.n_steps,)
+    assert part.error <= 1e-10 * np.abs(part.prediction).max()
+    assert part.step_errors.max() <= 1e-10 * np.abs(part.prediction).max()
     if extra.get("normalize_y"):  # in the units of y: the prediction is w . predict(X)
         assert_allclose(part.prediction[:, 0], np.einsum("qc,qc->q", est.predict(X), W),
                         rtol=1e-12)
@@ -1083,3 +1158,39 @@ def test_second_order_primals_are_not_views_of_the_path(monkeypatch):
     monkeypatch.setattr(interpolation, "jvp", spy)
     est.decompose(X_train[:3], method="second_order")
     assert seen and all(storage == own for storage, own in seen)
+
+
+@pytest.mark.parametrize("every", [3, 20])
+def test_thinned_path_holds_its_replayed_intervals_briefly(data, every, monkeypatch):
+    """The replay holds a few intervals: intervals longer than the blocks of steps
+    captured ahead one at a time (those blocks stop at the interval's first step),
+    shorter ones as many as a block spans and one more. Each interval is replayed once
+    for the reference outputs (first first) and once for the walk back, and the split
+    is the every-step path's."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    params = dict(RAW, hidden_layer_sizes=(6,), max_iter=15, batch_size=2, dtype="float64",
+                  random_state=0, **SOLVERS["adam-l2"])
+    full = PathKernelMachine(**params).fit(X_train, y)
+    thinned = PathKernelMachine(**params, record_every=every).fit(X_train, y)
+    n_steps = thinned.trajectory_.n_steps  # 120
+    calls, held = [], []
+    interval = interpolation.EveryStep._interval
+
+    def counting(self, j):
+        if j not in self._kept:
+            calls.append(j)
+        out = interval(self, j)
+        held.append(len(self._kept))
+        return out
+
+    monkeypatch.setattr(interpolation.EveryStep, "_interval", counting)
+    res = thinned.decompose(X)
+    _assert_same_split(res, full.decompose(X))
+    n_intervals = len(thinned.trajectory_) - 1
+    limit = 1 if every > interpolation.STEP_BLOCK else -(-interpolation.STEP_BLOCK // every) + 1
+    assert max(held) == limit
+    # The reference outputs' pass and the walk's (and the middle point's, for the
+    # engine's check of hidden reads, before them).
+    assert len(calls) <= 2 * n_intervals + 1 and n_steps == 120

@@ -121,6 +121,15 @@ every query-side product above costs what it costs for a single-output network. 
 batch enters only through its loss gradients, captured the same way with the loss
 residuals as the seed.
 
+Thinned paths (``record_every > 1``). The steps between two recorded points are replayed
+(:class:`EveryStep`, over the unrolled attribution's :class:`._unrolled.Replay`), and
+every route above reads the thinned path as one recorded at every step: each step's own
+gradients and preconditioner, its own quadrature. The replay's mismatch with the next
+recorded point is the result's ``replay_error``, warned of above the dtype's limit. Where
+the steps cannot be replayed (:func:`._unrolled.check_replayable`), an interval's steps
+take its segment and their batches' gradients at its first point (:func:`_intervals`),
+and the result warns with its error.
+
 Error control (``method="exact"``). The quadrature error of step t is measured, not
 guessed: with ``q_t(x) = rho_t(x) . dtheta_t`` computed from the same factors (in
 float64), ``|q_t(x) - (f(x; theta_{t+1}) - f(x; theta_t))|`` is that step's error, since
@@ -171,6 +180,7 @@ from .._tangent import (
 from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import _global_hooks, _hooked, forward_factors
 from .._warnings import caller_stacklevel, worse, worst
+from ._unrolled import Replay, check_replayable, replay_limit
 
 __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
            "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
@@ -270,6 +280,12 @@ class Decomposition:
     tol : float or None
         The relative tolerance the exact method worked to (None with a fixed
         ``n_nodes`` or another method).
+    replay_error : float or None
+        On a thinned path (``record_every > 1``), whose steps between recorded points
+        are replayed: the replay's largest mismatch with the next recorded point,
+        relative to the interval's move (round-off, about 1e-15 in float64, when the
+        record holds the training; a warning fires above the dtype's limit). None
+        where every step is recorded or nothing could be replayed.
     """
 
     initial: np.ndarray
@@ -282,6 +298,7 @@ class Decomposition:
     n_nodes: np.ndarray | None = field(default=None)
     step_errors: np.ndarray | None = field(default=None)
     tol: float | None = None
+    replay_error: float | None = None
 
     @property
     def reconstruction(self) -> np.ndarray:
@@ -913,6 +930,9 @@ class _Context:
         self.node_points = max(node_points, min(MAX_NODES, (
             2 * node_points * point_bytes + left // 4) // max(2 * point_bytes, 1)))
         self._ahead, self._walk, self._at = {}, None, None
+        # The first step a block of steps made ahead may reach back to from step j: a
+        # replayed path's long intervals are read one at a time (EveryStep.floor).
+        self.floor = traj.floor if isinstance(traj, EveryStep) else (lambda j: 0)
         self.stacked = None
         mlp = None if exclude else stacked_mlp(module, traj.names)
         if mlp is not None and X_train.is_floating_point():
@@ -1020,9 +1040,10 @@ class _Context:
             self._at = {s: k for k, (s, _) in enumerate(walk)}
         block, idx, w = [], [], []
         n = self.ahead_steps(size, 1, self.ahead_bytes)
+        floor = self.floor(t)
         for k in range(self._at[t], len(walk)):
             s, j = walk[k]
-            if len(block) == n:
+            if len(block) == n or s < floor:
                 break
             if s in self._kept:  # read from the kept captures, not captured again
                 continue
@@ -1312,7 +1333,7 @@ class _NodesAhead:
                 self._take(k)
             share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
             size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
-        steps = range(j, max(self.lo, j - size + 1) - 1, -1)
+        steps = range(j, max(self.lo, ctx.floor(j), j - size + 1) - 1, -1)
         if len(steps) == 1 and n > ctx.node_points:
             # More nodes than the plan's room for parameter points: captured a group at
             # a time (a point's batched GEMMs are the single point's), the points of one
@@ -1422,6 +1443,136 @@ def _intervals(traj):
     """
     for j in reversed(range(len(traj) - 1)):
         yield j, range(int(traj.steps[j + 1]) - 1, int(traj.steps[j]) - 1, -1)
+
+
+# --------------------------------------------------------------------------- replay
+class _Rows:
+    """Rows ``(n, P)`` of a path read one at a time by index, as a trajectory reads its
+    stored rows (``read(k)``)."""
+
+    def __init__(self, read, n: int, n_params: int, dtype: torch.dtype):
+        self._read, self.shape, self.dtype = read, (n, n_params), dtype
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self._read(int(k))
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+class EveryStep(Trajectory):
+    """A thinned path (``record_every > 1``) with every optimizer step as a point.
+
+    Point ``t`` is the parameters after optimizer step ``t``: a recorded point as
+    recorded, the others replayed (:class:`._unrolled.Replay`: each interval forward
+    from its first recorded point, with its steps' batches, step sizes, clip factors and
+    weight decays as recorded, the first moments from the replay's checkpoints), and the
+    optimizer state that scaled each step is the replay's. The decomposition reads it as
+    a path recorded at every step, so that each step is attributed with its own
+    gradients and preconditioner.
+
+    The replayed intervals are held for a few intervals only, in the order they were
+    last read (a walk reads its steps last first and, for its captures made ahead, up to
+    ``STEP_BLOCK`` steps before): intervals of more than ``STEP_BLOCK`` steps one at a
+    time (the blocks made ahead stop at the interval's first step, :meth:`floor`), so
+    that ``2 k`` vectors are held for intervals of ``k`` steps; shorter ones as many as
+    ``STEP_BLOCK`` steps span and one more (at most about ``4 STEP_BLOCK`` vectors);
+    besides the replay's checkpoints of the first moments (about ``sqrt(n_points)``
+    vectors, and a segment of as many). ``replay.replay_error`` is the intervals' worst
+    mismatch with their next recorded point.
+    """
+
+    def __init__(self, replay):
+        traj = self.recorded = replay.traj
+        self.replay = replay
+        if replay.needs_moments:
+            replay._moments = replay.replay_moments()
+        steps, n = traj.steps, traj.n_steps
+        self._interval_of = np.searchsorted(steps, np.arange(n + 1), side="right") - 1
+        point = self._interval_of[:n]
+        counts = traj._state_steps[point] + np.arange(n) - steps[point]
+        group_lrs = traj._step_group_lrs
+        if traj._group_lrs is not None and group_lrs is None:
+            # Each step's group step sizes as the replay takes them: the interval's
+            # groups' ratios to its step size, times the step's own step size.
+            ref = traj.learning_rates[point]
+            ratio = np.divide(traj.step_learning_rates, ref, out=np.zeros(n), where=ref != 0)
+            group_lrs = traj._group_lrs[point] * ratio[:, None]
+        P, dtype = traj.n_params, traj.dtype
+        self._kept: dict[int, tuple[list, list]] = {}
+        self._carry = None  # (j, the first moment at point j) after interval j - 1
+        longest = int(np.diff(steps).max())
+        # Long intervals: the walk's alone; short ones: those a block made ahead spans.
+        self._long = longest > STEP_BLOCK
+        self._keep = 1 if self._long else -(-STEP_BLOCK // longest) + 1
+        super().__init__(
+            names=traj.names, shapes=traj.shapes,
+            params=_Rows(self._params_at, n + 1, P, dtype), steps=np.arange(n + 1),
+            learning_rates=traj.step_learning_rates.copy(),
+            batch_indices=traj._batch_indices, batch_offsets=traj._batch_offsets,
+            states={key: _Rows(self._state_at, n, P, dtype)
+                    for key in traj.solver_spec.state_keys},
+            state_steps=counts, solver=traj.solver_spec, n_samples=traj.n_samples,
+            record_every=1, gradient_scales=traj._gradient_scales,
+            batch_weights=traj._batch_weights, group_lrs=group_lrs,
+            param_groups=traj._param_groups,
+            group_weight_decays=traj._group_weight_decays)
+
+    def floor(self, t: int) -> int:
+        """The first step a block of steps read ahead from step ``t`` may reach: its
+        interval's first, where intervals are long (then held one at a time), else 0."""
+        return int(self.recorded.steps[self._interval_of[t]]) if self._long else 0
+
+    def _interval(self, j: int) -> tuple[list, list]:
+        """Interval ``j``'s replayed points (after each of its steps but the last) and
+        states (after each step)."""
+        if j in self._kept:
+            self._kept[j] = self._kept.pop(j)  # the most recently read
+            return self._kept[j]
+        # Read first first (the reference outputs at every step), each interval starts
+        # from the first moment the one before ended with, not from a checkpoint.
+        carried = self._carry[1] if self._carry is not None and self._carry[0] == j else None
+        steps = self.replay.interval(j, moment=carried)
+        if self.replay._moments is not None:
+            self._carry = (j + 1, self.replay.end_moment)
+        points = [nxt for _, _, nxt, _, _ in steps[:-1]]
+        states = [v for _, _, _, _, v in steps]
+        self._kept[j] = points, states
+        while len(self._kept) > self._keep:
+            del self._kept[next(iter(self._kept))]
+        return points, states
+
+    def _params_at(self, t: int) -> torch.Tensor:
+        j = int(self._interval_of[t])
+        start = int(self.recorded.steps[j])
+        if t == start:
+            return self.recorded.parameters(j)
+        return self._interval(j)[0][t - start - 1]
+
+    def _state_at(self, t: int) -> torch.Tensor:
+        j = int(self._interval_of[t])
+        return self._interval(j)[1][t - int(self.recorded.steps[j])]
+
+    def optimizer_state(self, k: int = -1) -> dict[str, torch.Tensor]:
+        state = super().optimizer_state(k)
+        # The replay's state lives on the replay's device, the record's on the CPU.
+        return {key: value.cpu() if key != "step" else value for key, value in state.items()}
+
+
+def every_step(module, traj, X_train, Y_train, loss):
+    """``(path, why)``: a thinned ``traj`` as :class:`EveryStep` where its steps can be
+    replayed (``why`` None), else ``traj`` itself and why not; ``traj`` itself where
+    every step is recorded."""
+    if not np.any(np.diff(traj.steps) != 1):
+        return traj, None
+    try:
+        check_replayable(traj, module, "The replay of the unrecorded steps")
+    except ValueError as exc:
+        return traj, str(exc)
+    return EveryStep(Replay(module, traj, X_train, Y_train, loss, X_train.device)), None
 
 
 # --------------------------------------------------------------------------- dense
@@ -1574,10 +1725,17 @@ def decompose(
         raise ValueError("decompose(intervals=...) splits the steps of plain SGD paths "
                          "only: the other solvers' adjoint runs through every step.")
     # A thinned path (record_every > 1) has no parameters between its recorded points:
-    # each of an interval's steps takes the interval's segment (its f-change is still
+    # they are replayed (EveryStep), and every step is then attributed as on a path
+    # recorded at every step. Where the replay is impossible (``refusal``: why), each
+    # of an interval's steps takes the interval's segment (its f-change is still
     # integrated exactly) and its batch's gradients at the interval's first point, which
-    # is not the path the optimizer took. The error says by how much.
-    thinned = bool(np.any(np.diff(traj.steps) != 1))
+    # is not the path the optimizer took; the error says by how much.
+    recorded = traj
+    traj, refusal = every_step(module, traj, X_train, Y_train, loss)
+    thinned = refusal is not None
+    replay = traj.replay if isinstance(traj, EveryStep) else None
+    if replay is not None and intervals is not None:  # the recorded intervals' steps
+        intervals = tuple(int(recorded.steps[k]) for k in intervals)
     device, dtype = X.device, traj.dtype
     exact = method == "exact"
     initial = forward(module, _params(traj, traj.parameters(0).to(device)), X).double()
@@ -1651,6 +1809,7 @@ def decompose(
         except _Reroute as new:
             exclude = new.exclude
     result = _result(initial, prediction, contributions, regularization, method, weighting)
+    result.replay_error = None if replay is None else replay.replay_error
     scale, failed, floored = None, {}, {}
     if exact:  # each step's largest count and residual over the chunks, as merge joins
         result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
@@ -1663,10 +1822,12 @@ def decompose(
                 _join(floored, q.floored)
     checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
                      tol=tol, scale=scale, dtype=dtype, failed=failed,
-                     n_steps=len(traj) - 1, record_every=traj.record_every,
+                     n_steps=len(traj) - 1, record_every=recorded.record_every,
                      floored=floored, n_nodes=n_nodes if exact else None,
                      unequal_weights=weighting == "expected" and _unequal_batch_weights(traj),
-                     preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"))
+                     preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"),
+                     refusal=refusal, replay_limit=replay_limit(recorded),
+                     compression=recorded.compression)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -1677,6 +1838,8 @@ class _Checks:
     """What the warnings about a decomposition need besides the result itself."""
 
     exact: bool
+    # A thinned path split with each interval's gradients at its first point (its
+    # steps not replayed: ``refusal`` says why).
     thinned: bool
     method: str
     weighting: str
@@ -1695,6 +1858,12 @@ class _Checks:
     # The solver scales its steps by a recorded diagonal (Adam, AdamW, RMSprop), which a
     # thinned path also takes at each interval's first point.
     preconditioned: bool = False
+    # Why a thinned path's steps could not be replayed (None: replayed, or not thinned).
+    refusal: str | None = None
+    # The replay's mismatch above which it warns (replay_limit), and the path's
+    # trajectory_compression (its rounded points are not the training's).
+    replay_limit: float = 0.0
+    compression: str | None = None
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -1713,7 +1882,8 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
         regularization=np.concatenate([r.regularization for r in results]),
         prediction=np.concatenate([r.prediction for r in results]),
         error=worst(r.error for r in results), method=first.method,
-        weighting=first.weighting, tol=first.tol)
+        weighting=first.weighting, tol=first.tol,
+        replay_error=_worst_replay(results))
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
@@ -1725,6 +1895,12 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     scale = None if c0.scale is None else max(c.scale for c in checks)
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
                               "floored": floored})
+
+
+def _worst_replay(results) -> float | None:
+    """The parts' worst replay mismatch (None where none replayed)."""
+    errors = [r.replay_error for r in results if r.replay_error is not None]
+    return worst(errors) if errors else None
 
 
 def replays(method: str, n_nodes: int | None, tol: float | None, dtype) -> bool:
@@ -1824,7 +2000,8 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         initial=first.initial, prediction=first.prediction,
         contributions=np.sum([r.contributions for r in results], axis=0),
         regularization=np.sum([r.regularization for r in results], axis=0),
-        error=0.0, method=first.method, weighting=first.weighting, tol=first.tol)
+        error=0.0, method=first.method, weighting=first.weighting, tol=first.tol,
+        replay_error=_worst_replay(results))
     if len(merged.prediction):
         merged.error = float(np.max(np.abs(merged.reconstruction - merged.prediction)))
     if first.n_nodes is not None:  # zero where a part did not compute the step
@@ -1841,8 +2018,11 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     ``verb``, the method the user called (attribute and explain decompose too)."""
     # Judged in the network's units, against the path's own scale. The expected
     # weighting is an approximation for minibatches, by design.
+    # A replay that missed the record names its cause; the closure's miss is in it.
+    missed_replay = (result.replay_error is not None
+                     and not result.replay_error <= checks.replay_limit)
     closure = (_inexact(result, checks) if checks.exact and not checks.thinned
-               and not checks.failed else None)
+               and not checks.failed and not missed_replay else None)
     inexact = closure if checks.weighting == "realized" else None
     # The expected weighting leaves a minibatch path's batch noise out of the split: its
     # contributions miss the prediction by design, and the miss is said, not implied met.
@@ -1878,6 +2058,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
         _warn_inexact(result, inexact, verb)
     if checks.thinned:
         _warn_thinned(result, checks, verb)
+    if missed_replay:
+        _warn_replay(result, checks, verb)
     if checks.weighting == "expected" and (checks.unequal_weights or smoothed is not None):
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
         why = ("this path's batches weigh their points unequally (sample_weight, recorded "
@@ -1929,10 +2111,12 @@ def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
     target = ("the exact decomposition" if checks.method == "exact"
               and checks.weighting == "realized" else
               "the exact decomposition (method='exact', weighting='realized')")
+    why = (checks.refusal or "").rstrip(".")
     warnings.warn(
         f"{verb}(method={checks.method!r}): the path was recorded every "
-        f"{checks.record_every} optimizer steps, so the steps between two recorded "
-        f"points are attributed with {frozen} at the interval's first point. The "
+        f"{checks.record_every} optimizer steps, and the steps between two recorded "
+        f"points cannot be replayed ({why}), so they are attributed with {frozen} at the "
+        "interval's first point. The "
         f"contributions miss the prediction by {result.error:.3g} (Decomposition.error), "
         f"{miss:.2g} times the largest change of the output since initialization "
         f"({change:.3g}){worse}. Not round-off{own}. It measures only the sum of the "
@@ -1940,6 +2124,37 @@ def _warn_thinned(result: Decomposition, checks: _Checks, verb: str) -> None:
         "attribute rank) can miss by more, and the points' misses can add up to far "
         "more. Refit with record_every=1 (and a larger memory_budget if the path needs "
         f"it) for {target}.",
+        UserWarning, stacklevel=caller_stacklevel(),
+    )
+
+
+def _warn_replay(result: Decomposition, checks: _Checks, verb: str) -> None:
+    """Say that a thinned path's replayed steps miss its recorded points: the split then
+    attributes a training that is not the recorded one, by an error the mismatch does
+    not bound (the closure measures the contributions' sum)."""
+    if checks.compression is not None:
+        cause = (f"the path is stored with trajectory_compression={checks.compression!r}, "
+                 "whose points are rounded steps of the training. Store the path without "
+                 "compression")
+    else:
+        cause = ("the training step depended on something the record does not hold "
+                 "(a loss, inputs or targets other than the declared ones, a gradient "
+                 "changed between backward() and optimizer.step() otherwise than by a "
+                 "recorded clip, randomness, a fused or foreach optimizer's rounding "
+                 "in float32). Declare the loss and data the optimizer saw, or refit "
+                 "with record_every=1")
+    miss = thinned_miss(result)
+    warnings.warn(
+        f"{verb}(method={checks.method!r}): the path was recorded every "
+        f"{checks.record_every} optimizer steps, and the steps between recorded points, "
+        f"replayed from the record, miss the next recorded point by "
+        f"{result.replay_error:.2g} relative to the interval's move "
+        f"(Decomposition.replay_error; round-off is about "
+        f"{'1e-15' if checks.dtype == torch.float64 else '1e-6'}): {cause}. The "
+        f"contributions miss the prediction by {result.error:.3g} "
+        f"(Decomposition.error), {miss:.2g} times the largest change of the output "
+        "since initialization; that measures only their sum, a single point's "
+        "contribution can miss by more.",
         UserWarning, stacklevel=caller_stacklevel(),
     )
 

@@ -138,8 +138,8 @@ from .._tangent import contracted_features, stacked_mlp
 from .._warnings import caller_stacklevel, worse, worst
 from ._mlp_products import MLPStep
 
-__all__ = ["AttributionScores", "UnstablePathWarning", "check_unrollable", "unrolled_scores",
-           "warn_tied_padding"]
+__all__ = ["AttributionScores", "Replay", "UnstablePathWarning", "check_replayable",
+           "check_unrollable", "replay_limit", "unrolled_scores", "warn_tied_padding"]
 
 # The adjoint's norm may grow by this factor along the path before the first-order
 # counterfactual is reported untrustworthy. Measured on 1000 digits (pixels / 16), SGD,
@@ -469,34 +469,7 @@ def _batch_sizes(traj: Trajectory) -> np.ndarray:
 
 def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
     """Refuse, before any work, a path the unrolled derivative cannot be taken along."""
-    # In eval mode they are what the path was trained with: fit and PathRecorder refuse
-    # them in training mode.
-    moving = [name for name, layer, _ in mode_dependent_layers(module) if layer.training]
-    if moving:
-        raise ValueError(
-            f"method='unrolled' replays every training step, but the layer(s) {moving[:3]} "
-            "are in training mode, where dropout draws random masks, BatchNorm mixes "
-            "the batch and spectral normalisation moves its singular vectors, which the "
-            "recorded path does not hold. Put the module in eval mode "
-            "(module.eval()) as it was trained.")
-    spec = traj.solver_spec
-    if spec.name not in _SOLVERS:
-        raise ValueError(f"method='unrolled' supports the solvers {sorted(_SOLVERS)}; the "
-                         f"path was recorded with {spec.name!r}.")
-    missing = [key for key in spec.state_keys if key not in traj.state_keys]
-    if missing:
-        raise ValueError(f"method='unrolled' needs the optimizer state {missing} at every "
-                         f"recorded step ({spec.name} scales its steps by it); the path "
-                         "does not record it.")
-    if traj.n_steps == 0:
-        raise ValueError("method='unrolled' needs a path with at least one optimizer step.")
-    empty = np.flatnonzero(_batch_sizes(traj) == 0)
-    if len(empty):
-        raise ValueError(
-            f"method='unrolled' replays every step's batch, but {len(empty)} of "
-            f"{traj.n_steps} steps declare none (first: step {int(empty[0])}); record "
-            "with PathRecorder(..., n_samples=len(X_train)) and recorder.set_batch(indices) "
-            "at every step.")
+    check_replayable(traj, module)
     if traj._batch_weights is not None:
         # Re-weighting a point keeps its step's total weight S_t (the step's loss
         # S_t sum_i w_i beta_i l_i / sum_i w_i beta_i): a batch whose weights cancel to 0
@@ -519,21 +492,57 @@ def check_unrollable(traj: Trajectory, module: torch.nn.Module) -> None:
                 "such a path.")
 
 
-# --------------------------------------------------------------------------- the sweep
-class _Path:
-    """The recorded path as the adjoint reads it: each step's values, last step first.
+def check_replayable(traj: Trajectory, module: torch.nn.Module,
+                     what: str = "method='unrolled'") -> None:
+    """Refuse a path whose training steps :class:`Replay` cannot make again, naming
+    ``what`` replays them."""
+    # In eval mode they are what the path was trained with: fit and PathRecorder refuse
+    # them in training mode.
+    moving = [name for name, layer, _ in mode_dependent_layers(module) if layer.training]
+    if moving:
+        raise ValueError(
+            f"{what} replays every training step, but the layer(s) {moving[:3]} "
+            "are in training mode, where dropout draws random masks, BatchNorm mixes "
+            "the batch and spectral normalisation moves its singular vectors, which the "
+            "recorded path does not hold. Put the module in eval mode "
+            "(module.eval()) as it was trained.")
+    spec = traj.solver_spec
+    if spec.name not in _SOLVERS:
+        raise ValueError(f"{what} supports the solvers {sorted(_SOLVERS)}; the "
+                         f"path was recorded with {spec.name!r}.")
+    missing = [key for key in spec.state_keys if key not in traj.state_keys]
+    if missing:
+        raise ValueError(f"{what} needs the optimizer state {missing} at every "
+                         f"recorded step ({spec.name} scales its steps by it); the path "
+                         "does not record it.")
+    if traj.n_steps == 0:
+        raise ValueError(f"{what} needs a path with at least one optimizer step.")
+    empty = np.flatnonzero(_batch_sizes(traj) == 0)
+    if len(empty):
+        raise ValueError(
+            f"{what} replays every step's batch, but {len(empty)} of "
+            f"{traj.n_steps} steps declare none (first: step {int(empty[0])}); record "
+            "with PathRecorder(..., n_samples=len(X_train)) and recorder.set_batch(indices) "
+            "at every step.")
 
-    With every step recorded they are read from the trajectory; on a thinned path each
-    interval is replayed forward from its first point (and the first moments, which are
-    not recorded, from a forward replay of the whole path).
+
+# --------------------------------------------------------------------------- the sweep
+class Replay:
+    """A recorded path's training steps as the optimizer took them, replayed.
+
+    Each step's gradient ``d_t`` from the declared loss, inputs and targets, and the
+    optimizer's rule (``_SOLVERS``) with every step's recorded step size, clip factor and
+    weight decay. On a thinned path (``record_every > 1``) an interval is replayed forward
+    from its first recorded point (:meth:`interval`), its mismatch with the next recorded
+    point kept in ``replay_error``; the first moments, which are not recorded, from a
+    checkpointed forward replay of the whole path (:meth:`replay_moments`). The unrolled
+    sweep (:class:`_Path`) and the exact decomposition of a thinned path
+    (:class:`._decomposition.EveryStep`) read the path through it.
     """
 
-    def __init__(self, module, traj, X, Y, loss, device, moments=None, work=math.inf,
-                 targets=False):
+    def __init__(self, module, traj, X, Y, loss, device, moments=None):
         self.module, self.traj, self.X, self.Y, self.loss = module, traj, X, Y, loss
         self.device = device
-        # The targets' products too (unrolled_scores' ``standardized``).
-        self.targets = targets
         self.spec = traj.solver_spec
         self.replay_error = 0.0
         # Each parameter's weight decay (its optimizer group's), L2 added to the gradient
@@ -548,23 +557,8 @@ class _Path:
         self.step_lrs = traj.step_learning_rates
         self._moments = moments  # replay_moments' checkpoints
         self._segment: dict[int, torch.Tensor | None] = {}
-        # The route of _tangent_products; turned off for good by layers that forward-mode
-        # AD or vmap cannot take.
-        self.forward_ad = forward_over_reverse(module, traj.dtype, work)
-        # A plain MLP takes the products by hand (:mod:`._mlp_products`), whatever the work.
-        self.mlp = (stacked_mlp(module, traj.names)
-                    if MLP_PRODUCTS and X.is_floating_point() and X.ndim == 2 else None)
-        sizes = [math.prod(shape) for shape in traj.shapes]
-        starts = np.cumsum([0, *sizes[:-1]])
-        self.layout = {n: (int(a), int(b)) for n, a, b in zip(traj.names, starts, sizes)}
-        self.scratch: dict = {}  # the products' buffers, reused at every step
-        # Adam's and RMSprop's adjoint multiplies each step's gradient by the second
-        # moment's adjoint, divided by sqrt(v): see GRADIENT_DTYPE.
-        self.exact_gradient = bool(self.spec.state_keys) and traj.dtype != GRADIENT_DTYPE
+        self.end_moment: torch.Tensor | None = None  # see interval
         self._module64: torch.nn.Module | None = None
-        self.fallback: str | None = None  # why the module did not run in float64
-        self.batched_double_backward = True
-        self.graph_checked = False  # check_twice_differentiable, once a call
 
     @property
     def needs_moments(self) -> bool:
@@ -620,17 +614,143 @@ class _Path:
             return 1.0
         return 1.0 - lr * (self.decoupled64 if exact else self.decoupled)
 
-    def step(self, theta, nxt, j, count, v, t) -> _Step:
-        lr = self.lr(j, t)
-        return _Step(theta, nxt, lr, count, v, self.traj.batch(t),
-                     self.traj.batch_weights(t), float(self.scales[t]), self.decay(lr),
-                     self.decay(self.lr(j, t, torch.float64), exact=True))
-
     def _state(self, k: int):
         """The optimizer state after the step leaving point k, as recorded."""
         state = self.traj.optimizer_state(k)
         v = next((state[key].to(self.device) for key in self.spec.state_keys), None)
         return v, float(state["step"])
+
+    def start(self, j: int):
+        """The recorded second moment and step count of the step leaving point ``j``
+        (None and the step's count for SGD)."""
+        if self.spec.state_keys:
+            return self._state(j)
+        return None, float(int(self.traj.steps[j]) + 1)
+
+    def interval(self, j, theta=None, end=None, v=None, count=None, moment=None
+                 ) -> list[tuple]:
+        """Interval ``j``'s steps replayed forward from its first point: ``(t, theta_t,
+        theta_{t+1}, count, v)`` of each (``v`` the second moment after the step), and
+        its mismatch with the next recorded point taken into ``replay_error``; the first
+        moment at its end is kept in ``end_moment``. The arguments not given are read
+        from the record, ``moment`` (the first moment at point ``j``, which a caller
+        replaying intervals in order holds: ``end_moment`` of the one before) from the
+        replay's checkpoints."""
+        if self._moments is not None and moment is None:
+            moment = self._moment(j)
+        out, state = self._run(j, moment, theta, end, v, count, keep=True)
+        self.end_moment = state.get("m")
+        return out
+
+    def _run(self, j, moment, theta=None, end=None, v=None, count=None, keep=False):
+        """Interval ``j`` from its recorded point with the first moment ``moment``: its
+        steps (with ``keep``) and the optimizer state after it. The second moment starts
+        from the record (both :meth:`interval` and the moments' replay, so that the
+        first moments they give agree to the last bit)."""
+        theta = self.params(j) if theta is None else theta
+        end = self.params(j + 1) if end is None else end
+        if count is None:
+            v, count = self.start(j)
+        step_fn = _SOLVERS[self.spec.name][0]
+        first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
+        state = {} if moment is None else {"m": moment}
+        d = None
+        if v is not None:
+            # The recorded second moment is the one after the interval's first step:
+            # undo that step's update so that the replay makes it again.
+            d = self.gradient(theta, first)
+            decay = self.spec.beta_2 if self.spec.name in ("adam", "adamw") \
+                else self.spec.rmsprop_alpha
+            state["v"] = ((v - (1.0 - decay) * d * d) / decay).clamp_min(0.0)
+        out, start = [], theta
+        for t in range(first, last):
+            # The first step's gradient is the one the undo took.
+            d = self.gradient(theta, t) if t > first or d is None else d
+            c = count + (t - first)
+            lr = self.lr(j, t)
+            nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
+            if keep:
+                out.append((t, theta, nxt, c, state.get("v")))
+            theta = nxt
+        scale = float((end - start).norm()) or 1.0
+        self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
+        return out, state
+
+    def _advance(self, j: int, m: torch.Tensor | None) -> torch.Tensor:
+        """The replay's first moment at point ``j + 1``: interval ``j`` replayed forward
+        from recorded point ``j`` with the first moment ``m``."""
+        return self._run(j, m)[1]["m"]
+
+    def replay_moments(self) -> tuple[int, dict[int, torch.Tensor | None]]:
+        """Checkpoints of the forward replay that recovers the first moments: the replay's
+        first moment at every ``every``-th recorded point, ``every`` about the square
+        root of the number of intervals. The moments in between are replayed again from
+        the checkpoint before them, one segment at a time (:meth:`_moment`), so that about
+        ``2 sqrt(n_points)`` (P,) vectors are held, not one a recorded point."""
+        n = len(self.traj) - 1
+        every = math.isqrt(max(n - 1, 0)) + 1  # ceil(sqrt(n))
+        m = None
+        checkpoints = {0: m}
+        for j in range(every * ((n - 1) // every)):
+            m = self._advance(j, m)  # each interval restarts on its recorded point
+            if (j + 1) % every == 0:
+                checkpoints[j + 1] = m
+        return every, checkpoints
+
+    def _moment(self, j: int) -> torch.Tensor | None:
+        """The replay's first moment at recorded point ``j`` (None: no step taken yet).
+        A segment is replayed whole from its checkpoint when one of its points is asked
+        for, and kept until a point of another is: the unrolled sweep asks for the points
+        last first, the decomposition's reference outputs first first, each a segment at
+        a time."""
+        if j not in self._segment:
+            every, checkpoints = self._moments
+            start = j - j % every
+            stop = min(start + every, len(self.traj) - 1)
+            m = checkpoints[start]
+            self._segment = {}
+            for i in range(start, stop):
+                self._segment[i] = m
+                if i < stop - 1:
+                    m = self._advance(i, m)
+        return self._segment[j]
+
+
+class _Path(Replay):
+    """The recorded path as the adjoint reads it: each step's values, last step first.
+
+    With every step recorded they are read from the trajectory; on a thinned path each
+    interval is replayed forward from its first point (and the first moments, which are
+    not recorded, from a forward replay of the whole path).
+    """
+
+    def __init__(self, module, traj, X, Y, loss, device, moments=None, work=math.inf,
+                 targets=False):
+        super().__init__(module, traj, X, Y, loss, device, moments)
+        # The targets' products too (unrolled_scores' ``standardized``).
+        self.targets = targets
+        # The route of _tangent_products; turned off for good by layers that forward-mode
+        # AD or vmap cannot take.
+        self.forward_ad = forward_over_reverse(module, traj.dtype, work)
+        # A plain MLP takes the products by hand (:mod:`._mlp_products`), whatever the work.
+        self.mlp = (stacked_mlp(module, traj.names)
+                    if MLP_PRODUCTS and X.is_floating_point() and X.ndim == 2 else None)
+        sizes = [math.prod(shape) for shape in traj.shapes]
+        starts = np.cumsum([0, *sizes[:-1]])
+        self.layout = {n: (int(a), int(b)) for n, a, b in zip(traj.names, starts, sizes)}
+        self.scratch: dict = {}  # the products' buffers, reused at every step
+        # Adam's and RMSprop's adjoint multiplies each step's gradient by the second
+        # moment's adjoint, divided by sqrt(v): see GRADIENT_DTYPE.
+        self.exact_gradient = bool(self.spec.state_keys) and traj.dtype != GRADIENT_DTYPE
+        self.fallback: str | None = None  # why the module did not run in float64
+        self.batched_double_backward = True
+        self.graph_checked = False  # check_twice_differentiable, once a call
+
+    def step(self, theta, nxt, j, count, v, t) -> _Step:
+        lr = self.lr(j, t)
+        return _Step(theta, nxt, lr, count, v, self.traj.batch(t),
+                     self.traj.batch_weights(t), float(self.scales[t]), self.decay(lr),
+                     self.decay(self.lr(j, t, torch.float64), exact=True))
 
     def steps(self):
         """``_Step`` of every optimizer step, last first."""
@@ -639,81 +759,13 @@ class _Path:
         for j in reversed(range(len(traj) - 1)):
             theta = self.params(j)
             first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-            v, count = self._state(j) if self.spec.state_keys else (None, float(first + 1))
+            v, count = self.start(j)
             if last - first == 1:
                 yield self.step(theta, nxt, j, count, v, first)
             else:
-                yield from reversed(self._interval(j, theta, nxt, v, count))
+                yield from reversed([self.step(a, b, j, c, w, t) for t, a, b, c, w
+                                     in self.interval(j, theta, nxt, v, count)])
             nxt = theta
-
-    def _interval(self, j, theta, end, v, count) -> list[_Step]:
-        """An interval's steps replayed forward from its first point (kept in memory)."""
-        step_fn = _SOLVERS[self.spec.name][0]
-        first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
-        state = {} if self._moments is None else {"m": self._moment(j)}
-        if v is not None:
-            # The recorded second moment is the one after the interval's first step:
-            # undo that step's update so that the replay makes it again.
-            d = self.gradient(theta, first)
-            decay = self.spec.beta_2 if self.spec.name in ("adam", "adamw") \
-                else self.spec.rmsprop_alpha
-            state["v"] = ((v - (1.0 - decay) * d * d) / decay).clamp_min(0.0)
-        out = []
-        for t in range(first, last):
-            d = self.gradient(theta, t)
-            c = count + (t - first)
-            lr = self.lr(j, t)
-            nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
-            out.append(self.step(theta, nxt, j, c, state.get("v"), t))
-            theta = nxt
-        scale = float((end - self.params(j)).norm()) or 1.0
-        self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
-        return out
-
-    def _advance(self, j: int, state: dict) -> dict:
-        """The optimizer state at point ``j + 1``: interval ``j`` replayed forward from
-        recorded point ``j`` with the state ``state``."""
-        traj, spec = self.traj, self.spec
-        step_fn = _SOLVERS[spec.name][0]
-        theta = self.params(j)
-        first, last = int(traj.steps[j]), int(traj.steps[j + 1])
-        count = self._state(j)[1] if spec.state_keys else float(first + 1)
-        for t in range(first, last):
-            lr = self.lr(j, t)
-            theta, state = step_fn(spec, theta, state, self.gradient(theta, t), lr,
-                                   count + (t - first), self.decay(lr))
-        return state
-
-    def replay_moments(self) -> tuple[int, dict[int, dict]]:
-        """Checkpoints of the forward replay that recovers the first moments: the replay's
-        optimizer state at every ``every``-th recorded point, ``every`` about the square
-        root of the number of intervals. The moments in between are replayed again from
-        the checkpoint before them, one segment at a time (:meth:`_moment`), so that about
-        ``2 sqrt(n_points)`` (P,) vectors are held, not one a recorded point."""
-        n = len(self.traj) - 1
-        every = math.isqrt(max(n - 1, 0)) + 1  # ceil(sqrt(n))
-        state: dict = {}
-        checkpoints = {0: state}
-        for j in range(every * ((n - 1) // every)):
-            state = self._advance(j, state)  # each interval restarts on its recorded point
-            if (j + 1) % every == 0:
-                checkpoints[j + 1] = state
-        return every, checkpoints
-
-    def _moment(self, j: int) -> torch.Tensor | None:
-        """The replay's first moment at recorded point ``j`` (None: no step taken yet).
-        The sweep asks for the points last first: a segment is replayed from its
-        checkpoint when its last point is asked for, and kept until the sweep leaves it."""
-        if j not in self._segment:
-            every, checkpoints = self._moments
-            start = j - j % every
-            state = checkpoints[start]
-            self._segment = {}
-            for i in range(start, j + 1):
-                self._segment[i] = state.get("m")
-                if i < j:
-                    state = self._advance(i, state)
-        return self._segment[j]
 
 
 def forward_over_reverse(module: torch.nn.Module, dtype: torch.dtype,

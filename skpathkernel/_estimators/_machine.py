@@ -72,9 +72,9 @@ _SHARED_PARAMS_DOC = """
         by ``tol`` (the stopping rule), and training stops when it is at most 1e-6
         (``tol=None``, no rule, keeps ``learning_rate_init``, as SGDClassifier). The
         recorded path holds every step's size (``trajectory_.step_learning_rates``), so
-        the kernels and the decomposition follow the schedule exactly (with every step
-        recorded: a thinned path's interval takes its mean), and the unrolled
-        attribution does on any path.
+        the kernels follow the schedule exactly (with every step recorded: a thinned
+        path's interval takes its mean), and the decomposition and the unrolled
+        attribution do on any path (they replay a thinned path's steps).
     power_t : float, default=0.5
         Exponent of ``learning_rate="invscaling"`` (sgd only).
     momentum : float, default=0.0

@@ -95,7 +95,8 @@ result : Decomposition
     ``initial`` (n, C), ``contributions`` (n, n_train, C), ``regularization``
     (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
     (logits for multi-class classifiers, the margin for binary ones); for
-    "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``.${raises}
+    "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``; on a thinned
+    path, ``replay_error`` (None elsewhere).${raises}
 
 Notes
 -----
@@ -104,11 +105,17 @@ the step's batch; plain SGD then needs a Gram of factors (as a tangent kernel),
 momentum / Adam / RMSprop one (n C) x P x B product with an adjoint buffer of
 n C P values that carries the optimizer's memory backwards over the steps, so
 memory does not grow with the number of steps; blocks under ``memory_budget``.
-Exact with ``record_every=1``; on a thinned path (k > 1) the steps between two
-recorded points take their batches' gradients at the first of them: ``error`` is
-the reconstruction error this leaves, and the result warns, stating it relative to
-the largest change of the output since initialization (it bounds the contributions'
-sum, not each contribution).${examples}
+Exact on a thinned path too (``record_every`` k > 1): the steps between two recorded
+points are replayed from the record (batches, step sizes, clip factors, weight
+decay; the first moments from a checkpointed replay from the initialization) and
+each optimizer step is split as on a path recorded at every step (``n_nodes`` and
+``step_errors`` per optimizer step); ``replay_error`` is the replay's mismatch with
+the recorded points, and the result warns where it is above round-off. Where the
+steps cannot be replayed (a step with an empty batch, a layer drawing at random in
+training mode) they take their batches' gradients at the interval's first point:
+``error`` is the reconstruction error this leaves, and the result warns, saying
+why and stating it relative to the largest change of the output since
+initialization (it bounds the contributions' sum, not each contribution).${examples}
 """
 
 ATTRIBUTE = """Training-data attribution scores: how much each training point moved each output.

@@ -1194,3 +1194,35 @@ def test_thinned_path_holds_its_replayed_intervals_briefly(data, every, monkeypa
     # The reference outputs' pass and the walk's (and the middle point's, for the
     # engine's check of hidden reads, before them).
     assert len(calls) <= 2 * n_intervals + 1 and n_steps == 120
+
+
+@pytest.mark.parametrize("every", [3, 20])
+def test_thinned_path_frees_an_interval_before_replaying_the_next(data, every, monkeypatch):
+    """An interval is replayed once the intervals it displaces are let go, not next to
+    them: intervals longer than the blocks made ahead are held alone while one is
+    replayed (2 k vectors at most, not 4 k), shorter ones one fewer than the most held.
+    Counted when the replay runs, against the every-step path's split."""
+    import skpathkernel._analysis._decomposition as interpolation
+    import skpathkernel._analysis._unrolled as unrolled
+
+    X_train, y, X = data
+    params = dict(RAW, hidden_layer_sizes=(6,), max_iter=15, batch_size=2, dtype="float64",
+                  random_state=0, **SOLVERS["adam-l2"])
+    full = PathKernelMachine(**params).fit(X_train, y)
+    thinned = PathKernelMachine(**params, record_every=every).fit(X_train, y)
+    paths, held = [], []
+    init, interval = interpolation.EveryStep.__init__, unrolled.Replay.interval
+
+    def tracked_init(self, replay):
+        paths.append(self)
+        init(self, replay)
+
+    def counting(self, j, *args, **kwargs):
+        held.extend(len(p._kept) for p in paths if p.replay is self)
+        return interval(self, j, *args, **kwargs)
+
+    monkeypatch.setattr(interpolation.EveryStep, "__init__", tracked_init)
+    monkeypatch.setattr(unrolled.Replay, "interval", counting)
+    _assert_same_split(thinned.decompose(X), full.decompose(X))
+    limit = 1 if every > interpolation.STEP_BLOCK else -(-interpolation.STEP_BLOCK // every) + 1
+    assert held and max(held) == limit - 1

@@ -1535,14 +1535,16 @@ class EveryStep(Trajectory):
         # Read first first (the reference outputs at every step), each interval starts
         # from the first moment the one before ended with, not from a checkpoint.
         carried = self._carry[1] if self._carry is not None and self._carry[0] == j else None
+        # The intervals it displaces go first, not after it is replayed beside them (a
+        # long interval's 2 k vectors would otherwise be held twice).
+        while len(self._kept) >= self._keep:
+            del self._kept[next(iter(self._kept))]
         steps = self.replay.interval(j, moment=carried)
         if self.replay._moments is not None:
             self._carry = (j + 1, self.replay.end_moment)
         points = [nxt for _, _, nxt, _, _ in steps[:-1]]
         states = [v for _, _, _, _, v in steps]
         self._kept[j] = points, states
-        while len(self._kept) > self._keep:
-            del self._kept[next(iter(self._kept))]
         return points, states
 
     def _params_at(self, t: int) -> torch.Tensor:

@@ -270,8 +270,10 @@ class Decomposition:
         max |initial + sum(contributions) + regularization - prediction|.
     method, weighting : str
     n_nodes : ndarray of int of shape (n_steps,) or None
-        ``method="exact"``: the Gauss-Legendre nodes each step used (the largest over
-        the query blocks). None for the other methods.
+        ``method="exact"``: the Gauss-Legendre nodes each optimizer step used (the
+        largest over the query blocks); one per recorded interval on a thinned path
+        whose steps could not be replayed (shape ``(len(trajectory) - 1,)``, as
+        ``step_errors``). None for the other methods.
     step_errors : ndarray of shape (n_steps,) or None
         ``method="exact"``: each step's measured quadrature residual, the largest over
         queries and outputs of ``|rho_t(x) . dtheta_t - (f(x; theta_{t+1}) -

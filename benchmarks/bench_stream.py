@@ -12,11 +12,14 @@ table gives each side's median and mean per call over calls 1-250 and 1251-1500 
 the ratio of the late window to the early one). The two sides' paths are checked equal
 to the bit at the end.
 
+``solo``: each side streaming alone (the tree, then the ref), the same windows: without
+the other side's copies of the whole path between its calls.
+
 ``disk``: the tree alone with ``trajectory_storage="disk"`` (no ref: the change leaves
 the chunk files alone), calls 1-250 and 651-900 of a 900-call stream.
 
 Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_stream [REF]
-[CASES] [RESULTS]`` (REF c629f67, CASES ``memory,disk``, RESULTS ``stream``). Writes
+[CASES] [RESULTS]`` (REF c629f67, CASES ``memory,solo,disk``, RESULTS ``stream``). Writes
 ``benchmarks/results/RESULTS.md`` and ``.json``.
 """
 
@@ -41,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = ["skpathkernel/_estimators/_base.py", "skpathkernel/_path/_training.py",
            "skpathkernel/_path/_buffers.py", "skpathkernel/_path/_trajectory.py"]
 SIZE = 50
+_TREE = base._continued_path
 
 
 def _windows(times, windows):
@@ -76,9 +80,29 @@ def memory_case(ref_mod, X, y, n_calls=1500, windows=((1, 250), (1251, 1500))):
         torch.equal(a._states[k], b._states[k]) for k in a._states) and np.array_equal(
         sides["ref"].X_fit_, sides["tree"].X_fit_))
     return dict(case="memory", n_calls=n_calls, same_path=bool(same),
+                note=f"paths and X_fit_ equal to the bit: {bool(same)}",
                 points_mib=b._points_nbytes() / 2**20,
                 X_fit_mib=sides["tree"].X_fit_.nbytes / 2**20,
                 windows={side: _windows(t, windows) for side, t in times.items()},
+                times=times)
+
+
+def solo_case(ref_mod, X, y, n_calls=1500, windows=((1, 250), (1251, 1500))):
+    """Each side streaming alone, the tree first: in the alternating case the ref's
+    copies of the whole path, between two of the tree's calls, leave those to start on
+    evicted caches (and a busier allocator) as the path grows."""
+    classes = np.unique(y)
+    times = {}
+    try:
+        for side, func in (("tree", base._continued_path), ("ref", ref_mod._continued_path)):
+            base._continued_path = func
+            est = PathKernelClassifier(random_state=0)
+            times[side] = [_call(est, X, y, classes, i) for i in range(n_calls)]
+    finally:
+        base._continued_path = _TREE
+    return dict(case="solo", n_calls=n_calls, note="each side alone, the tree first",
+                points_mib=est.trajectory_._points_nbytes()
+                / 2**20, windows={side: _windows(t, windows) for side, t in times.items()},
                 times=times)
 
 
@@ -86,15 +110,16 @@ def disk_case(X, y, n_calls=900, windows=((1, 250), (651, 900))):
     classes = np.unique(y)
     est = PathKernelClassifier(random_state=0, trajectory_storage="disk")
     times = [_call(est, X, y, classes, i) for i in range(n_calls)]
-    return dict(case="disk", n_calls=n_calls,
-                chunk_rows=est.trajectory_._store.chunk_rows,
+    chunk_rows = est.trajectory_._store.chunk_rows
+    return dict(case="disk", n_calls=n_calls, note=f"chunk_rows {chunk_rows}",
+                chunk_rows=chunk_rows,
                 points_mib=est.trajectory_._points_nbytes() / 2**20,
                 windows={"tree": _windows(times, windows)}, times={"tree": times})
 
 
 def main():
     ref = sys.argv[1] if len(sys.argv) > 1 else "c629f67"
-    cases = (sys.argv[2] if len(sys.argv) > 2 else "memory,disk").split(",")
+    cases = (sys.argv[2] if len(sys.argv) > 2 else "memory,solo,disk").split(",")
     out = ROOT / "benchmarks" / "results" / (sys.argv[3] if len(sys.argv) > 3 else "stream")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -107,7 +132,8 @@ def main():
                          ref, 1, load_before=os.getloadavg())
     rows = []
     for case in cases:
-        row = memory_case(ref_base, X, y) if case == "memory" else disk_case(X, y)
+        row = (memory_case(ref_base, X, y) if case == "memory" else
+               solo_case(ref_base, X, y) if case == "solo" else disk_case(X, y))
         rows.append(row)
         print(case, json.dumps(row["windows"]), flush=True)
     prov["load_after"] = os.getloadavg()
@@ -129,11 +155,8 @@ def main():
     for row in rows:
         for side, wins in row["windows"].items():
             early, late = (w["median_ms"] for w in wins.values())
-            other = (f"paths equal to the bit: {row['same_path']}; X_fit_ "
-                     f"{row['X_fit_mib']:.2f} MiB" if row["case"] == "memory"
-                     else f"chunk_rows {row['chunk_rows']}")
             lines.append(f"| {row['case']} | {side} | {late / early:.2f} | "
-                         f"{row['n_calls']} | {row['points_mib']:.1f} | {other} |")
+                         f"{row['n_calls']} | {row['points_mib']:.1f} | {row['note']} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

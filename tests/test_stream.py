@@ -17,6 +17,7 @@ import skpathkernel._estimators._base as base
 import skpathkernel._path._training as training
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel._path import _buffers
+from skpathkernel._path._storage import Series
 
 _ARRAYS = ("steps", "learning_rates", "_batch_indices", "_batch_offsets", "_state_steps",
            "_batch_weights", "_step_lrs")
@@ -219,3 +220,35 @@ def test_a_saved_streamed_path_holds_no_spare_rows(tmp_path):
     assert sizes[0] == sizes[1]
     loaded = type(traj).load(tmp_path / "streamed" / "path.pt")
     assert torch.equal(loaded._params, traj._params)
+
+
+def test_a_disk_stream_reads_its_first_point_once(monkeypatch):
+    """On disk, each call read the path's first point (the divergence check's start)
+    from the first chunk file, whole; it is now kept. What each call still reads: the
+    partly filled last chunk of each series (the parameters, Adam's second moments),
+    which it rewrites whole with the new rows (a chunk at most: not the stream). The
+    stream's path is the one streamed in memory, in the files too."""
+    X, y, w = _data()
+    params = dict(hidden_layer_sizes=(8,), batch_size=20, random_state=0)
+    est = _stream(PathKernelClassifier(**params, trajectory_storage="disk"), X, y, w, 2)
+    reads = []
+    original = Series._read_checked
+
+    def counted(self, chunk):
+        reads.append((self.name, chunk))
+        return original(self, chunk)
+
+    monkeypatch.setattr(Series, "_read_checked", counted)
+    _stream(est, X, y, w, 8, start=2)
+    assert sorted(reads) == [("exp_avg_sq", 0)] * 8 + [("params", 0)] * 8
+    monkeypatch.undo()
+    memory = _stream(PathKernelClassifier(**params), X, y, w, 10)
+    from_files = est.trajectory_.for_workers()  # a reader of the chunk files
+    for traj in (est.trajectory_, from_files):
+        assert len(traj) == len(memory.trajectory_) == 21
+        for k in range(len(traj)):
+            assert torch.equal(traj.parameters(k), memory.trajectory_.parameters(k))
+            if k < len(traj) - 1:
+                assert torch.equal(traj.optimizer_state(k)["exp_avg_sq"],
+                                   memory.trajectory_.optimizer_state(k)["exp_avg_sq"])
+    np.testing.assert_array_equal(est.predict(X[:30]), memory.predict(X[:30]))

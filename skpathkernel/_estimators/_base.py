@@ -959,9 +959,8 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 first_step=0 if previous is None else previous.trajectory.n_steps,
                 extends=extends,
                 sample_weight=sample_weight,
-                # Read before the new points join a path on disk.
-                path_start=None if previous is None
-                else previous.trajectory.parameters(0).clone(),
+                # Read before the new points join a path on disk (once per stream).
+                path_start=None if previous is None else previous.trajectory._start(),
             )
 
     def _schedule(self, continued: bool) -> tuple[str, float, float]:

@@ -7,16 +7,20 @@ Two estimators stream side by side, alternating call by call (which goes first
 alternates too): ``ref`` continues its path with the ref's ``_continued_path`` and
 ``extend_trajectory`` (each imported from the ref beside the tree's and put in the
 tree's place for its calls; they concatenated the path and the training set at every
-call), ``tree`` with the working tree's. Each call is timed by ``time.process_time``; the
-table gives each side's median and mean per call over calls 1-250 and 1251-1500 (and
-the ratio of the late window to the early one). The two sides' paths are checked equal
-to the bit at the end.
+call) and reads the path's first point as the ref did (see ``disk``), ``tree`` with the
+working tree's. Each call is timed by ``time.process_time``; the table gives each
+side's median and mean per call over calls 1-250 and 1251-1500 (and the ratio of the
+late window to the early one). The two sides' paths are checked equal to the bit at the
+end.
 
 ``solo``: each side streaming alone (the tree, then the ref), the same windows: without
 the other side's copies of the whole path between its calls.
 
-``disk``: the tree alone with ``trajectory_storage="disk"`` (no ref: the change leaves
-the chunk files alone), calls 1-250 and 651-900 of a 900-call stream.
+``disk``: the same A/B with ``trajectory_storage="disk"``, calls 1-250 and 651-900 of a
+900-call stream (the chunk files hold 935 points: the window ends inside the first
+chunk, whose filled part every call reads back and rewrites). The ref's side also reads
+the path's first point at every call as the ref did (``parameters(0)``, a whole chunk
+file), in the place of ``Trajectory._start``.
 
 Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_stream [REF]
 [CASES] [RESULTS]`` (REF c629f67, CASES ``memory,solo,disk``, RESULTS ``stream``). Writes
@@ -38,13 +42,13 @@ from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._estimators._base as base
 from benchmarks._ab import ab_provenance, reference_module
-from skpathkernel import PathKernelClassifier
+from skpathkernel import PathKernelClassifier, Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = ["skpathkernel/_estimators/_base.py", "skpathkernel/_path/_training.py",
            "skpathkernel/_path/_buffers.py", "skpathkernel/_path/_trajectory.py"]
 SIZE = 50
-_TREE = base._continued_path
+_TREE = base._continued_path, Trajectory._start
 
 
 def _windows(times, windows):
@@ -61,30 +65,43 @@ def _call(est, X, y, classes, i):
     return time.process_time() - t
 
 
-def memory_case(ref_mod, X, y, n_calls=1500, windows=((1, 250), (1251, 1500))):
+def _ref_start(self):
+    """The ref's read of the path's first point, at every call (``parameters(0)``:
+    on disk, its whole first chunk file)."""
+    return self.parameters(0).clone()
+
+
+def ab_case(ref_mod, X, y, storage="memory", n_calls=1500,
+            windows=((1, 250), (1251, 1500))):
     classes = np.unique(y)
-    sides = {"ref": PathKernelClassifier(random_state=0),
-             "tree": PathKernelClassifier(random_state=0)}
-    funcs = {"ref": ref_mod._continued_path, "tree": base._continued_path}
+    sides = {side: PathKernelClassifier(random_state=0, trajectory_storage=storage)
+             for side in ("ref", "tree")}
+    funcs = {"ref": (ref_mod._continued_path, _ref_start),
+             "tree": (base._continued_path, Trajectory._start)}
     times = {"ref": [], "tree": []}
     try:
         for i in range(n_calls):
             order = ("ref", "tree") if i % 2 == 0 else ("tree", "ref")
             for side in order:
-                base._continued_path = funcs[side]
+                base._continued_path, Trajectory._start = funcs[side]
                 times[side].append(_call(sides[side], X, y, classes, i))
     finally:
-        base._continued_path = funcs["tree"]
+        base._continued_path, Trajectory._start = funcs["tree"]
     a, b = (s.trajectory_ for s in sides.values())
-    same = (torch.equal(a._params, b._params) and all(
-        torch.equal(a._states[k], b._states[k]) for k in a._states) and np.array_equal(
-        sides["ref"].X_fit_, sides["tree"].X_fit_))
-    return dict(case="memory", n_calls=n_calls, same_path=bool(same),
-                note=f"paths and X_fit_ equal to the bit: {bool(same)}",
-                points_mib=b._points_nbytes() / 2**20,
-                X_fit_mib=sides["tree"].X_fit_.nbytes / 2**20,
-                windows={side: _windows(t, windows) for side, t in times.items()},
-                times=times)
+    same = len(a) == len(b) and all(
+        torch.equal(a.parameters(k), b.parameters(k)) for k in range(len(a))) and all(
+        torch.equal(a.optimizer_state(k)[key], b.optimizer_state(k)[key])
+        for k in range(len(a) - 1) for key in a.state_keys) and np.array_equal(
+        sides["ref"].X_fit_, sides["tree"].X_fit_)
+    row = dict(case=storage, n_calls=n_calls, same_path=bool(same),
+               note=f"paths and X_fit_ equal to the bit: {bool(same)}",
+               points_mib=b._points_nbytes() / 2**20,
+               X_fit_mib=sides["tree"].X_fit_.nbytes / 2**20,
+               windows={side: _windows(t, windows) for side, t in times.items()},
+               times=times)
+    if storage == "disk":
+        row["note"] += f"; chunk_rows {b._store.chunk_rows}"
+    return row
 
 
 def solo_case(ref_mod, X, y, n_calls=1500, windows=((1, 250), (1251, 1500))):
@@ -94,27 +111,23 @@ def solo_case(ref_mod, X, y, n_calls=1500, windows=((1, 250), (1251, 1500))):
     classes = np.unique(y)
     times = {}
     try:
-        for side, func in (("tree", base._continued_path), ("ref", ref_mod._continued_path)):
-            base._continued_path = func
+        for side, funcs in (("tree", (base._continued_path, Trajectory._start)),
+                            ("ref", (ref_mod._continued_path, _ref_start))):
+            base._continued_path, Trajectory._start = funcs
             est = PathKernelClassifier(random_state=0)
             times[side] = [_call(est, X, y, classes, i) for i in range(n_calls)]
     finally:
-        base._continued_path = _TREE
+        base._continued_path, Trajectory._start = _TREE
     return dict(case="solo", n_calls=n_calls, note="each side alone, the tree first",
                 points_mib=est.trajectory_._points_nbytes()
                 / 2**20, windows={side: _windows(t, windows) for side, t in times.items()},
                 times=times)
 
 
-def disk_case(X, y, n_calls=900, windows=((1, 250), (651, 900))):
-    classes = np.unique(y)
-    est = PathKernelClassifier(random_state=0, trajectory_storage="disk")
-    times = [_call(est, X, y, classes, i) for i in range(n_calls)]
-    chunk_rows = est.trajectory_._store.chunk_rows
-    return dict(case="disk", n_calls=n_calls, note=f"chunk_rows {chunk_rows}",
-                chunk_rows=chunk_rows,
-                points_mib=est.trajectory_._points_nbytes() / 2**20,
-                windows={"tree": _windows(times, windows)}, times={"tree": times})
+def _cpu():
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f
+                     if line.startswith("model name")), "unknown")
 
 
 def main():
@@ -129,11 +142,13 @@ def main():
     ref_base = reference_module(ROOT, ref, "skpathkernel/_estimators/_base.py")
     ref_base.extend_trajectory = ref_training.extend_trajectory
     prov = ab_provenance(ROOT, "bench_stream", MODULES + ["benchmarks/bench_stream.py"],
-                         ref, 1, load_before=os.getloadavg())
+                         ref, 1, cpu=_cpu(), shared="2 cores shared with other helpers' runs",
+                         load_before=os.getloadavg())
     rows = []
     for case in cases:
-        row = (memory_case(ref_base, X, y) if case == "memory" else
-               solo_case(ref_base, X, y) if case == "solo" else disk_case(X, y))
+        row = (solo_case(ref_base, X, y) if case == "solo" else
+               ab_case(ref_base, X, y, case) if case == "memory" else
+               ab_case(ref_base, X, y, case, 900, ((1, 250), (651, 900))))
         rows.append(row)
         print(case, json.dumps(row["windows"]), flush=True)
     prov["load_after"] = os.getloadavg()

@@ -7,20 +7,17 @@ Two estimators stream side by side, alternating call by call (which goes first
 alternates too): ``ref`` continues its path with the ref's ``_continued_path`` and
 ``extend_trajectory`` (each imported from the ref beside the tree's and put in the
 tree's place for its calls; they concatenated the path and the training set at every
-call) and reads the path's first point as the ref did (see ``disk``), ``tree`` with the
-working tree's. Each call is timed by ``time.process_time``; the table gives each
-side's median and mean per call over calls 1-250 and 1251-1500 (and the ratio of the
-late window to the early one). The two sides' paths are checked equal to the bit at the
-end.
+call), ``tree`` with the working tree's. Each call is timed by ``time.process_time``;
+the table gives each side's median and mean per call over calls 1-250 and 1251-1500
+(and the ratio of the late window to the early one). The two sides' paths are checked
+equal to the bit at the end.
 
 ``solo``: each side streaming alone (the tree, then the ref), the same windows: without
 the other side's copies of the whole path between its calls.
 
 ``disk``: the same A/B with ``trajectory_storage="disk"``, calls 1-250 and 651-900 of a
 900-call stream (the chunk files hold 935 points: the window ends inside the first
-chunk, whose filled part every call reads back and rewrites). The ref's side also reads
-the path's first point at every call as the ref did (``parameters(0)``, a whole chunk
-file), in the place of ``Trajectory._start``.
+chunk, whose filled part every call reads back and rewrites, in both).
 
 Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_stream [REF]
 [CASES] [RESULTS]`` (REF c629f67, CASES ``memory,solo,disk``, RESULTS ``stream``). Writes
@@ -42,13 +39,13 @@ from sklearn.preprocessing import StandardScaler
 
 import skpathkernel._estimators._base as base
 from benchmarks._ab import ab_provenance, reference_module
-from skpathkernel import PathKernelClassifier, Trajectory
+from skpathkernel import PathKernelClassifier
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = ["skpathkernel/_estimators/_base.py", "skpathkernel/_path/_training.py",
            "skpathkernel/_path/_buffers.py", "skpathkernel/_path/_trajectory.py"]
 SIZE = 50
-_TREE = base._continued_path, Trajectory._start
+_TREE = base._continued_path
 
 
 def _windows(times, windows):
@@ -65,28 +62,21 @@ def _call(est, X, y, classes, i):
     return time.process_time() - t
 
 
-def _ref_start(self):
-    """The ref's read of the path's first point, at every call (``parameters(0)``:
-    on disk, its whole first chunk file)."""
-    return self.parameters(0).clone()
-
-
 def ab_case(ref_mod, X, y, storage="memory", n_calls=1500,
             windows=((1, 250), (1251, 1500))):
     classes = np.unique(y)
     sides = {side: PathKernelClassifier(random_state=0, trajectory_storage=storage)
              for side in ("ref", "tree")}
-    funcs = {"ref": (ref_mod._continued_path, _ref_start),
-             "tree": (base._continued_path, Trajectory._start)}
+    funcs = {"ref": ref_mod._continued_path, "tree": base._continued_path}
     times = {"ref": [], "tree": []}
     try:
         for i in range(n_calls):
             order = ("ref", "tree") if i % 2 == 0 else ("tree", "ref")
             for side in order:
-                base._continued_path, Trajectory._start = funcs[side]
+                base._continued_path = funcs[side]
                 times[side].append(_call(sides[side], X, y, classes, i))
     finally:
-        base._continued_path, Trajectory._start = funcs["tree"]
+        base._continued_path = funcs["tree"]
     a, b = (s.trajectory_ for s in sides.values())
     same = len(a) == len(b) and all(
         torch.equal(a.parameters(k), b.parameters(k)) for k in range(len(a))) and all(
@@ -111,13 +101,12 @@ def solo_case(ref_mod, X, y, n_calls=1500, windows=((1, 250), (1251, 1500))):
     classes = np.unique(y)
     times = {}
     try:
-        for side, funcs in (("tree", (base._continued_path, Trajectory._start)),
-                            ("ref", (ref_mod._continued_path, _ref_start))):
-            base._continued_path, Trajectory._start = funcs
+        for side, func in (("tree", base._continued_path), ("ref", ref_mod._continued_path)):
+            base._continued_path = func
             est = PathKernelClassifier(random_state=0)
             times[side] = [_call(est, X, y, classes, i) for i in range(n_calls)]
     finally:
-        base._continued_path, Trajectory._start = _TREE
+        base._continued_path = _TREE
     return dict(case="solo", n_calls=n_calls, note="each side alone, the tree first",
                 points_mib=est.trajectory_._points_nbytes()
                 / 2**20, windows={side: _windows(t, windows) for side, t in times.items()},

@@ -959,8 +959,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 first_step=0 if previous is None else previous.trajectory.n_steps,
                 extends=extends,
                 sample_weight=sample_weight,
-                # Read before the new points join a path on disk (once per stream).
-                path_start=None if previous is None else previous.trajectory._start(),
+                # Read before the new points join a path on disk.
+                path_start=None if previous is None
+                else previous.trajectory.parameters(0).clone(),
             )
 
     def _schedule(self, continued: bool) -> tuple[str, float, float]:
@@ -1200,8 +1201,8 @@ def _warn_past_budget(before: Trajectory, after: Trajectory, budget: int) -> Non
             f"The path continued by warm_start / partial_fit now holds {now / 2**20:.1f} "
             f"MiB of recorded points in memory, above memory_budget={budget} "
             f"({budget / 2**20:.1f} MiB), which bounds the points of one fit: "
-            "continuations keep every point they record, in buffers with up to as many "
-            "spare rows again, which grow without copying at every call. "
+            "continuations keep every point they record (in buffers that double when "
+            "full: up to as much again held spare). "
             "For a long stream, start it with trajectory_storage='disk' (the path grows in "
             "its files), or with an integer record_every.", UserWarning,
             stacklevel=caller_stacklevel())

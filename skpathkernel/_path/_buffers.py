@@ -85,6 +85,10 @@ def appended(array, *parts):
         The rows of ``array`` then of ``parts``; ``array`` itself is unchanged.
     """
     torch_side = _is_torch(array)
+    if any(tuple(p.shape[1:]) != tuple(array.shape[1:]) for p in parts):
+        # Assigned into the buffer, a part of other rows would broadcast silently.
+        raise ValueError(f"Rows of shapes {[tuple(p.shape[1:]) for p in parts]} cannot "
+                         f"follow rows of shape {tuple(array.shape[1:])}.")
     n_old = len(array)
     n_new = n_old + sum(len(p) for p in parts)
     dtype = _result_dtype(array, parts)
@@ -104,11 +108,11 @@ def appended(array, *parts):
         else:
             base = np.empty(shape, dtype=dtype)
         base[:n_old] = array
-        _COUNTS["reallocations"] += 1
-        _COUNTS["rows_copied"] += n_old
         key = id(base)
         with _LOCK:
             _FILLED[key] = [weakref.ref(base), n_new]
+            _COUNTS["reallocations"] += 1
+            _COUNTS["rows_copied"] += n_old
         weakref.finalize(base, _FILLED.pop, key, None)
     start = n_old
     for part in parts:

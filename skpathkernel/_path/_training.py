@@ -1034,7 +1034,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         weights = appended(first._all_batch_weights(), second._all_batch_weights())
     if first._step_lrs is not None or second._step_lrs is not None:
         step_lrs = appended(first.step_learning_rates, second.step_learning_rates)
-    joined = Trajectory(
+    return Trajectory(
         names=first.names, shapes=first.shapes,
         params=params,
         steps=appended(first.steps, second.steps[1:] + n_first),
@@ -1048,9 +1048,6 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         record_every=max(first.record_every, second.record_every),
         batch_weights=weights, step_lrs=step_lrs,
     )
-    if "_start_point" in first.__dict__:  # see Trajectory._start
-        joined.__dict__["_start_point"] = first.__dict__["_start_point"]
-    return joined
 
 
 def _raise_diverged(step: int, epoch: int, lr: float, initial: bool = False):

@@ -579,16 +579,6 @@ class Trajectory:
         """
         return self._read(self._params, self._point(k), "parameters")
 
-    def _start(self) -> torch.Tensor:
-        """A copy of point 0, kept after the first read (and by the paths that
-        :func:`~._training.extend_trajectory` continues from this one): on disk it is
-        read from the first chunk file, whole (up to ``CHUNK_BYTES``), and every call of
-        a ``partial_fit`` stream asks for it."""
-        start = self.__dict__.get("_start_point")
-        if start is None:
-            start = self.__dict__["_start_point"] = self.parameters(0).clone()
-        return start.clone()
-
     def state_dict(self, k: int = -1) -> OrderedDict[str, torch.Tensor]:
         """The module's parameters at point ``k``, loadable with ``load_state_dict``.
 
@@ -1004,8 +994,8 @@ class Trajectory:
         # a trajectory recorded next to a GPU must load without one. An on-disk
         # trajectory pickles a reference to its directory (see ChunkStore.__getstate__).
         state = self.__dict__.copy()
-        for key in ("_shared_copy", "_shared_directory", "_start_point"):
-            state.pop(key, None)
+        state.pop("_shared_copy", None)
+        state.pop("_shared_directory", None)
         if self.storage == "memory":
             state["_params"] = _to_numpy(self._params)
             state["_states"] = {k: _to_numpy(v) for k, v in self._states.items()}

@@ -52,6 +52,7 @@ from .._network._inputs import (
 )
 from .._network._trained import TrainedNetwork, module_outputs, network_of, output_block_rows
 from .._parallel import dask_worker_threads, limit_torch_threads
+from .._path._buffers import appended
 from .._path._losses import LOSSES
 from .._path._storage import DiskArray, dtype_name
 from .._path._training import (
@@ -1204,7 +1205,8 @@ def _warn_past_budget(before: Trajectory, after: Trajectory, budget: int) -> Non
             f"The path continued by warm_start / partial_fit now holds {now / 2**20:.1f} "
             f"MiB of recorded points in memory, above memory_budget={budget} "
             f"({budget / 2**20:.1f} MiB), which bounds the points of one fit: "
-            "continuations keep every point they record, and each copies the path held. "
+            "continuations keep every point they record (in buffers that double when "
+            "full: up to as much again held spare). "
             "For a long stream, start it with trajectory_storage='disk' (the path grows in "
             "its files), or with an integer record_every.", UserWarning,
             stacklevel=caller_stacklevel())
@@ -1241,9 +1243,9 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_w
     else:
         n_prev = len(previous.X_fit)
         if previous.sample_weight is not None or sample_weight is not None:
-            sample_weight = np.concatenate([
+            sample_weight = appended(*(
                 np.ones(n) if w is None else w
-                for w, n in ((previous.sample_weight, n_prev), (sample_weight, len(X)))])
+                for w, n in ((previous.sample_weight, n_prev), (sample_weight, len(X)))))
         trajectory = extend_trajectory(previous.trajectory, segment, n_prev, n_prev + len(X))
         if trajectory.storage == "disk":
             if disk_data is None:
@@ -1252,8 +1254,9 @@ def _continued_path(previous: TrainedNetwork, disk_data, segment, X, Y, sample_w
             disk_data = tuple(a.appended(rows) for a, rows in zip(disk_data, (X, Y)))
             X_fit, Y_fit = (a.array() for a in disk_data)
         else:
-            X_fit = np.concatenate([previous.X_fit, X])
-            Y_fit = np.concatenate([previous.y_fit, Y])
+            # Views of buffers with spare rows: a stream of partial_fit calls copies
+            # each row a bounded number of times, and earlier views keep their rows.
+            X_fit, Y_fit = appended(previous.X_fit, X), appended(previous.y_fit, Y)
     if trajectory.storage == "disk":
         trajectory._write_meta()
     return trajectory, X_fit, Y_fit, sample_weight, disk_data

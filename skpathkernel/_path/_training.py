@@ -29,6 +29,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from .._device import forked_rng
 from .._modules import copy_module, cudnn_disabled, norm_hooks, recurrent_on_cuda
 from .._warnings import caller_stacklevel
+from ._buffers import appended
 from ._losses import Loss
 from ._mlp_step import MLPGradient
 from ._optim import FunctionalOptimizer
@@ -1024,6 +1025,9 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
     are), so the combined path is one path, from the first initialization to the last
     step. On disk, ``second`` was recorded into ``first``'s series, from its last point
     on (``train(extends=first)``): the combined path reads them from their first row.
+    In memory, the combined arrays are views of buffers with spare rows
+    (:func:`~._buffers.appended`): a stream of continuations copies each row a bounded
+    number of times in all, and ``first`` keeps its own rows unchanged.
     """
     if first.storage != second.storage:
         raise ValueError(f"Cannot join a path kept in {first.storage} with one kept in "
@@ -1035,24 +1039,24 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         params = DiskRows(rows.series, rows.n, rows.tail)
         states = {k: DiskRows(v.series, v.n) for k, v in second._states.items()}
     else:
-        params = torch.cat([first._params, second._params[1:]])
-        states = {k: torch.cat([v, second._states[k]]) for k, v in first._states.items()}
+        params = appended(first._params, second._params[1:])
+        states = {k: appended(v, second._states[k]) for k, v in first._states.items()}
     n_first = first.n_steps
     weights = step_lrs = None
     if first._batch_weights is not None or second._batch_weights is not None:
-        weights = np.concatenate([first._all_batch_weights(), second._all_batch_weights()])
+        weights = appended(first._all_batch_weights(), second._all_batch_weights())
     if first._step_lrs is not None or second._step_lrs is not None:
-        step_lrs = np.concatenate([first.step_learning_rates, second.step_learning_rates])
+        step_lrs = appended(first.step_learning_rates, second.step_learning_rates)
     return Trajectory(
         names=first.names, shapes=first.shapes,
         params=params,
-        steps=np.concatenate([first.steps, second.steps[1:] + n_first]),
-        learning_rates=np.concatenate([first.learning_rates, second.learning_rates]),
-        batch_indices=np.concatenate([first._batch_indices, second._batch_indices + offset]),
-        batch_offsets=np.concatenate([first._batch_offsets,
-                                      second._batch_offsets[1:] + first._batch_offsets[-1]]),
+        steps=appended(first.steps, second.steps[1:] + n_first),
+        learning_rates=appended(first.learning_rates, second.learning_rates),
+        batch_indices=appended(first._batch_indices, second._batch_indices + offset),
+        batch_offsets=appended(first._batch_offsets,
+                               second._batch_offsets[1:] + first._batch_offsets[-1]),
         states=states,
-        state_steps=np.concatenate([first._state_steps, second._state_steps]),
+        state_steps=appended(first._state_steps, second._state_steps),
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),
         batch_weights=weights, step_lrs=step_lrs,

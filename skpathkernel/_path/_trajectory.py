@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._validation import check_index
+from ._buffers import compact
 from ._storage import (
     CHUNK_BYTES,
     META_FILE,
@@ -798,12 +799,15 @@ class Trajectory:
             "version": _FORMAT_VERSION,
             "names": list(self._names),
             "shapes": [list(s) for s in self._shapes],
-            "params": self._params,
+            # Alone in their storage: torch.save writes a view's whole storage (a
+            # continued path's buffer has spare rows, see _buffers.appended).
+            "params": compact(self._params) if self.storage == "memory" else None,
             "steps": torch.from_numpy(self.steps),
             "learning_rates": torch.from_numpy(self.learning_rates),
             "batch_indices": torch.from_numpy(self._batch_indices),
             "batch_offsets": torch.from_numpy(self._batch_offsets),
-            "states": dict(self._states),
+            "states": {k: compact(v) if self.storage == "memory" else None
+                       for k, v in self._states.items()},
             "state_steps": torch.from_numpy(self._state_steps),
             "solver": self.solver_spec.to_dict(),
             "n_samples": self.n_samples,

@@ -215,7 +215,7 @@ def test_thinned_path_that_cannot_be_replayed_warns_of_its_miss(solver, lr, ever
     ratio = re.search(r"Decomposition.error\), (\S+) times the largest change", said[0])
     assert ratio.group(1) == f"{relative:.2g}"
     assert ("more than the change itself" in said[0]) == loud
-    assert "cannot be replayed (The replay of the unrecorded steps stands in" in said[0]
+    assert "cannot be replayed (the replay of the unrecorded steps stands in" in said[0]
     assert "record_every=1" in said[0]
 
 

@@ -1573,7 +1573,7 @@ def every_step(module, traj, X_train, Y_train, loss):
     if not np.any(np.diff(traj.steps) != 1):
         return traj, None
     try:
-        check_replayable(traj, module, "The replay of the unrecorded steps")
+        check_replayable(traj, module, "the replay of the unrecorded steps")
     except ValueError as exc:
         return traj, str(exc)
     return EveryStep(Replay(module, traj, X_train, Y_train, loss, X_train.device)), None

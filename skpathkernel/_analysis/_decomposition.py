@@ -1526,7 +1526,7 @@ class EveryStep(Trajectory):
         if 2 * longest * self._keep > room:
             self._every = _checkpoint_every(
                 longest, 1 + len(traj.solver_spec.state_keys)
-                + _first_moment(traj.solver_spec), room, vector, budget)
+                + _first_moment(traj.solver_spec), room, 2 * longest * self._keep)
         super().__init__(
             names=traj.names, shapes=traj.shapes,
             params=_Rows(self._params_at, n + 1, P, dtype), steps=np.arange(n + 1),
@@ -1614,24 +1614,22 @@ class EveryStep(Trajectory):
         return {key: value.cpu() if key != "step" else value for key, value in state.items()}
 
 
-def _checkpoint_every(k: int, per_mark: int, room: int, vector: int, budget) -> int:
-    """The steps between an interval's checkpoints where its ``2 k`` replayed vectors
-    exceed ``room`` (vectors): the longest pieces whose checkpoints (``per_mark``
-    vectors each: the parameters and the optimizer's state) and ``PIECES`` pieces of
-    ``2 every`` vectors fit; refused, naming the budget that fits the least, where none
-    do."""
+def _checkpoint_every(k: int, per_mark: int, room: int, whole: int) -> int | None:
+    """The steps between an interval's checkpoints where its replayed vectors (``whole``
+    of them, the intervals held at once) exceed ``room`` (vectors): the longest pieces
+    whose checkpoints (``per_mark`` vectors each: the parameters and the optimizer's
+    state) and ``PIECES`` pieces of ``2 every`` vectors fit. Where none do, the pieces
+    that hold the least, or none (None) where whole intervals hold less: not refused,
+    since a path thinned by ``record_every="auto"`` to fit the budget leaves the replay
+    no room, and its decomposition is expected to run."""
     def held(every):
         return per_mark * -(-k // every) + PIECES * 2 * every
 
     fits = [every for every in range(1, k + 1) if held(every) <= room]
-    if not fits:
-        least = min(held(every) for every in range(1, k + 1)) * vector * REPLAY_SHARE
-        raise ValueError(
-            f"The replay of a thinned path's unrecorded steps needs {least:,} bytes "
-            f"(checkpointed intervals of {k} steps, in 1/{REPLAY_SHARE} of the budget), "
-            f"more than memory_budget={int(budget):,} bytes. Raise memory_budget to at "
-            f"least {least:,}, or record the path more often (a smaller record_every).")
-    return max(fits)
+    if fits:
+        return max(fits)
+    least = min(range(1, k + 1), key=held)
+    return least if held(least) < whole else None
 
 
 def every_step(module, traj, X_train, Y_train, loss, budget=math.inf):

@@ -1213,9 +1213,9 @@ def test_thinned_path_frees_an_interval_before_replaying_the_next(data, every, m
     paths, held = [], []
     init, interval = interpolation.EveryStep.__init__, unrolled.Replay.interval
 
-    def tracked_init(self, replay):
+    def tracked_init(self, replay, *args):
         paths.append(self)
-        init(self, replay)
+        init(self, replay, *args)
 
     def counting(self, j, *args, **kwargs):
         held.extend(len(p._kept) for p in paths if p.replay is self)
@@ -1226,3 +1226,71 @@ def test_thinned_path_frees_an_interval_before_replaying_the_next(data, every, m
     _assert_same_split(thinned.decompose(X), full.decompose(X))
     limit = 1 if every > interpolation.STEP_BLOCK else -(-interpolation.STEP_BLOCK // every) + 1
     assert held and max(held) == limit - 1
+
+
+def test_thinned_path_replay_is_checkpointed_within_memory_budget(data, monkeypatch):
+    """Intervals of k = 64 steps whose 2 k replayed vectors exceed a quarter of
+    memory_budget keep checkpoints and replay one piece at a time: the vectors held (read
+    from the replay's containers after every read of a point or state) stay within
+    ``per_mark * ceil(k / every) + 2 * 2 * every <= budget / 4``, where the unbounded
+    replay holds about 2 k; the split is the unbounded replay's to the last bit and the
+    every-step path's to 1e-10."""
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    params = dict(RAW, hidden_layer_sizes=(40,), max_iter=16, batch_size=2, dtype="float64",
+                  random_state=0, **SOLVERS["adam-l2"])
+    full = PathKernelMachine(**params).fit(X_train, y)
+    k = 64
+    thinned = PathKernelMachine(**params, record_every=k).fit(X_train, y)
+    P = thinned.trajectory_.n_params
+    room = 60  # vectors: the least checkpointing of Adam (3 per mark) needs 56
+    budget = 4 * room * P * 8
+    thinned.memory_budget = budget
+    paths, held = [], []
+    init = interpolation.EveryStep.__init__
+
+    def tracked_init(self, replay, *args):
+        paths.append(self)
+        init(self, replay, *args)
+
+    def vectors(x, out):
+        if isinstance(x, torch.Tensor):
+            if x.shape == (P,):
+                out.add(x.untyped_storage().data_ptr())
+        elif isinstance(x, dict):
+            [vectors(v, out) for v in x.values()]
+        elif isinstance(x, (list, tuple)):
+            [vectors(v, out) for v in x]
+        return out
+
+    def counted(read):
+        def counting(self, t):
+            out = read(self, t)
+            held.append(len(vectors([self._kept, self._marks, self._pieces], set())))
+            return out
+        return counting
+
+    monkeypatch.setattr(interpolation.EveryStep, "__init__", tracked_init)
+    for name in ("_params_at", "_state_at"):
+        monkeypatch.setattr(interpolation.EveryStep, name,
+                            counted(getattr(interpolation.EveryStep, name)))
+    with monkeypatch.context() as m:  # the replay not bounded by the budget
+        m.setattr(interpolation, "REPLAY_SHARE", 1e-300)
+        unbounded = thinned.decompose(X)
+    assert max(held) >= 2 * k - 1 and paths[-1]._every is None
+    held.clear()
+    res = thinned.decompose(X)
+    every = paths[-1]._every
+    assert every is not None and 3 * -(-k // every) + 4 * every <= room
+    assert 0 < max(held) <= 3 * -(-k // every) + 4 * every <= room
+    np.testing.assert_array_equal(res.contributions, unbounded.contributions)
+    np.testing.assert_array_equal(res.regularization, unbounded.regularization)
+    _assert_same_split(res, full.decompose(X))
+    # Below the least checkpointing (56 vectors at every = 8), the pieces that hold the
+    # least, the split unchanged.
+    thinned.memory_budget = 4 * 50 * P * 8
+    held.clear()
+    res = thinned.decompose(X)
+    assert paths[-1]._every == 8 and max(held) <= 3 * 8 + 4 * 8
+    np.testing.assert_array_equal(res.contributions, unbounded.contributions)

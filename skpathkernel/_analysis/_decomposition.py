@@ -180,7 +180,7 @@ from .._tangent import (
 from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import _global_hooks, _hooked, forward_factors
 from .._warnings import caller_stacklevel, worse, worst
-from ._unrolled import Replay, check_replayable, replay_limit
+from ._unrolled import Replay, _first_moment, check_replayable, replay_limit
 
 __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
            "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
@@ -234,6 +234,11 @@ BLOCK_CHUNK = 32
 # own arithmetic dominates (a batch of 200 rows of the default classifier is one
 # 200 x 64 x 64 GEMM per layer).
 STEP_BLOCK = 16
+# A thinned path's replay (:class:`EveryStep`) holds its intervals within a quarter of the
+# memory budget, else checkpoints them and holds PIECES pieces of each at once (two: a
+# block of steps read ahead across a piece's first step does not replay it again).
+REPLAY_SHARE = 4
+PIECES = 2
 # Bytes of a Hessian-vector product's formation per query, in units of its (C, P) result:
 # torch.func's jvp of a jacrev under vmap held about 3.6 of them at once on the default
 # MLPs (peak RSS; 1, 3 outputs, 5k to 69k parameters).
@@ -1485,9 +1490,14 @@ class EveryStep(Trajectory):
     besides the replay's checkpoints of the first moments (about ``sqrt(n_points)``
     vectors, and a segment of as many). ``replay.replay_error`` is the intervals' worst
     mismatch with their next recorded point.
+
+    Where those intervals exceed ``budget / REPLAY_SHARE``, an interval's parameters and
+    optimizer state are kept every ``_every`` steps (:func:`_checkpoint_every`) and the
+    steps a read falls in replayed from the checkpoint before them, ``PIECES`` pieces
+    held at once: ``s ceil(k / every) + 2 PIECES every`` vectors, ``s`` a checkpoint's.
     """
 
-    def __init__(self, replay):
+    def __init__(self, replay, budget=math.inf):
         traj = self.recorded = replay.traj
         self.replay = replay
         if replay.needs_moments:
@@ -1510,6 +1520,13 @@ class EveryStep(Trajectory):
         # Long intervals: the walk's alone; short ones: those a block made ahead spans.
         self._long = longest > STEP_BLOCK
         self._keep = 1 if self._long else -(-STEP_BLOCK // longest) + 1
+        self._every, self._marks, self._pieces = None, None, {}
+        vector = P * torch.empty((), dtype=dtype).element_size()
+        room = budget // REPLAY_SHARE // vector  # vectors
+        if 2 * longest * self._keep > room:
+            self._every = _checkpoint_every(
+                longest, 1 + len(traj.solver_spec.state_keys)
+                + _first_moment(traj.solver_spec), room, 2 * longest * self._keep)
         super().__init__(
             names=traj.names, shapes=traj.shapes,
             params=_Rows(self._params_at, n + 1, P, dtype), steps=np.arange(n + 1),
@@ -1549,16 +1566,47 @@ class EveryStep(Trajectory):
         self._kept[j] = points, states
         return points, states
 
+    def _piece(self, j: int, t: int) -> tuple[list, list]:
+        """The replayed points after and states after the steps of the piece of interval
+        ``j`` holding step ``t`` (``every`` steps from a checkpoint of the interval)."""
+        first = int(self.recorded.steps[j])
+        p = (t - first) // self._every
+        if (j, p) in self._pieces:
+            self._pieces[j, p] = self._pieces.pop((j, p))  # the most recently read
+            return self._pieces[j, p]
+        while len(self._pieces) >= PIECES:  # before replaying it, as _interval's
+            del self._pieces[next(iter(self._pieces))]
+        if self._marks is None or self._marks["j"] != j:
+            carried = (self._carry[1] if self._carry is not None and self._carry[0] == j
+                       else None)
+            self._marks = None
+            marks = {"every": self._every}
+            self.replay.interval(j, moment=carried, marks=marks)
+            if self.replay._moments is not None:
+                self._carry = (j + 1, self.replay.end_moment)
+            self._marks = dict(marks, j=j)
+        t0 = first + p * self._every
+        t1 = min(t0 + self._every, int(self.recorded.steps[j + 1]))
+        theta, state = self._marks[t0]
+        steps = self.replay.take(j, theta, state, self._marks["count"], t0, t1, keep=True)[0]
+        self._pieces[j, p] = [s[2] for s in steps], [s[4] for s in steps]
+        return self._pieces[j, p]
+
     def _params_at(self, t: int) -> torch.Tensor:
         j = int(self._interval_of[t])
         start = int(self.recorded.steps[j])
         if t == start:
             return self.recorded.parameters(j)
+        if self._every is not None:  # the point after step t - 1
+            return self._piece(j, t - 1)[0][(t - 1 - start) % self._every]
         return self._interval(j)[0][t - start - 1]
 
     def _state_at(self, t: int) -> torch.Tensor:
         j = int(self._interval_of[t])
-        return self._interval(j)[1][t - int(self.recorded.steps[j])]
+        start = int(self.recorded.steps[j])
+        if self._every is not None:
+            return self._piece(j, t)[1][(t - start) % self._every]
+        return self._interval(j)[1][t - start]
 
     def optimizer_state(self, k: int = -1) -> dict[str, torch.Tensor]:
         state = super().optimizer_state(k)
@@ -1566,7 +1614,25 @@ class EveryStep(Trajectory):
         return {key: value.cpu() if key != "step" else value for key, value in state.items()}
 
 
-def every_step(module, traj, X_train, Y_train, loss):
+def _checkpoint_every(k: int, per_mark: int, room: int, whole: int) -> int | None:
+    """The steps between an interval's checkpoints where its replayed vectors (``whole``
+    of them, the intervals held at once) exceed ``room`` (vectors): the longest pieces
+    whose checkpoints (``per_mark`` vectors each: the parameters and the optimizer's
+    state) and ``PIECES`` pieces of ``2 every`` vectors fit. Where none do, the pieces
+    that hold the least, or none (None) where whole intervals hold less: not refused,
+    since a path thinned by ``record_every="auto"`` to fit the budget leaves the replay
+    no room, and its decomposition is expected to run."""
+    def held(every):
+        return per_mark * -(-k // every) + PIECES * 2 * every
+
+    fits = [every for every in range(1, k + 1) if held(every) <= room]
+    if fits:
+        return max(fits)
+    least = min(range(1, k + 1), key=held)
+    return least if held(least) < whole else None
+
+
+def every_step(module, traj, X_train, Y_train, loss, budget=math.inf):
     """``(path, why)``: a thinned ``traj`` as :class:`EveryStep` where its steps can be
     replayed (``why`` None), else ``traj`` itself and why not; ``traj`` itself where
     every step is recorded."""
@@ -1576,7 +1642,8 @@ def every_step(module, traj, X_train, Y_train, loss):
         check_replayable(traj, module, "the replay of the unrecorded steps")
     except ValueError as exc:
         return traj, str(exc)
-    return EveryStep(Replay(module, traj, X_train, Y_train, loss, X_train.device)), None
+    return EveryStep(Replay(module, traj, X_train, Y_train, loss, X_train.device),
+                     budget), None
 
 
 # --------------------------------------------------------------------------- dense
@@ -1735,7 +1802,7 @@ def decompose(
     # integrated exactly) and its batch's gradients at the interval's first point, which
     # is not the path the optimizer took; the error says by how much.
     recorded = traj
-    traj, refusal = every_step(module, traj, X_train, Y_train, loss)
+    traj, refusal = every_step(module, traj, X_train, Y_train, loss, memory_budget)
     thinned = refusal is not None
     replay = traj.replay if isinstance(traj, EveryStep) else None
     if replay is not None and intervals is not None:  # the recorded intervals' steps

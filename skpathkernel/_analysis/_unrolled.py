@@ -627,31 +627,33 @@ class Replay:
             return self._state(j)
         return None, float(int(self.traj.steps[j]) + 1)
 
-    def interval(self, j, theta=None, end=None, v=None, count=None, moment=None
-                 ) -> list[tuple]:
+    def interval(self, j, theta=None, end=None, v=None, count=None, moment=None,
+                 marks=None) -> list[tuple]:
         """Interval ``j``'s steps replayed forward from its first point: ``(t, theta_t,
         theta_{t+1}, count, v)`` of each (``v`` the second moment after the step), and
         its mismatch with the next recorded point taken into ``replay_error``; the first
         moment at its end is kept in ``end_moment``. The arguments not given are read
         from the record, ``moment`` (the first moment at point ``j``, which a caller
         replaying intervals in order holds: ``end_moment`` of the one before) from the
-        replay's checkpoints."""
+        replay's checkpoints. ``marks``: the checkpoints of :meth:`take` instead of the
+        steps (an empty list returned)."""
         if self._moments is not None and moment is None:
             moment = self._moment(j)
-        out, state = self._run(j, moment, theta, end, v, count, keep=True)
+        out, state = self._run(j, moment, theta, end, v, count, keep=marks is None,
+                               marks=marks)
         self.end_moment = state.get("m")
         return out
 
-    def _run(self, j, moment, theta=None, end=None, v=None, count=None, keep=False):
+    def _run(self, j, moment, theta=None, end=None, v=None, count=None, keep=False,
+             marks=None):
         """Interval ``j`` from its recorded point with the first moment ``moment``: its
         steps (with ``keep``) and the optimizer state after it. The second moment starts
         from the record (both :meth:`interval` and the moments' replay, so that the
-        first moments they give agree to the last bit)."""
+        first moments they give agree to the last bit). ``marks``: see :meth:`take`."""
         theta = self.params(j) if theta is None else theta
         end = self.params(j + 1) if end is None else end
         if count is None:
             v, count = self.start(j)
-        step_fn = _SOLVERS[self.spec.name][0]
         first, last = int(self.traj.steps[j]), int(self.traj.steps[j + 1])
         state = {} if moment is None else {"m": moment}
         d = None
@@ -662,19 +664,37 @@ class Replay:
             decay = self.spec.beta_2 if self.spec.name in ("adam", "adamw") \
                 else self.spec.rmsprop_alpha
             state["v"] = ((v - (1.0 - decay) * d * d) / decay).clamp_min(0.0)
-        out, start = [], theta
-        for t in range(first, last):
+        if marks is not None:
+            marks["count"] = count
+        start = theta
+        out, theta, state = self.take(j, theta, state, count, first, last, d, keep, marks)
+        scale = float((end - start).norm()) or 1.0
+        self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
+        return out, state
+
+    def take(self, j, theta, state, count, t0, t1, d=None, keep=False, marks=None):
+        """Steps ``t0`` to ``t1 - 1`` of interval ``j`` from ``theta`` (the parameters
+        before step ``t0``) and ``state`` (the optimizer's), ``count`` that of the
+        interval's first step and ``d`` step ``t0``'s gradient where already taken:
+        ``(out, theta, state)``, ``out`` the steps' ``(t, theta_t, theta_{t+1}, count,
+        v)`` with ``keep``. ``marks`` (a dict, with an ``every``): the parameters and
+        state before each ``every``-th step of the interval, from which :meth:`take`
+        takes them again to the last bit (the same operations in the same order)."""
+        step_fn = _SOLVERS[self.spec.name][0]
+        first, every = int(self.traj.steps[j]), None if marks is None else marks["every"]
+        out = []
+        for t in range(t0, t1):
+            if every is not None and (t - first) % every == 0:
+                marks[t] = theta, state
             # The first step's gradient is the one the undo took.
-            d = self.gradient(theta, t) if t > first or d is None else d
+            d = self.gradient(theta, t) if t > t0 or d is None else d
             c = count + (t - first)
             lr = self.lr(j, t)
             nxt, state = step_fn(self.spec, theta, state, d, lr, c, self.decay(lr))
             if keep:
                 out.append((t, theta, nxt, c, state.get("v")))
             theta = nxt
-        scale = float((end - start).norm()) or 1.0
-        self.replay_error = worse(self.replay_error, float((theta - end).norm()) / scale)
-        return out, state
+        return out, theta, state
 
     def _advance(self, j: int, m: torch.Tensor | None) -> torch.Tensor:
         """The replay's first moment at point ``j + 1``: interval ``j`` replayed forward

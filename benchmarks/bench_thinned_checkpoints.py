@@ -55,20 +55,31 @@ def _call(est, X, budget, bounded):
         _decomposition.REPLAY_SHARE = share
 
 
+def held_vectors(path, n_params: int) -> int:
+    """The distinct (P,) vectors an :class:`EveryStep` holds now: its intervals,
+    checkpoints and pieces (tensors sharing a storage counted once)."""
+    seen: set[int] = set()
+
+    def visit(x):
+        if isinstance(x, torch.Tensor):
+            if x.shape == (n_params,):
+                seen.add(x.untyped_storage().data_ptr())
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit([path._kept, path._marks, path._pieces])
+    return len(seen)
+
+
 def _held(est, X, budget, bounded):
     """The most (P,) vectors the replay held, and its checkpoints' spacing."""
     P, held, paths = est.trajectory_.n_params, [0], []
     cls = _decomposition.EveryStep
     init, reads = cls.__init__, (cls._params_at, cls._state_at)
-
-    def vectors(x, out):
-        if isinstance(x, torch.Tensor) and x.shape == (P,):
-            out.add(x.untyped_storage().data_ptr())
-        elif isinstance(x, dict):
-            [vectors(v, out) for v in x.values()]
-        elif isinstance(x, (list, tuple)):
-            [vectors(v, out) for v in x]
-        return out
 
     def tracked(self, *args):
         paths.append(self)
@@ -77,8 +88,7 @@ def _held(est, X, budget, bounded):
     def counted(read):
         def counting(self, t):
             out = read(self, t)
-            held[0] = max(held[0], len(vectors([self._kept, self._marks, self._pieces],
-                                               set())))
+            held[0] = max(held[0], held_vectors(self, P))
             return out
         return counting
 

@@ -15,6 +15,7 @@ import torch
 from _reference import forward_recursion, gauss_nodes, module_at
 from numpy.testing import assert_allclose, assert_array_equal
 
+from benchmarks.bench_thinned_checkpoints import held_vectors
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 
 # The old defaults, pinned: the targets as given, exactly max_iter epochs (the references
@@ -1254,20 +1255,10 @@ def test_thinned_path_replay_is_checkpointed_within_memory_budget(data, monkeypa
         paths.append(self)
         init(self, replay, *args)
 
-    def vectors(x, out):
-        if isinstance(x, torch.Tensor):
-            if x.shape == (P,):
-                out.add(x.untyped_storage().data_ptr())
-        elif isinstance(x, dict):
-            [vectors(v, out) for v in x.values()]
-        elif isinstance(x, (list, tuple)):
-            [vectors(v, out) for v in x]
-        return out
-
     def counted(read):
         def counting(self, t):
             out = read(self, t)
-            held.append(len(vectors([self._kept, self._marks, self._pieces], set())))
+            held.append(held_vectors(self, P))
             return out
         return counting
 

@@ -1271,7 +1271,10 @@ def test_thinned_path_replay_is_checkpointed_within_memory_budget(data, monkeypa
         unbounded = thinned.decompose(X)
     assert max(held) >= 2 * k - 1 and paths[-1]._every is None
     held.clear()
-    res = thinned.decompose(X)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        res = thinned.decompose(X)
+    assert not [w for w in record if "above its share" in str(w.message)]
     every = paths[-1]._every
     assert every is not None and 3 * -(-k // every) + 4 * every <= room
     assert 0 < max(held) <= 3 * -(-k // every) + 4 * every <= room
@@ -1282,6 +1285,8 @@ def test_thinned_path_replay_is_checkpointed_within_memory_budget(data, monkeypa
     # least, the split unchanged.
     thinned.memory_budget = 4 * 50 * P * 8
     held.clear()
-    res = thinned.decompose(X)
+    with pytest.warns(UserWarning, match=r"holds 56 vectors .* above its share") as record:
+        res = thinned.decompose(X)
+    assert f"at least {4 * 56 * P * 8:,} bytes" in str(record[0].message)
     assert paths[-1]._every == 8 and max(held) <= 3 * 8 + 4 * 8
     np.testing.assert_array_equal(res.contributions, unbounded.contributions)

@@ -1495,6 +1495,7 @@ class EveryStep(Trajectory):
     optimizer state are kept every ``_every`` steps (:func:`_checkpoint_every`) and the
     steps a read falls in replayed from the checkpoint before them, ``PIECES`` pieces
     held at once: ``s ceil(k / every) + 2 PIECES every`` vectors, ``s`` a checkpoint's.
+    Where even the least of those exceeds the share, it warns, naming the memory needed.
     """
 
     def __init__(self, replay, budget=math.inf):
@@ -1524,9 +1525,19 @@ class EveryStep(Trajectory):
         vector = P * torch.empty((), dtype=dtype).element_size()
         room = budget // REPLAY_SHARE // vector  # vectors
         if 2 * longest * self._keep > room:
-            self._every = _checkpoint_every(
-                longest, 1 + len(traj.solver_spec.state_keys)
-                + _first_moment(traj.solver_spec), room, 2 * longest * self._keep)
+            per_mark = 1 + len(traj.solver_spec.state_keys) + _first_moment(traj.solver_spec)
+            self._every = _checkpoint_every(longest, per_mark, room, 2 * longest * self._keep)
+            held = (2 * longest * self._keep if self._every is None
+                    else per_mark * -(-longest // self._every) + PIECES * 2 * self._every)
+            if held > room:
+                warnings.warn(
+                    f"The replay of the thinned path's unrecorded steps holds {held} "
+                    f"vectors of its {P:,} parameters at once ({held * vector / 2**20:.1f} "
+                    f"MiB) even checkpointed, above its share of memory_budget={budget} (a "
+                    f"quarter, {room * vector / 2**20:.1f} MiB): the decomposition stays "
+                    f"exact but goes over that share. Raise memory_budget to at least "
+                    f"{REPLAY_SHARE * held * vector:,} bytes, or record more points (a "
+                    "smaller record_every).", UserWarning, stacklevel=caller_stacklevel())
         super().__init__(
             names=traj.names, shapes=traj.shapes,
             params=_Rows(self._params_at, n + 1, P, dtype), steps=np.arange(n + 1),
@@ -1621,7 +1632,7 @@ def _checkpoint_every(k: int, per_mark: int, room: int, whole: int) -> int | Non
     state) and ``PIECES`` pieces of ``2 every`` vectors fit. Where none do, the pieces
     that hold the least, or none (None) where whole intervals hold less: not refused,
     since a path thinned by ``record_every="auto"`` to fit the budget leaves the replay
-    no room, and its decomposition is expected to run."""
+    no room, and its decomposition is expected to run (:class:`EveryStep` warns)."""
     def held(every):
         return per_mark * -(-k // every) + PIECES * 2 * every
 

@@ -6,8 +6,10 @@ autograd loop; the library runs a backward adjoint recursion on structured Jacob
 """
 
 
+import gc
 import re
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -1227,6 +1229,33 @@ def test_thinned_path_frees_an_interval_before_replaying_the_next(data, every, m
     _assert_same_split(thinned.decompose(X), full.decompose(X))
     limit = 1 if every > interpolation.STEP_BLOCK else -(-interpolation.STEP_BLOCK // every) + 1
     assert held and max(held) == limit - 1
+
+
+def test_thinned_path_replay_is_freed_when_the_call_returns(data, monkeypatch):
+    # The replayed path's vectors go with the call, not at the garbage collector's next
+    # pass: nothing of it is left once decompose returns, with the collector off.
+    import skpathkernel._analysis._decomposition as interpolation
+
+    X_train, y, X = data
+    params = dict(RAW, hidden_layer_sizes=(8,), max_iter=4, batch_size=4, solver="adam",
+                  dtype="float64", random_state=0)
+    est = PathKernelMachine(**params, record_every=4).fit(X_train, y)
+    paths = []
+    init = interpolation.EveryStep.__init__
+
+    def tracked_init(self, *args):
+        paths.append(weakref.ref(self))
+        init(self, *args)
+
+    monkeypatch.setattr(interpolation.EveryStep, "__init__", tracked_init)
+    gc.collect()
+    gc.disable()
+    try:
+        res = est.decompose(X)
+        assert len(paths) == 1 and paths[0]() is None
+    finally:
+        gc.enable()
+    _assert_same_split(res, PathKernelMachine(**params).fit(X_train, y).decompose(X))
 
 
 def test_thinned_path_replay_is_checkpointed_within_memory_budget(data, monkeypatch):

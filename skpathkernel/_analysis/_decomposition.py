@@ -152,6 +152,7 @@ import functools
 import math
 import numbers
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -1455,13 +1456,16 @@ def _intervals(traj):
 # --------------------------------------------------------------------------- replay
 class _Rows:
     """Rows ``(n, P)`` of a path read one at a time by index, as a trajectory reads its
-    stored rows (``read(k)``)."""
+    stored rows (``read(k)``, a method of the path that holds these rows)."""
 
     def __init__(self, read, n: int, n_params: int, dtype: torch.dtype):
-        self._read, self.shape, self.dtype = read, (n, n_params), dtype
+        # Weakly: the path holds its rows, and a strong reference back would make a
+        # cycle that keeps its replayed vectors (up to a quarter of memory_budget) alive
+        # after the call, until the garbage collector's next pass.
+        self._read, self.shape, self.dtype = weakref.WeakMethod(read), (n, n_params), dtype
 
     def __getitem__(self, k: int) -> torch.Tensor:
-        return self._read(int(k))
+        return self._read()(int(k))
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]

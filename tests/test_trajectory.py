@@ -49,17 +49,29 @@ def test_load_refuses_other_files(tmp_path):
     evil = tmp_path / "evil.pt"
     with open(evil, "wb") as fh:
         pickle.dump(Evil(), fh)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(pickle.UnpicklingError, match="not a skpathkernel trajectory"):
         Trajectory.load(evil)
 
 
-@pytest.mark.parametrize("content", ["empty", "truncated", "text"])
+def test_load_refuses_a_numpy_file_without_suggesting_unsafe_loading(tmp_path):
+    # torch's weights-only loader refused a .npy file as it refuses a pickle of code, in
+    # words that suggested rerunning torch.load with weights_only=False.
+    path = tmp_path / "array.npy"
+    np.save(path, np.ones(3))
+    with pytest.raises(pickle.UnpicklingError, match="not a skpathkernel trajectory") as info:
+        Trajectory.load(path)
+    assert "weights_only=False" not in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["empty", "truncated", "text", "four bytes", "one byte"])
 def test_load_refuses_a_file_torch_cannot_read(fitted, tmp_path, content):
     # An empty file failed with a bare EOFError, a truncated one with torch's
-    # RuntimeError about a zip archive, a text file with KeyError(<its first byte>).
+    # RuntimeError about a zip archive, a text file with KeyError(<its first byte>),
+    # four bytes with a struct.error, one byte with IndexError('pop from empty list').
     saved = tmp_path / "path.pt"
     fitted.trajectory_.save(saved)
-    data = {"empty": b"", "truncated": saved.read_bytes()[:200], "text": b"hello"}[content]
+    data = {"empty": b"", "truncated": saved.read_bytes()[:200], "text": b"hello",
+            "four bytes": b"junk", "one byte": b"a"}[content]
     path = tmp_path / "bad.pt"
     path.write_bytes(data)
     with pytest.raises(ValueError, match="is not a skpathkernel trajectory file"):

@@ -17,6 +17,7 @@ import copy
 import os
 import pickle
 import shutil
+import struct
 import threading
 import warnings
 import weakref
@@ -865,12 +866,22 @@ class Trajectory:
             raise FileNotFoundError(
                 f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
                 "skpathkernel trajectory.") from None
-        except (RuntimeError, EOFError, KeyError) as exc:
+        except (RuntimeError, EOFError, KeyError, IndexError, struct.error) as exc:
             # Not a file torch.save wrote: an empty file failed with a bare EOFError, a
-            # truncated one in words about a zip archive, text with KeyError(<a byte>).
-            # A pickle of code still raises the loader's own UnpicklingError.
+            # truncated one in words about a zip archive, text with KeyError(<a byte>),
+            # four bytes with a struct.error, one byte with IndexError('pop from empty
+            # list').
             raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory "
                              f"file: torch.load failed ({type(exc).__name__}).") from exc
+        except pickle.UnpicklingError as exc:
+            # A pickle of code, but also a .npy or a CSV file: torch's message suggested
+            # weights_only=False, which Trajectory.load does not take and which would run
+            # the code of an untrusted pickle. Still an UnpicklingError, in our words.
+            raise pickle.UnpicklingError(
+                f"{os.fspath(path)!r} is not a skpathkernel trajectory file: "
+                "torch.load(weights_only=True) refused its contents (objects other than "
+                "tensors and plain values, or not a torch file at all); nothing in it was "
+                "executed.") from exc
         if not isinstance(payload, dict) or payload.get("format") != "skpathkernel.Trajectory":
             raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory file.")
         if payload["version"] > _FORMAT_VERSION:

@@ -1056,7 +1056,11 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # The recorded moves against the modelled update, one step behind (the sweep runs
     # backwards and step t's check needs step t-1's direction).
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
-    # does not count for more than their share.
+    # does not count for more than their share. Each step's mismatch is weighted by its
+    # step size, as its move is: the direction a move implies is the move over the step
+    # size, so a step a schedule made tiny (OneCycleLR's last steps at 1e-4 of the
+    # initial rate, a warm-up from near 0) would amplify its move's round-off by 1 / lr
+    # into a mismatch the training never had (float32 OneCycleLR: 1e-2, a false warning).
     pending, off, size = None, 0.0, 0.0
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
@@ -1073,10 +1077,10 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             d, rounded, norms[t], pullback = _batch_graph(path, step)
             direction, memory, gain = _implied(spec, step, d)
             if pending is not None:
-                off += float(torch.nansum((pending[0] - memory * direction
+                off += float(torch.nansum((pending[0] - pending[2] * memory * direction
                                            - pending[1]) ** 2))
                 size += float(torch.nansum(pending[0] ** 2))
-            pending = (direction, gain * d)
+            pending = (step.lr * direction, step.lr * gain * d, step.lr)
             before = a
             u, a = adjoint_fn(spec, step, a, d)
             if probe and rounded is not None:

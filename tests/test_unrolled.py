@@ -607,15 +607,25 @@ def test_float64_replay_mismatch_under_the_float32_limit_is_reported():
     assert _rel(scores, reference) > 1e-9
 
 
+TINY_STEP_SCHEDULERS = {
+    "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.1, total_steps=40, cycle_momentum=False),
+    "warm_up": lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=1e-6,
+                                                             total_iters=2),
+}
+
+
+@pytest.mark.parametrize("schedule", list(TINY_STEP_SCHEDULERS))
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_a_schedules_tiny_steps_are_no_replay_mismatch(momentum):
-    """OneCycleLR ends at 1e-4 of its initial rate (and starts at 1/25 of its peak): the
-    direction a tiny step implies, its move over its step size, holds the move's
-    float32 round-off times 1 / lr. Read so, a complete float32 record mismatched its
-    replay by 1e-2 and warned that the scores differentiate another training; the moves
-    themselves (by hand below: each step's recorded move against its step size times the
-    recorded batch's gradient) agree to round-off, and so do the scores with autograd
-    through a float64 replay held at the record."""
+def test_a_schedules_tiny_steps_are_no_replay_mismatch(schedule, momentum):
+    """OneCycleLR ends at 1e-4 of its initial rate; a warm-up from 1e-6 of it jumps to
+    the full rate. The direction a tiny step implies, its move over its step size, holds
+    the move's float32 round-off times 1 / lr, and the next step's check reads it too.
+    Read so, a complete float32 record mismatched its replay by 1e-2 and warned that the
+    scores differentiate another training; the moves themselves (by hand below: each
+    step's recorded move against its step size times the recorded batch's gradient)
+    agree to round-off, and so do the scores with autograd through a float64 replay held
+    at the record."""
     X, y = _regression(n=32)
     X, y = X.astype(np.float32), y.astype(np.float32)[:, None]
     Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
@@ -623,8 +633,7 @@ def test_a_schedules_tiny_steps_are_no_replay_mismatch(momentum):
     module = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
                                  torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=40,
-                                                cycle_momentum=False)
+    sched = TINY_STEP_SCHEDULERS[schedule](opt)
     traj = _scheduled_loop(module, opt, sched, Xt, yt, n_steps=40, batch_size=8).trajectory
     assert traj.learning_rates.min() < 1e-5 * traj.learning_rates.max()
     if momentum == 0.0:

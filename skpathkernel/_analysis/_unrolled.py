@@ -450,6 +450,13 @@ def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, f
             1.0 - spec.beta_1)
 
 
+def _smaller(a: float | torch.Tensor, b: float | torch.Tensor) -> float | torch.Tensor:
+    """The smaller of two step sizes, each a float or a (P,) tensor (parameter groups)."""
+    if isinstance(a, torch.Tensor):
+        return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp(max=b)
+    return b.clamp(max=a) if isinstance(b, torch.Tensor) else min(a, b)
+
+
 _SOLVERS = {
     "sgd": (_sgd_step, _sgd_adjoint),
     "adam": (_adam_step, _adam_adjoint),
@@ -1056,11 +1063,13 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # The recorded moves against the modelled update, one step behind (the sweep runs
     # backwards and step t's check needs step t-1's direction).
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
-    # does not count for more than their share. Each step's mismatch is weighted by its
-    # step size, as its move is: the direction a move implies is the move over the step
-    # size, so a step a schedule made tiny (OneCycleLR's last steps at 1e-4 of the
-    # initial rate, a warm-up from near 0) would amplify its move's round-off by 1 / lr
-    # into a mismatch the training never had (float32 OneCycleLR: 1e-2, a false warning).
+    # does not count for more than their share. The direction a move implies is the move
+    # over its step size, holding the move's round-off times 1 / lr: each step's check,
+    # which reads its own direction and the step before's, is weighted by the smaller of
+    # their two step sizes, so that neither's round-off is amplified (constant steps:
+    # the unweighted mismatch). A schedule's tiny steps (OneCycleLR's last at 1e-4 of
+    # the initial rate, a warm-up from 1e-6 of it) made a complete float32 record
+    # mismatch by 1e-2 unweighted, a false warning.
     pending, off, size = None, 0.0, 0.0
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
@@ -1077,10 +1086,11 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             d, rounded, norms[t], pullback = _batch_graph(path, step)
             direction, memory, gain = _implied(spec, step, d)
             if pending is not None:
-                off += float(torch.nansum((pending[0] - pending[2] * memory * direction
-                                           - pending[1]) ** 2))
-                size += float(torch.nansum(pending[0] ** 2))
-            pending = (step.lr * direction, step.lr * gain * d, step.lr)
+                weight = _smaller(pending[2], step.lr)
+                off += float(torch.nansum((weight * (pending[0] - memory * direction
+                                                     - pending[1])) ** 2))
+                size += float(torch.nansum((weight * pending[0]) ** 2))
+            pending = (direction, gain * d, step.lr)
             before = a
             u, a = adjoint_fn(spec, step, a, d)
             if probe and rounded is not None:
@@ -1112,8 +1122,8 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             count[t] = ok.sum()
             prev = norm
         if pending is not None:  # the first step: no direction before it
-            off += float(torch.nansum((pending[0] - pending[1]) ** 2))
-            size += float(torch.nansum(pending[0] ** 2))
+            off += float(torch.nansum((pending[2] * (pending[0] - pending[1])) ** 2))
+            size += float(torch.nansum((pending[2] * pending[0]) ** 2))
             finite &= torch.isfinite(step.theta).all()
         a = u = share = HV = E = pending = step = None
         path.scratch.clear()

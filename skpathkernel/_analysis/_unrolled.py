@@ -231,13 +231,16 @@ class AttributionScores(np.ndarray):
         How far the training that the scores differentiate (each step's loss gradient
         recomputed from the declared loss, inputs and targets, and the optimizer's rule)
         misses the recorded path, relative: the recorded moves against the modelled
-        updates (root of the summed squares over the steps, relative to the moves'); on a
-        thinned path also each replayed interval against its next recorded point.
+        updates (root of the summed squares over the steps, relative to the moves'; each
+        step scaled by its step size or the step before's, the smaller, so that a
+        schedule's tiny steps do not amplify their round-off); on a thinned path also
+        each replayed interval against its next recorded point.
         Round-off level (1e-6 to 1e-4 in float32, about 1e-15 in float64) when the
-        record is complete; a warning fires above 1e-3 in float32, above 1e-9 in
-        float64, and on any path stored with ``trajectory_compression`` (whose rounded
-        points left the scores an error from 1/400 to 27 times this mismatch on the paths
-        measured: the mismatch does not bound it).
+        record is complete, with any learning-rate schedule; a warning fires above 1e-3
+        in float32, above 1e-9 in float64, and on any path stored with
+        ``trajectory_compression`` (whose rounded points left the scores an error from
+        1/400 to 27 times this mismatch on the paths measured: the mismatch does not
+        bound it).
     gradient_sensitivity : float or None
         On a float32 path of Adam, AdamW or RMSprop, whose scores take each step's
         gradient in float64 at the recorded point: an estimate of how far they move,

@@ -659,6 +659,23 @@ def test_a_schedules_tiny_steps_are_no_replay_mismatch(schedule, momentum):
     assert _rel(scores, reference) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_adaptive_learning_rate_is_no_replay_mismatch():
+    """learning_rate="adaptive" divides the step size by 5 at every plateau until it
+    falls below 1e-6: the estimators' own float32 path (188 steps, the last at 2.6e-6
+    of the first) mismatched its replay by 0.19 and warned (see the test above)."""
+    X, y = _regression(n=64)
+    est = PathKernelMachine(hidden_layer_sizes=(16,), solver="sgd", learning_rate="adaptive",
+                            learning_rate_init=0.1, momentum=0.9, batch_size=16,
+                            max_iter=300, tol=1e-3, n_iter_no_change=2, random_state=0)
+    lrs = est.fit(X, y).trajectory_.learning_rates
+    assert lrs.min() < 1e-5 * lrs.max()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = est.attribute(X[:2], method="unrolled")
+    assert scores.replay_error < 1e-4
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("solver", ["adam-l2", "rmsprop-l2"])
 def test_compressed_path_warns_that_its_scores_are_not_exact(solver, dtype, tmp_path):

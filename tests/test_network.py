@@ -397,6 +397,38 @@ def test_library_losses_on_targets_of_another_form_are_refused_up_front():
     assert net.decompose(X[:2]).error < 1e-10
 
 
+@pytest.mark.parametrize("method", ["exact", "unrolled"])
+def test_classes_given_without_the_margin_are_refused(method):
+    """A recorded binary classifier (one logit) explains output 0 by default: classes
+    given with it were dropped without a word, and the scores were the logit's, of the
+    opposite sign to the margin's for every query of class 0. They are refused, and the
+    network stays usable: with output="margin" the scores are the logit's signed by the
+    class (the margin of one logit is the logit, negated for class 0)."""
+    torch.manual_seed(0)
+    n = 12
+    X = torch.randn(n, 2, dtype=torch.float64)
+    codes = (X[:, 0] > 0).double()
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(),
+                                 torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=n) as rec:
+        for step in range(4):
+            batch = np.arange(step % 2, n, 2)
+            rec.set_batch(batch)
+            opt.zero_grad()
+            torch.nn.functional.binary_cross_entropy_with_logits(
+                module(X[batch])[:, 0], codes[batch]).backward()
+            opt.step()
+    net = rec.as_estimator(X.numpy(), codes.numpy()[:, None], loss="log_loss")
+    y = np.array([0, 1, 0])
+    with pytest.raises(ValueError, match="only output='margin' reads"):
+        net.attribute(X[:3].numpy(), y, method=method)
+    logit = net.attribute(X[:3].numpy(), method=method)
+    margin = net.attribute(X[:3].numpy(), y, method=method, output="margin")
+    np.testing.assert_allclose(margin, np.where(y == 1, 1.0, -1.0)[:, None] * logit,
+                               rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("method", ["bad", "unrolled", None])
 @pytest.mark.parametrize("output", [None, "all"])
 def test_explain_names_the_methods_it_takes(method, output):

@@ -231,13 +231,16 @@ class AttributionScores(np.ndarray):
         How far the training that the scores differentiate (each step's loss gradient
         recomputed from the declared loss, inputs and targets, and the optimizer's rule)
         misses the recorded path, relative: the recorded moves against the modelled
-        updates (root of the summed squares over the steps, relative to the moves'); on a
-        thinned path also each replayed interval against its next recorded point.
+        updates (root of the summed squares over the steps, relative to the moves'; each
+        step scaled by its step size or the step before's, the smaller, so that a
+        schedule's tiny steps do not amplify their round-off); on a thinned path also
+        each replayed interval against its next recorded point.
         Round-off level (1e-6 to 1e-4 in float32, about 1e-15 in float64) when the
-        record is complete; a warning fires above 1e-3 in float32, above 1e-9 in
-        float64, and on any path stored with ``trajectory_compression`` (whose rounded
-        points left the scores an error from 1/400 to 27 times this mismatch on the paths
-        measured: the mismatch does not bound it).
+        record is complete, with any learning-rate schedule; a warning fires above 1e-3
+        in float32, above 1e-9 in float64, and on any path stored with
+        ``trajectory_compression`` (whose rounded points left the scores an error from
+        1/400 to 27 times this mismatch on the paths measured: the mismatch does not
+        bound it).
     gradient_sensitivity : float or None
         On a float32 path of Adam, AdamW or RMSprop, whose scores take each step's
         gradient in float64 at the recorded point: an estimate of how far they move,
@@ -448,6 +451,13 @@ def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, f
     bc1 = 1.0 - spec.beta_1**step.count
     return (step.move * den * bc1 / lr, float(spec.beta_1),
             1.0 - spec.beta_1)
+
+
+def _smaller(a: float | torch.Tensor, b: float | torch.Tensor) -> float | torch.Tensor:
+    """The smaller of two step sizes, each a float or a (P,) tensor (parameter groups)."""
+    if isinstance(a, torch.Tensor):
+        return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp(max=b)
+    return b.clamp(max=a) if isinstance(b, torch.Tensor) else min(a, b)
 
 
 _SOLVERS = {
@@ -1056,7 +1066,13 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # The recorded moves against the modelled update, one step behind (the sweep runs
     # backwards and step t's check needs step t-1's direction).
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
-    # does not count for more than their share.
+    # does not count for more than their share. The direction a move implies is the move
+    # over its step size, holding the move's round-off times 1 / lr: each step's check,
+    # which reads its own direction and the step before's, is weighted by the smaller of
+    # their two step sizes, so that neither's round-off is amplified (constant steps:
+    # the unweighted mismatch). A schedule's tiny steps (OneCycleLR's last at 1e-4 of
+    # the initial rate, a warm-up from 1e-6 of it) made a complete float32 record
+    # mismatch by 1e-2 unweighted, a false warning.
     pending, off, size = None, 0.0, 0.0
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
@@ -1073,10 +1089,11 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             d, rounded, norms[t], pullback = _batch_graph(path, step)
             direction, memory, gain = _implied(spec, step, d)
             if pending is not None:
-                off += float(torch.nansum((pending[0] - memory * direction
-                                           - pending[1]) ** 2))
-                size += float(torch.nansum(pending[0] ** 2))
-            pending = (direction, gain * d)
+                weight = _smaller(pending[2], step.lr)
+                off += float(torch.nansum((weight * (pending[0] - memory * direction
+                                                     - pending[1])) ** 2))
+                size += float(torch.nansum((weight * pending[0]) ** 2))
+            pending = (direction, gain * d, step.lr)
             before = a
             u, a = adjoint_fn(spec, step, a, d)
             if probe and rounded is not None:
@@ -1108,8 +1125,8 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             count[t] = ok.sum()
             prev = norm
         if pending is not None:  # the first step: no direction before it
-            off += float(torch.nansum((pending[0] - pending[1]) ** 2))
-            size += float(torch.nansum(pending[0] ** 2))
+            off += float(torch.nansum((pending[2] * (pending[0] - pending[1])) ** 2))
+            size += float(torch.nansum((pending[2] * pending[0]) ** 2))
             finite &= torch.isfinite(step.theta).all()
         a = u = share = HV = E = pending = step = None
         path.scratch.clear()

@@ -692,7 +692,8 @@ ValueError
           "whose margin is the\n    sum of its logits signed +1 for a label that is on, "
           "-1 for one that is off,\n    as the multilabel classifier's); None takes the "
           "largest output (or a\n    positive single output) as the class (the positive "
-          "outputs as the labels).",
+          "outputs as the labels).\n    Given with ``output=None``, refused: only the "
+          "margin reads it.",
         output_default="None: output 0 of a single-output network (several outputs need "
                        "a choice).",
         examples="",
@@ -723,6 +724,12 @@ ValueError
         X = self.check(X)
         prediction = self.outputs(X)
         n_outputs = prediction.shape[1]
+        if y is not None and output is None and margin == "allowed" and n_outputs == 1:
+            # Output 0 would be explained and the classes dropped without a word (several
+            # outputs ask for a choice in check_output).
+            raise ValueError("y holds the queries' classes, which only output='margin' "
+                             "reads: pass output='margin' to explain their margins, or "
+                             "leave y out to explain output 0.")
         output = check_output(output, n_outputs, margin, also)
         if encode is None:
             def encode(y):

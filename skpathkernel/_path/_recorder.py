@@ -1324,7 +1324,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
                   "signed +1 for a label that is on, -1 for one that is\n    off; soft "
                   "targets are not label sets: ``network_.replace(multilabel=True)``\n    "
                   "says otherwise); None takes the largest output (or a positive single\n"
-                  "    output) as the class (the positive outputs as the labels).",
+                  "    output) as the class (the positive outputs as the labels). Given with\n"
+                  "    ``output=None``, refused: only the margin reads it.",
                 output_default="None: output 0 of a single-output network (several outputs "
                                "need a choice).",
                 examples="")

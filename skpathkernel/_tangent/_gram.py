@@ -489,6 +489,9 @@ class _Blocks:
         self._held: tuple[int, Capture] | None = None
         self._scratch: list[torch.Tensor] = []
         self._reuse = reuse
+        # The layer outputs are handed on uncopied until a capture finds one rewritten in
+        # place (see capture's copy_sites); the later chunks copy them from the start.
+        self._copy_sites = False
 
     def __len__(self):
         return len(self.slices)
@@ -496,7 +499,8 @@ class _Blocks:
     def _capture(self, rows: slice, scratch=None) -> Capture:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
-                      index=True, formed=self.dense)
+                      index=True, formed=self.dense, copy_sites=self._copy_sites)
+        self._copy_sites = cap.copied
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)

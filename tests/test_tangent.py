@@ -225,6 +225,52 @@ def test_inplace_activation_after_linear():
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
 
 
+
+class _InPlaceBlock(nn.Module):
+    """Conv-BN-ReLU(inplace) twice and ``out += identity``: in-place ops on the outputs
+    of rule layers (BatchNorm's), as torchvision's BasicBlock writes them."""
+
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3)
+        self.conv2, self.bn2 = nn.Conv2d(3, 2, 3, padding=1), nn.BatchNorm2d(2)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.head = nn.Linear(2 * 4 * 4, 3)
+        self.inplace = inplace
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.inplace:
+            out += x
+        else:
+            out = out + x
+        return self.head(self.relu(out).flatten(1))
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_sites_handed_on_uncopied_unless_rewritten(inplace):
+    # The layer outputs are handed on as they are (copy_sites=False) unless an in-place op
+    # rewrites one; then the capture reruns with copies and the Gram stays exact.
+    torch.manual_seed(0)
+    module = _InPlaceBlock(inplace).double()
+    for bn in (module.bn1, module.bn2):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    module.eval()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(40, 2, 4, 4, dtype=torch.float64)
+    cap = capture(module, params, X, [0, 1, 2], memory_budget=2**20, copy_sites=False)
+    assert cap.copied is inplace
+    assert cap.fallback == ()
+    assert capture(module, params, X, [0], memory_budget=2**20).copied
+    J = _loop_jacobian(module, params, X)
+    # A small budget: blocks of formed gradients captured in chunks.
+    K = tangent_gram(module, params, X, memory_budget=2**20)
+    _close(K, torch.einsum("ncp,mcp->nm", J, J) / 3)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
 # ----------------------------------------------------------------------- Grams
 @pytest.mark.parametrize("kind", sorted(MODULES))
 @pytest.mark.parametrize("n_out", [1, 3])

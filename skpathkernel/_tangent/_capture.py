@@ -122,6 +122,9 @@ class Capture:
     exclude: frozenset[str] = frozenset()
     declined: frozenset[str] = frozenset()
     reasons: dict[str, str] = field(default_factory=dict)
+    #: Whether the rule layers' outputs were handed on as copies (see :func:`capture`'s
+    #: ``copy_sites``).
+    copied: bool = True
 
     def nbytes(self) -> int:
         size = 0
@@ -320,7 +323,9 @@ class _UseWatch(TorchFunctionMode):
     layer's own parameters (a tied weight is the own parameter of every rule layer
     holding it), is a use of the layer: it runs as the rule's sites (``(args[0], result)``,
     or the rule's ``expand``), whose inputs ``a`` and outputs ``z`` are the factors (the
-    result is handed on as a copy, so an in-place op downstream cannot rewrite ``z``).
+    result is handed on as a copy, so an in-place op downstream cannot rewrite ``z``; with
+    ``copy=False`` as it is, its version counter kept in ``handed`` for the caller to check
+    that nothing rewrote it).
     Any other call that takes a watched parameter and returns a tensor gradients can
     flow through marks the parameter; so does any call under disabled grad (a custom
     ``autograd.Function``'s ``forward``, whose backward may route a gradient to it).
@@ -335,9 +340,11 @@ class _UseWatch(TorchFunctionMode):
 
     def __init__(self, owners: dict[int, tuple[frozenset[int], str]], ops: dict[int, tuple],
                  layers: dict[int, tuple[nn.Module, Rule]] | None = None,
-                 free: dict[int, tuple[str, torch.Tensor]] | None = None):
+                 free: dict[int, tuple[str, torch.Tensor]] | None = None, copy: bool = True):
         super().__init__()
         self.owners, self.ops, self.layers = owners, ops, layers or {}
+        self.copy = copy
+        self.handed: list[tuple[torch.Tensor, int]] = []
         # Free parameters (no rule layer owns them): their reads through a registered
         # elementwise operation (:mod:`._parameters`) are sites; any other read is a miss.
         self.free = free or {}
@@ -424,7 +431,9 @@ class _UseWatch(TorchFunctionMode):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 top.use = (Use(func, args, kwargs, (args[0],)), (out,))
-                return out.clone()
+                if self.copy or out._is_view():
+                    return out.clone()
+                self.handed.append((out, out._version))
             return out
         expanded = rule.expand(layer, func, args, kwargs)
         if expanded is None:
@@ -482,6 +491,7 @@ def capture(
     scratch: list[torch.Tensor] | None = None,
     index: bool = False,
     formed: frozenset[str] = frozenset(),
+    copy_sites: bool = True,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -522,6 +532,13 @@ def capture(
         tangent-kernel engine's gradient blocks): a layer with a cheaper way to form them
         than from its factors hands them on formed, as constant-input terms
         (:func:`._layers.formed_terms`).
+    copy_sites : bool, default=True
+        Hand the rule layers' outputs on to the rest of the forward pass as copies, so
+        that an in-place op downstream (``nn.ReLU(inplace=True)``, ``out += identity``)
+        cannot rewrite a site's output. ``False`` hands them on as they are, and runs the
+        capture again with copies (``Capture.copied``) where one was rewritten (its version
+        counter moved). Uncopied, a capture of the ResNet's chunks took 0.93 of the time
+        by medians over 40 alternating rounds (``benchmarks/results/gram_resnet_profile.md``).
     """
     check_per_sample(module)
     layers, reasons, taken = _rule_layers(module, params, exclude)
@@ -536,7 +553,7 @@ def capture(
     watch = _UseWatch({id(live[full]): (frozenset(ids), full) for full, ids in holders.items()},
                       {id(layer): rule.ops for layer, rule, _ in layers},
                       {id(layer): (layer, rule) for layer, rule, _ in layers},
-                      {id(live[name]): (name, live[name]) for name in free})
+                      {id(live[name]): (name, live[name]) for name in free}, copy_sites)
     handles = []
     for layer, _, _ in layers:
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
@@ -548,12 +565,14 @@ def capture(
     finally:
         for h in handles:
             h.remove()
-    if watch.misfits:
-        # Every parameter of a layer with a misread parameter goes to the fallback.
+    rewritten = any(z._version != version for z, version in watch.handed)
+    if watch.misfits or rewritten:
+        # Every parameter of a layer with a misread parameter goes to the fallback; a
+        # site's output rewritten in place is handed on as a copy.
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
                        dense_fallback=dense_fallback, weights=weights, scratch=scratch,
-                       index=index, formed=formed)
+                       index=index, formed=formed, copy_sites=copy_sites or rewritten)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
@@ -580,7 +599,7 @@ def capture(
     if not index:
         terms = [one_hot(t) for t in terms]
     return Capture(terms=terms, fallback=fallback, exclude=exclude,
-                   declined=frozenset(declined), reasons=reasons)
+                   declined=frozenset(declined), reasons=reasons, copied=watch.copy)
 
 
 def _accepted_layers(layers, watch, X, reasons):

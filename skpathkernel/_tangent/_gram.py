@@ -46,6 +46,21 @@ the outputs, ``is_grads_batched``: the ReLU and max-pool backward over ``C n`` r
 the bytes of ``C`` passes, and the ``(C, n, ...)`` backprops cost forming a copy; the
 call took as long or longer, here and on the ResNet.)
 
+On the ResNet (ten outputs in five groups of two, N = 1024, one thread, one block of all
+rows per group in chunks of 36; ``benchmarks/results/gram_resnet_profile.md``, shares
+on a shared machine): the backward passes about 31% (ten per chunk, with the copies of
+their gradients into the chunk's buffers), the SYRKs 26-29% (at the GEMM rate: about half
+the roofline bound's time alone), the forward passes 14% (one per chunk and output group),
+the rest of the captures (the use watch, the factors of the layers not formed in the
+capture) 10%, forming 16%; page faults about 2.5%. Most of the call is thus the captures,
+which the bound does not count; their input-gradient convolutions run at 20-90 GFLOP/s
+(oneDNN's stride-2 ones the slowest). The chunks hand the rule layers' outputs on
+uncopied (``capture``'s ``copy_sites``): the call 1.08-1.09x as fast by medians, K bit
+for bit. (Not kept: the output groups sharing the chunks' backprop buffers, no fewer
+page faults; chunks twice as wide, 1.03x, within the noise, at 1.4x the peak memory.
+One forward per chunk for all the groups would need each chunk's graph kept until the
+last group, about 1 MB per sample beside the blocks that made the groups.)
+
 A convolution whose patches outnumber its block's entries (more positions than outputs x
 channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its
 blocks formed by the capture, by one grouped convolution backward on the chunk, without
@@ -489,6 +504,9 @@ class _Blocks:
         self._held: tuple[int, Capture] | None = None
         self._scratch: list[torch.Tensor] = []
         self._reuse = reuse
+        # The layer outputs are handed on uncopied until a capture finds one rewritten in
+        # place (see capture's copy_sites); the later chunks copy them from the start.
+        self._copy_sites = False
 
     def __len__(self):
         return len(self.slices)
@@ -496,7 +514,8 @@ class _Blocks:
     def _capture(self, rows: slice, scratch=None) -> Capture:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
-                      index=True, formed=self.dense)
+                      index=True, formed=self.dense, copy_sites=self._copy_sites)
+        self._copy_sites = cap.copied
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)

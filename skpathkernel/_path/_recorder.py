@@ -1112,7 +1112,8 @@ class PathRecorder:
 default=None
             Their targets, as in :meth:`as_network`.
         loss : "squared_error", "log_loss" or callable, default="squared_error"
-            The per-sample loss whose batch mean each step minimized.
+            The per-sample loss whose batch mean each step minimized ("squared_error":
+            ``1/2`` the mean over the outputs of ``(f_c - y_c)^2``, not their sum).
         memory_budget : int, default=2**30
             Bytes one block of a kernel or decomposition computation may use.
 
@@ -1143,7 +1144,8 @@ default=None
 default=None
             Their targets, in the form the loss takes.
         loss : "squared_error", "log_loss" or callable, default="squared_error"
-            The per-sample loss whose batch mean each step minimized.
+            The per-sample loss whose batch mean each step minimized ("squared_error":
+            ``1/2`` the mean over the outputs of ``(f_c - y_c)^2``, not their sum).
         memory_budget : int, default=2**30
             Bytes one block of a kernel or decomposition computation may use.
 

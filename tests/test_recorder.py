@@ -747,7 +747,7 @@ def test_non_finite_parameters_are_refused_at_creation_and_divergence_is_warned(
     overflow "to be cured by scaling the inputs", and decompose blamed its quadrature.
     NaN initial parameters are refused at once, naming them; a step that leaves them
     non-finite is warned about once, naming the step, also when it is the last one."""
-    X, _, _ = data
+    X, _, Xq = data
     module = _tanh_mlp()
     with torch.no_grad():
         module[0].weight[0, 0] = float("nan")
@@ -776,6 +776,24 @@ def test_non_finite_parameters_are_refused_at_creation_and_divergence_is_warned(
         assert len(messages) == 1
         assert f"'2.bias' hold NaN or inf values after optimizer step {diverged_at}" in (
             messages[0])
+
+    # The kernels of a diverged path name its parameters, not an overflow of the inputs.
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="'0.weight' hold NaN"):
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            opt.zero_grad()
+            module(torch.as_tensor(X)).pow(2).mean().backward()
+            module[0].weight.grad[0, 0] = float("nan")
+            rec.set_batch(np.arange(len(X)))
+            opt.step()
+            net = rec.as_estimator(X)
+    with torch.no_grad():
+        assert not torch.isfinite(module(torch.as_tensor(Xq))).any()
+    for kernel in (TangentKernel(net), PathKernel(net)):
+        with pytest.raises(ValueError, match="parameters '0.weight' hold NaN or inf at the "
+                                             "last recorded point"):
+            kernel(Xq)
 
 
 def test_docstring_examples_run():

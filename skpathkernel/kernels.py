@@ -349,6 +349,16 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
     inf (or nan) entries without a word, while ``predict`` stayed finite."""
     if not np.isfinite(K).all():
         n_bad = int(np.size(K) - np.count_nonzero(np.isfinite(K)))
+        # A diverged path ends non-finite (NaN stays NaN): its kernels were blamed on the
+        # inputs, which no scaling cures.
+        bad = [name for name, p in net.params_at(-1).items()
+               if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise ValueError(
+                f"The kernel has {n_bad} non-finite entries: the network's parameters "
+                f"{', '.join(map(repr, bad[:5]))}{' ...' if len(bad) > 5 else ''} hold NaN "
+                "or inf at the last recorded point, so its training diverged. Train with "
+                "a smaller learning rate (or clipped gradients).")
         # float64 is the way out only for a narrower dtype: a float64 network past its
         # range (a ReLU network at 1e160) has only its inputs to scale.
         way_out = ("Scale the inputs" if net.torch_dtype == torch.float64

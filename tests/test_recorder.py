@@ -254,6 +254,43 @@ def test_scheduled_step_sizes_are_recorded_and_the_decomposition_is_exact(
         assert RecordedNetwork(module, traj, X_train=X, y_train=y).decompose(Xq).error > 1e-4
 
 
+@pytest.mark.parametrize("per_output", ["mean", "sum"])
+def test_a_misdeclared_loss_on_a_relu_network_is_not_blamed_on_the_quadrature(
+        data, per_output):
+    """A ReLU network's steps cross kinks, so the quadrature misses ``tol`` and says so;
+    the closure check was then skipped, and a loop whose loss was not the declared one
+    (summed over the outputs, where "squared_error" averages them) was blamed on the
+    quadrature alone, with an error 500 times the steps' measured residuals. Those
+    residuals bound what the quadrature can miss (the triangle inequality over the
+    steps); the reference is the trained module's own output."""
+    X, _, _ = data
+    Y = np.stack([np.sin(3 * X[:, 0]), X[:, 1]], axis=1)
+    Xq = X  # twelve queries: some cross a kink at every step
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.ReLU(),
+                                 torch.nn.Linear(32, 2)).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for step in range(4):
+            idx = np.arange(step % 2, len(X), 2)
+            opt.zero_grad()
+            sq = (module(torch.as_tensor(X[idx])) - torch.as_tensor(Y[idx])).pow(2)
+            (0.5 * (sq.sum(1) if per_output == "sum" else sq).mean()).backward()
+            rec.set_batch(idx)
+            opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = rec.as_estimator(X, Y).decompose(Xq)
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth).max()
+    messages = [str(w.message) for w in caught]
+    assert any("did not reach tol" in m for m in messages)  # the kinks
+    misdeclared = miss > 100 * res.step_errors.sum()
+    assert misdeclared == (per_output == "sum")
+    assert any("reconstruction misses" in m for m in messages) == misdeclared
+
+
 def test_record_every_keeps_the_total_step_size_and_the_last_point(data):
     X, y, Xq = data
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
@@ -663,6 +700,100 @@ def test_training_inputs_the_module_cannot_run_are_refused_naming_them(data, for
     net = rec.as_estimator(X, y)
     with torch.no_grad():
         assert_allclose(net.predict(Xq), module(torch.as_tensor(Xq)).numpy(), rtol=1e-12)
+
+
+class _ReturnsTuple(torch.nn.Module):
+    """A network whose forward returns its output and a hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1).double()
+
+    def forward(self, x):
+        return self.lin(x), x
+
+
+@pytest.mark.parametrize("X_train", [True, False])
+def test_a_module_returning_a_tuple_is_refused_naming_what_it_returned(data, X_train):
+    """Every analysis reads one output tensor with a row per sample: a recorded module
+    returning ``(output, state)`` failed inside each kernel with "'tuple' object has no
+    attribute 'reshape'". Refused when ``X_train`` is given, or at the first query."""
+    X, y, Xq = data
+    module = _ReturnsTuple()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        opt.zero_grad()
+        module(torch.as_tensor(X))[0].pow(2).mean().backward()
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+    match = r"must return one tensor of shape \(n_samples, \.\.\.\).*returned a tuple"
+    with pytest.raises(TypeError, match=match):
+        net = rec.as_estimator(X, y) if X_train else rec.as_estimator()
+        TangentKernel(net)(Xq)
+
+
+def test_a_module_on_the_meta_device_is_refused_naming_its_parameters():
+    """A module built on the 'meta' device has no values to record: the recorder
+    failed copying its initial point with torch's "Cannot copy out of meta tensor"."""
+    with torch.device("meta"):
+        module = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'weight', 'bias' .*'meta' device.*to_empty"):
+        PathRecorder(module, opt)
+
+
+def test_non_finite_parameters_are_refused_at_creation_and_divergence_is_warned(data):
+    """A path with NaN parameters recorded without a word: its kernels then failed as an
+    overflow "to be cured by scaling the inputs", and decompose blamed its quadrature.
+    NaN initial parameters are refused at once, naming them; a step that leaves them
+    non-finite is warned about once, naming the step, also when it is the last one."""
+    X, _, Xq = data
+    module = _tanh_mlp()
+    with torch.no_grad():
+        module[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="'0.weight' of the module hold NaN or inf"):
+        PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+    for diverged_at in (1, 2):
+        module = _tanh_mlp()
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        messages = []
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for step in range(3):
+                opt.zero_grad()
+                module(torch.as_tensor(X)).pow(2).mean().backward()
+                if step == diverged_at:
+                    module[2].bias.grad.fill_(float("nan"))
+                rec.set_batch(np.arange(len(X)))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()
+                    assert rec.trajectory.n_steps == step + 1  # the last step: none checks it next
+                messages += [str(w.message) for w in caught if "diverged" in str(w.message)]
+                # The reference: the parameters themselves, after the step.
+                assert all(torch.isfinite(p).all() for p in module.parameters()) == (
+                    step < diverged_at)
+        assert len(messages) == 1
+        assert f"'2.bias' hold NaN or inf values after optimizer step {diverged_at}" in (
+            messages[0])
+
+    # The kernels of a diverged path name its parameters, not an overflow of the inputs.
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="'0.weight' hold NaN"):
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            opt.zero_grad()
+            module(torch.as_tensor(X)).pow(2).mean().backward()
+            module[0].weight.grad[0, 0] = float("nan")
+            rec.set_batch(np.arange(len(X)))
+            opt.step()
+            net = rec.as_estimator(X)
+    with torch.no_grad():
+        assert not torch.isfinite(module(torch.as_tensor(Xq))).any()
+    for kernel in (TangentKernel(net), PathKernel(net)):
+        with pytest.raises(ValueError, match="parameters '0.weight' hold NaN or inf at the "
+                                             "last recorded point"):
+            kernel(Xq)
 
 
 def test_docstring_examples_run():

@@ -2107,8 +2107,12 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     # A replay that missed the record names its cause; the closure's miss is in it.
     missed_replay = (result.replay_error is not None
                      and not result.replay_error <= checks.replay_limit)
+    # Steps whose quadrature missed tol still measured finite residuals, which bound the
+    # miss they can explain: a larger one (a loop's loss other than the declared one, on a
+    # ReLU network) was blamed on the quadrature alone.
     closure = (_inexact(result, checks) if checks.exact and not checks.thinned
-               and not checks.failed and not missed_replay else None)
+               and all(map(math.isfinite, checks.failed.values())) and not missed_replay
+               else None)
     inexact = closure if checks.weighting == "realized" else None
     # The expected weighting leaves a minibatch path's batch noise out of the split: its
     # contributions miss the prediction by design, and the miss is said, not implied met.

@@ -420,6 +420,7 @@ def check_module_takes(module: torch.nn.Module, X: np.ndarray, *, dtype: torch.d
     one that mixes the samples of a batch (a recorded loop's ``batch_first=False`` RNN,
     whose kernels described no network, without a word)."""
     x, out = _take(module, X, dtype=dtype, device=device, name=name)
+    check_outputs(out, len(x))
     _check_per_sample(module, x, out)
 
 
@@ -501,13 +502,28 @@ def _check_per_sample(module: torch.nn.Module, x: torch.Tensor, out) -> None:
             "over the samples; build them with batch_first=True.")
 
 
-def check_outputs(out, n: int, n_outputs: int, hint: str = "") -> None:
+def check_outputs(out, n: int, n_outputs: int | None = None, hint: str = "") -> None:
     """Refuse a network output that is not ``n_outputs`` values for each of ``n`` samples.
 
     Every method reads the output as ``(n_samples, n_outputs)``: another width trained
     without a word (three classes on one output predicted two of them; four outputs for
-    three classes failed in predict with an IndexError).
+    three classes failed in predict with an IndexError). ``n_outputs=None`` (a recorded
+    network, whose outputs are whatever its module returns) refuses only what is not one
+    tensor with a row per sample: a module returning a tuple failed deep inside every
+    kernel with "'tuple' object has no attribute 'reshape'".
     """
+    if n_outputs is None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"The module must return one tensor of shape (n_samples, ...), its "
+                f"outputs for each sample; it returned a {type(out).__name__}. Wrap it in "
+                "a module whose forward returns the output to analyse (e.g. "
+                "module(x)[0]).")
+        if out.ndim == 0 or out.shape[0] != n:
+            raise ValueError(
+                f"The module returned shape {tuple(out.shape)} for {n} sample(s): it must "
+                f"return its outputs with one row per sample, shape ({n}, ...).")
+        return
     if not isinstance(out, torch.Tensor):
         raise TypeError(
             f"The module must return one tensor of shape (n_samples, {n_outputs}); it "

@@ -417,7 +417,31 @@ class PathRecorder:
                 "with sparse=True, whose sparse gradients the recorder's checks of each "
                 "optimizer step do not take. Create them with sparse=False: the "
                 "gradients hold the same values, dense, and the path is the same.")
+        meta = [n for n, p in named if p.is_meta]
+        if meta:
+            # Recording copies the initial point at once, which failed with torch's
+            # "Cannot copy out of meta tensor; no data!".
+            raise ValueError(
+                f"Parameter(s) {', '.join(map(repr, meta))} of the module are on the "
+                "'meta' device, which holds shapes but no values: there is no path to "
+                "record. Materialize the module first (module.to_empty(device=...) and "
+                "initialize it, or load_state_dict(..., assign=True)), then create the "
+                "optimizer and the recorder.")
         dtypes = {p.dtype for p in params}
+        if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point:
+            # Every point of the path would be non-finite: the kernels then failed as an
+            # overflow to be cured by scaling the inputs, and decompose blamed its
+            # quadrature.
+            bad = [n for n, p in named
+                   if not bool(torch.isfinite(p.detach()).all())]
+            if bad:
+                raise ValueError(
+                    f"Parameter(s) {', '.join(map(repr, bad[:5]))}"
+                    f"{' ...' if len(bad) > 5 else ''} of the module hold NaN or inf "
+                    "values before the first step: no recorded point would be finite. "
+                    "Initialize (or load) finite parameters before creating the "
+                    "recorder.")
+        self._warned_diverged = False
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
             raise ValueError(
                 f"The recorded parameters must all be float32 or all float64, got {dtypes}."
@@ -736,6 +760,23 @@ class PathRecorder:
             norms = [n.to(norms[0].device) for n in norms]
         return torch.stack(norms)
 
+    def _warn_diverged(self, norms: torch.Tensor, step: int) -> None:
+        """Warn, once, when the recorded parameters' ``norms`` after optimizer ``step``
+        are not finite: a diverged loop recorded on without a word, and its kernels then
+        failed as an overflow to be cured by scaling the inputs."""
+        if self._warned_diverged or step < 0 or bool(torch.isfinite(norms).all()):
+            return
+        self._warned_diverged = True
+        names = [self._names[i]
+                 for i in (~torch.isfinite(norms)).nonzero().reshape(-1).tolist()]
+        warnings.warn(
+            f"PathRecorder: recorded parameter(s) {', '.join(map(repr, names[:5]))}"
+            f"{' ...' if len(names) > 5 else ''} hold NaN or inf values after optimizer "
+            f"step {step}: training diverged, and the kernels, features and "
+            "decompositions of every point recorded since are not finite. Lower the "
+            "learning rate or clip the gradients (torch.nn.utils.clip_grad_norm_, which "
+            "the recorder records). (Warned once.)", UserWarning, stacklevel=3)
+
     def _warn_moved_between_steps(self, step: int) -> None:
         """Warn, once, when a recorded parameter changed since the recorder recorded
         the last step (or the initial point): the next step's record takes the change
@@ -746,6 +787,7 @@ class PathRecorder:
         if torch.equal(now, before):  # one host sync
             self._fingerprint = before  # still the values the last step left
             return
+        self._warn_diverged(now, step - 1)
         # A diverged parameter's NaN norm is not a change.
         moved = (torch.ne(now, before) & ~(now.isnan() & before.isnan())).nonzero()
         if not len(moved):
@@ -1029,6 +1071,8 @@ class PathRecorder:
         if self._recorder is None:
             raise RuntimeError(f"Rank {self._rank} does not write the trajectory: rank "
                                f"{self.writer_rank} does (writer_rank).")
+        if self._fingerprint is not None:  # the last step's, which no next step checked
+            self._warn_diverged(self._fingerprint, self._step - 1)
         if self._error is not None:
             warnings.warn(f"The recording stopped: the trajectory ends after optimizer "
                           f"step {self._step - 1} ({self._step} steps): {self._error}",
@@ -1068,7 +1112,8 @@ class PathRecorder:
 default=None
             Their targets, as in :meth:`as_network`.
         loss : "squared_error", "log_loss" or callable, default="squared_error"
-            The per-sample loss whose batch mean each step minimized.
+            The per-sample loss whose batch mean each step minimized ("squared_error":
+            ``1/2`` the mean over the outputs of ``(f_c - y_c)^2``, not their sum).
         memory_budget : int, default=2**30
             Bytes one block of a kernel or decomposition computation may use.
 
@@ -1099,7 +1144,8 @@ default=None
 default=None
             Their targets, in the form the loss takes.
         loss : "squared_error", "log_loss" or callable, default="squared_error"
-            The per-sample loss whose batch mean each step minimized.
+            The per-sample loss whose batch mean each step minimized ("squared_error":
+            ``1/2`` the mean over the outputs of ``(f_c - y_c)^2``, not their sum).
         memory_budget : int, default=2**30
             Bytes one block of a kernel or decomposition computation may use.
 

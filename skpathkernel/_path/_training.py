@@ -273,7 +273,7 @@ def warn_drawing_now(module: torch.nn.Module) -> None:
         layers = drawing_layers(module)
         warnings.warn(
             f"The layer(s) {layers[:3]} are in training mode now, where each forward pass "
-            "draws new random masks (RReLU: slopes): the kernels, features, "
+            "draws anew at random (dropout its masks, RReLU its slopes): the kernels, features, "
             "decompositions, attributions and predictions of this network each draw their "
             "own, so they vary from call to call and describe no fixed network. Call "
             "module.eval() before analysing it (the estimators' networks are in eval mode "

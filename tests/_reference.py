@@ -357,3 +357,41 @@ def zero_feature_network():
         rec.set_batch(np.arange(8))
         opt.step()
     return rec.as_network(X, y), X
+
+
+def own_loop(kind="mlp", loss="squared_error", n_outputs=2, X_train=True, seed=0):
+    """``(recorded, X)``: a float64 network trained in a plain PyTorch loop of minibatch
+    Adam steps, recorded by PathRecorder and returned as ``as_estimator``'s
+    RecordedNetwork (with ``X_train`` and its targets, or without either). ``kind``:
+    "mlp" on 3 features, "cnn" (a convolution) on 1 x 6 x 6 images; 24 samples."""
+    torch.manual_seed(seed)
+    rng = np.random.RandomState(seed)
+    if kind == "mlp":
+        X = rng.normal(size=(24, 3))
+        module = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(),
+                                     torch.nn.Linear(6, n_outputs))
+    else:
+        X = rng.normal(size=(24, 1, 6, 6))
+        module = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Tanh(),
+                                     torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, n_outputs))
+    module = module.double()
+    flat = X.reshape(len(X), -1)
+    if loss == "log_loss":
+        y = np.argmax(flat[:, :n_outputs], axis=1)
+        per_sample = lambda out, t: torch.nn.functional.cross_entropy(  # noqa: E731
+            out, t, reduction="none")
+    else:
+        y = np.tanh(flat[:, :n_outputs] + flat[:, -n_outputs:])
+        per_sample = lambda out, t: 0.5 * (out - t).square().mean(dim=1)  # noqa: E731
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
+    opt = torch.optim.Adam(module.parameters(), lr=0.05)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for epoch in range(3):
+            for batch in np.array_split(np.random.RandomState(epoch).permutation(24), 3):
+                rec.set_batch(batch)
+                opt.zero_grad()
+                per_sample(module(Xt[batch]), yt[batch]).mean().backward()
+                opt.step()
+    recorded = (rec.as_estimator(X, y, loss=loss) if X_train
+                else rec.as_estimator(loss=loss))
+    return recorded, X

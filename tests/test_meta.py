@@ -2,18 +2,20 @@
 
 TangentFeatures, TangentFeatureSVM and OODRankDetector own no training parameter: the
 trainer's parameters reach the network, a FrozenEstimator's network is read without a
-refit, GridSearchCV reaches the network as ``estimator__<name>``, and anything but a
-skpathkernel trainer is refused with a message naming it.
+refit, nor is a RecordedNetwork (a user's own loop), GridSearchCV reaches the network as
+``estimator__<name>``, and anything but a skpathkernel trainer is refused with a message
+naming it.
 """
 
 import inspect
+import pickle
 import re
 
 import numpy as np
 import pytest
 import sklearn
 import torch
-from _reference import features_loop
+from _reference import features_loop, module_at, own_loop
 from numpy.testing import assert_allclose, assert_array_equal
 from sklearn.base import clone
 from sklearn.calibration import CalibratedClassifierCV
@@ -475,3 +477,88 @@ def test_routing_passes_the_trainers_other_metadata(cls, circle):
         trainer = _GroupedTrainer(**SMALL).set_fit_request(groups=True, sample_weight=False)
         est = cls(trainer).fit(X, y, groups=groups)
     assert_array_equal(est.estimator_.groups_seen_, groups)
+
+
+def _wrapped(net, how):
+    return FrozenEstimator(net) if how == "frozen" else net
+
+
+@pytest.mark.parametrize("how", ["frozen", "bare"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_tangent_features_of_an_own_loops_recorded_network(kind, how):
+    """A network trained in the user's own loop (PathRecorder.as_estimator) gives its
+    tangent features through TangentFeatures, as a frozen trainer does: the per-sample
+    gradients of the module at the last recorded parameters. It was refused with a
+    TypeError (only PathKernelMachine / PathKernelClassifier were taken)."""
+    net, X = own_loop(kind)
+    est = TangentFeatures(_wrapped(net, how)).fit(X[:16])  # no y: nothing is trained
+    assert est.estimator_ is net and est.network_ is net.network_
+    assert_array_equal(est.X_fit_, X[:16])
+    Xq = np.concatenate([X[16:], 2.0 * X[:3]])
+    ref = features_loop(module_at(net), Xq)  # C = 2 outputs: the Jacobian / sqrt(2)
+    assert_allclose(est.transform(Xq), ref, rtol=1e-12, atol=1e-12)
+    assert_allclose(est.fit_transform(X[:5]), features_loop(module_at(net), X[:5]),
+                    rtol=1e-12, atol=1e-12)
+    # The network's attributes, n_outputs_ counted on one sample (the loop declares it
+    # nowhere); the training loop's are absent, as a missing fitted attribute is.
+    assert (est.n_outputs_, est.n_params_, est.dtype_) == (2, net.n_params_, "float64")
+    assert est.task_ == "regression" and est.trajectory_ is net.trajectory_
+    for name in ("loss_curve_", "n_iter_", "t_", "validation_scores_", "best_loss_",
+                 "classes_"):
+        assert not hasattr(est, name)
+    with pytest.raises(AttributeError, match="its estimator_, a RecordedNetwork, has no"):
+        getattr(est, "loss_curve_")  # noqa: B009
+    names = est.get_feature_names_out()
+    assert len(names) == ref.shape[1] and names[0].startswith("out0:")
+    tags = get_tags(est)
+    assert not tags.target_tags.required and tags.input_tags.three_d_array
+    assert tags.transformer_tags.preserves_dtype == ["float64"]
+    # clone keeps it fitted, pickling keeps what transform reads.
+    assert_allclose(clone(est).fit(X[:16]).transform(Xq), ref, rtol=1e-12, atol=1e-12)
+    assert_allclose(pickle.loads(pickle.dumps(est)).transform(Xq), ref, rtol=1e-12,
+                    atol=1e-12)
+    # Another form than the recorded X_train's is refused, naming it.
+    with pytest.raises(ValueError, match="expecting|shape"):
+        est.fit(X[:, :2] if kind == "mlp" else X[:, :, :4])
+    assert_allclose(est.transform(Xq), ref, rtol=1e-12, atol=1e-12)  # the previous fit
+
+
+def test_tangent_features_of_a_recorded_network_without_training_inputs():
+    """Without X_train the recorded network has no input form: fit's X sets it, once
+    the module runs it; X the module cannot run is refused naming its shape."""
+    net, X = own_loop("cnn", X_train=False)
+    est = TangentFeatures(net).fit(X[:4])
+    assert est.input_shape_ == (1, 6, 6)
+    assert_allclose(est.transform(X[4:9]), features_loop(module_at(net), X[4:9]),
+                    rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"could not take X of shape \(4, 1, 5, 5\)"):
+        TangentFeatures(net).fit(X[:4, :, :5, :5])
+    with pytest.raises(ValueError, match="shape"):
+        est.transform(X[:2, :, :5, :5])
+
+
+def test_a_recorded_classifier_feeds_the_tangent_feature_svm():
+    """A RecordedNetwork declared with log_loss is a classifier of the user's loop: the
+    SVM learns on its tangent features (unit rows); one declared otherwise is refused,
+    naming its loss, as a PathKernelMachine is."""
+    net, X = own_loop("mlp", loss="log_loss", n_outputs=3)
+    y = np.argmax(X[:, :3], axis=1)
+    svm = TangentFeatureSVM(FrozenEstimator(net), svm_kernel="linear").fit(X, y)
+    phi = features_loop(module_at(net), X)
+    unit = phi / np.linalg.norm(phi, axis=1, keepdims=True)
+    assert_allclose(svm.svm_.support_vectors_, unit[svm.svm_.support_], rtol=1e-12,
+                    atol=1e-12)
+    assert_array_equal(svm.classes_, [0, 1, 2])
+    assert TangentFeatures(net).fit(X).task_ == "classification"
+    regressor, _ = own_loop("mlp")
+    with pytest.raises(ValueError, match="trained as a classifier.*'squared_error'"):
+        svm.set_params(estimator=regressor).fit(X, y)
+    assert svm.estimator_ is net  # the previous fit is kept
+
+
+@pytest.mark.parametrize("cls", META, ids=lambda c: c.__name__)
+def test_the_refusal_of_a_wrong_estimator_names_a_recorded_network(cls, circle):
+    X, y = circle
+    with pytest.raises(TypeError, match=r"skpathkernel trainer.*or a RecordedNetwork "
+                                        r"\(PathRecorder.as_estimator.*got Ridge"):
+        cls(Ridge()).fit(X, y)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 import torch
-from _reference import features_loop
+from _reference import features_loop, module_at, own_loop
 from sklearn.base import clone
 from sklearn.datasets import load_digits
 from sklearn.exceptions import ConvergenceWarning, NotFittedError
@@ -19,7 +19,12 @@ from sklearn.model_selection import train_test_split
 from sklearn.utils.multiclass import type_of_target
 
 from benchmarks.bench_gpu_choices import cpu_peak_bytes
-from skpathkernel import OODRankDetector, PathKernelClassifier, PathKernelMachine
+from skpathkernel import (
+    OODRankDetector,
+    PathKernelClassifier,
+    PathKernelMachine,
+    RecordedNetwork,
+)
 from skpathkernel._analysis import _rank_gap
 from skpathkernel._analysis._rank_gap import pivoted_cholesky
 from skpathkernel._estimators import _ood
@@ -1181,3 +1186,69 @@ def test_max_rank_beyond_the_budget_is_capped_by_it(method):
         low = OODRankDetector(FrozenEstimator(small_net), max_rank=auto.rank_ - 5,
                               **params).fit(X)
     assert low.rank_ == auto.rank_ - 5
+
+
+def _dense_scores(method, P, Q, k):
+    """score_samples (of Q) and leave-one-out scores (of P) from the dense features."""
+    if method == "residual":
+        return -lstsq_residual(P, Q), leave_one_out_scores(P)
+    if method == "local":
+        return -local_residual(P, Q, k), -local_residual(P, P, k, exclude=np.arange(len(P)))
+
+    def cos(A):
+        return (A @ P.T) / np.outer(np.linalg.norm(A, axis=1), np.linalg.norm(P, axis=1))
+    own = cos(P)
+    np.fill_diagonal(own, -np.inf)
+    return cos(Q).max(axis=1), own.max(axis=1)
+
+
+@pytest.mark.parametrize("how", ["frozen", "bare"])
+@pytest.mark.parametrize("method", ["local", "residual", "alignment"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_an_own_loops_recorded_network_scores_like_the_dense_reference(kind, method, how):
+    """OOD detection for a network trained in the user's own loop (PathRecorder's
+    RecordedNetwork, bare or frozen): the span of its training features at the last
+    recorded parameters, scored as the dense lstsq / cosine references of its per-sample
+    gradients score it, and offset_ Tukey's fence of their leave-one-out scores. It was
+    refused with a TypeError."""
+    net, X = own_loop(kind)
+    est = FrozenEstimator(net) if how == "frozen" else net
+    det = OODRankDetector(est, method=method, n_neighbors=4).fit(X[:16])
+    assert det.estimator_ is net and det.task_ == "regression" and det.n_outputs_ == 2
+    Xq = np.concatenate([X[16:], 3.0 * X[:3]])
+    module = module_at(net)
+    P, Q = features_loop(module, X[:16]), features_loop(module, Xq)
+    ref, loo = _dense_scores(method, P, Q, 4)
+    if method != "alignment":
+        assert ref.max() < -0.01  # the check could fail: new points leave the spans
+    np.testing.assert_allclose(det.score_samples(Xq), ref, atol=1e-6)
+    ceiling = np.sqrt(1 - 1e-4) if method == "alignment" else -0.01
+    np.testing.assert_allclose(det.offset_, tukey_offset(loo, ceiling), atol=1e-5)
+    # Without X_train the recorded network takes fit's X as its form.
+    bare, _ = own_loop(kind, X_train=False)
+    np.testing.assert_allclose(
+        OODRankDetector(bare, method=method, n_neighbors=4).fit(X[:16]).score_samples(Xq),
+        det.score_samples(Xq), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="could not take X"):
+        OODRankDetector(bare).fit(X[:16].reshape(16, -1)[:, :2])
+
+
+@pytest.mark.parametrize("method", ["local", "residual", "alignment"])
+def test_a_recorded_network_scores_as_the_frozen_trainer_of_its_path(method):
+    """The same network and path, as a RecordedNetwork or as the fitted trainer that
+    recorded it in a FrozenEstimator: the same span, offset_, scores and rank gap."""
+    rng = np.random.RandomState(12)
+    X, y = task_data("classification", rng)
+    clf = PathKernelClassifier(**NET).fit(X, y)
+    net = RecordedNetwork(clf.module_, clf.trajectory_, X_train=X, y_train=y,
+                          loss="log_loss")
+    det = OODRankDetector(net, method=method, n_neighbors=5).fit(X)
+    ref = OODRankDetector(FrozenEstimator(clf), method=method, n_neighbors=5).fit(X)
+    assert det.task_ == ref.task_ == "classification"
+    assert det.n_outputs_ == ref.n_outputs_ == 3
+    Xq = rng.normal(size=(6, 5))
+    np.testing.assert_allclose(det.score_samples(Xq), ref.score_samples(Xq), rtol=1e-12,
+                               atol=1e-12)
+    assert det.offset_ == pytest.approx(ref.offset_, rel=1e-12, abs=1e-12)
+    assert det.rank_gap(Xq) == ref.rank_gap(Xq)
+    assert not hasattr(det, "loss_curve_") and hasattr(ref, "loss_curve_")

@@ -244,10 +244,19 @@ class FittedAttribute:
         try:
             if self.source is None:
                 return obj.__dict__[self.name]
-            return getattr(getattr(obj, self.source), self.name)
+            source = getattr(obj, self.source)
         except (AttributeError, KeyError):
             raise AttributeError(
                 f"{type(obj).__name__!r} object has no attribute {self.attr!r} (not fitted)"
+            ) from None
+        try:
+            return getattr(source, self.name)
+        except AttributeError:
+            # Fitted, from a source without it (a RecordedNetwork has no loss_curve_):
+            # "not fitted" would send the user to fit again, which would not add it.
+            raise AttributeError(
+                f"{type(obj).__name__!r} object has no attribute {self.attr!r}: its "
+                f"{self.source}, a {type(source).__name__}, has no {self.name!r}"
             ) from None
 
     def __set__(self, obj, value):

@@ -3,7 +3,8 @@
 A trained network's tangent features ``phi(x) = d f(x; theta_T) / d theta`` are a learned
 feature map; a linear model on them (or an SVC on the tangent / path kernel they define)
 is figure 3 of Guo, He & Morel (2026). Both are meta-estimators: the network is trained by
-their ``estimator``, a :class:`PathKernelMachine` or :class:`PathKernelClassifier`.
+their ``estimator``, a :class:`PathKernelMachine` or :class:`PathKernelClassifier`, or was
+trained in a user's own loop (a :class:`RecordedNetwork`, used as it is).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import warnings
 import numpy as np
 from sklearn.base import ClassifierMixin, TransformerMixin
 from sklearn.exceptions import DataDimensionalityWarning
-from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import SVC
 from sklearn.utils import check_random_state
@@ -26,6 +26,7 @@ from .. import _tangent
 from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
 from .._parallel import limit_torch_threads
+from .._path._recorder import RecordedNetwork
 from .._validation import count, validate_params
 from ..kernels import PathKernel, TangentKernel, kernel_threads
 from ._base import (
@@ -36,7 +37,7 @@ from ._base import (
     tangent_feature_names_out,
 )
 from ._machine import PathKernelClassifier, check_labels
-from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator
+from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, trained_task
 
 __all__ = ["TangentFeatureSVM", "TangentFeatures"]
 
@@ -112,9 +113,10 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     task_ : {{"regression", "classification"}}
         What the network was trained on: class labels with a
         :class:`PathKernelClassifier`, regression targets with a
-        :class:`PathKernelMachine`.
+        :class:`PathKernelMachine`; for a :class:`RecordedNetwork`, "classification"
+        when its declared loss is "log_loss".
     classes_ : ndarray of shape (n_classes,)
-        Class labels, for classification only (``estimator_``'s).{fitted}
+        Class labels, for a :class:`PathKernelClassifier` only (``estimator_``'s).{fitted}
     See Also
     --------
     TangentFeatureSVM : A linear SVM on these features, or an SVC on their kernel.
@@ -172,8 +174,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     @property
     def task_(self):
         """"classification" or "regression": what ``estimator_`` was trained on."""
-        return ("classification" if isinstance(self.estimator_, PathKernelClassifier)
-                else "regression")
+        return trained_task(self.estimator_)
 
     @keep_previous_fit_on_error
     def fit(self, X, y=None, sample_weight=None, **fit_params):
@@ -186,8 +187,8 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             ``(n_samples, ...)`` array: floats, or integer token ids.
         y : array-like of shape (n_samples,) or (n_samples, n_outputs), default=None
             Regression targets or class labels (see ``estimator``), required unless the
-            trainer is a ``FrozenEstimator``, which ignores it (``fit(X)`` in an
-            unsupervised pipeline).
+            trainer is a ``FrozenEstimator`` or a ``RecordedNetwork``, which ignore it
+            (``fit(X)`` in an unsupervised pipeline).
         sample_weight : array-like of shape (n_samples,), default=None
             Passed to the trainer's ``fit`` (see :meth:`PathKernelMachine.fit`);
             validated, and otherwise unused, with a ``FrozenEstimator``. With
@@ -212,7 +213,8 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
                 "TangentFeatures requires y to be passed, but the target y is None: its "
                 "trainer is fitted on (X, y), class labels or regression targets (pass "
                 "pipeline.fit(X, y)); wrap a fitted trainer in "
-                "sklearn.frozen.FrozenEstimator to take its network's features without y.")
+                "sklearn.frozen.FrozenEstimator (or pass a RecordedNetwork) to take its "
+                "network's features without y.")
         # The second draw: a default trainer seeded with the same random_state takes the
         # first for its initialization, and the directions must differ from it.
         seed = int(check_random_state(self.random_state).randint(2**31 - 1, size=2)[1])
@@ -303,8 +305,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         # As fit: y trains the trainer, and a frozen one takes fit(X) without it.
-        tags.target_tags.required = self._y_required(
-            isinstance(self.estimator, FrozenEstimator))
+        tags.target_tags.required = self._y_required(self._is_frozen())
         return tags
 
 
@@ -319,7 +320,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 
     Parameters
     ----------{estimator}
-        A :class:`PathKernelClassifier`; None: ``PathKernelClassifier()``.
+        A :class:`PathKernelClassifier`, or a :class:`RecordedNetwork` declared with
+        ``loss="log_loss"`` (a classifier of your own loop); None:
+        ``PathKernelClassifier()``.
     C : float or "auto", default="auto"
         The SVM's regularization (larger: less regularization). "auto" chooses it from
         the training data: among ``[0.1, 1, 10, 100, 1000] / s``, ``s`` the mean of the
@@ -386,7 +389,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         "svm_kernel": [StrOptions({"linear", "tangent", "path"})],
         "normalize": ["boolean"],
     }
-    _trainers = (PathKernelClassifier,)
+    _trainers = (PathKernelClassifier, RecordedNetwork)
 
     def __init__(self, estimator=None, *, C="auto", svm_kernel="tangent", normalize=True,
                  random_state=None):
@@ -468,6 +471,16 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         self : TangentFeatureSVM
         """
         validate_params(self)
+        inner = self._trainer()[0]
+        if isinstance(inner, RecordedNetwork) and trained_task(inner) != "classification":
+            # As a PathKernelMachine is refused: the SVM classifies with what a network
+            # learned of the classes.
+            raise ValueError(
+                "TangentFeatureSVM takes a network trained as a classifier: a "
+                "RecordedNetwork declared with loss='log_loss' (PathRecorder.as_estimator"
+                "(..., loss='log_loss')); got one declared with loss "
+                f"{inner.network_.loss.name!r}. For the tangent features of any network: "
+                "make_pipeline(TangentFeatures(net), SVC()).")
         # Never half-fitted: keep_previous_fit_on_error restores the previous fit whole
         # when the network or the SVM fails.
         X, y, frozen, weights = self._fit_trainer(X, y, sample_weight=sample_weight,

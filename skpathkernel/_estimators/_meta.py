@@ -7,7 +7,10 @@ as scikit-learn's meta-estimators take theirs (``SelectFromModel``,
 ``CalibratedClassifierCV``): ``fit`` clones and fits it (``estimator_``), and the
 meta-estimator reads the network it trained (``estimator_.network_``). A trainer wrapped
 in :class:`sklearn.frozen.FrozenEstimator` is used as it is, never refitted; a search
-reaches the network's parameters as ``estimator__hidden_layer_sizes``.
+reaches the network's parameters as ``estimator__hidden_layer_sizes``. A network trained
+in a user's own loop, :class:`~skpathkernel.RecordedNetwork`
+(``PathRecorder.as_estimator``), is fitted by construction and its ``fit`` does nothing:
+it is used as it is, bare or in a ``FrozenEstimator``, as a frozen trainer is.
 
 With ``sklearn.set_config(enable_metadata_routing=True)`` they route ``sample_weight`` as
 scikit-learn's meta-estimators do (``CalibratedClassifierCV``, ``MultiOutputRegressor``):
@@ -42,6 +45,7 @@ from .._network._inputs import (
     validate_input,
 )
 from .._network._trained import network_of
+from .._path._recorder import RecordedNetwork
 from .._validation import check_column_names
 from ..kernels import NetworkKernelsMixin
 from ._base import (
@@ -53,34 +57,41 @@ from ._base import (
 )
 from ._machine import PathKernelClassifier, PathKernelMachine
 
-__all__ = ["NetworkMetaEstimator", "trainer_for"]
+__all__ = ["NetworkMetaEstimator", "trained_task", "trainer_for"]
 
 _CLASS_TARGETS = ("binary", "multiclass", "multilabel-indicator")
 
 ESTIMATOR_DOC = """
-    estimator : PathKernelMachine or PathKernelClassifier, default=None
+    estimator : PathKernelMachine, PathKernelClassifier or RecordedNetwork, default=None
         The network trainer, which owns every training parameter (architecture or
         ``module``, solver, epochs, ``dtype``, ``memory_budget``, storage of the path).
         ``fit`` fits a clone of it (``estimator_``); set its parameters through this
         estimator as ``estimator__<name>``, e.g. in ``GridSearchCV``. A fitted trainer
         wrapped in :class:`sklearn.frozen.FrozenEstimator` is used as it is: ``fit``
-        trains nothing, and reads its network on the ``X`` it is given."""
+        trains nothing, and reads its network on the ``X`` it is given. So is a
+        :class:`~skpathkernel.RecordedNetwork` (a network trained in your own loop,
+        ``PathRecorder.as_estimator``), bare or in a ``FrozenEstimator``: it is fitted
+        by construction, and its ``fit`` does nothing."""
 
 FITTED_DOC = """
-    estimator_ : PathKernelMachine or PathKernelClassifier
+    estimator_ : PathKernelMachine, PathKernelClassifier or RecordedNetwork
         The fitted trainer: a clone of ``estimator`` (or the default one) fitted here, or
-        the trainer inside a ``FrozenEstimator``, itself.
+        the trainer inside a ``FrozenEstimator`` (or a bare ``RecordedNetwork``), itself.
     network_ : TrainedNetwork
         ``estimator_``'s network and its recorded path, which the kernels
         (``tangent_kernel_``, ``path_kernel_``) and the displays read. ``module_``,
         ``trajectory_``, ``n_params_``, ``n_outputs_``, ``device_``, ``dtype_``,
         ``loss_curve_``, ``best_loss_``, ``validation_scores_``,
         ``best_validation_score_``, ``n_iter_`` and ``t_`` are ``estimator_``'s, read
-        from it.
+        from it. A ``RecordedNetwork`` has the network's own (``module_`` to
+        ``dtype_``; ``n_outputs_`` counted by ``fit`` on one sample), and none of the
+        training loop's (``loss_curve_`` to ``t_``: an ``AttributeError``, as
+        scikit-learn's for a fitted attribute an estimator does not have).
     X_fit_ : ndarray of shape (n_samples_fit, n_features) or (n_samples_fit, ...)
         The training points of the kernel rows: the samples ``estimator_`` trained on
         (all of ``X`` unless ``early_stopping`` held some out), or with a
-        ``FrozenEstimator`` the ``X`` given to ``fit``; as the network takes them.
+        ``FrozenEstimator`` (or a ``RecordedNetwork``) the ``X`` given to ``fit``; as the
+        network takes them.
     n_features_in_ : int
         Number of features seen during fit (values per sample for ``(n, ...)`` inputs).
     input_shape_ : tuple of int
@@ -88,6 +99,19 @@ FITTED_DOC = """
     feature_names_in_ : ndarray of shape (`n_features_in_`,)
         Names of features seen during fit, when X has string column names.
 """
+
+
+def trained_task(estimator) -> str:
+    """"classification" for a network trained on class labels, else "regression".
+
+    A :class:`PathKernelClassifier`, or a :class:`RecordedNetwork` whose declared loss is
+    "log_loss" (an own loop declares what it minimized, not what its targets were).
+    """
+    if isinstance(estimator, RecordedNetwork):
+        loss = estimator.network_.loss
+        return "classification" if loss is not None and loss.name == "log_loss" \
+            else "regression"
+    return "classification" if isinstance(estimator, PathKernelClassifier) else "regression"
 
 
 def trainer_for(y, random_state):
@@ -109,14 +133,15 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     """Base of the meta-estimators: fit a trainer, read its network.
 
     Subclasses say which trainers they take (``_trainers``) and how the default one is
-    chosen (``_default_trainer``).
+    chosen (``_default_trainer``). A :class:`RecordedNetwork` among them is frozen by
+    construction: used as it is, never cloned nor fitted.
     """
 
     _parameter_constraints: dict = {
         "estimator": [HasMethods(["fit"]), None],
         "random_state": ["random_state"],
     }
-    _trainers: tuple = (PathKernelMachine, PathKernelClassifier)
+    _trainers: tuple = (PathKernelMachine, PathKernelClassifier, RecordedNetwork)
     # Whether fit uses sample_weight itself (the SVM's weights, the detector's span) as well
     # as routing it to the trainer: its own request then joins the router (as
     # CalibratedClassifierCV's), where a pure router's (MultiOutputRegressor's) does not.
@@ -132,7 +157,6 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     device_ = FittedAttribute("estimator_")
     dtype_ = FittedAttribute("estimator_")
     n_params_ = FittedAttribute("estimator_")
-    n_outputs_ = FittedAttribute("estimator_")
     loss_curve_ = FittedAttribute("estimator_")
     best_loss_ = FittedAttribute("estimator_")
     validation_scores_ = FittedAttribute("estimator_")
@@ -141,6 +165,15 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     t_ = FittedAttribute("estimator_")
     # The meta-estimator's own: the points its kernel rows and spans are against.
     X_fit_ = FittedAttribute()
+
+    @property
+    def n_outputs_(self):
+        """Outputs of the network: ``estimator_``'s, or counted by ``fit`` for a
+        :class:`RecordedNetwork` (an own loop declares none)."""
+        counted = self.__dict__.get("_n_outputs")
+        return self._n_outputs_of_trainer if counted is None else counted
+
+    _n_outputs_of_trainer = FittedAttribute("estimator_", "n_outputs_")
 
     @property
     def network_(self):
@@ -155,12 +188,18 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
 
     # ------------------------------------------------------------------ the trainer
     def _trainer(self):
-        """``(trainer or None, frozen)``: the ``estimator`` parameter, unwrapped."""
+        """``(trainer or None, frozen)``: the ``estimator`` parameter, unwrapped.
+
+        A :class:`RecordedNetwork` is frozen, wrapped or not: cloned and fitted it would
+        be a deep copy of the same network (its ``fit`` does nothing), and ``fit``'s
+        ``X`` is the only training input it has for sure (``X_train`` is optional).
+        """
         est = self.estimator
         frozen = isinstance(est, FrozenEstimator)
         inner = est.estimator if frozen else est
         if inner is not None and not isinstance(inner, self._trainers):
-            kinds = " or ".join(cls.__name__ for cls in self._trainers)
+            trainers = [cls.__name__ for cls in self._trainers if cls is not RecordedNetwork]
+            recorded = RecordedNetwork in self._trainers
             # A class (estimator=PathKernelClassifier, the call forgotten) is named as
             # one: its type is the metaclass, and "got ABCMeta" said nothing.
             got = (f"the class {inner.__name__}, not an instance: pass "
@@ -168,10 +207,20 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
                    else type(inner).__name__)
             raise TypeError(
                 f"{type(self).__name__} takes a skpathkernel trainer as estimator, a "
-                f"{kinds} (fitted and wrapped in sklearn.frozen.FrozenEstimator to use "
-                f"its network as it is); got {got}."
+                f"{' or '.join(trainers)} (fitted and wrapped in "
+                f"sklearn.frozen.FrozenEstimator to use its network as it is)"
+                + (", or a RecordedNetwork (PathRecorder.as_estimator: a network trained "
+                   "in your own loop, used as it is)" if recorded else "")
+                + f"; got {got}."
             )
-        return inner, frozen
+        return inner, frozen or isinstance(inner, RecordedNetwork)
+
+    def _is_frozen(self) -> bool:
+        """Whether ``fit`` will use the trainer as it is (tags read it before fit)."""
+        try:
+            return self._trainer()[1]
+        except TypeError:  # a wrong estimator: fit says so
+            return False
 
     def _default_trainer(self, y):
         return trainer_for(y, self.random_state)
@@ -274,6 +323,10 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             X, y = self._validate_like_network(X, y, net, frozen=True)
             self._check_targets(y)
             self.estimator_, self.X_fit_ = inner, X
+            # An own loop declares no number of outputs: one sample's forward pass counts
+            # them (a trainer's n_outputs_ is read from it).
+            self._n_outputs = (net.outputs(X[:1]).shape[1]
+                               if isinstance(inner, RecordedNetwork) else None)
             return X, y, True, _check_weights(sample_weight, X)
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
@@ -289,7 +342,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         # keeps working unweighted (equal weights are None here, the unweighted fit).
         weighted = {} if to_trainer is None else {"sample_weight": to_trainer}
         trainer.fit(X, y if target is None else target(X), **weighted, **other)
-        self.estimator_, self.X_fit_ = trainer, trainer.X_fit_
+        self.estimator_, self.X_fit_, self._n_outputs = trainer, trainer.X_fit_, None
         return X, y, False, sample_weight
 
     def _validate_fit_data(self, X, y, *, flexible, frozen=False):
@@ -305,6 +358,11 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         shape, kind = net.input_shape, net.input_kind
         X, y = self._validate_fit_data(X, y, flexible=kind != FEATURES, frozen=frozen)
         check_representable(X, net.torch_dtype)
+        if shape is None:
+            # A RecordedNetwork without X_train has no input form of its own: fit's X
+            # sets this estimator's, once the module is seen to run it (refused, naming
+            # its shape and dtype, where it cannot).
+            return net.check(X), y
         if kind == FEATURES and X.shape[1] != net.n_features_in:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the estimator's network is expecting "

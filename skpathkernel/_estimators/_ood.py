@@ -50,7 +50,14 @@ from .._validation import count, validate_params
 from .._warnings import caller_stacklevel
 from ._base import keep_previous_fit_on_error
 from ._machine import PathKernelClassifier, PathKernelMachine
-from ._meta import ESTIMATOR_DOC, FITTED_DOC, NetworkMetaEstimator, flat_targets, trainer_for
+from ._meta import (
+    ESTIMATOR_DOC,
+    FITTED_DOC,
+    NetworkMetaEstimator,
+    flat_targets,
+    trained_task,
+    trainer_for,
+)
 
 __all__ = ["OODRankDetector"]
 
@@ -94,7 +101,8 @@ _runs_detector_module = runs_module(lambda det: network_of(det.estimator_).modul
 class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     """Out-of-distribution detector: the part of phi(x) outside span{{phi(x_i)}}.
 
-    Fits a network trainer (or reads a fitted one in a ``FrozenEstimator``) and flags
+    Fits a network trainer (or reads a fitted one in a ``FrozenEstimator``, or a
+    :class:`RecordedNetwork` of your own training loop) and flags
     inputs whose tangent feature ``phi(x) = d f(x; theta_T) / d theta`` is not explained
     by the training features: the rank gap of figures 7-8 of Guo, He & Morel (2026),
     scored per point from tangent-kernel Gram matrices alone (the Jacobian is never
@@ -110,9 +118,11 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         :func:`~sklearn.utils.multiclass.type_of_target` is "binary", "multiclass"
         (note that integer-valued regression targets count as "multiclass") or
         "multilabel-indicator", a
-        :class:`PathKernelMachine` otherwise. With a ``FrozenEstimator``, ``fit(X)``
-        only computes the factorisation of the span of ``phi(X)`` (pass
-        ``estimator.X_fit_`` for the training span) and ``y`` is ignored.
+        :class:`PathKernelMachine` otherwise. With a ``FrozenEstimator`` or a
+        :class:`RecordedNetwork` (your own loop's network), ``fit(X)`` only computes
+        the factorisation of the span of ``phi(X)`` (pass ``estimator.X_fit_``, or
+        the recorded loop's training inputs, for the training span) and ``y`` is
+        ignored.
     method : {{"local", "residual", "alignment"}}, default="local"
         What ``score_samples`` measures (higher = more normal). With
         ``Theta`` the tangent Gram (trace over outputs) at the final parameters:
@@ -201,7 +211,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     Attributes
     ----------
     task_ : {{"regression", "classification", "reconstruction"}}
-        What the network was trained on.
+        What the network was trained on ("classification" for a
+        :class:`RecordedNetwork` declared with ``loss="log_loss"``).
     offset_ : float
         ``decision_function = score_samples - offset_``.
     lambda_ : float
@@ -360,10 +371,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 f"{type(self).__name__} needs at least 2 training points of positive "
                 f"weight for its span; got {len(self.X_fit_)} (sample_weight is 0 on the "
                 "other rows).")
-        if isinstance(est, PathKernelClassifier):
-            task = "classification"
-        else:
-            task = "reconstruction" if reconstruct and not frozen else "regression"
+        task = trained_task(est)
+        if task == "regression" and reconstruct and not frozen:
+            task = "reconstruction"
         # The span's points: those trained on (not the early-stopping hold-out), or the
         # X given with a frozen trainer.
         return self.X_fit_, task

@@ -607,6 +607,16 @@ def test_float64_replay_mismatch_under_the_float32_limit_is_reported():
     assert _rel(scores, reference) > 1e-9
 
 
+def _float32_regression_net():
+    """32 float32 regression points (arrays and tensors) and a 3-16-1 tanh MLP."""
+    X, y = _regression(n=32)
+    X, y = X.astype(np.float32), y.astype(np.float32)[:, None]
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
+                                 torch.nn.Linear(16, 1))
+    return X, y, torch.as_tensor(X), torch.as_tensor(y), module
+
+
 TINY_STEP_SCHEDULERS = {
     "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=0.1, total_steps=40, cycle_momentum=False),
@@ -626,12 +636,7 @@ def test_a_schedules_tiny_steps_are_no_replay_mismatch(schedule, momentum):
     step's recorded move against its step size times the recorded batch's gradient)
     agree to round-off, and so do the scores with autograd through a float64 replay held
     at the record."""
-    X, y = _regression(n=32)
-    X, y = X.astype(np.float32), y.astype(np.float32)[:, None]
-    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
-                                 torch.nn.Linear(16, 1))
+    X, y, Xt, yt, module = _float32_regression_net()
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum)
     sched = TINY_STEP_SCHEDULERS[schedule](opt)
     traj = _scheduled_loop(module, opt, sched, Xt, yt, n_steps=40, batch_size=8).trajectory
@@ -692,13 +697,8 @@ def test_a_record_error_on_a_warm_ups_first_steps_is_a_replay_mismatch(shifted):
     one) move the scores by percents, checked against central differences of the
     training as it happened. Each step's check weighted by the smaller step size of the
     two directions it reads took these steps at 1e-6 of their share: the float32
-    replay_error read 2e-8, silent."""
-    X, y = _regression(n=32)
-    X, y = X.astype(np.float32), y.astype(np.float32)[:, None]
-    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
-                                 torch.nn.Linear(16, 1))
+    replay_error read 1.2e-6, silent."""
+    X, y, Xt, yt, module = _float32_regression_net()
     start = copy.deepcopy(module).double()
     traj = _warm_up_loop(module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
                          Xt, yt, shifted)

@@ -232,9 +232,11 @@ class AttributionScores(np.ndarray):
         recomputed from the declared loss, inputs and targets, and the optimizer's rule)
         misses the recorded path, relative: the recorded moves against the modelled
         updates (root of the summed squares over the steps, relative to the moves'; each
-        step scaled by its step size or the step before's, the smaller, so that a
-        schedule's tiny steps do not amplify their round-off); on a thinned path also
-        each replayed interval against its next recorded point.
+        step scaled by its step size, and checked against the last step before it large
+        enough to read, so that a schedule's tiny steps do not amplify their round-off
+        while their gradients, which reach the later steps through the momentum, are
+        still checked); on a thinned path also each replayed interval against its next
+        recorded point.
         Round-off level (1e-6 to 1e-4 in float32, about 1e-15 in float64) when the
         record is complete, with any learning-rate schedule; a warning fires above 1e-3
         in float32, above 1e-9 in float64, and on any path stored with
@@ -453,11 +455,36 @@ def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, f
             1.0 - spec.beta_1)
 
 
-def _smaller(a: float | torch.Tensor, b: float | torch.Tensor) -> float | torch.Tensor:
-    """The smaller of two step sizes, each a float or a (P,) tensor (parameter groups)."""
-    if isinstance(a, torch.Tensor):
-        return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp(max=b)
-    return b.clamp(max=a) if isinstance(b, torch.Tensor) else min(a, b)
+def _replay_check(check, direction: torch.Tensor, memory: float,
+                  modelled: torch.Tensor, lr: float | torch.Tensor):
+    """One step of the replay check, last step first: ``(off, size, check)``.
+
+    ``check`` is the open check of a later step ``c``, ``(rest, factor, weight, first)``:
+    ``direction_c`` less the modelled gains of the steps since, the factor
+    (``memory ** (c - t)``) that the direction of step ``t`` takes in it, ``lr_c``, and
+    ``direction_c``. It closes on step ``t``'s implied direction where that direction's
+    round-off, ``1 / lr_t`` of its move's, reaches it scaled by at most the closing
+    step's own (``factor lr_c <= lr_t``); elsewhere it reads on, over steps too small
+    to read (a warm-up's 1e-6 of the rate), whose gradients still reach ``direction_c``
+    through the buffer, ``off`` and ``size`` in the steps' moves (``lr_c`` times
+    directions). ``modelled``: the step's ``gain * d_t``; ``lr``: its step size, a float
+    or a (P,) tensor (parameter groups)."""
+    lr = torch.as_tensor(lr, dtype=direction.dtype, device=direction.device)
+    # NaN where a group took no step: read only by checks of weight or factor 0.
+    direction = torch.where(lr > 0, direction, 0.0)
+    if check is None:
+        off = size = 0.0
+        check = (direction - modelled, torch.full_like(lr, memory), lr, direction)
+        return off, size, check
+    rest, factor, weight, first = check
+    close = factor * weight <= lr
+    off = float(torch.nansum(torch.where(close, weight * (rest - factor * direction),
+                                         0.0).double() ** 2))
+    size = float(torch.nansum(torch.where(close, weight * first, 0.0).double() ** 2))
+    check = (torch.where(close, direction - modelled, rest - factor * modelled),
+             torch.where(close, memory, factor * memory), torch.where(close, lr, weight),
+             torch.where(close, direction, first))
+    return off, size, check
 
 
 _SOLVERS = {
@@ -1067,12 +1094,13 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # backwards and step t's check needs step t-1's direction).
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
     # does not count for more than their share. The direction a move implies is the move
-    # over its step size, holding the move's round-off times 1 / lr: each step's check,
-    # which reads its own direction and the step before's, is weighted by the smaller of
-    # their two step sizes, so that neither's round-off is amplified (constant steps:
-    # the unweighted mismatch). A schedule's tiny steps (OneCycleLR's last at 1e-4 of
-    # the initial rate, a warm-up from 1e-6 of it) made a complete float32 record
-    # mismatch by 1e-2 unweighted, a false warning.
+    # over its step size, holding the move's round-off times 1 / lr: each step's check is
+    # weighted by its own step size, and reads back over the steps whose directions
+    # would amplify their round-off (_replay_check). A schedule's tiny steps (OneCycleLR's
+    # last at 1e-4 of the initial rate, a warm-up from 1e-6 of it) made a complete
+    # float32 record mismatch by 1e-2 unweighted, a false warning; weighted by the
+    # smaller step size of the two directions read, a warm-up's first steps went
+    # unchecked, though their gradients reach the full steps through the momentum.
     pending, off, size = None, 0.0, 0.0
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
@@ -1088,12 +1116,9 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             finite &= torch.isfinite(step.nxt).all()
             d, rounded, norms[t], pullback = _batch_graph(path, step)
             direction, memory, gain = _implied(spec, step, d)
-            if pending is not None:
-                weight = _smaller(pending[2], step.lr)
-                off += float(torch.nansum((weight * (pending[0] - memory * direction
-                                                     - pending[1])) ** 2))
-                size += float(torch.nansum((weight * pending[0]) ** 2))
-            pending = (direction, gain * d, step.lr)
+            step_off, step_size, pending = _replay_check(pending, direction, memory,
+                                                         gain * d, step.lr)
+            off, size = off + step_off, size + step_size
             before = a
             u, a = adjoint_fn(spec, step, a, d)
             if probe and rounded is not None:
@@ -1125,8 +1150,9 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             count[t] = ok.sum()
             prev = norm
         if pending is not None:  # the first step: no direction before it
-            off += float(torch.nansum((pending[2] * (pending[0] - pending[1])) ** 2))
-            size += float(torch.nansum((pending[2] * pending[0]) ** 2))
+            rest, _, weight, first = pending
+            off += float(torch.nansum((weight * rest).double() ** 2))
+            size += float(torch.nansum((weight * first).double() ** 2))
             finite &= torch.isfinite(step.theta).all()
         a = u = share = HV = E = pending = step = None
         path.scratch.clear()

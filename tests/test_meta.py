@@ -562,3 +562,18 @@ def test_the_refusal_of_a_wrong_estimator_names_a_recorded_network(cls, circle):
     with pytest.raises(TypeError, match=r"skpathkernel trainer.*or a RecordedNetwork "
                                         r"\(PathRecorder.as_estimator.*got Ridge"):
         cls(Ridge()).fit(X, y)
+
+
+@pytest.mark.parametrize("cls", [TangentFeatures, TangentFeatureSVM, OODRankDetector])
+def test_n_outputs_before_fit_is_named_as_the_other_fitted_attributes(cls):
+    """n_outputs_ is counted by fit for a RecordedNetwork and read from the trainer
+    otherwise: before fit it is absent as every fitted attribute is, named n_outputs_
+    (the error named a private '_n_outputs_of_trainer')."""
+    net, X = own_loop("mlp", loss="log_loss", n_outputs=3)
+    est = cls(net)
+    assert not hasattr(est, "n_outputs_")
+    with pytest.raises(AttributeError, match=r"no attribute 'n_outputs_' \(not fitted\)"):
+        est.n_outputs_  # noqa: B018
+    est.fit(X, np.argmax(X[:, :3], axis=1))
+    # Counted on one sample: the module's output columns, which the loop trained.
+    assert est.n_outputs_ == module_at(net)(torch.as_tensor(X[:1])).shape[1] == 3

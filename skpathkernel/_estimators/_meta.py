@@ -171,9 +171,14 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         """Outputs of the network: ``estimator_``'s, or counted by ``fit`` for a
         :class:`RecordedNetwork` (an own loop declares none)."""
         counted = self.__dict__.get("_n_outputs")
-        return self._n_outputs_of_trainer if counted is None else counted
-
-    _n_outputs_of_trainer = FittedAttribute("estimator_", "n_outputs_")
+        if counted is not None:
+            return counted
+        if "estimator_" not in self.__dict__:
+            # Named as the other fitted attributes are (a descriptor under a private name
+            # said "no attribute '_n_outputs_of_trainer'").
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute 'n_outputs_' (not fitted)")
+        return self.estimator_.n_outputs_
 
     @property
     def network_(self):

@@ -34,6 +34,7 @@ from skpathkernel import (
     OODRankDetector,
     PathKernelClassifier,
     PathKernelMachine,
+    PathRecorder,
     TangentFeatures,
     TangentFeatureSVM,
 )
@@ -577,3 +578,24 @@ def test_n_outputs_before_fit_is_named_as_the_other_fitted_attributes(cls):
     est.fit(X, np.argmax(X[:, :3], axis=1))
     # Counted on one sample: the module's output columns, which the loop trained.
     assert est.n_outputs_ == module_at(net)(torch.as_tensor(X[:1])).shape[1] == 3
+
+
+@pytest.mark.parametrize("cls", [TangentFeatures, TangentFeatureSVM, OODRankDetector])
+def test_a_recorder_or_its_network_is_refused_naming_as_estimator(cls):
+    """The recorder and its as_network are what an own loop holds: the refusal names the
+    RecordedNetwork that takes their place (scikit-learn's parameter validation said
+    only "must be an object implementing 'fit'", bare; wrapped, as_estimator went
+    unnamed)."""
+    net, X = own_loop("mlp", loss="log_loss", n_outputs=3)
+    y = np.argmax(X[:, :3], axis=1)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 3).double()
+    with PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.1),
+                      n_samples=len(X)) as recorder:
+        pass
+    with pytest.raises(TypeError, match=r"got PathRecorder: pass recorder\.as_estimator"):
+        cls(recorder).fit(X, y)
+    for network in (net.network_, FrozenEstimator(net.network_)):
+        with pytest.raises(TypeError, match=r"got TrainedNetwork: pass the estimator "
+                                            r".*recorder\.as_estimator"):
+            cls(network).fit(X, y)

@@ -44,8 +44,8 @@ from .._network._inputs import (
     check_representable,
     validate_input,
 )
-from .._network._trained import network_of
-from .._path._recorder import RecordedNetwork
+from .._network._trained import TrainedNetwork, network_of
+from .._path._recorder import PathRecorder, RecordedNetwork
 from .._validation import check_column_names
 from ..kernels import NetworkKernelsMixin
 from ._base import (
@@ -71,7 +71,9 @@ ESTIMATOR_DOC = """
         trains nothing, and reads its network on the ``X`` it is given. So is a
         :class:`~skpathkernel.RecordedNetwork` (a network trained in your own loop,
         ``PathRecorder.as_estimator``), bare or in a ``FrozenEstimator``: it is fitted
-        by construction, and its ``fit`` does nothing."""
+        by construction, and its ``fit`` does nothing. ``clone`` deep-copies a bare one
+        (module and trajectory) and returns a ``FrozenEstimator`` as it is: wrap a large
+        network for a search or a cross-validation, which clone it per fit."""
 
 FITTED_DOC = """
     estimator_ : PathKernelMachine, PathKernelClassifier or RecordedNetwork
@@ -210,6 +212,13 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             got = (f"the class {inner.__name__}, not an instance: pass "
                    f"{inner.__name__}(...)" if isinstance(inner, type)
                    else type(inner).__name__)
+            # The recorder and its as_network are what an own loop has at hand: the
+            # estimator that takes their place is named.
+            if recorded and isinstance(inner, PathRecorder):
+                got += ": pass recorder.as_estimator(X_train, y_train, loss=...)"
+            elif recorded and isinstance(inner, TrainedNetwork):
+                got += (": pass the estimator whose network_ it is, in a FrozenEstimator, "
+                        "or recorder.as_estimator(...) in place of as_network")
             raise TypeError(
                 f"{type(self).__name__} takes a skpathkernel trainer as estimator, a "
                 f"{' or '.join(trainers)} (fitted and wrapped in "
@@ -219,6 +228,13 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
                 + f"; got {got}."
             )
         return inner, frozen or isinstance(inner, RecordedNetwork)
+
+    def _validate_params(self):
+        # scikit-learn's "must be an object implementing 'fit'" would refuse a PathRecorder
+        # or a TrainedNetwork without naming as_estimator, which gives what is taken.
+        if isinstance(self.estimator, (PathRecorder, TrainedNetwork)):
+            self._trainer()
+        super()._validate_params()
 
     def _is_frozen(self) -> bool:
         """Whether ``fit`` will use the trainer as it is (tags read it before fit)."""

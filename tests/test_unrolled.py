@@ -21,6 +21,8 @@ from _reference import (
 )
 from sklearn.datasets import make_classification
 from test_rules_fuzz import _Clip  # tanh without forward-mode AD or vmap rule
+from test_second_order import LENGTH, D
+from test_second_order import MODULES as ENCODERS
 
 from skpathkernel import (
     AttributionScores,
@@ -664,6 +666,22 @@ def test_a_schedules_tiny_steps_are_no_replay_mismatch(schedule, momentum):
     assert _rel(scores, reference) < 1e-5
 
 
+def _as_it_happened(start, train, Xt, n_queries, h=1e-4):
+    """Central differences, in each point's weight, of the first ``n_queries`` outputs
+    of the training as it happened, in float64 from ``start``: ``train(module,
+    weights)`` trains a copy with each point's weight in its step's loss."""
+
+    def trained(weights):
+        replay = copy.deepcopy(start)
+        train(replay, torch.as_tensor(weights))
+        with torch.no_grad():
+            return replay(Xt[:n_queries].double())[:, 0].numpy()
+
+    eye = np.eye(len(Xt))
+    return np.stack([(trained(1 + h * eye[i]) - trained(1 - h * eye[i])) / (2 * h)
+                     for i in range(len(Xt))], axis=1)
+
+
 def _warm_up_loop(module, opt, Xt, yt, shifted, n_steps=40, batch_size=8, weights=None,
                   record=True):
     """Momentum SGD under a warm-up from 1e-6 of the rate on the squared error, whose
@@ -707,19 +725,87 @@ def test_a_record_error_on_a_warm_ups_first_steps_is_a_replay_mismatch(shifted):
         scores = net.attribute(X[:3], method="unrolled")
     assert scores.replay_error > unrolled.REPLAY_LIMIT
 
-    def trained(weights):  # the training as it happened, in float64
-        replay = copy.deepcopy(start)
+    def train(replay, weights):
         opt = torch.optim.SGD(replay.parameters(), lr=0.1, momentum=0.9)
-        _warm_up_loop(replay, opt, Xt.double(), yt.double(), shifted,
-                      weights=torch.as_tensor(weights), record=False)
-        with torch.no_grad():
-            return replay(Xt[:3].double())[:, 0].numpy()
+        _warm_up_loop(replay, opt, Xt.double(), yt.double(), shifted, weights=weights,
+                      record=False)
 
-    h = 1e-4
-    reference = np.stack([(trained(1 + h * np.eye(len(X))[i])
-                           - trained(1 - h * np.eye(len(X))[i])) / (2 * h)
-                          for i in range(len(X))], axis=1)
-    assert _rel(scores, reference) > 1e-2
+    assert _rel(scores, _as_it_happened(start, train, Xt, 3)) > 1e-2
+
+
+ADAPTIVE = {"adam": lambda p: torch.optim.Adam(p, lr=0.01),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=0.01),
+            "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.003)}
+
+
+@pytest.mark.parametrize("solver", ADAPTIVE)
+def test_an_l2_term_by_hand_under_adam_is_a_replay_mismatch(solver):
+    """An L2 term of 1e-3 added to the loss by hand, which the record does not know: a
+    small part of the gradient, but Adam and RMSprop divide each parameter's step by
+    its root second moment, and the scores are off by percents against central
+    differences of the training as it happened. Read in the gradient's units (the first
+    moment's) the float32 replay_error of Adam and AdamW stayed below the limit, silent
+    (RMSprop's, whose direction is the gradient itself, warned already)."""
+    X, y, Xt, yt, module = _float32_regression_net()
+    batches = [np.random.RandomState(t).permutation(len(X))[:8] for t in range(40)]
+
+    def loop(module, weights, record=False):
+        opt = ADAPTIVE[solver](module.parameters())
+        rec = PathRecorder(module, opt, n_samples=len(X)) if record else None
+        Xm, ym = Xt.to(weights.dtype), yt.to(weights.dtype)
+        for batch in batches:
+            if rec is not None:
+                rec.set_batch(batch)
+            w = weights[batch]
+            per = 0.5 * (module(Xm[batch]) - ym[batch]).pow(2).sum(1)
+            l2 = sum(p.pow(2).sum() for p in module.parameters())
+            opt.zero_grad()
+            ((w * per).sum() / w.sum() + 0.5e-3 * l2).backward()
+            opt.step()
+        return rec
+
+    start = copy.deepcopy(module).double()
+    rec = loop(module, torch.ones(len(X)), record=True)
+    rec.close()
+    net = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+    with pytest.warns(UserWarning, match="differentiate another training"):
+        scores = net.attribute(X[:3], method="unrolled")
+    assert scores.replay_error > unrolled.REPLAY_LIMIT
+
+    assert _rel(scores, _as_it_happened(start, loop, Xt, 3)) > 1e-2
+
+
+def test_an_encoders_complete_adam_record_is_no_replay_mismatch():
+    """A float32 attention encoder's complete Adam record: the key bias adds the same
+    number to every logit of a query, which the softmax cancels, so its gradient is its
+    float32 rounding (about 1e-9) and Adam, dividing by that gradient's root second
+    moment, moves it by steps of 1e-3 to 1e-2 of the rate. Each parameter's mismatch
+    read in its own step's units without a floor, the rounding of these steps against
+    the float64 gradient read 4.5e-3 (2 epochs) to 2.0e-2 (20), false warnings."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 2 * LENGTH)).astype(np.float32)
+    y = (np.sin(X[:, 0]) + X[:, 3] * X[:, 5]).astype(np.float32)
+    est = PathKernelMachine(module=ENCODERS["attention"], solver="adam",
+                            learning_rate_init=0.02, batch_size=5, max_iter=20, tol=None,
+                            normalize_y=False, dtype="float32", random_state=0).fit(X, y)
+    # The key bias's gradient in float64 is 0 to the rounding of the sums that cancel,
+    # yet the record moved it.
+    module = ENCODERS["attention"](X.shape[1], 1).double()
+    start = est.network_.trajectory.state_dict(0)
+    module.load_state_dict({k: v.double() for k, v in start.items()})
+    loss = 0.5 * (module(torch.as_tensor(X, dtype=torch.float64))[:, 0]
+                  - torch.as_tensor(y, dtype=torch.float64)).pow(2).mean()
+    bias, weight = torch.autograd.grad(loss, [module.layer.self_attn.in_proj_bias,
+                                              module.layer.self_attn.in_proj_weight])
+    assert bias[D:2 * D].abs().max() < 1e-14 * weight.abs().max()
+    key = slice(D, 2 * D)
+    moved = (est.network_.trajectory.state_dict(-1)["layer.self_attn.in_proj_bias"][key]
+             - start["layer.self_attn.in_proj_bias"][key]).abs().max()
+    assert moved > 1e-3 * 0.02
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*differentiate another training")
+        scores = est.attribute(X[:2], method="unrolled")
+    assert scores.replay_error < 1e-4
 
 
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")

@@ -236,8 +236,17 @@ class AttributionScores(np.ndarray):
         enough to read, so that a schedule's tiny steps do not amplify their round-off
         while their gradients, which reach the later steps through the momentum, are
         still checked); on a thinned path also each replayed interval against its next
-        recorded point.
-        Round-off level (1e-6 to 1e-4 in float32, about 1e-15 in float64) when the
+        recorded point. Under Adam, AdamW and RMSprop the step size is each parameter's,
+        the rate over its root second moment: a mismatch of the gradient (an L2 term
+        added to the loss by hand) moves a parameter of small second moment, and the
+        scores, by more (read in the gradient's units, an L2 term of 1e-3 read 2e-4 to
+        4e-4 while the scores missed the training's derivative by 2e-3 to 0.35). A
+        second moment is read no finer than the dtype's rounding of the step's largest
+        gradient over the warning's limit, so that the rounding alone cannot reach the
+        limit: a parameter whose gradient is its rounding (an attention layer's key
+        bias, which the softmax cancels) is moved by it, in the record, by steps the
+        float64 gradient cannot reproduce.
+        Round-off level (1e-6 to 1e-4 in float32, 1e-15 to 1e-12 in float64) when the
         record is complete, with any learning-rate schedule; a warning fires above 1e-3
         in float32, above 1e-9 in float64, and on any path stored with
         ``trajectory_compression`` (whose rounded points left the scores an error from
@@ -432,27 +441,40 @@ def _rmsprop_adjoint(spec, step: _Step, a, d):
     return u, {"theta": a["theta"], "v": a_v.mul_(alpha)}
 
 
-def _implied(spec, step: _Step, d: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-    """What the recorded move says the optimizer's averaged direction was, and how the
-    model builds it: ``direction_t = memory * direction_{t-1} + gain * d_t`` (the SGD
-    buffer, Adam's first moment, RMSprop's gradient itself). ``d`` is the modelled
-    gradient ``d_t``, which a Nesterov move holds outside its buffer. NaN on parameters
-    whose group took no step (step size 0): their move says nothing of the direction."""
+def _implied(spec, step: _Step, d: torch.Tensor
+             ) -> tuple[torch.Tensor, float, float, float | torch.Tensor]:
+    """What the recorded move says the optimizer's averaged direction was, how the model
+    builds it, ``direction_t = memory * direction_{t-1} + gain * d_t`` (the SGD buffer,
+    Adam's first moment, RMSprop's gradient itself), and each parameter's step size, the
+    move over the direction (Adam's and RMSprop's preconditioned). ``d`` is the
+    modelled gradient ``d_t``, which a Nesterov move holds outside its buffer. NaN on
+    parameters whose group took no step (step size 0): their move says nothing of the
+    direction."""
     lr = step.lr
     if isinstance(lr, torch.Tensor):
         lr = torch.where(lr > 0, lr, torch.nan)
     if spec.name == "sgd":
         move = (step.theta - step.nxt) / lr
         if _nesterov(spec):  # move = d + mu buf
-            return (move - d) / spec.momentum, float(spec.momentum), 1.0
-        return move, float(spec.momentum), 1.0
+            return (move - d) / spec.momentum, float(spec.momentum), 1.0, step.lr
+        return move, float(spec.momentum), 1.0, step.lr
     root = step.v.sqrt()
+    # A gradient is known to the rounding of its sums, whose terms may be as large as the
+    # step's largest gradient: a second moment read finer than that rounding over the
+    # limit would let the rounding alone reach it. An attention layer's key bias, whose
+    # gradient the softmax cancels to its float32 rounding (1e-9), is moved by it by
+    # steps of 1e-3 to 1e-2 of the rate, which the float64 gradient (1e-19) cannot
+    # reproduce: read finer, a complete float32 record of an encoder warned (2e-2).
+    dtype = step.v.dtype
+    limit = REPLAY_LIMIT_FLOAT64 if dtype == torch.float64 else REPLAY_LIMIT
+    floor = torch.finfo(dtype).eps * d.abs().amax() / limit
     if spec.name == "rmsprop":
-        return (step.theta - step.nxt) * (root + spec.epsilon) / lr, 0.0, 1.0
+        return ((step.theta - step.nxt) * (root + spec.epsilon) / lr, 0.0, 1.0,
+                step.lr / (root + spec.epsilon).clamp_min(floor))
     den = root / math.sqrt(1.0 - spec.beta_2**step.count) + spec.epsilon
     bc1 = 1.0 - spec.beta_1**step.count
     return (step.move * den * bc1 / lr, float(spec.beta_1),
-            1.0 - spec.beta_1)
+            1.0 - spec.beta_1, step.lr / (den.clamp_min(floor) * bc1))
 
 
 def _replay_check(check, direction: torch.Tensor, memory: float,
@@ -468,7 +490,7 @@ def _replay_check(check, direction: torch.Tensor, memory: float,
     to read (a warm-up's 1e-6 of the rate), whose gradients still reach ``direction_c``
     through the buffer, ``off`` and ``size`` in the steps' moves (``lr_c`` times
     directions). ``modelled``: the step's ``gain * d_t``; ``lr``: its step size, a float
-    or a (P,) tensor (parameter groups)."""
+    or a (P,) tensor (parameter groups; Adam's and RMSprop's, preconditioned)."""
     lr = torch.as_tensor(lr, dtype=direction.dtype, device=direction.device)
     # NaN where a group took no step: read only by checks of weight or factor 0.
     direction = torch.where(lr > 0, direction, 0.0)
@@ -1095,8 +1117,11 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # Summed over the steps, so that the round-off of the tiny steps of a converged run
     # does not count for more than their share. The direction a move implies is the move
     # over its step size, holding the move's round-off times 1 / lr: each step's check is
-    # weighted by its own step size, and reads back over the steps whose directions
-    # would amplify their round-off (_replay_check). A schedule's tiny steps (OneCycleLR's
+    # weighted by its own step size (Adam's and RMSprop's per parameter: a mismatch in
+    # the first moment of a parameter of small second moment moves it, and the scores,
+    # by more; an L2 term by hand read 4e-4 in the first moment's units, silent, with
+    # the scores 9e-2 off), and reads back over the steps whose directions would
+    # amplify their round-off (_replay_check). A schedule's tiny steps (OneCycleLR's
     # last at 1e-4 of the initial rate, a warm-up from 1e-6 of it) made a complete
     # float32 record mismatch by 1e-2 unweighted, a false warning; weighted by the
     # smaller step size of the two directions read, a warm-up's first steps went
@@ -1115,9 +1140,9 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             t = traj.n_steps - 1 - back
             finite &= torch.isfinite(step.nxt).all()
             d, rounded, norms[t], pullback = _batch_graph(path, step)
-            direction, memory, gain = _implied(spec, step, d)
+            direction, memory, gain, size_t = _implied(spec, step, d)
             step_off, step_size, pending = _replay_check(pending, direction, memory,
-                                                         gain * d, step.lr)
+                                                         gain * d, size_t)
             off, size = off + step_off, size + step_size
             before = a
             u, a = adjoint_fn(spec, step, a, d)

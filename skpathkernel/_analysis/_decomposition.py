@@ -1499,7 +1499,8 @@ class EveryStep(Trajectory):
     optimizer state are kept every ``_every`` steps (:func:`_checkpoint_every`) and the
     steps a read falls in replayed from the checkpoint before them, ``PIECES`` pieces
     held at once: ``s ceil(k / every) + 2 PIECES every`` vectors, ``s`` a checkpoint's.
-    Where even the least of those exceeds the share, it warns, naming the memory needed.
+    Where even the least of those exceeds the whole budget, it warns, naming the budget
+    needed.
     """
 
     def __init__(self, replay, budget=math.inf):
@@ -1533,15 +1534,18 @@ class EveryStep(Trajectory):
             self._every = _checkpoint_every(longest, per_mark, room, 2 * longest * self._keep)
             held = (2 * longest * self._keep if self._every is None
                     else per_mark * -(-longest // self._every) + PIECES * 2 * self._every)
-            if held > room:
+            # Past its quarter the replay only crowds the other blocks' shares (a path
+            # thinned by "auto" to fit the budget leaves it little room, and decomposes
+            # silently); past the whole budget the call goes over it.
+            if held * vector > budget:
                 warnings.warn(
                     f"The replay of the thinned path's unrecorded steps holds {held} "
                     f"vectors of its {P:,} parameters at once ({held * vector / 2**20:.1f} "
-                    f"MiB) even checkpointed, above its share of memory_budget={budget} (a "
-                    f"quarter, {room * vector / 2**20:.1f} MiB): the decomposition stays "
-                    f"exact but goes over that share. Raise memory_budget to at least "
-                    f"{REPLAY_SHARE * held * vector:,} bytes, or record more points (a "
-                    "smaller record_every).", UserWarning, stacklevel=caller_stacklevel())
+                    f"MiB) even checkpointed, more than memory_budget={budget} itself: the "
+                    f"decomposition stays exact but goes over the budget. Raise "
+                    f"memory_budget to at least {REPLAY_SHARE * held * vector:,} bytes "
+                    "(the replay takes a quarter of it), or record more points (a smaller "
+                    "record_every).", UserWarning, stacklevel=caller_stacklevel())
         super().__init__(
             names=traj.names, shapes=traj.shapes,
             params=_Rows(self._params_at, n + 1, P, dtype), steps=np.arange(n + 1),

@@ -29,10 +29,11 @@ print("tangent features:", net.transform(X[:2]).shape)
 
 # %%
 # A linear SVM on phi(x), compared with an RBF SVM on the raw inputs. The features are
-# unscaled gradients (norms around 16 here), on which liblinear needs more than its
-# default 1000 iterations to converge.
+# unscaled gradients (norms around 16 here), on which liblinear's dual solver took 6,000
+# to more than 10,000 iterations, varying with its random order of the samples; the
+# primal solver (``dual=False``) converges in about a dozen, to the same accuracy.
 tangent_svm = make_pipeline(FunctionTransformer(net.transform),
-                            LinearSVC(max_iter=10_000)).fit(X, y)
+                            LinearSVC(dual=False)).fit(X, y)
 rbf = SVC(kernel="rbf").fit(X, y)
 scores = {"LinearSVC on phi(x)": tangent_svm.score(X_test, y_test),
           "RBF SVC on x": rbf.score(X_test, y_test)}

@@ -479,7 +479,8 @@ def _implied(spec, step: _Step, d: torch.Tensor
 
 def _replay_check(check, direction: torch.Tensor, memory: float,
                   modelled: torch.Tensor, lr: float | torch.Tensor):
-    """One step of the replay check, last step first: ``(off, size, check)``.
+    """One step of the replay check, last step first: ``(off, size, check)``, the sums
+    0-d tensors on the step's device.
 
     ``check`` is the open check of a later step ``c``, ``(rest, factor, weight, first)``:
     ``direction_c`` less the modelled gains of the steps since, the factor
@@ -500,9 +501,10 @@ def _replay_check(check, direction: torch.Tensor, memory: float,
         return off, size, check
     rest, factor, weight, first = check
     close = factor * weight <= lr
-    off = float(torch.nansum(torch.where(close, weight * (rest - factor * direction),
-                                         0.0).double() ** 2))
-    size = float(torch.nansum(torch.where(close, weight * first, 0.0).double() ** 2))
+    # Summed on the device: read once after the sweep, not at every step.
+    off = torch.nansum(torch.where(close, weight * (rest - factor * direction),
+                                   0.0).double() ** 2)
+    size = torch.nansum(torch.where(close, weight * first, 0.0).double() ** 2)
     check = (torch.where(close, direction - modelled, rest - factor * modelled),
              torch.where(close, memory, factor * memory), torch.where(close, lr, weight),
              torch.where(close, direction, first))
@@ -1176,11 +1178,12 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             prev = norm
         if pending is not None:  # the first step: no direction before it
             rest, _, weight, first = pending
-            off += float(torch.nansum((weight * rest).double() ** 2))
-            size += float(torch.nansum((weight * first).double() ** 2))
+            off = off + torch.nansum((weight * rest).double() ** 2)
+            size = size + torch.nansum((weight * first).double() ** 2)
             finite &= torch.isfinite(step.theta).all()
         a = u = share = HV = E = pending = step = None
         path.scratch.clear()
+    off, size = float(off), float(size)
     mismatch = (math.sqrt(off / size) if size > 0 else 0.0) if bool(finite) else math.nan
     scores = scores.cpu().numpy()
     sensitivity = None

@@ -1531,9 +1531,8 @@ class EveryStep(Trajectory):
         room = budget // REPLAY_SHARE // vector  # vectors
         if 2 * longest * self._keep > room:
             per_mark = 1 + len(traj.solver_spec.state_keys) + _first_moment(traj.solver_spec)
-            self._every = _checkpoint_every(longest, per_mark, room, 2 * longest * self._keep)
-            held = (2 * longest * self._keep if self._every is None
-                    else per_mark * -(-longest // self._every) + PIECES * 2 * self._every)
+            self._every, held = _checkpoint_every(longest, per_mark, room,
+                                                  2 * longest * self._keep)
             # Past its quarter the replay only crowds the other blocks' shares (a path
             # thinned by "auto" to fit the budget leaves it little room, and decomposes
             # silently); past the whole budget the call goes over it.
@@ -1633,22 +1632,24 @@ class EveryStep(Trajectory):
         return {key: value.cpu() if key != "step" else value for key, value in state.items()}
 
 
-def _checkpoint_every(k: int, per_mark: int, room: int, whole: int) -> int | None:
-    """The steps between an interval's checkpoints where its replayed vectors (``whole``
-    of them, the intervals held at once) exceed ``room`` (vectors): the longest pieces
-    whose checkpoints (``per_mark`` vectors each: the parameters and the optimizer's
-    state) and ``PIECES`` pieces of ``2 every`` vectors fit. Where none do, the pieces
-    that hold the least, or none (None) where whole intervals hold less: not refused,
-    since a path thinned by ``record_every="auto"`` to fit the budget leaves the replay
-    no room, and its decomposition is expected to run (:class:`EveryStep` warns)."""
+def _checkpoint_every(k: int, per_mark: int, room: int, whole: int) -> tuple[int | None, int]:
+    """``(every, held)``: the steps between an interval's checkpoints where its replayed
+    vectors (``whole`` of them, the intervals held at once) exceed ``room`` (vectors),
+    and the vectors the replay then holds. The longest pieces whose checkpoints
+    (``per_mark`` vectors each: the parameters and the optimizer's state) and ``PIECES``
+    pieces of ``2 every`` vectors fit. Where none do, the pieces that hold the least, or
+    none (None, ``whole`` held) where whole intervals hold less: not refused, since a
+    path thinned by ``record_every="auto"`` to fit the budget leaves the replay little
+    room, and its decomposition is expected to run (:class:`EveryStep` warns past the
+    whole budget)."""
     def held(every):
         return per_mark * -(-k // every) + PIECES * 2 * every
 
     fits = [every for every in range(1, k + 1) if held(every) <= room]
     if fits:
-        return max(fits)
+        return max(fits), held(max(fits))
     least = min(range(1, k + 1), key=held)
-    return least if held(least) < whole else None
+    return (least, held(least)) if held(least) < whole else (None, whole)
 
 
 def every_step(module, traj, X_train, Y_train, loss, budget=math.inf):

@@ -845,7 +845,8 @@ class _NetworkKernel(Kernel):
                 f"Cannot set {', '.join(nested)}: {type(self).__name__} is the kernel of "
                 "the network already trained in its estimator, which clone keeps and every "
                 "copy shares; setting the estimator's parameters would not refit it. Set "
-                "estimator= to another fitted estimator, or tune the trainer's parameters "
+                "estimator= to another fitted estimator (in a search, in a FrozenEstimator, "
+                "which the search's clone keeps fitted), or tune the trainer's parameters "
                 "where it is fitted (TangentFeatureSVM's estimator__<name>).")
         return super().set_params(**params)
 

@@ -313,7 +313,8 @@ def test_setting_the_estimators_parameters_through_the_kernel_is_refused(cls):
     """``kernel__estimator__<name>`` in a search would set a parameter of the one fitted
     estimator that every clone of the kernel shares, refit nothing, and give every
     candidate the same Gram; it is refused, the estimator's parameters untouched."""
-    from sklearn.model_selection import GridSearchCV
+    from sklearn.frozen import FrozenEstimator
+    from sklearn.model_selection import GridSearchCV, KFold
 
     est, X = _fit("sgd", multi=True)
     _, target = _data()
@@ -332,6 +333,16 @@ def test_setting_the_estimators_parameters_through_the_kernel_is_refused(cls):
     assert clone(kernel).set_params(estimator=other, normalized=True).estimator is other
     np.testing.assert_allclose(clone(kernel).set_params(estimator=other)(X[:4]),
                                cls(other)(X[:4]), rtol=1e-12)
+    # The search the user guide shows: fitted networks as frozen candidates, each scored
+    # as an SVC on its precomputed Gram.
+    search = GridSearchCV(SVC(kernel=kernel), {"kernel__estimator": [FrozenEstimator(est),
+                                                                    FrozenEstimator(other)]},
+                          cv=KFold(2), error_score="raise").fit(X, y)
+    for candidate, score in zip((est, other), search.cv_results_["mean_test_score"]):
+        K = cls(candidate)(X)
+        folds = [SVC(kernel="precomputed").fit(K[np.ix_(tr, tr)], y[tr])
+                 .score(K[np.ix_(te, tr)], y[te]) for tr, te in KFold(2).split(X)]
+        assert score == pytest.approx(np.mean(folds), abs=1e-12)
 
 
 @pytest.mark.parametrize("cls", [TangentKernel, PathKernel])

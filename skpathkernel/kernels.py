@@ -819,6 +819,37 @@ class _NetworkKernel(Kernel):
         # is a function of the trained network, it has nothing to refit.
         return copy.copy(self)
 
+    def set_params(self, **params):
+        """Set the parameters of this kernel; ``estimator`` as a whole, not its own.
+
+        The kernel is a function of the network already trained in ``estimator``, which
+        every copy of the kernel shares (``clone`` keeps it): ``estimator__<name>``
+        would change that estimator's parameter without refitting it, for every copy
+        of the kernel, while their Grams stayed those of the fitted network. It is
+        refused, as :class:`sklearn.frozen.FrozenEstimator` refuses it.
+
+        Parameters
+        ----------
+        **params : dict
+            Kernel parameters (``step``, ``output``, ``normalized``, ... or another
+            fitted ``estimator``).
+
+        Returns
+        -------
+        self : object
+            The kernel.
+        """
+        nested = sorted(key for key in params if key.startswith("estimator__"))
+        if nested:
+            raise ValueError(
+                f"Cannot set {', '.join(nested)}: {type(self).__name__} is the kernel of "
+                "the network already trained in its estimator, which clone keeps and every "
+                "copy shares; setting the estimator's parameters would not refit it. Set "
+                "estimator= to another fitted estimator (in a search, in a FrozenEstimator, "
+                "which the search's clone keeps fitted), or tune the trainer's parameters "
+                "where it is fitted (TangentFeatureSVM's estimator__<name>).")
+        return super().set_params(**params)
+
     def __repr__(self) -> str:
         params = ", ".join(
             f"{k}={v!r}" for k, v in self.get_params().items() if k != "estimator"

@@ -309,6 +309,43 @@ def test_grid_search_clones_the_kernel_with_its_estimator():
 
 
 @pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
+def test_setting_the_estimators_parameters_through_the_kernel_is_refused(cls):
+    """``kernel__estimator__<name>`` in a search would set a parameter of the one fitted
+    estimator that every clone of the kernel shares, refit nothing, and give every
+    candidate the same Gram; it is refused, the estimator's parameters untouched."""
+    from sklearn.frozen import FrozenEstimator
+    from sklearn.model_selection import GridSearchCV, KFold
+
+    est, X = _fit("sgd", multi=True)
+    _, target = _data()
+    y = np.digitize(target, np.quantile(target, [0.33, 0.66]))
+    before = est.get_params()
+    kernel = cls(est)
+    with pytest.raises(ValueError, match="estimator__alpha.*would not refit"):
+        clone(kernel).set_params(step=0, estimator__alpha=0.5)
+    search = GridSearchCV(SVC(kernel=kernel), {"kernel__estimator__alpha": [0.0, 0.5]}, cv=2,
+                          error_score="raise")
+    with pytest.raises(ValueError, match="estimator__alpha"):
+        search.fit(X, y)
+    assert est.get_params() == before
+    # The kernel's own parameters, and another fitted estimator, are still set.
+    other = clone(est).set_params(random_state=1, tol=None).fit(X, y)
+    assert clone(kernel).set_params(estimator=other, normalized=True).estimator is other
+    np.testing.assert_allclose(clone(kernel).set_params(estimator=other)(X[:4]),
+                               cls(other)(X[:4]), rtol=1e-12)
+    # The search the user guide shows: fitted networks as frozen candidates, each scored
+    # as an SVC on its precomputed Gram.
+    search = GridSearchCV(SVC(kernel=kernel), {"kernel__estimator": [FrozenEstimator(est),
+                                                                    FrozenEstimator(other)]},
+                          cv=KFold(2), error_score="raise").fit(X, y)
+    for candidate, score in zip((est, other), search.cv_results_["mean_test_score"]):
+        K = cls(candidate)(X)
+        folds = [SVC(kernel="precomputed").fit(K[np.ix_(tr, tr)], y[tr])
+                 .score(K[np.ix_(te, tr)], y[te]) for tr, te in KFold(2).split(X)]
+        assert score == pytest.approx(np.mean(folds), abs=1e-12)
+
+
+@pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
 def test_a_small_kernel_runs_on_one_thread_and_restores_the_callers(cls, monkeypatch):
     # As a user calls it (SVC(kernel=...) calls it the same way): below the work
     # threshold on one torch thread, above it on the caller's, the same K either way,

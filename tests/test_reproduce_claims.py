@@ -72,6 +72,23 @@ def test_fig1_claim_is_each_neighbourhoods_not_the_mean():
         _fig1.sharpening_misses(ends_low, 0.6, n, labels)
 
 
+def test_fig1_a_drop_of_one_neighbour_is_allowed_at_every_count():
+    """"Never drops by more than one neighbour", judged on the neighbour counts the
+    purities are (count / n): as fractions, 31/40 - 32/40 falls below -1/40 in floating
+    point and a one-neighbour drop failed the row."""
+    n = 40
+    labels = ["init", "a", "b", "c"]
+    for a in range(2, n):
+        counts = np.array([a - 2, a, a - 1, a + 1])
+        # Reference: the claim on the integer counts themselves.
+        assert np.all(np.diff(counts) >= -1) and counts[-1] > counts[0]
+        purities = np.column_stack([counts / n] * 3)
+        assert _fig1.sharpens_progressively(purities, 0.0, n), a
+        assert _fig1.sharpening_misses(purities, 0.0, n, labels) == "", a
+        two = np.column_stack([[a - 2, a, a - 2, a + 1]] * 3) / n
+        assert not _fig1.sharpens_progressively(two, 0.0, n), a
+
+
 def test_fig1_a_network_that_does_not_train_fails():
     X, y = make_circle(n_samples=120, random_state=0)
     est = _frozen(X, y)

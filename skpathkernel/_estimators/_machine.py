@@ -132,9 +132,9 @@ _SHARED_PARAMS_DOC = """
         Record the parameters every ``record_every`` optimizer steps (and at the end).
         "auto": every step when the points of ``max_iter`` epochs fit in
         ``memory_budget`` bytes, else every k-th step with the smallest k that fits (see
-        the user guide, "Training"). Every step (1) keeps the per-training-point
-        decomposition exact; with k > 1 it is approximate (it warns and reports its true
-        ``error``), and the path kernel is a Riemann sum.
+        the user guide, "Training"). The per-training-point decomposition stays exact
+        with k > 1: it replays the steps between recorded points from their recorded
+        batches (user guide, "Thinned paths"); the path kernel is then a Riemann sum.
     device : {"auto", "cpu", "cuda"}, default="auto"
         "auto" trains on CUDA when available, else on the CPU.
     dtype : {"float32", "float64"}, default="float32"

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "reproduce", help="reproduce the experiments of Guo, He & Morel (2026) on embedded data"
     )
     rep.add_argument("--out", default="reproduce_out", help="output folder (default: %(default)s)")
-    rep.add_argument("--quick", action="store_true", help="small settings (minutes on a CPU)")
+    rep.add_argument("--quick", action="store_true",
+                     help="small settings (about a minute on two CPU cores)")
     rep.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="where the networks train and the kernels are computed: auto = "
                           "CUDA when available (default: %(default)s)")
@@ -91,3 +92,10 @@ def main(argv=None) -> int:
     except (ValueError, ImportError, OSError) as exc:
         print(f"skpathkernel: error: {exc}", file=sys.stderr)
         return 2
+    # Ctrl-C: one line, and the shell's status for an interrupt (128 + SIGINT), not a
+    # traceback through torch; the report is written at the end, so the folder holds only
+    # the figures of the sections that finished.
+    except KeyboardInterrupt:
+        where = f" ({args.out!r} holds no report)" if args.command == "reproduce" else ""
+        print(f"skpathkernel: interrupted{where}", file=sys.stderr)
+        return 130

@@ -147,3 +147,17 @@ def test_reproduce_without_matplotlib_says_so_before_any_work(tmp_path, monkeypa
     assert "skpathkernel reproduce requires matplotlib" in err and "pip install" in err
     assert not (tmp_path / "x").exists()
     assert main(["info"]) == 0  # info needs no matplotlib
+
+
+def test_reproduce_interrupted_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from skpathkernel._reproduce import SECTIONS
+
+    def interrupted(ctx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(SECTIONS, "fake", interrupted)
+    assert main(["reproduce", "--out", str(tmp_path), "--figures", "fake"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"skpathkernel: interrupted ({str(tmp_path)!r} holds "
+                                        "no report)"]
+    assert not (tmp_path / "report.md").exists()

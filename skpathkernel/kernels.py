@@ -466,7 +466,11 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
 
     Points run over those with a step leaving them (``0 .. len(trajectory) - 2``), with
     Python slice semantics for ``start`` and ``stop``; a point with ``record_every > 1``
-    stands for the steps of its interval.
+    stands for the steps of its interval, each taking the interval's mean step size
+    (:meth:`~skpathkernel.Trajectory.step_coefficients`). Where a schedule changes the
+    step size inside an interval of a momentum or Adam path, ``w_k`` is therefore that
+    Riemann sum's weight, not the sum of the every-step weights of the interval's steps
+    (they differ by how the step sizes vary inside it).
 
     Parameters
     ----------

@@ -481,8 +481,8 @@ def _implied(spec, step: _Step, d: torch.Tensor
             1.0 - spec.beta_1, step.lr / (den.clamp_min(floor) * bc1))
 
 
-def _replay_check(check, direction: torch.Tensor, memory: float,
-                  modelled: torch.Tensor, lr: float | torch.Tensor):
+def _replay_check(check, direction: torch.Tensor | None, memory: float,
+                  modelled: torch.Tensor | None, lr: float | torch.Tensor | None):
     """One step of the replay check, last step first: ``(off, size, check)``, the sums
     0-d float64 tensors on the step's device.
 
@@ -497,31 +497,44 @@ def _replay_check(check, direction: torch.Tensor, memory: float,
     later steps through the state, are checked there. Running backwards, the squares
     are summed as a quadratic form in the residuals: ``W_t = lr_t^2 + memory^2
     W_{t+1}`` and ``B_t = memory (W_{t+1} r_{t+1} + B_{t+1})`` give
-    ``sum_t lr_t^2 e_t^2 = sum_t W_t r_t^2 + 2 r_t B_t``, in float64.
+    ``sum_t lr_t^2 e_t^2 = sum_t W_t r_t^2 + 2 r_t B_t``, in float64: the terms of a
+    tiny step's direction, large, cancel in it.
 
     ``check`` is the step after ``t``'s: ``(direction, modelled, lr^2, W, B)`` (None at
-    the last step, and ``direction`` None to close the first step); ``modelled``:
-    the step's ``gain * d_t``; ``lr``: its step size, a float or a (P,) tensor
-    (parameter groups; Adam's and RMSprop's, preconditioned)."""
+    the last step); ``direction`` None closes the first step. ``modelled``: the step's
+    ``gain * d_t``; ``lr``: its step size, a float or a (P,) tensor (parameter groups;
+    Adam's and RMSprop's, preconditioned)."""
     if direction is not None:
-        lr = torch.as_tensor(lr, dtype=torch.float64, device=direction.device)
-        # NaN where a group took no step: its direction is read by no check (weight 0,
-        # and the residuals of the steps either side cancel it).
-        direction = torch.where(lr > 0, direction.double(), 0.0)
-        weight = torch.where(lr > 0, lr * lr, 0.0)
+        # A group that took no step (NaN in ``direction``) is read by no check: its
+        # weight is 0 and the residuals of the steps either side cancel its direction.
+        if isinstance(lr, torch.Tensor):
+            read = (lr > 0) & (lr < math.inf)  # and a step size over no gradient (inf)
+            direction = torch.where(read, direction, 0.0)
+            weight = torch.where(read, lr.double() ** 2, 0.0)
+        else:
+            direction = direction if lr > 0 else torch.zeros_like(direction)
+            weight = float(lr) ** 2 if lr > 0 else 0.0
     if check is None:
         zero = torch.zeros((), dtype=torch.float64, device=direction.device)
         return zero, zero, (direction, modelled, weight, 0.0, 0.0)
     later, gains, later_weight, W, B = check
-    residual = later - gains.double()
+    residual = later - gains
     if direction is not None:
-        residual = residual - memory * direction
+        residual.sub_(direction, alpha=memory)
+    residual = residual.double()
     W = later_weight + memory**2 * W
-    off = torch.nansum(W * residual**2 + 2.0 * residual * B)
-    size = torch.nansum(later_weight * later**2)
+    carried = W * residual
+    if isinstance(B, torch.Tensor):
+        carried += B
+        off = torch.dot(residual, carried + B)
+    else:
+        off = torch.dot(residual, carried)
+    size = (later * later * later_weight).sum(dtype=torch.float64) \
+        if isinstance(later_weight, torch.Tensor) \
+        else torch.dot(later, later).double() * later_weight
     if direction is None:
         return off, size, None
-    return off, size, (direction, modelled, weight, W, memory * (W * residual + B))
+    return off, size, (direction, modelled, weight, W, carried.mul_(memory))
 
 
 _SOLVERS = {

@@ -230,14 +230,18 @@ class AttributionScores(np.ndarray):
     replay_error : float or None
         How far the training that the scores differentiate (each step's loss gradient
         recomputed from the declared loss, inputs and targets, and the optimizer's rule)
-        misses the recorded path, relative: the recorded moves against the modelled
-        updates (root of the summed squares over the steps, relative to the moves'; each
-        step scaled by its step size, and checked against the last step before it large
-        enough to read, so that a schedule's tiny steps do not amplify their round-off
-        while their gradients, which reach the later steps through the momentum, are
-        still checked); on a thinned path also each replayed interval against its next
-        recorded point. Under Adam, AdamW and RMSprop the step size is each parameter's,
-        the rate over its root second moment: a mismatch of the gradient (an L2 term
+        misses the recorded path, relative: each recorded move against the modelled
+        training's from the recorded point, its optimizer state (the momentum buffer,
+        Adam's first moment) the modelled gradients' carried from the first step (root
+        of the summed squares over the steps, relative to the moves'). An error that
+        the state carries, such as an L2 term added to the loss by hand, is so read
+        summed over the steps that carry it (about ``1 / (1 - momentum)``), not once;
+        a direction's round-off, ``1 / lr`` of its move's, cancels but on its own step,
+        so that a schedule's tiny steps do not amplify it while their gradients, which
+        reach the later steps through the state, are still checked. On a thinned path
+        also each replayed interval against its next recorded point. Under Adam, AdamW
+        and RMSprop the step size is each parameter's, the rate over its root second
+        moment: a mismatch of the gradient (an L2 term
         added to the loss by hand) moves a parameter of small second moment, and the
         scores, by more (read in the gradient's units, an L2 term of 1e-3 read 2e-4 to
         4e-4 while the scores missed the training's derivative by 2e-3 to 0.35). A
@@ -477,38 +481,60 @@ def _implied(spec, step: _Step, d: torch.Tensor
             1.0 - spec.beta_1, step.lr / (den.clamp_min(floor) * bc1))
 
 
-def _replay_check(check, direction: torch.Tensor, memory: float,
-                  modelled: torch.Tensor, lr: float | torch.Tensor):
+def _replay_check(check, direction: torch.Tensor | None, memory: float,
+                  modelled: torch.Tensor | None, lr: float | torch.Tensor | None):
     """One step of the replay check, last step first: ``(off, size, check)``, the sums
-    0-d tensors on the step's device.
+    0-d float64 tensors on the step's device.
 
-    ``check`` is the open check of a later step ``c``, ``(rest, factor, weight, first)``:
-    ``direction_c`` less the modelled gains of the steps since, the factor
-    (``memory ** (c - t)``) that the direction of step ``t`` takes in it, ``lr_c``, and
-    ``direction_c``. It closes on step ``t``'s implied direction where that direction's
-    round-off, ``1 / lr_t`` of its move's, reaches it scaled by at most the closing
-    step's own (``factor lr_c <= lr_t``); elsewhere it reads on, over steps too small
-    to read (a warm-up's 1e-6 of the rate), whose gradients still reach ``direction_c``
-    through the buffer, ``off`` and ``size`` in the steps' moves (``lr_c`` times
-    directions). ``modelled``: the step's ``gain * d_t``; ``lr``: its step size, a float
-    or a (P,) tensor (parameter groups; Adam's and RMSprop's, preconditioned)."""
-    lr = torch.as_tensor(lr, dtype=direction.dtype, device=direction.device)
-    # NaN where a group took no step: read only by checks of weight or factor 0.
-    direction = torch.where(lr > 0, direction, 0.0)
+    The check reads, at every step ``t``, the recorded direction ``direction_t`` against
+    the modelled training's own: its state carried from the first step,
+    ``sum_{s <= t} memory^(t - s) gain d_s``, in the step's move (``lr_t`` times it):
+    ``off`` sums ``lr_t^2 e_t^2``, ``e_t = sum_{s <= t} memory^(t - s) r_s`` with the
+    per-step residual ``r_s = direction_s - memory direction_{s-1} - gain d_s``, and
+    ``size`` ``lr_t^2 direction_t^2``. A direction's round-off, ``1 / lr_s`` of its
+    move's, cancels from every ``e_t`` but its own step's, weighted by ``lr_s``: a
+    schedule's tiny steps do not amplify it, while their gradients, which reach the
+    later steps through the state, are checked there. Running backwards, the squares
+    are summed as a quadratic form in the residuals: ``W_t = lr_t^2 + memory^2
+    W_{t+1}`` and ``B_t = memory (W_{t+1} r_{t+1} + B_{t+1})`` give
+    ``sum_t lr_t^2 e_t^2 = sum_t W_t r_t^2 + 2 r_t B_t``, in float64: the terms of a
+    tiny step's direction, large, cancel in it.
+
+    ``check`` is the step after ``t``'s: ``(direction, modelled, lr^2, W, B)`` (None at
+    the last step); ``direction`` None closes the first step. ``modelled``: the step's
+    ``gain * d_t``; ``lr``: its step size, a float or a (P,) tensor (parameter groups;
+    Adam's and RMSprop's, preconditioned)."""
+    if direction is not None:
+        # A group that took no step (NaN in ``direction``) is read by no check: its
+        # weight is 0 and the residuals of the steps either side cancel its direction.
+        if isinstance(lr, torch.Tensor):
+            read = (lr > 0) & (lr < math.inf)  # and a step size over no gradient (inf)
+            direction = torch.where(read, direction, 0.0)
+            weight = torch.where(read, lr.double() ** 2, 0.0)
+        else:
+            direction = direction if lr > 0 else torch.zeros_like(direction)
+            weight = float(lr) ** 2 if lr > 0 else 0.0
     if check is None:
-        off = size = 0.0
-        check = (direction - modelled, torch.full_like(lr, memory), lr, direction)
-        return off, size, check
-    rest, factor, weight, first = check
-    close = factor * weight <= lr
-    # Summed on the device: read once after the sweep, not at every step.
-    off = torch.nansum(torch.where(close, weight * (rest - factor * direction),
-                                   0.0).double() ** 2)
-    size = torch.nansum(torch.where(close, weight * first, 0.0).double() ** 2)
-    check = (torch.where(close, direction - modelled, rest - factor * modelled),
-             torch.where(close, memory, factor * memory), torch.where(close, lr, weight),
-             torch.where(close, direction, first))
-    return off, size, check
+        zero = torch.zeros((), dtype=torch.float64, device=direction.device)
+        return zero, zero, (direction, modelled, weight, 0.0, 0.0)
+    later, gains, later_weight, W, B = check
+    residual = later - gains
+    if direction is not None:
+        residual.sub_(direction, alpha=memory)
+    residual = residual.double()
+    W = later_weight + memory**2 * W
+    carried = W * residual
+    if isinstance(B, torch.Tensor):
+        carried += B
+        off = torch.dot(residual, carried + B)
+    else:
+        off = torch.dot(residual, carried)
+    size = (later * later * later_weight).sum(dtype=torch.float64) \
+        if isinstance(later_weight, torch.Tensor) \
+        else torch.dot(later, later).double() * later_weight
+    if direction is None:
+        return off, size, None
+    return off, size, (direction, modelled, weight, W, carried.mul_(memory))
 
 
 _SOLVERS = {
@@ -1114,20 +1140,22 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
         shift = torch.zeros((len(a["theta"]), Y2.shape[1]), dtype=torch.float64,
                             device=device)
         scale = torch.zeros_like(shift)
-    # The recorded moves against the modelled update, one step behind (the sweep runs
-    # backwards and step t's check needs step t-1's direction).
-    # Summed over the steps, so that the round-off of the tiny steps of a converged run
-    # does not count for more than their share. The direction a move implies is the move
-    # over its step size, holding the move's round-off times 1 / lr: each step's check is
-    # weighted by its own step size (Adam's and RMSprop's per parameter: a mismatch in
-    # the first moment of a parameter of small second moment moves it, and the scores,
-    # by more; an L2 term by hand read 4e-4 in the first moment's units, silent, with
-    # the scores 9e-2 off), and reads back over the steps whose directions would
-    # amplify their round-off (_replay_check). A schedule's tiny steps (OneCycleLR's
-    # last at 1e-4 of the initial rate, a warm-up from 1e-6 of it) made a complete
-    # float32 record mismatch by 1e-2 unweighted, a false warning; weighted by the
-    # smaller step size of the two directions read, a warm-up's first steps went
-    # unchecked, though their gradients reach the full steps through the momentum.
+    # The recorded moves against the modelled training's, one step behind (the sweep runs
+    # backwards and step t's residual needs step t-1's direction). Summed over the
+    # steps, so that the round-off of the tiny steps of a converged run does not count
+    # for more than their share. The direction a move implies is the move over its step
+    # size, holding the move's round-off times 1 / lr: each step's mismatch is weighted
+    # by its own step size (Adam's and RMSprop's per parameter: a mismatch in the first
+    # moment of a parameter of small second moment moves it, and the scores, by more;
+    # an L2 term by hand read 4e-4 in the first moment's units, silent, with the scores
+    # 9e-2 off), and is the modelled state's, the residuals carried through the first
+    # moment (_replay_check), in which a direction's round-off cancels but on its own
+    # step. A schedule's tiny steps (OneCycleLR's last at 1e-4 of the initial rate, a
+    # warm-up from 1e-6 of it) made a complete float32 record mismatch by 1e-2
+    # unweighted, a false warning. Each step's residual alone against the recorded
+    # state, not the modelled one, read an error the momentum carries over about
+    # 1 / (1 - momentum) steps once: an L2 term of 1e-3 by hand under momentum 0.9 read
+    # 7.9e-4, silent, with the scores 2e-3 off (benchmarks/results/replay_silences.md).
     pending, off, size = None, 0.0, 0.0
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
@@ -1177,14 +1205,15 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             count[t] = ok.sum()
             prev = norm
         if pending is not None:  # the first step: no direction before it
-            rest, _, weight, first = pending
-            off = off + torch.nansum((weight * rest).double() ** 2)
-            size = size + torch.nansum((weight * first).double() ** 2)
+            step_off, step_size, _ = _replay_check(pending, None, memory, None, None)
+            off, size = off + step_off, size + step_size
             finite &= torch.isfinite(step.theta).all()
         a = u = share = HV = E = pending = step = None
         path.scratch.clear()
     off, size = float(off), float(size)
-    mismatch = (math.sqrt(off / size) if size > 0 else 0.0) if bool(finite) else math.nan
+    # max: the quadratic form's rounding may take a zero sum below 0.
+    mismatch = (math.sqrt(max(off, 0.0) / size) if size > 0 else 0.0) if bool(finite) \
+        else math.nan
     scores = scores.cpu().numpy()
     sensitivity = None
     if probe and path.exact_gradient:  # not measured where the module fell back

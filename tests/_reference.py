@@ -74,7 +74,8 @@ def module_with(est, flat):
     return _loaded(module, est.trajectory_.unflatten(flat.double()))
 
 
-def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_weight=None):
+def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_weight=None,
+                      step_shares=None):
     """Contributions (n, N, C) and regularization (n, C) of the exact decomposition.
 
     The optimizer's recursion run FORWARD, keeping every training sample's own share of
@@ -85,6 +86,8 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_w
     share of ``g_t`` kept apart from its share of the buffer. ``sample_weight`` (the fit's):
     sample i of a batch weighs ``s_i / sum_batch s`` in its loss (0 for a batch weighing
     0), computed here from the weights, not read from the trajectory; None: ``1 / |B|``.
+    ``step_shares`` (a callable ``(t, batch) -> {i: weight}``): each sample's weight in step
+    t's gradient instead (the expected weighting's pool of the step).
     """
     traj, spec = est.trajectory_, est.trajectory_.solver_spec
     N, P = len(X_train), traj.n_params
@@ -102,12 +105,14 @@ def forward_recursion(est, X_train, Y_train, per_sample_loss, X, nodes, sample_w
         module = module_with(est, theta)
         adam_factor = 1 - memory if spec.name in ("adam", "adamw") else 1
         own = torch.zeros(N, P, dtype=torch.float64)  # this step's gradient, per sample
-        if sample_weight is None:
+        if step_shares is not None:
+            beta = step_shares(t, batch)
+        elif sample_weight is None:
             beta = {i: 1.0 / len(batch) for i in batch}
         else:
             total = sum(float(sample_weight[i]) for i in batch)
             beta = {i: float(sample_weight[i]) / total if total > 0 else 0.0 for i in batch}
-        for i in batch:
+        for i in batch if step_shares is None else beta:
             out = module(_as_input(X_train[i : i + 1]))
             loss = per_sample_loss(out, Y_train[i : i + 1]).sum()
             grads = torch.autograd.grad(loss, list(module.parameters()))

@@ -141,23 +141,6 @@ def test_a_batch_weighing_zero_has_no_data_gradient():
     assert_allclose(scores[:2, [0, 9, 13]], fd, rtol=1e-5, atol=1e-9)
 
 
-def test_expected_weighting_warns_that_it_ignores_the_weights():
-    """weighting="expected" credits 1/N per step whatever the weights, so on a weighted
-    full-batch path it is not exact (the realized one is), and a UserWarning says so;
-    no warning for the realized weighting or an unweighted path."""
-    X, y, w = _data()
-    params = dict(REG, batch_size=None, **SOLVERS["sgd"])
-    est = PathKernelMachine(**params).fit(X, y, sample_weight=w)
-    with pytest.warns(UserWarning, match="ignores those weights"):
-        expected = est.decompose(X[:3], weighting="expected")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        realized = est.decompose(X[:3])
-        plain = PathKernelMachine(**params).fit(X, y).decompose(X[:3], weighting="expected")
-    assert realized.error < 1e-12 and plain.error < 1e-12
-    assert expected.error > 1e3 * realized.error
-
-
 def test_weights_are_relative_and_alpha_is_not_weighted():
     X, y, w = _data()
     params = dict(BASE, **SOLVERS["sgd-nesterov-l2"])

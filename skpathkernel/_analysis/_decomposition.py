@@ -769,16 +769,17 @@ def block_align(traj: Trajectory, method: str, n_nodes: int | None, n_queries: i
 
 
 def _batch_index(traj, t, weighting, N, device):
-    if weighting == "realized":
-        return torch.as_tensor(traj.batch(t), device=device)
-    return torch.arange(N, device=device)
+    """The samples step t credits: its batch, or (expected) the pool it drew it from."""
+    idx = traj.batch(t) if weighting == "realized" else traj.pool(t)[0]
+    return torch.as_tensor(idx, device=device)
 
 
 def _sample_weights(traj, t, weighting, N, device) -> torch.Tensor:
     """Each sample's weight in step t's gradient (float64, in the order of
-    :func:`_batch_index`): its weight in the loss times the step's gradient scale
-    (clipping)."""
-    w = traj.batch_weights(t) if weighting == "realized" else np.full(N, 1.0 / N)
+    :func:`_batch_index`): its weight in the loss (expected: its probability of being in
+    the batch times that weight, :meth:`Trajectory.pool`) times the step's gradient
+    scale (clipping)."""
+    w = traj.batch_weights(t) if weighting == "realized" else traj.pool(t)[1]
     return torch.as_tensor(w * float(traj.gradient_scales[t]), dtype=torch.float64,
                            device=device)
 
@@ -1556,7 +1557,8 @@ class EveryStep(Trajectory):
             record_every=1, gradient_scales=traj._gradient_scales,
             batch_weights=traj._batch_weights, group_lrs=group_lrs,
             param_groups=traj._param_groups,
-            group_weight_decays=traj._group_weight_decays)
+            group_weight_decays=traj._group_weight_decays, pools=traj._pools,
+            pool_weights=traj._pool_weights)
 
     def floor(self, t: int) -> int:
         """The first step a block of steps read ahead from step ``t`` may reach: its
@@ -1943,8 +1945,9 @@ class _Checks:
     # Steps accepted at the round-off floor above their share of a tol the caller chose.
     floored: dict = field(default_factory=dict)
     n_nodes: int | None = None  # the fixed node count of an exact call
-    # The path's batches weigh their entries unequally (sample_weight), which the
-    # expected weighting's 1/N does not follow.
+    # The path's batches weigh their entries unequally (sample_weight) but it recorded no
+    # weights of its pools (a PathRecorder loop): the expected weighting's 1/N does not
+    # follow them.
     unequal_weights: bool = False
     # The solver scales its steps by a recorded diagonal (Adam, AdamW, RMSprop), which a
     # thinned path also takes at each interval's first point.
@@ -2036,7 +2039,7 @@ def step_ranges(traj: Trajectory, method: str, weighting: str, n_queries: int,
     n = len(traj) - 1
     if _route(traj, method) != "factor" or n_tasks < 2 or n < 2:
         return None
-    sizes = (np.full(traj.n_steps, traj.n_samples) if weighting == "expected"
+    sizes = (pool_sizes(traj) if weighting == "expected"
              else np.array([len(bt) for bt in traj.batches]))
     steps = np.asarray(traj.steps, dtype=np.int64)
     batch = np.array([sizes[steps[j]:steps[j + 1]].sum() for j in range(n)], dtype=float)
@@ -2157,14 +2160,17 @@ def finish(result: Decomposition, checks: _Checks, units=None,
         _warn_replay(result, checks, verb)
     if checks.weighting == "expected" and (checks.unequal_weights or smoothed is not None):
         size = float(np.abs(result.prediction).max()) if len(result.prediction) else 0.0
-        why = ("this path's batches weigh their points unequally (sample_weight, recorded "
-               "in trajectory_.batch_weights): the expected representation ignores those "
-               "weights" if checks.unequal_weights else
+        why = ("this path's batches weigh their points unequally (recorded in "
+               "trajectory_.batch_weights) but it did not record the weights of the "
+               "points they were drawn from: the expected representation ignores those "
+               "weights (1/N each)" if checks.unequal_weights else
                "the minibatches' deviation from that average (the representation's noise "
                "term) is left out of the split")
         warnings.warn(
-            f"{verb}(weighting='expected') credits every training point 1/N at every "
-            f"step, and {why}: the contributions miss the prediction by "
+            f"{verb}(weighting='expected') credits each step to every point it could "
+            "have drawn (the data of the fit or partial_fit call that took it; all N "
+            "points of a PathRecorder path) by its probability of being in the batch, "
+            f"and {why}: the contributions miss the prediction by "
             f"{result.error:.3g} ({result.error / max(size, 1e-300):.2g} relative; "
             "Decomposition.error), above the exact split's round-off. "
             "weighting='realized' splits the realized path exactly.",
@@ -2254,9 +2260,18 @@ def _warn_replay(result: Decomposition, checks: _Checks, verb: str) -> None:
     )
 
 
+def pool_sizes(traj: Trajectory) -> np.ndarray:
+    """The number of points each step's pool holds (:meth:`Trajectory.pool`)."""
+    pools, _ = traj._all_pools()
+    calls = np.searchsorted(pools[:, 0], np.arange(traj.n_steps), side="right") - 1
+    return (pools[:, 2] - pools[:, 1])[calls]
+
+
 def _unequal_batch_weights(traj: Trajectory) -> bool:
-    """Whether some step weighs its batch's entries other than the mean's ``1/|B|``."""
-    if traj._batch_weights is None:
+    """Whether some step weighs its batch's entries other than the mean's ``1/|B|``
+    where the path did not record the weights of its pools, which the expected
+    weighting then cannot follow."""
+    if traj._batch_weights is None or traj._pools is not None:
         return False
     return not np.allclose(traj._batch_weights, mean_batch_weights(traj._batch_offsets),
                            rtol=1e-12, atol=0)
@@ -2428,7 +2443,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                        + 24 * min(q_block, n_q) * n_res)
             return chunk, max(chunk, q_block - q_block % chunk), b_bytes
 
-        n_batch = (N if weighting == "expected"
+        n_batch = (int(pool_sizes(traj).max(initial=0)) if weighting == "expected"
                    else int(np.diff(traj._batch_offsets).max(initial=0)))
 
         def fits(q_block):

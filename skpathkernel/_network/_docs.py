@@ -48,10 +48,15 @@ method : {"exact", "first_order", "second_order"}, default="exact"
 weighting : {"realized", "expected"}, default="realized"
     "realized" credits each step to the samples of its batch, with their weights
     in its loss (1/B, or ``s_i / sum_B s`` with ``sample_weight``);
-    "expected" credits every sample at every step (weight 1/N), the expected
-    representation of Guo, He & Morel (2026): equal for unweighted full-batch
-    training, approximate (with its measured ``error``) for minibatches. It
-    ignores sample weights (a ``UserWarning`` says so on a weighted path).
+    "expected" credits each step to every sample it could have drawn, by its
+    probability of being in the batch times its weight (1/N, or ``s_i / sum s``
+    with ``sample_weight``): the expected representation of Guo, He & Morel
+    (2026). The samples a step could draw are those of the ``fit`` or
+    ``partial_fit`` call that took it (after a ``warm_start`` fit or
+    ``partial_fit`` on new data, not the points received later); on a
+    :class:`PathRecorder` path, all N, each 1/N (it ignores the loop's batch
+    weights: a ``UserWarning`` says so). Equal to "realized" for full-batch
+    training, approximate (with its measured ``error``) for minibatches.
 n_nodes : int, default=None
     A fixed number of Gauss-Legendre nodes for every step of "exact", without
     error control; a ``ConvergenceWarning`` says when the steps' measured
@@ -164,9 +169,10 @@ The other methods describe the realized path, from the decomposition:
   of the trained network up to the quadrature error that :meth:`decompose`
   reports as ``error`` (floating-point level for small steps; large Adam steps
   need more ``n_nodes``).
-- ``weighting="expected"``: every point credited at every step with weight
-  ``1/N`` (Guo, He & Morel's expected representation); the same as realized for
-  unweighted full-batch training (it ignores sample weights).
+- ``weighting="expected"``: every point credited at every step of its fit
+  call with weight ``1/N`` over that call's N points (``s_i / sum s`` with
+  ``sample_weight``): Guo, He & Morel's expected representation; the same as
+  realized for full-batch training.
 - ``method="first_order", weighting="expected"``: the path-kernel form, Domingos'
   kernel machine ``sum_t lr_t / N K_t(x, x_i) (-dl/df)``: TracIn over every
   step, with the optimizer's preconditioner. With momentum or Adam the gradient

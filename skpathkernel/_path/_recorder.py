@@ -258,7 +258,9 @@ class PathRecorder:
     n_samples : int, default=None
         Size of the training set that :meth:`set_batch` indexes into. When given, every
         step must declare its batch; when None, batches are not recorded (the kernels
-        work, the decomposition does not).
+        work, the decomposition does not). The recorder does not know which samples
+        each step drew its batch from: ``decompose(weighting="expected")`` credits every
+        step to all ``n_samples``, each ``1 / n_samples``.
     storage : {"memory", "disk", "auto"}, default="memory"
         Where the recorded vectors go: memory buffers that double when full, or chunk
         files in a fresh temporary directory under ``directory``, written as recording

@@ -603,8 +603,8 @@ class _StoppingRule:
 
 
 def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storage,
-                   record_budget, directory, compression, extends=None
-                   ) -> TrajectoryRecorder:
+                   record_budget, directory, compression, extends=None,
+                   sample_weight=None) -> TrajectoryRecorder:
     """The recorder of one fit: storage and ``record_every`` resolved for ``n_steps``.
 
     ``record_every="auto"`` records every step when the points of ``n_steps`` steps fit
@@ -613,7 +613,8 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
     ``record_budget`` bytes) says where the points go; on disk, in a fresh temporary
     directory under ``directory``, and ``record_every="auto"`` keeps every step that
     fits in 90% of the disk's free space. ``extends``: an on-disk path this recording
-    appends to (see :class:`TrajectoryRecorder`), whose storage it keeps.
+    appends to (see :class:`TrajectoryRecorder`), whose storage it keeps. The fit draws
+    every batch from its ``n`` rows, weighted by ``sample_weight``: the pool it records.
     """
     if extends is not None:
         storage, directory, compression = "disk", extends.directory, None
@@ -631,7 +632,7 @@ def _make_recorder(params, names, *, n, B, n_steps, solver, record_every, storag
         params, names, n_steps=n_steps, record_every=record_every, solver=solver,
         n_samples=n, batch_size=B, dtype=params[0].dtype, storage=storage,
         directory=directory, memory_budget=record_budget, compression=compression,
-        extends=extends,
+        extends=extends, pool=True, sample_weight=sample_weight,
     )
 
 
@@ -837,7 +838,8 @@ def train(
     recorder = _make_recorder(
         params, names, n=n, B=B, n_steps=max_iter * steps_per_epoch, solver=solver,
         record_every=record_every, storage=storage, record_budget=record_budget,
-        directory=directory, compression=compression, extends=extends)
+        directory=directory, compression=compression, extends=extends,
+        sample_weight=sample_weight)
     optimizer = make_optimizer(params, solver, learning_rate)
     gradient = MLPGradient.build(module, loss, X)
     sched = _Schedule(schedule if solver.name == "sgd" else "constant", learning_rate,
@@ -1042,6 +1044,14 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         params = appended(first._params, second._params[1:])
         states = {k: appended(v, second._states[k]) for k, v in first._states.items()}
     n_first = first.n_steps
+    # Each call's pool in the combined training set (a path recorded before pools were
+    # kept drew from all of its rows).
+    pools = pool_weights = None
+    if first._pools is not None or second._pools is not None:
+        (p1, w1), (p2, w2) = first._all_pools(), second._all_pools()
+        pools = np.concatenate([p1, p2 + [n_first, offset, offset]])
+        if first._pool_weights is not None or second._pool_weights is not None:
+            pool_weights = np.concatenate([w1, w2])
     weights = step_lrs = None
     if first._batch_weights is not None or second._batch_weights is not None:
         weights = appended(first._all_batch_weights(), second._all_batch_weights())
@@ -1059,7 +1069,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         state_steps=appended(first._state_steps, second._state_steps),
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),
-        batch_weights=weights, step_lrs=step_lrs,
+        batch_weights=weights, step_lrs=step_lrs, pools=pools, pool_weights=pool_weights,
     )
 
 

@@ -52,7 +52,7 @@ _FORMAT_VERSION = 1
 # What a recorder may know beyond the plain update rule, each None by default: saved,
 # loaded and pickled alike (a path saved or pickled before one existed reads None).
 _EXTRAS = ("gradient_scales", "batch_weights", "group_lrs", "param_groups",
-           "group_weight_decays", "step_lrs", "step_group_lrs")
+           "group_weight_decays", "step_lrs", "step_group_lrs", "pools", "pool_weights")
 
 # Optimizer state recorded per solver, named as torch.optim names it: the second moments
 # that define the preconditioner D_t. First moments and momentum buffers are not stored:
@@ -162,6 +162,16 @@ class Trajectory:
     step_group_lrs : array-like of shape (n_steps, n_groups), default=None
         Every optimizer step's step size per parameter group, kept where one varies
         inside a recorded interval; None: each step takes its interval's ``group_lrs``.
+    pools : array-like of int of shape (n_calls, 3), default=None
+        The training rows each training call drew its batches from: row ``c`` is
+        ``(first_step, start, stop)``, the call's first optimizer step and its rows
+        ``start:stop`` of the training set (a ``warm_start`` fit or ``partial_fit`` on
+        new data appends its rows after the earlier ones). The estimators record them;
+        None (a :class:`~skpathkernel.PathRecorder` loop, a path saved before they were
+        kept): every step drew from all ``n_samples``. See :meth:`pool`.
+    pool_weights : array-like of shape (sum of the pools' sizes,), default=None
+        Each pool's ``sample_weight``, concatenated in the order of ``pools`` (an
+        unweighted call's rows 1); None: every call unweighted.
 
     Attributes
     ----------
@@ -220,6 +230,8 @@ class Trajectory:
         group_weight_decays: Sequence[float] | None = None,
         step_lrs: np.ndarray | None = None,
         step_group_lrs: np.ndarray | None = None,
+        pools: np.ndarray | None = None,
+        pool_weights: np.ndarray | None = None,
     ):
         self._names = tuple(names)
         self._shapes = tuple(tuple(int(d) for d in s) for s in shapes)
@@ -236,6 +248,9 @@ class Trajectory:
         # Set here, not by _attach: the recorder's finish() knows them, PathRecorder's
         # _attach (the group step sizes) must not reset them.
         self._step_lrs = None if step_lrs is None else np.asarray(step_lrs, np.float64)
+        self._pools = None if pools is None else np.asarray(pools, np.int64).reshape(-1, 3)
+        self._pool_weights = (None if pool_weights is None
+                              else np.asarray(pool_weights, np.float64))
         self._attach(gradient_scales=gradient_scales, batch_weights=batch_weights,
                      group_lrs=group_lrs, param_groups=param_groups,
                      group_weight_decays=group_weight_decays,
@@ -318,12 +333,41 @@ class Trajectory:
             raise ValueError(
                 f"{name} has shape {tuple(value.shape)}; this path of {n_points} recorded "
                 f"points and {n_steps} optimizer steps needs {shape}{where}.")
+        self._check_pools(n_steps)
         groups = self._param_groups
         if groups is not None and (len(groups) != len(self._names) or (
                 n_groups is not None and any(not 0 <= g < n_groups for g in groups))):
             raise ValueError(
                 f"param_groups must give one group in [0, {n_groups}) per parameter "
                 f"tensor ({len(self._names)}); got {list(groups)}.")
+
+    def _check_pools(self, n_steps: int) -> None:
+        """Refuse pools that do not cover the steps from step 0 in order, or rows
+        outside the training set, or weights that do not fit them."""
+        pools, weights = self._pools, self._pool_weights
+        if pools is None:
+            if weights is not None:
+                raise ValueError("pool_weights needs the pools they weigh.")
+            return
+        first, start, stop = pools.T
+        if (not len(pools) or first[0] != 0 or np.any(np.diff(first) < 0)
+                or first[-1] > n_steps or np.any(start < 0) or np.any(stop <= start)
+                or np.any(stop > self.n_samples)):
+            raise ValueError(
+                "pools must hold one (first_step, start, stop) row per training call, "
+                f"first steps non-decreasing from 0 to at most n_steps={n_steps}, and "
+                f"non-empty row ranges within the n_samples={self.n_samples} training "
+                f"samples; got {pools.tolist()}.")
+        if weights is not None:
+            size = int((stop - start).sum())
+            bounds = np.concatenate([[0], np.cumsum(stop - start)])
+            if (weights.shape != (size,) or not np.all(np.isfinite(weights))
+                    or np.any(weights < 0)
+                    or np.any(np.add.reduceat(weights, bounds[:-1]) <= 0)):
+                raise ValueError(
+                    f"pool_weights must hold one finite, non-negative weight per row of "
+                    f"the pools ({size}), not all 0 in any pool; got shape "
+                    f"{weights.shape}.")
 
     # ------------------------------------------------------------------ storage
     @property
@@ -408,7 +452,8 @@ class Trajectory:
     def nbytes(self) -> int:
         """Bytes of the recorded path, in memory or on disk (see :attr:`storage`)."""
         arrays = [self.steps, self.learning_rates, self._batch_indices, self._batch_offsets,
-                  *(a for a in (self._step_lrs, self._step_group_lrs) if a is not None)]
+                  *(a for a in (self._step_lrs, self._step_group_lrs, self._pools,
+                                self._pool_weights) if a is not None)]
         return self._points_nbytes() + sum(a.nbytes for a in arrays)
 
     def _points_nbytes(self) -> int:
@@ -507,6 +552,53 @@ class Trajectory:
         if self._batch_weights is None:
             return mean_batch_weights(self._batch_offsets[step : step + 2])
         return self._batch_weights[start:stop]
+
+    def pool(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The training points optimizer step ``step`` drew its batch from, and each
+        one's expected weight in the step's gradient.
+
+        The pool is the data of the training call that took the step (``fit``,
+        ``partial_fit``, a ``warm_start`` fit on other data: its rows of the training
+        set, see ``pools``); a point's expected weight is its probability of being in
+        the batch times its weight in the batch's loss, ``w_i / sum_pool w`` under the
+        call's ``sample_weight``, ``1 / |pool|`` without. A path whose pools were not
+        recorded (a :class:`~skpathkernel.PathRecorder` loop) draws from all
+        ``n_samples`` points, each ``1 / n_samples``. These are the weights of
+        ``decompose(weighting="expected")``.
+
+        Parameters
+        ----------
+        step : int
+            Optimizer step, ``0 <= step < n_steps``; negative values count from the end.
+
+        Returns
+        -------
+        indices : ndarray of int
+            The pool's rows of the training set, increasing.
+        weights : ndarray of float64
+            Their expected weights, summing to 1.
+        """
+        step = check_index(step, "step", n=self.n_steps)
+        if self._pools is None:
+            return np.arange(self.n_samples), np.full(self.n_samples, 1.0 / self.n_samples)
+        # The last call starting at or before the step (a call that took no step shares
+        # its first step with the next one).
+        c = int(np.searchsorted(self._pools[:, 0], step, side="right")) - 1
+        start, stop = (int(v) for v in self._pools[c, 1:])
+        if self._pool_weights is None:
+            return np.arange(start, stop), np.full(stop - start, 1.0 / (stop - start))
+        offset = int((self._pools[:c, 2] - self._pools[:c, 1]).sum())
+        w = self._pool_weights[offset : offset + stop - start]
+        return np.arange(start, stop), w / w.sum()
+
+    def _all_pools(self) -> tuple[np.ndarray, np.ndarray]:
+        """``pools`` and ``pool_weights``, one pool of all rows and unit weights where
+        they are None."""
+        pools = (np.array([[0, 0, self.n_samples]], dtype=np.int64) if self._pools is None
+                 else self._pools)
+        weights = (np.ones(int((pools[:, 2] - pools[:, 1]).sum()))
+                   if self._pool_weights is None else self._pool_weights)
+        return pools, weights
 
     def _all_batch_weights(self) -> np.ndarray:
         """:meth:`batch_weights` of every step, concatenated (as ``batch_indices``)."""
@@ -1147,14 +1239,24 @@ class TrajectoryRecorder:
         :meth:`finish` returns the new segment alone (the rows from ``len(extends) - 1``
         on of those series; see ``extend_trajectory``), without describing the directory,
         which still describes ``extends`` until the caller describes the whole path.
+    pool : bool, default=False
+        Whether every step draws its batch from all ``n_samples`` rows (an estimator's
+        fit call): the trajectory then records that pool (``pools``), with
+        ``sample_weight``. False: the pool is unknown (a user's loop).
+    sample_weight : ndarray of shape (n_samples,), default=None
+        The call's sample weights (None: unweighted), with ``pool``.
     """
 
     _INITIAL_STEPS = 64
 
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
                  batch_size, dtype, storage="memory", directory=None,
-                 memory_budget=2**30, compression=None, extends=None):
+                 memory_budget=2**30, compression=None, extends=None, pool=False,
+                 sample_weight=None):
         self._params = list(params)
+        self._pool = bool(pool)
+        self._pool_weights = (None if sample_weight is None
+                              else np.array(sample_weight, dtype=np.float64))
         self._names = list(names)
         self._shapes = [tuple(p.shape) for p in self._params]
         self.n_steps = None if n_steps is None else int(n_steps)
@@ -1540,6 +1642,8 @@ class TrajectoryRecorder:
             record_every=self.record_every,
             batch_weights=batch_w,
             step_lrs=step_lrs if varies else None,
+            pools=[[0, 0, self.n_samples]] if self._pool else None,
+            pool_weights=self._pool_weights if self._pool else None,
         )
         if n_steps is not None and disk and not self._extends:
             trajectory._write_meta()

@@ -274,5 +274,34 @@ def _path_scale(est, Xq):
     return best
 
 
+def floor(name="full-batch Adam, 4000 it"):
+    """Quadrature or round-off? The case's contribution errors with fixed node counts
+    (appended to the results file)."""
+    _, Est, make, params = next(c for c in CASES if name in c[0])
+    X, y, Xq = make()
+    est = Est(**{**BASE, **params})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est.fit(X, y)
+    ref = reference(network_of(est), Xq).contributions
+    lines = ["", f"Quadrature or round-off: *{name}* (float64) with fixed node counts "
+             "against the same reference (`python benchmarks/audit_contribution_error.py "
+             "--floor`):", "", "| nodes | contrib | max abs contribution | error |",
+             "|---|---|---|---|"]
+    for n_nodes in (None, 8, 16, 32):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = network_of(est).decompose(Xq, n_nodes=n_nodes)
+        lines.append(f"| {'adaptive (default tol)' if n_nodes is None else n_nodes} | "
+                     f"{np.abs(res.contributions - ref).max():.1e} | "
+                     f"{np.abs(res.contributions).max():.3g} | {res.error:.1e} |")
+        print(lines[-1], flush=True)
+    with open(OUT, "a") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--floor"]:
+        floor()
+    else:
+        main(sys.argv[1:])

@@ -249,9 +249,14 @@ class AttributionScores(np.ndarray):
         gradient over the warning's limit, so that the rounding alone cannot reach the
         limit: a parameter whose gradient is its rounding (an attention layer's key
         bias, which the softmax cancels) is moved by it, in the record, by steps the
-        float64 gradient cannot reproduce.
-        Round-off level (1e-6 to 1e-4 in float32, 1e-15 to 1e-12 in float64) when the
-        record is complete, with any learning-rate schedule; a warning fires above 1e-3
+        float64 gradient cannot reproduce. The recorded points' own rounding (at most
+        ``eps / 2`` of each parameter, which enters the sum on its own step alone) is
+        taken out at that largest: the value is at most the mismatch of the
+        training's (the triangle inequality), so that moves known to little more than
+        their rounding (plain SGD at a rate of 1e-5, moving each parameter by about
+        1e-5 of itself, read 5.4e-3 with it) are no mismatch.
+        0 or round-off level when the record is complete, with any learning-rate
+        schedule; a warning fires above 1e-3
         in float32, above 1e-9 in float64, and on any path stored with
         ``trajectory_compression`` (whose rounded points left the scores an error from
         1/400 to 27 times this mismatch on the paths measured: the mismatch does not
@@ -535,6 +540,26 @@ def _replay_check(check, direction: torch.Tensor | None, memory: float,
     if direction is None:
         return off, size, None
     return off, size, (direction, modelled, weight, W, carried.mul_(memory))
+
+
+def _rounding(spec, step: _Step) -> torch.Tensor:
+    """A bound on the squared rounding of the recorded move that the replay check reads,
+    summed over the parameters (0-d float64): half a unit in the last place of each
+    recorded parameter after the step, at most ``eps / 2`` of it (and, under AdamW, of
+    its decayed value before it), over the momentum for Nesterov, whose check reads the
+    move less the gradient over it. It enters the check's sum only on its own step (see
+    :func:`_replay_check`). Norms, not each parameter's unit in the last place: that
+    took 2.5 times the check's own time."""
+    points = [step.nxt]
+    if not (isinstance(step.decay, float) and step.decay == 1.0):
+        points.append(step.theta)
+    if isinstance(step.lr, torch.Tensor):  # a group that took no step is not read
+        points = [torch.where(step.lr > 0, x, 0.0) for x in points]
+    bound = sum(x.norm(dtype=torch.float64) for x in points) \
+        * (torch.finfo(step.nxt.dtype).eps / 2)
+    if _nesterov(spec):
+        bound = bound / spec.momentum
+    return bound**2
 
 
 _SOLVERS = {
@@ -1157,6 +1182,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
     # 1 / (1 - momentum) steps once: an L2 term of 1e-3 by hand under momentum 0.9 read
     # 7.9e-4, silent, with the scores 2e-3 off (benchmarks/results/replay_silences.md).
     pending, off, size = None, 0.0, 0.0
+    rounding = torch.zeros((), dtype=torch.float64, device=device)
     # The recorded points are finite (the mismatch's nansum would skip a NaN one): each
     # step's end here, the first point after the sweep; on the device, read once.
     finite = torch.ones((), dtype=torch.bool, device=device)
@@ -1174,6 +1200,7 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             step_off, step_size, pending = _replay_check(pending, direction, memory,
                                                          gain * d, size_t)
             off, size = off + step_off, size + step_size
+            rounding += _rounding(spec, step)
             before = a
             u, a = adjoint_fn(spec, step, a, d)
             if probe and rounded is not None:
@@ -1210,10 +1237,15 @@ def _block(module, traj, X, Y, loss, Xq, Wq, device, query_work, budget, moments
             finite &= torch.isfinite(step.theta).all()
         a = u = share = HV = E = pending = step = None
         path.scratch.clear()
-    off, size = float(off), float(size)
+    off, size, rounding = float(off), float(size), float(rounding)
+    # The recorded points' own rounding, which enters the sum on its step alone, is no
+    # mismatch: read less its largest (the triangle inequality), what remains is at most
+    # the training's. Read with it, a complete float32 record of plain SGD at lr 1e-5
+    # (moves of 1e-5 of the parameters, whose rounding is 6e-8 of them) read 5.4e-3 and
+    # warned while its scores met central differences of the training to 1.6e-7.
     # max: the quadratic form's rounding may take a zero sum below 0.
-    mismatch = (math.sqrt(max(off, 0.0) / size) if size > 0 else 0.0) if bool(finite) \
-        else math.nan
+    mismatch = (max(math.sqrt(max(off, 0.0)) - math.sqrt(rounding), 0.0) / math.sqrt(size)
+                if size > 0 else 0.0) if bool(finite) else math.nan
     scores = scores.cpu().numpy()
     sensitivity = None
     if probe and path.exact_gradient:  # not measured where the module fell back

@@ -502,8 +502,11 @@ def _replay_check(check, direction: torch.Tensor | None, memory: float,
     later steps through the state, are checked there. Running backwards, the squares
     are summed as a quadratic form in the residuals: ``W_t = lr_t^2 + memory^2
     W_{t+1}`` and ``B_t = memory (W_{t+1} r_{t+1} + B_{t+1})`` give
-    ``sum_t lr_t^2 e_t^2 = sum_t W_t r_t^2 + 2 r_t B_t``, in float64: the terms of a
-    tiny step's direction, large, cancel in it.
+    ``sum_t lr_t^2 e_t^2 = sum_t W_t r_t^2 + 2 r_t B_t``, summed in float64: the terms of
+    a tiny step's direction, large, cancel in it. The residuals themselves are formed in
+    the path's dtype, then widened: a tiny step's direction is at most about twice its
+    state (its move rounds to 0 or to one unit in the last place), so that difference
+    loses nothing the sum needs.
 
     ``check`` is the step after ``t``'s: ``(direction, modelled, lr^2, W, B)`` (None at
     the last step); ``direction`` None closes the first step. ``modelled``: the step's

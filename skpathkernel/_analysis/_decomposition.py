@@ -778,20 +778,19 @@ def block_align(traj: Trajectory, method: str, n_nodes: int | None, n_queries: i
     return node_chunk(traj, method, n_queries) if _adaptive(method, n_nodes) else 1
 
 
-def _batch_index(traj, t, weighting, N, device):
-    """The samples step t credits: its batch, or (expected) the pool it drew it from."""
-    idx = traj.batch(t) if weighting == "realized" else traj.pool(t)[0]
-    return torch.as_tensor(idx, device=device)
-
-
-def _sample_weights(traj, t, weighting, N, device) -> torch.Tensor:
-    """Each sample's weight in step t's gradient (float64, in the order of
-    :func:`_batch_index`): its weight in the loss (expected: its probability of being in
-    the batch times that weight, :meth:`Trajectory.pool`) times the step's gradient
-    scale (clipping)."""
-    w = traj.batch_weights(t) if weighting == "realized" else traj.pool(t)[1]
-    return torch.as_tensor(w * float(traj.gradient_scales[t]), dtype=torch.float64,
-                           device=device)
+def _step_points(traj, t, weighting, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples step t credits and each one's weight in its gradient (float64): its
+    batch and their weights in the loss, or (expected) the pool it drew the batch from
+    and their probabilities of being in it times those weights (:meth:`Trajectory.pool`,
+    read once: it forms the pool's rows and weights); times the step's gradient scale
+    (clipping)."""
+    if weighting == "realized":
+        idx, w = traj.batch(t), traj.batch_weights(t)
+    else:
+        idx, w = traj.pool(t)
+    return (torch.as_tensor(idx, device=device),
+            torch.as_tensor(w * float(traj.gradient_scales[t]), dtype=torch.float64,
+                            device=device))
 
 
 def _decay_direction(traj, j, theta, decoupled) -> torch.Tensor:
@@ -1011,8 +1010,7 @@ class _Context:
                 self._kept_storages.update(new)
 
     def _batches(self, t, theta):
-        idx = _batch_index(self.traj, t, self.weighting, len(self.X_train), self.device)
-        w = _sample_weights(self.traj, t, self.weighting, len(self.X_train), self.device)
+        idx, w = _step_points(self.traj, t, self.weighting, self.device)
         if self.stacked is not None and 0 < len(idx) <= self.b_block:
             if t not in self._ahead:
                 self._capture_ahead(t, len(idx))
@@ -1066,13 +1064,12 @@ class _Context:
                 break
             if s in self._kept:  # read from the kept captures, not captured again
                 continue
-            i = _batch_index(self.traj, s, self.weighting, len(self.X_train), self.device)
+            i, ws = _step_points(self.traj, s, self.weighting, self.device)
             if len(i) != size:
                 break
             block.append((s, j))
             idx.append(i)
-            w.append(_sample_weights(self.traj, s, self.weighting, len(self.X_train),
-                                     self.device))
+            w.append(ws)
         thetas = torch.stack([self.traj.parameters(j).to(self.device) for _, j in block])
         idx = torch.stack(idx)
         out, cache = self.stacked.forward(thetas, self.X_train[idx])
@@ -1752,8 +1749,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                     reg += (rho @ decay).double()
                 else:
                     reg += (lam @ (spec.weight_decay * direction)).double()
-            idx = _batch_index(traj, t, ctx.weighting, N, device)
-            w = _sample_weights(traj, t, ctx.weighting, N, device)
+            idx, w = _step_points(traj, t, ctx.weighting, device)
             for b0 in range(0, len(idx), ctx.b_block):
                 sub = idx[b0 : b0 + ctx.b_block]
                 r = ctx.loss.residuals(forward(module, params, ctx.X_train[sub]),

@@ -217,23 +217,40 @@ def _describe(title, chars, n_per_class, used_fonts):
     )
 
 
-def _bunch(images, target, target_names, fonts, descr, return_X_y):
-    data = images.reshape(len(images), -1)
+def frame_bunch(data, target, feature_names, return_X_y, as_frame, caller, **fields):
+    """A loader's return value: ``(data, target)`` or a Bunch, as scikit-learn's loaders
+    give them; with ``as_frame`` the data as a DataFrame whose columns are
+    ``feature_names``, the target as a Series named ``"target"``, and the Bunch's
+    ``frame`` holding both (as :func:`sklearn.datasets.load_digits` does)."""
+    frame = None
+    if as_frame:
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ImportError(
+                f"{caller}(as_frame=True) returns pandas objects, and pandas is not "
+                "installed; install it with `pip install pandas`, or pass as_frame=False."
+            ) from exc
+        data = pd.DataFrame(data, columns=list(feature_names))
+        target = pd.Series(target, name="target")
+        frame = pd.concat([data, target], axis=1)
     if return_X_y:
         return data, target
-    return Bunch(
-        data=data,
-        target=target,
-        target_names=target_names,
-        images=images,
-        font=fonts,
-        feature_names=[f"pixel_{i}_{j}" for i in range(8) for j in range(8)],
-        DESCR=descr,
+    return Bunch(data=data, target=target, frame=frame, feature_names=list(feature_names),
+                 **fields)
+
+
+def _bunch(images, target, target_names, fonts, descr, return_X_y, as_frame, caller):
+    return frame_bunch(
+        images.reshape(len(images), -1), target,
+        [f"pixel_{i}_{j}" for i in range(8) for j in range(8)], return_X_y, as_frame, caller,
+        target_names=target_names, images=images, font=fonts, DESCR=descr,
     )
 
 
 def load_printed_digits(
-    *, n_per_class=10, digits=tuple(range(10)), return_X_y=False, random_state=0
+    *, n_per_class=10, digits=tuple(range(10)), return_X_y=False, as_frame=False,
+    random_state=0,
 ):
     """Printed digits rendered from matplotlib's fonts, 8x8 like ``load_digits``.
 
@@ -258,6 +275,10 @@ def load_printed_digits(
         The digits to render, each in 0..9, without repetition.
     return_X_y : bool, default=False
         If True, return ``(data, target)`` instead of a Bunch.
+    as_frame : bool, default=False
+        If True, ``data`` is a pandas DataFrame (columns ``feature_names``), ``target`` a
+        Series named ``"target"``, and the Bunch's ``frame`` a DataFrame of both, as
+        :func:`sklearn.datasets.load_digits` gives them. Requires pandas.
     random_state : int, RandomState instance or None, default=0
         Seeds the jitter; the same value gives the same images.
 
@@ -266,8 +287,8 @@ def load_printed_digits(
     data : :class:`~sklearn.utils.Bunch`
         With ``data`` (n_samples, 64) float64, ``images`` (n_samples, 8, 8), ``target``
         (n_samples,) int64: the digit, ``target_names`` (the digits, as an int array),
-        ``font`` (n_samples,): the font name of each sample, ``feature_names`` and
-        ``DESCR`` (naming the fonts used).
+        ``font`` (n_samples,): the font name of each sample, ``feature_names``,
+        ``DESCR`` (naming the fonts used) and ``frame`` (None unless ``as_frame``).
     (data, target) : tuple if ``return_X_y`` is True
 
     Raises
@@ -302,11 +323,13 @@ def load_printed_digits(
     images, fonts, used = _load_glyphs(chars, n_per_class, random_state, caller)
     target = np.repeat(np.array(digits, dtype=np.int64), n_per_class)
     descr = _describe("Printed digits rendered from matplotlib's fonts", chars, n_per_class, used)
-    return _bunch(images, target, np.array(digits, dtype=np.int64), fonts, descr, return_X_y)
+    return _bunch(images, target, np.array(digits, dtype=np.int64), fonts, descr, return_X_y,
+                  as_frame, caller)
 
 
 def load_printed_letters(
-    *, letters=("M", "N", "U", "V", "A"), n_per_class=10, return_X_y=False, random_state=0
+    *, letters=("M", "N", "U", "V", "A"), n_per_class=10, return_X_y=False, as_frame=False,
+    random_state=0,
 ):
     """Printed letters rendered from matplotlib's fonts, 8x8 like ``load_digits``.
 
@@ -325,6 +348,10 @@ def load_printed_letters(
         Number of images of each letter.
     return_X_y : bool, default=False
         If True, return ``(data, target)`` instead of a Bunch.
+    as_frame : bool, default=False
+        If True, ``data`` is a pandas DataFrame (columns ``feature_names``), ``target`` a
+        Series named ``"target"``, and the Bunch's ``frame`` a DataFrame of both, as
+        :func:`sklearn.datasets.load_digits` gives them. Requires pandas.
     random_state : int, RandomState instance or None, default=0
         Seeds the jitter; the same value gives the same images.
 
@@ -334,7 +361,7 @@ def load_printed_letters(
         With ``data`` (n_samples, 64) float64, ``images`` (n_samples, 8, 8), ``target``
         (n_samples,) int64: the index into ``letters``, ``target_names`` (the letters, as a
         str array), ``font`` (n_samples,): the font name of each sample, ``feature_names``
-        and ``DESCR`` (naming the fonts used).
+        ``DESCR`` (naming the fonts used) and ``frame`` (None unless ``as_frame``).
     (data, target) : tuple if ``return_X_y`` is True
 
     Raises
@@ -375,4 +402,4 @@ def load_printed_letters(
     descr = _describe(
         "Printed letters rendered from matplotlib's fonts", letters, n_per_class, used
     )
-    return _bunch(images, target, np.array(letters), fonts, descr, return_X_y)
+    return _bunch(images, target, np.array(letters), fonts, descr, return_X_y, as_frame, caller)

@@ -14,10 +14,10 @@ import pickle
 from numbers import Real
 
 import numpy as np
-from sklearn.utils import Bunch, check_random_state
+from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, validate_params
 
-from ._glyphs import load_printed_digits, load_printed_letters
+from ._glyphs import frame_bunch, load_printed_digits, load_printed_letters
 from ._validation import count
 
 # A finite real: sklearn's Interval refuses NaN, and "neither" refuses -inf and +inf.
@@ -314,7 +314,8 @@ def _cifar10_folder(data_home=None):
     return os.path.join(data_home, _CIFAR_FOLDER)
 
 
-def load_cifar10(*, data_home=None, subset="train", n_per_class=None, return_X_y=False):
+def load_cifar10(*, data_home=None, subset="train", n_per_class=None, return_X_y=False,
+                 as_frame=False):
     """CIFAR-10 from its python batches on disk (figure 2 g-h's data), never downloaded.
 
     Reads the ``cifar-10-batches-py`` folder of the official python version (the one
@@ -334,13 +335,18 @@ def load_cifar10(*, data_home=None, subset="train", n_per_class=None, return_X_y
         class. None keeps every image in file order.
     return_X_y : bool, default=False
         Return ``(data, target)`` instead of a Bunch.
+    as_frame : bool, default=False
+        If True, ``data`` is a pandas DataFrame (columns ``feature_names``), ``target`` a
+        Series named ``"target"``, and the Bunch's ``frame`` a DataFrame of both, as
+        scikit-learn's loaders give them. Requires pandas.
 
     Returns
     -------
     data : Bunch
         ``data`` float64 of shape (n, 3072) in [0, 1], each row the red, green and blue
         32x32 planes (``data.reshape(-1, 3, 32, 32)`` is NCHW); ``target`` int64 in 0..9;
-        ``target_names`` the ten class names.
+        ``target_names`` the ten class names; ``feature_names`` (``"red_0_0"`` to
+        ``"blue_31_31"``, row then column); ``frame`` (None unless ``as_frame``).
 
     Raises
     ------
@@ -387,10 +393,11 @@ def load_cifar10(*, data_home=None, subset="train", n_per_class=None, return_X_y
         keep = np.concatenate([np.flatnonzero(y == c)[:n_per_class] for c in range(10)])
         X, y = X[keep], y[keep]
     X = X.astype(np.float64) / 255.0
-    if return_X_y:
-        return X, y
     meta = os.path.join(folder, "batches.meta")
     names = ([n.decode() if isinstance(n, bytes) else str(n)
-              for n in _read_batch(meta)["label_names"]] if os.path.exists(meta)
-             else [str(c) for c in range(10)])
-    return Bunch(data=X, target=y, target_names=np.array(names))
+              for n in _read_batch(meta)["label_names"]]
+             if os.path.exists(meta) and not return_X_y else [str(c) for c in range(10)])
+    features = [f"{plane}_{i}_{j}" for plane in ("red", "green", "blue")
+                for i in range(32) for j in range(32)]
+    return frame_bunch(X, y, features, return_X_y, as_frame, "load_cifar10",
+                       target_names=np.array(names))

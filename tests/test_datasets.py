@@ -415,3 +415,34 @@ def test_missing_matplotlib_is_a_clear_import_error(loader, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install skpathkernel\[plot\]"):
         loader(n_per_class=1)
+
+
+@pytest.mark.parametrize("loader", [load_printed_digits, load_printed_letters])
+def test_printed_loaders_as_frame_like_load_digits(loader):
+    # The reference is scikit-learn's own load_digits(as_frame=True): the same fields,
+    # the same pandas types, the same column and target names.
+    import pandas as pd
+
+    ref = load_digits(as_frame=True)
+    arrays = loader(n_per_class=2)
+    b = loader(n_per_class=2, as_frame=True)
+    assert set(ref) <= set(b)
+    assert isinstance(b.data, pd.DataFrame) and isinstance(b.target, pd.Series)
+    assert list(b.data.columns) == b.feature_names == arrays.feature_names
+    assert list(b.frame.columns) == b.feature_names + [ref.target.name]
+    assert b.target.name == ref.target.name
+    np.testing.assert_array_equal(b.data.to_numpy(), arrays.data)
+    np.testing.assert_array_equal(b.target.to_numpy(), arrays.target)
+    np.testing.assert_array_equal(b.frame.to_numpy()[:, -1], arrays.target)
+    assert arrays.frame is None and ref.frame is not None
+    X, y = loader(n_per_class=2, as_frame=True, return_X_y=True)
+    X_ref, y_ref = load_digits(as_frame=True, return_X_y=True)
+    assert type(X) is type(X_ref) and type(y) is type(y_ref)
+    pd.testing.assert_frame_equal(X, b.data)
+    pd.testing.assert_series_equal(y, b.target)
+
+
+def test_as_frame_without_pandas_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
+    with pytest.raises(ImportError, match=r"load_printed_digits\(as_frame=True\).*pip install"):
+        load_printed_digits(n_per_class=1, as_frame=True)

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 OPTIONAL = {
     "matplotlib": "the 'plot' extra: plotting, the printed glyphs and reproduce draw with it",
     "tqdm": "progress bars only when verbose > 0",
+    "pandas": "as_frame=True on the dataset loaders returns pandas objects, as sklearn's do",
     "distributed": "the 'distributed' extra: thread limits on a dask worker",
     "dask": "the 'distributed' extra",
     "umap": "not a dependency: TangentEmbeddingDisplay uses umap-learn when installed",

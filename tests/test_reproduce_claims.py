@@ -624,6 +624,22 @@ def test_load_cifar10_reads_the_python_batches(tmp_path):
     np.testing.assert_array_equal(y, np.repeat(np.arange(10), 3))
 
 
+def test_load_cifar10_as_frame(tmp_path):
+    import pandas as pd
+
+    _write_cifar(tmp_path)
+    arrays = load_cifar10(data_home=tmp_path, subset="test")
+    b = load_cifar10(data_home=tmp_path, subset="test", as_frame=True)
+    np.testing.assert_array_equal(b.data.to_numpy(), arrays.data)
+    pd.testing.assert_series_equal(b.target, pd.Series(arrays.target, name="target"))
+    # Column names follow the documented layout: plane, then row, then column.
+    pixel = arrays.data.reshape(-1, 3, 32, 32)[:, 2, 5, 7]
+    np.testing.assert_array_equal(b.data["blue_5_7"].to_numpy(), pixel)
+    assert list(b.frame.columns) == b.feature_names + ["target"]
+    X, y = load_cifar10(data_home=tmp_path, subset="test", as_frame=True, return_X_y=True)
+    pd.testing.assert_frame_equal(X, b.data)
+
+
 def test_load_cifar10_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="cifar-10-batches-py.*--data-home"):
         load_cifar10(data_home=tmp_path)

@@ -212,7 +212,10 @@ def generative_section(ctx):
     rows = []
     # ---------------------------------------------------------------- diffusion
     steps = 200 if quick else 400
-    net, losses = train_diffusion(n_steps=steps, record_every=2 if quick else 1)
+    # Every step recorded, in --quick too: a thinned path's kernel is a Riemann sum whose
+    # own check read 0.19 of the largest entry here, and recording every step costs less
+    # (1.5 s against 2.9 s of CPU, the check included).
+    net, losses = train_diffusion(n_steps=steps)
     Q, log_sigma, _ = noise_queries()
     band = 0.5
     path_in, pairs_in = band_mass(PathKernel(net, normalized=True)(Q), log_sigma, band)
@@ -224,8 +227,7 @@ def generative_section(ctx):
               f"twice the share of pairs there and above the initial tangent kernel's)",
         measured=f"{path_in:.3f} of the mass on {pairs_in:.3f} of the pairs "
                  f"(x{path_in / pairs_in:.2f}); initial tangent kernel {init_in:.3f}"
-                 + quick_settings(ctx, f"{steps} training steps, every second recorded "
-                                       "(the full run: 400, every one)"),
+                 + quick_settings(ctx, f"{steps} training steps (the full run: 400)"),
         passed=path_in > 2.0 * pairs_in and path_in > init_in,
         details=[{"kernel": "path (trained)", "mass in band": f"{path_in:.3f}"},
                  {"kernel": "tangent at init", "mass in band": f"{init_in:.3f}"},

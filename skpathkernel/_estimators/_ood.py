@@ -218,7 +218,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         ``predict``): the queries are split into one row block per worker and scored
         with ``Parallel(n_jobs)``, on loky processes or, under
         ``joblib.parallel_config(backend="dask")``, on a Dask cluster; each task runs
-        torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial ones.
+        torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial
+        ones to round-off (a worker's row blocks are matrix products of other shapes).
         ``None`` means 1 unless in a joblib context; ``-1`` all workers. ``fit`` is
         serial.
     random_state : int, RandomState instance or None, default=None

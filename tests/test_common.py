@@ -80,19 +80,9 @@ _SVM_WEIGHTS = ("scikit-learn's SVC fails this check itself (its expected failur
                 "them); besides, the SVM's weights are relative (rescaled to mean 1, so that "
                 "C keeps its meaning), and C='auto' cross-validates over rows, which "
                 "repetition moves between folds")
-# The detector's weights weigh its trainer's loss; a zero-weight row is left out of
-# its span and its leave-one-out scores (0/1 weights equal the dropped rows, exactly:
-# tests/test_sample_weight.py). The check's weights include 2s: a repeated row adds
-# nothing to a span, but its copy puts it in the span of the others (leave-one-out
-# residual 0), which moves offset_ and so the decision function (0.01 vs 0.49); a span
-# has no weights to mimic repetition with.
-_SPAN_WEIGHTS = ("a repeated row adds nothing to the tangent span, but its copy makes its "
-                 "leave-one-out score 0 and so moves offset_ (weight 0 is honoured: the row "
-                 "is left out)")
 EXPECTED_FAILED_CHECKS = {
     "TangentFeatureSVM": {"check_sample_weight_equivalence_on_dense_data": _SVM_WEIGHTS},
     "OODRankDetector": {
-        "check_sample_weight_equivalence_on_dense_data": _SPAN_WEIGHTS,
         "check_outliers_train": _IN_SPAN,
         "check_outliers_train(readonly_memmap=True)": _IN_SPAN,
     },
@@ -117,7 +107,7 @@ def _float32_rounding(estimator, check) -> bool:
     name = getattr(check, "func", check).__name__
     return (name == "check_sample_weight_equivalence_on_dense_data"
             and any(estimator is e for e in DEFAULTS)
-            and not isinstance(estimator, (TangentFeatureSVM, OODRankDetector)))
+            and not isinstance(estimator, TangentFeatureSVM))
 
 
 # Strict: an expected failure that passes fails the test, so that a reason which no longer

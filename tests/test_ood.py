@@ -722,6 +722,41 @@ def test_zero_weight_rows_are_absent_from_the_span_and_the_offset(frozen, early_
     np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=5e-5)
 
 
+@pytest.mark.parametrize("method", ["local", "residual", "alignment"])
+def test_repeated_training_rows_are_one_point_of_the_span(method):
+    """A repeated row adds nothing to the span, but its copy made its leave-one-out
+    score 0: with every row twice the scores behind offset_ were all round-off, and a
+    contamination of 0.25 put offset_ at -0.0 (every new point flagged)."""
+    rng = np.random.RandomState(4)
+    X, y = task_data("regression", rng)
+    net = FrozenEstimator(trainer(y).fit(X, y))
+    X_rep = np.vstack([X, X[::-1], X[:5]])
+    det = OODRankDetector(net, method=method, n_neighbors=4,
+                          contamination=0.25).fit(X_rep)
+    np.testing.assert_array_equal(det.X_fit_, X)  # first occurrences, in order
+    P = dense_features(det, X)
+    if method == "residual":
+        loo = leave_one_out_scores(P)
+    elif method == "local":
+        loo = -local_residual(P, P, 4, exclude=np.arange(len(X)))
+    else:
+        cos = (P @ P.T) / np.outer(np.linalg.norm(P, axis=1), np.linalg.norm(P, axis=1))
+        np.fill_diagonal(cos, -np.inf)
+        loo = cos.max(axis=1)
+    assert np.percentile(loo, 25) < (0.99 if method == "alignment" else -0.01)
+    np.testing.assert_allclose(det.offset_, np.percentile(loo, 25), atol=5e-5)
+    # Queries see the span of the distinct rows: a local span of 4 distinct neighbours.
+    Xq = np.vstack([X[:3] + 0.3 * rng.normal(size=(3, 5)), 3 * rng.normal(size=(3, 5))])
+    Q = dense_features(det, Xq)
+    ref = {"local": lambda: -local_residual(P, Q, 4),
+           "residual": lambda: -lstsq_residual(P, Q),
+           "alignment": lambda: (Q @ P.T / np.outer(np.linalg.norm(Q, axis=1),
+                                                    np.linalg.norm(P, axis=1))).max(1)}
+    np.testing.assert_allclose(det.score_samples(Xq), ref[method](), atol=1e-6)
+    with pytest.raises(ValueError, match="at least 2 distinct training points"):
+        OODRankDetector(net, method=method).fit(np.repeat(X[:1], 5, axis=0))
+
+
 def local_residual(Phi_train, Phi, k, exclude=None):
     """Relative residual of each row of Phi outside the span of its k best-aligned rows of
     Phi_train (by cosine; ``exclude[i]``: a row of Phi_train left out for row i), lstsq."""
@@ -1038,6 +1073,8 @@ def test_token_ids_and_sequences_score_like_the_dense_reference(kind, method):
                           n_neighbors=4).fit(X, y)
     assert det.input_shape_ == X.shape[1:]
     P, Q = dense_features(det, X), dense_features(det, Xq)
+    # 24 rows of 3 tokens of 5 repeat some: a repeated row is one point of a local span.
+    P = P[np.unique(X.reshape(len(X), -1), axis=0, return_index=True)[1]]
     ref = local_residual(P, Q, 4) if method == "local" else lstsq_residual(P, Q)
     assert ref.max() > 0.05  # the check could fail: some queries leave the span
     # Queries inside the span score O(rtol) = 1e-6, not 0: the jitter lam (rtol=1e-6).
@@ -1083,7 +1120,8 @@ def test_a_span_of_one_positive_weight_point_is_refused(frozen):
     det = OODRankDetector(est, method="alignment").fit(X, y)
     before = det.score_samples(X[:3])
     with pytest.raises(ValueError,
-                       match="at least 2 training points of positive weight for its span; got 1"):
+                       match="at least 2 distinct training points of positive weight for its "
+                             "span; got 1"):
         det.fit(X, y, sample_weight=w)
     np.testing.assert_array_equal(det.score_samples(X[:3]), before)
     assert len(det.X_fit_) == len(X)

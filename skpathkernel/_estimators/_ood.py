@@ -89,6 +89,23 @@ def _loo_subset(n: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, min(n, _LOO_POINTS)).round().astype(np.intp))
 
 
+def _distinct_rows(X: np.ndarray) -> np.ndarray:
+    """Mask of the first occurrence of each distinct row of ``X`` (any trailing shape).
+
+    Rows are compared by their bytes, hashed (a row at a time: no sorted copy of ``X``);
+    a row whose hash is an earlier row's is dropped only when it equals that row.
+    """
+    flat = X.reshape(len(X), -1)
+    keys = np.fromiter((hash(row.tobytes()) for row in flat), dtype=np.int64,
+                       count=len(flat))
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    first = first[inverse.ravel()]
+    keep = first == np.arange(len(flat))
+    for i in np.flatnonzero(~keep):
+        keep[i] = not np.array_equal(flat[i], flat[first[i]])
+    return keep
+
+
 def _never(self):
     return False
 
@@ -201,7 +218,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         ``predict``): the queries are split into one row block per worker and scored
         with ``Parallel(n_jobs)``, on loky processes or, under
         ``joblib.parallel_config(backend="dask")``, on a Dask cluster; each task runs
-        torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial ones.
+        torch with ``max(1, cpu_count // n_jobs)`` threads. Scores equal the serial
+        ones to round-off (a worker's row blocks are matrix products of other shapes).
         ``None`` means 1 unless in a joblib context; ``-1`` all workers. ``fit`` is
         serial.
     random_state : int, RandomState instance or None, default=None
@@ -364,13 +382,20 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             # scikit-learn's weight 0: the row is absent. Here a span would otherwise
             # hold it, and score it (and any point near it) as fully normal.
             self.X_fit_ = self.X_fit_[weights > 0]
+        # A repeated row adds nothing to the span, but its copy left its leave-one-out
+        # score at 0: with every row twice, offset_ sat at round-off and predict flagged
+        # all new data (contamination=0.05: 1.000 of held-out digits 0-4), and the copies
+        # took half of each local span's n_neighbors.
+        distinct = _distinct_rows(self.X_fit_)
+        if not np.all(distinct):
+            self.X_fit_ = self.X_fit_[distinct]
         if len(self.X_fit_) < 2:
             # One point spans one direction: its leave-one-out score, which sets offset_,
             # has no other point to be scored against.
             raise ValueError(
-                f"{type(self).__name__} needs at least 2 training points of positive "
-                f"weight for its span; got {len(self.X_fit_)} (sample_weight is 0 on the "
-                "other rows).")
+                f"{type(self).__name__} needs at least 2 distinct training points of "
+                f"positive weight for its span; got {len(self.X_fit_)} (the other rows "
+                "repeat them or have sample_weight 0).")
         task = trained_task(est)
         if task == "regression" and reconstruct and not frozen:
             task = "reconstruction"
@@ -392,7 +417,11 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         point would otherwise lie in the span and score as fully normal). Positive
         weights weigh neither: a span has no weights (a direction is in it or not), a
         repeated point adds nothing to it, and the leave-one-out scores behind
-        ``offset_`` are unweighted quantiles.
+        ``offset_`` are unweighted quantiles. So a row of ``X`` repeated is one point
+        (``X_fit_`` holds its first occurrence), as a weight of 2 is: its copy would
+        otherwise lie in the span of the others, its leave-one-out score 0, and a
+        training set of repeated rows (oversampled, or every row twice) would put
+        ``offset_`` at round-off, where ``predict`` flags all new data.
 
         Parameters
         ----------

@@ -622,12 +622,21 @@ def test_a_continued_path_past_memory_budget_warns_once(regression_data, how):
      r"least 2 samples and one sample of each of the 3 classes"),
     (dict(early_stopping=True, validation_fraction=0.98),
      r"leaves 1 of the 90 samples for training"),
+    # MLPClassifier fits this (it stratifies binary targets only); the stratified split
+    # needs two samples of each class, and StratifiedShuffleSplit's own error named
+    # neither early_stopping nor a remedy.
+    (dict(early_stopping=True, relabel={3: "rare", 7: "other"}),
+     r"early_stopping holds out validation_fraction=0.1 of each class \(a stratified "
+     r"split\), which needs at least 2 samples of every class; the classes \['other', "
+     r"'rare'\] have 1 sample each\. Drop or merge them, or set early_stopping=False"),
 ])
 def test_bad_stopping_parameters_are_refused_before_any_work(params, match):
     X, y = _classes_data()
     clf = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, tol=None,
                                random_state=0).fit(X, y)
     before = clf.predict_proba(X)
+    params = dict(params)
+    y = _relabel(y, params.pop("relabel", {}))
 
     def no_work(*args, **kwargs):
         raise AssertionError("training started")
@@ -637,6 +646,20 @@ def test_bad_stopping_parameters_are_refused_before_any_work(params, match):
     with pytest.raises(ValueError, match=match):
         clf.fit(X, y)
     assert_array_equal(clf.predict_proba(X), before)
+
+
+def _relabel(y, labels):
+    y = y.astype(object)
+    y[list(labels)] = list(labels.values())
+    return y
+
+
+def test_early_stopping_splits_a_class_of_two_samples():
+    X, y = _classes_data()
+    y = _relabel(y, {3: "rare", 7: "rare"})
+    clf = PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=2, tol=None,
+                               early_stopping=True, random_state=0).fit(X, y)
+    assert_array_equal(clf.classes_, ["a", "b", "c", "rare"])
 
 
 # ------------------------------------------------------------------ normalize_y

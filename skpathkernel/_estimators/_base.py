@@ -1356,7 +1356,8 @@ def _holdout(y, classes, fraction: float, seed: int):
 
     Stratified for classification, except for multilabel targets (2-D ``y``, as
     MLPClassifier). Refused before any work when the validation part cannot hold two
-    samples (a score needs them) and, for stratified classes, one sample per class.
+    samples (a score needs them) and, for stratified classes, one sample per class, or
+    when a class has a single sample (the stratified split needs two).
     """
     n = len(y)
     n_val = math.ceil(fraction * n)  # train_test_split's rounding
@@ -1374,6 +1375,19 @@ def _holdout(y, classes, fraction: float, seed: int):
             + ("Raise validation_fraction or pass more samples." if part == "validation"
                else "Lower validation_fraction or pass more samples.")
         )
+    if classes is not None:
+        # StratifiedShuffleSplit refuses a class seen once with an error that names
+        # neither early_stopping nor a way out (MLPClassifier stratifies binary targets
+        # only, so users of it do not expect the split to be stratified).
+        labels, counts = np.unique(y, return_counts=True)
+        single = labels[counts < 2]
+        if single.size:
+            raise ValueError(
+                f"early_stopping holds out validation_fraction={fraction} of each class "
+                "(a stratified split), which needs at least 2 samples of every class; "
+                f"the classes {single.tolist()} have 1 sample each. "
+                "Drop or merge them, or set early_stopping=False."
+            )
     train_idx, val_idx = train_test_split(
         np.arange(n), test_size=fraction, random_state=seed,
         stratify=y if classes is not None else None)

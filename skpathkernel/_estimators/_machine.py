@@ -125,7 +125,8 @@ _SHARED_PARAMS_DOC = """
         training points: ``X_fit_``, the kernels and :meth:`decompose` cover the others.
     validation_fraction : float in (0, 1), default=0.1
         Fraction of the training set held out by ``early_stopping``; it must leave at
-        least two samples, and one of each class (not of each label), on both sides.
+        least two samples, and one of each class (not of each label), on both sides,
+        and each class needs two samples (MLPClassifier stratifies binary targets only).
     shuffle : bool, default=True
         Reshuffle the samples every epoch (minibatch training only).
     record_every : int or "auto", default="auto"

@@ -18,6 +18,8 @@ import torch
 from numpy.testing import assert_array_equal
 from sklearn.exceptions import NotFittedError
 from sklearn.frozen import FrozenEstimator
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import OneHotEncoder
 from sklearn.utils._param_validation import InvalidParameterError
 
 from skpathkernel import (
@@ -198,7 +200,7 @@ def _one_class(name):
 BAD_FIT = {
     "X NaN": (BAD_X["NaN"][0], None, ValueError, "NaN"),
     "X inf": (BAD_X["inf"][0], None, ValueError, "infinity"),
-    "X sparse": (sp.csr_matrix(X), None, TypeError, "Sparse data was passed for X"),
+    "X sparse": (sp.csr_matrix(X), None, TypeError, r"sparse matrix.*sparse_threshold=0"),
     "X object column": (np.column_stack([X[:, 0].astype(object), ["a"] * 12]), None,
                         ValueError, "could not convert string to float"),
     "X 1-D": (X[:, 0], None, ValueError, "Expected 2D array"),
@@ -724,3 +726,23 @@ def test_a_squeezed_network_output_is_taken_as_its_values_per_sample():
     for est in (plain, squeezed):
         est.partial_fit(X[:1], y[:1])
     assert_array_equal(squeezed.trajectory_.parameters(-1), plain.trajectory_.parameters(-1))
+
+
+@pytest.mark.parametrize("name", ["PathKernelClassifier", "TangentFeatureSVM", "OODRankDetector"])
+def test_sparse_X_names_the_pipeline_settings_that_densify(fitted, name):
+    # OneHotEncoder's default output is sparse: the message must say how to get dense
+    # output inside a Pipeline (where X.toarray() cannot be called), and that works.
+    X_cat = np.array([["a", "x"], ["b", "y"], ["c", "x"], ["a", "y"]] * 3)
+    make = ESTIMATORS[name][0]
+    with pytest.raises(TypeError, match=r"sparse matrix.*sparse_output=False"):
+        make_pipeline(OneHotEncoder(), make(**SMALL)).fit(X_cat, Y_CLF)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # max_iter=3 does not converge
+        make_pipeline(OneHotEncoder(sparse_output=False), make(**SMALL)).fit(X_cat, Y_CLF)
+    est = _fresh(fitted, name)
+    before = snapshot(est)
+    with pytest.raises(TypeError, match=r"sparse matrix.*sparse_threshold=0"):
+        est.predict(sp.csr_matrix(X))
+    with pytest.raises(TypeError, match=r"sparse matrix.*sparse_output=False"):
+        TangentKernel(est)(sp.csr_matrix(X))
+    assert_unchanged(est, before)

@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 import torch
+from scipy.sparse import issparse
 from sklearn.utils.validation import check_array, validate_data
 
 from .._device import forked_rng, to_input_tensor
@@ -151,6 +152,18 @@ def _record(estimator, X, kind) -> None:
     estimator._input_kind = kind
 
 
+def _refuse_sparse(X, who: str, name: str) -> None:
+    # check_array's own message says to call .toarray(), which a Pipeline's user cannot
+    # do between two steps: name the steps' settings that give dense output.
+    if issparse(X):
+        raise TypeError(
+            f"{who} takes a dense {name} (the network's input is a dense tensor); got a "
+            "sparse matrix. Densify it first: in a Pipeline, give the step before it "
+            "dense output (OneHotEncoder(sparse_output=False), ColumnTransformer(..., "
+            f"sparse_threshold=0)), or pass {name}.toarray()."
+        )
+
+
 def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bool = False,
                    **check_params):
     """``validate_data`` for the network's input: returns ``X`` (or ``X, y``) as it takes it.
@@ -171,6 +184,7 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
         Passed to ``validate_data`` (``ensure_min_samples``, ``multi_output``, ...).
     """
     with_y = not (isinstance(y, str) and y == "no_validation")
+    _refuse_sparse(X, type(estimator).__name__, "X")
     if reset:
         kind = FLOAT if flexible else FEATURES
         shape = None
@@ -218,6 +232,7 @@ def check_input(shape, fitted_kind, module, X, name: str = "X", *,
     consumers, e.g. ``GaussianProcessRegressor``, only pass 2-D arrays).
     """
     what = "the network"  # the kernels' and the verbs' (a RecordedNetwork's too)
+    _refuse_sparse(X, what, name)
     if fitted_kind == FEATURES:
         X = check_array(X, dtype=_FLOATS, ensure_all_finite=True, input_name=name)
         if X.shape[1] != shape[0]:

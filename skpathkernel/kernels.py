@@ -453,9 +453,11 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     once more, outside the buffer); for Adam / AdamW the
     bias-corrected ``sum_{t>=s} lr_t (1 - b1) b1^(t-s) / (1 - b1^(t+1))``, which gives
     the first gradients a total weight up to about 3 ``lr``; plain SGD and RMSprop
-    ``lr_s``. This is the weighting of the decomposition's ``first_order`` formula and
-    of its exact adjoint recursion, so that the path kernel, the first-order formula and
-    the exact decomposition describe one object.
+    ``lr_s``. A step whose gradient was clipped weighs that many times its factor
+    (:attr:`~skpathkernel.Trajectory.gradient_scales`; "continuous" as well), the
+    gradient the optimizer applied. This is the weighting of the decomposition's
+    ``first_order`` formula and of its exact adjoint recursion, so that the path kernel,
+    the first-order formula and the exact decomposition describe one object.
 
     ``memory="continuous"``: Domingos' continuous-time limit,
     ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from joblib import parallel_config
 from torch import nn
 
 from skpathkernel import PathKernelMachine, PathRecorder
@@ -83,6 +84,18 @@ def test_predict_and_decomposition_read_the_trained_function(fitted):
     # Forward-mode AD under vmap raised on the nested tensor.
     assert np.isfinite(est.decompose(X_query, method="second_order").error)
     assert torch.backends.mha.get_fastpath_enabled() and _FASTPATH["holders"] == 0
+
+
+def test_worker_processes_read_the_trained_function(fitted):
+    # The switch is a process's: loky's workers compute the queries' outputs too.
+    est, _ = fitted
+    X_query = _padded_ids(8, 4)  # enough queries to be split between the workers
+    serial = est.decompose(X_query)
+    with parallel_config(backend="loky"):
+        split = est.decompose(X_query, n_jobs=2)
+    assert split.error < 1e-10
+    np.testing.assert_allclose(split.contributions, serial.contributions, rtol=0,
+                               atol=1e-12)
 
 
 def test_recorded_loop_decomposes_exactly():

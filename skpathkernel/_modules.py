@@ -10,6 +10,7 @@ float64 copy for the decomposition or a replay raised on such a network.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -20,8 +21,9 @@ import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["copy_module", "cudnn_disabled", "cudnn_held", "module_lock", "norm_hooks",
-           "recurrent_on_cuda", "running", "runs_module"]
+__all__ = ["copy_module", "cudnn_disabled", "cudnn_held", "fastpath_disabled",
+           "fastpath_held", "has_fastpath", "module_lock", "norm_hooks", "recurrent_on_cuda",
+           "running", "runs_module", "without_fastpath"]
 
 
 def norm_hooks(layer: torch.nn.Module) -> list:
@@ -65,40 +67,113 @@ def module_lock(module: torch.nn.Module) -> threading.RLock:
     return lock
 
 
+class _SwitchedOff:
+    """Run a block with one of torch's process-wide switches off, counted across the
+    process's threads: restored to its value before the first of overlapping blocks when
+    the last ends, also on an exception. The switch is the process's, not a thread's: the
+    first verb to need it off saves and clears it, the last to end puts back what it
+    saved, so that overlapping verbs on threads (n_jobs threads, a threaded server)
+    neither turn it on under each other nor leave it off. Other work of the process runs
+    with it off meanwhile (slower, not wrong)."""
+
+    _lock: threading.Lock
+    _state: dict
+
+    @staticmethod
+    def _get() -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _set(value: bool) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        with self._lock:
+            if not self._state["holders"]:
+                self._state["saved"] = self._get()
+                self._set(False)
+            self._state["holders"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._state["holders"] -= 1
+            if not self._state["holders"]:
+                self._set(self._state["saved"])
+                self._state["saved"] = None
+        return False
+
+
 # torch's cuDNN recurrent kernels (nn.LSTM, nn.GRU, nn.RNN on CUDA) have no backward in
 # eval mode ("cudnn RNN backward can only be called in training mode"), no double
 # backward and no vmap rule (aten::_cudnn_rnn): every analysis of a fitted recurrent
 # network on a GPU (eval mode, gradients per sample, second derivatives) raised. Without
 # cuDNN torch runs them as matrix products and fused cells, whose backward with
-# create_graph is made of differentiable operations. The switch is the process's, not a
-# thread's: the first verb to need it off saves and clears it, the last to end puts back
-# what it saved, so that overlapping verbs on threads (n_jobs threads, a threaded
-# server) neither turn it on under each other nor leave it off. Other work of the process
-# runs without cuDNN meanwhile (a convolution on another thread: slower, not wrong).
-_CUDNN_LOCK = threading.Lock()
+# create_graph is made of differentiable operations.
 _CUDNN: dict = {"holders": 0, "saved": None}
 
 
-class cudnn_disabled:
-    """Run a block with cuDNN off (``torch.backends.cudnn.enabled``), counted across the
-    process's threads: restored to its value before the first of overlapping blocks when
-    the last ends, also on an exception."""
+class cudnn_disabled(_SwitchedOff):
+    """Run a block with cuDNN off (``torch.backends.cudnn.enabled``)."""
 
-    def __enter__(self):
-        with _CUDNN_LOCK:
-            if not _CUDNN["holders"]:
-                _CUDNN["saved"] = torch.backends.cudnn.enabled
-                torch.backends.cudnn.enabled = False
-            _CUDNN["holders"] += 1
-        return self
+    _lock, _state = threading.Lock(), _CUDNN
 
-    def __exit__(self, *exc):
-        with _CUDNN_LOCK:
-            _CUDNN["holders"] -= 1
-            if not _CUDNN["holders"]:
-                torch.backends.cudnn.enabled = _CUDNN.pop("saved")
-                _CUDNN["saved"] = None
-        return False
+    @staticmethod
+    def _get() -> bool:
+        return torch.backends.cudnn.enabled
+
+    @staticmethod
+    def _set(value: bool) -> None:
+        torch.backends.cudnn.enabled = value
+
+
+# The attention layers that take torch's inference fast path in eval mode when no input
+# requires grad (no_grad, a forward at parameters that do not require grad, forward-mode
+# AD): nn.TransformerEncoder then packs the sequences under src_key_padding_mask into a
+# nested tensor and returns zeros at the padded positions, which the differentiable path
+# computes like any other. Every gradient (training, tangent features, kernels) reads the
+# differentiable path; predictions and the decomposition's values read the fast one: a
+# float64 network pooling over all positions (tests/test_attention_fastpath.py) predicted
+# 0.64 off its trained function, and its exact decomposition missed by 1.65 (vmap over
+# forward-mode AD, the second-order decomposition, raised on the nested tensor). With
+# the fast path off, every forward of a verb computes the function that was trained and
+# differentiated.
+_FASTPATH_LAYERS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoder,
+                    torch.nn.TransformerEncoderLayer)
+_FASTPATH: dict = {"holders": 0, "saved": None}
+
+
+class fastpath_disabled(_SwitchedOff):
+    """Run a block with torch's attention fast path off
+    (``torch.backends.mha.set_fastpath_enabled``)."""
+
+    _lock, _state = threading.Lock(), _FASTPATH
+
+    @staticmethod
+    def _get() -> bool:
+        return torch.backends.mha.get_fastpath_enabled()
+
+    @staticmethod
+    def _set(value: bool) -> None:
+        torch.backends.mha.set_fastpath_enabled(value)
+
+
+def has_fastpath(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a layer with torch's attention fast path."""
+    return any(isinstance(layer, _FASTPATH_LAYERS) for layer in module.modules())
+
+
+def without_fastpath(module: torch.nn.Module):
+    """:class:`fastpath_disabled` where ``module`` holds an attention layer, else a block
+    as it is: for a fit, whose gradients read the differentiable path, and whose losses
+    without a graph (the divergence guard's, early stopping's scores) must read it too."""
+    return fastpath_disabled() if has_fastpath(module) else contextlib.nullcontext()
+
+
+def fastpath_held() -> bool:
+    """Whether a :class:`fastpath_disabled` block is running in this process (see
+    :func:`cudnn_held`)."""
+    return _FASTPATH["holders"] > 0
 
 
 def cudnn_held() -> bool:
@@ -153,7 +228,8 @@ class running:
     """Hold :func:`module_lock` of ``module`` for a verb that runs it; ``check(module)``
     first when no other verb on ``module`` is running in this thread (the one the user
     called, whichever verbs it calls), which also turns cuDNN off for the call when
-    ``module`` is recurrent on CUDA (:func:`recurrent_on_cuda`). A class, not a
+    ``module`` is recurrent on CUDA (:func:`recurrent_on_cuda`), and torch's attention
+    fast path when it holds an attention layer (:func:`has_fastpath`). A class, not a
     generator: a warning that ``check`` points at the user's line must find no frame of
     ``contextlib`` on the way."""
 
@@ -163,18 +239,20 @@ class running:
     def __enter__(self):
         self.lock = module_lock(self.module)
         self.lock.acquire()
+        self.switches = []
         try:
             depth = _RUNNING.__dict__.setdefault("depth", {})
             key = self.key = id(self.module)  # alive while it is running
             outermost = key not in depth
             if self.check is not None and outermost:
                 self.check(self.module)
-            self.cudnn = None
             if outermost and recurrent_on_cuda(self.module):
-                self.cudnn = cudnn_disabled().__enter__()
+                self.switches.append(cudnn_disabled().__enter__())
+            if outermost and has_fastpath(self.module):
+                self.switches.append(fastpath_disabled().__enter__())
             depth[key] = depth.get(key, 0) + 1
         except BaseException:  # a warning turned into an error
-            self.lock.release()
+            self._release()
             raise
         return self
 
@@ -183,12 +261,15 @@ class running:
         depth[self.key] -= 1
         if not depth[self.key]:
             del depth[self.key]
+        self._release(*exc)
+        return False
+
+    def _release(self, *exc):
         try:
-            if self.cudnn is not None:
-                self.cudnn.__exit__(*exc)
+            for switch in self.switches:
+                switch.__exit__(*exc)
         finally:
             self.lock.release()
-        return False
 
 
 def runs_module(module_of, check=None):

@@ -26,7 +26,7 @@ from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 from joblib.parallel import LokyBackend, MultiprocessingBackend, get_active_backend
 
 from ._device import torch_threads
-from ._modules import cudnn_disabled, cudnn_held
+from ._modules import cudnn_disabled, cudnn_held, fastpath_disabled, fastpath_held
 
 __all__ = ["dask_worker_threads", "limit_torch_threads", "local_processes", "map_calls",
            "map_ranges", "map_row_blocks", "n_row_blocks", "n_tasks"]
@@ -40,23 +40,26 @@ def limit_torch_threads(n: int | None):
     return torch_threads(n if n is not None and n < torch.get_num_threads() else None)
 
 
-def _run(func, n_tasks, call, without_cudnn=False):
+def _run(func, n_tasks, call, without_cudnn=False, without_fastpath=False):
     # Evaluated on the worker: its own cores, shared by the n_tasks concurrent calls.
-    # cuDNN off where the caller had it off for a recurrent network on CUDA
-    # (_modules.running): the switch is a process's, and a worker process has its own.
+    # cuDNN off where the caller had it off for a recurrent network on CUDA, the
+    # attention fast path where the caller had it off (_modules.running): the switches
+    # are a process's, and a worker process has its own.
     with limit_torch_threads(max(1, cpu_count() // n_tasks)), (
-            cudnn_disabled() if without_cudnn else contextlib.nullcontext()):
+            cudnn_disabled() if without_cudnn else contextlib.nullcontext()), (
+            fastpath_disabled() if without_fastpath else contextlib.nullcontext()):
         return func(*call)
 
 
 def map_calls(func, n_jobs, calls: list) -> list:
     """``[func(*call) for call in calls]``: here for one call, else through joblib, one
     task per call with the torch threads of the rule above (and cuDNN off where it is off
-    here for a verb: see :func:`~._modules.cudnn_disabled`)."""
+    here for a verb: see :func:`~._modules.cudnn_disabled`; the attention fast path
+    likewise)."""
     if len(calls) == 1:
         return [func(*calls[0])]
-    without_cudnn = cudnn_held()
-    return Parallel(n_jobs=n_jobs)(delayed(_run)(func, len(calls), call, without_cudnn)
+    switches = cudnn_held(), fastpath_held()
+    return Parallel(n_jobs=n_jobs)(delayed(_run)(func, len(calls), call, *switches)
                                    for call in calls)
 
 

@@ -315,7 +315,7 @@ def step_kernel(
     Y = None if Y is None or Y is X_in else _validate(estimator, net, Y, "Y")
     with running(net.module, warn_drawing_now):
         return _check_finite(_step_gram(net, X, Y, step, output, preconditioned, normalized),
-                             net)
+                             net, X, Y)
 
 
 def _step_gram(net: TrainedNetwork, X, Y, step, output, preconditioned, normalized):
@@ -343,10 +343,13 @@ def _step_sums(net: TrainedNetwork, X, Y, step, output, preconditioned, normaliz
     return _own_sums(K, dx, dy, normalized, same=Yt is None)
 
 
-def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
+def _check_finite(K: np.ndarray, net: TrainedNetwork, X=None, Y=None) -> np.ndarray:
     """``K``, refused where it overflowed: a float32 network's tangent features grow with
     large inputs (a ReLU network's linearly) past float32's range, and the Gram then held
-    inf (or nan) entries without a word, while ``predict`` stayed finite."""
+    inf (or nan) entries without a word, while ``predict`` stayed finite.
+
+    ``X``, ``Y`` (checked inputs, None: not known): the inputs of ``K``, whose outputs
+    say whether the network itself is not finite there."""
     if not np.isfinite(K).all():
         n_bad = int(np.size(K) - np.count_nonzero(np.isfinite(K)))
         # A diverged path ends non-finite (NaN stays NaN): its kernels were blamed on the
@@ -363,6 +366,20 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
         # range (a ReLU network at 1e160) has only its inputs to scale.
         way_out = ("Scale the inputs" if net.torch_dtype == torch.float64
                    else "Fit with dtype='float64', or scale the inputs")
+        # A network whose own output is NaN at an input (an attention with every key
+        # masked: a softmax over -inf only, on a sequence of padding alone) has NaN
+        # features there in any dtype: the overflow below was blamed, and float64 advised.
+        n_out = sum(int(np.count_nonzero(~np.isfinite(net.outputs(Z)).all(axis=1)))
+                    for Z in (X, Y) if Z is not None)
+        if n_out:
+            raise ValueError(
+                f"The kernel has {n_bad} non-finite entries: the network's own outputs "
+                f"are NaN or inf at {n_out} of these inputs (at the last recorded point), "
+                "and so are its tangent features. NaN comes from the module's forward in "
+                "any dtype: e.g. an attention whose every key is masked (a sequence of "
+                "padding alone) or a mean over no unmasked position; leave such inputs "
+                f"out, or make the forward finite on them. For outputs past the range of "
+                f"{str(net.torch_dtype).removeprefix('torch.')}: {way_out}.")
         raise ValueError(
             f"The kernel has {n_bad} non-finite entries: the network's tangent features "
             f"overflow in {str(net.torch_dtype).removeprefix('torch.')} at some of these "
@@ -370,9 +387,9 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork) -> np.ndarray:
     return K
 
 
-def _checked_sums(sums, net: TrainedNetwork) -> tuple:
+def _checked_sums(sums, net: TrainedNetwork, X=None, Y=None) -> tuple:
     """The kernel's ``(K, dx, dy)`` as arrays, refused as :func:`_check_finite` refuses."""
-    return tuple(_check_finite(to_numpy(t), net) for t in sums)
+    return tuple(_check_finite(to_numpy(t), net, X, Y) for t in sums)
 
 
 def _own_sums(K, dx, dy, normalized, same=False):
@@ -453,9 +470,11 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     once more, outside the buffer); for Adam / AdamW the
     bias-corrected ``sum_{t>=s} lr_t (1 - b1) b1^(t-s) / (1 - b1^(t+1))``, which gives
     the first gradients a total weight up to about 3 ``lr``; plain SGD and RMSprop
-    ``lr_s``. This is the weighting of the decomposition's ``first_order`` formula and
-    of its exact adjoint recursion, so that the path kernel, the first-order formula and
-    the exact decomposition describe one object.
+    ``lr_s``. A step whose gradient was clipped weighs that many times its factor
+    (:attr:`~skpathkernel.Trajectory.gradient_scales`; "continuous" as well), the
+    gradient the optimizer applied. This is the weighting of the decomposition's
+    ``first_order`` formula and of its exact adjoint recursion, so that the path kernel,
+    the first-order formula and the exact decomposition describe one object.
 
     ``memory="continuous"``: Domingos' continuous-time limit,
     ``w_k = learning_rates[k] * (steps[k + 1] - steps[k]) * m`` with
@@ -907,7 +926,7 @@ class _NetworkKernel(Kernel):
         # The lock first: a call waiting for the module keeps no thread limit in force
         # (while one is, threads that first use torch start from it; see torch_threads).
         with running(net.module, warn_drawing_now), limit_torch_threads(kernel_threads(work)):
-            K = _check_finite(self._bind(net)._gram_blocks(X, Y), net)
+            K = _check_finite(self._bind(net)._gram_blocks(X, Y), net, X, Y)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
         return K
@@ -931,7 +950,7 @@ class _NetworkKernel(Kernel):
         net = network_of(self.estimator)
         X = _validate(self.estimator, net, X)
         with running(net.module, warn_drawing_now):
-            d = _check_finite(self._bind(net)._diag_blocks(X), net)
+            d = _check_finite(self._bind(net)._diag_blocks(X), net, X)
         if self.normalized:
             # As in the Gram: 1 where the feature has a direction, 0 where it is zero (a
             # dead network at x), so that diag(X) equals the diagonal of k(X).
@@ -1109,7 +1128,7 @@ class TangentKernel(_NetworkKernel):
         pass; refused where they overflowed."""
         return _checked_sums(_step_sums(self.estimator, X, Y, self.step,
                                         _check_output(self.output), False, self.normalized,
-                                        diag=True), self.estimator)
+                                        diag=True), self.estimator, X, Y)
 
     def _diag(self, X):
         Xt, _ = _tensors(self.estimator, X, None)
@@ -1299,7 +1318,7 @@ class PathKernel(_NetworkKernel):
         """``K(X, Y)`` and both diagonals as the kernel and its ``diag`` give them, from
         one walk over the path; refused where they overflowed."""
         sums = _checked_sums(_own_sums(*self._sum(X, Y, gram=True, diag=True),
-                                       self.normalized), self.estimator)
+                                       self.normalized), self.estimator, X, Y)
         self._warn_thinned(X)
         return sums
 

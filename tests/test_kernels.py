@@ -641,6 +641,42 @@ def test_a_float64_gram_that_overflows_is_refused_without_suggesting_float64():
     assert "Scale the inputs" in str(info.value)
 
 
+class _MaskedAttention(torch.nn.Module):
+    """Token ids (0 pads) through a hand-written attention that masks the padding keys
+    with -inf: a sequence of padding alone has every key masked, a softmax of -inf only,
+    NaN in any dtype."""
+
+    def __init__(self, n_out, vocab=6, d=4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.head = torch.nn.Linear(d, n_out)
+
+    def forward(self, ids):
+        q, k, v = self.qkv(self.embed(ids)).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2)).masked_fill((ids == 0)[:, None, :], float("-inf"))
+        return self.head((scores.softmax(-1) @ v).mean(1))
+
+
+def test_a_gram_of_a_network_that_returns_nan_names_its_outputs_not_overflow():
+    """At a sequence of padding alone the module's own output is NaN; the refusal said the
+    features overflowed float32 and advised dtype='float64', which computes the same NaN."""
+    rng = np.random.RandomState(0)
+    X = rng.randint(1, 6, size=(20, 4))
+    est = PathKernelMachine(module=lambda n_in, n_out: _MaskedAttention(n_out), max_iter=2,
+                            tol=None, dtype="float64", random_state=0).fit(X, X.mean(axis=1))
+    Q = np.vstack([X[:2], np.zeros((1, 4), dtype=np.int64)])
+    with torch.no_grad():
+        assert torch.isnan(est.module_(torch.as_tensor(Q[2:]))).all()
+    for call in (lambda: TangentKernel(est)(Q), lambda: TangentKernel(est).diag(Q),
+                 lambda: TangentKernel(est)(X, Q), lambda: step_kernel(est, Q),
+                 lambda: PathKernel(est)(Q), lambda: PathKernel(est, normalized=True)(Q)):
+        with pytest.raises(ValueError, match="own outputs are NaN or inf at 1 of") as info:
+            call()
+        assert "overflow" not in str(info.value)
+    assert np.isfinite(TangentKernel(est)(Q[:2])).all()
+
+
 @pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
 def test_row_split_full_gram_averages_with_the_block_transpose(cls):
     """K(X) split into row blocks (n_jobs) is made symmetric by its mean with the

@@ -42,7 +42,7 @@ from .._device import (
     to_tensor,
 )
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
-from .._modules import copy_module, runs_module
+from .._modules import copy_module, runs_module, without_fastpath
 from .._network._inputs import (
     block_widths,
     check_representable,
@@ -937,10 +937,11 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         # fit's construction (another initialisation for its random_state) or training;
         # fits that draw nothing train at once on threads.
         # A recurrent layer built in eval mode on CUDA trains without cuDNN, whose kernel
-        # has no backward in eval mode.
+        # has no backward in eval mode; attention trains without torch's inference fast
+        # path, which the losses computed without a graph would otherwise read.
         with bar as tick, limit_torch_threads(threads), \
                 seeded_torch(seed + 1, X_t.device, exclusive=draws_in_training(module)), \
-                trains_without_cudnn(module):
+                trains_without_cudnn(module), without_fastpath(module):
             return train(
                 module, X_t, Y_t,
                 loss=LOSSES[loss_name](),

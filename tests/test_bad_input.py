@@ -537,8 +537,10 @@ BAD_ND_X = {
         "negative id": (_with(TOKEN_IDS[:2], (0, 1), -1), ValueError, "non-negative"),
         "id beyond the embedding": (_with(TOKEN_IDS[:2], (1, 2), 99), ValueError,
                                     r"token id 99, out of range.*\[6\] rows"),
+        # In the words of sequences, not of features, from every method and kernel.
         "wrong length": (np.zeros((2, 4), dtype=int), ValueError,
-                         r"4 features.*expecting 3|shape \(2, 4\).*\(n_samples, 3\)"),
+                         r"shape \(2, 4\).*\(n_samples, 3\).*pad \(or cut\) every sequence"
+                         r" to the fit's length, 3"),
         "3-D ids": (np.zeros((2, 3, 1), dtype=int), ValueError,
                     r"shape \(2, 3, 1\).*of shape \(n_samples, 3\)"),
         "sparse": (sp.csr_matrix(np.ones((2, 3), dtype=int)), TypeError, "[Ss]parse"),

@@ -143,6 +143,8 @@ def _check_like_fit(X, dtype, kind, shape, fitted_kind, name, what) -> None:
         raise ValueError(
             f"{name} has shape {X.shape}, but {what} is expecting {name} of shape "
             f"{_shape_text(shape)}, as at fit."
+            + (f" Token ids: pad (or cut) every sequence to the fit's length, {shape[-1]}."
+               if fitted_kind == TOKENS and X.ndim == len(shape) + 1 else "")
         )
 
 
@@ -190,6 +192,11 @@ def validate_input(estimator, X, y="no_validation", *, reset: bool, flexible: bo
         shape = None
     else:
         shape, kind = fitted_input(estimator)
+    if (kind == TOKENS and hasattr(X, "shape") and hasattr(X, "dtype")
+            and len(X.shape) == len(shape) + 1 and tuple(X.shape[1:]) != tuple(shape)):
+        # Before validate_data, whose n_features check speaks of features, not of the
+        # length of the sequences.
+        _check_like_fit(X, X.dtype, TOKENS, shape, TOKENS, "X", type(estimator).__name__)
     if kind == FEATURES:
         out = validate_data(estimator, X, y, reset=reset, dtype=_FLOATS, **check_params)
         if reset:

@@ -1081,6 +1081,14 @@ def test_token_ids_and_sequences_score_like_the_dense_reference(kind, method):
     np.testing.assert_allclose(-det.score_samples(Xq), ref, atol=1e-5)
     with pytest.raises(ValueError, match="features|shape"):  # another trailing shape
         det.score_samples(Xq[:, :2])
+    if kind == "tokens":
+        # Without y the network would regress the id codes: refused before any training,
+        # and the fitted detector is kept; the default MLP takes integers as features.
+        before = det.score_samples(Xq)
+        with pytest.raises(ValueError, match="token ids.*pass targets y.*FrozenEstimator"):
+            det.set_params(estimator=PathKernelMachine(module=module, **params)).fit(X)
+        np.testing.assert_array_equal(det.score_samples(Xq), before)
+        OODRankDetector(PathKernelMachine(**params), n_neighbors=4).fit(X)
 
 
 def test_scores_stay_the_fitted_methods_after_set_params():

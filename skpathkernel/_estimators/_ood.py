@@ -370,6 +370,17 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "wrap a fitted classifier in sklearn.frozen.FrozenEstimator to read its "
                 "network as it is."
             )
+        if (reconstruct and not frozen and inner is not None and inner.module is not None
+                and np.issubdtype(getattr(X, "dtype", np.asarray(X).dtype), np.integer)):
+            # With a module, integer X is token ids: reconstructing them regresses
+            # category codes as numbers, a task without meaning whose network's span
+            # would then define "normal".
+            raise ValueError(
+                "fit(X) without y trains the network to reconstruct X, but integer X "
+                "with a module is token ids, categories that a regression on their codes "
+                "does not model: pass targets y for the network to learn, or wrap a fitted "
+                "trainer in sklearn.frozen.FrozenEstimator to read its network as it is."
+            )
         _, _, frozen, weights = self._fit_trainer(
             X, None if frozen else y, target=flat_targets if reconstruct else None,
             sample_weight=sample_weight, fit_params=fit_params)

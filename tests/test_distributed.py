@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from numpy.testing import assert_allclose
 
-from skpathkernel import RecordedNetwork, Trajectory
+from skpathkernel import PathRecorder, RecordedNetwork, Trajectory
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -185,3 +185,41 @@ def test_a_rank_that_crashes_leaves_a_readable_path_that_says_where_it_ends(tmp_
     assert traj.n_steps == 3
     for k in range(4):
         assert_allclose(traj.parameters(k).numpy(), points[k].numpy(), rtol=0, atol=1e-15)
+
+
+def test_a_ddp_wrapper_given_for_the_recorded_network_is_named_in_the_refusal():
+    # PathRecorder records a DDP module through its .module: the path's parameters are
+    # '0.weight', ..., the wrapper's 'module.0.weight', .... Handed the wrapper (the
+    # `model` of the loop), RecordedNetwork said only that the path "was recorded from
+    # another network" whose parameter '0.weight' the module was "missing".
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(worker.mlp())
+        opt = worker.optimizer(ddp.parameters())
+        rec = PathRecorder(ddp, opt, n_samples=worker.N)
+        X, y = worker.data()
+        for t in range(2):
+            idx = worker.shards(2, t)[0]
+            opt.zero_grad()
+            (0.5 * (ddp(X[idx]) - y[idx]) ** 2).mean().backward()
+            rec.set_batch(idx)
+            opt.step()
+        traj = rec.trajectory
+    finally:
+        torch.distributed.destroy_process_group()
+    with pytest.raises(ValueError, match=r"another network.*under the prefix 'module\.' "
+                                         r"\('module\.0\.weight'\).*ddp\.module"):
+        RecordedNetwork(ddp, traj, X_train=X.numpy(), y_train=y.numpy())
+    # The wrapped network, as the message says, decomposes the path exactly.
+    net = RecordedNetwork(ddp.get_submodule("module"), traj, X_train=X.numpy(),
+                          y_train=y.numpy())
+    res = net.decompose(X[:3].numpy())
+    with torch.no_grad():
+        truth = ddp.module(X[:3]).numpy()
+    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    # A module that is another network is refused as before, with no such hint.
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 1)).double()
+    with pytest.raises(ValueError, match=r"the module's is of shape \(4, 3\)\.$"):
+        RecordedNetwork(other, traj)

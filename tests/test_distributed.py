@@ -154,6 +154,22 @@ def test_ddp_declared_loss_coefficients_are_gathered_over_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_recorder_created_before_init_process_group_says_so(tmp_path):
+    # Created before the process group (with the module and the optimizer, then wrapped
+    # in DDP), the recorder took the run for one process's and refused the all-reduced
+    # gradients as "value clipping (clip_grad_value_), gradient noise or custom gradient
+    # surgery". Every rank refuses the step (before it is taken), naming the cause.
+    reports = _spawn(2, tmp_path, "recorded_before_init")
+    for r in (0, 1):
+        assert reports[r]["n_steps"] == 0, reports[r]
+        (error,) = reports[r]["errors"]
+        assert error.startswith("ValueError") and re.search(
+            r"process group has 2 processes, while there was none when the recorder was "
+            r"created.*Create the PathRecorder after init_process_group", error), error
+        assert "clip_grad_value_" not in error
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, match", [
     ("out_of_range", r"rank 1 declared a wrong batch for optimizer step 2"),
     ("undeclared", r"rank 1 declared no batch \(set_batch\) for optimizer step 2"),

@@ -113,10 +113,43 @@ def _run(rank, world, out, scenario):
         json.dump({"errors": errors, "n_steps": rec.n_steps}, f)
 
 
-def main(rank, world, port, out, scenario):
+def _run_recorded_before_init(rank, world, port, out):
+    """The recorder created before init_process_group (with the module and the optimizer,
+    then wrapped in DDP): it records as one process, and DDP's all-reduce changes the
+    gradients it saw from backward()."""
+    X, y = data()
+    module = mlp()
+    opt = optimizer(module.parameters())
+    rec = PathRecorder(module, opt, n_samples=N)
+    _init(rank, world, port)
+    model = DistributedDataParallel(module)
+    errors = []
+    idx = shards(world, 0)[rank]
+    opt.zero_grad()
+    (0.5 * (model(X[idx]) - y[idx]) ** 2).mean().backward()
+    rec.set_batch(idx)
+    try:
+        opt.step()
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"errors": errors, "n_steps": rec.n_steps}, f)
+
+
+def _init(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
+
+
+def main(rank, world, port, out, scenario):
+    if scenario == "recorded_before_init":
+        try:
+            _run_recorded_before_init(rank, world, port, out)
+        finally:
+            dist.destroy_process_group()
+        return
+    _init(rank, world, port)
     try:
         _run(rank, world, out, scenario)
     finally:

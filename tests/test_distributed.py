@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from numpy.testing import assert_allclose
 
-from skpathkernel import RecordedNetwork, Trajectory
+from skpathkernel import PathRecorder, RecordedNetwork, Trajectory
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -154,6 +154,22 @@ def test_ddp_declared_loss_coefficients_are_gathered_over_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_recorder_created_before_init_process_group_says_so(tmp_path):
+    # Created before the process group (with the module and the optimizer, then wrapped
+    # in DDP), the recorder took the run for one process's and refused the all-reduced
+    # gradients as "value clipping (clip_grad_value_), gradient noise or custom gradient
+    # surgery". Every rank refuses the step (before it is taken), naming the cause.
+    reports = _spawn(2, tmp_path, "recorded_before_init")
+    for r in (0, 1):
+        assert reports[r]["n_steps"] == 0, reports[r]
+        (error,) = reports[r]["errors"]
+        assert error.startswith("ValueError") and re.search(
+            r"process group has 2 processes, while there was none when the recorder was "
+            r"created.*Create the PathRecorder after init_process_group", error), error
+        assert "clip_grad_value_" not in error
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, match", [
     ("out_of_range", r"rank 1 declared a wrong batch for optimizer step 2"),
     ("undeclared", r"rank 1 declared no batch \(set_batch\) for optimizer step 2"),
@@ -185,3 +201,41 @@ def test_a_rank_that_crashes_leaves_a_readable_path_that_says_where_it_ends(tmp_
     assert traj.n_steps == 3
     for k in range(4):
         assert_allclose(traj.parameters(k).numpy(), points[k].numpy(), rtol=0, atol=1e-15)
+
+
+def test_a_ddp_wrapper_given_for_the_recorded_network_is_named_in_the_refusal():
+    # PathRecorder records a DDP module through its .module: the path's parameters are
+    # '0.weight', ..., the wrapper's 'module.0.weight', .... Handed the wrapper (the
+    # `model` of the loop), RecordedNetwork said only that the path "was recorded from
+    # another network" whose parameter '0.weight' the module was "missing".
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                         rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(worker.mlp())
+        opt = worker.optimizer(ddp.parameters())
+        rec = PathRecorder(ddp, opt, n_samples=worker.N)
+        X, y = worker.data()
+        for t in range(2):
+            idx = worker.shards(2, t)[0]
+            opt.zero_grad()
+            (0.5 * (ddp(X[idx]) - y[idx]) ** 2).mean().backward()
+            rec.set_batch(idx)
+            opt.step()
+        traj = rec.trajectory
+    finally:
+        torch.distributed.destroy_process_group()
+    with pytest.raises(ValueError, match=r"another network.*under the prefix 'module\.' "
+                                         r"\('module\.0\.weight'\).*ddp\.module"):
+        RecordedNetwork(ddp, traj, X_train=X.numpy(), y_train=y.numpy())
+    # The wrapped network, as the message says, decomposes the path exactly.
+    net = RecordedNetwork(ddp.get_submodule("module"), traj, X_train=X.numpy(),
+                          y_train=y.numpy())
+    res = net.decompose(X[:3].numpy())
+    with torch.no_grad():
+        truth = ddp.module(X[:3]).numpy()
+    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    # A module that is another network is refused as before, with no such hint.
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 1)).double()
+    with pytest.raises(ValueError, match=r"the module's is of shape \(4, 3\)\.$"):
+        RecordedNetwork(other, traj)

@@ -1125,7 +1125,28 @@ def _check_module_matches(module: torch.nn.Module, trajectory: Trajectory) -> No
             raise ValueError(
                 f"The trajectory{where} was recorded from another network: its parameter "
                 f"{name!r} has shape {tuple(shape)}, the module's is {have}."
+                + _wrapper_hint(module, trajectory, shapes)
             )
+
+
+def _wrapper_hint(module: torch.nn.Module, trajectory: Trajectory, shapes: dict) -> str:
+    """Where ``module`` wraps the recorded network (its parameters are the path's under
+    one prefix: a DistributedDataParallel's ``module.``), a sentence naming the submodule
+    to pass instead; else an empty string."""
+    first = trajectory.names[0]
+    for key in shapes:
+        prefix = key[: len(key) - len(first)]
+        if not (prefix.endswith(".") and key.endswith("." + first)):
+            continue
+        if all(shapes.get(prefix + n) == tuple(s)
+               for n, s in zip(trajectory.names, trajectory.shapes)):
+            return (f" But the module holds every recorded parameter under the prefix "
+                    f"{prefix!r} ({prefix + first!r}): it wraps the recorded network, as a "
+                    "DistributedDataParallel does (PathRecorder records one through its "
+                    "`.module`). Pass the wrapped network, "
+                    f"module.get_submodule({prefix[:-1]!r}) (`ddp.module`), or build it "
+                    "with recorder.as_estimator(X_train, y_train).")
+    return ""
 
 
 def network_of(obj) -> TrainedNetwork:

@@ -930,6 +930,21 @@ class PathRecorder:
         # One factor for every entry, to the round-off of one multiplication (of two,
         # with a GradScaler's unscaling).
         if worst > 8 * eps * (abs(c) * top + 1e-300):
+            world = _process_group()[0]
+            if world > 1:
+                # Created before init_process_group, the recorder took the run for one
+                # process's: DDP's all-reduce, averaging the ranks' gradients after
+                # backward(), is what changed them.
+                self._fail(
+                    f"at optimizer step {step} the gradients the optimizer is about to "
+                    "use are not those of backward() times one factor, and torch."
+                    f"distributed's process group has {world} processes, while there was "
+                    "none when the "
+                    "recorder was created: under DistributedDataParallel the all-reduce "
+                    "averages the ranks' gradients after backward(), which a recorder of "
+                    "one process cannot split over the training points. Create the "
+                    "PathRecorder after init_process_group, on every rank (each declares "
+                    "its shard; the writer_rank records the global batch).", ValueError)
             self._fail(
                 f"at optimizer step {step} the gradients the optimizer is about to use "
                 "are not those of backward() times one factor (they depart from the best "

@@ -239,3 +239,11 @@ def test_a_ddp_wrapper_given_for_the_recorded_network_is_named_in_the_refusal():
                                 torch.nn.Linear(4, 1)).double()
     with pytest.raises(ValueError, match=r"the module's is of shape \(4, 3\)\.$"):
         RecordedNetwork(other, traj)
+
+
+def test_a_failure_at_the_first_step_says_the_initial_point_is_kept():
+    # A gather that failed at optimizer step 0 said "the trajectory ends after step -1".
+    from skpathkernel._path._recorder import _kept
+
+    assert _kept(0) == "the trajectory holds the initial point only"
+    assert _kept(3) == "the trajectory ends after step 2"

@@ -211,6 +211,13 @@ def _process_group() -> tuple[int, int]:
     return 1, 0
 
 
+
+def _kept(step: int) -> str:
+    """What a recorder that failed at optimizer step ``step`` keeps readable."""
+    if step == 0:
+        return "the trajectory holds the initial point only"
+    return f"the trajectory ends after step {step - 1}"
+
 class PathRecorder:
     """Record the optimisation path of a training loop that you write yourself.
 
@@ -977,7 +984,7 @@ class PathRecorder:
             dist.all_gather(headers, header)
         except Exception as exc:  # a rank that stopped: recorded steps stay readable
             self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
-                       f"the trajectory ends after step {step - 1}.", cause=exc)
+                       f"{_kept(step)}.", cause=exc)
         H = torch.stack(headers).cpu().numpy()
         problems = []
         for r, (s, _, st, _, _) in enumerate(H):
@@ -1008,7 +1015,7 @@ class PathRecorder:
             dist.gather(buf, bufs, dst=self.writer_rank)
         except Exception as exc:
             self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
-                       f"the trajectory ends after step {step - 1}.", cause=exc)
+                       f"{_kept(step)}.", cause=exc)
         given = None
         if H[:, 4].any():
             # A rank declared its loss coefficients (set_batch(..., weights)): every rank
@@ -1021,7 +1028,7 @@ class PathRecorder:
                 dist.gather(buf, given, dst=self.writer_rank)
             except Exception as exc:
                 self._fail(f"the gather of optimizer step {step}'s batch weights failed "
-                           f"({exc}); the trajectory ends after step {step - 1}.",
+                           f"({exc}); {_kept(step)}.",
                            cause=exc)
         if not writer:
             return None, None

@@ -382,7 +382,8 @@ class FittedNetworkMixin:
         distances : ndarray of shape (n_queries, n_neighbors)
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
-            Indices into the training set; among equal distances, the lower index first.
+            Rows of ``X_fit_`` (``train_indices_`` maps them to ``X``); among equal
+            distances, the lower index first.
 
         Examples
         --------

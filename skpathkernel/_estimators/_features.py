@@ -361,7 +361,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
     ----------
     svm_ : SVC
         The fitted SVM; it reads tangent features ("linear"; unit rows with
-        ``normalize``) or Gram rows against ``X_fit_`` ("tangent", "path").
+        ``normalize``) or Gram rows against ``X_fit_`` ("tangent", "path"; columns are
+        rows of ``X_fit_``, which ``train_indices_`` maps to ``X``).
     C_ : float
         The ``C`` of ``svm_`` (chosen by ``C="auto"``, else ``C``).
     classes_ : ndarray of shape (n_classes,)

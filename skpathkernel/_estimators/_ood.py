@@ -242,8 +242,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         Rank ``r`` of the factorisation: the number of pivots. Only with
         ``method="residual"`` or ``"alignment"`` ("local" factorises nothing).
     pivots_ : ndarray of shape (`rank_`,)
-        Indices into ``X_fit_`` of the pivots, whose features span the others to within
-        the tolerance, in the order they were chosen. As ``rank_``.{fitted}
+        Rows of ``X_fit_`` (``train_indices_`` maps them to ``X``) of the pivots, whose
+        features span the others to within the tolerance, in the order they were
+        chosen. As ``rank_``.{fitted}
     See Also
     --------
     sklearn.ensemble.IsolationForest : The offset convention followed here.

@@ -105,9 +105,11 @@ def test_skops_round_trip_keeps_the_map():
     assert_array_equal(back.train_indices_, est.train_indices_)
 
 
-def test_warm_start_on_the_same_X_keeps_the_map_and_other_data_drops_it():
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_warm_start_on_the_same_X_keeps_the_map_and_other_data_drops_it(storage, tmp_path):
     X, y, _ = _data()
-    est = PathKernelMachine(**{**STOPPING, "warm_start": True}).fit(X, y)
+    est = PathKernelMachine(**STOPPING, warm_start=True, trajectory_storage=storage,
+                            trajectory_dir=str(tmp_path)).fit(X, y)
     first = _check_map(est, X).copy()
     est.fit(X, y)  # the same split (an int random_state): the same training rows
     assert est.trajectory_.n_samples == len(first)

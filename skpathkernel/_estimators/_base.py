@@ -382,7 +382,8 @@ class FittedNetworkMixin:
         distances : ndarray of shape (n_queries, n_neighbors)
             Only when ``return_distance=True``; increasing along each row.
         indices : ndarray of shape (n_queries, n_neighbors)
-            Indices into the training set; among equal distances, the lower index first.
+            Rows of ``X_fit_`` (``train_indices_`` maps them to ``X``); among equal
+            distances, the lower index first.
 
         Examples
         --------
@@ -483,6 +484,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         "verbose": ["verbose"],
         "warm_start": ["boolean"],
     }
+
+    # X_fit_'s rows in the X given to fit, kept by fit itself (early stopping's split).
+    train_indices_ = FittedAttribute(None, "_train_rows")
 
     @abstractmethod
     def __init__(
@@ -677,7 +681,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         rng = check_random_state(self.random_state)
         seed, split_seed = (int(s) for s in rng.randint(np.iinfo(np.int32).max, size=2))
         validation = None
-        attrs["_train_rows"] = None
+        # train_indices_: X_fit_'s rows in this call's X (None once X_fit_ holds several
+        # calls' rows, below).
+        attrs["_train_rows"] = np.arange(len(X))
         X_all = X
         if self.early_stopping:
             # Held out before any work: the network never trains on these rows, so they
@@ -747,7 +753,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                     fit_weights, same_data_allowed=not incremental)
                 if trajectory.storage == "memory" and isinstance(self.record_every, str):
                     _warn_past_budget(previous.trajectory, trajectory, self.memory_budget)
-                attrs["_train_rows"] = None if X_fit is not X else attrs["_train_rows"]
+                # Only a warm start on the same training rows keeps the previous X_fit_
+                # (this call's rows, value for value); appended rows are no one call's.
+                if X_fit is not previous.X_fit:
+                    attrs["_train_rows"] = None
             elif trajectory.storage == "disk" and (incremental or self.warm_start):
                 # A path that later calls extend: its training set grows on disk beside
                 # it, not in memory.

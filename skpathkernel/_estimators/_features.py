@@ -361,7 +361,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
     ----------
     svm_ : SVC
         The fitted SVM; it reads tangent features ("linear"; unit rows with
-        ``normalize``) or Gram rows against ``X_fit_`` ("tangent", "path").
+        ``normalize``) or Gram rows against ``X_fit_`` ("tangent", "path"; columns are
+        rows of ``X_fit_``, which ``train_indices_`` maps to ``X``).
     C_ : float
         The ``C`` of ``svm_`` (chosen by ``C="auto"``, else ``C``).
     classes_ : ndarray of shape (n_classes,)
@@ -490,11 +491,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         self._svm_kernel, self._normalize = self.svm_kernel, self.normalize
         # A column y: the trainer has warned already, unless frozen.
         labels = column_or_1d(y, warn=frozen)
-        rows = None if frozen else self.estimator_._train_rows
-        if rows is not None:
-            # Early stopping held rows out: the SVM learns from the rows the network did.
-            labels = labels[rows]
-            weights = None if weights is None else weights[rows]
+        # Early stopping held rows out: the SVM learns from the rows the network did.
+        labels = labels[self.train_indices_]
+        weights = None if weights is None else weights[self.train_indices_]
         weights = mean_one(weights)
         # libsvm rather than liblinear's LinearSVC: tangent features have norms in the
         # tens, where liblinear (which also penalizes the intercept) needs 10^4+

@@ -250,6 +250,19 @@ _FITTED_ATTRS_DOC = """
         The samples trained on, in the order of X (all of X unless ``early_stopping``
         held some out), as the network takes them (floats, or int64 token ids): the
         kernel machine's representation is over them.
+    train_indices_ : ndarray of int of shape (n_samples_trained,) or None
+        The rows of the ``X`` given to the last ``fit`` that ``X_fit_`` holds, in its
+        order: ``X_fit_`` equals ``X[train_indices_]`` (``X`` after the estimator's input
+        conversion; ``X.iloc[train_indices_]`` for a DataFrame). ``arange(n_samples)``
+        unless ``early_stopping`` held rows out. Every per-training-point output
+        indexes ``X_fit_`` (``decompose``'s ``contributions``, ``attribute``,
+        ``self_influence``, ``kneighbors`` and ``explain`` indices, the trajectory's
+        batches): this maps them back to ``X``. None where ``X_fit_`` is not rows of one
+        call's ``X``: after a ``partial_fit`` call that appended its rows to an earlier
+        call's (every call after the first), or a ``warm_start`` fit whose training rows
+        differ from ``X_fit_`` (other data, or another ``early_stopping`` split: an int
+        ``random_state`` keeps it), which appends them too. A ``warm_start`` fit on the
+        same training rows keeps ``X_fit_`` and maps it to that call's ``X``.
     n_features_in_ : int
         Number of features seen during fit: for ``(n_samples, ...)`` inputs, the number
         of values per sample, ``prod(input_shape_)``.
@@ -452,7 +465,8 @@ class _KernelMachineMixin(TransformerMixin):
         Returns
         -------
         indices : ndarray of shape (n_queries, n_neighbors)
-            Training-set indices, largest contribution first.
+            Rows of ``X_fit_`` (``train_indices_`` maps them to ``X``), largest
+            contribution first.
         contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
             Their contributions ``a_i(x)``: one column for a scalar output, ``n_outputs_``
             columns for ``output="all"``.

@@ -94,6 +94,18 @@ FITTED_DOC = """
         (all of ``X`` unless ``early_stopping`` held some out), or with a
         ``FrozenEstimator`` (or a ``RecordedNetwork``) the ``X`` given to ``fit``; as the
         network takes them.
+    train_indices_ : ndarray of int of shape (n_samples_fit,)
+        The rows of the ``X`` given to ``fit`` that ``X_fit_`` holds, in its order:
+        ``X_fit_`` equals ``X[train_indices_]`` (``X`` after this estimator's input
+        conversion; ``X.iloc[train_indices_]`` for a DataFrame). Every training-point
+        output (a kernel's training columns, ``kneighbors``' indices) indexes ``X_fit_``;
+        this maps it back to ``X``. ``estimator_``'s own when it was fitted here
+        (``arange(n_samples)`` unless ``early_stopping`` held rows out); with a
+        ``FrozenEstimator`` (or a ``RecordedNetwork``), ``arange(n_samples)``: ``X_fit_``
+        is this ``X``, while the frozen trainer's ``train_indices_`` index the ``X`` of
+        its own earlier fit. An ``OODRankDetector``'s ``X_fit_`` (and so these indices)
+        also leaves out the rows of ``sample_weight`` 0 and repeated rows (it keeps the
+        first occurrence).
     n_features_in_ : int
         Number of features seen during fit (values per sample for ``(n, ...)`` inputs).
     input_shape_ : tuple of int
@@ -167,6 +179,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     t_ = FittedAttribute("estimator_")
     # The meta-estimator's own: the points its kernel rows and spans are against.
     X_fit_ = FittedAttribute()
+    train_indices_ = FittedAttribute()
 
     @property
     def n_outputs_(self):
@@ -313,7 +326,8 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         one where it requested ``sample_weight=True``, another of ``fit_params`` under the
         alias it requested (``set_fit_request(sample_weight="w")``), none where it
         declined. ``fit_params`` without routing are refused, as by scikit-learn's
-        ``BaggingRegressor``. Sets ``estimator_`` and ``X_fit_``; returns the validated
+        ``BaggingRegressor``. Sets ``estimator_``, ``X_fit_`` and ``train_indices_``
+        (their rows in ``X``); returns the validated
         ``(X, y)``, whether the trainer was frozen (then nothing was trained, and ``X``
         was checked against its network) and the validated ``sample_weight`` (None when
         not given or all equal), which the meta-estimator's own use of them reads
@@ -343,7 +357,9 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             check_column_names(inner, X)
             X, y = self._validate_like_network(X, y, net, frozen=True)
             self._check_targets(y)
-            self.estimator_, self.X_fit_ = inner, X
+            # The X given here is the span's: the frozen trainer's own train_indices_
+            # index the X of its earlier fit.
+            self.estimator_, self.X_fit_, self.train_indices_ = inner, X, np.arange(len(X))
             # An own loop declares no number of outputs: one sample's forward pass counts
             # them (a trainer's n_outputs_ is read from it).
             self._n_outputs = (net.outputs(X[:1]).shape[1]
@@ -364,6 +380,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         weighted = {} if to_trainer is None else {"sample_weight": to_trainer}
         trainer.fit(X, y if target is None else target(X), **weighted, **other)
         self.estimator_, self.X_fit_, self._n_outputs = trainer, trainer.X_fit_, None
+        self.train_indices_ = trainer.train_indices_
         return X, y, False, sample_weight
 
     def _validate_fit_data(self, X, y, *, flexible, frozen=False):

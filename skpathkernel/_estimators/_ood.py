@@ -242,8 +242,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         Rank ``r`` of the factorisation: the number of pivots. Only with
         ``method="residual"`` or ``"alignment"`` ("local" factorises nothing).
     pivots_ : ndarray of shape (`rank_`,)
-        Indices into ``X_fit_`` of the pivots, whose features span the others to within
-        the tolerance, in the order they were chosen. As ``rank_``.{fitted}
+        Rows of ``X_fit_`` (``train_indices_`` maps them to ``X``) of the pivots, whose
+        features span the others to within the tolerance, in the order they were
+        chosen. As ``rank_``.{fitted}
     See Also
     --------
     sklearn.ensemble.IsolationForest : The offset convention followed here.
@@ -385,21 +386,23 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
             X, None if frozen else y, target=flat_targets if reconstruct else None,
             sample_weight=sample_weight, fit_params=fit_params)
         est = self.estimator_
-        if not frozen and weights is not None and est._train_rows is not None:
-            # Those of X_fit_'s rows, early stopping's training part: read from the
+        if weights is not None:
+            # Those of X_fit_'s rows (early stopping's training part): read from the
             # weights given, which routing may have kept from the trainer.
-            weights = weights[est._train_rows]
+            weights = weights[self.train_indices_]
+        # Each row left out of X_fit_ leaves train_indices_ too: it maps the span's
+        # points to X.
         if weights is not None and not np.all(weights > 0):
             # scikit-learn's weight 0: the row is absent. Here a span would otherwise
             # hold it, and score it (and any point near it) as fully normal.
-            self.X_fit_ = self.X_fit_[weights > 0]
+            self._keep_rows(weights > 0)
         # A repeated row adds nothing to the span, but its copy left its leave-one-out
         # score at 0: with every row twice, offset_ sat at round-off and predict flagged
         # all new data (contamination=0.05: 1.000 of held-out digits 0-4), and the copies
         # took half of each local span's n_neighbors.
         distinct = _distinct_rows(self.X_fit_)
         if not np.all(distinct):
-            self.X_fit_ = self.X_fit_[distinct]
+            self._keep_rows(distinct)
         if len(self.X_fit_) < 2:
             # One point spans one direction: its leave-one-out score, which sets offset_,
             # has no other point to be scored against.
@@ -413,6 +416,9 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         # The span's points: those trained on (not the early-stopping hold-out), or the
         # X given with a frozen trainer.
         return self.X_fit_, task
+
+    def _keep_rows(self, mask):
+        self.X_fit_, self.train_indices_ = self.X_fit_[mask], self.train_indices_[mask]
 
     @keep_previous_fit_on_error
     def fit(self, X, y=None, sample_weight=None, **fit_params):
@@ -429,7 +435,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         weights weigh neither: a span has no weights (a direction is in it or not), a
         repeated point adds nothing to it, and the leave-one-out scores behind
         ``offset_`` are unweighted quantiles. So a row of ``X`` repeated is one point
-        (``X_fit_`` holds its first occurrence), as a weight of 2 is: its copy would
+        (``X_fit_`` holds its first occurrence; ``train_indices_`` maps ``X_fit_``'s
+        rows to ``X``), as a weight of 2 is: its copy would
         otherwise lie in the span of the others, its leave-one-out score 0, and a
         training set of repeated rows (oversampled, or every row twice) would put
         ``offset_`` at round-off, where ``predict`` flags all new data.

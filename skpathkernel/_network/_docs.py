@@ -101,7 +101,9 @@ result : Decomposition
     (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
     (logits for multi-class classifiers, the margin for binary ones); for
     "exact", ``n_nodes`` and ``step_errors`` per step, and ``tol``; on a thinned
-    path, ``replay_error`` (None elsewhere).${raises}
+    path, ``replay_error`` (None elsewhere). The training axis of ``contributions``
+    is the rows of ``X_fit_`` (an estimator's ``train_indices_`` maps them to the
+    ``X`` given to ``fit``).${raises}
 
 Notes
 -----
@@ -215,7 +217,9 @@ n_jobs : int, default=None
 Returns
 -------
 scores : ndarray of shape (n_queries, n_train)
-    Float64 (an :class:`~skpathkernel.AttributionScores` for "unrolled").
+    Float64 (an :class:`~skpathkernel.AttributionScores` for "unrolled"); column ``i``
+    is row ``i`` of ``X_fit_`` (an estimator's ``train_indices_`` maps it to the ``X``
+    given to ``fit``).
 
 See Also
 --------
@@ -242,6 +246,6 @@ n_jobs : int, default=None
 Returns
 -------
 self_influence : AttributionScores of shape (n_train,)
-    Float64, in the order of the training inputs; ``growth`` as in
-    :meth:`attribute`.${examples}
+    Float64, one per row of ``X_fit_`` (an estimator's ``train_indices_`` maps them to
+    the ``X`` given to ``fit``); ``growth`` as in :meth:`attribute`.${examples}
 """

@@ -882,7 +882,7 @@ ValueError
         Returns
         -------
         indices : ndarray of shape (n_queries, n_neighbors)
-            Training-set indices, largest contribution first.
+            Rows of ``X_fit`` (an estimator's ``X_fit_``), largest contribution first.
         contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
             Their contributions: one column for a scalar output, ``n_outputs`` for "all".
         """

@@ -1263,6 +1263,10 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
     X_fit_ : ndarray of shape (n_samples, n_features) or (n_samples, ...), or None
         ``X_train`` as the network takes it (floats, or int64 token ids); None without
         ``X_train``.
+    train_indices_ : ndarray of int of shape (n_samples,), or None
+        ``arange(n_samples)``: ``X_fit_`` is ``X_train``, row for row (the estimators'
+        ``train_indices_`` map their ``X_fit_`` to ``fit``'s ``X``, which this
+        ``fit`` ignores); None without ``X_train``.
     n_features_in_ : int
         Values per sample, ``prod(input_shape_)``; only when ``X_train`` is given.
     input_shape_ : tuple of int
@@ -1328,6 +1332,12 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         if n is None:
             raise AttributeError("n_features_in_ is only set when X_train is given.")
         return n
+
+    @property
+    def train_indices_(self) -> np.ndarray | None:
+        """``arange(n_samples)`` of ``X_train`` (``X_fit_``); None without it."""
+        X_fit = self._network().X_fit
+        return None if X_fit is None else np.arange(len(X_fit))
 
     @property
     def input_shape_(self) -> tuple[int, ...]:
@@ -1436,7 +1446,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         Returns
         -------
         indices : ndarray of shape (n_queries, n_neighbors)
-            Training-set indices, largest contribution first.
+            Rows of ``X_train`` (``X_fit_``), largest contribution first.
         contributions : ndarray of shape (n_queries, n_neighbors, n_explained)
             Their contributions: one column for a scalar output, ``n_outputs`` for "all".
         """

@@ -13,7 +13,7 @@ from _reference import jacobian_loop, module_at
 from torch import nn
 
 import skpathkernel._tangent._gram as gram_module
-from skpathkernel import PathKernelClassifier
+from skpathkernel import PathKernelClassifier, PathRecorder, TangentKernel
 from skpathkernel._tangent import capture, tangent_features, tangent_gram, tangent_gram_diag
 from skpathkernel.kernels import PathKernel, path_weights
 from skpathkernel.rules import layer_routes
@@ -319,3 +319,135 @@ def test_unstructured_raw_parameters_fall_back_exactly():
     assert (route.name, route.n_params) == ("", 16)
     J = jacobian_loop(module, X)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+# ----------------------------------------------------------------------- sliced reads
+class SlicedViT(nn.Module):
+    """A ViT whose position embedding has room for more tokens than it is given: read
+    through ``self.pos[:, :L]`` (``x.shape[1]``, fewer than its 9 rows), added."""
+
+    def __init__(self, n_outputs=3, d=8, patch=4, side=8, max_tokens=9):
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
+        self.pos = nn.Parameter(torch.randn(1, max_tokens, d) * 0.5)
+        self.encoder = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True,
+                                                  norm_first=True)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, n_outputs)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = x + self.pos[:, :x.shape[1]]
+        return self.head(self.norm(self.encoder(x))[:, 0])
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        n, L, d = x.shape
+        q, k, v = self.qkv(x).reshape(n, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(h.transpose(1, 2).reshape(n, L, d))
+
+
+class SlicedGPT(nn.Module):
+    """Token embedding plus ``self.pos[:L]`` (a (block_size, d) table longer than the
+    sequences), one pre-norm causal block, the last token's logits. ``read`` picks the
+    read of the position table: ``"slice"``, ``"narrow"``, ``"step"`` (every other row),
+    ``"int"`` (the slice plus row ``L``, two views of one table), or those that must fall
+    back: ``"index"`` (advanced indexing by a tensor of positions) and ``"view"`` (a
+    slice of a slice)."""
+
+    def __init__(self, read="slice", vocab=11, d=8, block_size=11):
+        super().__init__()
+        self.read = read
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(block_size, d) * 0.5)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalAttention(d, 2)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        L = ids.shape[1]
+        if self.read == "slice":
+            pos = self.pos[:L]
+        elif self.read == "narrow":
+            pos = self.pos.narrow(0, 1, L)
+        elif self.read == "step":
+            pos = self.pos[1:2 * L:2]
+        elif self.read == "int":
+            pos = self.pos[:L]
+        elif self.read == "view":
+            pos = self.pos[:L + 1][1:]
+        else:
+            pos = self.pos[torch.arange(L, device=ids.device)]
+        x = self.tok(ids) + pos
+        if self.read == "int":
+            x = x + self.pos[L]
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x[:, -1])
+
+
+def _sliced_vit():
+    torch.manual_seed(0)
+    return SlicedViT().double().eval(), torch.randn(6, 3, 8, 8, dtype=torch.float64)
+
+
+def _sliced_gpt(read="slice"):
+    torch.manual_seed(0)
+    return SlicedGPT(read).double().eval(), torch.randint(0, 11, (6, 5))
+
+
+def _one_point(module):
+    """``module`` at its parameters as a one-point recorded path (the public route for
+    a network trained elsewhere)."""
+    return PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator()
+
+
+SLICED = {"vit": _sliced_vit, "gpt": _sliced_gpt,
+          **{f"gpt-{read}": lambda read=read: _sliced_gpt(read)
+             for read in ("narrow", "step", "int")}}
+
+
+@pytest.mark.parametrize("kind", sorted(SLICED))
+def test_a_position_embedding_read_through_a_slice_runs_on_its_rule(kind):
+    # x + self.pos[:, :L] went to the fallback: the slice is a view of the parameter,
+    # read by a registered +, whose gradient lands in the view's rows (zero in the rest).
+    module, X = SLICED[kind]()
+    # Fewer positions than the table has rows: the rows past them have zero gradient.
+    tokens = X.shape[1] if X.ndim == 2 else 5
+    assert module.pos.shape[-2] > tokens
+    routes = layer_routes(module, X)
+    assert [r for r in routes if r.route != "rule"] == []
+    assert sum(r.n_params for r in routes) == sum(p.numel() for p in module.parameters())
+    params = _params(module)
+    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ()
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    net = _one_point(module)
+    _close(TangentKernel(net)(X.numpy()), torch.einsum("ncp,mcp->nm", J, J) / 3)
+    _close(TangentKernel(net, output="full")(X.numpy()), torch.einsum("ncp,mdp->nmcd", J, J))
+
+
+@pytest.mark.parametrize("read", ["index", "view"])
+def test_a_position_table_read_otherwise_falls_back_exactly(read):
+    # Advanced indexing (self.pos[idx]) copies the rows it reads, and a view of a view is
+    # not one the rule follows: the table goes to the fallback, exact.
+    module, X = _sliced_gpt(read)
+    params = _params(module)
+    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ("pos",)
+    (route,) = [r for r in layer_routes(module, X) if r.route == "fallback"]
+    assert route.n_params == module.pos.numel()
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(TangentKernel(_one_point(module), output="full")(X.numpy()),
+           torch.einsum("ncp,mdp->nmcd", J, J))

@@ -361,8 +361,8 @@ class SlicedGPT(nn.Module):
     sequences), one pre-norm causal block, the last token's logits. ``read`` picks the
     read of the position table: ``"slice"``, ``"narrow"``, ``"step"`` (every other row),
     ``"int"`` (the slice plus row ``L``, two views of one table), or those that must fall
-    back: ``"index"`` (advanced indexing by a tensor of positions) and ``"view"`` (a
-    slice of a slice)."""
+    back: ``"index"`` (advanced indexing by a tensor of positions), ``"view"`` (a slice
+    of a slice) and ``"value"`` (a bound read from the ids' values)."""
 
     def __init__(self, read="slice", vocab=11, d=8, block_size=11):
         super().__init__()
@@ -386,6 +386,8 @@ class SlicedGPT(nn.Module):
             pos = self.pos[:L]
         elif self.read == "view":
             pos = self.pos[:L + 1][1:]
+        elif self.read == "value":
+            pos = self.pos[:int((ids >= 0).sum(1).max())]
         else:
             pos = self.pos[torch.arange(L, device=ids.device)]
         x = self.tok(ids) + pos
@@ -438,10 +440,11 @@ def test_a_position_embedding_read_through_a_slice_runs_on_its_rule(kind):
     _close(TangentKernel(net, output="full")(X.numpy()), torch.einsum("ncp,mdp->nmcd", J, J))
 
 
-@pytest.mark.parametrize("read", ["index", "view"])
+@pytest.mark.parametrize("read", ["index", "view", "value"])
 def test_a_position_table_read_otherwise_falls_back_exactly(read):
-    # Advanced indexing (self.pos[idx]) copies the rows it reads, and a view of a view is
-    # not one the rule follows: the table goes to the fallback, exact.
+    # Advanced indexing (self.pos[idx]) copies the rows it reads, a view of a view is not
+    # one the rule follows, and a bound computed from the data may differ per block: the
+    # table goes to the fallback, exact.
     module, X = _sliced_gpt(read)
     params = _params(module)
     assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ("pos",)

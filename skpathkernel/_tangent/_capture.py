@@ -299,6 +299,12 @@ def _tensors(obj):
 
 
 _LIKE = frozenset({torch.Tensor.to, torch.Tensor.type_as})
+# Calls that hand a tensor's values to Python: a slice bound computed from them
+# (``self.pos[:int(mask.sum(1).max())]``) may depend on the block's data, which the index
+# of the view, a plain int, does not show.
+_VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+                          torch.Tensor.__index__, torch.Tensor.__float__,
+                          torch.Tensor.__bool__})
 _DECLINED = object()  # the own call ran, but not as the rule's sites
 
 
@@ -352,6 +358,9 @@ class _UseWatch(TorchFunctionMode):
         # The basic index of each view of a free parameter (``self.pos[:, :L]``), by the
         # view's id: the view is watched as its parameter (kept alive in ``free``).
         self.views: dict[int, tuple] = {}
+        # Whether the forward read a tensor's values into Python before a view is taken:
+        # then the view's bounds may come from the data, and it is a miss.
+        self.values_read = False
         self.free_sites: dict[str, list] = {}
         self.free_misses: set[str] = set()
         # The own call must take every differentiated parameter of its layer: the rule
@@ -388,7 +397,9 @@ class _UseWatch(TorchFunctionMode):
         # the functional calls, whatever table they read (one computed from a watched
         # parameter, self.table * 2, is not watched itself). Every torch call of the
         # forward passes here: a membership test, not a function call, on each.
-        if func in _FREQ_FLAG:
+        if func in _VALUE_READS:
+            self.values_read = True
+        elif func in _FREQ_FLAG:
             _refuse_frequency_scaling(func, args, kwargs)
         elif func in _BATCH_STATS:
             _refuse_batch_statistics(func, args, kwargs)
@@ -420,7 +431,7 @@ class _UseWatch(TorchFunctionMode):
         name, read = free[0]
         if len(free) == 1 and torch.is_grad_enabled():
             site = parameter_site(func, args, kwargs, read)
-            if site is None and id(read) not in self.views:
+            if site is None and id(read) not in self.views and not self.values_read:
                 index = parameter_view(func, args, kwargs, read)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:

@@ -17,9 +17,11 @@ The same holds for a basic-indexing view of ``P`` read by one of these operation
 position embedding cut to the sequence's length, ``x + self.pos[:, :L]``,
 ``self.pos[:L]``, ``self.pos.narrow(1, 0, L)``): the view is read like ``P`` itself, and
 its gradient is scattered into the entries of ``P`` that it holds (zero elsewhere). The
-indices of the view are integers and slices the forward pass computed as Python numbers,
-so they are the same for every sample of the block; an index holding a tensor (advanced
-indexing, a bound kept as a tensor) is a read like any other.
+indices of the view are integers and slices, Python numbers, the same for every sample of
+the block; an index holding a tensor (advanced indexing, a bound kept as a tensor) is a
+read like any other, and so is a view taken after the forward pass read a tensor's values
+into Python (``int(mask.sum())``: the capture's ``_VALUE_READS``), which a bound may come
+from.
 
 As in opacus' ``grad_sample``, each case is one small pure function, registered for the
 torch functions that reach :class:`torch.overrides.TorchFunctionMode` for it

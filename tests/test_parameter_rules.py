@@ -50,14 +50,16 @@ class Block(nn.Module):
 class ViT(nn.Module):
     """Patch-embedding convolution, a class token (``expand`` then ``torch.cat``), a
     position embedding added, a hand-written block and a pre-norm
-    ``nn.TransformerEncoderLayer``, the class token's features to the head."""
+    ``nn.TransformerEncoderLayer``, the class token's features to the head. With
+    ``spare`` rows the position embedding has room for more tokens than it is given,
+    and is read through ``self.pos_embed[:, :x.shape[1]]``."""
 
-    def __init__(self, n_outputs=3, d=8, patch=4, side=8):
+    def __init__(self, n_outputs=3, d=8, patch=4, side=8, spare=0):
         super().__init__()
         self.patch = nn.Conv2d(3, d, patch, stride=patch)
         n_tokens = (side // patch) ** 2 + 1
         self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
-        self.pos_embed = nn.Parameter(torch.randn(1, n_tokens, d) * 0.5)
+        self.pos_embed = nn.Parameter(torch.randn(1, n_tokens + spare, d) * 0.5)
         self.block = Block(d, 2)
         self.encoder = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True,
                                                   norm_first=True)
@@ -67,7 +69,8 @@ class ViT(nn.Module):
     def forward(self, x):
         x = self.patch(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + self.pos_embed
+        x = x + (self.pos_embed[:, :x.shape[1]] if self.pos_embed.shape[1] > x.shape[1]
+                 else self.pos_embed)
         x = self.encoder(self.block(x))
         return self.head(self.norm(x[:, 0]))
 
@@ -322,27 +325,6 @@ def test_unstructured_raw_parameters_fall_back_exactly():
 
 
 # ----------------------------------------------------------------------- sliced reads
-class SlicedViT(nn.Module):
-    """A ViT whose position embedding has room for more tokens than it is given: read
-    through ``self.pos[:, :L]`` (``x.shape[1]``, fewer than its 9 rows), added."""
-
-    def __init__(self, n_outputs=3, d=8, patch=4, side=8, max_tokens=9):
-        super().__init__()
-        self.patch = nn.Conv2d(3, d, patch, stride=patch)
-        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
-        self.pos = nn.Parameter(torch.randn(1, max_tokens, d) * 0.5)
-        self.encoder = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True,
-                                                  norm_first=True)
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, n_outputs)
-
-    def forward(self, x):
-        x = self.patch(x).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + self.pos[:, :x.shape[1]]
-        return self.head(self.norm(self.encoder(x))[:, 0])
-
-
 class CausalAttention(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -357,7 +339,7 @@ class CausalAttention(nn.Module):
 
 
 class SlicedGPT(nn.Module):
-    """Token embedding plus ``self.pos[:L]`` (a (block_size, d) table longer than the
+    """Token embedding plus ``self.pos_embed[:L]`` (a (block_size, d) table longer than the
     sequences), one pre-norm causal block, the last token's logits. ``read`` picks the
     read of the position table: ``"slice"``, ``"narrow"``, ``"step"`` (every other row),
     ``"int"`` (the slice plus row ``L``, two views of one table), or those that must fall
@@ -368,7 +350,7 @@ class SlicedGPT(nn.Module):
         super().__init__()
         self.read = read
         self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(block_size, d) * 0.5)
+        self.pos_embed = nn.Parameter(torch.randn(block_size, d) * 0.5)
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = CausalAttention(d, 2)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
@@ -377,22 +359,22 @@ class SlicedGPT(nn.Module):
     def forward(self, ids):
         L = ids.shape[1]
         if self.read == "slice":
-            pos = self.pos[:L]
+            pos = self.pos_embed[:L]
         elif self.read == "narrow":
-            pos = self.pos.narrow(0, 1, L)
+            pos = self.pos_embed.narrow(0, 1, L)
         elif self.read == "step":
-            pos = self.pos[1:2 * L:2]
+            pos = self.pos_embed[1:2 * L:2]
         elif self.read == "int":
-            pos = self.pos[:L]
+            pos = self.pos_embed[:L]
         elif self.read == "view":
-            pos = self.pos[:L + 1][1:]
+            pos = self.pos_embed[:L + 1][1:]
         elif self.read == "value":
-            pos = self.pos[:int((ids >= 0).sum(1).max())]
+            pos = self.pos_embed[:int((ids >= 0).sum(1).max())]
         else:
-            pos = self.pos[torch.arange(L, device=ids.device)]
+            pos = self.pos_embed[torch.arange(L, device=ids.device)]
         x = self.tok(ids) + pos
         if self.read == "int":
-            x = x + self.pos[L]
+            x = x + self.pos_embed[L]
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
         return self.head(x[:, -1])
@@ -400,7 +382,7 @@ class SlicedGPT(nn.Module):
 
 def _sliced_vit():
     torch.manual_seed(0)
-    return SlicedViT().double().eval(), torch.randn(6, 3, 8, 8, dtype=torch.float64)
+    return ViT(spare=4).double().eval(), torch.randn(6, 3, 8, 8, dtype=torch.float64)
 
 
 def _sliced_gpt(read="slice"):
@@ -426,7 +408,7 @@ def test_a_position_embedding_read_through_a_slice_runs_on_its_rule(kind):
     module, X = SLICED[kind]()
     # Fewer positions than the table has rows: the rows past them have zero gradient.
     tokens = X.shape[1] if X.ndim == 2 else 5
-    assert module.pos.shape[-2] > tokens
+    assert module.pos_embed.shape[-2] > tokens
     routes = layer_routes(module, X)
     assert [r for r in routes if r.route != "rule"] == []
     assert sum(r.n_params for r in routes) == sum(p.numel() for p in module.parameters())
@@ -447,9 +429,9 @@ def test_a_position_table_read_otherwise_falls_back_exactly(read):
     # table goes to the fallback, exact.
     module, X = _sliced_gpt(read)
     params = _params(module)
-    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ("pos",)
+    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ("pos_embed",)
     (route,) = [r for r in layer_routes(module, X) if r.route == "fallback"]
-    assert route.n_params == module.pos.numel()
+    assert route.n_params == module.pos_embed.numel()
     J = jacobian_loop(module, X)
     _close(tangent_features(module, params, X, output="full"), J)
     _close(TangentKernel(_one_point(module), output="full")(X.numpy()),

@@ -436,3 +436,37 @@ def test_a_position_table_read_otherwise_falls_back_exactly(read):
     _close(tangent_features(module, params, X, output="full"), J)
     _close(TangentKernel(_one_point(module), output="full")(X.numpy()),
            torch.einsum("ncp,mdp->nmcd", J, J))
+
+
+class Views(nn.Module):
+    """Raw parameters read through basic-indexing views by the registered operations: an
+    int and a step (``A[1, ::2]``), ``...`` (``B[..., 1:6]``), ``None`` (``P[None, :4]``),
+    a negative dim and start (``E.narrow(-1, -5, 5)``), a view expanded."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 20)
+        g = torch.Generator().manual_seed(0)
+        shapes = dict(A=(3, 8, 5), B=(4, 7), P=(6, 5), E=(4, 6), T=(2, 1, 5))
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.randn(shape, generator=g)))
+        self.head = nn.Linear(25, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)).reshape(-1, 4, 5)
+        h = torch.tanh(h + self.A[1, ::2])
+        h = torch.tanh(h * self.B[..., 1:6])
+        h = torch.tanh(h + self.P[None, :4])
+        h = torch.tanh(h + self.E.narrow(-1, -5, 5))
+        h = torch.cat([self.T[-1:].expand(x.shape[0], -1, -1), h], 1)
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+def test_every_basic_index_matches_the_loop():
+    torch.manual_seed(0)
+    module = Views().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = _perturbed_on_rules(module, X)
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))

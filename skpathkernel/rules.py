@@ -16,8 +16,9 @@ and norms read sequence-first ``(S, n, d)`` tensors, whose rows are not the samp
 fall back) and ``nn.PReLU``.
 A raw ``nn.Parameter`` that no such layer holds is structured when the forward pass
 reads it once in an elementwise ``x + P``, ``x * P`` or ``P.expand(...)`` broadcast over
-the samples (class tokens, position embeddings, LayerScale gains): its per-sample
-gradient is the backprop summed over the broadcast axes (times ``x`` for a product).
+the samples (class tokens, position embeddings, LayerScale gains), or reads a basic slice
+of it that way (``x + self.pos[:, :L]``): its per-sample gradient is the backprop summed
+over the broadcast axes (times ``x`` for a product), written into the sliced entries.
 Any other layer with parameters uses an exact ``torch.func`` fallback, which forms
 per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimators warn
 (:class:`FallbackWarning`) when fallback layers hold a large share of the parameters, and

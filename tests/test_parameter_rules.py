@@ -13,7 +13,7 @@ from _reference import jacobian_loop, module_at
 from torch import nn
 
 import skpathkernel._tangent._gram as gram_module
-from skpathkernel import PathKernelClassifier
+from skpathkernel import PathKernelClassifier, PathRecorder, TangentKernel
 from skpathkernel._tangent import capture, tangent_features, tangent_gram, tangent_gram_diag
 from skpathkernel.kernels import PathKernel, path_weights
 from skpathkernel.rules import layer_routes
@@ -50,14 +50,16 @@ class Block(nn.Module):
 class ViT(nn.Module):
     """Patch-embedding convolution, a class token (``expand`` then ``torch.cat``), a
     position embedding added, a hand-written block and a pre-norm
-    ``nn.TransformerEncoderLayer``, the class token's features to the head."""
+    ``nn.TransformerEncoderLayer``, the class token's features to the head. With
+    ``spare`` rows the position embedding has room for more tokens than it is given,
+    and is read through ``self.pos_embed[:, :x.shape[1]]``."""
 
-    def __init__(self, n_outputs=3, d=8, patch=4, side=8):
+    def __init__(self, n_outputs=3, d=8, patch=4, side=8, spare=0):
         super().__init__()
         self.patch = nn.Conv2d(3, d, patch, stride=patch)
         n_tokens = (side // patch) ** 2 + 1
         self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
-        self.pos_embed = nn.Parameter(torch.randn(1, n_tokens, d) * 0.5)
+        self.pos_embed = nn.Parameter(torch.randn(1, n_tokens + spare, d) * 0.5)
         self.block = Block(d, 2)
         self.encoder = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True,
                                                   norm_first=True)
@@ -67,7 +69,8 @@ class ViT(nn.Module):
     def forward(self, x):
         x = self.patch(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + self.pos_embed
+        x = x + (self.pos_embed[:, :x.shape[1]] if self.pos_embed.shape[1] > x.shape[1]
+                 else self.pos_embed)
         x = self.encoder(self.block(x))
         return self.head(self.norm(x[:, 0]))
 
@@ -318,4 +321,152 @@ def test_unstructured_raw_parameters_fall_back_exactly():
     (route,) = [r for r in layer_routes(module, X) if r.route == "fallback"]
     assert (route.name, route.n_params) == ("", 16)
     J = jacobian_loop(module, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+# ----------------------------------------------------------------------- sliced reads
+class CausalAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        n, L, d = x.shape
+        q, k, v = self.qkv(x).reshape(n, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(h.transpose(1, 2).reshape(n, L, d))
+
+
+class SlicedGPT(nn.Module):
+    """Token embedding plus ``self.pos_embed[:L]`` (a (block_size, d) table longer than the
+    sequences), one pre-norm causal block, the last token's logits. ``read`` picks the
+    read of the position table: ``"slice"``, ``"narrow"``, ``"step"`` (every other row),
+    ``"int"`` (the slice plus row ``L``, two views of one table), or those that must fall
+    back: ``"index"`` (advanced indexing by a tensor of positions), ``"view"`` (a slice
+    of a slice) and ``"value"`` (a bound read from the ids' values)."""
+
+    def __init__(self, read="slice", vocab=11, d=8, block_size=11):
+        super().__init__()
+        self.read = read
+        self.tok = nn.Embedding(vocab, d)
+        self.pos_embed = nn.Parameter(torch.randn(block_size, d) * 0.5)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalAttention(d, 2)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        L = ids.shape[1]
+        if self.read == "slice":
+            pos = self.pos_embed[:L]
+        elif self.read == "narrow":
+            pos = self.pos_embed.narrow(0, 1, L)
+        elif self.read == "step":
+            pos = self.pos_embed[1:2 * L:2]
+        elif self.read == "int":
+            pos = self.pos_embed[:L]
+        elif self.read == "view":
+            pos = self.pos_embed[:L + 1][1:]
+        elif self.read == "value":
+            pos = self.pos_embed[:int((ids >= 0).sum(1).max())]
+        else:
+            pos = self.pos_embed[torch.arange(L, device=ids.device)]
+        x = self.tok(ids) + pos
+        if self.read == "int":
+            x = x + self.pos_embed[L]
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x[:, -1])
+
+
+def _sliced_vit():
+    torch.manual_seed(0)
+    return ViT(spare=4).double().eval(), torch.randn(6, 3, 8, 8, dtype=torch.float64)
+
+
+def _sliced_gpt(read="slice"):
+    torch.manual_seed(0)
+    return SlicedGPT(read).double().eval(), torch.randint(0, 11, (6, 5))
+
+
+def _one_point(module):
+    """``module`` at its parameters as a one-point recorded path (the public route for
+    a network trained elsewhere)."""
+    return PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator()
+
+
+SLICED = {"vit": _sliced_vit, "gpt": _sliced_gpt,
+          **{f"gpt-{read}": lambda read=read: _sliced_gpt(read)
+             for read in ("narrow", "step", "int")}}
+
+
+@pytest.mark.parametrize("kind", sorted(SLICED))
+def test_a_position_embedding_read_through_a_slice_runs_on_its_rule(kind):
+    # x + self.pos[:, :L] went to the fallback: the slice is a view of the parameter,
+    # read by a registered +, whose gradient lands in the view's rows (zero in the rest).
+    module, X = SLICED[kind]()
+    # Fewer positions than the table has rows: the rows past them have zero gradient.
+    tokens = X.shape[1] if X.ndim == 2 else 5
+    assert module.pos_embed.shape[-2] > tokens
+    routes = layer_routes(module, X)
+    assert [r for r in routes if r.route != "rule"] == []
+    assert sum(r.n_params for r in routes) == sum(p.numel() for p in module.parameters())
+    params = _params(module)
+    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ()
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    net = _one_point(module)
+    _close(TangentKernel(net)(X.numpy()), torch.einsum("ncp,mcp->nm", J, J) / 3)
+    _close(TangentKernel(net, output="full")(X.numpy()), torch.einsum("ncp,mdp->nmcd", J, J))
+
+
+@pytest.mark.parametrize("read", ["index", "view", "value"])
+def test_a_position_table_read_otherwise_falls_back_exactly(read):
+    # Advanced indexing (self.pos[idx]) copies the rows it reads, a view of a view is not
+    # one the rule follows, and a bound computed from the data may differ per block: the
+    # table goes to the fallback, exact.
+    module, X = _sliced_gpt(read)
+    params = _params(module)
+    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ("pos_embed",)
+    (route,) = [r for r in layer_routes(module, X) if r.route == "fallback"]
+    assert route.n_params == module.pos_embed.numel()
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(TangentKernel(_one_point(module), output="full")(X.numpy()),
+           torch.einsum("ncp,mdp->nmcd", J, J))
+
+
+class Views(nn.Module):
+    """Raw parameters read through basic-indexing views by the registered operations: an
+    int and a step (``A[1, ::2]``), ``...`` (``B[..., 1:6]``), ``None`` (``P[None, :4]``),
+    a negative dim and start (``E.narrow(-1, -5, 5)``), a view expanded."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 20)
+        g = torch.Generator().manual_seed(0)
+        shapes = dict(A=(3, 8, 5), B=(4, 7), P=(6, 5), E=(4, 6), T=(2, 1, 5))
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.randn(shape, generator=g)))
+        self.head = nn.Linear(25, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)).reshape(-1, 4, 5)
+        h = torch.tanh(h + self.A[1, ::2])
+        h = torch.tanh(h * self.B[..., 1:6])
+        h = torch.tanh(h + self.P[None, :4])
+        h = torch.tanh(h + self.E.narrow(-1, -5, 5))
+        h = torch.cat([self.T[-1:].expand(x.shape[0], -1, -1), h], 1)
+        return self.head(h.reshape(x.shape[0], -1))
+
+
+def test_every_basic_index_matches_the_loop():
+    torch.manual_seed(0)
+    module = Views().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = _perturbed_on_rules(module, X)
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))

@@ -6,9 +6,10 @@ decomposition: torch in, torch out (no NumPy). Layers with a registered rule
 Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm
 in eval mode, MultiheadAttention, PReLU)
 contribute Kronecker factors with a position axis, contracted by the cheaper exact form
-(:mod:`._contract`); raw parameters read once by an elementwise +, * or expand take
-the rules of :mod:`._parameters`; everything else goes through a chunked ``torch.func``
-fallback (:mod:`._generic`). The public face of the rules is :mod:`skpathkernel.rules`.
+(:mod:`._contract`); raw parameters read once by an elementwise +, * or expand (of
+them or of a basic slice of them) take the rules of :mod:`._parameters`; everything
+else goes through a chunked ``torch.func`` fallback (:mod:`._generic`). The public face
+of the rules is :mod:`skpathkernel.rules`.
 """
 
 from ._capture import Capture, capture, forward

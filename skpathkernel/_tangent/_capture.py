@@ -24,7 +24,8 @@ parameter (``Capture.reasons``) for :func:`._routes.layer_routes`.
 
 Parameters that no rule layer holds (a class token, a position embedding, a gain kept
 as a raw ``nn.Parameter``) are watched too: each read through a registered elementwise
-operation (:mod:`._parameters`), broadcast over the samples, is a site whose backprop
+operation (:mod:`._parameters`), of the parameter or of a slice of it
+(``x + self.pos[:, :L]``), broadcast over the samples, is a site whose backprop
 gives their per-sample gradient (summed over the sites of a parameter read twice); any
 other read leaves them to the fallback.
 """
@@ -50,7 +51,7 @@ from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
 from ._layers import formed_terms
-from ._parameters import broadcast_over_samples, parameter_site
+from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
 from ._rules import RULES, Rule, Term, Use
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
@@ -61,7 +62,7 @@ READ_OUTSIDE = "a parameter is read outside the layer's own call"
 SHARED = ("a parameter of it is shared with a layer that goes to the fallback ({}), so no "
           "use of it is factored")
 FREE_UNSTRUCTURED = ("a raw nn.Parameter read in its forward by an elementwise +, * or expand "
-                     "that is not broadcast over the samples")
+                     "(of it or of a slice of it) that is not broadcast over the samples")
 
 
 # Embedding lookups whose backward divides a row's gradient by its token's count in the
@@ -298,6 +299,12 @@ def _tensors(obj):
 
 
 _LIKE = frozenset({torch.Tensor.to, torch.Tensor.type_as})
+# Calls that hand a tensor's values to Python: a slice bound computed from them
+# (``self.pos[:int(mask.sum(1).max())]``) may depend on the block's data, which the index
+# of the view, a plain int, does not show.
+_VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+                          torch.Tensor.__index__, torch.Tensor.__float__,
+                          torch.Tensor.__bool__})
 _DECLINED = object()  # the own call ran, but not as the rule's sites
 
 
@@ -348,6 +355,12 @@ class _UseWatch(TorchFunctionMode):
         # Free parameters (no rule layer owns them): their reads through a registered
         # elementwise operation (:mod:`._parameters`) are sites; any other read is a miss.
         self.free = free or {}
+        # The basic index of each view of a free parameter (``self.pos[:, :L]``), by the
+        # view's id: the view is watched as its parameter (kept alive in ``free``).
+        self.views: dict[int, tuple] = {}
+        # Whether the forward read a tensor's values into Python before a view is taken:
+        # then the view's bounds may come from the data, and it is a miss.
+        self.values_read = False
         self.free_sites: dict[str, list] = {}
         self.free_misses: set[str] = set()
         # The own call must take every differentiated parameter of its layer: the rule
@@ -384,7 +397,9 @@ class _UseWatch(TorchFunctionMode):
         # the functional calls, whatever table they read (one computed from a watched
         # parameter, self.table * 2, is not watched itself). Every torch call of the
         # forward passes here: a membership test, not a function call, on each.
-        if func in _FREQ_FLAG:
+        if func in _VALUE_READS:
+            self.values_read = True
+        elif func in _FREQ_FLAG:
             _refuse_frequency_scaling(func, args, kwargs)
         elif func in _BATCH_STATS:
             _refuse_batch_statistics(func, args, kwargs)
@@ -409,13 +424,25 @@ class _UseWatch(TorchFunctionMode):
 
     def _free_call(self, func, args, kwargs, free):
         """A call reading free parameters: a site when it is one registered operation on
-        one of them, with grad enabled; else a miss (the parameter falls back)."""
-        site = None
+        one of them or on a basic-indexing view of one, with grad enabled; such a view
+        (``self.pos[:, :L]``) is watched in its turn; else a miss (the parameter falls
+        back)."""
+        site = index = None
+        name, read = free[0]
         if len(free) == 1 and torch.is_grad_enabled():
-            site = parameter_site(func, args, kwargs, free[0][1])
+            site = parameter_site(func, args, kwargs, read)
+            if site is None and id(read) not in self.views and not self.values_read:
+                index = parameter_view(func, args, kwargs, read)
         out = func(*args, **kwargs)
-        if site is not None and isinstance(out, torch.Tensor) and out.requires_grad:
-            self.free_sites.setdefault(free[0][0], []).append((*site, out))
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            site = index = None
+        if index is not None:
+            self.free[id(out)] = (name, out)
+            self.views[id(out)] = index
+            return out
+        if site is not None:
+            self.free_sites.setdefault(name, []).append(
+                (*site, read.shape, self.views.get(id(read)), out))
             # A copy, so that an in-place op downstream cannot rewrite the site's z.
             return out.clone()
         if func in _LIKE and not (args and id(args[0]) in self.free):
@@ -653,8 +680,9 @@ def _accepted_layers(layers, watch, X, reasons):
 
 def _accepted_free(free, watch, params, X, reasons, declined):
     """The sites of the free parameters read only by registered operations, broadcast
-    over the samples, as ``(name, op, operand, z)`` (one per read: a parameter read twice
-    has two, whose gradients are summed); the others join ``declined`` (every block then
+    over the samples, as ``(name, op, operand, shape, index, z)`` (one per read: a
+    parameter read twice has two, whose gradients are summed; ``index`` the view's of a
+    read through one, of ``shape``, else None); the others join ``declined`` (every block then
     routes them to the fallback alike)."""
     accepted = []
     for name in free:
@@ -662,8 +690,8 @@ def _accepted_free(free, watch, params, X, reasons, declined):
         if name in watch.free_misses or not calls:
             declined.add(name)  # the fallback's own reason (layer_routes) says why
             continue
-        if not all(broadcast_over_samples(params[name].shape, z, X.shape[0])
-                   for *_, z in calls):
+        if not all(broadcast_over_samples(shape, z, X.shape[0])
+                   for *_, shape, _, z in calls):
             declined.add(name)
             reasons[name] = FREE_UNSTRUCTURED
             continue
@@ -705,11 +733,12 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
                 if name not in terms_by_name:
                     reasons[name] = "its rule gives this parameter no term"
         sums: dict[str, torch.Tensor] = {}
-        for name, op, operand, _ in free:
+        for name, op, operand, shape, index, _ in free:
             delta = next(deltas)
             with torch.no_grad():
-                g = op.grad(delta, params[name].shape,
-                            None if operand is None else operand.detach())
+                g = op.grad(delta, shape, None if operand is None else operand.detach())
+                if index is not None:  # a view's gradient, zero outside its entries
+                    g = scattered(g, params[name].shape, index)
                 if name in sums:  # a parameter read twice: the sum of its sites'
                     sums[name] = sums[name] + g
                     continue

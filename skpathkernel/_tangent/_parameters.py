@@ -13,13 +13,23 @@ sites where ``P`` is read more than once):
   was broadcast;
 * ``z = x * P``: ``delta * x`` summed over those axes.
 
+The same holds for a basic-indexing view of ``P`` read by one of these operations (a
+position embedding cut to the sequence's length, ``x + self.pos[:, :L]``,
+``self.pos[:L]``, ``self.pos.narrow(1, 0, L)``): the view is read like ``P`` itself, and
+its gradient is scattered into the entries of ``P`` that it holds (zero elsewhere). The
+indices of the view are integers and slices, Python numbers, the same for every sample of
+the block; an index holding a tensor (advanced indexing, a bound kept as a tensor) is a
+read like any other, and so is a view taken after the forward pass read a tensor's values
+into Python (``int(mask.sum())``: the capture's ``_VALUE_READS``), which a bound may come
+from.
+
 As in opacus' ``grad_sample``, each case is one small pure function, registered for the
 torch functions that reach :class:`torch.overrides.TorchFunctionMode` for it
 (``x + P`` arrives as ``Tensor.add``). The result is a term with a constant input (the
 parameter's gradient is its ``delta``), contracted as dense rows of ``P.numel()``.
 
-A free parameter read in any other way, under disabled grad, or not broadcast over the
-samples goes to the generic fallback, as before.
+A free parameter read in any other way (a view of a view included), under disabled grad,
+or not broadcast over the samples goes to the generic fallback, as before.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PARAMETER_OPS", "ParameterOp", "register_parameter_op", "sum_to_shape"]
+__all__ = ["PARAMETER_OPS", "PARAMETER_VIEWS", "ParameterOp", "register_parameter_op",
+           "register_parameter_view", "scattered", "sum_to_shape"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,72 @@ def expanded(delta, shape, operand):
     """``z = P.expand(n, ...)`` (a class token before ``torch.cat``): the backprop summed
     over the copies."""
     return sum_to_shape(delta, shape)
+
+
+# Views of a free parameter that a registered operation may read in its place: for each
+# torch function, the basic index ``(slice, int, ...)`` its call takes from the parameter,
+# or None where the call is not such a view.
+PARAMETER_VIEWS: dict[Callable, Callable] = {}
+
+
+def register_parameter_view(*funcs: Callable):
+    """Register the decorated ``index(args, kwargs)`` for ``funcs``."""
+
+    def decorate(index):
+        for func in funcs:
+            PARAMETER_VIEWS[func] = index
+        return index
+
+    return decorate
+
+
+def _basic(item) -> bool:
+    """Whether ``item`` of an index takes a view the same for every sample: an int, a
+    slice of ints (its bounds computed as Python numbers, not tensors), ``...``, None."""
+    if isinstance(item, slice):
+        return all(b is None or type(b) is int for b in (item.start, item.stop, item.step))
+    return type(item) is int or item is Ellipsis or item is None
+
+
+@register_parameter_view(torch.Tensor.__getitem__)
+def sliced(args, kwargs):
+    """``P[:, :L]``, ``P[:L]``, ``P[0]``: the index, where it is basic."""
+    if kwargs or len(args) != 2:
+        return None
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return index if all(_basic(item) for item in index) else None
+
+
+@register_parameter_view(torch.narrow, torch.Tensor.narrow)
+def narrowed(args, kwargs):
+    """``P.narrow(dim, start, length)``: the slice of ``dim``, as an index."""
+    if kwargs or len(args) != 4 or not all(type(a) is int for a in args[1:]):
+        return None
+    dim, start, length = args[1:]
+    if not -args[0].ndim <= dim < args[0].ndim:
+        return None  # torch's own error, from the call as it runs
+    dim %= args[0].ndim
+    start += args[0].shape[dim] if start < 0 else 0
+    return (slice(None),) * dim + (slice(start, start + length),)
+
+
+def scattered(g: torch.Tensor, shape: torch.Size, index: tuple) -> torch.Tensor:
+    """``g (n, C, view.numel())``, the gradient of the view ``P[index]``, as the gradient
+    of ``P`` of ``shape``: ``(n, C, prod(shape))``, zero outside the view's entries."""
+    n, C = g.shape[:2]
+    out = g.new_zeros((n, C, *shape))
+    target = out[(slice(None), slice(None), *index)]
+    target.copy_(g.reshape(target.shape))
+    return out.reshape(n, C, -1)
+
+
+def parameter_view(func, args, kwargs, param: torch.Tensor):
+    """The basic index of ``param`` that ``func(*args, **kwargs)`` reads as a view, else
+    None."""
+    index = PARAMETER_VIEWS.get(func)
+    if index is None or not args or args[0] is not param:
+        return None
+    return index(args, kwargs)
 
 
 def parameter_site(func, args, kwargs, param: torch.Tensor):

@@ -1929,7 +1929,7 @@ def decompose(
     dense = max((t.delta.shape[2] for t in terms for _, a in t.inputs if a is None),
                 default=0)
 
-    quads, plans, paths = [], [], {}
+    made, plans, paths = [], [], {}  # the walk's node choices, its plan, f per block
 
     def quadrature(rows, chunks):
         """The node choices of the chunks of queries ``chunks`` in the block ``rows``
@@ -1947,8 +1947,8 @@ def decompose(
             changes, scale = _path_changes(f_c, ref, c_rows)
             out.append(_Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
                                    changes=changes, scale=scale, dtype=dtype, f=f_c,
-                                   plan=plans[len(quads) + len(out)] if plans else None))
-        quads.extend(out)
+                                   plan=plans[len(made) + len(out)] if plans else None))
+        made.extend(out)
         return out
 
     def walk(plan=None):
@@ -1957,7 +1957,7 @@ def decompose(
         nonlocal exclude
         plans[:] = plan or []
         while True:
-            quads.clear()
+            made.clear()
             try:
                 return (*_run(
                     module, traj, X_train, Y_train, loss, X, method=method,
@@ -1967,7 +1967,7 @@ def decompose(
                     itemsize=itemsize,
                     P=P, N=N, ref=ref, n_nodes=n_nodes,
                     chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
-                    weights=weights, intervals=intervals), list(quads))
+                    weights=weights, intervals=intervals), list(made))
             except _Reroute as new:
                 exclude = new.exclude
 

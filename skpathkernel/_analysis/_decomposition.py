@@ -147,11 +147,18 @@ a ConvergenceWarning.
 
 The residual is that of the SUM of the step's shares: point i's share errs by
 ``delta_rho_t . dtheta_t^(i)``, which it does not bound where the points' parts of the
-step cancel (a full batch near convergence, Adam's normalised steps). Measured against a
+step cancel (a full batch near convergence, Adam's normalised steps): measured against a
 64-node float64 reference (``benchmarks/audit_contribution_error.py``), a single
-contribution missed by up to 6x ``error``, but by at most 0.17 ``tol * S`` at tol 1e-4
-and 1e-3 and 1.1 ``tol * S`` at the default tol: the nodes overshoot each step's share,
-and the steps whose parts cancel most are the small ones. No per-point check is made.
+contribution missed by up to 6x ``error`` and 1.1 ``tol * S`` at the default tol before
+the check below. Each step's shares, formed anyway, give its cancellation (the largest
+``sum_i |share_i|`` over the largest ``|sum_i share_i|``), and ``sum_t r_t cancel_t``
+bounds a contribution's error where a share errs by no more than its part of the
+residual; where that bound exceeds ``tol * S`` the path is walked again with a node more
+per step, and the largest difference of one contribution between the walks is the
+error, measured (``_contribution_check``; a second raise where it is over). The result
+reports it as ``contribution_error`` and warns above the tolerance. Minibatch paths
+stay under the bound (one walk, the same nodes); converged full-batch Adam walks two or
+three times.
 """
 
 from __future__ import annotations
@@ -287,7 +294,8 @@ class Decomposition:
     error : float
         max |initial + sum(contributions) + regularization - prediction|: the error of
         the contributions' sum; a single contribution's can be larger where the
-        points' shares cancel (see the module's *Error control*).
+        points' shares cancel: ``contribution_error`` is that one's (see the module's
+        *Error control*).
     method, weighting : str
     n_nodes : ndarray of int of shape (n_steps,) or None
         ``method="exact"``: the Gauss-Legendre nodes each optimizer step used (the
@@ -1948,6 +1956,7 @@ def decompose(
             out.append(_Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
                                    changes=changes, scale=scale, dtype=dtype, f=f_c,
                                    plan=plans[len(made) + len(out)] if plans else None))
+            out[-1].rows = c_rows
         made.extend(out)
         return out
 
@@ -1972,12 +1981,11 @@ def decompose(
                 exclude = new.exclude
 
     contributions, regularization, quads = walk()
-    contribution_error, measured = None, False
+    contribution_error, measured = None, None
     if exact and quads:
         contributions, regularization, quads, contribution_error, measured = _contribution_check(
             walk, (contributions, regularization, quads),
-            (tol if n_nodes is None else INEXACT_FLOOR[dtype])
-            * max(float(q.scale) for q in quads), adaptive=n_nodes is None)
+            tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
@@ -2004,10 +2012,10 @@ def decompose(
     return finish(result, checks, units)
 
 
-def _contribution_check(walk, first, allowed: float, adaptive: bool):
+def _contribution_check(walk, first, tol: float, adaptive: bool):
     """``(contributions, regularization, quads, contribution_error, measured)``: a
-    walk's result and its per-contribution quadrature error, with nodes raised where it
-    is over (``measured``: whether the error was measured by walking again).
+    walk's result with its per-contribution quadrature error, nodes raised where it is
+    over (``measured``: the largest error measured by walking again, None if none was).
 
     The node choice bounds the residual of a step's SUM of shares: point i's share errs
     by ``delta_rho_t . dtheta_t^(i)``, which it bounds only where the points' parts do
@@ -2015,36 +2023,58 @@ def _contribution_check(walk, first, allowed: float, adaptive: bool):
     ``sum_i |share_i|`` over the largest ``|sum_i share_i|``, :class:`_Mass`), and
     ``sum_t r_t cancel_t``, the steps' residuals times it, bounds the contributions'
     errors where a point's share errs by no more than its part of the residual. Where
-    that bound is over ``allowed`` (converged full-batch Adam: 10-50x tol * S, against
-    0.4x on minibatch Adam and 0.5x on the default classifier, measured) the path is
-    walked again with a node more at every step: the two walks' largest difference of
-    one contribution is the first's error, measured (up to the second's, smaller by the
-    node's gain). Still over with adaptive nodes, the second walk is kept and checked by
-    a third, two nodes more; where that difference did not fall (round-off, not
-    quadrature) the first walk is kept. Fixed ``n_nodes`` are kept.
+    that bound is over ``tol`` times the chunk's largest |f| (converged full-batch Adam:
+    10-50x, against 0.4x on minibatch Adam and 0.5x on the default classifier,
+    measured) the path is walked again with a node more at every step of that chunk:
+    the two walks' largest difference of one contribution is the first's error,
+    measured (up to the second's, smaller by the node's gain). Still over with adaptive
+    nodes, the second walk is kept and checked by a third, two nodes more; where that
+    difference did not fall (round-off, not quadrature) the first walk is kept. Fixed
+    ``n_nodes`` are kept. Each chunk of queries is judged on its own, as its node
+    choice is, so that a block of the queries on a worker keeps the serial call's.
 
-    Where the adaptive sums' own residuals add up to more than ``allowed`` (a tol below
-    the dtype's round-off floor) no node count meets it: the bound is reported, the
-    sums' miss is what warns.
+    Where the adaptive sums' own residuals add up to more than the tolerance (a tol
+    below the dtype's round-off floor) no node count meets it: the bound is reported,
+    the sums' miss is what warns.
     """
     quads = first[2]
-    bound = max(float(np.sum(q.errors * q.cancel)) for q in quads)
-    if (bound <= allowed or any(q.failed for q in quads)
-            or adaptive and max(float(np.sum(q.errors)) for q in quads) > allowed):
-        # A step that failed its own sum is warned of already; its residual bounds
-        # nothing (a kink's).
-        return (*first, bound, False)
+    allowed = [tol * float(q.scale) for q in quads]
+    bounds = [float(np.sum(q.errors * q.cancel)) for q in quads]
+    # A step that failed its own sum is warned of already; its residual bounds nothing
+    # (a kink's).
+    need = [b > a and not q.failed and not (adaptive and float(np.sum(q.errors)) > a)
+            for q, a, b in zip(quads, allowed, bounds)]
+    if not any(need):
+        return (*first, max(bounds), None)
     base = [q.n_used for q in quads]
     walks, errors = [first], []
     for raise_ in range(1, CHECK_RAISES + 1):
-        walks.append(walk([np.minimum(b + raise_, MAX_NODES) for b in base]))
-        errors.append(float(np.max(np.abs(walks[-1][0] - walks[-2][0]), initial=0.0)))
-        if errors[-1] <= allowed or not adaptive:
-            return (*walks[-2], errors[-1], True)
-    if errors[-1] > errors[-2] / 4:  # more nodes did not cut it: round-off
-        return (*first, errors[0], True)
-    # The most accurate walk, its error bounded by the one before's
-    return (*walks[-1], errors[-1], True)
+        walks.append(walk([np.minimum(b + raise_ * k, MAX_NODES) for b, k in zip(base, need)]))
+        errors.append([float(np.max(np.abs(walks[-1][0][q.rows] - walks[-2][0][q.rows]),
+                                    initial=0.0)) for q in quads])
+        if not adaptive:
+            break
+    # Per chunk: the first walk whose error the next one measured under the tolerance;
+    # else the last, bounded by the error before it, where more nodes cut the error.
+    kept, error = [0] * len(quads), list(bounds)
+    for c in range(len(quads)):
+        if not need[c]:
+            continue
+        e = [errs[c] for errs in errors]
+        k = next((k for k, ek in enumerate(e) if ek <= allowed[c]), None)
+        if k is None:
+            k = len(e) if len(e) > 1 and e[-1] <= e[-2] / 4 else 0
+            kept[c], error[c] = k, e[max(k - 1, 0)]
+        else:
+            kept[c], error[c] = k, e[k]
+    contributions, regularization = first[0].copy(), first[1].copy()
+    chosen = []
+    for c, q in enumerate(quads):
+        w = walks[kept[c]]
+        contributions[q.rows], regularization[q.rows] = w[0][q.rows], w[1][q.rows]
+        chosen.append(w[2][c])
+    measured = max(error[c] for c in range(len(quads)) if need[c])
+    return contributions, regularization, chosen, max(error), measured
 
 
 @dataclass
@@ -2079,9 +2109,10 @@ class _Checks:
     # trajectory_compression (its rounded points are not the training's).
     replay_limit: float = 0.0
     compression: str | None = None
-    # Whether the per-contribution error was measured by walks with more nodes (else
-    # it is the bound from the steps' residuals, see _contribution_check).
-    measured: bool = False
+    # The largest per-contribution error measured by walks with more nodes (None: none
+    # was; contribution_error is then the bound from the steps' residuals, see
+    # _contribution_check).
+    measured: float | None = None
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -2114,8 +2145,13 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
-                              "floored": floored,
-                              "measured": any(c.measured for c in checks)})
+                              "floored": floored, "measured": _worst_measured(checks)})
+
+
+def _worst_measured(checks) -> float | None:
+    """The parts' largest measured per-contribution error (None where none measured)."""
+    errors = [c.measured for c in checks if c.measured is not None]
+    return worst(errors) if errors else None
 
 
 def _worst_replay(results) -> float | None:
@@ -2233,8 +2269,9 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
     failed = {t: r for c in checks for t, r in c.failed.items()}
     floored = {t: r for c in checks for t, r in c.floored.items()}
+    measured = [c.measured for c in checks if c.measured is not None]
     return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored,
-                              "measured": any(c.measured for c in checks)})
+                              "measured": float(np.sum(measured)) if measured else None})
 
 
 def finish(result: Decomposition, checks: _Checks, units=None,
@@ -2440,10 +2477,10 @@ def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None
     what the sum is held to (``tol``; with fixed ``n_nodes``, ``INEXACT_FLOOR``), else
     None. Only a measured error warns: the bound from the steps' residuals is over
     only where their sum is (warned of as such) or a step failed."""
-    if result.contribution_error is None or not checks.measured:
+    if checks.measured is None:
         return None
     tol = INEXACT_FLOOR[checks.dtype] if checks.n_nodes is not None else checks.tol
-    achieved = result.contribution_error / max(checks.scale or 0.0, 1e-300)
+    achieved = checks.measured / max(checks.scale or 0.0, 1e-300)
     return None if achieved <= tol else achieved
 
 

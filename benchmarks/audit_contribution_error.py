@@ -8,11 +8,12 @@ not bound where the points' shares cancel (a full batch near convergence, miniba
 For every case below, the estimator is fitted, and its network's ``decompose`` (network
 units) is run at the default tol and at tol 1e-4 and 1e-3 (adaptive nodes). Each is
 compared with a float64 reference of the same recorded path: the same decomposition with
-64 Gauss-Legendre nodes per step, the module and the recorded parameters cast to float64
+REF_NODES (16) Gauss-Legendre nodes per step, the module and the recorded parameters cast to float64
 (so a float32 path is judged against float64 arithmetic on its own points). That
 reference is itself checked against an independent per-step loop on two tiny cases
 (``audit_exact.Replay``: a plain torch.optim replay, per-sample shares carried through the
-optimizer's memory, each step's Jacobian averaged by 64-node Gauss-Legendre with jacrev).
+optimizer's memory, each step's Jacobian averaged by REF_NODES-node Gauss-Legendre with
+jacrev).
 
 Reported per run: ``error`` (the API's), ``tol * S`` (what the docs promise for the sum),
 the worst absolute error of a single contribution over queries, points and outputs
@@ -52,7 +53,9 @@ from skpathkernel._tangent import forward
 torch.set_num_threads(1)
 OUT = os.path.join(os.path.dirname(__file__), "results", "contribution_error.md")
 TOLS = (None, 1e-4, 1e-3)
-REF_NODES = 64
+# 16 Gauss-Legendre nodes per step: on the worst case 8, 16 and 32 fixed nodes agree to
+# 5e-15 (contribution_error-before-check.md, --floor); 64 took most of the run's time.
+REF_NODES = 16
 
 
 def float64_path(traj):
@@ -67,7 +70,7 @@ def float64_path(traj):
 
 
 def reference(net, Xq):
-    """The 64-node float64 decomposition of the network's recorded path."""
+    """The REF_NODES-node float64 decomposition of the network's recorded path."""
     module = net.module
     traj = net.trajectory
     X_fit, Y_fit = net._training_data()

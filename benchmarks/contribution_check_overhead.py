@@ -35,6 +35,7 @@ OUT = os.path.join(os.path.dirname(__file__), "results", "contribution_check_ove
 def load_old(path):
     spec = importlib.util.spec_from_file_location("skpathkernel._analysis._old", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -22,7 +22,7 @@ the worst absolute error of a single contribution over queries, points and outpu
 cancellation ``sum_i |a_i| / |sum_i a_i|`` of the worst query, and whether a warning
 fired.
 
-Run: taskset -c 1 python benchmarks/audit_contribution_error.py
+Run: taskset -c 1 python benchmarks/audit_contribution_error.py [words of case names]
 (results: benchmarks/results/contribution_error.md)
 """
 from __future__ import annotations
@@ -265,9 +265,11 @@ def main(selected):
             lines.append(row)
     lines.append("")
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    if not selected:
-        with open(OUT, "w") as fh:
-            fh.write("\n".join(lines))
+    if selected:  # a run of some cases says which
+        lines.insert(3, "Cases run: those whose names contain "
+                     + ", ".join(f"`{s}`" for s in selected) + ".")
+    with open(OUT, "w") as fh:
+        fh.write("\n".join(lines))
 
 
 def _path_scale(est, Xq):

@@ -28,7 +28,7 @@ from skpathkernel._analysis import _decomposition as new
 from skpathkernel._network._trained import network_of
 
 torch.set_num_threads(1)
-ROUNDS = 5
+ROUNDS = 9
 OUT = os.path.join(os.path.dirname(__file__), "results", "contribution_check_overhead.md")
 
 

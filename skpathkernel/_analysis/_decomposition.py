@@ -1317,8 +1317,10 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
         if mass is not None:
+            l1, total = mass.per_query()
             for c in parts:
-                c.quad.cancel[j] = mass.ratio(c.local)
+                c.quad.cancel[j] = (l1[c.local].max() / max(total[c.local].max(), 1e-300)
+                                    if len(l1[c.local]) else 0.0)
     return contrib.permute(1, 0, 2), reg
 
 
@@ -1333,9 +1335,11 @@ class _Mass:
         self.l1[rows] += share.abs().sum(0)
         self.sum[rows] += share.sum(0)
 
-    def ratio(self, rows) -> float:
-        l1, s = self.l1[rows], self.sum[rows].abs()
-        return float(l1.max()) / max(float(s.max()), 1e-300) if l1.numel() else 0.0
+    def per_query(self) -> tuple[np.ndarray, np.ndarray]:
+        """The largest absolute sum and |sum| over each query's outputs (one transfer
+        for all chunks: the step's few calls are what it costs)."""
+        both = torch.stack([self.l1.amax(1), self.sum.abs().amax(1)]).cpu().numpy()
+        return both[0], both[1]
 
 
 class _NodesAhead:

@@ -158,7 +158,10 @@ per step, and the largest difference of one contribution between the walks is th
 error, measured (``_contribution_check``; a second raise where it is over). The result
 reports it as ``contribution_error`` and warns above the tolerance. Minibatch paths
 stay under the bound (one walk, the same nodes); converged full-batch Adam walks two or
-three times.
+three times (2.8x its CPU time, ``benchmarks/results/contribution_check_overhead.md``),
+and the estimate is then its error (``benchmarks/results/contribution_error.md``).
+Float32 paths are not walked again (their walks differ by their round-off): the bound
+is reported.
 """
 
 from __future__ import annotations

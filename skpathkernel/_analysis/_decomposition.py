@@ -2515,9 +2515,9 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
         f"{verb}(method='exact'): a single contribution's quadrature error is estimated "
         f"at {result.contribution_error:.3g} (Decomposition.contribution_error), "
         f"{achieved:.3g} relative to the largest |f| along the path ({checks.scale:.3g}), "
-        f"over the {allowed:g} the decomposition is held to, while the contributions' "
-        f"sum is within {result.error:.3g} (Decomposition.error): the training points' "
-        "shares of the steps cancel, each erring by more than their sum. "
+        f"over the {allowed:g} the decomposition is held to (the contributions' sum "
+        f"misses by {result.error:.3g}, Decomposition.error; where the training points' "
+        "shares of a step cancel, each can miss by more than their sum). "
         f"{fix}",
         ConvergenceWarning, stacklevel=caller_stacklevel(),
     )

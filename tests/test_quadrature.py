@@ -377,3 +377,94 @@ def test_a_floor_learnt_at_one_step_does_not_accept_another_steps_quadrature_err
                              for sk, wk in zip(s, w)])  # (nodes, queries, C, P)
         roundoff = 4 * eps * float(terms.square().sum((0, 3)).sqrt().max())
         assert quadrature <= max(budgets[t], roundoff), (t, quadrature, budgets[t], roundoff)
+
+
+def _converged_full_batch_adam(max_iter=200):
+    """Full-batch Adam near convergence (benchmarks/audit_contribution_error.py's worst
+    case, smaller): the points' parts of each step cancel, contributions are three times
+    the prediction, and the sums' node choice left single contributions 2.7x tol * S
+    off before the per-contribution check (measured)."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(20, 4))
+    y = np.sin(X[:, 0]) + 0.5 * X[:, 1] * X[:, 2] + 0.1 * rng.normal(size=20)
+    est = PathKernelMachine(hidden_layer_sizes=(8, 8), activation="gelu", solver="adam",
+                            batch_size=20, learning_rate_init=1e-2, max_iter=max_iter,
+                            normalize_y=False, tol=None, n_iter_no_change=10**6,
+                            dtype="float64", random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est.fit(X, y)
+    return est, rng.normal(size=(6, 4))[:1]
+
+
+def _path_scale(est, Xq):
+    """S: the largest |f| of the queries at the recorded points, by the network's own
+    forward pass."""
+    traj = est.trajectory_
+    return max(float(np.abs(module_at(est, k)(torch.as_tensor(Xq)).detach().numpy()).max())
+               for k in range(len(traj)))
+
+
+def test_each_contribution_meets_tol_where_shares_cancel():
+    """The node choice measures each step's SUM of shares; where the points' parts of
+    the steps cancel, a single contribution can miss by more. The check measures that
+    error against a 12-node float64 decomposition of the same path (8 nodes reach
+    round-off there) and keeps it under tol * S."""
+    est, Xq = _converged_full_batch_adam()
+    ref = est.decompose(Xq, n_nodes=12).contributions
+    allowed = 1e-12 * _path_scale(est, Xq)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        res = est.decompose(Xq)
+    true = np.abs(res.contributions - ref).max()
+    assert np.abs(ref).max() > 2 * np.abs(res.prediction).max()  # the shares cancel
+    assert true <= allowed
+    assert res.contribution_error <= allowed
+    # The estimate is the error (to the round-off of contributions of a few: some ulps).
+    roundoff = 64 * np.finfo(float).eps * np.abs(ref).max()
+    assert true <= res.contribution_error + roundoff
+    # The sum's own residuals and the per-step record stay those of the kept walk.
+    assert res.error <= allowed and res.n_nodes.min() >= 2
+
+
+def test_fixed_nodes_report_the_contribution_error():
+    """Fixed n_nodes are kept: the check reports the measured per-contribution error
+    (not under the true one by more than a small factor) and warns with it."""
+    est, Xq = _converged_full_batch_adam(max_iter=100)
+    ref = est.decompose(Xq, n_nodes=12).contributions
+    with pytest.warns(ConvergenceWarning, match="single contribution") as rec:
+        res = est.decompose(Xq, n_nodes=1)
+    true = np.abs(res.contributions - ref).max()
+    assert np.all(res.n_nodes == 1)
+    assert true / 1.5 <= res.contribution_error <= 1.5 * true
+    message = next(str(w.message) for w in rec if "single contribution" in str(w.message))
+    assert f"estimated at {res.contribution_error:.3g}" in message
+
+
+@pytest.mark.parametrize("params", [
+    dict(solver="adam", activation="tanh", batch_size=10, learning_rate_init=1e-2),
+    dict(solver="sgd", activation="softplus", batch_size=8, learning_rate_init=0.05),
+])
+def test_contribution_check_costs_nothing_on_minibatches(params, monkeypatch):
+    """Minibatch fits: the steps' shares cancel little, the bound from the sums'
+    residuals is under tol * S, and it bounds the true error (12-node reference): no
+    walk is added (the decomposition is the node choice's own), no warning."""
+    import skpathkernel._analysis._decomposition as decomposition
+
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(60, 4))
+    Xq = rng.normal(size=(4, 4))
+    est = PathKernelMachine(hidden_layer_sizes=(16,), max_iter=30, tol=None,
+                            normalize_y=False, n_iter_no_change=10**6, dtype="float64",
+                            random_state=0, **params).fit(X, np.sin(X[:, 0]) + X[:, 1])
+    ref = est.decompose(Xq, n_nodes=12).contributions
+    walks = []
+    run = decomposition._run
+    monkeypatch.setattr(decomposition, "_run",
+                        lambda *a, **k: walks.append(k["quadrature"]) or run(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = est.decompose(Xq)
+    assert len(walks) == 1
+    allowed = 1e-12 * _path_scale(est, Xq)
+    assert np.abs(res.contributions - ref).max() <= res.contribution_error <= allowed

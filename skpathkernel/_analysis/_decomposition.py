@@ -147,11 +147,21 @@ a ConvergenceWarning.
 
 The residual is that of the SUM of the step's shares: point i's share errs by
 ``delta_rho_t . dtheta_t^(i)``, which it does not bound where the points' parts of the
-step cancel (a full batch near convergence, Adam's normalised steps). Measured against a
+step cancel (a full batch near convergence, Adam's normalised steps): measured against a
 64-node float64 reference (``benchmarks/audit_contribution_error.py``), a single
-contribution missed by up to 6x ``error``, but by at most 0.17 ``tol * S`` at tol 1e-4
-and 1e-3 and 1.1 ``tol * S`` at the default tol: the nodes overshoot each step's share,
-and the steps whose parts cancel most are the small ones. No per-point check is made.
+contribution missed by up to 6x ``error`` and 1.1 ``tol * S`` at the default tol before
+the check below. Each step's shares, formed anyway, give its cancellation (the largest
+``sum_i |share_i|`` over the largest ``|sum_i share_i|``), and ``sum_t r_t cancel_t``
+bounds a contribution's error where a share errs by no more than its part of the
+residual; where that bound exceeds ``tol * S`` the path is walked again with a node more
+per step, and the largest difference of one contribution between the walks is the
+error, measured (``_contribution_check``; a second raise where it is over). The result
+reports it as ``contribution_error`` and warns above the tolerance. Minibatch paths
+stay under the bound (one walk, the same nodes); converged full-batch Adam walks two or
+three times (2.8x its CPU time, ``benchmarks/results/contribution_check_overhead.md``),
+and the estimate is then its error (``benchmarks/results/contribution_error.md``).
+Float32 paths are not walked again (their walks differ by their round-off): the bound
+is reported.
 """
 
 from __future__ import annotations
@@ -197,6 +207,10 @@ __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_to
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
 MAX_NODES = 64
+# The walks with more nodes per step that the per-contribution check may add (see
+# _contribution_check): a node more measures the first walk's error, two more the
+# second's where the first was over.
+CHECK_RAISES = 2
 # Nodes per step once the steps stop converging (non-smooth activations): the count
 # from which _stalled judges.
 NONSMOOTH = 8
@@ -283,7 +297,8 @@ class Decomposition:
     error : float
         max |initial + sum(contributions) + regularization - prediction|: the error of
         the contributions' sum; a single contribution's can be larger where the
-        points' shares cancel (see the module's *Error control*).
+        points' shares cancel: ``contribution_error`` is that one's (see the module's
+        *Error control*).
     method, weighting : str
     n_nodes : ndarray of int of shape (n_steps,) or None
         ``method="exact"``: the Gauss-Legendre nodes each optimizer step used (the
@@ -304,6 +319,17 @@ class Decomposition:
         relative to the interval's move (round-off, about 1e-15 in float64, when the
         record holds the training; a warning fires above the dtype's limit). None
         where every step is recorded or nothing could be replayed.
+    contribution_error : float or None
+        ``method="exact"``: the estimated largest error of a single contribution (over
+        queries, training points and outputs; ``error`` is that of their sum), checked
+        against ``tol * S`` (``S`` the largest |f| along the path), and with fixed
+        ``n_nodes`` against the exact checks' accuracy (1e-10 of ``S`` in float64, 1e-4
+        in float32); a warning fires above it. Where the steps' shares cancel little,
+        the steps' residuals times their cancellation, a bound; where that bound is over,
+        measured by walking the path again with a node more per step (and where that
+        is over too, the more accurate walk is kept and checked by one more). The
+        quadrature's error only: a float32 path's round-off is not in it. None for the
+        other methods.
     """
 
     initial: np.ndarray
@@ -317,6 +343,7 @@ class Decomposition:
     step_errors: np.ndarray | None = field(default=None)
     tol: float | None = None
     replay_error: float | None = None
+    contribution_error: float | None = None
 
     @property
     def reconstruction(self) -> np.ndarray:
@@ -370,8 +397,15 @@ class _Reroute(Exception):
 class _Quadrature:
     """Chooses the Gauss-Legendre nodes of every step and keeps what they achieved."""
 
-    def __init__(self, n_steps, *, tol, n_nodes, changes, scale, dtype, f=None):
+    def __init__(self, n_steps, *, tol, n_nodes, changes, scale, dtype, f=None, plan=None):
         self.fixed = n_nodes
+        # Per step, a node count to take instead of choosing one (the check of the
+        # contributions' own errors, see _contribution_check).
+        self.plan = plan
+        self._next = n_steps - 1  # the step the walk takes next (it walks backwards)
+        # The cancellation of each step's shares (see _Mass): the steps where a point's
+        # share may miss by more than the sum's residual.
+        self.cancel = np.zeros(n_steps)
         self.f = f  # the reference f of the queries at every point
         self.scale = scale  # the largest |f| along the path
         self.eps = float(torch.finfo(dtype).eps)
@@ -405,12 +439,14 @@ class _Quadrature:
         and what the caller keeps. ``df`` (rows, C) is the step's change of f (the
         reference), ``noise`` the round-off of that difference.
         """
-        if self.fixed is not None:
-            q, _, payload = evaluate(self.fixed)
+        fixed = self.fixed if self.plan is None else int(self.plan[t])
+        self._next = t - 1
+        if fixed is not None:
+            q, _, payload = evaluate(fixed)
             r = _residual(q, df)
             if not math.isfinite(r):
                 self.failed[t] = r
-            self._record(t, self.fixed, r)
+            self._record(t, fixed, r)
             return payload
         budget = self.budgets[t]
         n, cap, lowered = self._start()
@@ -482,11 +518,15 @@ class _Quadrature:
 
     def start(self) -> int:
         """The node count the next step tries first."""
+        if self.plan is not None:
+            return int(self.plan[max(self._next, 0)])
         return self.fixed if self.fixed is not None else self._start()[0]
 
     def last(self) -> int | None:
         """The node count the step before ended with (None before the first step): the
         count the next steps try first, unless one is lowered or raised."""
+        if self.plan is not None:  # the count of the step after the next one
+            return int(self.plan[max(self._next - 1, 0)])
         return self.fixed if self.fixed is not None else self._n
 
     def _start(self):
@@ -1243,6 +1283,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             decay = {k: wd * v.to(traj.dtype) for k, v in theta64.items()}
         # The steps of the interval, last first (one step unless the path is thinned:
         # then each takes the interval's segment and its batch's gradients at theta_j).
+        mass = _Mass(n_q, n_out, device) if exact else None
         for t in steps:
             coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
@@ -1256,6 +1297,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     for nodes, w, at in groups:
                         share = factor_shares(nodes, w, terms, dhat).mul_(scale)
                         contrib[:, at].index_add_(0, sub, share)
+                        if mass is not None:
+                            mass.add(share, at)
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
@@ -1267,6 +1310,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg += part.view(-1, n_out)
                 share = share.view(n_q * n_out, -1).mul_(w_sub.to(share.dtype))
                 contrib.index_add_(0, sub, share.T.view(-1, n_q, n_out))
+                if mass is not None:
+                    mass.add(share.T.view(-1, n_q, n_out), slice(None))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
@@ -1274,7 +1319,30 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
+        if mass is not None:
+            l1, total = mass.per_query()
+            for c in parts:
+                c.quad.cancel[j] = (l1[c.local].max() / max(total[c.local].max(), 1e-300)
+                                    if len(l1[c.local]) else 0.0)
     return contrib.permute(1, 0, 2), reg
+
+
+class _Mass:
+    """A step's shares per query and output: their absolute sum and their sum."""
+
+    def __init__(self, n_q, n_out, device):
+        self.l1 = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
+        self.sum = torch.zeros_like(self.l1)
+
+    def add(self, share, rows):
+        self.l1[rows] += share.abs().sum(0)
+        self.sum[rows] += share.sum(0)
+
+    def per_query(self) -> tuple[np.ndarray, np.ndarray]:
+        """The largest absolute sum and |sum| over each query's outputs (one transfer
+        for all chunks: the step's few calls are what it costs)."""
+        both = torch.stack([self.l1.amax(1), self.sum.abs().amax(1)]).cpu().numpy()
+        return both[0], both[1]
 
 
 class _NodesAhead:
@@ -1876,39 +1944,59 @@ def decompose(
     dense = max((t.delta.shape[2] for t in terms for _, a in t.inputs if a is None),
                 default=0)
 
+    made, plans, paths = [], [], {}  # the walk's node choices, its plan, f per block
+
     def quadrature(rows, chunks):
         """The node choices of the chunks of queries ``chunks`` in the block ``rows``
         (None: no choice to make)."""
         if not exact:
             return [None] * len(chunks)
-        f = [ref(t, rows) for t in range(len(traj))]  # one pass for the block
+        key = (rows.start, rows.stop)
+        if key not in paths:  # one pass for the block, kept for the check's passes
+            paths[key] = [ref(t, rows) for t in range(len(traj))]
+        f = paths[key]
         out = []
         for c_rows in chunks:
             i = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
             f_c = [ft[i] for ft in f]
             changes, scale = _path_changes(f_c, ref, c_rows)
             out.append(_Quadrature(len(traj) - 1, tol=tol or 0.0, n_nodes=n_nodes,
-                                   changes=changes, scale=scale, dtype=dtype, f=f_c))
-        quads.extend(out)
+                                   changes=changes, scale=scale, dtype=dtype, f=f_c,
+                                   plan=plans[len(made) + len(out)] if plans else None))
+            out[-1].rows = c_rows
+        made.extend(out)
         return out
 
-    while True:
-        quads = []
-        try:
-            contributions, regularization = _run(
-                module, traj, X_train, Y_train, loss, X, method=method, weighting=weighting,
-                route=route, quadrature=quadrature, memory_budget=memory_budget,
-                exclude=exclude,
-                outputs=outputs, row=row, width=width, largest=largest, dense=dense,
-                itemsize=itemsize,
-                P=P, N=N, ref=ref, n_nodes=n_nodes,
-                chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
-                weights=weights, intervals=intervals)
-            break
-        except _Reroute as new:
-            exclude = new.exclude
+    def walk(plan=None):
+        """The contributions, regularization and node choices of one walk of the path
+        (``plan``: per chunk of queries, the node count of every step)."""
+        nonlocal exclude
+        plans[:] = plan or []
+        while True:
+            made.clear()
+            try:
+                return (*_run(
+                    module, traj, X_train, Y_train, loss, X, method=method,
+                    weighting=weighting, route=route, quadrature=quadrature,
+                    memory_budget=memory_budget, exclude=exclude,
+                    outputs=outputs, row=row, width=width, largest=largest, dense=dense,
+                    itemsize=itemsize,
+                    P=P, N=N, ref=ref, n_nodes=n_nodes,
+                    chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
+                    weights=weights, intervals=intervals), list(made))
+            except _Reroute as new:
+                exclude = new.exclude
+
+    contributions, regularization, quads = walk()
+    contribution_error, measured = None, None
+    if exact and quads:
+        contributions, regularization, quads, contribution_error, measured = _contribution_check(
+            walk, (contributions, regularization, quads),
+            tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None,
+            resolved=dtype == torch.float64, chosen=requested is not None)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
+    result.contribution_error = contribution_error
     scale, failed, floored = None, {}, {}
     if exact:  # each step's largest count and residual over the chunks, as merge joins
         result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
@@ -1926,10 +2014,84 @@ def decompose(
                      unequal_weights=weighting == "expected" and _unequal_batch_weights(traj),
                      preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"),
                      refusal=refusal, replay_limit=replay_limit(recorded),
-                     compression=recorded.compression)
+                     compression=recorded.compression, measured=measured)
     if not warn:
         return result, checks
     return finish(result, checks, units)
+
+
+def _contribution_check(walk, first, tol: float, *, adaptive: bool, resolved: bool,
+                        chosen: bool):
+    """``(contributions, regularization, quads, contribution_error, measured)``: a
+    walk's result with its per-contribution quadrature error, nodes raised where it is
+    over (``measured``: the largest error measured by walking again, None if none was).
+
+    The node choice bounds the residual of a step's SUM of shares: point i's share errs
+    by ``delta_rho_t . dtheta_t^(i)``, which it bounds only where the points' parts do
+    not cancel. Each step's shares give their cancellation at no extra walk (the largest
+    ``sum_i |share_i|`` over the largest ``|sum_i share_i|``, :class:`_Mass`), and
+    ``sum_t r_t cancel_t``, the steps' residuals times it, bounds the contributions'
+    errors where a point's share errs by no more than its part of the residual. Where
+    that bound is over ``tol`` times the chunk's largest |f| (converged full-batch Adam:
+    10-50x, against 0.4x on minibatch Adam and 0.5x on the default classifier,
+    measured) the path is walked again with a node more at every step of that chunk:
+    the two walks' largest difference of one contribution is the first's error,
+    measured (up to the second's, smaller by the node's gain). Still over with adaptive
+    nodes, the second walk is kept and checked by a third, two nodes more; where that
+    difference did not fall (round-off, not quadrature) the first walk is kept. Fixed
+    ``n_nodes`` are kept. Each chunk of queries is judged on its own, as its node
+    choice is, so that a block of the queries on a worker keeps the serial call's.
+
+    Where the adaptive sums' own residuals add up to more than a tolerance the caller
+    ``chosen`` (below the dtype's round-off floor) no node count meets it: the bound is
+    reported, the sums' miss is what warns. (The default tol sits at that floor by
+    design: its sums are not judged, the contributions are; converged full-batch Adam's
+    sums exceed it at the chunk's scale, and its contributions missed 1.1x.) So it is
+    where the path's dtype does not resolve the
+    walks' difference (``resolved`` False: float32, whose default tol sits at its
+    round-off by design): two float32 walks differ by their round-off, 0.6x tol * S on
+    the default classifier on digits, where the bound was over in a chunk and three
+    walks cost 3x for it (measured).
+    """
+    quads = first[2]
+    allowed = [tol * float(q.scale) for q in quads]
+    bounds = [float(np.sum(q.errors * q.cancel)) for q in quads]
+    # A step that failed its own sum is warned of already; its residual bounds nothing
+    # (a kink's).
+    need = [resolved and b > a and not q.failed
+            and not (adaptive and chosen and float(np.sum(q.errors)) > a)
+            for q, a, b in zip(quads, allowed, bounds)]
+    if not any(need):
+        return (*first, max(bounds), None)
+    base = [q.n_used for q in quads]
+    walks, errors = [first], []
+    for raise_ in range(1, CHECK_RAISES + 1):
+        walks.append(walk([np.minimum(b + raise_ * k, MAX_NODES) for b, k in zip(base, need)]))
+        errors.append([float(np.max(np.abs(walks[-1][0][q.rows] - walks[-2][0][q.rows]),
+                                    initial=0.0)) for q in quads])
+        if not adaptive:
+            break
+    # Per chunk: the first walk whose error the next one measured under the tolerance;
+    # else the last, bounded by the error before it, where more nodes cut the error.
+    kept, error = [0] * len(quads), list(bounds)
+    for c in range(len(quads)):
+        if not need[c]:
+            continue
+        e = [errs[c] for errs in errors]
+        k = next((k for k, ek in enumerate(e) if ek <= allowed[c]), None)
+        if k is None:
+            k = len(e) if len(e) > 1 and e[-1] <= e[-2] / 4 else 0
+            kept[c], error[c] = k, e[max(k - 1, 0)]
+        else:
+            kept[c], error[c] = k, e[k]
+    contributions, regularization = first[0].copy(), first[1].copy()
+    chosen = []
+    for c, q in enumerate(quads):
+        w = walks[kept[c]]
+        contributions[q.rows], regularization[q.rows] = w[0][q.rows], w[1][q.rows]
+        chosen.append(w[2][c])
+    measured = max(error[c] for c in range(len(quads)) if need[c])
+    return contributions, regularization, chosen, max(error), measured
 
 
 @dataclass
@@ -1964,6 +2126,10 @@ class _Checks:
     # trajectory_compression (its rounded points are not the training's).
     replay_limit: float = 0.0
     compression: str | None = None
+    # The largest per-contribution error measured by walks with more nodes (None: none
+    # was; contribution_error is then the bound from the steps' residuals, see
+    # _contribution_check).
+    measured: float | None = None
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -1983,7 +2149,9 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
         prediction=np.concatenate([r.prediction for r in results]),
         error=worst(r.error for r in results), method=first.method,
         weighting=first.weighting, tol=first.tol,
-        replay_error=_worst_replay(results))
+        replay_error=_worst_replay(results),
+        contribution_error=None if first.contribution_error is None
+        else worst(r.contribution_error for r in results))
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
@@ -1994,7 +2162,13 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
-                              "floored": floored})
+                              "floored": floored, "measured": _worst_measured(checks)})
+
+
+def _worst_measured(checks) -> float | None:
+    """The parts' largest measured per-contribution error (None where none measured)."""
+    errors = [c.measured for c in checks if c.measured is not None]
+    return worst(errors) if errors else None
 
 
 def _worst_replay(results) -> float | None:
@@ -2101,7 +2275,10 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         contributions=np.sum([r.contributions for r in results], axis=0),
         regularization=np.sum([r.regularization for r in results], axis=0),
         error=0.0, method=first.method, weighting=first.weighting, tol=first.tol,
-        replay_error=_worst_replay(results))
+        replay_error=_worst_replay(results),
+        # The ranges' steps are apart: their errors of one contribution add up.
+        contribution_error=None if first.contribution_error is None
+        else float(np.sum([r.contribution_error for r in results])))
     if len(merged.prediction):
         merged.error = float(np.max(np.abs(merged.reconstruction - merged.prediction)))
     if first.n_nodes is not None:  # zero where a part did not compute the step
@@ -2109,7 +2286,9 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
     failed = {t: r for c in checks for t, r in c.failed.items()}
     floored = {t: r for c in checks for t, r in c.floored.items()}
-    return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored})
+    measured = [c.measured for c in checks if c.measured is not None]
+    return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored,
+                              "measured": float(np.sum(measured)) if measured else None})
 
 
 def finish(result: Decomposition, checks: _Checks, units=None,
@@ -2134,6 +2313,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     # The quadrature's summed residuals against what the tolerance allows them, in the
     # network's units (as the node choice judged them).
     missed = _missed_quadrature(result, checks) if checks.exact and not checks.failed else None
+    one = (_missed_contribution(result, checks) if checks.exact and not checks.failed
+           else None)
     if units is not None:
         result = units(result)
     if checks.failed:
@@ -2158,6 +2339,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
         )
     elif missed is not None:
         _warn_missed(result, checks, *missed, verb)
+    if one is not None:
+        _warn_contribution(result, checks, one, verb)
     if inexact is not None:
         _warn_inexact(result, inexact, verb)
     if checks.thinned:
@@ -2304,6 +2487,40 @@ def _missed_quadrature(result: Decomposition, checks: _Checks):
     size = max(checks.scale or 0.0, 1e-300)
     achieved = float(np.sum(result.step_errors)) / size
     return None if achieved <= tol else (achieved, tol)
+
+
+def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None:
+    """The per-contribution error relative to the path's largest |f| where it exceeds
+    what the sum is held to (``tol``; with fixed ``n_nodes``, ``INEXACT_FLOOR``), else
+    None. Only a measured error warns: the bound from the steps' residuals is over
+    only where their sum is (warned of as such) or a step failed."""
+    if checks.measured is None:
+        return None
+    tol = INEXACT_FLOOR[checks.dtype] if checks.n_nodes is not None else checks.tol
+    achieved = checks.measured / max(checks.scale or 0.0, 1e-300)
+    return None if achieved <= tol else achieved
+
+
+def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
+                       verb: str) -> None:
+    if checks.n_nodes is not None:
+        allowed = INEXACT_FLOOR[checks.dtype]
+        fix = "Pass n_nodes=None to choose the nodes of every step for tol."
+    else:
+        allowed = checks.tol
+        fix = (f"Walks with up to {CHECK_RAISES} nodes per step more than the sums "
+               "needed did not bring it under (round-off, or steps that need more); a "
+               "smaller tol integrates every step further.")
+    warnings.warn(
+        f"{verb}(method='exact'): a single contribution's quadrature error is estimated "
+        f"at {result.contribution_error:.3g} (Decomposition.contribution_error), "
+        f"{achieved:.3g} relative to the largest |f| along the path ({checks.scale:.3g}), "
+        f"over the {allowed:g} the decomposition is held to (the contributions' sum "
+        f"misses by {result.error:.3g}, Decomposition.error; where the training points' "
+        "shares of a step cancel, each can miss by more than their sum). "
+        f"{fix}",
+        ConvergenceWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def _list_steps(residuals: dict) -> str:

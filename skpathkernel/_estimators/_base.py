@@ -1455,6 +1455,8 @@ def in_target_units(result, mean, scale):
     if getattr(mapped, "step_errors", None) is not None:
         # Residuals, maxima over the outputs: the largest scale bounds them in y's units.
         mapped.step_errors = mapped.step_errors * float(np.max(scale))
+    if getattr(mapped, "contribution_error", None) is not None:
+        mapped.contribution_error = mapped.contribution_error * float(np.max(scale))
     if len(mapped.prediction):  # the error measured again, in the units of y
         mapped.error = float(np.max(np.abs(mapped.reconstruction - mapped.prediction)))
     return mapped

@@ -74,7 +74,10 @@ class _SwitchedOff:
     first verb to need it off saves and clears it, the last to end puts back what it
     saved, so that overlapping verbs on threads (n_jobs threads, a threaded server)
     neither turn it on under each other nor leave it off. Other work of the process runs
-    with it off meanwhile (slower, not wrong)."""
+    with it off meanwhile (slower, not wrong; but a no-grad nn.TransformerEncoder forward
+    outside every block, under a padding mask, that sees the attention switch turned off
+    halfway raises torch's NestedTensor AssertionError: the package's own forwards, its
+    input checks' included, run inside the block)."""
 
     _lock: threading.Lock
     _state: dict

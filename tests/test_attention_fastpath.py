@@ -138,3 +138,41 @@ def test_switch_is_counted_across_threads():
         seen.append(torch.backends.mha.get_fastpath_enabled())
     assert seen == [False, False]
     assert torch.backends.mha.get_fastpath_enabled() and _FASTPATH["holders"] == 0
+
+
+def test_a_verb_starting_on_another_thread_leaves_a_forward_whole(fitted):
+    # The input checks ran the network before the verb took the switch: with the fast
+    # path on, nn.TransformerEncoder packs the padded sequences into a nested tensor, and
+    # a verb on another thread turning the switch off before the attention layer read
+    # them made predict raise (3 threads predicting at once: 2 raised).
+    est, X_query = fitted
+    inside, go = threading.Event(), threading.Event()
+
+    def hold(layer, args):
+        if not inside.is_set():
+            inside.set()
+            go.wait(30)
+
+    errors = []
+
+    def predict():
+        try:
+            errors.append(np.abs(est.predict(X_query) - reference).max())
+        except BaseException as e:  # reported by the assert below
+            errors.append(e)
+
+    reference = _differentiable_forward(est.module_, X_query)[:, 0]
+    handle = est.module_.encoder.layers[0].register_forward_pre_hook(hold)
+    try:
+        thread = threading.Thread(target=predict)
+        thread.start()
+        assert inside.wait(30)
+        with fastpath_disabled():  # another verb starts
+            go.set()
+            thread.join()
+    finally:
+        go.set()
+        handle.remove()
+    assert len(errors) == 1 and not isinstance(errors[0], BaseException), errors
+    assert errors[0] < 1e-12
+    assert torch.backends.mha.get_fastpath_enabled() and _FASTPATH["holders"] == 0

@@ -344,7 +344,8 @@ class SlicedGPT(nn.Module):
     read of the position table: ``"slice"``, ``"narrow"``, ``"step"`` (every other row),
     ``"int"`` (the slice plus row ``L``, two views of one table), or those that must fall
     back: ``"index"`` (advanced indexing by a tensor of positions), ``"view"`` (a slice
-    of a slice) and ``"value"`` (a bound read from the ids' values)."""
+    of a slice), ``"value"`` (a bound read from the ids' values) and ``"numpy"`` (the same
+    bound read through NumPy)."""
 
     def __init__(self, read="slice", vocab=11, d=8, block_size=11):
         super().__init__()
@@ -370,6 +371,8 @@ class SlicedGPT(nn.Module):
             pos = self.pos_embed[:L + 1][1:]
         elif self.read == "value":
             pos = self.pos_embed[:int((ids >= 0).sum(1).max())]
+        elif self.read == "numpy":
+            pos = self.pos_embed[:int((ids >= 0).sum(1).max().numpy())]
         else:
             pos = self.pos_embed[torch.arange(L, device=ids.device)]
         x = self.tok(ids) + pos
@@ -422,7 +425,7 @@ def test_a_position_embedding_read_through_a_slice_runs_on_its_rule(kind):
     _close(TangentKernel(net, output="full")(X.numpy()), torch.einsum("ncp,mdp->nmcd", J, J))
 
 
-@pytest.mark.parametrize("read", ["index", "view", "value"])
+@pytest.mark.parametrize("read", ["index", "view", "value", "numpy"])
 def test_a_position_table_read_otherwise_falls_back_exactly(read):
     # Advanced indexing (self.pos[idx]) copies the rows it reads, a view of a view is not
     # one the rule follows, and a bound computed from the data may differ per block: the

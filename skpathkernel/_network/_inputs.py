@@ -32,7 +32,7 @@ from scipy.sparse import issparse
 from sklearn.utils.validation import check_array, validate_data
 
 from .._device import forked_rng, to_input_tensor
-from .._modules import copy_module
+from .._modules import copy_module, without_fastpath
 
 __all__ = [
     "FEATURES",
@@ -375,11 +375,16 @@ def _largest_ids(X: np.ndarray, sizes: list[int]) -> str:
 
 
 def _run(module: torch.nn.Module, x: torch.Tensor):
-    """One forward pass in eval mode (no dropout draw, no BatchNorm statistics update)."""
+    """One forward pass in eval mode (no dropout draw, no BatchNorm statistics update),
+    with torch's attention fast path off like every verb's forward. The checks run it
+    before a verb takes the switch: with the fast path on, nn.TransformerEncoder under a
+    padding mask packs a nested tensor, and a verb on another thread turning the
+    process's switch off before its MultiheadAttention runs made it raise
+    (AssertionError: does not support NestedTensor outside of its fast path)."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), without_fastpath(module):
             return module(x)
     finally:
         for m, mode in modes:

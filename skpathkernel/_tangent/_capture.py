@@ -301,10 +301,12 @@ def _tensors(obj):
 _LIKE = frozenset({torch.Tensor.to, torch.Tensor.type_as})
 # Calls that hand a tensor's values to Python: a slice bound computed from them
 # (``self.pos[:int(mask.sum(1).max())]``) may depend on the block's data, which the index
-# of the view, a plain int, does not show.
+# of the view, a plain int, does not show. NumPy's reads count too
+# (``int(lengths.max().numpy())``, ``np.asarray(t)``).
 _VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
                           torch.Tensor.__index__, torch.Tensor.__float__,
-                          torch.Tensor.__bool__})
+                          torch.Tensor.__bool__, torch.Tensor.numpy,
+                          torch.Tensor.__array__})
 _DECLINED = object()  # the own call ran, but not as the rule's sites
 
 

@@ -270,16 +270,6 @@ def _perturbed_on_rules(module, X):
     return params
 
 
-def test_every_registered_form_matches_the_loop():
-    torch.manual_seed(0)
-    module = Ops().double()
-    X = torch.randn(5, 3, dtype=torch.float64)
-    params = _perturbed_on_rules(module, X)
-    J = jacobian_loop(module, X)
-    _close(tangent_features(module, params, X, output="full"), J)
-    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
-
-
 class _ReadTwice(nn.Module):
     """Raw parameters each read by two registered operations: a gain (``*`` then ``+``)
     and a class token (expanded to the rows, then added to every position)."""
@@ -465,9 +455,10 @@ class Views(nn.Module):
         return self.head(h.reshape(x.shape[0], -1))
 
 
-def test_every_basic_index_matches_the_loop():
+@pytest.mark.parametrize("make", [Ops, Views], ids=["registered forms", "basic indices"])
+def test_every_form_matches_the_loop(make):
     torch.manual_seed(0)
-    module = Views().double()
+    module = make().double()
     X = torch.randn(5, 3, dtype=torch.float64)
     params = _perturbed_on_rules(module, X)
     J = jacobian_loop(module, X)

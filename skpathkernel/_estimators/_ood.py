@@ -372,7 +372,8 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 "network as it is."
             )
         if (reconstruct and not frozen and inner is not None and inner.module is not None
-                and np.issubdtype(getattr(X, "dtype", np.asarray(X).dtype), np.integer)):
+                and np.issubdtype(X.dtype if hasattr(X, "dtype") else np.asarray(X).dtype,
+                                  np.integer)):
             # With a module, integer X is token ids: reconstructing them regresses
             # category codes as numbers, a task without meaning whose network's span
             # would then define "normal".

@@ -2,6 +2,7 @@
 
 
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -266,3 +267,40 @@ def test_kneighbors_normalized_places_a_zero_feature_as_the_normalized_kernel_do
     dist, ind = net.kneighbors(n_neighbors=7, kernel=kernel, normalized=True)
     assert_allclose(dist, np.sort(own, axis=1)[:, :7], rtol=1e-10, atol=1e-10)
     assert (ind[2, 0], ind[5, 0]) == (5, 2)
+
+
+class _SqrtHead(torch.nn.Module):
+    """``lin(x) * sqrt(5 - x_0)``: finite on the training inputs (x_0 < 5), NaN beyond."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.lin(x) * torch.sqrt(5 - x[:, :1])
+
+
+@pytest.mark.parametrize("n_classes", [None, 2, 3])
+def test_predict_warns_of_rows_where_the_network_outputs_nan(n_classes):
+    """A classifier's predict labelled a row whose logits are NaN as classes_[0] (argmax of
+    NaN, NaN > 0 False), without a word."""
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(30, 2))
+    y = X[:, 0] if n_classes is None else np.arange(30) % n_classes
+    cls = PathKernelMachine if n_classes is None else PathKernelClassifier
+    est = cls(module=_SqrtHead, max_iter=3, tol=None, random_state=0).fit(X, y)
+    Q = np.vstack([X[:3], [[7.0, 0.0], [9.0, 1.0]]])
+    with torch.no_grad():
+        own = est.module_(torch.as_tensor(Q, dtype=torch.float32)).numpy()
+    assert np.isfinite(own[:3]).all() and np.isnan(own[3:]).all()
+    verbs = [est.predict] + ([] if n_classes is None else
+                             [est.decision_function, est.predict_proba])
+    for verb in verbs:
+        with pytest.warns(RuntimeWarning, match=r"NaN or inf at 2 of 5 inputs \(rows 3, 4\)"):
+            verb(Q)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            verb(Q[:3])
+    rec = RecordedNetwork(est.module_, est.trajectory_, X_train=X)
+    with pytest.warns(RuntimeWarning, match="NaN or inf at 2 of 5"):
+        rec.predict(Q)

@@ -50,7 +50,13 @@ from .._network._inputs import (
     probe_module,
     validate_input,
 )
-from .._network._trained import TrainedNetwork, module_outputs, network_of, output_block_rows
+from .._network._trained import (
+    TrainedNetwork,
+    module_outputs,
+    network_of,
+    output_block_rows,
+    warn_not_finite,
+)
 from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._buffers import appended
 from .._path._losses import LOSSES
@@ -1043,7 +1049,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
     # ------------------------------------------------------------------ inference
     def _forward(self, X) -> np.ndarray:
         """Network outputs (n_samples, n_outputs), float64, in fixed-size blocks."""
-        return network_of(self).outputs(self._validate_X(X), step=None)
+        return warn_not_finite(network_of(self).outputs(self._validate_X(X), step=None))
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self):

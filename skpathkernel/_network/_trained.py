@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -49,6 +50,7 @@ from .._path._losses import LOSSES, Loss
 from .._path._training import warn_drawing_now, warn_drawn
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
+from .._warnings import caller_stacklevel
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import (
     FEATURES,
@@ -61,7 +63,7 @@ from ._inputs import (
 )
 
 __all__ = ["TrainedNetwork", "as_loss", "check_attribute_args", "check_decompose_args",
-           "check_step_applies", "network_of"]
+           "check_step_applies", "network_of", "warn_not_finite"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -1082,6 +1084,27 @@ def module_outputs(module: torch.nn.Module, X: torch.Tensor, block: int, *, para
     else:
         out = np.concatenate([run(X[i : i + block]) for i in range(0, len(X), block)])
     return out.astype(np.float64, copy=False)
+
+
+def warn_not_finite(outputs: np.ndarray) -> np.ndarray:
+    """``outputs``, with a RuntimeWarning naming the rows where the network's own output
+    is NaN or inf.
+
+    A classifier's ``predict`` turned such a row into a label without a word (``argmax``
+    of NaN is the first class, ``NaN > 0`` is False): an attention whose every key is
+    masked (a sequence of padding alone) outputs NaN in any dtype.
+    """
+    bad = np.flatnonzero(~np.isfinite(outputs).reshape(len(outputs), -1).all(axis=1))
+    if len(bad):
+        rows = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(
+            f"The network's outputs are NaN or inf at {len(bad)} of {len(outputs)} inputs "
+            f"(rows {rows}): its forward is not finite there (e.g. an attention whose every "
+            "key is masked, a sequence of padding alone, or a mean over no unmasked "
+            "position), and a classifier's labels and probabilities of those rows mean "
+            "nothing. Leave such inputs out, or make the forward finite on them.",
+            RuntimeWarning, stacklevel=caller_stacklevel())
+    return outputs
 
 
 def _decompose_rows(rows, X, weights, net: TrainedNetwork, kwargs):

@@ -65,7 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
-from .._network._trained import TrainedNetwork
+from .._network._trained import TrainedNetwork, warn_not_finite
 from ..kernels import NetworkKernelsMixin
 from ._training import mode_dependent_layers, refused_in_mode, undrawn
 from ._trajectory import (
@@ -1385,7 +1385,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         outputs : ndarray of shape (n_samples, n_outputs)
             The raw network outputs (logits for a classification loss).
         """
-        return self._network().outputs(X)
+        return warn_not_finite(self._network().outputs(X))
 
     @shared_doc(DECOMPOSE, note=_DECLARED, X=_X_TRAIN_FORM, extra_params="", raises="",
                 examples="")

@@ -5,6 +5,7 @@ the stopping rule), and with small float64 settings (the exactness configuration
 """
 
 import re
+import traceback
 
 import torch
 from sklearn.utils.estimator_checks import parametrize_with_checks
@@ -56,6 +57,8 @@ ESTIMATORS = [
     TangentFeatureSVM(PathKernelClassifier(**FAST)),
     TangentFeatureSVM(PathKernelClassifier(**FAST), svm_kernel="linear"),
     TangentFeatureSVM(PathKernelClassifier(**FAST), normalize=False),
+    # predict_proba and predict_log_proba exist: the checks of probabilities run.
+    TangentFeatureSVM(PathKernelClassifier(**FAST), class_weight="balanced", probability=True),
     OODRankDetector(PathKernelMachine(**FAST)),
 ]
 
@@ -110,11 +113,35 @@ def _float32_rounding(estimator, check) -> bool:
             and not isinstance(estimator, TangentFeatureSVM))
 
 
+def _platt_argmax(estimator, check) -> bool:
+    """Whether ``check`` asks a probability=True TangentFeatureSVM for predict to be
+    the argmax of predict_proba: predict is the SVM's (as SVC's), and Platt's sigmoid,
+    fitted on out-of-fold decision values, crosses 1/2 a little off the SVM's 0, as
+    scikit-learn documents of SVC(probability=True) (which its own checks run without
+    probabilities). Held to a few disagreements near the boundary instead of listed as
+    expected to fail: one sample of 200 here, which another BLAS's rounding could move."""
+    name = getattr(check, "func", check).__name__
+    return (name == "check_classifiers_train" and isinstance(estimator, TangentFeatureSVM)
+            and estimator.probability)
+
+
 # Strict: an expected failure that passes fails the test, so that a reason which no longer
 # holds (a fixed behaviour, a changed check) is seen rather than kept as an xpass.
 @parametrize_with_checks(ESTIMATORS, expected_failed_checks=_expected_failed_checks,
                          xfail_strict=True)
 def test_sklearn_estimator_checks(estimator, check):
+    if _platt_argmax(estimator, check):
+        try:
+            check(estimator)
+        except AssertionError as exc:
+            # Only the argmax comparison may fail (the probabilities' sums and
+            # predict_log_proba, which it then skips, test_svm checks).
+            line = next(frame.line for frame in traceback.extract_tb(exc.__traceback__)
+                        if frame.name == "check_classifiers_train")
+            found = re.search(r"Mismatched elements: (\d+) / (\d+)", str(exc))
+            assert "np.argmax(y_prob" in line and found, str(exc)
+            assert int(found.group(1)) <= 0.02 * int(found.group(2)), str(exc)
+        return
     if not _float32_rounding(estimator, check):
         check(estimator)
         return

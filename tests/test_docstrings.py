@@ -193,7 +193,7 @@ def _fitted_estimators():
         PathKernelMachine(**small).fit(X, X["b"]),
         PathKernelClassifier(**small).fit(X, y),
         TangentFeatures(PathKernelClassifier(**small)).fit(X, y),
-        TangentFeatureSVM(PathKernelClassifier(**small), C=1.0).fit(X, y),
+        TangentFeatureSVM(PathKernelClassifier(**small), C=1.0, probability=True).fit(X, y),
         OODRankDetector(PathKernelClassifier(**small), method="residual").fit(X, y),
         recorder.as_estimator(X.to_numpy(), X["b"].to_numpy()),
     ]

@@ -5,8 +5,14 @@ import warnings
 
 import numpy as np
 import pytest
+import sklearn
 from _reference import features_loop
+from scipy.optimize import minimize
+from sklearn.base import clone
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.datasets import make_blobs
 from sklearn.exceptions import DataDimensionalityWarning
+from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import GridSearchCV, StratifiedKFold, train_test_split
 from sklearn.svm import SVC
 
@@ -17,6 +23,7 @@ from skpathkernel import (
     TangentFeatureSVM,
 )
 from skpathkernel.datasets import make_circle, make_ellipse
+from skpathkernel.kernels import PathKernel, TangentKernel
 
 SMALL = dict(hidden_layer_sizes=(8,), solver="adam", learning_rate_init=0.02, max_iter=30,
              dtype="float64", random_state=0)
@@ -428,3 +435,223 @@ def test_seed_figure_3_tangent_svm_beats_rbf(task):
     rbf = SVC(kernel="rbf").fit(Xtr, ytr).score(Xte, yte)
     assert tangent >= 0.95, (tangent, rbf)
     assert tangent > rbf, (tangent, rbf)
+
+
+# ------------------------------------------------------- class_weight and probability (SVC's)
+SHORT = dict(SMALL, max_iter=8, tol=None)
+
+
+def _imbalanced(labels=("common", "rare")):
+    """Overlapping classes, 48 against 12 (a multiple of 3 each: C="auto"'s stratified
+    folds hold the classes in the proportions of the whole set)."""
+    X, y = make_blobs(n_samples=[48, 12], centers=[[0, 0], [1.5, 1.5]], cluster_std=1.0,
+                      random_state=2)
+    return X, np.asarray(labels)[y]
+
+
+def _svm_input(est, X, svm_kernel):
+    """What the SVM reads, built from the fitted trainer by the public kernels and
+    transform: unit rows of phi, or the cosine-normalized Gram against X_fit_."""
+    if svm_kernel == "linear":
+        # Divided by np.linalg.norm as the fit divides: libsvm stops at its tolerance
+        # (1e-3), where features an ulp apart moved a fold's decision values by 1e-4.
+        phi = est.transform(X)
+        return phi / np.linalg.norm(phi, axis=1, keepdims=True)
+    kernel = {"tangent": TangentKernel, "path": PathKernel}[svm_kernel]
+    return kernel(est.estimator_, normalized=True)(X, est.X_fit_)
+
+
+def _platt_binary(scores, y, weights):
+    """Platt's sigmoid (his smoothed targets, weighted log loss) fitted by scipy:
+    P(y = classes[1] | s) = 1 / (1 + exp(a s + b))."""
+    positive = y == np.unique(y)[1]
+    n1, n0 = weights[positive].sum(), weights[~positive].sum()
+    target = np.where(positive, (n1 + 1) / (n1 + 2), 1 / (n0 + 2))
+
+    def loss(ab):
+        z = -(ab[0] * scores + ab[1])
+        return np.sum(weights * (np.logaddexp(0, z) - target * z))
+
+    return minimize(loss, [0.0, 0.0], method="Nelder-Mead",
+                    options=dict(xatol=1e-10, fatol=1e-14, maxiter=10_000)).x
+
+
+@pytest.mark.parametrize("svm_kernel", ["linear", "tangent", "path"])
+@pytest.mark.parametrize("class_weight", ["balanced", "dict"])
+@pytest.mark.parametrize("labels", [("common", "rare"), (2, 1)])
+def test_class_weight_and_probability_are_svcs_on_the_same_features(svm_kernel, class_weight,
+                                                                    labels):
+    """The SVM is sklearn's SVC(class_weight=...) on the features / Gram that the public
+    transform and kernels give, and predict_proba Platt's sigmoid on its out-of-fold
+    decision values (stratified 5-fold, each fold's SVC with the class weights of the
+    whole set, as libsvm's), the weights (mean 1) in both. Labels (2, 1): the rare class
+    is the first; CalibratedClassifierCV handed {1: 4} on the labels' indices weighed the
+    other class."""
+    X, y = _imbalanced(labels)
+    common, rare = labels
+    whole = {common: len(y) / (2 * 48), rare: len(y) / (2 * 12)}
+    class_weight, fold_weight = (("balanced", whole) if class_weight == "balanced"
+                                 else ({rare: 4.0}, {rare: 4.0}))
+    w = np.random.default_rng(0).uniform(0.5, 2.0, len(X))
+    est = TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0,
+                            svm_kernel=svm_kernel, class_weight=class_weight,
+                            probability=True).fit(X, y, sample_weight=w)
+    Xt = X[::4] + 0.3
+    F, Ft = _svm_input(est, X, svm_kernel), _svm_input(est, Xt, svm_kernel)
+    # At mean 1, rounded as the fit rounds them (one ulp in a sample's C moved a fold's
+    # decision values, and Platt's slope, by 7e-5).
+    w1 = w * (len(w) / w.sum())
+    kernel = "linear" if svm_kernel == "linear" else "precomputed"
+    ref = SVC(kernel=kernel, C=1.0, class_weight=class_weight).fit(F, y, sample_weight=w1)
+    np.testing.assert_allclose(est.decision_function(Xt), ref.decision_function(Ft),
+                               rtol=1e-7, atol=1e-9)
+    np.testing.assert_array_equal(est.predict(Xt), ref.predict(Ft))
+    # Out-of-fold decision values, each fold's SVC weighted as the whole one.
+    oof = np.empty(len(y))
+    for tr, te in StratifiedKFold(5).split(F, y):
+        fold = SVC(kernel=kernel, C=1.0, class_weight=fold_weight)
+        if kernel == "linear":
+            oof[te] = fold.fit(F[tr], y[tr], sample_weight=w1[tr]).decision_function(F[te])
+        else:
+            oof[te] = fold.fit(F[np.ix_(tr, tr)], y[tr], sample_weight=w1[tr]) \
+                .decision_function(F[np.ix_(te, tr)])
+    a, b = _platt_binary(oof, y, w1)
+    expected = 1 / (1 + np.exp(a * ref.decision_function(Ft) + b))
+    proba = est.predict_proba(Xt)
+    assert est.classes_.tolist() == sorted(labels)
+    np.testing.assert_allclose(proba[:, 1], expected, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(est.predict_log_proba(Xt), np.log(proba), rtol=1e-12)
+    # svm_ is the fit of probability=False.
+    plain = TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0,
+                              svm_kernel=svm_kernel, class_weight=class_weight).fit(
+        X, y, sample_weight=w)
+    np.testing.assert_array_equal(est.decision_function(Xt), plain.decision_function(Xt))
+
+
+def test_multiclass_probability_is_sklearns_calibrated_svc():
+    """Several classes: scikit-learn's replacement of SVC(probability=True),
+    CalibratedClassifierCV(SVC, ensemble=False), on the same Gram (classes of 30, 20
+    and 10: each of its folds' "balanced" weights are the whole set's)."""
+    X, y = make_blobs(n_samples=[30, 20, 10], centers=[[0, 0], [1.5, 1.5], [0, 2]],
+                      random_state=0)
+    est = TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0, class_weight="balanced",
+                            probability=True).fit(X, y)
+    K, Kt = _svm_input(est, X, "tangent"), _svm_input(est, X[::3] * 1.1, "tangent")
+    ref = CalibratedClassifierCV(SVC(kernel="precomputed", C=1.0, class_weight="balanced"),
+                                 ensemble=False, cv=StratifiedKFold(5)).fit(K, y)
+    np.testing.assert_allclose(est.predict_proba(X[::3] * 1.1), ref.predict_proba(Kt),
+                               rtol=1e-7, atol=1e-10)
+    # predict is the SVM's, not the argmax of the probabilities (as SVC's).
+    svm = ref.calibrated_classifiers_[0].estimator
+    np.testing.assert_array_equal(est.predict(X[::3] * 1.1), svm.predict(Kt))
+
+
+def test_balanced_moves_the_decisions_as_svcs_does():
+    """On imbalanced classes "balanced" changes the predictions, towards the rare class,
+    exactly as it changes SVC's on the same Gram (one frozen network for both)."""
+    X, y = _imbalanced()
+    clf = PathKernelClassifier(**SHORT).fit(X, y)
+    K = TangentKernel(clf, normalized=True)(X)
+    predictions = {}
+    for class_weight in (None, "balanced"):
+        est = TangentFeatureSVM(FrozenEstimator(clf), C=1.0, class_weight=class_weight)
+        ref = SVC(kernel="precomputed", C=1.0, class_weight=class_weight).fit(K, y)
+        predictions[class_weight] = est.fit(X, y).predict(X)
+        np.testing.assert_array_equal(predictions[class_weight], ref.predict(K))
+    rare = y == "rare"
+    recall = {cw: np.mean(p[rare] == "rare") for cw, p in predictions.items()}
+    assert recall["balanced"] > recall[None] + 0.2, recall
+
+
+@pytest.mark.parametrize("class_weight", ["balanced", {"rare": 10.0}])
+def test_auto_C_weighs_its_folds_by_class_weight(class_weight):
+    """C="auto" is a grid search whose folds' SVMs weigh the classes as the final one does
+    and whose score weighs them alike: with "balanced" (classes in the same proportion
+    in every fold), sklearn's balanced accuracy."""
+    X, y = _imbalanced()
+    clf = PathKernelClassifier(**SHORT).fit(X, y)
+    K = TangentKernel(clf, normalized=True)(X)
+    if class_weight == "balanced":
+        weights = {c: len(y) / (2 * np.sum(y == c)) for c in ("common", "rare")}
+        scoring = "balanced_accuracy"
+    else:
+        weights = {"common": 1.0, **class_weight}
+
+        def scoring(svm, K_te, y_te):
+            return np.average(svm.predict(K_te) == y_te, weights=[weights[c] for c in y_te])
+    search = GridSearchCV(SVC(kernel="precomputed", class_weight=weights),
+                          {"C": [0.1, 1.0, 10.0, 100.0, 1000.0]}, scoring=scoring,
+                          cv=StratifiedKFold(3)).fit(K, y)
+    est = TangentFeatureSVM(FrozenEstimator(clf), class_weight=class_weight).fit(X, y)
+    unweighted = TangentFeatureSVM(FrozenEstimator(clf)).fit(X, y)
+    assert est.C_ == search.best_params_["C"]
+    assert est.C_ != unweighted.C_  # the weights matter here
+
+
+def test_probability_methods_exist_only_with_probability():
+    X, y = _imbalanced()
+    assert not hasattr(TangentFeatureSVM(), "predict_proba")
+    assert not hasattr(TangentFeatureSVM(), "predict_log_proba")
+    assert hasattr(TangentFeatureSVM(probability=True), "predict_proba")
+    net = PathKernelClassifier(**SHORT)
+    est = TangentFeatureSVM(net, C=1.0).fit(X, y)
+    assert not hasattr(est, "predict_proba") and not hasattr(est, "calibrated_svm_")
+    with pytest.raises(AttributeError, match="predict_proba") as info:
+        est.predict_proba(X)
+    assert "fitted with probability=False" in str(info.value.__cause__)
+    # Fitted, the fit's choice: set_params changes no fitted SVM.
+    assert not hasattr(est.set_params(probability=True), "predict_log_proba")
+    est.fit(X, y)
+    assert hasattr(est, "predict_proba") and hasattr(est, "predict_log_proba")
+    assert not hasattr(est.set_params(probability=False).fit(X, y), "predict_proba")
+    assert not hasattr(est, "calibrated_svm_")  # the earlier fit's model is gone
+
+
+def test_bad_class_weight_and_too_small_a_class_fail_before_training(monkeypatch):
+    """A label that is not a class (which SVC lets through where every class has a
+    weight), a negative weight, and probability=True with a class of one sample are
+    refused before the network trains, and the previous fit is kept."""
+    X, y = _imbalanced()
+    est = TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0).fit(X, y)
+    svm, trainer, before = est.svm_, est.estimator_, est.decision_function(X)
+    monkeypatch.setattr(PathKernelClassifier, "fit",
+                        lambda *a, **k: pytest.fail("the network was trained"))
+    with pytest.raises(ValueError, match=r"class_weight has weights for \['other'\], which "
+                                         r"are not classes of y: \['common', 'rare'\]"):
+        est.set_params(class_weight={"common": 1, "rare": 2, "other": 3}).fit(X, y)
+    with pytest.raises(ValueError, match="finite and non-negative; got {'rare': -1}"):
+        est.set_params(class_weight={"rare": -1}).fit(X, y)
+    one = y.copy()
+    one[np.flatnonzero(y == "rare")[1:]] = "common"
+    with pytest.raises(ValueError, match="needs 2 samples of every class; class 'rare' has 1"):
+        est.set_params(class_weight=None, probability=True).fit(X, one)
+    with pytest.raises(ValueError, match="class_weight"):
+        est.set_params(class_weight="unbalanced").fit(X, y)
+    assert est.svm_ is svm and est.estimator_ is trainer
+    np.testing.assert_array_equal(est.decision_function(X), before)
+    assert not hasattr(est, "calibrated_svm_")
+
+
+def test_probability_survives_pickle_and_routing():
+    X, y = _imbalanced()
+    w = np.random.default_rng(1).uniform(0.5, 2.0, len(X))
+    est = TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0,
+                            class_weight="balanced", probability=True).fit(X, y, sample_weight=w)
+    again = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(again.predict_proba(X), est.predict_proba(X))
+    # With metadata routing, the calibration's SVC asks for the weights it is given.
+    with sklearn.config_context(enable_metadata_routing=True):
+        trainer = PathKernelClassifier(**SHORT).set_fit_request(
+            sample_weight=True)
+        routed = TangentFeatureSVM(trainer, C=1.0, class_weight="balanced", probability=True)
+        routed.set_fit_request(sample_weight=True).fit(X, y, sample_weight=w)
+    np.testing.assert_allclose(routed.predict_proba(X), est.predict_proba(X), rtol=1e-12)
+    # A fit pickled before class_weight and probability existed loads with their defaults.
+    state = dict(TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0)
+                 .fit(X, y).__getstate__())
+    del state["class_weight"], state["probability"]
+    old = TangentFeatureSVM.__new__(TangentFeatureSVM)
+    old.__setstate__(state)
+    assert old.get_params()["class_weight"] is None and not hasattr(old, "predict_proba")
+    assert clone(old).get_params()["probability"] is False

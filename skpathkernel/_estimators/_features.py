@@ -14,11 +14,15 @@ import warnings
 
 import numpy as np
 from sklearn.base import ClassifierMixin, TransformerMixin
+from sklearn.calibration import CalibratedClassifierCV
 from sklearn.exceptions import DataDimensionalityWarning
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import SVC
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.class_weight import compute_class_weight
+from sklearn.utils.metadata_routing import _routing_enabled
+from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import _check_feature_names_in, check_is_fitted, column_or_1d
 
@@ -329,11 +333,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         training Gram's diagonal (the kernel's scale, so that the choice does not depend
         on the units of the tangent features; exactly 1 with ``normalize``), the value with the
         best accuracy in a stratified 3-fold cross-validation of the SVM on the training
-        Gram (the smaller on ties). Cheap next to training: the Gram is computed once.
-        ``C_`` holds the value used. The Gram's rounding depends on the threads (and
-        the BLAS) that computed it: where a fold's prediction of a sample, and with it
-        the tie between two values' scores, turns on that rounding, another thread
-        count may choose another ``C_``.
+        Gram (the smaller on ties), each fold's SVM weighted, and its accuracy weighted,
+        by ``class_weight`` and ``sample_weight``. Cheap next to training: the Gram is
+        computed once. ``C_`` holds the value used. The Gram's rounding depends on the
+        threads (and the BLAS) that computed it: where a fold's prediction of a sample,
+        and with it the tie between two values' scores, turns on that rounding, another
+        thread count may choose another ``C_``.
     svm_kernel : {{"linear", "tangent", "path"}}, default="tangent"
         "linear": ``SVC(kernel="linear")`` on the dense tangent features at the final
         parameters (``svm_.coef_`` is then a direction in parameter space). "tangent" /
@@ -353,9 +358,35 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         set, so the samples of largest norm set the margin and the scale of ``C``;
         normalized, the SVM compares directions only, every sample has norm 1, and
         ``C="auto"``'s grid means the same on every data set. False: the raw kernel.
+    class_weight : dict, "balanced" or None, default=None
+        The SVM's class weights, as :class:`sklearn.svm.SVC`'s, in every ``svm_kernel``
+        (each an ``SVC``): class ``c``'s samples get ``C * class_weight[c]`` (times
+        their ``sample_weight``); "balanced": ``n_samples / (n_classes *
+        np.bincount(y))`` over the rows the SVM is fitted on. A label that is not a
+        class of ``y`` is refused before any training. ``C="auto"`` weighs its folds'
+        SVMs alike and scores them by accuracy weighted by the same weights (with
+        "balanced" and no ``sample_weight``, the balanced accuracy where the folds keep
+        the classes' proportions). They weigh the SVM only, not the network's training:
+        for that, pass ``sample_weight`` (e.g.
+        :func:`sklearn.utils.class_weight.compute_sample_weight`), which both receive.
+    probability : bool, default=False
+        Whether to fit a probability model, giving :meth:`predict_proba` and
+        :meth:`predict_log_proba` (absent otherwise, as ``SVC``'s). Platt scaling, by
+        scikit-learn's replacement of ``SVC(probability=True)`` (deprecated in
+        scikit-learn 1.9): ``CalibratedClassifierCV(svm, method="sigmoid",
+        ensemble=False)``, the sigmoid fitted to out-of-fold decision values of a
+        stratified 5-fold cross-validation in the order of the training set
+        (deterministic, where libsvm's folds are drawn at random; fewer folds where a
+        class has fewer than 5 samples, and a class of one sample is refused before
+        any training), each fold's SVM with the class weights of the whole set (as
+        libsvm's) and the sample weights, the sigmoid with the sample weights alone;
+        one-vs-rest sigmoids, normalized, for several classes. Six more SVM fits.
+        ``svm_``, :meth:`predict` and :meth:`decision_function` are those of
+        ``probability=False``; as with ``SVC``, :meth:`predict` can disagree with the
+        argmax of :meth:`predict_proba`.
     random_state : int, RandomState instance or None, default=None
         Seeds the default trainer (``estimator=None``); a given trainer keeps its own.
-        The SVM itself is deterministic.
+        The SVM itself, and its probability model, are deterministic.
 
     Attributes
     ----------
@@ -363,6 +394,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         The fitted SVM; it reads tangent features ("linear"; unit rows with
         ``normalize``) or Gram rows against ``X_fit_`` ("tangent", "path"; columns are
         rows of ``X_fit_``, which ``train_indices_`` maps to ``X``).
+    calibrated_svm_ : CalibratedClassifierCV
+        Only with ``probability=True``: the probability model, fitted on the class
+        indices (``0`` to ``n_classes - 1``, in the order of ``classes_``) with
+        ``class_weight``'s weights by index (``cross_val_predict``, which it runs,
+        encodes the labels so: weights keyed by label would weigh the wrong classes);
+        its SVM is ``svm_`` on the indices.
     C_ : float
         The ``C`` of ``svm_`` (chosen by ``C="auto"``, else ``C``).
     classes_ : ndarray of shape (n_classes,)
@@ -389,16 +426,24 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         "C": [Interval(numbers.Real, 0, None, closed="neither"), StrOptions({"auto"})],
         "svm_kernel": [StrOptions({"linear", "tangent", "path"})],
         "normalize": ["boolean"],
+        "class_weight": [dict, StrOptions({"balanced"}), None],
+        "probability": ["boolean"],
     }
     _trainers = (PathKernelClassifier, RecordedNetwork)
 
     def __init__(self, estimator=None, *, C="auto", svm_kernel="tangent", normalize=True,
-                 random_state=None):
+                 class_weight=None, probability=False, random_state=None):
         self.estimator = estimator
         self.C = C
         self.svm_kernel = svm_kernel
         self.normalize = normalize
+        self.class_weight = class_weight
+        self.probability = probability
         self.random_state = random_state
+
+    def __setstate__(self, state):
+        # A pickle from before class_weight and probability was fitted without them.
+        super().__setstate__({"class_weight": None, "probability": False, **state})
 
     classes_ = FittedAttribute("svm_")
 
@@ -415,6 +460,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
                 "per label), or OneVsRestClassifier(TangentFeatureSVM(...)) (one network "
                 "and SVM per label).")
         check_labels(self, y)
+        # Before any training: a fit that ends in the SVM's refusal trained for nothing.
+        classes, counts = np.unique(column_or_1d(y), return_counts=True)
+        if isinstance(self.class_weight, dict):
+            _check_class_weight(self.class_weight, classes)
+        if self.probability:
+            _calibration_folds(classes, counts)
 
     def _kernel(self):
         kernel = TangentKernel if self._svm_kernel == "tangent" else PathKernel
@@ -505,15 +556,38 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         else:
             # The training Gram is symmetric: computed as K(X, X), its upper blocks only.
             train_input = self._kernel()(self.X_fit_)
+        # Each class's weight as SVC(class_weight=...) computes it from these labels,
+        # and each row's class index.
+        classes, index, counts = np.unique(labels, return_inverse=True, return_counts=True)
+        per_class = compute_class_weight(self.class_weight, classes=classes, y=labels)
         C = self.C
         if C == "auto":
             gram = train_input @ train_input.T if kernel == "linear" else train_input
+            # The folds' SVMs weigh the classes as svm_ does (libsvm's C of a sample is
+            # C * class_weight[y] * sample_weight) and so are the folds' accuracies.
+            fold_weights = weights if self.class_weight is None else (
+                per_class[index] if weights is None else weights * per_class[index])
             # Normalized, the scale is 1 (as documented), not the mean of a diagonal of
             # rounded ones: "linear" (unit rows in float32) chose C_ = 999.99999 where
             # "tangent", the same SVM, chose 1000.
-            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, weights,
+            C = _choose_C(np.asarray(gram, dtype=np.float64), labels, fold_weights,
                           1.0 if self._normalize else None)
-        svm = SVC(kernel=kernel, C=float(C))  # deterministic: no probability, no RNG
+        self.__dict__.pop("calibrated_svm_", None)
+        if self.probability:
+            # Deterministic folds: SVC(probability=True) drew them at random (and is
+            # deprecated). Its cross_val_predict encodes the labels as class indices,
+            # where a class_weight keyed by labels would weigh the wrong class (or fail):
+            # the calibration is fitted on the indices, its SVC weighted by index.
+            indexed = SVC(kernel=kernel, C=float(C), class_weight=None
+                          if self.class_weight is None else dict(enumerate(per_class)))
+            if weights is not None and _routing_enabled():
+                # CalibratedClassifierCV routes the weights only where they were asked.
+                indexed.set_fit_request(sample_weight=True)
+            self.calibrated_svm_ = CalibratedClassifierCV(
+                indexed, method="sigmoid", ensemble=False,
+                cv=StratifiedKFold(_calibration_folds(classes, counts)),
+            ).fit(train_input, index, sample_weight=weights)
+        svm = SVC(kernel=kernel, C=float(C), class_weight=self.class_weight)
         svm.fit(train_input, labels, sample_weight=weights)
         self.svm_, self.C_ = svm, float(C)
         return self
@@ -533,6 +607,51 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         """
         check_is_fitted(self)
         return self.svm_.decision_function(self._svm_input(X))
+
+    def _has_proba(self):
+        # Once fitted, the fit's choice, as PathKernelClassifier reads its fitted loss:
+        # set_params(probability=...) after fit changes no fitted SVM.
+        fitted = "svm_" in self.__dict__
+        if "calibrated_svm_" in self.__dict__ or (not fitted and self.probability):
+            return True
+        raise AttributeError(
+            f"predict_proba is not available when {'fitted with ' if fitted else ''}"
+            "probability=False; fit with probability=True.")
+
+    @available_if(_has_proba)
+    def predict_proba(self, X):
+        """Class probabilities: Platt scaling of the SVM's decision values.
+
+        Only with ``probability=True`` (see ``probability``).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
+        Returns
+        -------
+        proba : ndarray of shape (n_samples, n_classes)
+            Columns in the order of ``classes_``.
+        """
+        check_is_fitted(self)
+        return self.calibrated_svm_.predict_proba(self._svm_input(X))
+
+    @available_if(_has_proba)
+    def predict_log_proba(self, X):
+        """Logarithm of :meth:`predict_proba` (``np.log`` of it, as ``SVC``'s).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features) or (n_samples, ...)
+            In the form of the training inputs (``input_shape_``).
+
+        Returns
+        -------
+        log_proba : ndarray of shape (n_samples, n_classes)
+            Columns in the order of ``classes_``.
+        """
+        return np.log(self.predict_proba(X))
 
     def predict(self, X):
         """Predicted class labels.
@@ -566,6 +685,31 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         return self._tangent_features(X)
 
 
+def _check_class_weight(class_weight: dict, classes) -> None:
+    """Refuse a label that is not a class (SVC's own check lets one through where every
+    class has a weight) and a weight that is negative or not finite."""
+    known = set(classes.tolist())
+    unknown = [label for label in class_weight if label not in known]
+    if unknown:
+        raise ValueError(
+            f"class_weight has weights for {unknown}, which are not classes of y: "
+            f"{classes.tolist()}.")
+    bad = {label: w for label, w in class_weight.items()
+           if not (isinstance(w, numbers.Real) and np.isfinite(w) and w >= 0)}
+    if bad:
+        raise ValueError(f"class_weight's weights must be finite and non-negative; got {bad}.")
+
+
+def _calibration_folds(classes, counts) -> int:
+    """probability=True's folds: 5, as libsvm's, or the smallest class's size."""
+    if counts.min() < 2:
+        raise ValueError(
+            "probability=True fits its sigmoid to cross-validated decision values, which "
+            "needs 2 samples of every class; class "
+            f"{classes.tolist()[np.argmin(counts)]!r} has 1. Fit with probability=False.")
+    return int(min(5, counts.min()))
+
+
 # C="auto"'s candidates, in units of the kernel's scale (the mean of the Gram's diagonal).
 AUTO_C = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
@@ -580,10 +724,11 @@ def _choose_C(gram: np.ndarray, labels, sample_weight=None, scale=None) -> float
     accuracy over the folds decides, the smaller C on ties (GridSearchCV's choice,
     without its per-candidate overhead, which cost more than these small SVMs). With a
     class too small for two folds, no cross-validation: ``1 / scale``. With
-    ``sample_weight`` each fold's SVM is fitted with its part of the weights and scored
-    by weighted accuracy. A fold whose held-out part weighs nothing, or whose training
-    part gives positive weight to fewer than two classes (libsvm refuses to fit it), is
-    not scored; with no fold left, ``1 / scale``.
+    ``sample_weight`` (TangentFeatureSVM's sample weights times its class weights: libsvm
+    multiplies ``C`` by both alike) each fold's SVM is fitted with its part of the
+    weights and scored by weighted accuracy. A fold whose held-out part weighs nothing,
+    or whose training part gives positive weight to fewer than two classes (libsvm
+    refuses to fit it), is not scored; with no fold left, ``1 / scale``.
     """
     if scale is None:
         scale = float(np.mean(np.diag(gram)))

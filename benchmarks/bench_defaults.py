@@ -6,7 +6,12 @@ nothing else set, and MLPClassifier / MLPRegressor get the same split, seed and 
 Ours and sklearn's fits alternate (interleaved), so both see the same background load.
 Scores are test accuracy (classifiers) or R^2 (regressors): the mean over the R splits,
 and the paired difference ours - sklearn's with twice its standard error (a difference
-inside +- 2 SE is not distinguishable from zero). Fit times are medians over the splits.
+inside +- 2 SE is not distinguishable from zero). Classifiers with ``predict_proba`` are
+also scored by test log loss, the same way (lower is better). Regressors are compared with
+two peers on the same splits: ``MLPRegressor()`` as it comes (it does not scale the
+targets) and, the fair peer, ``MLPRegressor()`` on standardized targets
+(``TransformedTargetRegressor(MLPRegressor(), transformer=StandardScaler())``, as users
+fit it; ours standardizes them by default). Fit times are medians over the splits.
 
 Then, with the other core busy (a pure-Python busy loop in its own process, pinned to the
 last core this process may use), every estimator is fitted again on the first
@@ -35,7 +40,13 @@ NOTES = (
     "`load_digits`, `load_diabetes`, and `make_classification(random_state=0)`, "
     "`make_moons(noise=0.3, random_state=0)` (scikit-learn's classifier-comparison "
     "example), `make_friedman1(random_state=0)`, `make_regression(random_state=0)` at "
-    "their default sizes. Targets are not scaled (the pipelines scale X only). "
+    "their default sizes. The pipelines scale X only; the regressors' second peer row, "
+    "*MLPRegressor(), y standardized*, is MLPRegressor() in a "
+    "`TransformedTargetRegressor(transformer=StandardScaler())` (ours standardizes the "
+    "targets itself, `normalize_y=True`). *log loss*: test log loss (classifiers with "
+    "`predict_proba`; lower is better), mean over the splits and the paired difference "
+    "with twice its standard error; *log loss verdict*: *at most* (ours lower), *above, "
+    "within noise*, or *ABOVE* (beyond 2 SE). "
     "TangentFeatures (a transformer) and OODRankDetector (an outlier detector) have no "
     "test score to compare with an MLP; both train the same network as the rows above. "
     "*epochs*: median epochs run (both stop by tol / n_iter_no_change or at max_iter = "
@@ -73,25 +84,27 @@ def _other_core_busy():
 
 
 def _busy_fit_times(X, y, kind, quick, device):
-    """Median fit times (ours per estimator, sklearn's) with the other core busy."""
+    """Median fit times (ours per estimator, sklearn's per peer) with the other core
+    busy."""
     from sklearn.model_selection import train_test_split
 
     ours: dict[str, list] = {}
-    ref: list[float] = []
+    ref: dict[str, list] = {}
     with _other_core_busy() as busy:
         if not busy:
             return None
         for seed in range(BUSY_SPLITS[quick]):
             X_tr, X_te, y_tr, y_te = train_test_split(X, y, random_state=seed)
-            mine, mlp = _estimators(kind, seed, device)
-            jobs = [*mine.items(), ("mlp", mlp)]
+            mine, peers = _estimators(kind, seed, device)
+            jobs = [(label, est, ours) for label, est in mine.items()]
+            jobs += [(label, est, ref) for label, est in peers.items()]
             if seed % 2:
                 jobs.reverse()
-            for label, est in jobs:
-                fit_s = _fit_score(est, X_tr, y_tr, X_te, y_te)[1]
-                (ref if label == "mlp" else ours.setdefault(label, [])).append(fit_s)
+            for label, est, times in jobs:
+                times.setdefault(label, []).append(
+                    _fit_score(est, X_tr, y_tr, X_te, y_te)[1])
     return ({label: statistics.median(t) for label, t in ours.items()},
-            statistics.median(ref))
+            {label: statistics.median(t) for label, t in ref.items()})
 
 
 def _datasets(quick: bool):
@@ -124,7 +137,11 @@ def _datasets(quick: bool):
 
 
 def _estimators(kind, seed, device):
+    """Ours (label -> estimator) and sklearn's peers (label -> estimator), the first peer
+    the one at its defaults."""
+    from sklearn.compose import TransformedTargetRegressor
     from sklearn.neural_network import MLPClassifier, MLPRegressor
+    from sklearn.preprocessing import StandardScaler
 
     from skpathkernel import PathKernelClassifier, PathKernelMachine, TangentFeatureSVM
 
@@ -134,19 +151,25 @@ def _estimators(kind, seed, device):
             "TangentFeatureSVM()": TangentFeatureSVM(
                 PathKernelClassifier(random_state=seed, device=device)),
         }
-        mlp = MLPClassifier(random_state=seed)
+        peers = {"MLPClassifier()": MLPClassifier(random_state=seed)}
     else:
         mine = {"PathKernelMachine()": PathKernelMachine(random_state=seed, device=device)}
-        mlp = MLPRegressor(random_state=seed)
+        # Ours standardizes the targets (normalize_y=True); MLPRegressor() does not, so
+        # the fair peer is MLPRegressor on standardized targets, as users fit it.
+        peers = {"MLPRegressor()": MLPRegressor(random_state=seed),
+                 "MLPRegressor(), y standardized": TransformedTargetRegressor(
+                     MLPRegressor(random_state=seed), transformer=StandardScaler())}
     chosen = os.environ.get(ESTIMATORS_ENV)
     if chosen:
         names = {n.strip() for n in chosen.split(",")}
         mine = {label: est for label, est in mine.items() if label.split("(")[0] in names}
-    return mine, mlp
+    return mine, peers
 
 
 def _fit_score(est, X_tr, y_tr, X_te, y_te):
+    """(test score, fit seconds, divergence warnings, test log loss or None)."""
     from sklearn.exceptions import ConvergenceWarning
+    from sklearn.metrics import log_loss
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
@@ -162,7 +185,22 @@ def _fit_score(est, X_tr, y_tr, X_te, y_te):
         pipe.fit(X_tr, y_tr)
         fit_s = time.perf_counter() - t0
     diverged = sum(issubclass(w.category, DivergenceWarning) for w in caught)
-    return pipe.score(X_te, y_te), fit_s, diverged
+    # labels: a test split may miss a class the training split has.
+    loss = (log_loss(y_te, pipe.predict_proba(X_te), labels=pipe.classes_)
+            if hasattr(pipe, "predict_proba") else None)
+    return pipe.score(X_te, y_te), fit_s, diverged, loss
+
+
+def _n_iter(est):
+    """Epochs run (a TransformedTargetRegressor's through its fitted regressor)."""
+    return getattr(est, "regressor_", est).n_iter_
+
+
+def _paired(ours, ref):
+    """Mean of the paired differences ours - ref and twice its standard error."""
+    diff = np.asarray(ours) - np.asarray(ref)
+    se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
+    return float(diff.mean()), 2 * se
 
 
 def _growth(est):
@@ -177,7 +215,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
     from sklearn.model_selection import train_test_split
 
     rows = []
-    ours_fit: dict[str, list] = {}  # median fit times, ours and sklearn's, per estimator
+    # Median fit times per data set, ours and the at-defaults peer's, per estimator.
+    ours_fit: dict[str, list] = {}
     ref_fit: dict[str, list] = {}
     busy_ours: dict[str, list] = {}  # the same with the other core busy
     busy_ref: dict[str, list] = {}
@@ -185,70 +224,90 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
         if not _estimators(kind, 0, device)[0]:
             continue  # none of the chosen estimators is for this kind of target
         ours: dict[str, dict[str, list]] = {}
-        ref = {"score": [], "fit": [], "epochs": []}
+        refs: dict[str, dict[str, list]] = {}
         for seed in range(SPLITS[quick]):
             X_tr, X_te, y_tr, y_te = train_test_split(X, y, random_state=seed)
-            mine, mlp = _estimators(kind, seed, device)
-            jobs = [(label, est) for label, est in mine.items()] + [("mlp", mlp)]
+            mine, peers = _estimators(kind, seed, device)
+            jobs = [(label, est, False) for label, est in mine.items()]
+            jobs += [(label, est, True) for label, est in peers.items()]
             if seed % 2:  # alternate who goes first: neither always runs on a cold cache
                 jobs.reverse()
-            for label, est in jobs:
-                score, fit_s, diverged = _fit_score(est, X_tr, y_tr, X_te, y_te)
-                rec = ref if label == "mlp" else ours.setdefault(
-                    label, {"score": [], "fit": [], "epochs": [], "path": [], "growth": [],
-                            "diverged": 0})
+            for label, est, peer in jobs:
+                score, fit_s, diverged, loss = _fit_score(est, X_tr, y_tr, X_te, y_te)
+                rec = (refs if peer else ours).setdefault(
+                    label, {"score": [], "fit": [], "epochs": [], "loss": [], "path": [],
+                            "growth": [], "diverged": 0})
                 rec["score"].append(score)
                 rec["fit"].append(fit_s)
-                rec["epochs"].append(est.n_iter_)
-                if label != "mlp":
+                rec["epochs"].append(_n_iter(est))
+                rec["loss"].append(loss)
+                if not peer:
                     net = est.estimator_ if hasattr(est, "estimator_") else est
                     rec["path"].append(est.trajectory_.nbytes / 2**20)
                     rec["growth"].append(_growth(net))
                     rec["diverged"] += diverged
         busy = _busy_fit_times(X, y, kind, quick, device)
+        first_peer = next(iter(refs))
         for label, rec in ours.items():
-            diff = np.asarray(rec["score"]) - np.asarray(ref["score"])
-            se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
-            mean_diff = float(diff.mean())
-            verdict = ("at least" if mean_diff >= 0 else
-                       "below, within noise" if mean_diff >= -2 * se else "BELOW")
-            sk_name = "MLPClassifier()" if kind == "clf" else "MLPRegressor()"
-            ratio = statistics.median(rec["fit"]) / statistics.median(ref["fit"])
             ours_fit.setdefault(label, []).append(statistics.median(rec["fit"]))
-            ref_fit.setdefault(label, []).append(statistics.median(ref["fit"]))
+            ref_fit.setdefault(label, []).append(statistics.median(refs[first_peer]["fit"]))
             if busy is not None:
                 busy_ours.setdefault(label, []).append(busy[0][label])
-                busy_ref.setdefault(label, []).append(busy[1])
-            rows.append({
-                "data set": name,
-                "n train / test": f"{len(X_tr)} / {len(X_te)}",
-                "estimator": label,
-                "ours: mean (min)": f"{np.mean(rec['score']):.3f} ({min(rec['score']):.3f})",
-                "sklearn's: mean (min)": f"{sk_name} {np.mean(ref['score']):.3f} "
-                                         f"({min(ref['score']):.3f})",
-                "ours - sklearn's (+- 2 SE)": f"{mean_diff:+.3f} (+-{2 * se:.3f})",
-                "verdict": verdict,
-                "fit s ours / sklearn's": f"{statistics.median(rec['fit']):.2f} / "
-                                          f"{statistics.median(ref['fit']):.2f}",
-                "time ratio": f"{ratio:.2f}x",
-                "busy: fit s ours / sklearn's": "n/a (one core)" if busy is None else
-                    f"{busy[0][label]:.2f} / {busy[1]:.2f}",
-                "busy: time ratio": "n/a" if busy is None else
-                    f"{busy[0][label] / busy[1]:.2f}x",
-                "epochs ours / sklearn's": f"{statistics.median(rec['epochs']):.0f} / "
-                                           f"{statistics.median(ref['epochs']):.0f}",
-                "path": f"{statistics.median(rec['path']):.1f} MiB",
-                "loss / norm growth (max)": f"{max(g[0] for g in rec['growth']):.2f} / "
-                                            f"{max(g[1] for g in rec['growth']):.2f}",
-                "divergence warnings": rec["diverged"],
-                "splits": len(diff),
-            })
+                busy_ref.setdefault(label, []).append(busy[1][first_peer])
+            for sk_name, ref in refs.items():
+                rows.append(_row(name, len(X_tr), len(X_te), label, rec, sk_name, ref, busy))
     row = {"data set": "total (sum of medians)",
            "fit s ours / sklearn's": _total(ours_fit, ref_fit)}
     if busy_ours:
         row["busy: fit s ours / sklearn's"] = _total(busy_ours, busy_ref)
     rows.append(row)
     return rows
+
+
+def _row(name, n_train, n_test, label, rec, sk_name, ref, busy):
+    """The table's row of one estimator of ours against one peer on one data set."""
+    mean_diff, two_se = _paired(rec["score"], ref["score"])
+    verdict = ("at least" if mean_diff >= 0 else
+               "below, within noise" if mean_diff >= -two_se else "BELOW")
+    ratio = statistics.median(rec["fit"]) / statistics.median(ref["fit"])
+    if rec["loss"][0] is None or ref["loss"][0] is None:
+        loss_cells = {"log loss ours / sklearn's": "n/a",
+                      "log loss ours - sklearn's (+- 2 SE)": "n/a",
+                      "log loss verdict": "n/a"}
+    else:
+        loss_diff, loss_se = _paired(rec["loss"], ref["loss"])
+        loss_cells = {
+            "log loss ours / sklearn's": f"{np.mean(rec['loss']):.3f} / "
+                                         f"{np.mean(ref['loss']):.3f}",
+            "log loss ours - sklearn's (+- 2 SE)": f"{loss_diff:+.3f} (+-{loss_se:.3f})",
+            "log loss verdict": ("at most" if loss_diff <= 0 else
+                                 "above, within noise" if loss_diff <= loss_se else
+                                 "ABOVE")}
+    return {
+        "data set": name,
+        "n train / test": f"{n_train} / {n_test}",
+        "estimator": label,
+        "ours: mean (min)": f"{np.mean(rec['score']):.3f} ({min(rec['score']):.3f})",
+        "sklearn's: mean (min)": f"{sk_name} {np.mean(ref['score']):.3f} "
+                                 f"({min(ref['score']):.3f})",
+        "ours - sklearn's (+- 2 SE)": f"{mean_diff:+.3f} (+-{two_se:.3f})",
+        "verdict": verdict,
+        **loss_cells,
+        "fit s ours / sklearn's": f"{statistics.median(rec['fit']):.2f} / "
+                                  f"{statistics.median(ref['fit']):.2f}",
+        "time ratio": f"{ratio:.2f}x",
+        "busy: fit s ours / sklearn's": "n/a (one core)" if busy is None else
+            f"{busy[0][label]:.2f} / {busy[1][sk_name]:.2f}",
+        "busy: time ratio": "n/a" if busy is None else
+            f"{busy[0][label] / busy[1][sk_name]:.2f}x",
+        "epochs ours / sklearn's": f"{statistics.median(rec['epochs']):.0f} / "
+                                   f"{statistics.median(ref['epochs']):.0f}",
+        "path": f"{statistics.median(rec['path']):.1f} MiB",
+        "loss / norm growth (max)": f"{max(g[0] for g in rec['growth']):.2f} / "
+                                    f"{max(g[1] for g in rec['growth']):.2f}",
+        "divergence warnings": rec["diverged"],
+        "splits": len(rec["score"]),
+    }
 
 
 def _total(ours_fit: dict, ref_fit: dict) -> str:

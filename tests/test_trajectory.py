@@ -1,4 +1,5 @@
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -288,3 +289,23 @@ def test_the_recorder_waits_for_the_copies_on_the_parameters_gpu(monkeypatch):
     assert len(traj) == 2 * TrajectoryRecorder._INITIAL_STEPS + 1
     assert len(waits) >= 3  # a growth, the read of points, the end
     assert all(d is not None and torch.device(d) == torch.device("cuda", 1) for d in waits), waits
+
+
+def test_a_failed_save_leaves_the_file_saved_before(fitted, tmp_path, monkeypatch):
+    # torch.save truncated the file before writing: a save that failed part way (here an
+    # object torch cannot pickle; a full disk or a stopped process alike) destroyed the
+    # trajectory saved there before, and a reader meanwhile saw a partial file.
+    # (A lock: torch.save cannot pickle it, and fails once the file is open.)
+    path = tmp_path / "path.pt"
+    fitted.trajectory_.save(path)
+    before = path.read_bytes()
+    payload = fitted.trajectory_._payload()
+    monkeypatch.setattr(Trajectory, "_payload",
+                        lambda self: {**payload, "unwritable": threading.Lock()})
+    with pytest.raises(TypeError, match="cannot pickle"):
+        fitted.trajectory_.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    _assert_same(fitted.trajectory_, Trajectory.load(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["path.pt"]
+

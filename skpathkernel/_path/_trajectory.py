@@ -13,6 +13,7 @@ lazily behind the same accessors (:mod:`skpathkernel._path._storage`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -863,6 +864,9 @@ class Trajectory:
 
         In memory, ``path`` is one file, read back with ``torch.load(...,
         weights_only=True)``, which never executes code from the file (unlike pickle).
+        It is written aside and renamed over ``path``: a save that fails leaves the file
+        there as it was, and a process loading ``path`` meanwhile reads the old file or
+        the new one, whole.
 
         On disk (:attr:`storage` ``"disk"``) saving is a rename, not a copy: the
         trajectory's directory becomes ``path`` (which must not exist, or be an empty
@@ -880,7 +884,7 @@ class Trajectory:
         path = os.fspath(path)
         store = self._store
         if store is None:
-            torch.save(self._payload(), path)
+            _save_aside(self._payload(), path)
             return
         store.flush()
         store.move(path)
@@ -1145,6 +1149,27 @@ def mean_batch_weights(offsets: np.ndarray) -> np.ndarray:
     the batches that ``offsets`` delimit."""
     sizes = np.diff(offsets)
     return np.repeat(1.0 / np.maximum(sizes, 1), sizes)
+
+
+def _save_aside(payload: dict, path: str) -> None:
+    """``torch.save(payload, path)`` written aside and renamed over ``path``.
+
+    torch.save truncates its file first: a save that failed (a full disk, an object it
+    cannot write, a stopped process) destroyed the trajectory saved there before, and a
+    process loading ``path`` while another saved it read a partial file. A name of this
+    process and thread, so that concurrent saves do not write one file, created by
+    ``open`` (the permissions a new file gets, and an error naming the file where the
+    directory refuses it).
+    """
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _open_shared_trajectory(directory: str) -> Trajectory:

@@ -184,6 +184,28 @@ def test_a_path_saved_before_step_sizes_were_kept_loads_as_before(data, storage,
             net.attribute(X[:2], method="unrolled")
 
 
+@pytest.mark.parametrize("target_exists", [False, True])
+def test_save_gives_the_directory_the_permissions_of_a_new_one(data, tmp_path,
+                                                                target_exists):
+    # The temporary directory is private (mkdtemp: 0o700) and a rename kept that: a
+    # model saved by a training job's account could not be read by the service's.
+    X, y = data
+    est = _fit(X, y, "disk")
+    assert os.stat(est.trajectory_.directory).st_mode & 0o777 == 0o700
+    reference = tmp_path / "made"  # what a directory made here gets (the umask's)
+    reference.mkdir()
+    target = tmp_path / "saved"
+    if target_exists:  # an empty directory given: its own permissions are kept
+        target.mkdir()
+        os.chmod(target, 0o750)
+    expected = 0o750 if target_exists else os.stat(reference).st_mode & 0o7777
+    est.trajectory_.save(target)
+    assert os.stat(target).st_mode & 0o7777 == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["made", "saved"]
+    assert_array_equal(est.predict(X), _fit(X, y).predict(X))
+    _assert_same_path(est.trajectory_, Trajectory.load(target))
+
+
 def test_save_is_a_rename_and_load_is_lazy(data, tmp_path):
     X, y = data
     est = _fit(X, y, "disk", solver="adam")

@@ -52,6 +52,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -315,6 +316,23 @@ _NPY_HEADER = re.compile(
     r"'shape': \(((?:\d+, ?)*\d*)\), \}\s*$")
 
 
+def _directory_mode(path: str) -> int | None:
+    """The permissions of the empty directory ``path``, or where it does not exist those
+    a directory made there gets (the umask's, read from one made and removed beside it:
+    reading the umask itself means setting it, for every thread at once)."""
+    if os.path.isdir(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    probe = f"{path}.{os.getpid()}-{threading.get_ident()}.mode"
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return None  # the rename then fails too, in words naming the path, or keeps 0o700
+    try:
+        return stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        os.rmdir(probe)
+
+
 def _read_chunk(path: str) -> np.ndarray:
     """A chunk file's array, its .npy header parsed without ``ast``.
 
@@ -488,6 +506,7 @@ class ChunkStore:
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
                 "directory (an on-disk trajectory is saved by renaming its directory)."
             )
+        mode = _directory_mode(path)
         # A read ahead queued or running would look in the old place, or (Windows) hold
         # a file open there, which stops the rename: let it finish first.
         _drain("reader")
@@ -501,6 +520,12 @@ class ChunkStore:
             shutil.move(self.directory, path)
         self.disown()
         self._place[0] = path  # for the deep copies reading this directory too
+        # mkdtemp made the temporary directory private (0o700), and a rename keeps that:
+        # a model saved by one account (a training job) could not be read by another (the
+        # service). After the move, which a file system refusing chmod must not undo.
+        if mode is not None:
+            with contextlib.suppress(OSError):
+                os.chmod(path, mode)
         self.failure = None
         for series in list(self.series.values()):
             series.write_memory_chunks()

@@ -435,6 +435,42 @@ def test_truncated_or_foreign_chunk_is_named(data, tmp_path):
         RecordedNetwork(est.module_, Trajectory.load(tmp_path / "other"))
 
 
+def test_an_unreadable_file_is_named_as_such_not_as_corrupt(data, tmp_path, monkeypatch):
+    # A file the process may not read (a directory saved private to another account)
+    # was reported "truncated or corrupt: Permission denied" (a chunk), or "missing"
+    # (the training set's file of a continued path). The refusal made here by hand:
+    # this suite may run as root, whom permissions do not stop.
+    X, y = data
+    est = _fit(X, y, "disk")
+    est.trajectory_.save(tmp_path / "t")
+    refused = errno.EACCES, os.strerror(errno.EACCES)
+
+    def read_chunk(path):
+        raise PermissionError(*refused, path)
+
+    monkeypatch.setattr(_storage, "_read_chunk", read_chunk)
+    est.trajectory_._params.series.forget()
+    with pytest.raises(TrajectoryFileError,
+                       match=r"000000\.npy.*cannot be read: Permission denied") as info:
+        est.trajectory_.parameters(0)
+    assert "corrupt" not in str(info.value)
+    monkeypatch.undo()
+    stream = _fit(X, y, "disk", warm_start=True)
+    stream.fit(X, y)  # continued: its training set is kept in files beside the path
+    data_file = stream._disk_data[0].path
+    getsize = os.path.getsize
+
+    def refuse(path):
+        if os.fspath(path) == data_file:
+            raise PermissionError(*refused, path)
+        return getsize(path)
+
+    monkeypatch.setattr(os.path, "getsize", refuse)
+    with pytest.raises(TrajectoryFileError,
+                       match=r"training data file.*cannot be read: Permission denied"):
+        stream._disk_data[0].array()
+
+
 def test_full_disk_keeps_recording_in_memory(data, monkeypatch, tmp_path):
     X, y = data
     mem = _fit(X, y, solver="adam")

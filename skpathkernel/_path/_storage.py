@@ -889,6 +889,12 @@ class Series:
             array = _read_chunk(path)
         except FileNotFoundError:
             raise TrajectoryFileError(f"Trajectory chunk file {where} is missing.") from None
+        except PermissionError as exc:
+            # Not the file's contents: a directory saved private to another account.
+            raise TrajectoryFileError(
+                f"Trajectory chunk file {where} cannot be read: {exc.strerror} (the "
+                "permissions of the file or of its directories refuse this process)."
+            ) from None
         except (OSError, ValueError, EOFError) as exc:
             raise TrajectoryFileError(
                 f"Trajectory chunk file {where} is truncated or corrupt: {exc}") from None
@@ -1036,8 +1042,11 @@ class DiskArray:
         where = f"{self.path!r} ({self.n_rows} training rows)"
         try:
             size = os.path.getsize(self.path)
-        except OSError:
+        except FileNotFoundError:
             raise TrajectoryFileError(f"The training data file {where} is missing.") from None
+        except OSError as exc:
+            raise TrajectoryFileError(
+                f"The training data file {where} cannot be read: {exc.strerror}.") from None
         if size < _ALIGN + self.n_rows * self._row_bytes:
             raise TrajectoryFileError(f"The training data file {where} is truncated.")
         return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,

@@ -1,3 +1,4 @@
+import os
 import pickle
 import threading
 
@@ -309,3 +310,15 @@ def test_a_failed_save_leaves_the_file_saved_before(fitted, tmp_path, monkeypatc
     _assert_same(fitted.trajectory_, Trajectory.load(path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["path.pt"]
 
+
+
+@pytest.mark.parametrize("where, error", [("missing/path.pt", FileNotFoundError),
+                                          ("", IsADirectoryError)])
+def test_save_where_no_file_can_be_written_names_the_path(fitted, tmp_path, where, error):
+    # torch.save raised a RuntimeError (a missing folder; a directory or a folder the
+    # process may not write: "open file failed", without the file's name).
+    path = tmp_path / where
+    with pytest.raises(error) as info:
+        fitted.trajectory_.save(path)
+    assert info.value.filename == os.fspath(path)
+    assert [p.name for p in tmp_path.iterdir()] == []

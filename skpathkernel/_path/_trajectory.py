@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 import pickle
 import shutil
@@ -1156,14 +1157,22 @@ def _save_aside(payload: dict, path: str) -> None:
 
     torch.save truncates its file first: a save that failed (a full disk, an object it
     cannot write, a stopped process) destroyed the trajectory saved there before, and a
-    process loading ``path`` while another saved it read a partial file. A name of this
-    process and thread, so that concurrent saves do not write one file, created by
-    ``open`` (the permissions a new file gets, and an error naming the file where the
-    directory refuses it).
+    process loading ``path`` while another saved it read a partial file. The name aside
+    is this process's and thread's, so that concurrent saves do not write one file; it is
+    created by ``open``, so it gets a new file's permissions, and a refusal is an
+    ``OSError`` naming ``path`` (torch's said "open file failed", without a name).
     """
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a trajectory in memory is saved to a file, "
+                                "this is a directory", path)
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        f = open(tmp, "wb")
+    except OSError as exc:
+        # Named by the path asked for, not by the name written aside.
+        raise type(exc)(exc.errno, exc.strerror, path) from None
+    try:
+        with f:
             torch.save(payload, f)
         os.replace(tmp, path)
     except BaseException:

@@ -206,6 +206,32 @@ def test_save_gives_the_directory_the_permissions_of_a_new_one(data, tmp_path,
     _assert_same_path(est.trajectory_, Trajectory.load(target))
 
 
+def test_a_second_save_to_where_it_was_saved_moves_nothing(data, tmp_path):
+    # It was refused as a directory that "exists and is not an empty directory": a
+    # script run again, or a save after partial_fit extended the saved path, failed.
+    X, y = data
+    est = _fit(X, y, "disk", warm_start=True)
+    target = tmp_path / "saved"
+    est.trajectory_.save(target)
+    inode = os.stat(target / "params" / "000000.npy").st_ino
+    est.fit(X, y)  # extends the path in place, in the saved directory
+    os.symlink(target, tmp_path / "link")
+    for again in (target, tmp_path / "link"):
+        est.trajectory_.save(again)
+        assert est.trajectory_.directory == os.fspath(target)
+        assert os.stat(target / "params" / "000000.npy").st_ino == inode
+        _assert_same_path(est.trajectory_, Trajectory.load(target))
+    assert len(est.trajectory_) == len(_fit(X, y, max_iter=8).trajectory_)
+    # Where a temporary path is: kept from now on, as by any save.
+    other = _fit(X, y, "disk")
+    kept = other.trajectory_.directory
+    other.trajectory_.save(kept)
+    del other
+    gc.collect()
+    assert os.path.isdir(kept)
+    shutil.rmtree(kept)
+
+
 def test_save_is_a_rename_and_load_is_lazy(data, tmp_path):
     X, y = data
     est = _fit(X, y, "disk", solver="adam")

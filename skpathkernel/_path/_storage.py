@@ -333,6 +333,14 @@ def _directory_mode(path: str) -> int | None:
         os.rmdir(probe)
 
 
+def _same_directory(path: str, directory: str) -> bool:
+    """Whether ``path`` names ``directory`` (by its file, not its spelling: a link)."""
+    try:
+        return os.path.samefile(path, directory)
+    except OSError:  # either is not there
+        return False
+
+
 def _read_chunk(path: str) -> np.ndarray:
     """A chunk file's array, its .npy header parsed without ``ast``.
 
@@ -494,13 +502,27 @@ class ChunkStore:
                 "(trajectory_.save(path) on a copy made before).")
 
     def move(self, path) -> None:
-        """Rename the directory to ``path`` (which must not exist, or be an empty folder).
+        """Rename the directory to ``path`` (which must not exist, or be an empty folder,
+        or be this directory already).
 
         A rename, not a copy: on another file system (where a rename cannot work)
         ``shutil.move`` copies and removes. Chunks kept in memory after a failed write
         are written to the new place. The directory is no longer temporary.
         """
         path = os.path.abspath(path)  # as in __init__
+        if _same_directory(path, self.directory):
+            # A second save to where it was saved (a script run again, a save after
+            # partial_fit): nothing to move, and the caller rewrites the description.
+            path = self.directory
+        else:
+            self._rename(path)
+        self.disown()
+        self._place[0] = path  # for the deep copies reading this directory too
+        self.failure = None
+        for series in list(self.series.values()):
+            series.write_memory_chunks()
+
+    def _rename(self, path: str) -> None:
         if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
             raise FileExistsError(
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
@@ -518,17 +540,12 @@ class ChunkStore:
             if os.path.isdir(path):
                 os.rmdir(path)
             shutil.move(self.directory, path)
-        self.disown()
-        self._place[0] = path  # for the deep copies reading this directory too
         # mkdtemp made the temporary directory private (0o700), and a rename keeps that:
         # a model saved by one account (a training job) could not be read by another (the
         # service). After the move, which a file system refusing chmod must not undo.
         if mode is not None:
             with contextlib.suppress(OSError):
                 os.chmod(path, mode)
-        self.failure = None
-        for series in list(self.series.values()):
-            series.write_memory_chunks()
 
     def __getstate__(self):
         # Pickles reference the directory, not its data: the directory must outlive this

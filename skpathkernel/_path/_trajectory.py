@@ -871,9 +871,10 @@ class Trajectory:
 
         On disk (:attr:`storage` ``"disk"``) saving is a rename, not a copy: the
         trajectory's directory becomes ``path`` (which must not exist, or be an empty
-        directory), with its description in ``path/trajectory.pt``; it is no longer
-        temporary, and this object reads from its new place. Chunks that a full disk
-        kept in memory during recording are written there now.
+        directory, or be where it was saved before: a second save there moves nothing and
+        rewrites the description), with its description in ``path/trajectory.pt``; it is
+        no longer temporary, and this object reads from its new place. Chunks that a full
+        disk kept in memory during recording are written there now.
 
         Parameters
         ----------

@@ -322,3 +322,16 @@ def test_save_where_no_file_can_be_written_names_the_path(fitted, tmp_path, wher
         fitted.trajectory_.save(path)
     assert info.value.filename == os.fspath(path)
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_load_refuses_a_file_cut_anywhere(fitted, tmp_path):
+    # Cut at most places, torch's reader failed with a bare OSError(22, 'Invalid
+    # argument'), naming no file (and at others with a RuntimeError or EOFError).
+    saved = tmp_path / "path.pt"
+    fitted.trajectory_.save(saved)
+    data = saved.read_bytes()
+    path = tmp_path / "cut.pt"
+    for n in range(0, len(data), max(1, len(data) // 40)):
+        path.write_bytes(data[:n])
+        with pytest.raises(ValueError, match="cut.pt' is not a skpathkernel trajectory"):
+            Trajectory.load(path)

@@ -964,11 +964,13 @@ class Trajectory:
             raise FileNotFoundError(
                 f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
                 "skpathkernel trajectory.") from None
-        except (RuntimeError, EOFError, KeyError, IndexError, struct.error) as exc:
+        except (RuntimeError, EOFError, KeyError, IndexError, struct.error, OSError) as exc:
+            if isinstance(exc, OSError) and exc.filename is not None:
+                raise  # the file itself refused (permissions, a directory): named
             # Not a file torch.save wrote: an empty file failed with a bare EOFError, a
-            # truncated one in words about a zip archive, text with KeyError(<a byte>),
-            # four bytes with a struct.error, one byte with IndexError('pop from empty
-            # list').
+            # truncated one in words about a zip archive or (cut at most places) with a
+            # bare OSError(22, 'Invalid argument'), text with KeyError(<a byte>), four
+            # bytes with a struct.error, one byte with IndexError('pop from empty list').
             raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory "
                              f"file: torch.load failed ({type(exc).__name__}).") from exc
         except pickle.UnpicklingError as exc:

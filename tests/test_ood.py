@@ -1,11 +1,15 @@
 """OODRankDetector against dense-Jacobian references (per-sample autograd + NumPy)."""
 
 import copy
+import os
 import re
+import subprocess
+import sys
 import tracemalloc
 import warnings
 import weakref
 
+import joblib
 import numpy as np
 import pytest
 import scipy.linalg
@@ -1298,3 +1302,31 @@ def test_a_recorded_network_scores_as_the_frozen_trainer_of_its_path(method):
     assert det.offset_ == pytest.approx(ref.offset_, rel=1e-12, abs=1e-12)
     assert det.rank_gap(Xq) == ref.rank_gap(Xq)
     assert not hasattr(det, "loss_curve_") and hasattr(ref, "loss_curve_")
+
+
+_MMAP_SCORES = """
+import sys, warnings
+import joblib, numpy as np
+warnings.simplefilter("error")  # torch warns (once a process) on a read-only array
+det = joblib.load(sys.argv[1], mmap_mode="r")
+X = np.load(sys.argv[1] + ".X.npy")
+np.save(sys.argv[1] + ".out.npy", det.score_samples(X))
+"""
+
+
+@pytest.mark.parametrize("method", ["local", "residual", "alignment"])
+def test_a_detector_loaded_with_mmap_mode_scores_without_warnings(method, tmp_path):
+    # joblib.load(..., mmap_mode="r") hands back read-only arrays: the fitted span's
+    # went to torch as they were, and every score warned that torch "does not support
+    # non-writable tensors". In a fresh process: torch warns once a process.
+    X, y = load_digits(return_X_y=True)
+    X, y = X[:120] / 16, y[:120]
+    det = OODRankDetector(trainer(y, max_iter=3, tol=None), method=method).fit(X, y)
+    dump = str(tmp_path / "det.joblib")
+    joblib.dump(det, dump)
+    np.save(dump + ".X.npy", X[:30])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _MMAP_SCORES, dump], env=env,
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    np.testing.assert_array_equal(np.load(dump + ".out.npy"), det.score_samples(X[:30]))

@@ -1,4 +1,6 @@
+import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -288,3 +290,48 @@ def test_the_recorder_waits_for_the_copies_on_the_parameters_gpu(monkeypatch):
     assert len(traj) == 2 * TrajectoryRecorder._INITIAL_STEPS + 1
     assert len(waits) >= 3  # a growth, the read of points, the end
     assert all(d is not None and torch.device(d) == torch.device("cuda", 1) for d in waits), waits
+
+
+def test_a_failed_save_leaves_the_file_saved_before(fitted, tmp_path, monkeypatch):
+    # torch.save truncated the file before writing: a save that failed part way (here an
+    # object torch cannot pickle; a full disk or a stopped process alike) destroyed the
+    # trajectory saved there before, and a reader meanwhile saw a partial file.
+    # (A lock: torch.save cannot pickle it, and fails once the file is open.)
+    path = tmp_path / "path.pt"
+    fitted.trajectory_.save(path)
+    before = path.read_bytes()
+    payload = fitted.trajectory_._payload()
+    monkeypatch.setattr(Trajectory, "_payload",
+                        lambda self: {**payload, "unwritable": threading.Lock()})
+    with pytest.raises(TypeError, match="cannot pickle"):
+        fitted.trajectory_.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    _assert_same(fitted.trajectory_, Trajectory.load(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["path.pt"]
+
+
+
+@pytest.mark.parametrize("where, error", [("missing/path.pt", FileNotFoundError),
+                                          ("", IsADirectoryError)])
+def test_save_where_no_file_can_be_written_names_the_path(fitted, tmp_path, where, error):
+    # torch.save raised a RuntimeError (a missing folder; a directory or a folder the
+    # process may not write: "open file failed", without the file's name).
+    path = tmp_path / where
+    with pytest.raises(error) as info:
+        fitted.trajectory_.save(path)
+    assert info.value.filename == os.fspath(path)
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_load_refuses_a_file_cut_anywhere(fitted, tmp_path):
+    # Cut at most places, torch's reader failed with a bare OSError(22, 'Invalid
+    # argument'), naming no file (and at others with a RuntimeError or EOFError).
+    saved = tmp_path / "path.pt"
+    fitted.trajectory_.save(saved)
+    data = saved.read_bytes()
+    path = tmp_path / "cut.pt"
+    for n in range(0, len(data), max(1, len(data) // 40)):
+        path.write_bytes(data[:n])
+        with pytest.raises(ValueError, match="cut.pt' is not a skpathkernel trajectory"):
+            Trajectory.load(path)

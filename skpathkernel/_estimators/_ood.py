@@ -115,6 +115,10 @@ _runs_detector_module = runs_module(lambda det: network_of(det.estimator_).modul
                                      check=warn_drawing_now)
 
 
+# The fitted span's arrays, which the scores hand to torch.
+_SPAN_ARRAYS = ("_train_diag", "_chol", "_basis", "_eig", "_post")
+
+
 class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
     """Out-of-distribution detector: the part of phi(x) outside span{{phi(x_i)}}.
 
@@ -583,6 +587,14 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         for name, value in state.items():
             setattr(self, name, value)
         return self
+
+    def __setstate__(self, state):
+        # joblib.load(..., mmap_mode="r") hands back read-only arrays, and the scores pass
+        # the fitted span's to torch, which warned that it "does not support non-writable
+        # tensors": writable copies, once (small next to the path, which loading copies).
+        state = {key: np.array(value) if key in _SPAN_ARRAYS and isinstance(value, np.ndarray)
+                 and not value.flags.writeable else value for key, value in state.items()}
+        super().__setstate__(state)
 
     # ------------------------------------------------------------------ scores
     def _span(self) -> TangentSpan:

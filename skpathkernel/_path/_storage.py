@@ -52,6 +52,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -315,6 +316,31 @@ _NPY_HEADER = re.compile(
     r"'shape': \(((?:\d+, ?)*\d*)\), \}\s*$")
 
 
+def _directory_mode(path: str) -> int | None:
+    """The permissions of the empty directory ``path``, or where it does not exist those
+    a directory made there gets (the umask's, read from one made and removed beside it:
+    reading the umask itself means setting it, for every thread at once)."""
+    if os.path.isdir(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    probe = f"{path}.{os.getpid()}-{threading.get_ident()}.mode"
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return None  # the rename then fails too, in words naming the path, or keeps 0o700
+    try:
+        return stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        os.rmdir(probe)
+
+
+def _same_directory(path: str, directory: str) -> bool:
+    """Whether ``path`` names ``directory`` (by its file, not its spelling: a link)."""
+    try:
+        return os.path.samefile(path, directory)
+    except OSError:  # either is not there
+        return False
+
+
 def _read_chunk(path: str) -> np.ndarray:
     """A chunk file's array, its .npy header parsed without ``ast``.
 
@@ -476,18 +502,33 @@ class ChunkStore:
                 "(trajectory_.save(path) on a copy made before).")
 
     def move(self, path) -> None:
-        """Rename the directory to ``path`` (which must not exist, or be an empty folder).
+        """Rename the directory to ``path`` (which must not exist, or be an empty folder,
+        or be this directory already).
 
         A rename, not a copy: on another file system (where a rename cannot work)
         ``shutil.move`` copies and removes. Chunks kept in memory after a failed write
         are written to the new place. The directory is no longer temporary.
         """
         path = os.path.abspath(path)  # as in __init__
+        if _same_directory(path, self.directory):
+            # A second save to where it was saved (a script run again, a save after
+            # partial_fit): nothing to move, and the caller rewrites the description.
+            path = self.directory
+        else:
+            self._rename(path)
+        self.disown()
+        self._place[0] = path  # for the deep copies reading this directory too
+        self.failure = None
+        for series in list(self.series.values()):
+            series.write_memory_chunks()
+
+    def _rename(self, path: str) -> None:
         if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
             raise FileExistsError(
                 f"Cannot save the trajectory to {path!r}: it exists and is not an empty "
                 "directory (an on-disk trajectory is saved by renaming its directory)."
             )
+        mode = _directory_mode(path)
         # A read ahead queued or running would look in the old place, or (Windows) hold
         # a file open there, which stops the rename: let it finish first.
         _drain("reader")
@@ -499,11 +540,12 @@ class ChunkStore:
             if os.path.isdir(path):
                 os.rmdir(path)
             shutil.move(self.directory, path)
-        self.disown()
-        self._place[0] = path  # for the deep copies reading this directory too
-        self.failure = None
-        for series in list(self.series.values()):
-            series.write_memory_chunks()
+        # mkdtemp made the temporary directory private (0o700), and a rename keeps that:
+        # a model saved by one account (a training job) could not be read by another (the
+        # service). After the move, which a file system refusing chmod must not undo.
+        if mode is not None:
+            with contextlib.suppress(OSError):
+                os.chmod(path, mode)
 
     def __getstate__(self):
         # Pickles reference the directory, not its data: the directory must outlive this
@@ -864,6 +906,12 @@ class Series:
             array = _read_chunk(path)
         except FileNotFoundError:
             raise TrajectoryFileError(f"Trajectory chunk file {where} is missing.") from None
+        except PermissionError as exc:
+            # Not the file's contents: a directory saved private to another account.
+            raise TrajectoryFileError(
+                f"Trajectory chunk file {where} cannot be read: {exc.strerror} (the "
+                "permissions of the file or of its directories refuse this process)."
+            ) from None
         except (OSError, ValueError, EOFError) as exc:
             raise TrajectoryFileError(
                 f"Trajectory chunk file {where} is truncated or corrupt: {exc}") from None
@@ -1011,8 +1059,11 @@ class DiskArray:
         where = f"{self.path!r} ({self.n_rows} training rows)"
         try:
             size = os.path.getsize(self.path)
-        except OSError:
+        except FileNotFoundError:
             raise TrajectoryFileError(f"The training data file {where} is missing.") from None
+        except OSError as exc:
+            raise TrajectoryFileError(
+                f"The training data file {where} cannot be read: {exc.strerror}.") from None
         if size < _ALIGN + self.n_rows * self._row_bytes:
             raise TrajectoryFileError(f"The training data file {where} is truncated.")
         return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,

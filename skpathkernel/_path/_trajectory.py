@@ -13,7 +13,9 @@ lazily behind the same accessors (:mod:`skpathkernel._path._storage`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import os
 import pickle
 import shutil
@@ -863,12 +865,16 @@ class Trajectory:
 
         In memory, ``path`` is one file, read back with ``torch.load(...,
         weights_only=True)``, which never executes code from the file (unlike pickle).
+        It is written aside and renamed over ``path``: a save that fails leaves the file
+        there as it was, and a process loading ``path`` meanwhile reads the old file or
+        the new one, whole.
 
         On disk (:attr:`storage` ``"disk"``) saving is a rename, not a copy: the
         trajectory's directory becomes ``path`` (which must not exist, or be an empty
-        directory), with its description in ``path/trajectory.pt``; it is no longer
-        temporary, and this object reads from its new place. Chunks that a full disk
-        kept in memory during recording are written there now.
+        directory, or be where it was saved before: a second save there moves nothing and
+        rewrites the description), with its description in ``path/trajectory.pt``; it is
+        no longer temporary, and this object reads from its new place. Chunks that a full
+        disk kept in memory during recording are written there now.
 
         Parameters
         ----------
@@ -880,7 +886,7 @@ class Trajectory:
         path = os.fspath(path)
         store = self._store
         if store is None:
-            torch.save(self._payload(), path)
+            _save_aside(self._payload(), path)
             return
         store.flush()
         store.move(path)
@@ -958,11 +964,13 @@ class Trajectory:
             raise FileNotFoundError(
                 f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
                 "skpathkernel trajectory.") from None
-        except (RuntimeError, EOFError, KeyError, IndexError, struct.error) as exc:
+        except (RuntimeError, EOFError, KeyError, IndexError, struct.error, OSError) as exc:
+            if isinstance(exc, OSError) and exc.filename is not None:
+                raise  # the file itself refused (permissions, a directory): named
             # Not a file torch.save wrote: an empty file failed with a bare EOFError, a
-            # truncated one in words about a zip archive, text with KeyError(<a byte>),
-            # four bytes with a struct.error, one byte with IndexError('pop from empty
-            # list').
+            # truncated one in words about a zip archive or (cut at most places) with a
+            # bare OSError(22, 'Invalid argument'), text with KeyError(<a byte>), four
+            # bytes with a struct.error, one byte with IndexError('pop from empty list').
             raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory "
                              f"file: torch.load failed ({type(exc).__name__}).") from exc
         except pickle.UnpicklingError as exc:
@@ -1145,6 +1153,35 @@ def mean_batch_weights(offsets: np.ndarray) -> np.ndarray:
     the batches that ``offsets`` delimit."""
     sizes = np.diff(offsets)
     return np.repeat(1.0 / np.maximum(sizes, 1), sizes)
+
+
+def _save_aside(payload: dict, path: str) -> None:
+    """``torch.save(payload, path)`` written aside and renamed over ``path``.
+
+    torch.save truncates its file first: a save that failed (a full disk, an object it
+    cannot write, a stopped process) destroyed the trajectory saved there before, and a
+    process loading ``path`` while another saved it read a partial file. The name aside
+    is this process's and thread's, so that concurrent saves do not write one file; it is
+    created by ``open``, so it gets a new file's permissions, and a refusal is an
+    ``OSError`` naming ``path`` (torch's said "open file failed", without a name).
+    """
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a trajectory in memory is saved to a file, "
+                                "this is a directory", path)
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    try:
+        f = open(tmp, "wb")
+    except OSError as exc:
+        # Named by the path asked for, not by the name written aside.
+        raise type(exc)(exc.errno, exc.strerror, path) from None
+    try:
+        with f:
+            torch.save(payload, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _open_shared_trajectory(directory: str) -> Trajectory:

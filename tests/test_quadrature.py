@@ -438,7 +438,7 @@ def test_fixed_nodes_report_the_contribution_error():
     assert np.all(res.n_nodes == 1)
     assert true / 1.5 <= res.contribution_error <= 1.5 * true
     message = next(str(w.message) for w in rec if "single contribution" in str(w.message))
-    assert f"estimated at {res.contribution_error:.3g}" in message
+    assert f"measured at {res.contribution_error:.3g}" in message
 
 
 @pytest.mark.parametrize("params", [

@@ -147,27 +147,31 @@ a ConvergenceWarning.
 
 The residual is that of the SUM of the step's shares: point i's share errs by
 ``delta_rho_t . dtheta_t^(i)``, which it does not bound where the points' parts of the
-step cancel (a full batch near convergence, Adam's normalised steps): measured against a
-64-node float64 reference (``benchmarks/audit_contribution_error.py``), a single
-contribution missed by up to 6x ``error`` and 1.1 ``tol * S`` at the default tol before
-the check below. Each step's shares, formed anyway, give its cancellation (the largest
-``sum_i |share_i|`` over the largest ``|sum_i share_i|``), and ``sum_t r_t cancel_t``
-bounds a contribution's error where a share errs by no more than its part of the
-residual; where that bound exceeds ``tol * S`` the path is walked again with a node more
-per step, and the largest difference of one contribution between the walks is the
-error, measured (``_contribution_check``; a second raise where it is over). The result
-reports it as ``contribution_error`` and warns above the tolerance. Minibatch paths
-stay under the bound (one walk, the same nodes); converged full-batch Adam walks two or
-three times (2.8x its CPU time, ``benchmarks/results/contribution_check_overhead.md``),
-and the estimate is then its error (``benchmarks/results/contribution_error.md``).
-Float32 paths are not walked again (their walks differ by their round-off): the bound
-is reported. It is a heuristic: the residual sees a step's quadrature error only along
-the step the path took, ``delta_J_t . dtheta_t``, and where the points' parts cancel in a
-direction along which the queries' gradients bend while f changes linearly along the
-path, the residual, the cancellation and so the estimate stay at round-off while each
-share keeps its error: on modules built for it, 3e-15 reported against 0.03 measured
-(``benchmarks/audit_contribution_blind_spot.py``), no walk, no warning. Only a walk with
-more nodes measures that error.
+step cancel (a full batch near convergence, Adam's normalised steps), nor where they
+move along a direction in which the queries' gradients bend while f changes linearly
+along the step: there the residual, and any estimate made from it, stays at round-off
+while each share keeps its error (``benchmarks/audit_contribution_blind_spot.py``:
+3e-15 read from the residuals against 0.03 measured, on modules built for it). Only a
+quadrature with more nodes measures a share's error, so every exact decomposition walks
+the path again with a node more per step (:func:`_contribution_check`): the more
+accurate walk is kept, and the largest difference of one contribution between the two
+walks (over queries, training points and outputs) is reported as ``contribution_error``:
+the first walk's error up to the second's, so above the kept walk's own wherever a node
+more at least halves it (Gauss-Legendre gained 10-300x per node on the paths measured).
+Where it is over ``tol * S`` the nodes are raised a node per walk (at most
+``CHECK_RAISES`` walks in all) and the walk with the smallest measured difference is
+kept with it; over still, a ConvergenceWarning says so. Fixed ``n_nodes`` are kept and
+measured by the walk with a node more. In float32 the two walks' difference holds the
+factors' round-off at their different nodes too: it is part of the error the
+contributions achieve, and reported with the quadrature's (0.013 of ``tol * S`` on the
+default classifier on digits). The check is a second walk, not an embedded pair of rules
+in one pass: profiled, the training side that a pair would share (the batches'
+captures) is 5-12% of a walk on the default classifier on digits and on a float64
+regressor on diabetes, the rest (the queries' captures at the nodes, the adjoint's
+update and its contraction with the batch) is per rule. It costs 2.0x the code before
+it on the default classifier on digits and 1.75x on the default regressor on diabetes
+(float32), 0.66x on the float64 regressor, which that code walked three times
+(``benchmarks/results/contribution_check_overhead.md``).
 """
 
 from __future__ import annotations
@@ -326,19 +330,15 @@ class Decomposition:
         record holds the training; a warning fires above the dtype's limit). None
         where every step is recorded or nothing could be replayed.
     contribution_error : float or None
-        ``method="exact"``: the estimated largest error of a single contribution (over
-        queries, training points and outputs; ``error`` is that of their sum), checked
-        against ``tol * S`` (``S`` the largest |f| along the path), and with fixed
-        ``n_nodes`` against the exact checks' accuracy (1e-10 of ``S`` in float64, 1e-4
-        in float32); a measured error warns above it. Unless walked again, the steps'
-        residuals times their cancellation: an estimate, not a bound (it reads the
-        quadrature's error along the step the path took only, and can under-read by
-        orders of magnitude, unwarned, where the points' moves cancel in a direction
-        along which the queries' gradients bend while f changes linearly, see the
-        module's *Error control*); where it is over, measured by walking the path again
-        with a node more per step (and where that is over too, the more accurate walk is
-        kept and checked by one more). The quadrature's error only: a float32 path's
-        round-off is not in it. None for the other methods.
+        ``method="exact"``: the largest error of a single contribution (over queries,
+        training points and outputs; ``error`` is that of their sum), measured as its
+        largest difference from a walk of the path with a node more per step, the more
+        accurate of the two walks being the one returned (see the module's *Error
+        control*), checked against ``tol * S`` (``S`` the largest |f| along the path;
+        with fixed ``n_nodes``, which are returned, against the exact checks' accuracy,
+        1e-10 of ``S`` in float64, 1e-4 in float32) and warned of above it, after up to
+        ``CHECK_RAISES`` walks with nodes raised. In float32 the walks' round-off is in
+        the difference too. None for the other methods.
     """
 
     initial: np.ndarray
@@ -2099,8 +2099,7 @@ class _Checks:
     replay_limit: float = 0.0
     compression: str | None = None
     # The largest per-contribution error measured by walks with more nodes (None: none
-    # was; contribution_error is then the bound from the steps' residuals, see
-    # _contribution_check).
+    # was, the other methods).
     measured: float | None = None
 
 
@@ -2464,8 +2463,7 @@ def _missed_quadrature(result: Decomposition, checks: _Checks):
 def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None:
     """The per-contribution error relative to the path's largest |f| where it exceeds
     what the sum is held to (``tol``; with fixed ``n_nodes``, ``INEXACT_FLOOR``), else
-    None. Only a measured error warns: the bound from the steps' residuals is over
-    only where their sum is (warned of as such) or a step failed."""
+    None (every exact decomposition measures it, :func:`_contribution_check`)."""
     if checks.measured is None:
         return None
     tol = INEXACT_FLOOR[checks.dtype] if checks.n_nodes is not None else checks.tol
@@ -2484,7 +2482,7 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
                "needed did not bring it under (round-off, or steps that need more); a "
                "smaller tol integrates every step further.")
     warnings.warn(
-        f"{verb}(method='exact'): a single contribution's quadrature error is estimated "
+        f"{verb}(method='exact'): a single contribution's quadrature error is measured "
         f"at {result.contribution_error:.3g} (Decomposition.contribution_error), "
         f"{achieved:.3g} relative to the largest |f| along the path ({checks.scale:.3g}), "
         f"over the {allowed:g} the decomposition is held to (the contributions' sum "

@@ -217,10 +217,12 @@ __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_to
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
 MAX_NODES = 64
-# The walks with more nodes per step that the per-contribution check may add (see
-# _contribution_check): a node more measures the first walk's error, and where that is
-# over, each further walk a node more measures the one before it.
+# The walks that the per-contribution check may add where the error it measured is over
+# tol * S (see _contribution_check), each with RAISE nodes more per step than the one
+# before (a walk measures its own rule against the one of a node more: two nodes more
+# is the next rule not measured yet).
 CHECK_RAISES = 3
+RAISE = 2
 # Nodes per step once the steps stop converging (non-smooth activations): the count
 # from which _stalled judges.
 NONSMOOTH = 8
@@ -1153,7 +1155,9 @@ def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- factored
 def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
-    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block.
+    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block; for
+    ``method="exact"`` with (2 Qb) rows, the second Qb those of the difference of the
+    rule with a node more per step (the check's, see :func:`_pair_weights`).
 
     ``chunks``: ``[(rows, quad)]``, the block's chunks of queries (slices of the call's
     queries) with their node choices (None: no choice). The steps are walked once for
@@ -1167,13 +1171,16 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     decoupled = spec.name == "adamw"
     n_q, N = Xq.shape[0], len(ctx.X_train)
     n_out = ctx.n_res
+    first, stop = ctx.intervals
+    exact = method == "exact"
+    # The exact method's rows of the check: the queries' shares by the rule with a node
+    # more minus those by the step's rule, from the same batch (see _contribution_check).
+    n_rows = 2 * n_q if exact else n_q
     # Sample-major: every step adds its shares to its batch's rows, contiguous rows of
     # all queries and outputs (a query-major (n_q, N, n_out) buffer takes a scattered
     # write per query and sample; see the module docstring).
-    contrib = torch.zeros((N, n_q, n_out), dtype=torch.float64, device=device)
-    reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
-    first, stop = ctx.intervals
-    exact = method == "exact"
+    contrib = torch.zeros((N, n_rows, n_out), dtype=torch.float64, device=device)
+    reg = torch.zeros((n_rows, n_out), dtype=torch.float64, device=device)
     parts = []
     for c_rows, quad in chunks:
         local = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
@@ -1186,7 +1193,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
         for c in parts:
             c.f_next = c.quad.f[hi]
     # The first-order methods' captures at theta_t are made for blocks of steps too.
-    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact)
+    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact, pair=exact)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
@@ -1216,7 +1223,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                                        slice(at.start + i.start, at.start + i.stop), a)
                            for i, a in zip(cuts, later)]
                     nodes = _cat_rows(own)
-                q, spread = directional(nodes, w, prepared=dirs)
+                q, spread = directional(nodes[:n], w, prepared=dirs)
                 return q, spread, nodes, list(w), own
 
             # Consecutive chunks that try the same count first (most, on a smooth path)
@@ -1262,6 +1269,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     j, functools.partial(evaluate, c=c), df,
                     ctx.ref.noise(f_t, c.f_next, c.rows))
                 c.f_next = f_t
+                if along:  # the decay's difference of the two rules
+                    c.rho_theta_pair = directional(c.nodes, _pair_weights(len(c.w)),
+                                                   prepared=dirs)[0][1]
         else:
             ahead.passed(j, theta, nxt)
             # The decay direction prepared once for all chunks of the step (and its
@@ -1278,9 +1288,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
         if route != "factor":
             if adjoint is None:
                 # One buffer for the block's chunks: each chunk's rows take its own
-                # nodes, the batch is contracted with all of them at once.
-                adjoint = Adjoint(parts[0].nodes[0], memory, n_q)
-            groups = [(c.local, c.nodes, c.w) for c in parts]
+                # nodes, the batch is contracted with all of them at once (the
+                # check's rows too).
+                adjoint = Adjoint(parts[0].nodes[0], memory, n_rows)
+            groups = _pair_groups([(c.nodes, c.w, c.local) for c in parts], exact, n_q)
+            groups = [(at, nodes, w) for nodes, w, at in groups]
             D = traj.preconditioner(j)
             D = None if D is None else dict(traj.unflatten(D.to(device=device,
                                                                 dtype=traj.dtype)))
@@ -1293,10 +1305,12 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
                 for c in parts:
-                    reg[c.local] += (-float(traj.learning_rates[j]) * wd if decoupled
-                                     else coef * wd) * c.rho_theta
+                    scale = -float(traj.learning_rates[j]) * wd if decoupled else coef * wd
+                    reg[c.local] += scale * c.rho_theta
+                    if exact:
+                        reg[_shifted(c.local, n_q)] += scale * c.rho_theta_pair
             if route == "factor":
-                groups = _share_groups(parts)
+                groups = _pair_groups(_share_groups(parts), exact, n_q)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
                     for nodes, w, at in groups:
@@ -1311,8 +1325,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     share, part = adjoint.contract(terms, dhat), None
                 if part is not None:
                     reg += part.view(-1, n_out)
-                share = share.view(n_q * n_out, -1).mul_(w_sub.to(share.dtype))
-                contrib.index_add_(0, sub, share.T.view(-1, n_q, n_out))
+                share = share.view(n_rows * n_out, -1).mul_(w_sub.to(share.dtype))
+                contrib.index_add_(0, sub, share.T.view(-1, n_rows, n_out))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
@@ -1343,8 +1357,12 @@ class _NodesAhead:
     or for a group of chunks, that those rows no longer try first).
     """
 
-    def __init__(self, ctx: _Context, lo: int, n_rows: int, at_start: bool = False):
+    def __init__(self, ctx: _Context, lo: int, n_rows: int, at_start: bool = False,
+                 pair: bool = False):
         self.ctx, self.lo, self.n_rows = ctx, lo, max(n_rows, 1)
+        # pair: each capture at n nodes holds the n + 1 nodes of the check's rule after
+        # them (see _pair_nodes), in the same stacked pass.
+        self.pair = pair
         # at_start: the captures at the steps' own points theta_t (one "node", the
         # first-order methods' J_t), else at their quadrature nodes.
         self.at_start = at_start
@@ -1379,8 +1397,14 @@ class _NodesAhead:
             _, theta, nxt = self._step
             delta = nxt - theta
             self._points = key, ([theta] if self.at_start else
-                                 [theta + sk * delta for sk in _gauss(n)[0][nodes]])
+                                 [theta + sk * delta
+                                  for sk in self._abscissae(n)[nodes]])
         return self._points[1]
+
+    def _abscissae(self, n: int) -> tuple[float, ...]:
+        """The nodes on [0, 1] a capture at ``n`` holds: the rule's, and with ``pair``
+        the rule of a node more after them."""
+        return _gauss(n)[0] + (_gauss(n + 1)[0] if self.pair else ())
 
     def nodes(self, j: int, n: int, X, W, rows: slice, ahead: bool):
         """The capture of the rows ``rows`` (of the query block; ``X``, ``W``) at the
@@ -1390,25 +1414,27 @@ class _NodesAhead:
         if key in self._made:
             return self._take(key)
         ctx, size = self.ctx, 1
+        width = len(self._abscissae(n)) if not self.at_start else 1
         if ahead and ctx.stacked is not None:
             for k in [k for k in self._made if k[2] < rows.stop and rows.start < k[3]]:
                 self._take(k)
             share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
-            size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
+            size = ctx.ahead_steps(len(X), width,
+                                   max(0, min(share, ctx.ahead_bytes - self.alive)))
         steps = range(j, max(self.lo, ctx.floor(j), j - size + 1) - 1, -1)
-        if len(steps) == 1 and n > ctx.node_points:
+        if len(steps) == 1 and width > ctx.node_points:
             # More nodes than the plan's room for parameter points: captured a group at
             # a time (a point's batched GEMMs are the single point's), the points of one
             # group held (all of a try's at once, with those of the step's earlier tries,
             # put a small Adam path at 1.25x a 200 kB budget).
-            return [c for k in range(0, n, ctx.node_points) for c in ctx.capture_nodes(
+            return [c for k in range(0, width, ctx.node_points) for c in ctx.capture_nodes(
                 self._step_points(n, slice(k, k + ctx.node_points)), X, W)]
         points = list(self._step_points(n))
         if len(steps) > 1:
             # The earlier steps' points, read once for the block; theta_j ends the last.
             params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1], j)]
             params.append(self._step[1])
-            s = _gauss(n)[0]
+            s = self._abscissae(n)
             for i in steps[1:]:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
                 theta = params[i - steps[-1]]
                 if self.at_start:
@@ -1421,8 +1447,9 @@ class _NodesAhead:
             block = [_nbytes(made), len(steps) - 1]
             self.alive += block[0]
             for k, i in enumerate(steps[1:], 1):
-                self._made[(i, n, rows.start, rows.stop)] = (made[k * n : (k + 1) * n], block)
-        return made[:n]
+                self._made[(i, n, rows.start, rows.stop)] = (
+                    made[k * width : (k + 1) * width], block)
+        return made[:width]
 
 
 class _Chunk:
@@ -1433,7 +1460,7 @@ class _Chunk:
 
     def __init__(self, rows, local, quad, X, W):
         self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
-        self.f_next = self.nodes = self.w = self.rho_theta = None
+        self.f_next = self.nodes = self.w = self.rho_theta = self.rho_theta_pair = None
         self.run = None
 
 
@@ -1459,6 +1486,25 @@ def _share_groups(parts) -> list:
             out.append(run)
         else:
             out.extend((c.nodes, c.w, c.local) for c in group)
+    return out
+
+
+def _pair_weights(n: int) -> list[float]:
+    """Weights that take the difference of the rule of ``n + 1`` nodes and that of
+    ``n`` over a capture holding both (:meth:`_NodesAhead._abscissae`)."""
+    return [-w for w in _gauss(n)[1]] + list(_gauss(n + 1)[1])
+
+
+def _shifted(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
+
+
+def _pair_groups(groups, pair: bool, n_q: int) -> list:
+    """``(nodes, weights, rows)`` of the step's rules, and with ``pair`` those of the
+    check's difference on the rows ``n_q`` further (its captures hold both rules)."""
+    out = [(nodes[: len(w)], w, at) for nodes, w, at in groups]
+    if pair:
+        out += [(nodes, _pair_weights(len(w)), _shifted(at, n_q)) for nodes, w, at in groups]
     return out
 
 
@@ -1953,7 +1999,7 @@ def decompose(
         while True:
             made.clear()
             try:
-                return (*_run(
+                c, r, pair = _run(
                     module, traj, X_train, Y_train, loss, X, method=method,
                     weighting=weighting, route=route, quadrature=quadrature,
                     memory_budget=memory_budget, exclude=exclude,
@@ -1961,15 +2007,16 @@ def decompose(
                     itemsize=itemsize,
                     P=P, N=N, ref=ref, n_nodes=n_nodes,
                     chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
-                    weights=weights, intervals=intervals), list(made))
+                    weights=weights, intervals=intervals)
+                return c, r, list(made), pair
             except _Reroute as new:
                 exclude = new.exclude
 
-    contributions, regularization, quads = walk()
+    contributions, regularization, quads, pair = walk()
     contribution_error, measured = None, None
     if exact and quads:
         contributions, regularization, quads, contribution_error, measured = _contribution_check(
-            walk, (contributions, regularization, quads),
+            walk, (contributions, regularization, quads, pair),
             tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None,
             chosen=requested is not None)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
@@ -2031,27 +2078,28 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     quads = first[2]
     allowed = [tol * float(q.scale) for q in quads]
     base = [q.n_used for q in quads]
-    # Per chunk: the walk kept and its measured error, and whether a raise may still
-    # cut it (adaptive nodes, a tolerance the dtype resolves, an error still falling).
-    kept, error = [0] * len(quads), [math.nan] * len(quads)
-    open_ = [adaptive and not q.failed and not (chosen and q.floored) for q in quads]
-    # Where the first walk is not raised it is kept, with its node choice's record.
-    raised = list(open_)
-    walks, last = [first], [math.nan] * len(quads)
-    for r in range(1, CHECK_RAISES + 1):
-        # The chunks still over take one node more than their last walk, the others
-        # their kept walk's counts again.
-        plan = [b + (r if r == 1 or open_[c] else kept[c]) for c, b in enumerate(base)]
-        walks.append(walk(plan))
+    # Per chunk: whether it returns the rule with a node more (adaptive nodes), and
+    # whether a raise may still cut its error (a tolerance the dtype resolves, an error
+    # still falling); the walk kept and its measured error.
+    raised = [adaptive and not q.failed for q in quads]
+    open_ = [r and not (chosen and q.floored) for r, q in zip(raised, quads)]
+    kept, error, last = [0] * len(quads), [math.nan] * len(quads), [math.nan] * len(quads)
+    walks = [first]
+    for r in range(CHECK_RAISES + 1):
+        if r:
+            # The chunks still over take RAISE nodes more per walk, the others their
+            # kept walk's counts again.
+            walks.append(walk([b + RAISE * (r if open_[c] else kept[c])
+                               for c, b in enumerate(base)]))
+        diff = walks[-1][3][0]
         for c, q in enumerate(quads):
-            if r > 1 and not open_[c]:
+            if r and not open_[c]:
                 continue
-            e = float(np.max(np.abs(walks[-1][0][q.rows] - walks[-2][0][q.rows]),
-                             initial=0.0))
-            if r == 1 or e < error[c]:
-                kept[c], error[c] = (r if raised[c] else 0), e
-            # Settled, or no longer falling fourfold per node (round-off): stop.
-            falling = r == 1 or e < last[c] / 4
+            e = float(np.max(np.abs(diff[q.rows]), initial=0.0))
+            if not r or e < error[c]:
+                kept[c], error[c] = r, e
+            # Settled, or no longer falling fourfold per raise (round-off): stop.
+            falling = not r or e < last[c] / 4
             last[c] = e
             open_[c] = open_[c] and falling and not e <= allowed[c]
         if not any(open_):
@@ -2061,7 +2109,12 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     for c, q in enumerate(quads):
         w = walks[kept[c]]
         contributions[q.rows], regularization[q.rows] = w[0][q.rows], w[1][q.rows]
-        out.append(w[2][c])
+        quad = w[2][c]
+        if raised[c]:
+            contributions[q.rows] += w[3][0][q.rows]
+            regularization[q.rows] += w[3][1][q.rows]
+            quad.n_used = quad.n_used + 1
+        out.append(quad)
     measured = worst(error) if error else 0.0
     return contributions, regularization, out, measured, measured
 
@@ -2592,8 +2645,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
         # small next to the adjoint; those made ahead for later steps are held within
         # an eighth of the budget, :class:`_NodesAhead`).
-        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
-                   + f_bytes)
+        # The exact method holds the check's rows beside them (_factored_block): the
+        # adjoint, the contributions and the captures twice.
+        pair = 2 if method == "exact" else 1
+        q_bytes = (pair * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
+                           + 4 * row) + f_bytes)
         # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
         # the exact method's node points for its captures (up to NODE_POINTS of them
         # with their stack, as the budget allows; more nodes are captured in groups):
@@ -2612,7 +2668,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             decay = bool(spec.weight_decay) and spec.name != "adamw"
 
             def scratch(q_rows):
-                return Adjoint.scratch_bytes(q_rows * n_res, largest, dense, itemsize,
+                return Adjoint.scratch_bytes(pair * q_rows * n_res, largest, dense, itemsize,
                                              cpu=X.device.type == "cpu", update=update,
                                              decay=decay)
         else:
@@ -2633,7 +2689,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             # block's float64 products with the adjoint and shares (up to three (Q C) x B
             # buffers: one adjoint for the whole block, not per chunk).
             b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
-                       + 24 * min(q_block, n_q) * n_res)
+                       + 24 * pair * min(q_block, n_q) * n_res)
             return chunk, max(chunk, q_block - q_block % chunk), b_bytes
 
         n_batch = (int(pool_sizes(traj).max(initial=0)) if weighting == "expected"
@@ -2684,6 +2740,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                        else _checked_outputs(module, traj, traj.parameters(0).to(X.device), X))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
+    # The exact method's check: the difference of the rule with a node more.
+    pair = ((np.zeros((n_q, N, n_res)), np.zeros((n_q, n_res))) if method == "exact"
+            and route != "dense" else None)
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on
     # a worker); a block of the memory budget walks the steps once for its chunks, and
     # the blocks read the same batch captures, kept while memory allows.
@@ -2699,9 +2758,13 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             c, r = (torch.cat([p[i] for p in parts]) for i in (0, 1))
         else:
             c, r = _factored_block(ctx, X[rows], rows, chunks, method=method, route=route)
+            if pair is not None:
+                n = rows.stop - rows.start
+                pair[0][rows], pair[1][rows] = c[n:].cpu().numpy(), r[n:].cpu().numpy()
+                c, r = c[:n], r[:n]
         contributions[q0 : q0 + q_block] = c.cpu().numpy()
         regularization[q0 : q0 + q_block] = r.cpu().numpy()
-    return contributions, regularization
+    return contributions, regularization, pair
 
 
 def _result(initial, prediction, contributions, regularization, method, weighting):

@@ -152,26 +152,37 @@ move along a direction in which the queries' gradients bend while f changes line
 along the step: there the residual, and any estimate made from it, stays at round-off
 while each share keeps its error (``benchmarks/audit_contribution_blind_spot.py``:
 3e-15 read from the residuals against 0.03 measured, on modules built for it). Only a
-quadrature with more nodes measures a share's error, so every exact decomposition walks
-the path again with a node more per step (:func:`_contribution_check`): the more
-accurate walk is kept, and the largest difference of one contribution between the two
-walks (over queries, training points and outputs) is reported as ``contribution_error``:
-the first walk's error up to the second's, so above the kept walk's own wherever a node
-more at least halves it (Gauss-Legendre gained 10-300x per node on the paths measured).
-Where it is over ``tol * S`` the nodes are raised a node per walk (at most
-``CHECK_RAISES`` walks in all) and the walk with the smallest measured difference is
-kept with it; over still, a ConvergenceWarning says so. Fixed ``n_nodes`` are kept and
-measured by the walk with a node more. In float32 the two walks' difference holds the
-factors' round-off at their different nodes too: it is part of the error the
-contributions achieve, and reported with the quadrature's (0.013 of ``tol * S`` on the
-default classifier on digits). The check is a second walk, not an embedded pair of rules
-in one pass: profiled, the training side that a pair would share (the batches'
-captures) is 5-12% of a walk on the default classifier on digits and on a float64
-regressor on diabetes, the rest (the queries' captures at the nodes, the adjoint's
-update and its contraction with the batch) is per rule. It costs 2.0x the code before
-it on the default classifier on digits and 1.75x on the default regressor on diabetes
-(float32), 0.66x on the float64 regressor, which that code walked three times
-(``benchmarks/results/contribution_check_overhead.md``).
+quadrature with more nodes measures a share's error, so every exact decomposition takes
+at each step, beside the chosen rule of n nodes, the rule of n + 1 (an embedded pair, in
+the same walk): each capture of the queries at the n nodes holds the n + 1 others in the
+same stacked pass (:class:`_NodesAhead` with ``pair``), and the difference of the two
+rules, ``sum_k w'_k J(x; s'_k) - sum_k w_k J(x; s_k)``, goes through the adjoint (or
+plain SGD's shares) on rows of its own beside the queries' (:func:`_pair_groups`), so
+that the step's batch capture, its directions, the node choice and the contraction's
+formed batch gradients serve both. The rule of n + 1 is returned (the contributions
+plus the difference), and the largest difference of one contribution (over queries,
+training points and outputs) is ``contribution_error``: the n-node rule's error up to
+the returned rule's, so above the returned rule's own wherever a node more at least
+halves it (Gauss-Legendre gained 10-300x per node on the paths measured). Where it is
+over ``tol * S`` in a chunk of queries, that chunk's nodes are raised ``RAISE`` per walk
+(at most ``CHECK_RAISES`` walks more) and the walk with the smallest measured error is
+kept with it; over still, a ConvergenceWarning says so (:func:`_contribution_check`).
+Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more. In
+float32 the difference holds the factors' round-off at the two rules' nodes too: it is
+part of the error the contributions achieve, and reported with the quadrature's (0.0097
+of ``tol * S`` on the default classifier on digits, which does not warn).
+
+Cost. Profiled (cProfile, one thread), a walk of the default classifier on digits
+spends 58% in the adjoint's update and contraction, 26% in the queries' captures and
+products at the nodes and 5% in the batches' captures; on a float64 regressor on
+diabetes the batches' captures are 12%; on a small CNN the queries' captures through
+the capture engine dominate. A second walk with a node more (tried first) cost 2.0x the
+code before on the default classifier and 1.75x on the default regressor; the pair in
+one walk costs 1.56x and 1.37x (float32), 0.57x on the regressor in float64 and 0.90x on
+converged full-batch Adam, which that code walked three and two times more
+(``benchmarks/results/contribution_check_overhead.md``). What it adds is the queries'
+captures at n + 1 more nodes and the difference's rows in the adjoint's update and
+contraction (the contraction's GEMM has twice the rows).
 """
 
 from __future__ import annotations
@@ -314,9 +325,10 @@ class Decomposition:
     method, weighting : str
     n_nodes : ndarray of int of shape (n_steps,) or None
         ``method="exact"``: the Gauss-Legendre nodes each optimizer step used (the
-        largest over the query blocks); one per recorded interval on a thinned path
-        whose steps could not be replayed (shape ``(len(trajectory) - 1,)``, as
-        ``step_errors``). None for the other methods.
+        largest over the query blocks): with adaptive nodes those of the rule returned,
+        a node more than the node choice's, whose residuals ``step_errors`` are; one
+        per recorded interval on a thinned path whose steps could not be replayed
+        (shape ``(len(trajectory) - 1,)``, as ``step_errors``). None for the other methods.
     step_errors : ndarray of shape (n_steps,) or None
         ``method="exact"``: each step's measured quadrature residual, the largest over
         queries and outputs of ``|rho_t(x) . dtheta_t - (f(x; theta_{t+1}) -
@@ -334,13 +346,14 @@ class Decomposition:
     contribution_error : float or None
         ``method="exact"``: the largest error of a single contribution (over queries,
         training points and outputs; ``error`` is that of their sum), measured as its
-        largest difference from a walk of the path with a node more per step, the more
-        accurate of the two walks being the one returned (see the module's *Error
-        control*), checked against ``tol * S`` (``S`` the largest |f| along the path;
-        with fixed ``n_nodes``, which are returned, against the exact checks' accuracy,
-        1e-10 of ``S`` in float64, 1e-4 in float32) and warned of above it, after up to
-        ``CHECK_RAISES`` walks with nodes raised. In float32 the walks' round-off is in
-        the difference too. None for the other methods.
+        largest difference between the Gauss-Legendre rule of each step and the rule of a
+        node more, taken in the same walk; the contributions returned are the latter's
+        (see the module's *Error control*). Checked against ``tol * S`` (``S`` the
+        largest |f| along the path; with fixed ``n_nodes``, whose rule is returned,
+        against the exact checks' accuracy, 1e-10 of ``S`` in float64, 1e-4 in
+        float32) and warned of above it, after up to ``CHECK_RAISES`` walks with nodes
+        raised. In float32 the two rules' round-off is in the difference too. None for
+        the other methods.
     """
 
     initial: np.ndarray
@@ -2046,34 +2059,33 @@ def decompose(
 
 
 def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool):
-    """``(contributions, regularization, quads, contribution_error, measured)``: a
-    walk's result with each chunk's per-contribution quadrature error measured by a walk
-    with a node more per step, nodes raised where it is over (``measured``: the largest
-    of the chunks' errors, the same as ``contribution_error``).
+    """``(contributions, regularization, quads, contribution_error, measured)``: the
+    walk's result with each chunk's per-contribution quadrature error, measured, and
+    nodes raised where it is over (``measured``: the largest of the chunks' errors, the
+    same as ``contribution_error``).
 
-    The node choice bounds the residual of a step's SUM of shares: point i's share errs
-    by ``delta_rho_t . dtheta_t^(i)``, which that residual does not bound where the
+    ``first`` (and each ``walk(plan)``): ``(contributions, regularization, quads,
+    (d_contributions, d_regularization))``, the last the difference of the rule with a
+    node more per step, taken in the same walk (:func:`_factored_block`). The node
+    choice bounds the residual of a step's SUM of shares only: point i's share errs by
+    ``delta_rho_t . dtheta_t^(i)``, which that residual does not bound where the
     points' parts cancel, nor where they move along a direction in which the queries'
     gradients bend while f changes linearly along the step (the residual, and any
-    estimate made from it, then stays at round-off while each share keeps its error:
-    ``benchmarks/results/contribution_error_blind_spot.md``). Only a quadrature with
-    more nodes measures it: the path is walked again with a node more at every step,
-    the more accurate walk is kept, and the largest difference of one contribution
-    between the two walks is reported as its error (the first walk's error up to the
-    second's: above the kept walk's wherever a node more at least halves the error;
-    Gauss-Legendre gained 10-300x per node on the paths measured). Where it is over
-    ``tol`` times the chunk's largest |f|, adaptive nodes are raised once more per walk
-    (up to ``CHECK_RAISES`` walks more), and the walk whose difference with the walk
-    before it is the smallest is kept with that difference. Fixed ``n_nodes`` are kept,
-    with the difference of the walk with a node more as their error (within the node's
-    gain of it). Each chunk of queries is judged on its own, as its node choice is, so
-    that a block of the queries on a worker keeps the serial call's.
-
-    A chunk whose sums already missed a tolerance the caller chose (below the dtype's
-    round-off floor, warned of as such) is measured but not raised: no node count
-    meets that tolerance. In float32 the two walks' difference holds their round-off
-    too (the factors' rounding differs at other nodes): it is part of the error the
-    contributions achieve, and reported with the quadrature's.
+    estimate read from it, then stays at round-off while each share keeps its error:
+    ``benchmarks/results/contribution_error_blind_spot.md``). A chunk with adaptive
+    nodes returns the rule with a node more, and the largest difference of one of its
+    contributions is its error (the n-node rule's, up to the returned rule's: above the
+    returned rule's wherever a node more at least halves it). Where that is over
+    ``tol`` times the chunk's largest |f|, the path is walked again with ``RAISE``
+    nodes more per step in that chunk (up to ``CHECK_RAISES`` walks while the error
+    falls fourfold per walk), and the walk with the smallest error is kept with it.
+    Fixed ``n_nodes``, a chunk with a failed step (warned of as such) and one whose
+    sums already missed a tolerance the caller ``chosen`` (below the dtype's round-off
+    floor, warned of as such) are not raised; the first two return their own rule,
+    measured by the rule with a node more (within the node's gain of its error). Each
+    chunk of queries is judged on its own, as its node choice is, so that a block of
+    the queries on a worker keeps the serial call's. In float32 the difference holds
+    the two rules' round-off too: part of the error the contributions achieve.
     """
     quads = first[2]
     allowed = [tol * float(q.scale) for q in quads]

@@ -2085,7 +2085,9 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     measured by the rule with a node more (within the node's gain of its error). Each
     chunk of queries is judged on its own, as its node choice is, so that a block of
     the queries on a worker keeps the serial call's. In float32 the difference holds
-    the two rules' round-off too: part of the error the contributions achieve.
+    the two rules' round-off too: part of the error the contributions achieve. (The
+    dense route, which the tests check the others against, takes the rule with a node
+    more in a walk of its own.)
     """
     quads = first[2]
     allowed = [tol * float(q.scale) for q in quads]
@@ -2096,13 +2098,21 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     raised = [adaptive and not q.failed for q in quads]
     open_ = [r and not (chosen and q.floored) for r, q in zip(raised, quads)]
     kept, error, last = [0] * len(quads), [math.nan] * len(quads), [math.nan] * len(quads)
-    walks = [first]
+
+    def paired(result, plan):
+        # The dense route takes no pair in its walk: a walk with a node more gives it.
+        if result[3] is not None:
+            return result
+        more = walk([p + 1 for p in plan])
+        return (*result[:3], (more[0] - result[0], more[1] - result[1]))
+
+    walks = [paired(first, base)]
     for r in range(CHECK_RAISES + 1):
         if r:
             # The chunks still over take RAISE nodes more per walk, the others their
             # kept walk's counts again.
-            walks.append(walk([b + RAISE * (r if open_[c] else kept[c])
-                               for c, b in enumerate(base)]))
+            plan = [b + RAISE * (r if open_[c] else kept[c]) for c, b in enumerate(base)]
+            walks.append(paired(walk(plan), plan))
         diff = walks[-1][3][0]
         for c, q in enumerate(quads):
             if r and not open_[c]:

@@ -179,7 +179,7 @@ diabetes the batches' captures are 12%; on a small CNN the queries' captures thr
 the capture engine dominate. A second walk with a node more (tried first) cost 2.0x the
 code before on the default classifier and 1.75x on the default regressor; the pair in
 one walk costs 1.56x and 1.37x (float32), 0.57x on the regressor in float64 and 0.90x on
-converged full-batch Adam, which that code walked three and two times more
+converged full-batch Adam, each of which that code walked three times
 (``benchmarks/results/contribution_check_overhead.md``). What it adds is the queries'
 captures at n + 1 more nodes and the difference's rows in the adjoint's update and
 contraction (the contraction's GEMM has twice the rows).

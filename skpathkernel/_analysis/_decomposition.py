@@ -1374,7 +1374,7 @@ class _NodesAhead:
                  pair: bool = False):
         self.ctx, self.lo, self.n_rows = ctx, lo, max(n_rows, 1)
         # pair: each capture at n nodes holds the n + 1 nodes of the check's rule after
-        # them (see _pair_nodes), in the same stacked pass.
+        # them (see _pair_groups), in the same stacked pass.
         self.pair = pair
         # at_start: the captures at the steps' own points theta_t (one "node", the
         # first-order methods' J_t), else at their quadrature nodes.
@@ -2669,8 +2669,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # an eighth of the budget, :class:`_NodesAhead`).
         # The exact method holds the check's rows beside them (_factored_block): the
         # adjoint, the contributions and the captures twice.
-        pair = 2 if method == "exact" else 1
-        q_bytes = (pair * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
+        copies = 2 if method == "exact" else 1
+        q_bytes = (copies * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
                            + 4 * row) + f_bytes)
         # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
         # the exact method's node points for its captures (up to NODE_POINTS of them
@@ -2690,7 +2690,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             decay = bool(spec.weight_decay) and spec.name != "adamw"
 
             def scratch(q_rows):
-                return Adjoint.scratch_bytes(pair * q_rows * n_res, largest, dense, itemsize,
+                return Adjoint.scratch_bytes(copies * q_rows * n_res, largest, dense, itemsize,
                                              cpu=X.device.type == "cpu", update=update,
                                              decay=decay)
         else:
@@ -2711,7 +2711,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             # block's float64 products with the adjoint and shares (up to three (Q C) x B
             # buffers: one adjoint for the whole block, not per chunk).
             b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
-                       + 24 * pair * min(q_block, n_q) * n_res)
+                       + 24 * copies * min(q_block, n_q) * n_res)
             return chunk, max(chunk, q_block - q_block % chunk), b_bytes
 
         n_batch = (int(pool_sizes(traj).max(initial=0)) if weighting == "expected"

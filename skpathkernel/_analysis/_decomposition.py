@@ -2553,9 +2553,9 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
         fix = "Pass n_nodes=None to choose the nodes of every step for tol."
     else:
         allowed = checks.tol
-        fix = (f"Walks with up to {CHECK_RAISES} nodes per step more than the sums "
-               "needed did not bring it under (round-off, or steps that need more); a "
-               "smaller tol integrates every step further.")
+        fix = (f"Walks with up to {CHECK_RAISES * RAISE} nodes per step more than the "
+               "sums needed did not bring it under (round-off, or steps that need more); "
+               "a smaller tol integrates every step further.")
     warnings.warn(
         f"{verb}(method='exact'): a single contribution's quadrature error is measured "
         f"at {result.contribution_error:.3g} (Decomposition.contribution_error), "

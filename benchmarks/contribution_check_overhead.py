@@ -1,14 +1,15 @@
 """CPU-time cost of decompose(method="exact")'s per-contribution check.
 
-The check against the code before it (main's ``_decomposition.py``, loaded beside the
-package as a module of it), alternated in one process, ``decompose`` called as the
+The check against an earlier one (``OLD.py``: another commit's ``_decomposition.py``,
+loaded beside the package as a module of it), alternated in one process, ``decompose`` called as the
 estimators call it (network units, one query block, no warnings): per round one call of
 each, order swapped every round; the median of the rounds' time ratios. Cases: the
 estimators' defaults on digits (classifier) and diabetes (regressor), and the check's
-bad case, converged full-batch Adam (tests/test_quadrature.py's path, 200 iterations).
+bad case, converged full-batch Adam (tests/test_quadrature.py's path, 200 iterations),
+and the diabetes regressor in float64.
 
 Run: OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/contribution_check_overhead.py OLD.py
-(OLD.py: ``git show <commit before the check>:skpathkernel/_analysis/_decomposition.py``;
+[OLD_COMMIT] (OLD.py: ``git show OLD_COMMIT:skpathkernel/_analysis/_decomposition.py``;
 results: benchmarks/results/contribution_check_overhead.md)
 """
 import importlib.util
@@ -49,6 +50,9 @@ def cases():
     X, y = load_diabetes(return_X_y=True)
     yield ("diabetes regressor, defaults, 300 points, 10 ep, 20 queries",
            PathKernelMachine(max_iter=10, random_state=0), X[:300], y[:300], X[300:320])
+    yield ("diabetes regressor, float64, 300 points, 10 ep, 20 queries",
+           PathKernelMachine(max_iter=10, random_state=0, dtype="float64"),
+           X[:300], y[:300], X[300:320])
     rng = np.random.RandomState(0)
     X = rng.normal(size=(20, 4))
     y = np.sin(X[:, 0]) + 0.5 * X[:, 1] * X[:, 2] + 0.1 * rng.normal(size=20)
@@ -60,18 +64,18 @@ def cases():
            X, y, rng.normal(size=(6, 4))[:1])
 
 
-def main(old_path):
+def main(old_path, old_commit="the module before the check"):
     old = load_old(old_path)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     lines = ["# Cost of the per-contribution check of decompose(method='exact')", "",
              f"`python benchmarks/contribution_check_overhead.py` at commit {commit} "
-             f"against the module before the check (torch {torch.__version__}, one "
+             f"against {old_commit} (torch {torch.__version__}, one "
              f"thread, {platform.processor() or platform.machine()}, "
              f"{time.strftime('%Y-%m-%d')}). CPU time (`time.process_time`) of one "
              f"`decompose` call each, alternated in one process, {ROUNDS} rounds; "
-             "ratio = with the check / before it, the median of the rounds' ratios.", "",
-             "| case | before s (median) | with check s (median) | ratio (median) | "
+             "ratio = this commit / the other, the median of the rounds' ratios.", "",
+             "| case | other s (median) | this s (median) | ratio (median) | "
              "ratio min-max | walks | contribution_error / (tol*S) |",
              "|---|---|---|---|---|---|---|"]
     for name, est, X, y, Xq in cases():
@@ -113,4 +117,4 @@ def main(old_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -340,9 +340,10 @@ def test_float32_query_blocks_under_a_memory_cap(adam32_fitted):
 
     est, Xq = adam32_fitted
     budget = est.get_params()["memory_budget"]
-    # Blocks of 4 to 7 queries (in the query side's half, with the adjoint's copies and
-    # beside a step's parameter points): chunks of 8 capped to 4.
-    est.set_params(memory_budget=150_000)
+    # Blocks of 4 to 7 queries (in the query side's half, with the adjoint's copies, the
+    # per-contribution check's rows, and beside a step's parameter points): chunks of 8
+    # capped to 4.
+    est.set_params(memory_budget=200_000)
     quads = []
     init = _decomposition._Quadrature.__init__
 

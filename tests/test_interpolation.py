@@ -675,8 +675,9 @@ def test_stacked_captures_equal_the_capture_engine(data, name, dtype, monkeypatc
 
     monkeypatch.setattr(interpolation._StackedCapture, "capture", spy)
     stacked, stacked_w = est.decompose(X, n_nodes=4), _contracted(est, X, W, n_nodes=4)
-    # Every step's four nodes in one pass (the steps' captures made ahead, one block).
-    assert 4 * (len(est.trajectory_) - 1) in used
+    # Every step's four nodes and the per-contribution check's five in one pass (the
+    # steps' captures made ahead, one block).
+    assert (4 + 5) * (len(est.trajectory_) - 1) in used
     monkeypatch.setattr(interpolation._StackedCapture, "matches", lambda *args: False)
     used.clear()
     general, general_w = est.decompose(X, n_nodes=4), _contracted(est, X, W, n_nodes=4)
@@ -780,7 +781,7 @@ def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monke
     # One walk at the forced counts: the per-contribution check would walk the path
     # again with more nodes (a 1-node chunk's contributions miss tol).
     monkeypatch.setattr(interpolation, "_contribution_check",
-                        lambda walk, first, *args, **kwargs: (*first, None, None))
+                        lambda walk, first, *args, **kwargs: (*first[:3], None, None))
     X_train, y, _ = data
     Y = np.c_[y, X_train[:, 0] * X_train[:, 1], X_train[:, 0] ** 2]
     est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=5,
@@ -848,8 +849,9 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
         assert passes["batch"] == expected * 2
         if block == 3 and batch_size == 4:  # steps 8 to 6 and 4 to 2: two epochs each
             assert expected == [3, 3, 3, 3]
-        # The fixed count's nodes: 4 per step, blocks of `block` steps.
-        assert passes["nodes"][: -(-T // block)] == [4 * len(range(t, max(-1, t - block), -1))
+        # The fixed count's nodes: 4 per step and the per-contribution check's 5, blocks
+        # of `block` steps.
+        assert passes["nodes"][: -(-T // block)] == [9 * len(range(t, max(-1, t - block), -1))
                                                       for t in range(T - 1, -1, -block)]
     fixed_1, adaptive_1 = results[1]
     for block in (2, 3):
@@ -870,11 +872,12 @@ def test_blocks_of_steps_give_the_step_by_step_numbers(data, name, batch_size, d
     for fixed, _ in results.values():
         assert_allclose(fixed.contributions, contrib, rtol=0, atol=rel * scale)
         assert_allclose(fixed.regularization, reg, rtol=0, atol=rel * max(scale, 1e-3))
-    # A budget whose eighth holds less than two steps' batches: one step per pass (24 KiB:
-    # beside a step's parameter points, 16 KiB held no batch of 4 rows).
+    # A budget whose eighth holds less than two steps' batches: one step per pass (32 KiB:
+    # beside a step's parameter points and the per-contribution check's rows, 24 KiB held
+    # no batch of 4 rows).
     monkeypatch.setattr(interpolation, "STEP_BLOCK", 3)
     passes["batch"].clear()
-    small = est.set_params(memory_budget=3 * 2**13).decompose(X, n_nodes=4)
+    small = est.set_params(memory_budget=2**15).decompose(X, n_nodes=4)
     est.set_params(memory_budget=2**30)
     assert passes["batch"] and set(passes["batch"]) == {1}
     # The tiny budget also cuts the adjoint's and the shares' buffers (their sums in
@@ -1015,7 +1018,8 @@ def test_captures_held_ahead_stay_within_the_budget(monkeypatch):
     are the step-by-step ones."""
     import skpathkernel._analysis._decomposition as interpolation
 
-    budget = 2**24
+    # (2**24 made no block ahead once the captures held the check's nodes too.)
+    budget = 2**25
     est, X = _adam_path(64, 128, batch_size=16, dtype="float64", lr=0.001,
                         memory_budget=budget)
     held = []
@@ -1046,7 +1050,7 @@ def test_kept_batches_are_charged_once_per_storage(room, monkeypatch):
     est, X = _adam_path(60, 128, batch_size=16)  # batches of 16, 16, 16 and 12
     reference = est.decompose(X)
     T = len(est.trajectory_) - 1
-    budget = 2**19 + 2**17
+    budget = 2**20  # with the per-contribution check's rows: 2**19 + 2**17 before them
     contexts, blocks, captured = [], [], []
     init, factored = interpolation._Context.__init__, interpolation._factored_block
     forward = interpolation._StackedCapture.forward

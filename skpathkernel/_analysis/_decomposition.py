@@ -147,27 +147,42 @@ a ConvergenceWarning.
 
 The residual is that of the SUM of the step's shares: point i's share errs by
 ``delta_rho_t . dtheta_t^(i)``, which it does not bound where the points' parts of the
-step cancel (a full batch near convergence, Adam's normalised steps): measured against a
-64-node float64 reference (``benchmarks/audit_contribution_error.py``), a single
-contribution missed by up to 6x ``error`` and 1.1 ``tol * S`` at the default tol before
-the check below. Each step's shares, formed anyway, give its cancellation (the largest
-``sum_i |share_i|`` over the largest ``|sum_i share_i|``), and ``sum_t r_t cancel_t``
-bounds a contribution's error where a share errs by no more than its part of the
-residual; where that bound exceeds ``tol * S`` the path is walked again with a node more
-per step, and the largest difference of one contribution between the walks is the
-error, measured (``_contribution_check``; a second raise where it is over). The result
-reports it as ``contribution_error`` and warns above the tolerance. Minibatch paths
-stay under the bound (one walk, the same nodes); converged full-batch Adam walks two or
-three times (2.8x its CPU time, ``benchmarks/results/contribution_check_overhead.md``),
-and the estimate is then its error (``benchmarks/results/contribution_error.md``).
-Float32 paths are not walked again (their walks differ by their round-off): the bound
-is reported. It is a heuristic: the residual sees a step's quadrature error only along
-the step the path took, ``delta_J_t . dtheta_t``, and where the points' parts cancel in a
-direction along which the queries' gradients bend while f changes linearly along the
-path, the residual, the cancellation and so the estimate stay at round-off while each
-share keeps its error: on modules built for it, 3e-15 reported against 0.03 measured
-(``benchmarks/audit_contribution_blind_spot.py``), no walk, no warning. Only a walk with
-more nodes measures that error.
+step cancel (a full batch near convergence, Adam's normalised steps), nor where they
+move along a direction in which the queries' gradients bend while f changes linearly
+along the step: there the residual, and any estimate made from it, stays at round-off
+while each share keeps its error (``benchmarks/audit_contribution_blind_spot.py``:
+3e-15 read from the residuals against 0.03 measured, on modules built for it). Only a
+quadrature with more nodes measures a share's error, so every exact decomposition takes
+at each step, beside the chosen rule of n nodes, the rule of n + 1 (an embedded pair, in
+the same walk): each capture of the queries at the n nodes holds the n + 1 others in the
+same stacked pass (:class:`_NodesAhead` with ``pair``), and the difference of the two
+rules, ``sum_k w'_k J(x; s'_k) - sum_k w_k J(x; s_k)``, goes through the adjoint (or
+plain SGD's shares) on rows of its own beside the queries' (:func:`_pair_groups`), so
+that the step's batch capture, its directions, the node choice and the contraction's
+formed batch gradients serve both. The rule of n + 1 is returned (the contributions
+plus the difference), and the largest difference of one contribution (over queries,
+training points and outputs) is ``contribution_error``: the n-node rule's error up to
+the returned rule's, so above the returned rule's own wherever a node more at least
+halves it (Gauss-Legendre gained 10-300x per node on the paths measured). Where it is
+over ``tol * S`` in a chunk of queries, that chunk's nodes are raised ``RAISE`` per walk
+(at most ``CHECK_RAISES`` walks more) and the walk with the smallest measured error is
+kept with it; over still, a ConvergenceWarning says so (:func:`_contribution_check`).
+Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more. In
+float32 the difference holds the factors' round-off at the two rules' nodes too: it is
+part of the error the contributions achieve, and reported with the quadrature's (0.0097
+of ``tol * S`` on the default classifier on digits, which does not warn).
+
+Cost. Profiled (cProfile, one thread), a walk of the default classifier on digits
+spends 58% in the adjoint's update and contraction, 26% in the queries' captures and
+products at the nodes and 5% in the batches' captures; on a float64 regressor on
+diabetes the batches' captures are 12%; on a small CNN the queries' captures through
+the capture engine dominate. A second walk with a node more (tried first) cost 2.0x the
+code before on the default classifier and 1.75x on the default regressor; the pair in
+one walk costs 1.56x and 1.37x (float32), 0.57x on the regressor in float64 and 0.90x on
+converged full-batch Adam, each of which that code walked three times
+(``benchmarks/results/contribution_check_overhead.md``). What it adds is the queries'
+captures at n + 1 more nodes and the difference's rows in the adjoint's update and
+contraction (the contraction's GEMM has twice the rows).
 """
 
 from __future__ import annotations
@@ -213,10 +228,12 @@ __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_to
 # Measured on RMSprop's first steps at lr 0.02 (every parameter moves by 0.2): 32 nodes
 # reach 2e-8 relative there, 48 1e-11 (two to eight panels of fewer nodes do no better).
 MAX_NODES = 64
-# The walks with more nodes per step that the per-contribution check may add (see
-# _contribution_check): a node more measures the first walk's error, two more the
-# second's where the first was over.
-CHECK_RAISES = 2
+# The walks that the per-contribution check may add where the error it measured is over
+# tol * S (see _contribution_check), each with RAISE nodes more per step than the one
+# before (a walk measures its own rule against the one of a node more: two nodes more
+# is the next rule not measured yet).
+CHECK_RAISES = 3
+RAISE = 2
 # Nodes per step once the steps stop converging (non-smooth activations): the count
 # from which _stalled judges.
 NONSMOOTH = 8
@@ -308,9 +325,10 @@ class Decomposition:
     method, weighting : str
     n_nodes : ndarray of int of shape (n_steps,) or None
         ``method="exact"``: the Gauss-Legendre nodes each optimizer step used (the
-        largest over the query blocks); one per recorded interval on a thinned path
-        whose steps could not be replayed (shape ``(len(trajectory) - 1,)``, as
-        ``step_errors``). None for the other methods.
+        largest over the query blocks): with adaptive nodes those of the rule returned,
+        a node more than the node choice's, whose residuals ``step_errors`` are; one
+        per recorded interval on a thinned path whose steps could not be replayed
+        (shape ``(len(trajectory) - 1,)``, as ``step_errors``). None for the other methods.
     step_errors : ndarray of shape (n_steps,) or None
         ``method="exact"``: each step's measured quadrature residual, the largest over
         queries and outputs of ``|rho_t(x) . dtheta_t - (f(x; theta_{t+1}) -
@@ -326,19 +344,16 @@ class Decomposition:
         record holds the training; a warning fires above the dtype's limit). None
         where every step is recorded or nothing could be replayed.
     contribution_error : float or None
-        ``method="exact"``: the estimated largest error of a single contribution (over
-        queries, training points and outputs; ``error`` is that of their sum), checked
-        against ``tol * S`` (``S`` the largest |f| along the path), and with fixed
-        ``n_nodes`` against the exact checks' accuracy (1e-10 of ``S`` in float64, 1e-4
-        in float32); a measured error warns above it. Unless walked again, the steps'
-        residuals times their cancellation: an estimate, not a bound (it reads the
-        quadrature's error along the step the path took only, and can under-read by
-        orders of magnitude, unwarned, where the points' moves cancel in a direction
-        along which the queries' gradients bend while f changes linearly, see the
-        module's *Error control*); where it is over, measured by walking the path again
-        with a node more per step (and where that is over too, the more accurate walk is
-        kept and checked by one more). The quadrature's error only: a float32 path's
-        round-off is not in it. None for the other methods.
+        ``method="exact"``: the largest error of a single contribution (over queries,
+        training points and outputs; ``error`` is that of their sum), measured as its
+        largest difference between the Gauss-Legendre rule of each step and the rule of a
+        node more, taken in the same walk; the contributions returned are the latter's
+        (see the module's *Error control*). Checked against ``tol * S`` (``S`` the
+        largest |f| along the path; with fixed ``n_nodes``, whose rule is returned,
+        against the exact checks' accuracy, 1e-10 of ``S`` in float64, 1e-4 in
+        float32) and warned of above it, after up to ``CHECK_RAISES`` walks with nodes
+        raised. In float32 the two rules' round-off is in the difference too. None for
+        the other methods.
     """
 
     initial: np.ndarray
@@ -412,9 +427,6 @@ class _Quadrature:
         # contributions' own errors, see _contribution_check).
         self.plan = plan
         self._next = n_steps - 1  # the step the walk takes next (it walks backwards)
-        # The cancellation of each step's shares (see _Mass): the steps where a point's
-        # share may miss by more than the sum's residual.
-        self.cancel = np.zeros(n_steps)
         self.f = f  # the reference f of the queries at every point
         self.scale = scale  # the largest |f| along the path
         self.eps = float(torch.finfo(dtype).eps)
@@ -1156,7 +1168,9 @@ def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- factored
 def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
-    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block.
+    """Contributions (Qb, N, C) and regularization (Qb, C) of one query block; for
+    ``method="exact"`` with (2 Qb) rows, the second Qb those of the difference of the
+    rule with a node more per step (the check's, see :func:`_pair_weights`).
 
     ``chunks``: ``[(rows, quad)]``, the block's chunks of queries (slices of the call's
     queries) with their node choices (None: no choice). The steps are walked once for
@@ -1170,13 +1184,16 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     decoupled = spec.name == "adamw"
     n_q, N = Xq.shape[0], len(ctx.X_train)
     n_out = ctx.n_res
+    first, stop = ctx.intervals
+    exact = method == "exact"
+    # The exact method's rows of the check: the queries' shares by the rule with a node
+    # more minus those by the step's rule, from the same batch (see _contribution_check).
+    n_rows = 2 * n_q if exact else n_q
     # Sample-major: every step adds its shares to its batch's rows, contiguous rows of
     # all queries and outputs (a query-major (n_q, N, n_out) buffer takes a scattered
     # write per query and sample; see the module docstring).
-    contrib = torch.zeros((N, n_q, n_out), dtype=torch.float64, device=device)
-    reg = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
-    first, stop = ctx.intervals
-    exact = method == "exact"
+    contrib = torch.zeros((N, n_rows, n_out), dtype=torch.float64, device=device)
+    reg = torch.zeros((n_rows, n_out), dtype=torch.float64, device=device)
     parts = []
     for c_rows, quad in chunks:
         local = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
@@ -1189,7 +1206,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
         for c in parts:
             c.f_next = c.quad.f[hi]
     # The first-order methods' captures at theta_t are made for blocks of steps too.
-    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact)
+    ahead = _NodesAhead(ctx, lo, n_q, at_start=not exact, pair=exact)
     for j, steps in _intervals(traj):
         if not lo <= j < hi:
             continue
@@ -1219,7 +1236,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                                        slice(at.start + i.start, at.start + i.stop), a)
                            for i, a in zip(cuts, later)]
                     nodes = _cat_rows(own)
-                q, spread = directional(nodes, w, prepared=dirs)
+                q, spread = directional(nodes[:n], w, prepared=dirs)
                 return q, spread, nodes, list(w), own
 
             # Consecutive chunks that try the same count first (most, on a smooth path)
@@ -1265,6 +1282,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     j, functools.partial(evaluate, c=c), df,
                     ctx.ref.noise(f_t, c.f_next, c.rows))
                 c.f_next = f_t
+                if along:  # the decay's difference of the two rules
+                    c.rho_theta_pair = directional(c.nodes, _pair_weights(len(c.w)),
+                                                   prepared=dirs)[0][1]
         else:
             ahead.passed(j, theta, nxt)
             # The decay direction prepared once for all chunks of the step (and its
@@ -1281,9 +1301,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
         if route != "factor":
             if adjoint is None:
                 # One buffer for the block's chunks: each chunk's rows take its own
-                # nodes, the batch is contracted with all of them at once.
-                adjoint = Adjoint(parts[0].nodes[0], memory, n_q)
-            groups = [(c.local, c.nodes, c.w) for c in parts]
+                # nodes, the batch is contracted with all of them at once (the
+                # check's rows too).
+                adjoint = Adjoint(parts[0].nodes[0], memory, n_rows)
+            groups = _pair_groups([(c.nodes, c.w, c.local) for c in parts], exact, n_q)
+            groups = [(at, nodes, w) for nodes, w, at in groups]
             D = traj.preconditioner(j)
             D = None if D is None else dict(traj.unflatten(D.to(device=device,
                                                                 dtype=traj.dtype)))
@@ -1292,22 +1314,21 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
             decay = {k: wd * v.to(traj.dtype) for k, v in theta64.items()}
         # The steps of the interval, last first (one step unless the path is thinned:
         # then each takes the interval's segment and its batch's gradients at theta_j).
-        mass = _Mass(n_q, n_out, device) if exact else None
         for t in steps:
             coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
                 for c in parts:
-                    reg[c.local] += (-float(traj.learning_rates[j]) * wd if decoupled
-                                     else coef * wd) * c.rho_theta
+                    scale = -float(traj.learning_rates[j]) * wd if decoupled else coef * wd
+                    reg[c.local] += scale * c.rho_theta
+                    if exact:
+                        reg[_shifted(c.local, n_q)] += scale * c.rho_theta_pair
             if route == "factor":
-                groups = _share_groups(parts)
+                groups = _pair_groups(_share_groups(parts), exact, n_q)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
                     for nodes, w, at in groups:
                         share = factor_shares(nodes, w, terms, dhat).mul_(scale)
                         contrib[:, at].index_add_(0, sub, share)
-                        if mass is not None:
-                            mass.add(share, at)
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
@@ -1317,10 +1338,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     share, part = adjoint.contract(terms, dhat), None
                 if part is not None:
                     reg += part.view(-1, n_out)
-                share = share.view(n_q * n_out, -1).mul_(w_sub.to(share.dtype))
-                contrib.index_add_(0, sub, share.T.view(-1, n_q, n_out))
-                if mass is not None:
-                    mass.add(share.T.view(-1, n_q, n_out), slice(None))
+                share = share.view(n_rows * n_out, -1).mul_(w_sub.to(share.dtype))
+                contrib.index_add_(0, sub, share.T.view(-1, n_rows, n_out))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
@@ -1328,30 +1347,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
-        if mass is not None:
-            l1, total = mass.per_query()
-            for c in parts:
-                c.quad.cancel[j] = (l1[c.local].max() / max(total[c.local].max(), 1e-300)
-                                    if len(l1[c.local]) else 0.0)
     return contrib.permute(1, 0, 2), reg
-
-
-class _Mass:
-    """A step's shares per query and output: their absolute sum and their sum."""
-
-    def __init__(self, n_q, n_out, device):
-        self.l1 = torch.zeros((n_q, n_out), dtype=torch.float64, device=device)
-        self.sum = torch.zeros_like(self.l1)
-
-    def add(self, share, rows):
-        self.l1[rows] += share.abs().sum(0)
-        self.sum[rows] += share.sum(0)
-
-    def per_query(self) -> tuple[np.ndarray, np.ndarray]:
-        """The largest absolute sum and |sum| over each query's outputs (one transfer
-        for all chunks: the step's few calls are what it costs)."""
-        both = torch.stack([self.l1.amax(1), self.sum.abs().amax(1)]).cpu().numpy()
-        return both[0], both[1]
 
 
 class _NodesAhead:
@@ -1374,8 +1370,12 @@ class _NodesAhead:
     or for a group of chunks, that those rows no longer try first).
     """
 
-    def __init__(self, ctx: _Context, lo: int, n_rows: int, at_start: bool = False):
+    def __init__(self, ctx: _Context, lo: int, n_rows: int, at_start: bool = False,
+                 pair: bool = False):
         self.ctx, self.lo, self.n_rows = ctx, lo, max(n_rows, 1)
+        # pair: each capture at n nodes holds the n + 1 nodes of the check's rule after
+        # them (see _pair_groups), in the same stacked pass.
+        self.pair = pair
         # at_start: the captures at the steps' own points theta_t (one "node", the
         # first-order methods' J_t), else at their quadrature nodes.
         self.at_start = at_start
@@ -1410,8 +1410,14 @@ class _NodesAhead:
             _, theta, nxt = self._step
             delta = nxt - theta
             self._points = key, ([theta] if self.at_start else
-                                 [theta + sk * delta for sk in _gauss(n)[0][nodes]])
+                                 [theta + sk * delta
+                                  for sk in self._abscissae(n)[nodes]])
         return self._points[1]
+
+    def _abscissae(self, n: int) -> tuple[float, ...]:
+        """The nodes on [0, 1] a capture at ``n`` holds: the rule's, and with ``pair``
+        the rule of a node more after them."""
+        return _gauss(n)[0] + (_gauss(n + 1)[0] if self.pair else ())
 
     def nodes(self, j: int, n: int, X, W, rows: slice, ahead: bool):
         """The capture of the rows ``rows`` (of the query block; ``X``, ``W``) at the
@@ -1421,25 +1427,27 @@ class _NodesAhead:
         if key in self._made:
             return self._take(key)
         ctx, size = self.ctx, 1
+        width = len(self._abscissae(n)) if not self.at_start else 1
         if ahead and ctx.stacked is not None:
             for k in [k for k in self._made if k[2] < rows.stop and rows.start < k[3]]:
                 self._take(k)
             share = ctx.ahead_bytes * (rows.stop - rows.start) // self.n_rows
-            size = ctx.ahead_steps(len(X), n, max(0, min(share, ctx.ahead_bytes - self.alive)))
+            size = ctx.ahead_steps(len(X), width,
+                                   max(0, min(share, ctx.ahead_bytes - self.alive)))
         steps = range(j, max(self.lo, ctx.floor(j), j - size + 1) - 1, -1)
-        if len(steps) == 1 and n > ctx.node_points:
+        if len(steps) == 1 and width > ctx.node_points:
             # More nodes than the plan's room for parameter points: captured a group at
             # a time (a point's batched GEMMs are the single point's), the points of one
             # group held (all of a try's at once, with those of the step's earlier tries,
             # put a small Adam path at 1.25x a 200 kB budget).
-            return [c for k in range(0, n, ctx.node_points) for c in ctx.capture_nodes(
+            return [c for k in range(0, width, ctx.node_points) for c in ctx.capture_nodes(
                 self._step_points(n, slice(k, k + ctx.node_points)), X, W)]
         points = list(self._step_points(n))
         if len(steps) > 1:
             # The earlier steps' points, read once for the block; theta_j ends the last.
             params = [ctx.traj.parameters(i).to(ctx.device) for i in range(steps[-1], j)]
             params.append(self._step[1])
-            s = _gauss(n)[0]
+            s = self._abscissae(n)
             for i in steps[1:]:  # theta_i + s (theta_{i+1} - theta_i), as the walk forms them
                 theta = params[i - steps[-1]]
                 if self.at_start:
@@ -1452,8 +1460,9 @@ class _NodesAhead:
             block = [_nbytes(made), len(steps) - 1]
             self.alive += block[0]
             for k, i in enumerate(steps[1:], 1):
-                self._made[(i, n, rows.start, rows.stop)] = (made[k * n : (k + 1) * n], block)
-        return made[:n]
+                self._made[(i, n, rows.start, rows.stop)] = (
+                    made[k * width : (k + 1) * width], block)
+        return made[:width]
 
 
 class _Chunk:
@@ -1464,7 +1473,7 @@ class _Chunk:
 
     def __init__(self, rows, local, quad, X, W):
         self.rows, self.local, self.quad, self.X, self.W = rows, local, quad, X, W
-        self.f_next = self.nodes = self.w = self.rho_theta = None
+        self.f_next = self.nodes = self.w = self.rho_theta = self.rho_theta_pair = None
         self.run = None
 
 
@@ -1490,6 +1499,25 @@ def _share_groups(parts) -> list:
             out.append(run)
         else:
             out.extend((c.nodes, c.w, c.local) for c in group)
+    return out
+
+
+def _pair_weights(n: int) -> list[float]:
+    """Weights that take the difference of the rule of ``n + 1`` nodes and that of
+    ``n`` over a capture holding both (:meth:`_NodesAhead._abscissae`)."""
+    return [-w for w in _gauss(n)[1]] + list(_gauss(n + 1)[1])
+
+
+def _shifted(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
+
+
+def _pair_groups(groups, pair: bool, n_q: int) -> list:
+    """``(nodes, weights, rows)`` of the step's rules, and with ``pair`` those of the
+    check's difference on the rows ``n_q`` further (its captures hold both rules)."""
+    out = [(nodes[: len(w)], w, at) for nodes, w, at in groups]
+    if pair:
+        out += [(nodes, _pair_weights(len(w)), _shifted(at, n_q)) for nodes, w, at in groups]
     return out
 
 
@@ -1984,7 +2012,7 @@ def decompose(
         while True:
             made.clear()
             try:
-                return (*_run(
+                c, r, pair = _run(
                     module, traj, X_train, Y_train, loss, X, method=method,
                     weighting=weighting, route=route, quadrature=quadrature,
                     memory_budget=memory_budget, exclude=exclude,
@@ -1992,17 +2020,18 @@ def decompose(
                     itemsize=itemsize,
                     P=P, N=N, ref=ref, n_nodes=n_nodes,
                     chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
-                    weights=weights, intervals=intervals), list(made))
+                    weights=weights, intervals=intervals)
+                return c, r, list(made), pair
             except _Reroute as new:
                 exclude = new.exclude
 
-    contributions, regularization, quads = walk()
+    contributions, regularization, quads, pair = walk()
     contribution_error, measured = None, None
     if exact and quads:
         contributions, regularization, quads, contribution_error, measured = _contribution_check(
-            walk, (contributions, regularization, quads),
+            walk, (contributions, regularization, quads, pair),
             tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None,
-            resolved=dtype == torch.float64, chosen=requested is not None)
+            chosen=requested is not None)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
@@ -2029,78 +2058,87 @@ def decompose(
     return finish(result, checks, units)
 
 
-def _contribution_check(walk, first, tol: float, *, adaptive: bool, resolved: bool,
-                        chosen: bool):
-    """``(contributions, regularization, quads, contribution_error, measured)``: a
-    walk's result with its per-contribution quadrature error, nodes raised where it is
-    over (``measured``: the largest error measured by walking again, None if none was).
+def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool):
+    """``(contributions, regularization, quads, contribution_error, measured)``: the
+    walk's result with each chunk's per-contribution quadrature error, measured, and
+    nodes raised where it is over (``measured``: the largest of the chunks' errors, the
+    same as ``contribution_error``).
 
-    The node choice bounds the residual of a step's SUM of shares: point i's share errs
-    by ``delta_rho_t . dtheta_t^(i)``, which it bounds only where the points' parts do
-    not cancel. Each step's shares give their cancellation at no extra walk (the largest
-    ``sum_i |share_i|`` over the largest ``|sum_i share_i|``, :class:`_Mass`), and
-    ``sum_t r_t cancel_t``, the steps' residuals times it, bounds the contributions'
-    errors where a point's share errs by no more than its part of the residual. Where
-    that bound is over ``tol`` times the chunk's largest |f| (converged full-batch Adam:
-    10-50x, against 0.4x on minibatch Adam and 0.5x on the default classifier,
-    measured) the path is walked again with a node more at every step of that chunk:
-    the two walks' largest difference of one contribution is the first's error,
-    measured (up to the second's, smaller by the node's gain). Still over with adaptive
-    nodes, the second walk is kept and checked by a third, two nodes more; where that
-    difference did not fall (round-off, not quadrature) the first walk is kept. Fixed
-    ``n_nodes`` are kept. Each chunk of queries is judged on its own, as its node
-    choice is, so that a block of the queries on a worker keeps the serial call's.
-
-    Where the adaptive sums' own residuals add up to more than a tolerance the caller
-    ``chosen`` (below the dtype's round-off floor) no node count meets it: the bound is
-    reported, the sums' miss is what warns. (The default tol sits at that floor by
-    design: its sums are not judged, the contributions are; converged full-batch Adam's
-    sums exceed it at the chunk's scale, and its contributions missed 1.1x.) So it is
-    where the path's dtype does not resolve the
-    walks' difference (``resolved`` False: float32, whose default tol sits at its
-    round-off by design): two float32 walks differ by their round-off, 0.6x tol * S on
-    the default classifier on digits, where the bound was over in a chunk and three
-    walks cost 3x for it (measured).
+    ``first`` (and each ``walk(plan)``): ``(contributions, regularization, quads,
+    (d_contributions, d_regularization))``, the last the difference of the rule with a
+    node more per step, taken in the same walk (:func:`_factored_block`). The node
+    choice bounds the residual of a step's SUM of shares only: point i's share errs by
+    ``delta_rho_t . dtheta_t^(i)``, which that residual does not bound where the
+    points' parts cancel, nor where they move along a direction in which the queries'
+    gradients bend while f changes linearly along the step (the residual, and any
+    estimate read from it, then stays at round-off while each share keeps its error:
+    ``benchmarks/results/contribution_error_blind_spot.md``). A chunk with adaptive
+    nodes returns the rule with a node more, and the largest difference of one of its
+    contributions is its error (the n-node rule's, up to the returned rule's: above the
+    returned rule's wherever a node more at least halves it). Where that is over
+    ``tol`` times the chunk's largest |f|, the path is walked again with ``RAISE``
+    nodes more per step in that chunk (up to ``CHECK_RAISES`` walks while the error
+    falls fourfold per walk), and the walk with the smallest error is kept with it.
+    Fixed ``n_nodes``, a chunk with a failed step (warned of as such) and one whose
+    sums already missed a tolerance the caller ``chosen`` (below the dtype's round-off
+    floor, warned of as such) are not raised; the first two return their own rule,
+    measured by the rule with a node more (within the node's gain of its error). Each
+    chunk of queries is judged on its own, as its node choice is, so that a block of
+    the queries on a worker keeps the serial call's. In float32 the difference holds
+    the two rules' round-off too: part of the error the contributions achieve. (The
+    dense route, which the tests check the others against, takes the rule with a node
+    more in a walk of its own.)
     """
     quads = first[2]
     allowed = [tol * float(q.scale) for q in quads]
-    bounds = [float(np.sum(q.errors * q.cancel)) for q in quads]
-    # A step that failed its own sum is warned of already; its residual bounds nothing
-    # (a kink's).
-    need = [resolved and b > a and not q.failed
-            and not (adaptive and chosen and float(np.sum(q.errors)) > a)
-            for q, a, b in zip(quads, allowed, bounds)]
-    if not any(need):
-        return (*first, max(bounds), None)
     base = [q.n_used for q in quads]
-    walks, errors = [first], []
-    for raise_ in range(1, CHECK_RAISES + 1):
-        walks.append(walk([np.minimum(b + raise_ * k, MAX_NODES) for b, k in zip(base, need)]))
-        errors.append([float(np.max(np.abs(walks[-1][0][q.rows] - walks[-2][0][q.rows]),
-                                    initial=0.0)) for q in quads])
-        if not adaptive:
+    # Per chunk: whether it returns the rule with a node more (adaptive nodes), and
+    # whether a raise may still cut its error (a tolerance the dtype resolves, an error
+    # still falling); the walk kept and its measured error.
+    raised = [adaptive and not q.failed for q in quads]
+    open_ = [r and not (chosen and q.floored) for r, q in zip(raised, quads)]
+    kept, error, last = [0] * len(quads), [math.nan] * len(quads), [math.nan] * len(quads)
+
+    def paired(result, plan):
+        # The dense route takes no pair in its walk: a walk with a node more gives it.
+        if result[3] is not None:
+            return result
+        more = walk([p + 1 for p in plan])
+        return (*result[:3], (more[0] - result[0], more[1] - result[1]))
+
+    walks = [paired(first, base)]
+    for r in range(CHECK_RAISES + 1):
+        if r:
+            # The chunks still over take RAISE nodes more per walk, the others their
+            # kept walk's counts again.
+            plan = [b + RAISE * (r if open_[c] else kept[c]) for c, b in enumerate(base)]
+            walks.append(paired(walk(plan), plan))
+        diff = walks[-1][3][0]
+        for c, q in enumerate(quads):
+            if r and not open_[c]:
+                continue
+            e = float(np.max(np.abs(diff[q.rows]), initial=0.0))
+            if not r or e < error[c]:
+                kept[c], error[c] = r, e
+            # Settled, or no longer falling fourfold per raise (round-off): stop.
+            falling = not r or e < last[c] / 4
+            last[c] = e
+            open_[c] = open_[c] and falling and not e <= allowed[c]
+        if not any(open_):
             break
-    # Per chunk: the first walk whose error the next one measured under the tolerance;
-    # else the last, bounded by the error before it, where more nodes cut the error.
-    kept, error = [0] * len(quads), list(bounds)
-    for c in range(len(quads)):
-        if not need[c]:
-            continue
-        e = [errs[c] for errs in errors]
-        k = next((k for k, ek in enumerate(e) if ek <= allowed[c]), None)
-        if k is None:
-            k = len(e) if len(e) > 1 and e[-1] <= e[-2] / 4 else 0
-            kept[c], error[c] = k, e[max(k - 1, 0)]
-        else:
-            kept[c], error[c] = k, e[k]
     contributions, regularization = first[0].copy(), first[1].copy()
-    chosen = []
+    out = []
     for c, q in enumerate(quads):
         w = walks[kept[c]]
         contributions[q.rows], regularization[q.rows] = w[0][q.rows], w[1][q.rows]
-        chosen.append(w[2][c])
-    measured = max(error[c] for c in range(len(quads)) if need[c])
-    return contributions, regularization, chosen, max(error), measured
+        quad = w[2][c]
+        if raised[c]:
+            contributions[q.rows] += w[3][0][q.rows]
+            regularization[q.rows] += w[3][1][q.rows]
+            quad.n_used = quad.n_used + 1
+        out.append(quad)
+    measured = worst(error) if error else 0.0
+    return contributions, regularization, out, measured, measured
 
 
 @dataclass
@@ -2136,8 +2174,7 @@ class _Checks:
     replay_limit: float = 0.0
     compression: str | None = None
     # The largest per-contribution error measured by walks with more nodes (None: none
-    # was; contribution_error is then the bound from the steps' residuals, see
-    # _contribution_check).
+    # was, the other methods).
     measured: float | None = None
 
 
@@ -2501,8 +2538,7 @@ def _missed_quadrature(result: Decomposition, checks: _Checks):
 def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None:
     """The per-contribution error relative to the path's largest |f| where it exceeds
     what the sum is held to (``tol``; with fixed ``n_nodes``, ``INEXACT_FLOOR``), else
-    None. Only a measured error warns: the bound from the steps' residuals is over
-    only where their sum is (warned of as such) or a step failed."""
+    None (every exact decomposition measures it, :func:`_contribution_check`)."""
     if checks.measured is None:
         return None
     tol = INEXACT_FLOOR[checks.dtype] if checks.n_nodes is not None else checks.tol
@@ -2517,11 +2553,11 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
         fix = "Pass n_nodes=None to choose the nodes of every step for tol."
     else:
         allowed = checks.tol
-        fix = (f"Walks with up to {CHECK_RAISES} nodes per step more than the sums "
-               "needed did not bring it under (round-off, or steps that need more); a "
-               "smaller tol integrates every step further.")
+        fix = (f"Walks with up to {CHECK_RAISES * RAISE} nodes per step more than the "
+               "sums needed did not bring it under (round-off, or steps that need more); "
+               "a smaller tol integrates every step further.")
     warnings.warn(
-        f"{verb}(method='exact'): a single contribution's quadrature error is estimated "
+        f"{verb}(method='exact'): a single contribution's quadrature error is measured "
         f"at {result.contribution_error:.3g} (Decomposition.contribution_error), "
         f"{achieved:.3g} relative to the largest |f| along the path ({checks.scale:.3g}), "
         f"over the {allowed:g} the decomposition is held to (the contributions' sum "
@@ -2631,8 +2667,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # contributions (N x C) and its captures (a few nodes' worth: the factors are
         # small next to the adjoint; those made ahead for later steps are held within
         # an eighth of the budget, :class:`_NodesAhead`).
-        q_bytes = (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N + 4 * row
-                   + f_bytes)
+        # The exact method holds the check's rows beside them (_factored_block): the
+        # adjoint, the contributions and the captures twice.
+        copies = 2 if method == "exact" else 1
+        q_bytes = (copies * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
+                           + 4 * row) + f_bytes)
         # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
         # the exact method's node points for its captures (up to NODE_POINTS of them
         # with their stack, as the budget allows; more nodes are captured in groups):
@@ -2651,7 +2690,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             decay = bool(spec.weight_decay) and spec.name != "adamw"
 
             def scratch(q_rows):
-                return Adjoint.scratch_bytes(q_rows * n_res, largest, dense, itemsize,
+                return Adjoint.scratch_bytes(copies * q_rows * n_res, largest, dense, itemsize,
                                              cpu=X.device.type == "cpu", update=update,
                                              decay=decay)
         else:
@@ -2672,7 +2711,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             # block's float64 products with the adjoint and shares (up to three (Q C) x B
             # buffers: one adjoint for the whole block, not per chunk).
             b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
-                       + 24 * min(q_block, n_q) * n_res)
+                       + 24 * copies * min(q_block, n_q) * n_res)
             return chunk, max(chunk, q_block - q_block % chunk), b_bytes
 
         n_batch = (int(pool_sizes(traj).max(initial=0)) if weighting == "expected"
@@ -2723,6 +2762,9 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                        else _checked_outputs(module, traj, traj.parameters(0).to(X.device), X))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
+    # The exact method's check: the difference of the rule with a node more.
+    pair = ((np.zeros((n_q, N, n_res)), np.zeros((n_q, n_res))) if method == "exact"
+            and route != "dense" else None)
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on
     # a worker); a block of the memory budget walks the steps once for its chunks, and
     # the blocks read the same batch captures, kept while memory allows.
@@ -2738,9 +2780,13 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             c, r = (torch.cat([p[i] for p in parts]) for i in (0, 1))
         else:
             c, r = _factored_block(ctx, X[rows], rows, chunks, method=method, route=route)
+            if pair is not None:
+                n = rows.stop - rows.start
+                pair[0][rows], pair[1][rows] = c[n:].cpu().numpy(), r[n:].cpu().numpy()
+                c, r = c[:n], r[:n]
         contributions[q0 : q0 + q_block] = c.cpu().numpy()
         regularization[q0 : q0 + q_block] = r.cpu().numpy()
-    return contributions, regularization
+    return contributions, regularization, pair
 
 
 def _result(initial, prediction, contributions, regularization, method, weighting):

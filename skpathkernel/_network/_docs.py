@@ -101,8 +101,8 @@ result : Decomposition
     (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
     (logits for multi-class classifiers, the margin for binary ones); for
     "exact", ``n_nodes`` and ``step_errors`` per step, ``tol``, and
-    ``contribution_error`` (a single contribution's estimated quadrature error, warned
-    of where a walk with more nodes measures it over the tolerance); on a thinned path,
+    ``contribution_error`` (a single contribution's quadrature error, measured by a
+    walk with a node more per step, warned of over the tolerance); on a thinned path,
     ``replay_error`` (None elsewhere). The training axis of ``contributions`` is the
     rows of ``X_fit_`` (an estimator's ``train_indices_`` maps them to the ``X`` given
     to ``fit``).${raises}

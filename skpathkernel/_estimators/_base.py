@@ -60,7 +60,7 @@ from .._network._trained import (
 from .._parallel import dask_worker_threads, limit_torch_threads
 from .._path._buffers import appended
 from .._path._losses import LOSSES
-from .._path._storage import DiskArray, dtype_name
+from .._path._storage import DiskArray, TrajectoryFileError, dtype_name
 from .._path._training import (
     drawing_layers,
     draws_in_training,
@@ -304,6 +304,87 @@ class FittedNetworkMixin:
     def _trained_by(self) -> BasePathKernelNetwork:
         """The estimator whose fit trained ``network_`` and encoded its targets: itself,
         or the one a subclass composes (an OODRankDetector's ``estimator_``)."""
+        return self
+
+    def relocate_trajectory(self, directory):
+        """Read the path recorded on disk, and the training set kept beside it, from
+        ``directory``, where their directory was moved.
+
+        A model trained with ``trajectory_storage="disk"`` pickles (``pickle``,
+        ``joblib``, ``skops``) a reference to its path's directory by the absolute
+        name it had. Shipped with the pickle to another machine or place, the
+        directory is elsewhere: ``predict`` still works, and every call that reads
+        the path or the training set (``decompose``, ``attribute``, the kernels,
+        ``transform`` at a past step, ``partial_fit``, ...) raises an ``OSError``
+        naming the old place until the model is pointed at the new one with this.
+        Nothing is moved or written. ``directory`` must hold this model's path
+        (checked as :meth:`Trajectory.relocate <skpathkernel.Trajectory.relocate>`
+        checks it) and, for a path continued by ``partial_fit`` or ``warm_start``, its
+        training set (``data/``); otherwise nothing changes and an error says why.
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            The path's directory at its new place.
+
+        Returns
+        -------
+        self : object
+            This estimator, reading from ``directory``.
+
+        Raises
+        ------
+        ValueError
+            For a path kept in memory (nothing to relocate), or a directory holding
+            another model's path.
+        OSError
+            If ``directory``, or a file of the path or of the training set, is not
+            there (``FileNotFoundError``, ``TrajectoryFileError``).
+
+        Examples
+        --------
+        >>> import pickle, shutil, tempfile
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
+        >>> tmp = tempfile.mkdtemp()
+        >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None,
+        ...                         trajectory_storage="disk", random_state=0).fit(X, y)
+        >>> est.trajectory_.save(tmp + "/model-path")
+        >>> before = est.decompose(X[:2]).contributions
+        >>> blob = pickle.dumps(est)  # shipped with the directory
+        >>> _ = shutil.move(tmp + "/model-path", tmp + "/elsewhere")
+        >>> loaded = pickle.loads(blob).relocate_trajectory(tmp + "/elsewhere")
+        >>> bool(np.array_equal(loaded.decompose(X[:2]).contributions, before))
+        True
+        >>> shutil.rmtree(tmp)
+        """
+        check_is_fitted(self)
+        owner = self._trained_by()
+        if owner is not self:  # a meta-estimator: its trainer's path (Frozen: forwarded)
+            owner.relocate_trajectory(directory)
+            return self
+        net = self.network_
+        trajectory = net.trajectory
+        if trajectory.storage != "disk":
+            raise ValueError(f"This {type(self).__name__}'s path is kept in memory "
+                             "(trajectory_storage='memory'): there is no directory to "
+                             "relocate.")
+        directory = os.path.abspath(os.fspath(directory))
+        # Every check before anything changes: a refused directory leaves the model
+        # reading where it did.
+        trajectory._check_holds(directory)
+        data = self.__dict__.get("_disk_data")
+        for array in data or ():
+            array.check_file(directory)
+        trajectory._store.relocate(directory, trajectory.n_steps)
+        if data is not None:
+            for array in data:
+                # The path's store, not an equal one: skops does not keep shared
+                # objects shared, and the training set moves with the path.
+                array.store = trajectory._store
+            X_fit, Y_fit = (array.array() for array in data)
+            self.network_ = net.replace(X_fit=X_fit, y_fit=Y_fit, _unread_fit=None)
         return self
 
     def _validate_X(self, X):
@@ -1093,8 +1174,15 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         super().__setstate__(state)
         if module_state is None:
             return
+        unread = None
         if parts["X_fit_"] is None and state.get("_disk_data") is not None:
-            parts["X_fit_"], parts["_Y_fit"] = (a.array() for a in state["_disk_data"])
+            try:
+                parts["X_fit_"], parts["_Y_fit"] = (a.array() for a in state["_disk_data"])
+            except TrajectoryFileError as exc:
+                # Loaded where its directory is not (shipped elsewhere): predict reads
+                # neither, and what reads the training set says where it was and how
+                # to point the model at its new place (relocate_trajectory).
+                unread = str(exc)
         device = torch.device(parts["device_"] or "cpu")
         if device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn(
@@ -1119,6 +1207,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             # A state saved before the weights were kept has none: the unweighted fit.
             sample_weight=parts["_fit_weights"],
             multilabel=state.get("_multilabel", False))
+        self.network_._unread_fit = unread
         self.network_._drawn = tuple(drawing_layers(module, state.get("_layer_modes", {})))
 
     def __sklearn_tags__(self):

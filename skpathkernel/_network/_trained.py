@@ -47,6 +47,7 @@ from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
 from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
+from .._path._storage import TrajectoryFileError
 from .._path._training import warn_drawing_now, warn_drawn
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
@@ -289,6 +290,9 @@ class TrainedNetwork:
             device = str(first.device) if first is not None else "cpu"
         self.device = str(device)
         self.memory_budget = int(memory_budget)
+        # Why X_fit and y_fit are None where the fit had them: an estimator loaded where
+        # the files holding them are not (see relocate_trajectory); said by what needs them.
+        self._unread_fit: str | None = None
 
     # ------------------------------------------------------------------ description
     @property
@@ -835,6 +839,7 @@ ValueError
         return np.concatenate(dist_parts), ind
 
     def _training_data_inputs(self) -> np.ndarray:
+        self._check_fit_read()
         if self.X_fit is None:
             raise ValueError("kneighbors needs the training inputs: this network has no "
                              "X_fit.")
@@ -935,8 +940,14 @@ ValueError
             standardized=None if standardized is None else (prediction, *standardized))
         return np.asarray(scores)[:, 0].view(AttributionScores)._take_measures(scores)
 
+    def _check_fit_read(self) -> None:
+        if self.__dict__.get("_unread_fit"):  # absent in a network pickled before
+            raise TrajectoryFileError(f"The training set was not read when this model was "
+                                      f"loaded: {self._unread_fit}")
+
     def _training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Training inputs and targets as tensors, checked against the recorded batches."""
+        self._check_fit_read()
         if self.X_fit is None or self.y_fit is None or self.loss is None:
             raise ValueError("decompose needs the training inputs, their targets and the "
                              "loss: pass X_train, y_train (X_fit, y_fit) and loss.")

@@ -1352,6 +1352,28 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         state.pop("_cache", None)  # rebuilt from the parameters
         return state
 
+    def relocate_trajectory(self, directory) -> RecordedNetwork:
+        """Read the on-disk path from ``directory``, where its directory was moved.
+
+        ``trajectory.relocate(directory)``: see
+        :meth:`Trajectory.relocate <skpathkernel.Trajectory.relocate>`, which checks that
+        ``directory`` holds this path and changes nothing otherwise. A pickled
+        RecordedNetwork references an on-disk path's directory by the name it had, and
+        every call reads it (``predict`` too: the path's last point).
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            The path's directory at its new place.
+
+        Returns
+        -------
+        self : RecordedNetwork
+            This network, reading from ``directory``.
+        """
+        self.trajectory.relocate(directory)
+        return self
+
     def fit(self, X=None, y=None) -> RecordedNetwork:
         """Do nothing: the network was trained by the recorded loop.
 

@@ -56,6 +56,7 @@ import stat
 import sys
 import tempfile
 import threading
+import uuid
 import warnings
 import weakref
 from collections import OrderedDict
@@ -73,6 +74,12 @@ __all__ = ["CHUNK_BYTES", "ChunkStore", "DiskArray", "DiskRows", "TrajectoryFile
 CHUNK_BYTES = 32 * 2**20
 _CACHED_CHUNKS = 2
 META_FILE = "trajectory.pt"
+# How to point an object at a directory moved after it was made or pickled: said by every
+# error about a directory that is not where the object looks.
+RELOCATE_HINT = (
+    "If the directory was moved (a model shipped with it, a pickle loaded elsewhere), "
+    "point the model at its new place: est.relocate_trajectory(new_directory) for an "
+    "estimator or a RecordedNetwork, trajectory.relocate(new_directory) for a Trajectory.")
 
 
 class TrajectoryFileError(OSError):
@@ -385,13 +392,18 @@ class ChunkStore:
     owned : bool
         Delete the directory when this object, and every deep copy of it, is garbage
         collected (a temporary recording); :meth:`move` and pickling give that up.
+    id : str or None
+        The recording's identity, written in its description: :meth:`relocate` tells a
+        moved copy of this directory from another recording's. None for a directory
+        described before identities were written.
     """
 
-    def __init__(self, directory, *, chunk_rows: int, owned: bool):
+    def __init__(self, directory, *, chunk_rows: int, owned: bool, id: str | None = None):
         # Absolute: the files are those named now, whatever the working directory is
         # when they are read (after a chdir, or in a pickle loaded elsewhere).
         self._place = [os.path.abspath(directory)]
         self.chunk_rows = int(chunk_rows)
+        self.id = id
         # Weak: a series references its store, and the series' holders (the path's rows,
         # a recorder) keep them; a strong cycle left a temporary directory, which goes
         # with the last store, on disk until the cyclic garbage collector ran.
@@ -416,7 +428,7 @@ class ChunkStore:
         parent = tempfile.gettempdir() if parent is None else os.path.abspath(parent)
         os.makedirs(parent, exist_ok=True)
         directory = tempfile.mkdtemp(prefix="skpathkernel-trajectory-", dir=parent)
-        return cls(directory, chunk_rows=chunk_rows, owned=True)
+        return cls(directory, chunk_rows=chunk_rows, owned=True, id=uuid.uuid4().hex)
 
     @property
     def owned(self) -> bool:
@@ -472,8 +484,9 @@ class ChunkStore:
         if not os.path.isdir(self.directory):
             raise TrajectoryFileError(
                 f"The on-disk trajectory's directory {self.directory!r} is gone: {what} "
-                "cannot extend the path recorded there. Nothing was changed; fit a new "
-                "network (fit, or partial_fit on a new estimator).")
+                "cannot extend the path recorded there. Nothing was changed. "
+                f"{RELOCATE_HINT} Otherwise fit a new network (fit, or partial_fit on a "
+                "new estimator).")
         # Written when the path is extended: the directory, each series' folder (chunk
         # files are replaced by renames) and the training set's folder and files.
         data = os.path.join(self.directory, "data")
@@ -547,6 +560,26 @@ class ChunkStore:
             with contextlib.suppress(OSError):
                 os.chmod(path, mode)
 
+    def relocate(self, path: str, n_steps: int) -> None:
+        """Read from ``path`` from now on: this directory, moved or copied there (checked
+        by the caller, :meth:`Trajectory.relocate <skpathkernel.Trajectory.relocate>`),
+        described for a path of ``n_steps`` steps. Deep copies follow, as for :meth:`move`.
+        """
+        _drain("reader")  # a read ahead queued at the old place
+        self._place[0] = path
+        identity = self._meta_identity()
+        self._described = None if identity is None else (*identity, int(n_steps))
+        for series in list(self.series.values()):
+            series.forget()
+
+    def missing(self) -> str:
+        """Why a file of this directory is not there when the directory itself is not:
+        said in the errors about its files (empty while the directory is there)."""
+        if os.path.isdir(self.directory):
+            return ""
+        return (f" The trajectory's directory {self.directory!r} is not there (moved or "
+                f"deleted since this object was made or pickled). {RELOCATE_HINT}")
+
     def __getstate__(self):
         # Pickles reference the directory, not its data: the directory must outlive this
         # process's copy, so a temporary one is kept from now on (and said so).
@@ -562,7 +595,7 @@ class ChunkStore:
         # Not the series: they reference this store and register themselves when
         # unpickled (skops refuses reference cycles).
         return {"directory": self.directory, "chunk_rows": self.chunk_rows,
-                "failure": self.failure,
+                "failure": self.failure, "id": self.id,
                 "described": None if self._described is None else list(self._described)}
 
     def __deepcopy__(self, memo):
@@ -573,7 +606,8 @@ class ChunkStore:
         out = object.__new__(type(self))
         memo[id(self)] = out
         out.__setstate__({"directory": self.directory, "chunk_rows": self.chunk_rows,
-                          "failure": self.failure, "described": self._described})
+                          "failure": self.failure, "id": self.id,
+                          "described": self._described})
         out._lease, out._finalizer, out._pending = self._lease, self._finalizer, self._pending
         # Its place too: a copy saved (moved) elsewhere takes the others along, which
         # read the old place's files, gone with the rename.
@@ -585,6 +619,7 @@ class ChunkStore:
         self.chunk_rows = state["chunk_rows"]
         self.series = weakref.WeakValueDictionary()
         self.failure = state["failure"]
+        self.id = state.get("id")  # None in a pickle made before identities were kept
         self._lease = self._finalizer = None
         self._pending = []
         described = state.get("described")
@@ -837,8 +872,9 @@ class Series:
             return self._buffer[i].clone()  # recording goes on into this buffer
         return self.chunk(chunk)[i]
 
-    def _rows_in(self, chunk: int) -> int:
-        return min(self.chunk_rows, self.n_rows - chunk * self.chunk_rows)
+    def _rows_in(self, chunk: int, n_rows: int | None = None) -> int:
+        n_rows = self.n_rows if n_rows is None else n_rows
+        return min(self.chunk_rows, n_rows - chunk * self.chunk_rows)
 
     def chunk(self, chunk: int) -> torch.Tensor:
         with self._lock:
@@ -896,16 +932,25 @@ class Series:
     def _load(self, chunk: int) -> torch.Tensor:
         return self._decode(self._read_checked(chunk), self._rows_in(chunk))
 
-    def _read_checked(self, chunk: int) -> np.ndarray:
-        """Chunk ``chunk``'s file as stored, checked to hold its rows of this series."""
-        path = self.path(chunk)
+    def _read_checked(self, chunk: int, path: str | None = None,
+                      n_rows: int | None = None) -> np.ndarray:
+        """Chunk ``chunk``'s file as stored, checked to hold its rows of this series.
+
+        ``path``: the file read instead, and only its header, the array mapped (a
+        directory's files checked before the series reads from there), for the series'
+        first ``n_rows`` vectors.
+        """
+        header = path is not None
+        path = self.path(chunk) if path is None else path
         first = chunk * self.chunk_rows
-        rows = self._rows_in(chunk)
+        rows = self._rows_in(chunk, n_rows)
         where = f"{path!r} (vectors {first}..{first + rows - 1} of {self.name!r})"
         try:
-            array = _read_chunk(path)
+            array = (np.load(path, mmap_mode="r", allow_pickle=False) if header
+                     else _read_chunk(path))
         except FileNotFoundError:
-            raise TrajectoryFileError(f"Trajectory chunk file {where} is missing.") from None
+            raise TrajectoryFileError(f"Trajectory chunk file {where} is missing."
+                                      f"{'' if header else self.store.missing()}") from None
         except PermissionError as exc:
             # Not the file's contents: a directory saved private to another account.
             raise TrajectoryFileError(
@@ -925,6 +970,15 @@ class Series:
                 "truncated or belongs to another network's trajectory."
             )
         return array
+
+    def check_files(self, directory: str, n_rows: int) -> None:
+        """Check that ``directory`` holds this series' first ``n_rows`` vectors, in files
+        of the right shape and dtype (their headers only; chunks kept in memory after a
+        failed write are not looked for)."""
+        for chunk in range(-(-int(n_rows) // self.chunk_rows)):
+            if chunk not in self._memory:
+                self._read_checked(chunk, os.path.join(directory, self.name,
+                                                       f"{chunk:06d}.npy"), n_rows)
 
     def __getstate__(self):
         self._settle()
@@ -1019,7 +1073,10 @@ class DiskArray:
 
     @property
     def path(self) -> str:
-        return os.path.join(self.store.directory, "data", f"{self.name}.npy")
+        return self._path_in(self.store.directory)
+
+    def _path_in(self, directory: str) -> str:
+        return os.path.join(directory, "data", f"{self.name}.npy")
 
     @property
     def _row_bytes(self) -> int:
@@ -1056,18 +1113,25 @@ class DiskArray:
 
     def array(self) -> np.ndarray:
         """The rows in use, read from the file as they are needed (read-only)."""
-        where = f"{self.path!r} ({self.n_rows} training rows)"
+        self.check_file()
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
+                         shape=(self.n_rows, *self.row_shape))
+
+    def check_file(self, directory: str | None = None) -> None:
+        """Check that the file (in ``directory`` instead, where given) holds the rows."""
+        path = self.path if directory is None else self._path_in(directory)
+        where = f"{path!r} ({self.n_rows} training rows)"
         try:
-            size = os.path.getsize(self.path)
+            size = os.path.getsize(path)
         except FileNotFoundError:
-            raise TrajectoryFileError(f"The training data file {where} is missing.") from None
+            missing = self.store.missing() if directory is None else ""
+            raise TrajectoryFileError(f"The training data file {where} is missing."
+                                      f"{missing}") from None
         except OSError as exc:
             raise TrajectoryFileError(
                 f"The training data file {where} cannot be read: {exc.strerror}.") from None
         if size < _ALIGN + self.n_rows * self._row_bytes:
             raise TrajectoryFileError(f"The training data file {where} is truncated.")
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
-                         shape=(self.n_rows, *self.row_shape))
 
     def __getstate__(self):
         return {"store": self.store, "name": self.name, "dtype": self.dtype.str,

@@ -923,6 +923,7 @@ class Trajectory:
             payload["params"] = None
             payload["states"] = {key: None for key in self._states}
             payload["storage"] = {
+                "id": self._store.id,
                 "chunk_rows": self._store.chunk_rows,
                 "n_params": self.n_params,
                 "dtype": dtype_name(self.dtype),
@@ -957,38 +958,7 @@ class Trajectory:
         # by torch.load, which failed with an AttributeError.
         path = os.fspath(path)
         directory = path if os.path.isdir(path) else None
-        meta = os.path.join(directory, META_FILE) if directory else path
-        try:
-            payload = torch.load(meta, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
-                "skpathkernel trajectory.") from None
-        except (RuntimeError, EOFError, KeyError, IndexError, struct.error, OSError) as exc:
-            if isinstance(exc, OSError) and exc.filename is not None:
-                raise  # the file itself refused (permissions, a directory): named
-            # Not a file torch.save wrote: an empty file failed with a bare EOFError, a
-            # truncated one in words about a zip archive or (cut at most places) with a
-            # bare OSError(22, 'Invalid argument'), text with KeyError(<a byte>), four
-            # bytes with a struct.error, one byte with IndexError('pop from empty list').
-            raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory "
-                             f"file: torch.load failed ({type(exc).__name__}).") from exc
-        except pickle.UnpicklingError as exc:
-            # A pickle of code, but also a .npy or a CSV file: torch's message suggested
-            # weights_only=False, which Trajectory.load does not take and which would run
-            # the code of an untrusted pickle. Still an UnpicklingError, in our words.
-            raise pickle.UnpicklingError(
-                f"{os.fspath(path)!r} is not a skpathkernel trajectory file: "
-                "torch.load(weights_only=True) refused its contents (objects other than "
-                "tensors and plain values, or not a torch file at all); nothing in it was "
-                "executed.") from exc
-        if not isinstance(payload, dict) or payload.get("format") != "skpathkernel.Trajectory":
-            raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory file.")
-        if payload["version"] > _FORMAT_VERSION:
-            raise ValueError(
-                f"Trajectory file format version {payload['version']} is newer than this "
-                f"skpathkernel understands ({_FORMAT_VERSION}); upgrade skpathkernel."
-            )
+        payload = _read_description(path, directory)
         params, states = payload["params"], payload["states"]
         if directory is not None:
             params, states = _open_series(directory, payload)
@@ -1019,6 +989,103 @@ class Trajectory:
                           "trajectory.save(path) writes the description.", UserWarning,
                           stacklevel=3)
 
+    def relocate(self, directory: str | os.PathLike) -> Trajectory:
+        """Read this on-disk trajectory from ``directory``, where its files were moved.
+
+        A pickle of a model trained with ``trajectory_storage="disk"`` references its
+        path's directory by the absolute name it had (see the user guide's "Saving and
+        loading"). Shipped with the pickle to another machine or place, the directory
+        is elsewhere: this points the trajectory there. Nothing is moved or written
+        (:meth:`save` is the call that moves the files). An estimator's path, with the
+        training set kept beside it, is re-pointed by the estimator's
+        ``relocate_trajectory``.
+
+        ``directory`` must hold this recording: its description (``trajectory.pt``)
+        names the same recording and describes this very path (its steps, batches,
+        step sizes, solver and sizes), and every chunk file the path reads is there
+        with vectors of this path's length and dtype (only the files' headers are
+        read). Otherwise nothing changes and an error says why. Copies of this object
+        in this process (``copy.deepcopy``) read from the new place too.
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            The trajectory's directory at its new place.
+
+        Returns
+        -------
+        self : Trajectory
+            This trajectory, reading from ``directory``.
+
+        Raises
+        ------
+        ValueError
+            For a trajectory in memory, or a directory holding another recording's path
+            (or this recording at another length: a copy continued it since).
+        FileNotFoundError
+            If ``directory`` or its description is not there.
+        TrajectoryFileError
+            If a chunk file of the path is missing or not this path's (an ``OSError``).
+
+        Examples
+        --------
+        >>> import pickle, shutil, tempfile
+        >>> import numpy as np
+        >>> from skpathkernel import PathKernelMachine
+        >>> X = np.linspace(-1, 1, 10).reshape(-1, 1); y = X.ravel() ** 2
+        >>> tmp = tempfile.mkdtemp()
+        >>> est = PathKernelMachine(hidden_layer_sizes=(4,), max_iter=3, tol=None,
+        ...                         trajectory_storage="disk", random_state=0).fit(X, y)
+        >>> est.trajectory_.save(tmp + "/path")
+        >>> first = est.trajectory_.parameters(0)
+        >>> blob = pickle.dumps(est.trajectory_)
+        >>> _ = shutil.move(tmp + "/path", tmp + "/shipped")
+        >>> traj = pickle.loads(blob).relocate(tmp + "/shipped")
+        >>> traj.directory == tmp + "/shipped"
+        True
+        >>> bool((traj.parameters(0) == first).all())
+        True
+        >>> shutil.rmtree(tmp)
+        """
+        store = self._store
+        if store is None:
+            raise ValueError("This trajectory is in memory: it has no directory to "
+                             "relocate (only an on-disk trajectory reads one).")
+        directory = os.path.abspath(os.fspath(directory))
+        self._check_holds(directory)
+        store.relocate(directory, self.n_steps)
+        return self
+
+    def _check_holds(self, directory: str) -> None:
+        """Refuse (nothing changed) a ``directory`` that does not hold this path."""
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                errno.ENOENT, "Cannot relocate the trajectory: there is no directory",
+                directory)
+        there = _read_description(directory, directory)
+        store = self._store
+        ours = self._payload()
+        theirs_id = there.get("storage", {}).get("id")
+        if store.id is not None and theirs_id is not None and theirs_id != store.id:
+            raise ValueError(
+                f"Cannot relocate the trajectory to {directory!r}: the path recorded "
+                f"there is another recording's (recording {theirs_id}, this trajectory "
+                f"is recording {store.id}). Nothing was changed.")
+        differs = _first_difference(ours, there)
+        if differs is not None:
+            n_there = len(there.get("batch_offsets", ())) - 1
+            if n_there != self.n_steps:
+                why = (f"it describes a path of {n_there} optimizer steps, this one has "
+                       f"{self.n_steps} (a copy continued it since, with partial_fit "
+                       "or warm_start, or it is another model's)")
+            else:
+                why = f"its description differs from this path's in {differs!r}"
+            raise ValueError(
+                f"Cannot relocate the trajectory to {directory!r}: {why}. The directory "
+                "does not hold this path. Nothing was changed.")
+        for rows in (self._params, *self._states.values()):
+            rows.series.check_files(directory, rows.n)
+
     def for_workers(self, *, by_reference: bool = False) -> Trajectory:
         """This path as a reference to its directory, for tasks pickled to workers.
 
@@ -1047,7 +1114,8 @@ class Trajectory:
         if store is None:
             return self._shared() if by_reference else self
         store.flush()
-        reader = ChunkStore(store.directory, chunk_rows=store.chunk_rows, owned=False)
+        reader = ChunkStore(store.directory, chunk_rows=store.chunk_rows, owned=False,
+                            id=store.id)
 
         def view(rows):
             series = Series(reader, rows.series.name, rows.series.n_params,
@@ -1184,6 +1252,70 @@ def _save_aside(payload: dict, path: str) -> None:
         raise
 
 
+def _read_description(path: str, directory: str | None) -> dict:
+    """The payload :meth:`Trajectory.save` wrote to ``path`` (the file, or
+    ``trajectory.pt`` in ``directory``), checked to be one."""
+    meta = os.path.join(directory, META_FILE) if directory else path
+    try:
+        payload = torch.load(meta, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{os.fspath(meta)!r} is missing: {os.fspath(path)!r} is not a saved "
+            "skpathkernel trajectory.") from None
+    except (RuntimeError, EOFError, KeyError, IndexError, struct.error, OSError) as exc:
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise  # the file itself refused (permissions, a directory): named
+        # Not a file torch.save wrote: an empty file failed with a bare EOFError, a
+        # truncated one in words about a zip archive or (cut at most places) with a
+        # bare OSError(22, 'Invalid argument'), text with KeyError(<a byte>), four
+        # bytes with a struct.error, one byte with IndexError('pop from empty list').
+        raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory "
+                         f"file: torch.load failed ({type(exc).__name__}).") from exc
+    except pickle.UnpicklingError as exc:
+        # A pickle of code, but also a .npy or a CSV file: torch's message suggested
+        # weights_only=False, which Trajectory.load does not take and which would run
+        # the code of an untrusted pickle. Still an UnpicklingError, in our words.
+        raise pickle.UnpicklingError(
+            f"{os.fspath(path)!r} is not a skpathkernel trajectory file: "
+            "torch.load(weights_only=True) refused its contents (objects other than "
+            "tensors and plain values, or not a torch file at all); nothing in it was "
+            "executed.") from exc
+    if not isinstance(payload, dict) or payload.get("format") != "skpathkernel.Trajectory":
+        raise ValueError(f"{os.fspath(path)!r} is not a skpathkernel trajectory file.")
+    if payload["version"] > _FORMAT_VERSION:
+        raise ValueError(
+            f"Trajectory file format version {payload['version']} is newer than this "
+            f"skpathkernel understands ({_FORMAT_VERSION}); upgrade skpathkernel."
+        )
+    return payload
+
+
+def _first_difference(ours: dict, theirs: dict, skip=("format", "version", "id"),
+                      prefix: str = "") -> str | None:
+    """The first key (dotted) whose value differs between two descriptions, or None;
+    the keys ``skip`` are not compared (an older version's description, the
+    recording's identity, which the caller compares)."""
+    for key in sorted(set(ours) | set(theirs)):
+        if key in skip:
+            continue
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = _first_difference(a, b, skip, f"{prefix}{key}.")
+            if inner is not None:
+                return inner
+            continue
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            # Bit for bit: a not-a-number step size equals itself.
+            same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.dtype == b.dtype and a.shape == b.shape
+                    and _to_numpy(a).tobytes() == _to_numpy(b).tobytes())
+        else:
+            same = a == b
+        if not same:
+            return prefix + key
+    return None
+
+
 def _open_shared_trajectory(directory: str) -> Trajectory:
     """The trajectory :meth:`Trajectory._shared` wrote to ``directory``, mapped (one
     object per process, see :func:`~skpathkernel._path._storage.open_shared`)."""
@@ -1202,7 +1334,8 @@ def _open_shared_trajectory(directory: str) -> Trajectory:
 def _open_series(directory: str, payload: dict):
     """The saved series of an on-disk trajectory, checking that its chunk files exist."""
     spec = payload["storage"]
-    store = ChunkStore(directory, chunk_rows=spec["chunk_rows"], owned=False)
+    store = ChunkStore(directory, chunk_rows=spec["chunk_rows"], owned=False,
+                       id=spec.get("id"))
     dtype = getattr(torch, spec["dtype"])
     n_params = int(spec["n_params"])
     expected = sum(int(np.prod(s)) for s in payload["shapes"])

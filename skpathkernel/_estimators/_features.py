@@ -363,7 +363,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         (each an ``SVC``): class ``c``'s samples get ``C * class_weight[c]`` (times
         their ``sample_weight``); "balanced": ``n_samples / (n_classes *
         np.bincount(y))`` over the rows the SVM is fitted on. A label that is not a
-        class of ``y`` is refused before any training. ``C="auto"`` weighs its folds'
+        class of ``y``, and a weight that is not positive (``SVC`` fails on a class of
+        weight 0), are refused before any training. ``C="auto"`` weighs its folds'
         SVMs alike and scores them by accuracy weighted by the same weights (with
         "balanced" and no ``sample_weight``, the balanced accuracy where the folds keep
         the classes' proportions). They weigh the SVM only, not the network's training:
@@ -687,7 +688,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 
 def _check_class_weight(class_weight: dict, classes) -> None:
     """Refuse a label that is not a class (SVC's own check lets one through where every
-    class has a weight) and a weight that is negative or not finite."""
+    class has a weight) and a weight that is not positive or not finite (libsvm fits a
+    class of weight 0 with C = 0, and SVC then fails, after the network trained, on "dual
+    coefficients or intercepts [that] are not finite")."""
     known = set(classes.tolist())
     unknown = [label for label in class_weight if label not in known]
     if unknown:
@@ -695,9 +698,11 @@ def _check_class_weight(class_weight: dict, classes) -> None:
             f"class_weight has weights for {unknown}, which are not classes of y: "
             f"{classes.tolist()}.")
     bad = {label: w for label, w in class_weight.items()
-           if not (isinstance(w, numbers.Real) and np.isfinite(w) and w >= 0)}
+           if not (isinstance(w, numbers.Real) and np.isfinite(w) and w > 0)}
     if bad:
-        raise ValueError(f"class_weight's weights must be finite and non-negative; got {bad}.")
+        raise ValueError(
+            f"class_weight's weights must be finite and positive; got {bad}. To leave a "
+            "class out, fit without its samples.")
 
 
 def _calibration_folds(classes, counts) -> int:

@@ -335,3 +335,23 @@ def test_load_refuses_a_file_cut_anywhere(fitted, tmp_path):
         path.write_bytes(data[:n])
         with pytest.raises(ValueError, match="cut.pt' is not a skpathkernel trajectory"):
             Trajectory.load(path)
+
+
+def test_a_save_over_a_file_keeps_its_link_and_permissions(fitted, tmp_path):
+    # Written aside and renamed, the save replaced a link by a file (the file it named,
+    # which torch.save wrote through to, kept the old trajectory) and gave the file the
+    # umask's permissions (a file 0o640 for a service's group came back 0o644, or 0o600
+    # under a job's umask 0o077: the service could no longer read it).
+    real, link = tmp_path / "real.pt", tmp_path / "link.pt"
+    real.write_bytes(b"an older trajectory")
+    real.chmod(0o640)
+    link.symlink_to(real)
+    old_umask = os.umask(0o077)
+    try:
+        fitted.trajectory_.save(link)
+    finally:
+        os.umask(old_umask)
+    assert link.is_symlink() and os.readlink(link) == os.fspath(real)
+    _assert_same(fitted.trajectory_, Trajectory.load(real))
+    assert real.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.pt", "real.pt"]

@@ -495,6 +495,21 @@ def test_an_unreadable_file_is_named_as_such_not_as_corrupt(data, tmp_path, monk
     with pytest.raises(TrajectoryFileError,
                        match=r"training data file.*cannot be read: Permission denied"):
         stream._disk_data[0].array()
+    monkeypatch.undo()
+    # A file private to another account in a directory this process may read: its
+    # size is read from the directory, and opening it is what is refused (a bare
+    # PermissionError from np.memmap).
+    memmap = np.memmap
+
+    def refuse_open(path, *args, **kwargs):
+        if os.fspath(path) == data_file:
+            raise PermissionError(*refused, path)
+        return memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", refuse_open)
+    with pytest.raises(TrajectoryFileError,
+                       match=r"training data file.*cannot be read: Permission denied"):
+        stream._disk_data[0].array()
 
 
 def test_full_disk_keeps_recording_in_memory(data, monkeypatch, tmp_path):

@@ -1066,8 +1066,14 @@ class DiskArray:
                 f"The training data file {where} cannot be read: {exc.strerror}.") from None
         if size < _ALIGN + self.n_rows * self._row_bytes:
             raise TrajectoryFileError(f"The training data file {where} is truncated.")
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
-                         shape=(self.n_rows, *self.row_shape))
+        try:
+            return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
+                             shape=(self.n_rows, *self.row_shape))
+        except PermissionError as exc:
+            # Its size is read from the directory: a file private to another account in
+            # a directory the process may read passes getsize and is refused here.
+            raise TrajectoryFileError(
+                f"The training data file {where} cannot be read: {exc.strerror}.") from None
 
     def __getstate__(self):
         return {"store": self.store, "name": self.name, "dtype": self.dtype.str,

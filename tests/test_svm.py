@@ -658,3 +658,16 @@ def test_probability_survives_pickle_and_routing():
     old.__setstate__(state)
     assert old.get_params()["class_weight"] is None and not hasattr(old, "predict_proba")
     assert clone(old).get_params()["probability"] is False
+
+
+def test_probability_with_a_class_early_stopping_leaves_one_sample_of_says_so():
+    """y's two samples of a class pass the check before training; early stopping then
+    holds one out, and the refusal said the class "has 1", which y contradicted."""
+    X, y = _imbalanced()
+    y = y.copy()
+    y[np.flatnonzero(y == "rare")[2:]] = "common"
+    net = PathKernelClassifier(**{**SHORT, "early_stopping": True,
+                                  "validation_fraction": 0.3})
+    with pytest.raises(ValueError, match=r"class 'rare' has 1 of the rows the network "
+                                         r"trained on \(early stopping held out 18 "):
+        TangentFeatureSVM(net, probability=True).fit(X, y)

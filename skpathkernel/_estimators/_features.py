@@ -379,7 +379,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         stratified 5-fold cross-validation in the order of the training set
         (deterministic, where libsvm's folds are drawn at random; fewer folds where a
         class has fewer than 5 samples, and a class of one sample is refused before
-        any training), each fold's SVM with the class weights of the whole set (as
+        any training, or after it where early stopping's hold-out leaves one), each
+        fold's SVM with the class weights of the whole set (as
         libsvm's) and the sample weights, the sigmoid with the sample weights alone;
         one-vs-rest sigmoids, normalized, for several classes. Six more SVM fits.
         ``svm_``, :meth:`predict` and :meth:`decision_function` are those of
@@ -586,7 +587,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
                 indexed.set_fit_request(sample_weight=True)
             self.calibrated_svm_ = CalibratedClassifierCV(
                 indexed, method="sigmoid", ensemble=False,
-                cv=StratifiedKFold(_calibration_folds(classes, counts)),
+                cv=StratifiedKFold(_calibration_folds(
+                    classes, counts, held_out=len(y) - len(labels))),
             ).fit(train_input, index, sample_weight=weights)
         svm = SVC(kernel=kernel, C=float(C), class_weight=self.class_weight)
         svm.fit(train_input, labels, sample_weight=weights)
@@ -705,13 +707,20 @@ def _check_class_weight(class_weight: dict, classes) -> None:
             "class out, fit without its samples.")
 
 
-def _calibration_folds(classes, counts) -> int:
-    """probability=True's folds: 5, as libsvm's, or the smallest class's size."""
+def _calibration_folds(classes, counts, held_out=0) -> int:
+    """probability=True's folds: 5, as libsvm's, or the smallest class's size.
+
+    ``held_out``: the rows early stopping kept from the SVM (checked again after
+    training, on the rows left: y's own counts were checked before)."""
     if counts.min() < 2:
+        where = "" if not held_out else (
+            f" of the rows the network trained on (early stopping held out {held_out} "
+            "for validation)")
         raise ValueError(
             "probability=True fits its sigmoid to cross-validated decision values, which "
             "needs 2 samples of every class; class "
-            f"{classes.tolist()[np.argmin(counts)]!r} has 1. Fit with probability=False.")
+            f"{classes.tolist()[np.argmin(counts)]!r} has 1{where}. Fit with "
+            "probability=False" + (", or without early stopping." if held_out else "."))
     return int(min(5, counts.min()))
 
 

@@ -355,3 +355,26 @@ def test_a_save_over_a_file_keeps_its_link_and_permissions(fitted, tmp_path):
     _assert_same(fitted.trajectory_, Trajectory.load(real))
     assert real.stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.pt", "real.pt"]
+
+
+def test_a_save_over_a_file_the_process_may_not_write_is_refused(fitted, tmp_path,
+                                                                 monkeypatch):
+    # torch.save opened the file to write and was refused one made read-only (to keep
+    # it); the rename over it needs the folder's permission alone, and replaced it. The
+    # refusal made here by hand: this suite may run as root, whom permissions do not stop.
+    path = tmp_path / "kept.pt"
+    path.write_bytes(b"a trajectory kept")
+    path.chmod(0o444)
+    access = os.access
+
+    def refuse(p, mode, *args, **kwargs):
+        if os.fspath(p) == os.fspath(path) and mode & os.W_OK:
+            return False
+        return access(p, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", refuse)
+    with pytest.raises(PermissionError) as info:
+        fitted.trajectory_.save(path)
+    assert info.value.filename == os.fspath(path)
+    assert path.read_bytes() == b"a trajectory kept"
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.pt"]

@@ -1166,10 +1166,11 @@ def _save_aside(payload: dict, path: str) -> None:
     created by ``open``, so it gets a new file's permissions, and a refusal is an
     ``OSError`` naming ``path`` (torch's said "open file failed", without a name).
 
-    What torch.save writing in place kept is kept: a link is written through (the file
-    it names is replaced, the link stays), and a file replaced keeps its permissions and,
-    where the process may set them, its owner and group (a file saved readable by a
-    service's group stays so, whatever the saving job's umask).
+    What torch.save writing in place kept is kept: a file the process may not write is
+    refused, a link is written through (the file it names is replaced, the link stays),
+    and a file replaced keeps its permissions and, where the process may set them, its
+    owner and group (a file saved readable by a service's group stays so, whatever the
+    saving job's umask).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a trajectory in memory is saved to a file, "
@@ -1179,6 +1180,10 @@ def _save_aside(payload: dict, path: str) -> None:
         before = os.stat(target)
     except OSError:
         before = None
+    if before is not None and not os.access(target, os.W_OK):
+        # torch.save, writing in place, was refused a file the process may not write (one
+        # made read-only to keep it); a rename needs the folder's permission alone.
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
     tmp = f"{target}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
         f = open(tmp, "wb")

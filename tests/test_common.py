@@ -6,8 +6,11 @@ the stopping rule), and with small float64 settings (the exactness configuration
 
 import re
 import traceback
+from unittest import mock
 
+import numpy as np
 import torch
+from sklearn.utils import estimator_checks
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from skpathkernel import (
@@ -119,10 +122,28 @@ def _platt_argmax(estimator, check) -> bool:
     fitted on out-of-fold decision values, crosses 1/2 a little off the SVM's 0, as
     scikit-learn documents of SVC(probability=True) (which its own checks run without
     probabilities). Held to a few disagreements near the boundary instead of listed as
-    expected to fail: one sample of 200 here, which another BLAS's rounding could move."""
+    expected to fail: one sample of 200 here, which another BLAS's rounding could move.
+    Only that comparison is relaxed (:func:`_tolerant_argmax`): the check's binary problem
+    fails it, and catching its AssertionError skipped the rest, the multi-class problem
+    (fit, predict_proba's shape and sums, malformed inputs, predict_log_proba) included."""
     name = getattr(check, "func", check).__name__
     return (name == "check_classifiers_train" and isinstance(estimator, TangentFeatureSVM)
             and estimator.probability)
+
+
+def _tolerant_argmax(assert_array_equal, compared):
+    """``assert_array_equal``, except where the check compares ``np.argmax(y_prob)`` with
+    ``predict``: there at most 2% of the rows may differ (see :func:`_platt_argmax`).
+    ``compared`` collects the number of rows of each such comparison."""
+    def compare(actual, desired, *args, **kwargs):
+        if "np.argmax(y_prob" not in (traceback.extract_stack(limit=2)[0].line or ""):
+            return assert_array_equal(actual, desired, *args, **kwargs)
+        actual, desired = np.asarray(actual), np.asarray(desired)
+        assert actual.shape == desired.shape, (actual.shape, desired.shape)
+        compared.append(len(desired))
+        mismatched = int(np.count_nonzero(actual != desired))
+        assert mismatched <= 0.02 * len(desired), (mismatched, len(desired))
+    return compare
 
 
 # Strict: an expected failure that passes fails the test, so that a reason which no longer
@@ -131,16 +152,13 @@ def _platt_argmax(estimator, check) -> bool:
                          xfail_strict=True)
 def test_sklearn_estimator_checks(estimator, check):
     if _platt_argmax(estimator, check):
-        try:
+        compared = []
+        with mock.patch.object(estimator_checks, "assert_array_equal",
+                               _tolerant_argmax(estimator_checks.assert_array_equal, compared)):
             check(estimator)
-        except AssertionError as exc:
-            # Only the argmax comparison may fail (the probabilities' sums and
-            # predict_log_proba, which it then skips, test_svm checks).
-            line = next(frame.line for frame in traceback.extract_tb(exc.__traceback__)
-                        if frame.name == "check_classifiers_train")
-            found = re.search(r"Mismatched elements: (\d+) / (\d+)", str(exc))
-            assert "np.argmax(y_prob" in line and found, str(exc)
-            assert int(found.group(1)) <= 0.02 * int(found.group(2)), str(exc)
+        # Both problems reached the comparison: none was skipped, and the relaxation
+        # goes when the check no longer makes it.
+        assert compared == [200, 300], compared
         return
     if not _float32_rounding(estimator, check):
         check(estimator)

@@ -495,6 +495,21 @@ def test_an_unreadable_file_is_named_as_such_not_as_corrupt(data, tmp_path, monk
     with pytest.raises(TrajectoryFileError,
                        match=r"training data file.*cannot be read: Permission denied"):
         stream._disk_data[0].array()
+    monkeypatch.undo()
+    # A file private to another account in a directory this process may read: its
+    # size is read from the directory, and opening it is what is refused (a bare
+    # PermissionError from np.memmap).
+    memmap = np.memmap
+
+    def refuse_open(path, *args, **kwargs):
+        if os.fspath(path) == data_file:
+            raise PermissionError(*refused, path)
+        return memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", refuse_open)
+    with pytest.raises(TrajectoryFileError,
+                       match=r"training data file.*cannot be read: Permission denied"):
+        stream._disk_data[0].array()
 
 
 def test_full_disk_keeps_recording_in_memory(data, monkeypatch, tmp_path):
@@ -1342,3 +1357,52 @@ def test_an_estimator_loaded_with_mmap_mode_explains_without_warnings(data, stor
     assert_array_equal(got["decompose"], est.decompose(X[:3]).contributions)
     assert_array_equal(got["unrolled"], est.attribute(X[:3], method="unrolled"))
     assert_array_equal(got["self"], est.self_influence())
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_save_to_another_file_system_cut_short_leaves_nothing_there(data, tmp_path,
+                                                                     monkeypatch, given):
+    # On another file system the save copies: a copy cut short (a full disk there) was
+    # left at the target by shutil.move, and the next save there was refused as "not an
+    # empty directory". Another file system made by hand: the directory's rename fails
+    # with EXDEV, and the copy runs out of space at its second file.
+    X, y = data
+    est = _fit(X, y, "disk")
+    source = est.trajectory_.directory
+    target = tmp_path / "saved"
+    if given:
+        target.mkdir()
+        os.chmod(target, 0o750)
+    replace, rename, copyfile = os.replace, os.rename, shutil.copyfile
+
+    def across(rename):
+        def move(src, dst, *args, **kwargs):
+            if os.path.isdir(src):
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src, None, dst)
+            return rename(src, dst, *args, **kwargs)
+        return move
+
+    copied = []
+
+    def full(src, dst, *args, **kwargs):
+        if copied:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+        copied.append(src)
+        return copyfile(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", across(replace))
+    monkeypatch.setattr(os, "rename", across(rename))  # shutil.move's
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(OSError):
+        est.trajectory_.save(target)
+    assert copied  # the copy began
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["saved"] if given else [])
+    if given:
+        assert list(target.iterdir()) == [] and os.stat(target).st_mode & 0o777 == 0o750
+    assert est.trajectory_.directory == source
+    _assert_same_path(est.trajectory_, _fit(X, y).trajectory_)
+    # Room again: the same save copies the whole path there and removes the original.
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    est.trajectory_.save(target)
+    assert not os.path.exists(source) and est.trajectory_.directory == os.fspath(target)
+    _assert_same_path(est.trajectory_, Trajectory.load(target))

@@ -610,7 +610,7 @@ def test_probability_methods_exist_only_with_probability():
 
 def test_bad_class_weight_and_too_small_a_class_fail_before_training(monkeypatch):
     """A label that is not a class (which SVC lets through where every class has a
-    weight), a negative weight, and probability=True with a class of one sample are
+    weight), a negative or zero weight, and probability=True with a class of one sample are
     refused before the network trains, and the previous fit is kept."""
     X, y = _imbalanced()
     est = TangentFeatureSVM(PathKernelClassifier(**SHORT), C=1.0).fit(X, y)
@@ -620,8 +620,11 @@ def test_bad_class_weight_and_too_small_a_class_fail_before_training(monkeypatch
     with pytest.raises(ValueError, match=r"class_weight has weights for \['other'\], which "
                                          r"are not classes of y: \['common', 'rare'\]"):
         est.set_params(class_weight={"common": 1, "rare": 2, "other": 3}).fit(X, y)
-    with pytest.raises(ValueError, match="finite and non-negative; got {'rare': -1}"):
+    with pytest.raises(ValueError, match="finite and positive; got {'rare': -1}"):
         est.set_params(class_weight={"rare": -1}).fit(X, y)
+    # SVC fits a class of weight 0 with C = 0 and fails on non-finite dual coefficients.
+    with pytest.raises(ValueError, match="finite and positive; got {'rare': 0.0}"):
+        est.set_params(class_weight={"rare": 0.0}).fit(X, y)
     one = y.copy()
     one[np.flatnonzero(y == "rare")[1:]] = "common"
     with pytest.raises(ValueError, match="needs 2 samples of every class; class 'rare' has 1"):
@@ -655,3 +658,16 @@ def test_probability_survives_pickle_and_routing():
     old.__setstate__(state)
     assert old.get_params()["class_weight"] is None and not hasattr(old, "predict_proba")
     assert clone(old).get_params()["probability"] is False
+
+
+def test_probability_with_a_class_early_stopping_leaves_one_sample_of_says_so():
+    """y's two samples of a class pass the check before training; early stopping then
+    holds one out, and the refusal said the class "has 1", which y contradicted."""
+    X, y = _imbalanced()
+    y = y.copy()
+    y[np.flatnonzero(y == "rare")[2:]] = "common"
+    net = PathKernelClassifier(**{**SHORT, "early_stopping": True,
+                                  "validation_fraction": 0.3})
+    with pytest.raises(ValueError, match=r"class 'rare' has 1 of the rows the network "
+                                         r"trained on \(early stopping held out 18 "):
+        TangentFeatureSVM(net, probability=True).fit(X, y)

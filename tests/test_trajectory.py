@@ -335,3 +335,46 @@ def test_load_refuses_a_file_cut_anywhere(fitted, tmp_path):
         path.write_bytes(data[:n])
         with pytest.raises(ValueError, match="cut.pt' is not a skpathkernel trajectory"):
             Trajectory.load(path)
+
+
+def test_a_save_over_a_file_keeps_its_link_and_permissions(fitted, tmp_path):
+    # Written aside and renamed, the save replaced a link by a file (the file it named,
+    # which torch.save wrote through to, kept the old trajectory) and gave the file the
+    # umask's permissions (a file 0o640 for a service's group came back 0o644, or 0o600
+    # under a job's umask 0o077: the service could no longer read it).
+    real, link = tmp_path / "real.pt", tmp_path / "link.pt"
+    real.write_bytes(b"an older trajectory")
+    real.chmod(0o640)
+    link.symlink_to(real)
+    old_umask = os.umask(0o077)
+    try:
+        fitted.trajectory_.save(link)
+    finally:
+        os.umask(old_umask)
+    assert link.is_symlink() and os.readlink(link) == os.fspath(real)
+    _assert_same(fitted.trajectory_, Trajectory.load(real))
+    assert real.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.pt", "real.pt"]
+
+
+def test_a_save_over_a_file_the_process_may_not_write_is_refused(fitted, tmp_path,
+                                                                 monkeypatch):
+    # torch.save opened the file to write and was refused one made read-only (to keep
+    # it); the rename over it needs the folder's permission alone, and replaced it. The
+    # refusal made here by hand: this suite may run as root, whom permissions do not stop.
+    path = tmp_path / "kept.pt"
+    path.write_bytes(b"a trajectory kept")
+    path.chmod(0o444)
+    access = os.access
+
+    def refuse(p, mode, *args, **kwargs):
+        if os.fspath(p) == os.fspath(path) and mode & os.W_OK:
+            return False
+        return access(p, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", refuse)
+    with pytest.raises(PermissionError) as info:
+        fitted.trajectory_.save(path)
+    assert info.value.filename == os.fspath(path)
+    assert path.read_bytes() == b"a trajectory kept"
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.pt"]

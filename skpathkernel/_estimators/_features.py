@@ -363,7 +363,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         (each an ``SVC``): class ``c``'s samples get ``C * class_weight[c]`` (times
         their ``sample_weight``); "balanced": ``n_samples / (n_classes *
         np.bincount(y))`` over the rows the SVM is fitted on. A label that is not a
-        class of ``y`` is refused before any training. ``C="auto"`` weighs its folds'
+        class of ``y``, and a weight that is not positive (``SVC`` fails on a class of
+        weight 0), are refused before any training. ``C="auto"`` weighs its folds'
         SVMs alike and scores them by accuracy weighted by the same weights (with
         "balanced" and no ``sample_weight``, the balanced accuracy where the folds keep
         the classes' proportions). They weigh the SVM only, not the network's training:
@@ -378,7 +379,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         stratified 5-fold cross-validation in the order of the training set
         (deterministic, where libsvm's folds are drawn at random; fewer folds where a
         class has fewer than 5 samples, and a class of one sample is refused before
-        any training), each fold's SVM with the class weights of the whole set (as
+        any training, or after it where early stopping's hold-out leaves one), each
+        fold's SVM with the class weights of the whole set (as
         libsvm's) and the sample weights, the sigmoid with the sample weights alone;
         one-vs-rest sigmoids, normalized, for several classes. Six more SVM fits.
         ``svm_``, :meth:`predict` and :meth:`decision_function` are those of
@@ -585,7 +587,8 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
                 indexed.set_fit_request(sample_weight=True)
             self.calibrated_svm_ = CalibratedClassifierCV(
                 indexed, method="sigmoid", ensemble=False,
-                cv=StratifiedKFold(_calibration_folds(classes, counts)),
+                cv=StratifiedKFold(_calibration_folds(
+                    classes, counts, held_out=len(y) - len(labels))),
             ).fit(train_input, index, sample_weight=weights)
         svm = SVC(kernel=kernel, C=float(C), class_weight=self.class_weight)
         svm.fit(train_input, labels, sample_weight=weights)
@@ -687,7 +690,9 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
 
 def _check_class_weight(class_weight: dict, classes) -> None:
     """Refuse a label that is not a class (SVC's own check lets one through where every
-    class has a weight) and a weight that is negative or not finite."""
+    class has a weight) and a weight that is not positive or not finite (libsvm fits a
+    class of weight 0 with C = 0, and SVC then fails, after the network trained, on "dual
+    coefficients or intercepts [that] are not finite")."""
     known = set(classes.tolist())
     unknown = [label for label in class_weight if label not in known]
     if unknown:
@@ -695,18 +700,27 @@ def _check_class_weight(class_weight: dict, classes) -> None:
             f"class_weight has weights for {unknown}, which are not classes of y: "
             f"{classes.tolist()}.")
     bad = {label: w for label, w in class_weight.items()
-           if not (isinstance(w, numbers.Real) and np.isfinite(w) and w >= 0)}
+           if not (isinstance(w, numbers.Real) and np.isfinite(w) and w > 0)}
     if bad:
-        raise ValueError(f"class_weight's weights must be finite and non-negative; got {bad}.")
+        raise ValueError(
+            f"class_weight's weights must be finite and positive; got {bad}. To leave a "
+            "class out, fit without its samples.")
 
 
-def _calibration_folds(classes, counts) -> int:
-    """probability=True's folds: 5, as libsvm's, or the smallest class's size."""
+def _calibration_folds(classes, counts, held_out=0) -> int:
+    """probability=True's folds: 5, as libsvm's, or the smallest class's size.
+
+    ``held_out``: the rows early stopping kept from the SVM (checked again after
+    training, on the rows left: y's own counts were checked before)."""
     if counts.min() < 2:
+        where = "" if not held_out else (
+            f" of the rows the network trained on (early stopping held out {held_out} "
+            "for validation)")
         raise ValueError(
             "probability=True fits its sigmoid to cross-validated decision values, which "
             "needs 2 samples of every class; class "
-            f"{classes.tolist()[np.argmin(counts)]!r} has 1. Fit with probability=False.")
+            f"{classes.tolist()[np.argmin(counts)]!r} has 1{where}. Fit with "
+            "probability=False" + (", or without early stopping." if held_out else "."))
     return int(min(5, counts.min()))
 
 

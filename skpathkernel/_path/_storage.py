@@ -518,9 +518,9 @@ class ChunkStore:
         """Rename the directory to ``path`` (which must not exist, or be an empty folder,
         or be this directory already).
 
-        A rename, not a copy: on another file system (where a rename cannot work)
-        ``shutil.move`` copies and removes. Chunks kept in memory after a failed write
-        are written to the new place. The directory is no longer temporary.
+        A rename, not a copy: on another file system (where a rename cannot work) a copy,
+        then the original removed. Chunks kept in memory after a failed write are
+        written to the new place. The directory is no longer temporary.
         """
         path = os.path.abspath(path)  # as in __init__
         if _same_directory(path, self.directory):
@@ -550,9 +550,7 @@ class ChunkStore:
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
-            if os.path.isdir(path):
-                os.rmdir(path)
-            shutil.move(self.directory, path)
+            self._copy_across(path, mode)
         # mkdtemp made the temporary directory private (0o700), and a rename keeps that:
         # a model saved by one account (a training job) could not be read by another (the
         # service). After the move, which a file system refusing chmod must not undo.
@@ -579,6 +577,31 @@ class ChunkStore:
             return ""
         return (f" The trajectory's directory {self.directory!r} is not there (moved or "
                 f"deleted since this object was made or pickled). {RELOCATE_HINT}")
+
+    def _copy_across(self, path: str, mode: int | None) -> None:
+        """Copy the directory to ``path`` on another file system, then remove it here.
+
+        shutil.move did so, but left a copy cut short (a full disk there) at ``path``,
+        which the next save there refused as not empty, and where removing the original
+        failed part way after a whole copy, it raised with the object still reading the
+        original, half removed. A copy cut short is removed (an empty folder given is
+        made again), and once the copy is whole, the original's removal cannot fail the
+        save.
+        """
+        given = os.path.isdir(path)
+        if given:
+            os.rmdir(path)
+        try:
+            shutil.copytree(self.directory, path, symlinks=True)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            if given:
+                with contextlib.suppress(OSError):
+                    os.mkdir(path)
+                    if mode is not None:
+                        os.chmod(path, mode)
+            raise
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def __getstate__(self):
         # Pickles reference the directory, not its data: the directory must outlive this
@@ -1114,8 +1137,15 @@ class DiskArray:
     def array(self) -> np.ndarray:
         """The rows in use, read from the file as they are needed (read-only)."""
         self.check_file()
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
-                         shape=(self.n_rows, *self.row_shape))
+        try:
+            return np.memmap(self.path, dtype=self.dtype, mode="r", offset=_ALIGN,
+                             shape=(self.n_rows, *self.row_shape))
+        except PermissionError as exc:
+            # Its size is read from the directory: a file private to another account in
+            # a directory the process may read passes getsize and is refused here.
+            raise TrajectoryFileError(
+                f"The training data file {self.path!r} ({self.n_rows} training rows) "
+                f"cannot be read: {exc.strerror}.") from None
 
     def check_file(self, directory: str | None = None) -> None:
         """Check that the file (in ``directory`` instead, where given) holds the rows."""

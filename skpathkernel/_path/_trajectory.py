@@ -19,6 +19,7 @@ import errno
 import os
 import pickle
 import shutil
+import stat
 import struct
 import threading
 import warnings
@@ -1232,11 +1233,26 @@ def _save_aside(payload: dict, path: str) -> None:
     is this process's and thread's, so that concurrent saves do not write one file; it is
     created by ``open``, so it gets a new file's permissions, and a refusal is an
     ``OSError`` naming ``path`` (torch's said "open file failed", without a name).
+
+    What torch.save writing in place kept is kept: a file the process may not write is
+    refused, a link is written through (the file it names is replaced, the link stays),
+    and a file replaced keeps its permissions and, where the process may set them, its
+    owner and group (a file saved readable by a service's group stays so, whatever the
+    saving job's umask).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a trajectory in memory is saved to a file, "
                                 "this is a directory", path)
-    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    target = os.path.realpath(path)
+    try:
+        before = os.stat(target)
+    except OSError:
+        before = None
+    if before is not None and not os.access(target, os.W_OK):
+        # torch.save, writing in place, was refused a file the process may not write (one
+        # made read-only to keep it); a rename needs the folder's permission alone.
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    tmp = f"{target}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
         f = open(tmp, "wb")
     except OSError as exc:
@@ -1244,8 +1260,10 @@ def _save_aside(payload: dict, path: str) -> None:
         raise type(exc)(exc.errno, exc.strerror, path) from None
     try:
         with f:
+            if before is not None:
+                _keep_mode_and_owner(tmp, before)
             torch.save(payload, f)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -1314,6 +1332,20 @@ def _first_difference(ours: dict, theirs: dict, skip=("format", "version", "id")
         if not same:
             return prefix + key
     return None
+
+
+def _keep_mode_and_owner(path: str, before: os.stat_result) -> None:
+    """Give the file ``path`` the permissions, owner and group of ``before``, as far as
+    this process may (another account's owner only as root; a group it is in)."""
+    os.chmod(path, stat.S_IMODE(before.st_mode))
+    if not hasattr(os, "chown"):  # Windows: no owners to keep
+        return
+    for uid in (before.st_uid, -1):
+        try:
+            os.chown(path, uid, before.st_gid)
+            return
+        except OSError:
+            pass
 
 
 def _open_shared_trajectory(directory: str) -> Trajectory:

@@ -1126,7 +1126,7 @@ def test_the_sensitivity_warning_allows_for_the_estimate_reading_low():
         scores.gradient_sensitivity = value
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            unrolled._warn_sensitivity(scores, traj, None)
+            unrolled._warn_sensitivity(scores, traj, None, "attribute(method='unrolled')")
         assert bool(caught) is warns, value
 
 

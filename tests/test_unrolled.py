@@ -1210,7 +1210,7 @@ def test_overflowed_growth_warns():
     scores.growth = np.array([np.inf, np.inf])
     scores.amplification = np.full(est.trajectory_.n_steps, np.inf)
     with pytest.warns(UnstablePathWarning, match="up to infx"):
-        _warn(scores, est.trajectory_)
+        _warn(scores, est.trajectory_, "attribute(method='unrolled')")
 
 
 def test_a_slice_of_the_queries_drops_their_growth():

@@ -1126,7 +1126,7 @@ def test_the_sensitivity_warning_allows_for_the_estimate_reading_low():
         scores.gradient_sensitivity = value
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            unrolled._warn_sensitivity(scores, traj, None)
+            unrolled._warn_sensitivity(scores, traj, None, "attribute(method='unrolled')")
         assert bool(caught) is warns, value
 
 
@@ -1210,7 +1210,7 @@ def test_overflowed_growth_warns():
     scores.growth = np.array([np.inf, np.inf])
     scores.amplification = np.full(est.trajectory_.n_steps, np.inf)
     with pytest.warns(UnstablePathWarning, match="up to infx"):
-        _warn(scores, est.trajectory_)
+        _warn(scores, est.trajectory_, "attribute(method='unrolled')")
 
 
 def test_a_slice_of_the_queries_drops_their_growth():
@@ -1267,6 +1267,32 @@ def test_unstable_path_warning_points_at_the_callers_line():
         with pytest.warns(UnstablePathWarning) as record:
             call()
         assert {w.filename for w in record} == {__file__}
+
+
+def test_self_influence_warnings_name_self_influence():
+    """self_influence's warnings named attribute(method='unrolled'), a call the user had
+    not made; each now names the method called."""
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = _regression(n=32, seed=1)
+    chaotic = PathKernelMachine(hidden_layer_sizes=(32, 32), solver="sgd", batch_size=8,
+                                max_iter=30, tol=None, dtype="float64", random_state=0,
+                                learning_rate_init=1.0).fit(X, y)
+    for call, name in ((chaotic.self_influence, "self_influence()"),
+                       (lambda: chaotic.attribute(X[:2], method="unrolled"),
+                        "attribute(method='unrolled')")):
+        with pytest.warns(UnstablePathWarning) as record:
+            call()
+        assert all(str(w.message).startswith(f"{name}: ") for w in record)
+    # The float32 sensitivity warning of an Adam path (the defaults' solver).
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)[:200]
+    clf = PathKernelClassifier(max_iter=4, batch_size=32, tol=None,
+                               random_state=0).fit(X, y[:200])
+    with pytest.warns(UserWarning, match="move by .* rounded to float32") as record:
+        clf.self_influence()
+    assert all(str(w.message).startswith("self_influence(): ") for w in record)
 
 
 def test_self_influence_margin_of_integer_one_hot_targets():

@@ -1352,8 +1352,11 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = Fal
     queries, ``constant`` (C,) marks the columns only centered (no spread).
     """
     traj = net.trajectory
+    # The warnings name the method the user called: self_influence's said
+    # "attribute(method='unrolled')", which the user had not called.
+    what = "self_influence()" if diagonal else "attribute(method='unrolled')"
     check_unrollable(traj, net.module)
-    warn_tied_padding(net.module, traj, X)
+    warn_tied_padding(net.module, traj, X, analysis=what)
     Wq = torch.as_tensor(np.asarray(weights), dtype=traj.dtype, device=Xq.device)
     query_work = _query_work(net.module, traj, X)
     row_bytes = _row_bytes(net.module, traj, query_work)
@@ -1366,7 +1369,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = Fal
         block -= 1
     elif path.exact_gradient:
         warnings.warn(
-            f"attribute(method='unrolled'): memory_budget={int(net.memory_budget):,} "
+            f"{what}: memory_budget={int(net.memory_budget):,} "
             "bytes holds one query's adjoint, and measuring the scores' sensitivity to "
             "float32 gradients (AttributionScores.gradient_sensitivity, None here) takes "
             f"another: raise it to at least {2 * row_bytes:,} bytes to measure it.",
@@ -1400,10 +1403,10 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = Fal
     result.replay_error = worst((p[4] for p in parts), 0.0)
     probed = [p[6] for p in parts if p[6] is not None]
     result.gradient_sensitivity = worst(probed) if probed else None
-    _warn(result, traj)
-    _warn_sensitivity(result, traj, next((p[7] for p in parts if p[7]), None))
+    _warn(result, traj, what)
+    _warn_sensitivity(result, traj, next((p[7] for p in parts if p[7]), None), what)
     if parts:
-        _check_clipping(traj, parts[0][5])
+        _check_clipping(traj, parts[0][5], what)
     return result
 
 
@@ -1446,7 +1449,7 @@ def _restandardize(scores, shift, scale, weights, net, outputs, n_rows, constant
     return scores
 
 
-def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:
+def _check_clipping(traj: Trajectory, norms: np.ndarray, what: str) -> None:
     """Warn when the recorded gradient factors are not one ``clip_grad_norm_``'s.
 
     The scores differentiate a factor below 1 as ``max_norm / (|g| + 1e-6)`` (the L2 norm
@@ -1467,7 +1470,7 @@ def _check_clipping(traj: Trajectory, norms: np.ndarray) -> None:
         larger = (f", and {int(above.sum())} unclipped steps have a larger norm"
                   if above.any() else "")
         warnings.warn(
-            "attribute(method='unrolled'): the recorded gradient factors "
+            f"{what}: the recorded gradient factors "
             "(Trajectory.gradient_scales) are not those of one "
             "clip_grad_norm_(max_norm) with the L2 norm: the clipped steps imply max_norm "
             f"from {float(implied.min()):.6g} to {top:.6g}"
@@ -1526,7 +1529,7 @@ def warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tensor
         )
 
 
-def _warn(result: AttributionScores, traj: Trajectory) -> None:
+def _warn(result: AttributionScores, traj: Trajectory, what: str) -> None:
     # NaN: a query whose output does not depend on the parameters; inf: an adjoint that
     # overflowed, which is growth beyond any limit.
     growth = result.growth[~np.isnan(result.growth)]
@@ -1541,7 +1544,7 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
         steps = ", ".join(f"{int(t)} (x{amp[t]:.2f})" for t in sorted(worst) if amp[t] > 1)
         lr = float(np.max(traj.learning_rates)) if len(traj.learning_rates) else float("nan")
         warnings.warn(
-            f"attribute(method='unrolled'): the recorded path amplifies perturbations of "
+            f"{what}: the recorded path amplifies perturbations of "
             f"the parameters by up to {growth:.3g}x (AttributionScores.growth): training ran "
             "at or past the edge of stability, where removing training points changes the "
             "trained network non-linearly, so these exact derivatives predict retraining "
@@ -1570,7 +1573,7 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
                      "one that happened. Declare the loss and data the optimizer saw, and "
                      "record every step.")
         warnings.warn(
-            f"attribute(method='unrolled'): the training steps as the scores model them "
+            f"{what}: the training steps as the scores model them "
             f"miss the recorded path by {result.replay_error:.2g} relative "
             f"(AttributionScores.replay_error){thinned}: {cause}",
             UserWarning, stacklevel=caller_stacklevel(),
@@ -1578,7 +1581,7 @@ def _warn(result: AttributionScores, traj: Trajectory) -> None:
 
 
 def _warn_sensitivity(result: AttributionScores, traj: Trajectory,
-                      fallback: str | None) -> None:
+                      fallback: str | None, what: str) -> None:
     """Warn of scores that float32 gradients move by more than SENSITIVITY_LIMIT (NaN:
     a broken record, which the replay warning names), or that could not take their
     gradients in float64 (``fallback``: why)."""
@@ -1589,7 +1592,7 @@ def _warn_sensitivity(result: AttributionScores, traj: Trajectory,
             "measured)")
     if fallback is not None:
         warnings.warn(
-            f"attribute(method='unrolled'): the module does not run in float64 "
+            f"{what}: the module does not run in float64 "
             f"({fallback}), so each step's gradient is taken in {dtype}, as the training "
             f"took it, and the scores' sensitivity to its rounding is not measured: on "
             f"{spec.name} paths it moved scores by up to a few % of the largest, where "
@@ -1601,7 +1604,7 @@ def _warn_sensitivity(result: AttributionScores, traj: Trajectory,
     if sensitivity is None or not sensitivity > SENSITIVITY_LIMIT:
         return
     warnings.warn(
-        f"attribute(method='unrolled'): these scores of a {dtype} {spec.name} path "
+        f"{what}: these scores of a {dtype} {spec.name} path "
         f"move by {sensitivity:.2g} of their size when each step's gradient is rounded "
         f"to {dtype} (AttributionScores.gradient_sensitivity, an estimate; the scores "
         "take it in float64 at the recorded points), and a training's own rounding can "

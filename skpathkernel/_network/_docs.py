@@ -234,9 +234,12 @@ SELF_INFLUENCE = """Each training point's counterfactual score for its own outpu
 
 ``d m(x_i; theta_T) / d w_i`` for every training point ``i``: the diagonal of
 ``attribute(X_train, y_train, method="unrolled")``, how much down-weighting the
-point in training would move its own output (${label}). Points the network fits
-only by memorising them, mislabeled ones first, have the largest self-influence:
-inspect them first when cleaning data.
+point in training would move its own output (${label}). Points the rest of the
+data does not explain, mislabeled ones among them, tend to score high. As a ranking
+of suspected mislabels it was measured no better than scores that take a small
+fraction of its time (the training loss summed over the recorded path, cross-validated
+probabilities of the given label), and worse where the network memorised the flipped
+labels: see the user guide's "Self-influence" section before cleaning data with it.
 
 Parameters
 ----------

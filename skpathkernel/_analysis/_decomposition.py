@@ -1327,7 +1327,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 # residual by it tells whether it gained (its nodes alone: half the
                 # product of the difference's weights over both rules' nodes).
                 more = directional(c.nodes[len(c.w):], _gauss(len(c.w) + 1)[1],
-                                   prepared=dirs)[0]
+                                   prepared=dirs, spread=False)[0]
                 c.quad.paired(j, _residual(more[0], df), float((more[0] - q).abs().max()))
                 if along:
                     c.rho_theta_pair = more[1] - c.rho_theta

@@ -563,3 +563,54 @@ def test_contribution_error_of_rmsprops_first_step():
         res = est.decompose(Xq)
     true = np.abs(res.contributions - ref).max()
     assert true <= res.contribution_error <= 1e-12 * _path_scale(est, Xq)
+
+
+def _kinked_step(c):
+    """One full-batch plain SGD step of a ReLU MLP on pairs of points with opposite
+    targets (the points' parts of the step cancel), and a query on whose segment the
+    hidden unit of largest output weight turns off at ``s = c``; the pieces of [0, 1]
+    between the query's kinks (its first layer's pre-activations are linear in s)."""
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(6, 2))
+    X, y = np.vstack([x, x]), np.r_[5 * np.ones(6), -5 * np.ones(6)]
+    est = PathKernelMachine(hidden_layer_sizes=(8,), activation="relu", solver="sgd",
+                            momentum=0.0, alpha=0.0, batch_size=12, learning_rate_init=0.05,
+                            max_iter=1, tol=None, normalize_y=False,
+                            n_iter_no_change=10**6, dtype="float64", random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est.fit(X, y)
+    (W0, b0, w2, _), (W1, b1, _, _) = (
+        [p.double().numpy() for p in est.trajectory_.state_dict(k).values()] for k in (0, 1))
+    k = int(np.argmax(np.abs(w2[0])))
+    x0, u = rng.normal(size=2), W0[k] / np.linalg.norm(W0[k])
+    Wc, bc = W0[k] + c * (W1[k] - W0[k]), b0[k] + c * (b1[k] - b0[k])
+    xq = x0 - (Wc @ x0 + bc) / (Wc @ u) * u
+    z0, z1 = W0 @ xq + b0, W1 @ xq + b1
+    kinks = sorted(s for s in -z0 / (z1 - z0) if 0 < s < 1)
+    assert abs(kinks[0] - c) < 1e-12
+    return est, X, y, xq[None], [0.0, *kinks, 1.0]
+
+
+def test_a_kink_that_both_rules_miss_is_warned():
+    """contribution_error is the difference of each step's rule and the rule with a node
+    more. A ReLU kink on the segment before the first node of both rules (s = 0.01; 0.069
+    for 4 nodes) is missed by both alike: they agree to round-off while each
+    contribution misses by 3.5 tol * S (an exact reference: a per-sample forward
+    recursion integrating each piece between the query's kinks with 8 nodes). The step's
+    sum meets tol, so before, nothing warned; its residual by the rule with a node more,
+    over twice the two rules' difference, now says so."""
+    est, X, y, Xq, edges = _kinked_step(0.01)
+    s, w = gauss_nodes(8)
+    nodes = (np.concatenate([a + (b - a) * s for a, b in zip(edges[:-1], edges[1:])]),
+             np.concatenate([(b - a) * w for a, b in zip(edges[:-1], edges[1:])]))
+    ref, _ = forward_recursion(est, X, torch.as_tensor(y).reshape(-1, 1), _squared, Xq,
+                               nodes=nodes)
+    allowed = 1e-4 * _path_scale(est, Xq)
+    with pytest.warns(ConvergenceWarning, match="does not measure a single contribution"):
+        res = est.decompose(Xq, tol=1e-4)
+    true = np.abs(res.contributions - ref).max()
+    assert true > 2 * allowed and res.contribution_error < 1e-6 * true
+    assert res.error <= allowed  # the sum met tol: only the contributions missed
+    with pytest.warns(ConvergenceWarning, match="does not measure a single contribution"):
+        est.decompose(Xq, n_nodes=3)

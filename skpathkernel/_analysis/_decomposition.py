@@ -171,6 +171,18 @@ Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more. 
 float32 the difference holds the factors' round-off at the two rules' nodes too: it is
 part of the error the contributions achieve, and reported with the quadrature's (0.0097
 of ``tol * S`` on the default classifier on digits, which does not warn).
+Where a node more does not gain, the difference measures nothing: a kink of a
+non-smooth activation (relu) on a step's segment before the first node or after the
+last of both rules is missed by both alike (they agreed to 1e-17 where a contribution
+missed by 1.2e-4, 3.5x ``tol * S``, with the step's sum within tol:
+``benchmarks/results/contribution_error_kink.md``). The step's sum tells: its residual
+by the rule with a node more is measured too (:meth:`_Quadrature.paired`), and a step
+where it is above round-off and over twice the two rules' difference is warned of
+(a ConvergenceWarning that ``contribution_error`` does not measure the error there).
+A kink between nodes shows in the difference; a step whose kinks the sum's node choice
+cannot integrate is warned of as failed. Smooth steps too large for a few nodes gain
+less than twofold per node: there the difference read up to 1.4x under the returned
+rule's error (RMSprop's first step at lr 0.2, under ``tol * S`` all the same).
 
 Cost. Profiled (cProfile, one thread), a walk of the default classifier on digits
 spends 58% in the adjoint's update and contraction, 26% in the queries' captures and
@@ -182,7 +194,8 @@ one walk costs 1.56x and 1.37x (float32), 0.57x on the regressor in float64 and 
 converged full-batch Adam, each of which that code walked three times
 (``benchmarks/results/contribution_check_overhead.md``). What it adds is the queries'
 captures at n + 1 more nodes and the difference's rows in the adjoint's update and
-contraction (the contraction's GEMM has twice the rows).
+contraction (the contraction's GEMM has twice the rows), and per step and chunk one
+product of the two rules' difference with the step (the sum's check of the pair).
 """
 
 from __future__ import annotations
@@ -352,8 +365,11 @@ class Decomposition:
         largest |f| along the path; with fixed ``n_nodes``, whose rule is returned,
         against the exact checks' accuracy, 1e-10 of ``S`` in float64, 1e-4 in
         float32) and warned of above it, after up to ``CHECK_RAISES`` walks with nodes
-        raised. In float32 the two rules' round-off is in the difference too. None for
-        the other methods.
+        raised. In float32 the two rules' round-off is in the difference too. It
+        measures the error only where a node more gains: a kink of a non-smooth
+        activation that both rules miss alike is not in it, and a warning says so
+        where a step's sum shows it (see the module's *Error control*). None for the
+        other methods.
     """
 
     initial: np.ndarray
@@ -442,6 +458,12 @@ class _Quadrature:
         self.n_used = np.zeros(n_steps, dtype=np.int64)
         self.errors = np.zeros(n_steps)
         self.failed: dict[int, float] = {}
+        # Steps whose sum's error by the rule with a node more is above round-off and
+        # over twice the two rules' difference: their ratio (see paired).
+        self.slow: dict[int, float] = {}
+        # Each step's largest round-off of a residual (the rule with a node more has
+        # its own factors' round-off: float32's reached 4-16 eps * spread there).
+        self._floors = np.zeros(n_steps)
         # Steps accepted at the round-off floor with a residual above their share of
         # the tolerance: a tol below what the dtype resolves (see finish).
         self.floored: dict[int, float] = {}
@@ -463,8 +485,10 @@ class _Quadrature:
         fixed = self.fixed if self.plan is None else int(self.plan[t])
         self._next = t - 1
         if fixed is not None:
-            q, _, payload = evaluate(fixed)
+            q, spread, payload = evaluate(fixed)
             r = _residual(q, df)
+            self._floors[t] = noise + FLOOR_MAX * self.eps * (
+                float(spread.max()) if spread.numel() else 0.0)
             if not math.isfinite(r):
                 self.failed[t] = r
             self._record(t, fixed, r)
@@ -492,6 +516,7 @@ class _Quadrature:
                 self.failed[t] = r
                 break
             goal = max(budget, floor)
+            self._floors[t] = noise + FLOOR_MAX * spread
             if seen and seen[-1][1] > floor and r > floor:
                 (n0, r0) = seen[-1]
                 self._ratio = min(max((r / r0) ** (1.0 / (n - n0)), 1e-3), 0.9)
@@ -536,6 +561,22 @@ class _Quadrature:
         self._stalls += bool(stalled)
         self._record(t, n, r)
         return payload
+
+    def paired(self, t: int, r: float, d: float) -> None:
+        """Step t's sum by the rule with a node more: its residual ``r``, and ``d`` the
+        largest difference of the two rules.
+
+        The two rules' difference of a contribution (``contribution_error``) stands for
+        the error of the one returned (see :func:`_contribution_check`); on the step's
+        sum, whose error is measured, that is checked: an error above round-off and
+        over twice the difference says the difference does not measure the error there.
+        A kink of a non-smooth activation on the segment before the first node or after
+        the last of both rules is missed by both alike (measured: the rules of 3 and 4
+        nodes agreed to 1e-17 where each missed by 1e-5,
+        ``benchmarks/results/contribution_error_kink.md``).
+        """
+        if r > self._floors[t] and not r <= 2 * d:
+            self.slow[t] = worse(self.slow.get(t, 0.0), r / d if d > 0 else math.inf)
 
     def start(self) -> int:
         """The node count the next step tries first."""
@@ -1273,18 +1314,23 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     # ended with: its block is made then.
                     q, spread, nodes, w, _ = run(n, c.X, c.W, c.local,
                                                  later=(c.quad.last() == n,))
-                return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None)
+                return q[0], spread, (nodes, w, q[1] if len(q) > 1 else None, q[0])
 
             for c in parts:
                 f_t = c.quad.f[j]
                 df = ctx.ref.out(c.f_next - f_t, c.rows)
-                c.nodes, c.w, c.rho_theta = c.quad.choose(
+                c.nodes, c.w, c.rho_theta, q = c.quad.choose(
                     j, functools.partial(evaluate, c=c), df,
                     ctx.ref.noise(f_t, c.f_next, c.rows))
                 c.f_next = f_t
-                if along:  # the decay's difference of the two rules
-                    c.rho_theta_pair = directional(c.nodes, _pair_weights(len(c.w)),
-                                                   prepared=dirs)[0][1]
+                # The rule with a node more along the step (and the decay): the sum's
+                # residual by it tells whether it gained (its nodes alone: half the
+                # product of the difference's weights over both rules' nodes).
+                more = directional(c.nodes[len(c.w):], _gauss(len(c.w) + 1)[1],
+                                   prepared=dirs, spread=False)[0]
+                c.quad.paired(j, _residual(more[0], df), float((more[0] - q).abs().max()))
+                if along:
+                    c.rho_theta_pair = more[1] - c.rho_theta
         else:
             ahead.passed(j, theta, nxt)
             # The decay direction prepared once for all chunks of the step (and its
@@ -2035,7 +2081,7 @@ def decompose(
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
-    scale, failed, floored = None, {}, {}
+    scale, failed, floored, slow = None, {}, {}, {}
     if exact:  # each step's largest count and residual over the chunks, as merge joins
         result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
         result.step_errors = np.max([q.errors for q in quads], axis=0, initial=0.0)
@@ -2043,6 +2089,7 @@ def decompose(
         scale = max((float(q.scale) for q in quads), default=0.0)
         for q in quads:
             _join(failed, q.failed)
+            _join(slow, q.slow)
             if requested is not None:
                 _join(floored, q.floored)
     checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
@@ -2052,7 +2099,7 @@ def decompose(
                      unequal_weights=weighting == "expected" and _unequal_batch_weights(traj),
                      preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"),
                      refusal=refusal, replay_limit=replay_limit(recorded),
-                     compression=recorded.compression, measured=measured)
+                     compression=recorded.compression, measured=measured, slow=slow)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -2075,7 +2122,8 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     ``benchmarks/results/contribution_error_blind_spot.md``). A chunk with adaptive
     nodes returns the rule with a node more, and the largest difference of one of its
     contributions is its error (the n-node rule's, up to the returned rule's: above the
-    returned rule's wherever a node more at least halves it). Where that is over
+    returned rule's wherever a node more at least halves it; where it does not, the
+    step's sum shows it, :meth:`_Quadrature.paired`). Where that is over
     ``tol`` times the chunk's largest |f|, the path is walked again with ``RAISE``
     nodes more per step in that chunk (up to ``CHECK_RAISES`` walks while the error
     falls fourfold per walk), and the walk with the smallest error is kept with it.
@@ -2176,6 +2224,10 @@ class _Checks:
     # The largest per-contribution error measured by walks with more nodes (None: none
     # was, the other methods).
     measured: float | None = None
+    # Steps whose sum a node more did not halve (the ratio of the residuals by the rule
+    # with a node more and by the rule): there the two rules' difference is no upper
+    # estimate (_Quadrature.paired).
+    slow: dict = field(default_factory=dict)
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -2201,14 +2253,16 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
-    failed, floored = {}, {}
+    failed, floored, slow = {}, {}, {}
     for c in checks:
         _join(failed, c.failed)
         _join(floored, c.floored)
+        _join(slow, c.slow)
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
-                              "floored": floored, "measured": _worst_measured(checks)})
+                              "floored": floored, "measured": _worst_measured(checks),
+                              "slow": slow})
 
 
 def _worst_measured(checks) -> float | None:
@@ -2332,8 +2386,10 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
     failed = {t: r for c in checks for t, r in c.failed.items()}
     floored = {t: r for c in checks for t, r in c.floored.items()}
+    slow = {t: r for c in checks for t, r in c.slow.items()}
     measured = [c.measured for c in checks if c.measured is not None]
     return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored,
+                              "slow": slow,
                               "measured": float(np.sum(measured)) if measured else None})
 
 
@@ -2378,7 +2434,9 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             f"{verb}(method='exact'): the quadrature of {len(checks.failed)} of "
             f"{checks.n_steps} steps {goal}: steps {listed}.{nonfinite} The "
             f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
-            "step_errors). A non-smooth activation (relu) or very large steps make the "
+            "step_errors); on such steps Decomposition.contribution_error, the "
+            "difference of the rule with a node more, need not measure a single "
+            "contribution's error. A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
             "helps.",
             ConvergenceWarning, stacklevel=caller_stacklevel(),
@@ -2387,6 +2445,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
         _warn_missed(result, checks, *missed, verb)
     if one is not None:
         _warn_contribution(result, checks, one, verb)
+    if checks.exact and checks.slow and not checks.failed:
+        _warn_slow(result, checks, verb)
     if inexact is not None:
         _warn_inexact(result, inexact, verb)
     if checks.thinned:
@@ -2566,6 +2626,28 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
         f"{fix}",
         ConvergenceWarning, stacklevel=caller_stacklevel(),
     )
+
+
+def _warn_slow(result: Decomposition, checks: _Checks, verb: str) -> None:
+    warnings.warn(
+        f"{verb}(method='exact'): at {len(checks.slow)} of {checks.n_steps} steps the "
+        "quadrature's residual by the Gauss-Legendre rule with a node more is above "
+        "round-off and over twice that rule's difference from the step's own (steps "
+        f"{_list_ratios(checks.slow)}). There the two rules' difference, "
+        f"Decomposition.contribution_error ({result.contribution_error:.3g}), does not "
+        "measure a single contribution's error, which may be larger by any amount: a "
+        "kink of a non-smooth activation (relu) on a step's segment outside both rules' "
+        "nodes is missed by both alike, and a step too large for a few nodes gains "
+        "little from one more. A smooth activation or a smaller learning rate helps.",
+        ConvergenceWarning, stacklevel=caller_stacklevel(),
+    )
+
+
+def _list_ratios(ratios: dict) -> str:
+    """The first five steps with their ratio of residual to difference, for a warning."""
+    steps = sorted(ratios)
+    listed = ", ".join(f"{t} ({ratios[t]:.2g}x)" for t in steps[:5])
+    return listed + (f" and {len(steps) - 5} more" if len(steps) > 5 else "")
 
 
 def _list_steps(residuals: dict) -> str:

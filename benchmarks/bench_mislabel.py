@@ -8,8 +8,9 @@ that cost next to nothing or that any scikit-learn user already has:
 - ``attribute(X, y, method="first_order")`` diagonal: TracIn over every recorded step;
 - final loss: ``-log p(given label)`` of the fitted network (the margin of the given label
   ranks the same way, being a decreasing function of it);
-- path loss: that loss summed over every recorded point of the path (``outputs(X, step)``),
-  a loss-area / forgetting-style score read off the recorded path;
+- path loss: that loss summed over every recorded point of the path
+  (``skpathkernel.diagnostics.loss_path``), a loss-area / forgetting-style score read off
+  the recorded path (checked against the sum by hand over ``outputs(X, step)``);
 - cross-validated probability of the given label (confident-learning style),
   ``1 - cross_val_predict(..., method="predict_proba")[i, y_i]``, with the same default
   ``PathKernelClassifier`` and with ``LogisticRegression``.
@@ -51,6 +52,7 @@ from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import PathKernelClassifier
 from skpathkernel.datasets import load_printed_digits
+from skpathkernel.diagnostics import loss_path
 
 N_TRAIN = 300
 FLIP = 0.1
@@ -141,8 +143,13 @@ def run_one(name, seed, dtype, scores, setting="default"):
             found["first_order_diag"][0][rows] = s
         found["final_loss"] = _timed(
             lambda: -_given_log_proba(np.log(clf.predict_proba(X)), codes))
-        found["path_loss"] = _timed(lambda: -sum(
-            _given_log_proba(net.outputs(X, step=k), codes) for k in range(n_points)))
+        found["path_loss"] = _timed(lambda: loss_path(clf, X, noisy).sum(axis=1))
+        # The sum by hand that loss_path replaced (float64 log-softmax of the outputs;
+        # loss_path computes in the network's dtype): the same values to its round-off.
+        by_hand = -sum(_given_log_proba(net.outputs(X, step=k), codes)
+                       for k in range(n_points))
+        np.testing.assert_allclose(found["path_loss"][0], by_hand,
+                                   rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-6)
         found["cv_proba_pathkernel"] = _timed(lambda: 1 - cross_val_predict(
             PathKernelClassifier(random_state=seed, dtype=dtype, **params), X, noisy, cv=5,
             method="predict_proba")[np.arange(len(X)), codes])

@@ -29,14 +29,15 @@ from torch.func import functional_call
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._modules import runs_module
-from ._network._trained import _as_array, network_of
+from ._network._trained import _as_array, network_of, output_block_rows
 from ._path._recorder import RecordedNetwork
 from ._path._training import warn_drawing_now
 from ._second_order import check_twice_differentiable, twice_differentiable
 from ._tangent._capture import check_functional_lookups, check_lookups
 from ._validation import check_index, count
 
-__all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path"]
+__all__ = ["HessianTrace", "HessianTracePath", "hessian_trace", "hessian_trace_path",
+           "loss_path"]
 
 
 @dataclass
@@ -287,23 +288,157 @@ def hessian_trace_path(estimator, X=None, y=None, *, sample_weight=None, steps=N
     ([0, 10, 20], [0, 10, 20], (3,))
     """
     check_is_fitted(estimator)
-    n_points = len(network_of(estimator).trajectory)
-    if steps is None:
-        steps = np.arange(n_points)
-    elif isinstance(steps, numbers.Integral):
-        steps = np.unique(np.round(np.linspace(0, n_points - 1, int(steps))).astype(np.int64))
-    else:
-        if np.ndim(steps) != 1:  # column_or_1d's message would call it y
-            raise ValueError(f"steps must be a 1-D sequence of integers, got shape "
-                             f"{np.shape(steps)}.")
-        steps = column_or_1d(check_array(steps, ensure_2d=False, dtype=None))
-        if steps.size == 0 or not np.issubdtype(steps.dtype, np.integer):
-            raise ValueError(f"steps must be a non-empty sequence of integers, got {steps!r}.")
-    return _hessian_traces(estimator, X, y, sample_weight, list(steps), n_samples,
+    steps = _steps_asked(steps, len(network_of(estimator).trajectory))
+    return _hessian_traces(estimator, X, y, sample_weight, steps, n_samples,
                            random_state, batch_size)
 
 
+@validate_params(
+    {
+        "estimator": [FittedNetworkMixin, RecordedNetwork],
+        "X": ["array-like", None],
+        "y": ["array-like", "sparse matrix", None],
+        "steps": ["array-like", count(1), None],
+        "batch_size": [count(1), None],
+    },
+    prefer_skip_nested_validation=True,
+)
+def loss_path(estimator, X=None, y=None, *, steps=None, batch_size=None):
+    """Per-sample training loss at recorded points of the optimisation path.
+
+    ``l(y_i, f(x_i; theta_k))`` for every sample ``i`` and recorded point ``k``, with
+    ``l`` the per-sample loss the estimator trains with (``estimator.loss``): the log loss
+    of a classifier (binary cross-entropy on its one logit, softmax cross-entropy on
+    several, summed over the labels of a multilabel one), ``1/2 mean_c (f_c - y_c)^2`` of a
+    regressor, a :class:`~skpathkernel.RecordedNetwork`'s own loss. The data term only:
+    L2 weight decay (``alpha``) is not included, and the losses are not weighted by
+    ``sample_weight`` (a weighted fit minimised ``sum_i w_i l_i / sum_i w_i`` of these
+    same ``l_i``).
+
+    A regressor fitted with ``normalize_y=True`` trained on standardized targets
+    ``(y - mean) / scale``, and its losses are in those units, as training minimised
+    them: the squared error in the units of ``y`` divided by ``scale**2`` (per output).
+
+    The path's statistics are "training dynamics" scores of the samples: the loss summed
+    (or averaged) over the path ranks mislabeled training points (Pleiss et al. 2020's
+    area under the margin; the mean and variability of the given label's probability,
+    ``exp(-loss)`` for a single-label classifier, are Swayamdipta et al. 2020's dataset
+    cartography). Cost: one forward pass per sample and point, no gradient.
+
+    Parameters
+    ----------
+    estimator : fitted skpathkernel estimator
+        As in :func:`hessian_trace` (a meta-estimator stands for its ``estimator_``, a
+        :class:`~skpathkernel.RecordedNetwork` for the network it holds, with its
+        ``loss``). The network is evaluated as it is, with the parameters of each recorded
+        point; the estimator is not modified.
+    X : array-like of shape (n_samples_X, n_features) or (n_samples_X, ...), default=None
+        Inputs, in the form of the training inputs. ``None``: the training inputs
+        ``X_fit_``, whose rows are those of the ``X`` given to ``fit``
+        mapped by ``train_indices_`` (they differ where ``early_stopping`` held rows out).
+    y : array-like of shape (n_samples_X,) or (n_samples_X, n_outputs), default=None
+        Targets, encoded as ``fit`` encodes them (classifiers map labels through
+        ``classes_``; a label not seen in ``fit`` is an error; a multilabel classifier's
+        indicator may be sparse, as in its ``fit``; a regressor's are standardized as its
+        fit's were). Required with ``X``; ``None`` with ``X=None``: the training targets.
+    steps : array-like of int, int or None, default=None
+        Recorded points (0 is the initialization, negative indices count from the end).
+        An int ``m``: ``m`` points evenly spaced from the first to the last (duplicates
+        dropped). ``None``: every recorded point.
+    batch_size : int, default=None
+        Samples per forward pass. ``None``: as many as the estimator's ``memory_budget``
+        allows.
+
+    Returns
+    -------
+    losses : ndarray of shape (n_samples_X, n_steps), dtype float64
+        ``losses[i, j]``: the loss of sample ``i`` at the ``j``-th point of ``steps``,
+        computed in the network's dtype.
+
+    See Also
+    --------
+    hessian_trace_path : The curvature of the mean training loss along the path.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sklearn.datasets import load_breast_cancer
+    >>> from sklearn.preprocessing import StandardScaler
+    >>> from skpathkernel import PathKernelClassifier
+    >>> from skpathkernel.diagnostics import loss_path
+    >>> X, y = load_breast_cancer(return_X_y=True)
+    >>> X = StandardScaler().fit_transform(X[:200]); y = y[:200].copy()
+    >>> y[:10] = 1 - y[:10]                       # ten flipped labels
+    >>> clf = PathKernelClassifier(hidden_layer_sizes=(16,), max_iter=50, tol=None,
+    ...                            random_state=0).fit(X, y)
+    >>> losses = loss_path(clf)                   # one row per row of clf.X_fit_
+    >>> losses.shape == (len(clf.X_fit_), len(clf.trajectory_))
+    True
+    >>> suspects = clf.train_indices_[losses.sum(axis=1).argsort()[::-1][:10]]
+    >>> int(np.isin(suspects, np.arange(10)).sum())   # flipped ones among the top 10
+    9
+    """
+    check_is_fitted(estimator)
+    steps = _steps_asked(steps, len(network_of(estimator).trajectory))
+    return _loss_path(estimator, X, y, steps, batch_size)
+
+
 # --------------------------------------------------------------------------- engine
+def _steps_asked(steps, n_points: int) -> list:
+    """The ``steps`` parameter of the path functions as a list of ints (not yet checked
+    against ``n_points``, which the engines do with the other input)."""
+    if steps is None:
+        return list(range(n_points))
+    if isinstance(steps, numbers.Integral):
+        return list(np.unique(np.round(np.linspace(0, n_points - 1, int(steps)))
+                              .astype(np.int64)))
+    if np.ndim(steps) != 1:  # column_or_1d's message would call it y
+        raise ValueError(f"steps must be a 1-D sequence of integers, got shape "
+                         f"{np.shape(steps)}.")
+    steps = column_or_1d(check_array(steps, ensure_2d=False, dtype=None))
+    if steps.size == 0 or not np.issubdtype(steps.dtype, np.integer):
+        raise ValueError(f"steps must be a non-empty sequence of integers, got {steps!r}.")
+    return list(steps)
+
+
+def _points(steps, traj) -> list[int]:
+    """``steps`` as non-negative indices of ``traj``'s recorded points."""
+    points = []
+    for s in steps:
+        s = int(s)
+        if not -len(traj) <= s < len(traj):
+            raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
+        points.append(s % len(traj))
+    return points
+
+
+@runs_module(lambda estimator: network_of(estimator).module, check=warn_drawing_now)
+def _loss_path(estimator, X, y, steps, batch_size) -> np.ndarray:
+    net = network_of(estimator)
+    traj = net.trajectory
+    points = _points(steps, traj)
+    Xt, Yt, _ = _data(estimator, net, X, y, None)
+    net._check_loss(Xt, Yt)  # a user's loss, on the outputs flattened per sample
+    # The loss the network was fitted with, not the current parameter (see set_params).
+    loss = net.loss
+    n = Xt.shape[0]
+    block = batch_size or int(min(max(n, 1), output_block_rows(
+        net.memory_budget, [Xt[0].numel() if n else 1, *net.activation_widths()],
+        net.torch_dtype, fixed=False)))
+    losses = np.empty((n, len(points)), dtype=np.float64)
+    with torch.no_grad():
+        for j, k in enumerate(points):
+            # The network's dtype, not X's: token ids are int64.
+            params = traj.unflatten(traj.parameters(k).to(device=Xt.device,
+                                                          dtype=net.torch_dtype))
+            for start in range(0, n, block):
+                xb, yb = Xt[start : start + block], Yt[start : start + block]
+                f = functional_call(net.module, params, (xb,)).reshape(len(xb), -1)
+                losses[start : start + len(xb), j] = (
+                    loss.per_sample(f, yb).to(torch.float64).cpu().numpy())
+    return losses
+
+
 @runs_module(lambda estimator: network_of(estimator).module, check=warn_drawing_now)
 def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_state,
                     batch_size):
@@ -313,12 +448,7 @@ def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_sta
     # scale_grad_by_freq make a backward that is not the loss's derivative.
     check_lookups(net.module)
     traj = net.trajectory
-    points = []
-    for s in steps:
-        s = int(s)
-        if not -len(traj) <= s < len(traj):
-            raise IndexError(f"step {s} is out of range for {len(traj)} recorded points.")
-        points.append(s % len(traj))
+    points = _points(steps, traj)
     Xt, Yt, weights = _data(estimator, net, X, y, sample_weight)
     net._check_loss(Xt, Yt)  # a user's loss, on the outputs flattened per sample
     # The network's loss is the one it was fitted with, not the current parameter, which
@@ -408,8 +538,8 @@ def _data(estimator, net, X, y, sample_weight):
         weights = net.sample_weight if sample_weight is None else sample_weight
     elif X is None or y is None:
         raise ValueError(
-            "Pass both X and y (the Hessian of the loss needs targets), or neither to use "
-            "the training data."
+            "Pass both X and y (the loss needs targets), or neither to use the training "
+            "data."
         )
     elif isinstance(estimator, RecordedNetwork):
         # A user's loop: X in the network's input form, y as its y_train was given (in the

@@ -31,7 +31,7 @@ from skpathkernel import (
     TangentFeatureSVM,
     TangentKernel,
 )
-from skpathkernel.diagnostics import hessian_trace
+from skpathkernel.diagnostics import hessian_trace, loss_path
 from skpathkernel.kernels import step_kernel
 
 # The string DataFrame case also warns that the estimators were fitted without names.
@@ -409,6 +409,11 @@ BAD_ARGS = {
         ("PathKernelClassifier", "TangentFeatureSVM"),
         lambda e: hessian_trace(e, X, np.resize(["a", "z"], len(X)), n_samples=2), ValueError,
         "labels not seen in fit"),
+    "loss_path(step out of range)": (ALL, lambda e: loss_path(e, steps=[0, 99]), IndexError,
+                                     "step 99 is out of range"),
+    "loss_path(X without y)": (ALL, lambda e: loss_path(e, X), ValueError, "Pass both X and y"),
+    "loss_path(y of another length)": (ALL, lambda e: loss_path(e, X, _y_for(e, len(X) - 1)),
+                                       ValueError, "inconsistent numbers of samples"),
 }
 
 

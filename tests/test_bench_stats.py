@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from benchmarks._stats import corrected_from_naive, paired, split_ratio
+from benchmarks.bench_defaults import _row
+from benchmarks.bench_defaults_ab import _worse
 
 
 def test_paired_matches_the_hand_worked_corrected_variance():
@@ -30,3 +32,20 @@ def test_corrected_from_naive_and_the_default_split():
     p = paired([0.3, 0.1, 0.7, 0.2, 0.9], [0.0] * 5, 38 / 112)
     assert corrected_from_naive(p.naive_se, 5, 38 / 112) == pytest.approx(p.se)
     assert np.isnan(paired([1.0], [0.0], 0.5).se)
+
+
+def test_the_benchmarks_verdicts_use_the_corrected_standard_error():
+    # The hand-worked differences (1, 2, 3, 6) / 100 with n_test / n_train = 1 / 3: mean
+    # 0.03 is beyond the naive 2 SE (0.0216) but within the corrected one (0.0330).
+    ref = [0.9, 0.9, 0.9, 0.9]
+    ours = [0.89, 0.88, 0.87, 0.84]
+    rec = {"score": ours, "fit": [1.0] * 4, "epochs": [1] * 4, "loss": [0.3, 0.3, 0.3, 0.3],
+           "path": [1.0], "growth": [(1.0, 1.0)], "diverged": 0}
+    peer = {"score": ref, "fit": [1.0] * 4, "epochs": [1] * 4, "loss": [0.29, 0.28, 0.27, 0.24]}
+    row = _row("x", 300, 100, "ours", rec, "peer", peer, None)
+    assert row["ours - sklearn's (+- 2 SE)"] == f"-0.030 (+-{2 * 0.07 / math.sqrt(18):.3f})"
+    assert row["verdict"] == "below, within noise"
+    assert row["log loss verdict"] == "above, within noise"
+    assert _worse({"a": rec, "b": peer}, "a", "b", 1 / 3) == "none"
+    # With no held-out term the same differences are beyond 2 SE, both ways.
+    assert _worse({"a": rec, "b": peer}, "a", "b", 0.0) == "score, log loss"

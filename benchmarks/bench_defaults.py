@@ -6,10 +6,12 @@ nothing else set, and MLPClassifier / MLPRegressor get the same split, seed and 
 Ours and sklearn's fits alternate (interleaved), so both see the same background load.
 Scores are test accuracy (classifiers) or R^2 (regressors): the mean over the R splits,
 and the paired difference ours - sklearn's with twice its standard error (a difference
-inside +- 2 SE is not distinguishable from zero). Classifiers with ``predict_proba`` are
-also scored by test log loss, the same way (lower is better). Regressors are compared with
-two peers on the same splits: ``MLPRegressor()`` as it comes (it does not scale the
-targets) and, the fair peer, ``MLPRegressor()`` on standardized targets
+inside +- 2 SE is not distinguishable from zero; the SE is Nadeau & Bengio's corrected one,
+``benchmarks._stats.paired``, as the overlapping splits' differences are correlated).
+Classifiers with ``predict_proba`` are also scored by test log loss, the same way (lower
+is better). Regressors are compared with two peers on the same splits: ``MLPRegressor()``
+as it comes (it does not scale the targets) and, the fair peer, ``MLPRegressor()`` on
+standardized targets
 (``TransformedTargetRegressor(MLPRegressor(), transformer=StandardScaler())``, as users
 fit it; ours standardizes them by default). Fit times are medians over the splits.
 
@@ -35,6 +37,8 @@ import warnings
 
 import numpy as np
 
+from benchmarks._stats import paired
+
 NOTES = (
     "Data sets: scikit-learn's bundled `load_iris`, `load_wine`, `load_breast_cancer`, "
     "`load_digits`, `load_diabetes`, and `make_classification(random_state=0)`, "
@@ -46,7 +50,9 @@ NOTES = (
     "targets itself, `normalize_y=True`). *log loss*: test log loss (classifiers with "
     "`predict_proba`; lower is better), mean over the splits and the paired difference "
     "with twice its standard error; *log loss verdict*: *at most* (ours lower), *above, "
-    "within noise*, or *ABOVE* (beyond 2 SE). "
+    "within noise*, or *ABOVE* (beyond 2 SE). Every SE is Nadeau & Bengio's (2003) "
+    "corrected resampled one, `sqrt((1/J + n_test/n_train) * s^2)` over the J splits "
+    "(the splits overlap, so the naive `s / sqrt(J)` is too small). "
     "TangentFeatures (a transformer) and OODRankDetector (an outlier detector) have no "
     "test score to compare with an MLP; both train the same network as the rows above. "
     "*epochs*: median epochs run (both stop by tol / n_iter_no_change or at max_iter = "
@@ -196,13 +202,6 @@ def _n_iter(est):
     return getattr(est, "regressor_", est).n_iter_
 
 
-def _paired(ours, ref):
-    """Mean of the paired differences ours - ref and twice its standard error."""
-    diff = np.asarray(ours) - np.asarray(ref)
-    se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
-    return float(diff.mean()), 2 * se
-
-
 def _growth(est):
     """(last / first epoch loss, final / initial parameter norm) of our fitted network:
     what the divergence warning compares with its thresholds (100 and 1000)."""
@@ -266,7 +265,8 @@ def run(quick: bool = False, device: str = "cpu") -> list[dict]:
 
 def _row(name, n_train, n_test, label, rec, sk_name, ref, busy):
     """The table's row of one estimator of ours against one peer on one data set."""
-    mean_diff, two_se = _paired(rec["score"], ref["score"])
+    p = paired(rec["score"], ref["score"], n_test / n_train)
+    mean_diff, two_se = p.mean, 2 * p.se
     verdict = ("at least" if mean_diff >= 0 else
                "below, within noise" if mean_diff >= -two_se else "BELOW")
     ratio = statistics.median(rec["fit"]) / statistics.median(ref["fit"])
@@ -275,7 +275,8 @@ def _row(name, n_train, n_test, label, rec, sk_name, ref, busy):
                       "log loss ours - sklearn's (+- 2 SE)": "n/a",
                       "log loss verdict": "n/a"}
     else:
-        loss_diff, loss_se = _paired(rec["loss"], ref["loss"])
+        q = paired(rec["loss"], ref["loss"], n_test / n_train)
+        loss_diff, loss_se = q.mean, 2 * q.se
         loss_cells = {
             "log loss ours / sklearn's": f"{np.mean(rec['loss']):.3f} / "
                                          f"{np.mean(ref['loss']):.3f}",

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._stats import paired
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # name -> the parameters it changes; "default" changes none.
@@ -115,32 +117,28 @@ def run(splits: int = 10) -> dict:
                 for key, value in zip(("score", "loss", "fit", "epochs"),
                                       _fit(est, X_tr, y_tr, X_te, y_te)):
                     rec[key].append(value)
-        results[name] = {"kind": kind, "n_train": len(X_tr), "estimators": recs}
+        results[name] = {"kind": kind, "n_train": len(X_tr), "n_test": len(X_te),
+                         "estimators": recs}
         print(f"{name}: done", file=sys.stderr, flush=True)
     return results
 
 
-def _paired(a, b):
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
-    return float(d.mean()), float(2 * d.std(ddof=1) / np.sqrt(len(d)))
-
-
-def _worse(recs, label, ref):
+def _worse(recs, label, ref, ratio):
     """The metrics on which ``label`` is worse than ``ref`` beyond 2 SE."""
     out = []
-    m, s = _paired(recs[label]["score"], recs[ref]["score"])
-    if m < -s:
+    p = paired(recs[label]["score"], recs[ref]["score"], ratio)
+    if p.mean < -2 * p.se:
         out.append("score")
     if recs[label]["loss"][0] is not None:
-        m, s = _paired(recs[label]["loss"], recs[ref]["loss"])
-        if m > s:
+        p = paired(recs[label]["loss"], recs[ref]["loss"], ratio)
+        if p.mean > 2 * p.se:
             out.append("log loss")
     return ", ".join(out) or "none"
 
 
-def _cell(a, b):
-    m, s = _paired(a, b)
-    return f"{m:+.4f} (+-{s:.4f})"
+def _cell(a, b, ratio):
+    p = paired(a, b, ratio)
+    return f"{p.mean:+.4f} (+-{2 * p.se:.4f})"
 
 
 def report(results: dict, splits: int, command: str, elapsed: float, load) -> str:
@@ -167,8 +165,10 @@ def report(results: dict, splits: int, command: str, elapsed: float, load) -> st
              f"- Load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f}",
              "", f"From `benchmarks/bench_defaults_ab.py`, {splits} splits per data set.",
              "*vs default* / *vs peer*: the candidate's mean paired difference (candidate - "
-             "other) with twice its standard error; *worse beyond 2 SE*: the metrics on "
-             "which it is (score lower, log loss higher). *fit s*: median CPU seconds; "
+             "other) with twice its standard error (Nadeau & Bengio's 2003 corrected resampled "
+             "SE, `sqrt((1/J + n_test/n_train) * s^2)` over the J splits: the splits "
+             "overlap, so the naive `s / sqrt(J)` is too small); *worse beyond 2 SE*: the "
+             "metrics on which it is (score lower, log loss higher). *fit s*: median CPU seconds; "
              "*time x*: median over the splits of the candidate's fit time over the "
              "default's. The peer is MLPClassifier() (classifiers) or MLPRegressor() on "
              "standardized targets (regressors).", ""]
@@ -179,21 +179,22 @@ def report(results: dict, splits: int, command: str, elapsed: float, load) -> st
     totals = dict.fromkeys([*CANDIDATES, "peer"], 0.0)
     for name, res in results.items():
         recs = res["estimators"]
+        ratio = res["n_test"] / res["n_train"]
         for label, rec in recs.items():
             totals[label] += statistics.median(rec["fit"])
             is_clf = rec["loss"][0] is not None
             other = label not in ("default", "peer")
             row = [name, label, f"{np.mean(rec['score']):.4f}",
-                   _cell(rec["score"], recs["default"]["score"]) if label != "default"
-                   else "", _cell(rec["score"], recs["peer"]["score"]) if label != "peer"
+                   _cell(rec["score"], recs["default"]["score"], ratio) if label != "default"
+                   else "", _cell(rec["score"], recs["peer"]["score"], ratio) if label != "peer"
                    else "",
                    f"{np.mean(rec['loss']):.4f}" if is_clf else "n/a",
-                   _cell(rec["loss"], recs["default"]["loss"]) if is_clf and
+                   _cell(rec["loss"], recs["default"]["loss"], ratio) if is_clf and
                    label != "default" else "",
-                   _cell(rec["loss"], recs["peer"]["loss"]) if is_clf and label != "peer"
+                   _cell(rec["loss"], recs["peer"]["loss"], ratio) if is_clf and label != "peer"
                    else "",
-                   _worse(recs, label, "default") if other else "",
-                   _worse(recs, label, "peer") if label != "peer" else "",
+                   _worse(recs, label, "default", ratio) if other else "",
+                   _worse(recs, label, "peer", ratio) if label != "peer" else "",
                    f"{statistics.median(rec['epochs']):.0f}",
                    f"{statistics.median(rec['fit']):.3f}",
                    f"{statistics.median(np.divide(rec['fit'], recs['default']['fit'])):.2f}x"

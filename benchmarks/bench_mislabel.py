@@ -50,6 +50,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import cross_val_predict
 from sklearn.preprocessing import StandardScaler
 
+from benchmarks._stats import paired
 from skpathkernel import PathKernelClassifier
 from skpathkernel.datasets import load_printed_digits
 from skpathkernel.diagnostics import loss_path
@@ -170,8 +171,11 @@ def _summary(rows, key, field):
     vals = np.array([r[key][field] for r in rows if key in r])
     if len(vals) == 0:
         return None
-    se = vals.std(ddof=1) / np.sqrt(len(vals)) if len(vals) > 1 else float("nan")
-    return float(vals.mean()), float(2 * se), len(vals)
+    # A mean, not a difference, and no held-out rows (each seed scores its own training
+    # draw), so Nadeau & Bengio's n_test / n_train term has nothing to correct: ratio 0
+    # leaves the plain SE over seeds.
+    p = paired(vals, np.zeros_like(vals), 0.0)
+    return p.mean, 2 * p.naive_se, p.splits
 
 
 def main(argv=None):

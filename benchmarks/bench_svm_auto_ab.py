@@ -51,6 +51,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC
 
+from benchmarks._stats import paired, split_ratio
 from skpathkernel import PathKernel, PathKernelClassifier, TangentFeatureSVM, TangentKernel
 
 from .bench_svm_normalize_ab import AUTO, SETS, _acc, fitted_splits, main
@@ -169,15 +170,19 @@ def run(name, seeds, out):
 
 
 def _diff(rows, key):
-    """Mean of key - mlp over the rows that have key, twice its standard error, count."""
-    d = np.asarray([r[key] - r["mlp"] for r in rows if key in r])
-    if len(d) < 2:
+    """Mean of key - mlp over the rows that have key, twice its (corrected) standard
+    error, count."""
+    rs = [r for r in rows if key in r]
+    if len(rs) < 2:
         return None
-    return d.mean(), 2 * d.std(ddof=1) / np.sqrt(len(d)), len(d)
+    p = paired([r[key] for r in rs], [r["mlp"] for r in rs],
+               split_ratio(len(SETS[rs[0]["set"]]()[1])))
+    return p.mean, 2 * p.se, p.splits
 
 
 def summary(paths):
-    """Per data set and variant: the paired difference to MLPClassifier (+- 2 SE, splits);
+    """Per data set and variant: the paired difference to MLPClassifier (+- 2 SE, Nadeau &
+    Bengio's corrected one as the splits overlap; splits);
     then per variant the sets below MLPClassifier, the worst and the sum over the held-out
     sets. Seeds 200 and above are their own row (``"<set> (seeds 200+)"``)."""
     # Runs of the same split with other KERNELS are one record (same mlp and default).

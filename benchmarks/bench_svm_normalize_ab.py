@@ -18,7 +18,8 @@ One thread for torch and BLAS. Usage::
     python -m benchmarks.bench_svm_normalize_ab --summary out.jsonl [more.jsonl ...]
 
 The summary prints, per data set and variant, the mean paired difference to
-MLPClassifier with twice its standard error (paired by split).
+MLPClassifier with twice its standard error (paired by split; Nadeau & Bengio's corrected
+one, ``benchmarks._stats.paired``: the splits overlap).
 """
 
 import collections
@@ -39,6 +40,7 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC
 from threadpoolctl import threadpool_limits
 
+from benchmarks._stats import paired, split_ratio
 from skpathkernel import PathKernelClassifier, TangentFeatureSVM, TangentKernel
 
 LIGHT = os.environ.get("LIGHT") == "1"
@@ -171,11 +173,11 @@ def summary(paths):
     worst = {k: [] for k in keys}
     for name, rs in by.items():
         cells = []
+        ratio = split_ratio(len(SETS[name]()[1]))
         for k in keys:
-            d = np.array([r[k] - r["mlp"] for r in rs])
-            se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
-            worst[k].append((d.mean(), se, name))
-            cells.append(f"{d.mean():+.4f} (+-{2 * se:.4f})")
+            p = paired([r[k] for r in rs], [r["mlp"] for r in rs], ratio)
+            worst[k].append((p.mean, p.se, name))
+            cells.append(f"{p.mean:+.4f} (+-{2 * p.se:.4f})")
         mean_mlp = np.mean([r["mlp"] for r in rs])
         print(f"| {name} | {len(rs)} | {mean_mlp:.4f} | " + " | ".join(cells) + " |")
     print("\n| variant | sets below MLPClassifier | below by more than 2 SE | worst | "

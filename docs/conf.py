@@ -8,6 +8,8 @@ sys.path.insert(0, os.path.abspath(".."))
 os.environ.setdefault("MPLBACKEND", "Agg")
 warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit.script.*")
 
+import numpy as np  # noqa: E402
+
 import skpathkernel  # noqa: E402
 
 project = "skpathkernel"
@@ -70,3 +72,13 @@ sphinx_gallery_conf = {
 html_theme = "pydata_sphinx_theme"
 html_title = f"skpathkernel {release}"
 html_theme_options = {"navigation_with_keys": False}
+
+
+def _skip_numpy_members(app, what, name, obj, skip, options):
+    """NumPy's own members of an ndarray subclass (AttributionScores runs some of them on
+    the plain array, so they are in its own namespace) are NumPy's to document."""
+    return True if obj is getattr(np.ndarray, name, _skip_numpy_members) else None
+
+
+def setup(app):
+    app.connect("autodoc-skip-member", _skip_numpy_members)

@@ -4,7 +4,9 @@ training point's weight, checked against autograd through an unrolled replay
 retraining without points."""
 
 import copy
+import json
 import math
+import pickle
 import subprocess
 import sys
 import warnings
@@ -1165,8 +1167,6 @@ def test_module_that_cannot_run_in_float64_warns(monkeypatch):
 
 
 def test_scores_pickle_with_their_measurements():
-    import pickle
-
     est, X, _ = _fit(**SOLVERS["sgd"])
     scores = est.attribute(X[:3], method="unrolled")
     back = pickle.loads(pickle.dumps(scores))
@@ -1213,11 +1213,109 @@ def test_overflowed_growth_warns():
         _warn(scores, est.trajectory_, "attribute(method='unrolled')")
 
 
-def test_a_slice_of_the_queries_drops_their_growth():
+@pytest.fixture(scope="module")
+def returned_scores():
+    """``attribute(method="unrolled")``'s (queries, training points) and
+    ``self_influence()``'s (training points,), as returned."""
     est, X, _ = _fit(**SOLVERS["sgd"])
-    scores = est.attribute(X[:3], method="unrolled")
-    assert scores[:2].growth is None and (scores * 2).growth is scores.growth
-    assert scores[:2].amplification is scores.amplification
+    return {"attribute": est.attribute(X[:3], method="unrolled"),
+            "self_influence": est.self_influence()}
+
+
+# What users do with the scores: arrays and scalars derived from them.
+DERIVED = {
+    "argsort": lambda s: s.argsort(),
+    "largest_first": lambda s: s.argsort(axis=None)[::-1][:5],
+    "np.argsort": lambda s: np.argsort(s, axis=-1),
+    "argmax": lambda s: s.argmax(),
+    "argmax_rows": lambda s: s.argmax(axis=-1),
+    "argmin_keepdims": lambda s: s.argmin(axis=0, keepdims=True),
+    "argpartition": lambda s: s.argpartition(1, axis=-1),
+    "np.argpartition": lambda s: np.argpartition(s, -2, axis=None),
+    "nonzero": lambda s: np.nonzero(s > 0),
+    "max": lambda s: s.max(),
+    "min_rows": lambda s: s.min(axis=-1),
+    "sum": lambda s: s.sum(),
+    "sum_rows": lambda s: s.sum(axis=-1),
+    "mean": lambda s: s.mean(),
+    "std": lambda s: s.std(),
+    "median": lambda s: np.median(s),
+    "percentile": lambda s: np.percentile(s, 90),
+    "all": lambda s: (s < 1e9).all(),
+    "greater": lambda s: s > 0,
+    "equal": lambda s: s == s,
+    "negative": lambda s: -s,
+    "abs": lambda s: abs(s),
+    "scaled": lambda s: s * 2,
+    "sum_of_two": lambda s: s + s,
+    "normalized": lambda s: s / np.abs(s).sum(),
+    "exp": lambda s: np.exp(s),
+    "round": lambda s: s.round(3),
+    "clip": lambda s: s.clip(0, None),
+    "cumsum": lambda s: s.cumsum(),
+    "matmul": lambda s: s @ s.T,
+    "first": lambda s: s[0],
+    "first_slice": lambda s: s[:1],
+    "reversed": lambda s: s[::-1],
+    "last_axis_0": lambda s: s[..., 0],
+    "mask": lambda s: s[s > 0],
+    "reordered": lambda s: s[np.argsort(s, axis=0)] if s.ndim == 1 else s[[2, 0]],
+    "iterated": lambda s: next(iter(s)),
+    "T": lambda s: s.T,
+    "ravel": lambda s: s.ravel(),
+    "reshape": lambda s: s.reshape(-1, 1),
+    "take": lambda s: s.take([1, 0], axis=0),
+    "astype": lambda s: s.astype(np.float32),
+    "flat": lambda s: s.flat[:2],
+    "np.sort": lambda s: np.sort(s),
+    "np.unique": lambda s: np.unique(s),
+    "np.concatenate": lambda s: np.concatenate([s, s]),
+    "np.where": lambda s: np.where(s > 0, s, 0),
+}
+
+
+def _assert_as_plain(derived, reference):
+    """``derived`` is what ``reference`` is: its type (ndarray or NumPy scalar, never the
+    subclass), scalar-ness, dtype, shape and values."""
+    if isinstance(reference, tuple):
+        assert type(derived) is tuple and len(derived) == len(reference)
+        for d, r in zip(derived, reference):
+            _assert_as_plain(d, r)
+        return
+    assert type(derived) is type(reference), (type(derived), type(reference))
+    assert np.isscalar(derived) == np.isscalar(reference)
+    np.testing.assert_array_equal(derived, reference, strict=True)
+
+
+@pytest.mark.parametrize("call", ["attribute", "self_influence"])
+@pytest.mark.parametrize("operation", DERIVED)
+def test_derived_arrays_are_plain_numpy(returned_scores, call, operation):
+    """What derives an array or scalar from the scores gives what it gives on the plain
+    array: argsort returned an AttributionScores of indices, max() a 0-d one, a comparison
+    one of booleans, and reordering kept the growth of the queries in their old order."""
+    scores = returned_scores[call]
+    assert type(scores) is AttributionScores
+    _assert_as_plain(DERIVED[operation](scores), DERIVED[operation](np.asarray(scores)))
+
+
+def test_the_measures_stay_with_the_scores_and_their_copies(returned_scores):
+    scores = returned_scores["attribute"]
+    for kept in (scores.copy(), copy.copy(scores), copy.deepcopy(scores), scores.view(),
+                 pickle.loads(pickle.dumps(scores))):
+        assert type(kept) is AttributionScores
+        np.testing.assert_array_equal(kept, scores)
+        for name in AttributionScores._MEASURES:
+            np.testing.assert_array_equal(getattr(kept, name), getattr(scores, name))
+    changed = scores.copy()
+    changed *= 2
+    changed[0, 0] = 0
+    assert type(changed) is AttributionScores
+    np.testing.assert_array_equal(changed.growth, scores.growth)
+    plain = 2 * np.asarray(scores)
+    plain[0, 0] = 0
+    np.testing.assert_array_equal(changed, plain)
+    # A scalar derived from the scores goes where a plain one does.
+    assert json.loads(json.dumps(scores.max())) == float(np.asarray(scores).max())
 
 
 def test_memory_does_not_grow_with_steps_times_queries():

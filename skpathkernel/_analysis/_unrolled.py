@@ -211,10 +211,18 @@ class UnstablePathWarning(UserWarning):
 class AttributionScores(np.ndarray):
     """Attribution scores ``(n_queries, n_train)`` with what the unrolled method measured.
 
-    An ``ndarray`` (float64) in every respect, returned by ``method="unrolled"`` (the other
-    methods return a plain ndarray) with what the call measured. ``growth`` is per query:
-    an array derived from the scores keeps it only while it has the same number of rows
-    (a slice of the queries drops it); the others describe the whole path.
+    An ``ndarray`` (float64) returned by ``method="unrolled"`` (the other methods return a
+    plain ndarray) and by ``self_influence()``, with what the call measured. The measures
+    describe this array as returned: its copies (``copy()``, :mod:`copy`, pickling) and
+    ``view()`` keep them, and operations in place (``+=``, item assignment, ``sort()``)
+    leave them as measured. Every array or scalar derived from it is what the same
+    operation gives on ``np.asarray(scores)``, a plain ``numpy.ndarray`` or NumPy scalar
+    without measures: an index or slice, a reduction (``max()``, ``sum(axis=1)``),
+    ``argsort()``, a comparison, arithmetic (``-scores``), ``reshape`` or ``.T``, a NumPy
+    function (``np.sort``, ``np.percentile``). Nothing tells whether such an array still
+    holds the same queries in the same order (``influence[order]``, ``scores.T``) or whose
+    measures a combination of two calls' scores would carry, so no measure goes with it;
+    take chosen queries' measures explicitly, ``scores.growth[rows]``.
 
     Attributes
     ----------
@@ -307,12 +315,31 @@ class AttributionScores(np.ndarray):
     _MEASURES = ("growth", "amplification", "replay_error", "gradient_sensitivity")
 
     def __array_finalize__(self, obj):
-        if obj is None:
-            return
+        # Reached by copies and views of the whole array (what derives another array runs
+        # on the plain one, below); a view of other rows, made by NumPy's C API, loses
+        # the growth of the rows it no longer has.
         self._take_measures(obj)
         rows = self.shape[0] if self.ndim else 0
         if self.growth is not None and len(self.growth) != rows:
             self.growth = None
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        if out is not None:
+            kwargs["out"] = _plain(out)
+        result = getattr(ufunc, method)(*_plain(inputs), **kwargs)
+        if out is None:
+            return result
+        # An operation in place returns its output itself: ``scores += 1`` rebinds
+        # ``scores`` to what this returns.
+        results = result if isinstance(result, tuple) else (result,)
+        kept = tuple(r if o is None else o for r, o in zip(results, out))
+        return kept if isinstance(result, tuple) else kept[0]
+
+    def __array_function__(self, func, types, args, kwargs):
+        return func(*_plain(args), **_plain(kwargs))
+
+    def __getitem__(self, key):
+        return self.view(np.ndarray)[key]
 
     def _take_measures(self, other) -> AttributionScores:
         """Take ``other``'s measures (None where it has none); returns ``self``."""
@@ -331,6 +358,45 @@ class AttributionScores(np.ndarray):
         for name, value in zip(self._MEASURES, measured):
             setattr(self, name, value)
         super().__setstate__(base)
+
+
+class _OnPlain:
+    """An ndarray attribute read on the plain array: what it derives carries no measures.
+
+    Methods and properties (``argsort``, ``reshape``, ``T``) that make an array of the
+    subclass through NumPy's C API without a ufunc, which ``__array_ufunc__`` and
+    ``__array_function__`` do not see. On the class, ndarray's own.
+    """
+
+    def __init__(self, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return getattr(np.ndarray if obj is None else obj.view(np.ndarray), self.name)
+
+    def __set__(self, obj, value):  # ``scores.real = ...`` writes the scores' memory
+        setattr(obj.view(np.ndarray), self.name, value)
+
+
+for _name in ("T", "mT", "argmax", "argmin", "argpartition", "argsort", "astype", "byteswap",
+              "compress", "conj", "conjugate", "diagonal", "dot", "flat", "flatten", "getfield",
+              "imag", "ravel", "real", "repeat", "reshape", "squeeze", "swapaxes", "take",
+              "transpose"):
+    if hasattr(np.ndarray, _name):  # mT: NumPy >= 2
+        setattr(AttributionScores, _name, _OnPlain(_name))
+del _name
+
+
+def _plain(value):
+    """``value`` with each :class:`AttributionScores` in it, in tuples and lists and dicts
+    too (NumPy's arguments), as a plain ndarray view."""
+    if isinstance(value, AttributionScores):
+        return value.view(np.ndarray)
+    if isinstance(value, (tuple, list)):
+        return (tuple if isinstance(value, tuple) else list)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 # --------------------------------------------------------------------------- solvers

@@ -7,7 +7,7 @@ features, tangent and path kernels, and the per-training-point decomposition of 
 prediction.
 """
 
-from ._analysis._unrolled import AttributionScores, UnstablePathWarning
+from ._analysis._unrolled import AttributionScores, PrecisionWarning, UnstablePathWarning
 from ._estimators._features import TangentFeatures, TangentFeatureSVM
 from ._estimators._machine import PathKernelClassifier, PathKernelMachine
 from ._estimators._ood import OODRankDetector
@@ -27,6 +27,7 @@ __all__ = [
     "PathKernelClassifier",
     "PathKernelMachine",
     "PathRecorder",
+    "PrecisionWarning",
     "RecordedNetwork",
     "TangentFeatureSVM",
     "TangentFeatures",

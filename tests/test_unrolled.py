@@ -31,6 +31,7 @@ from skpathkernel import (
     PathKernelClassifier,
     PathKernelMachine,
     PathRecorder,
+    PrecisionWarning,
     RecordedNetwork,
     UnstablePathWarning,
 )
@@ -1079,7 +1080,7 @@ def test_scores_sensitive_to_float32_gradients_warn(monkeypatch):
         return exact.gradient_sensitivity, np.abs(rounded - exact).max() / np.abs(exact).max()
 
     clf = PathKernelClassifier(**params).fit(X[:300], y[:300])
-    with pytest.warns(UserWarning, match="move by .* rounded to float32.*epsilon=1e-08"):
+    with pytest.warns(PrecisionWarning, match="move by .* rounded to float32.*epsilon=1e-08"):
         clf.attribute(Xq, method="unrolled")
     measured, actual = change(clf)
     assert actual > 1e-3 and actual / 3 < measured < 3 * actual
@@ -1092,6 +1093,36 @@ def test_scores_sensitive_to_float32_gradients_warn(monkeypatch):
     for other in (dict(dtype="float64"), dict(solver="sgd")):
         est = PathKernelClassifier(**{**params, **other}).fit(X[:100], y[:100])
         assert est.attribute(Xq[:2], method="unrolled").gradient_sensitivity is None
+
+
+def test_precision_warnings_filter_by_class():
+    """The float32 sensitivity warning of an Adam path repeats in a loop with new numbers,
+    which Python's once-per-location filter does not collapse: it is a PrecisionWarning (a
+    UserWarning, so filters on UserWarning still see it), and a filter on that class
+    silences it on every call while other warnings still show."""
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    assert issubclass(PrecisionWarning, UserWarning)
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)[:200]
+    clf = PathKernelClassifier(max_iter=4, batch_size=32, tol=None,
+                               random_state=0).fit(X, y[:200])
+    calls = (clf.self_influence, lambda: clf.attribute(X[:3], method="unrolled"),
+             lambda: clf.attribute(X[3:5], method="unrolled"))
+    for call in calls:
+        with pytest.warns(PrecisionWarning, match="rounded to float32") as record:
+            call()
+        assert all(issubclass(w.category, PrecisionWarning) for w in record)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=PrecisionWarning)
+        for call in calls:
+            call()
+        # Another warning of the package, in the same loop: batch_size over the samples.
+        PathKernelClassifier(max_iter=1, batch_size=500, tol=None,
+                             random_state=0).fit(X[:50], y[:50])
+    assert [str(w.message)[:28] for w in caught] == ["batch_size=500 is larger tha"]
 
 
 def test_budget_of_one_query_scores_without_the_probe():
@@ -1152,7 +1183,7 @@ def test_module_that_cannot_run_in_float64_warns(monkeypatch):
     est, X, _ = _fit(**SOLVERS["adam-l2"], dtype="float32",
                      module=lambda n_features, n_outputs: _Float32Constant(n_features,
                                                                            n_outputs))
-    with pytest.warns(UserWarning, match="does not run in float64"):
+    with pytest.warns(PrecisionWarning, match="does not run in float64"):
         scores = est.attribute(X[:3], method="unrolled")
     assert scores.gradient_sensitivity is None
     est.set_params(memory_budget=30_000)  # several blocks: one warning, in the caller
@@ -1388,7 +1419,7 @@ def test_self_influence_warnings_name_self_influence():
     X = StandardScaler().fit_transform(X)[:200]
     clf = PathKernelClassifier(max_iter=4, batch_size=32, tol=None,
                                random_state=0).fit(X, y[:200])
-    with pytest.warns(UserWarning, match="move by .* rounded to float32") as record:
+    with pytest.warns(PrecisionWarning, match="move by .* rounded to float32") as record:
         clf.self_influence()
     assert all(str(w.message).startswith("self_influence(): ") for w in record)
 

@@ -138,8 +138,9 @@ from .._tangent import contracted_features, stacked_mlp
 from .._warnings import caller_stacklevel, worse, worst
 from ._mlp_products import MLPStep
 
-__all__ = ["AttributionScores", "Replay", "UnstablePathWarning", "check_replayable",
-           "check_unrollable", "replay_limit", "unrolled_scores", "warn_tied_padding"]
+__all__ = ["AttributionScores", "PrecisionWarning", "Replay", "UnstablePathWarning",
+           "check_replayable", "check_unrollable", "replay_limit", "unrolled_scores",
+           "warn_tied_padding"]
 
 # The adjoint's norm may grow by this factor along the path before the first-order
 # counterfactual is reported untrustworthy. Measured on 1000 digits (pixels / 16), SGD,
@@ -205,6 +206,31 @@ class UnstablePathWarning(UserWarning):
     ...     except UnstablePathWarning as w:
     ...         print(type(w).__name__, w)
     UnstablePathWarning growth 40
+    """
+
+
+class PrecisionWarning(UserWarning):
+    """A result is limited by floating-point precision (float32 rounding), not wrong.
+
+    Issued by ``attribute(method="unrolled")`` and ``self_influence()`` on a float32 path
+    of Adam, AdamW or RMSprop when rounding each step's gradient to float32 moves the
+    scores by more than 3.2e-4 of their size (``AttributionScores.gradient_sensitivity``),
+    or when the module cannot take those gradients in float64 to measure that. The
+    numbers in the message change from call to call, so Python's once-per-location
+    filter does not collapse them: a service that calls these methods in a loop can
+    silence this class alone, and keep every other warning.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> from skpathkernel import PrecisionWarning
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.filterwarnings("ignore", category=PrecisionWarning)
+    ...     warnings.warn("moved by 0.0041 of their size", PrecisionWarning)
+    ...     warnings.warn("something else", UserWarning)
+    >>> [str(w.message) for w in caught]
+    ['something else']
     """
 
 
@@ -1663,7 +1689,7 @@ def _warn_sensitivity(result: AttributionScores, traj: Trajectory,
             f"took it, and the scores' sensitivity to its rounding is not measured: on "
             f"{spec.name} paths it moved scores by up to a few % of the largest, where "
             f"{cure} keeps them to round-off.",
-            UserWarning, stacklevel=caller_stacklevel(),
+            PrecisionWarning, stacklevel=caller_stacklevel(),
         )
         return
     sensitivity = result.gradient_sensitivity
@@ -1677,7 +1703,7 @@ def _warn_sensitivity(result: AttributionScores, traj: Trajectory,
         "move them as much (a float64 retraining from the same start did, on the paths "
         f"measured): they may mean no more than that. The cause: {cure} or "
         "dtype='float64' give scores that mean every digit.",
-        UserWarning, stacklevel=caller_stacklevel(),
+        PrecisionWarning, stacklevel=caller_stacklevel(),
     )
 
 

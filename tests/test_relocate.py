@@ -334,3 +334,24 @@ def test_a_compressed_path_is_relocated(tmp_path):
     back = pickle.loads(blob).relocate_trajectory(tmp_path / "moved")
     assert back.trajectory_.compression == "bfloat16"
     _assert_same(_verbs(back, Xq), want)
+
+
+def test_relocating_only_the_trajectory_of_a_loaded_estimator_is_refused_by_partial_fit(
+        tmp_path):
+    # trajectory_.relocate re-points the path but not the training set the estimator
+    # could not read when loaded: partial_fit got as far as a TypeError on it.
+    est = _trained(tmp_path, continued=True)
+    X_fit, blob = est.X_fit_.copy(), pickle.dumps(est)
+    new = tmp_path / "moved"
+    shutil.move(tmp_path / "model-path", new)
+    loaded = pickle.loads(blob)
+    loaded.trajectory_.relocate(new)
+    n_steps = loaded.trajectory_.n_steps
+    X, y = _data()
+    with pytest.raises(TrajectoryFileError, match="relocate_trajectory"):
+        loaded.partial_fit(X[:5], y[:5])
+    assert loaded.trajectory_.n_steps == n_steps
+    # The estimator's own relocation reads it, and the path goes on from there.
+    loaded.relocate_trajectory(new).partial_fit(X[:5], y[:5])
+    assert loaded.trajectory_.n_steps > n_steps
+    assert_array_equal(loaded.X_fit_, np.concatenate([X_fit, X[:5]]))

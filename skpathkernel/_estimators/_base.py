@@ -903,6 +903,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             path._store.check_extendable("warm_start and partial_fit", path.n_steps)
             for array in getattr(self, "_disk_data", None) or ():
                 array.array()  # the training set's files: there and whole
+            # Loaded where the directory was not, then only its trajectory relocated
+            # (trajectory_.relocate): the training set is still unread, and the fit would
+            # fail part way on it. relocate_trajectory reads it.
+            previous._check_fit_read()
         if self._module_spec() != self._network_spec:
             raise ValueError(
                 f"warm_start and partial_fit continue the fitted network, built with "

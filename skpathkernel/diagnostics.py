@@ -534,6 +534,9 @@ def _data(estimator, net, X, y, sample_weight):
     """Inputs and encoded targets as tensors on the network's device and dtype, and the
     samples' weights divided by their sum (None: the plain mean)."""
     if X is None and y is None:
+        # Loaded where its directory was not: say so, and how to relocate, rather than
+        # fail on the missing training set.
+        net._check_fit_read()
         X, Xt, Yt = net.X_fit, net.tensor(net.X_fit), net.targets()
         weights = net.sample_weight if sample_weight is None else sample_weight
     elif X is None or y is None:

@@ -32,6 +32,7 @@ from skpathkernel import (
 )
 from skpathkernel._path import _trajectory
 from skpathkernel._path._storage import TrajectoryFileError
+from skpathkernel.diagnostics import hessian_trace, loss_path
 
 CHUNK = 3  # vectors per chunk file: several files, a partly filled last one
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -355,3 +356,18 @@ def test_relocating_only_the_trajectory_of_a_loaded_estimator_is_refused_by_part
     loaded.relocate_trajectory(new).partial_fit(X[:5], y[:5])
     assert loaded.trajectory_.n_steps > n_steps
     assert_array_equal(loaded.X_fit_, np.concatenate([X_fit, X[:5]]))
+
+
+def test_the_path_diagnostics_of_a_loaded_model_say_to_relocate_it(tmp_path):
+    # Their default data, the training set, is unread where the directory was not:
+    # they failed on it with an AttributeError, not the error naming the remedy.
+    est = _trained(tmp_path, continued=True)
+    want = loss_path(est)
+    blob = pickle.dumps(est)
+    new = tmp_path / "moved"
+    shutil.move(tmp_path / "model-path", new)
+    loaded = pickle.loads(blob)
+    for diagnostic in (loss_path, hessian_trace):
+        with pytest.raises(TrajectoryFileError, match="relocate_trajectory"):
+            diagnostic(loaded)
+    assert_array_equal(loss_path(loaded.relocate_trajectory(new)), want)

@@ -1143,9 +1143,12 @@ class DiskArray:
         except PermissionError as exc:
             # Its size is read from the directory: a file private to another account in
             # a directory the process may read passes getsize and is refused here.
-            raise TrajectoryFileError(
-                f"The training data file {self.path!r} ({self.n_rows} training rows) "
-                f"cannot be read: {exc.strerror}.") from None
+            raise self._unreadable(self.path, exc) from None
+
+    def _unreadable(self, path: str, exc: OSError) -> TrajectoryFileError:
+        """The error for the file ``path`` refused (permissions) where it is read."""
+        return TrajectoryFileError(f"The training data file {path!r} ({self.n_rows} "
+                                   f"training rows) cannot be read: {exc.strerror}.")
 
     def check_file(self, directory: str | None = None) -> None:
         """Check that the file (in ``directory`` instead, where given) holds the rows."""
@@ -1158,8 +1161,7 @@ class DiskArray:
             raise TrajectoryFileError(f"The training data file {where} is missing."
                                       f"{missing}") from None
         except OSError as exc:
-            raise TrajectoryFileError(
-                f"The training data file {where} cannot be read: {exc.strerror}.") from None
+            raise self._unreadable(path, exc) from None
         if size < _ALIGN + self.n_rows * self._row_bytes:
             raise TrajectoryFileError(f"The training data file {where} is truncated.")
 

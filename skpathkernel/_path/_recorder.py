@@ -211,12 +211,12 @@ def _process_group() -> tuple[int, int]:
     return 1, 0
 
 
-
 def _kept(step: int) -> str:
     """What a recorder that failed at optimizer step ``step`` keeps readable."""
     if step == 0:
         return "the trajectory holds the initial point only"
     return f"the trajectory ends after step {step - 1}"
+
 
 class PathRecorder:
     """Record the optimisation path of a training loop that you write yourself.

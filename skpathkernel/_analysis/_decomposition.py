@@ -487,8 +487,7 @@ class _Quadrature:
         if fixed is not None:
             q, spread, payload = evaluate(fixed)
             r = _residual(q, df)
-            self._floors[t] = noise + FLOOR_MAX * self.eps * (
-                float(spread.max()) if spread.numel() else 0.0)
+            self._floors[t] = noise + FLOOR_MAX * self._spread(spread)
             if not math.isfinite(r):
                 self.failed[t] = r
             self._record(t, fixed, r)
@@ -509,7 +508,7 @@ class _Quadrature:
             # The residual's floor: the forward passes' round-off and the factors' own,
             # a multiple of their dtype's eps times the 2-norm of the product's terms
             # (measured 0.02-16x; learnt from the steps that reached it).
-            spread = self.eps * float(spread.max()) if spread.numel() else 0.0
+            spread = self._spread(spread)
             floor = noise + self._floor * spread
             if not math.isfinite(floor):
                 # The terms' norm overflowed: an infinite floor would accept any residual.
@@ -561,6 +560,10 @@ class _Quadrature:
         self._stalls += bool(stalled)
         self._record(t, n, r)
         return payload
+
+    def _spread(self, spread: torch.Tensor) -> float:
+        """The factors' round-off scale: eps times the largest norm of a product's terms."""
+        return self.eps * float(spread.max()) if spread.numel() else 0.0
 
     def paired(self, t: int, r: float, d: float) -> None:
         """Step t's sum by the rule with a node more: its residual ``r``, and ``d`` the

@@ -487,8 +487,7 @@ class _Quadrature:
         if fixed is not None:
             q, spread, payload = evaluate(fixed)
             r = _residual(q, df)
-            self._floors[t] = noise + FLOOR_MAX * self.eps * (
-                float(spread.max()) if spread.numel() else 0.0)
+            self._floors[t] = noise + FLOOR_MAX * self._spread(spread)
             if not math.isfinite(r):
                 self.failed[t] = r
             self._record(t, fixed, r)
@@ -509,7 +508,7 @@ class _Quadrature:
             # The residual's floor: the forward passes' round-off and the factors' own,
             # a multiple of their dtype's eps times the 2-norm of the product's terms
             # (measured 0.02-16x; learnt from the steps that reached it).
-            spread = self.eps * float(spread.max()) if spread.numel() else 0.0
+            spread = self._spread(spread)
             floor = noise + self._floor * spread
             if not math.isfinite(floor):
                 # The terms' norm overflowed: an infinite floor would accept any residual.
@@ -561,6 +560,10 @@ class _Quadrature:
         self._stalls += bool(stalled)
         self._record(t, n, r)
         return payload
+
+    def _spread(self, spread: torch.Tensor) -> float:
+        """The factors' round-off scale: eps times the largest norm of a product's terms."""
+        return self.eps * float(spread.max()) if spread.numel() else 0.0
 
     def paired(self, t: int, r: float, d: float) -> None:
         """Step t's sum by the rule with a node more: its residual ``r``, and ``d`` the
@@ -1363,11 +1366,11 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
         for t in steps:
             coef, lead = -float(coefs[t]), -float(direct[t])
             if along:
+                moved = -float(traj.learning_rates[j]) * wd if decoupled else coef * wd
                 for c in parts:
-                    scale = -float(traj.learning_rates[j]) * wd if decoupled else coef * wd
-                    reg[c.local] += scale * c.rho_theta
+                    reg[c.local] += moved * c.rho_theta
                     if exact:
-                        reg[_shifted(c.local, n_q)] += scale * c.rho_theta_pair
+                        reg[_shifted(c.local, n_q)] += moved * c.rho_theta_pair
             if route == "factor":
                 groups = _pair_groups(_share_groups(parts), exact, n_q)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
@@ -2074,10 +2077,11 @@ def decompose(
     contributions, regularization, quads, pair = walk()
     contribution_error, measured = None, None
     if exact and quads:
-        contributions, regularization, quads, contribution_error, measured = _contribution_check(
+        contributions, regularization, quads, contribution_error = _contribution_check(
             walk, (contributions, regularization, quads, pair),
             tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None,
             chosen=requested is not None)
+        measured = contribution_error
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
@@ -2106,10 +2110,9 @@ def decompose(
 
 
 def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool):
-    """``(contributions, regularization, quads, contribution_error, measured)``: the
-    walk's result with each chunk's per-contribution quadrature error, measured, and
-    nodes raised where it is over (``measured``: the largest of the chunks' errors, the
-    same as ``contribution_error``).
+    """``(contributions, regularization, quads, contribution_error)``: the walk's
+    result with each chunk's per-contribution quadrature error, measured, and nodes
+    raised where it is over (``contribution_error``: the largest of the chunks').
 
     ``first`` (and each ``walk(plan)``): ``(contributions, regularization, quads,
     (d_contributions, d_regularization))``, the last the difference of the rule with a
@@ -2185,8 +2188,8 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
             regularization[q.rows] += w[3][1][q.rows]
             quad.n_used = quad.n_used + 1
         out.append(quad)
-    measured = worst(error) if error else 0.0
-    return contributions, regularization, out, measured, measured
+    # Called with at least one chunk (every exact walk with steps has one).
+    return contributions, regularization, out, worst(error)
 
 
 @dataclass

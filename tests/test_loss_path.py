@@ -169,30 +169,6 @@ def test_a_recorded_loop(loss):
                                expected[:5, -1:], rtol=1e-12, atol=1e-14)
 
 
-def test_a_recorded_loop_without_training_inputs():
-    # A conv net recorded with no X_train: the block size is measured on the X given
-    # (activation_widths() with nothing to measure on raised a TypeError).
-    rng = np.random.RandomState(0)
-    X = rng.normal(size=(12, 1, 4, 4))
-    y = rng.normal(size=(12, 2))
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(),
-                              torch.nn.Linear(8, 2)).double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    rec = PathRecorder(net, opt, n_samples=len(X))
-    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
-    states = [copy.deepcopy(net.state_dict())]
-    for _ in range(3):
-        opt.zero_grad()
-        (0.5 * F.mse_loss(net(Xt), yt)).backward()
-        rec.set_batch(np.arange(len(X)))
-        opt.step()
-        states.append(copy.deepcopy(net.state_dict()))
-    recorded = rec.as_estimator(loss="squared_error")
-    np.testing.assert_allclose(loss_path(recorded, X, y),
-                               _reference(net, states, X, y, "mse"), rtol=1e-12, atol=1e-14)
-
-
 def test_bad_input():
     with pytest.raises(NotFittedError):
         loss_path(PathKernelClassifier())

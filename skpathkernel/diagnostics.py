@@ -423,8 +423,7 @@ def _loss_path(estimator, X, y, steps, batch_size) -> np.ndarray:
     loss = net.loss
     n = Xt.shape[0]
     block = batch_size or int(min(max(n, 1), output_block_rows(
-        net.memory_budget, [Xt[0].numel() if n else 1, *net.activation_widths()],
-        net.torch_dtype, fixed=False)))
+        net.memory_budget, _widths(net, Xt), net.torch_dtype, fixed=False)))
     losses = np.empty((n, len(points)), dtype=np.float64)
     with torch.no_grad():
         for j, k in enumerate(points):
@@ -454,7 +453,7 @@ def _hessian_traces(estimator, X, y, sample_weight, steps, n_samples, random_sta
     # The network's loss is the one it was fitted with, not the current parameter, which
     # set_params may have changed since.
     loss = net.loss
-    block = batch_size or _default_batch_size(net, Xt.shape[0])
+    block = batch_size or _default_batch_size(net, Xt)
     # One seed, one probe sequence: the same probes at every point and for every batch, so
     # that batching changes nothing but round-off.
     seed = int(check_random_state(random_state).randint(np.iinfo(np.int32).max))
@@ -520,14 +519,24 @@ def _rademacher(seed: int, n_samples: int, like: torch.Tensor) -> Iterator[torch
         yield (2 * signs - 1).to(device=like.device, dtype=like.dtype)
 
 
-def _default_batch_size(net, n: int) -> int:
+def _default_batch_size(net, X: torch.Tensor) -> int:
     # Double backward keeps each layer's activations, their gradients and the second-order
     # graph over them: budget ~16 values per sample per unit, as _forward budgets 8. In
     # the network's dtype (the fitted one, not the dtype parameter of a next fit).
     itemsize = torch.empty((), dtype=net.torch_dtype).element_size()
-    width = net.n_features_in + sum(net.activation_widths())
-    return int(min(n, rows_per_block(net.memory_budget, 16 * width * itemsize,
-                                     "hessian_trace")))
+    width = sum(_widths(net, X))
+    return int(min(len(X), rows_per_block(net.memory_budget, 16 * width * itemsize,
+                                          "hessian_trace")))
+
+
+def _widths(net, X: torch.Tensor) -> list[int]:
+    """Values per sample of the input and of every activation, the block sizes' measure.
+
+    Measured on ``X`` where the network keeps no training inputs (a recorded loop's):
+    without it ``activation_widths`` fails on anything but 2-D features."""
+    if not len(X):
+        return [1]
+    return [X[0].numel(), *net.activation_widths(X[:1].cpu().numpy())]
 
 
 def _data(estimator, net, X, y, sample_weight):

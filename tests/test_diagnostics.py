@@ -17,6 +17,7 @@ from skpathkernel.diagnostics import (
     _rademacher,
     hessian_trace,
     hessian_trace_path,
+    loss_path,
 )
 
 
@@ -614,3 +615,43 @@ def test_a_recorded_loop_is_estimated_like_an_estimator(loss):
     np.testing.assert_allclose(explicit.estimates, exact, rtol=1e-10, atol=1e-12)
     path = hessian_trace_path(recorded, steps=[-1], n_samples=30, random_state=0)
     np.testing.assert_allclose(path.estimates[0], exact, rtol=1e-10, atol=1e-12)
+
+
+def test_a_recorded_conv_loop_without_training_inputs():
+    # hessian_trace_path and loss_path with no X_train: the block size is measured on the
+    # X given (activation_widths() with nothing to measure on raised a TypeError). Each
+    # sample's loss and every probe's v^T H v against the loss written out with F.conv2d.
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(12, 1, 4, 4))
+    y = rng.normal(size=(12, 2))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(),
+                              torch.nn.Linear(8, 2)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    rec = PathRecorder(net, opt, n_samples=len(X))
+    Xt, yt = torch.as_tensor(X), torch.as_tensor(y)
+    for _ in range(3):
+        opt.zero_grad()
+        (0.5 * torch.nn.functional.mse_loss(net(Xt), yt)).backward()
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+    recorded = rec.as_estimator(loss="squared_error")
+    shapes = [p.shape for p in net.parameters()]
+    sizes = [p.numel() for p in net.parameters()]
+
+    def per_sample(theta):
+        w1, b1, w2, b2 = (p.reshape(s) for p, s in zip(theta.split(sizes), shapes))
+        h = torch.nn.functional.conv2d(Xt, w1, b1).reshape(len(Xt), -1) @ w2.T + b2
+        return 0.5 * ((h - yt) ** 2).mean(dim=1)
+
+    def loss(theta):
+        return per_sample(theta).mean()
+
+    theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    np.testing.assert_allclose(loss_path(recorded, X, y, steps=[-1])[:, 0],
+                               per_sample(theta).detach().numpy(), rtol=1e-12, atol=1e-14)
+    H = torch.autograd.functional.hessian(loss, theta).numpy()
+    V = _probes(0, 20, len(theta))
+    res = hessian_trace_path(recorded, X, y, steps=[-1], n_samples=20, random_state=0)
+    np.testing.assert_allclose(res.estimates[0], np.einsum("jp,pq,jq->j", V, H, V),
+                               rtol=1e-10, atol=1e-12)

@@ -127,7 +127,7 @@ def test_a_weighted_fit_gives_unweighted_per_sample_losses(kind):
 
 
 def test_float32_estimator():
-    est, X, y = _fitted("multiclass", )
+    est, X, y = _fitted("multiclass")
     est.set_params(dtype="float32").fit(X, y)
     target, loss = _target_and_loss(est, y[est.train_indices_])
     expected = _reference(est.module_, _points(est), X[est.train_indices_], target, loss)

@@ -781,7 +781,7 @@ def test_chunks_with_different_nodes_share_the_adjoint(data, name, formed, monke
     # One walk at the forced counts: the per-contribution check would walk the path
     # again with more nodes (a 1-node chunk's contributions miss tol).
     monkeypatch.setattr(interpolation, "_contribution_check",
-                        lambda walk, first, *args, **kwargs: (*first[:3], None, None))
+                        lambda walk, first, *args, **kwargs: (*first[:3], None))
     X_train, y, _ = data
     Y = np.c_[y, X_train[:, 0] * X_train[:, 1], X_train[:, 0] ** 2]
     est = PathKernelMachine(**RAW, hidden_layer_sizes=(6, 5), max_iter=3, batch_size=5,

@@ -1230,6 +1230,39 @@ def test_symmetric_gram_of_formed_blocks_by_syrk(output, dtype, monkeypatch):
     assert not alphas
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scalar_head_is_added_as_one_product(dtype, monkeypatch):
+    # The head of a scalar output, one backprop number g per sample, is added as F F^T,
+    # F = [g a, g], instead of (A A^T + 1) * (g g^T): against the dense Jacobians in one
+    # block of all rows (the panels), in blocks of rows (the blocks off the diagonal),
+    # K(X, Y) and "full"; exactly symmetric, and a float64 K is the float32 one converted
+    # bit for bit.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                           nn.Linear(16, 1)).to(dtype)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X, Y = torch.randn(300, 5, dtype=dtype), torch.randn(70, 5, dtype=dtype)
+    widths = []
+    real = _gram._folded
+    monkeypatch.setattr(_gram, "_folded", lambda terms, weight: widths.extend(
+        t.delta.shape[3] for t in real(terms, weight) if t.inputs[0][0] == "4.weight")
+        or real(terms, weight))
+    JX, JY = _loop_jacobian(module, params, X)[:, 0], _loop_jacobian(module, params, Y)[:, 0]
+    rtol = 1e-5 if dtype == torch.float32 else RTOL
+    for budget in (2**30, 2**17):
+        widths.clear()
+        K = tangent_gram(module, params, X, memory_budget=budget)
+        # The head's 16 weights and its bias: one row of 17.
+        assert widths and set(widths) == {17}
+        assert torch.equal(K, K.T)
+        _close(K, JX @ JX.T, rtol)
+        wide = tangent_gram(module, params, X, memory_budget=budget, out_dtype=torch.float64)
+        assert torch.equal(wide, K.to(torch.float64))
+        _close(tangent_gram(module, params, X, Y, memory_budget=budget), JX @ JY.T, rtol)
+        full = tangent_gram(module, params, X, Y, output="full", memory_budget=budget)
+        _close(full[:, 0, :, 0], JX @ JY.T, rtol)
+
+
 def test_float64_gram_of_a_float32_block_takes_the_float32_route(monkeypatch):
     # One symmetric block of 400 rows of formed blocks (2,000+ numbers each): at a small
     # budget the SYRK's square does not fit an eighth of it, for a float32 K (which the

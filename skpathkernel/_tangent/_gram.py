@@ -155,8 +155,13 @@ def _contract(U: torch.Tensor, V: torch.Tensor, mode: str) -> torch.Tensor:
     return G / C if C > 1 else G
 
 
-def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout) -> None:
-    """Add one term's Gram block ``J_term(x) D J_term(y)^T`` to ``out`` in place."""
+def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout,
+                first: bool = False) -> None:
+    """Add one term's Gram block ``J_term(x) D J_term(y)^T`` to ``out`` in place;
+    ``first``: write it instead (``out`` holds anything)."""
+    if first and not (weight is None and rank_one(tx)):
+        out.zero_()
+        first = False
     if weight is None:
         if not rank_one(tx):
             out.add_(pair_gram(tx, ty, mode))
@@ -166,7 +171,7 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
             # Dense rows (gradient blocks, the fallback's Jacobians): one GEMM into out.
             n, C, r = dx.shape
             out.addmm_(dx.reshape(n, C * r), dy.reshape(-1, C * r).T,
-                       alpha=len(tx.inputs) / C)
+                       beta=0 if first else 1, alpha=len(tx.inputs) / C)
             return
         # sum over the term's parameters of (a . a') times the shared (delta . delta').
         Gd = _contract(dx, dy, mode)
@@ -179,13 +184,21 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
             else:
                 Ga.addmm_(ax[:, 0], ay[:, 0].T)
         if Ga is None:
-            out.add_(Gd, alpha=ones)
+            if first:
+                torch.mul(Gd, ones, out=out)
+            else:
+                out.add_(Gd, alpha=ones)
             return
         if ones:
             Ga += ones
+        if mode == "full":
+            Ga = Ga[:, None, :, None]
         # Not addcmul_: its fused multiply-add rounds differently in the vector body and
         # the tail of a row, so an entry's bits would depend on where a block splits.
-        out.add_(Gd.mul_(Ga[:, None, :, None] if mode == "full" else Ga))
+        if first:
+            torch.mul(Gd, Ga, out=out)
+        else:
+            out.add_(Gd.mul_(Ga))
         return
     if tx.rows is not None:
         # An index term pairs positions of the same id: D scales one side's rows.
@@ -256,11 +269,44 @@ def _gram_into(out: torch.Tensor, tx: list[Term], ty: list[Term], mode: str, wei
                layout) -> None:
     """``out = sum over the terms of their Gram blocks``, ``(n, m)`` or ``(n, C, m, C)``.
 
-    ``out`` may be a view into the whole Gram: the block is accumulated in place.
+    ``out`` may be a view into the whole Gram: the block is written in place.
     """
-    out.zero_()
-    for a, b in zip(tx, ty):
-        _accumulate(out, a, b, mode, weight, layout)
+    if not tx:
+        out.zero_()
+    # The first term writes the block: no pass to zero it, none to add to the zeros.
+    for i, (a, b) in enumerate(zip(tx, ty)):
+        _accumulate(out, a, b, mode, weight, layout, first=i == 0)
+
+
+def _folded(terms: list[Term], weight) -> list[Term]:
+    """The terms, those of one backprop column (a scalar output's head) as dense rows.
+
+    With ``delta`` one number ``g`` per sample, ``(A A^T + ones) * (g g^T)`` is ``F F^T``
+    with ``F = [g a, g]``: one product (``q + 1`` wide) added to the Gram, instead of
+    two (one of them an outer product, at a fraction of the GEMM rate) and three passes
+    over the block (the bias's ones, the Hadamard product, the sum). Not with a
+    preconditioner, which scales the parameters' entries apart.
+    """
+    if weight is not None:
+        return terms
+    out = []
+    for t in terms:
+        n, C, _, p = t.delta.shape
+        factored = [a[:, 0] for _, a in t.inputs if a is not None]
+        if not (rank_one(t) and factored and C * p == 1):
+            out.append(t)
+            continue
+        q = sum(a.shape[1] for a in factored)
+        F = t.delta.new_empty((n, q + len(t.inputs) - len(factored)))
+        g = t.delta.reshape(n, 1)
+        s = 0
+        for a in factored:
+            torch.mul(a, g, out=F[:, s : s + a.shape[1]])
+            s += a.shape[1]
+        F[:, s:] = g
+        # One constant input: the shortcut of dense rows adds F F^T once.
+        out.append(Term(delta=F[:, None, None, :], inputs=[(t.inputs[0][0], None)]))
+    return out
 
 
 def _panel_rows(device: torch.device, width: int = 0) -> tuple[int, int]:
@@ -370,6 +416,7 @@ def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout,
     below it, which the mirror overwrites), a panel of ``rows`` rows at a time."""
     n = K.shape[0]
     scratch = _Scratch()
+    terms = _folded(terms, weight)
     for s in range(0, n, rows):
         e = min(s + rows, n)
         block = scratch.get((e - s, n - s), K)
@@ -383,6 +430,7 @@ def _symmetric_panels(terms: list[Term], mode: str, weight, layout, out: torch.T
     """:func:`_symmetric_block` by torch's GEMMs, one outer panel of rows at a time."""
     n = terms[0].delta.shape[0]
     width = max(t.delta.shape[1] * t.delta.shape[3] for t in terms)
+    terms = _folded(terms, weight)
     outer, inner = _panel_rows(terms[0].delta.device, width)
     for s in range(0, n, outer):
         e = min(s + outer, n)
@@ -1098,7 +1146,8 @@ def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,
             # first use as a column block.
             cy = by.hold(j) if symmetric and dense and j == i + 1 else by[j]
             block = target if panels is None else panels.get(target.shape)
-            _gram_into(block, cx.terms, cy.terms, mode, weight, layout)
+            _gram_into(block, _folded(cx.terms, weight), _folded(cy.terms, weight), mode,
+                       weight, layout)
             if block is not target:
                 target.copy_(block)
             if symmetric:

@@ -299,12 +299,14 @@ def check_modes_now(module: torch.nn.Module) -> None:
             continue
         if refused_in_mode(layer):
             raise ValueError(
-                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) is in training "
-                f"mode{'' if layer.training else ' or keeps no running statistics'}: "
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) "
+                f"{'is in training mode' if layer.training else 'keeps no running statistics'}: "
                 f"{_POWER if _spectral(layer) else _MIXES}, so computing the network's "
                 "outputs would make each one depend on the other inputs or rewrite those "
-                "buffers, and describe no network of the path. Call module.eval() first "
-                "(BatchNorm then normalises with its running statistics).")
+                "buffers, and describe no network of the path. "
+                + ("Call module.eval() first (BatchNorm then normalises with its running "
+                   "statistics)." if layer.training else
+                   "Build it with track_running_stats=True and train in eval mode."))
         # Reversed: the first layer in the module's order is the one named.
         stack.extend((f"{name}.{child}" if name else child, sub)
                      for child, sub in reversed(layer._modules.items()))

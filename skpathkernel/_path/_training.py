@@ -292,12 +292,13 @@ def check_modes_now(module: torch.nn.Module) -> None:
     that a query's output depended on the others, and overwrote its running statistics,
     the function every later analysis describes.
     """
-    stack = [("", module)]
+    stack = [module]
     while stack:  # without named_modules' names unless one is refused (warn_drawing_now)
-        name, layer = stack.pop()
-        if layer is None:
+        layer = stack.pop()
+        if layer is None:  # a child registered as None
             continue
         if refused_in_mode(layer):
+            name = next(n for n, sub in module.named_modules() if sub is layer)
             raise ValueError(
                 f"Layer {name or '(the module)'!r} ({type(layer).__name__}) "
                 f"{'is in training mode' if layer.training else 'keeps no running statistics'}: "
@@ -307,9 +308,8 @@ def check_modes_now(module: torch.nn.Module) -> None:
                 + ("Call module.eval() first (BatchNorm then normalises with its running "
                    "statistics)." if layer.training else
                    "Build it with track_running_stats=True and train in eval mode."))
-        # Reversed: the first layer in the module's order is the one named.
-        stack.extend((f"{name}.{child}" if name else child, sub)
-                     for child, sub in reversed(layer._modules.items()))
+        # Reversed: the first refused layer in the module's order is the one named.
+        stack.extend(reversed(layer._modules.values()))
     warn_drawing_now(module)
 
 

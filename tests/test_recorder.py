@@ -26,6 +26,7 @@ from skpathkernel import (
     PathKernelMachine,
     PathRecorder,
     RecordedNetwork,
+    TangentFeatures,
     TangentKernel,
 )
 from skpathkernel._path._losses import LOSSES
@@ -978,6 +979,103 @@ def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):
             loop(frozen=False, toggle_at=2, set_to_none=set_to_none)
     with pytest.raises(ValueError, match=r"'0.weight' is unfrozen"):
         loop(frozen=True, toggle_at=2)
+
+
+def _recorded_full_batch(module, opt, X, y, steps=4):
+    """``steps`` full-batch steps of ``opt`` on ``module``'s squared error, recorded."""
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            rec.set_batch(np.arange(len(X)))
+            opt.step()
+    return rec
+
+
+def test_features_of_a_frozen_backbone_are_the_trained_parameters_gradients(data):
+    """Fine-tuning: a backbone frozen (requires_grad=False, still handed to the
+    optimizer) and a layer the optimizer is not given (requires_grad left True) are
+    constants of the path: phi(x) and the kernels are the gradients with respect to the
+    parameters the optimizer trains, with no column for the others (the own-loop guide
+    says so)."""
+    X, y, Xq = data
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5),
+                                 torch.nn.Tanh(), torch.nn.Linear(5, 1)).double()
+    module[0].requires_grad_(False)
+    opt = torch.optim.SGD([*module[0].parameters(), *module[4].parameters()], lr=0.1,
+                          momentum=0.9)
+    rec = _recorded_full_batch(module, opt, X, y)
+    assert list(rec.trajectory.names) == ["4.weight", "4.bias"]
+    # The autograd Jacobian over the head alone, on a copy with the rest frozen.
+    head_only = copy.deepcopy(module)
+    head_only[2].requires_grad_(False)
+    J = jacobian_loop(head_only, Xq)[:, 0].numpy()
+    net = rec.as_estimator(X, y)
+    assert_allclose(TangentFeatures(net).fit(X).transform(Xq), J, rtol=1e-12, atol=1e-14)
+    assert_allclose(TangentKernel(net)(Xq), J @ J.T, rtol=1e-12, atol=1e-14)
+    _assert_decomposes(module, net, Xq)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_frozen_parameter_left_with_a_gradient_is_refused_before_it_moves(data, make_opt,
+                                                                           set_to_none):
+    """Fine-tuning after pretraining in the same process, with
+    zero_grad(set_to_none=False): a frozen layer handed to the optimizer keeps the
+    (zeroed) .grad of its last pretraining step, and torch.optim steps every parameter
+    that has one, frozen or not: AdamW's weight decay moved the frozen layer while the
+    record held it as a constant, and the recorder blamed "another optimizer, or an
+    in-place change" one step later (so it did for SGD's step of zero, which moves
+    nothing but writes in place). It is refused before the step; with the default
+    zero_grad() the layer is a constant of an exact path."""
+    X, y, Xq = data
+    module = _tanh_mlp()
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    (0.5 * (module(Xt) - 2 * Yt) ** 2).mean().backward()  # "pretraining" sets every .grad
+    module[0].requires_grad_(False)
+    frozen = module[0].weight.detach().clone()
+    opt = make_opt(module.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec = PathRecorder(module, opt, n_samples=len(X))
+        for _ in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+            rec.set_batch(np.arange(len(X)))
+            if not set_to_none:
+                with pytest.raises(ValueError, match=r"step 0 parameter '0.weight' is "
+                                   r"frozen \(requires_grad=False\) but holds a gradient"
+                                   r".*set_to_none=True"):
+                    opt.step()
+                break
+            opt.step()
+        rec.close()
+    assert torch.equal(module[0].weight, frozen)
+    if set_to_none:
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+def test_a_compiled_module_is_recorded_under_its_own_names(data):
+    """torch.compile wraps the module in an OptimizedModule that holds its parameters
+    under '_orig_mod.' names: the path was recorded under those, and the analyses ran the
+    compiled forward, which dynamo recompiled for their calls until its limit, with its
+    warnings. The recorder and RecordedNetwork read the module it compiled, as they read
+    the one DistributedDataParallel wraps."""
+    X, y, Xq = data
+    module = _tanh_mlp()
+    compiled = torch.compile(module, backend="eager")  # no C++ compiler needed
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    rec = _recorded_full_batch(compiled, opt, X, y)
+    assert list(rec.trajectory.names) == [n for n, _ in module.named_parameters()]
+    for net in (rec.as_network(X, y), rec.as_estimator(X, y).network_,
+                RecordedNetwork(compiled, rec.trajectory, X_train=X, y_train=y).network_):
+        assert net.module is module
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
 def test_a_parameter_group_added_midway_is_refused_naming_it():

@@ -234,6 +234,18 @@ def test_groups_that_differ_in_momentum_are_refused():
         PathRecorder(module, torch.optim.Adam(groups, lr=0.01))
 
 
+def _recorded_sgd(module, X, y):
+    """Four minibatch SGD steps of ``module``, recorded."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches()[:4]:
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            rec.set_batch(idx)
+            opt.step()
+    return rec
+
+
 def _batch_norm_mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.BatchNorm1d(16),
@@ -288,13 +300,7 @@ def test_training_mode_dropout_and_batch_norm_are_refused_naming_the_layer(probl
     # In eval mode (no mask drawn; BatchNorm's running statistics fixed) the same network
     # records and decomposes exactly.
     module = make().eval()
-    opt = torch.optim.SGD(module.parameters(), lr=0.5)
-    with PathRecorder(module, opt, n_samples=N) as rec:
-        for idx in _batches()[:4]:
-            opt.zero_grad()
-            _loss(module(X[idx]), y[idx]).backward()
-            rec.set_batch(idx)
-            opt.step()
+    rec = _recorded_sgd(module, X, y)
     _exact(rec.as_network(X, y), Xq)
 
 
@@ -316,6 +322,73 @@ def test_batch_norm_without_running_statistics_is_refused_in_eval_mode_too(probl
         opt.step()
     assert "training mode" not in str(info.value)
     rec.close()
+
+
+def test_outputs_refuse_a_batch_norm_put_back_in_training_mode(problem):
+    """The kernels and features refused a BatchNorm in training mode at analysis time,
+    but predict ran it: each query normalised with the statistics of its block (padding
+    rows included) and the running statistics were overwritten, so every later analysis
+    described another network. The outputs refuse it now, naming the layer, and leave
+    the buffers as they were."""
+    X, y, Xq = problem
+    module = _batch_norm_mlp().eval()
+    rec = _recorded_sgd(module, X, y)
+    net = rec.as_estimator(X, y)
+    with torch.no_grad():
+        truth = module(Xq).numpy()
+    module.train()
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    for outputs in (net.predict, rec.as_network(X, y).outputs):
+        with pytest.raises(ValueError, match=r"(?s)Layer '1' \(BatchNorm1d\) is in "
+                           r"training mode.*module.eval\(\)"):
+            outputs(Xq.numpy())
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    module.eval()
+    assert_allclose(net.predict(Xq.numpy()), truth, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("stale", [True, False])
+def test_a_clip_over_gradients_outside_the_record_is_named_by_the_unrolled_scores(problem,
+                                                                                 stale):
+    """Fine-tuning after pretraining in the same process: the frozen layer, not given to
+    the optimizer, keeps the .grad of its last pretraining step, and
+    clip_grad_norm_(module.parameters()) counts it in its norm (and scales it). The
+    decomposition stays exact (the factor applied is recorded), but the unrolled scores
+    differentiate the factor as the norm of the recorded gradients: they warned that
+    the factors were not one clip's, with a changed max_norm as the only cause named.
+    The warning names the parameters that hold gradients outside the record; with
+    their .grad set to None there is none."""
+    X, y, Xq = problem
+    module = _mlp()
+    pre = torch.optim.SGD(module.parameters(), lr=0.1)
+    pre.zero_grad()
+    _loss(module(X), 2 * y).backward()  # "pretraining": every .grad is set
+    pre.step()
+    module[0].requires_grad_(False)
+    if not stale:
+        module.zero_grad(set_to_none=True)
+    # The idiom that leaves the frozen layer's .grad alone: zero_grad clears the
+    # optimizer's parameters only.
+    opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.5)
+    with PathRecorder(module, opt, n_samples=N) as rec:
+        for idx in _batches()[:6]:
+            opt.zero_grad()
+            _loss(module(X[idx]), y[idx]).backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 0.05)
+            rec.set_batch(idx)
+            opt.step()
+    assert (np.asarray(rec.trajectory.gradient_scales) < 0.5).all()  # every step clipped
+    net = rec.as_network(X, y)
+    _exact(net, Xq)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net.attribute(Xq.numpy(), method="unrolled")
+    named = [w for w in caught if "outside the record hold gradients (0.weight, 0.bias)"
+             in str(w.message)]
+    assert len(named) == stale
+    if not stale:
+        assert not caught
 
 
 def _scaled_run(module, X, y, half=None, make_opt=None, clip=True):

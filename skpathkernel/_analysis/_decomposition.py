@@ -2714,7 +2714,9 @@ def _warn_inexact(result: Decomposition, relative: float, verb: str) -> None:
         "batch, a wrong index), a loss, inputs or targets other than the ones the "
         "optimizer saw, or a change of the gradients between backward() and "
         "optimizer.step() that the record does not hold (clipping, noise, gradient "
-        "surgery). The contributions do not add up to the prediction (attribute and "
+        "surgery), or a forward pass under torch.autocast, whose half-precision round-off "
+        "the steps recomputed in the parameters' dtype do not make. The contributions do "
+        "not add up to the prediction (attribute and "
         "explain read this decomposition).",
         UserWarning, stacklevel=caller_stacklevel(),
     )

@@ -1498,7 +1498,7 @@ def unrolled_scores(net, X, Y, Xq, weights, *, n_jobs=None, diagonal: bool = Fal
     _warn(result, traj, what)
     _warn_sensitivity(result, traj, next((p[7] for p in parts if p[7]), None), what)
     if parts:
-        _check_clipping(traj, parts[0][5], what)
+        _check_clipping(traj, parts[0][5], what, net.module)
     return result
 
 
@@ -1541,13 +1541,17 @@ def _restandardize(scores, shift, scale, weights, net, outputs, n_rows, constant
     return scores
 
 
-def _check_clipping(traj: Trajectory, norms: np.ndarray, what: str) -> None:
+def _check_clipping(traj: Trajectory, norms: np.ndarray, what: str,
+                    module: torch.nn.Module) -> None:
     """Warn when the recorded gradient factors are not one ``clip_grad_norm_``'s.
 
     The scores differentiate a factor below 1 as ``max_norm / (|g| + 1e-6)`` (the L2 norm
     of the loss gradient): each clipped step implies its ``max_norm``. A constant
     factor of another origin, another norm or a changing ``max_norm`` shows as clipped
-    steps that disagree on it, or an unclipped step whose norm is above it.
+    steps that disagree on it, or an unclipped step whose norm is above it. So does the
+    fine-tuning slip of ``clip_grad_norm_(module.parameters())`` with parameters outside
+    the record holding a ``.grad`` (frozen ones' left from pretraining, or ones the
+    optimizer is not given): its norm counts them, so they are named.
     """
     scales = traj.gradient_scales
     eps = 16 * float(torch.finfo(traj.dtype).eps)
@@ -1561,6 +1565,17 @@ def _check_clipping(traj: Trajectory, norms: np.ndarray, what: str) -> None:
     if spread > REPLAY_LIMIT or above.any():
         larger = (f", and {int(above.sum())} unclipped steps have a larger norm"
                   if above.any() else "")
+        recorded = set(traj.names)
+        held = [n for n, p in module.named_parameters()
+                if n not in recorded and p.grad is not None]
+        outside = "" if not held else (
+            f" Parameters outside the record hold gradients ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}): a clip_grad_norm_ over "
+            "module.parameters() counts them in its norm (and scales them), which the "
+            "scores do not differentiate. Clip over the parameters the optimizer trains, "
+            "or set the others' .grad to None (module.zero_grad(set_to_none=True) "
+            "before recording; a frozen parameter's .grad is left from before it was "
+            "frozen).")
         warnings.warn(
             f"{what}: the recorded gradient factors "
             "(Trajectory.gradient_scales) are not those of one "
@@ -1569,7 +1584,7 @@ def _check_clipping(traj: Trajectory, norms: np.ndarray, what: str) -> None:
             f"{larger}. "
             "The scores differentiate each factor as max_norm / (norm + 1e-6) with its "
             "step's own max_norm, which is the derivative of the training only for an L2 "
-            "norm clip (with a max_norm that changed between steps).",
+            f"norm clip (with a max_norm that changed between steps).{outside}",
             UserWarning, stacklevel=caller_stacklevel(),
         )
 

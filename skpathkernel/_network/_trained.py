@@ -48,7 +48,7 @@ from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._storage import TrajectoryFileError
-from .._path._training import warn_drawing_now, warn_drawn
+from .._path._training import check_modes_now, warn_drawing_now, warn_drawn
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
 from .._warnings import caller_stacklevel
@@ -177,6 +177,9 @@ KERNELS: dict[str, type] = {}
 # warn when those draw at random.
 _runs_own_module = runs_module(lambda net: net.module)
 _analyses_own_module = runs_module(lambda net: net.module, check=warn_drawing_now)
+# The outputs trace nothing that would refuse a layer mixing the batch (the kernels' and
+# features' tracing does): they refuse it themselves.
+_outputs_own_module = runs_module(lambda net: net.module, check=check_modes_now)
 
 
 class TrainedNetwork:
@@ -570,7 +573,7 @@ class TrainedNetwork:
             self.__dict__["_widths"] = widths
         return widths
 
-    @_analyses_own_module
+    @_outputs_own_module
     def outputs(self, X, step: int | None = -1) -> np.ndarray:
         """Network outputs ``f(X; theta_step)``, float64 (n, C), in blocks under the budget.
 

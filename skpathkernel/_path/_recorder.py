@@ -16,8 +16,10 @@ in the loop, a step skipped by ``torch.amp.GradScaler`` is not recorded, and no 
 be forgotten. The samples of a step, when the decomposition is wanted, are declared with
 :meth:`PathRecorder.set_batch` before ``optimizer.step()`` (once per micro-batch under
 gradient accumulation). Parameters frozen (``requires_grad=False``) when the recorder is
-created are constants of the path; freezing or unfreezing one later is refused, and a
-constant that changes anyway (another optimizer on part of the module) is warned about.
+created are constants of the path; freezing or unfreezing one later is refused, as is a
+frozen one that holds a ``.grad`` (torch.optim steps it), and a constant that changes
+anyway (another optimizer on part of the module) is warned about. A ``torch.compile``d
+module is recorded and analysed as the module it compiled.
 
 Supported optimizers: ``torch.optim.SGD`` (``momentum``, ``nesterov``, ``weight_decay``),
 ``Adam``, ``AdamW`` (``betas``, ``eps``, ``weight_decay``) and ``RMSprop`` (``alpha``,
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -200,8 +203,24 @@ def _hyper_parameters(optimizer) -> list[dict]:
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The module a DistributedDataParallel wraps, or the module itself."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
+    """The module that DistributedDataParallel and ``torch.compile`` wrap (in either
+    order), or the module itself.
+
+    A compiled module holds the same parameters under ``_orig_mod.``-prefixed names: the
+    path is recorded under the module's own names, and the analyses run its eager
+    forward, which they trace themselves (run compiled, each of their calls recompiled
+    until dynamo's limit, with its warnings).
+    """
+    # Only a process that has imported dynamo (torch.compile does) can hold a compiled
+    # module: importing it here would cost every recorder seconds.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+            module = module._orig_mod
+        else:
+            return module
 
 
 def _process_group() -> tuple[int, int]:
@@ -692,6 +711,23 @@ class PathRecorder:
                            "created: the parameters that train are fixed when recording "
                            "starts. Freeze parameters before creating the PathRecorder "
                            "(they are then constants of the path).", ValueError)
+            if not p.requires_grad and p.grad is not None:
+                # torch.optim steps every parameter that has a .grad, frozen or not: a
+                # frozen one's, left from before it was frozen (zeroed, not cleared, by
+                # zero_grad(set_to_none=False)), moves it by its own value or by its
+                # group's weight decay while the record holds it as a constant (and a
+                # zero one without decay writes it in place, which the constants' check
+                # could not tell from a change).
+                self._fail(
+                    f"at optimizer step {step} parameter {name!r} is frozen "
+                    "(requires_grad=False) but holds a gradient (.grad, left from before "
+                    "it was frozen; zero_grad(set_to_none=False) zeroes it but keeps it): "
+                    "torch.optim steps every parameter that has one, with its group's "
+                    "weight decay and momentum, while the record holds it as a constant. "
+                    "Set the frozen parameters' .grad to None "
+                    "(module.zero_grad(set_to_none=True) before recording, or "
+                    "optimizer.zero_grad() with its default set_to_none=True), or leave "
+                    "them out of the optimizer.", ValueError)
         if _hyper_parameters(optimizer) != self._hyper:
             # e.g. OneCycleLR / CyclicLR cycling momentum or betas: the trajectory stores
             # one set of hyper-parameters; the learning rates may vary per step.
@@ -1308,7 +1344,7 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         # once the old parameter is freed (set_params(y_train=None), then a new list).
         if cached is None or not all(a is b for a, b in zip(cached[0], params)):
             # As PathRecorder.as_network builds it from the same arguments.
-            net = TrainedNetwork(self.module, self.trajectory, loss=self.loss,
+            net = TrainedNetwork(_unwrap(self.module), self.trajectory, loss=self.loss,
                                  X_fit=self.X_train, y_fit=self.y_train,
                                  memory_budget=self.memory_budget)
             net._check_training_inputs()

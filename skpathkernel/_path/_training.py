@@ -42,6 +42,7 @@ __all__ = [
     "DivergenceWarning",
     "Resume",
     "TrainingDivergedError",
+    "check_modes_now",
     "draws_in_training",
     "drawing_layers",
     "extend_trajectory",
@@ -278,6 +279,38 @@ def warn_drawing_now(module: torch.nn.Module) -> None:
             "own, so they vary from call to call and describe no fixed network. Call "
             "module.eval() before analysing it (the estimators' networks are in eval mode "
             "after fit).", UserWarning, stacklevel=caller_stacklevel())
+
+
+def check_modes_now(module: torch.nn.Module) -> None:
+    """Refuse, before the network's outputs are computed, a layer whose current mode no
+    recorded path describes (:func:`refused_in_mode`: a BatchNorm in training mode, ...),
+    and warn of layers that draw at random now (:func:`warn_drawing_now`).
+
+    The kernels and features refuse such a layer when they trace the module; the outputs
+    (``predict``) ran it as it was: a BatchNorm in training mode normalised each query
+    with the statistics of the block it was computed in (padding rows included), so
+    that a query's output depended on the others, and overwrote its running statistics,
+    the function every later analysis describes.
+    """
+    stack = [module]
+    while stack:  # without named_modules' names unless one is refused (warn_drawing_now)
+        layer = stack.pop()
+        if layer is None:  # a child registered as None
+            continue
+        if refused_in_mode(layer):
+            name = next(n for n, sub in module.named_modules() if sub is layer)
+            raise ValueError(
+                f"Layer {name or '(the module)'!r} ({type(layer).__name__}) "
+                f"{'is in training mode' if layer.training else 'keeps no running statistics'}: "
+                f"{_POWER if _spectral(layer) else _MIXES}, so computing the network's "
+                "outputs would make each one depend on the other inputs or rewrite those "
+                "buffers, and describe no network of the path. "
+                + ("Call module.eval() first (BatchNorm then normalises with its running "
+                   "statistics)." if layer.training else
+                   "Build it with track_running_stats=True and train in eval mode."))
+        # Reversed: the first refused layer in the module's order is the one named.
+        stack.extend(reversed(layer._modules.values()))
+    warn_drawing_now(module)
 
 
 def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:

@@ -373,7 +373,7 @@ class FittedNetworkMixin:
         directory = os.path.abspath(os.fspath(directory))
         # Every check before anything changes: a refused directory leaves the model
         # reading where it did.
-        trajectory._check_holds(directory)
+        trajectory._check_holds(directory, net.module)
         data = self.__dict__.get("_disk_data")
         for array in data or ():
             array.check_file(directory)

@@ -1371,7 +1371,9 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         self : RecordedNetwork
             This network, reading from ``directory``.
         """
-        self.trajectory.relocate(directory)
+        # The module too: a path saved without a recording identity is told from another
+        # network's by its last point, which is the module's parameters.
+        self.trajectory._relocate(directory, self.module)
         return self
 
     def fit(self, X=None, y=None) -> RecordedNetwork:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .._validation import check_index
+from .._warnings import VersionedStateMixin
 from ._buffers import compact
 from ._storage import (
     CHUNK_BYTES,
@@ -108,7 +109,7 @@ class SolverSpec:
         return SOLVER_STATE_KEYS[self.name]
 
 
-class Trajectory:
+class Trajectory(VersionedStateMixin):
     """The recorded optimisation path of a network trained by a torch optimizer.
 
     Point ``k`` (``0 <= k < len(self)``) is the parameter vector after optimizer step
@@ -1241,7 +1242,7 @@ class Trajectory:
         # Tensors as NumPy arrays (exact, on the CPU): skops cannot read torch tensors, and
         # a trajectory recorded next to a GPU must load without one. An on-disk
         # trajectory pickles a reference to its directory (see ChunkStore.__getstate__).
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_shared_copy", None)
         state.pop("_shared_directory", None)
         if self.storage == "memory":
@@ -1262,7 +1263,7 @@ class Trajectory:
                 state[key] = np.array(value)
         for key in _EXTRAS:  # pickled before recorders set them
             state.setdefault("_" + key, None)
-        self.__dict__.update(state)
+        super().__setstate__(state)
 
 
 def interval_means(values: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, bool]:

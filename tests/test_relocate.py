@@ -280,11 +280,12 @@ def test_a_trajectory_and_its_deep_copies_are_relocated(tmp_path):
             assert torch.equal(t.parameters(k), w)
 
 
-def test_a_recorded_network_is_relocated(tmp_path):
+def _recorded(tmp_path, name, seed=0):
+    """A user loop's RecordedNetwork, its path on disk saved in ``tmp_path / name``."""
     X, y = _data()
     Xt = torch.as_tensor(X)
     yt = torch.as_tensor(y).reshape(-1, 1)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
                                  torch.nn.Linear(5, 1)).double()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
@@ -295,8 +296,13 @@ def test_a_recorded_network_is_relocated(tmp_path):
             (0.5 * (module(Xt) - yt).pow(2).mean()).backward()
             rec.set_batch(np.arange(len(X)))
             optimizer.step()
-    rec.trajectory.save(tmp_path / "loop")
-    model = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+    rec.trajectory.save(tmp_path / name)
+    return RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+
+
+def test_a_recorded_network_is_relocated(tmp_path):
+    X, y = _data()
+    model = _recorded(tmp_path, "loop")
     Xq = X[:3] + 0.1
     want = _verbs(model, Xq)
     blob = pickle.dumps(model)
@@ -416,24 +422,11 @@ def test_directories_saved_before_recording_ids_are_told_apart_by_their_last_poi
 
 def test_a_recorded_network_saved_before_recording_ids_is_told_from_another(tmp_path):
     X, y = _data()
-    Xt, yt = torch.as_tensor(X), torch.as_tensor(y).reshape(-1, 1)
     models = []
     for seed in (0, 1):
-        torch.manual_seed(seed)
-        module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
-                                     torch.nn.Linear(5, 1)).double()
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-        with PathRecorder(module, optimizer, n_samples=len(X), storage="disk",
-                          directory=tmp_path / "tmp") as rec:
-            for _ in range(7):
-                optimizer.zero_grad()
-                (0.5 * (module(Xt) - yt).pow(2).mean()).backward()
-                rec.set_batch(np.arange(len(X)))
-                optimizer.step()
-        rec.trajectory.save(tmp_path / f"loop{seed}")
+        models.append(_recorded(tmp_path, f"loop{seed}", seed))
         _saved_before_ids(tmp_path / f"loop{seed}")
-        rec.trajectory._store.id = None
-        models.append(RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y))
+        models[-1].trajectory._store.id = None  # as pickled before identities were kept
     Xq = X[:3] + 0.1
     want = _verbs(models[0], Xq)
     blob = pickle.dumps(models[0])

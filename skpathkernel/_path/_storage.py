@@ -187,17 +187,23 @@ def sync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def replace_durably(path: str, write, *, durable: bool = True) -> None:
+def replace_durably(path: str, write, *, durable: bool = True, name: str | None = None
+                    ) -> None:
     """``write(f)`` to a file aside, renamed over ``path``: readers see the old file or
     the new one, whole; a failure leaves ``path`` as it was and no file aside.
 
     ``durable``: the file is fsynced before the rename and its folder after, so that a
     power failure cannot leave ``path`` renamed but empty (ext4 and XFS write a new
-    file's data after the rename's metadata otherwise).
+    file's data after the rename's metadata otherwise). A refused file aside raises an
+    ``OSError`` naming ``name`` (``path`` by default), not the name aside.
     """
     tmp = aside(path)
     try:
-        with open(tmp, "wb") as f:
+        f = open(tmp, "wb")
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, path if name is None else name) from None
+    try:
+        with f:
             write(f)
             if durable:
                 f.flush()

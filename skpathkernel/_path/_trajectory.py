@@ -13,7 +13,6 @@ lazily behind the same accessors (:mod:`skpathkernel._path._storage`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import os
@@ -42,13 +41,12 @@ from ._storage import (
     DiskRows,
     Series,
     TrajectoryFileError,
-    aside,
     chunk_rows_for,
     dtype_name,
     open_shared,
     populate,
+    replace_durably,
     share_arrays,
-    sync_directory,
 )
 
 __all__ = ["Trajectory"]
@@ -1323,25 +1321,14 @@ def _save_aside(payload: dict, path: str) -> None:
         # torch.save, writing in place, was refused a file the process may not write (one
         # made read-only to keep it); a rename needs the folder's permission alone.
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-    tmp = aside(target)
-    try:
-        f = open(tmp, "wb")
-    except OSError as exc:
-        # Named by the path asked for, not by the name written aside.
-        raise type(exc)(exc.errno, exc.strerror, path) from None
-    try:
-        with f:
-            if before is not None:
-                _keep_mode_and_owner(tmp, before)
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    sync_directory(os.path.dirname(target))
+
+    def write(f):
+        if before is not None:
+            _keep_mode_and_owner(f.name, before)
+        torch.save(payload, f)
+
+    # Named by the path asked for, not by the name written aside.
+    replace_durably(target, write, name=path)
 
 
 def _read_description(path: str, directory: str | None) -> dict:

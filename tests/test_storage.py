@@ -1411,8 +1411,10 @@ def test_a_save_to_another_file_system_cut_short_leaves_nothing_there(data, tmp_
 
 
 _SAVER = """
+import os
 import sys
 from skpathkernel import Trajectory
+os.fsync = lambda fd: None  # this test is about names; fsync (milliseconds) has its own
 source, target, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 trajectory = Trajectory.load(source)
 print("ready", flush=True)
@@ -1441,7 +1443,7 @@ def test_concurrent_saves_to_one_place_never_show_a_partial_file(data, tmp_path,
     for path, source in zip(paths, sources):
         path.save(source)
     savers = [subprocess.Popen([sys.executable, "-c", _SAVER, str(source), str(target),
-                                "150"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                "300"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=_child_env())
               for source in sources]
     for saver in savers:
@@ -1454,10 +1456,12 @@ def test_concurrent_saves_to_one_place_never_show_a_partial_file(data, tmp_path,
         if storage == "memory" and not os.path.exists(target):
             continue  # before the first rename
         got = Trajectory.load(target)
+        # One of the paths saved: its last point (the first one compared whole below).
         assert any(torch.equal(got.parameters(-1), path.parameters(-1))
                    for path in paths)
-        _assert_same_path(got, next(path for path in paths if torch.equal(
-            got.parameters(-1), path.parameters(-1))))
+        if not loads:
+            _assert_same_path(got, next(path for path in paths if torch.equal(
+                got.parameters(-1), path.parameters(-1))))
         loads += 1
     for saver in savers:
         _, err = saver.communicate()
@@ -1508,13 +1512,18 @@ def test_a_save_is_durable_before_its_description_is_in_place(data, tmp_path, mo
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    def fsync(fd):  # which file: its inode, which a rename keeps
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
         return real_fsync(fd)
 
     def replace(src, dst):
         events.append(("replace", os.fspath(dst)))
         return real_replace(src, dst)
+
+    def inode(path):
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -1523,18 +1532,20 @@ def test_a_save_is_durable_before_its_description_is_in_place(data, tmp_path, mo
     monkeypatch.undo()
     described = target if storage == "memory" else os.path.join(target, "trajectory.pt")
     last = max(i for i, e in enumerate(events) if e == ("replace", described))
-    synced = {path for kind, path in events[:last] if kind == "fsync"}
-    # The description itself, written aside, is synced before its rename...
-    assert any(p.startswith(described + ".") and p.endswith(".tmp") for p in synced)
-    # ...its folder after it.
-    assert ("fsync", os.path.dirname(described)) in events[last:]
+    before = {file for kind, file in events[:last] if kind == "fsync"}
+    after = {file for kind, file in events[last:] if kind == "fsync"}
+    # The description in place is the file synced before its rename...
+    assert inode(described) in before
+    if os.name == "posix":  # ...and its folder after it (elsewhere folders are not opened)
+        assert inode(os.path.dirname(described)) in after
     if storage == "disk":
-        files = {os.path.join(folder, name) for folder, _, names in os.walk(target)
-                 for name in names if name.endswith(".npy")}
-        assert files and files <= synced  # every chunk file
-        # The folders of the chunk files and the saved directory's name in its parent.
-        folders = {path for kind, path in events if kind == "fsync"}
-        assert {os.path.dirname(f) for f in files} | {str(tmp_path)} <= folders
+        files = [os.path.join(folder, name) for folder, _, names in os.walk(target)
+                 for name in names if name.endswith(".npy")]
+        assert files and {inode(f) for f in files} <= before  # every chunk file
+        if os.name == "posix":
+            # The chunk files' folders, and the saved directory's new name in its parent.
+            folders = {os.path.dirname(f) for f in files} | {str(tmp_path)}
+            assert {inode(f) for f in folders} <= before | after
         # A temporary directory is not synced: a fit's own description costs no fsync.
         events.clear()
         monkeypatch.setattr(os, "fsync", fsync)

@@ -532,6 +532,7 @@ class ChunkStore:
 
     def _sync_written(self) -> None:
         """fsync the files written since the last sync, and their folders."""
+        _drain("writer")  # a chunk write still queued: its file renamed in place first
         folders = set()
         for name in sorted(self._unsynced):
             path = os.path.normpath(os.path.join(self.directory, name))

@@ -15,13 +15,14 @@ from ._network._trained import TrainedNetwork
 from ._path._recorder import PathRecorder, RecordedNetwork
 from ._path._training import DivergenceWarning, TrainingDivergedError
 from ._path._trajectory import Trajectory
+from ._version import __version__
+from ._warnings import InconsistentVersionWarning
 from .kernels import PathKernel, TangentKernel
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "AttributionScores",
     "DivergenceWarning",
+    "InconsistentVersionWarning",
     "OODRankDetector",
     "PathKernel",
     "PathKernelClassifier",

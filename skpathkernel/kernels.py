@@ -60,7 +60,7 @@ from ._tangent import (
     tangent_gram_diag,
 )
 from ._validation import check_column_names, check_flag, check_index
-from ._warnings import caller_stacklevel
+from ._warnings import VersionedStateMixin, caller_stacklevel
 
 __all__ = [
     "PathKernel",
@@ -815,7 +815,7 @@ def kernel_threads(work: int) -> int | None:
     return 1 if work < KERNEL_SINGLE_THREAD_WORK else dask_worker_threads()
 
 
-class _NetworkKernel(Kernel):
+class _NetworkKernel(VersionedStateMixin, Kernel):
     """What TangentKernel and PathKernel share: validation, clone, gradient shape."""
 
     def is_stationary(self) -> bool:

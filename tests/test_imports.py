@@ -30,7 +30,7 @@ ALLOWED_INTERNAL: dict[tuple[str, str], str] = {}
 ENGINE = ("_device", "_modules", "_network._inputs", "_path._losses", "_memory", "_parallel",
           "_analysis._rank_gap", "_path._storage", "_tangent", "_path._training",
           "_path._trajectory", "_path._buffers", "_path._mlp_step", "_path._optim",
-          "_validation", "_warnings")
+          "_validation", "_warnings", "_version")
 
 
 def _modules():

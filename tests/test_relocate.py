@@ -280,11 +280,12 @@ def test_a_trajectory_and_its_deep_copies_are_relocated(tmp_path):
             assert torch.equal(t.parameters(k), w)
 
 
-def test_a_recorded_network_is_relocated(tmp_path):
+def _recorded(tmp_path, name, seed=0):
+    """A user loop's RecordedNetwork, its path on disk saved in ``tmp_path / name``."""
     X, y = _data()
     Xt = torch.as_tensor(X)
     yt = torch.as_tensor(y).reshape(-1, 1)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
                                  torch.nn.Linear(5, 1)).double()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
@@ -295,8 +296,13 @@ def test_a_recorded_network_is_relocated(tmp_path):
             (0.5 * (module(Xt) - yt).pow(2).mean()).backward()
             rec.set_batch(np.arange(len(X)))
             optimizer.step()
-    rec.trajectory.save(tmp_path / "loop")
-    model = RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+    rec.trajectory.save(tmp_path / name)
+    return RecordedNetwork(module, rec.trajectory, X_train=X, y_train=y)
+
+
+def test_a_recorded_network_is_relocated(tmp_path):
+    X, y = _data()
+    model = _recorded(tmp_path, "loop")
     Xq = X[:3] + 0.1
     want = _verbs(model, Xq)
     blob = pickle.dumps(model)
@@ -371,3 +377,63 @@ def test_the_path_diagnostics_of_a_loaded_model_say_to_relocate_it(tmp_path):
         with pytest.raises(TrajectoryFileError, match="relocate_trajectory"):
             diagnostic(loaded)
     assert_array_equal(loss_path(loaded.relocate_trajectory(new)), want)
+
+
+def _saved_before_ids(directory):
+    """``directory``'s description as a skpathkernel that wrote no recording identity
+    wrote it."""
+    meta = os.path.join(directory, "trajectory.pt")
+    payload = torch.load(meta, weights_only=True)
+    del payload["storage"]["id"]
+    torch.save(payload, meta)
+
+
+@pytest.mark.parametrize("compression", [None, "float16", "bfloat16"])
+def test_directories_saved_before_recording_ids_are_told_apart_by_their_last_point(
+        tmp_path, compression):
+    # Same data and settings, another seed, full batch: the descriptions are equal but
+    # for the identities, which neither side has here; the vectors tell the paths apart.
+    X, y = _data()
+    kw = {**NET, "batch_size": None, "trajectory_compression": compression}
+    est = PathKernelMachine(**kw, random_state=0).fit(X, y)
+    other = PathKernelMachine(**kw, random_state=1).fit(X, y)
+    assert est.trajectory_._params.tail is None  # the last point is in the chunk files
+    est.trajectory_.save(tmp_path / "mine")
+    other.trajectory_.save(tmp_path / "theirs")
+    for name in ("mine", "theirs"):
+        _saved_before_ids(tmp_path / name)
+    Xq = X[:3]
+    want = _verbs(est, Xq)
+    blob = pickle.dumps(est)
+    shutil.move(tmp_path / "mine", tmp_path / "moved")
+    # A recording made with identities, or a pickle of one: told from these by that.
+    _refused(pickle.loads(blob), tmp_path / "moved", ValueError, "identity: none")
+    back = pickle.loads(blob)
+    back.trajectory_._store.id = None  # as pickled before identities were kept
+    _refused(back, tmp_path / "theirs", ValueError, "not this model's parameters")
+    # A bare trajectory holds no point to compare: refused, saying what does.
+    traj = pickle.loads(pickle.dumps(back.trajectory_))
+    with pytest.raises(ValueError, match="Trajectory.load"):
+        traj.relocate(tmp_path / "moved")
+    assert traj.directory == str(tmp_path / "mine")
+    back.relocate_trajectory(tmp_path / "moved")
+    _assert_same(_verbs(back, Xq), want)
+
+
+def test_a_recorded_network_saved_before_recording_ids_is_told_from_another(tmp_path):
+    X, y = _data()
+    models = []
+    for seed in (0, 1):
+        models.append(_recorded(tmp_path, f"loop{seed}", seed))
+        _saved_before_ids(tmp_path / f"loop{seed}")
+        models[-1].trajectory._store.id = None  # as pickled before identities were kept
+    Xq = X[:3] + 0.1
+    want = _verbs(models[0], Xq)
+    blob = pickle.dumps(models[0])
+    shutil.move(tmp_path / "loop0", tmp_path / "moved")
+    back = pickle.loads(blob)
+    with pytest.raises(ValueError, match="not this model's parameters"):
+        back.relocate_trajectory(tmp_path / "loop1")
+    assert back.trajectory.directory == str(tmp_path / "loop0")
+    back.relocate_trajectory(tmp_path / "moved")
+    _assert_same(_verbs(back, Xq), want)

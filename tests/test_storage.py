@@ -11,6 +11,8 @@ import gc
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -1406,3 +1408,147 @@ def test_a_save_to_another_file_system_cut_short_leaves_nothing_there(data, tmp_
     est.trajectory_.save(target)
     assert not os.path.exists(source) and est.trajectory_.directory == os.fspath(target)
     _assert_same_path(est.trajectory_, Trajectory.load(target))
+
+
+_SAVER = """
+import os
+import sys
+from skpathkernel import Trajectory
+os.fsync = lambda fd: None  # this test is about names; fsync (milliseconds) has its own
+source, target, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+trajectory = Trajectory.load(source)
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(n):
+    trajectory.save(target)
+"""
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_concurrent_saves_to_one_place_never_show_a_partial_file(data, tmp_path, storage):
+    # Two processes save to one place again and again (in memory: one file, two paths;
+    # on disk: the directory's description, rewritten by each) while this one loads it:
+    # every load is one of the paths saved, whole, and no save fails. A fixed name
+    # aside (trajectory.pt.tmp) made them write one file: one process renamed the
+    # other's half-written file into place, and the other's rename then failed.
+    X, y = data
+    paths = [_fit(X, y, storage, random_state=seed).trajectory_ for seed in (0, 1)]
+    if storage == "memory":
+        sources = [tmp_path / "a.pt", tmp_path / "b.pt"]
+        target = tmp_path / "shared.pt"
+    else:
+        sources = [tmp_path / "shared", tmp_path / "shared"]
+        target = tmp_path / "shared"
+        paths = paths[:1]
+    for path, source in zip(paths, sources):
+        path.save(source)
+    savers = [subprocess.Popen([sys.executable, "-c", _SAVER, str(source), str(target),
+                                "300"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=_child_env())
+              for source in sources]
+    for saver in savers:
+        assert saver.stdout.readline() == "ready\n", saver.stderr.read()
+    for saver in savers:
+        saver.stdin.write("go\n")
+        saver.stdin.flush()
+    loads = 0
+    while any(saver.poll() is None for saver in savers) or not loads:
+        if storage == "memory" and not os.path.exists(target):
+            continue  # before the first rename
+        got = Trajectory.load(target)
+        # One of the paths saved: its last point (the first one compared whole below).
+        assert any(torch.equal(got.parameters(-1), path.parameters(-1))
+                   for path in paths)
+        if not loads:
+            _assert_same_path(got, next(path for path in paths if torch.equal(
+                got.parameters(-1), path.parameters(-1))))
+        loads += 1
+    for saver in savers:
+        _, err = saver.communicate()
+        assert saver.returncode == 0, err
+    assert loads > 1
+    assert not [name for _, _, files in os.walk(tmp_path) for name in files
+                if name.endswith(".tmp")]
+
+
+def _child_env():
+    # This checkout's skpathkernel in the savers, as in this process.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(_storage.__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def test_a_description_that_fails_to_write_leaves_the_old_one_and_no_file_aside(
+        data, tmp_path, monkeypatch):
+    X, y = data
+    traj = _fit(X, y, "disk").trajectory_
+    traj.save(tmp_path / "path")
+    before = (tmp_path / "path" / "trajectory.pt").read_bytes()
+
+    real_save = torch.save
+
+    def failing_save(payload, f):  # the disk full once the file aside is written
+        real_save(payload, f)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_storage.torch, "save", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        traj.save(tmp_path / "path")
+    monkeypatch.undo()
+    assert (tmp_path / "path" / "trajectory.pt").read_bytes() == before
+    assert not [name for _, _, files in os.walk(tmp_path) for name in files
+                if name.endswith(".tmp")]
+    _assert_same_path(Trajectory.load(tmp_path / "path"), traj)
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_a_save_is_durable_before_its_description_is_in_place(data, tmp_path, monkeypatch,
+                                                               storage):
+    # The files a saved description names are fsynced before it is renamed into place,
+    # the description itself too, and the folders holding the new names after: a power
+    # failure cannot leave a description (or a chunk file) renamed but empty.
+    X, y = data
+    est = _fit(X, y, storage, solver="adam", trajectory_dir=tmp_path / "tmp")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):  # which file: its inode, which a rename keeps
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(dst)))
+        return real_replace(src, dst)
+
+    def inode(path):
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = str(tmp_path / ("saved.pt" if storage == "memory" else "saved"))
+    est.trajectory_.save(target)
+    monkeypatch.undo()
+    described = target if storage == "memory" else os.path.join(target, "trajectory.pt")
+    last = max(i for i, e in enumerate(events) if e == ("replace", described))
+    before = {file for kind, file in events[:last] if kind == "fsync"}
+    after = {file for kind, file in events[last:] if kind == "fsync"}
+    # The description in place is the file synced before its rename...
+    assert inode(described) in before
+    if os.name == "posix":  # ...and its folder after it (elsewhere folders are not opened)
+        assert inode(os.path.dirname(described)) in after
+    if storage == "disk":
+        files = [os.path.join(folder, name) for folder, _, names in os.walk(target)
+                 for name in names if name.endswith(".npy")]
+        assert files and {inode(f) for f in files} <= before  # every chunk file
+        if os.name == "posix":
+            # The chunk files' folders, and the saved directory's new name in its parent.
+            folders = {os.path.dirname(f) for f in files} | {str(tmp_path)}
+            assert {inode(f) for f in folders} <= before | after
+        # A temporary directory is not synced: a fit's own description costs no fsync.
+        events.clear()
+        monkeypatch.setattr(os, "fsync", fsync)
+        _fit(X, y, storage, solver="adam", trajectory_dir=tmp_path / "tmp")
+        monkeypatch.undo()
+        assert not events

@@ -81,7 +81,7 @@ from .._tangent import warn_on_fallback
 # The engine is called as _tangent.<function>, looked up at call time, so that a test
 # stubbing an engine function out reaches every call.
 from .._validation import count
-from .._warnings import caller_stacklevel
+from .._warnings import VersionedStateMixin, caller_stacklevel
 from ..kernels import NetworkKernelsMixin
 
 __all__ = ["BasePathKernelNetwork", "FittedAttribute", "NetworkAttributesMixin", "data_like_fit",
@@ -373,7 +373,7 @@ class FittedNetworkMixin:
         directory = os.path.abspath(os.fspath(directory))
         # Every check before anything changes: a refused directory leaves the model
         # reading where it did.
-        trajectory._check_holds(directory)
+        trajectory._check_holds(directory, net.module)
         data = self.__dict__.get("_disk_data")
         for array in data or ():
             array.check_file(directory)
@@ -530,7 +530,7 @@ def _moments(Y, weights):
 
 
 class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttributesMixin,
-                            BaseEstimator, metaclass=ABCMeta):
+                            VersionedStateMixin, BaseEstimator, metaclass=ABCMeta):
     """Base class for estimators that train a network and record its optimisation path.
 
     Subclasses encode targets (:meth:`_encode_targets`) and choose the loss; this class

@@ -47,6 +47,7 @@ from .._network._inputs import (
 from .._network._trained import TrainedNetwork, network_of
 from .._path._recorder import PathRecorder, RecordedNetwork
 from .._validation import check_column_names
+from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
 from ._base import (
     FIT_CHECKS,
@@ -143,7 +144,7 @@ def trainer_for(y, random_state):
 
 
 class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimatorMixin,
-                           BaseEstimator):
+                           VersionedStateMixin, BaseEstimator):
     """Base of the meta-estimators: fit a trainer, read its network.
 
     Subclasses say which trainers they take (``_trainers``) and how the default one is

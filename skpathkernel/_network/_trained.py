@@ -51,7 +51,7 @@ from .._path._storage import TrajectoryFileError
 from .._path._training import check_modes_now, warn_drawing_now, warn_drawn
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
-from .._warnings import caller_stacklevel
+from .._warnings import VersionedStateMixin, caller_stacklevel
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import (
     FEATURES,
@@ -182,7 +182,7 @@ _analyses_own_module = runs_module(lambda net: net.module, check=warn_drawing_no
 _outputs_own_module = runs_module(lambda net: net.module, check=check_modes_now)
 
 
-class TrainedNetwork:
+class TrainedNetwork(VersionedStateMixin):
     """A trained network and its recorded optimisation path.
 
     What the kernels, the decomposition, the plotting displays and the diagnostics read
@@ -514,14 +514,14 @@ class TrainedNetwork:
         return dict(params)
 
     def __getstate__(self):
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_kept_point", None)
         state.pop("_widths", None)
         state.pop("_taken", None)
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        super().__setstate__(state)
         # A network pickled before these attributes existed: an unweighted fit, and the
         # margin a network built from the same arguments has. In __dict__, where
         # replace() looks for them.

@@ -69,6 +69,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork, warn_not_finite
+from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
 from ._training import mode_dependent_layers, refused_in_mode, undrawn
 from ._trajectory import (
@@ -1249,7 +1250,8 @@ _X_TRAIN_FORM = ("array-like of shape (n_queries, n_features) or (n_queries, ...
                  "    In the form of ``X_train``.")
 
 
-class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator):
+class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStateMixin,
+                      BaseEstimator):
     """A recorded path and its network, usable where the library takes a fitted estimator.
 
     Exposes the recorded network as a :class:`~skpathkernel.TrainedNetwork`
@@ -1407,7 +1409,9 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, BaseEstimator
         self : RecordedNetwork
             This network, reading from ``directory``.
         """
-        self.trajectory.relocate(directory)
+        # The module too: a path saved without a recording identity is told from another
+        # network's by its last point, which is the module's parameters.
+        self.trajectory._relocate(directory, self.module)
         return self
 
     def fit(self, X=None, y=None) -> RecordedNetwork:

@@ -13,9 +13,13 @@ second one meanwhile: the file write overlaps training instead of stalling it. B
 page-aligned and chunk files of a MiB or more are written with ``O_DIRECT`` where the file
 system allows (the ``.npy`` header padded to 4096 bytes, still a plain ``.npy`` file): the
 disk reads the buffer itself, so neither the page-cache copy nor the write-back takes the
-cores that train. Each file goes to a temporary name renamed over the chunk's (so a chunk
-file is either complete or absent, whenever the process stops; files are not fsynced, so
-after a power failure that is up to the file system). Reading keeps the last two
+cores that train. Each file goes to a temporary name of its own (two processes writing
+into one directory never write one file) renamed over the chunk's, so a chunk file is
+either complete or absent whenever the process stops. A directory that outlives the
+process (saved, or pickled) is made durable when it is described: the files written
+since are fsynced, then the description is written aside, fsynced, renamed into place and
+its folder fsynced, so that after a power failure the description names files that hold
+what it describes (a temporary directory, gone with the process, is not). Reading keeps the last two
 chunks of a series in memory: a forward or backward sweep over the path (the path kernel,
 the decomposition's adjoint) reads each chunk once, and memory stays at two chunks per
 series whatever the number of points. A sweep that moves to the next chunk (or the
@@ -162,9 +166,60 @@ def _write_direct(tmp: str, array: np.ndarray) -> bool:
     return True
 
 
+def aside(path: str) -> str:
+    """A name beside ``path`` for a file written there and then renamed over it, this
+    write's own: with a fixed ``path + ".tmp"``, two processes saving into one directory
+    wrote one file, and one renamed the other's half-written file into place."""
+    return f"{path}.{uuid.uuid4().hex[:16]}.tmp"
+
+
+def sync_directory(directory: str) -> None:
+    """fsync ``directory``: the names renamed or created in it survive a power failure.
+
+    POSIX only: elsewhere a directory cannot be opened, and NTFS journals renames.
+    """
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_durably(path: str, write, *, durable: bool = True, name: str | None = None
+                    ) -> None:
+    """``write(f)`` to a file aside, renamed over ``path``: readers see the old file or
+    the new one, whole; a failure leaves ``path`` as it was and no file aside.
+
+    ``durable``: the file is fsynced before the rename and its folder after, so that a
+    power failure cannot leave ``path`` renamed but empty (ext4 and XFS write a new
+    file's data after the rename's metadata otherwise). A refused file aside raises an
+    ``OSError`` naming ``name`` (``path`` by default), not the name aside.
+    """
+    tmp = aside(path)
+    try:
+        f = open(tmp, "wb")
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, path if name is None else name) from None
+    try:
+        with f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    if durable:
+        sync_directory(os.path.dirname(path))
+
+
 def _write_chunk(path: str, array: np.ndarray) -> None:
     """Write ``array`` to ``path`` atomically: a failed write leaves no partial file."""
-    tmp = path + ".tmp"
+    tmp = aside(path)
     try:
         if not _write_direct(tmp, array):
             with open(tmp, "wb") as f:
@@ -410,6 +465,8 @@ class ChunkStore:
         self.series: weakref.WeakValueDictionary[str, Series] = weakref.WeakValueDictionary()
         self.failure: str | None = None  # the first failed write, when one failed
         self._pending: list[Future] = []  # writes in flight, awaited before deleting
+        # Files written and not fsynced yet (relative names), shared by deep copies.
+        self._unsynced: set[str] = set()
         # What the directory's removal waits for: held by this store and its deep copies.
         self._lease = _Lease() if owned else None
         self._finalizer = (weakref.finalize(self._lease, _remove_directory, self.directory,
@@ -457,12 +514,43 @@ class ChunkStore:
             if release:
                 series._buffer = series._spare = series._deltas = None
 
+    def written(self, *parts: str) -> None:
+        """The file ``parts`` (relative to the directory) was written: synced with the
+        next description of a kept directory."""
+        self._unsynced.add(os.path.join(*parts))
+
     def write_meta(self, payload: dict) -> None:
-        path = os.path.join(self.directory, META_FILE)
-        tmp = path + ".tmp"
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        """Write the description; for a directory that outlives this process (not
+        temporary), after making the files it describes durable (see the module's
+        docstring)."""
+        durable = not self.owned
+        if durable:
+            self._sync_written()
+        replace_durably(os.path.join(self.directory, META_FILE),
+                        partial(torch.save, payload), durable=durable)
         self._described = (*self._meta_identity(), len(payload["batch_offsets"]) - 1)
+
+    def _sync_written(self) -> None:
+        """fsync the files written since the last sync, and their folders."""
+        _drain("writer")  # a chunk write still queued: its file renamed in place first
+        folders = set()
+        for name in sorted(self._unsynced):
+            path = os.path.normpath(os.path.join(self.directory, name))
+            if os.path.isdir(path):  # os.pardir: the directory's own name, moved there
+                folders.add(path)
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # a chunk whose write failed: kept in memory
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            folders.add(os.path.dirname(path))
+        for folder in sorted(folders):
+            sync_directory(folder)
+        self._unsynced.clear()
 
     def _meta_identity(self) -> tuple[int, int, int] | None:
         # A new file at every description (written aside, renamed over the old one).
@@ -529,6 +617,7 @@ class ChunkStore:
             path = self.directory
         else:
             self._rename(path)
+            self._unsynced.add(os.pardir)
         self.disown()
         self._place[0] = path  # for the deep copies reading this directory too
         self.failure = None
@@ -593,6 +682,10 @@ class ChunkStore:
             os.rmdir(path)
         try:
             shutil.copytree(self.directory, path, symlinks=True)
+            # Every file is new there: synced with the description, as written files are.
+            for folder, _, files in os.walk(path):
+                self._unsynced.update(os.path.relpath(os.path.join(folder, name), path)
+                                      for name in files)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             if given:
@@ -632,6 +725,7 @@ class ChunkStore:
                           "failure": self.failure, "id": self.id,
                           "described": self._described})
         out._lease, out._finalizer, out._pending = self._lease, self._finalizer, self._pending
+        out._unsynced = self._unsynced
         # Its place too: a copy saved (moved) elsewhere takes the others along, which
         # read the old place's files, gone with the rename.
         out._place = self._place
@@ -645,6 +739,7 @@ class ChunkStore:
         self.id = state.get("id")  # None in a pickle made before identities were kept
         self._lease = self._finalizer = None
         self._pending = []
+        self._unsynced = set()
         described = state.get("described")
         self._described = None if described is None else tuple(int(v) for v in described)
 
@@ -835,6 +930,7 @@ class Series:
             self._memory[chunk] = data.copy()
             return
         future = _submit_write(self.path(chunk), data)
+        self.store.written(self.name, f"{chunk:06d}.npy")
         self.store._pending[:] = [f for f in self.store._pending if not f.done()] + [future]
         with self._lock:
             self._writing = (future, chunk, rows, data, step)
@@ -885,6 +981,7 @@ class Series:
         self._settle()
         for chunk in sorted(self._memory):
             _write_chunk(self.path(chunk), self._memory[chunk])
+            self.store.written(self.name, f"{chunk:06d}.npy")
         self._memory.clear()
 
     # -------------------------------------------------------------- reading
@@ -1002,6 +1099,13 @@ class Series:
             if chunk not in self._memory:
                 self._read_checked(chunk, os.path.join(directory, self.name,
                                                        f"{chunk:06d}.npy"), n_rows)
+
+    def stored_chunk(self, directory: str, chunk: int, n_rows: int) -> torch.Tensor:
+        """Chunk ``chunk``'s vectors as stored in ``directory``, for a series of the
+        first ``n_rows`` vectors (the file checked to be this series')."""
+        path = os.path.join(directory, self.name, f"{chunk:06d}.npy")
+        return self._decode(self._read_checked(chunk, path, n_rows),
+                            self._rows_in(chunk, n_rows))
 
     def __getstate__(self):
         self._settle()
@@ -1132,6 +1236,7 @@ class DiskArray:
             f.write(memoryview(rows.reshape(-1).view(np.uint8)))
             f.seek(0)
             f.write(_npy_header(rows, (n, *self.row_shape)))
+        self.store.written("data", f"{self.name}.npy")
         self.n_rows = n
 
     def array(self) -> np.ndarray:

@@ -13,7 +13,6 @@ lazily behind the same accessors (:mod:`skpathkernel._path._storage`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import os
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from .._validation import check_index
+from .._warnings import VersionedStateMixin
 from ._buffers import compact
 from ._storage import (
     CHUNK_BYTES,
@@ -45,6 +45,7 @@ from ._storage import (
     dtype_name,
     open_shared,
     populate,
+    replace_durably,
     share_arrays,
 )
 
@@ -106,7 +107,7 @@ class SolverSpec:
         return SOLVER_STATE_KEYS[self.name]
 
 
-class Trajectory:
+class Trajectory(VersionedStateMixin):
     """The recorded optimisation path of a network trained by a torch optimizer.
 
     Point ``k`` (``0 <= k < len(self)``) is the parameter vector after optimizer step
@@ -1005,8 +1006,13 @@ class Trajectory:
         names the same recording and describes this very path (its steps, batches,
         step sizes, solver and sizes), and every chunk file the path reads is there
         with vectors of this path's length and dtype (only the files' headers are
-        read). Otherwise nothing changes and an error says why. Copies of this object
-        in this process (``copy.deepcopy``) read from the new place too.
+        read). A directory and an object both saved before recording identities were
+        written are told apart by the path's last point instead: the one held in
+        memory, or, through the estimator's or RecordedNetwork's
+        ``relocate_trajectory``, the network's parameters (this method, holding
+        neither, refuses; ``Trajectory.load(directory)`` reads such a directory).
+        Otherwise nothing changes and an error says why. Copies of this object in this
+        process (``copy.deepcopy``) read from the new place too.
 
         Parameters
         ----------
@@ -1048,17 +1054,29 @@ class Trajectory:
         True
         >>> shutil.rmtree(tmp)
         """
+        return self._relocate(directory)
+
+    def _relocate(self, directory, module: torch.nn.Module | None = None) -> Trajectory:
+        """:meth:`relocate`, the path's last point compared with ``module``'s parameters
+        where no recording identity tells (see :meth:`_check_holds`)."""
         store = self._store
         if store is None:
             raise ValueError("This trajectory is in memory: it has no directory to "
                              "relocate (only an on-disk trajectory reads one).")
         directory = os.path.abspath(os.fspath(directory))
-        self._check_holds(directory)
+        self._check_holds(directory, module)
         store.relocate(directory, self.n_steps)
         return self
 
-    def _check_holds(self, directory: str) -> None:
-        """Refuse (nothing changed) a ``directory`` that does not hold this path."""
+    def _check_holds(self, directory: str, module: torch.nn.Module | None = None) -> None:
+        """Refuse (nothing changed) a ``directory`` that does not hold this path.
+
+        The recording identities decide where both sides have one. Where neither has (a
+        directory saved, and an object pickled, before identities were written), two
+        paths of the same settings and data differ only in their vectors: the path's
+        last stored point is compared with ``module``'s parameters (the network that
+        holds this path, trained to that point), or with the last point held in memory.
+        """
         if not os.path.isdir(directory):
             raise FileNotFoundError(
                 errno.ENOENT, "Cannot relocate the trajectory: there is no directory",
@@ -1072,6 +1090,15 @@ class Trajectory:
                 f"Cannot relocate the trajectory to {directory!r}: the path recorded "
                 f"there is another recording's (recording {theirs_id}, this trajectory "
                 f"is recording {store.id}). Nothing was changed.")
+        if (store.id is None) != (theirs_id is None):
+            # A recording keeps its identity in every description it writes: one side
+            # without one was recorded before identities were, the other after.
+            there_is = "none" if theirs_id is None else theirs_id
+            raise ValueError(
+                f"Cannot relocate the trajectory to {directory!r}: the path recorded "
+                f"there is another recording's (its recording identity: {there_is}, this "
+                f"trajectory's: {'none' if store.id is None else store.id}; one was "
+                "recorded by a skpathkernel that wrote none). Nothing was changed.")
         differs = _first_difference(ours, there)
         if differs is not None:
             n_there = len(there.get("batch_offsets", ())) - 1
@@ -1086,6 +1113,46 @@ class Trajectory:
                 "does not hold this path. Nothing was changed.")
         for rows in (self._params, *self._states.values()):
             rows.series.check_files(directory, rows.n)
+        if store.id is None and self._params.tail is None:
+            self._check_last_point(directory, module)
+
+    def _check_last_point(self, directory: str, module: torch.nn.Module | None) -> None:
+        """Refuse a ``directory`` whose last stored point is not ``module``'s parameters.
+
+        Stored as recorded, the point is the parameters cast to the path's dtype, bit for
+        bit. Compressed (float16 or bfloat16 differences with error feedback), it is
+        within one rounding of the difference from the point stored before it.
+        """
+        where = f"Cannot relocate the trajectory to {directory!r}: "
+        theirs = ("neither its description nor this trajectory names a recording (both "
+                  "were written before skpathkernel wrote recording identities)")
+        params = None if module is None else dict(
+            module.named_parameters(remove_duplicate=False))
+        if params is None or any(name not in params for name in self._names):
+            raise ValueError(
+                f"{where}{theirs}, and this object holds none of the path's points to "
+                "compare with the directory's. Relocate it with the estimator's or "
+                "RecordedNetwork's relocate_trajectory, which compares the path's last "
+                "point with the network's parameters, or read the directory with "
+                "Trajectory.load(directory). Nothing was changed.")
+        ours = torch.cat([params[name].detach().reshape(-1).to("cpu", self.dtype)
+                          for name in self._names])
+        series, k = self._params.series, self._params.n - 1
+        chunk, i = divmod(k, series.chunk_rows)
+        stored = series.stored_chunk(directory, chunk, self._params.n)
+        if series.delta_dtype is None or i == 0:  # a chunk's first point: in full
+            same = bool(torch.equal(stored[i], ours))
+        else:
+            # The difference's rounding (relative, or a subnormal's step) and the sum's.
+            small, full = torch.finfo(series.delta_dtype), torch.finfo(self.dtype)
+            bound = (small.eps * (stored[i] - stored[i - 1]).abs()
+                     + small.eps * small.smallest_normal + full.eps * stored[i].abs())
+            same = bool(((stored[i] - ours).abs() <= bound).all())
+        if not same:
+            raise ValueError(
+                f"{where}{theirs}, and the last point stored there is not this model's "
+                "parameters: the directory holds another model's path (of the same "
+                "settings and data). Nothing was changed.")
 
     def for_workers(self, *, by_reference: bool = False) -> Trajectory:
         """This path as a reference to its directory, for tasks pickled to workers.
@@ -1173,7 +1240,7 @@ class Trajectory:
         # Tensors as NumPy arrays (exact, on the CPU): skops cannot read torch tensors, and
         # a trajectory recorded next to a GPU must load without one. An on-disk
         # trajectory pickles a reference to its directory (see ChunkStore.__getstate__).
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_shared_copy", None)
         state.pop("_shared_directory", None)
         if self.storage == "memory":
@@ -1194,7 +1261,7 @@ class Trajectory:
                 state[key] = np.array(value)
         for key in _EXTRAS:  # pickled before recorders set them
             state.setdefault("_" + key, None)
-        self.__dict__.update(state)
+        super().__setstate__(state)
 
 
 def interval_means(values: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -1230,9 +1297,11 @@ def _save_aside(payload: dict, path: str) -> None:
     torch.save truncates its file first: a save that failed (a full disk, an object it
     cannot write, a stopped process) destroyed the trajectory saved there before, and a
     process loading ``path`` while another saved it read a partial file. The name aside
-    is this process's and thread's, so that concurrent saves do not write one file; it is
-    created by ``open``, so it gets a new file's permissions, and a refusal is an
-    ``OSError`` naming ``path`` (torch's said "open file failed", without a name).
+    is this save's own (:func:`~skpathkernel._path._storage.aside`), so that concurrent
+    saves do not write one file; it is created by ``open``, so it gets a new file's
+    permissions, and a refusal is an ``OSError`` naming ``path`` (torch's said "open
+    file failed", without a name). The file is fsynced before the rename and the folder
+    after: a power failure leaves the old file or the new one, not an empty one.
 
     What torch.save writing in place kept is kept: a file the process may not write is
     refused, a link is written through (the file it names is replaced, the link stays),
@@ -1252,22 +1321,14 @@ def _save_aside(payload: dict, path: str) -> None:
         # torch.save, writing in place, was refused a file the process may not write (one
         # made read-only to keep it); a rename needs the folder's permission alone.
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-    tmp = f"{target}.{os.getpid()}-{threading.get_ident()}.tmp"
-    try:
-        f = open(tmp, "wb")
-    except OSError as exc:
-        # Named by the path asked for, not by the name written aside.
-        raise type(exc)(exc.errno, exc.strerror, path) from None
-    try:
-        with f:
-            if before is not None:
-                _keep_mode_and_owner(tmp, before)
-            torch.save(payload, f)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+
+    def write(f):
+        if before is not None:
+            _keep_mode_and_owner(f.name, before)
+        torch.save(payload, f)
+
+    # Named by the path asked for, not by the name written aside.
+    replace_durably(target, write, name=path)
 
 
 def _read_description(path: str, directory: str | None) -> dict:

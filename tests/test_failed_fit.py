@@ -40,26 +40,32 @@ NET = dict(hidden_layer_sizes=(4,), max_iter=3, tol=None, random_state=0)
 VERBS = ("predict", "predict_proba", "decision_function", "transform", "score_samples")
 
 
-def _assert_same_value(a, b, where):
+def _assert_same_value(a, b, where, depth=0):
+    """``a`` equals ``b``, its deep copy, value for value (arrays and tensors bitwise)."""
+    assert depth < 20, where
     if isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype, where
         assert_array_equal(a, b, err_msg=where)
     elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b), where
     elif isinstance(a, torch.nn.Module):
-        _assert_same_value(a.state_dict(), b.state_dict(), where)
+        _assert_same_value(a.state_dict(), b.state_dict(), where, depth + 1)
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:
-            _assert_same_value(a[key], b[key], f"{where}[{key!r}]")
+            _assert_same_value(a[key], b[key], f"{where}[{key!r}]", depth + 1)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (u, v) in enumerate(zip(a, b)):
-            _assert_same_value(u, v, f"{where}[{i}]")
+            _assert_same_value(u, v, f"{where}[{i}]", depth + 1)
     elif isinstance(a, (int, float, str, bool, type(None), np.generic)):
         assert a == b or (a != a and b != b), where
-    elif isinstance(a, sklearn.base.BaseEstimator):
-        _assert_same_value(vars(a), vars(b), where)
+    elif isinstance(a, sklearn.base.BaseEstimator) or (
+            type(a).__module__.startswith("skpathkernel") and hasattr(a, "__dict__")):
+        # The fitted trainer, its TrainedNetwork and Trajectory: what they pickle (their
+        # state without the caches that a use fills).
+        assert type(a) is type(b), where
+        _assert_same_value(a.__getstate__(), b.__getstate__(), where, depth + 1)
 
 
 def _assert_same_fit(est, ref):
@@ -95,23 +101,31 @@ def _as_error(category):
     return call
 
 
-# name -> (estimator, parameters of the failing refit, what fails, how it is raised)
+# name -> (estimator, parameters of the failing refit, (error, message), how it fails)
 AFTER_TRAINING = {
     "TangentFeatureSVM calibration": (
         TangentFeatureSVM(PathKernelClassifier(**NET), probability=True), {},
-        _Refused, lambda fit, mp: (mp.setattr(CalibratedClassifierCV, "fit", _refuse),
-                                   fit())),
+        (_Refused, None),
+        lambda fit, mp: (mp.setattr(CalibratedClassifierCV, "fit", _refuse), fit())),
+    # Early stopping holds out 2 of class 1's 3 rows: the calibration's folds, which
+    # need 2 of every class the network trained on, are known only once it has.
+    "TangentFeatureSVM calibration folds": (
+        TangentFeatureSVM(PathKernelClassifier(**NET), probability=True),
+        {"estimator__early_stopping": True, "estimator__validation_fraction": 0.5},
+        (ValueError, "needs 2 samples of every class; class 1 has 1"),
+        lambda fit, mp: fit(np.r_[np.ones(3, int), np.zeros(len(X) - 3, int)])),
     "TangentFeatureSVM SVC": (
         TangentFeatureSVM(PathKernelClassifier(**NET)), {"C": 3.0},
-        _Refused, lambda fit, mp: (mp.setattr(SVC, "fit", _refuse), fit())),
+        (_Refused, None), lambda fit, mp: (mp.setattr(SVC, "fit", _refuse), fit())),
     # The projection's warning, an error where warnings are.
     "TangentFeatures n_components": (
         TangentFeatures(PathKernelClassifier(**NET)), {"n_components": 10**4},
-        DataDimensionalityWarning, lambda fit, mp: _as_error(DataDimensionalityWarning)(fit)),
+        (DataDimensionalityWarning, None),
+        lambda fit, mp: _as_error(DataDimensionalityWarning)(fit)),
     # The span's factorisation stopped at max_rank: its warning, an error.
     "OODRankDetector span": (
         OODRankDetector(PathKernelClassifier(**NET), method="residual"), {"max_rank": 1},
-        ConvergenceWarning, lambda fit, mp: _as_error(ConvergenceWarning)(fit)),
+        (ConvergenceWarning, None), lambda fit, mp: _as_error(ConvergenceWarning)(fit)),
 }
 
 
@@ -126,8 +140,8 @@ def test_a_fit_failing_after_its_network_trained_keeps_the_previous_fit(case, mo
                         lambda *a, **k: trained.append(1) or real_train(*a, **k))
     # Other data and another network: a mix of the two fits could not pass for either.
     est.set_params(**params, estimator__random_state=1)
-    with pytest.raises(error):
-        fail(lambda: est.fit(X[::-1] * 2, Y[::-1]), monkeypatch)
+    with pytest.raises(error[0], match=error[1]):
+        fail(lambda y=Y[::-1]: est.fit(X[::-1] * 2, y), monkeypatch)
     monkeypatch.undo()
     assert trained  # the new network trained: the failure came after it
     est.set_params(**ref.get_params(deep=False))

@@ -313,8 +313,8 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         """Refuse targets before any training (the trainer checks them otherwise)."""
 
     def _check_weighted(self, X, y, sample_weight) -> None:
-        """Refuse, before any training, validated data with the validated weights that
-        this estimator's own fit would refuse after it (the trainer's, not its own)."""
+        """Refuse, before any training, validated data and weights that this estimator's
+        own part of ``fit`` (not the trainer's) would refuse after it."""
 
     def _y_required(self, frozen: bool) -> bool:
         """Whether ``fit`` needs ``y``, given whether the trainer is frozen."""

@@ -26,6 +26,7 @@ from numpy.testing import assert_allclose, assert_array_equal
 
 import skpathkernel
 from skpathkernel import PathKernelClassifier, PathKernelMachine, Trajectory
+from skpathkernel._estimators import _base
 from skpathkernel._estimators._base import _on_disk
 from skpathkernel._path import _storage, _trajectory
 from skpathkernel._path._storage import TrajectoryFileError
@@ -261,6 +262,35 @@ def test_an_exception_in_the_writer_leaves_the_fit_and_the_directory(monkeypatch
     _assert_same_path(ref.trajectory_, Trajectory.load(directory))
     _assert_same_path(ref.trajectory_, est.trajectory_)
     # And the estimator goes on from there as if nothing happened.
+    est.partial_fit(X[CALLS[2]], y[CALLS[2]])
+    _assert_same_path(_stream("memory", **SOLVERS["adam"]).trajectory_, est.trajectory_)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("simulated error at the commit"),
+                                   KeyboardInterrupt()])
+def test_a_call_stopped_after_the_directory_described_it_keeps_the_fit(error, monkeypatch):
+    # Past the training and the last write (the directory describes the longer path),
+    # the fitted network is made: an error or an interrupt there left the kept fit's
+    # series extended and the directory describing a path no estimator held, which
+    # refused every later partial_fit ("described again since").
+    X, y = _data()
+    ref = _stream("memory", CALLS[:2], **SOLVERS["adam"])
+    est = _stream("disk", CALLS[:2], **SOLVERS["adam"])
+    directory = est.trajectory_.directory
+    before = dict(est.__dict__)
+    real = _base.TrainedNetwork
+
+    def made(*args, **kwargs):
+        assert Trajectory.load(directory).n_steps > ref.trajectory_.n_steps
+        raise error
+
+    monkeypatch.setattr(_base, "TrainedNetwork", made)
+    with pytest.raises(type(error)):
+        est.partial_fit(X[CALLS[2]], y[CALLS[2]])
+    monkeypatch.setattr(_base, "TrainedNetwork", real)
+    assert est.__dict__ == before
+    _assert_same_path(ref.trajectory_, est.trajectory_)
+    _assert_same_path(ref.trajectory_, Trajectory.load(directory))
     est.partial_fit(X[CALLS[2]], y[CALLS[2]])
     _assert_same_path(_stream("memory", **SOLVERS["adam"]).trajectory_, est.trajectory_)
 

@@ -824,6 +824,9 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
         # are there too (until then, the path it described before).
         extends = previous.trajectory if previous is not None and \
             previous.trajectory.storage == "disk" else None
+        # What the directory describes now: the previous path, until _continued_path's
+        # last write describes the longer one.
+        described = None if extends is None else extends._store._described
         try:
             result = self._train(module, X_t, Y_t, loss_name, validation, seed, previous,
                                  incremental, extends, sample_weight)
@@ -849,6 +852,23 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                 # it, not in memory.
                 disk_data = _disk_training_set(trajectory, X, Y, dtype)
                 X_fit, Y_fit = (a.array() for a in disk_data)
+            # Committed inside the rewind's reach: an error (or an interrupt) after the
+            # directory described the longer path left the series of the kept fit
+            # extended and the directory describing a path that no fitted estimator
+            # held, which refused every later partial_fit.
+            attrs.update(
+                network_=TrainedNetwork(
+                    module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
+                    input_kind=self._input_kind, device=str(device),
+                    memory_budget=self.memory_budget, sample_weight=fit_weights,
+                    multilabel=attrs.get("_multilabel", False)),
+                _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
+                _disk_data=disk_data, _layer_modes=layer_modes,
+                **self._curves(result, previous is not None),
+            )
+            attrs["network_"]._drawn = tuple(drawing_layers(module, layer_modes))
+            for name, value in attrs.items():
+                setattr(self, name, value)
         except BaseException as exc:
             if extends is not None:  # the series as the path being continued left them
                 # Every series is rewound, and the fit's own error is the one raised: a
@@ -861,20 +881,10 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
                             f"Rewinding the on-disk path after {type(exc).__name__} also "
                             f"raised {write_error!r}; the path's rows are unchanged.",
                             RuntimeWarning, stacklevel=2)
+                if extends._store._described != described:
+                    # The directory describes the kept path again, as it did before.
+                    extends._write_meta()
             raise
-        attrs.update(
-            network_=TrainedNetwork(
-                module, trajectory, loss=LOSSES[loss_name](), X_fit=X_fit, y_fit=Y_fit,
-                input_kind=self._input_kind, device=str(device),
-                memory_budget=self.memory_budget, sample_weight=fit_weights,
-                multilabel=attrs.get("_multilabel", False)),
-            _network_spec=spec, n_outputs_=n_outputs, _resume=result.resume,
-            _disk_data=disk_data, _layer_modes=layer_modes,
-            **self._curves(result, previous is not None),
-        )
-        attrs["network_"]._drawn = tuple(drawing_layers(module, layer_modes))
-        for name, value in attrs.items():
-            setattr(self, name, value)
         return self
 
     def _check_continuable(self, previous) -> None:

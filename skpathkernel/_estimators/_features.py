@@ -35,6 +35,7 @@ from .._validation import count, validate_params
 from ..kernels import PathKernel, TangentKernel, kernel_threads
 from ._base import (
     FittedAttribute,
+    _check_weighted_classes,
     keep_previous_fit_on_error,
     mean_one,
     runs_fitted_module,
@@ -468,6 +469,12 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             _check_class_weight(self.class_weight, classes)
         if self.probability:
             _calibration_folds(classes, counts)
+
+    def _check_weighted(self, X, y, sample_weight):
+        # The SVM takes the weights even where routing kept them from the trainer, which
+        # would otherwise have refused them: refused before it trains, not after.
+        if sample_weight is not None:
+            _check_weighted_classes(column_or_1d(y), sample_weight)
 
     def _kernel(self):
         kernel = TangentKernel if self._svm_kernel == "tangent" else PathKernel

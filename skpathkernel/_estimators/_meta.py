@@ -313,6 +313,10 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
     def _check_targets(self, y) -> None:
         """Refuse targets before any training (the trainer checks them otherwise)."""
 
+    def _check_weighted(self, X, y, sample_weight) -> None:
+        """Refuse, before any training, validated data and weights that this estimator's
+        own part of ``fit`` (not the trainer's) would refuse after it."""
+
     def _y_required(self, frozen: bool) -> bool:
         """Whether ``fit`` needs ``y``, given whether the trainer is frozen."""
         return self.__sklearn_tags__().target_tags.required
@@ -365,13 +369,16 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             # them (a trainer's n_outputs_ is read from it).
             self._n_outputs = (net.outputs(X[:1]).shape[1]
                                if isinstance(inner, RecordedNetwork) else None)
-            return X, y, True, _check_weights(sample_weight, X)
+            sample_weight = _check_weights(sample_weight, X)
+            self._check_weighted(X, y, sample_weight)
+            return X, y, True, sample_weight
         X, y = self._validate_fit_data(X, y, flexible=getattr(inner, "module", None) is not None)
         self._check_targets(y)
         same = to_trainer is sample_weight
         sample_weight = _check_weights(sample_weight, X)
         # An aliased weight is another array than sample_weight: validated alike.
         to_trainer = sample_weight if same else _check_weights(to_trainer, X)
+        self._check_weighted(X, y, sample_weight)
         if inner is None:
             trainer = self._default_trainer(y)
         else:

@@ -409,18 +409,29 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         if not np.all(distinct):
             self._keep_rows(distinct)
         if len(self.X_fit_) < 2:
-            # One point spans one direction: its leave-one-out score, which sets offset_,
-            # has no other point to be scored against.
-            raise ValueError(
-                f"{type(self).__name__} needs at least 2 distinct training points of "
-                f"positive weight for its span; got {len(self.X_fit_)} (the other rows "
-                "repeat them or have sample_weight 0).")
+            # Early stopping held out the others: known only now.
+            self._too_few_points(len(self.X_fit_))
         task = trained_task(est)
         if task == "regression" and reconstruct and not frozen:
             task = "reconstruction"
         # The span's points: those trained on (not the early-stopping hold-out), or the
         # X given with a frozen trainer.
         return self.X_fit_, task
+
+    def _check_weighted(self, X, y, sample_weight):
+        # Before any training: the span's points are among these rows.
+        rows = X if sample_weight is None else X[sample_weight > 0]
+        n_points = np.count_nonzero(_distinct_rows(rows))
+        if n_points < 2:
+            self._too_few_points(n_points)
+
+    def _too_few_points(self, n_points):
+        # One point spans one direction: its leave-one-out score, which sets offset_,
+        # has no other point to be scored against.
+        raise ValueError(
+            f"{type(self).__name__} needs at least 2 distinct training points of "
+            f"positive weight for its span; got {n_points} (the other rows "
+            "repeat them or have sample_weight 0).")
 
     def _keep_rows(self, mask):
         self.X_fit_, self.train_indices_ = self.X_fit_[mask], self.train_indices_[mask]

@@ -7,7 +7,6 @@ float64 variants, plain SGD (the factor route), other seeds; in units of tol * S
 Run: OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/audit_check_rows.py OLD.py [words]
 (numbers quoted in benchmarks/results/contribution_check_overhead.md)
 """
-import importlib.util
 import os
 import sys
 import warnings
@@ -18,20 +17,13 @@ from sklearn.datasets import load_diabetes, load_digits
 
 sys.path.insert(0, os.path.dirname(__file__))
 import audit_contribution_error as ace
+from contribution_check_overhead import load_old
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel._analysis import _decomposition as new
 from skpathkernel._network._trained import network_of
 
 torch.set_num_threads(1)
-
-
-def load_old(path):
-    spec = importlib.util.spec_from_file_location("skpathkernel._analysis._old", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def cases():

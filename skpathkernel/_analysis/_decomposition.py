@@ -190,22 +190,23 @@ products at the nodes and 5% in the batches' captures; on a float64 regressor on
 diabetes the batches' captures are 12%; on a small CNN the queries' captures through
 the capture engine dominate. A second walk with a node more (tried first) cost 2.0x the
 code before on the default classifier and 1.75x on the default regressor; the pair in
-one walk costs 1.56x and 1.37x (float32), 0.57x on the regressor in float64 and 0.90x on
-converged full-batch Adam, each of which that code walked three times
-(``benchmarks/results/contribution_check_overhead.md``). What it adds is the queries'
-captures at n + 1 more nodes and the difference's rows in the adjoint's update and
-contraction (the contraction's GEMM has twice the rows), and per step and chunk one
-product of the two rules' difference with the step (the sum's check of the pair).
+one walk costs 1.73x and 1.50x (float32), 0.62x on the regressor in float64 and 0.91x on
+converged full-batch Adam, each of which that code walked three times (that code run on
+today's kernels; ``benchmarks/results/contribution_check_overhead.md``). What it adds is
+the queries' captures at n + 1 more nodes and the difference's rows in the adjoint's
+update and contraction (the contraction's GEMM has twice the rows), and per step and
+chunk one product of the two rules' difference with the step (the sum's check of the
+pair).
 A float32 adjoint contracts the difference's rows with the batch in float32 (``Adjoint``'s
-``coarse``): its round-off is relative to the difference, far under ``tol * S``
-(contributions moved 1e-13 relative, ``contribution_error`` by none of its 3 digits,
-on the defaults), where float64's costs 1.35x; 0.96x the time on the default
-classifier, none gained on the small regressor. Plain SGD's shares take the rule with
-a node more at its own nodes and subtract the rule's after the walk (float64 sums of
-the same float32 products: equal to float64 round-off), the n nodes' products once
-instead of twice: 0.965x. The adjoint's float32 buffer keeps the difference on rows of
-its own: two buffers' difference holds their float32 round-off, of the shares' size
-(``benchmarks/results/contribution_check_overhead.md``).
+``coarse``): their round-off is relative to the difference, far under ``tol * S``
+(contributions moved 7.5e-14 of the largest at most, ``contribution_error`` not in its 3
+digits), where float64's costs 1.35x: 0.96x the time on the default classifier, none
+gained on the small regressor. Plain SGD's shares take the rule with a node more at its
+own nodes and subtract the rule's after the walk (float64 sums of the same float32
+products: equal to float64 round-off), the n nodes' products once instead of twice:
+0.965x. The adjoint keeps the difference on rows of its own: in float32 two buffers'
+difference holds their round-off, of the shares' size, and the subtraction gained
+1-3% (same file).
 """
 
 from __future__ import annotations

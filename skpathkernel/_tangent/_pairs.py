@@ -456,13 +456,14 @@ class Adjoint:
         # A float64 buffer's coarse rows are read in place: a float32 copy gained nothing.
         cut = self.coarse if S.dtype == COARSE else rows
         Tc = Gc = Ac = None
+        chunks = self._chunks(S)
         if T1 is not None and cut < rows:
-            Tc = torch.empty((rows - cut,) + T1.shape[1:], dtype=COARSE, device=S.device)
+            # A chunk's coarse products, copied into T1's rows (one chunk's worth held).
+            Tc = torch.empty((chunks[0].stop,) + T1.shape[1:], dtype=COARSE, device=S.device)
             if formed:
                 Gc = (dhat_b.to(COARSE)[:, :, None] * a_b.to(COARSE)[:, None, :]).view(m, p * q)
             else:
                 Ac = a_b.to(COARSE)
-        chunks = self._chunks(S)
         scratch = wide = None
         if UV is not None and self.memory and d is not None:
             scratch = torch.empty_like(S[chunks[0]])
@@ -498,7 +499,7 @@ class Adjoint:
             Sw = Sc if wide is None else wide[: end - sl.start].copy_(S[sl.start : end])
             for at, Sx, Gx, Ax, T in (
                     (slice(sl.start, k), Sw[: k - sl.start], G, A, T1),
-                    (slice(k - cut, sl.stop - cut), S[k : sl.stop], Gc, Ac, Tc)):
+                    (slice(0, sl.stop - k), S[k : sl.stop], Gc, Ac, Tc)):
                 if T is None or at.start == at.stop:
                     continue
                 if formed:
@@ -506,12 +507,12 @@ class Adjoint:
                 else:
                     # (S a_i) for every sample: a GEMM over the layer's inputs q.
                     torch.matmul(Sx.reshape(-1, q), Ax.T, out=T[at].view(-1, m))
+                if T is Tc:
+                    T1[k : sl.stop].copy_(Tc[at])
             if v is not None:
                 torch.sum(Sw * v, dim=-1, out=Sv[sl])
         if v is not None:
             reg += Sv.to(torch.float64).sum(-1)
-        if Tc is not None:
-            T1[cut:].copy_(Tc)
         if T1 is None or formed:
             return T1
         # The sum over the layer's outputs p: (rows, p, m) . (m, p).

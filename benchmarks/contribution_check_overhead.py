@@ -9,8 +9,8 @@ bad case, converged full-batch Adam (tests/test_quadrature.py's path, 200 iterat
 and the diabetes regressor in float64.
 
 Run: OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/contribution_check_overhead.py OLD.py
-[OLD_COMMIT] (OLD.py: ``git show OLD_COMMIT:skpathkernel/_analysis/_decomposition.py``;
-results: benchmarks/results/contribution_check_overhead.md)
+[OLD_COMMIT] [OUT.md] (OLD.py: ``git show OLD_COMMIT:skpathkernel/_analysis/_decomposition.py``;
+results: benchmarks/results/contribution_check_overhead.md unless OUT.md is given)
 """
 import importlib.util
 import os
@@ -64,7 +64,7 @@ def cases():
            X, y, rng.normal(size=(6, 4))[:1])
 
 
-def main(old_path, old_commit="the module before the check"):
+def main(old_path, old_commit="the module before the check", path=OUT):
     old = load_old(old_path)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=os.path.dirname(__file__)).stdout.strip()
@@ -112,9 +112,9 @@ def main(old_path, old_commit="the module before the check"):
         print(row, flush=True)
         lines.append(row)
     lines.append("")
-    with open(OUT, "w") as fh:
+    with open(path, "w") as fh:
         fh.write("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

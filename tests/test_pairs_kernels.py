@@ -14,7 +14,12 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from skpathkernel._tangent import capture, pair_terms
-from skpathkernel._tangent._pairs import directional, factor_shares, prepare_directions
+from skpathkernel._tangent._pairs import (
+    Adjoint,
+    directional,
+    factor_shares,
+    prepare_directions,
+)
 
 
 class _Scale(nn.Module):
@@ -98,3 +103,39 @@ def test_factor_shares_equal_jacobian_products(m):
               for wk, p in zip(w, points[:m]))
     assert got.shape == (9, 6, 3)
     assert_allclose(got.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("n_q", [1, 4])  # 1: the first layer contracts by its factors
+def test_adjoint_coarse_rows_equal_jacobian_products(n_q):
+    # The decomposition's check rows (a difference of two rules, small next to the
+    # shares) are contracted in float32: within float32 round-off of their own size,
+    # while the other rows keep the float64 contraction.
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    gen = torch.Generator().manual_seed(6)
+    X, Xb = (torch.randn(k, 8, generator=gen, dtype=torch.float64) for k in (n_q, 9))
+    R = torch.randn(9, 3, generator=gen, dtype=torch.float64)
+    points = [{k: v.float().double() for k, v in p.items()} for p in _points(net, 3)]
+    w = [0.3, 0.7]
+    low = [1e-4 * wk for wk in w]  # the check's rows: a small difference
+
+    def f32(p):
+        return {k: v.float() for k, v in p.items()}
+
+    net32 = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    nodes = [pair_terms(capture(net32, f32(p), X.float(), list(range(3)),
+                                memory_budget=2**26).terms) for p in points[:2]]
+    batch = pair_terms(capture(net32, f32(points[2]), Xb.float(), list(range(3)),
+                               memory_budget=2**26, weights=R.float()).terms)
+    dhat = [t.delta[:, 0] for t in batch]
+    coef = -0.1
+    adjoint = Adjoint(nodes[0], 0.9, 2 * n_q, coarse=n_q)
+    groups = [(slice(0, n_q), nodes, w), (slice(n_q, 2 * n_q), nodes, low)]
+    shares, _ = adjoint.step(groups, coef, None, batch, dhat)  # (2 n_q C, B)
+    g = torch.einsum("icp,ic->ip", _jacobians(net, points[2], Xb), R)
+    J = [_jacobians(net, p, X) for p in points[:2]]
+    for rows, weights in ((slice(0, n_q * 3), w), (slice(n_q * 3, 2 * n_q * 3), low)):
+        ref = coef * sum(wk * torch.einsum("ncp,ip->nci", Jk, g)
+                         for wk, Jk in zip(weights, J)).reshape(n_q * 3, 9)
+        assert_allclose(shares[rows].numpy(), ref.numpy(), rtol=0,
+                        atol=1e-5 * ref.abs().max().item())

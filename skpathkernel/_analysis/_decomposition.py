@@ -190,12 +190,23 @@ products at the nodes and 5% in the batches' captures; on a float64 regressor on
 diabetes the batches' captures are 12%; on a small CNN the queries' captures through
 the capture engine dominate. A second walk with a node more (tried first) cost 2.0x the
 code before on the default classifier and 1.75x on the default regressor; the pair in
-one walk costs 1.56x and 1.37x (float32), 0.57x on the regressor in float64 and 0.90x on
-converged full-batch Adam, each of which that code walked three times
-(``benchmarks/results/contribution_check_overhead.md``). What it adds is the queries'
-captures at n + 1 more nodes and the difference's rows in the adjoint's update and
-contraction (the contraction's GEMM has twice the rows), and per step and chunk one
-product of the two rules' difference with the step (the sum's check of the pair).
+one walk costs 1.73x and 1.50x (float32), 0.62x on the regressor in float64 and 0.91x on
+converged full-batch Adam, each of which that code walked three times (that code run on
+today's kernels; ``benchmarks/results/contribution_check_overhead.md``). What it adds is
+the queries' captures at n + 1 more nodes and the difference's rows in the adjoint's
+update and contraction (the contraction's GEMM has twice the rows), and per step and
+chunk one product of the two rules' difference with the step (the sum's check of the
+pair).
+A float32 adjoint contracts the difference's rows with the batch in float32 (``Adjoint``'s
+``coarse``): their round-off is relative to the difference, far under ``tol * S``
+(contributions moved 7.5e-14 of the largest at most, ``contribution_error`` not in its 3
+digits), where float64's costs 1.35x: 0.96x the time on the default classifier, none
+gained on the small regressor. Plain SGD's shares take the rule with a node more at its
+own nodes and subtract the rule's after the walk (float64 sums of the same float32
+products: equal to float64 round-off), the n nodes' products once instead of twice:
+0.965x. The adjoint keeps the difference on rows of its own: in float32 two buffers'
+difference holds their round-off, of the shares' size, and the subtraction gained
+1-3% (same file).
 """
 
 from __future__ import annotations
@@ -1333,7 +1344,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                                    prepared=dirs, spread=False)[0]
                 c.quad.paired(j, _residual(more[0], df), float((more[0] - q).abs().max()))
                 if along:
-                    c.rho_theta_pair = more[1] - c.rho_theta
+                    # The factor route's check rows hold the rule with a node more
+                    # (subtracted after the walk), the adjoint's the difference.
+                    c.rho_theta_pair = more[1] - (0 if route == "factor" else c.rho_theta)
         else:
             ahead.passed(j, theta, nxt)
             # The decay direction prepared once for all chunks of the step (and its
@@ -1352,7 +1365,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                 # One buffer for the block's chunks: each chunk's rows take its own
                 # nodes, the batch is contracted with all of them at once (the
                 # check's rows too).
-                adjoint = Adjoint(parts[0].nodes[0], memory, n_rows)
+                adjoint = Adjoint(parts[0].nodes[0], memory, n_rows,
+                                  coarse=n_q if exact else None)
             groups = _pair_groups([(c.nodes, c.w, c.local) for c in parts], exact, n_q)
             groups = [(at, nodes, w) for nodes, w, at in groups]
             D = traj.preconditioner(j)
@@ -1372,7 +1386,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     if exact:
                         reg[_shifted(c.local, n_q)] += moved * c.rho_theta_pair
             if route == "factor":
-                groups = _pair_groups(_share_groups(parts), exact, n_q)
+                groups = _pair_groups(_share_groups(parts), exact, n_q, split=True)
                 for sub, w_sub, terms, dhat in ctx.batches(t, theta):
                     scale = (w_sub.to(torch.float64) * coef).view(-1, 1, 1)
                     for nodes, w, at in groups:
@@ -1396,6 +1410,9 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg += part.view(-1, n_out)
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 adjoint.add(groups, -lead, D)
+    if exact and route == "factor":
+        contrib[:, n_q:] -= contrib[:, :n_q]
+        reg[n_q:] -= reg[:n_q]
     return contrib.permute(1, 0, 2), reg
 
 
@@ -1551,22 +1568,31 @@ def _share_groups(parts) -> list:
     return out
 
 
+def _shifted(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
+
+
 def _pair_weights(n: int) -> list[float]:
     """Weights that take the difference of the rule of ``n + 1`` nodes and that of
     ``n`` over a capture holding both (:meth:`_NodesAhead._abscissae`)."""
     return [-w for w in _gauss(n)[1]] + list(_gauss(n + 1)[1])
 
 
-def _shifted(rows: slice, by: int) -> slice:
-    return slice(rows.start + by, rows.stop + by)
-
-
-def _pair_groups(groups, pair: bool, n_q: int) -> list:
+def _pair_groups(groups, pair: bool, n_q: int, split: bool = False) -> list:
     """``(nodes, weights, rows)`` of the step's rules, and with ``pair`` those of the
-    check's difference on the rows ``n_q`` further (its captures hold both rules)."""
+    check's difference on the rows ``n_q`` further (its captures hold both rules).
+
+    With ``split`` those rows take the rule with a node more, its nodes alone, and the
+    caller subtracts the rule's rows: plain SGD's products weigh each node's float32
+    GEMM in float64, so the difference is the same to float64 round-off, with the n
+    nodes' products taken once instead of twice. (The adjoint's float32 buffer takes
+    the difference directly: two buffers' difference holds their round-off.)
+    """
     out = [(nodes[: len(w)], w, at) for nodes, w, at in groups]
     if pair:
-        out += [(nodes, _pair_weights(len(w)), _shifted(at, n_q)) for nodes, w, at in groups]
+        out += [(nodes[len(w):], list(_gauss(len(w) + 1)[1]), _shifted(at, n_q)) if split
+                else (nodes, _pair_weights(len(w)), _shifted(at, n_q))
+                for nodes, w, at in groups]
     return out
 
 

@@ -58,6 +58,11 @@ CHUNK_BYTES = 2**21
 # 4x the 4.6e-6 of float64 accumulation, which costs 1.35x the time (a float64 copy of
 # each cached chunk, then a float64 GEMM). The buffer itself stays in the path's dtype.
 ACCUMULATE = torch.float64
+# Rows that hold a difference of two quadrature rules (the decomposition's check) are
+# small next to the shares, and asked for to a fraction of them: their contraction's
+# round-off, relative to their own size, is far under it in float32 (float64 costs
+# 1.35x, above).
+COARSE = torch.float32
 
 
 @dataclass
@@ -257,15 +262,21 @@ class Adjoint:
         The first-moment memory ``m`` (0 for RMSprop).
     n : int, optional
         The queries of the buffer, those of ``like`` by default.
+    coarse : int, optional
+        The first query whose rows are contracted with a batch in ``COARSE`` (float32)
+        instead of ``ACCUMULATE``: rows that hold a difference small next to the
+        shares (the decomposition's check of its quadrature), none by default.
     """
 
-    def __init__(self, like: Sequence[Flat], memory: float, n: int | None = None):
+    def __init__(self, like: Sequence[Flat], memory: float, n: int | None = None,
+                 coarse: int | None = None):
         self.memory = float(memory)
         self.z = None
         self.S: dict[str, torch.Tensor] = {}
         n0, C = like[0].delta.shape[:2]
         self.C = C
         self.rows = (n0 if n is None else n) * C
+        self.coarse = self.rows if coarse is None else coarse * C
         delta = like[0].delta
         for term in like:
             p = term.delta.shape[2]
@@ -442,7 +453,17 @@ class Adjoint:
         elif a_b is not None:
             T1 = torch.empty((rows, p, m), dtype=ACCUMULATE, device=S.device)
         A = None if a_b is None or formed else a_b.to(ACCUMULATE)
+        # A float64 buffer's coarse rows are read in place: a float32 copy gained nothing.
+        cut = self.coarse if S.dtype == COARSE else rows
+        Tc = Gc = Ac = None
         chunks = self._chunks(S)
+        if T1 is not None and cut < rows:
+            # A chunk's coarse products, copied into T1's rows (one chunk's worth held).
+            Tc = torch.empty((chunks[0].stop,) + T1.shape[1:], dtype=COARSE, device=S.device)
+            if formed:
+                Gc = (dhat_b.to(COARSE)[:, :, None] * a_b.to(COARSE)[:, None, :]).view(m, p * q)
+            else:
+                Ac = a_b.to(COARSE)
         scratch = wide = None
         if UV is not None and self.memory and d is not None:
             scratch = torch.empty_like(S[chunks[0]])
@@ -471,12 +492,23 @@ class Adjoint:
                     Sg.addcmul_(tmp, d, value=alpha)
             if T1 is None and v is None:
                 continue
-            Sw = Sc if wide is None else wide[: sl.stop - sl.start].copy_(Sc)
-            if formed:
-                torch.mm(Sw.view(-1, p * q), G.T, out=T1[sl])
-            elif T1 is not None:
-                # (S a_i) for every sample: a GEMM over the layer's inputs q.
-                torch.matmul(Sw.view(-1, q), A.T, out=T1[sl].view(-1, m))
+            # The chunk's rows from k on are coarse; the float64 copy takes the others
+            # (all of them for the decay's product).
+            k = min(max(cut, sl.start), sl.stop)
+            end = sl.stop if v is not None else k
+            Sw = Sc if wide is None else wide[: end - sl.start].copy_(S[sl.start : end])
+            for at, Sx, Gx, Ax, T in (
+                    (slice(sl.start, k), Sw[: k - sl.start], G, A, T1),
+                    (slice(0, sl.stop - k), S[k : sl.stop], Gc, Ac, Tc)):
+                if T is None or at.start == at.stop:
+                    continue
+                if formed:
+                    torch.mm(Sx.reshape(-1, p * q), Gx.T, out=T[at])
+                else:
+                    # (S a_i) for every sample: a GEMM over the layer's inputs q.
+                    torch.matmul(Sx.reshape(-1, q), Ax.T, out=T[at].view(-1, m))
+                if T is Tc:
+                    T1[k : sl.stop].copy_(Tc[at])
             if v is not None:
                 torch.sum(Sw * v, dim=-1, out=Sv[sl])
         if v is not None:

@@ -1104,7 +1104,9 @@ class Series:
         """Chunk ``chunk``'s vectors as stored in ``directory``, for a series of the
         first ``n_rows`` vectors (the file checked to be this series')."""
         path = os.path.join(directory, self.name, f"{chunk:06d}.npy")
-        return self._decode(self._read_checked(chunk, path, n_rows),
+        # A copy of the mapped file's rows: the compressed decoding hands its read-only
+        # memory to torch, which warned that it "does not support non-writable tensors".
+        return self._decode(np.array(self._read_checked(chunk, path, n_rows)),
                             self._rows_in(chunk, n_rows))
 
     def __getstate__(self):

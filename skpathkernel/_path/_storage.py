@@ -540,7 +540,9 @@ class ChunkStore:
                 folders.add(path)
                 continue
             try:
-                fd = os.open(path, os.O_RDONLY)
+                # Windows's fsync (_commit, FlushFileBuffers) needs a handle that may
+                # write: on one opened read-only it fails with EBADF.
+                fd = os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR)
             except FileNotFoundError:  # a chunk whose write failed: kept in memory
                 continue
             try:

@@ -7,6 +7,7 @@ kernels and decompositions equal to round-off.
 
 import copy
 import errno
+import fcntl
 import gc
 import os
 import pickle
@@ -1552,3 +1553,33 @@ def test_a_save_is_durable_before_its_description_is_in_place(data, tmp_path, mo
         _fit(X, y, storage, solver="adam", trajectory_dir=tmp_path / "tmp")
         monkeypatch.undo()
         assert not events
+
+
+def test_a_kept_directory_is_synced_where_fsync_needs_a_writable_handle(data, tmp_path,
+                                                                        monkeypatch):
+    # Windows's os.fsync (_commit, FlushFileBuffers) fails with EBADF on a handle opened
+    # read-only: the chunk files, synced before their description, were opened so, and
+    # every save of an on-disk path failed there. Emulated here: os.name "nt" and an
+    # fsync that refuses a read-only descriptor as _commit does.
+    X, y = data
+    est = _fit(X, y, "disk", solver="adam", trajectory_dir=tmp_path / "tmp")
+    real_fsync, synced = os.fsync, []
+
+    def commit(fd):
+        if os.name != "nt":  # the real one, where the emulation is off
+            return real_fsync(fd)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        synced.append(fd)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", commit)
+    monkeypatch.setattr(os, "name", "nt")
+    try:
+        est.trajectory_.save(tmp_path / "saved")
+    finally:  # before pytest reports a failure, which reads os.name
+        monkeypatch.undo()
+    # The chunk files and the description, each once.
+    files = [name for _, _, names in os.walk(tmp_path / "saved") for name in names]
+    assert len(synced) == len(files)
+    _assert_same_path(Trajectory.load(tmp_path / "saved"), est.trajectory_)

@@ -348,6 +348,33 @@ def test_outputs_refuse_a_batch_norm_put_back_in_training_mode(problem):
     assert_allclose(net.predict(Xq.numpy()), truth, rtol=0, atol=1e-13)
 
 
+def test_outputs_accept_an_instance_norm_without_running_statistics_in_training_mode(
+        problem):
+    """An InstanceNorm without running statistics normalises each sample by its own
+    statistics and moves no buffer, in either mode: fit, PathRecorder and the kernels
+    accept it in training mode, but the outputs' mode check refused it as a BatchNorm
+    (predict failed on a network that decompose described). The outputs are the
+    module's own forward, row by row."""
+    X, y, Xq = problem
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.Unflatten(1, (2, 4)), torch.nn.InstanceNorm1d(2),
+        torch.nn.Flatten(), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    assert module.training
+    rec = _recorded_sgd(module, X, y)
+    with torch.no_grad():
+        truth = torch.cat([module(x[None]) for x in Xq]).numpy()
+    net = rec.as_estimator(X, y)
+    assert_allclose(net.predict(Xq.numpy()).reshape(truth.shape), truth, rtol=1e-12,
+                    atol=1e-13)
+    assert_allclose(rec.as_network(X, y).outputs(Xq.numpy()), truth, rtol=1e-12,
+                    atol=1e-13)
+    # Tracking running statistics, it moves them in training mode: refused as before.
+    module[2] = torch.nn.InstanceNorm1d(2, track_running_stats=True).double()
+    with pytest.raises(ValueError, match=r"Layer '2' \(InstanceNorm1d\) is in training"):
+        rec.as_network(X, y).outputs(Xq.numpy())
+
+
 @pytest.mark.parametrize("stale", [True, False])
 def test_a_clip_over_gradients_outside_the_record_is_named_by_the_unrolled_scores(problem,
                                                                                  stale):

@@ -202,8 +202,11 @@ A float32 adjoint contracts the difference's rows with the batch in float32 (``A
 (contributions moved 7.5e-14 of the largest at most, ``contribution_error`` not in its 3
 digits), where float64's costs 1.35x: 0.96x the time on the default classifier, none
 gained on the small regressor. Plain SGD's shares take the rule with a node more at its
-own nodes and subtract the rule's after the walk (float64 sums of the same float32
-products: equal to float64 round-off), the n nodes' products once instead of twice:
+own nodes and subtract the rule's after the walk (float64 sums of float32 products,
+each node's product at float32 round-off: the n + 1 nodes' rows stacked in one GEMM
+may round apart from the 2n + 1 nodes' that the difference's weights took, so a float32
+path's contributions move at float32 round-off, a float64 one's at float64's), the n
+nodes' products once instead of twice:
 0.965x. The adjoint keeps the difference on rows of its own: in float32 two buffers'
 difference holds their round-off, of the shares' size, and the subtraction gained
 1-3% (same file).
@@ -1584,8 +1587,9 @@ def _pair_groups(groups, pair: bool, n_q: int, split: bool = False) -> list:
 
     With ``split`` those rows take the rule with a node more, its nodes alone, and the
     caller subtracts the rule's rows: plain SGD's products weigh each node's float32
-    GEMM in float64, so the difference is the same to float64 round-off, with the n
-    nodes' products taken once instead of twice. (The adjoint's float32 buffer takes
+    GEMM in float64, so the difference is the same to the products' round-off (a
+    float32 GEMM of the n + 1 nodes' stacked rows may round apart from one of 2n + 1),
+    with the n nodes' products taken once instead of twice. (The adjoint's float32 buffer takes
     the difference directly: two buffers' difference holds their round-off.)
     """
     out = [(nodes[: len(w)], w, at) for nodes, w, at in groups]

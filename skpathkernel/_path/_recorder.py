@@ -1410,8 +1410,9 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStat
             This network, reading from ``directory``.
         """
         # The module too: a path saved without a recording identity is told from another
-        # network's by its last point, which is the module's parameters.
-        self.trajectory._relocate(directory, self.module)
+        # network's by its last point, which is the module's parameters (under the
+        # names the path records: a compiled or DDP module's own).
+        self.trajectory._relocate(directory, _unwrap(self.module))
         return self
 
     def fit(self, X=None, y=None) -> RecordedNetwork:

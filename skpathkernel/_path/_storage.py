@@ -540,7 +540,9 @@ class ChunkStore:
                 folders.add(path)
                 continue
             try:
-                fd = os.open(path, os.O_RDONLY)
+                # Windows's fsync (_commit, FlushFileBuffers) needs a handle that may
+                # write: on one opened read-only it fails with EBADF.
+                fd = os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR)
             except FileNotFoundError:  # a chunk whose write failed: kept in memory
                 continue
             try:
@@ -1104,7 +1106,9 @@ class Series:
         """Chunk ``chunk``'s vectors as stored in ``directory``, for a series of the
         first ``n_rows`` vectors (the file checked to be this series')."""
         path = os.path.join(directory, self.name, f"{chunk:06d}.npy")
-        return self._decode(self._read_checked(chunk, path, n_rows),
+        # A copy of the mapped file's rows: the compressed decoding hands its read-only
+        # memory to torch, which warned that it "does not support non-writable tensors".
+        return self._decode(np.array(self._read_checked(chunk, path, n_rows)),
                             self._rows_in(chunk, n_rows))
 
     def __getstate__(self):

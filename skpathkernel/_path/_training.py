@@ -208,8 +208,12 @@ def refused_in_mode(layer: torch.nn.Module) -> bool:
     training mode (they move buffers at every forward pass)."""
     if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
         return layer.training or layer.running_mean is None
+    # An InstanceNorm without running statistics is per sample and moves nothing, in
+    # either mode (check_modes_now asks this of every layer, not only of
+    # mode_dependent_layers').
     return layer.training and (
-        isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm) or _spectral(layer))
+        (isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm)
+         and layer.track_running_stats) or _spectral(layer))
 
 
 def drawing_layers(module: torch.nn.Module, modes: dict[str, bool] | None = None

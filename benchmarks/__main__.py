@@ -297,6 +297,9 @@ def _run_group(specs, threads):
                     res["times"].append(reply["t"])
                     if "cpu" in reply:  # not from a --baseline tree's older worker
                         res.setdefault("cpu_times", []).append(reply["cpu"])
+                    for t, cpu in reply.get("probe", ()):
+                        res.setdefault("probe_times", []).append(t)
+                        res.setdefault("probe_cpu_times", []).append(cpu)
         for server, res in servers:
             res.update(server.close())
     finally:
@@ -327,6 +330,66 @@ def _machine(threads, device):
 
 def _stats(times):
     return statistics.median(times), min(times), max(times)
+
+
+def roofline_ratios(r):
+    """A roofline row's rates and ratios, from its GEMM probe timed beside its calls.
+
+    ``cpu``: the probe's FLOPs over its median CPU time, and each bound (FLOPs at that
+    rate) over the call's median CPU time: one torch thread, so CPU time is the compute
+    time, which the waits for a core shared with other processes do not enter. ``wall``:
+    the same by wall time, which counts those waits in both. On CUDA only ``wall``
+    (synchronized; the host's CPU time says nothing of the device's work).
+    """
+    rf = r["roofline"]
+    ratios = {}
+    pairs = [("wall", "times", "probe_times")]
+    if r["spec"].get("device", "cpu") == "cpu":
+        pairs.insert(0, ("cpu", "cpu_times", "probe_cpu_times"))
+    for kind, call, probe in pairs:
+        if not (r.get(call) and r.get(probe)):
+            continue
+        rate = rf["probe_flops"] / statistics.median(r[probe])
+        measured = statistics.median(r[call])
+        ratios[kind] = {"rate": rate, "measured": measured,
+                        "full": rf["flops"] / rate / measured,
+                        "performed": rf["performed_flops"] / rate / measured}
+    return ratios
+
+
+def _roofline_cells(r):
+    """The roofline table's cells of one row: the headline ratio (CPU time on the CPU,
+    wall time on CUDA), then the wall time's beside it."""
+    ratios = roofline_ratios(r)
+    head = ratios.get("cpu") or ratios["wall"]
+    wall = ratios["wall"]
+    cells = [f"{head['rate'] / 1e9:.1f} GFLOP/s", f"{head['measured']:.4g} s",
+             f"{head['full']:.2f}", f"{head['performed']:.2f}"]
+    if "cpu" in ratios:
+        cells += [f"{wall['rate'] / 1e9:.1f} GFLOP/s", f"{wall['measured']:.4g} s",
+                  f"{wall['full']:.2f}", f"{wall['performed']:.2f}"]
+    else:
+        cells += ["(the same: wall time on CUDA)"] + [""] * 3
+    return cells
+
+
+_ROOFLINE_NOTE = (
+    "Rate: torch.matmul on an N x width x N product (the Gram's GEMM shape) into one "
+    "preallocated result, the *probe*, timed in the row's own process just before and just "
+    "after each of its timed calls (so 2 probes per repeat, under the same conditions as "
+    "the calls). On the CPU, with one torch thread, the headline ratio is by CPU time "
+    "(`time.process_time`: the compute time, without the waits for a core that other "
+    "processes share): rate = the probe's FLOPs / its median CPU time, bound = FLOPs / "
+    "rate, ratio = bound / the call's median CPU time (1 = at roofline). The wall-time "
+    "ratio beside it is the same with wall times for both; on a contended core it mixes "
+    "in the waits. On CUDA both are wall times with synchronization. Before 2026-12-06 "
+    "the ratio was the call's median wall time against the least wall time of 5 probes "
+    "timed after all repeats, which on shared cores read far too low "
+    "(`gram-quick-s44.md`).")
+
+_ROOFLINE_HEADER = ("| rate (CPU) | measured (CPU) | ratio (full products, CPU) | "
+                    "ratio (performed, CPU) | rate (wall) | measured (wall) | "
+                    "ratio (full products, wall) | ratio (performed, wall) |")
 
 
 def _fmt_t(times):
@@ -491,28 +554,22 @@ def _gram_lines(results, device):
                          f"{_mib(r['peak_bytes'])} | {_mib(k_bytes)} | {_mib(extra)} | "
                          f"{_mib(BUDGET)} | {'yes' if extra <= BUDGET else 'NO'} |")
     lines += ["", "## GEMM roofline of the structured Gram", "",
-              "Bounds are FLOPs divided by the measured torch.matmul rate on an "
-              "N x width x N product (least of 5 repeats into one result): the time at GEMM "
-              "speed; a ratio is a bound over the "
-              "measured time (1 = at roofline). *Full products*: every factor product "
+              "Bounds are FLOPs divided by the measured torch.matmul rate: the time at GEMM "
+              "speed. *Full products*: every factor product "
               "(A A^T and Delta Delta^T per Linear layer, plus the Hadamard products) in "
               "full, the issue's definition; the engine beats it by skipping the panels "
               "below the diagonal of the symmetric K(X, X). *Performed*: what the engine "
               "actually computes, the upper panels' products plus the forward and backward "
-              "passes that produce the factors.", "",
-              "| network | N | GFLOP full products | GFLOP performed | matmul rate "
-              "| measured | ratio (full products) | ratio (performed) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "passes that produce the factors. " + _ROOFLINE_NOTE, "",
+              "| network | N | GFLOP full products | GFLOP performed | width " + _ROOFLINE_HEADER,
+              "|---|---|---|---|---|" + "---|" * 8]
     for group in results["gram"]:
         for r in group:
             if "roofline" in r:
                 rf, s = r["roofline"], r["spec"]
-                med = _stats(r["times"])[0]
                 lines.append(f"| {_arch(s['sizes'])} | {s['n']} | {rf['flops'] / 1e9:.3f} | "
-                             f"{rf['performed_flops'] / 1e9:.3f} | "
-                             f"{rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s | "
-                             f"{med:.4f} s | {rf['gemm_bound_s'] / med:.2f} | "
-                             f"{rf['performed_bound_s'] / med:.2f} |")
+                             f"{rf['performed_flops'] / 1e9:.3f} | {rf['probe_width']} | "
+                             + " | ".join(_roofline_cells(r)) + " |")
     return lines
 
 
@@ -540,9 +597,8 @@ def _nets_lines(groups, device):
             rf = mine["roofline"]
             roof.append(f"| {_label(mine['spec'])} | {mine['spec']['n']} | "
                         f"{rf['flops'] / 1e9:.2f} | {rf['performed_flops'] / 1e9:.2f} | "
-                        f"{rf['width']} | {rf['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s | "
-                        f"{ours:.3f} s | {rf['gemm_bound_s'] / ours:.2f} | "
-                        f"{rf['performed_bound_s'] / ours:.2f} |")
+                        f"{rf['width']} | {rf['probe_width']} | "
+                        + " | ".join(_roofline_cells(mine)) + " |")
         arch, n = mine["spec"]["arch"], mine["spec"]["n"]
         if arch in NET_GOALS:
             goals.append(_net_goal(f"{_label(mine['spec'])}, N = {n}", NET_GOALS[arch],
@@ -561,14 +617,12 @@ def _nets_lines(groups, device):
               "buffers within an eighth of the budget, the Gram assumed one block of all "
               "N rows, or one per output group) plus "
               "forming the blocks (2 N S C p q), forward "
-              "and backward passes not counted. Rate: torch.matmul on N x width x N, width "
-              "the widest block row (capped at 65536), the least time of 5 repeats into one "
-              "result (before 2026-12-02 15:00 UTC the median of 5 into fresh results, "
-              "which read 10-20% low: `matmul_probe.md`). Ratio = bound / measured (1 = at "
-              "roofline; > 1: faster than full products, by the symmetry).", "",
-              "| network | N | GFLOP full products | GFLOP performed | width | matmul rate | "
-              "measured | ratio (full products) | ratio (performed) |",
-              "|---|---|---|---|---|---|---|---|---|"] + roof
+              "and backward passes not counted. Width: the widest block row; the probe's "
+              "is capped at 65536. " + _ROOFLINE_NOTE
+              + " Ratio > 1: faster than full products, by the symmetry.", "",
+              "| network | N | GFLOP full products | GFLOP performed | width | probe width "
+              + _ROOFLINE_HEADER,
+              "|---|---|---|---|---|---|" + "---|" * 8] + roof
     if large:
         lines += ["", f"### Memory of a Gram on N = {LARGE_N}", "",
                   "The engine's call (`tangent_gram`; the public call returns K as float64 "
@@ -668,9 +722,13 @@ def _net_goal(label, goal, group, ratios, mine):
                          f"on the {rc['n']} samples differing most: {rc['rel_diff']:.1e})")
         parts.append(text)
     if "roofline" in goal and "roofline" in mine:
-        share = mine["roofline"]["gemm_bound_s"] / _stats(mine["times"])[0]
+        ratios = roofline_ratios(mine)
+        kind = "cpu" if "cpu" in ratios else "wall"
+        share = ratios[kind]["full"]
+        wall = (f" (wall time {ratios['wall']['full']:.2f})" if kind == "cpu" else
+                " (wall time)")
         parts.append(f"roofline ratio (full products) >= {goal['roofline']:.2f}: "
-                     f"{share:.2f}, {'met' if share >= goal['roofline'] else 'NOT met'}")
+                     f"{share:.2f}{wall}, {'met' if share >= goal['roofline'] else 'NOT met'}")
     if "vmap_grad" in ratios:
         parts.append(f"peak memory {_mib(mine['peak_bytes'])} against torch.func's "
                      f"{_mib(ratios['vmap_grad'][2])}")

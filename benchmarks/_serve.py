@@ -10,7 +10,9 @@ timings. Pure Python on purpose: the JAX worker imports this module too.
 Protocol, one JSON line per reply on stdout: after setup the server prints its ``info``
 (``{"ready": true, ...}``); then for each command line on stdin -- ``mem``: one call
 under the peak-memory probe, ``{"peak_bytes": int}``; ``time``: one timed call,
-``{"t": seconds, "cpu": the process's CPU seconds}``; ``run``: one call both timed and
+``{"t": seconds, "cpu": the process's CPU seconds}``, with ``"probe": [[t, cpu], [t, cpu]]``
+where the case has a GEMM probe (a roofline's rate), timed just before and just after the
+call; ``run``: one call both timed and
 under the probe (for calls too slow to repeat), ``{"t": seconds, "peak_bytes": int}``;
 ``done``: ``{...final results}`` and exit.
 """
@@ -57,8 +59,22 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def serve(call, info, finish, peak=PeakRSS, sync=lambda: None):
-    """Run the protocol above; ``call()`` must return only once its work is finished."""
+def _timed(fn, sync):
+    """``(result, wall seconds, process CPU seconds)`` of one call of ``fn``."""
+    sync()
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - t0, time.process_time() - c0
+
+
+def serve(call, info, finish, peak=PeakRSS, sync=lambda: None, probe=None):
+    """Run the protocol above; ``call()`` must return only once its work is finished.
+
+    ``probe``: a GEMM timed on both sides of every timed call, in this process: a rate
+    measured apart (another process, another moment, its best repeat) compares the
+    call's time on a contended core with a GEMM on a quiet one.
+    """
     # Anything the case prints (JAX / TensorFlow banners, a peer's progress during its
     # setup) must not corrupt the replies: they go to the process's own stdout, whatever
     # sys.stdout was redirected to.
@@ -81,13 +97,15 @@ def serve(call, info, finish, peak=PeakRSS, sync=lambda: None):
                 sync()
             reply({"peak_bytes": mem.delta})
         elif cmd == "time":
-            sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            last = call()
-            sync()
+            probes = [] if probe is None else [_timed(probe, sync)[1:]]
             # The process's CPU time besides the wall time: on cores that other processes
             # share, a pinned case waits for the core, which the wall time counts.
-            reply({"t": time.perf_counter() - t0, "cpu": time.process_time() - c0})
+            last, t, cpu = _timed(call, sync)
+            out_reply = {"t": t, "cpu": cpu}
+            if probe is not None:
+                probes.append(_timed(probe, sync)[1:])
+                out_reply["probe"] = probes
+            reply(out_reply)
         elif cmd == "run":
             with peak() as mem:
                 sync()

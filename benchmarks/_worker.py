@@ -155,6 +155,14 @@ def gram_case(spec):
     module, params, X = gram_problem(spec, device)
     call = _gram_call(spec, module, params, X)
     peak, sync = _device_tools(device)
+    roofline = probe = None
+    if spec.get("roofline"):
+        # The bound's FLOPs and the GEMM probe are set up before the timed calls: the
+        # probe is then timed in every round beside the call (:func:`serve`), in this
+        # process, so that the rate and the call's time see the same conditions.
+        roofline = (_structured_roofline(module, params, X, spec.get("output", "trace"))
+                    if spec.get("arch") else _roofline(spec, module, X))
+        probe, roofline["probe_flops"] = _gemm_probe(X.shape[0], roofline["probe_width"], X)
 
     def finish(K):
         result = {}
@@ -164,17 +172,16 @@ def gram_case(spec):
             K = torch.as_tensor(K, device=ref.device, dtype=torch.float64)
             ref = ref.to(torch.float64)
             result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
-        if spec.get("roofline"):
-            result["roofline"] = (_structured_roofline(module, params, X, sync,
-                                                       spec.get("output", "trace"))
-                                  if spec.get("arch") else _roofline(spec, module, X, sync))
+        if roofline is not None:
+            result["roofline"] = roofline
         return result
 
-    serve(call, {"n_params": sum(p.numel() for p in params.values())}, finish, peak, sync)
+    serve(call, {"n_params": sum(p.numel() for p in params.values())}, finish, peak, sync,
+          probe)
 
 
-def _roofline(spec, module, X, sync):
-    """FLOPs of the factor products against the measured torch.matmul rate."""
+def _roofline(spec, module, X):
+    """FLOPs of the MLP's factor products: full and performed; ``width`` the probe's."""
     n = X.shape[0]
     from skpathkernel._tangent._gram import _panel_rows
 
@@ -191,9 +198,9 @@ def _roofline(spec, module, X, sync):
                     for lay in linear)
     performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear)
     performed += sum(2 * n * lay.in_features * lay.out_features for lay in linear[1:])
-    rate = _matmul_rate(n, max(spec["sizes"]), X, sync)
-    return {"flops": flops, "matmul_flops_per_s": rate, "gemm_bound_s": flops / rate,
-            "performed_flops": performed, "performed_bound_s": performed / rate}
+    width = max(spec["sizes"])
+    return {"flops": flops, "performed_flops": performed, "width": width,
+            "probe_width": width}
 
 
 def _panel_pairs(n, outer, inner):
@@ -206,29 +213,32 @@ def _panel_pairs(n, outer, inner):
     return pairs
 
 
-def _matmul_rate(n, width, X, sync):
-    """torch.matmul FLOP/s on an n x width x n product (the Gram's GEMM shape).
-
-    The least time of the repeats, into one preallocated result: a fresh n x n result at
-    every repeat and the median of them read 10-20% below the kept result's best rate on
-    an idle core (``benchmarks/results/matmul_probe.md``), which made every roofline ratio
-    read that much too favourable.
-    """
+def _gemm_probe(n, width, X):
+    """The roofline's GEMM: torch.matmul on an n x width x n product (the Gram's shape)
+    into one preallocated result (a fresh n x n result at every repeat read 10-20% slower
+    on an idle core, ``benchmarks/results/matmul_probe.md``); ``(call, its FLOPs)``."""
     a = torch.randn(n, width, dtype=X.dtype if X.is_floating_point() else torch.float32,
                     device=X.device)
     b = torch.randn(width, n, dtype=a.dtype, device=X.device)
     out = a @ b
+    return (lambda: torch.matmul(a, b, out=out)), 2 * n * n * width
+
+
+def _matmul_rate(n, width, X, sync):
+    """torch.matmul FLOP/s of :func:`_gemm_probe`: the least wall time of 5 repeats (the
+    digits path case's floor; the Gram rows time the probe beside their calls)."""
+    probe, flops = _gemm_probe(n, width, X)
     times = []
     for _ in range(5):
         sync()
         t0 = time.perf_counter()
-        torch.matmul(a, b, out=out)
+        probe()
         sync()
         times.append(time.perf_counter() - t0)
-    return 2 * n * n * width / min(times)
+    return flops / min(times)
 
 
-def _structured_roofline(module, params, X, sync, output="trace"):
+def _structured_roofline(module, params, X, output="trace"):
     """The floor of the exact contraction the engine chose, per term, at GEMM speed.
 
     *Full products*, the issue's definition: every term's Gram products in full, for
@@ -244,8 +254,8 @@ def _structured_roofline(module, params, X, sync, output="trace"):
     groups. It assumes that the Gram is one block (or one per output group), as on the
     benchmark's networks at N = 1024; a Gram of several row blocks takes the SYRK on
     smaller squares, and is counted here as by the panels where the rule fails for N.
-    The rate is torch.matmul's on an N x width x N product, width the widest block row
-    (at most 2^16, to bound the probe's memory). ``output``: the row's, "trace" over the
+    ``width``: the widest block row; ``probe_width``: the GEMM probe's (:func:`_gemm_probe`,
+    N x width x N), at most 2^16 to bound its memory. ``output``: the row's, "trace" over the
     C outputs or one output's index (C = 1, the same definitions).
     """
     from skpathkernel._tangent import _gram, _stacked
@@ -286,10 +296,8 @@ def _structured_roofline(module, params, X, sync, output="trace"):
         performed = (full - rows) * pairs / (n * n) + rows * (n + 1) / (2 * n) + forming
     else:
         performed = full * pairs / (n * n) + forming
-    rate = _matmul_rate(n, min(widest, 2**16), X, sync)
-    return {"flops": full, "matmul_flops_per_s": rate, "gemm_bound_s": full / rate,
-            "performed_flops": performed, "performed_bound_s": performed / rate,
-            "width": widest}
+    return {"flops": full, "performed_flops": performed, "width": widest,
+            "probe_width": min(widest, 2**16)}
 
 
 def path_case(spec):

@@ -1,7 +1,9 @@
 """How steady the Gram benchmark's GEMM probe is on this machine.
 
 The roofline ratio of a Gram row divides the row's FLOPs by a torch.matmul rate measured
-in the same run (:func:`benchmarks._worker._matmul_rate`). This script measures that rate
+in the same run (since 2026-12-06 :func:`benchmarks._worker._gemm_probe`, timed beside
+every call of the row; when this script was written, a probe timed apart, which is what
+it compares). This script measures that rate
 on the CIFAR CNN's probe shape (1024 x 65536 x 1024, float32, one thread) in several
 rounds, two ways: the worker's (median of 5 wall-clock repeats, a fresh result each
 time) and the path benchmark's (least of the repeats' CPU times into one preallocated

@@ -226,10 +226,38 @@ def test_one_output_rows_have_the_roofline_of_one_output():
     # rank-one with its bias (2 n^2 (q + C p) + 3 n^2, q = 64 * 8 * 8, p = 10).
     convs = 32 * 9 + 32 + 64 * 32 * 9 + 64
     for output, C in (("trace", 10), (0, 1)):
-        rf = _structured_roofline(module, params, X, lambda: None, output)
+        rf = _structured_roofline(module, params, X, output)
         expected = 2 * n * n * C * convs + 2 * n * n * (4096 + C * 10) + 3 * n * n
         assert rf["flops"] == expected
         assert rf["width"] == C * 64 * 32 * 9
+        assert rf["probe_width"] == min(C * 64 * 32 * 9, 2**16)
+
+
+def test_roofline_times_its_probe_beside_every_call_and_divides_like_for_like():
+    from benchmarks.__main__ import _run_group, roofline_ratios
+
+    # A real row's process: the MLP's roofline case times its GEMM probe (n x 512 x n)
+    # just before and just after each of its calls, by wall and CPU time.
+    spec = dict(kind="gram", method="skpathkernel", sizes=[4, 512, 1], n=64,
+                dtype="float32", repeats=3, roofline=True, device="cpu")
+    (r,) = _run_group([spec], 1)
+    assert len(r["times"]) == len(r["cpu_times"]) == 3
+    assert len(r["probe_times"]) == len(r["probe_cpu_times"]) == 6
+    assert r["roofline"]["probe_flops"] == 2 * 64 * 64 * 512
+    # The ratios written out from the definition: the bound at the probe's median rate
+    # over the call's median, CPU time with CPU time and wall time with wall time.
+    r.update(times=[3.0, 1.0, 2.0], cpu_times=[1.0, 0.5, 0.75],
+             probe_times=[0.4, 0.1, 0.2, 0.3, 0.9, 0.25], probe_cpu_times=[0.1] * 6,
+             roofline={"flops": 10.0, "performed_flops": 6.0, "probe_flops": 5.0})
+    ratios = roofline_ratios(r)
+    assert ratios["cpu"]["rate"] == pytest.approx(50.0)
+    assert ratios["cpu"]["full"] == pytest.approx(10.0 / 50.0 / 0.75)
+    assert ratios["cpu"]["performed"] == pytest.approx(6.0 / 50.0 / 0.75)
+    assert ratios["wall"]["rate"] == pytest.approx(5.0 / 0.275)
+    assert ratios["wall"]["full"] == pytest.approx(10.0 * 0.275 / 5.0 / 2.0)
+    # On CUDA the host's CPU time says nothing of the device's work: wall time only.
+    r["spec"] = {**spec, "device": "cuda"}
+    assert set(roofline_ratios(r)) == {"wall"}
 
 
 def test_chunked_captures_reuse_their_buffers_and_match_dense_jacobians(monkeypatch):

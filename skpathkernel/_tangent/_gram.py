@@ -898,7 +898,10 @@ def tangent_gram(
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)
     if mode != "full":
-        K = result = torch.empty((n, m), dtype=out_dtype, device=X.device)
+        # NumPy's memory (huge pages, see large_tensor): first writing a fresh 1024^2
+        # float64 K faulted 2,048 pages from torch's allocator (2.4 ms), 514 (1.1 ms)
+        # from NumPy's, of a 40 ms public call (benchmarks/results/gram-faults-s44.md).
+        K = result = large_tensor((n, m), out_dtype, X.device)
     elif blocks_last:
         # The engine fills (n, C, m, C) views: a permuted view of the (n, m, C, C) result.
         result = large_tensor((n, m, n_out, n_out), out_dtype, X.device)

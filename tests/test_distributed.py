@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from numpy.testing import assert_allclose
+from numpy.testing import assert_allclose, assert_array_equal
 
 from skpathkernel import PathRecorder, RecordedNetwork, Trajectory
 
@@ -203,11 +203,11 @@ def test_a_rank_that_crashes_leaves_a_readable_path_that_says_where_it_ends(tmp_
         assert_allclose(traj.parameters(k).numpy(), points[k].numpy(), rtol=0, atol=1e-15)
 
 
-def test_a_ddp_wrapper_given_for_the_recorded_network_is_named_in_the_refusal():
+def test_a_ddp_wrapper_given_for_the_recorded_network_analyses_its_module():
     # PathRecorder records a DDP module through its .module: the path's parameters are
     # '0.weight', ..., the wrapper's 'module.0.weight', .... Handed the wrapper (the
-    # `model` of the loop), RecordedNetwork said only that the path "was recorded from
-    # another network" whose parameter '0.weight' the module was "missing".
+    # `model` of the loop), RecordedNetwork analyses the module it wraps, as it does a
+    # torch.compile'd one (it once refused the wrapper, naming `ddp.module`).
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
                                          rank=0, world_size=1)
     try:
@@ -224,16 +224,15 @@ def test_a_ddp_wrapper_given_for_the_recorded_network_is_named_in_the_refusal():
         traj = rec.trajectory
     finally:
         torch.distributed.destroy_process_group()
-    with pytest.raises(ValueError, match=r"another network.*under the prefix 'module\.' "
-                                         r"\('module\.0\.weight'\).*ddp\.module"):
-        RecordedNetwork(ddp, traj, X_train=X.numpy(), y_train=y.numpy())
-    # The wrapped network, as the message says, decomposes the path exactly.
-    net = RecordedNetwork(ddp.get_submodule("module"), traj, X_train=X.numpy(),
-                          y_train=y.numpy())
-    res = net.decompose(X[:3].numpy())
+    wrapped = RecordedNetwork(ddp, traj, X_train=X.numpy(), y_train=y.numpy())
+    inner = RecordedNetwork(ddp.get_submodule("module"), traj, X_train=X.numpy(),
+                            y_train=y.numpy())
     with torch.no_grad():
         truth = ddp.module(X[:3]).numpy()
-    assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    for net in (wrapped, inner):
+        res = net.decompose(X[:3].numpy())
+        assert_allclose(res.reconstruction, truth, rtol=0, atol=1e-12)
+    assert_array_equal(wrapped.predict(X[:3].numpy()), inner.predict(X[:3].numpy()))
     # A module that is another network is refused as before, with no such hint.
     other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
                                 torch.nn.Linear(4, 1)).double()

@@ -965,13 +965,14 @@ def run(quick: bool = False, threads: int | None = None,
 
 def _extra_tables(state, quick):
     # Here, not at the top: the peers' case processes run this module without skpathkernel.
-    from skpathkernel._analysis._unrolled import GROWTH_LIMIT
+    from skpathkernel._analysis._unrolled import ADAPTIVE_GROWTH_LIMIT, GROWTH_LIMIT
 
     return [
         ("Unrolled scores: stability and cost against the FLOP floor",
          "The unrolled row of each (model, training) of the main table. Growth: "
          "`AttributionScores.growth` (how far the path amplifies a perturbation of the "
-         f"parameters, per query); the warning fires above {GROWTH_LIMIT:g}. Gradient "
+         f"parameters, per query); the warning fires above {GROWTH_LIMIT:g} "
+         f"({ADAPTIVE_GROWTH_LIMIT:g} on Adam's and AdamW's paths). Gradient "
          "sensitivity: `AttributionScores.gradient_sensitivity` (how far the scores move "
          "when each step's gradient is rounded to float32; measured on float32 Adam, AdamW "
          "and RMSprop paths, '-' on SGD's, whose adjoint does not read the gradient; a "

@@ -1661,3 +1661,20 @@ def test_convolutions_formed_by_a_grouped_backward(output, weighted, layout, mon
     _close(K, tangent_gram(module, params, X, output=output, diag_weight=D,
                            check_hidden=False), 1e-5)
 
+
+
+def test_bfloat16_gram_is_held_by_torch_where_numpy_has_no_such_dtype():
+    # The large results are NumPy's memory on the CPU, which has no bfloat16: a bfloat16
+    # network's Gram (of every output mode) is torch's, and matches the loop's.
+    module, params, X, Y = _make("mlp", 2)
+    module = module.to(torch.bfloat16)
+    params = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    X, Y = X.to(torch.bfloat16), Y.to(torch.bfloat16)
+    # The loop in float64 at the same (bfloat16) points.
+    JX, JY = (_loop_jacobian(module, params, Z.double()) for Z in (X, Y))
+    full = torch.einsum("ncp,mdp->ncmd", JX, JY)
+    for output, want in (("trace", torch.einsum("ncmc->nm", full) / 2),
+                         (1, full[:, 1, :, 1]), ("full", full)):
+        K = tangent_gram(module, params, X, Y, output=output)
+        assert K.dtype == torch.bfloat16
+        _close(K, want, 3e-2)

@@ -1244,6 +1244,23 @@ def test_overflowed_growth_warns():
         _warn(scores, est.trajectory_, "attribute(method='unrolled')")
 
 
+def test_non_finite_scores_under_the_limit_do_not_cite_it():
+    """Scores that overflowed warn whatever the finite growth reads; the message said
+    "by up to 3x (..., above 10 on sgd's paths)", contradicting itself."""
+    from skpathkernel._analysis._unrolled import _warn
+
+    est, _, _ = _fit(**SOLVERS["sgd"])
+    scores = np.full((2, 3), 1.0)
+    scores[0, 1] = np.inf
+    scores = scores.view(AttributionScores)
+    scores.growth = np.array([2.0, 3.0])
+    scores.amplification = np.ones(est.trajectory_.n_steps)
+    with pytest.warns(UnstablePathWarning, match="not finite") as record:
+        _warn(scores, est.trajectory_, "attribute(method='unrolled')")
+    message = str(record[0].message)
+    assert "above 10" not in message and "up to 3x" in message
+
+
 @pytest.fixture(scope="module")
 def returned_scores():
     """``attribute(method="unrolled")``'s (queries, training points) and

@@ -1676,13 +1676,20 @@ def _warn(result: AttributionScores, traj: Trajectory, what: str) -> None:
         # Adam's step is about the learning rate whatever the gradient's scale, so a
         # smaller one alone may need more epochs; SGD with momentum kept the growth of
         # the default network under 3 (benchmarks/results/unstable_growth.md).
-        remedy = (f"a smaller learning_rate_init (the largest was {lr:g}; more max_iter "
-                  "if the fit needs them), or solver='sgd' with momentum,"
+        # Worded for the estimators and for an own loop recorded by PathRecorder alike.
+        remedy = (f"a smaller learning rate (the largest was {lr:g}: an estimator's "
+                  "learning_rate_init, with more max_iter if the fit needs them), or SGD "
+                  "with momentum,"
                   if adaptive else f"a smaller learning rate (the largest was {lr:g})")
+        # Non-finite scores warn whatever the finite growth reads (an overflowed adjoint
+        # is growth past any limit): the message must not cite a limit it is under.
+        how = (f"by up to {growth:.3g}x (AttributionScores.growth, above {limit:g} on "
+               f"{traj.solver}'s paths)" if growth > limit else
+               "past floating-point range: some scores are not finite (the finite "
+               f"AttributionScores.growth reads up to {growth:.3g}x)")
         warnings.warn(
             f"{what}: the recorded path amplifies perturbations of "
-            f"the parameters by up to {growth:.3g}x (AttributionScores.growth, above "
-            f"{limit:g} on {traj.solver}'s paths): training ran at or past the edge of "
+            f"the parameters {how}: training ran at or past the edge of "
             "stability, where removing training points changes the trained network "
             "non-linearly, so these exact derivatives may not predict retraining even for "
             f"single removals. The steps that amplify most: {steps or 'none alone'}. "

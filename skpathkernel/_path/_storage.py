@@ -178,13 +178,33 @@ def sync_directory(directory: str) -> None:
 
     POSIX only: elsewhere a directory cannot be opened, and NTFS journals renames.
     """
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
+    if os.name == "posix":
+        fsync_path(directory)
+
+
+def fsync_path(path: str) -> None:
+    """fsync the file or (POSIX) directory at ``path`` through a descriptor of its own."""
+    # Windows's fsync (_commit, FlushFileBuffers) needs a handle that may write: on one
+    # opened read-only it fails with EBADF.
+    fd = os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def renamed_over(path: str):
+    """A name aside for the body to write, renamed over ``path`` when it returns; on
+    failure, ``path`` is left as it was and the file aside removed."""
+    tmp = aside(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def replace_durably(path: str, write, *, durable: bool = True, name: str | None = None
@@ -197,38 +217,27 @@ def replace_durably(path: str, write, *, durable: bool = True, name: str | None 
     file's data after the rename's metadata otherwise). A refused file aside raises an
     ``OSError`` naming ``name`` (``path`` by default), not the name aside.
     """
-    tmp = aside(path)
-    try:
-        f = open(tmp, "wb")
-    except OSError as exc:
-        raise type(exc)(exc.errno, exc.strerror, path if name is None else name) from None
-    try:
+    with renamed_over(path) as tmp:
+        try:
+            f = open(tmp, "wb")
+        except OSError as exc:
+            raise type(exc)(exc.errno, exc.strerror,
+                            path if name is None else name) from None
         with f:
             write(f)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
     if durable:
         sync_directory(os.path.dirname(path))
 
 
 def _write_chunk(path: str, array: np.ndarray) -> None:
     """Write ``array`` to ``path`` atomically: a failed write leaves no partial file."""
-    tmp = aside(path)
-    try:
+    with renamed_over(path) as tmp:
         if not _write_direct(tmp, array):
             with open(tmp, "wb") as f:
                 np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
 
 
 # One writer thread (chunk files in order, and buffers' pages) and one reader thread (the
@@ -540,15 +549,9 @@ class ChunkStore:
                 folders.add(path)
                 continue
             try:
-                # Windows's fsync (_commit, FlushFileBuffers) needs a handle that may
-                # write: on one opened read-only it fails with EBADF.
-                fd = os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR)
+                fsync_path(path)
             except FileNotFoundError:  # a chunk whose write failed: kept in memory
                 continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             folders.add(os.path.dirname(path))
         for folder in sorted(folders):
             sync_directory(folder)

@@ -20,6 +20,7 @@ Run on a GPU with ``bash benchmarks/device_check.sh``; without CUDA every test i
 """
 
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -164,6 +165,47 @@ def test_partial_fit_continues_on_the_gpu():
     _same_path(gpu, cpu)
     _close(gpu.predict(Q), cpu.predict(Q), what="predict after partial_fit")
     _same_decomposition(gpu, cpu, Q)
+
+
+def test_early_stopped_adam_records_the_cpus_counts_and_state():
+    """The step counts (kept on the GPU and read at the end) and the best epoch's
+    optimizer state (copied on the GPU, read once) are the CPU fit's."""
+    X, _, Y, _ = _data(n=120)
+    gpu, cpu = _pair(lambda d: _regressor(d, batch_size=16, early_stopping=True,
+                                          max_iter=8).fit(X, Y))
+    _same_path(gpu, cpu)
+    np.testing.assert_array_equal(gpu.trajectory_._state_steps, cpu.trajectory_._state_steps)
+    for i, state in cpu._resume.optimizer_state.items():
+        for key, value in state.items():
+            _close(gpu._resume.optimizer_state[i][key], value, what=f"resume {i} {key}")
+
+
+def _synchronizations(fit) -> tuple[int, object]:
+    """The times ``fit()`` waited for the GPU, by torch's sync debug mode."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est = fit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught), est
+
+
+def test_a_fit_waits_for_the_gpu_per_epoch_not_per_step():
+    """A default network's fit in 13 steps an epoch waits for the GPU about as often as
+    in one: per epoch (its loss, its batch order), not per step."""
+    X, _, Y, _ = _data(n=200)
+    waits = {}
+    for batch_size in (16, None):
+        def fit(b=batch_size):
+            return PathKernelMachine(batch_size=b, max_iter=4, tol=None, device=CUDA,
+                                     random_state=0).fit(X, Y)
+        fit()  # the process's first calls (cuBLAS handles, ...) wait once
+        waits[batch_size], est = _synchronizations(fit)
+        assert est.t_ == (13 if batch_size else 1) * 4
+    assert waits[16] > 0  # the mode sees the per-epoch reads
+    assert waits[16] - waits[None] <= 2 * 4, waits
 
 
 @pytest.mark.parametrize("n_components", [None, 7])

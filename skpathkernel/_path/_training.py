@@ -13,11 +13,11 @@ the recorded one (:func:`extend_trajectory`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -494,7 +494,7 @@ def set_learning_rate(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainResult:
     trajectory: Trajectory
     loss_curve: list[float]
@@ -515,7 +515,21 @@ def resolve_batch_size(batch_size, n_samples: int) -> int:
     return min(int(batch_size), n_samples)
 
 
-@dataclass
+def host_arrays(tensors) -> list[np.ndarray]:
+    """NumPy copies of ``tensors``, read in one transfer per device and dtype rather
+    than one each (from a GPU, each read waits for it)."""
+    out = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for rows in groups.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in rows]).cpu()
+        for i, part in zip(rows, flat.split([tensors[i].numel() for i in rows])):
+            out[i] = part.reshape(tensors[i].shape).numpy().copy()
+    return out
+
+
+@dataclasses.dataclass
 class Resume:
     """Where training continues: the optimizer's state, the schedule, the stopping rule,
     the batch generator and what the divergence check compares with.
@@ -549,8 +563,12 @@ class Resume:
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
                 first_loss, initial_norm, learning_rate_init=None,
                 device: torch.device | None = None, schedule=None,
-                power_t=None) -> Resume:
-        state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
+                power_t=None, on_device: bool = False) -> Resume:
+        """``on_device``: the optimizer state's tensors copied where they are, without
+        waiting for the GPU (:meth:`on_host` reads them), for a snapshot that may be
+        superseded (early stopping's best epoch so far)."""
+        state = {i: {k: (v.detach().clone() if on_device
+                         else v.detach().cpu().numpy().copy()) if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
         cuda = (torch.cuda.get_rng_state(device).numpy().copy()
@@ -561,6 +579,16 @@ class Resume:
                    None if learning_rate_init is None else float(learning_rate_init),
                    (torch.get_rng_state().numpy().copy(), cuda), schedule,
                    None if power_t is None else float(power_t))
+
+    def on_host(self) -> Resume:
+        """This state with the tensors a capture ``on_device`` kept as NumPy arrays."""
+        keys = [(i, k) for i, s in self.optimizer_state.items() for k, v in s.items()
+                if torch.is_tensor(v)]
+        arrays = iter(host_arrays([self.optimizer_state[i][k] for i, k in keys]))
+        state = {i: dict(s) for i, s in self.optimizer_state.items()}
+        for i, k in keys:
+            state[i][k] = next(arrays)
+        return dataclasses.replace(self, optimizer_state=state)
 
     def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
@@ -697,13 +725,14 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
         for start, (xb, yb) in zip(range(0, n, B), batches):
             idx = order_np[start : start + B]
             if sample_weight is None:
-                batch_losses.append(
-                    training_step(module, optimizer, loss, xb, yb, gradient).detach())
+                batch_loss = training_step(module, optimizer, loss, xb, yb, gradient)
                 recorder.record_batch(idx)
             else:
-                batch_losses.append(training_step(module, optimizer, loss, xb, yb, gradient,
-                                                  betas[start : start + B]).detach())
+                batch_loss = training_step(module, optimizer, loss, xb, yb, gradient,
+                                           betas[start : start + B])
                 recorder.record_batch(idx, recorded[start : start + B])
+            # Autograd's loss holds its graph until detached; the hand-written one has none.
+            batch_losses.append(batch_loss if gradient is not None else batch_loss.detach())
             recorder.record_step(step, lr, optimizer)
             step += 1
             if recorder.wants_point(step):
@@ -712,12 +741,13 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
 
 
 def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr,
-                initial: bool = False) -> float:
+                initial: bool = False, size_values: list[float] | None = None) -> float:
     """Mean loss over the samples of an epoch; non-finite raises, naming the step.
 
     ``batch_losses``: the epoch's batch losses (0-d tensors); ``sizes``: the batch sizes
     in the losses' dtype; ``total``: their sum (the samples); ``initial``: step 0 is the
-    path's first (see :func:`_raise_diverged`).
+    path's first (see :func:`_raise_diverged`); ``size_values``: ``sizes.tolist()``, read
+    once per fit rather than from the GPU every epoch.
     """
     # Weighted by batch size so that the epoch loss is the mean over samples: each loss
     # times its batch size in the loss's dtype, summed in float64.
@@ -727,7 +757,12 @@ def _epoch_loss(batch_losses, sizes, total, first_step, epoch, lr,
         # values in Python floats, without a tensor op. A product of two float32 values
         # is exact in float64, so rounding it to float32 is torch's float32 product; a
         # sum of two float64 values is rounded once in either.
-        terms = [b.item() * w for b, w in zip(batch_losses, sizes.tolist())]
+        if size_values is None:
+            size_values = sizes.tolist()
+        # One read of both losses (each read waits for the GPU).
+        values = ([batch_losses[0].item()] if len(batch_losses) == 1
+                  else torch.stack(batch_losses).tolist())
+        terms = [v * w for v, w in zip(values, size_values)]
         if dtype == torch.float32:
             with np.errstate(over="ignore"):  # an overflow is inf, as in torch
                 terms = [float(np.float32(t)) for t in terms]
@@ -887,7 +922,7 @@ def train(
         resume.load_into(optimizer, generator, X.device)
     sizes = torch.tensor([min(B, n - b * B) for b in range(steps_per_epoch)],
                          dtype=params[0].dtype, device=X.device)
-    total = float(sizes.sum())
+    total, size_values = float(sizes.sum()), sizes.tolist()
     rows = torch.arange(n)  # the order of an epoch that does not shuffle
     # Every epoch's end recorded in memory: the parameter norms of the divergence check
     # are read from the points at the end, and only when the check needs them.
@@ -901,11 +936,13 @@ def train(
 
     def capture():
         first = reference if resume is None else resume.first_loss
+        # Read to the host once, at the end: an early-stopped fit captures every epoch
+        # that scores best so far.
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
                               initial_norm=norms[0], learning_rate_init=sched.lr_init,
                               device=X.device, schedule=sched.kind,
-                              power_t=sched.power_t)
+                              power_t=sched.power_t, on_device=True)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     reference = None  # the loss the divergence check compares with (_start_loss)
     # The initial point, for the start's loss where the first epoch ran away (_start_loss).
@@ -919,8 +956,8 @@ def train(
         batch_losses = _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr,
                                   gradient, sample_weight)
         epoch_loss = _epoch_loss(batch_losses, sizes, total, first_step + step,
-                                 first_epoch + epoch, lr,
-                                 initial=resume is None)
+                                 first_epoch + epoch, lr, initial=resume is None,
+                                 size_values=size_values)
         if epoch == 0 and resume is None:
             reference = _start_loss(epoch_loss, batch_losses[0], functools.partial(
                 _initial_loss, module, names, params, theta0, X, Y, loss, B, sample_weight))
@@ -945,8 +982,7 @@ def train(
         if is_best and validation is not None:
             # The model is the best-scoring epoch's (MLPClassifier restores it too): keep
             # its parameters and optimizer state, the path will end there.
-            best = (step, torch.cat([p.detach().reshape(-1) for p in params]).cpu(),
-                    capture())
+            best = (step, torch.cat([p.detach().reshape(-1) for p in params]), capture())
         if progress is not None:
             progress(epoch, epoch_loss)
         if stopped or single_epoch:
@@ -973,7 +1009,7 @@ def train(
         best_loss=None if validation is not None else min(loss_curve),
         validation_scores=scores,
         best_validation_score=None if validation is None else rule.best_score,
-        resume=best[2],
+        resume=best[2].on_host(),
     )
 
 
@@ -986,7 +1022,8 @@ def _finish(recorder, params, best, n_iter, lr, first_step=0) -> Trajectory:
         torch.nn.utils.vector_to_parameters(flat.to(params[0].device), params)
     # The module holds the path's last point: checked there, not read back from a file,
     # and before finish(), which refuses a path that compression could not store.
-    if not all(bool(torch.isfinite(p).all()) for p in params):
+    # One read of every parameter's test (each read waits for the GPU).
+    if not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
         _raise_diverged(first_step + step - 1, n_iter - 1, lr)
     return recorder.finish(step, flat)
 

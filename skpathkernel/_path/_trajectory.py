@@ -1511,6 +1511,9 @@ class TrajectoryRecorder:
     """
 
     _INITIAL_STEPS = 64
+    # Step counts kept on their device before one transfer reads them: bounds their
+    # memory (a few MB of CUDA blocks) at one wait every this many recorded steps.
+    _MAX_PENDING_COUNTS = 4096
 
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
                  batch_size, dtype, storage="memory", directory=None,
@@ -1573,6 +1576,10 @@ class TrajectoryRecorder:
                     [self._buf, *self._states.values()], stop, ahead), daemon=True,
                     name="skpathkernel-pages").start()
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
+        # (point, a copy of the optimizer's step count) not yet read into _state_steps:
+        # read in one transfer when the path is asked for, as reading each (a count on
+        # the GPU, fused Adam's) would stall every step until the GPU caught up.
+        self._pending_counts: list[tuple[int, torch.Tensor]] = []
         self._steps = np.zeros(n_points, dtype=np.int64)
         # Every step's step size: a schedule may change it between recorded points, and
         # the replay of a thinned interval takes each step's own (8 bytes a step, as its
@@ -1822,8 +1829,26 @@ class TrajectoryRecorder:
                     # are the zeros it would start from.
                     self._write_row(buf, k, [s[key] if key in s else torch.zeros_like(p)
                                              for s, p in zip(states, self._params)], step)
-                counted = next((s for s in states if s), {})
-                self._state_steps[k] = int(_state_step(counted, step))
+                count = next((s for s in states if s), {}).get("step")
+                if torch.is_tensor(count):
+                    self._pending_counts.append((k, count.clone()))
+                    if len(self._pending_counts) >= self._MAX_PENDING_COUNTS:
+                        self._read_counts()
+                else:  # SGD counts like the loop; some optimizers keep a number
+                    self._state_steps[k] = int(step + 1 if count is None else float(count))
+
+    def _read_counts(self) -> None:
+        """Write the pending step counts into ``_state_steps``, read in one transfer
+        (``int(float(count))`` of each, as read one by one)."""
+        if not self._pending_counts:
+            return
+        rows, counts = zip(*self._pending_counts)
+        self._pending_counts = []
+        if len({(c.device, c.dtype) for c in counts}) == 1:
+            values = torch.stack(counts).tolist()
+        else:  # torch.stack needs one device and dtype
+            values = [c.item() for c in counts]
+        self._state_steps[list(rows)] = [int(float(v)) for v in values]
 
     @property
     def n_recorded_steps(self) -> int:
@@ -1843,6 +1868,7 @@ class TrajectoryRecorder:
         """
         if self._non_blocking:
             self._synchronize()
+        self._read_counts()
         if n_steps is not None and hasattr(self, "_stop_populating"):
             self._stop_populating.set()  # the end of training: no more rows to map
         if self.on_disk and self._buf.overflow is not None:
@@ -1931,10 +1957,3 @@ def _check_fits_in_memory(nbytes: int, record_every: int) -> None:
             "fewer epochs, or use a smaller network."
         )
 
-
-def _state_step(state: dict, step: int) -> float:
-    # Adam keeps its own step count (a tensor); other optimizers count like the loop.
-    s = state.get("step")
-    if s is None:
-        return step + 1
-    return float(s)

@@ -1,0 +1,127 @@
+"""A fit reads its tensors' values on the host a few times per epoch, never per step.
+
+On a GPU each such read (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``,
+``.cpu()``) waits for every kernel queued before it, so a read per step keeps the CPU from
+queueing the next step while the GPU runs this one. Counted here on the CPU: a
+``TorchDispatchMode`` sees the dispatched ops that read a value (``_local_scalar_dense``,
+behind ``.item()`` / ``float`` / ``bool``; ``nonzero`` and the other ops whose result's
+size depends on values), and ``Tensor.tolist`` / ``Tensor.cpu``, which dispatch nothing on
+the CPU, are counted by wrapping them. The reference is the fit's own epoch count: the
+stopping rule reads the epoch's loss once an epoch, and the rest is per fit. The CUDA
+version (the synchronizations themselves) is in test_cuda.py.
+"""
+
+import collections
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_array_equal
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._path._trajectory import TrajectoryRecorder
+
+_aten = torch.ops.aten
+_READS = (_aten._local_scalar_dense.default, _aten.nonzero.default,
+          _aten.masked_select.default, _aten.equal.default, _aten._unique2.default,
+          _aten.unique_consecutive.default)
+
+
+class _Reads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts["ops"] += 1
+        if func in _READS:
+            self.counts["reads"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_reads(fit):
+    """``fit()`` and the host reads it made (dispatched ones, and tolist / cpu calls)."""
+    mode = _Reads()
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def call(self, *args, **kwargs):
+            mode.counts["reads"] += 1
+            return original(self, *args, **kwargs)
+        return call
+
+    with mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
+            mock.patch.object(torch.Tensor, "cpu", counted("cpu")), mode:
+        est = fit()
+    return est, mode.counts["reads"]
+
+
+def _regression(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 5))
+    return X, np.sin(X[:, 0]) + X[:, 1] * X[:, 2]
+
+
+def _classification(n=200, seed=0):
+    X, _ = _regression(n, seed)
+    return X, (X[:, 0] > 0).astype(int) + (X[:, 1] > 0.5).astype(int)
+
+
+# Sixteen rows a step: 13 steps an epoch (12 of early stopping's 180 training rows).
+_CASES = {
+    "regressor, adam": lambda: PathKernelMachine(
+        batch_size=16, max_iter=6, random_state=0).fit(*_regression()),
+    "classifier, adam": lambda: PathKernelClassifier(
+        batch_size=16, max_iter=6, random_state=0).fit(*_classification()),
+    "early stopping": lambda: PathKernelClassifier(
+        batch_size=16, max_iter=6, early_stopping=True, random_state=0).fit(
+            *_classification()),
+    "sgd, nesterov, adaptive": lambda: PathKernelMachine(
+        solver="sgd", momentum=0.9, learning_rate="adaptive", learning_rate_init=0.01,
+        n_iter_no_change=1, tol=0.5, batch_size=16, max_iter=6, random_state=0).fit(
+            *_regression()),
+    "sample_weight, rmsprop": lambda: PathKernelMachine(
+        solver="rmsprop", batch_size=16, max_iter=6, random_state=0).fit(
+            *_regression(), sample_weight=np.linspace(0.5, 2.0, 200)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize("case", list(_CASES))
+def test_a_fit_reads_values_per_epoch_not_per_step(case):
+    fit = _CASES[case]
+    fit()  # what the first fit of a process does once (imports, first calls)
+    est, reads = _count_reads(fit)
+    epochs = len(est.loss_curve_)
+    assert est.t_ >= 12 * epochs  # the steps a read per step would add
+    # Per epoch: the epoch's loss (and early stopping's validation score, its outputs to
+    # the host); per fit: the initial norm and loss, the batch sizes, the final
+    # parameters' check, the optimizer's state and the recorded step counts.
+    assert reads <= 2 * epochs + 10, (reads, epochs, est.t_)
+
+
+def test_partial_fit_reads_values_a_few_times_a_call():
+    X, y = _regression()
+    est = PathKernelMachine(batch_size=16, random_state=0)
+    est.partial_fit(X, y)
+    _, reads = _count_reads(lambda: [est.partial_fit(X, y) for _ in range(3)])
+    assert reads <= 3 * 8, reads  # 13 steps a call
+
+
+def test_step_counts_read_in_batches_are_the_optimizers(monkeypatch):
+    """The recorder keeps the optimizer's step counts on their device and reads them
+    together: across several such reads (4 counts each), and across a continued fit, the
+    recorded counts are Adam's, which counts its steps from 1 along the whole path."""
+    monkeypatch.setattr(TrajectoryRecorder, "_MAX_PENDING_COUNTS", 4)
+    X, y = _regression(60)
+    est = PathKernelMachine(batch_size=16, max_iter=3, tol=None, warm_start=True,
+                            random_state=0).fit(X, y)
+    assert_array_equal(est.trajectory_._state_steps, np.arange(1, 13))
+    est.fit(X, y)  # three more epochs, continuing the path and Adam's count
+    traj = est.trajectory_
+    assert_array_equal(traj._state_steps, np.arange(1, 25))
+    assert [float(traj.optimizer_state(k)["step"]) for k in (0, 11, 12, 23)] == [
+        1.0, 12.0, 13.0, 24.0]

@@ -70,8 +70,10 @@ class _Counts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counted(make):
-    """``make()``'s result and its counts: ops, syncs, tolist and cpu calls."""
+def host_reads(make):
+    """``make()``'s result and what it dispatched and read on the host: counts of
+    ``ops`` (every dispatched aten op), ``syncs`` (those of ``SYNCING``), and the calls
+    of ``tolist`` and ``cpu``."""
     mode = _Counts()
 
     def wrapped(name):
@@ -110,7 +112,7 @@ def main(ref="main", results="fit_syncs"):
                for side, pkg in packages.items()}
         counted = {}
         for side in ("ref", "tree"):
-            est, counts = _counted(fit[side])
+            est, counts = host_reads(fit[side])
             steps, epochs = int(est.t_), len(est.loss_curve_)  # optimizer steps, epochs
             counted[side] = dict(counts, steps=steps, epochs=epochs)
             lines.append(
@@ -153,7 +155,14 @@ def main(ref="main", results="fit_syncs"):
         "The GPU effect is not measured here (no GPU in this session): on a GPU a read "
         "waits for every kernel queued before it, so a read per step kept the CPU from "
         "queueing the next step while the GPU ran this one; `benchmarks/device_check.sh` "
-        "times the default fits (the defaults group) on the next GPU run.",
+        "times the default fits (the defaults group) on the next GPU run, and "
+        "tests/test_cuda.py counts a fit's waits with torch's sync debug mode.", "",
+        "Reads these counts cannot see, left as they were: on a GPU each epoch's batch "
+        "order (and sample weights) goes to the device from pageable memory, which torch "
+        "copies synchronously (once an epoch, right after the epoch loss's read, when "
+        "the GPU has nothing queued); `trajectory_storage='disk'` copies every recorded "
+        "point into its chunk's (unpinned) memory, a wait per step on a GPU; "
+        "`PathRecorder` (an own loop) checks the parameters every step.",
     ]
     with open(out.with_suffix(".md"), "a") as f:
         f.write("\n".join(table) + "\n")

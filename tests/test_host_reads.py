@@ -2,7 +2,8 @@
 
 On a GPU each such read (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``,
 ``.cpu()``) waits for every kernel queued before it, so a read per step keeps the CPU from
-queueing the next step while the GPU runs this one. Counted here on the CPU: a
+queueing the next step while the GPU runs this one. Counted here on the CPU
+(``benchmarks.bench_fit_syncs.host_reads``): a
 ``TorchDispatchMode`` sees the dispatched ops that read a value (``_local_scalar_dense``,
 behind ``.item()`` / ``float`` / ``bool``; ``nonzero`` and the other ops whose result's
 size depends on values), and ``Tensor.tolist`` / ``Tensor.cpu``, which dispatch nothing on
@@ -11,52 +12,19 @@ stopping rule reads the epoch's loss once an epoch, and the rest is per fit. The
 version (the synchronizations themselves) is in test_cuda.py.
 """
 
-import collections
-from unittest import mock
-
 import numpy as np
 import pytest
-import torch
 from numpy.testing import assert_array_equal
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.bench_fit_syncs import host_reads
 from skpathkernel import PathKernelClassifier, PathKernelMachine
 from skpathkernel._path._trajectory import TrajectoryRecorder
-
-_aten = torch.ops.aten
-_READS = (_aten._local_scalar_dense.default, _aten.nonzero.default,
-          _aten.masked_select.default, _aten.equal.default, _aten._unique2.default,
-          _aten.unique_consecutive.default)
-
-
-class _Reads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts["ops"] += 1
-        if func in _READS:
-            self.counts["reads"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _count_reads(fit):
     """``fit()`` and the host reads it made (dispatched ones, and tolist / cpu calls)."""
-    mode = _Reads()
-
-    def counted(name):
-        original = getattr(torch.Tensor, name)
-
-        def call(self, *args, **kwargs):
-            mode.counts["reads"] += 1
-            return original(self, *args, **kwargs)
-        return call
-
-    with mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
-            mock.patch.object(torch.Tensor, "cpu", counted("cpu")), mode:
-        est = fit()
-    return est, mode.counts["reads"]
+    est, counts = host_reads(fit)
+    return est, counts["syncs"] + counts["tolist"] + counts["cpu"]
 
 
 def _regression(n=200, seed=0):

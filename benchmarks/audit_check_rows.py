@@ -50,9 +50,10 @@ def cases():
                (Xd[:300], yd[:300], Xd[320:340]))
 
 
-def main(old_path, *want):
-    old = load_old(old_path)
-    for name, est, (X, y, Xq) in cases():
+def fitted(cases, want=()):
+    """``(name, net, Xq, args)`` per case whose name holds one of ``want`` (all without):
+    the estimator fitted quietly, ``args`` those of ``decompose`` for its queries."""
+    for name, est, (X, y, Xq) in cases:
         if want and not any(w in name for w in want):
             continue
         with warnings.catch_warnings():
@@ -60,7 +61,13 @@ def main(old_path, *want):
             est.fit(X, y)
         net = network_of(est)
         X_fit, Y_fit = net._training_data()
-        args = (net.module, net.trajectory, X_fit, Y_fit, net.loss, net.tensor(Xq))
+        yield name, net, Xq, (net.module, net.trajectory, X_fit, Y_fit, net.loss,
+                              net.tensor(Xq))
+
+
+def main(old_path, *want):
+    old = load_old(old_path)
+    for name, net, Xq, args in fitted(cases(), want):
         (ro, co), (rn, cn) = (m.decompose(*args, memory_budget=net.memory_budget, warn=False)
                               for m in (old, new))
         ref = ace.reference(net, Xq)

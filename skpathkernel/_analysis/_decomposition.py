@@ -167,10 +167,21 @@ halves it (Gauss-Legendre gained 10-300x per node on the paths measured). Where 
 over ``tol * S`` in a chunk of queries, that chunk's nodes are raised ``RAISE`` per walk
 (at most ``CHECK_RAISES`` walks more) and the walk with the smallest measured error is
 kept with it; over still, a ConvergenceWarning says so (:func:`_contribution_check`).
-Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more. In
-float32 the difference holds the factors' round-off at the two rules' nodes too: it is
-part of the error the contributions achieve, and reported with the quadrature's (0.0097
-of ``tol * S`` on the default classifier on digits, which does not warn).
+Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more.
+Round-off is not in it. On a float32 path a contribution's error is mostly the round-off
+of the float32 factors its shares are computed from, and the two rules' difference,
+taken from the same factors, does not see it: against a float64 16-node reference of
+the same recorded path it read 0.33x the true error on the default classifier on digits
+(0.31x at its full max_iter) and 0.0137 of ``tol * S`` against a true 1.1, unwarned, on
+converged full-batch Adam with training points as queries
+(``benchmarks/results/contribution_roundoff.md``). No estimate of it is added: each
+audited one (a coefficient times eps32 times the steps' summed absolute shares, or a
+random walk over them; a coefficient measured on a few contributions recomputed in
+float64) either under-read that case or warned where the true error is under
+``tol * S`` on default paths, whatever its coefficient (same file). The default tol,
+1e-6 in float32, is about 8 eps32, and default paths' true errors reach 0.78-0.97 of
+it, so an estimate both above the true error and silent there must be close to exact.
+``dtype="float64"`` gives contributions to the tolerance.
 Where a node more does not gain, the difference measures nothing: a kink of a
 non-smooth activation (relu) on a step's segment before the first node or after the
 last of both rules is missed by both alike (they agreed to 1e-17 where a contribution
@@ -379,8 +390,10 @@ class Decomposition:
         largest |f| along the path; with fixed ``n_nodes``, whose rule is returned,
         against the exact checks' accuracy, 1e-10 of ``S`` in float64, 1e-4 in
         float32) and warned of above it, after up to ``CHECK_RAISES`` walks with nodes
-        raised. In float32 the two rules' round-off is in the difference too. It
-        measures the error only where a node more gains: a kink of a non-smooth
+        raised. On a float32 path it does not measure the float32 factors' round-off,
+        most of a contribution's error there (fit with ``dtype="float64"`` for
+        contributions to the tolerance; the module's *Error control*). It measures
+        the quadrature error only where a node more gains: a kink of a non-smooth
         activation that both rules miss alike is not in it, and a warning says so
         where a step's sum shows it (see the module's *Error control*). None for the
         other methods.

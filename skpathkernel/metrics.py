@@ -34,6 +34,7 @@ import torch
 from joblib import Parallel, cpu_count, delayed, effective_n_jobs
 from scipy.stats import rankdata
 from sklearn.base import clone, is_classifier
+from sklearn.pipeline import Pipeline
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import HasMethods, Interval, StrOptions, validate_params
 
@@ -670,8 +671,20 @@ def _check_replayable(estimator, X, y) -> None:
                          f"PathKernelMachine or PathKernelClassifier; a "
                          f"{type(estimator).__name__} reads the path of its estimator: "
                          "pass that trainer, fitted on X, y (its estimator_), instead.")
-    if not isinstance(estimator, BasePathKernelNetwork) or not hasattr(estimator,
-                                                                       "trajectory_"):
+    if isinstance(estimator, Pipeline) and isinstance(estimator[-1], BasePathKernelNetwork):
+        # "Fit it first" would send the user of a fitted Pipeline in a circle: the path
+        # is its last step's, recorded on the transformed X, and the replay keeps the
+        # fitted transformers (refitting them on a subset is another training).
+        raise ValueError("protocol='replay' replays the recorded path of a fitted "
+                         "PathKernelMachine or PathKernelClassifier, not a Pipeline: pass "
+                         "its last step with the inputs it was trained on, "
+                         "pipe[-1], pipe[:-1].transform(X), y and "
+                         "pipe[:-1].transform(X_query).")
+    if not isinstance(estimator, BasePathKernelNetwork):
+        raise ValueError("protocol='replay' replays the recorded path of a fitted "
+                         "PathKernelMachine or PathKernelClassifier; a "
+                         f"{type(estimator).__name__} records none.")
+    if not hasattr(estimator, "trajectory_"):
         raise ValueError("protocol='replay' replays the recorded path of a fitted "
                          "skpathkernel estimator; fit it on X, y first.")
     X_fit = estimator.X_fit_

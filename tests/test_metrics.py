@@ -743,3 +743,28 @@ def test_replay_of_a_meta_estimator_names_its_trainer():
     res = retrain_on_subsets(fitted.estimator_, X, y, X[:2], y[:2], n_subsets=2,
                              protocol="replay")
     assert res.outputs.shape == (2, 2)
+
+
+def test_replay_of_a_pipeline_names_its_last_step():
+    """A fitted Pipeline ending in a trainer was told to "fit it on X, y first", which it
+    was: the refusal now names the route that replays (its last step on the transformed
+    inputs), and an estimator that records no path is not told to fit."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(30, 3)) * [1.0, 10.0, 0.1]
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    pipe = make_pipeline(StandardScaler(), PathKernelClassifier(
+        hidden_layer_sizes=(4,), solver="sgd", learning_rate_init=0.1, batch_size=8,
+        max_iter=2, dtype="float64", random_state=0, tol=None)).fit(X, y)
+    with pytest.raises(ValueError, match=r"not a Pipeline: pass its last step"):
+        retrain_on_subsets(pipe, X, y, X[:2], y[:2], n_subsets=2, protocol="replay")
+    with pytest.raises(ValueError, match="a Ridge records none"):
+        retrain_on_subsets(Ridge().fit(X, y), X, y, X[:2], n_subsets=2, protocol="replay")
+    # The route the message names replays: the last step's recorded path on the inputs
+    # it was trained on, the hand-written loop's.
+    Xt, Zt = pipe[:-1].transform(X), pipe[:-1].transform(X[:2])
+    res = retrain_on_subsets(pipe[-1], Xt, y, Zt, y[:2], n_subsets=2, protocol="replay",
+                             random_state=0)
+    for mask, out in zip(res.subsets, res.outputs):
+        logits = _replay_loop(pipe[-1], mask, Zt)
+        assert_allclose(out, logits[np.arange(2), y[:2]] - logsumexp(
+            np.where(np.eye(3)[y[:2]] > 0, -np.inf, logits), axis=1), rtol=1e-10)

@@ -133,10 +133,12 @@ A score matrix of the shape the attribution literature uses (TRAK, TracIn,
 influence functions): ``scores[q, i]`` is training point ``i``'s share of the
 scalar output ``m`` at query ``q``, read from :meth:`decompose`:
 ``scores[q, i] = w_q . a_i(x_q)`` with ``w_q`` the weights of the explained output.
-Positive: the point pushed the output up. Summed over a subset of the training
-set, the scores predict the output of the network retrained on it; the linear
-datamodeling score (:func:`skpathkernel.metrics.linear_datamodeling_score`)
-measures how well.${note}
+Positive: the point pushed the output up. That share describes the training
+that happened; it is not what removing the point would change, which
+``method="unrolled"`` (below) predicts to first order. The linear datamodeling
+score (:func:`skpathkernel.metrics.linear_datamodeling_score`) measures how well
+any of the scores, summed over a subset of the training set, rank the outputs of
+the network retrained on it.${note}
 
 Two questions, two kinds of score:
 

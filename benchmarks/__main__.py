@@ -392,6 +392,28 @@ _ROOFLINE_HEADER = ("| rate (CPU) | measured (CPU) | ratio (full products, CPU) 
                     "ratio (full products, wall) | ratio (performed, wall) |")
 
 
+_EXECUTED_NOTE = (
+    "GFLOP executed: what the call runs, counted on one more call after the timed ones "
+    "(`benchmarks/_flops.py`: torch's FlopCounterMode, GEMMs, convolutions and attention, "
+    "with SciPy's SYRKs, CPU attention and grouped convolutions' weight gradients added by "
+    "hand; element-wise work counts none): the forward and backward passes, forming the "
+    "gradient blocks and the products performed. Executed-work efficiency = executed FLOPs "
+    "/ (the call's median CPU time x the probe's CPU rate): how close the work the call "
+    "does runs to GEMM speed, beside the roofline ratio, which counts only the full "
+    "products and is not redefined by it.")
+
+
+def _executed_cells(r):
+    """The executed FLOPs of a row and their efficiency at its probe's rate (by CPU time
+    on the CPU, wall time on CUDA), or dashes where they were not counted."""
+    executed = r["roofline"].get("executed_flops")
+    if executed is None:
+        return ["-", "-"]
+    ratios = roofline_ratios(r)
+    head = ratios.get("cpu") or ratios["wall"]
+    return [f"{executed / 1e9:.2f}", f"{executed / head['rate'] / head['measured']:.2f}"]
+
+
 def _fmt_t(times):
     med, lo, hi = _stats(times)
     return f"{med:.4g} s ({lo:.3g}-{hi:.3g}, n={len(times)})"
@@ -598,7 +620,7 @@ def _nets_lines(groups, device):
             roof.append(f"| {_label(mine['spec'])} | {mine['spec']['n']} | "
                         f"{rf['flops'] / 1e9:.2f} | {rf['performed_flops'] / 1e9:.2f} | "
                         f"{rf['width']} | {rf['probe_width']} | "
-                        + " | ".join(_roofline_cells(mine)) + " |")
+                        + " | ".join(_roofline_cells(mine) + _executed_cells(mine)) + " |")
         arch, n = mine["spec"]["arch"], mine["spec"]["n"]
         if arch in NET_GOALS:
             goals.append(_net_goal(f"{_label(mine['spec'])}, N = {n}", NET_GOALS[arch],
@@ -619,10 +641,10 @@ def _nets_lines(groups, device):
               "forming the blocks (2 N S C p q), forward "
               "and backward passes not counted. Width: the widest block row; the probe's "
               "is capped at 65536. " + _ROOFLINE_NOTE
-              + " Ratio > 1: faster than full products, by the symmetry.", "",
-              "| network | N | GFLOP full products | GFLOP performed | width | probe width "
-              + _ROOFLINE_HEADER,
-              "|---|---|---|---|---|---|" + "---|" * 8] + roof
+              + " Ratio > 1: faster than full products, by the symmetry. " + _EXECUTED_NOTE,
+              "", "| network | N | GFLOP full products | GFLOP performed | width | probe width "
+              + _ROOFLINE_HEADER + " GFLOP executed | executed-work efficiency (CPU) |",
+              "|---|---|---|---|---|---|" + "---|" * 10] + roof
     if large:
         lines += ["", f"### Memory of a Gram on N = {LARGE_N}", "",
                   "The engine's call (`tangent_gram`; the public call returns K as float64 "

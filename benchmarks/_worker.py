@@ -21,6 +21,7 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 from benchmarks import _nets
+from benchmarks._flops import executed_flops
 from benchmarks._serve import PeakRSS, serve
 from skpathkernel import PathRecorder, TangentKernel
 from skpathkernel._tangent import tangent_gram
@@ -173,6 +174,9 @@ def gram_case(spec):
             ref = ref.to(torch.float64)
             result["rel_diff_vs_skpathkernel"] = float((K - ref).abs().max() / ref.abs().max())
         if roofline is not None:
+            if spec.get("arch"):
+                # One more call, after the timed ones, under the FLOP counter.
+                roofline["executed_flops"] = executed_flops(call)[1]
             result["roofline"] = roofline
         return result
 

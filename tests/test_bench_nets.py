@@ -306,3 +306,55 @@ def test_output_groups_form_their_blocks_in_the_same_memory(monkeypatch):
     K = tangent_gram(module, params, X)
     assert len(formed) == 3 and len(set(formed)) == 1
     _check_trace(K, module, X)
+
+
+def test_executed_flops_add_what_the_counter_cannot_see(monkeypatch):
+    from benchmarks._flops import counted_syrk, executed_flops
+
+    # A convolution grouped by sample (the engine's per-sample weight gradients): the
+    # counter alone counts it as if ungrouped, n times the closed form 2 n c_out c_in k^2 HW.
+    n, c_in, c_out, side = 4, 16, 8, 10
+    a = torch.randn(1, n * c_in, side, side)
+    d = torch.randn(1, n * c_out, side, side)
+    _, flops = executed_flops(lambda: torch.nn.grad.conv2d_weight(
+        a, (n * c_out, c_in, 3, 3), d, 1, 1, 1, n))
+    assert flops == 2 * n * c_out * c_in * 9 * side * side
+    # CPU attention, forward and backward: 4 B H S S d and 8 B H S S d (two and four
+    # products of S x d by d x S or S x S by S x d).
+    B, H, S, dh = 2, 4, 65, 16
+    q = torch.randn(B, H, S, dh, requires_grad=True)
+
+    def attention():
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return torch.autograd.grad(out.sum(), q)
+
+    _, flops = executed_flops(attention)
+    assert flops == 12 * B * H * S * S * dh
+    # SciPy's SYRK, outside torch: the n (n + 1) / 2 dot products of the upper triangle.
+    monkeypatch.setattr(_gram, "_syrk", lambda acc: lambda g, alpha=1.0: None)
+    seen = []
+    with counted_syrk(seen.append):
+        _gram._syrk(torch.zeros(5, 5))(torch.zeros(5, 7))
+    assert seen == [5 * 6 * 7]
+
+
+def test_gram_nets_rows_report_their_executed_work_beside_the_roofline():
+    from benchmarks.__main__ import _executed_cells, _run_group, roofline_ratios
+
+    spec = {**_plan(True, "cpu", archs=("cnn8",))["gram_nets"][0][0], "n": 64, "repeats": 2}
+    (r,) = _run_group([spec], 1)
+    executed, rf = r["roofline"]["executed_flops"], r["roofline"]
+    # At least what the engine must run: the products it performs (the upper triangle
+    # and forming, counted apart from the call by _structured_roofline) and the forward
+    # pass of the 64 images through conv32 and conv64 (3 x 3, 8 x 8, padding 1).
+    forward = 2 * 64 * 64 * (32 * 9 + 64 * 32 * 9)
+    assert executed >= rf["performed_flops"] + forward
+    # The cells written out from the definition: executed FLOPs over the call's median
+    # CPU time at the probe's median CPU rate; the roofline's own ratios unchanged.
+    r.update(cpu_times=[1.0, 0.5, 0.75], probe_cpu_times=[0.1] * 4,
+             roofline={**rf, "flops": 10.0, "performed_flops": 6.0, "probe_flops": 5.0,
+                       "executed_flops": 30e9})
+    assert _executed_cells(r) == ["30.00", f"{30e9 / 50.0 / 0.75:.2f}"]
+    assert roofline_ratios(r)["cpu"]["full"] == pytest.approx(10.0 / 50.0 / 0.75)
+    del r["roofline"]["executed_flops"]
+    assert _executed_cells(r) == ["-", "-"]

@@ -1508,3 +1508,41 @@ def test_the_quick_scan_of_drawing_layers_agrees_with_their_names():
         assert _any_drawing_now(module) == (module is not cases[-1])
     inner[1].eval()  # the one drawing layer alone in eval mode
     assert not _any_drawing_now(outer) and not drawing_layers(outer)
+
+
+class _ScaleAndShift(torch.nn.Module):
+    """``a * x + b`` on one feature: rows with x = 0 give ``a`` no gradient."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.full((n_out,), 1e-30))
+        self.b = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return self.a * x + self.b
+
+
+def test_the_last_update_overflowing_one_parameter_names_its_step_and_keeps_the_fit():
+    """Every step's loss is finite (it is computed before its update), but the last
+    update takes ``a`` to inf while ``b`` stays finite: only the check of the final
+    parameters sees it, and it must test every parameter, naming the last step along
+    the whole path."""
+    x = np.array([0.0] * 8 + [1e30] * 4)[:, None]
+    y = np.zeros(12)
+    est = PathKernelMachine(module=_ScaleAndShift, solver="sgd", learning_rate_init=1e-3,
+                            batch_size=4, shuffle=False, max_iter=2, tol=None,
+                            normalize_y=False, warm_start=True, random_state=0)
+    est.fit(x[:8], y[:8])  # 2 steps an epoch, x = 0: a finite fit
+    before, traj = est.predict(x[:8]), est.trajectory_
+    assert est.t_ == 4
+    est.set_params(learning_rate_init=1e10, max_iter=1)
+    # Steps 4 and 5 (x = 0, on target) leave a and b as they are; step 6's batch
+    # (x = 1e30) has a loss of 0.5 and a gradient of 1e30 for a: a step of 1e40, which
+    # float32 rounds to inf, while b moves to -1e10.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TrainingDivergedError,
+                           match=r"non-finite at optimizer step 6 \(epoch 2\)"):
+            est.fit(x, y)
+    assert est.trajectory_ is traj and est.t_ == 4
+    assert_array_equal(est.predict(x[:8]), before)

@@ -25,6 +25,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_host_reads import snapshot_is_a_copy
 
 from skpathkernel import (
     OODRankDetector,
@@ -178,6 +179,14 @@ def test_early_stopped_adam_records_the_cpus_counts_and_state():
     for i, state in cpu._resume.optimizer_state.items():
         for key, value in state.items():
             _close(gpu._resume.optimizer_state[i][key], value, what=f"resume {i} {key}")
+
+
+def test_best_epoch_snapshot_holds_no_gpu_memory():
+    """Early stopping's snapshot of the best epoch is copied to pinned host memory
+    without waiting, not kept on the GPU, where it would hold up to twice the
+    optimizer's state beside the training's (the CPU half: test_host_reads.py)."""
+    tensors = snapshot_is_a_copy(CUDA)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
 
 
 def _synchronizations(fit) -> tuple[int, object]:

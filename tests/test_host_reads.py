@@ -14,10 +14,12 @@ version (the synchronizations themselves) is in test_cuda.py.
 
 import numpy as np
 import pytest
+import torch
 from numpy.testing import assert_array_equal
 
 from benchmarks.bench_fit_syncs import host_reads
 from skpathkernel import PathKernelClassifier, PathKernelMachine
+from skpathkernel._path._training import Resume, host_copy, synchronize
 from skpathkernel._path._trajectory import TrajectoryRecorder
 
 
@@ -93,3 +95,41 @@ def test_step_counts_read_in_batches_are_the_optimizers(monkeypatch):
     assert_array_equal(traj._state_steps, np.arange(1, 25))
     assert [float(traj.optimizer_state(k)["step"]) for k in (0, 11, 12, 23)] == [
         1.0, 12.0, 13.0, 24.0]
+
+
+def snapshot_is_a_copy(device) -> list:
+    """Early stopping's snapshot (``Resume.capture(on_device=True)`` and the best
+    parameters' :func:`host_copy`), read after a synchronization, holds the values of the
+    moment it was taken, not of later steps; returns its tensors."""
+    device = torch.device(device)
+    net = torch.nn.Linear(16, 16).to(device)
+    opt = torch.optim.Adam(net.parameters(), fused=True)
+
+    def step():
+        opt.zero_grad()
+        net(torch.ones(8, 16, device=device)).square().sum().backward()
+        opt.step()
+
+    def capture(**kw):
+        return Resume.capture(opt, torch.Generator(), learning_rate=1e-3, samples_seen=8,
+                              rule=(), first_loss=1.0, initial_norm=1.0, device=device,
+                              **kw)
+
+    step()
+    want = capture().optimizer_state
+    want_weight = net.weight.detach().cpu().numpy().copy()
+    snapshot, flat = capture(on_device=True), host_copy(net.weight)
+    step()  # moves every tensor the snapshot copied
+    synchronize(device)
+    got = snapshot.on_host().optimizer_state
+    for i, state in want.items():
+        for key, value in state.items():
+            assert_array_equal(got[i][key], value)
+    assert_array_equal(flat.numpy(), want_weight)
+    assert not np.array_equal(net.weight.detach().cpu().numpy(), want_weight)
+    return [v for s in snapshot.optimizer_state.values() for v in s.values()
+            if torch.is_tensor(v)] + [flat]
+
+
+def test_best_epoch_snapshot_is_a_host_copy():
+    assert all(t.device.type == "cpu" for t in snapshot_is_a_copy("cpu"))

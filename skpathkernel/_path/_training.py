@@ -515,18 +515,20 @@ def resolve_batch_size(batch_size, n_samples: int) -> int:
     return min(int(batch_size), n_samples)
 
 
-def host_arrays(tensors) -> list[np.ndarray]:
-    """NumPy copies of ``tensors``, read in one transfer per device and dtype rather
-    than one each (from a GPU, each read waits for it)."""
-    out = [None] * len(tensors)
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for rows in groups.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in rows]).cpu()
-        for i, part in zip(rows, flat.split([tensors[i].numel() for i in rows])):
-            out[i] = part.reshape(tensors[i].shape).numpy().copy()
-    return out
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` that neither waits for its GPU nor holds GPU memory: a
+    pinned buffer filled by a non-blocking copy, ready once the device is synchronized
+    (:func:`synchronize`); on the CPU a plain copy."""
+    tensor = tensor.detach()
+    on_gpu = tensor.device.type == "cuda"
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_gpu)
+    return out.copy_(tensor, non_blocking=on_gpu)
+
+
+def synchronize(device: torch.device | None) -> None:
+    """Wait for ``device``'s queued work (the copies of :func:`host_copy`) on a GPU."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclasses.dataclass
@@ -564,10 +566,11 @@ class Resume:
                 first_loss, initial_norm, learning_rate_init=None,
                 device: torch.device | None = None, schedule=None,
                 power_t=None, on_device: bool = False) -> Resume:
-        """``on_device``: the optimizer state's tensors copied where they are, without
-        waiting for the GPU (:meth:`on_host` reads them), for a snapshot that may be
-        superseded (early stopping's best epoch so far)."""
-        state = {i: {k: (v.detach().clone() if on_device
+        """``on_device``: the optimizer state's tensors copied to the host without waiting
+        for the GPU (:func:`host_copy`; :meth:`on_host` reads them), for a snapshot that
+        may be superseded (early stopping's best epoch so far). Kept off the GPU: a copy
+        there would hold up to twice the optimizer state beside the training's."""
+        state = {i: {k: (host_copy(v) if on_device
                          else v.detach().cpu().numpy().copy()) if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
@@ -580,14 +583,13 @@ class Resume:
                    (torch.get_rng_state().numpy().copy(), cuda), schedule,
                    None if power_t is None else float(power_t))
 
-    def on_host(self) -> Resume:
-        """This state with the tensors a capture ``on_device`` kept as NumPy arrays."""
-        keys = [(i, k) for i, s in self.optimizer_state.items() for k, v in s.items()
-                if torch.is_tensor(v)]
-        arrays = iter(host_arrays([self.optimizer_state[i][k] for i, k in keys]))
-        state = {i: dict(s) for i, s in self.optimizer_state.items()}
-        for i, k in keys:
-            state[i][k] = next(arrays)
+    def on_host(self, device: torch.device | None = None) -> Resume:
+        """This state with the tensors a capture ``on_device`` (on ``device``) copied as
+        NumPy arrays."""
+        synchronize(device)
+        state = {i: {k: v.numpy().copy() if torch.is_tensor(v) else v
+                     for k, v in s.items()}
+                 for i, s in self.optimizer_state.items()}
         return dataclasses.replace(self, optimizer_state=state)
 
     def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
@@ -985,7 +987,8 @@ def train(
         if is_best and validation is not None:
             # The model is the best-scoring epoch's (MLPClassifier restores it too): keep
             # its parameters and optimizer state, the path will end there.
-            best = (step, torch.cat([p.detach().reshape(-1) for p in params]), capture())
+            best = (step, host_copy(torch.cat([p.detach().reshape(-1) for p in params])),
+                    capture())
         if progress is not None:
             progress(epoch, epoch_loss)
         if stopped or single_epoch:
@@ -1005,6 +1008,7 @@ def train(
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())
+    synchronize(X.device)  # the snapshot's copies, read from here on
     trajectory = _finish(recorder, params, best, first_epoch + len(loss_curve),
                          learning_rate, first_step)
     return TrainResult(

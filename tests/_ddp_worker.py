@@ -136,6 +136,31 @@ def _run_recorded_before_init(rank, world, port, out):
         json.dump({"errors": errors, "n_steps": rec.n_steps}, f)
 
 
+def _run_recorded_before_wrap(rank, world, out):
+    """Each rank its own initialization, the recorder (writing on rank 1) created on the
+    module before DDP wraps it: DDP's construction copies rank 0's parameters over rank
+    1's initial point."""
+    import warnings
+
+    X, y = data()
+    torch.manual_seed(rank + 1)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
+                                 torch.nn.Linear(16, 1)).double()
+    opt = optimizer(module.parameters())
+    rec = PathRecorder(module, opt, n_samples=N, writer_rank=1)
+    model = DistributedDataParallel(module)
+    idx = shards(world, 0)[rank]
+    opt.zero_grad()
+    (0.5 * (model(X[idx]) - y[idx]) ** 2).mean().backward()
+    rec.set_batch(idx)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"errors": [f"warning: {w.message}" for w in caught],
+                   "n_steps": rec.n_steps}, f)
+
+
 def _init(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -151,7 +176,10 @@ def main(rank, world, port, out, scenario):
         return
     _init(rank, world, port)
     try:
-        _run(rank, world, out, scenario)
+        if scenario == "recorded_before_wrap":
+            _run_recorded_before_wrap(rank, world, out)
+        else:
+            _run(rank, world, out, scenario)
     finally:
         if scenario != "crash":
             dist.destroy_process_group()

@@ -170,6 +170,22 @@ def test_a_recorder_created_before_init_process_group_says_so(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_recorder_created_before_ddp_wraps_the_module_says_so(tmp_path):
+    # Ranks initialized differently, the recorder created on the module before DDP's
+    # construction copied rank 0's parameters: the writer (rank 1) recorded its own
+    # initial point, which the path never took. It warned of a change "outside
+    # optimizer.step()" naming clipping and re-initialisations, not DDP.
+    reports = _spawn(2, tmp_path, "recorded_before_wrap")
+    assert reports[0] == {"errors": [], "n_steps": 1}, reports[0]
+    assert reports[1]["n_steps"] == 1
+    (warning,) = reports[1]["errors"]
+    assert re.search(r"changed since the recorder was created.*a recorder created before "
+                     r"the module was wrapped sees DistributedDataParallel\(module\) copy "
+                     r"rank 0's parameters to every rank: create it after wrapping",
+                     warning), warning
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, match", [
     ("out_of_range", r"rank 1 declared a wrong batch for optimizer step 2"),
     ("undeclared", r"rank 1 declared no batch \(set_batch\) for optimizer step 2"),
@@ -195,6 +211,9 @@ def test_a_rank_that_crashes_leaves_a_readable_path_that_says_where_it_ends(tmp_
     assert reports[1] is None  # it died
     errors = reports[0]["errors"]
     assert errors[0].startswith("RuntimeError") and "gather of optimizer step 3" in errors[0]
+    # What a timeout alone does not say: the ways a rank stops coming, DDP's join() one.
+    assert "a rank died, or stopped taking the optimizer steps" in errors[0]
+    assert "join()" in errors[0] and "set_batch([])" in errors[0]
     assert any("ends after optimizer step 2" in e for e in errors[1:]), errors
     traj = Trajectory.load(tmp_path / "path")
     _, points = _single_process_path(2)

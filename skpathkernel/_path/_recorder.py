@@ -677,6 +677,16 @@ class PathRecorder:
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         self._seen[i] = (p.grad.detach().clone(), self._scaler_updates())
 
+    def _gather_failed(self, what: str, step: int, exc: Exception):
+        # A timeout says only that another rank never came: name the ways that happens.
+        # DDP's join() (uneven inputs) is one: a rank out of batches leaves the loop, and
+        # its shadow of DDP's all-reduces does not take part in the recorder's gathers.
+        self._fail(f"the gather of optimizer step {step}'s {what} failed ({exc}): a rank "
+                   "died, or stopped taking the optimizer steps the others take (a rank "
+                   "out of batches under DistributedDataParallel's join(), which the "
+                   "recorder does not take part in: let such a rank go on stepping with "
+                   f"an empty batch, set_batch([])); {_kept(step)}.", cause=exc)
+
     def _fail(self, message: str, exc=RuntimeError, cause=None):
         self._error = message
         raise exc(f"PathRecorder: {message}") from cause
@@ -850,7 +860,12 @@ class PathRecorder:
             "decomposition will not be exact (decompose warns by how much) and the "
             "kernels describe a path with that jump. To record such a loop exactly, make "
             "the change part of the loss (a penalty instead of clipping), or change the "
-            "parameters before creating the recorder. (Warned once.)",
+            "parameters before creating the recorder."
+            + (" Under DistributedDataParallel, a recorder created before the module was "
+               "wrapped sees DistributedDataParallel(module) copy rank 0's parameters "
+               "to every rank: create it after wrapping (on the wrapper or its "
+               ".module)." if step == 0 and self._world > 1 else "")
+            + " (Warned once.)",
             UserWarning, stacklevel=3)
 
     def _warn_skipped(self, step: int, optimizer) -> None:
@@ -1020,8 +1035,7 @@ class PathRecorder:
         try:
             dist.all_gather(headers, header)
         except Exception as exc:  # a rank that stopped: recorded steps stay readable
-            self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
-                       f"{_kept(step)}.", cause=exc)
+            self._gather_failed("batches", step, exc)
         H = torch.stack(headers).cpu().numpy()
         problems = []
         for r, (s, _, st, _, _) in enumerate(H):
@@ -1051,8 +1065,7 @@ class PathRecorder:
         try:
             dist.gather(buf, bufs, dst=self.writer_rank)
         except Exception as exc:
-            self._fail(f"the gather of optimizer step {step}'s batches failed ({exc}); "
-                       f"{_kept(step)}.", cause=exc)
+            self._gather_failed("batches", step, exc)
         given = None
         if H[:, 4].any():
             # A rank declared its loss coefficients (set_batch(..., weights)): every rank
@@ -1064,9 +1077,7 @@ class PathRecorder:
             try:
                 dist.gather(buf, given, dst=self.writer_rank)
             except Exception as exc:
-                self._fail(f"the gather of optimizer step {step}'s batch weights failed "
-                           f"({exc}); {_kept(step)}.",
-                           cause=exc)
+                self._gather_failed("batch weights", step, exc)
         if not writer:
             return None, None
         bufs = [b.cpu().numpy() for b in bufs]

@@ -32,10 +32,14 @@ def mlp():
                                torch.nn.Linear(16, 1)).double()
 
 
-def shards(world: int, step: int) -> list[np.ndarray]:
-    """The global batch of a step cut into one shard per rank; unequal for 3 ranks."""
+def shards(world: int, step: int, scenario: str = "ok") -> list[np.ndarray]:
+    """The global batch of a step cut into one shard per rank; unequal for 3 ranks.
+    Under "exhausted", rank 1 has run out of batches from step 4 on: its shard is
+    empty, and rank 0's is the step's batch."""
     rng = np.random.RandomState(100 + step)
     batch = rng.choice(N, 12, replace=False)
+    if scenario == "exhausted" and step >= 4:
+        return [batch[:6], batch[:0]]
     sizes = [6, 6] if world == 2 else [5, 4, 3]
     return np.split(batch, np.cumsum(sizes)[:-1])
 
@@ -77,7 +81,7 @@ def _run(rank, world, out, scenario):
     rec = PathRecorder(model, opt, n_samples=N, storage="disk", directory=out)
     errors = []
     for t in range(STEPS):
-        idx = shards(world, t)[rank]
+        idx = shards(world, t, scenario)[rank]
         opt.zero_grad()
         # DDP's loss: each rank's mean over its shard (the mean of its micro-batches'
         # means), the gradients averaged over ranks at the last backward.

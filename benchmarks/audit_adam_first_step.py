@@ -29,6 +29,9 @@ its term ``u_0`` (the step's own derivative, ``-lr eps / (|g| + eps)^2`` times t
 adjoint, and the later steps' share through the moments), and replays the scores
 computed without the term on the parameters whose first gradient is under 100 eps.
 
+``more DEFAULTS.json ACTIVATION.json``: the defaults' data sets and the activation
+paths at seeds 3-5, all replayed here, to check a limit chosen on the others.
+
 Usage: ``python -m benchmarks.audit_adam_first_step {growth|activation|mechanism}
 OUT.json``, then ``python -m benchmarks.audit_adam_first_step report MECHANISM.json
 OUT.md GROWTH.json ACTIVATION.json`` (writes OUT.md's tables and the rows as OUT.json).
@@ -85,6 +88,31 @@ def _stats(est, scores):
     }
 
 
+def default_paths(out, seeds):
+    """The defaults benchmark's data sets at other seeds, replayed here as
+    audit_unstable_growth replays its paths: a check of a limit chosen on the others."""
+    from skpathkernel import PathKernelClassifier, PathKernelMachine
+
+    rows = []
+    for name, (X, y, kind) in ug._datasets().items():
+        for seed in seeds:
+            X_train, y_train, X_query, y_query = ug._split(X, y, seed)
+            cls = PathKernelClassifier if kind == "clf" else PathKernelMachine
+            est = cls(random_state=seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rec = ug._audit_path(f"{name}, defaults", est, X_train, y_train, X_query,
+                                     y_query, seed)
+                scores = est.attribute(X_query, y_query if kind == "clf" else None,
+                                       method="unrolled")
+            row = {"set": "defaults, more seeds", "path": rec["path"], "seed": seed,
+                   **_stats(est, scores), **_small_share(est, X_query, y_query),
+                   "quality": rec["quality"], "same path": True}
+            rows.append(row)
+            print(_line(row), flush=True)
+            json.dump(rows, open(out, "w"), indent=1)
+
+
 def growth_paths(out):
     """The Adam paths of audit_unstable_growth: statistics, quality from its json."""
     from skpathkernel import PathKernelClassifier, PathKernelMachine
@@ -118,7 +146,7 @@ def growth_paths(out):
             json.dump(rows, open(out, "w"), indent=1)
 
 
-def activation_paths(out, lds=False):
+def activation_paths(out, lds=False, seeds=(0, 1, 2)):
     """The paths of audit_unrolled_activation, replayed with audit_unstable_growth's
     removals (its N_QUERIES queries)."""
     from sklearn.datasets import load_digits
@@ -131,7 +159,7 @@ def activation_paths(out, lds=False):
     rows = []
     for n_train, batch in ACTIVATION_SIZES:
         for activation in ("gelu", "tanh"):
-            for seed in (0, 1, 2):
+            for seed in seeds:
                 # The activation audit's split and queries (its 20), the first N_QUERIES.
                 X_train, X_test, y_train, y_test = train_test_split(
                     X / 16, y, train_size=n_train, test_size=20, random_state=seed)
@@ -397,6 +425,10 @@ if __name__ == "__main__":
         growth_paths(files[0])
     elif what == "activation":
         activation_paths(files[0], lds="lds" in files[1:])
+    elif what == "more":
+        # more OUT_DEFAULTS.json OUT_ACTIVATION.json: seeds 3-5 of both sets.
+        activation_paths(files[1], seeds=(3, 4, 5))
+        default_paths(files[0], seeds=(3, 4, 5))
     elif what == "mechanism":
         mechanism(files[0])
     elif what == "report":

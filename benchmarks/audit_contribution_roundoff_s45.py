@@ -11,10 +11,12 @@ the difference alone (main's contribution_error: the kept walk's, read from the 
 the check makes), the new contribution_error and its ratio to the true one, the round-off
 estimate alone, ``K_min`` (the coefficient of eps32 sum_t |s_t| that would just reach the
 true error beside the difference; 0 where the difference does), the warnings of
-``decompose`` with tol=None and with tol=1e-6 (P PrecisionWarning, C ConvergenceWarning,
-- none; other warnings are not counted), and whether the true error is over each
-threshold. All in units of 1e-6 * S (the default tol of the node choice, the old file's
-tol * S): tol=None's threshold is 10 of them.
+``decompose`` with tol=None and with tol=1e-6 of a single contribution (P
+PrecisionWarning, C the check's ConvergenceWarning, - neither; s the ConvergenceWarning
+that some steps' sums gained less than twofold by a node more, f that some steps
+failed), and whether the true
+error is over each threshold. All in units of 1e-6 * S (the default tol of the node
+choice, the old file's tol * S): tol=None's threshold is 10 of them.
 
 Run: OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/audit_contribution_roundoff_s45.py
 [words] (results: benchmarks/results/contribution_roundoff-s45.md; with words, only the
@@ -46,13 +48,22 @@ STRICT = 1e-6
 
 
 def warned(res, checks):
-    """The letters of the PrecisionWarning and ConvergenceWarning ``finish`` raises."""
+    """What ``finish`` warns of a single contribution: P (PrecisionWarning), C (the
+    check's ConvergenceWarning), - (neither); + s where another ConvergenceWarning says
+    that contribution_error does not measure some steps (a step's sum gained less than
+    twofold by a node more), + f where one says that steps failed (which skips the
+    check's warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         package.finish(res, checks)
-    words = [{PrecisionWarning: "P", ConvergenceWarning: "C"}.get(m.category)
-             for m in caught]
-    return "".join(sorted(w for w in words if w)) or "-"
+    words = ["P" if m.category is PrecisionWarning
+             else "C" if "quadrature error is measured at" in str(m.message)
+             else "s" if "does not measure a single contribution" in str(m.message)
+             else "f" if "Gauss-Legendre nodes or stopped converging" in str(m.message)
+             else "" for m in caught if issubclass(m.category, (PrecisionWarning,
+                                                              ConvergenceWarning))]
+    word = "".join(sorted(w for w in words if w in "PC" and w)) or "-"
+    return " ".join([word] + sorted(set(words) & {"s", "f"}))
 
 
 def main(*want):
@@ -127,9 +138,13 @@ def write(rows):
         "contributions); `K_min`: the coefficient that would just reach `true` (0 where "
         "the difference does). tol=None is checked against "
         f"{package.FLOAT32_CHECK_TOL:g} * S (10 units), tol=1e-6 against 1e-6 * S "
-        "(1 unit): the PrecisionWarning (P) and ConvergenceWarning (C) each raises (- "
-        "none), and whether `true` is over that threshold. `moved`: the largest change "
-        "of a contribution between the two calls.", "",
+        "(1 unit): the PrecisionWarning (P) and the check's ConvergenceWarning (C) each "
+        "raises (- neither; s: the ConvergenceWarning that contribution_error does not "
+        "measure some steps, whose sum a node more did not halve; f: the "
+        "ConvergenceWarning that steps did not converge, which skips the check's "
+        "warnings; both raised by main too), and whether `true` is over that "
+        "threshold. `moved`: the largest change of a contribution between the two "
+        "calls.", "",
         "| case | true | diff | new | new/true | roundoff | K_min | tol=None warns | "
         "true over 1e-5 S | tol=1e-6: new | tol=1e-6 warns | true over 1e-6 S | moved |",
         "|" + "---|" * 13]

@@ -171,17 +171,23 @@ Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more.
 Round-off. On a float32 path a contribution's error is mostly the round-off of the
 float32 factors its shares are computed from (the queries' and the batch's gradients,
 the adjoint's float32 sums over steps), which the two rules' difference, taken from the
-same factors, does not measure: against a float64 16-node reference of the same
-recorded path it read 0.33x the true error on the default classifier on digits and 0.14x
-on converged full-batch Adam (``benchmarks/results/contribution_roundoff.md``). Each
-contribution's difference is reported with an estimate of it added,
-``ROUNDOFF * eps32 * sum_t |share_t|`` (the sum taken in the walk, beside the
-contributions); where that alone is over ``tol * S`` a PrecisionWarning names float64
-as the fix (more nodes cannot help). It is an estimate, not a bound: 1.27-24.3x the
-true error on the audited paths (0.078 of ``tol * S`` on the default classifier, which
-does not warn), where a bound by the factors' norms read up to 271x it (1.74 of
-``tol * S`` on the default classifier). A float64 path's round-off, 2e-9 of float32's,
-is not added.
+same factors, does not see: against a float64 16-node reference of the same recorded
+path it read 0.33x the true error on the default classifier on digits and 0.0137 of
+``1e-6 * S`` against a true 1.1 on converged full-batch Adam with training points as
+queries (``benchmarks/results/contribution_roundoff.md``). Each contribution's
+difference is reported with an estimate of it added, ``ROUNDOFF * eps32 *
+sum_t |share_t|`` (the sum taken in the walk, beside the contributions). An estimate,
+not a bound: 1.85-27x the true error over the 39 audited float32 paths
+(``benchmarks/results/contribution_roundoff-s45.md``). It is checked against what
+float32 products can be checked to: the default tol, 1e-6, is about 8 eps32, at their
+round-off floor, and any coefficient that reaches the true error on every audited
+path also warned on default paths whose true error is under ``1e-6 * S``. So with
+``tol=None`` a float32 path's nodes are still chosen (and raised) for 1e-6, but
+``contribution_error`` is checked against ``FLOAT32_CHECK_TOL * S`` (1e-5, the
+products' floor); an explicit ``tol`` is checked as given, and where the round-off
+estimate alone is over it a PrecisionWarning names float64 as the fix (more nodes
+cannot help). ``Decomposition.contribution_tol`` says which. A float64 path's
+round-off, 2e-9 of float32's, is not added.
 Where a node more does not gain, the difference measures nothing: a kink of a
 non-smooth activation (relu) on a step's segment before the first node or after the
 last of both rules is missed by both alike (they agreed to 1e-17 where a contribution
@@ -398,6 +404,12 @@ class Decomposition:
     tol : float or None
         The relative tolerance the exact method worked to (None with a fixed
         ``n_nodes`` or another method).
+    contribution_tol : float or None
+        ``method="exact"``: what ``contribution_error`` was checked against, relative
+        to ``S``: ``tol``; with ``tol=None`` on a float32 path, 1e-5, the round-off
+        floor of float32 products (``FLOAT32_CHECK_TOL``: ``tol``, 1e-6, is under it,
+        and the nodes are still chosen for it); with fixed ``n_nodes``, the exact
+        checks' accuracy. None for the other methods.
     replay_error : float or None
         On a thinned path (``record_every > 1``), whose steps between recorded points
         are replayed: the replay's largest mismatch with the next recorded point,
@@ -409,14 +421,13 @@ class Decomposition:
         training points and outputs; ``error`` is that of their sum), measured as its
         largest difference between the Gauss-Legendre rule of each step and the rule of a
         node more, taken in the same walk; the contributions returned are the latter's
-        (see the module's *Error control*). Checked against ``tol * S`` (``S`` the
-        largest |f| along the path; with fixed ``n_nodes``, whose rule is returned,
-        against the exact checks' accuracy, 1e-10 of ``S`` in float64, 1e-4 in
-        float32) and warned of above it, after up to ``CHECK_RAISES`` walks with nodes
-        raised. On a float32 path an estimate of each contribution's round-off, which
-        the difference does not measure, is added to it (the module's *Round-off*),
-        and a PrecisionWarning names float64 where that alone is over. It
-        measures the quadrature error only where a node more gains: a kink of a non-smooth
+        (see the module's *Error control*). On a float32 path an estimate of each
+        contribution's round-off, which the difference does not measure, is added to
+        it (the module's *Round-off*). Checked against ``contribution_tol * S``
+        (``S`` the largest |f| along the path) and warned of above it, after up to
+        ``CHECK_RAISES`` walks with nodes raised where the difference is over
+        ``tol * S``. It measures the quadrature error only where a node more gains:
+        a kink of a non-smooth
         activation that both rules miss alike is not in it, and a warning says so
         where a step's sum shows it (see the module's *Error control*). None for the
         other methods.
@@ -449,6 +460,10 @@ def default_tol(dtype: torch.dtype) -> float:
     at that floor: 1e-12 in float64 (measured results 1e-14 to 1e-12 relative), 1e-6 in
     float32, whose floor, the round-off that the recorded float32 updates carry, is about
     2e-7 to 1e-5 relative depending on the width, the solver and the size of the steps.
+    The nodes are chosen for it; a float32 path's ``contribution_error``, which counts
+    its products' round-off, is checked against that floor's top, ``FLOAT32_CHECK_TOL``
+    (1e-5), instead: 1e-6 is below what float32 products can be checked to (an
+    explicit ``tol`` is checked as given).
     """
     return 1e-6 if dtype == torch.float32 else 1e-12
 
@@ -2030,8 +2045,11 @@ def decompose(
 
     ``n_nodes`` fixes the Gauss-Legendre nodes of every step (no error control); else the
     nodes of each step are chosen for the relative tolerance ``tol`` (``default_tol`` of
-    the dtype when None). ``units`` maps the result to the units the caller reports
-    (``normalize_y``'s targets) before the warnings quote its error.
+    the dtype when None), and each contribution's measured error, ``contribution_error``,
+    is checked against ``tol`` (on a float32 path with ``tol=None``, against
+    ``FLOAT32_CHECK_TOL``, its products' round-off floor: ``contribution_tol``).
+    ``units`` maps the result to the units the caller reports (``normalize_y``'s
+    targets) before the warnings quote its error.
 
     ``weights`` (n_queries, C) decomposes instead the scalar output ``w_q . f(x_q)`` of
     each query (the result has one output): the queries' backprops are linear in the
@@ -2548,8 +2566,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             f"{verb}(method='exact'): the quadrature of {len(checks.failed)} of "
             f"{checks.n_steps} steps {goal}: steps {listed}.{nonfinite} The "
             f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
-            "step_errors); on such steps Decomposition.contribution_error, the "
-            "difference of the rule with a node more, need not measure a single "
+            "step_errors); on such steps Decomposition.contribution_error, measured "
+            "by the rule with a node more, need not measure a single "
             "contribution's error. A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
             "helps.",

@@ -228,7 +228,7 @@ nodes' products once instead of twice:
 difference holds their round-off, of the shares' size, and the subtraction gained
 1-3% (same file).
 A float32 path's round-off estimate (the shares' absolute values added per step into
-one more buffer of the contributions' size) cost 0.983x and 1.007x the time before it
+one more buffer of the contributions' size) cost 0.997x and 0.998x the time before it
 on the default classifier and regressor, within the runs' noise
 (``benchmarks/results/contribution_roundoff-s45-cost.md``).
 """

@@ -435,6 +435,7 @@ def test_each_contribution_meets_tol_where_shares_cancel():
     assert true <= res.contribution_error + roundoff
     # The sum's own residuals and the per-step record stay those of the kept walk.
     assert res.error <= allowed and res.n_nodes.min() >= 2
+    assert res.contribution_tol == res.tol == 1e-12  # float64: checked at tol
 
 
 def _float64_reference(est, Xq, tmp_path):
@@ -540,6 +541,7 @@ def test_fixed_nodes_report_the_contribution_error():
     true = np.abs(res.contributions - ref).max()
     assert np.all(res.n_nodes == 1)
     assert true / 1.5 <= res.contribution_error <= 1.5 * true
+    assert res.contribution_tol == 1e-10  # the exact checks' accuracy in float64
     message = next(str(w.message) for w in rec if "single contribution" in str(w.message))
     assert f"measured at {res.contribution_error:.3g}" in message
 

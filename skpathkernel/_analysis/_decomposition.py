@@ -404,12 +404,6 @@ class Decomposition:
     tol : float or None
         The relative tolerance the exact method worked to (None with a fixed
         ``n_nodes`` or another method).
-    contribution_tol : float or None
-        ``method="exact"``: what ``contribution_error`` was checked against, relative
-        to ``S``: ``tol``; with ``tol=None`` on a float32 path, 1e-5, the round-off
-        floor of float32 products (``FLOAT32_CHECK_TOL``: ``tol``, 1e-6, is under it,
-        and the nodes are still chosen for it); with fixed ``n_nodes``, the exact
-        checks' accuracy. None for the other methods.
     replay_error : float or None
         On a thinned path (``record_every > 1``), whose steps between recorded points
         are replayed: the replay's largest mismatch with the next recorded point,
@@ -427,10 +421,15 @@ class Decomposition:
         (``S`` the largest |f| along the path) and warned of above it, after up to
         ``CHECK_RAISES`` walks with nodes raised where the difference is over
         ``tol * S``. It measures the quadrature error only where a node more gains:
-        a kink of a non-smooth
-        activation that both rules miss alike is not in it, and a warning says so
-        where a step's sum shows it (see the module's *Error control*). None for the
-        other methods.
+        a kink of a non-smooth activation that both rules miss alike is not in it,
+        and a warning says so where a step's sum shows it (see the module's *Error
+        control*). None for the other methods.
+    contribution_tol : float or None
+        ``method="exact"``: what ``contribution_error`` was checked against, relative
+        to ``S``: ``tol``; with ``tol=None`` on a float32 path, 1e-5, the round-off
+        floor of float32 products (``FLOAT32_CHECK_TOL``: ``tol``, 1e-6, is under it,
+        and the nodes are still chosen for it); with fixed ``n_nodes``, the exact
+        checks' accuracy (1e-10 in float64, 1e-4 in float32). None for the other methods.
     """
 
     initial: np.ndarray

@@ -168,20 +168,26 @@ over ``tol * S`` in a chunk of queries, that chunk's nodes are raised ``RAISE`` 
 (at most ``CHECK_RAISES`` walks more) and the walk with the smallest measured error is
 kept with it; over still, a ConvergenceWarning says so (:func:`_contribution_check`).
 Fixed ``n_nodes`` are returned as asked, measured by the rule with a node more.
-Round-off is not in it. On a float32 path a contribution's error is mostly the round-off
-of the float32 factors its shares are computed from, and the two rules' difference,
-taken from the same factors, does not see it: against a float64 16-node reference of
-the same recorded path it read 0.33x the true error on the default classifier on digits
-(0.31x at its full max_iter) and 0.0137 of ``tol * S`` against a true 1.1, unwarned, on
-converged full-batch Adam with training points as queries
-(``benchmarks/results/contribution_roundoff.md``). No estimate of it is added: each
-audited one (a coefficient times eps32 times the steps' summed absolute shares, or a
-random walk over them; a coefficient measured on a few contributions recomputed in
-float64) either under-read that case or warned where the true error is under
-``tol * S`` on default paths, whatever its coefficient (same file). The default tol,
-1e-6 in float32, is about 8 eps32, and default paths' true errors reach 0.78-0.97 of
-it, so an estimate both above the true error and silent there must be close to exact.
-``dtype="float64"`` gives contributions to the tolerance.
+Round-off. On a float32 path a contribution's error is mostly the round-off of the
+float32 factors its shares are computed from (the queries' and the batch's gradients,
+the adjoint's float32 sums over steps), which the two rules' difference, taken from the
+same factors, does not see: against a float64 16-node reference of the same recorded
+path it read 0.33x the true error on the default classifier on digits and 0.0137 of
+``1e-6 * S`` against a true 1.1 on converged full-batch Adam with training points as
+queries (``benchmarks/results/contribution_roundoff.md``). Each contribution's
+difference is reported with an estimate of it added, ``ROUNDOFF * eps32 *
+sum_t |share_t|`` (the sum taken in the walk, beside the contributions). An estimate,
+not a bound: 1.7-27.1x the true error over the 39 audited float32 paths
+(``benchmarks/results/contribution_roundoff-s45.md``). It is checked against what
+float32 products can be checked to: the default tol, 1e-6, is about 8 eps32, at their
+round-off floor, and any coefficient that reaches the true error on every audited
+path also warned on default paths whose true error is under ``1e-6 * S``. So with
+``tol=None`` a float32 path's nodes are still chosen (and raised) for 1e-6, but
+``contribution_error`` is checked against ``FLOAT32_CHECK_TOL * S`` (1e-5, the
+products' floor); an explicit ``tol`` is checked as given, and where the round-off
+estimate alone is over it a PrecisionWarning names float64 as the fix (more nodes
+cannot help). ``Decomposition.contribution_tol`` says which. A float64 path's
+round-off, 2e-9 of float32's, is not added.
 Where a node more does not gain, the difference measures nothing: a kink of a
 non-smooth activation (relu) on a step's segment before the first node or after the
 last of both rules is missed by both alike (they agreed to 1e-17 where a contribution
@@ -221,6 +227,10 @@ nodes' products once instead of twice:
 0.965x. The adjoint keeps the difference on rows of its own: in float32 two buffers'
 difference holds their round-off, of the shares' size, and the subtraction gained
 1-3% (same file).
+A float32 path's round-off estimate (the shares' absolute values added per step into
+one more buffer of the contributions' size) cost 0.997x and 0.998x the time before it
+on the default classifier and regressor, within the runs' noise
+(``benchmarks/results/contribution_roundoff-s45-cost.md``).
 """
 
 from __future__ import annotations
@@ -258,7 +268,7 @@ from .._tangent import (
 from .._tangent._pairs import Flat, prepare_directions
 from .._tangent._stacked import _global_hooks, _hooked, forward_factors
 from .._warnings import caller_stacklevel, worse, worst
-from ._unrolled import Replay, _first_moment, check_replayable, replay_limit
+from ._unrolled import PrecisionWarning, Replay, _first_moment, check_replayable, replay_limit
 
 __all__ = ["Decomposition", "block_align", "check_tol", "decompose", "default_tol", "finish",
            "merge", "merge_steps", "node_chunk", "replays", "step_ranges"]
@@ -272,6 +282,25 @@ MAX_NODES = 64
 # is the next rule not measured yet).
 CHECK_RAISES = 3
 RAISE = 2
+# A float32 path's round-off of one contribution, in eps times its steps' summed
+# absolute shares sum_t |w_i lambda_t . g_it|: what the two rules' difference does not
+# measure (each share's float32 factors, and the adjoint's float32 sums over steps, carry
+# a few roundings each). An estimate, not a bound: against a float64 16-node reference
+# of the same recorded paths, the largest contribution error needed up to 1.75 of these
+# beside the difference (benchmarks/results/contribution_roundoff.md, 39 float32 paths:
+# default models at 10 epochs and at full max_iter, more seeds, CNNs, converged
+# full-batch Adam with training points as queries, 60-epoch SGD); 3 leaves a margin for
+# paths not audited. A bound by the factors' norms held everywhere but read up to 271x
+# the error, over tol * S on the default classifier.
+ROUNDOFF = 3
+# What a float32 path's contribution_error is checked against with tol=None, relative
+# to the largest |f| along the path: the round-off floor of float32 products (2e-7 to
+# 1e-5 relative, see default_tol), which the default tol of the node choice, 1e-6, sits
+# under. Checked against 1e-6, ROUNDOFF's estimate warned on default paths whose true
+# error is under it (from a coefficient of 0.78: contribution_roundoff.md), so no
+# coefficient that reaches the true error is silent there; an explicit tol is checked
+# as given (a PrecisionWarning names float64 where the round-off alone is over it).
+FLOAT32_CHECK_TOL = 1e-5
 # Nodes per step once the steps stop converging (non-smooth activations): the count
 # from which _stalled judges.
 NONSMOOTH = 8
@@ -386,17 +415,21 @@ class Decomposition:
         training points and outputs; ``error`` is that of their sum), measured as its
         largest difference between the Gauss-Legendre rule of each step and the rule of a
         node more, taken in the same walk; the contributions returned are the latter's
-        (see the module's *Error control*). Checked against ``tol * S`` (``S`` the
-        largest |f| along the path; with fixed ``n_nodes``, whose rule is returned,
-        against the exact checks' accuracy, 1e-10 of ``S`` in float64, 1e-4 in
-        float32) and warned of above it, after up to ``CHECK_RAISES`` walks with nodes
-        raised. On a float32 path it does not measure the float32 factors' round-off,
-        most of a contribution's error there (fit with ``dtype="float64"`` for
-        contributions to the tolerance; the module's *Error control*). It measures
-        the quadrature error only where a node more gains: a kink of a non-smooth
-        activation that both rules miss alike is not in it, and a warning says so
-        where a step's sum shows it (see the module's *Error control*). None for the
-        other methods.
+        (see the module's *Error control*). On a float32 path an estimate of each
+        contribution's round-off, which the difference does not measure, is added to
+        it (the module's *Round-off*). Checked against ``contribution_tol * S``
+        (``S`` the largest |f| along the path) and warned of above it, after up to
+        ``CHECK_RAISES`` walks with nodes raised where the difference is over
+        ``tol * S``. It measures the quadrature error only where a node more gains:
+        a kink of a non-smooth activation that both rules miss alike is not in it,
+        and a warning says so where a step's sum shows it (see the module's *Error
+        control*). None for the other methods.
+    contribution_tol : float or None
+        ``method="exact"``: what ``contribution_error`` was checked against, relative
+        to ``S``: ``tol``; with ``tol=None`` on a float32 path, 1e-5, the round-off
+        floor of float32 products (``FLOAT32_CHECK_TOL``: ``tol``, 1e-6, is under it,
+        and the nodes are still chosen for it); with fixed ``n_nodes``, the exact
+        checks' accuracy (1e-10 in float64, 1e-4 in float32). None for the other methods.
     """
 
     initial: np.ndarray
@@ -411,6 +444,7 @@ class Decomposition:
     tol: float | None = None
     replay_error: float | None = None
     contribution_error: float | None = None
+    contribution_tol: float | None = None
 
     @property
     def reconstruction(self) -> np.ndarray:
@@ -425,6 +459,10 @@ def default_tol(dtype: torch.dtype) -> float:
     at that floor: 1e-12 in float64 (measured results 1e-14 to 1e-12 relative), 1e-6 in
     float32, whose floor, the round-off that the recorded float32 updates carry, is about
     2e-7 to 1e-5 relative depending on the width, the solver and the size of the steps.
+    The nodes are chosen for it; a float32 path's ``contribution_error``, which counts
+    its products' round-off, is checked against that floor's top, ``FLOAT32_CHECK_TOL``
+    (1e-5), instead: 1e-6 is below what float32 products can be checked to (an
+    explicit ``tol`` is checked as given).
     """
     return 1e-6 if dtype == torch.float32 else 1e-12
 
@@ -484,6 +522,9 @@ class _Quadrature:
             self.budgets = tol * scale * (changes / total)
         self.n_used = np.zeros(n_steps, dtype=np.int64)
         self.errors = np.zeros(n_steps)
+        # The estimated round-off of a float32 path's largest contribution (see
+        # _contribution_check), zero where not estimated.
+        self.roundoff = 0.0
         self.failed: dict[int, float] = {}
         # Steps whose sum's error by the rule with a node more is above round-off and
         # over twice the two rules' difference: their ratio (see paired).
@@ -1241,7 +1282,9 @@ def _as_float64(traj, flat) -> dict[str, torch.Tensor]:
 def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     """Contributions (Qb, N, C) and regularization (Qb, C) of one query block; for
     ``method="exact"`` with (2 Qb) rows, the second Qb those of the difference of the
-    rule with a node more per step (the check's, see :func:`_pair_weights`).
+    rule with a node more per step (the check's, see :func:`_pair_weights`). Third, on
+    a float32 path with ``method="exact"``, the contributions' sums of the steps'
+    absolute shares (Qb, N, C), else None.
 
     ``chunks``: ``[(rows, quad)]``, the block's chunks of queries (slices of the call's
     queries) with their node choices (None: no choice). The steps are walked once for
@@ -1265,6 +1308,10 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     # write per query and sample; see the module docstring).
     contrib = torch.zeros((N, n_rows, n_out), dtype=torch.float64, device=device)
     reg = torch.zeros((n_rows, n_out), dtype=torch.float64, device=device)
+    # A float32 path's contributions: sum_t |share_t| per contribution, the scale of
+    # their round-off (see _contribution_check).
+    size = (torch.zeros((N, n_q, n_out), dtype=torch.float64, device=device)
+            if exact and traj.dtype != torch.float64 else None)
     parts = []
     for c_rows, quad in chunks:
         local = slice(c_rows.start - rows.start, c_rows.stop - rows.start)
@@ -1408,6 +1455,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     for nodes, w, at in groups:
                         share = factor_shares(nodes, w, terms, dhat).mul_(scale)
                         contrib[:, at].index_add_(0, sub, share)
+                        if size is not None and at.start < n_q:  # the rule's rows
+                            size[:, at].index_add_(0, sub, share.abs())
                 continue
             updated = False
             for sub, w_sub, terms, dhat in ctx.batches(t, theta):
@@ -1419,6 +1468,8 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     reg += part.view(-1, n_out)
                 share = share.view(n_rows * n_out, -1).mul_(w_sub.to(share.dtype))
                 contrib.index_add_(0, sub, share.T.view(-1, n_rows, n_out))
+                if size is not None:
+                    size.index_add_(0, sub, share[: n_q * n_out].abs().T.view(-1, n_q, n_out))
                 updated = True
             if not updated:  # a step without samples: the momentum still moves the parameters
                 _, part = adjoint.step(groups, coef + lead, D, None, None, decay)
@@ -1429,7 +1480,7 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
     if exact and route == "factor":
         contrib[:, n_q:] -= contrib[:, :n_q]
         reg[n_q:] -= reg[:n_q]
-    return contrib.permute(1, 0, 2), reg
+    return contrib.permute(1, 0, 2), reg, None if size is None else size.permute(1, 0, 2)
 
 
 class _NodesAhead:
@@ -1993,8 +2044,11 @@ def decompose(
 
     ``n_nodes`` fixes the Gauss-Legendre nodes of every step (no error control); else the
     nodes of each step are chosen for the relative tolerance ``tol`` (``default_tol`` of
-    the dtype when None). ``units`` maps the result to the units the caller reports
-    (``normalize_y``'s targets) before the warnings quote its error.
+    the dtype when None), and each contribution's measured error, ``contribution_error``,
+    is checked against ``tol`` (on a float32 path with ``tol=None``, against
+    ``FLOAT32_CHECK_TOL``, its products' round-off floor: ``contribution_tol``).
+    ``units`` maps the result to the units the caller reports (``normalize_y``'s
+    targets) before the warnings quote its error.
 
     ``weights`` (n_queries, C) decomposes instead the scalar output ``w_q . f(x_q)`` of
     each query (the result has one output): the queries' backprops are linear in the
@@ -2118,13 +2172,20 @@ def decompose(
                 exclude = new.exclude
 
     contributions, regularization, quads, pair = walk()
-    contribution_error, measured = None, None
+    contribution_error, measured, roundoff = None, None, None
+    # What contribution_error is checked against, relative to the path's largest |f|:
+    # a fixed rule's exact checks' accuracy; with tol=None on a float32 path the
+    # products' round-off floor (the nodes are still chosen for tol); else tol.
+    contribution_tol = (None if not exact else INEXACT_FLOOR[dtype] if n_nodes is not None
+                        else FLOAT32_CHECK_TOL if requested is None and dtype == torch.float32
+                        else tol)
     if exact and quads:
         contributions, regularization, quads, contribution_error = _contribution_check(
             walk, (contributions, regularization, quads, pair),
             tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None,
             chosen=requested is not None)
         measured = contribution_error
+        roundoff = max(q.roundoff for q in quads)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
@@ -2133,6 +2194,7 @@ def decompose(
         result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
         result.step_errors = np.max([q.errors for q in quads], axis=0, initial=0.0)
         result.tol = tol
+        result.contribution_tol = contribution_tol
         scale = max((float(q.scale) for q in quads), default=0.0)
         for q in quads:
             _join(failed, q.failed)
@@ -2146,7 +2208,8 @@ def decompose(
                      unequal_weights=weighting == "expected" and _unequal_batch_weights(traj),
                      preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"),
                      refusal=refusal, replay_limit=replay_limit(recorded),
-                     compression=recorded.compression, measured=measured, slow=slow)
+                     compression=recorded.compression, measured=measured, slow=slow,
+                     roundoff=roundoff, contribution_tol=contribution_tol)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -2178,10 +2241,14 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     floor, warned of as such) are not raised; the first two return their own rule,
     measured by the rule with a node more (within the node's gain of its error). Each
     chunk of queries is judged on its own, as its node choice is, so that a block of
-    the queries on a worker keeps the serial call's. In float32 the difference holds
-    the two rules' round-off too: part of the error the contributions achieve. (The
+    the queries on a worker keeps the serial call's. On a float32 path each
+    contribution's error adds to its difference ``ROUNDOFF * eps * sum_t |share_t|``
+    (the walk's sums of the shares' sizes), the round-off that the difference, taken
+    from the same float32 factors, does not measure; the raises judge the difference
+    alone (more nodes do not cut round-off), and each chunk's round-off alone is kept
+    (``quads[c].roundoff``) for the warning naming float64. (The
     dense route, which the tests check the others against, takes the rule with a node
-    more in a walk of its own.)
+    more in a walk of its own, and adds no round-off estimate.)
     """
     quads = first[2]
     allowed = [tol * float(q.scale) for q in quads]
@@ -2198,7 +2265,7 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
         if result[3] is not None:
             return result
         more = walk([p + 1 for p in plan])
-        return (*result[:3], (more[0] - result[0], more[1] - result[1]))
+        return (*result[:3], (more[0] - result[0], more[1] - result[1], None))
 
     walks = [paired(first, base)]
     for r in range(CHECK_RAISES + 1):
@@ -2230,6 +2297,12 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
             contributions[q.rows] += w[3][0][q.rows]
             regularization[q.rows] += w[3][1][q.rows]
             quad.n_used = quad.n_used + 1
+        if w[3][2] is not None:
+            # The round-off that a node more does not measure, added to each
+            # contribution's measured error (the raises above judge the quadrature).
+            roundoff = ROUNDOFF * q.eps * w[3][2][q.rows]
+            quad.roundoff = float(np.max(roundoff, initial=0.0))
+            error[c] = float(np.max(np.abs(w[3][0][q.rows]) + roundoff, initial=0.0))
         out.append(quad)
     # Called with at least one chunk (every exact walk with steps has one).
     return contributions, regularization, out, worst(error)
@@ -2274,6 +2347,12 @@ class _Checks:
     # with a node more and by the rule): there the two rules' difference is no upper
     # estimate (_Quadrature.paired).
     slow: dict = field(default_factory=dict)
+    # The part of ``measured`` that is a float32 path's estimated round-off (zero on a
+    # float64 path, None where nothing was measured).
+    roundoff: float | None = None
+    # What ``measured`` is checked against, relative to ``scale``
+    # (Decomposition.contribution_tol).
+    contribution_tol: float | None = None
 
 
 def _join(into: dict, steps: dict) -> None:
@@ -2293,7 +2372,7 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
         prediction=np.concatenate([r.prediction for r in results]),
         error=worst(r.error for r in results), method=first.method,
         weighting=first.weighting, tol=first.tol,
-        replay_error=_worst_replay(results),
+        contribution_tol=first.contribution_tol, replay_error=_worst_replay(results),
         contribution_error=None if first.contribution_error is None
         else worst(r.contribution_error for r in results))
     if first.n_nodes is not None:  # the blocks' largest, as within one call
@@ -2306,9 +2385,10 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
         _join(slow, c.slow)
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
+    roundoff = [c.roundoff for c in checks if c.roundoff is not None]
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
                               "floored": floored, "measured": _worst_measured(checks),
-                              "slow": slow})
+                              "slow": slow, "roundoff": worst(roundoff, None)})
 
 
 def _worst_measured(checks) -> float | None:
@@ -2421,7 +2501,7 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
         contributions=np.sum([r.contributions for r in results], axis=0),
         regularization=np.sum([r.regularization for r in results], axis=0),
         error=0.0, method=first.method, weighting=first.weighting, tol=first.tol,
-        replay_error=_worst_replay(results),
+        contribution_tol=first.contribution_tol, replay_error=_worst_replay(results),
         # The ranges' steps are apart: their errors of one contribution add up.
         contribution_error=None if first.contribution_error is None
         else float(np.sum([r.contribution_error for r in results])))
@@ -2434,9 +2514,11 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
     floored = {t: r for c in checks for t, r in c.floored.items()}
     slow = {t: r for c in checks for t, r in c.slow.items()}
     measured = [c.measured for c in checks if c.measured is not None]
+    roundoff = [c.roundoff for c in checks if c.roundoff is not None]
     return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored,
                               "slow": slow,
-                              "measured": float(np.sum(measured)) if measured else None})
+                              "measured": float(np.sum(measured)) if measured else None,
+                              "roundoff": float(np.sum(roundoff)) if roundoff else None})
 
 
 def finish(result: Decomposition, checks: _Checks, units=None,
@@ -2463,6 +2545,9 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     missed = _missed_quadrature(result, checks) if checks.exact and not checks.failed else None
     one = (_missed_contribution(result, checks) if checks.exact and not checks.failed
            else None)
+    # A float32 path whose round-off alone misses: more nodes cannot help, float64 does.
+    roundoff = _missed_roundoff(checks) if one is not None else None
+    one = None if roundoff is not None else one
     if units is not None:
         result = units(result)
     if checks.failed:
@@ -2480,8 +2565,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             f"{verb}(method='exact'): the quadrature of {len(checks.failed)} of "
             f"{checks.n_steps} steps {goal}: steps {listed}.{nonfinite} The "
             f"achieved error is {result.error:.3g} (Decomposition.error; per step: "
-            "step_errors); on such steps Decomposition.contribution_error, the "
-            "difference of the rule with a node more, need not measure a single "
+            "step_errors); on such steps Decomposition.contribution_error, measured "
+            "by the rule with a node more, need not measure a single "
             "contribution's error. A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
             "helps.",
@@ -2491,6 +2576,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
         _warn_missed(result, checks, *missed, verb)
     if one is not None:
         _warn_contribution(result, checks, one, verb)
+    elif roundoff is not None:
+        _warn_roundoff(result, checks, roundoff, verb)
     if checks.exact and checks.slow and not checks.failed:
         _warn_slow(result, checks, verb)
     if inexact is not None:
@@ -2643,35 +2730,80 @@ def _missed_quadrature(result: Decomposition, checks: _Checks):
 
 def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None:
     """The per-contribution error relative to the path's largest |f| where it exceeds
-    what the sum is held to (``tol``; with fixed ``n_nodes``, ``INEXACT_FLOOR``), else
+    what it is checked against (``contribution_tol``: ``tol``; ``FLOAT32_CHECK_TOL``
+    with tol=None on a float32 path; with fixed ``n_nodes``, ``INEXACT_FLOOR``), else
     None (every exact decomposition measures it, :func:`_contribution_check`)."""
     if checks.measured is None:
         return None
-    tol = INEXACT_FLOOR[checks.dtype] if checks.n_nodes is not None else checks.tol
     achieved = checks.measured / max(checks.scale or 0.0, 1e-300)
-    return None if achieved <= tol else achieved
+    return None if achieved <= checks.contribution_tol else achieved
+
+
+def _missed_roundoff(checks: _Checks) -> float | None:
+    """The estimated round-off of one contribution relative to the path's largest |f|
+    where it alone exceeds what the contributions are checked against, else None."""
+    if not checks.roundoff:
+        return None
+    achieved = checks.roundoff / max(checks.scale or 0.0, 1e-300)
+    return None if achieved <= checks.contribution_tol else achieved
+
+
+def _held_to(checks: _Checks) -> str:
+    """What a contribution is checked against, for a warning."""
+    if checks.contribution_tol == checks.tol or checks.n_nodes is not None:
+        return f"the {checks.contribution_tol:g} the decomposition is held to"
+    return (f"the {checks.contribution_tol:g} that a float32 path's products can be "
+            "checked to (their round-off floor; the default tol of the node choice, "
+            f"{checks.tol:g}, is under it)")
+
+
+def _warn_roundoff(result: Decomposition, checks: _Checks, achieved: float,
+                   verb: str) -> None:
+    # Relative errors only: contribution_error is in the caller's units, the path's
+    # scale in the network's.
+    total = checks.measured / max(checks.scale or 0.0, 1e-300)
+    warnings.warn(
+        f"{verb}(method='exact'): a single contribution's error is estimated at "
+        f"{result.contribution_error:.3g} (Decomposition.contribution_error), {total:.3g} "
+        "relative to the largest |f| along the path, of which the "
+        f"{str(checks.dtype).removeprefix('torch.')} path's round-off alone is "
+        f"{achieved:.3g}, over {_held_to(checks)}: the contributions are sums over the "
+        "steps of shares computed from float32 gradients, each share carrying a few "
+        "float32 roundings, which more quadrature nodes do not remove. Fit with "
+        "dtype=\"float64\" (its round-off is 2e-9 of float32's) for contributions to "
+        "this tolerance, or pass a larger tol.",
+        PrecisionWarning, stacklevel=caller_stacklevel(),
+    )
 
 
 def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
                        verb: str) -> None:
     if checks.n_nodes is not None:
-        allowed = INEXACT_FLOOR[checks.dtype]
         fix = "Pass n_nodes=None to choose the nodes of every step for tol."
     else:
-        allowed = checks.tol
         fix = (f"Walks with up to {CHECK_RAISES * RAISE} nodes per step more than the "
                "sums needed did not bring it under (round-off, or steps that need more); "
                "a smaller tol integrates every step further.")
     warnings.warn(
         f"{verb}(method='exact'): a single contribution's quadrature error is measured "
-        f"at {result.contribution_error:.3g} (Decomposition.contribution_error), "
-        f"{achieved:.3g} relative to the largest |f| along the path ({checks.scale:.3g}), "
-        f"over the {allowed:g} the decomposition is held to (the contributions' sum "
-        f"misses by {result.error:.3g}, Decomposition.error; where the training points' "
-        "shares of a step cancel, each can miss by more than their sum). "
-        f"{fix}",
+        f"at {result.contribution_error:.3g} (Decomposition.contribution_error"
+        f"{_with_roundoff(checks)}), {achieved:.3g} relative to the largest |f| along "
+        f"the path, over {_held_to(checks)} (the contributions' sum misses by "
+        f"{result.error:.3g}, Decomposition.error; where the training points' shares of "
+        f"a step cancel, each can miss by more than their sum). {fix}",
         ConvergenceWarning, stacklevel=caller_stacklevel(),
     )
+
+
+def _with_roundoff(checks: _Checks) -> str:
+    """The round-off a float32 path's contribution_error includes (relative to the
+    path's largest |f|: the error is in the caller's units), for a warning."""
+    if not checks.roundoff:
+        return ""
+    size = max(checks.scale or 0.0, 1e-300)
+    return (f"; of it, an estimated {str(checks.dtype).removeprefix('torch.')} round-off "
+            f"of {checks.roundoff / size:.3g} relative to the largest |f|, which "
+            "dtype=\"float64\" removes")
 
 
 def _warn_slow(result: Decomposition, checks: _Checks, verb: str) -> None:
@@ -2800,8 +2932,10 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         # The exact method holds the check's rows beside them (_factored_block): the
         # adjoint, the contributions and the captures twice.
         copies = 2 if method == "exact" else 1
+        # A float32 path's exact method sums the shares' sizes too (N x C float64).
+        sizes = method == "exact" and itemsize != 8
         q_bytes = (copies * (n_res * P * itemsize * (route == "adjoint") + 8 * n_res * N
-                           + 4 * row) + f_bytes)
+                           + 4 * row) + 8 * n_res * N * sizes + f_bytes)
         # And, not per query, a step's vectors over the parameters (STEP_VECTORS) and
         # the exact method's node points for its captures (up to NODE_POINTS of them
         # with their stack, as the budget allows; more nodes are captured in groups):
@@ -2818,12 +2952,14 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             # (SGD's preconditioner is None but for parameter groups' step sizes.)
             update = bool(memory) and (spec.name != "sgd" or traj._group_lrs is not None)
             decay = bool(spec.weight_decay) and spec.name != "adamw"
+            coarse = method == "exact" and itemsize == 4
 
             def scratch(q_rows):
                 return Adjoint.scratch_bytes(copies * q_rows * n_res, largest, dense, itemsize,
                                              cpu=X.device.type == "cpu", update=update,
                                              decay=decay)
         else:
+            coarse = False
 
             def scratch(q_rows):
                 return 0
@@ -2842,6 +2978,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             # buffers: one adjoint for the whole block, not per chunk).
             b_bytes = (row + max(min(chunk, n_q) * n_res * width * itemsize, 8 * largest)
                        + 24 * copies * min(q_block, n_q) * n_res)
+            if coarse:
+                # The check's rows contracted in float32 (Adjoint's coarse): the batch's
+                # float32 formed gradients, and a chunk of rows' float32 products (at
+                # most all rows, each up to the widest layer output).
+                b_bytes += 4 * (largest + copies * min(q_block, n_q) * n_res * width)
             return chunk, max(chunk, q_block - q_block % chunk), b_bytes
 
         n_batch = (int(pool_sizes(traj).max(initial=0)) if weighting == "expected"
@@ -2892,9 +3033,11 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                        else _checked_outputs(module, traj, traj.parameters(0).to(X.device), X))
     contributions = np.zeros((n_q, N, n_res))
     regularization = np.zeros((n_q, n_res))
-    # The exact method's check: the difference of the rule with a node more.
-    pair = ((np.zeros((n_q, N, n_res)), np.zeros((n_q, n_res))) if method == "exact"
-            and route != "dense" else None)
+    # The exact method's check: the difference of the rule with a node more, and on a
+    # float32 path the sums of the absolute shares (the scale of their round-off).
+    pair = ((np.zeros((n_q, N, n_res)), np.zeros((n_q, n_res)),
+             None if traj.dtype == torch.float64 else np.zeros((n_q, N, n_res)))
+            if method == "exact" and route != "dense" else None)
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on
     # a worker); a block of the memory budget walks the steps once for its chunks, and
     # the blocks read the same batch captures, kept while memory allows.
@@ -2909,10 +3052,13 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
                      for c_rows, quad in chunks]
             c, r = (torch.cat([p[i] for p in parts]) for i in (0, 1))
         else:
-            c, r = _factored_block(ctx, X[rows], rows, chunks, method=method, route=route)
+            c, r, size = _factored_block(ctx, X[rows], rows, chunks, method=method,
+                                         route=route)
             if pair is not None:
                 n = rows.stop - rows.start
                 pair[0][rows], pair[1][rows] = c[n:].cpu().numpy(), r[n:].cpu().numpy()
+                if size is not None:
+                    pair[2][rows] = size.cpu().numpy()
                 c, r = c[:n], r[:n]
         contributions[q0 : q0 + q_block] = c.cpu().numpy()
         regularization[q0 : q0 + q_block] = r.cpu().numpy()

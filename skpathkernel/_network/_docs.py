@@ -76,7 +76,12 @@ tol : float, default=None
     (the network overflowed or is undefined on the step), raises a
     ``ConvergenceWarning`` naming the step; so does a ``tol`` below the round-off
     floor of the path's dtype that the steps' summed residuals then miss.
-    ``error`` is always the achieved one. Ignored by the other methods.
+    ``error`` is always the achieved one. Each contribution's error,
+    ``contribution_error``, is checked against ``tol * S`` too; in float32, where it
+    counts the float32 products' round-off, against ``1e-5 * S`` with None (their
+    round-off floor; the nodes are still chosen for 1e-6), and an explicit ``tol``
+    under that round-off gets a ``PrecisionWarning`` naming ``dtype="float64"``.
+    Ignored by the other methods.
 n_jobs : int, default=None
     Query blocks on joblib workers (Dask under
     ``joblib.parallel_config(backend="dask")``; an on-disk trajectory travels as a
@@ -101,8 +106,10 @@ result : Decomposition
     (n, C), ``prediction`` (n, C) and ``error`` (float), C the network outputs
     (logits for multi-class classifiers, the margin for binary ones); for
     "exact", ``n_nodes`` and ``step_errors`` per step, ``tol``, and
-    ``contribution_error`` (a single contribution's quadrature error, measured by a
-    walk with a node more per step, warned of over the tolerance); on a thinned path,
+    ``contribution_error`` (a single contribution's error: its quadrature error,
+    measured by the rule with a node more per step, plus in float32 an estimate of
+    its round-off) and ``contribution_tol`` (what that is checked against, relative
+    to ``S``, and warned of over); on a thinned path,
     ``replay_error`` (None elsewhere). The training axis of ``contributions`` is the
     rows of ``X_fit_`` (an estimator's ``train_indices_`` maps them to the ``X`` given
     to ``fit``).${raises}

@@ -140,10 +140,14 @@ def _run_recorded_before_init(rank, world, port, out):
         json.dump({"errors": errors, "n_steps": rec.n_steps}, f)
 
 
-def _run_recorded_before_wrap(rank, world, out):
+def _run_recorded_before_wrap(rank, world, out, scenario="recorded_before_wrap"):
     """Each rank its own initialization, the recorder (writing on rank 1) created on the
     module before DDP wraps it: DDP's construction copies rank 0's parameters over rank
-    1's initial point."""
+    1's initial point. Two moves DDP does not make, each after the recorder's creation
+    and before the first step, on every rank: under "rank0_writer_moved", the recorder
+    created before wrapping but writing on rank 0, whose parameters DDP's copy leaves as
+    they are; under "recorded_after_wrap_moved", the recorder created on the wrapper
+    (writing on rank 1)."""
     import warnings
 
     X, y = data()
@@ -151,8 +155,16 @@ def _run_recorded_before_wrap(rank, world, out):
     module = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
                                  torch.nn.Linear(16, 1)).double()
     opt = optimizer(module.parameters())
-    rec = PathRecorder(module, opt, n_samples=N, writer_rank=1)
-    model = DistributedDataParallel(module)
+    writer = 0 if scenario == "rank0_writer_moved" else 1
+    if scenario == "recorded_after_wrap_moved":
+        model = DistributedDataParallel(module)
+        rec = PathRecorder(model, opt, n_samples=N, writer_rank=writer)
+    else:
+        rec = PathRecorder(module, opt, n_samples=N, writer_rank=writer)
+        model = DistributedDataParallel(module)
+    if scenario != "recorded_before_wrap":
+        with torch.no_grad():
+            module[0].weight.mul_(0.5)
     idx = shards(world, 0)[rank]
     opt.zero_grad()
     (0.5 * (model(X[idx]) - y[idx]) ** 2).mean().backward()
@@ -180,8 +192,9 @@ def main(rank, world, port, out, scenario):
         return
     _init(rank, world, port)
     try:
-        if scenario == "recorded_before_wrap":
-            _run_recorded_before_wrap(rank, world, out)
+        if scenario in ("recorded_before_wrap", "rank0_writer_moved",
+                        "recorded_after_wrap_moved"):
+            _run_recorded_before_wrap(rank, world, out, scenario)
         else:
             _run(rank, world, out, scenario)
     finally:

@@ -204,6 +204,22 @@ def test_a_recorder_created_before_ddp_wraps_the_module_says_so(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scenario, writer", [("rank0_writer_moved", 0),
+                                              ("recorded_after_wrap_moved", 1)])
+def test_a_move_ddp_did_not_make_does_not_name_ddp(tmp_path, scenario, writer):
+    # The parameters changed after the recorder's creation on every rank, by the loop
+    # (as a load_state_dict would), not by DDP's copy of rank 0's: the writer is rank 0,
+    # whose parameters that copy leaves as they are, or the recorder was created on the
+    # wrapper, after the copy. The warning named DDP's copy and told the user to create
+    # the recorder after wrapping.
+    reports = _spawn(2, tmp_path, scenario)
+    assert reports[1 - writer] == {"errors": [], "n_steps": 1}, reports
+    (warning,) = reports[writer]["errors"]
+    assert "'0.weight' changed since the recorder was created" in warning, warning
+    assert "DistributedDataParallel" not in warning, warning
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, match", [
     ("out_of_range", r"rank 1 declared a wrong batch for optimizer step 2"),
     ("undeclared", r"rank 1 declared no batch \(set_batch\) for optimizer step 2"),

@@ -212,16 +212,24 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     forward, which they trace themselves (run compiled, each of their calls recompiled
     until dynamo's limit, with its warnings).
     """
+    *_, module = _wrappers(module)
+    return module
+
+
+def _wrappers(module: torch.nn.Module):
+    """``module``, then each module that DistributedDataParallel or ``torch.compile``
+    wraps in it, outermost first (:func:`_unwrap`'s is the last)."""
     # Only a process that has imported dynamo (torch.compile does) can hold a compiled
     # module: importing it here would cost every recorder seconds.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     while True:
+        yield module
         if isinstance(module, DistributedDataParallel):
             module = module.module
         elif eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
             module = module._orig_mod
         else:
-            return module
+            return
 
 
 def _process_group() -> tuple[int, int]:
@@ -476,6 +484,11 @@ class PathRecorder:
                 f"The recorded parameters must all be float32 or all float64, got {dtypes}."
             )
         self.module = module
+        # Whether DistributedDataParallel(module), wrapping it after this recorder was
+        # created, may have moved its parameters: it copies rank 0's to the other ranks,
+        # so not on rank 0, nor where the recorder was created on the wrapper.
+        self._ddp_may_move = self._rank != 0 and not any(
+            isinstance(m, DistributedDataParallel) for m in _wrappers(module))
         self.optimizer = optimizer
         self.writer_rank = int(writer_rank)
         self.grad_scaler = grad_scaler
@@ -864,7 +877,7 @@ class PathRecorder:
             + (" Under DistributedDataParallel, a recorder created before the module was "
                "wrapped sees DistributedDataParallel(module) copy rank 0's parameters "
                "to every rank: create it after wrapping (on the wrapper or its "
-               ".module)." if step == 0 and self._world > 1 else "")
+               ".module)." if step == 0 and self._world > 1 and self._ddp_may_move else "")
             + " (Warned once.)",
             UserWarning, stacklevel=3)
 

@@ -515,22 +515,6 @@ def resolve_batch_size(batch_size, n_samples: int) -> int:
     return min(int(batch_size), n_samples)
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``tensor`` that neither waits for its GPU nor holds GPU memory: a
-    pinned buffer filled by a non-blocking copy, ready once the device is synchronized
-    (:func:`synchronize`); on the CPU a plain copy."""
-    tensor = tensor.detach()
-    on_gpu = tensor.device.type == "cuda"
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_gpu)
-    return out.copy_(tensor, non_blocking=on_gpu)
-
-
-def synchronize(device: torch.device | None) -> None:
-    """Wait for ``device``'s queued work (the copies of :func:`host_copy`) on a GPU."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclasses.dataclass
 class Resume:
     """Where training continues: the optimizer's state, the schedule, the stopping rule,
@@ -565,13 +549,11 @@ class Resume:
     def capture(cls, optimizer, generator, *, learning_rate, samples_seen, rule,
                 first_loss, initial_norm, learning_rate_init=None,
                 device: torch.device | None = None, schedule=None,
-                power_t=None, on_device: bool = False) -> Resume:
-        """``on_device``: the optimizer state's tensors copied to the host without waiting
-        for the GPU (:func:`host_copy`; :meth:`on_host` reads them), for a snapshot that
-        may be superseded (early stopping's best epoch so far). Kept off the GPU: a copy
-        there would hold up to twice the optimizer state beside the training's."""
-        state = {i: {k: (host_copy(v) if on_device
-                         else v.detach().cpu().numpy().copy()) if torch.is_tensor(v) else v
+                power_t=None) -> Resume:
+        # Read to the host where taken (early stopping's best epoch so far too): a copy
+        # kept on the GPU would hold up to twice the optimizer state beside training's,
+        # and reading here waits for nothing, the epoch's loss and score having been read.
+        state = {i: {k: v.detach().cpu().numpy().copy() if torch.is_tensor(v) else v
                      for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items()}
         cuda = (torch.cuda.get_rng_state(device).numpy().copy()
@@ -582,15 +564,6 @@ class Resume:
                    None if learning_rate_init is None else float(learning_rate_init),
                    (torch.get_rng_state().numpy().copy(), cuda), schedule,
                    None if power_t is None else float(power_t))
-
-    def on_host(self, device: torch.device | None = None) -> Resume:
-        """This state with the tensors a capture ``on_device`` (on ``device``) copied as
-        NumPy arrays."""
-        synchronize(device)
-        state = {i: {k: v.numpy().copy() if torch.is_tensor(v) else v
-                     for k, v in s.items()}
-                 for i, s in self.optimizer_state.items()}
-        return dataclasses.replace(self, optimizer_state=state)
 
     def load_into(self, optimizer, generator, device: torch.device | None = None) -> None:
         """Restore the state, keeping the optimizer's own hyper-parameters (load_state_dict
@@ -941,13 +914,11 @@ def train(
 
     def capture():
         first = reference if resume is None else resume.first_loss
-        # Read to the host once, at the end: an early-stopped fit captures every epoch
-        # that scores best so far.
         return Resume.capture(optimizer, generator, learning_rate=sched.lr,
                               samples_seen=seen, rule=rule.state, first_loss=first,
                               initial_norm=norms[0], learning_rate_init=sched.lr_init,
                               device=X.device, schedule=sched.kind,
-                              power_t=sched.power_t, on_device=True)
+                              power_t=sched.power_t)
     best = None  # (step, flat parameters, Resume) of the best-scoring epoch
     reference = None  # the loss the divergence check compares with (_start_loss)
     # The initial point, for the start's loss where the first epoch ran away (_start_loss).
@@ -987,7 +958,7 @@ def train(
         if is_best and validation is not None:
             # The model is the best-scoring epoch's (MLPClassifier restores it too): keep
             # its parameters and optimizer state, the path will end there.
-            best = (step, host_copy(torch.cat([p.detach().reshape(-1) for p in params])),
+            best = (step, torch.cat([p.detach().reshape(-1) for p in params]).cpu(),
                     capture())
         if progress is not None:
             progress(epoch, epoch_loss)
@@ -1008,7 +979,6 @@ def train(
     _warn_if_diverging(first_loss, loss_curve, norms, learning_rate, first_epoch)
     if best is None:  # no validation, or no finite score: the last step is the model
         best = (step, None, capture())
-    synchronize(X.device)  # the snapshot's copies, read from here on
     trajectory = _finish(recorder, params, best, first_epoch + len(loss_curve),
                          learning_rate, first_step)
     return TrainResult(
@@ -1016,7 +986,7 @@ def train(
         best_loss=None if validation is not None else min(loss_curve),
         validation_scores=scores,
         best_validation_score=None if validation is None else rule.best_score,
-        resume=best[2].on_host(),
+        resume=best[2],
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _reference import forward_recursion, gauss_nodes, module_at
 from numpy.testing import assert_allclose
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits, load_iris
 from sklearn.exceptions import ConvergenceWarning
 
 from skpathkernel import PathKernelClassifier, PathKernelMachine, PrecisionWarning
@@ -504,23 +504,26 @@ def test_float32_default_path_counts_the_round_off_unwarned(tmp_path):
     assert res.contribution_tol == 1e-5
 
 
-@pytest.mark.parametrize("roundoff, allowed, category", [
-    (2e-6, 1e-6, PrecisionWarning), (0.5e-6, 1e-6, ConvergenceWarning),
-    (2e-6, 1e-5, None)])
-def test_float32_round_off_over_tol_names_float64(roundoff, allowed, category):
+@pytest.mark.parametrize("roundoff, difference, allowed, category", [
+    (2e-6, 0.5e-6, 1e-6, PrecisionWarning), (0.5e-6, 2e-6, 1e-6, ConvergenceWarning),
+    (0.8e-6, 0.5e-6, 1e-6, PrecisionWarning), (2e-6, 0.5e-6, 1e-5, None)])
+def test_float32_round_off_over_tol_names_float64(roundoff, difference, allowed,
+                                                  category):
     """Where a float32 path's estimated round-off alone is over what the contributions
-    are checked against, more nodes cannot help: a PrecisionWarning names float64 (and no
-    ConvergenceWarning asks for a smaller tol); under it, the quadrature's warning says
-    how much of the error is round-off; under float32's floor (tol=None), neither."""
+    are checked against, or tips over it a two rules' difference that meets it, more
+    nodes cannot help: a PrecisionWarning names float64 (and no ConvergenceWarning asks
+    for a smaller tol); where the difference alone is over, the quadrature's warning
+    says how much of the error is round-off; under float32's floor (tol=None), neither."""
+    measured = roundoff + difference
     res = Decomposition(initial=np.zeros((1, 1)), contributions=np.zeros((1, 2, 1)),
                         regularization=np.zeros((1, 1)), prediction=np.zeros((1, 1)),
                         error=0.0, method="exact", weighting="realized", tol=1e-6,
-                        contribution_error=2.5e-6, contribution_tol=allowed)
+                        contribution_error=measured, contribution_tol=allowed)
     res.n_nodes, res.step_errors = np.full(3, 2), np.zeros(3)
     checks = _Checks(exact=True, thinned=False, method="exact", weighting="realized",
                      tol=1e-6, scale=1.0, dtype=torch.float32, failed={}, n_steps=3,
-                     record_every=1, measured=2.5e-6, roundoff=roundoff,
-                     contribution_tol=allowed)
+                     record_every=1, measured=measured, roundoff=roundoff,
+                     difference=difference, contribution_tol=allowed)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         finish(res, checks)
@@ -719,3 +722,43 @@ def test_a_kink_that_both_rules_miss_is_warned():
     assert res.error <= allowed  # the sum met tol: only the contributions missed
     with pytest.warns(ConvergenceWarning, match="does not measure a single contribution"):
         est.decompose(Xq, n_nodes=3)
+
+
+def test_float32_round_off_tipping_a_met_difference_names_float64(tmp_path):
+    """A tol between a float32 path's round-off estimate and the contribution_error it
+    is part of, with the two rules' difference far under it: raising the nodes cannot
+    bring the error under (the float64 reference of the same path misses by more than
+    the difference: round-off), so the warning is the PrecisionWarning naming float64,
+    not a ConvergenceWarning asking for a smaller tol (which main gave)."""
+    X, y = load_iris(return_X_y=True)
+    X = (X - X.mean(axis=0)) / X.std(axis=0)
+    est = PathKernelClassifier(hidden_layer_sizes=(16,), max_iter=40, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # the fit's: 40 epochs
+        est.fit(X, y)
+    Xq = X[:6]
+    net = network_of(est)
+    X_fit, Y_fit = net._training_data()
+
+    def measured(tol):
+        _, checks = decompose(net.module, net.trajectory, X_fit, Y_fit, net.loss,
+                              net.tensor(Xq), tol=tol, warn=False)
+        return checks
+
+    first = measured(2e-8)
+    tol = (first.roundoff + first.measured) / 2 / first.scale
+    checks = measured(tol)
+    # Round-off alone is under tol, the two rules' difference with it over.
+    assert checks.roundoff < tol * checks.scale < checks.measured
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        res = est.decompose(Xq, tol=tol)
+    caught = [w for w in rec if "single contribution" in str(w.message)]
+    assert [w.category for w in caught] == [PrecisionWarning]
+    assert 'dtype="float64"' in str(caught[0].message)
+    assert caught[0].filename == __file__
+    # The difference far under tol, and the float64 reference's miss far over it: the
+    # error is round-off, not quadrature.
+    assert checks.difference < tol * checks.scale / 4
+    true = np.abs(res.contributions - _float64_reference(est, Xq, tmp_path)).max()
+    assert true > 2 * checks.difference

@@ -185,9 +185,10 @@ path also warned on default paths whose true error is under ``1e-6 * S``. So wit
 ``tol=None`` a float32 path's nodes are still chosen (and raised) for 1e-6, but
 ``contribution_error`` is checked against ``FLOAT32_CHECK_TOL * S`` (1e-5, the
 products' floor); an explicit ``tol`` is checked as given, and where the round-off
-estimate alone is over it a PrecisionWarning names float64 as the fix (more nodes
-cannot help). ``Decomposition.contribution_tol`` says which. A float64 path's
-round-off, 2e-9 of float32's, is not added.
+estimate alone is over it, or tips over it a two rules' difference that meets it, a
+PrecisionWarning names float64 as the fix (more nodes cannot help).
+``Decomposition.contribution_tol`` says which. A float64 path's round-off, 2e-9 of
+float32's, is not added.
 Where a node more does not gain, the difference measures nothing: a kink of a
 non-smooth activation (relu) on a step's segment before the first node or after the
 last of both rules is missed by both alike (they agreed to 1e-17 where a contribution
@@ -299,7 +300,7 @@ ROUNDOFF = 3
 # under. Checked against 1e-6, ROUNDOFF's estimate warned on default paths whose true
 # error is under it (from a coefficient of 0.78: contribution_roundoff.md), so no
 # coefficient that reaches the true error is silent there; an explicit tol is checked
-# as given (a PrecisionWarning names float64 where the round-off alone is over it).
+# as given (a PrecisionWarning names float64 where the round-off makes it miss).
 FLOAT32_CHECK_TOL = 1e-5
 # Nodes per step once the steps stop converging (non-smooth activations): the count
 # from which _stalled judges.
@@ -522,9 +523,11 @@ class _Quadrature:
             self.budgets = tol * scale * (changes / total)
         self.n_used = np.zeros(n_steps, dtype=np.int64)
         self.errors = np.zeros(n_steps)
-        # The estimated round-off of a float32 path's largest contribution (see
+        # The estimated round-off of a float32 path's largest contribution, and the
+        # largest two rules' difference alone (what more nodes can cut; see
         # _contribution_check), zero where not estimated.
         self.roundoff = 0.0
+        self.difference = 0.0
         self.failed: dict[int, float] = {}
         # Steps whose sum's error by the rule with a node more is above round-off and
         # over twice the two rules' difference: their ratio (see paired).
@@ -2172,7 +2175,7 @@ def decompose(
                 exclude = new.exclude
 
     contributions, regularization, quads, pair = walk()
-    contribution_error, measured, roundoff = None, None, None
+    contribution_error, measured, roundoff, difference = None, None, None, None
     # What contribution_error is checked against, relative to the path's largest |f|:
     # a fixed rule's exact checks' accuracy; with tol=None on a float32 path the
     # products' round-off floor (the nodes are still chosen for tol); else tol.
@@ -2186,6 +2189,7 @@ def decompose(
             chosen=requested is not None)
         measured = contribution_error
         roundoff = max(q.roundoff for q in quads)
+        difference = max(q.difference for q in quads)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
@@ -2209,7 +2213,8 @@ def decompose(
                      preconditioned=traj.solver_spec.name in ("adam", "adamw", "rmsprop"),
                      refusal=refusal, replay_limit=replay_limit(recorded),
                      compression=recorded.compression, measured=measured, slow=slow,
-                     roundoff=roundoff, contribution_tol=contribution_tol)
+                     roundoff=roundoff, difference=difference,
+                     contribution_tol=contribution_tol)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -2245,8 +2250,9 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     contribution's error adds to its difference ``ROUNDOFF * eps * sum_t |share_t|``
     (the walk's sums of the shares' sizes), the round-off that the difference, taken
     from the same float32 factors, does not measure; the raises judge the difference
-    alone (more nodes do not cut round-off), and each chunk's round-off alone is kept
-    (``quads[c].roundoff``) for the warning naming float64. (The
+    alone (more nodes do not cut round-off), and each chunk's round-off and difference
+    alone are kept (``quads[c].roundoff``, ``.difference``) for the warning naming
+    float64. (The
     dense route, which the tests check the others against, takes the rule with a node
     more in a walk of its own, and adds no round-off estimate.)
     """
@@ -2302,6 +2308,7 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
             # contribution's measured error (the raises above judge the quadrature).
             roundoff = ROUNDOFF * q.eps * w[3][2][q.rows]
             quad.roundoff = float(np.max(roundoff, initial=0.0))
+            quad.difference = float(np.max(np.abs(w[3][0][q.rows]), initial=0.0))
             error[c] = float(np.max(np.abs(w[3][0][q.rows]) + roundoff, initial=0.0))
         out.append(quad)
     # Called with at least one chunk (every exact walk with steps has one).
@@ -2350,6 +2357,9 @@ class _Checks:
     # The part of ``measured`` that is a float32 path's estimated round-off (zero on a
     # float64 path, None where nothing was measured).
     roundoff: float | None = None
+    # The largest two rules' difference alone of a float32 path's contributions, the
+    # part of ``measured`` that more nodes can cut (None where not estimated).
+    difference: float | None = None
     # What ``measured`` is checked against, relative to ``scale``
     # (Decomposition.contribution_tol).
     contribution_tol: float | None = None
@@ -2386,9 +2396,11 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
     roundoff = [c.roundoff for c in checks if c.roundoff is not None]
+    difference = [c.difference for c in checks if c.difference is not None]
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
                               "floored": floored, "measured": _worst_measured(checks),
-                              "slow": slow, "roundoff": worst(roundoff, None)})
+                              "slow": slow, "roundoff": worst(roundoff, None),
+                              "difference": worst(difference, None)})
 
 
 def _worst_measured(checks) -> float | None:
@@ -2515,10 +2527,13 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
     slow = {t: r for c in checks for t, r in c.slow.items()}
     measured = [c.measured for c in checks if c.measured is not None]
     roundoff = [c.roundoff for c in checks if c.roundoff is not None]
+    difference = [c.difference for c in checks if c.difference is not None]
     return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored,
                               "slow": slow,
                               "measured": float(np.sum(measured)) if measured else None,
-                              "roundoff": float(np.sum(roundoff)) if roundoff else None})
+                              "roundoff": float(np.sum(roundoff)) if roundoff else None,
+                              "difference": float(np.sum(difference)) if difference
+                              else None})
 
 
 def finish(result: Decomposition, checks: _Checks, units=None,
@@ -2545,7 +2560,8 @@ def finish(result: Decomposition, checks: _Checks, units=None,
     missed = _missed_quadrature(result, checks) if checks.exact and not checks.failed else None
     one = (_missed_contribution(result, checks) if checks.exact and not checks.failed
            else None)
-    # A float32 path whose round-off alone misses: more nodes cannot help, float64 does.
+    # A float32 path whose round-off alone misses, or tips over a difference that meets
+    # the tolerance: more nodes cannot help, float64 does.
     roundoff = _missed_roundoff(checks) if one is not None else None
     one = None if roundoff is not None else one
     if units is not None:
@@ -2741,11 +2757,17 @@ def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None
 
 def _missed_roundoff(checks: _Checks) -> float | None:
     """The estimated round-off of one contribution relative to the path's largest |f|
-    where it alone exceeds what the contributions are checked against, else None."""
+    where a contribution misses what it is checked against because of it (it alone is
+    over, or the two rules' difference alone is under: more nodes would not bring the
+    error under), else None. Called where a contribution misses."""
     if not checks.roundoff:
         return None
-    achieved = checks.roundoff / max(checks.scale or 0.0, 1e-300)
-    return None if achieved <= checks.contribution_tol else achieved
+    size = max(checks.scale or 0.0, 1e-300)
+    achieved = checks.roundoff / size
+    quadrature = math.inf if checks.difference is None else checks.difference / size
+    if achieved <= checks.contribution_tol < quadrature:
+        return None
+    return achieved
 
 
 def _held_to(checks: _Checks) -> str:
@@ -2761,13 +2783,18 @@ def _warn_roundoff(result: Decomposition, checks: _Checks, achieved: float,
                    verb: str) -> None:
     # Relative errors only: contribution_error is in the caller's units, the path's
     # scale in the network's.
-    total = checks.measured / max(checks.scale or 0.0, 1e-300)
+    size = max(checks.scale or 0.0, 1e-300)
+    total = checks.measured / size
+    part = (f"round-off alone is {achieved:.3g}, over it too"
+            if achieved > checks.contribution_tol else
+            f"round-off is {achieved:.3g} of it, beside the quadrature's "
+            f"{checks.difference / size:.3g} (the two rules' difference, under it)")
     warnings.warn(
         f"{verb}(method='exact'): a single contribution's error is estimated at "
         f"{result.contribution_error:.3g} (Decomposition.contribution_error), {total:.3g} "
-        "relative to the largest |f| along the path, of which the "
-        f"{str(checks.dtype).removeprefix('torch.')} path's round-off alone is "
-        f"{achieved:.3g}, over {_held_to(checks)}: the contributions are sums over the "
+        "relative to the largest |f| along the path, over "
+        f"{_held_to(checks)}: the {str(checks.dtype).removeprefix('torch.')} path's "
+        f"{part}. The contributions are sums over the "
         "steps of shares computed from float32 gradients, each share carrying a few "
         "float32 roundings, which more quadrature nodes do not remove. Fit with "
         "dtype=\"float64\" (its round-off is 2e-9 of float32's) for contributions to "

@@ -234,8 +234,9 @@ class PrecisionWarning(UserWarning):
     scores by more than 3.2e-4 of their size (``AttributionScores.gradient_sensitivity``),
     or when the module cannot take those gradients in float64 to measure that; and by
     ``decompose(method="exact")`` (and ``attribute``, ``explain``) on a float32 path
-    when the estimated round-off of a single contribution alone exceeds what it is
-    checked against (``Decomposition.contribution_tol``: an explicit ``tol``; 1e-5 of
+    when a single contribution's error exceeds what it is checked against because of
+    its estimated round-off (the round-off alone is over, or the quadrature's part
+    alone is under) (``Decomposition.contribution_tol``: an explicit ``tol``; 1e-5 of
     the path's largest |f| with ``tol=None``; ``contribution_error`` includes it;
     ``dtype="float64"`` removes it). The numbers in the message change from call to
     call, so Python's once-per-location filter does not collapse them: a service that

@@ -237,7 +237,7 @@ class PrecisionWarning(UserWarning):
     when a single contribution's error exceeds what it is checked against because of
     its estimated round-off (the round-off alone is over, or the quadrature's part
     alone is under) (``Decomposition.contribution_tol``: an explicit ``tol``; 1e-5 of
-    the path's largest |f| with ``tol=None``; ``contribution_error`` includes it;
+    the path's largest ``|f|`` with ``tol=None``; ``contribution_error`` includes it;
     ``dtype="float64"`` removes it). The numbers in the message change from call to
     call, so Python's once-per-location filter does not collapse them: a service that
     calls these methods in a loop can silence this class alone, and keep every other

@@ -232,6 +232,11 @@ def replace_durably(path: str, write, *, durable: bool = True, name: str | None 
         sync_directory(os.path.dirname(path))
 
 
+def _writable(array: np.ndarray) -> np.ndarray:
+    """``array`` if C-contiguous and writable, else a copy that is (for torch.from_numpy)."""
+    return np.require(array, requirements=["C", "WRITEABLE"])
+
+
 def _write_chunk(path: str, array: np.ndarray) -> None:
     """Write ``array`` to ``path`` atomically: a failed write leaves no partial file."""
     with renamed_over(path) as tmp:
@@ -906,12 +911,15 @@ class Series:
 
     def _decode(self, array: np.ndarray, rows: int) -> torch.Tensor:
         if self.delta_dtype is None:
-            return torch.from_numpy(np.require(array[:rows], requirements=["WRITEABLE"]))
+            return torch.from_numpy(_writable(array[:rows]))
         head = self._head_rows
         out = torch.empty((rows, self.n_params), dtype=self.dtype)
-        out[0] = torch.from_numpy(np.ascontiguousarray(array[:head]).reshape(-1).view(
+        # Writable copies where ``array`` is a read-only map of a file (a directory's
+        # chunk checked in place): torch warns that it does not support non-writable
+        # tensors.
+        out[0] = torch.from_numpy(_writable(array[:head]).reshape(-1).view(
             _NUMPY_DTYPES[self.dtype]))
-        deltas = torch.from_numpy(np.ascontiguousarray(array[head:head + rows - 1]).view(
+        deltas = torch.from_numpy(_writable(array[head:head + rows - 1]).view(
             np.int16)).view(self.delta_dtype)
         for j in range(1, rows):  # the writer's additions, in its order
             torch.add(out[j - 1], deltas[j - 1].to(self.dtype), out=out[j])
@@ -1109,9 +1117,7 @@ class Series:
         """Chunk ``chunk``'s vectors as stored in ``directory``, for a series of the
         first ``n_rows`` vectors (the file checked to be this series')."""
         path = os.path.join(directory, self.name, f"{chunk:06d}.npy")
-        # A copy of the mapped file's rows: the compressed decoding hands its read-only
-        # memory to torch, which warned that it "does not support non-writable tensors".
-        return self._decode(np.array(self._read_checked(chunk, path, n_rows)),
+        return self._decode(self._read_checked(chunk, path, n_rows),
                             self._rows_in(chunk, n_rows))
 
     def __getstate__(self):
@@ -1176,8 +1182,7 @@ class DiskRows:
         self.series, self.n = state["series"], state["n"]
         self.start = state.get("start", 0)
         tail = state["tail"]
-        self.tail = None if tail is None else torch.from_numpy(
-            np.require(tail, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
+        self.tail = None if tail is None else torch.from_numpy(_writable(tail))
 
     def __getitem__(self, k: int) -> torch.Tensor:
         k = int(k)

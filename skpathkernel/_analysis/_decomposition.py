@@ -2364,6 +2364,10 @@ class _Checks:
     # (Decomposition.contribution_tol).
     contribution_tol: float | None = None
 
+    def relative(self, value: float) -> float:
+        """``value`` relative to the path's largest |f| (``scale``)."""
+        return value / max(self.scale or 0.0, 1e-300)
+
 
 def _join(into: dict, steps: dict) -> None:
     """Each step's worst residual over parts (NaN kept: see :func:`.worse`)."""
@@ -2739,8 +2743,7 @@ def _missed_quadrature(result: Decomposition, checks: _Checks):
         tol = checks.tol
     else:
         return None
-    size = max(checks.scale or 0.0, 1e-300)
-    achieved = float(np.sum(result.step_errors)) / size
+    achieved = checks.relative(float(np.sum(result.step_errors)))
     return None if achieved <= tol else (achieved, tol)
 
 
@@ -2751,7 +2754,7 @@ def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None
     None (every exact decomposition measures it, :func:`_contribution_check`)."""
     if checks.measured is None:
         return None
-    achieved = checks.measured / max(checks.scale or 0.0, 1e-300)
+    achieved = checks.relative(checks.measured)
     return None if achieved <= checks.contribution_tol else achieved
 
 
@@ -2762,9 +2765,8 @@ def _missed_roundoff(checks: _Checks) -> float | None:
     error under), else None. Called where a contribution misses."""
     if not checks.roundoff:
         return None
-    size = max(checks.scale or 0.0, 1e-300)
-    achieved = checks.roundoff / size
-    quadrature = math.inf if checks.difference is None else checks.difference / size
+    achieved = checks.relative(checks.roundoff)
+    quadrature = math.inf if checks.difference is None else checks.relative(checks.difference)
     if achieved <= checks.contribution_tol < quadrature:
         return None
     return achieved
@@ -2783,12 +2785,11 @@ def _warn_roundoff(result: Decomposition, checks: _Checks, achieved: float,
                    verb: str) -> None:
     # Relative errors only: contribution_error is in the caller's units, the path's
     # scale in the network's.
-    size = max(checks.scale or 0.0, 1e-300)
-    total = checks.measured / size
+    total = checks.relative(checks.measured)
     part = (f"round-off alone is {achieved:.3g}, over it too"
             if achieved > checks.contribution_tol else
             f"round-off is {achieved:.3g} of it, beside the quadrature's "
-            f"{checks.difference / size:.3g} (the two rules' difference, under it)")
+            f"{checks.relative(checks.difference):.3g} (the two rules' difference, under it)")
     warnings.warn(
         f"{verb}(method='exact'): a single contribution's error is estimated at "
         f"{result.contribution_error:.3g} (Decomposition.contribution_error), {total:.3g} "
@@ -2827,9 +2828,8 @@ def _with_roundoff(checks: _Checks) -> str:
     path's largest |f|: the error is in the caller's units), for a warning."""
     if not checks.roundoff:
         return ""
-    size = max(checks.scale or 0.0, 1e-300)
     return (f"; of it, an estimated {str(checks.dtype).removeprefix('torch.')} round-off "
-            f"of {checks.roundoff / size:.3g} relative to the largest |f|, which "
+            f"of {checks.relative(checks.roundoff):.3g} relative to the largest |f|, which "
             "dtype=\"float64\" removes")
 
 

@@ -13,11 +13,11 @@ the recorded one (:func:`extend_trajectory`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -494,7 +494,7 @@ def set_learning_rate(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-@dataclasses.dataclass
+@dataclass
 class TrainResult:
     trajectory: Trajectory
     loss_curve: list[float]
@@ -515,7 +515,7 @@ def resolve_batch_size(batch_size, n_samples: int) -> int:
     return min(int(batch_size), n_samples)
 
 
-@dataclasses.dataclass
+@dataclass
 class Resume:
     """Where training continues: the optimizer's state, the schedule, the stopping rule,
     the batch generator and what the divergence check compares with.

@@ -669,5 +669,53 @@ def test_probability_with_a_class_early_stopping_leaves_one_sample_of_says_so():
     net = PathKernelClassifier(**{**SHORT, "early_stopping": True,
                                   "validation_fraction": 0.3})
     with pytest.raises(ValueError, match=r"class 'rare' has 1 of the rows the network "
-                                         r"trained on \(early stopping held out 18 "):
+                                         r"trains on \(early stopping holds out 18 "):
         TangentFeatureSVM(net, probability=True).fit(X, y)
+
+
+def test_probability_refuses_early_stopping_leaving_one_sample_before_training(monkeypatch):
+    """The refusal came only after the network had trained (a configuration error cost a
+    whole fit): the split that early stopping draws is known before it trains.
+
+    3 'rare' samples in 60 with validation_fraction=0.5: the stratified split gives the
+    training part 1 or 2 of them, by the draw (a tie of remainders), so the refusal
+    depends on the seed, and must come exactly where the fit's own split leaves one.
+    """
+    X, y = _imbalanced()
+    y = y.copy()
+    y[np.flatnonzero(y == "rare")[3:]] = "common"
+    trained = []
+    fit = PathKernelClassifier._fit
+
+    def spy(self, *args, **kwargs):
+        trained.append(self.random_state)
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(PathKernelClassifier, "_fit", spy)
+    outcomes = set()
+    for seed in [*range(8), np.random.RandomState(3), None]:
+        if seed is None:
+            # random_state=None draws from NumPy's legacy global generator.
+            np.random.seed(5)  # noqa: NPY002
+        net = PathKernelClassifier(**{**SHORT, "early_stopping": True,
+                                      "validation_fraction": 0.5, "random_state": seed})
+        trained.clear()
+        try:
+            est = TangentFeatureSVM(net, C=1.0, probability=True).fit(X, y)
+        except ValueError as error:
+            assert "class 'rare' has 1 of the rows the network trains on" in str(error)
+            assert not trained, f"random_state={seed}: refused after training"
+            outcomes.add("refused")
+            continue
+        assert trained
+        assert np.sum(y[est.train_indices_] == "rare") == 2
+        outcomes.add("fitted")
+        if seed is None:
+            # Reading the split did not draw from NumPy's global generator: the network
+            # is the one a fit from the same global state trains.
+            np.random.seed(5)  # noqa: NPY002
+            alone = clone(net).fit(X, y)
+            np.testing.assert_array_equal(est.train_indices_, alone.train_indices_)
+            np.testing.assert_array_equal(est.estimator_.predict_proba(X),
+                                          alone.predict_proba(X))
+    assert outcomes == {"refused", "fitted"}

@@ -8,6 +8,7 @@ trust, or use skops, see ``__getstate__``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -765,8 +766,7 @@ class BasePathKernelNetwork(FittedNetworkMixin, NetworkKernelsMixin, NetworkAttr
             _check_weighted_classes(y, sample_weight)
         # Stored: set_params(loss=...) after fit must not change the fitted network's loss.
         loss_name = attrs["_loss_name"] = self.loss
-        rng = check_random_state(self.random_state)
-        seed, split_seed = (int(s) for s in rng.randint(np.iinfo(np.int32).max, size=2))
+        seed, split_seed = fit_seeds(self.random_state)
         validation = None
         # train_indices_: X_fit_'s rows in this call's X (None once X_fit_ holds several
         # calls' rows, below).
@@ -1468,6 +1468,30 @@ def _split_weights(sample_weight, train_idx, val_idx):
                 f"The {what} part of early_stopping's split has sample_weight 0 on every "
                 "sample; change random_state or validation_fraction, or the weights.")
     return parts
+
+
+def fit_seeds(random_state, *, peek: bool = False) -> tuple[int, int]:
+    """The seeds a fit draws from ``random_state``: the module's and early stopping's split.
+
+    ``peek``: drawn from a copy of the generator (a ``RandomState`` instance, or NumPy's
+    global one for None), which is left as it was: the seeds its next fit draws, known
+    before it trains (a meta-estimator's checks of the split read them).
+    """
+    rng = check_random_state(random_state)
+    if peek and not isinstance(random_state, numbers.Integral):
+        rng = copy.deepcopy(rng)
+    seed, split_seed = (int(s) for s in rng.randint(np.iinfo(np.int32).max, size=2))
+    return seed, split_seed
+
+
+def holdout_rows(estimator, y) -> np.ndarray:
+    """The rows of the class labels ``y`` that ``estimator.fit(X, y)`` will train on,
+    before it trains: all of them, or early stopping's training part (the split its fit
+    draws next, read without drawing it)."""
+    if not estimator.early_stopping:
+        return np.arange(len(y))
+    split_seed = fit_seeds(estimator.random_state, peek=True)[1]
+    return _holdout(y, np.unique(y), estimator.validation_fraction, split_seed)[0]
 
 
 def _holdout(y, classes, fraction: float, seed: int):

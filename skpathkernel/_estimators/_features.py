@@ -36,6 +36,7 @@ from ..kernels import PathKernel, TangentKernel, kernel_threads
 from ._base import (
     FittedAttribute,
     _check_weighted_classes,
+    holdout_rows,
     keep_previous_fit_on_error,
     mean_one,
     runs_fitted_module,
@@ -380,7 +381,7 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         stratified 5-fold cross-validation in the order of the training set
         (deterministic, where libsvm's folds are drawn at random; fewer folds where a
         class has fewer than 5 samples, and a class of one sample is refused before
-        any training, or after it where early stopping's hold-out leaves one), each
+        any training, as is one where early stopping's hold-out will leave one), each
         fold's SVM with the class weights of the whole set (as
         libsvm's) and the sample weights, the sigmoid with the sample weights alone;
         one-vs-rest sigmoids, normalized, for several classes. Six more SVM fits.
@@ -469,6 +470,16 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
             _check_class_weight(self.class_weight, classes)
         if self.probability:
             _calibration_folds(classes, counts)
+
+    def _check_trainer(self, trainer, y):
+        # probability=True's folds need 2 samples of every class among the rows the
+        # network trains on, which early stopping's split decides: read from the split
+        # its fit will draw, before it trains (a refusal after it cost the whole fit).
+        if self.probability and getattr(trainer, "early_stopping", False):
+            labels = column_or_1d(y)
+            rows = holdout_rows(trainer, labels)
+            classes, counts = np.unique(labels[rows], return_counts=True)
+            _calibration_folds(classes, counts, held_out=len(labels) - len(rows))
 
     def _check_weighted(self, X, y, sample_weight):
         # The SVM takes the weights even where routing kept them from the trainer, which
@@ -717,11 +728,12 @@ def _check_class_weight(class_weight: dict, classes) -> None:
 def _calibration_folds(classes, counts, held_out=0) -> int:
     """probability=True's folds: 5, as libsvm's, or the smallest class's size.
 
-    ``held_out``: the rows early stopping kept from the SVM (checked again after
-    training, on the rows left: y's own counts were checked before)."""
+    ``held_out``: the rows early stopping keeps from the network and the SVM (checked
+    before training on the split its fit will draw, and again after it on the rows
+    left: y's own counts were checked before)."""
     if counts.min() < 2:
         where = "" if not held_out else (
-            f" of the rows the network trained on (early stopping held out {held_out} "
+            f" of the rows the network trains on (early stopping holds out {held_out} "
             "for validation)")
         raise ValueError(
             "probability=True fits its sigmoid to cross-validated decision values, which "

@@ -453,10 +453,12 @@ def _svm_input(est, X, svm_kernel):
     """What the SVM reads, built from the fitted trainer by the public kernels and
     transform: unit rows of phi, or the cosine-normalized Gram against X_fit_."""
     if svm_kernel == "linear":
-        # Divided by np.linalg.norm as the fit divides: libsvm stops at its tolerance
-        # (1e-3), where features an ulp apart moved a fold's decision values by 1e-4.
+        # Divided by the norm rounded as the fit rounds it (summed in float64, divided in
+        # the features' float32): libsvm stops at its tolerance (1e-3), where features an
+        # ulp apart moved a fold's decision values by 1e-4.
         phi = est.transform(X)
-        return phi / np.linalg.norm(phi, axis=1, keepdims=True)
+        norms = np.sqrt(np.einsum("ij,ij->i", phi, phi, dtype=np.float64))[:, None]
+        return phi / norms.astype(phi.dtype)
     kernel = {"tangent": TangentKernel, "path": PathKernel}[svm_kernel]
     return kernel(est.estimator_, normalized=True)(X, est.X_fit_)
 
@@ -719,3 +721,30 @@ def test_probability_refuses_early_stopping_leaving_one_sample_before_training(m
             np.testing.assert_array_equal(est.estimator_.predict_proba(X),
                                           alone.predict_proba(X))
     assert outcomes == {"refused", "fitted"}
+
+
+def test_normalized_features_are_unit_rows_where_the_float32_norm_overflows():
+    """A float32 row of tangent features whose squared norm passes float32's range (an
+    input at 1e25: features near 1e25, finite) became a zero row, with NumPy's overflow
+    warning, under normalize=True; the normalized kernel refuses such inputs, naming the
+    overflow, and the linear SVM on the unit rows predicted from its intercept alone."""
+    import copy
+
+    X, y = make_circle(n_samples=40, random_state=0)
+    params = dict(hidden_layer_sizes=(8,), activation="relu", max_iter=5, tol=None,
+                  random_state=0)
+    Xq = np.vstack([X[:3], 1e25 * X[3:4]])
+    tf = TangentFeatures(PathKernelClassifier(**params), normalize=True).fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        phi = tf.transform(Xq)
+    # Reference: float64 per-sample gradients of the final network, normalized in float64.
+    ref = features_loop(copy.deepcopy(tf.module_).double(), Xq)
+    assert np.linalg.norm(ref[-1]) > 1e20  # the squared norm overflows float32
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    np.testing.assert_allclose(phi, ref, atol=1e-6)
+    svm = TangentFeatureSVM(PathKernelClassifier(**params), svm_kernel="linear", C=1.0).fit(X, y)
+    train = features_loop(copy.deepcopy(svm.module_).double(), X)
+    train /= np.linalg.norm(train, axis=1, keepdims=True)
+    expected = SVC(kernel="linear", C=1.0).fit(train, y).decision_function(ref)
+    np.testing.assert_allclose(svm.decision_function(Xq), expected, atol=1e-4)

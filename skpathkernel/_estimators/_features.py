@@ -49,7 +49,10 @@ __all__ = ["TangentFeatureSVM", "TangentFeatures"]
 
 
 def _unit_rows(phi: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(phi, axis=1, keepdims=True)
+    # The squares summed in float64 (einsum casts as it goes: no float64 copy of phi): a
+    # float32 row's squared norm passes float32's range where its features are finite
+    # (from about 1e19: a ReLU network at a large input), and the row became zero.
+    norms = np.sqrt(np.einsum("ij,ij->i", phi, phi, dtype=np.float64))[:, None]
     # A zero row (a dead network at x) has no direction: it stays zero.
     return phi / np.where(norms > 0, norms, 1).astype(phi.dtype, copy=False)
 

@@ -748,3 +748,31 @@ def test_normalized_features_are_unit_rows_where_the_float32_norm_overflows():
     train /= np.linalg.norm(train, axis=1, keepdims=True)
     expected = SVC(kernel="linear", C=1.0).fit(train, y).decision_function(ref)
     np.testing.assert_allclose(svm.decision_function(Xq), expected, atol=1e-4)
+
+
+def test_weights_routed_past_the_trainer_leaving_one_class_to_the_svm_refused_before_training(
+        monkeypatch):
+    """With metadata routing, a trainer that declines sample_weight trains on every row
+    of early stopping's training part, while the SVM takes the weights on those rows:
+    weights 0 on a class there (and positive on its held-out rows, which y's own check
+    saw) failed in libsvm's words ("all samples with positive weights belong to the same
+    class") after the network had trained."""
+    X, y = _imbalanced()
+    net = PathKernelClassifier(**{**SHORT, "early_stopping": True})
+    rows = clone(net).fit(X, y).train_indices_  # the split of the same seed
+    w = np.ones(len(y))
+    w[rows[y[rows] == "rare"]] = 0.0
+    assert w[y == "rare"].sum() > 0
+    trained = []
+    fit = PathKernelClassifier._fit
+    monkeypatch.setattr(PathKernelClassifier, "_fit",
+                        lambda self, *a, **k: trained.append(1) or fit(self, *a, **k))
+    with sklearn.config_context(enable_metadata_routing=True):
+        for probability in (False, True):
+            est = TangentFeatureSVM(clone(net).set_fit_request(sample_weight=False), C=1.0,
+                                    probability=probability)
+            with pytest.raises(ValueError, match="sample_weight is 0 on every sample of "
+                                                 "early_stopping's training part but those "
+                                                 "of class 'common'"):
+                est.set_fit_request(sample_weight=True).fit(X, y, sample_weight=w)
+            assert not trained

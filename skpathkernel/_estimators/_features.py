@@ -474,13 +474,21 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
         if self.probability:
             _calibration_folds(classes, counts)
 
-    def _check_trainer(self, trainer, y):
-        # probability=True's folds need 2 samples of every class among the rows the
-        # network trains on, which early stopping's split decides: read from the split
-        # its fit will draw, before it trains (a refusal after it cost the whole fit).
-        if self.probability and getattr(trainer, "early_stopping", False):
-            labels = column_or_1d(y)
-            rows = holdout_rows(trainer, labels)
+    def _check_trainer(self, trainer, y, sample_weight):
+        # The SVM learns from the rows the network trains on, which early stopping's
+        # split decides: read from the split its fit will draw, before it trains (a
+        # refusal after it cost the whole fit). probability=True's folds need 2 samples
+        # of every class there, and the SVM's weights (which routing may keep from the
+        # trainer, whose own check then does not see them) two weighted classes.
+        if not getattr(trainer, "early_stopping", False) or (
+                not self.probability and sample_weight is None):
+            return
+        labels = column_or_1d(y)
+        rows = holdout_rows(trainer, labels)
+        if sample_weight is not None:
+            _check_weighted_classes(labels[rows], sample_weight[rows],
+                                    " of early_stopping's training part")
+        if self.probability:
             classes, counts = np.unique(labels[rows], return_counts=True)
             _calibration_folds(classes, counts, held_out=len(labels) - len(rows))
 

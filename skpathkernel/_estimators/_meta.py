@@ -317,10 +317,11 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
         """Refuse, before any training, validated data and weights that this estimator's
         own part of ``fit`` (not the trainer's) would refuse after it."""
 
-    def _check_trainer(self, trainer, y) -> None:
+    def _check_trainer(self, trainer, y, sample_weight) -> None:
         """Refuse, before it trains, a trainer (the clone about to be fitted on the
-        validated ``y``) whose fit would leave this estimator's own part of ``fit``
-        nothing it can use."""
+        validated ``y``) whose fit would leave this estimator's own part of ``fit`` (with
+        its validated ``sample_weight``, whether or not the trainer gets them) nothing it
+        can use."""
 
     def _y_required(self, frozen: bool) -> bool:
         """Whether ``fit`` needs ``y``, given whether the trainer is frozen."""
@@ -388,7 +389,7 @@ class NetworkMetaEstimator(FittedNetworkMixin, NetworkKernelsMixin, MetaEstimato
             trainer = self._default_trainer(y)
         else:
             trainer = clone(inner)
-        self._check_trainer(trainer, y)
+        self._check_trainer(trainer, y, sample_weight)
         # Weights only when there are some: a trainer subclass whose fit(X, y) takes none
         # keeps working unweighted (equal weights are None here, the unweighted fit).
         weighted = {} if to_trainer is None else {"sample_weight": to_trainer}

@@ -15,6 +15,7 @@ from sklearn.exceptions import DataDimensionalityWarning
 from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import GridSearchCV, StratifiedKFold, train_test_split
 from sklearn.svm import SVC
+from sklearn.utils._param_validation import InvalidParameterError
 
 from skpathkernel import (
     PathKernelClassifier,
@@ -776,3 +777,20 @@ def test_weights_routed_past_the_trainer_leaving_one_class_to_the_svm_refused_be
                                                  "of class 'common'"):
                 est.set_fit_request(sample_weight=True).fit(X, y, sample_weight=w)
             assert not trained
+
+
+@pytest.mark.parametrize("bad", [{"validation_fraction": 1.5},
+                                 {"random_state": np.random.default_rng(0)}])
+def test_probability_reads_early_stopping_split_after_the_trainer_checks_its_params(bad):
+    """Reading the split before training must not read parameters that the trainer
+    refuses: its own error, naming the parameter, as its fit alone gives it (they were
+    read as a split of -30 training samples, and as a seed NumPy refused)."""
+    X, y = _imbalanced()
+    net = PathKernelClassifier(**{**SHORT, "early_stopping": True, **bad})
+    name = next(iter(bad))
+    with pytest.raises(InvalidParameterError, match=f"'{name}' parameter of "
+                                                    "PathKernelClassifier must be"):
+        clone(net).fit(X, y)
+    with pytest.raises(InvalidParameterError, match=f"'{name}' parameter of "
+                                                    "PathKernelClassifier must be"):
+        TangentFeatureSVM(net, probability=True).fit(X, y)

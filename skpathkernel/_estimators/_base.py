@@ -81,7 +81,7 @@ from .._tangent import warn_on_fallback
 
 # The engine is called as _tangent.<function>, looked up at call time, so that a test
 # stubbing an engine function out reaches every call.
-from .._validation import count
+from .._validation import count, validate_params
 from .._warnings import VersionedStateMixin, caller_stacklevel
 from ..kernels import NetworkKernelsMixin
 
@@ -1488,6 +1488,9 @@ def holdout_rows(estimator, y) -> np.ndarray:
     """The rows of the class labels ``y`` that ``estimator.fit(X, y)`` will train on,
     before it trains: all of them, or early stopping's training part (the split its fit
     draws next, read without drawing it)."""
+    # The trainer's own refusal of its parameters first (a validation_fraction above 1
+    # was read as a split, a Generator as a seed), as its fit gives it.
+    validate_params(estimator)
     if not estimator.early_stopping:
         return np.arange(len(y))
     split_seed = fit_seeds(estimator.random_state, peek=True)[1]

@@ -72,19 +72,25 @@ def feature_block_rows(memory_budget: int, row_bytes: int, what: str) -> int:
     return min(FIXED_BLOCK, rows_per_block(memory_budget, row_bytes, what))
 
 
-def map_fixed_blocks(fn, X, block: int) -> np.ndarray:
+def map_fixed_blocks(fn, X, block: int, fill=None) -> np.ndarray:
     """``fn`` over row blocks of exactly ``block`` rows, concatenated (padding removed).
 
     ``X`` is a tensor or an array; ``fn`` returns an array with one row per input row.
+    ``fill``: the row (of the form ``X[:1]``) that pads a short block; None: its first
+    row. A row known to be well-behaved keeps ``fn``'s errors about the rows asked for
+    (a kernel's count of non-finite entries counted every copy of an overflowing first
+    row).
     """
-    # The padding repeats the block's first row as a broadcast view: indexing with a list
-    # of row numbers cost more than the 256-row forward of a small network.
+    # The padding repeats one row as a broadcast view: indexing with a list of row
+    # numbers cost more than the 256-row forward of a small network.
     if isinstance(X, torch.Tensor):
         def pad(xb, k):
-            return torch.cat([xb, xb[:1].expand(k, *xb.shape[1:])])
+            row = xb[:1] if fill is None else fill
+            return torch.cat([xb, row.expand(k, *xb.shape[1:])])
     else:
         def pad(xb, k):
-            return np.concatenate([xb, np.broadcast_to(xb[:1], (k, *xb.shape[1:]))])
+            row = xb[:1] if fill is None else fill
+            return np.concatenate([xb, np.broadcast_to(row, (k, *xb.shape[1:]))])
     # The blocks are written into the result as they come: a list of them concatenated
     # at the end held the result twice (tangent features: the largest array of a call).
     out = None

@@ -794,3 +794,23 @@ def test_probability_reads_early_stopping_split_after_the_trainer_checks_its_par
     with pytest.raises(InvalidParameterError, match=f"'{name}' parameter of "
                                                     "PathKernelClassifier must be"):
         TangentFeatureSVM(net, probability=True).fit(X, y)
+
+
+@pytest.mark.parametrize("svm_kernel", ["tangent", "path"])
+def test_an_overflowing_kernel_row_is_counted_over_the_rows_asked_for(svm_kernel):
+    """predict pads a short block to 256 rows with copies of its first row: an input
+    whose float32 kernel overflows, first in its block, was reported with the
+    non-finite entries of every copy (15120 for 5 queries against 60 training points,
+    more than the 300 entries asked for); the count is the kernel's own on these rows."""
+    X, y = make_circle(n_samples=60, random_state=0)
+    net = PathKernelClassifier(hidden_layer_sizes=(8,), activation="relu", max_iter=5,
+                               tol=None, random_state=0)
+    svm = TangentFeatureSVM(net, svm_kernel=svm_kernel, C=1.0).fit(X, y)
+    Xq = np.vstack([1e30 * X[:1], X[1:5]])
+    kernel = {"tangent": TangentKernel, "path": PathKernel}[svm_kernel]
+    with pytest.raises(ValueError, match="non-finite entries") as direct:
+        kernel(svm, normalized=True)(Xq, svm.X_fit_)
+    count = int(str(direct.value).split("The kernel has ")[1].split()[0])
+    assert 0 < count <= Xq.shape[0] * len(svm.X_fit_)
+    with pytest.raises(ValueError, match=f"The kernel has {count} non-finite entries"):
+        svm.predict(Xq)

@@ -518,8 +518,11 @@ class TangentFeatureSVM(_TangentFeatureNames, ClassifierMixin, TransformerMixin,
                 return self._features(X)
         kernel = self._kernel()  # its own threads for its size
         # Fixed-size row blocks: a row's float32 Gram entries never depend on the others.
+        # Padded with a training point, whose kernel row was finite in fit: an
+        # overflowing query is then counted once in the kernel's error, not per copy.
         return map_fixed_blocks(lambda xb: kernel(xb, self.X_fit_), X, feature_block_rows(
-            self._budget(), 8 * len(self.X_fit_), "The SVM's kernel rows"))
+            self._budget(), 8 * len(self.X_fit_), "The SVM's kernel rows"),
+            fill=self.X_fit_[:1].astype(X.dtype, copy=False))
 
     @keep_previous_fit_on_error
     def fit(self, X, y, sample_weight=None, **fit_params):

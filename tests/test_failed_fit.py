@@ -107,13 +107,6 @@ AFTER_TRAINING = {
         TangentFeatureSVM(PathKernelClassifier(**NET), probability=True), {},
         (_Refused, None),
         lambda fit, mp: (mp.setattr(CalibratedClassifierCV, "fit", _refuse), fit())),
-    # Early stopping holds out 2 of class 1's 3 rows: the calibration's folds, which
-    # need 2 of every class the network trained on, are known only once it has.
-    "TangentFeatureSVM calibration folds": (
-        TangentFeatureSVM(PathKernelClassifier(**NET), probability=True),
-        {"estimator__early_stopping": True, "estimator__validation_fraction": 0.5},
-        (ValueError, "needs 2 samples of every class; class 1 has 1"),
-        lambda fit, mp: fit(np.r_[np.ones(3, int), np.zeros(len(X) - 3, int)])),
     "TangentFeatureSVM SVC": (
         TangentFeatureSVM(PathKernelClassifier(**NET)), {"C": 3.0},
         (_Refused, None), lambda fit, mp: (mp.setattr(SVC, "fit", _refuse), fit())),
@@ -187,4 +180,26 @@ def test_data_the_meta_estimator_refuses_is_refused_before_any_training(case, mo
             est.fit(X_bad, Y, sample_weight=weights)
         monkeypatch.undo()
     assert not trained  # refused before the network trained for nothing
+    _assert_same_fit(est, ref)
+
+
+def test_calibration_folds_that_early_stopping_leaves_short_are_refused_before_training(
+        monkeypatch):
+    """Early stopping holds out 2 of class 1's 3 rows: the calibration's folds, which
+    need 2 of every class the network trains on, are read from the split its fit will
+    draw, and refused before it trains (they were refused after, at the cost of the
+    fit); the previous fit is kept whole."""
+    est = TangentFeatureSVM(PathKernelClassifier(**NET), probability=True).fit(X, Y)
+    ref = copy.deepcopy(est)
+    trained = []
+    monkeypatch.setattr(_base.BasePathKernelNetwork, "_train",
+                        lambda *a, **k: trained.append(1))
+    est.set_params(estimator__early_stopping=True, estimator__validation_fraction=0.5,
+                   estimator__random_state=1)
+    with pytest.raises(ValueError, match="needs 2 samples of every class; class 1 has 1"):
+        est.fit(X[::-1] * 2, np.r_[np.ones(3, int), np.zeros(len(X) - 3, int)])
+    monkeypatch.undo()
+    assert not trained
+    est.set_params(**ref.get_params(deep=False))
+    est.set_params(estimator__random_state=0)
     _assert_same_fit(est, ref)

@@ -52,23 +52,7 @@ def large_tensor(shape: tuple, dtype: torch.dtype, device: torch.device,
     # NumPy has no bfloat16 (nor torch's float8 types): torch's allocator holds those.
     if torch.device(device).type != "cpu" or np_dtype is None:
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-    numel = int(np.prod(shape, dtype=np.int64))
-    if numel * np_dtype.itemsize < _ALIGN_FROM:
-        return torch.from_numpy((np.zeros if zero else np.empty)(shape, dtype=np_dtype))
-    # Huge pages fill only the 2 MiB-aligned regions of an allocation: the array starts
-    # on a boundary, the slack before it (never touched, so never resident) taken from
-    # the allocation. A fresh 1024^2 float64 K then took 4 page faults instead of 514
-    # (``benchmarks/results/gram-mlp-s46.md``). The array is a view of that allocation.
-    slack = _HUGE_PAGE // np_dtype.itemsize
-    flat = (np.zeros if zero else np.empty)(numel + slack, dtype=np_dtype)
-    start = (-flat.ctypes.data % _HUGE_PAGE) // np_dtype.itemsize
-    return torch.from_numpy(flat[start : start + numel].reshape(shape))
-
-
-# Huge pages, and the size from which large_tensor aligns to them (NumPy asks the kernel
-# for huge pages from 4 MiB).
-_HUGE_PAGE = 2**21
-_ALIGN_FROM = 2**22
+    return torch.from_numpy((np.zeros if zero else np.empty)(shape, dtype=np_dtype))
 
 
 # Rows of one block of a prediction or of tangent features. Every block is this size (the

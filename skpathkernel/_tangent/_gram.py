@@ -75,14 +75,14 @@ same aten operations as autograd's (:func:`._stacked.gram_factors`, the same bit
 the panels above are the general route's, so K is the same bit for bit. Left out: the
 probe capture and one-sample autograd check of :func:`_prepare` (2.1-2.3 ms of a 35 ms
 call on 64-512-512-1 tanh at N = 1024), the use watch, the autograd graph, and the fresh
-memory of every call. All the call's buffers but K share one arena
-(:class:`._stacked.Arena`, NumPy-backed, on 2 MiB boundaries: transparent huge pages),
-the panels' products, the folded head and the float32 panel of a float64 K included, and
-K itself starts on a 2 MiB boundary (:func:`.._memory.large_tensor`). On a cold heap (the
-heap's free memory returned to the system before each call, as the quick benchmark's
-timed calls find it) the public call took 5,300 page faults before, about 50 after
-(``benchmarks/results/gram-mlp-s46.md``: 0.85x the CPU time cold, 0.75-0.9x warm, 0.4-0.5x
-at N = 128, where the set-up was most of the call). Not kept: the path kernel's stacked
+memory of every call's dozen tensors: all the call's buffers but K share one arena
+(:class:`._stacked.Arena`), the panels' products, the folded head and the float32 panel
+of a float64 K included, which the C library's heap hands to the next call again. Numbers
+in ``benchmarks/results/gram-mlp-s46.md``. Not kept: the arena and K on 2 MiB
+boundaries in NumPy's memory (huge pages: on a cold heap 50 page faults per call instead
+of 3,000-5,000, but in the quick benchmark's protocol its first two timed calls took
+41-48 ms against 34-37 with torch's memory, the system time of fresh huge pages on the
+VM measured); the path kernel's stacked
 route (:func:`._stacked.stacked_path_sum`) with one point, 1.1x this route's time on
 that network. The transposed copy of a whole float32 square into a float64 one is 10x
 slower than by column strips (6.9 against 0.6 ms at N = 1024): the mirror stays by
@@ -989,8 +989,8 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     the same K; what it leaves out is the capture's set-up for modules of any kind:
     :func:`_prepare`'s probe capture and one-sample autograd check (a module of these
     exact types, without hooks, reads its parameters only in its layers' own calls), the
-    use watch and the autograd graph, and the factors' fresh memory (one huge-page-backed
-    workspace instead). Public call on 64-512-512-1 tanh at N = 1024, one thread:
+    use watch and the autograd graph, and the factors' fresh memory (one arena instead,
+    :class:`._stacked.Arena`). Public call on 64-512-512-1 tanh at N = 1024, one thread:
     ``benchmarks/results/gram-mlp-s46.md``.
     """
     params = dict(params)

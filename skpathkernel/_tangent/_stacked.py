@@ -534,28 +534,24 @@ _IN_PLACE = {
 
 
 class Arena:
-    """Named buffers carved from one NumPy-backed tensor (:func:`.._memory.large_tensor`),
-    each region sized up front and starting on a 64-byte boundary; :meth:`get` views the
-    start of a region as any shape that fits.
+    """Named buffers carved from one tensor, each region sized up front and starting on a
+    64-byte boundary; :meth:`get` views the start of a region as any shape that fits.
 
-    One allocation instead of one per buffer: NumPy asks for transparent huge pages on a
-    large one (one page fault per 2 MiB instead of per 4 KiB, where the system grants
-    them), and the call's buffers share it. A large arena starts on a 2 MiB boundary
-    (:func:`.._memory.large_tensor`) and runs to the next one, so that none of it falls
-    in a partial 2 MiB region, which takes 4 KiB pages.
+    One allocation of torch's allocator instead of one per buffer: the C library's heap
+    gives the same block back to the next call, whose pages are then already there (on
+    the quick benchmark's 64-512-512-1 row at N = 1024, no page faults from the second
+    call on). NumPy's memory, whose huge pages :func:`.._memory.large_tensor` asks for,
+    made the benchmark's first timed calls 1.2-1.4x slower on the VM measured
+    (``benchmarks/results/gram-mlp-s46.md``).
     """
 
     _ALIGN = 64
-    _HUGE = 2**21
 
     def __init__(self, sizes: dict, dtype: torch.dtype, device: torch.device):
         itemsize = torch.empty((), dtype=dtype).element_size()
         step = max(1, self._ALIGN // itemsize)
         rounded = {key: -(-int(size) // step) * step for key, size in sizes.items()}
-        total = sum(rounded.values()) + step
-        if total * itemsize >= 2 * self._HUGE:
-            total = -(-total * itemsize // self._HUGE) * self._HUGE // itemsize
-        buf = large_tensor((total,), dtype, device)
+        buf = torch.empty((sum(rounded.values()) + step,), dtype=dtype, device=device)
         start = (-buf.data_ptr() % self._ALIGN) // itemsize if buf.device.type == "cpu" else 0
         self._regions = {}
         for key, size in rounded.items():

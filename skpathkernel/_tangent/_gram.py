@@ -69,24 +69,27 @@ of its CPU time by medians, 0.90-0.93 by least (``benchmarks/results/conv_formed
 
 A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
 ``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;
-the estimators' regressors) whose factors fit one block skips the capture
+a one-target regressor's default network) whose factors fit one block skips the capture
 (:func:`_plain_mlp_gram`): the factors come from one forward and one backward pass by the
 same aten operations as autograd's (:func:`._stacked.gram_factors`, the same bits), and
 the panels above are the general route's, so K is the same bit for bit. Left out: the
-probe capture and one-sample autograd check of :func:`_prepare` (2.1-2.3 ms of a 35 ms
-call on 64-512-512-1 tanh at N = 1024), the use watch, the autograd graph, and the fresh
-memory of every call's dozen tensors: all the call's buffers but K share one arena
+probe capture and one-sample autograd check of :func:`_prepare` (2.1-3.1 ms of a 33-35 ms
+warm call on 64-512-512-1 tanh at N = 1024), the use watch, the autograd graph, and the
+fresh memory of the call's dozen tensors: all its buffers but K share one arena
 (:class:`._stacked.Arena`), the panels' products, the folded head and the float32 panel
-of a float64 K included, which the C library's heap hands to the next call again. Numbers
-in ``benchmarks/results/gram-mlp-s46.md``. Not kept: the arena and K on 2 MiB
-boundaries in NumPy's memory (huge pages: on a cold heap 50 page faults per call instead
-of 3,000-5,000, but in the quick benchmark's protocol its first two timed calls took
-41-48 ms against 34-37 with torch's memory, the system time of fresh huge pages on the
-VM measured); the path kernel's stacked
-route (:func:`._stacked.stacked_path_sum`) with one point, 1.1x this route's time on
-that network. The transposed copy of a whole float32 square into a float64 one is 10x
-slower than by column strips (6.9 against 0.6 ms at N = 1024): the mirror stays by
-panels.
+of a float64 K included, which the C library's heap hands to the next call again. The
+public call took 0.91x the CPU time back to back, 0.84x on a cold heap, 0.37-0.54x at
+N = 128, and the quick benchmark's roofline ratio of that row read 0.78-0.80 where it
+read 0.37 on the same VM before (``benchmarks/results/gram-mlp-s46.md``,
+``gram-quick-roof-s46.md``). Not kept: the arena and K on 2 MiB boundaries in NumPy's
+memory (huge pages: on a cold heap 50 page faults per call instead of 2,400, but in the
+quick benchmark's protocol the medians of its timed calls were 41-48 ms against 34-37
+with torch's memory, the system time of fresh huge pages on the VM measured); the path
+kernel's stacked route (:func:`._stacked.stacked_path_sum`) with one point, 1.1x this
+route's time on that network; panels of 512 / 64, 512 / 96, 256 / 128 or 1024 / 128
+rows (1.04-1.08x the time of 512 / 128). The transposed copy of a whole float32 square
+into a float64 one is 10x slower than by column strips (6.9 against 0.6 ms at
+N = 1024): the mirror stays by panels.
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.

@@ -79,7 +79,7 @@ fresh memory of the call's dozen tensors: all its buffers but K share one arena
 (:class:`._stacked.Arena`), the panels' products, the folded head and the float32 panel
 of a float64 K included, which the C library's heap hands to the next call again. The
 public call took 0.91x the CPU time back to back, 0.84x on a cold heap, 0.37-0.54x at
-N = 128, and the quick benchmark's roofline ratio of that row read 0.78-0.80 where it
+N = 128, and the quick benchmark's roofline ratio of that row read 0.78-0.81 where it
 read 0.37 on the same VM before (``benchmarks/results/gram-mlp-s46.md``,
 ``gram-quick-roof-s46.md``). Not kept: the arena and K on 2 MiB boundaries in NumPy's
 memory (huge pages: on a cold heap 50 page faults per call instead of 2,400, but in the

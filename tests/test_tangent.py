@@ -1244,9 +1244,9 @@ def test_scalar_head_is_added_as_one_product(dtype, monkeypatch):
     X, Y = torch.randn(300, 5, dtype=dtype), torch.randn(70, 5, dtype=dtype)
     widths = []
     real = _gram._folded
-    monkeypatch.setattr(_gram, "_folded", lambda terms, weight: widths.extend(
-        t.delta.shape[3] for t in real(terms, weight) if t.inputs[0][0] == "4.weight")
-        or real(terms, weight))
+    monkeypatch.setattr(_gram, "_folded", lambda terms, weight, *rest: widths.extend(
+        t.delta.shape[3] for t in real(terms, weight, *rest) if t.inputs[0][0] == "4.weight")
+        or real(terms, weight, *rest))
     JX, JY = _loop_jacobian(module, params, X)[:, 0], _loop_jacobian(module, params, Y)[:, 0]
     rtol = 1e-5 if dtype == torch.float32 else RTOL
     for budget in (2**30, 2**17):
@@ -1678,3 +1678,84 @@ def test_bfloat16_gram_is_held_by_torch_where_numpy_has_no_such_dtype():
         K = tangent_gram(module, params, X, Y, output=output)
         assert K.dtype == torch.bfloat16
         _close(K, want, 3e-2)
+
+
+# The plain MLPs of :func:`._gram._plain_mlp_gram`'s route (one output): its factors
+# without a capture, in one arena.
+_PLAIN = {
+    "tanh": lambda: nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(),
+                                  nn.Linear(12, 1)),
+    "relu no bias": lambda: nn.Sequential(nn.Linear(5, 16, bias=False), nn.ReLU(),
+                                          nn.Linear(16, 1, bias=False)),
+    "gelu, silu": lambda: nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.Linear(16, 12),
+                                        nn.SiLU(), nn.Linear(12, 1)),
+    "sigmoid then tanh": lambda: nn.Sequential(nn.Linear(5, 16), nn.Sigmoid(), nn.Tanh(),
+                                               nn.Linear(16, 1)),
+    "in-place relu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ReLU(inplace=True),
+                                           nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 1)),
+    "activation first, identity, no activation between": lambda: nn.Sequential(
+        nn.Tanh(), nn.Linear(5, 16), nn.Identity(), nn.Linear(16, 12), nn.ELU(),
+        nn.Linear(12, 1)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PLAIN))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_mlp_route_matches_dense_jacobian(kind, dtype, monkeypatch):
+    # K(X, X) of a plain one-output MLP takes the route without a capture: against the
+    # dense Jacobians of the autograd loop, exactly symmetric, a float64 K the float32 one
+    # converted bit for bit; and the same bits as the general route (the capture's
+    # factors, by autograd).
+    torch.manual_seed(0)
+    module = _PLAIN[kind]().to(dtype)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(300, 5, dtype=dtype)
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
+    K = tangent_gram(module, params, X)
+    assert taken
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(K, J @ J.T, 1e-5 if dtype == torch.float32 else RTOL)
+    assert torch.equal(K, K.T)
+    for output in (0, -1):
+        assert torch.equal(tangent_gram(module, params, X, output=output), K)
+    assert torch.equal(tangent_gram(module, params, X, out_dtype=torch.float64),
+                       K.to(torch.float64))
+    monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)
+    assert torch.equal(tangent_gram(module, params, X), K)
+
+
+def test_plain_mlp_route_is_left_where_it_does_not_apply(monkeypatch):
+    # Hooks, several outputs, a Y, a preconditioner, a budget that needs blocks, and a
+    # module whose forward is not its layers' (a class-level patch, which the type checks
+    # do not see) take the general route, and still match the dense Jacobians.
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
+    torch.manual_seed(1)
+    module = _PLAIN["tanh"]().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(40, 5, dtype=torch.float64)
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(tangent_gram(module, params, X, X[:7]), J @ J[:7].T)
+    _close(tangent_gram(module, params, X, diag_weight=torch.ones(sum(
+        p.numel() for p in params.values()), dtype=torch.float64)), J @ J.T)
+    _close(tangent_gram(module, params, X, memory_budget=2**15), J @ J.T)
+    assert not taken
+    two = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    p2 = {k: v.detach() for k, v in two.named_parameters()}
+    J2 = _loop_jacobian(two, p2, X)
+    _close(tangent_gram(two, p2, X), torch.einsum("ncp,mcp->nm", J2, J2) / 2)
+    handle = module[1].register_forward_hook(lambda m, i, o: o * 2)
+    try:
+        Jh = _loop_jacobian(module, params, X)[:, 0]
+        _close(tangent_gram(module, params, X), Jh @ Jh.T)
+    finally:
+        handle.remove()
+    assert not taken
+    # Patched on the class: the route's first-sample check sees the difference.
+    monkeypatch.setattr(nn.Tanh, "forward", lambda self, x: torch.tanh(2 * x))
+    Jp = _loop_jacobian(module, params, X)[:, 0]
+    _close(tangent_gram(module, params, X), Jp @ Jp.T)
+    assert taken  # the route ran, then gave way

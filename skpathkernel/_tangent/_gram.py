@@ -67,6 +67,30 @@ blocks formed by the capture, by one grouped convolution backward on the chunk, 
 copying its patches (:func:`._layers._conv_formed`): the ResNet's call took 0.94-0.95
 of its CPU time by medians, 0.90-0.93 by least (``benchmarks/results/conv_formed_ab.md``).
 
+A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
+``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;
+a one-target regressor's default network) whose factors fit one block skips the capture
+(:func:`_plain_mlp_gram`): the factors come from one forward and one backward pass by the
+same aten operations as autograd's (:func:`._stacked.gram_factors`, the same bits), and
+the panels above are the general route's, so K is the same bit for bit. Left out: the
+probe capture and one-sample autograd check of :func:`_prepare` (2.1-3.1 ms of a 33-35 ms
+warm call on 64-512-512-1 tanh at N = 1024), the use watch, the autograd graph, and the
+fresh memory of the call's dozen tensors: all its buffers but K share one arena
+(:class:`._stacked.Arena`), the panels' products, the folded head and the float32 panel
+of a float64 K included, which the C library's heap hands to the next call again. The
+public call took 0.91x the CPU time back to back, 0.84x on a cold heap, 0.37-0.54x at
+N = 128, and the quick benchmark's roofline ratio of that row read 0.78-0.81 where it
+read 0.37 on the same VM before (``benchmarks/results/gram-mlp-s46.md``,
+``gram-quick-roof-s46.md``). Not kept: the arena and K on 2 MiB boundaries in NumPy's
+memory (huge pages: on a cold heap 50 page faults per call instead of 2,400, but in the
+quick benchmark's protocol the medians of its timed calls were 41-48 ms against 34-37
+with torch's memory, the system time of fresh huge pages on the VM measured); the path
+kernel's stacked route (:func:`._stacked.stacked_path_sum`) with one point, 1.1x this
+route's time on that network; panels of 512 / 64, 512 / 96, 256 / 128 or 1024 / 128
+rows (1.04-1.08x the time of 512 / 128). The transposed copy of a whole float32 square
+into a float64 one is 10x slower than by column strips (6.9 against 0.6 ms at
+N = 1024): the mirror stays by panels.
+
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
 """
@@ -103,7 +127,17 @@ from ._contract import (
     rank_one,
 )
 from ._rules import Term
-from ._stacked import _blas_eligible, _blas_threads, _holds_blas, _mirror, _syrk
+from ._stacked import (
+    Arena,
+    _blas_eligible,
+    _blas_threads,
+    _holds_blas,
+    _mirror,
+    _syrk,
+    gram_factor_sizes,
+    gram_factors,
+    stacked_mlp,
+)
 
 __all__ = ["contracted_features", "hidden_reads", "tangent_features", "tangent_gram",
            "tangent_gram_diag"]
@@ -145,20 +179,26 @@ def _layout(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
     return layout
 
 
-def _contract(U: torch.Tensor, V: torch.Tensor, mode: str) -> torch.Tensor:
-    """``U (n, C, r)`` against ``V (m, C, r)``: (n, m) trace / C or (n, C, m, C) blocks."""
+def _contract(U: torch.Tensor, V: torch.Tensor, mode: str, out=None) -> torch.Tensor:
+    """``U (n, C, r)`` against ``V (m, C, r)``: (n, m) trace / C or (n, C, m, C) blocks;
+    a trace into ``out`` where given."""
     n, C, r = U.shape
     m = V.shape[0]
     if mode == "full":
         return (U.reshape(n * C, r) @ V.reshape(m * C, r).T).reshape(n, C, m, C)
+    if out is not None:
+        G = torch.matmul(U.reshape(n, C * r), V.reshape(m, C * r).T, out=out)
+        return G.div_(C) if C > 1 else G
     G = U.reshape(n, C * r) @ V.reshape(m, C * r).T
     return G / C if C > 1 else G
 
 
 def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout,
-                first: bool = False) -> None:
+                first: bool = False, scratch=None) -> None:
     """Add one term's Gram block ``J_term(x) D J_term(y)^T`` to ``out`` in place;
-    ``first``: write it instead (``out`` holds anything)."""
+    ``first``: write it instead (``out`` holds anything). ``scratch``: an
+    :class:`._stacked.Arena` with regions "gd" and "ga" where a trace's rank-one products
+    are written (else fresh tensors)."""
     if first and not (weight is None and rank_one(tx)):
         out.zero_()
         first = False
@@ -174,13 +214,16 @@ def _accumulate(out: torch.Tensor, tx: Term, ty: Term, mode: str, weight, layout
                        beta=0 if first else 1, alpha=len(tx.inputs) / C)
             return
         # sum over the term's parameters of (a . a') times the shared (delta . delta').
-        Gd = _contract(dx, dy, mode)
+        reuse = scratch is not None and mode != "full"
+        shape = (dx.shape[0], dy.shape[0])
+        Gd = _contract(dx, dy, mode, scratch.get("gd", shape) if reuse else None)
         Ga, ones = None, 0
         for (_, ax), (_, ay) in zip(tx.inputs, ty.inputs):
             if ax is None:
                 ones += 1
             elif Ga is None:
-                Ga = ax[:, 0] @ ay[:, 0].T
+                Ga = (torch.matmul(ax[:, 0], ay[:, 0].T, out=scratch.get("ga", shape))
+                      if reuse else ax[:, 0] @ ay[:, 0].T)
             else:
                 Ga.addmm_(ax[:, 0], ay[:, 0].T)
         if Ga is None:
@@ -266,38 +309,42 @@ def _rows(terms: list[Term], rows: slice) -> list[Term]:
 
 
 def _gram_into(out: torch.Tensor, tx: list[Term], ty: list[Term], mode: str, weight,
-               layout) -> None:
+               layout, scratch=None) -> None:
     """``out = sum over the terms of their Gram blocks``, ``(n, m)`` or ``(n, C, m, C)``.
 
     ``out`` may be a view into the whole Gram: the block is written in place.
+    ``scratch``: see :func:`_accumulate`.
     """
     if not tx:
         out.zero_()
     # The first term writes the block: no pass to zero it, none to add to the zeros.
     for i, (a, b) in enumerate(zip(tx, ty)):
-        _accumulate(out, a, b, mode, weight, layout, first=i == 0)
+        _accumulate(out, a, b, mode, weight, layout, first=i == 0, scratch=scratch)
 
 
-def _folded(terms: list[Term], weight) -> list[Term]:
+def _folded(terms: list[Term], weight, scratch=None) -> list[Term]:
     """The terms, those of one backprop column (a scalar output's head) as dense rows.
 
     With ``delta`` one number ``g`` per sample, ``(A A^T + ones) * (g g^T)`` is ``F F^T``
     with ``F = [g a, g]``: one product (``q + 1`` wide) added to the Gram, instead of
     two (one of them an outer product, at a fraction of the GEMM rate) and three passes
     over the block (the bias's ones, the Hadamard product, the sum). Not with a
-    preconditioner, which scales the parameters' entries apart.
+    preconditioner, which scales the parameters' entries apart. ``F`` is written into
+    ``scratch``'s region ("fold", i) for the i-th term where it has one.
     """
     if weight is not None:
         return terms
     out = []
-    for t in terms:
+    for i, t in enumerate(terms):
         n, C, _, p = t.delta.shape
         factored = [a[:, 0] for _, a in t.inputs if a is not None]
         if not (rank_one(t) and factored and C * p == 1):
             out.append(t)
             continue
         q = sum(a.shape[1] for a in factored)
-        F = t.delta.new_empty((n, q + len(t.inputs) - len(factored)))
+        shape = (n, q + len(t.inputs) - len(factored))
+        F = (scratch.get(("fold", i), shape) if scratch is not None and ("fold", i) in scratch
+             else t.delta.new_empty(shape))
         g = t.delta.reshape(n, 1)
         s = 0
         for a in factored:
@@ -426,27 +473,40 @@ def _add_upper(K: torch.Tensor, terms: list[Term], mode: str, weight, layout,
 
 
 def _symmetric_panels(terms: list[Term], mode: str, weight, layout, out: torch.Tensor,
-                      panels: _Panels | None = None) -> None:
-    """:func:`_symmetric_block` by torch's GEMMs, one outer panel of rows at a time."""
+                      panels: _Panels | None = None, scratch=None) -> None:
+    """:func:`_symmetric_block` by torch's GEMMs, one outer panel of rows at a time;
+    ``scratch``: where the products are written (:func:`_accumulate`, :func:`_folded`)."""
     n = terms[0].delta.shape[0]
     width = max(t.delta.shape[1] * t.delta.shape[3] for t in terms)
-    terms = _folded(terms, weight)
+    terms = _folded(terms, weight, scratch)
     outer, inner = _panel_rows(terms[0].delta.device, width)
     for s in range(0, n, outer):
         e = min(s + outer, n)
         if e < n:
-            _upper(out, terms, slice(s, e), slice(e, n), mode, weight, layout, panels)
+            _upper(out, terms, slice(s, e), slice(e, n), mode, weight, layout, panels,
+                   scratch)
         for t in range(s, e, inner):
             u = min(t + inner, e)
-            _upper(out, terms, slice(t, u), slice(t, e), mode, weight, layout, panels)
+            _upper(out, terms, slice(t, u), slice(t, e), mode, weight, layout, panels,
+                   scratch)
 
 
-def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout, panels) -> None:
+def _panel_entries(n: int, outer: int, inner: int) -> int:
+    """The most entries of one panel of :func:`_symmetric_panels` on ``n`` rows."""
+    most = 0
+    for s in range(0, n, outer):
+        e = min(s + outer, n)
+        most = max(most, (e - s) * (n - e), min(inner, e - s) * (e - s))
+    return most
+
+
+def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout, panels,
+           scratch=None) -> None:
     """``out[rows, cols]`` and its mirror, for ``cols`` starting at or after ``rows``."""
     full = mode == "full"
     target = out[rows, :, cols, :] if full else out[rows, cols]
     block = target if panels is None else panels.get(target.shape)
-    _gram_into(block, _rows(terms, rows), _rows(terms, cols), mode, weight, layout)
+    _gram_into(block, _rows(terms, rows), _rows(terms, cols), mode, weight, layout, scratch)
     square = rows.stop - cols.start if cols.start == rows.start else 0
     below = slice(cols.start + square, cols.stop)
     if full:
@@ -476,11 +536,14 @@ class _Panels:
     converted afterwards bit for bit.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
+    def __init__(self, dtype: torch.dtype, device: torch.device, arena=None):
         self._scratch = _Scratch()
         self._like = torch.empty(0, dtype=dtype, device=device)
+        self._arena = arena  # an :class:`._stacked.Arena` with a region "panel", or None
 
     def get(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._arena is not None:
+            return self._arena.get("panel", shape)
         return self._scratch.get(shape, self._like)
 
 
@@ -877,6 +940,10 @@ def tangent_gram(
     """
     if params_y is not None:
         params_y = _matching(params, params_y)
+    elif Y is None and diag_weight is None and not exclude:
+        K = _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype)
+        if K is not None:
+            return K
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
                                             check_hidden)
     dtype = value_dtype(params, X)
@@ -913,6 +980,72 @@ def tangent_gram(
     # diagonal block is multiplied) or, for blocks of factors, the products' share.
     _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels, memory_budget // 8)
     return result
+
+
+def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
+    """``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of ``nn.Linear``
+    and elementwise activations, :func:`._stacked.stacked_mlp`) whose factors fit one
+    block, from factors computed without a capture (:func:`._stacked.gram_factors`);
+    None where this route does not apply (the general one then runs).
+
+    The same factors as the capture's, bit for bit, and the same symmetric panels, so
+    the same K; what it leaves out is the capture's set-up for modules of any kind:
+    :func:`_prepare`'s probe capture and one-sample autograd check (a module of these
+    exact types, without hooks, reads its parameters only in its layers' own calls), the
+    use watch and the autograd graph, and the factors' fresh memory (one arena instead,
+    :class:`._stacked.Arena`). Public call on 64-512-512-1 tanh at N = 1024, one thread:
+    ``benchmarks/results/gram-mlp-s46.md``.
+    """
+    params = dict(params)
+    if not ((isinstance(output, str) and output == "trace")
+            or (isinstance(output, int) and not isinstance(output, bool) and output in (0, -1))):
+        return None
+    mlp = stacked_mlp(module, list(params))
+    if (mlp is None or X.ndim != 2 or not X.is_floating_point() or X.shape[0] == 0
+            or X.shape[1] != mlp.n_inputs or mlp.linears[-1].d_out != 1
+            or not isinstance(mlp.items[-1], type(mlp.linears[-1]))
+            or any(p.dtype != X.dtype or p.device != X.device for p in params.values())):
+        return None
+    n, itemsize = X.shape[0], X.element_size()
+    # One block, as the general route sizes it (:func:`_gram_blocks`): the factors of a
+    # row (a Linear's input and backprop) four times per row, two sides, and the panel
+    # products per pair.
+    per_row = 4 * itemsize * sum(lin.d_in + lin.d_out for lin in mlp.linears)
+    if 2 * n * per_row + n * n * 5 * itemsize > memory_budget:
+        return None
+    out_dtype = X.dtype if out_dtype is None else out_dtype
+    outer, inner = _panel_rows(X.device, max(lin.d_out for lin in mlp.linears))
+    panel = _panel_entries(n, outer, inner)
+    head = mlp.linears[-1]
+    # Every buffer of the call but K in one allocation: the factors, the folded head
+    # (its inputs and the bias's 1), the panels' two products and, for a wider K, the
+    # panel computed in X's dtype.
+    sizes = {**gram_factor_sizes(mlp, n), "gd": panel, "ga": panel,
+             ("fold", len(mlp.linears) - 1): n * (head.d_in + (head.bias is not None))}
+    if out_dtype != X.dtype:
+        sizes["panel"] = panel
+    arena = Arena(sizes, X.dtype, X.device)
+    factors = gram_factors(mlp, params, X, arena)
+    if factors is None:
+        return None
+    # The route computes the layers' operations itself: a module whose forward is not
+    # theirs (what the type checks cannot see) takes the general route. Checked on the
+    # first sample: the module's output against the head applied to the factors.
+    head_w, a, head_b, _ = factors[-1]
+    ours = torch.nn.functional.linear(a[:1], params[head_w],
+                                      None if head_b is None else params[head_b])
+    ref = forward(module, params, X[:1])
+    scale = ref.abs().max().clamp_min(torch.finfo(X.dtype).tiny)
+    if not float((ours - ref).abs().max() / scale) <= 100 * torch.finfo(X.dtype).eps:
+        return None
+    terms = [Term(delta=d.view(n, 1, 1, -1),
+                  inputs=[(w, a.view(n, 1, -1))] + ([] if b is None else [(b, None)]))
+             for w, a, b, d in factors]
+    K = large_tensor((n, n), out_dtype, X.device)
+    panels = None if out_dtype == X.dtype else _Panels(X.dtype, X.device, arena)
+    # (:func:`_symmetric_block`'s SYRK takes terms of dense rows only: none here.)
+    _symmetric_panels(terms, "trace", None, _layout(params), K, panels, arena)
+    return K
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,

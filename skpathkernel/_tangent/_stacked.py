@@ -518,6 +518,145 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
     return list(zip(inputs, reversed(deltas)))
 
 
+# Activations whose forward writes into a given buffer (in place over its input) by the
+# aten op their module calls, and whose derivative reads their output only: the
+# backprop through them is then written in place too (``grad_input=`` the gradient).
+# Others are applied by their module (a fresh output) and differentiated by
+# :data:`_BACKWARD`'s kernel.
+_IN_PLACE = {
+    nn.Tanh: (lambda z: _aten.tanh.out(z, out=z),
+              lambda g, h: _aten.tanh_backward.grad_input(g, h, grad_input=g)),
+    nn.Sigmoid: (lambda z: _aten.sigmoid.out(z, out=z),
+                 lambda g, h: _aten.sigmoid_backward.grad_input(g, h, grad_input=g)),
+    nn.ReLU: (lambda z: _aten.relu.out(z, out=z),
+              lambda g, h: _aten.threshold_backward.grad_input(g, h, 0, grad_input=g)),
+}
+
+
+class Arena:
+    """Named buffers carved from one tensor, each region sized up front and starting on a
+    64-byte boundary; :meth:`get` views the start of a region as any shape that fits.
+
+    One allocation of torch's allocator instead of one per buffer: the C library's heap
+    gives the same block back to the next call, whose pages are then already there (on
+    the quick benchmark's 64-512-512-1 row at N = 1024, no page faults from the second
+    call on). NumPy's memory, whose huge pages :func:`.._memory.large_tensor` asks for,
+    made the benchmark's first timed calls 1.2-1.4x slower on the VM measured
+    (``benchmarks/results/gram-mlp-s46.md``).
+    """
+
+    _ALIGN = 64
+
+    def __init__(self, sizes: dict, dtype: torch.dtype, device: torch.device):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        step = max(1, self._ALIGN // itemsize)
+        rounded = {key: -(-int(size) // step) * step for key, size in sizes.items()}
+        buf = torch.empty((sum(rounded.values()) + step,), dtype=dtype, device=device)
+        start = (-buf.data_ptr() % self._ALIGN) // itemsize if buf.device.type == "cpu" else 0
+        self._regions = {}
+        for key, size in rounded.items():
+            self._regions[key] = buf[start : start + size]
+            start += size
+
+    def __contains__(self, key) -> bool:
+        return key in self._regions
+
+    def get(self, key, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._regions[key][: math.prod(shape)].view(shape)
+
+
+def gram_factor_sizes(mlp: StackedMLP, n: int) -> dict:
+    """The buffers of :func:`gram_factors` for ``n`` samples: entries by key."""
+    sizes = {}
+    for li, lin in enumerate(mlp.linears[:-1]):
+        sizes[("z", li)] = sizes[("g", li)] = n * lin.d_out
+    return sizes
+
+
+def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
+                 arena: Arena) -> list[tuple] | None:
+    """Every Linear's ``(weight name, inputs a (n, d_in), bias name or None, backprops
+    (n, d_out))`` of a scalar-output MLP at one parameter point, by one forward and one
+    backward pass without autograd, in one workspace; None where the route does not apply
+    (the last item not a Linear of one output).
+
+    The factors that :func:`._capture.capture` gives the tangent-kernel engine, computed
+    by the same aten operations on the same operands (``addmm`` for a Linear with a bias,
+    ``mm`` by the weight for its input's gradient, the activations' own backward
+    kernels, see :data:`_BACKWARD`), so the numbers are the same bit for bit, without
+    the use watch, the autograd graph and its saved tensors. Their memory is ``arena``'s
+    (:class:`Arena`, keys of :func:`gram_factor_sizes`) instead of a dozen tensors of
+    torch's allocator, each a first touch of fresh pages at every call: on the
+    64-512-512-1 network at N = 1024, 3,900 page faults of the capture on a cold heap
+    (``benchmarks/results/gram-mlp-s46.md``).
+    """
+    items = mlp.items
+    linears = mlp.linears
+    if not isinstance(items[-1], _Linear) or linears[-1].d_out != 1:
+        return None
+    n = X.shape[0]
+    # A forward buffer (layer output, the activation in place over it) and a backprop
+    # buffer per hidden Linear (:func:`gram_factor_sizes`).
+    bufs = [(arena.get(("z", li), (n, lin.d_out)), arena.get(("g", li), (n, lin.d_out)))
+            for li, lin in enumerate(linears[:-1])]
+    # Forward: every Linear's input, and per activation what its derivative reads.
+    h, li, inputs, acts = X, 0, [], [[] for _ in linears]
+    for it in items:
+        if isinstance(it, _Linear):
+            inputs.append(h)
+            if li == len(linears) - 1:
+                break  # the output itself is not needed
+            W, z = params[it.weight], bufs[li][0]
+            if it.bias is None:
+                h = torch.mm(h, W.t(), out=z)
+            else:
+                h = torch.addmm(params[it.bias], h, W.t(), out=z)
+            li += 1
+            continue
+        if type(it) is nn.Identity:
+            continue
+        if li == 0:  # before the first Linear: no backprop needed, X left as it is
+            h = it(h.clone())
+            continue
+        # In place over the Linear's output only as the first activation after it (a
+        # second would overwrite what the first one's derivative reads).
+        kernels = _IN_PLACE.get(type(it))
+        if kernels is not None and h is bufs[li - 1][0] and not acts[li - 1]:
+            kernels[0](h)
+            acts[li - 1].append((it, h))
+            continue
+        # The module's own call (a fresh output): its derivative reads its input or
+        # output as :data:`_BACKWARD` says.
+        # (An in-place module gets a copy: its input may be what another one's
+        # derivative reads.)
+        of_output, _ = _BACKWARD[type(it)]
+        z_in = h
+        h = it(h.clone() if getattr(it, "inplace", False) else h)
+        acts[li - 1].append((it, h if of_output else z_in))
+    # Backward: the scalar head's input gradient is its weight's row for every sample
+    # (``ones (n, 1) @ W``, exact), then down through the activations and Linears.
+    head = linears[-1]
+    deltas = [None] * len(linears)
+    deltas[-1] = X.new_ones((n, 1))
+    g_row = params[head.weight]
+    for li in range(len(linears) - 2, -1, -1):
+        g = bufs[li][1]
+        if g_row is not None:
+            g.copy_(g_row.expand(n, -1))
+            g_row = None
+        for it, saved in reversed(acts[li]):
+            kernels = _IN_PLACE.get(type(it))
+            if kernels is not None and saved is bufs[li][0]:
+                kernels[1](g, saved)
+            else:
+                g = _BACKWARD[type(it)][1](it, g, saved)
+        deltas[li] = g
+        if li > 0:
+            W = params[linears[li].weight]
+            torch.mm(g, W, out=bufs[li - 1][1])
+    return [(lin.weight, a, lin.bias, d) for lin, a, d in zip(linears, inputs, deltas)]
+
+
 def forward_block(mlp: StackedMLP, theta: torch.Tensor, layout: dict,
                   X: torch.Tensor) -> torch.Tensor:
     """The network's outputs (B, N, C) at the block's points: the route's own forward."""

@@ -12,6 +12,7 @@ from _reference import jacobian_loop
 from torch import nn
 from torch.nn import functional as F
 
+from benchmarks._nets import ViT
 from benchmarks.bench_gpu_choices import LongAttention, cpu_peak_bytes
 from skpathkernel import _tangent
 from skpathkernel._tangent import (
@@ -1678,3 +1679,46 @@ def test_bfloat16_gram_is_held_by_torch_where_numpy_has_no_such_dtype():
         K = tangent_gram(module, params, X, Y, output=output)
         assert K.dtype == torch.bfloat16
         _close(K, want, 3e-2)
+
+
+def _small_vit(n, dtype=torch.float64, n_out=4):
+    """benchmarks/_nets.py's ViT (patch-embedding conv, class token, position embedding,
+    a pre-norm encoder layer with attention, LayerNorm, Linear head) at a test's size."""
+    torch.manual_seed(0)
+    module = ViT(3, 8, 4, 16, 2, 32, 1, n_out).to(dtype).eval()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    return module, params, torch.randn(n, 3, 8, 8, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_output_groups_share_one_forward_pass_per_chunk(dtype, monkeypatch):
+    # A budget that splits the four outputs into groups, and whose rest beside the
+    # graphs of every row still holds a group's blocks: each chunk's forward pass is run
+    # once, its graph kept from the first group's capture to the last's, instead of one
+    # forward pass per group. The same K as the autograd loop, every row forwarded once,
+    # and what the call holds (the graphs included) stays within the budget, measured.
+    module, params, X = _small_vit(96, dtype)
+    n, size = len(X), X.element_size()
+    probe = _gram._prepare(module, params, X, "trace", 2**30, check_hidden=False)[3]
+    assert probe.graph_bytes > 0
+    budget = 2**16
+    while budget <= 2**30 and not (
+            len(_gram._output_groups(probe, n, n, "trace", None, True, budget, size)) > 1
+            and _gram._kept_forward_groups(probe, n, "trace", None, budget, size)):
+        budget = int(budget * 2 ** (1 / 16)) + 1
+    assert budget <= 2**30, "no budget splits the outputs and keeps the graphs"
+    groups = _gram._kept_forward_groups(probe, n, "trace", None, budget, size)
+    assert len(groups) > 1
+    tangent_gram(module, params, X[:2], memory_budget=budget)  # one-time allocations
+    forwarded = []
+    real = _tangent._capture.functional_call
+    monkeypatch.setattr(_tangent._capture, "functional_call",
+                        lambda m, p, args, *a, **k: forwarded.append(args[0].shape[0])
+                        or real(m, p, args, *a, **k))
+    K, peak = cpu_peak_bytes(lambda: tangent_gram(module, params, X, memory_budget=budget,
+                                                  check_hidden=False))
+    assert peak - K.nbytes <= budget, (peak - K.nbytes, budget)
+    # The probe's row (its outputs, its capture), then every row once, not once per group.
+    assert forwarded[:2] == [1, 1] and sum(forwarded[2:]) == n, forwarded
+    J = _loop_jacobian(module, {k: v.double() for k, v in params.items()}, X.double())
+    _close(K, torch.einsum("ncp,mcp->nm", J, J) / 4, RTOL if dtype == torch.float64 else 1e-5)

@@ -952,12 +952,14 @@ def tangent_gram(
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,
-                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0):
+                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0, counted=0):
     """The row and column blocks of a Gram, sized to the budget by the plan's route.
 
     ``reuse``: for the row and the column blocks, where their formed gradient blocks are
     kept (see :class:`_Blocks`), when earlier blocks held there are no longer used.
     ``held``: bytes the caller holds within the budget meanwhile (output groups' sums).
+    ``counted``: bytes per row of a capture chunk that the caller counts apart (the kept
+    forward passes' graphs, :func:`_kept_forward_groups`).
 
     Returns ``(bx, by, weight, dense)``: ``weight`` is None where the blocks carry the
     preconditioner's square root themselves; ``dense`` whether blocks are formed
@@ -1005,7 +1007,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
             size = n_max
         if fits and _wide_chunks(X.device):
             chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair,
-                                        memory_budget - held, chunk)
+                                        memory_budget - held, chunk, counted)
     else:
         size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
         # Captures are kept only where a block is visited again: the column blocks, once
@@ -1066,7 +1068,7 @@ def _wide_chunks(device: torch.device) -> bool:
 
 
 def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_pair: int,
-                        budget: int, chunk: int) -> int:
+                        budget: int, chunk: int, counted: int = 0) -> int:
     """Rows of a capture chunk where the cost per torch call, not bytes, sets the pace (a
     GPU's launches, see :func:`._stacked._launch_bound`; the CPU's, :func:`_wide_chunks`)
     and every formed block is kept: what the kept blocks and a block pair's products leave
@@ -1077,9 +1079,10 @@ def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_p
     ResNet's Gram took 13 captures, 19,389 torch calls; 5 captures and 9,501 calls with
     these chunks (``benchmarks/results/gpu_choices_cpu.md``). On an H200 the call's time
     was its host's time issuing them (CPU time 0.40 s of 0.41 s,
-    ``benchmarks/results/gram_nets-quick-cuda.md``).
+    ``benchmarks/results/gram_nets-quick-cuda.md``). ``counted``: bytes per row of the
+    chunk's estimate that the caller counts apart (a kept forward pass's graph).
     """
-    captured = _chunk_row_bytes(probe, kept) // 8
+    captured = max(_chunk_row_bytes(probe, kept) // 8 - counted, 1)
     spare = budget - kept * n_kept - per_pair * size * size
     return max(chunk, min(size, spare // captured))
 
@@ -1182,7 +1185,8 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
         budget -= probe.graph_bytes * n
     plans = [_gram_blocks(module, params, params_y, X, Y, [outputs[c] for c in columns],
                           "trace", _probe_outputs(probe, columns), weight, layout, symmetric,
-                          budget, dtype.itemsize, reuse, held) for columns in groups]
+                          budget, dtype.itemsize, reuse, held,
+                          probe.graph_bytes if kept else 0) for columns in groups]
     if kept:
         # Every group captures the same chunks (the narrowest groups' chunks, the widest
         # group's), each chunk's forward pass kept from the first group to the last.

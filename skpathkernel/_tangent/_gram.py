@@ -68,18 +68,23 @@ the sites' outputs and the layers' inputs: 687 KB per row on the ViT row, 1.33 M
 ResNet's, where they do not fit at N = 1024 and the default budget). On the ViT (N =
 1024, one thread, default budget): ten groups of one output instead of four of two and
 three, one forward pass instead of four, and with one output per capture no copy of the
-backprops into a buffer and no copy of a linear layer's delta in forming; 0.848 of the
-CPU time by medians of 3 alternated rounds (0.837-0.883 by round, 11.66 s against 13.74
-s, load 3-4), K to 5.6e-7 of its largest entry (the groups' sums in another order), the
-peak of torch's allocations less K 1036 MiB against 1141
+backprops into a buffer and no copy of a linear layer's delta in forming: 0.873 of the
+CPU time by medians of 3 alternated rounds (0.783-0.883 by round, 12.88 s against 14.75
+s, load 4-5), K to 5.6e-7 of its largest entry (the groups' sums in another order), the
+peak of torch's allocations less K 927 MiB against 1141
 (``benchmarks/results/vit_cuts_ab-s46.md``). Its phases: forward 0.51 s against 1.39,
 the captures' rest 1.56 s against 0.91 (the factors that depend only on the forward,
 LayerNorm's x-hat and the patches, are computed once per group: ten times instead of
-four). (Not kept: the backprops of linear sites laid out outputs-inner, ``(n, S, C, p)``
-in memory, so that forming's ``C p x S`` operand is a transposed view instead of a copy:
-K bit for bit, forming 0.47 s faster but the strided copies into the buffers as much
-slower, 0.992 (0.939-0.997) of the time without kept forward passes, 0.995 (0.995-1.017)
-with them, whose one-output groups copy nothing.)
+four; kept for all the rows, the ViT's x-hats alone would add 83 KB per row to the
+graphs, which then no longer fit). The chunks are sized by their estimate
+(:func:`_chunk_row_bytes`) less the graph's bytes, which the kept graphs count: 28 rows
+instead of 22 on the ViT, 0.966 of the time (0.947-0.997 by round), K bit for bit, peak
+932 MiB against 927; 44-row chunks measured 0.954 at 947 MiB. (Not kept: the
+backprops of linear sites laid out outputs-inner, ``(n, S, C, p)`` in memory, so that
+forming's ``C p x S`` operand is a transposed view instead of a copy: K bit for bit,
+forming 0.47 s faster but the strided copies into the buffers as much slower, 0.992
+(0.939-0.997) of the time without kept forward passes, 0.995 (0.995-1.017) with them,
+whose one-output groups copy nothing.)
 
 A convolution whose patches outnumber its block's entries (more positions than outputs x
 channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its

@@ -929,12 +929,12 @@ def tangent_gram(
     groups = _output_groups(probe, n, m, mode, weight, symmetric, memory_budget,
                             dtype.itemsize)
     if len(groups) > 1:
-        kept = symmetric and _kept_forward_groups(probe, n, mode, weight, memory_budget,
-                                                  dtype.itemsize)
-        if kept:
-            groups = kept
-        return _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight,
-                             layout, symmetric, memory_budget, dtype, out_dtype, bool(kept))
+        kept = _kept_forward_groups(probe, n, mode, weight, memory_budget,
+                                    dtype.itemsize) if symmetric else None
+        shared = kept is not None and len(kept) > 1
+        return _grouped_gram(module, params, params_y, X, Y, outputs,
+                             kept if shared else groups, probe, weight, layout, symmetric,
+                             memory_budget, dtype, out_dtype, shared)
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)

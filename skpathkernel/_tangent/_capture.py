@@ -32,6 +32,7 @@ other read leaves them to the fallback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -126,6 +127,9 @@ class Capture:
     #: Whether the rule layers' outputs were handed on as copies (see :func:`capture`'s
     #: ``copy_sites``).
     copied: bool = True
+    #: Bytes of the tensors the forward pass saved for the backward passes (the graph
+    #: that :func:`capture`'s ``kept`` holds), where ``measure_graph`` asked for them.
+    graph_bytes: int = 0
 
     def nbytes(self) -> int:
         size = 0
@@ -521,6 +525,9 @@ def capture(
     index: bool = False,
     formed: frozenset[str] = frozenset(),
     copy_sites: bool = True,
+    kept: dict | None = None,
+    last: bool = True,
+    measure_graph: bool = False,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -568,7 +575,24 @@ def capture(
         capture again with copies (``Capture.copied``) where one was rewritten (its version
         counter moved). Uncopied, a capture of the ResNet's chunks took 0.93 of the time
         by medians over 40 alternating rounds (``benchmarks/results/gram_resnet_profile.md``).
+    kept : dict, default=None
+        Where the forward pass of these rows is kept for the captures of other outputs
+        of the same rows (the output groups of a trace, :func:`._gram._output_groups`):
+        an empty dict runs the forward pass and keeps it there with its graph (unless
+        ``last``); a dict holding one reuses it, with the same ``exclude``. The caller
+        counts the graph's bytes (``measure_graph``).
+    last : bool, default=True
+        With ``kept``: the last capture of these rows, which frees the graph.
+    measure_graph : bool, default=False
+        Count the bytes of the tensors the forward pass saves for the backward passes
+        that belong to no parameter, buffer or ``X`` (``Capture.graph_bytes``).
     """
+    if kept:
+        state = kept["forward"]
+        if last:
+            kept.clear()
+        return _captured(module, params, X, outputs, memory_budget, dense_fallback, weights,
+                         scratch, index, formed, *state, retain=not last)
     check_per_sample(module)
     layers, reasons, taken = _rule_layers(module, params, exclude)
     # Parameters that require grad give every layer output a graph back to f; only the
@@ -588,8 +612,9 @@ def capture(
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
         handles.append(layer.register_forward_hook(lambda lay, args, out: watch.leave(lay),
                                                    always_call=True))
+    counted = _GraphBytes(module, live, X) if measure_graph else contextlib.nullcontext()
     try:
-        with torch.enable_grad(), watch:
+        with torch.enable_grad(), watch, counted:
             f = functional_call(module, live, (X,)).reshape(X.shape[0], -1)
     finally:
         for h in handles:
@@ -601,13 +626,36 @@ def capture(
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
                        dense_fallback=dense_fallback, weights=weights, scratch=scratch,
-                       index=index, formed=formed, copy_sites=copy_sites or rewritten)
+                       index=index, formed=formed, copy_sites=copy_sites or rewritten,
+                       kept=kept, last=last, measure_graph=measure_graph)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
+    state = (f, exclude, accepted, declined, sites, reasons, watch.copy)
+    if kept is not None and not last:
+        kept["forward"] = state
+    cap = _captured(module, params, X, outputs, memory_budget, dense_fallback, weights,
+                    scratch, index, formed, *state, retain=kept is not None and not last)
+    if measure_graph:
+        # The kept forward holds the sites' outputs and the layers' inputs too.
+        for *_, use, zs in accepted:
+            for t in (*use.inputs, *zs):
+                counted.add(t)
+        for *_, z in sites:
+            counted.add(z)
+        cap.graph_bytes = counted.nbytes
+    return cap
+
+
+def _captured(module, params, X, outputs, memory_budget, dense_fallback, weights, scratch,
+              index, formed, f, exclude, accepted, declined, sites, reasons, copied,
+              retain=False) -> Capture:
+    """:func:`capture` after its forward pass: the outputs' backward passes (``retain``:
+    the graph kept for another capture of the same forward), the factors, the fallback."""
+    reasons = dict(reasons)
     terms_by_name = _rule_terms(f, accepted, outputs, weights, params, reasons, sites,
-                                scratch, formed)
-    del f, live
+                                scratch, formed, retain)
+    del f
 
     # A rule layer's parameter that its rule leaves without a term (an extra parameter
     # registered on an nn.Linear) is covered by the fallback like any other.
@@ -628,7 +676,40 @@ def capture(
     if not index:
         terms = [one_hot(t) for t in terms]
     return Capture(terms=terms, fallback=fallback, exclude=exclude,
-                   declined=frozenset(declined), reasons=reasons, copied=watch.copy)
+                   declined=frozenset(declined), reasons=reasons, copied=copied)
+
+
+class _GraphBytes:
+    """Counts the bytes of the tensors a forward pass saves for its backward pass (and
+    those :meth:`add` names), each storage once, except those of the parameters, the
+    module's buffers and ``X``: what keeping the forward pass holds."""
+
+    def __init__(self, module, live, X):
+        self._skip = {t.untyped_storage().data_ptr()
+                      for t in (*live.values(), *module.buffers(), X)}
+        self._seen: set[int] = set()
+        self.nbytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.add(t)
+        return t
+
+    def add(self, t):
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._skip and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.nbytes += storage.nbytes()
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
 
 
 def _accepted_layers(layers, watch, X, reasons):
@@ -702,7 +783,7 @@ def _accepted_free(free, watch, params, X, reasons, declined):
 
 
 def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
-                scratch=None, formed=frozenset()) -> dict[str, Term]:
+                scratch=None, formed=frozenset(), retain=False) -> dict[str, Term]:
     """Each accepted layer's terms by parameter name: the backprops to its call's sites
     (one backward pass per output, or one for a contraction), factored by its rule (the
     parameters of ``formed`` possibly formed, see :func:`capture`); and the terms of the
@@ -714,7 +795,7 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
         # per-row contraction (the backprops are linear in the output's seed).
         seeds = ([f[:, c].sum() for c in outputs] if weights is None
                  else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
-        deltas = iter(_own_memory(_backprops(seeds, zs, scratch)))
+        deltas = iter(_own_memory(_backprops(seeds, zs, scratch, retain)))
         # Every call's terms (a layer called twice, or holding a tied weight, gives a
         # parameter several), summed per parameter below.
         uses: list[Term] = []
@@ -848,7 +929,7 @@ def _summed_uses(terms: list[Term]) -> dict[str, Term]:
     return by_name
 
 
-def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:
+def _backprops(seeds, zs, scratch=None, retain=False) -> list[torch.Tensor]:
     """``(n, len(seeds), *z.shape[1:])`` for every site output ``z``: column ``i`` the
     gradient of ``seeds[i]`` (zeros where it does not reach ``z``).
 
@@ -859,14 +940,15 @@ def _backprops(seeds, zs, scratch=None) -> list[torch.Tensor]:
     """
     n_out = len(seeds)
     if n_out == 1:
-        g = torch.autograd.grad(seeds[0], zs, allow_unused=True)
+        g = torch.autograd.grad(seeds[0], zs, retain_graph=retain, allow_unused=True)
         return [(torch.zeros_like(z) if gz is None else gz).detach().unsqueeze(1)
                 for z, gz in zip(zs, g)]
     out = [_buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z) for j, z in enumerate(zs)]
     if _batches_backprops(seeds[0].device) and _batched_into(out, seeds, zs):
         return out
     for i, seed in enumerate(seeds):
-        g = torch.autograd.grad(seed, zs, retain_graph=i < n_out - 1, allow_unused=True)
+        g = torch.autograd.grad(seed, zs, retain_graph=retain or i < n_out - 1,
+                                allow_unused=True)
         for buf, gz in zip(out, g):
             if gz is None:
                 buf[:, i].zero_()

@@ -57,9 +57,34 @@ which the bound does not count; their input-gradient convolutions run at 20-90 G
 (oneDNN's stride-2 ones the slowest). The chunks hand the rule layers' outputs on
 uncopied (``capture``'s ``copy_sites``): the call 1.08-1.09x as fast by medians, K bit
 for bit. (Not kept: the output groups sharing the chunks' backprop buffers, no fewer
-page faults; chunks twice as wide, 1.03x, within the noise, at 1.4x the peak memory.
-One forward per chunk for all the groups would need each chunk's graph kept until the
-last group, about 1 MB per sample beside the blocks that made the groups.)
+page faults; chunks twice as wide, 1.03x, within the noise, at 1.4x the peak memory.)
+
+Where the forward passes' graphs of all the rows fit beside a group's blocks, the output
+groups of a symmetric trace share one forward pass per chunk, its graph kept from the
+first group's capture to the last's (:func:`_kept_forward_groups`; ``capture``'s
+``kept``), in the fewest groups that fit what the graphs leave of the budget. The graph's
+bytes per row are counted on the probe's capture (the tensors its forward pass saves,
+the sites' outputs and the layers' inputs: 687 KB per row on the ViT row, 1.33 MB on the
+ResNet's, where they do not fit at N = 1024 and the default budget). On the ViT (N =
+1024, one thread, default budget): ten groups of one output instead of four of two and
+three, one forward pass instead of four, and with one output per capture no copy of the
+backprops into a buffer and no copy of a linear layer's delta in forming: 0.873 of the
+CPU time by medians of 3 alternated rounds (0.783-0.883 by round, 12.88 s against 14.75
+s, load 4-5), K to 5.6e-7 of its largest entry (the groups' sums in another order), the
+peak of torch's allocations less K 927 MiB against 1141
+(``benchmarks/results/vit_cuts_ab-s46.md``). Its phases: forward 0.51 s against 1.39,
+the captures' rest 1.56 s against 0.91 (the factors that depend only on the forward,
+LayerNorm's x-hat and the patches, are computed once per group: ten times instead of
+four; kept for all the rows, the ViT's x-hats alone would add 83 KB per row to the
+graphs, which then no longer fit). The chunks are sized by their estimate
+(:func:`_chunk_row_bytes`) less the graph's bytes, which the kept graphs count: 28 rows
+instead of 22 on the ViT, 0.966 of the time (0.947-0.997 by round), K bit for bit, peak
+932 MiB against 927; 44-row chunks measured 0.954 at 947 MiB. (Not kept: the
+backprops of linear sites laid out outputs-inner, ``(n, S, C, p)`` in memory, so that
+forming's ``C p x S`` operand is a transposed view instead of a copy: K bit for bit,
+forming 0.47 s faster but the strided copies into the buffers as much slower, 0.992
+(0.939-0.997) of the time without kept forward passes, 0.995 (0.995-1.017) with them,
+whose one-output groups copy nothing.)
 
 A convolution whose patches outnumber its block's entries (more positions than outputs x
 channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its
@@ -618,14 +643,24 @@ class _Blocks:
         # The layer outputs are handed on uncopied until a capture finds one rewritten in
         # place (see capture's copy_sites); the later chunks copy them from the start.
         self._copy_sites = False
+        # The forward passes kept for the captures of the same rows by later output
+        # groups (capture's ``kept``, by rows), and whether this is the last group.
+        self.forwards: dict | None = None
+        self.last = True
 
     def __len__(self):
         return len(self.slices)
 
     def _capture(self, rows: slice, scratch=None) -> Capture:
+        kept = None
+        if self.forwards is not None:
+            key = (rows.start, rows.stop)
+            kept = self.forwards.pop(key, {}) if self.last else \
+                self.forwards.setdefault(key, {})
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
-                      index=True, formed=self.dense, copy_sites=self._copy_sites)
+                      index=True, formed=self.dense, copy_sites=self._copy_sites,
+                      kept=kept, last=self.last)
         self._copy_sites = cap.copied
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
@@ -762,16 +797,18 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # samples covers reads that torch functions do not see, and reordered rows.
     rows = X[:2] if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude, index=True)
+                    exclude=exclude, index=True, measure_graph=True)
     hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
         else frozenset()
     if hidden:
-        probe = capture(module, params, X[:1], outputs, memory_budget=memory_budget,
-                        exclude=probe.exclude | hidden, index=True)
+        rows = X[:1]
+        probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
+                        exclude=probe.exclude | hidden, index=True, measure_graph=True)
     # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
     # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,
-                    exclude=probe.exclude | probe.declined)
+                    exclude=probe.exclude | probe.declined,
+                    graph_bytes=-(-probe.graph_bytes // rows.shape[0]))
     return params, outputs, mode, probe
 
 
@@ -959,8 +996,12 @@ def tangent_gram(
     groups = _output_groups(probe, n, m, mode, weight, symmetric, memory_budget,
                             dtype.itemsize)
     if len(groups) > 1:
-        return _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight,
-                             layout, symmetric, memory_budget, dtype, out_dtype)
+        kept = _kept_forward_groups(probe, n, mode, weight, memory_budget,
+                                    dtype.itemsize) if symmetric else None
+        shared = kept is not None and len(kept) > 1
+        return _grouped_gram(module, params, params_y, X, Y, outputs,
+                             kept if shared else groups, probe, weight, layout, symmetric,
+                             memory_budget, dtype, out_dtype, shared)
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)
@@ -1049,12 +1090,14 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,
-                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0):
+                 symmetric, memory_budget, itemsize, reuse=(None, None), held=0, counted=0):
     """The row and column blocks of a Gram, sized to the budget by the plan's route.
 
     ``reuse``: for the row and the column blocks, where their formed gradient blocks are
     kept (see :class:`_Blocks`), when earlier blocks held there are no longer used.
     ``held``: bytes the caller holds within the budget meanwhile (output groups' sums).
+    ``counted``: bytes per row of a capture chunk that the caller counts apart (the kept
+    forward passes' graphs, :func:`_kept_forward_groups`).
 
     Returns ``(bx, by, weight, dense)``: ``weight`` is None where the blocks carry the
     preconditioner's square root themselves; ``dense`` whether blocks are formed
@@ -1102,7 +1145,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
             size = n_max
         if fits and _wide_chunks(X.device):
             chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair,
-                                        memory_budget - held, chunk)
+                                        memory_budget - held, chunk, counted)
     else:
         size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
         # Captures are kept only where a block is visited again: the column blocks, once
@@ -1163,7 +1206,7 @@ def _wide_chunks(device: torch.device) -> bool:
 
 
 def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_pair: int,
-                        budget: int, chunk: int) -> int:
+                        budget: int, chunk: int, counted: int = 0) -> int:
     """Rows of a capture chunk where the cost per torch call, not bytes, sets the pace (a
     GPU's launches, see :func:`._stacked._launch_bound`; the CPU's, :func:`_wide_chunks`)
     and every formed block is kept: what the kept blocks and a block pair's products leave
@@ -1174,9 +1217,10 @@ def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_p
     ResNet's Gram took 13 captures, 19,389 torch calls; 5 captures and 9,501 calls with
     these chunks (``benchmarks/results/gpu_choices_cpu.md``). On an H200 the call's time
     was its host's time issuing them (CPU time 0.40 s of 0.41 s,
-    ``benchmarks/results/gram_nets-quick-cuda.md``).
+    ``benchmarks/results/gram_nets-quick-cuda.md``). ``counted``: bytes per row of the
+    chunk's estimate that the caller counts apart (a kept forward pass's graph).
     """
-    captured = _chunk_row_bytes(probe, kept) // 8
+    captured = max(_chunk_row_bytes(probe, kept) // 8 - counted, 1)
     spare = budget - kept * n_kept - per_pair * size * size
     return max(chunk, min(size, spare // captured))
 
@@ -1210,6 +1254,34 @@ def _output_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
     C = probe.terms[0].delta.shape[1]
     if mode != "trace" or C == 1 or 2 * n_x * n_y * itemsize > budget // 8:
         return [list(range(C))]
+    return _fitting_groups(probe, n_x, n_y, mode, weight, symmetric, budget, itemsize) \
+        or [list(range(C))]
+
+
+def _kept_forward_groups(probe, n, mode, weight, budget, itemsize) -> list[list[int]] | None:
+    """Output groups of a symmetric trace whose captures share one forward pass per
+    chunk: the graphs of all ``n`` rows (``probe.graph_bytes`` per row) kept beside the
+    widest group's blocks, the groups the fewest that fit what the graphs leave of the
+    budget; None where none fit (or a preconditioner: not taken there).
+
+    :func:`_output_groups` captures every chunk once per group, a forward pass each
+    (``g - 1`` more than one); keeping the forward passes' graphs until the last group
+    runs one, at the cost of the graphs' bytes, which may split the outputs into more
+    (narrower) groups: as many backward passes and forming, and the same products.
+    """
+    if weight is not None or probe.graph_bytes <= 0:
+        return None
+    left = budget - probe.graph_bytes * n
+    if left <= 0 or 2 * n * n * itemsize > left // 8:
+        return None
+    return _fitting_groups(probe, n, n, mode, weight, True, left, itemsize)
+
+
+def _fitting_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
+                    itemsize) -> list[list[int]] | None:
+    """The fewest groups of outputs whose blocks all fit (see :func:`_output_groups`);
+    None where none do."""
+    C = probe.terms[0].delta.shape[1]
     n_kept = n_x + (0 if symmetric else n_y)
     scalable = weight is not None and bool((weight.values >= 0).all())
     for g in range(1, C + 1):
@@ -1221,22 +1293,24 @@ def _output_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
                                        budget, itemsize, scalable)
         if g == 1 and dense and (_chunk_row_bytes(part, kept) > budget
                                  or 24 * kept > 7 * budget):
-            break  # refused with every output (the error names the bytes): refused alike
+            return None  # refused with every output (the error names the bytes): alike
         if dense and _chunk_row_bytes(part, kept) > budget:
             continue
         share = _dense_shares(part, kept, budget)[1] if dense else None
         if _keeps_all(dense, kept, n_kept, budget, share):
             bounds = [round(i * C / g) for i in range(g + 1)]
             return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
-    return [list(range(C))]
+    return None
 
 
 def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight, layout,
-                  symmetric, budget, dtype, out_dtype) -> torch.Tensor:
+                  symmetric, budget, dtype, out_dtype, kept=False) -> torch.Tensor:
     """The trace Gram as the sum of its output groups' traces (see :func:`_output_groups`).
 
     The groups' Grams are summed in the computation's dtype and widened at the end, so a
-    wider ``out_dtype`` is the float32 result converted, as for one group.
+    wider ``out_dtype`` is the float32 result converted, as for one group. ``kept``: the
+    groups of :func:`_kept_forward_groups`, whose captures share one forward pass per
+    chunk, its graph kept in what the budget leaves them.
     """
     n, m, C = X.shape[0], Y.shape[0], len(outputs)
     K = torch.empty((n, m), dtype=out_dtype, device=X.device)
@@ -1245,11 +1319,22 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
     held = part.nbytes + (0 if total is K else total.nbytes)
     # Each group's blocks are summed before the next group's are formed, in their place.
     reuse = ({}, {})
+    if kept:
+        budget -= probe.graph_bytes * n
+    plans = [_gram_blocks(module, params, params_y, X, Y, [outputs[c] for c in columns],
+                          "trace", _probe_outputs(probe, columns), weight, layout, symmetric,
+                          budget, dtype.itemsize, reuse, held,
+                          probe.graph_bytes if kept else 0) for columns in groups]
+    if kept:
+        # Every group captures the same chunks (the narrowest groups' chunks, the widest
+        # group's), each chunk's forward pass kept from the first group to the last.
+        chunk = min(bx.chunk or n for bx, *_ in plans)
+        forwards: dict = {}
+        for i, (bx, *_) in enumerate(plans):
+            bx.chunk, bx.forwards, bx.last = chunk, forwards, i == len(plans) - 1
     for i, columns in enumerate(groups):
-        bx, by, w, dense = _gram_blocks(module, params, params_y, X, Y,
-                                        [outputs[c] for c in columns], "trace",
-                                        _probe_outputs(probe, columns), weight, layout,
-                                        symmetric, budget, dtype.itemsize, reuse, held)
+        bx, by, w, dense = plans[i]
+        plans[i] = None
         target = total if i == 0 else part
         # The groups' sums are counted in an eighth of the budget (:func:`_output_groups`):
         # a SYRK's buffers take what they leave of it.

@@ -1,0 +1,80 @@
+"""One-process A/B of cuts to the ViT's tangent Gram (issue 31, session s46).
+
+"ref" runs with the cut switched off by patching the engine, "new" as committed; the two
+sides alternate (order reversed every round), ``time.process_time`` of
+``tangent_gram(net, params, X)`` (trace, float32, default 1 GiB budget, one torch thread)
+per call, then K compared bit for bit, and the peak of torch's CPU allocations of one
+more call per side (profiler memory events, as the tests of ``memory_budget``) less K.
+
+Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_vit_cuts_ab CUT
+[NET@N ...] [--reps R] [--peak]``; CUT is "kept": "ref" without
+:func:`skpathkernel._tangent._gram._kept_forward_groups` (the output groups' captures each
+run their own forward pass), "new" with it (one forward pass per chunk, its graph kept for
+every group). Results: ``benchmarks/results/vit_cuts_ab-s46.md``.
+"""
+
+import argparse
+import functools
+import statistics
+import time
+from contextlib import ExitStack
+from unittest import mock
+
+import torch
+
+from benchmarks import _worker
+from benchmarks.bench_gpu_choices import cpu_peak_bytes
+from skpathkernel._tangent import _gram, tangent_gram
+
+
+def _side(cut, side):
+    stack = ExitStack()
+    if side == "ref" and cut == "counted":
+        real = _gram._launch_bound_chunk
+        stack.enter_context(mock.patch.object(
+            _gram, "_launch_bound_chunk", lambda *args: real(*args[:7])))
+    if side == "ref" and cut == "kept":
+        stack.enter_context(mock.patch.object(_gram, "_kept_forward_groups",
+                                              lambda *args: None))
+    return stack
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cut")
+    parser.add_argument("cases", nargs="*", default=["vit@1024"])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--peak", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for case in args.cases:
+        arch, n = case.split("@")
+        net, params, X = _worker.gram_problem({"arch": arch, "n": int(n), "dtype": "float32"})
+        times, K = {"ref": [], "new": []}, {}
+        for side in ("ref", "new"):
+            with _side(args.cut, side):
+                K[side] = tangent_gram(net, params, X)
+        for r in range(args.reps):
+            for side in (("ref", "new") if r % 2 == 0 else ("new", "ref")):
+                with _side(args.cut, side):
+                    t = time.process_time()
+                    tangent_gram(net, params, X)
+                    times[side].append(time.process_time() - t)
+            print(case, r, {s: round(v[-1], 3) for s, v in times.items()}, flush=True)
+        diff = (K["new"].double() - K["ref"].double()).abs().max().item()
+        scale = K["ref"].double().abs().max().item()
+        med = {s: statistics.median(v) for s, v in times.items()}
+        ratio = [b / a for a, b in zip(times["ref"], times["new"])]
+        print(f"{case}: ref {med['ref']:.3f} s {times['ref']}, new {med['new']:.3f} s "
+              f"{times['new']}; new/ref median {med['new'] / med['ref']:.3f} "
+              f"(by round {min(ratio):.3f}-{max(ratio):.3f}); max |dK| {diff:.3g} "
+              f"(rel {diff / scale:.3g}); bitwise {torch.equal(K['new'], K['ref'])}")
+        if args.peak:
+            for side in ("ref", "new"):
+                with _side(args.cut, side):
+                    _, peak = cpu_peak_bytes(functools.partial(tangent_gram, net, params, X))
+                print(f"{case} {side} peak {(peak - K['ref'].nbytes) / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -178,7 +178,11 @@ queries (``benchmarks/results/contribution_roundoff.md``). Each contribution's
 difference is reported with an estimate of it added, ``ROUNDOFF * eps32 *
 sum_t |share_t|`` (the sum taken in the walk, beside the contributions). An estimate,
 not a bound: 1.7-27.1x the true error over the 39 audited float32 paths
-(``benchmarks/results/contribution_roundoff-s45.md``). It is checked against what
+(``benchmarks/results/contribution_roundoff-s45.md``); over 46 with 1800-step Adam and
+momentum SGD, 1.7-27.1x against that reference and 2.65-52x against one whose batch
+gradients are float32's, as the training's were, which closes to the decomposition's
+own closure where the float64 one does not (Adam: a gradient near 0 steps by its
+float32 value; ``benchmarks/results/contribution_roundoff-s46.md``). It is checked against what
 float32 products can be checked to: the default tol, 1e-6, is about 8 eps32, at their
 round-off floor, and any coefficient that reaches the true error on every audited
 path also warned on default paths whose true error is under ``1e-6 * S``. So with

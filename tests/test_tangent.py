@@ -1696,6 +1696,9 @@ _PLAIN = {
     "activation first, identity, no activation between": lambda: nn.Sequential(
         nn.Tanh(), nn.Linear(5, 16), nn.Identity(), nn.Linear(16, 12), nn.ELU(),
         nn.Linear(12, 1)),
+    # Autograd differentiates elu_ from its output: other bits than ELU's from its input.
+    "in-place elu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ELU(alpha=0.7, inplace=True),
+                                          nn.Linear(16, 1)),
 }
 
 
@@ -1759,3 +1762,59 @@ def test_plain_mlp_route_is_left_where_it_does_not_apply(monkeypatch):
     Jp = _loop_jacobian(module, params, X)[:, 0]
     _close(tangent_gram(module, params, X), Jp @ Jp.T)
     assert taken  # the route ran, then gave way
+
+
+def test_plain_mlp_route_takes_parameters_and_inputs_that_require_grad(monkeypatch):
+    # The module's own parameters (requires_grad=True) and an X that requires grad: the
+    # route's out= products refused them (RuntimeError) where the capture took them.
+    torch.manual_seed(2)
+    module = _PLAIN["tanh"]().double()
+    params = dict(module.named_parameters())
+    X = torch.randn(30, 5, dtype=torch.float64, requires_grad=True)
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
+    K = tangent_gram(module, params, X)
+    assert taken and not K.requires_grad
+    J = _loop_jacobian(module, params, X.detach())[:, 0]
+    _close(K, J @ J.T)
+
+
+def test_plain_mlp_route_sums_the_layers_in_the_order_of_params(monkeypatch):
+    # The general route sums the layers' terms in the order of their parameters in
+    # ``params``; the route summed them in the module's order: other bits for a dict in
+    # another order (the reversed one here).
+    torch.manual_seed(3)
+    module = _PLAIN["tanh"]().double()
+    params = {k: v.detach() for k, v in reversed(list(module.named_parameters()))}
+    X = torch.randn(60, 5, dtype=torch.float64)
+    K = tangent_gram(module, params, X)
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(K, J @ J.T)
+    monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)
+    assert torch.equal(tangent_gram(module, params, X), K)
+
+
+def test_plain_mlp_route_leaves_the_inputs_alone():
+    # An in-place activation before the first Linear: the route's check of the module's
+    # forward on the first sample overwrote the caller's first row.
+    torch.manual_seed(4)
+    module = nn.Sequential(nn.ELU(inplace=True), nn.Linear(5, 8), nn.Tanh(),
+                           nn.Linear(8, 1)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = -torch.rand(10, 5, dtype=torch.float64)
+    X0 = X.clone()
+    K = tangent_gram(module, params, X)
+    assert torch.equal(X, X0)
+    J = _loop_jacobian(module, params, X0.clone())[:, 0]
+    _close(K, J @ J.T)
+
+
+def test_plain_mlp_route_refuses_parameters_of_other_shapes():
+    # A bias of shape (1,) broadcast over the layer's units: the general route refuses
+    # it; the route took it for one entry per unit and returned another Gram.
+    module = _PLAIN["tanh"]().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    params["0.bias"] = torch.ones(1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'0.bias' 16 gradient entries per output"):
+        tangent_gram(module, params, torch.randn(8, 5, dtype=torch.float64))

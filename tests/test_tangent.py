@@ -1818,3 +1818,29 @@ def test_plain_mlp_route_refuses_parameters_of_other_shapes():
     params["0.bias"] = torch.ones(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="'0.bias' 16 gradient entries per output"):
         tangent_gram(module, params, torch.randn(8, 5, dtype=torch.float64))
+
+
+def test_plain_mlp_route_keeps_an_output_that_cancels(monkeypatch):
+    # The route's check of the module's forward on the first sample compared the
+    # difference with the output itself: an output that cancels to near 0 (here 1e-3 of
+    # its terms' size) made a rounding difference of the module's own GEMMs (emulated:
+    # 2 eps of the terms) look like another forward, and the call left the route.
+    torch.manual_seed(5)
+    module = _PLAIN["tanh"]()
+    params = {k: v.detach().clone() for k, v in module.named_parameters()}
+    X = torch.randn(50, 5)
+    with torch.no_grad():
+        hidden = module[:-1](X[:1])
+        size = float((hidden.abs() @ params["4.weight"].abs().T).max())
+        params["4.bias"] = 1e-3 * size - hidden @ params["4.weight"].T
+        params["4.bias"] = params["4.bias"].reshape(1)
+    real = _gram.forward
+    eps = torch.finfo(torch.float32).eps
+    monkeypatch.setattr(_gram, "forward", lambda *a: real(*a) + 2 * eps * size)
+    general = []
+    real_prepare = _gram._prepare
+    monkeypatch.setattr(_gram, "_prepare", lambda *a: general.append(1) or real_prepare(*a))
+    K = tangent_gram(module, params, X)
+    assert not general  # the route's K
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(K, J @ J.T, 1e-5)

@@ -1058,10 +1058,10 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     # near 0 made that rounding look like another forward (3 of 60 random 64-512-512-1
     # tanh networks at N = 256 left the route so: 101-282 eps of the output, 0.12-0.31
     # eps of its terms; ``benchmarks/results/review-plain-mlp-s46.md``).
-    terms = a[:1].abs() @ params[head_w].abs().T
+    magnitude = a[:1].abs() @ params[head_w].abs().T
     if head_b is not None:
-        terms += params[head_b].abs()
-    scale = terms.max().clamp_min(torch.finfo(X.dtype).tiny)
+        magnitude += params[head_b].abs()
+    scale = magnitude.max().clamp_min(torch.finfo(X.dtype).tiny)
     if not float((ours - ref).abs().max() / scale) <= 100 * torch.finfo(X.dtype).eps:
         return None
     terms = [Term(delta=d.view(n, 1, 1, -1),

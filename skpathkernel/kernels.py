@@ -353,8 +353,10 @@ def _check_finite(K: np.ndarray, net: TrainedNetwork, X=None, Y=None) -> np.ndar
     # The sum first: finite only if every entry is (inf or NaN anywhere makes it inf or
     # NaN), without the n^2 temporary of isfinite (a fresh 1 MB at N = 1024, 256 page
     # faults on a cold heap); a finite float64 K whose sum overflows is checked entry by
-    # entry.
-    if not np.isfinite(K.sum()) and not np.isfinite(K).all():
+    # entry. (Without a RuntimeWarning for that overflow, or for inf - inf.)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = K.sum()
+    if not np.isfinite(total) and not np.isfinite(K).all():
         n_bad = int(np.size(K) - np.count_nonzero(np.isfinite(K)))
         # A diverged path ends non-finite (NaN stays NaN): its kernels were blamed on the
         # inputs, which no scaling cures.

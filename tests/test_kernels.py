@@ -688,3 +688,20 @@ def test_row_split_full_gram_averages_with_the_block_transpose(cls):
     split = cls(est, output="full", n_jobs=2)(X)
     _close(split, serial, RTOL)
     np.testing.assert_array_equal(split, split.transpose(1, 0, 3, 2))
+
+
+def test_the_finiteness_check_warns_of_nothing_and_refuses_as_before():
+    """The check sums K first: inf and -inf entries (an overflowed Gram's off-diagonal
+    entries take both signs) summed to NaN with a RuntimeWarning before the refusal, and
+    a finite K whose sum overflows came back with one."""
+    from skpathkernel import kernels
+
+    est, X = _fit()
+    net = kernels.network_of(est)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K = np.array([[np.inf, -np.inf], [-np.inf, np.inf]])
+        with pytest.raises(ValueError, match="The kernel has 4 non-finite entries"):
+            kernels._check_finite(K, net)
+        big = np.full((3, 3), 1e308)
+        assert kernels._check_finite(big, net) is big

@@ -1697,6 +1697,9 @@ _PLAIN = {
     "activation first, identity, no activation between": lambda: nn.Sequential(
         nn.Tanh(), nn.Linear(5, 16), nn.Identity(), nn.Linear(16, 12), nn.ELU(),
         nn.Linear(12, 1)),
+    # Autograd differentiates elu_ from its output: other bits than ELU's from its input.
+    "in-place elu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ELU(alpha=0.7, inplace=True),
+                                          nn.Linear(16, 1)),
 }
 
 
@@ -1820,3 +1823,85 @@ def test_output_groups_share_one_forward_pass_per_chunk(dtype, monkeypatch):
         _close(K, expected, RTOL if dtype == torch.float64 else 1e-5)
     # Some budget's chunks are wider for the graphs counted apart.
     assert len(budgets) > 1 and any(wider)
+
+
+def test_plain_mlp_route_takes_parameters_and_inputs_that_require_grad(monkeypatch):
+    # The module's own parameters (requires_grad=True) and an X that requires grad: the
+    # route's out= products refused them (RuntimeError) where the capture took them.
+    torch.manual_seed(2)
+    module = _PLAIN["tanh"]().double()
+    params = dict(module.named_parameters())
+    X = torch.randn(30, 5, dtype=torch.float64, requires_grad=True)
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
+    K = tangent_gram(module, params, X)
+    assert taken and not K.requires_grad
+    J = _loop_jacobian(module, params, X.detach())[:, 0]
+    _close(K, J @ J.T)
+
+
+def test_plain_mlp_route_sums_the_layers_in_the_order_of_params(monkeypatch):
+    # The general route sums the layers' terms in the order of their parameters in
+    # ``params``; the route summed them in the module's order: other bits for a dict in
+    # another order (the reversed one here).
+    torch.manual_seed(3)
+    module = _PLAIN["tanh"]().double()
+    params = {k: v.detach() for k, v in reversed(list(module.named_parameters()))}
+    X = torch.randn(60, 5, dtype=torch.float64)
+    K = tangent_gram(module, params, X)
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(K, J @ J.T)
+    monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)
+    assert torch.equal(tangent_gram(module, params, X), K)
+
+
+def test_plain_mlp_route_leaves_the_inputs_alone():
+    # An in-place activation before the first Linear: the route's check of the module's
+    # forward on the first sample overwrote the caller's first row.
+    torch.manual_seed(4)
+    module = nn.Sequential(nn.ELU(inplace=True), nn.Linear(5, 8), nn.Tanh(),
+                           nn.Linear(8, 1)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = -torch.rand(10, 5, dtype=torch.float64)
+    X0 = X.clone()
+    K = tangent_gram(module, params, X)
+    assert torch.equal(X, X0)
+    J = _loop_jacobian(module, params, X0.clone())[:, 0]
+    _close(K, J @ J.T)
+
+
+def test_plain_mlp_route_refuses_parameters_of_other_shapes():
+    # A bias of shape (1,) broadcast over the layer's units: the general route refuses
+    # it; the route took it for one entry per unit and returned another Gram.
+    module = _PLAIN["tanh"]().double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    params["0.bias"] = torch.ones(1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'0.bias' 16 gradient entries per output"):
+        tangent_gram(module, params, torch.randn(8, 5, dtype=torch.float64))
+
+
+def test_plain_mlp_route_keeps_an_output_that_cancels(monkeypatch):
+    # The route's check of the module's forward on the first sample compared the
+    # difference with the output itself: an output that cancels to near 0 (here 1e-3 of
+    # its terms' size) made a rounding difference of the module's own GEMMs (emulated:
+    # 2 eps of the terms) look like another forward, and the call left the route.
+    torch.manual_seed(5)
+    module = _PLAIN["tanh"]()
+    params = {k: v.detach().clone() for k, v in module.named_parameters()}
+    X = torch.randn(50, 5)
+    with torch.no_grad():
+        hidden = module[:-1](X[:1])
+        size = float((hidden.abs() @ params["4.weight"].abs().T).max())
+        params["4.bias"] = 1e-3 * size - hidden @ params["4.weight"].T
+        params["4.bias"] = params["4.bias"].reshape(1)
+    real = _gram.forward
+    eps = torch.finfo(torch.float32).eps
+    monkeypatch.setattr(_gram, "forward", lambda *a: real(*a) + 2 * eps * size)
+    general = []
+    real_prepare = _gram._prepare
+    monkeypatch.setattr(_gram, "_prepare", lambda *a: general.append(1) or real_prepare(*a))
+    K = tangent_gram(module, params, X)
+    assert not general  # the route's K
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(K, J @ J.T, 1e-5)

@@ -978,7 +978,10 @@ def tangent_gram(
     if params_y is not None:
         params_y = _matching(params, params_y)
     elif Y is None and diag_weight is None and not exclude:
-        K = _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype)
+        # Without autograd: its ``out=`` products refuse operands that require grad (the
+        # module's own parameters, or an X that requires grad), which the capture takes.
+        with torch.no_grad():
+            K = _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype)
         if K is not None:
             return K
     params, outputs, mode, probe = _prepare(module, params, X, output, memory_budget, exclude,
@@ -1047,6 +1050,12 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
             or not isinstance(mlp.items[-1], type(mlp.linears[-1]))
             or any(p.dtype != X.dtype or p.device != X.device for p in params.values())):
         return None
+    # Parameters of the layers' own shapes: a broadcast bias (shape (1,)) would be taken
+    # for one entry per unit, where the general route refuses it.
+    shapes = {lin.weight: (lin.d_out, lin.d_in) for lin in mlp.linears}
+    shapes.update({lin.bias: (lin.d_out,) for lin in mlp.linears if lin.bias is not None})
+    if any(tuple(params[k].shape) != shape for k, shape in shapes.items()):
+        return None
     n, itemsize = X.shape[0], X.element_size()
     # One block, as the general route sizes it (:func:`_gram_blocks`): the factors of a
     # row (a Linear's input and backprop) four times per row, two sides, and the panel
@@ -1058,11 +1067,18 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     outer, inner = _panel_rows(X.device, max(lin.d_out for lin in mlp.linears))
     panel = _panel_entries(n, outer, inner)
     head = mlp.linears[-1]
+    # The layers' terms in the order of their first parameter in ``params``, as the
+    # capture gives them: the panels sum them in that order (the same bits for a dict
+    # in another order than the module's).
+    names = {name: i for i, name in enumerate(params)}
+    order = sorted(range(len(mlp.linears)), key=lambda li: min(
+        names[k] for k in (mlp.linears[li].weight, mlp.linears[li].bias) if k is not None))
     # Every buffer of the call but K in one allocation: the factors, the folded head
     # (its inputs and the bias's 1), the panels' two products and, for a wider K, the
     # panel computed in X's dtype.
     sizes = {**gram_factor_sizes(mlp, n), "gd": panel, "ga": panel,
-             ("fold", len(mlp.linears) - 1): n * (head.d_in + (head.bias is not None))}
+             ("fold", order.index(len(mlp.linears) - 1)):
+             n * (head.d_in + (head.bias is not None))}
     if out_dtype != X.dtype:
         sizes["panel"] = panel
     arena = Arena(sizes, X.dtype, X.device)
@@ -1075,13 +1091,23 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     head_w, a, head_b, _ = factors[-1]
     ours = torch.nn.functional.linear(a[:1], params[head_w],
                                       None if head_b is None else params[head_b])
-    ref = forward(module, params, X[:1])
-    scale = ref.abs().max().clamp_min(torch.finfo(X.dtype).tiny)
+    # (A copy: an in-place activation before the first Linear would overwrite the
+    # caller's first row.)
+    ref = forward(module, params, X[:1].clone())
+    # Relative to the output's terms, ``|a| |W|^T + |b|``, the scale of the rounding of
+    # the module's other GEMMs (one sample against the block): an output that cancels to
+    # near 0 made that rounding look like another forward (3 of 60 random 64-512-512-1
+    # tanh networks at N = 256 left the route so: 101-282 eps of the output, 0.12-0.31
+    # eps of its terms; ``benchmarks/results/review-plain-mlp-s46.md``).
+    magnitude = a[:1].abs() @ params[head_w].abs().T
+    if head_b is not None:
+        magnitude += params[head_b].abs()
+    scale = magnitude.max().clamp_min(torch.finfo(X.dtype).tiny)
     if not float((ours - ref).abs().max() / scale) <= 100 * torch.finfo(X.dtype).eps:
         return None
     terms = [Term(delta=d.view(n, 1, 1, -1),
                   inputs=[(w, a.view(n, 1, -1))] + ([] if b is None else [(b, None)]))
-             for w, a, b, d in factors]
+             for w, a, b, d in (factors[li] for li in order)]
     K = large_tensor((n, n), out_dtype, X.device)
     panels = None if out_dtype == X.dtype else _Panels(X.dtype, X.device, arena)
     # (:func:`_symmetric_block`'s SYRK takes terms of dense rows only: none here.)

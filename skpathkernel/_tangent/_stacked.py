@@ -532,6 +532,9 @@ _IN_PLACE = {
               lambda g, h: _aten.threshold_backward.grad_input(g, h, 0, grad_input=g)),
 }
 
+# ``nn.ELU(inplace=True)``: autograd's derivative of ``elu_`` reads its output.
+_ELU_OF_OUTPUT = (True, lambda a, g, h: _aten.elu_backward(g, a.alpha, 1, 1, True, h))
+
 
 class Arena:
     """Named buffers carved from one tensor, each region sized up front and starting on a
@@ -623,16 +626,19 @@ def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
         kernels = _IN_PLACE.get(type(it))
         if kernels is not None and h is bufs[li - 1][0] and not acts[li - 1]:
             kernels[0](h)
-            acts[li - 1].append((it, h))
+            acts[li - 1].append((it, h, None))
             continue
         # The module's own call (a fresh output): its derivative reads its input or
         # output as :data:`_BACKWARD` says.
         # (An in-place module gets a copy: its input may be what another one's
         # derivative reads.)
-        of_output, _ = _BACKWARD[type(it)]
+        of_output, backward = _BACKWARD[type(it)]
+        if type(it) is nn.ELU and it.inplace:
+            # Autograd differentiates ``elu_`` from its output (another rounding).
+            of_output, backward = _ELU_OF_OUTPUT
         z_in = h
         h = it(h.clone() if getattr(it, "inplace", False) else h)
-        acts[li - 1].append((it, h if of_output else z_in))
+        acts[li - 1].append((it, h if of_output else z_in, backward))
     # Backward: the scalar head's input gradient is its weight's row for every sample
     # (``ones (n, 1) @ W``, exact), then down through the activations and Linears.
     head = linears[-1]
@@ -644,12 +650,11 @@ def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
         if g_row is not None:
             g.copy_(g_row.expand(n, -1))
             g_row = None
-        for it, saved in reversed(acts[li]):
-            kernels = _IN_PLACE.get(type(it))
-            if kernels is not None and saved is bufs[li][0]:
-                kernels[1](g, saved)
+        for it, saved, backward in reversed(acts[li]):
+            if backward is None:
+                _IN_PLACE[type(it)][1](g, saved)
             else:
-                g = _BACKWARD[type(it)][1](it, g, saved)
+                g = backward(it, g, saved)
         deltas[li] = g
         if li > 0:
             W = params[linears[li].weight]

@@ -1820,3 +1820,53 @@ def test_output_groups_share_one_forward_pass_per_chunk(dtype, monkeypatch):
         _close(K, expected, RTOL if dtype == torch.float64 else 1e-5)
     # Some budget's chunks are wider for the graphs counted apart.
     assert len(budgets) > 1 and any(wider)
+
+
+def _forwarded_gram(module, params, X, budget, monkeypatch):
+    """``tangent_gram`` at ``budget`` (without the autograd check): K, the peak of what
+    it holds beside K (torch's allocations, measured), and the rows of each forward pass
+    of its captures."""
+    tangent_gram(module, params, X[:2], memory_budget=budget)  # one-time allocations
+    forwarded = []
+    real = _tangent._capture.functional_call
+    monkeypatch.setattr(_tangent._capture, "functional_call",
+                        lambda m, p, args, *a, **k: forwarded.append(args[0].shape[0])
+                        or real(m, p, args, *a, **k))
+    try:
+        K, peak = cpu_peak_bytes(functools.partial(tangent_gram, module, params, X,
+                                                   memory_budget=budget, check_hidden=False))
+    finally:
+        monkeypatch.setattr(_tangent._capture, "functional_call", real)
+    return K, peak - K.nbytes, forwarded
+
+
+def test_kept_forward_passes_of_groups_of_other_widths(monkeypatch):
+    # An MLP's factors (no formed blocks) are cut into blocks sized by the group's width:
+    # groups of 2 and 3 outputs cut the rows apart, and each group's captures kept their
+    # own forward passes instead of finding the first group's (twice the forward passes,
+    # every row's graph held twice). The rows of every group's captures are the same:
+    # each row forwarded once, the same K as the autograd loop, within the budget.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(5, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                           nn.Linear(32, 7)).double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(37, 5, dtype=torch.float64)
+    n, size = len(X), X.element_size()
+    probe = _gram._prepare(module, params, X, "trace", 2**30, check_hidden=False)[3]
+    J = _loop_jacobian(module, params, X)
+    expected = torch.einsum("ncp,mcp->nm", J, J) / 7
+    plans = {}
+    budget = 2**14
+    while budget <= 2**24:
+        kept = _gram._kept_forward_groups(probe, n, "trace", None, budget, size)
+        if kept and len(kept) > 1 and len({len(g) for g in kept}) > 1 and len(
+                _gram._output_groups(probe, n, n, "trace", None, True, budget, size)) > 1:
+            plans.setdefault(tuple(map(len, kept)), budget)
+        budget = int(budget * 2 ** (1 / 8)) + 1
+    assert plans, "no budget keeps the forward passes of groups of several widths"
+    for budget in plans.values():
+        K, held, forwarded = _forwarded_gram(module, params, X, budget, monkeypatch)
+        assert forwarded[:2] == [1, 1] and sum(forwarded[2:]) == n, forwarded
+        assert held <= budget, (held, budget)
+        _close(K, expected)
+

@@ -1326,12 +1326,21 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
                           budget, dtype.itemsize, reuse, held,
                           probe.graph_bytes if kept else 0) for columns in groups]
     if kept:
-        # Every group captures the same chunks (the narrowest groups' chunks, the widest
-        # group's), each chunk's forward pass kept from the first group to the last.
-        chunk = min(bx.chunk or n for bx, *_ in plans)
+        # Every group captures the same rows (the fewest of any group's captures: a
+        # chunk of its formed blocks, or a block of its factors), each capture's forward
+        # pass kept from the first group to the last. The groups' blocks of factors
+        # (sized by their width) are cut alike: with blocks of other rows, a group's
+        # captures would find no kept forward pass and keep their own.
+        rows = min(min(bx.chunk or n, bx.slices[0].stop) for bx, *_ in plans)
         forwards: dict = {}
         for i, (bx, *_) in enumerate(plans):
-            bx.chunk, bx.forwards, bx.last = chunk, forwards, i == len(plans) - 1
+            if bx.dense and len(bx) == 1:
+                bx.chunk = rows  # one block of formed gradients, captured in chunks
+            else:
+                bx.chunk = None
+                bx.slices = [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+                bx.keep = len(bx) > 1  # every group's blocks fit (_fitting_groups)
+            bx.forwards, bx.last = forwards, i == len(plans) - 1
     for i, columns in enumerate(groups):
         bx, by, w, dense = plans[i]
         plans[i] = None

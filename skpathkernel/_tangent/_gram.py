@@ -1138,7 +1138,8 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
         size = _block_size(n_max, memory_budget,
                            -(-3 * (kept + lazy) * memory_budget // (2 * share)),
                            -(-per_pair * memory_budget // share))
-        fits = _keeps_all(dense, kept, n_kept, memory_budget, share)
+        fits = _keeps_all(dense, kept, n_kept, memory_budget, share,
+                          _panel_bytes(pair, n_max, X.device) if symmetric and not lazy else 0)
         if fits and symmetric and not lazy:
             # Every block is kept anyway: one block, the largest products. (Lazily formed
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)
@@ -1225,10 +1226,27 @@ def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_p
     return max(chunk, min(size, spare // captured))
 
 
-def _keeps_all(dense, kept: int, n_kept: int, budget: int, share: int | None = None) -> bool:
+def _keeps_all(dense, kept: int, n_kept: int, budget: int, share: int | None = None,
+               products: int = 0) -> bool:
     """Whether a Gram keeps every block's capture (none is recomputed): formed gradient
-    blocks in ``share`` (:func:`_dense_shares`), factors in half of the budget."""
-    return kept * n_kept <= (share if dense else budget // 2)
+    blocks in ``share`` (:func:`_dense_shares`) beside the panels' ``products``
+    (:func:`_panel_bytes`, those of the one block a symmetric Gram then has), factors in
+    half of the budget."""
+    return (kept * n_kept + products <= share) if dense else kept * n_kept <= budget // 2
+
+
+def _panel_bytes(pair: int, n: int, device: torch.device) -> int:
+    """The most bytes of the position pairs' intermediates (``pair`` per pair of rows,
+    :func:`._contract.pair_bytes`) in one panel of :func:`_symmetric_panels` on a
+    symmetric block of ``n`` rows (either panel size of :func:`_panel_rows`).
+
+    Where every formed block is kept, the symmetric Gram is one block, whose panels'
+    products the blocks' sizes do not count (:func:`_block_size` counts them where the
+    blocks do not all fit): a small ViT whose patch embedding went by position pairs from
+    two outputs on held 1.46x the budget in groups of two
+    (``benchmarks/results/rev2-s46-kept-forwards.md``). The panels' other products (a
+    rank-one term's two, a panel of another dtype) take the rest of the budget."""
+    return pair * max(_panel_entries(n, *_panel_rows(device, width)) for width in (0, 2**14))
 
 
 def _probe_outputs(probe: Capture, columns: Sequence[int]) -> Capture:
@@ -1289,15 +1307,20 @@ def _fitting_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
         if g > 1 and width == -(-C // (g - 1)):
             continue  # the same widest group as g - 1
         part = _probe_outputs(probe, range(width))
-        dense, kept, _, _ = _gram_plan(part, n_x, n_y, mode, weight is not None, symmetric,
-                                       budget, itemsize, scalable)
+        dense, kept, pair, scaled = _gram_plan(part, n_x, n_y, mode, weight is not None,
+                                               symmetric, budget, itemsize, scalable)
         if g == 1 and dense and (_chunk_row_bytes(part, kept) > budget
                                  or 24 * kept > 7 * budget):
             return None  # refused with every output (the error names the bytes): alike
         if dense and _chunk_row_bytes(part, kept) > budget:
             continue
         share = _dense_shares(part, kept, budget)[1] if dense else None
-        if _keeps_all(dense, kept, n_kept, budget, share):
+        # The products as :func:`_gram_blocks` counts them (a preconditioner not folded
+        # into the blocks forms rank-one blocks lazily, in blocks sized for them).
+        lazy = weight is not None and not scaled
+        products = _panel_bytes(pair, n_x, probe.terms[0].delta.device) \
+            if symmetric and not lazy else 0
+        if _keeps_all(dense, kept, n_kept, budget, share, products):
             bounds = [round(i * C / g) for i in range(g + 1)]
             return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
     return None

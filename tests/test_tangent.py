@@ -1907,3 +1907,29 @@ def test_output_groups_hold_their_panels_in_the_budget(net, monkeypatch):
         K, held, _ = _forwarded_gram(module, params, X, budget, monkeypatch)
         assert held <= budget, (held, budget)
         _close(K, expected)
+
+
+def test_kept_forward_passes_never_refuse_a_budget_the_groups_hold(monkeypatch):
+    # On a few rows, the rest of the budget beside the graphs can be too small for a
+    # block's single row where the groups' check (_fitting_groups) does not see it: the
+    # call refused (naming a budget less than the one given) where the groups' plan with
+    # a forward pass per group holds the budget. At every budget of a 1/8-octave grid
+    # that this plan holds, the call computes K (the autograd loop's).
+    module, params, X = _small_vit(3, torch.float64, n_out=10)
+    J = _loop_jacobian(module, params, X)
+    expected = torch.einsum("ncp,mcp->nm", J, J) / 10
+    real = _gram._kept_forward_groups
+    held, budget = 0, 2**16
+    while budget <= 2**19:
+        monkeypatch.setattr(_gram, "_kept_forward_groups", lambda *a: None)
+        try:
+            tangent_gram(module, params, X, memory_budget=budget)
+        except ValueError:
+            budget = int(budget * 2 ** (1 / 8)) + 1
+            continue
+        finally:
+            monkeypatch.setattr(_gram, "_kept_forward_groups", real)
+        _close(tangent_gram(module, params, X, memory_budget=budget), expected)
+        held += 1
+        budget = int(budget * 2 ** (1 / 8)) + 1
+    assert held > 5

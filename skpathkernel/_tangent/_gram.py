@@ -122,6 +122,7 @@ or integer token ids; kernels and features have the parameters' dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -999,9 +1000,9 @@ def tangent_gram(
         kept = _kept_forward_groups(probe, n, mode, weight, memory_budget,
                                     dtype.itemsize) if symmetric else None
         shared = kept is not None and len(kept) > 1
-        return _grouped_gram(module, params, params_y, X, Y, outputs,
-                             kept if shared else groups, probe, weight, layout, symmetric,
-                             memory_budget, dtype, out_dtype, shared)
+        return _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight,
+                             layout, symmetric, memory_budget, dtype, out_dtype,
+                             kept if shared else None)
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)
@@ -1327,43 +1328,34 @@ def _fitting_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
 
 
 def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight, layout,
-                  symmetric, budget, dtype, out_dtype, kept=False) -> torch.Tensor:
+                  symmetric, budget, dtype, out_dtype, kept=None) -> torch.Tensor:
     """The trace Gram as the sum of its output groups' traces (see :func:`_output_groups`).
 
     The groups' Grams are summed in the computation's dtype and widened at the end, so a
     wider ``out_dtype`` is the float32 result converted, as for one group. ``kept``: the
     groups of :func:`_kept_forward_groups`, whose captures share one forward pass per
-    chunk, its graph kept in what the budget leaves them.
+    chunk, its graph kept in what the budget leaves them; ``groups`` where their blocks
+    refuse a single row in that rest.
     """
     n, m, C = X.shape[0], Y.shape[0], len(outputs)
+    held = n * m * dtype.itemsize * (1 if out_dtype == dtype else 2)
+    plans = None
+    if kept:
+        # (:func:`_fitting_groups` does not check every refusal of :func:`_gram_blocks`:
+        # on a few rows, a block's single row can need more than the graphs leave of the
+        # budget, where the groups' plan with the whole budget holds it.)
+        with contextlib.suppress(ValueError):
+            plans = _group_plans(module, params, params_y, X, Y, outputs, kept, probe,
+                                 weight, layout, symmetric, budget - probe.graph_bytes * n,
+                                 dtype, held, probe.graph_bytes)
+    if plans is not None:
+        groups, budget = kept, budget - probe.graph_bytes * n
+    else:
+        plans = _group_plans(module, params, params_y, X, Y, outputs, groups, probe, weight,
+                             layout, symmetric, budget, dtype, held)
     K = torch.empty((n, m), dtype=out_dtype, device=X.device)
     total = K if out_dtype == dtype else torch.empty((n, m), dtype=dtype, device=X.device)
     part = torch.empty((n, m), dtype=dtype, device=X.device)
-    held = part.nbytes + (0 if total is K else total.nbytes)
-    # Each group's blocks are summed before the next group's are formed, in their place.
-    reuse = ({}, {})
-    if kept:
-        budget -= probe.graph_bytes * n
-    plans = [_gram_blocks(module, params, params_y, X, Y, [outputs[c] for c in columns],
-                          "trace", _probe_outputs(probe, columns), weight, layout, symmetric,
-                          budget, dtype.itemsize, reuse, held,
-                          probe.graph_bytes if kept else 0) for columns in groups]
-    if kept:
-        # Every group captures the same rows (the fewest of any group's captures: a
-        # chunk of its formed blocks, or a block of its factors), each capture's forward
-        # pass kept from the first group to the last. The groups' blocks of factors
-        # (sized by their width) are cut alike: with blocks of other rows, a group's
-        # captures would find no kept forward pass and keep their own.
-        rows = min(min(bx.chunk or n, bx.slices[0].stop) for bx, *_ in plans)
-        forwards: dict = {}
-        for i, (bx, *_) in enumerate(plans):
-            if bx.dense and len(bx) == 1:
-                bx.chunk = rows  # one block of formed gradients, captured in chunks
-            else:
-                bx.chunk = None
-                bx.slices = [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
-                bx.keep = len(bx) > 1  # every group's blocks fit (_fitting_groups)
-            bx.forwards, bx.last = forwards, i == len(plans) - 1
     for i, columns in enumerate(groups):
         bx, by, w, dense = plans[i]
         plans[i] = None
@@ -1380,6 +1372,37 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
     if total is not K:
         K.copy_(total)
     return K
+
+
+def _group_plans(module, params, params_y, X, Y, outputs, groups, probe, weight, layout,
+                 symmetric, budget, dtype, held, graph_bytes=0) -> list:
+    """:func:`_gram_blocks` of every output group, in the budget less ``held`` (the
+    groups' sums); ``graph_bytes``: per row, where the groups share their forward passes
+    (:func:`_kept_forward_groups`), kept in what ``budget`` leaves."""
+    n = X.shape[0]
+    # Each group's blocks are summed before the next group's are formed, in their place.
+    reuse = ({}, {})
+    plans = [_gram_blocks(module, params, params_y, X, Y, [outputs[c] for c in columns],
+                          "trace", _probe_outputs(probe, columns), weight, layout, symmetric,
+                          budget, dtype.itemsize, reuse, held, graph_bytes)
+             for columns in groups]
+    if graph_bytes:
+        # Every group captures the same rows (the fewest of any group's captures: a
+        # chunk of its formed blocks, or a block of its factors), each capture's forward
+        # pass kept from the first group to the last. The groups' blocks of factors
+        # (sized by their width) are cut alike: with blocks of other rows, a group's
+        # captures would find no kept forward pass and keep their own.
+        rows = min(min(bx.chunk or n, bx.slices[0].stop) for bx, *_ in plans)
+        forwards: dict = {}
+        for i, (bx, *_) in enumerate(plans):
+            if bx.dense and len(bx) == 1:
+                bx.chunk = rows  # one block of formed gradients, captured in chunks
+            else:
+                bx.chunk = None
+                bx.slices = [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+                bx.keep = len(bx) > 1  # every group's blocks fit (_fitting_groups)
+            bx.forwards, bx.last = forwards, i == len(plans) - 1
+    return plans
 
 
 def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,

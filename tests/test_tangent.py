@@ -1905,3 +1905,116 @@ def test_plain_mlp_route_keeps_an_output_that_cancels(monkeypatch):
     assert not general  # the route's K
     J = _loop_jacobian(module, params, X)[:, 0]
     _close(K, J @ J.T, 1e-5)
+
+
+def _forwarded_gram(module, params, X, budget, monkeypatch):
+    """``tangent_gram`` at ``budget`` (without the autograd check): K, the peak of what
+    it holds beside K (torch's allocations, measured), and the rows of each forward pass
+    of its captures."""
+    tangent_gram(module, params, X[:2], memory_budget=budget)  # one-time allocations
+    forwarded = []
+    real = _tangent._capture.functional_call
+    monkeypatch.setattr(_tangent._capture, "functional_call",
+                        lambda m, p, args, *a, **k: forwarded.append(args[0].shape[0])
+                        or real(m, p, args, *a, **k))
+    try:
+        K, peak = cpu_peak_bytes(functools.partial(tangent_gram, module, params, X,
+                                                   memory_budget=budget, check_hidden=False))
+    finally:
+        monkeypatch.setattr(_tangent._capture, "functional_call", real)
+    return K, peak - K.nbytes, forwarded
+
+
+def test_kept_forward_passes_of_groups_of_other_widths(monkeypatch):
+    # An MLP's factors (no formed blocks) are cut into blocks sized by the group's width:
+    # groups of 2 and 3 outputs cut the rows apart, and each group's captures kept their
+    # own forward passes instead of finding the first group's (twice the forward passes,
+    # every row's graph held twice). The rows of every group's captures are the same:
+    # each row forwarded once, the same K as the autograd loop, within the budget.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(5, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                           nn.Linear(32, 7)).double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(37, 5, dtype=torch.float64)
+    n, size = len(X), X.element_size()
+    probe = _gram._prepare(module, params, X, "trace", 2**30, check_hidden=False)[3]
+    J = _loop_jacobian(module, params, X)
+    expected = torch.einsum("ncp,mcp->nm", J, J) / 7
+    plans = {}
+    budget = 2**14
+    while budget <= 2**24:
+        kept = _gram._kept_forward_groups(probe, n, "trace", None, budget, size)
+        if kept and len(kept) > 1 and len({len(g) for g in kept}) > 1 and len(
+                _gram._output_groups(probe, n, n, "trace", None, True, budget, size)) > 1:
+            plans.setdefault(tuple(map(len, kept)), budget)
+        budget = int(budget * 2 ** (1 / 8)) + 1
+    assert plans, "no budget keeps the forward passes of groups of several widths"
+    for budget in plans.values():
+        K, held, forwarded = _forwarded_gram(module, params, X, budget, monkeypatch)
+        assert forwarded[:2] == [1, 1] and sum(forwarded[2:]) == n, forwarded
+        assert held <= budget, (held, budget)
+        _close(K, expected)
+
+
+@pytest.mark.parametrize("net", ["vit", "cnn"])
+def test_output_groups_hold_their_panels_in_the_budget(net, monkeypatch):
+    # Where every formed block is kept, the symmetric Gram is one block whose panels'
+    # products were left out of the budget: on the small ViT, whose patch embedding goes
+    # by position pairs in groups of two outputs, groups of two held 1.46x the budget.
+    # Every plan of groups of two or three outputs, measured: within the budget, the same
+    # K as the autograd loop.
+    if net == "vit":
+        module, params, X = _small_vit(96, torch.float64)
+    else:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                               nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                               nn.Flatten(), nn.Linear(64, 6)).double()
+        params = {k: v.detach() + 0.1 * torch.randn_like(v)
+                  for k, v in module.named_parameters()}
+        X = torch.randn(64, 3, 8, 8, dtype=torch.float64)
+    n, size = len(X), X.element_size()
+    probe = _gram._prepare(module, params, X, "trace", 2**30, check_hidden=False)[3]
+    C = probe.terms[0].delta.shape[1]
+    J = _loop_jacobian(module, params, X)
+    expected = torch.einsum("ncp,mcp->nm", J, J) / C
+    plans = {}
+    budget = 2**16
+    while budget <= 2**28:
+        groups = _gram._output_groups(probe, n, n, "trace", None, True, budget, size)
+        kept = _gram._kept_forward_groups(probe, n, "trace", None, budget, size)
+        used = kept if kept and len(kept) > 1 and len(groups) > 1 else groups
+        if max(map(len, used)) in (2, 3):
+            plans.setdefault((tuple(map(len, groups)), used is kept), budget)
+        budget = int(budget * 2 ** (1 / 8)) + 1
+    assert plans, "no budget groups two or three outputs"
+    for budget in plans.values():
+        K, held, _ = _forwarded_gram(module, params, X, budget, monkeypatch)
+        assert held <= budget, (held, budget)
+        _close(K, expected)
+
+
+def test_kept_forward_passes_never_refuse_a_budget_the_groups_hold(monkeypatch):
+    # On a few rows, the rest of the budget beside the graphs can be too small for a
+    # block's single row where the groups' check (_fitting_groups) does not see it: the
+    # call refused (naming a budget less than the one given) where the groups' plan with
+    # a forward pass per group holds the budget. At every budget of a 1/8-octave grid
+    # that this plan holds, the call computes K (the autograd loop's).
+    module, params, X = _small_vit(3, torch.float64, n_out=10)
+    J = _loop_jacobian(module, params, X)
+    expected = torch.einsum("ncp,mcp->nm", J, J) / 10
+    real = _gram._kept_forward_groups
+    held, budget = 0, 2**16
+    while budget <= 2**19:
+        monkeypatch.setattr(_gram, "_kept_forward_groups", lambda *a: None)
+        try:
+            tangent_gram(module, params, X, memory_budget=budget)
+        except ValueError:
+            budget = int(budget * 2 ** (1 / 8)) + 1
+            continue
+        finally:
+            monkeypatch.setattr(_gram, "_kept_forward_groups", real)
+        _close(tangent_gram(module, params, X, memory_budget=budget), expected)
+        held += 1
+        budget = int(budget * 2 ** (1 / 8)) + 1
+    assert held > 5

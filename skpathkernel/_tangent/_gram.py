@@ -122,6 +122,7 @@ or integer token ids; kernels and features have the parameters' dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -1002,9 +1003,9 @@ def tangent_gram(
         kept = _kept_forward_groups(probe, n, mode, weight, memory_budget,
                                     dtype.itemsize) if symmetric else None
         shared = kept is not None and len(kept) > 1
-        return _grouped_gram(module, params, params_y, X, Y, outputs,
-                             kept if shared else groups, probe, weight, layout, symmetric,
-                             memory_budget, dtype, out_dtype, shared)
+        return _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight,
+                             layout, symmetric, memory_budget, dtype, out_dtype,
+                             kept if shared else None)
     bx, by, weight, dense = _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe,
                                          weight, layout, symmetric, memory_budget,
                                          dtype.itemsize)
@@ -1164,7 +1165,8 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
         size = _block_size(n_max, memory_budget,
                            -(-3 * (kept + lazy) * memory_budget // (2 * share)),
                            -(-per_pair * memory_budget // share))
-        fits = _keeps_all(dense, kept, n_kept, memory_budget, share)
+        fits = _keeps_all(dense, kept, n_kept, memory_budget, share,
+                          _panel_bytes(pair, n_max, X.device) if symmetric and not lazy else 0)
         if fits and symmetric and not lazy:
             # Every block is kept anyway: one block, the largest products. (Lazily formed
             # rank-one blocks of a preconditioned Gram grow with the block: not then.)
@@ -1251,10 +1253,27 @@ def _launch_bound_chunk(probe: Capture, kept: int, n_kept: int, size: int, per_p
     return max(chunk, min(size, spare // captured))
 
 
-def _keeps_all(dense, kept: int, n_kept: int, budget: int, share: int | None = None) -> bool:
+def _keeps_all(dense, kept: int, n_kept: int, budget: int, share: int | None = None,
+               products: int = 0) -> bool:
     """Whether a Gram keeps every block's capture (none is recomputed): formed gradient
-    blocks in ``share`` (:func:`_dense_shares`), factors in half of the budget."""
-    return kept * n_kept <= (share if dense else budget // 2)
+    blocks in ``share`` (:func:`_dense_shares`) beside the panels' ``products``
+    (:func:`_panel_bytes`, those of the one block a symmetric Gram then has), factors in
+    half of the budget."""
+    return (kept * n_kept + products <= share) if dense else kept * n_kept <= budget // 2
+
+
+def _panel_bytes(pair: int, n: int, device: torch.device) -> int:
+    """The most bytes of the position pairs' intermediates (``pair`` per pair of rows,
+    :func:`._contract.pair_bytes`) in one panel of :func:`_symmetric_panels` on a
+    symmetric block of ``n`` rows (either panel size of :func:`_panel_rows`).
+
+    Where every formed block is kept, the symmetric Gram is one block, whose panels'
+    products the blocks' sizes do not count (:func:`_block_size` counts them where the
+    blocks do not all fit): a small ViT whose patch embedding went by position pairs from
+    two outputs on held 1.46x the budget in groups of two
+    (``benchmarks/results/rev2-s46-kept-forwards.md``). The panels' other products (a
+    rank-one term's two, a panel of another dtype) take the rest of the budget."""
+    return pair * max(_panel_entries(n, *_panel_rows(device, width)) for width in (0, 2**14))
 
 
 def _probe_outputs(probe: Capture, columns: Sequence[int]) -> Capture:
@@ -1315,49 +1334,54 @@ def _fitting_groups(probe, n_x, n_y, mode, weight, symmetric, budget,
         if g > 1 and width == -(-C // (g - 1)):
             continue  # the same widest group as g - 1
         part = _probe_outputs(probe, range(width))
-        dense, kept, _, _ = _gram_plan(part, n_x, n_y, mode, weight is not None, symmetric,
-                                       budget, itemsize, scalable)
+        dense, kept, pair, scaled = _gram_plan(part, n_x, n_y, mode, weight is not None,
+                                               symmetric, budget, itemsize, scalable)
         if g == 1 and dense and (_chunk_row_bytes(part, kept) > budget
                                  or 24 * kept > 7 * budget):
             return None  # refused with every output (the error names the bytes): alike
         if dense and _chunk_row_bytes(part, kept) > budget:
             continue
         share = _dense_shares(part, kept, budget)[1] if dense else None
-        if _keeps_all(dense, kept, n_kept, budget, share):
+        # The products as :func:`_gram_blocks` counts them (a preconditioner not folded
+        # into the blocks forms rank-one blocks lazily, in blocks sized for them).
+        lazy = weight is not None and not scaled
+        products = _panel_bytes(pair, n_x, probe.terms[0].delta.device) \
+            if symmetric and not lazy else 0
+        if _keeps_all(dense, kept, n_kept, budget, share, products):
             bounds = [round(i * C / g) for i in range(g + 1)]
             return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
     return None
 
 
 def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight, layout,
-                  symmetric, budget, dtype, out_dtype, kept=False) -> torch.Tensor:
+                  symmetric, budget, dtype, out_dtype, kept=None) -> torch.Tensor:
     """The trace Gram as the sum of its output groups' traces (see :func:`_output_groups`).
 
     The groups' Grams are summed in the computation's dtype and widened at the end, so a
     wider ``out_dtype`` is the float32 result converted, as for one group. ``kept``: the
     groups of :func:`_kept_forward_groups`, whose captures share one forward pass per
-    chunk, its graph kept in what the budget leaves them.
+    chunk, its graph kept in what the budget leaves them; ``groups`` where their blocks
+    refuse a single row in that rest.
     """
     n, m, C = X.shape[0], Y.shape[0], len(outputs)
+    held = n * m * dtype.itemsize * (1 if out_dtype == dtype else 2)
+    plans = None
+    if kept:
+        # (:func:`_fitting_groups` does not check every refusal of :func:`_gram_blocks`:
+        # on a few rows, a block's single row can need more than the graphs leave of the
+        # budget, where the groups' plan with the whole budget holds it.)
+        with contextlib.suppress(ValueError):
+            plans = _group_plans(module, params, params_y, X, Y, outputs, kept, probe,
+                                 weight, layout, symmetric, budget - probe.graph_bytes * n,
+                                 dtype, held, probe.graph_bytes)
+    if plans is not None:
+        groups, budget = kept, budget - probe.graph_bytes * n
+    else:
+        plans = _group_plans(module, params, params_y, X, Y, outputs, groups, probe, weight,
+                             layout, symmetric, budget, dtype, held)
     K = torch.empty((n, m), dtype=out_dtype, device=X.device)
     total = K if out_dtype == dtype else torch.empty((n, m), dtype=dtype, device=X.device)
     part = torch.empty((n, m), dtype=dtype, device=X.device)
-    held = part.nbytes + (0 if total is K else total.nbytes)
-    # Each group's blocks are summed before the next group's are formed, in their place.
-    reuse = ({}, {})
-    if kept:
-        budget -= probe.graph_bytes * n
-    plans = [_gram_blocks(module, params, params_y, X, Y, [outputs[c] for c in columns],
-                          "trace", _probe_outputs(probe, columns), weight, layout, symmetric,
-                          budget, dtype.itemsize, reuse, held,
-                          probe.graph_bytes if kept else 0) for columns in groups]
-    if kept:
-        # Every group captures the same chunks (the narrowest groups' chunks, the widest
-        # group's), each chunk's forward pass kept from the first group to the last.
-        chunk = min(bx.chunk or n for bx, *_ in plans)
-        forwards: dict = {}
-        for i, (bx, *_) in enumerate(plans):
-            bx.chunk, bx.forwards, bx.last = chunk, forwards, i == len(plans) - 1
     for i, columns in enumerate(groups):
         bx, by, w, dense = plans[i]
         plans[i] = None
@@ -1374,6 +1398,37 @@ def _grouped_gram(module, params, params_y, X, Y, outputs, groups, probe, weight
     if total is not K:
         K.copy_(total)
     return K
+
+
+def _group_plans(module, params, params_y, X, Y, outputs, groups, probe, weight, layout,
+                 symmetric, budget, dtype, held, graph_bytes=0) -> list:
+    """:func:`_gram_blocks` of every output group, in the budget less ``held`` (the
+    groups' sums); ``graph_bytes``: per row, where the groups share their forward passes
+    (:func:`_kept_forward_groups`), kept in what ``budget`` leaves."""
+    n = X.shape[0]
+    # Each group's blocks are summed before the next group's are formed, in their place.
+    reuse = ({}, {})
+    plans = [_gram_blocks(module, params, params_y, X, Y, [outputs[c] for c in columns],
+                          "trace", _probe_outputs(probe, columns), weight, layout, symmetric,
+                          budget, dtype.itemsize, reuse, held, graph_bytes)
+             for columns in groups]
+    if graph_bytes:
+        # Every group captures the same rows (the fewest of any group's captures: a
+        # chunk of its formed blocks, or a block of its factors), each capture's forward
+        # pass kept from the first group to the last. The groups' blocks of factors
+        # (sized by their width) are cut alike: with blocks of other rows, a group's
+        # captures would find no kept forward pass and keep their own.
+        rows = min(min(bx.chunk or n, bx.slices[0].stop) for bx, *_ in plans)
+        forwards: dict = {}
+        for i, (bx, *_) in enumerate(plans):
+            if bx.dense and len(bx) == 1:
+                bx.chunk = rows  # one block of formed gradients, captured in chunks
+            else:
+                bx.chunk = None
+                bx.slices = [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+                bx.keep = len(bx) > 1  # every group's blocks fit (_fitting_groups)
+            bx.forwards, bx.last = forwards, i == len(plans) - 1
+    return plans
 
 
 def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,

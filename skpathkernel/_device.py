@@ -57,6 +57,18 @@ def to_input_tensor(X: np.ndarray, *, dtype: torch.dtype,
     return to_tensor(X, dtype=dtype, device=device)
 
 
+def forward_input(X: torch.Tensor) -> torch.Tensor:
+    """A private copy of ``X`` (same layout) for one forward pass of the user's network.
+
+    A network may write into its input (``nn.ReLU(inplace=True)`` before its first layer
+    with parameters, ``x.mul_(2)`` in a forward): on ``X`` itself that rewrites the
+    caller's array (a NumPy ``X`` shares its memory with the tensor), and every later pass
+    would read the rewritten rows. The copy costs a pass over the rows, against a forward
+    (and backward) of the network on them.
+    """
+    return X.clone()
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array (a view of a CPU tensor).
 

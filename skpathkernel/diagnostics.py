@@ -26,6 +26,7 @@ from sklearn.utils._param_validation import validate_params
 from sklearn.utils.validation import check_consistent_length, check_is_fitted, column_or_1d
 from torch.func import functional_call
 
+from ._device import forward_input
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block
 from ._modules import runs_module
@@ -432,7 +433,7 @@ def _loss_path(estimator, X, y, steps, batch_size) -> np.ndarray:
                                                           dtype=net.torch_dtype))
             for start in range(0, n, block):
                 xb, yb = Xt[start : start + block], Yt[start : start + block]
-                f = functional_call(net.module, params, (xb,)).reshape(len(xb), -1)
+                f = functional_call(net.module, params, (forward_input(xb),)).reshape(len(xb), -1)
                 losses[start : start + len(xb), j] = (
                     loss.per_sample(f, yb).to(torch.float64).cpu().numpy())
     return losses
@@ -492,7 +493,7 @@ def _quadratic_forms(module, traj, theta, X, Y, weights, loss, block, seed,
             xb, yb = X[start : start + block], Y[start : start + block]
             # sum / n, not mean: the batches' Hessians then add up to that of the mean loss.
             # Outputs flattened per sample (n, C), as every loss is called.
-            f = functional_call(module, params, (xb,)).reshape(len(xb), -1)
+            f = functional_call(module, params, (forward_input(xb),)).reshape(len(xb), -1)
             per_sample = loss.per_sample(f, yb)
             batch_loss = (per_sample.sum() / n if weights is None
                           else (per_sample * weights[start : start + block]).sum())

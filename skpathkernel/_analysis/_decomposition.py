@@ -252,6 +252,7 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
+from .._device import forward_input
 from .._memory import rows_per_block
 from .._modules import copy_module, recurrent_on_cuda
 from .._parallel import _ranges
@@ -820,7 +821,7 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
     def f_single(p, x):
         # (C,) as the other routes read a sample's outputs: a one-output network may
         # return (n,), whose [0] is a scalar.
-        return functional_call(module, p, (x.unsqueeze(0),)).reshape(1, -1)[0]
+        return functional_call(module, p, (forward_input(x.unsqueeze(0)),)).reshape(1, -1)[0]
 
     # torch's recurrent kernels (nn.LSTM, nn.GRU, nn.RNN and their cells) have no vmap
     # rule for their forward-mode derivative: vmapped over the queries, every
@@ -888,7 +889,7 @@ def _checked_outputs(module, traj, theta, X) -> int:
     (functorch's transforms raise their own error about it, which names no layer)."""
     leaf = theta.detach().clone().requires_grad_(True)
     with torch.enable_grad(), twice_differentiable():
-        out = functional_call(module, _params(traj, leaf), (X[:1],)).reshape(-1)
+        out = functional_call(module, _params(traj, leaf), (forward_input(X[:1]),)).reshape(-1)
         # A seed that requires grad: such a backward then leaves the node
         # check_twice_differentiable finds.
         seed = torch.ones((), dtype=out.dtype, device=out.device, requires_grad=True)

@@ -128,6 +128,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, jvp, vmap
 
+from .._device import forward_input
 from .._memory import retained_heap, rows_per_block
 from .._modules import copy_module
 from .._parallel import by_reference, map_row_blocks, n_row_blocks
@@ -813,7 +814,7 @@ class Replay:
             if self._module64 is None:  # its buffers (a BatchNorm's statistics) too
                 self._module64 = copy_module(self.module).to(GRADIENT_DTYPE)
             module, X, Y = self._module64, _in_gradient_dtype(X), _in_gradient_dtype(Y)
-        out = functional_call(module, params, (X,)).reshape(len(batch), -1)
+        out = functional_call(module, params, (forward_input(X),)).reshape(len(batch), -1)
         losses = self.loss.per_sample(out, Y)
         return (losses, out) if outputs else losses
 
@@ -1388,7 +1389,7 @@ def _query_work(module, traj, X) -> int:
     try:
         with torch.no_grad():
             functional_call(module, traj.unflatten(traj.parameters(0).to(X.device)),
-                            (X[:1],))
+                            (forward_input(X[:1]),))
     finally:
         for h in hooks:
             h.remove()
@@ -1637,7 +1638,7 @@ def warn_tied_padding(module: torch.nn.Module, traj: Trajectory, X: torch.Tensor
     leaf = traj.parameters(-1).to(X.device).detach().clone().requires_grad_(True)
     params = traj.unflatten(leaf)
     with torch.enable_grad():
-        out = functional_call(module, dict(params), (X[:8],))
+        out = functional_call(module, dict(params), (forward_input(X[:8]),))
         (g,) = torch.autograd.grad(out.sum(), leaf, allow_unused=True)
     if g is None:
         return

@@ -31,7 +31,7 @@ import torch
 from scipy.sparse import issparse
 from sklearn.utils.validation import check_array, validate_data
 
-from .._device import forked_rng, to_input_tensor
+from .._device import forked_rng, forward_input, to_input_tensor
 from .._modules import copy_module, without_fastpath
 
 __all__ = [
@@ -385,7 +385,7 @@ def _run(module: torch.nn.Module, x: torch.Tensor):
     module.eval()
     try:
         with torch.no_grad(), without_fastpath(module):
-            return module(x)
+            return module(forward_input(x))  # a copy: a module may write into its input
     finally:
         for m, mode in modes:
             m.training = mode

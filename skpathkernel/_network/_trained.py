@@ -42,7 +42,7 @@ from .._analysis._decomposition import (
 )
 from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores, warn_tied_padding
-from .._device import to_input_tensor, to_numpy, to_tensor
+from .._device import forward_input, to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
 from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
@@ -989,7 +989,7 @@ ValueError
         custom = isinstance(self.loss, _PerSampleLoss)
         what = "The loss" if custom else f"loss={self.loss.name!r}"
         with torch.no_grad():
-            out = functional_call(self.module, self.params_at(0), (X[:2],))
+            out = functional_call(self.module, self.params_at(0), (forward_input(X[:2]),))
             out = out.reshape(len(out), -1)
             C = out.shape[1]
             if (not custom and self.loss.name == "log_loss" and C > 1 and Y.dim() == 1
@@ -1088,6 +1088,7 @@ def module_outputs(module: torch.nn.Module, X: torch.Tensor, block: int, *, para
 
     def run(xb):
         with torch.no_grad():
+            xb = forward_input(xb)  # a module may write into its input
             out = module(xb) if params is None else functional_call(module, params, (xb,))
         return to_numpy(out.reshape(len(xb), -1))
 

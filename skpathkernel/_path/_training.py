@@ -26,7 +26,7 @@ from torch.func import functional_call
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-from .._device import forked_rng
+from .._device import forked_rng, forward_input
 from .._modules import copy_module, cudnn_disabled, norm_hooks, recurrent_on_cuda
 from .._warnings import caller_stacklevel
 from ._buffers import appended
@@ -375,7 +375,7 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     if x.device.type == "cuda":
         devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]
     with torch.no_grad(), forked_rng(devices):
-        first, second = probe(x), probe(x)
+        first, second = probe(forward_input(x)), probe(forward_input(x))
     if not isinstance(first, torch.Tensor) or not first.numel():
         return
     if not (torch.isfinite(first).all() and torch.isfinite(second).all()):
@@ -687,7 +687,9 @@ def _run_epoch(module, optimizer, loss, recorder, X, Y, order, B, step, lr, grad
         n = X.shape[0]
         order_np = order.numpy()
         if B == n:  # full batch: one step on all rows, whatever their order
-            batches = [(X, Y)]
+            # Autograd's module gets a copy (the other batches are copies too): one
+            # writing into its input would rewrite X, and the next epoch would read that.
+            batches = [(X if gradient is not None else forward_input(X), Y)]
         else:
             order_dev = order.to(X.device)
             if X.dim() <= 2 and Y.dim() <= 2 and X.is_contiguous() and Y.is_contiguous():
@@ -790,7 +792,7 @@ def _initial_loss(module, names, params, theta0, X, Y, loss, B, sample_weight) -
     with torch.no_grad(), forked_rng(devices):
         for start in range(0, X.shape[0], B):
             xb, yb = X[start : start + B], Y[start : start + B]
-            out = functional_call(module, values, (xb,)).reshape(len(xb), -1)
+            out = functional_call(module, values, (forward_input(xb),)).reshape(len(xb), -1)
             per_sample = loss.per_sample(out, yb).double()
             w = (torch.ones_like(per_sample) if sample_weight is None else torch.as_tensor(
                 sample_weight[start : start + B], dtype=torch.float64, device=X.device))

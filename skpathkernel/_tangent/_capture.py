@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
-from .._device import forked_rng
+from .._device import forked_rng, forward_input
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
@@ -153,7 +153,7 @@ def forward(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
             X: torch.Tensor) -> torch.Tensor:
     """Network outputs ``(n_samples, n_outputs)`` at ``params``."""
     with torch.no_grad():
-        out = functional_call(module, dict(params), (X,))
+        out = functional_call(module, dict(params), (forward_input(X),))
     return out.reshape(X.shape[0], -1)
 
 
@@ -235,7 +235,7 @@ def check_functional_lookups(module: torch.nn.Module, params: Mapping[str, torch
     restored."""
     devices = [X.device] if X.device.type == "cuda" else []
     with torch.no_grad(), forked_rng(devices), _FrequencyWatch():
-        functional_call(module, dict(params), (X,))
+        functional_call(module, dict(params), (forward_input(X),))
 
 
 def _inside(prefix: str, outer: str) -> bool:
@@ -612,10 +612,12 @@ def capture(
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
         handles.append(layer.register_forward_hook(lambda lay, args, out: watch.leave(lay),
                                                    always_call=True))
-    counted = _GraphBytes(module, live, X) if measure_graph else contextlib.nullcontext()
+    # A copy of the rows: a module writing into its input would rewrite X.
+    x_in = forward_input(X)
+    counted = _GraphBytes(module, live, x_in) if measure_graph else contextlib.nullcontext()
     try:
         with torch.enable_grad(), watch, counted:
-            f = functional_call(module, live, (X,)).reshape(X.shape[0], -1)
+            f = functional_call(module, live, (x_in,)).reshape(X.shape[0], -1)
     finally:
         for h in handles:
             h.remove()

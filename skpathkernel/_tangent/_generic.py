@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.func import functional_call, jacrev, vmap
 
+from .._device import forward_input
 from .._memory import rows_per_block
 
 __all__ = ["per_sample_jacobian", "strided"]
@@ -73,7 +74,8 @@ def per_sample_jacobian(
                     # and a Gram of a small weight_norm network). The fallback's cost is
                     # reported once, by layer_routes and the fit's fallback warning.
                     warnings.filterwarnings("ignore", _UNBATCHED, UserWarning)
-                    out = jac(free, xb)
+                    # A copy: a module writing into its input would rewrite X's rows.
+                    out = jac(free, forward_input(xb))
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:
@@ -107,7 +109,9 @@ def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
             # Contiguous: torch 2.13's CPU conv2d backward gives a grouped channels_last
             # weight a wrong gradient for one sample sliced from a channels_last batch
             # (strides (4, 1, 28, 4)), 8.6 off on a 4-channel example; the forward is right.
-            out = functional_call(module, {**fixed, **live}, (x.unsqueeze(0).contiguous(),))
+            # A copy (a module may write into its input), contiguous.
+            out = functional_call(module, {**fixed, **live},
+                                  (x.unsqueeze(0).clone(memory_format=torch.contiguous_format),))
             out = out.reshape(-1).index_select(0, index)
             # Parameters the forward never reads (a module it does not call) have a zero
             # Jacobian, and then the output has no graph at all.

@@ -1092,9 +1092,9 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     head_w, a, head_b, _ = factors[-1]
     ours = torch.nn.functional.linear(a[:1], params[head_w],
                                       None if head_b is None else params[head_b])
-    # (A copy: an in-place activation before the first Linear would overwrite the
-    # caller's first row.)
-    ref = forward(module, params, X[:1].clone())
+    # (forward copies the row: an in-place activation before the first Linear would
+    # overwrite the caller's first row.)
+    ref = forward(module, params, X[:1])
     # Relative to the output's terms, ``|a| |W|^T + |b|``, the scale of the rounding of
     # the module's other GEMMs (one sample against the block): an output that cancels to
     # near 0 made that rounding look like another forward (3 of 60 random 64-512-512-1

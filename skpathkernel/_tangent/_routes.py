@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
+from .._device import forward_input
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers
 from .._warnings import worst
@@ -196,7 +197,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     X = _as_input(module, X)[:2]
     check_per_sample(module)
     with torch.no_grad():
-        n_outputs = functional_call(module, params, (X[:1],)).reshape(1, -1).shape[1]
+        n_outputs = functional_call(module, params, (forward_input(X[:1]),)).reshape(1, -1).shape[1]
     outputs, _ = _resolve_output(output, n_outputs)
     cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                   dense_fallback=False)
@@ -327,7 +328,7 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
                              "these layers to the fallback.")
 
     with torch.no_grad():
-        n_outputs = functional_call(ref, params, (X[:1],)).reshape(1, -1).shape[1]
+        n_outputs = functional_call(ref, params, (forward_input(X[:1]),)).reshape(1, -1).shape[1]
     jac = _looped(ref, {}, params, X, torch.arange(n_outputs, device=X.device))
     J = torch.cat([jac[k].reshape(X.shape[0], n_outputs, -1) for k in params], dim=2)
     phi = tangent_features(ref, params, X, output="full")

@@ -121,6 +121,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.modules import module as torch_module
 
+from .._device import forward_input
 from .._memory import large_tensor, rows_per_block
 
 __all__ = ["StackedMLP", "stacked_mlp", "stacked_path_sum", "layer_route", "path_flops"]
@@ -1754,7 +1755,7 @@ def block_forward_error(mlp: StackedMLP, layout: dict, theta: torch.Tensor,
     """
     with torch.no_grad():
         ours = forward_block(mlp, theta[:1], layout, X)[0]
-        ref = functional_call(module, params, (X,))
+        ref = functional_call(module, params, (forward_input(X),))
     if ref.shape != ours.shape:
         return math.inf
     scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)

@@ -2018,3 +2018,16 @@ def test_kept_forward_passes_never_refuse_a_budget_the_groups_hold(monkeypatch):
         held += 1
         budget = int(budget * 2 ** (1 / 8)) + 1
     assert held > 5
+
+
+def test_graph_bytes_count_the_forward_pass_copy_of_its_rows():
+    # A kept forward pass holds the copy of its rows that the first Linear saved (its
+    # input, a factor of the weight's gradient): new memory beside the caller's X, which
+    # the graph's bytes must count (they counted only the 2-wide outputs when they
+    # skipped the copy instead of X).
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(50, 2))
+    params = dict(module.named_parameters())
+    X = torch.randn(16, 50)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**30, measure_graph=True)
+    assert cap.graph_bytes >= X.nbytes

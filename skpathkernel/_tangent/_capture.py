@@ -612,9 +612,10 @@ def capture(
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
         handles.append(layer.register_forward_hook(lambda lay, args, out: watch.leave(lay),
                                                    always_call=True))
-    # A copy of the rows: a module writing into its input would rewrite X.
+    # A copy of the rows: a module writing into its input would rewrite X. The copy is
+    # new memory that a kept forward pass holds (a first layer's input): counted, X not.
     x_in = forward_input(X)
-    counted = _GraphBytes(module, live, x_in) if measure_graph else contextlib.nullcontext()
+    counted = _GraphBytes(module, live, X) if measure_graph else contextlib.nullcontext()
     try:
         with torch.enable_grad(), watch, counted:
             f = functional_call(module, live, (x_in,)).reshape(X.shape[0], -1)

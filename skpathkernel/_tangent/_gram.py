@@ -1084,8 +1084,6 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
         sizes["panel"] = panel
     arena = Arena(sizes, X.dtype, X.device)
     factors = gram_factors(mlp, params, X, arena)
-    if factors is None:
-        return None
     # The route computes the layers' operations itself: a module whose forward is not
     # theirs (what the type checks cannot see) takes the general route. Checked on the
     # first sample: the module's output against the head applied to the factors.

@@ -563,9 +563,12 @@ class _Panels:
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, arena=None):
-        self._scratch = _Scratch()
-        self._like = torch.empty(0, dtype=dtype, device=device)
-        self._arena = arena  # an :class:`._stacked.Arena` with a region "panel", or None
+        # The panel in ``arena``'s region "panel" (an :class:`._stacked.Arena`) where
+        # given, else in a buffer of its own.
+        self._arena = arena
+        if arena is None:
+            self._scratch = _Scratch()
+            self._like = torch.empty(0, dtype=dtype, device=device)
 
     def get(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self._arena is not None:

@@ -1849,7 +1849,11 @@ def test_plain_mlp_route_sums_the_layers_in_the_order_of_params(monkeypatch):
     module = _PLAIN["tanh"]().double()
     params = {k: v.detach() for k, v in reversed(list(module.named_parameters()))}
     X = torch.randn(60, 5, dtype=torch.float64)
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
     K = tangent_gram(module, params, X)
+    assert taken  # else both calls below are the general route's, equal by themselves
     J = _loop_jacobian(module, params, X)[:, 0]
     _close(K, J @ J.T)
     monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)

@@ -1849,23 +1849,32 @@ def test_plain_mlp_route_sums_the_layers_in_the_order_of_params(monkeypatch):
     module = _PLAIN["tanh"]().double()
     params = {k: v.detach() for k, v in reversed(list(module.named_parameters()))}
     X = torch.randn(60, 5, dtype=torch.float64)
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
     K = tangent_gram(module, params, X)
+    assert taken  # else both calls below are the general route's, equal by themselves
     J = _loop_jacobian(module, params, X)[:, 0]
     _close(K, J @ J.T)
     monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)
     assert torch.equal(tangent_gram(module, params, X), K)
 
 
-def test_plain_mlp_route_leaves_the_inputs_alone():
+def test_plain_mlp_route_leaves_the_inputs_alone(monkeypatch):
     # An in-place activation before the first Linear: the route's check of the module's
-    # forward on the first sample overwrote the caller's first row.
+    # forward on the first sample overwrote the caller's first row. (The route is taken:
+    # the general route, which copies the rows, would pass this anyway.)
     torch.manual_seed(4)
     module = nn.Sequential(nn.ELU(inplace=True), nn.Linear(5, 8), nn.Tanh(),
                            nn.Linear(8, 1)).double()
     params = {k: v.detach() for k, v in module.named_parameters()}
     X = -torch.rand(10, 5, dtype=torch.float64)
     X0 = X.clone()
+    general = []
+    real_prepare = _gram._prepare
+    monkeypatch.setattr(_gram, "_prepare", lambda *a: general.append(1) or real_prepare(*a))
     K = tangent_gram(module, params, X)
+    assert not general
     assert torch.equal(X, X0)
     J = _loop_jacobian(module, params, X0.clone())[:, 0]
     _close(K, J @ J.T)

@@ -563,9 +563,12 @@ class _Panels:
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device, arena=None):
-        self._scratch = _Scratch()
-        self._like = torch.empty(0, dtype=dtype, device=device)
-        self._arena = arena  # an :class:`._stacked.Arena` with a region "panel", or None
+        # The panel in ``arena``'s region "panel" (an :class:`._stacked.Arena`) where
+        # given, else in a buffer of its own.
+        self._arena = arena
+        if arena is None:
+            self._scratch = _Scratch()
+            self._like = torch.empty(0, dtype=dtype, device=device)
 
     def get(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self._arena is not None:
@@ -1084,8 +1087,6 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
         sizes["panel"] = panel
     arena = Arena(sizes, X.dtype, X.device)
     factors = gram_factors(mlp, params, X, arena)
-    if factors is None:
-        return None
     # The route computes the layers' operations itself: a module whose forward is not
     # theirs (what the type checks cannot see) takes the general route. Checked on the
     # first sample: the module's output against the head applied to the factors.

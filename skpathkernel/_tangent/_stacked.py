@@ -578,11 +578,11 @@ def gram_factor_sizes(mlp: StackedMLP, n: int) -> dict:
 
 
 def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
-                 arena: Arena) -> list[tuple] | None:
+                 arena: Arena) -> list[tuple]:
     """Every Linear's ``(weight name, inputs a (n, d_in), bias name or None, backprops
-    (n, d_out))`` of a scalar-output MLP at one parameter point, by one forward and one
-    backward pass without autograd, in one workspace; None where the route does not apply
-    (the last item not a Linear of one output).
+    (n, d_out))`` of a scalar-output MLP at one parameter point (its last item a Linear
+    of one output, which the caller checks before sizing ``arena``), by one forward and
+    one backward pass without autograd, in one workspace.
 
     The factors that :func:`._capture.capture` gives the tangent-kernel engine, computed
     by the same aten operations on the same operands (``addmm`` for a Linear with a bias,
@@ -596,8 +596,6 @@ def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
     """
     items = mlp.items
     linears = mlp.linears
-    if not isinstance(items[-1], _Linear) or linears[-1].d_out != 1:
-        return None
     n = X.shape[0]
     # A forward buffer (layer output, the activation in place over it) and a backprop
     # buffer per hidden Linear (:func:`gram_factor_sizes`).

@@ -9,6 +9,7 @@ network computing out of place, and fits of that network.
 
 import copy
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from sklearn.frozen import FrozenEstimator
 from torch import nn
 
 from skpathkernel import PathKernelMachine, TangentFeatures
+from skpathkernel._path import _training
 from skpathkernel._tangent import per_sample_jacobian, tangent_features, tangent_gram
 from skpathkernel.diagnostics import hessian_trace, loss_path
 from skpathkernel.kernels import PathKernel, TangentKernel, network_of, step_kernel
@@ -188,3 +190,30 @@ def test_engine_and_generic_fallback_leave_x_alone(exclude):
     assert_array_equal(X.numpy(), QUERIES)
     got = torch.cat([jac[k] for k in params], dim=2)
     assert_allclose(got, J, rtol=RTOL, atol=RTOL * float(J.abs().max()))
+
+
+def test_initial_loss_of_a_run_away_first_epoch_leaves_x_alone():
+    """A first epoch whose loss runs away (over DIVERGENCE_LOSS_RATIO times its first
+    batch's) has the divergence check compare with the initial network's loss on every
+    row (_initial_loss): a forward pass of its own, after the first epoch, on rows of X
+    itself. Without a copy of them it rewrote the caller's X, and the second epoch
+    trained on the rewritten rows (no other test reaches that pass)."""
+    calls = []
+    initial_loss = _training._initial_loss
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return initial_loss(*args, **kwargs)
+
+    params = dict(max_iter=2, tol=None, dtype="float64", solver="sgd",
+                  learning_rate_init=3.0, batch_size=5, random_state=0)
+    X = X_TRAIN.copy()
+    with warnings.catch_warnings(), mock.patch.object(_training, "_initial_loss", spy):
+        warnings.simplefilter("ignore")
+        est = PathKernelMachine(module=_build, **params).fit(X, Y_TRAIN)
+        twin = PathKernelMachine(
+            module=lambda n_in, n_out: _out_of_place(_build(n_in, n_out)),
+            **params).fit(X_TRAIN.copy(), Y_TRAIN)
+    assert len(calls) == 2  # the pass this test is about ran, in each fit
+    assert_array_equal(X, X_TRAIN)
+    assert_allclose(est.loss_curve_, twin.loss_curve_, rtol=1e-12)

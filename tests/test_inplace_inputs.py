@@ -217,3 +217,44 @@ def test_initial_loss_of_a_run_away_first_epoch_leaves_x_alone():
     assert len(calls) == 2  # the pass this test is about ran, in each fit
     assert_array_equal(X, X_TRAIN)
     assert_allclose(est.loss_curve_, twin.loss_curve_, rtol=1e-12)
+
+
+def _build_saved(n_in, n_out):
+    # nn.ReLU(inplace=True) rewrites the output Tanh saved for its derivative.
+    return nn.Sequential(nn.Linear(n_in, 8), nn.Tanh(), nn.ReLU(inplace=True),
+                         nn.Linear(8, n_out))
+
+
+def test_kernels_and_features_of_an_in_place_op_on_a_saved_tensor():
+    # Autograd refuses this network's backward pass, so it is trained out of place and
+    # handed to the kernels in place (a model trained elsewhere); the general route
+    # failed with "modified by an inplace operation" for two outputs, K(X, Y), the
+    # features and the path kernel. References: the out-of-place network's loop.
+    Y2 = np.c_[Y_TRAIN, X_TRAIN[:, 2]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = PathKernelMachine(module=lambda n_in, n_out: _out_of_place(
+            _build_saved(n_in, n_out)), max_iter=4, tol=None, dtype="float64",
+            random_state=0).fit(X_TRAIN.copy(), Y2)
+    twin = copy.deepcopy(est)
+    for layer in est.module_.modules():
+        if isinstance(layer, nn.ReLU):
+            layer.inplace = True
+    ref = _reference_gram(est, QUERIES, QUERIES) / 2
+    tol = RTOL * np.abs(ref).max()
+    assert_allclose(TangentKernel(est)(QUERIES), ref, rtol=RTOL, atol=tol)
+    assert_allclose(TangentKernel(est)(QUERIES, X_TRAIN[:3]),
+                    _reference_gram(est, QUERIES, X_TRAIN[:3]) / 2, rtol=RTOL, atol=tol)
+    phi = features_loop(_out_of_place(module_at(est)), QUERIES.copy())
+    assert_allclose(est.transform(QUERIES), phi, rtol=RTOL, atol=RTOL * np.abs(phi).max())
+    Ks = step_kernel(est, QUERIES, step=0)
+    ref0 = _reference_gram_at(est, 0, QUERIES) / 2
+    assert_allclose(Ks, ref0, rtol=RTOL, atol=RTOL * np.abs(ref0).max())
+    K = PathKernel(est)(QUERIES)
+    assert_allclose(K, PathKernel(twin)(QUERIES), rtol=RTOL, atol=RTOL * np.abs(K).max())
+
+
+def _reference_gram_at(est, point, A):
+    ref = _out_of_place(module_at(est, point))
+    J = jacobian_loop(ref, A.copy()).reshape(len(A), -1).numpy()
+    return J @ J.T

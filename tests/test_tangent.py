@@ -1,5 +1,6 @@
 """The structured tangent engine against an independent per-sample autograd loop."""
 
+import copy
 import functools
 import math
 import re
@@ -2040,3 +2041,89 @@ def test_graph_bytes_count_the_forward_pass_copy_of_its_rows():
     X = torch.randn(16, 50)
     cap = capture(module, params, X, [0, 1], memory_budget=2**30, measure_graph=True)
     assert cap.graph_bytes >= X.nbytes
+
+
+# ------------------------------------------ in-place ops on tensors saved for the backward
+class _Doubled(nn.Module):
+    """``2 x``, written into ``x`` where ``inplace`` (after a Sigmoid, whose derivative
+    reads its output: the rewritten output would give a wrong one, not just an error)."""
+
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x):
+        return x.mul_(2.0) if self.inplace else 2.0 * x
+
+
+def _saved_rewriters():
+    torch.manual_seed(0)
+    return {
+        "tanh_relu": (nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.ReLU(inplace=True),
+                                    nn.Linear(6, 3)), (3,)),
+        "sigmoid_doubled": (nn.Sequential(nn.Linear(3, 6), nn.Sigmoid(), _Doubled(),
+                                          nn.Linear(6, 2)), (3,)),
+        "elu_elu": (nn.Sequential(nn.Linear(3, 6), nn.ELU(inplace=True), nn.ELU(inplace=True),
+                                  nn.Linear(6, 1)), (3,)),
+        "cnn": (nn.Sequential(nn.Conv1d(2, 3, 3), nn.Sigmoid(), nn.ReLU(inplace=True),
+                              nn.Flatten(), nn.Linear(12, 2)), (2, 6)),
+    }
+
+
+def _out_of_place(module):
+    """The same function without in-place ops: the independent reference's network."""
+    ref = copy.deepcopy(module)
+    for layer in ref.modules():
+        if hasattr(layer, "inplace"):
+            layer.inplace = False
+    return ref
+
+
+@pytest.mark.parametrize("name", list(_saved_rewriters()))
+@pytest.mark.parametrize("fallback", [False, True])
+def test_in_place_op_on_a_saved_tensor_matches_the_out_of_place_loop(name, fallback):
+    # nn.ReLU(inplace=True) after nn.Tanh() rewrites the output Tanh saved for its
+    # derivative: autograd refused the capture's backward pass ("modified by an inplace
+    # operation"), for every route but the one-output plain MLP's. The function is that
+    # of the network out of place; its per-sample autograd loop is the reference.
+    net, shape = _saved_rewriters()[name]
+    net = net.double()
+    params = dict(net.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(7, *shape, generator=gen, dtype=torch.float64)
+    Y = torch.randn(4, *shape, generator=gen, dtype=torch.float64)
+    J = jacobian_loop(_out_of_place(net), X)
+    JY = jacobian_loop(_out_of_place(net), Y)
+    C = J.shape[1]
+    # The fallback (torch.func's vmap refuses, so its autograd loop) for the first layer.
+    exclude = frozenset({"0.weight", "0.bias"}) if fallback else frozenset()
+    kw = dict(exclude=exclude, memory_budget=2**16)  # several blocks and chunks
+    K = tangent_gram(net, params, X, **kw)
+    ref = torch.einsum("ncp,mcp->nm", J, J) / C
+    torch.testing.assert_close(K, ref, rtol=RTOL, atol=RTOL * ref.abs().max())
+    KXY = tangent_gram(net, params, X, Y, output="full", **kw)
+    torch.testing.assert_close(KXY, torch.einsum("ncp,mdp->ncmd", J, JY), rtol=RTOL,
+                               atol=RTOL * ref.abs().max())
+    d = tangent_gram_diag(net, params, X, **kw)
+    torch.testing.assert_close(d, torch.diagonal(ref), rtol=RTOL, atol=0.0)
+    phi = tangent_features(net, params, X, exclude=exclude)
+    torch.testing.assert_close(phi.reshape(7, -1), J.reshape(7, -1) / math.sqrt(C),
+                               rtol=RTOL, atol=RTOL * J.abs().max())
+    # The caller's network still computes in place: nothing was switched on it.
+    assert all(getattr(m, "inplace", True) for m in net.modules() if hasattr(m, "inplace"))
+
+
+def test_a_rewritten_saved_tensor_is_copied_once_and_counted():
+    # The capture runs again with the saved tensors copy-on-write: only the rewritten
+    # Tanh output is copied, and counted in the kept graph's bytes, which then hold what
+    # the network out of place holds (Tanh's output and ReLU's, 6 float64 per row each).
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.ReLU(inplace=True),
+                        nn.Linear(6, 1)).double()
+    twin = _out_of_place(net)
+    X = torch.randn(5, 3, dtype=torch.float64)
+    params = dict(net.named_parameters())
+    cap = capture(net, params, X, [0], memory_budget=2**20, measure_graph=True)
+    ref = capture(twin, dict(twin.named_parameters()), X, [0], memory_budget=2**20,
+                  measure_graph=True)
+    assert cap.guarded and not ref.guarded
+    assert cap.graph_bytes == ref.graph_bytes

@@ -32,7 +32,6 @@ other read leaves them to the fallback.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import threading
@@ -54,6 +53,8 @@ from ._generic import per_sample_jacobian, strided
 from ._layers import formed_terms
 from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
 from ._rules import RULES, Rule, Term, Use
+from ._saved import SavedWatch, differentiable_forward
+from ._saved import tensors as _tensors
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
            "check_per_sample", "forward", "value_dtype"]
@@ -130,6 +131,9 @@ class Capture:
     #: Bytes of the tensors the forward pass saved for the backward passes (the graph
     #: that :func:`capture`'s ``kept`` holds), where ``measure_graph`` asked for them.
     graph_bytes: int = 0
+    #: Whether the forward pass held its saved tensors copy-on-write (see
+    #: :func:`capture`'s ``guard_saved``).
+    guarded: bool = False
 
     def nbytes(self) -> int:
         size = 0
@@ -289,17 +293,6 @@ def _free_parameters(module, params, layers_prefixes, exclude) -> list[str]:
         if not any(owner == t or _inside(owner, t) for t in layers_prefixes):
             free.append(name)
     return free
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 _LIKE = frozenset({torch.Tensor.to, torch.Tensor.type_as})
@@ -528,6 +521,7 @@ def capture(
     kept: dict | None = None,
     last: bool = True,
     measure_graph: bool = False,
+    guard_saved: bool = False,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -586,6 +580,10 @@ def capture(
     measure_graph : bool, default=False
         Count the bytes of the tensors the forward pass saves for the backward passes
         that belong to no parameter, buffer or ``X`` (``Capture.graph_bytes``).
+    guard_saved : bool, default=False
+        Hold the tensors the forward pass saves for its backward copy-on-write
+        (:class:`SavedWatch`); the capture sets it itself, and runs again, where an
+        in-place op rewrote one (``nn.ReLU(inplace=True)`` after ``nn.Tanh()``).
     """
     if kept:
         state = kept["forward"]
@@ -615,22 +613,29 @@ def capture(
     # A copy of the rows: a module writing into its input would rewrite X. The copy is
     # new memory that a kept forward pass holds (a first layer's input): counted, X not.
     x_in = forward_input(X)
-    counted = _GraphBytes(module, live, X) if measure_graph else contextlib.nullcontext()
+    counted = _GraphBytes(module, live, X) if measure_graph else None
+    saved = SavedWatch(counted, guard_saved)
     try:
-        with torch.enable_grad(), watch, counted:
+        with torch.enable_grad(), watch, saved:
             f = functional_call(module, live, (x_in,)).reshape(X.shape[0], -1)
     finally:
         for h in handles:
             h.remove()
     rewritten = any(z._version != version for z, version in watch.handed)
-    if watch.misfits or rewritten:
+    # A tensor saved for the backward pass and rewritten in place afterwards (an in-place
+    # activation after a Tanh): autograd would refuse the backward, or under the hooks
+    # read the rewritten values; again with saved tensors copied before such writes.
+    resaved = saved.rewritten
+    if watch.misfits or rewritten or resaved:
         # Every parameter of a layer with a misread parameter goes to the fallback; a
         # site's output rewritten in place is handed on as a copy.
+        del f
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | frozenset(watch.misfits),
                        dense_fallback=dense_fallback, weights=weights, scratch=scratch,
                        index=index, formed=formed, copy_sites=copy_sites or rewritten,
-                       kept=kept, last=last, measure_graph=measure_graph)
+                       kept=kept, last=last, measure_graph=measure_graph,
+                       guard_saved=guard_saved or resaved)
 
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
@@ -647,6 +652,7 @@ def capture(
         for *_, z in sites:
             counted.add(z)
         cap.graph_bytes = counted.nbytes
+    cap.guarded = guard_saved
     return cap
 
 
@@ -692,11 +698,6 @@ class _GraphBytes:
                       for t in (*live.values(), *module.buffers(), X)}
         self._seen: set[int] = set()
         self.nbytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        self.add(t)
-        return t
 
     def add(self, t):
         if not isinstance(t, torch.Tensor):
@@ -706,13 +707,6 @@ class _GraphBytes:
         if ptr not in self._skip and ptr not in self._seen:
             self._seen.add(ptr)
             self.nbytes += storage.nbytes()
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
 
 
 def _accepted_layers(layers, watch, X, reasons):
@@ -1072,7 +1066,8 @@ def _numerical_misfits(
     x_in = x.detach().requires_grad_(True) if x.is_floating_point() else x
     with torch.enable_grad():
         # A copy: a module writing into its input (x /= 255) may, not into a leaf.
-        f = functional_call(module, live, (x_in * 1,)).reshape(x.shape[0], -1)
+        f = differentiable_forward(
+            lambda: functional_call(module, live, (x_in * 1,))).reshape(x.shape[0], -1)
     dtype = value_dtype(params, x)
     # A weight's gradient g (rows x cols) is compared through a random direction v: g v
     # against the factors' G v (a sum over positions of delta (a . v)). A read the

@@ -24,6 +24,7 @@ from torch.func import functional_call, jacrev, vmap
 
 from .._device import forward_input
 from .._memory import rows_per_block
+from ._saved import differentiable_forward
 
 __all__ = ["per_sample_jacobian", "strided"]
 
@@ -110,8 +111,11 @@ def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:
             # weight a wrong gradient for one sample sliced from a channels_last batch
             # (strides (4, 1, 28, 4)), 8.6 off on a 4-channel example; the forward is right.
             # A copy (a module may write into its input), contiguous.
-            out = functional_call(module, {**fixed, **live},
-                                  (x.unsqueeze(0).clone(memory_format=torch.contiguous_format),))
+            # Its saved tensors copy-on-write where an in-place op rewrites one (vmap
+            # refuses such a network, and so does plain autograd).
+            out = differentiable_forward(lambda x=x, live=live: functional_call(
+                module, {**fixed, **live},
+                (x.unsqueeze(0).clone(memory_format=torch.contiguous_format),)))
             out = out.reshape(-1).index_select(0, index)
             # Parameters the forward never reads (a module it does not call) have a zero
             # Jacobian, and then the output has no graph at all.

@@ -647,6 +647,9 @@ class _Blocks:
         # The layer outputs are handed on uncopied until a capture finds one rewritten in
         # place (see capture's copy_sites); the later chunks copy them from the start.
         self._copy_sites = False
+        # Likewise the saved tensors are held copy-on-write once a capture found one
+        # rewritten in place (capture's guard_saved): the later chunks skip the first run.
+        self._guard_saved = False
         # The forward passes kept for the captures of the same rows by later output
         # groups (capture's ``kept``, by rows), and whether this is the last group.
         self.forwards: dict | None = None
@@ -664,8 +667,9 @@ class _Blocks:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
                       index=True, formed=self.dense, copy_sites=self._copy_sites,
-                      kept=kept, last=self.last)
+                      kept=kept, last=self.last, guard_saved=self._guard_saved)
         self._copy_sites = cap.copied
+        self._guard_saved = self._guard_saved or cap.guarded
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
             raise _NewMisfit(self.exclude | routed)

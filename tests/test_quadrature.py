@@ -504,16 +504,9 @@ def test_float32_default_path_counts_the_round_off_unwarned(tmp_path):
     assert res.contribution_tol == 1e-5
 
 
-@pytest.mark.parametrize("roundoff, difference, allowed, category", [
-    (2e-6, 0.5e-6, 1e-6, PrecisionWarning), (0.5e-6, 2e-6, 1e-6, ConvergenceWarning),
-    (0.8e-6, 0.5e-6, 1e-6, PrecisionWarning), (2e-6, 0.5e-6, 1e-5, None)])
-def test_float32_round_off_over_tol_names_float64(roundoff, difference, allowed,
-                                                  category):
-    """Where a float32 path's estimated round-off alone is over what the contributions
-    are checked against, or tips over it a two rules' difference that meets it, more
-    nodes cannot help: a PrecisionWarning names float64 (and no ConvergenceWarning asks
-    for a smaller tol); where the difference alone is over, the quadrature's warning
-    says how much of the error is round-off; under float32's floor (tol=None), neither."""
+def _finished(roundoff, difference, allowed):
+    """The warnings of a float32 decomposition whose contributions are checked against
+    ``allowed`` and measured as ``roundoff + difference`` (relative, scale 1)."""
     measured = roundoff + difference
     res = Decomposition(initial=np.zeros((1, 1)), contributions=np.zeros((1, 2, 1)),
                         regularization=np.zeros((1, 1)), prediction=np.zeros((1, 1)),
@@ -527,6 +520,20 @@ def test_float32_round_off_over_tol_names_float64(roundoff, difference, allowed,
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         finish(res, checks)
+    return rec
+
+
+@pytest.mark.parametrize("roundoff, difference, allowed, category", [
+    (2e-6, 0.5e-6, 1e-6, PrecisionWarning), (0.5e-6, 2e-6, 1e-6, ConvergenceWarning),
+    (0.8e-6, 0.5e-6, 1e-6, PrecisionWarning), (2e-6, 0.5e-6, 1e-5, None)])
+def test_float32_round_off_over_tol_names_float64(roundoff, difference, allowed,
+                                                  category):
+    """Where a float32 path's estimated round-off alone is over what the contributions
+    are checked against, or tips over it a two rules' difference that meets it, more
+    nodes cannot help: a PrecisionWarning names float64 (and no ConvergenceWarning asks
+    for a smaller tol); where the difference alone is over, the quadrature's warning
+    says how much of the error is round-off; under float32's floor (tol=None), neither."""
+    rec = _finished(roundoff, difference, allowed)
     assert [w.category for w in rec] == ([category] if category else [])
     if category:
         message = str(rec[0].message)
@@ -762,3 +769,56 @@ def test_float32_round_off_tipping_a_met_difference_names_float64(tmp_path):
     assert checks.difference < tol * checks.scale / 4
     true = np.abs(res.contributions - _float64_reference(est, Xq, tmp_path)).max()
     assert true > 2 * checks.difference
+
+
+@pytest.mark.parametrize("roundoff, difference, categories", [
+    (2e-6, 3e-6, [ConvergenceWarning, PrecisionWarning]),
+    (float("nan"), 0.5e-6, [PrecisionWarning]),
+    (0.5e-6, float("nan"), [ConvergenceWarning]),
+    (float("nan"), float("nan"), [ConvergenceWarning, PrecisionWarning])])
+def test_round_off_and_quadrature_each_warn_of_their_own_miss(roundoff, difference,
+                                                              categories):
+    """Where the round-off estimate and the two rules' difference both miss (a NaN
+    misses), each is warned of with its own reason: the PrecisionWarning names float64
+    and the round-off, the ConvergenceWarning the quadrature's difference (main gave the
+    PrecisionWarning alone, and blamed round-off for a NaN difference)."""
+    allowed = 1e-6
+    rec = _finished(roundoff, difference, allowed)
+    assert [w.category for w in rec] == categories
+    for w in rec:
+        message = str(w.message)
+        if w.category is PrecisionWarning:
+            assert f"round-off alone is {roundoff:.3g}, over it too" in message
+        else:
+            assert f"the quadrature's part: {difference:.3g}" in message
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_chunk_nan_round_off_wins_whatever_the_chunks_order(first, monkeypatch):
+    """The chunks' round-off estimates and differences are combined NaN-aware: a NaN in
+    one chunk is the result's and is warned of, first chunk or last (``max`` kept its
+    first argument: a NaN in a later chunk was dropped for the earlier finite one)."""
+    import skpathkernel._analysis._decomposition as module
+
+    X, y = load_iris(return_X_y=True)
+    X = (X - X.mean(axis=0)) / X.std(axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        est = PathKernelClassifier(hidden_layer_sizes=(8,), max_iter=5,
+                                   random_state=0).fit(X[::3], y[::3])
+    net = network_of(est)
+    X_fit, Y_fit = net._training_data()
+    real = module._contribution_check
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        quads = out[2]
+        assert len(quads) > 1
+        quads[0 if first else -1].roundoff = float("nan")
+        quads[-1 if first else 0].difference = float("nan")
+        return out
+
+    monkeypatch.setattr(module, "_contribution_check", poisoned)
+    _, checks = decompose(net.module, net.trajectory, X_fit, Y_fit, net.loss,
+                          net.tensor(X[:8]), chunk=4, warn=False)
+    assert np.isnan(checks.roundoff) and np.isnan(checks.difference)

@@ -2193,8 +2193,9 @@ def decompose(
             tol if n_nodes is None else INEXACT_FLOOR[dtype], adaptive=n_nodes is None,
             chosen=requested is not None)
         measured = contribution_error
-        roundoff = max(q.roundoff for q in quads)
-        difference = max(q.difference for q in quads)
+        # NaN-aware: a chunk's NaN wins whatever the chunks' order (max keeps its first).
+        roundoff = worst(q.roundoff for q in quads)
+        difference = worst(q.difference for q in quads)
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
@@ -2571,8 +2572,10 @@ def finish(result: Decomposition, checks: _Checks, units=None,
            else None)
     # A float32 path whose round-off alone misses, or tips over a difference that meets
     # the tolerance: more nodes cannot help, float64 does.
+    # Each part is warned of where it misses: the round-off (PrecisionWarning) and the
+    # quadrature's own difference (ConvergenceWarning), both where both do.
     roundoff = _missed_roundoff(checks) if one is not None else None
-    one = None if roundoff is not None else one
+    one = None if roundoff is not None and not _missed_difference(checks) else one
     if units is not None:
         result = units(result)
     if checks.failed:
@@ -2601,7 +2604,7 @@ def finish(result: Decomposition, checks: _Checks, units=None,
         _warn_missed(result, checks, *missed, verb)
     if one is not None:
         _warn_contribution(result, checks, one, verb)
-    elif roundoff is not None:
+    if roundoff is not None:
         _warn_roundoff(result, checks, roundoff, verb)
     if checks.exact and checks.slow and not checks.failed:
         _warn_slow(result, checks, verb)
@@ -2766,15 +2769,22 @@ def _missed_contribution(result: Decomposition, checks: _Checks) -> float | None
 def _missed_roundoff(checks: _Checks) -> float | None:
     """The estimated round-off of one contribution relative to the path's largest |f|
     where a contribution misses what it is checked against because of it (it alone is
-    over, or the two rules' difference alone is under: more nodes would not bring the
-    error under), else None. Called where a contribution misses."""
-    if not checks.roundoff:
+    over or NaN, or the two rules' difference alone meets it: more nodes would not bring
+    the error under), else None. Called where a contribution misses."""
+    if checks.roundoff is None or checks.roundoff == 0:
         return None
     achieved = checks.relative(checks.roundoff)
-    quadrature = math.inf if checks.difference is None else checks.relative(checks.difference)
-    if achieved <= checks.contribution_tol < quadrature:
+    if achieved <= checks.contribution_tol and _missed_difference(checks):
         return None
     return achieved
+
+
+def _missed_difference(checks: _Checks) -> bool:
+    """Whether the two rules' difference alone (the quadrature's part of a contribution's
+    error) misses what a contribution is checked against, NaN included; False where no
+    difference was measured apart from the round-off."""
+    return (checks.difference is not None
+            and not checks.relative(checks.difference) <= checks.contribution_tol)
 
 
 def _held_to(checks: _Checks) -> str:
@@ -2792,7 +2802,7 @@ def _warn_roundoff(result: Decomposition, checks: _Checks, achieved: float,
     # scale in the network's.
     total = checks.relative(checks.measured)
     part = (f"round-off alone is {achieved:.3g}, over it too"
-            if achieved > checks.contribution_tol else
+            if not achieved <= checks.contribution_tol else
             f"round-off is {achieved:.3g} of it, beside the quadrature's "
             f"{checks.relative(checks.difference):.3g} (the two rules' difference, under it)")
     warnings.warn(
@@ -2821,11 +2831,21 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
         f"{verb}(method='exact'): a single contribution's quadrature error is measured "
         f"at {result.contribution_error:.3g} (Decomposition.contribution_error"
         f"{_with_roundoff(checks)}), {achieved:.3g} relative to the largest |f| along "
-        f"the path, over {_held_to(checks)} (the contributions' sum misses by "
+        f"the path{_quadrature_part(checks)}, over {_held_to(checks)} (the contributions' "
+        "sum misses by "
         f"{result.error:.3g}, Decomposition.error; where the training points' shares of "
         f"a step cancel, each can miss by more than their sum). {fix}",
         ConvergenceWarning, stacklevel=caller_stacklevel(),
     )
+
+
+def _quadrature_part(checks: _Checks) -> str:
+    """The quadrature's own part of a contribution's error (the two rules' difference)
+    where a round-off estimate is part of it too, for a warning."""
+    if not checks.roundoff or checks.difference is None:
+        return ""
+    return (f" (the two rules' difference alone, the quadrature's part: "
+            f"{checks.relative(checks.difference):.3g})")
 
 
 def _with_roundoff(checks: _Checks) -> str:

@@ -2126,9 +2126,11 @@ def decompose(
     terms = pair_terms(probe.terms)
     # One sample's factors (the captures keep them with their graph: x 4), or their pair
     # layout where it is larger (per-sample gradients of layers over many positions), and
-    # the widest layer output, which sizes the pair engine's per-sample intermediates.
+    # the widest layer output, which sizes the pair engine's per-sample intermediates;
+    # with the capture's copy of its rows where no factor holds it (Capture.input_bytes).
     row = 4 * max(probe.nbytes(), sum(t.delta.numel() * itemsize + sum(
-        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms))
+        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms)) \
+        + probe.input_bytes
     width = max(t.delta.shape[2] for t in terms)
     largest = max(t.delta.shape[2] * (1 if a is None else a.shape[1])
                   for t in terms for _, a in t.inputs)

@@ -134,6 +134,10 @@ class Capture:
     #: Whether the forward pass held its saved tensors copy-on-write (see
     #: :func:`capture`'s ``guard_saved``).
     guarded: bool = False
+    #: Bytes of the forward pass's private copy of its rows (:func:`.forward_input`),
+    #: alive for the whole capture beside its graph, backprops and factors, where no
+    #: factor holds it (a first Linear's input is its weight's factor, in :meth:`nbytes`).
+    input_bytes: int = 0
 
     def nbytes(self) -> int:
         size = 0
@@ -141,6 +145,12 @@ class Capture:
             size += term.delta.numel() * term.delta.element_size()
             size += sum(a.numel() * a.element_size() for _, a in term.inputs if a is not None)
         return size
+
+    def capture_bytes(self) -> int:
+        """What the capture of these rows holds at its peak, as the block and chunk plans
+        estimate it: four times its factors (the graph, the backprops, the forming) and
+        the copy of its rows."""
+        return 4 * self.nbytes() + self.input_bytes
 
 
 def value_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dtype:
@@ -653,6 +663,10 @@ def capture(
             counted.add(z)
         cap.graph_bytes = counted.nbytes
     cap.guarded = guard_saved
+    held = {a.untyped_storage().data_ptr() for term in cap.terms for _, a in term.inputs
+            if a is not None}
+    storage = x_in.untyped_storage()
+    cap.input_bytes = 0 if storage.data_ptr() in held else storage.nbytes()
     return cap
 
 

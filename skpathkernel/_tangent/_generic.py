@@ -59,8 +59,10 @@ def per_sample_jacobian(
     jac = vmap(jacrev(f_single), in_dims=(None, 0))
     batched = True
     n_free = sum(v.numel() for v in free.values())
-    # The Jacobian has the parameters' dtype (X may hold integer token ids).
-    row_bytes = 4 * len(index) * n_free * free[names[0]].element_size() + 1
+    # The Jacobian has the parameters' dtype (X may hold integer token ids); beside it,
+    # the chunk's copy of its rows (forward_input).
+    row_bytes = (4 * len(index) * n_free * free[names[0]].element_size()
+                 + X[:1].numel() * X.element_size() + 1)
     chunk = rows_per_block(memory_budget, row_bytes, "A per-sample Jacobian of the fallback layers")
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     for start in range(0, X.shape[0], chunk):

@@ -816,7 +816,8 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,
                     exclude=probe.exclude | probe.declined,
-                    graph_bytes=-(-probe.graph_bytes // rows.shape[0]))
+                    graph_bytes=-(-probe.graph_bytes // rows.shape[0]),
+                    input_bytes=-(-probe.input_bytes // rows.shape[0]))
     return params, outputs, mode, probe
 
 
@@ -1180,7 +1181,7 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
             chunk = _launch_bound_chunk(probe, kept, n_kept, size, per_pair,
                                         memory_budget - held, chunk, counted)
     else:
-        size = _block_size(n_max, memory_budget, 4 * probe.nbytes() + lazy, per_pair)
+        size = _block_size(n_max, memory_budget, probe.capture_bytes() + lazy, per_pair)
         # Captures are kept only where a block is visited again: the column blocks, once
         # per row block. A row block of a cross Gram is used once, keeping it would only
         # hold memory (N x r OOD passes: 140 MB of factors for nothing at N = 20000).
@@ -1197,9 +1198,10 @@ def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, l
 
 
 def _chunk_row_bytes(probe: Capture, kept: int) -> int:
-    """Bytes per row of a chunk captured into formed blocks: its factors, graph and
-    forming, in an eighth of the budget (see :func:`_gram_blocks`)."""
-    return 8 * (4 * probe.nbytes() + kept)
+    """Bytes per row of a chunk captured into formed blocks: its factors, graph,
+    forming and copy of its rows (:meth:`.Capture.capture_bytes`), in an eighth of the
+    budget (see :func:`_gram_blocks`)."""
+    return 8 * (probe.capture_bytes() + kept)
 
 
 def _dense_shares(probe: Capture, kept: int, budget: int) -> tuple[int, int]:
@@ -1503,7 +1505,7 @@ def tangent_gram_diag(
     extra = max([_dense_bytes(t, itemsize) * 2 if routes[t.inputs[0][0]] == "dense"
                  else pair_diag_bytes(t, itemsize) if routes[t.inputs[0][0]] == "pair" else 0
                  for t in probe.terms], default=0)
-    size = _block_size(X.shape[0], memory_budget, 4 * probe.nbytes() + extra)
+    size = _block_size(X.shape[0], memory_budget, probe.capture_bytes() + extra)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)
     shape = (X.shape[0], n_out, n_out) if mode == "full" else (X.shape[0],)
@@ -1646,7 +1648,7 @@ def tangent_features(
     # A term with positions forms its blocks before they are copied into phi.
     formed = max([_dense_bytes(t, dtype.itemsize) for t in probe.terms if not rank_one(t)
                   or t.transposed], default=0)
-    per_row = 4 * probe.nbytes() + n_out * n_params * dtype.itemsize + formed
+    per_row = probe.capture_bytes() + n_out * n_params * dtype.itemsize + formed
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,
                      exclude=probe.exclude)

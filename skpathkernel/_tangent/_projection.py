@@ -118,7 +118,7 @@ def project_tangent_features(
     itemsize = dtype.itemsize
     # "full" projects every output's delta with the same u; "trace" draws u over (C, p).
     width = 1 if mode == "full" else n_out
-    per_row = 4 * probe.nbytes() + 2 * n_out * k * itemsize + max(
+    per_row = probe.capture_bytes() + 2 * n_out * k * itemsize + max(
         [project_bytes(t, k, width, itemsize) for t in probe.terms], default=0)
     size = _block_size(X.shape[0], memory_budget, per_row)
     blocks = _Blocks(module, params, X, size, outputs, memory_budget, keep=False,

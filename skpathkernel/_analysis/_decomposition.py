@@ -42,9 +42,13 @@ so no Jacobian is formed for layers with a rule (:mod:`._tangent._pairs`):
   recursion runs through them, so a block of steps would pair every query's step with
   every later batch (``T_b / 2`` times the products) instead of sharing one GEMM;
 - the dense route (``second_order`` only) forms each node's Jacobian and the batch's
-  per-sample loss gradients. Terms of a layout the pair engine does not keep factored
-  stay on the routes above, as per-sample gradients (``_pairs.pair_terms``); the dense
-  route's ``method="exact"`` branch is what the tests check the other routes against.
+  per-sample loss gradients, its adjoint a float64 P-vector per query output (a float32
+  one erred over the round-off estimate the routes share,
+  ``benchmarks/results/dense_roundoff-s47.md``). Terms of a layout the pair engine
+  does not keep factored stay on the routes above, as per-sample gradients
+  (``_pairs.pair_terms``); the dense route's ``method="exact"`` branch is what the
+  tests check the other routes against, with a float32 path's round-off estimate as
+  theirs.
 
 Captures. For an ``nn.Sequential`` of ``nn.Linear`` layers and elementwise activations
 (the estimators' default network, :func:`._tangent.stacked_mlp`), the factors come from
@@ -1943,12 +1947,20 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
     n_res, P = ctx.n_res, traj.n_params
     decoupled = spec.name == "adamw"
     checked = dict(check_hidden=False, exclude=ctx.exclude)
-    lam = torch.zeros((n_q, n_res, P), dtype=dtype, device=device)
-    rho = torch.empty_like(lam)
-    node = torch.empty_like(lam) if method == "exact" else None
+    # The adjoint in float64: a float32 one, a full P-vector per query output carried
+    # through every step, erred up to 2.7x the adjoint route's factored buffers on
+    # float32 paths, over the round-off estimate both take (4.64 against 3.93 in units
+    # of 1e-6 S on converged full-batch Adam; benchmarks/results/dense_roundoff-s47.md).
+    lam = torch.zeros((n_q, n_res, P), dtype=torch.float64, device=device)
+    rho = torch.empty((n_q, n_res, P), dtype=dtype, device=device)
+    node = torch.empty_like(rho) if method == "exact" else None
     G = torch.empty((min(ctx.b_block, N), 1, P), dtype=dtype, device=device)
     contrib = torch.zeros((n_q, N, n_res), dtype=torch.float64, device=device)
     reg = torch.zeros((n_q, n_res), dtype=torch.float64, device=device)
+    # A float32 path's contributions: sum_t |share_t| per contribution, the scale of
+    # their round-off, as the other routes take it (see _contribution_check).
+    size = (torch.zeros_like(contrib) if method == "exact" and dtype != torch.float64
+            else None)
     # The queries' weights as (Q, 1, C): one batched product contracts a Jacobian.
     Wq = None if ctx.weights is None else ctx.weights[rows]
 
@@ -2004,7 +2016,7 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                     decay = -float(traj.learning_rates[j]) * spec.weight_decay * direction
                     reg += (rho @ decay).double()
                 else:
-                    reg += (lam @ (spec.weight_decay * direction)).double()
+                    reg += lam @ (spec.weight_decay * direction).double()
             idx, w = _step_points(traj, t, ctx.weighting, device)
             for b0 in range(0, len(idx), ctx.b_block):
                 sub = idx[b0 : b0 + ctx.b_block]
@@ -2012,12 +2024,14 @@ def _dense_block(ctx: _Context, Xq, rows, quad: _Quadrature | None, *, method):
                                        ctx.Y_train[sub])
                 # The per-sample loss gradients J_i^T r_i: one backward pass seeded with r.
                 g = ctx.seeded_rows(params, ctx.X_train[sub], r, G[: len(sub)])[:, 0]
-                share = (lam.flatten(0, 1) @ g.T).unflatten(0, lam.shape[:2])
-                contrib.index_add_(1, sub, share.transpose(1, 2).double()
-                                   * w[b0 : b0 + ctx.b_block, None])
+                share = (lam.flatten(0, 1) @ g.T.double()).unflatten(0, lam.shape[:2])
+                share = share.transpose(1, 2).double() * w[b0 : b0 + ctx.b_block, None]
+                contrib.index_add_(1, sub, share)
+                if size is not None:
+                    size.index_add_(1, sub, share.abs())
             if lead:  # Nesterov's own-gradient term does not enter the memory
                 _add_scaled(lam, rho, D, -lead)
-    return contrib, reg
+    return contrib, reg, size
 
 
 def _add_scaled(lam, rho, D, scale):
@@ -2275,11 +2289,13 @@ def _contribution_check(walk, first, tol: float, *, adaptive: bool, chosen: bool
     kept, error, last = [0] * len(quads), [math.nan] * len(quads), [math.nan] * len(quads)
 
     def paired(result, plan):
-        # The dense route takes no pair in its walk: a walk with a node more gives it.
-        if result[3] is not None:
+        # The dense route takes no pair in its walk: a walk with a node more gives it
+        # (the walk's own sums of the shares' sizes are kept).
+        if result[3] is not None and result[3][0] is not None:
             return result
         more = walk([p + 1 for p in plan])
-        return (*result[:3], (more[0] - result[0], more[1] - result[1], None))
+        size = None if result[3] is None else result[3][2]
+        return (*result[:3], (more[0] - result[0], more[1] - result[1], size))
 
     walks = [paired(first, base)]
     for r in range(CHECK_RAISES + 1):
@@ -2962,12 +2978,12 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     # at every recorded point, kept for the whole block.
     f_bytes = 8 * n_out * len(traj) if method == "exact" else 0
     if route == "dense":
-        # lambda, rho and the node buffer (Q x n_res x P each) and a Jacobian's formation
-        # per query block, and a batch's per-sample loss gradients (B x P, formed from
-        # one seeded capture: a row's factors). Both are held through the walk: half the
-        # budget each. The second order's Hessian-vector products take the node
-        # buffer's and the formation's room (a quarter), in blocks of queries.
-        q_bytes = 2 * (4 * n_res * P * itemsize + f_bytes)
+        # lambda (float64), rho and the node buffer (Q x n_res x P each) and a Jacobian's
+        # formation per query block, and a batch's per-sample loss gradients (B x P,
+        # formed from one seeded capture: a row's factors). Both are held through the
+        # walk: half the budget each. The second order's Hessian-vector products take the
+        # node buffer's and the formation's room (a quarter), in blocks of queries.
+        q_bytes = 2 * ((8 + 3 * itemsize) * n_res * P + f_bytes)
         # Checked first: a query's products need more than its buffers (n_out >= n_res,
         # no f_bytes), so the first refusal names the budget that passes both; checked
         # after them, a budget raised to what the buffers asked was refused again.
@@ -3089,9 +3105,12 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     regularization = np.zeros((n_q, n_res))
     # The exact method's check: the difference of the rule with a node more, and on a
     # float32 path the sums of the absolute shares (the scale of their round-off).
-    pair = ((np.zeros((n_q, N, n_res)), np.zeros((n_q, n_res)),
+    # The dense route takes no rule with a node more in its walk (None: the check walks
+    # again), only the sums.
+    pair = ((None if route == "dense" else np.zeros((n_q, N, n_res)),
+             None if route == "dense" else np.zeros((n_q, n_res)),
              None if traj.dtype == torch.float64 else np.zeros((n_q, N, n_res)))
-            if method == "exact" and route != "dense" else None)
+            if method == "exact" else None)
     # An adaptive node choice per chunk of queries (the same chunks in a block of them on
     # a worker); a block of the memory budget walks the steps once for its chunks, and
     # the blocks read the same batch captures, kept while memory allows.
@@ -3105,6 +3124,8 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
             parts = [_dense_block(ctx, X[c_rows], c_rows, quad, method=method)
                      for c_rows, quad in chunks]
             c, r = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+            if pair is not None and pair[2] is not None:
+                pair[2][rows] = torch.cat([p[2] for p in parts]).cpu().numpy()
         else:
             c, r, size = _factored_block(ctx, X[rows], rows, chunks, method=method,
                                          route=route)

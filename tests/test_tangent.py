@@ -2155,3 +2155,59 @@ def test_the_captures_copy_of_its_rows_is_within_the_budget(call):
             "cross": lambda: torch.einsum("ncp,mcp->nm", J, J[:40]) / 10,
             "features": lambda: J[:, 0]}[call]()
     _close(out.double(), want, 1e-5)
+
+
+class _CtxHeld(torch.autograd.Function):
+    """``tanh``, its output kept on ``ctx`` outside ``save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.y = torch.tanh(x)
+        return ctx.y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 - ctx.y * ctx.y)
+
+
+class _CtxSaved(torch.autograd.Function):
+    """The same, its output saved by ``save_for_backward`` (which the hooks see)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+class _FunctionNet(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+        self.first, self.head = nn.Linear(4, 64), nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.function.apply(self.first(x)))
+
+
+def test_graph_bytes_count_what_a_function_keeps_on_ctx():
+    # A custom autograd.Function keeping a tensor on ctx (not save_for_backward): no
+    # saved-tensor hook sees it, yet the kept forward holds it. The graph's bytes count
+    # every tensor the forward's ops made that outlives the forward: those of the same
+    # network saving it by save_for_backward (they missed its 16 x 64 float32 before).
+    X = torch.randn(16, 4)
+    counts = []
+    for function in (_CtxHeld, _CtxSaved):
+        torch.manual_seed(0)
+        module = _FunctionNet(function)
+        params = dict(module.named_parameters())
+        cap = capture(module, params, X, [0], memory_budget=2**30, measure_graph=True)
+        counts.append(cap.graph_bytes)
+        J = _loop_jacobian(module, {k: v.detach() for k, v in params.items()}, X)
+        _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", J, J), 1e-5)
+    assert counts[0] == counts[1]

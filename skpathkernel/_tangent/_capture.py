@@ -589,7 +589,9 @@ def capture(
         With ``kept``: the last capture of these rows, which frees the graph.
     measure_graph : bool, default=False
         Count the bytes of the tensors the forward pass saves for the backward passes
-        that belong to no parameter, buffer or ``X`` (``Capture.graph_bytes``).
+        that belong to no parameter, buffer or ``X`` (``Capture.graph_bytes``), and of
+        those its ops made that outlive it otherwise (a custom ``autograd.Function``'s
+        ``ctx.y = t``, which no saved-tensor hook sees; :meth:`.SavedWatch.alive`).
     guard_saved : bool, default=False
         Hold the tensors the forward pass saves for its backward copy-on-write
         (:class:`SavedWatch`); the capture sets it itself, and runs again, where an
@@ -636,6 +638,8 @@ def capture(
     # activation after a Tanh): autograd would refuse the backward, or under the hooks
     # read the rewritten values; again with saved tensors copied before such writes.
     resaved = saved.rewritten
+    # Taken now: the backward passes free the graph, and what it holds with it.
+    alive = saved.alive() if measure_graph else ()
     if watch.misfits or rewritten or resaved:
         # Every parameter of a layer with a misread parameter goes to the fallback; a
         # site's output rewritten in place is handed on as a copy.
@@ -655,7 +659,10 @@ def capture(
     cap = _captured(module, params, X, outputs, memory_budget, dense_fallback, weights,
                     scratch, index, formed, *state, retain=kept is not None and not last)
     if measure_graph:
-        # The kept forward holds the sites' outputs and the layers' inputs too.
+        # The kept forward holds the sites' outputs and the layers' inputs too, and what
+        # else its ops made that outlives it (a custom Function's ctx attributes).
+        for t in alive:
+            counted.add(t)
         for *_, use, zs in accepted:
             for t in (*use.inputs, *zs):
                 counted.add(t)

@@ -13,6 +13,7 @@ every in-place operation out of place.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -54,7 +55,10 @@ class SavedWatch:
         self.saved: list[tuple[torch.Tensor, int]] = []
         self.holders: dict[int, list[list[torch.Tensor]]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._mode = _CopyOnWrite(self) if guard else contextlib.nullcontext()
+        # With ``graph``: every op's outputs, weakly, for :meth:`alive`.
+        self.outputs: list[weakref.ref] | None = [] if graph is not None else None
+        self._mode = (_CopyOnWrite(self) if guard or graph is not None
+                      else contextlib.nullcontext())
 
     def _pack(self, t):
         if self.graph is not None:
@@ -77,6 +81,16 @@ class SavedWatch:
             if self.graph is not None:
                 self.graph.add(holder[0])
 
+    def alive(self) -> list[torch.Tensor]:
+        """The tensors the forward's ops made that are still alive after it (``graph``
+        only): besides the output, what something keeps beyond the saved tensors, such
+        as a custom ``autograd.Function``'s ``ctx.x = t`` (outside
+        ``save_for_backward``, which no hook sees) or a module caching an activation.
+        The kept forward holds them too."""
+        out = [t for ref in self.outputs or () if (t := ref()) is not None]
+        self.outputs = []
+        return out
+
     @property
     def rewritten(self) -> bool:
         """Whether an in-place op rewrote a saved tensor after it was saved (read once:
@@ -97,7 +111,8 @@ class SavedWatch:
 
 class _CopyOnWrite(TorchDispatchMode):
     """Hands every tensor an ATen op is about to write into (its schema's written
-    arguments: in-place and ``out=`` ops) to :meth:`SavedWatch.before_write`."""
+    arguments: in-place and ``out=`` ops) to :meth:`SavedWatch.before_write`, and
+    records the ops' outputs where the watch counts the graph."""
 
     def __init__(self, watch: SavedWatch):
         super().__init__()
@@ -112,7 +127,10 @@ class _CopyOnWrite(TorchDispatchMode):
                     value = args[i] if i < len(args) else kwargs.get(arg.name)
                     for t in tensors(value):
                         self.watch.before_write(t)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.watch.outputs is not None:
+            self.watch.outputs.extend(weakref.ref(t) for t in tensors(out))
+        return out
 
 
 def differentiable_forward(run):

@@ -41,12 +41,12 @@ class SavedWatch:
     whose derivatives read their outputs. The function is well defined (the plain-MLP
     route, :func:`._stacked.stacked_mlp`, gives each in-place activation a copy), but
     autograd refuses the backward pass, and under saved-tensor hooks (these) it does not
-    check at all. Unguarded, this records
-    every saved tensor with its version counter: :attr:`rewritten` says whether one moved
-    by the end of the forward (autograd's own check). ``guard`` (for a second run of such
-    a forward) holds each saved tensor copy-on-write instead: the first in-place write
-    into its storage (:class:`_CopyOnWrite` sees every ATen op) copies it beforehand, so
-    the backward reads the values the forward saved; only rewritten tensors are copied.
+    check at all. Unguarded, this records every saved tensor with its version counter:
+    :attr:`rewritten` says whether one moved by the end of the forward (autograd's own
+    check). ``guard`` (for a second run of such a forward) holds each saved tensor
+    copy-on-write instead: the first in-place write into its storage
+    (:class:`_CopyOnWrite` sees every ATen op) copies it beforehand, so the backward
+    reads the values the forward saved; only rewritten tensors are copied.
     ``graph`` (the capture's ``_GraphBytes``) counts the saved tensors and these copies.
     """
 
@@ -106,6 +106,9 @@ class SavedWatch:
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+        # No write is watched past the forward: the graph alone holds the saved tensors
+        # from here (freed with it, not with this watch).
+        self.holders.clear()
         return self._hooks.__exit__(*exc)
 
 

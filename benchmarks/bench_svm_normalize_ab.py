@@ -129,7 +129,10 @@ def fitted_splits(name, seeds, key, **svm_params):
             rec["t_ours"] = time.process_time() - t
             rec[key] = float(pipe.score(X_te, y_te))
             est, X_test = pipe[-1], pipe[0].transform(X_te)
-            assert est.estimator_._train_rows is None  # the SVM saw every training row
+            # The SVM saw every training row (train_indices_ is arange(n) since 48da5b2,
+            # None before).
+            rows = est.estimator_.train_indices_
+            assert rows is None or np.array_equal(rows, np.arange(len(y_tr)))
             rec["net"] = float(est.estimator_.score(X_test, y_te))
             yield rec, est, X_test, np.asarray(y_tr), np.asarray(y_te)
 

@@ -13,7 +13,9 @@ On the CIFAR CNN's shapes (a 16-row chunk, ten outputs, float32, one thread), th
   the buffer) against one threshold at the pooled resolution then zero fill and
   scatter-add for all the outputs, and a ``torch.where`` over the window's view;
 - the second convolution's forward on NCHW and channels_last operands, and forming the
-  first convolution's blocks in either order of their rows.
+  first convolution's blocks in either order of their rows;
+- the first convolution's weight and bias gradients formed from its backprops (the route)
+  or from the pooled backprops and the patches gathered at the pool's argmax.
 
 Usage: ``OMP_NUM_THREADS=1 taskset -c 0 python -m benchmarks.bench_cnn_route_kernels``.
 Results: ``benchmarks/results/cnn_route_ab-s47.md``.
@@ -136,6 +138,38 @@ def main():
     for _ in range(2):
         print(f"conv1 forming, 16 rows: q x C p {_median_ms(qp, 21):.2f} ms, "
               f"C p x q {_median_ms(pq, 21):.2f} ms", flush=True)
+    # The first convolution's weight and bias gradients from its backprops (what the
+    # route does: the gate into the buffer, forming by one GEMM per sample over the 1024
+    # positions, the bias's sum) against from the pooled backprops (its ReLU-gated
+    # gradients at the 256 argmax positions and the patches gathered there per channel:
+    # a quarter of the products, no buffer; other sums, not the same bits).
+    patches_qs = torch.randn(n, q, S)
+    formed_cold = torch.empty(64, n, q, C * p)
+    gathered_cold = torch.empty(64, n * p, C, q)
+
+    def from_backprops():
+        i[0] = (i[0] + 1) % 64
+        route()
+        torch.bmm(patches_qs, buf.view(n, C * p, S).transpose(1, 2), out=formed_cold[i[0]])
+        return formed_cold[i[0]], buf.flatten(-2).sum(-1)
+
+    def from_pooled():
+        i[0] = (i[0] + 1) % 64
+        gg = torch.ops.aten.threshold_backward(g, pooled.unsqueeze(1), 0)
+        rows = patches_qs.transpose(1, 2).reshape(n * S, q)
+        at = (idx.flatten(2) + (torch.arange(n) * S).view(n, 1, 1)).flatten()
+        picked = rows.index_select(0, at).view(n * p, 256, q)
+        torch.bmm(gg.flatten(-2).transpose(1, 2).reshape(n * p, C, 256), picked,
+                  out=gathered_cold[i[0]])
+        return gathered_cold[i[0]], gg.flatten(-2).sum(-1)
+
+    (a, b), (c, e) = from_backprops(), from_pooled()
+    diff = (a.view(n, q, C, p).permute(0, 3, 2, 1) - c.view(n, p, C, q)).abs().max()
+    print(f"conv1 weight gradients from the pooled backprops: max abs diff {diff:.1e} "
+          f"(bias {(b - e).abs().max():.1e})")
+    for _ in range(2):
+        print(f"  from the backprops {_median_ms(from_backprops):.2f} ms, from the pooled "
+              f"backprops {_median_ms(from_pooled):.2f} ms", flush=True)
     print("load average", os.getloadavg())
 
 

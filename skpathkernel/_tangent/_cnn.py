@@ -198,10 +198,10 @@ def _backward(calls, saved, outputs, buffer):
         # The convolution's input gradient for every output at once: one call of the
         # convolution_backward (input gradient only) that autograd's backward makes per
         # output, on the n C rows of the backprops (the same bits per row; measured
-        # 1.2x as fast as C calls on a 16-row chunk of the CIFAR CNN). The data gradient
-        # does not depend on the input's values: an input of its shape, in a buffer
-        # reused by the chunks, its contents whatever they are (a fresh tensor each time
-        # made the call 1.5x slower: oneDNN reads it, and its pages fault in).
+        # 1.04-1.18x as fast as C calls on a 16-row chunk of the CIFAR CNN). The data
+        # gradient does not depend on the input's values: an input of its shape, in a
+        # buffer reused by the chunks, its contents whatever they are (a fresh tensor
+        # each call made it up to 1.6x slower: oneDNN reads it, its pages fault in).
         shape = (n * C, *a_in.shape[1:])
         g = torch.ops.aten.convolution_backward(
             d.reshape(n * C, *d.shape[2:]), buffer(2 * nb - j, shape, a_in).view(shape), w,

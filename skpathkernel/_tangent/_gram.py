@@ -67,11 +67,13 @@ mostly arithmetic: the second convolution's input gradient for every output (97 
 about 0.4-0.5 of the GEMM probe's rate in oneDNN's kernel), forming at about 0.5, the
 SYRKs at about 0.9.
 (Not kept: channels_last for these convolutions. oneDNN's input gradient of the second
-convolution ran 1.3x as fast on channels_last backprops, but forming needs them
-position-last, and converting them first left 1.07x with the result's conversion back
-still to pay; its forward 1.3x on rows already converted, about 0.1 s of the call before
-the conversions. The batched input gradient: one call per output took 1.12-1.16x its
-time on a 16-row chunk, the same bits; ``benchmarks/bench_cnn_route_kernels.py``.)
+convolution ran 1.2-1.3x as fast on channels_last backprops, but forming needs them
+position-last, and converting them first left it 0.90-0.93x as fast as the NCHW call,
+with the result's conversion back still to pay; its forward 1.26-1.28x on rows already
+converted, about 0.05 s of the call. Next, measured, not built: the first convolution's
+weight gradients from the pooled backprops and the patches gathered at the pool's argmax,
+a quarter of the products and no backprop buffer, 0.24 s of the call, not the same bits;
+``benchmarks/bench_cnn_route_kernels.py``.)
 
 On the ResNet (ten outputs in five groups of two, N = 1024, one thread, one block of all
 rows per group in chunks of 36; ``benchmarks/results/gram_resnet_profile.md``, shares

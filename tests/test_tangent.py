@@ -2079,9 +2079,10 @@ def _cnn_spy(monkeypatch):
 @pytest.mark.parametrize("kind", sorted(_PLAIN_CNN))
 def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
     # A plain CNN's captures compute its backprops by hand: against the dense Jacobians
-    # of the autograd loop (float64), and the same bits as the general capture (autograd's
-    # backward passes), for the trace, one output, full blocks, a Y and a preconditioner;
-    # in float32 too, where the convolutions are oneDNN's.
+    # of the autograd loop (float64) for the trace, one output, full blocks, a Y and a
+    # preconditioner; the hand-made backprops are autograd's bits (the general capture's
+    # K bit for bit without the first convolution formed from its pooled backprops), and
+    # with it, K to rounding; in float32 too, where the convolutions are oneDNN's.
     torch.manual_seed(0)
     module = _PLAIN_CNN[kind]().double()
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
@@ -2090,31 +2091,41 @@ def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
     J = _loop_jacobian(module, params, X)
     D = torch.rand(J.shape[2], dtype=torch.float64) + 0.5
     taken = _cnn_spy(monkeypatch)
-    got = {
-        "trace": tangent_gram(module, params, X),
-        "one": tangent_gram(module, params, X, output=1),
-        "full": tangent_gram(module, params, X, output="full"),
-        "Y": tangent_gram(module, params, X, X[:7]),
-        "D": tangent_gram(module, params, X, diag_weight=D),
-        "chunks": tangent_gram(module, params, X, memory_budget=2**20),
-    }
-    assert len(taken) >= 6
+    pooled = []
+    real_first = _capture.first_formed
+    monkeypatch.setattr(_capture, "first_formed",
+                        lambda *a: pooled.append(1) or real_first(*a))
+    calls = {"trace": {}, "one": dict(output=1), "full": dict(output="full"),
+             "D": dict(diag_weight=D), "chunks": dict(memory_budget=2**20)}
+
+    def grams(dtype=torch.float64):
+        m = module.to(dtype)
+        p = {k: v.to(dtype) for k, v in params.items()}
+        out = {key: tangent_gram(m, p, X.to(dtype), **kw) for key, kw in calls.items()}
+        out["Y"] = tangent_gram(m, p, X.to(dtype), X[:7].to(dtype))
+        module.double()
+        return out
+
+    got, got32 = grams(), grams(torch.float32)
+    assert len(taken) >= 12
+    if kind.startswith("conv-relu-pool"):
+        assert pooled  # the first convolution's gradients formed from its pooled backprops
     _close(got["trace"], torch.einsum("ncp,mcp->nm", J, J) / 3)
     _close(got["one"], J[:, 1] @ J[:, 1].T)
     _close(got["full"], torch.einsum("ncp,mdp->ncmd", J, J))
     _close(got["Y"], torch.einsum("ncp,mcp->nm", J, J[:7]) / 3)
     _close(got["D"], torch.einsum("ncp,mcp->nm", J * D, J) / 3)
     _close(got["chunks"], got["trace"])
-    f32 = module.float()
-    p32 = {k: v.float() for k, v in params.items()}
-    K32 = tangent_gram(f32, p32, X.float())
-    _close(K32, got["trace"], 1e-5)
+    _close(got32["trace"], got["trace"], 1e-5)
+    monkeypatch.setattr(_capture, "pools_first", lambda *a: False)
+    exact, exact32 = grams(), grams(torch.float32)
     monkeypatch.setattr(_gram, "plain_cnn", lambda *a: None)
-    for key, kwargs in [("trace", {}), ("one", dict(output=1)), ("full", dict(output="full")),
-                        ("D", dict(diag_weight=D)), ("chunks", dict(memory_budget=2**20))]:
-        assert torch.equal(tangent_gram(module, params, X, **kwargs), got[key]), key
-    assert torch.equal(tangent_gram(module, params, X, X[:7]), got["Y"])
-    assert torch.equal(tangent_gram(f32, p32, X.float()), K32)
+    general, general32 = grams(), grams(torch.float32)
+    for key in general:
+        assert torch.equal(exact[key], general[key]), key
+        assert torch.equal(exact32[key], general32[key]), key
+        _close(got[key], general[key], 1e-12)
+        _close(got32[key], general32[key], 1e-6)
 
 
 def test_plain_cnn_route_is_left_where_it_does_not_apply(monkeypatch):

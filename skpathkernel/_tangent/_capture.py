@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from .._device import forked_rng, forward_input
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
-from ._cnn import cnn_backprops
+from ._cnn import cnn_backprops, first_formed, pools_first
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
 from ._layers import formed_terms
@@ -692,11 +692,23 @@ def plain_cnn_capture(cnn, params, X, outputs, *, exclude=frozenset(), scratch=N
     place here)."""
     params = dict(params)
     with torch.no_grad():
-        accepted, deltas = cnn_backprops(
-            cnn, params, X, outputs, lambda j, shape, like: _buffer(scratch, j, shape, like))
+        # The first convolution's gradients formed from its pooled backprops where the
+        # caller forms them (:func:`._cnn.first_formed`).
+        pooled = pools_first(cnn) and f"{cnn.blocks[0].prefix}.weight" in formed
+        accepted, deltas, idx = cnn_backprops(
+            cnn, params, X, outputs, lambda j, shape, like: _buffer(scratch, j, shape, like),
+            pooled_first=pooled)
         reasons: dict[str, str] = {}
+        first = []
+        if pooled:
+            (layer, _, names, use, _), accepted = accepted[0], accepted[1:]
+            first = _checked_terms(first_formed(use, deltas[0], idx, names), layer, names,
+                                   params)
+            deltas = deltas[1:]
         terms_by_name = _rule_terms(None, accepted, outputs, None, params, reasons,
                                     scratch=scratch, formed=formed, backprops=deltas)
+        for t in first:
+            terms_by_name[t.inputs[0][0]] = t
     order = {name: i for i, name in enumerate(params)}
     unique = {id(t): t for t in terms_by_name.values()}.values()
     terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])

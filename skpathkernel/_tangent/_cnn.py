@@ -20,9 +20,13 @@ CIFAR CNN of the benchmark), has backprops that need no autograd graph:
 The backprops are the values autograd's backward passes give, bit for bit (selections,
 and convolutions whose rows are computed alike in a larger batch), and the terms are then
 built by the layers' rules from them (:func:`._capture.plain_cnn_capture`), so the Gram is
-the general capture's. Anything else (other layer types or arguments, a parameter outside
-``params``, a rule registered over the built-in ones) takes the general capture. On the
-CIFAR CNN (N = 1024, ten outputs, one thread): ``benchmarks/results/cnn_route_ab-s47.md``.
+the general capture's; except where the caller forms the first convolution's gradients
+and a max-pool follows it: they are formed from its pooled backprops instead
+(:func:`first_formed`), the same values in other sums. Anything else (other layer types
+or arguments, a parameter outside ``params``, a rule registered over the built-in ones,
+hooks, global module hooks such as ``FlopCounterMode``'s) takes the general capture. On
+the CIFAR CNN (N = 1024, ten outputs, one thread):
+``benchmarks/results/cnn_route_ab-s47.md``.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._layers import CONV2D, LINEAR
-from ._rules import RULES, Use
+from ._layers import CONV2D, LINEAR, _conv_geometry, _conv_padding, _unfold
+from ._rules import RULES, Term, Use
 from ._stacked import _global_hooks, _hooked
 
 __all__ = ["PlainCNN", "cnn_backprops", "plain_cnn"]
@@ -120,17 +124,20 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-def cnn_backprops(cnn: PlainCNN, params, X: torch.Tensor, outputs, buffer):
+def cnn_backprops(cnn: PlainCNN, params, X: torch.Tensor, outputs, buffer,
+                  pooled_first=False):
     """The forward pass and every output's backprops at the layers' sites, by hand.
 
     ``buffer(j, shape, like)`` gives the backprops' memory of the ``j``-th site (the
     convolutions in order, then the head; then buffers for the convolutions' input
-    gradients). Returns ``(calls, deltas)``: per rule layer ``(layer, rule, names, use,
-    sites)`` as :func:`._capture._accepted_layers` gives them, and the backprops
-    ``(n, C, *z.shape[1:])`` of the sites in that order.
+    gradients). Returns ``(calls, deltas, idx)``: per rule layer ``(layer, rule, names,
+    use, sites)`` as :func:`._capture._accepted_layers` gives them, the backprops
+    ``(n, C, *z.shape[1:])`` of the sites in that order (the first one's at its pooled
+    output with ``pooled_first``, see :func:`_backward`), and the first block's pool's
+    argmax (None without a pool).
     """
     calls, saved = _forward(cnn, params, X)
-    return calls, _backward(calls, saved, outputs, buffer)
+    return calls, _backward(calls, saved, outputs, buffer, pooled_first), saved[0][1]
 
 
 def _forward(cnn: PlainCNN, params, X: torch.Tensor):
@@ -174,12 +181,17 @@ def _forward(cnn: PlainCNN, params, X: torch.Tensor):
     return calls, saved
 
 
-def _backward(calls, saved, outputs, buffer):
-    """Every output's backprops at the sites of ``calls`` (:func:`_forward`'s)."""
+def _backward(calls, saved, outputs, buffer, pooled_first=False):
+    """Every output's backprops at the sites of ``calls`` (:func:`_forward`'s).
+
+    ``pooled_first``: the first convolution's are left at its block's pooled output,
+    ReLU-gated, ``(n, C, c, h, w)`` (:func:`first_formed` forms its gradients from them).
+    """
     f, wh = calls[-1][4][0], calls[-1][3].args[1]
     n, C, nb = f.shape[0], len(outputs), len(saved)
     # The sites' buffers in order (``buffer`` grows a list of them).
-    deltas = [buffer(j, (n, C, *calls[j][4][0].shape[1:]), calls[j][4][0])
+    deltas = [buffer(j, (0,) if j == 0 and pooled_first
+                     else (n, C, *calls[j][4][0].shape[1:]), calls[j][4][0])
               for j in range(nb + 1)]
     # The head's backprops: output c's gradient of f[:, c].sum() is the one-hot e_c.
     d_head = deltas[nb]
@@ -189,6 +201,9 @@ def _backward(calls, saved, outputs, buffer):
     # weight, exactly), shaped as the last block's output; every output at once.
     g = wh[list(outputs)].reshape(1, C, *saved[-1][4])
     ref, idx = saved[-1][:2]
+    if nb == 1 and pooled_first:
+        deltas[0] = _pooled(g.expand(n, *g.shape[1:]), ref)
+        return deltas
     _gate(deltas[nb - 1], g, None if ref is None else ref.unsqueeze(1),
           None if idx is None else idx.unsqueeze(1))
     for j in range(nb - 1, 0, -1):
@@ -207,10 +222,59 @@ def _backward(calls, saved, outputs, buffer):
             d.reshape(n * C, *d.shape[2:]), buffer(2 * nb - j, shape, a_in).view(shape), w,
             None if args[2] is None else [w.shape[0]], list(args[3]), list(args[4]),
             list(args[5]), False, [0, 0], args[6], [True, False, False])[0]
-        _gate(deltas[j - 1], g.view(n, C, *g.shape[1:]),
-              None if ref is None else ref.unsqueeze(1),
+        g = g.view(n, C, *g.shape[1:])
+        if j == 1 and pooled_first:
+            deltas[0] = _pooled(g, ref)
+            break
+        _gate(deltas[j - 1], g, None if ref is None else ref.unsqueeze(1),
               None if idx is None else idx.unsqueeze(1))
     return deltas
+
+
+def _pooled(g: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """The gradient at a block's pooled output, ReLU-gated (:func:`_gate` without the
+    scatter to the convolution's output)."""
+    return g if ref is None else torch.ops.aten.threshold_backward(g, ref.unsqueeze(1), 0)
+
+
+def pools_first(cnn: PlainCNN) -> bool:
+    """Whether the first block's gradients can be formed from its pooled backprops
+    (:func:`first_formed`): a max-pool after it, no groups."""
+    block = cnn.blocks[0]
+    return block.conv.groups == 1 and any(type(g) is nn.MaxPool2d for g in block.gates)
+
+
+def first_formed(use: Use, pooled: torch.Tensor, idx: torch.Tensor, names) -> list[Term]:
+    """The first convolution's per-sample gradients from its pooled backprops
+    (``pooled``, ``(n, C, c_out, h, w)``, :func:`_backward`'s ``pooled_first``) and the
+    pool's argmax ``idx``: constant-input terms, the weight's ``(n, C, 1, c_out q)`` in its
+    flat order, the bias's ``(n, C, 1, c_out)``.
+
+    Its backprop at the convolution's output is zero but at each window's argmax, so the
+    weight's gradient of channel ``o`` is the pooled gradients times the patches at that
+    channel's argmax positions: one GEMM ``(C x L) @ (L x q)`` per sample and channel
+    over the ``L`` windows, a quarter of the products over every position, and no
+    backprop buffer at the convolution's resolution. The same values as the rule's
+    factors formed (:func:`._layers._conv_factors`), in other sums: not the same bits.
+    """
+    (a,) = use.inputs
+    kernel, stride, padding, dilation, _ = _conv_geometry(use, dilation_at=5)
+    pads = _conv_padding(padding, kernel, dilation, len(kernel))
+    x = F.pad(a, [p for pair in reversed(pads) for p in pair])
+    patches = _unfold(x, kernel, stride, dilation)  # (n, q, S)
+    n, q, S = patches.shape
+    C, c_out = pooled.shape[1:3]
+    L = idx.shape[2] * idx.shape[3]
+    rows = patches.transpose(1, 2).reshape(n * S, q)
+    at = (idx.reshape(n, c_out * L) + torch.arange(n, device=idx.device).mul_(S)[:, None])
+    picked = rows.index_select(0, at.reshape(-1)).view(n * c_out, L, q)
+    gg = pooled.reshape(n, C, c_out, L)
+    G = torch.bmm(gg.transpose(1, 2).reshape(n * c_out, C, L), picked)
+    weight = G.view(n, c_out, C, q).transpose(1, 2).reshape(n, C, 1, c_out * q)
+    terms = [Term(delta=weight, inputs=[(names["weight"], None)])]
+    if "bias" in names:
+        terms.append(Term(delta=gg.sum(3).unsqueeze(2), inputs=[(names["bias"], None)]))
+    return terms
 
 
 def _gate(out: torch.Tensor, g: torch.Tensor, ref: torch.Tensor | None,

@@ -51,7 +51,7 @@ import torch
 from benchmarks import _nets
 from benchmarks._flops import counting, executed_flops
 from benchmarks._worker import _gemm_probe, _structured_roofline
-from skpathkernel._tangent import _capture, _gram
+from skpathkernel._tangent import _capture, _cnn, _gram
 from skpathkernel._tangent._gram import tangent_gram
 
 PHASES = ["prepare", "forward", "backward", "forming (in capture)", "capture (other)",
@@ -99,6 +99,9 @@ def _install(ph: _Phases):
     _gram._prepare = ph.wrap("prepare", _gram._prepare)
     _capture.functional_call = ph.wrap("forward", _capture.functional_call)
     _capture._backprops = ph.wrap("backward", _capture._backprops)
+    # A plain CNN's captures (:mod:`skpathkernel._tangent._cnn`): its hand-made passes.
+    _cnn._forward = ph.wrap("forward", _cnn._forward)
+    _cnn._backward = ph.wrap("backward", _cnn._backward)
     _capture.formed_terms = ph.wrap("forming (in capture)", _capture.formed_terms)
     _gram._Blocks._capture = ph.wrap("capture (other)", _gram._Blocks._capture)
     _gram._formed = ph.wrap("forming", _gram._formed)

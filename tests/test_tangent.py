@@ -2211,3 +2211,122 @@ def test_graph_bytes_count_what_a_function_keeps_on_ctx():
         J = _loop_jacobian(module, {k: v.detach() for k, v in params.items()}, X)
         _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", J, J), 1e-5)
     assert counts[0] == counts[1]
+
+
+# The plain CNNs of the captures' hand-computed backprops (:mod:`._tangent._cnn`).
+def _pool():
+    return nn.MaxPool2d(2)
+
+
+_PLAIN_CNN = {
+    "conv-relu-pool x2 (the CIFAR CNN's layout)": lambda: nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), _pool(), nn.Conv2d(4, 6, 3, padding=1),
+        nn.ReLU(), _pool(), nn.Flatten(), nn.Linear(6 * 2 * 2, 3)),
+    "one pool module listed twice, in-place ReLUs": lambda: (lambda pool: nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), pool,
+        nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(inplace=True), pool, nn.Flatten(),
+        nn.Linear(6 * 2 * 2, 3)))(_pool()),
+    "pool before ReLU, no biases, stride 2": lambda: nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False), _pool(), nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False), nn.ReLU(), nn.Flatten(),
+        nn.Linear(6 * 2 * 2, 3, bias=False)),
+    "no gates, three convolutions, groups and dilation": lambda: nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.Conv2d(4, 6, 3, groups=2, dilation=(1, 2)), nn.ReLU(),
+        nn.Conv2d(6, 2, 1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * 2, 3)),
+    "a pool whose windows leave a row (7 x 7 by 2)": lambda: nn.Sequential(
+        nn.Conv2d(3, 4, 2), nn.ReLU(), _pool(), nn.Conv2d(4, 5, 2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(5 * 2 * 2, 3)),
+}
+
+
+def _cnn_spy(monkeypatch):
+    taken = []
+    real = _gram.plain_cnn_capture
+    monkeypatch.setattr(_gram, "plain_cnn_capture",
+                        lambda *a, **k: taken.append(1) or real(*a, **k))
+    return taken
+
+
+@pytest.mark.parametrize("kind", sorted(_PLAIN_CNN))
+def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
+    # A plain CNN's captures compute its backprops by hand: against the dense Jacobians
+    # of the autograd loop (float64) for the trace, one output, full blocks, a Y and a
+    # preconditioner; the hand-made backprops are autograd's bits (the general capture's
+    # K bit for bit without the first convolution formed from its pooled backprops), and
+    # with it, K to rounding; in float32 too, where the convolutions are oneDNN's.
+    torch.manual_seed(0)
+    module = _PLAIN_CNN[kind]().double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    side = 8 if "7 x 7" not in kind else 7
+    X = torch.randn(40, 3, side, side, dtype=torch.float64)
+    J = _loop_jacobian(module, params, X)
+    D = torch.rand(J.shape[2], dtype=torch.float64) + 0.5
+    taken = _cnn_spy(monkeypatch)
+    pooled = []
+    real_first = _capture.first_formed
+    monkeypatch.setattr(_capture, "first_formed",
+                        lambda *a: pooled.append(1) or real_first(*a))
+    calls = {"trace": {}, "one": dict(output=1), "full": dict(output="full"),
+             "D": dict(diag_weight=D), "chunks": dict(memory_budget=2**20)}
+
+    def grams(dtype=torch.float64):
+        m = module.to(dtype)
+        p = {k: v.to(dtype) for k, v in params.items()}
+        out = {key: tangent_gram(m, p, X.to(dtype), **kw) for key, kw in calls.items()}
+        out["Y"] = tangent_gram(m, p, X.to(dtype), X[:7].to(dtype))
+        module.double()
+        return out
+
+    got, got32 = grams(), grams(torch.float32)
+    assert len(taken) >= 12
+    if kind.startswith("conv-relu-pool"):
+        assert pooled  # the first convolution's gradients formed from its pooled backprops
+    _close(got["trace"], torch.einsum("ncp,mcp->nm", J, J) / 3)
+    _close(got["one"], J[:, 1] @ J[:, 1].T)
+    _close(got["full"], torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(got["Y"], torch.einsum("ncp,mcp->nm", J, J[:7]) / 3)
+    _close(got["D"], torch.einsum("ncp,mcp->nm", J * D, J) / 3)
+    _close(got["chunks"], got["trace"])
+    _close(got32["trace"], got["trace"], 1e-5)
+    monkeypatch.setattr(_capture, "pools_first", lambda *a: False)
+    exact, exact32 = grams(), grams(torch.float32)
+    monkeypatch.setattr(_gram, "plain_cnn", lambda *a: None)
+    general, general32 = grams(), grams(torch.float32)
+    for key in general:
+        assert torch.equal(exact[key], general[key]), key
+        assert torch.equal(exact32[key], general32[key]), key
+        _close(got[key], general[key], 1e-12)
+        _close(got32[key], general32[key], 1e-6)
+
+
+def test_plain_cnn_route_is_left_where_it_does_not_apply(monkeypatch):
+    # Overlapping pool windows, a hook, a padding mode, a head of two Linears, a parameter
+    # left out of params, and a layer of a subclass take the general capture.
+    taken = _cnn_spy(monkeypatch)
+    torch.manual_seed(1)
+
+    class Conv(nn.Conv2d):
+        pass
+
+    def net(conv=nn.Conv2d, pool=_pool, head=None, **kw):
+        head = head or (nn.Linear(4 * 2 * 2, 2),)
+        return nn.Sequential(conv(3, 4, 3, padding=1, **kw), nn.ReLU(), pool(), pool(),
+                             nn.Flatten(), *head).double()
+
+    X = torch.randn(12, 3, 8, 8, dtype=torch.float64)
+    cases = [net(pool=lambda: nn.MaxPool2d(3, 2, 1)), net(padding_mode="reflect"),
+             net(head=(nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 2))), net(conv=Conv)]
+    hooked = net()
+    hooked[1].register_forward_hook(lambda m, i, o: o * 2)
+    cases.append(hooked)
+    for module in cases:
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        J = _loop_jacobian(module, params, X)
+        _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", J, J) / 2)
+    module = net()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    J = _loop_jacobian(module, params, X)
+    J = torch.cat([J[:, :, :108], J[:, :, 112:]], 2)  # the first bias (4 entries) fixed
+    del params["0.bias"]
+    _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", J, J) / 2)
+    assert not taken

@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from .._device import forked_rng, forward_input
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
+from ._cnn import cnn_backprops, first_formed, pools_first
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
 from ._layers import formed_terms
@@ -57,7 +58,7 @@ from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
 __all__ = ["Capture", "capture", "check_functional_lookups", "check_lookups",
-           "check_per_sample", "forward", "value_dtype"]
+           "check_per_sample", "forward", "plain_cnn_capture", "value_dtype"]
 
 # Why a rule layer's parameters went to the fallback (reported by layer_routes).
 READ_OUTSIDE = "a parameter is read outside the layer's own call"
@@ -709,6 +710,39 @@ def _captured(module, params, X, outputs, memory_budget, dense_fallback, weights
                    declined=frozenset(declined), reasons=reasons, copied=copied)
 
 
+def plain_cnn_capture(cnn, params, X, outputs, *, exclude=frozenset(), scratch=None,
+                      formed=frozenset(), copied=True) -> Capture:
+    """:func:`capture` of a plain CNN (``cnn`` from :func:`._cnn.plain_cnn`, every
+    parameter in ``params``) with its backprops computed by hand
+    (:func:`._cnn.cnn_backprops`): the same terms, bit for bit, without the use watch and
+    the autograd graph. ``copied`` is handed on as the capture's (nothing is rewritten in
+    place here)."""
+    params = dict(params)
+    with torch.no_grad():
+        # The first convolution's gradients formed from its pooled backprops where the
+        # caller forms them (:func:`._cnn.first_formed`).
+        pooled = pools_first(cnn) and f"{cnn.blocks[0].prefix}.weight" in formed
+        accepted, deltas, idx = cnn_backprops(
+            cnn, params, X, outputs, lambda j, shape, like: _buffer(scratch, j, shape, like),
+            pooled_first=pooled)
+        reasons: dict[str, str] = {}
+        first = []
+        if pooled:
+            (layer, _, names, use, _), accepted = accepted[0], accepted[1:]
+            first = _checked_terms(first_formed(use, deltas[0], idx, names), layer, names,
+                                   params)
+            deltas = deltas[1:]
+        terms_by_name = _rule_terms(None, accepted, outputs, None, params, reasons,
+                                    scratch=scratch, formed=formed, backprops=deltas)
+        for t in first:
+            terms_by_name[t.inputs[0][0]] = t
+    order = {name: i for i, name in enumerate(params)}
+    unique = {id(t): t for t in terms_by_name.values()}.values()
+    terms = sorted(unique, key=lambda t: order[t.inputs[0][0]])
+    return Capture(terms=terms, fallback=(), exclude=exclude, reasons=reasons,
+                   copied=copied)
+
+
 class _GraphBytes:
     """Counts the bytes of the tensors a forward pass saves for its backward pass (and
     those :meth:`add` names), each storage once, except those of the parameters, the
@@ -801,19 +835,23 @@ def _accepted_free(free, watch, params, X, reasons, declined):
 
 
 def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
-                scratch=None, formed=frozenset(), retain=False) -> dict[str, Term]:
+                scratch=None, formed=frozenset(), retain=False,
+                backprops=None) -> dict[str, Term]:
     """Each accepted layer's terms by parameter name: the backprops to its call's sites
-    (one backward pass per output, or one for a contraction), factored by its rule (the
-    parameters of ``formed`` possibly formed, see :func:`capture`); and the terms of the
-    free parameters' sites (``free``, from :func:`_accepted_free`)."""
+    (one backward pass per output, or one for a contraction; ``backprops``: computed
+    already, one per site in order), factored by its rule (the parameters of ``formed``
+    possibly formed, see :func:`capture`); and the terms of the free parameters' sites
+    (``free``, from :func:`_accepted_free`)."""
     terms_by_name: dict[str, Term] = {}
     if accepted or free:
-        zs = [z for *_, sites in accepted for z in sites] + [z for *_, z in free]
-        # The scalars whose gradients are the factors' columns: the outputs, or their
-        # per-row contraction (the backprops are linear in the output's seed).
-        seeds = ([f[:, c].sum() for c in outputs] if weights is None
-                 else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
-        deltas = iter(_own_memory(_backprops(seeds, zs, scratch, retain)))
+        if backprops is None:
+            zs = [z for *_, sites in accepted for z in sites] + [z for *_, z in free]
+            # The scalars whose gradients are the factors' columns: the outputs, or their
+            # per-row contraction (the backprops are linear in the output's seed).
+            seeds = ([f[:, c].sum() for c in outputs] if weights is None
+                     else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
+            backprops = _backprops(seeds, zs, scratch, retain)
+        deltas = iter(_own_memory(backprops))
         # Every call's terms (a layer called twice, or holding a tied weight, gives a
         # parameter several), summed per parameter below.
         uses: list[Term] = []

@@ -46,6 +46,38 @@ the outputs, ``is_grads_batched``: the ReLU and max-pool backward over ``C n`` r
 the bytes of ``C`` passes, and the ``(C, n, ...)`` backprops cost forming a copy; the
 call took as long or longer, here and on the ResNet.)
 
+A plain CNN (an ``nn.Sequential`` of ``nn.Conv2d`` blocks, each with ReLUs and at most one
+max-pool whose windows do not overlap, then ``nn.Flatten`` and an ``nn.Linear`` head, no
+hooks: the CIFAR CNN) is captured on the CPU without the use watch and the autograd graph
+(:func:`._capture.plain_cnn_capture`, :mod:`._cnn`; a GPU keeps autograd's passes until a
+GPU run times and checks the route): one forward pass by the layers' own functions, then
+the backprops by hand, autograd's values bit for bit (the head's rows; the ReLUs' and the
+pool's backward at the pooled resolution for all the outputs in one call, written
+straight into the buffers, instead of a zero fill, a scatter, a threshold and a copy per
+output; the convolutions' input gradients by autograd's ``convolution_backward``, once on
+the ``n C`` rows instead of once per output), the terms from the layers' rules as before.
+On the CIFAR CNN (N = 1024, one thread, core 1, load 6-8) that alone took 0.860 and 0.912
+of the CPU time by medians of 5 alternated rounds in two runs (0.851-0.987 and
+0.899-0.927 by round), K bit for bit. Where the first convolution's gradients are formed
+and a max-pool follows it, they are formed from its pooled backprops and the patches
+gathered at the pool's argmax (:func:`._cnn.first_formed`): a quarter of the products and
+no backprop buffer at the convolution's resolution (1.25 MiB per row of the CIFAR CNN's
+ten outputs); K is then the general route's values in other sums (7.5e-8 of the largest
+entry on the CIFAR CNN), 0.930 of the time without it (0.907-0.981 by round, load 4-6),
+the peak of torch's allocations less K 859 MiB against 873. Both, against the general
+route: 0.792 of the CPU time by medians of 5 alternated rounds (0.760-0.835 by round;
+4.49 s against 5.67, load 5), the peak less K 859 MiB against 856 of the 1 GiB budget
+(``benchmarks/results/cnn_route_ab-s47.md``); the quick benchmark's roofline ratio of that
+row read 0.50 where the base commit's read 0.41 back to back. What is left is mostly
+arithmetic: the second convolution's input gradient for every output (97 GFLOP, about
+0.4-0.5 of the GEMM probe's rate in oneDNN's kernel), forming at about 0.6, the SYRKs at
+about 0.9.
+(Not kept: channels_last for these convolutions. oneDNN's input gradient of the second
+convolution ran 1.2-1.3x as fast on channels_last backprops, but forming needs them
+position-last, and converting them first left it 0.90-0.93x as fast as the NCHW call,
+with the result's conversion back still to pay; its forward 1.26-1.28x on rows already
+converted, about 0.015 s of the call. ``benchmarks/bench_cnn_route_kernels.py``.)
+
 On the ResNet (ten outputs in five groups of two, N = 1024, one thread, one block of all
 rows per group in chunks of 36; ``benchmarks/results/gram_resnet_profile.md``, shares
 on a shared machine): the backward passes about 31% (ten per chunk, with the copies of
@@ -137,8 +169,10 @@ from ._capture import (
     capture,
     check_per_sample,
     forward,
+    plain_cnn_capture,
     value_dtype,
 )
+from ._cnn import plain_cnn
 from ._contract import (
     dense_grad,
     dense_rows,
@@ -654,6 +688,13 @@ class _Blocks:
         # groups (capture's ``kept``, by rows), and whether this is the last group.
         self.forwards: dict | None = None
         self.last = True
+        # A plain CNN's captures compute its backprops by hand (:mod:`._cnn`): the same
+        # terms without the use watch and the autograd graph. On the CPU, where it was
+        # measured; a GPU keeps autograd's passes until a GPU run times and checks it.
+        self._cnn = (plain_cnn(module, list(params)) if not exclude and X.ndim == 4
+                     and X.is_floating_point() and X.device.type == "cpu"
+                     and all(p.dtype == X.dtype and p.device == X.device
+                             for p in params.values()) else None)
 
     def __len__(self):
         return len(self.slices)
@@ -664,6 +705,10 @@ class _Blocks:
             key = (rows.start, rows.stop)
             kept = self.forwards.pop(key, {}) if self.last else \
                 self.forwards.setdefault(key, {})
+        if self._cnn is not None and kept is None:
+            return plain_cnn_capture(self._cnn, self.params, self.X[rows], self.outputs,
+                                     exclude=self.exclude, scratch=scratch,
+                                     formed=self.dense, copied=self._copy_sites)
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
                       index=True, formed=self.dense, copy_sites=self._copy_sites,

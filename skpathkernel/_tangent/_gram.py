@@ -100,9 +100,11 @@ comes, by one ``native_batch_norm_backward`` over the samples' channels
 (:class:`._layers._ChannelSums`: no x-hat recomputed, no product in memory); and a
 convolution without padding takes its patches from its input rather than from F.pad's
 copy of it (the 1x1 shortcuts). On the ResNet row (N = 1024, one thread, default budget,
-core 1 of a machine at load 6-7): 0.889 of the CPU time by medians of 5 alternated
-rounds (0.868-0.985 by round), K to 1.1e-7 of its largest entry (BatchNorm's sums in
-another order), the peak of torch's allocations less K 736.6 MiB against 759.9
+on a shared machine at load 4-7): 0.889 of the CPU time by medians of 5 alternated
+rounds (0.868-0.985 by round; the BatchNorm cut alone 0.902), K to 1.1e-7 of its
+largest entry (BatchNorm's sums in another order), the peak of torch's allocations less
+K 736.6 MiB against 759.9; the quick benchmark's roofline ratio of the row read 0.49 and
+0.47 against 0.43 and 0.46 before, in two rounds of the same session
 (``benchmarks/results/resnet_cuts_ab-s47.md``). The copies by hooks alone: 0.987 at
 N = 512, K bit for bit. Not done: keeping the forward passes' graphs for the output
 groups (:func:`_kept_forward_groups`) on this row. The probe counts 1.34 MB per row with

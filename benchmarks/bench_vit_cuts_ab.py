@@ -39,27 +39,23 @@ def _side(cut, side):
     return stack
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("cut")
-    parser.add_argument("cases", nargs="*", default=["vit@1024"])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--peak", action="store_true")
-    args = parser.parse_args(argv)
+def alternated(cases, reps, peak, side):
+    """Time, compare and (``peak``) measure ``tangent_gram`` on each ``NET@N`` case, the
+    sides "ref" and "new" alternating ``reps`` times, each run inside ``side(name)``."""
     torch.set_num_threads(1)
-    for case in args.cases:
+    for case in cases:
         arch, n = case.split("@")
         net, params, X = _worker.gram_problem({"arch": arch, "n": int(n), "dtype": "float32"})
         times, K = {"ref": [], "new": []}, {}
-        for side in ("ref", "new"):
-            with _side(args.cut, side):
-                K[side] = tangent_gram(net, params, X)
-        for r in range(args.reps):
-            for side in (("ref", "new") if r % 2 == 0 else ("new", "ref")):
-                with _side(args.cut, side):
+        for name in ("ref", "new"):
+            with side(name):
+                K[name] = tangent_gram(net, params, X)
+        for r in range(reps):
+            for name in (("ref", "new") if r % 2 == 0 else ("new", "ref")):
+                with side(name):
                     t = time.process_time()
                     tangent_gram(net, params, X)
-                    times[side].append(time.process_time() - t)
+                    times[name].append(time.process_time() - t)
             print(case, r, {s: round(v[-1], 3) for s, v in times.items()}, flush=True)
         diff = (K["new"].double() - K["ref"].double()).abs().max().item()
         scale = K["ref"].double().abs().max().item()
@@ -69,11 +65,26 @@ def main(argv=None):
               f"{times['new']}; new/ref median {med['new'] / med['ref']:.3f} "
               f"(by round {min(ratio):.3f}-{max(ratio):.3f}); max |dK| {diff:.3g} "
               f"(rel {diff / scale:.3g}); bitwise {torch.equal(K['new'], K['ref'])}")
-        if args.peak:
-            for side in ("ref", "new"):
-                with _side(args.cut, side):
-                    _, peak = cpu_peak_bytes(functools.partial(tangent_gram, net, params, X))
-                print(f"{case} {side} peak {(peak - K['ref'].nbytes) / 2**20:.1f} MiB")
+        if peak:
+            for name in ("ref", "new"):
+                with side(name):
+                    _, top = cpu_peak_bytes(functools.partial(tangent_gram, net, params, X))
+                print(f"{case} {name} peak {(top - K['ref'].nbytes) / 2**20:.1f} MiB")
+
+
+def parse(argv, case):
+    """The A/B scripts' arguments: the cut, the cases (default ``case``), reps, peak."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cut")
+    parser.add_argument("cases", nargs="*", default=[case])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--peak", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv, "vit@1024")
+    alternated(args.cases, args.reps, args.peak, functools.partial(_side, args.cut))
 
 
 if __name__ == "__main__":

@@ -1181,6 +1181,120 @@ def _resnet_problem(n, dtype=torch.float64, n_out=3):
     return module, params, torch.randn(n, 2, 6, 6, dtype=dtype)
 
 
+def _old_backprops(monkeypatch):
+    """The capture as before session s47: every site's backprops copied into their
+    buffers after each backward pass, BatchNorm's terms by its rule from them."""
+    monkeypatch.setattr(_capture, "_hot_copies", lambda: False)
+    monkeypatch.setattr(_capture, "_reduced_sites", lambda *args: {})
+
+
+class _TwoBranches(nn.Module):
+    """Output 0 through an eval BatchNorm, output 1 through another branch: the
+    BatchNorm's site gets no backprop from output 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.other = nn.Conv2d(2, 3, 1, stride=2)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        a = self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+        return torch.cat([a, self.other(x).mean((1, 2, 3)).unsqueeze(1)], 1)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("output", ["trace", "full", 1])
+def test_batch_norm_sums_are_taken_as_the_backward_passes_compute_them(output, channels_last,
+                                                                        monkeypatch):
+    # An eval BatchNorm's per-sample weight and bias gradients are its output's backprop
+    # summed over the positions (times x-hat for the weight): summed by a hook as each
+    # backward pass computes them (by BatchNorm's own backward over the samples'
+    # channels; channels-last memory, which that cannot view, by x-hat and sums), its
+    # backprops are neither copied into a buffer nor kept (two of the small ResNet's five
+    # sites). Against the dense Jacobians, and in float32 against the Gram of the
+    # backprops copied after each pass, the sums by the rule (as before: the same to
+    # float32 rounding).
+    module, params, X = _resnet_problem(20)
+    if channels_last:
+        module = module.to(memory_format=torch.channels_last)
+        X = X.contiguous(memory_format=torch.channels_last)
+    kept = []
+    real = _capture._backprops
+
+    def backprops(*args):
+        out = real(*args)
+        kept.append([d is not None for d in out])
+        return out
+
+    monkeypatch.setattr(_capture, "_backprops", backprops)
+    K = tangent_gram(module, params, X, output=output)
+    # Every capture's sites: stem conv, stem BatchNorm, conv, BatchNorm, head.
+    assert kept and all(k == [True, False, True, False, True] for k in kept)
+    J = _loop_jacobian(module, params, X)
+    ref = {"trace": lambda: torch.einsum("ncp,mcp->nm", J, J) / 3,
+           "full": lambda: torch.einsum("ncp,mdp->ncmd", J, J),
+           1: lambda: J[:, 1] @ J[:, 1].T}[output]()
+    _close(K, ref)
+    monkeypatch.setattr(_capture, "_backprops", real)
+    module32 = module.float()
+    params32 = {k: v.float() for k, v in params.items()}
+    new = tangent_gram(module32, params32, X.float(), output=output)
+    _close(new, ref, 1e-5)
+    _old_backprops(monkeypatch)
+    _close(new, tangent_gram(module32, params32, X.float(), output=output), 1e-6)
+
+
+def test_batch_norm_sums_of_an_output_that_does_not_reach_it_are_zero():
+    # Output 1 does not depend on the BatchNorm: its sums are zero (no hook runs),
+    # against the dense Jacobians, through both outputs' and one output's captures.
+    torch.manual_seed(0)
+    module = _TwoBranches()
+    _bn_stats(module)
+    module = module.eval().double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(9, 2, 6, 6, dtype=torch.float64)
+    J = _loop_jacobian(module, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(tangent_gram(module, params, X, output=1), J[:, 1] @ J[:, 1].T)
+    _close(tangent_features(module, params, X, output="full"), J)
+    cap = capture(module, params, X, [0, 1], memory_budget=2**20)
+    bn = [t for t in cap.terms if t.inputs[0][0].startswith("bn.")]
+    assert len(bn) == 2 and all(not t.delta[:, 1].any() and t.delta[:, 0].any() for t in bn)
+
+
+def _bn_stats(module):
+    """Random running statistics for every BatchNorm2d of ``module``."""
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.8, 1.2)
+
+
+@pytest.mark.parametrize("padding", [0, 1])
+def test_unpadded_convolution_patches_are_not_copied_by_pad(padding, monkeypatch):
+    # F.pad copies its input even with no padding (a 1x1 stride-2 shortcut's whole input,
+    # four times its patches): a convolution without padding takes its patches from the
+    # input itself. Against the dense Jacobians.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 3, 1, stride=2, padding=padding), nn.ReLU(),
+                           nn.Conv2d(3, 4, 3, padding=padding), nn.Flatten(),
+                           nn.LazyLinear(2)).double()
+    X = torch.randn(7, 2, 8, 8, dtype=torch.float64)
+    module(X)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    pads = []
+    real = F.pad
+    monkeypatch.setattr(F, "pad", lambda x, pad, *a, **k: pads.append(tuple(pad))
+                        or real(x, pad, *a, **k))
+    K = tangent_gram(module, params, X, output="full")
+    assert all(any(p) for p in pads) and bool(pads) == bool(padding)
+    monkeypatch.setattr(F, "pad", real)
+    J = _loop_jacobian(module, params, X)
+    _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
+
+
 def _record_syrks(monkeypatch):
     """Record the rows and alpha of every SYRK update, and the terms added after them."""
     alphas, panel_terms = [], []

@@ -33,6 +33,7 @@ other read leaves them to the fallback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections import Counter
@@ -51,7 +52,7 @@ from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._cnn import cnn_backprops, first_formed, pools_first
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
-from ._layers import formed_terms
+from ._layers import formed_terms, site_sums
 from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
 from ._rules import RULES, Rule, Term, Use
 from ._saved import SavedWatch, differentiable_forward
@@ -850,13 +851,21 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
             # per-row contraction (the backprops are linear in the output's seed).
             seeds = ([f[:, c].sum() for c in outputs] if weights is None
                      else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
-            backprops = _backprops(seeds, zs, scratch, retain)
+            sums = _reduced_sites(accepted, len(seeds))
+            backprops = _backprops(seeds, zs, scratch, retain, sums)
+        else:  # computed by hand (a plain CNN's, :mod:`._cnn`): every site's in full
+            sums = {}
         deltas = iter(_own_memory(backprops))
         # Every call's terms (a layer called twice, or holding a tied weight, gives a
         # parameter several), summed per parameter below.
         uses: list[Term] = []
+        j = 0
         for layer, rule, names, use, sites in accepted:
             layer_deltas = tuple(next(deltas) for _ in sites)
+            summed, j = sums.get(j), j + len(sites)
+            if summed is not None:
+                uses.extend(_checked_terms(summed.terms(), layer, names, params))
+                continue
             use = Use(use.func, use.args, use.kwargs, tuple(
                 a.detach() if isinstance(a, torch.Tensor) else a for a in use.inputs))
             with torch.no_grad():
@@ -887,6 +896,20 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
         for name, g in sums.items():
             terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
     return terms_by_name
+
+
+def _reduced_sites(accepted, n_out: int) -> dict:
+    """The sites whose backprops are summed over their positions as the backward passes
+    compute them (:func:`._layers.site_sums`: BatchNorm's), by their index among the
+    accepted calls' sites: their backprops are neither copied into a buffer nor kept."""
+    sums, j = {}, 0
+    for _, rule, names, use, sites in accepted:
+        if len(sites) == 1:
+            summed = site_sums(rule, use, names, n_out)
+            if summed is not None:
+                sums[j] = summed
+        j += len(sites)
+    return sums
 
 
 def _structure(term: Term):
@@ -985,32 +1008,86 @@ def _summed_uses(terms: list[Term]) -> dict[str, Term]:
     return by_name
 
 
-def _backprops(seeds, zs, scratch=None, retain=False) -> list[torch.Tensor]:
+def _backprops(seeds, zs, scratch=None, retain=False, sums=None) -> list[torch.Tensor | None]:
     """``(n, len(seeds), *z.shape[1:])`` for every site output ``z``: column ``i`` the
     gradient of ``seeds[i]`` (zeros where it does not reach ``z``).
 
-    With several seeds each backward pass's gradients are copied into their column at
-    once, so that only one pass's gradients are alive besides the result (a list of all
-    of them, stacked at the end, held the backprops twice), and the copy reads them while
-    they are still in cache. ``scratch`` (see :func:`capture`) holds their memory.
+    With several seeds each backward pass's gradients are copied into their column as
+    it computes them (:func:`_hot_copies`), so that only one pass's gradients are alive
+    besides the result (a list of all of them, stacked at the end, held the backprops
+    twice). ``scratch`` (see :func:`capture`) holds their memory. ``sums`` maps the
+    index of a site whose backprops are summed over their positions as they come
+    (:func:`._layers.site_sums`) to what sums them: its entry of the result is None.
     """
+    sums = sums or {}
     n_out = len(seeds)
     if n_out == 1:
         g = torch.autograd.grad(seeds[0], zs, retain_graph=retain, allow_unused=True)
-        return [(torch.zeros_like(z) if gz is None else gz).detach().unsqueeze(1)
-                for z, gz in zip(zs, g)]
-    out = [_buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z) for j, z in enumerate(zs)]
-    if _batches_backprops(seeds[0].device) and _batched_into(out, seeds, zs):
+        for j, s in sums.items():
+            s.add(0, g[j])
+        return [None if j in sums else
+                (torch.zeros_like(z) if gz is None else gz).detach().unsqueeze(1)
+                for j, (z, gz) in enumerate(zip(zs, g))]
+    out = [None if j in sums else _buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z)
+           for j, z in enumerate(zs)]
+    if _batches_backprops(seeds[0].device) and _batched_into(out, seeds, zs, sums):
         return out
+    if _hot_copies():
+        return _hooked_backprops(seeds, zs, out, retain, sums)
     for i, seed in enumerate(seeds):
         g = torch.autograd.grad(seed, zs, retain_graph=retain or i < n_out - 1,
                                 allow_unused=True)
-        for buf, gz in zip(out, g):
-            if gz is None:
-                buf[:, i].zero_()
-            else:
-                buf[:, i].copy_(gz)
+        for j, (buf, gz) in enumerate(zip(out, g)):
+            _into(buf, sums.get(j), i, gz)
         del g
+    return out
+
+
+def _into(buf, summed, i: int, grad) -> None:
+    """A site's gradient of pass ``i`` (None: not reached) into column ``i`` of its
+    buffer, or to what sums it (``summed``, see :func:`_backprops`)."""
+    if summed is not None:
+        summed.add(i, grad)
+    elif grad is None:
+        buf[:, i].zero_()
+    else:
+        buf[:, i].copy_(grad)
+
+
+def _hot_copies() -> bool:
+    """Whether :func:`_backprops` takes each backprop of several outputs as the backward
+    pass computes it (:func:`_hooked_backprops`) rather than after the pass."""
+    return True
+
+
+def _hooked_backprops(seeds, zs, out, retain, sums):
+    """:func:`_backprops`'s columns written by hooks on the sites' outputs, as the
+    backward pass computes each gradient (still in cache), instead of after the pass,
+    when the pass's later steps have evicted the first ones; ``sums`` as there."""
+    n_out = len(seeds)
+    column = [0]
+    done: set[int] = set()
+
+    def hook(j, grad):
+        _into(out[j], sums.get(j), column[0], grad)
+        done.add(j)
+
+    handles = [z.register_hook(functools.partial(hook, j)) for j, z in enumerate(zs)
+               if z.requires_grad]
+    try:
+        for i, seed in enumerate(seeds):
+            column[0] = i
+            done.clear()
+            g = torch.autograd.grad(seed, zs, retain_graph=retain or i < n_out - 1,
+                                    allow_unused=True)
+            # A site whose hook did not run (not reached: None) is written after the pass.
+            for j, (buf, gz) in enumerate(zip(out, g)):
+                if j not in done:
+                    _into(buf, sums.get(j), i, gz)
+            del g
+    finally:
+        for h in handles:
+            h.remove()
     return out
 
 
@@ -1046,14 +1123,18 @@ def _batched_grads(seeds, inputs) -> list[torch.Tensor | None] | None:
         return None
 
 
-def _batched_into(out: list[torch.Tensor], seeds, zs) -> bool:
-    """The backprops of every seed by one batched backward pass, written into ``out``;
-    False, with nothing written, where :func:`_batched_grads` cannot batch them."""
+def _batched_into(out: list[torch.Tensor | None], seeds, zs, sums=None) -> bool:
+    """The backprops of every seed by one batched backward pass, written into ``out``
+    (summed by ``sums[j]`` where ``out[j]`` is None, see :func:`_backprops`); False, with
+    nothing written, where :func:`_batched_grads` cannot batch them."""
     grads = _batched_grads(seeds, zs)
     if grads is None:
         return False
     for j, buf in enumerate(out):
-        if grads[j] is None:
+        if buf is None:
+            for i in range(len(seeds)):
+                sums[j].add(i, None if grads[j] is None else grads[j][i])
+        elif grads[j] is None:
             buf.zero_()
         else:
             buf.copy_(grads[j].transpose(0, 1))
@@ -1067,7 +1148,7 @@ def _buffer(scratch, j: int, shape, like: torch.Tensor) -> torch.Tensor:
     if scratch is None:
         return like.new_empty(shape)
     numel = math.prod(shape)
-    if len(scratch) <= j:
+    while len(scratch) <= j:
         scratch.append(like.new_empty(0))
     buf = scratch[j]
     if buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
@@ -1086,6 +1167,9 @@ def _own_memory(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
     for d in deltas:
+        if d is None:
+            out.append(d)
+            continue
         ptr = d.untyped_storage().data_ptr()
         if ptr in seen:
             d = d.clone()

@@ -124,6 +124,26 @@ blocks formed by the capture, by one grouped convolution backward on the chunk, 
 copying its patches (:func:`._layers._conv_formed`): the ResNet's call took 0.94-0.95
 of its CPU time by medians, 0.90-0.93 by least (``benchmarks/results/conv_formed_ab.md``).
 
+The captures take each output's backprops by hooks on the sites' outputs as the backward
+pass computes them (:func:`._capture._hooked_backprops`), copied into the chunk's buffers
+while in cache instead of after the pass; an eval BatchNorm's site, whose terms are its
+backprop summed over the positions, gets no buffer: a hook sums each backprop as it
+comes, by one ``native_batch_norm_backward`` over the samples' channels
+(:class:`._layers._ChannelSums`: no x-hat recomputed, no product in memory); and a
+convolution without padding takes its patches from its input rather than from F.pad's
+copy of it (the 1x1 shortcuts). On the ResNet row (N = 1024, one thread, default budget,
+on a shared machine at load 4-7): 0.889 of the CPU time by medians of 5 alternated
+rounds (0.868-0.985 by round; the BatchNorm cut alone 0.902), K to 1.1e-7 of its
+largest entry (BatchNorm's sums in another order), the peak of torch's allocations less
+K 736.6 MiB against 759.9; the quick benchmark's roofline ratio of the row read 0.49 and
+0.47 against 0.43 and 0.46 before, in two rounds of the same session
+(``benchmarks/results/resnet_cuts_ab-s47.md``). The copies by hooks alone: 0.987 at
+N = 512, K bit for bit. Not done: keeping the forward passes' graphs for the output
+groups (:func:`_kept_forward_groups`) on this row. The probe counts 1.34 MB per row with
+its copied sites, 1.00 MB with the chunks' uncopied ones (a third of it the BatchNorms'
+outputs, held as sites for their backprops, which nothing else keeps): a graph of all
+1024 rows does not fit 1 GiB beside even one output's blocks (310 KB per row).
+
 A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
 ``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;
 a one-target regressor's default network) whose factors fit one block skips the capture

@@ -86,6 +86,11 @@ def _unfold(x, kernel, stride, dilation, size=None):
     return view.reshape(n, c * math.prod(kernel), math.prod(size))
 
 
+def _padded(x, pad):
+    """``F.pad(x, pad)``, or ``x`` itself where ``pad`` is all zeros (F.pad copies it)."""
+    return F.pad(x, pad) if any(pad) else x
+
+
 def _conv_geometry(use, dilation_at):
     """(kernel, stride, padding, dilation, groups) of a convolution call: stride, padding
     and groups are arguments 3, 4 and 6 of F.conv*d and F.conv_transpose*d alike, the
@@ -104,8 +109,9 @@ def _conv_factors(layer, use, deltas, names):
     (a,), (delta,) = use.inputs, deltas
     kernel, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=5)
     pads = _conv_padding(padding, kernel, dilation, len(kernel))
-    # F.pad lists the last dimension first.
-    x = F.pad(a, [p for pair in reversed(pads) for p in pair])
+    # F.pad lists the last dimension first; it copies even without padding (a 1x1
+    # shortcut's whole input, four times its stride-2 patches): not then.
+    x = _padded(a, [p for pair in reversed(pads) for p in pair])
     # Patches (n, L, c_in k_h k_w), channel-major as the weight's (c_out, c_in / g, k_h, k_w).
     patches = _unfold(x, kernel, stride, dilation).transpose(1, 2)
     n, C, c_out = delta.shape[:3]
@@ -191,8 +197,8 @@ def _conv_transpose_factors(layer, use, deltas, names):
     c_in = a.shape[1]
     terms = []
     if "weight" in names:
-        x = F.pad(delta.reshape(n * C, c_out, *delta.shape[3:]),
-                  [p for p in reversed(padding) for _ in range(2)])
+        x = _padded(delta.reshape(n * C, c_out, *delta.shape[3:]),
+                    [p for p in reversed(padding) for _ in range(2)])
         # (n, C, L, c_out k_h k_w) at the L = prod(a.shape[2:]) input positions, the
         # columns channel-major as the weight's (c_in, c_out / g, k_h, k_w).
         patches = _unfold(x, kernel, stride, dilation, a.shape[2:])
@@ -358,6 +364,94 @@ def _batch_norm_factors(layer, use, deltas, names):
 
 
 BATCH_NORM = Rule(ops=(F.batch_norm,), factors=_batch_norm_factors, accepts=_batch_norm_accepts)
+
+
+class _ChannelSums:
+    """BatchNorm's (eval) per-sample weight and bias gradients, ``sum_s delta_s * xhat_s``
+    and ``sum_s delta_s`` per channel (:func:`_channel_terms`), summed output by output
+    as the capture's backward passes compute each backprop (:meth:`add`, from a hook on
+    the site's output, while the backprop is still in cache), instead of from the
+    backprops of all the outputs copied into a buffer and read again.
+
+    Both sums come from one ``native_batch_norm_backward`` in eval mode over the samples'
+    channels taken as channels of one sample (``(1, n ch, *positions)`` views, the
+    running statistics repeated per sample; its input gradient not asked for): one pass
+    over the backprop and the layer's input, without x-hat nor the product in memory.
+    On the ResNet's chunk shapes (36 rows, one output, one thread) it took 0.11-0.29 of
+    the time of x-hat, the product and the two sums, 0.39-0.62 of the product and the
+    sums alone (``benchmarks/results/resnet_cuts_ab-s47.md``).
+    Its sums run in another order than :func:`_channel_terms`'s, ``invstd sum_s (a_s -
+    mean) delta_s`` for the weight: the same to float32 rounding, not bit for bit. A
+    backprop or input whose channels cannot be viewed so (channels-last memory) is summed
+    as :func:`_channel_terms` does.
+    """
+
+    def __init__(self, use, names, n_out: int):
+        a = use.inputs[0].detach()
+        n, ch = a.shape[:2]
+        self.shape = (n, ch)
+        self.names = names
+        self.a = a
+        self.mean, self.var = _arg(use, 1, "running_mean"), _arg(use, 2, "running_var")
+        self.eps = _arg(use, 7, "eps", 1e-5)
+        self.folded = _channels_folded(a)
+        self.stats = None if self.folded is None else (self.mean.repeat(n),
+                                                       self.var.repeat(n))
+        self.xhat = None
+        self.weight = a.new_empty((n, n_out, ch)) if "weight" in names else None
+        self.bias = a.new_empty((n, n_out, ch)) if "bias" in names else None
+
+    def add(self, i: int, delta: torch.Tensor | None) -> None:
+        """Output ``i``'s backprop, shaped as the layer's output (None: zero)."""
+        outs = [out for out in (self.weight, self.bias) if out is not None]
+        if delta is None:
+            for out in outs:
+                out[:, i].zero_()
+            return
+        d = None if self.folded is None else _channels_folded(delta)
+        if d is not None:
+            _, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                d, self.folded, None, *self.stats, None, None, False, self.eps,
+                [False, self.weight is not None, self.bias is not None])
+            for out, g in zip((self.weight, self.bias), (gw, gb)):
+                if out is not None:
+                    out[:, i] = g.view(self.shape)
+            return
+        if self.xhat is None:
+            self.xhat = F.batch_norm(self.a, self.mean, self.var, None, None, False, 0.0,
+                                     self.eps).reshape(*self.shape, -1)
+        d = delta.reshape(self.xhat.shape)
+        if self.weight is not None:
+            torch.sum(d * self.xhat, 2, out=self.weight[:, i])
+        if self.bias is not None:
+            torch.sum(d, 2, out=self.bias[:, i])
+
+    def terms(self) -> list[Term]:
+        terms = []
+        if self.weight is not None:
+            terms.append(Term(delta=self.weight, inputs=[(self.names["weight"], None)]))
+        if self.bias is not None:
+            terms.append(Term(delta=self.bias, inputs=[(self.names["bias"], None)]))
+        return terms
+
+
+def _channels_folded(x: torch.Tensor) -> torch.Tensor | None:
+    """``(n, ch, *positions)`` viewed as ``(1, n ch, positions)``, or None where its
+    memory does not allow a view (channels-last)."""
+    try:
+        return x.view(1, x.shape[0] * x.shape[1], -1)
+    except RuntimeError:
+        return None
+
+
+def site_sums(rule, use, names, n_out):
+    """A :class:`_ChannelSums` for a rule layer's call whose terms are its one site's
+    backprop summed over the positions (BatchNorm in eval mode), given each output's
+    backprop as it is computed; None otherwise (the backprops then go to
+    ``rule.factors``)."""
+    if rule is not BATCH_NORM or use.inputs[0].ndim < 2 or not names:
+        return None
+    return _ChannelSums(use, names, n_out)
 
 
 # ------------------------------------------------------------------------------ PReLU

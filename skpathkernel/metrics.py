@@ -71,7 +71,22 @@ def _check_lds_inputs(attributions, subsets, outputs):
     """(masks (m, N) float, attributions (Q, N), outputs (m, Q)), checked against each other."""
     attributions = check_array(attributions, dtype=np.float64, input_name="attributions")
     n_queries, n_train = attributions.shape
-    subsets = np.asarray(subsets)
+    try:
+        subsets = np.asarray(subsets)
+    except ValueError:
+        # Subsets of different sizes (Bernoulli draws, a user's own lists): NumPy cannot
+        # stack them; each row is a subset's training indices, checked as a stacked one.
+        rows = [np.asarray(row) for row in subsets]
+        for j, row in enumerate(rows):
+            if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
+                raise TypeError(
+                    f"subsets of different sizes must each be a 1-D array of training "
+                    f"indices; subset {j} has shape {row.shape} and dtype {row.dtype}.") from None
+        masks = np.zeros((len(rows), n_train))
+        for j, row in enumerate(rows):
+            _check_indices(row[None], n_train, first=j)
+            masks[j, row] = 1.0
+        return _checked_outputs(masks, attributions, outputs)
     if subsets.ndim != 2:
         raise ValueError("subsets must be 2-D: boolean masks (n_subsets, n_train) or "
                          f"training indices (n_subsets, subset_size), got shape "
@@ -82,21 +97,34 @@ def _check_lds_inputs(attributions, subsets, outputs):
                              f"but attributions score {n_train}.")
         masks = subsets.astype(np.float64)
     elif np.issubdtype(subsets.dtype, np.integer):
-        if subsets.size and (subsets.min() < 0 or subsets.max() >= n_train):
-            raise ValueError(f"subsets hold training indices outside [0, {n_train}).")
-        # A subset holds each point once: a repeated index is not a subset, and is what
-        # 0/1 masks stored as integers look like (rows of 0s and 1s, read as indices).
-        repeated = np.flatnonzero((np.diff(np.sort(subsets, axis=1), axis=1) == 0).any(axis=1))
-        if len(repeated):
-            raise ValueError(
-                f"subsets given as training indices repeat an index (subset "
-                f"{repeated[0]}: each point is in a subset once). 0/1 masks must be "
-                "boolean: pass subsets.astype(bool).")
+        _check_indices(subsets, n_train)
         masks = np.zeros((len(subsets), n_train))
         np.put_along_axis(masks, subsets, 1.0, axis=1)
     else:
         raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
                         f"{subsets.dtype}.")
+    return _checked_outputs(masks, attributions, outputs)
+
+
+def _check_indices(subsets: np.ndarray, n_train: int, first: int = 0) -> None:
+    """Refuse index rows ``(m, size)`` outside ``[0, n_train)`` or repeating an index;
+    ``first`` numbers the first row in the messages."""
+    if subsets.size and (subsets.min() < 0 or subsets.max() >= n_train):
+        raise ValueError(f"subsets hold training indices outside [0, {n_train}).")
+    # A subset holds each point once: a repeated index is not a subset, and is what
+    # 0/1 masks stored as integers look like (rows of 0s and 1s, read as indices).
+    repeated = np.flatnonzero((np.diff(np.sort(subsets, axis=1), axis=1) == 0).any(axis=1))
+    if len(repeated):
+        raise ValueError(
+            f"subsets given as training indices repeat an index (subset "
+            f"{first + repeated[0]}: each point is in a subset once). 0/1 masks must be "
+            "boolean: pass subsets.astype(bool).")
+
+
+def _checked_outputs(masks, attributions, outputs):
+    """``outputs`` checked against the masks and attributions; the three, as returned by
+    :func:`_check_lds_inputs`."""
+    n_queries = attributions.shape[0]
     outputs = check_array(outputs, dtype=np.float64, input_name="outputs")
     if outputs.shape != (len(masks), n_queries):
         raise ValueError(f"outputs must have shape (n_subsets, n_queries) = "
@@ -151,7 +179,8 @@ def linear_datamodeling_score(attributions, subsets, outputs, *,
         opposite sign convention gets the opposite LDS.
     subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
         The training subsets: boolean masks, or the training indices of each subset
-        (each index once; integer 0/1 masks are refused, as indices they repeat).
+        (each index once; integer 0/1 masks are refused, as indices they repeat), or a
+        list of index arrays of different sizes.
     outputs : array-like of shape (n_subsets, n_queries)
         The output of the model retrained on each subset at each query
         (the ``outputs`` of a :class:`SubsetRetraining`).
@@ -224,7 +253,8 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
     attributions : array-like of shape (n_queries, n_train)
         Score matrix, one row per query and one column per training point.
     subsets : array-like of shape (n_subsets, n_train) or (n_subsets, subset_size)
-        Which training points each subset holds, one row per subset (``SubsetRetraining.subsets``).
+        Which training points each subset holds, one row per subset
+        (``SubsetRetraining.subsets``), in any form :func:`linear_datamodeling_score` takes.
     outputs : array-like of shape (n_subsets, n_queries)
         As in :func:`linear_datamodeling_score`.
     confidence_level : float, default=0.95

@@ -87,7 +87,31 @@ def test_lds_leaves_out_queries_without_rank_correlation():
     assert mean == pytest.approx(raw[[0, 2]].mean())
 
 
+def test_lds_takes_index_subsets_of_different_sizes():
+    # Bernoulli subsets as index lists have different sizes, which NumPy cannot stack:
+    # the score and its interval were refused with NumPy's "inhomogeneous shape" error.
+    rng = np.random.RandomState(2)
+    n_train, n_queries, m = 30, 4, 15
+    A = rng.normal(size=(n_queries, n_train))
+    masks = rng.rand(m, n_train) < 0.5
+    subsets = [np.flatnonzero(mask) for mask in masks]
+    assert len({len(s) for s in subsets}) > 1
+    outputs = masks @ A.T + rng.normal(size=(m, n_queries))
+    expected = _lds_brute_force(A, subsets, outputs)
+    assert_allclose(linear_datamodeling_score(A, subsets, outputs, multioutput="raw_values"),
+                    expected, atol=1e-12)
+    assert_allclose(linear_datamodeling_score(A, [list(s) for s in subsets], outputs),
+                    expected.mean(), atol=1e-12)
+    assert (linear_datamodeling_interval(A, subsets, outputs, random_state=0)
+            == linear_datamodeling_interval(A, masks, outputs, random_state=0))
+
+
 @pytest.mark.parametrize("bad, match", [
+    (dict(subsets=[np.array([0, 1]), np.array([2, 3, 3])] * 3), "subset 1: each"),
+    (dict(subsets=[np.array([0, 1]), np.array([2, 3, 10])] * 3), "outside"),
+    (dict(subsets=[np.array([0.0, 1.0]), np.array([2.0, 3.0, 4.0])] * 3), "subset 0 has"),
+    (dict(subsets=[np.array([0, 1]), np.array([[2, 3, 4]])] * 3), "1-D array"),
+    (dict(subsets=[np.array([0, 1]), np.array([2, 3, 4])] * 2), r"\(4, 3\)"),
     (dict(subsets=np.ones((5, 9), dtype=bool)), "masks over 9"),
     (dict(subsets=np.full((5, 3), 10)), "outside"),
     (dict(subsets=np.ones((5, 10))), "boolean masks or integer"),

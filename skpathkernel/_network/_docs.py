@@ -154,7 +154,9 @@ Two questions, two kinds of score:
   to the weight ``w_i`` of point ``i`` in the loss of every step whose batch
   holds it (each step's loss the weighted mean over its batch, times the sum of
   the batch's recorded weights: 1 but for a recorded loop's own loss
-  coefficients, ``PathRecorder.set_batch(indices, weights)``), taken exactly
+  coefficients, ``PathRecorder.set_batch(indices, weights)``; for an estimator
+  fitted with ``sample_weight`` ``s``, ``w_i`` scales ``s_i``, so the score is
+  ``s_i * d m / d s_i``, 0 for a point of weight 0), taken exactly
   through every recorded step of the training that happened (unrolled
   differentiation: the optimizer's whole state, Hessian-vector products of
   every step). Summed over a subset, it predicts to first order the output of

@@ -524,7 +524,10 @@ def retrain_on_subsets(
           optimizer and step sizes, and every step's recorded minibatch minus the
           left-out points (the loss averaged over the points that remain, with the
           step's recorded weights renormalized over them for a ``sample_weight`` fit;
-          a step left empty is skipped; a regressor's ``normalize_y`` targets
+          a step left empty is skipped, where ``fit(X, y, sample_weight=mask)``
+          steps on a zero-weight minibatch all the same (momentum, Adam's moments and
+          weight decay still move the parameters), so the two agree only where no
+          recorded minibatch is emptied or the optimizer is plain SGD; a regressor's ``normalize_y`` targets
           standardized anew over the kept points, as a refit standardizes them).
           The counterfactual whose first-order
           prediction is ``attribute(..., method="unrolled")`` summed over the kept

@@ -527,7 +527,8 @@ def retrain_on_subsets(
           a step left empty is skipped, where ``fit(X, y, sample_weight=mask)``
           steps on a zero-weight minibatch all the same (momentum, Adam's moments and
           weight decay still move the parameters), so the two agree only where no
-          recorded minibatch is emptied or training is plain SGD without ``alpha``; a regressor's ``normalize_y`` targets
+          recorded minibatch is emptied or training is plain SGD without ``alpha``;
+          a regressor's ``normalize_y`` targets
           standardized anew over the kept points, as a refit standardizes them).
           The counterfactual whose first-order
           prediction is ``attribute(..., method="unrolled")`` summed over the kept

@@ -2,16 +2,19 @@
 
 import copy
 import functools
+import gc
 import math
 import re
 import threading
 import types
+import weakref
 
 import pytest
 import torch
 from _reference import jacobian_loop
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks._nets import ViT
 from benchmarks.bench_gpu_choices import LongAttention, cpu_peak_bytes
@@ -2225,6 +2228,72 @@ def test_in_place_op_on_a_saved_tensor_matches_the_out_of_place_loop(name, fallb
                                rtol=RTOL, atol=RTOL * J.abs().max())
     # The caller's network still computes in place: nothing was switched on it.
     assert all(getattr(m, "inplace", True) for m in net.modules() if hasattr(m, "inplace"))
+
+
+class _Made(TorchDispatchMode):
+    """Weak references to the ``(rows, width)`` tensors the ops under it make."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.refs = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def alive(self):
+        gc.collect()
+        return sum(ref() is not None for ref in self.refs)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_no_activation_outlives_the_capture(inplace, fallback):
+    # The saved-tensor hooks held an op's own output (Tanh's, ReLU's) as it was, grad_fn
+    # and all: a cycle through C++ that gc cannot free, so every graph not differentiated
+    # to its end leaked: the in-place network's first run (2 activations a capture),
+    # the Tanh below the fallback's layer (1). Reference: none survives the call.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.ReLU(inplace=inplace),
+                           nn.LayerNorm(32), nn.Linear(32, 3))
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(64, 8)
+    exclude = frozenset({"0.weight", "0.bias"}) if fallback else frozenset()
+    for call in (lambda: capture(module, params, X, [0, 1], memory_budget=2**30,
+                                 exclude=exclude),
+                 lambda: capture(module, params, X, [0, 1], memory_budget=2**30,
+                                 exclude=exclude, measure_graph=True),
+                 lambda: tangent_gram(module, params, X, exclude=exclude)):
+        made = _Made((64, 32))
+        with made:
+            call()
+        assert made.refs and made.alive() == 0
+
+
+@pytest.mark.parametrize("measure_graph", [False, True])
+def test_running_again_holds_one_forward_at_a_time(measure_graph):
+    # A capture that runs its forward again (here with the saved tensors copy-on-write)
+    # kept the first run's graph alive through the second, held by its watch of the
+    # layers' inputs and outputs: 16 of the 2 x 4 MiB activations more than the network
+    # out of place. Reference: the out-of-place network's capture, which runs once.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.ReLU(inplace=True),
+                        nn.Linear(512, 512), nn.Tanh(), nn.ReLU(inplace=True),
+                        nn.Linear(512, 10))
+    twin = _out_of_place(net)
+    X = torch.randn(2048, 64)
+    caps, peaks = [], []
+    for module in (net, twin):
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        cap, peak = cpu_peak_bytes(functools.partial(
+            capture, module, params, X, [0, 1], memory_budget=2**30,
+            measure_graph=measure_graph))
+        caps.append(cap.guarded)
+        peaks.append(peak)
+    assert caps == [True, False]
+    assert peaks[0] <= peaks[1], [p / 2**20 for p in peaks]
 
 
 def test_a_rewritten_saved_tensor_is_copied_once_and_counted():

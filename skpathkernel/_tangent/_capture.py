@@ -640,19 +640,22 @@ def capture(
     # activation after a Tanh): autograd would refuse the backward, or under the hooks
     # read the rewritten values; again with saved tensors copied before such writes.
     resaved = saved.rewritten
-    # Taken now: the backward passes free the graph, and what it holds with it.
-    alive = saved.alive() if measure_graph else ()
     if watch.misfits or rewritten or resaved:
         # Every parameter of a layer with a misread parameter goes to the fallback; a
-        # site's output rewritten in place is handed on as a copy.
-        del f
+        # site's output rewritten in place is handed on as a copy. The first pass's
+        # graph goes first: the watch holds its layers' inputs and outputs, and with
+        # them the whole graph, which would otherwise be alive beside the second one.
+        misfits = frozenset(watch.misfits)
+        del f, watch, saved, x_in, counted
         return capture(module, params, X, outputs, memory_budget=memory_budget,
-                       exclude=exclude | frozenset(watch.misfits),
+                       exclude=exclude | misfits,
                        dense_fallback=dense_fallback, weights=weights, scratch=scratch,
                        index=index, formed=formed, copy_sites=copy_sites or rewritten,
                        kept=kept, last=last, measure_graph=measure_graph,
                        guard_saved=guard_saved or resaved)
 
+    # Taken now: the backward passes free the graph, and what it holds with it.
+    alive = saved.alive() if measure_graph else ()
     accepted, declined = _accepted_layers(layers, watch, X, reasons)
     sites = _accepted_free(free, watch, params, X, reasons, declined)
     state = (f, exclude, accepted, declined, sites, reasons, watch.copy)

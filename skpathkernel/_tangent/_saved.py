@@ -63,6 +63,13 @@ class SavedWatch:
     def _pack(self, t):
         if self.graph is not None:
             self.graph.add(t)
+        # Detached (the same storage and version counter; autograd gives the unpacked
+        # tensor its grad_fn back): an op's own output held as it is would keep its
+        # grad_fn, which holds what this returns, a cycle through C++ that no garbage
+        # collection frees, so a graph never differentiated to its end (the first run
+        # of a forward run again, the layers below every differentiated output) leaked
+        # (pytorch/pytorch#115255).
+        t = t.detach()
         if not self.guard:
             self.saved.append((t, t._version))
             return t

@@ -721,7 +721,8 @@ def plain_cnn_capture(cnn, params, X, outputs, *, exclude=frozenset(), scratch=N
     with torch.no_grad():
         # The first convolution's gradients formed from its pooled backprops where the
         # caller forms them (:func:`._cnn.first_formed`).
-        pooled = pools_first(cnn) and f"{cnn.blocks[0].prefix}.weight" in formed
+        pooled = (f"{cnn.blocks[0].prefix}.weight" in formed
+                  and pools_first(cnn, X, len(outputs)))
         accepted, deltas, idx = cnn_backprops(
             cnn, params, X, outputs, lambda j, shape, like: _buffer(scratch, j, shape, like),
             pooled_first=pooled)

@@ -2446,7 +2446,10 @@ def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
     D = torch.rand(J.shape[2], dtype=torch.float64) + 0.5
     taken = _cnn_spy(monkeypatch)
     pooled = []
-    real_first = _capture.first_formed
+    real_first, real_pools = _capture.first_formed, _capture.pools_first
+    # These small convolutions' patches at the argmax outsize their backprop buffers
+    # (pools_first declines them for the budget): as if they had many outputs.
+    monkeypatch.setattr(_capture, "pools_first", lambda cnn, X, C: real_pools(cnn, X, 10**6))
     monkeypatch.setattr(_capture, "first_formed",
                         lambda *a: pooled.append(1) or real_first(*a))
     calls = {"trace": {}, "one": dict(output=1), "full": dict(output="full"),
@@ -2513,3 +2516,26 @@ def test_plain_cnn_route_is_left_where_it_does_not_apply(monkeypatch):
     del params["0.bias"]
     _close(tangent_gram(module, params, X), torch.einsum("ncp,mcp->nm", J, J) / 2)
     assert not taken
+
+
+def test_plain_cnn_route_stays_within_the_budget_with_a_wide_first_convolution(monkeypatch):
+    # One output of a CNN whose first convolution is 7 x 7: forming its gradients from
+    # the pooled backprops gathers 147 patch entries at each of 32 channels' argmax,
+    # 1.7x the (n, 1, 32, 256) backprop buffer the plan counts for them, and the rows of
+    # patches besides; the peak was 1.4x the budget. Measured, not the plan's arithmetic;
+    # K against the autograd loop's dense Jacobian.
+    taken = _cnn_spy(monkeypatch)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 32, 7, padding=3), nn.ReLU(), _pool(),
+                           nn.Conv2d(32, 8, 3, padding=1), nn.ReLU(), _pool(), nn.Flatten(),
+                           nn.Linear(8 * 4 * 4, 2))
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(64, 3, 16, 16)
+    budget = 2**24
+    tangent_gram(module, params, X[:2], output=0, memory_budget=budget)  # one-time allocations
+    K, peak = cpu_peak_bytes(lambda: tangent_gram(module, params, X, output=0,
+                                                  memory_budget=budget))
+    assert taken
+    assert peak - K.nbytes <= budget, (peak - K.nbytes, budget)
+    J = _loop_jacobian(module, params, X)[:, 0]
+    _close(K, J @ J.T, 1e-5)

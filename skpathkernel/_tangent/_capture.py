@@ -719,13 +719,15 @@ def plain_cnn_capture(cnn, params, X, outputs, *, exclude=frozenset(), scratch=N
     """:func:`capture` of a plain CNN (``cnn`` from :func:`._cnn.plain_cnn`, every
     parameter in ``params``) with its backprops computed by hand
     (:func:`._cnn.cnn_backprops`): the same terms, bit for bit, without the use watch and
-    the autograd graph. ``copied`` is handed on as the capture's (nothing is rewritten in
-    place here)."""
+    the autograd graph; but for a first convolution formed from its pooled backprops
+    (:func:`._cnn.first_formed`), the same values in other sums. ``copied`` is handed on as
+    the capture's (nothing is rewritten in place here)."""
     params = dict(params)
     with torch.no_grad():
         # The first convolution's gradients formed from its pooled backprops where the
         # caller forms them (:func:`._cnn.first_formed`).
-        pooled = pools_first(cnn) and f"{cnn.blocks[0].prefix}.weight" in formed
+        pooled = (f"{cnn.blocks[0].prefix}.weight" in formed
+                  and pools_first(cnn, X, len(outputs)))
         accepted, deltas, idx = cnn_backprops(
             cnn, params, X, outputs, lambda j, shape, like: _buffer(scratch, j, shape, like),
             pooled_first=pooled)

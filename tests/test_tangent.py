@@ -3,6 +3,7 @@
 import copy
 import functools
 import gc
+import itertools
 import math
 import re
 import threading
@@ -1265,6 +1266,85 @@ def test_batch_norm_sums_of_an_output_that_does_not_reach_it_are_zero():
     cap = capture(module, params, X, [0, 1], memory_budget=2**20)
     bn = [t for t in cap.terms if t.inputs[0][0].startswith("bn.")]
     assert len(bn) == 2 and all(not t.delta[:, 1].any() and t.delta[:, 0].any() for t in bn)
+
+
+
+class _BatchNormUsedTwice(nn.Module):
+    """An eval BatchNorm whose output is read twice (its backprop the sum of two paths),
+    feeding a second BatchNorm (whose input is the first one's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.bn2 = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+        self.sq = nn.Linear(6, 3)
+
+    def forward(self, x):
+        z = self.bn(self.lin(x))
+        return self.head(self.bn2(z)) + self.sq(z * z)
+
+
+_BN_NETS = {
+    "used twice, chained": lambda: _BatchNormUsedTwice(),
+    # The in-place ReLU after a Tanh rewrites a saved tensor: the forward runs again with
+    # its saved tensors copy-on-write (_saved.py); the hooks are registered after it.
+    "rewritten saved tensor": lambda: nn.Sequential(
+        nn.Linear(5, 6), nn.Tanh(), nn.ReLU(inplace=True), nn.BatchNorm1d(6),
+        nn.ReLU(inplace=True), nn.Linear(6, 3)),
+    "last layer": lambda: nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_BN_NETS))
+def test_batch_norm_sums_through_shared_rewritten_and_kept_graphs(kind):
+    # The hooks' BatchNorm sums (review s47-rev3) where the site's backprop gathers two
+    # paths, the forward runs twice for a rewritten saved tensor, the BatchNorm is the
+    # output itself; through the Gram, a contraction (weights) and captures of output
+    # groups sharing one kept forward pass (each group's hooks removed before the next):
+    # against the autograd loop of an out-of-place float64 copy.
+    torch.manual_seed(0)
+    module = _BN_NETS[kind]()
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.uniform_(-0.3, 0.3)
+            m.running_var.uniform_(0.5, 1.5)
+    module = module.eval().double()
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(7, 5, dtype=torch.float64)
+    ref = copy.deepcopy(module)
+    for m in ref.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    J = _loop_jacobian(ref, params, X)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    offsets = dict(zip(params, itertools.accumulate((p.numel() for p in params.values()),
+                                                     initial=0)))
+    bn = {f"{prefix}.{p}" for prefix, m in module.named_modules()
+          if isinstance(m, nn.BatchNorm1d) for p in ("weight", "bias")}
+
+    def check(cap, grads):
+        # The terms that are per-sample gradients (constant inputs): BatchNorm's all.
+        seen = set()
+        for term in cap.terms:
+            name = term.inputs[0][0]
+            if term.inputs[0][1] is None:
+                a = offsets[name]
+                _close(term.delta.reshape(*grads.shape[:2], -1),
+                       grads[:, :, a:a + params[name].numel()])
+                seen.add(name)
+        assert bn <= seen
+
+    w = torch.randn(7, 3, dtype=torch.float64)
+    check(capture(module, params, X, [0, 1, 2], memory_budget=2**24, weights=w),
+          torch.einsum("ncp,nc->np", J, w).unsqueeze(1))
+    kept, scratch = {}, []
+    caps = [(capture(module, params, X, group, memory_budget=2**24, kept=kept, last=last,
+                     scratch=scratch), group) for group, last in (([0, 1], False), ([2], True))]
+    assert not kept
+    for cap, group in caps:  # a hook left on the kept graph would rewrite the first's
+        check(cap, J[:, group])
 
 
 def _bn_stats(module):

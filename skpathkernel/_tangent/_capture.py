@@ -856,10 +856,10 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
             # per-row contraction (the backprops are linear in the output's seed).
             seeds = ([f[:, c].sum() for c in outputs] if weights is None
                      else [(f[:, list(outputs)] * weights.to(f.dtype)).sum()])
-            sums = _reduced_sites(accepted, len(seeds))
-            backprops = _backprops(seeds, zs, scratch, retain, sums)
+            reduced = _reduced_sites(accepted, len(seeds))
+            backprops = _backprops(seeds, zs, scratch, retain, reduced)
         else:  # computed by hand (a plain CNN's, :mod:`._cnn`): every site's in full
-            sums = {}
+            reduced = {}
         deltas = iter(_own_memory(backprops))
         # Every call's terms (a layer called twice, or holding a tied weight, gives a
         # parameter several), summed per parameter below.
@@ -867,7 +867,7 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
         j = 0
         for layer, rule, names, use, sites in accepted:
             layer_deltas = tuple(next(deltas) for _ in sites)
-            summed, j = sums.get(j), j + len(sites)
+            summed, j = reduced.get(j), j + len(sites)
             if summed is not None:
                 uses.extend(_checked_terms(summed.terms(), layer, names, params))
                 continue

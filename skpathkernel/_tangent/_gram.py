@@ -133,7 +133,9 @@ comes, by one ``native_batch_norm_backward`` over the samples' channels
 convolution without padding takes its patches from its input rather than from F.pad's
 copy of it (the 1x1 shortcuts). On the ResNet row (N = 1024, one thread, default budget,
 on a shared machine at load 4-7): 0.889 of the CPU time by medians of 5 alternated
-rounds (0.868-0.985 by round; the BatchNorm cut alone 0.902), K to 1.1e-7 of its
+rounds (0.868-0.985 by round, 0.926 by the rounds' median ratio; the BatchNorm cut
+alone 0.902); a review's rerun at load 2.7-2.9 read 0.931 (0.920-0.957 by round,
+``benchmarks/results/review-resnet-cuts-s47.md``); K to 1.1e-7 of its
 largest entry (BatchNorm's sums in another order), the peak of torch's allocations less
 K 736.6 MiB against 759.9; the quick benchmark's roofline ratio of the row read 0.49 and
 0.47 against 0.43 and 0.46 before, in two rounds of the same session

@@ -7,8 +7,10 @@ import itertools
 import math
 import re
 import threading
+import time
 import types
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -989,6 +991,60 @@ def test_use_watch_ignores_hooks_fired_by_other_threads():
     watch.leave(layer)
     assert watch.frames == [] and watch.factors[id(layer)] == [None]
 
+
+
+class _Pause(nn.Module):
+    """The identity, after a millisecond's sleep: another thread runs meanwhile, inside
+    this forward pass's ``functional_call`` (one core is enough)."""
+
+    def forward(self, x):
+        time.sleep(1e-3)
+        return x
+
+
+@pytest.mark.parametrize("fn", ["gram", "diag", "features"])
+def test_concurrent_engine_calls_on_one_module_match_the_loop(fn):
+    # Engine calls on one module from several threads (joblib's threading backend, Dask's
+    # threaded workers, a server sharing a network): each call's functional_call swapped
+    # the module's parameters for its own and hooked its layers, so another call's forward
+    # pass read them; 4 threads x 20 calls raised "One of the differentiated Tensors does
+    # not require grad" or returned results off by up to 0.7 (old code, pinned to one
+    # core: 12 to 24 of the 80 calls raised, in each of 5 runs of the 3 cases). Compared
+    # with the autograd loop at the call's params.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), _Pause(),
+                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).double()
+    params = {k: v.detach() + 0.1 for k, v in module.named_parameters()}
+    own = list(module.parameters())
+    X = torch.randn(6, 1, 8, 8, dtype=torch.float64)
+    J = _loop_jacobian(module, params, X)
+    call, expected = {
+        "gram": (lambda: tangent_gram(module, params, X),
+                 torch.einsum("ncp,mcp->nm", J, J) / 2),  # trace: the mean over outputs
+        "diag": (lambda: tangent_gram_diag(module, params, X),
+                 torch.einsum("ncp,ncp->n", J, J) / 2),
+        "features": (lambda: tangent_features(module, params, X, output="full"), J),
+    }[fn]
+    barrier = threading.Barrier(4)
+
+    def task(_):
+        out = []
+        for _ in range(20):
+            barrier.wait(timeout=60)
+            try:
+                out.append(call())
+            except RuntimeError as exc:  # counted below, after every thread is done
+                out.append(exc)
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        results = [r for rs in pool.map(task, range(4)) for r in rs]
+    raised = [r for r in results if isinstance(r, Exception)]
+    assert not raised, f"{len(raised)} of {len(results)} calls raised: {raised[0]}"
+    for result in results:
+        _close(result, expected)
+    # The module holds its own parameters again.
+    assert all(a is b for a, b in zip(module.parameters(), own, strict=True))
 
 class _ConstantInput(_TwoLayers):
     """A Linear on a buffer (a FiLM-style shift): its rows are not the samples."""

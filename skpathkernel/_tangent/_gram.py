@@ -185,6 +185,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._memory import large_tensor, rows_per_block
+from .._modules import module_lock
 from ._capture import (
     Capture,
     _numerical_misfits,
@@ -656,6 +657,28 @@ class _NewMisfit(Exception):
         self.exclude = exclude
 
 
+def _holds_module(fn):
+    """Run ``fn(module, ...)`` holding :func:`.module_lock` of ``module`` (reentrant).
+
+    The engine swaps the module's parameters for the call's (``functional_call``) and
+    hooks its rule layers for each capture: two calls on one module from different
+    threads (joblib's threading backend, Dask's threaded workers, a server sharing a
+    network) read each other's parameters and captures, raised "One of the
+    differentiated Tensors does not require grad", returned Grams off by up to 0.72
+    (relative) without a word, and left the module holding another call's tensors as its
+    parameters (``benchmarks/results/threads-s47.md``); a call's route (the plain CNN's,
+    the stacked MLP's, which refuse hooked layers) depended on another call's hooks. They
+    take turns instead, as the estimators' verbs do (which hold the same lock).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(module, *args, **kwargs):
+        with module_lock(module):
+            return fn(module, *args, **kwargs)
+
+    return wrapper
+
+
 def _consistent_routing(fn):
     """Rerun ``fn`` with the larger exclusion set when a block finds a new misfit.
 
@@ -888,6 +911,7 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     return params, outputs, mode, probe
 
 
+@_holds_module
 def hidden_reads(
     module: torch.nn.Module,
     points: Sequence[Mapping[str, torch.Tensor]],
@@ -981,6 +1005,7 @@ def _check_y(X, Y):
                          f"got {Y.dtype} of shape {tuple(Y.shape)}.")
 
 
+@_holds_module
 @_consistent_routing
 def tangent_gram(
     module: torch.nn.Module,
@@ -1533,6 +1558,7 @@ def _fill_gram(K, bx, by, mode, weight, layout, symmetric, dense, panels,
                     K[sj, si] = block.T
 
 
+@_holds_module
 @_consistent_routing
 def tangent_gram_diag(
     module: torch.nn.Module,
@@ -1646,6 +1672,7 @@ def _rank_one_diag(out, term, mode, weight, layout, n_out) -> None:
             out += (d * d * s.unsqueeze(1)).sum((1, 2)) / n_out
 
 
+@_holds_module
 def contracted_features(
     module: torch.nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -1671,6 +1698,7 @@ def contracted_features(
     return dense_rows(cap.terms, layout, out)[:, 0]
 
 
+@_holds_module
 @_consistent_routing
 def tangent_features(
     module: torch.nn.Module,

@@ -15,6 +15,7 @@ every group). Results: ``benchmarks/results/vit_cuts_ab-s46.md``.
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from contextlib import ExitStack
@@ -39,22 +40,26 @@ def _side(cut, side):
     return stack
 
 
-def alternated(cases, reps, peak, side):
+def alternated(cases, reps, peak, side, budget=None):
     """Time, compare and (``peak``) measure ``tangent_gram`` on each ``NET@N`` case, the
-    sides "ref" and "new" alternating ``reps`` times, each run inside ``side(name)``."""
+    sides "ref" and "new" alternating ``reps`` times, each run inside ``side(name)``;
+    ``budget``: the calls' ``memory_budget`` (None: the default)."""
     torch.set_num_threads(1)
+    kwargs = {} if budget is None else {"memory_budget": budget}
     for case in cases:
         arch, n = case.split("@")
         net, params, X = _worker.gram_problem({"arch": arch, "n": int(n), "dtype": "float32"})
+        gram = functools.partial(tangent_gram, net, params, X, **kwargs)
         times, K = {"ref": [], "new": []}, {}
+        print(case, "load before", os.getloadavg(), flush=True)
         for name in ("ref", "new"):
             with side(name):
-                K[name] = tangent_gram(net, params, X)
+                K[name] = gram()
         for r in range(reps):
             for name in (("ref", "new") if r % 2 == 0 else ("new", "ref")):
                 with side(name):
                     t = time.process_time()
-                    tangent_gram(net, params, X)
+                    gram()
                     times[name].append(time.process_time() - t)
             print(case, r, {s: round(v[-1], 3) for s, v in times.items()}, flush=True)
         diff = (K["new"].double() - K["ref"].double()).abs().max().item()
@@ -64,11 +69,12 @@ def alternated(cases, reps, peak, side):
         print(f"{case}: ref {med['ref']:.3f} s {times['ref']}, new {med['new']:.3f} s "
               f"{times['new']}; new/ref median {med['new'] / med['ref']:.3f} "
               f"(by round {min(ratio):.3f}-{max(ratio):.3f}); max |dK| {diff:.3g} "
-              f"(rel {diff / scale:.3g}); bitwise {torch.equal(K['new'], K['ref'])}")
+              f"(rel {diff / scale:.3g}); bitwise {torch.equal(K['new'], K['ref'])}; load after "
+              f"{os.getloadavg()}")
         if peak:
             for name in ("ref", "new"):
                 with side(name):
-                    _, top = cpu_peak_bytes(functools.partial(tangent_gram, net, params, X))
+                    _, top = cpu_peak_bytes(gram)
                 print(f"{case} {name} peak {(top - K['ref'].nbytes) / 2**20:.1f} MiB")
 
 

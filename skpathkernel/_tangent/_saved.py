@@ -128,6 +128,13 @@ class _CopyOnWrite(TorchDispatchMode):
         super().__init__()
         self.watch = watch
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this
+        # says no, and that wrapper imports torch._dynamo at its first call: 1.5-2 s once
+        # per process, for a mode that is never compiled.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         schema = func._schema

@@ -2675,3 +2675,16 @@ def test_plain_cnn_route_stays_within_the_budget_with_a_wide_first_convolution(m
     assert peak - K.nbytes <= budget, (peak - K.nbytes, budget)
     J = _loop_jacobian(module, params, X)[:, 0]
     _close(K, J @ J.T, 1e-5)
+
+
+def test_trace_features_hold_the_jacobian_once():
+    """``tangent_features(output="trace")`` with several outputs scales its Jacobian in
+    place: a scaled copy beside the unscaled one held the result twice (peak 2.0x it)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(20, 256), nn.Tanh(), nn.Linear(256, 4))
+    params = dict(module.named_parameters())
+    X = torch.randn(300, 20)
+    phi, peak = cpu_peak_bytes(lambda: tangent_features(module, params, X))
+    assert peak < 1.5 * phi.nbytes, (peak, phi.nbytes)
+    J = _loop_jacobian(module, {k: v.detach() for k, v in params.items()}, X)
+    _close(phi, J.reshape(300, -1) / 2, 1e-5)

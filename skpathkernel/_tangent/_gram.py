@@ -1761,4 +1761,6 @@ def tangent_features(
         return phi
     if n_out == 1:
         return phi[:, 0, :]
+    if out is None:  # scaled in place: a scaled copy beside it doubled the call's peak
+        return phi.div_(math.sqrt(n_out)).reshape(X.shape[0], n_out * n_params)
     return phi.reshape(X.shape[0], n_out * n_params) / math.sqrt(n_out)

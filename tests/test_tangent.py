@@ -1242,9 +1242,8 @@ def _resnet_problem(n, dtype=torch.float64, n_out=3):
 
 
 def _old_backprops(monkeypatch):
-    """The capture as before session s47: every site's backprops copied into their
-    buffers after each backward pass, BatchNorm's terms by its rule from them."""
-    monkeypatch.setattr(_capture, "_hot_copies", lambda: False)
+    """The capture as before session s47's BatchNorm sums: BatchNorm's terms by its rule
+    from its buffered backprops."""
     monkeypatch.setattr(_capture, "_reduced_sites", lambda *args: {})
 
 

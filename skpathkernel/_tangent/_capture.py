@@ -1018,7 +1018,7 @@ def _backprops(seeds, zs, scratch=None, retain=False, sums=None) -> list[torch.T
     gradient of ``seeds[i]`` (zeros where it does not reach ``z``).
 
     With several seeds each backward pass's gradients are copied into their column as
-    it computes them (:func:`_hot_copies`), so that only one pass's gradients are alive
+    it computes them (:func:`_hooked_backprops`), so that only one pass's gradients are alive
     besides the result (a list of all of them, stacked at the end, held the backprops
     twice). ``scratch`` (see :func:`capture`) holds their memory. ``sums`` maps the
     index of a site whose backprops are summed over their positions as they come
@@ -1037,15 +1037,7 @@ def _backprops(seeds, zs, scratch=None, retain=False, sums=None) -> list[torch.T
            for j, z in enumerate(zs)]
     if _batches_backprops(seeds[0].device) and _batched_into(out, seeds, zs, sums):
         return out
-    if _hot_copies():
-        return _hooked_backprops(seeds, zs, out, retain, sums)
-    for i, seed in enumerate(seeds):
-        g = torch.autograd.grad(seed, zs, retain_graph=retain or i < n_out - 1,
-                                allow_unused=True)
-        for j, (buf, gz) in enumerate(zip(out, g)):
-            _into(buf, sums.get(j), i, gz)
-        del g
-    return out
+    return _hooked_backprops(seeds, zs, out, retain, sums)
 
 
 def _into(buf, summed, i: int, grad) -> None:
@@ -1057,12 +1049,6 @@ def _into(buf, summed, i: int, grad) -> None:
         buf[:, i].zero_()
     else:
         buf[:, i].copy_(grad)
-
-
-def _hot_copies() -> bool:
-    """Whether :func:`_backprops` takes each backprop of several outputs as the backward
-    pass computes it (:func:`_hooked_backprops`) rather than after the pass."""
-    return True
 
 
 def _hooked_backprops(seeds, zs, out, retain, sums):

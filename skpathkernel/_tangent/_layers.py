@@ -449,7 +449,7 @@ def site_sums(rule, use, names, n_out):
     backprop summed over the positions (BatchNorm in eval mode), given each output's
     backprop as it is computed; None otherwise (the backprops then go to
     ``rule.factors``)."""
-    if rule is not BATCH_NORM or use.inputs[0].ndim < 2 or not names:
+    if rule is not BATCH_NORM or not names:  # accepted: 2-D or more, eval mode
         return None
     return _ChannelSums(use, names, n_out)
 

@@ -1433,6 +1433,77 @@ def test_unpadded_convolution_patches_are_not_copied_by_pad(padding, monkeypatch
     _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
 
 
+class _Shortcuts(nn.Module):
+    """1x1 convolutions in a capture's graph (their inputs need gradients): stride-2 and
+    stride-3 shortcuts on odd sides beside a 3x3 path, with eval BatchNorm, a 1x1
+    convolution with a bias and one with padding (both autograd's), a stem whose input
+    needs no gradient; ``n_out`` outputs."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 1, bias=False)
+        self.conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
+        self.short = nn.Conv2d(4, 6, 1, stride=2, bias=False)
+        self.bn = nn.BatchNorm2d(6)
+        self.skip3 = nn.Conv2d(6, 5, 1, stride=3, bias=False)
+        self.biased = nn.Conv2d(6, 5, 1, stride=3)
+        self.padded = nn.Conv2d(6, 5, 1, stride=3, padding=1, bias=False)
+        self.head = nn.Linear(5, n_out)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = torch.relu(self.conv(h) + self.bn(self.short(h)))
+        h = self.skip3(h) + self.biased(h) + self.padded(h)
+        return self.head(torch.tanh(h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("output", ["trace", "full", 1])
+def test_pointwise_convolutions_take_their_input_gradient_by_matmul(output, channels_last,
+                                                                    monkeypatch):
+    # A capture's 1x1 convolutions without padding, bias or groups whose input needs a
+    # gradient run as _PointwiseConv2d, whose backward writes W^T times the backprop into
+    # the strided positions of a zero input gradient (oneDNN's backward by data was 3-6x
+    # slower on the ResNet's stride-2 shortcuts). Against the dense Jacobians (float64),
+    # on odd sides (7 x 7 to 4 x 4 to 2 x 2), strides 2 and 3, in float32 against
+    # autograd's convolution backward; the stem (its input X needs no gradient), the
+    # biased and the padded 1x1 convolutions keep autograd's. No parameter falls back
+    # (the capture's check of one sample against autograd would send the layers that
+    # wrong backprops reach to the fallback, and K would hide them).
+    torch.manual_seed(0)
+    module = _Shortcuts(3)
+    _bn_stats(module)
+    module = module.eval().double()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(11, 2, 7, 7, dtype=torch.float64)
+    if channels_last:
+        module = module.to(memory_format=torch.channels_last)
+        X = X.contiguous(memory_format=torch.channels_last)
+    taken = []
+    real = _layers._PointwiseConv2d.apply
+
+    def fallback(*args, **kwargs):  # the one-sample check would hide wrong backprops
+        raise AssertionError("a parameter went to the fallback")
+
+    monkeypatch.setattr(_capture, "per_sample_jacobian", fallback)
+    monkeypatch.setattr(_layers._PointwiseConv2d, "apply",
+                        lambda x, w, stride: taken.append((w.shape, stride)) or real(x, w, stride))
+    K = tangent_gram(module, params, X, output=output)
+    assert taken and set(taken) == {((6, 4, 1, 1), (2, 2)), ((5, 6, 1, 1), (3, 3))}
+    J = _loop_jacobian(module, params, X)
+    ref = {"trace": lambda: torch.einsum("ncp,mcp->nm", J, J) / 3,
+           "full": lambda: torch.einsum("ncp,mdp->ncmd", J, J),
+           1: lambda: J[:, 1] @ J[:, 1].T}[output]()
+    _close(K, ref)
+    _close(tangent_features(module, params, X, output="full"), J)
+    module32, params32 = module.float(), {k: v.float() for k, v in params.items()}
+    new = tangent_gram(module32, params32, X.float(), output=output)
+    _close(new, ref, 1e-5)
+    monkeypatch.setattr(_capture, "site_call", lambda rule, func, args, kwargs:
+                        func(*args, **kwargs))
+    _close(new, tangent_gram(module32, params32, X.float(), output=output), 1e-6)
+
+
 def _record_syrks(monkeypatch):
     """Record the rows and alpha of every SYRK update, and the terms added after them."""
     alphas, panel_terms = [], []

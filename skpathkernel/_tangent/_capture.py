@@ -52,7 +52,7 @@ from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._cnn import cnn_backprops, first_formed, pools_first
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
-from ._layers import formed_terms, site_call, site_sums
+from ._layers import formed_terms, site_sums
 from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
 from ._rules import RULES, Rule, Term, Use
 from ._saved import SavedWatch, differentiable_forward
@@ -466,7 +466,7 @@ class _UseWatch(TorchFunctionMode):
         layer, rule = self.layers[top.layer]
         top.use = _DECLINED
         if rule.expand is None:
-            out = site_call(rule, func, args, kwargs)
+            out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 top.use = (Use(func, args, kwargs, (args[0],)), (out,))
                 if self.copy or out._is_view():

@@ -145,6 +145,20 @@ groups (:func:`_kept_forward_groups`) on this row. The probe counts 1.34 MB per 
 its copied sites, 1.00 MB with the chunks' uncopied ones (a third of it the BatchNorms'
 outputs, held as sites for their backprops, which nothing else keeps): a graph of all
 1024 rows does not fit 1 GiB beside even one output's blocks (310 KB per row).
+Session s48 (the same row, base 50a894e, load 6-12): the backward passes are its largest
+phase, 7.5 s of 21.1 (36%, 0.20 of the GEMM probe's rate). Not kept: the captures' 1x1
+convolutions (the two stride-2 shortcuts) as an ``autograd.Function`` whose backward is
+``W^T`` times the backprop, one matmul per sample written into the strided positions of a
+zero input gradient, instead of oneDNN's NCHW backward by data: 0.16-0.34 of its time
+alone, 0.961-0.997 of a capture's by round, but the call 1.020 by medians of 5 alternated
+rounds (0.972-1.064 by round), K bit for bit; about 2% of the call by the captures' count,
+which that load does not resolve. Nor, in alternated kernel timings: the 3x3 stride-2
+input gradients through channels-last copies (1.0x in one process, 2.5x in another), by
+a polyphase split (0.79x and 1.96x the time), im2col's matmul and ``F.fold`` (1.4x);
+forming in capture per output as each backprop comes, without the copy into the chunk's
+buffer (0.95-1.12x). The graph of the kept forward passes is 0.996 MB per row with
+uncopied sites: 1.02 GB at N = 1024, over the budget alone
+(``benchmarks/results/resnet_backward_ab-s48.md``).
 
 A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
 ``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;

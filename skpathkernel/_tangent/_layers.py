@@ -171,48 +171,6 @@ def _conv_formed(use, deltas, names):
     return terms
 
 
-class _PointwiseConv2d(torch.autograd.Function):
-    """A 1x1 convolution without padding, bias, groups or dilation (``F.conv2d``'s
-    values), whose backward computes its input's gradient alone, as one matmul per
-    sample written into the strided positions of a zero gradient, where oneDNN's NCHW
-    backward by data ran 3-6x slower on the ResNet's stride-2 shortcuts (see
-    :func:`site_call`). The weight is a constant here: a capture differentiates the
-    sites, never a rule layer's parameters."""
-
-    @staticmethod
-    def forward(ctx, x, weight, stride):
-        ctx.weight, ctx.stride, ctx.x_shape = weight, stride, x.shape
-        return F.conv2d(x, weight, None, stride)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (n, c_in), c_out = ctx.x_shape[:2], ctx.weight.shape[0]
-        g = grad.new_zeros(ctx.x_shape)
-        g[:, :, ::ctx.stride[0], ::ctx.stride[1]] = torch.matmul(
-            ctx.weight.view(c_out, c_in).T, grad.reshape(n, c_out, -1)).view(
-            n, c_in, *grad.shape[2:])
-        return g, None, None
-
-
-def site_call(rule, func, args, kwargs):
-    """A rule layer's own call in a capture: ``func(*args, **kwargs)``, or the same
-    values by :class:`_PointwiseConv2d` where its backward is faster than autograd's (a
-    1x1 convolution on the CPU, without padding, bias, groups or dilation, whose input
-    needs a gradient)."""
-    if rule is not CONV2D:
-        return func(*args, **kwargs)
-    use = Use(func, args, kwargs, args[:1])
-    x, weight = args[0], _arg(use, 1, "weight")
-    if (not isinstance(weight, torch.Tensor) or x.ndim != 4 or x.device.type != "cpu"
-            or not x.requires_grad or x.dtype != weight.dtype
-            or _arg(use, 2, "bias") is not None or math.prod(weight.shape[2:]) != 1):
-        return func(*args, **kwargs)
-    _, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=5)
-    if padding != (0, 0) or dilation != (1, 1) or groups != 1:
-        return func(*args, **kwargs)
-    return _PointwiseConv2d.apply(x, weight.detach(), stride)
-
-
 def formed_terms(rule, use, deltas, names, formed):
     """The terms of a rule layer's call with the parameters named in ``formed`` handed
     on as per-sample gradients (constant-input terms), where the layer has a cheaper way

@@ -10,7 +10,10 @@ Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_vit_cuts_ab C
 [NET@N ...] [--reps R] [--peak]``; CUT is "kept": "ref" without
 :func:`skpathkernel._tangent._gram._kept_forward_groups` (the output groups' captures each
 run their own forward pass), "new" with it (one forward pass per chunk, its graph kept for
-every group). Results: ``benchmarks/results/vit_cuts_ab-s46.md``.
+every group). CUT "probe" (session s48): "ref" with the probe's capture of
+:func:`skpathkernel._tangent._gram._prepare` handing the sites' outputs on as copies (its
+graph's bytes, which decide the kept plan, then count them), "new" uncopied, as the chunks
+run. Results: ``benchmarks/results/vit_cuts_ab-s46.md``, ``vit_cuts_ab-s48.md``.
 """
 
 import argparse
@@ -34,6 +37,12 @@ def _side(cut, side):
         real = _gram._launch_bound_chunk
         stack.enter_context(mock.patch.object(
             _gram, "_launch_bound_chunk", lambda *args: real(*args[:7])))
+    if side == "ref" and cut == "probe":
+        # The probe's capture with copied sites (before s48): its graph's bytes then count
+        # a copy of every site's output that the chunks' uncopied captures do not hold.
+        real_capture = _gram.capture
+        stack.enter_context(mock.patch.object(_gram, "capture", lambda *a, **k: real_capture(
+            *a, **({**k, "copy_sites": True} if k.get("measure_graph") else k))))
     if side == "ref" and cut == "kept":
         stack.enter_context(mock.patch.object(_gram, "_kept_forward_groups",
                                               lambda *args: None))

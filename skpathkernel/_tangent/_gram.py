@@ -137,7 +137,12 @@ sums of the biases' and LayerNorms' backprops over the 65 tokens 0.4 s), forming
 the forward passes 0.36 s. (Not kept: the attention's backward by ``bmm``, P recomputed
 from the saved log-sum-exp: 4.75 ms a call against flash's 4.67-4.97 on those shapes;
 torch's math attention saves P, 135 KB more per row of the two layers' graphs, which
-would then not fit beside one output's blocks.)
+would then not fit beside one output's blocks.) The attention's packed in-projection is
+split into q, k and v by ``unbind`` of its output's rows (:func:`._layers._packed_heads`):
+the backward pass stacks their gradients into the projection's rows in one copy, where the
+chunks of its sequence-first transpose cost a ``cat`` and a copy back (0.43 s above):
+0.967 of the CPU time by medians of 3 alternated rounds (0.951-0.971 by round, load
+9-12), K bit for bit (``vit_cuts_ab-s48.md``).
 
 A convolution whose patches outnumber its block's entries (more positions than outputs x
 channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its

@@ -142,7 +142,9 @@ split into q, k and v by ``unbind`` of its output's rows (:func:`._layers._packe
 the backward pass stacks their gradients into the projection's rows in one copy, where the
 chunks of its sequence-first transpose cost a ``cat`` and a copy back (0.43 s above):
 0.967 of the CPU time by medians of 3 alternated rounds (0.951-0.971 by round, load
-9-12), K bit for bit (``vit_cuts_ab-s48.md``).
+9-12), but 0.994 (0.989-1.001) in a second run at load 3-4, within its rounds' spread:
+kept as no slower, its gain the copies' memory traffic where the cores' neighbours
+contend for it; K bit for bit, the same peak (``vit_cuts_ab-s48.md``).
 
 A convolution whose patches outnumber its block's entries (more positions than outputs x
 channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its

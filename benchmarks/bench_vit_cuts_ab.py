@@ -10,7 +10,13 @@ Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_vit_cuts_ab C
 [NET@N ...] [--reps R] [--peak]``; CUT is "kept": "ref" without
 :func:`skpathkernel._tangent._gram._kept_forward_groups` (the output groups' captures each
 run their own forward pass), "new" with it (one forward pass per chunk, its graph kept for
-every group). Results: ``benchmarks/results/vit_cuts_ab-s46.md``.
+every group). CUT "probe" (session s48): "ref" with the probe's capture of
+:func:`skpathkernel._tangent._gram._prepare` handing the sites' outputs on as copies (its
+graph's bytes, which decide the kept plan, then count them), "new" uncopied, as the chunks
+run. CUT "heads" (s48): "ref" with q, k and v of the attention's packed in-projection
+split by chunks of its sequence-first transpose, "new" by
+:func:`skpathkernel._tangent._layers._packed_heads`. Results:
+``benchmarks/results/vit_cuts_ab-s46.md``, ``vit_cuts_ab-s48.md``.
 """
 
 import argparse
@@ -25,7 +31,14 @@ import torch
 
 from benchmarks import _worker
 from benchmarks.bench_gpu_choices import cpu_peak_bytes
-from skpathkernel._tangent import _gram, tangent_gram
+from skpathkernel._tangent import _gram, _layers, tangent_gram
+
+
+def _chunked_heads(z, heads):
+    """:func:`skpathkernel._tangent._layers._packed_heads` as it was before s48."""
+    E = z.shape[-1] // 3
+    return [t.transpose(0, 1).unflatten(-1, (heads, E // heads)).transpose(1, 2)
+            for t in z.transpose(0, 1).chunk(3, dim=-1)]
 
 
 def _side(cut, side):
@@ -34,6 +47,17 @@ def _side(cut, side):
         real = _gram._launch_bound_chunk
         stack.enter_context(mock.patch.object(
             _gram, "_launch_bound_chunk", lambda *args: real(*args[:7])))
+    if side == "ref" and cut == "probe":
+        # The probe's capture with copied sites (before s48): its graph's bytes then count
+        # a copy of every site's output that the chunks' uncopied captures do not hold.
+        real_capture = _gram.capture
+        stack.enter_context(mock.patch.object(_gram, "capture", lambda *a, **k: real_capture(
+            *a, **({**k, "copy_sites": True} if k.get("measure_graph") else k))))
+    if side == "ref" and cut == "heads":
+        # q, k and v of a packed in-projection split by chunks of its sequence-first
+        # transpose (before s48): the backward pass cats their gradients into that
+        # transpose, then copies it back to the projection's rows.
+        stack.enter_context(mock.patch.object(_layers, "_packed_heads", _chunked_heads))
     if side == "ref" and cut == "kept":
         stack.enter_context(mock.patch.object(_gram, "_kept_forward_groups",
                                               lambda *args: None))

@@ -67,6 +67,24 @@ def test_vit_trace_in_output_groups_matches_dense_jacobians(monkeypatch):
     _check_trace(K, module, X)
 
 
+
+def test_vit_row_shares_one_forward_pass_for_its_output_groups():
+    # The ViT row (N = 1024, float32, default budget) is planned with one forward pass
+    # per chunk kept for its ten one-output groups (_kept_forward_groups): the graphs of
+    # its rows (632 KB per row) fit beside one output's blocks. The probe's estimate,
+    # counted on copied sites, read 13% more once s47 counted the tensors alive after
+    # the forward: the row fell back to four groups with a forward pass each, 1.23x the
+    # CPU time, and no test saw it (benchmarks/results/vit_cuts_ab-s48.md). The plan
+    # alone, on the probe's two rows: no Gram is computed.
+    torch.manual_seed(0)
+    module = _nets.build("vit")
+    X = _nets.inputs("vit", 1024)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    budget = _gram.DEFAULT_MEMORY_BUDGET
+    probe = _gram._prepare(module, params, X, "trace", budget)[3]
+    kept = _gram._kept_forward_groups(probe, len(X), "trace", None, budget, X.element_size())
+    assert kept == [[c] for c in range(10)]
+
 def test_part_of_the_networks_at_one_n():
     plan = _plan(True, "cpu", archs=("vit",), net_n=512)["gram_nets"]
     assert {(s["arch"], s["n"]) for group in plan for s in group} == {("vit", 512)}

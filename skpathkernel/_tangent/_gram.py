@@ -118,6 +118,34 @@ forming 0.47 s faster but the strided copies into the buffers as much slower, 0.
 (0.939-0.997) of the time without kept forward passes, 0.995 (0.995-1.017) with them,
 whose one-output groups copy nothing.)
 
+The probe counts the graph's bytes on a capture that hands the sites' outputs on
+uncopied, as the chunks do (:func:`_prepare`; copied there as in the chunks where a site
+is rewritten in place). Counted with copied sites (every site's output and its copy),
+they read 715,672 bytes per row on the ViT row once a custom Function's ``ctx`` tensors
+were counted too (session s47): 13% above the 632,432 that a kept forward pass of the
+chunks holds (the profiler's count of such a pass equals the new estimate to the byte),
+and the row had lost the kept plan, back to four groups of two and three outputs with a
+forward pass each and 27- and 125-row chunks. Restored (ten one-output groups, 64-row
+chunks): 0.814 of the CPU time by medians of 3 alternated rounds (0.778-0.897 by round,
+12.22 s against 15.01, load 7-10), K to 5.6e-7 of its largest entry, the peak of torch's
+allocations less K 978 MiB against 1142 (the plan of four groups held more than the
+1 GiB budget) (``benchmarks/results/vit_cuts_ab-s48.md``). Phases after it (one call,
+core 0, load 9): products 5.2 s, backward 3.5 s (the CPU flash attention's backward
+1.50 s of it, 320 calls on 64 rows x 4 heads x 65 tokens; GELU's 0.27 s, LayerNorm's
+0.21 s), the captures' rest 1.3 s (LayerNorm's x-hat recomputed per group 0.36 s, the
+sums of the biases' and LayerNorms' backprops over the 65 tokens 0.4 s), forming 1.2 s,
+the forward passes 0.36 s. (Not kept: the attention's backward by ``bmm``, P recomputed
+from the saved log-sum-exp: 4.75 ms a call against flash's 4.67-4.97 on those shapes;
+torch's math attention saves P, 135 KB more per row of the two layers' graphs, which
+would then not fit beside one output's blocks.) The attention's packed in-projection is
+split into q, k and v by ``unbind`` of its output's rows (:func:`._layers._packed_heads`):
+the backward pass stacks their gradients into the projection's rows in one copy, where the
+chunks of its sequence-first transpose cost a ``cat`` and a copy back (0.43 s above):
+0.967 of the CPU time by medians of 3 alternated rounds (0.951-0.971 by round, load
+9-12), but 0.994 (0.989-1.001) in a second run at load 3-4, within its rounds' spread:
+kept as no slower, its gain the copies' memory traffic where the cores' neighbours
+contend for it; K bit for bit, the same peak (``vit_cuts_ab-s48.md``).
+
 A convolution whose patches outnumber its block's entries (more positions than outputs x
 channels: the ResNet's 32 x 32 and 16 x 16 ones in its groups of two outputs) has its
 blocks formed by the capture, by one grouped convolution backward on the chunk, without
@@ -907,15 +935,21 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # capture finds the parameters read outside their layer (every block's capture
     # checks again, see _consistent_routing); the autograd check on the first two
     # samples covers reads that torch functions do not see, and reordered rows.
+    # The sites' outputs handed on uncopied, as the chunks hand them on (:class:`_Blocks`,
+    # capture's ``copy_sites``; copied where one is rewritten in place, here as there):
+    # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
+    # of the chunks holds, not those of a pass holding a copy of every site's output
+    # besides (12% more on the ViT row, which then lost the kept plan).
     rows = X[:2] if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude, index=True, measure_graph=True)
+                    exclude=exclude, index=True, measure_graph=True, copy_sites=False)
     hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
         else frozenset()
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                        exclude=probe.exclude | hidden, index=True, measure_graph=True)
+                        exclude=probe.exclude | hidden, index=True, measure_graph=True,
+                        copy_sites=False)
     # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
     # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,

@@ -500,6 +500,18 @@ def _plain_attention(b: dict) -> bool:
             and b.get("static_v") is None)
 
 
+def _packed_heads(z: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """q, k and v of a packed in-projection's output ``z (n, S, 3E)``, as the
+    ``(n, heads, S, E / heads)`` views that attention takes.
+
+    Split by ``unbind`` of a ``(n, S, 3, heads, E / heads)`` view: the backward pass
+    stacks the three gradients straight into ``z``'s layout, the projection's ``(n S, 3E)``
+    rows, in one copy. (Chunks of ``z``'s sequence-first transpose cost a ``cat`` into
+    that transpose and then a copy back to rows.)
+    """
+    return [t.transpose(1, 2) for t in z.unflatten(-1, (3, heads, -1)).unbind(2)]
+
+
 def _mha_expand(layer, func, args, kwargs):
     """F.multi_head_attention_forward as three sites: in-projection(s), core, out-projection.
 
@@ -533,8 +545,9 @@ def _mha_expand(layer, func, args, kwargs):
         # The core alone, as torch computes it without weights or masks: identity
         # projections would add four E x E products to every forward and backward pass.
         heads = int(b["num_heads"])
-        q, k, v = (z.transpose(0, 1).unflatten(-1, (heads, E // heads)).transpose(1, 2)
-                   for z in (q, k, v))
+        q, k, v = (_packed_heads(sites[0][1], heads) if len(sites) == 1 else
+                   (z.transpose(0, 1).unflatten(-1, (heads, E // heads)).transpose(1, 2)
+                    for z in (q, k, v)))
         cb = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
         attn = None
     else:

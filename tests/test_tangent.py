@@ -24,6 +24,7 @@ from benchmarks.bench_gpu_choices import LongAttention, cpu_peak_bytes
 from skpathkernel import _tangent
 from skpathkernel._tangent import (
     _capture,
+    _cnn,
     _gram,
     _layers,
     _stacked,
@@ -2589,6 +2590,12 @@ _PLAIN_CNN = {
     "a pool whose windows leave a row (7 x 7 by 2)": lambda: nn.Sequential(
         nn.Conv2d(3, 4, 2), nn.ReLU(), _pool(), nn.Conv2d(4, 5, 2), nn.ReLU(),
         nn.Flatten(), nn.Linear(5 * 2 * 2, 3)),
+    "conv-relu-pool, one block": lambda: nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), _pool(), nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3)),
+    "conv-pool without a ReLU, then conv-relu-pool": lambda: nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), _pool(), nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(),
+        _pool(), nn.Flatten(), nn.Linear(6 * 2 * 2, 3)),
 }
 
 
@@ -2635,7 +2642,7 @@ def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
 
     got, got32 = grams(), grams(torch.float32)
     assert len(taken) >= 12
-    if kind.startswith("conv-relu-pool"):
+    if kind.startswith(("conv-relu-pool", "conv-pool")):
         assert pooled  # the first convolution's gradients formed from its pooled backprops
     _close(got["trace"], torch.einsum("ncp,mcp->nm", J, J) / 3)
     _close(got["one"], J[:, 1] @ J[:, 1].T)
@@ -2653,6 +2660,25 @@ def test_plain_cnn_route_matches_dense_jacobian(kind, monkeypatch):
         assert torch.equal(exact32[key], general32[key]), key
         _close(got[key], general[key], 1e-12)
         _close(got32[key], general32[key], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_cnn_max_pool_picks_the_nchw_kernels_argmax(dtype):
+    # The route pools by the channels-last kernel (_cnn._max_pool): the values and argmax
+    # of F.max_pool2d on NCHW rows (autograd's), bit for bit, where windows tie (a few
+    # integer values, a ReLU's zeros), hold a NaN or leave a row or column out.
+    torch.manual_seed(0)
+    for shape, k in [((5, 4, 8, 8), (2, 2)), ((3, 2, 7, 9), (2, 2)), ((2, 3, 9, 9), (3, 3)),
+                     ((2, 3, 8, 9), (2, 3)), ((1, 1, 2, 2), (2, 2))]:
+        z = torch.randint(-2, 3, shape).to(dtype)
+        with_nan = z.clone()
+        with_nan.view(-1)[::7] = float("nan")
+        for x in (z, torch.relu(z), torch.randn(shape, dtype=dtype), with_nan):
+            got = _cnn._max_pool(x, k)
+            want = F.max_pool2d(x, k, k, 0, 1, False, True)
+            assert got[0].is_contiguous() and got[1].is_contiguous()
+            assert torch.equal(got[1], want[1])
+            assert torch.equal(got[0].nan_to_num(7.0), want[0].nan_to_num(7.0))
 
 
 def test_plain_cnn_route_is_left_where_it_does_not_apply(monkeypatch):

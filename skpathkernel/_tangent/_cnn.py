@@ -26,7 +26,9 @@ and a max-pool follows it: they are formed from its pooled backprops instead
 or arguments, a parameter outside ``params``, a rule registered over the built-in ones,
 hooks, global module hooks such as ``FlopCounterMode``'s) takes the general capture. On
 the CIFAR CNN (N = 1024, ten outputs, one thread):
-``benchmarks/results/cnn_route_ab-s47.md``.
+``benchmarks/results/cnn_route_ab-s47.md``; the forward's max-pools by the channels-last
+kernel (:func:`_max_pool`) and the pooled backprops in :func:`first_formed`'s layout
+(:func:`_pooled`): ``benchmarks/results/cifar_faults_ab-s48.md``.
 """
 
 from __future__ import annotations
@@ -164,8 +166,7 @@ def _forward(cnn: PlainCNN, params, X: torch.Tensor):
             if type(gate) is nn.ReLU:
                 out = ref = torch.relu(out)
                 continue
-            k = _pair(gate.kernel_size)
-            out, idx = F.max_pool2d(out, k, k, 0, 1, False, True)
+            out, idx = _max_pool(out, _pair(gate.kernel_size))
             ref = None if ref is None else out
         saved.append((ref, idx, h, args, out.shape[1:]))
         h = out
@@ -182,6 +183,17 @@ def _forward(cnn: PlainCNN, params, X: torch.Tensor):
     return calls, saved
 
 
+def _max_pool(z: torch.Tensor, k: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.max_pool2d`` of tiling windows ``k`` with its argmax, by the channels-last
+    kernel: the same values and indices (the first maximum of each window, NaN included)
+    as on NCHW rows, whose kernel is scalar. On the CIFAR CNN's 32 x 32 and 16 x 16 rows
+    (23 rows, one thread) 1.25 and 0.53 ms against 3.57 and 1.94, the conversions
+    included (``benchmarks/results/cifar_faults_ab-s48.md``)."""
+    out, idx = F.max_pool2d(z.contiguous(memory_format=torch.channels_last), k, k, 0, 1,
+                            False, True)
+    return out.contiguous(), idx.contiguous()
+
+
 def _backward(calls, saved, outputs, buffer, pooled_first=False):
     """Every output's backprops at the sites of ``calls`` (:func:`_forward`'s).
 
@@ -190,8 +202,10 @@ def _backward(calls, saved, outputs, buffer, pooled_first=False):
     """
     f, wh = calls[-1][4][0], calls[-1][3].args[1]
     n, C, nb = f.shape[0], len(outputs), len(saved)
-    # The sites' buffers in order (``buffer`` grows a list of them).
-    deltas = [buffer(j, (0,) if j == 0 and pooled_first
+    # The sites' buffers in order (``buffer`` grows a list of them); with
+    # ``pooled_first`` the first is the pooled backprops', laid out ``(n, c, C, h, w)``:
+    # :func:`first_formed` multiplies each channel's ``C x L`` rows.
+    deltas = [buffer(j, (n, saved[0][4][0], C, *saved[0][4][1:]) if j == 0 and pooled_first
                      else (n, C, *calls[j][4][0].shape[1:]), calls[j][4][0])
               for j in range(nb + 1)]
     # The head's backprops: output c's gradient of f[:, c].sum() is the one-hot e_c.
@@ -203,7 +217,7 @@ def _backward(calls, saved, outputs, buffer, pooled_first=False):
     g = wh[list(outputs)].reshape(1, C, *saved[-1][4])
     ref, idx = saved[-1][:2]
     if nb == 1 and pooled_first:
-        deltas[0] = _pooled(g.expand(n, *g.shape[1:]), ref)
+        deltas[0] = _pooled(deltas[0], g.expand(n, *g.shape[1:]), ref)
         return deltas
     _gate(deltas[nb - 1], g, None if ref is None else ref.unsqueeze(1),
           None if idx is None else idx.unsqueeze(1))
@@ -225,17 +239,26 @@ def _backward(calls, saved, outputs, buffer, pooled_first=False):
             list(args[5]), False, [0, 0], args[6], [True, False, False])[0]
         g = g.view(n, C, *g.shape[1:])
         if j == 1 and pooled_first:
-            deltas[0] = _pooled(g, ref)
+            deltas[0] = _pooled(deltas[0], g, ref)
             break
         _gate(deltas[j - 1], g, None if ref is None else ref.unsqueeze(1),
               None if idx is None else idx.unsqueeze(1))
     return deltas
 
 
-def _pooled(g: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-    """The gradient at a block's pooled output, ReLU-gated (:func:`_gate` without the
-    scatter to the convolution's output)."""
-    return g if ref is None else torch.ops.aten.threshold_backward(g, ref.unsqueeze(1), 0)
+def _pooled(buf: torch.Tensor, g: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """The gradient ``g`` at a block's pooled output, ReLU-gated (:func:`_gate` without
+    the scatter to the convolution's output), written into ``buf`` ``(n, c, C, h, w)``;
+    returned as its ``(n, C, c, h, w)`` view.
+
+    Written in :func:`first_formed`'s layout as it is computed: a copy of it there took
+    0.075 s of the CIFAR CNN's call (N = 1024, ten outputs).
+    """
+    out = buf.transpose(1, 2)
+    if ref is None:
+        return out.copy_(g)
+    return torch.ops.aten.threshold_backward.grad_input(g, ref.unsqueeze(1), 0,
+                                                        grad_input=out)
 
 
 def pools_first(cnn: PlainCNN, X: torch.Tensor, n_outputs: int) -> bool:
@@ -287,7 +310,7 @@ def first_formed(use: Use, pooled: torch.Tensor, idx: torch.Tensor, names) -> li
     rows = patches.transpose(1, 2).reshape(n * S, q)
     at = (idx.reshape(n, c_out * L) + torch.arange(n, device=idx.device).mul_(S)[:, None])
     picked = rows.index_select(0, at.reshape(-1)).view(n * c_out, L, q)
-    gg = pooled.reshape(n, C, c_out, L)
+    gg = pooled.flatten(3)  # (n, C, c_out, L), channels outermost in memory (_pooled)
     G = torch.bmm(gg.transpose(1, 2).reshape(n * c_out, C, L), picked)
     weight = G.view(n, c_out, C, q).transpose(1, 2).reshape(n, C, 1, c_out * q)
     terms = [Term(delta=weight, inputs=[(names["weight"], None)])]

@@ -77,6 +77,34 @@ convolution ran 1.2-1.3x as fast on channels_last backprops, but forming needs t
 position-last, and converting them first left it 0.90-0.93x as fast as the NCHW call,
 with the result's conversion back still to pay; its forward 1.26-1.28x on rows already
 converted, about 0.015 s of the call. ``benchmarks/bench_cnn_route_kernels.py``.)
+Measured again in s48 (``benchmarks/results/cifar_faults_ab-s48.md``, one pinned core
+of a machine at load 8-12): a call took 4.9 s of CPU time, 0.7 s of it system time for
+370,000-410,000 page faults: 193,000 of the formed block (755 MB, fresh at every call)
+and 180,000-220,000 of the captures' temporaries, which glibc's heap handed back to the
+kernel and faulted in again chunk after chunk. The plain-CNN route now pools by the
+channels-last kernel (:func:`._cnn._max_pool`: the forward 0.27 s against 0.46) and
+writes the first convolution's pooled backprops in :func:`._cnn.first_formed`'s layout
+(:func:`._cnn._pooled`: no fresh tensor, no copy there): the captures then fault 7,000-
+21,000 times, 1.7-1.9 s of CPU time against 2.3-2.4, K bit for bit, the peak of torch's
+allocations less K 853 MiB against 867, and 0.906 of the call's CPU time by medians
+of 5 alternated rounds in fresh processes (0.819-0.921 by round).
+Isolated on a 16-row chunk, with its memory warm, the kernels run near the GEMM probe's
+rate: forming's ``640 x 256 x 288`` bmm at 0.95 of it, the second convolution's input
+gradient (``convolution_backward``) at 0.82; the call loses mostly to the faults and the
+memory-bound steps around them. (Not kept: the later chunks of a formed block captured
+inside :func:`.._memory.retained_heap`, which took the captures' faults to 7,000-17,000
+but the call 1.016 of the time without it in fresh processes (1.006-1.029 by round),
+once the two cuts above were in; the formed block in transparent huge pages,
+``madvise(MADV_HUGEPAGE)`` on torch's memory by ctypes: writing a fresh 755 MB tensor
+took 0.12 s of CPU time against 0.30 in a loop, but in the call forming took 1.28-1.71 s
+against 0.95-0.99, 0.62-0.99 s of it system time for 1,300-1,600 huge-page faults, on
+the VM measured; ``MADV_POPULATE_WRITE`` before writing it, 0.30 s against 0.29. The
+second convolution's input gradient as one GEMM by the weight then ``F.fold``: 28
+GFLOP/s against 141, the GEMM alone 56; as ``F.conv2d`` with the flipped weight 149
+against 141, about 0.035 s of the call: not done.) What is left, by the profile: the
+SYRKs (1.3-1.4 s), forming with the block's faults (0.95 s, 0.3 s of it system time),
+the input gradient and the gates (1.0 s), the first convolution's gather and products
+(0.33 s), the forward (0.27 s).
 
 On the ResNet (ten outputs in five groups of two, N = 1024, one thread, one block of all
 rows per group in chunks of 36; ``benchmarks/results/gram_resnet_profile.md``, shares

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
-from torch.func import functional_call
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
+from .._checkpoint import functional_call
 from .._device import forked_rng, forward_input
 from .._modules import copy_module, cudnn_disabled, norm_hooks, recurrent_on_cuda
 from .._warnings import caller_stacklevel

@@ -1,0 +1,101 @@
+"""Activation checkpointing run as plain calls in the engine's forward passes.
+
+A network may checkpoint regions of its forward pass (``torch.utils.checkpoint.checkpoint``
+with ``use_reentrant=False`` or ``True``, ``checkpoint_sequential``, HuggingFace's gradient
+checkpointing): the region's saved tensors are dropped and the region is run again when
+the backward pass needs them. The engine calls the module at the parameters of a recorded
+point (``torch.func.functional_call``) and differentiates that graph after the call has
+put the module's own parameters back, so the recomputation read the module's parameters,
+not the call's: wrong values without an error at every other point of the path (the path
+kernels, the decompositions, the attributions: 7.6e-5 to 4.4 relative on small regions,
+benchmarks/results/checkpointing_matrix.md), and a ``CheckpointError`` where the call's
+parameters differ from the module's in ``requires_grad`` (the generic fallback holds the
+parameters it does not differentiate fixed, so the recomputation saved other tensors; a
+BatchNorm in the region). A reentrant region also runs without a graph and refuses
+``torch.autograd.grad``, and torch.func's transforms refuse the non-reentrant region's
+saved-tensor hooks. Within the region, the checkpoint's own saved-tensor hooks also hid
+its saved tensors from :class:`._tangent._saved.SavedWatch` (the in-place check, the
+graph's bytes).
+
+Checkpointing trades memory for a second forward of the region; the function is the
+same. So within the engine's calls (:func:`functional_call`) every checkpointed region
+runs as a plain call of its function: the graph, the values and the memory are those of
+the network without checkpointing (what the memory budget's block sizes already
+measure). Training (``module(X)`` and ``.backward()``) and a user's own loop keep their
+checkpointing.
+
+The switch replaces, for the duration of the calls, the two names through which
+``checkpoint`` dispatches (``CheckpointFunction`` and
+``_checkpoint_without_reentrant_generator``, looked up in ``torch.utils.checkpoint`` at
+every call, so a ``checkpoint`` imported by name or bound in a ``functools.partial`` is
+covered): process-wide, so another thread's checkpointed forward in that window runs
+plainly too (its values unchanged, its memory that of no checkpointing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch.utils.checkpoint as _torch_checkpoint
+from torch.func import functional_call as _functional_call
+
+__all__ = ["functional_call", "plain_checkpoints", "plain_names"]
+
+_NAMES = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
+_LOCK = threading.Lock()
+_state = {"depth": 0, "saved": {}}
+
+
+class _PlainFunction:
+    """``CheckpointFunction`` (reentrant) as a plain call: ``checkpoint`` calls
+    ``CheckpointFunction.apply(function, preserve_rng_state, *args)``."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        return function(*args)
+
+
+def _plain_generator(*args, **kwargs):
+    """``_checkpoint_without_reentrant_generator`` as a plain call: ``checkpoint`` runs
+    the function between its two steps and expects it to stop after the second."""
+    yield
+
+
+_PLAIN = {"CheckpointFunction": _PlainFunction,
+          "_checkpoint_without_reentrant_generator": _plain_generator}
+
+
+def plain_names() -> tuple[str, ...]:
+    """The names of ``torch.utils.checkpoint`` the switch replaces that this torch has."""
+    return tuple(name for name in _NAMES if hasattr(_torch_checkpoint, name))
+
+
+@contextlib.contextmanager
+def plain_checkpoints():
+    """Run every ``torch.utils.checkpoint`` region as a plain call of its function
+    within the block (re-entrant, thread-safe: the names are restored when the last
+    block ends)."""
+    with _LOCK:
+        if _state["depth"] == 0:
+            for name in plain_names():
+                _state["saved"][name] = getattr(_torch_checkpoint, name)
+                setattr(_torch_checkpoint, name, _PLAIN[name])
+        _state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _state["depth"] -= 1
+            if _state["depth"] == 0:
+                for name, value in _state["saved"].items():
+                    setattr(_torch_checkpoint, name, value)
+                _state["saved"].clear()
+
+
+def functional_call(module, parameter_and_buffer_dicts, args=None, kwargs=None, **options):
+    """``torch.func.functional_call`` with its checkpointed regions run as plain calls
+    (:func:`plain_checkpoints`), so that the graph it returns is differentiated at the
+    parameters it was called with."""
+    with plain_checkpoints():
+        return _functional_call(module, parameter_and_buffer_dicts, args, kwargs, **options)

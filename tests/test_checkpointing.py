@@ -1,0 +1,177 @@
+"""Networks with activation checkpointing (``torch.utils.checkpoint``: reentrant, not
+reentrant, ``checkpoint_sequential``), as large transformers are trained.
+
+Checkpointing changes memory, not the function: every result must be that of the same
+network without checkpointing. The references are per-sample autograd loops
+(tests/_reference.py) of that network, and fits of it. The engine's forward passes are
+called at a recorded point's parameters, away from the module's own: a region recomputed
+in the backward pass read the module's parameters instead (wrong values, no error), the
+generic fallback's recomputation failed (``CheckpointError``), and a reentrant region
+refused ``autograd.grad``.
+"""
+
+import contextlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from _reference import features_loop, jacobian_loop, module_at
+from numpy.testing import assert_allclose
+from sklearn.frozen import FrozenEstimator
+from torch import nn
+
+from benchmarks.audit_checkpointing import REGIONS, build, plain, set_mode
+from skpathkernel import PathKernelMachine, PathRecorder, TangentFeatures
+from skpathkernel._checkpoint import _NAMES, plain_checkpoints, plain_names
+from skpathkernel._tangent import per_sample_jacobian, tangent_features, tangent_gram
+from skpathkernel.kernels import PathKernel, TangentKernel, step_kernel
+
+RTOL = 1e-10
+MODES = ["nonreentrant", "reentrant", "seq_nonreentrant", "seq_reentrant"]
+
+
+def _module(kind, mode, n_in=5, n_out=2):
+    """The audit's network (Linear, Tanh, a region checkpointed as ``mode`` says, Linear);
+    ``saved_inplace``'s ReLU writes in place into the output Tanh saved."""
+    module = build(kind, mode)(n_in, n_out)
+    set_mode(module, mode, inplace=True if kind == "saved_inplace" else None)
+    return module
+
+
+_RNG = np.random.RandomState(0)
+X_TRAIN = _RNG.normal(size=(16, 5))
+Y_TRAIN = np.c_[X_TRAIN[:, 0] - X_TRAIN[:, 1] ** 2, np.sin(X_TRAIN[:, 2])]
+QUERIES = _RNG.normal(size=(5, 5))
+
+
+@pytest.mark.parametrize("kind", REGIONS)
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_at_other_parameters_matches_the_plain_loop(kind, mode):
+    """tangent_gram, tangent_features and the fallback's per_sample_jacobian at parameters
+    that are not the module's own (a recorded point's), against the autograd loop of the
+    network without checkpointing holding them."""
+    torch.manual_seed(0)
+    module = _module(kind, mode).double().eval()
+    with torch.no_grad():  # BatchNorm's running statistics away from 0 and 1
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    own = [p.detach().clone() for p in module.parameters()]
+    params = {k: v.detach() + 0.3 * torch.randn_like(v) for k, v in module.named_parameters()}
+    ref_module = plain(module)
+    ref_module.load_state_dict(params, strict=False)
+    X = torch.from_numpy(QUERIES.copy())
+    J = jacobian_loop(ref_module, QUERIES.copy())
+    K_ref = torch.einsum("icp,jcp->ij", J, J) / 2
+    tol = RTOL * float(K_ref.abs().max())
+    assert_allclose(tangent_gram(module, params, X), K_ref, rtol=RTOL, atol=tol)
+    assert_allclose(tangent_gram(module, params, X, X[:3].clone()), K_ref[:, :3],
+                    rtol=RTOL, atol=tol)
+    assert_allclose(tangent_features(module, params, X, output="full"), J, rtol=RTOL,
+                    atol=RTOL * float(J.abs().max()))
+    jac = per_sample_jacobian(module, params, X, list(params), [0, 1], memory_budget=2**20)
+    assert_allclose(torch.cat([jac[k] for k in params], dim=2), J, rtol=RTOL,
+                    atol=RTOL * float(J.abs().max()))
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), own))
+
+
+def _fit(kind, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PathKernelMachine(module=build(kind, mode), max_iter=3, tol=None,
+                                 dtype="float64", random_state=0, batch_size=8).fit(
+                                     X_TRAIN, Y_TRAIN)
+
+
+@pytest.fixture(scope="module")
+def twins():
+    return {kind: _fit(kind, None) for kind in ("rule", "fallback")}
+
+
+def _close(got, want, rtol=1e-9):
+    got, want = np.asarray(got, dtype=float), np.asarray(want, dtype=float)
+    assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", ["rule", "fallback"])
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_estimators_train_and_analyse_as_the_plain_network(twins, kind, mode):
+    """Training through ``module=`` (its own backward passes keep the checkpointing), then
+    every analysis along the path: the fit of the same network without checkpointing, and
+    the autograd loop at the first recorded point (away from the module's parameters)."""
+    twin = twins[kind]
+    est = _fit(kind, mode)
+    _close(est.trajectory_.parameters(-1).numpy(), twin.trajectory_.parameters(-1).numpy(),
+           rtol=1e-12)
+    J0 = jacobian_loop(plain(module_at(est, 0)), QUERIES).reshape(len(QUERIES), -1).numpy()
+    _close(step_kernel(est, QUERIES, step=0), J0 @ J0.T / 2)
+    _close(TangentKernel(est)(QUERIES, X_TRAIN[:3]), TangentKernel(twin)(QUERIES, X_TRAIN[:3]))
+    _close(PathKernel(est)(QUERIES), PathKernel(twin)(QUERIES))
+    phi = features_loop(plain(module_at(est)), QUERIES)
+    _close(est.transform(QUERIES), phi)
+    _close(TangentFeatures(FrozenEstimator(est)).fit(X_TRAIN).transform(QUERIES), phi)
+    for method in ("exact", "first_order"):
+        got, want = est.decompose(QUERIES, method=method), twin.decompose(QUERIES, method=method)
+        _close(got.contributions, want.contributions)
+        _close(got.prediction, want.prediction)
+    for method in ("exact", "unrolled"):
+        _close(est.attribute(QUERIES, method=method, output=0),
+               twin.attribute(QUERIES, method=method, output=0))
+
+
+def _recorded(mode):
+    """A path recorded from the user's own loop (``.backward()``), as an estimator."""
+    module = _module("fallback", mode).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    X, Y = torch.from_numpy(X_TRAIN), torch.from_numpy(Y_TRAIN)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for i in range(3):
+            idx = np.arange(8 * (i % 2), 8 * (i % 2) + 8)
+            rec.set_batch(idx)
+            opt.zero_grad()
+            (0.5 * (module(X[idx]) - Y[idx]) ** 2).mean().backward()
+            opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return rec.as_estimator(X_TRAIN, Y_TRAIN)
+
+
+@pytest.mark.parametrize("mode", ["nonreentrant", "seq_reentrant"])
+def test_a_recorded_path_analyses_as_the_plain_network(mode):
+    est, twin = _recorded(mode), _recorded(None)
+    _close(TangentKernel(est)(QUERIES), TangentKernel(twin)(QUERIES))
+    _close(PathKernel(est)(QUERIES), PathKernel(twin)(QUERIES))
+    _close(est.decompose(QUERIES).contributions, twin.decompose(QUERIES).contributions)
+
+
+def test_the_switch_restores_torch_checkpoint_and_nests():
+    # Both names exist in this torch: a torch that renames them must fail here, not
+    # silently leave the regions to recompute at the module's own parameters.
+    assert plain_names() == _NAMES
+    before = {name: getattr(torch_checkpoint, name) for name in _NAMES}
+    module = _module("rule", "nonreentrant").double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(KeyError, match="raised inside"), plain_checkpoints():
+        with plain_checkpoints():
+            assert torch_checkpoint.CheckpointFunction is not before["CheckpointFunction"]
+        assert torch_checkpoint.CheckpointFunction is not before["CheckpointFunction"]
+        raise KeyError("raised inside")
+    assert {name: getattr(torch_checkpoint, name) for name in _NAMES} == before
+    # Outside the switch the region is checkpointed again: its saved tensors go to the
+    # checkpoint's own hooks, not to an outer hook; inside it, plainly, they all do.
+    seen = {True: 0, False: 0}
+
+    def counted(inside):
+        def pack(t):
+            seen[inside] += 1
+            return t
+        switch = plain_checkpoints() if inside else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), switch:
+            out = module(x)
+        return torch.autograd.grad(out.sum(), x)[0]
+
+    assert_allclose(counted(True), counted(False), rtol=1e-12)
+    assert seen[True] > seen[False] > 0

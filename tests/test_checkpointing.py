@@ -175,3 +175,17 @@ def test_the_switch_restores_torch_checkpoint_and_nests():
 
     assert_allclose(counted(True), counted(False), rtol=1e-12)
     assert seen[True] > seen[False] > 0
+
+
+def test_own_forward_passes_raise_no_checkpoint_warning():
+    """The fit's and the verbs' own forward passes without gradients (the input checks,
+    the random-forward probe, predict) run the regions plainly too: a reentrant region
+    under no_grad warned "None of the inputs have requires_grad=True" from each of them,
+    though nothing is differentiated there."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = PathKernelMachine(module=build("rule", "reentrant"), max_iter=2, tol=None,
+                                dtype="float64", random_state=0).fit(X_TRAIN, Y_TRAIN)
+        est.predict(QUERIES)
+        est.score(X_TRAIN, Y_TRAIN)
+    assert not [w for w in caught if "requires_grad=True" in str(w.message)]

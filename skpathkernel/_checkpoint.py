@@ -24,25 +24,32 @@ the network without checkpointing (what the memory budget's block sizes already
 measure). Training (``module(X)`` and ``.backward()``) and a user's own loop keep their
 checkpointing.
 
-The switch replaces, for the duration of the calls, the two names through which
-``checkpoint`` dispatches (``CheckpointFunction`` and
-``_checkpoint_without_reentrant_generator``, looked up in ``torch.utils.checkpoint`` at
-every call, so a ``checkpoint`` imported by name or bound in a ``functools.partial`` is
-covered): process-wide, so another thread's checkpointed forward in that window runs
-plainly too (its values unchanged, its memory that of no checkpointing).
+The switch replaces, for the duration of the calls, the names through which the
+checkpoints dispatch, looked up at every call: ``torch.utils.checkpoint``'s
+``CheckpointFunction`` and ``_checkpoint_without_reentrant_generator`` (so a ``checkpoint``
+imported by name or bound in a ``functools.partial`` is covered), and the generator as
+torch.distributed's composable ``checkpoint(module)`` imported it (where that module is
+loaded: a network using it loaded it). Process-wide, so another thread's checkpointed
+forward in that window runs plainly too (its values unchanged, its memory that of no
+checkpointing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
-import torch.utils.checkpoint as _torch_checkpoint
+import torch.utils.checkpoint  # noqa: F401  (loaded: the switch's first site)
 from torch.func import functional_call as _functional_call
 
 __all__ = ["functional_call", "plain_checkpoints", "plain_names"]
 
-_NAMES = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
+# (module, name) of every place a checkpoint's implementation is looked up at call time.
+_NAMES = (("torch.utils.checkpoint", "CheckpointFunction"),
+          ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"),
+          ("torch.distributed._composable.checkpoint_activation",
+           "_checkpoint_without_reentrant_generator"))
 _LOCK = threading.Lock()
 _state = {"depth": 0, "saved": {}}
 
@@ -66,21 +73,23 @@ _PLAIN = {"CheckpointFunction": _PlainFunction,
           "_checkpoint_without_reentrant_generator": _plain_generator}
 
 
-def plain_names() -> tuple[str, ...]:
-    """The names of ``torch.utils.checkpoint`` the switch replaces that this torch has."""
-    return tuple(name for name in _NAMES if hasattr(_torch_checkpoint, name))
+def plain_names() -> tuple[tuple[str, str], ...]:
+    """The ``(module, name)`` of ``_NAMES`` the switch replaces: those of the loaded
+    modules that have the name."""
+    return tuple((where, name) for where, name in _NAMES
+                 if hasattr(sys.modules.get(where), name))
 
 
 @contextlib.contextmanager
 def plain_checkpoints():
-    """Run every ``torch.utils.checkpoint`` region as a plain call of its function
-    within the block (re-entrant, thread-safe: the names are restored when the last
-    block ends)."""
+    """Run every checkpointed region (``torch.utils.checkpoint``'s, torch.distributed's
+    composable ``checkpoint``) as a plain call of its function within the block
+    (re-entrant, thread-safe: the names are restored when the last block ends)."""
     with _LOCK:
         if _state["depth"] == 0:
-            for name in plain_names():
-                _state["saved"][name] = getattr(_torch_checkpoint, name)
-                setattr(_torch_checkpoint, name, _PLAIN[name])
+            for where, name in plain_names():
+                _state["saved"][where, name] = getattr(sys.modules[where], name)
+                setattr(sys.modules[where], name, _PLAIN[name])
         _state["depth"] += 1
     try:
         yield
@@ -88,8 +97,8 @@ def plain_checkpoints():
         with _LOCK:
             _state["depth"] -= 1
             if _state["depth"] == 0:
-                for name, value in _state["saved"].items():
-                    setattr(_torch_checkpoint, name, value)
+                for (where, name), value in _state["saved"].items():
+                    setattr(sys.modules[where], name, value)
                 _state["saved"].clear()
 
 

@@ -11,18 +11,20 @@ refused ``autograd.grad``.
 """
 
 import contextlib
+import copy
+import sys
 import warnings
+from importlib import import_module
 
 import numpy as np
 import pytest
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from _reference import features_loop, jacobian_loop, module_at
 from numpy.testing import assert_allclose
 from sklearn.frozen import FrozenEstimator
 from torch import nn
 
-from benchmarks.audit_checkpointing import REGIONS, build, plain, set_mode
+from benchmarks.audit_checkpointing import REGIONS, Odd, build, plain, set_mode
 from skpathkernel import PathKernelMachine, PathRecorder, TangentFeatures
 from skpathkernel._checkpoint import _NAMES, plain_checkpoints, plain_names
 from skpathkernel._tangent import per_sample_jacobian, tangent_features, tangent_gram
@@ -148,18 +150,20 @@ def test_a_recorded_path_analyses_as_the_plain_network(mode):
 
 
 def test_the_switch_restores_torch_checkpoint_and_nests():
-    # Both names exist in this torch: a torch that renames them must fail here, not
+    # Every name exists in this torch: a torch that renames one must fail here, not
     # silently leave the regions to recompute at the module's own parameters.
+    import_module("torch.distributed._composable.checkpoint_activation")
     assert plain_names() == _NAMES
-    before = {name: getattr(torch_checkpoint, name) for name in _NAMES}
+    torch_checkpoint = sys.modules["torch.utils.checkpoint"]
+    before = {site: getattr(sys.modules[site[0]], site[1]) for site in _NAMES}
     module = _module("rule", "nonreentrant").double()
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     with pytest.raises(KeyError, match="raised inside"), plain_checkpoints():
         with plain_checkpoints():
-            assert torch_checkpoint.CheckpointFunction is not before["CheckpointFunction"]
-        assert torch_checkpoint.CheckpointFunction is not before["CheckpointFunction"]
+            assert torch_checkpoint.CheckpointFunction is not before[_NAMES[0]]
+        assert torch_checkpoint.CheckpointFunction is not before[_NAMES[0]]
         raise KeyError("raised inside")
-    assert {name: getattr(torch_checkpoint, name) for name in _NAMES} == before
+    assert {site: getattr(sys.modules[site[0]], site[1]) for site in _NAMES} == before
     # Outside the switch the region is checkpointed again: its saved tensors go to the
     # checkpoint's own hooks, not to an outer hook; inside it, plainly, they all do.
     seen = {True: 0, False: 0}
@@ -189,3 +193,27 @@ def test_own_forward_passes_raise_no_checkpoint_warning():
         est.predict(QUERIES)
         est.score(X_TRAIN, Y_TRAIN)
     assert not [w for w in caught if "requires_grad=True" in str(w.message)]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(),
+                    reason="torch built without torch.distributed")
+def test_composable_checkpoint_matches_the_plain_loop():
+    """torch.distributed's composable ``checkpoint(module)`` (FSDP2's activation
+    checkpointing) imported the generator by name: the switch replaces it there too.
+    Before, the capture's second backward pass failed in torch's recomputation."""
+    checkpoint_module = import_module("torch.distributed._composable").checkpoint
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Sequential(nn.Linear(6, 6), nn.Tanh(),
+                                                                 Odd(6)),
+                        nn.Linear(6, 2)).double()
+    ref_module = copy.deepcopy(net)
+    checkpoint_module(net[2])
+    params = {k: v.detach() + 0.3 * torch.randn_like(v) for k, v in net.named_parameters()}
+    ref_module.load_state_dict(params)
+    X = torch.from_numpy(QUERIES.copy())
+    J = jacobian_loop(ref_module, QUERIES.copy())
+    K_ref = torch.einsum("icp,jcp->ij", J, J) / 2
+    assert_allclose(tangent_gram(net, params, X), K_ref, rtol=RTOL,
+                    atol=RTOL * float(K_ref.abs().max()))
+    assert_allclose(tangent_features(net, params, X, output="full"), J, rtol=RTOL,
+                    atol=RTOL * float(J.abs().max()))

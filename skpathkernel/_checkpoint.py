@@ -36,12 +36,13 @@ checkpointing).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 
 import torch.utils.checkpoint  # noqa: F401  (loaded: the switch's first site)
 from torch.func import functional_call as _functional_call
+
+from ._modules import _SwitchedOff
 
 __all__ = ["functional_call", "plain_checkpoints", "plain_names"]
 
@@ -50,8 +51,7 @@ _NAMES = (("torch.utils.checkpoint", "CheckpointFunction"),
           ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"),
           ("torch.distributed._composable.checkpoint_activation",
            "_checkpoint_without_reentrant_generator"))
-_LOCK = threading.Lock()
-_state = {"depth": 0, "saved": {}}
+_STATE: dict = {"holders": 0, "saved": None}
 
 
 class _PlainFunction:
@@ -80,26 +80,25 @@ def plain_names() -> tuple[tuple[str, str], ...]:
                  if hasattr(sys.modules.get(where), name))
 
 
-@contextlib.contextmanager
-def plain_checkpoints():
+class plain_checkpoints(_SwitchedOff):
     """Run every checkpointed region (``torch.utils.checkpoint``'s, torch.distributed's
     composable ``checkpoint``) as a plain call of its function within the block
-    (re-entrant, thread-safe: the names are restored when the last block ends)."""
-    with _LOCK:
-        if _state["depth"] == 0:
-            for where, name in plain_names():
-                _state["saved"][where, name] = getattr(sys.modules[where], name)
-                setattr(sys.modules[where], name, _PLAIN[name])
-        _state["depth"] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _state["depth"] -= 1
-            if _state["depth"] == 0:
-                for (where, name), value in _state["saved"].items():
-                    setattr(sys.modules[where], name, value)
-                _state["saved"].clear()
+    (counted across threads: the names are put back when the last block ends)."""
+
+    _lock, _state = threading.Lock(), _STATE
+
+    @staticmethod
+    def _get() -> dict:
+        return {(where, name): getattr(sys.modules[where], name)
+                for where, name in plain_names()}
+
+    @staticmethod
+    def _set(value) -> None:
+        # False: the plain calls in, at the sites _get has just saved (_SwitchedOff saves
+        # first); else the saved implementations back.
+        for (where, name), impl in _STATE["saved"].items() if value is False \
+                else value.items():
+            setattr(sys.modules[where], name, _PLAIN[name] if value is False else impl)
 
 
 def functional_call(module, parameter_and_buffer_dicts, args=None, kwargs=None, **options):

@@ -12,6 +12,7 @@ refused ``autograd.grad``.
 
 import contextlib
 import copy
+import functools
 import sys
 import warnings
 from importlib import import_module
@@ -23,6 +24,11 @@ from _reference import features_loop, jacobian_loop, module_at
 from numpy.testing import assert_allclose
 from sklearn.frozen import FrozenEstimator
 from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from benchmarks.audit_checkpointing import REGIONS, Odd, build, plain, set_mode
 from skpathkernel import PathKernelMachine, PathRecorder, TangentFeatures
@@ -48,22 +54,13 @@ Y_TRAIN = np.c_[X_TRAIN[:, 0] - X_TRAIN[:, 1] ** 2, np.sin(X_TRAIN[:, 2])]
 QUERIES = _RNG.normal(size=(5, 5))
 
 
-@pytest.mark.parametrize("kind", REGIONS)
-@pytest.mark.parametrize("mode", MODES)
-def test_engine_at_other_parameters_matches_the_plain_loop(kind, mode):
-    """tangent_gram, tangent_features and the fallback's per_sample_jacobian at parameters
-    that are not the module's own (a recorded point's), against the autograd loop of the
-    network without checkpointing holding them."""
-    torch.manual_seed(0)
-    module = _module(kind, mode).double().eval()
-    with torch.no_grad():  # BatchNorm's running statistics away from 0 and 1
-        for m in module.modules():
-            if isinstance(m, nn.BatchNorm1d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
+def _engine_matches_the_loop(module, ref_module):
+    """tangent_gram, tangent_features and per_sample_jacobian of ``module`` at parameters
+    that are not its own (a recorded point's) against the autograd loop of
+    ``ref_module`` (``module`` without checkpointing) holding them; ``module``'s own
+    parameters are left as they were."""
     own = [p.detach().clone() for p in module.parameters()]
     params = {k: v.detach() + 0.3 * torch.randn_like(v) for k, v in module.named_parameters()}
-    ref_module = plain(module)
     ref_module.load_state_dict(params, strict=False)
     X = torch.from_numpy(QUERIES.copy())
     J = jacobian_loop(ref_module, QUERIES.copy())
@@ -79,6 +76,22 @@ def test_engine_at_other_parameters_matches_the_plain_loop(kind, mode):
                     atol=RTOL * float(J.abs().max()))
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), own))
 
+
+@pytest.mark.parametrize("kind", REGIONS)
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_at_other_parameters_matches_the_plain_loop(kind, mode):
+    """tangent_gram, tangent_features and the fallback's per_sample_jacobian at parameters
+    that are not the module's own (a recorded point's), against the autograd loop of the
+    network without checkpointing holding them."""
+    torch.manual_seed(0)
+    module = _module(kind, mode).double().eval()
+    with torch.no_grad():  # BatchNorm's running statistics away from 0 and 1
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    ref_module = plain(module)
+    _engine_matches_the_loop(module, ref_module)
 
 def _fit(kind, mode):
     with warnings.catch_warnings():
@@ -208,12 +221,40 @@ def test_composable_checkpoint_matches_the_plain_loop():
                         nn.Linear(6, 2)).double()
     ref_module = copy.deepcopy(net)
     checkpoint_module(net[2])
-    params = {k: v.detach() + 0.3 * torch.randn_like(v) for k, v in net.named_parameters()}
-    ref_module.load_state_dict(params)
-    X = torch.from_numpy(QUERIES.copy())
-    J = jacobian_loop(ref_module, QUERIES.copy())
-    K_ref = torch.einsum("icp,jcp->ij", J, J) / 2
-    assert_allclose(tangent_gram(net, params, X), K_ref, rtol=RTOL,
-                    atol=RTOL * float(K_ref.abs().max()))
-    assert_allclose(tangent_features(net, params, X, output="full"), J, rtol=RTOL,
-                    atol=RTOL * float(J.abs().max()))
+    _engine_matches_the_loop(net, ref_module)
+
+
+class _Selective(nn.Module):
+    """A region under selective activation checkpointing (``context_fn``): the matrix
+    products saved, the rest recomputed."""
+
+    def __init__(self, selective=True):
+        super().__init__()
+        self.selective = selective
+        self.a, self.c = nn.Linear(5, 6), nn.Linear(6, 2)
+        self.b = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Odd(6))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.selective:
+            h = checkpoint(self.b, h, use_reentrant=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, _save_products))
+        else:
+            h = self.b(h)
+        return self.c(h)
+
+
+def _save_products(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                 torch.ops.aten.addmm.default)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def test_selective_checkpoint_matches_the_plain_loop():
+    """Selective activation checkpointing runs plainly too (its policy does not change
+    the function). Before, a Gram away from the module's parameters was wrong without an
+    error, and the capture's second backward pass raised ("Trying to backward an extra
+    time ... under selective activation checkpoint")."""
+    torch.manual_seed(0)
+    net = _Selective().double()
+    _engine_matches_the_loop(net, _Selective(selective=False).double())

@@ -29,22 +29,29 @@ checkpoints dispatch, looked up at every call: ``torch.utils.checkpoint``'s
 ``CheckpointFunction`` and ``_checkpoint_without_reentrant_generator`` (so a ``checkpoint``
 imported by name or bound in a ``functools.partial`` is covered), and the generator as
 torch.distributed's composable ``checkpoint(module)`` imported it (where that module is
-loaded: a network using it loaded it). Process-wide, so another thread's checkpointed
-forward in that window runs plainly too (its values unchanged, its memory that of no
-checkpointing).
+loaded: a network using it loaded it). The names are the process's, but what they do
+is the thread's: a region runs plainly in a thread within a block, and as torch's
+checkpoint in every other thread (a user's training beside an analysis keeps its
+checkpointing, its memory and its recomputations). A region's ``context_fn`` forward
+context is entered, as training enters it. The names are private:
+:func:`dispatch_problem` checks at import that ``checkpoint`` still goes through them and
+warns otherwise.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import warnings
 
-import torch.utils.checkpoint  # noqa: F401  (loaded: the switch's first site)
+import torch
 from torch.func import functional_call as _functional_call
+from torch.utils.checkpoint import noop_context_fn
 
 from ._modules import _SwitchedOff
 
-__all__ = ["functional_call", "plain_checkpoints", "plain_names"]
+__all__ = ["dispatch_problem", "functional_call", "plain_checkpoints", "plain_names",
+           "warn_if_not_dispatched"]
 
 # (module, name) of every place a checkpoint's implementation is looked up at call time.
 _NAMES = (("torch.utils.checkpoint", "CheckpointFunction"),
@@ -52,21 +59,56 @@ _NAMES = (("torch.utils.checkpoint", "CheckpointFunction"),
           ("torch.distributed._composable.checkpoint_activation",
            "_checkpoint_without_reentrant_generator"))
 _STATE: dict = {"holders": 0, "saved": None}
+# The blocks this thread is in. The names are the process's, the plain calls this
+# thread's: another thread's checkpoints (a user's training) stay torch's while they are
+# installed. Process-wide plain calls had another thread's nested region, whose backward
+# pass recomputed it in that window, run its inner checkpoint plainly: the outer
+# recomputation then matched the wrong saved tensors (gradients off by 1.7, or a
+# CheckpointError; tests/test_checkpointing.py).
+_LOCAL = threading.local()
+
+
+def _inside() -> bool:
+    return getattr(_LOCAL, "depth", 0) > 0
 
 
 class _PlainFunction:
-    """``CheckpointFunction`` (reentrant) as a plain call: ``checkpoint`` calls
-    ``CheckpointFunction.apply(function, preserve_rng_state, *args)``."""
+    """``CheckpointFunction`` (reentrant) as installed: ``checkpoint`` calls
+    ``CheckpointFunction.apply(function, preserve_rng_state, *args)``; within a block of
+    this thread a plain call, else torch's (``original``)."""
 
-    @staticmethod
-    def apply(function, preserve_rng_state, *args):
-        return function(*args)
+    def __init__(self, original):
+        self.original = original
+
+    def apply(self, function, preserve_rng_state, *args):
+        if _inside():
+            return function(*args)
+        return self.original.apply(function, preserve_rng_state, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
 
 
-def _plain_generator(*args, **kwargs):
-    """``_checkpoint_without_reentrant_generator`` as a plain call: ``checkpoint`` runs
-    the function between its two steps and expects it to stop after the second."""
-    yield
+def _plain_steps(fn, preserve_rng_state=True, context_fn=noop_context_fn, *args, **kwargs):
+    """``_checkpoint_without_reentrant_generator``'s two steps, less the checkpoint:
+    ``checkpoint`` runs the function between them, here under ``context_fn``'s forward
+    context (selective checkpointing's policy, or a context that changes values: the
+    trained function ran under it). Also without gradients, where torch leaves it out:
+    the engine's no-grad forward passes (predictions, the decompositions' values) compute
+    the function that was trained and differentiated."""
+    forward_context, _ = context_fn()
+    with forward_context:
+        yield
+
+
+def _plain_generator(original):
+    """``_checkpoint_without_reentrant_generator`` as installed: within a block of this
+    thread :func:`_plain_steps`, else torch's (``original``)."""
+
+    def generator(*args, **kwargs):
+        return (_plain_steps if _inside() else original)(*args, **kwargs)
+
+    return generator
 
 
 _PLAIN = {"CheckpointFunction": _PlainFunction,
@@ -82,8 +124,10 @@ def plain_names() -> tuple[tuple[str, str], ...]:
 
 class plain_checkpoints(_SwitchedOff):
     """Run every checkpointed region (``torch.utils.checkpoint``'s, torch.distributed's
-    composable ``checkpoint``) as a plain call of its function within the block
-    (counted across threads: the names are put back when the last block ends)."""
+    composable ``checkpoint``) that this thread meets within the block as a plain call of
+    its function. The names are replaced process-wide while any thread is in a block
+    (counted across threads: put back when the last block ends); other threads'
+    checkpoints go through them to torch's own."""
 
     _lock, _state = threading.Lock(), _STATE
 
@@ -94,11 +138,20 @@ class plain_checkpoints(_SwitchedOff):
 
     @staticmethod
     def _set(value) -> None:
-        # False: the plain calls in, at the sites _get has just saved (_SwitchedOff saves
-        # first); else the saved implementations back.
+        # False: the dispatchers in, wrapping the implementations _get has just saved
+        # (_SwitchedOff saves first); else the saved implementations back.
         for (where, name), impl in _STATE["saved"].items() if value is False \
                 else value.items():
-            setattr(sys.modules[where], name, _PLAIN[name] if value is False else impl)
+            setattr(sys.modules[where], name, _PLAIN[name](impl) if value is False else impl)
+
+    def __enter__(self):
+        super().__enter__()
+        _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.depth -= 1
+        return super().__exit__(*exc)
 
 
 def functional_call(module, parameter_and_buffer_dicts, args=None, kwargs=None, **options):
@@ -107,3 +160,72 @@ def functional_call(module, parameter_and_buffer_dicts, args=None, kwargs=None, 
     parameters it was called with."""
     with plain_checkpoints():
         return _functional_call(module, parameter_and_buffer_dicts, args, kwargs, **options)
+
+
+def _keeping(saved: list):
+    """A saved-tensor pack hook that keeps what it is given in ``saved``."""
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    return pack
+
+
+def _same(t):
+    return t
+
+
+def dispatch_problem() -> str | None:
+    """None where ``torch.utils.checkpoint.checkpoint`` (reentrant, non-reentrant, through
+    ``checkpoint_sequential``) runs its function as a plain call within
+    :func:`plain_checkpoints`; else a sentence naming what this torch does instead.
+
+    The switch replaces private names of torch: a torch that renamed or bypassed them
+    would leave every checkpointed region to recompute at the module's own parameters
+    again (wrong values without an error). Probed with ``exp`` on a tensor of two zeros:
+    a plain region saves ``exp``'s output under the caller's saved-tensor hooks (torch's
+    non-reentrant checkpoint hides it under its own) and its output has ``exp``'s
+    backward (torch's reentrant one: ``CheckpointFunctionBackward``).
+    """
+    ck = sys.modules["torch.utils.checkpoint"]
+    x = torch.zeros(2, requires_grad=True)
+    plain_backward, exp_x = type(torch.exp(x).grad_fn), torch.ones(2)
+    missed = []
+    for label, run in (
+            ("checkpoint(use_reentrant=False)",
+             lambda: ck.checkpoint(torch.exp, x, use_reentrant=False)),
+            ("checkpoint(use_reentrant=True)",
+             lambda: ck.checkpoint(torch.exp, x, use_reentrant=True)),
+            ("checkpoint_sequential(use_reentrant=False)",
+             lambda: ck.checkpoint_sequential([torch.exp, torch.neg], 2, x, use_reentrant=False)),
+            ("checkpoint_sequential(use_reentrant=True)",
+             lambda: ck.checkpoint_sequential([torch.exp, torch.neg], 2, x, use_reentrant=True))):
+        saved: list = []
+        with (torch.enable_grad(), plain_checkpoints(),
+              torch.autograd.graph.saved_tensors_hooks(_keeping(saved), _same)):
+            out = run()
+        # exp saves its output, exp(0) = 1 (torch's checkpoints save their input, 0, under
+        # the caller's hooks); neg (the sequence's last segment, never checkpointed)
+        # saves nothing.
+        node = out.grad_fn.next_functions[0][0] if "sequential" in label else out.grad_fn
+        if type(node) is not plain_backward or not any(torch.equal(t, exp_x) for t in saved):
+            missed.append(label)
+    if not missed:
+        return None
+    return (f"torch {torch.__version__}'s activation checkpointing no longer goes through "
+            "the names skpathkernel replaces (torch.utils.checkpoint's CheckpointFunction "
+            "and _checkpoint_without_reentrant_generator) for " + ", ".join(missed) + ": a "
+            "network with checkpointed regions gets wrong kernels, features, decompositions "
+            "and attributions at the recorded points (or an error); turn its checkpointing "
+            "off before analysing it.")
+
+
+def warn_if_not_dispatched() -> None:
+    """Warn (``RuntimeWarning``) where :func:`dispatch_problem` finds one: at import, once."""
+    problem = dispatch_problem()
+    if problem is not None:
+        warnings.warn(problem, RuntimeWarning, stacklevel=2)
+
+
+warn_if_not_dispatched()

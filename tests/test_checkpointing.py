@@ -13,7 +13,10 @@ refused ``autograd.grad``.
 import contextlib
 import copy
 import functools
+import inspect
 import sys
+import threading
+import types
 import warnings
 from importlib import import_module
 
@@ -32,7 +35,14 @@ from torch.utils.checkpoint import (
 
 from benchmarks.audit_checkpointing import REGIONS, Odd, build, plain, set_mode
 from skpathkernel import PathKernelMachine, PathRecorder, TangentFeatures
-from skpathkernel._checkpoint import _NAMES, plain_checkpoints, plain_names
+from skpathkernel._checkpoint import (
+    _NAMES,
+    dispatch_problem,
+    plain_checkpoints,
+    plain_names,
+    warn_if_not_dispatched,
+)
+from skpathkernel._network._trained import module_outputs
 from skpathkernel._tangent import per_sample_jacobian, tangent_features, tangent_gram
 from skpathkernel.kernels import PathKernel, TangentKernel, step_kernel
 
@@ -92,6 +102,7 @@ def test_engine_at_other_parameters_matches_the_plain_loop(kind, mode):
                 m.running_var.uniform_(0.5, 2.0)
     ref_module = plain(module)
     _engine_matches_the_loop(module, ref_module)
+
 
 def _fit(kind, mode):
     with warnings.catch_warnings():
@@ -258,3 +269,141 @@ def test_selective_checkpoint_matches_the_plain_loop():
     torch.manual_seed(0)
     net = _Selective().double()
     _engine_matches_the_loop(net, _Selective(selective=False).double())
+
+
+class _Nested(nn.Module):
+    """A non-reentrant region holding another: recomputing the outer one in the backward
+    pass runs the inner ``checkpoint`` again, and matches the tensors it saves by count."""
+
+    def __init__(self, checkpointed=True):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+
+    def _outer(self, h):
+        h = torch.tanh(self.a(h))
+        h = checkpoint(self.inner, h, use_reentrant=False) if self.checkpointed else self.inner(h)
+        return torch.sin(self.b(h)) * h
+
+    def forward(self, x):
+        h = checkpoint(self._outer, x, use_reentrant=False) if self.checkpointed else self._outer(x)
+        return self.c(h)
+
+
+def test_another_threads_training_keeps_its_checkpointing():
+    """The switch is the process's, the plain calls the thread's in a block: a user's
+    training thread whose backward pass recomputes a nested region while an analysis
+    runs elsewhere keeps torch's checkpoint. Before, its inner checkpoint ran plainly in
+    the recomputation, the outer one matched the wrong saved tensors and the gradients
+    were off by 1.7 without an error (6 rows: the shapes agree); its forward passes in
+    that window also lost their memory savings."""
+    torch.manual_seed(0)
+    net, ref = _Nested().double(), _Nested(checkpointed=False).double()
+    ref.load_state_dict(net.state_dict())
+    x = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(ref(x).sum(), [x, *ref.parameters()])
+    forward_done, analysis_in, got, saved = threading.Event(), threading.Event(), {}, []
+
+    def training():
+        out = net(x)
+        forward_done.set()
+        analysis_in.wait()
+        got["grads"] = torch.autograd.grad(out.sum(), [x, *net.parameters()])
+        # A forward in the window: torch's checkpoint hides the regions' saved tensors
+        # from an outer hook (only the head's Linear saves x's activations here).
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            net(x)
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    forward_done.wait()
+    with plain_checkpoints():
+        analysis_in.set()
+        thread.join()
+    for g, w in zip(got["grads"], want):
+        assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                  lambda t: t):
+        n_checkpointed = len(saved)
+        ref(x)
+    assert n_checkpointed < len(saved) - n_checkpointed
+
+
+class _Scaled(nn.Module):
+    """A region under a ``context_fn`` whose forward context changes the function (a
+    scale its layer reads, as a fake-quantisation switch would): training runs the
+    region, and its recomputation, under it."""
+
+    scale = 1.0
+
+    def __init__(self, checkpointed=True):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.a, self.b, self.c = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def _region(self, h):
+        return torch.tanh(self.b(h) * type(self).scale)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.checkpointed:
+            return self.c(checkpoint(self._region, h, use_reentrant=False,
+                                     context_fn=lambda: (_scaled(), _scaled())))
+        with _scaled():
+            return self.c(self._region(h))
+
+
+@contextlib.contextmanager
+def _scaled():
+    _Scaled.scale = 3.0
+    try:
+        yield
+    finally:
+        _Scaled.scale = 1.0
+
+
+def test_context_fn_forward_context_runs_in_the_engine():
+    """The forward context of ``context_fn`` is part of the function that was trained
+    (torch runs the region under it where gradients are on): the engine's plain region
+    runs under it too, in its no-grad forward passes as well (where torch leaves it
+    out), so that predictions and gradients are of one function. Before, the engine left
+    it out: a Gram and outputs of another function."""
+    torch.manual_seed(0)
+    net, ref = _Scaled().double(), _Scaled(checkpointed=False).double()
+    _engine_matches_the_loop(net, ref)
+    X = torch.from_numpy(QUERIES.copy())
+    with torch.no_grad():
+        want = ref(X).numpy()
+    params = {k: v.detach() for k, v in ref.named_parameters()}  # the loop's, not net's
+    assert_allclose(module_outputs(net, X, block=2, params=params), want, rtol=1e-12,
+                    atol=1e-12)
+
+
+def test_a_torch_that_bypasses_the_names_is_reported(monkeypatch):
+    """A torch whose ``checkpoint`` no longer goes through the names the switch replaces
+    (simulated: torch's own ``checkpoint`` code looking them up under other names) would
+    leave the regions to recompute at the module's parameters: the import-time check
+    warns, naming each variant missed. This torch passes it."""
+    assert dispatch_problem() is None
+    ck = sys.modules["torch.utils.checkpoint"]
+    renamed = {"CheckpointFunction": "_CheckpointFunctionV2",
+               "_checkpoint_without_reentrant_generator": "_generator_v2"}
+    torch_checkpoint = inspect.unwrap(ck.checkpoint)  # under torch's dynamo-disable wrapper
+    code = torch_checkpoint.__code__
+    moved = types.FunctionType(code.replace(co_names=tuple(renamed.get(n, n)
+                                                           for n in code.co_names)),
+                               ck.__dict__, "checkpoint", torch_checkpoint.__defaults__)
+    moved.__kwdefaults__ = torch_checkpoint.__kwdefaults__
+    for old, new in renamed.items():
+        monkeypatch.setattr(ck, new, getattr(ck, old), raising=False)
+        monkeypatch.delattr(ck, old)
+    monkeypatch.setattr(ck, "checkpoint", moved)
+    with pytest.warns(RuntimeWarning, match="no longer goes through") as record:
+        warn_if_not_dispatched()
+    message = str(record[0].message)
+    for variant in ("checkpoint(use_reentrant=False)", "checkpoint(use_reentrant=True)",
+                    "checkpoint_sequential(use_reentrant=False)",
+                    "checkpoint_sequential(use_reentrant=True)"):
+        assert variant in message

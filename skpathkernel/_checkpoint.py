@@ -40,6 +40,7 @@ warns otherwise.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import warnings
@@ -64,7 +65,10 @@ _STATE: dict = {"holders": 0, "saved": None}
 # installed. Process-wide plain calls had another thread's nested region, whose backward
 # pass recomputed it in that window, run its inner checkpoint plainly: the outer
 # recomputation then matched the wrong saved tensors (gradients off by 1.7, or a
-# CheckpointError; tests/test_checkpointing.py).
+# CheckpointError; tests/test_checkpointing.py). And a module imported within a block
+# keeps the dispatcher it took, which reaches torch's own outside the blocks: torch's
+# first checkpoint call imports torch._dynamo, which loads the composable checkpoint,
+# and that had kept the plain generator for good (no checkpointing for FSDP2 after it).
 _LOCAL = threading.local()
 
 
@@ -177,9 +181,10 @@ def _same(t):
 
 
 def dispatch_problem() -> str | None:
-    """None where ``torch.utils.checkpoint.checkpoint`` (reentrant, non-reentrant, through
-    ``checkpoint_sequential``) runs its function as a plain call within
-    :func:`plain_checkpoints`; else a sentence naming what this torch does instead.
+    """None where ``torch.utils.checkpoint.checkpoint`` (reentrant and not) runs its
+    function as a plain call within :func:`plain_checkpoints`, and
+    ``checkpoint_sequential`` goes through it; else a sentence naming the variants that
+    do not.
 
     The switch replaces private names of torch: a torch that renamed or bypassed them
     would leave every checkpointed region to recompute at the module's own parameters
@@ -189,28 +194,25 @@ def dispatch_problem() -> str | None:
     backward (torch's reentrant one: ``CheckpointFunctionBackward``).
     """
     ck = sys.modules["torch.utils.checkpoint"]
+    # Under torch's dynamo-disabling wrapper, whose first call imports torch._dynamo (a
+    # second at import, and it loads torch.distributed's composable checkpoint).
+    checkpoint = inspect.unwrap(ck.checkpoint)
     x = torch.zeros(2, requires_grad=True)
     plain_backward, exp_x = type(torch.exp(x).grad_fn), torch.ones(2)
     missed = []
-    for label, run in (
-            ("checkpoint(use_reentrant=False)",
-             lambda: ck.checkpoint(torch.exp, x, use_reentrant=False)),
-            ("checkpoint(use_reentrant=True)",
-             lambda: ck.checkpoint(torch.exp, x, use_reentrant=True)),
-            ("checkpoint_sequential(use_reentrant=False)",
-             lambda: ck.checkpoint_sequential([torch.exp, torch.neg], 2, x, use_reentrant=False)),
-            ("checkpoint_sequential(use_reentrant=True)",
-             lambda: ck.checkpoint_sequential([torch.exp, torch.neg], 2, x, use_reentrant=True))):
+    for reentrant in (False, True):
         saved: list = []
         with (torch.enable_grad(), plain_checkpoints(),
               torch.autograd.graph.saved_tensors_hooks(_keeping(saved), _same)):
-            out = run()
+            out = checkpoint(torch.exp, x, use_reentrant=reentrant)
         # exp saves its output, exp(0) = 1 (torch's checkpoints save their input, 0, under
-        # the caller's hooks); neg (the sequence's last segment, never checkpointed)
-        # saves nothing.
-        node = out.grad_fn.next_functions[0][0] if "sequential" in label else out.grad_fn
-        if type(node) is not plain_backward or not any(torch.equal(t, exp_x) for t in saved):
-            missed.append(label)
+        # the caller's hooks).
+        if type(out.grad_fn) is not plain_backward or not any(torch.equal(t, exp_x)
+                                                              for t in saved):
+            missed.append(f"checkpoint(use_reentrant={reentrant})")
+    sequential = inspect.unwrap(ck.checkpoint_sequential)
+    if "checkpoint" not in sequential.__code__.co_names or sequential.__globals__ is not vars(ck):
+        missed.append("checkpoint_sequential")
     if not missed:
         return None
     return (f"torch {torch.__version__}'s activation checkpointing no longer goes through "

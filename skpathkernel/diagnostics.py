@@ -24,8 +24,8 @@ import torch
 from sklearn.utils import check_array, check_random_state
 from sklearn.utils._param_validation import validate_params
 from sklearn.utils.validation import check_consistent_length, check_is_fitted, column_or_1d
-from torch.func import functional_call
 
+from ._checkpoint import functional_call
 from ._device import forward_input
 from ._estimators._base import FittedNetworkMixin, _check_weights, data_like_fit
 from ._memory import rows_per_block

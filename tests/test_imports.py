@@ -27,8 +27,8 @@ OPTIONAL = {
 ALLOWED_INTERNAL: dict[tuple[str, str], str] = {}
 
 # The engine: tensors in, tensors out. It must never import what sits above it.
-ENGINE = ("_device", "_modules", "_network._inputs", "_path._losses", "_memory", "_parallel",
-          "_analysis._rank_gap", "_path._storage", "_tangent", "_path._training",
+ENGINE = ("_checkpoint", "_device", "_modules", "_network._inputs", "_path._losses", "_memory",
+          "_parallel", "_analysis._rank_gap", "_path._storage", "_tangent", "_path._training",
           "_path._trajectory", "_path._buffers", "_path._mlp_step", "_path._optim",
           "_validation", "_warnings", "_version")
 

@@ -254,8 +254,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
-from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
+from torch.func import grad, jacrev, jvp, vjp, vmap
 
+from .._checkpoint import functional_call
 from .._device import forward_input
 from .._memory import rows_per_block
 from .._modules import copy_module, recurrent_on_cuda

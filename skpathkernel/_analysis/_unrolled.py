@@ -126,8 +126,9 @@ from functools import cached_property
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import grad, jvp, vmap
 
+from .._checkpoint import functional_call
 from .._device import forward_input
 from .._memory import retained_heap, rows_per_block
 from .._modules import copy_module

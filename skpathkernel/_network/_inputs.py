@@ -31,6 +31,7 @@ import torch
 from scipy.sparse import issparse
 from sklearn.utils.validation import check_array, validate_data
 
+from .._checkpoint import plain_checkpoints
 from .._device import forked_rng, forward_input, to_input_tensor
 from .._modules import copy_module, without_fastpath
 
@@ -384,7 +385,8 @@ def _run(module: torch.nn.Module, x: torch.Tensor):
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
-        with torch.no_grad(), without_fastpath(module):
+        # Checkpointed regions plainly: a reentrant one warns that no input requires grad.
+        with torch.no_grad(), without_fastpath(module), plain_checkpoints():
             return module(forward_input(x))  # a copy: a module may write into its input
     finally:
         for m, mode in modes:

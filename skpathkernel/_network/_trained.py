@@ -22,7 +22,6 @@ import torch
 from scipy.sparse import issparse
 from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
-from torch.func import functional_call
 
 from .._analysis._attribution import (
     check_indicator,
@@ -42,6 +41,7 @@ from .._analysis._decomposition import (
 )
 from .._analysis._decomposition import decompose as decompose_path
 from .._analysis._unrolled import AttributionScores, unrolled_scores, warn_tied_padding
+from .._checkpoint import functional_call, plain_checkpoints
 from .._device import forward_input, to_input_tensor, to_numpy, to_tensor
 from .._memory import feature_block_rows, map_fixed_blocks, rows_per_block
 from .._modules import copy_module, runs_module
@@ -1087,7 +1087,9 @@ def module_outputs(module: torch.nn.Module, X: torch.Tensor, block: int, *, para
     """
 
     def run(xb):
-        with torch.no_grad():
+        # Checkpointed regions plainly (functional_call's do): a reentrant one warns that
+        # no input requires grad.
+        with torch.no_grad(), plain_checkpoints():
             xb = forward_input(xb)  # a module may write into its input
             out = module(xb) if params is None else functional_call(module, params, (xb,))
         return to_numpy(out.reshape(len(xb), -1))

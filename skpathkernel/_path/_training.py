@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
-from torch.func import functional_call
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
+from .._checkpoint import functional_call, plain_checkpoints
 from .._device import forked_rng, forward_input
 from .._modules import copy_module, cudnn_disabled, norm_hooks, recurrent_on_cuda
 from .._warnings import caller_stacklevel
@@ -374,7 +374,8 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     devices = []
     if x.device.type == "cuda":
         devices = [torch.cuda.current_device() if x.device.index is None else x.device.index]
-    with torch.no_grad(), forked_rng(devices):
+    # Checkpointed regions plainly: a reentrant one warns that no input requires grad.
+    with torch.no_grad(), forked_rng(devices), plain_checkpoints():
         first, second = probe(forward_input(x)), probe(forward_input(x))
     if not isinstance(first, torch.Tensor) or not first.numel():
         return

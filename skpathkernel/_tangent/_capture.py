@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from .._checkpoint import functional_call
 from .._device import forked_rng, forward_input
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)

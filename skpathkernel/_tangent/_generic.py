@@ -20,8 +20,9 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.func import functional_call, jacrev, vmap
+from torch.func import jacrev, vmap
 
+from .._checkpoint import functional_call
 from .._device import forward_input
 from .._memory import rows_per_block
 from ._saved import differentiable_forward

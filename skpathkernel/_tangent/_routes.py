@@ -16,9 +16,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn.utils import parametrize
 
+from .._checkpoint import functional_call
 from .._device import forward_input
 from .._modules import copy_module, runs_module
 from .._path._training import drawing_layers

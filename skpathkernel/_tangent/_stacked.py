@@ -118,9 +118,9 @@ import torch
 from scipy.linalg import blas
 from threadpoolctl import ThreadpoolController
 from torch import nn
-from torch.func import functional_call
 from torch.nn.modules import module as torch_module
 
+from .._checkpoint import functional_call
 from .._device import forward_input
 from .._memory import large_tensor, rows_per_block
 

@@ -67,7 +67,6 @@ def test_vit_trace_in_output_groups_matches_dense_jacobians(monkeypatch):
     _check_trace(K, module, X)
 
 
-
 def test_vit_row_shares_one_forward_pass_for_its_output_groups():
     # The ViT row (N = 1024, float32, default budget) is planned with one forward pass
     # per chunk kept for its ten one-output groups (_kept_forward_groups): the graphs of
@@ -84,6 +83,7 @@ def test_vit_row_shares_one_forward_pass_for_its_output_groups():
     probe = _gram._prepare(module, params, X, "trace", budget)[3]
     kept = _gram._kept_forward_groups(probe, len(X), "trace", None, budget, X.element_size())
     assert kept == [[c] for c in range(10)]
+
 
 def test_part_of_the_networks_at_one_n():
     plan = _plan(True, "cpu", archs=("vit",), net_n=512)["gram_nets"]

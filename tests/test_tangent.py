@@ -2567,6 +2567,52 @@ def test_graph_bytes_are_what_a_kept_forward_of_the_chunks_holds(dtype):
     assert not kept and cap.terms
 
 
+class _MaskedEncoder(nn.Module):
+    """A post-norm encoder layer (GELU, dropout in eval) under a padding mask read from
+    the data: the attention runs torch's own core (not the plain path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, activation="gelu",
+                                                batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        pad = x[..., 0] > 1.0
+        pad[:, 0] = False
+        return self.head(self.layer(self.embed(x), src_key_padding_mask=pad).mean(1))
+
+
+@pytest.mark.parametrize("make", ["inplace_block", "tanh_relu_", "masked_encoder"])
+def test_graph_bytes_do_not_undercount_rewritten_sites(make):
+    # The probe counts the graph uncopied, as the chunks run; where an in-place op
+    # rewrites a site's output (ReLU(inplace) after BatchNorm, ``out += x``) or a saved
+    # tensor (ReLU(inplace) after Tanh), both captures run again with copies, and the
+    # probe's bytes must then count them: the kept plan spends the budget on its count.
+    # Reference: what a kept forward of 32 rows leaves allocated (a mask's and the
+    # attention core's per-call constants, counted on the probe's two rows, read a few
+    # percent over there).
+    torch.manual_seed(0)
+    module, shape = {
+        "inplace_block": lambda: (_InPlaceBlock(), (2, 4, 4)),
+        "tanh_relu_": lambda: (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.ReLU(inplace=True),
+                                             nn.Linear(6, 3)), (4,)),
+        "masked_encoder": lambda: (_MaskedEncoder(), (6, 4)),
+    }[make]()
+    module = module.double().eval()
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(64, *shape, dtype=torch.float64)
+    probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
+    rows, kept = 32, {}
+    held = _held_bytes(lambda: capture(module, params, X[:rows], [0], memory_budget=2**30,
+                                       index=True, kept=kept, last=False, copy_sites=False))
+    assert kept and held > 0
+    kept.clear()
+    assert 0.98 * held <= probe.graph_bytes * rows <= 1.1 * held, (probe.graph_bytes * rows,
+                                                                    held)
+
+
 # The plain CNNs of the captures' hand-computed backprops (:mod:`._tangent._cnn`).
 def _pool():
     return nn.MaxPool2d(2)

@@ -967,7 +967,7 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # capture's ``copy_sites``; copied where one is rewritten in place, here as there):
     # the graph's bytes (:func:`_kept_forward_groups`) are then those a kept forward pass
     # of the chunks holds, not those of a pass holding a copy of every site's output
-    # besides (12% more on the ViT row, which then lost the kept plan).
+    # besides (13% more on the ViT row, which then lost the kept plan).
     rows = X[:2] if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                     exclude=exclude, index=True, measure_graph=True, copy_sites=False)

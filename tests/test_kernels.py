@@ -705,3 +705,26 @@ def test_the_finiteness_check_warns_of_nothing_and_refuses_as_before():
             kernels._check_finite(K, net)
         big = np.full((3, 3), 1e308)
         assert kernels._check_finite(big, net) is big
+
+
+def test_gaussian_process_needs_float64_or_an_alpha_above_float32_round_off():
+    # What the kernels page tells a GaussianProcessRegressor user: a singular Gram (more
+    # points than parameters) of a float32 network has negative eigenvalues at float32's
+    # round-off, below the regressor's default alpha=1e-10, so its Cholesky fails; float64
+    # or an alpha of a small fraction of the trace works. If the engine ever makes float32
+    # Grams PSD to float64's precision, this fails and the page's advice is to be revised.
+    Xr = np.linspace(-2, 2, 120).reshape(-1, 1)
+    yr = np.sin(2 * Xr).ravel()
+    params = dict(hidden_layer_sizes=(16,), max_iter=20, tol=None, random_state=0)
+    reg32 = PathKernelMachine(dtype="float32", **params).fit(Xr, yr)
+    reg64 = PathKernelMachine(dtype="float64", **params).fit(Xr, yr)
+    assert reg32.n_params_ < len(Xr)
+    K = PathKernel(reg32)(Xr)
+    eig = np.linalg.eigvalsh(K)
+    # Negative, and of float32's round-off (not float64's, not an error of the kernel).
+    assert -1e-5 * eig.max() < eig.min() < -100 * np.finfo(np.float64).eps * eig.max()
+    with pytest.raises(np.linalg.LinAlgError, match="not returning a positive definite"):
+        GaussianProcessRegressor(kernel=PathKernel(reg32)).fit(Xr, yr)
+    gpr = GaussianProcessRegressor(kernel=PathKernel(reg32), alpha=1e-6 * np.trace(K))
+    assert gpr.fit(Xr, yr).score(Xr, yr) > 0.9
+    assert GaussianProcessRegressor(kernel=PathKernel(reg64)).fit(Xr, yr).score(Xr, yr) > 0.9

@@ -20,6 +20,8 @@ from sklearn.datasets import load_digits
 from sklearn.exceptions import ConvergenceWarning, NotFittedError
 from sklearn.frozen import FrozenEstimator
 from sklearn.model_selection import train_test_split
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 from sklearn.utils.multiclass import type_of_target
 
 from benchmarks.bench_gpu_choices import cpu_peak_bytes
@@ -828,6 +830,31 @@ def test_auto_offset_is_tukeys_fence_of_leave_one_out_scores(method):
     # A refit with the local method drops the factorisation it does not compute.
     assert hasattr(det.set_params(method="residual").fit(X, y), "rank_")
     assert not hasattr(det.set_params(method="local").fit(X, y), "rank_")
+
+
+def test_fit_predict_is_refused_with_its_reason_also_through_a_pipeline():
+    # As LocalOutlierFactor(novelty=True): no fit_predict (every training point lies in its
+    # own span, so in-sample labels say nothing), refused with the reason, not with
+    # scikit-learn's bare "has no attribute" alone, which reads as a bug. available_if
+    # raises its own message from the check's, so the reason is in the traceback's chain.
+    def chain(exc):
+        messages = []
+        while exc is not None:
+            messages.append(str(exc))
+            exc = exc.__cause__ or exc.__context__
+        return "\n".join(messages)
+
+    rng = np.random.RandomState(3)
+    X, y = task_data("regression", rng)
+    det = OODRankDetector(trainer(y), method="residual").fit(X, y)
+    assert not hasattr(det, "fit_predict")
+    with pytest.raises(AttributeError) as info:
+        det.fit_predict(X, y)
+    assert "no fit_predict: every training point" in chain(info.value)
+    pipe = make_pipeline(StandardScaler(), OODRankDetector(trainer(None)))
+    with pytest.raises(AttributeError) as info:
+        pipe.fit_predict(X)
+    assert "then predict(X_new)" in chain(info.value)
 
 
 def test_leave_one_out_uses_an_evenly_spaced_subset_of_large_training_sets(monkeypatch):

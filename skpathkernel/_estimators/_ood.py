@@ -106,8 +106,16 @@ def _distinct_rows(X: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _never(self):
-    return False
+def _no_fit_predict(self):
+    # A check that raises names the reason, as LocalOutlierFactor(novelty=True)'s does;
+    # one that returns False gets scikit-learn's bare "has no attribute", which reads as
+    # a bug (Pipeline.fit_predict repeats it). hasattr stays False either way.
+    raise AttributeError(
+        f"{type(self).__name__} has no fit_predict: every training point lies in the span "
+        "of the training features and scores as normal in-sample, so labels of the "
+        "training set itself would say nothing. Use fit(X_train) and then predict(X_new); "
+        "offset_ is set from the leave-one-out scores of the training points."
+    )
 
 
 # The scores run the trained network's module (a float64 copy is taken of it): its lock.
@@ -673,7 +681,7 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
 
     # The training features lie in their own span, so labels of the training set itself
     # say nothing (as LocalOutlierFactor(novelty=True), which also hides fit_predict).
-    fit_predict = available_if(_never)(OutlierMixin.fit_predict)
+    fit_predict = available_if(_no_fit_predict)(OutlierMixin.fit_predict)
 
     @_runs_detector_module
     def rank_gap(self, X) -> tuple[int, int]:

@@ -48,8 +48,8 @@ from skpathkernel._tangent import _cnn
 from skpathkernel._tangent._gram import tangent_gram
 
 
-def _nchw_pool(z, k):
-    return F.max_pool2d(z, k, k, 0, 1, False, True)
+def _nchw_pool(z, k, relu=False):
+    return F.max_pool2d(torch.relu(z) if relu else z, k, k, 0, 1, False, True)
 
 
 def _copied_pooled(buf, g, ref):

@@ -26,8 +26,8 @@ and a max-pool follows it: they are formed from its pooled backprops instead
 or arguments, a parameter outside ``params``, a rule registered over the built-in ones,
 hooks, global module hooks such as ``FlopCounterMode``'s) takes the general capture. On
 the CIFAR CNN (N = 1024, ten outputs, one thread):
-``benchmarks/results/cnn_route_ab-s47.md``; the forward's max-pools by the channels-last
-kernel (:func:`_max_pool`) and the pooled backprops in :func:`first_formed`'s layout
+``benchmarks/results/cnn_route_ab-s47.md``; the forward's max-pools after a ReLU by the
+channels-last kernel (:func:`_max_pool`) and the pooled backprops in :func:`first_formed`'s layout
 (:func:`_pooled`): ``benchmarks/results/cifar_faults_ab-s48.md``.
 """
 
@@ -161,13 +161,16 @@ def _forward(cnn: PlainCNN, params, X: torch.Tensor):
         # The ReLUs' masks, at the pool's argmax, are the block's output > 0 (with a ReLU
         # before the pool, the window's maximum is its argmax's ReLU output; ReLUs after
         # it see that maximum): ``ref``, None without a ReLU. ``idx``: the pool's argmax.
-        ref, idx, out = None, None, z
-        for gate in block.gates:
+        # A ReLU right before the pool is applied by :func:`_max_pool`.
+        ref, idx, out, gates = None, None, z, block.gates
+        for i, gate in enumerate(gates):
             if type(gate) is nn.ReLU:
-                out = ref = torch.relu(out)
+                if i + 1 == len(gates) or type(gates[i + 1]) is not nn.MaxPool2d:
+                    out = ref = torch.relu(out)
                 continue
-            out, idx = _max_pool(out, _pair(gate.kernel_size))
-            ref = None if ref is None else out
+            relu = i > 0 and type(gates[i - 1]) is nn.ReLU
+            out, idx = _max_pool(out, _pair(gate.kernel_size), relu)
+            ref = out if relu or ref is not None else None
         saved.append((ref, idx, h, args, out.shape[1:]))
         h = out
     head = cnn.head
@@ -183,15 +186,35 @@ def _forward(cnn: PlainCNN, params, X: torch.Tensor):
     return calls, saved
 
 
-def _max_pool(z: torch.Tensor, k: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.max_pool2d`` of tiling windows ``k`` with its argmax, by the channels-last
-    kernel: the same values and indices (the first maximum of each window, NaN included)
-    as on NCHW rows, whose kernel is scalar. On the CIFAR CNN's 32 x 32 and 16 x 16 rows
-    (23 rows, one thread) 1.25 and 0.53 ms against 3.57 and 1.94, the conversions
-    included (``benchmarks/results/cifar_faults_ab-s48.md``)."""
-    out, idx = F.max_pool2d(z.contiguous(memory_format=torch.channels_last), k, k, 0, 1,
-                            False, True)
-    return out.contiguous(), idx.contiguous()
+def _max_pool(z: torch.Tensor, k: tuple[int, int],
+              relu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.max_pool2d`` of tiling windows ``k`` with its argmax, of ``torch.relu(z)`` with
+    ``relu``; NCHW-contiguous.
+
+    With ``relu`` by the channels-last kernel, the ReLU written in its layout: the same
+    values and indices (the first maximum of each window, NaN included) as on NCHW rows,
+    whose kernel is scalar. On the CIFAR CNN's 32 x 32 and 16 x 16 rows (23 rows, one
+    thread) 1.25 and 0.53 ms against 3.57 and 1.94 with a channels-last copy of the
+    ReLU's output (``benchmarks/results/cifar_faults_ab-s48.md``); the ReLU written there
+    instead, the chunk's forward 4.56 ms against that copy's 5.97 and the NCHW pool's
+    8.59 (``benchmarks/results/cnn_pool_budget-s48.md``). Without a ReLU to write, a
+    channels-last copy of ``z`` (the convolution's output, held as the layer's site) is
+    memory the plan does not count: on NCHW rows then (and for 1 x 1 windows, whose
+    results are as large as their input). The ReLU's copy is freed before the results'
+    NCHW copies, the argmax's first: the forward's peak is the NCHW pool's
+    (``benchmarks/results/cnn_pool_budget-s48.md``).
+    """
+    if not relu or k == (1, 1):
+        return F.max_pool2d(torch.relu(z) if relu else z, k, k, 0, 1, False, True)
+    x = torch.empty_like(z, memory_format=torch.channels_last)
+    torch.clamp_min(z, 0, out=x)  # torch.relu's operation (and bits), into x's layout
+    out, idx = F.max_pool2d(x, k, k, 0, 1, False, True)
+    del x
+    # NCHW strides even where channels-last ones pass for contiguous (1 x 1 results, one
+    # channel): a convolution on them took oneDNN's channels-last path, other bits.
+    idx_nchw = idx.clone(memory_format=torch.contiguous_format)
+    del idx
+    return out.clone(memory_format=torch.contiguous_format), idx_nchw
 
 
 def _backward(calls, saved, outputs, buffer, pooled_first=False):

@@ -371,11 +371,13 @@ def test_the_user_guide_code_runs(registered):
     guide = Path(__file__).resolve().parent.parent / "docs/user_guide/custom_layers.rst"
     blocks = re.findall(r"\.\. code-block:: python\n\n(.*?)(?=\n\S)", guide.read_text(),
                         flags=re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     namespace = {}
     for block in blocks:
         exec(compile(re.sub(r"^    ", "", block, flags=re.M), str(guide), "exec"), namespace)
     assert namespace["error"] < 1e-10
+    # The checkpointing section's two fits, with and without the region.
+    assert namespace["K_checkpointed"].shape == (5, 5)
     # The table lookup's rule hands the engine ids (an index term), and is used.
     tokens, ids = namespace["tokens"], namespace["ids"]
     assert [r.route for r in layer_routes(tokens, ids)] == ["rule", "rule"]

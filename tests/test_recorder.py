@@ -1428,6 +1428,52 @@ def test_a_change_before_the_first_step_is_warned_as_part_of_step_0():
     assert torch.equal(rec.trajectory.parameters(0), initial)
 
 
+def _replace_optimizer(module, opt):  # a new optimizer the recorder does not hook
+    return torch.optim.SGD(module.parameters(), lr=0.05)
+
+
+def _keep_optimizer(module, opt):  # the recorder closed, training goes on
+    return opt
+
+
+@pytest.mark.parametrize("after", [_replace_optimizer, _keep_optimizer])
+def test_steps_taken_after_the_last_recorded_one_are_warned(data, after):
+    """Steps the recorder does not see after its last recorded one (an optimizer
+    replaced mid-training, training continued after the with-block) left a trajectory
+    that ends before the module's current parameters: as_network's decomposition
+    reported an error at round-off while missing the module's outputs, without a word.
+    Reading the trajectory now warns; a recording that ends with its last step stays
+    silent and exact."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
+
+    def step(opt):
+        opt.zero_grad()
+        (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+        opt.step()
+
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(3):
+            rec.set_batch(np.arange(len(X)))
+            step(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+    opt = after(module, opt)
+    for _ in range(2):
+        step(opt)
+    with pytest.warns(UserWarning, match="changed after optimizer step 2, the last one "
+                      "recorded, and no recorded step explains"):
+        net = rec.as_network(X, y)
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    res = net.decompose(Xq)
+    miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth)
+    assert miss.max() > 1e-3  # the numbers the warning is about
+
+
 def _changed(value):
     """A value of an optimizer option other than its default ``value``."""
     if isinstance(value, bool) or value is None:

@@ -881,6 +881,27 @@ class PathRecorder:
             + " (Warned once.)",
             UserWarning, stacklevel=3)
 
+    def _warn_moved_since_last_step(self) -> None:
+        """Warn when the recorded parameters changed since the last recorded step: steps
+        the recorder did not see (a replaced optimizer, training on after ``close()``)
+        are in no trajectory, which then ends at parameters the module no longer has."""
+        now = self._fingerprints()
+        before = self._fingerprint.to(now.device)
+        if torch.equal(now, before) or not bool(
+                (torch.ne(now, before) & ~(now.isnan() & before.isnan())).any()):
+            return
+        when = (f"after optimizer step {self._step - 1}, the last one recorded"
+                if self._step else "since the recorder was created")
+        warnings.warn(
+            f"PathRecorder: the module's recorded parameters changed {when}, and no "
+            "recorded step explains the change (the optimizer replaced by a new one, "
+            "training continued after close() or the with-block, a parameter changed in "
+            "place): the trajectory holds the recorded steps only, so the kernels, "
+            "predictions and decomposition do not describe the current network (the "
+            "decomposition misses the change, or stops before it). Record every "
+            "step with the optimizer given to the recorder, or create a new recorder for "
+            "the new optimizer.", UserWarning, stacklevel=3)
+
     def _warn_skipped(self, step: int, optimizer) -> None:
         """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
         where its rule would move it with a zero gradient, or when Adam's count of a
@@ -1158,6 +1179,7 @@ class PathRecorder:
                                f"{self.writer_rank} does (writer_rank).")
         if self._fingerprint is not None:  # the last step's, which no next step checked
             self._warn_diverged(self._fingerprint, self._step - 1)
+            self._warn_moved_since_last_step()
         if self._error is not None:
             warnings.warn(f"The recording stopped: the trajectory ends after optimizer "
                           f"step {self._step - 1} ({self._step} steps): {self._error}",

@@ -1276,6 +1276,42 @@ def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):
     _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
+
+@pytest.mark.parametrize("passed", [False, True])
+def test_a_grad_scaler_not_given_to_the_recorder_is_warned(data, passed):
+    """A GradScaler the recorder is not given unscales the gradients by exactly
+    ``2**-k`` between backward() and the step, which the recorder took for a norm clip:
+    every step's share came out ``2**k`` times too small and only decompose's closure
+    warning said that something (not what) was wrong. The step now warns, naming
+    grad_scaler; given it, the loop is recorded exactly and nothing warns."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X),
+                          grad_scaler=scaler if passed else None) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                scaler.scale((0.5 * (module(Xt) - Yt) ** 2).mean()).backward()
+                rec.set_batch(np.arange(len(X)))
+                scaler.step(opt)
+                scaler.update()
+    said = [str(w.message) for w in caught if "grad_scaler=scaler" in str(w.message)]
+    if passed:
+        assert said == []
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+    else:
+        assert len(said) == 1 and "step 0" in said[0] and "2**-10" in said[0], said
+        with torch.no_grad():
+            truth = module(torch.as_tensor(Xq)).numpy()
+        with pytest.warns(UserWarning, match="misses the prediction"):
+            res = rec.as_network(X, y).decompose(Xq)
+        miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth)
+        assert miss.max() > 1e-3  # what the warning is about
+
 _MOVED = r"recorded parameter\(s\) .* changed"
 
 

@@ -53,6 +53,7 @@ what it means, for any loss".
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -537,6 +538,7 @@ class PathRecorder:
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
+        self._warned_unscaled = False  # a power-of-two factor without grad_scaler
         self._warned_skip = False  # a parameter torch.optim skipped without a gradient
         self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
@@ -1046,6 +1048,21 @@ class PathRecorder:
                 "and the decomposition cannot split such a step over the training points. "
                 "Norm clipping (clip_grad_norm_) is recorded exactly; remove the rest.",
                 ValueError)
+        if (self.grad_scaler is None and not fused_unscales and 0 < c < 1
+                and math.frexp(c)[0] == 0.5 and not self._warned_unscaled):
+            # Exactly 2**-k: a GradScaler's unscale_ (its scale is a power of two), not
+            # a norm clip. The recorder then takes the scaled loss's gradients for the
+            # declared loss's and every step's share comes out k halvings too small.
+            self._warned_unscaled = True
+            warnings.warn(
+                f"PathRecorder: at optimizer step {step} the gradients the optimizer is "
+                f"about to use are those of backward() times exactly 2**{math.frexp(c)[1] - 1}"
+                ", as a torch.amp.GradScaler's unscaling leaves them, but the recorder was "
+                "given no grad_scaler: it records the factor as a clip, so the "
+                "decomposition misses (decompose warns by how much), and the steps the "
+                "scaler skips are counted into the next step's batch. Pass "
+                "grad_scaler=scaler to PathRecorder. (Warned once.)",
+                UserWarning, stacklevel=3)
         c *= unscale
         if declared is not None and abs(declared - c) <= 8 * eps * abs(declared):
             return declared

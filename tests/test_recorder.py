@@ -1312,6 +1312,33 @@ def test_a_grad_scaler_not_given_to_the_recorder_is_warned(data, passed):
         miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth)
         assert miss.max() > 1e-3  # what the warning is about
 
+
+def test_a_declared_clip_of_a_power_of_two_is_not_taken_for_a_grad_scaler(data):
+    """recorder.clip_grad_norm_ declares its factor; one that comes out exactly 0.5 (a
+    max_norm of half the gradients' norm) was still warned as a GradScaler's unscaling
+    (the power-of-two check ran before the declared factor was compared). The
+    recorder knows it is a clip: the loop is recorded exactly and nothing warns."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+                norm = torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in module.parameters()]))
+                rec.clip_grad_norm_(float(0.5 * (norm + 1e-6)))
+                assert rec._declared_scale == 0.5  # the case under test
+                rec.set_batch(np.arange(len(X)))
+                opt.step()
+        net = rec.as_network(X, y)
+    assert_array_equal(rec.trajectory.gradient_scales, [0.5, 0.5])
+    _assert_decomposes(module, net, Xq)
+
+
 _MOVED = r"recorded parameter\(s\) .* changed"
 
 
@@ -1508,6 +1535,7 @@ def test_steps_taken_after_the_last_recorded_one_are_warned(data, after):
     res = net.decompose(Xq)
     miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth)
     assert miss.max() > 1e-3  # the numbers the warning is about
+
 
 
 def _changed(value):

@@ -1048,11 +1048,13 @@ class PathRecorder:
                 "and the decomposition cannot split such a step over the training points. "
                 "Norm clipping (clip_grad_norm_) is recorded exactly; remove the rest.",
                 ValueError)
-        if (self.grad_scaler is None and not fused_unscales and 0 < c < 1
+        clip = declared is not None and abs(declared - c) <= 8 * eps * abs(declared)
+        if (self.grad_scaler is None and not fused_unscales and 0 < c < 1 and not clip
                 and math.frexp(c)[0] == 0.5 and not self._warned_unscaled):
             # Exactly 2**-k: a GradScaler's unscale_ (its scale is a power of two), not
             # a norm clip. The recorder then takes the scaled loss's gradients for the
-            # declared loss's and every step's share comes out k halvings too small.
+            # declared loss's and every step's share comes out k halvings too small. (A
+            # factor recorder.clip_grad_norm_ declared is that clip, whatever its value.)
             self._warned_unscaled = True
             warnings.warn(
                 f"PathRecorder: at optimizer step {step} the gradients the optimizer is "

@@ -1538,6 +1538,25 @@ def test_steps_taken_after_the_last_recorded_one_are_warned(data, after):
 
 
 
+def test_a_module_converted_after_recording_is_not_taken_for_a_moved_one(data):
+    """module.double() after the with-block changes the parameters' dtype, not their
+    values; their norms, computed in float64 instead of float32, differed in the last
+    bits and reading the trajectory warned that steps the recorder did not see had moved
+    the module. The check now compares the values in the dtype they were recorded in:
+    silent, with the trajectory's last point the module's converted parameters."""
+    X, y, _ = data
+    module = _tanh_mlp().float()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
+    rec = _recorded_full_batch(module, opt, X.astype(np.float32), y.astype(np.float32),
+                               steps=3)
+    module.double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        traj = rec.trajectory
+    last = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    assert torch.equal(traj.parameters(3).double(), last)
+
+
 def _changed(value):
     """A value of an optimizer option other than its default ``value``."""
     if isinstance(value, bool) or value is None:

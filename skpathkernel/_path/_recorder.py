@@ -512,6 +512,9 @@ class PathRecorder:
         # counters: writes through p.data (WGAN's p.data.clamp_) and new storage
         # (p.data = ...) leave them unchanged.
         self._fingerprint = None
+        # Where and in what dtype they were: a module converted since (module.double(),
+        # .cpu()) holds the same values, whose norms differ in their round-off.
+        self._homes = [(p.device, p.dtype) for p in params]
         self._devices = len({p.device for p in params})
         self._recorder = None
         if self._rank == self.writer_rank:  # the other ranks only take part in the gather
@@ -823,10 +826,10 @@ class PathRecorder:
                 "trains to the recorded optimizer (a parameter group may have its own lr "
                 "and weight decay). (Warned once.)", UserWarning, stacklevel=3)
 
-    def _fingerprints(self) -> torch.Tensor:
-        """Each recorded parameter's 2-norm, one reduction pass over them all: equal
-        for equal values, whatever their storage."""
-        norms = torch._foreach_norm(self._params)
+    def _fingerprints(self, params=None) -> torch.Tensor:
+        """Each recorded parameter's 2-norm (or of ``params``, copies of them), one
+        reduction pass over them all: equal for equal values, whatever their storage."""
+        norms = torch._foreach_norm(self._params if params is None else params)
         if self._devices > 1:  # a module split over devices
             norms = [n.to(norms[0].device) for n in norms]
         return torch.stack(norms)
@@ -887,7 +890,10 @@ class PathRecorder:
         """Warn when the recorded parameters changed since the last recorded step: steps
         the recorder did not see (a replaced optimizer, training on after ``close()``)
         are in no trajectory, which then ends at parameters the module no longer has."""
-        now = self._fingerprints()
+        # Read where and as they were recorded: a conversion since changes no value.
+        now = self._fingerprints([
+            p if (p.device, p.dtype) == home else p.detach().to(*home)
+            for p, home in zip(self._params, self._homes)])
         before = self._fingerprint.to(now.device)
         if torch.equal(now, before) or not bool(
                 (torch.ne(now, before) & ~(now.isnan() & before.isnan())).any()):

@@ -1313,6 +1313,55 @@ def test_a_grad_scaler_not_given_to_the_recorder_is_warned(data, passed):
         assert miss.max() > 1e-3  # what the warning is about
 
 
+
+def test_gradients_divided_by_a_power_of_two_by_hand_are_not_taken_for_a_grad_scaler(
+        data):
+    """Gradient accumulation that divides the summed gradients by n_micro = 2 after the
+    micro-batches' backward() (each declared with its coefficients) is recorded exactly,
+    but its factor, exactly 0.5, was warned as a GradScaler's unscaling. The warning
+    now asks for a GradScaler taking the step; the loop stays exact and silent."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.5)
+    halves = np.array_split(np.arange(len(X)), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                for idx in halves:
+                    (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                    rec.set_batch(idx, weights=np.full(len(idx), 1 / len(idx)))
+                for p in module.parameters():
+                    p.grad /= 2
+                opt.step()
+        net = rec.as_network(X, y)
+        assert_array_equal(rec.trajectory.gradient_scales, [0.5] * 3)
+        _assert_decomposes(module, net, Xq)
+
+
+def test_a_grad_scaler_not_given_is_warned_when_a_clip_follows_its_unscaling(data):
+    """scaler.unscale_, then a norm clip active at every step: the factor is 2**-k times
+    the clip's, never a power of two, so no step was warned although every share came
+    out 2**k times too small. The GradScaler taking the step is what warns now."""
+    X, y, _ = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pytest.warns(UserWarning, match="step 0 is taken by a torch.amp.GradScaler"):
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                scaler.scale((0.5 * (module(Xt) - Yt) ** 2).mean()).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(module.parameters(), 1e-3)
+                rec.set_batch(np.arange(len(X)))
+                scaler.step(opt)
+                scaler.update()
+
+
 def test_a_declared_clip_of_a_power_of_two_is_not_taken_for_a_grad_scaler(data):
     """recorder.clip_grad_norm_ declares its factor; one that comes out exactly 0.5 (a
     max_norm of half the gradients' norm) was still warned as a GradScaler's unscaling

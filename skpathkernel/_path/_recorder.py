@@ -204,6 +204,18 @@ def _hyper_parameters(optimizer) -> list[dict]:
     return [_rule(g) for g in optimizer.param_groups]
 
 
+
+def _called_by_grad_scaler() -> bool:
+    """Whether a ``torch.amp.GradScaler``'s ``step()`` is taking the optimizer step
+    being recorded (a caller's frame holds one as ``self``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The module that DistributedDataParallel and ``torch.compile`` wrap (in either
     order), or the module itself.
@@ -1055,21 +1067,26 @@ class PathRecorder:
                 "Norm clipping (clip_grad_norm_) is recorded exactly; remove the rest.",
                 ValueError)
         clip = declared is not None and abs(declared - c) <= 8 * eps * abs(declared)
-        if (self.grad_scaler is None and not fused_unscales and 0 < c < 1 and not clip
-                and math.frexp(c)[0] == 0.5 and not self._warned_unscaled):
-            # Exactly 2**-k: a GradScaler's unscale_ (its scale is a power of two), not
-            # a norm clip. The recorder then takes the scaled loss's gradients for the
-            # declared loss's and every step's share comes out k halvings too small. (A
-            # factor recorder.clip_grad_norm_ declared is that clip, whatever its value.)
+        if (self.grad_scaler is None and not fused_unscales and c != 1 and not clip
+                and not self._warned_unscaled and _called_by_grad_scaler()):
+            # A GradScaler's step() takes this step and unscale_ divided the gradients
+            # by its scale (2**k, times a clip's factor if one followed): the recorder,
+            # not given it, takes the scaled loss's gradients for the declared loss's and
+            # every step's share comes out 2**k times too small. Told by the caller, not
+            # by the factor: dividing accumulated gradients by n_micro = 2, 4, 8 is also
+            # a power of two, and exact. (A factor recorder.clip_grad_norm_ declared is
+            # that clip, whatever its value.)
             self._warned_unscaled = True
+            exact = math.frexp(c)[0] == 0.5
             warnings.warn(
-                f"PathRecorder: at optimizer step {step} the gradients the optimizer is "
-                f"about to use are those of backward() times exactly 2**{math.frexp(c)[1] - 1}"
-                ", as a torch.amp.GradScaler's unscaling leaves them, but the recorder was "
-                "given no grad_scaler: it records the factor as a clip, so the "
-                "decomposition misses (decompose warns by how much), and the steps the "
-                "scaler skips are counted into the next step's batch. Pass "
-                "grad_scaler=scaler to PathRecorder. (Warned once.)",
+                f"PathRecorder: optimizer step {step} is taken by a torch.amp.GradScaler's "
+                "step(), but the recorder was given no grad_scaler: the gradients the "
+                "optimizer is about to use are those of backward() times "
+                + (f"exactly 2**{math.frexp(c)[1] - 1}" if exact else f"{c:.6g}")
+                + ", as the scaler's unscaling leaves them, which the recorder "
+                "records as a clip, so the decomposition misses (decompose warns by how "
+                "much), and the steps the scaler skips are counted into the next step's "
+                "batch. Pass grad_scaler=scaler to PathRecorder. (Warned once.)",
                 UserWarning, stacklevel=3)
         c *= unscale
         if declared is not None and abs(declared - c) <= 8 * eps * abs(declared):

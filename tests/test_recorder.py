@@ -1341,16 +1341,21 @@ def test_gradients_divided_by_a_power_of_two_by_hand_are_not_taken_for_a_grad_sc
         _assert_decomposes(module, net, Xq)
 
 
-def test_a_grad_scaler_not_given_is_warned_when_a_clip_follows_its_unscaling(data):
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_grad_scaler_not_given_is_warned_when_a_clip_follows_its_unscaling(data,
+                                                                             enabled):
     """scaler.unscale_, then a norm clip active at every step: the factor is 2**-k times
     the clip's, never a power of two, so no step was warned although every share came
-    out 2**k times too small. The GradScaler taking the step is what warns now."""
-    X, y, _ = data
+    out 2**k times too small. The GradScaler taking the step is what warns now; a
+    disabled one (GradScaler(enabled=use_amp)) scales nothing, and the clip alone is
+    recorded exactly, without a word."""
+    X, y, Xq = data
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
     module = _tanh_mlp()
     opt = torch.optim.SGD(module.parameters(), lr=0.2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    with pytest.warns(UserWarning, match="step 0 is taken by a torch.amp.GradScaler"):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=enabled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with PathRecorder(module, opt, n_samples=len(X)) as rec:
             for _ in range(2):
                 opt.zero_grad()
@@ -1360,6 +1365,13 @@ def test_a_grad_scaler_not_given_is_warned_when_a_clip_follows_its_unscaling(dat
                 rec.set_batch(np.arange(len(X)))
                 scaler.step(opt)
                 scaler.update()
+    said = [str(w.message) for w in caught if "taken by a torch.amp.GradScaler" in
+            str(w.message)]
+    if enabled:
+        assert len(said) == 1 and "step 0" in said[0], said
+    else:
+        assert said == []
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
 def test_a_declared_clip_of_a_power_of_two_is_not_taken_for_a_grad_scaler(data):

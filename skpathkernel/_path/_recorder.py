@@ -206,12 +206,14 @@ def _hyper_parameters(optimizer) -> list[dict]:
 
 
 def _called_by_grad_scaler() -> bool:
-    """Whether a ``torch.amp.GradScaler``'s ``step()`` is taking the optimizer step
-    being recorded (a caller's frame holds one as ``self``)."""
+    """Whether an enabled ``torch.amp.GradScaler``'s ``step()`` is taking the optimizer
+    step being recorded (a caller's frame holds one as ``self``). A disabled one
+    (``GradScaler(enabled=use_amp)``) scales and unscales nothing."""
     frame = sys._getframe(1)
     while frame is not None:
-        if isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
-            return True
+        scaler = frame.f_locals.get("self")
+        if isinstance(scaler, torch.amp.GradScaler):
+            return scaler.is_enabled()
         frame = frame.f_back
     return False
 

@@ -1276,6 +1276,130 @@ def test_a_step_after_an_overflow_compares_only_its_own_gradients(data):
     _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
+
+@pytest.mark.parametrize("passed", [False, True])
+def test_a_grad_scaler_not_given_to_the_recorder_is_warned(data, passed):
+    """A GradScaler the recorder is not given unscales the gradients by exactly
+    ``2**-k`` between backward() and the step, which the recorder took for a norm clip:
+    every step's share came out ``2**k`` times too small and only decompose's closure
+    warning said that something (not what) was wrong. The step now warns, naming
+    grad_scaler; given it, the loop is recorded exactly and nothing warns."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X),
+                          grad_scaler=scaler if passed else None) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                scaler.scale((0.5 * (module(Xt) - Yt) ** 2).mean()).backward()
+                rec.set_batch(np.arange(len(X)))
+                scaler.step(opt)
+                scaler.update()
+    said = [str(w.message) for w in caught if "grad_scaler=scaler" in str(w.message)]
+    if passed:
+        assert said == []
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+    else:
+        assert len(said) == 1 and "step 0" in said[0] and "2**-10" in said[0], said
+        with torch.no_grad():
+            truth = module(torch.as_tensor(Xq)).numpy()
+        with pytest.warns(UserWarning, match="misses the prediction"):
+            res = rec.as_network(X, y).decompose(Xq)
+        miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth)
+        assert miss.max() > 1e-3  # what the warning is about
+
+
+
+def test_gradients_divided_by_a_power_of_two_by_hand_are_not_taken_for_a_grad_scaler(
+        data):
+    """Gradient accumulation that divides the summed gradients by n_micro = 2 after the
+    micro-batches' backward() (each declared with its coefficients) is recorded exactly,
+    but its factor, exactly 0.5, was warned as a GradScaler's unscaling. The warning
+    now asks for a GradScaler taking the step; the loop stays exact and silent."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.5)
+    halves = np.array_split(np.arange(len(X)), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                for idx in halves:
+                    (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                    rec.set_batch(idx, weights=np.full(len(idx), 1 / len(idx)))
+                for p in module.parameters():
+                    p.grad /= 2
+                opt.step()
+        net = rec.as_network(X, y)
+        assert_array_equal(rec.trajectory.gradient_scales, [0.5] * 3)
+        _assert_decomposes(module, net, Xq)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_grad_scaler_not_given_is_warned_when_a_clip_follows_its_unscaling(data,
+                                                                             enabled):
+    """scaler.unscale_, then a norm clip active at every step: the factor is 2**-k times
+    the clip's, never a power of two, so no step was warned although every share came
+    out 2**k times too small. The GradScaler taking the step is what warns now; a
+    disabled one (GradScaler(enabled=use_amp)) scales nothing, and the clip alone is
+    recorded exactly, without a word."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=enabled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                scaler.scale((0.5 * (module(Xt) - Yt) ** 2).mean()).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(module.parameters(), 1e-3)
+                rec.set_batch(np.arange(len(X)))
+                scaler.step(opt)
+                scaler.update()
+    said = [str(w.message) for w in caught if "taken by a torch.amp.GradScaler" in
+            str(w.message)]
+    if enabled:
+        assert len(said) == 1 and "step 0" in said[0], said
+    else:
+        assert said == []
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+def test_a_declared_clip_of_a_power_of_two_is_not_taken_for_a_grad_scaler(data):
+    """recorder.clip_grad_norm_ declares its factor; one that comes out exactly 0.5 (a
+    max_norm of half the gradients' norm) was still warned as a GradScaler's unscaling
+    (the power-of-two check ran before the declared factor was compared). The
+    recorder knows it is a clip: the loop is recorded exactly and nothing warns."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PathRecorder(module, opt, n_samples=len(X)) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+                norm = torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in module.parameters()]))
+                rec.clip_grad_norm_(float(0.5 * (norm + 1e-6)))
+                assert rec._declared_scale == 0.5  # the case under test
+                rec.set_batch(np.arange(len(X)))
+                opt.step()
+        net = rec.as_network(X, y)
+    assert_array_equal(rec.trajectory.gradient_scales, [0.5, 0.5])
+    _assert_decomposes(module, net, Xq)
+
+
 _MOVED = r"recorded parameter\(s\) .* changed"
 
 
@@ -1426,6 +1550,72 @@ def test_a_change_before_the_first_step_is_warned_as_part_of_step_0():
         opt.step()
     rec.close()
     assert torch.equal(rec.trajectory.parameters(0), initial)
+
+
+def _replace_optimizer(module, opt):  # a new optimizer the recorder does not hook
+    return torch.optim.SGD(module.parameters(), lr=0.05)
+
+
+def _keep_optimizer(module, opt):  # the recorder closed, training goes on
+    return opt
+
+
+@pytest.mark.parametrize("after", [_replace_optimizer, _keep_optimizer])
+def test_steps_taken_after_the_last_recorded_one_are_warned(data, after):
+    """Steps the recorder does not see after its last recorded one (an optimizer
+    replaced mid-training, training continued after the with-block) left a trajectory
+    that ends before the module's current parameters: as_network's decomposition
+    reported an error at round-off while missing the module's outputs, without a word.
+    Reading the trajectory now warns; a recording that ends with its last step stays
+    silent and exact."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
+
+    def step(opt):
+        opt.zero_grad()
+        (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+        opt.step()
+
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        for _ in range(3):
+            rec.set_batch(np.arange(len(X)))
+            step(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_decomposes(module, rec.as_network(X, y), Xq)
+    opt = after(module, opt)
+    for _ in range(2):
+        step(opt)
+    with pytest.warns(UserWarning, match="changed after optimizer step 2, the last one "
+                      "recorded, and no recorded step explains"):
+        net = rec.as_network(X, y)
+    with torch.no_grad():
+        truth = module(torch.as_tensor(Xq)).numpy()
+    res = net.decompose(Xq)
+    miss = np.abs(res.initial + res.contributions.sum(1) + res.regularization - truth)
+    assert miss.max() > 1e-3  # the numbers the warning is about
+
+
+
+def test_a_module_converted_after_recording_is_not_taken_for_a_moved_one(data):
+    """module.double() after the with-block changes the parameters' dtype, not their
+    values; their norms, computed in float64 instead of float32, differed in the last
+    bits and reading the trajectory warned that steps the recorder did not see had moved
+    the module. The check now compares the values in the dtype they were recorded in:
+    silent, with the trajectory's last point the module's converted parameters."""
+    X, y, _ = data
+    module = _tanh_mlp().float()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5)
+    rec = _recorded_full_batch(module, opt, X.astype(np.float32), y.astype(np.float32),
+                               steps=3)
+    module.double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        traj = rec.trajectory
+    last = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    assert torch.equal(traj.parameters(3).double(), last)
 
 
 def _changed(value):

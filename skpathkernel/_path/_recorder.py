@@ -53,6 +53,7 @@ what it means, for any loss".
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -201,6 +202,20 @@ def _rule(group: dict) -> dict:
 
 def _hyper_parameters(optimizer) -> list[dict]:
     return [_rule(g) for g in optimizer.param_groups]
+
+
+
+def _called_by_grad_scaler() -> bool:
+    """Whether an enabled ``torch.amp.GradScaler``'s ``step()`` is taking the optimizer
+    step being recorded (a caller's frame holds one as ``self``). A disabled one
+    (``GradScaler(enabled=use_amp)``) scales and unscales nothing."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        scaler = frame.f_locals.get("self")
+        if isinstance(scaler, torch.amp.GradScaler):
+            return scaler.is_enabled()
+        frame = frame.f_back
+    return False
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -511,6 +526,9 @@ class PathRecorder:
         # counters: writes through p.data (WGAN's p.data.clamp_) and new storage
         # (p.data = ...) leave them unchanged.
         self._fingerprint = None
+        # Where and in what dtype they were: a module converted since (module.double(),
+        # .cpu()) holds the same values, whose norms differ in their round-off.
+        self._homes = [(p.device, p.dtype) for p in params]
         self._devices = len({p.device for p in params})
         self._recorder = None
         if self._rank == self.writer_rank:  # the other ranks only take part in the gather
@@ -537,6 +555,7 @@ class PathRecorder:
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
+        self._warned_unscaled = False  # a power-of-two factor without grad_scaler
         self._warned_skip = False  # a parameter torch.optim skipped without a gradient
         self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
@@ -821,10 +840,10 @@ class PathRecorder:
                 "trains to the recorded optimizer (a parameter group may have its own lr "
                 "and weight decay). (Warned once.)", UserWarning, stacklevel=3)
 
-    def _fingerprints(self) -> torch.Tensor:
-        """Each recorded parameter's 2-norm, one reduction pass over them all: equal
-        for equal values, whatever their storage."""
-        norms = torch._foreach_norm(self._params)
+    def _fingerprints(self, params=None) -> torch.Tensor:
+        """Each recorded parameter's 2-norm (or of ``params``, copies of them), one
+        reduction pass over them all: equal for equal values, whatever their storage."""
+        norms = torch._foreach_norm(self._params if params is None else params)
         if self._devices > 1:  # a module split over devices
             norms = [n.to(norms[0].device) for n in norms]
         return torch.stack(norms)
@@ -880,6 +899,30 @@ class PathRecorder:
                ".module)." if step == 0 and self._world > 1 and self._ddp_may_move else "")
             + " (Warned once.)",
             UserWarning, stacklevel=3)
+
+    def _warn_moved_since_last_step(self) -> None:
+        """Warn when the recorded parameters changed since the last recorded step: steps
+        the recorder did not see (a replaced optimizer, training on after ``close()``)
+        are in no trajectory, which then ends at parameters the module no longer has."""
+        # Read where and as they were recorded: a conversion since changes no value.
+        now = self._fingerprints([
+            p if (p.device, p.dtype) == home else p.detach().to(*home)
+            for p, home in zip(self._params, self._homes)])
+        before = self._fingerprint.to(now.device)
+        if torch.equal(now, before) or not bool(
+                (torch.ne(now, before) & ~(now.isnan() & before.isnan())).any()):
+            return
+        when = (f"after optimizer step {self._step - 1}, the last one recorded"
+                if self._step else "since the recorder was created")
+        warnings.warn(
+            f"PathRecorder: the module's recorded parameters changed {when}, and no "
+            "recorded step explains the change (the optimizer replaced by a new one, "
+            "training continued after close() or the with-block, a parameter changed in "
+            "place): the trajectory holds the recorded steps only, so the kernels, "
+            "predictions and decomposition do not describe the current network (the "
+            "decomposition misses the change, or stops before it). Record every "
+            "step with the optimizer given to the recorder, or create a new recorder for "
+            "the new optimizer.", UserWarning, stacklevel=3)
 
     def _warn_skipped(self, step: int, optimizer) -> None:
         """Warn, once, when torch.optim skips a recorded parameter for want of a gradient
@@ -1025,6 +1068,28 @@ class PathRecorder:
                 "and the decomposition cannot split such a step over the training points. "
                 "Norm clipping (clip_grad_norm_) is recorded exactly; remove the rest.",
                 ValueError)
+        clip = declared is not None and abs(declared - c) <= 8 * eps * abs(declared)
+        if (self.grad_scaler is None and not fused_unscales and c != 1 and not clip
+                and not self._warned_unscaled and _called_by_grad_scaler()):
+            # A GradScaler's step() takes this step and unscale_ divided the gradients
+            # by its scale (2**k, times a clip's factor if one followed): the recorder,
+            # not given it, takes the scaled loss's gradients for the declared loss's and
+            # every step's share comes out 2**k times too small. Told by the caller, not
+            # by the factor: dividing accumulated gradients by n_micro = 2, 4, 8 is also
+            # a power of two, and exact. (A factor recorder.clip_grad_norm_ declared is
+            # that clip, whatever its value.)
+            self._warned_unscaled = True
+            exact = math.frexp(c)[0] == 0.5
+            warnings.warn(
+                f"PathRecorder: optimizer step {step} is taken by a torch.amp.GradScaler's "
+                "step(), but the recorder was given no grad_scaler: the gradients the "
+                "optimizer is about to use are those of backward() times "
+                + (f"exactly 2**{math.frexp(c)[1] - 1}" if exact else f"{c:.6g}")
+                + ", as the scaler's unscaling leaves them, which the recorder "
+                "records as a clip, so the decomposition misses (decompose warns by how "
+                "much), and the steps the scaler skips are counted into the next step's "
+                "batch. Pass grad_scaler=scaler to PathRecorder. (Warned once.)",
+                UserWarning, stacklevel=3)
         c *= unscale
         if declared is not None and abs(declared - c) <= 8 * eps * abs(declared):
             return declared
@@ -1158,6 +1223,7 @@ class PathRecorder:
                                f"{self.writer_rank} does (writer_rank).")
         if self._fingerprint is not None:  # the last step's, which no next step checked
             self._warn_diverged(self._fingerprint, self._step - 1)
+            self._warn_moved_since_last_step()
         if self._error is not None:
             warnings.warn(f"The recording stopped: the trajectory ends after optimizer "
                           f"step {self._step - 1} ({self._step} steps): {self._error}",

@@ -203,17 +203,23 @@ def _rule(group: dict) -> dict:
 def _hyper_parameters(optimizer) -> list[dict]:
     return [_rule(g) for g in optimizer.param_groups]
 
+# GradScaler.step's code: its subclasses (torch.cuda.amp's, torch.cpu.amp's) inherit it.
+_SCALER_STEP = torch.amp.GradScaler.step.__code__
 
 
 def _called_by_grad_scaler() -> bool:
     """Whether an enabled ``torch.amp.GradScaler``'s ``step()`` is taking the optimizer
-    step being recorded (a caller's frame holds one as ``self``). A disabled one
-    (``GradScaler(enabled=use_amp)``) scales and unscales nothing."""
+    step being recorded (a caller's frame runs its code). A disabled one
+    (``GradScaler(enabled=use_amp)``) scales and unscales nothing.
+
+    Asked at every step whose factor is not 1 (a clipped loop's, every step): the frames'
+    code objects are compared, and only the scaler's frame has its locals read (reading
+    every frame's, the check took 19 us of a 696 us step, the code's compare 6 us).
+    """
     frame = sys._getframe(1)
     while frame is not None:
-        scaler = frame.f_locals.get("self")
-        if isinstance(scaler, torch.amp.GradScaler):
-            return scaler.is_enabled()
+        if frame.f_code is _SCALER_STEP:
+            return frame.f_locals["self"].is_enabled()
         frame = frame.f_back
     return False
 
@@ -555,7 +561,7 @@ class PathRecorder:
         self._pending_problem = None  # a bad set_batch, raised at the step on every rank
         self._ready = None  # what the step about to be taken records
         self._declared_scale = None  # from clip_grad_norm_
-        self._warned_unscaled = False  # a power-of-two factor without grad_scaler
+        self._warned_unscaled = False  # a GradScaler's step without grad_scaler
         self._warned_skip = False  # a parameter torch.optim skipped without a gradient
         self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
@@ -1068,8 +1074,10 @@ class PathRecorder:
                 "and the decomposition cannot split such a step over the training points. "
                 "Norm clipping (clip_grad_norm_) is recorded exactly; remove the rest.",
                 ValueError)
-        clip = declared is not None and abs(declared - c) <= 8 * eps * abs(declared)
-        if (self.grad_scaler is None and not fused_unscales and c != 1 and not clip
+        def is_declared(factor):  # the clip recorder.clip_grad_norm_ declared
+            return declared is not None and abs(declared - factor) <= 8 * eps * abs(declared)
+
+        if (self.grad_scaler is None and not fused_unscales and c != 1 and not is_declared(c)
                 and not self._warned_unscaled and _called_by_grad_scaler()):
             # A GradScaler's step() takes this step and unscale_ divided the gradients
             # by its scale (2**k, times a clip's factor if one followed): the recorder,
@@ -1091,7 +1099,7 @@ class PathRecorder:
                 "batch. Pass grad_scaler=scaler to PathRecorder. (Warned once.)",
                 UserWarning, stacklevel=3)
         c *= unscale
-        if declared is not None and abs(declared - c) <= 8 * eps * abs(declared):
+        if is_declared(c):
             return declared
         return c
 

@@ -949,6 +949,48 @@ def test_gradient_accumulation_declares_one_micro_batch_per_call(data, sizes):
     _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
+@pytest.mark.parametrize("zeroing", ["none", "set_to_none", "zeros", "data_zero",
+                                     "autograd_grad"])
+def test_a_gradient_added_onto_the_last_steps_is_refused(data, zeroing):
+    """A loop without zero_grad() steps with the running sum of every batch's gradient,
+    which the record credited to each step's batch alone: recorded without a word, the
+    decomposition then missed the prediction. Every way of starting a step from a zero
+    (or fresh) gradient records as before and decomposes to its prediction."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    params = list(module.parameters())
+    rec = PathRecorder(module, opt, n_samples=len(X))
+    for t in range(5):
+        idx = np.arange(t, t + 6) % len(X)
+        loss = (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean()
+        if zeroing == "set_to_none":
+            opt.zero_grad()
+        elif zeroing == "zeros":
+            opt.zero_grad(set_to_none=False)
+        elif zeroing == "data_zero":  # the pre-1.0 idiom, which no version counter sees
+            for p in params:
+                if p.grad is not None:
+                    p.grad.data.zero_()
+        if zeroing == "autograd_grad":  # gradients assigned, never accumulated
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g
+        else:
+            loss.backward()
+        rec.set_batch(idx)
+        if zeroing == "none" and t == 1:
+            with pytest.raises(ValueError, match=r"step 1 backward\(\) added the gradient "
+                               r"onto a nonzero \.grad of parameter\(s\) '0.weight'"):
+                opt.step()
+            rec.close()
+            return
+        opt.step()
+    rec.close()
+    assert zeroing != "none"
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
 def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):
     """A parameter frozen before recording (the fine-tuning idiom, frozen but still
     handed to the optimizer) crashed the recorder with "cannot register a hook"; one

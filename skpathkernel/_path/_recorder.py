@@ -566,6 +566,10 @@ class PathRecorder:
         self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
         self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
+        # Whether the gradient that a step's first backward() found in .grad was
+        # nonzero (one flag tensor each, read with one host sync at the step).
+        self._leftover: dict[int, torch.Tensor] = {}
+        self._stale: dict[int, torch.Tensor] = {}
         self._scales: list[float] = []
         self._weights: list[np.ndarray | None] = []
         self._group_lrs: list[list[float]] = []
@@ -578,6 +582,8 @@ class PathRecorder:
             # step. Under DDP they are the rank's own, before the all-reduce: there
             # clipping is declared through clip_grad_norm_ instead.
             self._handles += [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                              for i, p in enumerate(params)]
+            self._handles += [p.register_hook(partial(self._before_grad, i))
                               for i, p in enumerate(params)]
 
     # ------------------------------------------------------------------ recording
@@ -712,8 +718,38 @@ class PathRecorder:
         scale = getattr(self.grad_scaler, "_scale", None)
         return scale._version if isinstance(scale, torch.Tensor) else None
 
+    def _before_grad(self, i: int, grad: torch.Tensor) -> None:
+        # Runs before backward() adds to .grad (and for torch.autograd.grad too, which
+        # adds nothing: only _on_grad, after an accumulation, takes the flag up).
+        if i not in self._seen:
+            param = self._params[i]
+            if param.grad is not None:
+                self._leftover[i] = param.grad.detach().any()
+
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        leftover = self._leftover.pop(i, None)
+        if i not in self._seen and leftover is not None:
+            self._stale[i] = leftover
         self._seen[i] = (p.grad.detach().clone(), self._scaler_updates())
+
+    def _check_accumulated(self, step: int) -> None:
+        """Fail when a step's gradient was added onto the last step's (no zero_grad)."""
+        stale, self._stale, self._leftover = self._stale, {}, {}
+        if not stale:
+            return
+        # One host sync for the whole step (on a GPU each bool() waits for the device).
+        nonzero = torch.stack(list(stale.values())).cpu().tolist()
+        names = [self._names[i] for i, bad in sorted(zip(stale, nonzero)) if bad]
+        if names:
+            self._fail(
+                f"at optimizer step {step} backward() added the gradient onto a nonzero "
+                f".grad of parameter(s) {', '.join(map(repr, names[:5]))}"
+                f"{' ...' if len(names) > 5 else ''}, left from before: the step uses "
+                "the sum of this step's gradient and an earlier one's, which the "
+                "decomposition would credit to this step's batch alone. Call "
+                "optimizer.zero_grad() before each step's backward() (or after each "
+                "optimizer.step()); for gradient accumulation over micro-batches, declare "
+                "each with set_batch and zero the gradients once per step.", ValueError)
 
     def _gather_failed(self, what: str, step: int, exc: Exception):
         # A timeout says only that another rank never came: name the ways that happens.
@@ -742,6 +778,7 @@ class PathRecorder:
             # declared for it, as for the steps a GradScaler skips itself.
             self._pending = self._pending_problem = None
             self._micro, self._seen = [], {}
+            self._leftover, self._stale = {}, {}
             self._declared_scale = self._ready = None
             return
         if len(optimizer.param_groups) != len(self._hyper):
@@ -807,6 +844,8 @@ class PathRecorder:
             self._warn_moved_between_steps(step)
         if self._recorder is not None and not self._warned_skip:
             self._warn_skipped(step, optimizer)
+        if self._world == 1:
+            self._check_accumulated(step)
         scale = self._gradient_scale(step, optimizer)
         # The next step compares only what its own backward() passes give: a parameter
         # they leave out keeps the gradient zero_grad(set_to_none=False) zeroed, not

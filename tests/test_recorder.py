@@ -8,8 +8,10 @@ of the decomposition.
 
 import copy
 import inspect
+import io
 import re
 import warnings
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -949,6 +951,14 @@ def test_gradient_accumulation_declares_one_micro_batch_per_call(data, sizes):
     _assert_decomposes(module, rec.as_network(X, y), Xq)
 
 
+def _refused_as_never_zeroed(opt, rec):
+    """Optimizer step 1 of a loop that never zeroed its gradients: refused."""
+    with pytest.raises(ValueError, match=r"step 1 backward\(\) added the gradient onto a "
+                       r"nonzero \.grad of parameter\(s\) '0.weight'"):
+        opt.step()
+    rec.close()
+
+
 @pytest.mark.parametrize("zeroing", ["none", "set_to_none", "zeros", "data_zero",
                                      "autograd_grad"])
 def test_a_gradient_added_onto_the_last_steps_is_refused(data, zeroing):
@@ -980,15 +990,66 @@ def test_a_gradient_added_onto_the_last_steps_is_refused(data, zeroing):
             loss.backward()
         rec.set_batch(idx)
         if zeroing == "none" and t == 1:
-            with pytest.raises(ValueError, match=r"step 1 backward\(\) added the gradient "
-                               r"onto a nonzero \.grad of parameter\(s\) '0.weight'"):
-                opt.step()
-            rec.close()
+            _refused_as_never_zeroed(opt, rec)
             return
         opt.step()
     rec.close()
     assert zeroing != "none"
     _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+@pytest.mark.parametrize("loop", ["dcgan_discriminator", "undetached_generator",
+                                  "diagnostic", "diagnostic_never_zeroed"])
+def test_a_backward_before_zero_grad_is_not_a_gradient_left_over(data, loop):
+    """A backward() that reaches the recorded parameters after their step and before
+    their zero_grad() (DCGAN's generator loss reaching the discriminator, D's loss on an
+    undetached G(z) reaching the generator, a diagnostic gradient after the step) adds
+    onto the step's gradient, which the zero_grad() then clears: such loops were
+    refused as never zeroing. They decompose to the trained module's own outputs; one
+    that never zeroes is refused still."""
+    X, y, Xq = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(2 if loop == "undetached_generator" else 1,
+                                                2), torch.nn.Tanh()).double()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    opt_other = torch.optim.SGD(other.parameters(), lr=0.1)
+    rec = PathRecorder(module, opt, n_samples=len(X))
+    for t in range(5):
+        idx = np.arange(t, t + 6) % len(X)
+        if loop == "undetached_generator":  # D's step on G(x), G not detached
+            opt_other.zero_grad()
+            other(module(Xt[idx]).expand(-1, 2)).sum().backward()
+            opt_other.step()
+        if loop != "diagnostic_never_zeroed":
+            opt.zero_grad()
+        (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+        rec.set_batch(idx)
+        if loop == "diagnostic_never_zeroed" and t == 1:
+            _refused_as_never_zeroed(opt, rec)
+            return
+        opt.step()
+        if loop == "dcgan_discriminator":  # G's step through the recorded D
+            opt_other.zero_grad()
+            (-module(other(Xt[idx, :1]))).mean().backward()
+            opt_other.step()
+        elif loop.startswith("diagnostic"):  # a held-out gradient's norm, say
+            (0.5 * (module(Xt[:3]) - Yt[:3]) ** 2).mean().backward()
+    rec.close()
+    assert loop != "diagnostic_never_zeroed"
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+def test_sending_the_recorded_module_to_another_process_does_not_warn(data):
+    """torch.multiprocessing pickles a module's parameters with a warning for each
+    tensor hook, which it drops: the recorder's zero_grad check warned of itself, as
+    a functools.partial, for every parameter."""
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with PathRecorder(module, opt, n_samples=len(data[0])), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ForkingPickler(io.BytesIO()).dump(module)
 
 
 def test_frozen_parameters_are_constants_and_freezing_midway_is_refused(data):

@@ -566,10 +566,12 @@ class PathRecorder:
         self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
         self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
-        # Whether the gradient that a step's first backward() found in .grad was
-        # nonzero (one flag tensor each, read with one host sync at the step).
-        self._leftover: dict[int, torch.Tensor] = {}
-        self._stale: dict[int, torch.Tensor] = {}
+        # Whether every backward() since the last step added onto a nonzero .grad: a flag
+        # tensor each (read with one host sync at the step), False once one found it
+        # absent (known on the host) or zero. _leftover: the flag a backward() found,
+        # taken up after its accumulation.
+        self._leftover: dict[int, torch.Tensor | bool] = {}
+        self._stale: dict[int, torch.Tensor | bool] = {}
         self._scales: list[float] = []
         self._weights: list[np.ndarray | None] = []
         self._group_lrs: list[list[float]] = []
@@ -583,8 +585,10 @@ class PathRecorder:
             # clipping is declared through clip_grad_norm_ instead.
             self._handles += [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
                               for i, p in enumerate(params)]
-            self._handles += [p.register_hook(partial(self._before_grad, i))
-                              for i, p in enumerate(params)]
+            # Not serialized (torch.multiprocessing warned of each when sending the
+            # module), as no hook is: the recorder stays in this process.
+            self._handles += [p.register_hook(torch.utils.hooks.unserializable_hook(
+                partial(self._before_grad, i))) for i, p in enumerate(params)]
 
     # ------------------------------------------------------------------ recording
     def set_batch(self, indices, weights=None) -> None:
@@ -720,25 +724,33 @@ class PathRecorder:
 
     def _before_grad(self, i: int, grad: torch.Tensor) -> None:
         # Runs before backward() adds to .grad (and for torch.autograd.grad too, which
-        # adds nothing: only _on_grad, after an accumulation, takes the flag up).
-        if i not in self._seen:
-            param = self._params[i]
-            if param.grad is not None:
-                self._leftover[i] = param.grad.detach().any()
+        # adds nothing: only _on_grad, after an accumulation, takes the flag up). Every
+        # backward() until one finds .grad absent or zero, not only the step's first: a
+        # backward() into the parameters before their zero_grad() (DCGAN's generator
+        # loss reaching the recorded discriminator, a diagnostic gradient after the
+        # step) adds onto the last step's gradient, which the zero_grad() then clears.
+        if self._stale.get(i) is not False:
+            g = self._params[i].grad
+            self._leftover[i] = False if g is None else g.detach().any()
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         leftover = self._leftover.pop(i, None)
-        if i not in self._seen and leftover is not None:
-            self._stale[i] = leftover
+        stale = self._stale.get(i)
+        if leftover is not None and stale is not False:
+            self._stale[i] = (leftover if stale is None or leftover is False
+                              else stale & leftover)
         self._seen[i] = (p.grad.detach().clone(), self._scaler_updates())
 
     def _check_accumulated(self, step: int) -> None:
         """Fail when a step's gradient was added onto the last step's (no zero_grad)."""
-        stale, self._stale, self._leftover = self._stale, {}, {}
+        stale = {i: flag for i, flag in self._stale.items() if flag is not False}
+        self._stale, self._leftover = {}, {}
         if not stale:
             return
-        # One host sync for the whole step (on a GPU each bool() waits for the device).
-        nonzero = torch.stack(list(stale.values())).cpu().tolist()
+        # One host sync for the whole step (on a GPU each bool() waits for the device),
+        # on one device for a module split over several.
+        flags = list(stale.values())
+        nonzero = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
         names = [self._names[i] for i, bad in sorted(zip(stale, nonzero)) if bad]
         if names:
             self._fail(

@@ -999,14 +999,15 @@ def test_a_gradient_added_onto_the_last_steps_is_refused(data, zeroing):
 
 
 @pytest.mark.parametrize("loop", ["dcgan_discriminator", "undetached_generator",
-                                  "diagnostic", "diagnostic_never_zeroed"])
+                                  "diagnostic", "diagnostic_data_zero",
+                                  "diagnostic_never_zeroed"])
 def test_a_backward_before_zero_grad_is_not_a_gradient_left_over(data, loop):
     """A backward() that reaches the recorded parameters after their step and before
     their zero_grad() (DCGAN's generator loss reaching the discriminator, D's loss on an
     undetached G(z) reaching the generator, a diagnostic gradient after the step) adds
     onto the step's gradient, which the zero_grad() then clears: such loops were
-    refused as never zeroing. They decompose to the trained module's own outputs; one
-    that never zeroes is refused still."""
+    refused as never zeroing. They decompose to the trained module's own outputs, zeroed
+    in any way; one that never zeroes is refused still."""
     X, y, Xq = data
     Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
     module = _tanh_mlp()
@@ -1022,7 +1023,11 @@ def test_a_backward_before_zero_grad_is_not_a_gradient_left_over(data, loop):
             opt_other.zero_grad()
             other(module(Xt[idx]).expand(-1, 2)).sum().backward()
             opt_other.step()
-        if loop != "diagnostic_never_zeroed":
+        if loop == "diagnostic_data_zero":  # which no version counter sees
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.data.zero_()
+        elif loop != "diagnostic_never_zeroed":
             opt.zero_grad()
         (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
         rec.set_batch(idx)

@@ -566,12 +566,12 @@ class PathRecorder:
         self._adam_skipped: set[int] = set()  # whose Adam step count fell behind
         # Each parameter's gradient from backward(), with _scaler_updates() then.
         self._seen: dict[int, tuple[torch.Tensor, int | None]] = {}
-        # Whether every backward() since the last step added onto a nonzero .grad: a flag
-        # tensor each (read with one host sync at the step), False once one found it
-        # absent (known on the host) or zero. _leftover: the flag a backward() found,
-        # taken up after its accumulation.
+        # Whether each backward() since the last step added onto a nonzero .grad: their
+        # flag tensors (read with one host sync at the step), False once one found it
+        # absent (known on the host). _leftover: the flag a backward() found, taken up
+        # after its accumulation.
         self._leftover: dict[int, torch.Tensor | bool] = {}
-        self._stale: dict[int, torch.Tensor | bool] = {}
+        self._stale: dict[int, list[torch.Tensor] | bool] = {}
         self._scales: list[float] = []
         self._weights: list[np.ndarray | None] = []
         self._group_lrs: list[list[float]] = []
@@ -725,33 +725,37 @@ class PathRecorder:
     def _before_grad(self, i: int, grad: torch.Tensor) -> None:
         # Runs before backward() adds to .grad (and for torch.autograd.grad too, which
         # adds nothing: only _on_grad, after an accumulation, takes the flag up). Every
-        # backward() until one finds .grad absent or zero, not only the step's first: a
-        # backward() into the parameters before their zero_grad() (DCGAN's generator
-        # loss reaching the recorded discriminator, a diagnostic gradient after the
-        # step) adds onto the last step's gradient, which the zero_grad() then clears.
+        # backward() until one finds .grad absent (a zero one is known at the step's
+        # sync), not only the step's first: a backward() into the parameters before
+        # their zero_grad() (DCGAN's generator loss reaching the recorded discriminator,
+        # a diagnostic gradient after the step) adds onto the last step's gradient,
+        # which the zero_grad() then clears.
         if self._stale.get(i) is not False:
             g = self._params[i].grad
             self._leftover[i] = False if g is None else g.detach().any()
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         leftover = self._leftover.pop(i, None)
-        stale = self._stale.get(i)
-        if leftover is not None and stale is not False:
-            self._stale[i] = (leftover if stale is None or leftover is False
-                              else stale & leftover)
+        if leftover is False:
+            self._stale[i] = False
+        elif leftover is not None and self._stale.get(i) is not False:
+            self._stale.setdefault(i, []).append(leftover)
         self._seen[i] = (p.grad.detach().clone(), self._scaler_updates())
 
     def _check_accumulated(self, step: int) -> None:
         """Fail when a step's gradient was added onto the last step's (no zero_grad)."""
-        stale = {i: flag for i, flag in self._stale.items() if flag is not False}
+        stale = [(i, flag) for i, flags in self._stale.items() if flags is not False
+                 for flag in flags]
         self._stale, self._leftover = {}, {}
         if not stale:
             return
         # One host sync for the whole step (on a GPU each bool() waits for the device),
-        # on one device for a module split over several.
-        flags = list(stale.values())
-        nonzero = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()
-        names = [self._names[i] for i, bad in sorted(zip(stale, nonzero)) if bad]
+        # on one device for a module split over several. A parameter is stale when every
+        # backward() since the last step found its .grad nonzero.
+        device = stale[0][1].device
+        nonzero = torch.stack([flag.to(device) for _, flag in stale]).cpu().tolist()
+        clean = {i for (i, _), bad in zip(stale, nonzero) if not bad}
+        names = [self._names[i] for i in sorted({i for i, _ in stale} - clean)]
         if names:
             self._fail(
                 f"at optimizer step {step} backward() added the gradient onto a nonzero "

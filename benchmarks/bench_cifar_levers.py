@@ -21,9 +21,16 @@ Subcommands (one torch thread, float32, CPU time ``time.process_time``, medians)
 - ``cl``: the second convolution's input gradient on NCHW and on channels-last backprops,
   and forming its blocks from each layout (the route's one GEMM per sample; one per sample
   and output from channels-last backprops).
+- ``cl-call``: that prototype in the call, by patching (not a route): the capture's
+  buffers of the second convolution's backprops and of its input gradient's input
+  channels-last (``_capture._buffer``), and its blocks formed by one GEMM per sample and
+  output (``_gram.dense_grad``); an alternated A/B against the route
+  (:func:`benchmarks.bench_vit_cuts_ab.alternated`, ``--reps`` rounds), then with
+  ``--ops`` the prototype's operations as ``ops`` times them.
 
 Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_cifar_levers
-{ops,syrk,gate,first,cl}``. Results: ``benchmarks/results/cifar_levers-s49.md``.
+{ops,syrk,gate,first,cl,cl-call} [--reps R] [--ops]``. Results:
+``benchmarks/results/cifar_levers-s49.md``.
 """
 
 import argparse
@@ -33,6 +40,8 @@ import os
 import resource
 import statistics
 import time
+from contextlib import ExitStack
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +50,8 @@ from threadpoolctl import threadpool_limits
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import _worker
-from skpathkernel._tangent import _cnn, _gram
+from benchmarks.bench_vit_cuts_ab import alternated
+from skpathkernel._tangent import _capture, _cnn, _gram
 from skpathkernel._tangent._gram import tangent_gram
 from skpathkernel._tangent._layers import _unfold
 
@@ -334,14 +344,61 @@ def cl():
             forming_channels_last], reps=11)
 
 
+def _cl_buffer(real):
+    def buffer(scratch, j, shape, like):
+        if len(shape) == 5 and j == 1:  # the second convolution's backprops (n, C, p, H, W)
+            n, C, p, H, W = shape
+            return real(scratch, j, (n, C, H, W, p), like).permute(0, 1, 4, 2, 3)
+        if len(shape) == 4 and j == 3:  # the placeholder input of its input gradient
+            N, c, H, W = shape
+            return real(scratch, j, (N, H, W, c), like).permute(0, 3, 1, 2)
+        return real(scratch, j, shape, like)
+    return buffer
+
+
+def _cl_dense_grad(real):
+    def dense_grad(term, a, out=None, order="flat"):
+        delta = term.delta
+        if (a is not None and delta.dim() == 4 and delta.is_contiguous() and delta.shape[2] > 1
+                and term.groups == 1 and not term.transposed and term.rows is None
+                and out is not None and out.is_contiguous()):
+            n, C, S, p = delta.shape
+            o = out.view(n, C, p, a.shape[2])  # the route's (C, p, q) order of a row
+            for c in range(C):
+                o[:, c] = torch.bmm(delta[:, c].transpose(1, 2), a)
+            return out
+        return real(term, a, out=out, order=order)
+    return dense_grad
+
+
+def _cl_side(name):
+    stack = ExitStack()
+    if name == "new":
+        stack.enter_context(mock.patch.object(_capture, "_buffer",
+                                              _cl_buffer(_capture._buffer)))
+        stack.enter_context(mock.patch.object(_gram, "dense_grad",
+                                              _cl_dense_grad(_gram.dense_grad)))
+    return stack
+
+
+def cl_call(reps, with_ops):
+    alternated(["cifar@1024"], reps, False, _cl_side)
+    if with_ops:
+        with _cl_side("new"):
+            ops()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["ops", "syrk", "gate", "first", "cl"])
+    parser.add_argument("what", choices=["ops", "syrk", "gate", "first", "cl", "cl-call"])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ops", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(args.what, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load",
           os.getloadavg(), flush=True)
-    {"ops": ops, "syrk": syrk, "gate": gate, "first": first, "cl": cl}[args.what]()
+    {"ops": ops, "syrk": syrk, "gate": gate, "first": first, "cl": cl,
+     "cl-call": lambda: cl_call(args.reps, args.ops)}[args.what]()
     print("load after", os.getloadavg())
 
 

@@ -126,10 +126,12 @@ ms a 23-row chunk against the zero fill, threshold and scatter's 3.3-4.1 (ATen's
 its rows from the padded input in one copy 1.5-1.6 ms against about 0.6 for the two, the
 gather into a reused buffer no faster, the transposed bmm 3.7-4.1 ms against 2.0-2.6; its
 forward as a GEMM of the same patches would change the forward's bits (the pools' argmax
-with them). Measured, not done: the second convolution's backprops channels-last, whose
-input gradient took 13.5-13.7 ms a chunk against 17.2-17.3 and forming 16.3-17.0 against
-15.6-15.8 (one GEMM per sample and output): at most 0.10-0.13 s of the call, with other
-bits than autograd's input gradient, which the route reproduces today.
+with them). Nor the second convolution's backprops channels-last: its input gradient
+took 13.5-13.7 ms a chunk against 17.2-17.3 alone, but in the call (a prototype by
+patching) 1.096 of the route's CPU time by medians of 3 alternated rounds (1.061-1.105 by
+round, K to 7.45e-8 of its largest entry): the input gradient 0.689 s against 0.887,
+forming by one GEMM per sample and output with the copies into the block 1.46 s against
+1.05, the scatter into that layout and the first ReLU's reading of it 0.31 s against 0.17.
 
 On the ResNet (ten outputs in five groups of two, N = 1024, one thread, one block of all
 rows per group in chunks of 36; ``benchmarks/results/gram_resnet_profile.md``, shares

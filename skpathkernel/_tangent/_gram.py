@@ -105,6 +105,33 @@ against 141, about 0.035 s of the call: not done.) What is left, by the profile:
 SYRKs (1.3-1.4 s), forming with the block's faults (0.95 s, 0.3 s of it system time),
 the input gradient and the gates (1.0 s), the first convolution's gather and products
 (0.33 s), the forward (0.27 s).
+Session s49 (``benchmarks/results/cifar_levers-s49.md``, load 4-5, no engine change):
+the same shares (call 4.4-4.6 s: SYRKs 1.42-1.54 s, forming 0.98-1.03 with 0.28-0.30 s
+of system time for 193,000 faults, backward 1.10-1.18, first convolution 0.37-0.42,
+forward 0.30). Not kept, measured in isolation: (b) the SYRK runs at OpenBLAS's GEMM rate
+(a ``1024 x 193920`` block: 1.405 s, 144.7 GFLOP/s of the triangle's, the probe 165.8);
+the transposed layout 1.720 s, column slices 1.48-1.61, MKL's full GEMM 2.196 s (185
+GFLOP/s executed, twice the FLOPs), MKL's triangle by 256-row strips 1.623, a SYRK of each
+diagonal square with MKL's GEMM right of it 1.423 / 1.477 / 1.750 s (512 / 256 / 128
+rows), MKL's own ``ssyrk`` (an internal symbol of torch's MKL) 1.354 and, in another run,
+1.456 against 1.458: no faster route. (a) The formed block's faults: one output group
+allocates it once, and groups sharing one buffer each pay the capture's
+output-independent work again (the forward 0.30 s, the first convolution's gather about
+0.2 s, or with the second convolution's pooled backprops kept, their zero fill and
+scatter, 0.19 s, twice) for at most 0.14 s (two groups) to 0.25 s (ten) of faults saved.
+(c) The second pool's backward by one ``torch.where`` of an argmax-and-ReLU mask: 11-29
+ms a 23-row chunk against the zero fill, threshold and scatter's 3.3-4.1 (ATen's CPU
+``where`` is not vectorised); by a product with a float mask 1.85-1.89 ms plus the mask's
+1.46-1.64 (and an infinite gradient would turn NaN). (d) The first convolution's forming:
+its rows from the padded input in one copy 1.5-1.6 ms against about 0.6 for the two, the
+gather into a reused buffer no faster, the transposed bmm 3.7-4.1 ms against 2.0-2.6; its
+forward as a GEMM of the same patches would change the forward's bits (the pools' argmax
+with them). Nor the second convolution's backprops channels-last: its input gradient
+took 13.5-13.7 ms a chunk against 17.2-17.3 alone, but in the call (a prototype by
+patching) 1.096 of the route's CPU time by medians of 3 alternated rounds (1.061-1.105 by
+round, K to 7.45e-8 of its largest entry): the input gradient 0.689 s against 0.887,
+forming by one GEMM per sample and output with the copies into the block 1.46 s against
+1.05, the scatter into that layout and the first ReLU's reading of it 0.31 s against 0.17.
 
 On the ResNet (ten outputs in five groups of two, N = 1024, one thread, one block of all
 rows per group in chunks of 36; ``benchmarks/results/gram_resnet_profile.md``, shares

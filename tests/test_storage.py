@@ -1261,6 +1261,49 @@ def test_mapping_pages_ahead_leaves_contents_and_stops_when_told():
     assert finished and not thread.is_alive()
 
 
+def test_an_interrupted_fit_leaves_no_page_mapping_thread_running(monkeypatch):
+    # Ctrl-C in a long fit drops its recorder while the thread mapping the recording
+    # buffers' pages is at work: it was told to stop but not waited for, and a script
+    # that ended right after the interrupted fit aborted in it about half the time
+    # ("terminate called without an active exception", exit status 134; the user trial
+    # of s49). Dropping the recorder now waits for its thread. The mapping is slowed
+    # here so that the thread is inside a call when the fit is interrupted.
+    from skpathkernel._path import _training
+
+    # Small chunks: a buffer that outlasts the mapping's lead without 64 MiB of pages.
+    monkeypatch.setattr(_storage, "CHUNK_BYTES", 2**16)
+    monkeypatch.setattr(_trajectory, "CHUNK_BYTES", 2**16)
+    madvise, mapping = _storage._MADVISE, threading.Event()
+    if madvise is not None:  # None: the kernel cannot map ahead, and no thread starts
+
+        def slow_madvise(*args):
+            mapping.set()
+            time.sleep(0.3)
+            return madvise(*args)
+
+        monkeypatch.setattr(_storage, "_MADVISE", slow_madvise)
+    epoch_loss, epochs = _training._epoch_loss, []
+
+    def interrupted(*args, **kwargs):
+        epochs.append(1)
+        if len(epochs) == 3:
+            mapping.wait(10)
+            raise KeyboardInterrupt
+        return epoch_loss(*args, **kwargs)
+
+    monkeypatch.setattr(_training, "_epoch_loss", interrupted)
+    rng = np.random.RandomState(0)
+    X, y = rng.randn(400, 20), rng.randn(400)
+    before = set(threading.enumerate())
+    try:
+        PathKernelMachine(hidden_layer_sizes=(32,), max_iter=2000, tol=None, device="cpu",
+                          random_state=0).fit(X, y)
+    except KeyboardInterrupt:
+        pass
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert "skpathkernel-pages" not in left
+
+
 @pytest.mark.parametrize("array", [
     np.arange(12.0).reshape(3, 4), np.arange(6, dtype=np.float32), np.float64(2.5),
     np.zeros((0, 5)), np.asfortranarray(np.arange(12.0).reshape(3, 4)),

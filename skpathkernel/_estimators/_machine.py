@@ -100,7 +100,13 @@ _SHARED_PARAMS_DOC = """
         Adam / AdamW decay of the second moment (RMSprop's smoothing constant is torch's
         default, 0.99).
     epsilon : float, default=1e-8
-        The epsilon of Adam's, AdamW's and RMSprop's denominator.
+        The epsilon of Adam's, AdamW's and RMSprop's denominator, where torch.optim
+        puts it: added to the bias-corrected ``sqrt(v_t / (1 - beta_2**t))``.
+        MLPClassifier's Adam adds it to ``sqrt(v_t)`` itself, so the same value weighs
+        ``1 / sqrt(1 - beta_2**t)`` times more there (about 32 times at the first step
+        with ``beta_2=0.999``, nearly 1 after a few thousand steps): the two paths
+        differ where gradients are near ``epsilon``. MLPClassifier's ``epsilon=e`` at
+        step ``t`` is ``e / sqrt(1 - beta_2**t)`` here.
     batch_size : int, "auto" or None, default="auto"
         Samples per optimizer step. "auto" is ``min(200, n_samples)`` (MLPClassifier's);
         ``None`` trains on the whole training set at every step; with ``solver="sgd"``
@@ -228,7 +234,11 @@ _FITTED_ATTRS_DOC = """
         With ``early_stopping``, the score of the network on the held-out samples after
         each epoch (accuracy for classifiers, R^2 otherwise); None without.
     best_validation_score_ : float or None
-        The best of ``validation_scores_``, the model kept; None without early stopping.
+        The score of the model kept: the best of the last fit's ``validation_scores_``.
+        After a ``warm_start`` fit it may be below an earlier fit's best, as the fit
+        keeps the best epoch of its own (the path ends at the model; MLPClassifier keeps
+        the best over every fit, restoring an earlier fit's network). None without early
+        stopping.
     n_iter_ : int
         Epochs run along the recorded path: over every call that extended it (a
         ``warm_start`` fit, each ``partial_fit``), where ``MLPClassifier`` counts the

@@ -1461,6 +1461,16 @@ def _to_tensor(a) -> torch.Tensor:
     return torch.from_numpy(np.require(a, requirements=["C_CONTIGUOUS", "WRITEABLE"]))
 
 
+def _stop_populating(stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop a recorder's page mapping and wait for its thread: a recorder dropped before
+    it finished (a fit interrupted by Ctrl-C or an error) left the thread running, and an
+    interpreter that exited at once aborted in it (``terminate called without an active
+    exception``). At most one mapping call (``CHUNK_BYTES``) to wait for."""
+    stop.set()
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
+
+
 class TrajectoryRecorder:
     """Buffers that a training loop fills, one copy per recorded point.
 
@@ -1565,16 +1575,17 @@ class TrajectoryRecorder:
                 # MiB ahead of the copies (a copy into unmapped pages cost three times one
                 # into mapped ones); stopped when the recorder finishes or is dropped.
                 stop = threading.Event()
-                weakref.finalize(self, stop.set)
                 self._stop_populating, self._written = stop, [0]
                 row = self._n_params * self._itemsize
                 ahead = partial(lambda written: (written[0] + 1) * row + 2 * CHUNK_BYTES,
                                 self._written)
                 # Its own thread: one recorder kept alive past its run (a traceback) never
                 # holds up the next one's mapping.
-                threading.Thread(target=populate, args=(
+                thread = threading.Thread(target=populate, args=(
                     [self._buf, *self._states.values()], stop, ahead), daemon=True,
-                    name="skpathkernel-pages").start()
+                    name="skpathkernel-pages")
+                weakref.finalize(self, _stop_populating, stop, thread)
+                thread.start()
         self._state_steps = np.zeros(n_points - 1, dtype=np.int64)
         # (point, a copy of the optimizer's step count) not yet read into _state_steps:
         # read in one transfer when the path is asked for, as reading each (a count on

@@ -173,6 +173,31 @@ def without_fastpath(module: torch.nn.Module):
     return fastpath_disabled() if has_fastpath(module) else contextlib.nullcontext()
 
 
+class eager_calls:
+    """Run a block with the modules of ``module`` that ``nn.Module.compile()`` compiled in
+    place called eagerly (their ``_compiled_call_impl`` set aside, restored after).
+
+    The analyses trace the module's forward themselves (the use watch, ``torch.func``):
+    a compiled call hid the layers' calls from the watch on its first runs, so every
+    layer went to the fallback with a wrong reason, and dynamo recompiled the module for
+    every grad mode and shape until its limit. A ``torch.compile(module)`` wrapper is
+    unwrapped where the path is recorded (the same eager forward)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.compiled = [(layer, layer._compiled_call_impl) for layer in module.modules()
+                         if getattr(layer, "_compiled_call_impl", None) is not None]
+
+    def __enter__(self):
+        for layer, _ in self.compiled:
+            layer._compiled_call_impl = None
+        return self
+
+    def __exit__(self, *exc):
+        for layer, call in self.compiled:
+            layer._compiled_call_impl = call
+        return False
+
+
 def fastpath_held() -> bool:
     """Whether a :class:`fastpath_disabled` block is running in this process (see
     :func:`cudnn_held`)."""
@@ -253,6 +278,8 @@ class running:
                 self.switches.append(cudnn_disabled().__enter__())
             if outermost and has_fastpath(self.module):
                 self.switches.append(fastpath_disabled().__enter__())
+            if outermost:
+                self.switches.append(eager_calls(self.module).__enter__())
             depth[key] = depth.get(key, 0) + 1
         except BaseException:  # a warning turned into an error
             self._release()

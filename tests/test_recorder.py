@@ -32,6 +32,7 @@ from skpathkernel import (
     TangentKernel,
 )
 from skpathkernel._path._losses import LOSSES
+from skpathkernel.rules import layer_routes
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -1184,6 +1185,28 @@ def test_a_compiled_module_is_recorded_under_its_own_names(data):
                 RecordedNetwork(compiled, rec.trajectory, X_train=X, y_train=y).network_):
         assert net.module is module
     _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+def test_a_module_compiled_in_place_is_analysed_on_its_rules_and_stays_compiled(data):
+    """``module.compile()`` compiles in place, with no wrapper to unwrap: the analyses ran
+    the compiled call, which hid the layers' calls from the capture on its first runs,
+    so layer_routes sent every layer to the fallback ("a parameter is read outside the
+    layer's own call") and dynamo recompiled the module for each grad mode and shape.
+    They now run it eagerly, and leave it compiled."""
+    X, y, Xq = data
+    module = _tanh_mlp()
+    module.compile(backend="aot_eager")  # no C++ compiler; "eager" never hid the calls
+    compiled_call = module._compiled_call_impl
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = _recorded_full_batch(module, opt, X, y)
+    assert [r.route for r in layer_routes(module, Xq)] == ["rule", "rule"]
+    K = TangentKernel(rec.as_estimator(X, y))(Xq, X)
+    ref = copy.deepcopy(module)
+    ref._compiled_call_impl = None
+    J, J_train = jacobian_loop(ref, Xq), jacobian_loop(ref, X)
+    assert_allclose(K, torch.einsum("ncp,mcp->nm", J, J_train).numpy(), rtol=1e-12, atol=0)
+    _assert_decomposes(module, rec.as_network(X, y), Xq)
+    assert module._compiled_call_impl is compiled_call
 
 
 def test_a_parameter_group_added_midway_is_refused_naming_it():

@@ -31,7 +31,7 @@ from skpathkernel._tangent import (
     tangent_gram,
     tangent_gram_diag,
 )
-from skpathkernel.rules import Term, layer_routes
+from skpathkernel.rules import Term, check_rule, layer_routes
 
 RTOL = 1e-10
 
@@ -699,6 +699,29 @@ def test_embedding_route_follows_the_cost_model():
         assert term.rows == vocab and term.inputs[0][1].shape == (1, 16)
         routes[vocab] = _gram.gram_route(term, 64, 64, "trace", False, True, 2**28, 4)
     assert routes == {10: "dense", 30000: "pair"}
+
+
+class _TupleOut(nn.Module):
+    """Returns its logits with a second tensor (or in a dict), as many models do."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(3, 2)
+
+    def forward(self, x):
+        z = self.lin(x)
+        return (z, z.sum(1)) if self.kind == "tuple" else {"logits": z}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_layer_routes_and_check_rule_name_an_output_that_is_not_a_tensor(kind):
+    # They failed in a reshape (AttributeError: 'tuple' object has no attribute 'reshape');
+    # a recorded network of the same module is refused with this message.
+    net = _TupleOut(kind)
+    for call in (lambda: layer_routes(net, torch.randn(3, 3)),
+                 lambda: check_rule(net, torch.randn(3, 3))):
+        with pytest.raises(TypeError, match=f"must return one tensor.*returned a {kind}"):
+            call()
 
 
 def test_index_term_is_validated():

@@ -506,16 +506,24 @@ def test_every_layer_of_the_one_pass_allowlist_gives_the_derivative_of_the_jacob
 
 
 class _Recurrent(torch.nn.Module):
-    """A batch_first recurrent layer on (n, 4, 2) sequences, a head on its last output."""
+    """A batch_first recurrent layer on (n, 4, 2) sequences, a head on its last output;
+    ``packed``: on packed sequences whose lengths, 2 to 4, each sample's first features
+    set (as a padding mask would), the head on the last state."""
 
-    def __init__(self, n_out, cell):
+    def __init__(self, n_out, cell, packed=False):
         super().__init__()
         step = issubclass(cell, torch.nn.RNNCellBase)  # a cell, looped over the steps
         self.rnn = cell(2, 3) if step else cell(2, 3, batch_first=True)
         self.head = torch.nn.Linear(3, n_out)
+        self.packed = packed
 
     def forward(self, x):
         x = x.reshape(-1, 4, 2)
+        if self.packed:
+            lengths = 2 + (x[:, 0, 0] > 0).long() + (x[:, 1, 0] > 0).long()
+            h = self.rnn(torch.nn.utils.rnn.pack_padded_sequence(
+                x, lengths.cpu(), batch_first=True, enforce_sorted=False))[1]
+            return self.head((h[0] if isinstance(h, tuple) else h)[-1])
         if isinstance(self.rnn, torch.nn.RNNBase):
             return self.head(self.rnn(x)[0][:, -1])
         h = None
@@ -524,20 +532,25 @@ class _Recurrent(torch.nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, torch.nn.GRUCell])
-def test_second_order_decomposition_of_a_recurrent_network(cell):
+@pytest.mark.parametrize("cell, packed", [
+    (torch.nn.LSTM, False), (torch.nn.GRU, False), (torch.nn.RNN, False),
+    (torch.nn.GRUCell, False), (torch.nn.LSTM, True), (torch.nn.GRU, True)])
+def test_second_order_decomposition_of_a_recurrent_network(cell, packed):
     """``J_t(x) + 1/2 (H_t(x) dtheta_t)^T`` against the forward per-sample recursion with
     the derivative along the step by central differences of first derivatives (a plain
     autograd loop). torch's recurrent kernels have no vmap rule for their forward-mode
     derivative: every second-order decomposition of an LSTM, GRU, RNN or a loop of their
-    cells raised a shape error."""
+    cells raised a shape error. ``pack_padded_sequence`` has no forward-mode derivative at
+    all, and torch.func cannot differentiate its backward: on packed sequences it raised
+    torch's NotImplementedError ("Trying to use forward AD with _pack_padded_sequence"),
+    or a RuntimeError where the lengths came from the input."""
     rng = np.random.RandomState(0)
     X = rng.uniform(-1, 1, size=(10, 8))
     Y = torch.as_tensor(np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 2] * X[:, 7]])
 
     def build(n_features, n_outputs):
         torch.manual_seed(0)
-        return _Recurrent(n_outputs, cell)
+        return _Recurrent(n_outputs, cell, packed)
 
     est = PathKernelMachine(module=build, solver="adam", learning_rate_init=0.05,
                             batch_size=4, max_iter=2, dtype="float64", normalize_y=False,

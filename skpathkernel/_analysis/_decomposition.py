@@ -852,10 +852,25 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
             return {name: torch.stack([o.pop(name) for o in outs], dim=1)
                     for name in traj.names}
 
+    by_autograd = False
     for q0 in range(0, X.shape[0], block):
         rows = slice(q0, q0 + block)
         with FORWARD_AD, twice_differentiable():
-            hvp = products(X[rows])
+            if not by_autograd:
+                try:
+                    hvp = products(X[rows])
+                except torch.OutOfMemoryError:
+                    raise
+                except (RuntimeError, NotImplementedError):
+                    # An operation that forward-mode AD or torch.func's transforms do
+                    # not take: every packed recurrent network raised torch's "Trying to
+                    # use forward AD with _pack_padded_sequence", or "Cannot access data
+                    # pointer of Tensor that doesn't have storage" where its lengths came
+                    # from the input. Plain autograd's double backward takes them; a
+                    # genuine error of the network raises again from there.
+                    by_autograd = True
+            if by_autograd:
+                hvp = _hvp_by_autograd(f_single, params, tangent, X[rows])
         for name in traj.names:
             # (q, C, *shape); a 0-d parameter (a learnt scalar) has no dimension after the
             # outputs to flatten from.
@@ -866,6 +881,30 @@ def _add_hvp_rows(module, traj, layout, theta, delta, X, out, alpha, block, weig
             start, size = layout[name]
             out[rows, :, start : start + size].add_(h, alpha=alpha)
             del h
+
+
+def _hvp_by_autograd(f_single, params, tangent, Xb) -> dict[str, torch.Tensor]:
+    """:func:`_add_hvp_rows`' products ``H_c(x) dtheta`` (q, C, *shape) per parameter by
+    plain autograd, one double backward per query and output: for networks with an
+    operation that neither forward-mode AD nor ``torch.func``'s transforms of its backward
+    take (a packed sequence), slower and the same numbers."""
+    names = list(params)
+    rows = []
+    for x in Xb:
+        live = [params[k].detach().requires_grad_(True) for k in names]
+        with torch.enable_grad():
+            out = f_single(dict(zip(names, live)), x)
+            per_output = []
+            for c in range(out.shape[0]):
+                g = torch.autograd.grad(out[c], live, create_graph=True, allow_unused=True)
+                dot = sum((gi * tangent[k]).sum() for gi, k in zip(g, names)
+                          if gi is not None and gi.requires_grad)
+                hv = (torch.autograd.grad(dot, live, retain_graph=True, allow_unused=True)
+                      if torch.is_tensor(dot) else [None] * len(live))
+                per_output.append([torch.zeros_like(p) if h is None else h.detach()
+                                   for h, p in zip(hv, live)])
+        rows.append([torch.stack(col) for col in zip(*per_output)])
+    return {k: torch.stack([row[j] for row in rows]) for j, k in enumerate(names)}
 
 
 def _jvp_by_reverse(f, primals, tangents):

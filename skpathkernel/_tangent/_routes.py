@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize
 from .._checkpoint import functional_call
 from .._device import forward_input
 from .._modules import copy_module, runs_module
+from .._network._inputs import check_outputs
 from .._path._training import drawing_layers
 from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample
@@ -125,6 +126,16 @@ def _as_input(module: nn.Module, X) -> torch.Tensor:
     return X.to(device=device, dtype=torch.int64)
 
 
+def _n_outputs(module: nn.Module, params: Mapping[str, torch.Tensor], X: torch.Tensor) -> int:
+    """The module's outputs per sample, counted on ``X[:1]``; a module that returns a tuple
+    or a dict is refused, naming what to analyse (as a recorded network refuses it),
+    rather than failing in a reshape."""
+    with torch.no_grad():
+        out = functional_call(module, params, (forward_input(X[:1]),))
+    check_outputs(out, 1)
+    return out.reshape(1, -1).shape[1]
+
+
 def _no_rule_reason(layer: nn.Module) -> str:
     kind = type(layer)
     if isinstance(layer, parametrize.ParametrizationList):
@@ -196,9 +207,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     params = dict(params)
     X = _as_input(module, X)[:2]
     check_per_sample(module)
-    with torch.no_grad():
-        n_outputs = functional_call(module, params, (forward_input(X[:1]),)).reshape(1, -1).shape[1]
-    outputs, _ = _resolve_output(output, n_outputs)
+    outputs, _ = _resolve_output(output, _n_outputs(module, params, X))
     cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                   dense_fallback=False)
     reasons = dict(cap.reasons)
@@ -327,8 +336,7 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
         raise AssertionError(f"The factors of {', '.join(rejected)} {why}: the engine sends "
                              "these layers to the fallback.")
 
-    with torch.no_grad():
-        n_outputs = functional_call(ref, params, (forward_input(X[:1]),)).reshape(1, -1).shape[1]
+    n_outputs = _n_outputs(ref, params, X)
     jac = _looped(ref, {}, params, X, torch.arange(n_outputs, device=X.device))
     J = torch.cat([jac[k].reshape(X.shape[0], n_outputs, -1) for k in params], dim=2)
     phi = tangent_features(ref, params, X, output="full")

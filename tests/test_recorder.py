@@ -1209,6 +1209,50 @@ def test_a_module_compiled_in_place_is_analysed_on_its_rules_and_stays_compiled(
     assert module._compiled_call_impl is compiled_call
 
 
+class _OwnForward(torch.nn.Module):
+    """The 2-5-1 tanh network with a forward of its own (dynamo compiles user code; a
+    Sequential of torch's layers it runs as they are)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(2, 5), torch.nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_analyses_of_a_module_compiled_in_place_compile_nothing_and_restore_it(data):
+    """Every graph dynamo compiles is counted by the backend: the analyses ran the
+    compiled call and compiled 15 more graphs (one per grad mode and shape, until
+    dynamo's limit); run eagerly, they compile none, the user's loop after them
+    compiles none either (the same cached graph), and a verb that raises leaves the
+    compiled call in place."""
+    X, y, Xq = data
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    module = _OwnForward().double()
+    module.compile(backend=counting)
+    compiled_call = module._compiled_call_impl
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    rec = _recorded_full_batch(module, opt, X, y)
+    n_trained = len(graphs)
+    assert n_trained >= 1  # the loop ran compiled
+    layer_routes(module, Xq)
+    TangentKernel(rec.as_estimator(X, y))(Xq, X)
+    rec.as_network(X, y).decompose(Xq)
+    assert len(graphs) == n_trained
+    with pytest.raises(RuntimeError):
+        layer_routes(module, np.ones((2, 7)))
+    assert module._compiled_call_impl is compiled_call
+    _recorded_full_batch(module, opt, X, y, steps=2)
+    assert len(graphs) == n_trained
+
+
 def test_a_parameter_group_added_midway_is_refused_naming_it():
     module = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD([module.weight], lr=0.1)

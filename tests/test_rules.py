@@ -724,6 +724,32 @@ def test_layer_routes_and_check_rule_name_an_output_that_is_not_a_tensor(kind):
             call()
 
 
+class _Squeezed(nn.Module):
+    """A one-output regression net ending in ``.squeeze()``: (n,) for n samples, a 0-d
+    tensor for one."""
+
+    def __init__(self, squeeze=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.squeeze, self.a, self.b = squeeze, nn.Linear(3, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        z = self.b(torch.tanh(self.a(x)))
+        return z.squeeze() if self.squeeze else z
+
+
+def test_layer_routes_and_check_rule_take_a_squeezed_output():
+    # The refusal of tuple outputs also refused the 0-d output such a module gives for
+    # the one sample the outputs are counted on (ValueError "returned shape () for 1
+    # sample(s)"), which a recorded network of it takes.
+    X = torch.randn(5, 3, dtype=torch.float64)
+    net, plain = _Squeezed().double(), _Squeezed(squeeze=False).double()
+    assert net(X[:1]).ndim == 0
+    assert ([r.route for r in layer_routes(net, X)]
+            == [r.route for r in layer_routes(plain, X)] == ["rule", "rule"])
+    assert check_rule(net, X) < 1e-10
+
+
 def test_index_term_is_validated():
     delta = torch.randn(2, 1, 3, 4)
     with pytest.raises(ValueError, match="must be an integer tensor of shape"):

@@ -27,6 +27,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from skpathkernel import PathKernelMachine, RecordedNetwork
+from skpathkernel._analysis import _decomposition
 from skpathkernel._analysis._decomposition import _add_hvp_rows, _all_outputs_in_one_pass
 from skpathkernel._second_order import twice_differentiable
 from skpathkernel.diagnostics import hessian_trace
@@ -576,3 +577,115 @@ def _second_order_and_its_reference(est, X, Y, Xq):
     contrib, _ = forward_recursion(est, X, Y, squared, Xq, nodes)
     first = est.decompose(Xq, method="first_order").contributions
     return res, contrib, np.abs(contrib - first).max()
+
+
+class _Normed(torch.nn.Module):
+    """A layer norm (the per-output route) and a learnt 0-d scale."""
+
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.norm = torch.nn.Linear(n_features, 6), torch.nn.LayerNorm(6)
+        self.b, self.scale = torch.nn.Linear(6, n_outputs), torch.nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.norm(self.a(x)))) * self.scale
+
+
+def _tanh_mlp(n_features, n_outputs):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(n_features, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, n_outputs))
+
+
+def _lstm(n_features, n_outputs):
+    torch.manual_seed(0)
+    return _Recurrent(n_outputs, torch.nn.LSTM)
+
+
+def _recurrent_data():
+    rng = np.random.RandomState(0)
+    X = rng.uniform(-1, 1, size=(10, 8))
+    return X, np.c_[np.sin(3 * X[:, 0]) + X[:, 1], X[:, 2] * X[:, 7]]
+
+
+@pytest.mark.parametrize("build", [_tanh_mlp, _Normed, _lstm])
+def test_the_double_backward_route_gives_the_forward_mode_products(build, monkeypatch):
+    """Where forward-mode AD has no derivative for an operation (a packed sequence),
+    the curvature products are taken by plain autograd's double backward: the same
+    numbers as the forward-mode route, on networks that both take (all outputs in one
+    pass, one output at a time with a 0-d parameter, one query at a time)."""
+    X, Y = _recurrent_data()
+    est = PathKernelMachine(module=build, solver="adam", learning_rate_init=0.05,
+                            batch_size=4, max_iter=2, dtype="float64", normalize_y=False,
+                            tol=None, random_state=0).fit(X, Y)
+    Xq = X[:4] + 0.1
+    fast = est.decompose(Xq, method="second_order").contributions
+    first = est.decompose(Xq, method="first_order").contributions
+    assert np.abs(fast - first).max() > 1e-3 * np.abs(fast).max()  # a curvature term
+
+    def no_forward_ad(*args, **kwargs):
+        raise NotImplementedError("Trying to use forward AD with _pack_padded_sequence")
+
+    calls = []
+    by_autograd = _decomposition._hvp_by_autograd
+    monkeypatch.setattr(_decomposition, "jvp", no_forward_ad)
+    monkeypatch.setattr(_decomposition, "_hvp_by_autograd",
+                        lambda *a: calls.append(1) or by_autograd(*a))
+    slow = est.decompose(Xq, method="second_order").contributions
+    assert calls
+    np.testing.assert_allclose(slow, fast, rtol=0, atol=1e-12 * np.abs(fast).max())
+
+
+def test_a_float32_lstm_has_its_second_order_decomposition():
+    """torch's float32 LSTM on the CPU (oneDNN's mkldnn_rnn_layer) has no forward-mode
+    derivative: its second-order decomposition raised NotImplementedError before the
+    double backward took it. Against the float64 fit of the same network and batches."""
+    X, Y = _recurrent_data()
+    res = {}
+    for dtype in ("float32", "float64"):
+        est = PathKernelMachine(module=_lstm, solver="adam", learning_rate_init=0.05,
+                                batch_size=4, max_iter=2, dtype=dtype, normalize_y=False,
+                                tol=None, random_state=0).fit(X, Y)
+        res[dtype] = est.decompose(X[:3] + 0.1, method="second_order").contributions
+    scale = np.abs(res["float64"]).max()
+    np.testing.assert_allclose(res["float32"], res["float64"], rtol=0, atol=1e-5 * scale)
+
+
+class _DetachedTanh(torch.autograd.Function):
+    """tanh whose backward reads a detached copy of its output: differentiating the
+    backward misses the activation's own curvature, and nothing marks it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.y = y.detach().clone()
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 - ctx.y * ctx.y)
+
+
+class _DetachedNet(torch.nn.Module):
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(n_features, 6), torch.nn.Linear(6, n_outputs)
+
+    def forward(self, x):
+        return self.b(_DetachedTanh.apply(self.a(x)))
+
+
+def test_only_a_missing_forward_derivative_falls_back_to_the_double_backward():
+    """A custom autograd.Function without setup_context is refused by torch.func
+    (RuntimeError): the fallback for packed sequences took every RuntimeError, and
+    differentiated this one's backward twice, which reads a detached tensor: the
+    curvature term came out 3% off, without a word. It raises torch's error again."""
+    rng = np.random.RandomState(0)
+    X = rng.normal(size=(16, 3))
+    est = PathKernelMachine(module=_DetachedNet, max_iter=5, batch_size=5, tol=None,
+                            learning_rate_init=0.1, dtype="float64",
+                            random_state=0).fit(X, np.sin(X[:, 0]))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        est.decompose(X[:3], method="second_order")

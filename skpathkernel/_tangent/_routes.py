@@ -129,10 +129,12 @@ def _as_input(module: nn.Module, X) -> torch.Tensor:
 def _n_outputs(module: nn.Module, params: Mapping[str, torch.Tensor], X: torch.Tensor) -> int:
     """The module's outputs per sample, counted on ``X[:1]``; a module that returns a tuple
     or a dict is refused, naming what to analyse (as a recorded network refuses it),
-    rather than failing in a reshape."""
+    rather than failing in a reshape. Only that: a module ending in ``.squeeze()`` returns
+    a 0-d tensor for one sample, which a recorded network takes."""
     with torch.no_grad():
         out = functional_call(module, params, (forward_input(X[:1]),))
-    check_outputs(out, 1)
+    if not isinstance(out, torch.Tensor):
+        check_outputs(out, 1)  # its TypeError
     return out.reshape(1, -1).shape[1]
 
 

@@ -799,6 +799,9 @@ class _Blocks:
         # Likewise the saved tensors are held copy-on-write once a capture found one
         # rewritten in place (capture's guard_saved): the later chunks skip the first run.
         self._guard_saved = False
+        # Eval BatchNorms folded into their convolutions (capture's fold_bn) until a
+        # capture finds a folded convolution's output read elsewhere.
+        self._fold_bn = True
         # The forward passes kept for the captures of the same rows by later output
         # groups (capture's ``kept``, by rows), and whether this is the last group.
         self.forwards: dict | None = None
@@ -827,8 +830,10 @@ class _Blocks:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
                       index=True, formed=self.dense, copy_sites=self._copy_sites,
-                      kept=kept, last=self.last, guard_saved=self._guard_saved)
+                      kept=kept, last=self.last, guard_saved=self._guard_saved,
+                      fold_bn=self._fold_bn)
         self._copy_sites = cap.copied
+        self._fold_bn = self._fold_bn and cap.fold_bn
         self._guard_saved = self._guard_saved or cap.guarded
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
@@ -970,14 +975,15 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # besides (13% more on the ViT row, which then lost the kept plan).
     rows = X[:2] if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude, index=True, measure_graph=True, copy_sites=False)
+                    exclude=exclude, index=True, measure_graph=True, copy_sites=False,
+                    fold_bn=True)
     hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
         else frozenset()
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                         exclude=probe.exclude | hidden, index=True, measure_graph=True,
-                        copy_sites=False)
+                        copy_sites=False, fold_bn=True)
     # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
     # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,

@@ -16,7 +16,11 @@ Usage: ``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.bench_resnet_fold_a
   (:func:`skpathkernel._tangent._gram._kept_forward_groups` patched to None), "ref"
   without the fold: the fold's own cut of the captures;
 - "kept": both sides with the fold, "ref" without the kept plan: what keeping the forward
-  passes adds.
+  passes adds;
+- "patches": both sides with the fold, "ref" with every folded convolution's weight in the
+  caller's formed set formed in the capture (from its patches where
+  :func:`skpathkernel._tangent._layers._conv_formed` declines it: the fold's first
+  version), "new" with those left to the caller's forming, the backprop scaled.
 
 Results: ``benchmarks/results/resnet_fold_ab-s49.md``.
 """
@@ -26,13 +30,32 @@ from contextlib import ExitStack
 from unittest import mock
 
 from benchmarks.bench_vit_cuts_ab import alternated, parse
-from skpathkernel._tangent import _capture, _gram
+from skpathkernel._tangent import _capture, _gram, _layers
+from skpathkernel._tangent._contract import dense_grad
+from skpathkernel._tangent._rules import Term
+
+_CONV_FORMED = _layers._conv_formed
+
+
+def _formed_everywhere(use, deltas, names):
+    """:func:`skpathkernel._tangent._layers._conv_formed`, or where it declines, the
+    weight's gradients formed from its patches (one GEMM per sample), as a constant-input
+    term."""
+    terms = _CONV_FORMED(use, deltas, names)
+    if terms is not None:
+        return terms
+    n, C = deltas[0].shape[:2]
+    (term,) = _layers._conv_factors(None, use, deltas, {"weight": names["weight"]})
+    g = dense_grad(term, term.inputs[0][1])
+    return [Term(delta=g.view(n, C, 1, -1), inputs=[(names["weight"], None)])]
 
 
 def _side(cut, side):
     stack = ExitStack()
     if side == "ref" and cut in ("fold", "fold-only"):
         stack.enter_context(mock.patch.object(_capture, "foldable", lambda *args: False))
+    if side == "ref" and cut == "patches":
+        stack.enter_context(mock.patch.object(_layers, "_conv_formed", _formed_everywhere))
     if cut == "fold-only" or (cut == "kept" and side == "ref"):
         stack.enter_context(mock.patch.object(_gram, "_kept_forward_groups",
                                               lambda *args: None))
@@ -41,7 +64,7 @@ def _side(cut, side):
 
 def main(argv=None):
     args = parse(argv, "resnet@1024")
-    if args.cut not in ("fold", "fold-only", "kept"):
+    if args.cut not in ("fold", "fold-only", "kept", "patches"):
         raise SystemExit(f"unknown cut {args.cut!r}")
     alternated(args.cases, args.reps, args.peak, functools.partial(_side, args.cut))
 

@@ -1432,6 +1432,46 @@ def test_batch_norm_folded_into_its_convolution(kind, monkeypatch):
            torch.einsum("ncp,mdp->ncmd", J, J), 1e-5)
 
 
+def test_batch_norm_folded_into_a_convolution_formed_in_the_capture(monkeypatch):
+    # Where the caller forms the weights, the capture forms them from the BatchNorm
+    # output's backprop and scales them per channel, BatchNorm's weight gradient taken
+    # from <W, G> (gamma == 0 entries: exact): by oneDNN's grouped weight gradient
+    # (_layers._conv_formed: float32, 16 input channels, more positions than outputs x
+    # channels) for the second convolution, from its patches for the first (2 input
+    # channels). Against the autograd loop of a float64 copy, to float32 rounding.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                           nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1), nn.BatchNorm2d(8),
+                           nn.ReLU(), nn.Flatten(2), _Mean(), nn.Linear(8, 3))
+    for m in (module[1], module[4]):
+        m.running_mean.uniform_(-0.5, 0.5)
+        m.running_var.uniform_(0.5, 2.0)
+        m.weight.data.uniform_(0.5, 1.5)
+        m.bias.data.uniform_(-0.5, 0.5)
+    module[4].weight.data[::3] = 0.0
+    module.eval()
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(7, 2, 6, 6)
+    J = _subset_jacobian(module, params, X.double())
+    formed = []
+    real = _layers._conv_formed
+    monkeypatch.setattr(_layers, "_conv_formed",
+                        lambda *a: (lambda t: formed.append(t is not None) or t)(real(*a)))
+    cap = capture(module, params, X, [0, 1, 2], memory_budget=2**24, copy_sites=False,
+                  formed=frozenset({"0.weight", "3.weight"}), fold_bn=True)
+    assert formed == [False, True]  # oneDNN's for the second convolution only
+    assert all(t.inputs[0][1] is None for t in cap.terms  # both weights' formed
+               if t.inputs[0][0] in ("0.weight", "3.weight"))
+    _close(_term_gradients(cap, params), J, 1e-5)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J),
+           1e-5)
+
+
+class _Mean(nn.Module):
+    def forward(self, x):
+        return x.mean(-1)
+
+
 def test_batch_norm_fold_keeps_the_forward_values_and_frees_the_outputs():
     # The folded BatchNorm's output is the layer's own eval batch norm of the
     # convolution's output, bit for bit (the network's outputs do not move), and neither

@@ -215,6 +215,29 @@ forming in capture per output as each backprop comes, without the copy into the 
 buffer (0.95-1.12x). The graph of the kept forward passes is 0.996 MB per row with
 uncopied sites: 1.02 GB at N = 1024, over the budget alone
 (``benchmarks/results/resnet_backward_ab-s48.md``).
+Session s49: the Gram's captures fold each eval BatchNorm called on a rule convolution's
+output, and on nothing else, into that convolution (``capture``'s ``fold_bn``,
+:meth:`._capture._UseWatch._fold`, :func:`._layers.fold_batch_norm`): the BatchNorm's
+output, its values bit for bit, comes from a Function whose backward is the
+convolution's input gradient by the scaled weight (no BatchNorm backward); the
+convolution's output is not held, nor the BatchNorm's, whose site is its gradient edge
+(:class:`._capture._EdgeSite`); the per-sample gradients come from its backprop
+(:func:`._layers.folded_terms`: the weight's formed in the capture, then scaled per
+channel; BatchNorm's weight from ``<W, G>``, no division by gamma). The probe's graph fell
+from 995,624 to 308,168 bytes per row (652,232 with the sites' outputs held: 2.4% short
+of the kept plan by its estimates), 316 MB at N = 1024: the row takes the kept plan, ten
+one-output groups sharing one forward pass per 44-row chunk (24 forward passes instead of
+145). The call: 0.909 and 0.951 of the CPU time by medians of 5 alternated rounds in two
+runs (0.859-1.008 by round, load 2-4), K to 3.4e-7 of its largest entry, the peak of
+torch's allocations less K 676.5 MiB against 736.6
+(``benchmarks/results/resnet_fold_ab-s49.md``). Its phases then (one core, load 4): the
+forward passes 0.55 s (2.9 s before), the backward passes 5.4 s (7.5), forming in the
+capture 6.5 s (2.3 s, with forming 0.7 s against 1.6: one output per capture, every weight
+formed there), the products 5.8 s, of 19.5 s. Not kept: the weights that
+:func:`._layers._conv_formed` declines (the stem, the shortcuts, the 8 x 8 convolutions)
+left to the engine's forming from their factors, the backprop scaled in place and
+BatchNorm's sums from the convolution's output recomputed: 1.033 of the time of forming
+them in the capture by medians of 4 alternated rounds (1.024-1.096 by round).
 
 A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
 ``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;

@@ -227,8 +227,8 @@ channel; BatchNorm's weight from ``<W, G>``, no division by gamma). The probe's 
 from 995,624 to 308,168 bytes per row (652,232 with the sites' outputs held: 2.4% short
 of the kept plan by its estimates), 316 MB at N = 1024: the row takes the kept plan, ten
 one-output groups sharing one forward pass per 44-row chunk (24 forward passes instead of
-145). The call: 0.909 and 0.951 of the CPU time by medians of 5 alternated rounds in two
-runs (0.859-1.008 by round, load 2-4), K to 3.4e-7 of its largest entry, the peak of
+145). The call: 0.909, 0.951 and 0.865 of the CPU time by medians of 5 alternated rounds
+in three runs (0.836-1.008 by round, load 2-4), K to 3.4e-7 of its largest entry, the peak of
 torch's allocations less K 676.5 MiB against 736.6
 (``benchmarks/results/resnet_fold_ab-s49.md``). Its phases then (one core, load 4): the
 forward passes 0.55 s (2.9 s before), the backward passes 5.4 s (7.5), forming in the

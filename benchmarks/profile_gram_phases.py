@@ -103,6 +103,9 @@ def _install(ph: _Phases):
     _cnn._forward = ph.wrap("forward", _cnn._forward)
     _cnn._backward = ph.wrap("backward", _cnn._backward)
     _capture.formed_terms = ph.wrap("forming (in capture)", _capture.formed_terms)
+    # A convolution with the eval BatchNorm folded into it (s49): its weight's gradients
+    # formed in the capture, with BatchNorm's sums.
+    _capture._folded_terms = ph.wrap("forming (in capture)", _capture._folded_terms)
     _gram._Blocks._capture = ph.wrap("capture (other)", _gram._Blocks._capture)
     _gram._formed = ph.wrap("forming", _gram._formed)
     _gram._syrk_block = ph.wrap("products", _gram._syrk_block)

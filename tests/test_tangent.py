@@ -1275,7 +1275,9 @@ def test_batch_norm_sums_are_taken_as_the_backward_passes_compute_them(output, c
     # backprops are neither copied into a buffer nor kept (two of the small ResNet's five
     # sites). Against the dense Jacobians, and in float32 against the Gram of the
     # backprops copied after each pass, the sums by the rule (as before: the same to
-    # float32 rounding).
+    # float32 rounding). Without the fold of each BatchNorm into the convolution before it
+    # (test_batch_norm_folded_into_its_convolution), which leaves them no site.
+    monkeypatch.setattr(_capture, "foldable", lambda *args: False)
     module, params, X = _resnet_problem(20)
     if channels_last:
         module = module.to(memory_format=torch.channels_last)
@@ -1304,6 +1306,196 @@ def test_batch_norm_sums_are_taken_as_the_backward_passes_compute_them(output, c
     _close(new, ref, 1e-5)
     _old_backprops(monkeypatch)
     _close(new, tangent_gram(module32, params32, X.float(), output=output), 1e-6)
+
+
+class _ConvBatchNorm(nn.Module):
+    """Convolutions followed by eval BatchNorms, in the variants that the captures' fold
+    (:meth:`._capture._UseWatch._fold`) must treat: ``kind`` picks the second pair's."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        conv = nn.Conv1d if kind == "conv1d" else nn.Conv2d
+        bn = nn.BatchNorm1d if kind == "conv1d" else nn.BatchNorm2d
+        self.conv1 = conv(2, 4, 3, padding=1, bias=False)
+        self.bn1 = bn(4)
+        groups, stride = (2, 2) if kind == "grouped, strided" else (1, 1)
+        self.conv2 = conv(4, 4, 3, padding=1, bias=kind != "no bias", groups=groups,
+                          stride=stride)
+        self.bn2 = bn(4, affine=kind != "affine=False")
+        self.relu = nn.ReLU(inplace=kind == "in-place ReLU")
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.relu(self.bn1(self.conv1(x)))
+        z = self.conv2(h)
+        if self.kind == "BatchNorm after a ReLU":
+            y = self.bn2(torch.relu(z))
+        elif self.kind == "output read after":
+            y = self.bn2(z) + 0.5 * z
+        elif self.kind == "output read before":
+            a = 0.5 * z
+            y = self.bn2(z) + a
+        else:
+            y = self.bn2(z)
+        return self.head(self.relu(y).flatten(2).mean(2))
+
+
+# Whether the second pair folds (the first always does; but a capture that finds a folded
+# output read after its BatchNorm runs again without folding). A frozen layer is no rule
+# layer: nothing to fold.
+_FOLDS = {"plain": True, "no bias": True, "gamma zero": True, "affine=False": False,
+          "BatchNorm after a ReLU": False, "output read after": False,
+          "output read before": False, "in-place ReLU": True, "conv1d": True,
+          "grouped, strided": True, "frozen convolution": False, "frozen BatchNorm": False}
+
+
+def _conv_bn_problem(kind, dtype=torch.float64):
+    torch.manual_seed(0)
+    module = _ConvBatchNorm(kind)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            if m.affine:
+                m.weight.data.uniform_(0.5, 1.5)
+                m.bias.data.uniform_(-0.5, 0.5)
+    if kind == "gamma zero":
+        module.bn1.weight.data[1] = 0.0
+        module.bn2.weight.data[::2] = 0.0
+    module = module.eval().to(dtype)
+    frozen = {"frozen convolution": "conv2.", "frozen BatchNorm": "bn2."}.get(kind, "-")
+    params = {k: v.detach() + 0.05 * torch.randn_like(v)
+              for k, v in module.named_parameters() if not k.startswith(frozen)}
+    shape = (2, 10) if kind == "conv1d" else (2, 5, 6)
+    return module, params, torch.randn(7, *shape, dtype=dtype)
+
+
+def _subset_jacobian(module, params, X):
+    """(n, C, P) of the parameters in ``params`` alone (the others frozen), by the
+    autograd loop on a float64 copy."""
+    ref = copy.deepcopy(module).to(torch.float64)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.requires_grad_(name in params)
+            if name in params:
+                p.copy_(params[name])
+    return jacobian_loop(ref, X)
+
+
+def _term_gradients(cap, params):
+    """(n, C, P): the per-sample gradients the capture's terms give, in ``params``'s
+    order."""
+    grads = {}
+    for term in cap.terms:
+        for name, a in term.inputs:
+            grads[name] = _tangent._contract.dense_grad(term, a)
+    return torch.cat([grads[name] for name in params], dim=2)
+
+
+@pytest.mark.parametrize("kind", sorted(_FOLDS))
+def test_batch_norm_folded_into_its_convolution(kind, monkeypatch):
+    # An eval BatchNorm called on a convolution's output and on nothing else is folded
+    # into it in the Gram's captures: its output is the convolution's site (a gradient
+    # edge, its values not held), its backward goes straight to the convolution's input
+    # by the scaled weight, the convolution's gradient is formed from that backprop and
+    # scaled per channel, BatchNorm's weight gradient from <W, G> (no division by gamma:
+    # gamma == 0 entries). Pairs that must not fold (affine=False, a BatchNorm after
+    # another op, the output read elsewhere before or after the BatchNorm, frozen
+    # BatchNorm parameters) are left as they are. Against the autograd loop of a float64
+    # copy: the Gram, and the capture's per-sample gradients both where the caller forms
+    # the weights (their gradients formed in the capture) and where it does not (the
+    # pre-norm output recomputed for BatchNorm's weight gradient).
+    module, params, X = _conv_bn_problem(kind)
+    J = _subset_jacobian(module, params, X)
+    folds = []
+    real = _capture.fold_batch_norm
+    monkeypatch.setattr(_capture, "fold_batch_norm",
+                        lambda use, z, *a: folds.append(tuple(z.shape)) or real(use, z, *a))
+    K = tangent_gram(module, params, X, output="full")
+    _close(K, torch.einsum("ncp,mdp->ncmd", J, J))
+    assert folds
+    weights = frozenset(name for name in params if name.startswith("conv"))
+    for formed in (frozenset(), weights):
+        folds.clear()
+        cap = capture(module, params, X, [0, 1, 2], memory_budget=2**24, formed=formed,
+                      fold_bn=True, copy_sites=False)
+        assert cap.fallback == ()
+        _close(_term_gradients(cap, params), J)
+        assert cap.fold_bn is (kind != "output read after")
+        # The first pair folds in every capture that keeps folding, the second where it
+        # may: a capture that found a folded output read elsewhere ran again unfolded.
+        assert len(folds) == (1 + _FOLDS[kind] if cap.fold_bn else 2)
+    module32 = module.float()
+    params32 = {k: v.float() for k, v in params.items()}
+    _close(tangent_gram(module32, params32, X.float(), output="full"),
+           torch.einsum("ncp,mdp->ncmd", J, J), 1e-5)
+
+
+def test_batch_norm_folded_into_a_convolution_formed_in_the_capture(monkeypatch):
+    # Where the caller forms the weights, the capture forms them from the BatchNorm
+    # output's backprop and scales them per channel, BatchNorm's weight gradient taken
+    # from <W, G> (gamma == 0 entries: exact): by oneDNN's grouped weight gradient
+    # (_layers._conv_formed: float32, 16 input channels, more positions than outputs x
+    # channels) for the second convolution, from its patches for the first (2 input
+    # channels). Against the autograd loop of a float64 copy, to float32 rounding.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                           nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1), nn.BatchNorm2d(8),
+                           nn.ReLU(), nn.Flatten(2), _Mean(), nn.Linear(8, 3))
+    for m in (module[1], module[4]):
+        m.running_mean.uniform_(-0.5, 0.5)
+        m.running_var.uniform_(0.5, 2.0)
+        m.weight.data.uniform_(0.5, 1.5)
+        m.bias.data.uniform_(-0.5, 0.5)
+    module[4].weight.data[::3] = 0.0
+    module.eval()
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(7, 2, 6, 6)
+    J = _subset_jacobian(module, params, X.double())
+    formed = []
+    real = _layers._conv_formed
+    monkeypatch.setattr(_layers, "_conv_formed",
+                        lambda *a: (lambda t: formed.append(t is not None) or t)(real(*a)))
+    cap = capture(module, params, X, [0, 1, 2], memory_budget=2**24, copy_sites=False,
+                  formed=frozenset({"0.weight", "3.weight"}), fold_bn=True)
+    assert formed == [False, True]  # oneDNN's for the second convolution only
+    assert all(t.inputs[0][1] is None for t in cap.terms  # both weights' formed
+               if t.inputs[0][0] in ("0.weight", "3.weight"))
+    _close(_term_gradients(cap, params), J, 1e-5)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J),
+           1e-5)
+
+
+class _Mean(nn.Module):
+    def forward(self, x):
+        return x.mean(-1)
+
+
+def test_batch_norm_fold_keeps_the_forward_values_and_frees_the_outputs():
+    # The folded BatchNorm's output is the layer's own eval batch norm of the
+    # convolution's output, bit for bit (the network's outputs do not move), and neither
+    # that output nor the convolution's is held by the capture: the probe's graph of the
+    # small ResNet loses both tensors of each pair. The tests of memory_budget and of
+    # the kept forward passes' bytes measure what the plan then holds.
+    module, params, X = _resnet_problem(8, torch.float32)
+    f = {}
+
+    def run(fold):
+        handle = module.head.register_forward_hook(
+            lambda m, args, out: f.__setitem__(fold, out.detach().clone()))
+        try:
+            cap = capture(module, params, X, [0, 1], memory_budget=2**24,
+                          measure_graph=True, copy_sites=False, fold_bn=fold)
+        finally:
+            handle.remove()
+        return cap.graph_bytes
+
+    unfolded, folded = run(False), run(True)
+    assert torch.equal(f[False], f[True])
+    # Two pairs of (n, 8, 6, 6) float32, a convolution's output and BatchNorm's each,
+    # less the folds' saved scales (8 floats a pair).
+    assert unfolded - folded == 2 * 2 * X.shape[0] * 8 * 36 * 4 - 2 * 8 * 4
 
 
 def test_batch_norm_sums_of_an_output_that_does_not_reach_it_are_zero():
@@ -2584,7 +2776,8 @@ class _MaskedEncoder(nn.Module):
         return self.head(self.layer(self.embed(x), src_key_padding_mask=pad).mean(1))
 
 
-@pytest.mark.parametrize("make", ["inplace_block", "tanh_relu_", "masked_encoder"])
+@pytest.mark.parametrize("make", ["inplace_block", "small_resnet", "tanh_relu_",
+                                  "masked_encoder"])
 def test_graph_bytes_do_not_undercount_rewritten_sites(make):
     # The probe counts the graph uncopied, as the chunks run; where an in-place op
     # rewrites a site's output (ReLU(inplace) after BatchNorm, ``out += x``) or a saved
@@ -2596,6 +2789,8 @@ def test_graph_bytes_do_not_undercount_rewritten_sites(make):
     torch.manual_seed(0)
     module, shape = {
         "inplace_block": lambda: (_InPlaceBlock(), (2, 4, 4)),
+        # BatchNorms folded into their convolutions: neither output held (s49).
+        "small_resnet": lambda: (_SmallResNet(3), (2, 6, 6)),
         "tanh_relu_": lambda: (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.ReLU(inplace=True),
                                              nn.Linear(6, 3)), (4,)),
         "masked_encoder": lambda: (_MaskedEncoder(), (6, 4)),
@@ -2606,7 +2801,8 @@ def test_graph_bytes_do_not_undercount_rewritten_sites(make):
     probe = _gram._prepare(module, params, X, "trace", 2**30)[3]
     rows, kept = 32, {}
     held = _held_bytes(lambda: capture(module, params, X[:rows], [0], memory_budget=2**30,
-                                       index=True, kept=kept, last=False, copy_sites=False))
+                                       index=True, kept=kept, last=False, copy_sites=False,
+                                       fold_bn=True))
     assert kept and held > 0
     kept.clear()
     assert 0.98 * held <= probe.graph_bytes * rows <= 1.1 * held, (probe.graph_bytes * rows,

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from .._checkpoint import functional_call
@@ -52,7 +54,18 @@ from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._cnn import cnn_backprops, first_formed, pools_first
 from ._contract import dense_grad, grad_times, one_hot, param_numel, split_constant_inputs
 from ._generic import per_sample_jacobian, strided
-from ._layers import formed_terms, site_sums
+from ._layers import (
+    BATCH_NORM,
+    CONV1D,
+    CONV2D,
+    CONV3D,
+    FoldedUse,
+    fold_batch_norm,
+    foldable,
+    folded_terms,
+    formed_terms,
+    site_sums,
+)
 from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
 from ._rules import RULES, Rule, Term, Use
 from ._saved import SavedWatch, differentiable_forward
@@ -140,6 +153,10 @@ class Capture:
     #: alive for the whole capture beside its graph, backprops and factors, where no
     #: factor holds it (a first Linear's input is its weight's factor, in :meth:`nbytes`).
     input_bytes: int = 0
+    #: Whether the capture may fold eval BatchNorms into the convolutions before them
+    #: (see :func:`capture`'s ``fold_bn``): False once a capture found a folded
+    #: convolution's output read elsewhere.
+    fold_bn: bool = True
 
     def nbytes(self) -> int:
         size = 0
@@ -317,6 +334,11 @@ _VALUE_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor._
                           torch.Tensor.__bool__, torch.Tensor.numpy,
                           torch.Tensor.__array__})
 _DECLINED = object()  # the own call ran, but not as the rule's sites
+# Reads of a tensor's metadata only (``x.dim()``, ``x.shape``): not a use of its values.
+_METADATA = frozenset({"dim", "size", "__get__", "numel", "stride", "is_contiguous",
+                       "is_floating_point", "__len__", "ndimension", "nelement",
+                       "element_size", "get_device", "is_complex"})
+_CONVOLUTIONS = (CONV1D, CONV2D, CONV3D)
 
 
 class _Frame:
@@ -358,10 +380,20 @@ class _UseWatch(TorchFunctionMode):
 
     def __init__(self, owners: dict[int, tuple[frozenset[int], str]], ops: dict[int, tuple],
                  layers: dict[int, tuple[nn.Module, Rule]] | None = None,
-                 free: dict[int, tuple[str, torch.Tensor]] | None = None, copy: bool = True):
+                 free: dict[int, tuple[str, torch.Tensor]] | None = None, copy: bool = True,
+                 fold: bool = False):
         super().__init__()
         self.owners, self.ops, self.layers = owners, ops, layers or {}
         self.copy = copy
+        # Eval BatchNorms folded into the convolution before them (:meth:`_fold`): the
+        # last convolution output handed on, ``(tensor, frame)``, until something else
+        # reads it; ``watched`` the ids of it and of the folded convolutions' outputs
+        # (weakly held: the fold frees them), whose reading anywhere else is a ``broken``
+        # fold.
+        self.fold, self.broken = fold, False
+        self.pending: tuple[torch.Tensor, _Frame] | None = None
+        self.watched: dict[int, object] = {}
+        self._consumed: int | None = None
         self.handed: list[tuple[torch.Tensor, int]] = []
         # Free parameters (no rule layer owns them): their reads through a registered
         # elementwise operation (:mod:`._parameters`) are sites; any other read is a miss.
@@ -402,6 +434,29 @@ class _UseWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = list(_tensors((args, kwargs)))
+        if self.watched and any(id(t) in self.watched for t in tensors):
+            return self._watched_call(func, types, args, kwargs, tensors)
+        return self._call(func, types, args, kwargs, tensors)
+
+    def _watched_call(self, func, types, args, kwargs, tensors):
+        """A call reading a convolution's output that a BatchNorm may fold into, or has
+        folded into (:meth:`_fold`): any read but the fold itself and metadata ends the
+        first, and breaks the second (the capture then runs again without folding)."""
+        self._consumed = None
+        out = self._call(func, types, args, kwargs, tensors)
+        if (getattr(func, "__name__", None) in _METADATA
+                and next(_tensors(out), None) is None):
+            return out
+        for t in tensors:
+            key = id(t)
+            if key in self.watched and key != self._consumed:
+                if self.watched.pop(key) is not None:
+                    self.broken = True  # a folded convolution's output read elsewhere
+                if self.pending is not None and self.pending[0] is t:
+                    self.pending = None
+        return out
+
+    def _call(self, func, types, args, kwargs, tensors):
         owned = {self.owners[id(t)] for t in tensors if id(t) in self.owners}
         free = [self.free[id(t)] for t in tensors if id(t) in self.free] if self.free else []
         # A layer's own flag is refused before the forward, by check_lookups; this sees
@@ -466,12 +521,20 @@ class _UseWatch(TorchFunctionMode):
         layer, rule = self.layers[top.layer]
         top.use = _DECLINED
         if rule.expand is None:
+            if (rule is BATCH_NORM and self.pending is not None
+                    and args[0] is self.pending[0]):
+                return self._fold(top, func, args, kwargs)
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 top.use = (Use(func, args, kwargs, (args[0],)), (out,))
+                handed = out
                 if self.copy or out._is_view():
-                    return out.clone()
-                self.handed.append((out, out._version))
+                    handed = out.clone()
+                else:
+                    self.handed.append((out, out._version))
+                if self.fold and rule in _CONVOLUTIONS:
+                    self._pend(handed, top)
+                return handed
             return out
         expanded = rule.expand(layer, func, args, kwargs)
         if expanded is None:
@@ -481,6 +544,104 @@ class _UseWatch(TorchFunctionMode):
             top.use = (Use(func, args, kwargs, tuple(a for a, _ in sites)),
                        tuple(z for _, z in sites))
         return out
+
+    def _pend(self, handed: torch.Tensor, frame: _Frame) -> None:
+        """A convolution's output handed on: an eval BatchNorm called on it next folds
+        into it (:meth:`_fold`), unless something else reads it first."""
+        if self.pending is not None:
+            self.watched.pop(id(self.pending[0]), None)
+        self.pending = (handed, frame)
+        self.watched[id(handed)] = None
+
+    def _fold(self, top: _Frame, func, args, kwargs):
+        """The BatchNorm call ``func(*args, **kwargs)`` on the pending convolution's
+        output, folded into the convolution where :func:`._layers.foldable` (else run as
+        it is): its output is the convolution's site, with the BatchNorm's call as the
+        convolution's :class:`._layers.FoldedUse`; the BatchNorm's own use has no site
+        (its terms come with the convolution's). The convolution's output is no longer
+        held (the graph's largest saving: a tensor per pair), and any later read of it
+        breaks the fold."""
+        z, frame = self.pending
+        self.pending = None
+        self.watched.pop(id(z), None)
+        calls, conv = self.factors[frame.layer], frame.use
+        if (not isinstance(conv, tuple) or not any(c is conv for c in calls)
+                or not foldable(conv[0], func, args, kwargs)):
+            return self._own_call(top, func, args, kwargs)  # as it is: nothing pends
+        y = fold_batch_norm(conv[0], z, func, args, kwargs)
+        site = conv[1][0]
+        # The folded output's values are read by nothing of the capture: its site is its
+        # gradient edge (the graph does not hold it, an in-place op downstream cannot
+        # rewrite what the edge receives), so it is neither copied nor checked.
+        edge = _EdgeSite(y)
+        bn = Use(func, (edge, *args[1:]), kwargs, (edge,))
+        folded = (FoldedUse(conv[0].func, conv[0].args, conv[0].kwargs, conv[0].inputs, bn=bn),
+                  (edge,))
+        calls[next(i for i, c in enumerate(calls) if c is conv)] = folded
+        top.use = (bn, ())
+        self.handed = [(t, v) for t, v in self.handed if t is not site]
+        # The convolution's output read again later (a residual of the pre-norm values)
+        # would miss its own backprop: such a read breaks the fold.
+        key = id(z)
+        self.watched[key] = weakref.ref(z, lambda _, key=key: self.watched.pop(key, None))
+        self._consumed = key
+        return y
+
+
+class _HookSlot:
+    """The hook of an :class:`_EdgeSite`, set for the backward passes of one capture
+    (the tensor's hook stays on its node for the graph's life; it holds this slot, which
+    holds nothing of the graph)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self):
+        self.fn = None
+
+    def __call__(self, grad):
+        return None if self.fn is None else self.fn(grad)
+
+    def remove(self) -> None:
+        self.fn = None
+
+
+class _EdgeSite:
+    """A site's output held as its gradient edge, without its values: what
+    :func:`_backprops` reads of a site (shape, dtype, device, a hook, the edge that
+    ``autograd.grad`` takes), for a folded BatchNorm's output (:meth:`_UseWatch._fold`),
+    whose memory the graph then does not hold."""
+
+    __slots__ = ("edge", "shape", "dtype", "device", "_slot")
+    requires_grad = True
+
+    def __init__(self, y: torch.Tensor):
+        self.edge = get_gradient_edge(y)
+        self.shape, self.dtype, self.device = y.shape, y.dtype, y.device
+        self._slot = _HookSlot()
+        # Registered while the tensor lives: the hook stays on its node after it is freed
+        # (and fires for the edge taken as an input of autograd.grad).
+        y.register_hook(self._slot)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def register_hook(self, fn) -> _HookSlot:
+        self._slot.fn = fn
+        return self._slot
+
+    def new_empty(self, shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+
+def _zeros(z) -> torch.Tensor:
+    """Zeros like a site's output (the gradient of an output that does not reach it)."""
+    return torch.zeros_like(z) if isinstance(z, torch.Tensor) else z.new_empty(z.shape).zero_()
+
+
+def _grad_inputs(zs) -> list:
+    """The sites as ``autograd.grad`` takes them (an :class:`_EdgeSite` by its edge)."""
+    return [z.edge if isinstance(z, _EdgeSite) else z for z in zs]
 
 
 def _why_declined(calls, rule, layer) -> str | None:
@@ -534,6 +695,7 @@ def capture(
     last: bool = True,
     measure_graph: bool = False,
     guard_saved: bool = False,
+    fold_bn: bool = False,
 ) -> Capture:
     """Kronecker factors (rule layers) and dense Jacobians (the rest) for the rows of X.
 
@@ -598,6 +760,12 @@ def capture(
         Hold the tensors the forward pass saves for its backward copy-on-write
         (:class:`SavedWatch`); the capture sets it itself, and runs again, where an
         in-place op rewrote one (``nn.ReLU(inplace=True)`` after ``nn.Tanh()``).
+    fold_bn : bool, default=False
+        Fold each eval BatchNorm called on a rule convolution's output, and on nothing
+        else, into the convolution (:meth:`_UseWatch._fold`): the graph holds one tensor
+        instead of two, the backward passes skip BatchNorm's backward. The capture runs
+        again without folding (``Capture.fold_bn`` False) where a folded convolution's
+        output is read elsewhere.
     """
     if kept:
         state = kept["forward"]
@@ -618,7 +786,8 @@ def capture(
     watch = _UseWatch({id(live[full]): (frozenset(ids), full) for full, ids in holders.items()},
                       {id(layer): rule.ops for layer, rule, _ in layers},
                       {id(layer): (layer, rule) for layer, rule, _ in layers},
-                      {id(live[name]): (name, live[name]) for name in free}, copy_sites)
+                      {id(live[name]): (name, live[name]) for name in free}, copy_sites,
+                      fold_bn)
     handles = []
     for layer, _, _ in layers:
         handles.append(layer.register_forward_pre_hook(lambda lay, args: watch.enter(lay)))
@@ -640,19 +809,21 @@ def capture(
     # activation after a Tanh): autograd would refuse the backward, or under the hooks
     # read the rewritten values; again with saved tensors copied before such writes.
     resaved = saved.rewritten
-    if watch.misfits or rewritten or resaved:
+    if watch.misfits or rewritten or resaved or watch.broken:
         # Every parameter of a layer with a misread parameter goes to the fallback; a
         # site's output rewritten in place is handed on as a copy. The first pass's
         # graph goes first: the watch holds its layers' inputs and outputs, and with
         # them the whole graph, which would otherwise be alive beside the second one.
         misfits = frozenset(watch.misfits)
+        fold_bn = fold_bn and not watch.broken
         del f, watch, saved, x_in, counted
         return capture(module, params, X, outputs, memory_budget=memory_budget,
                        exclude=exclude | misfits,
                        dense_fallback=dense_fallback, weights=weights, scratch=scratch,
                        index=index, formed=formed, copy_sites=copy_sites or rewritten,
                        kept=kept, last=last, measure_graph=measure_graph,
-                       guard_saved=guard_saved or resaved)
+                       guard_saved=guard_saved or resaved,
+                       fold_bn=fold_bn)
 
     # Taken now: the backward passes free the graph, and what it holds with it.
     alive = saved.alive() if measure_graph else ()
@@ -675,6 +846,7 @@ def capture(
             counted.add(z)
         cap.graph_bytes = counted.nbytes
     cap.guarded = guard_saved
+    cap.fold_bn = fold_bn
     held = {a.untyped_storage().data_ptr() for term in cap.terms for _, a in term.inputs
             if a is not None}
     storage = x_in.untyped_storage()
@@ -864,15 +1036,27 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
         # Every call's terms (a layer called twice, or holding a tied weight, gives a
         # parameter several), summed per parameter below.
         uses: list[Term] = []
+        # The BatchNorms folded into their convolutions (no site of their own): their
+        # terms come with the convolution's.
+        folded = {id(use): (layer, names) for layer, _, names, use, sites in accepted
+                  if not sites}
         j = 0
         for layer, rule, names, use, sites in accepted:
+            if not sites:
+                continue
             layer_deltas = tuple(next(deltas) for _ in sites)
             summed, j = reduced.get(j), j + len(sites)
             if summed is not None:
                 uses.extend(_checked_terms(summed.terms(), layer, names, params))
                 continue
-            use = Use(use.func, use.args, use.kwargs, tuple(
-                a.detach() if isinstance(a, torch.Tensor) else a for a in use.inputs))
+            inputs = tuple(a.detach() if isinstance(a, torch.Tensor) else a
+                           for a in use.inputs)
+            if isinstance(use, FoldedUse):
+                uses.extend(_folded_terms(dataclasses.replace(use, inputs=inputs),
+                                          layer_deltas[0], layer, names, folded, params,
+                                          formed))
+                continue
+            use = Use(use.func, use.args, use.kwargs, inputs)
             with torch.no_grad():
                 terms = formed_terms(rule, use, layer_deltas, names, formed) if formed \
                     else None
@@ -901,6 +1085,18 @@ def _rule_terms(f, accepted, outputs, weights, params, reasons, free=(),
         for name, g in sums.items():
             terms_by_name[name] = Term(delta=g, inputs=[(name, None)])
     return terms_by_name
+
+
+def _folded_terms(use, delta, layer, names, folded, params, formed) -> list[Term]:
+    """The terms of a convolution and of the BatchNorm folded into it
+    (:func:`._layers.folded_terms`), the BatchNorm's where its layer is accepted."""
+    bn_layer, bn_names = folded.get(id(use.bn), (None, {}))
+    with torch.no_grad():
+        conv, bn = folded_terms(use, delta, names, bn_names, formed)
+    out = _checked_terms(conv, layer, names, params)
+    if bn_layer is not None:
+        out += _checked_terms(bn, bn_layer, bn_names, params)
+    return out
 
 
 def _reduced_sites(accepted, n_out: int) -> dict:
@@ -1027,11 +1223,12 @@ def _backprops(seeds, zs, scratch=None, retain=False, sums=None) -> list[torch.T
     sums = sums or {}
     n_out = len(seeds)
     if n_out == 1:
-        g = torch.autograd.grad(seeds[0], zs, retain_graph=retain, allow_unused=True)
+        g = torch.autograd.grad(seeds[0], _grad_inputs(zs), retain_graph=retain,
+                                allow_unused=True)
         for j, s in sums.items():
             s.add(0, g[j])
         return [None if j in sums else
-                (torch.zeros_like(z) if gz is None else gz).detach().unsqueeze(1)
+                (_zeros(z) if gz is None else gz).detach().unsqueeze(1)
                 for j, (z, gz) in enumerate(zip(zs, g))]
     out = [None if j in sums else _buffer(scratch, j, (z.shape[0], n_out, *z.shape[1:]), z)
            for j, z in enumerate(zs)]
@@ -1069,8 +1266,8 @@ def _hooked_backprops(seeds, zs, out, retain, sums):
         for i, seed in enumerate(seeds):
             column[0] = i
             done.clear()
-            g = torch.autograd.grad(seed, zs, retain_graph=retain or i < n_out - 1,
-                                    allow_unused=True)
+            g = torch.autograd.grad(seed, _grad_inputs(zs),
+                                    retain_graph=retain or i < n_out - 1, allow_unused=True)
             # A site whose hook did not run (not reached: None) is written after the pass.
             for j, (buf, gz) in enumerate(zip(out, g)):
                 if j not in done:
@@ -1118,7 +1315,7 @@ def _batched_into(out: list[torch.Tensor | None], seeds, zs, sums=None) -> bool:
     """The backprops of every seed by one batched backward pass, written into ``out``
     (summed by ``sums[j]`` where ``out[j]`` is None, see :func:`_backprops`); False, with
     nothing written, where :func:`_batched_grads` cannot batch them."""
-    grads = _batched_grads(seeds, zs)
+    grads = _batched_grads(seeds, _grad_inputs(zs))
     if grads is None:
         return False
     for j, buf in enumerate(out):

@@ -242,6 +242,29 @@ forming in capture per output as each backprop comes, without the copy into the 
 buffer (0.95-1.12x). The graph of the kept forward passes is 0.996 MB per row with
 uncopied sites: 1.02 GB at N = 1024, over the budget alone
 (``benchmarks/results/resnet_backward_ab-s48.md``).
+Session s49: the Gram's captures fold each eval BatchNorm called on a rule convolution's
+output, and on nothing else, into that convolution (``capture``'s ``fold_bn``,
+:meth:`._capture._UseWatch._fold`, :func:`._layers.fold_batch_norm`): the BatchNorm's
+output, its values bit for bit, comes from a Function whose backward is the
+convolution's input gradient by the scaled weight (no BatchNorm backward); the
+convolution's output is not held, nor the BatchNorm's, whose site is its gradient edge
+(:class:`._capture._EdgeSite`); the per-sample gradients come from its backprop
+(:func:`._layers.folded_terms`: the weight's formed in the capture, then scaled per
+channel; BatchNorm's weight from ``<W, G>``, no division by gamma). The probe's graph fell
+from 995,624 to 308,168 bytes per row (652,232 with the sites' outputs held: 2.4% short
+of the kept plan by its estimates), 316 MB at N = 1024: the row takes the kept plan, ten
+one-output groups sharing one forward pass per 44-row chunk (24 forward passes instead of
+145). The call: 0.909, 0.951 and 0.865 of the CPU time by medians of 5 alternated rounds
+in three runs (0.836-1.008 by round, load 2-4), K to 3.4e-7 of its largest entry, the peak of
+torch's allocations less K 676.5 MiB against 736.6
+(``benchmarks/results/resnet_fold_ab-s49.md``). Its phases then (one core, load 4): the
+forward passes 0.55 s (2.9 s before), the backward passes 5.4 s (7.5), forming in the
+capture 6.5 s (2.3 s, with forming 0.7 s against 1.6: one output per capture, every weight
+formed there), the products 5.8 s, of 19.5 s. Not kept: the weights that
+:func:`._layers._conv_formed` declines (the stem, the shortcuts, the 8 x 8 convolutions)
+left to the engine's forming from their factors, the backprop scaled in place and
+BatchNorm's sums from the convolution's output recomputed: 1.033 of the time of forming
+them in the capture by medians of 4 alternated rounds (1.024-1.096 by round).
 
 A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
 ``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;
@@ -826,6 +849,9 @@ class _Blocks:
         # Likewise the saved tensors are held copy-on-write once a capture found one
         # rewritten in place (capture's guard_saved): the later chunks skip the first run.
         self._guard_saved = False
+        # Eval BatchNorms folded into their convolutions (capture's fold_bn) until a
+        # capture finds a folded convolution's output read elsewhere.
+        self._fold_bn = True
         # The forward passes kept for the captures of the same rows by later output
         # groups (capture's ``kept``, by rows), and whether this is the last group.
         self.forwards: dict | None = None
@@ -854,8 +880,10 @@ class _Blocks:
         cap = capture(self.module, self.params, self.X[rows], self.outputs,
                       memory_budget=self.budget, exclude=self.exclude, scratch=scratch,
                       index=True, formed=self.dense, copy_sites=self._copy_sites,
-                      kept=kept, last=self.last, guard_saved=self._guard_saved)
+                      kept=kept, last=self.last, guard_saved=self._guard_saved,
+                      fold_bn=self._fold_bn)
         self._copy_sites = cap.copied
+        self._fold_bn = self._fold_bn and cap.fold_bn
         self._guard_saved = self._guard_saved or cap.guarded
         routed = cap.exclude | cap.declined
         if routed != self.exclude:
@@ -997,14 +1025,15 @@ def _prepare(module, params, X, output, memory_budget, exclude=frozenset(), chec
     # besides (13% more on the ViT row, which then lost the kept plan).
     rows = X[:2] if check_hidden else X[:1]
     probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
-                    exclude=exclude, index=True, measure_graph=True, copy_sites=False)
+                    exclude=exclude, index=True, measure_graph=True, copy_sites=False,
+                    fold_bn=True)
     hidden = _numerical_misfits(module, params, rows, probe, outputs) if check_hidden \
         else frozenset()
     if hidden:
         rows = X[:1]
         probe = capture(module, params, rows, outputs, memory_budget=memory_budget,
                         exclude=probe.exclude | hidden, index=True, measure_graph=True,
-                        copy_sites=False)
+                        copy_sites=False, fold_bn=True)
     # The probe's first row sizes the blocks. Rule layers it declined go to the fallback
     # in every block alike (the terms of two blocks are paired by position).
     probe = Capture(terms=_rows(probe.terms, slice(0, 1)), fallback=probe.fallback,

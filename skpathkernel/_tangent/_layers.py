@@ -12,11 +12,13 @@ with p = 0) need no rule: the backprops flow through them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ._contract import dense_grad
 from ._rules import Rule, Term, Use, register_rule
 
 __all__: list[str] = []
@@ -452,6 +454,161 @@ def site_sums(rule, use, names, n_out):
     if rule is not BATCH_NORM or not names:  # accepted: 2-D or more, eval mode
         return None
     return _ChannelSums(use, names, n_out)
+
+
+# ---------------------------------------------------- BatchNorm (eval) after a convolution
+@dataclass(frozen=True)
+class FoldedUse(Use):
+    """A convolution's call whose output went into an eval BatchNorm's call and nowhere
+    else (``bn``, that call's :class:`Use`): the capture folds the two
+    (:func:`fold_batch_norm`), and the convolution's site is the BatchNorm's output."""
+
+    bn: Use | None = None
+
+
+def foldable(use: Use, func, args, kwargs) -> bool:
+    """Whether the eval BatchNorm call ``func(*args, **kwargs)`` on the output of the
+    convolution call ``use`` (a rule's, F.conv1d/2d/3d) folds into it: running
+    statistics, no batch statistics, a numeric padding (the input gradient is taken by
+    ``convolution_backward``, which takes no string)."""
+    bn = Use(func, args, kwargs, ())
+    return (use.func in (F.conv1d, F.conv2d, F.conv3d)
+            and not isinstance(_arg(use, 4, "padding", 0), str)
+            and not _arg(bn, 5, "training", False)
+            and _arg(bn, 1, "running_mean") is not None
+            and _arg(bn, 2, "running_var") is not None)
+
+
+class _BatchNormAfterConv(torch.autograd.Function):
+    """An eval BatchNorm ``y = z s + b'`` (per channel) of a convolution's output ``z``,
+    whose backward goes to the convolution's input ``x`` by the scaled weight ``W s``:
+    one input gradient instead of BatchNorm's backward and then the convolution's, and
+    ``z`` is not saved. ``params``: the live parameters of both calls, so that ``y``
+    requires grad where the BatchNorm's output did (their gradients are never asked
+    for: the capture differentiates only the sites)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale, geometry, bn, z, *params):
+        func, args, kwargs = bn
+        ctx.geometry, ctx.shape, ctx.n_params = geometry, x.shape, len(params)
+        # The weight and its scale, not their product: the weight is the parameter's
+        # memory, which a kept graph does not hold again.
+        ctx.save_for_backward(weight, scale)
+        return func(z, *args[1:], **kwargs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rest = (None,) * (5 + ctx.n_params)
+        if not ctx.needs_input_grad[0]:
+            return (None, *rest)
+        weight, scale = ctx.saved_tensors
+        scaled = weight * scale.reshape(-1, *(1,) * (weight.ndim - 1))
+        stride, padding, dilation, groups = ctx.geometry
+        # Only the input's shape is read (as torch.nn.grad.conv2d_input passes it).
+        x = dy.new_empty(1).expand(ctx.shape)
+        dx = torch.ops.aten.convolution_backward(
+            dy, x, scaled, None, stride, padding, dilation, False, [0] * len(stride), groups,
+            (True, False, False))[0]
+        return (dx, *rest)
+
+
+def _bn_scale(bn: Use) -> tuple[torch.Tensor, torch.Tensor]:
+    """``1 / sqrt(var + eps)`` and the BatchNorm's scale ``s = gamma / sqrt(var + eps)``
+    per channel (``gamma`` 1 without an affine weight)."""
+    invstd = torch.rsqrt(_arg(bn, 2, "running_var").detach() + _arg(bn, 7, "eps", 1e-5))
+    gamma = _arg(bn, 3, "weight")
+    return invstd, invstd if gamma is None else gamma.detach() * invstd
+
+
+def fold_batch_norm(use: Use, z: torch.Tensor, func, args, kwargs) -> torch.Tensor:
+    """The eval BatchNorm call ``func(z, *args[1:], **kwargs)`` on the output ``z`` of
+    the convolution call ``use`` (:func:`foldable`), its values bit for bit, as the
+    output of :class:`_BatchNormAfterConv`: the backward passes skip BatchNorm's
+    backward, and the graph does not hold ``z``."""
+    x, weight = use.inputs[0], _arg(use, 1, "weight")
+    kernel, stride, padding, dilation, groups = _conv_geometry(use, dilation_at=5)
+    _, scale = _bn_scale(Use(func, args, kwargs, ()))
+    params = [t for t in (weight, _arg(use, 2, "bias"), *args[1:5])
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    return _BatchNormAfterConv.apply(x, weight.detach(), scale,
+                                     (stride, padding, dilation, groups),
+                                     (func, args, kwargs), z.detach(), *params)
+
+
+def _formed_weight(use: Use, delta: torch.Tensor, name: str) -> torch.Tensor:
+    """A convolution's per-sample weight gradients ``(n, C, numel)`` for the backprop
+    ``delta`` at its output, in the weight's flat order, in memory of their own."""
+    n, C = delta.shape[:2]
+    terms = _conv_formed(use, (delta,), {"weight": name})
+    if terms is not None:
+        return terms[0].delta.view(n, C, -1)
+    (term,) = _conv_factors(None, use, (delta,), {"weight": name})
+    return dense_grad(term, term.inputs[0][1])
+
+
+def folded_terms(use: FoldedUse, delta: torch.Tensor, names, bn_names,
+                 formed) -> tuple[list[Term], list[Term]]:
+    """The terms of a convolution and of the eval BatchNorm folded after it
+    (:func:`fold_batch_norm`), from the backprop ``delta`` at the BatchNorm's output:
+    ``(convolution's terms, BatchNorm's terms)`` (those of ``bn_names``; none where the
+    BatchNorm's parameters go elsewhere).
+
+    The convolution's output ``z`` is not kept. Its backprop is ``delta s`` per channel
+    (``s = gamma / sqrt(var + eps)``): a weight in ``formed`` is formed from ``delta``
+    and scaled by ``s`` afterwards (a block of ``c_out q`` per sample instead of ``delta``'s
+    ``c_out S``), otherwise its factor is ``delta s``. BatchNorm's weight gradient
+    ``sum_p delta_p (z_p - mean) / sqrt(var + eps)`` needs ``sum_p delta_p z_p``: with a
+    formed weight that is ``<W, G>`` per output channel (``G`` the weight's gradient from
+    ``delta``, ``z = W * x + b``), else ``z`` recomputed without its bias, once per capture.
+    No division by ``gamma``: exact where it is 0. In other sums than the unfolded
+    layers': the same to float32 rounding. (Not kept: the weights that
+    :func:`_conv_formed` declines left to the caller's forming from their factors, the
+    backprop scaled in place and ``z`` recomputed: the benchmark ResNet's call 1.033 of
+    the time by medians, ``benchmarks/results/resnet_fold_ab-s49.md``.)
+    """
+    n, C = delta.shape[:2]
+    bn = use.bn
+    weight = _arg(use, 1, "weight").detach()
+    bias = _arg(use, 2, "bias")
+    c_out = weight.shape[0]
+    invstd, scale = _bn_scale(bn)
+    d = delta.reshape(n, C, c_out, -1)
+    sums = d.sum(3)
+    wants = "weight" in bn_names
+    conv, zsum = [], None
+    if names.get("weight") in formed:
+        g = _formed_weight(use, delta, names["weight"])
+        gw = g.view(n, C, c_out, -1)
+        if wants:
+            zsum = (gw * weight.reshape(c_out, -1)).sum(3)
+        gw.mul_(scale.reshape(c_out, 1))
+        conv.append(Term(delta=g.view(n, C, 1, -1), inputs=[(names["weight"], None)]))
+        if "bias" in names:
+            conv.append(Term(delta=sums * scale, inputs=[(names["bias"], None)]))
+    else:
+        if wants:
+            args, kwargs = list(use.args), dict(use.kwargs)
+            args[:2] = use.inputs[0], weight
+            if len(args) > 2:
+                args[2] = None
+            else:
+                kwargs.pop("bias", None)
+            z = use.func(*args, **kwargs)
+            zsum = (d * z.reshape(n, 1, c_out, -1)).sum(3)
+            del z
+        if names:
+            scaled = delta * scale.reshape(c_out, *(1,) * (delta.ndim - 3))
+            conv = _conv_factors(None, use, (scaled,), names)
+    out = []
+    if wants:
+        # sum_p delta_p (z_p - mean), z_p = (W * x)_p + b.
+        shift = -_arg(bn, 1, "running_mean").detach()
+        if bias is not None:
+            shift = shift + bias.detach()
+        out.append(Term(delta=(zsum + shift * sums) * invstd, inputs=[(bn_names["weight"], None)]))
+    if "bias" in bn_names:
+        out.append(Term(delta=sums, inputs=[(bn_names["bias"], None)]))
+    return conv, out
 
 
 # ------------------------------------------------------------------------------ PReLU

@@ -1472,6 +1472,80 @@ class _Mean(nn.Module):
         return x.mean(-1)
 
 
+class _FoldInteractions(nn.Module):
+    """Convolution + eval BatchNorm pairs in the settings the fold's own test
+    (``_ConvBatchNorm``) leaves out: ``kind`` picks one."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(3, 6, 3, padding=2, dilation=2, groups=3, padding_mode="reflect")
+        self.bn = nn.BatchNorm2d(6, momentum=None)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.bn2, self.bn3 = nn.BatchNorm2d(6), nn.BatchNorm2d(6)
+        if kind == "shared weight":
+            self.conv3 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+            self.conv3.weight = self.conv2.weight
+        if kind == "hooks":
+            self.bn.register_forward_hook(lambda m, args, out: 2.0 * out + 0.1)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        z = self.conv2(h)
+        if self.kind == "two BatchNorms of one output":
+            y = torch.relu(self.bn2(z)) + torch.tanh(self.bn3(z))
+        elif self.kind == "convolution called twice":
+            y = self.bn3(self.conv2(torch.relu(self.bn2(z))))
+        elif self.kind == "shared weight":
+            y = self.bn3(self.conv3(torch.relu(self.bn2(z))))
+        else:
+            y = self.bn2(z)
+        return self.head(torch.relu(y).flatten(2).mean(2))
+
+
+@pytest.mark.parametrize("kind", ["hooks", "two BatchNorms of one output",
+                                  "convolution called twice", "shared weight"])
+def test_batch_norm_fold_interactions(kind, monkeypatch):
+    # The fold (session s49) under a depthwise, dilated, reflect-padded convolution whose
+    # BatchNorm has momentum=None (eval: its running statistics), gammas of both signs
+    # and exact zeros, with a forward hook rewriting a folded BatchNorm's output, two
+    # BatchNorms reading one convolution's output (the second read breaks the fold: run
+    # again unfolded), a convolution called twice, a weight shared by two convolutions.
+    # K(X, X) and K(X, Y) ("full"), its diagonal and the tangent features against the
+    # autograd loop of a float64 copy (review of the fold, s49; BatchNorm's scale taken
+    # without gamma, or the convolution's bias left out of the shift, fails each kind but
+    # the broken one, which runs unfolded).
+    torch.manual_seed(0)
+    module = _FoldInteractions(kind)
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(-1.5, 1.5)
+            m.weight.data[::3] = 0.0
+            m.bias.data.uniform_(-0.5, 0.5)
+    module = module.eval().double()
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X, Y = torch.randn(7, 3, 6, 6, dtype=torch.float64), torch.randn(4, 3, 6, 6,
+                                                                    dtype=torch.float64)
+    JX, JY = _subset_jacobian(module, params, X), _subset_jacobian(module, params, Y)
+    folds = []
+    real = _capture.fold_batch_norm
+    monkeypatch.setattr(_capture, "fold_batch_norm",
+                        lambda use, z, *a: folds.append(1) or real(use, z, *a))
+    # Without the one-sample autograd check, which would send a layer whose fold gave
+    # wrong terms to the fallback (right, unfolded): the fold's own numbers.
+    kw = {"check_hidden": False}
+    _close(tangent_gram(module, params, X, output="full", **kw),
+           torch.einsum("ncp,mdp->ncmd", JX, JX))
+    _close(tangent_gram(module, params, X, Y, output="full", **kw),
+           torch.einsum("ncp,mdp->ncmd", JX, JY))
+    _close(tangent_gram_diag(module, params, X, **kw), torch.einsum("ncp,ncp->n", JX, JX) / 3)
+    _close(tangent_features(module, params, X, output="full", **kw), JX)
+    assert folds
+
+
 def test_batch_norm_fold_keeps_the_forward_values_and_frees_the_outputs():
     # The folded BatchNorm's output is the layer's own eval batch norm of the
     # convolution's output, bit for bit (the network's outputs do not move), and neither

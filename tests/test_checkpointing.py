@@ -35,6 +35,10 @@ from torch.utils.checkpoint import (
 )
 
 from benchmarks.audit_checkpointing import REGIONS, Odd, build, plain, set_mode
+from benchmarks.audit_checkpointing import Q as QUERIES
+from benchmarks.audit_checkpointing import X as X_TRAIN
+from benchmarks.audit_checkpointing import Y as Y_TRAIN
+from benchmarks.audit_checkpointing import fit as _fit
 from skpathkernel import PathKernelMachine, PathRecorder, TangentFeatures
 from skpathkernel._checkpoint import (
     _NAMES,
@@ -57,12 +61,6 @@ def _module(kind, mode, n_in=5, n_out=2):
     module = build(kind, mode)(n_in, n_out)
     set_mode(module, mode, inplace=True if kind == "saved_inplace" else None)
     return module
-
-
-_RNG = np.random.RandomState(0)
-X_TRAIN = _RNG.normal(size=(16, 5))
-Y_TRAIN = np.c_[X_TRAIN[:, 0] - X_TRAIN[:, 1] ** 2, np.sin(X_TRAIN[:, 2])]
-QUERIES = _RNG.normal(size=(5, 5))
 
 
 def _engine_matches_the_loop(module, ref_module):
@@ -103,14 +101,6 @@ def test_engine_at_other_parameters_matches_the_plain_loop(kind, mode):
                 m.running_var.uniform_(0.5, 2.0)
     ref_module = plain(module)
     _engine_matches_the_loop(module, ref_module)
-
-
-def _fit(kind, mode):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return PathKernelMachine(module=build(kind, mode), max_iter=3, tol=None,
-                                 dtype="float64", random_state=0, batch_size=8).fit(
-                                     X_TRAIN, Y_TRAIN)
 
 
 @pytest.fixture(scope="module")

@@ -224,6 +224,12 @@ def _called_by_grad_scaler() -> bool:
     return False
 
 
+def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Which parameters' fingerprints differ: a diverged parameter's NaN norm, NaN
+    before and now, is not a change."""
+    return torch.ne(now, before) & ~(now.isnan() & before.isnan())
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The module that DistributedDataParallel and ``torch.compile`` wrap (in either
     order), or the module itself.
@@ -937,8 +943,7 @@ class PathRecorder:
             self._fingerprint = before  # still the values the last step left
             return
         self._warn_diverged(now, step - 1)
-        # A diverged parameter's NaN norm is not a change.
-        moved = (torch.ne(now, before) & ~(now.isnan() & before.isnan())).nonzero()
+        moved = _changed(now, before).nonzero()
         if not len(moved):
             self._fingerprint = now
             return
@@ -970,8 +975,7 @@ class PathRecorder:
             p if (p.device, p.dtype) == home else p.detach().to(*home)
             for p, home in zip(self._params, self._homes)])
         before = self._fingerprint.to(now.device)
-        if torch.equal(now, before) or not bool(
-                (torch.ne(now, before) & ~(now.isnan() & before.isnan())).any()):
+        if torch.equal(now, before) or not bool(_changed(now, before).any()):
             return
         when = (f"after optimizer step {self._step - 1}, the last one recorded"
                 if self._step else "since the recorder was created")

@@ -1233,10 +1233,7 @@ def _resnet_problem(n, dtype=torch.float64, n_out=3):
     ``n`` random images."""
     torch.manual_seed(0)
     module = _SmallResNet(n_out)
-    for m in module.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.2, 0.2)
-            m.running_var.uniform_(0.8, 1.2)
+    _bn_stats(module)
     module = module.eval().to(dtype)
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
     return module, params, torch.randn(n, 2, 6, 6, dtype=dtype)
@@ -1904,10 +1901,7 @@ def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, launch_
     monkeypatch.setattr(_gram, "_wide_chunks", lambda device: launch_bound)
     torch.manual_seed(0)
     module = _SmallResNet(6).double()
-    for m in module.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.2, 0.2)
-            m.running_var.uniform_(0.8, 1.2)
+    _bn_stats(module)
     module.eval()
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
     X = torch.randn(160, 2, 6, 6, dtype=torch.float64)

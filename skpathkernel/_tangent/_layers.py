@@ -471,12 +471,9 @@ def foldable(use: Use, func, args, kwargs) -> bool:
     convolution call ``use`` (a rule's, F.conv1d/2d/3d) folds into it: running
     statistics, no batch statistics, a numeric padding (the input gradient is taken by
     ``convolution_backward``, which takes no string)."""
-    bn = Use(func, args, kwargs, ())
     return (use.func in (F.conv1d, F.conv2d, F.conv3d)
             and not isinstance(_arg(use, 4, "padding", 0), str)
-            and not _arg(bn, 5, "training", False)
-            and _arg(bn, 1, "running_mean") is not None
-            and _arg(bn, 2, "running_var") is not None)
+            and _batch_norm_accepts(None, Use(func, args, kwargs, (args[0],))))
 
 
 class _BatchNormAfterConv(torch.autograd.Function):

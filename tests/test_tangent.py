@@ -1464,6 +1464,31 @@ def test_batch_norm_folded_into_a_convolution_formed_in_the_capture(monkeypatch)
            1e-5)
 
 
+def test_batch_norm_folded_into_a_1d_convolution_formed_from_its_patches(monkeypatch):
+    # A folded convolution's weight formed in the capture takes oneDNN's grouped weight
+    # gradient (_layers._conv_formed) for 2-D convolutions only, as an unfolded one
+    # (formed_terms): a folded Conv1d took it too (s49 review). Against the autograd loop
+    # of a float64 copy, to float32 rounding.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv1d(16, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU(),
+                           _Mean(), nn.Linear(4, 2))
+    module[1].running_mean.uniform_(-0.5, 0.5)
+    module[1].running_var.uniform_(0.5, 2.0)
+    module.eval()
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(3, 16, 40)
+    J = _subset_jacobian(module, params, X.double())
+    formed = []
+    real = _layers._conv_formed
+    monkeypatch.setattr(_layers, "_conv_formed",
+                        lambda *a: (lambda t: formed.append(t is not None) or t)(real(*a)))
+    cap = capture(module, params, X, [0, 1], memory_budget=2**24, copy_sites=False,
+                  formed=frozenset({"0.weight"}), fold_bn=True)
+    assert formed == []
+    assert all(t.inputs[0][1] is None for t in cap.terms if t.inputs[0][0] == "0.weight")
+    _close(_term_gradients(cap, params), J, 1e-5)
+
+
 class _Mean(nn.Module):
     def forward(self, x):
         return x.mean(-1)

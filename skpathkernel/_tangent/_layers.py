@@ -536,7 +536,10 @@ def _formed_weight(use: Use, delta: torch.Tensor, name: str) -> torch.Tensor:
     """A convolution's per-sample weight gradients ``(n, C, numel)`` for the backprop
     ``delta`` at its output, in the weight's flat order, in memory of their own."""
     n, C = delta.shape[:2]
-    terms = _conv_formed(use, (delta,), {"weight": name})
+    # As formed_terms: the grouped weight gradient for 2-D convolutions only (where it
+    # was measured), else from the patches.
+    terms = formed_terms(CONV2D if use.func is F.conv2d else None, use, (delta,),
+                         {"weight": name}, {name})
     if terms is not None:
         return terms[0].delta.view(n, C, -1)
     (term,) = _conv_factors(None, use, (delta,), {"weight": name})

@@ -716,10 +716,15 @@ class _TupleOut(nn.Module):
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 def test_layer_routes_and_check_rule_name_an_output_that_is_not_a_tensor(kind):
     # They failed in a reshape (AttributeError: 'tuple' object has no attribute 'reshape');
-    # a recorded network of the same module is refused with this message.
+    # a recorded network of the same module is refused with this message. The Gram and
+    # the features count the outputs by the same forward (they failed so until s49's
+    # review moved the refusal from layer_routes' own count into it).
     net = _TupleOut(kind)
+    params = dict(net.named_parameters())
     for call in (lambda: layer_routes(net, torch.randn(3, 3)),
-                 lambda: check_rule(net, torch.randn(3, 3))):
+                 lambda: check_rule(net, torch.randn(3, 3)),
+                 lambda: tangent_gram(net, params, torch.randn(3, 3)),
+                 lambda: tangent_features(net, params, torch.randn(3, 3))):
         with pytest.raises(TypeError, match=f"must return one tensor.*returned a {kind}"):
             call()
 

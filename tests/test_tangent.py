@@ -1233,10 +1233,7 @@ def _resnet_problem(n, dtype=torch.float64, n_out=3):
     ``n`` random images."""
     torch.manual_seed(0)
     module = _SmallResNet(n_out)
-    for m in module.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.2, 0.2)
-            m.running_var.uniform_(0.8, 1.2)
+    _bn_stats(module)
     module = module.eval().to(dtype)
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
     return module, params, torch.randn(n, 2, 6, 6, dtype=dtype)
@@ -1465,6 +1462,31 @@ def test_batch_norm_folded_into_a_convolution_formed_in_the_capture(monkeypatch)
     _close(_term_gradients(cap, params), J, 1e-5)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J),
            1e-5)
+
+
+def test_batch_norm_folded_into_a_1d_convolution_formed_from_its_patches(monkeypatch):
+    # A folded convolution's weight formed in the capture takes oneDNN's grouped weight
+    # gradient (_layers._conv_formed) for 2-D convolutions only, as an unfolded one
+    # (formed_terms): a folded Conv1d took it too (s49 review). Against the autograd loop
+    # of a float64 copy, to float32 rounding.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv1d(16, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU(),
+                           _Mean(), nn.Linear(4, 2))
+    module[1].running_mean.uniform_(-0.5, 0.5)
+    module[1].running_var.uniform_(0.5, 2.0)
+    module.eval()
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    X = torch.randn(3, 16, 40)
+    J = _subset_jacobian(module, params, X.double())
+    formed = []
+    real = _layers._conv_formed
+    monkeypatch.setattr(_layers, "_conv_formed",
+                        lambda *a: (lambda t: formed.append(t is not None) or t)(real(*a)))
+    cap = capture(module, params, X, [0, 1], memory_budget=2**24, copy_sites=False,
+                  formed=frozenset({"0.weight"}), fold_bn=True)
+    assert formed == []
+    assert all(t.inputs[0][1] is None for t in cap.terms if t.inputs[0][0] == "0.weight")
+    _close(_term_gradients(cap, params), J, 1e-5)
 
 
 class _Mean(nn.Module):
@@ -1904,10 +1926,7 @@ def test_conv_trace_at_a_small_budget_in_output_groups_and_chunks(cross, launch_
     monkeypatch.setattr(_gram, "_wide_chunks", lambda device: launch_bound)
     torch.manual_seed(0)
     module = _SmallResNet(6).double()
-    for m in module.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.2, 0.2)
-            m.running_var.uniform_(0.8, 1.2)
+    _bn_stats(module)
     module.eval()
     params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
     X = torch.randn(160, 2, 6, 6, dtype=torch.float64)

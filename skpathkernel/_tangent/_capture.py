@@ -49,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._checkpoint import functional_call
 from .._device import forked_rng, forward_input
+from .._network._inputs import check_outputs
 from .._path._training import mode_dependent_layers, refused_in_mode
 from . import _layers  # noqa: F401  (registers the built-in rules)
 from ._cnn import cnn_backprops, first_formed, pools_first
@@ -184,9 +185,14 @@ def value_dtype(params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.dt
 
 def forward(module: torch.nn.Module, params: Mapping[str, torch.Tensor],
             X: torch.Tensor) -> torch.Tensor:
-    """Network outputs ``(n_samples, n_outputs)`` at ``params``."""
+    """Network outputs ``(n_samples, n_outputs)`` at ``params``; a module that returns a
+    tuple or a dict is refused, naming what to analyse (as a recorded network refuses
+    it), rather than failing in the reshape. Only that: a module ending in ``.squeeze()``
+    returns a 0-d tensor for one sample, which a recorded network takes."""
     with torch.no_grad():
         out = functional_call(module, dict(params), (forward_input(X),))
+    if not isinstance(out, torch.Tensor):
+        check_outputs(out, X.shape[0])  # its TypeError
     return out.reshape(X.shape[0], -1)
 
 

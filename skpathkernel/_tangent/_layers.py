@@ -471,12 +471,9 @@ def foldable(use: Use, func, args, kwargs) -> bool:
     convolution call ``use`` (a rule's, F.conv1d/2d/3d) folds into it: running
     statistics, no batch statistics, a numeric padding (the input gradient is taken by
     ``convolution_backward``, which takes no string)."""
-    bn = Use(func, args, kwargs, ())
     return (use.func in (F.conv1d, F.conv2d, F.conv3d)
             and not isinstance(_arg(use, 4, "padding", 0), str)
-            and not _arg(bn, 5, "training", False)
-            and _arg(bn, 1, "running_mean") is not None
-            and _arg(bn, 2, "running_var") is not None)
+            and _batch_norm_accepts(None, Use(func, args, kwargs, (args[0],))))
 
 
 class _BatchNormAfterConv(torch.autograd.Function):
@@ -539,7 +536,10 @@ def _formed_weight(use: Use, delta: torch.Tensor, name: str) -> torch.Tensor:
     """A convolution's per-sample weight gradients ``(n, C, numel)`` for the backprop
     ``delta`` at its output, in the weight's flat order, in memory of their own."""
     n, C = delta.shape[:2]
-    terms = _conv_formed(use, (delta,), {"weight": name})
+    # As formed_terms: the grouped weight gradient for 2-D convolutions only (where it
+    # was measured), else from the patches.
+    terms = formed_terms(CONV2D if use.func is F.conv2d else None, use, (delta,),
+                         {"weight": name}, {name})
     if terms is not None:
         return terms[0].delta.view(n, C, -1)
     (term,) = _conv_factors(None, use, (delta,), {"weight": name})

@@ -18,13 +18,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._checkpoint import functional_call
-from .._device import forward_input
 from .._modules import copy_module, runs_module
-from .._network._inputs import check_outputs
 from .._path._training import drawing_layers
 from .._warnings import worst
-from ._capture import _numerical_misfits, capture, check_per_sample
+from ._capture import _numerical_misfits, capture, check_per_sample, forward
 from ._generic import _looped
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
 from ._rules import RULES
@@ -126,18 +123,6 @@ def _as_input(module: nn.Module, X) -> torch.Tensor:
     return X.to(device=device, dtype=torch.int64)
 
 
-def _n_outputs(module: nn.Module, params: Mapping[str, torch.Tensor], X: torch.Tensor) -> int:
-    """The module's outputs per sample, counted on ``X[:1]``; a module that returns a tuple
-    or a dict is refused, naming what to analyse (as a recorded network refuses it),
-    rather than failing in a reshape. Only that: a module ending in ``.squeeze()`` returns
-    a 0-d tensor for one sample, which a recorded network takes."""
-    with torch.no_grad():
-        out = functional_call(module, params, (forward_input(X[:1]),))
-    if not isinstance(out, torch.Tensor):
-        check_outputs(out, 1)  # its TypeError
-    return out.reshape(1, -1).shape[1]
-
-
 def _no_rule_reason(layer: nn.Module) -> str:
     kind = type(layer)
     if isinstance(layer, parametrize.ParametrizationList):
@@ -209,7 +194,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     params = dict(params)
     X = _as_input(module, X)[:2]
     check_per_sample(module)
-    outputs, _ = _resolve_output(output, _n_outputs(module, params, X))
+    outputs, _ = _resolve_output(output, forward(module, params, X[:1]).shape[1])
     cap = capture(module, params, X, outputs, memory_budget=DEFAULT_MEMORY_BUDGET,
                   dense_fallback=False)
     reasons = dict(cap.reasons)
@@ -338,7 +323,7 @@ def check_rule(module: nn.Module, X, *, rtol: float = 1e-8) -> float:
         raise AssertionError(f"The factors of {', '.join(rejected)} {why}: the engine sends "
                              "these layers to the fallback.")
 
-    n_outputs = _n_outputs(ref, params, X)
+    n_outputs = forward(ref, params, X[:1]).shape[1]
     jac = _looped(ref, {}, params, X, torch.arange(n_outputs, device=X.device))
     J = torch.cat([jac[k].reshape(X.shape[0], n_outputs, -1) for k in params], dim=2)
     phi = tangent_features(ref, params, X, output="full")

@@ -72,7 +72,7 @@ from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork, warn_not_finite
 from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
-from ._training import mode_dependent_layers, refused_in_mode, undrawn
+from ._training import extend_trajectory, mode_dependent_layers, refused_in_mode, undrawn
 from ._trajectory import (
     SolverSpec,
     Trajectory,
@@ -266,6 +266,150 @@ def _process_group() -> tuple[int, int]:
     return 1, 0
 
 
+_RESUME = ("save a checkpoint as {'model': module.state_dict(), 'optim': "
+           "optimizer.state_dict()} with recorder.trajectory.save(path), taken together, "
+           "and resume with module.load_state_dict, optimizer.load_state_dict and "
+           "PathRecorder(module, optimizer, ..., resume_from=Trajectory.load(path))")
+
+
+def _names_list(names) -> str:
+    return f"{', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''}"
+
+
+def _resume_problem(path: Trajectory, named, optimizer, spec: SolverSpec, groups,
+                    n_samples: int | None) -> str | None:
+    """Why the recording of ``module``'s ``named`` parameters by ``optimizer`` cannot
+    continue ``path`` (None when it can): the same parameters, at the path's last point,
+    with the path's optimizer, whose state is the one the path ends with.
+
+    ``groups``: each recorded parameter's optimizer group. Reads ``path``'s last point
+    (and its last optimizer state), changes nothing.
+    """
+    names = [n for n, _ in named]
+    params = [p for _, p in named]
+    if path.names != tuple(names):
+        missing = [n for n in path.names if n not in names]
+        extra = [n for n in names if n not in path.names]
+        what = "; ".join(
+            ([f"the trajectory records {_names_list(missing)}, which this recorder does "
+              "not"] if missing else [])
+            + ([f"this recorder records {_names_list(extra)}, which the trajectory does "
+                "not"] if extra else [])) or "they are in another order"
+        return (f"the trajectory's parameters are not the ones this recorder records: "
+                f"{what} (the module's trained parameters in named_parameters order: a "
+                "parameter renamed, frozen, unfrozen or left out of the optimizer since)")
+    shapes = [tuple(p.shape) for p in params]
+    bad = [n for n, a, b in zip(names, path.shapes, shapes) if tuple(a) != b]
+    if bad:
+        return (f"parameter(s) {_names_list(bad)} have other shapes than the trajectory "
+                "records (another network)")
+    if path.dtype != params[0].dtype:
+        return (f"the module's parameters are {params[0].dtype}, the trajectory's "
+                f"{path.dtype}")
+    if path.n_samples != (n_samples or 0):
+        return (f"the trajectory's batches index n_samples={path.n_samples or None} "
+                f"training samples, the recorder's n_samples={n_samples}: a path indexes one "
+                "training set (pass its n_samples)")
+    theirs, ours = path.solver_spec.to_dict(), spec.to_dict()
+    differ = [k for k in theirs if theirs[k] != ours[k]]
+    if differ:
+        return ("the optimizer is not the one the trajectory was recorded with: "
+                + ", ".join(f"{k}={ours[k]!r} (the trajectory's {theirs[k]!r})"
+                            for k in differ)
+                + "; a path has one optimizer and one set of hyper-parameters")
+    n_groups = len(optimizer.param_groups)
+    wds = [_as_float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups]
+    path_groups = (path._group_lrs.shape[1] if path._group_lrs is not None
+                   else 1 if path.n_steps else None)
+    if ((path_groups is not None and path_groups != n_groups)
+            or (path._param_groups is not None and tuple(path._param_groups) != tuple(groups))
+            or (path._group_weight_decays is not None
+                and path._group_weight_decays.tolist() != wds)
+            or (path._group_weight_decays is None and path._param_groups is not None
+                and len(set(wds)) > 1)):
+        return ("the optimizer's parameter groups (which parameters each holds, their "
+                "weight decays) are not the trajectory's")
+    flat = torch.cat([p.detach().reshape(-1).to("cpu", path.dtype) for p in params])
+    last = path.parameters(-1)
+    if path.compression is None or len(path) == 1:
+        same = bool(torch.equal(flat, last))
+    else:  # stored as a rounded step from the point before (see _check_last_point)
+        small, full = torch.finfo(getattr(torch, path.compression)), torch.finfo(path.dtype)
+        bound = (small.eps * (last - path.parameters(-2)).abs()
+                 + small.eps * small.smallest_normal + full.eps * last.abs())
+        same = bool(((last - flat).abs() <= bound).all())
+    if not same:
+        return (f"the module's parameters are not the trajectory's last point (after "
+                f"optimizer step {path.n_steps}): load the module's state_dict saved with "
+                "this trajectory")
+    return _state_problem(path, names, params, optimizer)
+
+
+def _state_problem(path: Trajectory, names, params, optimizer) -> str | None:
+    """Why ``optimizer``'s state is not the one ``path`` ends with (None when it is)."""
+    n = path.n_steps
+    states = [optimizer.state.get(p, {}) for p in params]
+    fix = ("load the optimizer's state_dict saved with this trajectory "
+           "(optimizer.load_state_dict)")
+    if not n:
+        taken = [name for name, st in zip(names, states) if st]
+        if taken:
+            return (f"the trajectory has taken no optimizer step, but the optimizer holds "
+                    f"state for {_names_list(taken)}: create it afresh")
+        return None
+    kind = path.solver
+    if kind == "sgd":
+        if not path.solver_spec.momentum:
+            return None  # plain SGD keeps no state
+        missing = [name for name, st in zip(names, states)
+                   if st.get("momentum_buffer") is None]
+        if missing:
+            return (f"the trajectory ends after optimizer step {n}, but the optimizer has "
+                    f"no momentum buffer for {_names_list(missing)} (a fresh optimizer "
+                    f"would restart the momentum): {fix}")
+        return None
+    counts = [(name, None if "step" not in st else int(float(st["step"])))
+              for name, st in zip(names, states)]
+    off = [f"{name!r} ({'none' if c is None else c})" for name, c in counts if c != n]
+    if off:
+        return (f"the optimizer's step counts are not the trajectory's {n} optimizer "
+                f"steps: parameter(s) {', '.join(off[:5])}{' ...' if len(off) > 5 else ''}"
+                f" (a fresh optimizer has none; another checkpoint's has another): {fix}")
+    if path.steps[-1] - path.steps[-2] == 1:
+        # The state recorded at the last step is the optimizer's now, bit for bit.
+        recorded = path.optimizer_state(-1)
+        for key in path.state_keys:
+            ours = torch.cat([st[key].detach().reshape(-1).to("cpu", path.dtype)
+                              for st in states])
+            if not torch.equal(ours, recorded[key]):
+                return (f"the optimizer's {key} is not the one the trajectory recorded at "
+                        f"its last optimizer step ({n}): {fix}")
+    return None
+
+
+def _resumed_storage(path: Trajectory, storage: str, compression) -> str:
+    """Where a recording that continues ``path`` goes: its storage. Refuses another."""
+    where = ("in memory" if path.storage == "memory"
+             else f"on disk in {path.directory!r}")
+    if storage not in ("auto", path.storage):
+        raise ValueError(
+            f"Cannot resume the recording: the trajectory is kept {where}, and "
+            f"storage={storage!r} cannot continue it there. Pass storage={path.storage!r} "
+            "(or 'auto', which continues it where it is). Nothing was changed.")
+    if compression != path.compression:
+        raise ValueError(
+            f"Cannot resume the recording: the trajectory is kept {where} with "
+            f"compression={path.compression!r}; compression={compression!r} cannot "
+            f"continue it. Pass compression={path.compression!r}. Nothing was changed.")
+    if path.storage == "disk":
+        if any(rows.start for rows in (path._params, *path._states.values())):
+            raise ValueError("Cannot resume the recording from a part of an on-disk "
+                             "trajectory: load the whole path (Trajectory.load). Nothing "
+                             "was changed.")
+        path._store.check_extendable("PathRecorder(resume_from=...)", path.n_steps)
+    return path.storage
+
+
 def _kept(step: int) -> str:
     """What a recorder that failed at optimizer step ``step`` keeps readable."""
     if step == 0:
@@ -294,6 +438,14 @@ class PathRecorder:
     means, and when it is exact, for losses that are not per-sample supervised (diffusion,
     GANs) is in the user guide (:ref:`theory-any-loss`).
 
+    A recording that is interrupted resumes as training does, from state dicts: checkpoint
+    ``{"model": module.state_dict(), "optim": optimizer.state_dict()}`` with
+    ``recorder.trajectory.save(path)`` at the same step, and after the restart load both
+    state dicts and create ``PathRecorder(module, optimizer, n_samples=N,
+    resume_from=Trajectory.load(path))``: its :attr:`trajectory` is then one path from
+    the first initialization to the last step, as the uninterrupted loop records it (the
+    user guide: :ref:`own-loop-resume`).
+
     Parameters
     ----------
     module : torch.nn.Module
@@ -307,7 +459,8 @@ class PathRecorder:
         take, are refused). A ``DistributedDataParallel``
         module is recorded through its ``.module``.
     optimizer : torch.optim.SGD, Adam, AdamW or RMSprop
-        Fresh (no step taken yet). Hyper-parameters are read from its parameter groups;
+        Fresh (no step taken yet), or with ``resume_from``, in the state the path ends
+        with. Hyper-parameters are read from its parameter groups;
         options that change the update rule (``dampening`` with momentum, ``amsgrad``,
         ``centered``, RMSprop ``momentum``, ``maximize``, ``differentiable``) and groups
         that differ in momentum, betas, eps or alpha are refused.
@@ -349,6 +502,26 @@ class PathRecorder:
     grad_scaler : torch.amp.GradScaler or None, default=None
         The scaler of a mixed-precision loop, whose scale the gradients of
         ``backward()`` carry until ``scaler.step`` undoes it.
+    resume_from : Trajectory or None, default=None
+        The path that an interrupted recording of this loop saved
+        (``recorder.trajectory.save(path)``, read back with ``Trajectory.load(path)``),
+        to continue: the module must hold its last point exactly and the optimizer the
+        state it ends with (``load_state_dict`` of both, saved at that step), with the
+        path's parameters (names, shapes, dtype), optimizer class, hyper-parameters
+        (``lr`` aside: each step's is recorded), parameter groups and ``n_samples``.
+        Adam's, AdamW's and RMSprop's step counts must be the path's steps (and their
+        second moments the ones recorded at its last step, where it recorded them:
+        ``record_every=1``); SGD's momentum buffers must be there once the path has
+        steps; no other recorder may still record the optimizer. Anything else is
+        refused with a ``ValueError`` saying what differs, which changes nothing.
+        The path continues where it is kept: in memory (``storage`` "memory" or
+        "auto"), or on disk in its own directory, whose files it appends to
+        (``storage`` "disk" or "auto", ``compression`` the path's; the directory's
+        description stays the saved path's until the next ``save``, so a run that
+        dies before it leaves the checkpoint as it was). ``record_every``
+        counts from the resumed step. The step numbers (:attr:`n_steps`, warnings and
+        errors) count the path's steps too. Under torch.distributed every rank passes
+        it.
 
     Attributes
     ----------
@@ -401,6 +574,7 @@ class PathRecorder:
         compression: str | None = None,
         writer_rank: int = 0,
         grad_scaler=None,
+        resume_from: Trajectory | None = None,
     ):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -462,11 +636,15 @@ class PathRecorder:
             raise ValueError("Every parameter the optimizer updates is frozen "
                              "(requires_grad=False): there is no path to record.")
         params = [p for _, p in named]
-        if any(optimizer.state.get(p) for p in params):
+        if resume_from is not None and not isinstance(resume_from, Trajectory):
+            raise TypeError(f"resume_from must be a Trajectory (Trajectory.load(path)) or "
+                            f"None, got {type(resume_from).__name__}.")
+        if resume_from is None and any(optimizer.state.get(p) for p in params):
             raise ValueError(
                 "The optimizer has already taken steps: create the PathRecorder before the "
                 "first optimizer.step(), so that the path starts where the optimizer state "
-                "does."
+                "does. To continue a recording that was interrupted, pass the path it "
+                "recorded as resume_from: " + _RESUME + "."
             )
         recorded = {id(p) for p in params}
         sparse = [name or type(inner).__name__ for name, m in inner.named_modules()
@@ -510,6 +688,24 @@ class PathRecorder:
             raise ValueError(
                 f"The recorded parameters must all be float32 or all float64, got {dtypes}."
             )
+        groups = optimizer.param_groups
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        if resume_from is not None:
+            # Every check before anything is set: a refusal changes nothing.
+            live = [h for h in getattr(optimizer, "_optimizer_step_post_hooks", {}).values()
+                    if isinstance(getattr(h, "__self__", None), PathRecorder)]
+            if live:
+                # Both would record the steps; on disk, into one series.
+                raise ValueError("Cannot resume the recording: another PathRecorder still "
+                                 "records this optimizer; close() it first. Nothing was "
+                                 "changed.")
+            problem = _resume_problem(resume_from, named, optimizer, self.solver_spec,
+                                      [group_of[id(p)] for p in params], n_samples)
+            if problem is not None:
+                raise ValueError(f"Cannot resume the recording from this trajectory: "
+                                 f"{problem}. Nothing was changed.")
+            if self._rank == writer_rank:
+                storage = _resumed_storage(resume_from, storage, compression)
         self.module = module
         # Whether DistributedDataParallel(module), wrapping it after this recorder was
         # created, may have moved its parameters: it copies rank 0's to the other ranks,
@@ -549,16 +745,20 @@ class PathRecorder:
                 solver=self.solver_spec, n_samples=self.n_samples or 0, batch_size=None,
                 dtype=params[0].dtype, storage=storage, directory=directory,
                 memory_budget=self.memory_budget, compression=compression,
+                extends=resume_from if storage == "disk" else None,
+                first_step=0 if resume_from is None else resume_from.n_steps,
             )
             self._recorder.record_point(0)
             self._fingerprint = self._fingerprints()
-        groups = optimizer.param_groups
-        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         self._param_groups = [group_of[id(p)] for p in params]
         wds = [_as_float(g.get("weight_decay", 0.0)) for g in groups]
         self._group_wds = wds if len(set(wds)) > 1 else None
         self._mode_layers = mode_dependent_layers(inner)
-        self._step = 0
+        # The path recorded before this recorder (resume_from): its steps are counted in
+        # the step numbers, and the trajectory is that path followed by this recording.
+        self._resumed = resume_from
+        self._first_step = 0 if resume_from is None else resume_from.n_steps
+        self._step = self._first_step
         self._pending = None
         # The step's set_batch calls (micro-batches): each one's size and loss
         # coefficients (None: the default, its mean over the step's micro-batches).
@@ -1056,6 +1256,7 @@ class PathRecorder:
         if len(lrs) > 1:
             self._group_lrs.append(lrs)
         rec.record_batch(batch)
+        step -= self._first_step  # the step of this recording
         rec.record_step(step, max(lrs), optimizer)
         if rec.wants_point(step + 1):
             rec.record_point(step + 1)
@@ -1273,7 +1474,7 @@ class PathRecorder:
     # ------------------------------------------------------------------ reading
     @property
     def n_steps(self) -> int:
-        """Optimizer steps recorded so far."""
+        """Optimizer steps recorded so far (with ``resume_from``, the path's too)."""
         return self._step
 
     @property
@@ -1311,12 +1512,17 @@ class PathRecorder:
             per_step = np.asarray(self._group_lrs[:n], dtype=np.float64)
             group_lrs, varies = interval_means(per_step, traj.steps)
             step_group_lrs = per_step if varies else None
-        return traj._attach(
+        traj._attach(
             gradient_scales=None if np.all(scales == 1.0) else scales,
             batch_weights=weights, group_lrs=group_lrs, step_group_lrs=step_group_lrs,
             param_groups=self._param_groups if (group_lrs is not None
                                                 or self._group_wds) else None,
             group_weight_decays=self._group_wds)
+        if self._resumed is None:
+            return traj
+        # One path from the first initialization: the resumed one, then this recording
+        # (on disk, recorded into its series).
+        return extend_trajectory(self._resumed, traj, 0, self._resumed.n_samples)
 
     def as_estimator(self, X_train=None, y_train=None, *, loss="squared_error",
                      memory_budget: int = 2**30) -> RecordedNetwork:

@@ -1106,11 +1106,28 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         pools = np.concatenate([p1, p2 + [n_first, offset, offset]])
         if first._pool_weights is not None or second._pool_weights is not None:
             pool_weights = np.concatenate([w1, w2])
-    weights = step_lrs = None
+    weights = step_lrs = scales = None
     if first._batch_weights is not None or second._batch_weights is not None:
         weights = appended(first._all_batch_weights(), second._all_batch_weights())
     if first._step_lrs is not None or second._step_lrs is not None:
         step_lrs = appended(first.step_learning_rates, second.step_learning_rates)
+    if first._gradient_scales is not None or second._gradient_scales is not None:
+        scales = appended(first.gradient_scales, second.gradient_scales)
+    # A PathRecorder's parameter groups (an estimator's paths have none): both segments
+    # were recorded with the same groups (PathRecorder's resume_from checks it), one
+    # segment without per-group rows took one step size for every group.
+    group_lrs = step_group_lrs = None
+    n_groups = next((p._group_lrs.shape[1] for p in (first, second)
+                     if p._group_lrs is not None), None)
+    if n_groups is not None:
+        group_lrs = appended(*(_group_rates(p, n_groups) for p in (first, second)))
+        if first._step_group_lrs is not None or second._step_group_lrs is not None:
+            step_group_lrs = appended(*(_group_rates(p, n_groups, every_step=True)
+                                        for p in (first, second)))
+    groups = first._param_groups if first._param_groups is not None else \
+        second._param_groups
+    decays = first._group_weight_decays if first._group_weight_decays is not None else \
+        second._group_weight_decays
     return Trajectory(
         names=first.names, shapes=first.shapes,
         params=params,
@@ -1124,7 +1141,24 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         solver=first.solver_spec, n_samples=n_samples,
         record_every=max(first.record_every, second.record_every),
         batch_weights=weights, step_lrs=step_lrs, pools=pools, pool_weights=pool_weights,
+        gradient_scales=scales, group_lrs=group_lrs, step_group_lrs=step_group_lrs,
+        param_groups=groups, group_weight_decays=decays,
     )
+
+
+def _group_rates(path: Trajectory, n_groups: int, every_step: bool = False) -> np.ndarray:
+    """Each parameter group's step size in each recorded interval of ``path`` (with
+    ``every_step``, at each optimizer step), ``(n_rows, n_groups)``: the recorded ones,
+    or the interval's (step's) one step size for every group where none were kept."""
+    if every_step:
+        if path._step_group_lrs is not None:
+            return path._step_group_lrs[: path.n_steps]
+        rows = (np.repeat(path._group_lrs, np.diff(path.steps), axis=0)
+                if path._group_lrs is not None else path.step_learning_rates[:, None])
+    else:
+        rows = (path._group_lrs if path._group_lrs is not None
+                else path.learning_rates[:, None])
+    return np.broadcast_to(rows, (len(rows), n_groups)).astype(np.float64)
 
 
 def _raise_diverged(step: int, epoch: int, lr: float, initial: bool = False):

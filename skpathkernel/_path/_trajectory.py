@@ -1518,6 +1518,10 @@ class TrajectoryRecorder:
         ``sample_weight``. False: the pool is unknown (a user's loop).
     sample_weight : ndarray of shape (n_samples,), default=None
         The call's sample weights (None: unweighted), with ``pool``.
+    first_step : int, default=0
+        The optimizer steps taken before this recording (a resumed
+        :class:`~skpathkernel.PathRecorder`'s path): the step count recorded for an
+        optimizer that keeps none (SGD) counts from there.
     """
 
     _INITIAL_STEPS = 64
@@ -1528,8 +1532,9 @@ class TrajectoryRecorder:
     def __init__(self, params, names, *, n_steps, record_every, solver, n_samples,
                  batch_size, dtype, storage="memory", directory=None,
                  memory_budget=2**30, compression=None, extends=None, pool=False,
-                 sample_weight=None):
+                 sample_weight=None, first_step=0):
         self._params = list(params)
+        self._first_step = int(first_step)
         self._pool = bool(pool)
         self._pool_weights = (None if sample_weight is None
                               else np.array(sample_weight, dtype=np.float64))
@@ -1846,7 +1851,8 @@ class TrajectoryRecorder:
                     if len(self._pending_counts) >= self._MAX_PENDING_COUNTS:
                         self._read_counts()
                 else:  # SGD counts like the loop; some optimizers keep a number
-                    self._state_steps[k] = int(step + 1 if count is None else float(count))
+                    self._state_steps[k] = int(self._first_step + step + 1 if count is None
+                                               else float(count))
 
     def _read_counts(self) -> None:
         """Write the pending step counts into ``_state_steps``, read in one transfer

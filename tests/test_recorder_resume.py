@@ -11,6 +11,7 @@ decomposition's closure is checked against the trained module's own outputs.
 import copy
 import io
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -342,3 +343,25 @@ def test_an_optimizer_with_steps_names_the_resume(data):
     _steps(data, module, opt, sched, rec, 0, 2)
     with pytest.raises(ValueError, match=r"already taken steps.*resume_from=Trajectory"):
         PathRecorder(module, opt, n_samples=len(data[0]))
+
+
+def test_a_recorder_refuses_pickling_and_copying_and_names_the_resume(data):
+    """A pickled recorder came back without its hooks (torch.optim pickles none): the
+    loaded loop trained on and recorded nothing more, silently; deepcopy failed in
+    torch's words about graph leaves."""
+    module, opt, sched = _setup("adam")
+    rec = PathRecorder(module, opt, n_samples=len(data[0]))
+    _steps(data, module, opt, sched, rec, 0, 2)
+    # The fingerprints of the last step are no part of an autograd graph.
+    assert rec._fingerprint is not None and rec._fingerprint.grad_fn is None
+    match = r"cannot be pickled or copied.*resume_from=Trajectory\.load"
+    for copier in (lambda: pickle.dumps((module, opt, rec)), lambda: copy.deepcopy(rec),
+                   lambda: copy.copy(rec),
+                   lambda: torch.save({"model": module, "optim": opt, "rec": rec},
+                                      io.BytesIO())):
+        with pytest.raises(TypeError, match=match):
+            copier()
+    # The module and the optimizer still pickle, and the recorder records on.
+    pickle.loads(pickle.dumps((module, opt)))
+    _steps(data, module, opt, sched, rec, 2, 4)
+    assert rec.n_steps == 4 and rec.trajectory.n_steps == 4

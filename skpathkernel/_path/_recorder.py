@@ -444,7 +444,9 @@ class PathRecorder:
     state dicts and create ``PathRecorder(module, optimizer, n_samples=N,
     resume_from=Trajectory.load(path))``: its :attr:`trajectory` is then one path from
     the first initialization to the last step, as the uninterrupted loop records it (the
-    user guide: :ref:`own-loop-resume`).
+    user guide: :ref:`own-loop-resume`). The recorder itself refuses ``pickle``,
+    ``torch.save`` and ``copy``: its hooks would not come with it, and a loaded copy
+    would record nothing.
 
     Parameters
     ----------
@@ -1110,7 +1112,10 @@ class PathRecorder:
     def _fingerprints(self, params=None) -> torch.Tensor:
         """Each recorded parameter's 2-norm (or of ``params``, copies of them), one
         reduction pass over them all: equal for equal values, whatever their storage."""
-        norms = torch._foreach_norm(self._params if params is None else params)
+        # Without autograd: the norms of parameters that require gradients would carry
+        # a grad_fn (a graph per step, kept until the next one).
+        with torch.no_grad():
+            norms = torch._foreach_norm(self._params if params is None else params)
         if self._devices > 1:  # a module split over devices
             norms = [n.to(norms[0].device) for n in norms]
         return torch.stack(norms)
@@ -1458,6 +1463,16 @@ class PathRecorder:
         parts = [(k, w) for k, w in self._micro if k]
         return np.concatenate([np.full(k, 1.0 / (len(parts) * k)) if w is None else w
                                for k, w in parts] or [np.empty(0)])
+
+    def __reduce_ex__(self, protocol):
+        # A copy would hold no hooks (torch.optim pickles none, nor tensors theirs): it
+        # trained on without recording a step, silently, or, copied in this process,
+        # shared the optimizer with this recorder's hooks.
+        raise TypeError(
+            "A PathRecorder cannot be pickled or copied (torch.save of a checkpoint "
+            "holding it, copy.deepcopy): it records through hooks on the optimizer and "
+            "the parameters, which no copy would carry, so a loaded copy would record "
+            "nothing more. To checkpoint a recorded loop and resume it: " + _RESUME + ".")
 
     def close(self) -> None:
         """Stop recording (remove the hooks); the trajectory stays readable."""

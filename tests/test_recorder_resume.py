@@ -165,6 +165,40 @@ def test_a_resumed_loop_records_the_uninterrupted_path(data, kind, storage, tmp_
     assert rb.error < 1e-12
 
 
+@pytest.mark.parametrize("compression", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["sgd-momentum", "adam"])
+def test_a_compressed_path_resumes_bit_for_bit(data, kind, compression, tmp_path):
+    """Stored as rounded steps, the path's last point is not the module's parameters:
+    the resume takes them within that rounding, and the rows it appends continue the
+    rounding's error feedback as the uninterrupted recording does."""
+    module, opt, sched = _setup(kind)
+    whole = PathRecorder(module, opt, n_samples=len(data[0]), storage="disk",
+                         directory=tmp_path, compression=compression)
+    _steps(data, module, opt, sched, whole, 0, N_STEPS)
+    module, opt, sched = _setup(kind)
+    rec = PathRecorder(module, opt, n_samples=len(data[0]), storage="disk",
+                       directory=tmp_path, compression=compression)
+    _steps(data, module, opt, sched, rec, 0, BREAK)
+    rec.trajectory.save(tmp_path / "path")
+    assert not torch.equal(rec.trajectory.parameters(-1), torch.cat(
+        [p.detach().reshape(-1) for p in module.parameters()]))  # rounded
+    state = _checkpoint(module, opt, sched)
+    _steps(data, module, opt, sched, rec, BREAK, BREAK + 2)  # lost in the crash
+    del rec
+    module, opt, sched = _restored(kind, state)
+    rec = PathRecorder(module, opt, n_samples=len(data[0]), storage="auto",
+                       compression=compression, resume_from=Trajectory.load(tmp_path / "path"))
+    _steps(data, module, opt, sched, rec, BREAK, N_STEPS)
+    _assert_identical(whole.trajectory, rec.trajectory)
+    # A module off the stored point by more than its rounding is another point.
+    module, opt, sched = _restored(kind, state)
+    with torch.no_grad():
+        module[2].bias.add_(1e-2)
+    with pytest.raises(ValueError, match="not the trajectory's last point"):
+        PathRecorder(module, opt, n_samples=len(data[0]), storage="disk",
+                     compression=compression, resume_from=Trajectory.load(tmp_path / "path"))
+
+
 def test_a_loop_resumed_twice_and_from_a_path_without_steps(data, tmp_path):
     """Each resumed recorder is checkpointed and resumed again; a checkpoint taken
     before the first step resumes with a fresh optimizer."""

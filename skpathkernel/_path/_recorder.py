@@ -507,7 +507,8 @@ class PathRecorder:
     resume_from : Trajectory or None, default=None
         The path that an interrupted recording of this loop saved
         (``recorder.trajectory.save(path)``, read back with ``Trajectory.load(path)``),
-        to continue: the module must hold its last point exactly and the optimizer the
+        to continue: the module must hold its last point exactly (within the rounding
+        of a compressed on-disk path's stored point) and the optimizer the
         state it ends with (``load_state_dict`` of both, saved at that step), with the
         path's parameters (names, shapes, dtype), optimizer class, hyper-parameters
         (``lr`` aside: each step's is recorded), parameter groups and ``n_samples``.

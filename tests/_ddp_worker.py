@@ -5,6 +5,7 @@ Started by ``torch.multiprocessing.spawn``; each writes what the test checks und
 """
 
 import contextlib
+import copy
 import datetime
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from skpathkernel import PathRecorder
+from skpathkernel import PathRecorder, Trajectory
 
 N, STEPS = 24, 6
 
@@ -74,6 +75,24 @@ def micro_loss(model, X, y, part, rank, n_micro, scenario):
     return per.mean() / n_micro, None
 
 
+def _resumed(model, opt, rec, rank, out):
+    """Under "resume": a checkpoint (the state dicts, and the path the writer saves),
+    then new objects loaded from it, as after a restart, every rank resuming the path."""
+    ckpt = os.path.join(out, "checkpoint")
+    state = copy.deepcopy({"model": model.module.state_dict(), "optim": opt.state_dict()})
+    if rank == rec.writer_rank:
+        rec.trajectory.save(ckpt)
+    rec.close()
+    dist.barrier()  # the path is saved
+    module = mlp()
+    module.load_state_dict(state["model"])
+    model = DistributedDataParallel(module)
+    opt = optimizer(model.parameters())
+    opt.load_state_dict(state["optim"])
+    return model, opt, PathRecorder(model, opt, n_samples=N, storage="disk",
+                                    resume_from=Trajectory.load(ckpt))
+
+
 def _run(rank, world, out, scenario):
     X, y = data()
     model = DistributedDataParallel(mlp())
@@ -81,6 +100,8 @@ def _run(rank, world, out, scenario):
     rec = PathRecorder(model, opt, n_samples=N, storage="disk", directory=out)
     errors = []
     for t in range(STEPS):
+        if scenario == "resume" and t == STEPS // 2:
+            model, opt, rec = _resumed(model, opt, rec, rank, out)
         idx = shards(world, t, scenario)[rank]
         opt.zero_grad()
         # DDP's loss: each rank's mean over its shard (the mean of its micro-batches'

@@ -124,6 +124,20 @@ def _spawned_path_ends_as_one_process(tmp_path, scenario):
     return traj, module
 
 
+def test_a_ddp_recording_resumes_from_a_checkpoint(tmp_path):
+    # Halfway, every rank checkpoints (the writer saves the on-disk path), drops its
+    # module, optimizer and recorder, and resumes in new ones with resume_from: the path
+    # is the uninterrupted run's, which one process on the same batches replays.
+    traj, module = _spawned_path_ends_as_one_process(tmp_path, "resume")
+    _, points = _single_process_path(2)
+    assert len(traj) == worker.STEPS + 1
+    for k in range(len(traj)):
+        assert_allclose(traj.parameters(k).numpy(), points[k].numpy(), rtol=0, atol=1e-15)
+    for t in range(worker.STEPS):
+        assert np.array_equal(traj.batch(t), np.concatenate(worker.shards(2, t)))
+    _assert_decomposes_exactly(traj, module)
+
+
 def test_ddp_gradient_accumulation_weighs_each_micro_batch(tmp_path):
     # Each rank accumulates its shard of 6 in micro-batches under no_sync (4 + 2 on rank
     # 0, 3 + 3 on rank 1): a point weighs 1 / (R m_r k) by its own micro-batch of k. The

@@ -332,6 +332,10 @@ def test_a_resume_that_does_not_continue_the_path_is_refused_and_changes_nothing
     def moments(module, opt):
         next(iter(opt.state.values()))["exp_avg_sq"].mul_(1.5)
     refused("adam", "exp_avg_sq is not the one the trajectory recorded", moments)
+
+    def momentum(module, opt):  # SGD keeps no step count to tell another step's
+        next(iter(opt.state.values()))["momentum_buffer"].mul_(1.5)
+    refused("sgd-momentum", "momentum buffers of '0.weight' are not the ones", momentum)
     # Other hyper-parameters, another optimizer.
     for change, what in ((lambda m, o: o.param_groups[0].update(betas=(0.8, 0.999)),
                           "beta_1=0.8"),
@@ -369,6 +373,45 @@ def test_a_resume_that_does_not_continue_the_path_is_refused_and_changes_nothing
                         resume_from=Trajectory.load(ckpt)).n_steps == BREAK
     refused("adam", "another PathRecorder still records this optimizer; close",
             make=lambda m, o: (module, opt))
+
+
+@pytest.mark.parametrize("kind", ["sgd-momentum", "sgd-groups"])
+def test_a_momentum_buffer_of_another_step_is_refused(data, kind):
+    """Heavy-ball SGD keeps no step count: an optimizer checkpoint one step older than
+    the module's was taken, and the resumed loop, whose momentum restarted from the
+    older buffer, trained on with a path whose decomposition missed the trained
+    module's prediction by 2.6e-2 (|f| up to 0.29; a warning at decompose, nothing at the
+    resume). The last step tells it: theta_n = theta_(n-1) - lr * buf_n, up to two
+    roundings, with each group's step size."""
+    optimizers = {**OPTIMIZERS, "sgd-groups": lambda p: torch.optim.SGD(
+        [{"params": [q for q in p if q.ndim > 1]},
+         {"params": [q for q in p if q.ndim == 1], "lr": 0.01, "weight_decay": 0.0}],
+        lr=0.05, momentum=0.9, weight_decay=0.01)}
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
+                                 torch.nn.Linear(5, 1)).double()
+    opt = optimizers[kind](list(module.parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rec = PathRecorder(module, opt, n_samples=len(data[0]))
+    _steps(data, module, opt, sched, rec, 0, BREAK - 1)
+    older = _checkpoint(module, opt, sched)["optim"]
+    _steps(data, module, opt, sched, rec, BREAK - 1, BREAK)
+    path, state = rec.trajectory, _checkpoint(module, opt, sched)
+    rec.close()
+    for optim, accepted in ((older, False), (state["optim"], True)):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.Tanh(),
+                                     torch.nn.Linear(5, 1)).double()
+        opt = optimizers[kind](list(module.parameters()))
+        module.load_state_dict(state["model"])
+        opt.load_state_dict(copy.deepcopy(optim))
+        if accepted:
+            assert PathRecorder(module, opt, n_samples=len(data[0]),
+                                resume_from=path).n_steps == BREAK
+        else:
+            with pytest.raises(ValueError, match="momentum buffers of '0.weight', "
+                                                 "'0.bias', '2.weight', '2.bias' are not"):
+                PathRecorder(module, opt, n_samples=len(data[0]), resume_from=path)
 
 
 def test_an_optimizer_with_steps_names_the_resume(data):

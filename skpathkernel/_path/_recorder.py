@@ -342,11 +342,13 @@ def _resume_problem(path: Trajectory, named, optimizer, spec: SolverSpec, groups
         return (f"the module's parameters are not the trajectory's last point (after "
                 f"optimizer step {path.n_steps}): load the module's state_dict saved with "
                 "this trajectory")
-    return _state_problem(path, names, params, optimizer)
+    return _state_problem(path, names, params, optimizer, groups)
 
 
-def _state_problem(path: Trajectory, names, params, optimizer) -> str | None:
-    """Why ``optimizer``'s state is not the one ``path`` ends with (None when it is)."""
+def _state_problem(path: Trajectory, names, params, optimizer, groups) -> str | None:
+    """Why ``optimizer``'s state is not the one ``path`` ends with (None when it is).
+
+    ``groups``: each parameter's optimizer group."""
     n = path.n_steps
     states = [optimizer.state.get(p, {}) for p in params]
     fix = ("load the optimizer's state_dict saved with this trajectory "
@@ -367,7 +369,7 @@ def _state_problem(path: Trajectory, names, params, optimizer) -> str | None:
             return (f"the trajectory ends after optimizer step {n}, but the optimizer has "
                     f"no momentum buffer for {_names_list(missing)} (a fresh optimizer "
                     f"would restart the momentum): {fix}")
-        return None
+        return _momentum_problem(path, names, states, groups, fix)
     counts = [(name, None if "step" not in st else int(float(st["step"])))
               for name, st in zip(names, states)]
     off = [f"{name!r} ({'none' if c is None else c})" for name, c in counts if c != n]
@@ -384,6 +386,48 @@ def _state_problem(path: Trajectory, names, params, optimizer) -> str | None:
             if not torch.equal(ours, recorded[key]):
                 return (f"the optimizer's {key} is not the one the trajectory recorded at "
                         f"its last optimizer step ({n}): {fix}")
+    return None
+
+
+def _momentum_problem(path: Trajectory, names, states, groups, fix: str) -> str | None:
+    """Why heavy-ball SGD's momentum buffers are not the ones ``path``'s last step
+    moved the parameters by (None when they are, or where that step cannot tell).
+
+    torch.optim.SGD (without Nesterov) takes ``theta <- theta - lr * buf`` with the
+    buffer after the step, so the last two points give it up to the rounding of that
+    update: a buffer of another step (an optimizer checkpoint taken at another step
+    than the module's) misses it by ``lr`` times a gradient's change. SGD keeps no step
+    count that would tell it otherwise. Checked where the last two points are
+    consecutive steps held exactly (not ``compression``'s rounded rows)."""
+    if (path.solver_spec.nesterov or path.compression is not None or len(path) < 2
+            or path.steps[-1] - path.steps[-2] != 1):
+        return None
+    # The last step's step size of each parameter's group.
+    if path._step_group_lrs is not None:
+        rates = np.asarray(path._step_group_lrs[path.n_steps - 1], dtype=np.float64)
+    elif path._group_lrs is not None:
+        rates = np.asarray(path._group_lrs[-1], dtype=np.float64)  # a one-step interval
+    else:
+        rates = np.full(max(groups) + 1, float(path.step_learning_rates[-1]))
+    before = path.parameters(-2).double()
+    after = path.parameters(-1).double()
+    eps = torch.finfo(path.dtype).eps
+    tiny = torch.finfo(path.dtype).smallest_normal
+    offset, off = 0, []
+    for name, st, group in zip(names, states, groups):
+        buf = st["momentum_buffer"].detach().reshape(-1).to("cpu", torch.float64)
+        end = offset + buf.numel()
+        move = float(rates[group]) * buf
+        # Two roundings (the product, the sum), each within eps / 2 of its result.
+        bound = 2 * eps * (move.abs() + after[offset:end].abs()) + 2 * tiny
+        if ((before[offset:end] - move - after[offset:end]).abs() > bound).any():
+            off.append(name)
+        offset = end
+    if off:
+        return (f"the optimizer's momentum buffers of {_names_list(off)} are not the ones "
+                f"the trajectory's last optimizer step ({path.n_steps}) moved the "
+                "parameters by (an optimizer state saved at another step than the "
+                f"module's?): {fix}")
     return None
 
 
@@ -515,8 +559,12 @@ class PathRecorder:
         Adam's, AdamW's and RMSprop's step counts must be the path's steps (and their
         second moments the ones recorded at its last step, where it recorded them:
         ``record_every=1``); SGD's momentum buffers must be there once the path has
-        steps; no other recorder may still record the optimizer. Anything else is
-        refused with a ``ValueError`` saying what differs, which changes nothing.
+        steps, and without Nesterov the ones its last step moved the parameters by
+        (``theta - lr * buf``, up to its rounding; where its last two points are
+        consecutive steps stored exactly: SGD keeps no step count that would tell an
+        optimizer checkpoint of another step); no other recorder may still record the
+        optimizer. Anything else is refused with a ``ValueError`` saying what differs,
+        which changes nothing.
         The path continues where it is kept: in memory (``storage`` "memory" or
         "auto"), or on disk in its own directory, whose files it appends to
         (``storage`` "disk" or "auto", ``compression`` the path's; the directory's

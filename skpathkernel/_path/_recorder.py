@@ -342,13 +342,11 @@ def _resume_problem(path: Trajectory, named, optimizer, spec: SolverSpec, groups
         return (f"the module's parameters are not the trajectory's last point (after "
                 f"optimizer step {path.n_steps}): load the module's state_dict saved with "
                 "this trajectory")
-    return _state_problem(path, names, params, optimizer, groups)
+    return _state_problem(path, names, params, optimizer)
 
 
-def _state_problem(path: Trajectory, names, params, optimizer, groups) -> str | None:
-    """Why ``optimizer``'s state is not the one ``path`` ends with (None when it is).
-
-    ``groups``: each parameter's optimizer group."""
+def _state_problem(path: Trajectory, names, params, optimizer) -> str | None:
+    """Why ``optimizer``'s state is not the one ``path`` ends with (None when it is)."""
     n = path.n_steps
     states = [optimizer.state.get(p, {}) for p in params]
     fix = ("load the optimizer's state_dict saved with this trajectory "
@@ -369,7 +367,7 @@ def _state_problem(path: Trajectory, names, params, optimizer, groups) -> str | 
             return (f"the trajectory ends after optimizer step {n}, but the optimizer has "
                     f"no momentum buffer for {_names_list(missing)} (a fresh optimizer "
                     f"would restart the momentum): {fix}")
-        return _momentum_problem(path, names, states, groups, fix)
+        return None
     counts = [(name, None if "step" not in st else int(float(st["step"])))
               for name, st in zip(names, states)]
     off = [f"{name!r} ({'none' if c is None else c})" for name, c in counts if c != n]
@@ -389,19 +387,23 @@ def _state_problem(path: Trajectory, names, params, optimizer, groups) -> str | 
     return None
 
 
-def _momentum_problem(path: Trajectory, names, states, groups, fix: str) -> str | None:
-    """Why heavy-ball SGD's momentum buffers are not the ones ``path``'s last step
-    moved the parameters by (None when they are, or where that step cannot tell).
+def _momentum_mismatch(path: Trajectory, named, optimizer, groups) -> list[str]:
+    """The parameters whose heavy-ball SGD momentum buffer is not the one ``path``'s last
+    step moved them by (empty where it is, or where that step cannot tell).
 
     torch.optim.SGD (without Nesterov) takes ``theta <- theta - lr * buf`` with the
     buffer after the step, so the last two points give it up to the rounding of that
     update: a buffer of another step (an optimizer checkpoint taken at another step
     than the module's) misses it by ``lr`` times a gradient's change. SGD keeps no step
-    count that would tell it otherwise. Checked where the last two points are
-    consecutive steps held exactly (not ``compression``'s rounded rows)."""
-    if (path.solver_spec.nesterov or path.compression is not None or len(path) < 2
-            or path.steps[-1] - path.steps[-2] != 1):
-        return None
+    count that would tell it otherwise. A parameter changed between the two points
+    outside ``optimizer.step()`` (weight clipping) misses it too, which a resumed loop
+    may rightly do: so this warns, and refuses nothing. Checked where the last two
+    points are consecutive steps held exactly (not ``compression``'s rounded rows);
+    ``groups``: each parameter's optimizer group."""
+    spec = path.solver_spec
+    if (spec.name != "sgd" or not spec.momentum or spec.nesterov or not path.n_steps
+            or path.compression is not None or path.steps[-1] - path.steps[-2] != 1):
+        return []
     # The last step's step size of each parameter's group.
     if path._step_group_lrs is not None:
         rates = np.asarray(path._step_group_lrs[path.n_steps - 1], dtype=np.float64)
@@ -414,8 +416,9 @@ def _momentum_problem(path: Trajectory, names, states, groups, fix: str) -> str 
     eps = torch.finfo(path.dtype).eps
     tiny = torch.finfo(path.dtype).smallest_normal
     offset, off = 0, []
-    for name, st, group in zip(names, states, groups):
-        buf = st["momentum_buffer"].detach().reshape(-1).to("cpu", torch.float64)
+    for (name, p), group in zip(named, groups):
+        buf = optimizer.state[p]["momentum_buffer"].detach().reshape(-1)
+        buf = buf.to("cpu", torch.float64)
         end = offset + buf.numel()
         move = float(rates[group]) * buf
         # Two roundings (the product, the sum), each within eps / 2 of its result.
@@ -423,12 +426,7 @@ def _momentum_problem(path: Trajectory, names, states, groups, fix: str) -> str 
         if ((before[offset:end] - move - after[offset:end]).abs() > bound).any():
             off.append(name)
         offset = end
-    if off:
-        return (f"the optimizer's momentum buffers of {_names_list(off)} are not the ones "
-                f"the trajectory's last optimizer step ({path.n_steps}) moved the "
-                "parameters by (an optimizer state saved at another step than the "
-                f"module's?): {fix}")
-    return None
+    return off
 
 
 def _resumed_storage(path: Trajectory, storage: str, compression) -> str:
@@ -559,12 +557,13 @@ class PathRecorder:
         Adam's, AdamW's and RMSprop's step counts must be the path's steps (and their
         second moments the ones recorded at its last step, where it recorded them:
         ``record_every=1``); SGD's momentum buffers must be there once the path has
-        steps, and without Nesterov the ones its last step moved the parameters by
-        (``theta - lr * buf``, up to its rounding; where its last two points are
-        consecutive steps stored exactly: SGD keeps no step count that would tell an
-        optimizer checkpoint of another step); no other recorder may still record the
-        optimizer. Anything else is refused with a ``ValueError`` saying what differs,
-        which changes nothing.
+        steps; no other recorder may still record the optimizer. Anything else is
+        refused with a ``ValueError`` saying what differs, which changes nothing.
+        SGD keeps no step count: momentum buffers that are not the ones the path's
+        last step moved the parameters by (``theta - lr * buf`` without Nesterov, where
+        its last two points are consecutive steps stored exactly), an optimizer
+        checkpoint of another step or parameters changed after that step (weight
+        clipping), warn.
         The path continues where it is kept: in memory (``storage`` "memory" or
         "auto"), or on disk in its own directory, whose files it appends to
         (``storage`` "disk" or "auto", ``compression`` the path's; the directory's
@@ -755,6 +754,19 @@ class PathRecorder:
             if problem is not None:
                 raise ValueError(f"Cannot resume the recording from this trajectory: "
                                  f"{problem}. Nothing was changed.")
+            off = _momentum_mismatch(resume_from, named, optimizer,
+                                     [group_of[id(p)] for p in params])
+            if off:
+                warnings.warn(
+                    f"PathRecorder: the optimizer's momentum buffers of {_names_list(off)} "
+                    "are not the ones the resumed trajectory's last optimizer step "
+                    f"({resume_from.n_steps}) moved the parameters by: an optimizer "
+                    "state_dict saved at another step than the module's (load the one "
+                    "saved with this trajectory: SGD keeps no step count to tell), or "
+                    "parameters changed after that optimizer.step() (weight clipping, a "
+                    "projection). With another step's momentum the resumed training is not "
+                    "the one the path records: decompose warns by how much it misses.",
+                    UserWarning, stacklevel=2)
             if self._rank == writer_rank:
                 storage = _resumed_storage(resume_from, storage, compression)
         self.module = module

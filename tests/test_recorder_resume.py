@@ -452,6 +452,14 @@ def test_a_loop_that_clips_weights_resumes_before_the_clipping(data, storage, tm
         module, opt, _ = _sgd("sgd-momentum")
         module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
+        # Checkpointed after the projection: not the path's last point, which says why.
+        kept = module[0].weight.detach().clone()
+        clip(module)
+        with pytest.raises(ValueError, match=r"not the trajectory's last point .* weight "
+                                             r"clipping or a projection, saves them before"):
+            PathRecorder(module, opt, resume_from=Trajectory.load(tmp_path / "path"), **kw)
+        with torch.no_grad():
+            module[0].weight.copy_(kept)
     with pytest.warns(UserWarning, match="momentum buffers of '0.weight' are not"):
         rec = PathRecorder(module, opt, resume_from=Trajectory.load(tmp_path / "path"),
                            **kw)

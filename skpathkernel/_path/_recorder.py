@@ -341,7 +341,9 @@ def _resume_problem(path: Trajectory, named, optimizer, spec: SolverSpec, groups
     if not same:
         return (f"the module's parameters are not the trajectory's last point (after "
                 f"optimizer step {path.n_steps}): load the module's state_dict saved with "
-                "this trajectory")
+                "this trajectory (a loop that changes the parameters after "
+                "optimizer.step(), weight clipping or a projection, saves them before the "
+                "change, which is the path's last point, and makes it after resuming)")
     return _state_problem(path, names, params, optimizer)
 
 

@@ -919,7 +919,11 @@ def test_rank_gap_matches_numpy_matrix_rank(kind):
         assert not np.any(np.isclose(sv, tol, rtol=1e-2))
         return int(np.sum(sv > tol))
 
-    rt, rj = det.rank_gap(Xq)
+    if kind == "tanh_wide":  # every training feature independent: said so
+        with pytest.warns(UserWarning, match="linearly independent"):
+            rt, rj = det.rank_gap(Xq)
+    else:
+        rt, rj = det.rank_gap(Xq)
     assert (rt, rj) == (rank(P), rank(np.vstack([P, Q])))
     if kind == "tanh_wide":
         assert rj == rt + 5
@@ -932,6 +936,31 @@ def test_rank_gap_matches_numpy_matrix_rank(kind):
         assert np.sum(joint > det.rtol * joint[0]) == rt
         assert rj == rt + 1
 
+
+
+def test_rank_gap_warns_where_in_distribution_points_gap_as_well():
+    """With more parameters than training points every training feature is independent
+    (numpy's rank of the dense features: N), so held-out points of the training
+    distribution add their directions exactly as outliers do (the user guide's digits
+    example: (400, 405) for both): rank_gap says so. Where the features saturate their
+    span (N > P), a gap is the seeds' sign, and nothing is said."""
+    rng = np.random.RandomState(4)
+    X, y = rng.normal(size=(12, 3)), rng.normal(size=12)
+    det = OODRankDetector(trainer(y, hidden_layer_sizes=(8,))).fit(X, y)
+    inside, outside = rng.normal(size=(4, 3)), 6 + rng.normal(size=(4, 3))
+    Phi = dense_features(det, X)
+    assert np.linalg.matrix_rank(Phi) == len(X)
+    for Xq in (inside, outside):
+        with pytest.warns(UserWarning, match=r"linearly independent \(rank_train = N = 12\)"):
+            gap = det.rank_gap(Xq)
+        joint = np.vstack([Phi, dense_features(det, Xq)])
+        assert gap == (12, np.linalg.matrix_rank(joint)) == (12, 16)
+    X, y = rng.normal(size=(80, 2)), rng.normal(size=80)
+    det = OODRankDetector(trainer(y, hidden_layer_sizes=(4,))).fit(X, y)
+    assert np.linalg.matrix_rank(dense_features(det, X)) < len(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        det.rank_gap(rng.normal(size=(5, 2)))
 
 def test_seed_figures_7_8_rank_gap_of_a_unit_never_active_in_training():
     X, y, Xt, yt = make_linear_extrapolation(n_train=50, n_test=25)

@@ -628,6 +628,35 @@ def test_path_recorder_on_disk(storage, kw, monkeypatch):
         assert_allclose(b.contributions, a.contributions, rtol=1e-12, atol=1e-15)
 
 
+
+def test_path_recorder_auto_bounds_its_first_buffers():
+    """storage="auto" with an unknown number of steps preallocated 64 steps in memory
+    whatever memory_budget said: with Adam, 20001 float64 parameters (160 kB a vector)
+    held 10 steps, 3.4 MB, under a 1 MiB budget, and would have held 65 points before
+    moving. The first buffers now fit in the budget (3 points and 2 second moments), the
+    path moves to disk as it grows past it, and its points are the loop's own copies."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4000), torch.nn.Tanh(),
+                              torch.nn.Linear(4000, 1)).double()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=2**20)
+    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    kept = []
+    for _ in range(10):
+        opt.zero_grad()
+        (0.5 * (net(X) - y) ** 2).mean().backward()
+        rec.set_batch(np.arange(8))
+        opt.step()
+        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        kept.append(rec.trajectory.storage)
+    assert kept[:2] == ["memory"] * 2  # 3 points and 2 moments: 800 kB
+    assert kept[-1] == "disk"
+    traj = rec.trajectory
+    assert len(traj) == len(points)
+    for k, point in enumerate(points):
+        assert torch.equal(traj.parameters(k), point)
+
 def test_path_recorder_refuses_bad_storage():
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -699,7 +699,12 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
         raises it all the same, and the gap can then read low, or negative (a ReLU
         network trained on ``[0, 1]``, at the default ``rtol``: -1 for a query at 1e10).
         ``rank_joint > rank_train`` is Guo, He & Morel's sign of extrapolation: some
-        ``phi(x)`` leaves the training span.
+        ``phi(x)`` leaves the training span. It is that sign only where the training
+        features saturate their span (``rank_train < N``, as in the seeds' 1-6-1 ReLU
+        network): where every training feature is independent (``rank_train == N``,
+        more parameters than training points, as a digits network), held-out points of
+        the training distribution add their directions too, and a ``UserWarning``
+        says so when a gap is found.
 
         Holds the ``(N + n)^2`` Gram (N training points, n queries): it must fit in a
         quarter of ``memory_budget`` (about 5000 points in all at the default 1 GiB).
@@ -729,7 +734,19 @@ class OODRankDetector(OutlierMixin, NetworkMetaEstimator):
                 f"raise memory_budget to at least {4 * nbytes:,}."
             )
         K = to_numpy(gram.gram(gram.tensor(np.concatenate([self.X_fit_, X]))).to(torch.float64))
-        return TangentSpan.rank_gap(K, n_train, self._rtol)
+        rank_train, rank_joint = TangentSpan.rank_gap(K, n_train, self._rtol)
+        if rank_train == n_train and rank_joint > rank_train:
+            # Every training feature independent: nothing saturates the span, so a new
+            # point of the training distribution adds its direction as an outlier does.
+            warnings.warn(
+                f"The {n_train} training features are linearly independent (rank_train "
+                f"= N = {n_train}): the span is not saturated, so any new point, of the "
+                "training distribution or not, can add a direction, and the gap does not "
+                "tell them apart here. Compare with the gap of held-out in-distribution "
+                "points, or rank queries by score_samples.",
+                UserWarning, stacklevel=caller_stacklevel(),
+            )
+        return rank_train, rank_joint
 
 
 def _scores(method, n_neighbors, span, gram, X, exclude=None):

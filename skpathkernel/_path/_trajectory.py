@@ -1563,14 +1563,24 @@ class TrajectoryRecorder:
         self._written: list[int] | None = None  # points written, for the page mapping
         self._base = 0  # the first point's row in the series (a continued on-disk path)
         self._extends = extends is not None
+        to_disk = storage == "disk"
+        if self._auto and n_steps is None:
+            # "auto" bounds the first buffers too, not only their growth: _INITIAL_STEPS
+            # points of a large network (65 of 11M float32 parameters: 2.9 GB) would be
+            # held in memory, past any budget, before the first move to disk.
+            n_state = len(solver.state_keys)
+            fit = (self._memory_budget // (self._n_params * self._itemsize) + n_state) // (
+                1 + n_state)
+            to_disk = fit < 1
+            n_points = min(n_points, max(fit, 1))
         if extends is not None:
             self._append_to(extends)
-        elif storage == "disk":
+        elif to_disk:
             self._to_disk(0)
         else:
             _check_fits_in_memory(
-                self.nbytes_for(self._n_params, cap_steps, record_every,
-                                len(solver.state_keys), self._itemsize),
+                (n_points + (n_points - 1) * len(solver.state_keys)) * self._n_params
+                * self._itemsize,
                 record_every,
             )
             self._buf = self._empty(n_points)

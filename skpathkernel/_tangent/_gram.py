@@ -1445,11 +1445,10 @@ def _plain_upper(out, mats, r0: int, r1: int, c0: int, c1: int, panels, arena) -
     square = r1 - c0 if c0 == r0 else 0
     if square:
         diag = block[:, :square]
-        diag.copy_(0.5 * (diag + diag.T))
-    mirror = block[:, square:].T
+        torch.mul(diag + diag.T, 0.5, out=diag)  # (_upper's numbers, one copy fewer)
     if block is not target:
         target.copy_(block)
-    out[c0 + square : c1, r0:r1] = mirror
+    out[c0 + square : c1, r0:r1] = block[:, square:].T
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,

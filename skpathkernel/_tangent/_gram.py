@@ -289,6 +289,38 @@ route's time on that network; panels of 512 / 64, 512 / 96, 256 / 128 or 1024 / 
 rows (1.04-1.08x the time of 512 / 128). The transposed copy of a whole float32 square
 into a float64 one is 10x slower than by column strips (6.9 against 0.6 ms at
 N = 1024): the mirror stays by panels.
+Session s50 (the same row, issue 31; ``benchmarks/results/plain_mlp_ab-s50.md``,
+``plain_mlp_notes-s50.md``): the s50 reading of 0.73 was no regression (the public call
+at a0582b1, s47's 0.80, against b9f9409 alternated in one process: 43.6 and 42.9 ms,
+K bit for bit). Where the call went (one pinned core, load 6-7, CPU time): the factors
+10.5 ms (their three GEMMs 8 at the probe's rate; tanh, its backward and the head's row
+copied 1.7), the panels 27.8 (their GEMMs alone 20.3-20.7, at the probe's rate 17.5; the
+Hadamard products and the bias's ones 1.3; the diagonal squares' symmetrising, the
+float64 widening and the mirror 3.2; the generic route's Python per panel, its terms'
+row views rebuilt as dataclasses and their checks, 2.4), the folded head's rows
+``[g a, g]`` 0.74, the first-sample forward check 0.6, the public call's finiteness sum
+of the float64 K 0.9 and its other steps 0.6. Kept, K bit for bit as before and as the
+general route's: the panels by a loop over the terms' matrices (:func:`_plain_panels`:
+the same operations in the same order), the head's input written by the last hidden
+Linear straight into the folded rows ``[a, 1]`` (``g`` is 1: :func:`_head_in_fold`,
+where one activation in place follows and the width is a multiple of 64, the strided
+rows' kernels then the same bits), the first backward kernel reading the head's row
+broadcast instead of a copy of it, the diagonal squares symmetrised by one product into
+them: 0.934 of the public call's CPU time and 0.941 of the engine's by medians of 15
+alternated rounds at load 8 (37.8 against 40.5 ms), 0.955 / 0.948 at N = 2048 on
+64-512-512-512-1, the peak of torch's allocations 6.1 MiB against 8.1 (the last hidden
+output's buffer is the folded rows). Not kept (bits changed, no gain beyond the load's
+noise; prototypes on the call's factors, alternated, load 6-7): the bias's ones as a
+column of the inputs (``[a, 1]`` in every rank-one term, no ``Ga += 1``) 0.98 of the
+panels' time, ``addcmul_`` for the second term's product and sum 0.987; the panels
+computed into a float32 square and widened once at the end, mirrored per panel, at the
+end by strips, or by NumPy: 1.03-1.05 (the float64 K's 8 MB written once either way);
+the mirror through torch's blocked transpose into a contiguous buffer, 0.44 ms against
+0.445 per 512 x 512 panel alone. What is left: the GEMMs (about 0.86 of the probe's rate
+in the panels, whose 128-row inner ones pack 2.5x the operand bytes per FLOP of the
+512-row one, by the count ``(m + n) k / 2 m n k``; about the rate in the factors), the
+float64 K's writes and finiteness sum, tanh and its backward, and under 1 ms of Python in
+the panels (the loop 0.8 ms above a bare script of the same operations).
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.

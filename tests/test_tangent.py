@@ -2239,6 +2239,23 @@ _PLAIN = {
     # Autograd differentiates elu_ from its output: other bits than ELU's from its input.
     "in-place elu": lambda: nn.Sequential(nn.Linear(5, 16), nn.ELU(alpha=0.7, inplace=True),
                                           nn.Linear(16, 1)),
+    # Heads of 64 inputs or a multiple (:func:`._gram._head_in_fold`): the last hidden
+    # Linear writes into the folded head's rows where one activation in place follows it,
+    # or none; a fresh activation's output, or a second activation, is folded as before.
+    "tanh, 64 into the head": lambda: nn.Sequential(nn.Linear(5, 16), nn.Tanh(),
+                                                    nn.Linear(16, 64), nn.Tanh(),
+                                                    nn.Linear(64, 1)),
+    "relu no bias, 64 into the head": lambda: nn.Sequential(
+        nn.Linear(5, 16, bias=False), nn.ReLU(), nn.Linear(16, 64, bias=False),
+        nn.ReLU(inplace=True), nn.Linear(64, 1, bias=False)),
+    "sigmoid, identity, 128 into the head": lambda: nn.Sequential(
+        nn.Linear(5, 128), nn.Sigmoid(), nn.Identity(), nn.Linear(128, 1)),
+    "no activation, 64 into the head": lambda: nn.Sequential(nn.Linear(5, 64),
+                                                             nn.Linear(64, 1)),
+    "gelu, 64 into the head": lambda: nn.Sequential(nn.Linear(5, 64), nn.GELU(),
+                                                    nn.Linear(64, 1)),
+    "sigmoid then tanh, 64 into the head": lambda: nn.Sequential(
+        nn.Linear(5, 64), nn.Sigmoid(), nn.Tanh(), nn.Linear(64, 1)),
 }
 
 
@@ -2267,6 +2284,33 @@ def test_plain_mlp_route_matches_dense_jacobian(kind, dtype, monkeypatch):
                        K.to(torch.float64))
     monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)
     assert torch.equal(tangent_gram(module, params, X), K)
+
+
+@pytest.mark.parametrize("kind", sorted(k for k in _PLAIN if "into the head" in k))
+def test_plain_mlp_route_writes_the_heads_input_into_its_folded_rows(kind, monkeypatch):
+    # Where one activation in place (or none) follows the last hidden Linear and the head
+    # has a multiple of 64 inputs, the factors write that Linear's output into the folded
+    # head's rows, which are then the head's input itself; elsewhere its own buffer. K:
+    # test_plain_mlp_route_matches_dense_jacobian's checks on the same networks.
+    torch.manual_seed(5)
+    module = _PLAIN[kind]()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(70, 5)
+    seen = []
+    real = _stacked.gram_factors
+
+    def spy(mlp, p, X, arena, last_out=None):
+        factors = real(mlp, p, X, arena, last_out)
+        seen.append(last_out is not None and factors[-1][1] is last_out)
+        return factors
+
+    monkeypatch.setattr(_gram, "gram_factors", spy)
+    K = tangent_gram(module, params, X)
+    assert seen == [kind.split(",")[0] not in ("gelu", "sigmoid then tanh")]
+    # Against the float64 dense Jacobian of the same network.
+    J = _loop_jacobian(module.double(), {k: v.double() for k, v in params.items()},
+                       X.double())[:, 0]
+    _close(K.double(), J @ J.T, 1e-5)
 
 
 def test_plain_mlp_route_is_left_where_it_does_not_apply(monkeypatch):

@@ -289,6 +289,38 @@ route's time on that network; panels of 512 / 64, 512 / 96, 256 / 128 or 1024 / 
 rows (1.04-1.08x the time of 512 / 128). The transposed copy of a whole float32 square
 into a float64 one is 10x slower than by column strips (6.9 against 0.6 ms at
 N = 1024): the mirror stays by panels.
+Session s50 (the same row, issue 31; ``benchmarks/results/plain_mlp_ab-s50.md``,
+``plain_mlp_notes-s50.md``): the s50 reading of 0.73 was no regression (the public call
+at a0582b1, s47's 0.80, against b9f9409 alternated in one process: 43.6 and 42.9 ms,
+K bit for bit). Where the call went (one pinned core, load 6-7, CPU time): the factors
+10.5 ms (their three GEMMs 8 at the probe's rate; tanh, its backward and the head's row
+copied 1.7), the panels 27.8 (their GEMMs alone 20.3-20.7, at the probe's rate 17.5; the
+Hadamard products and the bias's ones 1.3; the diagonal squares' symmetrising, the
+float64 widening and the mirror 3.2; the generic route's Python per panel, its terms'
+row views rebuilt as dataclasses and their checks, 2.4), the folded head's rows
+``[g a, g]`` 0.74, the first-sample forward check 0.6, the public call's finiteness sum
+of the float64 K 0.9 and its other steps 0.6. Kept, K bit for bit as before and as the
+general route's: the panels by a loop over the terms' matrices (:func:`_plain_panels`:
+the same operations in the same order), the head's input written by the last hidden
+Linear straight into the folded rows ``[a, 1]`` (``g`` is 1: :func:`_head_in_fold`,
+where one activation in place follows and the width is a multiple of 64, the strided
+rows' kernels then the same bits), the first backward kernel reading the head's row
+broadcast instead of a copy of it, the diagonal squares symmetrised by one product into
+them: 0.934 of the public call's CPU time and 0.941 of the engine's by medians of 15
+alternated rounds at load 8 (37.8 against 40.5 ms), 0.955 / 0.948 at N = 2048 on
+64-512-512-512-1, the peak of torch's allocations 6.1 MiB against 8.1 (the last hidden
+output's buffer is the folded rows). Not kept (bits changed, no gain beyond the load's
+noise; prototypes on the call's factors, alternated, load 6-7): the bias's ones as a
+column of the inputs (``[a, 1]`` in every rank-one term, no ``Ga += 1``) 0.98 of the
+panels' time, ``addcmul_`` for the second term's product and sum 0.987; the panels
+computed into a float32 square and widened once at the end, mirrored per panel, at the
+end by strips, or by NumPy: 1.03-1.05 (the float64 K's 8 MB written once either way);
+the mirror through torch's blocked transpose into a contiguous buffer, 0.44 ms against
+0.445 per 512 x 512 panel alone. What is left: the GEMMs (about 0.86 of the probe's rate
+in the panels, whose 128-row inner ones pack 2.5x the operand bytes per FLOP of the
+512-row one, by the count ``(m + n) k / 2 m n k``; about the rate in the factors), the
+float64 K's writes and finiteness sum, tanh and its backward, and under 1 ms of Python in
+the panels (the loop 0.8 ms above a bare script of the same operations).
 
 ``X`` is what the module takes, ``(n_samples, ...)``: float features, images, sequences,
 or integer token ids; kernels and features have the parameters' dtype.
@@ -331,6 +363,7 @@ from ._contract import (
 )
 from ._rules import Term
 from ._stacked import (
+    _IN_PLACE,
     Arena,
     _blas_eligible,
     _blas_threads,
@@ -1309,13 +1342,18 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     # Every buffer of the call but K in one allocation: the factors, the folded head
     # (its inputs and the bias's 1), the panels' two products and, for a wider K, the
     # panel computed in X's dtype.
-    sizes = {**gram_factor_sizes(mlp, n), "gd": panel, "ga": panel,
+    in_fold = _head_in_fold(mlp)
+    sizes = {**gram_factor_sizes(mlp, n, in_fold), "gd": panel, "ga": panel,
              ("fold", order.index(len(mlp.linears) - 1)):
              n * (head.d_in + (head.bias is not None))}
     if out_dtype != X.dtype:
         sizes["panel"] = panel
     arena = Arena(sizes, X.dtype, X.device)
-    factors = gram_factors(mlp, params, X, arena)
+    fold = None
+    if in_fold:
+        fold = arena.get(("fold", order.index(len(mlp.linears) - 1)),
+                         (n, head.d_in + (head.bias is not None)))[:, : head.d_in]
+    factors = gram_factors(mlp, params, X, arena, fold)
     # The route computes the layers' operations itself: a module whose forward is not
     # theirs (what the type checks cannot see) takes the general route. Checked on the
     # first sample: the module's output against the head applied to the factors.
@@ -1339,11 +1377,110 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     terms = [Term(delta=d.view(n, 1, 1, -1),
                   inputs=[(w, a.view(n, 1, -1))] + ([] if b is None else [(b, None)]))
              for w, a, b, d in (factors[li] for li in order)]
+    if fold is not None and factors[-1][1] is fold:
+        # The head's input was written into its folded rows ``[g a, g]`` (:func:`_folded`),
+        # whose ``g`` is 1 for every sample (the scalar output's own gradient): they are
+        # ``[a, 1]``, without the pass that forms them (the same numbers).
+        rows = arena.get(("fold", order.index(len(mlp.linears) - 1)),
+                         (n, head.d_in + (head_b is not None)))
+        rows[:, head.d_in :] = 1
+        terms[order.index(len(mlp.linears) - 1)] = Term(delta=rows[:, None, None, :],
+                                                          inputs=[(head_w, None)])
     K = large_tensor((n, n), out_dtype, X.device)
     panels = None if out_dtype == X.dtype else _Panels(X.dtype, X.device, arena)
     # (:func:`_symmetric_block`'s SYRK takes terms of dense rows only: none here.)
-    _symmetric_panels(terms, "trace", None, _layout(params), K, panels, arena)
+    _plain_panels(_folded(terms, None, arena), K, panels, arena)
     return K
+
+
+def _head_in_fold(mlp) -> bool:
+    """Whether :func:`._stacked.gram_factors` writes the last hidden Linear's output into
+    the first ``d_in`` columns of the folded head's rows ``[a, 1]`` (:func:`_folded`) on
+    the plain-MLP route, so that the head's input is already there, with the same bits.
+
+    Only where nothing but one activation that ``gram_factors`` runs in place over that
+    output (``_IN_PLACE``: tanh, sigmoid, ReLU) and identities come between the two
+    Linears, and the head's ``d_in`` is a multiple of 64: every row of the strided view
+    is then a whole number of the vectorised kernels' steps, as the contiguous buffer
+    is, so no entry falls to a scalar tail, whose sigmoid rounds otherwise (measured
+    for widths that are not multiples of 32).
+    """
+    head = mlp.linears[-1]
+    if len(mlp.linears) < 2 or head.d_in % 64:
+        return False
+    last = max(i for i, it in enumerate(mlp.items) if it is mlp.linears[-2])
+    between = [it for it in mlp.items[last + 1 : -1] if type(it) is not torch.nn.Identity]
+    return not between or (len(between) == 1 and type(between[0]) in _IN_PLACE)
+
+
+def _plain_panels(terms: list[Term], out: torch.Tensor, panels: _Panels | None,
+                  arena) -> None:
+    """:func:`_symmetric_panels` of the plain-MLP route's terms (a trace without a
+    preconditioner, one output, one position; folded by :func:`_folded`), by the same
+    operations in the same order, so the same bits, without the generic route's Python
+    per panel (the terms' row views rebuilt as dataclasses, the term checks of
+    :func:`_accumulate`): each term is reduced once to its matrices, ``(d, a, ones)`` for
+    ``(a . a' + ones) (d . d')`` or ``(g, None, alpha)`` for the dense rows ``alpha g g'``,
+    and the panels slice those.
+    """
+    n = out.shape[0]
+    mats = []
+    for t in terms:
+        d = t.delta.reshape(n, -1)
+        factored = [a[:, 0] for _, a in t.inputs if a is not None]
+        if all(a is None for _, a in t.inputs):
+            mats.append((d, None, float(len(t.inputs))))
+        else:
+            mats.append((d, factored, len(t.inputs) - len(factored)))
+    width = max(t.delta.shape[1] * t.delta.shape[3] for t in terms)
+    outer, inner = _panel_rows(out.device, width)
+    for s in range(0, n, outer):
+        e = min(s + outer, n)
+        if e < n:
+            _plain_upper(out, mats, s, e, e, n, panels, arena)
+        for t in range(s, e, inner):
+            _plain_upper(out, mats, t, min(t + inner, e), t, e, panels, arena)
+
+
+def _plain_upper(out, mats, r0: int, r1: int, c0: int, c1: int, panels, arena) -> None:
+    """``out[r0:r1, c0:c1]`` and its mirror from :func:`_plain_panels`' matrices: what
+    :func:`_upper` and :func:`_accumulate` compute for those terms, op for op."""
+    shape = (r1 - r0, c1 - c0)
+    target = out[r0:r1, c0:c1]
+    block = target if panels is None else panels.get(shape)
+    first = True
+    for d, factored, ones in mats:
+        if factored is None:  # dense rows: one GEMM into the block
+            block.addmm_(d[r0:r1], d[c0:c1].T, beta=0 if first else 1, alpha=ones)
+            first = False
+            continue
+        Gd = torch.mm(d[r0:r1], d[c0:c1].T, out=arena.get("gd", shape))
+        Ga = None
+        for a in factored:
+            if Ga is None:
+                Ga = torch.mm(a[r0:r1], a[c0:c1].T, out=arena.get("ga", shape))
+            else:
+                Ga.addmm_(a[r0:r1], a[c0:c1].T)
+        if Ga is None:
+            if first:
+                torch.mul(Gd, ones, out=block)
+            else:
+                block.add_(Gd, alpha=ones)
+        else:
+            if ones:
+                Ga += ones
+            if first:
+                torch.mul(Gd, Ga, out=block)
+            else:
+                block.add_(Gd.mul_(Ga))
+        first = False
+    square = r1 - c0 if c0 == r0 else 0
+    if square:
+        diag = block[:, :square]
+        torch.mul(diag + diag.T, 0.5, out=diag)  # (_upper's numbers, one copy fewer)
+    if block is not target:
+        target.copy_(block)
+    out[c0 + square : c1, r0:r1] = block[:, square:].T
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,

@@ -526,11 +526,15 @@ def _factors(mlp: StackedMLP, theta: torch.Tensor, layout: dict, X: torch.Tensor
 # :data:`_BACKWARD`'s kernel.
 _IN_PLACE = {
     nn.Tanh: (lambda z: _aten.tanh.out(z, out=z),
-              lambda g, h: _aten.tanh_backward.grad_input(g, h, grad_input=g)),
+              lambda g, h: _aten.tanh_backward.grad_input(g, h, grad_input=g),
+              lambda g, h, out: _aten.tanh_backward.grad_input(g, h, grad_input=out)),
     nn.Sigmoid: (lambda z: _aten.sigmoid.out(z, out=z),
-                 lambda g, h: _aten.sigmoid_backward.grad_input(g, h, grad_input=g)),
+                 lambda g, h: _aten.sigmoid_backward.grad_input(g, h, grad_input=g),
+                 lambda g, h, out: _aten.sigmoid_backward.grad_input(g, h, grad_input=out)),
     nn.ReLU: (lambda z: _aten.relu.out(z, out=z),
-              lambda g, h: _aten.threshold_backward.grad_input(g, h, 0, grad_input=g)),
+              lambda g, h: _aten.threshold_backward.grad_input(g, h, 0, grad_input=g),
+              lambda g, h, out: _aten.threshold_backward.grad_input(g, h, 0,
+                                                                    grad_input=out)),
 }
 
 # ``nn.ELU(inplace=True)``: autograd's derivative of ``elu_`` reads its output.
@@ -569,16 +573,19 @@ class Arena:
         return self._regions[key][: math.prod(shape)].view(shape)
 
 
-def gram_factor_sizes(mlp: StackedMLP, n: int) -> dict:
-    """The buffers of :func:`gram_factors` for ``n`` samples: entries by key."""
+def gram_factor_sizes(mlp: StackedMLP, n: int, last_out: bool = False) -> dict:
+    """The buffers of :func:`gram_factors` for ``n`` samples: entries by key (without the
+    last hidden Linear's output where ``last_out``: the caller's view holds it)."""
     sizes = {}
     for li, lin in enumerate(mlp.linears[:-1]):
         sizes[("z", li)] = sizes[("g", li)] = n * lin.d_out
+    if last_out and len(mlp.linears) > 1:
+        del sizes[("z", len(mlp.linears) - 2)]
     return sizes
 
 
-def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
-                 arena: Arena) -> list[tuple]:
+def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor, arena: Arena,
+                 last_out: torch.Tensor | None = None) -> list[tuple]:
     """Every Linear's ``(weight name, inputs a (n, d_in), bias name or None, backprops
     (n, d_out))`` of a scalar-output MLP at one parameter point (its last item a Linear
     of one output, which the caller checks before sizing ``arena``), by one forward and
@@ -592,15 +599,23 @@ def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
     (:class:`Arena`, keys of :func:`gram_factor_sizes`) instead of a dozen tensors of
     torch's allocator, each a first touch of fresh pages at every call: on the
     64-512-512-1 network at N = 1024, 3,900 page faults of the capture on a cold heap
-    (``benchmarks/results/gram-mlp-s46.md``).
+    (``benchmarks/results/gram-mlp-s46.md``). ``last_out``: an ``(n, d_out)`` view
+    (rows of stride ``d_out`` or more, ``d_out`` at least 2) where the last hidden Linear
+    writes its output instead of a region of ``arena`` (sized then by
+    ``gram_factor_sizes(..., last_out=True)``): the folded head's rows, see
+    :func:`.._gram._head_in_fold`; the same bits.
     """
     items = mlp.items
     linears = mlp.linears
     n = X.shape[0]
     # A forward buffer (layer output, the activation in place over it) and a backprop
     # buffer per hidden Linear (:func:`gram_factor_sizes`).
-    bufs = [(arena.get(("z", li), (n, lin.d_out)), arena.get(("g", li), (n, lin.d_out)))
-            for li, lin in enumerate(linears[:-1])]
+    # (The last hidden Linear's output, and the activations in place over it, where the
+    # caller gives: the head's input is then that view wherever nothing after it makes a
+    # fresh tensor.)
+    last = len(linears) - 2 if last_out is not None else -1
+    bufs = [(last_out if li == last else arena.get(("z", li), (n, lin.d_out)),
+             arena.get(("g", li), (n, lin.d_out))) for li, lin in enumerate(linears[:-1])]
     # Forward: every Linear's input, and per activation what its derivative reads.
     h, li, inputs, acts = X, 0, [], [[] for _ in linears]
     for it in items:
@@ -646,10 +661,17 @@ def gram_factors(mlp: StackedMLP, params: dict, X: torch.Tensor,
     g_row = params[head.weight]
     for li in range(len(linears) - 2, -1, -1):
         g = bufs[li][1]
+        backs = list(reversed(acts[li]))
         if g_row is not None:
-            g.copy_(g_row.expand(n, -1))
+            if backs and backs[0][2] is None:
+                # The first backward kernel reads the head's row broadcast and writes the
+                # buffer: the same bits as copying the rows first, one pass fewer.
+                it, saved, _ = backs.pop(0)
+                _IN_PLACE[type(it)][2](g_row.expand(n, -1), saved, g)
+            else:
+                g.copy_(g_row.expand(n, -1))
             g_row = None
-        for it, saved, backward in reversed(acts[li]):
+        for it, saved, backward in backs:
             if backward is None:
                 _IN_PLACE[type(it)][1](g, saved)
             else:

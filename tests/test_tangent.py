@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks._nets import ViT
+from benchmarks._nets import ResNet, ViT, _eval_batchnorm
 from benchmarks.bench_gpu_choices import LongAttention, cpu_peak_bytes
 from skpathkernel import _tangent
 from skpathkernel._tangent import (
@@ -2584,6 +2584,56 @@ def test_output_groups_hold_their_panels_in_the_budget(net, monkeypatch):
         K, held, _ = _forwarded_gram(module, params, X, budget, monkeypatch)
         assert held <= budget, (held, budget)
         _close(K, expected)
+
+
+def _jacrev_jacobian(module, params, X):
+    """(n, C, P): ``torch.func.jacrev`` of the whole batch's outputs, a float64 copy at
+    params (the rows are independent samples: row n's outputs depend on sample n only)."""
+    ref = _copy_with(module, params)
+    p = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    jac = torch.func.jacrev(lambda q: torch.func.functional_call(ref, q, (X.double(),)))(p)
+    n, C = jac[next(iter(params))].shape[:2]
+    return torch.cat([jac[k].reshape(n, C, -1) for k in params], 2)
+
+
+def _small_resnet(n, n_out, dtype, side=8):
+    """benchmarks/_nets.py's ResNet (stem, three residual blocks, the last two stride-2
+    with 1x1 shortcuts, eval BatchNorms after every convolution) at a test's size."""
+    torch.manual_seed(0)
+    module = _eval_batchnorm(ResNet(3, (4, 8, 12), n_out)).to(dtype)
+    params = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in module.named_parameters()}
+    return module, params, torch.randn(n, 3, side, side, dtype=dtype)
+
+
+@pytest.mark.parametrize("n_out", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_folded_resnet_gram_against_jacrev(n_out, dtype, monkeypatch):
+    # benchmarks/_nets.py's ResNet at a test's size (eval BatchNorms folded into all nine
+    # convolutions, whose input gradients then go by the scaled weight; stride-2 3x3 and
+    # 1x1 convolutions on even sides, which leave an input row no window reads): K
+    # against the float64 jacrev J J^T / C at the default budget and at budgets that
+    # split the rows into chunks, within each budget (torch's allocations, measured).
+    module, params, X = _small_resnet(37, n_out, dtype)
+    J = _jacrev_jacobian(module, params, X)
+    expected = torch.einsum("ncp,mcp->nm", J, J) / n_out
+    rtol = RTOL if dtype == torch.float64 else 1e-5
+    folds = []
+    real_fold = _capture.fold_batch_norm
+    monkeypatch.setattr(_capture, "fold_batch_norm",
+                        lambda use, z, *a: folds.append(1) or real_fold(use, z, *a))
+    _close(tangent_gram(module, params, X), expected, rtol)
+    assert len(folds) % 9 == 0 and folds  # every convolution folded, in every capture
+    captures = {}  # by budget
+    for budget in (int(2**21 * 2 ** (k / 2)) + 12345 for k in range(6)):  # 2 to 11 MiB
+        try:
+            K, held, forwarded = _forwarded_gram(module, params, X, budget, monkeypatch)
+        except ValueError:  # below the least budget this network takes
+            continue
+        assert held <= budget, (held, budget)
+        _close(K, expected, rtol)
+        captures[budget] = len(forwarded) - 2  # the probe's two forward passes aside
+    # Three budgets taken, the rows in several chunks at some.
+    assert len(captures) >= 3 and max(captures.values()) > 1, captures
 
 
 def test_kept_forward_passes_never_refuse_a_budget_the_groups_hold(monkeypatch):

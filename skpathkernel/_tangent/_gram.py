@@ -265,6 +265,24 @@ formed there), the products 5.8 s, of 19.5 s. Not kept: the weights that
 left to the engine's forming from their factors, the backprop scaled in place and
 BatchNorm's sums from the convolution's output recomputed: 1.033 of the time of forming
 them in the capture by medians of 4 alternated rounds (1.024-1.096 by round).
+Session s50 (``benchmarks/results/resnet_groups_ab-s50.md``, load 2-10): the phases of
+the kept plan (21.6 s, GEMM probe 156 GFLOP/s): forming in the capture 7.6 s (the
+formed blocks' 256 GFLOP at 0.20 of the probe's rate; the 8 x 8 convolutions from their
+patches the most, 1.9 s for ``blocks.2.conv2``), the backward passes 6.1 s (247 GFLOP
+at 0.26), the SYRKs 5.8 s (0.89). Not kept: the two-output groups of the kept plan,
+which a chunk estimate counting the folded convolutions' patches once (instead of four
+times each) lets in: five groups of two in 26-row chunks instead of ten of one in 44,
+1.036 of the CPU time by medians of 3 alternated rounds (1.010-1.090 by round), the
+peak of torch's allocations less K 989.7 MiB against 676.5; and that estimate held up
+to 1.31x small budgets on a test-sized ResNet, its four-times term having also paid for
+the forward graph. Nor the folded convolutions' input gradients by the transposed
+convolution instead of ``convolution_backward`` given the input's shape as an expanded
+tensor (the same bits; 1.1-2.3x as fast alone on 44-row chunks, 0.84 of their time in
+the call by medians of 3 alternated rounds, 4.4 s against 5.3): the call 1.005 by
+medians of 5 alternated rounds (0.983-1.008 by round), no gain seen. With the present
+kernels (oneDNN's 16-64-channel convolutions at 30-60 GFLOP/s here) the row's roofline
+ratio is bounded near 0.55-0.6 (the results file's estimate): 0.8 needs forming and the
+backward passes, 503 GFLOP, at about 85 GFLOP/s, twice their rates now.
 
 A symmetric trace ``K(X, X)`` of a plain MLP with one output (an ``nn.Sequential`` of
 ``nn.Linear`` and elementwise activations without hooks, :func:`._stacked.stacked_mlp`;

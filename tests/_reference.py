@@ -1,7 +1,8 @@
 """Independent references shared by the tests: plain per-sample autograd loops.
 
 Nothing here uses skpathkernel's engine: every Jacobian is one ``torch.autograd.grad`` call
-per sample and output, the slow and obviously correct way.
+per sample and output, the slow and obviously correct way (or, in ``jacrev_features``,
+torch.func's dense per-sample Jacobian).
 """
 
 import copy
@@ -53,6 +54,21 @@ def features_loop(module, X):
     """phi(x) as ``transform`` defines it: the flattened Jacobian / sqrt(C), NumPy."""
     J = jacobian_loop(module, X)
     return (J.reshape(J.shape[0], -1) / np.sqrt(J.shape[1])).numpy()
+
+
+def jacrev_features(est, X):
+    """phi(x) from a dense float64 ``vmap(jacrev)`` of the module at the final point:
+    the flattened (C, P) Jacobian / sqrt(C), columns in trajectory (parameters()) order."""
+    module = module_at(est)
+    params = {n: p.detach() for n, p in module.named_parameters()}
+
+    def f(p, x):
+        return torch.func.functional_call(module, p, (x[None],)).reshape(-1)
+
+    J = torch.func.vmap(torch.func.jacrev(f), in_dims=(None, 0))(
+        params, torch.as_tensor(X, dtype=torch.float64))
+    J = torch.cat([J[n].reshape(len(X), -1, params[n].numel()) for n in params], dim=2)
+    return (J.reshape(len(X), -1) / np.sqrt(J.shape[1])).numpy()
 
 
 def gauss_nodes(n, panels=1):

@@ -6,6 +6,7 @@ import torch
 from hypothesis import settings
 
 from skpathkernel._analysis import _unrolled
+from skpathkernel._estimators import _base
 from skpathkernel._tangent import _capture
 
 
@@ -17,6 +18,22 @@ def _few_threads():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n_threads)
+
+
+@pytest.fixture
+def feature_row_blocks(monkeypatch):
+    """The row counts of the joblib blocks of every tangent-feature call that fanned out
+    (``n_jobs``): one list per call."""
+    calls = []
+    real = _base.map_row_blocks
+
+    def spy(*args, **kwargs):
+        parts = real(*args, **kwargs)
+        calls.append([len(part) for part in parts])
+        return parts
+
+    monkeypatch.setattr(_base, "map_row_blocks", spy)
+    return calls
 
 
 @pytest.fixture

@@ -4,12 +4,16 @@ the same cv_results_, Grams and scores as serially, and torch threads within the
 Deselect with ``-m "not dask"`` (needs ``dask[distributed]``, in the ``test`` extra).
 """
 
+import gc
+import os
 import threading
+import warnings
 
 import joblib
 import numpy as np
 import pytest
 import torch
+from _reference import jacrev_features
 from numpy.testing import assert_allclose
 from sklearn.base import clone
 from sklearn.frozen import FrozenEstimator
@@ -197,3 +201,30 @@ def test_decompose_and_attribute_query_blocks_on_the_cluster(client, data):
     assert_allclose(split.reconstruction, serial.prediction, rtol=0, atol=1e-12 * size)
     assert_allclose(split_scores, scores, rtol=0, atol=1e-12 * size)
     assert est.trajectory_._store.owned  # the workers only referenced it
+
+
+def test_tangent_features_transform_blocks_on_the_cluster(client, feature_row_blocks):
+    """TangentFeatures(n_jobs=-1) under the dask backend: two row blocks (whole 256-row
+    blocks of the serial call) on the workers, the serial features bit for bit, the
+    on-disk path sent by reference (no pickling of the path: its temporary directory
+    goes with the estimator)."""
+    rng = np.random.RandomState(1)
+    X = rng.uniform(-1, 1, size=(300, 2))
+    tf = TangentFeatures(PathKernelMachine(solver="adam", trajectory_storage="disk", **NET))
+    tf.fit(X, np.sin(2 * X[:, 0]) + X[:, 1])
+    serial = tf.transform(X)
+    store = tf.trajectory_._store
+    directory = store.directory
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with joblib.parallel_config(backend="dask"):
+            parallel = tf.set_params(n_jobs=-1).transform(X)
+    assert feature_row_blocks == [[256, 44]]
+    assert not [w for w in seen if "Pickling references" in str(w.message)]
+    np.testing.assert_array_equal(parallel, serial)
+    assert_allclose(parallel, jacrev_features(tf.estimator_, X), rtol=0,
+                    atol=1e-13 * np.abs(serial).max())
+    assert store.owned and os.path.isdir(directory)
+    del tf, store
+    gc.collect()
+    assert not os.path.exists(directory)

@@ -1,12 +1,16 @@
 """TangentFeatures and TangentFeatureSVM against independent references."""
 
+import gc
+import os
 import pickle
 import warnings
 
+import joblib
 import numpy as np
 import pytest
 import sklearn
-from _reference import features_loop
+import torch
+from _reference import features_loop, jacrev_features
 from scipy.optimize import minimize
 from sklearn.base import clone
 from sklearn.calibration import CalibratedClassifierCV
@@ -81,6 +85,106 @@ def test_transform_matches_per_sample_autograd(regression_data, multi):
     assert names[: est.n_params_].tolist() == (
         [f"out0:{n}" for n in expected] if multi else expected
     )
+
+
+def _n_jobs_data(n=300):
+    # 300 rows: two row blocks of the serial call's fixed 256-row blocks (256 + 44).
+    rng = np.random.RandomState(3)
+    X = rng.uniform(-1, 1, size=(n, 3))
+    return X, np.digitize(X @ [1.0, -2.0, 0.5], [-0.5, 0.5])  # 3 classes: C = 3 outputs
+
+
+class _SelfBilinear(torch.nn.Module):
+    # nn.Bilinear has no structured rule: the torch.func fallback.
+    def __init__(self, d, k):
+        super().__init__()
+        self.bilinear = torch.nn.Bilinear(d, d, k)
+
+    def forward(self, x):
+        return self.bilinear(x, x)
+
+
+def _conv_fallback(n_in, n_out):
+    # A convolution (structured, summed over its positions) and a fallback layer.
+    return torch.nn.Sequential(torch.nn.Unflatten(1, (1, n_in)), torch.nn.Conv1d(1, 2, 2),
+                               torch.nn.Tanh(), torch.nn.Flatten(), _SelfBilinear(4, 3),
+                               torch.nn.Tanh(), torch.nn.Linear(3, n_out))
+
+
+@pytest.mark.filterwarnings("ignore::skpathkernel.rules.FallbackWarning")
+# vmap's of nn.Bilinear in the reference
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("n_components", [None, 40])
+@pytest.mark.parametrize("net", ["mlp-float32", "mlp-float64", "conv_fallback-float32"])
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+def test_transform_n_jobs_row_blocks_equal_serial_and_jacrev(backend, net, n_components,
+                                                            feature_row_blocks):
+    """n_jobs splits X into blocks of whole fixed-size (256-row) blocks of the serial
+    call: each row is computed in the same block shape, padded alike, so the features
+    equal the serial ones bit for bit, float32 included, on the structured routes
+    (nn.Linear, a convolution's sum over positions) and the torch.func fallback."""
+    X, y = _n_jobs_data()
+    kind, dtype = net.split("-")
+    module = dict(module=_conv_fallback) if kind == "conv_fallback" else {}
+    clf = PathKernelClassifier(**{**SMALL, "dtype": dtype, "max_iter": 5, "tol": None},
+                               **module).fit(X, y)
+    tf = TangentFeatures(FrozenEstimator(clf), n_components=n_components,
+                         random_state=0).fit(X)
+    serial = tf.transform(X)
+    with joblib.parallel_config(backend=backend):
+        parallel = tf.set_params(n_jobs=2).transform(X)
+        assert feature_row_blocks == [[256, 44]]
+        # Not more than one fixed block: serial, whatever n_jobs says.
+        np.testing.assert_array_equal(tf.transform(X[:200]), serial[:200])
+        assert len(feature_row_blocks) == 1
+    assert parallel.dtype == serial.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(parallel, serial)
+    if n_components is None:
+        ref = jacrev_features(clf, X)
+        assert parallel.shape == ref.shape == (300, 3 * clf.n_params_)
+        tol = 1e-13 if dtype == "float64" else 1e-6
+        np.testing.assert_allclose(parallel, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
+def test_transform_n_jobs_ships_a_disk_path_by_reference():
+    """Tasks get the path on disk by reference (for_workers): no pickling warning, the
+    temporary directory stays the estimator's and goes with it."""
+    X, y = _n_jobs_data()
+    tf = TangentFeatures(PathKernelClassifier(**SMALL, tol=None, trajectory_storage="disk"))
+    tf.fit(X, y)
+    store = tf.trajectory_._store
+    directory = store.directory
+    serial = tf.transform(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with joblib.parallel_config(backend="loky"):
+            parallel = tf.set_params(n_jobs=2).transform(X)
+    np.testing.assert_array_equal(parallel, serial)
+    np.testing.assert_allclose(parallel, jacrev_features(tf.estimator_, X), rtol=0,
+                               atol=1e-13 * np.abs(serial).max())
+    assert store.owned and os.path.isdir(directory)
+    del tf, store
+    gc.collect()
+    assert not os.path.exists(directory)
+
+
+def test_n_jobs_is_a_parameter_of_tangent_features(circle):
+    X, y = circle
+    tf = TangentFeatures(PathKernelClassifier(**SMALL, tol=None), n_jobs=2)
+    assert tf.get_params()["n_jobs"] == 2 and clone(tf).n_jobs == 2
+    assert TangentFeatures().get_params()["n_jobs"] is None
+    with pytest.raises(InvalidParameterError, match="n_jobs"):
+        TangentFeatures(PathKernelClassifier(**SMALL), n_jobs=1.5).fit(X, y)
+    fitted = tf.fit(X, y)
+    with pytest.raises(TypeError, match="n_jobs must be an int or None, got 'two'"):
+        fitted.set_params(n_jobs="two").transform(X)
+    # A pickle from before n_jobs (no n_jobs in its state) transforms serially.
+    state = fitted.set_params(n_jobs=None).__getstate__()
+    del state["n_jobs"]
+    old = TangentFeatures.__new__(TangentFeatures)
+    old.__setstate__(state)
+    assert old.get_params()["n_jobs"] is None
+    np.testing.assert_array_equal(old.transform(X), fitted.transform(X))
 
 
 def test_normalize_gives_unit_rows_along_phi(circle):

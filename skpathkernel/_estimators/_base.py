@@ -58,7 +58,13 @@ from .._network._trained import (
     output_block_rows,
     warn_not_finite,
 )
-from .._parallel import dask_worker_threads, limit_torch_threads
+from .._parallel import (
+    by_reference,
+    dask_worker_threads,
+    limit_torch_threads,
+    map_row_blocks,
+    n_row_blocks,
+)
 from .._path._buffers import appended
 from .._path._losses import LOSSES
 from .._path._storage import DiskArray, TrajectoryFileError, dtype_name
@@ -395,25 +401,50 @@ class FittedNetworkMixin:
         check_representable(X, self.network_.torch_dtype)
         return X
 
-    @runs_fitted_module
-    def _tangent_features(self, X, *, step=-1, output="trace", validated=False) -> np.ndarray:
+    def _tangent_features(self, X, *, step=-1, output="trace", validated=False,
+                          n_jobs=None) -> np.ndarray:
         """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype.
 
         ``validated``: ``X`` is in the network's form already (``X_fit_``, or rows the
         caller validated), not checked again: checked as a new ``X``, such an array
         has lost the column names of a DataFrame fit and would warn that it has none.
         """
-        module, params, X_t = self._engine_inputs(X, step, validated=validated)
-        row = self._check_feature_row_fits("Dense tangent features")
+        return self._feature_map(X, step=step, output=output, validated=validated,
+                                 n_jobs=n_jobs)
+
+    @runs_fitted_module
+    def _feature_map(self, X, *, step=-1, output="trace", validated=False, n_jobs=None,
+                     projection=None) -> np.ndarray:
+        """phi(X), as :meth:`_tangent_features`, or its seeded random projection:
+        ``projection`` is ``(n_components, seed)``.
+
+        ``n_jobs``: row blocks through joblib, each a whole number of the fixed-size
+        blocks the serial call computes, so that every row is computed in the block, and
+        with the padding, it has serially.
+        """
+        X = X if validated else self._validate_X(X)
+        net = self.network_
+        module, params, X_t = net.module, net.params_at(step), net.tensor(X)
         budget = self._budget()
+        if projection is None:
+            what = "Dense tangent features"
+            row = self._check_feature_row_fits(what)
+        else:
+            what, row = "The projected tangent features", projection[0] * X_t.element_size()
+        block = feature_block_rows(budget, row, what)
         # The engine's check for hidden parameter reads runs once, not in every block.
         exclude = _tangent.hidden_reads(module, [params], [X_t], output=output,
                                         memory_budget=budget)
-        return map_fixed_blocks(
-            lambda xb: to_numpy(_tangent.tangent_features(
-                module, params, xb, output=output, memory_budget=budget,
-                exclude=exclude, check_hidden=False)),
-            X_t, feature_block_rows(budget, row, "Dense tangent features"))
+        n_blocks = min(n_row_blocks(n_jobs, X), -(-len(X) // block))
+        if n_blocks <= 1:
+            return _feature_blocks(module, params, X_t, output, budget, exclude, block,
+                                   projection)
+        # Tasks get the on-disk path by reference (pickling it would keep its temporary
+        # directory for good), loky processes an in-memory one as its shared files.
+        shared = net.for_workers(by_reference=by_reference(n_blocks))
+        return np.concatenate(map_row_blocks(_feature_rows, X, n_jobs, shared, step, output,
+                                             budget, exclude, block, projection,
+                                             align=block))
 
     def _check_feature_row_fits(self, what):
         """One sample's dense tangent features (C x P values) must fit the budget."""
@@ -423,12 +454,6 @@ class FittedNetworkMixin:
         rows_per_block(self._budget(), row,
                        f"{what} ({n_out} x {self.n_params_} values per sample)")
         return row
-
-    def _engine_inputs(self, X, step=-1, *, validated=False):
-        """(module, parameters at recorded point ``step``, validated X as a tensor)."""
-        X = X if validated else self._validate_X(X)
-        net = self.network_
-        return net.module, net.params_at(step), net.tensor(X)
 
     def kneighbors(self, X=None, n_neighbors=100, *, kernel="tangent", step=-1, normalized=True,
                    return_distance=True):
@@ -490,6 +515,30 @@ class FittedNetworkMixin:
         return network_of(self).kneighbors(
             None if X is None else self._validate_X(X), n_neighbors, kernel=kernel, step=step,
             normalized=normalized, return_distance=return_distance)
+
+
+def _feature_blocks(module, params, X_t, output, budget, exclude, block, projection):
+    """phi of ``X_t`` (or its projection, see ``_feature_map``) in fixed-size row
+    blocks: a row's float32 features then do not depend on the rows passed with it."""
+    if projection is None:
+        def features(xb):
+            return _tangent.tangent_features(module, params, xb, output=output,
+                                             memory_budget=budget, exclude=exclude,
+                                             check_hidden=False)
+    else:
+        def features(xb):
+            return _tangent.project_tangent_features(
+                module, params, xb, projection[0], random_state=projection[1],
+                output=output, memory_budget=budget, exclude=exclude, check_hidden=False)
+    return map_fixed_blocks(lambda xb: to_numpy(features(xb)), X_t, block)
+
+
+def _feature_rows(X_rows, net, step, output, budget, exclude, block, projection):
+    """One joblib task of ``_feature_map``: its rows on its own copy of the module
+    (the engine hooks the module it runs, and tasks on threads share the network)."""
+    net = net.with_own_module()
+    return _feature_blocks(net.module, net.params_at(step), net.tensor(X_rows), output,
+                           budget, exclude, block, projection)
 
 
 def _mean_and_std(Y: np.ndarray, weights: np.ndarray | None = None

@@ -26,8 +26,6 @@ from sklearn.utils.metaestimators import available_if
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import _check_feature_names_in, check_is_fitted, column_or_1d
 
-from .. import _tangent
-from .._device import to_numpy
 from .._memory import feature_block_rows, map_fixed_blocks
 from .._parallel import limit_torch_threads
 from .._path._recorder import RecordedNetwork
@@ -113,6 +111,18 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         number of exact features.
     normalize : bool, default=False
         Scale every row to unit Euclidean norm (the normalized tangent kernel).
+    n_jobs : int or None, default=None
+        Number of joblib workers for :meth:`transform`: the rows of ``X`` are split into
+        one contiguous block per worker, computed with ``Parallel(n_jobs)`` on loky
+        processes, threads or, under ``joblib.parallel_config(backend="dask")``, a Dask
+        cluster, and stacked back in order; each task runs torch with ``max(1, cpu_count
+        // n_jobs)`` threads and receives the network with its path by reference (an
+        on-disk path's temporary directory stays temporary). Every block is a whole
+        number of the serial call's fixed blocks (256 rows, fewer where
+        ``memory_budget`` needs it), each computed as serially: the result equals the
+        serial one bit for bit, and an ``X`` of one such block runs serially. ``None``
+        means 1 unless in a :func:`joblib.parallel_config` context; ``-1`` all workers.
+        ``fit`` is serial (the trainer's own).
     random_state : int, RandomState instance or None, default=None
         Seeds the projection's directions and, with ``estimator=None``, the default
         trainer (a given trainer keeps its own ``random_state``).
@@ -158,16 +168,18 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         **NetworkMetaEstimator._parameter_constraints,
         "n_components": [count(1), None],
         "normalize": ["boolean"],
+        "n_jobs": [numbers.Integral, None],
     }
     # sample_weight only weighs the trainer's loss: routed to it, as MultiOutputRegressor
     # routes its own (this fit's request is not read).
     _uses_sample_weight = False
 
-    def __init__(self, estimator=None, *, n_components=None, normalize=False,
+    def __init__(self, estimator=None, *, n_components=None, normalize=False, n_jobs=None,
                  random_state=None):
         self.estimator = estimator
         self.n_components = n_components
         self.normalize = normalize
+        self.n_jobs = n_jobs
         self.random_state = random_state
 
     classes_ = FittedAttribute("estimator_")
@@ -178,7 +190,8 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         if "estimator_" in state:
             state = {"_n_components": state.get("n_components"),
                      "_normalize": state.get("normalize", False), **state}
-        super().__setstate__(state)
+        # A pickle from before n_jobs transformed serially.
+        super().__setstate__({"n_jobs": None, **state})
 
     @property
     def task_(self):
@@ -264,22 +277,9 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
             the next.
         """
         check_is_fitted(self)  # before the fitted state it reads
-        if self._n_components is None:
-            phi = self._tangent_features(X)
-        else:
-            module, params, X_t = self._engine_inputs(X)
-            budget = self._budget()
-            exclude = _tangent.hidden_reads(module, [params], [X_t], output="trace",
-                                            memory_budget=budget)
-            itemsize = X_t.element_size()
-            # Fixed-size blocks: a row's float32 features do not depend on the others.
-            phi = map_fixed_blocks(
-                lambda xb: to_numpy(_tangent.project_tangent_features(
-                    module, params, xb, self._n_components,
-                    random_state=self._projection_seed, output="trace",
-                    memory_budget=budget, exclude=exclude, check_hidden=False)),
-                X_t, feature_block_rows(budget, self._n_components * itemsize,
-                                        "The projected tangent features"))
+        projection = (None if self._n_components is None
+                      else (self._n_components, self._projection_seed))
+        phi = self._feature_map(X, n_jobs=self.n_jobs, projection=projection)
         return _unit_rows(phi) if self._normalize else phi
 
     def get_feature_names_out(self, input_features=None):

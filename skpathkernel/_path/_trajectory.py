@@ -1736,15 +1736,9 @@ class TrajectoryRecorder:
         if self._auto and not self.on_disk and (
                 (rows + (rows - 1) * n_state) * self._n_params * self._itemsize
                 > self._memory_budget):
-            # Up to the budget, not past it: doubling to more than the budget moved a
-            # path to disk at 0.5-1 of it (80 SGD steps at 0.7 of the budget), where
-            # "auto" moves only when the vectors pass it.
-            fit = (self._memory_budget // (self._n_params * self._itemsize) + n_state) // (
-                1 + n_state)
-            if fit >= needed:
-                rows = fit
-            else:
-                self._to_disk(self._k)
+            # (Not grown up to the budget instead: the copy into a larger buffer holds
+            # both, up to twice the budget for a step; doubled, at most 1.5 times it.)
+            self._to_disk(self._k)
         if not self.on_disk:
             try:
                 _check_fits_in_memory(

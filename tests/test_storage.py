@@ -683,6 +683,20 @@ def test_path_recorder_auto_moves_to_disk_where_memory_is_short(available, monke
         assert torch.equal(traj.parameters(k), point)
 
 
+def test_available_memory_counts_the_page_cache(tmp_path, monkeypatch):
+    """The in-memory check read the free pages only (SC_AVPHYS_PAGES): the page cache
+    that on-disk chunk files leave behind counted as taken, and 1 GB was refused with
+    13.5 GB available. Linux's MemAvailable counts it."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:            1000 kB\n"
+                       "MemAvailable:   13509672 kB\nCached:          2681672 kB\n")
+    monkeypatch.setattr(_trajectory, "_MEMINFO", str(meminfo), raising=False)
+    assert _trajectory._available_memory() == 13509672 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")  # an old kernel: the free pages
+    assert _trajectory._available_memory() == (os.sysconf("SC_AVPHYS_PAGES")
+                                               * os.sysconf("SC_PAGE_SIZE"))
+
+
 def test_path_recorder_refuses_bad_storage():
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

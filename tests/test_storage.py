@@ -629,6 +629,26 @@ def test_path_recorder_on_disk(storage, kw, monkeypatch):
 
 
 
+def _auto_recording(net, opt, X, y, steps, budget):
+    """A loop recorded with storage="auto": the recorder, the loop's own copies of
+    every point, and the storage after each step."""
+    rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=budget)
+    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    kept = []
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * (net(X) - y) ** 2).mean().backward()
+        rec.set_batch(np.arange(8))
+        opt.step()
+        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        kept.append(rec.trajectory.storage)
+    traj = rec.trajectory
+    assert len(traj) == len(points)
+    for k, point in enumerate(points):
+        assert torch.equal(traj.parameters(k), point)
+    return traj, kept
+
+
 def test_path_recorder_auto_bounds_its_first_buffers():
     """storage="auto" with an unknown number of steps preallocated 64 steps in memory
     whatever memory_budget said: with Adam, 20001 float64 parameters (160 kB a vector)
@@ -640,22 +660,10 @@ def test_path_recorder_auto_bounds_its_first_buffers():
     net = torch.nn.Sequential(torch.nn.Linear(3, 4000), torch.nn.Tanh(),
                               torch.nn.Linear(4000, 1)).double()
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
-    rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=2**20)
-    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
-    kept = []
-    for _ in range(10):
-        opt.zero_grad()
-        (0.5 * (net(X) - y) ** 2).mean().backward()
-        rec.set_batch(np.arange(8))
-        opt.step()
-        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-        kept.append(rec.trajectory.storage)
+    _, kept = _auto_recording(net, opt, X, y, 10, 2**20)
     assert kept[:2] == ["memory"] * 2  # 3 points and 2 moments: 800 kB
     assert kept[-1] == "disk"
-    traj = rec.trajectory
-    assert len(traj) == len(points)
-    for k, point in enumerate(points):
-        assert torch.equal(traj.parameters(k), point)
+
 
 @pytest.mark.parametrize("available", [2_500_000, 700_000])
 def test_path_recorder_auto_moves_to_disk_where_memory_is_short(available, monkeypatch):
@@ -668,19 +676,8 @@ def test_path_recorder_auto_moves_to_disk_where_memory_is_short(available, monke
     net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
                               torch.nn.Linear(1000, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=2**30)
-    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
-    for _ in range(70):
-        opt.zero_grad()
-        (0.5 * (net(X) - y) ** 2).mean().backward()
-        rec.set_batch(np.arange(8))
-        opt.step()
-        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-    traj = rec.trajectory
+    traj, _ = _auto_recording(net, opt, X, y, 70, 2**30)
     assert traj.storage == "disk"
-    assert len(traj) == len(points)
-    for k, point in enumerate(points):
-        assert torch.equal(traj.parameters(k), point)
 
 
 def test_available_memory_counts_the_page_cache(tmp_path, monkeypatch):

@@ -629,6 +629,26 @@ def test_path_recorder_on_disk(storage, kw, monkeypatch):
 
 
 
+def _auto_recording(net, opt, X, y, steps, budget):
+    """A loop recorded with storage="auto": the recorder, the loop's own copies of
+    every point, and the storage after each step."""
+    rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=budget)
+    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    kept = []
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * (net(X) - y) ** 2).mean().backward()
+        rec.set_batch(np.arange(8))
+        opt.step()
+        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        kept.append(rec.trajectory.storage)
+    traj = rec.trajectory
+    assert len(traj) == len(points)
+    for k, point in enumerate(points):
+        assert torch.equal(traj.parameters(k), point)
+    return traj, kept
+
+
 def test_path_recorder_auto_bounds_its_first_buffers():
     """storage="auto" with an unknown number of steps preallocated 64 steps in memory
     whatever memory_budget said: with Adam, 20001 float64 parameters (160 kB a vector)
@@ -640,22 +660,39 @@ def test_path_recorder_auto_bounds_its_first_buffers():
     net = torch.nn.Sequential(torch.nn.Linear(3, 4000), torch.nn.Tanh(),
                               torch.nn.Linear(4000, 1)).double()
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
-    rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=2**20)
-    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
-    kept = []
-    for _ in range(10):
-        opt.zero_grad()
-        (0.5 * (net(X) - y) ** 2).mean().backward()
-        rec.set_batch(np.arange(8))
-        opt.step()
-        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-        kept.append(rec.trajectory.storage)
+    _, kept = _auto_recording(net, opt, X, y, 10, 2**20)
     assert kept[:2] == ["memory"] * 2  # 3 points and 2 moments: 800 kB
     assert kept[-1] == "disk"
-    traj = rec.trajectory
-    assert len(traj) == len(points)
-    for k, point in enumerate(points):
-        assert torch.equal(traj.parameters(k), point)
+
+
+@pytest.mark.parametrize("available", [2_500_000, 700_000])
+def test_path_recorder_auto_moves_to_disk_where_memory_is_short(available, monkeypatch):
+    """storage="auto" under a memory_budget above the host's free memory raised
+    MemoryError in the middle of the training loop (growing past 64 steps), or at the
+    recorder's creation, where it can move to disk: it now does, with the loop's points."""
+    monkeypatch.setattr(_trajectory, "_available_memory", lambda: available)
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 3), torch.randn(8, 1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
+                              torch.nn.Linear(1000, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    traj, _ = _auto_recording(net, opt, X, y, 70, 2**30)
+    assert traj.storage == "disk"
+
+
+def test_available_memory_counts_the_page_cache(tmp_path, monkeypatch):
+    """The in-memory check read the free pages only (SC_AVPHYS_PAGES): the page cache
+    that on-disk chunk files leave behind counted as taken, and 1 GB was refused with
+    13.5 GB available. Linux's MemAvailable counts it."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:            1000 kB\n"
+                       "MemAvailable:   13509672 kB\nCached:          2681672 kB\n")
+    monkeypatch.setattr(_trajectory, "_MEMINFO", str(meminfo), raising=False)
+    assert _trajectory._available_memory() == 13509672 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")  # an old kernel: the free pages
+    assert _trajectory._available_memory() == (os.sysconf("SC_AVPHYS_PAGES")
+                                               * os.sysconf("SC_PAGE_SIZE"))
+
 
 def test_path_recorder_refuses_bad_storage():
     net = torch.nn.Linear(2, 1)

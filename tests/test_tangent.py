@@ -2313,6 +2313,29 @@ def test_plain_mlp_route_writes_the_heads_input_into_its_folded_rows(kind, monke
     _close(K.double(), J @ J.T, 1e-5)
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.float64])
+def test_plain_mlp_route_panels_of_a_wide_folded_layer(out_dtype, monkeypatch):
+    # A layer of one output folds into rows of its d_in + 1 inputs: 16,384 here, the
+    # width at which _panel_rows chooses wider panels. The route's panels keep the rows
+    # that its arena was sized for (the layers' backprop widths, as the general route
+    # chooses them): a float64 K of a float32 network overran the arena's panel
+    # (RuntimeError) and a float32 K had other bits than the general route's.
+    torch.manual_seed(3)
+    module = nn.Sequential(nn.Linear(16383, 1), nn.Tanh(), nn.Linear(1, 1))
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    X = torch.randn(300, 16383)
+    taken = []
+    real = _stacked.gram_factors
+    monkeypatch.setattr(_gram, "gram_factors", lambda *a: taken.append(1) or real(*a))
+    K = tangent_gram(module, params, X, out_dtype=out_dtype)
+    assert taken
+    J = _loop_jacobian(module.double(), {k: v.double() for k, v in params.items()},
+                       X.double())[:, 0]
+    _close(K.double(), J @ J.T, 1e-5)
+    monkeypatch.setattr(_gram, "_plain_mlp_gram", lambda *a: None)
+    assert torch.equal(tangent_gram(module, params, X, out_dtype=out_dtype), K)
+
+
 def test_plain_mlp_route_is_left_where_it_does_not_apply(monkeypatch):
     # Hooks, several outputs, a Y, a preconditioner, a budget that needs blocks, and a
     # module whose forward is not its layers' (a class-level patch, which the type checks

@@ -526,11 +526,12 @@ class PathRecorder:
         Where the recorded vectors go: memory buffers that double when full, or chunk
         files in a fresh temporary directory under ``directory``, written as recording
         goes and read lazily (see the estimators' ``trajectory_storage``). "auto"
-        records in memory and moves what it holds to disk when the vectors pass
-        ``memory_budget`` bytes. ``trajectory.save(path)`` moves the directory (a
-        rename) and keeps it; otherwise it is deleted with the last trajectory using
-        it. A full disk keeps the rest in memory, with a warning naming the file and
-        the step.
+        records in memory and moves what it holds to disk when its buffers, which
+        double, would pass ``memory_budget`` bytes (so a path of half the budget or
+        more may move), or where the host's free memory is short of them.
+        ``trajectory.save(path)`` moves the directory (a rename) and keeps it;
+        otherwise it is deleted with the last trajectory using it. A full disk keeps
+        the rest in memory, with a warning naming the file and the step.
     directory : str, path-like or None, default=None
         Parent of the on-disk trajectory's directory; None is the system's temporary
         directory.

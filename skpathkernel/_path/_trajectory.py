@@ -1573,6 +1573,14 @@ class TrajectoryRecorder:
                 1 + n_state)
             to_disk = fit < 1
             n_points = min(n_points, max(fit, 1))
+            if not to_disk:
+                try:
+                    _check_fits_in_memory(
+                        (n_points + (n_points - 1) * n_state) * self._n_params * self._itemsize,
+                        record_every,
+                    )
+                except MemoryError:  # a budget above the host's free memory: to disk
+                    to_disk = True
         if extends is not None:
             self._append_to(extends)
         elif to_disk:
@@ -1728,14 +1736,24 @@ class TrajectoryRecorder:
         if self._auto and not self.on_disk and (
                 (rows + (rows - 1) * n_state) * self._n_params * self._itemsize
                 > self._memory_budget):
+            # (Not grown up to the budget instead: the copy into a larger buffer holds
+            # both, up to twice the budget for a step; doubled, at most 1.5 times it.)
             self._to_disk(self._k)
+        if not self.on_disk:
+            try:
+                _check_fits_in_memory(
+                    (rows + (rows - 1) * len(self._states)) * self._n_params * self._itemsize,
+                    self.record_every,
+                )
+            except MemoryError:
+                if not self._auto:
+                    raise
+                # "auto" under a budget larger than the host's free memory: to disk, not
+                # a MemoryError in the middle of the user's training loop.
+                self._to_disk(self._k)
         if self.on_disk:
             self._grow_small(rows, have)
             return
-        _check_fits_in_memory(
-            (rows + (rows - 1) * len(self._states)) * self._n_params * self._itemsize,
-            self.record_every,
-        )
         if self._non_blocking:
             self._synchronize()  # pending copies target the old buffers
 
@@ -1966,7 +1984,22 @@ class TrajectoryRecorder:
         return trajectory
 
 
+# Linux's estimate of the memory that can be allocated without swapping, page cache
+# that can be dropped included (``MemAvailable``).
+_MEMINFO = "/proc/meminfo"
+
+
 def _available_memory() -> int | None:
+    # Not the free pages alone (``SC_AVPHYS_PAGES``): the page cache that an on-disk
+    # trajectory's chunk files leave behind counted as taken, and a review's loop was
+    # refused 1 GB with 0.8 GB free of 13.5 GB available.
+    try:
+        with open(_MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not POSIX: let the allocator decide

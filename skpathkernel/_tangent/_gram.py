@@ -1407,7 +1407,10 @@ def _plain_mlp_gram(module, params, X, output, memory_budget, out_dtype):
     K = large_tensor((n, n), out_dtype, X.device)
     panels = None if out_dtype == X.dtype else _Panels(X.dtype, X.device, arena)
     # (:func:`_symmetric_block`'s SYRK takes terms of dense rows only: none here.)
-    _plain_panels(_folded(terms, None, arena), K, panels, arena)
+    # The panels' rows as the arena's panels were sized: by the layers' backprop widths
+    # (:func:`_symmetric_panels`' ``width``, taken before the head is folded into rows of
+    # ``d_in + 1``, which would choose wider panels from a head of 16,383 inputs or more).
+    _plain_panels(_folded(terms, None, arena), K, panels, arena, (outer, inner))
     return K
 
 
@@ -1432,14 +1435,15 @@ def _head_in_fold(mlp) -> bool:
 
 
 def _plain_panels(terms: list[Term], out: torch.Tensor, panels: _Panels | None,
-                  arena) -> None:
+                  arena, rows: tuple[int, int]) -> None:
     """:func:`_symmetric_panels` of the plain-MLP route's terms (a trace without a
     preconditioner, one output, one position; folded by :func:`_folded`), by the same
     operations in the same order, so the same bits, without the generic route's Python
     per panel (the terms' row views rebuilt as dataclasses, the term checks of
     :func:`_accumulate`): each term is reduced once to its matrices, ``(d, a, ones)`` for
     ``(a . a' + ones) (d . d')`` or ``(g, None, alpha)`` for the dense rows ``alpha g g'``,
-    and the panels slice those.
+    and the panels slice those. ``rows``: the outer and inner panels' rows
+    (:func:`_panel_rows`), those that the arena's products were sized for.
     """
     n = out.shape[0]
     mats = []
@@ -1450,8 +1454,7 @@ def _plain_panels(terms: list[Term], out: torch.Tensor, panels: _Panels | None,
             mats.append((d, None, float(len(t.inputs))))
         else:
             mats.append((d, factored, len(t.inputs) - len(factored)))
-    width = max(t.delta.shape[1] * t.delta.shape[3] for t in terms)
-    outer, inner = _panel_rows(out.device, width)
+    outer, inner = rows
     for s in range(0, n, outer):
         e = min(s + outer, n)
         if e < n:

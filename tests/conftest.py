@@ -1,13 +1,26 @@
 import math
+import threading
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import settings
+from threadpoolctl import threadpool_limits
 
 from skpathkernel._analysis import _unrolled
 from skpathkernel._estimators import _base
 from skpathkernel._tangent import _capture
+
+# NumPy's and SciPy's OpenBLAS on one thread per test process, as torch is
+# (``_few_threads``): two pytest-xdist workers each running OpenBLAS's two threads on CI's
+# two cores spin on each other. test_ood.py's leave-one-out brute force (a thousand small
+# SVDs) took 474 s of a 48-minute suite under a load of 7, 5 s on one thread. Set once
+# for the process, from a thread that then ends: threadpoolctl 3.8+ lets a live thread
+# that set OpenBLAS's limit keep control of it, and tests/test_path_stacked.py sets its
+# own limits from other threads. Subprocesses are untouched (no environment variable).
+_blas = threading.Thread(target=lambda: threadpool_limits(limits=1, user_api="blas"))
+_blas.start()
+_blas.join()
 
 
 @pytest.fixture(autouse=True)

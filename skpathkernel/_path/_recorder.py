@@ -77,7 +77,9 @@ from ._trajectory import (
     SolverSpec,
     Trajectory,
     TrajectoryRecorder,
+    host_vector,
     interval_means,
+    is_stored_point,
     mean_batch_weights,
 )
 
@@ -329,16 +331,10 @@ def _resume_problem(path: Trajectory, named, optimizer, spec: SolverSpec, groups
                 and len(set(wds)) > 1)):
         return ("the optimizer's parameter groups (which parameters each holds, their "
                 "weight decays) are not the trajectory's")
-    flat = torch.cat([p.detach().reshape(-1).to("cpu", path.dtype) for p in params])
-    last = path.parameters(-1)
-    if path.compression is None or len(path) == 1:
-        same = bool(torch.equal(flat, last))
-    else:  # stored as a rounded step from the point before (see _check_last_point)
-        small, full = torch.finfo(getattr(torch, path.compression)), torch.finfo(path.dtype)
-        bound = (small.eps * (last - path.parameters(-2)).abs()
-                 + small.eps * small.smallest_normal + full.eps * last.abs())
-        same = bool(((last - flat).abs() <= bound).all())
-    if not same:
+    compressed = path.compression is not None and len(path) > 1
+    if not is_stored_point(host_vector(params, path.dtype), path.parameters(-1),
+                           path.parameters(-2) if compressed else None,
+                           getattr(torch, path.compression) if compressed else None):
         return (f"the module's parameters are not the trajectory's last point (after "
                 f"optimizer step {path.n_steps}): load the module's state_dict saved with "
                 "this trajectory (a loop that changes the parameters after "
@@ -381,9 +377,8 @@ def _state_problem(path: Trajectory, names, params, optimizer) -> str | None:
         # The state recorded at the last step is the optimizer's now, bit for bit.
         recorded = path.optimizer_state(-1)
         for key in path.state_keys:
-            ours = torch.cat([st[key].detach().reshape(-1).to("cpu", path.dtype)
-                              for st in states])
-            if not torch.equal(ours, recorded[key]):
+            if not torch.equal(host_vector([st[key] for st in states], path.dtype),
+                               recorded[key]):
                 return (f"the optimizer's {key} is not the one the trajectory recorded at "
                         f"its last optimizer step ({n}): {fix}")
     return None
@@ -743,6 +738,7 @@ class PathRecorder:
             )
         groups = optimizer.param_groups
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        param_groups = [group_of[id(p)] for p in params]
         if resume_from is not None:
             # Every check before anything is set: a refusal changes nothing.
             live = [h for h in getattr(optimizer, "_optimizer_step_post_hooks", {}).values()
@@ -753,12 +749,11 @@ class PathRecorder:
                                  "records this optimizer; close() it first. Nothing was "
                                  "changed.")
             problem = _resume_problem(resume_from, named, optimizer, self.solver_spec,
-                                      [group_of[id(p)] for p in params], n_samples)
+                                      param_groups, n_samples)
             if problem is not None:
                 raise ValueError(f"Cannot resume the recording from this trajectory: "
                                  f"{problem}. Nothing was changed.")
-            off = _momentum_mismatch(resume_from, named, optimizer,
-                                     [group_of[id(p)] for p in params])
+            off = _momentum_mismatch(resume_from, named, optimizer, param_groups)
             if off:
                 warnings.warn(
                     f"PathRecorder: the optimizer's momentum buffers of {_names_list(off)} "
@@ -816,7 +811,7 @@ class PathRecorder:
             )
             self._recorder.record_point(0)
             self._fingerprint = self._fingerprints()
-        self._param_groups = [group_of[id(p)] for p in params]
+        self._param_groups = param_groups
         wds = [_as_float(g.get("weight_decay", 0.0)) for g in groups]
         self._group_wds = wds if len(set(wds)) > 1 else None
         self._mode_layers = mode_dependent_layers(inner)

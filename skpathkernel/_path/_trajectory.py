@@ -1135,20 +1135,13 @@ class Trajectory(VersionedStateMixin):
                 "RecordedNetwork's relocate_trajectory, which compares the path's last "
                 "point with the network's parameters, or read the directory with "
                 "Trajectory.load(directory). Nothing was changed.")
-        ours = torch.cat([params[name].detach().reshape(-1).to("cpu", self.dtype)
-                          for name in self._names])
+        ours = host_vector([params[name] for name in self._names], self.dtype)
         series, k = self._params.series, self._params.n - 1
         chunk, i = divmod(k, series.chunk_rows)
         stored = series.stored_chunk(directory, chunk, self._params.n)
-        if series.delta_dtype is None or i == 0:  # a chunk's first point: in full
-            same = bool(torch.equal(stored[i], ours))
-        else:
-            # The difference's rounding (relative, or a subnormal's step) and the sum's.
-            small, full = torch.finfo(series.delta_dtype), torch.finfo(self.dtype)
-            bound = (small.eps * (stored[i] - stored[i - 1]).abs()
-                     + small.eps * small.smallest_normal + full.eps * stored[i].abs())
-            same = bool(((stored[i] - ours).abs() <= bound).all())
-        if not same:
+        # A chunk's first point is stored in full.
+        if not is_stored_point(ours, stored[i], None if i == 0 else stored[i - 1],
+                               series.delta_dtype):
             raise ValueError(
                 f"{where}{theirs}, and the last point stored there is not this model's "
                 "parameters: the directory holds another model's path (of the same "
@@ -1567,30 +1560,18 @@ class TrajectoryRecorder:
         if self._auto and n_steps is None:
             # "auto" bounds the first buffers too, not only their growth: _INITIAL_STEPS
             # points of a large network (65 of 11M float32 parameters: 2.9 GB) would be
-            # held in memory, past any budget, before the first move to disk.
-            n_state = len(solver.state_keys)
-            fit = (self._memory_budget // (self._n_params * self._itemsize) + n_state) // (
-                1 + n_state)
-            to_disk = fit < 1
+            # held in memory, past any budget, before the first move to disk. A budget
+            # above the host's free memory goes to disk too.
+            fit = self.points_within(self._n_params, len(solver.state_keys), self._itemsize,
+                                     self._memory_budget)
             n_points = min(n_points, max(fit, 1))
-            if not to_disk:
-                try:
-                    _check_fits_in_memory(
-                        (n_points + (n_points - 1) * n_state) * self._n_params * self._itemsize,
-                        record_every,
-                    )
-                except MemoryError:  # a budget above the host's free memory: to disk
-                    to_disk = True
+            to_disk = fit < 1 or not _fits_in_memory(self._buffers_nbytes(n_points))
         if extends is not None:
             self._append_to(extends)
         elif to_disk:
             self._to_disk(0)
         else:
-            _check_fits_in_memory(
-                (n_points + (n_points - 1) * len(solver.state_keys)) * self._n_params
-                * self._itemsize,
-                record_every,
-            )
+            _check_fits_in_memory(self._buffers_nbytes(n_points), record_every)
             self._buf = self._empty(n_points)
             self._states = {key: self._empty(n_points - 1) for key in solver.state_keys}
             if self._cpu and n_steps is not None:
@@ -1708,6 +1689,17 @@ class TrajectoryRecorder:
         n_points = TrajectoryRecorder.n_points_for(n_steps, record_every)
         return (n_points + (n_points - 1) * n_state) * n_params * itemsize
 
+    def _buffers_nbytes(self, n_points: int) -> int:
+        """Bytes of in-memory buffers for ``n_points`` points and their states."""
+        n_state = len(self.solver.state_keys)
+        return (n_points + (n_points - 1) * n_state) * self._n_params * self._itemsize
+
+    @staticmethod
+    def points_within(n_params, n_state, itemsize, max_bytes) -> int:
+        """The most points (each but the first with ``n_state`` state vectors) that fit
+        in ``max_bytes``: ``(m + (m - 1) n_state) * n_params * itemsize <= max_bytes``."""
+        return (max_bytes // (n_params * itemsize) + n_state) // (1 + n_state)
+
     @staticmethod
     def auto_record_every(n_params, n_steps, n_state, itemsize, max_bytes) -> int:
         """The smallest ``record_every`` whose points fit in ``max_bytes`` (1 when all do).
@@ -1717,9 +1709,7 @@ class TrajectoryRecorder:
         kept, so a path whose two end points alone exceed ``max_bytes`` keeps only those.
         """
         n_steps = max(int(n_steps), 1)
-        per_point = n_params * itemsize
-        # (m + (m - 1) n_state) * per_point <= max_bytes for m points.
-        max_points = (max_bytes // per_point + n_state) // (1 + n_state)
+        max_points = TrajectoryRecorder.points_within(n_params, n_state, itemsize, max_bytes)
         if max_points < 2:
             return n_steps
         every = -(-n_steps // (max_points - 1))
@@ -1732,25 +1722,16 @@ class TrajectoryRecorder:
         if needed <= have:
             return
         rows = max(needed, 2 * have)
-        n_state = len(self.solver.state_keys)
+        nbytes = self._buffers_nbytes(rows)
         if self._auto and not self.on_disk and (
-                (rows + (rows - 1) * n_state) * self._n_params * self._itemsize
-                > self._memory_budget):
+                nbytes > self._memory_budget or not _fits_in_memory(nbytes)):
             # (Not grown up to the budget instead: the copy into a larger buffer holds
-            # both, up to twice the budget for a step; doubled, at most 1.5 times it.)
+            # both, up to twice the budget for a step; doubled, at most 1.5 times it. A
+            # budget above the host's free memory: to disk, not a MemoryError in the
+            # middle of the user's training loop.)
             self._to_disk(self._k)
         if not self.on_disk:
-            try:
-                _check_fits_in_memory(
-                    (rows + (rows - 1) * len(self._states)) * self._n_params * self._itemsize,
-                    self.record_every,
-                )
-            except MemoryError:
-                if not self._auto:
-                    raise
-                # "auto" under a budget larger than the host's free memory: to disk, not
-                # a MemoryError in the middle of the user's training loop.
-                self._to_disk(self._k)
+            _check_fits_in_memory(nbytes, self.record_every)
         if self.on_disk:
             self._grow_small(rows, have)
             return
@@ -2006,10 +1987,34 @@ def _available_memory() -> int | None:
         return None
 
 
+def host_vector(tensors, dtype: torch.dtype) -> torch.Tensor:
+    """``tensors`` flattened and concatenated on the host in ``dtype``: a path's vector."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in tensors])
+
+
+def is_stored_point(ours: torch.Tensor, stored: torch.Tensor, before: torch.Tensor | None,
+                    delta_dtype: torch.dtype | None) -> bool:
+    """Whether ``ours`` is the point a path stored as ``stored``: bit for bit, or, stored
+    as its rounded difference (``delta_dtype``) from the point ``before`` it, within that
+    rounding (relative, or a subnormal's step) and the sum's."""
+    if delta_dtype is None or before is None:
+        return bool(torch.equal(stored, ours))
+    small, full = torch.finfo(delta_dtype), torch.finfo(stored.dtype)
+    bound = (small.eps * (stored - before).abs()
+             + small.eps * small.smallest_normal + full.eps * stored.abs())
+    return bool(((stored - ours).abs() <= bound).all())
+
+
+def _fits_in_memory(nbytes: int) -> bool:
+    """Whether ``nbytes`` fit in the host's available memory (with a 10% margin)."""
+    available = _available_memory()
+    return available is None or nbytes <= 0.9 * available
+
+
 def _check_fits_in_memory(nbytes: int, record_every: int) -> None:
     """Refuse, before training starts, a trajectory that cannot fit in host memory."""
-    available = _available_memory()
-    if available is not None and nbytes > 0.9 * available:
+    if not _fits_in_memory(nbytes):
+        available = _available_memory()
         raise MemoryError(
             f"Recording this path needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) of host "
             f"memory but only {available:,} bytes are available. Record fewer points "

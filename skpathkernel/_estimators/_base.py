@@ -401,23 +401,15 @@ class FittedNetworkMixin:
         check_representable(X, self.network_.torch_dtype)
         return X
 
-    def _tangent_features(self, X, *, step=-1, output="trace", validated=False,
-                          n_jobs=None) -> np.ndarray:
-        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype.
+    @runs_fitted_module
+    def _tangent_features(self, X, *, step=-1, output="trace", validated=False, n_jobs=None,
+                          projection=None) -> np.ndarray:
+        """phi(X) at recorded point ``step`` as a NumPy array in the network's dtype, or
+        its seeded random projection: ``projection`` is ``(n_components, seed)``.
 
         ``validated``: ``X`` is in the network's form already (``X_fit_``, or rows the
         caller validated), not checked again: checked as a new ``X``, such an array
         has lost the column names of a DataFrame fit and would warn that it has none.
-        """
-        return self._feature_map(X, step=step, output=output, validated=validated,
-                                 n_jobs=n_jobs)
-
-    @runs_fitted_module
-    def _feature_map(self, X, *, step=-1, output="trace", validated=False, n_jobs=None,
-                     projection=None) -> np.ndarray:
-        """phi(X), as :meth:`_tangent_features`, or its seeded random projection:
-        ``projection`` is ``(n_components, seed)``.
-
         ``n_jobs``: row blocks through joblib, each a whole number of the fixed-size
         blocks the serial call computes, so that every row is computed in the block, and
         with the padding, it has serially.
@@ -518,7 +510,7 @@ class FittedNetworkMixin:
 
 
 def _feature_blocks(module, params, X_t, output, budget, exclude, block, projection):
-    """phi of ``X_t`` (or its projection, see ``_feature_map``) in fixed-size row
+    """phi of ``X_t`` (or its projection, see ``_tangent_features``) in fixed-size row
     blocks: a row's float32 features then do not depend on the rows passed with it."""
     if projection is None:
         def features(xb):
@@ -534,7 +526,7 @@ def _feature_blocks(module, params, X_t, output, budget, exclude, block, project
 
 
 def _feature_rows(X_rows, net, step, output, budget, exclude, block, projection):
-    """One joblib task of ``_feature_map``: its rows on its own copy of the module
+    """One joblib task of ``_tangent_features``: its rows on its own copy of the module
     (the engine hooks the module it runs, and tasks on threads share the network)."""
     net = net.with_own_module()
     return _feature_blocks(net.module, net.params_at(step), net.tensor(X_rows), output,

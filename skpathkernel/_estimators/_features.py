@@ -279,7 +279,7 @@ class TangentFeatures(_TangentFeatureNames, TransformerMixin, NetworkMetaEstimat
         check_is_fitted(self)  # before the fitted state it reads
         projection = (None if self._n_components is None
                       else (self._n_components, self._projection_seed))
-        phi = self._feature_map(X, n_jobs=self.n_jobs, projection=projection)
+        phi = self._tangent_features(X, n_jobs=self.n_jobs, projection=projection)
         return _unit_rows(phi) if self._normalize else phi
 
     def get_feature_names_out(self, input_features=None):

@@ -762,23 +762,27 @@ def _upper(out, terms, rows: slice, cols: slice, mode, weight, layout, panels,
     block = target if panels is None else panels.get(target.shape)
     _gram_into(block, _rows(terms, rows), _rows(terms, cols), mode, weight, layout, scratch)
     square = rows.stop - cols.start if cols.start == rows.start else 0
-    below = slice(cols.start + square, cols.stop)
-    if full:
-        if square:
-            diag = block[:, :, :square, :]
-            diag.copy_(0.5 * (diag + diag.permute(2, 3, 0, 1)))
-        mirror = block[:, :, square:, :].permute(2, 3, 0, 1)
-    else:
-        if square:
-            diag = block[:, :square]
-            diag.copy_(0.5 * (diag + diag.T))
-        mirror = block[:, square:].T
+    if not full:
+        _write_upper(out, block, target, rows.start, cols.start, square)
+        return
+    if square:
+        diag = block[:, :, :square, :]
+        diag.copy_(0.5 * (diag + diag.permute(2, 3, 0, 1)))
     if block is not target:
         target.copy_(block)
-    if full:
-        out[below, :, rows, :] = mirror
-    else:
-        out[below, rows] = mirror
+    out[cols.start + square : cols.stop, :, rows, :] = block[:, :, square:, :].permute(2, 3, 0, 1)
+
+
+def _write_upper(out, block, target, r0: int, c0: int, square: int) -> None:
+    """Write a trace Gram's panel ``block``, computed for ``target = out[r0:, c0:]``
+    (``block`` itself or a float32 buffer of it), and its mirror below the diagonal:
+    the first ``square`` columns straddle the diagonal and are symmetrised."""
+    if square:
+        diag = block[:, :square]
+        torch.mul(diag + diag.T, 0.5, out=diag)  # one copy fewer than diag.copy_(...)
+    if block is not target:
+        target.copy_(block)
+    out[c0 + square : c0 + block.shape[1], r0 : r0 + block.shape[0]] = block[:, square:].T
 
 
 class _Panels:
@@ -1495,13 +1499,7 @@ def _plain_upper(out, mats, r0: int, r1: int, c0: int, c1: int, panels, arena) -
             else:
                 block.add_(Gd.mul_(Ga))
         first = False
-    square = r1 - c0 if c0 == r0 else 0
-    if square:
-        diag = block[:, :square]
-        torch.mul(diag + diag.T, 0.5, out=diag)  # (_upper's numbers, one copy fewer)
-    if block is not target:
-        target.copy_(block)
-    out[c0 + square : c1, r0:r1] = block[:, square:].T
+    _write_upper(out, block, target, r0, c0, r1 - c0 if c0 == r0 else 0)
 
 
 def _gram_blocks(module, params, params_y, X, Y, outputs, mode, probe, weight, layout,

@@ -26,8 +26,9 @@ checkpointing.
 
 The switch replaces, for the duration of the calls, the names through which the
 checkpoints dispatch, looked up at every call: ``torch.utils.checkpoint``'s
-``CheckpointFunction`` and ``_checkpoint_without_reentrant_generator`` (so a ``checkpoint``
-imported by name or bound in a ``functools.partial`` is covered), and the generator as
+``CheckpointFunction`` and ``_checkpoint_without_reentrant_generator`` (from torch 2.14
+also its ``_impl``, which ``checkpoint`` calls; so a ``checkpoint`` imported by name or
+bound in a ``functools.partial`` is covered), and the generator as
 torch.distributed's composable ``checkpoint(module)`` imported it (where that module is
 loaded: a network using it loaded it). The names are the process's, but what they do
 is the thread's: a region runs plainly in a thread within a block, and as torch's
@@ -55,10 +56,18 @@ __all__ = ["dispatch_problem", "functional_call", "plain_checkpoints", "plain_na
            "warn_if_not_dispatched"]
 
 # (module, name) of every place a checkpoint's implementation is looked up at call time.
+# torch 2.14 moved the non-reentrant generator's body to ``..._impl`` (its arguments
+# ``(fn, args, kwargs, *, options)``), which ``checkpoint`` and the composable
+# ``checkpoint`` call directly, the old name kept as a shim for outside callers: both are
+# replaced where they exist, so one switch covers the torch versions either side.
+_GENERATOR, _GENERATOR_IMPL = ("_checkpoint_without_reentrant_generator",
+                               "_checkpoint_without_reentrant_generator_impl")
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 _NAMES = (("torch.utils.checkpoint", "CheckpointFunction"),
-          ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"),
-          ("torch.distributed._composable.checkpoint_activation",
-           "_checkpoint_without_reentrant_generator"))
+          ("torch.utils.checkpoint", _GENERATOR),
+          ("torch.utils.checkpoint", _GENERATOR_IMPL),
+          (_COMPOSABLE, _GENERATOR),
+          (_COMPOSABLE, _GENERATOR_IMPL))
 _STATE: dict = {"holders": 0, "saved": None}
 # The blocks this thread is in. The names are the process's, the plain calls this
 # thread's: another thread's checkpoints (a user's training) stay torch's while they are
@@ -105,18 +114,24 @@ def _plain_steps(fn, preserve_rng_state=True, context_fn=noop_context_fn, *args,
         yield
 
 
-def _plain_generator(original):
-    """``_checkpoint_without_reentrant_generator`` as installed: within a block of this
-    thread :func:`_plain_steps`, else torch's (``original``)."""
+def _plain_steps_impl(fn, args, kwargs, *, context_fn=noop_context_fn, **options):
+    """:func:`_plain_steps` for torch 2.14's ``_checkpoint_without_reentrant_generator_impl``,
+    whose function's arguments come as a tuple and a dict before the options."""
+    return _plain_steps(fn, context_fn=context_fn)
+
+
+def _plain_generator(original, plain=_plain_steps):
+    """A non-reentrant generator as installed: within a block of this thread ``plain``,
+    else torch's (``original``)."""
 
     def generator(*args, **kwargs):
-        return (_plain_steps if _inside() else original)(*args, **kwargs)
+        return (plain if _inside() else original)(*args, **kwargs)
 
     return generator
 
 
-_PLAIN = {"CheckpointFunction": _PlainFunction,
-          "_checkpoint_without_reentrant_generator": _plain_generator}
+_PLAIN = {"CheckpointFunction": _PlainFunction, _GENERATOR: _plain_generator,
+          _GENERATOR_IMPL: lambda original: _plain_generator(original, _plain_steps_impl)}
 
 
 def plain_names() -> tuple[tuple[str, str], ...]:
@@ -216,8 +231,8 @@ def dispatch_problem() -> str | None:
     if not missed:
         return None
     return (f"torch {torch.__version__}'s activation checkpointing no longer goes through "
-            "the names skpathkernel replaces (torch.utils.checkpoint's CheckpointFunction "
-            "and _checkpoint_without_reentrant_generator) for " + ", ".join(missed) + ": a "
+            "the names skpathkernel replaces (torch.utils.checkpoint's CheckpointFunction, "
+            f"{_GENERATOR} and {_GENERATOR_IMPL}) for " + ", ".join(missed) + ": a "
             "network with checkpointed regions gets wrong kernels, features, decompositions "
             "and attributions at the recorded points (or an error); turn its checkpointing "
             "off before analysing it.")

@@ -168,9 +168,12 @@ def test_the_switch_restores_torch_checkpoint_and_nests():
     # Every name exists in this torch: a torch that renames one must fail here, not
     # silently leave the regions to recompute at the module's own parameters.
     import_module("torch.distributed._composable.checkpoint_activation")
-    assert plain_names() == _NAMES
+    # Each module holds one of the non-reentrant generator's names at least (torch 2.14
+    # added the _impl, and the composable checkpoint imports only that one).
+    found = {(where, name.removesuffix("_impl")) for where, name in plain_names()}
+    assert found == {(where, name.removesuffix("_impl")) for where, name in _NAMES}
     torch_checkpoint = sys.modules["torch.utils.checkpoint"]
-    before = {site: getattr(sys.modules[site[0]], site[1]) for site in _NAMES}
+    before = {site: getattr(sys.modules[site[0]], site[1]) for site in plain_names()}
     module = _module("rule", "nonreentrant").double()
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     with pytest.raises(KeyError, match="raised inside"), plain_checkpoints():
@@ -178,7 +181,7 @@ def test_the_switch_restores_torch_checkpoint_and_nests():
             assert torch_checkpoint.CheckpointFunction is not before[_NAMES[0]]
         assert torch_checkpoint.CheckpointFunction is not before[_NAMES[0]]
         raise KeyError("raised inside")
-    assert {site: getattr(sys.modules[site[0]], site[1]) for site in _NAMES} == before
+    assert {site: getattr(sys.modules[site[0]], site[1]) for site in plain_names()} == before
     # Outside the switch the region is checkpointed again: its saved tensors go to the
     # checkpoint's own hooks, not to an outer hook; inside it, plainly, they all do.
     seen = {True: 0, False: 0}
@@ -380,17 +383,23 @@ def test_a_torch_that_bypasses_the_names_is_reported(monkeypatch):
     assert dispatch_problem() is None
     ck = sys.modules["torch.utils.checkpoint"]
     renamed = {"CheckpointFunction": "_CheckpointFunctionV2",
-               "_checkpoint_without_reentrant_generator": "_generator_v2"}
-    torch_checkpoint = inspect.unwrap(ck.checkpoint)  # under torch's dynamo-disable wrapper
-    code = torch_checkpoint.__code__
+               "_checkpoint_without_reentrant_generator": "_generator_v2",
+               "_checkpoint_without_reentrant_generator_impl": "_generator_impl_v2"}
+    # The function that looks the names up: checkpoint itself, or from torch 2.14 the
+    # _checkpoint_impl it calls (checkpoint under torch's dynamo-disable wrapper).
+    holder = next(name for name in ("checkpoint", "_checkpoint_impl")
+                  if "CheckpointFunction" in inspect.unwrap(getattr(ck, name)).__code__.co_names)
+    original = inspect.unwrap(getattr(ck, holder))
+    code = original.__code__
     moved = types.FunctionType(code.replace(co_names=tuple(renamed.get(n, n)
                                                            for n in code.co_names)),
-                               ck.__dict__, "checkpoint", torch_checkpoint.__defaults__)
-    moved.__kwdefaults__ = torch_checkpoint.__kwdefaults__
+                               ck.__dict__, holder, original.__defaults__)
+    moved.__kwdefaults__ = original.__kwdefaults__
     for old, new in renamed.items():
-        monkeypatch.setattr(ck, new, getattr(ck, old), raising=False)
-        monkeypatch.delattr(ck, old)
-    monkeypatch.setattr(ck, "checkpoint", moved)
+        if hasattr(ck, old):
+            monkeypatch.setattr(ck, new, getattr(ck, old), raising=False)
+            monkeypatch.delattr(ck, old)
+    monkeypatch.setattr(ck, holder, moved)
     with pytest.warns(RuntimeWarning, match="no longer goes through") as record:
         warn_if_not_dispatched()
     message = str(record[0].message)

@@ -464,3 +464,69 @@ def test_every_form_matches_the_loop(make):
     J = jacobian_loop(module, X)
     _close(tangent_features(module, params, X, output="full"), J)
     _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+
+
+class ReshapedGains(nn.Module):
+    """Per-channel gains laid out against channels-first activations by a reshape of the
+    raw parameter, as timm's ConvNeXt block reads its layer scale
+    (``x.mul(self.gamma.reshape(1, -1, 1, 1))``): ``read`` picks ``reshape``, ``view``,
+    ``torch.reshape`` (a shape tuple) or ``unsqueeze`` (then a ``(C, 1)`` parameter, the
+    gain of a ``(n, C, L)`` sequence)."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.linspace(0.2, 1.1, 4, dtype=torch.float64))
+        self.beta = nn.Parameter(torch.linspace(-0.3, 0.3, 4, dtype=torch.float64))
+        self.head = nn.Linear(4 * 16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        if self.read == "reshape":
+            h = h.mul(self.gamma.reshape(1, -1, 1, 1)) + self.beta.reshape(1, -1, 1, 1)
+        elif self.read == "view":
+            h = h * self.gamma.view(-1, 1, 1) + self.beta.view(1, 4, 1, 1)
+        elif self.read == "torch.reshape":
+            h = torch.mul(h, torch.reshape(self.gamma, (1, -1, 1, 1))) + self.beta[:, None, None]
+        else:  # unsqueeze: a (n, C, L) sequence
+            h = h.flatten(2) * self.gamma.unsqueeze(-1) + self.beta.unsqueeze(1)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+@pytest.mark.parametrize("read", ["reshape", "view", "torch.reshape", "unsqueeze"])
+def test_a_gain_read_through_a_reshape_runs_on_its_rule(read):
+    # timm's ConvNeXt gamma, x.mul(self.gamma.reshape(1, -1, 1, 1)), went to the fallback
+    # ("a raw nn.Parameter used ... other than in an elementwise +, *"): the reshape is a
+    # view holding every entry of the parameter in its order.
+    torch.manual_seed(0)
+    module = ReshapedGains(read).double().eval()
+    X = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    routes = layer_routes(module, X)
+    assert [r for r in routes if r.route != "rule"] == []
+    params = _params(module)
+    assert capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback == ()
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)
+    _close(tangent_gram(module, params, X, output="full"), torch.einsum("ncp,mdp->ncmd", J, J))
+    _close(TangentKernel(_one_point(module), output="full")(X.numpy()),
+           torch.einsum("ncp,mdp->nmcd", J, J))
+
+
+def test_a_reshape_of_a_slice_or_by_tensor_sizes_falls_back_exactly():
+    # A view of a view, and a view whose sizes are tensors, stay on the fallback.
+    class Odd(ReshapedGains):
+        def forward(self, x):
+            h = torch.tanh(self.conv(x))
+            size = torch.tensor(-1)
+            h = h * self.gamma[:4].reshape(1, -1, 1, 1) + self.beta.reshape(size, 1, 1)
+            return self.head(torch.tanh(h).flatten(1))
+
+    torch.manual_seed(0)
+    module = Odd("reshape").double().eval()
+    X = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    params = _params(module)
+    fallback = capture(module, params, X, [0, 1, 2], memory_budget=2**24).fallback
+    assert set(fallback) == {"gamma", "beta"}
+    J = jacobian_loop(module, X)
+    _close(tangent_features(module, params, X, output="full"), J)

@@ -16,7 +16,10 @@ sites where ``P`` is read more than once):
 The same holds for a basic-indexing view of ``P`` read by one of these operations (a
 position embedding cut to the sequence's length, ``x + self.pos[:, :L]``,
 ``self.pos[:L]``, ``self.pos.narrow(1, 0, L)``): the view is read like ``P`` itself, and
-its gradient is scattered into the entries of ``P`` that it holds (zero elsewhere). The
+its gradient is scattered into the entries of ``P`` that it holds (zero elsewhere); and
+for ``P`` reshaped (``x * self.gamma.reshape(1, -1, 1, 1)``, ``view``, ``unsqueeze``: a
+layer-scale gain over channels-first activations, as timm's ConvNeXt reads it), whose
+gradient is the view's in ``P``'s own row-major order. The
 indices of the view are integers and slices, Python numbers, the same for every sample of
 the block; an index holding a tensor (advanced indexing, a bound kept as a tensor) is a
 read like any other, and so is a view taken after the forward pass read a tensor's values
@@ -154,6 +157,26 @@ def narrowed(args, kwargs):
     dim %= args[0].ndim
     start += args[0].shape[dim] if start < 0 else 0
     return (slice(None),) * dim + (slice(start, start + length),)
+
+
+def _sizes(sizes) -> bool:
+    """Whether ``sizes`` of a reshape are Python ints (a shape, or -1), one tuple of them
+    or several."""
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = sizes[0]
+    return bool(sizes) and all(type(size) is int for size in sizes)
+
+
+@register_parameter_view(torch.Tensor.reshape, torch.reshape, torch.Tensor.view,
+                         torch.Tensor.unsqueeze, torch.unsqueeze)
+def reshaped(args, kwargs):
+    """``P.reshape(1, -1, 1, 1)``, ``P.view(...)``, ``P.unsqueeze(-1)`` (a per-channel
+    gain laid out against channels-first activations): every entry of ``P``, in its
+    row-major order, so the view's gradient is ``P``'s reshaped (the empty index, all of
+    ``P``). Sizes held in tensors, and ``view(dtype)``, are not such views."""
+    if kwargs or len(args) < 2 or not _sizes(args[1:]):
+        return None
+    return ()
 
 
 def scattered(g: torch.Tensor, shape: torch.Size, index: tuple) -> torch.Tensor:

@@ -142,7 +142,7 @@ def _no_rule_reason(layer: nn.Module) -> str:
     if next(layer.children(), None) is not None:
         return (f"parameters held by {kind.__name__} itself, which has no rule (a raw "
                 "nn.Parameter used in its forward, other than in an elementwise +, * or "
-                "expand of it or of a slice of it)")
+                "expand of it, of a slice of it or of it reshaped)")
     return f"no rule registered for {kind.__name__}"
 
 

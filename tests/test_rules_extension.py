@@ -251,9 +251,24 @@ def test_a_subclass_falls_back_until_registered(registered):
     X = torch.randn(4, 3, dtype=torch.float64)
     route = layer_routes(module, X)[0]
     assert route.route == "fallback"
-    assert "get_rule(Linear)" in route.reason
+    assert f"register_rule({__name__}._MyLinear, get_rule(nn.Linear))" in route.reason
     registered(_MyLinear, get_rule(nn.Linear))
     assert layer_routes(module, X)[0].route == "rule"
+
+
+class LayerNorm(nn.LayerNorm):
+    """A library's subclass named as torch's layer (timm.layers.LayerNorm)."""
+
+
+def test_a_subclass_named_as_its_base_is_told_apart_from_it():
+    # The reason read "register_rule(LayerNorm, get_rule(LayerNorm))" for timm's
+    # LayerNorm: the two classes are now named by their import paths.
+    module = nn.Sequential(nn.Linear(3, 4), LayerNorm(4), nn.Linear(4, 1)).double()
+    route = layer_routes(module, torch.randn(4, 3, dtype=torch.float64))[1]
+    assert route.route == "fallback"
+    assert (f"no rule for {__name__}.LayerNorm: rules match exact types, and "
+            "nn.LayerNorm's does not cover its subclass "
+            f"(register_rule({__name__}.LayerNorm, get_rule(nn.LayerNorm))") in route.reason
 
 
 def test_routes_say_why_a_layer_falls_back():

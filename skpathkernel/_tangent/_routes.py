@@ -123,6 +123,13 @@ def _as_input(module: nn.Module, X) -> torch.Tensor:
     return X.to(device=device, dtype=torch.int64)
 
 
+def _type_path(kind: type) -> str:
+    """``nn.LayerNorm`` for torch's layers, else the class's module and qualified name."""
+    if kind.__module__.startswith("torch.nn.modules."):
+        return f"nn.{kind.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _no_rule_reason(layer: nn.Module) -> str:
     kind = type(layer)
     if isinstance(layer, parametrize.ParametrizationList):
@@ -136,9 +143,13 @@ def _no_rule_reason(layer: nn.Module) -> str:
                 "which no rule covers")
     base = next((t for t in RULES if isinstance(layer, t)), None)
     if base is not None:
-        return (f"no rule for {kind.__name__}: rules match exact types, and {base.__name__}'s "
-                f"does not cover its subclass (register_rule({kind.__name__}, "
-                f"get_rule({base.__name__})) if its forward makes the same call)")
+        # By import path: libraries name their subclasses as torch names the base (timm's
+        # and Hugging Face's LayerNorm), and "register_rule(LayerNorm, get_rule(LayerNorm))"
+        # told the user nothing.
+        sub, base = _type_path(kind), _type_path(base)
+        return (f"no rule for {sub}: rules match exact types, and {base}'s does not cover "
+                f"its subclass (register_rule({sub}, get_rule({base})) if its forward makes "
+                "the same call)")
     if next(layer.children(), None) is not None:
         return (f"parameters held by {kind.__name__} itself, which has no rule (a raw "
                 "nn.Parameter used in its forward, other than in an elementwise +, * or "

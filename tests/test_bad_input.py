@@ -6,6 +6,7 @@ estimator exactly as it was (same attributes, same network, same predictions), f
 refits included.
 """
 
+import collections
 import copy
 import re
 import warnings
@@ -651,6 +652,17 @@ class _Tuple(torch.nn.Module):
         return (self.lin(x),)
 
 
+class _Output(collections.OrderedDict):
+    """Hugging Face's ModelOutput in a few lines: a dict whose values are attributes."""
+
+    __getattr__ = collections.OrderedDict.__getitem__
+
+
+class _ModelOutput(_Tuple):
+    def forward(self, x):
+        return _Output(logits=self.lin(x))
+
+
 class _Transposed(torch.nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -696,6 +708,10 @@ _WRONG_WIDTH = {
                       r"returned shape \(3, 2\) for 2 sample"),
     "a tuple": (PathKernelMachine, np.arange(24.0), _Tuple, TypeError,
                 r"must return one tensor of shape \(n_samples, 1\); it returned a tuple"),
+    # a library model's dict-like output: the error said what it got, not what to do
+    "a ModelOutput": (PathKernelClassifier, np.arange(24) % 3, _ModelOutput, TypeError,
+                      r"returned a _Output. Wrap it in a module whose forward returns the "
+                      r"output to analyse \(e.g. module\(x\)\[0\], or module\(x\).logits"),
     # a network, not a factory: its forward was called on the two sizes
     "a module instance": (PathKernelMachine, np.arange(24.0), torch.nn.Linear(3, 1),
                           TypeError, r"not a network: got a Linear instance"),

@@ -541,13 +541,16 @@ def check_outputs(out, n: int, n_outputs: int | None = None, hint: str = "") -> 
     tensor with a row per sample: a module returning a tuple failed deep inside every
     kernel with "'tuple' object has no attribute 'reshape'".
     """
+    # The estimators' factories get the same advice as a recorded network: a library
+    # model returns a dict-like output (Hugging Face's ModelOutput) more often than not.
+    wrap = (f"it returned a {type(out).__name__}. Wrap it in a module whose forward "
+            "returns the output to analyse (e.g. module(x)[0], or module(x).logits for a "
+            "Hugging Face ModelOutput).")
     if n_outputs is None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(
-                f"The module must return one tensor of shape (n_samples, ...), its "
-                f"outputs for each sample; it returned a {type(out).__name__}. Wrap it in "
-                "a module whose forward returns the output to analyse (e.g. "
-                "module(x)[0]).")
+                "The module must return one tensor of shape (n_samples, ...), its "
+                f"outputs for each sample; {wrap}")
         if out.ndim == 0 or out.shape[0] != n:
             raise ValueError(
                 f"The module returned shape {tuple(out.shape)} for {n} sample(s): it must "
@@ -555,8 +558,7 @@ def check_outputs(out, n: int, n_outputs: int | None = None, hint: str = "") -> 
         return
     if not isinstance(out, torch.Tensor):
         raise TypeError(
-            f"The module must return one tensor of shape (n_samples, {n_outputs}); it "
-            f"returned a {type(out).__name__}.")
+            f"The module must return one tensor of shape (n_samples, {n_outputs}); {wrap}")
     if out.ndim == 0 or out.shape[0] != n or out.numel() != n * n_outputs:
         raise ValueError(
             f"The module returned shape {tuple(out.shape)} for {n} sample(s), where "

@@ -1546,3 +1546,27 @@ def test_the_last_update_overflowing_one_parameter_names_its_step_and_keeps_the_
             est.fit(x, y)
     assert est.trajectory_ is traj and est.t_ == 4
     assert_array_equal(est.predict(x[:8]), before)
+
+
+def _dropout_blocks(n_features, n_outputs):
+    """Four dropouts in training mode, as a library's transformer holds one per block."""
+    layers = [torch.nn.Linear(n_features, 6)]
+    for _ in range(4):
+        layers += [torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(6, 6)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(6, n_outputs))
+
+
+def test_several_random_layers_in_training_mode_warn_once_naming_them(regression_data):
+    # A 2-layer Hugging Face BERT built in training mode gave eight copies of the warning,
+    # one per dropout; one now names the first and lists the others.
+    X, y = regression_data
+    est = PathKernelMachine(module=_dropout_blocks, max_iter=1, batch_size=8, tol=None,
+                            dtype="float64", random_state=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(X, y)
+    drawn = [str(w.message) for w in caught if "random draws" in str(w.message)]
+    assert len(drawn) == 1, drawn
+    assert re.search(r"Layer '2' \(Dropout\(p=0.1.*\) \(and 3 more layers drawing in training "
+                     r"mode: '5', '8', '11'\) is in training mode", drawn[0]), drawn[0]
+    assert "layer.eval(), or p=0, or module.eval() for all" in drawn[0]

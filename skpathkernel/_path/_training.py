@@ -323,6 +323,7 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
     submodule's mode (name: training), which a continued fit restores: a user's layer whose
     forward reads ``self.training`` trains in the mode it was built in all along the path."""
     modes = {name or "(the module)": layer.training for name, layer in module.named_modules()}
+    drawing = []
     for name, layer, why in mode_dependent_layers(module):
         if refused_in_mode(layer) and why == _POWER:
             raise ValueError(
@@ -338,13 +339,24 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
                 "then normalises with its running statistics, which stay fixed), or use a "
                 "per-sample layer instead (LayerNorm or GroupNorm).")
         elif why == _DRAWS and layer.training:
-            warnings.warn(
-                f"Layer {name!r} ({layer}) is in training mode: {why}. It trains as built, "
-                "but the kernels, decompose and attribute describe the network without "
-                "those draws (it is in eval mode after fit), so they are not exact and "
-                "report their error. Build it without them in the module factory "
-                f"({undrawn(layer)}) for exact analyses.",
-                UserWarning, stacklevel=caller_stacklevel())
+            drawing.append((name, layer))
+    if drawing:
+        # One warning for all: a transformer of a library holds a dropout in every
+        # block (a 2-layer BERT, 8), and one warning each buried the rest of the fit's.
+        (name, layer), more = drawing[0], drawing[1:]
+        also = ""
+        if more:
+            listed = ", ".join(repr(n) for n, _ in more[:3])
+            also = (f" (and {len(more)} more layer{'s' * (len(more) > 1)} drawing in "
+                    f"training mode: {listed}{', ...' if len(more) > 3 else ''})")
+        warnings.warn(
+            f"Layer {name!r} ({layer}){also} is in training mode: {_DRAWS}. It trains as "
+            "built, but the kernels, decompose and attribute describe the network without "
+            "those draws (it is in eval mode after fit), so they are not exact and report "
+            "their error. Build it without them in the module factory "
+            f"({undrawn(layer)}{', or module.eval() for all' if more else ''}) for exact "
+            "analyses.",
+            UserWarning, stacklevel=caller_stacklevel())
     return modes
 
 

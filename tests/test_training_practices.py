@@ -552,3 +552,46 @@ def test_path_kernel_of_a_clipped_path_weights_each_step_by_its_factor(problem):
     # The same path weighted by lr alone (the factors left out) is another kernel.
     unweighted = sum(grams).numpy()
     assert np.abs(K - unweighted).max() > 0.1 * np.abs(unweighted).max()
+
+
+class _StochasticDepth(torch.nn.Module):
+    """A residual branch dropped per sample in training mode, as torchvision's
+    StochasticDepth and timm's DropPath do it: no layer type the recorder knows draws."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = p
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(),
+                                        torch.nn.Linear(16, 3))
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        branch = self.body(x)
+        if self.training:
+            keep = torch.empty(x.shape[0], 1, dtype=x.dtype).bernoulli_(1 - self.p)
+            branch = branch * keep / (1 - self.p)
+        return self.head(x + branch)
+
+
+def test_a_recorded_module_that_draws_without_a_known_layer_type_is_warned_of(problem):
+    # torchvision's ConvNeXt left in training mode: the recorder took the steps, and the
+    # analyses drew new masks at every call without a word (kernels, predictions and
+    # decompositions varied from call to call). Probed when the network is built.
+    X, y, Xq = problem
+    torch.manual_seed(0)
+    module = _StochasticDepth().double()
+    rec = _recorded_sgd(module, X, y)
+    match = r"(?s)different outputs for the same input.*stochastic depth.*vary from call"
+    with pytest.warns(UserWarning, match=match):
+        rec.as_network(X, y)
+    with pytest.warns(UserWarning, match=match):
+        rec.as_estimator(X, y).predict(Xq.numpy())
+    # In eval mode it is one fixed function: no warning, and the path decomposes (the
+    # training's draws miss, which decompose reports, as the message says).
+    module.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec.as_network(X, y)
+    torch.manual_seed(0)
+    module = _StochasticDepth().double().eval()
+    _exact(_recorded_sgd(module, X, y).as_network(X, y), Xq)

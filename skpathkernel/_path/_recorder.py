@@ -67,12 +67,20 @@ import torch.distributed as dist
 from sklearn.base import BaseEstimator
 from torch.nn.parallel import DistributedDataParallel
 
+from .._device import to_input_tensor
 from .._estimators._base import NetworkAttributesMixin
 from .._network._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from .._network._trained import TrainedNetwork, warn_not_finite
 from .._warnings import VersionedStateMixin
 from ..kernels import NetworkKernelsMixin
-from ._training import extend_trajectory, mode_dependent_layers, refused_in_mode, undrawn
+from ._training import (
+    RECORDED_ADVICE,
+    extend_trajectory,
+    mode_dependent_layers,
+    refused_in_mode,
+    undrawn,
+    warn_random_forward,
+)
 from ._trajectory import (
     SolverSpec,
     Trajectory,
@@ -1673,10 +1681,26 @@ default=None
         >>> bool(np.allclose(res.reconstruction, net.outputs(X[:2]), atol=1e-5))
         True
         """
-        net = TrainedNetwork(_unwrap(self.module), self.trajectory, loss=loss, X_fit=X_train,
-                             y_fit=y_train, memory_budget=memory_budget)
-        net._check_training_inputs()
-        return net
+        return _recorded_network(self.module, self.trajectory, loss, X_train, y_train,
+                                 memory_budget)
+
+
+def _recorded_network(module, trajectory, loss, X_train, y_train,
+                      memory_budget) -> TrainedNetwork:
+    """The :class:`TrainedNetwork` of a recorded loop (``as_network``, and
+    ``RecordedNetwork.network_``), its training inputs checked."""
+    net = TrainedNetwork(_unwrap(module), trajectory, loss=loss, X_fit=X_train, y_fit=y_train,
+                         memory_budget=memory_budget)
+    net._check_training_inputs()
+    if net.X_fit is not None and len(net.X_fit):
+        # A layer that draws without a type the recorder knows (torchvision's
+        # StochasticDepth, timm's DropPath) left in training mode: the analyses drew anew
+        # at every call, without a word, and decompose blamed its quadrature. 64 rows: a
+        # per-sample draw at p = 0.1 repeats on all of them with probability 3e-6.
+        warn_random_forward(net.module, to_input_tensor(
+            net.X_fit[:64], dtype=net.torch_dtype, device=net.torch_device),
+            advice=RECORDED_ADVICE)
+    return net
 
 
 _DECLARED = ("\n\nOver the declared training inputs, with the declared loss: exact "
@@ -1783,10 +1807,8 @@ class RecordedNetwork(NetworkKernelsMixin, NetworkAttributesMixin, VersionedStat
         # once the old parameter is freed (set_params(y_train=None), then a new list).
         if cached is None or not all(a is b for a, b in zip(cached[0], params)):
             # As PathRecorder.as_network builds it from the same arguments.
-            net = TrainedNetwork(_unwrap(self.module), self.trajectory, loss=self.loss,
-                                 X_fit=self.X_train, y_fit=self.y_train,
-                                 memory_budget=self.memory_budget)
-            net._check_training_inputs()
+            net = _recorded_network(self.module, self.trajectory, self.loss, self.X_train,
+                                    self.y_train, self.memory_budget)
             cached = self.__dict__["_cache"] = (params, net)
         return cached[1]
 

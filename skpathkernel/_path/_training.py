@@ -367,7 +367,23 @@ def refuse_training_mode_layers(module: torch.nn.Module) -> dict[str, bool]:
 RANDOM_FORWARD_TOL = 1e-6
 
 
-def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
+_FACTORY_ADVICE = (
+    "It trains as built, but no recorded point holds those draws or that state, so the "
+    "kernels, decompose and attribute, which describe the network in eval mode, are not "
+    "exact and report their error. Build the module in eval mode (module.eval()) in the "
+    "factory for exact analyses.")
+# A recorded loop's module is analysed in the modes it is in (the estimators' in eval).
+RECORDED_ADVICE = (
+    "Such a layer is invisible to the recorder's checks of the layers' types, as it is to "
+    "the record: its draws in training are on no recorded point, so decompose and "
+    "attribute miss by them (decompose reports by how much), and every analysis of the "
+    "module in these modes draws anew, so its kernels, features, decompositions and "
+    "predictions vary from call to call. Call module.eval() before the analyses, and "
+    "train with the draws off (module.eval(), or a rate of 0) for exact ones.")
+
+
+def warn_random_forward(module: torch.nn.Module, x: torch.Tensor, *,
+                        advice: str = _FACTORY_ADVICE) -> None:
     """Warn when ``module``, in the modes it was built in, returns different outputs for
     the same input twice: a random layer that :func:`mode_dependent_layers` does not know
     (``F.dropout`` in a forward, stochastic depth / DropPath, noise), whose draws no
@@ -376,9 +392,9 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
     module's state (buffers, or a step count kept as a plain attribute) moves the copy's,
     and the training starts from the module as built. A non-finite output is left to the
     training's divergence check (NaN differs from itself). A module that cannot be
-    copied is not probed."""
+    copied is not probed. ``advice`` ends the warning: what to do, for the caller."""
     if draws_in_training(module):
-        return  # refuse_training_mode_layers warned of it
+        return  # refuse_training_mode_layers warned of it (and the analyses do)
     try:
         probe = copy_module(module)
     except (RuntimeError, TypeError):  # a module holding what deepcopy refuses (a lock)
@@ -399,10 +415,7 @@ def warn_random_forward(module: torch.nn.Module, x: torch.Tensor) -> None:
             "The module returned different outputs for the same input in two forward passes "
             "in the modes it was built in: a layer draws at random (F.dropout, stochastic "
             "depth / DropPath, noise) or updates state its forward reads (a buffer it "
-            "counts or averages in). It trains as built, but no recorded point holds those "
-            "draws or that state, so the kernels, decompose and attribute, which describe "
-            "the network in eval mode, are not exact and report their error. Build the "
-            "module in eval mode (module.eval()) in the factory for exact analyses.",
+            f"counts or averages in). {advice}",
             UserWarning, stacklevel=caller_stacklevel())
 
 

@@ -21,7 +21,8 @@ of it that way (``x + self.pos[:, :L]``): its per-sample gradient is the backpro
 over the broadcast axes (times ``x`` for a product), written into the sliced entries.
 Any other layer with parameters uses an exact ``torch.func`` fallback, which forms
 per-sample Jacobians: :func:`layer_routes` lists each layer's route, the estimators warn
-(:class:`FallbackWarning`) when fallback layers hold a large share of the parameters, and
+(:class:`FallbackWarning`) when fallback layers hold a large share of the parameters (or
+any, where ``torch.func`` cannot batch the network and the fallback loops over samples), and
 :func:`register_rule` adds a rule for your own layer (see the user guide, "Custom
 layers"; :func:`check_rule` checks it against plain autograd).
 """

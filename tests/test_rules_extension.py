@@ -396,3 +396,50 @@ def test_the_user_guide_code_runs(registered):
     # The table lookup's rule hands the engine ids (an index term), and is used.
     tokens, ids = namespace["tokens"], namespace["ids"]
     assert [r.route for r in layer_routes(tokens, ids)] == ["rule", "rule"]
+
+
+class _MaskBranch(nn.Module):
+    """A Hugging Face model's pattern: the forward branches on its mask's values (which
+    torch.func's vmap refuses), and a small raw parameter read by a matrix product (a
+    position table read by rows that are not the samples, in the trial) falls back."""
+
+    def __init__(self, n_outputs=2):
+        super().__init__()
+        self.emb = nn.Embedding(12, 16)
+        self.body = nn.Linear(16, 64)
+        self.mix = nn.Parameter(torch.randn(64, 2) / 8)
+        self.head = nn.Linear(2, n_outputs)
+
+    def forward(self, ids):
+        mask = (ids != 0).unsqueeze(-1).to(self.mix.dtype)
+        h = torch.tanh(self.body(self.emb(ids)) @ self.mix)
+        if (mask == 1).all():  # data-dependent control flow, as HF's mask code has
+            pooled = h.mean(1)
+        else:
+            pooled = (h * mask).sum(1) / mask.sum(1).clamp_min(1)
+        return self.head(pooled)
+
+
+def test_routes_and_the_fit_say_when_the_fallback_cannot_batch_the_network():
+    # A 2-layer Hugging Face BERT's position table (4.6% of its parameters) fell back
+    # without a warning, and its tangent kernel took 8.9x the time of the same model on
+    # rules: vmap refuses the model's forward, so the fallback looped over the samples.
+    torch.manual_seed(0)
+    module = _MaskBranch().double()
+    ids = torch.randint(0, 12, (6, 5))
+    routes = {r.name: r for r in layer_routes(module, ids)}
+    assert routes[""].route == "fallback"
+    assert sum(r.n_params for r in routes.values() if r.route == "fallback") < 0.1 * sum(
+        r.n_params for r in routes.values())
+    assert "torch.func cannot batch this network's forward" in routes[""].reason
+    assert "one sample and output at a time" in routes[""].reason
+    assert routes["head"].route == "rule"
+    est = PathKernelMachine(module=lambda n_in, n_out: _MaskBranch(n_out), max_iter=1, tol=None,
+                            dtype="float64", random_state=0)
+    with pytest.warns(FallbackWarning, match=r"(?s)cannot batch.*one sample and output"):
+        est.fit(ids.numpy(), np.arange(6.0))
+    # Where vmap batches it, the reason is the fallback's own, and a small share is quiet.
+    module.forward = lambda ids: module.head(torch.tanh(module.body(module.emb(ids))
+                                                        @ module.mix).mean(1))
+    (route,) = [r for r in layer_routes(module, ids) if r.route == "fallback"]
+    assert "cannot batch" not in route.reason

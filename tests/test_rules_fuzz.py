@@ -41,7 +41,7 @@ from skpathkernel._tangent import (
     tangent_gram_diag,
     warn_on_fallback,
 )
-from skpathkernel._tangent._routes import DISAGREE, FALLBACK_SHARE
+from skpathkernel._tangent._routes import DISAGREE, FALLBACK_SHARE, LOOPS
 from skpathkernel.kernels import PathKernel, TangentKernel
 from skpathkernel.rules import FallbackWarning, layer_routes
 
@@ -444,7 +444,9 @@ def check_case(seed: int, public: bool = False) -> str:
         warnings.simplefilter("always")
         warn_on_fallback(tnet, TX)
     said = [w for w in caught if issubclass(w.category, FallbackWarning)]
-    assert len(said) == (slow >= FALLBACK_SHARE * total), (routes, said)
+    # (Or any, where torch.func cannot batch the network: the fallback loops over samples.)
+    loops = any(LOOPS in r.reason for r in routes if r.route == "fallback")
+    assert len(said) == (slow >= FALLBACK_SHARE * total or loops), (routes, said)
     top = sorted((r for r in routes if r.route == "fallback"), key=lambda r: -r.n_params)
     for r in top[:3] if said else []:
         assert f"{r.name or '(module)'} ({r.type}" in str(said[0].message), (r, said)

@@ -49,15 +49,7 @@ def per_sample_jacobian(
     intermediates) fits in ``memory_budget`` bytes.
     """
     names = list(names)
-    fixed = {k: v.detach() for k, v in params.items() if k not in set(names)}
-    free = {k: params[k].detach() for k in names}
-    index = torch.as_tensor(list(outputs), device=X.device)
-
-    def f_single(free_params, x):
-        out = functional_call(module, {**fixed, **free_params}, (x.unsqueeze(0),))
-        return out.reshape(-1).index_select(0, index)
-
-    jac = vmap(jacrev(f_single), in_dims=(None, 0))
+    fixed, free, index, jac = _batched_jacobian(module, params, X, names, outputs)
     batched = True
     n_free = sum(v.numel() for v in free.values())
     # The Jacobian has the parameters' dtype (X may hold integer token ids); beside it,
@@ -71,15 +63,7 @@ def per_sample_jacobian(
         out = None
         if batched:
             try:
-                with warnings.catch_warnings():
-                    # torch.func's note that an operation (weight_norm's backward, say)
-                    # runs unbatched inside vmap: one per operation and chunk wherever
-                    # warnings are recorded or shown "always" (pytest: 48 for a decompose
-                    # and a Gram of a small weight_norm network). The fallback's cost is
-                    # reported once, by layer_routes and the fit's fallback warning.
-                    warnings.filterwarnings("ignore", _UNBATCHED, UserWarning)
-                    # A copy: a module writing into its input would rewrite X's rows.
-                    out = jac(free, forward_input(xb))
+                out = _run_batched(jac, free, xb)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:
@@ -98,6 +82,47 @@ def per_sample_jacobian(
         for k in names:
             parts[k].append(out[k].reshape(xb.shape[0], len(index), -1).detach())
     return {k: torch.cat(v, dim=0) for k, v in parts.items()}
+
+
+def _batched_jacobian(module, params, X, names, outputs):
+    """The fixed and free parameters, the outputs' index and ``vmap(jacrev(f_single))``,
+    ``f_single`` the outputs of one sample as a function of the free parameters."""
+    fixed = {k: v.detach() for k, v in params.items() if k not in set(names)}
+    free = {k: params[k].detach() for k in names}
+    index = torch.as_tensor(list(outputs), device=X.device)
+
+    def f_single(free_params, x):
+        out = functional_call(module, {**fixed, **free_params}, (x.unsqueeze(0),))
+        return out.reshape(-1).index_select(0, index)
+
+    return fixed, free, index, vmap(jacrev(f_single), in_dims=(None, 0))
+
+
+def _run_batched(jac, free, xb):
+    with warnings.catch_warnings():
+        # torch.func's note that an operation (weight_norm's backward, say) runs unbatched
+        # inside vmap: one per operation and chunk wherever warnings are recorded or shown
+        # "always" (pytest: 48 for a decompose and a Gram of a small weight_norm network).
+        # The fallback's cost is reported once, by layer_routes and the fit's warning.
+        warnings.filterwarnings("ignore", _UNBATCHED, UserWarning)
+        # A copy: a module writing into its input would rewrite X's rows.
+        return jac(free, forward_input(xb))
+
+
+def unbatched(module, params, X, names, outputs) -> str | None:
+    """None where ``torch.func`` batches the per-sample Jacobian of ``names`` over the
+    first two samples of ``X``, else the first line of its error: the fallback then
+    differentiates one sample and output at a time (a backward pass of the whole network
+    each), whatever its layers' share of the parameters. A Hugging Face model's forward
+    branches on its mask's values, which ``vmap`` refuses."""
+    *_, free, _, jac = _batched_jacobian(module, params, X, list(names), outputs)
+    try:
+        _run_batched(jac, free, X[:2])
+    except torch.OutOfMemoryError:
+        return None  # a chunk's question, not batching's
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return None
 
 
 def _looped(module, fixed, free, X, index) -> dict[str, torch.Tensor]:

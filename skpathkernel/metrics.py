@@ -625,7 +625,18 @@ def _subset_size(X, y, subset_fraction) -> tuple[int, int]:
 
 def _given_subsets(subsets, n_train: int) -> np.ndarray:
     """The caller's ``subsets`` (boolean masks or index rows) as masks (m, n_train)."""
-    subsets = np.asarray(subsets)
+    try:
+        subsets = np.asarray(subsets)
+    except ValueError:
+        # Index rows of different sizes (all points, and all but a few): one mask each.
+        rows = [np.asarray(row) for row in subsets]
+        if not all(row.ndim == 1 and np.issubdtype(row.dtype, np.integer) for row in rows):
+            raise TypeError("subsets of different sizes must each be a 1-D array of "
+                            "training indices.") from None
+        subsets = np.zeros((len(rows), n_train), dtype=bool)
+        for j, row in enumerate(rows):
+            _check_indices(row[None], n_train, first=j)
+            subsets[j, row] = True
     if subsets.ndim != 2 or not len(subsets):
         raise ValueError("subsets must be 2-D and hold at least one subset: boolean masks "
                          "(n_subsets, n_train) or rows of training indices, got shape "

@@ -372,6 +372,11 @@ def test_retraining_on_given_subsets(protocol):
     assert_array_equal(again.subsets, masks[2:])
     if protocol != "independent":
         assert_allclose(again.outputs, res.outputs[2:], rtol=1e-12)
+        # Rows of different sizes: every point, and all but three.
+        ragged = [np.arange(40), np.flatnonzero(masks[0])]
+        both = retrain_on_subsets(est, X, y, X[:7], y[:7], subsets=ragged, protocol=protocol)
+        assert_array_equal(both.subsets, np.vstack([np.ones(40, dtype=bool), masks[0]]))
+        assert_allclose(both.outputs[1], res.outputs[0], rtol=1e-12)
 
 
 @pytest.mark.parametrize("subsets, match", [
@@ -380,6 +385,8 @@ def test_retraining_on_given_subsets(protocol):
     (np.ones(20, dtype=bool), "2-D"),
     (np.full((2, 20), 0.5), "dtype"),
     (np.array([[0, 0, 1]]), "repeat an index"),
+    ([np.arange(3), np.arange(4.0)], "1-D array of training indices"),
+    ([np.arange(3), np.array([1, 25])], "outside"),
 ])
 def test_retraining_given_subsets_bad_input(subsets, match):
     rng = np.random.RandomState(5)

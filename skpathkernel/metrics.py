@@ -74,18 +74,7 @@ def _check_lds_inputs(attributions, subsets, outputs):
     try:
         subsets = np.asarray(subsets)
     except ValueError:
-        # Subsets of different sizes (Bernoulli draws, a user's own lists): NumPy cannot
-        # stack them; each row is a subset's training indices, checked as a stacked one.
-        rows = [np.asarray(row) for row in subsets]
-        for j, row in enumerate(rows):
-            if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
-                raise TypeError(
-                    f"subsets of different sizes must each be a 1-D array of training "
-                    f"indices; subset {j} has shape {row.shape} and dtype {row.dtype}.") from None
-        masks = np.zeros((len(rows), n_train))
-        for j, row in enumerate(rows):
-            _check_indices(row[None], n_train, first=j)
-            masks[j, row] = 1.0
+        masks = _ragged_masks(subsets, n_train).astype(np.float64)
         return _checked_outputs(masks, attributions, outputs)
     if subsets.ndim != 2:
         raise ValueError("subsets must be 2-D: boolean masks (n_subsets, n_train) or "
@@ -104,6 +93,23 @@ def _check_lds_inputs(attributions, subsets, outputs):
         raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
                         f"{subsets.dtype}.")
     return _checked_outputs(masks, attributions, outputs)
+
+
+def _ragged_masks(subsets, n_train: int) -> np.ndarray:
+    """Boolean masks (m, n_train) of index rows of different sizes (Bernoulli draws, a
+    user's own lists, all points and all but a few), which NumPy cannot stack; each row
+    is checked as a stacked one."""
+    rows = [np.asarray(row) for row in subsets]
+    for j, row in enumerate(rows):
+        if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
+            raise TypeError(
+                f"subsets of different sizes must each be a 1-D array of training "
+                f"indices; subset {j} has shape {row.shape} and dtype {row.dtype}.") from None
+    masks = np.zeros((len(rows), n_train), dtype=bool)
+    for j, row in enumerate(rows):
+        _check_indices(row[None], n_train, first=j)
+        masks[j, row] = True
+    return masks
 
 
 def _check_indices(subsets: np.ndarray, n_train: int, first: int = 0) -> None:
@@ -628,15 +634,7 @@ def _given_subsets(subsets, n_train: int) -> np.ndarray:
     try:
         subsets = np.asarray(subsets)
     except ValueError:
-        # Index rows of different sizes (all points, and all but a few): one mask each.
-        rows = [np.asarray(row) for row in subsets]
-        if not all(row.ndim == 1 and np.issubdtype(row.dtype, np.integer) for row in rows):
-            raise TypeError("subsets of different sizes must each be a 1-D array of "
-                            "training indices.") from None
-        subsets = np.zeros((len(rows), n_train), dtype=bool)
-        for j, row in enumerate(rows):
-            _check_indices(row[None], n_train, first=j)
-            subsets[j, row] = True
+        subsets = _ragged_masks(subsets, n_train)
     if subsets.ndim != 2 or not len(subsets):
         raise ValueError("subsets must be 2-D and hold at least one subset: boolean masks "
                          "(n_subsets, n_train) or rows of training indices, got shape "

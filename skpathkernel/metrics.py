@@ -307,7 +307,7 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
 # --------------------------------------------------------------------------- retraining
 @dataclass
 class SubsetRetraining:
-    """Models retrained on random training subsets, and their outputs at the queries.
+    """Models retrained on training subsets, and their outputs at the queries.
 
     Returned by :func:`retrain_on_subsets`; its fields are its parameters and attributes.
 

@@ -821,6 +821,45 @@ def kernel_threads(work: int) -> int | None:
     return 1 if work < KERNEL_SINGLE_THREAD_WORK else dask_worker_threads()
 
 
+class _GramMemo:
+    """The last Gram ``K(X, X)`` computed for a hyper-parameter search, shared by a kernel
+    and its clones.
+
+    A search over the hyper-parameters of a kernel built around this one
+    (``ConstantKernel() * PathKernel(est) + WhiteKernel()`` in a
+    ``GaussianProcessRegressor``) asks for ``K(X, X, eval_gradient=True)`` at every
+    optimizer step, each time on a new clone, and once more for the fit at the optimum:
+    without a memo each call recomputed a Gram that no hyper-parameter changes (35 s
+    against 2.7 s for one path-kernel Gram of 331 diabetes points,
+    ``benchmarks/results/user_trial_newuser-s51.md``). Only such calls store, so a plain
+    ``K(X)`` keeps no second copy of its Gram.
+    """
+
+    def __init__(self):
+        self.entry = None  # (network, trajectory length, kernel parameters, X, K)
+
+    def lookup(self, net, params, X):
+        entry = self.entry
+        if (entry is None or entry[0] is not net or entry[1] != len(net.trajectory)
+                or entry[2] != params or not _same_rows(entry[3], X)):
+            return None
+        # A copy: GaussianProcessRegressor adds alpha to the diagonal in place.
+        return entry[4].copy()
+
+    def store(self, net, params, X, K):
+        self.entry = (net, len(net.trajectory), params, _copy_rows(X), K.copy())
+
+
+def _copy_rows(X):
+    return X.clone() if isinstance(X, torch.Tensor) else np.array(X, copy=True)
+
+
+def _same_rows(A, B) -> bool:
+    if type(A) is not type(B) or A.shape != B.shape or A.dtype != B.dtype:
+        return False
+    return bool(torch.equal(A, B)) if isinstance(A, torch.Tensor) else np.array_equal(A, B)
+
+
 class _NetworkKernel(VersionedStateMixin, Kernel):
     """What TangentKernel and PathKernel share: validation, clone, gradient shape."""
 
@@ -845,8 +884,16 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
 
     def __sklearn_clone__(self):
         # Cloning must keep the fitted estimator (FrozenEstimator's pattern): the kernel
-        # is a function of the trained network, it has nothing to refit.
+        # is a function of the trained network, it has nothing to refit. The clones share
+        # the memo of the search's Gram (a search clones the kernel at every step).
+        self.__dict__.setdefault("_gram_memo", _GramMemo())
         return copy.copy(self)
+
+    def __getstate__(self):
+        # The memo is a cache of this process's search, not part of the kernel.
+        state = super().__getstate__()
+        state.pop("_gram_memo", None)
+        return state
 
     def set_params(self, **params):
         """Set the parameters of this kernel; ``estimator`` as a whole, not its own.
@@ -906,7 +953,11 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
         eval_gradient : bool, default=False
             The kernel has no tunable hyperparameter, so the gradient with respect to
             the (empty) ``theta`` has shape ``(n_samples_X, n_samples_X, 0)``. Only
-            supported when ``Y`` is None.
+            supported when ``Y`` is None. Such a call (a hyper-parameter search of a
+            kernel built around this one, in ``GaussianProcessRegressor``) keeps its
+            Gram, shared with the kernel's clones, and the next ``k(X)`` of the same
+            rows, network and parameters returns a copy of it instead of recomputing
+            it.
 
         Returns
         -------
@@ -928,11 +979,21 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
         # pairwise functions take it; the general route took 2.7 times as long for a
         # path kernel and gave a Gram asymmetric by round-off (1e-7 in float32).
         Y = None if Y is None or Y is X_in else _validate(self.estimator, net, Y, "Y")
-        work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
-        # The lock first: a call waiting for the module keeps no thread limit in force
-        # (while one is, threads that first use torch start from it; see torch_threads).
-        with running(net.module, warn_drawing_now), limit_torch_threads(kernel_threads(work)):
-            K = _check_finite(self._bind(net)._gram_blocks(X, Y), net, X, Y)
+        memo = (self.__dict__.setdefault("_gram_memo", _GramMemo()) if eval_gradient
+                else self.__dict__.get("_gram_memo"))
+        params = self.get_params(deep=False)
+        params.pop("estimator")
+        K = None if memo is None or Y is not None else memo.lookup(net, params, X)
+        if K is None:
+            work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
+            # The lock first: a call waiting for the module keeps no thread limit in force
+            # (while one is, threads that first use torch start from it; see
+            # torch_threads).
+            threads = kernel_threads(work)
+            with running(net.module, warn_drawing_now), limit_torch_threads(threads):
+                K = _check_finite(self._bind(net)._gram_blocks(X, Y), net, X, Y)
+            if eval_gradient:
+                memo.store(net, params, X, K)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
         return K

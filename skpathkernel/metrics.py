@@ -74,18 +74,7 @@ def _check_lds_inputs(attributions, subsets, outputs):
     try:
         subsets = np.asarray(subsets)
     except ValueError:
-        # Subsets of different sizes (Bernoulli draws, a user's own lists): NumPy cannot
-        # stack them; each row is a subset's training indices, checked as a stacked one.
-        rows = [np.asarray(row) for row in subsets]
-        for j, row in enumerate(rows):
-            if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
-                raise TypeError(
-                    f"subsets of different sizes must each be a 1-D array of training "
-                    f"indices; subset {j} has shape {row.shape} and dtype {row.dtype}.") from None
-        masks = np.zeros((len(rows), n_train))
-        for j, row in enumerate(rows):
-            _check_indices(row[None], n_train, first=j)
-            masks[j, row] = 1.0
+        masks = _ragged_masks(subsets, n_train).astype(np.float64)
         return _checked_outputs(masks, attributions, outputs)
     if subsets.ndim != 2:
         raise ValueError("subsets must be 2-D: boolean masks (n_subsets, n_train) or "
@@ -104,6 +93,23 @@ def _check_lds_inputs(attributions, subsets, outputs):
         raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
                         f"{subsets.dtype}.")
     return _checked_outputs(masks, attributions, outputs)
+
+
+def _ragged_masks(subsets, n_train: int) -> np.ndarray:
+    """Boolean masks (m, n_train) of index rows of different sizes (Bernoulli draws, a
+    user's own lists, all points and all but a few), which NumPy cannot stack; each row
+    is checked as a stacked one."""
+    rows = [np.asarray(row) for row in subsets]
+    for j, row in enumerate(rows):
+        if row.ndim != 1 or not (row.size == 0 or np.issubdtype(row.dtype, np.integer)):
+            raise TypeError(
+                f"subsets of different sizes must each be a 1-D array of training "
+                f"indices; subset {j} has shape {row.shape} and dtype {row.dtype}.") from None
+    masks = np.zeros((len(rows), n_train), dtype=bool)
+    for j, row in enumerate(rows):
+        _check_indices(row[None], n_train, first=j)
+        masks[j, row] = True
+    return masks
 
 
 def _check_indices(subsets: np.ndarray, n_train: int, first: int = 0) -> None:
@@ -301,7 +307,7 @@ def linear_datamodeling_interval(attributions, subsets, outputs, *,
 # --------------------------------------------------------------------------- retraining
 @dataclass
 class SubsetRetraining:
-    """Models retrained on random training subsets, and their outputs at the queries.
+    """Models retrained on training subsets, and their outputs at the queries.
 
     Returned by :func:`retrain_on_subsets`; its fields are its parameters and attributes.
 
@@ -447,6 +453,7 @@ def _fit_one(estimator, X, y, X_query, output, codes, classes, n_tasks, keep=Non
         "y_query": ["array-like", None],
         "n_subsets": [count(2)],
         "subset_fraction": [Interval(numbers.Real, 0, 1, closed="neither")],
+        "subsets": ["array-like", None],
         "output": [StrOptions({"auto", "margin", "decision_function", "predict"}),
                    callable],
         "protocol": [StrOptions({"independent", "same_seed", "replay"})],
@@ -466,6 +473,7 @@ def retrain_on_subsets(
     *,
     n_subsets: int = 50,
     subset_fraction: float = 0.5,
+    subsets=None,
     output: str | Callable = "auto",
     protocol: str = "independent",
     n_repeats: int = 1,
@@ -473,7 +481,7 @@ def retrain_on_subsets(
     n_jobs: int | None = None,
     verbose: int = 0,
 ) -> SubsetRetraining:
-    """Retrain an estimator on random training subsets; record its outputs at the queries.
+    """Retrain an estimator on training subsets (random or given); record its query outputs.
 
     The ground truth of the linear datamodeling score (TRAK's protocol): ``n_subsets``
     subsets, each ``round(subset_fraction * n_train)`` training points drawn uniformly
@@ -499,6 +507,13 @@ def retrain_on_subsets(
         Number of random subsets, one retraining each.
     subset_fraction : float, default=0.5
         TRAK's ``alpha``.
+    subsets : array-like of shape (n_subsets, n_train), default=None
+        The training subsets to retrain on, instead of random draws: boolean masks, or
+        rows of training indices (as :func:`linear_datamodeling_score` takes them), e.g.
+        ``~np.isin(np.arange(n_train), S)[None]`` for the model without the points
+        ``S``, whose change ``attribute(..., method="unrolled")`` predicts. Each must
+        keep at least one point. ``n_subsets`` and ``subset_fraction`` are then unused,
+        and the returned ``subsets`` are these, as boolean masks.
     output : {"auto", "margin", "decision_function", "predict"} or callable, default="auto"
         What is recorded per query. "margin" (the "auto" choice for classifiers) is
         ``log(p_y / (1 - p_y)) = f_y - logsumexp_{k != y} f_k`` from
@@ -564,13 +579,23 @@ def retrain_on_subsets(
     ((5, 30), (5, 4))
     >>> int(res.subsets.sum(axis=1)[0])
     15
+    >>> without = np.ones((1, 30), dtype=bool); without[0, :3] = False   # your own subset
+    >>> retrain_on_subsets(Ridge(), X, y, X[:4], subsets=without).outputs.shape
+    (1, 4)
     """
     n_train, size = _subset_size(X, y, subset_fraction)
+    masks = None if subsets is None else _given_subsets(subsets, n_train)
     _check_protocol(protocol, estimator, X, y)
     output, codes, classes = _resolve_output(estimator, output, y, X_query, y_query,
                                              fitted=protocol == "replay")
-    masks, seeds = _draw_subsets(check_random_state(random_state), n_subsets, n_train, size,
-                                 n_repeats if protocol == "independent" else None)
+    rng = check_random_state(random_state)
+    if masks is None:
+        masks, seeds = _draw_subsets(rng, n_subsets, n_train, size,
+                                     n_repeats if protocol == "independent" else None)
+    else:
+        n_subsets = len(masks)
+        seeds = (rng.randint(np.iinfo(np.int32).max, size=(n_subsets, n_repeats))
+                 if protocol == "independent" else None)
     n_tasks = max(1, min(effective_n_jobs(n_jobs), n_subsets * n_repeats))
     jobs = [(j, r) for j in range(n_subsets) for r in range(n_repeats)]
     if protocol == "replay":
@@ -602,6 +627,34 @@ def _subset_size(X, y, subset_fraction) -> tuple[int, int]:
         raise ValueError(f"subset_fraction={subset_fraction} gives subsets of {size} of "
                          f"{n_train} training points; it must leave at least one in and out.")
     return n_train, size
+
+
+def _given_subsets(subsets, n_train: int) -> np.ndarray:
+    """The caller's ``subsets`` (boolean masks or index rows) as masks (m, n_train)."""
+    try:
+        subsets = np.asarray(subsets)
+    except ValueError:
+        subsets = _ragged_masks(subsets, n_train)
+    if subsets.ndim != 2 or not len(subsets):
+        raise ValueError("subsets must be 2-D and hold at least one subset: boolean masks "
+                         "(n_subsets, n_train) or rows of training indices, got shape "
+                         f"{subsets.shape}.")
+    if subsets.dtype == bool:
+        if subsets.shape[1] != n_train:
+            raise ValueError(f"subsets are masks over {subsets.shape[1]} training points, "
+                             f"but X has {n_train}.")
+        masks = subsets.copy()
+    elif np.issubdtype(subsets.dtype, np.integer):
+        _check_indices(subsets, n_train)
+        masks = np.zeros((len(subsets), n_train), dtype=bool)
+        np.put_along_axis(masks, subsets, True, axis=1)
+    else:
+        raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
+                        f"{subsets.dtype}.")
+    empty = np.flatnonzero(~masks.any(axis=1))
+    if len(empty):
+        raise ValueError(f"subset {empty[0]} keeps no training point; each must keep one.")
+    return masks
 
 
 def _draw_subsets(rng, n_subsets, n_train, size, n_repeats):

@@ -279,6 +279,51 @@ def test_kernel_ridge_and_gaussian_process():
     GaussianProcessRegressor(kernel=kernel + WhiteKernel(0.1), random_state=0).fit(X, y)
 
 
+def test_a_hyperparameter_search_computes_the_gram_once(monkeypatch):
+    """GaussianProcessRegressor's optimizer asks a kernel around the path kernel for
+    K(X, X) at every step, each time on a new clone: one Gram is computed, and the fit is
+    the one of a precomputed Gram (the kernel's own, recomputed by a fresh copy)."""
+    from sklearn.gaussian_process.kernels import ConstantKernel
+
+    est, X = _fit()
+    _, y = _data()
+    calls = []
+    engine = PathKernel._gram_blocks
+    monkeypatch.setattr(PathKernel, "_gram_blocks",
+                        lambda self, A, B: calls.append(len(A)) or engine(self, A, B))
+    kernel = PathKernel(est)
+    gpr = GaussianProcessRegressor(kernel=ConstantKernel() * kernel + WhiteKernel(),
+                                   random_state=0).fit(X, y)
+    assert calls == [len(X)]
+    # Against the loop's Gram: the optimum's covariance and the posterior mean.
+    G = sum(w * _loop_gram(est, t, X, X) for t, w in path_weights(est.trajectory_))
+    amplitude, noise = np.exp(gpr.kernel_.theta)
+    np.testing.assert_allclose(gpr.kernel_(X), amplitude * G + noise * np.eye(len(X)),
+                               rtol=1e-8)
+    Xt = X[:4] + 0.1
+    Kt = amplitude * sum(w * _loop_gram(est, t, Xt, X)
+                         for t, w in path_weights(est.trajectory_))
+    alpha = np.linalg.solve(amplitude * G + (noise + 1e-10) * np.eye(len(X)), y)
+    np.testing.assert_allclose(gpr.predict(Xt), Kt @ alpha, rtol=1e-6)
+
+
+def test_the_search_memo_follows_its_rows_parameters_and_network():
+    est, X = _fit()
+    kernel = PathKernel(est)
+    K, _ = kernel(X, eval_gradient=True)
+    K[0, 0] = 1e9                                  # the caller's array, not the memo
+    _close(kernel(X), PathKernel(est)(X))
+    X2 = X.copy()
+    X2[3, 1] += 0.5
+    _close(kernel(X2), PathKernel(est)(X2))
+    _close(kernel.set_params(normalized=True)(X), PathKernel(est, normalized=True)(X))
+    kernel.set_params(normalized=False)
+    refit = clone(est).set_params(random_state=1).fit(X, _data()[1])
+    _close(kernel.set_params(estimator=refit)(X), PathKernel(refit)(X))
+    # The memo is this process's cache: not pickled.
+    assert "_gram_memo" not in pickle.loads(pickle.dumps(kernel)).__dict__
+
+
 def test_input_validation():
     est, X = _fit()
     kernel = PathKernel(est)

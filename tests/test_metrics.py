@@ -332,6 +332,69 @@ def test_replay_equals_a_hand_written_sgd_loop_over_the_recorded_batches():
         retrain_on_subsets(est, X + 1, y, X[:7], y[:7], n_subsets=2, protocol="replay")
 
 
+@pytest.mark.parametrize("protocol", ["same_seed", "independent", "replay"])
+def test_retraining_on_given_subsets(protocol):
+    """``subsets=`` retrains on the caller's subsets (masks or index rows, e.g. the model
+    without the points an attribution ranks first), as a loop of fits or of replays."""
+    rng = np.random.RandomState(6)
+    X = rng.normal(size=(40, 3))
+    y = np.digitize(X[:, 0], [-0.5, 0.5])
+    est = PathKernelClassifier(hidden_layer_sizes=(5,), solver="sgd", learning_rate_init=0.3,
+                               momentum=0.0, alpha=0.0, batch_size=6, max_iter=3,
+                               shuffle=True, dtype="float64", random_state=0, tol=None)
+    if protocol == "replay":
+        est.fit(X, y)
+    masks = np.ones((3, 40), dtype=bool)
+    masks[0, [3, 17, 22]] = False                   # without three chosen points
+    masks[1, :20] = False
+    masks[2, rng.choice(40, 15, replace=False)] = False
+    res = retrain_on_subsets(est, X, y, X[:7], y[:7], subsets=masks, protocol=protocol,
+                             n_repeats=2, random_state=0)
+    assert_array_equal(res.subsets, masks)
+    assert res.outputs.shape == (3, 7)
+    if protocol == "replay":
+        for mask, outputs in zip(masks, res.outputs):
+            logits = _replay_loop(est, mask, X[:7])
+            assert_allclose(outputs, logits[np.arange(7), y[:7]] - logsumexp(
+                np.where(np.eye(3)[y[:7]] > 0, -np.inf, logits), axis=1), rtol=1e-10)
+    else:
+        def label_margin(model, Z):
+            f = model.decision_function(Z)
+            return f[np.arange(7), y[:7]] - logsumexp(
+                np.where(np.eye(3)[y[:7]] > 0, -np.inf, f), axis=1)
+
+        expected = _brute_force_outputs(est, X, y, X[:7], res, label_margin)
+        assert_allclose(res.all_outputs, expected, rtol=1e-12)
+    # The same subsets as rows of training indices (one size: the last mask's).
+    rows = np.array([np.flatnonzero(masks[2])])
+    again = retrain_on_subsets(est, X, y, X[:7], y[:7], subsets=rows, protocol=protocol,
+                               n_repeats=2, random_state=0)
+    assert_array_equal(again.subsets, masks[2:])
+    if protocol != "independent":
+        assert_allclose(again.outputs, res.outputs[2:], rtol=1e-12)
+        # Rows of different sizes: every point, and all but three.
+        ragged = [np.arange(40), np.flatnonzero(masks[0])]
+        both = retrain_on_subsets(est, X, y, X[:7], y[:7], subsets=ragged, protocol=protocol)
+        assert_array_equal(both.subsets, np.vstack([np.ones(40, dtype=bool), masks[0]]))
+        assert_allclose(both.outputs[1], res.outputs[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("subsets, match", [
+    (np.ones((2, 19), dtype=bool), "over 19 training points"),
+    (np.zeros((2, 20), dtype=bool), "keeps no training point"),
+    (np.ones(20, dtype=bool), "2-D"),
+    (np.full((2, 20), 0.5), "dtype"),
+    (np.array([[0, 0, 1]]), "repeat an index"),
+    ([np.arange(3), np.arange(4.0)], "1-D array of training indices"),
+    ([np.arange(3), np.array([1, 25])], "outside"),
+])
+def test_retraining_given_subsets_bad_input(subsets, match):
+    rng = np.random.RandomState(5)
+    X, y = rng.normal(size=(20, 2)), rng.normal(size=20)
+    with pytest.raises((ValueError, TypeError), match=match):
+        retrain_on_subsets(Ridge(), X, y, X[:3], subsets=subsets)
+
+
 def test_replay_refuses_targets_other_than_the_fits():
     """The replay retrains on the targets recorded with the path: other labels (flipped
     ones, to ask what relabelling does) were replaced by them without a word."""

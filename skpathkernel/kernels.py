@@ -836,18 +836,26 @@ class _GramMemo:
     """
 
     def __init__(self):
-        self.entry = None  # (network, trajectory length, kernel parameters, X, K)
+        self.entry = None  # (network, its state, kernel parameters, X, K)
 
     def lookup(self, net, params, X):
         entry = self.entry
-        if (entry is None or entry[0] is not net or entry[1] != len(net.trajectory)
+        if (entry is None or entry[0] is not net or entry[1] != _network_state(net)
                 or entry[2] != params or not _same_rows(entry[3], X)):
             return None
         # A copy: GaussianProcessRegressor adds alpha to the diagonal in place.
         return entry[4].copy()
 
     def store(self, net, params, X, K):
-        self.entry = (net, len(net.trajectory), params, _copy_rows(X), K.copy())
+        self.entry = (net, _network_state(net), params, _copy_rows(X), K.copy())
+
+
+def _network_state(net):
+    # The path's length, and the version counter of every tensor of the module: a module
+    # trained or loaded in place after the search's first call (BatchNorm's running
+    # statistics are read from the module, not the path) no longer matches.
+    return len(net.trajectory), tuple(
+        (id(t), t._version) for t in (*net.module.parameters(), *net.module.buffers()))
 
 
 def _copy_rows(X):

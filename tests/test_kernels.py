@@ -324,6 +324,26 @@ def test_the_search_memo_follows_its_rows_parameters_and_network():
     assert "_gram_memo" not in pickle.loads(pickle.dumps(kernel)).__dict__
 
 
+def test_the_search_memo_follows_the_modules_buffers():
+    # Eval-mode BatchNorm reads its running statistics from the module, not the path: a
+    # module changed in place after the search's first call must not get the old Gram.
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(30, 2)), rng.normal(size=30)
+    est = PathKernelMachine(
+        module=lambda n_in, n_out: torch.nn.Sequential(
+            torch.nn.Linear(n_in, 8), torch.nn.BatchNorm1d(8).eval(), torch.nn.Tanh(),
+            torch.nn.Linear(8, n_out)),
+        max_iter=5, tol=None, random_state=0).fit(X, y)
+    for kernel_class in (TangentKernel, PathKernel):
+        kernel = kernel_class(est)
+        before, _ = kernel(X, eval_gradient=True)
+        est.network_.module[1].running_var.mul_(3)
+        after = kernel_class(est)(X)
+        assert np.abs(after - before).max() > 1e-2
+        _close(kernel(X), after)
+        est.network_.module[1].running_var.div_(3)
+
+
 def test_input_validation():
     est, X = _fit()
     kernel = PathKernel(est)

@@ -13,7 +13,7 @@ from _reference import jacobian_loop, module_at
 from torch import nn
 
 import skpathkernel._tangent._gram as gram_module
-from skpathkernel import PathKernelClassifier, PathRecorder, TangentKernel
+from skpathkernel import PathKernelClassifier, PathKernelMachine, PathRecorder, TangentKernel
 from skpathkernel._tangent import capture, tangent_features, tangent_gram, tangent_gram_diag
 from skpathkernel.kernels import PathKernel, path_weights
 from skpathkernel.rules import layer_routes
@@ -530,3 +530,70 @@ def test_a_reshape_of_a_slice_or_by_tensor_sizes_falls_back_exactly():
     assert set(fallback) == {"gamma", "beta"}
     J = jacobian_loop(module, X)
     _close(tangent_features(module, params, X, output="full"), J)
+
+
+class _Reads(nn.Module):
+    """Raw parameters read through reshapes whose layout is not the broadcast's obvious
+    one: a ``(C*H,)`` vector read as ``(C, H, 1)``; a ``(C, H)`` matrix read as ``(H, C)``
+    (a reshape, not a transpose: the entries move to other positions); a non-contiguous
+    ``(C, H)`` parameter (a transpose's storage) through ``reshape`` and ``unsqueeze``;
+    ``unsqueeze(1)`` against ``(n, C, W, H)``; a gain read twice, through a view and
+    directly."""
+
+    C, H, W = 3, 4, 2
+
+    def __init__(self, n_outputs=2):
+        super().__init__()
+        C, H, W = self.C, self.H, self.W
+        g = torch.Generator().manual_seed(1)
+        self.conv = nn.Conv2d(2, C, 1)
+        self.a = nn.Parameter(torch.randn(C, generator=g) * 0.5 + 1)
+        self.b = nn.Parameter(torch.randn(C * H, generator=g) * 0.5)
+        self.q = nn.Parameter(torch.randn(C, H, generator=g) * 0.5 + 1)
+        self.t = nn.Parameter(torch.randn(H, C, generator=g).t() * 0.5)
+        self.u = nn.Parameter(torch.randn(C, H, generator=g) * 0.5)
+        self.head = nn.Linear(C * H * W, n_outputs)
+
+    def forward(self, x):
+        C, H = self.C, self.H
+        h = torch.tanh(self.conv(x))                                    # (n, C, H, W)
+        h = torch.tanh(h + self.b.reshape(C, H, 1))
+        h = (h.permute(0, 3, 2, 1) * self.q.reshape(H, C)).permute(0, 3, 2, 1)
+        h = torch.tanh(h * self.t.reshape(1, C, H, 1) + self.t.unsqueeze(-1))
+        h = (h.transpose(2, 3) + self.u.unsqueeze(1)).transpose(2, 3)
+        h = h * self.a.view(-1, 1, 1) + (h.transpose(1, 3) * self.a).transpose(1, 3)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def _reads_factory(n_features_in, n_outputs):
+    torch.manual_seed(0)
+    return _Reads(n_outputs)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_reshaped_reads_match_the_loop_along_a_path(dtype):
+    # The reshape/view/unsqueeze reads of 4b3ecc7 (a review of it, s51): features, Gram,
+    # the path kernel over a trained path and the exact decomposition, against per-sample
+    # autograd, in both precisions.
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(6, 2, 4, 2)), rng.normal(size=6)
+    module = _reads_factory(None, 1).to(getattr(torch, dtype))
+    Xt = torch.as_tensor(X, dtype=module.a.dtype)
+    assert [r.name for r in layer_routes(module, Xt) if r.route != "rule"] == []
+    rtol = RTOL if dtype == "float64" else 2e-6
+    params = _params(module)
+    J = jacobian_loop(module, Xt)
+    _close(tangent_features(module, params, Xt, output="full"), J, rtol)
+    _close(tangent_gram(module, params, Xt, output="full"), torch.einsum("ncp,mdp->ncmd", J, J),
+           rtol)
+    est = PathKernelMachine(module=_reads_factory, solver="adam", max_iter=2, batch_size=3,
+                            tol=None, dtype=dtype, device="cpu", random_state=0).fit(X, y)
+    traj = est.trajectory_
+    ref = 0.0
+    for k, w in path_weights(traj):
+        Jk = jacobian_loop(module_at(est, k), X)
+        ref = ref + w * torch.einsum("ncp,p,mcp->nm", Jk, traj.preconditioner(k), Jk)
+    _close(PathKernel(est)(X), ref, rtol)
+    res = est.decompose(X[:3])
+    _close(res.reconstruction, est.predict(X[:3]).reshape(res.reconstruction.shape),
+           1e-9 if dtype == "float64" else 1e-4)

@@ -11,6 +11,7 @@ from _reference import jacobian_loop
 from torch import nn
 from torch.nn.utils import parametrizations
 
+import skpathkernel._tangent._generic as generic_module
 from skpathkernel import PathKernelMachine
 from skpathkernel._tangent import RULES, capture, tangent_features, tangent_gram
 from skpathkernel.rules import (
@@ -443,3 +444,56 @@ def test_routes_and_the_fit_say_when_the_fallback_cannot_batch_the_network():
                                                         @ module.mix).mean(1))
     (route,) = [r for r in layer_routes(module, ids) if r.route == "fallback"]
     assert "cannot batch" not in route.reason
+
+
+class _WideFallback(nn.Module):
+    """A raw matrix read by a matrix product (the fallback) under a head of many outputs,
+    as an ImageNet classifier's 1000."""
+
+    def __init__(self, width=48, n_outputs=200):
+        super().__init__()
+        self.inp = nn.Linear(5, width)
+        self.mix = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.head = nn.Linear(width, n_outputs)
+
+    def forward(self, x):
+        return self.head(torch.tanh(torch.tanh(self.inp(x)) @ self.mix))
+
+
+def test_the_batching_probe_differentiates_one_output_whatever_their_number(monkeypatch):
+    # layer_routes' probe of whether torch.func batches the network formed the Jacobian
+    # of every output for two samples, outside the memory budget: 2.6 GB more at a fit of
+    # a 0.26M-parameter fallback under 1000 outputs (benchmarks/results/
+    # review-libs-s51.md). Batching does not depend on the outputs' number: one is probed.
+    formed = []
+    run = generic_module._run_batched
+
+    def spy(jac, free, xb):
+        out = run(jac, free, xb)
+        formed.append(max(v.numel() for v in out.values()))
+        return out
+
+    monkeypatch.setattr(generic_module, "_run_batched", spy)
+    torch.manual_seed(0)
+    module = _WideFallback().double()
+    routes = {r.name: r for r in layer_routes(module, torch.randn(4, 5, dtype=torch.float64))}
+    assert routes[""].route == "fallback" and "cannot batch" not in routes[""].reason
+    assert formed and max(formed) <= 2 * module.mix.numel(), formed
+
+
+def test_a_probe_out_of_cpu_memory_is_not_called_a_batching_failure(monkeypatch):
+    # torch's CPU allocator fails with a RuntimeError, which the probe read as vmap
+    # refusing the network: the routes then said the fallback loops over the samples,
+    # and every fit warned at any share.
+    def out_of_memory(jac, free, xb):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                           "DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "40000000000 bytes.")
+
+    monkeypatch.setattr(generic_module, "_run_batched", out_of_memory)
+    torch.manual_seed(0)
+    module = _WideFallback(n_outputs=2).double()
+    route = [r for r in layer_routes(module, torch.randn(4, 5, dtype=torch.float64))
+             if r.route == "fallback"]
+    assert [r.name for r in route] == [""]
+    assert "cannot batch" not in route[0].reason, route[0].reason

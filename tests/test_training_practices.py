@@ -15,7 +15,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from skpathkernel import PathKernel, PathKernelMachine, PathRecorder, Trajectory
+from skpathkernel import PathKernel, PathKernelMachine, PathRecorder, TangentKernel, Trajectory
 
 N, STEPS = 16, 12
 
@@ -595,3 +595,38 @@ def test_a_recorded_module_that_draws_without_a_known_layer_type_is_warned_of(pr
     torch.manual_seed(0)
     module = _StochasticDepth().double().eval()
     _exact(_recorded_sgd(module, X, y).as_network(X, y), Xq)
+
+
+def test_a_one_point_recorded_module_that_draws_is_warned_of_at_its_first_analysis(problem):
+    # The route for a network trained elsewhere, PathRecorder(model, SGD(lr=0))
+    # .as_estimator(), has no X_train to probe: a stochastic-depth module left in training
+    # mode drew anew at every prediction and kernel without a word (s51 review). The first
+    # analysis's inputs are probed instead, once per network.
+    X, _, Xq = problem
+    torch.manual_seed(0)
+    module = _StochasticDepth().double()
+    est = PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator()
+    match = r"(?s)different outputs for the same input.*vary from call"
+    with pytest.warns(UserWarning, match=match):
+        first = est.predict(Xq.numpy())
+    assert not np.allclose(first, est.predict(Xq.numpy()))  # what the warning is about
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.predict(Xq.numpy())
+        TangentKernel(est)(X.numpy()[:4])
+    assert not [w for w in caught if "different outputs" in str(w.message)]  # once
+    module.eval()
+    est = PathRecorder(module, torch.optim.SGD(module.parameters(), lr=0.0)).as_estimator()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est.predict(Xq.numpy())
+        net = est.network_
+    # The probe ran on a copy: the module's state and the caller's generator stay.
+    module.train()
+    state, rng = module.state_dict(), torch.get_rng_state()
+    net.__dict__["_taken"] = set()
+    net.__dict__["_probe_draws"] = True
+    with pytest.warns(UserWarning, match=match):
+        net.check(Xq.numpy())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in state.items())

@@ -48,7 +48,13 @@ from .._modules import copy_module, runs_module
 from .._parallel import local_processes, map_calls, map_row_blocks, n_row_blocks, n_tasks
 from .._path._losses import LOSSES, Loss
 from .._path._storage import TrajectoryFileError
-from .._path._training import check_modes_now, warn_drawing_now, warn_drawn
+from .._path._training import (
+    RECORDED_ADVICE,
+    check_modes_now,
+    warn_drawing_now,
+    warn_drawn,
+    warn_random_forward,
+)
 from .._path._trajectory import Trajectory
 from .._validation import check_flag, is_option
 from .._warnings import VersionedStateMixin, caller_stacklevel
@@ -442,6 +448,11 @@ class TrainedNetwork(VersionedStateMixin):
             check_module_takes(self.module, X, dtype=self.torch_dtype,
                                device=self.torch_device)
             taken.add(form)
+            if self.__dict__.pop("_probe_draws", False):
+                # A recorded loop's network without training inputs (the one-point route
+                # of a pretrained model): its first analysis's inputs are the first it has
+                # for the probe that X_train gets at as_network (see _recorded_network).
+                warn_random_forward(self.module, self.tensor(X[:64]), advice=RECORDED_ADVICE)
 
     def _takes_as_is(self, X) -> bool:
         """Whether ``check_input`` would return ``X`` itself, unchanged and unrefused.

@@ -1700,6 +1700,11 @@ def _recorded_network(module, trajectory, loss, X_train, y_train,
         warn_random_forward(net.module, to_input_tensor(
             net.X_fit[:64], dtype=net.torch_dtype, device=net.torch_device),
             advice=RECORDED_ADVICE)
+    else:
+        # Without them (PathRecorder(model, SGD(lr=0)).as_estimator(), a pretrained model
+        # left in training mode) the first analysis's inputs are probed, once: nothing
+        # else warned, and every prediction and kernel drew anew.
+        net.__dict__["_probe_draws"] = True
     return net
 
 

@@ -6,34 +6,14 @@ import numpy as np
 import torch
 
 warnings.simplefilter("ignore")
+from _common import SMALL_MLP, data, err
+
 from skpathkernel import PathKernel, PathKernelMachine, TangentKernel
-
-
-def data(n=14, d=2, seed=0):
-    rng = np.random.RandomState(seed)
-    X = rng.uniform(-1, 1, size=(n, d))
-    y = np.sin(2 * X[:, 0]) + X[:, 1] ** 2
-    return X, y
 
 
 def fit(**kw):
     X, y = data()
-    p = dict(
-        hidden_layer_sizes=(6, 5),
-        solver="sgd",
-        learning_rate_init=0.05,
-        max_iter=6,
-        dtype="float64",
-        device="cpu",
-        random_state=0,
-    )
-    p.update(kw)
-    return PathKernelMachine(**p).fit(X, y), X, y
-
-
-def err(a, b):
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+    return PathKernelMachine(**{**SMALL_MLP, "dtype": "float64", **kw}).fit(X, y), X, y
 
 
 def check(name, K, ref, diff_from=None):

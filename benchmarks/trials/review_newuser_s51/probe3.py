@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 warnings.simplefilter("ignore")
+from _common import SMALL_MLP, data, err
 from sklearn.base import clone
 from sklearn.frozen import FrozenEstimator
 from sklearn.gaussian_process import GaussianProcessRegressor
@@ -15,23 +16,10 @@ from sklearn.gaussian_process.kernels import ConstantKernel, WhiteKernel
 
 from skpathkernel import PathKernel, PathKernelMachine
 
+X, y = data(n=40)
+est = PathKernelMachine(**SMALL_MLP, dtype="float64").fit(X, y)
 rng = np.random.RandomState(0)
-X = rng.uniform(-1, 1, size=(40, 2))
-y = np.sin(2 * X[:, 0]) + X[:, 1] ** 2
-est = PathKernelMachine(
-    hidden_layer_sizes=(6, 5),
-    solver="sgd",
-    learning_rate_init=0.05,
-    max_iter=6,
-    dtype="float64",
-    device="cpu",
-    random_state=0,
-).fit(X, y)
-
-
-def err(a, b):
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+rng.uniform(size=80)  # the draws of the rows before, as the recorded run had them
 
 
 # threads: clones of one kernel, different rows of the same shape

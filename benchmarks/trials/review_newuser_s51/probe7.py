@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 
 warnings.simplefilter("ignore")
+from _common import SMALL_MLP, data
 from joblib import parallel_backend
 from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import ConstantKernel, WhiteKernel
@@ -13,18 +14,8 @@ from sklearn.model_selection import GridSearchCV
 import skpathkernel.kernels as kk
 from skpathkernel import PathKernel, PathKernelMachine
 
-rng = np.random.RandomState(0)
-X14 = rng.uniform(-1, 1, size=(14, 2))
-y14 = np.sin(2 * X14[:, 0]) + X14[:, 1] ** 2
-est = PathKernelMachine(
-    hidden_layer_sizes=(6, 5),
-    solver="sgd",
-    learning_rate_init=0.05,
-    max_iter=6,
-    dtype="float64",
-    device="cpu",
-    random_state=0,
-).fit(X14, y14)
+X14, y14 = data()
+est = PathKernelMachine(**SMALL_MLP, dtype="float64").fit(X14, y14)
 rng = np.random.RandomState(0)
 X = rng.uniform(-1, 1, size=(30, 2))
 y = np.sin(2 * X[:, 0]) + X[:, 1] ** 2

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 
 warnings.simplefilter("ignore")
+from _common import SMALL_MLP, data, err
 from sklearn.base import clone
 from sklearn.frozen import FrozenEstimator
 from sklearn.pipeline import make_pipeline
@@ -12,14 +13,7 @@ from sklearn.preprocessing import StandardScaler
 
 from skpathkernel import PathKernel, PathKernelMachine, TangentKernel
 
-rng = np.random.RandomState(0)
-X = rng.uniform(-1, 1, size=(14, 2))
-y = np.sin(2 * X[:, 0]) + X[:, 1] ** 2
-
-
-def err(a, b):
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+X, y = data()
 
 
 def check(name, K, ref):
@@ -27,14 +21,7 @@ def check(name, K, ref):
     print(f"{'BAD ' if e > 1e-10 else 'ok  '}{name}: {e:.1e}")
 
 
-p = dict(
-    hidden_layer_sizes=(6, 5),
-    solver="sgd",
-    learning_rate_init=0.05,
-    max_iter=6,
-    device="cpu",
-    random_state=0,
-)
+p = SMALL_MLP
 e32 = PathKernelMachine(dtype="float32", **p).fit(X, y)
 k = PathKernel(e32)
 k(X, eval_gradient=True)

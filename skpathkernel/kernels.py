@@ -822,15 +822,16 @@ def kernel_threads(work: int) -> int | None:
 
 
 class _GramMemo:
-    """The last Gram ``K(X, X)`` computed for a hyper-parameter search, shared by a kernel
-    and its clones.
+    """The last Gram ``K(X, X)`` computed for a hyper-parameter search by one kernel
+    object (a clone starts with its own).
 
     A search over the hyper-parameters of a kernel built around this one
     (``ConstantKernel() * PathKernel(est) + WhiteKernel()`` in a
     ``GaussianProcessRegressor``) asks for ``K(X, X, eval_gradient=True)`` at every
-    optimizer step, each time on a new clone, and once more for the fit at the optimum:
-    without a memo each call recomputed a Gram that no hyper-parameter changes (35 s
-    against 2.7 s for one path-kernel Gram of 331 diabetes points,
+    optimizer step, and once more for the fit at the optimum (on its one clone of the
+    kernel; another fit of the same kernel clones it again): without a memo each call
+    recomputed a Gram that no hyper-parameter changes (35 s against 2.7 s for one
+    path-kernel Gram of 331 diabetes points,
     ``benchmarks/results/user_trial_newuser-s51.md``). Only such calls store, so a plain
     ``K(X)`` keeps no second copy of its Gram.
     """
@@ -840,22 +841,48 @@ class _GramMemo:
 
     def lookup(self, net, params, X):
         entry = self.entry
-        if (entry is None or entry[0] is not net or entry[1] != _network_state(net)
-                or entry[2] != params or not _same_rows(entry[3], X)):
+        # The network by a weak reference: a memo must not keep a refitted estimator's old
+        # network (its path, its temporary directory) alive.
+        if (entry is None or entry[0]() is not net or entry[2] != params
+                or not _same_rows(entry[3], X) or not entry[1].holds(net)):
             return None
         # A copy: GaussianProcessRegressor adds alpha to the diagonal in place.
         return entry[4].copy()
 
     def store(self, net, params, X, K):
-        self.entry = (net, _network_state(net), params, _copy_rows(X), K.copy())
+        self.entry = (weakref.ref(net), _NetworkState(net), params, _copy_rows(X), K.copy())
 
 
-def _network_state(net):
-    # The path's length, and the version counter of every tensor of the module: a module
-    # trained or loaded in place after the search's first call (BatchNorm's running
-    # statistics are read from the module, not the path) no longer matches.
-    return len(net.trajectory), tuple(
-        (id(t), t._version) for t in (*net.module.parameters(), *net.module.buffers()))
+class _NetworkState:
+    """What a network's Gram reads besides the rows and the kernel's parameters: the path
+    (its length: ``warm_start`` and ``partial_fit`` extend one), and from the module what
+    the path does not hold, the tensors by value (``p.data`` edits keep their version
+    counters): its buffers (BatchNorm's running statistics) and frozen parameters, and
+    its layers, their modes and settings (a layer swapped, ``eps`` changed, ``train()``,
+    whose Gram a fresh call refuses)."""
+
+    def __init__(self, net):
+        self.length, self.layout = len(net.trajectory), _module_layout(net.module)
+        self.tensors = [t.detach().clone() for t in _unrecorded_tensors(net)]
+
+    def holds(self, net) -> bool:
+        if len(net.trajectory) != self.length or _module_layout(net.module) != self.layout:
+            return False
+        tensors = _unrecorded_tensors(net)
+        return len(tensors) == len(self.tensors) and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and bool(torch.equal(a, b)) for a, b in zip(tensors, self.tensors))
+
+
+def _module_layout(module):
+    return tuple((name, type(m), id(m), m.training, m.extra_repr())
+                 for name, m in module.named_modules())
+
+
+def _unrecorded_tensors(net):
+    recorded = set(net.trajectory.names)
+    return [*(p for name, p in net.module.named_parameters() if name not in recorded),
+            *net.module.buffers()]
 
 
 def _copy_rows(X):
@@ -892,9 +919,10 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
 
     def __sklearn_clone__(self):
         # Cloning must keep the fitted estimator (FrozenEstimator's pattern): the kernel
-        # is a function of the trained network, it has nothing to refit. The clones share
-        # the memo of the search's Gram (a search clones the kernel at every step).
-        self.__dict__.setdefault("_gram_memo", _GramMemo())
+        # is a function of the trained network, it has nothing to refit. The copy starts
+        # without the memo of the search's Gram (copy.copy leaves it out, as pickling
+        # does): shared, threads fitting clones on different rows (GridSearchCV's folds)
+        # evicted each other's Gram at every optimizer step.
         return copy.copy(self)
 
     def __getstate__(self):
@@ -962,10 +990,11 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
             The kernel has no tunable hyperparameter, so the gradient with respect to
             the (empty) ``theta`` has shape ``(n_samples_X, n_samples_X, 0)``. Only
             supported when ``Y`` is None. Such a call (a hyper-parameter search of a
-            kernel built around this one, in ``GaussianProcessRegressor``) keeps its
-            Gram, shared with the kernel's clones, and the next ``k(X)`` of the same
-            rows, network and parameters returns a copy of it instead of recomputing
-            it.
+            kernel built around this one, in ``GaussianProcessRegressor``) keeps a copy
+            of its Gram and of ``X`` in this kernel object (not its clones), with a copy
+            of the module's tensors that the path does not hold (buffers, frozen
+            parameters), and the next ``k(X)`` of the same rows, network, module state
+            and parameters returns a copy of it instead of recomputing it.
 
         Returns
         -------

@@ -108,7 +108,8 @@ def _ragged_masks(subsets, n_train: int) -> np.ndarray:
     masks = np.zeros((len(rows), n_train), dtype=bool)
     for j, row in enumerate(rows):
         _check_indices(row[None], n_train, first=j)
-        masks[j, row] = True
+        # An empty list is a float array, which NumPy refuses as indices.
+        masks[j, row.astype(np.intp)] = True
     return masks
 
 

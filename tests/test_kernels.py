@@ -344,6 +344,102 @@ def test_the_search_memo_follows_the_modules_buffers():
         est.network_.module[1].running_var.div_(3)
 
 
+def _bn_frozen_machine():
+    # Eval-mode BatchNorm and a frozen layer: what the Gram reads from the module, not
+    # from the path.
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(30, 2)), rng.normal(size=30)
+
+    def module(n_in, n_out):
+        net = torch.nn.Sequential(
+            torch.nn.Linear(n_in, 8), torch.nn.BatchNorm1d(8).eval(), torch.nn.Tanh(),
+            torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, n_out))
+        net[3].requires_grad_(False)
+        return net
+
+    est = PathKernelMachine(module=module, max_iter=5, tol=None, random_state=0,
+                            dtype="float64").fit(X, y)
+    return est, X
+
+
+@pytest.mark.parametrize("kernel_class", [TangentKernel, PathKernel])
+@pytest.mark.parametrize("change", ["buffer .data", "frozen .data", "eps", "layer"])
+def test_the_search_memo_follows_the_module_beyond_version_counters(kernel_class, change):
+    """``p.data`` edits keep the version counters, and a layer's setting or the layer
+    itself is no tensor: the memo answered them with the old Gram."""
+    est, X = _bn_frozen_machine()
+    module = est.network_.module
+    kernel = kernel_class(est)
+    before, _ = kernel(X, eval_gradient=True)
+    if change == "buffer .data":
+        module[1].running_var.data.mul_(3)
+    elif change == "frozen .data":
+        module[3].weight.data.mul_(2)
+    elif change == "eps":
+        module[1].eps = 0.5
+    else:
+        module[2] = torch.nn.ReLU()
+    after = kernel_class(est)(X)                   # a kernel without a memo
+    assert np.abs(after - before).max() > 1e-2 * np.abs(before).max()
+    _close(kernel(X), after)
+    _close(kernel(X, eval_gradient=True)[0], after)
+
+
+def test_the_search_memo_does_not_answer_for_a_module_in_training_mode():
+    est, X = _bn_frozen_machine()
+    kernel = PathKernel(est)
+    kernel(X, eval_gradient=True)
+    est.network_.module.train()
+    with pytest.raises(ValueError, match="training mode"):
+        kernel(X)
+
+
+def test_the_search_memo_keeps_no_refitted_network_alive():
+    # The memo of a kernel that outlives a refit held the old network, path included.
+    import gc
+    import weakref
+
+    est, X = _fit()
+    kernel = PathKernel(est)
+    kernel(X, eval_gradient=True)
+    old = weakref.ref(est.network_.trajectory)
+    est.set_params(random_state=1).fit(X, _data()[1])
+    gc.collect()
+    assert old() is None
+    _close(kernel(X), PathKernel(est)(X))
+
+
+def test_a_threaded_search_computes_one_gram_per_fit(monkeypatch):
+    """GridSearchCV's threads fit clones of one kernel on different folds: each fit
+    computes its Gram once (a memo shared by the clones evicted the other threads' Gram
+    at every optimizer step), and each gets its own rows' Gram."""
+    from joblib import parallel_backend
+    from sklearn.gaussian_process.kernels import ConstantKernel
+    from sklearn.model_selection import GridSearchCV
+
+    est, _ = _fit()
+    X, y = _data(n=30)
+    grams = []
+    engine = PathKernel._gram_blocks
+
+    def counted(self, A, B):
+        K = engine(self, A, B)
+        if B is None:
+            grams.append((A.copy(), K))
+        return K
+
+    monkeypatch.setattr(PathKernel, "_gram_blocks", counted)
+    search = GridSearchCV(
+        GaussianProcessRegressor(ConstantKernel() * PathKernel(est) + WhiteKernel(),
+                                 random_state=0),
+        {"alpha": [1e-10, 1e-3]}, cv=3, n_jobs=2)
+    with parallel_backend("threading"):
+        search.fit(X, y)
+    assert len(grams) == 2 * 3 + 1
+    for A, K in list(grams):
+        _close(K, PathKernel(est)(A))
+
+
 def test_input_validation():
     est, X = _fit()
     kernel = PathKernel(est)

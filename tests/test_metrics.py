@@ -395,6 +395,24 @@ def test_retraining_given_subsets_bad_input(subsets, match):
         retrain_on_subsets(Ridge(), X, y, X[:3], subsets=subsets)
 
 
+def test_index_rows_of_different_sizes_take_an_empty_list():
+    """An empty subset given as ``[]`` (a float array to NumPy) raised an IndexError from
+    the mask's indexing: the LDS takes it as the empty subset it is, and the retraining
+    refuses it as one."""
+    rng = np.random.RandomState(3)
+    masks = rng.rand(6, 10) < 0.5
+    masks[-1] = False
+    attributions = rng.normal(size=(2, 10))
+    outputs = masks @ attributions.T + rng.normal(size=(6, 2))
+    rows = [np.flatnonzero(m).tolist() for m in masks]
+    assert rows[-1] == []
+    assert_allclose(linear_datamodeling_score(attributions, rows, outputs),
+                    linear_datamodeling_score(attributions, masks, outputs), rtol=0)
+    X, y = rng.normal(size=(10, 2)), rng.normal(size=10)
+    with pytest.raises(ValueError, match="subset 5 keeps no training point"):
+        retrain_on_subsets(Ridge(), X, y, X[:2], subsets=rows)
+
+
 def test_replay_refuses_targets_other_than_the_fits():
     """The replay retrains on the targets recorded with the path: other labels (flipped
     ones, to ask what relabelling does) were replaced by them without a word."""

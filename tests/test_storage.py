@@ -9,6 +9,7 @@ import copy
 import errno
 import fcntl
 import gc
+import mmap
 import os
 import pickle
 import shutil
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import joblib
 import numpy as np
@@ -629,23 +631,32 @@ def test_path_recorder_on_disk(storage, kw, monkeypatch):
 
 
 
-def _auto_recording(net, opt, X, y, steps, budget):
-    """A loop recorded with storage="auto": the recorder, the loop's own copies of
-    every point, and the storage after each step."""
+def _auto_recording(net, opt, X, y, steps, budget, read_each=True, before_read=None):
+    """A loop recorded with storage="auto": the path, checked against the loop's own
+    copies of every point (and of Adam's second moments), and the storage after each
+    step (``read_each``; else the path is read once, after ``before_read()``)."""
     rec = PathRecorder(net, opt, n_samples=8, storage="auto", memory_budget=budget)
     points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
-    kept = []
+    moments, kept = [], []
     for _ in range(steps):
         opt.zero_grad()
         (0.5 * (net(X) - y) ** 2).mean().backward()
         rec.set_batch(np.arange(8))
         opt.step()
         points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-        kept.append(rec.trajectory.storage)
+        if isinstance(opt, torch.optim.Adam):
+            moments.append(torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1)
+                                      for p in net.parameters()]))
+        if read_each:
+            kept.append(rec.trajectory.storage)
+    if before_read is not None:
+        before_read()
     traj = rec.trajectory
     assert len(traj) == len(points)
     for k, point in enumerate(points):
         assert torch.equal(traj.parameters(k), point)
+    for k, moment in enumerate(moments):
+        assert torch.equal(traj.optimizer_state(k)["exp_avg_sq"], moment)
     return traj, kept
 
 
@@ -665,18 +676,131 @@ def test_path_recorder_auto_bounds_its_first_buffers():
     assert kept[-1] == "disk"
 
 
-@pytest.mark.parametrize("available", [2_500_000, 700_000])
+def _count_live_rows(monkeypatch, n_params, itemsize):
+    """The most bytes of rows of ``n_params`` values alive at once, counted where memory
+    is allocated: (rows, ``n_params``) tensors of ``torch.empty`` and anonymous memory
+    mappings (``mmap.mmap(-1, n)``) of whole rows, the new one counted as it is made.
+    The recorder's buffers, counted outside it. Returns a one-item list, updated as
+    they come."""
+    live, peak = [], [0]
+    empty, mapping = torch.empty, mmap.mmap
+
+    def count(obj, nbytes):
+        live.append((weakref.ref(obj), nbytes))
+        peak[0] = max(peak[0], sum(n for ref, n in live if ref() is not None))
+
+    def counting_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.dim() == 2 and t.shape[1] == n_params:
+            count(t, t.numel() * t.element_size())
+        return t
+
+    def counting_mmap(fileno, length, *args, **kwargs):
+        m = mapping(fileno, length, *args, **kwargs)
+        if fileno == -1 and length % (n_params * itemsize) == 0:
+            count(m, length)
+        return m
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    monkeypatch.setattr(mmap, "mmap", counting_mmap)
+    return peak
+
+
+@pytest.mark.parametrize("solver, steps", [("sgd", 300), ("adam", 150)])
+def test_path_recorder_auto_keeps_a_path_of_its_budget_within_it(solver, steps,
+                                                                  monkeypatch):
+    """storage="auto" doubled its buffers, holding the old and the new ones during the
+    copy (up to 1.5 times the budget: 7.8 MB under 6 MiB here), and moved to disk where
+    the doubled buffers would pass the budget: these paths of 0.96 of it (SGD 301 points,
+    Adam 151 points and 150 moments of 20 kB) went to disk. Grown by parts, the buffers
+    alive never pass the budget, counted where they are allocated, and the path stays in
+    memory, equal to the loop's own copies."""
+    budget = 6 * 2**20
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 3), torch.randn(8, 1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
+                              torch.nn.Linear(1000, 1))
+    opt = (torch.optim.SGD(net.parameters(), lr=0.01) if solver == "sgd"
+           else torch.optim.Adam(net.parameters(), lr=1e-3))
+    peak = _count_live_rows(monkeypatch, 5001, 4)
+    recording = []  # the peak before the path is read (its join allocates)
+    traj, _ = _auto_recording(net, opt, X, y, steps, budget, read_each=False,
+                              before_read=lambda: recording.append(peak[0]))
+    path = (len(traj) + (len(traj) - 1) * (solver == "adam")) * 5001 * 4
+    assert 0.95 * budget < path <= budget
+    # (At least the path: the count sees the buffers.)
+    assert path <= recording[0] <= budget, (path, recording[0], budget)
+    assert traj.storage == "memory"
+
+
+def test_segments_join_releases_each_part_as_it_is_copied():
+    """What a path read while recording is made of: the parts joined in order (against
+    torch.cat of them), each part released once copied (no second whole copy held by
+    the buffers), rows written after the joined ones kept, and the spare rows after
+    them written by the next rows without touching the joined path."""
+    from skpathkernel._path._buffers import Segments
+
+    buf = Segments(lambda rows: torch.empty((rows, 4), dtype=torch.float64), 3)
+    for rows in (5, 9, 10):
+        buf.reserve(rows)
+    for k in range(9):
+        buf.slot(k).fill_(k)
+    parts = [weakref.ref(p) for p in buf.parts]
+    expected = torch.cat(buf.parts)[:9]
+    whole, copied = buf.leading(7)
+    assert copied and torch.equal(whole, expected[:7])
+    # The parts that held rows 0-6 only are gone; the one holding rows 7 and 8 (written
+    # after the 7 joined) is kept, in a view of its rows from 7 on.
+    assert [ref() is None for ref in parts] == [True, True, False, True]
+    assert len(buf) == 9 and torch.equal(buf[7], expected[7]) and torch.equal(buf[8], expected[8])
+    view, copied = buf.leading(7)  # one part holds them now: a view, not a copy
+    assert not copied and view.data_ptr() == whole.data_ptr()
+    # A tail after the rows, and spare rows where nothing follows.
+    tail = torch.full((4,), -1.0, dtype=torch.float64)
+    whole, _ = buf.leading(9, tail)
+    assert torch.equal(whole, torch.cat([expected, tail[None]]))
+    assert len(buf) == 9  # the tail's row is the path's, not the buffers'
+    # Spare rows after a joined path that nothing follows: the next rows are written
+    # there, and the paths handed out keep their rows.
+    buf.reserve(12)
+    buf.slot(9).fill_(9)
+    joined, copied = buf.leading(10, spare=2)
+    assert copied and len(buf) == 12 and len(buf.parts) == 1
+    buf.slot(10).fill_(10)
+    nine = torch.full((1, 4), 9.0, dtype=torch.float64)
+    assert torch.equal(joined, torch.cat([expected, nine]))
+    assert buf.leading(11)[0].data_ptr() == joined.data_ptr()  # a view again
+    assert torch.equal(whole, torch.cat([expected, tail[None]]))
+
+
+@pytest.mark.parametrize("available", [2_000_000, 700_000])
 def test_path_recorder_auto_moves_to_disk_where_memory_is_short(available, monkeypatch):
     """storage="auto" under a memory_budget above the host's free memory raised
     MemoryError in the middle of the training loop (growing past 64 steps), or at the
-    recorder's creation, where it can move to disk: it now does, with the loop's points."""
-    monkeypatch.setattr(_trajectory, "_available_memory", lambda: available)
+    recorder's creation, where it can move to disk: it now does, with the loop's points.
+    The host has ``available`` bytes less what the recorder's buffers hold (its first
+    65 points take 1.3 MB; they grow by 3 rows, a chunk file's, after that)."""
+    recorders = []
+    init = _trajectory.TrajectoryRecorder.__init__
+
+    def spy(self, *args, **kwargs):
+        recorders.append(self)
+        init(self, *args, **kwargs)
+
+    def left():
+        held = [getattr(rec, "_buf", None) for rec in recorders]
+        return available - sum(b.nbytes for b in held
+                               if b is not None and not isinstance(b, _storage.Series))
+
+    monkeypatch.setattr(_trajectory.TrajectoryRecorder, "__init__", spy)
+    monkeypatch.setattr(_trajectory, "_available_memory", left)
     torch.manual_seed(0)
     X, y = torch.randn(8, 3), torch.randn(8, 1)
     net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
                               torch.nn.Linear(1000, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    traj, _ = _auto_recording(net, opt, X, y, 70, 2**30)
+    # 101 points of 20 kB: 2.0 MB, which cannot all be held beside 10% of the host free.
+    traj, _ = _auto_recording(net, opt, X, y, 100, 2**30)
     assert traj.storage == "disk"
 
 

@@ -288,7 +288,9 @@ def test_the_recorder_waits_for_the_copies_on_the_parameters_gpu(monkeypatch):
     rec.points_in_memory([1])
     traj = rec.finish()
     assert len(traj) == 2 * TrajectoryRecorder._INITIAL_STEPS + 1
-    assert len(waits) >= 3  # a growth, the read of points, the end
+    # The read of points and the end (a growth adds buffers and copies nothing: it no
+    # longer waits).
+    assert len(waits) >= 2
     assert all(d is not None and torch.device(d) == torch.device("cuda", 1) for d in waits), waits
 
 

@@ -14,15 +14,21 @@ shallow copy that appends second) gets a new buffer. Rows that a view covers are
 therefore never written again, so every holder of a path or a training set keeps seeing
 what it saw. A view pickles (and copies) as its own rows: the spare capacity never
 travels.
+
+A recorder that does not know how many points it will hold (``PathRecorder``) keeps them
+in :class:`Segments` instead: parts added as they fill, so that growing never holds a
+buffer and its copy at once, and the points are one tensor only when read.
 """
 
+import bisect
+import mmap
 import threading
 import weakref
 
 import numpy as np
 import torch
 
-__all__ = ["appended", "compact", "reallocations"]
+__all__ = ["Segments", "appended", "compact", "mapped_empty", "reallocations"]
 
 # id(buffer) -> [weak reference to it, rows filled]. Keyed by id, as neither NumPy arrays
 # nor tensors hash by identity; the entry leaves with its buffer.
@@ -127,3 +133,136 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
         return tensor.clone()
     return tensor
+
+
+class Segments:
+    """A recorder's in-memory rows, in tensors added as they fill: growing allocates the
+    new rows only and copies nothing.
+
+    A buffer that doubled held its old and its new tensor during the copy, up to 1.5
+    times what it then held (2244 MiB under a 2048 MiB budget, review s50), and a budget
+    check of the doubled size moved paths of half the budget to disk. ``empty(rows)``
+    gives a ``(rows, n_cols)`` tensor; row ``k`` is in the part whose rows start at or
+    before it. :meth:`leading` gives the first rows as one tensor (what a
+    :class:`~skpathkernel.Trajectory` holds), without copying where one part holds them.
+
+    Parameters
+    ----------
+    empty : callable
+        ``empty(rows)``: a new uninitialized ``(rows, n_cols)`` tensor.
+    rows : int
+        Rows of the first part.
+    """
+
+    def __init__(self, empty, rows: int):
+        self._empty = empty
+        self.parts: list[torch.Tensor] = []
+        self._starts: list[int] = []
+        self._capacity = 0
+        self._filled = 0  # rows below this may have been written (slot)
+        self.add(rows)
+
+    def __len__(self) -> int:
+        return self._capacity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts)
+
+    def add(self, rows: int) -> None:
+        """Append a part of ``rows`` rows (uninitialized)."""
+        self.parts.append(self._empty(rows))
+        self._starts.append(self._capacity)
+        self._capacity += rows
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows in all, added as one part."""
+        if rows > self._capacity:
+            self.add(rows - self._capacity)
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        """Row ``k`` (a view)."""
+        if len(self.parts) == 1:
+            return self.parts[0][k]
+        i = bisect.bisect_right(self._starts, k) - 1
+        return self.parts[i][k - self._starts[i]]
+
+    def slot(self, k: int) -> torch.Tensor:
+        """Row ``k``, to be written."""
+        if k >= self._filled:
+            self._filled = k + 1
+        if len(self.parts) == 1:  # (not through self[k]: a call less per recorded row)
+            return self.parts[0][k]
+        return self[k]
+
+    def take(self, rows: np.ndarray) -> torch.Tensor:
+        """The rows ``rows`` (a copy), as ``tensor[rows]`` gives them."""
+        if len(self.parts) == 1:
+            return self.parts[0][torch.from_numpy(np.asarray(rows, dtype=np.int64))]
+        return torch.stack([self[int(k)] for k in rows])
+
+    def leading(self, n: int, tail: torch.Tensor | None = None, spare: int = 0
+                ) -> tuple[torch.Tensor, bool]:
+        """Rows ``0`` to ``n - 1`` as one tensor (then ``tail``, one row, where given),
+        and whether they were copied.
+
+        Held by one part, a view of it. Else the rows are copied into a new tensor of
+        ``n`` rows (with ``tail`` one more, with ``spare`` rows more after them), and each
+        part is released (unless held elsewhere) as soon as its rows are copied: the new
+        tensor's pages are mapped as they are written, so the memory held grows by one
+        part at most, not by the rows copied (pinned memory is mapped at once). The new
+        tensor's first ``n`` rows, and its spare rows where nothing follows them (no
+        ``tail``, whose row the next writes would overwrite, and no rows written from
+        ``n`` on, which stay where they are), then replace the parts copied.
+        """
+        if tail is None and n <= len(self.parts[0]):
+            return self.parts[0][:n], False
+        parts, starts, filled = self.parts, self._starts, self._filled
+        if tail is not None or filled > n:  # no room after the rows: the next is taken
+            spare = 0
+        kept = n + spare
+        out = self._empty(kept + (tail is not None))
+        self.parts, self._starts = [out[:kept]], [0]
+        self._capacity, rest = kept, []
+        for i, start in enumerate(starts):
+            part, parts[i] = parts[i], None  # released after its copy
+            end = start + len(part)
+            if start < n:
+                out[start:min(end, n)].copy_(part[: min(end, n) - start])
+            if end > n and filled > max(start, n):  # rows written after the first n
+                rest.append(part[max(n - start, 0):])
+            del part
+        for part in rest:
+            self.parts.append(part)
+            self._starts.append(self._capacity)
+            self._capacity += len(part)
+        self._filled = max(filled, n)
+        if tail is None:
+            return out[:n], True
+        out[n].copy_(tail)
+        return out, True
+
+
+def mapped_empty(rows: int, n_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised ``(rows, n_cols)`` tensor in a memory mapping of its own, which
+    goes back to the system as soon as the tensor (and every view of it) is released.
+
+    From ``torch.empty``, parts of a few MB came from the allocator's heap (glibc maps
+    only blocks above a threshold that freeing other tensors raises, up to 32 MiB), and
+    released parts stayed in the process: joining 30 parts of 2 MB held the path twice
+    (113 MiB resident under a 64 MiB budget). The mapping's pages, zeroed by the
+    system, are mapped as they are first written, as ``torch.empty``'s large blocks.
+    """
+    nbytes = rows * n_cols * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty((rows, n_cols), dtype=dtype)
+    # Private: Python's default (MAP_SHARED) is shared memory, slower to fault in (a
+    # third more time per recorded step), counted as shared, and written through by
+    # forked children. The tensor holds the mapping (torch.frombuffer keeps its buffer).
+    mapping = mmap.mmap(-1, nbytes, **_PRIVATE)
+    return torch.frombuffer(mapping, dtype=dtype).view(rows, n_cols)
+
+
+# Not on Windows, whose anonymous mappings are the process's own anyway.
+_PRIVATE = ({"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS}
+            if hasattr(mmap, "MAP_PRIVATE") else {})

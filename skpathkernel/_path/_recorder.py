@@ -526,12 +526,13 @@ class PathRecorder:
         each step drew its batch from: ``decompose(weighting="expected")`` credits every
         step to all ``n_samples``, each ``1 / n_samples``.
     storage : {"memory", "disk", "auto"}, default="memory"
-        Where the recorded vectors go: memory buffers that double when full, or chunk
-        files in a fresh temporary directory under ``directory``, written as recording
-        goes and read lazily (see the estimators' ``trajectory_storage``). "auto"
-        records in memory and moves what it holds to disk when its buffers, which
-        double, would pass ``memory_budget`` bytes (so a path of half the budget or
-        more may move), or where the host's free memory is short of them.
+        Where the recorded vectors go: memory buffers that grow by parts (as large as
+        what they hold, up to a chunk file's size) without copying what they hold, or
+        chunk files in a fresh temporary directory under ``directory``, written as
+        recording goes and read lazily (see the estimators' ``trajectory_storage``).
+        "auto" records in memory and moves what it holds to disk when the path would
+        pass ``memory_budget`` bytes (its buffers never hold more), or where the host's
+        available memory is short of the next part.
         ``trajectory.save(path)`` moves the directory (a rename) and keeps it;
         otherwise it is deleted with the last trajectory using it. A full disk keeps
         the rest in memory, with a warning naming the file and the step.
@@ -539,7 +540,8 @@ class PathRecorder:
         Parent of the on-disk trajectory's directory; None is the system's temporary
         directory.
     memory_budget : int, default=2**30
-        The size bound of ``storage="auto"``; chunk files hold at most 1/32 of it.
+        The size bound of ``storage="auto"``; chunk files, and the parts that memory
+        buffers grow by, hold at most 1/32 of it.
     compression : {None, "float16", "bfloat16"}, default=None
         On disk, store each point's parameters as its difference from the previous
         stored point in this dtype (lossy: see the estimators'
@@ -1564,7 +1566,9 @@ class PathRecorder:
         """The path recorded so far, as a :class:`~skpathkernel.Trajectory`.
 
         The current parameters are its last point (recorded now if the last step was not
-        a multiple of ``record_every``); recording can continue afterwards. After a
+        a multiple of ``record_every``); recording can continue afterwards. In memory,
+        points that lie in several of the buffers' parts are copied into one array,
+        each part released as it is copied. After a
         refused step the path ends before it (with a warning saying where and why):
         steps are refused before they are taken, so what was recorded stays whole.
         """

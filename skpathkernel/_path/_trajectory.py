@@ -33,7 +33,7 @@ import torch
 
 from .._validation import check_index
 from .._warnings import VersionedStateMixin
-from ._buffers import compact
+from ._buffers import Segments, compact, mapped_empty
 from ._storage import (
     CHUNK_BYTES,
     META_FILE,
@@ -1469,8 +1469,11 @@ class TrajectoryRecorder:
 
     With ``n_steps`` known (the estimators) the buffers are preallocated at their final
     size, so recording never allocates. With ``n_steps=None`` (a user's own loop, see
-    :class:`~skpathkernel.PathRecorder`) they start small and double when full: amortized
-    one copy per point, and the host-memory check runs at every growth.
+    :class:`~skpathkernel.PathRecorder`) they start small and grow by parts
+    (:class:`~._buffers.Segments`), each as large as what they hold up to a chunk file's
+    rows, then a chunk file's rows: growing copies nothing, and the host-memory check
+    runs for every part. :meth:`finish` joins the parts into one tensor, releasing each
+    as it is copied.
 
     Parameters
     ----------
@@ -1490,12 +1493,13 @@ class TrajectoryRecorder:
         Where the parameter and optimizer-state vectors go: preallocated buffers in
         memory, or chunk files in a fresh temporary directory under ``directory`` (see
         :mod:`skpathkernel._path._storage`). "auto" records in memory and moves to disk when
-        the vectors grow past ``memory_budget`` bytes (with ``n_steps`` known, the caller
-        decides up front).
+        the vectors would pass ``memory_budget`` bytes, which its buffers never do (with
+        ``n_steps`` known, the caller decides up front).
     directory : path-like or None, default=None
         Parent of the on-disk trajectory's directory; None is the system's temp dir.
     memory_budget : int, default=2**30
-        Sizes the chunk files (at most 1/32 of it each) and bounds "auto".
+        Sizes the chunk files and the parts of growing buffers (at most 1/32 of it
+        each) and bounds "auto".
     compression : {None, "float16", "bfloat16"}, default=None
         On disk, store each recorded point's parameters as its difference from the
         previous stored point in this dtype (see ``_storage.Series``).
@@ -1556,6 +1560,15 @@ class TrajectoryRecorder:
         self._written: list[int] | None = None  # points written, for the page mapping
         self._base = 0  # the first point's row in the series (a continued on-disk path)
         self._extends = extends is not None
+        # The rows each growth adds once the buffers hold as many (those of a chunk file).
+        self._segment_rows = chunk_rows_for(self._n_params, self._itemsize,
+                                            self._memory_budget)
+        self._fit_points = None  # the most points "auto" keeps in memory
+        if n_steps is None:
+            # No first part larger than the later ones: joining the parts (a read of the
+            # path) holds one part beside the path, and 65 points of a large network
+            # were most of the path (745 MiB beside 1844 MiB at 3M parameters).
+            n_points = min(n_points, self._segment_rows)
         to_disk = storage == "disk"
         if self._auto and n_steps is None:
             # "auto" bounds the first buffers too, not only their growth: _INITIAL_STEPS
@@ -1565,6 +1578,7 @@ class TrajectoryRecorder:
             fit = self.points_within(self._n_params, len(solver.state_keys), self._itemsize,
                                      self._memory_budget)
             n_points = min(n_points, max(fit, 1))
+            self._fit_points = fit
             to_disk = fit < 1 or not _fits_in_memory(self._buffers_nbytes(n_points))
         if extends is not None:
             self._append_to(extends)
@@ -1572,8 +1586,11 @@ class TrajectoryRecorder:
             self._to_disk(0)
         else:
             _check_fits_in_memory(self._buffers_nbytes(n_points), record_every)
-            self._buf = self._empty(n_points)
-            self._states = {key: self._empty(n_points - 1) for key in solver.state_keys}
+            # Not the bound self._empty: the buffers would keep the recorder alive in a
+            # cycle, past its finalizer that stops the page mapping's thread.
+            empty = partial(_empty_rows, self._n_params, dtype, self._pin, n_steps is None)
+            self._buf = Segments(empty, n_points)
+            self._states = {key: Segments(empty, n_points - 1) for key in solver.state_keys}
             if self._cpu and n_steps is not None:
                 # The preallocated buffers' pages mapped on a background thread, up to 64
                 # MiB ahead of the copies (a copy into unmapped pages cost three times one
@@ -1586,7 +1603,8 @@ class TrajectoryRecorder:
                 # Its own thread: one recorder kept alive past its run (a traceback) never
                 # holds up the next one's mapping.
                 thread = threading.Thread(target=populate, args=(
-                    [self._buf, *self._states.values()], stop, ahead), daemon=True,
+                    [b.parts[0] for b in (self._buf, *self._states.values())], stop,
+                    ahead), daemon=True,
                     name="skpathkernel-pages")
                 weakref.finalize(self, _stop_populating, stop, thread)
                 thread.start()
@@ -1596,6 +1614,7 @@ class TrajectoryRecorder:
         # the GPU, fused Adam's) would stall every step until the GPU caught up.
         self._pending_counts: list[tuple[int, torch.Tensor]] = []
         self._steps = np.zeros(n_points, dtype=np.int64)
+        self._update_room()
         # Every step's step size: a schedule may change it between recorded points, and
         # the replay of a thinned interval takes each step's own (8 bytes a step, as its
         # batch offset).
@@ -1621,7 +1640,7 @@ class TrajectoryRecorder:
             torch.cuda.synchronize(device)
 
     def _empty(self, rows):
-        return torch.empty((rows, self._n_params), dtype=self._dtype, pin_memory=self._pin)
+        return _empty_rows(self._n_params, self._dtype, self._pin, False, rows)
 
     @property
     def on_disk(self) -> bool:
@@ -1637,6 +1656,8 @@ class TrajectoryRecorder:
         self._states = {key: store.add_series(key, self._n_params, self._dtype)
                         for key in self.solver.state_keys}
         self._pin = self._non_blocking = False
+        if hasattr(self, "_steps"):
+            self._update_room()
         if self.n_steps is not None and self.n_points_for(
                 self.n_steps, self.record_every) < store.chunk_rows:
             # A recording shorter than a chunk (a partial_fit call) maps only the pages
@@ -1674,7 +1695,7 @@ class TrajectoryRecorder:
             self._copy_flat(tensors, target.slot(row), whole)
             target.commit(row, step)
         else:
-            self._copy_flat(tensors, target[k], whole)
+            self._copy_flat(tensors, target.slot(k), whole)
 
     @staticmethod
     def n_points_for(n_steps: int, record_every: int) -> int:
@@ -1717,35 +1738,46 @@ class TrajectoryRecorder:
 
     # ------------------------------------------------------------------ growth
     def _grow_points(self, needed: int) -> None:
-        """Make room for ``needed`` points (only when the number of steps is unknown)."""
+        """Make room for ``needed`` points (only when the number of steps is unknown).
+
+        In memory each buffer gets one more part (nothing is copied), of as many rows as
+        it holds up to ``_segment_rows``. "auto" allocates no row past the points that
+        fit in ``memory_budget`` and moves to disk when ``needed`` points would pass it,
+        or where the host's available memory is short of the new parts.
+        """
+        if needed <= self._room:  # every step's check: one comparison
+            return
         have = len(self._steps)
-        if needed <= have:
+        if needed > have:
+            self._grow_small(max(needed, 2 * have), have)
+        if self.on_disk or (needed <= len(self._buf) and all(
+                needed - 1 <= len(b) for b in self._states.values())):
+            # (A read's join leaves the states more rows than the points, or fewer.)
+            self._update_room()
             return
-        rows = max(needed, 2 * have)
-        nbytes = self._buffers_nbytes(rows)
-        if self._auto and not self.on_disk and (
-                nbytes > self._memory_budget or not _fits_in_memory(nbytes)):
-            # (Not grown up to the budget instead: the copy into a larger buffer holds
-            # both, up to twice the budget for a step; doubled, at most 1.5 times it. A
-            # budget above the host's free memory: to disk, not a MemoryError in the
-            # middle of the user's training loop.)
+        held = len(self._buf)
+        rows = max(needed, held + min(held, self._segment_rows))
+        if self._auto:
+            rows = min(rows, self._fit_points)
+        new = (rows - held + sum(max(rows - 1 - len(b), 0) for b in self._states.values())
+               ) * self._n_params * self._itemsize
+        if self._auto and (rows < needed or not _fits_in_memory(new)):
+            # A budget above the host's free memory: to disk, not a MemoryError in the
+            # middle of the user's training loop.
             self._to_disk(self._k)
-        if not self.on_disk:
-            _check_fits_in_memory(nbytes, self.record_every)
-        if self.on_disk:
-            self._grow_small(rows, have)
             return
-        if self._non_blocking:
-            self._synchronize()  # pending copies target the old buffers
+        _check_fits_in_memory(new, self.record_every)
+        self._buf.reserve(rows)
+        for buf in self._states.values():
+            buf.reserve(rows - 1)
+        self._update_room()
 
-        def grown(t, n):
-            out = self._empty(n)
-            out[: t.shape[0]].copy_(t)
-            return out
-
-        self._buf = grown(self._buf, rows)
-        self._states = {key: grown(val, rows - 1) for key, val in self._states.items()}
-        self._grow_small(rows, have)
+    def _update_room(self) -> None:
+        """``_room``: the points that every buffer has rows for."""
+        self._room = len(self._steps)
+        if not self.on_disk:
+            self._room = min(self._room, len(self._buf),
+                             *(len(b) + 1 for b in self._states.values()))
 
     def _grow_small(self, rows: int, have: int) -> None:
         pad = rows - have
@@ -1803,8 +1835,7 @@ class TrajectoryRecorder:
         of the buffer (valid until :meth:`finish`; see :meth:`keeps_in_memory`)."""
         if self._non_blocking:
             self._synchronize()  # the copies into pinned memory are asynchronous
-        rows = np.searchsorted(self._steps[: self._k], steps)
-        return self._buf[torch.from_numpy(rows)]
+        return self._buf.take(np.searchsorted(self._steps[: self._k], steps))
 
     def wants_point(self, step: int) -> bool:
         """Whether the point reached after ``step`` optimizer steps is recorded."""
@@ -1888,9 +1919,12 @@ class TrajectoryRecorder:
         If the last step kept did not land on a recorded point (``record_every > 1``, a run
         stopped early, or a truncation), the parameters after it are appended as the last
         point: ``last`` (a flat vector) when given, else the current parameters, in a
-        copy. Without ``n_steps`` the buffers stay as they are, so recording can go on (a
-        user's loop); with it (the estimators' end of training) the kept part is copied out
-        of buffers preallocated for a longer run, so that their memory is released.
+        copy. In memory the points are one tensor: a view of the buffers' first part where
+        it holds them, else a copy into which the parts are joined, each released as it
+        is copied (:meth:`~._buffers.Segments.leading`; the recorder then writes after
+        it). Without ``n_steps`` recording can go on (a user's loop); with it (the
+        estimators' end of training) the kept part is copied out of buffers preallocated
+        for a longer run, so that their memory is released.
         """
         if self._non_blocking:
             self._synchronize()
@@ -1905,9 +1939,8 @@ class TrajectoryRecorder:
                              "recorded).")
         n_points = int(np.searchsorted(self._steps[: self._k], n_done, side="right"))
         disk, base = self.on_disk, self._base
-        params = DiskRows(self._buf, base + n_points, start=base) if disk else \
-            self._buf[:n_points]
         steps = self._steps[:n_points]
+        tail = None
         if n_points and steps[-1] != n_done:
             tail = self._empty(1)
             if last is None:
@@ -1919,14 +1952,26 @@ class TrajectoryRecorder:
                 tail[0].copy_(last.reshape(-1))
             if self._non_blocking:
                 self._synchronize()
-            params = DiskRows(self._buf, base + n_points, tail[0], base) if disk else \
-                torch.cat([params, tail])
+            tail = tail[0]
             steps = np.append(steps, n_done)
-            n_points += 1
+        copied, spare = disk, 0
+        if disk:
+            params = DiskRows(self._buf, base + n_points, tail, base)
+        else:
+            # Spare rows after a joined path (a user's loop goes on): the next reads
+            # find the points in one part again until they fill them.
+            if self.n_steps is None and tail is None:
+                spare = min(n_points, self._segment_rows)
+                if self._fit_points is not None:
+                    spare = max(min(spare, self._fit_points - n_points), 0)
+            params, copied = self._buf.leading(n_points, tail, spare)
+        n_points += tail is not None
         step_lrs = self._step_lr[:n_done].copy()
         lrs, varies = interval_means(step_lrs, steps)
         states = {k: DiskRows(v, base + n_points - 1, start=base) if disk
-                  else v[: n_points - 1] for k, v in self._states.items()}
+                  else v.leading(n_points - 1, spare=spare)[0]
+                  for k, v in self._states.items()}
+        self._update_room()  # a join leaves the buffers other rows
         n_indices = self._batch_off[n_done]
         batch_idx, batch_off = self._batch_idx[:n_indices], self._batch_off[: n_done + 1]
         batch_w = None if self._batch_w is None else self._batch_w[:n_indices].copy()
@@ -1938,7 +1983,7 @@ class TrajectoryRecorder:
         elif n_steps is not None and self.n_steps is not None and n_done < self.n_steps:
             # A run that stopped early: copies, so that the buffers (sized for max_iter
             # epochs) are released with the recorder.
-            params = params if params.data_ptr() != self._buf.data_ptr() else params.clone()
+            params = params if copied else params.clone()
             states = {k: v.clone() for k, v in states.items()}
             steps, batch_idx = steps.copy(), batch_idx.copy()
             batch_off, state_steps = batch_off.copy(), state_steps.copy()
@@ -1963,6 +2008,21 @@ class TrajectoryRecorder:
         if n_steps is not None and disk and not self._extends:
             trajectory._write_meta()
         return trajectory
+
+
+def _empty_rows(n_params: int, dtype: torch.dtype, pin: bool, mapped: bool, rows: int
+                ) -> torch.Tensor:
+    """Rows of a recording buffer: pinned (copies from a GPU), or with ``mapped`` (the
+    parts of growing buffers, which a read joins and releases) a mapping of their own,
+    returned to the system when released. Not the preallocated buffers, never joined:
+    ``torch.empty`` reuses the pages a process released, where a fresh mapping's pages
+    are faulted in by the first writes (in a loop of recordings of 2000 parameters,
+    2 us more per step)."""
+    if pin:
+        return torch.empty((rows, n_params), dtype=dtype, pin_memory=True)
+    if mapped:
+        return mapped_empty(rows, n_params, dtype)
+    return torch.empty((rows, n_params), dtype=dtype)
 
 
 # Linux's estimate of the memory that can be allocated without swapping, page cache

@@ -554,6 +554,10 @@ class _Quadrature:
         self._stalls = 0  # steps that stopped converging
         self._floor = FACTORS  # the factors' round-off, in eps * spread
         self._ratio = 0.1  # error reduction per added node, from the residuals seen
+        # The most nodes whose captures of this chunk's queries fit memory_budget
+        # (set by the walk, :func:`_node_limit`), and the steps that failed at it.
+        self.limit = MAX_NODES
+        self.capped: dict[int, float] = {}
 
     def choose(self, t, evaluate, df, noise):
         """The nodes of step t; returns the accepted evaluation's payload.
@@ -563,7 +567,8 @@ class _Quadrature:
         and what the caller keeps. ``df`` (rows, C) is the step's change of f (the
         reference), ``noise`` the round-off of that difference.
         """
-        fixed = self.fixed if self.plan is None else int(self.plan[t])
+        # A plan's counts (the check's raises) stay within the memory's limit too.
+        fixed = self.fixed if self.plan is None else min(int(self.plan[t]), self.limit)
         self._next = t - 1
         if fixed is not None:
             q, spread, payload = evaluate(fixed)
@@ -579,6 +584,10 @@ class _Quadrature:
         seen, stalled = [], False
         probe = None  # the count whose residual a node more is checking (see below)
         while True:
+            # The try before is dropped before the next is captured: both alive held
+            # the captures of two node counts at once (on a narrow ResNet, with the
+            # first try and the step before's, 1.07x a 477 MiB budget against 0.72x).
+            q = spread = payload = None
             q, spread, payload = evaluate(n)
             r = _residual(q, df)
             if not math.isfinite(r):
@@ -627,6 +636,8 @@ class _Quadrature:
                 break
             if n >= cap or stalled:
                 self.failed[t] = r
+                if n >= cap and cap == self.limit < MAX_NODES:
+                    self.capped[t] = r
                 break
             # Geometric convergence: the nodes that bring r under the goal (at most 1.5x
             # the nodes per try, the ratio is a guess until two residuals are seen).
@@ -679,8 +690,8 @@ class _Quadrature:
         # Steps that stopped converging (a non-smooth activation: kinks on the segment)
         # cap the others at NONSMOOTH nodes: more would buy little. Steps without a kink
         # still converge within it, and every step that fails is reported.
-        cap = NONSMOOTH if self._stalls >= 2 else MAX_NODES
-        n = 3 if self._n is None else min(self._n, cap)
+        cap = min(NONSMOOTH if self._stalls >= 2 else MAX_NODES, self.limit)
+        n = min(3, cap) if self._n is None else min(self._n, cap)
         # Consecutive steps have similar sizes: start where the last one ended, and try
         # one node less when it had room, or every few steps.
         lowered = self._n is not None and n > 1 and (self._room or self._since_lower >= 4)
@@ -1403,6 +1414,10 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
         # Decoupled decay, -lr wd theta_t, is not a gradient: rho_t . it is its share.
         # Plain SGD's L2 share is lambda_t . wd theta_t = -lr_t rho_t . wd theta_t.
         along = wd and (decoupled or route == "factor")
+        # The step before's captures are not held through this step's tries.
+        groups = None
+        for c in parts:
+            c.nodes = c.run = None
         if exact:
             # The exact difference of the two recorded points (exact in float64).
             d64 = _as_float64(traj, nxt.to(torch.float64) - theta.to(torch.float64))
@@ -1450,11 +1465,15 @@ def _factored_block(ctx: _Context, Xq, rows, chunks, *, method, route):
                     i = slice(c.local.start - at.start, c.local.stop - at.start)
                     rows = own[k] if own is not None else [_rows_of(t, i) for t in nodes]
                     tried[c] = (n, (q[:, i], spread[i], rows), w, whole)
+            # Only tried holds the first tries' captures (evaluate drops them).
+            q = spread = nodes = own = whole = rows = None
 
             def evaluate(n, c, tried=tried):
                 c.run = None
-                if tried[c][0] == n:
-                    (q, spread, nodes), w, c.run = tried[c][1:]
+                # Taken once: the first try is not held through the chunk's later ones.
+                first = tried.pop(c, None)
+                if first is not None and first[0] == n:
+                    (q, spread, nodes), w, c.run = first[1:]
                 else:
                     # A lowered try that missed comes back to the count the step before
                     # ended with: its block is made then.
@@ -2199,9 +2218,10 @@ def decompose(
     # layout where it is larger (per-sample gradients of layers over many positions), and
     # the widest layer output, which sizes the pair engine's per-sample intermediates;
     # with the capture's copy of its rows where no factor holds it (Capture.input_bytes).
-    row = 4 * max(probe.nbytes(), sum(t.delta.numel() * itemsize + sum(
-        a.numel() * itemsize for _, a in t.inputs if a is not None) for t in terms)) \
-        + probe.input_bytes
+    sizes = [t.delta.numel() * itemsize + sum(a.numel() * itemsize for _, a in t.inputs
+                                              if a is not None) for t in terms]
+    node = max(probe.nbytes(), sum(sizes))
+    row = 4 * node + probe.input_bytes
     width = max(t.delta.shape[2] for t in terms)
     largest = max(t.delta.shape[2] * (1 if a is None else a.shape[1])
                   for t in terms for _, a in t.inputs)
@@ -2244,7 +2264,7 @@ def decompose(
                     weighting=weighting, route=route, quadrature=quadrature,
                     memory_budget=memory_budget, exclude=exclude,
                     outputs=outputs, row=row, width=width, largest=largest, dense=dense,
-                    itemsize=itemsize,
+                    itemsize=itemsize, node=(node, max(sizes)),
                     P=P, N=N, ref=ref, n_nodes=n_nodes,
                     chunk=node_chunk(traj, method, len(X)) if chunk is None else chunk,
                     weights=weights, intervals=intervals)
@@ -2272,7 +2292,7 @@ def decompose(
     result = _result(initial, prediction, contributions, regularization, method, weighting)
     result.replay_error = None if replay is None else replay.replay_error
     result.contribution_error = contribution_error
-    scale, failed, floored, slow = None, {}, {}, {}
+    scale, failed, floored, slow, capped = None, {}, {}, {}, {}
     if exact:  # each step's largest count and residual over the chunks, as merge joins
         result.n_nodes = np.max([q.n_used for q in quads], axis=0, initial=0)
         result.step_errors = np.max([q.errors for q in quads], axis=0, initial=0.0)
@@ -2282,6 +2302,7 @@ def decompose(
         for q in quads:
             _join(failed, q.failed)
             _join(slow, q.slow)
+            _join(capped, q.capped)
             if requested is not None:
                 _join(floored, q.floored)
     checks = _Checks(exact=exact, thinned=thinned, method=method, weighting=weighting,
@@ -2293,7 +2314,7 @@ def decompose(
                      refusal=refusal, replay_limit=replay_limit(recorded),
                      compression=recorded.compression, measured=measured, slow=slow,
                      roundoff=roundoff, difference=difference,
-                     contribution_tol=contribution_tol)
+                     contribution_tol=contribution_tol, capped=capped)
     if not warn:
         return result, checks
     return finish(result, checks, units)
@@ -2435,6 +2456,8 @@ class _Checks:
     # with a node more and by the rule): there the two rules' difference is no upper
     # estimate (_Quadrature.paired).
     slow: dict = field(default_factory=dict)
+    # The failed steps whose node counts memory_budget limited (_Quadrature.capped).
+    capped: dict = field(default_factory=dict)
     # The part of ``measured`` that is a float32 path's estimated round-off (zero on a
     # float64 path, None where nothing was measured).
     roundoff: float | None = None
@@ -2473,18 +2496,20 @@ def merge(parts: list) -> tuple[Decomposition, _Checks]:
     if first.n_nodes is not None:  # the blocks' largest, as within one call
         merged.n_nodes = np.max([r.n_nodes for r in results], axis=0)
         merged.step_errors = np.max([r.step_errors for r in results], axis=0)
-    failed, floored, slow = {}, {}, {}
+    failed, floored, slow, capped = {}, {}, {}, {}
     for c in checks:
         _join(failed, c.failed)
         _join(floored, c.floored)
         _join(slow, c.slow)
+        _join(capped, c.capped)
     c0 = checks[0]
     scale = None if c0.scale is None else max(c.scale for c in checks)
     roundoff = [c.roundoff for c in checks if c.roundoff is not None]
     difference = [c.difference for c in checks if c.difference is not None]
     return merged, _Checks(**{**c0.__dict__, "scale": scale, "failed": failed,
                               "floored": floored, "measured": _worst_measured(checks),
-                              "slow": slow, "roundoff": worst(roundoff, None),
+                              "slow": slow, "capped": capped,
+                              "roundoff": worst(roundoff, None),
                               "difference": worst(difference, None)})
 
 
@@ -2610,11 +2635,12 @@ def merge_steps(parts: list) -> tuple[Decomposition, _Checks]:
     failed = {t: r for c in checks for t, r in c.failed.items()}
     floored = {t: r for c in checks for t, r in c.floored.items()}
     slow = {t: r for c in checks for t, r in c.slow.items()}
+    capped = {t: r for c in checks for t, r in c.capped.items()}
     measured = [c.measured for c in checks if c.measured is not None]
     roundoff = [c.roundoff for c in checks if c.roundoff is not None]
     difference = [c.difference for c in checks if c.difference is not None]
     return merged, _Checks(**{**checks[0].__dict__, "failed": failed, "floored": floored,
-                              "slow": slow,
+                              "slow": slow, "capped": capped,
                               "measured": float(np.sum(measured)) if measured else None,
                               "roundoff": float(np.sum(roundoff)) if roundoff else None,
                               "difference": float(np.sum(difference)) if difference
@@ -2672,7 +2698,7 @@ def finish(result: Decomposition, checks: _Checks, units=None,
             "by the rule with a node more, need not measure a single "
             "contribution's error. A non-smooth activation (relu) or very large steps make the "
             "integrand hard to integrate; a smaller learning rate or a smooth activation "
-            "helps.",
+            f"helps.{_capped_note(checks)}",
             ConvergenceWarning, stacklevel=caller_stacklevel(),
         )
     elif missed is not None:
@@ -2914,6 +2940,15 @@ def _warn_contribution(result: Decomposition, checks: _Checks, achieved: float,
     )
 
 
+def _capped_note(checks: _Checks) -> str:
+    """The failed steps' node counts that memory_budget limited, said (else "")."""
+    if not checks.capped:
+        return ""
+    return (f" memory_budget limited the nodes of steps {_list_steps(checks.capped)} "
+            "(each try holds its nodes' captures of a block of queries): a larger "
+            "memory_budget allows more, or fewer queries per call.")
+
+
 def _quadrature_part(checks: _Checks) -> str:
     """The quadrature's own part of a contribution's error (the two rules' difference)
     where a round-off estimate is part of it too, for a warning."""
@@ -3026,7 +3061,7 @@ def _warn_inexact(result: Decomposition, relative: float, verb: str) -> None:
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quadrature,
          memory_budget, exclude, outputs, row, width, largest, dense, itemsize, P, N, ref,
-         n_nodes, chunk, weights, intervals):
+         n_nodes, chunk, weights, intervals, node=(0, 0)):
     # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1
@@ -3173,10 +3208,28 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
     # the blocks read the same batch captures, kept while memory allows.
     q_block = max(chunk, q_block - q_block % chunk)
     ctx.keep_batches = n_q > q_block
+    if route != "dense" and adaptive:
+        # The queries' captures at a step's nodes were charged a few nodes' worth
+        # (copies * 4 rows per query), but an adaptive step holds all of a try's nodes
+        # (and the check's rule with a node more): up to 2 * MAX_NODES + 1 captures of
+        # each query (a narrow ResNet's 24 nodes: 2.9x memory_budget). They take the
+        # room the plan leaves beside everything else it holds (the batch captures
+        # made ahead and kept, where they are), and the node counts a chunk tries stay
+        # within it (:func:`_node_limit`).
+        captures = (memory_budget - q_used + q_rows * copies * 4 * row
+                    - min(b_block, n_batch) * b_bytes
+                    - (ctx.ahead_bytes if ctx.stacked is not None else 0)
+                    - (min(memory_budget // 4, left // 2) if ctx.keep_batches else 0))
+        per_query = captures / max(q_rows, 1)
     for q0 in range(0, n_q, q_block):
         rows = slice(q0, min(n_q, q0 + q_block))
         chunks = [slice(c0, min(rows.stop, c0 + chunk)) for c0 in range(q0, rows.stop, chunk)]
         chunks = list(zip(chunks, quadrature(rows, chunks)))
+        if route != "dense" and adaptive:
+            for c_rows, quad in chunks:
+                quad.limit = _node_limit(per_query * (c_rows.stop - c_rows.start),
+                                         c_rows.stop - c_rows.start, *node, row, itemsize,
+                                         pair=method == "exact")
         if route == "dense":
             parts = [_dense_block(ctx, X[c_rows], c_rows, quad, method=method)
                      for c_rows, quad in chunks]
@@ -3195,6 +3248,21 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         contributions[q0 : q0 + q_block] = c.cpu().numpy()
         regularization[q0 : q0 + q_block] = r.cpu().numpy()
     return contributions, regularization, pair
+
+
+def _node_limit(room: float, rows: int, node: int, term: int, row: int, itemsize: int, *,
+                pair: bool) -> int:
+    """The most Gauss-Legendre nodes (at least 1, at most ``MAX_NODES``) whose
+    captures of ``rows`` queries fit ``room`` bytes: a try at ``n`` holds ``n`` captures
+    of ``node`` bytes per query (``2 n + 1`` with ``pair``, the rule with a node more),
+    one capture in flight with its graph (``row``), and the float64 stack of the
+    largest term's (``term`` bytes) nodes and its product with the step
+    (:func:`_pairs.directional`, about twice the stack)."""
+    # rows * (n * slope + held) <= room
+    slope = (2 if pair else 1) * node + 2 * 8 / itemsize * term
+    held = (node if pair else 0) + row
+    fits = (room / max(rows, 1) - held) / max(slope, 1)
+    return int(min(MAX_NODES, max(1, math.floor(fits)))) if math.isfinite(fits) else MAX_NODES
 
 
 def _result(initial, prediction, contributions, regularization, method, weighting):

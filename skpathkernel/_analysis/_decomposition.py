@@ -2944,9 +2944,14 @@ def _capped_note(checks: _Checks) -> str:
     """The failed steps' node counts that memory_budget limited, said (else "")."""
     if not checks.capped:
         return ""
-    return (f" memory_budget limited the nodes of steps {_list_steps(checks.capped)} "
-            "(each try holds its nodes' captures of a block of queries): a larger "
-            "memory_budget allows more, or fewer queries per call.")
+    # Not "within MAX_NODES": the sentence before says that bound, the memory's was lower.
+    steps = sorted(checks.capped)
+    listed = ", ".join(str(t) for t in steps[:5]) + (
+        f" and {len(steps) - 5} more" if len(steps) > 5 else "")
+    return (f" memory_budget limited the nodes of steps {listed} to fewer than "
+            f"{MAX_NODES} (Decomposition.n_nodes; each try holds its nodes' captures of a "
+            "block of queries): a larger memory_budget allows more, or fewer queries per "
+            "call.")
 
 
 def _quadrature_part(checks: _Checks) -> str:

@@ -63,7 +63,10 @@ n_nodes : int, default=None
     quadrature errors add up to more than 1e-10 of the largest ``|f|`` in float64
     (1e-4 in float32), the allowance of the exact decomposition's closure check. None
     (default) chooses them per step for ``tol``; passing both is an error.
-    Ignored by the other methods (as SVC's ``degree`` by its other kernels).
+    A fixed count is not limited by ``memory_budget`` (the chosen counts are): each
+    step holds ``n_nodes`` captures of a block of queries, which a large count can
+    take past the budget. Ignored by the other methods (as SVC's ``degree`` by its
+    other kernels).
 tol : float, default=None
     Relative tolerance of "exact": each step's quadrature error, measured as
     ``|J_bar_t(x) dtheta_t - (f(x; theta_{t+1}) - f(x; theta_t))|`` over the

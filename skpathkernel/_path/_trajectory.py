@@ -1959,11 +1959,25 @@ class TrajectoryRecorder:
             params = DiskRows(self._buf, base + n_points, tail, base)
         else:
             # Spare rows after a joined path (a user's loop goes on): the next reads
-            # find the points in one part again until they fill them.
+            # find the points in one part again until they fill them. Mapped, they are
+            # resident only once written: as many as the path's, so that a loop reading
+            # it often joins at doubled sizes (each point copied O(1) times), and under
+            # "auto" all that the budget holds, so that no later join holds the joined
+            # path beside its copy (twice the path: 115 MiB under a 64 MiB budget). One
+            # part's rows joined the whole path again every part (quadratic; review
+            # s51). Pinned memory is resident at once, and rows beyond a part's only
+            # where the host's available memory holds them (the check of each growth,
+            # which they spare): else one part's.
             if self.n_steps is None and tail is None:
-                spare = min(n_points, self._segment_rows)
+                part = min(n_points, self._segment_rows)
+                spare = (part if self._pin
+                         else n_points if self._fit_points is None else self._fit_points)
                 if self._fit_points is not None:
                     spare = max(min(spare, self._fit_points - n_points), 0)
+                if spare > part and not _fits_in_memory(
+                        spare * (1 + len(self._states)) * self._n_params * self._itemsize):
+                    spare = part if self._fit_points is None else \
+                        max(min(part, self._fit_points - n_points), 0)
             params, copied = self._buf.leading(n_points, tail, spare)
         n_points += tail is not None
         step_lrs = self._step_lr[:n_done].copy()

@@ -236,3 +236,37 @@ def test_frequent_reads_copy_each_point_a_bounded_number_of_times(every, storage
     # Doubling: each point in about 2 joins, plus the spare rows (2 x 301 rows at most
     # beyond the path); the old parts' rows: the path once more.
     assert allocated[0] <= 6 * len(points), allocated[0]
+
+
+def test_a_long_path_in_memory_takes_few_mappings(monkeypatch):
+    """Storage "memory" under a small budget: parts of one 16 kB row each (a chunk of
+    32 kB) made one memory mapping per step, and Linux allows 65,530 per process; parts
+    that grow with the path keep their number logarithmic. Counted where they are
+    allocated; the path checked against the loop's own record."""
+    from skpathkernel._path import _trajectory
+
+    parts = [0]
+    mapped = _trajectory.mapped_empty
+
+    def counting(rows, n_cols, dtype):
+        parts[0] += 1
+        return mapped(rows, n_cols, dtype)
+
+    monkeypatch.setattr(_trajectory, "mapped_empty", counting)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
+                              torch.nn.Linear(1000, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    rec = PathRecorder(net, opt, n_samples=8, storage="memory", memory_budget=2**20)
+    X, y = torch.randn(8, 3), torch.randn(8, 1)
+    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    for _ in range(1500):
+        opt.zero_grad()
+        (0.5 * (net(X) - y) ** 2).mean().backward()
+        rec.set_batch(np.arange(8))
+        opt.step()
+        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    traj = rec.trajectory
+    assert traj.storage == "memory"
+    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(points))
+    assert parts[0] <= 150, parts[0]

@@ -1756,7 +1756,12 @@ class TrajectoryRecorder:
             self._update_room()
             return
         held = len(self._buf)
-        rows = max(needed, held + min(held, self._segment_rows))
+        # Each part is a mapping of its own: in memory, parts of a small budget's chunk
+        # (one row each under 1 MiB) would bring a long path near Linux's 65,530 mappings,
+        # so they grow with the path there (a sixteenth of it: the spare rows are not
+        # resident until written). "auto" keeps the chunk, its parts within the budget.
+        part = self._segment_rows if self._auto else max(self._segment_rows, held // 16)
+        rows = max(needed, held + min(held, part))
         if self._auto:
             rows = min(rows, self._fit_points)
         new = (rows - held + sum(max(rows - 1 - len(b), 0) for b in self._states.values())

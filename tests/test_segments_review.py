@@ -191,6 +191,29 @@ def test_recorders_dropped_return_their_mappings():
     assert _maps() - before < 10
 
 
+def _sgd_loop_checked(storage, budget, steps, every):
+    """A 4,001-parameter SGD loop under a PathRecorder, its path read every ``every``
+    steps; the last read checked against the loop's own record of every point."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
+                              torch.nn.Linear(1000, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    rec = PathRecorder(net, opt, n_samples=8, storage=storage, memory_budget=budget)
+    X, y = torch.randn(8, 3), torch.randn(8, 1)
+    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    for t in range(steps):
+        opt.zero_grad()
+        (0.5 * (net(X) - y) ** 2).mean().backward()
+        rec.set_batch(np.arange(8))
+        opt.step()
+        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        if (t + 1) % every == 0:
+            traj = rec.trajectory
+    assert traj.storage == "memory"
+    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(points))
+    return points
+
+
 @pytest.mark.parametrize("storage, budget", [("memory", 2**20), ("auto", 2**23)])
 @pytest.mark.parametrize("every", [1, 10])
 def test_frequent_reads_copy_each_point_a_bounded_number_of_times(every, storage, budget,
@@ -216,23 +239,7 @@ def test_frequent_reads_copy_each_point_a_bounded_number_of_times(every, storage
         return mapped(rows, n_cols, dtype)
 
     monkeypatch.setattr(_trajectory, "mapped_empty", counting)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
-                              torch.nn.Linear(1000, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    rec = PathRecorder(net, opt, n_samples=8, storage=storage, memory_budget=budget)
-    X, y = torch.randn(8, 3), torch.randn(8, 1)
-    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
-    for t in range(300):
-        opt.zero_grad()
-        (0.5 * (net(X) - y) ** 2).mean().backward()
-        rec.set_batch(np.arange(8))
-        opt.step()
-        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-        if (t + 1) % every == 0:
-            traj = rec.trajectory
-    assert traj.storage == "memory"
-    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(points))
+    points = _sgd_loop_checked(storage, budget, 300, every)
     # Doubling: each point in about 2 joins, plus the spare rows (2 x 301 rows at most
     # beyond the path); the old parts' rows: the path once more.
     assert allocated[0] <= 6 * len(points), allocated[0]
@@ -253,20 +260,5 @@ def test_a_long_path_in_memory_takes_few_mappings(monkeypatch):
         return mapped(rows, n_cols, dtype)
 
     monkeypatch.setattr(_trajectory, "mapped_empty", counting)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
-                              torch.nn.Linear(1000, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    rec = PathRecorder(net, opt, n_samples=8, storage="memory", memory_budget=2**20)
-    X, y = torch.randn(8, 3), torch.randn(8, 1)
-    points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
-    for _ in range(1500):
-        opt.zero_grad()
-        (0.5 * (net(X) - y) ** 2).mean().backward()
-        rec.set_batch(np.arange(8))
-        opt.step()
-        points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-    traj = rec.trajectory
-    assert traj.storage == "memory"
-    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(points))
+    _sgd_loop_checked("memory", 2**20, 1500, 1500)
     assert parts[0] <= 150, parts[0]

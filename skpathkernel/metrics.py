@@ -80,19 +80,26 @@ def _check_lds_inputs(attributions, subsets, outputs):
         raise ValueError("subsets must be 2-D: boolean masks (n_subsets, n_train) or "
                          f"training indices (n_subsets, subset_size), got shape "
                          f"{subsets.shape}.")
+    masks = _stacked_masks(subsets, n_train, f"attributions score {n_train}")
+    return _checked_outputs(masks.astype(np.float64), attributions, outputs)
+
+
+def _stacked_masks(subsets: np.ndarray, n_train: int, against: str) -> np.ndarray:
+    """Boolean masks (m, n_train) of 2-D ``subsets``, masks or index rows of one size
+    (checked); ``against`` ends the message of masks of another width. The score and
+    :func:`retrain_on_subsets` take the same subsets."""
     if subsets.dtype == bool:
         if subsets.shape[1] != n_train:
             raise ValueError(f"subsets are masks over {subsets.shape[1]} training points, "
-                             f"but attributions score {n_train}.")
-        masks = subsets.astype(np.float64)
-    elif np.issubdtype(subsets.dtype, np.integer):
+                             f"but {against}.")
+        return subsets
+    if np.issubdtype(subsets.dtype, np.integer):
         _check_indices(subsets, n_train)
-        masks = np.zeros((len(subsets), n_train))
-        np.put_along_axis(masks, subsets, 1.0, axis=1)
-    else:
-        raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
-                        f"{subsets.dtype}.")
-    return _checked_outputs(masks, attributions, outputs)
+        masks = np.zeros((len(subsets), n_train), dtype=bool)
+        np.put_along_axis(masks, subsets, True, axis=1)
+        return masks
+    raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
+                    f"{subsets.dtype}.")
 
 
 def _ragged_masks(subsets, n_train: int) -> np.ndarray:
@@ -640,18 +647,8 @@ def _given_subsets(subsets, n_train: int) -> np.ndarray:
         raise ValueError("subsets must be 2-D and hold at least one subset: boolean masks "
                          "(n_subsets, n_train) or rows of training indices, got shape "
                          f"{subsets.shape}.")
-    if subsets.dtype == bool:
-        if subsets.shape[1] != n_train:
-            raise ValueError(f"subsets are masks over {subsets.shape[1]} training points, "
-                             f"but X has {n_train}.")
-        masks = subsets.copy()
-    elif np.issubdtype(subsets.dtype, np.integer):
-        _check_indices(subsets, n_train)
-        masks = np.zeros((len(subsets), n_train), dtype=bool)
-        np.put_along_axis(masks, subsets, True, axis=1)
-    else:
-        raise TypeError(f"subsets must be boolean masks or integer indices, got dtype "
-                        f"{subsets.dtype}.")
+    # A copy: the caller's masks are returned in the result.
+    masks = _stacked_masks(subsets, n_train, f"X has {n_train}").copy()
     empty = np.flatnonzero(~masks.any(axis=1))
     if len(empty):
         raise ValueError(f"subset {empty[0]} keeps no training point; each must keep one.")

@@ -3066,7 +3066,7 @@ def _warn_inexact(result: Decomposition, relative: float, verb: str) -> None:
 
 def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, quadrature,
          memory_budget, exclude, outputs, row, width, largest, dense, itemsize, P, N, ref,
-         n_nodes, chunk, weights, intervals, node=(0, 0)):
+         n_nodes, chunk, weights, intervals, node):
     # n_res: the queries' outputs (one when contracted with weights), n_out the batch's.
     n_q, n_out = X.shape[0], len(outputs)
     n_res = n_out if weights is None else 1

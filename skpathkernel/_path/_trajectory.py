@@ -1975,14 +1975,12 @@ class TrajectoryRecorder:
             # which they spare): else one part's.
             if self.n_steps is None and tail is None:
                 part = min(n_points, self._segment_rows)
-                spare = (part if self._pin
-                         else n_points if self._fit_points is None else self._fit_points)
-                if self._fit_points is not None:
-                    spare = max(min(spare, self._fit_points - n_points), 0)
-                if spare > part and not _fits_in_memory(
-                        spare * (1 + len(self._states)) * self._n_params * self._itemsize):
-                    spare = part if self._fit_points is None else \
-                        max(min(part, self._fit_points - n_points), 0)
+                room = (n_points if self._fit_points is None
+                        else max(self._fit_points - n_points, 0))
+                spare = min(part, room)
+                if not self._pin and room > part and _fits_in_memory(
+                        room * (1 + len(self._states)) * self._n_params * self._itemsize):
+                    spare = room
             params, copied = self._buf.leading(n_points, tail, spare)
         n_points += tail is not None
         step_lrs = self._step_lr[:n_done].copy()

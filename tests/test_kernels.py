@@ -415,7 +415,7 @@ def test_a_threaded_search_computes_one_gram_per_fit(monkeypatch):
     at every optimizer step), and each gets its own rows' Gram."""
     from joblib import parallel_backend
     from sklearn.gaussian_process.kernels import ConstantKernel
-    from sklearn.model_selection import GridSearchCV
+    from sklearn.model_selection import GridSearchCV, KFold
 
     est, _ = _fit()
     X, y = _data(n=30)
@@ -436,8 +436,14 @@ def test_a_threaded_search_computes_one_gram_per_fit(monkeypatch):
     with parallel_backend("threading"):
         search.fit(X, y)
     assert len(grams) == 2 * 3 + 1
-    for A, K in list(grams):
-        _close(K, PathKernel(est)(A))
+    # The Grams computed are of each fit's own rows (the folds' training rows, once per
+    # alpha, then all of X for the refit), each against the autograd loop's: a memo
+    # answering a fit with another fold's Gram leaves one of them out.
+    folds = [X[train] for train, _ in KFold(3).split(X)]
+    assert sorted(A.tobytes() for A, _ in grams) == sorted(
+        [A.tobytes() for A in folds] * 2 + [X.tobytes()])
+    for A, K in grams:
+        _close(K, sum(w * _loop_gram(est, t, A, A) for t, w in path_weights(est.trajectory_)))
 
 
 def test_input_validation():

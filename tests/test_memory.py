@@ -543,3 +543,26 @@ def test_decompose_relu_stall_does_not_blame_memory():
     messages = [str(w.message) for w in caught]
     assert any("did not reach tol" in m for m in messages), messages
     assert not any("memory_budget limited" in m for m in messages), messages
+
+
+def test_a_planned_count_is_tried_first_within_the_memory_limit():
+    """The contribution check raises a chunk's counts past the limit where a step
+    converged at it: choose takes the limit, but start() (the count the first try is
+    captured at) and last() (the captures kept ahead) read the plan uncapped, so the
+    first try was captured past memory_budget's limit and then captured again. Every
+    count asked for is the one choose evaluates (review s51)."""
+    from skpathkernel._analysis._decomposition import _Quadrature
+
+    quad = _Quadrature(3, tol=1e-10, n_nodes=None, changes=np.ones(3), scale=1.0,
+                       dtype=torch.float64, plan=np.array([20, 20, 20]))
+    quad.limit = 8
+    evaluated = []
+
+    def evaluate(n):
+        evaluated.append(n)
+        return (torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                None)
+
+    first, after_next = quad.start(), quad.last()
+    quad.choose(2, evaluate, torch.zeros(1, 1, dtype=torch.float64), 0.0)
+    assert evaluated == [first] == [after_next], (evaluated, first, after_next)

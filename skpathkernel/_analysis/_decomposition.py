@@ -567,8 +567,7 @@ class _Quadrature:
         and what the caller keeps. ``df`` (rows, C) is the step's change of f (the
         reference), ``noise`` the round-off of that difference.
         """
-        # A plan's counts (the check's raises) stay within the memory's limit too.
-        fixed = self.fixed if self.plan is None else min(int(self.plan[t]), self.limit)
+        fixed = self.fixed if self.plan is None else self._planned(t)
         self._next = t - 1
         if fixed is not None:
             q, spread, payload = evaluate(fixed)
@@ -676,15 +675,22 @@ class _Quadrature:
     def start(self) -> int:
         """The node count the next step tries first."""
         if self.plan is not None:
-            return int(self.plan[max(self._next, 0)])
+            return self._planned(max(self._next, 0))
         return self.fixed if self.fixed is not None else self._start()[0]
 
     def last(self) -> int | None:
         """The node count the step before ended with (None before the first step): the
         count the next steps try first, unless one is lowered or raised."""
         if self.plan is not None:  # the count of the step after the next one
-            return int(self.plan[max(self._next - 1, 0)])
+            return self._planned(max(self._next - 1, 0))
         return self.fixed if self.fixed is not None else self._n
+
+    def _planned(self, t) -> int:
+        """The plan's count of step t within the memory's limit: the check raises the
+        counts by one, past the limit where it bound, and the first tries (:meth:`start`)
+        and captures kept ahead (:meth:`last`) must be made at the count that
+        :meth:`choose` takes, else they are made past the limit and then made again."""
+        return min(int(self.plan[t]), self.limit)
 
     def _start(self):
         # Steps that stopped converging (a non-smooth activation: kinks on the segment)

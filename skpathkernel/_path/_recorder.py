@@ -527,7 +527,8 @@ class PathRecorder:
         step to all ``n_samples``, each ``1 / n_samples``.
     storage : {"memory", "disk", "auto"}, default="memory"
         Where the recorded vectors go: memory buffers that grow by parts (as large as
-        what they hold, up to a chunk file's size) without copying what they hold, or
+        what they hold, up to a chunk file's size; past 16 of those, a sixteenth of the
+        path, except under "auto") without copying what they hold, or
         chunk files in a fresh temporary directory under ``directory``, written as
         recording goes and read lazily (see the estimators' ``trajectory_storage``).
         "auto" records in memory and moves what it holds to disk when the path would
@@ -541,7 +542,7 @@ class PathRecorder:
         directory.
     memory_budget : int, default=2**30
         The size bound of ``storage="auto"``; chunk files, and the parts that memory
-        buffers grow by, hold at most 1/32 of it.
+        buffers grow by under "auto", hold at most 1/32 of it.
     compression : {None, "float16", "bfloat16"}, default=None
         On disk, store each point's parameters as its difference from the previous
         stored point in this dtype (lossy: see the estimators'

@@ -1471,7 +1471,8 @@ class TrajectoryRecorder:
     size, so recording never allocates. With ``n_steps=None`` (a user's own loop, see
     :class:`~skpathkernel.PathRecorder`) they start small and grow by parts
     (:class:`~._buffers.Segments`), each as large as what they hold up to a chunk file's
-    rows, then a chunk file's rows: growing copies nothing, and the host-memory check
+    rows, then a chunk file's rows ("auto") or a sixteenth of what they hold (so that
+    their mappings stay few on a long path): growing copies nothing, and the host-memory check
     runs for every part. :meth:`finish` joins the parts into one tensor, releasing each
     as it is copied.
 
@@ -1498,8 +1499,8 @@ class TrajectoryRecorder:
     directory : path-like or None, default=None
         Parent of the on-disk trajectory's directory; None is the system's temp dir.
     memory_budget : int, default=2**30
-        Sizes the chunk files and the parts of growing buffers (at most 1/32 of it
-        each) and bounds "auto".
+        Sizes the chunk files and "auto"'s parts of growing buffers (at most 1/32 of it
+        each; other parts grow past it with the path) and bounds "auto".
     compression : {None, "float16", "bfloat16"}, default=None
         On disk, store each recorded point's parameters as its difference from the
         previous stored point in this dtype (see ``_storage.Series``).
@@ -1741,7 +1742,8 @@ class TrajectoryRecorder:
         """Make room for ``needed`` points (only when the number of steps is unknown).
 
         In memory each buffer gets one more part (nothing is copied), of as many rows as
-        it holds up to ``_segment_rows``. "auto" allocates no row past the points that
+        it holds up to ``_segment_rows`` (outside "auto", a sixteenth of it where that is
+        more). "auto" allocates no row past the points that
         fit in ``memory_budget`` and moves to disk when ``needed`` points would pass it,
         or where the host's available memory is short of the new parts.
         """

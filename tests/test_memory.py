@@ -566,3 +566,23 @@ def test_a_planned_count_is_tried_first_within_the_memory_limit():
     first, after_next = quad.start(), quad.last()
     quad.choose(2, evaluate, torch.zeros(1, 1, dtype=torch.float64), 0.0)
     assert evaluated == [first] == [after_next], (evaluated, first, after_next)
+
+
+@pytest.mark.parametrize("plan, capped", [(20, True), (5, False)])
+def test_a_planned_count_held_at_the_memory_limit_is_named_as_capped(plan, capped):
+    """A step of the contribution check's walk whose raised count memory_budget's limit
+    held back, and whose residual misses its budget, is among the steps the warning's
+    memory note names; a planned count within the limit that misses is not."""
+    from skpathkernel._analysis._decomposition import _Quadrature
+
+    quad = _Quadrature(3, tol=1e-10, n_nodes=None, changes=np.ones(3), scale=1.0,
+                       dtype=torch.float64, plan=np.full(3, plan))
+    quad.limit = 8
+
+    def evaluate(n):
+        return (torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                None)
+
+    # The quadrature gives 0 where f changed by 1: a residual of 1, far over the budget.
+    quad.choose(2, evaluate, torch.ones(1, 1, dtype=torch.float64), 0.0)
+    assert (2 in quad.capped) is capped

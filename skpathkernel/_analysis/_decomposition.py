@@ -575,6 +575,9 @@ class _Quadrature:
             self._floors[t] = noise + FLOOR_MAX * self._spread(spread)
             if not math.isfinite(r):
                 self.failed[t] = r
+            elif self.plan is not None and self.plan[t] > fixed and r > self.budgets[t]:
+                # The check's raise stopped at memory's limit: its warning says so.
+                self.capped[t] = r
             self._record(t, fixed, r)
             return payload
         budget = self.budgets[t]
@@ -1186,7 +1189,7 @@ class _Context:
         # charged once.
         left = budget if left is None else max(0, left)
         self.keep_batches, self._kept = False, {}
-        self._kept_room = min(budget // 4, left // 2)
+        self.kept_bytes = self._kept_room = min(budget // 4, left // 2)
         self._kept_storages: set[int] = set()
         # The queries' side: all outputs, or one (the outputs contracted with weights).
         self.weights = weights
@@ -3230,7 +3233,7 @@ def _run(module, traj, X_train, Y_train, loss, X, *, method, weighting, route, q
         captures = (memory_budget - q_used + q_rows * copies * 4 * row
                     - min(b_block, n_batch) * b_bytes
                     - (ctx.ahead_bytes if ctx.stacked is not None else 0)
-                    - (min(memory_budget // 4, left // 2) if ctx.keep_batches else 0))
+                    - (ctx.kept_bytes if ctx.keep_batches else 0))
         per_query = captures / max(q_rows, 1)
     for q0 in range(0, n_q, q_block):
         rows = slice(q0, min(n_q, q0 + q_block))

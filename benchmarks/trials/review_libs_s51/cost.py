@@ -4,27 +4,14 @@ alternated in one process, medians of 5, on a 36M-parameter MLP and a small CNN.
 import statistics
 import time
 
-import numpy as np
 import torch
+from _common import recorded
 from torch import nn
 
 import skpathkernel._path._recorder as R
-from skpathkernel import PathRecorder
 
 torch.set_num_threads(1)
 real = R.warn_random_forward
-
-
-def recorded(m, X, y, steps=1, bs=32):
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    with PathRecorder(m, opt, n_samples=len(X)) as rec:
-        for s in range(steps):
-            idx = np.arange(s * bs, (s + 1) * bs) % len(X)
-            opt.zero_grad()
-            ((m(X[idx]) - y[idx]) ** 2).mean().backward()
-            rec.set_batch(idx)
-            opt.step()
-    return rec
 
 
 cases = {
@@ -53,7 +40,7 @@ for name, (make, shape) in cases.items():
     m = make()
     X = torch.randn(*shape)
     y = torch.randn(shape[0], 10)
-    rec = recorded(m, X, y)
+    rec = recorded(m, X, y, 1, 32, lr=1e-3)
     t = {"with": [], "without": []}
     for _rep in range(5):
         for kind in ("without", "with"):

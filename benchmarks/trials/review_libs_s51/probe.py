@@ -6,21 +6,8 @@ import warnings
 
 import numpy as np
 import torch
+from _common import recorded
 from torch import nn
-
-from skpathkernel import PathRecorder
-
-
-def recorded(m, X, y, steps=2, bs=16):
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    with PathRecorder(m, opt, n_samples=len(X)) as rec:
-        for s in range(steps):
-            idx = np.arange(s * bs, (s + 1) * bs) % len(X)
-            opt.zero_grad()
-            ((m(X[idx]) - y[idx]) ** 2).mean().backward()
-            rec.set_batch(idx)
-            opt.step()
-    return rec
 
 
 def snapshot(m):
@@ -52,7 +39,7 @@ torch.manual_seed(0)
 X = torch.randn(40, 4, dtype=torch.float64)
 y = torch.randn(40, 1, dtype=torch.float64)
 for name, m in [("drop-train", Drop().double()), ("bn-eval-rest-train", _bneval())]:
-    rec = recorded(m, X, y)
+    rec = recorded(m, X, y, 2, 16, lr=0.1)
     st = snapshot(m)
     rng = torch.get_rng_state().clone()
     npst = np.random.get_state()[1].copy()
@@ -78,7 +65,7 @@ for name, m in [("drop-train", Drop().double()), ("bn-eval-rest-train", _bneval(
     )
 
 m = Drop().double()
-rec = recorded(m, X, y)
+rec = recorded(m, X, y, 2, 16, lr=0.1)
 for what in ("as_network", "as_estimator", "predict"):
     rng = torch.get_rng_state().clone()
     with warnings.catch_warnings():

@@ -165,8 +165,8 @@ def test_a_recorded_path_analyses_as_the_plain_network(mode):
 
 
 def test_the_switch_restores_torch_checkpoint_and_nests():
-    # Every name exists in this torch: a torch that renames one must fail here, not
-    # silently leave the regions to recompute at the module's own parameters.
+    # The switch finds what it replaces in this torch: a torch that renames it must fail
+    # here, not silently leave the regions to recompute at the module's own parameters.
     import_module("torch.distributed._composable.checkpoint_activation")
     # Each module holds one of the non-reentrant generator's names at least (torch 2.14
     # added the _impl, and the composable checkpoint imports only that one).

@@ -432,6 +432,7 @@ def test_routes_and_the_fit_say_when_the_fallback_cannot_batch_the_network():
     assert routes[""].route == "fallback"
     assert sum(r.n_params for r in routes.values() if r.route == "fallback") < 0.1 * sum(
         r.n_params for r in routes.values())
+    assert routes[""].loops and not routes["head"].loops
     assert "torch.func cannot batch this network's forward" in routes[""].reason
     assert "one sample and output at a time" in routes[""].reason
     assert routes["head"].route == "rule"
@@ -443,7 +444,7 @@ def test_routes_and_the_fit_say_when_the_fallback_cannot_batch_the_network():
     module.forward = lambda ids: module.head(torch.tanh(module.body(module.emb(ids))
                                                         @ module.mix).mean(1))
     (route,) = [r for r in layer_routes(module, ids) if r.route == "fallback"]
-    assert "cannot batch" not in route.reason
+    assert not route.loops and "cannot batch" not in route.reason
 
 
 class _WideFallback(nn.Module):
@@ -477,7 +478,8 @@ def test_the_batching_probe_differentiates_one_output_whatever_their_number(monk
     torch.manual_seed(0)
     module = _WideFallback().double()
     routes = {r.name: r for r in layer_routes(module, torch.randn(4, 5, dtype=torch.float64))}
-    assert routes[""].route == "fallback" and "cannot batch" not in routes[""].reason
+    assert routes[""].route == "fallback" and not routes[""].loops
+    assert "cannot batch" not in routes[""].reason
     assert formed and max(formed) <= 2 * module.mix.numel(), formed
 
 
@@ -496,4 +498,4 @@ def test_a_probe_out_of_cpu_memory_is_not_called_a_batching_failure(monkeypatch)
     route = [r for r in layer_routes(module, torch.randn(4, 5, dtype=torch.float64))
              if r.route == "fallback"]
     assert [r.name for r in route] == [""]
-    assert "cannot batch" not in route[0].reason, route[0].reason
+    assert not route[0].loops and "cannot batch" not in route[0].reason, route[0].reason

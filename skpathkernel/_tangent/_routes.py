@@ -93,13 +93,17 @@ class LayerRoute(NamedTuple):
         output head tied to an embedding is listed with 0).
     reason : str
         Why it falls back; empty on its rule.
+    loops : bool, default=False
+        Whether the fallback differentiates this layer one sample and output at a time,
+        because ``torch.func`` cannot batch the network's forward (its ``reason`` then
+        says so too); always False on a rule.
 
     Examples
     --------
     >>> import torch
     >>> from skpathkernel.rules import layer_routes
     >>> layer_routes(torch.nn.Linear(3, 2), torch.randn(4, 3))
-    [LayerRoute(name='', type='Linear', route='rule', n_params=8, reason='')]
+    [LayerRoute(name='', type='Linear', route='rule', n_params=8, reason='', loops=False)]
     """
 
     name: str
@@ -107,6 +111,7 @@ class LayerRoute(NamedTuple):
     route: str
     n_params: int
     reason: str
+    loops: bool = False
 
 
 def _as_input(module: nn.Module, X) -> torch.Tensor:
@@ -262,7 +267,8 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
                    else "its rule gives a parameter no term")
         if loops is not None:
             why += f"; {LOOPS} ({loops})"
-        routes.append(LayerRoute(prefix, type(layer).__name__, "fallback", size, why))
+        routes.append(LayerRoute(prefix, type(layer).__name__, "fallback", size, why,
+                                 loops is not None))
     return routes
 
 
@@ -281,7 +287,7 @@ def warn_on_fallback(module: nn.Module, X, *, share: float = FALLBACK_SHARE) -> 
     total = sum(r.n_params for r in routes)
     slow = [r for r in routes if r.route == "fallback"]
     held = sum(r.n_params for r in slow)
-    if not total or (held < share * total and not any(LOOPS in r.reason for r in slow)):
+    if not total or (held < share * total and not any(r.loops for r in slow)):
         return
     listed = ", ".join(f"{r.name or '(module)'} ({r.type}, {r.n_params:,}: {r.reason})"
                        for r in sorted(slow, key=lambda r: -r.n_params)[:3])

@@ -196,11 +196,10 @@ class Segments:
         return self[k]
 
     def take(self, rows: np.ndarray) -> torch.Tensor:
-        """The rows ``rows`` (a copy), as ``tensor[rows]`` gives them, of a buffer of one
-        part: the estimators' (their number of steps is known, the buffer allocated
-        once), the only ones that read points while recording."""
-        (part,) = self.parts
-        return part[torch.from_numpy(np.asarray(rows, dtype=np.int64))]
+        """The rows ``rows`` (a copy), as ``tensor[rows]`` gives them."""
+        if len(self.parts) == 1:
+            return self.parts[0][torch.from_numpy(np.asarray(rows, dtype=np.int64))]
+        return torch.stack([self[int(k)] for k in rows])
 
     def leading(self, n: int, tail: torch.Tensor | None = None, spare: int = 0
                 ) -> tuple[torch.Tensor, bool]:

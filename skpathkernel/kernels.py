@@ -51,6 +51,7 @@ from ._parallel import (
     n_tasks,
 )
 from ._path._training import warn_drawing_now
+from ._path._trajectory import Trajectory
 from ._tangent import (
     block_forward_error,
     hidden_reads,
@@ -527,6 +528,10 @@ def path_weights(trajectory, start: int = 0, stop: int | None = None,
     [(0, 0.1), (1, 0.1), (2, 0.1)]
     """
     _check_memory(memory)
+    if not isinstance(trajectory, Trajectory):
+        # An estimator (or an array) failed with an AttributeError about .steps.
+        raise TypeError(f"trajectory must be a Trajectory, e.g. a fitted estimator's "
+                        f"trajectory_; got {type(trajectory).__name__}.")
     # A bool would slice as 0 or 1, silently.
     check_index(start, "start", allow_none=True)
     check_index(stop, "stop", allow_none=True)

@@ -697,15 +697,19 @@ def _resolve_output(estimator, output, y, X_query, y_query, fitted=False):
     classifier = is_classifier(estimator)
     if output == "auto":
         output = "margin" if classifier else "predict"
+    if y_query is not None:
+        # Checked whatever the output reads: labels of other queries than X_query's are a
+        # mistake even where only "margin" would use them (they were dropped unchecked).
+        y_query = np.asarray(y_query)
+        if np.shape(y_query)[:1] != (len(X_query),):
+            raise ValueError(f"X_query has {len(X_query)} rows but y_query has shape "
+                             f"{np.shape(y_query)}: one label (row) per query.")
     if output != "margin":
         return output, None, None
     if not classifier:
         raise ValueError("output='margin' is for classifiers; use 'predict' or a callable.")
     if y_query is None:
         raise ValueError("output='margin' needs the queries' labels: pass y_query.")
-    y_query = np.asarray(y_query)
-    if len(y_query) != len(X_query):
-        raise ValueError(f"X_query has {len(X_query)} rows but y_query has {len(y_query)}.")
     # With ``fitted``, y is the estimator's own targets (_check_replayable).
     indicator = np.ndim(y) == 2 and np.shape(y)[1] > 1
     # Multilabel (a column is labels): the signed sum of the label logits, attribute's.

@@ -370,6 +370,13 @@ BAD_ARGS = {
     "kneighbors(normalized=array)": (
         ALL, lambda e: e.kneighbors(X[:2], 2, normalized=np.ones(2)), TypeError,
         "normalized must be a bool"),
+    # Read by an ``if`` after the kernel's work: "no" returned the distances anyway.
+    "kneighbors(return_distance='no')": (
+        ALL, lambda e: e.kneighbors(X[:2], 2, return_distance="no"), TypeError,
+        "return_distance must be a bool"),
+    "kneighbors(return_distance=array)": (
+        ALL, lambda e: e.kneighbors(X[:2], 2, return_distance=np.ones(2)), TypeError,
+        "return_distance must be a bool"),
     "kneighbors(n_neighbors=0)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=0),
                                   ValueError, r"n_neighbors must be an integer in \[1, 12\]"),
     "kneighbors(n_neighbors=True)": (ALL, lambda e: e.kneighbors(X[:2], n_neighbors=True),

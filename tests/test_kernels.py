@@ -713,6 +713,15 @@ def test_path_kernel_range_bounds_are_a_slices():
         PathKernel(est, start=True)(X)
 
 
+def test_path_weights_refuses_what_is_not_a_trajectory():
+    # The estimator instead of its trajectory_ failed with an AttributeError about .steps.
+    est, _ = _fit()
+    for wrong in (est, np.zeros(3), None):
+        with pytest.raises(TypeError, match="trajectory must be a Trajectory.*trajectory_"):
+            path_weights(wrong)
+    assert path_weights(est.trajectory_) == path_weights(est.trajectory_, 0, None)
+
+
 @pytest.mark.parametrize("cls", [TangentKernel, PathKernel])
 def test_y_that_is_x_is_the_symmetric_gram(cls):
     """SVC's fit calls kernel(X, X) with Y the same object as X: the general route took

@@ -482,6 +482,11 @@ def test_retraining_progress(capsys):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(estimator=Ridge(), output="margin"), "for classifiers"),
     (dict(estimator=LogisticRegression()), "y_query"),
+    # Labels of another number of queries than X_query's: dropped unchecked where the
+    # output does not read them (a regressor's "predict", a callable).
+    (dict(y_query=np.zeros(5)), r"X_query has 3 rows but y_query has shape \(5,\)"),
+    (dict(y_query=np.zeros(5), output=lambda m, Z: m.predict(Z)), "y_query has shape"),
+    (dict(estimator=LogisticRegression(), y_query=np.zeros(2)), "y_query has shape"),
     (dict(estimator=PathKernelMachine(random_state=None), protocol="same_seed"),
      "random_state"),
     (dict(estimator=PathKernelMachine(random_state=0), protocol="replay"), "fit it"),

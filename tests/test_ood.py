@@ -1386,3 +1386,28 @@ def test_a_detector_loaded_with_mmap_mode_scores_without_warnings(method, tmp_pa
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     np.testing.assert_array_equal(np.load(dump + ".out.npy"), det.score_samples(X[:30]))
+
+
+@pytest.mark.parametrize("method", ["local", "residual", "alignment"])
+def test_tangent_features_that_overflow_float64_are_refused_and_change_nothing(method):
+    # Finite float64 inputs near 1e300 train a float64 network to a finite loss, but their
+    # tangent features' squared norms overflow the detector's float64 Gram: the fit failed
+    # inside torch.linalg.eigh ("failed to converge"), rank_gap in LAPACK's words.
+    rng = np.random.RandomState(0)
+    X, y = rng.normal(size=(12, 3)), np.arange(12) % 3
+    det = OODRankDetector(PathKernelClassifier(hidden_layer_sizes=(4,), max_iter=3,
+                                               dtype="float64", random_state=0),
+                          method=method).fit(X, y)
+    before = det.score_samples(X[:3]), det.rank_gap(X[:3])
+    trained = det.estimator_.trajectory_.parameters(-1).clone()
+    assert np.isfinite(det.estimator_.predict_proba(X[:2] * 1e300)).all()  # the network: finite
+    # rank_gap: 2 of the 14 points stacked, the 12 training points first.
+    match = r"tangent features of 2 of these (2|14) inputs are not finite in float64"
+    for verb in (det.score_samples, det.decision_function, det.predict, det.rank_gap):
+        with pytest.raises(ValueError, match=match):
+            verb(X[:2] * 1e300)
+    with pytest.raises(ValueError, match="tangent features of 12 of these 12 inputs"):
+        det.fit(X * 1e300, y)
+    np.testing.assert_array_equal(det.score_samples(X[:3]), before[0])
+    assert det.rank_gap(X[:3]) == before[1]
+    assert torch.equal(det.estimator_.trajectory_.parameters(-1), trained)

@@ -1575,6 +1575,60 @@ def test_a_declared_clip_of_a_power_of_two_is_not_taken_for_a_grad_scaler(data):
     _assert_decomposes(module, net, Xq)
 
 
+@pytest.mark.parametrize("max_norm", [float("nan"), -1.0, "1", True, None])
+def test_clip_grad_norm_refuses_a_bad_max_norm_before_changing_a_gradient(data, max_norm):
+    """torch takes a NaN max_norm (every gradient became NaN) and a negative one (every
+    gradient reversed, a factor of -1 / norm), and the recorder recorded either step."""
+    X, y, _ = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        (0.5 * (module(Xt) - Yt) ** 2).mean().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        with pytest.raises(ValueError, match="max_norm must be a non-negative number"):
+            rec.clip_grad_norm_(max_norm)
+        for p, g in zip(module.parameters(), grads):
+            assert torch.equal(p.grad, g)
+        # A valid call after the refused one is torch's own clip.
+        ref = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        assert torch.allclose(rec.clip_grad_norm_(torch.tensor(float("inf"))), ref,
+                              rtol=1e-12, atol=0)
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+
+
+@pytest.mark.parametrize(("budget", "error", "match"), [
+    (0, ValueError, "memory_budget must be a positive number of bytes, got 0"),
+    (-5, ValueError, "memory_budget must be a positive number of bytes, got -5"),
+    (1.5, TypeError, "memory_budget must be an int, got 1.5"),
+    (True, TypeError, "memory_budget must be an int, got True"),
+    ("x", TypeError, "memory_budget must be an int, got 'x'"),
+])
+def test_a_recorded_network_refuses_a_bad_memory_budget_when_built(data, budget, error,
+                                                                   match):
+    # int() took 1.5 and True for 1 byte and 0 or -5 silently (the first kernel then
+    # failed in words about its block); "x" failed in int()'s words.
+    X, y, Xq = data
+    module = _tanh_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.2)
+    with PathRecorder(module, opt, n_samples=len(X)) as rec:
+        (0.5 * (module(torch.as_tensor(X)) - torch.as_tensor(y)[:, None]) ** 2).mean(
+        ).backward()
+        rec.set_batch(np.arange(len(X)))
+        opt.step()
+    for build in (rec.as_estimator, rec.as_network,
+                  lambda X, y, memory_budget: RecordedNetwork(
+                      module, rec.trajectory, X_train=X, y_train=y,
+                      memory_budget=memory_budget)):
+        with pytest.raises(error, match=match):
+            build(X, y, memory_budget=budget)
+    # A small valid budget (NumPy's int too) computes the default budget's kernel.
+    small = rec.as_estimator(X, y, memory_budget=np.int64(2000))
+    assert_allclose(TangentKernel(small)(Xq), TangentKernel(rec.as_estimator(X, y))(Xq),
+                    rtol=1e-13, atol=0)
+
+
 _MOVED = r"recorded parameter\(s\) .* changed"
 
 

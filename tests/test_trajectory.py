@@ -122,6 +122,21 @@ def test_indexing_and_views(fitted):
     assert np.sum([np.prod(s) for s in traj.shapes]) == traj.n_params == fitted.n_params_
 
 
+@pytest.mark.parametrize(("k", "error"), [
+    ("last", IndexError), (99, IndexError), (-99, IndexError), (1.5, TypeError),
+    ("0", TypeError), (True, TypeError)])
+def test_step_size_scales_refuses_a_bad_point_on_a_path_of_one_step_size(fitted, k, error):
+    # One parameter group: step_size_scales answered None for any k, out of range or not
+    # an int, where preconditioner (the same points) refused it.
+    traj = fitted.trajectory_
+    k = len(traj) - 1 if k == "last" else k
+    assert traj.step_size_scales(0) is None
+    with pytest.raises(error, match="step point"):
+        traj.preconditioner(k)
+    with pytest.raises(error, match="step point"):
+        traj.step_size_scales(k)
+
+
 def test_a_path_too_large_for_memory_is_refused_before_training(regression_data, monkeypatch):
     import skpathkernel._path._trajectory as trajectory_module
 

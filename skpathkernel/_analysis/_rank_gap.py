@@ -138,11 +138,29 @@ class NetworkGram:
         return budget
 
     def diag(self, X) -> torch.Tensor:
-        return tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)
+        """``Theta(x, x)`` of each point of ``X`` (a tensor), refused where it is not
+        finite: every score reads it (the fit's jitter and spans, each query's residual),
+        and a float64 overflow (inputs near 1e150) failed in ``torch.linalg.eigh``."""
+        d = tangent_gram_diag(self.module, self.params, X, memory_budget=self.budget)
+        check_finite_features(torch.isfinite(d))
+        return d
 
     def rows_per_block(self, n_cols: int, what: str) -> int:
         """Rows of a block of Gram rows against ``n_cols`` columns, with temporaries."""
         return rows_per_block(self.budget, 4 * 8 * max(n_cols, 1), what)
+
+
+def check_finite_features(finite) -> None:
+    """Refuse inputs whose tangent features are not finite in float64 (``finite``: a
+    bool per input, array or tensor): every score reads their squared norms and Grams,
+    and an overflow (inputs near 1e150) failed inside ``torch.linalg.eigh`` or LAPACK."""
+    n_bad = int((~finite).sum())
+    if n_bad:
+        raise ValueError(
+            f"The tangent features of {n_bad} of these {len(finite)} inputs are not "
+            "finite in float64 (their squared norm overflows): the inputs are too large "
+            "for the network, or its outputs are not finite there. Scale X (e.g. "
+            "StandardScaler).")
 
 
 def _lazy_pages(device: torch.device) -> bool:
@@ -584,6 +602,9 @@ class TangentSpan:
         training features' scale passes; the joint count's threshold stays there).
         """
         G = np.asarray(gram, dtype=np.float64)
+        # A non-finite Gram failed in LAPACK's words ("Eigenvalues did not converge"). Its
+        # diagonal bounds every entry (Cauchy-Schwarz): finite there, finite everywhere.
+        check_finite_features(np.isfinite(np.diagonal(G)))
         sigma = _singular_values(G[:n_train, :n_train])
         top = sigma.max(initial=0.0) if n_train else None
         return _count_above(sigma, rtol, top), numerical_rank(G, rtol, top)

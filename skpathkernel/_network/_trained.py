@@ -56,7 +56,7 @@ from .._path._training import (
     warn_random_forward,
 )
 from .._path._trajectory import Trajectory
-from .._validation import check_flag, is_option
+from .._validation import check_flag, check_index, is_option
 from .._warnings import VersionedStateMixin, caller_stacklevel
 from ._docs import ATTRIBUTE, DECOMPOSE, SELF_INFLUENCE, shared_doc
 from ._inputs import (
@@ -298,7 +298,12 @@ class TrainedNetwork(VersionedStateMixin):
             first = next(iter(module.parameters()), None)
             device = str(first.device) if first is not None else "cpu"
         self.device = str(device)
-        self.memory_budget = int(memory_budget)
+        # int() took 1.5, True, or 0 and -5 (refused at the first kernel, in words about
+        # its block), and "x" failed with int()'s own message.
+        self.memory_budget = check_index(memory_budget, "memory_budget")
+        if self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got "
+                             f"{self.memory_budget}.")
         # Why X_fit and y_fit are None where the fit had them: an estimator loaded where
         # the files holding them are not (see relocate_trajectory); said by what needs them.
         self._unread_fit: str | None = None
@@ -814,6 +819,9 @@ ValueError
         if not is_option(kernel, "tangent", "path"):
             raise ValueError(f"kernel must be 'tangent' or 'path', got {kernel!r}.")
         check_flag(normalized, "normalized")  # read by an ``if`` before the kernel's check
+        # Read by an ``if`` after all the work: "no" returned distances, an array failed
+        # there in NumPy's words.
+        check_flag(return_distance, "return_distance")
         check_step_applies(kernel, step)
         X_fit = self._training_data_inputs()
         query_is_train = X is None

@@ -985,7 +985,22 @@ class PathRecorder:
         -------
         total_norm : torch.Tensor
             The gradients' norm before clipping, as torch returns it.
+
+        Raises
+        ------
+        ValueError
+            For a ``max_norm`` that is NaN or negative, before any gradient is changed
+            (torch takes them: NaN made every gradient NaN, a negative one reversed
+            them, and the path recorded either).
         """
+        try:  # a 0-d tensor or array as torch takes it; not a bool or a string
+            value = (None if isinstance(max_norm, (bool, np.bool_, str, bytes))
+                     else float(max_norm))
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not value >= 0:
+            raise ValueError(f"max_norm must be a non-negative number (inf: no clipping), "
+                             f"got {max_norm!r}.")
         total = torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type,
                                                error_if_nonfinite)
         # torch's own factor, computed by the same operations on the same tensor.

@@ -635,9 +635,11 @@ class Trajectory(VersionedStateMixin):
         scales : torch.Tensor of shape (n_params,) or None
             The scales, in the order of :attr:`names`.
         """
+        # Checked first: a path of one step size answered None for any k, 99 and "0"
+        # included, where one of several step sizes refused them.
+        k = check_index(k, "step point", n=len(self) - 1)
         if self._group_lrs is None:
             return None
-        k = check_index(k, "step point", n=len(self) - 1)
         return self._group_scales(self._group_lrs[k], float(self.learning_rates[k]))
 
     def weight_decays(self) -> torch.Tensor | None:

@@ -221,11 +221,6 @@ ACCEPTED = {
         "strings",
     ): "numeric strings convert as np.asarray(float) converts them",
     (
-        "Trajectory.load",
-        "a file of garbage",
-    ): "clear message; pickle.UnpicklingError (weights_only refusal), where other "
-    "unreadable files raise ValueError: left",
-    (
         "PathRecorder",
         "as_estimator(X NaN)",
     ): "deliberate (_training_data): kernels work, decompose/attribute refuse "

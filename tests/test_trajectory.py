@@ -65,6 +65,22 @@ def test_load_refuses_a_numpy_file_without_suggesting_unsafe_loading(tmp_path):
     assert "weights_only=False" not in str(info.value)
 
 
+@pytest.mark.parametrize("content", [b"not a trajectory", "npy"])
+def test_every_file_that_is_not_a_trajectory_is_a_value_error(tmp_path, content):
+    # Files that torch.load(weights_only=True) refuses raised UnpicklingError alone, and
+    # an ``except ValueError`` (what every other such file raises) let them through;
+    # they stay UnpicklingErrors, as torch raises them.
+    path = tmp_path / "other.pt"
+    if content == "npy":
+        with open(path, "wb") as fh:
+            np.save(fh, np.ones(3))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a skpathkernel trajectory file") as info:
+        Trajectory.load(path)
+    assert isinstance(info.value, pickle.UnpicklingError)
+
+
 @pytest.mark.parametrize("content", ["empty", "truncated", "text", "four bytes", "one byte"])
 def test_load_refuses_a_file_torch_cannot_read(fitted, tmp_path, content):
     # An empty file failed with a bare EOFError, a truncated one with torch's

@@ -72,6 +72,12 @@ SOLVER_STATE_KEYS = {
 }
 
 
+class UnpicklingError(pickle.UnpicklingError, ValueError):
+    """A file that ``torch.load(weights_only=True)`` refused: ``pickle``'s
+    UnpicklingError, as torch raises it, and a ValueError as every other file that is not
+    a trajectory (an ``except ValueError`` around ``Trajectory.load`` let it through)."""
+
+
 @dataclass(frozen=True)
 class SolverSpec:
     """The optimizer that produced a trajectory, with torch.optim's hyper-parameters.
@@ -1349,7 +1355,7 @@ def _read_description(path: str, directory: str | None) -> dict:
         # A pickle of code, but also a .npy or a CSV file: torch's message suggested
         # weights_only=False, which Trajectory.load does not take and which would run
         # the code of an untrusted pickle. Still an UnpicklingError, in our words.
-        raise pickle.UnpicklingError(
+        raise UnpicklingError(
             f"{os.fspath(path)!r} is not a skpathkernel trajectory file: "
             "torch.load(weights_only=True) refused its contents (objects other than "
             "tensors and plain values, or not a torch file at all); nothing in it was "

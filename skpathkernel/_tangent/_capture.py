@@ -68,7 +68,7 @@ from ._layers import (
     site_sums,
 )
 from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
-from ._rules import RULES, Rule, Term, Use
+from ._rules import Rule, Term, Use, rule_for
 from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
@@ -300,7 +300,7 @@ def _rule_layers(module, params, exclude=frozenset()):
     for prefix, layer in module.named_modules():
         if any(_inside(prefix, outer) for outer in taken):
             continue
-        rule = RULES.get(type(layer))
+        rule = rule_for(type(layer))
         if rule is None:
             continue
         taken.append(prefix)

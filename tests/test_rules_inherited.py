@@ -2,6 +2,9 @@
 weight (Hugging Face's GPT-2 ``Conv1D``, written here in plain torch), against the
 per-sample autograd loop."""
 
+import abc
+from typing import Generic, TypeVar
+
 import pytest
 import torch
 from test_rules import _loop  # the autograd loop at given parameters
@@ -33,6 +36,9 @@ def _check(module, X, routes):
     phi = tangent_features(module, params, X, output="full")
     assert float((phi - J).abs().max() / J.abs().max()) < 1e-12
     return got
+
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------- subclasses
@@ -285,3 +291,135 @@ def test_a_scaled_addmm_is_declined(registered):
         module, torch.randn(4, 5, 3, dtype=torch.float64), [("0", "fallback"), ("3", "rule")]
     )
     assert "declines" in routes[0].reason
+
+
+# ----------------------------------------------------------------------- review (s52)
+class _Swapped:
+    """A mixin whose properties hand nn.LayerNorm's forward the parameters swapped.
+
+    Listed after nn.LayerNorm, it comes after nn.Module in the MRO: the properties still
+    shadow the parameters (nn.Module finds those only when normal lookup fails)."""
+
+    @property
+    def weight(self):
+        return self._parameters["bias"]
+
+    @property
+    def bias(self):
+        return self._parameters["weight"]
+
+
+class _SwappedNorm(nn.LayerNorm, _Swapped):
+    def __init__(self, d):
+        nn.Module.__init__(self)
+        self.normalized_shape, self.eps, self.elementwise_affine = (d,), 1e-5, True
+        self._parameters["weight"] = nn.Parameter(torch.randn(d))
+        self._parameters["bias"] = nn.Parameter(torch.randn(d))
+
+
+def _features_unchecked(module, X):
+    """The features without the autograd probe (``check_hidden=False``, as a caller that
+    ran :func:`hidden_reads` passes), against the loop: only the routes guard them."""
+    torch.manual_seed(1)
+    params = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in module.named_parameters()}
+    J = _loop(module, params, X)
+    phi = tangent_features(module, params, X, output="full", check_hidden=False)
+    return float((phi - J).abs().max() / J.abs().max())
+
+
+def test_a_mixin_after_nn_module_is_seen():
+    # The rule reads the parameters by name: with weight and bias swapped in the call it
+    # gave each the other's gradient (features 0.37 off, the Gram, a sum over both, not).
+    torch.manual_seed(0)
+    module = nn.Sequential(_SwappedNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X = torch.randn(6, 4, dtype=torch.float64)
+    route = layer_routes(module, X)[0]
+    assert route.route == "fallback"
+    assert "it overrides bias, weight of nn.LayerNorm" in route.reason
+    assert _features_unchecked(module, X) < 1e-12
+
+
+def test_a_class_patched_after_a_lookup_is_seen():
+    class Norm(nn.LayerNorm):
+        pass
+
+    torch.manual_seed(0)
+    module = nn.Sequential(Norm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X = torch.randn(6, 4, dtype=torch.float64)
+    assert layer_routes(module, X)[0].route == "rule"
+    Norm.forward = lambda self, x: F.layer_norm(
+        x, self.normalized_shape, self.bias, self.weight, self.eps
+    )
+    assert "it overrides forward of nn.LayerNorm" in layer_routes(module, X)[0].reason
+    assert _features_unchecked(module, X) < 1e-12
+
+
+class _Conv1DNoBias(Conv1D):
+    def __init__(self, nf, nx):
+        super().__init__(nf, nx)
+        self.bias = None
+
+    def forward(self, x):
+        return (x.view(-1, x.size(-1)) @ self.weight).view(*x.shape[:-1], self.nf)
+
+
+class _Rewrites(nn.Module):
+    """GPT-2's MLP with an in-place activation after c_fc, and two Conv1D chained."""
+
+    def __init__(self, act, n_out, d=4, S=3):
+        super().__init__()
+        self.c_attn, self.c_proj = Conv1D(6, d), Conv1D(d, 6)
+        self.c_fc, self.act, self.mlp_proj = Conv1D(8, d), act, _Conv1DNoBias(d, 8)
+        self.head = nn.Linear(S * d, n_out)
+
+    def forward(self, x):
+        x = x + self.c_proj(self.c_attn(x))
+        x = x + self.mlp_proj(self.act(self.c_fc(x)))
+        return self.head(torch.tanh(x).flatten(1))
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("n_out", [1, 3])
+@pytest.mark.parametrize("act", [nn.ReLU(inplace=True), _Double()], ids=["relu_", "mul_"])
+def test_an_in_place_op_after_a_transposed_linear_layer(registered, act, n_out):
+    # The layer's output was handed on as a view of its site's output: an in-place op on
+    # it rewrote the site, which crashed the process (a segmentation fault hooking the
+    # view, n_out = 3) or sent the layer to the fallback through the autograd probe
+    # (n_out = 1). The second of two chained layers read the first's (rows, out) output,
+    # not sample-major, and fell back.
+    registered(Conv1D, transposed_linear_rule())
+    registered(_Conv1DNoBias, transposed_linear_rule())
+    torch.manual_seed(0)
+    module = _Rewrites(act, n_out).double()
+    X = torch.randn(5, 3, 4, dtype=torch.float64)
+    names = ["c_attn", "c_proj", "c_fc", "mlp_proj", "head"]
+    _check(module, X, [(n, "rule") for n in names])
+
+
+class _Abstract(nn.Linear, abc.ABC):
+    """abc.ABC's bookkeeping (``__slots__``, ``_abc_impl``) shadows no parameter."""
+
+
+class _Generic(nn.Linear, Generic[T]):
+    pass
+
+
+def test_abc_and_generic_bases_keep_the_rule():
+    module = nn.Sequential(_Abstract(3, 4), nn.Tanh(), _Generic[int](4, 1)).double()
+    _check(module, torch.randn(5, 3, dtype=torch.float64), [("0", "rule"), ("2", "rule")])
+
+
+class _ConvForward1D(Conv1D):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_the_reason_names_each_operation_once(registered):
+    registered(Conv1D, transposed_linear_rule())
+    module = nn.Sequential(_ConvForward1D(2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 1))
+    reason = layer_routes(module.double(), torch.randn(3, 4, 3, dtype=torch.float64))[0].reason
+    assert "in one call of addmm / matmul / mm / __matmul__ as " in reason

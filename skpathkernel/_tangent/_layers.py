@@ -112,7 +112,11 @@ def _in_out_expand(layer, func, args, kwargs):
     rows = a.reshape(-1, a.shape[-1])
     z = (torch.mm(rows, w) if b is None else torch.addmm(b, rows, w))
     z = z.reshape(*a.shape[:-1], w.shape[1])
-    return z.reshape(*x.shape[:-1], w.shape[1]), [(a, z)]
+    # Handed on as a copy, as every site's output (an in-place op downstream, a ReLU's,
+    # must not rewrite z: autograd then differentiates the rewritten tensor, or crashes
+    # hooking a view of it), samples first: the layer's own view of it to (rows, out) is
+    # one of sample-major memory, which a next such layer reads back per sample.
+    return z.clone().view(*x.shape[:-1], w.shape[1]), [(a, z)]
 
 
 def _in_out_factors(weight: str, bias: str):

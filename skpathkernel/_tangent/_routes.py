@@ -159,7 +159,8 @@ def _no_rule_reason(layer: nn.Module) -> str:
         # told the user nothing.
         base = found[0]
         changed = ", ".join(overridden(kind, base))
-        ops = " / ".join(getattr(op, "__name__", repr(op)) for op in RULES[base].ops)
+        ops = " / ".join(dict.fromkeys(getattr(op, "__name__", repr(op))
+                                       for op in RULES[base].ops))
         sub, base = _type_path(kind), _type_path(base)
         return (f"no rule for {sub}: it overrides {changed} of {base}, whose rule covers the "
                 f"subclasses that keep its forward; if its forward reads its parameters in "

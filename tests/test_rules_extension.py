@@ -505,3 +505,40 @@ def test_a_probe_out_of_cpu_memory_is_not_called_a_batching_failure(monkeypatch)
              if r.route == "fallback"]
     assert [r.name for r in route] == [""]
     assert not route[0].loops and "cannot batch" not in route[0].reason, route[0].reason
+
+
+class _Proj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def _expand_returning_z(layer, func, args, kwargs):
+    z = func(*args, **kwargs)
+    return z, [(args[0], z)]
+
+
+def _proj_factors(layer, use, deltas, names):
+    return [Term(deltas[0], [(names["weight"], use.inputs[0])])]
+
+
+@pytest.mark.parametrize("n_out", [1, 3])
+def test_an_expand_handing_on_its_site_output_is_copied(registered, n_out):
+    # A user's expand returning z itself: the in-place ReLU after it rewrote the site,
+    # whose backprops were then the ReLU output's (features 0.05 and 0.10 off without the
+    # autograd probe, which is how a path kernel calls the engine after hidden_reads).
+    registered(
+        _Proj,
+        Rule(ops=(torch.nn.functional.linear,), factors=_proj_factors, expand=_expand_returning_z),
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(_Proj(), nn.ReLU(inplace=True), nn.Linear(3, n_out)).double()
+    X = torch.randn(5, 4, dtype=torch.float64)
+    params = dict(net.named_parameters())
+    assert [r.route for r in layer_routes(net, X)] == ["rule", "rule"]
+    J = jacobian_loop(net, X)
+    phi = tangent_features(net, params, X, output="full", check_hidden=False)
+    assert float((phi - J).abs().max() / J.abs().max()) < 1e-12

@@ -43,8 +43,11 @@ class _MatMul(nn.Module):
 
 
 class _RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm under a type without a rule (rules go by exact type): on the fallback,
-    as nn.RMSNorm was when these cases were measured."""
+    """nn.RMSNorm under a type without a rule (a subclass overriding forward): on the
+    fallback, as nn.RMSNorm was when these cases were measured."""
+
+    def forward(self, x):
+        return super().forward(x)
 
 
 def _cases():

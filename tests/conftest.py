@@ -9,7 +9,7 @@ from threadpoolctl import threadpool_limits
 
 from skpathkernel._analysis import _unrolled
 from skpathkernel._estimators import _base
-from skpathkernel._tangent import _capture
+from skpathkernel._tangent import RULES, _capture, register_rule
 
 # NumPy's and SciPy's OpenBLAS on one thread per test process, as torch is
 # (``_few_threads``): two pytest-xdist workers each running OpenBLAS's two threads on CI's
@@ -97,3 +97,12 @@ def unrolled_route(request, monkeypatch):
     ran = "mlp" if calls["mlp"] else "double" if calls["double"] else "forward"
     assert ran == route and not (calls["mlp"] and calls["double"]), \
         f"the {route} route did not run ({ran} did)"
+
+
+@pytest.fixture
+def registered():
+    """register_rule, undone after the test (the table is global)."""
+    saved = dict(RULES)
+    yield register_rule
+    RULES.clear()
+    RULES.update(saved)

@@ -864,7 +864,10 @@ def test_rms_norm_is_reported_on_its_rule(case):
 
 
 class _MyRMSNorm(nn.RMSNorm):
-    """A subclass: rules are registered by exact type, so it falls back."""
+    """A subclass overriding forward: it falls back until registered."""
+
+    def forward(self, x):
+        return super().forward(x)
 
 
 def test_an_rms_norm_subclass_falls_back_to_the_same_numbers():

@@ -22,6 +22,7 @@ from ._gram import (
     tangent_gram,
     tangent_gram_diag,
 )
+from ._layers import transposed_linear_rule
 from ._pairs import Adjoint, directional, factor_shares, pair_terms
 from ._projection import project_tangent_features
 from ._routes import FallbackWarning, LayerRoute, check_rule, layer_routes, warn_on_fallback
@@ -50,6 +51,7 @@ __all__ = [
     "tangent_features",
     "tangent_gram",
     "tangent_gram_diag",
+    "transposed_linear_rule",
     "warn_on_fallback",
     "block_forward_error",
     "dense_grad",

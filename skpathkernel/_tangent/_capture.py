@@ -68,7 +68,7 @@ from ._layers import (
     site_sums,
 )
 from ._parameters import broadcast_over_samples, parameter_site, parameter_view, scattered
-from ._rules import RULES, Rule, Term, Use
+from ._rules import Rule, Term, Use, rule_for
 from ._saved import SavedWatch, differentiable_forward
 from ._saved import tensors as _tensors
 
@@ -300,7 +300,7 @@ def _rule_layers(module, params, exclude=frozenset()):
     for prefix, layer in module.named_modules():
         if any(_inside(prefix, outer) for outer in taken):
             continue
-        rule = RULES.get(type(layer))
+        rule = rule_for(type(layer))
         if rule is None:
             continue
         taken.append(prefix)
@@ -549,6 +549,7 @@ class _UseWatch(TorchFunctionMode):
         if sites and all(isinstance(z, torch.Tensor) and z.requires_grad for _, z in sites):
             top.use = (Use(func, args, kwargs, tuple(a for a, _ in sites)),
                        tuple(z for _, z in sites))
+            out = _apart(out, [z for _, z in sites])
         return out
 
     def _pend(self, handed: torch.Tensor, frame: _Frame) -> None:
@@ -592,6 +593,23 @@ class _UseWatch(TorchFunctionMode):
         self.watched[key] = weakref.ref(z, lambda _, key=key: self.watched.pop(key, None))
         self._consumed = key
         return y
+
+
+def _apart(out, zs):
+    """A rule's ``expand`` result (a tensor, or a tuple of them) with every tensor that
+    shares memory with a site's output ``z`` copied, as :class:`_UseWatch` hands on a
+    site's output: an in-place op downstream (``nn.ReLU(inplace=True)``) would rewrite
+    ``z``, and the backprops would be those of the rewritten tensor (or, ``z`` a view,
+    hooking it crashes the process). A rule that copies itself (MultiheadAttention's,
+    :func:`._layers.transposed_linear_rule`'s) pays nothing more here."""
+    held = {z.untyped_storage().data_ptr() for z in zs}
+
+    def apart(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in held:
+            return t.clone()
+        return t
+
+    return tuple(apart(t) for t in out) if isinstance(out, tuple) else apart(out)
 
 
 class _HookSlot:

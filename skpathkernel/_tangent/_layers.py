@@ -1,8 +1,11 @@
 """The built-in rules: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, LayerNorm,
-RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU.
+RMSNorm, GroupNorm, BatchNorm (eval), MultiheadAttention, PReLU; and
+:func:`transposed_linear_rule` for a linear layer holding its weight as ``(in, out)``, which
+the user registers for such a type (Hugging Face's ``Conv1D``).
 
 Each is one small pure function from what the capture saw (:class:`._rules.Use`) and the
-backprops to :class:`._rules.Term` objects, registered by exact type. Every number a rule
+backprops to :class:`._rules.Term` objects, registered per type (subclasses that keep
+the layer's ``forward`` take it: :func:`._rules.rule_for`). Every number a rule
 needs (stride, padding, eps, running statistics, attention masks) is read from the call
 the layer actually made, so a rule follows its layer's ``forward`` rather than its
 attributes. Parameter-free layers (activations, pooling, flatten, residual adds, dropout
@@ -21,7 +24,7 @@ from torch.nn import functional as F
 from ._contract import dense_grad
 from ._rules import Rule, Term, Use, register_rule
 
-__all__: list[str] = []
+__all__ = ["transposed_linear_rule"]
 
 
 def _arg(use: Use, index: int, name: str, default=None):
@@ -50,6 +53,138 @@ def _linear_factors(layer, use, deltas, names):
 
 
 LINEAR = Rule(ops=(F.linear,), factors=_linear_factors, accepts=_batched(2))
+
+
+# ------------------------------------------------------------ Linear, weight (in, out)
+# torch's functions that compute x @ W (+ b) with W of shape (in, out): Hugging Face's
+# GPT-2 projections (transformers.pytorch_utils.Conv1D) call torch.addmm on x's rows
+# flattened, x.view(-1, in).
+_IN_OUT_OPS = (torch.addmm, torch.matmul, torch.mm, torch.Tensor.matmul,
+               torch.Tensor.__matmul__, torch.Tensor.mm)
+
+
+def _dense(shape, strides) -> bool:
+    """Whether a tensor of these sizes and strides covers ``prod(shape)`` consecutive
+    elements once each (in some order of its axes)."""
+    expected = 1
+    for stride, size in sorted((t, z) for z, t in zip(shape, strides) if z != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _samples_first(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or ``x`` as ``(n, -1, d)`` where it is a contiguous ``(rows, d)`` view of
+    the same memory as a tensor ``base`` of ``n`` sample-major blocks
+    (``base.view(-1, d)``: Conv1D's ``x.view(-1, x.size(-1))``, of any layout of its
+    input within a sample): then its rows are those blocks' rows, sample by sample.
+    Whether ``base``'s first axis is the samples is checked by the capture (the rows of
+    every site against the samples), as for any layer's input."""
+    base = x._base
+    if (x.ndim != 2 or base is None or base.ndim < 2 or not x.is_contiguous()
+            or base.dtype != x.dtype or base.storage_offset() != x.storage_offset()
+            or base.numel() != x.numel() or base.shape[0] == 0):
+        return x
+    n = base.shape[0]
+    block = base.numel() // n
+    if ((n > 1 and base.stride(0) != block) or block % x.shape[1]
+            or not _dense(base.shape[1:], base.stride()[1:])):
+        return x
+    return x.view(n, -1, x.shape[1])
+
+
+def _in_out_expand(layer, func, args, kwargs):
+    if func is torch.addmm:
+        # Positional, unscaled (Conv1D's call): anything else declines, to the fallback.
+        if len(args) != 3 or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 \
+                or set(kwargs) - {"beta", "alpha"}:
+            return None
+        b, x, w = args
+    else:
+        if len(args) != 2 or kwargs:
+            return None
+        (x, w), b = args, None
+    if (not isinstance(x, torch.Tensor) or x.ndim < 2 or w.ndim != 2
+            or (b is not None and tuple(b.shape) != (w.shape[1],))):
+        return None
+    a = _samples_first(x)
+    rows = a.reshape(-1, a.shape[-1])
+    z = (torch.mm(rows, w) if b is None else torch.addmm(b, rows, w))
+    z = z.reshape(*a.shape[:-1], w.shape[1])
+    # Handed on as a copy, as every site's output (an in-place op downstream, a ReLU's,
+    # must not rewrite z: autograd then differentiates the rewritten tensor, or crashes
+    # hooking a view of it), samples first: the layer's own view of it to (rows, out) is
+    # one of sample-major memory, which a next such layer reads back per sample.
+    return z.clone().view(*x.shape[:-1], w.shape[1]), [(a, z)]
+
+
+def _in_out_factors(weight: str, bias: str):
+    def factors(layer, use, deltas, names):
+        # z = a W + b at every position, W (in, out) = (q, p): d f_c / d W is
+        # sum_s a_s (outer) delta_cs, nn.Linear's outer product transposed.
+        (a,), (delta,) = use.inputs, deltas
+        n, C = delta.shape[:2]
+        delta = delta.reshape(n, C, -1, delta.shape[-1])
+        inputs = []
+        if weight in names:
+            inputs.append((names[weight], a.reshape(n, -1, a.shape[-1])))
+        if bias in names:
+            inputs.append((names[bias], None))
+        return [Term(delta=delta, inputs=inputs, transposed=True)]
+    return factors
+
+
+def transposed_linear_rule(weight: str = "weight", bias: str = "bias") -> Rule:
+    """A rule for a linear layer that holds its weight as ``(in_features, out_features)``.
+
+    Such a layer computes ``x @ W + b`` (``torch.addmm(b, x, W)``, ``x @ W``,
+    ``torch.matmul(x, W)``) where ``nn.Linear`` computes ``x @ W.T + b``: Hugging Face's
+    ``transformers.pytorch_utils.Conv1D``, which GPT-2 uses for its projections, is one.
+    The rule reads the call's input at every position (inputs ``(n, ..., in)``, or their
+    rows flattened by ``x.view(-1, in)`` as ``Conv1D`` does) and gives the weight the
+    transposed outer product of its input and backprop.
+
+    Parameters
+    ----------
+    weight : str, default="weight"
+        The layer's name for its ``(in, out)`` weight.
+    bias : str, default="bias"
+        The layer's name for its ``(out,)`` bias, if it has one. The layer must read both
+        in one call (``torch.addmm``); a bias added apart (``x @ W + b``) sends the layer
+        to the fallback.
+
+    Returns
+    -------
+    rule : Rule
+        Register it for the layer's type: ``register_rule(Conv1D, transposed_linear_rule())``.
+
+    Examples
+    --------
+    A layer written as Hugging Face's ``Conv1D``:
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from skpathkernel.rules import (check_rule, layer_routes, register_rule,
+    ...                                 transposed_linear_rule)
+    >>> class Conv1D(nn.Module):
+    ...     def __init__(self, nf, nx):
+    ...         super().__init__()
+    ...         self.weight = nn.Parameter(torch.randn(nx, nf))
+    ...         self.bias = nn.Parameter(torch.zeros(nf))
+    ...     def forward(self, x):
+    ...         out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    ...         return out.view(x.size()[:-1] + (self.weight.shape[1],))
+    >>> net = nn.Sequential(Conv1D(4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(20, 1))
+    >>> X = torch.randn(6, 5, 3)
+    >>> register_rule(Conv1D, transposed_linear_rule())
+    >>> [route.route for route in layer_routes(net, X)]
+    ['rule', 'rule']
+    >>> bool(check_rule(net, X) < 1e-8)
+    True
+    """
+    return Rule(ops=_IN_OUT_OPS, factors=_in_out_factors(weight, bias),
+                expand=_in_out_expand)
 
 
 # ------------------------------------------------------------------------ convolution

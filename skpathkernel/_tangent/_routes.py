@@ -24,7 +24,7 @@ from .._warnings import worst
 from ._capture import _numerical_misfits, capture, check_per_sample, forward
 from ._generic import _looped, unbatched
 from ._gram import DEFAULT_MEMORY_BUDGET, _resolve_output, tangent_features, tangent_gram
-from ._rules import RULES
+from ._rules import RULES, overridden, registered_ancestor, rule_for
 
 __all__ = ["FallbackWarning", "LayerRoute", "check_rule", "layer_routes", "warn_on_fallback"]
 
@@ -152,15 +152,19 @@ def _no_rule_reason(layer: nn.Module) -> str:
         return (f"a parametrization (torch.nn.utils.parametrize: weight_norm, spectral_norm, "
                 f"...) computes {', '.join(layer.parametrizations)} from other parameters, "
                 "which no rule covers")
-    base = next((t for t in RULES if isinstance(layer, t)), None)
-    if base is not None:
+    found = registered_ancestor(kind)
+    if found is not None:
         # By import path: libraries name their subclasses as torch names the base (timm's
         # and Hugging Face's LayerNorm), and "register_rule(LayerNorm, get_rule(LayerNorm))"
         # told the user nothing.
+        base = found[0]
+        changed = ", ".join(overridden(kind, base))
+        ops = " / ".join(dict.fromkeys(getattr(op, "__name__", repr(op))
+                                       for op in RULES[base].ops))
         sub, base = _type_path(kind), _type_path(base)
-        return (f"no rule for {sub}: rules match exact types, and {base}'s does not cover "
-                f"its subclass (register_rule({sub}, get_rule({base})) if its forward makes "
-                "the same call)")
+        return (f"no rule for {sub}: it overrides {changed} of {base}, whose rule covers the "
+                f"subclasses that keep its forward; if its forward reads its parameters in "
+                f"one call of {ops} as {base}'s does, register_rule({sub}, get_rule({base}))")
     if next(layer.children(), None) is not None:
         return (f"parameters held by {kind.__name__} itself, which has no rule (a raw "
                 "nn.Parameter used in its forward, other than in an elementwise +, * or "
@@ -246,7 +250,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
     for prefix, layer in module.named_modules():
         if any(prefix.startswith(t + ".") or t == "" for t in taken):
             continue
-        if type(layer) in RULES:
+        if rule_for(type(layer)) is not None:
             taken.append(prefix)
             named = layer.named_parameters()
         else:
@@ -263,7 +267,7 @@ def layer_routes(module: nn.Module, X, *, params: Mapping[str, torch.Tensor] | N
             continue
         why = next((reasons[n] for n in falls if n in reasons), None)
         if why is None:
-            why = (_no_rule_reason(layer) if type(layer) not in RULES
+            why = (_no_rule_reason(layer) if rule_for(type(layer)) is None
                    else "its rule gives a parameter no term")
         if loops is not None:
             why += f"; {LOOPS} ({loops})"

@@ -19,13 +19,16 @@ engine contracts these factors directly, choosing per term and call between form
 ``p x q`` blocks and contracting position pairs (see :mod:`._contract`), so the Jacobian
 of a rule layer is formed only where that is the cheaper exact contraction.
 
-Rules are registered by exact module type (as opacus' grad_sample does): a subclass may
-override ``forward`` and silently break the rule, so it goes to the generic fallback
-unless it is registered itself.
+Rules are registered per module type (as opacus' grad_sample does). A subclass of a
+registered type takes its nearest registered ancestor's rule when it changes nothing that
+the ancestor's ``forward`` runs (:func:`rule_for`); one that overrides ``forward``, or a
+method of the ancestor that ``forward`` may call, may compute something else, so it goes to
+the generic fallback unless it is registered itself.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RULES", "Rule", "Term", "Use", "get_rule", "register_rule"]
+__all__ = ["RULES", "Rule", "Term", "Use", "get_rule", "overridden", "register_rule",
+           "registered_ancestor", "rule_for"]
 
 
 @dataclass
@@ -240,11 +244,15 @@ RULES: dict[type, Rule] = {}
 
 
 def register_rule(module_type: type, rule: Rule) -> None:
-    """Register ``rule`` for the modules whose type is exactly ``module_type``.
+    """Register ``rule`` for the modules of type ``module_type`` and its plain subclasses.
 
     A rule registered for a type replaces the one registered before it (the built-in
-    rules included). Subclasses are not covered: register them explicitly once their
-    ``forward`` is known to make the same call.
+    rules included). A subclass takes the rule of its nearest registered ancestor when it
+    overrides none of the ancestor's methods but construction and printing
+    (``__init__``, ``reset_parameters``, ``extra_repr``): the ancestor's ``forward`` then
+    makes the same call. A subclass that overrides ``forward`` (or a method ``forward``
+    may call, such as ``_conv_forward``) falls back until it is registered itself, once
+    its ``forward`` is known to read its parameters through the same call.
 
     Parameters
     ----------
@@ -255,17 +263,24 @@ def register_rule(module_type: type, rule: Rule) -> None:
 
     Examples
     --------
-    A subclass of ``nn.Linear`` whose ``forward`` is ``nn.Linear``'s takes its rule:
+    A subclass of ``nn.Linear`` that keeps ``nn.Linear``'s ``forward`` takes its rule; one
+    that overrides it is registered once its ``forward`` is known to make the same call:
 
     >>> import torch
+    >>> import torch.nn.functional as F
     >>> from torch import nn
     >>> from skpathkernel.rules import get_rule, layer_routes, register_rule
     >>> class MyLinear(nn.Linear):
     ...     pass
     >>> layer_routes(MyLinear(3, 2), torch.randn(4, 3))[0].route
+    'rule'
+    >>> class Scaled(nn.Linear):
+    ...     def forward(self, x):
+    ...         return 2 * F.linear(x, self.weight, self.bias)
+    >>> layer_routes(Scaled(3, 2), torch.randn(4, 3))[0].route
     'fallback'
-    >>> register_rule(MyLinear, get_rule(nn.Linear))
-    >>> layer_routes(MyLinear(3, 2), torch.randn(4, 3))[0].route
+    >>> register_rule(Scaled, get_rule(nn.Linear))
+    >>> layer_routes(Scaled(3, 2), torch.randn(4, 3))[0].route
     'rule'
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
@@ -302,3 +317,71 @@ def get_rule(module_type: type) -> Rule | None:
     True
     """
     return RULES.get(module_type)
+
+
+# What a subclass may define over its registered ancestor without changing what the
+# ancestor's forward computes: construction, initialisation, printing, class bookkeeping.
+_INERT = frozenset({
+    "__init__", "reset_parameters", "extra_repr", "__repr__", "__doc__", "__module__",
+    "__qualname__", "__dict__", "__weakref__", "__annotations__", "__annotate__",
+    "__annotate_func__", "__annotations_cache__", "__firstlineno__",
+    "__static_attributes__", "__slotnames__", "__orig_bases__", "__parameters__",
+    "__constants__", "_version", "__type_params__", "__new__", "__init_subclass__",
+    "__getstate__", "__setstate__", "_load_from_state_dict",
+    # abc.ABC's and typing.Generic's bookkeeping (a slot of __slots__ is a descriptor of
+    # its own, which counts).
+    "__slots__", "__abstractmethods__", "_abc_impl", "_is_protocol",
+})
+
+
+def overridden(module_type: type, ancestor: type) -> list[str]:
+    """Names that ``module_type``'s lookup finds in a class that is not one of
+    ``ancestor``'s (the subclass's own, or a mixin's, wherever the mixin sits in the MRO)
+    and that ``ancestor`` has too, but the inert ones (:data:`_INERT`), and the class
+    attributes such classes add that are not methods: what may make the ancestor's
+    ``forward`` compute something else. (A property or class attribute shadows the module's
+    parameters and buffers, which ``nn.Module`` finds only when normal lookup fails:
+    parametrize's ``weight`` property reads a computed tensor; so does a mixin's listed
+    after the layer, ``class Norm(nn.LayerNorm, Mixin)``, which comes after ``nn.Module``
+    in the MRO but before ``object`` and the parameters.)"""
+    mro = module_type.__mro__
+    bases = set(ancestor.__mro__)
+    names = set()
+    for klass in mro:
+        if klass in bases:
+            continue
+        for name, value in vars(klass).items():
+            if name in _INERT or name in names:
+                continue
+            # The class that module_type's lookup of the name finds first: a mixin's name
+            # that the ancestor's own classes define before it changes nothing.
+            if (next(k for k in mro if name in vars(k)) is klass
+                    and (hasattr(ancestor, name) or not isinstance(value, _METHODS))):
+                names.add(name)
+    return sorted(names)
+
+
+_METHODS = (types.FunctionType, staticmethod, classmethod)
+
+
+def registered_ancestor(module_type: type) -> tuple[type, bool] | None:
+    """The nearest registered proper ancestor of ``module_type`` and whether its rule
+    covers ``module_type`` (nothing of it :func:`overridden`), or ``None``.
+
+    Not cached: a class may be patched after a lookup (``MyNorm.forward = ...``), and
+    :func:`overridden` takes about 2 microseconds, what a cache lookup took."""
+    found = next((k for k in module_type.__mro__[1:] if k in RULES), None)
+    if found is None:
+        return None
+    return found, not overridden(module_type, found)
+
+
+def rule_for(module_type: type) -> Rule | None:
+    """The rule the capture uses for ``module_type``: its own, or else that of its nearest
+    registered ancestor when it overrides none of the ancestor's methods (see
+    :func:`register_rule`); ``None`` sends its modules to the fallback."""
+    rule = RULES.get(module_type)
+    if rule is not None:
+        return rule
+    inherited = registered_ancestor(module_type)
+    return RULES[inherited[0]] if inherited is not None and inherited[1] else None

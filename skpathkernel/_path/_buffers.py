@@ -197,9 +197,24 @@ class Segments:
 
     def take(self, rows: np.ndarray) -> torch.Tensor:
         """The rows ``rows`` (a copy), as ``tensor[rows]`` gives them."""
+        rows = np.asarray(rows, dtype=np.int64)
         if len(self.parts) == 1:
-            return self.parts[0][torch.from_numpy(np.asarray(rows, dtype=np.int64))]
-        return torch.stack([self[int(k)] for k in rows])
+            return self.parts[0][torch.from_numpy(rows)]
+        # Negative rows count from the end, as indexing counts them: bisect found them
+        # no part (a wrong row or an IndexError), and no rows failed in torch.stack.
+        flat = rows.reshape(-1)
+        flat = np.where(flat < 0, flat + self._capacity, flat)
+        if flat.size and not 0 <= flat.min() <= flat.max() < self._capacity:
+            bad = rows.reshape(-1)[(flat < 0) | (flat >= self._capacity)][0]
+            raise IndexError(f"index {bad} is out of bounds for {self._capacity} rows")
+        first = self.parts[0]
+        out = first.new_empty((flat.size, first.shape[1]))
+        which = np.searchsorted(self._starts, flat, side="right") - 1
+        for i in np.unique(which):
+            at = np.flatnonzero(which == i)
+            out[torch.from_numpy(at)] = self.parts[i][torch.from_numpy(
+                flat[at] - self._starts[i])]
+        return out.reshape(*rows.shape, first.shape[1])
 
     def leading(self, n: int, tail: torch.Tensor | None = None, spare: int = 0
                 ) -> tuple[torch.Tensor, bool]:

@@ -469,7 +469,7 @@ class _WeakHook:
 
     def __init__(self, recorder: PathRecorder, name: str, *args):
         self._ref = weakref.ref(recorder)
-        self._name, self._args = name, args
+        self._method, self._args = getattr(type(recorder), name), args
 
     @property
     def recorder(self) -> PathRecorder | None:
@@ -478,7 +478,7 @@ class _WeakHook:
     def __call__(self, *args):
         recorder = self._ref()
         if recorder is not None:
-            return getattr(recorder, self._name)(*self._args, *args)
+            return self._method(recorder, *self._args, *args)
         return None
 
 

@@ -464,7 +464,8 @@ class _WeakHook:
     side, which the garbage collector does not see: bound methods there kept a recorder
     that was never ``close()``d (its buffers, the whole path) alive after the last
     reference to it, with its module and optimizer, for the rest of the process. The
-    recorder's finalizer removes these hooks.
+    recorder's finalizer removes the tensors' hooks; its optimizer's, no-ops then, are
+    removed by the next recorder of it (:func:`_remove_dead_step_hooks`).
     """
 
     def __init__(self, recorder: PathRecorder, name: str, *args):
@@ -485,6 +486,21 @@ class _WeakHook:
 def _remove_hooks(handles) -> None:
     for handle in handles:
         handle.remove()
+
+
+def _remove_dead_step_hooks(optimizer) -> None:
+    """Remove the step hooks of recorders freed without ``close()`` from ``optimizer``.
+
+    Their finalizer leaves them (no-ops, see :class:`_WeakHook`): it runs wherever the
+    garbage collector frees a recorder in a reference cycle, also while
+    ``optimizer.step()`` iterates over these hooks (a later hook allocating), and a
+    removal there raised "OrderedDict mutated during iteration" out of the user's step
+    (review s52). A new recorder is not made inside a step."""
+    for hooks in (getattr(optimizer, "_optimizer_step_pre_hooks", {}),
+                  getattr(optimizer, "_optimizer_step_post_hooks", {})):
+        for key in [k for k, h in hooks.items()
+                    if isinstance(h, _WeakHook) and h.recorder is None]:
+            del hooks[key]
 
 
 def _kept(step: int) -> str:
@@ -887,7 +903,8 @@ class PathRecorder:
         self._error = None
         self._hyper = _hyper_parameters(optimizer)
         # Weak: a recorder dropped without close() is freed, its hooks removed by its
-        # finalizer (see _WeakHook).
+        # finalizer (see _WeakHook), its optimizer's by the next recorder of it.
+        _remove_dead_step_hooks(optimizer)
         self._handles = [optimizer.register_step_pre_hook(_WeakHook(self, "_before_step")),
                          optimizer.register_step_post_hook(_WeakHook(self, "_after_step"))]
         if self._world == 1:
@@ -900,7 +917,12 @@ class PathRecorder:
             # module), as no hook is: the recorder stays in this process.
             self._handles += [p.register_hook(torch.utils.hooks.unserializable_hook(
                 _WeakHook(self, "_before_grad", i))) for i, p in enumerate(params)]
-        weakref.finalize(self, _remove_hooks, self._handles).atexit = False
+        # The tensors' hooks only: autograd iterates over them with PyDict_Next, which a
+        # removal does not disturb, where optimizer.step() iterates over its own in
+        # Python, which a removal in the middle (the garbage collector freeing a
+        # recorder in a cycle) makes raise: those are left as no-ops, removed by
+        # _remove_dead_step_hooks.
+        weakref.finalize(self, _remove_hooks, self._handles[2:]).atexit = False
 
     # ------------------------------------------------------------------ recording
     def set_batch(self, indices, weights=None) -> None:

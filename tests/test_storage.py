@@ -778,7 +778,8 @@ def test_segments_take_gives_the_rows_of_its_parts_as_indexing_does(sizes):
     """``Segments.take`` against NumPy's indexing of the parts concatenated, for rows
     within one part and across parts' boundaries, repeated, unsorted, negative (from the
     end, as indexing counts), none, and a 2-D index; out of range refused as indexing
-    refuses it. The result is a copy: writing it leaves the buffers alone."""
+    refuses it. The result is a copy, also for a 0-d index (one part's indexing with a
+    0-d tensor gave a view of the buffer): writing it leaves the buffers alone."""
     from skpathkernel._path._buffers import Segments
 
     buf = Segments(lambda rows: torch.empty((rows, 3), dtype=torch.float64), sizes[0])
@@ -799,6 +800,7 @@ def test_segments_take_gives_the_rows_of_its_parts_as_indexing_does(sizes):
         assert_array_equal(out.numpy(), expected)
     before = reference.copy()
     buf.take([0, n - 1]).fill_(-1.0)
+    buf.take(np.int64(n - 1)).fill_(-1.0)  # a 0-d index: a row, copied too
     assert_array_equal(np.concatenate([p.numpy() for p in buf.parts]), before)
     for rows in ([n], [-n - 1], [0, n + 3]):
         with pytest.raises(IndexError):

@@ -253,7 +253,10 @@ class Segments:
         """The rows ``rows`` (a copy), as ``tensor[rows]`` gives them."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(self.parts) == 1:
-            return self.parts[0][torch.from_numpy(rows)]
+            # 1-D: torch indexes with a 0-d tensor as with an int, giving a view.
+            first = self.parts[0]
+            return first[torch.from_numpy(rows.reshape(-1))].reshape(*rows.shape,
+                                                                     first.shape[1])
         # Negative rows count from the end, as indexing counts them: bisect found them
         # no part (a wrong row or an IndexError), and no rows failed in torch.stack.
         flat = rows.reshape(-1)

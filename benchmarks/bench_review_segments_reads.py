@@ -55,11 +55,19 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     old, new = _load(args.base)
-    sides = {"base": old, "tree": new}
+    rows = alternated({"base": old, "tree": new},
+                      CASES if args.cases is None else [CASES[i] for i in args.cases],
+                      args.rounds)
+    json.dump(rows, open(args.out, "w"), indent=1)
+
+
+def alternated(sides, cases, rounds):
+    """Each case's :func:`run` by both ``sides`` (modules), alternating, ``rounds``
+    times: a row of medians and every round's time per case."""
     rows = []
-    for case in (CASES if args.cases is None else [CASES[i] for i in args.cases]):
+    for case in cases:
         times = {s: [] for s in sides}
-        for r in range(args.rounds):
+        for r in range(rounds):
             for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 with tempfile.TemporaryDirectory() as d:
                     times[side].append(run(sides[side], *case, d))
@@ -71,7 +79,7 @@ def main():
                    load=os.getloadavg()[0])
         rows.append(row)
         print(row, flush=True)
-    json.dump(rows, open(args.out, "w"), indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -842,20 +842,38 @@ class _GramMemo:
     """
 
     def __init__(self):
-        self.entry = None  # (network, its state, kernel parameters, X, K)
+        self.entry = None  # (network, its state, kernel parameters and budget, X, K)
 
-    def lookup(self, net, params, X):
+    def lookup(self, estimator, net, params, X):
         entry = self.entry
         # The network by a weak reference: a memo must not keep a refitted estimator's old
         # network (its path, its temporary directory) alive.
-        if (entry is None or entry[0]() is not net or entry[2] != params
+        if (entry is None or entry[0]() is not _fitted_network(estimator, net)
+                or entry[2] != (params, net.memory_budget)
                 or not _same_rows(entry[3], X) or not entry[1].holds(net)):
             return None
         # A copy: GaussianProcessRegressor adds alpha to the diagonal in place.
         return entry[4].copy()
 
-    def store(self, net, params, X, K):
-        self.entry = (weakref.ref(net), _NetworkState(net), params, _copy_rows(X), K.copy())
+    def store(self, estimator, net, params, X, K):
+        self.entry = (weakref.ref(_fitted_network(estimator, net)), _NetworkState(net),
+                      (params, net.memory_budget), _copy_rows(X), K.copy())
+
+
+def _fitted_network(estimator, net):
+    """The network that ``net`` is (a copy of) for ``estimator``'s Gram.
+
+    After ``set_params(memory_budget=...)`` on a fitted estimator, ``network_of`` returns
+    a new copy of its ``network_`` with that budget at every call, which the memo's weak
+    reference never found again (one Gram per optimizer step of a search, as without a
+    memo). The memo keys the fitted network and the budget's value: blocks of another
+    size round differently (a relative 3e-7 of a float32 path kernel's Gram), so a Gram
+    of another budget is not the one a fresh call returns."""
+    fitted = getattr(estimator, "network_", None)
+    if (isinstance(fitted, TrainedNetwork) and fitted is not net
+            and fitted.module is net.module and fitted.trajectory is net.trajectory):
+        return fitted
+    return net
 
 
 class _NetworkState:
@@ -998,7 +1016,8 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
             kernel built around this one, in ``GaussianProcessRegressor``) keeps a copy
             of its Gram and of ``X`` in this kernel object (not its clones), with a copy
             of the module's tensors that the path does not hold (buffers, frozen
-            parameters), and the next ``k(X)`` of the same rows, network, module state
+            parameters), and the next ``k(X)`` of the same rows, network (with the same
+            ``memory_budget``, which rounds differently in other blocks), module state
             and parameters returns a copy of it instead of recomputing it.
 
         Returns
@@ -1025,7 +1044,8 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
                 else self.__dict__.get("_gram_memo"))
         params = self.get_params(deep=False)
         params.pop("estimator")
-        K = None if memo is None or Y is not None else memo.lookup(net, params, X)
+        K = (None if memo is None or Y is not None
+             else memo.lookup(self.estimator, net, params, X))
         if K is None:
             work = len(X) * len(X if Y is None else Y) * net.n_params * self._n_points(net)
             # The lock first: a call waiting for the module keeps no thread limit in force
@@ -1035,7 +1055,7 @@ class _NetworkKernel(VersionedStateMixin, Kernel):
             with running(net.module, warn_drawing_now), limit_torch_threads(threads):
                 K = _check_finite(self._bind(net)._gram_blocks(X, Y), net, X, Y)
             if eval_gradient:
-                memo.store(net, params, X, K)
+                memo.store(self.estimator, net, params, X, K)
         if eval_gradient:
             return K, np.empty(K.shape + (0,))
         return K

@@ -307,6 +307,33 @@ def test_a_hyperparameter_search_computes_the_gram_once(monkeypatch):
     np.testing.assert_allclose(gpr.predict(Xt), Kt @ alpha, rtol=1e-6)
 
 
+def test_a_search_after_set_params_memory_budget_computes_the_gram_once(monkeypatch):
+    """After set_params(memory_budget=...) on the fitted estimator, network_of gives a
+    new copy of its network at every call, and the memo never hit: one Gram per optimizer
+    step. The memo's Gram is the one a fresh kernel (no memo) computes at that budget, bit
+    for bit, and another budget, whose blocks round differently, gets its own."""
+    from sklearn.gaussian_process.kernels import ConstantKernel
+
+    est, X = _fit(dtype="float32")
+    _, y = _data()
+    calls = []
+    engine = PathKernel._gram_blocks
+    monkeypatch.setattr(PathKernel, "_gram_blocks",
+                        lambda self, A, B: calls.append(len(A)) or engine(self, A, B))
+    est.set_params(memory_budget=2**16)
+    GaussianProcessRegressor(kernel=ConstantKernel() * PathKernel(est) + WhiteKernel(),
+                             random_state=0).fit(X, y)
+    assert calls == [len(X)]
+    kernel = PathKernel(est)
+    small, _ = kernel(X, eval_gradient=True)
+    assert np.array_equal(kernel(X, eval_gradient=True)[0], small) and len(calls) == 2
+    assert np.array_equal(small, PathKernel(est)(X))
+    est.set_params(memory_budget=2**20)
+    large, _ = kernel(X, eval_gradient=True)
+    assert len(calls) == 4 and np.array_equal(large, PathKernel(est)(X))
+    assert not np.array_equal(large, small)  # (else the test could not tell them apart)
+
+
 def test_the_search_memo_follows_its_rows_parameters_and_network():
     est, X = _fit()
     kernel = PathKernel(est)

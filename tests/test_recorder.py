@@ -7,10 +7,12 @@ of the decomposition.
 """
 
 import copy
+import gc
 import inspect
 import io
 import re
 import warnings
+import weakref
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -1045,6 +1047,114 @@ def test_a_backward_before_zero_grad_is_not_a_gradient_left_over(data, loop):
     rec.close()
     assert loop != "diagnostic_never_zeroed"
     _assert_decomposes(module, rec.as_network(X, y), Xq)
+
+
+@pytest.mark.parametrize("kept", ["module and optimizer", "nothing"])
+def test_a_recorder_dropped_without_close_is_freed_and_records_no_more(data, kept):
+    """A recorder never close()d stayed alive after its last reference went, with its
+    path, its module and its optimizer, even all three dropped (review s51): the bound
+    methods in its hooks held it, those of the parameters from the tensors' C++ side,
+    which the garbage collector does not see. Weak references tell what is freed; the
+    loop trained on afterwards against the same loop that never had a recorder (bit for
+    bit), and the path read before against its own copy."""
+    X, y, _ = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+
+    def train(module, opt, rec, steps):
+        for t in range(steps):
+            idx = np.arange(t % 3, len(X), 3)
+            opt.zero_grad()
+            (0.5 * (module(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+            if rec is not None:
+                rec.set_batch(idx)
+            opt.step()
+
+    module = _tanh_mlp()
+    twin = copy.deepcopy(module)
+    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
+    rec = PathRecorder(module, opt, n_samples=len(X), record_every=2)
+    train(module, opt, rec, 5)
+    train(twin, twin_opt, None, 5)
+    traj = rec.trajectory
+    points = [traj.parameters(k).clone() for k in range(len(traj))]
+    alive = [weakref.ref(rec), weakref.ref(rec._recorder)]
+    del rec
+    if kept == "nothing":
+        alive += [weakref.ref(module), weakref.ref(opt)]
+        del module, opt
+    gc.collect()
+    assert [ref() for ref in alive] == [None] * len(alive)
+    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(points))
+    if kept == "nothing":
+        return
+    assert all(not p._backward_hooks and not p._post_accumulate_grad_hooks
+               for p in module.parameters())
+    # The optimizer's step hooks are left as no-ops (see the test below), removed by
+    # the next recorder of it (there).
+    hooks = [*opt._optimizer_step_pre_hooks.values(),
+             *opt._optimizer_step_post_hooks.values()]
+    assert len(hooks) == 2 and all(h.recorder is None for h in hooks)
+    train(module, opt, None, 4)
+    train(twin, twin_opt, None, 4)
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), twin.parameters()))
+
+
+def test_a_recorder_freed_by_the_collector_during_a_step_leaves_the_step_whole(data):
+    """A recorder dropped in a reference cycle is freed by the garbage collector, which
+    runs at any allocation: there in a later step hook of its optimizer (here a hook
+    that collects, a second recorder's after it), while optimizer.step() iterated over
+    the hooks, and its finalizer's removal of its step hook raised "OrderedDict mutated
+    during iteration" out of the user's step (review s52). Against the same loop
+    without recorders, bit for bit, and the second recorder's path against its own
+    copies of the parameters; the freed recorder's step hooks, left as no-ops, are
+    removed by the next recorder of the optimizer."""
+    X, y, _ = data
+    Xt, Yt = torch.as_tensor(X), torch.as_tensor(y.reshape(-1, 1))
+    module = _tanh_mlp()
+    twin = copy.deepcopy(module)
+    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
+    first = PathRecorder(module, opt, n_samples=len(X))
+    first.cycle = first  # freed by the collector only
+    freed = weakref.ref(first)
+    del first
+    opt.register_step_pre_hook(lambda *args: (gc.collect(), None)[1])
+    opt.register_step_post_hook(lambda *args: (gc.collect(), None)[1])
+    second = PathRecorder(module, opt, n_samples=len(X))
+    own = [torch.cat([p.detach().reshape(-1) for p in module.parameters()])]
+    gc.disable()  # only the hooks collect, inside the steps
+    try:
+        for t in range(4):
+            idx = np.arange(t % 3, len(X), 3)
+            for net, o in ((module, opt), (twin, twin_opt)):
+                o.zero_grad()
+                (0.5 * (net(Xt[idx]) - Yt[idx]) ** 2).mean().backward()
+                if net is module:
+                    live = freed()
+                    if live is not None:
+                        live.set_batch(idx)
+                    del live
+                    second.set_batch(idx)
+                o.step()
+            own.append(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
+    finally:
+        gc.enable()
+    assert freed() is None
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), twin.parameters()))
+    path = second.trajectory
+    assert len(path) == 5
+    assert all(torch.equal(path.parameters(k), p) for k, p in enumerate(own))
+    second.close()
+    fresh = torch.optim.Adam(module.parameters(), lr=0.01)
+    fresh._optimizer_step_pre_hooks = opt._optimizer_step_pre_hooks
+    fresh._optimizer_step_post_hooks = opt._optimizer_step_post_hooks
+    ours = [h for h in (*fresh._optimizer_step_pre_hooks.values(),
+                        *fresh._optimizer_step_post_hooks.values())
+            if hasattr(h, "recorder")]
+    assert len(ours) == 2 and all(h.recorder is None for h in ours)
+    PathRecorder(module, fresh, n_samples=len(X)).close()
+    assert len(fresh._optimizer_step_pre_hooks) == len(fresh._optimizer_step_post_hooks) == 1
 
 
 def test_sending_the_recorded_module_to_another_process_does_not_warn(data):

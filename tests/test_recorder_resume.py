@@ -366,10 +366,12 @@ def test_a_resume_that_does_not_continue_the_path_is_refused_and_changes_nothing
     # And the right objects resume, once.
     state, ckpt = states["adam"]
     module, opt, _ = _restored("adam", state)
-    assert PathRecorder(module, opt, n_samples=n, storage=storage,
-                        resume_from=Trajectory.load(ckpt)).n_steps == BREAK
+    first = PathRecorder(module, opt, n_samples=n, storage=storage,
+                         resume_from=Trajectory.load(ckpt))
+    assert first.n_steps == BREAK
     refused("adam", "another PathRecorder still records this optimizer; close",
             make=lambda m, o: (module, opt))
+    first.close()
 
 
 SGD_GROUPS = lambda p: torch.optim.SGD(  # noqa: E731

@@ -119,7 +119,9 @@ def test_reads_while_recording_match_the_loops_own_record(solver, every, storage
             storages.append(traj.storage)
             _check(traj, names, own, t, every)
             if traj.storage == "memory":
-                arrays = [traj._params, *traj._states.values()]
+                params = traj._params  # (its rows and last point apart, TailedRows)
+                arrays = [*((params.rows, params.tail) if hasattr(params, "tail")
+                            else (params,)), *traj._states.values()]
                 held.append((arrays, [a.clone() for a in arrays]))
     gc.collect()
     _check(rec.trajectory, names, own, 229, every)
@@ -169,6 +171,54 @@ def test_joined_path_pickles_copies_and_saves_its_own_rows(tmp_path):
     assert np.array_equal(shared, params.numpy())
 
 
+def test_a_path_read_between_recorded_points_pickles_copies_saves_and_resumes(tmp_path):
+    """A path read between recorded points holds its recorded rows and its last point
+    apart (TailedRows): pickled, deep-copied and saved it is one tensor of its points,
+    it keeps them while recording goes on, and a recorder resumes from it. Against the
+    loop's own copies of the parameters."""
+    net = _net(torch.float32, False)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    rec = PathRecorder(net, opt, n_samples=16, record_every=3)
+    X, y = torch.randn(16, 3), torch.randn(16, 1)
+    own = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+
+    def step(rec, net, opt):
+        opt.zero_grad()
+        (0.5 * (net(X) - y) ** 2).mean().backward()
+        rec.set_batch(np.arange(16))
+        opt.step()
+        own.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+
+    for _ in range(10):
+        step(rec, net, opt)
+    traj = rec.trajectory
+    expected = torch.stack([own[t] for t in (0, 3, 6, 9, 10)])
+    np.testing.assert_array_equal(traj.steps, [0, 3, 6, 9, 10])
+    assert type(traj._params).__name__ == "TailedRows"
+    checkpoint = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    traj.save(tmp_path / "p")
+    for out in (pickle.loads(pickle.dumps(traj)), copy.deepcopy(traj),
+                Trajectory.load(tmp_path / "p")):
+        assert isinstance(out._params, torch.Tensor) and torch.equal(out._params, expected)
+        assert out.nbytes == traj.nbytes
+    for _ in range(5):  # the next recorded points take the rows after the path's
+        step(rec, net, opt)
+    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(expected))
+    np.testing.assert_array_equal(rec.trajectory.steps, [0, 3, 6, 9, 12, 15])
+    # Resumed from the live path: its points, then the resumed loop's.
+    del own[11:]
+    net.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    rec.close()
+    resumed = PathRecorder(net, opt, n_samples=16, record_every=3, resume_from=traj)
+    for _ in range(4):
+        step(resumed, net, opt)
+    path = resumed.trajectory
+    np.testing.assert_array_equal(path.steps, [0, 3, 6, 9, 10, 13, 14])
+    assert all(torch.equal(path.parameters(k), own[t])
+               for k, t in enumerate([0, 3, 6, 9, 10, 13, 14]))
+
+
 def _maps():
     with open("/proc/self/maps") as f:
         return sum(1 for _ in f)
@@ -191,14 +241,16 @@ def test_recorders_dropped_return_their_mappings():
     assert _maps() - before < 10
 
 
-def _sgd_loop_checked(storage, budget, steps, every):
+def _sgd_loop_checked(storage, budget, steps, every, record_every=1):
     """A 4,001-parameter SGD loop under a PathRecorder, its path read every ``every``
-    steps; the last read checked against the loop's own record of every point."""
+    steps; the last read checked against the loop's own record of every point (its
+    points at the steps recorded; each read's last point against the current one)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 1000), torch.nn.Tanh(),
                               torch.nn.Linear(1000, 1))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    rec = PathRecorder(net, opt, n_samples=8, storage=storage, memory_budget=budget)
+    rec = PathRecorder(net, opt, n_samples=8, storage=storage, memory_budget=budget,
+                       record_every=record_every)
     X, y = torch.randn(8, 3), torch.randn(8, 1)
     points = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
     for t in range(steps):
@@ -209,9 +261,27 @@ def _sgd_loop_checked(storage, budget, steps, every):
         points.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
         if (t + 1) % every == 0:
             traj = rec.trajectory
+            assert torch.equal(traj.parameters(-1), points[-1])
     assert traj.storage == "memory"
-    assert all(torch.equal(traj.parameters(k), p) for k, p in enumerate(points))
+    steps = [*range(0, len(points), record_every), len(points) - 1][:len(traj)]
+    np.testing.assert_array_equal(traj.steps, steps)
+    assert all(torch.equal(traj.parameters(k), points[t]) for k, t in enumerate(steps))
     return points
+
+
+def _count_rows_allocated(monkeypatch):
+    """A list whose item counts the rows of growing buffers allocated from now on."""
+    from skpathkernel._path import _trajectory
+
+    allocated = [0]
+    mapped = _trajectory.mapped_empty
+
+    def counting(rows, n_cols, dtype):
+        allocated[0] += rows
+        return mapped(rows, n_cols, dtype)
+
+    monkeypatch.setattr(_trajectory, "mapped_empty", counting)
+    return allocated
 
 
 @pytest.mark.parametrize("storage, budget", [("memory", 2**20), ("auto", 2**23)])
@@ -229,20 +299,27 @@ def test_frequent_reads_copy_each_point_a_bounded_number_of_times(every, storage
     join leaves room for all that the budget holds, so that no later join holds the
     joined path beside its copy (twice the path resident: 115 MiB under a 64 MiB
     budget, review-segments-s51.md). Counted where the rows are allocated."""
-    from skpathkernel._path import _trajectory
-
-    allocated = [0]
-    mapped = _trajectory.mapped_empty
-
-    def counting(rows, n_cols, dtype):
-        allocated[0] += rows
-        return mapped(rows, n_cols, dtype)
-
-    monkeypatch.setattr(_trajectory, "mapped_empty", counting)
+    allocated = _count_rows_allocated(monkeypatch)
     points = _sgd_loop_checked(storage, budget, 300, every)
     # Doubling: each point in about 2 joins, plus the spare rows (2 x 301 rows at most
     # beyond the path); the old parts' rows: the path once more.
     assert allocated[0] <= 6 * len(points), allocated[0]
+
+
+@pytest.mark.parametrize("storage, budget", [("memory", 2**20), ("auto", 2**23)])
+def test_reads_between_recorded_points_copy_each_point_a_bounded_number_of_times(
+        storage, budget, monkeypatch):
+    """record_every=3, the path read every step: two reads in three end between recorded
+    points, with the current parameters as the last point. Joined to the recorded rows
+    in one tensor, that point made every such read copy the whole path, and the read
+    after it too (no spare row left: the next recorded point takes the tail's row):
+    quadratic, 1.44 times bad1034's CPU time at 300,000 parameters (review-segments-s51).
+    The last point is kept apart now. Counted where the rows are allocated; every read's
+    last point and the final path against the loop's own record."""
+    allocated = _count_rows_allocated(monkeypatch)
+    points = _sgd_loop_checked(storage, budget, 300, 1, record_every=3)
+    # 101 recorded points: joins at doubled sizes, the spare rows, the old parts' rows.
+    assert allocated[0] <= 6 * len(points[::3]), allocated[0]
 
 
 def test_a_long_path_in_memory_takes_few_mappings(monkeypatch):

@@ -773,6 +773,42 @@ def test_segments_join_releases_each_part_as_it_is_copied():
     assert torch.equal(whole, torch.cat([expected, tail[None]]))
 
 
+@pytest.mark.parametrize("sizes", [(4,), (3, 1, 5), (2, 2, 2, 3)])
+def test_segments_take_gives_the_rows_of_its_parts_as_indexing_does(sizes):
+    """``Segments.take`` against NumPy's indexing of the parts concatenated, for rows
+    within one part and across parts' boundaries, repeated, unsorted, negative (from the
+    end, as indexing counts), none, and a 2-D index; out of range refused as indexing
+    refuses it. The result is a copy, also for a 0-d index (one part's indexing with a
+    0-d tensor gave a view of the buffer): writing it leaves the buffers alone."""
+    from skpathkernel._path._buffers import Segments
+
+    buf = Segments(lambda rows: torch.empty((rows, 3), dtype=torch.float64), sizes[0])
+    for rows in np.cumsum(sizes)[1:]:
+        buf.reserve(int(rows))
+    n = len(buf)
+    for k in range(n):
+        buf.slot(k).copy_(torch.arange(3, dtype=torch.float64) + 10 * k)
+    assert len(buf.parts) == len(sizes)
+    reference = np.concatenate([p.numpy() for p in buf.parts])
+    edge = sizes[0] % n  # the second part's first row (one part: its first)
+    cases = [list(range(n)), [n - 1, 0], [edge - 1, edge, edge], [-1, -n, 2 - n], [],
+             np.array([[0, n - 1], [1, -2]]), np.array([edge], dtype=np.int32)]
+    for rows in cases:
+        out = buf.take(rows)
+        expected = reference[np.asarray(rows, dtype=np.int64)]
+        assert out.dtype == torch.float64 and tuple(out.shape) == expected.shape, rows
+        assert_array_equal(out.numpy(), expected)
+    before = reference.copy()
+    buf.take([0, n - 1]).fill_(-1.0)
+    buf.take(np.int64(n - 1)).fill_(-1.0)  # a 0-d index: a row, copied too
+    assert_array_equal(np.concatenate([p.numpy() for p in buf.parts]), before)
+    for rows in ([n], [-n - 1], [0, n + 3]):
+        with pytest.raises(IndexError):
+            reference[rows]
+        with pytest.raises(IndexError):
+            buf.take(rows)
+
+
 @pytest.mark.parametrize("available", [2_000_000, 700_000])
 def test_path_recorder_auto_moves_to_disk_where_memory_is_short(available, monkeypatch):
     """storage="auto" under a memory_budget above the host's free memory raised

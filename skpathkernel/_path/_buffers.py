@@ -28,7 +28,8 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["Segments", "appended", "compact", "mapped_empty", "reallocations"]
+__all__ = ["Segments", "TailedRows", "appended", "compact", "dense", "mapped_empty",
+           "reallocations"]
 
 # id(buffer) -> [weak reference to it, rows filled]. Keyed by id, as neither NumPy arrays
 # nor tensors hash by identity; the entry leaves with its buffer.
@@ -129,10 +130,63 @@ def appended(array, *parts):
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` alone in its storage: ``torch.save`` writes a view's whole storage,
-    which for a view returned by :func:`appended` holds its buffer's spare rows."""
+    which for a view returned by :func:`appended` holds its buffer's spare rows. Of
+    :class:`TailedRows`, their one tensor."""
+    if isinstance(tensor, TailedRows):
+        return tensor.dense()
     if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
         return tensor.clone()
     return tensor
+
+
+class TailedRows:
+    """A path's points in memory as the recorder's rows and, apart, a last point that
+    no recorded one is (the current parameters of a loop read between recorded points,
+    ``record_every > 1``).
+
+    The next recorded point takes the row after the recorded ones: joined to them in one
+    tensor, the last point made every such read copy the whole path (quadratic in a
+    loop that reads its path every step, review s51). Quacks like the
+    ``(n_points, P)`` tensor that a :class:`~skpathkernel.Trajectory` holds, for what it
+    reads of it (``len``, ``shape``, ``dtype``, ``numel``, ``element_size`` and
+    ``rows[k]`` for an int ``k``), as the on-disk rows do; :meth:`dense` (and
+    :func:`compact`) give the one tensor, to save, pickle or extend.
+    """
+
+    def __init__(self, rows: torch.Tensor, tail: torch.Tensor):
+        self.rows, self.tail = rows, tail
+
+    def __len__(self) -> int:
+        return len(self.rows) + 1
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self), self.rows.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    def numel(self) -> int:
+        return len(self) * self.rows.shape[1]
+
+    def element_size(self) -> int:
+        return self.rows.element_size()
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        k = int(k)
+        if k in (len(self.rows), -1):
+            return self.tail
+        return self.rows[k if k >= 0 else k + 1]
+
+    def dense(self) -> torch.Tensor:
+        """The rows then the last point, in one new tensor."""
+        return torch.cat([self.rows, self.tail[None]])
+
+
+def dense(rows):
+    """``rows`` as one tensor (:class:`TailedRows` joined, a tensor itself)."""
+    return rows.dense() if isinstance(rows, TailedRows) else rows
 
 
 class Segments:
@@ -197,9 +251,27 @@ class Segments:
 
     def take(self, rows: np.ndarray) -> torch.Tensor:
         """The rows ``rows`` (a copy), as ``tensor[rows]`` gives them."""
+        rows = np.asarray(rows, dtype=np.int64)
         if len(self.parts) == 1:
-            return self.parts[0][torch.from_numpy(np.asarray(rows, dtype=np.int64))]
-        return torch.stack([self[int(k)] for k in rows])
+            # 1-D: torch indexes with a 0-d tensor as with an int, giving a view.
+            first = self.parts[0]
+            return first[torch.from_numpy(rows.reshape(-1))].reshape(*rows.shape,
+                                                                     first.shape[1])
+        # Negative rows count from the end, as indexing counts them: bisect found them
+        # no part (a wrong row or an IndexError), and no rows failed in torch.stack.
+        flat = rows.reshape(-1)
+        flat = np.where(flat < 0, flat + self._capacity, flat)
+        if flat.size and not 0 <= flat.min() <= flat.max() < self._capacity:
+            bad = rows.reshape(-1)[(flat < 0) | (flat >= self._capacity)][0]
+            raise IndexError(f"index {bad} is out of bounds for {self._capacity} rows")
+        first = self.parts[0]
+        out = first.new_empty((flat.size, first.shape[1]))
+        which = np.searchsorted(self._starts, flat, side="right") - 1
+        for i in np.unique(which):
+            at = np.flatnonzero(which == i)
+            out[torch.from_numpy(at)] = self.parts[i][torch.from_numpy(
+                flat[at] - self._starts[i])]
+        return out.reshape(*rows.shape, first.shape[1])
 
     def leading(self, n: int, tail: torch.Tensor | None = None, spare: int = 0
                 ) -> tuple[torch.Tensor, bool]:

@@ -58,8 +58,8 @@ import numbers
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 import torch
@@ -457,6 +457,52 @@ def _resumed_storage(path: Trajectory, storage: str, compression) -> str:
     return path.storage
 
 
+class _WeakHook:
+    """A hook that calls ``recorder.<name>(*args, *hook_args)`` while the recorder lives.
+
+    Hooks hold their callables, and a parameter's hooks are held by its tensor's C++
+    side, which the garbage collector does not see: bound methods there kept a recorder
+    that was never ``close()``d (its buffers, the whole path) alive after the last
+    reference to it, with its module and optimizer, for the rest of the process. The
+    recorder's finalizer removes the tensors' hooks; its optimizer's, no-ops then, are
+    removed by the next recorder of it (:func:`_remove_dead_step_hooks`).
+    """
+
+    def __init__(self, recorder: PathRecorder, name: str, *args):
+        self._ref = weakref.ref(recorder)
+        self._method, self._args = getattr(type(recorder), name), args
+
+    @property
+    def recorder(self) -> PathRecorder | None:
+        return self._ref()
+
+    def __call__(self, *args):
+        recorder = self._ref()
+        if recorder is not None:
+            return self._method(recorder, *self._args, *args)
+        return None
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _remove_dead_step_hooks(optimizer) -> None:
+    """Remove the step hooks of recorders freed without ``close()`` from ``optimizer``.
+
+    Their finalizer leaves them (no-ops, see :class:`_WeakHook`): it runs wherever the
+    garbage collector frees a recorder in a reference cycle, also while
+    ``optimizer.step()`` iterates over these hooks (a later hook allocating), and a
+    removal there raised "OrderedDict mutated during iteration" out of the user's step
+    (review s52). A new recorder is not made inside a step."""
+    for hooks in (getattr(optimizer, "_optimizer_step_pre_hooks", {}),
+                  getattr(optimizer, "_optimizer_step_post_hooks", {})):
+        for key in [k for k, h in hooks.items()
+                    if isinstance(h, _WeakHook) and h.recorder is None]:
+            del hooks[key]
+
+
 def _kept(step: int) -> str:
     """What a recorder that failed at optimizer step ``step`` keeps readable."""
     if step == 0:
@@ -493,7 +539,8 @@ class PathRecorder:
     the first initialization to the last step, as the uninterrupted loop records it (the
     user guide: :ref:`own-loop-resume`). The recorder itself refuses ``pickle``,
     ``torch.save`` and ``copy``: its hooks would not come with it, and a loaded copy
-    would record nothing.
+    would record nothing. Its hooks do not keep it alive: a recorder that is dropped
+    without :meth:`close` stops recording and is freed (trajectories read from it stay).
 
     Parameters
     ----------
@@ -753,7 +800,7 @@ class PathRecorder:
         if resume_from is not None:
             # Every check before anything is set: a refusal changes nothing.
             live = [h for h in getattr(optimizer, "_optimizer_step_post_hooks", {}).values()
-                    if isinstance(getattr(h, "__self__", None), PathRecorder)]
+                    if isinstance(getattr(h, "recorder", None), PathRecorder)]
             if live:
                 # Both would record the steps; on disk, into one series.
                 raise ValueError("Cannot resume the recording: another PathRecorder still "
@@ -855,18 +902,27 @@ class PathRecorder:
         self._group_lrs: list[list[float]] = []
         self._error = None
         self._hyper = _hyper_parameters(optimizer)
-        self._handles = [optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_step_post_hook(self._after_step)]
+        # Weak: a recorder dropped without close() is freed, its hooks removed by its
+        # finalizer (see _WeakHook), its optimizer's by the next recorder of it.
+        _remove_dead_step_hooks(optimizer)
+        self._handles = [optimizer.register_step_pre_hook(_WeakHook(self, "_before_step")),
+                         optimizer.register_step_post_hook(_WeakHook(self, "_after_step"))]
         if self._world == 1:
             # The gradients that backward() leaves, to find what changed them before the
             # step. Under DDP they are the rank's own, before the all-reduce: there
             # clipping is declared through clip_grad_norm_ instead.
-            self._handles += [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-                              for i, p in enumerate(params)]
+            self._handles += [p.register_post_accumulate_grad_hook(
+                _WeakHook(self, "_on_grad", i)) for i, p in enumerate(params)]
             # Not serialized (torch.multiprocessing warned of each when sending the
             # module), as no hook is: the recorder stays in this process.
             self._handles += [p.register_hook(torch.utils.hooks.unserializable_hook(
-                partial(self._before_grad, i))) for i, p in enumerate(params)]
+                _WeakHook(self, "_before_grad", i))) for i, p in enumerate(params)]
+        # The tensors' hooks only: autograd iterates over them with PyDict_Next, which a
+        # removal does not disturb, where optimizer.step() iterates over its own in
+        # Python, which a removal in the middle (the garbage collector freeing a
+        # recorder in a cycle) makes raise: those are left as no-ops, removed by
+        # _remove_dead_step_hooks.
+        weakref.finalize(self, _remove_hooks, self._handles[2:]).atexit = False
 
     # ------------------------------------------------------------------ recording
     def set_batch(self, indices, weights=None) -> None:
@@ -1561,8 +1617,7 @@ class PathRecorder:
 
     def close(self) -> None:
         """Stop recording (remove the hooks); the trajectory stays readable."""
-        for handle in self._handles:
-            handle.remove()
+        _remove_hooks(self._handles)
 
     def __enter__(self) -> PathRecorder:
         return self

@@ -29,7 +29,7 @@ from .._checkpoint import functional_call, plain_checkpoints
 from .._device import forked_rng, forward_input
 from .._modules import copy_module, cudnn_disabled, norm_hooks, recurrent_on_cuda
 from .._warnings import caller_stacklevel
-from ._buffers import appended
+from ._buffers import appended, dense
 from ._losses import Loss
 from ._mlp_step import MLPGradient
 from ._optim import FunctionalOptimizer
@@ -1120,7 +1120,7 @@ def extend_trajectory(first: Trajectory, second: Trajectory, offset: int,
         params = DiskRows(rows.series, rows.n, rows.tail)
         states = {k: DiskRows(v.series, v.n) for k, v in second._states.items()}
     else:
-        params = appended(first._params, second._params[1:])
+        params = appended(dense(first._params), dense(second._params)[1:])
         states = {k: appended(v, second._states[k]) for k, v in first._states.items()}
     n_first = first.n_steps
     # Each call's pool in the combined training set (a path recorded before pools were

@@ -33,7 +33,7 @@ import torch
 
 from .._validation import check_index
 from .._warnings import VersionedStateMixin
-from ._buffers import Segments, compact, mapped_empty
+from ._buffers import Segments, TailedRows, compact, dense, mapped_empty
 from ._storage import (
     CHUNK_BYTES,
     META_FILE,
@@ -1454,7 +1454,7 @@ def _open_series(directory: str, payload: dict):
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+    return dense(t).detach().cpu().numpy()
 
 
 def _to_tensor(a) -> torch.Tensor:
@@ -1937,7 +1937,9 @@ class TrajectoryRecorder:
         copy. In memory the points are one tensor: a view of the buffers' first part where
         it holds them, else a copy into which the parts are joined, each released as it
         is copied (:meth:`~._buffers.Segments.leading`; the recorder then writes after
-        it). Without ``n_steps`` recording can go on (a user's loop); with it (the
+        it); in a user's loop, the appended last point apart from them
+        (:class:`~._buffers.TailedRows`). Without ``n_steps`` recording can go on (a
+        user's loop); with it (the
         estimators' end of training) the kept part is copied out of buffers preallocated
         for a longer run, so that their memory is released.
         """
@@ -1983,7 +1985,7 @@ class TrajectoryRecorder:
             # s51). Pinned memory is resident at once, and rows beyond a part's only
             # where the host's available memory holds them (the check of each growth,
             # which they spare): else one part's.
-            if self.n_steps is None and tail is None:
+            if self.n_steps is None:
                 part = min(n_points, self._segment_rows)
                 room = (n_points if self._fit_points is None
                         else max(self._fit_points - n_points, 0))
@@ -1991,7 +1993,14 @@ class TrajectoryRecorder:
                 if not self._pin and room > part and _fits_in_memory(
                         room * (1 + len(self._states)) * self._n_params * self._itemsize):
                     spare = room
-            params, copied = self._buf.leading(n_points, tail, spare)
+            if self.n_steps is None:
+                # A user's loop: the last point apart (TailedRows), as the next
+                # recorded point takes the row after the path's.
+                params, copied = self._buf.leading(n_points, spare=spare)
+                if tail is not None:
+                    params = TailedRows(params, tail)
+            else:
+                params, copied = self._buf.leading(n_points, tail)
         n_points += tail is not None
         step_lrs = self._step_lr[:n_done].copy()
         lrs, varies = interval_means(step_lrs, steps)
